@@ -1,0 +1,349 @@
+//! Operator operations: quotas, tenants, tokens, and the views `Admin` and `GetUsage`
+//! return. Every change is committed to the store before it takes effect in memory, and
+//! before the RPC returns.
+
+use super::{Arbiter, State};
+use crate::auth::{generate_token, token_id, TokenEntry};
+use crate::error::{BrokerError, BrokerResult};
+use crate::lease::LeaseView;
+use crate::ledger::{validate_tenant_name, Ledger, Quota, Tenant, Usage};
+use crate::store::{StoreError, TenantRecord, TokenRecord};
+use crate::units::show;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+use uuid::Uuid;
+
+/// A tenant with its live usage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenantView {
+    pub name: String,
+    pub quota: Quota,
+    pub usage: Usage,
+    pub borrowed_bytes: u64,
+    pub sessions: u32,
+    pub waiting: u32,
+    pub tokens: u32,
+}
+
+/// A session as operators see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionView {
+    pub id: Uuid,
+    pub tenant: String,
+    pub name: String,
+    pub pid: Option<u32>,
+    pub uid: Option<u32>,
+    pub unix: bool,
+    pub opened: SystemTime,
+    pub lease_count: u32,
+    pub held_bytes: u64,
+}
+
+/// A device as operators see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceReport {
+    pub index: u32,
+    pub name: String,
+    pub backend: String,
+    pub total: u64,
+    pub free: u64,
+    pub leasable: u64,
+    pub leased: u64,
+    pub cached: u64,
+    pub headroom: u64,
+    pub quarantined: u64,
+    pub external_used: u64,
+    pub granularity: u64,
+    pub lease_count: u32,
+    pub waiting: u32,
+}
+
+pub fn unix_ms_of(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn store_err(e: StoreError) -> BrokerError {
+    BrokerError::Internal(format!("state store: {e}"))
+}
+
+impl Arbiter {
+    /// Loads tenants and token hashes from the store (start-up).
+    pub(crate) fn load_store(&self) -> BrokerResult<()> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let (tenants, tokens) = store.load().map_err(store_err)?;
+        let mut st = self.state.lock();
+        for t in &tenants {
+            st.ledger.set_quota(&t.name, quota_of(t))?;
+        }
+        for t in tokens {
+            let mut hash = [0u8; 32];
+            hex::decode_to_slice(&t.hash_hex, &mut hash)
+                .map_err(|e| BrokerError::Internal(format!("bad token hash in store: {e}")))?;
+            self.auth.add(TokenEntry {
+                token_id: t.token_id,
+                tenant: t.tenant,
+                description: t.description,
+                created_unix_ms: t.created_unix_ms,
+                hash,
+            });
+        }
+        tracing::info!(tenants = tenants.len(), "state loaded");
+        Ok(())
+    }
+
+    fn tenant_view(&self, st: &State, t: &Tenant) -> TenantView {
+        TenantView {
+            name: t.name.clone(),
+            quota: t.quota,
+            usage: t.usage,
+            borrowed_bytes: t.borrowed_bytes(),
+            sessions: st.sessions.count_of(&t.name) as u32,
+            waiting: st.queue.iter().filter(|w| w.ask.tenant == t.name).count() as u32,
+            tokens: self.auth.count(&t.name) as u32,
+        }
+    }
+
+    /// Total leasable bytes of every device.
+    fn leasable_total(st: &State) -> u64 {
+        st.pools.iter().map(|p| p.leasable()).sum()
+    }
+
+    /// Creates or updates a tenant's quota. Returns the tenant and whether it was created.
+    pub fn set_quota(
+        self: &Arc<Self>,
+        name: &str,
+        quota: Quota,
+    ) -> BrokerResult<(TenantView, bool)> {
+        validate_tenant_name(name)?;
+        Ledger::validate_quota(&quota)?;
+        let mut st = self.state.lock();
+        let guarantees = st.ledger.guarantees_with(name, quota.guaranteed_bytes);
+        let leasable = Self::leasable_total(&st);
+        if guarantees > leasable {
+            return Err(BrokerError::InvalidArgument(format!(
+                "guarantees would add up to {}, more than the leasable capacity {}",
+                show(guarantees),
+                show(leasable)
+            )));
+        }
+        if let Some(store) = &self.store {
+            store
+                .put_tenant(&record_of(name, &quota))
+                .map_err(store_err)?;
+        }
+        let created = st.ledger.set_quota(name, quota)?;
+        tracing::info!(tenant = name, ?quota, created, "quota set");
+        // A raised limit or new guarantee may let waiters in, or call for reclaim.
+        self.drain(&mut st);
+        let t = st
+            .ledger
+            .get(name)
+            .ok_or_else(|| BrokerError::Internal("tenant vanished".into()))?;
+        Ok((self.tenant_view(&st, t), created))
+    }
+
+    pub fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
+        let st = self.state.lock();
+        let t = st
+            .ledger
+            .get(name)
+            .ok_or_else(|| BrokerError::NotFound(format!("tenant {name:?} not found")))?;
+        Ok(self.tenant_view(&st, t))
+    }
+
+    pub fn list_tenants(&self) -> Vec<TenantView> {
+        let st = self.state.lock();
+        st.ledger
+            .tenants()
+            .map(|t| self.tenant_view(&st, t))
+            .collect()
+    }
+
+    /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
+    pub fn delete_tenant(self: &Arc<Self>, name: &str) -> BrokerResult<()> {
+        let sessions: Vec<Uuid> = {
+            let mut st = self.state.lock();
+            // Check first (no change), then commit to the store, then apply.
+            st.ledger.check_deletable(name)?;
+            if let Some(store) = &self.store {
+                store.delete_tenant(name).map_err(store_err)?;
+            }
+            st.ledger.delete(name)?;
+            self.auth.remove_tenant(name);
+            st.sessions
+                .iter()
+                .filter(|s| s.tenant == name)
+                .map(|s| s.id)
+                .collect()
+        };
+        for s in sessions {
+            self.end_session(s, "tenant deleted");
+        }
+        tracing::info!(tenant = name, "tenant deleted");
+        Ok(())
+    }
+
+    /// Issues a new token for a tenant; returns (token, token_id) — the token only now.
+    pub fn issue_token(&self, tenant: &str, description: &str) -> BrokerResult<(String, String)> {
+        if description.len() > super::MAX_LABEL {
+            return Err(BrokerError::InvalidArgument("description too long".into()));
+        }
+        let st = self.state.lock();
+        if st.ledger.get(tenant).is_none() {
+            return Err(BrokerError::NotFound(format!(
+                "tenant {tenant:?} not found"
+            )));
+        }
+        let (token, hash) = generate_token();
+        let entry = TokenEntry {
+            token_id: token_id(&hash),
+            tenant: tenant.to_string(),
+            description: description.to_string(),
+            created_unix_ms: unix_ms_of(SystemTime::now()),
+            hash,
+        };
+        if let Some(store) = &self.store {
+            store
+                .put_token(&TokenRecord {
+                    token_id: entry.token_id.clone(),
+                    tenant: entry.tenant.clone(),
+                    hash_hex: hex::encode(hash),
+                    description: entry.description.clone(),
+                    created_unix_ms: entry.created_unix_ms,
+                })
+                .map_err(store_err)?;
+        }
+        let id = entry.token_id.clone();
+        self.auth.add(entry);
+        drop(st);
+        tracing::info!(tenant, token_id = %id, "token issued");
+        Ok((token, id))
+    }
+
+    /// Revokes a token given its id or the token itself.
+    pub fn revoke_token(&self, id_or_token: &str) -> BrokerResult<()> {
+        let _st = self.state.lock();
+        let entry = self
+            .auth
+            .find(id_or_token)
+            .ok_or_else(|| BrokerError::NotFound("token not found".into()))?;
+        if let Some(store) = &self.store {
+            store.delete_token(&entry.token_id).map_err(store_err)?;
+        }
+        self.auth.remove(&entry.hash);
+        tracing::info!(tenant = %entry.tenant, token_id = %entry.token_id, "token revoked");
+        Ok(())
+    }
+
+    pub fn list_tokens(&self, tenant: Option<&str>) -> Vec<TokenEntry> {
+        self.auth.list(tenant)
+    }
+
+    /// Every lease (of one tenant if given), oldest first.
+    pub fn list_all_leases(&self, tenant: Option<&str>) -> Vec<LeaseView> {
+        let st = self.state.lock();
+        let mut v: Vec<(u64, LeaseView)> = st
+            .leases
+            .iter()
+            .filter(|l| tenant.is_none_or(|t| l.tenant == t))
+            .map(|l| (l.seq, st.view(l)))
+            .collect();
+        v.sort_by_key(|(seq, _)| *seq);
+        v.into_iter().map(|(_, l)| l).collect()
+    }
+
+    pub fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
+        let st = self.state.lock();
+        let mut v: Vec<SessionView> = st
+            .sessions
+            .iter()
+            .filter(|s| tenant.is_none_or(|t| s.tenant == t))
+            .map(|s| SessionView {
+                id: s.id,
+                tenant: s.tenant.clone(),
+                name: s.name.clone(),
+                pid: s.peer.pid,
+                uid: s.peer.uid,
+                unix: s.peer.unix,
+                opened: s.opened,
+                lease_count: s.leases.len() as u32,
+                held_bytes: s
+                    .leases
+                    .iter()
+                    .filter_map(|l| st.leases.get(l))
+                    .map(|l| l.bytes())
+                    .sum(),
+            })
+            .collect();
+        v.sort_by_key(|s| s.id);
+        v
+    }
+
+    /// The caller's tenant: quota and usage.
+    pub fn usage(&self, tenant: &str) -> BrokerResult<TenantView> {
+        self.get_tenant(tenant)
+    }
+
+    /// Every device with its memory picture. Reads each device's free memory.
+    pub async fn devices(&self) -> Vec<DeviceReport> {
+        let mut out = Vec::new();
+        for (i, slot) in self.devices.iter().enumerate() {
+            let desc = slot.thread.desc().clone();
+            let info = slot.thread.call(|d| d.mem_info()).await;
+            let free = match info {
+                Ok(Ok(m)) => m.free,
+                _ => 0,
+            };
+            let st = self.state.lock();
+            let p = &st.pools[i];
+            let s = p.stats();
+            let held = p.held_on_device();
+            out.push(DeviceReport {
+                index: i as u32,
+                name: desc.name,
+                backend: desc.backend.to_string(),
+                total: desc.total_bytes,
+                free,
+                leasable: s.leasable,
+                leased: s.leased,
+                cached: s.cached,
+                headroom: p.headroom(),
+                quarantined: s.quarantined,
+                external_used: desc.total_bytes.saturating_sub(free).saturating_sub(held),
+                granularity: desc.granularity,
+                lease_count: p.lease_count(),
+                waiting: st
+                    .queue
+                    .iter()
+                    .filter(|w| w.ask.device.is_none_or(|d| d == i as u32))
+                    .count() as u32,
+            });
+        }
+        out
+    }
+}
+
+fn quota_of(t: &TenantRecord) -> Quota {
+    Quota {
+        limit_bytes: t.limit_bytes,
+        max_leases: t.max_leases,
+        priority: t.priority,
+        guaranteed_bytes: t.guaranteed_bytes,
+        host_limit_bytes: t.host_limit_bytes,
+    }
+}
+
+fn record_of(name: &str, q: &Quota) -> TenantRecord {
+    TenantRecord {
+        name: name.to_string(),
+        limit_bytes: q.limit_bytes,
+        max_leases: q.max_leases,
+        priority: q.priority,
+        guaranteed_bytes: q.guaranteed_bytes,
+        host_limit_bytes: q.host_limit_bytes,
+    }
+}

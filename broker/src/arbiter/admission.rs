@@ -1,0 +1,604 @@
+//! Admission: does a request fit now, on which device, and the grant itself. A request
+//! fits when its tenant's quota allows it (ledger), a device has that much leasable memory
+//! not yet promised (pool), and granting it leaves other tenants' unused guarantees intact.
+//! Requests that do not fit wait in the queue; every release re-runs [`Arbiter::drain`].
+
+use super::queue::Ask;
+use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
+use crate::error::{BrokerError, BrokerResult};
+use crate::lease::{Lease, LeaseState, LeaseView};
+use crate::ledger::Tier;
+use crate::pool::{Block, Source};
+use crate::units::show;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+use tokio::sync::oneshot;
+
+/// Largest single request accepted at all (1 PiB): anything above is malformed.
+pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
+
+/// Outcome of looking for a device.
+enum Fit {
+    Device(u32),
+    /// No candidate device has that much unpromised memory.
+    NoCapacity,
+    /// Memory exists but is kept for other tenants' guarantees.
+    GuaranteeHeld,
+}
+
+/// Result of queueing a request.
+enum Enqueued {
+    Waiting {
+        rx: oneshot::Receiver<BrokerResult<LeaseView>>,
+        id: u64,
+        bytes: u64,
+    },
+    Refused {
+        bytes: u64,
+        err: BrokerError,
+    },
+}
+
+/// Removes a waiter from the queue if the acquiring future is dropped (caller gone).
+struct WaiterGuard {
+    arb: Arc<Arbiter>,
+    id: u64,
+}
+
+impl Drop for WaiterGuard {
+    fn drop(&mut self) {
+        let mut st = self.arb.state.lock();
+        if st.queue.remove(self.id).is_some() {
+            tracing::debug!(waiter = self.id, "waiting request left the queue");
+            // Its place may have blocked others.
+            self.arb.drain(&mut st);
+        }
+    }
+}
+
+impl Arbiter {
+    /// Grants a lease now, after waiting up to `req.wait`, or fails with the reason.
+    pub async fn acquire(self: &Arc<Self>, req: AcquireRequest) -> BrokerResult<LeaseView> {
+        self.check_not_draining()?;
+        self.validate(&req)?;
+        let queued = self.enqueue(&req)?;
+        let (mut rx, id, bytes) = match queued {
+            Enqueued::Waiting { rx, id, bytes } => (rx, id, bytes),
+            Enqueued::Refused { bytes, err } => return self.fallback_or(&req, bytes, err).await,
+        };
+        let _guard = WaiterGuard {
+            arb: self.clone(),
+            id,
+        };
+        let outcome = if req.wait.is_zero() {
+            (&mut rx).await
+        } else {
+            match tokio::time::timeout(req.wait, &mut rx).await {
+                Ok(r) => r,
+                Err(_) => {
+                    let lost = {
+                        let mut st = self.state.lock();
+                        st.queue
+                            .remove(id)
+                            .map(|w| self.exhausted_message(&st, &w.ask))
+                    };
+                    match lost {
+                        Some(msg) => {
+                            let err = BrokerError::DeadlineExceeded(format!(
+                                "waited {} ms: {msg}",
+                                req.wait.as_millis()
+                            ));
+                            return self.fallback_or(&req, bytes, err).await;
+                        }
+                        // Granted just as the wait ran out: the result is on its way.
+                        None => (&mut rx).await,
+                    }
+                }
+            }
+        };
+        outcome.unwrap_or_else(|_| Err(BrokerError::Internal("grant was dropped".into())))
+    }
+
+    /// Checks the request against what never fits, queues it and runs the queue once.
+    fn enqueue(self: &Arc<Self>, req: &AcquireRequest) -> BrokerResult<Enqueued> {
+        let mut st = self.state.lock();
+        let session = st
+            .sessions
+            .get_mut(&req.session)
+            .filter(|s| s.tenant == req.tenant)
+            .ok_or_else(|| session_not_found(req.session))?;
+        session.last_seen = Instant::now();
+        let tenant = st
+            .ledger
+            .get(&req.tenant)
+            .ok_or_else(|| BrokerError::NotFound(format!("tenant {:?} not found", req.tenant)))?;
+        let (limit, priority) = (tenant.quota.limit_bytes, tenant.quota.priority);
+        let candidates = self.candidates(req.device);
+        let gran = candidates
+            .iter()
+            .map(|&d| st.pools[d as usize].granularity())
+            .max()
+            .unwrap_or(2 << 20);
+        let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
+            BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
+        })?;
+        let max_leasable = candidates
+            .iter()
+            .map(|&d| st.pools[d as usize].leasable())
+            .max()
+            .unwrap_or(0);
+        // Requests that can never fit fail at once, waiting or not.
+        let never = if bytes > limit {
+            Some(format!(
+                "quota exceeded for tenant {:?}: requested {} but its limit is {}",
+                req.tenant,
+                show(bytes),
+                show(limit)
+            ))
+        } else if bytes > max_leasable {
+            Some(format!(
+                "requested {} exceeds the leasable capacity {} of {}",
+                show(bytes),
+                show(max_leasable),
+                match req.device {
+                    Some(d) => format!("device {d}"),
+                    None => "every device".into(),
+                }
+            ))
+        } else {
+            None
+        };
+        if let Some(msg) = never {
+            return Ok(Enqueued::Refused {
+                bytes,
+                err: BrokerError::ResourceExhausted(msg),
+            });
+        }
+        let ask = Ask {
+            tenant: req.tenant.clone(),
+            session: req.session,
+            bytes,
+            requested_bytes: req.bytes,
+            device: req.device,
+            label: req.label.clone(),
+            reclaimable: req.reclaimable,
+        };
+        let (tx, rx) = oneshot::channel();
+        let id = st.queue.push(ask, priority, tx);
+        self.drain(&mut st);
+        if st.queue.contains(id) && req.wait.is_zero() {
+            let w = st.queue.remove(id);
+            let msg = w
+                .map(|w| self.exhausted_message(&st, &w.ask))
+                .unwrap_or_default();
+            return Ok(Enqueued::Refused {
+                bytes,
+                err: BrokerError::ResourceExhausted(msg),
+            });
+        }
+        Ok(Enqueued::Waiting { rx, id, bytes })
+    }
+
+    fn validate(&self, req: &AcquireRequest) -> BrokerResult<()> {
+        if req.bytes == 0 {
+            return Err(BrokerError::InvalidArgument("bytes must be > 0".into()));
+        }
+        if req.bytes > MAX_REQUEST_BYTES {
+            return Err(BrokerError::InvalidArgument(format!(
+                "bytes {} is absurd (more than {})",
+                req.bytes,
+                show(MAX_REQUEST_BYTES)
+            )));
+        }
+        if let Some(d) = req.device {
+            if d as usize >= self.devices.len() {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "unknown device {d}: this broker has {} device(s)",
+                    self.devices.len()
+                )));
+            }
+        }
+        if req.wait > self.cfg.max_wait {
+            return Err(BrokerError::InvalidArgument(format!(
+                "wait {} ms exceeds the maximum {} ms",
+                req.wait.as_millis(),
+                self.cfg.max_wait.as_millis()
+            )));
+        }
+        if req.label.len() > MAX_LABEL {
+            return Err(BrokerError::InvalidArgument(format!(
+                "label longer than {MAX_LABEL} bytes"
+            )));
+        }
+        Ok(())
+    }
+
+    fn candidates(&self, device: Option<u32>) -> Vec<u32> {
+        match device {
+            Some(d) => vec![d],
+            None => (0..self.devices.len() as u32).collect(),
+        }
+    }
+
+    /// Grants every waiting request that fits, in queue order. A request blocked by
+    /// capacity blocks the devices it wants for everyone ranked after it (no overtaking);
+    /// one blocked by its own quota blocks nobody.
+    pub(crate) fn drain(self: &Arc<Self>, st: &mut State) {
+        loop {
+            st.queue.remove_abandoned();
+            if st.queue.is_empty() {
+                return;
+            }
+            let order = st.queue.order(&st.ledger);
+            let mut blocked: HashSet<u32> = HashSet::new();
+            let mut granted = None;
+            let mut reclaim_for = Vec::new();
+            for id in order {
+                let Some(w) = st.queue.get(id) else { continue };
+                if st
+                    .ledger
+                    .check_charge(&w.ask.tenant, w.ask.bytes, Tier::Device)
+                    .is_err()
+                {
+                    continue;
+                }
+                let all = self.candidates(w.ask.device);
+                let open: Vec<u32> = all
+                    .iter()
+                    .copied()
+                    .filter(|d| !blocked.contains(d))
+                    .collect();
+                if open.is_empty() {
+                    continue;
+                }
+                match fit(st, &w.ask, &open) {
+                    Fit::Device(d) => {
+                        granted = Some((id, d));
+                        break;
+                    }
+                    Fit::NoCapacity => {
+                        reclaim_for.push(id);
+                        blocked.extend(all);
+                    }
+                    Fit::GuaranteeHeld => reclaim_for.push(id),
+                }
+            }
+            for id in reclaim_for {
+                self.request_reclaim(st, id);
+            }
+            match granted.and_then(|(id, d)| st.queue.remove(id).map(|w| (w, d))) {
+                Some((w, d)) => self.grant(st, w.ask, w.priority, w.reply, d),
+                None => return,
+            }
+        }
+    }
+
+    /// Reserves memory for `ask` on device `d` and finishes the grant: at once for a
+    /// cached block that needs no device work, else on a task that does the device work.
+    fn grant(
+        self: &Arc<Self>,
+        st: &mut State,
+        ask: Ask,
+        priority: i32,
+        reply: oneshot::Sender<BrokerResult<LeaseView>>,
+        d: u32,
+    ) {
+        if let Err(e) = st.ledger.reserve(&ask.tenant, ask.bytes) {
+            let _ = reply.send(Err(e));
+            return;
+        }
+        let source = st.pools[d as usize].reserve(ask.bytes, &ask.tenant);
+        if let Source::Cached {
+            block,
+            scrub: false,
+        } = source
+        {
+            let r = self.commit_grant(st, &ask, priority, d, block);
+            self.reply(st, reply, r);
+            return;
+        }
+        let arb = self.clone();
+        tokio::spawn(async move {
+            let made = arb.materialize(d, ask.bytes, source).await;
+            let mut st = arb.state.lock();
+            let r = match made {
+                Ok(block) => arb.commit_grant(&mut st, &ask, priority, d, block),
+                Err(e) => {
+                    tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed");
+                    st.ledger.unreserve(&ask.tenant, ask.bytes);
+                    st.pools[d as usize].unreserve(ask.bytes, None);
+                    Err(e)
+                }
+            };
+            arb.reply(&mut st, reply, r);
+            arb.drain(&mut st);
+        });
+    }
+
+    /// Does the device work a reservation needs: scrub a reused block of another tenant,
+    /// or free evicted blocks then allocate, zero (if needed) and export a fresh one.
+    async fn materialize(&self, d: u32, bytes: u64, source: Source) -> BrokerResult<Block> {
+        let thread = &self.devices[d as usize].thread;
+        match source {
+            Source::Cached { block, .. } => {
+                let (block, r) = thread
+                    .call(move |dev| {
+                        let r = dev.scrub(&block.alloc);
+                        (block, r)
+                    })
+                    .await?;
+                match r {
+                    Ok(()) => Ok(Block {
+                        last_tenant: None,
+                        ..block
+                    }),
+                    Err(e) => {
+                        self.free_on_device(d, block);
+                        Err(e.into())
+                    }
+                }
+            }
+            Source::Fresh { evicted } => thread
+                .call(move |dev| {
+                    for b in evicted {
+                        let id = b.alloc.id;
+                        if let Err(e) = dev.free(b.alloc) {
+                            tracing::error!(alloc = id, error = %e, "freeing an evicted block failed");
+                        }
+                    }
+                    let a = dev.alloc(bytes)?;
+                    if !dev.fresh_is_zeroed() {
+                        if let Err(e) = dev.scrub(&a) {
+                            let _ = dev.free(a);
+                            return Err(e);
+                        }
+                    }
+                    match dev.export(&a) {
+                        Ok(handle) => Ok(Block {
+                            alloc: a,
+                            handle,
+                            last_tenant: None,
+                        }),
+                        Err(e) => {
+                            let _ = dev.free(a);
+                            Err(e)
+                        }
+                    }
+                })
+                .await?
+                .map_err(BrokerError::from),
+        }
+    }
+
+    /// Turns a reservation into a lease of the session (or gives it back if the session
+    /// ended meanwhile).
+    fn commit_grant(
+        self: &Arc<Self>,
+        st: &mut State,
+        ask: &Ask,
+        priority: i32,
+        d: u32,
+        block: Block,
+    ) -> BrokerResult<LeaseView> {
+        let alive = st
+            .sessions
+            .get(&ask.session)
+            .is_some_and(|s| s.tenant == ask.tenant);
+        if !alive || self.is_draining() {
+            st.ledger.unreserve(&ask.tenant, ask.bytes);
+            st.pools[d as usize].unreserve(ask.bytes, Some(block));
+            return Err(if alive {
+                BrokerError::Unavailable("the broker is shutting down".into())
+            } else {
+                session_not_found(ask.session)
+            });
+        }
+        st.ledger.commit(&ask.tenant, ask.bytes);
+        st.pools[d as usize].commit(ask.bytes);
+        st.seq += 1;
+        let lease = Lease {
+            id: uuid::Uuid::new_v4(),
+            tenant: ask.tenant.clone(),
+            session: ask.session,
+            device: d,
+            tier: Tier::Device,
+            requested_bytes: ask.requested_bytes,
+            label: ask.label.clone(),
+            reclaimable: ask.reclaimable,
+            created: SystemTime::now(),
+            state: LeaseState::Active,
+            priority,
+            seq: st.seq,
+            block,
+        };
+        let view = st.view(&lease);
+        if let Some(s) = st.sessions.get_mut(&ask.session) {
+            s.leases.insert(lease.id);
+        }
+        tracing::debug!(lease = %lease.id, tenant = %ask.tenant, session = %ask.session, device = d, bytes = ask.bytes, "lease granted");
+        st.leases.insert(lease);
+        Ok(view)
+    }
+
+    /// Sends a grant's result; if the caller is gone, the lease is released at once
+    /// (nobody saw its handle, so the block is safe to cache).
+    fn reply(
+        self: &Arc<Self>,
+        st: &mut State,
+        reply: oneshot::Sender<BrokerResult<LeaseView>>,
+        r: BrokerResult<LeaseView>,
+    ) {
+        if let Err(Ok(view)) = reply.send(r) {
+            tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
+            self.end_lease(st, view.id, super::ending::Ending::Cache);
+        }
+    }
+
+    /// Why `ask` does not fit now, with the numbers.
+    pub(crate) fn exhausted_message(&self, st: &State, ask: &Ask) -> String {
+        let tenant = st.ledger.get(&ask.tenant);
+        let (held, limit) = tenant
+            .map(|t| (t.usage.committed_bytes(), t.quota.limit_bytes))
+            .unwrap_or((0, 0));
+        let devices: Vec<String> = self
+            .candidates(ask.device)
+            .iter()
+            .map(|&d| {
+                let p = &st.pools[d as usize];
+                format!(
+                    "device {d}: {} free of {} leasable",
+                    show(p.available()),
+                    show(p.leasable())
+                )
+            })
+            .collect();
+        let guaranteed: u64 = st
+            .ledger
+            .tenants()
+            .filter(|t| t.name != ask.tenant)
+            .map(|t| t.unused_guarantee())
+            .sum();
+        let waiting = st.queue.len();
+        format!(
+            "cannot grant {} to tenant {:?} now: {}; {} kept for other tenants' guarantees; tenant holds {} of limit {}; {waiting} other request(s) waiting",
+            show(ask.bytes),
+            ask.tenant,
+            devices.join(", "),
+            show(guaranteed),
+            show(held),
+            show(limit)
+        )
+    }
+
+    async fn fallback_or(
+        self: &Arc<Self>,
+        req: &AcquireRequest,
+        bytes: u64,
+        err: BrokerError,
+    ) -> BrokerResult<LeaseView> {
+        if req.fallback_host && self.host_tier.is_some() {
+            self.acquire_host(req, bytes).await
+        } else {
+            Err(err)
+        }
+    }
+
+    /// Grants host shared memory instead of device memory, under the host limit.
+    async fn acquire_host(
+        self: &Arc<Self>,
+        req: &AcquireRequest,
+        bytes: u64,
+    ) -> BrokerResult<LeaseView> {
+        let Some(host) = self.host_tier.clone() else {
+            return Err(BrokerError::ResourceExhausted("no host fallback".into()));
+        };
+        {
+            let mut st = self.state.lock();
+            st.ledger.charge_host(&req.tenant, bytes)?;
+        }
+        let made = host
+            .call(move |dev| {
+                let a = dev.alloc(bytes)?;
+                match dev.export(&a) {
+                    Ok(handle) => Ok(Block {
+                        alloc: a,
+                        handle,
+                        last_tenant: None,
+                    }),
+                    Err(e) => {
+                        let _ = dev.free(a);
+                        Err(e)
+                    }
+                }
+            })
+            .await
+            .map_err(BrokerError::from)
+            .and_then(|r| r.map_err(BrokerError::from));
+        let mut st = self.state.lock();
+        let block = match made {
+            Ok(b) => b,
+            Err(e) => {
+                st.ledger.uncharge_host(&req.tenant, bytes);
+                return Err(BrokerError::ResourceExhausted(format!(
+                    "host fallback of {} failed: {e}",
+                    show(bytes)
+                )));
+            }
+        };
+        let alive = st
+            .sessions
+            .get(&req.session)
+            .is_some_and(|s| s.tenant == req.tenant);
+        if !alive {
+            st.ledger.uncharge_host(&req.tenant, bytes);
+            self.free_host(block);
+            return Err(session_not_found(req.session));
+        }
+        let priority = st
+            .ledger
+            .get(&req.tenant)
+            .map(|t| t.quota.priority)
+            .unwrap_or(0);
+        st.seq += 1;
+        let lease = Lease {
+            id: uuid::Uuid::new_v4(),
+            tenant: req.tenant.clone(),
+            session: req.session,
+            device: 0,
+            tier: Tier::Host,
+            requested_bytes: req.bytes,
+            label: req.label.clone(),
+            reclaimable: req.reclaimable,
+            created: SystemTime::now(),
+            state: LeaseState::Active,
+            priority,
+            seq: st.seq,
+            block,
+        };
+        let view = st.view(&lease);
+        if let Some(s) = st.sessions.get_mut(&req.session) {
+            s.leases.insert(lease.id);
+        }
+        st.leases.insert(lease);
+        Ok(view)
+    }
+
+    pub(crate) fn free_host(&self, block: Block) {
+        if let Some(h) = &self.host_tier {
+            let _ = h.submit(move |dev| {
+                if let Err(e) = dev.free(block.alloc) {
+                    tracing::error!(error = %e, "freeing a host-fallback block failed");
+                }
+            });
+        }
+    }
+}
+
+/// Finds a device for `ask` among `open`: one with a cached block of that exact size
+/// first (no driver call), else the one with the most unpromised memory.
+fn fit(st: &State, ask: &Ask, open: &[u32]) -> Fit {
+    let fitting: Vec<u32> = open
+        .iter()
+        .copied()
+        .filter(|&d| st.pools[d as usize].available() >= ask.bytes)
+        .collect();
+    if fitting.is_empty() {
+        return Fit::NoCapacity;
+    }
+    let node_free: u64 = st.pools.iter().map(|p| p.available()).sum();
+    let others_guarantees: u64 = st
+        .ledger
+        .tenants()
+        .filter(|t| t.name != ask.tenant)
+        .map(|t| t.unused_guarantee())
+        .sum();
+    if node_free.saturating_sub(others_guarantees) < ask.bytes {
+        return Fit::GuaranteeHeld;
+    }
+    let best = fitting.iter().copied().max_by_key(|&d| {
+        let p = &st.pools[d as usize];
+        (p.has_cached(ask.bytes), p.available(), u32::MAX - d)
+    });
+    best.map(Fit::Device).unwrap_or(Fit::NoCapacity)
+}

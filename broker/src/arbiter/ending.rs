@@ -1,0 +1,351 @@
+//! How leases and sessions end: released by the holder, abandoned when a session ends,
+//! revoked (reclaim deadline missed or an operator's `RevokeLease`). Memory that a live
+//! process may still have mapped is **quarantined**: counted, never handed to anyone else,
+//! until the holder's process is gone (or, when its pid is unknown, a timeout passes).
+
+use super::{lease_not_found, Arbiter, Quarantined, ReclaimPolicy, State};
+use crate::device::BackendKind;
+use crate::error::BrokerResult;
+use crate::lease::{LeaseState, LeaseView};
+use crate::ledger::Tier;
+use crate::session::{process_alive, Peer, SessionEvent};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use uuid::Uuid;
+
+/// What becomes of an ended lease's block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Nobody maps it any more: cache it for reuse.
+    Cache,
+    /// Free it on the device now (a mapping that survives cannot reach anyone else).
+    Destroy,
+    /// A live process may map it: hold it until `pid` exits (or a timeout if unknown).
+    Quarantine { pid: Option<u32> },
+}
+
+impl Arbiter {
+    /// The holder gives a lease back (it promises it closed every mapping).
+    pub fn release(self: &Arc<Self>, tenant: &str, lease: Uuid) -> BrokerResult<()> {
+        let mut st = self.state.lock();
+        match st.leases.get(&lease) {
+            Some(l) if l.tenant == tenant => {}
+            _ => return Err(lease_not_found(lease)),
+        }
+        self.end_lease(&mut st, lease, Ending::Cache);
+        self.drain(&mut st);
+        tracing::debug!(%lease, tenant, "lease released");
+        Ok(())
+    }
+
+    /// What to do with memory a session held when it ended without releasing it.
+    fn abandoned(&self, peer: &Peer, device: u32, tier: Tier) -> Ending {
+        match peer.pid {
+            Some(pid) if !process_alive(pid) => Ending::Cache,
+            Some(pid) => Ending::Quarantine { pid: Some(pid) },
+            None if tier == Tier::Host || self.backend(device) == BackendKind::Host => {
+                Ending::Destroy
+            }
+            None => Ending::Quarantine { pid: None },
+        }
+    }
+
+    /// Ends a lease; returns its view. Does not run the queue (callers do).
+    pub(crate) fn end_lease(
+        self: &Arc<Self>,
+        st: &mut State,
+        id: Uuid,
+        ending: Ending,
+    ) -> Option<LeaseView> {
+        let lease = st.leases.remove(&id)?;
+        let view = st.view(&lease);
+        if let Some(s) = st.sessions.get_mut(&lease.session) {
+            s.leases.remove(&id);
+        }
+        let bytes = lease.bytes();
+        let d = lease.device;
+        let tenant = lease.tenant.clone();
+        let mut block = lease.block;
+        if lease.tier == Tier::Host {
+            st.ledger.uncharge_host(&tenant, bytes);
+            // Host fallback files are never reused: a surviving mapping reaches nobody.
+            self.free_host(block);
+            return Some(view);
+        }
+        st.ledger.uncharge(&tenant, bytes);
+        block.last_tenant = Some(tenant.clone());
+        let pool = &mut st.pools[d as usize];
+        match ending {
+            Ending::Cache => pool.release_to_cache(block),
+            Ending::Destroy => {
+                pool.release_destroyed(bytes);
+                self.free_on_device(d, block);
+            }
+            Ending::Quarantine { pid } => {
+                pool.release_to_quarantine(bytes);
+                st.ledger.add_quarantine(&tenant, bytes);
+                st.quarantine.insert(
+                    id,
+                    Quarantined {
+                        tenant,
+                        device: d,
+                        block,
+                        pid,
+                        since: Instant::now(),
+                    },
+                );
+                self.watch_quarantine(id, pid);
+            }
+        }
+        Some(view)
+    }
+
+    fn watch_quarantine(self: &Arc<Self>, id: Uuid, pid: Option<u32>) {
+        let me = Arc::downgrade(self);
+        let timeout = self.cfg.quarantine_timeout;
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(async move {
+            let destroy = match pid {
+                Some(pid) => {
+                    crate::session::wait_for_exit(pid).await;
+                    false
+                }
+                None => {
+                    tokio::time::sleep(timeout).await;
+                    true
+                }
+            };
+            if let Some(arb) = me.upgrade() {
+                arb.unquarantine(id, destroy);
+            }
+        });
+    }
+
+    /// The holder of quarantined memory is gone: cache (or free) the block.
+    fn unquarantine(self: &Arc<Self>, id: Uuid, destroy: bool) {
+        let mut st = self.state.lock();
+        let Some(q) = st.quarantine.remove(&id) else {
+            return;
+        };
+        let bytes = q.block.bytes();
+        st.ledger.remove_quarantine(&q.tenant, bytes);
+        let pool = &mut st.pools[q.device as usize];
+        if destroy {
+            pool.unquarantine_destroyed(bytes);
+            self.free_on_device(q.device, q.block);
+        } else {
+            pool.unquarantine_to_cache(q.block);
+        }
+        tracing::info!(lease = %id, tenant = %q.tenant, pid = ?q.pid, held_for = ?q.since.elapsed(), "quarantine lifted");
+        self.drain(&mut st);
+    }
+
+    /// Ends a session: its waiting requests fail, its leases end (cached if its process is
+    /// gone, otherwise quarantined or destroyed).
+    pub fn end_session(self: &Arc<Self>, id: Uuid, reason: &str) {
+        self.end_session_inner(id, reason, None);
+    }
+
+    pub(crate) fn end_session_with(self: &Arc<Self>, id: Uuid, reason: &str, ending: Ending) {
+        self.end_session_inner(id, reason, Some(ending));
+    }
+
+    fn end_session_inner(self: &Arc<Self>, id: Uuid, reason: &str, forced: Option<Ending>) {
+        let mut st = self.state.lock();
+        let Some(session) = st.sessions.remove(&id) else {
+            return;
+        };
+        for w in st.queue.remove_session(id) {
+            let _ = w.reply.send(Err(super::session_not_found(id)));
+        }
+        let mut bytes = 0;
+        let count = session.leases.len();
+        for lease in &session.leases {
+            let Some(l) = st.leases.get(lease) else {
+                continue;
+            };
+            let ending = forced.unwrap_or_else(|| self.abandoned(&session.peer, l.device, l.tier));
+            bytes += l.bytes();
+            self.end_lease(&mut st, *lease, ending);
+        }
+        tracing::info!(session = %id, tenant = %session.tenant, reason, leases = count, bytes, "session ended");
+        self.drain(&mut st);
+    }
+
+    /// Takes a lease away (operator, or reclaim deadline missed). The holder is told; its
+    /// memory is quarantined until its process lets go, or with the `terminate` policy the
+    /// process is killed first.
+    pub fn revoke(self: &Arc<Self>, id: Uuid, reason: &str) -> BrokerResult<LeaseView> {
+        let mut st = self.state.lock();
+        let Some(l) = st.leases.get(&id) else {
+            return Err(lease_not_found(id));
+        };
+        let (session, device, tier) = (l.session, l.device, l.tier);
+        let peer = st
+            .sessions
+            .get(&session)
+            .map(|s| s.peer)
+            .unwrap_or_default();
+        if let Some(s) = st.sessions.get(&session) {
+            s.notify(SessionEvent::LeaseRevoked {
+                lease_id: id,
+                reason: reason.to_string(),
+            });
+        }
+        let mut ending = self.abandoned(&peer, device, tier);
+        if let (Ending::Quarantine { pid: Some(pid) }, ReclaimPolicy::Terminate) =
+            (ending, self.cfg.reclaim_policy)
+        {
+            if pid != std::process::id() {
+                tracing::warn!(lease = %id, pid, "terminating the holder of a revoked lease");
+                // SAFETY: plain syscall on a pid the kernel told us holds the session.
+                unsafe {
+                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
+                }
+            }
+            ending = Ending::Quarantine { pid: Some(pid) };
+        }
+        let view = self.end_lease(&mut st, id, ending);
+        tracing::warn!(lease = %id, reason, ?ending, "lease revoked");
+        self.drain(&mut st);
+        view.ok_or_else(|| lease_not_found(id))
+    }
+
+    /// Asks holders of memory that waiter `id` is entitled to for it back: borrowed leases
+    /// (when the waiter is within its guarantee) and reclaimable leases of lower priority,
+    /// lowest priority and newest first, only as much as needed.
+    pub(crate) fn request_reclaim(self: &Arc<Self>, st: &mut State, id: u64) {
+        let Some(w) = st.queue.get(id) else { return };
+        if w.reclaim_sent {
+            return;
+        }
+        let ask = w.ask.clone();
+        let priority = w.priority;
+        let Some(tenant) = st.ledger.get(&ask.tenant) else {
+            return;
+        };
+        let within_guarantee =
+            tenant.usage.committed_bytes() + ask.bytes <= tenant.quota.guaranteed_bytes;
+        let devices = self.candidates_of(ask.device);
+        let best_free = devices
+            .iter()
+            .map(|&d| st.pools[d as usize].available())
+            .max()
+            .unwrap_or(0);
+        // Memory already on its way back counts.
+        let pending: u64 = st
+            .leases
+            .iter()
+            .filter(|l| devices.contains(&l.device) && l.tier == Tier::Device)
+            .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }))
+            .map(|l| l.bytes())
+            .sum();
+        let mut need = ask.bytes.saturating_sub(best_free + pending);
+        if need == 0 {
+            return;
+        }
+        let borrowed_of = |t: &str| st.ledger.get(t).map(|t| t.borrowed_bytes()).unwrap_or(0);
+        let mut victims: Vec<(i32, u64, Uuid, u64, String)> = st
+            .leases
+            .iter()
+            .filter(|l| l.tier == Tier::Device && devices.contains(&l.device))
+            .filter(|l| matches!(l.state, LeaseState::Active))
+            .filter(|l| l.tenant != ask.tenant)
+            .filter(|l| {
+                (within_guarantee && borrowed_of(&l.tenant) > 0)
+                    || (l.reclaimable && l.priority < priority)
+            })
+            .map(|l| (l.priority, l.seq, l.id, l.bytes(), l.tenant.clone()))
+            .collect();
+        victims.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        let deadline = Instant::now() + self.cfg.reclaim_deadline;
+        let deadline_wall = SystemTime::now() + self.cfg.reclaim_deadline;
+        let mut taken_from: std::collections::HashMap<String, u64> = Default::default();
+        for (_, _, lid, bytes, owner) in victims {
+            if need == 0 {
+                break;
+            }
+            // From a borrower (and not by priority) take no more than it borrowed.
+            let by_priority = st
+                .leases
+                .get(&lid)
+                .is_some_and(|l| l.reclaimable && l.priority < priority);
+            if !by_priority {
+                let taken = taken_from.entry(owner.clone()).or_default();
+                if *taken >= borrowed_of(&owner) {
+                    continue;
+                }
+                *taken += bytes;
+            }
+            let Some(l) = st.leases.get_mut(&lid) else {
+                continue;
+            };
+            l.state = LeaseState::ReclaimRequested {
+                deadline,
+                deadline_wall,
+            };
+            let session = l.session;
+            if let Some(s) = st.sessions.get(&session) {
+                s.notify(SessionEvent::ReclaimRequested {
+                    lease_id: lid,
+                    bytes,
+                    deadline: deadline_wall,
+                    reason: format!(
+                        "tenant {:?} (priority {priority}) is waiting for {}",
+                        ask.tenant,
+                        crate::units::show(ask.bytes)
+                    ),
+                });
+            }
+            crate::metrics::RECLAIMS.inc();
+            tracing::info!(lease = %lid, owner = %owner, for_tenant = %ask.tenant, "reclaim requested");
+            need = need.saturating_sub(bytes);
+        }
+        if let Some(w) = st.queue.get_mut(id) {
+            w.reclaim_sent = true;
+        }
+    }
+
+    /// Revokes leases whose reclaim deadline passed. Returns how many.
+    pub(crate) fn enforce_reclaim_deadlines(self: &Arc<Self>) -> usize {
+        let now = Instant::now();
+        let late: Vec<Uuid> = {
+            let st = self.state.lock();
+            st.leases
+                .iter()
+                .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { deadline, .. } if deadline <= now))
+                .map(|l| l.id)
+                .collect()
+        };
+        for id in &late {
+            let _ = self.revoke(*id, "reclaim deadline missed");
+        }
+        late.len()
+    }
+
+    /// Re-arms reclaim for waiters whose earlier request was not enough.
+    pub(crate) fn rearm_reclaim(self: &Arc<Self>, older_than: Duration) {
+        let mut st = self.state.lock();
+        let stale: Vec<u64> = st
+            .queue
+            .iter()
+            .filter(|w| w.reclaim_sent && w.since.elapsed() > older_than)
+            .map(|w| w.id)
+            .collect();
+        for id in stale {
+            if let Some(w) = st.queue.get_mut(id) {
+                w.reclaim_sent = false;
+            }
+        }
+        self.drain(&mut st);
+    }
+
+    fn candidates_of(&self, device: Option<u32>) -> Vec<u32> {
+        match device {
+            Some(d) => vec![d],
+            None => (0..self.devices.len() as u32).collect(),
+        }
+    }
+}

@@ -1,0 +1,362 @@
+//! The arbiter: admission. Every `AcquireLease` ends up here. It checks the tenant's
+//! quota (through the ledger), the device's leasable capacity minus headroom minus other
+//! tenants' unused guarantees, queues what does not fit (with deadlines and priorities),
+//! asks borrowers to give memory back (reclaim), and ends leases and sessions. It holds the
+//! broker's state under one lock so racing requests see exact numbers; device work (alloc,
+//! scrub, free) runs on the device threads, outside the lock, on memory already reserved.
+//!
+//! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
+//! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (background
+//! loops: keepalive reaper, reclaim deadlines, leasable refresh).
+
+mod admin;
+mod admission;
+mod ending;
+pub mod queue;
+mod tasks;
+
+pub use admin::{unix_ms_of, DeviceReport, SessionView, TenantView};
+
+use crate::auth::Authenticator;
+use crate::device::thread::DeviceThread;
+use crate::device::BackendKind;
+use crate::error::{BrokerError, BrokerResult};
+use crate::lease::{LeaseTable, LeaseView};
+use crate::ledger::Ledger;
+use crate::pool::{Block, Pool};
+use crate::session::{Peer, Session, SessionEvent, SessionTable};
+use crate::store::Store;
+use parking_lot::Mutex;
+use queue::WaitQueue;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+/// What happens to a holder that misses a reclaim deadline (or whose lease an operator
+/// revokes) while its process still runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReclaimPolicy {
+    /// Revoke the lease and quarantine its memory until the process lets go or exits.
+    Cooperative,
+    /// Kill the holder process (pid from the Unix socket), then reuse the memory.
+    Terminate,
+}
+
+/// Tunables of the arbiter.
+#[derive(Clone, Debug)]
+pub struct ArbiterConfig {
+    /// How long a holder has to release a lease after a reclaim request.
+    pub reclaim_deadline: Duration,
+    /// A session with no activity for this long ends (zero: never).
+    pub keepalive_timeout: Duration,
+    pub reclaim_policy: ReclaimPolicy,
+    /// Quarantined memory of a holder whose pid is unknown (TCP) is freed after this.
+    pub quarantine_timeout: Duration,
+    /// Longest wait a request may ask for.
+    pub max_wait: Duration,
+    /// How often device memory is re-read to follow processes outside the broker.
+    pub refresh_interval: Duration,
+}
+
+impl Default for ArbiterConfig {
+    fn default() -> Self {
+        ArbiterConfig {
+            reclaim_deadline: Duration::from_secs(5),
+            keepalive_timeout: Duration::from_secs(30),
+            reclaim_policy: ReclaimPolicy::Cooperative,
+            quarantine_timeout: Duration::from_secs(300),
+            max_wait: Duration::from_secs(3600),
+            refresh_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// One device as the arbiter knows it.
+pub struct DeviceSlot {
+    pub thread: DeviceThread,
+    /// Leasable bytes decided at start (free at start minus headroom).
+    pub initial_leasable: u64,
+    /// Memory used by others when the broker started.
+    pub external_at_start: u64,
+}
+
+/// Memory of an ended lease that a live process may still map.
+#[derive(Debug)]
+pub(crate) struct Quarantined {
+    pub tenant: String,
+    pub device: u32,
+    pub block: Block,
+    pub pid: Option<u32>,
+    pub since: Instant,
+}
+
+/// Everything behind the lock.
+#[derive(Default)]
+pub(crate) struct State {
+    pub ledger: Ledger,
+    pub pools: Vec<Pool>,
+    pub leases: LeaseTable,
+    pub sessions: SessionTable,
+    pub queue: WaitQueue,
+    pub quarantine: HashMap<Uuid, Quarantined>,
+    pub seq: u64,
+}
+
+/// A request for memory, after the service layer checked its shape.
+#[derive(Clone, Debug)]
+pub struct AcquireRequest {
+    pub tenant: String,
+    pub session: Uuid,
+    pub bytes: u64,
+    pub device: Option<u32>,
+    pub wait: Duration,
+    pub label: String,
+    pub reclaimable: bool,
+    pub fallback_host: bool,
+}
+
+/// The admission authority of one broker.
+pub struct Arbiter {
+    pub(crate) state: Mutex<State>,
+    pub(crate) devices: Vec<DeviceSlot>,
+    pub(crate) host_tier: Option<DeviceThread>,
+    pub(crate) store: Option<Store>,
+    pub(crate) auth: Arc<Authenticator>,
+    pub(crate) cfg: ArbiterConfig,
+    draining: AtomicBool,
+}
+
+/// Longest label accepted.
+pub const MAX_LABEL: usize = 256;
+
+impl Arbiter {
+    /// An arbiter over `devices`; tenants and tokens are loaded from `store` if given.
+    pub fn new(
+        devices: Vec<DeviceSlot>,
+        host_tier: Option<DeviceThread>,
+        store: Option<Store>,
+        auth: Arc<Authenticator>,
+        cfg: ArbiterConfig,
+    ) -> BrokerResult<Arc<Arbiter>> {
+        let mut st = State::default();
+        for d in &devices {
+            let desc = d.thread.desc();
+            st.pools.push(Pool::new(
+                desc.index,
+                desc.granularity,
+                desc.total_bytes,
+                d.initial_leasable,
+            ));
+        }
+        let arb = Arbiter {
+            state: Mutex::new(st),
+            devices,
+            host_tier,
+            store,
+            auth,
+            cfg,
+            draining: AtomicBool::new(false),
+        };
+        arb.load_store()?;
+        Ok(Arc::new(arb))
+    }
+
+    /// The arbiter's configuration.
+    pub fn config(&self) -> &ArbiterConfig {
+        &self.cfg
+    }
+
+    /// The authenticator shared with the service layer.
+    pub fn authenticator(&self) -> &Arc<Authenticator> {
+        &self.auth
+    }
+
+    /// Is the broker shutting down?
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    fn check_not_draining(&self) -> BrokerResult<()> {
+        if self.is_draining() {
+            Err(BrokerError::Unavailable(
+                "the broker is shutting down; reconnect to its successor".into(),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn backend(&self, device: u32) -> BackendKind {
+        self.devices
+            .get(device as usize)
+            .map(|d| d.thread.desc().backend)
+            .unwrap_or(BackendKind::Host)
+    }
+
+    /// Opens a session for `tenant`; returns its id and the event receiver.
+    pub fn open_session(
+        self: &Arc<Self>,
+        tenant: &str,
+        name: &str,
+        peer: Peer,
+    ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
+        self.check_not_draining()?;
+        if name.len() > MAX_LABEL {
+            return Err(BrokerError::InvalidArgument(format!(
+                "session name longer than {MAX_LABEL} bytes"
+            )));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = Uuid::now_v7();
+        {
+            let mut st = self.state.lock();
+            if st.ledger.get(tenant).is_none() {
+                return Err(BrokerError::NotFound(format!(
+                    "tenant {tenant:?} no longer exists"
+                )));
+            }
+            st.sessions.insert(Session {
+                id,
+                tenant: tenant.to_string(),
+                name: name.to_string(),
+                peer,
+                opened: SystemTime::now(),
+                last_seen: Instant::now(),
+                events: tx,
+                leases: Default::default(),
+            });
+        }
+        if let Some(pid) = peer.pid {
+            let me = Arc::downgrade(self);
+            tokio::spawn(async move {
+                crate::session::wait_for_exit(pid).await;
+                if let Some(arb) = me.upgrade() {
+                    arb.end_session(id, "peer process exited");
+                }
+            });
+        }
+        tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
+        Ok((id, rx))
+    }
+
+    /// Marks a session active (keepalive).
+    pub fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
+        let mut st = self.state.lock();
+        match st.sessions.get_mut(&session) {
+            Some(s) if s.tenant == tenant => {
+                s.last_seen = Instant::now();
+                Ok(())
+            }
+            _ => Err(session_not_found(session)),
+        }
+    }
+
+    /// The caller's own leases.
+    pub fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
+        let st = self.state.lock();
+        let mut v: Vec<LeaseView> = st
+            .leases
+            .iter()
+            .filter(|l| l.tenant == tenant)
+            .map(|l| st.view(l))
+            .collect();
+        v.sort_by_key(|l| l.id);
+        v
+    }
+
+    /// Begins shutdown: refuse new work, tell every session.
+    pub fn begin_drain(&self, grace: Duration) {
+        self.draining.store(true, Ordering::SeqCst);
+        let mut st = self.state.lock();
+        for s in st.sessions.iter() {
+            s.notify(SessionEvent::ShuttingDown {
+                reason: "broker shutting down".into(),
+                grace,
+            });
+        }
+        let waiters: Vec<u64> = st.queue.iter().map(|w| w.id).collect();
+        for id in waiters {
+            if let Some(w) = st.queue.remove(id) {
+                let _ = w.reply.send(Err(BrokerError::Unavailable(
+                    "the broker is shutting down".into(),
+                )));
+            }
+        }
+    }
+
+    /// Number of open sessions.
+    pub fn session_count(&self) -> usize {
+        self.state.lock().sessions.len()
+    }
+
+    /// Ends every session and frees every block on the devices. Blocks until done.
+    pub fn shutdown_release_all(self: &Arc<Self>) {
+        self.draining.store(true, Ordering::SeqCst);
+        let ids = self.state.lock().sessions.ids();
+        for id in ids {
+            self.end_session_with(id, "broker shut down", ending::Ending::Destroy);
+        }
+        let mut st = self.state.lock();
+        let quarantined: Vec<Uuid> = st.quarantine.keys().copied().collect();
+        for id in quarantined {
+            if let Some(q) = st.quarantine.remove(&id) {
+                st.pools[q.device as usize].unquarantine_destroyed(q.block.bytes());
+                st.ledger.remove_quarantine(&q.tenant, q.block.bytes());
+                self.free_on_device(q.device, q.block);
+            }
+        }
+        for i in 0..st.pools.len() {
+            for b in st.pools[i].drain_cache() {
+                self.free_on_device(i as u32, b);
+            }
+        }
+        drop(st);
+        // Wait for the device threads to finish the frees queued above.
+        for d in &self.devices {
+            let _ = d.thread.call_blocking(|_| ());
+        }
+        if let Some(h) = &self.host_tier {
+            let _ = h.call_blocking(|_| ());
+        }
+    }
+
+    /// Queues a free of `block` on its device thread.
+    pub(crate) fn free_on_device(&self, device: u32, block: Block) {
+        if let Some(d) = self.devices.get(device as usize) {
+            let id = block.alloc.id;
+            let r = d.thread.submit(move |dev| {
+                if let Err(e) = dev.free(block.alloc) {
+                    tracing::error!(device, alloc = id, error = %e, "free failed");
+                }
+            });
+            if let Err(e) = r {
+                tracing::error!(device, error = %e, "cannot queue free");
+            }
+        }
+    }
+}
+
+impl State {
+    /// A lease's public view.
+    pub fn view(&self, l: &crate::lease::Lease) -> LeaseView {
+        let borrowed = self
+            .ledger
+            .get(&l.tenant)
+            .is_some_and(|t| t.borrowed_bytes() > 0 && l.tier == crate::ledger::Tier::Device);
+        l.view(borrowed)
+    }
+}
+
+pub(crate) fn session_not_found(id: Uuid) -> BrokerError {
+    BrokerError::NotFound(format!("session {id} not found"))
+}
+
+pub(crate) fn lease_not_found(id: Uuid) -> BrokerError {
+    BrokerError::NotFound(format!("lease {id} not found"))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,185 @@
+//! The wait queue: requests that did not fit yet. Order of service: higher priority
+//! first; within a priority, the tenant holding the least goes first (so no tenant starves
+//! another by sending more requests); within a tenant, first come first served.
+
+use crate::error::BrokerResult;
+use crate::lease::LeaseView;
+use crate::ledger::Ledger;
+use std::collections::BTreeMap;
+use std::time::Instant;
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+/// What a waiting request asked for.
+#[derive(Clone, Debug)]
+pub struct Ask {
+    pub tenant: String,
+    pub session: Uuid,
+    /// Rounded size.
+    pub bytes: u64,
+    pub requested_bytes: u64,
+    pub device: Option<u32>,
+    pub label: String,
+    pub reclaimable: bool,
+}
+
+/// A request in the queue, with the channel its result goes back on.
+#[derive(Debug)]
+pub struct Waiter {
+    pub id: u64,
+    pub ask: Ask,
+    pub priority: i32,
+    pub since: Instant,
+    pub reply: oneshot::Sender<BrokerResult<LeaseView>>,
+    /// Reclaim was already requested on this waiter's behalf.
+    pub reclaim_sent: bool,
+}
+
+/// Every waiting request, by arrival order.
+#[derive(Debug, Default)]
+pub struct WaitQueue {
+    waiters: BTreeMap<u64, Waiter>,
+    next_id: u64,
+}
+
+impl WaitQueue {
+    /// Adds a request; returns its id.
+    pub fn push(
+        &mut self,
+        ask: Ask,
+        priority: i32,
+        reply: oneshot::Sender<BrokerResult<LeaseView>>,
+    ) -> u64 {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.waiters.insert(
+            id,
+            Waiter {
+                id,
+                ask,
+                priority,
+                since: Instant::now(),
+                reply,
+                reclaim_sent: false,
+            },
+        );
+        id
+    }
+
+    pub fn remove(&mut self, id: u64) -> Option<Waiter> {
+        self.waiters.remove(&id)
+    }
+
+    pub fn get(&self, id: u64) -> Option<&Waiter> {
+        self.waiters.get(&id)
+    }
+
+    pub fn get_mut(&mut self, id: u64) -> Option<&mut Waiter> {
+        self.waiters.get_mut(&id)
+    }
+
+    pub fn contains(&self, id: u64) -> bool {
+        self.waiters.contains_key(&id)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.waiters.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.waiters.len()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Waiter> {
+        self.waiters.values()
+    }
+
+    /// Removes the waiters of a session (it ended).
+    pub fn remove_session(&mut self, session: Uuid) -> Vec<Waiter> {
+        let ids: Vec<u64> = self
+            .waiters
+            .values()
+            .filter(|w| w.ask.session == session)
+            .map(|w| w.id)
+            .collect();
+        ids.into_iter().filter_map(|id| self.remove(id)).collect()
+    }
+
+    /// Removes waiters whose caller went away (their reply channel is closed).
+    pub fn remove_abandoned(&mut self) -> usize {
+        let before = self.waiters.len();
+        self.waiters.retain(|_, w| !w.reply.is_closed());
+        before - self.waiters.len()
+    }
+
+    /// Waiter ids in order of service, given what each tenant holds now.
+    pub fn order(&self, ledger: &Ledger) -> Vec<u64> {
+        let held = |t: &str| {
+            ledger
+                .get(t)
+                .map(|t| t.usage.committed_bytes())
+                .unwrap_or(0)
+        };
+        let mut v: Vec<(i32, u64, u64)> = self
+            .waiters
+            .values()
+            .map(|w| (w.priority, held(&w.ask.tenant), w.id))
+            .collect();
+        v.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        v.into_iter().map(|(_, _, id)| id).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::Quota;
+
+    fn ask(tenant: &str) -> Ask {
+        Ask {
+            tenant: tenant.into(),
+            session: Uuid::nil(),
+            bytes: 1,
+            requested_bytes: 1,
+            device: None,
+            label: String::new(),
+            reclaimable: false,
+        }
+    }
+
+    #[test]
+    fn priority_then_least_holding_tenant_then_fifo() {
+        let mut l = Ledger::new();
+        for t in ["a", "b", "c"] {
+            l.set_quota(
+                t,
+                Quota {
+                    limit_bytes: 100,
+                    ..Quota::default()
+                },
+            )
+            .unwrap();
+        }
+        l.reserve("a", 50).unwrap();
+        let mut q = WaitQueue::default();
+        let (tx, _rx) = oneshot::channel();
+        let a1 = q.push(ask("a"), 0, tx);
+        let (tx, _rx2) = oneshot::channel();
+        let a2 = q.push(ask("a"), 0, tx);
+        let (tx, _rx3) = oneshot::channel();
+        let b1 = q.push(ask("b"), 0, tx);
+        let (tx, _rx4) = oneshot::channel();
+        let c1 = q.push(ask("c"), 5, tx);
+        assert_eq!(q.order(&l), vec![c1, b1, a1, a2]);
+    }
+
+    #[test]
+    fn abandoned_waiters_leave() {
+        let mut q = WaitQueue::default();
+        let (tx, rx) = oneshot::channel();
+        q.push(ask("a"), 0, tx);
+        drop(rx);
+        assert_eq!(q.remove_abandoned(), 1);
+        assert!(q.is_empty());
+    }
+}

@@ -1,0 +1,87 @@
+//! Background loops of the arbiter, stopped by a cancellation token: the keepalive reaper
+//! (idle sessions end), reclaim deadlines (late holders are revoked), and the leasable
+//! refresh (memory taken by processes outside the broker shrinks what it hands out).
+
+use super::Arbiter;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+impl Arbiter {
+    /// Starts the background loops; they end when `stop` is cancelled.
+    pub fn spawn_background(self: &Arc<Self>, stop: CancellationToken) {
+        let me = self.clone();
+        let s = stop.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            let mut last_reap = Instant::now();
+            loop {
+                tokio::select! {
+                    _ = s.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                me.enforce_reclaim_deadlines();
+                if last_reap.elapsed() >= Duration::from_millis(500) {
+                    last_reap = Instant::now();
+                    me.reap_idle_sessions();
+                    me.rearm_reclaim(me.cfg.reclaim_deadline * 2);
+                }
+            }
+        });
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(me.cfg.refresh_interval);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                me.refresh_leasable().await;
+            }
+        });
+    }
+
+    /// Ends sessions idle for longer than the keepalive timeout.
+    pub(crate) fn reap_idle_sessions(self: &Arc<Self>) {
+        let timeout = self.cfg.keepalive_timeout;
+        if timeout.is_zero() {
+            return;
+        }
+        let idle = self.state.lock().sessions.idle(timeout, Instant::now());
+        for id in idle {
+            self.end_session(id, "no keepalive within the timeout");
+        }
+    }
+
+    /// Re-reads each device's free memory. Memory used outside the broker beyond what
+    /// was used at start shrinks the leasable amount (and trims the cache to fit).
+    pub(crate) async fn refresh_leasable(self: &Arc<Self>) {
+        for (i, slot) in self.devices.iter().enumerate() {
+            // Nothing outside the broker uses a simulated device.
+            if slot.thread.desc().backend == crate::device::BackendKind::Host {
+                continue;
+            }
+            let Ok(Ok(info)) = slot.thread.call(|d| d.mem_info()).await else {
+                continue;
+            };
+            let mut st = self.state.lock();
+            let pool = &mut st.pools[i];
+            let held = pool.held_on_device();
+            let external = info.total.saturating_sub(info.free).saturating_sub(held);
+            let grown = external.saturating_sub(slot.external_at_start);
+            let leasable = slot.initial_leasable.saturating_sub(grown);
+            if leasable != pool.leasable() {
+                tracing::warn!(
+                    device = i,
+                    external,
+                    leasable,
+                    "memory used outside the broker changed; leasable adjusted"
+                );
+                for b in pool.set_leasable(leasable) {
+                    self.free_on_device(i as u32, b);
+                }
+                self.drain(&mut st);
+            }
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Opens the node's devices for the configured backend: `auto` picks CUDA when a driver
+//! and a GPU are usable and falls back to the host simulation (loudly) otherwise. Each
+//! device gets its own thread, and its leasable amount is fixed here: what was free at
+//! start minus the headroom.
+
+use crate::arbiter::DeviceSlot;
+use crate::config::{BackendChoice, Headroom};
+use crate::device::cuda::{self, CudaDevice};
+use crate::device::host::HostDevice;
+use crate::device::thread::DeviceThread;
+use crate::device::{Device, DeviceError};
+use std::path::{Path, PathBuf};
+
+/// What the backend needs to know.
+#[derive(Clone, Debug)]
+pub struct BackendSpec {
+    pub choice: BackendChoice,
+    pub cuda_devices: Option<Vec<u32>>,
+    pub host_capacity: u64,
+    pub host_devices: u32,
+    pub host_shm_dir: PathBuf,
+    pub headroom: Headroom,
+}
+
+/// Why devices could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("CUDA backend requested but not usable: {0}")]
+    CudaUnavailable(String),
+    #[error("CUDA device {0} does not exist (this node has {1})")]
+    NoSuchDevice(u32, u32),
+    #[error("opening device {index}: {source}")]
+    Open {
+        index: u32,
+        #[source]
+        source: DeviceError,
+    },
+    #[error("no devices to serve")]
+    NoDevices,
+}
+
+/// Opens every device; returns them with their leasable amounts.
+pub fn open_devices(spec: &BackendSpec) -> Result<Vec<DeviceSlot>, BackendError> {
+    let use_cuda = match spec.choice {
+        BackendChoice::Host => false,
+        BackendChoice::Cuda => {
+            if let Some(reason) = cuda::unavailable_reason() {
+                return Err(BackendError::CudaUnavailable(reason));
+            }
+            true
+        }
+        BackendChoice::Auto => match cuda::unavailable_reason() {
+            None => true,
+            Some(reason) => {
+                tracing::warn!(
+                    %reason,
+                    "NO USABLE GPU: serving the HOST SIMULATION ({} device(s) of {} in {}); leases are shared-memory files, not GPU memory",
+                    spec.host_devices,
+                    bytesize::ByteSize(spec.host_capacity).display().iec(),
+                    spec.host_shm_dir.display()
+                );
+                false
+            }
+        },
+    };
+    let threads = if use_cuda {
+        open_cuda(spec.cuda_devices.as_deref())?
+    } else {
+        open_host(spec.host_devices, spec.host_capacity, &spec.host_shm_dir)?
+    };
+    if threads.is_empty() {
+        return Err(BackendError::NoDevices);
+    }
+    threads
+        .into_iter()
+        .map(|t| slot(t, spec.headroom))
+        .collect()
+}
+
+fn open_host(count: u32, capacity: u64, dir: &Path) -> Result<Vec<DeviceThread>, BackendError> {
+    (0..count)
+        .map(|i| {
+            let dir = dir.to_path_buf();
+            DeviceThread::spawn(format!("device-host-{i}"), move || {
+                Ok(Box::new(HostDevice::new(i, capacity, &dir)?) as Box<dyn Device>)
+            })
+            .map_err(|source| BackendError::Open { index: i, source })
+        })
+        .collect()
+}
+
+fn open_cuda(wanted: Option<&[u32]>) -> Result<Vec<DeviceThread>, BackendError> {
+    let count = cuda::device_count().map_err(|e| BackendError::CudaUnavailable(e.to_string()))?;
+    let ordinals: Vec<u32> = match wanted {
+        Some(w) => w.to_vec(),
+        None => (0..count).collect(),
+    };
+    ordinals
+        .into_iter()
+        .enumerate()
+        .map(|(_slot, ordinal)| {
+            if ordinal >= count {
+                return Err(BackendError::NoSuchDevice(ordinal, count));
+            }
+            DeviceThread::spawn(format!("device-cuda-{ordinal}"), move || {
+                Ok(Box::new(CudaDevice::open(ordinal)?) as Box<dyn Device>)
+            })
+            .map_err(|source| BackendError::Open {
+                index: ordinal,
+                source,
+            })
+        })
+        .collect()
+}
+
+fn slot(thread: DeviceThread, headroom: Headroom) -> Result<DeviceSlot, BackendError> {
+    let index = thread.desc().index;
+    let info = thread
+        .call_blocking(|d| d.mem_info())
+        .and_then(|r| r)
+        .map_err(|source| BackendError::Open { index, source })?;
+    let headroom = headroom.of(info.total);
+    let leasable = info.free.saturating_sub(headroom);
+    tracing::info!(
+        device = index,
+        name = %thread.desc().name,
+        backend = %thread.desc().backend,
+        total = info.total,
+        free = info.free,
+        headroom,
+        leasable,
+        "device ready"
+    );
+    Ok(DeviceSlot {
+        initial_leasable: leasable,
+        external_at_start: info.total - info.free,
+        thread,
+    })
+}
+
+/// The host-memory fallback tier: one more simulated device, never counted as a GPU.
+pub fn open_host_tier(capacity: u64, dir: &Path) -> Result<Option<DeviceThread>, BackendError> {
+    if capacity == 0 {
+        return Ok(None);
+    }
+    let dir = dir.to_path_buf();
+    DeviceThread::spawn("host-fallback".into(), move || {
+        Ok(Box::new(HostDevice::new(u32::MAX, capacity, &dir)?) as Box<dyn Device>)
+    })
+    .map(Some)
+    .map_err(|source| BackendError::Open {
+        index: u32::MAX,
+        source,
+    })
+}

@@ -1,0 +1,222 @@
+//! Configuration: command-line flags (each also settable through a `GPU_BROKER_*`
+//! environment variable) parsed into one [`Config`].
+
+use crate::arbiter::{ArbiterConfig, ReclaimPolicy};
+use clap::{Parser, ValueEnum};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Which device backend to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    /// CUDA when a driver and a GPU are usable, otherwise the host simulation.
+    Auto,
+    /// The simulated device (shared-memory files).
+    Host,
+    /// Real GPUs through the CUDA driver API.
+    Cuda,
+}
+
+/// Headroom kept free on each device: bytes or a percentage of its total.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Headroom {
+    Bytes(u64),
+    Percent(f64),
+}
+
+impl Headroom {
+    /// Headroom of a device of `total` bytes.
+    pub fn of(&self, total: u64) -> u64 {
+        match *self {
+            Headroom::Bytes(b) => b.min(total),
+            Headroom::Percent(p) => ((total as f64) * p / 100.0) as u64,
+        }
+    }
+}
+
+fn parse_headroom(s: &str) -> Result<Headroom, String> {
+    if let Some(p) = s.trim().strip_suffix('%') {
+        let v: f64 = p
+            .trim()
+            .parse()
+            .map_err(|_| format!("invalid percentage {s:?}"))?;
+        if !(0.0..100.0).contains(&v) {
+            return Err(format!("headroom {s:?} must be in [0%, 100%)"));
+        }
+        return Ok(Headroom::Percent(v));
+    }
+    crate::units::parse(s).map(Headroom::Bytes)
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    crate::units::parse(s)
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("invalid duration {s:?}: {e}"))
+}
+
+fn parse_devices(s: &str) -> Result<Vec<u32>, String> {
+    s.split(',')
+        .map(|d| {
+            d.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("invalid device index {d:?}"))
+        })
+        .collect()
+}
+
+/// The multi-tenant GPU memory broker daemon.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "gpu-broker", version, about)]
+pub struct Config {
+    /// Unix socket to serve on (created 0660; a stale one is replaced).
+    #[arg(
+        long,
+        env = "GPU_BROKER_SOCKET",
+        default_value = "/run/gpu-broker/broker.sock"
+    )]
+    pub socket: PathBuf,
+
+    /// Also serve on this TCP address (e.g. 127.0.0.1:50051).
+    #[arg(long, env = "GPU_BROKER_LISTEN")]
+    pub listen: Option<SocketAddr>,
+
+    /// Device backend.
+    #[arg(long, env = "GPU_BROKER_BACKEND", value_enum, default_value = "auto")]
+    pub backend: BackendChoice,
+
+    /// CUDA devices to own, e.g. `0,1` (default: all).
+    #[arg(long, env = "GPU_BROKER_DEVICES", value_parser = parse_devices)]
+    pub devices: Option<Vec<u32>>,
+
+    /// Size of each simulated device (host backend).
+    #[arg(long, env = "GPU_BROKER_HOST_CAPACITY", default_value = "8GiB", value_parser = parse_size)]
+    pub host_capacity: u64,
+
+    /// Number of simulated devices (host backend).
+    #[arg(long, env = "GPU_BROKER_HOST_DEVICES", default_value_t = 1)]
+    pub host_devices: u32,
+
+    /// Directory of the simulated devices' shared-memory files.
+    #[arg(long, env = "GPU_BROKER_HOST_SHM_DIR", default_value = "/dev/shm")]
+    pub host_shm_dir: PathBuf,
+
+    /// Memory kept free on each device: bytes (`2GiB`) or percent of total (`10%`).
+    #[arg(long, env = "GPU_BROKER_HEADROOM", default_value = "10%", value_parser = parse_headroom)]
+    pub headroom: Headroom,
+
+    /// Capacity of the host-memory fallback tier (0 disables it).
+    #[arg(long, env = "GPU_BROKER_HOST_FALLBACK_CAPACITY", default_value = "8GiB", value_parser = parse_size)]
+    pub host_fallback_capacity: u64,
+
+    /// Directory of the durable state (tenants, quotas, token hashes).
+    #[arg(
+        long,
+        env = "GPU_BROKER_STATE_DIR",
+        default_value = "/var/lib/gpu-broker"
+    )]
+    pub state_dir: PathBuf,
+
+    /// File holding the admin token; generated (0600) on first start if missing.
+    /// Default: `<state-dir>/admin.token`.
+    #[arg(long, env = "GPU_BROKER_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+
+    /// Time a holder has to release a lease after a reclaim request.
+    #[arg(long, env = "GPU_BROKER_RECLAIM_DEADLINE", default_value = "5s", value_parser = parse_duration)]
+    pub reclaim_deadline: Duration,
+
+    /// What happens to a holder that misses its reclaim deadline.
+    #[arg(
+        long,
+        env = "GPU_BROKER_RECLAIM_POLICY",
+        value_enum,
+        default_value = "cooperative"
+    )]
+    pub reclaim_policy: ReclaimPolicy,
+
+    /// A session with no stream activity and no keepalive for this long ends (0s: never).
+    #[arg(long, env = "GPU_BROKER_KEEPALIVE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub keepalive_timeout: Duration,
+
+    /// Quarantined memory of a holder with unknown pid (TCP) is freed after this.
+    #[arg(long, env = "GPU_BROKER_QUARANTINE_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub quarantine_timeout: Duration,
+
+    /// Time sessions get to release their leases on shutdown.
+    #[arg(long, env = "GPU_BROKER_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// Serve Prometheus metrics on this address (HTTP, path /metrics).
+    #[arg(long, env = "GPU_BROKER_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+
+    /// Log as JSON lines instead of text.
+    #[arg(long, env = "GPU_BROKER_LOG_JSON")]
+    pub log_json: bool,
+}
+
+impl Config {
+    /// Where the admin token lives.
+    pub fn admin_token_path(&self) -> PathBuf {
+        self.admin_token_file
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("admin.token"))
+    }
+
+    /// The arbiter's part of the configuration.
+    pub fn arbiter(&self) -> ArbiterConfig {
+        ArbiterConfig {
+            reclaim_deadline: self.reclaim_deadline,
+            keepalive_timeout: self.keepalive_timeout,
+            reclaim_policy: self.reclaim_policy,
+            quarantine_timeout: self.quarantine_timeout,
+            ..ArbiterConfig::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_flags_with_units() {
+        let c = Config::try_parse_from([
+            "gpu-broker",
+            "--backend",
+            "host",
+            "--host-capacity",
+            "512MiB",
+            "--headroom",
+            "5%",
+            "--reclaim-deadline",
+            "250ms",
+            "--devices",
+            "0,1",
+        ])
+        .unwrap();
+        assert_eq!(c.host_capacity, 512 << 20);
+        assert_eq!(c.headroom.of(1000), 50);
+        assert_eq!(c.reclaim_deadline, Duration::from_millis(250));
+        assert_eq!(c.devices, Some(vec![0, 1]));
+        assert_eq!(
+            c.admin_token_path(),
+            PathBuf::from("/var/lib/gpu-broker/admin.token")
+        );
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        for args in [
+            ["gpu-broker", "--headroom", "150%"],
+            ["gpu-broker", "--host-capacity", "lots"],
+            ["gpu-broker", "--devices", "0,x"],
+        ] {
+            assert!(Config::try_parse_from(args).is_err(), "{args:?}");
+        }
+        assert_eq!(parse_headroom("1GiB").unwrap(), Headroom::Bytes(1 << 30));
+    }
+}

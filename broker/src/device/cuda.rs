@@ -1,0 +1,513 @@
+//! The `cuda` backend: one real GPU through the CUDA driver API (cudarc's raw `sys` layer,
+//! libcuda loaded at run time, so the broker builds and runs on machines without CUDA).
+//!
+//! A [`CudaDevice`] owns, for one device ordinal: a retained reference to the device's
+//! primary context, one non-blocking stream used only for scrubs, and every allocation it
+//! made (a map id -> device pointer; whatever is still live when it is dropped is freed).
+//! Allocations are plain `cuMemAlloc_v2` memory — the only kind `cuIpcGetMemHandle` can
+//! export (not managed memory, not the stream-ordered pool) — with
+//! `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` set, so synchronous copies and memsets on them are
+//! complete when they return and an importing process never sees a half-done scrub.
+//!
+//! Driver calls act on the context current on the calling OS thread: open a device with
+//! [`CudaDevice::open`] on the thread that will use it (the device thread, see
+//! [`super::thread`]); every method also makes the context current again, which is cheap.
+//!
+//! Without libcuda every entry point returns an error instead of panicking (cudarc panics
+//! on the first driver call when the library is missing, so presence is checked first).
+
+use super::{
+    check_range, Allocation, BackendKind, Device, DeviceDesc, DeviceError, Handle, MemInfo,
+};
+use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdeviceptr, CUresult, CUstream};
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::OnceLock;
+
+/// Allocation granularity reported for CUDA devices: 2 MiB (the driver's large-page size;
+/// leases are rounded up to it by the pool).
+pub const CUDA_GRANULARITY: u64 = 2 << 20;
+
+/// Whether libcuda can be loaded. Cached: checked once per process.
+fn lib_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` only tries to dlopen the library by its usual names.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+/// Why the CUDA backend cannot be used, or `None` when a driver and at least one GPU are
+/// present. Never panics.
+pub fn unavailable_reason() -> Option<String> {
+    if !lib_present() {
+        return Some("libcuda (the CUDA driver library) was not found".to_string());
+    }
+    match std::panic::catch_unwind(device_count) {
+        Ok(Ok(0)) => Some("the CUDA driver reports no devices".to_string()),
+        Ok(Ok(_)) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(_) => Some("the CUDA driver library could not be used (panic while probing)".into()),
+    }
+}
+
+/// True when libcuda is present, `cuInit` succeeds and there is at least one device.
+/// Never panics.
+pub fn is_available() -> bool {
+    unavailable_reason().is_none()
+}
+
+/// Number of CUDA devices the driver sees.
+pub fn device_count() -> Result<u32, DeviceError> {
+    init()?;
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: the library is loaded (checked by `init`) and `n` is a valid out pointer.
+    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+    Ok(u32::try_from(n).unwrap_or(0))
+}
+
+/// Loads the library (or says why not) and runs `cuInit(0)`.
+fn init() -> Result<(), DeviceError> {
+    if !lib_present() {
+        return Err(DeviceError::Unavailable(
+            "libcuda (the CUDA driver library) was not found".to_string(),
+        ));
+    }
+    // SAFETY: the library is present; cuInit may be called any number of times.
+    check("cuInit", unsafe { sys::cuInit(0) })
+}
+
+/// Human-readable text for a driver result: its name (e.g. `CUDA_ERROR_OUT_OF_MEMORY`)
+/// and, when the driver can describe it, the description.
+fn describe(code: CUresult) -> String {
+    let text = if lib_present() {
+        let mut p: *const c_char = std::ptr::null();
+        // SAFETY: the library is loaded; on success `p` points at a static C string.
+        let rc = unsafe { sys::cuGetErrorString(code, &mut p) };
+        if rc == CUresult::CUDA_SUCCESS && !p.is_null() {
+            // SAFETY: the driver returned a NUL-terminated string with static lifetime.
+            Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        } else {
+            None
+        }
+    } else {
+        None
+    };
+    format_driver_error(code, text.as_deref())
+}
+
+/// `NAME (description)`, or just `NAME` without a description. (The enum's `Debug` is the
+/// driver's own name for the code, so `cuGetErrorName` adds nothing.)
+fn format_driver_error(code: CUresult, description: Option<&str>) -> String {
+    match description {
+        Some(d) if !d.is_empty() => format!("{code:?} ({d})"),
+        _ => format!("{code:?}"),
+    }
+}
+
+/// Maps a driver result to `Ok` or `DeviceError::Driver`.
+fn check(call: &'static str, rc: CUresult) -> Result<(), DeviceError> {
+    if rc == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(DeviceError::Driver {
+            call,
+            message: describe(rc),
+        })
+    }
+}
+
+/// A live allocation as this device recorded it.
+#[derive(Clone, Copy, Debug)]
+struct Live {
+    ptr: CUdeviceptr,
+    bytes: u64,
+}
+
+/// One GPU, driven through its primary context. See the module documentation.
+pub struct CudaDevice {
+    desc: DeviceDesc,
+    dev: CUdevice,
+    ctx: CUcontext,
+    stream: CUstream,
+    next_id: u64,
+    live: HashMap<u64, Live>,
+}
+
+// SAFETY: the context and stream are opaque driver handles that are valid on any thread once
+// the context is made current there, which every method does. A `CudaDevice` is moved onto
+// its device thread once and then used only from there (`Device` takes `&mut self`).
+unsafe impl Send for CudaDevice {}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: retains its primary context, makes it current on the calling
+    /// thread and creates the scrub stream. Call it on the thread that will use the device.
+    pub fn open(ordinal: u32) -> Result<CudaDevice, DeviceError> {
+        init()?;
+        let ord = std::ffi::c_int::try_from(ordinal)
+            .map_err(|_| DeviceError::Unavailable(format!("no CUDA device {ordinal}")))?;
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(DeviceError::Unavailable(format!(
+                "no CUDA device {ordinal}: the driver sees {count}"
+            )));
+        }
+        let mut dev: CUdevice = 0;
+        // SAFETY: library loaded and initialised; valid out pointer.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ord) })?;
+
+        let mut name_buf = [0 as c_char; 256];
+        // SAFETY: the buffer is 256 bytes and we pass its length; the driver NUL-terminates.
+        check("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(
+                name_buf.as_mut_ptr(),
+                name_buf.len() as std::ffi::c_int,
+                dev,
+            )
+        })?;
+        let name = name_from_buf(&name_buf);
+
+        let mut total: usize = 0;
+        // SAFETY: valid out pointer, valid device.
+        check("cuDeviceTotalMem", unsafe {
+            sys::cuDeviceTotalMem_v2(&mut total, dev)
+        })?;
+
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out pointer, valid device.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+        })?;
+        // From here on, the partly built device releases what it holds if a step fails.
+        let mut this = CudaDevice {
+            desc: DeviceDesc {
+                index: ordinal,
+                name,
+                backend: BackendKind::Cuda,
+                total_bytes: total as u64,
+                granularity: CUDA_GRANULARITY,
+            },
+            dev,
+            ctx,
+            stream: std::ptr::null_mut(),
+            next_id: 1,
+            live: HashMap::new(),
+        };
+        this.make_current()?;
+        let mut stream: CUstream = std::ptr::null_mut();
+        // SAFETY: context current; valid out pointer.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as std::ffi::c_uint,
+            )
+        })?;
+        this.stream = stream;
+
+        // The context's view of total memory is what `mem_info` reports; keep them equal.
+        let info = this.mem_info()?;
+        if info.total != this.desc.total_bytes {
+            tracing::warn!(
+                device = ordinal,
+                device_total = this.desc.total_bytes,
+                context_total = info.total,
+                "cuDeviceTotalMem and cuMemGetInfo disagree; using cuMemGetInfo's total"
+            );
+            this.desc.total_bytes = info.total;
+        }
+        tracing::info!(
+            device = ordinal,
+            name = %this.desc.name,
+            total_bytes = this.desc.total_bytes,
+            "opened CUDA device"
+        );
+        Ok(this)
+    }
+
+    /// The raw `CUdevice` handle.
+    pub fn cu_device(&self) -> i32 {
+        self.dev
+    }
+
+    /// Number of allocations this device currently holds.
+    pub fn live_allocations(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Makes this device's primary context current on the calling thread.
+    fn make_current(&self) -> Result<(), DeviceError> {
+        // SAFETY: `ctx` is a retained primary context, valid until `Drop` releases it.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
+    }
+
+    /// Looks up a live allocation; the caller's `Allocation` must match what was handed out
+    /// (same pointer and size), so a forged or stale one cannot reach other memory.
+    fn lookup(&self, alloc: &Allocation) -> Result<Live, DeviceError> {
+        match self.live.get(&alloc.id) {
+            Some(l) if l.ptr == alloc.addr && l.bytes == alloc.bytes => Ok(*l),
+            _ => Err(DeviceError::UnknownAllocation(alloc.id)),
+        }
+    }
+
+    /// Free bytes right now, or 0 if the driver cannot say (used for error reports only).
+    fn free_bytes(&self) -> u64 {
+        let mut free: usize = 0;
+        let mut total: usize = 0;
+        // SAFETY: valid out pointers; context current (callers made it so).
+        let rc = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+        if rc == CUresult::CUDA_SUCCESS {
+            free as u64
+        } else {
+            0
+        }
+    }
+}
+
+/// The device name from the driver's NUL-terminated buffer.
+fn name_from_buf(buf: &[c_char]) -> String {
+    let bytes: Vec<u8> = buf
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Device pointer plus offset, checked (the range itself was checked against the size).
+fn at(ptr: CUdeviceptr, offset: u64) -> CUdeviceptr {
+    ptr.wrapping_add(offset)
+}
+
+impl Device for CudaDevice {
+    fn desc(&self) -> &DeviceDesc {
+        &self.desc
+    }
+
+    fn mem_info(&mut self) -> Result<MemInfo, DeviceError> {
+        self.make_current()?;
+        let mut free: usize = 0;
+        let mut total: usize = 0;
+        // SAFETY: valid out pointers; context current.
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn alloc(&mut self, bytes: u64) -> Result<Allocation, DeviceError> {
+        if bytes == 0 {
+            return Err(DeviceError::InvalidSize(bytes));
+        }
+        let size = usize::try_from(bytes).map_err(|_| DeviceError::InvalidSize(bytes))?;
+        self.make_current()?;
+        if bytes > self.desc.total_bytes {
+            // Can never succeed; do not ask the driver.
+            return Err(DeviceError::OutOfMemory {
+                requested: bytes,
+                free: self.free_bytes(),
+            });
+        }
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: context current; valid out pointer; plain device memory (IPC-exportable).
+        let rc = unsafe { sys::cuMemAlloc_v2(&mut ptr, size) };
+        if rc == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Err(DeviceError::OutOfMemory {
+                requested: bytes,
+                free: self.free_bytes(),
+            });
+        }
+        check("cuMemAlloc", rc)?;
+        let one: std::ffi::c_uint = 1;
+        // SAFETY: `ptr` is the base of a live allocation; the attribute takes an unsigned int.
+        let rc = unsafe {
+            sys::cuPointerSetAttribute(
+                &one as *const std::ffi::c_uint as *const c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                ptr,
+            )
+        };
+        if let Err(e) = check("cuPointerSetAttribute(SYNC_MEMOPS)", rc) {
+            // SAFETY: `ptr` came from cuMemAlloc above and was never handed out.
+            let _ = unsafe { sys::cuMemFree_v2(ptr) };
+            return Err(e);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.live.insert(id, Live { ptr, bytes });
+        Ok(Allocation {
+            id,
+            bytes,
+            addr: ptr,
+            path: None,
+        })
+    }
+
+    fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError> {
+        let live = self.lookup(&alloc)?;
+        self.make_current()?;
+        // SAFETY: `live.ptr` is a live allocation of this context; removed from the map
+        // only once the driver accepted the free.
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(live.ptr) })?;
+        self.live.remove(&alloc.id);
+        Ok(())
+    }
+
+    fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError> {
+        let live = self.lookup(alloc)?;
+        self.make_current()?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `live.ptr` is the base pointer of a cuMemAlloc allocation; valid out pointer.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut handle, live.ptr)
+        })?;
+        Ok(Handle::CudaIpc(handle.reserved.map(|c| c as u8)))
+    }
+
+    fn scrub(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
+        let live = self.lookup(alloc)?;
+        self.make_current()?;
+        let size = usize::try_from(live.bytes).map_err(|_| DeviceError::InvalidSize(live.bytes))?;
+        // SAFETY: the whole range is the live allocation; the stream belongs to this context.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(live.ptr, 0, size, self.stream)
+        })?;
+        // The block must be zero before anyone else can see it.
+        // SAFETY: our own stream.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.stream)
+        })
+    }
+
+    fn read(
+        &mut self,
+        alloc: &Allocation,
+        offset: u64,
+        len: usize,
+    ) -> Result<Vec<u8>, DeviceError> {
+        check_range(alloc, offset, len as u64)?;
+        let live = self.lookup(alloc)?;
+        self.make_current()?;
+        let mut buf = vec![0u8; len];
+        if len == 0 {
+            return Ok(buf);
+        }
+        // SAFETY: [offset, offset+len) lies inside the live allocation; `buf` has `len` bytes.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(buf.as_mut_ptr() as *mut c_void, at(live.ptr, offset), len)
+        })?;
+        Ok(buf)
+    }
+
+    fn write(&mut self, alloc: &Allocation, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        check_range(alloc, offset, data.len() as u64)?;
+        let live = self.lookup(alloc)?;
+        self.make_current()?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: [offset, offset+len) lies inside the live allocation; `data` is readable.
+        // SYNC_MEMOPS on the allocation makes this copy complete when it returns.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(
+                at(live.ptr, offset),
+                data.as_ptr() as *const c_void,
+                data.len(),
+            )
+        })
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if let Err(e) = self.make_current() {
+            tracing::error!(device = self.desc.index, error = %e, "cannot make context current on drop");
+        }
+        for (id, live) in self.live.drain() {
+            // SAFETY: a live allocation of this context, freed once.
+            let rc = unsafe { sys::cuMemFree_v2(live.ptr) };
+            if let Err(e) = check("cuMemFree", rc) {
+                tracing::error!(device = self.desc.index, allocation = id, error = %e, "free on drop failed");
+            }
+        }
+        if !self.stream.is_null() {
+            // SAFETY: our stream, destroyed once.
+            let rc = unsafe { sys::cuStreamDestroy_v2(self.stream) };
+            if let Err(e) = check("cuStreamDestroy", rc) {
+                tracing::error!(device = self.desc.index, error = %e, "stream destroy failed");
+            }
+            self.stream = std::ptr::null_mut();
+        }
+        // Leave no dangling current context on this thread, then drop our reference.
+        // SAFETY: unsetting the current context is always allowed.
+        let _ = unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) };
+        // SAFETY: balances the retain in `open`.
+        let rc = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+        if let Err(e) = check("cuDevicePrimaryCtxRelease", rc) {
+            tracing::error!(device = self.desc.index, error = %e, "primary context release failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn availability_checks_never_panic() {
+        // On a machine without libcuda (CI, this build machine) everything says "no".
+        let available = is_available();
+        let reason = unavailable_reason();
+        assert_eq!(available, reason.is_none());
+        if !lib_present() {
+            assert!(!available);
+            assert!(reason.unwrap_or_default().contains("libcuda"));
+            assert!(matches!(device_count(), Err(DeviceError::Unavailable(_))));
+            assert!(matches!(
+                CudaDevice::open(0),
+                Err(DeviceError::Unavailable(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn success_maps_to_ok() {
+        assert!(check("cuInit", CUresult::CUDA_SUCCESS).is_ok());
+    }
+
+    #[test]
+    fn driver_errors_name_the_call_and_code() {
+        let msg = format_driver_error(CUresult::CUDA_ERROR_OUT_OF_MEMORY, Some("out of memory"));
+        assert_eq!(msg, "CUDA_ERROR_OUT_OF_MEMORY (out of memory)");
+        assert_eq!(
+            format_driver_error(CUresult::CUDA_ERROR_INVALID_CONTEXT, None),
+            "CUDA_ERROR_INVALID_CONTEXT"
+        );
+        if !lib_present() {
+            // Without the library the description is the code's name alone, and no panic.
+            match check("cuMemAlloc", CUresult::CUDA_ERROR_INVALID_VALUE) {
+                Err(DeviceError::Driver { call, message }) => {
+                    assert_eq!(call, "cuMemAlloc");
+                    assert_eq!(message, "CUDA_ERROR_INVALID_VALUE");
+                }
+                other => panic!("expected a driver error, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn device_names_stop_at_nul() {
+        let mut buf = [0 as c_char; 16];
+        for (i, b) in b"NVIDIA H200".iter().enumerate() {
+            buf[i] = *b as c_char;
+        }
+        assert_eq!(name_from_buf(&buf), "NVIDIA H200");
+        assert_eq!(name_from_buf(&[0 as c_char; 4]), "");
+    }
+
+    #[test]
+    fn granularity_is_two_mib() {
+        assert_eq!(CUDA_GRANULARITY, 2 * 1024 * 1024);
+        assert!(CUDA_GRANULARITY.is_power_of_two());
+    }
+}

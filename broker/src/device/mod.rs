@@ -1,0 +1,146 @@
+//! The `Device` trait: the seam between broker logic and hardware. A device hands out
+//! whole allocations, exports them as handles another process can map, zeroes them, and
+//! reports its memory. It knows nothing about tenants, quotas or gRPC.
+//!
+//! Backends: [`host`] (a simulated device made of shared-memory files, for machines without
+//! a GPU) and [`cuda`] (the CUDA driver API through cudarc, loaded at run time). Every
+//! backend must pass the [`conformance`] suite. Each device lives on its own OS thread
+//! ([`thread::DeviceThread`]) that does all of its driver work; the async side talks to it
+//! through a channel and never blocks on the driver.
+
+pub mod conformance;
+pub mod cuda;
+pub mod host;
+pub mod thread;
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// Which implementation backs a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Simulated device made of shared-memory files.
+    Host,
+    /// A real GPU through the CUDA driver API.
+    Cuda,
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendKind::Host => "host",
+            BackendKind::Cuda => "cuda",
+        })
+    }
+}
+
+/// What a device is: fixed for its lifetime.
+#[derive(Clone, Debug)]
+pub struct DeviceDesc {
+    /// Index of the device on this node (the CUDA ordinal for `cuda`).
+    pub index: u32,
+    /// Human-readable name (e.g. "NVIDIA H200").
+    pub name: String,
+    pub backend: BackendKind,
+    /// Total memory of the device in bytes.
+    pub total_bytes: u64,
+    /// Allocation granularity in bytes: leases are rounded up to a multiple of it.
+    pub granularity: u64,
+}
+
+/// Free and total memory as the device reports it now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    pub free: u64,
+    pub total: u64,
+}
+
+/// One live allocation of a device. Owned: exactly one holder, consumed by [`Device::free`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Unique per device for the device's lifetime.
+    pub id: u64,
+    /// Size in bytes (what was asked of the device).
+    pub bytes: u64,
+    /// Device pointer (`CUdeviceptr`) for `cuda`; 0 for `host`.
+    pub addr: u64,
+    /// Backing file for `host`; `None` for `cuda`.
+    pub path: Option<PathBuf>,
+}
+
+/// How another process maps an allocation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Handle {
+    /// The 64-byte `CUipcMemHandle`.
+    CudaIpc([u8; 64]),
+    /// A shared-memory file to `mmap` with `MAP_SHARED`.
+    HostShm(PathBuf),
+}
+
+/// Why a device operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("device out of memory: asked for {requested} bytes, {free} free")]
+    OutOfMemory { requested: u64, free: u64 },
+    #[error("invalid allocation size {0}")]
+    InvalidSize(u64),
+    #[error("unknown allocation {0}")]
+    UnknownAllocation(u64),
+    #[error("out of range access: offset {offset} + {len} > {bytes}")]
+    OutOfRange { offset: u64, len: u64, bytes: u64 },
+    #[error("CUDA driver call {call} failed: {message}")]
+    Driver { call: &'static str, message: String },
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    #[error("the device thread has stopped")]
+    ThreadGone,
+}
+
+/// A memory device. Implementations are `Send` (they move onto their device thread once)
+/// but never shared: every call comes from that one thread.
+pub trait Device: Send {
+    /// What this device is.
+    fn desc(&self) -> &DeviceDesc;
+    /// Total memory the device has, in bytes (same as `desc().total_bytes`).
+    fn capacity(&self) -> u64 {
+        self.desc().total_bytes
+    }
+    /// Free and total memory right now, as the device (driver) sees it.
+    fn mem_info(&mut self) -> Result<MemInfo, DeviceError>;
+    /// True when fresh allocations are guaranteed to read as zeros (a new shared-memory
+    /// file); false for CUDA, whose `cuMemAlloc` memory may hold an earlier owner's bytes.
+    fn fresh_is_zeroed(&self) -> bool {
+        false
+    }
+    /// Allocates `bytes` (> 0) as one allocation that can be exported on its own.
+    fn alloc(&mut self, bytes: u64) -> Result<Allocation, DeviceError>;
+    /// Frees an allocation. Callers guarantee no other process still maps it.
+    fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError>;
+    /// Exports a handle another process can open to map the whole allocation.
+    fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError>;
+    /// Sets every byte of the allocation to zero.
+    fn scrub(&mut self, alloc: &Allocation) -> Result<(), DeviceError>;
+    /// Copies `len` bytes at `offset` out of the allocation (diagnostics and tests).
+    fn read(&mut self, alloc: &Allocation, offset: u64, len: usize)
+        -> Result<Vec<u8>, DeviceError>;
+    /// Copies `data` into the allocation at `offset` (diagnostics and tests).
+    fn write(&mut self, alloc: &Allocation, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
+}
+
+/// Checks `offset + len <= bytes` without overflow.
+pub(crate) fn check_range(alloc: &Allocation, offset: u64, len: u64) -> Result<(), DeviceError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= alloc.bytes => Ok(()),
+        _ => Err(DeviceError::OutOfRange {
+            offset,
+            len,
+            bytes: alloc.bytes,
+        }),
+    }
+}

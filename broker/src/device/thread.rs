@@ -1,0 +1,102 @@
+//! One dedicated OS thread per device. CUDA driver calls act on the context current on the
+//! calling thread and tokio moves tasks between threads, so every call on a device goes
+//! through this thread, fed by a channel; async callers await a oneshot reply and never
+//! block on the driver.
+
+use super::{Device, DeviceDesc, DeviceError};
+use std::sync::mpsc;
+use tokio::sync::oneshot;
+
+type Job = Box<dyn FnOnce(&mut dyn Device) + Send>;
+
+/// A cheap, cloneable handle to a device living on its own thread.
+#[derive(Clone)]
+pub struct DeviceThread {
+    desc: DeviceDesc,
+    jobs: mpsc::Sender<Job>,
+}
+
+impl DeviceThread {
+    /// Starts a thread, builds the device on it with `open` (so a CUDA context is created
+    /// and made current on that thread), and returns a handle once the device is ready.
+    pub fn spawn<F>(name: String, open: F) -> Result<DeviceThread, DeviceError>
+    where
+        F: FnOnce() -> Result<Box<dyn Device>, DeviceError> + Send + 'static,
+    {
+        let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<DeviceDesc, DeviceError>>();
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                let mut device = match open() {
+                    Ok(d) => {
+                        let _ = ready_tx.send(Ok(d.desc().clone()));
+                        d
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                while let Ok(job) = jobs_rx.recv() {
+                    job(device.as_mut());
+                }
+                // Channel closed: every handle is gone; dropping the device releases it.
+                drop(device);
+            })
+            .map_err(|e| DeviceError::Unavailable(format!("cannot start device thread: {e}")))?;
+        let desc = ready_rx.recv().map_err(|_| DeviceError::ThreadGone)??;
+        Ok(DeviceThread {
+            desc,
+            jobs: jobs_tx,
+        })
+    }
+
+    /// What the device is.
+    pub fn desc(&self) -> &DeviceDesc {
+        &self.desc
+    }
+
+    /// Runs `f` on the device thread and awaits its result.
+    pub async fn call<R, F>(&self, f: F) -> Result<R, DeviceError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut dyn Device) -> R + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        self.jobs
+            .send(Box::new(move |d: &mut dyn Device| {
+                let _ = tx.send(f(d));
+            }))
+            .map_err(|_| DeviceError::ThreadGone)?;
+        rx.await.map_err(|_| DeviceError::ThreadGone)
+    }
+
+    /// Runs `f` on the device thread and blocks the calling (non-async) thread for it.
+    pub fn call_blocking<R, F>(&self, f: F) -> Result<R, DeviceError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut dyn Device) -> R + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        self.jobs
+            .send(Box::new(move |d: &mut dyn Device| {
+                let _ = tx.send(f(d));
+            }))
+            .map_err(|_| DeviceError::ThreadGone)?;
+        rx.recv().map_err(|_| DeviceError::ThreadGone)
+    }
+}
+
+impl DeviceThread {
+    /// Queues `f` on the device thread without waiting for it. Jobs run in the order they
+    /// were queued, so a free queued here happens before any later allocation.
+    pub fn submit<F>(&self, f: F) -> Result<(), DeviceError>
+    where
+        F: FnOnce(&mut dyn Device) + Send + 'static,
+    {
+        self.jobs
+            .send(Box::new(f))
+            .map_err(|_| DeviceError::ThreadGone)
+    }
+}

@@ -1,0 +1,399 @@
+//! The ledger: tenants, their quotas and live usage counters — the single source of
+//! truth for "who holds what". **Quotas are enforced here** ([`Ledger::check_charge`]):
+//! every byte a tenant holds or has reserved was charged through this module, and every
+//! charge is undone exactly once. The ledger never talks to a device; the arbiter calls
+//! it under the broker's state lock, which makes racing requests see exact numbers.
+
+use crate::error::{BrokerError, BrokerResult};
+use crate::units::show;
+use std::collections::BTreeMap;
+
+/// A tenant's limits, as an operator set them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Quota {
+    /// Most device bytes held at once (granted, rounded sizes).
+    pub limit_bytes: u64,
+    /// Most live leases; 0 means no limit.
+    pub max_leases: u32,
+    /// Higher goes first in queues and may reclaim from lower.
+    pub priority: i32,
+    /// Device bytes kept available for this tenant (<= limit_bytes).
+    pub guaranteed_bytes: u64,
+    /// Most host-fallback bytes held at once.
+    pub host_limit_bytes: u64,
+}
+
+/// Live counters of one tenant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Device bytes of live leases.
+    pub held_bytes: u64,
+    /// Live device leases.
+    pub lease_count: u32,
+    /// Device bytes admitted but not yet turned into leases (allocation in flight).
+    pub reserved_bytes: u64,
+    /// Admissions in flight.
+    pub reserved_count: u32,
+    /// Bytes of ended leases a live process may still map.
+    pub quarantined_bytes: u64,
+    /// Host-fallback bytes of live leases.
+    pub host_held_bytes: u64,
+    /// Host-fallback leases.
+    pub host_lease_count: u32,
+}
+
+impl Usage {
+    /// Device bytes held or reserved: what the limit is checked against.
+    pub fn committed_bytes(&self) -> u64 {
+        self.held_bytes + self.reserved_bytes
+    }
+}
+
+/// A tenant: name, quota, usage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tenant {
+    pub name: String,
+    pub quota: Quota,
+    pub usage: Usage,
+}
+
+impl Tenant {
+    /// Bytes held beyond the guarantee (memory others' guarantees may take back).
+    pub fn borrowed_bytes(&self) -> u64 {
+        self.usage
+            .committed_bytes()
+            .saturating_sub(self.quota.guaranteed_bytes)
+    }
+
+    /// Guaranteed bytes this tenant is not using: kept free for it.
+    pub fn unused_guarantee(&self) -> u64 {
+        self.quota
+            .guaranteed_bytes
+            .saturating_sub(self.usage.committed_bytes())
+    }
+}
+
+/// Which pool a charge draws on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Device,
+    Host,
+}
+
+/// Checks a tenant name: 1-64 of `[A-Za-z0-9._-]`.
+pub fn validate_tenant_name(name: &str) -> BrokerResult<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(BrokerError::InvalidArgument(format!(
+            "invalid tenant name {name:?}: use 1-64 characters of A-Z a-z 0-9 . _ -"
+        )))
+    }
+}
+
+/// Every tenant, by name.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    tenants: BTreeMap<String, Tenant>,
+}
+
+impl Ledger {
+    pub fn new() -> Ledger {
+        Ledger::default()
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Tenant> {
+        self.tenants.get(name)
+    }
+
+    pub fn tenants(&self) -> impl Iterator<Item = &Tenant> {
+        self.tenants.values()
+    }
+
+    fn get_mut(&mut self, name: &str) -> BrokerResult<&mut Tenant> {
+        self.tenants
+            .get_mut(name)
+            .ok_or_else(|| BrokerError::NotFound(format!("tenant {name:?} not found")))
+    }
+
+    /// Checks a quota on its own: the guarantee fits in the limit.
+    pub fn validate_quota(q: &Quota) -> BrokerResult<()> {
+        if q.guaranteed_bytes > q.limit_bytes {
+            return Err(BrokerError::InvalidArgument(format!(
+                "guaranteed {} exceeds limit {}",
+                show(q.guaranteed_bytes),
+                show(q.limit_bytes)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sum of every tenant's guarantee, with `name`'s replaced by `guaranteed`.
+    pub fn guarantees_with(&self, name: &str, guaranteed: u64) -> u64 {
+        self.tenants
+            .values()
+            .filter(|t| t.name != name)
+            .map(|t| t.quota.guaranteed_bytes)
+            .sum::<u64>()
+            + guaranteed
+    }
+
+    /// Creates or updates a tenant. Returns true when it was created. Lowering a limit
+    /// below what the tenant holds is allowed: it keeps its leases but gets no more.
+    pub fn set_quota(&mut self, name: &str, quota: Quota) -> BrokerResult<bool> {
+        validate_tenant_name(name)?;
+        Self::validate_quota(&quota)?;
+        match self.tenants.get_mut(name) {
+            Some(t) => {
+                t.quota = quota;
+                Ok(false)
+            }
+            None => {
+                self.tenants.insert(
+                    name.to_string(),
+                    Tenant {
+                        name: name.to_string(),
+                        quota,
+                        usage: Usage::default(),
+                    },
+                );
+                Ok(true)
+            }
+        }
+    }
+
+    /// Removes a tenant that holds nothing.
+    pub fn delete(&mut self, name: &str) -> BrokerResult<()> {
+        self.check_deletable(name)?;
+        self.tenants.remove(name);
+        Ok(())
+    }
+
+    /// Fails unless the tenant exists and holds nothing.
+    pub fn check_deletable(&self, name: &str) -> BrokerResult<()> {
+        let t = self
+            .tenants
+            .get(name)
+            .ok_or_else(|| BrokerError::NotFound(format!("tenant {name:?} not found")))?;
+        let u = t.usage;
+        if u.committed_bytes() > 0
+            || u.lease_count > 0
+            || u.host_lease_count > 0
+            || u.quarantined_bytes > 0
+        {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "tenant {name:?} still holds {} leases ({}); release or revoke them first",
+                u.lease_count + u.host_lease_count,
+                show(u.held_bytes + u.host_held_bytes + u.quarantined_bytes)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Can `name` take `bytes` more of `tier` now? Quota enforcement lives here.
+    pub fn check_charge(&self, name: &str, bytes: u64, tier: Tier) -> BrokerResult<()> {
+        let t = self
+            .tenants
+            .get(name)
+            .ok_or_else(|| BrokerError::NotFound(format!("tenant {name:?} not found")))?;
+        let (u, q) = (&t.usage, &t.quota);
+        let (used, limit, count) = match tier {
+            Tier::Device => (
+                u.committed_bytes(),
+                q.limit_bytes,
+                u.lease_count + u.reserved_count,
+            ),
+            Tier::Host => (u.host_held_bytes, q.host_limit_bytes, u.host_lease_count),
+        };
+        if used.saturating_add(bytes) > limit {
+            return Err(BrokerError::ResourceExhausted(format!(
+                "quota exceeded for tenant {name:?}: requested {}, holding {} of limit {}{}",
+                show(bytes),
+                show(used),
+                show(limit),
+                if tier == Tier::Host {
+                    " (host fallback)"
+                } else {
+                    ""
+                }
+            )));
+        }
+        if q.max_leases > 0 && count >= q.max_leases {
+            return Err(BrokerError::ResourceExhausted(format!(
+                "lease count limit reached for tenant {name:?}: {count} of {}",
+                q.max_leases
+            )));
+        }
+        Ok(())
+    }
+
+    /// Charges an admission in flight (device tier). Call after `check_charge`.
+    pub fn reserve(&mut self, name: &str, bytes: u64) -> BrokerResult<()> {
+        self.check_charge(name, bytes, Tier::Device)?;
+        let u = &mut self.get_mut(name)?.usage;
+        u.reserved_bytes += bytes;
+        u.reserved_count += 1;
+        Ok(())
+    }
+
+    /// Undoes a reservation that did not become a lease.
+    pub fn unreserve(&mut self, name: &str, bytes: u64) {
+        if let Ok(t) = self.get_mut(name) {
+            t.usage.reserved_bytes -= bytes;
+            t.usage.reserved_count -= 1;
+        }
+    }
+
+    /// Turns a reservation into a held lease.
+    pub fn commit(&mut self, name: &str, bytes: u64) {
+        if let Ok(t) = self.get_mut(name) {
+            t.usage.reserved_bytes -= bytes;
+            t.usage.reserved_count -= 1;
+            t.usage.held_bytes += bytes;
+            t.usage.lease_count += 1;
+        }
+    }
+
+    /// A device lease ended.
+    pub fn uncharge(&mut self, name: &str, bytes: u64) {
+        if let Ok(t) = self.get_mut(name) {
+            t.usage.held_bytes -= bytes;
+            t.usage.lease_count -= 1;
+        }
+    }
+
+    /// Charges a host-fallback lease (checks first).
+    pub fn charge_host(&mut self, name: &str, bytes: u64) -> BrokerResult<()> {
+        self.check_charge(name, bytes, Tier::Host)?;
+        let u = &mut self.get_mut(name)?.usage;
+        u.host_held_bytes += bytes;
+        u.host_lease_count += 1;
+        Ok(())
+    }
+
+    /// A host-fallback lease ended.
+    pub fn uncharge_host(&mut self, name: &str, bytes: u64) {
+        if let Ok(t) = self.get_mut(name) {
+            t.usage.host_held_bytes -= bytes;
+            t.usage.host_lease_count -= 1;
+        }
+    }
+
+    /// Memory of an ended lease stays mapped by a live process.
+    pub fn add_quarantine(&mut self, name: &str, bytes: u64) {
+        if let Ok(t) = self.get_mut(name) {
+            t.usage.quarantined_bytes += bytes;
+        }
+    }
+
+    /// Quarantined memory was let go.
+    pub fn remove_quarantine(&mut self, name: &str, bytes: u64) {
+        if let Ok(t) = self.get_mut(name) {
+            t.usage.quarantined_bytes -= bytes;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quota(limit: u64) -> Quota {
+        Quota {
+            limit_bytes: limit,
+            max_leases: 2,
+            ..Quota::default()
+        }
+    }
+
+    #[test]
+    fn set_quota_creates_then_updates() {
+        let mut l = Ledger::new();
+        assert!(l.set_quota("a", quota(10)).unwrap());
+        assert!(!l.set_quota("a", quota(20)).unwrap());
+        assert_eq!(l.get("a").unwrap().quota.limit_bytes, 20);
+    }
+
+    #[test]
+    fn rejects_bad_names_and_guarantees() {
+        let mut l = Ledger::new();
+        assert!(matches!(
+            l.set_quota("", quota(1)),
+            Err(BrokerError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            l.set_quota("a b", quota(1)),
+            Err(BrokerError::InvalidArgument(_))
+        ));
+        let q = Quota {
+            limit_bytes: 1,
+            guaranteed_bytes: 2,
+            ..Quota::default()
+        };
+        assert!(matches!(
+            l.set_quota("a", q),
+            Err(BrokerError::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn limit_counts_reservations_and_leases() {
+        let mut l = Ledger::new();
+        l.set_quota("a", quota(10)).unwrap();
+        l.reserve("a", 6).unwrap();
+        let err = l.reserve("a", 6).unwrap_err();
+        match err {
+            BrokerError::ResourceExhausted(m) => assert!(m.contains("limit"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        l.commit("a", 6);
+        l.reserve("a", 4).unwrap();
+        // max_leases = 2: one held + one reserved.
+        l.unreserve("a", 4);
+        l.reserve("a", 1).unwrap();
+        l.commit("a", 1);
+        assert!(matches!(
+            l.reserve("a", 1),
+            Err(BrokerError::ResourceExhausted(_))
+        ));
+        l.uncharge("a", 6);
+        l.uncharge("a", 1);
+        assert_eq!(l.get("a").unwrap().usage, Usage::default());
+    }
+
+    #[test]
+    fn delete_refused_while_holding() {
+        let mut l = Ledger::new();
+        l.set_quota("a", quota(10)).unwrap();
+        l.reserve("a", 2).unwrap();
+        l.commit("a", 2);
+        assert!(matches!(
+            l.delete("a"),
+            Err(BrokerError::FailedPrecondition(_))
+        ));
+        l.uncharge("a", 2);
+        l.delete("a").unwrap();
+        assert!(l.get("a").is_none());
+        assert!(matches!(l.delete("a"), Err(BrokerError::NotFound(_))));
+    }
+
+    #[test]
+    fn borrowed_is_beyond_guarantee() {
+        let mut l = Ledger::new();
+        let q = Quota {
+            limit_bytes: 10,
+            guaranteed_bytes: 4,
+            ..Quota::default()
+        };
+        l.set_quota("a", q).unwrap();
+        l.reserve("a", 6).unwrap();
+        let t = l.get("a").unwrap();
+        assert_eq!(t.borrowed_bytes(), 2);
+        assert_eq!(t.unused_guarantee(), 0);
+    }
+}

@@ -1,0 +1,24 @@
+//! gpu-broker: a multi-tenant GPU memory broker. Worker processes ask it over gRPC for
+//! leases on device memory under per-tenant quotas; operators manage tenants through the
+//! admin service. See `docs/architecture.md` for the map; in one line:
+//! `service -> arbiter -> (ledger, pool -> device)`, events back through `session`.
+//!
+//! Where to look: quotas are enforced in [`ledger`]; admission, queues and reclaim in
+//! [`arbiter`]; the block cache and scrubbing in [`pool`]; hardware in [`device`].
+
+pub mod admin_token;
+pub mod arbiter;
+pub mod auth;
+pub mod backend;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod lease;
+pub mod ledger;
+pub mod metrics;
+pub mod pool;
+pub mod server;
+pub mod service;
+pub mod session;
+pub mod store;
+pub mod units;

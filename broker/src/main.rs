@@ -1,0 +1,114 @@
+//! `gpu-broker`: the daemon. Wiring only: parse flags, set up logging, open the state
+//! store, the admin token and the devices, bind the listeners, serve until SIGINT/SIGTERM.
+
+use anyhow::Context;
+use clap::Parser;
+use gpu_broker::arbiter::Arbiter;
+use gpu_broker::auth::Authenticator;
+use gpu_broker::backend::{open_devices, open_host_tier, BackendSpec};
+use gpu_broker::config::Config;
+use gpu_broker::server::{bind_unix, serve, serve_metrics, Listeners};
+use gpu_broker::store::Store;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+fn main() -> anyhow::Result<()> {
+    let cfg = Config::parse();
+    init_logging(cfg.log_json);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?
+        .block_on(run(cfg))
+}
+
+fn init_logging(json: bool) {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_env("GPU_BROKER_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+async fn run(cfg: Config) -> anyhow::Result<()> {
+    let store = Store::open(&cfg.state_dir)
+        .with_context(|| format!("opening the state in {}", cfg.state_dir.display()))?;
+    let admin_token =
+        gpu_broker::admin_token::load_or_create(&cfg.admin_token_path()).context("admin token")?;
+    let auth = Arc::new(Authenticator::new(&admin_token));
+    let spec = BackendSpec {
+        choice: cfg.backend,
+        cuda_devices: cfg.devices.clone(),
+        host_capacity: cfg.host_capacity,
+        host_devices: cfg.host_devices,
+        host_shm_dir: cfg.host_shm_dir.clone(),
+        headroom: cfg.headroom,
+    };
+    let devices = open_devices(&spec).context("opening devices")?;
+    let host_tier = open_host_tier(cfg.host_fallback_capacity, &cfg.host_shm_dir)
+        .context("opening the host fallback tier")?;
+    let arb = Arbiter::new(devices, host_tier, Some(store), auth, cfg.arbiter())
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .context("loading state")?;
+
+    let unix = bind_unix(&cfg.socket).await?;
+    tracing::info!(socket = %cfg.socket.display(), "serving on the Unix socket");
+    let tcp = match cfg.listen {
+        Some(addr) => {
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding {addr}"))?;
+            tracing::info!(addr = %l.local_addr()?, "serving on TCP");
+            Some(l)
+        }
+        None => None,
+    };
+    let shutdown = CancellationToken::new();
+    if let Some(addr) = cfg.metrics_listen {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding metrics {addr}"))?;
+        tracing::info!(addr = %l.local_addr()?, "metrics at /metrics");
+        tokio::spawn(serve_metrics(arb.clone(), l, shutdown.clone()));
+    }
+    let s = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("signal received");
+        s.cancel();
+    });
+    serve(
+        arb,
+        Listeners {
+            unix: Some(unix),
+            tcp,
+        },
+        shutdown,
+        cfg.shutdown_grace,
+    )
+    .await?;
+    let _ = std::fs::remove_file(&cfg.socket);
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers, never resolve: the broker runs until killed.
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

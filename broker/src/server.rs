@@ -1,0 +1,200 @@
+//! The server: binds the Unix socket (0660, stale file replaced) and the optional TCP
+//! address, serves the `Broker` and `Admin` services plus gRPC health and reflection,
+//! and shuts down with a grace period: refuse new work, tell sessions, give them the
+//! grace to release, then end them, free every block, and stop.
+
+use crate::arbiter::Arbiter;
+use crate::auth::{admin_interceptor, tenant_interceptor};
+use crate::service::admin::AdminService;
+use crate::service::broker::BrokerService;
+use gpu_broker_proto::v1::admin_server::AdminServer;
+use gpu_broker_proto::v1::broker_server::BrokerServer;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, UnixListener};
+use tokio_util::sync::CancellationToken;
+
+/// Why serving failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("socket {path}: {source}")]
+    Socket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("another broker is already serving on {0}")]
+    InUse(PathBuf),
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("reflection: {0}")]
+    Reflection(String),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Binds the Unix socket at `path`: creates its directory, replaces a stale socket file
+/// (refuses one a live broker still serves), and sets mode 0660.
+pub async fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
+    let err = |source| ServerError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    if path.exists() {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            return Err(ServerError::InUse(path.to_path_buf()));
+        }
+        tracing::info!(path = %path.display(), "removing stale socket file");
+        std::fs::remove_file(path).map_err(err)?;
+    }
+    let l = UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(err)?;
+    Ok(l)
+}
+
+/// The listeners to serve on.
+pub struct Listeners {
+    pub unix: Option<UnixListener>,
+    pub tcp: Option<TcpListener>,
+}
+
+/// Serves until `shutdown` is cancelled, then shuts down gracefully within `grace`.
+pub async fn serve(
+    arb: Arc<Arbiter>,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+    grace: Duration,
+) -> Result<(), ServerError> {
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<BrokerServer<BrokerService>>()
+        .await;
+    health_reporter
+        .set_serving::<AdminServer<AdminService>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(gpu_broker_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+    let auth = arb.authenticator().clone();
+    let broker = BrokerServer::with_interceptor(
+        BrokerService::new(arb.clone()),
+        tenant_interceptor(auth.clone()),
+    );
+    let admin =
+        AdminServer::with_interceptor(AdminService::new(arb.clone()), admin_interceptor(auth));
+    let router = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(broker)
+        .add_service(admin);
+
+    let bg_stop = CancellationToken::new();
+    arb.spawn_background(bg_stop.clone());
+
+    let stop_serving = CancellationToken::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    if let Some(l) = listeners.unix {
+        let r = router.clone();
+        let s = stop_serving.clone();
+        tasks.spawn(async move {
+            r.serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(l),
+                s.cancelled_owned(),
+            )
+            .await
+        });
+    }
+    if let Some(l) = listeners.tcp {
+        let r = router.clone();
+        let s = stop_serving.clone();
+        tasks.spawn(async move {
+            r.serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(l),
+                s.cancelled_owned(),
+            )
+            .await
+        });
+    }
+
+    // Serve until asked to stop (or a listener fails).
+    let early = tokio::select! {
+        _ = shutdown.cancelled() => None,
+        r = tasks.join_next() => r,
+    };
+    if let Some(Ok(Err(e))) = early {
+        tracing::error!(error = %e, "a listener failed; shutting down");
+    }
+
+    tracing::info!(grace = ?grace, sessions = arb.session_count(), "shutting down: draining sessions");
+    health_reporter
+        .set_not_serving::<BrokerServer<BrokerService>>()
+        .await;
+    arb.begin_drain(grace);
+    let deadline = Instant::now() + grace;
+    while arb.session_count() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // End what is left (their streams close) and free every block.
+    let a = arb.clone();
+    tokio::task::spawn_blocking(move || a.shutdown_release_all())
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    bg_stop.cancel();
+    stop_serving.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(3), async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    tracing::info!("shutdown complete");
+    Ok(())
+}
+
+/// Serves Prometheus metrics at `GET /metrics` until `stop` is cancelled.
+pub async fn serve_metrics(
+    arb: Arc<Arbiter>,
+    listener: TcpListener,
+    stop: CancellationToken,
+) -> Result<(), ServerError> {
+    use http_body_util::Full;
+    use hyper::body::Bytes;
+    use hyper::{Response, StatusCode};
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            r = listener.accept() => r?,
+        };
+        let arb = arb.clone();
+        tokio::spawn(async move {
+            let svc =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let arb = arb.clone();
+                    async move {
+                        let resp = if req.uri().path() == "/metrics" {
+                            let body = crate::metrics::render(&arb).await;
+                            Response::builder()
+                                .header("content-type", "text/plain; version=0.0.4")
+                                .body(Full::new(Bytes::from(body)))
+                        } else {
+                            Response::builder()
+                                .status(StatusCode::NOT_FOUND)
+                                .body(Full::new(Bytes::from_static(b"not found\n")))
+                        };
+                        resp
+                    }
+                });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, svc)
+                .await;
+        });
+    }
+}

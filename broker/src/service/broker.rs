@@ -1,0 +1,145 @@
+//! The `Broker` service (workers): sessions, leases, usage. Thin: authenticate (done by
+//! the interceptor), convert, delegate to the arbiter, convert back.
+
+use super::convert::{self, parse_id};
+use super::events::EventStream;
+use crate::arbiter::{AcquireRequest, Arbiter};
+use crate::auth::tenant_of;
+use crate::error::BrokerError;
+use crate::session::Peer;
+use gpu_broker_proto::v1 as pb;
+use gpu_broker_proto::v1::broker_server::Broker;
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::transport::server::UdsConnectInfo;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+/// Heartbeat period of session streams.
+const HEARTBEAT: Duration = Duration::from_secs(5);
+
+/// The worker-facing service.
+pub struct BrokerService {
+    arb: Arc<Arbiter>,
+}
+
+impl BrokerService {
+    pub fn new(arb: Arc<Arbiter>) -> BrokerService {
+        BrokerService { arb }
+    }
+}
+
+fn peer_of<T>(req: &Request<T>) -> Peer {
+    match req.extensions().get::<UdsConnectInfo>() {
+        Some(info) => Peer {
+            pid: info
+                .peer_cred
+                .and_then(|c| c.pid())
+                .and_then(|p| u32::try_from(p).ok()),
+            uid: info.peer_cred.map(|c| c.uid()),
+            unix: true,
+        },
+        None => Peer::default(),
+    }
+}
+
+#[tonic::async_trait]
+impl Broker for BrokerService {
+    type OpenSessionStream = EventStream;
+
+    async fn open_session(
+        &self,
+        req: Request<pb::OpenSessionRequest>,
+    ) -> Result<Response<Self::OpenSessionStream>, Status> {
+        let tenant = tenant_of(&req)?;
+        let peer = peer_of(&req);
+        let name = req.into_inner().name;
+        let (id, rx) = self.arb.open_session(&tenant, &name, peer)?;
+        let opened = pb::SessionOpened {
+            session_id: id.to_string(),
+            tenant,
+            broker_version: env!("CARGO_PKG_VERSION").into(),
+            keepalive_timeout_ms: self.arb.config().keepalive_timeout.as_millis() as u64,
+            peer_pid: peer.pid.unwrap_or(0),
+        };
+        Ok(Response::new(EventStream::new(
+            self.arb.clone(),
+            id,
+            opened,
+            rx,
+            HEARTBEAT,
+        )))
+    }
+
+    async fn acquire_lease(
+        &self,
+        req: Request<pb::AcquireLeaseRequest>,
+    ) -> Result<Response<pb::AcquireLeaseResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let r = req.into_inner();
+        let session = parse_id("session_id", &r.session_id)?;
+        let fallback = pb::Fallback::try_from(r.fallback).map_err(|_| {
+            BrokerError::InvalidArgument(format!("unknown fallback {}", r.fallback))
+        })?;
+        let span = tracing::info_span!("acquire", %tenant, %session, bytes = r.bytes);
+        let acquire = AcquireRequest {
+            tenant,
+            session,
+            bytes: r.bytes,
+            device: r.device,
+            wait: Duration::from_millis(r.wait_ms.unwrap_or(0)),
+            label: r.label,
+            reclaimable: r.reclaimable,
+            fallback_host: fallback == pb::Fallback::Host,
+        };
+        let lease = self.arb.acquire(acquire).instrument(span).await?;
+        Ok(Response::new(pb::AcquireLeaseResponse {
+            lease: Some(convert::lease(&lease)),
+        }))
+    }
+
+    async fn release_lease(
+        &self,
+        req: Request<pb::ReleaseLeaseRequest>,
+    ) -> Result<Response<pb::ReleaseLeaseResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let id = parse_id("lease_id", &req.get_ref().lease_id)?;
+        let _span = tracing::info_span!("release", %tenant, lease = %id).entered();
+        self.arb.release(&tenant, id)?;
+        Ok(Response::new(pb::ReleaseLeaseResponse {}))
+    }
+
+    async fn list_leases(
+        &self,
+        req: Request<pb::ListLeasesRequest>,
+    ) -> Result<Response<pb::ListLeasesResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let leases = self.arb.list_leases(&tenant);
+        Ok(Response::new(pb::ListLeasesResponse {
+            leases: leases.iter().map(convert::lease).collect(),
+        }))
+    }
+
+    async fn get_usage(
+        &self,
+        req: Request<pb::GetUsageRequest>,
+    ) -> Result<Response<pb::GetUsageResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let t = self.arb.usage(&tenant)?;
+        Ok(Response::new(pb::GetUsageResponse {
+            tenant: t.name.clone(),
+            quota: Some(convert::quota(&t.quota)),
+            usage: Some(convert::usage(&t.usage, &t)),
+        }))
+    }
+
+    async fn keepalive(
+        &self,
+        req: Request<pb::KeepaliveRequest>,
+    ) -> Result<Response<pb::KeepaliveResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let id = parse_id("session_id", &req.get_ref().session_id)?;
+        self.arb.touch(&tenant, id)?;
+        Ok(Response::new(pb::KeepaliveResponse {}))
+    }
+}

@@ -1,0 +1,147 @@
+//! Conversions between proto messages and domain types.
+
+use crate::arbiter::{DeviceReport, SessionView, TenantView};
+use crate::auth::TokenEntry;
+use crate::device::Handle;
+use crate::error::BrokerError;
+use crate::lease::LeaseView;
+use crate::ledger::{Quota, Tier, Usage};
+use gpu_broker_proto::v1 as pb;
+use std::time::SystemTime;
+use uuid::Uuid;
+
+pub(crate) use crate::arbiter::unix_ms_of as unix_ms;
+
+/// Parses a UUID field, naming the field in the error.
+pub fn parse_id(field: &str, s: &str) -> Result<Uuid, BrokerError> {
+    Uuid::parse_str(s)
+        .map_err(|_| BrokerError::InvalidArgument(format!("{field} {s:?} is not a UUID")))
+}
+
+pub fn lease(v: &LeaseView) -> pb::Lease {
+    pb::Lease {
+        lease_id: v.id.to_string(),
+        device: v.device,
+        bytes: v.bytes,
+        requested_bytes: v.requested_bytes,
+        offset: 0,
+        label: v.label.clone(),
+        session_id: v.session.to_string(),
+        tenant: v.tenant.clone(),
+        state: if v.reclaim_deadline.is_some() {
+            pb::LeaseState::ReclaimRequested as i32
+        } else {
+            pb::LeaseState::Active as i32
+        },
+        tier: match v.tier {
+            Tier::Device => pb::MemoryTier::Device as i32,
+            Tier::Host => pb::MemoryTier::Host as i32,
+        },
+        created_unix_ms: unix_ms(v.created),
+        reclaimable: v.reclaimable,
+        reclaim_deadline_unix_ms: v.reclaim_deadline.map(unix_ms).unwrap_or(0),
+        borrowed: v.borrowed,
+        handle: Some(match &v.handle {
+            Handle::CudaIpc(b) => pb::lease::Handle::CudaIpc(b.to_vec()),
+            Handle::HostShm(p) => pb::lease::Handle::HostShm(p.to_string_lossy().into_owned()),
+        }),
+    }
+}
+
+pub fn quota_from(q: Option<pb::Quota>) -> Result<Quota, BrokerError> {
+    let q = q.ok_or_else(|| BrokerError::InvalidArgument("quota is required".into()))?;
+    Ok(Quota {
+        limit_bytes: q.limit_bytes,
+        max_leases: q.max_leases,
+        priority: q.priority,
+        guaranteed_bytes: q.guaranteed_bytes,
+        host_limit_bytes: q.host_limit_bytes,
+    })
+}
+
+pub fn quota(q: &Quota) -> pb::Quota {
+    pb::Quota {
+        limit_bytes: q.limit_bytes,
+        max_leases: q.max_leases,
+        priority: q.priority,
+        guaranteed_bytes: q.guaranteed_bytes,
+        host_limit_bytes: q.host_limit_bytes,
+    }
+}
+
+pub fn usage(u: &Usage, t: &TenantView) -> pb::Usage {
+    pb::Usage {
+        held_bytes: u.held_bytes,
+        lease_count: u.lease_count,
+        borrowed_bytes: t.borrowed_bytes,
+        quarantined_bytes: u.quarantined_bytes,
+        host_held_bytes: u.host_held_bytes,
+        session_count: t.sessions,
+        waiting_requests: t.waiting,
+    }
+}
+
+pub fn tenant(t: &TenantView) -> pb::TenantInfo {
+    pb::TenantInfo {
+        name: t.name.clone(),
+        quota: Some(quota(&t.quota)),
+        usage: Some(usage(&t.usage, t)),
+        token_count: t.tokens,
+    }
+}
+
+pub fn token(t: &TokenEntry) -> pb::TokenInfo {
+    pb::TokenInfo {
+        token_id: t.token_id.clone(),
+        tenant: t.tenant.clone(),
+        description: t.description.clone(),
+        created_unix_ms: t.created_unix_ms,
+    }
+}
+
+pub fn session(s: &SessionView) -> pb::SessionInfo {
+    pb::SessionInfo {
+        session_id: s.id.to_string(),
+        tenant: s.tenant.clone(),
+        name: s.name.clone(),
+        peer_pid: s.pid.unwrap_or(0),
+        peer_uid: s.uid.unwrap_or(0),
+        opened_unix_ms: unix_ms(s.opened),
+        lease_count: s.lease_count,
+        held_bytes: s.held_bytes,
+        transport: if s.unix { "unix" } else { "tcp" }.into(),
+    }
+}
+
+pub fn device(d: &DeviceReport) -> pb::DeviceInfo {
+    pb::DeviceInfo {
+        index: d.index,
+        name: d.name.clone(),
+        backend: d.backend.clone(),
+        total_bytes: d.total,
+        free_bytes: d.free,
+        leasable_bytes: d.leasable,
+        leased_bytes: d.leased,
+        cached_bytes: d.cached,
+        headroom_bytes: d.headroom,
+        quarantined_bytes: d.quarantined,
+        external_used_bytes: d.external_used,
+        granularity_bytes: d.granularity,
+        lease_count: d.lease_count,
+        waiting_requests: d.waiting,
+    }
+}
+
+/// Milliseconds since the epoch, for event payloads.
+pub fn now_ms() -> i64 {
+    unix_ms(SystemTime::now())
+}
+
+/// An optional tenant filter: empty means all.
+pub fn filter(s: &str) -> Option<&str> {
+    if s.is_empty() {
+        None
+    } else {
+        Some(s)
+    }
+}

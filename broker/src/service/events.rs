@@ -1,0 +1,109 @@
+//! The `OpenSession` response stream. It yields the `opened` event first, then the
+//! session's events and a periodic heartbeat. When the worker goes away the transport
+//! drops this stream, and its guard ends the session (releasing everything it held).
+
+use super::convert::now_ms;
+use crate::arbiter::Arbiter;
+use crate::session::SessionEvent;
+use futures::Stream;
+use gpu_broker_proto::v1 as pb;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tonic::Status;
+use uuid::Uuid;
+
+/// Ends the session when dropped.
+struct SessionGuard {
+    arb: Arc<Arbiter>,
+    id: Uuid,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        self.arb.end_session(self.id, "session stream closed");
+    }
+}
+
+/// Stream of `SessionEvent`s for one session.
+pub struct EventStream {
+    first: Option<pb::SessionEvent>,
+    rx: mpsc::UnboundedReceiver<SessionEvent>,
+    heartbeat: tokio::time::Interval,
+    _guard: SessionGuard,
+}
+
+impl EventStream {
+    pub fn new(
+        arb: Arc<Arbiter>,
+        id: Uuid,
+        opened: pb::SessionOpened,
+        rx: mpsc::UnboundedReceiver<SessionEvent>,
+        heartbeat: Duration,
+    ) -> EventStream {
+        let mut hb = tokio::time::interval(heartbeat);
+        hb.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        EventStream {
+            first: Some(pb::SessionEvent {
+                event: Some(pb::session_event::Event::Opened(opened)),
+            }),
+            rx,
+            heartbeat: hb,
+            _guard: SessionGuard { arb, id },
+        }
+    }
+}
+
+fn to_proto(e: SessionEvent) -> pb::SessionEvent {
+    use pb::session_event::Event;
+    let event = match e {
+        SessionEvent::ReclaimRequested {
+            lease_id,
+            bytes,
+            deadline,
+            reason,
+        } => Event::ReclaimRequested(pb::ReclaimRequested {
+            lease_id: lease_id.to_string(),
+            bytes,
+            deadline_unix_ms: super::convert::unix_ms(deadline),
+            reason,
+        }),
+        SessionEvent::LeaseRevoked { lease_id, reason } => Event::LeaseRevoked(pb::LeaseRevoked {
+            lease_id: lease_id.to_string(),
+            reason,
+        }),
+        SessionEvent::ShuttingDown { reason, grace } => Event::ShuttingDown(pb::ShuttingDown {
+            reason,
+            grace_ms: grace.as_millis() as u64,
+        }),
+    };
+    pb::SessionEvent { event: Some(event) }
+}
+
+impl Stream for EventStream {
+    type Item = Result<pb::SessionEvent, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Some(first) = self.first.take() {
+            // Consume the immediate first tick so heartbeats start one period later.
+            let _ = self.heartbeat.poll_tick(cx);
+            return Poll::Ready(Some(Ok(first)));
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(e)) => return Poll::Ready(Some(Ok(to_proto(e)))),
+            // The broker ended the session: end the stream.
+            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Pending => {}
+        }
+        if self.heartbeat.poll_tick(cx).is_ready() {
+            return Poll::Ready(Some(Ok(pb::SessionEvent {
+                event: Some(pb::session_event::Event::Heartbeat(pb::Heartbeat {
+                    unix_ms: now_ms(),
+                })),
+            })));
+        }
+        Poll::Pending
+    }
+}

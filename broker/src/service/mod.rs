@@ -1,0 +1,8 @@
+//! The tonic services: [`broker`] for workers and [`admin`] for operators. They translate
+//! proto messages to domain types and `BrokerError` to `tonic::Status` ([`convert`]) and
+//! delegate everything else to the arbiter. No business logic lives here.
+
+pub mod admin;
+pub mod broker;
+pub mod convert;
+mod events;

@@ -1,0 +1,52 @@
+//! Byte sizes: rounding to a granularity and printing human units in messages.
+
+/// Rounds `bytes` up to a multiple of `granularity` (a power of two); `None` on overflow.
+pub fn round_up(bytes: u64, granularity: u64) -> Option<u64> {
+    debug_assert!(granularity.is_power_of_two());
+    bytes
+        .checked_add(granularity - 1)
+        .map(|b| b & !(granularity - 1))
+}
+
+/// `8589934592` -> `"8.0 GiB (8589934592 bytes)"`: exact and readable in error messages.
+pub fn show(bytes: u64) -> String {
+    format!(
+        "{} ({bytes} bytes)",
+        bytesize::ByteSize(bytes).display().iec()
+    )
+}
+
+/// Parses `8GiB`, `512MiB`, `1.5GB`, `1048576`.
+pub fn parse(s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|e| format!("invalid size {s:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_up_to_granularity() {
+        let g = 2 << 20;
+        assert_eq!(round_up(1, g), Some(g));
+        assert_eq!(round_up(g, g), Some(g));
+        assert_eq!(round_up(g + 1, g), Some(2 * g));
+        assert_eq!(round_up(u64::MAX, g), None);
+    }
+
+    #[test]
+    fn parses_human_units() {
+        assert_eq!(parse("8GiB").unwrap(), 8 << 30);
+        assert_eq!(parse("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse("1048576").unwrap(), 1 << 20);
+        assert!(parse("lots").is_err());
+    }
+
+    #[test]
+    fn shows_exact_bytes() {
+        assert!(show(8 << 30).contains("8589934592"));
+    }
+}

@@ -1,0 +1,240 @@
+//! The operator-facing client: one method per `Admin` RPC, taking and returning plain
+//! domain types ([`TenantInfo`], [`QuotaSpec`], [`IssuedToken`], [`TokenInfo`],
+//! [`LeaseInfo`], [`SessionInfo`], [`DeviceInfo`]). Calls carry the admin token as
+//! `authorization: Bearer <token>`; a tenant token gets `PERMISSION_DENIED`.
+
+use tonic::transport::Channel;
+
+use gpu_broker_proto::v1 as pb;
+use pb::admin_client::AdminClient as RawAdminClient;
+
+use crate::connect::{self, AuthChannel};
+use crate::device::DeviceInfo;
+use crate::error::ClientError;
+use crate::lease::LeaseInfo;
+use crate::session::SessionInfo;
+use crate::tenant::{QuotaSpec, TenantInfo};
+use crate::token::{IssuedToken, TokenInfo};
+
+/// A connection to the broker's admin service. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct AdminClient {
+    admin: RawAdminClient<AuthChannel>,
+}
+
+fn tenant_of(tenant: Option<pb::TenantInfo>, rpc: &str) -> Result<TenantInfo, ClientError> {
+    tenant
+        .map(TenantInfo::from)
+        .ok_or_else(|| ClientError::Protocol(format!("{rpc} reply carries no tenant")))
+}
+
+impl AdminClient {
+    /// Connects now to `uri` with an admin token.
+    pub async fn connect(
+        uri: &str,
+        admin_token: impl Into<String>,
+    ) -> Result<AdminClient, ClientError> {
+        let channel = connect::connect_channel(uri).await?;
+        AdminClient::from_channel(channel, admin_token)
+    }
+
+    /// Uses an existing channel (custom transports, tests).
+    pub fn from_channel(
+        channel: Channel,
+        admin_token: impl Into<String>,
+    ) -> Result<AdminClient, ClientError> {
+        let token = admin_token.into();
+        Ok(AdminClient {
+            admin: RawAdminClient::new(connect::authenticated(channel, &token)?),
+        })
+    }
+
+    /// The generated gRPC client, authenticated, for calls this crate does not wrap.
+    pub fn raw(&self) -> RawAdminClient<AuthChannel> {
+        self.admin.clone()
+    }
+
+    /// Creates the tenant if new, else replaces its whole quota.
+    pub async fn set_quota(
+        &self,
+        tenant: &str,
+        quota: QuotaSpec,
+    ) -> Result<TenantInfo, ClientError> {
+        let reply = self
+            .raw()
+            .set_quota(pb::SetQuotaRequest {
+                tenant: tenant.to_string(),
+                quota: Some(quota.into()),
+            })
+            .await?
+            .into_inner();
+        tenant_of(reply.tenant, "SetQuota")
+    }
+
+    /// One tenant's quota and usage.
+    pub async fn get_quota(&self, tenant: &str) -> Result<TenantInfo, ClientError> {
+        let reply = self
+            .raw()
+            .get_quota(pb::GetQuotaRequest {
+                tenant: tenant.to_string(),
+            })
+            .await?
+            .into_inner();
+        tenant_of(reply.tenant, "GetQuota")
+    }
+
+    /// Every tenant with quota and usage.
+    pub async fn list_tenants(&self) -> Result<Vec<TenantInfo>, ClientError> {
+        let reply = self
+            .raw()
+            .list_tenants(pb::ListTenantsRequest {})
+            .await?
+            .into_inner();
+        Ok(reply.tenants.into_iter().map(TenantInfo::from).collect())
+    }
+
+    /// Deletes a tenant (`FAILED_PRECONDITION` while it holds leases).
+    pub async fn delete_tenant(&self, tenant: &str) -> Result<(), ClientError> {
+        self.raw()
+            .delete_tenant(pb::DeleteTenantRequest {
+                tenant: tenant.to_string(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Issues a new bearer token for `tenant`.
+    pub async fn issue_token(
+        &self,
+        tenant: &str,
+        description: &str,
+    ) -> Result<IssuedToken, ClientError> {
+        let reply = self
+            .raw()
+            .issue_token(pb::IssueTokenRequest {
+                tenant: tenant.to_string(),
+                description: description.to_string(),
+            })
+            .await?
+            .into_inner();
+        Ok(IssuedToken::from(reply))
+    }
+
+    /// Revokes a token given either its id or the token itself: tried as an id first,
+    /// then (on `NOT_FOUND` or `INVALID_ARGUMENT`) as the token.
+    pub async fn revoke_token(&self, id_or_token: &str) -> Result<(), ClientError> {
+        let by_id = pb::RevokeTokenRequest {
+            token_id: id_or_token.to_string(),
+            token: String::new(),
+        };
+        let first = match self.raw().revoke_token(by_id).await {
+            Ok(_) => return Ok(()),
+            Err(status) => ClientError::from(status),
+        };
+        if !matches!(
+            first,
+            ClientError::NotFound(_) | ClientError::InvalidArgument(_)
+        ) {
+            return Err(first);
+        }
+        let by_token = pb::RevokeTokenRequest {
+            token_id: String::new(),
+            token: id_or_token.to_string(),
+        };
+        match self.raw().revoke_token(by_token).await {
+            Ok(_) => Ok(()),
+            Err(status) => {
+                let second = ClientError::from(status);
+                match (&first, &second) {
+                    (_, ClientError::InvalidArgument(_)) | (ClientError::NotFound(_), _) => {
+                        Err(first)
+                    }
+                    _ => Err(second),
+                }
+            }
+        }
+    }
+
+    /// Revokes a token by its public id only.
+    pub async fn revoke_token_id(&self, token_id: &str) -> Result<(), ClientError> {
+        self.raw()
+            .revoke_token(pb::RevokeTokenRequest {
+                token_id: token_id.to_string(),
+                token: String::new(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Live tokens, of one tenant or all.
+    pub async fn list_tokens(&self, tenant: Option<&str>) -> Result<Vec<TokenInfo>, ClientError> {
+        let reply = self
+            .raw()
+            .list_tokens(pb::ListTokensRequest {
+                tenant: tenant.unwrap_or_default().to_string(),
+            })
+            .await?
+            .into_inner();
+        Ok(reply.tokens.into_iter().map(TokenInfo::from).collect())
+    }
+
+    /// Every lease, of one tenant or all.
+    pub async fn list_all_leases(
+        &self,
+        tenant: Option<&str>,
+    ) -> Result<Vec<LeaseInfo>, ClientError> {
+        let reply = self
+            .raw()
+            .list_all_leases(pb::ListAllLeasesRequest {
+                tenant: tenant.unwrap_or_default().to_string(),
+            })
+            .await?
+            .into_inner();
+        Ok(reply.leases.into_iter().map(LeaseInfo::from).collect())
+    }
+
+    /// Takes a lease away; its holder gets a `LeaseRevoked` event.
+    pub async fn revoke_lease(
+        &self,
+        lease_id: &str,
+        reason: &str,
+    ) -> Result<LeaseInfo, ClientError> {
+        let reply = self
+            .raw()
+            .revoke_lease(pb::RevokeLeaseRequest {
+                lease_id: lease_id.to_string(),
+                reason: reason.to_string(),
+            })
+            .await?
+            .into_inner();
+        reply
+            .lease
+            .map(LeaseInfo::from)
+            .ok_or_else(|| ClientError::Protocol("RevokeLease reply carries no lease".into()))
+    }
+
+    /// Open sessions, of one tenant or all.
+    pub async fn list_sessions(
+        &self,
+        tenant: Option<&str>,
+    ) -> Result<Vec<SessionInfo>, ClientError> {
+        let reply = self
+            .raw()
+            .list_sessions(pb::ListSessionsRequest {
+                tenant: tenant.unwrap_or_default().to_string(),
+            })
+            .await?
+            .into_inner();
+        Ok(reply.sessions.into_iter().map(SessionInfo::from).collect())
+    }
+
+    /// The devices the broker manages.
+    pub async fn get_devices(&self) -> Result<Vec<DeviceInfo>, ClientError> {
+        let reply = self
+            .raw()
+            .get_devices(pb::GetDevicesRequest {})
+            .await?
+            .into_inner();
+        Ok(reply.devices.into_iter().map(DeviceInfo::from).collect())
+    }
+}

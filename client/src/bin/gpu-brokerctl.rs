@@ -1,0 +1,634 @@
+//! `gpu-brokerctl`: the operator CLI of gpu-broker. Talks to the broker's admin service
+//! with the admin token (from `--token`, `GPU_BROKER_ADMIN_TOKEN`, or the token file) to
+//! manage tenants, quotas and tokens and to inspect leases, sessions and devices. Sizes
+//! go in as `8GiB`, `512MiB`, `1.5GB` or plain bytes and come out in binary units;
+//! `--json` prints machine-readable output instead of tables. Failures print one line,
+//! `error: CODE: message`, and exit non-zero.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
+use serde::Serialize;
+
+use gpu_broker_client::table::Table;
+use gpu_broker_client::units::{format_age, format_bytes, parse_bytes};
+use gpu_broker_client::{
+    AdminClient, DeviceInfo, LeaseInfo, QuotaSpec, SessionInfo, TenantInfo, TokenInfo,
+};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "gpu-brokerctl",
+    version,
+    about = "Operate a gpu-broker: tenants, quotas, tokens, leases, sessions, devices"
+)]
+struct Cli {
+    /// Broker address: unix:///path/to/broker.sock or http://host:port.
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        env = "GPU_BROKER_ADDR",
+        default_value = "unix:///run/gpu-broker/broker.sock"
+    )]
+    broker: String,
+
+    /// File holding the admin token.
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        env = "GPU_BROKER_ADMIN_TOKEN_FILE",
+        default_value = "/run/gpu-broker/admin.token"
+    )]
+    token_file: PathBuf,
+
+    /// The admin token itself (instead of --token-file).
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        env = "GPU_BROKER_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
+    token: Option<String>,
+
+    /// Print JSON instead of tables.
+    #[arg(long, global = true, help_heading = "Global options")]
+    json: bool,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List or delete tenants.
+    Tenants {
+        #[command(subcommand)]
+        command: TenantsCommand,
+    },
+    /// Set or show a tenant's quota.
+    Quota {
+        #[command(subcommand)]
+        command: QuotaCommand,
+    },
+    /// Issue, revoke or list bearer tokens.
+    Tokens {
+        #[command(subcommand)]
+        command: TokensCommand,
+    },
+    /// List or revoke leases.
+    Leases {
+        #[command(subcommand)]
+        command: LeasesCommand,
+    },
+    /// List sessions.
+    Sessions {
+        #[command(subcommand)]
+        command: SessionsCommand,
+    },
+    /// Show the devices the broker manages.
+    Devices,
+}
+
+#[derive(Debug, Subcommand)]
+enum TenantsCommand {
+    /// Every tenant with its quota and live usage.
+    List,
+    /// Delete a tenant (refused while it holds leases).
+    Delete {
+        /// Tenant name.
+        tenant: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum QuotaCommand {
+    /// Create a tenant or replace its whole quota (options not given are set to 0).
+    Set {
+        /// Tenant name.
+        tenant: String,
+        /// Most device memory the tenant may hold (e.g. 8GiB).
+        #[arg(long, value_parser = parse_bytes)]
+        limit: u64,
+        /// Most live leases (0: no limit).
+        #[arg(long, default_value_t = 0)]
+        max_leases: u32,
+        /// Queue priority; higher goes first and may reclaim from lower.
+        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+        priority: i32,
+        /// Device memory kept available for the tenant (<= --limit).
+        #[arg(long, value_parser = parse_bytes, default_value = "0")]
+        guaranteed: u64,
+        /// Most host-fallback memory (0: no host fallback).
+        #[arg(long, value_parser = parse_bytes, default_value = "0")]
+        host_limit: u64,
+    },
+    /// Show a tenant's quota and usage.
+    Get {
+        /// Tenant name.
+        tenant: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TokensCommand {
+    /// Issue a token for a tenant; prints the token alone (shown only once).
+    Issue {
+        /// Tenant name.
+        tenant: String,
+        /// Note shown in `tokens list`.
+        #[arg(long, default_value = "")]
+        description: String,
+    },
+    /// Revoke a token by id or by the token itself.
+    Revoke {
+        /// Token id or token.
+        id_or_token: String,
+    },
+    /// List live tokens (never the secrets).
+    List {
+        /// Only this tenant's tokens.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum LeasesCommand {
+    /// List leases.
+    List {
+        /// Only this tenant's leases.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Take a lease away (its memory is quarantined until the holder lets go).
+    Revoke {
+        /// Lease id.
+        lease_id: String,
+        /// Reason sent to the holder.
+        #[arg(long, default_value = "revoked by operator")]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum SessionsCommand {
+    /// List open sessions.
+    List {
+        /// Only this tenant's sessions.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli, &matches)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let text = format!("{e:#}").replace(['\n', '\r'], " ");
+            eprintln!("error: {text}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The admin token: `--token`/`GPU_BROKER_ADMIN_TOKEN`, unless `--token-file` was given on
+/// the command line while the token only came from the environment.
+fn admin_token(cli: &Cli, matches: &ArgMatches) -> Result<String> {
+    let file_on_command_line = matches.value_source("token_file") == Some(ValueSource::CommandLine);
+    let token_from_env = matches.value_source("token") == Some(ValueSource::EnvVariable);
+    match &cli.token {
+        Some(token) if !(file_on_command_line && token_from_env) => Ok(token.trim().to_string()),
+        _ => read_token_file(&cli.token_file),
+    }
+}
+
+fn read_token_file(path: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(path).with_context(|| {
+        format!(
+            "cannot read the admin token file {} (use --token-file, --token or GPU_BROKER_ADMIN_TOKEN)",
+            path.display()
+        )
+    })?;
+    let token = text.trim();
+    anyhow::ensure!(
+        !token.is_empty(),
+        "admin token file {} is empty",
+        path.display()
+    );
+    Ok(token.to_string())
+}
+
+async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
+    let token = admin_token(&cli, matches)?;
+    let admin = AdminClient::connect(&cli.broker, token).await?;
+    let json = cli.json;
+    match cli.command {
+        Command::Tenants {
+            command: TenantsCommand::List,
+        } => {
+            let tenants = admin.list_tenants().await?;
+            emit(json, &tenants, || tenant_table(&tenants))
+        }
+        Command::Tenants {
+            command: TenantsCommand::Delete { tenant },
+        } => {
+            admin.delete_tenant(&tenant).await?;
+            emit(
+                json,
+                &serde_json::json!({ "deleted_tenant": tenant }),
+                || format!("deleted tenant {tenant}\n"),
+            )
+        }
+        Command::Quota {
+            command:
+                QuotaCommand::Set {
+                    tenant,
+                    limit,
+                    max_leases,
+                    priority,
+                    guaranteed,
+                    host_limit,
+                },
+        } => {
+            let quota = QuotaSpec {
+                limit_bytes: limit,
+                max_leases,
+                priority,
+                guaranteed_bytes: guaranteed,
+                host_limit_bytes: host_limit,
+            };
+            let info = admin.set_quota(&tenant, quota).await?;
+            emit(json, &info, || tenant_table(std::slice::from_ref(&info)))
+        }
+        Command::Quota {
+            command: QuotaCommand::Get { tenant },
+        } => {
+            let info = admin.get_quota(&tenant).await?;
+            emit(json, &info, || tenant_table(std::slice::from_ref(&info)))
+        }
+        Command::Tokens {
+            command:
+                TokensCommand::Issue {
+                    tenant,
+                    description,
+                },
+        } => {
+            let issued = admin.issue_token(&tenant, &description).await?;
+            if !json {
+                eprintln!(
+                    "issued token {} for tenant {} (shown only once)",
+                    issued.token_id, issued.tenant
+                );
+            }
+            emit(json, &issued, || format!("{}\n", issued.token))
+        }
+        Command::Tokens {
+            command: TokensCommand::Revoke { id_or_token },
+        } => {
+            admin.revoke_token(&id_or_token).await?;
+            emit(json, &serde_json::json!({ "revoked": true }), || {
+                "revoked token\n".to_string()
+            })
+        }
+        Command::Tokens {
+            command: TokensCommand::List { tenant },
+        } => {
+            let tokens = admin.list_tokens(tenant.as_deref()).await?;
+            emit(json, &tokens, || token_table(&tokens))
+        }
+        Command::Leases {
+            command: LeasesCommand::List { tenant },
+        } => {
+            let leases = admin.list_all_leases(tenant.as_deref()).await?;
+            emit(json, &leases, || lease_table(&leases))
+        }
+        Command::Leases {
+            command: LeasesCommand::Revoke { lease_id, reason },
+        } => {
+            let lease = admin.revoke_lease(&lease_id, &reason).await?;
+            emit(json, &lease, || {
+                format!("revoked lease {}\n", lease.lease_id)
+            })
+        }
+        Command::Sessions {
+            command: SessionsCommand::List { tenant },
+        } => {
+            let sessions = admin.list_sessions(tenant.as_deref()).await?;
+            emit(json, &sessions, || session_table(&sessions))
+        }
+        Command::Devices => {
+            let devices = admin.get_devices().await?;
+            emit(json, &devices, || device_table(&devices))
+        }
+    }
+}
+
+/// Prints `value` as JSON, or the plain text `text()` builds.
+fn emit<T: Serialize + ?Sized>(json: bool, value: &T, text: impl FnOnce() -> String) -> Result<()> {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(value).context("cannot encode JSON")?
+        );
+    } else {
+        print!("{}", text());
+    }
+    Ok(())
+}
+
+fn or_dash(n: u64, text: String) -> String {
+    if n == 0 {
+        "-".into()
+    } else {
+        text
+    }
+}
+
+fn tenant_table(tenants: &[TenantInfo]) -> String {
+    let mut t = Table::new([
+        "TENANT",
+        "LIMIT",
+        "HELD",
+        "LEASES",
+        "MAX_LEASES",
+        "PRIORITY",
+        "GUARANTEED",
+        "BORROWED",
+        "HOST_LIMIT",
+        "HOST_HELD",
+        "QUARANTINED",
+        "SESSIONS",
+        "WAITING",
+        "TOKENS",
+    ])
+    .right(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
+    for i in tenants {
+        let (q, u) = (&i.quota, &i.usage);
+        t.row([
+            i.name.clone(),
+            format_bytes(q.limit_bytes),
+            format_bytes(u.held_bytes),
+            u.lease_count.to_string(),
+            or_dash(q.max_leases.into(), q.max_leases.to_string()),
+            q.priority.to_string(),
+            format_bytes(q.guaranteed_bytes),
+            format_bytes(u.borrowed_bytes),
+            format_bytes(q.host_limit_bytes),
+            format_bytes(u.host_held_bytes),
+            format_bytes(u.quarantined_bytes),
+            u.session_count.to_string(),
+            u.waiting_requests.to_string(),
+            i.token_count.to_string(),
+        ]);
+    }
+    t.render()
+}
+
+fn token_table(tokens: &[TokenInfo]) -> String {
+    let mut t = Table::new(["TOKEN_ID", "TENANT", "AGE", "DESCRIPTION"]).right(&[2]);
+    for k in tokens {
+        t.row([
+            k.token_id.clone(),
+            k.tenant.clone(),
+            format_age(k.created_unix_ms),
+            k.description.clone(),
+        ]);
+    }
+    t.render()
+}
+
+fn lease_table(leases: &[LeaseInfo]) -> String {
+    let mut t = Table::new([
+        "LEASE",
+        "TENANT",
+        "SESSION",
+        "DEVICE",
+        "TIER",
+        "SIZE",
+        "REQUESTED",
+        "STATE",
+        "FLAGS",
+        "AGE",
+        "LABEL",
+    ])
+    .right(&[3, 5, 6, 9]);
+    for l in leases {
+        let mut flags = Vec::new();
+        if l.reclaimable {
+            flags.push("reclaimable");
+        }
+        if l.borrowed {
+            flags.push("borrowed");
+        }
+        t.row([
+            l.lease_id.clone(),
+            l.tenant.clone(),
+            l.session_id.clone(),
+            l.device.to_string(),
+            l.tier.as_str().to_string(),
+            format_bytes(l.bytes),
+            format_bytes(l.requested_bytes),
+            l.state.as_str().to_string(),
+            if flags.is_empty() {
+                "-".to_string()
+            } else {
+                flags.join(",")
+            },
+            format_age(l.created_unix_ms),
+            l.label.clone(),
+        ]);
+    }
+    t.render()
+}
+
+fn session_table(sessions: &[SessionInfo]) -> String {
+    let mut t = Table::new([
+        "SESSION",
+        "TENANT",
+        "NAME",
+        "PID",
+        "UID",
+        "TRANSPORT",
+        "LEASES",
+        "HELD",
+        "AGE",
+    ])
+    .right(&[3, 4, 6, 7, 8]);
+    for s in sessions {
+        t.row([
+            s.session_id.clone(),
+            s.tenant.clone(),
+            s.name.clone(),
+            or_dash(s.peer_pid.into(), s.peer_pid.to_string()),
+            if s.transport == "unix" {
+                s.peer_uid.to_string()
+            } else {
+                "-".to_string()
+            },
+            s.transport.clone(),
+            s.lease_count.to_string(),
+            format_bytes(s.held_bytes),
+            format_age(s.opened_unix_ms),
+        ]);
+    }
+    t.render()
+}
+
+fn device_table(devices: &[DeviceInfo]) -> String {
+    let mut t = Table::new([
+        "DEVICE",
+        "NAME",
+        "BACKEND",
+        "TOTAL",
+        "FREE",
+        "LEASABLE",
+        "LEASED",
+        "CACHED",
+        "QUARANTINED",
+        "HEADROOM",
+        "EXTERNAL",
+        "GRANULARITY",
+        "LEASES",
+        "WAITING",
+    ])
+    .right(&[0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
+    for d in devices {
+        t.row([
+            d.index.to_string(),
+            d.name.clone(),
+            d.backend.clone(),
+            format_bytes(d.total_bytes),
+            format_bytes(d.free_bytes),
+            format_bytes(d.leasable_bytes),
+            format_bytes(d.leased_bytes),
+            format_bytes(d.cached_bytes),
+            format_bytes(d.quarantined_bytes),
+            format_bytes(d.headroom_bytes),
+            format_bytes(d.external_used_bytes),
+            format_bytes(d.granularity_bytes),
+            d.lease_count.to_string(),
+            d.waiting_requests.to_string(),
+        ]);
+    }
+    t.render()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("gpu-brokerctl").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parses_quota_set_with_units() {
+        let cli = parse(&[
+            "--broker",
+            "unix:///tmp/b.sock",
+            "quota",
+            "set",
+            "team-a",
+            "--limit",
+            "8GiB",
+            "--max-leases",
+            "4",
+            "--priority",
+            "-3",
+            "--guaranteed",
+            "2GiB",
+            "--host-limit",
+            "1.5GB",
+        ])
+        .unwrap();
+        assert_eq!(cli.broker, "unix:///tmp/b.sock");
+        match cli.command {
+            Command::Quota {
+                command:
+                    QuotaCommand::Set {
+                        tenant,
+                        limit,
+                        max_leases,
+                        priority,
+                        guaranteed,
+                        host_limit,
+                    },
+            } => {
+                assert_eq!(tenant, "team-a");
+                assert_eq!(limit, 8 << 30);
+                assert_eq!(max_leases, 4);
+                assert_eq!(priority, -3);
+                assert_eq!(guaranteed, 2 << 30);
+                assert_eq!(host_limit, 1_500_000_000);
+            }
+            other => panic!("parsed {other:?}"),
+        }
+    }
+
+    #[test]
+    fn refuses_bad_sizes_and_missing_limit() {
+        assert!(parse(&["quota", "set", "a", "--limit", "lots"]).is_err());
+        assert!(parse(&["quota", "set", "a"]).is_err());
+    }
+
+    #[test]
+    fn global_flags_after_subcommand() {
+        let cli = parse(&["leases", "list", "--tenant", "b", "--json"]).unwrap();
+        assert!(cli.json);
+        assert!(matches!(
+            cli.command,
+            Command::Leases { command: LeasesCommand::List { tenant: Some(ref t) } } if t == "b"
+        ));
+    }
+
+    #[test]
+    fn token_file_is_trimmed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("admin.token");
+        std::fs::write(&path, "s3cret\n").unwrap();
+        assert_eq!(read_token_file(&path).unwrap(), "s3cret");
+        std::fs::write(&path, "\n").unwrap();
+        assert!(read_token_file(&path).is_err());
+        let err = read_token_file(&dir.path().join("missing")).unwrap_err();
+        assert!(format!("{err:#}").contains("missing"));
+    }
+
+    #[test]
+    fn tables_render() {
+        let tenants = vec![TenantInfo {
+            name: "a".into(),
+            quota: QuotaSpec::new(8 << 30),
+            ..Default::default()
+        }];
+        let text = tenant_table(&tenants);
+        let mut lines = text.lines();
+        assert!(lines.next().unwrap().starts_with("TENANT    LIMIT"));
+        assert!(lines.next().unwrap().starts_with("a       8.0 GiB"));
+    }
+}

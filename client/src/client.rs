@@ -1,0 +1,90 @@
+//! The worker-facing client: a connection to the broker's `Broker` service carrying a
+//! tenant token. Cheap to clone (clones share one HTTP/2 connection). Open a
+//! [`Session`] to acquire leases; usage and lease listings need no session.
+
+use tonic::transport::Channel;
+
+use gpu_broker_proto::v1 as pb;
+use pb::broker_client::BrokerClient;
+
+use crate::connect::{self, AuthChannel};
+use crate::error::ClientError;
+use crate::lease::LeaseInfo;
+use crate::session::Session;
+use crate::tenant::Usage;
+
+/// A connection to the broker authenticated with a tenant token.
+#[derive(Clone, Debug)]
+pub struct Client {
+    broker: BrokerClient<AuthChannel>,
+}
+
+impl Client {
+    /// Connects now to `uri` (`unix:///path/broker.sock` or `http://host:port`); every
+    /// request carries `authorization: Bearer <token>`.
+    pub async fn connect(uri: &str, token: impl Into<String>) -> Result<Client, ClientError> {
+        let channel = connect::connect_channel(uri).await?;
+        Client::from_channel(channel, token)
+    }
+
+    /// Like [`Client::connect`] but dials on first use (a missing broker then shows up
+    /// as `Unavailable` on the first call).
+    pub fn connect_lazy(uri: &str, token: impl Into<String>) -> Result<Client, ClientError> {
+        Client::from_channel(connect::connect_channel_lazy(uri)?, token)
+    }
+
+    /// Uses an existing channel (custom transports, tests).
+    pub fn from_channel(channel: Channel, token: impl Into<String>) -> Result<Client, ClientError> {
+        let token = token.into();
+        Ok(Client {
+            broker: BrokerClient::new(connect::authenticated(channel, &token)?),
+        })
+    }
+
+    /// Opens a session named `name` (shown to operators).
+    pub async fn session(&self, name: impl Into<String>) -> Result<Session, ClientError> {
+        Session::open(self.clone(), name.into()).await
+    }
+
+    /// The tenant's quota and live usage.
+    pub async fn usage(&self) -> Result<Usage, ClientError> {
+        let reply = self.raw().get_usage(pb::GetUsageRequest {}).await?;
+        Ok(Usage::from(reply.into_inner()))
+    }
+
+    /// Every lease of the caller's tenant.
+    pub async fn list_leases(&self) -> Result<Vec<LeaseInfo>, ClientError> {
+        let reply = self.raw().list_leases(pb::ListLeasesRequest {}).await?;
+        Ok(reply
+            .into_inner()
+            .leases
+            .into_iter()
+            .map(LeaseInfo::from)
+            .collect())
+    }
+
+    /// Releases a lease by id (for leases not held as a [`crate::Lease`], e.g. detached).
+    pub async fn release_lease(&self, lease_id: &str) -> Result<(), ClientError> {
+        self.raw()
+            .release_lease(pb::ReleaseLeaseRequest {
+                lease_id: lease_id.to_string(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Sends one `Keepalive` for a session id.
+    pub async fn keepalive(&self, session_id: &str) -> Result<(), ClientError> {
+        self.raw()
+            .keepalive(pb::KeepaliveRequest {
+                session_id: session_id.to_string(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// The generated gRPC client, authenticated, for calls this crate does not wrap.
+    pub fn raw(&self) -> BrokerClient<AuthChannel> {
+        self.broker.clone()
+    }
+}

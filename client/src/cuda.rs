@@ -1,0 +1,505 @@
+//! The worker side of a CUDA lease: open the 64-byte CUDA IPC handle the broker exported
+//! and get a device pointer usable in this process (feature `cuda`; libcuda is loaded at
+//! run time, so this builds and links on machines without CUDA).
+//!
+//! # Rules this module follows (and you must too)
+//!
+//! - **One open per handle per context.** CUDA lets a context open a given IPC handle only
+//!   once, so this module keeps a per-process, reference-counted cache keyed by
+//!   `(device, handle bytes)`: opening the same handle again returns the same device
+//!   pointer and bumps the count; dropping the last [`CudaMapping`] calls
+//!   `cuIpcCloseMemHandle`.
+//! - **Not in the exporting process.** A process cannot open an IPC handle it exported
+//!   itself: the driver refuses (`CUDA_ERROR_INVALID_CONTEXT`), which this module reports
+//!   as [`CudaError::OwnProcess`]. Inside the broker, use the allocation directly.
+//! - **Close before release.** Drop every mapping of a lease (so the handle is closed)
+//!   before calling `ReleaseLease`; the broker frees or reuses the memory after that.
+//! - **Contexts.** Mappings live in the device's *primary* context (the one the CUDA
+//!   runtime, PyTorch and CuPy use). [`open_ipc`] leaves that context current on the calling
+//!   thread, as the runtime would, so the pointer is usable at once; the copy helpers and
+//!   the close push and pop it and leave the caller's current context as it was.
+
+use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdeviceptr, CUresult};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::{LazyLock, OnceLock};
+
+/// Why a CUDA mapping could not be made or used.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// No CUDA driver library, or the driver cannot be initialised.
+    #[error("CUDA is not available in this process: {0}")]
+    Unavailable(String),
+    /// The device ordinal does not exist here.
+    #[error("CUDA device {device} does not exist (the driver sees {count})")]
+    NoSuchDevice { device: u32, count: u32 },
+    /// The handle was exported by this very process (e.g. opened inside the broker).
+    #[error(
+        "cannot open a CUDA IPC handle in the process that exported it (driver: {driver}); \
+         a process cannot open its own IPC handle: use the allocation directly, or map the \
+         lease from a worker process"
+    )]
+    OwnProcess { driver: String },
+    /// A lease size of zero.
+    #[error("invalid lease size {0}")]
+    InvalidSize(u64),
+    /// The lease claims more bytes than the allocation behind the handle has.
+    #[error(
+        "the lease is {bytes} bytes but the allocation behind the handle has only {alloc_bytes}"
+    )]
+    SizeMismatch { bytes: u64, alloc_bytes: u64 },
+    /// A copy outside the mapping.
+    #[error("out of range access: offset {offset} + {len} > {bytes}")]
+    OutOfRange { offset: u64, len: u64, bytes: u64 },
+    /// Any other driver failure, with the call, the numeric `CUresult` and its text.
+    #[error("CUDA driver call {call} failed: {message}")]
+    Driver {
+        call: &'static str,
+        code: u32,
+        message: String,
+    },
+}
+
+fn lib_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only tries to dlopen libcuda by its usual names.
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+/// True when libcuda is present, `cuInit` succeeds and at least one device exists. Never
+/// panics.
+pub fn is_available() -> bool {
+    std::panic::catch_unwind(|| init().and_then(|()| device_count()).is_ok_and(|n| n > 0))
+        .unwrap_or(false)
+}
+
+fn init() -> Result<(), CudaError> {
+    if !lib_present() {
+        return Err(CudaError::Unavailable(
+            "libcuda (the CUDA driver library) was not found".to_string(),
+        ));
+    }
+    // SAFETY: library present; cuInit may be called repeatedly.
+    check("cuInit", unsafe { sys::cuInit(0) })
+}
+
+fn device_count() -> Result<u32, CudaError> {
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: library loaded and initialised; valid out pointer.
+    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+    Ok(u32::try_from(n).unwrap_or(0))
+}
+
+/// `NAME (description)` for a driver result.
+fn describe(code: CUresult) -> String {
+    let mut text = None;
+    if lib_present() {
+        let mut p: *const c_char = std::ptr::null();
+        // SAFETY: library loaded; on success `p` is a static NUL-terminated string.
+        if unsafe { sys::cuGetErrorString(code, &mut p) } == CUresult::CUDA_SUCCESS && !p.is_null()
+        {
+            // SAFETY: see above.
+            text = Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned());
+        }
+    }
+    format_driver_error(code, text.as_deref())
+}
+
+fn format_driver_error(code: CUresult, description: Option<&str>) -> String {
+    match description {
+        Some(d) if !d.is_empty() => format!("{code:?} ({d})"),
+        _ => format!("{code:?}"),
+    }
+}
+
+fn driver_error(call: &'static str, rc: CUresult) -> CudaError {
+    CudaError::Driver {
+        call,
+        code: rc as u32,
+        message: describe(rc),
+    }
+}
+
+fn check(call: &'static str, rc: CUresult) -> Result<(), CudaError> {
+    if rc == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(driver_error(call, rc))
+    }
+}
+
+/// How a failed `cuIpcOpenMemHandle` is reported: the driver answers an open in the
+/// exporting process with `CUDA_ERROR_INVALID_CONTEXT`.
+fn open_error(rc: CUresult) -> CudaError {
+    match rc {
+        CUresult::CUDA_ERROR_INVALID_CONTEXT => CudaError::OwnProcess {
+            driver: describe(rc),
+        },
+        _ => driver_error("cuIpcOpenMemHandle", rc),
+    }
+}
+
+type Key = (u32, [u8; 64]);
+
+/// One opened handle in this process.
+struct Entry {
+    ptr: CUdeviceptr,
+    alloc_bytes: u64,
+    count: usize,
+}
+
+static OPEN: LazyLock<Mutex<HashMap<Key, Entry>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// How many live [`CudaMapping`]s share the open of `handle` on `device` in this process
+/// (0: not open).
+pub fn open_count(handle: &[u8; 64], device: u32) -> usize {
+    OPEN.lock().get(&(device, *handle)).map_or(0, |e| e.count)
+}
+
+/// A device pointer to a leased allocation, opened from its CUDA IPC handle. Dropping the
+/// last mapping of a handle closes it (`cuIpcCloseMemHandle`). `Send + Sync`.
+#[derive(Debug)]
+pub struct CudaMapping {
+    device: u32,
+    cu_device: CUdevice,
+    /// The retained primary context, as an address (kept `Send`/`Sync`).
+    ctx: usize,
+    handle: [u8; 64],
+    ptr: CUdeviceptr,
+    len: u64,
+    alloc_bytes: u64,
+    released: bool,
+}
+
+/// Pushes a context on the calling thread and pops it when dropped.
+struct Pushed;
+
+impl Pushed {
+    fn new(ctx: usize) -> Result<Pushed, CudaError> {
+        // SAFETY: `ctx` is a primary context retained by a live mapping.
+        check("cuCtxPushCurrent", unsafe {
+            sys::cuCtxPushCurrent_v2(ctx as CUcontext)
+        })?;
+        Ok(Pushed)
+    }
+}
+
+impl Drop for Pushed {
+    fn drop(&mut self) {
+        let mut old: CUcontext = std::ptr::null_mut();
+        // SAFETY: balances the push in `new`.
+        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+    }
+}
+
+/// Retains `device`'s primary context and makes it current; returns (CUdevice, context).
+fn retain_primary(device: u32) -> Result<(CUdevice, CUcontext), CudaError> {
+    init()?;
+    let count = device_count()?;
+    if device >= count {
+        return Err(CudaError::NoSuchDevice { device, count });
+    }
+    let ord =
+        std::ffi::c_int::try_from(device).map_err(|_| CudaError::NoSuchDevice { device, count })?;
+    let mut dev: CUdevice = 0;
+    // SAFETY: initialised; valid out pointer.
+    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ord) })?;
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: valid device and out pointer.
+    check("cuDevicePrimaryCtxRetain", unsafe {
+        sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+    })?;
+    // SAFETY: `ctx` was just retained.
+    if let Err(e) = check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) }) {
+        // SAFETY: balances the retain above.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
+        return Err(e);
+    }
+    Ok((dev, ctx))
+}
+
+/// Opens a CUDA IPC handle on `device` (the CUDA ordinal the broker named in the lease)
+/// and returns a mapping covering the whole allocation. Opening a handle this process has
+/// already open returns the same device pointer (reference-counted). Leaves the device's
+/// primary context current on the calling thread. Fails with [`CudaError::OwnProcess`] in
+/// the process that exported the handle.
+pub fn open_ipc(handle: &[u8; 64], device: u32) -> Result<CudaMapping, CudaError> {
+    let (cu_device, ctx) = retain_primary(device)?;
+    let release = || {
+        // SAFETY: balances the retain in `retain_primary`.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(cu_device) };
+    };
+    let key: Key = (device, *handle);
+    let mut open = OPEN.lock();
+    let (ptr, alloc_bytes) = match open.get_mut(&key) {
+        Some(e) => {
+            e.count += 1;
+            (e.ptr, e.alloc_bytes)
+        }
+        None => {
+            let raw = sys::CUipcMemHandle {
+                reserved: handle.map(|b| b as c_char),
+            };
+            let mut ptr: CUdeviceptr = 0;
+            // SAFETY: the primary context is current; valid out pointer; the handle is
+            // passed by value and only read by the driver.
+            let rc = unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut ptr,
+                    raw,
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+                )
+            };
+            if rc != CUresult::CUDA_SUCCESS {
+                release();
+                return Err(open_error(rc));
+            }
+            let mut base: CUdeviceptr = 0;
+            let mut size: usize = 0;
+            // SAFETY: `ptr` is a live mapping in the current context; valid out pointers.
+            let rc = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+            if rc != CUresult::CUDA_SUCCESS {
+                // SAFETY: closes the open just made, once.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+                release();
+                return Err(driver_error("cuMemGetAddressRange", rc));
+            }
+            let alloc_bytes = size as u64;
+            open.insert(
+                key,
+                Entry {
+                    ptr,
+                    alloc_bytes,
+                    count: 1,
+                },
+            );
+            (ptr, alloc_bytes)
+        }
+    };
+    drop(open);
+    Ok(CudaMapping {
+        device,
+        cu_device,
+        ctx: ctx as usize,
+        handle: *handle,
+        ptr,
+        len: alloc_bytes,
+        alloc_bytes,
+        released: false,
+    })
+}
+
+/// Maps a lease: [`open_ipc`] plus a check that the allocation holds the lease's `bytes`;
+/// the mapping's length is the lease size. What `Lease::map_cuda()` calls.
+pub fn map_lease(handle: &[u8; 64], device: u32, bytes: u64) -> Result<CudaMapping, CudaError> {
+    if bytes == 0 {
+        return Err(CudaError::InvalidSize(bytes));
+    }
+    let mut m = open_ipc(handle, device)?;
+    if bytes > m.alloc_bytes {
+        return Err(CudaError::SizeMismatch {
+            bytes,
+            alloc_bytes: m.alloc_bytes,
+        });
+    }
+    m.len = bytes;
+    Ok(m)
+}
+
+impl CudaMapping {
+    /// The device pointer (`CUdeviceptr`) of the start of the leased memory, valid in the
+    /// device's primary context of this process while the mapping lives.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Usable length in bytes (the lease size for [`map_lease`]).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Same as [`CudaMapping::len`].
+    pub fn bytes(&self) -> u64 {
+        self.len
+    }
+
+    /// Never true for a mapping made by this module.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size of the whole allocation behind the handle (>= `len`).
+    pub fn allocation_bytes(&self) -> u64 {
+        self.alloc_bytes
+    }
+
+    /// The CUDA device ordinal.
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// The 64-byte handle this mapping was opened from.
+    pub fn handle(&self) -> &[u8; 64] {
+        &self.handle
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<(), CudaError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(CudaError::OutOfRange {
+                offset,
+                len,
+                bytes: self.len,
+            }),
+        }
+    }
+
+    /// Copies `data` to the device at `offset`; complete when it returns.
+    pub fn copy_from_host(&self, offset: u64, data: &[u8]) -> Result<(), CudaError> {
+        self.check_range(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let _ctx = Pushed::new(self.ctx)?;
+        // SAFETY: the range lies inside the open mapping; `data` is readable for its length.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(
+                self.ptr.wrapping_add(offset),
+                data.as_ptr() as *const c_void,
+                data.len(),
+            )
+        })?;
+        // A copy from pageable memory may return before its DMA lands; wait for it.
+        // SAFETY: the null stream of the current (pushed) context.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(std::ptr::null_mut())
+        })
+    }
+
+    /// Copies `out.len()` bytes at `offset` from the device into `out`.
+    pub fn copy_to_host(&self, offset: u64, out: &mut [u8]) -> Result<(), CudaError> {
+        self.check_range(offset, out.len() as u64)?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let _ctx = Pushed::new(self.ctx)?;
+        // SAFETY: the range lies inside the open mapping; `out` is writable for its length.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(
+                out.as_mut_ptr() as *mut c_void,
+                self.ptr.wrapping_add(offset),
+                out.len(),
+            )
+        })
+    }
+
+    /// Drops this mapping now and reports a failure to close the handle (dropping does the
+    /// same but can only log).
+    pub fn close(mut self) -> Result<(), CudaError> {
+        self.release()
+    }
+
+    fn release(&mut self) -> Result<(), CudaError> {
+        if self.released {
+            return Ok(());
+        }
+        self.released = true;
+        let mut result = Ok(());
+        {
+            let key: Key = (self.device, self.handle);
+            let mut open = OPEN.lock();
+            let last = match open.get_mut(&key) {
+                Some(e) => {
+                    e.count -= 1;
+                    e.count == 0
+                }
+                None => false,
+            };
+            if last {
+                open.remove(&key);
+                result = Pushed::new(self.ctx).and_then(|_ctx| {
+                    // SAFETY: the last user of this open; closed exactly once, in its context.
+                    check("cuIpcCloseMemHandle", unsafe {
+                        sys::cuIpcCloseMemHandle(self.ptr)
+                    })
+                });
+            }
+        }
+        // SAFETY: balances the retain made when this mapping was opened.
+        let rc = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.cu_device) };
+        result.and(check("cuDevicePrimaryCtxRelease", rc))
+    }
+}
+
+impl Drop for CudaMapping {
+    fn drop(&mut self) {
+        if let Err(e) = self.release() {
+            tracing::warn!(device = self.device, error = %e, "closing a CUDA IPC mapping failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_driver_nothing_panics() {
+        let available = is_available();
+        if !lib_present() {
+            assert!(!available);
+            match open_ipc(&[7u8; 64], 0) {
+                Err(CudaError::Unavailable(msg)) => assert!(msg.contains("libcuda")),
+                other => panic!("expected Unavailable, got {other:?}"),
+            }
+            assert!(matches!(
+                map_lease(&[7u8; 64], 0, 4096),
+                Err(CudaError::Unavailable(_))
+            ));
+            assert_eq!(open_count(&[7u8; 64], 0), 0);
+        }
+    }
+
+    #[test]
+    fn zero_sized_lease_is_refused_before_the_driver() {
+        assert!(matches!(
+            map_lease(&[1u8; 64], 0, 0),
+            Err(CudaError::InvalidSize(0))
+        ));
+    }
+
+    #[test]
+    fn open_in_the_exporting_process_gets_a_clear_error() {
+        let e = open_error(CUresult::CUDA_ERROR_INVALID_CONTEXT);
+        assert!(matches!(e, CudaError::OwnProcess { .. }));
+        let text = e.to_string();
+        assert!(text.contains("exported it"), "{text}");
+        assert!(text.contains("CUDA_ERROR_INVALID_CONTEXT"), "{text}");
+        match open_error(CUresult::CUDA_ERROR_INVALID_VALUE) {
+            CudaError::Driver { call, code, .. } => {
+                assert_eq!(call, "cuIpcOpenMemHandle");
+                assert_eq!(code, 1);
+            }
+            other => panic!("expected Driver, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn driver_error_text_has_name_and_description() {
+        assert_eq!(
+            format_driver_error(CUresult::CUDA_ERROR_OUT_OF_MEMORY, Some("out of memory")),
+            "CUDA_ERROR_OUT_OF_MEMORY (out of memory)"
+        );
+        assert_eq!(
+            format_driver_error(CUresult::CUDA_ERROR_ALREADY_MAPPED, None),
+            "CUDA_ERROR_ALREADY_MAPPED"
+        );
+    }
+
+    #[test]
+    fn mappings_are_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<CudaMapping>();
+    }
+}

@@ -1,0 +1,265 @@
+//! The one error type of the client crate. Broker refusals arrive as gRPC statuses and
+//! are sorted into one variant per status code the broker uses on purpose
+//! (`RESOURCE_EXHAUSTED` for quota or capacity, `NOT_FOUND` for unknown or foreign
+//! leases, ...), so callers can match on them; anything else keeps its code in
+//! [`ClientError::Status`]. Local failures (connecting, I/O, mapping, a broker that
+//! breaks the protocol) have variants of their own. [`ClientError::code`] gives every
+//! error a gRPC code, and the `Display` form starts with the code's canonical name
+//! (`RESOURCE_EXHAUSTED: tenant "a" would hold 9.0 GiB of 8.0 GiB`).
+
+use std::error::Error as StdError;
+
+pub use tonic::Code;
+
+/// Everything that can go wrong in a client call.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// `INVALID_ARGUMENT`: zero or absurd sizes, unknown device, malformed ids.
+    #[error("INVALID_ARGUMENT: {0}")]
+    InvalidArgument(String),
+    /// `UNAUTHENTICATED`: missing, unknown or revoked token.
+    #[error("UNAUTHENTICATED: {0}")]
+    Unauthenticated(String),
+    /// `PERMISSION_DENIED`: e.g. a tenant token calling the admin service.
+    #[error("PERMISSION_DENIED: {0}")]
+    PermissionDenied(String),
+    /// `NOT_FOUND`: unknown tenant, token, session or lease (also another tenant's lease).
+    #[error("NOT_FOUND: {0}")]
+    NotFound(String),
+    /// `RESOURCE_EXHAUSTED`: quota or capacity; the message carries the numbers.
+    #[error("RESOURCE_EXHAUSTED: {0}")]
+    ResourceExhausted(String),
+    /// `DEADLINE_EXCEEDED`: waited in the queue and lost.
+    #[error("DEADLINE_EXCEEDED: {0}")]
+    DeadlineExceeded(String),
+    /// `UNAVAILABLE`: the broker is draining or shutting down, or the connection broke.
+    #[error("UNAVAILABLE: {0}")]
+    Unavailable(String),
+    /// `FAILED_PRECONDITION`: e.g. deleting a tenant that still holds leases.
+    #[error("FAILED_PRECONDITION: {0}")]
+    FailedPrecondition(String),
+    /// `ALREADY_EXISTS`.
+    #[error("ALREADY_EXISTS: {0}")]
+    AlreadyExists(String),
+    /// Any other gRPC status.
+    #[error("{}: {message}", code_name(*code))]
+    Status {
+        /// The status code as received.
+        code: Code,
+        /// The status message as received.
+        message: String,
+    },
+    /// Could not reach the broker (bad URI, no socket, connection refused, ...).
+    #[error("transport error: {0}")]
+    Transport(String),
+    /// A local I/O error (opening or mapping a shared-memory file, reading a token file).
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The lease's handle cannot be mapped this way (e.g. [`crate::Lease::map`] on a
+    /// CUDA IPC handle, which needs the `cuda` feature instead).
+    #[error("lease handle cannot be mapped this way")]
+    NotMappable,
+    /// A CUDA driver error while opening or using a CUDA IPC handle (`cuda` feature).
+    #[error("CUDA error: {0}")]
+    Cuda(String),
+    /// The broker answered something the protocol does not allow (e.g. a session stream
+    /// whose first event is not `opened`, or a reply missing a required field).
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}
+
+impl ClientError {
+    /// The gRPC code of this error. Local errors map to the closest code:
+    /// `Transport` -> `UNAVAILABLE`, `Io`/`Cuda`/`Protocol` -> `INTERNAL`,
+    /// `NotMappable` -> `FAILED_PRECONDITION`.
+    pub fn code(&self) -> Code {
+        match self {
+            ClientError::InvalidArgument(_) => Code::InvalidArgument,
+            ClientError::Unauthenticated(_) => Code::Unauthenticated,
+            ClientError::PermissionDenied(_) => Code::PermissionDenied,
+            ClientError::NotFound(_) => Code::NotFound,
+            ClientError::ResourceExhausted(_) => Code::ResourceExhausted,
+            ClientError::DeadlineExceeded(_) => Code::DeadlineExceeded,
+            ClientError::Unavailable(_) | ClientError::Transport(_) => Code::Unavailable,
+            ClientError::FailedPrecondition(_) | ClientError::NotMappable => {
+                Code::FailedPrecondition
+            }
+            ClientError::AlreadyExists(_) => Code::AlreadyExists,
+            ClientError::Status { code, .. } => *code,
+            ClientError::Io(_) | ClientError::Cuda(_) | ClientError::Protocol(_) => Code::Internal,
+        }
+    }
+
+    /// The canonical name of [`ClientError::code`], e.g. `"RESOURCE_EXHAUSTED"`.
+    pub fn code_name(&self) -> &'static str {
+        code_name(self.code())
+    }
+
+    /// The broker's status message, or this error's text for local errors.
+    pub fn message(&self) -> String {
+        match self {
+            ClientError::InvalidArgument(m)
+            | ClientError::Unauthenticated(m)
+            | ClientError::PermissionDenied(m)
+            | ClientError::NotFound(m)
+            | ClientError::ResourceExhausted(m)
+            | ClientError::DeadlineExceeded(m)
+            | ClientError::Unavailable(m)
+            | ClientError::FailedPrecondition(m)
+            | ClientError::AlreadyExists(m)
+            | ClientError::Status { message: m, .. } => m.clone(),
+            other => other.to_string(),
+        }
+    }
+
+    /// True for errors that came from the broker as a gRPC status (not local ones).
+    pub fn is_status(&self) -> bool {
+        !matches!(
+            self,
+            ClientError::Transport(_)
+                | ClientError::Io(_)
+                | ClientError::NotMappable
+                | ClientError::Cuda(_)
+                | ClientError::Protocol(_)
+        )
+    }
+}
+
+impl From<tonic::Status> for ClientError {
+    fn from(status: tonic::Status) -> Self {
+        let message = status.message().to_string();
+        match status.code() {
+            Code::InvalidArgument => ClientError::InvalidArgument(message),
+            Code::Unauthenticated => ClientError::Unauthenticated(message),
+            Code::PermissionDenied => ClientError::PermissionDenied(message),
+            Code::NotFound => ClientError::NotFound(message),
+            Code::ResourceExhausted => ClientError::ResourceExhausted(message),
+            Code::DeadlineExceeded => ClientError::DeadlineExceeded(message),
+            Code::Unavailable => ClientError::Unavailable(unavailable_message(&status)),
+            Code::FailedPrecondition => ClientError::FailedPrecondition(message),
+            Code::AlreadyExists => ClientError::AlreadyExists(message),
+            code => ClientError::Status { code, message },
+        }
+    }
+}
+
+impl From<tonic::transport::Error> for ClientError {
+    fn from(err: tonic::transport::Error) -> Self {
+        ClientError::Transport(error_chain(&err))
+    }
+}
+
+/// An `UNAVAILABLE` raised by the channel itself (broken connection) carries the cause
+/// only in its source chain; keep it in the message.
+fn unavailable_message(status: &tonic::Status) -> String {
+    match status.source() {
+        Some(source)
+            if status.message().is_empty() || status.message() == "error trying to connect" =>
+        {
+            let chain = error_chain(source);
+            if status.message().is_empty() {
+                chain
+            } else {
+                format!("{}: {chain}", status.message())
+            }
+        }
+        _ => status.message().to_string(),
+    }
+}
+
+/// `err` and its sources joined with `": "`, skipping repeats (hyper and tonic often
+/// wrap an error in one with the same text).
+pub(crate) fn error_chain(err: &(dyn StdError + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut next: Option<&(dyn StdError + 'static)> = Some(err);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !text.is_empty() && parts.last() != Some(&text) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    parts.join(": ")
+}
+
+/// The canonical upper-case name of a gRPC code (`"NOT_FOUND"`).
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_map_to_variants_and_back() {
+        let cases = [
+            (Code::InvalidArgument, "INVALID_ARGUMENT"),
+            (Code::Unauthenticated, "UNAUTHENTICATED"),
+            (Code::PermissionDenied, "PERMISSION_DENIED"),
+            (Code::NotFound, "NOT_FOUND"),
+            (Code::ResourceExhausted, "RESOURCE_EXHAUSTED"),
+            (Code::DeadlineExceeded, "DEADLINE_EXCEEDED"),
+            (Code::Unavailable, "UNAVAILABLE"),
+            (Code::FailedPrecondition, "FAILED_PRECONDITION"),
+            (Code::AlreadyExists, "ALREADY_EXISTS"),
+            (Code::Internal, "INTERNAL"),
+            (Code::Aborted, "ABORTED"),
+            (Code::Unimplemented, "UNIMPLEMENTED"),
+        ];
+        for (code, name) in cases {
+            let err = ClientError::from(tonic::Status::new(code, "quota 8.0 GiB"));
+            assert_eq!(err.code(), code);
+            assert_eq!(err.code_name(), name);
+            assert_eq!(err.message(), "quota 8.0 GiB");
+            assert_eq!(err.to_string(), format!("{name}: quota 8.0 GiB"));
+            assert!(err.is_status());
+        }
+    }
+
+    #[test]
+    fn specific_variants() {
+        let err = ClientError::from(tonic::Status::resource_exhausted("over quota"));
+        assert!(matches!(err, ClientError::ResourceExhausted(ref m) if m == "over quota"));
+        let err = ClientError::from(tonic::Status::not_found("no lease"));
+        assert!(matches!(err, ClientError::NotFound(_)));
+        let err = ClientError::from(tonic::Status::new(Code::DataLoss, "x"));
+        assert!(matches!(
+            err,
+            ClientError::Status {
+                code: Code::DataLoss,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn local_errors_have_codes() {
+        assert_eq!(ClientError::NotMappable.code(), Code::FailedPrecondition);
+        assert_eq!(ClientError::Transport("x".into()).code(), Code::Unavailable);
+        assert_eq!(ClientError::Protocol("x".into()).code(), Code::Internal);
+        assert!(!ClientError::Protocol("x".into()).is_status());
+        let io = ClientError::from(std::io::Error::other("boom"));
+        assert_eq!(io.code(), Code::Internal);
+        assert_eq!(io.to_string(), "I/O error: boom");
+    }
+}

@@ -1,0 +1,58 @@
+//! Async client for gpu-broker, for workers and operators. A worker connects with its
+//! tenant token ([`Client::connect`]), opens a [`Session`] (whose event stream carries
+//! reclaim requests, revocations and shutdown notices), acquires [`Lease`]s of device
+//! memory through it, maps them ([`Lease::map`] for host shared memory; `Lease::map_cuda`
+//! with the `cuda` feature), and releases them. An operator uses [`AdminClient`] with
+//! the admin token to set quotas, issue tokens and inspect leases, sessions and devices;
+//! the `gpu-brokerctl` binary is a CLI over it. All calls return [`ClientError`], whose
+//! variants follow the broker's gRPC status codes.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), gpu_broker_client::ClientError> {
+//! use std::time::Duration;
+//! use gpu_broker_client::Client;
+//!
+//! let client = Client::connect("unix:///run/gpu-broker/broker.sock", "my-token").await?;
+//! let session = client.session("trainer-3").await?;
+//! let lease = session
+//!     .lease_request(512 << 20)
+//!     .wait(Duration::from_secs(5))
+//!     .label("kv-cache")
+//!     .send()
+//!     .await?;
+//! if let Ok(mut mapping) = lease.map() {
+//!     mapping[0] = 42;
+//! }
+//! lease.release().await?;
+//! # Ok(()) }
+//! ```
+
+pub mod admin;
+pub mod client;
+pub mod connect;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
+pub mod error;
+pub mod events;
+pub mod lease;
+pub mod mapping;
+pub mod session;
+pub mod table;
+pub mod tenant;
+pub mod token;
+pub mod units;
+
+/// The generated gRPC types and clients, for what this crate does not wrap.
+pub use gpu_broker_proto as proto;
+
+pub use admin::AdminClient;
+pub use client::Client;
+pub use device::DeviceInfo;
+pub use error::{ClientError, Code};
+pub use events::{SessionEvent, SessionEvents};
+pub use lease::{Lease, LeaseHandle, LeaseInfo, LeaseRequest, LeaseState, Tier};
+pub use mapping::HostMapping;
+pub use session::{Session, SessionInfo};
+pub use tenant::{QuotaSpec, TenantInfo, Usage, UsageCounters};
+pub use token::{IssuedToken, TokenInfo};

@@ -1,0 +1,248 @@
+//! Tenants as the client sees them: a [`QuotaSpec`] (the limits an operator sets),
+//! [`UsageCounters`] (what the tenant holds right now), [`TenantInfo`] (both, as the
+//! admin service reports them) and [`Usage`] (a worker's flat view of its own tenant).
+//! Plain data with `serde` support, converted from the gRPC messages.
+
+use serde::{Deserialize, Serialize};
+
+use gpu_broker_proto::v1 as pb;
+
+/// A tenant's limits. `SetQuota` replaces all of them at once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaSpec {
+    /// Most device bytes the tenant may hold at once (granted, rounded sizes).
+    pub limit_bytes: u64,
+    /// Most live leases; 0 means no limit.
+    pub max_leases: u32,
+    /// Higher goes first in queues and may reclaim from lower.
+    pub priority: i32,
+    /// Device bytes kept available for this tenant; must be <= `limit_bytes`.
+    pub guaranteed_bytes: u64,
+    /// Most host-fallback bytes at once (0: no host fallback).
+    pub host_limit_bytes: u64,
+}
+
+impl QuotaSpec {
+    /// A quota of `limit_bytes` with every other field at its default (0).
+    pub fn new(limit_bytes: u64) -> Self {
+        QuotaSpec {
+            limit_bytes,
+            ..Default::default()
+        }
+    }
+}
+
+impl From<pb::Quota> for QuotaSpec {
+    fn from(q: pb::Quota) -> Self {
+        QuotaSpec {
+            limit_bytes: q.limit_bytes,
+            max_leases: q.max_leases,
+            priority: q.priority,
+            guaranteed_bytes: q.guaranteed_bytes,
+            host_limit_bytes: q.host_limit_bytes,
+        }
+    }
+}
+
+impl From<QuotaSpec> for pb::Quota {
+    fn from(q: QuotaSpec) -> Self {
+        pb::Quota {
+            limit_bytes: q.limit_bytes,
+            max_leases: q.max_leases,
+            priority: q.priority,
+            guaranteed_bytes: q.guaranteed_bytes,
+            host_limit_bytes: q.host_limit_bytes,
+        }
+    }
+}
+
+/// Live usage of one tenant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageCounters {
+    /// Device bytes held (granted sizes).
+    pub held_bytes: u64,
+    /// Live leases.
+    pub lease_count: u32,
+    /// Bytes held beyond the tenant's guarantee.
+    pub borrowed_bytes: u64,
+    /// Bytes of revoked or abandoned leases a live process may still have mapped.
+    pub quarantined_bytes: u64,
+    /// Host-fallback bytes held.
+    pub host_held_bytes: u64,
+    /// Open sessions.
+    pub session_count: u32,
+    /// Requests now waiting in a queue.
+    pub waiting_requests: u32,
+}
+
+impl From<pb::Usage> for UsageCounters {
+    fn from(u: pb::Usage) -> Self {
+        UsageCounters {
+            held_bytes: u.held_bytes,
+            lease_count: u.lease_count,
+            borrowed_bytes: u.borrowed_bytes,
+            quarantined_bytes: u.quarantined_bytes,
+            host_held_bytes: u.host_held_bytes,
+            session_count: u.session_count,
+            waiting_requests: u.waiting_requests,
+        }
+    }
+}
+
+/// A tenant with its quota and live usage (admin view).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantInfo {
+    /// Tenant name.
+    pub name: String,
+    /// Its limits.
+    pub quota: QuotaSpec,
+    /// What it holds now.
+    pub usage: UsageCounters,
+    /// Live tokens of the tenant.
+    pub token_count: u32,
+}
+
+impl From<pb::TenantInfo> for TenantInfo {
+    fn from(t: pb::TenantInfo) -> Self {
+        TenantInfo {
+            name: t.name,
+            quota: t.quota.map(Into::into).unwrap_or_default(),
+            usage: t.usage.map(Into::into).unwrap_or_default(),
+            token_count: t.token_count,
+        }
+    }
+}
+
+/// The calling worker's own tenant: its quota and live usage, flattened.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tenant name.
+    pub tenant: String,
+    /// See [`QuotaSpec::limit_bytes`].
+    pub limit_bytes: u64,
+    /// See [`QuotaSpec::max_leases`].
+    pub max_leases: u32,
+    /// See [`QuotaSpec::priority`].
+    pub priority: i32,
+    /// See [`QuotaSpec::guaranteed_bytes`].
+    pub guaranteed_bytes: u64,
+    /// See [`QuotaSpec::host_limit_bytes`].
+    pub host_limit_bytes: u64,
+    /// See [`UsageCounters::held_bytes`].
+    pub held_bytes: u64,
+    /// See [`UsageCounters::lease_count`].
+    pub lease_count: u32,
+    /// See [`UsageCounters::borrowed_bytes`].
+    pub borrowed_bytes: u64,
+    /// See [`UsageCounters::quarantined_bytes`].
+    pub quarantined_bytes: u64,
+    /// See [`UsageCounters::host_held_bytes`].
+    pub host_held_bytes: u64,
+    /// See [`UsageCounters::session_count`].
+    pub session_count: u32,
+    /// See [`UsageCounters::waiting_requests`].
+    pub waiting_requests: u32,
+}
+
+impl Usage {
+    /// The quota part.
+    pub fn quota(&self) -> QuotaSpec {
+        QuotaSpec {
+            limit_bytes: self.limit_bytes,
+            max_leases: self.max_leases,
+            priority: self.priority,
+            guaranteed_bytes: self.guaranteed_bytes,
+            host_limit_bytes: self.host_limit_bytes,
+        }
+    }
+
+    /// The live-usage part.
+    pub fn counters(&self) -> UsageCounters {
+        UsageCounters {
+            held_bytes: self.held_bytes,
+            lease_count: self.lease_count,
+            borrowed_bytes: self.borrowed_bytes,
+            quarantined_bytes: self.quarantined_bytes,
+            host_held_bytes: self.host_held_bytes,
+            session_count: self.session_count,
+            waiting_requests: self.waiting_requests,
+        }
+    }
+
+    /// Device bytes the tenant may still take under its limit.
+    pub fn available_bytes(&self) -> u64 {
+        self.limit_bytes.saturating_sub(self.held_bytes)
+    }
+}
+
+impl From<pb::GetUsageResponse> for Usage {
+    fn from(r: pb::GetUsageResponse) -> Self {
+        let q = QuotaSpec::from(r.quota.unwrap_or_default());
+        let u = UsageCounters::from(r.usage.unwrap_or_default());
+        Usage {
+            tenant: r.tenant,
+            limit_bytes: q.limit_bytes,
+            max_leases: q.max_leases,
+            priority: q.priority,
+            guaranteed_bytes: q.guaranteed_bytes,
+            host_limit_bytes: q.host_limit_bytes,
+            held_bytes: u.held_bytes,
+            lease_count: u.lease_count,
+            borrowed_bytes: u.borrowed_bytes,
+            quarantined_bytes: u.quarantined_bytes,
+            host_held_bytes: u.host_held_bytes,
+            session_count: u.session_count,
+            waiting_requests: u.waiting_requests,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_flattens_and_splits_back() {
+        let resp = pb::GetUsageResponse {
+            tenant: "a".into(),
+            quota: Some(pb::Quota {
+                limit_bytes: 100,
+                max_leases: 3,
+                priority: -2,
+                guaranteed_bytes: 40,
+                host_limit_bytes: 7,
+            }),
+            usage: Some(pb::Usage {
+                held_bytes: 60,
+                lease_count: 2,
+                ..Default::default()
+            }),
+        };
+        let u = Usage::from(resp);
+        assert_eq!(u.tenant, "a");
+        assert_eq!(
+            u.quota(),
+            QuotaSpec {
+                limit_bytes: 100,
+                max_leases: 3,
+                priority: -2,
+                guaranteed_bytes: 40,
+                host_limit_bytes: 7
+            }
+        );
+        assert_eq!(u.counters().held_bytes, 60);
+        assert_eq!(u.available_bytes(), 40);
+        let back: pb::Quota = u.quota().into();
+        assert_eq!(QuotaSpec::from(back), u.quota());
+    }
+
+    #[test]
+    fn tenant_info_missing_parts_default() {
+        let t = TenantInfo::from(pb::TenantInfo {
+            name: "x".into(),
+            ..Default::default()
+        });
+        assert_eq!(t.quota, QuotaSpec::default());
+        assert_eq!(t.usage, UsageCounters::default());
+    }
+}
