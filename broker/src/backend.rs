@@ -120,7 +120,9 @@ fn slot(thread: DeviceThread, headroom: Headroom) -> Result<DeviceSlot, BackendE
         .and_then(|r| r)
         .map_err(|source| BackendError::Open { index, source })?;
     let headroom = headroom.of(info.total);
-    let leasable = info.free.saturating_sub(headroom);
+    let gran = thread.desc().granularity;
+    // Whole granules only: a lease is always a multiple of the granularity.
+    let leasable = info.free.saturating_sub(headroom) / gran * gran;
     tracing::info!(
         device = index,
         name = %thread.desc().name,

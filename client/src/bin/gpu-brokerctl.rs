@@ -42,7 +42,7 @@ struct Cli {
         global = true,
         help_heading = "Global options",
         env = "GPU_BROKER_ADMIN_TOKEN_FILE",
-        default_value = "/run/gpu-broker/admin.token"
+        default_value = "/var/lib/gpu-broker/admin.token"
     )]
     token_file: PathBuf,
 

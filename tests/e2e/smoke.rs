@@ -1,0 +1,21 @@
+use gpu_broker_tests::*;
+
+#[tokio::test]
+async fn lease_round_trip_and_clean_shutdown() {
+    let mut b = Broker::start().unwrap();
+    let c = b.client("alice", 64 * MIB).await.unwrap();
+    let s = c.session("smoke").await.unwrap();
+    let lease = s.lease(3 * MIB).await.unwrap();
+    assert_eq!(lease.bytes(), 4 * MIB, "rounded up to 2 MiB granules");
+    {
+        let mut m = lease.map().unwrap();
+        m[0] = 42;
+    }
+    assert_eq!(s.usage().await.unwrap().held_bytes, 4 * MIB);
+    lease.release().await.unwrap();
+    assert_eq!(s.usage().await.unwrap().held_bytes, 0);
+    drop(s);
+    let status = b.stop(std::time::Duration::from_secs(10)).unwrap();
+    assert!(status.success(), "{status}\n{}", b.log_text());
+    assert!(b.shm_files().is_empty(), "left behind: {:?}", b.shm_files());
+}
