@@ -97,8 +97,7 @@ fn open_cuda(wanted: Option<&[u32]>) -> Result<Vec<DeviceThread>, BackendError> 
     };
     ordinals
         .into_iter()
-        .enumerate()
-        .map(|(_slot, ordinal)| {
+        .map(|ordinal| {
             if ordinal >= count {
                 return Err(BackendError::NoSuchDevice(ordinal, count));
             }

@@ -57,14 +57,19 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
 
-fn parse_devices(s: &str) -> Result<Vec<u32>, String> {
+/// A comma-separated list of device indices (`0,1`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceList(pub Vec<u32>);
+
+fn parse_devices(s: &str) -> Result<DeviceList, String> {
     s.split(',')
         .map(|d| {
             d.trim()
                 .parse::<u32>()
                 .map_err(|_| format!("invalid device index {d:?}"))
         })
-        .collect()
+        .collect::<Result<Vec<u32>, String>>()
+        .map(DeviceList)
 }
 
 /// The multi-tenant GPU memory broker daemon.
@@ -89,7 +94,7 @@ pub struct Config {
 
     /// CUDA devices to own, e.g. `0,1` (default: all).
     #[arg(long, env = "GPU_BROKER_DEVICES", value_parser = parse_devices)]
-    pub devices: Option<Vec<u32>>,
+    pub devices: Option<DeviceList>,
 
     /// Size of each simulated device (host backend).
     #[arg(long, env = "GPU_BROKER_HOST_CAPACITY", default_value = "8GiB", value_parser = parse_size)]
@@ -201,7 +206,7 @@ mod tests {
         assert_eq!(c.host_capacity, 512 << 20);
         assert_eq!(c.headroom.of(1000), 50);
         assert_eq!(c.reclaim_deadline, Duration::from_millis(250));
-        assert_eq!(c.devices, Some(vec![0, 1]));
+        assert_eq!(c.devices, Some(DeviceList(vec![0, 1])));
         assert_eq!(
             c.admin_token_path(),
             PathBuf::from("/var/lib/gpu-broker/admin.token")

@@ -44,7 +44,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let auth = Arc::new(Authenticator::new(&admin_token));
     let spec = BackendSpec {
         choice: cfg.backend,
-        cuda_devices: cfg.devices.clone(),
+        cuda_devices: cfg.devices.clone().map(|d| d.0),
         host_capacity: cfg.host_capacity,
         host_devices: cfg.host_devices,
         host_shm_dir: cfg.host_shm_dir.clone(),

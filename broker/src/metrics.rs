@@ -35,7 +35,8 @@ pub async fn render(arb: &Arbiter) -> String {
         RECLAIMS.clone(),
     );
     reg.register("leases_granted", "Leases granted", GRANTS.clone());
-    let gauges: [(&str, &str, fn(&crate::arbiter::DeviceReport) -> u64); 6] = [
+    type Get = fn(&crate::arbiter::DeviceReport) -> u64;
+    let gauges: [(&str, &str, Get); 6] = [
         (
             "device_leasable_bytes",
             "Bytes the broker may hand out",

@@ -1,1 +1,364 @@
+//! Unit tests of admission, queueing, reuse, guarantees and reclaim against an in-process
+//! arbiter over simulated devices.
 
+use super::*;
+use crate::backend::{open_devices, BackendSpec};
+use crate::config::{BackendChoice, Headroom};
+use crate::device::Handle;
+use crate::ledger::Quota;
+
+const MIB: u64 = 1 << 20;
+
+struct Fixture {
+    arb: Arc<Arbiter>,
+    _dir: tempfile::TempDir,
+}
+
+fn fixture(capacity: u64, devices: u32, cfg: ArbiterConfig) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = BackendSpec {
+        choice: BackendChoice::Host,
+        cuda_devices: None,
+        host_capacity: capacity,
+        host_devices: devices,
+        host_shm_dir: dir.path().to_path_buf(),
+        headroom: Headroom::Bytes(0),
+    };
+    let slots = open_devices(&spec).unwrap();
+    let arb = Arbiter::new(slots, None, None, Arc::new(Authenticator::new("x")), cfg).unwrap();
+    Fixture { arb, _dir: dir }
+}
+
+fn quota(limit: u64) -> Quota {
+    Quota {
+        limit_bytes: limit,
+        ..Quota::default()
+    }
+}
+
+fn req(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
+    AcquireRequest {
+        tenant: tenant.into(),
+        session,
+        bytes,
+        device: None,
+        wait: Duration::ZERO,
+        label: String::new(),
+        reclaimable: false,
+        fallback_host: false,
+    }
+}
+
+impl Fixture {
+    fn tenant(&self, name: &str, q: Quota) -> Uuid {
+        self.arb.set_quota(name, q).unwrap();
+        let (id, rx) = self.arb.open_session(name, "t", Peer::default()).unwrap();
+        std::mem::forget(rx);
+        id
+    }
+    fn held(&self, name: &str) -> u64 {
+        self.arb.get_tenant(name).unwrap().usage.held_bytes
+    }
+}
+
+fn path_of(h: &Handle) -> std::path::PathBuf {
+    match h {
+        Handle::HostShm(p) => p.clone(),
+        Handle::CudaIpc(_) => panic!("host backend"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_never_exceed_the_quota() {
+    let f = fixture(1 << 30, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(32 * MIB));
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let arb = f.arb.clone();
+        tasks.push(tokio::spawn(
+            async move { arb.acquire(req("a", s, MIB)).await },
+        ));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(_) => ok += 1,
+            Err(BrokerError::ResourceExhausted(m)) => assert!(m.contains("limit"), "{m}"),
+            Err(e) => panic!("unexpected {e:?}"),
+        }
+    }
+    assert_eq!(ok, 16, "32 MiB / 2 MiB granules");
+    assert_eq!(f.held("a"), 32 * MIB);
+}
+
+#[tokio::test]
+async fn released_block_is_reused_without_scrub_by_its_tenant() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(64 * MIB));
+    let l1 = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    std::fs::write(path_of(&l1.handle), vec![7u8; 16]).unwrap();
+    f.arb.release("a", l1.id).unwrap();
+    let l2 = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    assert_eq!(
+        path_of(&l2.handle),
+        path_of(&l1.handle),
+        "same block reused"
+    );
+    let st = f.arb.state.lock().pools[0].stats();
+    assert_eq!((st.hits, st.scrubs), (1, 0));
+}
+
+#[tokio::test]
+async fn another_tenant_gets_a_scrubbed_block() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    let a = f.tenant("a", quota(64 * MIB));
+    let b = f.tenant("b", quota(64 * MIB));
+    let l1 = f.arb.acquire(req("a", a, 2 * MIB)).await.unwrap();
+    let p = path_of(&l1.handle);
+    std::fs::write(&p, vec![0xAB; 2 * MIB as usize]).unwrap();
+    f.arb.release("a", l1.id).unwrap();
+    let l2 = f.arb.acquire(req("b", b, 2 * MIB)).await.unwrap();
+    assert_eq!(path_of(&l2.handle), p, "cached block reused across tenants");
+    let bytes = std::fs::read(&p).unwrap();
+    assert!(bytes.iter().all(|&x| x == 0), "block not scrubbed");
+}
+
+#[tokio::test]
+async fn waiter_is_granted_when_memory_is_released() {
+    let f = fixture(8 * MIB, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(64 * MIB));
+    let l1 = f.arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
+    let arb = f.arb.clone();
+    let waiting = tokio::spawn(async move {
+        let mut r = req("a", s, 4 * MIB);
+        r.wait = Duration::from_secs(5);
+        arb.acquire(r).await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(f.arb.devices().await[0].waiting, 1);
+    f.arb.release("a", l1.id).unwrap();
+    let l2 = waiting.await.unwrap().unwrap();
+    assert_eq!(l2.bytes, 4 * MIB);
+}
+
+#[tokio::test]
+async fn losing_a_wait_is_deadline_exceeded_with_numbers() {
+    let f = fixture(8 * MIB, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(64 * MIB));
+    let _l = f.arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
+    let mut r = req("a", s, 2 * MIB);
+    r.wait = Duration::from_millis(50);
+    match f.arb.acquire(r).await {
+        Err(BrokerError::DeadlineExceeded(m)) => {
+            assert!(
+                m.contains("2.0 MiB (2097152 bytes)") && m.contains("free"),
+                "{m}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(f.arb.devices().await[0].waiting, 0, "waiter left the queue");
+    let r = req("a", s, 2 * MIB);
+    assert!(matches!(
+        f.arb.acquire(r).await,
+        Err(BrokerError::ResourceExhausted(_))
+    ));
+}
+
+#[tokio::test]
+async fn waiters_of_one_tenant_are_served_in_order() {
+    let f = fixture(4 * MIB, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(64 * MIB));
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    let mut handles = Vec::new();
+    for i in 0..3u64 {
+        let arb = f.arb.clone();
+        handles.push(tokio::spawn(async move {
+            let mut r = req("a", s, 4 * MIB);
+            r.wait = Duration::from_secs(5);
+            r.label = i.to_string();
+            let l = arb.acquire(r).await.unwrap();
+            arb.release("a", l.id).unwrap();
+            (i, std::time::Instant::now())
+        }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    f.arb.release("a", l.id).unwrap();
+    let mut done = Vec::new();
+    for h in handles {
+        done.push(h.await.unwrap());
+    }
+    done.sort_by_key(|(_, t)| *t);
+    let order: Vec<u64> = done.iter().map(|(i, _)| *i).collect();
+    assert_eq!(order, vec![0, 1, 2]);
+}
+
+#[tokio::test]
+async fn unused_guarantees_are_kept_from_borrowers() {
+    let f = fixture(16 * MIB, 1, ArbiterConfig::default());
+    let g = f.tenant(
+        "g",
+        Quota {
+            limit_bytes: 16 * MIB,
+            guaranteed_bytes: 8 * MIB,
+            ..Quota::default()
+        },
+    );
+    let b = f.tenant("b", quota(16 * MIB));
+    let _l = f.arb.acquire(req("b", b, 8 * MIB)).await.unwrap();
+    // 8 MiB free, all of it guaranteed to g.
+    assert!(matches!(
+        f.arb.acquire(req("b", b, 2 * MIB)).await,
+        Err(BrokerError::ResourceExhausted(_))
+    ));
+    f.arb.acquire(req("g", g, 8 * MIB)).await.unwrap();
+}
+
+#[tokio::test]
+async fn guarantees_cannot_exceed_capacity() {
+    let f = fixture(16 * MIB, 1, ArbiterConfig::default());
+    let q = Quota {
+        limit_bytes: 16 * MIB,
+        guaranteed_bytes: 10 * MIB,
+        ..Quota::default()
+    };
+    f.arb.set_quota("a", q).unwrap();
+    assert!(matches!(
+        f.arb.set_quota("b", q),
+        Err(BrokerError::InvalidArgument(_))
+    ));
+}
+
+#[tokio::test]
+async fn higher_priority_waiter_triggers_reclaim_of_lowest_newest() {
+    let f = fixture(8 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("low", quota(8 * MIB)).unwrap();
+    let (low, mut events) = f.arb.open_session("low", "l", Peer::default()).unwrap();
+    let mut r = req("low", low, 4 * MIB);
+    r.reclaimable = true;
+    let old = f.arb.acquire(r.clone()).await.unwrap();
+    let new = f.arb.acquire(r).await.unwrap();
+    let high = f.tenant(
+        "high",
+        Quota {
+            limit_bytes: 8 * MIB,
+            priority: 10,
+            ..Quota::default()
+        },
+    );
+    let arb = f.arb.clone();
+    let waiting = tokio::spawn(async move {
+        let mut r = req("high", high, 4 * MIB);
+        r.wait = Duration::from_secs(5);
+        arb.acquire(r).await
+    });
+    let ev = tokio::time::timeout(Duration::from_secs(2), events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    match ev {
+        SessionEvent::ReclaimRequested { lease_id, .. } => assert_eq!(lease_id, new.id),
+        other => panic!("{other:?}"),
+    }
+    f.arb.release("low", new.id).unwrap();
+    assert_eq!(waiting.await.unwrap().unwrap().bytes, 4 * MIB);
+    // Only as much as needed: the older lease was left alone.
+    assert!(f
+        .arb
+        .list_leases("low")
+        .iter()
+        .any(|l| l.id == old.id && l.reclaim_deadline.is_none()));
+}
+
+#[tokio::test]
+async fn session_of_an_exited_process_returns_memory_to_the_pool() {
+    let f = fixture(8 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(8 * MIB)).unwrap();
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let peer = Peer {
+        pid: Some(child.id()),
+        uid: None,
+        unix: true,
+    };
+    let (s, _events) = f.arb.open_session("a", "w", peer).unwrap();
+    f.arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The pid watcher ends the session on its own.
+    for _ in 0..100 {
+        if f.arb.session_count() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        f.arb.session_count(),
+        0,
+        "session did not end on process exit"
+    );
+    assert_eq!(f.held("a"), 0);
+    let d = &f.arb.devices().await[0];
+    assert_eq!((d.leased, d.cached, d.quarantined), (0, 8 * MIB, 0));
+}
+
+#[tokio::test]
+async fn revoked_lease_of_a_live_process_is_quarantined() {
+    let f = fixture(8 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(8 * MIB)).unwrap();
+    let me = Peer {
+        pid: Some(std::process::id()),
+        uid: None,
+        unix: true,
+    };
+    let (s, mut events) = f.arb.open_session("a", "x", me).unwrap();
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    f.arb.revoke(l.id, "test").unwrap();
+    assert!(matches!(
+        events.recv().await,
+        Some(SessionEvent::LeaseRevoked { .. })
+    ));
+    let d = &f.arb.devices().await[0];
+    assert_eq!((d.leased, d.quarantined), (0, 4 * MIB));
+    assert_eq!(
+        f.arb.get_tenant("a").unwrap().usage.quarantined_bytes,
+        4 * MIB
+    );
+    // Quarantined memory is not available to anyone.
+    assert!(f.arb.acquire(req("a", s, 6 * MIB)).await.is_err());
+}
+
+#[tokio::test]
+async fn unpinned_requests_go_where_they_fit_and_pinned_stay() {
+    let f = fixture(8 * MIB, 2, ArbiterConfig::default());
+    let s = f.tenant("a", quota(64 * MIB));
+    let a = f.arb.acquire(req("a", s, 6 * MIB)).await.unwrap();
+    let b = f.arb.acquire(req("a", s, 6 * MIB)).await.unwrap();
+    assert_ne!(
+        a.device, b.device,
+        "second lease goes to the emptier device"
+    );
+    let mut r = req("a", s, 2 * MIB);
+    r.device = Some(1);
+    assert_eq!(f.arb.acquire(r).await.unwrap().device, 1);
+    let mut r = req("a", s, 2 * MIB);
+    r.device = Some(2);
+    assert!(matches!(
+        f.arb.acquire(r).await,
+        Err(BrokerError::InvalidArgument(_))
+    ));
+}
+
+#[tokio::test]
+async fn eviction_keeps_holdings_under_leasable() {
+    let f = fixture(8 * MIB, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(64 * MIB));
+    for size in [2, 4, 6, 8] {
+        let l = f.arb.acquire(req("a", s, size * MIB)).await.unwrap();
+        let st = f.arb.state.lock().pools[0].stats();
+        assert!(st.leased + st.cached <= 8 * MIB, "{st:?}");
+        f.arb.release("a", l.id).unwrap();
+    }
+}
