@@ -89,9 +89,17 @@ pub async fn serve(
     );
     let admin =
         AdminServer::with_interceptor(AdminService::new(arb.clone()), admin_interceptor(auth));
+    // HTTP/2 pings find dead or frozen peers: a worker whose HTTP/2 stack stops answering
+    // for about the keepalive timeout loses its connection, and so its sessions.
+    let ka = arb.config().keepalive_timeout;
+    let ping = if ka.is_zero() {
+        Duration::from_secs(20)
+    } else {
+        (ka / 2).max(Duration::from_millis(500))
+    };
     let router = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(10)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .http2_keepalive_interval(Some(ping))
+        .http2_keepalive_timeout(Some(ping))
         .add_service(health)
         .add_service(reflection)
         .add_service(broker)

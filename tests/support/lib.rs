@@ -69,6 +69,25 @@ impl Broker {
     }
 
     pub fn start_with(opts: BrokerOpts) -> Result<Broker> {
+        let host = vec![
+            "--backend".to_string(),
+            "host".into(),
+            "--host-capacity".into(),
+            opts.capacity.into(),
+            "--host-devices".into(),
+            opts.devices.to_string(),
+            "--headroom".into(),
+            opts.headroom.into(),
+        ];
+        Broker::start_args(host, opts.extra)
+    }
+
+    /// Starts a broker on the real GPUs (`--backend cuda`) with `extra` flags.
+    pub fn start_cuda(extra: Vec<String>) -> Result<Broker> {
+        Broker::start_args(vec!["--backend".into(), "cuda".into()], extra)
+    }
+
+    fn start_args(backend: Vec<String>, extra: Vec<String>) -> Result<Broker> {
         let dir = tempfile::Builder::new().prefix("gpb-test-").tempdir()?;
         let shm_dir = PathBuf::from("/dev/shm").join(
             dir.path()
@@ -79,25 +98,18 @@ impl Broker {
         );
         let socket = dir.path().join("broker.sock");
         let state_dir = dir.path().join("state");
-        let mut args = vec![
-            "--backend".into(),
-            "host".into(),
+        let mut args = backend;
+        args.extend([
             "--socket".into(),
             socket.display().to_string(),
             "--state-dir".into(),
             state_dir.display().to_string(),
             "--host-shm-dir".into(),
             shm_dir.display().to_string(),
-            "--host-capacity".into(),
-            opts.capacity.into(),
-            "--host-devices".into(),
-            opts.devices.to_string(),
-            "--headroom".into(),
-            opts.headroom.into(),
             "--shutdown-grace".into(),
             "1s".into(),
-        ];
-        args.extend(opts.extra.iter().cloned());
+        ]);
+        args.extend(extra);
         let log = dir.path().join("broker.log");
         let mut b = Broker {
             child: None,
@@ -262,3 +274,298 @@ where
 
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
+
+/// A child process (a worker, an example, the CLI) whose stdout and stderr lines a test
+/// reads as they come. Killed when dropped.
+pub struct Proc {
+    child: tokio::process::Child,
+    stdin: Option<tokio::process::ChildStdin>,
+    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+    history: Vec<String>,
+    /// Process id.
+    pub pid: u32,
+    name: String,
+}
+
+impl Proc {
+    /// Spawns `cmd` with piped stdin/stdout/stderr (needs a tokio runtime).
+    pub fn spawn(cmd: Command) -> Result<Proc> {
+        let name = format!("{:?}", cmd.get_program());
+        let mut cmd = tokio::process::Command::from(cmd);
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().with_context(|| format!("spawning {name}"))?;
+        let pid = child.id().context("child has no pid")?;
+        let (tx, lines) = tokio::sync::mpsc::unbounded_channel();
+        if let Some(out) = child.stdout.take() {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncBufReadExt;
+                let mut r = tokio::io::BufReader::new(out).lines();
+                while let Ok(Some(l)) = r.next_line().await {
+                    let _ = tx.send(l);
+                }
+            });
+        }
+        if let Some(err) = child.stderr.take() {
+            tokio::spawn(async move {
+                use tokio::io::AsyncBufReadExt;
+                let mut r = tokio::io::BufReader::new(err).lines();
+                while let Ok(Some(l)) = r.next_line().await {
+                    let _ = tx.send(format!("stderr: {l}"));
+                }
+            });
+        }
+        let stdin = child.stdin.take();
+        Ok(Proc {
+            child,
+            stdin,
+            lines,
+            history: Vec::new(),
+            pid,
+            name,
+        })
+    }
+
+    /// Waits up to `timeout` for the next stdout line starting with `prefix` (earlier
+    /// lines are kept in [`Proc::history`]) and returns it.
+    pub async fn line_starting(&mut self, prefix: &str, timeout: Duration) -> Result<String> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            match tokio::time::timeout_at(deadline, self.lines.recv()).await {
+                Ok(Some(l)) => {
+                    self.history.push(l.clone());
+                    if l.starts_with(prefix) {
+                        return Ok(l);
+                    }
+                }
+                Ok(None) => bail!(
+                    "{} ended its output before a line {prefix:?}:\n{}",
+                    self.name,
+                    self.history()
+                ),
+                Err(_) => bail!(
+                    "{}: no line {prefix:?} within {timeout:?}:\n{}",
+                    self.name,
+                    self.history()
+                ),
+            }
+        }
+    }
+
+    /// Every line read so far.
+    pub fn history(&self) -> String {
+        self.history.join("\n")
+    }
+
+    /// Writes one line to the process's stdin.
+    pub async fn send(&mut self, line: &str) -> Result<()> {
+        use tokio::io::AsyncWriteExt;
+        let stdin = self.stdin.as_mut().context("stdin closed")?;
+        stdin.write_all(format!("{line}\n").as_bytes()).await?;
+        stdin.flush().await?;
+        Ok(())
+    }
+
+    /// Sends a signal.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: plain syscall on our own child.
+        unsafe {
+            libc::kill(self.pid as libc::pid_t, sig);
+        }
+    }
+
+    /// SIGKILL and reap.
+    pub async fn kill(&mut self) -> Result<()> {
+        self.child.start_kill()?;
+        tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await??;
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for the process to exit (SIGKILL after that).
+    pub async fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        match tokio::time::timeout(timeout, self.child.wait()).await {
+            Ok(s) => Ok(s?),
+            Err(_) => {
+                let _ = self.kill().await;
+                bail!(
+                    "{} did not exit within {timeout:?}:\n{}",
+                    self.name,
+                    self.history()
+                )
+            }
+        }
+    }
+
+    /// Waits for exit, then returns the status and every line the process printed.
+    pub async fn finish(mut self, timeout: Duration) -> Result<(std::process::ExitStatus, String)> {
+        self.stdin.take();
+        let status = self.wait(timeout).await?;
+        // The readers end at EOF, shortly after exit.
+        while let Ok(Some(l)) =
+            tokio::time::timeout(Duration::from_secs(2), self.lines.recv()).await
+        {
+            self.history.push(l);
+        }
+        Ok((status, self.history()))
+    }
+}
+
+/// A lease held by an `e2e-worker hold` process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldLease {
+    pub id: String,
+    pub path: PathBuf,
+    pub bytes: u64,
+    pub device: u32,
+}
+
+/// An `e2e-worker hold` process that reported `READY`.
+pub struct Held {
+    pub proc: Proc,
+    pub session_id: String,
+    /// The pid the broker saw on the socket.
+    pub peer_pid: u32,
+    pub leases: Vec<HeldLease>,
+}
+
+/// The `e2e-worker` command for `broker` and `token` with the given subcommand arguments.
+pub fn worker_cmd(broker: &Broker, token: &str, args: &[&str]) -> Command {
+    let mut c = Command::new(bin("e2e-worker"));
+    c.arg("--broker")
+        .arg(broker.uri())
+        .arg("--token")
+        .arg(token)
+        .args(args);
+    c
+}
+
+/// Starts `e2e-worker hold <args>` and waits (up to 10 s) until it holds its leases.
+pub async fn hold(broker: &Broker, token: &str, args: &[&str]) -> Result<Held> {
+    let mut a = vec!["hold"];
+    a.extend_from_slice(args);
+    let mut proc = Proc::spawn(worker_cmd(broker, token, &a))?;
+    let t = Duration::from_secs(10);
+    let session = proc.line_starting("SESSION ", t).await?;
+    let mut words = session.split_whitespace().skip(1);
+    let session_id = words.next().context("session id")?.to_string();
+    let peer_pid = words.next().context("peer pid")?.parse()?;
+    let mut leases = Vec::new();
+    loop {
+        let l = proc.line_starting("", t).await?;
+        let w: Vec<&str> = l.split_whitespace().collect();
+        match w.first().copied() {
+            Some("READY") => break,
+            Some("LEASE") if w.len() == 5 => leases.push(HeldLease {
+                id: w[1].to_string(),
+                path: PathBuf::from(w[2]),
+                bytes: w[3].parse()?,
+                device: w[4].parse()?,
+            }),
+            Some("ERROR") | Some("BAD_INITIAL") => bail!("worker failed: {l}\n{}", proc.history()),
+            _ => {}
+        }
+    }
+    Ok(Held {
+        proc,
+        session_id,
+        peer_pid,
+        leases,
+    })
+}
+
+/// `grpc.health.v1.Health/Check` for `service` ("" for the whole server); returns the
+/// serving status (1 = SERVING, 2 = NOT_SERVING). The health service needs no token.
+pub async fn health_check(uri: &str, service: &str) -> Result<i32> {
+    let channel = gpu_broker_client::connect::connect_channel(uri).await?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await?;
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/grpc.health.v1.Health/Check");
+    let reply: tonic::Response<health::HealthCheckResponse> = grpc
+        .unary(
+            tonic::Request::new(health::HealthCheckRequest {
+                service: service.to_string(),
+            }),
+            path,
+            health::Codec::default(),
+        )
+        .await?;
+    Ok(reply.into_inner().status)
+}
+
+/// Just enough of `grpc.health.v1` (and a prost codec) to call `Health/Check`.
+mod health {
+    use std::marker::PhantomData;
+    use tonic::codec::{DecodeBuf, Decoder, EncodeBuf, Encoder};
+    use tonic::Status;
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct HealthCheckRequest {
+        #[prost(string, tag = "1")]
+        pub service: String,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct HealthCheckResponse {
+        #[prost(int32, tag = "1")]
+        pub status: i32,
+    }
+
+    pub struct Codec<E, D>(PhantomData<(E, D)>);
+
+    impl<E, D> Default for Codec<E, D> {
+        fn default() -> Self {
+            Codec(PhantomData)
+        }
+    }
+
+    pub struct Enc<E>(PhantomData<E>);
+    pub struct Dec<D>(PhantomData<D>);
+
+    impl<E, D> tonic::codec::Codec for Codec<E, D>
+    where
+        E: prost::Message + Send + 'static,
+        D: prost::Message + Default + Send + 'static,
+    {
+        type Encode = E;
+        type Decode = D;
+        type Encoder = Enc<E>;
+        type Decoder = Dec<D>;
+
+        fn encoder(&mut self) -> Enc<E> {
+            Enc(PhantomData)
+        }
+
+        fn decoder(&mut self) -> Dec<D> {
+            Dec(PhantomData)
+        }
+    }
+
+    impl<E: prost::Message + Send + 'static> Encoder for Enc<E> {
+        type Item = E;
+        type Error = Status;
+
+        fn encode(&mut self, item: E, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+            item.encode(buf)
+                .map_err(|e| Status::internal(e.to_string()))
+        }
+    }
+
+    impl<D: prost::Message + Default + Send + 'static> Decoder for Dec<D> {
+        type Item = D;
+        type Error = Status;
+
+        fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<D>, Status> {
+            D::decode(buf)
+                .map(Some)
+                .map_err(|e| Status::internal(e.to_string()))
+        }
+    }
+}
+
+/// The devices as the admin service reports them now.
+pub async fn devices(b: &Broker) -> Result<Vec<gpu_broker_client::DeviceInfo>> {
+    Ok(b.admin().await?.get_devices().await?)
+}

@@ -396,6 +396,7 @@ impl Arbiter {
         }
         st.ledger.commit(&ask.tenant, ask.bytes);
         st.pools[d as usize].commit(ask.bytes);
+        crate::metrics::GRANTS.inc();
         st.seq += 1;
         let lease = Lease {
             id: uuid::Uuid::new_v4(),

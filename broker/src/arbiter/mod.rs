@@ -254,6 +254,13 @@ impl Arbiter {
         }
     }
 
+    /// Marks a session active (its stream delivered an event).
+    pub fn touch_session(&self, session: Uuid) {
+        if let Some(s) = self.state.lock().sessions.get_mut(&session) {
+            s.last_seen = Instant::now();
+        }
+    }
+
     /// The caller's own leases.
     pub fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
         let st = self.state.lock();

@@ -15,7 +15,7 @@ use tonic::transport::server::UdsConnectInfo;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-/// Heartbeat period of session streams.
+/// Longest heartbeat period of session streams (shorter when the keepalive timeout is).
 const HEARTBEAT: Duration = Duration::from_secs(5);
 
 /// The worker-facing service.
@@ -26,6 +26,17 @@ pub struct BrokerService {
 impl BrokerService {
     pub fn new(arb: Arc<Arbiter>) -> BrokerService {
         BrokerService { arb }
+    }
+}
+
+/// Heartbeats come often enough that an open, drained stream keeps its session alive.
+pub fn heartbeat_period(keepalive_timeout: Duration) -> Duration {
+    if keepalive_timeout.is_zero() {
+        HEARTBEAT
+    } else {
+        HEARTBEAT
+            .min(keepalive_timeout / 3)
+            .max(Duration::from_millis(50))
     }
 }
 
@@ -67,7 +78,7 @@ impl Broker for BrokerService {
             id,
             opened,
             rx,
-            HEARTBEAT,
+            heartbeat_period(self.arb.config().keepalive_timeout),
         )))
     }
 

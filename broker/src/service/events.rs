@@ -32,7 +32,7 @@ pub struct EventStream {
     first: Option<pb::SessionEvent>,
     rx: mpsc::UnboundedReceiver<SessionEvent>,
     heartbeat: tokio::time::Interval,
-    _guard: SessionGuard,
+    guard: SessionGuard,
 }
 
 impl EventStream {
@@ -51,7 +51,7 @@ impl EventStream {
             }),
             rx,
             heartbeat: hb,
-            _guard: SessionGuard { arb, id },
+            guard: SessionGuard { arb, id },
         }
     }
 }
@@ -98,6 +98,8 @@ impl Stream for EventStream {
             Poll::Pending => {}
         }
         if self.heartbeat.poll_tick(cx).is_ready() {
+            // The transport took our last event: the worker's connection is alive.
+            self.guard.arb.touch_session(self.guard.id);
             return Poll::Ready(Some(Ok(pb::SessionEvent {
                 event: Some(pb::session_event::Event::Heartbeat(pb::Heartbeat {
                     unix_ms: now_ms(),
