@@ -2,7 +2,8 @@
 # The GPU machine's check of the CUDA backend, end to end (issue 3).
 #
 #   scripts/gpu-check.sh build   # here (Rust, no GPU): release binaries into .gpu/check
-#   scripts/gpu-check.sh run     # on the GPU machine (no Rust): runs everything below
+#   scripts/gpu-check.sh run [STEPS]  # on the GPU machine (no Rust): runs the steps below
+#                                     # (default 1234; 3 and 4 always run together)
 #
 # What runs on the GPU:
 #   1. the Device conformance suite against the CUDA backend (scripts/gpu-conformance.sh)
@@ -17,6 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=.gpu/check
+TARGET=${CARGO_TARGET_DIR:-target}
 
 exe_of() { # package, target kind, name -> path of the built test executable
     sed -n "s/.*\"name\":\"$1\".*\"executable\":\"\([^\"]*\)\".*/\1/p" | tail -n1
@@ -29,8 +31,8 @@ build() {
     t=$(cargo test --release -p gpu-broker-tests --test gpu --no-run --message-format=json 2>/dev/null | grep '"executable":"' | exe_of gpu)
     [[ -n "$t" ]] || { echo "cannot find the gpu test executable" >&2; exit 1; }
     cp -f "$t" "$OUT/deps/gpu-test"
-    for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "target/release/$b" "$OUT/$b"; done
-    cp -f "$(ls -t target/release/build/gpu-broker-proto-*/out/gpubroker_descriptor.bin | head -n1)" "$OUT/gpubroker_descriptor.bin"
+    for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
+    cp -f "$(ls -t "$TARGET"/release/build/gpu-broker-proto-*/out/gpubroker_descriptor.bin | head -n1)" "$OUT/gpubroker_descriptor.bin"
     strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/gpu-worker "$OUT"/deps/gpu-test 2>/dev/null || true
     scripts/gpu-conformance.sh build >/dev/null
     du -sh .gpu
@@ -40,11 +42,16 @@ build() {
 
 run() {
     local t0=$SECONDS
+    local steps=${1:-1234}
     nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
-    echo "=== 1. conformance ==="
-    scripts/gpu-conformance.sh run
-    echo "=== 2. GPU end-to-end tests ==="
-    "$OUT/deps/gpu-test" --test-threads=1 --nocapture
+    if [[ $steps == *1* ]]; then
+        echo "=== 1. conformance ==="
+        scripts/gpu-conformance.sh run
+    fi
+    if [[ $steps == *2* ]]; then
+        echo "=== 2. GPU end-to-end tests ==="
+        "$OUT/deps/gpu-test" --test-threads=1 --nocapture
+    fi
     echo "=== 3. Python (CuPy + PyTorch) worker ==="
     local dir; dir=$(mktemp -d)
     "$OUT/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
@@ -67,6 +74,6 @@ run() {
 
 case "${1:-build}" in
     build) build ;;
-    run) run ;;
+    run) run "${2:-1234}" ;;
     *) echo "usage: $0 build|run" >&2; exit 2 ;;
 esac

@@ -29,7 +29,8 @@ def msg(name):
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("gpubroker.v1." + name))
 
 
-ch = grpc.insecure_channel("unix://" + sock)
+# tonic (h2) refuses the socket path as :authority, so name one.
+ch = grpc.insecure_channel("unix://" + sock, options=[("grpc.default_authority", "localhost")])
 md = [("authorization", "Bearer " + token)]
 
 

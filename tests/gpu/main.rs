@@ -157,8 +157,9 @@ async fn more_than_the_card_is_refused_and_95_percent_is_leasable() {
     admin.set_quota("a", QuotaSpec::new(1 << 50)).await.unwrap();
     let client = gpu_broker_client::Client::connect(&b.uri(), token).await.unwrap();
     let s = client.session("fill").await.unwrap();
-    let dev = admin.get_devices().await.unwrap()[0].clone();
-    let err = s.lease(dev.total_bytes + (2 << 20)).await.err().expect("refused");
+    let devices = admin.get_devices().await.unwrap();
+    let biggest = devices.iter().map(|d| d.total_bytes).max().unwrap_or(0);
+    let err = s.lease(biggest + (2 << 20)).await.err().expect("refused");
     assert_eq!(err.code(), gpu_broker_client::Code::ResourceExhausted, "{err}");
     // Fill with leases of 2 MiB .. 1 GiB until refused.
     let mut held = Vec::new();
@@ -183,11 +184,12 @@ async fn more_than_the_card_is_refused_and_95_percent_is_leasable() {
             }
         }
     }
-    let leasable = dev.total_bytes - dev.headroom_bytes;
+    let leasable: u64 = devices.iter().map(|d| d.total_bytes - d.headroom_bytes).sum();
     eprintln!(
-        "leased {total} of total-headroom {leasable} ({:.2}%) in {} leases",
+        "leased {total} of total-headroom {leasable} ({:.2}%) in {} leases on {} GPU(s)",
         100.0 * total as f64 / leasable as f64,
-        held.len()
+        held.len(),
+        devices.len()
     );
     assert!(total as f64 >= 0.95 * leasable as f64, "only {total} of {leasable}");
     assert!(!b.log_text().contains("OUT_OF_MEMORY"), "a CUDA OOM happened");
