@@ -158,6 +158,11 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
 
+    /// GPU memory a worker process may use beyond its leases (its CUDA context) before
+    /// the broker reports it as allocating behind the broker's back (NVML).
+    #[arg(long, env = "GPU_BROKER_OWN_ALLOC_ALLOWANCE", default_value = "1GiB", value_parser = parse_size)]
+    pub own_alloc_allowance: u64,
+
     /// Log as JSON lines instead of text.
     #[arg(long, env = "GPU_BROKER_LOG_JSON")]
     pub log_json: bool,

@@ -65,6 +65,8 @@ pub struct LeaseView {
     pub created: SystemTime,
     pub reclaim_deadline: Option<SystemTime>,
     pub borrowed: bool,
+    /// The lease was taken away (the view returned by a revocation).
+    pub revoked: bool,
     pub handle: crate::device::Handle,
 }
 
@@ -87,6 +89,7 @@ impl Lease {
                 LeaseState::Active => None,
             },
             borrowed,
+            revoked: false,
             handle: self.block.handle.clone(),
         }
     }

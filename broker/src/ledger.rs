@@ -43,9 +43,11 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// Device bytes held or reserved: what the limit is checked against.
+    /// Device bytes held, reserved, or quarantined (ended leases a live process of the
+    /// tenant may still map): what the limit is checked against. Quarantined bytes count
+    /// because they are still in the tenant's hands.
     pub fn committed_bytes(&self) -> u64 {
-        self.held_bytes + self.reserved_bytes
+        self.held_bytes + self.reserved_bytes + self.quarantined_bytes
     }
 }
 
@@ -139,8 +141,23 @@ impl Ledger {
             .values()
             .filter(|t| t.name != name)
             .map(|t| t.quota.guaranteed_bytes)
-            .sum::<u64>()
-            + guaranteed
+            .fold(guaranteed, u64::saturating_add)
+    }
+
+    /// Unused guarantees of every tenant but `name`: memory kept free for others.
+    pub fn others_unused_guarantees(&self, name: &str) -> u64 {
+        self.tenants
+            .values()
+            .filter(|t| t.name != name)
+            .map(|t| t.unused_guarantee())
+            .fold(0, u64::saturating_add)
+    }
+
+    /// Would `bytes` more keep `name` within its guarantee?
+    pub fn within_guarantee(&self, name: &str, bytes: u64) -> bool {
+        self.tenants.get(name).is_some_and(|t| {
+            t.usage.committed_bytes().saturating_add(bytes) <= t.quota.guaranteed_bytes
+        })
     }
 
     /// Creates or updates a tenant. Returns true when it was created. Lowering a limit
@@ -380,6 +397,22 @@ mod tests {
         l.delete("a").unwrap();
         assert!(l.get("a").is_none());
         assert!(matches!(l.delete("a"), Err(BrokerError::NotFound(_))));
+    }
+
+    #[test]
+    fn quarantined_bytes_count_against_the_limit() {
+        let mut l = Ledger::new();
+        l.set_quota("a", quota(10)).unwrap();
+        l.reserve("a", 6).unwrap();
+        l.commit("a", 6);
+        l.uncharge("a", 6);
+        l.add_quarantine("a", 6);
+        assert!(matches!(
+            l.reserve("a", 6),
+            Err(BrokerError::ResourceExhausted(_))
+        ));
+        l.remove_quarantine("a", 6);
+        l.reserve("a", 6).unwrap();
     }
 
     #[test]

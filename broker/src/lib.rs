@@ -13,6 +13,7 @@ pub mod backend;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod gpu_processes;
 pub mod lease;
 pub mod ledger;
 pub mod metrics;

@@ -77,6 +77,11 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         tracing::info!(addr = %l.local_addr()?, "metrics at /metrics");
         tokio::spawn(serve_metrics(arb.clone(), l, shutdown.clone()));
     }
+    if arb.backend_is_cuda() {
+        if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {
+            tokio::spawn(watch_processes(arb.clone(), monitor, cfg.own_alloc_allowance, shutdown.clone()));
+        }
+    }
     let s = shutdown.clone();
     tokio::spawn(async move {
         wait_for_signal().await;
@@ -95,6 +100,26 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     .await?;
     let _ = std::fs::remove_file(&cfg.socket);
     Ok(())
+}
+
+/// Every 2 s, attributes per-process GPU memory (NVML) to sessions.
+async fn watch_processes(
+    arb: Arc<Arbiter>,
+    monitor: gpu_broker::gpu_processes::ProcessMonitor,
+    allowance: u64,
+    stop: CancellationToken,
+) {
+    let monitor = Arc::new(monitor);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+        }
+        let m = monitor.clone();
+        if let Ok(usage) = tokio::task::spawn_blocking(move || m.usage_by_pid()).await {
+            arb.apply_process_usage(&usage, allowance);
+        }
+    }
 }
 
 async fn wait_for_signal() {

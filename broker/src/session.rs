@@ -49,6 +49,19 @@ pub struct Session {
     pub last_seen: Instant,
     pub events: mpsc::UnboundedSender<SessionEvent>,
     pub leases: HashSet<Uuid>,
+    /// What NVML last said about the peer process's GPU memory.
+    pub gpu: Option<GpuUse>,
+}
+
+/// GPU memory of a session's peer process (NVML).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuUse {
+    /// All GPU memory the process uses.
+    pub used: u64,
+    /// Beyond its leases: own allocations and its CUDA context.
+    pub own: u64,
+    /// `own` is above the allowance.
+    pub over: bool,
 }
 
 impl Session {

@@ -10,7 +10,7 @@ use pb::broker_client::BrokerClient;
 use crate::connect::{self, AuthChannel};
 use crate::error::ClientError;
 use crate::lease::LeaseInfo;
-use crate::session::Session;
+use crate::session::{Session, SessionBuilder};
 use crate::tenant::Usage;
 
 /// A connection to the broker authenticated with a tenant token.
@@ -41,9 +41,16 @@ impl Client {
         })
     }
 
-    /// Opens a session named `name` (shown to operators).
+    /// Opens a session named `name` (shown to operators), without reconnection: when
+    /// the broker loses it, it ends with [`crate::SessionEvent::Closed`].
     pub async fn session(&self, name: impl Into<String>) -> Result<Session, ClientError> {
         Session::open(self.clone(), name.into()).await
+    }
+
+    /// A session named `name` to configure before opening, e.g. with automatic
+    /// reconnection: `client.session_builder("w").reconnect(Backoff::default()).await`.
+    pub fn session_builder(&self, name: impl Into<String>) -> SessionBuilder {
+        SessionBuilder::new(self.clone(), name.into())
     }
 
     /// The tenant's quota and live usage.

@@ -63,6 +63,16 @@ pub enum ClientError {
     /// A CUDA driver error while opening or using a CUDA IPC handle (`cuda` feature).
     #[error("CUDA error: {0}")]
     Cuda(String),
+    /// The lease belonged to a broker session that was lost (the broker restarted or the
+    /// connection broke, and a reconnecting session re-opened a new one): its memory is
+    /// gone, and nothing was sent to the broker. Code `NOT_FOUND`.
+    #[error("NOT_FOUND: lease {lease_id} was lost with session {session_id} (the broker session ended; the session reconnected or is reconnecting)")]
+    LeaseLost {
+        /// The lost lease.
+        lease_id: String,
+        /// The broker session it was acquired on.
+        session_id: String,
+    },
     /// The broker answered something the protocol does not allow (e.g. a session stream
     /// whose first event is not `opened`, or a reply missing a required field).
     #[error("protocol error: {0}")]
@@ -72,13 +82,13 @@ pub enum ClientError {
 impl ClientError {
     /// The gRPC code of this error. Local errors map to the closest code:
     /// `Transport` -> `UNAVAILABLE`, `Io`/`Cuda`/`Protocol` -> `INTERNAL`,
-    /// `NotMappable` -> `FAILED_PRECONDITION`.
+    /// `NotMappable` -> `FAILED_PRECONDITION`, `LeaseLost` -> `NOT_FOUND`.
     pub fn code(&self) -> Code {
         match self {
             ClientError::InvalidArgument(_) => Code::InvalidArgument,
             ClientError::Unauthenticated(_) => Code::Unauthenticated,
             ClientError::PermissionDenied(_) => Code::PermissionDenied,
-            ClientError::NotFound(_) => Code::NotFound,
+            ClientError::NotFound(_) | ClientError::LeaseLost { .. } => Code::NotFound,
             ClientError::ResourceExhausted(_) => Code::ResourceExhausted,
             ClientError::DeadlineExceeded(_) => Code::DeadlineExceeded,
             ClientError::Unavailable(_) | ClientError::Transport(_) => Code::Unavailable,
@@ -122,6 +132,7 @@ impl ClientError {
                 | ClientError::NotMappable
                 | ClientError::Cuda(_)
                 | ClientError::Protocol(_)
+                | ClientError::LeaseLost { .. }
         )
     }
 }
@@ -261,5 +272,14 @@ mod tests {
         let io = ClientError::from(std::io::Error::other("boom"));
         assert_eq!(io.code(), Code::Internal);
         assert_eq!(io.to_string(), "I/O error: boom");
+        let lost = ClientError::LeaseLost {
+            lease_id: "l-1".into(),
+            session_id: "s-1".into(),
+        };
+        assert_eq!(lost.code(), Code::NotFound);
+        assert!(!lost.is_status());
+        assert!(lost
+            .to_string()
+            .starts_with("NOT_FOUND: lease l-1 was lost with session s-1"));
     }
 }

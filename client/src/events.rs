@@ -1,9 +1,15 @@
 //! Session events: what the broker pushes down a session's stream after `opened`,
-//! as a domain enum ([`SessionEvent`]), and the background task that reads the stream,
-//! fans events out to subscribers through a tokio broadcast channel, and sends
-//! `Keepalive` every third of the broker's keepalive timeout. The first subscriber
-//! also receives events that arrived before it subscribed; later ones see events from
-//! their subscription on. Every subscriber's stream ends with [`SessionEvent::Closed`].
+//! as a domain enum ([`SessionEvent`]), plus the events the client adds itself
+//! (`Disconnected` and `Reconnected` for reconnecting sessions, `Closed` at the end).
+//! `pump` reads one stream, fans events out to subscribers through a tokio broadcast
+//! channel, and sends `Keepalive` every third of the broker's keepalive timeout; the
+//! session's task ([`crate::reconnect`]) runs it once per (re-)opened stream. The first
+//! subscriber also receives events that arrived before it subscribed; later ones see
+//! events from their subscription on. Every subscriber's stream ends with
+//! [`SessionEvent::Closed`].
+//!
+//! A reclaim handler is either [`crate::Session::on_reclaim`] or a loop over
+//! [`crate::Session::events`] using [`SessionEvent::reclaim_request`].
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -19,14 +25,16 @@ use gpu_broker_proto::v1 as pb;
 use pb::session_event::Event;
 
 use crate::client::Client;
-use crate::error::ClientError;
+use crate::error::{ClientError, Code};
 use crate::lease::unix_ms;
 
 /// Events kept for a subscriber that falls behind; older ones are dropped (and logged).
 const EVENT_BUFFER: usize = 256;
 
-/// Something the broker told this session.
+/// Something the broker told this session, or a change of the session itself.
+/// New kinds of events may be added: match with a `_` arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SessionEvent {
     /// Please release this lease (or shrink and release) before `deadline`.
     ReclaimRequested {
@@ -53,8 +61,34 @@ pub enum SessionEvent {
         /// How long the broker waits before ending sessions.
         grace: Duration,
     },
-    /// The session stream ended (broker closed it, connection lost, or the session was
-    /// closed or dropped here). Always the last event.
+    /// (Reconnecting sessions only.) The session stream broke or ended: the broker has
+    /// ended (or lost, if it died) the session `session_id` and every lease it held.
+    /// The client is re-opening a session with backoff; `Reconnected` follows on
+    /// success, `Closed` if it gives up. Calls made meanwhile fail with `UNAVAILABLE`.
+    Disconnected {
+        /// The session that was lost.
+        session_id: String,
+        /// What happened (connection lost, broker shut down, ...).
+        reason: String,
+    },
+    /// (Reconnecting sessions only.) A new session replaces the lost one:
+    /// [`crate::Session::id`] now returns `new_session_id`. The broker does not keep
+    /// leases across sessions: every lease of the old session is gone, and its
+    /// [`crate::Lease`] objects are dead (`release()` returns
+    /// [`crate::ClientError::LeaseLost`] and sends nothing; dropping them sends nothing).
+    Reconnected {
+        /// The session that was lost.
+        old_session_id: String,
+        /// The session that replaces it.
+        new_session_id: String,
+        /// Ids of the leases that were held through [`crate::Lease`] objects of the old
+        /// session (not released or detached), in acquisition order.
+        lost_leases: Vec<String>,
+    },
+    /// The session is over for good: the stream ended (without reconnection: broker
+    /// closed it or connection lost; with it: re-opening was refused for good, e.g.
+    /// token revoked or tenant deleted, or it gave up), or the session was closed or
+    /// dropped here. Always the last event.
     Closed {
         /// `None` when the broker ended the stream cleanly, else what happened.
         reason: Option<String>,
@@ -88,6 +122,48 @@ impl SessionEvent {
     pub fn is_closed(&self) -> bool {
         matches!(self, SessionEvent::Closed { .. })
     }
+
+    /// The request of a [`SessionEvent::ReclaimRequested`], `None` for other events.
+    pub fn reclaim_request(&self) -> Option<ReclaimRequest> {
+        match self {
+            SessionEvent::ReclaimRequested {
+                lease_id,
+                bytes,
+                deadline,
+                reason,
+            } => Some(ReclaimRequest {
+                lease_id: lease_id.clone(),
+                bytes: *bytes,
+                deadline: *deadline,
+                reason: reason.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// The broker wants a lease back (a [`SessionEvent::ReclaimRequested`]): release it
+/// ([`crate::Lease::release`], after closing its mappings) before `deadline`, or it is
+/// revoked and its memory quarantined until this process lets go of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReclaimRequest {
+    /// The lease to give back.
+    pub lease_id: String,
+    /// Bytes the broker wants back.
+    pub bytes: u64,
+    /// When the broker stops asking and revokes.
+    pub deadline: SystemTime,
+    /// Why (e.g. a higher-priority tenant is waiting).
+    pub reason: String,
+}
+
+impl ReclaimRequest {
+    /// Time left until the deadline (zero once it passed).
+    pub fn time_left(&self) -> Duration {
+        self.deadline
+            .duration_since(SystemTime::now())
+            .unwrap_or_default()
+    }
 }
 
 /// Fan-out of one session's events.
@@ -115,7 +191,7 @@ impl EventHub {
         })
     }
 
-    fn publish(&self, event: SessionEvent) {
+    pub(crate) fn publish(&self, event: SessionEvent) {
         // Err only means nobody is subscribed right now.
         let _ = self.tx.send(event);
     }
@@ -190,52 +266,136 @@ impl std::fmt::Debug for SessionEvents {
     }
 }
 
-/// Reads the session stream until it ends, publishing events, while sending keepalives;
-/// then publishes `Closed`. Aborting the task drops the stream, which ends the session
-/// on the broker.
-pub(crate) async fn run(
-    mut stream: tonic::Streaming<pb::SessionEvent>,
-    hub: Arc<EventHub>,
-    client: Client,
-    session_id: String,
+/// Why one session stream stopped.
+#[derive(Debug)]
+pub(crate) enum StreamEnd {
+    /// The broker ended the stream (it ended the session); `shutting_down` when it
+    /// had sent `ShuttingDown` first.
+    Ended {
+        /// A `ShuttingDown` event came before the end.
+        shutting_down: bool,
+    },
+    /// The stream failed (connection lost, broker killed, ...).
+    Broken {
+        /// What the transport said.
+        error: ClientError,
+        /// A `ShuttingDown` event came before.
+        shutting_down: bool,
+    },
+    /// A keepalive was refused in a way that means the session is gone (`NOT_FOUND`,
+    /// `UNAUTHENTICATED`, `PERMISSION_DENIED`); only when `end_on_rejected_keepalive`.
+    Rejected(ClientError),
+    /// Nothing arrived for this long (only with an idle timeout).
+    Idle(Duration),
+}
+
+impl StreamEnd {
+    /// The reason `Closed` carries when the session does not reconnect.
+    pub(crate) fn closed_reason(&self) -> Option<String> {
+        match self {
+            StreamEnd::Ended { .. } => None,
+            StreamEnd::Broken { error: e, .. } | StreamEnd::Rejected(e) => Some(e.to_string()),
+            StreamEnd::Idle(_) => Some(self.to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for StreamEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StreamEnd::Ended { shutting_down } => {
+                if *shutting_down {
+                    f.write_str("the broker shut down")
+                } else {
+                    f.write_str("the broker ended the session")
+                }
+            }
+            StreamEnd::Broken {
+                error,
+                shutting_down,
+            } => {
+                if *shutting_down {
+                    f.write_str("the broker shut down; ")?;
+                }
+                write!(f, "session stream broke: {error}")
+            }
+            StreamEnd::Rejected(e) => write!(f, "the broker no longer knows the session: {e}"),
+            StreamEnd::Idle(t) => write!(f, "no message from the broker for {t:?}"),
+        }
+    }
+}
+
+/// Reads one session stream until it ends, publishing events, while sending a
+/// keepalive every `keepalive` for `session_id`. With `end_on_rejected_keepalive`, a
+/// keepalive refused with `NOT_FOUND`, `UNAUTHENTICATED` or `PERMISSION_DENIED` ends
+/// it (the session or its token is gone); otherwise failed keepalives are only logged.
+/// With `idle_timeout`, a stream silent for that long counts as broken (the broker
+/// sends a heartbeat every 5 s).
+pub(crate) async fn pump(
+    stream: &mut tonic::Streaming<pb::SessionEvent>,
+    hub: &EventHub,
+    client: &Client,
+    session_id: &str,
     keepalive: Option<Duration>,
-) {
-    let pump = async {
+    end_on_rejected_keepalive: bool,
+    idle_timeout: Option<Duration>,
+) -> StreamEnd {
+    let read = async {
+        let mut shutting_down = false;
         loop {
-            match stream.message().await {
+            let next = match idle_timeout {
+                None => stream.message().await,
+                Some(limit) => match tokio::time::timeout(limit, stream.message()).await {
+                    Ok(next) => next,
+                    Err(_) => return StreamEnd::Idle(limit),
+                },
+            };
+            match next {
                 Ok(Some(message)) => {
                     if let Some(event) = SessionEvent::from_proto(message.event) {
                         tracing::debug!(session_id, ?event, "session event");
+                        shutting_down |= matches!(event, SessionEvent::ShuttingDown { .. });
                         hub.publish(event);
                     }
                 }
-                Ok(None) => return None,
-                Err(status) => return Some(ClientError::from(status).to_string()),
+                Ok(None) => return StreamEnd::Ended { shutting_down },
+                Err(status) => {
+                    return StreamEnd::Broken {
+                        error: ClientError::from(status),
+                        shutting_down,
+                    }
+                }
             }
         }
     };
     let keep = async {
-        match keepalive {
-            None => std::future::pending::<()>().await,
-            Some(period) => {
-                let period = period.max(Duration::from_millis(1));
-                let mut ticks = interval_at(Instant::now() + period, period);
-                ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
-                loop {
-                    ticks.tick().await;
-                    if let Err(e) = client.keepalive(&session_id).await {
-                        tracing::warn!(session_id, error = %e, "keepalive failed");
-                    }
+        let Some(period) = keepalive else {
+            return std::future::pending::<StreamEnd>().await;
+        };
+        let period = period.max(Duration::from_millis(1));
+        let mut ticks = interval_at(Instant::now() + period, period);
+        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            match client.keepalive(session_id).await {
+                Ok(()) => {}
+                Err(e)
+                    if end_on_rejected_keepalive
+                        && matches!(
+                            e.code(),
+                            Code::NotFound | Code::Unauthenticated | Code::PermissionDenied
+                        ) =>
+                {
+                    return StreamEnd::Rejected(e);
                 }
+                Err(e) => tracing::warn!(session_id, error = %e, "keepalive failed"),
             }
         }
     };
-    let reason = tokio::select! {
-        reason = pump => reason,
-        () = keep => None,
-    };
-    tracing::debug!(session_id, ?reason, "session stream ended");
-    hub.close(reason);
+    tokio::select! {
+        end = read => end,
+        end = keep => end,
+    }
 }
 
 #[cfg(test)]

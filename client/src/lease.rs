@@ -5,6 +5,12 @@
 //! the background on the session's runtime). A lease keeps its [`Session`] alive, since
 //! the broker takes back every lease of a session that ends. [`LeaseInfo`] is the plain
 //! record the list calls return.
+//!
+//! A lease belongs to the broker session it was acquired on. When a reconnecting
+//! session loses that broker session (see [`crate::reconnect`]) the lease is gone with
+//! it: [`Lease::is_lost`] turns true, [`Lease::release`] fails with
+//! [`ClientError::LeaseLost`] without calling the broker, and dropping it sends nothing,
+//! so an old lease never touches the session that replaced its own.
 
 use std::fmt;
 use std::future::{Future, IntoFuture};
@@ -237,6 +243,8 @@ impl From<pb::Lease> for LeaseInfo {
 pub struct Lease {
     info: LeaseInfo,
     session: Session,
+    /// The session generation (broker session) it was acquired on.
+    generation: usize,
     released: bool,
 }
 
@@ -244,17 +252,19 @@ impl fmt::Debug for Lease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lease")
             .field("info", &self.info)
-            .field("session", &self.session.id())
+            .field("session", &self.session_id())
+            .field("lost", &self.is_lost())
             .field("released", &self.released)
             .finish()
     }
 }
 
 impl Lease {
-    pub(crate) fn new(info: LeaseInfo, session: Session) -> Self {
+    pub(crate) fn new(info: LeaseInfo, session: Session, generation: usize) -> Self {
         Lease {
             info,
             session,
+            generation,
             released: false,
         }
     }
@@ -309,9 +319,32 @@ impl Lease {
         &self.session
     }
 
+    /// Id of the broker session the lease was acquired on (with reconnection it can
+    /// differ from [`Session::id`], which follows the current one).
+    pub fn session_id(&self) -> &str {
+        self.session.shared().id_of(self.generation)
+    }
+
+    /// True once the broker session the lease was acquired on is lost (reconnecting
+    /// sessions only): the memory is gone and the lease cannot be released.
+    pub fn is_lost(&self) -> bool {
+        !self.session.shared().is_live(self.generation)
+    }
+
+    fn lost_error(&self) -> ClientError {
+        ClientError::LeaseLost {
+            lease_id: self.info.lease_id.clone(),
+            session_id: self.session_id().to_string(),
+        }
+    }
+
     /// Maps a `host_shm` lease read-write (`MAP_SHARED`); the mapping borrows the lease
     /// and must be dropped before the lease is released. `NotMappable` for other handles.
+    /// A lost lease ([`Lease::is_lost`]) fails with [`ClientError::LeaseLost`].
     pub fn map(&self) -> Result<HostMapping<'_>, ClientError> {
+        if self.is_lost() {
+            return Err(self.lost_error());
+        }
         match &self.info.handle {
             LeaseHandle::HostShm(path) => {
                 HostMapping::open_bound(path, self.info.offset, self.info.bytes)
@@ -323,8 +356,12 @@ impl Lease {
     /// Opens a `cuda_ipc` lease in this process (feature `cuda`): a device pointer in the
     /// device's primary context, `bytes()` long. Drop the mapping before releasing the
     /// lease. `NotMappable` for other handles; driver failures are `ClientError::Cuda`.
+    /// A lost lease ([`Lease::is_lost`]) fails with [`ClientError::LeaseLost`].
     #[cfg(feature = "cuda")]
     pub fn map_cuda(&self) -> Result<crate::cuda::CudaMapping, ClientError> {
+        if self.is_lost() {
+            return Err(self.lost_error());
+        }
         match &self.info.handle {
             LeaseHandle::CudaIpc(handle) => {
                 crate::cuda::map_lease(handle, self.info.device, self.info.bytes)
@@ -334,9 +371,17 @@ impl Lease {
         }
     }
 
-    /// Gives the memory back now. Close every mapping of it first.
+    /// Gives the memory back now. Close every mapping of it first. A lease whose broker
+    /// session was lost fails with [`ClientError::LeaseLost`] and sends nothing.
     pub async fn release(mut self) -> Result<(), ClientError> {
         self.released = true;
+        if !self
+            .session
+            .shared()
+            .untrack(self.generation, &self.info.lease_id)
+        {
+            return Err(self.lost_error());
+        }
         self.session
             .client()
             .release_lease(&self.info.lease_id)
@@ -345,8 +390,12 @@ impl Lease {
 
     /// Stops tracking the lease without releasing it: the broker keeps it until it is
     /// released by id ([`crate::Client::release_lease`]), revoked, or the session ends.
+    /// A detached lease is not listed in [`crate::SessionEvent::Reconnected`].
     pub fn detach(mut self) -> LeaseInfo {
         self.released = true;
+        self.session
+            .shared()
+            .untrack(self.generation, &self.info.lease_id);
         self.info.clone()
     }
 }
@@ -354,6 +403,18 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if self.released {
+            return;
+        }
+        if !self
+            .session
+            .shared()
+            .untrack(self.generation, &self.info.lease_id)
+        {
+            tracing::debug!(
+                lease_id = self.info.lease_id,
+                session_id = self.session_id(),
+                "dropped lease was lost with its session; nothing to release"
+            );
             return;
         }
         let client = self.session.client().clone();
@@ -444,9 +505,19 @@ impl<'s> LeaseRequest<'s> {
         }
     }
 
-    /// Sends the request.
+    /// Sends the request. On a reconnecting session that is between broker sessions it
+    /// fails at once with `UNAVAILABLE`; so does a grant that arrives after its session
+    /// was lost (the lease died with it).
     pub async fn send(self) -> Result<Lease, ClientError> {
-        let request = self.to_proto();
+        let mut request = self.to_proto();
+        let shared = self.session.shared();
+        let (generation, session_id, connected) = shared.snapshot();
+        if !connected {
+            return Err(ClientError::Unavailable(format!(
+                "session {session_id} was lost; reconnecting"
+            )));
+        }
+        request.session_id = session_id.to_string();
         let response = self
             .session
             .client()
@@ -457,7 +528,14 @@ impl<'s> LeaseRequest<'s> {
         let lease = response
             .lease
             .ok_or_else(|| ClientError::Protocol("AcquireLease reply carries no lease".into()))?;
-        Ok(Lease::new(LeaseInfo::from(lease), self.session.clone()))
+        let info = LeaseInfo::from(lease);
+        if !shared.track(generation, &info.lease_id) {
+            return Err(ClientError::Unavailable(format!(
+                "session {session_id} was lost while lease {} was being granted; the lease is gone",
+                info.lease_id
+            )));
+        }
+        Ok(Lease::new(info, self.session.clone(), generation))
     }
 }
 

@@ -26,6 +26,33 @@
 //! lease.release().await?;
 //! # Ok(()) }
 //! ```
+//!
+//! **Reconnection** is opt-in ([`SessionBuilder::reconnect`], module [`reconnect`]): a
+//! session the broker loses (restart, crash, shutdown, broken connection) is re-opened
+//! with exponential [`Backoff`]; the application hears [`SessionEvent::Disconnected`],
+//! then [`SessionEvent::Reconnected`] listing the leases that died with the old session
+//! (their [`Lease`] objects are dead: `release()` returns [`ClientError::LeaseLost`],
+//! drop sends nothing), or [`SessionEvent::Closed`] when the broker refuses for good
+//! (token revoked, tenant deleted). **Reclaim**: register a handler with
+//! [`Session::on_reclaim`] (or read [`Session::events`]) and release the requested
+//! lease before the deadline; `examples/reclaim_worker.rs` shows both.
+//!
+//! ```no_run
+//! # async fn demo(client: gpu_broker_client::Client) -> Result<(), gpu_broker_client::ClientError> {
+//! use futures::StreamExt;
+//! use gpu_broker_client::{Backoff, SessionEvent};
+//!
+//! let session = client.session_builder("trainer-3").reconnect(Backoff::default()).await?;
+//! let mut events = session.events();
+//! while let Some(event) = events.next().await {
+//!     match event {
+//!         SessionEvent::Reconnected { lost_leases, .. } => { /* re-acquire */ }
+//!         SessionEvent::Closed { reason } => break,
+//!         _ => {}
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
 
 pub mod admin;
 pub mod client;
@@ -37,6 +64,7 @@ pub mod error;
 pub mod events;
 pub mod lease;
 pub mod mapping;
+pub mod reconnect;
 pub mod session;
 pub mod table;
 pub mod tenant;
@@ -50,9 +78,10 @@ pub use admin::AdminClient;
 pub use client::Client;
 pub use device::DeviceInfo;
 pub use error::{ClientError, Code};
-pub use events::{SessionEvent, SessionEvents};
+pub use events::{ReclaimRequest, SessionEvent, SessionEvents};
 pub use lease::{Lease, LeaseHandle, LeaseInfo, LeaseRequest, LeaseState, Tier};
 pub use mapping::HostMapping;
-pub use session::{Session, SessionInfo};
+pub use reconnect::Backoff;
+pub use session::{Session, SessionBuilder, SessionInfo};
 pub use tenant::{QuotaSpec, TenantInfo, Usage, UsageCounters};
 pub use token::{IssuedToken, TokenInfo};

@@ -18,7 +18,8 @@ use tonic::{Request, Response, Status};
 
 use gpu_broker_client::proto::v1 as pb;
 use gpu_broker_client::{
-    AdminClient, Client, ClientError, Code, HostMapping, LeaseHandle, QuotaSpec, SessionEvent, Tier,
+    AdminClient, Backoff, Client, ClientError, Code, HostMapping, Lease, LeaseHandle, QuotaSpec,
+    ReclaimRequest, SessionEvent, SessionEvents, Tier,
 };
 use pb::admin_server::{Admin, AdminServer};
 use pb::broker_server::{Broker, BrokerServer};
@@ -40,6 +41,12 @@ struct State {
     leases: HashMap<String, pb::Lease>,
     tenants: HashMap<String, pb::Quota>,
     tokens: HashMap<String, (String, String)>, // id -> (token, tenant)
+    /// Every `ReleaseLease` received, in order.
+    releases: Vec<String>,
+    /// When set, `OpenSession` fails with this code.
+    refuse_sessions: Option<Code>,
+    /// Sessions whose keepalives get `NOT_FOUND`.
+    forgotten: Vec<String>,
 }
 
 #[derive(Clone)]
@@ -114,6 +121,9 @@ impl Broker for Fake {
         req: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<EventStream>, Status> {
         let tenant = self.tenant(&req)?;
+        if let Some(code) = self.state.lock().refuse_sessions {
+            return Err(Status::new(code, "refused by the test"));
+        }
         let (tx, rx) = mpsc::channel(16);
         let (end_tx, end_rx) = tokio::sync::oneshot::channel::<()>();
         let id = {
@@ -212,7 +222,9 @@ impl Broker for Fake {
     ) -> Result<Response<pb::ReleaseLeaseResponse>, Status> {
         self.tenant(&req)?;
         let id = req.into_inner().lease_id;
-        match self.state.lock().leases.remove(&id) {
+        let mut st = self.state.lock();
+        st.releases.push(id.clone());
+        match st.leases.remove(&id) {
             Some(_) => Ok(Response::new(pb::ReleaseLeaseResponse {})),
             None => Err(Status::not_found(format!("no lease {id}"))),
         }
@@ -263,7 +275,11 @@ impl Broker for Fake {
     ) -> Result<Response<pb::KeepaliveResponse>, Status> {
         self.tenant(&req)?;
         let id = req.into_inner().session_id;
-        *self.state.lock().keepalives.entry(id).or_default() += 1;
+        let mut st = self.state.lock();
+        if st.forgotten.contains(&id) {
+            return Err(Status::not_found(format!("no session {id}")));
+        }
+        *st.keepalives.entry(id).or_default() += 1;
         Ok(Response::new(pb::KeepaliveResponse {}))
     }
 }
@@ -938,4 +954,251 @@ fn cli_reports_unreachable_broker() {
         "{err}"
     );
     assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+fn fast() -> Backoff {
+    Backoff::new(Duration::from_millis(20), Duration::from_millis(200))
+}
+
+/// The next event within 5 s, skipping heartbeat-free noise is not needed: the fake
+/// sends only what a test pushes.
+async fn next_event(events: &mut SessionEvents) -> SessionEvent {
+    tokio::time::timeout(Duration::from_secs(5), events.next())
+        .await
+        .expect("an event within 5 s")
+        .expect("the event stream goes on")
+}
+
+#[tokio::test]
+async fn reconnecting_session_replaces_a_lost_one_and_old_leases_send_nothing() {
+    let h = start(0).await;
+    let client = Client::connect(&h.uri, TENANT_TOKEN).await.unwrap();
+    let session = client.session_builder("w").reconnect(fast()).await.unwrap();
+    let mut events = session.events();
+    assert_eq!(session.id(), "s-1");
+    let kept_id: &str = session.id();
+    let a = session.lease(1 << 20).await.unwrap(); // l-2
+    let b = session.lease(1 << 20).await.unwrap(); // l-3
+    let c = session.lease(1 << 20).await.unwrap(); // l-4
+    let detached = session.lease(1 << 20).await.unwrap().detach(); // l-5
+    c.release().await.unwrap();
+    assert_eq!(h.fake.state.lock().releases, ["l-4"]);
+
+    // The broker ends the stream: the session is lost and re-opened.
+    h.fake.state.lock().session_ends.clear();
+    assert_eq!(
+        next_event(&mut events).await,
+        SessionEvent::Disconnected {
+            session_id: "s-1".into(),
+            reason: "the broker ended the session".into()
+        }
+    );
+    assert_eq!(
+        next_event(&mut events).await,
+        SessionEvent::Reconnected {
+            old_session_id: "s-1".into(),
+            new_session_id: "s-6".into(),
+            lost_leases: vec!["l-2".into(), "l-3".into()],
+        }
+    );
+    assert_eq!(session.id(), "s-6");
+    assert_eq!(kept_id, "s-1", "ids handed out earlier stay valid");
+    assert!(session.is_connected());
+    assert_eq!(h.fake.state.lock().session_names["s-6"], "w");
+    assert!(a.is_lost() && b.is_lost());
+    assert!(matches!(a.map(), Err(ClientError::LeaseLost { .. })));
+    assert_eq!(a.session_id(), "s-1");
+    assert_eq!(detached.session_id, "s-1");
+
+    // Old leases: release fails locally, drop sends nothing.
+    let err = a.release().await.unwrap_err();
+    assert!(
+        matches!(&err, ClientError::LeaseLost { lease_id, session_id } if lease_id == "l-2" && session_id == "s-1"),
+        "{err}"
+    );
+    drop(b);
+    // A new lease goes to the new session and is released normally when dropped.
+    let fresh = session.lease(1 << 20).await.unwrap();
+    assert_eq!(
+        h.fake
+            .state
+            .lock()
+            .last_acquire
+            .as_ref()
+            .unwrap()
+            .session_id,
+        "s-6"
+    );
+    assert_eq!(fresh.session_id(), "s-6");
+    let fresh_id = fresh.id().to_string();
+    drop(fresh);
+    eventually("release of the fresh lease", || {
+        h.fake.state.lock().releases.len() == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(h.fake.state.lock().releases, ["l-4".to_string(), fresh_id]);
+    session.close();
+    assert!(matches!(
+        next_event(&mut events).await,
+        SessionEvent::Closed { reason: Some(_) }
+    ));
+}
+
+#[tokio::test]
+async fn silent_stream_and_rejected_keepalive_count_as_lost() {
+    // No heartbeats from the fake: the idle timeout fires.
+    let h = start(0).await;
+    let client = Client::connect(&h.uri, TENANT_TOKEN).await.unwrap();
+    let session = client
+        .session_builder("w")
+        .reconnect(fast())
+        .idle_timeout(Some(Duration::from_millis(300)))
+        .await
+        .unwrap();
+    let mut events = session.events();
+    let ev = next_event(&mut events).await;
+    assert!(
+        matches!(&ev, SessionEvent::Disconnected { session_id, reason } if session_id == "s-1" && reason.contains("no message")),
+        "{ev:?}"
+    );
+    assert!(matches!(
+        next_event(&mut events).await,
+        SessionEvent::Reconnected { .. }
+    ));
+    eventually("the old stream dropped", || {
+        h.fake
+            .state
+            .lock()
+            .ended_sessions
+            .iter()
+            .any(|s| s == "s-1")
+    })
+    .await;
+    drop(session);
+
+    // A keepalive refused with NOT_FOUND: the broker forgot the session.
+    let h = start(90).await;
+    let client = Client::connect(&h.uri, TENANT_TOKEN).await.unwrap();
+    let session = client
+        .session_builder("w")
+        .reconnect(fast())
+        .idle_timeout(None)
+        .await
+        .unwrap();
+    let mut events = session.events();
+    h.fake.state.lock().forgotten.push("s-1".into());
+    let ev = next_event(&mut events).await;
+    assert!(
+        matches!(&ev, SessionEvent::Disconnected { reason, .. } if reason.contains("NOT_FOUND")),
+        "{ev:?}"
+    );
+    assert!(matches!(
+        next_event(&mut events).await,
+        SessionEvent::Reconnected { new_session_id, .. } if new_session_id == "s-2"
+    ));
+}
+
+#[tokio::test]
+async fn reconnecting_stops_on_permanent_refusal_or_after_the_limit() {
+    for (code, give_up, expect) in [
+        (Code::Unauthenticated, None, "UNAUTHENTICATED"),
+        (Code::NotFound, None, "NOT_FOUND"),
+        (
+            Code::Unavailable,
+            Some(Duration::from_millis(300)),
+            "gave up",
+        ),
+    ] {
+        let h = start(0).await;
+        let client = Client::connect(&h.uri, TENANT_TOKEN).await.unwrap();
+        let mut builder = client.session_builder("w").reconnect(fast());
+        if let Some(limit) = give_up {
+            builder = builder.give_up_after(limit);
+        }
+        let session = builder.open().await.unwrap();
+        let mut events = session.events();
+        let lease = session.lease(1 << 20).await.unwrap();
+        {
+            let mut st = h.fake.state.lock();
+            st.refuse_sessions = Some(code);
+            st.session_ends.clear();
+        }
+        assert!(matches!(
+            next_event(&mut events).await,
+            SessionEvent::Disconnected { .. }
+        ));
+        let ev = next_event(&mut events).await;
+        assert!(
+            matches!(&ev, SessionEvent::Closed { reason: Some(r) } if r.contains(expect)),
+            "{code:?}: {ev:?}"
+        );
+        assert!(events.next().await.is_none());
+        assert!(session.is_closed() && !session.is_connected());
+        assert!(matches!(
+            lease.release().await,
+            Err(ClientError::LeaseLost { .. })
+        ));
+        assert!(h.fake.state.lock().releases.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn reclaim_handler_releases_leases() {
+    let h = start(0).await;
+    let client = Client::connect(&h.uri, TENANT_TOKEN).await.unwrap();
+    let session = client.session("w").await.unwrap();
+    let held: Arc<Mutex<HashMap<String, Lease>>> = Arc::default();
+    for _ in 0..2 {
+        let lease = session
+            .lease_request(1 << 20)
+            .reclaimable(true)
+            .await
+            .unwrap();
+        held.lock().insert(lease.id().to_string(), lease);
+    }
+    let asked: Arc<Mutex<Vec<ReclaimRequest>>> = Arc::default();
+    let handler = session.on_reclaim({
+        let (held, asked) = (held.clone(), asked.clone());
+        move |req: ReclaimRequest| {
+            asked.lock().push(req.clone());
+            let lease = held.lock().remove(&req.lease_id);
+            async move {
+                match lease {
+                    Some(lease) => lease.release().await,
+                    None => Err(ClientError::NotFound(req.lease_id)),
+                }
+            }
+        }
+    });
+    let deadline_ms = (std::time::SystemTime::now() + Duration::from_secs(5))
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    for lease_id in ["l-2", "unknown"] {
+        h.fake.push(
+            session.id(),
+            pb::session_event::Event::ReclaimRequested(pb::ReclaimRequested {
+                lease_id: lease_id.into(),
+                bytes: 1 << 20,
+                deadline_unix_ms: deadline_ms,
+                reason: "priority".into(),
+            }),
+        );
+    }
+    eventually("the reclaimed lease released", || {
+        h.fake.state.lock().releases == ["l-2"]
+    })
+    .await;
+    eventually("both requests handled", || asked.lock().len() == 2).await;
+    let first = asked.lock()[0].clone();
+    assert_eq!(first.lease_id, "l-2");
+    assert_eq!(first.bytes, 1 << 20);
+    assert!(first.time_left() > Duration::from_secs(2));
+    assert_eq!(held.lock().len(), 1);
+    session.close();
+    tokio::time::timeout(Duration::from_secs(5), handler)
+        .await
+        .unwrap()
+        .unwrap();
 }

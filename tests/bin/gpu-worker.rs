@@ -53,6 +53,14 @@ enum Cmd {
         #[arg(long, value_parser = parse_byte)]
         pattern: u8,
     },
+    /// Lease `bytes`, then allocate `own` bytes behind the broker's back (cuMemAlloc in
+    /// this process); print `READY`, hold until killed.
+    Hog {
+        #[arg(long)]
+        bytes: u64,
+        #[arg(long)]
+        own: u64,
+    },
     /// Lease, read every byte; print `READ <handle-hex> <nonzero-bytes>`; release.
     ReadZeros {
         #[arg(long)]
@@ -236,6 +244,32 @@ async fn main() -> Result<()> {
             };
             lease.release().await?;
             say(format!("READ {} {bad}", hex(&h)));
+        }
+        Cmd::Hog { bytes, own } => {
+            use gpu_broker::device::Device;
+            let lease = session.lease(bytes).await?;
+            let _m = lease.map_cuda()?;
+            // The device (and its allocation) lives on this thread until the process dies.
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let r = gpu_broker::device::cuda::CudaDevice::open(0)
+                    .and_then(|mut d| d.alloc(own).map(|a| (d, a)));
+                match r {
+                    Ok(keep) => {
+                        let _ = tx.send(Ok(()));
+                        let _keep = keep;
+                        loop {
+                            std::thread::park();
+                        }
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                    }
+                }
+            });
+            rx.recv()??;
+            say(format!("READY {}", lease.id()));
+            std::future::pending::<()>().await;
         }
         Cmd::Bench { sizes, iters } => bench(&session, &sizes, iters).await?,
         Cmd::Open { .. } => unreachable!("handled above"),

@@ -1,4 +1,18 @@
 //! End-to-end tests: the real `gpu-broker` binary, driven by the client crate and by
-//! separate worker processes.
+//! separate worker processes (`e2e-worker`, the examples, `gpu-brokerctl`). Every test
+//! starts its own broker on a temporary socket with a private state directory and
+//! shared-memory directory. One module per theme.
 
+mod admin;
+mod cli;
+mod crash;
+mod data;
+mod devices;
+mod errors;
+mod examples;
+mod isolation;
+mod quota;
+mod scrub;
+mod shutdown;
 mod smoke;
+mod waiting;

@@ -1,6 +1,6 @@
 use gpu_broker_tests::*;
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_round_trip_and_clean_shutdown() {
     let mut b = Broker::start().unwrap();
     let c = b.client("alice", 64 * MIB).await.unwrap();
@@ -15,7 +15,8 @@ async fn lease_round_trip_and_clean_shutdown() {
     lease.release().await.unwrap();
     assert_eq!(s.usage().await.unwrap().held_bytes, 0);
     drop(s);
-    let status = b.stop(std::time::Duration::from_secs(10)).unwrap();
+    let status =
+        tokio::task::block_in_place(|| b.stop(std::time::Duration::from_secs(10))).unwrap();
     assert!(status.success(), "{status}\n{}", b.log_text());
     assert!(b.shm_files().is_empty(), "left behind: {:?}", b.shm_files());
 }

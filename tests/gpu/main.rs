@@ -159,7 +159,7 @@ async fn more_than_the_card_is_refused_and_95_percent_is_leasable() {
     let s = client.session("fill").await.unwrap();
     let devices = admin.get_devices().await.unwrap();
     let biggest = devices.iter().map(|d| d.total_bytes).max().unwrap_or(0);
-    let err = s.lease(biggest + (2 << 20)).await.err().expect("refused");
+    let err = s.lease(biggest + (2 << 20)).await.expect_err("refused");
     assert_eq!(err.code(), gpu_broker_client::Code::ResourceExhausted, "{err}");
     // Fill with leases of 2 MiB .. 1 GiB until refused.
     let mut held = Vec::new();
@@ -218,4 +218,41 @@ async fn every_gpu_of_the_node_is_used() {
         held.push(l);
     }
     assert_eq!(seen.len(), devices.len(), "unpinned leases should spread over all GPUs");
+}
+
+#[tokio::test]
+async fn worker_allocating_behind_the_brokers_back_is_reported() {
+    if !gpu_or_skip("worker_allocating_behind_the_brokers_back_is_reported") {
+        return;
+    }
+    let (b, admin, token) = setup(&["--own-alloc-allowance", "1GiB"]).await;
+    let mut w = Worker::spawn(&b, &token, &["hog", "--bytes", "1073741824", "--own", "4294967296"]);
+    assert_eq!(w.line()[0], "READY");
+    let mut last = None;
+    let seen = eventually(Duration::from_secs(10), || {
+        let admin = admin.clone();
+        let last = &mut last;
+        async move {
+            let s = admin.list_sessions(None).await.unwrap();
+            let over = s.iter().any(|s| s.over_allowance);
+            *last = Some(s);
+            over
+        }
+    })
+    .await;
+    let sessions = last.unwrap_or_default();
+    eprintln!(
+        "NVML view: {:?}",
+        sessions
+            .iter()
+            .map(|s| (s.peer_pid, s.held_bytes, s.gpu_used_bytes, s.own_alloc_bytes, s.over_allowance))
+            .collect::<Vec<_>>()
+    );
+    if sessions.iter().all(|s| s.gpu_used_bytes == 0) {
+        eprintln!("skipped the check: NVML reports no per-process memory on this machine");
+        return;
+    }
+    assert!(seen, "a worker with 4 GiB of its own allocations was not reported");
+    let s = sessions.iter().find(|s| s.over_allowance).unwrap();
+    assert!(s.own_alloc_bytes >= 4 << 30, "own {} < 4 GiB", s.own_alloc_bytes);
 }

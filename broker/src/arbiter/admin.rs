@@ -37,6 +37,7 @@ pub struct SessionView {
     pub opened: SystemTime,
     pub lease_count: u32,
     pub held_bytes: u64,
+    pub gpu: Option<crate::session::GpuUse>,
 }
 
 /// A device as operators see it.
@@ -109,7 +110,10 @@ impl Arbiter {
 
     /// Total leasable bytes of every device.
     fn leasable_total(st: &State) -> u64 {
-        st.pools.iter().map(|p| p.leasable()).sum()
+        st.pools
+            .iter()
+            .map(|p| p.leasable())
+            .fold(0, u64::saturating_add)
     }
 
     /// Creates or updates a tenant's quota. Returns the tenant and whether it was created.
@@ -277,6 +281,7 @@ impl Arbiter {
                     .filter_map(|l| st.leases.get(l))
                     .map(|l| l.bytes())
                     .sum(),
+                gpu: s.gpu,
             })
             .collect();
         v.sort_by_key(|s| s.id);

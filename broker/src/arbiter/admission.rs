@@ -244,10 +244,13 @@ impl Arbiter {
                     continue;
                 }
                 let all = self.candidates(w.ask.device);
+                // Memory kept for a guarantee is its owner's: a request within its
+                // guarantee is not held back behind others blocked on capacity.
+                let guaranteed = st.ledger.within_guarantee(&w.ask.tenant, w.ask.bytes);
                 let open: Vec<u32> = all
                     .iter()
                     .copied()
-                    .filter(|d| !blocked.contains(d))
+                    .filter(|d| guaranteed || !blocked.contains(d))
                     .collect();
                 if open.is_empty() {
                     continue;
@@ -438,6 +441,10 @@ impl Arbiter {
 
     /// Why `ask` does not fit now, with the numbers.
     pub(crate) fn exhausted_message(&self, st: &State, ask: &Ask) -> String {
+        // The tenant's own limits first (bytes or lease count): they say it precisely.
+        if let Err(e) = st.ledger.check_charge(&ask.tenant, ask.bytes, Tier::Device) {
+            return e.to_string();
+        }
         let tenant = st.ledger.get(&ask.tenant);
         let (held, limit) = tenant
             .map(|t| (t.usage.committed_bytes(), t.quota.limit_bytes))
@@ -454,12 +461,7 @@ impl Arbiter {
                 )
             })
             .collect();
-        let guaranteed: u64 = st
-            .ledger
-            .tenants()
-            .filter(|t| t.name != ask.tenant)
-            .map(|t| t.unused_guarantee())
-            .sum();
+        let guaranteed = st.ledger.others_unused_guarantees(&ask.tenant);
         let waiting = st.queue.len();
         format!(
             "cannot grant {} to tenant {:?} now: {}; {} kept for other tenants' guarantees; tenant holds {} of limit {}; {waiting} other request(s) waiting",
@@ -587,13 +589,12 @@ fn fit(st: &State, ask: &Ask, open: &[u32]) -> Fit {
     if fitting.is_empty() {
         return Fit::NoCapacity;
     }
-    let node_free: u64 = st.pools.iter().map(|p| p.available()).sum();
-    let others_guarantees: u64 = st
-        .ledger
-        .tenants()
-        .filter(|t| t.name != ask.tenant)
-        .map(|t| t.unused_guarantee())
-        .sum();
+    let node_free = st
+        .pools
+        .iter()
+        .map(|p| p.available())
+        .fold(0, u64::saturating_add);
+    let others_guarantees = st.ledger.others_unused_guarantees(&ask.tenant);
     if node_free.saturating_sub(others_guarantees) < ask.bytes {
         return Fit::GuaranteeHeld;
     }

@@ -207,7 +207,11 @@ impl Arbiter {
             }
             ending = Ending::Quarantine { pid: Some(pid) };
         }
-        let view = self.end_lease(&mut st, id, ending);
+        let view = self.end_lease(&mut st, id, ending).map(|v| LeaseView {
+            revoked: true,
+            reclaim_deadline: None,
+            ..v
+        });
         tracing::warn!(lease = %id, reason, ?ending, "lease revoked");
         self.drain(&mut st);
         view.ok_or_else(|| lease_not_found(id))
@@ -223,26 +227,40 @@ impl Arbiter {
         }
         let ask = w.ask.clone();
         let priority = w.priority;
-        let Some(tenant) = st.ledger.get(&ask.tenant) else {
+        if st.ledger.get(&ask.tenant).is_none() {
             return;
-        };
-        let within_guarantee =
-            tenant.usage.committed_bytes() + ask.bytes <= tenant.quota.guaranteed_bytes;
+        }
+        let within_guarantee = st.ledger.within_guarantee(&ask.tenant, ask.bytes);
         let devices = self.candidates_of(ask.device);
+        // Free for this tenant: unpromised memory minus what is kept for others' guarantees.
+        let node_free = st
+            .pools
+            .iter()
+            .map(|p| p.available())
+            .fold(0, u64::saturating_add);
+        let for_tenant = node_free.saturating_sub(st.ledger.others_unused_guarantees(&ask.tenant));
         let best_free = devices
             .iter()
             .map(|&d| st.pools[d as usize].available())
             .max()
-            .unwrap_or(0);
-        // Memory already on its way back counts.
+            .unwrap_or(0)
+            .min(for_tenant);
+        // Memory already on its way back counts: leases asked to go, and quarantined
+        // memory of revoked holders (it returns when their process exits; revoking more
+        // of the same holder's leases would not make it come back sooner).
         let pending: u64 = st
             .leases
             .iter()
             .filter(|l| devices.contains(&l.device) && l.tier == Tier::Device)
             .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }))
             .map(|l| l.bytes())
-            .sum();
-        let mut need = ask.bytes.saturating_sub(best_free + pending);
+            .chain(
+                devices
+                    .iter()
+                    .map(|&d| st.pools[d as usize].stats().quarantined),
+            )
+            .fold(0, u64::saturating_add);
+        let mut need = ask.bytes.saturating_sub(best_free.saturating_add(pending));
         if need == 0 {
             return;
         }

@@ -189,6 +189,13 @@ impl Arbiter {
         }
     }
 
+    /// Does the broker serve real GPUs?
+    pub fn backend_is_cuda(&self) -> bool {
+        self.devices
+            .iter()
+            .any(|d| d.thread.desc().backend == BackendKind::Cuda)
+    }
+
     fn backend(&self, device: u32) -> BackendKind {
         self.devices
             .get(device as usize)
@@ -227,6 +234,7 @@ impl Arbiter {
                 last_seen: Instant::now(),
                 events: tx,
                 leases: Default::default(),
+                gpu: None,
             });
         }
         if let Some(pid) = peer.pid {
@@ -251,6 +259,43 @@ impl Arbiter {
                 Ok(())
             }
             _ => Err(session_not_found(session)),
+        }
+    }
+
+    /// Attributes per-process GPU memory (NVML) to sessions by peer pid, and reports a
+    /// worker whose memory beyond its leases exceeds `allowance` (its own `cudaMalloc`).
+    pub fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
+        let mut st = self.state.lock();
+        let State {
+            sessions, leases, ..
+        } = &mut *st;
+        for id in sessions.ids() {
+            let Some(s) = sessions.get_mut(&id) else { continue };
+            let Some(pid) = s.peer.pid else { continue };
+            let used = usage.get(&pid).copied().unwrap_or(0);
+            let held: u64 = s
+                .leases
+                .iter()
+                .filter_map(|l| leases.get(l))
+                .filter(|l| l.tier == crate::ledger::Tier::Device)
+                .map(|l| l.bytes())
+                .sum();
+            let own = used.saturating_sub(held);
+            let over = own > allowance;
+            let was_over = s.gpu.is_some_and(|g| g.over);
+            if over && !was_over {
+                tracing::warn!(
+                    session = %s.id,
+                    tenant = %s.tenant,
+                    pid,
+                    used,
+                    leased = held,
+                    own,
+                    allowance,
+                    "worker uses GPU memory beyond its leases (its own allocations)"
+                );
+            }
+            s.gpu = Some(crate::session::GpuUse { used, own, over });
         }
     }
 

@@ -362,3 +362,25 @@ async fn eviction_keeps_holdings_under_leasable() {
         f.arb.release("a", l.id).unwrap();
     }
 }
+
+#[tokio::test]
+async fn process_memory_beyond_leases_is_reported() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let pid = std::process::id();
+    let peer = Peer {
+        pid: Some(pid),
+        uid: None,
+        unix: true,
+    };
+    let (s, _events) = f.arb.open_session("a", "w", peer).unwrap();
+    f.arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
+    let usage = std::collections::HashMap::from([(pid, 10 * MIB)]);
+    f.arb.apply_process_usage(&usage, 4 * MIB);
+    let g = f.arb.list_sessions(None)[0].gpu.unwrap();
+    assert_eq!((g.used, g.own, g.over), (10 * MIB, 2 * MIB, false));
+    let usage = std::collections::HashMap::from([(pid, 20 * MIB)]);
+    f.arb.apply_process_usage(&usage, 4 * MIB);
+    let g = f.arb.list_sessions(None)[0].gpu.unwrap();
+    assert_eq!((g.own, g.over), (12 * MIB, true));
+}

@@ -34,6 +34,7 @@ impl HostDevice {
             path: dir.to_path_buf(),
             source,
         })?;
+        remove_stale_files(dir);
         let prefix = format!(
             "gpu-broker-{}-{}-dev{}-",
             std::process::id(),
@@ -203,6 +204,28 @@ impl Device for HostDevice {
     }
 }
 
+/// Removes block files a broker that died without cleaning up (SIGKILL) left behind:
+/// `gpu-broker-<pid>-...` files whose broker process is gone.
+fn remove_stale_files(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("gpu-broker-")) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !crate::session::process_alive(pid) {
+            if std::fs::remove_file(e.path()).is_ok() {
+                tracing::info!(path = %e.path().display(), "removed a block file left by a dead broker");
+            }
+        }
+    }
+}
+
 impl Drop for HostDevice {
     fn drop(&mut self) {
         for path in self.live.values() {
@@ -224,6 +247,18 @@ mod tests {
         });
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert!(left.is_empty(), "files left behind: {left:?}");
+    }
+
+    #[test]
+    fn stale_files_of_dead_brokers_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let stale = dir.path().join("gpu-broker-4294967294-abcd1234-dev0-1");
+        let other = dir.path().join("unrelated-file");
+        std::fs::write(&stale, b"x").unwrap();
+        std::fs::write(&other, b"x").unwrap();
+        let _dev = HostDevice::new(0, 16 << 20, dir.path()).unwrap();
+        assert!(!stale.exists());
+        assert!(other.exists());
     }
 
     #[test]

@@ -28,7 +28,9 @@ pub fn lease(v: &LeaseView) -> pb::Lease {
         label: v.label.clone(),
         session_id: v.session.to_string(),
         tenant: v.tenant.clone(),
-        state: if v.reclaim_deadline.is_some() {
+        state: if v.revoked {
+            pb::LeaseState::Revoked as i32
+        } else if v.reclaim_deadline.is_some() {
             pb::LeaseState::ReclaimRequested as i32
         } else {
             pb::LeaseState::Active as i32
@@ -110,6 +112,9 @@ pub fn session(s: &SessionView) -> pb::SessionInfo {
         lease_count: s.lease_count,
         held_bytes: s.held_bytes,
         transport: if s.unix { "unix" } else { "tcp" }.into(),
+        gpu_used_bytes: s.gpu.map(|g| g.used).unwrap_or(0),
+        own_alloc_bytes: s.gpu.map(|g| g.own).unwrap_or(0),
+        over_allowance: s.gpu.is_some_and(|g| g.over),
     }
 }
 

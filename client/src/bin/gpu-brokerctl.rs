@@ -472,9 +472,11 @@ fn session_table(sessions: &[SessionInfo]) -> String {
         "TRANSPORT",
         "LEASES",
         "HELD",
+        "GPU_USED",
+        "OWN_ALLOC",
         "AGE",
     ])
-    .right(&[3, 4, 6, 7, 8]);
+    .right(&[3, 4, 6, 7, 8, 9, 10]);
     for s in sessions {
         t.row([
             s.session_id.clone(),
@@ -489,6 +491,12 @@ fn session_table(sessions: &[SessionInfo]) -> String {
             s.transport.clone(),
             s.lease_count.to_string(),
             format_bytes(s.held_bytes),
+            or_dash(s.gpu_used_bytes, format_bytes(s.gpu_used_bytes)),
+            if s.over_allowance {
+                format!("{} (!)", format_bytes(s.own_alloc_bytes))
+            } else {
+                or_dash(s.gpu_used_bytes, format_bytes(s.own_alloc_bytes))
+            },
             format_age(s.opened_unix_ms),
         ]);
     }

@@ -1,0 +1,241 @@
+//! `gpu-brokerctl` against a real broker: human units in and out, aligned tables,
+//! `--json` for scripts, one-line errors.
+
+use futures::StreamExt;
+use gpu_broker_client::{Client, Code, SessionEvent};
+use gpu_broker_tests::*;
+use serde_json::Value;
+use std::time::Duration;
+
+struct Out {
+    ok: bool,
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+async fn ctl(b: &Broker, args: &[&str]) -> Out {
+    let token_file = b.state_dir.join("admin.token");
+    let mut cmd = tokio::process::Command::new(bin("gpu-brokerctl"));
+    cmd.arg("--broker")
+        .arg(b.uri())
+        .arg("--token-file")
+        .arg(&token_file)
+        .args(args)
+        .env_remove("GPU_BROKER_ADMIN_TOKEN")
+        .env_remove("GPU_BROKER_ADDR")
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(20), cmd.output())
+        .await
+        .expect("gpu-brokerctl finished")
+        .expect("gpu-brokerctl ran");
+    Out {
+        ok: out.status.success(),
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+async fn ok(b: &Broker, args: &[&str]) -> String {
+    let o = ctl(b, args).await;
+    assert!(o.ok, "{args:?} failed:\n{}\n{}", o.stdout, o.stderr);
+    o.stdout
+}
+
+async fn json(b: &Broker, args: &[&str]) -> Value {
+    let mut a = args.to_vec();
+    a.push("--json");
+    let text = ok(b, &a).await;
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{args:?} --json: {e}\n{text}"))
+}
+
+/// The row of a table whose first column is `key`, and the table's header.
+fn row<'a>(table: &'a str, key: &str) -> (&'a str, &'a str) {
+    let header = table.lines().next().expect("a header line");
+    let row = table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(key))
+        .unwrap_or_else(|| panic!("no row {key:?} in\n{table}"));
+    (header, row)
+}
+
+/// Right-aligned column: `value` ends where the header's `column` ends.
+fn assert_right_aligned(table: &str, key: &str, column: &str, value: &str) {
+    let (header, row) = row(table, key);
+    let end = header
+        .find(column)
+        .unwrap_or_else(|| panic!("{column} in {header}"))
+        + column.len();
+    assert!(
+        row.len() >= end && row[..end].ends_with(value),
+        "{column} of {key} should be {value:?}, right-aligned:\n{table}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokerctl_drives_a_real_broker() {
+    let b = Broker::start().unwrap();
+
+    // quota set with human units; the reply is a table in binary units.
+    let out = ok(
+        &b,
+        &[
+            "quota",
+            "set",
+            "team-a",
+            "--limit",
+            "64MiB",
+            "--max-leases",
+            "4",
+            "--priority",
+            "-1",
+        ],
+    )
+    .await;
+    assert_right_aligned(&out, "team-a", "LIMIT", "64.0 MiB");
+    ok(&b, &["quota", "set", "team-b", "--limit", "1.5GiB"]).await;
+    let q = json(&b, &["quota", "get", "team-a"]).await;
+    assert_eq!(q["name"], "team-a");
+    assert_eq!(q["quota"]["limit_bytes"], 64 * MIB);
+    assert_eq!(q["quota"]["max_leases"], 4);
+    assert_eq!(q["quota"]["priority"], -1);
+    let q = json(&b, &["quota", "get", "team-b"]).await;
+    assert_eq!(q["quota"]["limit_bytes"], 3 * GIB / 2);
+
+    // tokens issue prints the token alone, and it works.
+    let o = ctl(&b, &["tokens", "issue", "team-a", "--description", "cli"]).await;
+    assert!(o.ok, "{}", o.stderr);
+    let token = o.stdout.trim().to_string();
+    assert_eq!(o.stdout.lines().count(), 1, "{}", o.stdout);
+    assert!(o.stderr.contains("shown only once"), "{}", o.stderr);
+    let c = Client::connect(&b.uri(), token.clone()).await.unwrap();
+    let s = c.session("cli-session").await.unwrap();
+    let mut events = s.events();
+    let lease = s
+        .lease_request(3 * MIB)
+        .label("from-cli-test")
+        .send()
+        .await
+        .unwrap();
+    let issued = json(&b, &["tokens", "issue", "team-b"]).await;
+    assert!(issued["token"].as_str().unwrap().len() > 16);
+    assert_eq!(issued["tenant"], "team-b");
+    let tokens = json(&b, &["tokens", "list"]).await;
+    let tokens = tokens.as_array().unwrap();
+    assert_eq!(tokens.len(), 2);
+    assert!(
+        !tokens.iter().any(|t| t.to_string().contains(&token)),
+        "no secrets"
+    );
+
+    // tenants list with live usage.
+    let table = ok(&b, &["tenants", "list"]).await;
+    assert_right_aligned(&table, "team-a", "HELD", "4.0 MiB");
+    assert_right_aligned(&table, "team-a", "LEASES", "1");
+    assert_right_aligned(&table, "team-b", "LIMIT", "1.5 GiB");
+    let tenants = json(&b, &["tenants", "list"]).await;
+    let a = tenants
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "team-a")
+        .unwrap();
+    assert_eq!(a["usage"]["held_bytes"], 4 * MIB);
+    assert_eq!(a["usage"]["session_count"], 1);
+
+    // leases list.
+    let table = ok(&b, &["leases", "list"]).await;
+    assert_right_aligned(&table, lease.id(), "SIZE", "4.0 MiB");
+    assert_right_aligned(&table, lease.id(), "REQUESTED", "3.0 MiB");
+    let (_, r) = row(&table, lease.id());
+    assert!(
+        r.contains("team-a") && r.contains("from-cli-test") && r.contains("active"),
+        "{r}"
+    );
+    let leases = json(&b, &["leases", "list", "--tenant", "team-a"]).await;
+    assert_eq!(leases.as_array().unwrap().len(), 1);
+    assert_eq!(leases[0]["lease_id"], lease.id());
+    assert_eq!(leases[0]["bytes"], 4 * MIB);
+    assert!(leases[0]["handle"]["host_shm"].is_string());
+    let none = json(&b, &["leases", "list", "--tenant", "team-b"]).await;
+    assert_eq!(none, Value::Array(vec![]));
+
+    // sessions list shows this process's pid.
+    let table = ok(&b, &["sessions", "list"]).await;
+    let (_, r) = row(&table, s.id());
+    assert!(r.contains(&std::process::id().to_string()), "{r}");
+    assert!(r.contains("cli-session") && r.contains("unix"), "{r}");
+    let sessions = json(&b, &["sessions", "list", "--tenant", "team-a"]).await;
+    assert_eq!(sessions[0]["peer_pid"], std::process::id());
+
+    // devices.
+    let table = ok(&b, &["devices"]).await;
+    assert_right_aligned(&table, "0", "TOTAL", "1.0 GiB");
+    assert_right_aligned(&table, "0", "LEASED", "4.0 MiB");
+    assert_right_aligned(&table, "0", "GRANULARITY", "2.0 MiB");
+    assert!(table.contains("host-sim-0"), "{table}");
+    let devices = json(&b, &["devices"]).await;
+    assert_eq!(devices[0]["total_bytes"], GIB);
+    assert_eq!(devices[0]["leased_bytes"], 4 * MIB);
+    assert_eq!(devices[0]["backend"], "host");
+
+    // leases revoke: the holder is told.
+    let out = ok(
+        &b,
+        &["leases", "revoke", lease.id(), "--reason", "cli test"],
+    )
+    .await;
+    assert!(out.contains(lease.id()), "{out}");
+    let ev = tokio::time::timeout(Duration::from_secs(5), events.next())
+        .await
+        .unwrap();
+    assert!(
+        matches!(&ev, Some(SessionEvent::LeaseRevoked { lease_id, reason })
+            if lease_id == lease.id() && reason == "cli test"),
+        "{ev:?}"
+    );
+    let _ = lease.detach();
+
+    // Errors: one line, the code first, non-zero exit.
+    let o = ctl(&b, &["tenants", "delete", "team-a"]).await;
+    assert!(!o.ok);
+    assert!(
+        o.stderr.starts_with("error: FAILED_PRECONDITION"),
+        "{}",
+        o.stderr
+    );
+    assert_eq!(o.stderr.trim_end().lines().count(), 1, "{}", o.stderr);
+    let o = ctl(&b, &["quota", "get", "nobody"]).await;
+    assert!(!o.ok);
+    assert!(o.stderr.starts_with("error: NOT_FOUND"), "{}", o.stderr);
+    let o = ctl(&b, &["quota", "set", "x", "--limit", "lots"]).await;
+    assert!(
+        !o.ok && o.code == Some(2),
+        "usage error: {:?} {}",
+        o.code,
+        o.stderr
+    );
+    let o = ctl(&b, &["--token", "wrong", "tenants", "list"]).await;
+    assert!(
+        o.stderr.starts_with("error: UNAUTHENTICATED"),
+        "{}",
+        o.stderr
+    );
+    let o = ctl(&b, &["--token", &token, "tenants", "list"]).await;
+    assert!(
+        o.stderr.starts_with("error: PERMISSION_DENIED"),
+        "{}",
+        o.stderr
+    );
+
+    // tokens revoke (by the token itself): it stops working.
+    ok(&b, &["tokens", "revoke", &token]).await;
+    assert_eq!(c.usage().await.unwrap_err().code(), Code::Unauthenticated);
+
+    // tenants delete of a tenant holding nothing.
+    let out = ok(&b, &["tenants", "delete", "team-b"]).await;
+    assert!(out.contains("team-b"), "{out}");
+    let tenants = json(&b, &["tenants", "list"]).await;
+    assert_eq!(tenants.as_array().unwrap().len(), 1);
+}
