@@ -79,7 +79,12 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     if arb.backend_is_cuda() {
         if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {
-            tokio::spawn(watch_processes(arb.clone(), monitor, cfg.own_alloc_allowance, shutdown.clone()));
+            tokio::spawn(watch_processes(
+                arb.clone(),
+                monitor,
+                cfg.own_alloc_allowance,
+                shutdown.clone(),
+            ));
         }
     }
     let s = shutdown.clone();

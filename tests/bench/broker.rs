@@ -88,7 +88,10 @@ impl Drop for Spawned {
         let _ = self.stop(Duration::from_secs(20));
         let files = self.shm_files();
         if files > 0 {
-            note(format!("the broker left {files} files in {}", self.shm_dir.display()));
+            note(format!(
+                "the broker left {files} files in {}",
+                self.shm_dir.display()
+            ));
         }
         let _ = std::fs::remove_dir_all(&self.shm_dir);
         let errors = self.logged("ERROR");
@@ -172,10 +175,7 @@ impl Target {
             }
             if let Some(c) = spawned.child.as_mut() {
                 if let Some(status) = c.try_wait()? {
-                    bail!(
-                        "broker exited early ({status}):\n{}",
-                        spawned.log_tail()
-                    );
+                    bail!("broker exited early ({status}):\n{}", spawned.log_tail());
                 }
             }
             if Instant::now() > deadline {

@@ -95,7 +95,11 @@ impl Meter {
 
     /// One line: broker, bench, and everything else on the machine, in % of one core.
     pub fn line(&self) -> String {
-        let u = between(&self.start, &snapshot(&self.pids));
+        let now = snapshot(&self.pids);
+        if (now.at - self.start.at).as_secs_f64() < 0.5 {
+            return "CPU during the run: window too short to measure (< 0.5 s)".into();
+        }
+        let u = between(&self.start, &now);
         let bench = u.pids.first().copied().flatten();
         let broker = u.pids.get(1).copied().flatten();
         let others = match (u.machine, bench, broker) {

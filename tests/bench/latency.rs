@@ -89,7 +89,15 @@ pub async fn run(common: &Common, a: &LatencyArgs) -> Result<()> {
             a.repeat
         ),
         &[
-            "size", "call", "runs", "calls/run", "p50", "p90", "p99", "max", "mean",
+            "size",
+            "call",
+            "runs",
+            "calls/run",
+            "p50",
+            "p90",
+            "p99",
+            "max",
+            "mean",
         ],
     );
     let mut verdicts = Vec::new();

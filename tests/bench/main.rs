@@ -133,9 +133,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         Some(i) => (&s[..i], s[i..].trim()),
         None => (s, "s"),
     };
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?}"))?;
+    let v: f64 = num.parse().map_err(|_| format!("invalid duration {s:?}"))?;
     let secs = match unit {
         "ms" => v / 1e3,
         "s" => v,

@@ -138,8 +138,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&a.reclaimable) || !(0.0..1.0).contains(&a.size_spread) {
         bail!("--reclaimable must be in [0, 1] and --size-spread in [0, 1)");
     }
-    if a.workers_per_priority == 0 || a.workers_per_priority > 1000 || a.tenants_per_priority == 0
-    {
+    if a.workers_per_priority == 0 || a.workers_per_priority > 1000 || a.tenants_per_priority == 0 {
         bail!("workers per priority must be 1..=1000, tenants per priority >= 1");
     }
     if a.oversubscription <= 0.0 || a.oversubscription > 100.0 {
@@ -167,9 +166,8 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
     if lo > hi {
         bail!("the device is too small for these sizes");
     }
-    let guarantee = ((a.guarantee * leasable as f64 / f64::from(a.tenants_per_priority)) as u64)
-        / gran
-        * gran;
+    let guarantee =
+        ((a.guarantee * leasable as f64 / f64::from(a.tenants_per_priority)) as u64) / gran * gran;
     let mut tenants: Vec<(i32, String, String)> = Vec::new();
     for &p in &PRIORITIES {
         for t in 0..a.tenants_per_priority {
@@ -211,8 +209,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
     let mut specs = Vec::new();
     for (pi, &p) in PRIORITIES.iter().enumerate() {
         for w in 0..a.workers_per_priority {
-            let level: Vec<&(i32, String, String)> =
-                tenants.iter().filter(|t| t.0 == p).collect();
+            let level: Vec<&(i32, String, String)> = tenants.iter().filter(|t| t.0 == p).collect();
             let t = level[w as usize % level.len()];
             specs.push((
                 pi,
@@ -400,7 +397,10 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
         ("grants, all priorities", count(total.grants.count())),
         ("not granted within the wait", count(total.not_granted)),
         ("reclaim requests received", count(total.reclaim_events)),
-        ("leases released on reclaim", count(total.released_on_reclaim)),
+        (
+            "leases released on reclaim",
+            count(total.released_on_reclaim),
+        ),
         ("revocations", count(total.revocations)),
         ("quarantined, max sampled", bytes(max_quarantined)),
         (
@@ -499,10 +499,7 @@ async fn worker(spec: WorkerSpec, session: gpu_broker_client::Session) -> Worker
         };
         st.grants.record(t0.elapsed());
         st.granted_bytes += lease.bytes();
-        let hold_ns = rng.range(
-            spec.hold.0.as_nanos() as u64,
-            spec.hold.1.as_nanos() as u64,
-        );
+        let hold_ns = rng.range(spec.hold.0.as_nanos() as u64, spec.hold.1.as_nanos() as u64);
         let hold_end = (Instant::now() + Duration::from_nanos(hold_ns)).min(end);
         let outcome = loop {
             tokio::select! {

@@ -68,7 +68,10 @@ pub async fn run(common: &Common, a: &ResidentArgs) -> Result<()> {
         // Each lease is one file in the started broker's directory under /dev/shm.
         if let Some(free) = free_inodes(Path::new("/dev/shm")) {
             if free < u64::from(a.leases) + 1000 {
-                bail!("/dev/shm has {free} free inodes, fewer than {} leases need", a.leases);
+                bail!(
+                    "/dev/shm has {free} free inodes, fewer than {} leases need",
+                    a.leases
+                );
             }
             note(format!(
                 "/dev/shm: {} free inodes for {} lease files",
@@ -127,7 +130,10 @@ pub async fn run(common: &Common, a: &ResidentArgs) -> Result<()> {
     );
     let mut add = |name: &str, vals: Vec<Option<f64>>, fmt: &dyn Fn(f64) -> String| {
         let mut row = vec![name.to_string()];
-        row.extend(vals.iter().map(|v| v.map(fmt).unwrap_or_else(|| "-".into())));
+        row.extend(
+            vals.iter()
+                .map(|v| v.map(fmt).unwrap_or_else(|| "-".into())),
+        );
         if vals.len() > 1 {
             let present: Vec<f64> = vals.iter().flatten().copied().collect();
             row.push(if present.is_empty() {
@@ -206,7 +212,9 @@ pub async fn run(common: &Common, a: &ResidentArgs) -> Result<()> {
     );
     add(
         "leases on the device",
-        runs.iter().map(|m| Some(f64::from(m.device_leases))).collect(),
+        runs.iter()
+            .map(|m| Some(f64::from(m.device_leases)))
+            .collect(),
         &|v| count(v as u64),
     );
     add(

@@ -11,7 +11,11 @@ use std::time::{Duration, Instant};
 #[derive(Parser)]
 struct Cli {
     /// Broker address.
-    #[arg(long, env = "GPU_BROKER_ADDR", default_value = "unix:///run/gpu-broker/broker.sock")]
+    #[arg(
+        long,
+        env = "GPU_BROKER_ADDR",
+        default_value = "unix:///run/gpu-broker/broker.sock"
+    )]
     broker: String,
     /// Tenant token.
     #[arg(long, env = "GPU_BROKER_TOKEN", default_value = "")]
@@ -322,11 +326,7 @@ async fn bench(session: &gpu_broker_client::Session, sizes: &str, iters: usize) 
         // The first pooled one was fresh; drop it from the median set.
         pooled.remove(0);
         let (f, p) = (median(&mut fresh), median(&mut pooled));
-        say(format!(
-            "{s} {:.1} {f:.1} {p:.1} {:.3}",
-            raw[i],
-            p / raw[i]
-        ));
+        say(format!("{s} {:.1} {f:.1} {p:.1} {:.3}", raw[i], p / raw[i]));
     }
     Ok(())
 }

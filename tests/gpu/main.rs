@@ -66,9 +66,13 @@ fn run(b: &Broker, token: &str, args: &[&str]) -> Vec<String> {
 }
 
 async fn setup(extra: &[&str]) -> (Broker, AdminClient, String) {
-    let b = Broker::start_cuda(extra.iter().map(|s| s.to_string()).collect()).expect("start broker");
+    let b =
+        Broker::start_cuda(extra.iter().map(|s| s.to_string()).collect()).expect("start broker");
     let admin = b.admin().await.unwrap();
-    admin.set_quota("a", QuotaSpec::new(64 * GIB)).await.unwrap();
+    admin
+        .set_quota("a", QuotaSpec::new(64 * GIB))
+        .await
+        .unwrap();
     let token = admin.issue_token("a", "gpu").await.unwrap().token;
     (b, admin, token)
 }
@@ -79,14 +83,21 @@ async fn two_processes_exchange_data_through_a_lease() {
         return;
     }
     let (b, _admin, token) = setup(&[]).await;
-    let mut holder = Worker::spawn(&b, &token, &["hold", "--bytes", "67108864", "--pattern", "ab"]);
+    let mut holder = Worker::spawn(
+        &b,
+        &token,
+        &["hold", "--bytes", "67108864", "--pattern", "ab"],
+    );
     let ready = holder.line();
     assert_eq!(ready[0], "READY", "{ready:?}");
     let (device, bytes, handle) = (&ready[2], &ready[3], &ready[4]);
     let ok = run(
         &b,
         &token,
-        &["open", "--handle", handle, "--device", device, "--bytes", bytes, "--expect", "ab", "--write", "cd"],
+        &[
+            "open", "--handle", handle, "--device", device, "--bytes", bytes, "--expect", "ab",
+            "--write", "cd",
+        ],
     );
     assert_eq!(ok, vec!["OK"]);
     // The holder sees the other process's write.
@@ -99,25 +110,48 @@ async fn another_tenant_reads_only_zeros_from_a_reused_block() {
         return;
     }
     let (b, admin, token_a) = setup(&[]).await;
-    admin.set_quota("b", QuotaSpec::new(64 * GIB)).await.unwrap();
+    admin
+        .set_quota("b", QuotaSpec::new(64 * GIB))
+        .await
+        .unwrap();
     let token_b = admin.issue_token("b", "gpu").await.unwrap().token;
-    let done = run(&b, &token_a, &["fill-release", "--bytes", "134217728", "--pattern", "ee"]);
+    let done = run(
+        &b,
+        &token_a,
+        &["fill-release", "--bytes", "134217728", "--pattern", "ee"],
+    );
     assert_eq!(done[0], "DONE");
     let devices = admin.get_devices().await.unwrap();
-    assert_eq!(devices[0].cached_bytes, 128 << 20, "block went back to the pool");
+    assert_eq!(
+        devices[0].cached_bytes,
+        128 << 20,
+        "block went back to the pool"
+    );
     let read = run(&b, &token_b, &["read-zeros", "--bytes", "134217728"]);
     assert_eq!(read[0], "READ");
-    assert_eq!(read[1], done[1], "tenant b must get the same (reused) block");
+    assert_eq!(
+        read[1], done[1],
+        "tenant b must get the same (reused) block"
+    );
     assert_eq!(read[2], "0", "nonzero bytes seen by the next tenant");
 }
 
 fn card_free(device: u32) -> u64 {
     // nvidia-smi reports MiB; the driver's own view is what matters for OOM.
     let out = Command::new("nvidia-smi")
-        .args(["--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", &device.to_string()])
+        .args([
+            "--query-gpu=memory.free",
+            "--format=csv,noheader,nounits",
+            "-i",
+            &device.to_string(),
+        ])
         .output()
         .expect("nvidia-smi");
-    String::from_utf8_lossy(&out.stdout).trim().parse::<u64>().expect("MiB") << 20
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse::<u64>()
+        .expect("MiB")
+        << 20
 }
 
 #[tokio::test]
@@ -127,10 +161,17 @@ async fn killed_worker_gives_its_memory_back() {
     }
     let (b, admin, token) = setup(&[]).await;
     let before = card_free(0);
-    let mut w = Worker::spawn(&b, &token, &["hold", "--bytes", "4294967296", "--pattern", "11"]);
+    let mut w = Worker::spawn(
+        &b,
+        &token,
+        &["hold", "--bytes", "4294967296", "--pattern", "11"],
+    );
     assert_eq!(w.line()[0], "READY");
     let during = card_free(0);
-    assert!(before - during >= 4 << 30, "4 GiB lease not visible on the card");
+    assert!(
+        before - during >= 4 << 30,
+        "4 GiB lease not visible on the card"
+    );
     w.kill();
     let back = eventually(Duration::from_secs(5), || async {
         let d = &admin.get_devices().await.unwrap()[0];
@@ -145,7 +186,12 @@ async fn killed_worker_gives_its_memory_back() {
         card_free(0) + d.cached_bytes + (64 << 20) >= before
     })
     .await;
-    assert!(settled, "card free {} + cached {} < before {before}", card_free(0), d.cached_bytes);
+    assert!(
+        settled,
+        "card free {} + cached {} < before {before}",
+        card_free(0),
+        d.cached_bytes
+    );
 }
 
 #[tokio::test]
@@ -155,12 +201,18 @@ async fn more_than_the_card_is_refused_and_95_percent_is_leasable() {
     }
     let (b, admin, token) = setup(&[]).await;
     admin.set_quota("a", QuotaSpec::new(1 << 50)).await.unwrap();
-    let client = gpu_broker_client::Client::connect(&b.uri(), token).await.unwrap();
+    let client = gpu_broker_client::Client::connect(&b.uri(), token)
+        .await
+        .unwrap();
     let s = client.session("fill").await.unwrap();
     let devices = admin.get_devices().await.unwrap();
     let biggest = devices.iter().map(|d| d.total_bytes).max().unwrap_or(0);
     let err = s.lease(biggest + (2 << 20)).await.expect_err("refused");
-    assert_eq!(err.code(), gpu_broker_client::Code::ResourceExhausted, "{err}");
+    assert_eq!(
+        err.code(),
+        gpu_broker_client::Code::ResourceExhausted,
+        "{err}"
+    );
     // Fill with leases of 2 MiB .. 1 GiB until refused.
     let mut held = Vec::new();
     let mut size: u64 = 1 << 30;
@@ -184,15 +236,24 @@ async fn more_than_the_card_is_refused_and_95_percent_is_leasable() {
             }
         }
     }
-    let leasable: u64 = devices.iter().map(|d| d.total_bytes - d.headroom_bytes).sum();
+    let leasable: u64 = devices
+        .iter()
+        .map(|d| d.total_bytes - d.headroom_bytes)
+        .sum();
     eprintln!(
         "leased {total} of total-headroom {leasable} ({:.2}%) in {} leases on {} GPU(s)",
         100.0 * total as f64 / leasable as f64,
         held.len(),
         devices.len()
     );
-    assert!(total as f64 >= 0.95 * leasable as f64, "only {total} of {leasable}");
-    assert!(!b.log_text().contains("OUT_OF_MEMORY"), "a CUDA OOM happened");
+    assert!(
+        total as f64 >= 0.95 * leasable as f64,
+        "only {total} of {leasable}"
+    );
+    assert!(
+        !b.log_text().contains("OUT_OF_MEMORY"),
+        "a CUDA OOM happened"
+    );
 }
 
 #[tokio::test]
@@ -202,8 +263,14 @@ async fn every_gpu_of_the_node_is_used() {
     }
     let (b, admin, token) = setup(&[]).await;
     let devices = admin.get_devices().await.unwrap();
-    eprintln!("{} GPU(s): {:?}", devices.len(), devices.iter().map(|d| &d.name).collect::<Vec<_>>());
-    let client = gpu_broker_client::Client::connect(&b.uri(), token).await.unwrap();
+    eprintln!(
+        "{} GPU(s): {:?}",
+        devices.len(),
+        devices.iter().map(|d| &d.name).collect::<Vec<_>>()
+    );
+    let client = gpu_broker_client::Client::connect(&b.uri(), token)
+        .await
+        .unwrap();
     let s = client.session("spread").await.unwrap();
     let mut seen = std::collections::BTreeSet::new();
     let mut held = Vec::new();
@@ -217,7 +284,11 @@ async fn every_gpu_of_the_node_is_used() {
         seen.insert(l.device());
         held.push(l);
     }
-    assert_eq!(seen.len(), devices.len(), "unpinned leases should spread over all GPUs");
+    assert_eq!(
+        seen.len(),
+        devices.len(),
+        "unpinned leases should spread over all GPUs"
+    );
 }
 
 #[tokio::test]
@@ -226,33 +297,48 @@ async fn worker_allocating_behind_the_brokers_back_is_reported() {
         return;
     }
     let (b, admin, token) = setup(&["--own-alloc-allowance", "1GiB"]).await;
-    let mut w = Worker::spawn(&b, &token, &["hog", "--bytes", "1073741824", "--own", "4294967296"]);
+    let mut w = Worker::spawn(
+        &b,
+        &token,
+        &["hog", "--bytes", "1073741824", "--own", "4294967296"],
+    );
     assert_eq!(w.line()[0], "READY");
-    let mut last = None;
-    let seen = eventually(Duration::from_secs(10), || {
-        let admin = admin.clone();
-        let last = &mut last;
-        async move {
-            let s = admin.list_sessions(None).await.unwrap();
-            let over = s.iter().any(|s| s.over_allowance);
-            *last = Some(s);
-            over
+    let mut sessions = Vec::new();
+    let mut seen = false;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        sessions = admin.list_sessions(None).await.unwrap();
+        if sessions.iter().any(|s| s.over_allowance) {
+            seen = true;
+            break;
         }
-    })
-    .await;
-    let sessions = last.unwrap_or_default();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     eprintln!(
         "NVML view: {:?}",
         sessions
             .iter()
-            .map(|s| (s.peer_pid, s.held_bytes, s.gpu_used_bytes, s.own_alloc_bytes, s.over_allowance))
+            .map(|s| (
+                s.peer_pid,
+                s.held_bytes,
+                s.gpu_used_bytes,
+                s.own_alloc_bytes,
+                s.over_allowance
+            ))
             .collect::<Vec<_>>()
     );
     if sessions.iter().all(|s| s.gpu_used_bytes == 0) {
         eprintln!("skipped the check: NVML reports no per-process memory on this machine");
         return;
     }
-    assert!(seen, "a worker with 4 GiB of its own allocations was not reported");
+    assert!(
+        seen,
+        "a worker with 4 GiB of its own allocations was not reported"
+    );
     let s = sessions.iter().find(|s| s.over_allowance).unwrap();
-    assert!(s.own_alloc_bytes >= 4 << 30, "own {} < 4 GiB", s.own_alloc_bytes);
+    assert!(
+        s.own_alloc_bytes >= 4 << 30,
+        "own {} < 4 GiB",
+        s.own_alloc_bytes
+    );
 }

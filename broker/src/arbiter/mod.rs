@@ -270,7 +270,9 @@ impl Arbiter {
             sessions, leases, ..
         } = &mut *st;
         for id in sessions.ids() {
-            let Some(s) = sessions.get_mut(&id) else { continue };
+            let Some(s) = sessions.get_mut(&id) else {
+                continue;
+            };
             let Some(pid) = s.peer.pid else { continue };
             let used = usage.get(&pid).copied().unwrap_or(0);
             let held: u64 = s
