@@ -149,6 +149,14 @@ struct MTenant {
     quarantined: u64,
 }
 
+impl MTenant {
+    /// What the limit and the guarantee are measured against: held and quarantined bytes
+    /// (ended leases a live process of the tenant may still map stay in its hands).
+    fn committed(&self) -> u64 {
+        self.held + self.quarantined
+    }
+}
+
 #[derive(Debug)]
 struct MSession {
     id: Uuid,
@@ -188,7 +196,7 @@ impl Model {
             .iter()
             .enumerate()
             .filter(|(i, _)| *i != t)
-            .map(|(_, m)| m.quota.guaranteed_bytes.saturating_sub(m.held))
+            .map(|(_, m)| m.quota.guaranteed_bytes.saturating_sub(m.committed()))
             .sum()
     }
 
@@ -228,7 +236,7 @@ impl Model {
         if rounded > t.quota.limit_bytes || rounded > max_leasable {
             return Err(Code::ResourceExhausted);
         }
-        if t.held + rounded > t.quota.limit_bytes {
+        if t.committed() + rounded > t.quota.limit_bytes {
             return Err(Code::ResourceExhausted);
         }
         if t.quota.max_leases > 0 && t.count >= t.quota.max_leases {
@@ -417,10 +425,11 @@ impl Harness {
                         t.held += view.bytes;
                         t.count += 1;
                         assert!(
-                            t.held <= t.quota.limit_bytes,
-                            "tenant {} holds {} above its limit {}",
+                            t.committed() <= t.quota.limit_bytes,
+                            "tenant {} holds {} (+{} quarantined) above its limit {}",
                             TENANTS[tenant],
                             t.held,
+                            t.quarantined,
                             t.quota.limit_bytes
                         );
                         let d = &mut m.devices[view.device as usize];
@@ -573,7 +582,7 @@ impl Harness {
             assert_eq!(t.waiting, 0, "{name}: nothing may stay queued");
             assert_eq!(
                 t.borrowed_bytes,
-                mt.held.saturating_sub(mt.quota.guaranteed_bytes),
+                mt.committed().saturating_sub(mt.quota.guaranteed_bytes),
                 "{name}: borrowed"
             );
             let sessions = m

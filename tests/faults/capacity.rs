@@ -91,9 +91,9 @@ async fn attempt() -> (Vec<String>, u64) {
 }
 
 #[tokio::test]
-#[ignore = "broker bug: Arbiter::grant/materialize (arbiter/admission.rs) free evicted cache blocks inside the grant's later device job, so a grant queued after it can allocate first: the device briefly holds more than leasable (out of memory with no headroom)"]
 async fn evicted_blocks_are_freed_before_a_later_grant_allocates() {
-    for i in 0..4 {
+    // A race between two device jobs: a few attempts make it show reliably.
+    for i in 0..12 {
         let (errors, allocated) = attempt().await;
         assert!(
             errors.is_empty(),

@@ -70,7 +70,7 @@ async fn guarantees_beyond_leasable_capacity_are_refused() {
 async fn guarantee_takes_back_borrowed_memory_from_a_full_device() {
     let b = Broker::start_with(BrokerOpts {
         capacity: "128MiB",
-        extra: vec!["--reclaim-deadline".into(), "2s".into()],
+        extra: vec!["--reclaim-deadline".into(), "4s".into()],
         ..BrokerOpts::default()
     })
     .unwrap();
@@ -101,8 +101,8 @@ async fn guarantee_takes_back_borrowed_memory_from_a_full_device() {
         .unwrap();
     let took = t0.elapsed();
     assert!(
-        took < Duration::from_secs(2),
-        "within its guarantee, granted after {took:?} (reclaim deadline 2 s)"
+        took < Duration::from_secs(4),
+        "within its guarantee, granted after {took:?} (reclaim deadline 4 s)"
     );
     // Exactly the two newest borrowed leases were asked back.
     let evs = events_for(&mut bh.proc, Duration::from_millis(500)).await;
@@ -146,7 +146,6 @@ async fn guarantee_takes_back_borrowed_memory_from_a_full_device() {
 /// A request within its tenant's guarantee, for memory that is free and kept for it, must
 /// not wait behind a higher-priority request that is blocked by capacity.
 #[tokio::test]
-#[ignore = "broker bug: Arbiter::drain (arbiter/admission.rs) lets a capacity-blocked waiter block its device for every lower-ranked waiter, even one within its guarantee asking for memory kept free for it"]
 async fn guarantee_is_not_blocked_by_a_higher_priority_waiter() {
     let b = Broker::start_with(BrokerOpts {
         capacity: "128MiB",

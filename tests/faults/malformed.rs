@@ -395,7 +395,6 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
 /// not overflow (debug build: a panic in the request; release: a wrapped sum that lets an
 /// absurd guarantee through). Expected: INVALID_ARGUMENT, and the broker keeps serving.
 #[tokio::test]
-#[ignore = "broker bug: Ledger::guarantees_with (ledger.rs) overflows u64 for a guarantee of u64::MAX: panic in the request (debug), wrapped sum accepted (release)"]
 async fn absurd_guarantee_is_refused_without_overflow() {
     let b = Broker::start_with(BrokerOpts {
         capacity: "256MiB",

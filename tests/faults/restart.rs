@@ -99,6 +99,13 @@ async fn after_a_broker_restart_old_sessions_fail_and_new_ones_work() {
         after_codes.push(c);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Once the new broker answers, a session of its earlier run is UNAVAILABLE (re-open),
+    // not NOT_FOUND.
+    assert_eq!(
+        after_codes.last().copied().flatten(),
+        Some(Code::Unavailable),
+        "{after_codes:?}"
+    );
     let rel = raw
         .release_lease(pb::ReleaseLeaseRequest {
             lease_id: lease.lease_id.clone(),

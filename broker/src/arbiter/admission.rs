@@ -291,7 +291,7 @@ impl Arbiter {
             let _ = reply.send(Err(e));
             return;
         }
-        let source = st.pools[d as usize].reserve(ask.bytes, &ask.tenant);
+        let mut source = st.pools[d as usize].reserve(ask.bytes, &ask.tenant);
         if let Source::Cached {
             block,
             scrub: false,
@@ -300,6 +300,14 @@ impl Arbiter {
             let r = self.commit_grant(st, &ask, priority, d, block);
             self.reply(st, reply, r);
             return;
+        }
+        // Free evicted blocks now, under the lock: the device thread runs jobs in order, so
+        // these frees happen before any allocation admitted after this one. (Leaving them
+        // to the spawned task let a later grant's allocation overtake them.)
+        if let Source::Fresh { evicted } = &mut source {
+            for b in std::mem::take(evicted) {
+                self.free_on_device(d, b);
+            }
         }
         let arb = self.clone();
         tokio::spawn(async move {

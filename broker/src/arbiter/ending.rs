@@ -245,9 +245,9 @@ impl Arbiter {
             .max()
             .unwrap_or(0)
             .min(for_tenant);
-        // Memory already on its way back counts: leases asked to go, and quarantined
-        // memory of revoked holders (it returns when their process exits; revoking more
-        // of the same holder's leases would not make it come back sooner).
+        // Memory already on its way back counts: leases asked to go, and (with the
+        // terminate policy) quarantine of holders being killed.
+        let terminating = self.cfg.reclaim_policy == ReclaimPolicy::Terminate;
         let pending: u64 = st
             .leases
             .iter()
@@ -257,9 +257,17 @@ impl Arbiter {
             .chain(
                 devices
                     .iter()
+                    .filter(|_| terminating)
                     .map(|&d| st.pools[d as usize].stats().quarantined),
             )
             .fold(0, u64::saturating_add);
+        // Under the cooperative policy, a holder that already ignored a reclaim (its
+        // revoked memory sits in quarantine) frees nothing by losing more leases: ask others.
+        let uncooperative: std::collections::HashSet<u32> = if terminating {
+            Default::default()
+        } else {
+            st.quarantine.values().filter_map(|q| q.pid).collect()
+        };
         let mut need = ask.bytes.saturating_sub(best_free.saturating_add(pending));
         if need == 0 {
             return;
@@ -271,6 +279,12 @@ impl Arbiter {
             .filter(|l| l.tier == Tier::Device && devices.contains(&l.device))
             .filter(|l| matches!(l.state, LeaseState::Active))
             .filter(|l| l.tenant != ask.tenant)
+            .filter(|l| {
+                st.sessions
+                    .get(&l.session)
+                    .and_then(|s| s.peer.pid)
+                    .is_none_or(|pid| !uncooperative.contains(&pid))
+            })
             .filter(|l| {
                 (within_guarantee && borrowed_of(&l.tenant) > 0)
                     || (l.reclaimable && l.priority < priority)

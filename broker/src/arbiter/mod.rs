@@ -151,6 +151,7 @@ impl Arbiter {
                 d.initial_leasable,
             ));
         }
+        std::sync::LazyLock::force(&STARTED);
         let arb = Arbiter {
             state: Mutex::new(st),
             devices,
@@ -404,8 +405,22 @@ impl State {
     }
 }
 
+/// When this broker process started (sessions are UUIDv7: their id carries their time).
+static STARTED: std::sync::LazyLock<SystemTime> = std::sync::LazyLock::new(SystemTime::now);
+
+/// A session id that is not open: `UNAVAILABLE` when it was opened before this broker
+/// started (the broker restarted and its leases are gone: re-open), else `NOT_FOUND`.
 pub(crate) fn session_not_found(id: Uuid) -> BrokerError {
-    BrokerError::NotFound(format!("session {id} not found"))
+    let opened = id.get_timestamp().map(|t| {
+        let (secs, nanos) = t.to_unix();
+        SystemTime::UNIX_EPOCH + Duration::new(secs, nanos)
+    });
+    match opened {
+        Some(t) if t < *STARTED => BrokerError::Unavailable(format!(
+            "session {id} belongs to an earlier run of the broker, which restarted; its leases are gone: open a new session"
+        )),
+        _ => BrokerError::NotFound(format!("session {id} not found")),
+    }
 }
 
 pub(crate) fn lease_not_found(id: Uuid) -> BrokerError {

@@ -218,10 +218,11 @@ fn remove_stale_files(dir: &Path) {
         let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
             continue;
         };
-        if pid != std::process::id() && !crate::session::process_alive(pid) {
-            if std::fs::remove_file(e.path()).is_ok() {
-                tracing::info!(path = %e.path().display(), "removed a block file left by a dead broker");
-            }
+        if pid != std::process::id()
+            && !crate::session::process_alive(pid)
+            && std::fs::remove_file(e.path()).is_ok()
+        {
+            tracing::info!(path = %e.path().display(), "removed a block file left by a dead broker");
         }
     }
 }
