@@ -58,7 +58,8 @@ pub struct Session {
 pub struct GpuUse {
     /// All GPU memory the process uses.
     pub used: u64,
-    /// Beyond its leases: own allocations and its CUDA context.
+    /// The process's own allocations and CUDA context (NVML does not count memory it
+    /// maps through IPC handles, so this is all of `used`).
     pub own: u64,
     /// `own` is above the allowance.
     pub over: bool,

@@ -276,6 +276,11 @@ impl Arbiter {
             };
             let Some(pid) = s.peer.pid else { continue };
             let used = usage.get(&pid).copied().unwrap_or(0);
+            // NVML attributes memory to the process that allocated it: memory a worker
+            // maps through an IPC handle is the broker's, not the worker's (measured on
+            // an H200, driver 580). So all of `used` is the worker's own: its CUDA
+            // context plus whatever it allocated itself.
+            let own = used;
             let held: u64 = s
                 .leases
                 .iter()
@@ -283,7 +288,6 @@ impl Arbiter {
                 .filter(|l| l.tier == crate::ledger::Tier::Device)
                 .map(|l| l.bytes())
                 .sum();
-            let own = used.saturating_sub(held);
             let over = own > allowance;
             let was_over = s.gpu.is_some_and(|g| g.over);
             if over && !was_over {
