@@ -4,10 +4,9 @@
 //! the `Admin` service the admin only (a tenant there is `PERMISSION_DENIED`; no token or
 //! an unknown one is `UNAUTHENTICATED` everywhere).
 
-use parking_lot::RwLock;
+use dashmap::DashMap;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
-use std::collections::HashMap;
 use std::sync::Arc;
 use subtle::ConstantTimeEq;
 use tonic::{Request, Status};
@@ -52,14 +51,15 @@ pub fn generate_token() -> (String, [u8; 32]) {
 #[derive(Debug)]
 pub struct Authenticator {
     admin_hash: [u8; 32],
-    tokens: RwLock<HashMap<[u8; 32], TokenEntry>>,
+    /// Token hash -> entry; read on every request, without the arbiter's lock.
+    tokens: DashMap<[u8; 32], TokenEntry>,
 }
 
 impl Authenticator {
     pub fn new(admin_token: &str) -> Authenticator {
         Authenticator {
             admin_hash: hash_token(admin_token),
-            tokens: RwLock::new(HashMap::new()),
+            tokens: DashMap::new(),
         }
     }
 
@@ -70,52 +70,49 @@ impl Authenticator {
             return Some(Caller::Admin);
         }
         self.tokens
-            .read()
             .get(&h)
             .map(|e| Caller::Tenant(e.tenant.clone()))
     }
 
     pub fn add(&self, entry: TokenEntry) {
-        self.tokens.write().insert(entry.hash, entry);
+        self.tokens.insert(entry.hash, entry);
     }
 
     /// Looks a token up by id or by the token itself.
     pub fn find(&self, id_or_token: &str) -> Option<TokenEntry> {
         let by_hash = hash_token(id_or_token);
-        let t = self.tokens.read();
-        t.get(&by_hash)
-            .or_else(|| t.values().find(|e| e.token_id == id_or_token))
-            .cloned()
+        if let Some(e) = self.tokens.get(&by_hash) {
+            return Some(e.clone());
+        }
+        self.tokens
+            .iter()
+            .find(|e| e.token_id == id_or_token)
+            .map(|e| e.clone())
     }
 
     pub fn remove(&self, hash: &[u8; 32]) -> Option<TokenEntry> {
-        self.tokens.write().remove(hash)
+        self.tokens.remove(hash).map(|(_, e)| e)
     }
 
     /// Drops every token of `tenant`.
     pub fn remove_tenant(&self, tenant: &str) {
-        self.tokens.write().retain(|_, e| e.tenant != tenant);
+        self.tokens.retain(|_, e| e.tenant != tenant);
     }
 
     /// Tokens (of one tenant, or all), sorted by tenant then id.
     pub fn list(&self, tenant: Option<&str>) -> Vec<TokenEntry> {
         let mut v: Vec<_> = self
             .tokens
-            .read()
-            .values()
+            .iter()
             .filter(|e| tenant.is_none_or(|t| e.tenant == t))
-            .cloned()
+            .map(|e| e.clone())
             .collect();
         v.sort_by(|a, b| (&a.tenant, &a.token_id).cmp(&(&b.tenant, &b.token_id)));
         v
     }
 
     pub fn count(&self, tenant: &str) -> usize {
-        self.tokens
-            .read()
-            .values()
-            .filter(|e| e.tenant == tenant)
-            .count()
+        self.tokens.iter().filter(|e| e.tenant == tenant).count()
     }
 }
 

@@ -26,8 +26,10 @@ fn init_logging(json: bool) {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_env("GPU_BROKER_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    use std::io::IsTerminal;
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     if json {
         b.json().init();

@@ -11,6 +11,7 @@ mod devices;
 mod errors;
 mod examples;
 mod isolation;
+mod observability;
 mod quota;
 mod scrub;
 mod shutdown;

@@ -1,0 +1,122 @@
+//! What operators and tools see from outside: Prometheus metrics over HTTP and gRPC
+//! server reflection (what `grpcurl list` uses).
+
+use gpu_broker_tests::*;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The metrics address the broker logged (`--metrics-listen 127.0.0.1:0`).
+async fn metrics_addr(b: &Broker) -> String {
+    let mut addr = None;
+    let found = eventually(Duration::from_secs(5), || {
+        let log = b.log_text();
+        addr = log
+            .lines()
+            .find(|l| l.contains("metrics at /metrics"))
+            .and_then(|l| l.split("addr=").nth(1))
+            .map(|a| a.split_whitespace().next().unwrap_or("").to_string());
+        let ok = addr.is_some();
+        async move { ok }
+    })
+    .await;
+    assert!(found, "no metrics address in the log:\n{}", b.log_text());
+    addr.unwrap_or_default()
+}
+
+async fn get(addr: &str, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+fn gauge(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name_and_labels))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn prometheus_metrics_follow_the_leases() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--metrics-listen".into(), "127.0.0.1:0".into()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let addr = metrics_addr(&b).await;
+    let c = b.client("metered", 256 * MIB).await.unwrap();
+    let s = c.session("m").await.unwrap();
+    let lease = s.lease(6 * MIB).await.unwrap();
+    let text = get(&addr, "/metrics").await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert_eq!(
+        gauge(&text, "gpu_broker_device_leased_bytes{device=\"0\"}"),
+        Some((6 * MIB) as f64),
+        "{text}"
+    );
+    assert_eq!(
+        gauge(&text, "gpu_broker_tenant_held_bytes{tenant=\"metered\"}"),
+        Some((6 * MIB) as f64)
+    );
+    assert_eq!(gauge(&text, "gpu_broker_sessions"), Some(1.0));
+    assert!(
+        gauge(&text, "gpu_broker_leases_granted_total").unwrap_or(0.0) >= 1.0,
+        "{text}"
+    );
+    lease.release().await.unwrap();
+    let text = get(&addr, "/metrics").await;
+    assert_eq!(
+        gauge(&text, "gpu_broker_device_leased_bytes{device=\"0\"}"),
+        Some(0.0)
+    );
+    assert_eq!(
+        gauge(&text, "gpu_broker_device_cached_bytes{device=\"0\"}"),
+        Some((6 * MIB) as f64)
+    );
+    assert!(get(&addr, "/nope").await.starts_with("HTTP/1.1 404"));
+}
+
+#[tokio::test]
+async fn reflection_lists_the_services() {
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let b = Broker::start().unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(b.uri())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = ServerReflectionClient::new(channel);
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut stream = client
+        .server_reflection_info(tokio_stream::iter(vec![req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let resp = stream.message().await.unwrap().expect("a response");
+    let names: Vec<String> = match resp.message_response {
+        Some(MessageResponse::ListServicesResponse(l)) => {
+            l.service.into_iter().map(|s| s.name).collect()
+        }
+        other => panic!("unexpected {other:?}"),
+    };
+    for want in [
+        "gpubroker.v1.Broker",
+        "gpubroker.v1.Admin",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} missing from {names:?}"
+        );
+    }
+}
