@@ -440,6 +440,101 @@ impl Drop for CudaMapping {
     }
 }
 
+/// Host memory (e.g. the mapping of a host-fallback lease) registered with CUDA for
+/// zero-copy access: kernels read and write it through [`HostRegistration::device_ptr`].
+/// Borrows the memory, so it cannot be unmapped while registered; dropping it unregisters.
+#[derive(Debug)]
+pub struct HostRegistration<'a> {
+    cu_device: CUdevice,
+    ctx: usize,
+    host: usize,
+    len: u64,
+    dev_ptr: CUdeviceptr,
+    _mem: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+/// Registers `mem` (page-locked, portable, mapped into `device`'s address space) and
+/// returns its device pointer. Leaves the device's primary context current.
+pub fn register_host(mem: &mut [u8], device: u32) -> Result<HostRegistration<'_>, CudaError> {
+    if mem.is_empty() {
+        return Err(CudaError::InvalidSize(0));
+    }
+    let (cu_device, ctx) = retain_primary(device)?;
+    let host = mem.as_mut_ptr();
+    let flags =
+        (sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP) as std::ffi::c_uint;
+    // SAFETY: `host..host+len` is memory this process owns, borrowed for the registration's
+    // lifetime; the primary context is current.
+    let rc = unsafe { sys::cuMemHostRegister_v2(host as *mut c_void, mem.len(), flags) };
+    if let Err(e) = check("cuMemHostRegister", rc) {
+        // SAFETY: balances the retain in `retain_primary`.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(cu_device) };
+        return Err(e);
+    }
+    let mut dev_ptr: CUdeviceptr = 0;
+    // SAFETY: the range was just registered with DEVICEMAP; valid out pointer.
+    let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev_ptr, host as *mut c_void, 0) };
+    if let Err(e) = check("cuMemHostGetDevicePointer", rc) {
+        // SAFETY: undo the registration and the retain above.
+        unsafe {
+            let _ = sys::cuMemHostUnregister(host as *mut c_void);
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(cu_device);
+        }
+        return Err(e);
+    }
+    Ok(HostRegistration {
+        cu_device,
+        ctx: ctx as usize,
+        host: host as usize,
+        len: mem.len() as u64,
+        dev_ptr,
+        _mem: std::marker::PhantomData,
+    })
+}
+
+impl HostRegistration<'_> {
+    /// The device-side address of the host memory.
+    pub fn device_ptr(&self) -> u64 {
+        self.dev_ptr
+    }
+
+    /// Registered length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false (empty memory is refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Has the GPU set every byte to `value` through the device pointer (a `cuMemsetD8` on
+    /// the device side, then a synchronize): proof that device writes land in host memory.
+    pub fn device_memset(&self, value: u8) -> Result<(), CudaError> {
+        let _ctx = Pushed::new(self.ctx)?;
+        // SAFETY: the device pointer maps `len` registered bytes; the context is current.
+        check("cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(self.dev_ptr, value, self.len as usize)
+        })?;
+        // SAFETY: the context is current.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+}
+
+impl Drop for HostRegistration<'_> {
+    fn drop(&mut self) {
+        if let Ok(_ctx) = Pushed::new(self.ctx) {
+            // SAFETY: registered in `register_host`, unregistered once here.
+            let rc = unsafe { sys::cuMemHostUnregister(self.host as *mut c_void) };
+            if let Err(e) = check("cuMemHostUnregister", rc) {
+                tracing::warn!(error = %e, "unregistering host memory failed");
+            }
+        }
+        // SAFETY: balances the retain in `register_host`.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.cu_device) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -65,6 +65,12 @@ enum Cmd {
         #[arg(long)]
         own: u64,
     },
+    /// Ask for `bytes` with host fallback; register the host lease with CUDA, have the GPU
+    /// write it through the device pointer; print `HOSTREG <tier> <bytes-not-set>`.
+    HostFallback {
+        #[arg(long)]
+        bytes: u64,
+    },
     /// Lease, read every byte; print `READ <handle-hex> <nonzero-bytes>`; release.
     ReadZeros {
         #[arg(long)]
@@ -274,6 +280,24 @@ async fn main() -> Result<()> {
             rx.recv()??;
             say(format!("READY {}", lease.id()));
             std::future::pending::<()>().await;
+        }
+        Cmd::HostFallback { bytes } => {
+            let lease = session
+                .lease_request(bytes)
+                .fallback_host(true)
+                .send()
+                .await?;
+            let tier = format!("{:?}", lease.tier());
+            let not_set = {
+                let mut m = lease.map()?;
+                {
+                    let reg = gpu_broker_client::cuda::register_host(&mut m[..], 0)?;
+                    reg.device_memset(0x3c)?;
+                }
+                m.iter().filter(|&&b| b != 0x3c).count()
+            };
+            lease.release().await?;
+            say(format!("HOSTREG {tier} {not_set}"));
         }
         Cmd::Bench { sizes, iters } => bench(&session, &sizes, iters).await?,
         Cmd::Open { .. } => unreachable!("handled above"),

@@ -342,3 +342,25 @@ async fn worker_allocating_behind_the_brokers_back_is_reported() {
         s.own_alloc_bytes
     );
 }
+
+#[tokio::test]
+async fn host_fallback_lease_is_registered_for_zero_copy_gpu_access() {
+    if !gpu_or_skip("host_fallback_lease_is_registered_for_zero_copy_gpu_access") {
+        return;
+    }
+    let (b, admin, _) = setup(&[]).await;
+    // Device quota too small for the request: it falls back to host memory.
+    let q = QuotaSpec {
+        limit_bytes: 2 << 20,
+        host_limit_bytes: 1 << 30,
+        ..QuotaSpec::default()
+    };
+    admin.set_quota("h", q).await.unwrap();
+    let token = admin.issue_token("h", "gpu").await.unwrap().token;
+    let out = run(&b, &token, &["host-fallback", "--bytes", "67108864"]);
+    assert_eq!(
+        out,
+        vec!["HOSTREG", "Host", "0"],
+        "the GPU's writes must land in the host lease"
+    );
+}
