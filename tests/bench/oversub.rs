@@ -15,6 +15,8 @@ use clap::Args;
 use futures::{FutureExt, StreamExt};
 use gpu_broker_client::{Client, ClientError, Code, QuotaSpec, SessionEvent};
 use serde_json::json;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::{sleep_until, Instant};
 
@@ -78,10 +80,15 @@ struct WorkerStats {
     other_errors: u64,
     first_error: Option<String>,
     reclaim_events: u64,
+    /// Reclaim requests for a lease while its tenant held no more than its guarantee
+    /// (as this process counts the tenant's leases).
+    reclaims_within_guarantee: u64,
     released_on_reclaim: u64,
     revocations: u64,
     release_failures: u64,
     granted_bytes: u64,
+    /// Sum over leases of bytes x seconds held (from grant to release or revocation).
+    byte_seconds: f64,
 }
 
 impl WorkerStats {
@@ -93,10 +100,12 @@ impl WorkerStats {
             self.first_error.clone_from(&o.first_error);
         }
         self.reclaim_events += o.reclaim_events;
+        self.reclaims_within_guarantee += o.reclaims_within_guarantee;
         self.released_on_reclaim += o.released_on_reclaim;
         self.revocations += o.revocations;
         self.release_failures += o.release_failures;
         self.granted_bytes += o.granted_bytes;
+        self.byte_seconds += o.byte_seconds;
     }
 }
 
@@ -129,6 +138,9 @@ struct WorkerSpec {
     reclaimable: f64,
     seed: u64,
     end: Instant,
+    /// Bytes the worker's tenant holds now (all its workers), and its guarantee.
+    tenant_held: Arc<AtomicU64>,
+    guarantee: u64,
 }
 
 pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
@@ -168,7 +180,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
     }
     let guarantee =
         ((a.guarantee * leasable as f64 / f64::from(a.tenants_per_priority)) as u64) / gran * gran;
-    let mut tenants: Vec<(i32, String, String)> = Vec::new();
+    let mut tenants: Vec<(i32, String, String, Arc<AtomicU64>)> = Vec::new();
     for &p in &PRIORITIES {
         for t in 0..a.tenants_per_priority {
             let (name, token) = target
@@ -183,7 +195,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
                     },
                 )
                 .await?;
-            tenants.push((p, name, token));
+            tenants.push((p, name, token, Arc::new(AtomicU64::new(0))));
         }
     }
     note(format!(
@@ -209,7 +221,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
     let mut specs = Vec::new();
     for (pi, &p) in PRIORITIES.iter().enumerate() {
         for w in 0..a.workers_per_priority {
-            let level: Vec<&(i32, String, String)> = tenants.iter().filter(|t| t.0 == p).collect();
+            let level: Vec<_> = tenants.iter().filter(|t| t.0 == p).collect();
             let t = level[w as usize % level.len()];
             specs.push((
                 pi,
@@ -225,6 +237,8 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
                     reclaimable: a.reclaimable,
                     seed: common.seed ^ ((pi as u64) << 32 | u64::from(w)).wrapping_mul(0x9E37),
                     end: Instant::now(), // set below
+                    tenant_held: t.3.clone(),
+                    guarantee,
                 },
             ));
         }
@@ -286,6 +300,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
         &[
             "priority",
             "guarantee",
+            "mean held",
             "grants",
             "grants/s",
             "ttg p50",
@@ -294,6 +309,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
             "ttg max",
             "not granted",
             "reclaims recv",
+            "within guarantee",
             "released on reclaim",
             "revoked",
         ],
@@ -305,6 +321,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
         table.row(vec![
             PRIORITIES[pi].to_string(),
             bytes(guarantee * u64::from(a.tenants_per_priority)),
+            bytes((s.byte_seconds / elapsed) as u64),
             count(s.grants.count()),
             format!("{:.0}", s.grants.count() as f64 / elapsed),
             ms(&s.grants, 0.5),
@@ -313,6 +330,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
             ms(&s.grants, 1.0),
             count(s.not_granted),
             count(s.reclaim_events),
+            count(s.reclaims_within_guarantee),
             count(s.released_on_reclaim),
             count(s.revocations),
         ]);
@@ -323,8 +341,10 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
                 "ttg_p50_ms": s.grants.q_us(0.5) / 1e3, "ttg_p90_ms": s.grants.q_us(0.9) / 1e3,
                 "ttg_p99_ms": s.grants.q_us(0.99) / 1e3, "ttg_max_ms": s.grants.max_us() / 1e3,
                 "not_granted": s.not_granted, "reclaim_events": s.reclaim_events,
+                "reclaims_within_guarantee": s.reclaims_within_guarantee,
                 "released_on_reclaim": s.released_on_reclaim, "revocations": s.revocations,
                 "other_errors": s.other_errors, "granted_bytes": s.granted_bytes,
+                "mean_held_bytes": s.byte_seconds / elapsed,
             }),
         );
     }
@@ -499,6 +519,8 @@ async fn worker(spec: WorkerSpec, session: gpu_broker_client::Session) -> Worker
         };
         st.grants.record(t0.elapsed());
         st.granted_bytes += lease.bytes();
+        spec.tenant_held.fetch_add(lease.bytes(), Ordering::SeqCst);
+        let granted_at = Instant::now();
         let hold_ns = rng.range(spec.hold.0.as_nanos() as u64, spec.hold.1.as_nanos() as u64);
         let hold_end = (Instant::now() + Duration::from_nanos(hold_ns)).min(end);
         let outcome = loop {
@@ -508,6 +530,9 @@ async fn worker(spec: WorkerSpec, session: gpu_broker_client::Session) -> Worker
                     Some(SessionEvent::ReclaimRequested { lease_id, .. }) => {
                         st.reclaim_events += 1;
                         if lease_id == lease.id() {
+                            if spec.tenant_held.load(Ordering::SeqCst) <= spec.guarantee {
+                                st.reclaims_within_guarantee += 1;
+                            }
                             break Hold::Reclaimed;
                         }
                     }
@@ -522,6 +547,8 @@ async fn worker(spec: WorkerSpec, session: gpu_broker_client::Session) -> Worker
                 }
             }
         };
+        st.byte_seconds += lease.bytes() as f64 * granted_at.elapsed().as_secs_f64();
+        spec.tenant_held.fetch_sub(lease.bytes(), Ordering::SeqCst);
         match outcome {
             Hold::Done | Hold::Reclaimed => {
                 if matches!(outcome, Hold::Reclaimed) {

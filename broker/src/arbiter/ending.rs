@@ -299,18 +299,14 @@ impl Arbiter {
             if need == 0 {
                 break;
             }
-            // From a borrower (and not by priority) take no more than it borrowed.
-            let by_priority = st
-                .leases
-                .get(&lid)
-                .is_some_and(|l| l.reclaimable && l.priority < priority);
-            if !by_priority {
-                let taken = taken_from.entry(owner.clone()).or_default();
-                if *taken >= borrowed_of(&owner) {
-                    continue;
-                }
-                *taken += bytes;
+            // Take no more than the owner borrowed: memory within a guarantee is never
+            // reclaimed, not even for a higher priority (it would only become the owner's
+            // unused guarantee, kept from the waiter anyway).
+            let taken = taken_from.entry(owner.clone()).or_default();
+            if *taken >= borrowed_of(&owner) {
+                continue;
             }
+            *taken += bytes;
             let Some(l) = st.leases.get_mut(&lid) else {
                 continue;
             };

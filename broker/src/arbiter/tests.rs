@@ -387,3 +387,36 @@ async fn process_memory_beyond_leases_is_reported() {
     f.arb.apply_process_usage(&Default::default(), 4 * MIB);
     assert!(!f.arb.list_sessions(None)[0].gpu.unwrap().over);
 }
+
+#[tokio::test]
+async fn memory_within_a_guarantee_is_not_reclaimed_for_a_higher_priority() {
+    let f = fixture(8 * MIB, 1, ArbiterConfig::default());
+    let q = Quota {
+        limit_bytes: 8 * MIB,
+        guaranteed_bytes: 8 * MIB,
+        ..Quota::default()
+    };
+    f.arb.set_quota("low", q).unwrap();
+    let (low, mut events) = f.arb.open_session("low", "l", Peer::default()).unwrap();
+    let mut r = req("low", low, 8 * MIB);
+    r.reclaimable = true;
+    f.arb.acquire(r).await.unwrap();
+    let high = f.tenant(
+        "high",
+        Quota {
+            limit_bytes: 8 * MIB,
+            priority: 10,
+            ..Quota::default()
+        },
+    );
+    let mut r = req("high", high, 2 * MIB);
+    r.wait = Duration::from_millis(200);
+    assert!(matches!(
+        f.arb.acquire(r).await,
+        Err(BrokerError::DeadlineExceeded(_))
+    ));
+    assert!(
+        events.try_recv().is_err(),
+        "guaranteed memory was asked back"
+    );
+}
