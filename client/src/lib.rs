@@ -27,6 +27,11 @@
 //! # Ok(()) }
 //! ```
 //!
+//! **Latency.** A pooled lease is one gRPC round trip over the Unix socket (~50 us on a
+//! 2-core machine). A worker that acquires from one loop gets the lowest latency on a
+//! current-thread runtime (`#[tokio::main(flavor = "current_thread")]`): the
+//! multi-threaded runtime adds thread wake-ups to every call (see `docs/benchmarks.md`).
+//!
 //! **Reconnection** is opt-in ([`SessionBuilder::reconnect`], module [`reconnect`]): a
 //! session the broker loses (restart, crash, shutdown, broken connection) is re-opened
 //! with exponential [`Backoff`]; the application hears [`SessionEvent::Disconnected`],
