@@ -1,8 +1,11 @@
 //! Configuration: command-line flags (each also settable through a `GPU_BROKER_*`
-//! environment variable) parsed into one [`Config`].
+//! environment variable) and an optional TOML file (`--config`, keys are the long flag
+//! names) parsed into one [`Config`]. Precedence: command line, then file, then
+//! environment, then defaults.
 
 use crate::arbiter::{ArbiterConfig, ReclaimPolicy};
-use clap::{Parser, ValueEnum};
+use clap::{CommandFactory, Parser, ValueEnum};
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -74,8 +77,13 @@ fn parse_devices(s: &str) -> Result<DeviceList, String> {
 
 /// The multi-tenant GPU memory broker daemon.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "gpu-broker", version, about)]
+#[command(name = "gpu-broker", version, about, args_override_self = true)]
 pub struct Config {
+    /// TOML file of settings; keys are the long flag names (`host-capacity = "8GiB"`).
+    /// Flags on the command line override it.
+    #[arg(long, env = "GPU_BROKER_CONFIG")]
+    pub config: Option<PathBuf>,
+
     /// Unix socket to serve on (created 0660; a stale one is replaced).
     #[arg(
         long,
@@ -168,7 +176,49 @@ pub struct Config {
     pub log_json: bool,
 }
 
+/// Why the configuration could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(transparent)]
+    Flags(#[from] clap::Error),
+    #[error("config file {path}: {reason}")]
+    File { path: PathBuf, reason: String },
+}
+
+impl ConfigError {
+    /// Prints the error (clap's own formatting for flag errors) and exits.
+    pub fn exit(self) -> ! {
+        match self {
+            ConfigError::Flags(e) => e.exit(),
+            other => {
+                eprintln!("error: {other}");
+                std::process::exit(2)
+            }
+        }
+    }
+}
+
 impl Config {
+    /// Parses the process's arguments (and the `--config` file they name).
+    pub fn load() -> Result<Config, ConfigError> {
+        Config::from_args(std::env::args_os().collect())
+    }
+
+    /// Parses `args` (program name first), reading the TOML file named by `--config` (or
+    /// `GPU_BROKER_CONFIG`) and placing its settings before the command-line flags.
+    pub fn from_args(args: Vec<OsString>) -> Result<Config, ConfigError> {
+        let first = Config::try_parse_from(&args)?;
+        let Some(path) = first.config.clone() else {
+            return Ok(first);
+        };
+        let file_args = file_args(&path)?;
+        let mut merged = Vec::with_capacity(args.len() + file_args.len());
+        merged.extend(args.first().cloned());
+        merged.extend(file_args);
+        merged.extend(args.into_iter().skip(1));
+        Ok(Config::try_parse_from(merged)?)
+    }
+
     /// Where the admin token lives.
     pub fn admin_token_path(&self) -> PathBuf {
         self.admin_token_file
@@ -188,9 +238,115 @@ impl Config {
     }
 }
 
+/// The settings of a TOML file as `--flag value` arguments.
+fn file_args(path: &std::path::Path) -> Result<Vec<OsString>, ConfigError> {
+    let err = |reason: String| ConfigError::File {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| err(e.to_string()))?;
+    let cmd = Config::command();
+    let known: Vec<String> = cmd
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(str::to_string))
+        .collect();
+    let mut out = Vec::new();
+    for (key, value) in table {
+        if key == "config" || !known.contains(&key) {
+            return Err(err(format!(
+                "unknown setting {key:?} (settings are the long flag names, e.g. host-capacity)"
+            )));
+        }
+        let flag = OsString::from(format!("--{key}"));
+        match value {
+            toml::Value::Boolean(true) => out.push(flag),
+            toml::Value::Boolean(false) => {}
+            toml::Value::String(s) => out.extend([flag, s.into()]),
+            toml::Value::Integer(i) => out.extend([flag, i.to_string().into()]),
+            toml::Value::Float(f) => out.extend([flag, f.to_string().into()]),
+            toml::Value::Array(items) => {
+                let parts: Vec<String> = items
+                    .iter()
+                    .map(|v| match v {
+                        toml::Value::String(s) => s.clone(),
+                        other => other.to_string(),
+                    })
+                    .collect();
+                out.extend([flag, parts.join(",").into()]);
+            }
+            other => {
+                return Err(err(format!(
+                    "setting {key:?} has an unsupported value {other}"
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn config_file_settings_apply_and_flags_override_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("broker.toml");
+        std::fs::write(
+            &path,
+            "backend = \"host\"\nhost-capacity = \"2GiB\"\nhost-devices = 2\ndevices = [0, 1]\nlog-json = true\nheadroom = \"5%\"\n",
+        )
+        .unwrap();
+        let args = |extra: &[&str]| {
+            let mut v: Vec<OsString> =
+                vec!["gpu-broker".into(), "--config".into(), path.clone().into()];
+            v.extend(extra.iter().map(OsString::from));
+            v
+        };
+        let c = Config::from_args(args(&[])).unwrap();
+        assert_eq!(c.backend, BackendChoice::Host);
+        assert_eq!(c.host_capacity, 2 << 30);
+        assert_eq!(c.host_devices, 2);
+        assert_eq!(c.devices, Some(DeviceList(vec![0, 1])));
+        assert!(c.log_json);
+        let c = Config::from_args(args(&["--host-capacity", "1GiB"])).unwrap();
+        assert_eq!(c.host_capacity, 1 << 30, "the command line wins");
+    }
+
+    #[test]
+    fn the_shipped_example_config_is_valid() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config.toml");
+        let args: Vec<OsString> = vec!["gpu-broker".into(), "--config".into(), path.into()];
+        let c = Config::from_args(args).unwrap();
+        assert_eq!(c.reclaim_policy, ReclaimPolicy::Cooperative);
+        assert_eq!(c.headroom, Headroom::Percent(10.0));
+    }
+
+    #[test]
+    fn bad_config_files_are_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("broker.toml");
+        for (text, want) in [
+            ("host-capasity = \"1GiB\"", "unknown setting"),
+            ("host-capacity = ", "config file"),
+            ("host-capacity = \"lots\"", "invalid size"),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let args: Vec<OsString> =
+                vec!["gpu-broker".into(), "--config".into(), path.clone().into()];
+            let e = Config::from_args(args).unwrap_err().to_string();
+            assert!(e.contains(want), "{text:?}: {e}");
+        }
+        let missing: Vec<OsString> = vec![
+            "gpu-broker".into(),
+            "--config".into(),
+            "/nonexistent.toml".into(),
+        ];
+        assert!(Config::from_args(missing).is_err());
+    }
 
     #[test]
     fn parses_flags_with_units() {

@@ -2,7 +2,6 @@
 //! store, the admin token and the devices, bind the listeners, serve until SIGINT/SIGTERM.
 
 use anyhow::Context;
-use clap::Parser;
 use gpu_broker::arbiter::Arbiter;
 use gpu_broker::auth::Authenticator;
 use gpu_broker::backend::{open_devices, open_host_tier, BackendSpec};
@@ -13,7 +12,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> anyhow::Result<()> {
-    let cfg = Config::parse();
+    let cfg = Config::load().unwrap_or_else(|e| e.exit());
     init_logging(cfg.log_json);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -98,6 +98,9 @@ pub async fn serve(
         (ka / 2).max(Duration::from_millis(500))
     };
     let router = tonic::transport::Server::builder()
+        // Every request gets a span named by its method; the services add tenant,
+        // session and lease ids to it.
+        .trace_fn(|req| tracing::info_span!("rpc", method = %req.uri().path()))
         .http2_keepalive_interval(Some(ping))
         .http2_keepalive_timeout(Some(ping))
         .add_service(health)
