@@ -1,3 +1,5 @@
+//! The shortest path through the broker: start, lease, map, release, stop clean.
+
 use gpu_broker_tests::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -358,24 +358,7 @@ impl Arbiter {
                             tracing::error!(alloc = id, error = %e, "freeing an evicted block failed");
                         }
                     }
-                    let a = dev.alloc(bytes)?;
-                    if !dev.fresh_is_zeroed() {
-                        if let Err(e) = dev.scrub(&a) {
-                            let _ = dev.free(a);
-                            return Err(e);
-                        }
-                    }
-                    match dev.export(&a) {
-                        Ok(handle) => Ok(Block {
-                            alloc: a,
-                            handle,
-                            last_tenant: None,
-                        }),
-                        Err(e) => {
-                            let _ = dev.free(a);
-                            Err(e)
-                        }
-                    }
+                    fresh_block(dev, bytes)
                 })
                 .await?
                 .map_err(BrokerError::from),
@@ -509,20 +492,7 @@ impl Arbiter {
             st.ledger.charge_host(&req.tenant, bytes)?;
         }
         let made = host
-            .call(move |dev| {
-                let a = dev.alloc(bytes)?;
-                match dev.export(&a) {
-                    Ok(handle) => Ok(Block {
-                        alloc: a,
-                        handle,
-                        last_tenant: None,
-                    }),
-                    Err(e) => {
-                        let _ = dev.free(a);
-                        Err(e)
-                    }
-                }
-            })
+            .call(move |dev| fresh_block(dev, bytes))
             .await
             .map_err(BrokerError::from)
             .and_then(|r| r.map_err(BrokerError::from));
@@ -582,6 +552,32 @@ impl Arbiter {
                     tracing::error!(error = %e, "freeing a host-fallback block failed");
                 }
             });
+        }
+    }
+}
+
+/// Allocates a block, zeroes it unless the device guarantees fresh memory reads as zeros
+/// (a new `cuMemAlloc` block may hold an earlier owner's bytes), and exports it. Nothing
+/// leaks on failure. Runs on the device thread.
+fn fresh_block(
+    dev: &mut dyn crate::device::Device,
+    bytes: u64,
+) -> Result<Block, crate::device::DeviceError> {
+    let a = dev.alloc(bytes)?;
+    let zeroed = if dev.fresh_is_zeroed() {
+        Ok(())
+    } else {
+        dev.scrub(&a)
+    };
+    match zeroed.and_then(|()| dev.export(&a)) {
+        Ok(handle) => Ok(Block {
+            alloc: a,
+            handle,
+            last_tenant: None,
+        }),
+        Err(e) => {
+            let _ = dev.free(a);
+            Err(e)
         }
     }
 }
