@@ -415,12 +415,19 @@ static STARTED: std::sync::LazyLock<SystemTime> = std::sync::LazyLock::new(Syste
 /// A session id that is not open: `UNAVAILABLE` when it was opened before this broker
 /// started (the broker restarted and its leases are gone: re-open), else `NOT_FOUND`.
 pub(crate) fn session_not_found(id: Uuid) -> BrokerError {
-    let opened = id.get_timestamp().map(|t| {
+    // UUIDv7 timestamps are milliseconds: compare whole milliseconds, so a session opened
+    // in the millisecond the broker started counts as this run's.
+    let ms = |t: SystemTime| {
+        t.duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0)
+    };
+    let opened_ms = id.get_timestamp().map(|t| {
         let (secs, nanos) = t.to_unix();
-        SystemTime::UNIX_EPOCH + Duration::new(secs, nanos)
+        u128::from(secs) * 1000 + u128::from(nanos / 1_000_000)
     });
-    match opened {
-        Some(t) if t < *STARTED => BrokerError::Unavailable(format!(
+    match opened_ms {
+        Some(t) if t < ms(*STARTED) => BrokerError::Unavailable(format!(
             "session {id} belongs to an earlier run of the broker, which restarted; its leases are gone: open a new session"
         )),
         _ => BrokerError::NotFound(format!("session {id} not found")),
