@@ -133,6 +133,7 @@ fn slot(thread: DeviceThread, headroom: Headroom) -> Result<DeviceSlot, BackendE
         "device ready"
     );
     Ok(DeviceSlot {
+        headroom,
         initial_leasable: leasable,
         external_at_start: info.total - info.free,
         thread,

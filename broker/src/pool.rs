@@ -214,8 +214,30 @@ impl Pool {
     /// Returns the cached blocks to free so the broker's holdings fit again.
     pub fn set_leasable(&mut self, leasable: u64) -> Vec<Block> {
         self.leasable = leasable;
-        self.headroom = self.total.saturating_sub(leasable);
         self.evict_to_fit()
+    }
+
+    /// Sets the headroom shown to operators (the configured amount kept free).
+    pub fn set_headroom(&mut self, headroom: u64) {
+        self.headroom = headroom;
+    }
+
+    /// Evicts least recently used cached blocks until at least `bytes` are evicted (or the
+    /// cache is empty): memory to give back to the device for processes outside the broker.
+    pub fn evict_bytes(&mut self, bytes: u64) -> Vec<Block> {
+        let mut out = Vec::new();
+        let mut freed = 0;
+        while freed < bytes {
+            let Some(&seq) = self.lru.keys().next() else {
+                break;
+            };
+            if let Some(b) = self.remove_seq(seq) {
+                freed += b.bytes();
+                self.evictions += 1;
+                out.push(b);
+            }
+        }
+        out
     }
 
     /// Removes every cached block (shutdown).
@@ -408,6 +430,23 @@ mod tests {
         p.unquarantine_to_cache(b);
         assert_eq!(p.available(), 10 * MIB);
         assert_eq!(p.stats().quarantined, 0);
+    }
+
+    #[test]
+    fn evict_bytes_takes_oldest_blocks_until_enough() {
+        let mut p = Pool::new(0, 2 * MIB, 100 * MIB, 100 * MIB);
+        let blocks: Vec<Block> = (1..=3)
+            .map(|id| lease_fresh(&mut p, id, 4 * MIB, "a"))
+            .collect();
+        for b in blocks {
+            p.release_to_cache(b);
+        }
+        let out = p.evict_bytes(6 * MIB);
+        assert_eq!(
+            out.iter().map(|b| b.alloc.id).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert_eq!(p.stats().cached, 4 * MIB);
     }
 
     #[test]

@@ -50,6 +50,12 @@ enum Cmd {
         #[arg(long, value_parser = parse_byte)]
         write: u8,
     },
+    /// Allocate `own` bytes on device 0 without the broker (a process outside it), print
+    /// `READY`, hold until killed.
+    Outside {
+        #[arg(long)]
+        own: u64,
+    },
     /// Lease, fill, unmap, release; print `DONE <handle-hex>`.
     FillRelease {
         #[arg(long)]
@@ -196,6 +202,15 @@ async fn main() -> Result<()> {
         say("OK".into());
         return Ok(());
     }
+    if let Cmd::Outside { own } = &cli.cmd {
+        use gpu_broker::device::Device;
+        let mut dev = gpu_broker::device::cuda::CudaDevice::open(0)?;
+        let _a = dev.alloc(*own)?;
+        say("READY".into());
+        loop {
+            std::thread::park();
+        }
+    }
     let client = Client::connect(&cli.broker, cli.token.clone())
         .await
         .context("connecting")?;
@@ -300,7 +315,7 @@ async fn main() -> Result<()> {
             say(format!("HOSTREG {tier} {not_set}"));
         }
         Cmd::Bench { sizes, iters } => bench(&session, &sizes, iters).await?,
-        Cmd::Open { .. } => unreachable!("handled above"),
+        Cmd::Open { .. } | Cmd::Outside { .. } => unreachable!("handled above"),
     }
     Ok(())
 }

@@ -364,3 +364,47 @@ async fn host_fallback_lease_is_registered_for_zero_copy_gpu_access() {
         "the GPU's writes must land in the host lease"
     );
 }
+
+#[tokio::test]
+async fn memory_taken_outside_the_broker_shrinks_what_it_leases() {
+    if !gpu_or_skip("memory_taken_outside_the_broker_shrinks_what_it_leases") {
+        return;
+    }
+    let (b, admin, token) = setup(&[]).await;
+    let before = admin.get_devices().await.unwrap()[0].clone();
+    let mut w = Worker::spawn(&b, &token, &["outside", "--own", "21474836480"]);
+    assert_eq!(w.line(), vec!["READY"]);
+    let mut during = before.clone();
+    let mut shrunk = false;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < deadline {
+        during = admin.get_devices().await.unwrap()[0].clone();
+        if during.leasable_bytes + (20u64 << 30) <= before.leasable_bytes + (1 << 30) {
+            shrunk = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "leasable {} -> {}, external {} -> {}",
+        before.leasable_bytes,
+        during.leasable_bytes,
+        before.external_used_bytes,
+        during.external_used_bytes
+    );
+    assert!(
+        shrunk,
+        "leasable did not shrink by the 20 GiB another process took"
+    );
+    assert!(during.external_used_bytes >= before.external_used_bytes + (20 << 30));
+    w.kill();
+    let back = eventually(Duration::from_secs(5), || {
+        let admin = admin.clone();
+        async move { admin.get_devices().await.unwrap()[0].leasable_bytes == before.leasable_bytes }
+    })
+    .await;
+    assert!(
+        back,
+        "leasable did not come back after the other process exited"
+    );
+}

@@ -81,6 +81,8 @@ pub struct DeviceSlot {
     pub initial_leasable: u64,
     /// Memory used by others when the broker started.
     pub external_at_start: u64,
+    /// Memory kept free on the device (configured headroom).
+    pub headroom: u64,
 }
 
 /// Memory of an ended lease that a live process may still map.
@@ -144,12 +146,14 @@ impl Arbiter {
         let mut st = State::default();
         for d in &devices {
             let desc = d.thread.desc();
-            st.pools.push(Pool::new(
+            let mut pool = Pool::new(
                 desc.index,
                 desc.granularity,
                 desc.total_bytes,
                 d.initial_leasable,
-            ));
+            );
+            pool.set_headroom(d.headroom);
+            st.pools.push(pool);
         }
         std::sync::LazyLock::force(&STARTED);
         let arb = Arbiter {

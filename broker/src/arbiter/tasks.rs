@@ -82,6 +82,23 @@ impl Arbiter {
                 }
                 self.drain(&mut st);
             }
+            // Keep the headroom free for everyone: when processes outside the broker ate
+            // into it, give cached (unused) blocks back to the device.
+            let pool = &mut st.pools[i];
+            if info.free < slot.headroom && pool.stats().cached > 0 {
+                let short = slot.headroom - info.free;
+                let freed = pool.evict_bytes(short);
+                tracing::warn!(
+                    device = i,
+                    free = info.free,
+                    headroom = slot.headroom,
+                    blocks = freed.len(),
+                    "free memory below the headroom: cached blocks given back to the device"
+                );
+                for b in freed {
+                    self.free_on_device(i as u32, b);
+                }
+            }
         }
     }
 }

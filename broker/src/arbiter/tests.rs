@@ -420,3 +420,125 @@ async fn memory_within_a_guarantee_is_not_reclaimed_for_a_higher_priority() {
         "guaranteed memory was asked back"
     );
 }
+
+/// A device that reports itself as CUDA and whose free memory also drops by what an
+/// "outside process" takes (`outside`), to test the leasable refresh.
+struct OutsideDevice {
+    inner: crate::device::host::HostDevice,
+    desc: crate::device::DeviceDesc,
+    outside: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl crate::device::Device for OutsideDevice {
+    fn desc(&self) -> &crate::device::DeviceDesc {
+        &self.desc
+    }
+    fn mem_info(&mut self) -> Result<crate::device::MemInfo, crate::device::DeviceError> {
+        let m = self.inner.mem_info()?;
+        let taken = self.outside.load(std::sync::atomic::Ordering::SeqCst);
+        Ok(crate::device::MemInfo {
+            free: m.free.saturating_sub(taken),
+            total: m.total,
+        })
+    }
+    fn fresh_is_zeroed(&self) -> bool {
+        true
+    }
+    fn alloc(&mut self, b: u64) -> Result<crate::device::Allocation, crate::device::DeviceError> {
+        self.inner.alloc(b)
+    }
+    fn free(&mut self, a: crate::device::Allocation) -> Result<(), crate::device::DeviceError> {
+        self.inner.free(a)
+    }
+    fn export(
+        &mut self,
+        a: &crate::device::Allocation,
+    ) -> Result<Handle, crate::device::DeviceError> {
+        self.inner.export(a)
+    }
+    fn scrub(&mut self, a: &crate::device::Allocation) -> Result<(), crate::device::DeviceError> {
+        self.inner.scrub(a)
+    }
+    fn read(
+        &mut self,
+        a: &crate::device::Allocation,
+        o: u64,
+        l: usize,
+    ) -> Result<Vec<u8>, crate::device::DeviceError> {
+        self.inner.read(a, o, l)
+    }
+    fn write(
+        &mut self,
+        a: &crate::device::Allocation,
+        o: u64,
+        d: &[u8],
+    ) -> Result<(), crate::device::DeviceError> {
+        self.inner.write(a, o, d)
+    }
+}
+
+#[tokio::test]
+async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() {
+    use crate::device::thread::DeviceThread;
+    let dir = tempfile::tempdir().unwrap();
+    let outside = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (o, d) = (outside.clone(), dir.path().to_path_buf());
+    let thread = DeviceThread::spawn("fake-cuda".into(), move || {
+        let inner = crate::device::host::HostDevice::new(0, 64 * MIB, &d)?;
+        let desc = crate::device::DeviceDesc {
+            backend: crate::device::BackendKind::Cuda,
+            ..crate::device::Device::desc(&inner).clone()
+        };
+        Ok(Box::new(OutsideDevice {
+            inner,
+            desc,
+            outside: o,
+        }) as Box<dyn crate::device::Device>)
+    })
+    .unwrap();
+    let slot = DeviceSlot {
+        thread,
+        initial_leasable: 56 * MIB,
+        external_at_start: 0,
+        headroom: 8 * MIB,
+    };
+    let arb = Arbiter::new(
+        vec![slot],
+        None,
+        None,
+        Arc::new(Authenticator::new("x")),
+        ArbiterConfig::default(),
+    )
+    .unwrap();
+    arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let (s, _rx) = arb.open_session("a", "w", Peer::default()).unwrap();
+    let l = arb.acquire(req("a", s, 16 * MIB)).await.unwrap();
+    arb.release("a", l.id).unwrap();
+    // Another process takes 40 MiB: 8 MiB stay free (= headroom), the broker may now
+    // hand out only 56 - 40 = 16 MiB, which its cached block still fits in.
+    outside.store(40 * MIB, std::sync::atomic::Ordering::SeqCst);
+    arb.refresh_leasable().await;
+    let dev = &arb.devices().await[0];
+    assert_eq!(
+        (dev.leasable, dev.cached, dev.external_used),
+        (16 * MIB, 16 * MIB, 40 * MIB),
+        "{dev:?}"
+    );
+    assert_eq!(dev.headroom, 8 * MIB);
+    assert!(matches!(
+        arb.acquire(req("a", s, 18 * MIB)).await,
+        Err(BrokerError::ResourceExhausted(_))
+    ));
+    // It takes 4 MiB more, eating into the headroom: the unused cached block goes back.
+    outside.store(44 * MIB, std::sync::atomic::Ordering::SeqCst);
+    arb.refresh_leasable().await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let dev = &arb.devices().await[0];
+    assert_eq!((dev.leasable, dev.cached), (12 * MIB, 0), "{dev:?}");
+    assert_eq!(dev.free, 20 * MIB, "the block was freed on the device");
+    // They give it all back: leasable grows again.
+    outside.store(0, std::sync::atomic::Ordering::SeqCst);
+    arb.refresh_leasable().await;
+    assert_eq!(arb.devices().await[0].leasable, 56 * MIB);
+    arb.acquire(req("a", s, 40 * MIB)).await.unwrap();
+}
