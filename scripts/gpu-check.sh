@@ -14,6 +14,7 @@
 #   3. a Python worker (CuPy + PyTorch) maps a lease and a Rust worker sees its bytes
 #   4. the lease benchmark: AcquireLease (fresh, pooled) vs in-process cuMemAlloc +
 #      cuIpcGetMemHandle for 1 MiB, 64 MiB, 1 GiB, in the same run
+#   5. gpu-broker-bench latency and throughput against the CUDA broker
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ build() {
     t=$(cargo test --release -p gpu-broker-tests --test gpu --no-run --message-format=json 2>/dev/null | grep '"executable":"' | exe_of gpu)
     [[ -n "$t" ]] || { echo "cannot find the gpu test executable" >&2; exit 1; }
     cp -f "$t" "$OUT/deps/gpu-test"
-    for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
+    for b in gpu-broker gpu-brokerctl gpu-worker gpu-broker-bench; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
     cp -f "$(ls -t "$TARGET"/release/build/gpu-broker-proto-*/out/gpubroker_descriptor.bin | head -n1)" "$OUT/gpubroker_descriptor.bin"
     strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/gpu-worker "$OUT"/deps/gpu-test 2>/dev/null || true
     scripts/gpu-conformance.sh build >/dev/null
@@ -67,6 +68,11 @@ run() {
     token=$("${ctl[@]}" tokens issue bench 2>/dev/null)
     "$OUT/gpu-worker" --broker "unix://$dir/b.sock" --token "$token" bench --sizes 1MiB,64MiB,1GiB --iters 30
     "${ctl[@]}" devices
+    echo "=== 5. gpu-broker-bench against the CUDA broker (pooled latency, 32-worker throughput) ==="
+    "$OUT/gpu-broker-bench" --broker "unix://$dir/b.sock" --admin-token-file "$dir/state/admin.token" \
+        --client-threads 1 latency --sizes 2MiB,64MiB,1GiB
+    "$OUT/gpu-broker-bench" --broker "unix://$dir/b.sock" --admin-token-file "$dir/state/admin.token" \
+        throughput --workers 32 --duration 5s
     kill -TERM "$pid"; wait "$pid" || { echo "broker exit status $?"; cat "$dir/broker.log"; exit 1; }
     if grep -q "OUT_OF_MEMORY" "$dir/broker.log"; then echo "CUDA OOM in the broker log"; exit 1; fi
     echo "=== all GPU checks passed in $((SECONDS - t0)) s ==="
