@@ -7,6 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
+/// Growth of memory used outside the broker below this is noise (driver bookkeeping,
+/// the broker's own context growing), not a neighbour: 64 MiB, or 1/1024 of a small device.
+fn outside_noise(total: u64) -> u64 {
+    (64u64 << 20).min(total / 1024)
+}
+
 impl Arbiter {
     /// Starts the background loops; they end when `stop` is cancelled.
     pub fn spawn_background(self: &Arc<Self>, stop: CancellationToken) {
@@ -68,8 +74,14 @@ impl Arbiter {
             let pool = &mut st.pools[i];
             let held = pool.held_on_device();
             let external = info.total.saturating_sub(info.free).saturating_sub(held);
-            let grown = external.saturating_sub(slot.external_at_start);
-            let leasable = slot.initial_leasable.saturating_sub(grown);
+            // Ignore small drift (driver bookkeeping, the broker's own context growing):
+            // the headroom covers it, and the leasable amount does not flap.
+            let mut grown = external.saturating_sub(slot.external_at_start);
+            if grown < outside_noise(info.total) {
+                grown = 0;
+            }
+            let gran = pool.granularity();
+            let leasable = slot.initial_leasable.saturating_sub(grown) / gran * gran;
             if leasable != pool.leasable() {
                 tracing::warn!(
                     device = i,

@@ -542,3 +542,62 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     assert_eq!(arb.devices().await[0].leasable, 56 * MIB);
     arb.acquire(req("a", s, 40 * MIB)).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_background_refresh_follows_outside_memory_both_ways() {
+    use crate::device::thread::DeviceThread;
+    let dir = tempfile::tempdir().unwrap();
+    let outside = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (o, d) = (outside.clone(), dir.path().to_path_buf());
+    let thread = DeviceThread::spawn("fake-cuda".into(), move || {
+        let inner = crate::device::host::HostDevice::new(0, 64 * MIB, &d)?;
+        let desc = crate::device::DeviceDesc {
+            backend: crate::device::BackendKind::Cuda,
+            ..crate::device::Device::desc(&inner).clone()
+        };
+        Ok(Box::new(OutsideDevice {
+            inner,
+            desc,
+            outside: o,
+        }) as Box<dyn crate::device::Device>)
+    })
+    .unwrap();
+    let slot = DeviceSlot {
+        thread,
+        initial_leasable: 56 * MIB,
+        external_at_start: 0,
+        headroom: 8 * MIB,
+    };
+    let cfg = ArbiterConfig {
+        refresh_interval: Duration::from_millis(50),
+        ..ArbiterConfig::default()
+    };
+    let arb = Arbiter::new(
+        vec![slot],
+        None,
+        None,
+        Arc::new(Authenticator::new("x")),
+        cfg,
+    )
+    .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    arb.spawn_background(stop.clone());
+    for (taken, want) in [
+        (20 * MIB, 36 * MIB),
+        (0, 56 * MIB),
+        (30 * MIB, 26 * MIB),
+        (0, 56 * MIB),
+    ] {
+        outside.store(taken, std::sync::atomic::Ordering::SeqCst);
+        let mut got = 0;
+        for _ in 0..100 {
+            got = arb.devices().await[0].leasable;
+            if got == want {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(got, want, "after another process took {taken}");
+    }
+    stop.cancel();
+}
