@@ -171,6 +171,22 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_OWN_ALLOC_ALLOWANCE", default_value = "1GiB", value_parser = parse_size)]
     pub own_alloc_allowance: u64,
 
+    /// Most open sessions per tenant.
+    #[arg(
+        long,
+        env = "GPU_BROKER_MAX_SESSIONS_PER_TENANT",
+        default_value_t = 1024
+    )]
+    pub max_sessions_per_tenant: usize,
+
+    /// Most requests of one tenant waiting in the queue at once.
+    #[arg(
+        long,
+        env = "GPU_BROKER_MAX_WAITING_PER_TENANT",
+        default_value_t = 1024
+    )]
+    pub max_waiting_per_tenant: usize,
+
     /// Log as JSON lines instead of text.
     #[arg(long, env = "GPU_BROKER_LOG_JSON")]
     pub log_json: bool,
@@ -233,6 +249,8 @@ impl Config {
             keepalive_timeout: self.keepalive_timeout,
             reclaim_policy: self.reclaim_policy,
             quarantine_timeout: self.quarantine_timeout,
+            max_sessions_per_tenant: self.max_sessions_per_tenant,
+            max_waiting_per_tenant: self.max_waiting_per_tenant,
             ..ArbiterConfig::default()
         }
     }

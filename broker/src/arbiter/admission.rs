@@ -164,6 +164,17 @@ impl Arbiter {
             label: req.label.clone(),
             reclaimable: req.reclaimable,
         };
+        let waiting = st
+            .queue
+            .iter()
+            .filter(|w| w.ask.tenant == req.tenant)
+            .count();
+        if waiting >= self.cfg.max_waiting_per_tenant {
+            return Err(BrokerError::ResourceExhausted(format!(
+                "tenant {:?} already has {waiting} requests waiting, the most allowed (--max-waiting-per-tenant)",
+                req.tenant
+            )));
+        }
         let (tx, rx) = oneshot::channel();
         let id = st.queue.push(ask, priority, tx);
         self.drain(&mut st);

@@ -57,6 +57,10 @@ pub struct ArbiterConfig {
     pub quarantine_timeout: Duration,
     /// Longest wait a request may ask for.
     pub max_wait: Duration,
+    /// Most open sessions per tenant (a runaway worker cannot exhaust the broker).
+    pub max_sessions_per_tenant: usize,
+    /// Most requests of one tenant waiting in the queue at once.
+    pub max_waiting_per_tenant: usize,
     /// How often device memory is re-read to follow processes outside the broker.
     pub refresh_interval: Duration,
 }
@@ -69,6 +73,8 @@ impl Default for ArbiterConfig {
             reclaim_policy: ReclaimPolicy::Cooperative,
             quarantine_timeout: Duration::from_secs(300),
             max_wait: Duration::from_secs(3600),
+            max_sessions_per_tenant: 1024,
+            max_waiting_per_tenant: 1024,
             refresh_interval: Duration::from_secs(1),
         }
     }
@@ -228,6 +234,12 @@ impl Arbiter {
             if st.ledger.get(tenant).is_none() {
                 return Err(BrokerError::NotFound(format!(
                     "tenant {tenant:?} no longer exists"
+                )));
+            }
+            let open = st.sessions.count_of(tenant);
+            if open >= self.cfg.max_sessions_per_tenant {
+                return Err(BrokerError::ResourceExhausted(format!(
+                    "tenant {tenant:?} has {open} open sessions, the most allowed (--max-sessions-per-tenant)"
                 )));
             }
             st.sessions.insert(Session {

@@ -601,3 +601,40 @@ async fn the_background_refresh_follows_outside_memory_both_ways() {
     }
     stop.cancel();
 }
+
+#[tokio::test]
+async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
+    let cfg = ArbiterConfig {
+        max_sessions_per_tenant: 2,
+        max_waiting_per_tenant: 2,
+        ..ArbiterConfig::default()
+    };
+    let f = fixture(4 * MIB, 1, cfg);
+    let s = f.tenant("a", quota(64 * MIB));
+    f.arb.open_session("a", "2", Peer::default()).unwrap();
+    assert!(matches!(
+        f.arb.open_session("a", "3", Peer::default()),
+        Err(BrokerError::ResourceExhausted(_))
+    ));
+    let _l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    let mut waiters = Vec::new();
+    for _ in 0..2 {
+        let arb = f.arb.clone();
+        waiters.push(tokio::spawn(async move {
+            let mut r = req("a", s, 2 * MIB);
+            r.wait = Duration::from_secs(2);
+            arb.acquire(r).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(f.arb.devices().await[0].waiting, 2);
+    let mut r = req("a", s, 2 * MIB);
+    r.wait = Duration::from_secs(2);
+    match f.arb.acquire(r).await {
+        Err(BrokerError::ResourceExhausted(m)) => assert!(m.contains("waiting"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    for w in waiters {
+        w.abort();
+    }
+}
