@@ -187,6 +187,15 @@ pub struct Config {
     )]
     pub max_waiting_per_tenant: usize,
 
+    /// How long a compute turn may last while others wait before its holder is asked to
+    /// yield.
+    #[arg(long, env = "GPU_BROKER_TURN_QUANTUM", default_value = "100ms", value_parser = parse_duration)]
+    pub turn_quantum: Duration,
+
+    /// How long after a yield request a compute turn is taken away.
+    #[arg(long, env = "GPU_BROKER_TURN_GRACE", default_value = "100ms", value_parser = parse_duration)]
+    pub turn_grace: Duration,
+
     /// Log as JSON lines instead of text.
     #[arg(long, env = "GPU_BROKER_LOG_JSON")]
     pub log_json: bool,
@@ -251,6 +260,10 @@ impl Config {
             quarantine_timeout: self.quarantine_timeout,
             max_sessions_per_tenant: self.max_sessions_per_tenant,
             max_waiting_per_tenant: self.max_waiting_per_tenant,
+            turns: crate::scheduler::TurnConfig {
+                quantum: self.turn_quantum,
+                grace: self.turn_grace,
+            },
             ..ArbiterConfig::default()
         }
     }

@@ -21,6 +21,8 @@ pub struct Quota {
     pub guaranteed_bytes: u64,
     /// Most host-fallback bytes held at once.
     pub host_limit_bytes: u64,
+    /// Share of compute turns relative to other tenants (0 counts as 1).
+    pub turn_weight: u32,
 }
 
 /// Live counters of one tenant.

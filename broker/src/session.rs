@@ -36,6 +36,18 @@ pub enum SessionEvent {
         reason: String,
         grace: Duration,
     },
+    /// The compute turn is past its quantum and others wait: release it by `deadline`.
+    YieldRequested {
+        turn_id: Uuid,
+        device: u32,
+        deadline: SystemTime,
+    },
+    /// The compute turn was taken away (held past quantum + grace while others waited).
+    TurnRevoked {
+        turn_id: Uuid,
+        device: u32,
+        reason: String,
+    },
 }
 
 /// A connected worker.

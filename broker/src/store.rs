@@ -66,6 +66,9 @@ pub struct TenantRecord {
     pub priority: i32,
     pub guaranteed_bytes: u64,
     pub host_limit_bytes: u64,
+    /// Compute-turn weight (absent in files written before turns existed: 0 = 1).
+    #[serde(default)]
+    pub turn_weight: u32,
 }
 
 /// An API token, as persisted: only the hash of the secret is stored.
@@ -638,7 +641,15 @@ mod tests {
             priority: -3,
             guaranteed_bytes: limit / 2,
             host_limit_bytes: u64::MAX,
+            turn_weight: 3,
         }
+    }
+
+    #[test]
+    fn records_written_before_turn_weights_still_load() {
+        let old = r#"{"name":"a","limit_bytes":1,"max_leases":0,"priority":0,"guaranteed_bytes":0,"host_limit_bytes":0}"#;
+        let t: TenantRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(t.turn_weight, 0);
     }
 
     fn token(id: &str, tenant: &str) -> TokenRecord {

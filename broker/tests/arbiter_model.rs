@@ -95,6 +95,7 @@ fn quota_strategy() -> impl Strategy<Value = Quota> {
                 (limit / 100 * g_pct) / GRAN * GRAN
             },
             host_limit_bytes: 0,
+            turn_weight: 1,
         })
 }
 

@@ -37,6 +37,10 @@ pub struct DeviceInfo {
     pub lease_count: u32,
     /// Requests waiting for this device.
     pub waiting_requests: u32,
+    /// Tenant holding the compute turn ("" when free).
+    pub turn_holder: String,
+    /// Requests waiting for the compute turn.
+    pub turns_waiting: u32,
 }
 
 impl From<pb::DeviceInfo> for DeviceInfo {
@@ -56,6 +60,8 @@ impl From<pb::DeviceInfo> for DeviceInfo {
             granularity_bytes: d.granularity_bytes,
             lease_count: d.lease_count,
             waiting_requests: d.waiting_requests,
+            turn_holder: d.turn_holder,
+            turns_waiting: d.turns_waiting,
         }
     }
 }

@@ -61,6 +61,25 @@ pub enum SessionEvent {
         /// How long the broker waits before ending sessions.
         grace: Duration,
     },
+    /// Your compute turn is past its quantum and others wait: release it before
+    /// `deadline` or it is taken.
+    YieldRequested {
+        /// The turn.
+        turn_id: String,
+        /// Its device.
+        device: u32,
+        /// When the broker takes it.
+        deadline: SystemTime,
+    },
+    /// Your compute turn was taken (held past quantum + grace while others waited).
+    TurnRevoked {
+        /// The turn.
+        turn_id: String,
+        /// Its device.
+        device: u32,
+        /// Why.
+        reason: String,
+    },
     /// (Reconnecting sessions only.) The session stream broke or ended: the broker has
     /// ended (or lost, if it died) the session `session_id` and every lease it held.
     /// The client is re-opening a session with backoff; `Reconnected` follows on
@@ -113,6 +132,16 @@ impl SessionEvent {
             Event::ShuttingDown(s) => Some(SessionEvent::ShuttingDown {
                 reason: s.reason,
                 grace: Duration::from_millis(s.grace_ms),
+            }),
+            Event::YieldRequested(y) => Some(SessionEvent::YieldRequested {
+                turn_id: y.turn_id,
+                device: y.device,
+                deadline: unix_ms(y.deadline_unix_ms),
+            }),
+            Event::TurnRevoked(t) => Some(SessionEvent::TurnRevoked {
+                turn_id: t.turn_id,
+                device: t.device,
+                reason: t.reason,
             }),
             Event::Opened(_) | Event::Heartbeat(_) => None,
         }

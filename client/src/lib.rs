@@ -74,6 +74,7 @@ pub mod session;
 pub mod table;
 pub mod tenant;
 pub mod token;
+pub mod turn;
 pub mod units;
 
 /// The generated gRPC types and clients, for what this crate does not wrap.
@@ -90,3 +91,4 @@ pub use reconnect::Backoff;
 pub use session::{Session, SessionBuilder, SessionInfo};
 pub use tenant::{QuotaSpec, TenantInfo, Usage, UsageCounters};
 pub use token::{IssuedToken, TokenInfo};
+pub use turn::{Turn, TurnEnd, TurnRequest};

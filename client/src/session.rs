@@ -539,6 +539,11 @@ impl Session {
         LeaseRequest::new(self, bytes)
     }
 
+    /// A compute-turn request on `device`: `.wait(d).await` gives a [`crate::Turn`].
+    pub fn turn(&self, device: u32) -> crate::turn::TurnRequest<'_> {
+        crate::turn::TurnRequest::new(self, device)
+    }
+
     /// Every lease of this session's tenant (`ListLeases`).
     pub async fn list_leases(&self) -> Result<Vec<LeaseInfo>, ClientError> {
         self.inner.client.list_leases().await

@@ -20,6 +20,9 @@ pub struct QuotaSpec {
     pub guaranteed_bytes: u64,
     /// Most host-fallback bytes at once (0: no host fallback).
     pub host_limit_bytes: u64,
+    /// Share of compute turns relative to other tenants (0 counts as 1).
+    #[serde(default)]
+    pub turn_weight: u32,
 }
 
 impl QuotaSpec {
@@ -40,6 +43,7 @@ impl From<pb::Quota> for QuotaSpec {
             priority: q.priority,
             guaranteed_bytes: q.guaranteed_bytes,
             host_limit_bytes: q.host_limit_bytes,
+            turn_weight: q.turn_weight,
         }
     }
 }
@@ -52,6 +56,7 @@ impl From<QuotaSpec> for pb::Quota {
             priority: q.priority,
             guaranteed_bytes: q.guaranteed_bytes,
             host_limit_bytes: q.host_limit_bytes,
+            turn_weight: q.turn_weight,
         }
     }
 }
@@ -73,6 +78,15 @@ pub struct UsageCounters {
     pub session_count: u32,
     /// Requests now waiting in a queue.
     pub waiting_requests: u32,
+    /// Compute turns that ended.
+    #[serde(default)]
+    pub turns: u64,
+    /// Total time those turns were held, in milliseconds.
+    #[serde(default)]
+    pub compute_ms: u64,
+    /// Time held past the quantum while others waited, in milliseconds.
+    #[serde(default)]
+    pub overrun_ms: u64,
 }
 
 impl From<pb::Usage> for UsageCounters {
@@ -85,6 +99,9 @@ impl From<pb::Usage> for UsageCounters {
             host_held_bytes: u.host_held_bytes,
             session_count: u.session_count,
             waiting_requests: u.waiting_requests,
+            turns: u.turns,
+            compute_ms: u.compute_ms,
+            overrun_ms: u.overrun_ms,
         }
     }
 }
@@ -142,6 +159,14 @@ pub struct Usage {
     pub session_count: u32,
     /// See [`UsageCounters::waiting_requests`].
     pub waiting_requests: u32,
+    /// See [`QuotaSpec::turn_weight`].
+    pub turn_weight: u32,
+    /// See [`UsageCounters::turns`].
+    pub turns: u64,
+    /// See [`UsageCounters::compute_ms`].
+    pub compute_ms: u64,
+    /// See [`UsageCounters::overrun_ms`].
+    pub overrun_ms: u64,
 }
 
 impl Usage {
@@ -153,6 +178,7 @@ impl Usage {
             priority: self.priority,
             guaranteed_bytes: self.guaranteed_bytes,
             host_limit_bytes: self.host_limit_bytes,
+            turn_weight: self.turn_weight,
         }
     }
 
@@ -166,6 +192,9 @@ impl Usage {
             host_held_bytes: self.host_held_bytes,
             session_count: self.session_count,
             waiting_requests: self.waiting_requests,
+            turns: self.turns,
+            compute_ms: self.compute_ms,
+            overrun_ms: self.overrun_ms,
         }
     }
 
@@ -193,6 +222,10 @@ impl From<pb::GetUsageResponse> for Usage {
             host_held_bytes: u.host_held_bytes,
             session_count: u.session_count,
             waiting_requests: u.waiting_requests,
+            turn_weight: q.turn_weight,
+            turns: u.turns,
+            compute_ms: u.compute_ms,
+            overrun_ms: u.overrun_ms,
         }
     }
 }
@@ -211,6 +244,7 @@ mod tests {
                 priority: -2,
                 guaranteed_bytes: 40,
                 host_limit_bytes: 7,
+                turn_weight: 0,
             }),
             usage: Some(pb::Usage {
                 held_bytes: 60,
@@ -227,7 +261,8 @@ mod tests {
                 max_leases: 3,
                 priority: -2,
                 guaranteed_bytes: 40,
-                host_limit_bytes: 7
+                host_limit_bytes: 7,
+                turn_weight: 0
             }
         );
         assert_eq!(u.counters().held_bytes, 60);

@@ -282,6 +282,24 @@ impl Broker for Fake {
         *st.keepalives.entry(id).or_default() += 1;
         Ok(Response::new(pb::KeepaliveResponse {}))
     }
+
+    async fn acquire_turn(
+        &self,
+        _req: Request<pb::AcquireTurnRequest>,
+    ) -> Result<Response<pb::AcquireTurnResponse>, Status> {
+        Err(Status::unimplemented(
+            "the fake broker has no compute turns",
+        ))
+    }
+
+    async fn release_turn(
+        &self,
+        _req: Request<pb::ReleaseTurnRequest>,
+    ) -> Result<Response<pb::ReleaseTurnResponse>, Status> {
+        Err(Status::unimplemented(
+            "the fake broker has no compute turns",
+        ))
+    }
 }
 
 #[tonic::async_trait]
@@ -811,6 +829,7 @@ async fn admin_calls() {
         priority: 2,
         guaranteed_bytes: 1 << 30,
         host_limit_bytes: 0,
+        turn_weight: 0,
     };
     let info = admin.set_quota("a", quota).await.unwrap();
     assert_eq!((info.name.as_str(), info.quota), ("a", quota));

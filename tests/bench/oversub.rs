@@ -192,6 +192,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
                         priority: p,
                         guaranteed_bytes: guarantee,
                         host_limit_bytes: 0,
+                        turn_weight: 0,
                     },
                 )
                 .await?;

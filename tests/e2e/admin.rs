@@ -24,6 +24,7 @@ async fn quotas_tenants_and_tokens() {
             priority: 2,
             guaranteed_bytes: 0,
             host_limit_bytes: 0,
+            turn_weight: 0,
         }),
     };
     let r = raw.set_quota(q(64 * MIB)).await.unwrap().into_inner();

@@ -16,4 +16,5 @@ mod quota;
 mod scrub;
 mod shutdown;
 mod smoke;
+mod turns;
 mod waiting;

@@ -17,6 +17,7 @@ fn qs(
         priority,
         guaranteed_bytes: guaranteed_mib * MIB,
         host_limit_bytes: host_mib * MIB,
+        turn_weight: 0,
     }
 }
 

@@ -23,6 +23,7 @@ pub struct TenantView {
     pub sessions: u32,
     pub waiting: u32,
     pub tokens: u32,
+    pub turns: crate::scheduler::TurnUsage,
 }
 
 /// A session as operators see it.
@@ -57,6 +58,9 @@ pub struct DeviceReport {
     pub granularity: u64,
     pub lease_count: u32,
     pub waiting: u32,
+    /// Tenant holding the compute turn.
+    pub turn_holder: Option<String>,
+    pub turns_waiting: u32,
 }
 
 pub fn unix_ms_of(t: SystemTime) -> i64 {
@@ -105,6 +109,7 @@ impl Arbiter {
             sessions: st.sessions.count_of(&t.name) as u32,
             waiting: st.queue.iter().filter(|w| w.ask.tenant == t.name).count() as u32,
             tokens: self.auth.count(&t.name) as u32,
+            turns: self.scheduler.usage(&t.name),
         }
     }
 
@@ -303,6 +308,7 @@ impl Arbiter {
                 Ok(Ok(m)) => m.free,
                 _ => 0,
             };
+            let (turn_holder, turns_waiting) = self.scheduler.device_state(i as u32);
             let st = self.state.lock();
             let p = &st.pools[i];
             let s = p.stats();
@@ -326,6 +332,8 @@ impl Arbiter {
                     .iter()
                     .filter(|w| w.ask.device.is_none_or(|d| d == i as u32))
                     .count() as u32,
+                turn_holder,
+                turns_waiting,
             });
         }
         out
@@ -339,6 +347,7 @@ fn quota_of(t: &TenantRecord) -> Quota {
         priority: t.priority,
         guaranteed_bytes: t.guaranteed_bytes,
         host_limit_bytes: t.host_limit_bytes,
+        turn_weight: t.turn_weight,
     }
 }
 
@@ -350,5 +359,6 @@ fn record_of(name: &str, q: &Quota) -> TenantRecord {
         priority: q.priority,
         guaranteed_bytes: q.guaranteed_bytes,
         host_limit_bytes: q.host_limit_bytes,
+        turn_weight: q.turn_weight,
     }
 }

@@ -160,6 +160,7 @@ impl Arbiter {
         for w in st.queue.remove_session(id) {
             let _ = w.reply.send(Err(super::session_not_found(id)));
         }
+        self.scheduler.end_session(id);
         let mut bytes = 0;
         let count = session.leases.len();
         for lease in &session.leases {

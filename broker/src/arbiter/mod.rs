@@ -14,6 +14,7 @@ mod admission;
 mod ending;
 pub mod queue;
 mod tasks;
+mod turns;
 
 pub use admin::{unix_ms_of, DeviceReport, SessionView, TenantView};
 
@@ -63,6 +64,8 @@ pub struct ArbiterConfig {
     pub max_waiting_per_tenant: usize,
     /// How often device memory is re-read to follow processes outside the broker.
     pub refresh_interval: Duration,
+    /// Quantum and grace of compute turns.
+    pub turns: crate::scheduler::TurnConfig,
 }
 
 impl Default for ArbiterConfig {
@@ -76,6 +79,7 @@ impl Default for ArbiterConfig {
             max_sessions_per_tenant: 1024,
             max_waiting_per_tenant: 1024,
             refresh_interval: Duration::from_secs(1),
+            turns: crate::scheduler::TurnConfig::default(),
         }
     }
 }
@@ -134,6 +138,8 @@ pub struct Arbiter {
     pub(crate) store: Option<Store>,
     pub(crate) auth: Arc<Authenticator>,
     pub(crate) cfg: ArbiterConfig,
+    /// Compute turns (time-slicing); separate from memory, with its own lock.
+    pub(crate) scheduler: crate::scheduler::Scheduler,
     draining: AtomicBool,
 }
 
@@ -162,7 +168,9 @@ impl Arbiter {
             st.pools.push(pool);
         }
         std::sync::LazyLock::force(&STARTED);
+        let scheduler = crate::scheduler::Scheduler::new(devices.len(), cfg.turns);
         let arb = Arbiter {
+            scheduler,
             state: Mutex::new(st),
             devices,
             host_tier,

@@ -19,13 +19,15 @@ impl Arbiter {
         let me = self.clone();
         let s = stop.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            // Fine enough for compute-turn quanta of tens of milliseconds.
+            let mut tick = tokio::time::interval(Duration::from_millis(20));
             let mut last_reap = Instant::now();
             loop {
                 tokio::select! {
                     _ = s.cancelled() => return,
                     _ = tick.tick() => {}
                 }
+                me.scheduler.tick();
                 me.enforce_reclaim_deadlines();
                 if last_reap.elapsed() >= Duration::from_millis(500) {
                     last_reap = Instant::now();

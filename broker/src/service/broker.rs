@@ -144,6 +144,40 @@ impl Broker for BrokerService {
         }))
     }
 
+    async fn acquire_turn(
+        &self,
+        req: Request<pb::AcquireTurnRequest>,
+    ) -> Result<Response<pb::AcquireTurnResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let r = req.into_inner();
+        let session = parse_id("session_id", &r.session_id)?;
+        let span = tracing::info_span!("turn", %tenant, %session, device = r.device);
+        let wait = Duration::from_millis(r.wait_ms.unwrap_or(0));
+        let grant = self
+            .arb
+            .acquire_turn(&tenant, session, r.device, wait)
+            .instrument(span)
+            .await?;
+        Ok(Response::new(pb::AcquireTurnResponse {
+            turn_id: grant.turn_id.to_string(),
+            device: grant.device,
+            quantum_ms: grant.quantum.as_millis() as u64,
+        }))
+    }
+
+    async fn release_turn(
+        &self,
+        req: Request<pb::ReleaseTurnRequest>,
+    ) -> Result<Response<pb::ReleaseTurnResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let id = parse_id("turn_id", &req.get_ref().turn_id)?;
+        let end = self.arb.release_turn(&tenant, id)?;
+        Ok(Response::new(pb::ReleaseTurnResponse {
+            held_ms: end.held.as_millis() as u64,
+            overrun_ms: end.overrun.as_millis() as u64,
+        }))
+    }
+
     async fn keepalive(
         &self,
         req: Request<pb::KeepaliveRequest>,

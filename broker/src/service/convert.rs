@@ -58,6 +58,7 @@ pub fn quota_from(q: Option<pb::Quota>) -> Result<Quota, BrokerError> {
         priority: q.priority,
         guaranteed_bytes: q.guaranteed_bytes,
         host_limit_bytes: q.host_limit_bytes,
+        turn_weight: q.turn_weight,
     })
 }
 
@@ -68,6 +69,7 @@ pub fn quota(q: &Quota) -> pb::Quota {
         priority: q.priority,
         guaranteed_bytes: q.guaranteed_bytes,
         host_limit_bytes: q.host_limit_bytes,
+        turn_weight: q.turn_weight,
     }
 }
 
@@ -80,6 +82,9 @@ pub fn usage(u: &Usage, t: &TenantView) -> pb::Usage {
         host_held_bytes: u.host_held_bytes,
         session_count: t.sessions,
         waiting_requests: t.waiting,
+        turns: t.turns.turns,
+        compute_ms: t.turns.compute.as_millis() as u64,
+        overrun_ms: t.turns.overrun.as_millis() as u64,
     }
 }
 
@@ -134,6 +139,8 @@ pub fn device(d: &DeviceReport) -> pb::DeviceInfo {
         granularity_bytes: d.granularity,
         lease_count: d.lease_count,
         waiting_requests: d.waiting,
+        turn_holder: d.turn_holder.clone().unwrap_or_default(),
+        turns_waiting: d.turns_waiting,
     }
 }
 

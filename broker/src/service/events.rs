@@ -78,6 +78,24 @@ fn to_proto(e: SessionEvent) -> pb::SessionEvent {
             reason,
             grace_ms: grace.as_millis() as u64,
         }),
+        SessionEvent::YieldRequested {
+            turn_id,
+            device,
+            deadline,
+        } => Event::YieldRequested(pb::YieldRequested {
+            turn_id: turn_id.to_string(),
+            device,
+            deadline_unix_ms: super::convert::unix_ms(deadline),
+        }),
+        SessionEvent::TurnRevoked {
+            turn_id,
+            device,
+            reason,
+        } => Event::TurnRevoked(pb::TurnRevoked {
+            turn_id: turn_id.to_string(),
+            device,
+            reason,
+        }),
     };
     pb::SessionEvent { event: Some(event) }
 }

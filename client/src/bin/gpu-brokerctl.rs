@@ -127,6 +127,9 @@ enum QuotaCommand {
         /// Most host-fallback memory (0: no host fallback).
         #[arg(long, value_parser = parse_bytes, default_value = "0")]
         host_limit: u64,
+        /// Share of compute turns relative to other tenants.
+        #[arg(long, default_value_t = 1)]
+        turn_weight: u32,
     },
     /// Show a tenant's quota and usage.
     Get {
@@ -269,6 +272,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                     priority,
                     guaranteed,
                     host_limit,
+                    turn_weight,
                 },
         } => {
             let quota = QuotaSpec {
@@ -277,6 +281,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                 priority,
                 guaranteed_bytes: guaranteed,
                 host_limit_bytes: host_limit,
+                turn_weight,
             };
             let info = admin.set_quota(&tenant, quota).await?;
             emit(json, &info, || tenant_table(std::slice::from_ref(&info)))
@@ -519,6 +524,7 @@ fn device_table(devices: &[DeviceInfo]) -> String {
         "GRANULARITY",
         "LEASES",
         "WAITING",
+        "TURN",
     ])
     .right(&[0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
     for d in devices {
@@ -537,6 +543,11 @@ fn device_table(devices: &[DeviceInfo]) -> String {
             format_bytes(d.granularity_bytes),
             d.lease_count.to_string(),
             d.waiting_requests.to_string(),
+            if d.turn_holder.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{} (+{} waiting)", d.turn_holder, d.turns_waiting)
+            },
         ]);
     }
     t.render()
@@ -586,6 +597,7 @@ mod tests {
                         priority,
                         guaranteed,
                         host_limit,
+                        ..
                     },
             } => {
                 assert_eq!(tenant, "team-a");
