@@ -386,8 +386,11 @@ fn tenant_table(tenants: &[TenantInfo]) -> String {
         "SESSIONS",
         "WAITING",
         "TOKENS",
+        "TURNS",
+        "COMPUTE",
+        "OVERRUN",
     ])
-    .right(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
+    .right(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]);
     for i in tenants {
         let (q, u) = (&i.quota, &i.usage);
         t.row([
@@ -405,6 +408,9 @@ fn tenant_table(tenants: &[TenantInfo]) -> String {
             u.session_count.to_string(),
             u.waiting_requests.to_string(),
             i.token_count.to_string(),
+            u.turns.to_string(),
+            format!("{} ms", u.compute_ms),
+            format!("{} ms", u.overrun_ms),
         ]);
     }
     t.render()
