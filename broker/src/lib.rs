@@ -18,6 +18,7 @@ pub mod lease;
 pub mod ledger;
 pub mod metrics;
 pub mod pool;
+pub mod process;
 pub mod scheduler;
 pub mod server;
 pub mod service;

@@ -80,12 +80,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     if arb.backend_is_cuda() {
         if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {
-            tokio::spawn(watch_processes(
-                arb.clone(),
-                monitor,
-                cfg.own_alloc_allowance,
-                shutdown.clone(),
-            ));
+            arb.spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());
         }
     }
     let s = shutdown.clone();
@@ -106,26 +101,6 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     .await?;
     let _ = std::fs::remove_file(&cfg.socket);
     Ok(())
-}
-
-/// Every 2 s, attributes per-process GPU memory (NVML) to sessions.
-async fn watch_processes(
-    arb: Arc<Arbiter>,
-    monitor: gpu_broker::gpu_processes::ProcessMonitor,
-    allowance: u64,
-    stop: CancellationToken,
-) {
-    let monitor = Arc::new(monitor);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
-        }
-        let m = monitor.clone();
-        if let Ok(usage) = tokio::task::spawn_blocking(move || m.usage_by_pid()).await {
-            arb.apply_process_usage(&usage, allowance);
-        }
-    }
 }
 
 async fn wait_for_signal() {

@@ -140,7 +140,7 @@ impl Pool {
         crate::units::round_up(bytes, self.granularity)
     }
 
-    /// Is there an exact-size cached block, preferably one `tenant` used last?
+    /// Is there a cached block of exactly `bytes` (a grant from it needs no allocation)?
     pub fn has_cached(&self, bytes: u64) -> bool {
         self.by_size.get(&bytes).is_some_and(|s| !s.is_empty())
     }

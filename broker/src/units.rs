@@ -1,4 +1,5 @@
-//! Byte sizes: rounding to a granularity and printing human units in messages.
+//! Units: byte sizes (rounding to a granularity, human units in messages) and wall-clock
+//! times as milliseconds since the Unix epoch (what the API carries).
 
 /// Rounds `bytes` up to a multiple of `granularity` (a power of two); `None` on overflow.
 pub fn round_up(bytes: u64, granularity: u64) -> Option<u64> {
@@ -24,6 +25,13 @@ pub fn parse(s: &str) -> Result<u64, String> {
         .map_err(|e| format!("invalid size {s:?}: {e}"))
 }
 
+/// Milliseconds since the Unix epoch (0 for times before it).
+pub fn unix_ms(t: std::time::SystemTime) -> i64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -43,6 +51,13 @@ mod tests {
         assert_eq!(parse("512MiB").unwrap(), 512 << 20);
         assert_eq!(parse("1048576").unwrap(), 1 << 20);
         assert!(parse("lots").is_err());
+    }
+
+    #[test]
+    fn unix_ms_counts_from_the_epoch() {
+        use std::time::{Duration, UNIX_EPOCH};
+        assert_eq!(unix_ms(UNIX_EPOCH + Duration::from_millis(1234)), 1234);
+        assert_eq!(unix_ms(UNIX_EPOCH - Duration::from_secs(1)), 0);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! revocation past the grace, fair hand-over, usage accounting, and errors.
 
 use futures::StreamExt;
-use gpu_broker_client::{Code, SessionEvent};
+use gpu_broker_client::{Code, Session, SessionEvent};
 use gpu_broker_tests::*;
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,16 @@ fn broker() -> Broker {
         ..BrokerOpts::default()
     })
     .unwrap()
+}
+
+/// A broker with two tenants, "a" and "c", and a session of each.
+async fn two_tenants() -> (Broker, Session, Session) {
+    let b = broker();
+    let a = b.client("a", 64 * MIB).await.unwrap();
+    let c = b.client("c", 64 * MIB).await.unwrap();
+    let sa = a.session("a").await.unwrap();
+    let sc = c.session("c").await.unwrap();
+    (b, sa, sc)
 }
 
 async fn next_turn_event(events: &mut gpu_broker_client::SessionEvents) -> SessionEvent {
@@ -36,11 +46,7 @@ async fn next_turn_event(events: &mut gpu_broker_client::SessionEvents) -> Sessi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_asked_to_yield_hands_the_turn_over() {
-    let b = broker();
-    let a = b.client("a", 64 * MIB).await.unwrap();
-    let c = b.client("c", 64 * MIB).await.unwrap();
-    let sa = a.session("a").await.unwrap();
-    let sc = c.session("c").await.unwrap();
+    let (b, sa, sc) = two_tenants().await;
     let mut ea = sa.events();
     let turn = sa.turn(0).await.unwrap();
     assert_eq!(turn.quantum(), Duration::from_millis(100));
@@ -79,11 +85,7 @@ async fn a_holder_asked_to_yield_hands_the_turn_over() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_that_ignores_the_yield_loses_the_turn() {
-    let b = broker();
-    let a = b.client("a", 64 * MIB).await.unwrap();
-    let c = b.client("c", 64 * MIB).await.unwrap();
-    let sa = a.session("a").await.unwrap();
-    let sc = c.session("c").await.unwrap();
+    let (_b, sa, sc) = two_tenants().await;
     let mut ea = sa.events();
     let turn = sa.turn(0).await.unwrap();
     let t0 = Instant::now();
@@ -111,11 +113,7 @@ async fn a_holder_that_ignores_the_yield_loses_the_turn() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ended_session_gives_its_turn_to_the_next() {
-    let b = broker();
-    let a = b.client("a", 64 * MIB).await.unwrap();
-    let c = b.client("c", 64 * MIB).await.unwrap();
-    let sa = a.session("a").await.unwrap();
-    let sc = c.session("c").await.unwrap();
+    let (_b, sa, sc) = two_tenants().await;
     let turn = sa.turn(0).await.unwrap();
     std::mem::forget(turn); // the holder never releases: only its session ends
     let waiter = tokio::spawn(async move {
@@ -133,18 +131,14 @@ async fn an_ended_session_gives_its_turn_to_the_next() {
 
 #[tokio::test]
 async fn turn_requests_get_precise_statuses() {
-    let b = broker();
-    let a = b.client("a", 64 * MIB).await.unwrap();
-    let c = b.client("c", 64 * MIB).await.unwrap();
-    let sa = a.session("a").await.unwrap();
-    let sc = c.session("c").await.unwrap();
+    let (_b, sa, sc) = two_tenants().await;
     assert_eq!(sa.turn(7).await.unwrap_err().code(), Code::InvalidArgument);
     let turn = sa.turn(0).await.unwrap();
     assert_eq!(
         sa.turn(0).await.unwrap_err().code(),
         Code::FailedPrecondition
     );
-    let mut raw = c.raw();
+    let mut raw = sc.client().raw();
     let other = raw
         .release_turn(gpu_broker_client::proto::v1::ReleaseTurnRequest {
             turn_id: turn.id().to_string(),

@@ -329,3 +329,31 @@ pub mod raw {
         }
     }
 }
+
+/// A broker on a 64 MiB simulated device with `extra` flags.
+pub fn broker_64mib(extra: &[&str]) -> Broker {
+    Broker::start_with(BrokerOpts {
+        capacity: "64MiB",
+        extra: extra.iter().map(|s| s.to_string()).collect(),
+        ..BrokerOpts::default()
+    })
+    .expect("start broker")
+}
+
+/// A session of the tenant whose token is `token`.
+pub async fn session_of(b: &Broker, token: String, name: &str) -> gpu_broker_client::Session {
+    let c = gpu_broker_client::Client::connect(&b.uri(), token)
+        .await
+        .expect("connect");
+    c.session(name).await.expect("session")
+}
+
+/// Asks for `bytes`, waiting up to `wait`, on a task.
+pub fn spawn_lease(
+    s: &gpu_broker_client::Session,
+    bytes: u64,
+    wait: Duration,
+) -> tokio::task::JoinHandle<Result<gpu_broker_client::Lease, gpu_broker_client::ClientError>> {
+    let s = s.clone();
+    tokio::spawn(async move { s.lease_request(bytes).wait(wait).send().await })
+}

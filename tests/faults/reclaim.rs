@@ -32,8 +32,7 @@ async fn reclaim_asks_lowest_priority_newest_first_only_as_needed() {
     let dev = &admin.get_devices().await.unwrap()[0];
     assert_eq!(dev.leased_bytes, 64 * MIB, "the device is full");
 
-    let hc = Client::connect(&b.uri(), high).await.unwrap();
-    let hs = hc.session("high").await.unwrap();
+    let hs = session_of(&b, high, "high").await;
     let t0 = Instant::now();
     let h1 = hs
         .lease_request(16 * MIB)
@@ -103,18 +102,12 @@ async fn reclaim_asks_lowest_priority_newest_first_only_as_needed() {
 
 #[tokio::test]
 async fn ignored_reclaim_is_revoked_and_quarantined_until_the_holder_exits() {
-    let b = Broker::start_with(BrokerOpts {
-        capacity: "64MiB",
-        extra: vec!["--reclaim-deadline".into(), "300ms".into()],
-        ..BrokerOpts::default()
-    })
-    .unwrap();
+    let b = broker_64mib(&["--reclaim-deadline", "300ms"]);
     let admin = b.admin().await.unwrap();
     let low = b.tenant("low", quota(64 * MIB, 0, 0)).await.unwrap();
     let high = b.tenant("high", quota(64 * MIB, 0, 10)).await.unwrap();
     let mut lowh = holder(&b, &low, &["--count", "4", "--mib", "16", "--reclaimable"]).await;
-    let hc = Client::connect(&b.uri(), high).await.unwrap();
-    let hs = hc.session("high").await.unwrap();
+    let hs = session_of(&b, high, "high").await;
     let waiter = {
         let hs = hs.clone();
         tokio::spawn(async move {
@@ -194,33 +187,19 @@ async fn ignored_reclaim_is_revoked_and_quarantined_until_the_holder_exits() {
 
 #[tokio::test]
 async fn terminate_policy_kills_the_holder_and_grants() {
-    let b = Broker::start_with(BrokerOpts {
-        capacity: "64MiB",
-        extra: vec![
-            "--reclaim-deadline".into(),
-            "300ms".into(),
-            "--reclaim-policy".into(),
-            "terminate".into(),
-        ],
-        ..BrokerOpts::default()
-    })
-    .unwrap();
+    let b = broker_64mib(&[
+        "--reclaim-deadline",
+        "300ms",
+        "--reclaim-policy",
+        "terminate",
+    ]);
     let admin = b.admin().await.unwrap();
     let low = b.tenant("low", quota(64 * MIB, 0, 0)).await.unwrap();
     let high = b.tenant("high", quota(64 * MIB, 0, 10)).await.unwrap();
     let mut lowh = holder(&b, &low, &["--count", "4", "--mib", "16", "--reclaimable"]).await;
-    let hc = Client::connect(&b.uri(), high).await.unwrap();
-    let hs = hc.session("high").await.unwrap();
+    let hs = session_of(&b, high, "high").await;
     let t0 = Instant::now();
-    let waiter = {
-        let hs = hs.clone();
-        tokio::spawn(async move {
-            hs.lease_request(16 * MIB)
-                .wait(Duration::from_secs(20))
-                .send()
-                .await
-        })
-    };
+    let waiter = spawn_lease(&hs, 16 * MIB, Duration::from_secs(20));
     let status = lowh.proc.wait(Duration::from_secs(10)).await.unwrap();
     assert_eq!(
         status.signal(),
@@ -322,8 +301,7 @@ async fn reclaim_happens_when_the_free_memory_is_kept_for_a_guarantee() {
     let dev = &admin.get_devices().await.unwrap()[0];
     assert_eq!(dev.leased_bytes, 64 * MIB);
 
-    let hc = Client::connect(&b.uri(), high).await.unwrap();
-    let hs = hc.session("high").await.unwrap();
+    let hs = session_of(&b, high, "high").await;
     let t0 = Instant::now();
     let r = hs
         .lease_request(16 * MIB)
@@ -353,27 +331,13 @@ async fn reclaim_happens_when_the_free_memory_is_kept_for_a_guarantee() {
 /// revoking more of its leases cannot free memory for anyone ("only as much as needed").
 #[tokio::test]
 async fn ignored_reclaim_revokes_only_what_is_needed() {
-    let b = Broker::start_with(BrokerOpts {
-        capacity: "64MiB",
-        extra: vec!["--reclaim-deadline".into(), "300ms".into()],
-        ..BrokerOpts::default()
-    })
-    .unwrap();
+    let b = broker_64mib(&["--reclaim-deadline", "300ms"]);
     let admin = b.admin().await.unwrap();
     let low = b.tenant("low", quota(64 * MIB, 0, 0)).await.unwrap();
     let high = b.tenant("high", quota(64 * MIB, 0, 10)).await.unwrap();
     let mut lowh = holder(&b, &low, &["--count", "4", "--mib", "16", "--reclaimable"]).await;
-    let hc = Client::connect(&b.uri(), high).await.unwrap();
-    let hs = hc.session("high").await.unwrap();
-    let waiter = {
-        let hs = hs.clone();
-        tokio::spawn(async move {
-            hs.lease_request(16 * MIB)
-                .wait(Duration::from_secs(8))
-                .send()
-                .await
-        })
-    };
+    let hs = session_of(&b, high, "high").await;
+    let waiter = spawn_lease(&hs, 16 * MIB, Duration::from_secs(8));
     // HIGH waits for 16 MiB for 3.5 s (about 10 reclaim deadlines).
     let evs = events_for(&mut lowh.proc, Duration::from_millis(3500)).await;
     let revoked = ids(&evs, "revoked");
@@ -403,12 +367,7 @@ async fn ignored_reclaim_revokes_only_what_is_needed() {
 /// holder is ever asked back while the quarantine lasts.
 #[tokio::test]
 async fn a_stuck_quarantine_does_not_stop_reclaim_from_others() {
-    let b = Broker::start_with(BrokerOpts {
-        capacity: "64MiB",
-        extra: vec!["--reclaim-deadline".into(), "300ms".into()],
-        ..BrokerOpts::default()
-    })
-    .unwrap();
+    let b = broker_64mib(&["--reclaim-deadline", "300ms"]);
     let admin = b.admin().await.unwrap();
     let stuck = b.tenant("stuck", quota(64 * MIB, 0, 0)).await.unwrap();
     let coop = b.tenant("coop", quota(64 * MIB, 0, 0)).await.unwrap();
@@ -432,8 +391,7 @@ async fn a_stuck_quarantine_does_not_stop_reclaim_from_others() {
         (48 * MIB, 16 * MIB)
     );
 
-    let hc = Client::connect(&b.uri(), high).await.unwrap();
-    let hs = hc.session("high").await.unwrap();
+    let hs = session_of(&b, high, "high").await;
     let t0 = Instant::now();
     let r = hs
         .lease_request(16 * MIB)

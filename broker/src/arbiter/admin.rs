@@ -10,7 +10,7 @@ use crate::ledger::{validate_tenant_name, Ledger, Quota, Tenant, Usage};
 use crate::store::{StoreError, TenantRecord, TokenRecord};
 use crate::units::show;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 use uuid::Uuid;
 
 /// A tenant with its live usage.
@@ -61,12 +61,6 @@ pub struct DeviceReport {
     /// Tenant holding the compute turn.
     pub turn_holder: Option<String>,
     pub turns_waiting: u32,
-}
-
-pub fn unix_ms_of(t: SystemTime) -> i64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 fn store_err(e: StoreError) -> BrokerError {
@@ -212,7 +206,7 @@ impl Arbiter {
             token_id: token_id(&hash),
             tenant: tenant.to_string(),
             description: description.to_string(),
-            created_unix_ms: unix_ms_of(SystemTime::now()),
+            created_unix_ms: crate::units::unix_ms(SystemTime::now()),
             hash,
         };
         if let Some(store) = &self.store {

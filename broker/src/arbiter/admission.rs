@@ -225,7 +225,8 @@ impl Arbiter {
         Ok(())
     }
 
-    fn candidates(&self, device: Option<u32>) -> Vec<u32> {
+    /// Devices a request may use: the one it named, or all.
+    pub(crate) fn candidates(&self, device: Option<u32>) -> Vec<u32> {
         match device {
             Some(d) => vec![d],
             None => (0..self.devices.len() as u32).collect(),
@@ -339,7 +340,7 @@ impl Arbiter {
     }
 
     /// Does the device work a reservation needs: scrub a reused block of another tenant,
-    /// or free evicted blocks then allocate, zero (if needed) and export a fresh one.
+    /// or allocate, zero (if needed) and export a fresh one.
     async fn materialize(&self, d: u32, bytes: u64, source: Source) -> BrokerResult<Block> {
         let thread = &self.devices[d as usize].thread;
         match source {
@@ -361,16 +362,9 @@ impl Arbiter {
                     }
                 }
             }
-            Source::Fresh { evicted } => thread
-                .call(move |dev| {
-                    for b in evicted {
-                        let id = b.alloc.id;
-                        if let Err(e) = dev.free(b.alloc) {
-                            tracing::error!(alloc = id, error = %e, "freeing an evicted block failed");
-                        }
-                    }
-                    fresh_block(dev, bytes)
-                })
+            // Evicted blocks were already queued for freeing by `grant`, in order.
+            Source::Fresh { .. } => thread
+                .call(move |dev| fresh_block(dev, bytes))
                 .await?
                 .map_err(BrokerError::from),
         }

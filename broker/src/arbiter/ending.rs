@@ -8,7 +8,8 @@ use crate::device::BackendKind;
 use crate::error::BrokerResult;
 use crate::lease::{LeaseState, LeaseView};
 use crate::ledger::Tier;
-use crate::session::{process_alive, Peer, SessionEvent};
+use crate::process::process_alive;
+use crate::session::{Peer, SessionEvent};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use uuid::Uuid;
@@ -109,7 +110,7 @@ impl Arbiter {
         rt.spawn(async move {
             let destroy = match pid {
                 Some(pid) => {
-                    crate::session::wait_for_exit(pid).await;
+                    crate::process::wait_for_exit(pid).await;
                     false
                 }
                 None => {
@@ -232,7 +233,7 @@ impl Arbiter {
             return;
         }
         let within_guarantee = st.ledger.within_guarantee(&ask.tenant, ask.bytes);
-        let devices = self.candidates_of(ask.device);
+        let devices = self.candidates(ask.device);
         // Free for this tenant: unpromised memory minus what is kept for others' guarantees.
         let node_free = st
             .pools
@@ -369,12 +370,5 @@ impl Arbiter {
             }
         }
         self.drain(&mut st);
-    }
-
-    fn candidates_of(&self, device: Option<u32>) -> Vec<u32> {
-        match device {
-            Some(d) => vec![d],
-            None => (0..self.devices.len() as u32).collect(),
-        }
     }
 }

@@ -16,7 +16,7 @@ pub mod queue;
 mod tasks;
 mod turns;
 
-pub use admin::{unix_ms_of, DeviceReport, SessionView, TenantView};
+pub use admin::{DeviceReport, SessionView, TenantView};
 
 use crate::auth::Authenticator;
 use crate::device::thread::DeviceThread;
@@ -265,7 +265,7 @@ impl Arbiter {
         if let Some(pid) = peer.pid {
             let me = Arc::downgrade(self);
             tokio::spawn(async move {
-                crate::session::wait_for_exit(pid).await;
+                crate::process::wait_for_exit(pid).await;
                 if let Some(arb) = me.upgrade() {
                     arb.end_session(id, "peer process exited");
                 }

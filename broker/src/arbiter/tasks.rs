@@ -1,6 +1,7 @@
 //! Background loops of the arbiter, stopped by a cancellation token: the keepalive reaper
-//! (idle sessions end), reclaim deadlines (late holders are revoked), and the leasable
-//! refresh (memory taken by processes outside the broker shrinks what it hands out).
+//! (idle sessions end), reclaim deadlines (late holders are revoked), compute-turn
+//! quanta, the leasable refresh (memory taken by processes outside the broker shrinks what
+//! it hands out), and the NVML process watch (GPU memory per session).
 
 use super::Arbiter;
 use std::sync::Arc;
@@ -45,6 +46,30 @@ impl Arbiter {
                     _ = tick.tick() => {}
                 }
                 me.refresh_leasable().await;
+            }
+        });
+    }
+
+    /// Every 2 s, attributes per-process GPU memory (NVML) to sessions and reports
+    /// workers that allocate beyond `allowance` on their own; ends when `stop` is cancelled.
+    pub fn spawn_process_watch(
+        self: &Arc<Self>,
+        monitor: crate::gpu_processes::ProcessMonitor,
+        allowance: u64,
+        stop: CancellationToken,
+    ) {
+        let me = self.clone();
+        let monitor = Arc::new(monitor);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+                }
+                let m = monitor.clone();
+                if let Ok(usage) = tokio::task::spawn_blocking(move || m.usage_by_pid()).await {
+                    me.apply_process_usage(&usage, allowance);
+                }
             }
         });
     }

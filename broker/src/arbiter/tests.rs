@@ -477,8 +477,15 @@ impl crate::device::Device for OutsideDevice {
     }
 }
 
-#[tokio::test]
-async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() {
+/// An arbiter over one fake CUDA device of 64 MiB (8 MiB headroom, 56 MiB leasable) whose
+/// free memory also drops by what the returned counter says another process took.
+fn outside_fixture(
+    cfg: ArbiterConfig,
+) -> (
+    Arc<Arbiter>,
+    Arc<std::sync::atomic::AtomicU64>,
+    tempfile::TempDir,
+) {
     use crate::device::thread::DeviceThread;
     let dir = tempfile::tempdir().unwrap();
     let outside = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -507,9 +514,15 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
         None,
         None,
         Arc::new(Authenticator::new("x")),
-        ArbiterConfig::default(),
+        cfg,
     )
     .unwrap();
+    (arb, outside, dir)
+}
+
+#[tokio::test]
+async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() {
+    let (arb, outside, _dir) = outside_fixture(ArbiterConfig::default());
     arb.set_quota("a", quota(64 * MIB)).unwrap();
     let (s, _rx) = arb.open_session("a", "w", Peer::default()).unwrap();
     let l = arb.acquire(req("a", s, 16 * MIB)).await.unwrap();
@@ -545,41 +558,11 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_background_refresh_follows_outside_memory_both_ways() {
-    use crate::device::thread::DeviceThread;
-    let dir = tempfile::tempdir().unwrap();
-    let outside = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let (o, d) = (outside.clone(), dir.path().to_path_buf());
-    let thread = DeviceThread::spawn("fake-cuda".into(), move || {
-        let inner = crate::device::host::HostDevice::new(0, 64 * MIB, &d)?;
-        let desc = crate::device::DeviceDesc {
-            backend: crate::device::BackendKind::Cuda,
-            ..crate::device::Device::desc(&inner).clone()
-        };
-        Ok(Box::new(OutsideDevice {
-            inner,
-            desc,
-            outside: o,
-        }) as Box<dyn crate::device::Device>)
-    })
-    .unwrap();
-    let slot = DeviceSlot {
-        thread,
-        initial_leasable: 56 * MIB,
-        external_at_start: 0,
-        headroom: 8 * MIB,
-    };
     let cfg = ArbiterConfig {
         refresh_interval: Duration::from_millis(50),
         ..ArbiterConfig::default()
     };
-    let arb = Arbiter::new(
-        vec![slot],
-        None,
-        None,
-        Arc::new(Authenticator::new("x")),
-        cfg,
-    )
-    .unwrap();
+    let (arb, outside, _dir) = outside_fixture(cfg);
     let stop = tokio_util::sync::CancellationToken::new();
     arb.spawn_background(stop.clone());
     for (taken, want) in [

@@ -219,7 +219,7 @@ fn remove_stale_files(dir: &Path) {
             continue;
         };
         if pid != std::process::id()
-            && !crate::session::process_alive(pid)
+            && !crate::process::process_alive(pid)
             && std::fs::remove_file(e.path()).is_ok()
         {
             tracing::info!(path = %e.path().display(), "removed a block file left by a dead broker");

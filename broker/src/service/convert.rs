@@ -10,7 +10,7 @@ use gpu_broker_proto::v1 as pb;
 use std::time::SystemTime;
 use uuid::Uuid;
 
-pub(crate) use crate::arbiter::unix_ms_of as unix_ms;
+pub(crate) use crate::units::unix_ms;
 
 /// Parses a UUID field, naming the field in the error.
 pub fn parse_id(field: &str, s: &str) -> Result<Uuid, BrokerError> {
