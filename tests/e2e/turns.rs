@@ -133,6 +133,12 @@ async fn an_ended_session_gives_its_turn_to_the_next() {
 async fn turn_requests_get_precise_statuses() {
     let (_b, sa, sc) = two_tenants().await;
     assert_eq!(sa.turn(7).await.unwrap_err().code(), Code::InvalidArgument);
+    let absurd = sa.turn(0).wait(Duration::from_secs(10_000_000)).await;
+    assert_eq!(
+        absurd.unwrap_err().code(),
+        Code::InvalidArgument,
+        "absurd wait"
+    );
     let turn = sa.turn(0).await.unwrap();
     assert_eq!(
         sa.turn(0).await.unwrap_err().code(),
