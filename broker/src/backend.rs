@@ -20,6 +20,9 @@ pub struct BackendSpec {
     pub host_devices: u32,
     pub host_shm_dir: PathBuf,
     pub headroom: Headroom,
+    /// Seed of the host devices' synthetic UUIDs (the broker passes its state directory,
+    /// so they survive restarts); `None`: a fresh identity each start.
+    pub host_uuid_seed: Option<String>,
 }
 
 /// Why devices could not be opened.
@@ -66,7 +69,12 @@ pub fn open_devices(spec: &BackendSpec) -> Result<Vec<DeviceSlot>, BackendError>
     let threads = if use_cuda {
         open_cuda(spec.cuda_devices.as_deref())?
     } else {
-        open_host(spec.host_devices, spec.host_capacity, &spec.host_shm_dir)?
+        open_host(
+            spec.host_devices,
+            spec.host_capacity,
+            &spec.host_shm_dir,
+            spec.host_uuid_seed.as_deref(),
+        )?
     };
     if threads.is_empty() {
         return Err(BackendError::NoDevices);
@@ -77,12 +85,23 @@ pub fn open_devices(spec: &BackendSpec) -> Result<Vec<DeviceSlot>, BackendError>
         .collect()
 }
 
-fn open_host(count: u32, capacity: u64, dir: &Path) -> Result<Vec<DeviceThread>, BackendError> {
+fn open_host(
+    count: u32,
+    capacity: u64,
+    dir: &Path,
+    seed: Option<&str>,
+) -> Result<Vec<DeviceThread>, BackendError> {
     (0..count)
         .map(|i| {
             let dir = dir.to_path_buf();
+            let seed = seed.map(str::to_string);
             DeviceThread::spawn(format!("device-host-{i}"), move || {
-                Ok(Box::new(HostDevice::new(i, capacity, &dir)?) as Box<dyn Device>)
+                let dev = HostDevice::new(i, capacity, &dir)?;
+                let dev = match seed {
+                    Some(s) => dev.with_uuid_seed(&s),
+                    None => dev,
+                };
+                Ok(Box::new(dev) as Box<dyn Device>)
             })
             .map_err(|source| BackendError::Open { index: i, source })
         })
@@ -125,6 +144,7 @@ fn slot(thread: DeviceThread, headroom: Headroom) -> Result<DeviceSlot, BackendE
     tracing::info!(
         device = index,
         name = %thread.desc().name,
+        uuid = %thread.desc().uuid,
         backend = %thread.desc().backend,
         total = info.total,
         free = info.free,

@@ -50,6 +50,12 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         host_devices: cfg.host_devices,
         host_shm_dir: cfg.host_shm_dir.clone(),
         headroom: cfg.headroom,
+        host_uuid_seed: Some(
+            std::fs::canonicalize(&cfg.state_dir)
+                .unwrap_or_else(|_| cfg.state_dir.clone())
+                .to_string_lossy()
+                .into_owned(),
+        ),
     };
     let devices = open_devices(&spec).context("opening devices")?;
     let host_tier = open_host_tier(cfg.host_fallback_capacity, &cfg.host_shm_dir)

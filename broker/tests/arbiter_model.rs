@@ -315,6 +315,7 @@ impl Harness {
             host_devices: ndev,
             host_shm_dir: dir.path().to_path_buf(),
             headroom: Headroom::Bytes(headroom_mib * MIB),
+            host_uuid_seed: None,
         };
         let devices = open_devices(&spec).expect("host devices");
         let arb = Arbiter::new(

@@ -41,6 +41,11 @@ pub struct DeviceInfo {
     pub turn_holder: String,
     /// Requests waiting for the compute turn.
     pub turns_waiting: u32,
+    /// Stable identity: `GPU-<uuid>` (as `nvidia-smi` prints it) or `HOST-<uuid>` for a
+    /// simulated device. Empty from a broker that predates it.
+    pub uuid: String,
+    /// Product name (e.g. `NVIDIA H200`).
+    pub model: String,
 }
 
 impl From<pb::DeviceInfo> for DeviceInfo {
@@ -62,6 +67,8 @@ impl From<pb::DeviceInfo> for DeviceInfo {
             waiting_requests: d.waiting_requests,
             turn_holder: d.turn_holder,
             turns_waiting: d.turns_waiting,
+            uuid: d.uuid,
+            model: d.model,
         }
     }
 }

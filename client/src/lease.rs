@@ -202,6 +202,9 @@ pub struct LeaseInfo {
     pub borrowed: bool,
     /// How to map the memory.
     pub handle: LeaseHandle,
+    /// UUID of the device (`GPU-...` / `HOST-...`; empty for host-fallback memory or an
+    /// older broker).
+    pub device_uuid: String,
 }
 
 impl LeaseInfo {
@@ -234,6 +237,7 @@ impl From<pb::Lease> for LeaseInfo {
             created_unix_ms: l.created_unix_ms,
             reclaimable: l.reclaimable,
             borrowed: l.borrowed,
+            device_uuid: l.device_uuid,
         }
     }
 }
@@ -277,6 +281,13 @@ impl Lease {
     /// Device index the memory lives on.
     pub fn device(&self) -> u32 {
         self.info.device
+    }
+
+    /// UUID of the device the memory lives on (`GPU-...`; empty for host-fallback memory).
+    /// Unlike the index, it names the same card in every process, whatever its
+    /// `CUDA_VISIBLE_DEVICES`.
+    pub fn device_uuid(&self) -> &str {
+        &self.info.device_uuid
     }
 
     /// Granted size in bytes (the request rounded up to the allocation granularity).

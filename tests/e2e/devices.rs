@@ -157,3 +157,53 @@ async fn worker_process_pinned_to_device_one() {
     let status = bad.wait(Duration::from_secs(5)).await.unwrap();
     assert_eq!(status.code(), Some(2));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_have_stable_uuids_shown_in_leases() {
+    let mut b = Broker::start_with(BrokerOpts {
+        devices: 2,
+        capacity: "64MiB",
+        ..Default::default()
+    })
+    .unwrap();
+    let d = devices(&b).await.unwrap();
+    let uuids: Vec<String> = d.iter().map(|d| d.uuid.clone()).collect();
+    assert!(uuids.iter().all(|u| u.starts_with("HOST-")), "{uuids:?}");
+    assert_ne!(uuids[0], uuids[1]);
+    assert!(d.iter().all(|d| d.model == "host simulation"), "{d:?}");
+
+    let c = b.client("alice", GIB).await.unwrap();
+    let s = c.session("s").await.unwrap();
+    let l = s.lease_request(2 * MIB).device(1).send().await.unwrap();
+    assert_eq!(l.device_uuid(), uuids[1]);
+    let listed = b
+        .admin()
+        .await
+        .unwrap()
+        .list_all_leases(None)
+        .await
+        .unwrap();
+    assert_eq!(listed[0].device_uuid, uuids[1]);
+    drop(l);
+    drop(s);
+    drop(c);
+
+    // Same state directory after a restart: same identities.
+    b.stop(Duration::from_secs(10)).unwrap();
+    b.spawn().unwrap();
+    let again: Vec<String> = devices(&b)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.uuid)
+        .collect();
+    assert_eq!(again, uuids);
+    // Another broker (another state directory): other identities.
+    let other = Broker::start_with(BrokerOpts {
+        devices: 1,
+        capacity: "64MiB",
+        ..Default::default()
+    })
+    .unwrap();
+    assert_ne!(devices(&other).await.unwrap()[0].uuid, uuids[0]);
+}

@@ -46,6 +46,9 @@ pub struct SessionView {
 pub struct DeviceReport {
     pub index: u32,
     pub name: String,
+    /// `GPU-<uuid>` / `HOST-<uuid>` (see `DeviceDesc::uuid`).
+    pub uuid: String,
+    pub model: String,
     pub backend: String,
     pub total: u64,
     pub free: u64,
@@ -292,6 +295,14 @@ impl Arbiter {
         self.get_tenant(tenant)
     }
 
+    /// The UUID of device `index` ("" for an index the broker does not serve).
+    pub fn device_uuid(&self, index: u32) -> String {
+        self.devices
+            .get(index as usize)
+            .map(|d| d.thread.desc().uuid.clone())
+            .unwrap_or_default()
+    }
+
     /// Every device with its memory picture. Reads each device's free memory.
     pub async fn devices(&self) -> Vec<DeviceReport> {
         let mut out = Vec::new();
@@ -310,6 +321,8 @@ impl Arbiter {
             out.push(DeviceReport {
                 index: i as u32,
                 name: desc.name,
+                uuid: desc.uuid,
+                model: desc.model,
                 backend: desc.backend.to_string(),
                 total: desc.total_bytes,
                 free,

@@ -23,6 +23,7 @@ fn fixture(capacity: u64, devices: u32, cfg: ArbiterConfig) -> Fixture {
         host_devices: devices,
         host_shm_dir: dir.path().to_path_buf(),
         headroom: Headroom::Bytes(0),
+        host_uuid_seed: None,
     };
     let slots = open_devices(&spec).unwrap();
     let arb = Arbiter::new(slots, None, None, Arc::new(Authenticator::new("x")), cfg).unwrap();

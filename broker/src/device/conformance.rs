@@ -64,6 +64,17 @@ fn describes_itself(dev: &mut dyn Device) {
         d.granularity
     );
     assert_eq!(dev.capacity(), d.total_bytes);
+    // Identity: `GPU-`/`HOST-` and a hyphenated UUID, and a model name.
+    let parsed = d
+        .uuid
+        .split_once('-')
+        .map(|(kind, rest)| (kind, uuid::Uuid::parse_str(rest)));
+    assert!(
+        matches!(parsed, Some(("GPU" | "HOST", Ok(_)))),
+        "uuid {:?} must be GPU-<uuid> or HOST-<uuid>",
+        d.uuid
+    );
+    assert!(!d.model.is_empty(), "model must be set");
     let m = dev.mem_info().expect("mem_info");
     assert!(m.free <= m.total, "free {} > total {}", m.free, m.total);
     assert_eq!(m.total, d.total_bytes, "mem_info total != desc total");

@@ -165,6 +165,13 @@ impl CudaDevice {
         })?;
         let name = name_from_buf(&name_buf);
 
+        let mut raw_uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: valid out pointer to a 16-byte CUuuid, valid device.
+        check("cuDeviceGetUuid_v2", unsafe {
+            sys::cuDeviceGetUuid_v2(&mut raw_uuid, dev)
+        })?;
+        let uuid = format_gpu_uuid(&raw_uuid.bytes.map(|b| b as u8));
+
         let mut total: usize = 0;
         // SAFETY: valid out pointer, valid device.
         check("cuDeviceTotalMem", unsafe {
@@ -180,7 +187,9 @@ impl CudaDevice {
         let mut this = CudaDevice {
             desc: DeviceDesc {
                 index: ordinal,
+                model: name.clone(),
                 name,
+                uuid,
                 backend: BackendKind::Cuda,
                 total_bytes: total as u64,
                 granularity: CUDA_GRANULARITY,
@@ -216,6 +225,7 @@ impl CudaDevice {
         tracing::info!(
             device = ordinal,
             name = %this.desc.name,
+            uuid = %this.desc.uuid,
             total_bytes = this.desc.total_bytes,
             "opened CUDA device"
         );
@@ -259,6 +269,11 @@ impl CudaDevice {
             0
         }
     }
+}
+
+/// The driver's 16 UUID bytes as `nvidia-smi` prints them (`GPU-xxxxxxxx-xxxx-...`).
+pub(crate) fn format_gpu_uuid(bytes: &[u8; 16]) -> String {
+    format!("GPU-{}", uuid::Uuid::from_bytes(*bytes).hyphenated())
 }
 
 /// The device name from the driver's NUL-terminated buffer.
@@ -503,6 +518,17 @@ mod tests {
         }
         assert_eq!(name_from_buf(&buf), "NVIDIA H200");
         assert_eq!(name_from_buf(&[0 as c_char; 4]), "");
+    }
+
+    #[test]
+    fn gpu_uuids_print_like_nvidia_smi() {
+        let mut b = [0u8; 16];
+        b[0] = 0x8a;
+        b[15] = 0x01;
+        assert_eq!(
+            format_gpu_uuid(&b),
+            "GPU-8a000000-0000-0000-0000-000000000001"
+        );
     }
 
     #[test]

@@ -17,6 +17,29 @@ use std::path::{Path, PathBuf};
 /// Granularity of the simulated device: 2 MiB, as the GPU's.
 pub const HOST_GRANULARITY: u64 = 2 << 20;
 
+/// The `model` of every simulated device.
+pub const HOST_MODEL: &str = "host simulation";
+
+/// A stable synthetic UUID for simulated device `index`: `HOST-` and the first 16 bytes of
+/// SHA-256 over `seed` and the index, shaped as a version-8 UUID. The same seed and index
+/// always give the same UUID; another seed (another broker's state directory) gives
+/// another.
+pub fn synthetic_uuid(seed: &str, index: u32) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"gpu-broker host device\0");
+    h.update(seed.as_bytes());
+    h.update(b"\0");
+    h.update(index.to_le_bytes());
+    let digest = h.finalize();
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&digest[..16]);
+    format!(
+        "HOST-{}",
+        uuid::Builder::from_custom_bytes(b).into_uuid().hyphenated()
+    )
+}
+
 /// A simulated device backed by files in a directory.
 pub struct HostDevice {
     desc: DeviceDesc,
@@ -41,10 +64,13 @@ impl HostDevice {
             &uuid::Uuid::new_v4().simple().to_string()[..8],
             index
         );
+        let uuid = synthetic_uuid(&prefix, index);
         Ok(HostDevice {
             desc: DeviceDesc {
                 index,
                 name: format!("host-sim-{index}"),
+                uuid,
+                model: HOST_MODEL.to_string(),
                 backend: BackendKind::Host,
                 total_bytes: capacity,
                 granularity: HOST_GRANULARITY,
@@ -55,6 +81,13 @@ impl HostDevice {
             next_id: 1,
             live: HashMap::new(),
         })
+    }
+
+    /// Gives the device a stable identity: [`synthetic_uuid`] of `seed` (the broker passes
+    /// its state directory, so a restarted broker's devices keep their UUIDs).
+    pub fn with_uuid_seed(mut self, seed: &str) -> HostDevice {
+        self.desc.uuid = synthetic_uuid(seed, self.desc.index);
+        self
     }
 
     /// Directory holding the block files.
@@ -248,6 +281,22 @@ mod tests {
         });
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert!(left.is_empty(), "files left behind: {left:?}");
+    }
+
+    #[test]
+    fn synthetic_uuids_are_stable_per_seed_and_index() {
+        let a = synthetic_uuid("/var/lib/gpu-broker", 0);
+        assert_eq!(a, synthetic_uuid("/var/lib/gpu-broker", 0));
+        assert_ne!(a, synthetic_uuid("/var/lib/gpu-broker", 1));
+        assert_ne!(a, synthetic_uuid("/var/lib/other", 0));
+        let u = uuid::Uuid::parse_str(a.strip_prefix("HOST-").unwrap()).unwrap();
+        assert_eq!(u.get_version_num(), 8);
+        let dir = tempfile::tempdir().unwrap();
+        let dev = HostDevice::new(3, 16 << 20, dir.path())
+            .unwrap()
+            .with_uuid_seed("/var/lib/gpu-broker");
+        assert_eq!(dev.desc().uuid, synthetic_uuid("/var/lib/gpu-broker", 3));
+        assert_eq!(dev.desc().model, HOST_MODEL);
     }
 
     #[test]

@@ -41,6 +41,12 @@ pub struct DeviceDesc {
     pub index: u32,
     /// Human-readable name (e.g. "NVIDIA H200").
     pub name: String,
+    /// Stable identity of the device: `GPU-<uuid>` from the driver for `cuda` (the form
+    /// `nvidia-smi` prints and `CUDA_VISIBLE_DEVICES` accepts), `HOST-<uuid>` for `host`
+    /// (see [`host::synthetic_uuid`]).
+    pub uuid: String,
+    /// Product name (e.g. "NVIDIA H200"; "host simulation" for `host`).
+    pub model: String,
     pub backend: BackendKind,
     /// Total memory of the device in bytes.
     pub total_bytes: u64,

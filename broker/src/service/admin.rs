@@ -112,7 +112,10 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ListAllLeasesResponse>, Status> {
         let leases = self.arb.list_all_leases(filter(&req.get_ref().tenant));
         Ok(Response::new(pb::ListAllLeasesResponse {
-            leases: leases.iter().map(convert::lease).collect(),
+            leases: leases
+                .iter()
+                .map(|l| convert::lease_on(l, &self.arb))
+                .collect(),
         }))
     }
 
@@ -129,7 +132,7 @@ impl Admin for AdminService {
         };
         let lease = self.arb.revoke(id, &reason)?;
         Ok(Response::new(pb::RevokeLeaseResponse {
-            lease: Some(convert::lease(&lease)),
+            lease: Some(convert::lease_on(&lease, &self.arb)),
         }))
     }
 

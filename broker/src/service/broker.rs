@@ -105,7 +105,7 @@ impl Broker for BrokerService {
         };
         let lease = self.arb.acquire(acquire).instrument(span).await?;
         Ok(Response::new(pb::AcquireLeaseResponse {
-            lease: Some(convert::lease(&lease)),
+            lease: Some(convert::lease_on(&lease, &self.arb)),
         }))
     }
 
@@ -127,7 +127,10 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let leases = self.arb.list_leases(&tenant);
         Ok(Response::new(pb::ListLeasesResponse {
-            leases: leases.iter().map(convert::lease).collect(),
+            leases: leases
+                .iter()
+                .map(|l| convert::lease_on(l, &self.arb))
+                .collect(),
         }))
     }
 

@@ -47,7 +47,17 @@ pub fn lease(v: &LeaseView) -> pb::Lease {
             Handle::CudaIpc(b) => pb::lease::Handle::CudaIpc(b.to_vec()),
             Handle::HostShm(p) => pb::lease::Handle::HostShm(p.to_string_lossy().into_owned()),
         }),
+        device_uuid: String::new(),
     }
+}
+
+/// [`lease`] with the device's UUID filled in (none for the host fallback tier).
+pub fn lease_on(v: &LeaseView, arb: &crate::arbiter::Arbiter) -> pb::Lease {
+    let mut l = lease(v);
+    if v.tier == Tier::Device {
+        l.device_uuid = arb.device_uuid(v.device);
+    }
+    l
 }
 
 pub fn quota_from(q: Option<pb::Quota>) -> Result<Quota, BrokerError> {
@@ -141,6 +151,8 @@ pub fn device(d: &DeviceReport) -> pb::DeviceInfo {
         waiting_requests: d.waiting,
         turn_holder: d.turn_holder.clone().unwrap_or_default(),
         turns_waiting: d.turns_waiting,
+        uuid: d.uuid.clone(),
+        model: d.model.clone(),
     }
 }
 

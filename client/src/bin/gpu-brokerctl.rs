@@ -370,6 +370,15 @@ fn or_dash(n: u64, text: String) -> String {
     }
 }
 
+/// The text, or "-" when empty (a field an older broker does not send).
+fn or_dash_str(s: &str) -> String {
+    if s.is_empty() {
+        "-".to_string()
+    } else {
+        s.to_string()
+    }
+}
+
 fn tenant_table(tenants: &[TenantInfo]) -> String {
     let mut t = Table::new([
         "TENANT",
@@ -531,6 +540,8 @@ fn device_table(devices: &[DeviceInfo]) -> String {
         "LEASES",
         "WAITING",
         "TURN",
+        "MODEL",
+        "UUID",
     ])
     .right(&[0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
     for d in devices {
@@ -554,6 +565,8 @@ fn device_table(devices: &[DeviceInfo]) -> String {
             } else {
                 format!("{} (+{} waiting)", d.turn_holder, d.turns_waiting)
             },
+            or_dash_str(&d.model),
+            or_dash_str(&d.uuid),
         ]);
     }
     t.render()
