@@ -11,7 +11,7 @@
 set -euo pipefail
 ctl="${GPU_BROKERCTL:-gpu-brokerctl}"
 
-# 1. Tenants and quotas. `quota set` creates the tenant or replaces its whole quota.
+# 1. Tenants and quotas. `quota set` creates the tenant or changes only the options given.
 #    Sizes take human units; quotas are charged granted sizes (rounded up to 2 MiB).
 #    --guaranteed keeps memory available for the tenant (others only borrow it);
 #    --priority orders queues (higher first) and lets a tenant reclaim from lower ones.

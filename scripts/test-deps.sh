@@ -3,3 +3,17 @@
 # package registries, skipping whatever is already there. Run by scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Debian packages: Prometheus (promtool and a real server for the metrics tests) and
+# Chromium (headless, for the status page test). One apt-get run, only when missing.
+apt_missing=()
+command -v promtool >/dev/null 2>&1 || apt_missing+=(prometheus)
+command -v chromium >/dev/null 2>&1 || apt_missing+=(chromium)
+if ((${#apt_missing[@]})); then
+    sudo=""
+    [[ $(id -u) -eq 0 ]] || sudo="sudo"
+    echo "test-deps: apt-get install ${apt_missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+        "${apt_missing[@]}" >/dev/null
+fi

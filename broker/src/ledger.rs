@@ -25,6 +25,82 @@ pub struct Quota {
     pub turn_weight: u32,
 }
 
+/// A partial quota: the fields given change, the others keep their values (a new tenant
+/// starts from zeros). What `SetQuota` with a patch and the config file's tenant tables
+/// apply.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuotaPatch {
+    pub limit_bytes: Option<u64>,
+    pub max_leases: Option<u32>,
+    pub priority: Option<i32>,
+    pub guaranteed_bytes: Option<u64>,
+    pub host_limit_bytes: Option<u64>,
+    pub turn_weight: Option<u32>,
+}
+
+impl QuotaPatch {
+    /// The quota after applying this patch to `current` (None: a new tenant, which needs
+    /// a limit).
+    pub fn apply(&self, current: Option<&Quota>) -> BrokerResult<Quota> {
+        let Some(base) = current else {
+            if self.limit_bytes.is_none() {
+                return Err(BrokerError::InvalidArgument(
+                    "a new tenant needs limit_bytes (--limit)".into(),
+                ));
+            }
+            return self.apply(Some(&Quota::default()));
+        };
+        Ok(Quota {
+            limit_bytes: self.limit_bytes.unwrap_or(base.limit_bytes),
+            max_leases: self.max_leases.unwrap_or(base.max_leases),
+            priority: self.priority.unwrap_or(base.priority),
+            guaranteed_bytes: self.guaranteed_bytes.unwrap_or(base.guaranteed_bytes),
+            host_limit_bytes: self.host_limit_bytes.unwrap_or(base.host_limit_bytes),
+            turn_weight: self.turn_weight.unwrap_or(base.turn_weight),
+        })
+    }
+
+    /// True when no field is given.
+    pub fn is_empty(&self) -> bool {
+        *self == QuotaPatch::default()
+    }
+}
+
+impl Tenant {
+    /// What a new quota means for what the tenant holds now: one line per limit it is
+    /// already above (nothing is revoked; new requests are refused until it is below).
+    pub fn over_quota_warnings(&self) -> Vec<String> {
+        let (q, u) = (&self.quota, &self.usage);
+        let mut out = Vec::new();
+        if u.committed_bytes() > q.limit_bytes {
+            out.push(format!(
+                "tenant {:?} holds {} ({} leases, {} quarantined), above its new limit {}: its leases stay; \
+                 new requests are refused until it holds less than the limit (revoke leases to take memory back now)",
+                self.name,
+                show(u.committed_bytes()),
+                u.lease_count,
+                show(u.quarantined_bytes),
+                show(q.limit_bytes)
+            ));
+        }
+        if q.max_leases > 0 && u.lease_count > q.max_leases {
+            out.push(format!(
+                "tenant {:?} has {} leases, above its new max-leases {}: they stay; new requests are refused until it has fewer",
+                self.name, u.lease_count, q.max_leases
+            ));
+        }
+        if u.host_held_bytes > q.host_limit_bytes {
+            out.push(format!(
+                "tenant {:?} holds {} of host fallback, above its new host limit {}: those leases stay; no more host fallback until it holds less",
+                self.name,
+                show(u.host_held_bytes),
+                show(q.host_limit_bytes)
+            ));
+        }
+        out
+    }
+}
+
 /// Live counters of one tenant.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Usage {
@@ -328,6 +404,61 @@ mod tests {
             max_leases: 2,
             ..Quota::default()
         }
+    }
+
+    #[test]
+    fn a_patch_changes_only_its_fields() {
+        let base = Quota {
+            limit_bytes: 10,
+            max_leases: 3,
+            priority: 2,
+            guaranteed_bytes: 4,
+            host_limit_bytes: 5,
+            turn_weight: 7,
+        };
+        let p = QuotaPatch {
+            limit_bytes: Some(20),
+            ..QuotaPatch::default()
+        };
+        assert_eq!(
+            p.apply(Some(&base)).unwrap(),
+            Quota {
+                limit_bytes: 20,
+                ..base
+            }
+        );
+        assert_eq!(
+            p.apply(None).unwrap(),
+            Quota {
+                limit_bytes: 20,
+                ..Quota::default()
+            }
+        );
+        let no_limit = QuotaPatch {
+            priority: Some(1),
+            ..QuotaPatch::default()
+        };
+        assert!(matches!(
+            no_limit.apply(None),
+            Err(BrokerError::InvalidArgument(m)) if m.contains("limit")
+        ));
+        assert!(QuotaPatch::default().is_empty() && !p.is_empty());
+    }
+
+    #[test]
+    fn a_limit_below_usage_is_explained() {
+        let mut l = Ledger::new();
+        l.set_quota("a", quota(10)).unwrap();
+        l.reserve("a", 8).unwrap();
+        l.commit("a", 8);
+        assert!(l.get("a").unwrap().over_quota_warnings().is_empty());
+        l.set_quota("a", quota(4)).unwrap();
+        let w = l.get("a").unwrap().over_quota_warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("leases stay") && w[0].contains("refused"),
+            "{w:?}"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::device::DeviceInfo;
 use crate::error::ClientError;
 use crate::lease::LeaseInfo;
 use crate::session::SessionInfo;
-use crate::tenant::{QuotaSpec, TenantInfo};
+use crate::tenant::{QuotaChange, QuotaPatch, QuotaSpec, TenantInfo};
 use crate::token::{IssuedToken, TokenInfo};
 
 /// A connection to the broker's admin service. Cheap to clone.
@@ -65,10 +65,35 @@ impl AdminClient {
             .set_quota(pb::SetQuotaRequest {
                 tenant: tenant.to_string(),
                 quota: Some(quota.into()),
+                patch: None,
             })
             .await?
             .into_inner();
         tenant_of(reply.tenant, "SetQuota")
+    }
+
+    /// Creates the tenant if new (then `patch` must give a limit), else changes only the
+    /// fields `patch` gives. The reply says what the change means for what the tenant
+    /// holds (warnings, e.g. a limit below its current usage).
+    pub async fn patch_quota(
+        &self,
+        tenant: &str,
+        patch: QuotaPatch,
+    ) -> Result<QuotaChange, ClientError> {
+        let reply = self
+            .raw()
+            .set_quota(pb::SetQuotaRequest {
+                tenant: tenant.to_string(),
+                quota: None,
+                patch: Some(patch.into()),
+            })
+            .await?
+            .into_inner();
+        Ok(QuotaChange {
+            tenant: tenant_of(reply.tenant, "SetQuota")?,
+            created: reply.created,
+            warnings: reply.warnings,
+        })
     }
 
     /// One tenant's quota and usage.

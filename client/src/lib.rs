@@ -89,6 +89,6 @@ pub use lease::{Lease, LeaseHandle, LeaseInfo, LeaseRequest, LeaseState, Tier};
 pub use mapping::HostMapping;
 pub use reconnect::Backoff;
 pub use session::{Session, SessionBuilder, SessionInfo};
-pub use tenant::{QuotaSpec, TenantInfo, Usage, UsageCounters};
+pub use tenant::{QuotaChange, QuotaPatch, QuotaSpec, TenantInfo, Usage, UsageCounters};
 pub use token::{IssuedToken, TokenInfo};
 pub use turn::{Turn, TurnEnd, TurnRequest};

@@ -1,6 +1,8 @@
 //! A tiny text-table formatter for the CLI: a header row and data rows, each column as
 //! wide as its widest cell (counted in characters), columns two spaces apart, chosen
-//! columns right-aligned (numbers and sizes), no trailing whitespace.
+//! columns right-aligned (numbers and sizes), no trailing whitespace. [`Table::fit`]
+//! bounds the width: chosen text columns (names, labels) are cut with `…` until the
+//! table fits.
 
 /// How a column's cells line up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,7 +19,13 @@ pub struct Table {
     header: Vec<String>,
     align: Vec<Align>,
     rows: Vec<Vec<String>>,
+    /// Columns that may be cut to fit `max_width`.
+    flex: Vec<usize>,
+    max_width: Option<usize>,
 }
+
+/// Narrowest a cut column gets (its header may be cut too).
+const MIN_FLEX: usize = 6;
 
 impl Table {
     /// A table with these column titles, all left-aligned.
@@ -32,7 +40,17 @@ impl Table {
             header,
             align,
             rows: Vec::new(),
+            flex: Vec::new(),
+            max_width: None,
         }
+    }
+
+    /// Lets the table be at most `width` characters wide (`None`: no bound) by cutting
+    /// the `flex` columns (widest first) with `…`. Other columns are never cut.
+    pub fn fit(mut self, width: Option<usize>, flex: &[usize]) -> Self {
+        self.max_width = width;
+        self.flex = flex.to_vec();
+        self
     }
 
     /// Right-aligns the columns at these indices (out-of-range ones are ignored).
@@ -68,7 +86,7 @@ impl Table {
 
     /// The table as text, one line per row (header first), each ending in `\n`.
     pub fn render(&self) -> String {
-        let widths: Vec<usize> = (0..self.header.len())
+        let mut widths: Vec<usize> = (0..self.header.len())
             .map(|c| {
                 std::iter::once(&self.header)
                     .chain(&self.rows)
@@ -77,6 +95,9 @@ impl Table {
                     .unwrap_or(0)
             })
             .collect();
+        if let Some(max) = self.max_width {
+            shrink(&mut widths, &self.flex, max);
+        }
         let mut out = String::new();
         for row in std::iter::once(&self.header).chain(&self.rows) {
             let mut line = String::new();
@@ -84,6 +105,8 @@ impl Table {
                 if c > 0 {
                     line.push_str("  ");
                 }
+                let cut = cut(cell, widths[c]);
+                let cell = cut.as_str();
                 let pad = widths[c].saturating_sub(cell.chars().count());
                 match self.align[c] {
                     Align::Left => {
@@ -101,6 +124,33 @@ impl Table {
         }
         out
     }
+}
+
+/// Narrows the widest flexible column, one character at a time, until the columns and
+/// their two-space gaps fit in `max` (or every flexible column is at [`MIN_FLEX`]).
+fn shrink(widths: &mut [usize], flex: &[usize], max: usize) {
+    let total = |w: &[usize]| w.iter().sum::<usize>() + 2 * w.len().saturating_sub(1);
+    while total(widths) > max {
+        let widest = flex
+            .iter()
+            .copied()
+            .filter(|&c| widths.get(c).is_some_and(|&w| w > MIN_FLEX))
+            .max_by_key(|&c| widths[c]);
+        match widest {
+            Some(c) => widths[c] -= 1,
+            None => return,
+        }
+    }
+}
+
+/// `cell` cut to `width` characters, ending in `…` when cut.
+fn cut(cell: &str, width: usize) -> String {
+    if cell.chars().count() <= width {
+        return cell.to_string();
+    }
+    let mut s: String = cell.chars().take(width.saturating_sub(1)).collect();
+    s.push('…');
+    s
 }
 
 impl std::fmt::Display for Table {
@@ -137,6 +187,22 @@ mod tests {
         t.row(["x"]);
         t.row(["y", "z", "dropped"]);
         assert_eq!(t.render(), "A  B\nx\ny  z\n");
+    }
+
+    #[test]
+    fn fit_cuts_flexible_columns_widest_first() {
+        let mut t = Table::new(["ID", "NAME", "LABEL"]).fit(Some(30), &[1, 2]);
+        t.row(["0123456789", "a-very-long-tenant-name", "short"]);
+        let text = t.render();
+        for line in text.lines() {
+            assert!(line.chars().count() <= 30, "{line:?}");
+        }
+        assert!(text.contains("0123456789"), "ids are never cut: {text}");
+        assert!(text.contains("a-very-lon…"), "{text}");
+        assert!(text.contains("short"), "{text}");
+        let mut t = Table::new(["ID", "NAME"]).fit(None, &[1]);
+        t.row(["x", "a-very-long-tenant-name"]);
+        assert!(t.render().contains("a-very-long-tenant-name"));
     }
 
     #[test]

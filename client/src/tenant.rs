@@ -7,7 +7,8 @@ use serde::{Deserialize, Serialize};
 
 use gpu_broker_proto::v1 as pb;
 
-/// A tenant's limits. `SetQuota` replaces all of them at once.
+/// A tenant's limits. [`AdminClient::set_quota`](crate::AdminClient::set_quota) replaces
+/// all of them at once; [`QuotaPatch`] changes only some.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QuotaSpec {
     /// Most device bytes the tenant may hold at once (granted, rounded sizes).
@@ -59,6 +60,47 @@ impl From<QuotaSpec> for pb::Quota {
             turn_weight: q.turn_weight,
         }
     }
+}
+
+/// Some of a tenant's limits: the fields given change, the others keep their current
+/// values (a new tenant starts from zeros and needs `limit_bytes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaPatch {
+    pub limit_bytes: Option<u64>,
+    pub max_leases: Option<u32>,
+    pub priority: Option<i32>,
+    pub guaranteed_bytes: Option<u64>,
+    pub host_limit_bytes: Option<u64>,
+    pub turn_weight: Option<u32>,
+}
+
+impl QuotaPatch {
+    /// True when no field is given.
+    pub fn is_empty(&self) -> bool {
+        *self == QuotaPatch::default()
+    }
+}
+
+impl From<QuotaPatch> for pb::QuotaPatch {
+    fn from(q: QuotaPatch) -> Self {
+        pb::QuotaPatch {
+            limit_bytes: q.limit_bytes,
+            max_leases: q.max_leases,
+            priority: q.priority,
+            guaranteed_bytes: q.guaranteed_bytes,
+            host_limit_bytes: q.host_limit_bytes,
+            turn_weight: q.turn_weight,
+        }
+    }
+}
+
+/// What a quota change did: the tenant now, whether it was created, and what the change
+/// means for what it holds (e.g. a limit below its usage).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuotaChange {
+    pub tenant: TenantInfo,
+    pub created: bool,
+    pub warnings: Vec<String>,
 }
 
 /// Live usage of one tenant.

@@ -310,7 +310,22 @@ impl Admin for Fake {
     ) -> Result<Response<pb::SetQuotaResponse>, Status> {
         self.admin(&req)?;
         let r = req.into_inner();
-        let quota = r.quota.unwrap_or_default();
+        let quota = match (r.quota, r.patch) {
+            (Some(q), _) => q,
+            (None, Some(p)) => {
+                let old = self.state.lock().tenants.get(&r.tenant).copied();
+                let old = old.unwrap_or_default();
+                pb::Quota {
+                    limit_bytes: p.limit_bytes.unwrap_or(old.limit_bytes),
+                    max_leases: p.max_leases.unwrap_or(old.max_leases),
+                    priority: p.priority.unwrap_or(old.priority),
+                    guaranteed_bytes: p.guaranteed_bytes.unwrap_or(old.guaranteed_bytes),
+                    host_limit_bytes: p.host_limit_bytes.unwrap_or(old.host_limit_bytes),
+                    turn_weight: p.turn_weight.unwrap_or(old.turn_weight),
+                }
+            }
+            (None, None) => pb::Quota::default(),
+        };
         if quota.guaranteed_bytes > quota.limit_bytes {
             return Err(Status::invalid_argument(
                 "guaranteed_bytes exceeds limit_bytes",
@@ -325,6 +340,7 @@ impl Admin for Fake {
         Ok(Response::new(pb::SetQuotaResponse {
             tenant: Some(self.tenant_info(&r.tenant, quota)),
             created,
+            warnings: Vec::new(),
         }))
     }
 

@@ -26,6 +26,7 @@ async fn quotas_tenants_and_tokens() {
             host_limit_bytes: 0,
             turn_weight: 0,
         }),
+        patch: None,
     };
     let r = raw.set_quota(q(64 * MIB)).await.unwrap().into_inner();
     assert!(r.created);
@@ -169,11 +170,16 @@ async fn list_all_leases_filters_and_devices_add_up() {
     assert_eq!(of_alice[1].label, "sized");
     let of_bob = admin.list_all_leases(Some("bob")).await.unwrap();
     assert_eq!(of_bob.iter().map(|l| l.bytes).sum::<u64>(), 20 * MIB);
-    assert!(admin
-        .list_all_leases(Some("nobody"))
-        .await
-        .unwrap()
-        .is_empty());
+    // A filter naming no tenant is an error, not an empty list (a typo must not look
+    // like "nothing there").
+    assert_eq!(
+        admin
+            .list_all_leases(Some("nobody"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
 
     let d = &admin.get_devices().await.unwrap()[0];
     assert_eq!(d.backend, "host");
@@ -231,7 +237,10 @@ async fn list_sessions_shows_the_peer_pid_of_a_worker_process() {
     let me = sessions.iter().find(|s| s.session_id == mine.id()).unwrap();
     assert_eq!(me.peer_pid, std::process::id());
     assert_eq!(admin.list_sessions(Some("alice")).await.unwrap().len(), 2);
-    assert!(admin.list_sessions(Some("bob")).await.unwrap().is_empty());
+    assert_eq!(
+        admin.list_sessions(Some("bob")).await.unwrap_err().code(),
+        Code::NotFound
+    );
 
     // The worker dies: its session goes.
     w.proc.kill().await.unwrap();

@@ -145,7 +145,7 @@ async fn brokerctl_drives_a_real_broker() {
     assert_eq!(a["usage"]["session_count"], 1);
 
     // leases list.
-    let table = ok(&b, &["leases", "list"]).await;
+    let table = ok(&b, &["leases", "list", "--wide"]).await;
     assert_right_aligned(&table, lease.id(), "SIZE", "4.0 MiB");
     assert_right_aligned(&table, lease.id(), "REQUESTED", "3.0 MiB");
     let (_, r) = row(&table, lease.id());
@@ -162,7 +162,7 @@ async fn brokerctl_drives_a_real_broker() {
     assert_eq!(none, Value::Array(vec![]));
 
     // sessions list shows this process's pid.
-    let table = ok(&b, &["sessions", "list"]).await;
+    let table = ok(&b, &["sessions", "list", "--wide"]).await;
     let (_, r) = row(&table, s.id());
     assert!(r.contains(&std::process::id().to_string()), "{r}");
     assert!(r.contains("cli-session") && r.contains("unix"), "{r}");
@@ -170,11 +170,13 @@ async fn brokerctl_drives_a_real_broker() {
     assert_eq!(sessions[0]["peer_pid"], std::process::id());
 
     // devices.
-    let table = ok(&b, &["devices"]).await;
+    let table = ok(&b, &["devices", "--wide"]).await;
     assert_right_aligned(&table, "0", "TOTAL", "1.0 GiB");
     assert_right_aligned(&table, "0", "LEASED", "4.0 MiB");
     assert_right_aligned(&table, "0", "GRANULARITY", "2.0 MiB");
     assert!(table.contains("host-sim-0"), "{table}");
+    let table = ok(&b, &["devices"]).await;
+    assert_right_aligned(&table, "0", "LEASED", "4.0 MiB");
     let devices = json(&b, &["devices"]).await;
     assert_eq!(devices[0]["total_bytes"], GIB);
     assert_eq!(devices[0]["leased_bytes"], 4 * MIB);
@@ -238,4 +240,132 @@ async fn brokerctl_drives_a_real_broker() {
     assert!(out.contains("team-b"), "{out}");
     let tenants = json(&b, &["tenants", "list"]).await;
     assert_eq!(tenants.as_array().unwrap().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_set_changes_only_what_is_given_and_warns_below_usage() {
+    let b = Broker::start().unwrap();
+    ok(
+        &b,
+        &[
+            "quota",
+            "set",
+            "t",
+            "--limit",
+            "64MiB",
+            "--max-leases",
+            "8",
+            "--priority",
+            "3",
+            "--guaranteed",
+            "16MiB",
+            "--turn-weight",
+            "2",
+        ],
+    )
+    .await;
+    // Only --limit given: priority, guarantee, max-leases and turn weight stay.
+    ok(&b, &["quota", "set", "t", "--limit", "128MiB"]).await;
+    let q = json(&b, &["quota", "get", "t"]).await;
+    assert_eq!(q["quota"]["limit_bytes"], 128 * MIB);
+    assert_eq!(q["quota"]["max_leases"], 8);
+    assert_eq!(q["quota"]["priority"], 3);
+    assert_eq!(q["quota"]["guaranteed_bytes"], 16 * MIB);
+    assert_eq!(q["quota"]["turn_weight"], 2);
+    ok(&b, &["quota", "set", "t", "--priority", "-2"]).await;
+    let q = json(&b, &["quota", "get", "t"]).await;
+    assert_eq!(q["quota"]["limit_bytes"], 128 * MIB);
+    assert_eq!(q["quota"]["priority"], -2);
+
+    // A new tenant needs a limit; an empty change is refused before any call.
+    let o = ctl(&b, &["quota", "set", "fresh", "--priority", "1"]).await;
+    assert!(
+        !o.ok && o.stderr.contains("INVALID_ARGUMENT") && o.stderr.contains("limit"),
+        "{}",
+        o.stderr
+    );
+    let o = ctl(&b, &["quota", "set", "t"]).await;
+    assert!(
+        !o.ok && o.stderr.contains("nothing to change"),
+        "{}",
+        o.stderr
+    );
+
+    // A limit below what the tenant holds: accepted, with a warning saying the leases stay.
+    let token = b
+        .admin()
+        .await
+        .unwrap()
+        .issue_token("t", "w")
+        .await
+        .unwrap()
+        .token;
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    let lease = s.lease(32 * MIB).await.unwrap();
+    let o = ctl(
+        &b,
+        &["quota", "set", "t", "--limit", "16MiB", "--guaranteed", "0"],
+    )
+    .await;
+    assert!(o.ok, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("warning:")
+            && o.stderr.contains("32.0 MiB")
+            && o.stderr.contains("leases stay"),
+        "{}",
+        o.stderr
+    );
+    assert_eq!(
+        c.usage().await.unwrap().held_bytes,
+        32 * MIB,
+        "nothing was revoked"
+    );
+    let refused = s.lease(2 * MIB).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    let o = ctl(&b, &["quota", "set", "t", "--limit", "64MiB"]).await;
+    assert!(o.ok && !o.stderr.contains("warning"), "{}", o.stderr);
+    lease.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_go_to_private_files_and_unknown_tenants_are_errors() {
+    use std::os::unix::fs::PermissionsExt;
+    let b = Broker::start().unwrap();
+    ok(&b, &["quota", "set", "t", "--limit", "64MiB"]).await;
+    let path = b.dir.path().join("t.token");
+    let o = ctl(
+        &b,
+        &["tokens", "issue", "t", "--output", path.to_str().unwrap()],
+    )
+    .await;
+    assert!(o.ok, "{}", o.stderr);
+    assert!(
+        o.stdout.is_empty(),
+        "the token is not printed: {}",
+        o.stdout
+    );
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let token = std::fs::read_to_string(&path).unwrap().trim().to_string();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    assert_eq!(c.usage().await.unwrap().limit_bytes, 64 * MIB);
+
+    for args in [
+        &["leases", "list", "--tenant", "nobody"][..],
+        &["sessions", "list", "--tenant", "nobody"],
+        &["tokens", "list", "--tenant", "nobody"],
+    ] {
+        let o = ctl(&b, args).await;
+        assert!(!o.ok, "{args:?}: {}", o.stdout);
+        assert!(
+            o.stderr.starts_with("error: NOT_FOUND") && o.stderr.contains("nobody"),
+            "{args:?}: {}",
+            o.stderr
+        );
+    }
+    assert_eq!(
+        json(&b, &["leases", "list", "--tenant", "t"]).await,
+        Value::Array(vec![])
+    );
 }

@@ -171,6 +171,7 @@ async fn invalid_argument_for_malformed_requests() {
             .set_quota(pb::SetQuotaRequest {
                 tenant: "q".into(),
                 quota: None,
+                patch: None,
             })
             .await,
         ia,

@@ -13,6 +13,7 @@ mod examples;
 mod isolation;
 mod observability;
 mod quota;
+mod readme;
 mod scrub;
 mod shutdown;
 mod smoke;

@@ -276,6 +276,40 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
             pb::SetQuotaRequest {
                 tenant: "x".into(),
                 quota: None,
+                patch: None,
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "both a quota and a patch",
+            pb::SetQuotaRequest {
+                tenant: "x".into(),
+                quota: Some(pb::Quota::default()),
+                patch: Some(pb::QuotaPatch {
+                    limit_bytes: Some(MIB),
+                    ..Default::default()
+                }),
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "an empty patch",
+            pb::SetQuotaRequest {
+                tenant: "x".into(),
+                quota: None,
+                patch: Some(pb::QuotaPatch::default()),
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "a patch creating a tenant without a limit",
+            pb::SetQuotaRequest {
+                tenant: "new-one".into(),
+                quota: None,
+                patch: Some(pb::QuotaPatch {
+                    priority: Some(3),
+                    ..Default::default()
+                }),
             },
             Code::InvalidArgument,
         ),
@@ -284,6 +318,7 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
             pb::SetQuotaRequest {
                 tenant: "a b/../c".into(),
                 quota: Some(pb::Quota::default()),
+                patch: None,
             },
             Code::InvalidArgument,
         ),
@@ -292,6 +327,7 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
             pb::SetQuotaRequest {
                 tenant: "t".repeat(10 * 1024),
                 quota: Some(pb::Quota::default()),
+                patch: None,
             },
             Code::InvalidArgument,
         ),
@@ -304,6 +340,7 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
                     guaranteed_bytes: 2 * MIB,
                     ..Default::default()
                 }),
+                patch: None,
             },
             Code::InvalidArgument,
         ),
@@ -316,6 +353,7 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
                     guaranteed_bytes: u64::MAX,
                     ..Default::default()
                 }),
+                patch: None,
             },
             Code::InvalidArgument,
         ),

@@ -87,8 +87,23 @@ impl Broker {
         Broker::start_args(vec!["--backend".into(), "cuda".into()], extra)
     }
 
+    /// Starts a broker with the flags `args(dir)` returns, after the test's own socket,
+    /// state and shared-memory directories (`dir/broker.sock`, `dir/state`): a
+    /// `--socket` or `--state-dir` among them must name those same paths.
+    pub fn start_raw(args: impl FnOnce(&Path) -> Vec<String>) -> Result<Broker> {
+        Broker::start_args_in(Vec::new(), args)
+    }
+
     fn start_args(backend: Vec<String>, extra: Vec<String>) -> Result<Broker> {
+        Broker::start_args_in(backend, move |_| extra)
+    }
+
+    fn start_args_in(
+        backend: Vec<String>,
+        extra: impl FnOnce(&Path) -> Vec<String>,
+    ) -> Result<Broker> {
         let dir = tempfile::Builder::new().prefix("gpb-test-").tempdir()?;
+        let extra = extra(dir.path());
         let shm_dir = PathBuf::from("/dev/shm").join(
             dir.path()
                 .file_name()

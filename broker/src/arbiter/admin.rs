@@ -6,7 +6,7 @@ use super::{Arbiter, State};
 use crate::auth::{generate_token, token_id, TokenEntry};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
-use crate::ledger::{validate_tenant_name, Ledger, Quota, Tenant, Usage};
+use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant, Usage};
 use crate::store::{StoreError, TenantRecord, TokenRecord};
 use crate::units::show;
 use std::sync::Arc;
@@ -64,6 +64,23 @@ pub struct DeviceReport {
     /// Tenant holding the compute turn.
     pub turn_holder: Option<String>,
     pub turns_waiting: u32,
+}
+
+/// A quota change: the whole quota, or only some fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuotaUpdate {
+    Replace(Quota),
+    Patch(QuotaPatch),
+}
+
+/// What a quota change did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuotaChange {
+    pub tenant: TenantView,
+    pub created: bool,
+    /// What the new quota means for what the tenant holds now (see
+    /// `Tenant::over_quota_warnings`).
+    pub warnings: Vec<String>,
 }
 
 fn store_err(e: StoreError) -> BrokerError {
@@ -124,9 +141,24 @@ impl Arbiter {
         name: &str,
         quota: Quota,
     ) -> BrokerResult<(TenantView, bool)> {
+        let c = self.change_quota(name, QuotaUpdate::Replace(quota))?;
+        Ok((c.tenant, c.created))
+    }
+
+    /// Creates a tenant or changes its quota: replaced whole, or patched (only the fields
+    /// given change, read and written under one lock so racing patches both apply).
+    pub fn change_quota(
+        self: &Arc<Self>,
+        name: &str,
+        update: QuotaUpdate,
+    ) -> BrokerResult<QuotaChange> {
         validate_tenant_name(name)?;
-        Ledger::validate_quota(&quota)?;
         let mut st = self.state.lock();
+        let quota = match update {
+            QuotaUpdate::Replace(q) => q,
+            QuotaUpdate::Patch(p) => p.apply(st.ledger.get(name).map(|t| &t.quota))?,
+        };
+        Ledger::validate_quota(&quota)?;
         let guarantees = st.ledger.guarantees_with(name, quota.guaranteed_bytes);
         let leasable = Self::leasable_total(&st);
         if guarantees > leasable {
@@ -149,7 +181,26 @@ impl Arbiter {
             .ledger
             .get(name)
             .ok_or_else(|| BrokerError::Internal("tenant vanished".into()))?;
-        Ok((self.tenant_view(&st, t), created))
+        let warnings = t.over_quota_warnings();
+        for w in &warnings {
+            tracing::warn!(tenant = name, "{w}");
+        }
+        Ok(QuotaChange {
+            tenant: self.tenant_view(&st, t),
+            created,
+            warnings,
+        })
+    }
+
+    /// Fails with `NOT_FOUND` when a tenant filter names no tenant (an operator's typo
+    /// must not look like "nothing there").
+    pub fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
+        match tenant {
+            Some(name) if self.state.lock().ledger.get(name).is_none() => {
+                Err(BrokerError::NotFound(format!("tenant {name:?} not found")))
+            }
+            _ => Ok(()),
+        }
     }
 
     pub fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {

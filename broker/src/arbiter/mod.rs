@@ -16,7 +16,7 @@ pub mod queue;
 mod tasks;
 mod turns;
 
-pub use admin::{DeviceReport, SessionView, TenantView};
+pub use admin::{DeviceReport, QuotaChange, QuotaUpdate, SessionView, TenantView};
 
 use crate::auth::Authenticator;
 use crate::device::thread::DeviceThread;

@@ -26,11 +26,12 @@ impl Admin for AdminService {
         req: Request<pb::SetQuotaRequest>,
     ) -> Result<Response<pb::SetQuotaResponse>, Status> {
         let r = req.into_inner();
-        let quota = convert::quota_from(r.quota)?;
-        let (t, created) = self.arb.set_quota(&r.tenant, quota)?;
+        let update = convert::quota_update(r.quota, r.patch)?;
+        let c = self.arb.change_quota(&r.tenant, update)?;
         Ok(Response::new(pb::SetQuotaResponse {
-            tenant: Some(convert::tenant(&t)),
-            created,
+            tenant: Some(convert::tenant(&c.tenant)),
+            created: c.created,
+            warnings: c.warnings,
         }))
     }
 
@@ -100,7 +101,9 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListTokensRequest>,
     ) -> Result<Response<pb::ListTokensResponse>, Status> {
-        let tokens = self.arb.list_tokens(filter(&req.get_ref().tenant));
+        let tenant = filter(&req.get_ref().tenant);
+        self.arb.check_tenant_filter(tenant)?;
+        let tokens = self.arb.list_tokens(tenant);
         Ok(Response::new(pb::ListTokensResponse {
             tokens: tokens.iter().map(convert::token).collect(),
         }))
@@ -110,7 +113,9 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListAllLeasesRequest>,
     ) -> Result<Response<pb::ListAllLeasesResponse>, Status> {
-        let leases = self.arb.list_all_leases(filter(&req.get_ref().tenant));
+        let tenant = filter(&req.get_ref().tenant);
+        self.arb.check_tenant_filter(tenant)?;
+        let leases = self.arb.list_all_leases(tenant);
         Ok(Response::new(pb::ListAllLeasesResponse {
             leases: leases
                 .iter()
@@ -140,7 +145,9 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
-        let sessions = self.arb.list_sessions(filter(&req.get_ref().tenant));
+        let tenant = filter(&req.get_ref().tenant);
+        self.arb.check_tenant_filter(tenant)?;
+        let sessions = self.arb.list_sessions(tenant);
         Ok(Response::new(pb::ListSessionsResponse {
             sessions: sessions.iter().map(convert::session).collect(),
         }))

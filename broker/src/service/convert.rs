@@ -1,11 +1,11 @@
 //! Conversions between proto messages and domain types.
 
-use crate::arbiter::{DeviceReport, SessionView, TenantView};
+use crate::arbiter::{DeviceReport, QuotaUpdate, SessionView, TenantView};
 use crate::auth::TokenEntry;
 use crate::device::Handle;
 use crate::error::BrokerError;
 use crate::lease::LeaseView;
-use crate::ledger::{Quota, Tier, Usage};
+use crate::ledger::{Quota, QuotaPatch, Tier, Usage};
 use gpu_broker_proto::v1 as pb;
 use std::time::SystemTime;
 use uuid::Uuid;
@@ -70,6 +70,38 @@ pub fn quota_from(q: Option<pb::Quota>) -> Result<Quota, BrokerError> {
         host_limit_bytes: q.host_limit_bytes,
         turn_weight: q.turn_weight,
     })
+}
+
+/// A `SetQuota` request's change: the whole `quota`, or only the fields of `patch`.
+pub fn quota_update(
+    quota: Option<pb::Quota>,
+    patch: Option<pb::QuotaPatch>,
+) -> Result<QuotaUpdate, BrokerError> {
+    match (quota, patch) {
+        (Some(_), Some(_)) => Err(BrokerError::InvalidArgument(
+            "give either quota (replace) or patch (change some fields), not both".into(),
+        )),
+        (q @ Some(_), None) => quota_from(q).map(QuotaUpdate::Replace),
+        (None, Some(p)) => {
+            let patch = QuotaPatch {
+                limit_bytes: p.limit_bytes,
+                max_leases: p.max_leases,
+                priority: p.priority,
+                guaranteed_bytes: p.guaranteed_bytes,
+                host_limit_bytes: p.host_limit_bytes,
+                turn_weight: p.turn_weight,
+            };
+            if patch.is_empty() {
+                return Err(BrokerError::InvalidArgument(
+                    "the quota patch changes nothing: give at least one field".into(),
+                ));
+            }
+            Ok(QuotaUpdate::Patch(patch))
+        }
+        (None, None) => Err(BrokerError::InvalidArgument(
+            "quota or patch is required".into(),
+        )),
+    }
 }
 
 pub fn quota(q: &Quota) -> pb::Quota {

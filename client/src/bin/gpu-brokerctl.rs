@@ -16,8 +16,11 @@ use serde::Serialize;
 use gpu_broker_client::table::Table;
 use gpu_broker_client::units::{format_age, format_bytes, parse_bytes};
 use gpu_broker_client::{
-    AdminClient, DeviceInfo, LeaseInfo, QuotaSpec, SessionInfo, TenantInfo, TokenInfo,
+    AdminClient, DeviceInfo, LeaseInfo, QuotaPatch, SessionInfo, TenantInfo, TokenInfo,
 };
+
+#[path = "../ctl/mod.rs"]
+mod ctl;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -59,6 +62,10 @@ struct Cli {
     /// Print JSON instead of tables.
     #[arg(long, global = true, help_heading = "Global options")]
     json: bool,
+
+    /// Print every column; by default tables fit 100 columns (long names are cut with …).
+    #[arg(long, global = true, help_heading = "Global options")]
+    wide: bool,
 
     #[command(subcommand)]
     command: Command,
@@ -108,28 +115,30 @@ enum TenantsCommand {
 
 #[derive(Debug, Subcommand)]
 enum QuotaCommand {
-    /// Create a tenant or replace its whole quota (options not given are set to 0).
+    /// Create a tenant or change its quota: only the options given change, the others
+    /// keep their values (a new tenant starts from 0 and needs --limit). Warns when the
+    /// tenant already holds more than a new limit (its leases stay; it gets no more).
     Set {
         /// Tenant name.
         tenant: String,
-        /// Most device memory the tenant may hold (e.g. 8GiB).
+        /// Most device memory the tenant may hold (e.g. 8GiB); required for a new tenant.
         #[arg(long, value_parser = parse_bytes)]
-        limit: u64,
+        limit: Option<u64>,
         /// Most live leases (0: no limit).
-        #[arg(long, default_value_t = 0)]
-        max_leases: u32,
+        #[arg(long)]
+        max_leases: Option<u32>,
         /// Queue priority; higher goes first and may reclaim from lower.
-        #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-        priority: i32,
+        #[arg(long, allow_negative_numbers = true)]
+        priority: Option<i32>,
         /// Device memory kept available for the tenant (<= --limit).
-        #[arg(long, value_parser = parse_bytes, default_value = "0")]
-        guaranteed: u64,
+        #[arg(long, value_parser = parse_bytes)]
+        guaranteed: Option<u64>,
         /// Most host-fallback memory (0: no host fallback).
-        #[arg(long, value_parser = parse_bytes, default_value = "0")]
-        host_limit: u64,
-        /// Share of compute turns relative to other tenants.
-        #[arg(long, default_value_t = 1)]
-        turn_weight: u32,
+        #[arg(long, value_parser = parse_bytes)]
+        host_limit: Option<u64>,
+        /// Share of compute turns relative to other tenants (0 counts as 1).
+        #[arg(long)]
+        turn_weight: Option<u32>,
     },
     /// Show a tenant's quota and usage.
     Get {
@@ -147,6 +156,10 @@ enum TokensCommand {
         /// Note shown in `tokens list`.
         #[arg(long, default_value = "")]
         description: String,
+        /// Write the token to this file (created mode 0600, replaced atomically) instead
+        /// of printing it.
+        #[arg(long, short = 'o', value_name = "FILE")]
+        output: Option<PathBuf>,
     },
     /// Revoke a token by id or by the token itself.
     Revoke {
@@ -246,12 +259,13 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
     let token = admin_token(&cli, matches)?;
     let admin = AdminClient::connect(&cli.broker, token).await?;
     let json = cli.json;
+    let width = if cli.wide { None } else { Some(ctl::WIDTH) };
     match cli.command {
         Command::Tenants {
             command: TenantsCommand::List,
         } => {
             let tenants = admin.list_tenants().await?;
-            emit(json, &tenants, || tenant_table(&tenants))
+            emit(json, &tenants, || tenant_table(&tenants, width))
         }
         Command::Tenants {
             command: TenantsCommand::Delete { tenant },
@@ -275,7 +289,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                     turn_weight,
                 },
         } => {
-            let quota = QuotaSpec {
+            let patch = QuotaPatch {
                 limit_bytes: limit,
                 max_leases,
                 priority,
@@ -283,23 +297,51 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                 host_limit_bytes: host_limit,
                 turn_weight,
             };
-            let info = admin.set_quota(&tenant, quota).await?;
-            emit(json, &info, || tenant_table(std::slice::from_ref(&info)))
+            anyhow::ensure!(
+                !patch.is_empty(),
+                "nothing to change: give --limit, --max-leases, --priority, --guaranteed, --host-limit or --turn-weight"
+            );
+            let change = admin.patch_quota(&tenant, patch).await?;
+            for w in &change.warnings {
+                eprintln!("warning: {w}");
+            }
+            let info = change.tenant;
+            emit(json, &info, || {
+                tenant_table(std::slice::from_ref(&info), width)
+            })
         }
         Command::Quota {
             command: QuotaCommand::Get { tenant },
         } => {
             let info = admin.get_quota(&tenant).await?;
-            emit(json, &info, || tenant_table(std::slice::from_ref(&info)))
+            emit(json, &info, || {
+                tenant_table(std::slice::from_ref(&info), width)
+            })
         }
         Command::Tokens {
             command:
                 TokensCommand::Issue {
                     tenant,
                     description,
+                    output,
                 },
         } => {
             let issued = admin.issue_token(&tenant, &description).await?;
+            if let Some(path) = output {
+                ctl::secret_file::write(&path, &format!("{}\n", issued.token))?;
+                eprintln!(
+                    "issued token {} for tenant {}; wrote it to {} (mode 0600)",
+                    issued.token_id,
+                    issued.tenant,
+                    path.display()
+                );
+                let shown = serde_json::json!({
+                    "token_id": issued.token_id,
+                    "tenant": issued.tenant,
+                    "file": path,
+                });
+                return emit(json, &shown, String::new);
+            }
             if !json {
                 eprintln!(
                     "issued token {} for tenant {} (shown only once)",
@@ -320,13 +362,13 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             command: TokensCommand::List { tenant },
         } => {
             let tokens = admin.list_tokens(tenant.as_deref()).await?;
-            emit(json, &tokens, || token_table(&tokens))
+            emit(json, &tokens, || token_table(&tokens, width))
         }
         Command::Leases {
             command: LeasesCommand::List { tenant },
         } => {
             let leases = admin.list_all_leases(tenant.as_deref()).await?;
-            emit(json, &leases, || lease_table(&leases))
+            emit(json, &leases, || lease_table(&leases, width))
         }
         Command::Leases {
             command: LeasesCommand::Revoke { lease_id, reason },
@@ -340,11 +382,11 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             command: SessionsCommand::List { tenant },
         } => {
             let sessions = admin.list_sessions(tenant.as_deref()).await?;
-            emit(json, &sessions, || session_table(&sessions))
+            emit(json, &sessions, || session_table(&sessions, width))
         }
         Command::Devices => {
             let devices = admin.get_devices().await?;
-            emit(json, &devices, || device_table(&devices))
+            emit(json, &devices, || device_table(&devices, width))
         }
     }
 }
@@ -379,7 +421,37 @@ fn or_dash_str(s: &str) -> String {
     }
 }
 
-fn tenant_table(tenants: &[TenantInfo]) -> String {
+fn tenant_table(tenants: &[TenantInfo], width: Option<usize>) -> String {
+    if width.is_some() {
+        let mut t = Table::new([
+            "TENANT",
+            "HELD",
+            "LIMIT",
+            "GUARANTEED",
+            "LEASES",
+            "PRIORITY",
+            "QUARANTINED",
+            "SESSIONS",
+            "WAITING",
+        ])
+        .right(&[1, 2, 3, 4, 5, 6, 7, 8])
+        .fit(width, &[0]);
+        for i in tenants {
+            let (q, u) = (&i.quota, &i.usage);
+            t.row([
+                i.name.clone(),
+                format_bytes(u.held_bytes),
+                format_bytes(q.limit_bytes),
+                format_bytes(q.guaranteed_bytes),
+                u.lease_count.to_string(),
+                q.priority.to_string(),
+                format_bytes(u.quarantined_bytes),
+                u.session_count.to_string(),
+                u.waiting_requests.to_string(),
+            ]);
+        }
+        return t.render();
+    }
     let mut t = Table::new([
         "TENANT",
         "LIMIT",
@@ -425,8 +497,10 @@ fn tenant_table(tenants: &[TenantInfo]) -> String {
     t.render()
 }
 
-fn token_table(tokens: &[TokenInfo]) -> String {
-    let mut t = Table::new(["TOKEN_ID", "TENANT", "AGE", "DESCRIPTION"]).right(&[2]);
+fn token_table(tokens: &[TokenInfo], width: Option<usize>) -> String {
+    let mut t = Table::new(["TOKEN_ID", "TENANT", "AGE", "DESCRIPTION"])
+        .right(&[2])
+        .fit(width, &[1, 3]);
     for k in tokens {
         t.row([
             k.token_id.clone(),
@@ -438,7 +512,39 @@ fn token_table(tokens: &[TokenInfo]) -> String {
     t.render()
 }
 
-fn lease_table(leases: &[LeaseInfo]) -> String {
+fn lease_flags(l: &LeaseInfo) -> String {
+    let mut flags = Vec::new();
+    if l.reclaimable {
+        flags.push("reclaimable");
+    }
+    if l.borrowed {
+        flags.push("borrowed");
+    }
+    if flags.is_empty() {
+        "-".to_string()
+    } else {
+        flags.join(",")
+    }
+}
+
+fn lease_table(leases: &[LeaseInfo], width: Option<usize>) -> String {
+    if width.is_some() {
+        let mut t = Table::new(["LEASE", "TENANT", "DEVICE", "SIZE", "STATE", "AGE", "LABEL"])
+            .right(&[2, 3, 5])
+            .fit(width, &[1, 6]);
+        for l in leases {
+            t.row([
+                l.lease_id.clone(),
+                l.tenant.clone(),
+                l.device.to_string(),
+                format_bytes(l.bytes),
+                l.state.as_str().to_string(),
+                format_age(l.created_unix_ms),
+                l.label.clone(),
+            ]);
+        }
+        return t.render();
+    }
     let mut t = Table::new([
         "LEASE",
         "TENANT",
@@ -454,13 +560,6 @@ fn lease_table(leases: &[LeaseInfo]) -> String {
     ])
     .right(&[3, 5, 6, 9]);
     for l in leases {
-        let mut flags = Vec::new();
-        if l.reclaimable {
-            flags.push("reclaimable");
-        }
-        if l.borrowed {
-            flags.push("borrowed");
-        }
         t.row([
             l.lease_id.clone(),
             l.tenant.clone(),
@@ -470,11 +569,7 @@ fn lease_table(leases: &[LeaseInfo]) -> String {
             format_bytes(l.bytes),
             format_bytes(l.requested_bytes),
             l.state.as_str().to_string(),
-            if flags.is_empty() {
-                "-".to_string()
-            } else {
-                flags.join(",")
-            },
+            lease_flags(l),
             format_age(l.created_unix_ms),
             l.label.clone(),
         ]);
@@ -482,7 +577,24 @@ fn lease_table(leases: &[LeaseInfo]) -> String {
     t.render()
 }
 
-fn session_table(sessions: &[SessionInfo]) -> String {
+fn session_table(sessions: &[SessionInfo], width: Option<usize>) -> String {
+    if width.is_some() {
+        let mut t = Table::new(["SESSION", "TENANT", "NAME", "PID", "LEASES", "HELD", "AGE"])
+            .right(&[3, 4, 5, 6])
+            .fit(width, &[1, 2]);
+        for s in sessions {
+            t.row([
+                s.session_id.clone(),
+                s.tenant.clone(),
+                s.name.clone(),
+                or_dash(s.peer_pid.into(), s.peer_pid.to_string()),
+                s.lease_count.to_string(),
+                format_bytes(s.held_bytes),
+                format_age(s.opened_unix_ms),
+            ]);
+        }
+        return t.render();
+    }
     let mut t = Table::new([
         "SESSION",
         "TENANT",
@@ -523,7 +635,36 @@ fn session_table(sessions: &[SessionInfo]) -> String {
     t.render()
 }
 
-fn device_table(devices: &[DeviceInfo]) -> String {
+fn device_table(devices: &[DeviceInfo], width: Option<usize>) -> String {
+    if width.is_some() {
+        let mut t = Table::new([
+            "DEVICE",
+            "NAME",
+            "TOTAL",
+            "LEASABLE",
+            "LEASED",
+            "CACHED",
+            "QUARANTINED",
+            "EXTERNAL",
+            "WAITING",
+        ])
+        .right(&[0, 2, 3, 4, 5, 6, 7, 8])
+        .fit(width, &[1]);
+        for d in devices {
+            t.row([
+                d.index.to_string(),
+                d.name.clone(),
+                format_bytes(d.total_bytes),
+                format_bytes(d.leasable_bytes),
+                format_bytes(d.leased_bytes),
+                format_bytes(d.cached_bytes),
+                format_bytes(d.quarantined_bytes),
+                format_bytes(d.external_used_bytes),
+                d.waiting_requests.to_string(),
+            ]);
+        }
+        return t.render();
+    }
     let mut t = Table::new([
         "DEVICE",
         "NAME",
@@ -620,20 +761,34 @@ mod tests {
                     },
             } => {
                 assert_eq!(tenant, "team-a");
-                assert_eq!(limit, 8 << 30);
-                assert_eq!(max_leases, 4);
-                assert_eq!(priority, -3);
-                assert_eq!(guaranteed, 2 << 30);
-                assert_eq!(host_limit, 1_500_000_000);
+                assert_eq!(limit, Some(8 << 30));
+                assert_eq!(max_leases, Some(4));
+                assert_eq!(priority, Some(-3));
+                assert_eq!(guaranteed, Some(2 << 30));
+                assert_eq!(host_limit, Some(1_500_000_000));
             }
             other => panic!("parsed {other:?}"),
         }
     }
 
     #[test]
-    fn refuses_bad_sizes_and_missing_limit() {
+    fn refuses_bad_sizes_and_patches_only_what_is_given() {
         assert!(parse(&["quota", "set", "a", "--limit", "lots"]).is_err());
-        assert!(parse(&["quota", "set", "a"]).is_err());
+        match parse(&["quota", "set", "a", "--priority", "5"])
+            .unwrap()
+            .command
+        {
+            Command::Quota {
+                command:
+                    QuotaCommand::Set {
+                        limit,
+                        priority,
+                        guaranteed,
+                        ..
+                    },
+            } => assert_eq!((limit, priority, guaranteed), (None, Some(5), None)),
+            other => panic!("parsed {other:?}"),
+        }
     }
 
     #[test]
@@ -662,12 +817,70 @@ mod tests {
     fn tables_render() {
         let tenants = vec![TenantInfo {
             name: "a".into(),
-            quota: QuotaSpec::new(8 << 30),
+            quota: gpu_broker_client::QuotaSpec::new(8 << 30),
             ..Default::default()
         }];
-        let text = tenant_table(&tenants);
+        let text = tenant_table(&tenants, None);
         let mut lines = text.lines();
         assert!(lines.next().unwrap().starts_with("TENANT    LIMIT"));
         assert!(lines.next().unwrap().starts_with("a       8.0 GiB"));
+    }
+
+    #[test]
+    fn default_tables_fit_100_columns() {
+        let long = "a-tenant-with-a-rather-long-name-for-a-team".to_string();
+        let tenants = vec![TenantInfo {
+            name: long.clone(),
+            quota: gpu_broker_client::QuotaSpec::new(1023 << 30),
+            ..Default::default()
+        }];
+        let lease = LeaseInfo::from(gpu_broker_client::proto::v1::Lease {
+            lease_id: uuid::Uuid::nil().to_string(),
+            tenant: long.clone(),
+            label: "kv-cache-for-the-biggest-model-we-have".into(),
+            bytes: 1000 << 30,
+            state: 2,
+            ..Default::default()
+        });
+        let session = SessionInfo {
+            session_id: uuid::Uuid::nil().to_string(),
+            tenant: long.clone(),
+            name: "trainer-with-a-long-name-too".into(),
+            peer_pid: 4_000_000,
+            held_bytes: 1000 << 30,
+            lease_count: 1000,
+            ..Default::default()
+        };
+        let device = DeviceInfo {
+            name: "NVIDIA H200 NVL with a long model name".into(),
+            total_bytes: 1000 << 30,
+            leasable_bytes: 1000 << 30,
+            ..Default::default()
+        };
+        let token = TokenInfo {
+            token_id: "0123456789abcdef".into(),
+            tenant: long.clone(),
+            description: "a description that goes on and on and on and on and on and on and on"
+                .into(),
+            created_unix_ms: 1,
+        };
+        let w = Some(ctl::WIDTH);
+        for text in [
+            tenant_table(&tenants, w),
+            lease_table(std::slice::from_ref(&lease), w),
+            session_table(std::slice::from_ref(&session), w),
+            device_table(std::slice::from_ref(&device), w),
+            token_table(std::slice::from_ref(&token), w),
+        ] {
+            for line in text.lines() {
+                assert!(
+                    line.chars().count() <= 100,
+                    "{} wide:\n{text}",
+                    line.chars().count()
+                );
+            }
+        }
+        assert!(lease_table(std::slice::from_ref(&lease), w).contains(&lease.lease_id));
+        assert!(lease_table(std::slice::from_ref(&lease), None).contains(&lease.label));
     }
 }

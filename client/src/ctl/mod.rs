@@ -1,0 +1,8 @@
+//! Parts of `gpu-brokerctl` beyond the one-call-one-table commands: writing secrets to
+//! files and the operator views built from several admin calls. Each view lives in its own
+//! module; `gpu-brokerctl.rs` only parses the command line and dispatches.
+
+pub mod secret_file;
+
+/// Width the default tables fit (`--wide` lifts it).
+pub const WIDTH: usize = 100;
