@@ -60,6 +60,42 @@ pub fn load_or_create(path: &Path) -> Result<String, AdminTokenError> {
     }
 }
 
+/// Atomically replaces the token at `path` with `token` (a new 0600 file renamed over
+/// it, fsynced), so a reader sees the old token or the new one, never a partial file.
+pub fn replace(path: &Path, token: &str) -> Result<(), AdminTokenError> {
+    let io = |source| AdminTokenError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.new-{}",
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "admin.token".into()),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io)?;
+    let written = f
+        .write_all(format!("{token}\n").as_bytes())
+        .and_then(|_| f.sync_all())
+        .and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,6 +110,21 @@ mod tests {
             0o600
         );
         assert_eq!(load_or_create(&p).unwrap(), t);
+    }
+
+    #[test]
+    fn replace_swaps_the_token_and_keeps_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("admin.token");
+        let old = load_or_create(&p).unwrap();
+        replace(&p, "gpb_new").unwrap();
+        assert_eq!(load_or_create(&p).unwrap(), "gpb_new");
+        assert_ne!(old, "gpb_new");
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     #[test]

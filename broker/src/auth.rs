@@ -3,6 +3,12 @@
 //! [`Caller`] into each request's extensions: the `Broker` service admits tenants only,
 //! the `Admin` service the admin only (a tenant there is `PERMISSION_DENIED`; no token or
 //! an unknown one is `UNAUTHENTICATED` everywhere).
+//!
+//! Every token has a [`Scope`]: `worker` (a tenant's workers: the `Broker` service),
+//! `read` (usage, metrics and status only; bound to a tenant or node-wide) and `admin`
+//! (the `Admin` service; the admin token file is one, stored admin tokens are others). A
+//! token may expire: past its expiry it is `UNAUTHENTICATED` with "expired" in the
+//! message. Which methods a scope reaches is decided per method in `gate.rs`.
 
 use dashmap::DashMap;
 use rand::RngCore;
@@ -16,16 +22,127 @@ use tonic::{Request, Status};
 pub enum Caller {
     Admin,
     Tenant(String),
+    /// A `read` token: of one tenant, or node-wide (`None`).
+    Reader(Option<String>),
 }
 
-/// A tenant token, as kept (never the token itself).
+/// What a token may do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Scope {
+    /// A tenant's workers: the whole `Broker` service.
+    #[default]
+    Worker,
+    /// Usage, metrics and status, nothing else.
+    Read,
+    /// The `Admin` service.
+    Admin,
+}
+
+impl Scope {
+    /// `"worker"`, `"read"` or `"admin"` (also the stored form).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Worker => "worker",
+            Scope::Read => "read",
+            Scope::Admin => "admin",
+        }
+    }
+
+    /// The stored form back; "" (records written before scopes existed) is `worker`.
+    pub fn parse(s: &str) -> Option<Scope> {
+        match s {
+            "" | "worker" => Some(Scope::Worker),
+            "read" => Some(Scope::Read),
+            "admin" => Some(Scope::Admin),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A token, as kept (never the token itself).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TokenEntry {
     pub token_id: String,
+    /// The tenant; "" for admin and node-wide read tokens.
     pub tenant: String,
     pub description: String,
     pub created_unix_ms: i64,
     pub hash: [u8; 32],
+    /// Operator-chosen name (may be empty).
+    pub name: String,
+    pub scope: Scope,
+    /// Past this instant (ms since the epoch) the token is refused; `None`: never.
+    pub expires_unix_ms: Option<i64>,
+}
+
+/// The authenticated identity behind a request: which token, what it may do. Put into
+/// each request's extensions by the gate (`gate.rs`); the audit log records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Principal {
+    /// Public id of the token (`admin-file` for the admin token file).
+    pub token_id: String,
+    pub name: String,
+    pub scope: Scope,
+    /// The tenant of a worker or tenant-bound read token.
+    pub tenant: Option<String>,
+}
+
+impl Principal {
+    /// The [`Caller`] this principal acts as.
+    pub fn caller(&self) -> Caller {
+        match (self.scope, &self.tenant) {
+            (Scope::Admin, _) => Caller::Admin,
+            (Scope::Worker, Some(t)) => Caller::Tenant(t.clone()),
+            (Scope::Worker, None) => Caller::Reader(None),
+            (Scope::Read, t) => Caller::Reader(t.clone()),
+        }
+    }
+}
+
+/// Why a token was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    #[error("missing authorization: Bearer <token>")]
+    Missing,
+    #[error("authorization must be: Bearer <token>")]
+    Malformed,
+    #[error("unknown or revoked token")]
+    Unknown,
+    #[error(
+        "token {token_id} ({name}) expired at {expired_at} (ms since the epoch): issue a new one"
+    )]
+    Expired {
+        token_id: String,
+        name: String,
+        expired_at: i64,
+    },
+    #[error("a {scope} token may not do this: {what}")]
+    Scope { scope: Scope, what: String },
+}
+
+impl From<AuthError> for Status {
+    fn from(e: AuthError) -> Status {
+        match e {
+            AuthError::Scope { .. } => Status::permission_denied(e.to_string()),
+            _ => Status::unauthenticated(e.to_string()),
+        }
+    }
+}
+
+/// Principal of the admin token file.
+pub const ADMIN_FILE_TOKEN_ID: &str = "admin-file";
+
+/// The admin token file's hash, and the previous one during a rotation's grace.
+#[derive(Debug)]
+struct AdminKeys {
+    current: [u8; 32],
+    previous: Option<([u8; 32], std::time::Instant)>,
 }
 
 /// SHA-256 of a token.
@@ -50,28 +167,114 @@ pub fn generate_token() -> (String, [u8; 32]) {
 /// The admin token's hash and the tenant token table.
 #[derive(Debug)]
 pub struct Authenticator {
-    admin_hash: [u8; 32],
+    admin: parking_lot::RwLock<AdminKeys>,
     /// Token hash -> entry; read on every request, without the arbiter's lock.
     tokens: DashMap<[u8; 32], TokenEntry>,
+    /// Token hash -> when it was last accepted (ms since the epoch; since this start).
+    last_used: DashMap<[u8; 32], i64>,
+    /// Where the admin token file lives (for rotation); `None` in tests.
+    admin_file: parking_lot::Mutex<Option<std::path::PathBuf>>,
 }
 
 impl Authenticator {
     pub fn new(admin_token: &str) -> Authenticator {
         Authenticator {
-            admin_hash: hash_token(admin_token),
+            admin: parking_lot::RwLock::new(AdminKeys {
+                current: hash_token(admin_token),
+                previous: None,
+            }),
             tokens: DashMap::new(),
+            last_used: DashMap::new(),
+            admin_file: parking_lot::Mutex::new(None),
+        }
+    }
+
+    /// Remembers the admin token file, which [`Authenticator::rotate_admin`] rewrites.
+    pub fn set_admin_file(&self, path: &std::path::Path) {
+        *self.admin_file.lock() = Some(path.to_path_buf());
+    }
+
+    /// The admin token file, if known.
+    pub fn admin_file(&self) -> Option<std::path::PathBuf> {
+        self.admin_file.lock().clone()
+    }
+
+    /// Makes `new_token` the admin file token; the old one keeps working for `grace`
+    /// (zero: not at all), so clients can switch without downtime.
+    pub fn rotate_admin(&self, new_token: &str, grace: std::time::Duration) {
+        let mut k = self.admin.write();
+        let old = k.current;
+        k.current = hash_token(new_token);
+        k.previous = (!grace.is_zero()).then(|| (old, std::time::Instant::now() + grace));
+    }
+
+    fn is_admin_file_token(&self, h: &[u8; 32]) -> bool {
+        let k = self.admin.read();
+        if bool::from(h.ct_eq(&k.current)) {
+            return true;
+        }
+        matches!(k.previous, Some((p, until)) if bool::from(h.ct_eq(&p)) && std::time::Instant::now() < until)
+    }
+
+    /// Resolves a bearer token to its principal: refuses unknown, revoked and expired
+    /// tokens, and records the use.
+    pub fn authenticate(&self, token: &str) -> Result<Principal, AuthError> {
+        let h = hash_token(token);
+        if self.is_admin_file_token(&h) {
+            return Ok(Principal {
+                token_id: ADMIN_FILE_TOKEN_ID.into(),
+                name: "admin token file".into(),
+                scope: Scope::Admin,
+                tenant: None,
+            });
+        }
+        let e = self.tokens.get(&h).ok_or(AuthError::Unknown)?;
+        let now = crate::units::unix_ms(std::time::SystemTime::now());
+        if let Some(exp) = e.expires_unix_ms {
+            if now >= exp {
+                return Err(AuthError::Expired {
+                    token_id: e.token_id.clone(),
+                    name: e.name.clone(),
+                    expired_at: exp,
+                });
+            }
+        }
+        let p = Principal {
+            token_id: e.token_id.clone(),
+            name: e.name.clone(),
+            scope: e.scope,
+            tenant: (!e.tenant.is_empty()).then(|| e.tenant.clone()),
+        };
+        drop(e);
+        // One write a second per token at most: the map is read on every request.
+        let stale = self.last_used.get(&h).is_none_or(|t| *t + 1000 <= now);
+        if stale {
+            self.last_used.insert(h, now);
+        }
+        Ok(p)
+    }
+
+    /// When a token was last accepted since this broker started (ms since the epoch).
+    pub fn last_used(&self, hash: &[u8; 32]) -> Option<i64> {
+        self.last_used.get(hash).map(|t| *t)
+    }
+
+    /// Accepts a token that may read usage, metrics and status: `read` (node-wide or of
+    /// a tenant), or `admin`. For `/metrics` and status pages.
+    pub fn authorize_read(&self, token: &str) -> Result<Principal, AuthError> {
+        let p = self.authenticate(token)?;
+        match p.scope {
+            Scope::Read | Scope::Admin => Ok(p),
+            Scope::Worker => Err(AuthError::Scope {
+                scope: p.scope,
+                what: "reading metrics or status needs a read or admin token".into(),
+            }),
         }
     }
 
     /// Resolves a bearer token.
     pub fn identify(&self, token: &str) -> Option<Caller> {
-        let h = hash_token(token);
-        if bool::from(h.ct_eq(&self.admin_hash)) {
-            return Some(Caller::Admin);
-        }
-        self.tokens
-            .get(&h)
-            .map(|e| Caller::Tenant(e.tenant.clone()))
+        self.authenticate(token).ok().map(|p| p.caller())
     }
 
     pub fn add(&self, entry: TokenEntry) {
@@ -91,6 +294,7 @@ impl Authenticator {
     }
 
     pub fn remove(&self, hash: &[u8; 32]) -> Option<TokenEntry> {
+        self.last_used.remove(hash);
         self.tokens.remove(hash).map(|(_, e)| e)
     }
 
@@ -116,22 +320,34 @@ impl Authenticator {
     }
 }
 
-/// Reads `authorization: Bearer <token>` and resolves it.
-fn caller_of<T>(auth: &Authenticator, req: &Request<T>) -> Result<Caller, Status> {
-    let value = req
-        .metadata()
-        .get("authorization")
-        .ok_or_else(|| Status::unauthenticated("missing authorization: Bearer <token>"))?;
-    let value = value
-        .to_str()
-        .map_err(|_| Status::unauthenticated("malformed authorization header"))?;
-    let token = value
+/// The token of an `authorization: Bearer <token>` header value.
+pub fn bearer(value: Option<&str>) -> Result<&str, AuthError> {
+    let value = value.ok_or(AuthError::Missing)?;
+    Ok(value
         .strip_prefix("Bearer ")
         .or_else(|| value.strip_prefix("bearer "))
-        .ok_or_else(|| Status::unauthenticated("authorization must be: Bearer <token>"))?
-        .trim();
-    auth.identify(token)
-        .ok_or_else(|| Status::unauthenticated("unknown or revoked token"))
+        .ok_or(AuthError::Malformed)?
+        .trim())
+}
+
+/// The request's principal: the one the gate resolved, else resolved from the header.
+fn principal_of<T>(auth: &Authenticator, req: &Request<T>) -> Result<Principal, Status> {
+    if let Some(p) = req.extensions().get::<Principal>() {
+        return Ok(p.clone());
+    }
+    let value = match req.metadata().get("authorization") {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| Status::unauthenticated("malformed authorization header"))?,
+        ),
+    };
+    Ok(auth.authenticate(bearer(value)?)?)
+}
+
+/// Reads `authorization: Bearer <token>` and resolves it.
+fn caller_of<T>(auth: &Authenticator, req: &Request<T>) -> Result<Caller, Status> {
+    principal_of(auth, req).map(|p| p.caller())
 }
 
 /// Interceptor of the `Broker` service: tenants only.
@@ -139,10 +355,13 @@ pub fn tenant_interceptor(
     auth: Arc<Authenticator>,
 ) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone {
     move |mut req: Request<()>| match caller_of(&auth, &req)? {
-        Caller::Tenant(t) => {
-            req.extensions_mut().insert(Caller::Tenant(t));
+        c @ (Caller::Tenant(_) | Caller::Reader(Some(_))) => {
+            req.extensions_mut().insert(c);
             Ok(req)
         }
+        Caller::Reader(None) => Err(Status::permission_denied(
+            "a node-wide read token has no tenant: it reads through the Admin service",
+        )),
         Caller::Admin => Err(Status::permission_denied(
             "the admin token is for the Admin service; workers use a tenant token",
         )),
@@ -154,11 +373,11 @@ pub fn admin_interceptor(
     auth: Arc<Authenticator>,
 ) -> impl Fn(Request<()>) -> Result<Request<()>, Status> + Clone {
     move |mut req: Request<()>| match caller_of(&auth, &req)? {
-        Caller::Admin => {
-            req.extensions_mut().insert(Caller::Admin);
+        c @ (Caller::Admin | Caller::Reader(None)) => {
+            req.extensions_mut().insert(c);
             Ok(req)
         }
-        Caller::Tenant(_) => Err(Status::permission_denied(
+        Caller::Tenant(_) | Caller::Reader(Some(_)) => Err(Status::permission_denied(
             "tenant tokens cannot call the Admin service",
         )),
     }
@@ -167,7 +386,7 @@ pub fn admin_interceptor(
 /// The tenant a `Broker` request was authenticated as.
 pub fn tenant_of<T>(req: &Request<T>) -> Result<String, Status> {
     match req.extensions().get::<Caller>() {
-        Some(Caller::Tenant(t)) => Ok(t.clone()),
+        Some(Caller::Tenant(t)) | Some(Caller::Reader(Some(t))) => Ok(t.clone()),
         _ => Err(Status::unauthenticated("no tenant on this request")),
     }
 }
@@ -192,6 +411,9 @@ mod tests {
             description: String::new(),
             created_unix_ms: 0,
             hash,
+            name: String::new(),
+            scope: Scope::Worker,
+            expires_unix_ms: None,
         });
         (a, tok)
     }
@@ -223,6 +445,54 @@ mod tests {
             tonic::Code::PermissionDenied
         );
         assert!(ai(with_token("admin-secret")).is_ok());
+    }
+
+    #[test]
+    fn expired_tokens_say_so_and_record_no_use() {
+        let a = Authenticator::new("admin-secret");
+        let (tok, hash) = generate_token();
+        a.add(TokenEntry {
+            token_id: token_id(&hash),
+            tenant: "t1".into(),
+            description: String::new(),
+            created_unix_ms: 0,
+            hash,
+            name: "old".into(),
+            scope: Scope::Worker,
+            expires_unix_ms: Some(1),
+        });
+        let e = a.authenticate(&tok).unwrap_err();
+        assert!(matches!(e, AuthError::Expired { .. }));
+        assert!(e.to_string().contains("expired"), "{e}");
+        assert_eq!(Status::from(e).code(), tonic::Code::Unauthenticated);
+        assert_eq!(a.last_used(&hash), None);
+    }
+
+    #[test]
+    fn admin_rotation_keeps_the_old_token_for_the_grace_only() {
+        let a = Authenticator::new("old");
+        a.rotate_admin("new", std::time::Duration::from_secs(60));
+        assert_eq!(a.identify("old"), Some(Caller::Admin));
+        assert_eq!(a.identify("new"), Some(Caller::Admin));
+        a.rotate_admin("newer", std::time::Duration::ZERO);
+        assert_eq!(a.identify("old"), None);
+        assert_eq!(a.identify("new"), None);
+        assert_eq!(a.identify("newer"), Some(Caller::Admin));
+    }
+
+    #[test]
+    fn read_principals_map_to_readers() {
+        let p = Principal {
+            token_id: "x".into(),
+            name: String::new(),
+            scope: Scope::Read,
+            tenant: Some("t".into()),
+        };
+        assert_eq!(p.caller(), Caller::Reader(Some("t".into())));
+        let ti = tenant_interceptor(Arc::new(Authenticator::new("a")));
+        let mut r = Request::new(());
+        r.extensions_mut().insert(Principal { tenant: None, ..p });
+        assert_eq!(ti(r).unwrap_err().code(), tonic::Code::PermissionDenied);
     }
 
     #[test]

@@ -8,11 +8,13 @@
 
 pub mod admin_token;
 pub mod arbiter;
+pub mod audit;
 pub mod auth;
 pub mod backend;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod gate;
 pub mod gpu_processes;
 pub mod lease;
 pub mod ledger;

@@ -43,6 +43,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let admin_token =
         gpu_broker::admin_token::load_or_create(&cfg.admin_token_path()).context("admin token")?;
     let auth = Arc::new(Authenticator::new(&admin_token));
+    auth.set_admin_file(&cfg.admin_token_path());
     let spec = BackendSpec {
         choice: cfg.backend,
         cuda_devices: cfg.devices.clone().map(|d| d.0),

@@ -97,12 +97,15 @@ pub async fn serve(
     } else {
         (ka / 2).max(Duration::from_millis(500))
     };
+    let gate = crate::gate::GateLayer::new(arb.authenticator().clone());
     let router = tonic::transport::Server::builder()
         // Every request gets a span named by its method; the services add tenant,
         // session and lease ids to it.
         .trace_fn(|req| tracing::info_span!("rpc", method = %req.uri().path()))
         .http2_keepalive_interval(Some(ping))
         .http2_keepalive_timeout(Some(ping))
+        // Tokens, expiry and scopes (gate.rs), before any service sees the request.
+        .layer(gate)
         .add_service(health)
         .add_service(reflection)
         .add_service(broker)

@@ -79,6 +79,15 @@ pub struct TokenRecord {
     pub hash_hex: String,
     pub description: String,
     pub created_unix_ms: i64,
+    /// Operator-chosen name (absent in files written before token lifecycles: "").
+    #[serde(default)]
+    pub name: String,
+    /// `worker`, `read` or `admin` (absent in older files: "" = `worker`).
+    #[serde(default)]
+    pub scope: String,
+    /// Expiry, ms since the epoch; absent: never expires.
+    #[serde(default)]
+    pub expires_unix_ms: Option<i64>,
 }
 
 /// Errors of the state store. Every variant names the file or directory concerned.
@@ -339,6 +348,34 @@ impl Store {
         // Checked again: the file may have needed recovery, or changed between the opens.
         check_schema(&path, &db)?;
         Ok(Store { db, path })
+    }
+
+    // ---- for modules with their own tables in this file ----
+
+    /// Runs `f` in one write transaction of the state file (quick-repair, committed with
+    /// fsync before returning): for modules that keep their own tables here (`audit.rs`).
+    pub(crate) fn write_with<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&redb::WriteTransaction) -> Result<T, redb::Error>,
+    ) -> Result<T, StoreError> {
+        let txn = self.begin_write()?;
+        let out = f(&txn).map_err(|e| db_err(&self.path, op, e))?;
+        self.commit(txn)?;
+        Ok(out)
+    }
+
+    /// Runs `f` in one read transaction of the state file.
+    pub(crate) fn read_with<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&redb::ReadTransaction) -> Result<T, redb::Error>,
+    ) -> Result<T, StoreError> {
+        let txn = self
+            .db
+            .begin_read()
+            .map_err(|e| db_err(&self.path, "begin read transaction", e))?;
+        f(&txn).map_err(|e| db_err(&self.path, op, e))
     }
 
     // ---- helpers ----
@@ -659,7 +696,18 @@ mod tests {
             hash_hex: format!("{:064x}", id.len()),
             description: format!("token {id} of {tenant}"),
             created_unix_ms: 1_764_460_800_000,
+            name: format!("n-{id}"),
+            scope: "worker".into(),
+            expires_unix_ms: Some(1_864_460_800_000),
         }
+    }
+
+    #[test]
+    fn tokens_written_before_scopes_still_load() {
+        let old = r#"{"token_id":"ab","tenant":"a","hash_hex":"00","description":"d","created_unix_ms":1}"#;
+        let t: TokenRecord = serde_json::from_str(old).unwrap();
+        assert_eq!((t.name.as_str(), t.scope.as_str()), ("", ""));
+        assert_eq!(t.expires_unix_ms, None);
     }
 
     /// A real database with some content, closed; returns its bytes.

@@ -8,13 +8,14 @@ use tonic::transport::Channel;
 use gpu_broker_proto::v1 as pb;
 use pb::admin_client::AdminClient as RawAdminClient;
 
+use crate::audit::{AuditEntry, AuditFilter};
 use crate::connect::{self, AuthChannel};
 use crate::device::DeviceInfo;
 use crate::error::ClientError;
 use crate::lease::LeaseInfo;
 use crate::session::SessionInfo;
 use crate::tenant::{QuotaChange, QuotaPatch, QuotaSpec, TenantInfo};
-use crate::token::{IssuedToken, TokenInfo};
+use crate::token::{IssuedToken, TokenInfo, TokenOptions};
 
 /// A connection to the broker's admin service. Cheap to clone.
 #[derive(Clone, Debug)]
@@ -134,15 +135,73 @@ impl AdminClient {
         tenant: &str,
         description: &str,
     ) -> Result<IssuedToken, ClientError> {
+        self.issue_token_with(
+            Some(tenant),
+            &TokenOptions {
+                description: description.to_string(),
+                ..Default::default()
+            },
+        )
+        .await
+    }
+
+    /// Issues a token of a scope, with an optional time to live and a name. `tenant` is
+    /// required for worker tokens, optional for read tokens (`None`: node-wide) and
+    /// absent for admin tokens.
+    pub async fn issue_token_with(
+        &self,
+        tenant: Option<&str>,
+        opts: &TokenOptions,
+    ) -> Result<IssuedToken, ClientError> {
+        let ttl_ms = match opts.ttl {
+            None => None,
+            Some(d) => Some(
+                u64::try_from(d.as_millis())
+                    .map_err(|_| ClientError::InvalidArgument(format!("ttl {d:?} is too long")))?,
+            ),
+        };
         let reply = self
             .raw()
             .issue_token(pb::IssueTokenRequest {
-                tenant: tenant.to_string(),
-                description: description.to_string(),
+                tenant: tenant.unwrap_or_default().to_string(),
+                description: opts.description.clone(),
+                scope: opts.scope.to_proto() as i32,
+                ttl_ms,
+                name: opts.name.clone(),
             })
             .await?
             .into_inner();
         Ok(IssuedToken::from(reply))
+    }
+
+    /// Replaces the broker's admin token file's token with a new one and returns it with
+    /// the instant (ms since the epoch) the old one stops working (`grace` from now).
+    pub async fn rotate_admin_token(
+        &self,
+        grace: std::time::Duration,
+    ) -> Result<(String, i64), ClientError> {
+        let reply = self
+            .raw()
+            .rotate_admin_token(pb::RotateAdminTokenRequest {
+                grace_ms: u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+            })
+            .await?
+            .into_inner();
+        Ok((reply.token, reply.old_valid_until_unix_ms))
+    }
+
+    /// Recorded operator changes, oldest first.
+    pub async fn list_audit(&self, filter: &AuditFilter) -> Result<Vec<AuditEntry>, ClientError> {
+        let reply = self
+            .raw()
+            .list_audit(pb::ListAuditRequest {
+                since_unix_ms: filter.since_unix_ms,
+                tenant: filter.tenant.clone().unwrap_or_default(),
+                limit: filter.limit,
+            })
+            .await?
+            .into_inner();
+        Ok(reply.entries.into_iter().map(AuditEntry::from).collect())
     }
 
     /// Revokes a token given either its id or the token itself: tried as an id first,

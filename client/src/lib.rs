@@ -60,6 +60,7 @@
 //! ```
 
 pub mod admin;
+pub mod audit;
 pub mod client;
 pub mod connect;
 #[cfg(feature = "cuda")]
@@ -81,6 +82,7 @@ pub mod units;
 pub use gpu_broker_proto as proto;
 
 pub use admin::AdminClient;
+pub use audit::{AuditEntry, AuditFilter};
 pub use client::Client;
 pub use device::DeviceInfo;
 pub use error::{ClientError, Code};
@@ -90,5 +92,5 @@ pub use mapping::HostMapping;
 pub use reconnect::Backoff;
 pub use session::{Session, SessionBuilder, SessionInfo};
 pub use tenant::{QuotaChange, QuotaPatch, QuotaSpec, TenantInfo, Usage, UsageCounters};
-pub use token::{IssuedToken, TokenInfo};
+pub use token::{IssuedToken, TokenInfo, TokenOptions, TokenScope};
 pub use turn::{Turn, TurnEnd, TurnRequest};

@@ -17,5 +17,6 @@ mod readme;
 mod scrub;
 mod shutdown;
 mod smoke;
+mod trust;
 mod turns;
 mod waiting;

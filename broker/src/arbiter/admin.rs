@@ -3,11 +3,11 @@
 //! before the RPC returns.
 
 use super::{Arbiter, State};
-use crate::auth::{generate_token, token_id, TokenEntry};
+use crate::auth::TokenEntry;
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant, Usage};
-use crate::store::{StoreError, TenantRecord, TokenRecord};
+use crate::store::{StoreError, TenantRecord};
 use crate::units::show;
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -83,7 +83,7 @@ pub struct QuotaChange {
     pub warnings: Vec<String>,
 }
 
-fn store_err(e: StoreError) -> BrokerError {
+pub(super) fn store_err(e: StoreError) -> BrokerError {
     BrokerError::Internal(format!("state store: {e}"))
 }
 
@@ -99,16 +99,7 @@ impl Arbiter {
             st.ledger.set_quota(&t.name, quota_of(t))?;
         }
         for t in tokens {
-            let mut hash = [0u8; 32];
-            hex::decode_to_slice(&t.hash_hex, &mut hash)
-                .map_err(|e| BrokerError::Internal(format!("bad token hash in store: {e}")))?;
-            self.auth.add(TokenEntry {
-                token_id: t.token_id,
-                tenant: t.tenant,
-                description: t.description,
-                created_unix_ms: t.created_unix_ms,
-                hash,
-            });
+            self.auth.add(TokenEntry::from_record(t)?);
         }
         tracing::info!(tenants = tenants.len(), "state loaded");
         Ok(())
@@ -244,41 +235,15 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Issues a new token for a tenant; returns (token, token_id) — the token only now.
+    /// Issues a new worker token for a tenant; returns (token, token_id) — the token only
+    /// now. (See [`Arbiter::issue`] for scopes, names and expiry.)
     pub fn issue_token(&self, tenant: &str, description: &str) -> BrokerResult<(String, String)> {
-        if description.len() > super::MAX_LABEL {
-            return Err(BrokerError::InvalidArgument("description too long".into()));
-        }
-        let st = self.state.lock();
-        if st.ledger.get(tenant).is_none() {
-            return Err(BrokerError::NotFound(format!(
-                "tenant {tenant:?} not found"
-            )));
-        }
-        let (token, hash) = generate_token();
-        let entry = TokenEntry {
-            token_id: token_id(&hash),
-            tenant: tenant.to_string(),
+        let t = self.issue(super::tokens::TokenSpec {
+            tenant: Some(tenant.to_string()),
             description: description.to_string(),
-            created_unix_ms: crate::units::unix_ms(SystemTime::now()),
-            hash,
-        };
-        if let Some(store) = &self.store {
-            store
-                .put_token(&TokenRecord {
-                    token_id: entry.token_id.clone(),
-                    tenant: entry.tenant.clone(),
-                    hash_hex: hex::encode(hash),
-                    description: entry.description.clone(),
-                    created_unix_ms: entry.created_unix_ms,
-                })
-                .map_err(store_err)?;
-        }
-        let id = entry.token_id.clone();
-        self.auth.add(entry);
-        drop(st);
-        tracing::info!(tenant, token_id = %id, "token issued");
-        Ok((token, id))
+            ..Default::default()
+        })?;
+        Ok((t.token, t.entry.token_id))
     }
 
     /// Revokes a token given its id or the token itself.

@@ -14,6 +14,7 @@ mod admission;
 mod ending;
 pub mod queue;
 mod tasks;
+pub mod tokens;
 mod turns;
 
 pub use admin::{DeviceReport, QuotaChange, QuotaUpdate, SessionView, TenantView};
@@ -141,6 +142,8 @@ pub struct Arbiter {
     /// Compute turns (time-slicing); separate from memory, with its own lock.
     pub(crate) scheduler: crate::scheduler::Scheduler,
     draining: AtomicBool,
+    /// Operator changes, durable in the store (`audit.rs`).
+    pub(crate) audit_log: crate::audit::AuditLog,
 }
 
 /// Longest label accepted.
@@ -169,7 +172,10 @@ impl Arbiter {
         }
         std::sync::LazyLock::force(&STARTED);
         let scheduler = crate::scheduler::Scheduler::new(devices.len(), cfg.turns);
+        let audit_log =
+            crate::audit::AuditLog::open(store.as_ref(), crate::audit::DEFAULT_MAX_RECORDS)?;
         let arb = Arbiter {
+            audit_log,
             scheduler,
             state: Mutex::new(st),
             devices,

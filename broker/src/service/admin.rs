@@ -2,10 +2,13 @@
 //! Thin: the interceptor admitted only the admin; this converts and delegates.
 
 use super::convert::{self, filter, parse_id};
+use crate::arbiter::tokens::TokenSpec;
 use crate::arbiter::Arbiter;
+use crate::audit::{AuditFilter, Who};
 use gpu_broker_proto::v1 as pb;
 use gpu_broker_proto::v1::admin_server::Admin;
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 use tonic::{Request, Response, Status};
 
 /// The operator-facing service.
@@ -25,9 +28,19 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::SetQuotaRequest>,
     ) -> Result<Response<pb::SetQuotaResponse>, Status> {
+        let who = Who::of(&req);
         let r = req.into_inner();
         let update = convert::quota_update(r.quota, r.patch)?;
+        let before = self.arb.get_tenant(&r.tenant).ok();
         let c = self.arb.change_quota(&r.tenant, update)?;
+        self.arb.audit(
+            &who,
+            "quota.set",
+            &c.tenant.name,
+            "",
+            before.map(|b| convert::quota_json(&b.quota)),
+            Some(convert::quota_json(&c.tenant.quota)),
+        );
         Ok(Response::new(pb::SetQuotaResponse {
             tenant: Some(convert::tenant(&c.tenant)),
             created: c.created,
@@ -63,7 +76,18 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::DeleteTenantRequest>,
     ) -> Result<Response<pb::DeleteTenantResponse>, Status> {
-        self.arb.delete_tenant(&req.get_ref().tenant)?;
+        let who = Who::of(&req);
+        let name = &req.get_ref().tenant;
+        let before = self.arb.get_tenant(name).ok();
+        self.arb.delete_tenant(name)?;
+        self.arb.audit(
+            &who,
+            "tenant.delete",
+            name,
+            "",
+            before.map(|b| convert::quota_json(&b.quota)),
+            None,
+        );
         Ok(Response::new(pb::DeleteTenantResponse {}))
     }
 
@@ -71,12 +95,32 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::IssueTokenRequest>,
     ) -> Result<Response<pb::IssueTokenResponse>, Status> {
+        let who = Who::of(&req);
         let r = req.into_inner();
-        let (token, token_id) = self.arb.issue_token(&r.tenant, &r.description)?;
+        let spec = TokenSpec {
+            tenant: filter(&r.tenant).map(str::to_string),
+            scope: convert::scope_from(r.scope)?,
+            ttl: r.ttl_ms.map(Duration::from_millis),
+            name: r.name,
+            description: r.description,
+        };
+        let issued = self.arb.issue(spec)?;
+        let e = &issued.entry;
+        self.arb.audit(
+            &who,
+            "token.issue",
+            &e.tenant,
+            &e.token_id,
+            None,
+            Some(convert::token_json(e)),
+        );
         Ok(Response::new(pb::IssueTokenResponse {
-            token,
-            token_id,
-            tenant: r.tenant,
+            token: issued.token.clone(),
+            token_id: e.token_id.clone(),
+            tenant: e.tenant.clone(),
+            expires_unix_ms: e.expires_unix_ms.unwrap_or(0),
+            scope: convert::scope(e.scope) as i32,
+            name: e.name.clone(),
         }))
     }
 
@@ -84,6 +128,7 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::RevokeTokenRequest>,
     ) -> Result<Response<pb::RevokeTokenResponse>, Status> {
+        let who = Who::of(&req);
         let r = req.into_inner();
         let key = if r.token_id.is_empty() {
             r.token
@@ -93,7 +138,18 @@ impl Admin for AdminService {
         if key.is_empty() {
             return Err(Status::invalid_argument("token_id or token is required"));
         }
+        let before = self.arb.authenticator().find(&key);
         self.arb.revoke_token(&key)?;
+        if let Some(e) = before {
+            self.arb.audit(
+                &who,
+                "token.revoke",
+                &e.tenant,
+                &e.token_id,
+                Some(convert::token_json(&e)),
+                None,
+            );
+        }
         Ok(Response::new(pb::RevokeTokenResponse {}))
     }
 
@@ -105,7 +161,10 @@ impl Admin for AdminService {
         self.arb.check_tenant_filter(tenant)?;
         let tokens = self.arb.list_tokens(tenant);
         Ok(Response::new(pb::ListTokensResponse {
-            tokens: tokens.iter().map(convert::token).collect(),
+            tokens: tokens
+                .iter()
+                .map(|t| convert::token(t, self.arb.authenticator().last_used(&t.hash)))
+                .collect(),
         }))
     }
 
@@ -128,6 +187,7 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::RevokeLeaseRequest>,
     ) -> Result<Response<pb::RevokeLeaseResponse>, Status> {
+        let who = Who::of(&req);
         let r = req.into_inner();
         let id = parse_id("lease_id", &r.lease_id)?;
         let reason = if r.reason.is_empty() {
@@ -136,6 +196,14 @@ impl Admin for AdminService {
             r.reason
         };
         let lease = self.arb.revoke(id, &reason)?;
+        self.arb.audit(
+            &who,
+            "lease.revoke",
+            &lease.tenant,
+            &lease.id.to_string(),
+            Some(serde_json::json!({"bytes": lease.bytes, "device": lease.device, "session": lease.session.to_string()})),
+            Some(serde_json::json!({"state": "revoked", "reason": reason})),
+        );
         Ok(Response::new(pb::RevokeLeaseResponse {
             lease: Some(convert::lease_on(&lease, &self.arb)),
         }))
@@ -160,6 +228,42 @@ impl Admin for AdminService {
         let devices = self.arb.devices().await;
         Ok(Response::new(pb::GetDevicesResponse {
             devices: devices.iter().map(convert::device).collect(),
+        }))
+    }
+
+    async fn rotate_admin_token(
+        &self,
+        req: Request<pb::RotateAdminTokenRequest>,
+    ) -> Result<Response<pb::RotateAdminTokenResponse>, Status> {
+        let who = Who::of(&req);
+        let grace = Duration::from_millis(req.get_ref().grace_ms);
+        let token = self.arb.rotate_admin_token(grace)?;
+        self.arb.audit(
+            &who,
+            "admin_token.rotate",
+            "",
+            crate::auth::ADMIN_FILE_TOKEN_ID,
+            None,
+            Some(serde_json::json!({"old_token_grace_ms": req.get_ref().grace_ms})),
+        );
+        Ok(Response::new(pb::RotateAdminTokenResponse {
+            token,
+            old_valid_until_unix_ms: convert::unix_ms(SystemTime::now() + grace),
+        }))
+    }
+
+    async fn list_audit(
+        &self,
+        req: Request<pb::ListAuditRequest>,
+    ) -> Result<Response<pb::ListAuditResponse>, Status> {
+        let r = req.into_inner();
+        let records = self.arb.list_audit(&AuditFilter {
+            since_unix_ms: r.since_unix_ms,
+            tenant: filter(&r.tenant).map(str::to_string),
+            limit: r.limit as usize,
+        })?;
+        Ok(Response::new(pb::ListAuditResponse {
+            entries: records.iter().map(convert::audit_entry).collect(),
         }))
     }
 }

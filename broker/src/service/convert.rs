@@ -1,7 +1,8 @@
 //! Conversions between proto messages and domain types.
 
 use crate::arbiter::{DeviceReport, QuotaUpdate, SessionView, TenantView};
-use crate::auth::TokenEntry;
+use crate::audit::AuditRecord;
+use crate::auth::{Scope, TokenEntry};
 use crate::device::Handle;
 use crate::error::BrokerError;
 use crate::lease::LeaseView;
@@ -139,12 +140,77 @@ pub fn tenant(t: &TenantView) -> pb::TenantInfo {
     }
 }
 
-pub fn token(t: &TokenEntry) -> pb::TokenInfo {
+pub fn token(t: &TokenEntry, last_used: Option<i64>) -> pb::TokenInfo {
     pb::TokenInfo {
         token_id: t.token_id.clone(),
         tenant: t.tenant.clone(),
         description: t.description.clone(),
         created_unix_ms: t.created_unix_ms,
+        name: t.name.clone(),
+        scope: scope(t.scope) as i32,
+        expires_unix_ms: t.expires_unix_ms.unwrap_or(0),
+        last_used_unix_ms: last_used.unwrap_or(0),
+    }
+}
+
+pub fn scope(s: Scope) -> pb::TokenScope {
+    match s {
+        Scope::Worker => pb::TokenScope::Worker,
+        Scope::Read => pb::TokenScope::Read,
+        Scope::Admin => pb::TokenScope::Admin,
+    }
+}
+
+pub fn scope_from(v: i32) -> Result<Scope, BrokerError> {
+    match pb::TokenScope::try_from(v) {
+        Ok(pb::TokenScope::Unspecified | pb::TokenScope::Worker) => Ok(Scope::Worker),
+        Ok(pb::TokenScope::Read) => Ok(Scope::Read),
+        Ok(pb::TokenScope::Admin) => Ok(Scope::Admin),
+        Err(_) => Err(BrokerError::InvalidArgument(format!(
+            "unknown token scope {v}"
+        ))),
+    }
+}
+
+/// A quota as the audit log records it.
+pub fn quota_json(q: &Quota) -> serde_json::Value {
+    serde_json::json!({
+        "limit_bytes": q.limit_bytes,
+        "max_leases": q.max_leases,
+        "priority": q.priority,
+        "guaranteed_bytes": q.guaranteed_bytes,
+        "host_limit_bytes": q.host_limit_bytes,
+        "turn_weight": q.turn_weight,
+    })
+}
+
+/// A token's public fields as the audit log records them.
+pub fn token_json(t: &TokenEntry) -> serde_json::Value {
+    serde_json::json!({
+        "token_id": t.token_id,
+        "name": t.name,
+        "scope": t.scope.as_str(),
+        "tenant": t.tenant,
+        "expires_unix_ms": t.expires_unix_ms,
+    })
+}
+
+pub fn audit_entry(r: &AuditRecord) -> pb::AuditEntry {
+    let json =
+        |v: &Option<serde_json::Value>| v.as_ref().map(|v| v.to_string()).unwrap_or_default();
+    pb::AuditEntry {
+        seq: r.seq,
+        unix_ms: r.unix_ms,
+        token_id: r.who.token_id.clone(),
+        token_name: r.who.name.clone(),
+        scope: r.who.scope.clone(),
+        peer_uid: r.who.peer_uid,
+        peer_pid: r.who.peer_pid,
+        action: r.action.clone(),
+        tenant: r.tenant.clone(),
+        target: r.target.clone(),
+        before_json: json(&r.before),
+        after_json: json(&r.after),
     }
 }
 

@@ -14,10 +14,13 @@ use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use serde::Serialize;
 
 use gpu_broker_client::table::Table;
+use gpu_broker_client::units::format_duration;
 use gpu_broker_client::units::{format_age, format_bytes, parse_bytes};
 use gpu_broker_client::{
-    AdminClient, DeviceInfo, LeaseInfo, QuotaPatch, SessionInfo, TenantInfo, TokenInfo,
+    AdminClient, AuditEntry, AuditFilter, DeviceInfo, LeaseInfo, QuotaPatch, SessionInfo,
+    TenantInfo, TokenInfo, TokenOptions, TokenScope,
 };
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 #[path = "../ctl/mod.rs"]
 mod ctl;
@@ -100,6 +103,18 @@ enum Command {
     },
     /// Show the devices the broker manages.
     Devices,
+    /// List recorded operator changes (quota, tenant, token, revoke, drain, reload).
+    Audit {
+        /// Only changes since this: an RFC 3339 time (2026-12-01T08:00:00Z) or an age (1h, 30m).
+        #[arg(long)]
+        since: Option<String>,
+        /// Only changes concerning this tenant.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// The newest this many.
+        #[arg(long, default_value_t = 1000)]
+        limit: u32,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -149,10 +164,11 @@ enum QuotaCommand {
 
 #[derive(Debug, Subcommand)]
 enum TokensCommand {
-    /// Issue a token for a tenant; prints the token alone (shown only once).
+    /// Issue a token; prints the token alone (shown only once). Worker tokens need a
+    /// tenant; read tokens without one are node-wide; admin tokens have none.
     Issue {
         /// Tenant name.
-        tenant: String,
+        tenant: Option<String>,
         /// Note shown in `tokens list`.
         #[arg(long, default_value = "")]
         description: String,
@@ -160,6 +176,23 @@ enum TokensCommand {
         /// of printing it.
         #[arg(long, short = 'o', value_name = "FILE")]
         output: Option<PathBuf>,
+        /// What the token may do: worker (a tenant's workers), read (usage, metrics and
+        /// status only) or admin (the admin service).
+        #[arg(long, default_value = "worker")]
+        scope: TokenScope,
+        /// Time to live (e.g. 30d, 12h); past it the token is refused as expired.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        ttl: Option<Duration>,
+        /// Name shown in `tokens list` and the audit log.
+        #[arg(long, default_value = "")]
+        name: String,
+    },
+    /// Replace the admin token file's token (the broker writes the file); the old token
+    /// keeps working for --grace so running clients can switch. Prints the new token.
+    RotateAdmin {
+        /// How long the old admin token keeps working.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "5m")]
+        grace: Duration,
     },
     /// Revoke a token by id or by the token itself.
     Revoke {
@@ -324,31 +357,71 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                     tenant,
                     description,
                     output,
+                    scope,
+                    ttl,
+                    name,
                 },
         } => {
-            let issued = admin.issue_token(&tenant, &description).await?;
+            let opts = TokenOptions {
+                scope,
+                ttl,
+                name,
+                description,
+            };
+            let issued = admin.issue_token_with(tenant.as_deref(), &opts).await?;
             if let Some(path) = output {
                 ctl::secret_file::write(&path, &format!("{}\n", issued.token))?;
                 eprintln!(
-                    "issued token {} for tenant {}; wrote it to {} (mode 0600)",
+                    "issued {} token {} for {}; wrote it to {} (mode 0600)",
+                    issued.scope.as_str(),
                     issued.token_id,
-                    issued.tenant,
+                    if issued.tenant.is_empty() {
+                        "the node".to_string()
+                    } else {
+                        format!("tenant {}", issued.tenant)
+                    },
                     path.display()
                 );
                 let shown = serde_json::json!({
                     "token_id": issued.token_id,
                     "tenant": issued.tenant,
+                    "scope": issued.scope,
+                    "name": issued.name,
+                    "expires_unix_ms": issued.expires_unix_ms,
                     "file": path,
                 });
                 return emit(json, &shown, String::new);
             }
             if !json {
                 eprintln!(
-                    "issued token {} for tenant {} (shown only once)",
-                    issued.token_id, issued.tenant
+                    "issued {} token {} for {}{} (shown only once)",
+                    issued.scope.as_str(),
+                    issued.token_id,
+                    if issued.tenant.is_empty() {
+                        "the node".to_string()
+                    } else {
+                        format!("tenant {}", issued.tenant)
+                    },
+                    match issued.expires_unix_ms {
+                        Some(ms) => format!(", expires {}", format_time(ms)),
+                        None => String::new(),
+                    }
                 );
             }
             emit(json, &issued, || format!("{}\n", issued.token))
+        }
+        Command::Tokens {
+            command: TokensCommand::RotateAdmin { grace },
+        } => {
+            let (token, until) = admin.rotate_admin_token(grace).await?;
+            if !json {
+                eprintln!(
+                    "rotated the admin token (the broker rewrote its token file); the old one works until {}",
+                    format_time(until)
+                );
+            }
+            let v = serde_json::json!({ "token": token, "old_valid_until_unix_ms": until });
+            emit(json, &v, || format!("{token}\n"))
         }
         Command::Tokens {
             command: TokensCommand::Revoke { id_or_token },
@@ -387,6 +460,24 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
         Command::Devices => {
             let devices = admin.get_devices().await?;
             emit(json, &devices, || device_table(&devices, width))
+        }
+        Command::Audit {
+            since,
+            tenant,
+            limit,
+        } => {
+            let since_unix_ms = match since {
+                None => None,
+                Some(s) => Some(parse_since(&s, SystemTime::now())?),
+            };
+            let entries = admin
+                .list_audit(&AuditFilter {
+                    since_unix_ms,
+                    tenant,
+                    limit,
+                })
+                .await?;
+            emit(json, &entries, || audit_table(&entries, width))
         }
     }
 }
@@ -498,19 +589,106 @@ fn tenant_table(tenants: &[TenantInfo], width: Option<usize>) -> String {
 }
 
 fn token_table(tokens: &[TokenInfo], width: Option<usize>) -> String {
-    let mut t = Table::new(["TOKEN_ID", "TENANT", "AGE", "DESCRIPTION"])
-        .right(&[2])
-        .fit(width, &[1, 3]);
+    let now = SystemTime::now();
+    let mut t = Table::new([
+        "TOKEN_ID",
+        "TENANT",
+        "NAME",
+        "SCOPE",
+        "AGE",
+        "EXPIRES",
+        "LAST_USED",
+        "DESCRIPTION",
+    ])
+    .right(&[4, 5, 6])
+    .fit(width, &[1, 2, 7]);
     for k in tokens {
         t.row([
             k.token_id.clone(),
-            k.tenant.clone(),
+            or_dash_str(&k.tenant),
+            or_dash_str(&k.name),
+            k.scope.as_str().to_string(),
             format_age(k.created_unix_ms),
+            match k.expires_unix_ms {
+                None => "never".to_string(),
+                Some(ms) => format_until(ms, now),
+            },
+            match k.last_used_unix_ms {
+                None => "-".to_string(),
+                Some(ms) => format!("{} ago", format_age(ms)),
+            },
             k.description.clone(),
         ]);
     }
     t.render()
 }
+
+/// "in 3h02m", or "expired 5m ago".
+fn format_until(unix_ms: i64, now: SystemTime) -> String {
+    let at = UNIX_EPOCH + Duration::from_millis(unix_ms.max(0).unsigned_abs());
+    match at.duration_since(now) {
+        Ok(d) => format!("in {}", format_duration(d)),
+        Err(e) => format!("expired {} ago", format_duration(e.duration())),
+    }
+}
+
+/// An instant as RFC 3339 (UTC, seconds).
+fn format_time(unix_ms: i64) -> String {
+    let at = UNIX_EPOCH + Duration::from_millis(unix_ms.max(0).unsigned_abs());
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
+/// `--since`: an RFC 3339 time or an age ("1h": one hour before `now`).
+fn parse_since(text: &str, now: SystemTime) -> Result<i64> {
+    let at = match humantime::parse_rfc3339_weak(text) {
+        Ok(t) => t,
+        Err(_) => {
+            let age = humantime::parse_duration(text).with_context(|| {
+                format!("--since {text:?}: not an RFC 3339 time or an age like 1h")
+            })?;
+            now.checked_sub(age)
+                .with_context(|| format!("--since {text:?} reaches before the epoch"))?
+        }
+    };
+    let ms = at
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    Ok(i64::try_from(ms).unwrap_or(i64::MAX))
+}
+
+fn audit_table(entries: &[AuditEntry], width: Option<usize>) -> String {
+    let mut t = Table::new([
+        "SEQ", "TIME", "WHO", "PEER", "ACTION", "TENANT", "TARGET", "BEFORE", "AFTER",
+    ])
+    .right(&[0])
+    .fit(width, &[2, 3, 6, 7, 8]);
+    for e in entries {
+        let who = if e.token_name.is_empty() {
+            format!("{} ({})", e.token_id, e.scope)
+        } else {
+            format!("{} {} ({})", e.token_id, e.token_name, e.scope)
+        };
+        let peer = match (e.peer_uid, e.peer_pid) {
+            (Some(u), Some(p)) => format!("uid {u} pid {p}"),
+            (Some(u), None) => format!("uid {u}"),
+            _ => "-".into(),
+        };
+        t.row([
+            e.seq.to_string(),
+            format_time(e.unix_ms),
+            who,
+            peer,
+            e.action.clone(),
+            or_dash_str(&e.tenant),
+            or_dash_str(&e.target),
+            or_dash_str(&e.before_json),
+            or_dash_str(&e.after_json),
+        ]);
+    }
+    t.render()
+}
+
 
 fn lease_flags(l: &LeaseInfo) -> String {
     let mut flags = Vec::new();
@@ -863,6 +1041,7 @@ mod tests {
             description: "a description that goes on and on and on and on and on and on and on"
                 .into(),
             created_unix_ms: 1,
+            ..Default::default()
         };
         let w = Some(ctl::WIDTH);
         for text in [

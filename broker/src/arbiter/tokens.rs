@@ -1,0 +1,174 @@
+//! Token lifecycle: issuing tokens of a scope (worker, read, admin) with an optional
+//! time to live and a name, and rotating the admin token file without downtime (the old
+//! token keeps working for a grace period). Every token is durable (store) before it is
+//! usable, and only its hash is kept.
+
+use super::Arbiter;
+use crate::auth::{generate_token, token_id, Scope, TokenEntry};
+use crate::error::{BrokerError, BrokerResult};
+use crate::store::TokenRecord;
+use std::time::{Duration, SystemTime};
+
+/// Longest time to live a token may be given (10 years): longer is a typo.
+pub const MAX_TOKEN_TTL: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
+
+/// Longest grace for the old admin token after a rotation.
+pub const MAX_ROTATION_GRACE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// What to issue.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenSpec {
+    /// Required for `worker`; optional for `read` (absent: node-wide); absent for `admin`.
+    pub tenant: Option<String>,
+    pub scope: Scope,
+    /// `None`: never expires.
+    pub ttl: Option<Duration>,
+    pub name: String,
+    pub description: String,
+}
+
+/// A token just issued: the secret is shown only now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IssuedToken {
+    pub token: String,
+    pub entry: TokenEntry,
+}
+
+impl TokenEntry {
+    /// The stored form.
+    pub(crate) fn record(&self) -> TokenRecord {
+        TokenRecord {
+            token_id: self.token_id.clone(),
+            tenant: self.tenant.clone(),
+            hash_hex: hex::encode(self.hash),
+            description: self.description.clone(),
+            created_unix_ms: self.created_unix_ms,
+            name: self.name.clone(),
+            scope: self.scope.as_str().to_string(),
+            expires_unix_ms: self.expires_unix_ms,
+        }
+    }
+
+    /// From the stored form.
+    pub(crate) fn from_record(t: TokenRecord) -> BrokerResult<TokenEntry> {
+        let mut hash = [0u8; 32];
+        hex::decode_to_slice(&t.hash_hex, &mut hash)
+            .map_err(|e| BrokerError::Internal(format!("bad token hash in store: {e}")))?;
+        let scope = Scope::parse(&t.scope).ok_or_else(|| {
+            BrokerError::Internal(format!(
+                "token {} in the store has unknown scope {:?}",
+                t.token_id, t.scope
+            ))
+        })?;
+        Ok(TokenEntry {
+            token_id: t.token_id,
+            tenant: t.tenant,
+            description: t.description,
+            created_unix_ms: t.created_unix_ms,
+            hash,
+            name: t.name,
+            scope,
+            expires_unix_ms: t.expires_unix_ms,
+        })
+    }
+}
+
+impl Arbiter {
+    /// Issues a token. Durable before it is returned.
+    pub fn issue(&self, spec: TokenSpec) -> BrokerResult<IssuedToken> {
+        let max = super::MAX_LABEL;
+        if spec.description.len() > max || spec.name.len() > max {
+            return Err(BrokerError::InvalidArgument(format!(
+                "token name and description are limited to {max} bytes"
+            )));
+        }
+        if spec.name.chars().any(char::is_control) {
+            return Err(BrokerError::InvalidArgument(
+                "token name must not contain control characters".into(),
+            ));
+        }
+        let tenant = spec.tenant.clone().filter(|t| !t.is_empty());
+        match (spec.scope, &tenant) {
+            (Scope::Worker, None) => {
+                return Err(BrokerError::InvalidArgument(
+                    "a worker token needs a tenant".into(),
+                ))
+            }
+            (Scope::Admin, Some(t)) => {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "an admin token belongs to no tenant (got {t:?})"
+                )))
+            }
+            _ => {}
+        }
+        let expires_unix_ms = match spec.ttl {
+            None => None,
+            Some(ttl) if ttl.is_zero() || ttl > MAX_TOKEN_TTL => {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "token ttl must be more than 0 and at most {} days (got {} s)",
+                    MAX_TOKEN_TTL.as_secs() / 86400,
+                    ttl.as_secs()
+                )))
+            }
+            Some(ttl) => Some(crate::units::unix_ms(SystemTime::now() + ttl)),
+        };
+        // The state lock orders this against tenant deletion (a token never outlives
+        // its tenant).
+        let st = self.state.lock();
+        if let Some(t) = &tenant {
+            if st.ledger.get(t).is_none() {
+                return Err(BrokerError::NotFound(format!("tenant {t:?} not found")));
+            }
+        }
+        let (token, hash) = generate_token();
+        let entry = TokenEntry {
+            token_id: token_id(&hash),
+            tenant: tenant.unwrap_or_default(),
+            description: spec.description,
+            created_unix_ms: crate::units::unix_ms(SystemTime::now()),
+            hash,
+            name: spec.name,
+            scope: spec.scope,
+            expires_unix_ms,
+        };
+        if let Some(store) = &self.store {
+            store
+                .put_token(&entry.record())
+                .map_err(super::admin::store_err)?;
+        }
+        self.auth.add(entry.clone());
+        drop(st);
+        tracing::info!(
+            tenant = %entry.tenant,
+            token_id = %entry.token_id,
+            scope = %entry.scope,
+            name = %entry.name,
+            expires_unix_ms = ?entry.expires_unix_ms,
+            "token issued"
+        );
+        Ok(IssuedToken { token, entry })
+    }
+
+    /// Replaces the admin token file's token with a new one (written 0600, atomically);
+    /// the old one keeps working for `grace`. Returns the new token.
+    pub fn rotate_admin_token(&self, grace: Duration) -> BrokerResult<String> {
+        if grace > MAX_ROTATION_GRACE {
+            return Err(BrokerError::InvalidArgument(format!(
+                "grace is limited to {} hours",
+                MAX_ROTATION_GRACE.as_secs() / 3600
+            )));
+        }
+        let path = self.auth.admin_file().ok_or_else(|| {
+            BrokerError::FailedPrecondition(
+                "this broker has no admin token file to rotate; issue an admin-scope token instead"
+                    .into(),
+            )
+        })?;
+        let (token, _) = generate_token();
+        crate::admin_token::replace(&path, &token)
+            .map_err(|e| BrokerError::Internal(format!("writing the new admin token: {e}")))?;
+        self.auth.rotate_admin(&token, grace);
+        tracing::warn!(path = %path.display(), grace = ?grace, "admin token rotated");
+        Ok(token)
+    }
+}
