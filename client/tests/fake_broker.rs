@@ -415,6 +415,7 @@ impl Admin for Fake {
             token,
             token_id: id,
             tenant: r.tenant,
+            ..Default::default()
         }))
     }
 
@@ -459,6 +460,7 @@ impl Admin for Fake {
                 tenant: t.clone(),
                 description: "d".into(),
                 created_unix_ms: 1,
+                ..Default::default()
             })
             .collect();
         Ok(Response::new(pb::ListTokensResponse { tokens }))
@@ -527,6 +529,20 @@ impl Admin for Fake {
             })
             .collect();
         Ok(Response::new(pb::ListSessionsResponse { sessions }))
+    }
+
+    async fn rotate_admin_token(
+        &self,
+        _req: Request<pb::RotateAdminTokenRequest>,
+    ) -> Result<Response<pb::RotateAdminTokenResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn list_audit(
+        &self,
+        _req: Request<pb::ListAuditRequest>,
+    ) -> Result<Response<pb::ListAuditResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
     }
 
     async fn get_devices(

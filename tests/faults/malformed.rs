@@ -393,9 +393,52 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
         .issue_token(pb::IssueTokenRequest {
             tenant: "alice".into(),
             description: "d".repeat(1 << 20),
+            ..Default::default()
         })
         .await
         .expect_err("1 MB description");
+    assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
+    for (what, req) in [
+        (
+            "unknown scope",
+            pb::IssueTokenRequest {
+                tenant: "alice".into(),
+                scope: 99,
+                ..Default::default()
+            },
+        ),
+        (
+            "zero ttl",
+            pb::IssueTokenRequest {
+                tenant: "alice".into(),
+                ttl_ms: Some(0),
+                ..Default::default()
+            },
+        ),
+        (
+            "absurd ttl",
+            pb::IssueTokenRequest {
+                tenant: "alice".into(),
+                ttl_ms: Some(u64::MAX),
+                ..Default::default()
+            },
+        ),
+        (
+            "control characters in the name",
+            pb::IssueTokenRequest {
+                tenant: "alice".into(),
+                name: "a\u{1b}[2J".into(),
+                ..Default::default()
+            },
+        ),
+    ] {
+        let s = ad.issue_token(req).await.expect_err(what);
+        assert_eq!(s.code(), Code::InvalidArgument, "{what}: {s:?}");
+    }
+    let s = ad
+        .rotate_admin_token(pb::RotateAdminTokenRequest { grace_ms: u64::MAX })
+        .await
+        .expect_err("absurd grace");
     assert_eq!(s.code(), Code::InvalidArgument, "{s:?}");
 
     // After all of it: nothing leaked, a normal lease works, the broker is alive.

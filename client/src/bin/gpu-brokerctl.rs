@@ -662,13 +662,10 @@ fn audit_table(entries: &[AuditEntry], width: Option<usize>) -> String {
         "SEQ", "TIME", "WHO", "PEER", "ACTION", "TENANT", "TARGET", "BEFORE", "AFTER",
     ])
     .right(&[0])
-    .fit(width, &[2, 3, 6, 7, 8]);
+    .fit(width, &[3, 6, 7, 8]);
     for e in entries {
-        let who = if e.token_name.is_empty() {
-            format!("{} ({})", e.token_id, e.scope)
-        } else {
-            format!("{} {} ({})", e.token_id, e.token_name, e.scope)
-        };
+        // The token id (the name and scope are in --json and the broker's log).
+        let who = e.token_id.clone();
         let peer = match (e.peer_uid, e.peer_pid) {
             (Some(u), Some(p)) => format!("uid {u} pid {p}"),
             (Some(u), None) => format!("uid {u}"),
@@ -688,7 +685,6 @@ fn audit_table(entries: &[AuditEntry], width: Option<usize>) -> String {
     }
     t.render()
 }
-
 
 fn lease_flags(l: &LeaseInfo) -> String {
     let mut flags = Vec::new();
