@@ -8,3 +8,5 @@ scripts/test-deps.sh
 # Rust: unit tests, end-to-end tests against the real binaries, fault tests. GPU tests
 # print "skipped: ..." without a GPU (scripts/gpu-check.sh runs them on one).
 cargo test --workspace
+# Python: the gpubroker package, built and tested with pytest against real brokers.
+scripts/test-python.sh

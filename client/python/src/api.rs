@@ -1,0 +1,926 @@
+//! The Python classes over the client crate: `Broker` (a connection with a tenant token),
+//! `Session`, `Lease`, `EventStream`, `Usage`, and `Memory` (a mapped lease's address,
+//! kept alive by every array or tensor viewing it). Sessions, keepalive, events,
+//! reconnection and the CUDA handle cache are the client crate's; this module only
+//! translates, blocks without the GIL, and owns the mappings' lifetimes.
+//!
+//! **Mappings and release.** A lease is mapped on first use (`as_numpy`, `as_torch`,
+//! `as_cupy`) and stays mapped while any view of it lives: every view holds a `Memory`,
+//! which holds the lease's core. `Lease.release()` with views still alive raises
+//! `FailedPrecondition` (releasing would let the broker hand the bytes to someone else
+//! while this process still reads them); leaving a `with` block instead defers the
+//! release until the last view is gone.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::StreamExt;
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use gpu_broker_client::cuda::{CudaMapping, HostRegistration};
+use gpu_broker_client::{
+    Backoff, Client, HostMapping, Lease, LeaseHandle, LeaseInfo, Session, SessionEvent,
+    SessionEvents, Usage,
+};
+
+use crate::errors::{self, IntoPyResult};
+use crate::rt;
+
+/// Connects to the broker at `address` with a tenant `token` (no defaults here; see
+/// `gpubroker.connect`).
+#[pyfunction]
+pub fn _connect(py: Python<'_>, address: String, token: String) -> PyResult<Broker> {
+    let addr = address.clone();
+    let client = rt::wait(py, async move { Client::connect(&addr, token).await }, None)?
+        .unwrap_or_else(|| {
+            Err(gpu_broker_client::ClientError::Transport(
+                "cancelled".into(),
+            ))
+        })
+        .py()?;
+    Ok(Broker { client, address })
+}
+
+/// A connection to the broker, authenticated as one tenant. Open sessions with
+/// `session(name)`; `usage()` needs no session.
+#[pyclass(frozen, module = "gpubroker._native")]
+pub struct Broker {
+    client: Client,
+    address: String,
+}
+
+#[pymethods]
+impl Broker {
+    /// Opens a session named `name` (shown to operators). With `reconnect=True` the
+    /// session survives broker restarts: it re-opens with backoff and reports
+    /// `Reconnected` (the old session's leases are gone). A context manager: leaving the
+    /// `with` block ends the session and the broker takes back its leases.
+    #[pyo3(signature = (name, *, reconnect = false))]
+    fn session(&self, py: Python<'_>, name: String, reconnect: bool) -> PyResult<PySession> {
+        let client = self.client.clone();
+        let opened = rt::wait(
+            py,
+            async move {
+                let builder = client.session_builder(name);
+                if reconnect {
+                    builder.reconnect(Backoff::default()).open().await
+                } else {
+                    builder.open().await
+                }
+            },
+            None,
+        )?;
+        let session = opened
+            .unwrap_or_else(|| {
+                Err(gpu_broker_client::ClientError::Transport(
+                    "cancelled".into(),
+                ))
+            })
+            .py()?;
+        Ok(PySession::new(session))
+    }
+
+    /// The tenant's quota and live usage.
+    fn usage(&self, py: Python<'_>) -> PyResult<PyUsage> {
+        let client = self.client.clone();
+        let usage = rt::block_on(py, async move { client.usage().await })?.py()?;
+        Ok(PyUsage::from(usage))
+    }
+
+    /// The address this broker was reached at.
+    #[getter]
+    fn address(&self) -> String {
+        self.address.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<gpubroker.Broker {}>", self.address)
+    }
+}
+
+/// Forgets `value` in a forked child (where its destructor would talk to a runtime or a
+/// CUDA context that the child does not have), drops it otherwise.
+fn drop_here<T>(value: T) {
+    if rt::same_process() {
+        drop(value);
+    } else {
+        std::mem::forget(value);
+    }
+}
+
+/// A worker session. Leases are taken through it; its events (reclaim requests,
+/// revocations, shutdown, reconnection) arrive on `events()`.
+#[pyclass(frozen, name = "Session", module = "gpubroker._native")]
+pub struct PySession {
+    inner: Mutex<Option<Session>>,
+    id: String,
+    name: String,
+    tenant: String,
+}
+
+impl Drop for PySession {
+    fn drop(&mut self) {
+        drop_here(self.inner.lock().take());
+    }
+}
+
+impl PySession {
+    fn new(session: Session) -> Self {
+        PySession {
+            id: session.id().to_string(),
+            name: session.name().to_string(),
+            tenant: session.tenant().to_string(),
+            inner: Mutex::new(Some(session)),
+        }
+    }
+
+    fn session(&self) -> PyResult<Session> {
+        self.inner.lock().clone().ok_or_else(|| {
+            errors::local(
+                "FailedPrecondition",
+                &format!("session {} was closed", self.id),
+            )
+        })
+    }
+}
+
+fn seconds(name: &str, value: f64) -> PyResult<Duration> {
+    if !value.is_finite() || value < 0.0 {
+        return Err(errors::local(
+            "InvalidArgument",
+            &format!("{name} must be a non-negative number of seconds, got {value}"),
+        ));
+    }
+    Duration::try_from_secs_f64(value)
+        .map_err(|e| errors::local("InvalidArgument", &format!("{name} = {value}: {e}")))
+}
+
+#[pymethods]
+impl PySession {
+    /// Acquires `nbytes` of memory (rounded up to the broker's granularity). `device`:
+    /// a device index (default: wherever it fits). `wait`: seconds to queue when memory
+    /// is short (default: fail at once). `reclaimable`: agree to give it back when asked
+    /// (`ReclaimRequested`). `fallback_host`: accept host memory when the device is full.
+    /// Raises `QuotaExceeded`, `WaitTimeout`, `InvalidArgument`, ...
+    #[pyo3(signature = (nbytes, *, device = None, wait = None, label = None, reclaimable = false, fallback_host = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn lease(
+        &self,
+        py: Python<'_>,
+        nbytes: u64,
+        device: Option<u32>,
+        wait: Option<f64>,
+        label: Option<String>,
+        reclaimable: bool,
+        fallback_host: bool,
+    ) -> PyResult<PyLease> {
+        let session = self.session()?;
+        let wait = wait.map(|w| seconds("wait", w)).transpose()?;
+        let granted = rt::wait(
+            py,
+            async move {
+                let mut request = session
+                    .lease_request(nbytes)
+                    .reclaimable(reclaimable)
+                    .fallback_host(fallback_host);
+                if let Some(d) = device {
+                    request = request.device(d);
+                }
+                if let Some(w) = wait {
+                    request = request.wait(w);
+                }
+                if let Some(l) = label {
+                    request = request.label(l);
+                }
+                request.send().await
+            },
+            None,
+        )?;
+        let lease = granted
+            .unwrap_or_else(|| {
+                Err(gpu_broker_client::ClientError::Transport(
+                    "cancelled".into(),
+                ))
+            })
+            .py()?;
+        Ok(PyLease::new(lease))
+    }
+
+    /// A new iterator over this session's events (see `gpubroker.events`). The first
+    /// call also yields events that arrived before it; later calls start from now. It
+    /// ends after `Closed`.
+    fn events(&self) -> PyResult<EventStream> {
+        Ok(EventStream::new(self.session()?.events()))
+    }
+
+    /// Calls `callback(event)` for every `ReclaimRequested` from now on, on a background
+    /// thread (the callback runs with the GIL; release the lease in it).
+    fn on_reclaim(&self, callback: Py<PyAny>) -> PyResult<()> {
+        let mut events = self.session()?.events();
+        let handle = rt::handle();
+        std::thread::Builder::new()
+            .name("gpubroker-reclaim".into())
+            .spawn(move || {
+                while let Some(event) = handle.block_on(events.next()) {
+                    if !matches!(event, SessionEvent::ReclaimRequested { .. }) {
+                        continue;
+                    }
+                    Python::attach(|py| {
+                        let called = event_to_py(py, &event)
+                            .and_then(|ev| callback.call1(py, (ev,)).map(drop));
+                        if let Err(e) = called {
+                            e.print(py);
+                        }
+                    });
+                }
+            })
+            .map_err(|e| errors::local("BrokerError", &format!("cannot start a thread: {e}")))?;
+        Ok(())
+    }
+
+    /// The tenant's quota and live usage.
+    fn usage(&self, py: Python<'_>) -> PyResult<PyUsage> {
+        let session = self.session()?;
+        let usage = rt::block_on(py, async move { session.usage().await })?.py()?;
+        Ok(PyUsage::from(usage))
+    }
+
+    /// Ends the session now: the broker takes back every lease it still holds.
+    fn close(&self) {
+        if let Some(s) = self.inner.lock().take() {
+            s.close();
+            drop_here(s);
+        }
+    }
+
+    /// Session id (with reconnection: the current broker session's).
+    #[getter]
+    fn id(&self) -> String {
+        match self.inner.lock().as_ref() {
+            Some(s) => s.id().to_string(),
+            None => self.id.clone(),
+        }
+    }
+
+    /// Name given at open time.
+    #[getter]
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    /// The tenant of the token.
+    #[getter]
+    fn tenant(&self) -> String {
+        self.tenant.clone()
+    }
+
+    /// True once the session is over (closed here, or ended by the broker).
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.lock().as_ref().is_none_or(|s| s.is_closed())
+    }
+
+    /// False while a reconnecting session is between broker sessions (and once closed).
+    #[getter]
+    fn connected(&self) -> bool {
+        self.inner.lock().as_ref().is_some_and(|s| s.is_connected())
+    }
+
+    /// Seconds the broker keeps a quiet session (keepalives are sent automatically).
+    #[getter]
+    fn keepalive_timeout(&self) -> Option<f64> {
+        self.inner
+            .lock()
+            .as_ref()
+            .and_then(|s| s.keepalive_timeout())
+            .map(|d| d.as_secs_f64())
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, _args: &Bound<'_, PyTuple>) -> bool {
+        self.close();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<gpubroker.Session {} name={:?} tenant={:?}{}>",
+            self.id(),
+            self.name,
+            self.tenant,
+            if self.closed() { " closed" } else { "" }
+        )
+    }
+}
+
+/// A lease and the mappings made of it; views hold it alive through [`Memory`]. Fields
+/// drop in order: registration, mappings, then the lease (whose drop releases it in the
+/// background when it was not released explicitly).
+struct LeaseCore {
+    registration: Mutex<Option<HostRegistration<'static>>>,
+    host: Mutex<Option<HostMapping<'static>>>,
+    cuda: Mutex<Option<CudaMapping>>,
+    lease: Mutex<Option<Lease>>,
+}
+
+impl Drop for LeaseCore {
+    fn drop(&mut self) {
+        drop_here(self.registration.lock().take());
+        drop_here(self.cuda.lock().take());
+        drop_here(self.host.lock().take());
+        drop_here(self.lease.lock().take());
+    }
+}
+
+impl LeaseCore {
+    fn unmap(&self) {
+        drop(self.registration.lock().take());
+        drop(self.cuda.lock().take());
+        drop(self.host.lock().take());
+    }
+}
+
+/// Memory granted by the broker. A context manager: leaving the `with` block releases
+/// it (after the last array or tensor viewing it is gone).
+#[pyclass(frozen, name = "Lease", module = "gpubroker._native")]
+pub struct PyLease {
+    info: LeaseInfo,
+    session_id: String,
+    core: Mutex<Option<Arc<LeaseCore>>>,
+}
+
+impl PyLease {
+    fn new(lease: Lease) -> Self {
+        PyLease {
+            info: lease.info().clone(),
+            session_id: lease.session_id().to_string(),
+            core: Mutex::new(Some(Arc::new(LeaseCore {
+                registration: Mutex::new(None),
+                host: Mutex::new(None),
+                cuda: Mutex::new(None),
+                lease: Mutex::new(Some(lease)),
+            }))),
+        }
+    }
+
+    fn core(&self) -> PyResult<Arc<LeaseCore>> {
+        self.core.lock().clone().ok_or_else(|| {
+            errors::local(
+                "FailedPrecondition",
+                &format!("lease {} was released", self.info.lease_id),
+            )
+        })
+    }
+
+    fn lost_check(&self, core: &LeaseCore) -> PyResult<()> {
+        match core.lease.lock().as_ref() {
+            Some(l) if l.is_lost() => {
+                Err(errors::to_py(gpu_broker_client::ClientError::LeaseLost {
+                    lease_id: self.info.lease_id.clone(),
+                    session_id: self.session_id.clone(),
+                }))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn host_ptr(&self, core: &LeaseCore) -> PyResult<u64> {
+        let LeaseHandle::HostShm(path) = &self.info.handle else {
+            return Err(errors::local(
+                "FailedPrecondition",
+                &format!(
+                    "lease {} is device memory ({} handle): use as_torch() or as_cupy()",
+                    self.info.lease_id,
+                    self.info.handle.kind()
+                ),
+            ));
+        };
+        let mut host = core.host.lock();
+        if host.is_none() {
+            *host = Some(HostMapping::open(path, self.info.offset, self.info.bytes).py()?);
+        }
+        Ok(host.as_ref().map_or(0, |m| m.as_ptr() as u64))
+    }
+}
+
+#[pymethods]
+impl PyLease {
+    /// UUID of the lease.
+    #[getter]
+    fn id(&self) -> String {
+        self.info.lease_id.clone()
+    }
+
+    /// Granted size in bytes (the request rounded up to the broker's granularity).
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.info.bytes
+    }
+
+    /// Size asked for.
+    #[getter]
+    fn requested_nbytes(&self) -> u64 {
+        self.info.requested_bytes
+    }
+
+    /// Device index.
+    #[getter]
+    fn device(&self) -> u32 {
+        self.info.device
+    }
+
+    /// `"device"` or `"host"` (host memory granted as a fallback).
+    #[getter]
+    fn tier(&self) -> &'static str {
+        self.info.tier.as_str()
+    }
+
+    /// How the memory is reached: `"host_shm"`, `"cuda_ipc"`, ...
+    #[getter]
+    fn handle_kind(&self) -> &'static str {
+        self.info.handle.kind()
+    }
+
+    /// Label given at acquire time.
+    #[getter]
+    fn label(&self) -> String {
+        self.info.label.clone()
+    }
+
+    /// The holder agreed to give it back on request.
+    #[getter]
+    fn reclaimable(&self) -> bool {
+        self.info.reclaimable
+    }
+
+    /// Broker session the lease was acquired on.
+    #[getter]
+    fn session_id(&self) -> String {
+        self.session_id.clone()
+    }
+
+    /// True once released (or handed to a deferred release).
+    #[getter]
+    fn released(&self) -> bool {
+        self.core.lock().is_none()
+    }
+
+    /// True once the broker session it was acquired on is lost (reconnecting sessions):
+    /// its memory is gone.
+    #[getter]
+    fn lost(&self) -> bool {
+        self.core
+            .lock()
+            .as_ref()
+            .and_then(|c| c.lease.lock().as_ref().map(|l| l.is_lost()))
+            .unwrap_or(false)
+    }
+
+    /// Gives the memory back now. Raises `FailedPrecondition` while arrays or tensors
+    /// still view it (delete them first), `NotFound` when the broker no longer has it
+    /// (revoked, or lost with its session). Releasing twice does nothing.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(core) = self.core.lock().take() else {
+            return Ok(());
+        };
+        let views = Arc::strong_count(&core) - 1;
+        if views > 0 {
+            *self.core.lock() = Some(core);
+            return Err(errors::local(
+                "FailedPrecondition",
+                &format!(
+                    "lease {} is still viewed by {views} array(s) or tensor(s); delete them \
+                     before releasing (the broker may hand released memory to another tenant)",
+                    self.info.lease_id
+                ),
+            ));
+        }
+        core.unmap();
+        let lease = core.lease.lock().take();
+        drop(core);
+        match lease {
+            Some(lease) => rt::block_on(py, async move { lease.release().await })?.py(),
+            None => Ok(()),
+        }
+    }
+
+    /// Releases now when nothing views the lease, otherwise once the last view is gone.
+    /// What leaving a `with` block does. Returns True when released now.
+    fn release_when_unused(&self, py: Python<'_>) -> PyResult<bool> {
+        let Some(core) = self.core.lock().take() else {
+            return Ok(true);
+        };
+        if Arc::strong_count(&core) > 1 {
+            // The last Memory drops the core: mappings close, then the lease is released
+            // in the background.
+            drop(core);
+            return Ok(false);
+        }
+        *self.core.lock() = Some(core);
+        self.release(py).map(|()| true)
+    }
+
+    /// The host address of the lease's shared-memory mapping (mapped on first use) as a
+    /// `Memory` that keeps the mapping alive; `as_numpy` builds on it.
+    fn _host_memory(&self) -> PyResult<Memory> {
+        let core = self.core()?;
+        self.lost_check(&core)?;
+        let ptr = self.host_ptr(&core)?;
+        Ok(Memory {
+            core,
+            ptr,
+            nbytes: self.info.bytes,
+            kind: "host",
+            device: self.info.device,
+        })
+    }
+
+    /// A device pointer to the lease as a `Memory`: the CUDA handle opened in this
+    /// process (reference-counted by the client crate), or for host memory its
+    /// registration with CUDA (pinned, mapped). `as_torch`/`as_cupy` build on it.
+    fn _cuda_memory(&self, py: Python<'_>) -> PyResult<Memory> {
+        let core = self.core()?;
+        self.lost_check(&core)?;
+        let device = self.info.device;
+        let ptr = match &self.info.handle {
+            LeaseHandle::HostShm(_) => {
+                self.host_ptr(&core)?;
+                let mut reg = core.registration.lock();
+                if reg.is_none() {
+                    let mut host = core.host.lock();
+                    let Some(mapping) = host.as_mut() else {
+                        return Err(errors::local("BrokerError", "host mapping vanished"));
+                    };
+                    let slice: &mut [u8] = mapping.as_mut_slice();
+                    // SAFETY: the registration is stored next to the mapping in the same
+                    // core and dropped before it (field order, `unmap`), so the borrowed
+                    // memory outlives the registration; the mapping's address never moves.
+                    let slice: &'static mut [u8] =
+                        unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr(), slice.len()) };
+                    let made = py.detach(|| gpu_broker_client::cuda::register_host(slice, device));
+                    *reg =
+                        Some(made.map_err(|e| {
+                            errors::local("FailedPrecondition", &format!("CUDA: {e}"))
+                        })?);
+                }
+                reg.as_ref().map_or(0, |r| r.device_ptr())
+            }
+            _ => {
+                let mut cuda = core.cuda.lock();
+                if cuda.is_none() {
+                    let lease = core.lease.lock();
+                    let Some(lease) = lease.as_ref() else {
+                        return Err(errors::local("FailedPrecondition", "lease released"));
+                    };
+                    let mapped = py.detach(|| lease.map_cuda());
+                    *cuda = Some(mapped.map_err(|e| match e {
+                        gpu_broker_client::ClientError::Cuda(m) => {
+                            errors::local("FailedPrecondition", &format!("CUDA: {m}"))
+                        }
+                        other => errors::to_py(other),
+                    })?);
+                }
+                cuda.as_ref().map_or(0, |m| m.device_ptr())
+            }
+        };
+        Ok(Memory {
+            core,
+            ptr,
+            nbytes: self.info.bytes,
+            kind: "cuda",
+            device,
+        })
+    }
+
+    /// Zero-copy numpy view of a host shared-memory lease (the host backend, or a
+    /// host-fallback lease). `dtype` any numpy dtype; `shape` defaults to as many
+    /// elements as fit.
+    #[pyo3(signature = (dtype = None, shape = None))]
+    fn as_numpy<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Option<Bound<'py, PyAny>>,
+        shape: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        py.import("gpubroker._arrays")?
+            .call_method1("as_numpy", (slf, dtype, shape))
+    }
+
+    /// Zero-copy torch tensor: device memory becomes a CUDA tensor (through the CUDA
+    /// handle the client crate imports); host memory a CPU tensor (pinned when CUDA is
+    /// present). `dtype` a torch dtype (default uint8).
+    #[pyo3(signature = (dtype = None, shape = None))]
+    fn as_torch<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Option<Bound<'py, PyAny>>,
+        shape: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        py.import("gpubroker._arrays")?
+            .call_method1("as_torch", (slf, dtype, shape))
+    }
+
+    /// Zero-copy CuPy array on the lease's device (host memory: registered and mapped).
+    #[pyo3(signature = (dtype = None, shape = None))]
+    fn as_cupy<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Option<Bound<'py, PyAny>>,
+        shape: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        py.import("gpubroker._arrays")?
+            .call_method1("as_cupy", (slf, dtype, shape))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.release_when_unused(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<gpubroker.Lease {} {} bytes device={} tier={}{}>",
+            self.info.lease_id,
+            self.info.bytes,
+            self.info.device,
+            self.info.tier.as_str(),
+            if self.released() { " released" } else { "" }
+        )
+    }
+}
+
+/// An address inside a mapped lease, held by every array or tensor made from it: while
+/// one lives, the mapping stays open and the lease is not released.
+#[pyclass(frozen, module = "gpubroker._native")]
+pub struct Memory {
+    #[allow(dead_code)]
+    core: Arc<LeaseCore>,
+    ptr: u64,
+    nbytes: u64,
+    kind: &'static str,
+    device: u32,
+}
+
+#[pymethods]
+impl Memory {
+    /// The address (host or device).
+    #[getter]
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Bytes mapped.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
+    /// `"host"` (a host address) or `"cuda"` (a device address).
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+    /// The CUDA device of a `"cuda"` address.
+    #[getter]
+    fn device(&self) -> u32 {
+        self.device
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "<gpubroker.Memory {} 0x{:x} {} bytes>",
+            self.kind, self.ptr, self.nbytes
+        )
+    }
+}
+
+/// Iterator over one session's events; ends after `Closed`.
+#[pyclass(frozen, module = "gpubroker._native")]
+pub struct EventStream {
+    events: Arc<tokio::sync::Mutex<SessionEvents>>,
+    done: Mutex<bool>,
+}
+
+impl Drop for EventStream {
+    fn drop(&mut self) {
+        if !rt::same_process() {
+            // Leave the stream's channel alone in a forked child.
+            std::mem::forget(self.events.clone());
+        }
+    }
+}
+
+impl EventStream {
+    fn new(events: SessionEvents) -> Self {
+        EventStream {
+            events: Arc::new(tokio::sync::Mutex::new(events)),
+            done: Mutex::new(false),
+        }
+    }
+
+    fn next_event(&self, py: Python<'_>, timeout: Option<Duration>) -> PyResult<Option<Py<PyAny>>> {
+        if *self.done.lock() {
+            return Ok(None);
+        }
+        let events = self.events.clone();
+        // The stream stays in the shared cell when a timeout or Ctrl-C cancels the wait
+        // (its receiver is cancel-safe), so the next call continues where this one was.
+        let got = rt::wait(py, async move { events.lock().await.next().await }, timeout)?;
+        match got {
+            None => Ok(None),
+            Some(None) => {
+                *self.done.lock() = true;
+                Ok(None)
+            }
+            Some(Some(event)) => {
+                if event.is_closed() {
+                    *self.done.lock() = true;
+                }
+                Ok(Some(event_to_py(py, &event)?))
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl EventStream {
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        self.next_event(py, None)
+    }
+
+    /// The next event, or None when `timeout` seconds pass first (or the stream ended).
+    #[pyo3(signature = (timeout = None))]
+    fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
+        let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        self.next_event(py, timeout)
+    }
+}
+
+fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// A session event as a `gpubroker.events` object.
+pub fn event_to_py(py: Python<'_>, event: &SessionEvent) -> PyResult<Py<PyAny>> {
+    let m = py.import("gpubroker.events")?;
+    let kw = PyDict::new(py);
+    let class = match event {
+        SessionEvent::ReclaimRequested {
+            lease_id,
+            bytes,
+            deadline,
+            reason,
+        } => {
+            kw.set_item("lease_id", lease_id)?;
+            kw.set_item("nbytes", bytes)?;
+            kw.set_item("deadline", unix_seconds(*deadline))?;
+            kw.set_item("reason", reason)?;
+            "ReclaimRequested"
+        }
+        SessionEvent::LeaseRevoked { lease_id, reason } => {
+            kw.set_item("lease_id", lease_id)?;
+            kw.set_item("reason", reason)?;
+            "LeaseRevoked"
+        }
+        SessionEvent::ShuttingDown { reason, grace } => {
+            kw.set_item("reason", reason)?;
+            kw.set_item("grace", grace.as_secs_f64())?;
+            "ShuttingDown"
+        }
+        SessionEvent::YieldRequested {
+            turn_id,
+            device,
+            deadline,
+        } => {
+            kw.set_item("turn_id", turn_id)?;
+            kw.set_item("device", device)?;
+            kw.set_item("deadline", unix_seconds(*deadline))?;
+            "YieldRequested"
+        }
+        SessionEvent::TurnRevoked {
+            turn_id,
+            device,
+            reason,
+        } => {
+            kw.set_item("turn_id", turn_id)?;
+            kw.set_item("device", device)?;
+            kw.set_item("reason", reason)?;
+            "TurnRevoked"
+        }
+        SessionEvent::Disconnected { session_id, reason } => {
+            kw.set_item("session_id", session_id)?;
+            kw.set_item("reason", reason)?;
+            "Disconnected"
+        }
+        SessionEvent::Reconnected {
+            old_session_id,
+            new_session_id,
+            lost_leases,
+        } => {
+            kw.set_item("old_session_id", old_session_id)?;
+            kw.set_item("new_session_id", new_session_id)?;
+            kw.set_item("lost_leases", lost_leases.clone())?;
+            "Reconnected"
+        }
+        SessionEvent::Closed { reason } => {
+            kw.set_item("reason", reason.clone())?;
+            "Closed"
+        }
+        other => {
+            kw.set_item("description", format!("{other:?}"))?;
+            "Unknown"
+        }
+    };
+    Ok(m.getattr(class)?.call((), Some(&kw))?.unbind())
+}
+
+/// The tenant's quota and live usage (`Session.usage()` / `Broker.usage()`).
+#[pyclass(frozen, name = "Usage", module = "gpubroker._native")]
+pub struct PyUsage {
+    /// Tenant name.
+    #[pyo3(get)]
+    tenant: String,
+    /// Most device bytes the tenant may hold.
+    #[pyo3(get)]
+    limit_bytes: u64,
+    /// Device bytes held now.
+    #[pyo3(get)]
+    held_bytes: u64,
+    /// Live leases.
+    #[pyo3(get)]
+    lease_count: u32,
+    /// Most live leases (0: no limit).
+    #[pyo3(get)]
+    max_leases: u32,
+    /// Queue priority.
+    #[pyo3(get)]
+    priority: i32,
+    /// Bytes kept available for the tenant.
+    #[pyo3(get)]
+    guaranteed_bytes: u64,
+    /// Held beyond the guarantee.
+    #[pyo3(get)]
+    borrowed_bytes: u64,
+    /// Bytes of ended leases a live process may still map.
+    #[pyo3(get)]
+    quarantined_bytes: u64,
+    /// Most host-fallback bytes.
+    #[pyo3(get)]
+    host_limit_bytes: u64,
+    /// Host-fallback bytes held.
+    #[pyo3(get)]
+    host_held_bytes: u64,
+    /// Open sessions of the tenant.
+    #[pyo3(get)]
+    session_count: u32,
+    /// Requests waiting in a queue.
+    #[pyo3(get)]
+    waiting_requests: u32,
+    /// Device bytes the tenant may still take under its limit.
+    #[pyo3(get)]
+    available_bytes: u64,
+}
+
+impl From<Usage> for PyUsage {
+    fn from(u: Usage) -> Self {
+        PyUsage {
+            available_bytes: u.available_bytes(),
+            tenant: u.tenant,
+            limit_bytes: u.limit_bytes,
+            held_bytes: u.held_bytes,
+            lease_count: u.lease_count,
+            max_leases: u.max_leases,
+            priority: u.priority,
+            guaranteed_bytes: u.guaranteed_bytes,
+            borrowed_bytes: u.borrowed_bytes,
+            quarantined_bytes: u.quarantined_bytes,
+            host_limit_bytes: u.host_limit_bytes,
+            host_held_bytes: u.host_held_bytes,
+            session_count: u.session_count,
+            waiting_requests: u.waiting_requests,
+        }
+    }
+}
+
+#[pymethods]
+impl PyUsage {
+    fn __repr__(&self) -> String {
+        format!(
+            "<gpubroker.Usage tenant={:?} held={} of {} bytes, {} lease(s)>",
+            self.tenant, self.held_bytes, self.limit_bytes, self.lease_count
+        )
+    }
+}

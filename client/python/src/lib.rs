@@ -1,0 +1,27 @@
+//! `gpubroker._native`: the native half of the `gpubroker` Python package. It wraps the
+//! `gpu-broker-client` crate (one implementation of sessions, keepalive, events,
+//! reconnection and the CUDA handle cache) in Python classes ([`api`]), maps client
+//! errors to the package's exceptions ([`errors`]), runs every call on one tokio runtime
+//! without holding the GIL ([`rt`]), and exports the C hooks of the PyTorch allocator
+//! ([`torch`]). The Python half (`python/gpubroker/`) adds `connect()`'s defaults, the
+//! exception and event classes, and the numpy/torch/CuPy views.
+
+pub mod api;
+pub mod errors;
+pub mod rt;
+
+use pyo3::prelude::*;
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(api::_connect, m)?)?;
+    m.add_class::<api::Broker>()?;
+    m.add_class::<api::PySession>()?;
+    m.add_class::<api::PyLease>()?;
+    m.add_class::<api::Memory>()?;
+    m.add_class::<api::EventStream>()?;
+    m.add_class::<api::PyUsage>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,337 @@
+"""The whole Python API against a real broker on the host backend: sessions, leases,
+numpy views (also read by a forked child), every exception type, events, reclaim and
+reconnection."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gpubroker
+from gpubroker import events as ev
+
+from conftest import MIB
+
+
+def test_connect_reads_the_environment(broker, monkeypatch, tmp_path):
+    token = broker.tenant("envy")
+    token_file = tmp_path / "token"
+    token_file.write_text(f"  {token}\n")
+    monkeypatch.setenv("GPU_BROKER_ADDR", broker.address)
+    monkeypatch.delenv("GPU_BROKER_TOKEN", raising=False)
+    monkeypatch.setenv("GPU_BROKER_TOKEN_FILE", str(token_file))
+    b = gpubroker.connect()
+    assert b.address == broker.address
+    with b.session("from-env") as s:
+        assert s.tenant == "envy"
+        assert s.name == "from-env"
+        assert s.id and not s.closed
+    assert s.closed
+    monkeypatch.setenv("GPU_BROKER_TOKEN", token)
+    monkeypatch.delenv("GPU_BROKER_TOKEN_FILE")
+    assert gpubroker.connect().usage().tenant == "envy"
+
+
+def test_connect_without_a_token_is_unauthenticated(monkeypatch):
+    monkeypatch.delenv("GPU_BROKER_TOKEN", raising=False)
+    monkeypatch.delenv("GPU_BROKER_TOKEN_FILE", raising=False)
+    with pytest.raises(gpubroker.Unauthenticated) as e:
+        gpubroker.connect("unix:///nonexistent.sock")
+    assert "GPU_BROKER_TOKEN" in str(e.value)
+
+
+def test_lease_attributes_numpy_views_and_usage(broker):
+    b = gpubroker.connect(broker.address, broker.tenant("t", "64MiB", "--max-leases", "4"))
+    with b.session("w") as s:
+        lease = s.lease(3 * MIB, label="buf", reclaimable=True)
+        assert lease.nbytes >= 3 * MIB and lease.nbytes % (2 * MIB) == 0
+        assert lease.requested_nbytes == 3 * MIB
+        assert (lease.device, lease.tier, lease.handle_kind) == (0, "device", "host_shm")
+        assert lease.label == "buf" and lease.reclaimable and not lease.released
+        assert lease.session_id == s.id and len(lease.id) == 36
+        u = s.usage()
+        assert (u.tenant, u.limit_bytes, u.held_bytes, u.lease_count, u.max_leases) == (
+            "t", 64 * MIB, lease.nbytes, 1, 4)
+        assert u.available_bytes == 64 * MIB - lease.nbytes
+
+        f = lease.as_numpy("float32", (256, 1024))
+        assert f.shape == (256, 1024) and f.dtype == np.float32
+        f[:] = 1.5
+        raw = lease.as_numpy()  # uint8, every byte of the lease
+        assert raw.size == lease.nbytes
+        assert raw[:4].tobytes() == np.float32(1.5).tobytes()
+        raw[-1] = 7
+        assert lease.as_numpy("uint8")[-1] == 7
+        with pytest.raises(gpubroker.InvalidArgument):
+            lease.as_numpy("float64", (lease.nbytes,))
+
+        with pytest.raises(gpubroker.FailedPrecondition) as e:
+            lease.release()
+        assert "still viewed" in str(e.value)
+        del f, raw
+        lease.release()
+        assert lease.released
+        lease.release()  # twice: nothing
+        assert s.usage().held_bytes == 0
+        with pytest.raises(gpubroker.FailedPrecondition):
+            lease.as_numpy()
+
+
+def test_with_block_releases_after_the_last_view(broker):
+    b = gpubroker.connect(broker.address, broker.tenant("t"))
+    with b.session("w") as s:
+        with s.lease(2 * MIB) as lease:
+            view = lease.as_numpy()
+            view[:] = 3
+        assert lease.released
+        assert s.usage().held_bytes == 2 * MIB, "still viewed: the release waits"
+        assert view[0] == 3
+        del view
+        deadline = time.time() + 5
+        while s.usage().held_bytes and time.time() < deadline:
+            time.sleep(0.02)
+        assert s.usage().held_bytes == 0
+
+
+def _child_reads(view, expected, out):
+    out.send(bool((view == expected).all()) and int(view.sum(dtype=np.uint64)))
+    os._exit(0)
+
+
+def test_a_forked_child_reads_the_inherited_mapping(broker):
+    b = gpubroker.connect(broker.address, broker.tenant("t"))
+    with b.session("w") as s:
+        lease = s.lease(4 * MIB)
+        view = lease.as_numpy("uint32")
+        view[:] = np.arange(view.size, dtype=np.uint32)
+        ctx = multiprocessing.get_context("fork")
+        recv, out = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_child_reads, args=(view, np.arange(view.size, dtype=np.uint32), out))
+        child.start()
+        assert recv.poll(30), "the child answered"
+        got = recv.recv()
+        child.join(30)
+        assert child.exitcode == 0
+        assert got == int(np.arange(view.size, dtype=np.uint64).sum())
+        del view
+        lease.release()
+
+
+def _child_uses_session(session, out):
+    try:
+        session.usage()
+        out.send("no error")
+    except gpubroker.FailedPrecondition as e:
+        out.send(f"FailedPrecondition: {e}")
+    except BaseException as e:  # noqa: BLE001 - report anything else
+        out.send(f"{type(e).__name__}: {e}")
+    os._exit(0)
+
+
+def test_a_forked_child_cannot_use_the_parents_session(broker):
+    b = gpubroker.connect(broker.address, broker.tenant("t"))
+    with b.session("w") as s:
+        ctx = multiprocessing.get_context("fork")
+        recv, out = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_child_uses_session, args=(s, out))
+        child.start()
+        assert recv.poll(30), "the child answered"
+        msg = recv.recv()
+        child.join(30)
+        assert msg.startswith("FailedPrecondition") and "forked child" in msg, msg
+        assert s.usage().tenant == "t", "the parent is unaffected"
+
+
+def _check(err, cls, code):
+    assert isinstance(err, gpubroker.BrokerError)
+    assert type(err) is cls, type(err)
+    assert err.code == code
+    assert err.message and str(err) == err.message
+    assert hasattr(err, "reason")
+
+
+def test_every_exception_type(broker):
+    token = broker.tenant("t", "32MiB")
+    b = gpubroker.connect(broker.address, token)
+    with b.session("w") as s:
+        with pytest.raises(gpubroker.QuotaExceeded) as e:
+            s.lease(64 * MIB)
+        _check(e.value, gpubroker.QuotaExceeded, "RESOURCE_EXHAUSTED")
+        assert "32" in str(e.value), "the message carries the numbers"
+
+        held = s.lease(24 * MIB)
+        t0 = time.time()
+        with pytest.raises(gpubroker.WaitTimeout) as e:
+            s.lease(16 * MIB, wait=0.3)
+        assert time.time() - t0 >= 0.25
+        _check(e.value, gpubroker.WaitTimeout, "DEADLINE_EXCEEDED")
+
+        with pytest.raises(gpubroker.InvalidArgument) as e:
+            s.lease(0)
+        _check(e.value, gpubroker.InvalidArgument, "INVALID_ARGUMENT")
+        with pytest.raises(gpubroker.InvalidArgument):
+            s.lease(MIB, device=7)
+        with pytest.raises(gpubroker.InvalidArgument):
+            s.lease(MIB, wait=-1)
+
+        broker.ctl("leases", "revoke", held.id, "--reason", "test")
+        with pytest.raises(gpubroker.NotFound) as e:
+            held.release()
+        _check(e.value, gpubroker.NotFound, "NOT_FOUND")
+
+        with s.lease(2 * MIB) as viewed:
+            keep = viewed.as_numpy()
+            with pytest.raises(gpubroker.FailedPrecondition) as e:
+                viewed.release()
+            _check(e.value, gpubroker.FailedPrecondition, "FAILED_PRECONDITION")
+            del keep
+
+    with pytest.raises(gpubroker.Unauthenticated) as e:
+        gpubroker.connect(broker.address, "not-a-token").session("x")
+    _check(e.value, gpubroker.Unauthenticated, "UNAUTHENTICATED")
+
+    with pytest.raises(gpubroker.PermissionDenied) as e:
+        gpubroker.connect(broker.address, broker.admin_token).session("admin-as-worker")
+    _check(e.value, gpubroker.PermissionDenied, "PERMISSION_DENIED")
+
+    with pytest.raises(gpubroker.Unavailable) as e:
+        gpubroker.connect(f"unix://{broker.dir.name}/nobody.sock", token)
+    _check(e.value, gpubroker.Unavailable, "UNAVAILABLE")
+
+    with pytest.raises(gpubroker.InvalidArgument):
+        gpubroker.connect("ftp://nowhere", token)
+
+
+def test_revocation_and_shutdown_events(broker):
+    b = gpubroker.connect(broker.address, broker.tenant("t"))
+    s = b.session("w")
+    stream = s.events()
+    assert stream.next(timeout=0.2) is None, "nothing happened yet"
+    lease = s.lease(2 * MIB)
+    broker.ctl("leases", "revoke", lease.id, "--reason", "maintenance")
+    got = stream.next(timeout=10)
+    assert isinstance(got, ev.LeaseRevoked) and got.lease_id == lease.id
+    assert "maintenance" in got.reason
+    broker.stop(signal.SIGTERM)
+    seen = list(stream)
+    kinds = [type(e) for e in seen]
+    assert ev.ShuttingDown in kinds, seen
+    assert isinstance(seen[-1], ev.Closed), seen
+    assert s.closed
+    assert stream.next(timeout=0.1) is None, "the stream ended"
+    with pytest.raises(gpubroker.BrokerError):
+        s.lease(MIB)
+
+
+def test_reclaim_callback_gives_memory_back(make_broker):
+    b = make_broker("--host-capacity", "64MiB", "--reclaim-deadline", "10s")
+    low = gpubroker.connect(b.address, b.tenant("low", "64MiB", "--priority", "0"))
+    high = gpubroker.connect(b.address, b.tenant("high", "64MiB", "--priority", "10"))
+    ls = low.session("low")
+    held = {}
+    asked = []
+    done = threading.Event()
+
+    def give_back(event):
+        asked.append(event)
+        lease = held.pop(event.lease_id, None)
+        if lease is not None:
+            lease.release()
+        done.set()
+
+    ls.on_reclaim(give_back)
+    for _ in range(2):
+        lease = ls.lease(32 * MIB, reclaimable=True)
+        held[lease.id] = lease
+    with high.session("high") as hs:
+        got = hs.lease(32 * MIB, wait=10)
+        assert got.nbytes == 32 * MIB
+        assert done.wait(5)
+        req = asked[0]
+        assert isinstance(req, ev.ReclaimRequested)
+        assert req.nbytes == 32 * MIB and req.deadline > time.time() - 1 and req.reason
+        assert len(held) == 1, "only as much as needed was asked back"
+    ls.close()
+
+
+def test_reconnect_after_a_broker_restart(broker):
+    b = gpubroker.connect(broker.address, broker.tenant("t"))
+    s = b.session("survivor", reconnect=True)
+    old_id = s.id
+    stream = s.events()
+    lease = s.lease(2 * MIB)
+    broker.restart()
+    seen = []
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        e = stream.next(timeout=1)
+        if e is not None:
+            seen.append(e)
+            if isinstance(e, ev.Reconnected):
+                break
+    kinds = [type(e) for e in seen]
+    assert ev.Disconnected in kinds and isinstance(seen[-1], ev.Reconnected), seen
+    rec = seen[-1]
+    assert rec.old_session_id == old_id and rec.new_session_id == s.id != old_id
+    assert rec.lost_leases == [lease.id]
+    assert lease.lost and s.connected
+    with pytest.raises(gpubroker.NotFound):
+        lease.release()
+    again = s.lease(2 * MIB)
+    assert again.session_id == s.id
+    again.release()
+    s.close()
+
+
+def test_host_fallback_lease(make_broker):
+    b = make_broker("--host-capacity", "8MiB", "--host-fallback-capacity", "64MiB")
+    w = gpubroker.connect(b.address, b.tenant("t", "64MiB", "--host-limit", "32MiB"))
+    with w.session("w") as s:
+        full = s.lease(8 * MIB)
+        with s.lease(4 * MIB, fallback_host=True) as lease:
+            assert lease.tier == "host"
+            a = lease.as_numpy("int16")
+            a[:] = -2
+            assert int(a.sum()) == -2 * a.size
+            assert s.usage().host_held_bytes == lease.nbytes
+            del a
+        full.release()
+
+
+def test_device_views_need_their_libraries(broker):
+    b = gpubroker.connect(broker.address, broker.tenant("t"))
+    with b.session("w") as s, s.lease(2 * MIB) as lease:
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            with pytest.raises(gpubroker.FailedPrecondition) as e:
+                lease.as_cupy()
+            assert "cupy" in str(e.value)
+        try:
+            import torch
+        except ImportError:
+            with pytest.raises(gpubroker.FailedPrecondition):
+                lease.as_torch()
+        else:
+            t = lease.as_torch(torch.int32, (4,))
+            t[:] = 9
+            assert lease.as_numpy("int32")[:4].tolist() == [9, 9, 9, 9]
+            del t
+
+
+def test_help_and_typing_stubs():
+    doc = gpubroker.__doc__
+    assert "connect" in doc and "lease" in doc
+    assert gpubroker.Session.lease.__doc__ and "wait" in gpubroker.Session.lease.__doc__
+    pkg = os.path.dirname(gpubroker.__file__)
+    assert os.path.exists(os.path.join(pkg, "_native.pyi"))
+    assert os.path.exists(os.path.join(pkg, "py.typed"))
+    for name in ("QuotaExceeded", "WaitTimeout", "Unauthenticated", "PermissionDenied",
+                 "NotFound", "InvalidArgument", "FailedPrecondition", "Unavailable"):
+        assert issubclass(getattr(gpubroker, name), gpubroker.BrokerError)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The Python tests: builds the `gpubroker` package (client/python, a native extension over
+# the client crate), installs it into a virtual environment cached under target/ with
+# maturin, pytest and numpy from PyPI, and runs pytest against real brokers on the host
+# backend. Run by scripts/test.sh; rerunning it is quick (the venv and the Rust build are
+# reused). Needs the Rust toolchain and Python 3 (with its venv module).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${GPUBROKER_VENV:-target/py-venv}
+WHEELS=target/py-wheels
+
+if [[ ! -x $VENV/bin/python ]]; then
+    if ! "$PY" -m venv "$VENV" 2>/dev/null; then
+        rm -rf "$VENV"
+        # Debian/Ubuntu ship the venv module separately.
+        if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+            ver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+            apt-get update -qq && apt-get install -y -qq "python${ver}-venv" >/dev/null
+        fi
+        "$PY" -m venv "$VENV"
+    fi
+fi
+if ! "$VENV/bin/python" -c 'import maturin, pytest, numpy' 2>/dev/null; then
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        'maturin>=1.9,<2' 'pytest>=7' numpy
+fi
+
+# The broker and the CLI the tests drive, then the package itself (debug build, sharing
+# the workspace's target/ so dependencies compile once).
+cargo build --quiet -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl
+rm -f "$WHEELS"/gpubroker-*.whl
+"$VENV/bin/maturin" build --quiet --manifest-path client/python/Cargo.toml --out "$WHEELS" \
+    --interpreter "$VENV/bin/python" 2>&1 | grep -v '^\(📦\|🍹\|🐍\|🔗\|📡\|⚠️\)' || true
+wheel=$(ls "$WHEELS"/gpubroker-*.whl 2>/dev/null | head -n 1)
+if [[ -z $wheel ]]; then
+    echo "test-python: maturin built no wheel" >&2
+    exit 1
+fi
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall \
+    --no-deps "$wheel"
+
+# pytest exit codes: 0 passed, 1 tests failed, 2 interrupted, 3 internal error, 4 usage
+# error, 5 no tests collected. Only 0 passes; 5 means the tests went missing.
+set +e
+GPU_BROKER_BIN_DIR="$PWD/target/debug" "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    client/python/tests "$@"
+rc=$?
+set -e
+case $rc in
+    0) ;;
+    1) echo "test-python: Python tests failed" >&2 ;;
+    5) echo "test-python: pytest collected no tests (client/python/tests missing?)" >&2 ;;
+    *) echo "test-python: pytest stopped with exit code $rc" >&2 ;;
+esac
+exit "$rc"
