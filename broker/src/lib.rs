@@ -10,6 +10,7 @@ pub mod admin_token;
 pub mod arbiter;
 pub mod audit;
 pub mod auth;
+pub mod availability;
 pub mod backend;
 pub mod config;
 pub mod device;

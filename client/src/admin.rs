@@ -11,6 +11,7 @@ use pb::admin_client::AdminClient as RawAdminClient;
 use crate::audit::{AuditEntry, AuditFilter};
 use crate::connect::{self, AuthChannel};
 use crate::device::DeviceInfo;
+use crate::drain::DrainStatus;
 use crate::error::ClientError;
 use crate::lease::LeaseInfo;
 use crate::session::SessionInfo;
@@ -320,5 +321,46 @@ impl AdminClient {
             .await?
             .into_inner();
         Ok(reply.devices.into_iter().map(DeviceInfo::from).collect())
+    }
+
+    /// Starts draining `device` (or the node): no new leases there; holders of
+    /// reclaimable leases are asked to release within `deadline` (absent: the broker's
+    /// reclaim deadline). Returns the progress.
+    pub async fn drain(
+        &self,
+        device: Option<u32>,
+        deadline: Option<std::time::Duration>,
+        reason: &str,
+    ) -> Result<DrainStatus, ClientError> {
+        let reply = self
+            .raw()
+            .drain(pb::DrainRequest {
+                device,
+                deadline_ms: deadline.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+                reason: reason.to_string(),
+            })
+            .await?
+            .into_inner();
+        Ok(DrainStatus::from(reply))
+    }
+
+    /// Reopens `device` (or every device).
+    pub async fn undrain(&self, device: Option<u32>) -> Result<DrainStatus, ClientError> {
+        let reply = self
+            .raw()
+            .undrain(pb::UndrainRequest { device })
+            .await?
+            .into_inner();
+        Ok(DrainStatus::from(reply))
+    }
+
+    /// Progress of drains.
+    pub async fn drain_status(&self) -> Result<DrainStatus, ClientError> {
+        let reply = self
+            .raw()
+            .get_drain(pb::GetDrainRequest {})
+            .await?
+            .into_inner();
+        Ok(DrainStatus::from(reply))
     }
 }

@@ -46,6 +46,12 @@ pub struct DeviceInfo {
     pub uuid: String,
     /// Product name (e.g. `NVIDIA H200`).
     pub model: String,
+    /// Draining for maintenance (no new leases), and why.
+    pub draining: bool,
+    pub drain_reason: String,
+    /// Marked unhealthy (no new leases), and why.
+    pub unhealthy: bool,
+    pub health_reason: String,
 }
 
 impl From<pb::DeviceInfo> for DeviceInfo {
@@ -69,6 +75,10 @@ impl From<pb::DeviceInfo> for DeviceInfo {
             turns_waiting: d.turns_waiting,
             uuid: d.uuid,
             model: d.model,
+            draining: d.draining,
+            drain_reason: d.drain_reason,
+            unhealthy: d.unhealthy,
+            health_reason: d.health_reason,
         }
     }
 }

@@ -66,6 +66,7 @@ pub mod connect;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod drain;
 pub mod error;
 pub mod events;
 pub mod lease;
@@ -85,6 +86,7 @@ pub use admin::AdminClient;
 pub use audit::{AuditEntry, AuditFilter};
 pub use client::Client;
 pub use device::DeviceInfo;
+pub use drain::{DeviceDrain, DrainStatus};
 pub use error::{ClientError, Code};
 pub use events::{ReclaimRequest, SessionEvent, SessionEvents};
 pub use lease::{Lease, LeaseHandle, LeaseInfo, LeaseRequest, LeaseState, Tier};

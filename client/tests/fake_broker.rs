@@ -531,6 +531,27 @@ impl Admin for Fake {
         Ok(Response::new(pb::ListSessionsResponse { sessions }))
     }
 
+    async fn drain(
+        &self,
+        _req: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::DrainResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn undrain(
+        &self,
+        _req: Request<pb::UndrainRequest>,
+    ) -> Result<Response<pb::DrainResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn get_drain(
+        &self,
+        _req: Request<pb::GetDrainRequest>,
+    ) -> Result<Response<pb::DrainResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
     async fn rotate_admin_token(
         &self,
         _req: Request<pb::RotateAdminTokenRequest>,

@@ -8,6 +8,7 @@ mod cli;
 mod crash;
 mod data;
 mod devices;
+mod drain;
 mod errors;
 mod examples;
 mod isolation;

@@ -64,6 +64,10 @@ pub struct DeviceReport {
     /// Tenant holding the compute turn.
     pub turn_holder: Option<String>,
     pub turns_waiting: u32,
+    /// Why the device drains (`None`: it does not).
+    pub drain_reason: Option<String>,
+    /// Why it is unhealthy (`None`: healthy).
+    pub fault: Option<String>,
 }
 
 /// A quota change: the whole quota, or only some fields.
@@ -330,6 +334,12 @@ impl Arbiter {
                 _ => 0,
             };
             let (turn_holder, turns_waiting) = self.scheduler.device_state(i as u32);
+            let avail = self
+                .avail
+                .read()
+                .device(i as u32)
+                .cloned()
+                .unwrap_or_default();
             let st = self.state.lock();
             let p = &st.pools[i];
             let s = p.stats();
@@ -357,6 +367,8 @@ impl Arbiter {
                     .count() as u32,
                 turn_holder,
                 turns_waiting,
+                drain_reason: avail.drain.map(|d| d.reason),
+                fault: avail.fault.map(|f| f.reason),
             });
         }
         out

@@ -109,6 +109,11 @@ impl Arbiter {
             .filter(|s| s.tenant == req.tenant)
             .ok_or_else(|| session_not_found(req.session))?;
         session.last_seen = Instant::now();
+        // A drained or unhealthy device takes nothing new (checked under the state lock,
+        // which drains and health changes also hold).
+        if let Some(e) = self.avail.read().refusal(req.device) {
+            return Err(e);
+        }
         let tenant = st
             .ledger
             .get(&req.tenant)
@@ -225,12 +230,17 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Devices a request may use: the one it named, or all.
+    /// Devices a request may use: the one it named, or all; only those that admit new
+    /// leases (not draining, not unhealthy: `availability.rs`).
     pub(crate) fn candidates(&self, device: Option<u32>) -> Vec<u32> {
+        let avail = self.avail.read();
         match device {
             Some(d) => vec![d],
             None => (0..self.devices.len() as u32).collect(),
         }
+        .into_iter()
+        .filter(|&d| avail.admits(d))
+        .collect()
     }
 
     /// Grants every waiting request that fits, in queue order. A request blocked by

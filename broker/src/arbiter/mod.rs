@@ -11,6 +11,7 @@
 
 mod admin;
 mod admission;
+mod drain;
 mod ending;
 pub mod queue;
 mod tasks;
@@ -18,6 +19,7 @@ pub mod tokens;
 mod turns;
 
 pub use admin::{DeviceReport, QuotaChange, QuotaUpdate, SessionView, TenantView};
+pub use drain::{DeviceDrain, DrainReport};
 
 use crate::auth::Authenticator;
 use crate::device::thread::DeviceThread;
@@ -144,6 +146,8 @@ pub struct Arbiter {
     draining: AtomicBool,
     /// Operator changes, durable in the store (`audit.rs`).
     pub(crate) audit_log: crate::audit::AuditLog,
+    /// Which devices admit new leases (drain, health); changed under the state lock.
+    pub(crate) avail: parking_lot::RwLock<crate::availability::Availability>,
 }
 
 /// Longest label accepted.
@@ -176,6 +180,7 @@ impl Arbiter {
             crate::audit::AuditLog::open(store.as_ref(), crate::audit::DEFAULT_MAX_RECORDS)?;
         let arb = Arbiter {
             audit_log,
+            avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             scheduler,
             state: Mutex::new(st),
             devices,

@@ -266,4 +266,55 @@ impl Admin for AdminService {
             entries: records.iter().map(convert::audit_entry).collect(),
         }))
     }
+
+    async fn drain(
+        &self,
+        req: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::DrainResponse>, Status> {
+        let who = Who::of(&req);
+        let r = req.into_inner();
+        let before = self.arb.drain_report();
+        let report = self.arb.start_drain(
+            r.device,
+            r.deadline_ms.map(Duration::from_millis),
+            &r.reason,
+        )?;
+        self.arb.audit(
+            &who,
+            "drain.start",
+            "",
+            &r.device.map(|d| d.to_string()).unwrap_or_else(|| "node".into()),
+            Some(serde_json::json!({"draining": before.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
+            Some(serde_json::json!({"draining": report.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>(), "deadline_ms": r.deadline_ms, "reason": r.reason})),
+        );
+        Ok(Response::new(convert::drain_report(&report)))
+    }
+
+    async fn undrain(
+        &self,
+        req: Request<pb::UndrainRequest>,
+    ) -> Result<Response<pb::DrainResponse>, Status> {
+        let who = Who::of(&req);
+        let device = req.get_ref().device;
+        let before = self.arb.drain_report();
+        let report = self.arb.undrain(device)?;
+        self.arb.audit(
+            &who,
+            "drain.stop",
+            "",
+            &device.map(|d| d.to_string()).unwrap_or_else(|| "node".into()),
+            Some(serde_json::json!({"draining": before.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
+            Some(serde_json::json!({"draining": report.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
+        );
+        Ok(Response::new(convert::drain_report(&report)))
+    }
+
+    async fn get_drain(
+        &self,
+        _req: Request<pb::GetDrainRequest>,
+    ) -> Result<Response<pb::DrainResponse>, Status> {
+        Ok(Response::new(convert::drain_report(
+            &self.arb.drain_report(),
+        )))
+    }
 }

@@ -1,6 +1,6 @@
 //! Conversions between proto messages and domain types.
 
-use crate::arbiter::{DeviceReport, QuotaUpdate, SessionView, TenantView};
+use crate::arbiter::{DeviceReport, DrainReport, QuotaUpdate, SessionView, TenantView};
 use crate::audit::AuditRecord;
 use crate::auth::{Scope, TokenEntry};
 use crate::device::Handle;
@@ -251,6 +251,34 @@ pub fn device(d: &DeviceReport) -> pb::DeviceInfo {
         turns_waiting: d.turns_waiting,
         uuid: d.uuid.clone(),
         model: d.model.clone(),
+        draining: d.drain_reason.is_some(),
+        drain_reason: d.drain_reason.clone().unwrap_or_default(),
+        unhealthy: d.fault.is_some(),
+        health_reason: d.fault.clone().unwrap_or_default(),
+    }
+}
+
+pub fn drain_report(r: &DrainReport) -> pb::DrainResponse {
+    let ms = |t: Option<SystemTime>| t.map(unix_ms).unwrap_or(0);
+    pb::DrainResponse {
+        complete: r.complete(),
+        devices: r
+            .devices
+            .iter()
+            .map(|d| pb::DeviceDrain {
+                index: d.index,
+                uuid: d.uuid.clone(),
+                draining: d.draining,
+                since_unix_ms: ms(d.since),
+                deadline_unix_ms: ms(d.deadline),
+                reason: d.reason.clone(),
+                leases: d.leases,
+                bytes: d.bytes,
+                reclaim_requested: d.reclaim_requested,
+                not_reclaimable: d.not_reclaimable,
+                quarantined_bytes: d.quarantined_bytes,
+            })
+            .collect(),
     }
 }
 

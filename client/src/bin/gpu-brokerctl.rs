@@ -17,8 +17,8 @@ use gpu_broker_client::table::Table;
 use gpu_broker_client::units::format_duration;
 use gpu_broker_client::units::{format_age, format_bytes, parse_bytes};
 use gpu_broker_client::{
-    AdminClient, AuditEntry, AuditFilter, DeviceInfo, LeaseInfo, QuotaPatch, SessionInfo,
-    TenantInfo, TokenInfo, TokenOptions, TokenScope,
+    AdminClient, AuditEntry, AuditFilter, DeviceInfo, DrainStatus, LeaseInfo, QuotaPatch,
+    SessionInfo, TenantInfo, TokenInfo, TokenOptions, TokenScope,
 };
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -103,6 +103,32 @@ enum Command {
     },
     /// Show the devices the broker manages.
     Devices,
+    /// Empty a device (or the node) for maintenance: no new leases there, holders of
+    /// reclaimable leases are asked to release; waits until nothing is left (or the deadline).
+    Drain {
+        /// Only this device (default: every device).
+        #[arg(long)]
+        device: Option<u32>,
+        /// Holders must release within this (e.g. 10m); a reclaimable lease still held then
+        /// is revoked. The command fails if memory is left after it.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        deadline: Option<Duration>,
+        /// Why (sent to holders, shown in `devices`, recorded in the audit log).
+        #[arg(long, default_value = "maintenance")]
+        reason: String,
+        /// Start the drain and return at once.
+        #[arg(long)]
+        no_wait: bool,
+        /// How often to check progress.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "500ms")]
+        poll: Duration,
+    },
+    /// Reopen a drained device (or every device).
+    Undrain {
+        /// Only this device (default: every device).
+        #[arg(long)]
+        device: Option<u32>,
+    },
     /// List recorded operator changes (quota, tenant, token, revoke, drain, reload).
     Audit {
         /// Only changes since this: an RFC 3339 time (2026-12-01T08:00:00Z) or an age (1h, 30m).
@@ -461,6 +487,20 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             let devices = admin.get_devices().await?;
             emit(json, &devices, || device_table(&devices, width))
         }
+        Command::Drain {
+            device,
+            deadline,
+            reason,
+            no_wait,
+            poll,
+        } => {
+            let status = ctl::drain::run(&admin, device, deadline, &reason, no_wait, poll).await?;
+            emit(json, &status, || drain_table(&status))
+        }
+        Command::Undrain { device } => {
+            let status = admin.undrain(device).await?;
+            emit(json, &status, || drain_table(&status))
+        }
         Command::Audit {
             since,
             tenant,
@@ -657,6 +697,37 @@ fn parse_since(text: &str, now: SystemTime) -> Result<i64> {
     Ok(i64::try_from(ms).unwrap_or(i64::MAX))
 }
 
+fn drain_table(status: &DrainStatus) -> String {
+    let mut t = Table::new([
+        "DEVICE",
+        "DRAINING",
+        "LEASES",
+        "LEFT",
+        "ASKED",
+        "NOT_RECLAIMABLE",
+        "QUARANTINED",
+        "DEADLINE",
+        "REASON",
+    ])
+    .right(&[0, 2, 3, 4, 5, 6]);
+    for d in &status.devices {
+        t.row([
+            d.index.to_string(),
+            if d.draining { "yes" } else { "no" }.to_string(),
+            d.leases.to_string(),
+            format_bytes(d.bytes),
+            d.reclaim_requested.to_string(),
+            d.not_reclaimable.to_string(),
+            format_bytes(d.quarantined_bytes),
+            d.deadline_unix_ms
+                .map(format_time)
+                .unwrap_or_else(|| "-".into()),
+            or_dash_str(&d.reason),
+        ]);
+    }
+    t.render()
+}
+
 fn audit_table(entries: &[AuditEntry], width: Option<usize>) -> String {
     let mut t = Table::new([
         "SEQ", "TIME", "WHO", "PEER", "ACTION", "TENANT", "TARGET", "BEFORE", "AFTER",
@@ -809,6 +880,16 @@ fn session_table(sessions: &[SessionInfo], width: Option<usize>) -> String {
     t.render()
 }
 
+/// "open", "draining", "unhealthy" or "draining,unhealthy".
+fn device_state(d: &DeviceInfo) -> String {
+    match (d.draining, d.unhealthy) {
+        (false, false) => "open".into(),
+        (true, false) => "draining".into(),
+        (false, true) => "unhealthy".into(),
+        (true, true) => "draining,unhealthy".into(),
+    }
+}
+
 fn device_table(devices: &[DeviceInfo], width: Option<usize>) -> String {
     if width.is_some() {
         let mut t = Table::new([
@@ -821,6 +902,7 @@ fn device_table(devices: &[DeviceInfo], width: Option<usize>) -> String {
             "QUARANTINED",
             "EXTERNAL",
             "WAITING",
+            "STATE",
         ])
         .right(&[0, 2, 3, 4, 5, 6, 7, 8])
         .fit(width, &[1]);
@@ -835,6 +917,7 @@ fn device_table(devices: &[DeviceInfo], width: Option<usize>) -> String {
                 format_bytes(d.quarantined_bytes),
                 format_bytes(d.external_used_bytes),
                 d.waiting_requests.to_string(),
+                device_state(d),
             ]);
         }
         return t.render();
@@ -857,6 +940,7 @@ fn device_table(devices: &[DeviceInfo], width: Option<usize>) -> String {
         "TURN",
         "MODEL",
         "UUID",
+        "STATE",
     ])
     .right(&[0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
     for d in devices {
@@ -882,6 +966,7 @@ fn device_table(devices: &[DeviceInfo], width: Option<usize>) -> String {
             },
             or_dash_str(&d.model),
             or_dash_str(&d.uuid),
+            device_state(d),
         ]);
     }
     t.render()

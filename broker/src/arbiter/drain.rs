@@ -1,0 +1,257 @@
+//! Draining devices for maintenance: stop admitting there, tell waiting requests that
+//! can now go nowhere why (`FAILED_PRECONDITION` when pinned to a drained device,
+//! `UNAVAILABLE` when no device is open), ask the holders of reclaimable leases there to
+//! release by the deadline (the ordinary reclaim path: a missed deadline revokes), and
+//! report progress until the devices hold nothing. Leases that are not reclaimable are
+//! left to their holders; the report counts them. Undrain reopens the devices and
+//! withdraws the drain's reclaim requests that are still pending.
+
+use super::{Arbiter, State};
+use crate::availability::Drain;
+use crate::error::{BrokerError, BrokerResult};
+use crate::lease::LeaseState;
+use crate::ledger::Tier;
+use crate::session::SessionEvent;
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+/// Longest drain deadline accepted.
+pub const MAX_DRAIN_DEADLINE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Progress of one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceDrain {
+    pub index: u32,
+    pub uuid: String,
+    pub draining: bool,
+    pub since: Option<SystemTime>,
+    pub deadline: Option<SystemTime>,
+    pub reason: String,
+    /// Leases still on the device, and their bytes.
+    pub leases: u32,
+    pub bytes: u64,
+    /// Of those, asked to be released and not yet gone.
+    pub reclaim_requested: u32,
+    /// Of those, not reclaimable (the drain cannot ask for them).
+    pub not_reclaimable: u32,
+    /// Memory of ended leases a holder may still map.
+    pub quarantined_bytes: u64,
+}
+
+impl DeviceDrain {
+    /// Draining and nothing left on it.
+    pub fn is_empty(&self) -> bool {
+        self.leases == 0 && self.quarantined_bytes == 0
+    }
+}
+
+/// Progress of every device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DrainReport {
+    pub devices: Vec<DeviceDrain>,
+}
+
+impl DrainReport {
+    /// Every draining device is empty (and at least one drains).
+    pub fn complete(&self) -> bool {
+        self.devices.iter().any(|d| d.draining)
+            && self
+                .devices
+                .iter()
+                .filter(|d| d.draining)
+                .all(DeviceDrain::is_empty)
+    }
+}
+
+impl Arbiter {
+    fn drain_targets(&self, device: Option<u32>) -> BrokerResult<Vec<u32>> {
+        match device {
+            Some(d) if d as usize >= self.devices.len() => {
+                Err(BrokerError::InvalidArgument(format!(
+                    "unknown device {d}: this broker has {} device(s)",
+                    self.devices.len()
+                )))
+            }
+            Some(d) => Ok(vec![d]),
+            None => Ok((0..self.devices.len() as u32).collect()),
+        }
+    }
+
+    /// Starts draining `device` (or every device): see the module doc. Draining a device
+    /// that already drains updates its deadline and reason.
+    pub fn start_drain(
+        self: &Arc<Self>,
+        device: Option<u32>,
+        deadline: Option<Duration>,
+        reason: &str,
+    ) -> BrokerResult<DrainReport> {
+        let targets = self.drain_targets(device)?;
+        if let Some(d) = deadline {
+            if d.is_zero() || d > MAX_DRAIN_DEADLINE {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "drain deadline must be more than 0 and at most {} hours",
+                    MAX_DRAIN_DEADLINE.as_secs() / 3600
+                )));
+            }
+        }
+        if reason.len() > super::MAX_LABEL {
+            return Err(BrokerError::InvalidArgument(format!(
+                "reason longer than {} bytes",
+                super::MAX_LABEL
+            )));
+        }
+        let reason = if reason.is_empty() {
+            "operator request".to_string()
+        } else {
+            reason.to_string()
+        };
+        let mut st = self.state.lock();
+        let now = SystemTime::now();
+        let deadline_wall = deadline.map(|d| now + d);
+        {
+            let mut avail = self.avail.write();
+            for &d in &targets {
+                if let Some(s) = avail.device_mut(d) {
+                    let asked = s.drain.take().map(|x| x.asked).unwrap_or_default();
+                    s.drain = Some(Drain {
+                        since: now,
+                        deadline: deadline_wall,
+                        reason: reason.clone(),
+                        asked,
+                    });
+                }
+            }
+        }
+        self.fail_stranded_waiters(&mut st);
+        // Ask holders of reclaimable leases there to release by the deadline (or the
+        // usual reclaim deadline).
+        let grace = deadline.unwrap_or(self.cfg.reclaim_deadline);
+        let (due, due_wall) = (Instant::now() + grace, now + grace);
+        let mut asked: Vec<(u32, uuid::Uuid)> = Vec::new();
+        let ids: Vec<uuid::Uuid> = st
+            .leases
+            .iter()
+            .filter(|l| l.tier == Tier::Device && targets.contains(&l.device))
+            .filter(|l| l.reclaimable && matches!(l.state, LeaseState::Active))
+            .map(|l| l.id)
+            .collect();
+        for id in ids {
+            let Some(l) = st.leases.get_mut(&id) else {
+                continue;
+            };
+            l.state = LeaseState::ReclaimRequested {
+                deadline: due,
+                deadline_wall: due_wall,
+            };
+            let (session, bytes, device) = (l.session, l.bytes(), l.device);
+            if let Some(s) = st.sessions.get(&session) {
+                s.notify(SessionEvent::ReclaimRequested {
+                    lease_id: id,
+                    bytes,
+                    deadline: due_wall,
+                    reason: format!("device {device} is draining for maintenance ({reason})"),
+                });
+            }
+            asked.push((device, id));
+        }
+        {
+            let mut avail = self.avail.write();
+            for (d, id) in &asked {
+                if let Some(Some(drain)) = avail.device_mut(*d).map(|s| s.drain.as_mut()) {
+                    drain.asked.insert(*id);
+                }
+            }
+        }
+        tracing::warn!(devices = ?targets, ?deadline, %reason, asked = asked.len(), "drain started");
+        Ok(self.drain_report_locked(&st))
+    }
+
+    /// Reopens `device` (or every device) and withdraws the drain's pending reclaim
+    /// requests. An unhealthy device stays closed.
+    pub fn undrain(self: &Arc<Self>, device: Option<u32>) -> BrokerResult<DrainReport> {
+        let targets = self.drain_targets(device)?;
+        let mut st = self.state.lock();
+        let mut withdrawn: HashSet<uuid::Uuid> = HashSet::new();
+        {
+            let mut avail = self.avail.write();
+            for &d in &targets {
+                if let Some(s) = avail.device_mut(d) {
+                    if let Some(drain) = s.drain.take() {
+                        withdrawn.extend(drain.asked);
+                    }
+                }
+            }
+        }
+        for id in &withdrawn {
+            if let Some(l) = st.leases.get_mut(id) {
+                if matches!(l.state, LeaseState::ReclaimRequested { .. }) {
+                    l.state = LeaseState::Active;
+                }
+            }
+        }
+        tracing::warn!(devices = ?targets, withdrawn = withdrawn.len(), "drain ended");
+        // Waiters may fit on the reopened devices now.
+        self.drain(&mut st);
+        Ok(self.drain_report_locked(&st))
+    }
+
+    /// Progress of every device.
+    pub fn drain_report(&self) -> DrainReport {
+        let st = self.state.lock();
+        self.drain_report_locked(&st)
+    }
+
+    fn drain_report_locked(&self, st: &State) -> DrainReport {
+        let avail = self.avail.read();
+        let devices = (0..self.devices.len() as u32)
+            .map(|d| {
+                let drain = avail.device(d).and_then(|s| s.drain.clone());
+                let on: Vec<_> = st
+                    .leases
+                    .iter()
+                    .filter(|l| l.tier == Tier::Device && l.device == d)
+                    .collect();
+                DeviceDrain {
+                    index: d,
+                    uuid: self.device_uuid(d),
+                    draining: drain.is_some(),
+                    since: drain.as_ref().map(|x| x.since),
+                    deadline: drain.as_ref().and_then(|x| x.deadline),
+                    reason: drain.map(|x| x.reason).unwrap_or_default(),
+                    leases: on.len() as u32,
+                    bytes: on.iter().map(|l| l.bytes()).sum(),
+                    reclaim_requested: on
+                        .iter()
+                        .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }))
+                        .count() as u32,
+                    not_reclaimable: on.iter().filter(|l| !l.reclaimable).count() as u32,
+                    quarantined_bytes: st.pools[d as usize].stats().quarantined,
+                }
+            })
+            .collect();
+        DrainReport { devices }
+    }
+
+    /// Fails every waiting request that no open device can serve any more, with the
+    /// reason (pinned: `FAILED_PRECONDITION`; unpinned: `UNAVAILABLE`).
+    pub(crate) fn fail_stranded_waiters(self: &Arc<Self>, st: &mut State) {
+        let stranded: Vec<u64> = st
+            .queue
+            .iter()
+            .filter(|w| self.candidates(w.ask.device).is_empty())
+            .map(|w| w.id)
+            .collect();
+        for id in stranded {
+            if let Some(w) = st.queue.remove(id) {
+                let err = self.avail.read().refusal(w.ask.device).unwrap_or_else(|| {
+                    BrokerError::Unavailable("no device takes new leases".into())
+                });
+                tracing::info!(tenant = %w.ask.tenant, error = %err, "waiting request refused: its devices closed");
+                let _ = w.reply.send(Err(err));
+            }
+        }
+        // Their places may have blocked others.
+        self.drain(st);
+    }
+}
