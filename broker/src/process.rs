@@ -1,28 +1,91 @@
-//! Process liveness: whether a pid still runs (`/proc` state; a zombie counts as gone)
-//! and a future that resolves when it exits (pidfd, falling back to polling). Used for
-//! session peers (their memory may be reused once they are gone) and for block files
-//! left by a dead broker.
+//! Process liveness: whether a pid still runs (`kill(pid, 0)` and `/proc` state; a zombie
+//! counts as gone) and a future that resolves when it exits (pidfd, falling back to
+//! polling). Used for session peers (their memory may be reused once they are gone) and
+//! for block files left by a dead broker. A check that cannot decide (no descriptor left
+//! to read `/proc`, pid 0 from a peer in another PID namespace) answers
+//! [`Liveness::Unknown`], and nothing treats unknown as gone.
 
 use std::time::Duration;
 
-/// Is process `pid` still running? A zombie (exited, not yet reaped) counts as gone:
-/// its memory mappings are already released.
-pub fn process_alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+/// What the broker can tell about a process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    /// It runs (or exists and its state could not be read).
+    Alive,
+    /// It exited (a zombie counts: its memory mappings are already released).
+    Gone,
+    /// The broker cannot tell (pid 0, or every check failed for another reason).
+    Unknown,
+}
+
+/// What the broker can tell about process `pid`. Needs no file descriptor to say
+/// "exists" (`kill(pid, 0)`); reads `/proc/<pid>/stat` only to spot a zombie.
+pub fn liveness(pid: u32) -> Liveness {
+    // pid 0 is what SO_PEERCRED reports for a peer outside our PID namespace, and
+    // `kill(0, 0)` would address our own process group.
+    if pid == 0 {
+        return Liveness::Unknown;
+    }
+    // Beyond pid_t: no process can have it.
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return Liveness::Gone;
+    };
+    // SAFETY: signal 0 only checks for existence and permission; it delivers nothing.
+    let rc = unsafe { libc::kill(p, 0) };
+    let exists = if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    };
+    classify(exists, std::fs::read_to_string(format!("/proc/{pid}/stat")))
+}
+
+/// The decision, from what `kill(pid, 0)` and reading `/proc/<pid>/stat` returned.
+fn classify(exists: std::io::Result<()>, stat: std::io::Result<String>) -> Liveness {
+    match exists {
+        Ok(()) => {}
+        // EPERM: it exists, owned by someone we may not signal.
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Liveness::Gone,
+        Err(_) => return Liveness::Unknown,
+    }
+    match stat {
         Ok(stat) => {
             // Format: pid (comm) state ... ; comm may hold spaces and parentheses.
             let state = stat
                 .rfind(')')
                 .and_then(|i| stat[i + 1..].split_whitespace().next());
-            !matches!(state, Some("Z") | Some("X") | Some("x"))
+            if matches!(state, Some("Z") | Some("X") | Some("x")) {
+                Liveness::Gone
+            } else {
+                Liveness::Alive
+            }
         }
-        Err(_) => false,
+        // Exited between the two checks.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Liveness::Gone,
+        // It exists; its state is unreadable (EMFILE, say): it may still map memory.
+        Err(_) => Liveness::Alive,
     }
 }
 
-/// Resolves when process `pid` exits. Uses a pidfd (no polling, immune to pid reuse
-/// after the watch starts) and falls back to polling `/proc` every 200 ms.
+/// Is process `pid` certainly gone? Unknown is not gone.
+pub fn process_gone(pid: u32) -> bool {
+    liveness(pid) == Liveness::Gone
+}
+
+/// Is process `pid` still running (or possibly running: unknown counts as alive)?
+pub fn process_alive(pid: u32) -> bool {
+    !process_gone(pid)
+}
+
+/// Resolves when process `pid` is certainly gone. Uses a pidfd (no polling, immune to
+/// pid reuse after the watch starts) and falls back to polling every 200 ms; for a pid
+/// that can never be decided (0) it never resolves: callers race it against their own
+/// end (see [`wait_for_exit_or`]).
 pub async fn wait_for_exit(pid: u32) {
+    if pid == 0 {
+        std::future::pending::<()>().await;
+    }
     if let Some(fd) = pidfd_open(pid) {
         // SAFETY: `fd` is an OwnedFd moved into the AsyncFd, so it stays open exactly as
         // long as the registration.
@@ -34,8 +97,18 @@ pub async fn wait_for_exit(pid: u32) {
             return;
         }
     }
-    while process_alive(pid) {
+    while !process_gone(pid) {
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits for `pid` to exit unless `stop` is cancelled first; returns whether it exited.
+/// The pidfd (if any) is closed when this returns, so a watcher tied to something that
+/// ends (a session) holds no descriptor past it.
+pub async fn wait_for_exit_or(pid: u32, stop: tokio_util::sync::CancellationToken) -> bool {
+    tokio::select! {
+        _ = wait_for_exit(pid) => true,
+        _ = stop.cancelled() => false,
     }
 }
 
@@ -57,7 +130,32 @@ mod tests {
     #[test]
     fn own_process_is_alive_and_bogus_pid_is_not() {
         assert!(process_alive(std::process::id()));
-        assert!(!process_alive(u32::MAX - 1));
+        assert_eq!(liveness(std::process::id()), Liveness::Alive);
+        assert!(process_gone(u32::MAX - 1));
+    }
+
+    #[test]
+    fn pid_zero_is_unknown_not_gone() {
+        assert_eq!(liveness(0), Liveness::Unknown);
+        assert!(!process_gone(0));
+    }
+
+    #[test]
+    fn an_undecidable_check_is_never_gone() {
+        fn emfile<T>() -> std::io::Result<T> {
+            Err(std::io::Error::from_raw_os_error(libc::EMFILE))
+        }
+        // The process exists but /proc cannot be read (no descriptor left): alive.
+        assert_eq!(classify(Ok(()), emfile()), Liveness::Alive);
+        // Existence itself unknown (an odd errno): unknown.
+        assert_eq!(classify(emfile(), emfile()), Liveness::Unknown);
+        // Exists, owned by another user: alive.
+        let eperm = Err(std::io::Error::from_raw_os_error(libc::EPERM));
+        assert_eq!(classify(eperm, Ok("1 (x) S 0".into())), Liveness::Alive);
+        // Gone for sure.
+        let esrch = Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+        assert_eq!(classify(esrch, emfile()), Liveness::Gone);
+        assert_eq!(classify(Ok(()), Ok("7 (a) b) Z 1".into())), Liveness::Gone);
     }
 
     #[tokio::test]
@@ -74,5 +172,26 @@ mod tests {
             .unwrap();
         let _ = child.wait();
         assert!(!process_alive(pid));
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_watch_closes_its_pidfd() {
+        let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+        let before = fds();
+        let mut tasks = Vec::new();
+        let mut stops = Vec::new();
+        for _ in 0..20 {
+            let stop = tokio_util::sync::CancellationToken::new();
+            stops.push(stop.clone());
+            tasks.push(tokio::spawn(wait_for_exit_or(std::process::id(), stop)));
+        }
+        tokio::task::yield_now().await;
+        for s in &stops {
+            s.cancel();
+        }
+        for t in tasks {
+            assert!(!t.await.unwrap(), "our own process did not exit");
+        }
+        assert!(fds() < before + 5, "pidfds left open: {} -> {}", before, fds());
     }
 }

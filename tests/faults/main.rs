@@ -3,6 +3,7 @@
 //! guarantees, liveness and host fallback. Each test starts its own broker and stops by
 //! itself within a bounded time; worker processes are `fault-worker` (tests/bin).
 
+mod abuse;
 mod capacity;
 mod durability;
 mod fallback;

@@ -40,6 +40,8 @@ pub struct Broker {
     pub admin_token: String,
     pub log: PathBuf,
     args: Vec<String>,
+    /// A command the broker runs under (`unshare ...`), empty for none.
+    wrapper: Vec<String>,
 }
 
 /// Options for starting a broker.
@@ -91,14 +93,32 @@ impl Broker {
     /// state and shared-memory directories (`dir/broker.sock`, `dir/state`): a
     /// `--socket` or `--state-dir` among them must name those same paths.
     pub fn start_raw(args: impl FnOnce(&Path) -> Vec<String>) -> Result<Broker> {
-        Broker::start_args_in(Vec::new(), args)
+        Broker::start_args_in(Vec::new(), Vec::new(), args)
+    }
+
+    /// Starts a host-backend broker under `wrapper` (e.g. `unshare --pid --fork ...`):
+    /// the broker runs as `wrapper... gpu-broker args...`; `pid()` is the wrapper's.
+    pub fn start_wrapped(wrapper: Vec<String>, opts: BrokerOpts) -> Result<Broker> {
+        let host = vec![
+            "--backend".to_string(),
+            "host".into(),
+            "--host-capacity".into(),
+            opts.capacity.into(),
+            "--host-devices".into(),
+            opts.devices.to_string(),
+            "--headroom".into(),
+            opts.headroom.into(),
+        ];
+        let extra = opts.extra;
+        Broker::start_args_in(wrapper, host, move |_| extra)
     }
 
     fn start_args(backend: Vec<String>, extra: Vec<String>) -> Result<Broker> {
-        Broker::start_args_in(backend, move |_| extra)
+        Broker::start_args_in(Vec::new(), backend, move |_| extra)
     }
 
     fn start_args_in(
+        wrapper: Vec<String>,
         backend: Vec<String>,
         extra: impl FnOnce(&Path) -> Vec<String>,
     ) -> Result<Broker> {
@@ -134,6 +154,7 @@ impl Broker {
             admin_token: String::new(),
             log,
             args,
+            wrapper,
             dir,
         };
         b.spawn()?;
@@ -146,7 +167,15 @@ impl Broker {
             .create(true)
             .append(true)
             .open(&self.log)?;
-        let child = Command::new(bin("gpu-broker"))
+        let mut cmd = match self.wrapper.split_first() {
+            Some((prog, rest)) => {
+                let mut c = Command::new(prog);
+                c.args(rest).arg(bin("gpu-broker"));
+                c
+            }
+            None => Command::new(bin("gpu-broker")),
+        };
+        let child = cmd
             .args(&self.args)
             .env("GPU_BROKER_LOG", "info")
             .stdout(Stdio::null())

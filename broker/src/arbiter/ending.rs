@@ -8,7 +8,7 @@ use crate::device::BackendKind;
 use crate::error::BrokerResult;
 use crate::lease::{LeaseState, LeaseView};
 use crate::ledger::Tier;
-use crate::process::process_alive;
+use crate::process::process_gone;
 use crate::session::{Peer, SessionEvent};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -42,7 +42,7 @@ impl Arbiter {
     /// What to do with memory a session held when it ended without releasing it.
     fn abandoned(&self, peer: &Peer, device: u32, tier: Tier) -> Ending {
         match peer.pid {
-            Some(pid) if !process_alive(pid) => Ending::Cache,
+            Some(pid) if process_gone(pid) => Ending::Cache,
             Some(pid) => Ending::Quarantine { pid: Some(pid) },
             None if tier == Tier::Host || self.backend(device) == BackendKind::Host => {
                 Ending::Destroy
@@ -85,6 +85,7 @@ impl Arbiter {
             Ending::Quarantine { pid } => {
                 pool.release_to_quarantine(bytes);
                 st.ledger.add_quarantine(&tenant, bytes);
+                let watch = tokio_util::sync::CancellationToken::new();
                 st.quarantine.insert(
                     id,
                     Quarantined {
@@ -93,15 +94,21 @@ impl Arbiter {
                         block,
                         pid,
                         since: Instant::now(),
+                        _watch: watch.clone().drop_guard(),
                     },
                 );
-                self.watch_quarantine(id, pid);
+                self.watch_quarantine(id, pid, watch);
             }
         }
         Some(view)
     }
 
-    fn watch_quarantine(self: &Arc<Self>, id: Uuid, pid: Option<u32>) {
+    fn watch_quarantine(
+        self: &Arc<Self>,
+        id: Uuid,
+        pid: Option<u32>,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
         let me = Arc::downgrade(self);
         let timeout = self.cfg.quarantine_timeout;
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -110,11 +117,16 @@ impl Arbiter {
         rt.spawn(async move {
             let destroy = match pid {
                 Some(pid) => {
-                    crate::process::wait_for_exit(pid).await;
+                    if !crate::process::wait_for_exit_or(pid, stop).await {
+                        return;
+                    }
                     false
                 }
                 None => {
-                    tokio::time::sleep(timeout).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(timeout) => {}
+                        _ = stop.cancelled() => return,
+                    }
                     true
                 }
             };

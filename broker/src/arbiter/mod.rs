@@ -106,6 +106,8 @@ pub(crate) struct Quarantined {
     pub block: Block,
     pub pid: Option<u32>,
     pub since: Instant,
+    /// Cancelled when the entry is dropped (lifted, freed at shutdown): its watcher ends.
+    pub _watch: tokio_util::sync::DropGuard,
 }
 
 /// Everything behind the lock.
@@ -248,6 +250,7 @@ impl Arbiter {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let id = Uuid::now_v7();
+        let ended = tokio_util::sync::CancellationToken::new();
         {
             let mut st = self.state.lock();
             if st.ledger.get(tenant).is_none() {
@@ -271,14 +274,18 @@ impl Arbiter {
                 events: tx,
                 leases: Default::default(),
                 gpu: None,
+                ended: ended.clone().drop_guard(),
             });
         }
         if let Some(pid) = peer.pid {
+            // The watcher ends with the session (its guard cancels `ended`), so a live
+            // process opening and closing sessions leaves no pidfd behind.
             let me = Arc::downgrade(self);
             tokio::spawn(async move {
-                crate::process::wait_for_exit(pid).await;
-                if let Some(arb) = me.upgrade() {
-                    arb.end_session(id, "peer process exited");
+                if crate::process::wait_for_exit_or(pid, ended).await {
+                    if let Some(arb) = me.upgrade() {
+                        arb.end_session(id, "peer process exited");
+                    }
                 }
             });
         }

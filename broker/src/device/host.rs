@@ -48,6 +48,8 @@ pub struct HostDevice {
     allocated: u64,
     next_id: u64,
     live: HashMap<u64, PathBuf>,
+    /// Marks this device's files as a live broker's (see `shm_owner`).
+    _owner: super::shm_owner::OwnerLock,
 }
 
 impl HostDevice {
@@ -57,7 +59,7 @@ impl HostDevice {
             path: dir.to_path_buf(),
             source,
         })?;
-        remove_stale_files(dir);
+        super::shm_owner::remove_stale_files(dir);
         let prefix = format!(
             "gpu-broker-{}-{}-dev{}-",
             std::process::id(),
@@ -65,7 +67,14 @@ impl HostDevice {
             index
         );
         let uuid = synthetic_uuid(&prefix, index);
+        let owner = super::shm_owner::OwnerLock::take(dir, &prefix).map_err(|source| {
+            DeviceError::Io {
+                path: dir.to_path_buf(),
+                source,
+            }
+        })?;
         Ok(HostDevice {
+            _owner: owner,
             desc: DeviceDesc {
                 index,
                 name: format!("host-sim-{index}"),
@@ -234,29 +243,6 @@ impl Device for HostDevice {
         let (file, path) = self.open(alloc)?;
         file.write_all_at(data, offset)
             .map_err(|source| DeviceError::Io { path, source })
-    }
-}
-
-/// Removes block files a broker that died without cleaning up (SIGKILL) left behind:
-/// `gpu-broker-<pid>-...` files whose broker process is gone.
-fn remove_stale_files(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("gpu-broker-")) else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid != std::process::id()
-            && !crate::process::process_alive(pid)
-            && std::fs::remove_file(e.path()).is_ok()
-        {
-            tracing::info!(path = %e.path().display(), "removed a block file left by a dead broker");
-        }
     }
 }
 

@@ -11,6 +11,7 @@
 pub mod conformance;
 pub mod cuda;
 pub mod host;
+pub mod shm_owner;
 pub mod thread;
 
 use std::fmt;

@@ -43,10 +43,13 @@ pub fn heartbeat_period(keepalive_timeout: Duration) -> Duration {
 fn peer_of<T>(req: &Request<T>) -> Peer {
     match req.extensions().get::<UdsConnectInfo>() {
         Some(info) => Peer {
+            // A peer in another PID namespace shows as pid 0: its pid is unknown (it lives
+            // by its stream and keepalives, its memory ends like a TCP peer's), not dead.
             pid: info
                 .peer_cred
                 .and_then(|c| c.pid())
-                .and_then(|p| u32::try_from(p).ok()),
+                .and_then(|p| u32::try_from(p).ok())
+                .filter(|&p| p != 0),
             uid: info.peer_cred.map(|c| c.uid()),
             unix: true,
         },
