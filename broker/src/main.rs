@@ -29,7 +29,10 @@ fn init_logging(json: bool) {
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // A closed stderr (`gpu-broker ... 2>&1 | head`) must not kill the broker: the
+        // default reports a failed write with `eprintln!`, which panics on a broken pipe.
+        .log_internal_errors(false);
     if json {
         b.json().init();
     } else {

@@ -3,6 +3,7 @@
 //! (another PID namespace), and the broker's own output closing under it.
 
 use super::*;
+use std::path::PathBuf;
 
 /// Open descriptors of process `pid`.
 pub fn fd_count(pid: u32) -> usize {
@@ -91,4 +92,110 @@ async fn a_peer_in_another_pid_namespace_is_unknown_not_dead() {
     assert!(wait_all_zero(&admin, Duration::from_secs(5)).await.is_ok());
     assert!(b.log_text().contains("session opened"));
     assert!(!b.log_text().contains("peer process exited"), "{}", b.log_text());
+}
+
+/// The broker keeps serving when its stderr pipe closes (`gpu-broker ... 2>&1 | head -2`),
+/// and still shuts down cleanly (exit 0, socket removed).
+#[tokio::test]
+async fn broker_survives_its_stderr_closing() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("b.sock");
+    let state = dir.path().join("state");
+    let shm = PathBuf::from("/dev/shm").join(dir.path().file_name().unwrap());
+    let mut child = std::process::Command::new(bin("gpu-broker"))
+        .args(["--backend", "host", "--host-capacity", "64MiB", "--socket"])
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--host-shm-dir")
+        .arg(&shm)
+        .args(["--shutdown-grace", "1s"])
+        .env("GPU_BROKER_LOG", "debug")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    {
+        // Read two lines, then close the pipe, as `head -2` does.
+        let mut r = std::io::BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        for _ in 0..2 {
+            r.read_line(&mut line).unwrap();
+        }
+    }
+    let up = eventually(Duration::from_secs(20), || async {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    })
+    .await;
+    assert!(up, "broker did not come up (exit {:?})", child.try_wait());
+    let token = std::fs::read_to_string(state.join("admin.token")).unwrap();
+    let uri = format!("unix://{}", socket.display());
+    let admin = gpu_broker_client::AdminClient::connect(&uri, token.trim().to_string())
+        .await
+        .unwrap();
+    // Every one of these logs a line into the closed pipe.
+    for i in 0..20 {
+        admin
+            .set_quota(&format!("t{i}"), QuotaSpec::new(MIB * 2))
+            .await
+            .expect("admin works with stderr closed");
+    }
+    assert!(child.try_wait().unwrap().is_none(), "the broker died");
+    // SAFETY: plain syscall on our own child.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("broker did not stop on SIGTERM");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let _ = std::fs::remove_dir_all(&shm);
+    assert!(status.success(), "broker exit: {status}");
+    assert!(!socket.exists(), "stale socket left");
+}
+
+/// `gpu-brokerctl --json tenants list | head` : a reader that goes away is not a panic.
+#[tokio::test]
+async fn brokerctl_survives_a_closed_stdout() {
+    let b = broker_64mib(&[]);
+    let admin = b.admin().await.unwrap();
+    for i in 0..5 {
+        admin
+            .set_quota(&format!("t{i}"), QuotaSpec::new(MIB))
+            .await
+            .unwrap();
+    }
+    for json in [true, false] {
+        let mut cmd = std::process::Command::new(bin("gpu-brokerctl"));
+        cmd.arg("--broker")
+            .arg(b.uri())
+            .arg("--token-file")
+            .arg(b.state_dir.join("admin.token"))
+            .env_remove("GPU_BROKER_ADMIN_TOKEN")
+            .env_remove("GPU_BROKER_ADDR");
+        if json {
+            cmd.arg("--json");
+        }
+        let mut child = cmd
+            .args(["tenants", "list"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader is gone before the CLI writes a byte.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "json={json}: {stderr}");
+        assert_eq!(out.status.code(), Some(0), "json={json}: {stderr}");
+    }
 }

@@ -273,7 +273,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            print_err(&format!("error: cannot start the async runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -281,7 +281,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let text = format!("{e:#}").replace(['\n', '\r'], " ");
-            eprintln!("error: {text}");
+            print_err(&format!("error: {text}"));
             ExitCode::FAILURE
         }
     }
@@ -419,7 +419,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                 return emit(json, &shown, String::new);
             }
             if !json {
-                eprintln!(
+                print_err(&format!(
                     "issued {} token {} for {}{} (shown only once)",
                     issued.scope.as_str(),
                     issued.token_id,
@@ -432,7 +432,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                         Some(ms) => format!(", expires {}", format_time(ms)),
                         None => String::new(),
                     }
-                );
+                ));
             }
             emit(json, &issued, || format!("{}\n", issued.token))
         }
@@ -525,14 +525,31 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
 /// Prints `value` as JSON, or the plain text `text()` builds.
 fn emit<T: Serialize + ?Sized>(json: bool, value: &T, text: impl FnOnce() -> String) -> Result<()> {
     if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(value).context("cannot encode JSON")?
-        );
+        let mut out = serde_json::to_string_pretty(value).context("cannot encode JSON")?;
+        out.push('\n');
+        print_out(&out)
     } else {
-        print!("{}", text());
+        print_out(&text())
     }
-    Ok(())
+}
+
+/// Writes a line to stderr; a closed stderr is ignored (never a panic).
+fn print_err(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// Writes `text` to stdout. A reader that went away (`gpu-brokerctl ... | head`) is not an
+/// error: the rest of the output has nowhere to go, so it is dropped quietly.
+fn print_out(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(e).context("cannot write to stdout")
+        }
+        _ => Ok(()),
+    }
 }
 
 fn or_dash(n: u64, text: String) -> String {
