@@ -36,16 +36,18 @@ impl From<DeviceError> for BrokerError {
 impl From<BrokerError> for tonic::Status {
     fn from(e: BrokerError) -> Self {
         use tonic::Status;
+        // No message may grow past what a client's header limit takes.
+        let cap = crate::bounds::status_message;
         match e {
-            BrokerError::InvalidArgument(m) => Status::invalid_argument(m),
-            BrokerError::NotFound(m) => Status::not_found(m),
-            BrokerError::ResourceExhausted(m) => Status::resource_exhausted(m),
-            BrokerError::DeadlineExceeded(m) => Status::deadline_exceeded(m),
-            BrokerError::FailedPrecondition(m) => Status::failed_precondition(m),
-            BrokerError::Unavailable(m) => Status::unavailable(m),
-            BrokerError::PermissionDenied(m) => Status::permission_denied(m),
-            BrokerError::Unauthenticated(m) => Status::unauthenticated(m),
-            BrokerError::Internal(m) => Status::internal(m),
+            BrokerError::InvalidArgument(m) => Status::invalid_argument(cap(m)),
+            BrokerError::NotFound(m) => Status::not_found(cap(m)),
+            BrokerError::ResourceExhausted(m) => Status::resource_exhausted(cap(m)),
+            BrokerError::DeadlineExceeded(m) => Status::deadline_exceeded(cap(m)),
+            BrokerError::FailedPrecondition(m) => Status::failed_precondition(cap(m)),
+            BrokerError::Unavailable(m) => Status::unavailable(cap(m)),
+            BrokerError::PermissionDenied(m) => Status::permission_denied(cap(m)),
+            BrokerError::Unauthenticated(m) => Status::unauthenticated(cap(m)),
+            BrokerError::Internal(m) => Status::internal(cap(m)),
         }
     }
 }

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 pub struct Quota {
     /// Most device bytes held at once (granted, rounded sizes).
     pub limit_bytes: u64,
-    /// Most live leases; 0 means no limit.
+    /// Most live leases, device and host-fallback together; 0 means no limit.
     pub max_leases: u32,
     /// Higher goes first in queues and may reclaim from lower.
     pub priority: i32,
@@ -297,14 +297,12 @@ impl Ledger {
             .get(name)
             .ok_or_else(|| BrokerError::NotFound(format!("tenant {name:?} not found")))?;
         let (u, q) = (&t.usage, &t.quota);
-        let (used, limit, count) = match tier {
-            Tier::Device => (
-                u.committed_bytes(),
-                q.limit_bytes,
-                u.lease_count + u.reserved_count,
-            ),
-            Tier::Host => (u.host_held_bytes, q.host_limit_bytes, u.host_lease_count),
+        let (used, limit) = match tier {
+            Tier::Device => (u.committed_bytes(), q.limit_bytes),
+            Tier::Host => (u.host_held_bytes, q.host_limit_bytes),
         };
+        // One count for both tiers: `max_leases` bounds what the tenant holds in all.
+        let count = u.lease_count + u.reserved_count + u.host_lease_count;
         if used.saturating_add(bytes) > limit {
             return Err(BrokerError::ResourceExhausted(format!(
                 "quota exceeded for tenant {name:?}: requested {}, holding {} of limit {}{}",
@@ -459,6 +457,30 @@ mod tests {
             w[0].contains("leases stay") && w[0].contains("refused"),
             "{w:?}"
         );
+    }
+
+    #[test]
+    fn max_leases_counts_device_and_host_leases_together() {
+        let mut l = Ledger::new();
+        l.set_quota(
+            "a",
+            Quota {
+                host_limit_bytes: 100,
+                ..quota(100)
+            },
+        )
+        .unwrap();
+        l.reserve("a", 1).unwrap();
+        l.commit("a", 1);
+        l.charge_host("a", 1).unwrap();
+        for tier in [Tier::Device, Tier::Host] {
+            assert!(
+                matches!(l.check_charge("a", 1, tier), Err(BrokerError::ResourceExhausted(_))),
+                "{tier:?}: max_leases 2 already reached by one device and one host lease"
+            );
+        }
+        l.uncharge_host("a", 1);
+        assert!(l.check_charge("a", 1, Tier::Host).is_ok());
     }
 
     #[test]

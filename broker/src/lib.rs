@@ -12,6 +12,7 @@ pub mod audit;
 pub mod auth;
 pub mod availability;
 pub mod backend;
+pub mod bounds;
 pub mod config;
 pub mod device;
 pub mod error;

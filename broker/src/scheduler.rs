@@ -124,7 +124,30 @@ impl Scheduler {
 
     /// Asks for a turn on `device`.
     pub fn request(&self, device: u32, who: Requester) -> BrokerResult<Pending> {
+        self.request_capped(device, who, usize::MAX)
+    }
+
+    /// Asks for a turn on `device`, refused (`RESOURCE_EXHAUSTED`) when the tenant already
+    /// has `max_waiting` requests waiting across the devices.
+    pub fn request_capped(
+        &self,
+        device: u32,
+        who: Requester,
+        max_waiting: usize,
+    ) -> BrokerResult<Pending> {
         let mut inner = self.inner.lock();
+        let waiting = inner
+            .devices
+            .iter()
+            .flat_map(|d| d.waiting.iter())
+            .filter(|w| w.who.tenant == who.tenant)
+            .count();
+        if waiting >= max_waiting {
+            return Err(BrokerError::ResourceExhausted(format!(
+                "tenant {:?} already has {waiting} turn requests waiting, the most allowed (--max-waiting-per-tenant)",
+                who.tenant
+            )));
+        }
         let n = inner.devices.len();
         if device as usize >= n {
             return Err(BrokerError::InvalidArgument(format!(
@@ -366,6 +389,24 @@ mod tests {
                 grace: Duration::from_millis(quantum_ms),
             },
         )
+    }
+
+    #[test]
+    fn a_tenant_can_queue_only_so_many_turn_requests() {
+        let s = sched(1000);
+        let (holder, _eh) = who("h", 1);
+        let _ph = s.request(0, holder).unwrap();
+        let mut pending = Vec::new();
+        for _ in 0..3 {
+            let (w, e) = who("flood", 1);
+            pending.push((s.request_capped(0, w, 3).unwrap(), e));
+        }
+        let (w, _e) = who("flood", 1);
+        let err = s.request_capped(0, w, 3).err().expect("the fourth is refused");
+        assert!(matches!(err, BrokerError::ResourceExhausted(_)), "{err:?}");
+        // Another tenant is not affected.
+        let (o, _eo) = who("other", 1);
+        assert!(s.request_capped(0, o, 3).is_ok());
     }
 
     #[test]

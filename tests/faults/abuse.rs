@@ -199,3 +199,163 @@ async fn brokerctl_survives_a_closed_stdout() {
         assert_eq!(out.status.code(), Some(0), "json={json}: {stderr}");
     }
 }
+
+/// Asserts `r` is `INVALID_ARGUMENT` whose message names `field` and the limit, short.
+fn assert_bounded<T: std::fmt::Debug>(r: Result<T, tonic::Status>, field: &str, what: &str) {
+    let s = r.expect_err(what);
+    assert_eq!(s.code(), tonic::Code::InvalidArgument, "{what}: {s:?}");
+    assert!(
+        s.message().contains(field) && s.message().contains("limit"),
+        "{what}: {}",
+        s.message()
+    );
+    assert!(s.message().len() < 200, "{what}: echoed {} bytes", s.message().len());
+}
+
+/// Every string a client sends is bounded: 1 MB inputs get `INVALID_ARGUMENT` naming the
+/// field and the limit (the client sees that status, not its own header limit), and a 1 MB
+/// revoke reason is neither stored nor sent.
+#[tokio::test]
+#[allow(clippy::field_reassign_with_default)] // requests others may extend
+async fn huge_strings_are_refused_by_name_not_echoed() {
+    use gpu_broker_client::proto::v1 as pb;
+    let b = broker_64mib(&[]);
+    let token = b.tenant("t", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let admin = b.admin().await.unwrap();
+    let big = "x".repeat(1 << 20);
+    let mut w = raw::broker(&b.uri(), &token).await;
+    let (sid, _events) = raw::open_session(&mut w, "s").await;
+    let r = w
+        .acquire_lease(pb::AcquireLeaseRequest {
+            session_id: big.clone(),
+            bytes: MIB,
+            ..Default::default()
+        })
+        .await;
+    assert_bounded(r, "session_id", "AcquireLease session_id");
+    let r = w
+        .release_lease(pb::ReleaseLeaseRequest {
+            lease_id: big.clone(),
+        })
+        .await;
+    assert_bounded(r, "lease_id", "ReleaseLease lease_id");
+    let r = w
+        .keepalive(pb::KeepaliveRequest {
+            session_id: big.clone(),
+        })
+        .await;
+    assert_bounded(r, "session_id", "Keepalive");
+    let r = w
+        .open_session(pb::OpenSessionRequest { name: big.clone() })
+        .await;
+    assert_bounded(r.map(|_| ()), "session name", "OpenSession name");
+
+    let mut a = admin.raw();
+    let r = a
+        .get_quota(pb::GetQuotaRequest {
+            tenant: big.clone(),
+        })
+        .await;
+    assert_bounded(r, "tenant", "GetQuota");
+    let r = a
+        .delete_tenant(pb::DeleteTenantRequest {
+            tenant: big.clone(),
+        })
+        .await;
+    assert_bounded(r, "tenant", "DeleteTenant");
+    let mut req = pb::ListAllLeasesRequest::default();
+    req.tenant = big.clone();
+    let r = a.list_all_leases(req).await;
+    assert_bounded(r, "tenant", "ListAllLeases filter");
+    let r = a
+        .revoke_token(pb::RevokeTokenRequest {
+            token: big.clone(),
+            ..Default::default()
+        })
+        .await;
+    assert_bounded(r, "token", "RevokeToken");
+    let mut req = pb::IssueTokenRequest::default();
+    req.tenant = "t".into();
+    req.description = big.clone();
+    let r = a.issue_token(req).await;
+    assert_bounded(r, "description", "IssueToken description");
+
+    // A 1 MB revoke reason: refused, the lease untouched.
+    let lease = w
+        .acquire_lease(pb::AcquireLeaseRequest {
+            session_id: sid.clone(),
+            bytes: MIB,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease
+        .unwrap();
+    let r = a
+        .revoke_lease(pb::RevokeLeaseRequest {
+            lease_id: lease.lease_id.clone(),
+            reason: big.clone(),
+        })
+        .await;
+    assert_bounded(r, "reason", "RevokeLease reason");
+    let leases = admin.list_all_leases(None).await.unwrap();
+    assert_eq!(leases.len(), 1, "the lease is still there");
+    assert!(!b.log_text().contains(&big[..4096]), "the huge input reached the log");
+    assert_broker_alive(&b);
+}
+
+/// A tenant cannot queue unboundedly many `AcquireTurn` requests: past
+/// `--max-waiting-per-tenant` it gets `RESOURCE_EXHAUSTED`, as for leases.
+#[tokio::test]
+async fn turn_waiters_per_tenant_are_capped() {
+    use gpu_broker_client::proto::v1 as pb;
+    let b = broker_64mib(&["--max-waiting-per-tenant", "2"]);
+    let token = b.tenant("t", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let holder_token = b.tenant("h", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let mut h = raw::broker(&b.uri(), &holder_token).await;
+    let (hs, _he) = raw::open_session(&mut h, "holder").await;
+    h.acquire_turn(pb::AcquireTurnRequest {
+        session_id: hs,
+        device: 0,
+        wait_ms: None,
+    })
+    .await
+    .expect("the holder gets the turn");
+    let mut w = raw::broker(&b.uri(), &token).await;
+    let mut streams = Vec::new();
+    let mut waits = Vec::new();
+    for i in 0..2 {
+        let (sid, ev) = raw::open_session(&mut w, &format!("w{i}")).await;
+        streams.push(ev);
+        let mut c = w.clone();
+        waits.push(tokio::spawn(async move {
+            c.acquire_turn(pb::AcquireTurnRequest {
+                session_id: sid,
+                device: 0,
+                wait_ms: Some(30_000),
+            })
+            .await
+        }));
+    }
+    let queued = eventually(Duration::from_secs(10), || async {
+        devices(&b).await.unwrap()[0].turns_waiting == 2
+    })
+    .await;
+    assert!(queued, "two turn requests wait");
+    let (sid, _ev) = raw::open_session(&mut w, "w-extra").await;
+    let r = w
+        .acquire_turn(pb::AcquireTurnRequest {
+            session_id: sid,
+            device: 0,
+            wait_ms: Some(30_000),
+        })
+        .await;
+    let s = r.expect_err("a third waiter is refused");
+    assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
+    assert!(s.message().contains("max-waiting-per-tenant"), "{}", s.message());
+    for t in waits {
+        t.abort();
+    }
+    assert_broker_alive(&b);
+}

@@ -153,7 +153,7 @@ pub struct Arbiter {
 }
 
 /// Longest label accepted.
-pub const MAX_LABEL: usize = 256;
+pub const MAX_LABEL: usize = crate::bounds::MAX_TEXT_BYTES;
 
 impl Arbiter {
     /// An arbiter over `devices`; tenants and tokens are loaded from `store` if given.
@@ -243,11 +243,7 @@ impl Arbiter {
         peer: Peer,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
         self.check_not_draining()?;
-        if name.len() > MAX_LABEL {
-            return Err(BrokerError::InvalidArgument(format!(
-                "session name longer than {MAX_LABEL} bytes"
-            )));
-        }
+        crate::bounds::check("session name", name, MAX_LABEL)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let id = Uuid::now_v7();
         let ended = tokio_util::sync::CancellationToken::new();

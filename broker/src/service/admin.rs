@@ -5,6 +5,7 @@ use super::convert::{self, filter, parse_id};
 use crate::arbiter::tokens::TokenSpec;
 use crate::arbiter::Arbiter;
 use crate::audit::{AuditFilter, Who};
+use crate::bounds;
 use gpu_broker_proto::v1 as pb;
 use gpu_broker_proto::v1::admin_server::Admin;
 use std::sync::Arc;
@@ -30,6 +31,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::SetQuotaResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
+        bounds::tenant("tenant", &r.tenant)?;
         let update = convert::quota_update(r.quota, r.patch)?;
         let before = self.arb.get_tenant(&r.tenant).ok();
         let c = self.arb.change_quota(&r.tenant, update)?;
@@ -52,6 +54,7 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::GetQuotaRequest>,
     ) -> Result<Response<pb::GetQuotaResponse>, Status> {
+        bounds::tenant("tenant", &req.get_ref().tenant)?;
         let t = self.arb.get_tenant(&req.get_ref().tenant)?;
         Ok(Response::new(pb::GetQuotaResponse {
             tenant: Some(convert::tenant(&t)),
@@ -76,6 +79,7 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::DeleteTenantRequest>,
     ) -> Result<Response<pb::DeleteTenantResponse>, Status> {
+        bounds::tenant("tenant", &req.get_ref().tenant)?;
         let who = Who::of(&req);
         let name = &req.get_ref().tenant;
         let before = self.arb.get_tenant(name).ok();
@@ -97,6 +101,8 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::IssueTokenResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
+        bounds::tenant("tenant", &r.tenant)?;
+        bounds::check("description", &r.description, bounds::MAX_TEXT_BYTES)?;
         let spec = TokenSpec {
             tenant: filter(&r.tenant).map(str::to_string),
             scope: convert::scope_from(r.scope)?,
@@ -130,6 +136,8 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::RevokeTokenResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
+        bounds::check("token", &r.token, bounds::MAX_TOKEN_BYTES)?;
+        bounds::check("token_id", &r.token_id, bounds::MAX_TOKEN_BYTES)?;
         let key = if r.token_id.is_empty() {
             r.token
         } else {
@@ -157,6 +165,7 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListTokensRequest>,
     ) -> Result<Response<pb::ListTokensResponse>, Status> {
+        bounds::tenant("tenant", &req.get_ref().tenant)?;
         let tenant = filter(&req.get_ref().tenant);
         self.arb.check_tenant_filter(tenant)?;
         let tokens = self.arb.list_tokens(tenant);
@@ -172,6 +181,7 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListAllLeasesRequest>,
     ) -> Result<Response<pb::ListAllLeasesResponse>, Status> {
+        bounds::tenant("tenant", &req.get_ref().tenant)?;
         let tenant = filter(&req.get_ref().tenant);
         self.arb.check_tenant_filter(tenant)?;
         let leases = self.arb.list_all_leases(tenant);
@@ -190,6 +200,7 @@ impl Admin for AdminService {
         let who = Who::of(&req);
         let r = req.into_inner();
         let id = parse_id("lease_id", &r.lease_id)?;
+        bounds::check("reason", &r.reason, bounds::MAX_REASON_BYTES)?;
         let reason = if r.reason.is_empty() {
             "revoked by an operator".to_string()
         } else {
@@ -213,6 +224,7 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        bounds::tenant("tenant", &req.get_ref().tenant)?;
         let tenant = filter(&req.get_ref().tenant);
         self.arb.check_tenant_filter(tenant)?;
         let sessions = self.arb.list_sessions(tenant);

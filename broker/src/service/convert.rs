@@ -15,6 +15,7 @@ pub(crate) use crate::units::unix_ms;
 
 /// Parses a UUID field, naming the field in the error.
 pub fn parse_id(field: &str, s: &str) -> Result<Uuid, BrokerError> {
+    crate::bounds::check(field, s, crate::bounds::MAX_ID_BYTES)?;
     Uuid::parse_str(s)
         .map_err(|_| BrokerError::InvalidArgument(format!("{field} {s:?} is not a UUID")))
 }
