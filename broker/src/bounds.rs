@@ -57,7 +57,10 @@ mod tests {
         let big = "x".repeat(1 << 20);
         let e = check("label", &big, MAX_TEXT_BYTES).unwrap_err();
         let m = e.to_string();
-        assert!(m.contains("label") && m.contains("256") && m.len() < 100, "{m}");
+        assert!(
+            m.contains("label") && m.contains("256") && m.len() < 100,
+            "{m}"
+        );
         assert!(check("label", "short", MAX_TEXT_BYTES).is_ok());
     }
 

@@ -475,7 +475,10 @@ mod tests {
         l.charge_host("a", 1).unwrap();
         for tier in [Tier::Device, Tier::Host] {
             assert!(
-                matches!(l.check_charge("a", 1, tier), Err(BrokerError::ResourceExhausted(_))),
+                matches!(
+                    l.check_charge("a", 1, tier),
+                    Err(BrokerError::ResourceExhausted(_))
+                ),
                 "{tier:?}: max_leases 2 already reached by one device and one host lease"
             );
         }

@@ -192,6 +192,11 @@ mod tests {
         for t in tasks {
             assert!(!t.await.unwrap(), "our own process did not exit");
         }
-        assert!(fds() < before + 5, "pidfds left open: {} -> {}", before, fds());
+        assert!(
+            fds() < before + 5,
+            "pidfds left open: {} -> {}",
+            before,
+            fds()
+        );
     }
 }

@@ -402,7 +402,10 @@ mod tests {
             pending.push((s.request_capped(0, w, 3).unwrap(), e));
         }
         let (w, _e) = who("flood", 1);
-        let err = s.request_capped(0, w, 3).err().expect("the fourth is refused");
+        let err = s
+            .request_capped(0, w, 3)
+            .err()
+            .expect("the fourth is refused");
         assert!(matches!(err, BrokerError::ResourceExhausted(_)), "{err:?}");
         // Another tenant is not affected.
         let (o, _eo) = who("other", 1);

@@ -91,7 +91,11 @@ async fn a_peer_in_another_pid_namespace_is_unknown_not_dead() {
     s.close();
     assert!(wait_all_zero(&admin, Duration::from_secs(5)).await.is_ok());
     assert!(b.log_text().contains("session opened"));
-    assert!(!b.log_text().contains("peer process exited"), "{}", b.log_text());
+    assert!(
+        !b.log_text().contains("peer process exited"),
+        "{}",
+        b.log_text()
+    );
 }
 
 /// The broker keeps serving when its stderr pipe closes (`gpu-broker ... 2>&1 | head -2`),
@@ -209,7 +213,11 @@ fn assert_bounded<T: std::fmt::Debug>(r: Result<T, tonic::Status>, field: &str, 
         "{what}: {}",
         s.message()
     );
-    assert!(s.message().len() < 200, "{what}: echoed {} bytes", s.message().len());
+    assert!(
+        s.message().len() < 200,
+        "{what}: echoed {} bytes",
+        s.message().len()
+    );
 }
 
 /// Every string a client sends is bounded: 1 MB inputs get `INVALID_ARGUMENT` naming the
@@ -301,7 +309,10 @@ async fn huge_strings_are_refused_by_name_not_echoed() {
     assert_bounded(r, "reason", "RevokeLease reason");
     let leases = admin.list_all_leases(None).await.unwrap();
     assert_eq!(leases.len(), 1, "the lease is still there");
-    assert!(!b.log_text().contains(&big[..4096]), "the huge input reached the log");
+    assert!(
+        !b.log_text().contains(&big[..4096]),
+        "the huge input reached the log"
+    );
     assert_broker_alive(&b);
 }
 
@@ -353,7 +364,11 @@ async fn turn_waiters_per_tenant_are_capped() {
         .await;
     let s = r.expect_err("a third waiter is refused");
     assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}");
-    assert!(s.message().contains("max-waiting-per-tenant"), "{}", s.message());
+    assert!(
+        s.message().contains("max-waiting-per-tenant"),
+        "{}",
+        s.message()
+    );
     for t in waits {
         t.abort();
     }

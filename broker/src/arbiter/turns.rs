@@ -68,9 +68,9 @@ impl Arbiter {
                 events: s.events.clone(),
             }
         };
-        let pending = self
-            .scheduler
-            .request_capped(device, who, self.cfg.max_waiting_per_tenant)?;
+        let pending =
+            self.scheduler
+                .request_capped(device, who, self.cfg.max_waiting_per_tenant)?;
         let mut guard = TurnWait {
             arb: self.clone(),
             device,

@@ -67,12 +67,11 @@ impl HostDevice {
             index
         );
         let uuid = synthetic_uuid(&prefix, index);
-        let owner = super::shm_owner::OwnerLock::take(dir, &prefix).map_err(|source| {
-            DeviceError::Io {
+        let owner =
+            super::shm_owner::OwnerLock::take(dir, &prefix).map_err(|source| DeviceError::Io {
                 path: dir.to_path_buf(),
                 source,
-            }
-        })?;
+            })?;
         Ok(HostDevice {
             _owner: owner,
             desc: DeviceDesc {

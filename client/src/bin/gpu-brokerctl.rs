@@ -362,7 +362,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             );
             let change = admin.patch_quota(&tenant, patch).await?;
             for w in &change.warnings {
-                eprintln!("warning: {w}");
+                print_err(&format!("warning: {w}"));
             }
             let info = change.tenant;
             emit(json, &info, || {
@@ -397,7 +397,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             let issued = admin.issue_token_with(tenant.as_deref(), &opts).await?;
             if let Some(path) = output {
                 ctl::secret_file::write(&path, &format!("{}\n", issued.token))?;
-                eprintln!(
+                print_err(&format!(
                     "issued {} token {} for {}; wrote it to {} (mode 0600)",
                     issued.scope.as_str(),
                     issued.token_id,
@@ -407,7 +407,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                         format!("tenant {}", issued.tenant)
                     },
                     path.display()
-                );
+                )));
                 let shown = serde_json::json!({
                     "token_id": issued.token_id,
                     "tenant": issued.tenant,
@@ -441,10 +441,10 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
         } => {
             let (token, until) = admin.rotate_admin_token(grace).await?;
             if !json {
-                eprintln!(
+                print_err(&format!(
                     "rotated the admin token (the broker rewrote its token file); the old one works until {}",
                     format_time(until)
-                );
+                ));
             }
             let v = serde_json::json!({ "token": token, "old_valid_until_unix_ms": until });
             emit(json, &v, || format!("{token}\n"))
