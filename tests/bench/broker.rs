@@ -33,8 +33,13 @@ pub struct Spawned {
 impl Spawned {
     /// Files the broker has in its shared-memory directory.
     pub fn shm_files(&self) -> usize {
+        // Block files only, not the devices' owner locks.
         std::fs::read_dir(&self.shm_dir)
-            .map(|rd| rd.count())
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| !e.file_name().to_string_lossy().ends_with("-lock"))
+                    .count()
+            })
             .unwrap_or(0)
     }
 

@@ -277,8 +277,12 @@ impl Broker {
     }
 
     /// Files left in this broker's shared-memory directory.
+    /// Block files only: a device's owner lock (`gpu-broker-...-lock`) is not memory.
     pub fn shm_files(&self) -> Vec<PathBuf> {
         list(&self.shm_dir)
+            .into_iter()
+            .filter(|p| !p.to_string_lossy().ends_with("-lock"))
+            .collect()
     }
 }
 
