@@ -407,7 +407,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                         format!("tenant {}", issued.tenant)
                     },
                     path.display()
-                )));
+                ));
                 let shown = serde_json::json!({
                     "token_id": issued.token_id,
                     "tenant": issued.tenant,
