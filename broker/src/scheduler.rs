@@ -73,7 +73,9 @@ struct Holder {
     since: Instant,
     /// When someone started waiting behind this holder.
     contended_since: Option<Instant>,
-    yield_sent: bool,
+    /// When the holder was asked to yield; the grace runs from here, so a holder is always
+    /// asked before its turn is taken (also when the tick runs late).
+    yield_sent_at: Option<Instant>,
 }
 
 struct Waiter {
@@ -246,26 +248,30 @@ impl Scheduler {
             }
             let Some(h) = d.holder.as_mut() else { continue };
             let held = now.duration_since(h.since);
-            if held >= self.cfg.quantum + self.cfg.grace {
-                let _ = h.who.events.send(SessionEvent::TurnRevoked {
-                    turn_id: h.turn_id,
-                    device: device as u32,
-                    reason: format!(
-                        "held {} ms, past the quantum ({} ms) and grace ({} ms) while others waited",
-                        held.as_millis(),
-                        self.cfg.quantum.as_millis(),
-                        self.cfg.grace.as_millis()
-                    ),
-                });
-                self.end_turn(&mut inner, device as u32, now);
-                self.grant_next(&mut inner, device as u32, now);
-            } else if held >= self.cfg.quantum && !h.yield_sent {
-                h.yield_sent = true;
-                let _ = h.who.events.send(SessionEvent::YieldRequested {
-                    turn_id: h.turn_id,
-                    device: device as u32,
-                    deadline: SystemTime::now() + (self.cfg.quantum + self.cfg.grace - held),
-                });
+            match h.yield_sent_at {
+                Some(asked) if now.duration_since(asked) >= self.cfg.grace => {
+                    let _ = h.who.events.send(SessionEvent::TurnRevoked {
+                        turn_id: h.turn_id,
+                        device: device as u32,
+                        reason: format!(
+                            "held {} ms, past the quantum ({} ms) and grace ({} ms) while others waited",
+                            held.as_millis(),
+                            self.cfg.quantum.as_millis(),
+                            self.cfg.grace.as_millis()
+                        ),
+                    });
+                    self.end_turn(&mut inner, device as u32, now);
+                    self.grant_next(&mut inner, device as u32, now);
+                }
+                None if held >= self.cfg.quantum => {
+                    h.yield_sent_at = Some(now);
+                    let _ = h.who.events.send(SessionEvent::YieldRequested {
+                        turn_id: h.turn_id,
+                        device: device as u32,
+                        deadline: SystemTime::now() + self.cfg.grace,
+                    });
+                }
+                _ => {}
             }
         }
     }
@@ -353,7 +359,7 @@ impl Scheduler {
                 } else {
                     Some(now)
                 },
-                yield_sent: false,
+                yield_sent_at: None,
             });
             return;
         }
@@ -504,6 +510,35 @@ mod tests {
             s.release("a", ga.turn_id),
             Err(BrokerError::NotFound(_))
         ));
+    }
+
+    #[test]
+    fn a_late_tick_asks_before_it_takes() {
+        // The tick runs only after quantum + grace have passed (a loaded machine): the
+        // holder is still asked to yield first and keeps the whole grace.
+        let s = sched(20);
+        let (a, mut ea) = who("a", 1);
+        let (b, _eb) = who("b", 1);
+        let mut pa = s.request(0, a).unwrap();
+        let ga = granted(&mut pa).unwrap();
+        let mut pb = s.request(0, b).unwrap();
+        std::thread::sleep(Duration::from_millis(60));
+        s.tick();
+        match ea.try_recv() {
+            Ok(SessionEvent::YieldRequested { turn_id, .. }) => assert_eq!(turn_id, ga.turn_id),
+            other => panic!("asked first, not taken: {other:?}"),
+        }
+        assert!(
+            granted(&mut pb).is_none(),
+            "the turn is not taken before the grace"
+        );
+        std::thread::sleep(Duration::from_millis(25));
+        s.tick();
+        assert!(matches!(
+            ea.try_recv(),
+            Ok(SessionEvent::TurnRevoked { .. })
+        ));
+        assert!(granted(&mut pb).is_some());
     }
 
     #[test]
