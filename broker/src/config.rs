@@ -162,9 +162,20 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
-    /// Serve Prometheus metrics on this address (HTTP, path /metrics).
-    #[arg(long, env = "GPU_BROKER_METRICS_LISTEN")]
+    /// Serve Prometheus metrics (`/metrics`) and `/healthz`, `/readyz` on this HTTP
+    /// address; the flag alone means 127.0.0.1:7478 (loopback: only this node reads it).
+    #[arg(
+        long,
+        env = "GPU_BROKER_METRICS_LISTEN",
+        num_args = 0..=1,
+        default_missing_value = crate::status_http::DEFAULT_LISTEN
+    )]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// `/metrics` answers only requests with `Authorization: Bearer <token>`, a read token
+    /// issued without a tenant or an admin token (for a listener others can reach).
+    #[arg(long, env = "GPU_BROKER_METRICS_REQUIRE_TOKEN")]
+    pub metrics_require_token: bool,
 
     /// GPU memory a worker process may use beyond its leases (its CUDA context) before
     /// the broker reports it as allocating behind the broker's back (NVML).

@@ -27,5 +27,6 @@ pub mod scheduler;
 pub mod server;
 pub mod service;
 pub mod session;
+pub mod status_http;
 pub mod store;
 pub mod units;

@@ -85,8 +85,14 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding metrics {addr}"))?;
-        tracing::info!(addr = %l.local_addr()?, "metrics at /metrics");
-        tokio::spawn(serve_metrics(arb.clone(), l, shutdown.clone()));
+        let access = gpu_broker::status_http::HttpAccess {
+            require_token: cfg.metrics_require_token,
+        };
+        if !addr.ip().is_loopback() && !access.require_token {
+            tracing::warn!(%addr, "the metrics listener is reachable from other hosts without a token (--metrics-require-token)");
+        }
+        tracing::info!(addr = %l.local_addr()?, require_token = access.require_token, "metrics at /metrics");
+        tokio::spawn(serve_metrics(arb.clone(), l, shutdown.clone(), access));
     }
     if arb.backend_is_cuda() {
         if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {

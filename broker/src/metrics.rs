@@ -1,24 +1,29 @@
-//! Prometheus metrics: counters of what the broker did (grants, releases, reclaims,
-//! revocations) and gauges of what it holds, rendered in the text exposition format by
-//! [`render`] and served over HTTP by `server::serve_metrics`.
+//! Prometheus metrics. [`Metrics`] is owned by the arbiter (`Arbiter::metrics`): counters
+//! and histograms of what the broker did (grants, refusals by reason, reclaims,
+//! revocations, quarantines, acquire latency, time to grant, store writes), bumped where
+//! it happens. [`render`] adds gauges read from the live state (devices labelled by index,
+//! UUID and model; tenants; sessions; build info) and encodes everything as OpenMetrics
+//! text, or as the Prometheus 0.0.4 text format for scrapers that do not ask for
+//! OpenMetrics ([`Format`]). The HTTP side is `status_http`.
 
-use crate::arbiter::Arbiter;
+use crate::arbiter::{Arbiter, DeviceReport, TenantView};
+use crate::error::BrokerError;
+use crate::ledger::Tier;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use std::sync::LazyLock;
-
-/// Reclaim requests sent to holders.
-pub static RECLAIMS: LazyLock<Counter> = LazyLock::new(Counter::default);
-/// Leases granted.
-pub static GRANTS: LazyLock<Counter> = LazyLock::new(Counter::default);
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DeviceLabel {
+struct DeviceLabels {
     device: String,
+    uuid: String,
+    model: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -26,70 +31,588 @@ struct TenantLabel {
     tenant: String,
 }
 
-/// The metrics text for the current state.
-pub async fn render(arb: &Arbiter) -> String {
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabel {
+    tier: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+    backend: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Latency buckets: 100 us to about 100 s, x4 apart.
+fn latency_histogram() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1e-4, 4.0, 11,
+    ))
+}
+
+/// What the broker did, counted where it happens. Cheap to bump (atomics); shared by
+/// reference from the arbiter.
+pub struct Metrics {
+    grants: Family<TierLabel, Counter>,
+    refusals: Family<ReasonLabel, Counter>,
+    reclaims: Counter,
+    revocations: Family<ReasonLabel, Counter>,
+    quarantines: Counter,
+    acquire_seconds: HistogramFamily<OutcomeLabel>,
+    grant_wait_seconds: Histogram,
+    store_write_failures: Counter,
+    /// Unix time (s) of the last failed store write, 0 if none; and of the last success.
+    store_last_failure: AtomicU64,
+    store_last_success: AtomicU64,
+    started: SystemTime,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let m = Metrics {
+            grants: Family::default(),
+            refusals: Family::default(),
+            reclaims: Counter::default(),
+            revocations: Family::default(),
+            quarantines: Counter::default(),
+            acquire_seconds: Family::new_with_constructor(latency_histogram),
+            grant_wait_seconds: latency_histogram(),
+            store_write_failures: Counter::default(),
+            store_last_failure: AtomicU64::new(0),
+            store_last_success: AtomicU64::new(0),
+            started: SystemTime::now(),
+        };
+        // Every label value exists from the start (at 0), so that rate() and alerts see
+        // the first event.
+        for tier in ["device", "host"] {
+            let _ = m.grants.get_or_create(&TierLabel { tier });
+        }
+        for reason in REFUSAL_REASONS {
+            let _ = m.refusals.get_or_create(&ReasonLabel { reason });
+        }
+        for reason in ["operator", "reclaim_deadline"] {
+            let _ = m.revocations.get_or_create(&ReasonLabel { reason });
+        }
+        for outcome in ["granted", "refused"] {
+            let _ = m.acquire_seconds.get_or_create(&OutcomeLabel { outcome });
+        }
+        m
+    }
+
+    /// A lease was granted.
+    pub fn granted(&self, tier: Tier) {
+        let tier = match tier {
+            Tier::Device => "device",
+            Tier::Host => "host",
+        };
+        self.grants.get_or_create(&TierLabel { tier }).inc();
+    }
+
+    /// An `AcquireLease` finished after `took`: its latency, and its refusal reason.
+    pub fn acquired<T>(&self, result: &Result<T, BrokerError>, took: Duration) {
+        let outcome = match result {
+            Ok(_) => "granted",
+            Err(e) => {
+                let reason = refusal_reason(e);
+                self.refusals.get_or_create(&ReasonLabel { reason }).inc();
+                "refused"
+            }
+        };
+        self.acquire_seconds
+            .get_or_create(&OutcomeLabel { outcome })
+            .observe(took.as_secs_f64());
+    }
+
+    /// A request that had to wait in the queue was granted after `waited`.
+    pub fn granted_after_wait(&self, waited: Duration) {
+        self.grant_wait_seconds.observe(waited.as_secs_f64());
+    }
+
+    /// A holder was asked to give a lease back.
+    pub fn reclaim_requested(&self) {
+        self.reclaims.inc();
+    }
+
+    /// A lease was taken away: by an operator, or for a missed reclaim deadline.
+    pub fn revoked(&self, reason: &str) {
+        let reason = if reason == crate::arbiter::RECLAIM_DEADLINE_MISSED {
+            "reclaim_deadline"
+        } else {
+            "operator"
+        };
+        self.revocations
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// The memory of an ended lease went to quarantine.
+    pub fn quarantined(&self) {
+        self.quarantines.inc();
+    }
+
+    /// A write to the state store succeeded or failed.
+    pub fn store_write(&self, ok: bool) {
+        let now = crate::units::unix_ms(SystemTime::now()).max(0) as u64 / 1000;
+        if ok {
+            self.store_last_success.store(now, Ordering::Relaxed);
+        } else {
+            self.store_write_failures.inc();
+            self.store_last_failure.store(now, Ordering::Relaxed);
+        }
+    }
+
+    fn register(&self, reg: &mut Registry) {
+        reg.register(
+            "leases_granted",
+            "Leases granted, by memory tier",
+            self.grants.clone(),
+        );
+        reg.register(
+            "acquire_refusals",
+            "AcquireLease calls refused, by reason",
+            self.refusals.clone(),
+        );
+        reg.register(
+            "reclaim_requests",
+            "Reclaim requests sent to holders",
+            self.reclaims.clone(),
+        );
+        reg.register(
+            "revocations",
+            "Leases revoked, by reason (operator, reclaim_deadline)",
+            self.revocations.clone(),
+        );
+        reg.register(
+            "quarantines",
+            "Ended leases whose memory went to quarantine",
+            self.quarantines.clone(),
+        );
+        reg.register(
+            "acquire_duration_seconds",
+            "Time an AcquireLease call took, waiting included, by outcome",
+            self.acquire_seconds.clone(),
+        );
+        reg.register(
+            "grant_wait_seconds",
+            "Time from request to grant of requests that had to wait in the queue",
+            self.grant_wait_seconds.clone(),
+        );
+        reg.register(
+            "store_write_failures",
+            "Writes to the state store that failed",
+            self.store_write_failures.clone(),
+        );
+        let unix = |a: &AtomicU64| {
+            let g = Gauge::<i64>::default();
+            g.set(a.load(Ordering::Relaxed) as i64);
+            g
+        };
+        reg.register(
+            "store_last_failure_timestamp_seconds",
+            "When a state store write last failed (0: never)",
+            unix(&self.store_last_failure),
+        );
+        reg.register(
+            "store_last_success_timestamp_seconds",
+            "When a state store write last succeeded (0: none yet)",
+            unix(&self.store_last_success),
+        );
+        let started = Gauge::<i64>::default();
+        started.set(crate::units::unix_ms(self.started) / 1000);
+        reg.register(
+            "start_time_seconds",
+            "When this broker process started (Unix time)",
+            started,
+        );
+    }
+}
+
+/// Every value of the `reason` label of `acquire_refusals`.
+pub const REFUSAL_REASONS: [&str; 10] = [
+    "quota",
+    "max_leases",
+    "max_waiting",
+    "too_large",
+    "capacity",
+    "wait_expired",
+    "invalid",
+    "not_found",
+    "unavailable",
+    "other",
+];
+
+/// The refusal reason label of an error (one of [`REFUSAL_REASONS`]).
+pub fn refusal_reason(e: &BrokerError) -> &'static str {
+    match e {
+        BrokerError::InvalidArgument(_) => "invalid",
+        BrokerError::NotFound(_) => "not_found",
+        BrokerError::Unavailable(_) => "unavailable",
+        BrokerError::DeadlineExceeded(_) => "wait_expired",
+        BrokerError::ResourceExhausted(m) => {
+            if m.contains("quota exceeded") {
+                "quota"
+            } else if m.contains("lease count limit") {
+                "max_leases"
+            } else if m.contains("requests waiting") {
+                "max_waiting"
+            } else if m.contains("exceeds the leasable capacity") {
+                "too_large"
+            } else {
+                "capacity"
+            }
+        }
+        _ => "other",
+    }
+}
+
+/// Which exposition format a scraper gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0 text (what Prometheus asks for).
+    OpenMetrics,
+    /// The Prometheus text format 0.0.4 (for anything that does not ask for OpenMetrics).
+    PrometheusText,
+}
+
+impl Format {
+    /// The format to answer a request with this `Accept` header.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        match accept {
+            Some(a) if a.contains("application/openmetrics-text") => Format::OpenMetrics,
+            _ => Format::PrometheusText,
+        }
+    }
+
+    /// The `Content-Type` of what [`render`] writes in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Format::PrometheusText => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+}
+
+fn device_labels(d: &DeviceReport) -> DeviceLabels {
+    DeviceLabels {
+        device: d.index.to_string(),
+        uuid: d.uuid.clone(),
+        model: if d.model.is_empty() {
+            d.name.clone()
+        } else {
+            d.model.clone()
+        },
+    }
+}
+
+type DeviceGet = fn(&DeviceReport) -> u64;
+const DEVICE_GAUGES: [(&str, &str, DeviceGet); 10] = [
+    ("device_total_bytes", "Memory of the device", |d| d.total),
+    (
+        "device_free_bytes",
+        "Free memory as the device reports it",
+        |d| d.free,
+    ),
+    (
+        "device_leasable_bytes",
+        "Most the broker may hand out on the device",
+        |d| d.leasable,
+    ),
+    ("device_leased_bytes", "Bytes in live leases", |d| d.leased),
+    ("device_cached_bytes", "Freed bytes kept for reuse", |d| {
+        d.cached
+    }),
+    (
+        "device_quarantined_bytes",
+        "Bytes of ended leases a live process may still map",
+        |d| d.quarantined,
+    ),
+    (
+        "device_headroom_bytes",
+        "Memory kept free on the device",
+        |d| d.headroom,
+    ),
+    (
+        "device_external_used_bytes",
+        "Memory used on the device outside the broker",
+        |d| d.external_used,
+    ),
+    ("device_leases", "Live leases on the device", |d| {
+        d.lease_count.into()
+    }),
+    (
+        "device_waiting_requests",
+        "Requests waiting for the device",
+        |d| d.waiting.into(),
+    ),
+];
+
+type TenantGet = fn(&TenantView) -> u64;
+const TENANT_GAUGES: [(&str, &str, TenantGet); 11] = [
+    ("tenant_held_bytes", "Device bytes the tenant holds", |t| {
+        t.usage.held_bytes
+    }),
+    (
+        "tenant_limit_bytes",
+        "The tenant's device memory limit",
+        |t| t.quota.limit_bytes,
+    ),
+    (
+        "tenant_guaranteed_bytes",
+        "Device memory kept available for the tenant",
+        |t| t.quota.guaranteed_bytes,
+    ),
+    (
+        "tenant_reserved_bytes",
+        "Device bytes admitted for the tenant, allocation in flight",
+        |t| t.usage.reserved_bytes,
+    ),
+    (
+        "tenant_quarantined_bytes",
+        "Bytes of the tenant's ended leases a live process may still map",
+        |t| t.usage.quarantined_bytes,
+    ),
+    (
+        "tenant_borrowed_bytes",
+        "Bytes the tenant holds beyond its guarantee",
+        |t| t.borrowed_bytes,
+    ),
+    (
+        "tenant_host_held_bytes",
+        "Host-fallback bytes the tenant holds",
+        |t| t.usage.host_held_bytes,
+    ),
+    ("tenant_leases", "Live leases of the tenant", |t| {
+        u64::from(t.usage.lease_count) + u64::from(t.usage.host_lease_count)
+    }),
+    ("tenant_sessions", "Open sessions of the tenant", |t| {
+        t.sessions.into()
+    }),
+    (
+        "tenant_waiting_requests",
+        "Requests of the tenant waiting in the queue",
+        |t| t.waiting.into(),
+    ),
+    ("tenant_tokens", "Live bearer tokens of the tenant", |t| {
+        t.tokens.into()
+    }),
+];
+
+/// The metrics text for the current state, in `format`.
+pub async fn render(arb: &Arbiter, format: Format) -> String {
     let mut reg = Registry::with_prefix("gpu_broker");
-    reg.register(
-        "reclaim_requests",
-        "Reclaim requests sent to holders",
-        RECLAIMS.clone(),
-    );
-    reg.register("leases_granted", "Leases granted", GRANTS.clone());
-    type Get = fn(&crate::arbiter::DeviceReport) -> u64;
-    let gauges: [(&str, &str, Get); 6] = [
-        (
-            "device_leasable_bytes",
-            "Bytes the broker may hand out",
-            |d| d.leasable,
-        ),
-        ("device_leased_bytes", "Bytes in live leases", |d| d.leased),
-        ("device_cached_bytes", "Freed bytes kept for reuse", |d| {
-            d.cached
-        }),
-        (
-            "device_quarantined_bytes",
-            "Bytes a live process may still map",
-            |d| d.quarantined,
-        ),
-        (
-            "device_free_bytes",
-            "Free bytes as the device reports",
-            |d| d.free,
-        ),
-        (
-            "device_external_used_bytes",
-            "Bytes used outside the broker",
-            |d| d.external_used,
-        ),
-    ];
+    arb.metrics().register(&mut reg);
+
     let devices = arb.devices().await;
-    for (name, help, get) in gauges {
-        let fam = Family::<DeviceLabel, Gauge>::default();
+    let backend = devices
+        .first()
+        .map(|d| d.backend.clone())
+        .unwrap_or_default();
+    let build = Family::<BuildLabels, Gauge>::default();
+    build
+        .get_or_create(&BuildLabels {
+            version: env!("CARGO_PKG_VERSION"),
+            backend,
+        })
+        .set(1);
+    reg.register("build_info", "Version of the broker and its backend", build);
+    for (name, help, get) in DEVICE_GAUGES {
+        let fam = Family::<DeviceLabels, Gauge>::default();
         for d in &devices {
-            fam.get_or_create(&DeviceLabel {
-                device: d.index.to_string(),
-            })
-            .set(get(d) as i64);
+            fam.get_or_create(&device_labels(d)).set(get(d) as i64);
         }
         reg.register(name, help, fam);
     }
-    let held = Family::<TenantLabel, Gauge>::default();
-    let limit = Family::<TenantLabel, Gauge>::default();
-    for t in arb.list_tenants() {
+
+    let tenants = arb.list_tenants();
+    for (name, help, get) in TENANT_GAUGES {
+        let fam = Family::<TenantLabel, Gauge>::default();
+        for t in &tenants {
+            fam.get_or_create(&TenantLabel {
+                tenant: t.name.clone(),
+            })
+            .set(get(t) as i64);
+        }
+        reg.register(name, help, fam);
+    }
+    let turns = Family::<TenantLabel, Counter>::default();
+    let compute = Family::<TenantLabel, Counter<f64, std::sync::atomic::AtomicU64>>::default();
+    let overrun = Family::<TenantLabel, Counter<f64, std::sync::atomic::AtomicU64>>::default();
+    for t in &tenants {
         let l = TenantLabel {
             tenant: t.name.clone(),
         };
-        held.get_or_create(&l).set(t.usage.held_bytes as i64);
-        limit.get_or_create(&l).set(t.quota.limit_bytes as i64);
+        turns.get_or_create(&l).inc_by(t.turns.turns);
+        compute
+            .get_or_create(&l)
+            .inc_by(t.turns.compute.as_secs_f64());
+        overrun
+            .get_or_create(&l)
+            .inc_by(t.turns.overrun.as_secs_f64());
     }
-    reg.register("tenant_held_bytes", "Device bytes a tenant holds", held);
-    reg.register("tenant_limit_bytes", "A tenant's quota limit", limit);
+    reg.register(
+        "tenant_turns",
+        "Compute turns of the tenant that ended",
+        turns,
+    );
+    reg.register(
+        "tenant_compute_seconds",
+        "Time the tenant held compute turns",
+        compute,
+    );
+    reg.register(
+        "tenant_overrun_seconds",
+        "Time the tenant held turns past the quantum while others waited",
+        overrun,
+    );
+
     let sessions = Gauge::<i64>::default();
     sessions.set(arb.session_count() as i64);
     reg.register("sessions", "Open sessions", sessions);
+
     let mut out = String::new();
     if encode(&mut out, &reg).is_err() {
         out.clear();
     }
+    match format {
+        Format::OpenMetrics => out,
+        Format::PrometheusText => to_prometheus_text(&out),
+    }
+}
+
+/// OpenMetrics text as the Prometheus 0.0.4 text format: no `# EOF` or `# UNIT` lines,
+/// counter families named by their `_total` samples, OpenMetrics-only types as gauges or
+/// untyped.
+pub fn to_prometheus_text(openmetrics: &str) -> String {
+    use std::collections::HashSet;
+    let counters: HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = line
+            .strip_prefix("# TYPE ")
+            .map(|r| ("# TYPE ", r))
+            .or_else(|| line.strip_prefix("# HELP ").map(|r| ("# HELP ", r)));
+        if let Some((kind, rest)) = meta {
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            let name = if counters.contains(name) {
+                format!("{name}_total")
+            } else {
+                name.to_string()
+            };
+            let tail = match (kind, tail) {
+                ("# TYPE ", "info" | "stateset") => "gauge",
+                ("# TYPE ", "unknown" | "gaugehistogram") => "untyped",
+                _ => tail,
+            };
+            out.push_str(kind);
+            out.push_str(&name);
+            out.push(' ');
+            out.push_str(tail);
+        } else {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_are_classified() {
+        for (e, want) in [
+            (
+                BrokerError::ResourceExhausted("quota exceeded for tenant \"a\"".into()),
+                "quota",
+            ),
+            (
+                BrokerError::ResourceExhausted("lease count limit reached".into()),
+                "max_leases",
+            ),
+            (
+                BrokerError::ResourceExhausted(
+                    "requested 2 GiB exceeds the leasable capacity 1 GiB".into(),
+                ),
+                "too_large",
+            ),
+            (
+                BrokerError::ResourceExhausted("no device has 4 MiB free".into()),
+                "capacity",
+            ),
+            (
+                BrokerError::DeadlineExceeded("waited".into()),
+                "wait_expired",
+            ),
+            (BrokerError::InvalidArgument("bytes".into()), "invalid"),
+        ] {
+            assert_eq!(refusal_reason(&e), want, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn prometheus_text_names_counters_by_their_samples() {
+        let om = "# HELP x_grants Grants.\n# TYPE x_grants counter\nx_grants_total 3\n# TYPE x_up gauge\nx_up 1\n# EOF\n";
+        let text = to_prometheus_text(om);
+        assert_eq!(
+            text,
+            "# HELP x_grants_total Grants.\n# TYPE x_grants_total counter\nx_grants_total 3\n# TYPE x_up gauge\nx_up 1\n"
+        );
+        assert_eq!(Format::negotiate(None), Format::PrometheusText);
+        assert_eq!(
+            Format::negotiate(Some(
+                "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
+            )),
+            Format::OpenMetrics
+        );
+    }
+
+    #[test]
+    fn counters_show_in_the_registry() {
+        let m = Metrics::new();
+        m.granted(Tier::Device);
+        m.acquired::<()>(
+            &Err(BrokerError::DeadlineExceeded("x".into())),
+            Duration::from_millis(3),
+        );
+        m.revoked(crate::arbiter::RECLAIM_DEADLINE_MISSED);
+        m.store_write(false);
+        let mut reg = Registry::with_prefix("gpu_broker");
+        m.register(&mut reg);
+        let mut out = String::new();
+        encode(&mut out, &reg).unwrap();
+        for want in [
+            "gpu_broker_leases_granted_total{tier=\"device\"} 1",
+            "gpu_broker_acquire_refusals_total{reason=\"wait_expired\"} 1",
+            "gpu_broker_revocations_total{reason=\"reclaim_deadline\"} 1",
+            "gpu_broker_store_write_failures_total 1",
+            "gpu_broker_acquire_duration_seconds_count{outcome=\"refused\"} 1",
+        ] {
+            assert!(out.contains(want), "{want} in\n{out}");
+        }
+    }
 }

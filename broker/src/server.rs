@@ -172,15 +172,14 @@ pub async fn serve(
     Ok(())
 }
 
-/// Serves Prometheus metrics at `GET /metrics` until `stop` is cancelled.
+/// Serves the metrics listener (`/metrics`, health; routes in `status_http`) until `stop`
+/// is cancelled.
 pub async fn serve_metrics(
     arb: Arc<Arbiter>,
     listener: TcpListener,
     stop: CancellationToken,
+    access: crate::status_http::HttpAccess,
 ) -> Result<(), ServerError> {
-    use http_body_util::Full;
-    use hyper::body::Bytes;
-    use hyper::{Response, StatusCode};
     loop {
         let (stream, _) = tokio::select! {
             _ = stop.cancelled() => return Ok(()),
@@ -192,17 +191,9 @@ pub async fn serve_metrics(
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     let arb = arb.clone();
                     async move {
-                        let resp = if req.uri().path() == "/metrics" {
-                            let body = crate::metrics::render(&arb).await;
-                            Response::builder()
-                                .header("content-type", "text/plain; version=0.0.4")
-                                .body(Full::new(Bytes::from(body)))
-                        } else {
-                            Response::builder()
-                                .status(StatusCode::NOT_FOUND)
-                                .body(Full::new(Bytes::from_static(b"not found\n")))
-                        };
-                        resp
+                        Ok::<_, std::convert::Infallible>(
+                            crate::status_http::respond(&arb, access, &req).await,
+                        )
                     }
                 });
             let io = hyper_util::rt::TokioIo::new(stream);

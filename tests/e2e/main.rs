@@ -13,6 +13,7 @@ mod errors;
 mod examples;
 mod isolation;
 mod observability;
+mod prometheus;
 mod quota;
 mod readme;
 mod scrub;

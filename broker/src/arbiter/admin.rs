@@ -87,6 +87,15 @@ pub struct QuotaChange {
     pub warnings: Vec<String>,
 }
 
+impl Arbiter {
+    /// A store write failed: counted (the store-unwritable alert watches it), then the
+    /// error the caller returns.
+    pub(super) fn store_failed(&self, e: StoreError) -> BrokerError {
+        self.metrics.store_write(false);
+        store_err(e)
+    }
+}
+
 pub(super) fn store_err(e: StoreError) -> BrokerError {
     BrokerError::Internal(format!("state store: {e}"))
 }
@@ -166,7 +175,8 @@ impl Arbiter {
         if let Some(store) = &self.store {
             store
                 .put_tenant(&record_of(name, &quota))
-                .map_err(store_err)?;
+                .inspect(|_| self.metrics.store_write(true))
+                .map_err(|e| self.store_failed(e))?;
         }
         let created = st.ledger.set_quota(name, quota)?;
         tracing::info!(tenant = name, ?quota, created, "quota set");
@@ -222,7 +232,10 @@ impl Arbiter {
             // Check first (no change), then commit to the store, then apply.
             st.ledger.check_deletable(name)?;
             if let Some(store) = &self.store {
-                store.delete_tenant(name).map_err(store_err)?;
+                store
+                    .delete_tenant(name)
+                    .inspect(|_| self.metrics.store_write(true))
+                    .map_err(|e| self.store_failed(e))?;
             }
             st.ledger.delete(name)?;
             self.auth.remove_tenant(name);
@@ -258,7 +271,10 @@ impl Arbiter {
             .find(id_or_token)
             .ok_or_else(|| BrokerError::NotFound("token not found".into()))?;
         if let Some(store) = &self.store {
-            store.delete_token(&entry.token_id).map_err(store_err)?;
+            store
+                .delete_token(&entry.token_id)
+                .inspect(|_| self.metrics.store_write(true))
+                .map_err(|e| self.store_failed(e))?;
         }
         self.auth.remove(&entry.hash);
         tracing::info!(tenant = %entry.tenant, token_id = %entry.token_id, "token revoked");

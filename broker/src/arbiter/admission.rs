@@ -33,6 +33,8 @@ enum Enqueued {
         rx: oneshot::Receiver<BrokerResult<LeaseView>>,
         id: u64,
         bytes: u64,
+        /// Still in the queue after the first pass (it did not fit at once).
+        queued: bool,
     },
     Refused {
         bytes: u64,
@@ -59,12 +61,37 @@ impl Drop for WaiterGuard {
 
 impl Arbiter {
     /// Grants a lease now, after waiting up to `req.wait`, or fails with the reason.
+    /// Counted in the metrics: latency by outcome, refusals by reason, time to grant of
+    /// requests that waited.
     pub async fn acquire(self: &Arc<Self>, req: AcquireRequest) -> BrokerResult<LeaseView> {
+        let started = Instant::now();
+        let mut waited = false;
+        let r = self.acquire_untimed(req, &mut waited).await;
+        self.metrics.acquired(&r, started.elapsed());
+        if waited && r.is_ok() {
+            self.metrics.granted_after_wait(started.elapsed());
+        }
+        r
+    }
+
+    async fn acquire_untimed(
+        self: &Arc<Self>,
+        req: AcquireRequest,
+        waited: &mut bool,
+    ) -> BrokerResult<LeaseView> {
         self.check_not_draining()?;
         self.validate(&req)?;
         let queued = self.enqueue(&req)?;
         let (mut rx, id, bytes) = match queued {
-            Enqueued::Waiting { rx, id, bytes } => (rx, id, bytes),
+            Enqueued::Waiting {
+                rx,
+                id,
+                bytes,
+                queued,
+            } => {
+                *waited = queued;
+                (rx, id, bytes)
+            }
             Enqueued::Refused { bytes, err } => return self.fallback_or(&req, bytes, err).await,
         };
         let _guard = WaiterGuard {
@@ -183,7 +210,8 @@ impl Arbiter {
         let (tx, rx) = oneshot::channel();
         let id = st.queue.push(ask, priority, tx);
         self.drain(&mut st);
-        if st.queue.contains(id) && req.wait.is_zero() {
+        let queued = st.queue.contains(id);
+        if queued && req.wait.is_zero() {
             let w = st.queue.remove(id);
             let msg = w
                 .map(|w| self.exhausted_message(&st, &w.ask))
@@ -193,7 +221,12 @@ impl Arbiter {
                 err: BrokerError::ResourceExhausted(msg),
             });
         }
-        Ok(Enqueued::Waiting { rx, id, bytes })
+        Ok(Enqueued::Waiting {
+            rx,
+            id,
+            bytes,
+            queued,
+        })
     }
 
     fn validate(&self, req: &AcquireRequest) -> BrokerResult<()> {
@@ -405,7 +438,7 @@ impl Arbiter {
         }
         st.ledger.commit(&ask.tenant, ask.bytes);
         st.pools[d as usize].commit(ask.bytes);
-        crate::metrics::GRANTS.inc();
+        self.metrics.granted(Tier::Device);
         st.seq += 1;
         let lease = Lease {
             id: uuid::Uuid::new_v4(),
@@ -557,6 +590,7 @@ impl Arbiter {
             s.leases.insert(lease.id);
         }
         st.leases.insert(lease);
+        self.metrics.granted(Tier::Host);
         Ok(view)
     }
 

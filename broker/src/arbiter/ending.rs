@@ -83,6 +83,7 @@ impl Arbiter {
                 self.free_on_device(d, block);
             }
             Ending::Quarantine { pid } => {
+                self.metrics.quarantined();
                 pool.release_to_quarantine(bytes);
                 st.ledger.add_quarantine(&tenant, bytes);
                 let watch = tokio_util::sync::CancellationToken::new();
@@ -227,6 +228,7 @@ impl Arbiter {
             ..v
         });
         tracing::warn!(lease = %id, reason, ?ending, "lease revoked");
+        self.metrics.revoked(reason);
         self.drain(&mut st);
         view.ok_or_else(|| lease_not_found(id))
     }
@@ -341,7 +343,7 @@ impl Arbiter {
                     ),
                 });
             }
-            crate::metrics::RECLAIMS.inc();
+            self.metrics.reclaim_requested();
             tracing::info!(lease = %lid, owner = %owner, for_tenant = %ask.tenant, "reclaim requested");
             need = need.saturating_sub(bytes);
         }
@@ -362,7 +364,7 @@ impl Arbiter {
                 .collect()
         };
         for id in &late {
-            let _ = self.revoke(*id, "reclaim deadline missed");
+            let _ = self.revoke(*id, super::RECLAIM_DEADLINE_MISSED);
         }
         late.len()
     }

@@ -150,7 +150,12 @@ pub struct Arbiter {
     pub(crate) audit_log: crate::audit::AuditLog,
     /// Which devices admit new leases (drain, health); changed under the state lock.
     pub(crate) avail: parking_lot::RwLock<crate::availability::Availability>,
+    /// What the broker did (counters, histograms), for `/metrics`.
+    pub(crate) metrics: crate::metrics::Metrics,
 }
+
+/// The revocation reason of a holder that missed its reclaim deadline.
+pub const RECLAIM_DEADLINE_MISSED: &str = "reclaim deadline missed";
 
 /// Longest label accepted.
 pub const MAX_LABEL: usize = crate::bounds::MAX_TEXT_BYTES;
@@ -191,9 +196,15 @@ impl Arbiter {
             auth,
             cfg,
             draining: AtomicBool::new(false),
+            metrics: crate::metrics::Metrics::new(),
         };
         arb.load_store()?;
         Ok(Arc::new(arb))
+    }
+
+    /// The broker's counters and histograms.
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.metrics
     }
 
     /// The arbiter's configuration.

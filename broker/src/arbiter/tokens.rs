@@ -134,7 +134,8 @@ impl Arbiter {
         if let Some(store) = &self.store {
             store
                 .put_token(&entry.record())
-                .map_err(super::admin::store_err)?;
+                .inspect(|_| self.metrics.store_write(true))
+                .map_err(|e| self.store_failed(e))?;
         }
         self.auth.add(entry.clone());
         drop(st);
