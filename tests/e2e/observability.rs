@@ -64,7 +64,7 @@ async fn prometheus_metrics_follow_the_leases() {
     );
     assert_eq!(gauge(&text, "gpu_broker_sessions"), Some(1.0));
     assert!(
-        gauge(&text, "gpu_broker_leases_granted_total").unwrap_or(0.0) >= 1.0,
+        gauge(&text, "gpu_broker_leases_granted_total{tier=\"device\"}").unwrap_or(0.0) >= 1.0,
         "{text}"
     );
     lease.release().await.unwrap();
