@@ -56,7 +56,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
     crate::units::parse(s)
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
 
@@ -210,6 +210,10 @@ pub struct Config {
     /// Log as JSON lines instead of text.
     #[arg(long, env = "GPU_BROKER_LOG_JSON")]
     pub log_json: bool,
+
+    /// Connection and stream limits (`crate::listener`).
+    #[command(flatten)]
+    pub limits: crate::listener::LimitFlags,
 }
 
 /// Why the configuration could not be read.

@@ -20,6 +20,7 @@ pub mod gate;
 pub mod gpu_processes;
 pub mod lease;
 pub mod ledger;
+pub mod listener;
 pub mod metrics;
 pub mod pool;
 pub mod process;

@@ -41,6 +41,8 @@ fn init_logging(json: bool) {
 }
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
+    let nofile = gpu_broker::listener::raise_nofile_limit();
+    tracing::info!(nofile, "descriptor limit");
     let store = Store::open(&cfg.state_dir)
         .with_context(|| format!("opening the state in {}", cfg.state_dir.display()))?;
     let admin_token =
@@ -110,6 +112,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         Listeners {
             unix: Some(unix),
             tcp,
+            limits: cfg.limits.limits(),
         },
         shutdown,
         cfg.shutdown_grace,

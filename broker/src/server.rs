@@ -61,6 +61,8 @@ pub async fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
 pub struct Listeners {
     pub unix: Option<UnixListener>,
     pub tcp: Option<TcpListener>,
+    /// Connection caps, handshake deadline, stream limits (`crate::listener`).
+    pub limits: crate::listener::Limits,
 }
 
 /// Serves until `shutdown` is cancelled, then shuts down gracefully within `grace`.
@@ -98,6 +100,8 @@ pub async fn serve(
         (ka / 2).max(Duration::from_millis(500))
     };
     let gate = crate::gate::GateLayer::new(arb.authenticator().clone());
+    let conns = crate::listener::ConnTracker::new(listeners.limits.clone());
+    tracing::info!(limits = ?conns.limits(), "connection limits");
     let router = tonic::transport::Server::builder()
         // Every request gets a span named by its method; the services add tenant,
         // session and lease ids to it.
@@ -106,6 +110,10 @@ pub async fn serve(
         .http2_keepalive_timeout(Some(ping))
         // Tokens, expiry and scopes (gate.rs), before any service sees the request.
         .layer(gate)
+        // Connection and stream limits (listener.rs): calls per connection, and open calls
+        // to the services that need no token.
+        .max_concurrent_streams(listeners.limits.max_streams_per_connection)
+        .layer(crate::listener::UnauthStreamsLayer::new(&conns))
         .add_service(health)
         .add_service(reflection)
         .add_service(broker)
@@ -119,9 +127,10 @@ pub async fn serve(
     if let Some(l) = listeners.unix {
         let r = router.clone();
         let s = stop_serving.clone();
+        let c = conns.clone();
         tasks.spawn(async move {
             r.serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(l),
+                crate::listener::incoming_unix(l, c),
                 s.cancelled_owned(),
             )
             .await
@@ -130,12 +139,10 @@ pub async fn serve(
     if let Some(l) = listeners.tcp {
         let r = router.clone();
         let s = stop_serving.clone();
+        let c = conns.clone();
         tasks.spawn(async move {
-            r.serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(l),
-                s.cancelled_owned(),
-            )
-            .await
+            r.serve_with_incoming_shutdown(crate::listener::incoming_tcp(l, c), s.cancelled_owned())
+                .await
         });
     }
 

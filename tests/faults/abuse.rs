@@ -374,3 +374,237 @@ async fn turn_waiters_per_tenant_are_capped() {
     }
     assert_broker_alive(&b);
 }
+
+/// A connection that never sends its HTTP/2 preface (or only part of it) is closed after
+/// the handshake deadline; one that does keeps working.
+#[tokio::test]
+async fn silent_and_half_open_connections_are_closed_after_the_handshake_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let b = broker_64mib(&["--handshake-timeout", "300ms"]);
+    let mut silent = tokio::net::UnixStream::connect(&b.socket).await.unwrap();
+    let mut half = tokio::net::UnixStream::connect(&b.socket).await.unwrap();
+    half.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+    for (what, s) in [("silent", &mut silent), ("half preface", &mut half)] {
+        let closed = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut buf = [0u8; 4096];
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => continue, // the server's SETTINGS
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "{what} connection still open after 10 s");
+    }
+    // A real client is unaffected.
+    let admin = b.admin().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    admin
+        .list_tenants()
+        .await
+        .expect("a speaking connection stays");
+    assert_broker_alive(&b);
+}
+
+/// `--max-unauthenticated-streams`: health watches beyond the cap are RESOURCE_EXHAUSTED;
+/// closing one frees its slot. `--max-streams-per-connection`: a connection runs at most
+/// that many calls at once (the next waits for a slot).
+#[tokio::test]
+async fn unauthenticated_streams_and_streams_per_connection_are_bounded() {
+    let b = broker_64mib(&[
+        "--max-unauthenticated-streams",
+        "6",
+        "--max-streams-per-connection",
+        "4",
+    ]);
+    let a = gpu_broker_client::connect::connect_channel(&b.uri())
+        .await
+        .unwrap();
+    let c = gpu_broker_client::connect::connect_channel(&b.uri())
+        .await
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(HealthWatch::open(&a, "").await.expect("within the caps").0);
+    }
+    // A fifth call on the same connection waits for a stream slot.
+    let a2 = a.clone();
+    let mut fifth = tokio::spawn(async move { HealthWatch::open(&a2, "").await });
+    let waited = tokio::time::timeout(Duration::from_millis(500), &mut fifth).await;
+    assert!(
+        waited.is_err(),
+        "a fifth concurrent stream ran on one connection"
+    );
+    held.pop();
+    let (w, _) = tokio::time::timeout(Duration::from_secs(10), fifth)
+        .await
+        .expect("the fifth runs once a stream closed")
+        .unwrap()
+        .unwrap();
+    held.push(w);
+    // Two more on another connection reach the cap of 6 unauthenticated calls.
+    for _ in 0..2 {
+        held.push(HealthWatch::open(&c, "").await.expect("within the cap").0);
+    }
+    let over = HealthWatch::open(&c, "").await.err().expect("over the cap");
+    assert_eq!(over.code(), tonic::Code::ResourceExhausted, "{over:?}");
+    assert!(over.message().contains("max-unauthenticated-streams"));
+    held.pop();
+    let freed = eventually(Duration::from_secs(5), || async {
+        HealthWatch::open(&c, "").await.is_ok()
+    })
+    .await;
+    assert!(freed, "a closed watch frees its slot");
+    // Authenticated calls are not counted against the unauthenticated cap.
+    b.admin().await.unwrap().list_tenants().await.unwrap();
+    assert_broker_alive(&b);
+}
+
+/// Opens `n` idle connections to `socket` as `uid` (a Python child: the caps are per peer
+/// uid, and this test runs as root); returns how many the broker kept open after a second,
+/// and the child, which holds them until dropped.
+async fn idle_connections_as(uid: u32, socket: &std::path::Path, n: usize) -> (usize, Proc) {
+    use std::os::unix::process::CommandExt;
+    const SCRIPT: &str = r#"
+import socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    socks.append(s)
+time.sleep(1.0)
+alive = 0
+for s in socks:
+    s.setblocking(False)
+    try:
+        if s.recv(1, socket.MSG_PEEK):
+            alive += 1
+    except BlockingIOError:
+        alive += 1
+    except OSError:
+        pass
+print("ALIVE", alive, flush=True)
+sys.stdin.read()
+"#;
+    let mut cmd = std::process::Command::new("/usr/bin/python3");
+    cmd.arg("-c")
+        .arg(SCRIPT)
+        .arg(socket)
+        .arg(n.to_string())
+        .uid(uid)
+        .gid(uid);
+    let mut p = Proc::spawn(cmd).unwrap();
+    let line = p
+        .line_starting("ALIVE ", Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("python as uid {uid}: {e:#}\n{}", p.history()));
+    let alive = line["ALIVE ".len()..].trim().parse().unwrap();
+    (alive, p)
+}
+
+/// Lets other users reach the test broker's socket (the tempdir is 0700 root).
+fn open_socket_to_everyone(b: &Broker) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 || !std::path::Path::new("/usr/bin/python3").exists() {
+        eprintln!("SKIP: needs root (to connect as other uids) and /usr/bin/python3");
+        return false;
+    }
+    let dir = b.socket.parent().unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&b.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    true
+}
+
+/// Connections are capped per peer uid and in total; the last slots are kept for root and
+/// the broker's user, so the operator connects while workers hold every other slot.
+#[tokio::test]
+async fn connections_are_capped_per_uid_and_in_total_with_an_operator_reserve() {
+    let b = broker_64mib(&[
+        "--max-connections",
+        "40",
+        "--max-connections-per-uid",
+        "10",
+        "--admin-connection-reserve",
+        "5",
+        "--handshake-timeout",
+        "60s",
+    ]);
+    if !open_socket_to_everyone(&b) {
+        return;
+    }
+    let mut kept = Vec::new();
+    let mut holders = Vec::new();
+    for uid in [65534, 65533, 65532, 65531] {
+        let (alive, p) = idle_connections_as(uid, &b.socket, 25).await;
+        kept.push(alive);
+        holders.push(p);
+    }
+    assert_eq!(
+        kept,
+        vec![10, 10, 10, 5],
+        "per-uid cap 10, 35 for non-operators"
+    );
+    let admin = b
+        .admin()
+        .await
+        .expect("the operator connects through the reserve");
+    admin.list_tenants().await.unwrap();
+    // Closing a worker's connections gives their places back.
+    drop(holders.pop());
+    let (alive, _p) = idle_connections_as(65530, &b.socket, 25).await;
+    // 30 workers' and the operator's connection are open: 4 of the 35 remain.
+    assert_eq!(alive, 4);
+    assert_broker_alive(&b);
+}
+
+/// Under a descriptor limit of 128 (systemd's soft default is 1024) 300 idle connections do
+/// not lock anyone out: the cap follows the limit, the surplus is closed at once, and the
+/// operator still connects.
+#[tokio::test]
+async fn idle_connections_cannot_exhaust_the_descriptor_limit() {
+    if std::process::Command::new("prlimit")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIP: prlimit (util-linux) is not installed");
+        return;
+    }
+    let b = Broker::start_wrapped(
+        vec!["prlimit".into(), "--nofile=128:128".into()],
+        BrokerOpts {
+            capacity: "64MiB",
+            extra: vec!["--handshake-timeout".into(), "60s".into()],
+            ..BrokerOpts::default()
+        },
+    )
+    .unwrap();
+    if !open_socket_to_everyone(&b) {
+        return;
+    }
+    let pid = b.pid().unwrap();
+    let (alive, _p) = idle_connections_as(65534, &b.socket, 300).await;
+    assert!(
+        alive <= 64,
+        "{alive} idle connections kept under a limit of 128 fds"
+    );
+    let fds = fd_count(pid);
+    assert!(fds < 128, "broker holds {fds} descriptors");
+    let admin = b.admin().await.expect("the operator connects");
+    admin.list_tenants().await.unwrap();
+    let token = b.tenant("w", QuotaSpec::new(8 * MIB)).await.unwrap();
+    let c = gpu_broker_client::Client::connect(&b.uri(), token)
+        .await
+        .unwrap();
+    c.session("still")
+        .await
+        .expect("root workers get the reserve too");
+    assert!(
+        b.log_text().contains("connection refused"),
+        "refusals are logged"
+    );
+    assert_broker_alive(&b);
+}

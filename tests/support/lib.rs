@@ -544,6 +544,45 @@ pub async fn health_check(uri: &str, service: &str) -> Result<i32> {
 }
 
 /// Just enough of `grpc.health.v1` (and a prost codec) to call `Health/Check`.
+/// An open `grpc.health.v1.Health/Watch` stream (needs no token).
+pub struct HealthWatch {
+    stream: tonic::Streaming<health::HealthCheckResponse>,
+}
+
+impl HealthWatch {
+    /// Opens a Watch of `service` on `channel`; the first status, or the call's error.
+    pub async fn open(
+        channel: &tonic::transport::Channel,
+        service: &str,
+    ) -> Result<(HealthWatch, i32), tonic::Status> {
+        let mut grpc = tonic::client::Grpc::new(channel.clone());
+        grpc.ready()
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let path =
+            tonic::codegen::http::uri::PathAndQuery::from_static("/grpc.health.v1.Health/Watch");
+        let mut stream = grpc
+            .server_streaming(
+                tonic::Request::new(health::HealthCheckRequest {
+                    service: service.to_string(),
+                }),
+                path,
+                health::Codec::default(),
+            )
+            .await?
+            .into_inner();
+        match stream.message().await? {
+            Some(first) => Ok((HealthWatch { stream }, first.status)),
+            None => Err(tonic::Status::unknown("the watch ended at once")),
+        }
+    }
+
+    /// The next status change.
+    pub async fn next(&mut self) -> Result<Option<i32>, tonic::Status> {
+        Ok(self.stream.message().await?.map(|r| r.status))
+    }
+}
+
 mod health {
     use std::marker::PhantomData;
     use tonic::codec::{DecodeBuf, Decoder, EncodeBuf, Encoder};

@@ -1,0 +1,705 @@
+//! Connection limits: what a peer can make the broker hold open before it has proved
+//! anything. Every accepted connection is admitted against a total cap and a per-peer-uid
+//! cap (Unix socket), with a reserve only root and the broker's own user may use so an
+//! operator can always connect; a connection must send its HTTP/2 preface within the
+//! handshake deadline or it is closed; accept errors (EMFILE) back off instead of spinning;
+//! and the unauthenticated services (health, reflection) share a bounded number of open
+//! streams. Counters are in [`ListenerStats`]. `server.rs` wires this in with
+//! [`incoming_unix`], [`incoming_tcp`] and [`UnauthStreamsLayer`].
+
+use futures::Stream;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::codegen::http;
+use tonic::transport::server::Connected;
+
+/// The HTTP/2 client preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`) is 24 bytes.
+const PREFACE_BYTES: usize = 24;
+
+/// The limits, from the command line (`--max-connections` and friends).
+#[derive(Clone, Debug, clap::Args)]
+pub struct LimitFlags {
+    /// Most open connections in all (gRPC listeners together); 0: derive from the
+    /// descriptor limit (half of `RLIMIT_NOFILE`, at most 4096).
+    #[arg(long, env = "GPU_BROKER_MAX_CONNECTIONS", default_value_t = 0)]
+    pub max_connections: usize,
+
+    /// Most open connections of one peer uid on the Unix socket.
+    #[arg(
+        long,
+        env = "GPU_BROKER_MAX_CONNECTIONS_PER_UID",
+        default_value_t = 256
+    )]
+    pub max_connections_per_uid: usize,
+
+    /// Connections kept for root and the broker's own user (operators) beyond what
+    /// everyone else may open.
+    #[arg(
+        long,
+        env = "GPU_BROKER_ADMIN_CONNECTION_RESERVE",
+        default_value_t = 16
+    )]
+    pub admin_connection_reserve: usize,
+
+    /// A new connection must send its HTTP/2 preface within this, or it is closed.
+    #[arg(long, env = "GPU_BROKER_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = crate::config::parse_duration)]
+    pub handshake_timeout: Duration,
+
+    /// Most concurrent HTTP/2 streams (calls) on one connection.
+    #[arg(
+        long,
+        env = "GPU_BROKER_MAX_STREAMS_PER_CONNECTION",
+        default_value_t = 256
+    )]
+    pub max_streams_per_connection: u32,
+
+    /// Most open calls to the services that need no token (health, reflection), in all.
+    #[arg(
+        long,
+        env = "GPU_BROKER_MAX_UNAUTHENTICATED_STREAMS",
+        default_value_t = 128
+    )]
+    pub max_unauthenticated_streams: usize,
+}
+
+impl LimitFlags {
+    /// The limits these flags give on this machine.
+    pub fn limits(&self) -> Limits {
+        let max_connections = if self.max_connections == 0 {
+            (nofile_limit() / 2).clamp(32, 4096)
+        } else {
+            self.max_connections
+        };
+        Limits {
+            max_connections,
+            max_connections_per_uid: self.max_connections_per_uid.max(1),
+            admin_reserve: self.admin_connection_reserve.min(max_connections),
+            handshake_timeout: self.handshake_timeout,
+            max_streams_per_connection: self.max_streams_per_connection.max(1),
+            max_unauthenticated_streams: self.max_unauthenticated_streams,
+        }
+    }
+}
+
+/// The connection limits in force.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub max_connections_per_uid: usize,
+    pub admin_reserve: usize,
+    pub handshake_timeout: Duration,
+    pub max_streams_per_connection: u32,
+    pub max_unauthenticated_streams: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        LimitFlags {
+            max_connections: 0,
+            max_connections_per_uid: 256,
+            admin_connection_reserve: 16,
+            handshake_timeout: Duration::from_secs(5),
+            max_streams_per_connection: 256,
+            max_unauthenticated_streams: 128,
+        }
+        .limits()
+    }
+}
+
+/// The soft `RLIMIT_NOFILE` of this process.
+pub fn nofile_limit() -> usize {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return 1024;
+    }
+    usize::try_from(r.rlim_cur).unwrap_or(usize::MAX)
+}
+
+/// Raises the soft descriptor limit to the hard one (systemd's soft default is 1024);
+/// returns the soft limit now in force.
+pub fn raise_nofile_limit() -> usize {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct we pass.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            let want = libc::rlimit {
+                rlim_cur: r.rlim_max,
+                rlim_max: r.rlim_max,
+            };
+            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &want);
+        }
+    }
+    nofile_limit()
+}
+
+/// What the listeners did (exported as metrics).
+#[derive(Debug, Default)]
+pub struct ListenerStats {
+    /// Connections open now.
+    pub open: AtomicUsize,
+    /// Connections admitted.
+    pub accepted: AtomicU64,
+    /// Connections closed at once because a cap was reached.
+    pub refused: AtomicU64,
+    /// Connections closed because they sent no HTTP/2 preface in time.
+    pub handshake_timeouts: AtomicU64,
+    /// `accept` failures (EMFILE and the like), each followed by a back-off.
+    pub accept_errors: AtomicU64,
+    /// Unauthenticated calls refused because their cap was reached.
+    pub unauthenticated_refused: AtomicU64,
+}
+
+/// Counts open connections per uid and in total, and admits new ones.
+#[derive(Debug)]
+pub struct ConnTracker {
+    limits: Limits,
+    counts: Mutex<Counts>,
+    stats: Arc<ListenerStats>,
+    own_uid: u32,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    total: usize,
+    per_uid: HashMap<u32, usize>,
+}
+
+/// Why a connection was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    Total,
+    PerUid,
+}
+
+impl ConnTracker {
+    pub fn new(limits: Limits) -> Arc<ConnTracker> {
+        Arc::new(ConnTracker {
+            limits,
+            counts: Mutex::default(),
+            stats: Arc::default(),
+            // SAFETY: geteuid cannot fail.
+            own_uid: unsafe { libc::geteuid() },
+        })
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn stats(&self) -> &Arc<ListenerStats> {
+        &self.stats
+    }
+
+    /// Root and the broker's own user may use the admin reserve.
+    fn privileged(&self, uid: Option<u32>) -> bool {
+        matches!(uid, Some(u) if u == 0 || u == self.own_uid)
+    }
+
+    /// Admits a connection from `uid` (None: TCP), or says which cap it hit.
+    pub fn admit(self: &Arc<Self>, uid: Option<u32>) -> Result<ConnPermit, Refusal> {
+        let l = &self.limits;
+        let privileged = self.privileged(uid);
+        let mut c = self.counts.lock();
+        let total_cap = if privileged {
+            l.max_connections
+        } else {
+            l.max_connections - l.admin_reserve
+        };
+        if c.total >= total_cap {
+            return Err(Refusal::Total);
+        }
+        if let Some(u) = uid {
+            let uid_cap = if privileged {
+                l.max_connections_per_uid + l.admin_reserve
+            } else {
+                l.max_connections_per_uid
+            };
+            let n = c.per_uid.entry(u).or_default();
+            if *n >= uid_cap {
+                return Err(Refusal::PerUid);
+            }
+            *n += 1;
+        }
+        c.total += 1;
+        drop(c);
+        self.stats.open.fetch_add(1, Ordering::Relaxed);
+        self.stats.accepted.fetch_add(1, Ordering::Relaxed);
+        Ok(ConnPermit {
+            tracker: self.clone(),
+            uid,
+        })
+    }
+
+    fn release(&self, uid: Option<u32>) {
+        let mut c = self.counts.lock();
+        c.total -= 1;
+        if let Some(u) = uid {
+            if let Some(n) = c.per_uid.get_mut(&u) {
+                *n -= 1;
+                if *n == 0 {
+                    c.per_uid.remove(&u);
+                }
+            }
+        }
+        drop(c);
+        self.stats.open.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Open connections now (total).
+    pub fn open(&self) -> usize {
+        self.counts.lock().total
+    }
+}
+
+/// A connection's place under the caps; given back when the connection closes.
+#[derive(Debug)]
+pub struct ConnPermit {
+    tracker: Arc<ConnTracker>,
+    uid: Option<u32>,
+}
+
+impl Drop for ConnPermit {
+    fn drop(&mut self) {
+        self.tracker.release(self.uid);
+    }
+}
+
+/// An admitted connection: holds its permit, and fails its reads once the handshake
+/// deadline passes before the HTTP/2 preface arrived (the server then closes it).
+pub struct Conn<IO> {
+    io: IO,
+    preface_left: usize,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    stats: Arc<ListenerStats>,
+    _permit: ConnPermit,
+}
+
+impl<IO> Conn<IO> {
+    fn new(io: IO, permit: ConnPermit, handshake: Duration) -> Conn<IO> {
+        Conn {
+            io,
+            preface_left: PREFACE_BYTES,
+            deadline: Some(Box::pin(tokio::time::sleep(handshake))),
+            stats: permit.tracker.stats.clone(),
+            _permit: permit,
+        }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if let Some(d) = this.deadline.as_mut() {
+            if d.as_mut().poll(cx).is_ready() {
+                this.deadline = None;
+                this.preface_left = 0;
+                this.stats
+                    .handshake_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("closing a connection that sent no HTTP/2 preface in time");
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no HTTP/2 preface within the handshake timeout",
+                )));
+            }
+        }
+        let before = buf.filled().len();
+        let r = Pin::new(&mut this.io).poll_read(cx, buf);
+        if this.preface_left > 0 {
+            let n = buf.filled().len() - before;
+            this.preface_left = this.preface_left.saturating_sub(n);
+            if this.preface_left == 0 {
+                this.deadline = None;
+            }
+        }
+        r
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Conn<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl<IO: Connected> Connected for Conn<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+use std::future::Future;
+
+/// Accept back-off: starts at 10 ms, doubles to 1 s, resets after a success.
+#[derive(Debug)]
+struct Backoff(Duration);
+
+impl Backoff {
+    const MIN: Duration = Duration::from_millis(10);
+    const MAX: Duration = Duration::from_secs(1);
+    fn next(&mut self) -> Duration {
+        let d = self.0;
+        self.0 = (self.0 * 2).min(Self::MAX);
+        d
+    }
+    fn reset(&mut self) {
+        self.0 = Self::MIN;
+    }
+}
+
+/// One accept with admission: returns the next admitted connection. Refused connections
+/// are closed at once; accept errors are counted, logged (once per streak) and followed by
+/// a growing pause, so a full descriptor table never makes the loop spin.
+async fn accept_admitted<L: Acceptor>(
+    l: &L,
+    tracker: &Arc<ConnTracker>,
+    backoff: &mut Backoff,
+) -> Conn<L::Io> {
+    let mut streak = 0u32;
+    loop {
+        match l.accept_one().await {
+            Ok(io) => {
+                backoff.reset();
+                streak = 0;
+                let uid = L::uid(&io);
+                match tracker.admit(uid) {
+                    Ok(permit) => {
+                        return Conn::new(io, permit, tracker.limits.handshake_timeout);
+                    }
+                    Err(why) => {
+                        let n = tracker.stats.refused.fetch_add(1, Ordering::Relaxed);
+                        // Log the first refusal and then one in a thousand.
+                        if n % 1000 == 0 {
+                            tracing::warn!(
+                                ?uid,
+                                cap = ?why,
+                                open = tracker.open(),
+                                limits = ?tracker.limits,
+                                refused_so_far = n + 1,
+                                "connection refused: a connection cap is reached"
+                            );
+                        }
+                        drop(io);
+                    }
+                }
+            }
+            Err(e) => {
+                tracker.stats.accept_errors.fetch_add(1, Ordering::Relaxed);
+                let pause = backoff.next();
+                if streak == 0 {
+                    tracing::error!(error = %e, pause = ?pause, "accept failed; backing off");
+                }
+                streak += 1;
+                tokio::time::sleep(pause).await;
+            }
+        }
+    }
+}
+
+/// A listener the admission loop can accept from.
+trait Acceptor {
+    type Io;
+    fn accept_one(&self) -> impl Future<Output = io::Result<Self::Io>> + Send;
+    fn uid(io: &Self::Io) -> Option<u32>;
+}
+
+impl Acceptor for UnixListener {
+    type Io = UnixStream;
+    async fn accept_one(&self) -> io::Result<UnixStream> {
+        self.accept().await.map(|(s, _)| s)
+    }
+    fn uid(io: &UnixStream) -> Option<u32> {
+        io.peer_cred().ok().map(|c| c.uid())
+    }
+}
+
+impl Acceptor for TcpListener {
+    type Io = TcpStream;
+    async fn accept_one(&self) -> io::Result<TcpStream> {
+        let (s, _) = self.accept().await?;
+        let _ = s.set_nodelay(true);
+        Ok(s)
+    }
+    fn uid(_: &TcpStream) -> Option<u32> {
+        None
+    }
+}
+
+/// The admitted connections of a Unix listener, for `serve_with_incoming_shutdown`.
+pub fn incoming_unix(
+    l: UnixListener,
+    tracker: Arc<ConnTracker>,
+) -> impl Stream<Item = io::Result<Conn<UnixStream>>> {
+    incoming(l, tracker)
+}
+
+/// The admitted connections of a TCP listener (counted in the total; no uid).
+pub fn incoming_tcp(
+    l: TcpListener,
+    tracker: Arc<ConnTracker>,
+) -> impl Stream<Item = io::Result<Conn<TcpStream>>> {
+    incoming(l, tracker)
+}
+
+fn incoming<L: Acceptor + Send + 'static>(
+    l: L,
+    tracker: Arc<ConnTracker>,
+) -> impl Stream<Item = io::Result<Conn<L::Io>>>
+where
+    L::Io: Send,
+{
+    futures::stream::unfold(
+        (l, tracker, Backoff(Backoff::MIN)),
+        |(l, tracker, mut backoff)| async move {
+            let c = accept_admitted(&l, &tracker, &mut backoff).await;
+            Some((Ok(c), (l, tracker, backoff)))
+        },
+    )
+}
+
+/// Paths of the services that need no token.
+fn unauthenticated(path: &str) -> bool {
+    path.starts_with("/grpc.health.v1.Health/") || path.starts_with("/grpc.reflection.")
+}
+
+/// A tower layer that bounds the open calls to the unauthenticated services (a
+/// `Health/Watch` stream lives until its client leaves): past the cap they are answered
+/// `RESOURCE_EXHAUSTED` at once. A call's slot is held until its response body ends.
+#[derive(Clone)]
+pub struct UnauthStreamsLayer {
+    slots: Arc<Semaphore>,
+    max: usize,
+    stats: Arc<ListenerStats>,
+}
+
+impl UnauthStreamsLayer {
+    pub fn new(tracker: &ConnTracker) -> UnauthStreamsLayer {
+        let max = tracker.limits.max_unauthenticated_streams;
+        UnauthStreamsLayer {
+            slots: Arc::new(Semaphore::new(max)),
+            max,
+            stats: tracker.stats.clone(),
+        }
+    }
+}
+
+impl<S> tower::Layer<S> for UnauthStreamsLayer {
+    type Service = UnauthStreams<S>;
+    fn layer(&self, inner: S) -> UnauthStreams<S> {
+        UnauthStreams {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service of [`UnauthStreamsLayer`].
+#[derive(Clone)]
+pub struct UnauthStreams<S> {
+    inner: S,
+    layer: UnauthStreamsLayer,
+}
+
+type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
+
+impl<S, B, RB> tower::Service<http::Request<B>> for UnauthStreams<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    RB: Default + Send + 'static,
+{
+    type Response = http::Response<Held<RB>>;
+    type Error = S::Error;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let permit = if unauthenticated(req.uri().path()) {
+            match self.layer.slots.clone().try_acquire_owned() {
+                Ok(p) => Some(p),
+                Err(_) => {
+                    self.layer
+                        .stats
+                        .unauthenticated_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    let max = self.layer.max;
+                    let status = tonic::Status::resource_exhausted(format!(
+                        "{max} calls to the unauthenticated services are open, the most allowed (--max-unauthenticated-streams)"
+                    ));
+                    let resp = status.into_http::<RB>();
+                    return Box::pin(async move { Ok(resp.map(|b| Held::new(b, None))) });
+                }
+            }
+        } else {
+            None
+        };
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let resp = fut.await?;
+            Ok(resp.map(|b| Held::new(b, permit)))
+        })
+    }
+}
+
+/// A response body that holds a slot until it is dropped.
+pub struct Held<B> {
+    inner: B,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl<B> Held<B> {
+    fn new(inner: B, permit: Option<OwnedSemaphorePermit>) -> Held<B> {
+        Held {
+            inner,
+            _permit: permit,
+        }
+    }
+}
+
+impl<B: Default> Default for Held<B> {
+    fn default() -> Self {
+        Held::new(B::default(), None)
+    }
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for Held<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(total: usize, per_uid: usize, reserve: usize) -> Limits {
+        Limits {
+            max_connections: total,
+            max_connections_per_uid: per_uid,
+            admin_reserve: reserve,
+            ..Limits::default()
+        }
+    }
+
+    #[test]
+    fn caps_per_uid_and_in_total_keep_a_reserve_for_operators() {
+        let t = ConnTracker::new(limits(10, 4, 2));
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(t.admit(Some(1000)).unwrap());
+        }
+        assert_eq!(t.admit(Some(1000)).unwrap_err(), Refusal::PerUid);
+        for _ in 0..4 {
+            held.push(t.admit(Some(1001)).unwrap());
+        }
+        // 8 of 10 open; the last 2 are the operators' reserve.
+        assert_eq!(t.admit(Some(1002)).unwrap_err(), Refusal::Total);
+        assert_eq!(t.admit(None).unwrap_err(), Refusal::Total);
+        let a = t.admit(Some(0)).expect("root uses the reserve");
+        let _b = t.admit(Some(0)).expect("root uses the reserve");
+        assert_eq!(t.admit(Some(0)).unwrap_err(), Refusal::Total);
+        drop(a);
+        assert!(t.admit(Some(0)).is_ok());
+        // Closing connections gives their places back.
+        held.clear();
+        assert_eq!(t.open(), 1);
+        assert!(t.admit(Some(1000)).is_ok());
+    }
+
+    #[test]
+    fn backoff_grows_to_a_second_and_resets() {
+        let mut b = Backoff(Backoff::MIN);
+        let steps: Vec<_> = (0..10).map(|_| b.next()).collect();
+        assert_eq!(steps[0], Duration::from_millis(10));
+        assert_eq!(*steps.last().unwrap(), Duration::from_secs(1));
+        b.reset();
+        assert_eq!(b.next(), Duration::from_millis(10));
+    }
+
+    #[tokio::test]
+    async fn a_silent_connection_fails_its_reads_after_the_deadline() {
+        use tokio::io::AsyncReadExt;
+        let t = ConnTracker::new(limits(4, 4, 0));
+        let (a, _b) = tokio::io::duplex(64);
+        let mut c = Conn::new(a, t.admit(None).unwrap(), Duration::from_millis(50));
+        let mut buf = [0u8; 8];
+        let e = c.read(&mut buf).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(t.stats().handshake_timeouts.load(Ordering::Relaxed), 1);
+        drop(c);
+        assert_eq!(t.open(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_sent_its_preface_has_no_deadline() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let t = ConnTracker::new(limits(4, 4, 0));
+        let (a, mut b) = tokio::io::duplex(64);
+        let mut c = Conn::new(a, t.admit(None).unwrap(), Duration::from_millis(50));
+        b.write_all(&[0u8; PREFACE_BYTES]).await.unwrap();
+        let mut buf = [0u8; PREFACE_BYTES];
+        c.read_exact(&mut buf).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        b.write_all(b"x").await.unwrap();
+        let mut one = [0u8; 1];
+        c.read_exact(&mut one)
+            .await
+            .expect("no deadline after the preface");
+    }
+}
