@@ -101,6 +101,21 @@ pub struct Limits {
     pub max_unauthenticated_streams: usize,
 }
 
+/// Most open connections of the HTTP (metrics, status) listener.
+pub const MAX_HTTP_CONNECTIONS: usize = 64;
+
+impl Limits {
+    /// The limits of the HTTP listener: few connections (scrapers), no reserve, the same
+    /// deadline for a request's headers.
+    pub fn for_http(&self) -> Limits {
+        Limits {
+            max_connections: MAX_HTTP_CONNECTIONS.min(self.max_connections),
+            admin_reserve: 0,
+            ..self.clone()
+        }
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         LimitFlags {
@@ -410,7 +425,7 @@ async fn accept_admitted<L: Acceptor>(
                     Err(why) => {
                         let n = tracker.stats.refused.fetch_add(1, Ordering::Relaxed);
                         // Log the first refusal and then one in a thousand.
-                        if n % 1000 == 0 {
+                        if n.is_multiple_of(1000) {
                             tracing::warn!(
                                 ?uid,
                                 cap = ?why,

@@ -6,7 +6,7 @@ use gpu_broker::arbiter::Arbiter;
 use gpu_broker::auth::Authenticator;
 use gpu_broker::backend::{open_devices, open_host_tier, BackendSpec};
 use gpu_broker::config::Config;
-use gpu_broker::server::{bind_unix, serve, serve_metrics, Listeners};
+use gpu_broker::server::{bind_unix, serve, serve_metrics_with, Listeners};
 use gpu_broker::store::Store;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -94,7 +94,13 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             tracing::warn!(%addr, "the metrics listener is reachable from other hosts without a token (--metrics-require-token)");
         }
         tracing::info!(addr = %l.local_addr()?, require_token = access.require_token, "metrics at /metrics");
-        tokio::spawn(serve_metrics(arb.clone(), l, shutdown.clone(), access));
+        tokio::spawn(serve_metrics_with(
+            arb.clone(),
+            l,
+            shutdown.clone(),
+            access,
+            cfg.limits.limits(),
+        ));
     }
     if arb.backend_is_cuda() {
         if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {

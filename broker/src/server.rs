@@ -187,10 +187,40 @@ pub async fn serve_metrics(
     stop: CancellationToken,
     access: crate::status_http::HttpAccess,
 ) -> Result<(), ServerError> {
+    serve_metrics_with(
+        arb,
+        listener,
+        stop,
+        access,
+        crate::listener::Limits::default(),
+    )
+    .await
+}
+
+/// [`serve_metrics`] under `limits` (`crate::listener::Limits::for_http`): a capped number
+/// of connections, accept back-off, and a request's headers must arrive within the
+/// handshake timeout (a half-sent request is not held forever).
+pub async fn serve_metrics_with(
+    arb: Arc<Arbiter>,
+    listener: TcpListener,
+    stop: CancellationToken,
+    access: crate::status_http::HttpAccess,
+    limits: crate::listener::Limits,
+) -> Result<(), ServerError> {
+    use futures::StreamExt;
+    let limits = limits.for_http();
+    let header_timeout = limits.handshake_timeout;
+    let conns = crate::listener::ConnTracker::new(limits);
+    let incoming = crate::listener::incoming_tcp(listener, conns);
+    futures::pin_mut!(incoming);
     loop {
-        let (stream, _) = tokio::select! {
+        let stream = tokio::select! {
             _ = stop.cancelled() => return Ok(()),
-            r = listener.accept() => r?,
+            c = incoming.next() => match c {
+                Some(Ok(c)) => c,
+                Some(Err(e)) => return Err(e.into()),
+                None => return Ok(()),
+            },
         };
         let arb = arb.clone();
         tokio::spawn(async move {
@@ -205,6 +235,8 @@ pub async fn serve_metrics(
                 });
             let io = hyper_util::rt::TokioIo::new(stream);
             let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
                 .serve_connection(io, svc)
                 .await;
         });

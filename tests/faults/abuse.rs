@@ -608,3 +608,56 @@ async fn idle_connections_cannot_exhaust_the_descriptor_limit() {
     );
     assert_broker_alive(&b);
 }
+
+/// The metrics listener closes a connection whose request headers do not arrive within the
+/// handshake timeout (a half-sent request), and keeps answering whole ones.
+#[tokio::test]
+async fn the_metrics_listener_drops_half_sent_requests() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let b = broker_64mib(&[
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--handshake-timeout",
+        "300ms",
+    ]);
+    let mut addr = None;
+    let found = eventually(Duration::from_secs(5), || {
+        addr = b
+            .log_text()
+            .lines()
+            .find(|l| l.contains("metrics at /metrics"))
+            .and_then(|l| l.split("addr=").nth(1))
+            .map(|a| a.split_whitespace().next().unwrap_or("").to_string());
+        let ok = addr.is_some();
+        async move { ok }
+    })
+    .await;
+    assert!(found, "no metrics address in the log");
+    let addr = addr.unwrap();
+    let mut half = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 1024];
+        loop {
+            match half.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => continue,
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "a half-sent request is held after 10 s");
+    let mut whole = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    whole
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut reply = String::new();
+    tokio::time::timeout(Duration::from_secs(10), whole.read_to_string(&mut reply))
+        .await
+        .expect("a whole request is answered")
+        .unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+}
