@@ -21,7 +21,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use gpu_broker_client::cuda::{CudaMapping, HostRegistration};
 use gpu_broker_client::{
-    Backoff, Client, HostMapping, Lease, LeaseHandle, LeaseInfo, Session, SessionEvent,
+    Backoff, Client, HostMapping, Lease, LeaseInfo, Session, SessionEvent,
     SessionEvents, Usage,
 };
 
@@ -390,22 +390,47 @@ impl PyLease {
         }
     }
 
+    /// Maps the lease as host memory through the client crate (`Lease::map`: shared
+    /// memory today, memfd leases once the broker sends them) on first use.
     fn host_ptr(&self, core: &LeaseCore) -> PyResult<u64> {
-        let LeaseHandle::HostShm(path) = &self.info.handle else {
-            return Err(errors::local(
-                "FailedPrecondition",
-                &format!(
-                    "lease {} is device memory ({} handle): use as_torch() or as_cupy()",
-                    self.info.lease_id,
-                    self.info.handle.kind()
-                ),
-            ));
-        };
         let mut host = core.host.lock();
         if host.is_none() {
-            *host = Some(HostMapping::open(path, self.info.offset, self.info.bytes).py()?);
+            let lease = core.lease.lock();
+            let Some(lease) = lease.as_ref() else {
+                return Err(errors::local("FailedPrecondition", "lease released"));
+            };
+            let mapping = match lease.map() {
+                Ok(m) => m,
+                Err(gpu_broker_client::ClientError::NotMappable) => {
+                    return Err(errors::local(
+                        "FailedPrecondition",
+                        &format!(
+                            "lease {} is device memory ({} handle): use as_torch() or as_cupy()",
+                            self.info.lease_id,
+                            self.info.handle.kind()
+                        ),
+                    ))
+                }
+                Err(e) => return Err(errors::to_py(e)),
+            };
+            // SAFETY: the mapping borrows the lease only to keep it from being released
+            // while mapped; it holds no reference into it. The core keeps both, drops the
+            // mapping first (field order; `unmap` before the lease is taken for release),
+            // so the lease outlives the mapping as the borrow demands.
+            let mapping: HostMapping<'static> = unsafe { std::mem::transmute(mapping) };
+            *host = Some(mapping);
         }
         Ok(host.as_ref().map_or(0, |m| m.as_ptr() as u64))
+    }
+
+    /// `"host"` when the lease maps as host memory, `"device"` when it is CUDA memory.
+    fn kind_of(&self, core: &LeaseCore) -> &'static str {
+        match self.info.handle.kind() {
+            "host_shm" => "host",
+            "cuda_ipc" => "device",
+            _ if self.host_ptr(core).is_ok() => "host",
+            _ => "device",
+        }
     }
 }
 
@@ -526,6 +551,12 @@ impl PyLease {
         self.release(py).map(|()| true)
     }
 
+    /// `"host"` (maps as host memory: as_numpy works) or `"device"` (CUDA memory).
+    fn _memory_kind(&self) -> PyResult<&'static str> {
+        let core = self.core()?;
+        Ok(self.kind_of(&core))
+    }
+
     /// The host address of the lease's shared-memory mapping (mapped on first use) as a
     /// `Memory` that keeps the mapping alive; `as_numpy` builds on it.
     fn _host_memory(&self) -> PyResult<Memory> {
@@ -548,8 +579,8 @@ impl PyLease {
         let core = self.core()?;
         self.lost_check(&core)?;
         let device = self.info.device;
-        let ptr = match &self.info.handle {
-            LeaseHandle::HostShm(_) => {
+        let ptr = match self.kind_of(&core) {
+            "host" => {
                 self.host_ptr(&core)?;
                 let mut reg = core.registration.lock();
                 if reg.is_none() {

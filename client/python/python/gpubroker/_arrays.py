@@ -95,7 +95,7 @@ def as_torch(lease: Any, dtype: Any = None, shape: Shape = None) -> Any:
     itemsize = torch.empty((), dtype=dt).element_size()
     dims = _shape(lease.nbytes, itemsize, shape)
     count = math.prod(dims)
-    if lease.handle_kind == "host_shm":
+    if lease._memory_kind() == "host":
         if lease.tier == "host" and torch.cuda.is_available():
             lease._cuda_memory()  # page-locked and mapped for the GPU while the lease is mapped
         raw = torch.from_numpy(as_numpy(lease, "uint8", (count * itemsize,)))
