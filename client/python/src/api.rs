@@ -21,8 +21,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use gpu_broker_client::cuda::{CudaMapping, HostRegistration};
 use gpu_broker_client::{
-    Backoff, Client, HostMapping, Lease, LeaseInfo, Session, SessionEvent,
-    SessionEvents, Usage,
+    Backoff, Client, HostMapping, Lease, LeaseInfo, Session, SessionEvent, SessionEvents, Usage,
 };
 
 use crate::errors::{self, IntoPyResult};
