@@ -135,6 +135,11 @@ impl PySession {
         }
     }
 
+    /// The client crate's session (for the torch allocator).
+    pub(crate) fn client_session(&self) -> PyResult<Session> {
+        self.session()
+    }
+
     fn session(&self) -> PyResult<Session> {
         self.inner.lock().clone().ok_or_else(|| {
             errors::local(

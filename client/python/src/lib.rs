@@ -9,6 +9,7 @@
 pub mod api;
 pub mod errors;
 pub mod rt;
+pub mod torch;
 
 use pyo3::prelude::*;
 
@@ -22,6 +23,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<api::Memory>()?;
     m.add_class::<api::EventStream>()?;
     m.add_class::<api::PyUsage>()?;
+    m.add_function(wrap_pyfunction!(torch::_torch_install, m)?)?;
+    m.add_function(wrap_pyfunction!(torch::_torch_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(torch::_torch_empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(torch::_torch_take_last_error, m)?)?;
+    m.add_function(wrap_pyfunction!(torch::_torch_lease_ids, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

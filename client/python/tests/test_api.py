@@ -335,3 +335,33 @@ def test_help_and_typing_stubs():
     for name in ("QuotaExceeded", "WaitTimeout", "Unauthenticated", "PermissionDenied",
                  "NotFound", "InvalidArgument", "FailedPrecondition", "Unavailable"):
         assert issubclass(getattr(gpubroker, name), gpubroker.BrokerError)
+
+
+def test_torch_allocator_hooks_are_exported_and_inert_before_install():
+    import ctypes
+
+    import gpubroker.torch as gt
+
+    lib = ctypes.CDLL(gpubroker._native.__file__)
+    alloc = lib.gpubroker_torch_alloc
+    alloc.restype = ctypes.c_void_p
+    alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    free = lib.gpubroker_torch_free
+    free.restype = None
+    free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    assert alloc(1 << 20, 0, None) is None, "no allocator installed: null, no crash"
+    assert alloc(-5, 0, None) is None
+    free(None, 0, 0, None)
+    free(0x1234, 16, 0, None)
+    assert not gt.installed()
+    assert gt.empty_cache() == 0
+    with pytest.raises(gpubroker.FailedPrecondition):
+        gt.session()
+    with pytest.raises(gpubroker.FailedPrecondition):
+        gt.memory_stats()
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        with pytest.raises(gpubroker.FailedPrecondition) as e:
+            gt.install()
+        assert "PyTorch" in str(e.value)

@@ -437,6 +437,12 @@ impl<B: Backend> SubAllocator<B> {
         self.last_error.lock().clone()
     }
 
+    /// Like [`SubAllocator::last_error`], and forgets it (a later, unrelated failure
+    /// does not repeat an old reason).
+    pub fn take_last_error(&self) -> Option<String> {
+        self.last_error.lock().take()
+    }
+
     /// Best fit over usable free blocks; with `sync`, also blocks whose only obstacle is
     /// another stream's pending work (waited for here).
     fn carve(

@@ -1,0 +1,382 @@
+//! The PyTorch allocator on broker leases: the C hooks PyTorch's
+//! `CUDAPluggableAllocator` loads from this very shared object
+//! (`gpubroker_torch_alloc`, `gpubroker_torch_free`), the [`gpubroker_suballoc`] allocator
+//! they call, and its CUDA backend over the client crate: a segment is one lease of the
+//! process's own session, mapped with `Lease::map_cuda` (whatever handle kinds the client
+//! crate imports), released after its mapping is closed. Stream order uses CUDA events
+//! (`cuEventRecord`/`cuEventQuery`). Reclaim requests and revocations are handled on a
+//! Rust thread reading the session's events: no GIL, no Python callback.
+//!
+//! `gpubroker/torch.py` installs the hooks behind a `MemPool` that every thread and stream
+//! allocates from, so PyTorch's own caching allocator sits on top (one hook call per
+//! PyTorch segment) and turns a failed hook call into `torch.OutOfMemoryError`.
+
+use std::any::Any;
+use std::ffi::{c_int, c_void};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use cudarc::driver::sys::{self, CUcontext, CUevent, CUresult, CUstream};
+use futures::StreamExt;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use gpu_broker_client::cuda::CudaMapping;
+use gpu_broker_client::{ClientError, Lease, Session, SessionEvent};
+use gpubroker_suballoc::{Backend, Config, EventId, Granted, Refused, Stream, SubAllocator};
+
+use crate::api::PySession;
+use crate::errors;
+use crate::rt;
+
+/// One segment: the mapping (closed first) and the lease it maps.
+struct Segment {
+    mapping: Option<CudaMapping>,
+    lease: Option<Lease>,
+}
+
+/// Segments are leases of one session; events and contexts through the driver API.
+pub struct LeaseBackend {
+    session: Session,
+    handle: tokio::runtime::Handle,
+    reclaimable: bool,
+}
+
+fn refused(e: ClientError) -> Refused {
+    Refused {
+        code: e.code_name().to_string(),
+        message: e.message(),
+    }
+}
+
+/// The primary context of `device`, retained once per process.
+fn primary_context(device: u32) -> Option<CUcontext> {
+    static CONTEXTS: OnceLock<parking_lot::Mutex<Vec<Option<usize>>>> = OnceLock::new();
+    let table = CONTEXTS.get_or_init(|| parking_lot::Mutex::new(Vec::new()));
+    let mut t = table.lock();
+    let i = device as usize;
+    if t.len() <= i {
+        t.resize(i + 1, None);
+    }
+    if let Some(ctx) = t[i] {
+        return Some(ctx as CUcontext);
+    }
+    // SAFETY: plain driver calls with valid out pointers; libcuda is present because a
+    // segment was mapped on this device before any event call.
+    unsafe {
+        if !sys::is_culib_present() || sys::cuInit(0) != CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let mut dev = 0;
+        if sys::cuDeviceGet(&mut dev, device as c_int) != CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        if sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) != CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        t[i] = Some(ctx as usize);
+        Some(ctx)
+    }
+}
+
+/// Runs `f` with `device`'s primary context current on this thread.
+fn in_context<T>(device: u32, f: impl FnOnce() -> T) -> T {
+    let pushed = primary_context(device)
+        // SAFETY: a retained primary context.
+        .is_some_and(|ctx| unsafe { sys::cuCtxPushCurrent_v2(ctx) } == CUresult::CUDA_SUCCESS);
+    let out = f();
+    if pushed {
+        let mut old: CUcontext = std::ptr::null_mut();
+        // SAFETY: balances the push.
+        unsafe {
+            sys::cuCtxPopCurrent_v2(&mut old);
+        }
+    }
+    out
+}
+
+/// The device of each live event (its context is made current to query or wait for it).
+fn event_devices() -> &'static parking_lot::Mutex<std::collections::HashMap<EventId, u32>> {
+    static T: OnceLock<parking_lot::Mutex<std::collections::HashMap<EventId, u32>>> =
+        OnceLock::new();
+    T.get_or_init(Default::default)
+}
+
+fn event_device(event: EventId) -> u32 {
+    event_devices().lock().get(&event).copied().unwrap_or(0)
+}
+
+impl Backend for LeaseBackend {
+    fn acquire(&self, device: u32, bytes: u64, wait: Option<Duration>) -> Result<Granted, Refused> {
+        let session = self.session.clone();
+        let reclaimable = self.reclaimable;
+        let lease = self
+            .handle
+            .block_on(async move {
+                let mut request = session
+                    .lease_request(bytes)
+                    .device(device)
+                    .label("gpubroker.torch")
+                    .reclaimable(reclaimable);
+                if let Some(w) = wait {
+                    request = request.wait(w);
+                }
+                request.send().await
+            })
+            .map_err(refused)?;
+        // A failed mapping drops the lease, which releases it in the background.
+        let mapping = lease.map_cuda().map_err(refused)?;
+        Ok(Granted {
+            base: mapping.device_ptr(),
+            bytes: lease.bytes(),
+            lease_id: lease.id().to_string(),
+            token: Box::new(Segment {
+                mapping: Some(mapping),
+                lease: Some(lease),
+            }),
+        })
+    }
+
+    fn release(&self, token: Box<dyn Any + Send>) {
+        let Ok(mut seg) = token.downcast::<Segment>() else {
+            tracing::error!("gpubroker.torch: a foreign segment token");
+            return;
+        };
+        drop(seg.mapping.take());
+        if let Some(lease) = seg.lease.take() {
+            let id = lease.id().to_string();
+            if let Err(e) = self.handle.block_on(lease.release()) {
+                // Revoked or lost leases are already gone.
+                tracing::debug!(lease_id = id, error = %e, "segment release");
+            }
+        }
+    }
+
+    fn record(&self, device: u32, stream: Stream) -> Result<EventId, String> {
+        in_context(device, || {
+            let mut ev: CUevent = std::ptr::null_mut();
+            // SAFETY: valid out pointer; the device's context is current.
+            let rc = unsafe {
+                sys::cuEventCreate(
+                    &mut ev,
+                    sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
+                )
+            };
+            if rc != CUresult::CUDA_SUCCESS {
+                return Err(format!("cuEventCreate: {rc:?}"));
+            }
+            // SAFETY: `stream` is the CUDA stream PyTorch allocated on (0: legacy default).
+            let rc = unsafe { sys::cuEventRecord(ev, stream as CUstream) };
+            if rc != CUresult::CUDA_SUCCESS {
+                // SAFETY: created above, destroyed once.
+                unsafe { sys::cuEventDestroy_v2(ev) };
+                return Err(format!("cuEventRecord: {rc:?}"));
+            }
+            let id = ev as u64;
+            event_devices().lock().insert(id, device);
+            Ok(id)
+        })
+    }
+
+    fn query(&self, event: EventId) -> bool {
+        // SAFETY: a live event recorded by `record`.
+        in_context(event_device(event), || unsafe {
+            sys::cuEventQuery(event as CUevent) != CUresult::CUDA_ERROR_NOT_READY
+        })
+    }
+
+    fn synchronize(&self, event: EventId) {
+        // SAFETY: a live event recorded by `record`.
+        in_context(event_device(event), || unsafe {
+            sys::cuEventSynchronize(event as CUevent);
+        });
+    }
+
+    fn destroy(&self, event: EventId) {
+        let device = event_devices().lock().remove(&event).unwrap_or(0);
+        // SAFETY: a live event recorded by `record`, destroyed once (the allocator counts).
+        in_context(device, || unsafe {
+            sys::cuEventDestroy_v2(event as CUevent);
+        });
+    }
+
+    fn synchronize_device(&self, device: u32) {
+        // SAFETY: the device's primary context is current.
+        in_context(device, || unsafe {
+            sys::cuCtxSynchronize();
+        });
+    }
+}
+
+static ALLOCATOR: OnceLock<SubAllocator<LeaseBackend>> = OnceLock::new();
+
+/// PyTorch's alloc hook: `void* alloc(ssize_t size, int device, cudaStream_t stream)`.
+/// Null when the broker refused after waiting (PyTorch's caching allocator then raises
+/// `torch.OutOfMemoryError`; the reason is in `_torch_last_error`).
+#[no_mangle]
+pub extern "C" fn gpubroker_torch_alloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    let stream = stream as usize;
+    std::panic::catch_unwind(|| {
+        let (Some(a), Ok(size), Ok(device)) =
+            (ALLOCATOR.get(), u64::try_from(size), u32::try_from(device))
+        else {
+            return std::ptr::null_mut();
+        };
+        if size == 0 {
+            return std::ptr::null_mut();
+        }
+        match a.alloc(device, size, stream) {
+            Ok(ptr) => ptr as *mut c_void,
+            Err(e) => {
+                tracing::warn!(size, device, error = %e, "gpubroker.torch: allocation failed");
+                std::ptr::null_mut()
+            }
+        }
+    })
+    .unwrap_or(std::ptr::null_mut())
+}
+
+/// PyTorch's free hook: `void free(void* ptr, size_t size, int device, cudaStream_t stream)`.
+#[no_mangle]
+pub extern "C" fn gpubroker_torch_free(
+    ptr: *mut c_void,
+    _size: usize,
+    _device: c_int,
+    _stream: *mut c_void,
+) {
+    let ptr = ptr as u64;
+    let _ = std::panic::catch_unwind(|| {
+        if let Some(a) = ALLOCATOR.get() {
+            if let Err(e) = a.free(ptr) {
+                tracing::error!(error = %e, "gpubroker.torch: free of an unknown pointer");
+            }
+        }
+    });
+}
+
+/// Reads the session's events on a Rust thread: a reclaim request or a revocation of a
+/// segment's lease releases it when no block lives in it (else drains it); a lost session
+/// drains every segment it held.
+fn watch_events(session: &Session) -> std::io::Result<()> {
+    let mut events = session.events();
+    let handle = rt::handle();
+    std::thread::Builder::new()
+        .name("gpubroker-torch-reclaim".into())
+        .spawn(move || {
+            while let Some(event) = handle.block_on(events.next()) {
+                let Some(a) = ALLOCATOR.get() else { continue };
+                let ids: Vec<String> = match event {
+                    SessionEvent::ReclaimRequested { lease_id, .. }
+                    | SessionEvent::LeaseRevoked { lease_id, .. } => vec![lease_id],
+                    SessionEvent::Reconnected { lost_leases, .. } => lost_leases,
+                    _ => continue,
+                };
+                for id in ids {
+                    let outcome = a.reclaim(&id);
+                    tracing::info!(lease_id = id, ?outcome, "gpubroker.torch: reclaim");
+                }
+            }
+        })
+        .map(drop)
+}
+
+/// Sets up the allocator on `session` (once per process).
+#[pyfunction]
+#[pyo3(signature = (session, segment_bytes, wait_s, reclaimable))]
+pub fn _torch_install(
+    session: &PySession,
+    segment_bytes: u64,
+    wait_s: f64,
+    reclaimable: bool,
+) -> PyResult<()> {
+    rt::check_process()?;
+    if ALLOCATOR.get().is_some() {
+        return Err(errors::local(
+            "FailedPrecondition",
+            "gpubroker.torch is already installed in this process",
+        ));
+    }
+    if !wait_s.is_finite() || wait_s < 0.0 {
+        return Err(errors::local(
+            "InvalidArgument",
+            &format!("wait must be a non-negative number of seconds, got {wait_s}"),
+        ));
+    }
+    let session = session.client_session()?;
+    let config = Config {
+        segment_bytes: segment_bytes.max(2 << 20),
+        wait: Duration::from_secs_f64(wait_s),
+        ..Config::default()
+    };
+    watch_events(&session)
+        .map_err(|e| errors::local("BrokerError", &format!("cannot start a thread: {e}")))?;
+    let backend = LeaseBackend {
+        session,
+        handle: rt::handle(),
+        reclaimable,
+    };
+    ALLOCATOR
+        .set(SubAllocator::new(backend, config))
+        .map_err(|_| errors::local("FailedPrecondition", "gpubroker.torch installed twice"))
+}
+
+fn allocator() -> PyResult<&'static SubAllocator<LeaseBackend>> {
+    ALLOCATOR.get().ok_or_else(|| {
+        errors::local(
+            "FailedPrecondition",
+            "gpubroker.torch is not installed (call gpubroker.torch.install())",
+        )
+    })
+}
+
+/// The allocator's counters and gauges.
+#[pyfunction]
+pub fn _torch_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let s = allocator()?.stats();
+    let d = PyDict::new(py);
+    d.set_item("allocated_bytes", s.allocated_bytes)?;
+    d.set_item("requested_bytes", s.requested_bytes)?;
+    d.set_item("reserved_bytes", s.reserved_bytes)?;
+    d.set_item("leased_bytes", s.reserved_bytes)?;
+    d.set_item("peak_allocated_bytes", s.peak_allocated_bytes)?;
+    d.set_item("peak_reserved_bytes", s.peak_reserved_bytes)?;
+    d.set_item("segments", s.segments)?;
+    d.set_item("draining_segments", s.draining_segments)?;
+    d.set_item("active_blocks", s.active_blocks)?;
+    d.set_item("free_blocks", s.free_blocks)?;
+    d.set_item("allocs", s.allocs)?;
+    d.set_item("frees", s.frees)?;
+    d.set_item("broker_acquires", s.broker_acquires)?;
+    d.set_item("broker_releases", s.broker_releases)?;
+    d.set_item("broker_calls", s.broker_acquires + s.broker_releases)?;
+    d.set_item("waits", s.waits)?;
+    d.set_item("stream_syncs", s.stream_syncs)?;
+    d.set_item("ooms", s.ooms)?;
+    d.set_item("reclaimed_segments", s.reclaimed_segments)?;
+    Ok(d)
+}
+
+/// Releases every free segment (without the GIL); returns the bytes given back.
+#[pyfunction]
+pub fn _torch_empty_cache(py: Python<'_>) -> PyResult<u64> {
+    let a = allocator()?;
+    rt::check_process()?;
+    Ok(py.detach(|| a.empty_cache()))
+}
+
+/// The broker's reason for the last failed allocation, cleared by reading it.
+#[pyfunction]
+pub fn _torch_take_last_error() -> Option<String> {
+    ALLOCATOR.get().and_then(|a| a.take_last_error())
+}
+
+/// Lease ids of the segments held now.
+#[pyfunction]
+pub fn _torch_lease_ids() -> PyResult<Vec<String>> {
+    Ok(allocator()?.lease_ids())
+}

@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""The GPU machine's check of the `gpubroker` package (run by scripts/gpu-python-check.sh).
+
+Subcommands (each prints one `RESULT {json}` line; `all` runs them and checks):
+  roundtrip   as_torch in one process, as_cupy in another, as_torch again: bytes written
+              by each are seen by the next (same tenant, the block comes back pooled); and
+              what NVML attributes to a process that maps a lease, per handle kind
+  train       a small transformer trained on random data, unmodified, under
+              `gpubroker.torch.install()` (--mode broker) or PyTorch's own allocator
+              (--mode native): steps/s, peak reserved, broker calls per step after warm-up,
+              whether every CUDA allocation went to leases, refusals of unsupported uses
+  hog         a second tenant's job that wants more than the card has left: it must wait
+              GPU_BROKER_WAIT and then get torch.OutOfMemoryError with the broker's reason
+  latency     pooled lease() + release() latency from Python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def result(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def nvml_used(pid: int):
+    """MiB NVML attributes to `pid` (None when nvidia-smi does not list it)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid):
+            return int(parts[1])
+    return None
+
+
+# ---------------------------------------------------------------- roundtrip
+def roundtrip(args):
+    import gpubroker
+    import torch
+
+    b = gpubroker.connect()
+    n = 256 * MIB
+    with b.session("rt-torch") as s:
+        lease = s.lease(n)
+        kind = lease.handle_kind
+        t = lease.as_torch(torch.int32)
+        t.copy_(torch.arange(t.numel(), dtype=torch.int32, device=t.device))
+        torch.cuda.synchronize()
+        first = lease.id
+        del t
+        lease.release()
+        # Another process maps the same (pooled) block with CuPy, checks, doubles it.
+        child = subprocess.run([sys.executable, __file__, "roundtrip-cupy", "--nbytes", str(n)],
+                               capture_output=True, text=True, timeout=300)
+        sys.stderr.write(child.stderr)
+        line = [l for l in child.stdout.splitlines() if l.startswith("RESULT ")]
+        cp = json.loads(line[-1][7:]) if line else {"error": child.stdout[-2000:]}
+        lease = s.lease(n)
+        t = lease.as_torch(torch.int32)
+        expect = torch.arange(t.numel(), dtype=torch.int32, device=t.device) * 2
+        back_ok = bool(torch.equal(t, expect))
+        third = lease.id
+        del t, expect
+        lease.release()
+    result(step="roundtrip", handle_kind=kind, leases=[first, cp.get("lease"), third],
+           cupy_saw_torch=cp.get("saw_torch"), torch_saw_cupy=back_ok,
+           nvml=cp.get("nvml"), ok=bool(cp.get("saw_torch")) and back_ok)
+
+
+def roundtrip_cupy(args):
+    import cupy
+    import gpubroker
+
+    b = gpubroker.connect()
+    with b.session("rt-cupy") as s:
+        lease = s.lease(args.nbytes)
+        cupy.cuda.runtime.setDevice(lease.device)
+        cupy.zeros(1)  # the context, before measuring
+        before = nvml_used(os.getpid())
+        a = lease.as_cupy("int32")
+        cupy.cuda.runtime.deviceSynchronize()
+        mapped = nvml_used(os.getpid())
+        saw = bool((a == cupy.arange(a.size, dtype=cupy.int32)).all())
+        a *= 2
+        cupy.cuda.runtime.deviceSynchronize()
+        del a
+        lease_id = lease.id
+        # A fresh 1 GiB lease, mapped: how much of it NVML puts on this process.
+        big = s.lease(GIB)
+        pre = nvml_used(os.getpid())
+        v = big.as_cupy("uint8")
+        v[:1] = 1
+        cupy.cuda.runtime.deviceSynchronize()
+        post = nvml_used(os.getpid())
+        del v
+        big.release()
+        lease.release()
+    result(lease=lease_id, saw_torch=saw, nvml={
+        "handle_kind": big.handle_kind, "context_mib": before, "with_256mib_mapped": mapped,
+        "before_1gib_map": pre, "after_1gib_map": post,
+        "attributed_mib_per_gib": None if pre is None or post is None else post - pre})
+
+
+# ---------------------------------------------------------------- train
+def build(torch, d_model=512, layers=6, vocab=8192):
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d_model)
+            layer = nn.TransformerEncoderLayer(d_model, 8, 4 * d_model, batch_first=True,
+                                               norm_first=True, dropout=0.1)
+            self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(d_model, vocab)
+
+        def forward(self, x):
+            return self.head(self.enc(self.emb(x)))
+
+    return Net()
+
+
+def train(args):
+    if args.mode == "broker":
+        import gpubroker.torch as gt
+
+        gt.install(wait=args.wait)
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda:0")
+    model = build(torch).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    vocab, batch, seq = 8192, args.batch, 256
+
+    def step():
+        x = torch.randint(0, vocab, (batch, seq), device=dev)
+        y = torch.randint(0, vocab, (batch, seq), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).float().view(-1, vocab), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    oom = None
+    try:
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        s0 = gt.memory_stats() if args.mode == "broker" else None
+        if args.ready_file:
+            open(args.ready_file, "w").close()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        while args.hold_until and not os.path.exists(args.hold_until):
+            step()
+            torch.cuda.synchronize()
+    except torch.OutOfMemoryError as e:
+        oom = str(e)
+        dt = float("nan")
+    out = {"step": "train", "mode": args.mode, "steps": args.steps,
+           "steps_per_s": args.steps / dt if dt == dt else None, "oom": oom,
+           "peak_torch_reserved": torch.cuda.max_memory_reserved(dev),
+           "peak_torch_allocated": torch.cuda.max_memory_allocated(dev),
+           "torch_reserved": torch.cuda.memory_reserved(dev),
+           "nvml_mib": nvml_used(os.getpid()), "pid": os.getpid()}
+    if args.mode == "broker":
+        s1 = gt.memory_stats()
+        out.update(
+            broker_calls_per_step=(s1["broker_calls"] - s0["broker_calls"]) / args.steps if s0 else None,
+            hook_allocs_per_step=(s1["allocs"] - s0["allocs"]) / args.steps if s0 else None,
+            leased=s1["leased_bytes"], peak_leased=s1["peak_reserved_bytes"],
+            segments=s1["segments"], hook_allocated=s1["allocated_bytes"],
+            all_in_leases=s1["allocated_bytes"] == torch.cuda.memory_reserved(dev),
+            usage=_usage(gt.session().usage()), stats=s1)
+        # Allocations of autograd's backward thread: a backward pass on a fresh graph
+        # (the engine's device thread allocates the gradients).
+        before = gt.memory_stats()["allocated_bytes"]
+        w = torch.randn(4096, 4096, device=dev, requires_grad=True)
+        (w * 2).sum().backward()
+        torch.cuda.synchronize()
+        out["backward_grad_in_leases"] = gt.memory_stats()["allocated_bytes"] >= before + 2 * 4096 * 4096 * 4 - 1
+        out["backward_all_in_leases"] = gt.memory_stats()["allocated_bytes"] == torch.cuda.memory_reserved(dev)
+        del w
+        out["refusals"] = _refusals(torch)
+        del model, opt
+        torch.cuda.synchronize()
+        before = gt.memory_stats()["leased_bytes"]
+        released = gt.empty_cache()
+        out["empty_cache"] = {"leased_before": before, "released": released,
+                              "leased_after": gt.memory_stats()["leased_bytes"],
+                              "torch_reserved_after": torch.cuda.memory_reserved(dev)}
+    result(**out)
+
+
+def _usage(u):
+    return {"tenant": u.tenant, "limit": u.limit_bytes, "held": u.held_bytes, "leases": u.lease_count}
+
+
+def _refusals(torch):
+    got = {}
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            torch.zeros(1, device="cuda")
+        got["cuda_graph"] = "captured (not refused)"
+    except RuntimeError as e:
+        got["cuda_graph"] = str(e)[:120]
+    try:
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler.dumps(torch.zeros(4, device="cuda"))
+        got["torch_multiprocessing"] = "pickled (not refused)"
+    except RuntimeError as e:
+        got["torch_multiprocessing"] = str(e)[:120]
+    return got
+
+
+# ---------------------------------------------------------------- hog
+def hog(args):
+    import gpubroker.torch as gt
+
+    gt.install(wait=args.wait)
+    import torch
+
+    t0 = time.perf_counter()
+    try:
+        x = torch.empty(args.nbytes, dtype=torch.uint8, device="cuda:0")
+        x.fill_(1)
+        torch.cuda.synchronize()
+        result(step="hog", got_memory=True, waited_s=time.perf_counter() - t0)
+    except torch.OutOfMemoryError as e:
+        result(step="hog", got_memory=False, exception=type(e).__name__,
+               waited_s=time.perf_counter() - t0, message=str(e)[:600],
+               stats=gt.memory_stats())
+
+
+# ---------------------------------------------------------------- latency
+def latency(args):
+    import gpubroker
+
+    b = gpubroker.connect()
+    with b.session("py-latency") as s:
+        acquire, release = [], []
+        for _ in range(args.iters + 1):
+            t0 = time.perf_counter()
+            lease = s.lease(args.nbytes)
+            t1 = time.perf_counter()
+            lease.release()
+            t2 = time.perf_counter()
+            acquire.append((t1 - t0) * 1e6)
+            release.append((t2 - t1) * 1e6)
+    result(step="latency", nbytes=args.nbytes, fresh_us=acquire[0],
+           pooled_acquire_median_us=statistics.median(acquire[1:]),
+           pooled_acquire_p90_us=sorted(acquire[1:])[int(0.9 * args.iters)],
+           release_median_us=statistics.median(release))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd")
+    p.add_argument("--mode", default="broker")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=15)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--wait", type=float, default=60.0)
+    p.add_argument("--nbytes", type=int, default=64 * MIB)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--ready-file")
+    p.add_argument("--hold-until")
+    args = p.parse_args()
+    {"roundtrip": roundtrip, "roundtrip-cupy": roundtrip_cupy, "train": train, "hog": hog,
+     "latency": latency}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
