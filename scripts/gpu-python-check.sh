@@ -50,7 +50,7 @@ run() {
     python3 -c 'import torch, cupy, gpubroker; print("torch", torch.__version__, "cupy", cupy.__version__, "gpubroker", gpubroker.__version__)'
 
     echo "=== 2. training loop, PyTorch's own allocator (no broker yet) ==="
-    "${check[@]}" train --mode native
+    "${check[@]}" train --mode native || echo "STEP FAILED: native training"
 
     # A card with 16 GiB leasable: the rest is headroom, so the second tenant can find it full.
     "$OUT/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
@@ -70,10 +70,10 @@ run() {
     "${ctl[@]}" devices
 
     echo "=== 1. as_torch / as_cupy round trip between two processes ==="
-    GPU_BROKER_TOKEN=$train "${check[@]}" roundtrip
+    GPU_BROKER_TOKEN=$train "${check[@]}" roundtrip || echo "STEP FAILED: round trip"
 
     echo "=== 3. training loop under gpubroker.torch.install() ==="
-    GPU_BROKER_TOKEN=$train "${check[@]}" train --mode broker
+    GPU_BROKER_TOKEN=$train "${check[@]}" train --mode broker || echo "STEP FAILED: broker training"
 
     echo "=== 4. training again while a second tenant wants more than is left ==="
     GPU_BROKER_TOKEN=$train "${check[@]}" train --mode broker --steps 50 \
@@ -87,7 +87,8 @@ run() {
 import json, sys
 d = json.load(sys.stdin)
 d = d[0] if isinstance(d, list) else d.get("devices", [d])[0]
-print(max(0, d["leasable_bytes"] - d["leased_bytes"] - d.get("reserved_bytes", 0) - d.get("quarantined_bytes", 0)))')
+print(max(0, d["leasable_bytes"] - d["leased_bytes"] - d.get("reserved_bytes", 0) - d.get("quarantined_bytes", 0)))') \
+        || free_now=$((8 << 30))
     echo "left on the card: $free_now bytes; the second tenant asks for 1 GiB more"
     GPU_BROKER_TOKEN=$other GPU_BROKER_WAIT=5 "${check[@]}" hog --wait 5 --nbytes $((free_now + (1 << 30))) || true
     touch "$dir/hog-done"
@@ -95,12 +96,14 @@ print(max(0, d["leasable_bytes"] - d["leased_bytes"] - d.get("reserved_bytes", 0
     cat "$dir/train4.out"
 
     echo "=== 5. pooled lease latency: Python, then Rust (same broker, same run) ==="
-    GPU_BROKER_TOKEN=$bench "${check[@]}" latency --nbytes $((64 << 20)) --iters 200
+    GPU_BROKER_TOKEN=$bench "${check[@]}" latency --nbytes $((64 << 20)) --iters 200 || echo "STEP FAILED: latency"
     "$OUT/gpu-worker" --broker "unix://$dir/b.sock" --token "$bench" bench --sizes 64MiB --iters 200 || true
     "${ctl[@]}" devices
     kill -TERM "$pid"; wait "$pid" || { echo "broker exit status $?"; tail -50 "$dir/broker.log"; }
     trap - EXIT
     grep -c "OUT_OF_MEMORY" "$dir/broker.log" && echo "CUDA OOM in the broker log" || true
+    echo "=== 2b. PyTorch's own allocator again (brackets step 3 against clock drift) ==="
+    "${check[@]}" train --mode native || echo "STEP FAILED: native training (again)"
     grep -E "WARN|ERROR" "$dir/broker.log" | tail -20 || true
     echo "=== done in $((SECONDS - t0)) s ==="
 }

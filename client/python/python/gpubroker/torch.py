@@ -145,7 +145,7 @@ def install(
         pools: Dict[int, Any] = {}
         for d in devs:
             with torch.cuda.device(d):
-                pool = torch.cuda.MemPool(allocator.allocator())
+                pool = _new_pool(torch, allocator)
             # Every thread and every stream of device d allocates from the pool.
             torch._C._cuda_beginAllocateToPool(d, pool.id)
             pools[d] = pool
@@ -154,6 +154,15 @@ def install(
         _refuse_unsupported(torch)
         _state = _State(session, allocator, pools)
         return session
+
+
+def _new_pool(torch: Any, allocator: Any) -> Any:
+    """A MemPool on the current device whose segments come from our hooks (PyTorch 2.8+
+    takes the raw allocator; some releases took the CUDAPluggableAllocator itself)."""
+    try:
+        return torch.cuda.MemPool(allocator.allocator())
+    except TypeError:
+        return torch.cuda.MemPool(allocator)
 
 
 def _attach_oom_reason(torch: Any) -> None:
@@ -229,7 +238,7 @@ def empty_cache() -> int:
             # A fresh pool takes over (routed before the old one stops, so no allocation
             # slips out); the old one becomes freeable and PyTorch returns its free blocks.
             with torch.cuda.device(d):
-                new = torch.cuda.MemPool(state.allocator.allocator())
+                new = _new_pool(torch, state.allocator)
             torch._C._cuda_beginAllocateToPool(d, new.id)
             torch._C._cuda_endAllocateToPool(d, old.id)
             torch._C._cuda_releasePool(d, old.id)
