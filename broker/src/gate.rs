@@ -27,6 +27,7 @@ pub const READ_METHODS: &[&str] = &[
     "/gpubroker.v1.Admin/GetDevices",
     "/gpubroker.v1.Admin/ListAudit",
     "/gpubroker.v1.Admin/GetDrain",
+    "/gpubroker.v1.Admin/ListQuarantined",
     "/gpubroker.v1.Admin/GetInfo",
     "/gpubroker.v1.Broker/GetInfo",
 ];

@@ -14,6 +14,7 @@ use crate::device::DeviceInfo;
 use crate::drain::DrainStatus;
 use crate::error::ClientError;
 use crate::lease::LeaseInfo;
+use crate::quarantine::QuarantinedBlock;
 use crate::session::SessionInfo;
 use crate::tenant::{QuotaChange, QuotaPatch, QuotaSpec, TenantInfo};
 use crate::token::{IssuedToken, TokenInfo, TokenOptions};
@@ -362,5 +363,19 @@ impl AdminClient {
             .await?
             .into_inner();
         Ok(DrainStatus::from(reply))
+    }
+
+    /// Memory of ended leases that a live process may still map, oldest first.
+    pub async fn list_quarantined(&self) -> Result<Vec<QuarantinedBlock>, ClientError> {
+        let reply = self
+            .raw()
+            .list_quarantined(pb::ListQuarantinedRequest {})
+            .await?
+            .into_inner();
+        Ok(reply
+            .blocks
+            .into_iter()
+            .map(QuarantinedBlock::from)
+            .collect())
     }
 }

@@ -582,6 +582,16 @@ impl Admin for Fake {
             }],
         }))
     }
+
+    async fn list_quarantined(
+        &self,
+        req: Request<pb::ListQuarantinedRequest>,
+    ) -> Result<Response<pb::ListQuarantinedResponse>, Status> {
+        self.admin(&req)?;
+        Ok(Response::new(pb::ListQuarantinedResponse {
+            blocks: vec![],
+        }))
+    }
 }
 
 struct Harness {

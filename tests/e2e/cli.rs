@@ -447,3 +447,45 @@ async fn brokerctl_token_lifecycle_and_audit() {
     assert_eq!(o.stdout.trim(), file.trim());
     ok(&b, &["tenants", "list"]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_leaks_show_a_real_broker() {
+    let b = Broker::start().unwrap();
+    let c = b.client("team", 256 * MIB).await.unwrap();
+    let s = c.session("worker-a").await.unwrap();
+    let kept = s.lease_request(8 * MIB).label("kv").send().await.unwrap();
+    let gone = s.lease(4 * MIB).await.unwrap();
+    let gone_id = gone.id().to_string();
+    // Revoked while this (live) process holds it: quarantined, with our pid.
+    ok(&b, &["leases", "revoke", &gone_id]).await;
+    let _ = gone.detach();
+
+    let text = ok(&b, &["status"]).await;
+    for line in text.lines() {
+        assert!(line.chars().count() <= 100, "{line:?}");
+    }
+    for want in [
+        "GPU 0",
+        "# leased 8.0 MiB",
+        "q quarantined 4.0 MiB",
+        "team",
+        kept.id(),
+        "LARGEST LEASES",
+        "WAITING REQUESTS: none",
+    ] {
+        assert!(text.contains(want), "{want:?} in\n{text}");
+    }
+    let snap = json(&b, &["status"]).await;
+    assert_eq!(snap["quarantined"][0]["pid"], std::process::id());
+
+    let text = ok(&b, &["leaks", "--older-than", "0s"]).await;
+    assert!(text.contains(kept.id()), "{text}");
+    let q = text.split("QUARANTINED MEMORY").nth(1).unwrap();
+    assert!(
+        q.contains(&gone_id) && q.contains(&std::process::id().to_string()),
+        "{text}"
+    );
+    let text = ok(&b, &["leaks"]).await;
+    assert!(text.contains("LONGER THAN 1d00h (0)"), "{text}");
+    kept.release().await.unwrap();
+}

@@ -41,6 +41,17 @@ pub struct SessionView {
     pub gpu: Option<crate::session::GpuUse>,
 }
 
+/// A quarantined block as operators see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuarantineView {
+    pub lease: Uuid,
+    pub tenant: String,
+    pub device: u32,
+    pub bytes: u64,
+    pub pid: Option<u32>,
+    pub since: SystemTime,
+}
+
 /// A device as operators see it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceReport {
@@ -323,6 +334,26 @@ impl Arbiter {
             })
             .collect();
         v.sort_by_key(|s| s.id);
+        v
+    }
+
+    /// Every quarantined block (memory a live process may still map), oldest first.
+    pub fn list_quarantined(&self) -> Vec<QuarantineView> {
+        let st = self.state.lock();
+        let now = (std::time::Instant::now(), SystemTime::now());
+        let mut v: Vec<QuarantineView> = st
+            .quarantine
+            .iter()
+            .map(|(id, q)| QuarantineView {
+                lease: *id,
+                tenant: q.tenant.clone(),
+                device: q.device,
+                bytes: q.block.bytes(),
+                pid: q.pid,
+                since: now.1 - now.0.saturating_duration_since(q.since),
+            })
+            .collect();
+        v.sort_by_key(|q| q.since);
         v
     }
 

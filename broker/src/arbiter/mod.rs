@@ -18,7 +18,7 @@ mod tasks;
 pub mod tokens;
 mod turns;
 
-pub use admin::{DeviceReport, QuotaChange, QuotaUpdate, SessionView, TenantView};
+pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
 pub use drain::{DeviceDrain, DrainReport};
 
 use crate::auth::Authenticator;

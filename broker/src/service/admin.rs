@@ -329,4 +329,24 @@ impl Admin for AdminService {
             &self.arb.drain_report(),
         )))
     }
+
+    async fn list_quarantined(
+        &self,
+        _req: Request<pb::ListQuarantinedRequest>,
+    ) -> Result<Response<pb::ListQuarantinedResponse>, Status> {
+        let blocks = self
+            .arb
+            .list_quarantined()
+            .iter()
+            .map(|q| pb::QuarantinedBlock {
+                lease_id: q.lease.to_string(),
+                tenant: q.tenant.clone(),
+                device: q.device,
+                bytes: q.bytes,
+                pid: q.pid.unwrap_or(0),
+                since_unix_ms: convert::unix_ms(q.since),
+            })
+            .collect();
+        Ok(Response::new(pb::ListQuarantinedResponse { blocks }))
+    }
 }

@@ -103,6 +103,23 @@ enum Command {
     },
     /// Show the devices the broker manages.
     Devices,
+    /// One screen, like nvidia-smi: devices with usage bars (leased, cached, quarantined,
+    /// outside the broker, headroom), tenants against limit and guarantee, the largest and
+    /// oldest leases, waiting requests.
+    Status,
+    /// The status screen, refreshed live (q to quit).
+    Top {
+        /// Time between refreshes.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+        interval: Duration,
+    },
+    /// What looks leaked: leases held past a threshold, quarantined memory and the process
+    /// holding it, processes whose own GPU memory (NVML) exceeds the allowance.
+    Leaks {
+        /// Leases older than this are listed.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "24h")]
+        older_than: Duration,
+    },
     /// Empty a device (or the node) for maintenance: no new leases there, holders of
     /// reclaimable leases are asked to release; waits until nothing is left (or the deadline).
     Drain {
@@ -486,6 +503,27 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
         Command::Devices => {
             let devices = admin.get_devices().await?;
             emit(json, &devices, || device_table(&devices, width))
+        }
+        Command::Status => {
+            let snap = ctl::status::Snapshot::fetch(&admin, &cli.broker).await?;
+            emit(json, &snap, || {
+                ctl::status::render(&snap, std::time::SystemTime::now())
+            })
+        }
+        Command::Top { interval } => {
+            anyhow::ensure!(!json, "top is interactive; use `status --json` for scripts");
+            ctl::top::run(
+                &admin,
+                &cli.broker,
+                interval.max(Duration::from_millis(200)),
+            )
+            .await
+        }
+        Command::Leaks { older_than } => {
+            let snap = ctl::status::Snapshot::fetch(&admin, &cli.broker).await?;
+            let now = std::time::SystemTime::now();
+            let leaks = ctl::leaks::find(&snap, older_than, now);
+            emit(json, &leaks, || ctl::leaks::render(&leaks, older_than, now))
         }
         Command::Drain {
             device,

@@ -3,7 +3,10 @@
 //! module; `gpu-brokerctl.rs` only parses the command line and dispatches.
 
 pub mod drain;
+pub mod leaks;
 pub mod secret_file;
+pub mod status;
+pub mod top;
 
 /// Width the default tables fit (`--wide` lifts it).
 pub const WIDTH: usize = 100;

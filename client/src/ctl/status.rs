@@ -1,0 +1,366 @@
+//! `gpu-brokerctl status`: one screen, like `nvidia-smi`, built from one [`Snapshot`] of
+//! the admin views: each device with a usage bar (leased, cached, quarantined, outside the
+//! broker, headroom, free), tenants against their limit and guarantee, the largest and
+//! oldest leases, and the requests waiting. [`render`] is a pure function of the snapshot
+//! and the time (`top` draws the same lines live).
+
+use std::time::SystemTime;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use gpu_broker_client::table::Table;
+use gpu_broker_client::units::{format_age_at, format_bytes};
+use gpu_broker_client::{
+    AdminClient, DeviceInfo, LeaseInfo, QuarantinedBlock, SessionInfo, TenantInfo,
+};
+
+/// Everything the operator views show, read at one moment.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Snapshot {
+    pub broker: String,
+    pub devices: Vec<DeviceInfo>,
+    pub tenants: Vec<TenantInfo>,
+    pub leases: Vec<LeaseInfo>,
+    pub sessions: Vec<SessionInfo>,
+    pub quarantined: Vec<QuarantinedBlock>,
+}
+
+impl Snapshot {
+    /// Reads every view (concurrently).
+    pub async fn fetch(admin: &AdminClient, broker: &str) -> Result<Snapshot> {
+        let (devices, tenants, leases, sessions, quarantined) = tokio::try_join!(
+            admin.get_devices(),
+            admin.list_tenants(),
+            admin.list_all_leases(None),
+            admin.list_sessions(None),
+            admin.list_quarantined(),
+        )?;
+        Ok(Snapshot {
+            broker: broker.to_string(),
+            devices,
+            tenants,
+            leases,
+            sessions,
+            quarantined,
+        })
+    }
+}
+
+/// Width of a device's usage bar, in characters.
+const BAR: usize = 40;
+
+/// The bar's segments: (character, bytes), in this order, then free as `.`.
+fn segments(d: &DeviceInfo) -> [(char, u64); 5] {
+    [
+        ('#', d.leased_bytes),
+        ('c', d.cached_bytes),
+        ('q', d.quarantined_bytes),
+        ('x', d.external_used_bytes),
+        ('h', d.headroom_bytes),
+    ]
+}
+
+/// `[###cc..]` of `width` cells: each segment's share of the device's total, rounded so
+/// that a non-zero segment shows at least one cell.
+pub fn usage_bar(d: &DeviceInfo, width: usize) -> String {
+    let total = d.total_bytes.max(1);
+    let mut cells = String::with_capacity(width + 2);
+    let mut used = 0usize;
+    for (ch, bytes) in segments(d) {
+        if bytes == 0 || used >= width {
+            continue;
+        }
+        let n = ((bytes as u128 * width as u128) / total as u128) as usize;
+        let n = n.max(1).min(width - used);
+        cells.extend(std::iter::repeat_n(ch, n));
+        used += n;
+    }
+    cells.extend(std::iter::repeat_n('.', width - used));
+    format!("[{cells}]")
+}
+
+fn held_bar(held: u64, limit: u64, width: usize) -> String {
+    let n = if limit == 0 {
+        0
+    } else {
+        ((held.min(limit) as u128 * width as u128) / limit as u128) as usize
+    };
+    let n = if held > 0 { n.max(1) } else { n };
+    format!(
+        "[{}{}]",
+        "#".repeat(n.min(width)),
+        ".".repeat(width - n.min(width))
+    )
+}
+
+/// The status screen as lines of at most 100 characters.
+pub fn render(s: &Snapshot, now: SystemTime) -> String {
+    let mut out = String::new();
+    let waiting: u32 = s.tenants.iter().map(|t| t.usage.waiting_requests).sum();
+    out.push_str(&format!(
+        "gpu-broker {}\ndevices {}  tenants {}  sessions {}  leases {}  waiting {}\n\n",
+        cut(&s.broker, 88),
+        s.devices.len(),
+        s.tenants.len(),
+        s.sessions.len(),
+        s.leases.len(),
+        waiting
+    ));
+
+    for d in &s.devices {
+        let model = if d.model.is_empty() {
+            &d.name
+        } else {
+            &d.model
+        };
+        let state = if d.unhealthy {
+            "  UNHEALTHY"
+        } else if d.draining {
+            "  DRAINING"
+        } else {
+            ""
+        };
+        out.push_str(&format!(
+            "GPU {}  {}  {}{}\n",
+            d.index,
+            cut(model, 30),
+            cut(&d.uuid, 40),
+            state
+        ));
+        let headroom_free = d
+            .leasable_bytes
+            .saturating_sub(d.leased_bytes + d.cached_bytes + d.quarantined_bytes);
+        out.push_str(&format!(
+            "  {} {:>10} / {}\n",
+            usage_bar(d, BAR),
+            format_bytes(d.leased_bytes),
+            format_bytes(d.total_bytes),
+        ));
+        out.push_str(&format!(
+            "  # leased {}  c cached {}  q quarantined {}  x outside the broker {}\n",
+            format_bytes(d.leased_bytes),
+            format_bytes(d.cached_bytes),
+            format_bytes(d.quarantined_bytes),
+            format_bytes(d.external_used_bytes),
+        ));
+        out.push_str(&format!(
+            "  h headroom {}  leasable now {}  leases {}  waiting {}{}\n\n",
+            format_bytes(d.headroom_bytes),
+            format_bytes(headroom_free),
+            d.lease_count,
+            d.waiting_requests,
+            if d.turn_holder.is_empty() {
+                String::new()
+            } else {
+                format!("  turn: {} (+{} waiting)", d.turn_holder, d.turns_waiting)
+            }
+        ));
+    }
+
+    let mut t = Table::new([
+        "TENANT",
+        "HELD/LIMIT",
+        "HELD",
+        "LIMIT",
+        "GUARANTEED",
+        "QUARANTINED",
+        "LEASES",
+        "WAITING",
+    ])
+    .right(&[2, 3, 4, 5, 6, 7])
+    .fit(Some(super::WIDTH), &[0]);
+    for i in &s.tenants {
+        let (q, u) = (&i.quota, &i.usage);
+        t.row([
+            i.name.clone(),
+            held_bar(u.held_bytes + u.quarantined_bytes, q.limit_bytes, 12),
+            format_bytes(u.held_bytes),
+            format_bytes(q.limit_bytes),
+            format_bytes(q.guaranteed_bytes),
+            format_bytes(u.quarantined_bytes),
+            u.lease_count.to_string(),
+            u.waiting_requests.to_string(),
+        ]);
+    }
+    out.push_str(&t.render());
+
+    let lease_rows = |title: &str, leases: Vec<&LeaseInfo>| {
+        let mut t = Table::new(["LEASE", "TENANT", "DEV", "SIZE", "AGE", "LABEL"])
+            .right(&[2, 3, 4])
+            .fit(Some(super::WIDTH), &[1, 5]);
+        for l in leases {
+            t.row([
+                l.lease_id.clone(),
+                l.tenant.clone(),
+                l.device.to_string(),
+                format_bytes(l.bytes),
+                format_age_at(l.created_unix_ms, now),
+                l.label.clone(),
+            ]);
+        }
+        format!("\n{title}\n{}", t.render())
+    };
+    if !s.leases.is_empty() {
+        let mut largest: Vec<&LeaseInfo> = s.leases.iter().collect();
+        largest.sort_by_key(|l| std::cmp::Reverse(l.bytes));
+        largest.truncate(5);
+        out.push_str(&lease_rows("LARGEST LEASES", largest));
+        let mut oldest: Vec<&LeaseInfo> = s.leases.iter().collect();
+        oldest.sort_by_key(|l| l.created_unix_ms);
+        oldest.truncate(5);
+        out.push_str(&lease_rows("OLDEST LEASES", oldest));
+    }
+    let waiters: Vec<&TenantInfo> = s
+        .tenants
+        .iter()
+        .filter(|t| t.usage.waiting_requests > 0)
+        .collect();
+    out.push_str("\nWAITING REQUESTS");
+    if waiters.is_empty() {
+        out.push_str(": none\n");
+    } else {
+        out.push('\n');
+        for t in waiters {
+            out.push_str(&format!(
+                "  {}: {} waiting (holds {} of {})\n",
+                cut(&t.name, 40),
+                t.usage.waiting_requests,
+                format_bytes(t.usage.held_bytes),
+                format_bytes(t.quota.limit_bytes)
+            ));
+        }
+    }
+    out
+}
+
+fn cut(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        let mut c: String = s.chars().take(n - 1).collect();
+        c.push('…');
+        c
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use gpu_broker_client::proto::v1 as pb;
+    use gpu_broker_client::QuotaSpec;
+
+    /// A node with one busy device, two tenants (one waiting) and two leases.
+    pub fn snapshot() -> Snapshot {
+        const GIB: u64 = 1 << 30;
+        let device = DeviceInfo {
+            index: 0,
+            name: "NVIDIA H200".into(),
+            model: "NVIDIA H200".into(),
+            uuid: "GPU-0a1b2c3d-0000-1111-2222-333344445555".into(),
+            total_bytes: 140 * GIB,
+            leased_bytes: 70 * GIB,
+            cached_bytes: 14 * GIB,
+            quarantined_bytes: 7 * GIB,
+            external_used_bytes: 7 * GIB,
+            headroom_bytes: 14 * GIB,
+            leasable_bytes: 119 * GIB,
+            lease_count: 2,
+            waiting_requests: 1,
+            ..Default::default()
+        };
+        let tenant = |name: &str, held: u64, limit: u64, waiting: u32| TenantInfo {
+            name: name.into(),
+            quota: QuotaSpec {
+                limit_bytes: limit,
+                guaranteed_bytes: limit / 4,
+                ..QuotaSpec::default()
+            },
+            usage: gpu_broker_client::UsageCounters {
+                held_bytes: held,
+                lease_count: 1,
+                waiting_requests: waiting,
+                ..Default::default()
+            },
+            token_count: 1,
+        };
+        let lease = |id: &str, tenant: &str, bytes: u64, age_s: i64, label: &str| {
+            LeaseInfo::from(pb::Lease {
+                lease_id: id.into(),
+                tenant: tenant.into(),
+                bytes,
+                label: label.into(),
+                created_unix_ms: 1_000_000_000_000 - age_s * 1000,
+                state: 1,
+                ..Default::default()
+            })
+        };
+        Snapshot {
+            broker: "unix:///run/gpu-broker/broker.sock".into(),
+            devices: vec![device],
+            tenants: vec![
+                tenant("training", 60 * GIB, 64 * GIB, 1),
+                tenant("inference", 10 * GIB, 24 * GIB, 0),
+            ],
+            leases: vec![
+                lease(
+                    "11111111-1111-4111-8111-111111111111",
+                    "training",
+                    60 * GIB,
+                    7200,
+                    "weights",
+                ),
+                lease(
+                    "22222222-2222-4222-8222-222222222222",
+                    "inference",
+                    10 * GIB,
+                    60,
+                    "kv-cache",
+                ),
+            ],
+            sessions: vec![],
+            quarantined: vec![],
+        }
+    }
+
+    pub fn now() -> SystemTime {
+        SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000)
+    }
+
+    #[test]
+    fn the_bar_shows_every_state_in_proportion() {
+        let s = snapshot();
+        let bar = usage_bar(&s.devices[0], 40);
+        assert_eq!(bar.chars().count(), 42);
+        assert_eq!(bar.matches('#').count(), 20, "{bar}");
+        assert_eq!(bar.matches('c').count(), 4, "{bar}");
+        assert_eq!(bar.matches('q').count(), 2, "{bar}");
+        assert_eq!(bar.matches('x').count(), 2, "{bar}");
+        assert_eq!(bar.matches('h').count(), 4, "{bar}");
+        assert!(bar.ends_with(".]"), "{bar}");
+    }
+
+    #[test]
+    fn status_fits_100_columns_and_says_what_matters() {
+        let text = render(&snapshot(), now());
+        for line in text.lines() {
+            assert!(line.chars().count() <= 100, "{line:?}");
+        }
+        for want in [
+            "GPU 0  NVIDIA H200  GPU-0a1b2c3d",
+            "# leased 70.0 GiB",
+            "x outside the broker 7.0 GiB",
+            "LARGEST LEASES",
+            "OLDEST LEASES",
+            "training: 1 waiting (holds 60.0 GiB of 64.0 GiB)",
+        ] {
+            assert!(text.contains(want), "{want:?} in\n{text}");
+        }
+        let largest = text.split("LARGEST LEASES").nth(1).unwrap();
+        let first = largest.lines().nth(2).unwrap();
+        assert!(first.contains("11111111"), "largest first: {first}");
+        let oldest = text.split("OLDEST LEASES").nth(1).unwrap();
+        assert!(oldest.lines().nth(2).unwrap().contains("11111111"));
+        assert!(oldest.contains("2h00m"), "{oldest}");
+    }
+}

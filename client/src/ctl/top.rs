@@ -1,0 +1,169 @@
+//! `gpu-brokerctl top`: the status screen, refreshed live in the terminal (ratatui over
+//! crossterm, alternate screen). Device bars are coloured by state; `q`, Esc or Ctrl-C
+//! quits. [`draw`] paints one snapshot on any ratatui backend (the tests use
+//! `TestBackend`); [`run`] is the loop.
+
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, Result};
+use ratatui::backend::Backend;
+use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Borders, Paragraph};
+use ratatui::Terminal;
+
+use gpu_broker_client::AdminClient;
+
+use super::status::{render, Snapshot};
+
+/// The colour of a status line's bar cells.
+fn cell_style(c: char) -> Style {
+    match c {
+        '#' => Style::default().fg(Color::Green),
+        'c' => Style::default().fg(Color::Cyan),
+        'q' => Style::default().fg(Color::Yellow),
+        'x' => Style::default().fg(Color::Red),
+        'h' => Style::default().fg(Color::DarkGray),
+        _ => Style::default(),
+    }
+}
+
+/// A status line, with the cells of a `[...]` usage bar coloured.
+fn styled(line: &str) -> Line<'static> {
+    let (Some(open), Some(close)) = (line.find('['), line.find(']')) else {
+        return Line::from(line.to_string());
+    };
+    if close < open {
+        return Line::from(line.to_string());
+    }
+    let mut spans = vec![Span::raw(line[..=open].to_string())];
+    for c in line[open + 1..close].chars() {
+        spans.push(Span::styled(c.to_string(), cell_style(c)));
+    }
+    spans.push(Span::raw(line[close..].to_string()));
+    Line::from(spans)
+}
+
+/// Paints one snapshot (or the last error) on `terminal`.
+pub fn draw<B: Backend>(
+    terminal: &mut Terminal<B>,
+    snapshot: Result<&Snapshot, &str>,
+    interval: Duration,
+    now: SystemTime,
+) -> Result<()>
+where
+    B::Error: Send + Sync + 'static,
+{
+    let lines: Vec<Line> = match snapshot {
+        Ok(s) => render(s, now).lines().map(styled).collect(),
+        Err(e) => vec![Line::styled(
+            format!("cannot read the broker: {e}"),
+            Style::default().fg(Color::Red),
+        )],
+    };
+    let title = format!(
+        " gpu-brokerctl top: every {} s, q to quit ",
+        interval.as_secs_f64()
+    );
+    terminal.draw(|f| {
+        let block = Block::default().borders(Borders::ALL).title(Span::styled(
+            title,
+            Style::default().add_modifier(Modifier::BOLD),
+        ));
+        f.render_widget(Paragraph::new(lines).block(block), f.area());
+    })?;
+    Ok(())
+}
+
+/// Runs until the operator quits: read, draw, wait `interval` for a key.
+pub async fn run(admin: &AdminClient, broker: &str, interval: Duration) -> Result<()> {
+    let mut terminal = ratatui::try_init().context("cannot use this terminal")?;
+    let result = run_loop(&mut terminal, admin, broker, interval).await;
+    ratatui::restore();
+    result
+}
+
+async fn run_loop(
+    terminal: &mut ratatui::DefaultTerminal,
+    admin: &AdminClient,
+    broker: &str,
+    interval: Duration,
+) -> Result<()> {
+    loop {
+        let snap = Snapshot::fetch(admin, broker).await;
+        let err = snap.as_ref().err().map(|e| format!("{e:#}"));
+        let shown = match (&snap, &err) {
+            (Ok(s), _) => Ok(s),
+            (Err(_), Some(e)) => Err(e.as_str()),
+            (Err(_), None) => Err("unknown error"),
+        };
+        draw(terminal, shown, interval, SystemTime::now())?;
+        let deadline = std::time::Instant::now() + interval;
+        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+            // Blocking is fine: nothing else runs on the CLI's single thread meanwhile.
+            let key = if event::poll(left)? {
+                Some(event::read()?)
+            } else {
+                None
+            };
+            match key {
+                Some(Event::Key(k)) if k.kind == KeyEventKind::Press => {
+                    let ctrl_c =
+                        k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL);
+                    if matches!(k.code, KeyCode::Char('q') | KeyCode::Esc) || ctrl_c {
+                        return Ok(());
+                    }
+                }
+                Some(Event::Resize(..)) => break,
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::status::tests::{now, snapshot};
+    use super::*;
+    use ratatui::backend::TestBackend;
+
+    fn screen(t: &Terminal<TestBackend>) -> String {
+        let buf = t.backend().buffer();
+        let mut out = String::new();
+        for y in 0..buf.area.height {
+            for x in 0..buf.area.width {
+                out.push_str(buf[(x, y)].symbol());
+            }
+            out.push('\n');
+        }
+        out
+    }
+
+    #[test]
+    fn top_draws_the_status_with_coloured_bars() {
+        let mut t = Terminal::new(TestBackend::new(100, 40)).unwrap();
+        let s = snapshot();
+        draw(&mut t, Ok(&s), Duration::from_secs(2), now()).unwrap();
+        let text = screen(&t);
+        assert!(text.contains("gpu-brokerctl top: every 2 s"), "{text}");
+        assert!(text.contains("GPU 0  NVIDIA H200"), "{text}");
+        assert!(text.contains("training"), "{text}");
+        // The first leased cell of the bar is green.
+        let buf = t.backend().buffer();
+        let (x, y) = (0..buf.area.height)
+            .flat_map(|y| (0..buf.area.width).map(move |x| (x, y)))
+            .find(|&(x, y)| buf[(x, y)].symbol() == "#")
+            .expect("a bar cell");
+        assert_eq!(buf[(x, y)].fg, Color::Green);
+
+        draw(
+            &mut t,
+            Err("connection refused"),
+            Duration::from_secs(2),
+            now(),
+        )
+        .unwrap();
+        assert!(screen(&t).contains("cannot read the broker: connection refused"));
+    }
+}
