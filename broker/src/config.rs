@@ -301,6 +301,10 @@ fn file_args(path: &std::path::Path) -> Result<Vec<OsString>, ConfigError> {
         .collect();
     let mut out = Vec::new();
     for (key, value) in table {
+        // `[tenants.NAME]` tables are declarative tenants (`tenants_config`), not flags.
+        if key == "tenants" {
+            continue;
+        }
         if key == "config" || !known.contains(&key) {
             return Err(err(format!(
                 "unknown setting {key:?} (settings are the long flag names, e.g. host-capacity)"
@@ -369,6 +373,34 @@ mod tests {
         let c = Config::from_args(args).unwrap();
         assert_eq!(c.reclaim_policy, ReclaimPolicy::Cooperative);
         assert_eq!(c.headroom, Headroom::Percent(10.0));
+    }
+
+    #[test]
+    fn the_shipped_config_lists_every_setting_and_uses_cuda() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config.toml");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let missing: Vec<String> = Config::command()
+            .get_arguments()
+            .filter_map(|a| a.get_long().map(str::to_string))
+            .filter(|l| l != "config" && l != "help" && l != "version")
+            .filter(|l| {
+                !text.lines().any(|line| {
+                    let line = line.trim_start_matches(['#', ' ']);
+                    line.starts_with(&format!("{l} =")) || line.starts_with(&format!("{l}="))
+                })
+            })
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "deploy/config.toml lacks {missing:?}: it lists every setting (commented if it has no default)"
+        );
+        let args: Vec<OsString> = vec!["gpu-broker".into(), "--config".into(), path.into()];
+        let c = Config::from_args(args).unwrap();
+        assert_eq!(
+            c.backend,
+            BackendChoice::Cuda,
+            "production fails loudly without a GPU"
+        );
     }
 
     #[test]

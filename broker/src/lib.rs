@@ -30,4 +30,5 @@ pub mod service;
 pub mod session;
 pub mod status_http;
 pub mod store;
+pub mod tenants_config;
 pub mod units;

@@ -11,7 +11,15 @@ use gpu_broker::store::Store;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
+mod check_config;
+
 fn main() -> anyhow::Result<()> {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == "check-config")
+    {
+        std::process::exit(check_config::run(std::env::args_os().skip(1)));
+    }
     let cfg = Config::load().unwrap_or_else(|e| e.exit());
     init_logging(cfg.log_json);
     tokio::runtime::Builder::new_multi_thread()
@@ -69,6 +77,19 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let arb = Arbiter::new(devices, host_tier, Some(store), auth, cfg.arbiter())
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading state")?;
+    let shutdown = CancellationToken::new();
+    // Declarative tenants: applied before serving, then on SIGHUP and file changes.
+    if let Some(path) = &cfg.config {
+        let declared = gpu_broker::tenants_config::load(path)?;
+        let changes = gpu_broker::tenants_config::apply(&arb, &declared, "start");
+        tracing::info!(path = %path.display(), tenants = declared.len(), changed = changes.len(), "config tenants applied");
+        gpu_broker::tenants_config::spawn_watch(
+            arb.clone(),
+            path.clone(),
+            std::time::Duration::from_secs(2),
+            shutdown.clone(),
+        );
+    }
 
     let unix = bind_unix(&cfg.socket).await?;
     tracing::info!(socket = %cfg.socket.display(), "serving on the Unix socket");
@@ -82,7 +103,6 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let shutdown = CancellationToken::new();
     if let Some(addr) = cfg.metrics_listen {
         let l = tokio::net::TcpListener::bind(addr)
             .await

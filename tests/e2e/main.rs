@@ -16,6 +16,7 @@ mod observability;
 mod prometheus;
 mod quota;
 mod readme;
+mod reload;
 mod scrub;
 mod shutdown;
 mod smoke;

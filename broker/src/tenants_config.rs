@@ -1,0 +1,433 @@
+//! Declarative tenants: the `[tenants.NAME]` tables of the config file (keys named like
+//! `gpu-brokerctl quota set`'s options: `limit`, `max-leases`, `priority`, `guaranteed`,
+//! `host-limit`, `turn-weight`), applied at start, on SIGHUP and when the file changes
+//! (polled, so a Kubernetes ConfigMap's symlink swap is seen like an edit).
+//!
+//! How the file and the admin RPCs combine: the file is authoritative for the fields it
+//! declares — each apply sets them (a patch: undeclared fields keep whatever `quota set`
+//! gave them) — and only tenants whose declared fields differ from the running ones are
+//! changed (each change is audited as `config.reload`). Tenants the file does not declare,
+//! or no longer declares, are left alone: a reload never deletes a tenant. An invalid file
+//! is refused whole, with file, line and reason, and the running state stays.
+
+use crate::arbiter::{Arbiter, QuotaUpdate};
+use crate::ledger::{Quota, QuotaPatch};
+use crate::units::show;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Why a config file's tenants could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TenantsError {
+    #[error("{}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}:{line}: {reason}", path.display())]
+    Invalid {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+}
+
+/// One `[tenants.NAME]` table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeclaredTenant {
+    pub name: String,
+    pub patch: QuotaPatch,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Size {
+    Bytes(u64),
+    Text(String),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct TenantTable {
+    limit: Option<toml::Spanned<Size>>,
+    max_leases: Option<u32>,
+    priority: Option<i32>,
+    guaranteed: Option<toml::Spanned<Size>>,
+    host_limit: Option<toml::Spanned<Size>>,
+    turn_weight: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct FileTenants {
+    #[serde(default)]
+    tenants: BTreeMap<toml::Spanned<String>, toml::Spanned<TenantTable>>,
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+/// The tenants declared in `text` (the contents of `path`, named in errors).
+pub fn parse(path: &Path, text: &str) -> Result<Vec<DeclaredTenant>, TenantsError> {
+    let invalid = |offset: usize, reason: String| TenantsError::Invalid {
+        path: path.to_path_buf(),
+        line: line_of(text, offset),
+        reason,
+    };
+    let file: FileTenants = toml::from_str(text).map_err(|e| {
+        let at = e.span().map(|s| s.start).unwrap_or(0);
+        invalid(at, e.message().to_string())
+    })?;
+    let mut out = Vec::new();
+    for (name, table) in file.tenants {
+        let at = name.span().start;
+        crate::ledger::validate_tenant_name(name.get_ref())
+            .map_err(|e| invalid(at, format!("tenant {:?}: {e}", name.get_ref())))?;
+        let size =
+            |v: Option<toml::Spanned<Size>>, key: &str| -> Result<Option<u64>, TenantsError> {
+                let Some(v) = v else { return Ok(None) };
+                let at = v.span().start;
+                match v.into_inner() {
+                    Size::Bytes(b) => Ok(Some(b)),
+                    Size::Text(s) => crate::units::parse(&s)
+                        .map(Some)
+                        .map_err(|e| invalid(at, format!("tenants.{}.{key}: {e}", name.get_ref()))),
+                }
+            };
+        let t = table.into_inner();
+        let patch = QuotaPatch {
+            limit_bytes: size(t.limit, "limit")?,
+            max_leases: t.max_leases,
+            priority: t.priority,
+            guaranteed_bytes: size(t.guaranteed, "guaranteed")?,
+            host_limit_bytes: size(t.host_limit, "host-limit")?,
+            turn_weight: t.turn_weight,
+        };
+        if patch.limit_bytes.is_none() {
+            return Err(invalid(
+                at,
+                format!("tenants.{}: `limit` is required", name.get_ref()),
+            ));
+        }
+        if let (Some(g), Some(l)) = (patch.guaranteed_bytes, patch.limit_bytes) {
+            if g > l {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "tenants.{}: guaranteed {} exceeds limit {}",
+                        name.get_ref(),
+                        show(g),
+                        show(l)
+                    ),
+                ));
+            }
+        }
+        out.push(DeclaredTenant {
+            name: name.into_inner(),
+            patch,
+        });
+    }
+    Ok(out)
+}
+
+/// Reads and parses `path`.
+pub fn load(path: &Path) -> Result<Vec<DeclaredTenant>, TenantsError> {
+    let text = std::fs::read_to_string(path).map_err(|source| TenantsError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse(path, &text)
+}
+
+/// What applying the file would do to one tenant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    Create {
+        name: String,
+        quota: Quota,
+    },
+    Update {
+        name: String,
+        from: Quota,
+        to: Quota,
+    },
+    Same {
+        name: String,
+    },
+}
+
+/// The changes `declared` makes to the `running` quotas (tenant name -> quota).
+pub fn diff(declared: &[DeclaredTenant], running: &BTreeMap<String, Quota>) -> Vec<Change> {
+    declared
+        .iter()
+        .map(|d| {
+            let name = d.name.clone();
+            match running.get(&d.name) {
+                None => Change::Create {
+                    quota: d.patch.apply(None).unwrap_or_default(),
+                    name,
+                },
+                Some(from) => {
+                    let to = d.patch.apply(Some(from)).unwrap_or(*from);
+                    if to == *from {
+                        Change::Same { name }
+                    } else {
+                        Change::Update {
+                            name,
+                            from: *from,
+                            to,
+                        }
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// A size as operators read it (`64.0 GiB`).
+fn human(bytes: u64) -> String {
+    bytesize::ByteSize(bytes).display().iec().to_string()
+}
+
+fn describe(q: &Quota) -> String {
+    format!(
+        "limit {}, guaranteed {}, priority {}, max-leases {}, host-limit {}, turn-weight {}",
+        human(q.limit_bytes),
+        human(q.guaranteed_bytes),
+        q.priority,
+        q.max_leases,
+        human(q.host_limit_bytes),
+        q.turn_weight
+    )
+}
+
+/// One line per change: `+` created, `~` changed (only the fields that differ), `=` same.
+pub fn describe_change(c: &Change) -> String {
+    match c {
+        Change::Create { name, quota } => format!("+ {name}: new tenant: {}", describe(quota)),
+        Change::Same { name } => format!("= {name}: unchanged"),
+        Change::Update { name, from, to } => {
+            let mut parts = Vec::new();
+            let mut field = |key: &str, a: String, b: String| {
+                if a != b {
+                    parts.push(format!("{key} {a} -> {b}"));
+                }
+            };
+            field("limit", human(from.limit_bytes), human(to.limit_bytes));
+            field(
+                "guaranteed",
+                human(from.guaranteed_bytes),
+                human(to.guaranteed_bytes),
+            );
+            field(
+                "priority",
+                from.priority.to_string(),
+                to.priority.to_string(),
+            );
+            field(
+                "max-leases",
+                from.max_leases.to_string(),
+                to.max_leases.to_string(),
+            );
+            field(
+                "host-limit",
+                human(from.host_limit_bytes),
+                human(to.host_limit_bytes),
+            );
+            field(
+                "turn-weight",
+                from.turn_weight.to_string(),
+                to.turn_weight.to_string(),
+            );
+            format!("~ {name}: {}", parts.join(", "))
+        }
+    }
+}
+
+fn quota_json(q: &Quota) -> serde_json::Value {
+    serde_json::json!({
+        "limit_bytes": q.limit_bytes,
+        "max_leases": q.max_leases,
+        "priority": q.priority,
+        "guaranteed_bytes": q.guaranteed_bytes,
+        "host_limit_bytes": q.host_limit_bytes,
+        "turn_weight": q.turn_weight,
+    })
+}
+
+/// Applies the declared tenants that differ from the running ones; returns the changes
+/// made. A tenant the arbiter refuses (e.g. guarantees above capacity) is logged and
+/// skipped; the others still apply.
+pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<Change> {
+    let running: BTreeMap<String, Quota> = arb
+        .list_tenants()
+        .into_iter()
+        .map(|t| (t.name, t.quota))
+        .collect();
+    let mut done = Vec::new();
+    for (change, d) in diff(declared, &running).into_iter().zip(declared) {
+        if matches!(change, Change::Same { .. }) {
+            continue;
+        }
+        match arb.change_quota(&d.name, QuotaUpdate::Patch(d.patch)) {
+            Ok(c) => {
+                tracing::info!(tenant = %d.name, why, "config: {}", describe_change(&change));
+                let before = running.get(&d.name).map(quota_json);
+                arb.audit(
+                    &crate::audit::Who::system(why),
+                    "config.reload",
+                    &d.name,
+                    &d.name,
+                    before,
+                    Some(quota_json(&c.tenant.quota)),
+                );
+                done.push(change);
+            }
+            Err(e) => {
+                tracing::error!(tenant = %d.name, error = %e, "config: tenant not applied");
+            }
+        }
+    }
+    done
+}
+
+/// Reloads the tenants of `path` on SIGHUP and whenever its contents change (checked every
+/// `poll`), until `stop`. An invalid file is logged and ignored.
+pub fn spawn_watch(
+    arb: Arc<Arbiter>,
+    path: PathBuf,
+    poll: Duration,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    // Registered before returning, so a SIGHUP right after start reloads (not kills).
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    tokio::spawn(async move {
+        let mut last = std::fs::read(&path).ok();
+        loop {
+            let why = tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = async {
+                    match hup.as_mut() {
+                        Some(h) => { h.recv().await; }
+                        None => std::future::pending::<()>().await,
+                    }
+                } => "SIGHUP",
+                _ = tokio::time::sleep(poll) => "config file changed",
+            };
+            // Reads follow symlinks: a ConfigMap's `..data` swap shows as new contents.
+            let now = std::fs::read(&path).ok();
+            if why != "SIGHUP" && now == last {
+                continue;
+            }
+            last = now;
+            match load(&path) {
+                Ok(declared) => {
+                    let changes = apply(&arb, &declared, why);
+                    tracing::info!(path = %path.display(), why, tenants = declared.len(), changed = changes.len(), "config reloaded");
+                }
+                Err(e) => {
+                    tracing::error!(why, "config not reloaded, the running state stays: {e}");
+                }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = "socket = \"/run/x.sock\"\n\n[tenants.training]\nlimit = \"64GiB\"\nguaranteed = \"16GiB\"\npriority = 1\n\n[tenants.inference]\nlimit = 1073741824\nmax-leases = 8\n";
+
+    #[test]
+    fn parses_tenant_tables() {
+        let t = parse(Path::new("c.toml"), FILE).unwrap();
+        assert_eq!(t.len(), 2);
+        let training = t.iter().find(|t| t.name == "training").unwrap();
+        assert_eq!(training.patch.limit_bytes, Some(64 << 30));
+        assert_eq!(training.patch.guaranteed_bytes, Some(16 << 30));
+        assert_eq!(training.patch.priority, Some(1));
+        assert_eq!(training.patch.max_leases, None);
+        let inference = t.iter().find(|t| t.name == "inference").unwrap();
+        assert_eq!(inference.patch.limit_bytes, Some(1 << 30));
+        assert_eq!(inference.patch.max_leases, Some(8));
+        assert!(parse(Path::new("c.toml"), "socket = \"/x\"\n")
+            .unwrap()
+            .is_empty());
+    }
+
+    #[test]
+    fn errors_name_file_line_and_reason() {
+        for (text, line, want) in [
+            ("[tenants.a]\nlimit = \"lots\"\n", 2, "invalid size"),
+            (
+                "[tenants.a]\nlimit = \"1GiB\"\nlimt = 3\n",
+                3,
+                "unknown field",
+            ),
+            ("\n\n[tenants.a]\npriority = 1\n", 3, "`limit` is required"),
+            ("[tenants.\"a b\"]\nlimit = 1\n", 1, "invalid tenant name"),
+            (
+                "[tenants.a]\nlimit = \"1GiB\"\nguaranteed = \"2GiB\"\n",
+                1,
+                "exceeds limit",
+            ),
+            ("[tenants.a]\nlimit = \n", 2, ""),
+        ] {
+            let e = parse(Path::new("/etc/gpu-broker.toml"), text).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with(&format!("/etc/gpu-broker.toml:{line}: ")) && msg.contains(want),
+                "{text:?}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_diff_says_what_changes() {
+        let declared = parse(Path::new("c.toml"), FILE).unwrap();
+        let mut running = BTreeMap::new();
+        running.insert(
+            "training".to_string(),
+            Quota {
+                limit_bytes: 32 << 30,
+                guaranteed_bytes: 16 << 30,
+                priority: 1,
+                max_leases: 4,
+                ..Quota::default()
+            },
+        );
+        let d = diff(&declared, &running);
+        let lines: Vec<String> = d.iter().map(describe_change).collect();
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("+ inference: new tenant: limit 1.0 GiB")),
+            "{lines:?}"
+        );
+        let t = lines.iter().find(|l| l.starts_with("~ training")).unwrap();
+        assert_eq!(
+            t, "~ training: limit 32.0 GiB -> 64.0 GiB",
+            "max-leases 4 stays: {t}"
+        );
+        running.insert(
+            "training".into(),
+            Quota {
+                limit_bytes: 64 << 30,
+                guaranteed_bytes: 16 << 30,
+                priority: 1,
+                max_leases: 4,
+                ..Quota::default()
+            },
+        );
+        assert!(diff(&declared, &running).iter().any(|c| *c
+            == Change::Same {
+                name: "training".into()
+            }));
+    }
+}

@@ -1,0 +1,186 @@
+//! Declarative tenants: `[tenants.NAME]` tables of the config file applied at start, after
+//! a Kubernetes-style symlink swap of the file, and on SIGHUP; declared fields win over
+//! admin changes, undeclared ones keep them; an invalid file is refused with file and line
+//! while the running state stays; `gpu-broker check-config` prints the diff.
+
+use gpu_broker_client::QuotaPatch;
+use gpu_broker_tests::*;
+use std::os::unix::fs::symlink;
+use std::path::Path;
+use std::time::Duration;
+
+/// A ConfigMap-like layout: `config.toml -> ..data/config.toml`, `..data -> gen-N`.
+fn publish(dir: &Path, generation: u32, text: &str) {
+    let gen = dir.join(format!("gen-{generation}"));
+    std::fs::create_dir_all(&gen).unwrap();
+    std::fs::write(gen.join("config.toml"), text).unwrap();
+    let tmp = dir.join("..data_tmp");
+    let _ = std::fs::remove_file(&tmp);
+    symlink(format!("gen-{generation}"), &tmp).unwrap();
+    std::fs::rename(&tmp, dir.join("..data")).unwrap();
+    if !dir.join("config.toml").exists() {
+        symlink("..data/config.toml", dir.join("config.toml")).unwrap();
+    }
+}
+
+async fn limit_of(b: &Broker, tenant: &str) -> Option<u64> {
+    let admin = b.admin().await.ok()?;
+    admin
+        .get_quota(tenant)
+        .await
+        .ok()
+        .map(|t| t.quota.limit_bytes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_tenants_apply_at_start_on_change_and_on_sighup() {
+    let cm = tempfile::tempdir().unwrap();
+    publish(
+        cm.path(),
+        1,
+        "[tenants.alpha]\nlimit = \"64MiB\"\npriority = 2\n",
+    );
+    let file = cm.path().join("config.toml");
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--config".into(), file.display().to_string()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let admin = b.admin().await.unwrap();
+    let alpha = admin.get_quota("alpha").await.unwrap();
+    assert_eq!(alpha.quota.limit_bytes, 64 * MIB);
+    assert_eq!(alpha.quota.priority, 2);
+
+    // An operator changes a declared field (priority) and an undeclared one (max-leases).
+    admin
+        .patch_quota(
+            "alpha",
+            QuotaPatch {
+                priority: Some(9),
+                max_leases: Some(5),
+                ..QuotaPatch::default()
+            },
+        )
+        .await
+        .unwrap();
+
+    // The ConfigMap is updated: a symlink swap, as the kubelet does it.
+    publish(
+        cm.path(),
+        2,
+        "[tenants.alpha]\nlimit = \"128MiB\"\npriority = 2\n\n[tenants.beta]\nlimit = \"32MiB\"\n",
+    );
+    let b_ref = &b;
+    assert!(
+        eventually(Duration::from_secs(15), || async move {
+            limit_of(b_ref, "alpha").await == Some(128 * MIB)
+        })
+        .await,
+        "the swapped file was not applied:\n{}",
+        b.log_text()
+    );
+    let alpha = admin.get_quota("alpha").await.unwrap();
+    assert_eq!(
+        alpha.quota.priority, 2,
+        "the file wins for what it declares"
+    );
+    assert_eq!(alpha.quota.max_leases, 5, "what it does not declare stays");
+    assert_eq!(limit_of(&b, "beta").await, Some(32 * MIB));
+
+    // An invalid file: refused with file and line, nothing changes.
+    publish(
+        cm.path(),
+        3,
+        "[tenants.alpha]\nlimit = \"lots\"\n[tenants.beta]\nlimit = \"1GiB\"\n",
+    );
+    assert!(
+        eventually(Duration::from_secs(15), || async move {
+            b_ref.log_text().contains("config not reloaded")
+        })
+        .await,
+        "{}",
+        b.log_text()
+    );
+    let log = b.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("config not reloaded"))
+        .unwrap();
+    assert!(
+        line.contains("config.toml:2:") && line.contains("invalid size"),
+        "{line}"
+    );
+    assert_eq!(limit_of(&b, "alpha").await, Some(128 * MIB));
+    assert_eq!(limit_of(&b, "beta").await, Some(32 * MIB));
+
+    // check-config shows what the next file would change, and refuses a bad one.
+    let next = cm.path().join("next.toml");
+    std::fs::write(
+        &next,
+        "[tenants.alpha]\nlimit = \"512MiB\"\npriority = 2\n[tenants.gamma]\nlimit = \"8MiB\"\n",
+    )
+    .unwrap();
+    let check = |f: &Path| {
+        std::process::Command::new(bin("gpu-broker"))
+            .arg("check-config")
+            .arg(f)
+            .args(["--broker", &b.uri()])
+            .arg("--token-file")
+            .arg(b.state_dir.join("admin.token"))
+            .output()
+            .unwrap()
+    };
+    let out = check(&next);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("~ alpha: limit 128.0 MiB -> 512.0 MiB"),
+        "{text}"
+    );
+    assert!(
+        text.contains("+ gamma: new tenant: limit 8.0 MiB"),
+        "{text}"
+    );
+    assert!(
+        text.contains("not declared (kept as they are): beta"),
+        "{text}"
+    );
+    let bad = cm.path().join("gen-3/config.toml");
+    let out = check(&bad);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("config.toml:2:") && err.contains("invalid size"),
+        "{err}"
+    );
+
+    // SIGHUP reloads (here the valid file again).
+    publish(cm.path(), 4, "[tenants.alpha]\nlimit = \"256MiB\"\n");
+    b.signal(libc::SIGHUP);
+    assert!(
+        eventually(Duration::from_secs(15), || async move {
+            limit_of(b_ref, "alpha").await == Some(256 * MIB)
+        })
+        .await,
+        "{}",
+        b.log_text()
+    );
+    b.signal(libc::SIGHUP);
+    assert!(
+        eventually(Duration::from_secs(10), || async move {
+            b_ref
+                .log_text()
+                .lines()
+                .any(|l| l.contains("config reloaded") && l.contains("SIGHUP"))
+        })
+        .await,
+        "{}",
+        b.log_text()
+    );
+    assert!(b.pid().is_some(), "SIGHUP does not stop the broker");
+    assert_eq!(limit_of(&b, "alpha").await, Some(256 * MIB));
+}
