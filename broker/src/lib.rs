@@ -29,6 +29,7 @@ pub mod server;
 pub mod service;
 pub mod session;
 pub mod status_http;
+pub mod status_page;
 pub mod store;
 pub mod tenants_config;
 pub mod units;

@@ -1,5 +1,6 @@
 //! The routes of the metrics listener (plain HTTP/1.1, read-only): `/metrics`
-//! (OpenMetrics when the scraper asks for it, else the Prometheus text format), `/healthz`
+//! (OpenMetrics when the scraper asks for it, else the Prometheus text format), `/status`
+//! (the status page, `status_page`; same access as `/metrics`), `/healthz`
 //! (the process answers) and `/readyz` (serving, not shutting down), which never need a
 //! token so that probes work. `/metrics` needs `Authorization: Bearer <token>` (a `read`
 //! token not bound to a tenant, or an admin token) when [`HttpAccess::require_token`] is set; otherwise the listener's address is the access
@@ -68,7 +69,7 @@ pub async fn respond<B>(
         "/healthz" => text(StatusCode::OK, "ok\n"),
         "/readyz" if arb.is_draining() => text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n"),
         "/readyz" => text(StatusCode::OK, "ready\n"),
-        "/metrics" => {
+        "/status" | "/metrics" => {
             if access.require_token && !authorized(arb, req) {
                 let mut r = text(
                     StatusCode::UNAUTHORIZED,
@@ -77,6 +78,15 @@ pub async fn respond<B>(
                 r.headers_mut().insert(
                     hyper::header::WWW_AUTHENTICATE,
                     hyper::header::HeaderValue::from_static("Bearer realm=\"gpu-broker\""),
+                );
+                return r;
+            }
+            if req.uri().path() == "/status" {
+                let body = crate::status_page::render(arb).await;
+                let mut r = Response::new(Full::new(Bytes::from(body)));
+                r.headers_mut().insert(
+                    hyper::header::CONTENT_TYPE,
+                    hyper::header::HeaderValue::from_static("text/html; charset=utf-8"),
                 );
                 return r;
             }

@@ -20,6 +20,7 @@ mod reload;
 mod scrub;
 mod shutdown;
 mod smoke;
+mod status_page;
 mod trust;
 mod turns;
 mod waiting;

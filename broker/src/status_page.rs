@@ -1,0 +1,190 @@
+//! The status page (`GET /status` on the metrics listener): what `gpu-brokerctl status`
+//! shows, as one read-only HTML page that reloads itself every few seconds — devices with
+//! usage bars (leased, cached, quarantined, outside the broker, headroom, free), tenants
+//! against limit and guarantee, the largest and oldest leases, waiting requests, and
+//! quarantined memory with its process. No scripts, no external resources; every value
+//! is HTML-escaped. Access is the metrics listener's (`status_http`).
+
+use crate::arbiter::{Arbiter, DeviceReport};
+use crate::lease::LeaseView;
+use std::fmt::Write;
+use std::time::SystemTime;
+
+/// Seconds between the page's reloads.
+pub const REFRESH_SECS: u32 = 5;
+
+fn esc(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => o.push_str("&amp;"),
+            '<' => o.push_str("&lt;"),
+            '>' => o.push_str("&gt;"),
+            '"' => o.push_str("&quot;"),
+            '\'' => o.push_str("&#39;"),
+            c => o.push(c),
+        }
+    }
+    o
+}
+
+fn size(b: u64) -> String {
+    bytesize::ByteSize(b).display().iec().to_string()
+}
+
+fn age(since: SystemTime, now: SystemTime) -> String {
+    let s = now.duration_since(since).unwrap_or_default().as_secs();
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        3600..86400 => format!("{}h{:02}m", s / 3600, s / 60 % 60),
+        _ => format!("{}d{:02}h", s / 86400, s / 3600 % 24),
+    }
+}
+
+/// The bar of one device: a flex row of coloured segments, widths in percent of total.
+fn bar(d: &DeviceReport) -> String {
+    let total = d.total.max(1) as f64;
+    let parts = [
+        ("leased", d.leased),
+        ("cached", d.cached),
+        ("quarantined", d.quarantined),
+        ("outside", d.external_used),
+        ("headroom", d.headroom),
+    ];
+    let mut out = String::from("<div class=\"bar\">");
+    for (class, bytes) in parts {
+        if bytes > 0 {
+            let _ = write!(
+                out,
+                "<span class=\"{class}\" style=\"width:{:.2}%\" title=\"{class} {}\"></span>",
+                bytes as f64 * 100.0 / total,
+                size(bytes)
+            );
+        }
+    }
+    out.push_str("</div>");
+    out
+}
+
+fn lease_rows(out: &mut String, title: &str, leases: &[&LeaseView], now: SystemTime) {
+    let _ = write!(
+        out,
+        "<h2>{title}</h2><table><tr><th>lease</th><th>tenant</th><th>device</th><th>size</th><th>age</th><th>label</th></tr>"
+    );
+    for l in leases {
+        let _ = write!(
+            out,
+            "<tr><td class=\"id\">{}</td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td></tr>",
+            l.id,
+            esc(&l.tenant),
+            l.device,
+            size(l.bytes),
+            age(l.created, now),
+            esc(&l.label)
+        );
+    }
+    out.push_str("</table>");
+}
+
+const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}\
+h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.4em}\
+table{border-collapse:collapse}td,th{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:left;white-space:nowrap}\
+td.n{text-align:right}td.id{font-family:monospace}\
+.bar{display:flex;width:22em;height:1.1em;background:#eee;border:1px solid #999}\
+.bar span{display:block;height:100%}\
+.leased{background:#2a9d3a}.cached{background:#3fa7d6}.quarantined{background:#e9b000}\
+.outside{background:#d1495b}.headroom{background:#888}\
+.key span{display:inline-block;width:.9em;height:.9em;margin:0 .3em 0 1em;vertical-align:middle}";
+
+/// The page for the broker's state now.
+pub async fn render(arb: &Arbiter) -> String {
+    let now = SystemTime::now();
+    let devices = arb.devices().await;
+    let tenants = arb.list_tenants();
+    let leases = arb.list_all_leases(None);
+    let quarantined = arb.list_quarantined();
+    let waiting: u32 = tenants.iter().map(|t| t.waiting).sum();
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}\">\
+         <title>gpu-broker status</title><style>{STYLE}</style></head><body>\
+         <h1>gpu-broker</h1><p id=\"summary\">{} devices · {} tenants · {} sessions · {} leases · {} waiting · refreshes every {REFRESH_SECS} s</p>",
+        devices.len(),
+        tenants.len(),
+        arb.session_count(),
+        leases.len(),
+        waiting
+    );
+    out.push_str("<h2>Devices</h2><p class=\"key\"><span class=\"leased\"></span>leased<span class=\"cached\"></span>cached<span class=\"quarantined\"></span>quarantined<span class=\"outside\"></span>outside the broker<span class=\"headroom\"></span>headroom</p>");
+    out.push_str("<table><tr><th>device</th><th>model</th><th>usage</th><th>leased</th><th>cached</th><th>quarantined</th><th>outside</th><th>total</th><th>waiting</th></tr>");
+    for d in &devices {
+        let _ = write!(
+            out,
+            "<tr><td>{} <span class=\"id\" title=\"{}\">{}</span></td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
+            d.index,
+            esc(&d.uuid),
+            esc(&d.uuid.chars().take(12).collect::<String>()),
+            esc(if d.model.is_empty() { &d.name } else { &d.model }),
+            bar(d),
+            size(d.leased),
+            size(d.cached),
+            size(d.quarantined),
+            size(d.external_used),
+            size(d.total),
+            d.waiting
+        );
+    }
+    out.push_str("</table><h2>Tenants</h2><table><tr><th>tenant</th><th>held</th><th>limit</th><th>guaranteed</th><th>quarantined</th><th>leases</th><th>sessions</th><th>waiting</th></tr>");
+    for t in &tenants {
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
+            esc(&t.name),
+            size(t.usage.held_bytes),
+            size(t.quota.limit_bytes),
+            size(t.quota.guaranteed_bytes),
+            size(t.usage.quarantined_bytes),
+            t.usage.lease_count,
+            t.sessions,
+            t.waiting
+        );
+    }
+    out.push_str("</table>");
+    let mut largest: Vec<&LeaseView> = leases.iter().collect();
+    largest.sort_by_key(|l| std::cmp::Reverse(l.bytes));
+    largest.truncate(10);
+    lease_rows(&mut out, "Largest leases", &largest, now);
+    let mut oldest: Vec<&LeaseView> = leases.iter().collect();
+    oldest.sort_by_key(|l| l.created);
+    oldest.truncate(10);
+    lease_rows(&mut out, "Oldest leases", &oldest, now);
+    out.push_str("<h2>Quarantined memory</h2><table><tr><th>lease</th><th>tenant</th><th>device</th><th>size</th><th>for</th><th>pid</th></tr>");
+    for q in &quarantined {
+        let _ = write!(
+            out,
+            "<tr><td class=\"id\">{}</td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
+            q.lease,
+            esc(&q.tenant),
+            q.device,
+            size(q.bytes),
+            age(q.since, now),
+            q.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into())
+        );
+    }
+    out.push_str("</table></body></html>\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_what_tenants_control() {
+        assert_eq!(esc("<b>&\"x'"), "&lt;b&gt;&amp;&quot;x&#39;");
+        let t = SystemTime::UNIX_EPOCH;
+        assert_eq!(age(t, t + std::time::Duration::from_secs(7260)), "2h01m");
+    }
+}

@@ -1,0 +1,148 @@
+//! The status page on the metrics listener, in headless Chromium (Debian's `chromium`,
+//! installed by `scripts/test-deps.sh`): loaded against a broker with tenants and leases,
+//! its content checked in the DOM Chromium built, and a screenshot saved
+//! (`target/status-page.png`).
+
+use gpu_broker_tests::*;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+fn chromium() -> PathBuf {
+    for p in [
+        "/usr/bin/chromium",
+        "/usr/bin/chromium-browser",
+        "/usr/bin/google-chrome",
+    ] {
+        if Path::new(p).exists() {
+            return PathBuf::from(p);
+        }
+    }
+    panic!(
+        "chromium not found: install it with scripts/test-deps.sh (apt-get install chromium), \
+         which the README's test command scripts/test.sh runs first"
+    );
+}
+
+async fn metrics_addr(b: &Broker) -> String {
+    let mut addr = String::new();
+    let found = eventually(Duration::from_secs(5), || {
+        addr = b
+            .log_text()
+            .lines()
+            .find(|l| l.contains("metrics at /metrics"))
+            .and_then(|l| l.split("addr=").nth(1))
+            .and_then(|a| a.split_whitespace().next())
+            .unwrap_or("")
+            .to_string();
+        let ok = !addr.is_empty();
+        async move { ok }
+    })
+    .await;
+    assert!(found, "{}", b.log_text());
+    addr
+}
+
+async fn headless(profile: &Path, args: &[String]) -> std::process::Output {
+    let mut cmd = tokio::process::Command::new(chromium());
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--hide-scrollbars",
+    ])
+    .arg(format!("--user-data-dir={}", profile.display()))
+    .args(args)
+    .kill_on_drop(true);
+    tokio::time::timeout(Duration::from_secs(60), cmd.output())
+        .await
+        .expect("chromium finished")
+        .expect("chromium ran")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_shows_devices_tenants_and_leases_in_chromium() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--metrics-listen".into(), "127.0.0.1:0".into()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let addr = metrics_addr(&b).await;
+    let training = b.client("training", 512 * MIB).await.unwrap();
+    let inference = b.client("inference", 256 * MIB).await.unwrap();
+    let st = training.session("trainer").await.unwrap();
+    let si = inference.session("server").await.unwrap();
+    let big = st
+        .lease_request(300 * MIB)
+        .label("weights")
+        .send()
+        .await
+        .unwrap();
+    let small = si
+        .lease_request(64 * MIB)
+        .label("kv-<cache>")
+        .send()
+        .await
+        .unwrap();
+    let gone = si.lease(32 * MIB).await.unwrap();
+    let gone_id = gone.id().to_string();
+    b.admin()
+        .await
+        .unwrap()
+        .revoke_lease(&gone_id, "test")
+        .await
+        .unwrap();
+    let _ = gone.detach();
+
+    let profile = tempfile::tempdir().unwrap();
+    let url = format!("http://{addr}/status");
+    let out = headless(profile.path(), &["--dump-dom".into(), url.clone()]).await;
+    let dom = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        dom.contains("<h1>gpu-broker</h1>"),
+        "chromium did not load the page: {}\n{dom}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "1 devices · 2 tenants · 2 sessions · 2 leases · 0 waiting",
+        "host simulation",
+        "training",
+        "inference",
+        big.id(),
+        small.id(),
+        "weights",
+        "kv-&lt;cache&gt;",
+        &gone_id,
+        "300.0 MiB",
+        "class=\"leased\"",
+        "http-equiv=\"refresh\"",
+    ] {
+        assert!(dom.contains(want), "{want:?} missing from the page:\n{dom}");
+    }
+
+    let shot = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/status-page.png");
+    let out = headless(
+        profile.path(),
+        &[
+            "--window-size=1280,1000".into(),
+            format!("--screenshot={}", shot.display()),
+            url,
+        ],
+    )
+    .await;
+    let png = std::fs::read(&shot).unwrap_or_else(|e| {
+        panic!(
+            "no screenshot at {}: {e}\n{}",
+            shot.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 10_000,
+        "{} bytes",
+        png.len()
+    );
+    big.release().await.unwrap();
+    small.release().await.unwrap();
+}
