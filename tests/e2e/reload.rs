@@ -74,6 +74,7 @@ async fn config_tenants_apply_at_start_on_change_and_on_sighup() {
     assert!(
         eventually(Duration::from_secs(15), || async move {
             limit_of(b_ref, "alpha").await == Some(128 * MIB)
+                && limit_of(b_ref, "beta").await == Some(32 * MIB)
         })
         .await,
         "the swapped file was not applied:\n{}",
