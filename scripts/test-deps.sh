@@ -17,3 +17,12 @@ if ((${#apt_missing[@]})); then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
         "${apt_missing[@]}" >/dev/null
 fi
+
+# kubernetes-validate (PyPI, bundled schemas: validates deploy/kubernetes offline), in a
+# venv under target/.
+k8s_venv=target/k8s-venv
+if [[ ! -x $k8s_venv/bin/kubernetes-validate ]]; then
+    echo "test-deps: pip install kubernetes-validate into $k8s_venv"
+    python3 -m venv "$k8s_venv"
+    "$k8s_venv/bin/pip" install -q kubernetes-validate==1.37.0
+fi

@@ -7,6 +7,7 @@ mod admin;
 mod cli;
 mod crash;
 mod data;
+mod deploy;
 mod devices;
 mod drain;
 mod errors;

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs gpu-broker on this node: the binaries (cargo install), the gpu-broker group
+# (owner of the socket: add worker users to it), the config (kept if present) and the
+# systemd unit (which creates /run/gpu-broker and /var/lib/gpu-broker itself).
+#
+#   sudo scripts/install.sh [--prefix /usr/local] [--dry-run]
+#
+# --dry-run prints the commands instead of running them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+prefix=/usr/local
+run() { "$@"; }
+while (($#)); do
+    case "$1" in
+        --prefix) prefix="$2"; shift 2 ;;
+        --dry-run) run() { echo "+ $*"; }; shift ;;
+        *) echo "usage: $0 [--prefix DIR] [--dry-run]" >&2; exit 2 ;;
+    esac
+done
+run cargo install --locked --path broker --root "$prefix"
+run cargo install --locked --path client --root "$prefix"
+getent group gpu-broker >/dev/null 2>&1 || run groupadd --system gpu-broker
+run install -d -m 0755 /etc/gpu-broker
+if [[ ! -e /etc/gpu-broker/config.toml ]]; then
+    run install -m 0644 deploy/config.toml /etc/gpu-broker/config.toml
+fi
+run install -m 0644 deploy/gpu-broker.service /etc/systemd/system/gpu-broker.service
+if [[ "$prefix" != /usr/local ]]; then
+    run sed -i "s|/usr/local/bin/gpu-broker|$prefix/bin/gpu-broker|" /etc/systemd/system/gpu-broker.service
+fi
+run systemctl daemon-reload
+echo "installed. Start it:  systemctl enable --now gpu-broker"
+echo "then: add worker users to the gpu-broker group (usermod -aG gpu-broker USER),"
+echo "and as root: gpu-brokerctl status   (admin token: /var/lib/gpu-broker/admin.token)"

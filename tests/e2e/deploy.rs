@@ -1,0 +1,142 @@
+//! The shipped deployment material: every Kubernetes manifest validates against the
+//! Kubernetes schemas (`kubernetes-validate --strict`, PyPI, offline; installed into
+//! `target/k8s-venv` by `scripts/test-deps.sh`), the ConfigMap's config file is one the
+//! broker accepts, and `scripts/install.sh --dry-run` installs both binaries. Container
+//! images cannot be built here: the `Containerfile` is checked for what it copies only.
+
+use gpu_broker_tests::*;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn manifests() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(root().join("deploy/kubernetes"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn every_kubernetes_manifest_validates() {
+    let tool = root().join("target/k8s-venv/bin/kubernetes-validate");
+    assert!(
+        tool.exists(),
+        "{} not found: install it with scripts/test-deps.sh (pip install kubernetes-validate \
+         into target/k8s-venv), which the README's test command scripts/test.sh runs first",
+        tool.display()
+    );
+    let files = manifests();
+    assert!(files.len() >= 4, "{files:?}");
+    let out = std::process::Command::new(&tool)
+        .arg("--strict")
+        .args(&files)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    for f in &files {
+        let name = f.file_name().unwrap().to_string_lossy();
+        assert!(
+            text.lines()
+                .any(|l| l.contains(name.as_ref()) && l.contains("passed")),
+            "{name} not validated:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn the_manifests_keep_their_promises() {
+    let read = |f: &str| std::fs::read_to_string(root().join("deploy/kubernetes").join(f)).unwrap();
+    let ds = read("daemonset.yaml");
+    for want in [
+        "kind: DaemonSet",
+        "nodeSelector:",
+        "path: /run/gpu-broker",
+        "path: /var/lib/gpu-broker",
+        "configMap:",
+        "secretName: gpu-broker-admin-token",
+        "livenessProbe:",
+        "path: /healthz",
+        "readinessProbe:",
+        "path: /readyz",
+        "resources:",
+    ] {
+        assert!(ds.contains(want), "daemonset.yaml lacks {want:?}");
+    }
+    assert!(
+        !ds.contains("subPath"),
+        "the config is mounted as a directory so that ConfigMap updates (symlink swaps) arrive"
+    );
+    let pod = read("worker-pod.yaml");
+    let spec: String = pod
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        !spec.contains("hostPID") && !spec.contains("hostIPC"),
+        "{spec}"
+    );
+    assert!(pod.contains("secretKeyRef") && pod.contains("path: /run/gpu-broker"));
+
+    // The ConfigMap's config file is one the broker accepts, tenants included.
+    let cm = read("configmap.yaml");
+    let start = cm.find("config.toml: |\n").expect("a config.toml key") + "config.toml: |\n".len();
+    let config: String = cm[start..]
+        .lines()
+        .map(|l| l.strip_prefix("    ").unwrap_or(l))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.toml");
+    std::fs::write(&file, config).unwrap();
+    let out = std::process::Command::new(bin("gpu-broker"))
+        .arg("check-config")
+        .arg(&file)
+        .args(["--broker", "unix:///nonexistent/broker.sock"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("valid (2 tenants declared)"), "{text}");
+    assert!(
+        text.contains("+ training: new tenant: limit 64.0 GiB"),
+        "{text}"
+    );
+
+    let containerfile = std::fs::read_to_string(root().join("Containerfile")).unwrap();
+    assert!(
+        containerfile.contains("target/release/gpu-broker ")
+            && containerfile.contains("gpu-brokerctl")
+    );
+}
+
+#[test]
+fn install_script_installs_both_binaries_the_group_and_the_unit() {
+    let out = std::process::Command::new(root().join("scripts/install.sh"))
+        .arg("--dry-run")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for want in [
+        "cargo install --locked --path broker",
+        "cargo install --locked --path client",
+        "/etc/systemd/system/gpu-broker.service",
+    ] {
+        assert!(text.contains(want), "{want:?} in\n{text}");
+    }
+}
