@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! GPU_BROKER_TOKEN=gpb_... writer --bytes 512MiB --pattern 0xAB
-//! lease_id=6f1c... device=0 bytes=536870912 host_shm=/dev/shm/gpu-broker-...
+//! lease_id=6f1c... device=0 bytes=536870912 block=fd:1234...
 //! ```
 //!
 //! Environment: `GPU_BROKER_TOKEN` (a tenant token from `gpu-brokerctl tokens issue`),
@@ -66,21 +66,21 @@ async fn main() -> Result<()> {
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
 
-    // The host backend hands out a shared-memory file; a CUDA broker an IPC handle
-    // (map that with `lease.map_cuda()`, client feature `cuda`).
-    let LeaseHandle::HostShm(path) = lease.handle().clone() else {
+    // The host backend hands out memfd memory (an fd lease: `map()` it); a CUDA broker
+    // VMM memory (map that with `lease.map_cuda()`, client feature `cuda`).
+    let LeaseHandle::Fd(fd) = lease.handle().clone() else {
         bail!(
-            "lease handle is {}: this example maps host_shm leases only",
+            "lease handle is {}: this example maps fd leases only",
             lease.handle().kind()
         );
     };
     lease.map()?.fill(args.pattern); // the mapping closes at the end of the statement
     println!(
-        "lease_id={} device={} bytes={} host_shm={}",
+        "lease_id={} device={} bytes={} block=fd:{}",
         lease.id(),
         lease.device(),
         lease.bytes(),
-        path.display()
+        fd.block_id
     );
     eprintln!(
         "holding {} filled with {:#04x}; Ctrl-C to release",

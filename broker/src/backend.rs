@@ -9,7 +9,6 @@ use crate::device::cuda::{self, CudaDevice};
 use crate::device::host::HostDevice;
 use crate::device::thread::DeviceThread;
 use crate::device::{Device, DeviceError};
-use std::path::{Path, PathBuf};
 
 /// What the backend needs to know.
 #[derive(Clone, Debug)]
@@ -18,11 +17,12 @@ pub struct BackendSpec {
     pub cuda_devices: Option<Vec<u32>>,
     pub host_capacity: u64,
     pub host_devices: u32,
-    pub host_shm_dir: PathBuf,
     pub headroom: Headroom,
     /// Seed of the host devices' synthetic UUIDs (the broker passes its state directory,
     /// so they survive restarts); `None`: a fresh identity each start.
     pub host_uuid_seed: Option<String>,
+    /// Serve CUDA memory as legacy IPC handles (operator's choice; unsafe).
+    pub legacy_ipc: bool,
 }
 
 /// Why devices could not be opened.
@@ -57,10 +57,9 @@ pub fn open_devices(spec: &BackendSpec) -> Result<Vec<DeviceSlot>, BackendError>
             Some(reason) => {
                 tracing::warn!(
                     %reason,
-                    "NO USABLE GPU: serving the HOST SIMULATION ({} device(s) of {} in {}); leases are shared-memory files, not GPU memory",
+                    "NO USABLE GPU: serving the HOST SIMULATION ({} device(s) of {}); leases are memfd host memory, not GPU memory",
                     spec.host_devices,
                     bytesize::ByteSize(spec.host_capacity).display().iec(),
-                    spec.host_shm_dir.display()
                 );
                 false
             }
@@ -72,7 +71,6 @@ pub fn open_devices(spec: &BackendSpec) -> Result<Vec<DeviceSlot>, BackendError>
         open_host(
             spec.host_devices,
             spec.host_capacity,
-            &spec.host_shm_dir,
             spec.host_uuid_seed.as_deref(),
         )?
     };
@@ -88,15 +86,13 @@ pub fn open_devices(spec: &BackendSpec) -> Result<Vec<DeviceSlot>, BackendError>
 fn open_host(
     count: u32,
     capacity: u64,
-    dir: &Path,
     seed: Option<&str>,
 ) -> Result<Vec<DeviceThread>, BackendError> {
     (0..count)
         .map(|i| {
-            let dir = dir.to_path_buf();
             let seed = seed.map(str::to_string);
             DeviceThread::spawn(format!("device-host-{i}"), move || {
-                let dev = HostDevice::new(i, capacity, &dir)?;
+                let dev = HostDevice::new(i, capacity)?;
                 let dev = match seed {
                     Some(s) => dev.with_uuid_seed(&s),
                     None => dev,
@@ -160,14 +156,14 @@ fn slot(thread: DeviceThread, headroom: Headroom) -> Result<DeviceSlot, BackendE
     })
 }
 
-/// The host-memory fallback tier: one more simulated device, never counted as a GPU.
-pub fn open_host_tier(capacity: u64, dir: &Path) -> Result<Option<DeviceThread>, BackendError> {
+/// The host-memory fallback tier: one more simulated device (memfd memory), never counted
+/// as a GPU.
+pub fn open_host_tier(capacity: u64) -> Result<Option<DeviceThread>, BackendError> {
     if capacity == 0 {
         return Ok(None);
     }
-    let dir = dir.to_path_buf();
     DeviceThread::spawn("host-fallback".into(), move || {
-        Ok(Box::new(HostDevice::new(u32::MAX, capacity, &dir)?) as Box<dyn Device>)
+        Ok(Box::new(HostDevice::new(u32::MAX, capacity)?) as Box<dyn Device>)
     })
     .map(Some)
     .map_err(|source| BackendError::Open {

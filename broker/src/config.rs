@@ -112,7 +112,8 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_HOST_DEVICES", default_value_t = 1)]
     pub host_devices: u32,
 
-    /// Directory of the simulated devices' shared-memory files.
+    /// Ignored: host memory (simulated devices, host fallback) is memfd memory with no
+    /// files. Still accepted so existing command lines and config files keep working.
     #[arg(long, env = "GPU_BROKER_HOST_SHM_DIR", default_value = "/dev/shm")]
     pub host_shm_dir: PathBuf,
 
@@ -214,6 +215,20 @@ pub struct Config {
     /// Connection and stream limits (`crate::listener`).
     #[command(flatten)]
     pub limits: crate::listener::LimitFlags,
+
+    /// Unix socket of the ticket server that hands lease file descriptors to workers
+    /// (default: `<socket stem>.tickets.sock` next to --socket).
+    #[arg(long, env = "GPU_BROKER_TICKET_SOCKET")]
+    pub ticket_socket: Option<PathBuf>,
+
+    /// How long a lease ticket stays valid.
+    #[arg(long, env = "GPU_BROKER_TICKET_TTL", default_value = "30s", value_parser = parse_duration)]
+    pub ticket_ttl: Duration,
+
+    /// UNSAFE, for old workers only: CUDA memory as legacy CUDA IPC handles, which any
+    /// process can forge to open other tenants' memory (docs/security.md). Off by default.
+    #[arg(long, env = "GPU_BROKER_LEGACY_IPC_HANDLES")]
+    pub legacy_ipc_handles: bool,
 }
 
 /// Why the configuration could not be read.
@@ -257,6 +272,18 @@ impl Config {
         merged.extend(file_args);
         merged.extend(args.into_iter().skip(1));
         Ok(Config::try_parse_from(merged)?)
+    }
+
+    /// Where the ticket server listens.
+    pub fn ticket_socket_path(&self) -> PathBuf {
+        self.ticket_socket.clone().unwrap_or_else(|| {
+            let stem = self
+                .socket
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "broker".into());
+            self.socket.with_file_name(format!("{stem}.tickets.sock"))
+        })
     }
 
     /// Where the admin token lives.

@@ -32,4 +32,5 @@ pub mod status_http;
 pub mod status_page;
 pub mod store;
 pub mod tenants_config;
+pub mod tickets;
 pub mod units;

@@ -62,7 +62,6 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         cuda_devices: cfg.devices.clone().map(|d| d.0),
         host_capacity: cfg.host_capacity,
         host_devices: cfg.host_devices,
-        host_shm_dir: cfg.host_shm_dir.clone(),
         headroom: cfg.headroom,
         host_uuid_seed: Some(
             std::fs::canonicalize(&cfg.state_dir)
@@ -70,10 +69,11 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
                 .to_string_lossy()
                 .into_owned(),
         ),
+        legacy_ipc: cfg.legacy_ipc_handles,
     };
     let devices = open_devices(&spec).context("opening devices")?;
-    let host_tier = open_host_tier(cfg.host_fallback_capacity, &cfg.host_shm_dir)
-        .context("opening the host fallback tier")?;
+    let host_tier =
+        open_host_tier(cfg.host_fallback_capacity).context("opening the host fallback tier")?;
     let arb = Arbiter::new(devices, host_tier, Some(store), auth, cfg.arbiter())
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading state")?;
@@ -93,6 +93,25 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
 
     let unix = bind_unix(&cfg.socket).await?;
     tracing::info!(socket = %cfg.socket.display(), "serving on the Unix socket");
+    // Lease descriptors live in this process: keep other processes of the broker's user
+    // from taking them through /proc/<pid>/fd (a non-dumpable process's /proc is root's).
+    // SAFETY: plain prctl on this process.
+    unsafe {
+        libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+    }
+    let ticket_path = cfg.ticket_socket_path();
+    let tickets = gpu_broker::tickets::bind(&ticket_path)
+        .await
+        .with_context(|| format!("binding the ticket socket {}", ticket_path.display()))?;
+    arb.tickets().set_ttl(cfg.ticket_ttl);
+    arb.tickets().set_socket(&ticket_path);
+    tracing::info!(socket = %ticket_path.display(), "serving lease tickets");
+    let tickets_stop = CancellationToken::new();
+    tokio::spawn(gpu_broker::tickets::serve(
+        tickets,
+        arb.clone(),
+        tickets_stop.clone(),
+    ));
     let tcp = match cfg.listen {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
@@ -144,7 +163,9 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         cfg.shutdown_grace,
     )
     .await?;
+    tickets_stop.cancel();
     let _ = std::fs::remove_file(&cfg.socket);
+    let _ = std::fs::remove_file(&ticket_path);
     Ok(())
 }
 

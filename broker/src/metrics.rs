@@ -72,6 +72,9 @@ pub struct Metrics {
     acquire_seconds: HistogramFamily<OutcomeLabel>,
     grant_wait_seconds: Histogram,
     store_write_failures: Counter,
+    tickets_redeemed: Counter,
+    ticket_refusals: Family<ReasonLabel, Counter>,
+    cross_tenant_fresh: Counter,
     /// Unix time (s) of the last failed store write, 0 if none; and of the last success.
     store_last_failure: AtomicU64,
     store_last_success: AtomicU64,
@@ -95,6 +98,9 @@ impl Metrics {
             acquire_seconds: Family::new_with_constructor(latency_histogram),
             grant_wait_seconds: latency_histogram(),
             store_write_failures: Counter::default(),
+            tickets_redeemed: Counter::default(),
+            ticket_refusals: Family::default(),
+            cross_tenant_fresh: Counter::default(),
             store_last_failure: AtomicU64::new(0),
             store_last_success: AtomicU64::new(0),
             started: SystemTime::now(),
@@ -113,7 +119,28 @@ impl Metrics {
         for outcome in ["granted", "refused"] {
             let _ = m.acquire_seconds.get_or_create(&OutcomeLabel { outcome });
         }
+        for reason in crate::tickets::REFUSAL_REASONS {
+            let _ = m.ticket_refusals.get_or_create(&ReasonLabel { reason });
+        }
         m
+    }
+
+    /// The ticket server delivered a lease's descriptor.
+    pub fn ticket_redeemed(&self) {
+        self.tickets_redeemed.inc();
+    }
+
+    /// The ticket server refused a ticket (one of `tickets::REFUSAL_REASONS`).
+    pub fn ticket_refused(&self, reason: &'static str) {
+        self.ticket_refusals
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// A grant got a fresh memory object instead of another tenant's cached block that a
+    /// process may still map.
+    pub fn cross_tenant_fresh(&self) {
+        self.cross_tenant_fresh.inc();
     }
 
     /// A lease was granted.
@@ -179,6 +206,21 @@ impl Metrics {
     }
 
     fn register(&self, reg: &mut Registry) {
+        reg.register(
+            "tickets_redeemed",
+            "Lease file descriptors delivered by the ticket server",
+            self.tickets_redeemed.clone(),
+        );
+        reg.register(
+            "ticket_refusals",
+            "Ticket presentations refused (connection closed, nothing sent), by reason",
+            self.ticket_refusals.clone(),
+        );
+        reg.register(
+            "cross_tenant_fresh_blocks",
+            "Grants given a fresh memory object instead of another tenant's cached one",
+            self.cross_tenant_fresh.clone(),
+        );
         reg.register(
             "leases_granted",
             "Leases granted, by memory tier",

@@ -13,13 +13,41 @@
 use crate::device::{Allocation, Handle};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-/// One device allocation with its exported handle.
+/// One device allocation with its exported handle (for fd handles, the exported
+/// descriptor itself: a pooled block costs no export).
 #[derive(Debug)]
 pub struct Block {
     pub alloc: Allocation,
     pub handle: Handle,
     /// Tenant whose bytes it may contain; `None` when known to be zero.
     pub last_tenant: Option<String>,
+    /// Processes its handle was given to since it last changed tenant.
+    pub holders: Holders,
+}
+
+/// Processes that may map a block: the pids its handle was given to, and whether it was
+/// given to a process whose pid the broker could not see (TCP, another PID namespace).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Holders {
+    pub pids: BTreeSet<u32>,
+    pub unknown: bool,
+}
+
+impl Holders {
+    /// Records that `pid` (None: unknown) got the handle.
+    pub fn add(&mut self, pid: Option<u32>) {
+        match pid {
+            Some(p) => {
+                self.pids.insert(p);
+            }
+            None => self.unknown = true,
+        }
+    }
+
+    /// True when every holder is known and `alive` says none of them runs.
+    pub fn all_gone(&self, alive: impl Fn(u32) -> bool) -> bool {
+        !self.unknown && !self.pids.iter().any(|&p| alive(p))
+    }
 }
 
 impl Block {
@@ -160,6 +188,16 @@ impl Pool {
         self.misses += 1;
         Source::Fresh {
             evicted: self.evict_to_fit(),
+        }
+    }
+
+    /// The cached block `reserve` returned was not used (another tenant's, possibly still
+    /// mapped) and a fresh one is allocated instead: count it as a miss.
+    pub fn note_replaced(&mut self, scrubbed: bool) {
+        self.hits -= 1;
+        self.misses += 1;
+        if scrubbed {
+            self.scrubs -= 1;
         }
     }
 
@@ -331,7 +369,6 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::PathBuf;
 
     const MIB: u64 = 1 << 20;
 
@@ -343,8 +380,9 @@ mod tests {
                 addr: 0,
                 path: None,
             },
-            handle: Handle::HostShm(PathBuf::from(format!("/x/{id}"))),
+            handle: Handle::CudaIpc([id as u8; 64]),
             last_tenant: tenant.map(str::to_string),
+            holders: Holders::default(),
         }
     }
 
@@ -355,6 +393,17 @@ mod tests {
         }
         p.commit(bytes);
         block(id, bytes, Some(tenant))
+    }
+
+    #[test]
+    fn holders_are_gone_only_when_all_known_and_dead() {
+        let mut h = Holders::default();
+        assert!(h.all_gone(|_| true), "nobody got it");
+        h.add(Some(10));
+        assert!(!h.all_gone(|p| p == 10));
+        assert!(h.all_gone(|_| false));
+        h.add(None);
+        assert!(!h.all_gone(|_| false), "an unknown holder may still map it");
     }
 
     #[test]

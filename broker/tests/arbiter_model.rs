@@ -1,7 +1,6 @@
 //! Property test of the arbiter against a simple model of the ledger and the pools.
 //!
-//! A real [`Arbiter`] over simulated host devices (shared-memory files in a temporary
-//! directory) runs random sequences of operations: open session, acquire (no wait),
+//! A real [`Arbiter`] over simulated host devices (memfd memory objects) runs random sequences of operations: open session, acquire (no wait),
 //! release (by the owner, or by another tenant), end a session as if its worker died,
 //! set a quota, revoke a lease. Every request here is made with `wait = 0`, so the queue
 //! is always empty between steps and the outcome of each request is fully determined:
@@ -19,7 +18,6 @@ use gpu_broker::error::BrokerError;
 use gpu_broker::ledger::{Quota, Tier};
 use gpu_broker::session::{Peer, SessionEvent};
 use proptest::prelude::*;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -276,28 +274,9 @@ impl Model {
     }
 }
 
-/// Bytes of the block files of each device in `dir` (names end in `-dev<index>-<id>`).
-fn files_per_device(dir: &Path, devices: usize) -> Vec<u64> {
-    let mut out = vec![0u64; devices];
-    for e in std::fs::read_dir(dir).expect("read shm dir").flatten() {
-        let name = e.file_name().to_string_lossy().to_string();
-        let len = e.metadata().map(|m| m.len()).unwrap_or(0);
-        let dev = name
-            .rsplit_once("-dev")
-            .and_then(|(_, rest)| rest.split('-').next())
-            .and_then(|d| d.parse::<usize>().ok());
-        match dev {
-            Some(d) if d < devices => out[d] += len,
-            _ => panic!("unexpected file {name} in the device directory"),
-        }
-    }
-    out
-}
-
 struct Harness {
     rt: tokio::runtime::Runtime,
     arb: Arc<Arbiter>,
-    dir: tempfile::TempDir,
     model: Model,
 }
 
@@ -307,15 +286,14 @@ impl Harness {
             .enable_all()
             .build()
             .expect("runtime");
-        let dir = tempfile::tempdir().expect("tempdir");
         let spec = BackendSpec {
             choice: BackendChoice::Host,
             cuda_devices: None,
             host_capacity: capacity_mib * MIB,
             host_devices: ndev,
-            host_shm_dir: dir.path().to_path_buf(),
             headroom: Headroom::Bytes(headroom_mib * MIB),
             host_uuid_seed: None,
+            legacy_ipc: false,
         };
         let devices = open_devices(&spec).expect("host devices");
         let arb = Arbiter::new(
@@ -337,7 +315,6 @@ impl Harness {
         let mut h = Harness {
             rt,
             arb,
-            dir,
             model: Model {
                 tenants: vec![MTenant::default(); TENANTS.len()],
                 sessions: vec![],
@@ -420,7 +397,9 @@ impl Harness {
                             view.device
                         );
                         match &view.handle {
-                            Handle::HostShm(p) => assert!(p.exists(), "lease file missing"),
+                            Handle::Fd { size, .. } => {
+                                assert!(*size >= view.bytes, "memory object too small")
+                            }
                             other => panic!("unexpected handle {other:?}"),
                         }
                         let t = &mut m.tenants[tenant];
@@ -608,8 +587,7 @@ impl Harness {
         let arb = self.arb.clone();
         let reports = self.rt.block_on(async move { arb.devices().await });
         // `devices()` ran a job on every device thread after every free queued so far:
-        // the files are now exactly the broker's holdings.
-        let files = files_per_device(self.dir.path(), m.devices.len());
+        // the device's allocations are now exactly the broker's holdings.
         for (d, r) in reports.iter().enumerate() {
             let md = &m.devices[d];
             let sum: u64 = m
@@ -637,11 +615,10 @@ impl Harness {
                 r.leasable
             );
             assert_eq!(
-                files[d],
+                r.total - r.free,
                 r.leased + r.quarantined + r.cached,
-                "device {d}: files on the device vs leased + quarantined + cached"
+                "device {d}: allocated on the device vs leased + quarantined + cached"
             );
-            assert_eq!(r.total - r.free, files[d], "device {d}: allocated vs files");
         }
     }
 
@@ -689,14 +666,6 @@ impl Harness {
             );
             assert_eq!(r.free, r.total, "device {} still has allocations", r.index);
         }
-        let left: Vec<_> = std::fs::read_dir(self.dir.path())
-            .expect("read dir")
-            .flatten()
-            .map(|e| e.path())
-            // The live device's owner lock (`<prefix>lock`) stays until it is dropped.
-            .filter(|p| !p.to_string_lossy().ends_with("-lock"))
-            .collect();
-        assert!(left.is_empty(), "files left after shutdown: {left:?}");
     }
 }
 

@@ -17,6 +17,8 @@ use crate::tenant::Usage;
 #[derive(Clone, Debug)]
 pub struct Client {
     broker: BrokerClient<AuthChannel>,
+    /// The Unix socket this client dialled (to find the ticket socket next to it).
+    dialled: Option<std::path::PathBuf>,
 }
 
 impl Client {
@@ -24,13 +26,45 @@ impl Client {
     /// request carries `authorization: Bearer <token>`.
     pub async fn connect(uri: &str, token: impl Into<String>) -> Result<Client, ClientError> {
         let channel = connect::connect_channel(uri).await?;
-        Client::from_channel(channel, token)
+        Ok(Client::from_channel(channel, token)?.dialled(uri))
+    }
+
+    fn dialled(mut self, uri: &str) -> Client {
+        self.dialled = connect::unix_path(uri);
+        self
+    }
+
+    /// The Unix socket this client dialled, if it dialled one.
+    pub fn dialled_socket(&self) -> Option<&std::path::Path> {
+        self.dialled.as_deref()
+    }
+
+    /// A fresh descriptor of the caller's own fd lease `lease_id` (a new ticket, bound to
+    /// this process, redeemed at once): for a process other than the one holding the
+    /// [`crate::Lease`] (a child, a helper of the same tenant and user).
+    pub async fn lease_fd(
+        &self,
+        lease_id: &str,
+    ) -> Result<(crate::fd::FdInfo, std::os::fd::OwnedFd), ClientError> {
+        let reply = self
+            .raw()
+            .renew_lease_ticket(pb::RenewLeaseTicketRequest {
+                lease_id: lease_id.to_string(),
+            })
+            .await?
+            .into_inner();
+        let mut info = crate::fd::FdInfo::from(reply.fd.ok_or_else(|| {
+            ClientError::Protocol("RenewLeaseTicket reply carries no handle".into())
+        })?);
+        let fd = crate::fd::fetch(&info.socket_path, &info.ticket, self.dialled_socket())?;
+        info.ticket.clear();
+        Ok((info, fd))
     }
 
     /// Like [`Client::connect`] but dials on first use (a missing broker then shows up
     /// as `Unavailable` on the first call).
     pub fn connect_lazy(uri: &str, token: impl Into<String>) -> Result<Client, ClientError> {
-        Client::from_channel(connect::connect_channel_lazy(uri)?, token)
+        Ok(Client::from_channel(connect::connect_channel_lazy(uri)?, token)?.dialled(uri))
     }
 
     /// Uses an existing channel (custom transports, tests).
@@ -38,6 +72,7 @@ impl Client {
         let token = token.into();
         Ok(Client {
             broker: BrokerClient::new(connect::authenticated(channel, &token)?),
+            dialled: None,
         })
     }
 

@@ -99,6 +99,14 @@ fn normalize(uri: &str) -> Result<String, ClientError> {
     Ok(format!("http://{uri}"))
 }
 
+/// The Unix socket path of a broker address, if it names one.
+pub fn unix_path(uri: &str) -> Option<std::path::PathBuf> {
+    let n = normalize(uri).ok()?;
+    n.strip_prefix("unix://")
+        .or_else(|| n.strip_prefix("unix:"))
+        .map(std::path::PathBuf::from)
+}
+
 /// The tonic endpoint for a broker address (see the module docs for accepted forms).
 pub fn endpoint(uri: &str) -> Result<Endpoint, ClientError> {
     let normalized = normalize(uri)?;
@@ -156,6 +164,15 @@ mod tests {
                 "{bad:?} should be refused"
             );
         }
+    }
+
+    #[test]
+    fn unix_paths_are_found() {
+        let p = |s: &str| unix_path(s).map(|p| p.display().to_string());
+        assert_eq!(p("unix:///run/b.sock").as_deref(), Some("/run/b.sock"));
+        assert_eq!(p("/run/b.sock").as_deref(), Some("/run/b.sock"));
+        assert_eq!(p("unix:/run/b.sock").as_deref(), Some("/run/b.sock"));
+        assert_eq!(p("http://127.0.0.1:1"), None);
     }
 
     #[tokio::test]

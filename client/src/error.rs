@@ -73,6 +73,11 @@ pub enum ClientError {
         /// The broker session it was acquired on.
         session_id: String,
     },
+    /// The ticket server closed the connection without a descriptor: the ticket was wrong,
+    /// used, expired, or presented by another process than the one it was issued to.
+    /// Ask for a new one (`Lease::fetch_fd`). Code `PERMISSION_DENIED`.
+    #[error("PERMISSION_DENIED: lease ticket refused: {0}")]
+    TicketRefused(String),
     /// The broker answered something the protocol does not allow (e.g. a session stream
     /// whose first event is not `opened`, or a reply missing a required field).
     #[error("protocol error: {0}")]
@@ -87,7 +92,9 @@ impl ClientError {
         match self {
             ClientError::InvalidArgument(_) => Code::InvalidArgument,
             ClientError::Unauthenticated(_) => Code::Unauthenticated,
-            ClientError::PermissionDenied(_) => Code::PermissionDenied,
+            ClientError::PermissionDenied(_) | ClientError::TicketRefused(_) => {
+                Code::PermissionDenied
+            }
             ClientError::NotFound(_) | ClientError::LeaseLost { .. } => Code::NotFound,
             ClientError::ResourceExhausted(_) => Code::ResourceExhausted,
             ClientError::DeadlineExceeded(_) => Code::DeadlineExceeded,
@@ -132,6 +139,7 @@ impl ClientError {
                 | ClientError::NotMappable
                 | ClientError::Cuda(_)
                 | ClientError::Protocol(_)
+                | ClientError::TicketRefused(_)
                 | ClientError::LeaseLost { .. }
         )
     }

@@ -24,26 +24,34 @@ use serde::Serialize;
 use gpu_broker_proto::v1 as pb;
 
 use crate::error::ClientError;
+pub use crate::fd::{FdInfo, MemoryKind};
 use crate::mapping::HostMapping;
 use crate::session::Session;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 /// How to reach a lease's memory.
 #[derive(Clone, PartialEq, Eq)]
 pub enum LeaseHandle {
-    /// The 64-byte `CUipcMemHandle`: open with `cuIpcOpenMemHandle` (`cuda` feature).
+    /// Legacy (brokers started with `--legacy-ipc-handles`): the 64-byte
+    /// `CUipcMemHandle`: open with `cuIpcOpenMemHandle` (`cuda` feature).
     CudaIpc([u8; 64]),
-    /// A shared-memory file of the lease's size: [`Lease::map`] it.
+    /// Legacy (older brokers): a shared-memory file of the lease's size: [`Lease::map`] it.
     HostShm(PathBuf),
+    /// A file descriptor from the broker's ticket server (the default): a memfd
+    /// ([`Lease::map`]) or CUDA VMM memory (`Lease::map_cuda`, `cuda` feature). The
+    /// [`Lease`] fetched it when it was granted.
+    Fd(FdInfo),
     /// No handle, or a kind this client does not know yet.
     Unknown,
 }
 
 impl LeaseHandle {
-    /// `"cuda_ipc"`, `"host_shm"` or `"unknown"`.
+    /// `"cuda_ipc"`, `"host_shm"`, `"fd"` or `"unknown"`.
     pub fn kind(&self) -> &'static str {
         match self {
             LeaseHandle::CudaIpc(_) => "cuda_ipc",
             LeaseHandle::HostShm(_) => "host_shm",
+            LeaseHandle::Fd(_) => "fd",
             LeaseHandle::Unknown => "unknown",
         }
     }
@@ -54,12 +62,14 @@ impl fmt::Debug for LeaseHandle {
         match self {
             LeaseHandle::CudaIpc(h) => write!(f, "CudaIpc({})", hex(h)),
             LeaseHandle::HostShm(p) => f.debug_tuple("HostShm").field(p).finish(),
+            LeaseHandle::Fd(i) => f.debug_tuple("Fd").field(i).finish(),
             LeaseHandle::Unknown => f.write_str("Unknown"),
         }
     }
 }
 
-/// Serialized as `{"cuda_ipc": "<hex>"}`, `{"host_shm": "<path>"}` or `null`.
+/// Serialized as `{"cuda_ipc": "<hex>"}`, `{"host_shm": "<path>"}`,
+/// `{"fd": {"memory_kind": .., "block_id": .., ..}}` (never the ticket) or `null`.
 impl Serialize for LeaseHandle {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         match self {
@@ -71,6 +81,11 @@ impl Serialize for LeaseHandle {
             LeaseHandle::HostShm(p) => {
                 let mut m = s.serialize_map(Some(1))?;
                 m.serialize_entry("host_shm", p)?;
+                m.end()
+            }
+            LeaseHandle::Fd(i) => {
+                let mut m = s.serialize_map(Some(1))?;
+                m.serialize_entry("fd", i)?;
                 m.end()
             }
             LeaseHandle::Unknown => s.serialize_none(),
@@ -94,6 +109,7 @@ impl From<Option<pb::lease::Handle>> for LeaseHandle {
                 }
             },
             Some(pb::lease::Handle::HostShm(path)) => LeaseHandle::HostShm(PathBuf::from(path)),
+            Some(pb::lease::Handle::Fd(h)) => LeaseHandle::Fd(FdInfo::from(h)),
             None => LeaseHandle::Unknown,
         }
     }
@@ -250,6 +266,8 @@ pub struct Lease {
     /// The session generation (broker session) it was acquired on.
     generation: usize,
     released: bool,
+    /// The descriptor of an fd lease (closed when the lease goes).
+    fd: Option<OwnedFd>,
 }
 
 impl fmt::Debug for Lease {
@@ -270,7 +288,24 @@ impl Lease {
             session,
             generation,
             released: false,
+            fd: None,
         }
+    }
+
+    /// The lease's file descriptor (fd leases only), valid while the lease lives. Map it,
+    /// import it, or `dup` it for another library; do not close it.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// A new descriptor of this fd lease, fetched with a new ticket (e.g. to hand to a
+    /// child process: send it with `SCM_RIGHTS`, or let the child fetch its own with
+    /// [`crate::Client::lease_fd`]). The caller owns (and closes) it.
+    pub async fn fetch_fd(&self) -> Result<OwnedFd, ClientError> {
+        if self.is_lost() {
+            return Err(self.lost_error());
+        }
+        Ok(self.session.client().lease_fd(&self.info.lease_id).await?.1)
     }
 
     /// UUID of the lease.
@@ -359,6 +394,12 @@ impl Lease {
         match &self.info.handle {
             LeaseHandle::HostShm(path) => {
                 HostMapping::open_bound(path, self.info.offset, self.info.bytes)
+            }
+            LeaseHandle::Fd(i) if i.memory_kind == MemoryKind::HostMemfd => {
+                let fd = self.fd.as_ref().ok_or_else(|| {
+                    ClientError::Protocol("fd lease without its descriptor".into())
+                })?;
+                HostMapping::from_fd(fd.as_fd(), self.info.offset, self.info.bytes)
             }
             _ => Err(ClientError::NotMappable),
         }
@@ -452,7 +493,12 @@ pub struct LeaseRequest<'s> {
     label: String,
     reclaimable: bool,
     fallback_host: bool,
+    accept: Vec<pb::HandleKind>,
 }
+
+/// What a lease request accepts unless told otherwise: fd handles, and legacy CUDA IPC
+/// handles from a broker whose operator enabled them.
+const DEFAULT_ACCEPT: [pb::HandleKind; 2] = [pb::HandleKind::Fd, pb::HandleKind::CudaIpc];
 
 impl<'s> LeaseRequest<'s> {
     pub(crate) fn new(session: &'s Session, bytes: u64) -> Self {
@@ -464,7 +510,15 @@ impl<'s> LeaseRequest<'s> {
             label: String::new(),
             reclaimable: false,
             fallback_host: false,
+            accept: DEFAULT_ACCEPT.to_vec(),
         }
+    }
+
+    /// The handle kinds this worker can use (default: fd and legacy CUDA IPC). A broker
+    /// that can serve none of them answers `FAILED_PRECONDITION`.
+    pub fn accept_handles(mut self, kinds: &[pb::HandleKind]) -> Self {
+        self.accept = kinds.to_vec();
+        self
     }
 
     /// Asks for this device (default: wherever it fits best).
@@ -513,6 +567,7 @@ impl<'s> LeaseRequest<'s> {
             } else {
                 pb::Fallback::None as i32
             },
+            accept_handles: self.accept.iter().map(|k| *k as i32).collect(),
         }
     }
 
@@ -546,7 +601,22 @@ impl<'s> LeaseRequest<'s> {
                 info.lease_id
             )));
         }
-        Ok(Lease::new(info, self.session.clone(), generation))
+        let mut lease = Lease::new(info, self.session.clone(), generation);
+        if let LeaseHandle::Fd(i) = &lease.info.handle {
+            let dialled = self.session.client().dialled_socket();
+            match crate::fd::fetch(&i.socket_path, &i.ticket, dialled) {
+                Ok(fd) => lease.fd = Some(fd),
+                Err(e) => {
+                    // Nobody can map it: give it back.
+                    let _ = lease.release().await;
+                    return Err(e);
+                }
+            }
+            if let LeaseHandle::Fd(i) = &mut lease.info.handle {
+                i.ticket.clear();
+            }
+        }
+        Ok(lease)
     }
 }
 

@@ -1,7 +1,7 @@
-//! Mapping a host shared-memory lease into this process. A `host_shm` handle names a
-//! file (on the host backend, or for host-fallback leases) that the broker sized to
-//! the lease; [`HostMapping`] opens it read-write and maps it `MAP_SHARED`, so every
-//! process mapping the same lease sees the same bytes. The mapping borrows its
+//! Mapping a host-memory lease into this process. An fd lease of kind `HOST_MEMFD` (the
+//! host backend, host-fallback leases) carries a memfd the broker sized to the lease; a
+//! legacy `host_shm` handle of an older broker names a file. [`HostMapping`] maps either
+//! read-write, `MAP_SHARED`, so every process mapping the same lease sees the same bytes. The mapping borrows its
 //! [`Lease`](crate::Lease), so it cannot outlive it: close the mapping, then release
 //! the lease — the order the broker relies on before it scrubs and reuses memory.
 //!
@@ -15,6 +15,7 @@ use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 
 use memmap2::{MmapMut, MmapOptions};
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 use crate::error::ClientError;
 
@@ -22,7 +23,7 @@ use crate::error::ClientError;
 #[derive(Debug)]
 pub struct HostMapping<'a> {
     map: MmapMut,
-    path: PathBuf,
+    path: Option<PathBuf>,
     _lease: PhantomData<&'a ()>,
 }
 
@@ -74,7 +75,40 @@ impl<'a> HostMapping<'a> {
             })?;
         Ok(HostMapping {
             map,
-            path: path.to_path_buf(),
+            path: Some(path.to_path_buf()),
+            _lease: PhantomData,
+        })
+    }
+
+    /// Maps `len` bytes at `offset` of a memory object given as a descriptor (an fd
+    /// lease's memfd). The descriptor may be closed afterwards: the mapping keeps the
+    /// memory. Fails with `Protocol` when the object is shorter than `offset + len`.
+    pub fn from_fd(fd: BorrowedFd<'_>, offset: u64, len: u64) -> Result<Self, ClientError> {
+        let file_len = object_len(fd)?;
+        let end = offset.checked_add(len).ok_or_else(|| {
+            ClientError::Protocol(format!("lease offset {offset} + size {len} overflows"))
+        })?;
+        if end > file_len {
+            return Err(ClientError::Protocol(format!(
+                "the lease's memory object is {file_len} bytes, the lease needs {end}"
+            )));
+        }
+        let len = usize::try_from(len).map_err(|_| {
+            ClientError::Protocol(format!(
+                "lease of {len} bytes does not fit this address space"
+            ))
+        })?;
+        // SAFETY: the descriptor is the lease's memory object, sized to cover `offset +
+        // len` (checked above); sharing it with other mappings is its purpose (module docs).
+        let map = unsafe {
+            MmapOptions::new()
+                .offset(offset)
+                .len(len)
+                .map_mut(fd.as_raw_fd())
+        }?;
+        Ok(HostMapping {
+            map,
+            path: None,
             _lease: PhantomData,
         })
     }
@@ -109,9 +143,10 @@ impl<'a> HostMapping<'a> {
         self.map.is_empty()
     }
 
-    /// The shared-memory file behind the mapping.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The shared-memory file behind the mapping (legacy `host_shm` handles and
+    /// [`HostMapping::open`]); `None` for a descriptor's mapping.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
     }
 
     /// Flushes writes to the file (`msync`); not needed for other mappings to see them.
@@ -132,6 +167,17 @@ impl DerefMut for HostMapping<'_> {
     fn deref_mut(&mut self) -> &mut [u8] {
         &mut self.map
     }
+}
+
+/// Size of the object behind `fd` (`fstat`).
+fn object_len(fd: BorrowedFd<'_>) -> Result<u64, ClientError> {
+    // SAFETY: a zeroed stat buffer filled by fstat on a descriptor we borrow.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid descriptor and out pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(ClientError::Io(std::io::Error::last_os_error()));
+    }
+    Ok(u64::try_from(st.st_size).unwrap_or(0))
 }
 
 #[cfg(test)]
@@ -174,7 +220,7 @@ mod tests {
         let window = HostMapping::open(&path, 4096 + 10, 4096).unwrap();
         assert_eq!(window[0], 7);
         assert_eq!(window[4096 - 9], 9);
-        assert_eq!(window.path(), path.as_path());
+        assert_eq!(window.path(), Some(path.as_path()));
     }
 
     #[test]

@@ -269,6 +269,16 @@ impl Broker for Fake {
         }))
     }
 
+    async fn renew_lease_ticket(
+        &self,
+        req: Request<pb::RenewLeaseTicketRequest>,
+    ) -> Result<Response<pb::RenewLeaseTicketResponse>, Status> {
+        self.tenant(&req)?;
+        Err(Status::failed_precondition(
+            "the fake broker serves no fd leases",
+        ))
+    }
+
     async fn keepalive(
         &self,
         req: Request<pb::KeepaliveRequest>,

@@ -31,7 +31,20 @@ pub struct Spawned {
 }
 
 impl Spawned {
-    /// Files the broker has in its shared-memory directory.
+    /// Host memory objects (memfds) the running broker holds open.
+    pub fn memfds(&self) -> usize {
+        self.child
+            .as_ref()
+            .map(|c| {
+                gpu_broker_tests::fd_links(c.id())
+                    .iter()
+                    .filter(|(_, l)| l.starts_with("/memfd:gpu-broker"))
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Files in the broker's `--host-shm-dir` (it creates none any more).
     pub fn shm_files(&self) -> usize {
         // Block files only, not the devices' owner locks.
         std::fs::read_dir(&self.shm_dir)

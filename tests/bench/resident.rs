@@ -327,7 +327,7 @@ async fn one_run(target: &mut Target, a: &ResidentArgs) -> Result<Measured> {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let held_mem = target.rss();
     let device_leases = crate::latency::device0(&admin).await?.lease_count;
-    let shm_files = target.spawned.as_ref().map(|s| s.shm_files());
+    let shm_files = target.spawned.as_ref().map(|s| s.memfds());
     note(format!(
         "resident: {} leases held after {acquire_s:.2} s; broker RSS {}",
         held.len(),

@@ -3,7 +3,7 @@
 //! on stdout, so a test can drive it and read it back:
 //!
 //! - `hold`: opens a session (`SESSION <session_id> <peer_pid>`), acquires `--count`
-//!   leases (`LEASE <lease_id> <path> <bytes> <device>` each; `ERROR <CODE> <message>` and
+//!   leases (`LEASE <lease_id> <block> <bytes> <device>` each, `<block>` = `fd:<block id>`; `ERROR <CODE> <message>` and
 //!   exit 2 on failure), optionally checks their initial bytes and fills them with a
 //!   pattern, prints `READY`, then holds them until killed. Session events are reported as
 //!   `EVENT revoked <lease_id>`, `EVENT reclaim <lease_id>`, `EVENT shutting_down
@@ -11,11 +11,18 @@
 //!   byte of every lease; answers `CHECK ok` or `CHECK bad <index> <got>`), `fill <byte>`
 //!   (`FILLED`), `release` (`RELEASED`), `exit`. End of stdin also exits, so a worker never
 //!   outlives its test.
-//! - `read`: maps a `host_shm` path and prints `SUM <len> <sum> <first> <last>`, then `OK`
-//!   if every byte is `--expect-byte` (exit 0) or `MISMATCH <index> <got>` (exit 1).
-//! - `write`: maps a `host_shm` path, fills it with `--pattern` and prints `WROTE <len>`.
+//! - `read`: fetches the descriptor of the tenant's fd lease `--lease` with a new ticket of
+//!   its own (`RenewLeaseTicket`: this process is not the holder), maps it and prints
+//!   `SUM <len> <sum> <first> <last>`, then `OK` if every byte is `--expect-byte` (exit 0)
+//!   or `MISMATCH <index> <got>` (exit 1).
+//! - `write`: the same, but fills the lease with `--pattern` and prints `WROTE <len>`.
+//! - `redeem`: presents `--ticket` (hex) at the ticket socket `--socket` and prints
+//!   `FD <size>` when a descriptor came, or `REFUSED <message>`.
+//! - `renew`: asks for a new ticket for lease `--lease` and prints `RENEWED` or
+//!   `ERROR <CODE> <message>`.
+//!
+//! `--as-uid <uid>` (root only) drops to that uid first, to act as another user.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -24,6 +31,7 @@ use clap::{Parser, Subcommand};
 use futures::StreamExt;
 use gpu_broker_client::units::parse_bytes;
 use gpu_broker_client::{Client, HostMapping, Lease, LeaseHandle, SessionEvent};
+use std::path::PathBuf;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 #[derive(Debug, Parser)]
@@ -38,6 +46,9 @@ struct Cli {
     /// Tenant token.
     #[arg(long, env = "GPU_BROKER_TOKEN", default_value = "")]
     token: String,
+    /// Drop to this uid (and gid) before doing anything (needs root).
+    #[arg(long)]
+    as_uid: Option<u32>,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -71,20 +82,33 @@ enum Cmd {
         #[arg(long, default_value = "e2e-worker")]
         name: String,
     },
-    /// Map a shared-memory file and check or summarize its bytes.
+    /// Map a lease of the tenant (by id) and check or summarize its bytes.
     Read {
         #[arg(long)]
-        path: PathBuf,
-        /// Bytes to map (default: the file's size).
+        lease: String,
+        /// Bytes to map (default: the memory object's size).
         #[arg(long, value_parser = parse_bytes)]
         bytes: Option<u64>,
         #[arg(long, value_parser = parse_byte)]
         expect_byte: Option<u8>,
     },
-    /// Map a shared-memory file and fill it with a pattern.
+    /// Present a ticket at the ticket socket.
+    Redeem {
+        #[arg(long)]
+        socket: PathBuf,
+        /// The ticket, hex.
+        #[arg(long)]
+        ticket: String,
+    },
+    /// Ask for a new ticket of a lease.
+    Renew {
+        #[arg(long)]
+        lease: String,
+    },
+    /// Map a lease of the tenant (by id) and fill it with a pattern.
     Write {
         #[arg(long)]
-        path: PathBuf,
+        lease: String,
         #[arg(long, value_parser = parse_bytes)]
         bytes: Option<u64>,
         #[arg(long, value_parser = parse_byte)]
@@ -108,6 +132,17 @@ fn say(line: impl AsRef<str>) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(uid) = cli.as_uid {
+        // SAFETY: plain syscalls before any thread starts.
+        let ok = unsafe { libc::setgid(uid) == 0 && libc::setuid(uid) == 0 };
+        if !ok {
+            say(format!(
+                "ERROR INTERNAL cannot become uid {uid}: {}",
+                std::io::Error::last_os_error()
+            ));
+            return ExitCode::from(70);
+        }
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -131,16 +166,42 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<u8> {
     match cli.command {
         Cmd::Read {
-            path,
+            lease,
             bytes,
             expect_byte,
-        } => read(&path, bytes, expect_byte),
+        } => {
+            let client = Client::connect(&cli.broker, cli.token).await?;
+            read(&client, &lease, bytes, expect_byte).await
+        }
+        Cmd::Redeem { socket, ticket } => {
+            let bytes: Vec<u8> = (0..ticket.len() / 2)
+                .map(|i| u8::from_str_radix(&ticket[2 * i..2 * i + 2], 16))
+                .collect::<Result<_, _>>()
+                .context("ticket hex")?;
+            match gpu_broker_client::fd::fetch(&socket, &bytes, None) {
+                Ok(fd) => {
+                    let size = std::fs::File::from(fd).metadata()?.len();
+                    say(format!("FD {size}"));
+                }
+                Err(e) => say(format!("REFUSED {e}")),
+            }
+            Ok(0)
+        }
+        Cmd::Renew { lease } => {
+            let client = Client::connect(&cli.broker, cli.token).await?;
+            match client.lease_fd(&lease).await {
+                Ok(_) => say("RENEWED"),
+                Err(e) => say(format!("ERROR {} {}", e.code_name(), e.message())),
+            }
+            Ok(0)
+        }
         Cmd::Write {
-            path,
+            lease,
             bytes,
             pattern,
         } => {
-            let mut m = map_path(&path, bytes)?;
+            let client = Client::connect(&cli.broker, cli.token).await?;
+            let mut m = map_lease(&client, &lease, bytes).await?;
             m.fill(pattern);
             m.flush()?;
             say(format!("WROTE {}", m.len()));
@@ -188,12 +249,13 @@ async fn run(cli: Cli) -> Result<u8> {
                 if let Some(p) = pattern {
                     m.fill(p);
                 }
-                let path = match l.handle() {
+                let block = match l.handle() {
+                    LeaseHandle::Fd(i) => format!("fd:{}", i.block_id),
                     LeaseHandle::HostShm(p) => p.display().to_string(),
                     other => other.kind().to_string(),
                 };
                 say(format!(
-                    "LEASE {} {path} {} {}",
+                    "LEASE {} {block} {} {}",
                     l.id(),
                     l.bytes(),
                     l.device()
@@ -263,18 +325,27 @@ fn check(leases: &[Lease], b: u8) -> Result<String> {
     Ok("CHECK ok".into())
 }
 
-fn map_path(path: &PathBuf, bytes: Option<u64>) -> Result<HostMapping<'static>> {
-    let len = match bytes {
-        Some(b) => b,
-        None => std::fs::metadata(path)
-            .with_context(|| format!("stat {}", path.display()))?
-            .len(),
-    };
-    Ok(HostMapping::open(path, 0, len)?)
+/// Maps a lease this process does not hold: a new ticket of its own, then the descriptor
+/// (closed once mapped: the mapping keeps the memory).
+async fn map_lease(
+    client: &Client,
+    lease: &str,
+    bytes: Option<u64>,
+) -> Result<HostMapping<'static>> {
+    let (info, fd) = client
+        .lease_fd(lease)
+        .await
+        .with_context(|| format!("fetching the descriptor of lease {lease}"))?;
+    use std::os::fd::AsFd;
+    Ok(HostMapping::from_fd(
+        fd.as_fd(),
+        0,
+        bytes.unwrap_or(info.size),
+    )?)
 }
 
-fn read(path: &PathBuf, bytes: Option<u64>, expect: Option<u8>) -> Result<u8> {
-    let m = map_path(path, bytes)?;
+async fn read(client: &Client, lease: &str, bytes: Option<u64>, expect: Option<u8>) -> Result<u8> {
+    let m = map_lease(client, lease, bytes).await?;
     let sum: u64 = m.iter().map(|&b| u64::from(b)).sum();
     say(format!(
         "SUM {} {sum} {:#04x} {:#04x}",

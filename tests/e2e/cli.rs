@@ -157,7 +157,11 @@ async fn brokerctl_drives_a_real_broker() {
     assert_eq!(leases.as_array().unwrap().len(), 1);
     assert_eq!(leases[0]["lease_id"], lease.id());
     assert_eq!(leases[0]["bytes"], 4 * MIB);
-    assert!(leases[0]["handle"]["host_shm"].is_string());
+    assert_eq!(leases[0]["handle"]["fd"]["memory_kind"], "host_memfd");
+    assert!(
+        leases[0]["handle"]["fd"].get("ticket").is_none(),
+        "no ticket in listings"
+    );
     let none = json(&b, &["leases", "list", "--tenant", "team-b"]).await;
     assert_eq!(none, Value::Array(vec![]));
 

@@ -18,7 +18,7 @@ async fn sigkilled_worker_memory_returns_within_a_second() {
     )
     .await
     .unwrap();
-    let paths: Vec<_> = w.leases.iter().map(|l| l.path.clone()).collect();
+    let blocks: Vec<_> = w.leases.iter().map(|l| l.block.clone()).collect();
     assert_eq!(
         admin.get_quota("crashy").await.unwrap().usage.held_bytes,
         16 * MIB
@@ -62,18 +62,19 @@ async fn sigkilled_worker_memory_returns_within_a_second() {
         0
     );
 
-    // A new lease of the same size is served from the cache: no new file.
+    // A new lease of the same size is served from the cache: no new memory object.
     let c = Client::connect(&b.uri(), token).await.unwrap();
     let s = c.session("after-crash").await.unwrap();
     let l = s.lease(8 * MIB).await.unwrap();
-    let LeaseHandle::HostShm(p) = l.handle().clone() else {
+    let LeaseHandle::Fd(i) = l.handle().clone() else {
         panic!("{:?}", l.handle())
     };
-    assert!(paths.contains(&p), "{p:?} is one of {paths:?}");
+    let p = format!("fd:{}", i.block_id);
+    assert!(blocks.contains(&p), "{p:?} is one of {blocks:?}");
     let d = &admin.get_devices().await.unwrap()[0];
     assert_eq!(d.cached_bytes, 8 * MIB);
     assert_eq!(d.leased_bytes, 8 * MIB);
-    assert_eq!(b.shm_files().len(), 2, "{:?}", b.shm_files());
+    assert_eq!(b.memfds().len(), 2, "{:?}", b.memfds());
     l.release().await.unwrap();
 }
 

@@ -18,9 +18,7 @@ async fn writes_cross_process_boundaries_both_ways() {
         .unwrap();
     let lease = a.leases[0].clone();
     assert_eq!(lease.bytes, 6 * MIB);
-    let path = lease.path.display().to_string();
-
-    // The broker reports the same handle to the operator.
+    // The broker reports the same memory object to the operator (no ticket in listings).
     let all = b
         .admin()
         .await
@@ -30,16 +28,26 @@ async fn writes_cross_process_boundaries_both_ways() {
         .unwrap();
     assert_eq!(all.len(), 1);
     assert_eq!(all[0].lease_id, lease.id);
-    assert_eq!(
-        all[0].handle,
-        gpu_broker_client::LeaseHandle::HostShm(lease.path.clone())
-    );
+    match &all[0].handle {
+        gpu_broker_client::LeaseHandle::Fd(i) => {
+            assert_eq!(format!("fd:{}", i.block_id), lease.block);
+            assert!(i.ticket.is_empty());
+        }
+        other => panic!("{other:?}"),
+    }
+    // The test process maps it too, with a descriptor fetched with a ticket of its own.
+    let c = gpu_broker_client::Client::connect(&b.uri(), token.clone())
+        .await
+        .unwrap();
+    let (_, fd) = c.lease_fd(&lease.id).await.unwrap();
+    use std::os::fd::AsFd;
+    let mut mine = HostMapping::from_fd(fd.as_fd(), 0, lease.bytes).unwrap();
 
-    // Process B maps the same path and reads exactly the pattern.
+    // Process B maps the same lease and reads exactly the pattern.
     let reader = Proc::spawn(worker_cmd(
         &b,
         &token,
-        &["read", "--path", &path, "--expect-byte", "0xAB"],
+        &["read", "--lease", &lease.id, "--expect-byte", "0xAB"],
     ))
     .unwrap();
     let (status, out) = reader.finish(T).await.unwrap();
@@ -50,16 +58,13 @@ async fn writes_cross_process_boundaries_both_ways() {
     );
 
     // The test process sees it too.
-    {
-        let m = HostMapping::open(&lease.path, 0, lease.bytes).unwrap();
-        assert!(m.iter().all(|&x| x == 0xAB));
-    }
+    assert!(mine.iter().all(|&x| x == 0xAB));
 
     // Process B writes 0x5C; process A sees it.
     let writer = Proc::spawn(worker_cmd(
         &b,
         &token,
-        &["write", "--path", &path, "--pattern", "0x5C"],
+        &["write", "--lease", &lease.id, "--pattern", "0x5C"],
     ))
     .unwrap();
     let (status, out) = writer.finish(T).await.unwrap();
@@ -69,9 +74,8 @@ async fn writes_cross_process_boundaries_both_ways() {
 
     // A single byte written by the test at the very end is seen by A as well.
     {
-        let mut m = HostMapping::open(&lease.path, 0, lease.bytes).unwrap();
-        let last = m.len() - 1;
-        m[last] = 0x01;
+        let last = mine.len() - 1;
+        mine[last] = 0x01;
     }
     a.proc.send("check 0x5C").await.unwrap();
     assert_eq!(
@@ -85,7 +89,7 @@ async fn writes_cross_process_boundaries_both_ways() {
     let reader = Proc::spawn(worker_cmd(
         &b,
         &token,
-        &["read", "--path", &path, "--expect-byte", "0x77"],
+        &["read", "--lease", &lease.id, "--expect-byte", "0x77"],
     ))
     .unwrap();
     let (status, out) = reader.finish(T).await.unwrap();
@@ -103,10 +107,11 @@ async fn client_crate_lease_is_visible_to_a_worker_process() {
     let s = c.session("in-test").await.unwrap();
     let lease = s.lease(MIB + 1).await.unwrap();
     assert_eq!(lease.bytes(), 2 * MIB);
-    let path = match lease.handle() {
-        gpu_broker_client::LeaseHandle::HostShm(p) => p.display().to_string(),
-        other => panic!("host backend gives host_shm, got {other:?}"),
-    };
+    assert!(
+        matches!(lease.handle(), gpu_broker_client::LeaseHandle::Fd(i) if i.memory_kind == gpu_broker_client::MemoryKind::HostMemfd),
+        "host backend gives memfd fd leases, got {:?}",
+        lease.handle()
+    );
     {
         let mut m = lease.map().unwrap();
         assert_eq!(m.len() as u64, 2 * MIB);
@@ -115,7 +120,7 @@ async fn client_crate_lease_is_visible_to_a_worker_process() {
         }
     }
     let expected: u64 = (0..2 * MIB).map(|i| i % 251).sum();
-    let reader = Proc::spawn(worker_cmd(&b, &token, &["read", "--path", &path])).unwrap();
+    let reader = Proc::spawn(worker_cmd(&b, &token, &["read", "--lease", lease.id()])).unwrap();
     let (status, out) = reader.finish(T).await.unwrap();
     assert!(status.success(), "{out}");
     assert!(

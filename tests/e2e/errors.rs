@@ -582,7 +582,7 @@ async fn unavailable_while_shutting_down() {
     // Holding on past the grace does not stop the broker from exiting cleanly.
     let status = tokio::task::block_in_place(|| b.stop(Duration::from_secs(10))).unwrap();
     assert!(status.success(), "{status}");
-    assert!(b.shm_files().is_empty(), "{:?}", b.shm_files());
+    assert!(b.memfds().is_empty(), "{:?}", b.memfds());
     let err = held.release().await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err}");
 }

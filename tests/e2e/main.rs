@@ -12,6 +12,7 @@ mod devices;
 mod drain;
 mod errors;
 mod examples;
+mod fd_leases;
 mod isolation;
 mod observability;
 mod prometheus;

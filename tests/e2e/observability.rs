@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The metrics address the broker logged (`--metrics-listen 127.0.0.1:0`).
-async fn metrics_addr(b: &Broker) -> String {
+pub(crate) async fn metrics_addr(b: &Broker) -> String {
     let mut addr = None;
     let found = eventually(Duration::from_secs(5), || {
         let log = b.log_text();
@@ -23,7 +23,7 @@ async fn metrics_addr(b: &Broker) -> String {
     addr.unwrap_or_default()
 }
 
-async fn get(addr: &str, path: &str) -> String {
+pub(crate) async fn get(addr: &str, path: &str) -> String {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
         .await
@@ -33,7 +33,7 @@ async fn get(addr: &str, path: &str) -> String {
     out
 }
 
-fn gauge(text: &str, name_and_labels: &str) -> Option<f64> {
+pub(crate) fn gauge(text: &str, name_and_labels: &str) -> Option<f64> {
     text.lines()
         .find(|l| l.starts_with(name_and_labels))
         .and_then(|l| l.rsplit(' ').next())

@@ -220,11 +220,11 @@ async fn accounting_is_exact_after_churn_and_crashes() {
         assert_eq!(t.usage, Default::default(), "{}", t.name);
     }
     let on_disk: u64 = b
-        .shm_files()
+        .memfds()
         .iter()
         .map(|p| std::fs::metadata(p).unwrap().len())
         .sum();
-    assert_eq!(on_disk, d.cached_bytes, "{:?}", b.shm_files());
+    assert_eq!(on_disk, d.cached_bytes, "{:?}", b.memfds());
     assert_eq!(d.free_bytes, d.total_bytes - d.cached_bytes);
     assert!(d.cached_bytes <= d.leasable_bytes);
     assert!(admin.list_all_leases(None).await.unwrap().is_empty());

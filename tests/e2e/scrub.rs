@@ -1,63 +1,89 @@
-//! A block that held one tenant's bytes reaches another tenant only zeroed.
+//! Memory that held one tenant's bytes never reaches another tenant while a process may
+//! still map it: another tenant gets a fresh memory object (zero), and a mapping kept by
+//! the former holder (after release, after a revocation, in a helper or forked process
+//! that outlived the holder) keeps the old pages and never sees the new tenant's bytes.
+//! A tenant's own released blocks are reused (pooled) as before.
 
-use gpu_broker_client::QuotaSpec;
-use gpu_broker_client::{LeaseHandle, Session};
+use gpu_broker_client::{HostMapping, LeaseHandle, QuotaSpec, Session};
 use gpu_broker_tests::*;
-use std::path::PathBuf;
+use std::os::fd::AsFd;
 use std::time::Duration;
 
-fn path_of(l: &gpu_broker_client::Lease) -> PathBuf {
+fn block_of(l: &gpu_broker_client::Lease) -> String {
     match l.handle() {
-        LeaseHandle::HostShm(p) => p.clone(),
+        LeaseHandle::Fd(i) => format!("fd:{}", i.block_id),
         other => panic!("{other:?}"),
     }
 }
 
-async fn lease_filled(s: &Session, bytes: u64, byte: u8) -> (String, PathBuf) {
+/// A mapping of a lease made from a descriptor of its own: it outlives the lease, as a
+/// worker's mapping does when it releases without unmapping.
+async fn kept_mapping(l: &gpu_broker_client::Lease) -> HostMapping<'static> {
+    let fd = l.fetch_fd().await.unwrap();
+    HostMapping::from_fd(fd.as_fd(), 0, l.bytes()).unwrap()
+}
+
+async fn lease_filled(s: &Session, bytes: u64, byte: u8) -> String {
     let l = s.lease(bytes).await.unwrap();
     l.map().unwrap().fill(byte);
-    let path = path_of(&l);
-    let id = l.id().to_string();
+    let block = block_of(&l);
     l.release().await.unwrap();
-    (id, path)
+    block
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reused_block_is_zeroed_for_another_tenant() {
+async fn a_released_but_still_mapped_lease_never_shows_the_next_tenants_bytes() {
     let b = Broker::start().unwrap();
     let alice = b.client("alice", GIB).await.unwrap();
     let bob = b.client("bob", GIB).await.unwrap();
     let sa = alice.session("a").await.unwrap();
     let sb = bob.session("b").await.unwrap();
 
-    let (_, path_a) = lease_filled(&sa, 8 * MIB, 0xA5).await;
+    let la = sa.lease(8 * MIB).await.unwrap();
+    let block_a = block_of(&la);
+    let mut kept = kept_mapping(&la).await;
+    kept.fill(0xA5);
+    la.release().await.unwrap();
     let d = &devices(&b).await.unwrap()[0];
-    assert_eq!(d.cached_bytes, 8 * MIB);
-    assert_eq!(d.leased_bytes, 0);
+    assert_eq!((d.cached_bytes, d.leased_bytes), (8 * MIB, 0));
 
     let lb = sb.lease(8 * MIB).await.unwrap();
-    assert_eq!(path_of(&lb), path_a, "the cached block is reused");
+    assert_ne!(block_of(&lb), block_a, "another tenant gets a fresh object");
     let d = &devices(&b).await.unwrap()[0];
-    assert_eq!(d.cached_bytes, 0, "taken from the cache");
-    assert_eq!(b.shm_files().len(), 1);
+    assert_eq!(d.cached_bytes, 0, "alice's block was freed, not handed on");
+    assert_eq!(b.memfds().len(), 1, "{:?}", b.memfds());
     {
-        let m = lb.map().unwrap();
-        assert_eq!(m.len() as u64, 8 * MIB);
+        let mut m = lb.map().unwrap();
         if let Some(i) = m.iter().position(|&x| x != 0) {
-            panic!("bob reads alice's byte {:#04x} at {i}", m[i]);
+            panic!("bob reads byte {:#04x} at {i}", m[i]);
         }
+        m.fill(0xB0);
     }
-    // Bob's own bytes go back to alice zeroed too.
-    lb.map().unwrap().fill(0xB0);
+    assert!(
+        kept.iter().all(|&x| x == 0xA5),
+        "alice's kept mapping sees bob's bytes"
+    );
+    // Same-tenant reuse stays pooled: bob's block comes back to bob (no new object).
+    let block_b = block_of(&lb);
     lb.release().await.unwrap();
-    let la = sa.lease(8 * MIB).await.unwrap();
-    assert_eq!(path_of(&la), path_a);
-    assert!(la.map().unwrap().iter().all(|&x| x == 0));
-    la.release().await.unwrap();
+    let lb2 = sb.lease(8 * MIB).await.unwrap();
+    assert_eq!(block_of(&lb2), block_b, "own block reused");
+    assert!(lb2.map().unwrap().iter().all(|&x| x == 0xB0));
+    lb2.release().await.unwrap();
+    // And bob's bytes never go back to alice.
+    let la2 = sa.lease(8 * MIB).await.unwrap();
+    assert_ne!(block_of(&la2), block_b);
+    assert!(la2.map().unwrap().iter().all(|&x| x == 0));
+    la2.release().await.unwrap();
+    // Same-tenant reuse of a block with a pattern written before release.
+    assert_eq!(
+        lease_filled(&sa, 8 * MIB, 1).await,
+        lease_filled(&sa, 8 * MIB, 2).await
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_writer_block_is_zeroed_for_another_tenants_process() {
+async fn a_mapping_that_outlives_its_killed_holder_never_shows_the_next_tenants_bytes() {
     let b = Broker::start().unwrap();
     let ta = b.tenant("alice", QuotaSpec::new(GIB)).await.unwrap();
     let tb = b.tenant("bob", QuotaSpec::new(GIB)).await.unwrap();
@@ -66,7 +92,16 @@ async fn killed_writer_block_is_zeroed_for_another_tenants_process() {
     let mut a = hold(&b, &ta, &["--bytes", "4MiB", "--pattern", "0x3C"])
         .await
         .unwrap();
-    let path_a = a.leases[0].path.clone();
+    let held = a.leases[0].clone();
+    // Another process of alice's (this one, as a forked child or helper would) maps the
+    // lease with a descriptor of its own, then the holder dies.
+    let alice = gpu_broker_client::Client::connect(&b.uri(), ta.clone())
+        .await
+        .unwrap();
+    let (_, fd) = alice.lease_fd(&held.id).await.unwrap();
+    let keeper = HostMapping::from_fd(fd.as_fd(), 0, held.bytes).unwrap();
+    drop(fd);
+    assert!(keeper.iter().all(|&x| x == 0x3C));
     a.proc.kill().await.unwrap();
     assert!(
         eventually(Duration::from_secs(2), || async {
@@ -90,8 +125,12 @@ async fn killed_writer_block_is_zeroed_for_another_tenants_process() {
     )
     .await
     .unwrap();
-    assert_eq!(bw.leases[0].path, path_a, "the cached block is reused");
+    assert_ne!(bw.leases[0].block, held.block, "a fresh object for bob");
     assert_eq!(admin.get_devices().await.unwrap()[0].cached_bytes, 0);
+    assert!(
+        keeper.iter().all(|&x| x == 0x3C),
+        "the surviving mapping sees bob's bytes"
+    );
     bw.proc.kill().await.unwrap();
 }
 
@@ -119,7 +158,7 @@ async fn writes_after_revocation_never_reach_the_next_tenant() {
     let mut early = hold(&b, &tb, &["--bytes", "4MiB", "--expect-initial", "0"])
         .await
         .unwrap();
-    assert_ne!(early.leases[0].path, lease.path);
+    assert_ne!(early.leases[0].block, lease.block);
     early.proc.kill().await.unwrap();
     assert!(
         eventually(t, || async {
@@ -128,8 +167,7 @@ async fn writes_after_revocation_never_reach_the_next_tenant() {
         .await
     );
 
-    // Alice's process exits: the quarantined block goes to the cache, and reaches bob
-    // zeroed.
+    // Alice's process exits: the quarantined block goes to the cache, but never to bob.
     a.proc.kill().await.unwrap();
     assert!(
         eventually(t, || async {
@@ -144,13 +182,11 @@ async fn writes_after_revocation_never_reach_the_next_tenant() {
     let mut w2 = hold(&b, &tb, &["--bytes", "4MiB", "--expect-initial", "0"])
         .await
         .unwrap();
-    let paths = [w1.leases[0].path.clone(), w2.leases[0].path.clone()];
+    let blocks = [w1.leases[0].block.clone(), w2.leases[0].block.clone()];
     assert!(
-        paths.contains(&lease.path),
-        "{paths:?} reuse {:?}",
-        lease.path
+        !blocks.contains(&lease.block),
+        "{blocks:?} reuse alice's block"
     );
-    assert_eq!(admin.get_devices().await.unwrap()[0].cached_bytes, 0);
     w1.proc.kill().await.unwrap();
     w2.proc.kill().await.unwrap();
 }

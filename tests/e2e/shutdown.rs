@@ -49,7 +49,7 @@ async fn sigterm_with_live_leases_leaves_no_shm_files() {
         "{d:?}"
     );
     assert!(d.iter().map(|d| d.cached_bytes).sum::<u64>() > 0, "{d:?}");
-    assert_eq!(b.shm_files().len(), 6, "{:?}", b.shm_files());
+    assert_eq!(b.memfds().len(), 6, "{:?}", b.memfds());
 
     let t0 = Instant::now();
     b.signal(libc::SIGTERM);
@@ -84,7 +84,7 @@ async fn sigterm_with_live_leases_leaves_no_shm_files() {
     assert!(status.success(), "{status}\n{}", b.log_text());
     assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
     println!("shutdown took {took:?}");
-    assert!(b.shm_files().is_empty(), "left behind: {:?}", b.shm_files());
+    assert!(b.memfds().is_empty(), "left behind: {:?}", b.memfds());
     assert!(!b.socket.exists(), "socket file removed");
     w.proc
         .line_starting("EVENT closed", Duration::from_secs(5))
@@ -113,7 +113,7 @@ async fn sigint_on_an_idle_broker_exits_quickly_and_state_survives_a_restart() {
     let status = tokio::task::block_in_place(|| b.stop(Duration::from_secs(10))).unwrap();
     assert!(status.success(), "{status}");
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
-    assert!(b.shm_files().is_empty());
+    assert!(b.memfds().is_empty());
 
     // Same state directory: tenants, quotas and tokens survive a restart.
     tokio::task::block_in_place(|| b.spawn()).unwrap();
@@ -187,7 +187,7 @@ async fn stale_socket_is_replaced_and_a_live_one_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn socket_token_and_memory_files_have_private_modes() {
+async fn socket_token_and_ticket_socket_modes_and_no_memory_files() {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     let b = Broker::start().unwrap();
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
@@ -200,8 +200,13 @@ async fn socket_token_and_memory_files_have_private_modes() {
     let c = b.client("alice", GIB).await.unwrap();
     let s = c.session("s").await.unwrap();
     let l = s.lease(2 * MIB).await.unwrap();
-    let files = b.shm_files();
-    assert_eq!(files.len(), 1);
-    assert_eq!(mode(&files[0]), 0o600, "shared-memory file");
+    // Lease memory has no path at all: a memfd in the broker, nothing in the shm dir.
+    let objects = b.memfds();
+    assert_eq!(objects.len(), 1);
+    assert!(b.shm_dir_files().is_empty(), "{:?}", b.shm_dir_files());
+    // The ticket socket is open to every local process (a ticket is what grants access).
+    let tickets = b.socket.with_file_name("broker.tickets.sock");
+    assert!(std::fs::metadata(&tickets).unwrap().file_type().is_socket());
+    assert_eq!(mode(&tickets), 0o666, "ticket socket");
     l.release().await.unwrap();
 }

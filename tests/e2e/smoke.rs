@@ -20,5 +20,5 @@ async fn lease_round_trip_and_clean_shutdown() {
     let status =
         tokio::task::block_in_place(|| b.stop(std::time::Duration::from_secs(10))).unwrap();
     assert!(status.success(), "{status}\n{}", b.log_text());
-    assert!(b.shm_files().is_empty(), "left behind: {:?}", b.shm_files());
+    assert!(b.memfds().is_empty(), "left behind: {:?}", b.memfds());
 }

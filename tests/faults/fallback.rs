@@ -30,7 +30,7 @@ async fn host_fallback_within_the_host_limit() {
     let fc = Client::connect(&b.uri(), fill).await.unwrap();
     let fs = fc.session("fill").await.unwrap();
     let full = fs.lease(64 * MIB).await.unwrap();
-    let files_full = b.shm_files().len();
+    let files_full = b.memfds().len();
 
     let tc = Client::connect(&b.uri(), t).await.unwrap();
     let ts = tc.session("t").await.unwrap();
@@ -116,15 +116,15 @@ async fn host_fallback_within_the_host_limit() {
     let u = tenant(&admin, "t").await.usage;
     assert_eq!(u.host_held_bytes, 0, "{u:?}");
     let gone = eventually(Duration::from_secs(1), || async {
-        b.shm_files().len() <= files_full
+        b.memfds().len() <= files_full
     })
     .await;
-    assert!(gone, "host fallback files left: {:?}", b.shm_files());
+    assert!(gone, "host fallback files left: {:?}", b.memfds());
     ts.close();
     fs.close();
     ns.close();
     assert!(wait_all_zero(&admin, Duration::from_secs(2)).await.is_ok());
     let status = b.stop(Duration::from_secs(10)).unwrap();
     assert!(status.success(), "{status}");
-    assert!(b.shm_files().is_empty(), "left: {:?}", b.shm_files());
+    assert!(b.memfds().is_empty(), "left: {:?}", b.memfds());
 }

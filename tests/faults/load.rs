@@ -592,7 +592,7 @@ async fn two_hundred_workers_with_kills_keep_every_invariant() {
 
     let status = b.stop(Duration::from_secs(15)).unwrap();
     assert!(status.success(), "{status}");
-    assert!(b.shm_files().is_empty(), "left: {:?}", b.shm_files());
+    assert!(b.memfds().is_empty(), "left: {:?}", b.memfds());
     assert!(
         !b.log_text().contains("panicked"),
         "the broker panicked:\n{}",

@@ -276,19 +276,50 @@ impl Broker {
         Ok(())
     }
 
-    /// Files left in this broker's shared-memory directory.
-    /// Block files only: a device's owner lock (`gpu-broker-...-lock`) is not memory.
-    pub fn shm_files(&self) -> Vec<PathBuf> {
-        list(&self.shm_dir)
+    /// The host memory objects (memfds) this broker process holds open, as
+    /// `/proc/<pid>/fd/<n>` paths (`metadata()` gives each one's size). Empty once the
+    /// process is gone: memfd memory leaves nothing behind.
+    pub fn memfds(&self) -> Vec<PathBuf> {
+        let Some(pid) = self.pid() else {
+            return Vec::new();
+        };
+        fd_links(pid)
             .into_iter()
-            .filter(|p| !p.to_string_lossy().ends_with("-lock"))
+            .filter(|(_, link)| link.starts_with("/memfd:gpu-broker"))
+            .map(|(p, _)| p)
             .collect()
+    }
+
+    /// How many descriptors this broker process has open (`None` when it is gone or its
+    /// fd table cannot be read).
+    pub fn open_fds(&self) -> Option<usize> {
+        let pid = self.pid()?;
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .ok()
+            .map(|rd| rd.count())
+    }
+
+    /// Files in the directory the broker was given as `--host-shm-dir` (it must create
+    /// none: host memory is memfd memory).
+    pub fn shm_dir_files(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(&self.shm_dir)
+            .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default()
     }
 }
 
-fn list(dir: &Path) -> Vec<PathBuf> {
-    std::fs::read_dir(dir)
-        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
+/// `(/proc/<pid>/fd/<n>, link target)` of every descriptor of `pid`.
+pub fn fd_links(pid: u32) -> Vec<(PathBuf, String)> {
+    let dir = PathBuf::from(format!("/proc/{pid}/fd"));
+    std::fs::read_dir(&dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| {
+                    let link = std::fs::read_link(e.path()).ok()?;
+                    Some((e.path(), link.to_string_lossy().into_owned()))
+                })
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -465,7 +496,8 @@ impl Proc {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HeldLease {
     pub id: String,
-    pub path: PathBuf,
+    /// Identifies the memory object (`fd:<block id>`): equal for the same block.
+    pub block: String,
     pub bytes: u64,
     pub device: u32,
 }
@@ -508,7 +540,7 @@ pub async fn hold(broker: &Broker, token: &str, args: &[&str]) -> Result<Held> {
             Some("READY") => break,
             Some("LEASE") if w.len() == 5 => leases.push(HeldLease {
                 id: w[1].to_string(),
-                path: PathBuf::from(w[2]),
+                block: w[2].to_string(),
                 bytes: w[3].parse()?,
                 device: w[4].parse()?,
             }),

@@ -229,7 +229,8 @@ impl Arbiter {
         })
     }
 
-    fn validate(&self, req: &AcquireRequest) -> BrokerResult<()> {
+    /// Checks a request's values (sizes, device, wait, label) without looking at state.
+    pub fn validate(&self, req: &AcquireRequest) -> BrokerResult<()> {
         if req.bytes == 0 {
             return Err(BrokerError::InvalidArgument("bytes must be > 0".into()));
         }
@@ -346,7 +347,21 @@ impl Arbiter {
             let _ = reply.send(Err(e));
             return;
         }
-        let mut source = st.pools[d as usize].reserve(ask.bytes, &ask.tenant);
+        let mut source = match st.pools[d as usize].reserve(ask.bytes, &ask.tenant) {
+            // Another tenant's block that a process may still map: it never reaches this
+            // tenant. Free it (a surviving mapping keeps its old pages, reaching nobody
+            // else) and give a fresh memory object of the same size.
+            Source::Cached { block, scrub: true } if !reusable_across_tenants(&block) => {
+                self.metrics.cross_tenant_fresh();
+                st.pools[d as usize].note_replaced(true);
+                tracing::debug!(device = d, tenant = %ask.tenant, "cached block of another tenant may still be mapped; allocating fresh");
+                self.free_on_device(d, block);
+                Source::Fresh {
+                    evicted: Vec::new(),
+                }
+            }
+            other => other,
+        };
         if let Source::Cached {
             block,
             scrub: false,
@@ -397,6 +412,7 @@ impl Arbiter {
                 match r {
                     Ok(()) => Ok(Block {
                         last_tenant: None,
+                        holders: Default::default(),
                         ..block
                     }),
                     Err(e) => {
@@ -436,6 +452,9 @@ impl Arbiter {
                 session_not_found(ask.session)
             });
         }
+        let holder = st.sessions.get(&ask.session).and_then(|s| s.peer.pid);
+        let mut block = block;
+        block.holders.add(holder);
         st.ledger.commit(&ask.tenant, ask.bytes);
         st.pools[d as usize].commit(ask.bytes);
         self.metrics.granted(Tier::Device);
@@ -623,11 +642,24 @@ fn fresh_block(
             alloc: a,
             handle,
             last_tenant: None,
+            holders: Default::default(),
         }),
         Err(e) => {
             let _ = dev.free(a);
             Err(e)
         }
+    }
+}
+
+/// May a cached block that held another tenant's bytes be scrubbed and handed on? Only
+/// when no process that may map it is alive. For fd memory (memfd, CUDA VMM) the broker
+/// cannot know who the holder passed the descriptor to (fork, `SCM_RIGHTS`), so never: a
+/// fresh object costs little. For legacy CUDA IPC memory, once every process the handle
+/// went to is gone.
+fn reusable_across_tenants(block: &Block) -> bool {
+    match &block.handle {
+        crate::device::Handle::Fd { .. } => false,
+        crate::device::Handle::CudaIpc(_) => block.holders.all_gone(crate::process::process_alive),
     }
 }
 

@@ -59,6 +59,7 @@ impl Arbiter {
         ending: Ending,
     ) -> Option<LeaseView> {
         let lease = st.leases.remove(&id)?;
+        self.tickets.forget_lease(id);
         let view = st.view(&lease);
         if let Some(s) = st.sessions.get_mut(&lease.session) {
             s.leases.remove(&id);

@@ -145,6 +145,8 @@ pub struct Arbiter {
     pub(crate) cfg: ArbiterConfig,
     /// Compute turns (time-slicing); separate from memory, with its own lock.
     pub(crate) scheduler: crate::scheduler::Scheduler,
+    /// Tickets that deliver fd leases (served by `tickets::serve`).
+    pub(crate) tickets: Arc<crate::tickets::TicketTable>,
     draining: AtomicBool,
     /// Operator changes, durable in the store (`audit.rs`).
     pub(crate) audit_log: crate::audit::AuditLog,
@@ -195,6 +197,7 @@ impl Arbiter {
             store,
             auth,
             cfg,
+            tickets: Arc::default(),
             draining: AtomicBool::new(false),
             metrics: crate::metrics::Metrics::new(),
         };
@@ -210,6 +213,40 @@ impl Arbiter {
     /// The arbiter's configuration.
     pub fn config(&self) -> &ArbiterConfig {
         &self.cfg
+    }
+
+    /// The lease tickets (the ticket server redeems them).
+    pub fn tickets(&self) -> &Arc<crate::tickets::TicketTable> {
+        &self.tickets
+    }
+
+    /// Do device leases carry legacy CUDA IPC handles (operator's choice) instead of fds?
+    pub fn legacy_ipc(&self) -> bool {
+        self.devices.iter().any(|d| d.thread.desc().legacy_ipc)
+    }
+
+    /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
+    pub fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
+        match self.state.lock().sessions.get(&session) {
+            Some(s) if s.tenant == tenant => Ok(s.peer),
+            _ => Err(session_not_found(session)),
+        }
+    }
+
+    /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
+    pub fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
+        let st = self.state.lock();
+        match st.leases.get(&lease) {
+            Some(l) if l.tenant == tenant => {
+                let peer = st
+                    .sessions
+                    .get(&l.session)
+                    .map(|s| s.peer)
+                    .unwrap_or_default();
+                Ok((st.view(l), peer))
+            }
+            _ => Err(lease_not_found(lease)),
+        }
     }
 
     /// The authenticator shared with the service layer.

@@ -21,9 +21,9 @@ fn fixture(capacity: u64, devices: u32, cfg: ArbiterConfig) -> Fixture {
         cuda_devices: None,
         host_capacity: capacity,
         host_devices: devices,
-        host_shm_dir: dir.path().to_path_buf(),
         headroom: Headroom::Bytes(0),
         host_uuid_seed: None,
+        legacy_ipc: false,
     };
     let slots = open_devices(&spec).unwrap();
     let arb = Arbiter::new(slots, None, None, Arc::new(Authenticator::new("x")), cfg).unwrap();
@@ -62,11 +62,26 @@ impl Fixture {
     }
 }
 
-fn path_of(h: &Handle) -> std::path::PathBuf {
+/// The memory object behind an fd handle, as a `File` (a dup of the broker's descriptor).
+fn file_of(h: &Handle) -> std::fs::File {
     match h {
-        Handle::HostShm(p) => p.clone(),
+        Handle::Fd { fd, .. } => std::fs::File::from(fd.0.try_clone().unwrap()),
         Handle::CudaIpc(_) => panic!("host backend"),
     }
+}
+
+fn block_of(h: &Handle) -> u64 {
+    match h {
+        Handle::Fd { block_id, .. } => *block_id,
+        Handle::CudaIpc(b) => u64::from_le_bytes(b[..8].try_into().unwrap()),
+    }
+}
+
+/// Maps a handle's memory object shared, as a worker would.
+fn map_of(h: &Handle, len: usize) -> memmap2::MmapMut {
+    let f = file_of(h);
+    // SAFETY: a test-only shared mapping of the lease's memory object.
+    unsafe { memmap2::MmapOptions::new().len(len).map_mut(&f).unwrap() }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -97,31 +112,46 @@ async fn released_block_is_reused_without_scrub_by_its_tenant() {
     let f = fixture(64 * MIB, 1, ArbiterConfig::default());
     let s = f.tenant("a", quota(64 * MIB));
     let l1 = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    std::fs::write(path_of(&l1.handle), vec![7u8; 16]).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file_of(&l1.handle), &[7u8; 16], 0).unwrap();
     f.arb.release("a", l1.id).unwrap();
     let l2 = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
     assert_eq!(
-        path_of(&l2.handle),
-        path_of(&l1.handle),
+        block_of(&l2.handle),
+        block_of(&l1.handle),
         "same block reused"
+    );
+    assert_eq!(
+        l2.handle, l1.handle,
+        "same exported descriptor: no new export"
     );
     let st = f.arb.state.lock().pools[0].stats();
     assert_eq!((st.hits, st.scrubs), (1, 0));
 }
 
+/// A worker that released a lease but kept its mapping (or whose forked child did) never
+/// sees the next tenant's bytes: another tenant gets a fresh memory object, and the old
+/// mapping keeps the old pages.
 #[tokio::test]
-async fn another_tenant_gets_a_scrubbed_block() {
+async fn another_tenant_gets_a_fresh_memory_object_not_a_mapped_one() {
     let f = fixture(64 * MIB, 1, ArbiterConfig::default());
     let a = f.tenant("a", quota(64 * MIB));
     let b = f.tenant("b", quota(64 * MIB));
     let l1 = f.arb.acquire(req("a", a, 2 * MIB)).await.unwrap();
-    let p = path_of(&l1.handle);
-    std::fs::write(&p, vec![0xAB; 2 * MIB as usize]).unwrap();
+    let mut kept = map_of(&l1.handle, 2 * MIB as usize);
+    kept.fill(0xAB);
     f.arb.release("a", l1.id).unwrap();
     let l2 = f.arb.acquire(req("b", b, 2 * MIB)).await.unwrap();
-    assert_eq!(path_of(&l2.handle), p, "cached block reused across tenants");
-    let bytes = std::fs::read(&p).unwrap();
-    assert!(bytes.iter().all(|&x| x == 0), "block not scrubbed");
+    assert_ne!(block_of(&l2.handle), block_of(&l1.handle), "fresh object");
+    let mut m2 = map_of(&l2.handle, 2 * MIB as usize);
+    assert!(m2.iter().all(|&x| x == 0), "fresh memory is zero");
+    m2.fill(0xCD);
+    assert!(
+        kept.iter().all(|&x| x == 0xAB),
+        "the old mapping must not see the new tenant's bytes"
+    );
+    // Accounting: one lease of 2 MiB, the old block freed (not cached).
+    let st = f.arb.state.lock().pools[0].stats();
+    assert_eq!((st.leased, st.cached), (2 * MIB, 0));
 }
 
 #[tokio::test]
@@ -455,6 +485,12 @@ impl crate::device::Device for OutsideDevice {
         &mut self,
         a: &crate::device::Allocation,
     ) -> Result<Handle, crate::device::DeviceError> {
+        if self.desc.legacy_ipc {
+            // A stand-in legacy handle naming the allocation.
+            let mut h = [0u8; 64];
+            h[..8].copy_from_slice(&a.id.to_le_bytes());
+            return Ok(Handle::CudaIpc(h));
+        }
         self.inner.export(a)
     }
     fn scrub(&mut self, a: &crate::device::Allocation) -> Result<(), crate::device::DeviceError> {
@@ -487,14 +523,28 @@ fn outside_fixture(
     Arc<std::sync::atomic::AtomicU64>,
     tempfile::TempDir,
 ) {
+    fake_cuda_fixture(cfg, false)
+}
+
+/// Like `outside_fixture`; with `legacy` the device exports legacy CUDA IPC handles.
+fn fake_cuda_fixture(
+    cfg: ArbiterConfig,
+    legacy: bool,
+) -> (
+    Arc<Arbiter>,
+    Arc<std::sync::atomic::AtomicU64>,
+    tempfile::TempDir,
+) {
     use crate::device::thread::DeviceThread;
     let dir = tempfile::tempdir().unwrap();
     let outside = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (o, d) = (outside.clone(), dir.path().to_path_buf());
     let thread = DeviceThread::spawn("fake-cuda".into(), move || {
-        let inner = crate::device::host::HostDevice::new(0, 64 * MIB, &d)?;
+        let _ = &d;
+        let inner = crate::device::host::HostDevice::new(0, 64 * MIB)?;
         let desc = crate::device::DeviceDesc {
             backend: crate::device::BackendKind::Cuda,
+            legacy_ipc: legacy,
             ..crate::device::Device::desc(&inner).clone()
         };
         Ok(Box::new(OutsideDevice {
@@ -621,4 +671,44 @@ async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
     for w in waiters {
         w.abort();
     }
+}
+
+/// Legacy CUDA IPC memory goes to another tenant only once every process its handle went
+/// to is gone; while one may still run, the other tenant gets a fresh allocation.
+#[tokio::test]
+async fn legacy_ipc_block_is_reused_across_tenants_only_after_its_holder_exits() {
+    let (arb, _outside, _dir) = fake_cuda_fixture(ArbiterConfig::default(), true);
+    arb.set_quota("a", quota(64 * MIB)).unwrap();
+    arb.set_quota("b", quota(64 * MIB)).unwrap();
+    let mut holder = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let peer = Peer {
+        pid: Some(holder.id()),
+        uid: Some(0),
+        unix: true,
+    };
+    let (sa, _ra) = arb.open_session("a", "w", peer).unwrap();
+    let (sb, _rb) = arb.open_session("b", "w", Peer::default()).unwrap();
+    let la = arb.acquire(req("a", sa, 4 * MIB)).await.unwrap();
+    arb.release("a", la.id).unwrap();
+    // The holder still runs (it may have kept the handle open): b gets other memory.
+    let lb1 = arb.acquire(req("b", sb, 4 * MIB)).await.unwrap();
+    assert_ne!(block_of(&lb1.handle), block_of(&la.handle));
+    // (a's first block was freed for that.) A new block of a, released; its holder exits.
+    let la2 = arb.acquire(req("a", sa, 4 * MIB)).await.unwrap();
+    let la2_block = block_of(&la2.handle);
+    arb.release("a", la2.id).unwrap();
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    // Now no process that got a's handle lives: b may get that block (scrubbed).
+    let lb2 = arb.acquire(req("b", sb, 4 * MIB)).await.unwrap();
+    assert_eq!(
+        block_of(&lb2.handle),
+        la2_block,
+        "reused once the holder is gone"
+    );
+    let st = arb.state.lock().pools[0].stats();
+    assert_eq!((st.scrubs, st.hits, st.misses), (1, 1, 3), "{st:?}");
 }

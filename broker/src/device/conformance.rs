@@ -169,9 +169,23 @@ fn export_gives_distinct_handles(dev: &mut dyn Device) {
             Handle::CudaIpc(bytes) => {
                 assert!(bytes.iter().any(|&x| x != 0), "all-zero CUDA IPC handle")
             }
-            Handle::HostShm(path) => {
-                let len = std::fs::metadata(path).expect("exported file exists").len();
-                assert_eq!(len, al.bytes, "exported file has the wrong size");
+            Handle::Fd { kind, fd, size, .. } => {
+                assert!(
+                    *size >= al.bytes,
+                    "exported object is smaller than the allocation"
+                );
+                // SAFETY: fcntl on a descriptor the handle keeps open.
+                let flags = unsafe { libc::fcntl(fd.raw(), libc::F_GETFD) };
+                assert!(flags >= 0, "exported fd is not open");
+                assert!(
+                    flags & libc::FD_CLOEXEC != 0,
+                    "exported fd must be close-on-exec"
+                );
+                if *kind == crate::device::MemoryKind::HostMemfd {
+                    let f = std::fs::File::from(fd.0.try_clone().expect("dup"));
+                    let len = f.metadata().expect("fstat").len();
+                    assert_eq!(len, *size, "memfd has the wrong size");
+                }
             }
         }
     }

@@ -193,6 +193,7 @@ impl CudaDevice {
                 backend: BackendKind::Cuda,
                 total_bytes: total as u64,
                 granularity: CUDA_GRANULARITY,
+                legacy_ipc: true,
             },
             dev,
             ctx,

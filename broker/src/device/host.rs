@@ -1,18 +1,21 @@
-//! The `host` backend: a simulated device whose allocations are real shared-memory files
-//! (by default under `/dev/shm`), so a second process can map a lease and see the bytes
-//! the first one wrote. Capacity is enforced exactly like a GPU's: an allocation that
-//! would exceed it fails with `OutOfMemory`. Files are created 0600 with unique names,
-//! removed on free, and every remaining one is removed when the device is dropped.
+//! The `host` backend: a simulated device whose allocations are real memory objects made
+//! with `memfd_create`, so a worker that receives the descriptor (over the ticket socket,
+//! with `SCM_RIGHTS`) maps the same pages and sees the bytes the broker or another mapping
+//! wrote. A memfd has no path: nothing to guess or list, no file to clean up after any
+//! crash (the memory goes when the last descriptor and mapping of it go), and workers of
+//! any uid can map the descriptor they were given. Capacity is enforced exactly like a
+//! GPU's: an allocation that would exceed it fails with `OutOfMemory`.
 
 use super::{
-    check_range, Allocation, BackendKind, Device, DeviceDesc, DeviceError, Handle, MemInfo,
+    check_range, new_block_id, Allocation, BackendKind, Device, DeviceDesc, DeviceError, Handle,
+    MemInfo, MemoryKind, SharedFd,
 };
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
-use std::io::{Seek, SeekFrom, Write};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::os::unix::io::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
 
 /// Granularity of the simulated device: 2 MiB, as the GPU's.
 pub const HOST_GRANULARITY: u64 = 2 << 20;
@@ -40,51 +43,40 @@ pub fn synthetic_uuid(seed: &str, index: u32) -> String {
     )
 }
 
-/// A simulated device backed by files in a directory.
+/// One live memory object.
+struct Live {
+    fd: SharedFd,
+    block_id: u64,
+}
+
+/// A simulated device backed by memfd memory objects.
 pub struct HostDevice {
     desc: DeviceDesc,
-    dir: PathBuf,
-    prefix: String,
     allocated: u64,
     next_id: u64,
-    live: HashMap<u64, PathBuf>,
-    /// Marks this device's files as a live broker's (see `shm_owner`).
-    _owner: super::shm_owner::OwnerLock,
+    live: HashMap<u64, Live>,
 }
 
 impl HostDevice {
-    /// A device of `capacity` bytes whose blocks are files in `dir` (created if missing).
-    pub fn new(index: u32, capacity: u64, dir: &Path) -> Result<HostDevice, DeviceError> {
-        std::fs::create_dir_all(dir).map_err(|source| DeviceError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-        super::shm_owner::remove_stale_files(dir);
-        let prefix = format!(
-            "gpu-broker-{}-{}-dev{}-",
+    /// A device of `capacity` bytes.
+    pub fn new(index: u32, capacity: u64) -> Result<HostDevice, DeviceError> {
+        // A fresh identity each start unless `with_uuid_seed` gives a stable one.
+        let seed = format!(
+            "gpu-broker-{}-{}-dev{index}",
             std::process::id(),
-            &uuid::Uuid::new_v4().simple().to_string()[..8],
-            index
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
         );
-        let uuid = synthetic_uuid(&prefix, index);
-        let owner =
-            super::shm_owner::OwnerLock::take(dir, &prefix).map_err(|source| DeviceError::Io {
-                path: dir.to_path_buf(),
-                source,
-            })?;
         Ok(HostDevice {
-            _owner: owner,
             desc: DeviceDesc {
                 index,
                 name: format!("host-sim-{index}"),
-                uuid,
+                uuid: synthetic_uuid(&seed, index),
                 model: HOST_MODEL.to_string(),
                 backend: BackendKind::Host,
                 total_bytes: capacity,
                 granularity: HOST_GRANULARITY,
+                legacy_ipc: false,
             },
-            dir: dir.to_path_buf(),
-            prefix,
             allocated: 0,
             next_id: 1,
             live: HashMap::new(),
@@ -98,27 +90,49 @@ impl HostDevice {
         self
     }
 
-    /// Directory holding the block files.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    fn live(&self, alloc: &Allocation) -> Result<&Live, DeviceError> {
+        self.live
+            .get(&alloc.id)
+            .ok_or(DeviceError::UnknownAllocation(alloc.id))
     }
 
-    fn open(&self, alloc: &Allocation) -> Result<(File, PathBuf), DeviceError> {
-        let path = self
-            .live
-            .get(&alloc.id)
-            .ok_or(DeviceError::UnknownAllocation(alloc.id))?
-            .clone();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|source| DeviceError::Io {
-                path: path.clone(),
-                source,
-            })?;
-        Ok((file, path))
+    /// A `File` over a duplicate of the allocation's descriptor (for reads and writes).
+    fn file(&self, alloc: &Allocation) -> Result<File, DeviceError> {
+        let fd = self
+            .live(alloc)?
+            .fd
+            .0
+            .try_clone()
+            .map_err(|e| io(alloc, e))?;
+        Ok(File::from(fd))
     }
+}
+
+fn io(alloc: &Allocation, source: std::io::Error) -> DeviceError {
+    DeviceError::Io {
+        path: PathBuf::from(format!("memfd:allocation-{}", alloc.id)),
+        source,
+    }
+}
+
+/// A new close-on-exec, sealable memfd of `bytes` bytes named `name` (the name is only a
+/// label in `/proc/<pid>/fd`).
+pub fn memfd(name: &str, bytes: u64) -> std::io::Result<OwnedFd> {
+    let cname = CString::new(name).map_err(std::io::Error::other)?;
+    // SAFETY: a valid NUL-terminated name; flags are plain constants.
+    let raw =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let len = libc::off_t::try_from(bytes).map_err(std::io::Error::other)?;
+    // SAFETY: ftruncate on the descriptor just created.
+    if unsafe { libc::ftruncate(raw, len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(fd)
 }
 
 impl Device for HostDevice {
@@ -150,51 +164,51 @@ impl Device for HostDevice {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let path = self.dir.join(format!("{}{id}", self.prefix));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|source| DeviceError::Io {
-                path: path.clone(),
-                source,
-            })?;
-        if let Err(source) = file.set_len(bytes) {
-            let _ = std::fs::remove_file(&path);
-            return Err(DeviceError::Io { path, source });
-        }
+        let name = format!("gpu-broker-dev{}-{id}", self.desc.index);
+        let fd = memfd(&name, bytes).map_err(|source| DeviceError::Io {
+            path: PathBuf::from(format!("memfd:{name}")),
+            source,
+        })?;
         self.allocated += bytes;
-        self.live.insert(id, path.clone());
+        self.live.insert(
+            id,
+            Live {
+                fd: SharedFd::new(fd),
+                block_id: new_block_id(),
+            },
+        );
         Ok(Allocation {
             id,
             bytes,
             addr: 0,
-            path: Some(path),
+            path: None,
         })
     }
 
     fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError> {
-        let path = self
-            .live
+        // Dropping our descriptor; a mapping or descriptor a worker still has keeps its
+        // pages (they reach nobody else: nothing else can open this object).
+        self.live
             .remove(&alloc.id)
             .ok_or(DeviceError::UnknownAllocation(alloc.id))?;
         self.allocated -= alloc.bytes;
-        std::fs::remove_file(&path).map_err(|source| DeviceError::Io { path, source })
+        Ok(())
     }
 
     fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError> {
-        let path = self
-            .live
-            .get(&alloc.id)
-            .ok_or(DeviceError::UnknownAllocation(alloc.id))?;
-        Ok(Handle::HostShm(path.clone()))
+        let live = self.live(alloc)?;
+        Ok(Handle::Fd {
+            kind: MemoryKind::HostMemfd,
+            fd: live.fd.clone(),
+            block_id: live.block_id,
+            size: alloc.bytes,
+        })
     }
 
     fn scrub(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
-        let (mut file, path) = self.open(alloc)?;
-        // Punching a hole zeroes the range and gives the pages back at once on tmpfs.
+        let file = self.file(alloc)?;
+        use std::os::fd::AsRawFd;
+        // Punching a hole zeroes the range and gives the pages back at once.
         // SAFETY: fallocate on a valid, owned fd with an in-range length.
         let rc = unsafe {
             libc::fallocate(
@@ -207,18 +221,13 @@ impl Device for HostDevice {
         if rc == 0 {
             return Ok(());
         }
-        // Filesystems without hole punching: write zeros.
         let zeros = vec![0u8; 1 << 20];
-        let io = |source| DeviceError::Io {
-            path: path.clone(),
-            source,
-        };
-        file.seek(SeekFrom::Start(0)).map_err(io)?;
-        let mut left = alloc.bytes;
-        while left > 0 {
-            let n = left.min(zeros.len() as u64) as usize;
-            file.write_all(&zeros[..n]).map_err(io)?;
-            left -= n as u64;
+        let mut at = 0;
+        while at < alloc.bytes {
+            let n = (alloc.bytes - at).min(zeros.len() as u64) as usize;
+            file.write_all_at(&zeros[..n], at)
+                .map_err(|e| io(alloc, e))?;
+            at += n as u64;
         }
         Ok(())
     }
@@ -230,26 +239,18 @@ impl Device for HostDevice {
         len: usize,
     ) -> Result<Vec<u8>, DeviceError> {
         check_range(alloc, offset, len as u64)?;
-        let (file, path) = self.open(alloc)?;
+        let file = self.file(alloc)?;
         let mut buf = vec![0u8; len];
         file.read_exact_at(&mut buf, offset)
-            .map_err(|source| DeviceError::Io { path, source })?;
+            .map_err(|e| io(alloc, e))?;
         Ok(buf)
     }
 
     fn write(&mut self, alloc: &Allocation, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         check_range(alloc, offset, data.len() as u64)?;
-        let (file, path) = self.open(alloc)?;
-        file.write_all_at(data, offset)
-            .map_err(|source| DeviceError::Io { path, source })
-    }
-}
-
-impl Drop for HostDevice {
-    fn drop(&mut self) {
-        for path in self.live.values() {
-            let _ = std::fs::remove_file(path);
-        }
+        self.file(alloc)?
+            .write_all_at(data, offset)
+            .map_err(|e| io(alloc, e))
     }
 }
 
@@ -259,13 +260,9 @@ mod tests {
 
     #[test]
     fn host_backend_passes_conformance() {
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path().to_path_buf();
         crate::device::conformance::run_all(&mut || {
-            Ok(Box::new(HostDevice::new(0, 256 << 20, &d)?) as Box<dyn Device>)
+            Ok(Box::new(HostDevice::new(0, 256 << 20)?) as Box<dyn Device>)
         });
-        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
-        assert!(left.is_empty(), "files left behind: {left:?}");
     }
 
     #[test]
@@ -276,8 +273,7 @@ mod tests {
         assert_ne!(a, synthetic_uuid("/var/lib/other", 0));
         let u = uuid::Uuid::parse_str(a.strip_prefix("HOST-").unwrap()).unwrap();
         assert_eq!(u.get_version_num(), 8);
-        let dir = tempfile::tempdir().unwrap();
-        let dev = HostDevice::new(3, 16 << 20, dir.path())
+        let dev = HostDevice::new(3, 16 << 20)
             .unwrap()
             .with_uuid_seed("/var/lib/gpu-broker");
         assert_eq!(dev.desc().uuid, synthetic_uuid("/var/lib/gpu-broker", 3));
@@ -285,27 +281,23 @@ mod tests {
     }
 
     #[test]
-    fn stale_files_of_dead_brokers_are_removed() {
-        let dir = tempfile::tempdir().unwrap();
-        let stale = dir.path().join("gpu-broker-4294967294-abcd1234-dev0-1");
-        let other = dir.path().join("unrelated-file");
-        std::fs::write(&stale, b"x").unwrap();
-        std::fs::write(&other, b"x").unwrap();
-        let _dev = HostDevice::new(0, 16 << 20, dir.path()).unwrap();
-        assert!(!stale.exists());
-        assert!(other.exists());
-    }
-
-    #[test]
-    fn files_are_private_and_removed_on_drop() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let mut dev = HostDevice::new(0, 16 << 20, dir.path()).unwrap();
+    fn memory_is_a_memfd_with_no_path_and_goes_with_its_descriptors() {
+        let mut dev = HostDevice::new(0, 16 << 20).unwrap();
         let a = dev.alloc(4096).unwrap();
-        let path = a.path.clone().unwrap();
-        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o600);
-        drop(dev);
-        assert!(!path.exists());
+        assert!(a.path.is_none());
+        let Handle::Fd { kind, fd, size, .. } = dev.export(&a).unwrap() else {
+            panic!("host exports fds");
+        };
+        assert_eq!((kind, size), (MemoryKind::HostMemfd, 4096));
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.raw())).unwrap();
+        assert!(
+            link.to_string_lossy()
+                .starts_with("/memfd:gpu-broker-dev0-"),
+            "{link:?}"
+        );
+        assert_eq!(std::sync::Arc::strong_count(&fd.0), 2);
+        dev.free(a).unwrap();
+        // Only the exported handle keeps it now; dropping that closes the memfd.
+        assert_eq!(std::sync::Arc::strong_count(&fd.0), 1);
     }
 }

@@ -2,8 +2,8 @@
 //! whole allocations, exports them as handles another process can map, zeroes them, and
 //! reports its memory. It knows nothing about tenants, quotas or gRPC.
 //!
-//! Backends: [`host`] (a simulated device made of shared-memory files, for machines without
-//! a GPU) and [`cuda`] (the CUDA driver API through cudarc, loaded at run time). Every
+//! Backends: [`host`] (a simulated device made of memfd memory objects, for machines
+//! without a GPU) and [`cuda`] (the CUDA driver API through cudarc, loaded at run time). Every
 //! backend must pass the [`conformance`] suite. Each device lives on its own OS thread
 //! ([`thread::DeviceThread`]) that does all of its driver work; the async side talks to it
 //! through a channel and never blocks on the driver.
@@ -15,7 +15,9 @@ pub mod shm_owner;
 pub mod thread;
 
 use std::fmt;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Which implementation backs a device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +55,8 @@ pub struct DeviceDesc {
     pub total_bytes: u64,
     /// Allocation granularity in bytes: leases are rounded up to a multiple of it.
     pub granularity: u64,
+    /// Exports legacy CUDA IPC handles (`cuMemAlloc` memory) instead of file descriptors.
+    pub legacy_ipc: bool,
 }
 
 /// Free and total memory as the device reports it now.
@@ -71,17 +75,66 @@ pub struct Allocation {
     pub bytes: u64,
     /// Device pointer (`CUdeviceptr`) for `cuda`; 0 for `host`.
     pub addr: u64,
-    /// Backing file for `host`; `None` for `cuda`.
+    /// Backing file, for backends that have one (none today: host memory is a memfd).
     pub path: Option<PathBuf>,
+}
+
+/// What the file descriptor of a [`Handle::Fd`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// CUDA VMM memory (`cuMemCreate`) exported as a POSIX file descriptor.
+    CudaVmm,
+    /// A `memfd_create` memory object.
+    HostMemfd,
+}
+
+/// A file descriptor shared by the pool and the tickets that deliver it; closed when the
+/// last holder drops it. Equal only to itself (same descriptor object).
+#[derive(Clone)]
+pub struct SharedFd(pub Arc<OwnedFd>);
+
+impl SharedFd {
+    pub fn new(fd: OwnedFd) -> SharedFd {
+        SharedFd(Arc::new(fd))
+    }
+    /// The descriptor number in the broker (valid while this lives).
+    pub fn raw(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl PartialEq for SharedFd {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for SharedFd {}
+
+impl fmt::Debug for SharedFd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "fd {}", self.raw())
+    }
 }
 
 /// How another process maps an allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Handle {
-    /// The 64-byte `CUipcMemHandle`.
+    /// Legacy: the 64-byte `CUipcMemHandle` (anyone who has or forges it can open it).
     CudaIpc([u8; 64]),
-    /// A shared-memory file to `mmap` with `MAP_SHARED`.
-    HostShm(PathBuf),
+    /// A file descriptor, sent only over the ticket socket with `SCM_RIGHTS`.
+    Fd {
+        kind: MemoryKind,
+        fd: SharedFd,
+        /// Identifies the memory object (random, per object).
+        block_id: u64,
+        /// Size of the memory object.
+        size: u64,
+    },
+}
+
+/// A fresh random block id (identifies one memory object to workers).
+pub fn new_block_id() -> u64 {
+    rand::random::<u64>() | 1
 }
 
 /// Why a device operation failed.

@@ -3,6 +3,7 @@
 
 use super::convert::{self, parse_id};
 use super::events::EventStream;
+use super::handles;
 use crate::arbiter::{AcquireRequest, Arbiter};
 use crate::auth::tenant_of;
 use crate::error::BrokerError;
@@ -90,13 +91,15 @@ impl Broker for BrokerService {
         req: Request<pb::AcquireLeaseRequest>,
     ) -> Result<Response<pb::AcquireLeaseResponse>, Status> {
         let tenant = tenant_of(&req)?;
+        let caller = peer_of(&req);
         let r = req.into_inner();
         let session = parse_id("session_id", &r.session_id)?;
         let fallback = pb::Fallback::try_from(r.fallback).map_err(|_| {
             BrokerError::InvalidArgument(format!("unknown fallback {}", r.fallback))
         })?;
+        let accept = handles::parse_accept(&r.accept_handles)?;
         let span = tracing::info_span!("acquire", %tenant, %session, bytes = r.bytes);
-        let acquire = AcquireRequest {
+        let mut acquire = AcquireRequest {
             tenant,
             session,
             bytes: r.bytes,
@@ -106,9 +109,24 @@ impl Broker for BrokerService {
             reclaimable: r.reclaimable,
             fallback_host: fallback == pb::Fallback::Host,
         };
+        // Bad values first (as before), then whether this caller can use what it would get.
+        self.arb.validate(&acquire)?;
+        handles::check_same_user(&self.arb.session_peer(&acquire.tenant, session)?, &caller)?;
+        let fallback_ok = handles::check_servable(&self.arb, accept, &caller)?;
+        acquire.fallback_host &= fallback_ok;
         let lease = self.arb.acquire(acquire).instrument(span).await?;
+        let mut reply = convert::lease_on(&lease, &self.arb);
+        match handles::fd_handle(&self.arb, &lease, &caller) {
+            Ok(Some(fd)) => reply.handle = Some(pb::lease::Handle::Fd(fd)),
+            Ok(None) => {}
+            Err(e) => {
+                // Checked before the grant; if it fails now nobody can map the lease.
+                let _ = self.arb.release(&lease.tenant, lease.id);
+                return Err(e.into());
+            }
+        }
         Ok(Response::new(pb::AcquireLeaseResponse {
-            lease: Some(convert::lease_on(&lease, &self.arb)),
+            lease: Some(reply),
         }))
     }
 
@@ -182,6 +200,22 @@ impl Broker for BrokerService {
             held_ms: end.held.as_millis() as u64,
             overrun_ms: end.overrun.as_millis() as u64,
         }))
+    }
+
+    async fn renew_lease_ticket(
+        &self,
+        req: Request<pb::RenewLeaseTicketRequest>,
+    ) -> Result<Response<pb::RenewLeaseTicketResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let caller = peer_of(&req);
+        let id = parse_id("lease_id", &req.get_ref().lease_id)?;
+        let _span = tracing::info_span!("renew_ticket", %tenant, lease = %id).entered();
+        let (view, session) = self.arb.own_lease(&tenant, id)?;
+        handles::check_same_user(&session, &caller)?;
+        let fd = handles::fd_handle(&self.arb, &view, &caller)?.ok_or_else(|| {
+            BrokerError::FailedPrecondition(format!("lease {id} has no fd handle"))
+        })?;
+        Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }))
     }
 
     async fn keepalive(

@@ -47,7 +47,21 @@ pub fn lease(v: &LeaseView) -> pb::Lease {
         borrowed: v.borrowed,
         handle: Some(match &v.handle {
             Handle::CudaIpc(b) => pb::lease::Handle::CudaIpc(b.to_vec()),
-            Handle::HostShm(p) => pb::lease::Handle::HostShm(p.to_string_lossy().into_owned()),
+            // Listings carry no ticket (and no socket): AcquireLease and RenewLeaseTicket
+            // fill both in for the caller.
+            Handle::Fd {
+                kind,
+                block_id,
+                size,
+                ..
+            } => pb::lease::Handle::Fd(pb::FdHandle {
+                socket_path: String::new(),
+                ticket: Vec::new(),
+                memory_kind: memory_kind(*kind) as i32,
+                block_id: *block_id,
+                size: *size,
+                ticket_ttl_ms: 0,
+            }),
         }),
         device_uuid: String::new(),
     }
@@ -60,6 +74,13 @@ pub fn lease_on(v: &LeaseView, arb: &crate::arbiter::Arbiter) -> pb::Lease {
         l.device_uuid = arb.device_uuid(v.device);
     }
     l
+}
+
+pub fn memory_kind(k: crate::device::MemoryKind) -> pb::MemoryKind {
+    match k {
+        crate::device::MemoryKind::CudaVmm => pb::MemoryKind::CudaVmm,
+        crate::device::MemoryKind::HostMemfd => pb::MemoryKind::HostMemfd,
+    }
 }
 
 pub fn quota_from(q: Option<pb::Quota>) -> Result<Quota, BrokerError> {

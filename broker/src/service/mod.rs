@@ -6,3 +6,4 @@ pub mod admin;
 pub mod broker;
 pub mod convert;
 mod events;
+pub mod handles;

@@ -1,0 +1,180 @@
+//! Which handle kind a lease reply carries, and the tickets of fd handles. A request names
+//! the kinds it accepts (`accept_handles`; empty means any: older workers); the broker
+//! serves the safest kind it can for this caller:
+//!
+//! - **fd** (the default): CUDA VMM memory or a memfd, delivered by the ticket server to
+//!   the calling process only. Needs a Unix-socket caller (its uid and pid come from the
+//!   kernel) and a running ticket server. A TCP caller cannot receive `SCM_RIGHTS`: it gets
+//!   `FAILED_PRECONDITION` (or a legacy handle where the operator enabled them).
+//! - **cuda_ipc** (legacy): only when the operator started the broker with
+//!   `--legacy-ipc-handles`; then every device lease is a legacy handle, and a caller that
+//!   does not accept it gets `FAILED_PRECONDITION`.
+//!
+//! `host_shm` is accepted in requests (old workers name it) but never served.
+
+use crate::arbiter::Arbiter;
+use crate::error::BrokerError;
+use crate::lease::LeaseView;
+use crate::session::Peer;
+use crate::tickets::Binding;
+use gpu_broker_proto::v1 as pb;
+
+/// The kinds a request accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Accept {
+    pub fd: bool,
+    pub cuda_ipc: bool,
+}
+
+/// Reads `accept_handles`: empty means every kind; unknown values are `INVALID_ARGUMENT`.
+pub fn parse_accept(kinds: &[i32]) -> Result<Accept, BrokerError> {
+    if kinds.is_empty() {
+        return Ok(Accept {
+            fd: true,
+            cuda_ipc: true,
+        });
+    }
+    let mut a = Accept {
+        fd: false,
+        cuda_ipc: false,
+    };
+    for &k in kinds.iter().take(16) {
+        match pb::HandleKind::try_from(k) {
+            Ok(pb::HandleKind::Fd) => a.fd = true,
+            Ok(pb::HandleKind::CudaIpc) => a.cuda_ipc = true,
+            Ok(pb::HandleKind::HostShm) | Ok(pb::HandleKind::Unspecified) => {}
+            Err(_) => {
+                return Err(BrokerError::InvalidArgument(format!(
+                    "unknown handle kind {k} in accept_handles"
+                )))
+            }
+        }
+    }
+    Ok(a)
+}
+
+/// The ticket binding of `caller`, when it can receive an fd at all.
+fn binding(arb: &Arbiter, caller: &Peer) -> Result<Binding, BrokerError> {
+    if arb.tickets().socket().is_none() {
+        return Err(BrokerError::FailedPrecondition(
+            "fd handles need the ticket server, which this broker does not run".into(),
+        ));
+    }
+    match (caller.unix, caller.uid) {
+        (true, Some(uid)) => Ok(Binding {
+            uid,
+            pid: caller.pid.filter(|&p| p != 0),
+        }),
+        _ => Err(BrokerError::FailedPrecondition(
+            "fd handles are delivered only to callers on the broker's Unix socket (a TCP peer \
+             cannot receive SCM_RIGHTS); connect over unix://"
+                .into(),
+        )),
+    }
+}
+
+/// Checks before a grant that the caller can use what device leases carry. Returns whether
+/// host fallback (always fd memory) may be used for it.
+pub fn check_servable(arb: &Arbiter, accept: Accept, caller: &Peer) -> Result<bool, BrokerError> {
+    let fd_ok = accept.fd && binding(arb, caller).is_ok();
+    if arb.legacy_ipc() {
+        if !accept.cuda_ipc {
+            return Err(BrokerError::FailedPrecondition(
+                "this broker serves device memory as legacy CUDA IPC handles \
+                 (--legacy-ipc-handles) and the request does not accept HANDLE_KIND_CUDA_IPC"
+                    .into(),
+            ));
+        }
+        return Ok(fd_ok);
+    }
+    if !accept.fd {
+        return Err(BrokerError::FailedPrecondition(
+            "this broker serves leases as fd handles only and the request does not accept \
+             HANDLE_KIND_FD (an operator may enable legacy CUDA IPC handles with \
+             --legacy-ipc-handles, which any process can forge: docs/security.md)"
+                .into(),
+        ));
+    }
+    binding(arb, caller)?;
+    Ok(true)
+}
+
+/// The session a lease or request names must belong to the caller's uid when both are
+/// known: a ticket goes to the session's user only.
+pub fn check_same_user(session: &Peer, caller: &Peer) -> Result<(), BrokerError> {
+    match (session.uid, caller.uid) {
+        (Some(s), Some(c)) if s != c => Err(BrokerError::PermissionDenied(
+            "the session belongs to another user".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The reply's `FdHandle` with a fresh ticket bound to `caller`, or `None` for a lease
+/// without an fd handle.
+pub fn fd_handle(
+    arb: &Arbiter,
+    view: &LeaseView,
+    caller: &Peer,
+) -> Result<Option<pb::FdHandle>, BrokerError> {
+    let crate::device::Handle::Fd {
+        kind,
+        fd,
+        block_id,
+        size,
+    } = &view.handle
+    else {
+        return Ok(None);
+    };
+    let bind = binding(arb, caller)?;
+    let tickets = arb.tickets();
+    let socket = tickets.socket().unwrap_or_default();
+    let ticket = tickets.mint(view.id, bind, fd.clone());
+    Ok(Some(pb::FdHandle {
+        socket_path: socket.to_string_lossy().into_owned(),
+        ticket: ticket.to_vec(),
+        memory_kind: super::convert::memory_kind(*kind) as i32,
+        block_id: *block_id,
+        size: *size,
+        ticket_ttl_ms: u64::try_from(tickets.ttl().as_millis()).unwrap_or(u64::MAX),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_accepts_everything_and_unknown_kinds_are_refused() {
+        assert_eq!(
+            parse_accept(&[]).unwrap(),
+            Accept {
+                fd: true,
+                cuda_ipc: true
+            }
+        );
+        let only_fd = parse_accept(&[pb::HandleKind::Fd as i32]).unwrap();
+        assert!(only_fd.fd && !only_fd.cuda_ipc);
+        let shm = parse_accept(&[pb::HandleKind::HostShm as i32]).unwrap();
+        assert!(!shm.fd && !shm.cuda_ipc);
+        assert!(matches!(
+            parse_accept(&[99]),
+            Err(BrokerError::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn another_users_session_is_refused() {
+        let p = |uid| Peer {
+            uid,
+            pid: None,
+            unix: true,
+        };
+        assert!(check_same_user(&p(Some(1)), &p(Some(1))).is_ok());
+        assert!(check_same_user(&p(None), &p(Some(1))).is_ok());
+        assert!(matches!(
+            check_same_user(&p(Some(1)), &p(Some(2))),
+            Err(BrokerError::PermissionDenied(_))
+        ));
+    }
+}

@@ -1,0 +1,289 @@
+//! Fetching the file descriptor of an fd lease from the broker's ticket server (protocol in
+//! `docs/protocol.md`): connect to the ticket socket, send the ticket bytes, receive one
+//! byte with exactly one descriptor in `SCM_RIGHTS`. The broker hands it only to the
+//! process the ticket was issued to; a refused ticket gets the connection closed with
+//! nothing sent ([`ClientError::TicketRefused`]).
+//!
+//! **Finding the socket.** `socket_path` is the path as the broker knows it. A worker that
+//! sees the broker's socket directory elsewhere (a container mounting `/run/gpu-broker` at
+//! another path) finds the same file name next to the socket it dialled: [`candidates`]
+//! tries the broker's path first, then that sibling.
+//!
+//! Every descriptor received is close-on-exec and owned ([`OwnedFd`]): dropping it closes
+//! it, so nothing leaks on any error path.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use gpu_broker_proto::v1 as pb;
+
+use crate::error::ClientError;
+
+/// How long a ticket exchange may take.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the memory behind an fd handle is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryKind {
+    /// CUDA VMM memory: import it (`cuda` feature: [`crate::Lease::map_cuda`]).
+    CudaVmm,
+    /// A memfd: [`crate::Lease::map`] it.
+    HostMemfd,
+    /// A kind this client does not know.
+    Unknown,
+}
+
+impl From<i32> for MemoryKind {
+    fn from(v: i32) -> Self {
+        match pb::MemoryKind::try_from(v) {
+            Ok(pb::MemoryKind::CudaVmm) => MemoryKind::CudaVmm,
+            Ok(pb::MemoryKind::HostMemfd) => MemoryKind::HostMemfd,
+            _ => MemoryKind::Unknown,
+        }
+    }
+}
+
+/// An fd handle as the broker sent it.
+#[derive(Clone, PartialEq, Eq, Serialize)]
+pub struct FdInfo {
+    /// The ticket socket as the broker knows it (empty in listings).
+    pub socket_path: PathBuf,
+    /// The single-use ticket (empty in listings). Never serialized.
+    #[serde(skip)]
+    pub ticket: Vec<u8>,
+    pub memory_kind: MemoryKind,
+    /// Identifies the memory object behind the descriptor.
+    pub block_id: u64,
+    /// Size of the memory object.
+    pub size: u64,
+    /// How long the ticket was valid for when issued.
+    pub ticket_ttl_ms: u64,
+}
+
+impl std::fmt::Debug for FdInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FdInfo")
+            .field("socket_path", &self.socket_path)
+            .field("ticket", &format_args!("<{} bytes>", self.ticket.len()))
+            .field("memory_kind", &self.memory_kind)
+            .field("block_id", &self.block_id)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl From<pb::FdHandle> for FdInfo {
+    fn from(h: pb::FdHandle) -> Self {
+        FdInfo {
+            socket_path: PathBuf::from(h.socket_path),
+            ticket: h.ticket,
+            memory_kind: MemoryKind::from(h.memory_kind),
+            block_id: h.block_id,
+            size: h.size,
+            ticket_ttl_ms: h.ticket_ttl_ms,
+        }
+    }
+}
+
+/// Where to look for the ticket socket: the broker's path, then the same file name next to
+/// the broker socket this process dialled (when that differs).
+pub fn candidates(socket_path: &Path, dialled: Option<&Path>) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if !socket_path.as_os_str().is_empty() {
+        out.push(socket_path.to_path_buf());
+    }
+    if let (Some(dir), Some(name)) = (dialled.and_then(Path::parent), socket_path.file_name()) {
+        let sibling = dir.join(name);
+        if !out.contains(&sibling) {
+            out.push(sibling);
+        }
+    }
+    out
+}
+
+fn connect(socket_path: &Path, dialled: Option<&Path>) -> Result<UnixStream, ClientError> {
+    let mut last = None;
+    for p in candidates(socket_path, dialled) {
+        match UnixStream::connect(&p) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(format!("{}: {e}", p.display())),
+        }
+    }
+    Err(ClientError::Io(std::io::Error::new(
+        std::io::ErrorKind::NotFound,
+        format!(
+            "cannot reach the broker's ticket socket ({})",
+            last.unwrap_or_else(|| "no socket path".into())
+        ),
+    )))
+}
+
+/// Redeems `ticket` at the ticket socket and returns the descriptor (blocking; a few
+/// tens of microseconds on a local broker).
+pub fn fetch(
+    socket_path: &Path,
+    ticket: &[u8],
+    dialled: Option<&Path>,
+) -> Result<OwnedFd, ClientError> {
+    if ticket.is_empty() {
+        return Err(ClientError::FailedPrecondition(
+            "the handle carries no ticket (listings do not): ask for a new one".into(),
+        ));
+    }
+    let mut s = connect(socket_path, dialled)?;
+    s.set_read_timeout(Some(TIMEOUT))?;
+    s.set_write_timeout(Some(TIMEOUT))?;
+    s.write_all(ticket)?;
+    let (n, fd) = recv_with_fd(s.as_raw_fd())?;
+    match (n, fd) {
+        (1, Some(fd)) => Ok(fd),
+        (0, None) => Err(ClientError::TicketRefused(
+            "the broker closed the connection (wrong, used, expired or foreign ticket)".into(),
+        )),
+        (_, fd) => {
+            drop(fd);
+            // Drain whatever else came, so the error is about the protocol.
+            let mut rest = [0u8; 16];
+            let _ = s.read(&mut rest);
+            Err(ClientError::Protocol(
+                "the ticket server sent no descriptor with its reply".into(),
+            ))
+        }
+    }
+}
+
+/// `recvmsg` of up to one byte and one descriptor (`MSG_CMSG_CLOEXEC`). Any extra
+/// descriptors are closed.
+pub fn recv_with_fd(sock: RawFd) -> std::io::Result<(usize, Option<OwnedFd>)> {
+    let mut byte = [0u8; 1];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // Room for a few descriptors, so extras are received (and closed) rather than lost.
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<RawFd>()) as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: zeroed msghdr, then every pointer set outlives the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    let n = loop {
+        // SAFETY: valid socket and message buffers.
+        let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    let mut first = None;
+    // SAFETY: walking the control messages the kernel filled in, within msg_controllen.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                let header = libc::CMSG_LEN(0) as usize;
+                let count = ((*cmsg).cmsg_len as usize - header) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    let fd = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i)));
+                    if first.is_none() {
+                        first = Some(fd);
+                    }
+                    // Extra descriptors drop (close) here.
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok((n, first))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_try_the_brokers_path_then_the_sibling_of_the_dialled_socket() {
+        let c = candidates(
+            Path::new("/run/gpu-broker/broker.tickets.sock"),
+            Some(Path::new("/mnt/broker/broker.sock")),
+        );
+        assert_eq!(
+            c,
+            vec![
+                PathBuf::from("/run/gpu-broker/broker.tickets.sock"),
+                PathBuf::from("/mnt/broker/broker.tickets.sock")
+            ]
+        );
+        let same = candidates(
+            Path::new("/run/b/t.sock"),
+            Some(Path::new("/run/b/broker.sock")),
+        );
+        assert_eq!(same, vec![PathBuf::from("/run/b/t.sock")]);
+        assert!(candidates(Path::new(""), None).is_empty());
+    }
+
+    #[test]
+    fn a_closed_connection_is_a_refusal_and_a_descriptor_arrives_cloexec() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            // First connection: refused (closed after reading). Second: gets a descriptor.
+            for give in [false, true] {
+                let (mut s, _) = listener.accept().unwrap();
+                let mut t = [0u8; 4];
+                s.read_exact(&mut t).unwrap();
+                if give {
+                    let f = std::fs::File::open("/dev/null").unwrap();
+                    send_one(s.as_raw_fd(), f.as_raw_fd());
+                }
+            }
+        });
+        let e = fetch(&path, b"nope", None).unwrap_err();
+        assert!(matches!(e, ClientError::TicketRefused(_)), "{e}");
+        let fd = fetch(&path, b"good", None).unwrap();
+        // SAFETY: fcntl on a descriptor we own.
+        let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
+        assert!(flags & libc::FD_CLOEXEC != 0);
+        server.join().unwrap();
+        let e = fetch(&path, b"", None).unwrap_err();
+        assert!(matches!(e, ClientError::FailedPrecondition(_)), "{e}");
+    }
+
+    fn send_one(sock: RawFd, fd: RawFd) {
+        let mut byte = [1u8];
+        let mut iov = libc::iovec {
+            iov_base: byte.as_mut_ptr().cast(),
+            iov_len: 1,
+        };
+        // SAFETY: as in the broker's sender: one header, one fd, buffers outlive the call.
+        unsafe {
+            let space = libc::CMSG_SPACE(4) as usize;
+            let mut control = vec![0u8; space];
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(4) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+            assert_eq!(libc::sendmsg(sock, &msg, 0), 1);
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! fd leases: the descriptor behind a lease reaches only the process its ticket was issued
+//! to, once; every misuse gets the connection closed with nothing sent, is counted, and
+//! leaves the lease as it was. Descriptors do not leak on either side over many cycles.
+
+use gpu_broker_client::proto::v1 as pb;
+use gpu_broker_client::{Client, LeaseHandle, QuotaSpec};
+use gpu_broker_tests::*;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A fresh ticket for `lease`, bound to this process, not yet redeemed.
+async fn ticket(c: &Client, lease: &str) -> pb::FdHandle {
+    c.raw()
+        .renew_lease_ticket(pb::RenewLeaseTicketRequest {
+            lease_id: lease.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .fd
+        .unwrap()
+}
+
+/// Presents raw bytes at the ticket socket; returns (data bytes, got a descriptor).
+fn present(socket: &str, bytes: &[u8]) -> (usize, bool) {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    s.write_all(bytes).unwrap();
+    if bytes.len() < 32 {
+        // Say we are done: a short ticket must be refused, not waited for.
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+    }
+    use std::os::fd::AsRawFd;
+    let (n, fd) = gpu_broker_client::fd::recv_with_fd(s.as_raw_fd()).unwrap();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    (n + rest.len(), fd.is_some())
+}
+
+async fn metric(b: &Broker, name: &str) -> f64 {
+    let addr = crate::observability::metrics_addr(b).await;
+    let text = crate::observability::get(&addr, "/metrics").await;
+    crate::observability::gauge(&text, name).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_ticket_misuse_is_refused_counted_and_leaves_the_lease_alone() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec![
+            "--metrics-listen".into(),
+            "127.0.0.1:0".into(),
+            "--ticket-ttl".into(),
+            "300ms".into(),
+        ],
+        ..Default::default()
+    })
+    .unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(GIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token.clone()).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    let lease = s.lease(4 * MIB).await.unwrap();
+    lease.map().unwrap().fill(0x42);
+    let LeaseHandle::Fd(info) = lease.handle().clone() else {
+        panic!("{:?}", lease.handle())
+    };
+    assert_eq!(info.memory_kind, gpu_broker_client::MemoryKind::HostMemfd);
+    assert!(info.ticket.is_empty(), "the client used its ticket");
+    let socket = info.socket_path.display().to_string();
+    assert_eq!(
+        PathBuf::from(&socket),
+        b.socket.with_file_name("broker.tickets.sock")
+    );
+
+    // The right ticket: one byte and one descriptor, once.
+    let h = ticket(&c, lease.id()).await;
+    assert_eq!(h.ticket.len(), 32);
+    assert_eq!(present(&socket, &h.ticket), (1, true));
+    // Reused.
+    assert_eq!(present(&socket, &h.ticket), (0, false));
+    // Wrong (never issued).
+    assert_eq!(present(&socket, &[0x5a; 32]), (0, false));
+    // Malformed (too short).
+    assert_eq!(present(&socket, &h.ticket[..7]), (0, false));
+    // Expired.
+    let late = ticket(&c, lease.id()).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(present(&socket, &late.ticket), (0, false));
+    // Foreign: another process of the same user presents this process's ticket.
+    let stolen = ticket(&c, lease.id()).await;
+    let out = Proc::spawn(worker_cmd(
+        &b,
+        &token,
+        &[
+            "redeem",
+            "--socket",
+            &socket,
+            "--ticket",
+            &hex(&stolen.ticket),
+        ],
+    ))
+    .unwrap()
+    .finish(T)
+    .await
+    .unwrap()
+    .1;
+    assert!(out.contains("REFUSED"), "{out}");
+    // ... which does not use it up for its rightful holder.
+    assert_eq!(present(&socket, &stolen.ticket), (1, true));
+
+    // A ticket of a lease that ended.
+    let gone = s.lease(2 * MIB).await.unwrap();
+    let h2 = ticket(&c, gone.id()).await;
+    gone.release().await.unwrap();
+    assert_eq!(present(&socket, &h2.ticket), (0, false));
+
+    // Counted by reason, and logged.
+    let refused = |r: &str| format!("gpu_broker_ticket_refusals_total{{reason=\"{r}\"}}");
+    assert_eq!(metric(&b, &refused("unknown_or_used")).await, 3.0);
+    assert_eq!(metric(&b, &refused("expired")).await, 1.0);
+    assert_eq!(metric(&b, &refused("foreign_peer")).await, 1.0);
+    assert_eq!(metric(&b, &refused("malformed")).await, 1.0);
+    // Redeemed: the two grants (the client fetched at once), and the two good tickets.
+    assert_eq!(metric(&b, "gpu_broker_tickets_redeemed_total").await, 4.0);
+    assert_eq!(b.log_text().matches("ticket refused").count(), 6);
+
+    // The lease is as it was: listed, mapped, its bytes intact.
+    assert_eq!(c.list_leases().await.unwrap().len(), 1);
+    assert!(lease.map().unwrap().iter().all(|&x| x == 0x42));
+    lease.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_presented_by_another_uid_is_refused() {
+    // SAFETY: plain getter.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: needs root to run a child as nobody");
+        return;
+    }
+    let b = Broker::start().unwrap();
+    // Let nobody reach the ticket socket (the test directory is private otherwise).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(b.dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(GIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token.clone()).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    let lease = s.lease(2 * MIB).await.unwrap();
+    let h = ticket(&c, lease.id()).await;
+    let out = Proc::spawn(worker_cmd(
+        &b,
+        &token,
+        &[
+            "--as-uid",
+            "65534",
+            "redeem",
+            "--socket",
+            &h.socket_path,
+            "--ticket",
+            &hex(&h.ticket),
+        ],
+    ))
+    .unwrap()
+    .finish(T)
+    .await
+    .unwrap()
+    .1;
+    assert!(out.contains("REFUSED"), "{out}");
+    assert!(b.log_text().contains("foreign_peer"), "{}", b.log_text());
+    // The rightful process still gets it.
+    assert_eq!(present(&h.socket_path, &h.ticket), (1, true));
+    lease.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handle_kinds_are_negotiated() {
+    let b = Broker::start().unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(GIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    // An old worker that names no kinds gets the safest the broker serves: an fd.
+    let raw = |accept: Vec<i32>| pb::AcquireLeaseRequest {
+        session_id: s.id().to_string(),
+        bytes: MIB,
+        accept_handles: accept,
+        ..Default::default()
+    };
+    let l = c
+        .raw()
+        .acquire_lease(raw(vec![]))
+        .await
+        .unwrap()
+        .into_inner();
+    let lease = l.lease.unwrap();
+    assert!(
+        matches!(&lease.handle, Some(pb::lease::Handle::Fd(h)) if h.ticket.len() == 32),
+        "{:?}",
+        lease.handle
+    );
+    c.release_lease(&lease.lease_id).await.unwrap();
+    // Only legacy kinds: refused before anything is granted (legacy handles are off).
+    for kinds in [
+        vec![pb::HandleKind::CudaIpc as i32],
+        vec![pb::HandleKind::HostShm as i32],
+    ] {
+        let e = c.raw().acquire_lease(raw(kinds)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("HANDLE_KIND_FD"), "{e:?}");
+    }
+    let e = c.raw().acquire_lease(raw(vec![77])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert_eq!(c.usage().await.unwrap().held_bytes, 0);
+    // Renewing a ticket of another tenant's lease, or of no lease, is NOT_FOUND.
+    let e = c
+        .raw()
+        .renew_lease_ticket(pb::RenewLeaseTicketRequest {
+            lease_id: uuid::Uuid::new_v4().to_string(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+}
+
+/// Counts this process's open descriptors.
+fn my_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_descriptor_leaks_after_10000_acquire_map_release_cycles() {
+    let b = Broker::start().unwrap();
+    let c = b.client("alice", GIB).await.unwrap();
+    // 10,000 cycles on 8 sessions at once; sessions opened and warmed up (first
+    // connections, each its pooled block) before counting.
+    let mut sessions = Vec::new();
+    for t in 0..8u32 {
+        let s = c.session(format!("cycles-{t}")).await.unwrap();
+        let l = s.lease(2 * MIB).await.unwrap();
+        l.map().unwrap()[0] = 1;
+        l.release().await.unwrap();
+        sessions.push(s);
+    }
+    // Not counting the pooled blocks' memfds (at most one per concurrent session).
+    let others = |n: usize| n - b.memfds().len();
+    let Some(broker_before) = b.open_fds().map(others) else {
+        println!("skipped: cannot read the broker's fd table");
+        return;
+    };
+    let mine_before = my_fds();
+    let mut tasks = Vec::new();
+    for s in sessions {
+        tasks.push(tokio::spawn(async move {
+            for i in 0..1250u32 {
+                let l = s.lease(2 * MIB).await.unwrap();
+                {
+                    let mut m = l.map().unwrap();
+                    let n = m.len();
+                    m[(i as usize) % n] = i as u8;
+                }
+                l.release().await.unwrap();
+            }
+            s
+        }));
+    }
+    let mut sessions = Vec::new();
+    for t in tasks {
+        sessions.push(t.await.unwrap());
+    }
+    let broker_after = others(b.open_fds().unwrap());
+    let mine_after = my_fds();
+    assert!(
+        broker_after <= broker_before + 2,
+        "broker fds {broker_before} -> {broker_after}"
+    );
+    assert!(
+        mine_after <= mine_before + 2,
+        "client fds {mine_before} -> {mine_after}"
+    );
+    assert!(
+        b.memfds().len() <= 8,
+        "pooled blocks only: {:?}",
+        b.memfds()
+    );
+    assert_eq!(
+        devices(&b).await.unwrap()[0].cached_bytes,
+        2 * MIB * b.memfds().len() as u64
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_workers_memfd_memory_leaves_nothing_behind() {
+    let b = Broker::start().unwrap();
+    let ta = b.tenant("alice", QuotaSpec::new(GIB)).await.unwrap();
+    let tb = b.tenant("bob", QuotaSpec::new(GIB)).await.unwrap();
+    let admin = b.admin().await.unwrap();
+    let mut w = hold(
+        &b,
+        &ta,
+        &["--bytes", "4MiB", "--count", "2", "--pattern", "0x77"],
+    )
+    .await
+    .unwrap();
+    let pid = w.proc.pid;
+    let worker_memfds = || {
+        fd_links(pid)
+            .iter()
+            .filter(|(_, l)| l.starts_with("/memfd:"))
+            .count()
+    };
+    assert_eq!(
+        worker_memfds(),
+        2,
+        "the worker holds one descriptor per lease"
+    );
+    w.proc.signal(libc::SIGKILL);
+    w.proc.kill().await.unwrap();
+    assert!(
+        eventually(T, || async {
+            admin.list_all_leases(None).await.unwrap().is_empty()
+                && admin.get_devices().await.unwrap()[0].cached_bytes == 8 * MIB
+        })
+        .await
+    );
+    // Nothing on any filesystem; the broker keeps only its two pooled objects...
+    assert!(b.shm_dir_files().is_empty());
+    assert_eq!(b.memfds().len(), 2);
+    // ... which another tenant never gets: its leases are fresh objects, and alice's old
+    // ones are freed for them (the broker then holds only bob's).
+    let mut bw = hold(
+        &b,
+        &tb,
+        &["--bytes", "4MiB", "--count", "2", "--expect-initial", "0"],
+    )
+    .await
+    .unwrap();
+    assert_eq!(admin.get_devices().await.unwrap()[0].cached_bytes, 0);
+    assert_eq!(b.memfds().len(), 2, "{:?}", b.memfds());
+    bw.proc.kill().await.unwrap();
+}
