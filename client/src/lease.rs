@@ -384,10 +384,18 @@ impl Lease {
         }
     }
 
-    /// Maps a `host_shm` lease read-write (`MAP_SHARED`); the mapping borrows the lease
-    /// and must be dropped before the lease is released. `NotMappable` for other handles.
+    /// Maps a host-memory lease (an fd lease of a memfd, or a legacy `host_shm` file)
+    /// read-write (`MAP_SHARED`); the mapping borrows the lease and must be dropped before
+    /// the lease is released. `NotMappable` for other handles (CUDA memory).
     /// A lost lease ([`Lease::is_lost`]) fails with [`ClientError::LeaseLost`].
     pub fn map(&self) -> Result<HostMapping<'_>, ClientError> {
+        self.map_unbound()
+    }
+
+    /// Like [`Lease::map`], but the mapping does not borrow the lease (for wrappers that
+    /// keep both in one place, e.g. the Python package): the caller must drop the mapping
+    /// before releasing the lease.
+    pub fn map_unbound(&self) -> Result<HostMapping<'static>, ClientError> {
         if self.is_lost() {
             return Err(self.lost_error());
         }
@@ -402,6 +410,15 @@ impl Lease {
                 HostMapping::from_fd(fd.as_fd(), self.info.offset, self.info.bytes)
             }
             _ => Err(ClientError::NotMappable),
+        }
+    }
+
+    /// Is this host memory that [`Lease::map`] can map (a memfd or a legacy file)?
+    pub fn is_host_mappable(&self) -> bool {
+        match &self.info.handle {
+            LeaseHandle::HostShm(_) => true,
+            LeaseHandle::Fd(i) => i.memory_kind == MemoryKind::HostMemfd,
+            _ => false,
         }
     }
 

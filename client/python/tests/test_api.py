@@ -52,7 +52,7 @@ def test_lease_attributes_numpy_views_and_usage(broker):
         lease = s.lease(3 * MIB, label="buf", reclaimable=True)
         assert lease.nbytes >= 3 * MIB and lease.nbytes % (2 * MIB) == 0
         assert lease.requested_nbytes == 3 * MIB
-        assert (lease.device, lease.tier, lease.handle_kind) == (0, "device", "host_shm")
+        assert (lease.device, lease.tier, lease.handle_kind) == (0, "device", "fd")
         assert lease.label == "buf" and lease.reclaimable and not lease.released
         assert lease.session_id == s.id and len(lease.id) == 36
         u = s.usage()
