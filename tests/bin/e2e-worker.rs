@@ -18,6 +18,9 @@
 //! - `write`: the same, but fills the lease with `--pattern` and prints `WROTE <len>`.
 //! - `redeem`: presents `--ticket` (hex) at the ticket socket `--socket` and prints
 //!   `FD <size>` when a descriptor came, or `REFUSED <message>`.
+//! - `cycles`: opens `--sessions` sessions, warms each up, prints `WARM <fds>` (its open
+//!   descriptors), waits for a line on stdin, runs `--count` acquire/map/write/release
+//!   cycles spread over the sessions, and prints `FDS <before> <after>`.
 //! - `renew`: asks for a new ticket for lease `--lease` and prints `RENEWED` or
 //!   `ERROR <CODE> <message>`.
 //!
@@ -99,6 +102,15 @@ enum Cmd {
         /// The ticket, hex.
         #[arg(long)]
         ticket: String,
+    },
+    /// Many acquire/map/release cycles, counting this process's descriptors.
+    Cycles {
+        #[arg(long)]
+        count: u32,
+        #[arg(long, default_value_t = 8)]
+        sessions: u32,
+        #[arg(long, value_parser = parse_bytes, default_value = "2MiB")]
+        bytes: u64,
     },
     /// Ask for a new ticket of a lease.
     Renew {
@@ -185,6 +197,54 @@ async fn run(cli: Cli) -> Result<u8> {
                 }
                 Err(e) => say(format!("REFUSED {e}")),
             }
+            Ok(0)
+        }
+        Cmd::Cycles {
+            count,
+            sessions,
+            bytes,
+        } => {
+            let client = Client::connect(&cli.broker, cli.token).await?;
+            let mut open = Vec::new();
+            for t in 0..sessions {
+                let s = client.session(format!("cycles-{t}")).await?;
+                let l = s.lease_request(bytes).send().await?;
+                l.map()?[0] = 1;
+                l.release().await?;
+                open.push(s);
+            }
+            let fds = || {
+                std::fs::read_dir("/proc/self/fd")
+                    .map(|d| d.count())
+                    .unwrap_or(0)
+            };
+            let before = fds();
+            say(format!("WARM {before}"));
+            let mut stdin = BufReader::new(tokio::io::stdin()).lines();
+            let _ = stdin.next_line().await?;
+            let per = count / sessions.max(1);
+            let mut tasks = Vec::new();
+            for s in open {
+                tasks.push(tokio::spawn(async move {
+                    for i in 0..per {
+                        let l = s.lease_request(bytes).send().await?;
+                        {
+                            let mut m = l.map()?;
+                            let n = m.len();
+                            m[(i as usize) % n] = i as u8;
+                        }
+                        l.release().await?;
+                    }
+                    Ok::<_, anyhow::Error>(s)
+                }));
+            }
+            let mut open = Vec::new();
+            for t in tasks {
+                open.push(t.await??);
+            }
+            say(format!("FDS {before} {}", fds()));
+            let _ = stdin.next_line().await;
+            drop(open);
             Ok(0)
         }
         Cmd::Renew { lease } => {
