@@ -527,6 +527,13 @@ pub async fn render(arb: &Arbiter, format: Format) -> String {
     let sessions = Gauge::<i64>::default();
     sessions.set(arb.session_count() as i64);
     reg.register("sessions", "Open sessions", sessions);
+    let mps = Gauge::<i64>::default();
+    mps.set(i64::from(mps_control_present()));
+    reg.register(
+        "mps_control_present",
+        "1 when a CUDA MPS control daemon's pipe exists (CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps)",
+        mps,
+    );
 
     let mut out = String::new();
     if encode(&mut out, &reg).is_err() {
@@ -536,6 +543,14 @@ pub async fn render(arb: &Arbiter, format: Format) -> String {
         Format::OpenMetrics => out,
         Format::PrometheusText => to_prometheus_text(&out),
     }
+}
+
+/// Is an MPS control daemon running for this node's default (or configured) pipe directory?
+fn mps_control_present() -> bool {
+    let dir = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/tmp/nvidia-mps"));
+    dir.join("control").exists()
 }
 
 /// OpenMetrics text as the Prometheus 0.0.4 text format: no `# EOF` or `# UNIT` lines,

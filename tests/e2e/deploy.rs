@@ -140,3 +140,63 @@ fn install_script_installs_both_binaries_the_group_and_the_unit() {
         assert!(text.contains(want), "{want:?} in\n{text}");
     }
 }
+
+/// Every file the docs name in backticks (`broker/src/x.rs`, `deploy/config.toml`) exists in
+/// the repository (by path, or by name somewhere in it).
+#[test]
+fn the_docs_cite_only_files_that_exist() {
+    let root = root();
+    let mut all = Vec::new();
+    let mut stack = vec![root.clone()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.starts_with('.') || name == "target" || name == "node_modules" {
+                continue;
+            }
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Ok(rel) = p.strip_prefix(&root) {
+                all.push(rel.to_string_lossy().to_string());
+            }
+        }
+    }
+    let exists = |cited: &str| {
+        all.iter().any(|f| {
+            f == cited
+                || f.ends_with(&format!("/{cited}"))
+                || f.rsplit('/').next() == Some(cited.rsplit('/').next().unwrap_or(cited))
+        })
+    };
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.push(root.join("README.md"));
+    let exts = [
+        ".rs", ".md", ".sh", ".toml", ".yml", ".yaml", ".json", ".service", ".py",
+    ];
+    let mut missing = Vec::new();
+    for doc in &docs {
+        let text = std::fs::read_to_string(doc).unwrap();
+        for (i, part) in text.split('`').enumerate() {
+            let cited = part.trim();
+            let is_path = i % 2 == 1
+                && !cited.is_empty()
+                && cited
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_./-".contains(c))
+                && exts.iter().any(|e| cited.ends_with(e));
+            if is_path && !exists(cited) {
+                missing.push(format!("{}: {cited}", doc.display()));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "the docs cite files that do not exist: {missing:#?}"
+    );
+}

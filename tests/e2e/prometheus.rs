@@ -125,6 +125,7 @@ async fn promtool_accepts_the_metrics_and_prometheus_scrapes_them() {
     );
     for want in [
         "gpu_broker_build_info{",
+        "gpu_broker_mps_control_present ",
         "gpu_broker_tenant_held_bytes{tenant=\"metered\"} 6291456",
         "gpu_broker_tenant_limit_bytes{tenant=\"metered\"} 268435456",
         "gpu_broker_tenant_leases{tenant=\"metered\"} 1",
