@@ -121,6 +121,34 @@ pub async fn serve(
 
     let bg_stop = CancellationToken::new();
     arb.spawn_background(bg_stop.clone());
+    // The Admin service is NOT_SERVING while the state store is unwritable (a full disk):
+    // admin changes fail then. Probed every 2 s until a write commits again.
+    if let Some(mut writable) = arb.store.as_ref().map(|s| s.writable()) {
+        let (reporter, arb, stop) = (health_reporter.clone(), arb.clone(), bg_stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let ok = *writable.borrow_and_update();
+                if ok {
+                    reporter.set_serving::<AdminServer<AdminService>>().await;
+                } else {
+                    reporter
+                        .set_not_serving::<AdminServer<AdminService>>()
+                        .await;
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    r = writable.changed() => if r.is_err() { return },
+                    _ = tokio::time::sleep(Duration::from_secs(2)), if !ok => {
+                        let a = arb.clone();
+                        let _ = tokio::task::spawn_blocking(move || {
+                            a.store.as_ref().map(|s| s.probe())
+                        })
+                        .await;
+                    }
+                }
+            }
+        });
+    }
 
     let stop_serving = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();

@@ -120,6 +120,13 @@ pub enum StoreError {
     )]
     Locked { path: PathBuf },
 
+    /// The database was closed after an I/O error and could not be opened again yet.
+    #[error(
+        "state file {path} is not writable: {reason}. The broker retries on the next change; \
+         check the disk (free space, errors)"
+    )]
+    Unwritable { path: PathBuf, reason: String },
+
     /// The file was written by a newer gpu-broker with a schema this build does not know.
     #[error(
         "state file {path} has schema version {found}, newer than the version {supported} \
@@ -157,8 +164,11 @@ pub enum StoreError {
 ///
 /// `Send + Sync`; every method takes `&self` (redb serialises write transactions).
 pub struct Store {
-    db: Database,
+    /// `None` only while a reopen after an I/O error failed (the next write retries).
+    db: parking_lot::RwLock<Option<Database>>,
     path: PathBuf,
+    /// False from a failed write (ENOSPC, EIO) until a write commits again.
+    writable: tokio::sync::watch::Sender<bool>,
 }
 
 impl std::fmt::Debug for Store {
@@ -175,7 +185,12 @@ impl Store {
         create_dir(dir)?;
         let path = dir.join(STATE_FILE_NAME);
         match fs::metadata(&path) {
-            Ok(_) => Self::open_existing(path),
+            // redb may panic on pages corrupted outside it, also after the open itself
+            // (reading the schema): that is a corrupt file, not a crash.
+            Ok(_) => {
+                let p = path.clone();
+                no_panic(&p, "opening", move || Self::open_existing(path))
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => match create_new(dir, &path)? {
                 Some(store) => Ok(store),
                 // Another process created it meanwhile: use theirs.
@@ -192,10 +207,11 @@ impl Store {
 
     /// All tenants and tokens, sorted by name / token_id.
     pub fn load(&self) -> Result<(Vec<TenantRecord>, Vec<TokenRecord>), StoreError> {
-        let txn = self
-            .db
-            .begin_read()
-            .map_err(|e| db_err(&self.path, "begin read transaction", e))?;
+        no_panic(&self.path, "loading", || self.load_unguarded())
+    }
+
+    fn load_unguarded(&self) -> Result<(Vec<TenantRecord>, Vec<TokenRecord>), StoreError> {
+        let txn = self.begin_read()?;
         let tenants: Vec<TenantRecord> = {
             let table = txn
                 .open_table(TENANTS)
@@ -347,7 +363,7 @@ impl Store {
         .map_err(|e| open_err(&path, e))?;
         // Checked again: the file may have needed recovery, or changed between the opens.
         check_schema(&path, &db)?;
-        Ok(Store { db, path })
+        Ok(Store::from_db(db, path))
     }
 
     // ---- for modules with their own tables in this file ----
@@ -371,27 +387,124 @@ impl Store {
         op: &'static str,
         f: impl FnOnce(&redb::ReadTransaction) -> Result<T, redb::Error>,
     ) -> Result<T, StoreError> {
-        let txn = self
-            .db
-            .begin_read()
-            .map_err(|e| db_err(&self.path, "begin read transaction", e))?;
+        let txn = self.begin_read()?;
         f(&txn).map_err(|e| db_err(&self.path, op, e))
     }
 
     // ---- helpers ----
 
+    fn begin_read(&self) -> Result<redb::ReadTransaction, StoreError> {
+        let db = self.db.read();
+        let db = db
+            .as_ref()
+            .ok_or_else(|| self.unwritable("closed after an I/O error"))?;
+        db.begin_read()
+            .map_err(|e| db_err(&self.path, "begin read transaction", e))
+    }
+
     fn begin_write(&self) -> Result<redb::WriteTransaction, StoreError> {
-        let mut txn = self
-            .db
-            .begin_write()
-            .map_err(|e| db_err(&self.path, "begin write transaction", e))?;
+        if !*self.writable.borrow() {
+            // An earlier write failed (redb then refuses every transaction until the
+            // database is reopened): reopen first.
+            if let Err(e) = self.reopen() {
+                tracing::debug!(error = %e, "state store still not reopened");
+            }
+        }
+        let begun = {
+            let db = self.db.read();
+            let db = db
+                .as_ref()
+                .ok_or_else(|| self.unwritable("closed after an I/O error"))?;
+            db.begin_write().map_err(redb::Error::from)
+        };
+        let mut txn = begun.map_err(|e| {
+            self.note_failure(&e);
+            db_err(&self.path, "begin write transaction", e)
+        })?;
         // 2-phase commit and saved allocator state: no repair pass after a crash.
         txn.set_quick_repair(true);
         Ok(txn)
     }
 
     fn commit(&self, txn: redb::WriteTransaction) -> Result<(), StoreError> {
-        txn.commit().map_err(|e| db_err(&self.path, "commit", e))
+        match txn.commit() {
+            Ok(()) => {
+                if !self.writable.send_replace(true) {
+                    tracing::info!(path = %self.path.display(), "state store writable again");
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let e = redb::Error::from(e);
+                self.note_failure(&e);
+                Err(db_err(&self.path, "commit", e))
+            }
+        }
+    }
+
+    fn from_db(db: Database, path: PathBuf) -> Store {
+        Store {
+            db: parking_lot::RwLock::new(Some(db)),
+            path,
+            writable: tokio::sync::watch::Sender::new(true),
+        }
+    }
+
+    fn into_db(self) -> Database {
+        self.db
+            .into_inner()
+            .expect("a store being built holds its database")
+    }
+
+    fn unwritable(&self, reason: &str) -> StoreError {
+        StoreError::Unwritable {
+            path: self.path.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// An I/O failure (ENOSPC, EIO, or redb's "previous I/O error") makes the store
+    /// unwritable until a write commits again; logged once per episode.
+    fn note_failure(&self, e: &redb::Error) {
+        let io = matches!(e, redb::Error::Io(_) | redb::Error::PreviousIo);
+        if io && self.writable.send_replace(false) {
+            tracing::error!(
+                path = %self.path.display(),
+                error = %e,
+                "state store unwritable: admin changes fail until it recovers (reopened on the next change)"
+            );
+        }
+    }
+
+    /// Closes and reopens the database (redb refuses every transaction after an I/O
+    /// error until then). The file is checked as at start.
+    fn reopen(&self) -> Result<(), StoreError> {
+        let mut db = self.db.write();
+        // Close first: the file is locked while open.
+        drop(db.take());
+        let p = self.path.clone();
+        let fresh = no_panic(&self.path, "reopening", move || Self::open_existing(p))?;
+        *db = Some(fresh.into_db());
+        tracing::info!(path = %self.path.display(), "state store reopened");
+        Ok(())
+    }
+
+    /// Watches whether the store is writable (false from a failed write until a write
+    /// commits again).
+    pub fn writable(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.writable.subscribe()
+    }
+
+    /// While unwritable: reopens and commits an empty transaction; returns whether the
+    /// store is writable now. Cheap when it is.
+    pub fn probe(&self) -> bool {
+        if *self.writable.borrow() {
+            return true;
+        }
+        match self.begin_write() {
+            Ok(txn) => self.commit(txn).is_ok(),
+            Err(_) => false,
+        }
     }
 
     fn check_key(&self, what: &str, key: &str) -> Result<(), StoreError> {
@@ -460,10 +573,7 @@ fn create_new(dir: &Path, path: &Path) -> Result<Option<Store>, StoreError> {
         let db = b
             .create(&tmp)
             .map_err(|e| db_err(&tmp, "create database", e))?;
-        let store = Store {
-            db,
-            path: tmp.clone(),
-        };
+        let store = Store::from_db(db, tmp.clone());
         let txn = store.begin_write()?;
         {
             let schema = store.encode("schema version", &SCHEMA_VERSION)?;
@@ -478,7 +588,7 @@ fn create_new(dir: &Path, path: &Path) -> Result<Option<Store>, StoreError> {
                 .map_err(|e| db_err(&tmp, "create table tokens", e))?;
         }
         store.commit(txn)?;
-        Ok::<_, StoreError>(store.db)
+        Ok::<_, StoreError>(store.into_db())
     })();
     let db = match built {
         Ok(db) => db,
@@ -497,10 +607,7 @@ fn create_new(dir: &Path, path: &Path) -> Result<Option<Store>, StoreError> {
             fs::File::open(dir)
                 .and_then(|d| d.sync_all())
                 .map_err(dir_err)?;
-            Ok(Some(Store {
-                db,
-                path: path.to_path_buf(),
-            }))
+            Ok(Some(Store::from_db(db, path.to_path_buf())))
         }
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(None),
         Err(source) => Err(StoreError::Dir {
@@ -528,6 +635,28 @@ fn guarded<T>(
                 "redb panicked while opening {}: {msg}",
                 path.display()
             ))))
+        }
+    }
+}
+
+/// Runs `f`, turning a panic inside redb into [`StoreError::Corrupt`].
+fn no_panic<T>(
+    path: &Path,
+    what: &str,
+    f: impl FnOnce() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            Err(StoreError::Corrupt {
+                path: path.to_path_buf(),
+                reason: format!("redb panicked while {what} it: {msg}"),
+            })
         }
     }
 }
@@ -720,6 +849,38 @@ mod tests {
         let path = store.path().to_path_buf();
         drop(store);
         fs::read(path).unwrap()
+    }
+
+    /// Corrupt pages anywhere in the file: opening and loading never panics; each try is
+    /// Ok (the byte did not matter) or a clean error.
+    #[test]
+    fn corrupt_pages_are_errors_never_panics() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = populated(dir.path());
+        let path = dir.path().join(STATE_FILE_NAME);
+        let mut panics = Vec::new();
+        let step = (good.len() / 300).max(1);
+        for at in (0..good.len()).step_by(step) {
+            for garbage in [0xffu8, 0x00] {
+                let mut bad = good.clone();
+                if bad[at] == garbage {
+                    continue;
+                }
+                bad[at] = garbage;
+                // Also clobber the rest of the page, as a torn write would.
+                let end = (at + 64).min(bad.len());
+                bad[at..end].fill(garbage);
+                fs::write(&path, &bad).unwrap();
+                let r = std::panic::catch_unwind(|| Store::open(dir.path()).and_then(|s| s.load()));
+                if r.is_err() {
+                    panics.push((at, garbage));
+                }
+            }
+        }
+        assert!(
+            panics.is_empty(),
+            "redb panicked for corruption at {panics:?}"
+        );
     }
 
     /// Writes a schema version straight into the file, as a newer build would.

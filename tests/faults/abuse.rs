@@ -661,3 +661,130 @@ async fn the_metrics_listener_drops_half_sent_requests() {
         .unwrap();
     assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
 }
+
+/// Unmounts a test filesystem when dropped (after the broker using it stopped).
+struct Mounted(PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// With the state directory on a full filesystem admin changes fail (INTERNAL, nothing
+/// claimed) and the Admin service reports NOT_SERVING; once space is freed the store
+/// reopens by itself: the Admin service serves again and changes commit. Needs root (a
+/// small tmpfs); skips with a reason otherwise.
+#[tokio::test]
+async fn the_store_recovers_after_the_disk_was_full() {
+    use std::io::Write;
+    let mut mount_failed = None;
+    let started = Broker::start_raw(|dir| {
+        let state = dir.join("state");
+        std::fs::create_dir_all(&state).unwrap();
+        let st = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=6m", "tmpfs"])
+            .arg(&state)
+            .stderr(std::process::Stdio::piped())
+            .output();
+        match st {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => mount_failed = Some(String::from_utf8_lossy(&o.stderr).into_owned()),
+            Err(e) => mount_failed = Some(e.to_string()),
+        }
+        [
+            "--backend",
+            "host",
+            "--host-capacity",
+            "64MiB",
+            "--headroom",
+            "0%",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    });
+    if let Some(why) = mount_failed {
+        eprintln!("SKIP: cannot mount a tmpfs for the state directory (needs root): {why}");
+        return;
+    }
+    let mut b = started.unwrap();
+    let _mounted = Mounted(b.state_dir.clone());
+    let admin = b.admin().await.unwrap();
+    admin
+        .set_quota("before", QuotaSpec::new(MIB))
+        .await
+        .unwrap();
+
+    // Fill the filesystem.
+    let filler = b.state_dir.join("filler");
+    {
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![0xabu8; 64 << 10];
+        while f.write_all(&chunk).is_ok() {}
+        let _ = f.sync_all();
+    }
+    let mut failed = None;
+    for i in 0..200 {
+        match admin.set_quota(&format!("t{i}"), QuotaSpec::new(MIB)).await {
+            Ok(_) => continue,
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    let err = failed.expect("an admin change fails on a full disk");
+    assert_eq!(err.code(), Code::Internal, "{err}");
+    let not_serving = eventually(Duration::from_secs(10), || async {
+        health_check(&b.uri(), "gpubroker.v1.Admin").await.ok() == Some(2)
+    })
+    .await;
+    assert!(not_serving, "Admin health while the store is unwritable");
+    assert!(
+        admin
+            .set_quota("during", QuotaSpec::new(MIB))
+            .await
+            .is_err(),
+        "still full"
+    );
+
+    // Free the space: the store recovers without a restart.
+    std::fs::remove_file(&filler).unwrap();
+    let serving = eventually(Duration::from_secs(15), || async {
+        health_check(&b.uri(), "gpubroker.v1.Admin").await.ok() == Some(1)
+    })
+    .await;
+    assert!(
+        serving,
+        "Admin health after space was freed:\n{}",
+        b.log_text()
+    );
+    admin
+        .set_quota("after", QuotaSpec::new(2 * MIB))
+        .await
+        .expect("admin changes commit again");
+    assert_eq!(
+        admin.get_quota("after").await.unwrap().quota.limit_bytes,
+        2 * MIB
+    );
+    assert!(
+        admin.get_quota("during").await.is_err(),
+        "a failed change claimed nothing"
+    );
+    let log = b.log_text();
+    assert!(log.contains("state store unwritable"), "{log}");
+    assert!(log.contains("state store writable again"), "{log}");
+    // Durable: a restart sees the change made after the recovery.
+    b.stop(Duration::from_secs(10)).unwrap();
+    b.spawn().unwrap();
+    let admin = b.admin().await.unwrap();
+    assert_eq!(
+        admin.get_quota("after").await.unwrap().quota.limit_bytes,
+        2 * MIB
+    );
+    b.kill().unwrap();
+}
