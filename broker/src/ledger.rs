@@ -195,6 +195,21 @@ impl Ledger {
         self.tenants.values()
     }
 
+    /// Tenants by name, after `after` (exclusive), for paginated listings.
+    pub fn tenants_after<'a>(
+        &'a self,
+        after: Option<&str>,
+    ) -> impl Iterator<Item = &'a Tenant> + 'a {
+        use std::ops::Bound;
+        let lower = match after {
+            Some(a) => Bound::Excluded(a.to_string()),
+            None => Bound::Unbounded,
+        };
+        self.tenants
+            .range::<String, _>((lower, Bound::Unbounded))
+            .map(|(_, t)| t)
+    }
+
     fn get_mut(&mut self, name: &str) -> BrokerResult<&mut Tenant> {
         self.tenants
             .get_mut(name)

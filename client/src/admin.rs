@@ -111,14 +111,40 @@ impl AdminClient {
         tenant_of(reply.tenant, "GetQuota")
     }
 
-    /// Every tenant with quota and usage.
+    /// Every tenant with quota and usage (all pages).
     pub async fn list_tenants(&self) -> Result<Vec<TenantInfo>, ClientError> {
+        let mut all = Vec::new();
+        let mut token = String::new();
+        loop {
+            let (page, next) = self.list_tenants_page(0, &token).await?;
+            all.extend(page);
+            match next {
+                Some(t) => token = t,
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// One page of tenants: `page_size` 0 is the broker's default; `page_token` empty for
+    /// the first page, else the token the previous page returned. Returns the page and the
+    /// next page's token (None on the last page).
+    pub async fn list_tenants_page(
+        &self,
+        page_size: u32,
+        page_token: &str,
+    ) -> Result<(Vec<TenantInfo>, Option<String>), ClientError> {
         let reply = self
             .raw()
-            .list_tenants(pb::ListTenantsRequest {})
+            .list_tenants(pb::ListTenantsRequest {
+                page_size,
+                page_token: page_token.to_string(),
+            })
             .await?
             .into_inner();
-        Ok(reply.tenants.into_iter().map(TenantInfo::from).collect())
+        Ok((
+            reply.tenants.into_iter().map(TenantInfo::from).collect(),
+            Some(reply.next_page_token).filter(|t| !t.is_empty()),
+        ))
     }
 
     /// Deletes a tenant (`FAILED_PRECONDITION` while it holds leases).
@@ -264,19 +290,43 @@ impl AdminClient {
         Ok(reply.tokens.into_iter().map(TokenInfo::from).collect())
     }
 
-    /// Every lease, of one tenant or all.
+    /// Every lease, of one tenant or all (all pages, in the order they were granted).
     pub async fn list_all_leases(
         &self,
         tenant: Option<&str>,
     ) -> Result<Vec<LeaseInfo>, ClientError> {
+        let mut all = Vec::new();
+        let mut token = String::new();
+        loop {
+            let (page, next) = self.list_all_leases_page(tenant, 0, &token).await?;
+            all.extend(page);
+            match next {
+                Some(t) => token = t,
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// One page of leases (see [`AdminClient::list_tenants_page`] for the paging).
+    pub async fn list_all_leases_page(
+        &self,
+        tenant: Option<&str>,
+        page_size: u32,
+        page_token: &str,
+    ) -> Result<(Vec<LeaseInfo>, Option<String>), ClientError> {
         let reply = self
             .raw()
             .list_all_leases(pb::ListAllLeasesRequest {
                 tenant: tenant.unwrap_or_default().to_string(),
+                page_size,
+                page_token: page_token.to_string(),
             })
             .await?
             .into_inner();
-        Ok(reply.leases.into_iter().map(LeaseInfo::from).collect())
+        Ok((
+            reply.leases.into_iter().map(LeaseInfo::from).collect(),
+            Some(reply.next_page_token).filter(|t| !t.is_empty()),
+        ))
     }
 
     /// Takes a lease away; its holder gets a `LeaseRevoked` event.
@@ -299,19 +349,43 @@ impl AdminClient {
             .ok_or_else(|| ClientError::Protocol("RevokeLease reply carries no lease".into()))
     }
 
-    /// Open sessions, of one tenant or all.
+    /// Open sessions, of one tenant or all (all pages, oldest first).
     pub async fn list_sessions(
         &self,
         tenant: Option<&str>,
     ) -> Result<Vec<SessionInfo>, ClientError> {
+        let mut all = Vec::new();
+        let mut token = String::new();
+        loop {
+            let (page, next) = self.list_sessions_page(tenant, 0, &token).await?;
+            all.extend(page);
+            match next {
+                Some(t) => token = t,
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// One page of sessions (see [`AdminClient::list_tenants_page`] for the paging).
+    pub async fn list_sessions_page(
+        &self,
+        tenant: Option<&str>,
+        page_size: u32,
+        page_token: &str,
+    ) -> Result<(Vec<SessionInfo>, Option<String>), ClientError> {
         let reply = self
             .raw()
             .list_sessions(pb::ListSessionsRequest {
                 tenant: tenant.unwrap_or_default().to_string(),
+                page_size,
+                page_token: page_token.to_string(),
             })
             .await?
             .into_inner();
-        Ok(reply.sessions.into_iter().map(SessionInfo::from).collect())
+        Ok((
+            reply.sessions.into_iter().map(SessionInfo::from).collect(),
+            Some(reply.next_page_token).filter(|t| !t.is_empty()),
+        ))
     }
 
     /// The devices the broker manages.

@@ -94,15 +94,39 @@ impl Client {
         Ok(Usage::from(reply.into_inner()))
     }
 
-    /// Every lease of the caller's tenant.
+    /// Every lease of the caller's tenant (all pages, in the order they were granted).
     pub async fn list_leases(&self) -> Result<Vec<LeaseInfo>, ClientError> {
-        let reply = self.raw().list_leases(pb::ListLeasesRequest {}).await?;
-        Ok(reply
-            .into_inner()
-            .leases
-            .into_iter()
-            .map(LeaseInfo::from)
-            .collect())
+        let mut all = Vec::new();
+        let mut token = String::new();
+        loop {
+            let (page, next) = self.list_leases_page(0, &token).await?;
+            all.extend(page);
+            match next {
+                Some(t) => token = t,
+                None => return Ok(all),
+            }
+        }
+    }
+
+    /// One page of the caller's leases: `page_size` 0 is the broker's default;
+    /// `page_token` empty for the first page, else the token the previous page returned.
+    pub async fn list_leases_page(
+        &self,
+        page_size: u32,
+        page_token: &str,
+    ) -> Result<(Vec<LeaseInfo>, Option<String>), ClientError> {
+        let reply = self
+            .raw()
+            .list_leases(pb::ListLeasesRequest {
+                page_size,
+                page_token: page_token.to_string(),
+            })
+            .await?
+            .into_inner();
+        Ok((
+            reply.leases.into_iter().map(LeaseInfo::from).collect(),
+            Some(reply.next_page_token).filter(|t| !t.is_empty()),
+        ))
     }
 
     /// Releases a lease by id (for leases not held as a [`crate::Lease`], e.g. detached).

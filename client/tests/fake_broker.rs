@@ -243,7 +243,10 @@ impl Broker for Fake {
             .filter(|l| l.tenant == tenant)
             .cloned()
             .collect();
-        Ok(Response::new(pb::ListLeasesResponse { leases }))
+        Ok(Response::new(pb::ListLeasesResponse {
+            leases,
+            next_page_token: String::new(),
+        }))
     }
 
     async fn get_usage(
@@ -386,7 +389,10 @@ impl Admin for Fake {
             .into_iter()
             .map(|(n, q)| self.tenant_info(&n, q))
             .collect();
-        Ok(Response::new(pb::ListTenantsResponse { tenants }))
+        Ok(Response::new(pb::ListTenantsResponse {
+            tenants,
+            next_page_token: String::new(),
+        }))
     }
 
     async fn delete_tenant(
@@ -490,7 +496,10 @@ impl Admin for Fake {
             .filter(|l| tenant.is_empty() || l.tenant == tenant)
             .cloned()
             .collect();
-        Ok(Response::new(pb::ListAllLeasesResponse { leases }))
+        Ok(Response::new(pb::ListAllLeasesResponse {
+            leases,
+            next_page_token: String::new(),
+        }))
     }
 
     async fn revoke_lease(
@@ -538,7 +547,10 @@ impl Admin for Fake {
                 ..Default::default()
             })
             .collect();
-        Ok(Response::new(pb::ListSessionsResponse { sessions }))
+        Ok(Response::new(pb::ListSessionsResponse {
+            sessions,
+            next_page_token: String::new(),
+        }))
     }
 
     async fn drain(

@@ -227,7 +227,9 @@ async fn unauthenticated_without_a_valid_token() {
     );
     let mut bare_admin = pb::admin_client::AdminClient::new(channel.clone());
     status_of(
-        bare_admin.list_tenants(pb::ListTenantsRequest {}).await,
+        bare_admin
+            .list_tenants(pb::ListTenantsRequest::default())
+            .await,
         ua,
         "no token on admin",
     );

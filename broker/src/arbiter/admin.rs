@@ -228,12 +228,9 @@ impl Arbiter {
         Ok(self.tenant_view(&st, t))
     }
 
+    /// Every tenant by name, page by page (short lock holds: `listing.rs`).
     pub fn list_tenants(&self) -> Vec<TenantView> {
-        let st = self.state.lock();
-        st.ledger
-            .tenants()
-            .map(|t| self.tenant_view(&st, t))
-            .collect()
+        Self::all_pages(|t| self.tenants_page(t, super::listing::DEFAULT_PAGE_SIZE))
     }
 
     /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
@@ -297,44 +294,14 @@ impl Arbiter {
     }
 
     /// Every lease (of one tenant if given), oldest first.
+    /// Every lease (of `tenant`, or all) in the order granted, page by page.
     pub fn list_all_leases(&self, tenant: Option<&str>) -> Vec<LeaseView> {
-        let st = self.state.lock();
-        let mut v: Vec<(u64, LeaseView)> = st
-            .leases
-            .iter()
-            .filter(|l| tenant.is_none_or(|t| l.tenant == t))
-            .map(|l| (l.seq, st.view(l)))
-            .collect();
-        v.sort_by_key(|(seq, _)| *seq);
-        v.into_iter().map(|(_, l)| l).collect()
+        Self::all_pages(|t| self.leases_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE))
     }
 
+    /// Every session (of `tenant`, or all) by id, page by page.
     pub fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
-        let st = self.state.lock();
-        let mut v: Vec<SessionView> = st
-            .sessions
-            .iter()
-            .filter(|s| tenant.is_none_or(|t| s.tenant == t))
-            .map(|s| SessionView {
-                id: s.id,
-                tenant: s.tenant.clone(),
-                name: s.name.clone(),
-                pid: s.peer.pid,
-                uid: s.peer.uid,
-                unix: s.peer.unix,
-                opened: s.opened,
-                lease_count: s.leases.len() as u32,
-                held_bytes: s
-                    .leases
-                    .iter()
-                    .filter_map(|l| st.leases.get(l))
-                    .map(|l| l.bytes())
-                    .sum(),
-                gpu: s.gpu,
-            })
-            .collect();
-        v.sort_by_key(|s| s.id);
-        v
+        Self::all_pages(|t| self.sessions_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE))
     }
 
     /// Every quarantined block (memory a live process may still map), oldest first.

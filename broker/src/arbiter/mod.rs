@@ -13,6 +13,7 @@ mod admin;
 mod admission;
 mod drain;
 mod ending;
+pub mod listing;
 pub mod queue;
 mod tasks;
 pub mod tokens;
@@ -399,17 +400,9 @@ impl Arbiter {
         }
     }
 
-    /// The caller's own leases.
+    /// The caller's own leases, in the order they were granted (every page).
     pub fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
-        let st = self.state.lock();
-        let mut v: Vec<LeaseView> = st
-            .leases
-            .iter()
-            .filter(|l| l.tenant == tenant)
-            .map(|l| st.view(l))
-            .collect();
-        v.sort_by_key(|l| l.id);
-        v
+        Self::all_pages(|t| self.leases_page(Some(tenant), t, listing::MAX_PAGE_SIZE))
     }
 
     /// Begins shutdown: refuse new work, tell every session.

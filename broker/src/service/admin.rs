@@ -2,6 +2,7 @@
 //! Thin: the interceptor admitted only the admin; this converts and delegates.
 
 use super::convert::{self, filter, parse_id};
+use crate::arbiter::listing::page_size;
 use crate::arbiter::tokens::TokenSpec;
 use crate::arbiter::Arbiter;
 use crate::audit::{AuditFilter, Who};
@@ -63,15 +64,15 @@ impl Admin for AdminService {
 
     async fn list_tenants(
         &self,
-        _req: Request<pb::ListTenantsRequest>,
+        req: Request<pb::ListTenantsRequest>,
     ) -> Result<Response<pb::ListTenantsResponse>, Status> {
+        let r = req.get_ref();
+        let page = self
+            .arb
+            .tenants_page(&r.page_token, page_size(r.page_size))?;
         Ok(Response::new(pb::ListTenantsResponse {
-            tenants: self
-                .arb
-                .list_tenants()
-                .iter()
-                .map(convert::tenant)
-                .collect(),
+            tenants: page.items.iter().map(convert::tenant).collect(),
+            next_page_token: page.next.unwrap_or_default(),
         }))
     }
 
@@ -184,12 +185,17 @@ impl Admin for AdminService {
         bounds::tenant("tenant", &req.get_ref().tenant)?;
         let tenant = filter(&req.get_ref().tenant);
         self.arb.check_tenant_filter(tenant)?;
-        let leases = self.arb.list_all_leases(tenant);
+        let r = req.get_ref();
+        let page = self
+            .arb
+            .leases_page(tenant, &r.page_token, page_size(r.page_size))?;
         Ok(Response::new(pb::ListAllLeasesResponse {
-            leases: leases
+            leases: page
+                .items
                 .iter()
                 .map(|l| convert::lease_on(l, &self.arb))
                 .collect(),
+            next_page_token: page.next.unwrap_or_default(),
         }))
     }
 
@@ -227,9 +233,13 @@ impl Admin for AdminService {
         bounds::tenant("tenant", &req.get_ref().tenant)?;
         let tenant = filter(&req.get_ref().tenant);
         self.arb.check_tenant_filter(tenant)?;
-        let sessions = self.arb.list_sessions(tenant);
+        let r = req.get_ref();
+        let page = self
+            .arb
+            .sessions_page(tenant, &r.page_token, page_size(r.page_size))?;
         Ok(Response::new(pb::ListSessionsResponse {
-            sessions: sessions.iter().map(convert::session).collect(),
+            sessions: page.items.iter().map(convert::session).collect(),
+            next_page_token: page.next.unwrap_or_default(),
         }))
     }
 

@@ -146,12 +146,16 @@ impl Broker for BrokerService {
         req: Request<pb::ListLeasesRequest>,
     ) -> Result<Response<pb::ListLeasesResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        let leases = self.arb.list_leases(&tenant);
+        let r = req.get_ref();
+        let size = crate::arbiter::listing::page_size(r.page_size);
+        let page = self.arb.leases_page(Some(&tenant), &r.page_token, size)?;
         Ok(Response::new(pb::ListLeasesResponse {
-            leases: leases
+            leases: page
+                .items
                 .iter()
                 .map(|l| convert::lease_on(l, &self.arb))
                 .collect(),
+            next_page_token: page.next.unwrap_or_default(),
         }))
     }
 

@@ -1,0 +1,237 @@
+//! Paginated listings (tenants, leases, sessions). Each page is built under one short hold
+//! of the state lock — only what the page needs is copied, and per-tenant token counts and
+//! compute-turn usage are read after the lock is released — so a listing never stalls
+//! admission for long, however many tenants or leases there are. Page tokens are opaque
+//! to clients: the last key of the page (tenant name, lease sequence number, session id).
+//! The whole-list methods (`list_tenants`, `list_all_leases`, ...) walk the pages.
+
+use super::{Arbiter, SessionView, TenantView};
+use crate::bounds;
+use crate::error::{BrokerError, BrokerResult};
+use crate::lease::LeaseView;
+use std::collections::HashMap;
+use uuid::Uuid;
+
+/// Page size when a request gives none.
+pub const DEFAULT_PAGE_SIZE: usize = 500;
+/// Largest page a request may ask for (larger asks get this many).
+pub const MAX_PAGE_SIZE: usize = 5000;
+
+/// One page of a listing; `next` is the token of the next page (None: this was the last).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Page<T> {
+    pub items: Vec<T>,
+    pub next: Option<String>,
+}
+
+/// The page size for a requested one (0: the default; capped at [`MAX_PAGE_SIZE`]).
+pub fn page_size(requested: u32) -> usize {
+    match requested as usize {
+        0 => DEFAULT_PAGE_SIZE,
+        n => n.min(MAX_PAGE_SIZE),
+    }
+}
+
+fn bad_token() -> BrokerError {
+    BrokerError::InvalidArgument(
+        "page_token is not a token this broker gave out (pass next_page_token unchanged)".into(),
+    )
+}
+
+/// The `size` smallest of `keyed` by key, sorted, and whether more were left.
+fn smallest<K: Ord + Copy, T>(mut keyed: Vec<(K, T)>, size: usize) -> (Vec<(K, T)>, bool) {
+    let more = keyed.len() > size;
+    if more {
+        keyed.select_nth_unstable_by_key(size, |k| k.0);
+        keyed.truncate(size);
+    }
+    keyed.sort_unstable_by_key(|k| k.0);
+    (keyed, more)
+}
+
+impl Arbiter {
+    /// Tenants by name, after `token`.
+    pub fn tenants_page(&self, token: &str, size: usize) -> BrokerResult<Page<TenantView>> {
+        bounds::check("page_token", token, bounds::MAX_TENANT_BYTES)?;
+        let after = (!token.is_empty()).then_some(token);
+        let size = size.max(1);
+        let (mut views, more) = {
+            let st = self.state.lock();
+            let mut it = st.ledger.tenants_after(after);
+            let page: Vec<_> = it.by_ref().take(size).collect();
+            let more = it.next().is_some();
+            let mut counts: HashMap<&str, (u32, u32)> =
+                page.iter().map(|t| (t.name.as_str(), (0, 0))).collect();
+            for s in st.sessions.iter() {
+                if let Some(c) = counts.get_mut(s.tenant.as_str()) {
+                    c.0 += 1;
+                }
+            }
+            for w in st.queue.iter() {
+                if let Some(c) = counts.get_mut(w.ask.tenant.as_str()) {
+                    c.1 += 1;
+                }
+            }
+            let views: Vec<TenantView> = page
+                .iter()
+                .map(|t| {
+                    let (sessions, waiting) =
+                        counts.get(t.name.as_str()).copied().unwrap_or((0, 0));
+                    TenantView {
+                        name: t.name.clone(),
+                        quota: t.quota,
+                        usage: t.usage,
+                        borrowed_bytes: t.borrowed_bytes(),
+                        sessions,
+                        waiting,
+                        tokens: 0,
+                        turns: Default::default(),
+                    }
+                })
+                .collect();
+            (views, more)
+        };
+        // Outside the state lock: token counts (the authenticator's own table) and turns.
+        let mut tokens: HashMap<String, u32> = HashMap::new();
+        for e in self.auth.list(None) {
+            *tokens.entry(e.tenant).or_default() += 1;
+        }
+        for v in &mut views {
+            v.tokens = tokens.get(&v.name).copied().unwrap_or(0);
+            v.turns = self.scheduler.usage(&v.name);
+        }
+        let next = if more {
+            views.last().map(|v| v.name.clone())
+        } else {
+            None
+        };
+        Ok(Page { items: views, next })
+    }
+
+    /// Leases (of `tenant`, or all) in the order they were granted, after `token`.
+    pub fn leases_page(
+        &self,
+        tenant: Option<&str>,
+        token: &str,
+        size: usize,
+    ) -> BrokerResult<Page<LeaseView>> {
+        bounds::check("page_token", token, bounds::MAX_ID_BYTES)?;
+        let after: u64 = if token.is_empty() {
+            0
+        } else {
+            token.parse().map_err(|_| bad_token())?
+        };
+        let size = size.max(1);
+        let st = self.state.lock();
+        let keyed: Vec<(u64, &crate::lease::Lease)> = st
+            .leases
+            .iter()
+            .filter(|l| l.seq > after && tenant.is_none_or(|t| l.tenant == t))
+            .map(|l| (l.seq, l))
+            .collect();
+        let (page, more) = smallest(keyed, size);
+        let items: Vec<LeaseView> = page.iter().map(|(_, l)| st.view(l)).collect();
+        let next = if more {
+            page.last().map(|(seq, _)| seq.to_string())
+        } else {
+            None
+        };
+        drop(page);
+        drop(st);
+        Ok(Page { items, next })
+    }
+
+    /// Sessions (of `tenant`, or all) by id (the order they were opened), after `token`.
+    pub fn sessions_page(
+        &self,
+        tenant: Option<&str>,
+        token: &str,
+        size: usize,
+    ) -> BrokerResult<Page<SessionView>> {
+        bounds::check("page_token", token, bounds::MAX_ID_BYTES)?;
+        let after = if token.is_empty() {
+            Uuid::nil()
+        } else {
+            Uuid::parse_str(token).map_err(|_| bad_token())?
+        };
+        let size = size.max(1);
+        let st = self.state.lock();
+        let keyed: Vec<(Uuid, &crate::session::Session)> = st
+            .sessions
+            .iter()
+            .filter(|s| s.id > after && tenant.is_none_or(|t| s.tenant == t))
+            .map(|s| (s.id, s))
+            .collect();
+        let (page, more) = smallest(keyed, size);
+        let items: Vec<SessionView> = page
+            .iter()
+            .map(|(_, s)| SessionView {
+                id: s.id,
+                tenant: s.tenant.clone(),
+                name: s.name.clone(),
+                pid: s.peer.pid,
+                uid: s.peer.uid,
+                unix: s.peer.unix,
+                opened: s.opened,
+                lease_count: s.leases.len() as u32,
+                held_bytes: s
+                    .leases
+                    .iter()
+                    .filter_map(|l| st.leases.get(l))
+                    .map(|l| l.bytes())
+                    .sum(),
+                gpu: s.gpu,
+            })
+            .collect();
+        let next = if more {
+            page.last().map(|(id, _)| id.to_string())
+        } else {
+            None
+        };
+        drop(page);
+        drop(st);
+        Ok(Page { items, next })
+    }
+
+    /// Walks every page of a listing (each page under its own short lock hold).
+    pub(crate) fn all_pages<T>(mut page: impl FnMut(&str) -> BrokerResult<Page<T>>) -> Vec<T> {
+        let mut out = Vec::new();
+        let mut token = String::new();
+        loop {
+            match page(&token) {
+                Ok(p) => {
+                    out.extend(p.items);
+                    match p.next {
+                        Some(t) => token = t,
+                        None => return out,
+                    }
+                }
+                // Our own tokens are always valid; nothing else can fail here.
+                Err(_) => return out,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_sizes_default_and_cap() {
+        assert_eq!(page_size(0), DEFAULT_PAGE_SIZE);
+        assert_eq!(page_size(7), 7);
+        assert_eq!(page_size(u32::MAX), MAX_PAGE_SIZE);
+    }
+
+    #[test]
+    fn smallest_keeps_the_first_keys_in_order() {
+        let v: Vec<(u64, ())> = [9, 3, 7, 1, 5].iter().map(|&k| (k, ())).collect();
+        let (p, more) = smallest(v.clone(), 3);
+        assert_eq!(p.iter().map(|k| k.0).collect::<Vec<_>>(), vec![1, 3, 5]);
+        assert!(more);
+        let (p, more) = smallest(v, 5);
+        assert_eq!(p.len(), 5);
+        assert!(!more);
+    }
+}
