@@ -872,8 +872,7 @@ async fn listings_are_paginated() {
     let bad = admin
         .list_all_leases_page(None, 5, "not-a-token")
         .await
-        .err()
-        .expect("a bad token is refused");
+        .expect_err("a bad token is refused");
     assert_eq!(bad.code(), Code::InvalidArgument, "{bad}");
     // The CLI lists everything.
     let out = std::process::Command::new(bin("gpu-brokerctl"))
