@@ -287,7 +287,7 @@ impl Metrics {
 }
 
 /// Every value of the `reason` label of `acquire_refusals`.
-pub const REFUSAL_REASONS: [&str; 10] = [
+pub const REFUSAL_REASONS: [&str; 11] = [
     "quota",
     "max_leases",
     "max_waiting",
@@ -297,6 +297,7 @@ pub const REFUSAL_REASONS: [&str; 10] = [
     "invalid",
     "not_found",
     "unavailable",
+    "precondition",
     "other",
 ];
 
@@ -307,6 +308,8 @@ pub fn refusal_reason(e: &BrokerError) -> &'static str {
         BrokerError::NotFound(_) => "not_found",
         BrokerError::Unavailable(_) => "unavailable",
         BrokerError::DeadlineExceeded(_) => "wait_expired",
+        // A device draining, or a caller that cannot receive what it asked for.
+        BrokerError::FailedPrecondition(_) => "precondition",
         BrokerError::ResourceExhausted(m) => {
             if m.contains("quota exceeded") {
                 "quota"
