@@ -183,6 +183,16 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_OWN_ALLOC_ALLOWANCE", default_value = "1GiB", value_parser = parse_size)]
     pub own_alloc_allowance: u64,
 
+    /// How often the health monitor checks every device (0s: never). A device that fails
+    /// a check (or, with NVML, shows a critical Xid, new uncorrectable ECC errors or pages
+    /// pending retirement) takes no new leases until it passes again.
+    #[arg(long, env = "GPU_BROKER_HEALTH_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    pub health_interval: Duration,
+
+    /// A device that does not answer a health check within this is unhealthy.
+    #[arg(long, env = "GPU_BROKER_HEALTH_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub health_timeout: Duration,
+
     /// Most open sessions per tenant.
     #[arg(
         long,
@@ -291,6 +301,14 @@ impl Config {
         self.admin_token_file
             .clone()
             .unwrap_or_else(|| self.state_dir.join("admin.token"))
+    }
+
+    /// The health monitor's part of the configuration.
+    pub fn health(&self) -> crate::health::HealthConfig {
+        crate::health::HealthConfig {
+            interval: self.health_interval,
+            timeout: self.health_timeout,
+        }
     }
 
     /// The arbiter's part of the configuration.

@@ -18,6 +18,7 @@ pub mod device;
 pub mod error;
 pub mod gate;
 pub mod gpu_processes;
+pub mod health;
 pub mod lease;
 pub mod ledger;
 pub mod listener;

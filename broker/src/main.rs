@@ -141,6 +141,22 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             cfg.limits.limits(),
         ));
     }
+    let mut nvml_faults: Option<Box<dyn gpu_broker::health::FaultSource>> = None;
+    if arb.backend_is_cuda() {
+        let uuids: Vec<String> = (0..arb.device_count() as u32)
+            .map(|d| arb.device_uuid(d))
+            .collect();
+        if let Some(why) = gpu_broker::health::mig_refusal(&uuids) {
+            anyhow::bail!("{why}");
+        }
+        if let Some(f) = gpu_broker::health::NvmlFaults::open(uuids) {
+            for line in f.describe() {
+                tracing::info!("NVML: {line}");
+            }
+            nvml_faults = Some(Box::new(f));
+        }
+    }
+    arb.spawn_health_monitor(cfg.health(), nvml_faults, shutdown.clone());
     if arb.backend_is_cuda() {
         if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {
             arb.spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());

@@ -48,6 +48,12 @@ pub enum SessionEvent {
         device: u32,
         reason: String,
     },
+    /// A device the session holds leases on was marked unhealthy.
+    DeviceUnhealthy {
+        device: u32,
+        uuid: String,
+        reason: String,
+    },
 }
 
 /// A connected worker.

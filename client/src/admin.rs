@@ -452,4 +452,24 @@ impl AdminClient {
             .map(QuarantinedBlock::from)
             .collect())
     }
+
+    /// An operator's verdict on a device: `healthy == false` marks it unhealthy (no new
+    /// leases; stays until cleared), `true` clears any mark. Returns whether it changed.
+    pub async fn set_device_health(
+        &self,
+        device: u32,
+        healthy: bool,
+        reason: &str,
+    ) -> Result<bool, ClientError> {
+        let reply = self
+            .raw()
+            .set_device_health(pb::SetDeviceHealthRequest {
+                device,
+                healthy,
+                reason: reason.to_string(),
+            })
+            .await?
+            .into_inner();
+        Ok(reply.changed)
+    }
 }

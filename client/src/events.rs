@@ -80,6 +80,17 @@ pub enum SessionEvent {
         /// Why.
         reason: String,
     },
+    /// A device this session holds leases on was marked unhealthy (Xid or ECC errors,
+    /// it stopped answering, or an operator said so): nothing new is granted there, and
+    /// the memory of the leases there may be unreliable. Checkpoint and release them.
+    DeviceUnhealthy {
+        /// Device index.
+        device: u32,
+        /// Device UUID.
+        uuid: String,
+        /// Why.
+        reason: String,
+    },
     /// (Reconnecting sessions only.) The session stream broke or ended: the broker has
     /// ended (or lost, if it died) the session `session_id` and every lease it held.
     /// The client is re-opening a session with backoff; `Reconnected` follows on
@@ -142,6 +153,11 @@ impl SessionEvent {
                 turn_id: t.turn_id,
                 device: t.device,
                 reason: t.reason,
+            }),
+            Event::DeviceUnhealthy(d) => Some(SessionEvent::DeviceUnhealthy {
+                device: d.device,
+                uuid: d.uuid,
+                reason: d.reason,
             }),
             Event::Opened(_) | Event::Heartbeat(_) => None,
         }

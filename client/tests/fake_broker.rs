@@ -574,6 +574,13 @@ impl Admin for Fake {
         Err(Status::unimplemented("not in the fake"))
     }
 
+    async fn set_device_health(
+        &self,
+        _req: Request<pb::SetDeviceHealthRequest>,
+    ) -> Result<Response<pb::SetDeviceHealthResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
     async fn rotate_admin_token(
         &self,
         _req: Request<pb::RotateAdminTokenRequest>,

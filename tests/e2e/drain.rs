@@ -275,3 +275,69 @@ async fn brokerctl_drain_waits_until_the_device_is_empty() {
         .iter()
         .all(|d| !d.draining));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unhealthy_device_takes_nothing_new_and_its_holders_are_told() {
+    let b = Broker::start_with(BrokerOpts {
+        devices: 2,
+        capacity: "64MiB",
+        extra: vec!["--health-interval".into(), "50ms".into()],
+        ..Default::default()
+    })
+    .unwrap();
+    let admin = b.admin().await.unwrap();
+    let c = b.client("alice", GIB).await.unwrap();
+    let s = c.session("s").await.unwrap();
+    let mut events = s.events();
+    let l = s.lease_request(4 * MIB).device(0).send().await.unwrap();
+    let ctl = |args: &[&str]| {
+        let mut cmd = std::process::Command::new(bin("gpu-brokerctl"));
+        cmd.arg("--broker")
+            .arg(b.uri())
+            .arg("--token-file")
+            .arg(b.state_dir.join("admin.token"))
+            .args(args);
+        cmd.output().unwrap()
+    };
+    let out = ctl(&["mark-unhealthy", "0", "--reason", "fan failure"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ev = tokio::time::timeout(T, events.next()).await.unwrap();
+    match ev {
+        Some(SessionEvent::DeviceUnhealthy {
+            device,
+            reason,
+            uuid,
+        }) => {
+            assert_eq!(device, 0);
+            assert_eq!(reason, "fan failure");
+            assert!(uuid.starts_with("HOST-"), "{uuid}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let d = admin.get_devices().await.unwrap();
+    assert!(d[0].unhealthy && d[0].health_reason == "fan failure" && !d[1].unhealthy);
+    let table = String::from_utf8(ctl(&["devices"]).stdout).unwrap();
+    assert!(table.contains("unhealthy"), "{table}");
+    let e = s.lease_request(2 * MIB).device(0).send().await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert_eq!(s.lease(2 * MIB).await.unwrap().device(), 1);
+    // The monitor (running on the host backend too) does not clear an operator's mark.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(admin.get_devices().await.unwrap()[0].unhealthy);
+    let out = ctl(&["mark-healthy", "0"]);
+    assert!(out.status.success());
+    assert_eq!(
+        s.lease_request(2 * MIB)
+            .device(0)
+            .send()
+            .await
+            .unwrap()
+            .device(),
+        0
+    );
+    drop(l);
+}

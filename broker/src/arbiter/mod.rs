@@ -155,7 +155,13 @@ pub struct Arbiter {
     pub(crate) avail: parking_lot::RwLock<crate::availability::Availability>,
     /// What the broker did (counters, histograms), for `/metrics`.
     pub(crate) metrics: crate::metrics::Metrics,
+    /// NVML faults, once the health monitor runs (operators' resets reach it).
+    pub(crate) health_source: HealthSourceSlot,
 }
+
+/// Where the health monitor keeps its fault source.
+pub(crate) type HealthSourceSlot =
+    parking_lot::Mutex<Option<Arc<parking_lot::Mutex<Box<dyn crate::health::FaultSource>>>>>;
 
 /// The revocation reason of a holder that missed its reclaim deadline.
 pub const RECLAIM_DEADLINE_MISSED: &str = "reclaim deadline missed";
@@ -191,6 +197,7 @@ impl Arbiter {
         let arb = Arbiter {
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
+            health_source: parking_lot::Mutex::new(None),
             scheduler,
             state: Mutex::new(st),
             devices,

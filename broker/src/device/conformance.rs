@@ -25,6 +25,7 @@ type Check = fn(&mut dyn Device);
 /// Every check, by name.
 pub const CHECKS: &[(&str, Check)] = &[
     ("describes_itself", describes_itself),
+    ("answers_health_checks", answers_health_checks),
     ("rejects_zero_size", rejects_zero_size),
     ("refuses_more_than_capacity", refuses_more_than_capacity),
     ("alloc_and_free_move_mem_info", alloc_and_free_move_mem_info),
@@ -78,6 +79,15 @@ fn describes_itself(dev: &mut dyn Device) {
     let m = dev.mem_info().expect("mem_info");
     assert!(m.free <= m.total, "free {} > total {}", m.free, m.total);
     assert_eq!(m.total, d.total_bytes, "mem_info total != desc total");
+}
+
+fn answers_health_checks(dev: &mut dyn Device) {
+    if let Err(e) = dev.health() {
+        panic!("a freshly opened device must report healthy, got {e}");
+    }
+    let a = dev.alloc(dev.desc().granularity).expect("alloc");
+    assert!(dev.health().is_ok(), "healthy with an allocation");
+    dev.free(a).expect("free");
 }
 
 fn rejects_zero_size(dev: &mut dyn Device) {

@@ -10,6 +10,7 @@
 
 pub mod conformance;
 pub mod cuda;
+pub mod faulty;
 pub mod host;
 pub mod shm_owner;
 pub mod thread;
@@ -191,6 +192,12 @@ pub trait Device: Send {
         -> Result<Vec<u8>, DeviceError>;
     /// Copies `data` into the allocation at `offset` (diagnostics and tests).
     fn write(&mut self, alloc: &Allocation, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
+    /// Answers a health check: `Ok` when the device works. The default asks for its
+    /// memory info (a driver call that fails once a CUDA context is broken); a device that
+    /// does not answer at all is found by the caller's timeout.
+    fn health(&mut self) -> Result<(), DeviceError> {
+        self.mem_info().map(|_| ())
+    }
 }
 
 /// Checks `offset + len <= bytes` without overflow.

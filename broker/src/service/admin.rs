@@ -359,4 +359,16 @@ impl Admin for AdminService {
             .collect();
         Ok(Response::new(pb::ListQuarantinedResponse { blocks }))
     }
+
+    async fn set_device_health(
+        &self,
+        req: Request<pb::SetDeviceHealthRequest>,
+    ) -> Result<Response<pb::SetDeviceHealthResponse>, Status> {
+        let who = Who::of(&req);
+        let r = req.into_inner();
+        let changed = self
+            .arb
+            .set_device_health(r.device, r.healthy, &r.reason, &who)?;
+        Ok(Response::new(pb::SetDeviceHealthResponse { changed }))
+    }
 }

@@ -96,6 +96,15 @@ fn to_proto(e: SessionEvent) -> pb::SessionEvent {
             device,
             reason,
         }),
+        SessionEvent::DeviceUnhealthy {
+            device,
+            uuid,
+            reason,
+        } => Event::DeviceUnhealthy(pb::DeviceUnhealthy {
+            device,
+            uuid,
+            reason,
+        }),
     };
     pb::SessionEvent { event: Some(event) }
 }

@@ -140,6 +140,20 @@ enum Command {
         #[arg(long, value_parser = humantime::parse_duration, default_value = "500ms")]
         poll: Duration,
     },
+    /// Mark a device unhealthy: no new leases there, holders are told; stays until
+    /// `mark-healthy`.
+    MarkUnhealthy {
+        /// Device index.
+        device: u32,
+        /// Why (shown in `devices`, sent to holders, recorded in the audit log).
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Clear a device's unhealthy mark (the operator's or the health monitor's).
+    MarkHealthy {
+        /// Device index.
+        device: u32,
+    },
     /// Reopen a drained device (or every device).
     Undrain {
         /// Only this device (default: every device).
@@ -534,6 +548,32 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
         } => {
             let status = ctl::drain::run(&admin, device, deadline, &reason, no_wait, poll).await?;
             emit(json, &status, || drain_table(&status))
+        }
+        Command::MarkUnhealthy { device, reason } => {
+            let changed = admin.set_device_health(device, false, &reason).await?;
+            emit(
+                json,
+                &serde_json::json!({ "device": device, "healthy": false, "changed": changed }),
+                || {
+                    format!(
+                        "device {device} marked unhealthy{}\n",
+                        if changed { "" } else { " (already was)" }
+                    )
+                },
+            )
+        }
+        Command::MarkHealthy { device } => {
+            let changed = admin.set_device_health(device, true, "").await?;
+            emit(
+                json,
+                &serde_json::json!({ "device": device, "healthy": true, "changed": changed }),
+                || {
+                    format!(
+                        "device {device} marked healthy{}\n",
+                        if changed { "" } else { " (already was)" }
+                    )
+                },
+            )
         }
         Command::Undrain { device } => {
             let status = admin.undrain(device).await?;

@@ -1,0 +1,153 @@
+//! A fault-injecting device for tests on machines without a GPU: wraps another device and,
+//! on command through its [`FaultSwitch`], fails health checks with a reason (as a GPU
+//! after an Xid or ECC error would), stops answering altogether (every call blocks until
+//! the switch is released, as a GPU that fell off the bus makes driver calls hang), or
+//! fails allocations. With no fault switched on it behaves exactly like the device it
+//! wraps and passes the conformance suite.
+
+use super::{Allocation, Device, DeviceDesc, DeviceError, Handle, MemInfo};
+use parking_lot::Mutex;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What to break.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Health checks fail with this reason.
+    pub unhealthy: Option<String>,
+    /// Every call blocks while this is set.
+    pub hang: bool,
+    /// Allocations fail.
+    pub fail_alloc: bool,
+}
+
+/// The remote control of a [`FaultyDevice`]; cheap to clone, usable from any thread.
+#[derive(Clone, Debug, Default)]
+pub struct FaultSwitch(Arc<Mutex<Faults>>);
+
+impl FaultSwitch {
+    pub fn set(&self, f: Faults) {
+        *self.0.lock() = f;
+    }
+    pub fn unhealthy(&self, reason: &str) {
+        self.0.lock().unhealthy = Some(reason.to_string());
+    }
+    pub fn hang(&self, on: bool) {
+        self.0.lock().hang = on;
+    }
+    pub fn heal(&self) {
+        *self.0.lock() = Faults::default();
+    }
+    fn get(&self) -> Faults {
+        self.0.lock().clone()
+    }
+}
+
+/// A device with switchable faults (see the module doc).
+pub struct FaultyDevice {
+    inner: Box<dyn Device>,
+    switch: FaultSwitch,
+}
+
+impl FaultyDevice {
+    pub fn new(inner: Box<dyn Device>, switch: FaultSwitch) -> FaultyDevice {
+        FaultyDevice { inner, switch }
+    }
+
+    /// Blocks while the device is told to hang.
+    fn stall(&self) {
+        while self.switch.get().hang {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Device for FaultyDevice {
+    fn desc(&self) -> &DeviceDesc {
+        self.inner.desc()
+    }
+    fn mem_info(&mut self) -> Result<MemInfo, DeviceError> {
+        self.stall();
+        self.inner.mem_info()
+    }
+    fn fresh_is_zeroed(&self) -> bool {
+        self.inner.fresh_is_zeroed()
+    }
+    fn alloc(&mut self, bytes: u64) -> Result<Allocation, DeviceError> {
+        self.stall();
+        if self.switch.get().fail_alloc {
+            return Err(DeviceError::Driver {
+                call: "alloc",
+                message: "injected fault".into(),
+            });
+        }
+        self.inner.alloc(bytes)
+    }
+    fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError> {
+        self.stall();
+        self.inner.free(alloc)
+    }
+    fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError> {
+        self.stall();
+        self.inner.export(alloc)
+    }
+    fn scrub(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
+        self.stall();
+        self.inner.scrub(alloc)
+    }
+    fn read(
+        &mut self,
+        alloc: &Allocation,
+        offset: u64,
+        len: usize,
+    ) -> Result<Vec<u8>, DeviceError> {
+        self.stall();
+        self.inner.read(alloc, offset, len)
+    }
+    fn write(&mut self, alloc: &Allocation, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.stall();
+        self.inner.write(alloc, offset, data)
+    }
+    fn health(&mut self) -> Result<(), DeviceError> {
+        self.stall();
+        if let Some(reason) = self.switch.get().unhealthy {
+            return Err(DeviceError::Unavailable(reason));
+        }
+        self.inner.health()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::host::HostDevice;
+
+    #[test]
+    fn without_faults_it_passes_conformance_and_with_them_it_fails_health() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_path_buf();
+        crate::device::conformance::run_all(&mut || {
+            let inner = Box::new(HostDevice::new(0, 256 << 20, &d)?);
+            Ok(Box::new(FaultyDevice::new(inner, FaultSwitch::default())) as Box<dyn Device>)
+        });
+        let switch = FaultSwitch::default();
+        let mut dev = FaultyDevice::new(
+            Box::new(HostDevice::new(0, 16 << 20, &d).unwrap()),
+            switch.clone(),
+        );
+        switch.unhealthy("Xid 79 (fallen off the bus)");
+        match dev.health() {
+            Err(DeviceError::Unavailable(m)) => assert!(m.contains("Xid 79")),
+            other => panic!("{other:?}"),
+        }
+        switch.set(Faults {
+            fail_alloc: true,
+            ..Default::default()
+        });
+        assert!(dev.health().is_ok());
+        assert!(dev.alloc(2 << 20).is_err());
+        switch.heal();
+        let a = dev.alloc(2 << 20).unwrap();
+        dev.free(a).unwrap();
+    }
+}
