@@ -316,6 +316,59 @@ impl Arbiter {
     }
 }
 
+/// Name under which gRPC health reports device `index` (SERVING: admits new leases).
+pub fn grpc_device_service(index: u32) -> String {
+    format!("gpubroker.v1.Device/{index}")
+}
+
+/// Keeps the gRPC health service in step with the devices until `stop`: each device's
+/// [`grpc_device_service`] is SERVING while it admits new leases (open: not draining, not
+/// unhealthy), and `gpubroker.v1.Broker` is NOT_SERVING while no device does (readiness:
+/// send no work here). Stops touching anything once the broker shuts down.
+pub async fn report_grpc_health(
+    arb: Arc<Arbiter>,
+    reporter: tonic_health::server::HealthReporter,
+    stop: CancellationToken,
+) {
+    use tonic_health::ServingStatus;
+    let status = |up: bool| {
+        if up {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        }
+    };
+    let mut last: Option<Vec<bool>> = None;
+    loop {
+        if arb.is_draining() {
+            return;
+        }
+        let open: Vec<bool> = {
+            let avail = arb.avail.read();
+            (0..arb.device_count() as u32)
+                .map(|d| avail.admits(d))
+                .collect()
+        };
+        if last.as_ref() != Some(&open) {
+            for (d, up) in open.iter().enumerate() {
+                reporter
+                    .set_service_status(grpc_device_service(d as u32), status(*up))
+                    .await;
+            }
+            // Shutting down meanwhile: the server's NOT_SERVING stands.
+            let up = open.iter().any(|o| *o) && !stop.is_cancelled() && !arb.is_draining();
+            reporter
+                .set_service_status("gpubroker.v1.Broker", status(up))
+                .await;
+            last = Some(open);
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+}
+
 /// NVML's view of the broker's GPUs (matched by UUID): Xid events (from a thread that
 /// waits for them), uncorrectable ECC errors since start, pending page retirement, lost
 /// GPUs.

@@ -149,6 +149,12 @@ pub async fn serve(
             }
         });
     }
+    // Device health and drains in gRPC health (health.rs).
+    tokio::spawn(crate::health::report_grpc_health(
+        arb.clone(),
+        health_reporter.clone(),
+        shutdown.clone(),
+    ));
 
     let stop_serving = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();

@@ -136,6 +136,13 @@ async fn node_drain_is_unavailable_missed_deadlines_revoke_and_undrain_withdraws
     let e = s.lease(2 * MIB).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable, "{e}");
     assert!(e.message().contains("node reboot"), "{e}");
+    // Readiness: nothing here takes new work.
+    assert!(
+        eventually(T, || async {
+            health_check(&b.uri(), "gpubroker.v1.Broker").await.unwrap() == 2
+        })
+        .await
+    );
     let mut revoked = false;
     while let Ok(Some(ev)) = tokio::time::timeout(T, events.next()).await {
         if let SessionEvent::LeaseRevoked { lease_id, .. } = ev {
@@ -147,6 +154,12 @@ async fn node_drain_is_unavailable_missed_deadlines_revoke_and_undrain_withdraws
     assert!(revoked, "the ignored reclaim was not revoked");
     let _ = ignored.detach();
     admin.undrain(None).await.unwrap();
+    assert!(
+        eventually(T, || async {
+            health_check(&b.uri(), "gpubroker.v1.Broker").await.unwrap() == 1
+        })
+        .await
+    );
 
     // A drain's reclaim request is withdrawn by undrain.
     let l = s
@@ -322,6 +335,26 @@ async fn an_unhealthy_device_takes_nothing_new_and_its_holders_are_told() {
     assert!(d[0].unhealthy && d[0].health_reason == "fan failure" && !d[1].unhealthy);
     let table = String::from_utf8(ctl(&["devices"]).stdout).unwrap();
     assert!(table.contains("unhealthy"), "{table}");
+    // gRPC health: the device is NOT_SERVING, the broker still SERVING (device 1 is open).
+    assert!(
+        eventually(T, || async {
+            health_check(&b.uri(), "gpubroker.v1.Device/0")
+                .await
+                .unwrap()
+                == 2
+        })
+        .await
+    );
+    assert_eq!(
+        health_check(&b.uri(), "gpubroker.v1.Device/1")
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        health_check(&b.uri(), "gpubroker.v1.Broker").await.unwrap(),
+        1
+    );
     let e = s.lease_request(2 * MIB).device(0).send().await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
     assert_eq!(s.lease(2 * MIB).await.unwrap().device(), 1);
