@@ -694,6 +694,24 @@ mod tests {
         assert_eq!(elsewhere.device, 0);
         let report = arb.devices().await;
         assert!(report[1].fault.as_deref().unwrap().contains("Xid 79"));
+        let text = crate::metrics::render(&arb, crate::metrics::Format::PrometheusText).await;
+        let healthy: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("gpu_broker_device_healthy{"))
+            .collect();
+        assert_eq!(healthy.len(), 2, "{text}");
+        assert!(
+            healthy
+                .iter()
+                .any(|l| l.contains("device=\"1\"") && l.ends_with(" 0")),
+            "{healthy:?}"
+        );
+        assert!(
+            healthy
+                .iter()
+                .any(|l| l.contains("device=\"0\"") && l.ends_with(" 1")),
+            "{healthy:?}"
+        );
         assert!(report[0].fault.is_none());
         // The lease there stays its holder's.
         assert!(arb.list_leases("a").iter().any(|l| l.id == on1.id));

@@ -367,7 +367,17 @@ fn device_labels(d: &DeviceReport) -> DeviceLabels {
 }
 
 type DeviceGet = fn(&DeviceReport) -> u64;
-const DEVICE_GAUGES: [(&str, &str, DeviceGet); 10] = [
+const DEVICE_GAUGES: [(&str, &str, DeviceGet); 12] = [
+    (
+        "device_healthy",
+        "1 while the device is healthy; 0 when marked unhealthy (no new leases there)",
+        |d| u64::from(d.fault.is_none()),
+    ),
+    (
+        "device_draining",
+        "1 while the device drains for maintenance (no new leases there)",
+        |d| u64::from(d.drain_reason.is_some()),
+    ),
     ("device_total_bytes", "Memory of the device", |d| d.total),
     (
         "device_free_bytes",
