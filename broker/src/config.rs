@@ -56,6 +56,14 @@ fn parse_size(s: &str) -> Result<u64, String> {
     crate::units::parse(s)
 }
 
+/// A rate or burst: a finite number >= 0.
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 && v <= 1e9 => Ok(v),
+        _ => Err(format!("{s:?} is not a number from 0 to 1e9")),
+    }
+}
+
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
@@ -182,6 +190,15 @@ pub struct Config {
     /// the broker reports it as allocating behind the broker's back (NVML).
     #[arg(long, env = "GPU_BROKER_OWN_ALLOC_ALLOWANCE", default_value = "1GiB", value_parser = parse_size)]
     pub own_alloc_allowance: u64,
+
+    /// Calls per second each tenant may make (token bucket; 0: no limit). Over it a call
+    /// is RESOURCE_EXHAUSTED with a retry hint. Admin and node-wide read tokens are exempt.
+    #[arg(long, env = "GPU_BROKER_TENANT_RPC_RATE", default_value = "0", value_parser = parse_rate)]
+    pub tenant_rpc_rate: f64,
+
+    /// Most calls a tenant may make in a burst above its rate.
+    #[arg(long, env = "GPU_BROKER_TENANT_RPC_BURST", default_value = "100", value_parser = parse_rate)]
+    pub tenant_rpc_burst: f64,
 
     /// How often the health monitor checks every device (0s: never). A device that fails
     /// a check (or, with NVML, shows a critical Xid, new uncorrectable ECC errors or pages
@@ -323,6 +340,10 @@ impl Config {
             turns: crate::scheduler::TurnConfig {
                 quantum: self.turn_quantum,
                 grace: self.turn_grace,
+            },
+            rate: crate::rate::RateConfig {
+                rate: self.tenant_rpc_rate,
+                burst: self.tenant_rpc_burst,
             },
             ..ArbiterConfig::default()
         }

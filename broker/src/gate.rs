@@ -5,6 +5,8 @@
 //! [`READ_METHODS`]; everything else it is `PERMISSION_DENIED`. Health and reflection pass
 //! without a token, as before.
 //!
+//! It also applies the per-tenant call rate limit (`rate.rs`).
+//!
 //! It is a tower layer (`tonic::transport::Server::layer`) because it needs the method
 //! path, which tonic interceptors do not see.
 
@@ -55,11 +57,18 @@ pub fn check_scope(principal: &Principal, path: &str) -> Result<(), AuthError> {
 #[derive(Clone)]
 pub struct GateLayer {
     auth: Arc<Authenticator>,
+    limits: Option<Arc<crate::rate::RateLimiter>>,
 }
 
 impl GateLayer {
     pub fn new(auth: Arc<Authenticator>) -> GateLayer {
-        GateLayer { auth }
+        GateLayer { auth, limits: None }
+    }
+
+    /// Also limits each tenant's call rate (`rate.rs`); off when `cfg` is.
+    pub fn with_rate_limit(mut self, cfg: crate::rate::RateConfig) -> GateLayer {
+        self.limits = (!cfg.is_off()).then(|| Arc::new(crate::rate::RateLimiter::new(cfg)));
+        self
     }
 }
 
@@ -69,6 +78,7 @@ impl<S> tower::Layer<S> for GateLayer {
         Gate {
             inner,
             auth: self.auth.clone(),
+            limits: self.limits.clone(),
         }
     }
 }
@@ -78,6 +88,7 @@ impl<S> tower::Layer<S> for GateLayer {
 pub struct Gate<S> {
     inner: S,
     auth: Arc<Authenticator>,
+    limits: Option<Arc<crate::rate::RateLimiter>>,
 }
 
 impl<S> Gate<S> {
@@ -96,6 +107,13 @@ impl<S> Gate<S> {
             };
         let principal = self.auth.authenticate(bearer(value)?)?;
         check_scope(&principal, path)?;
+        if let (Some(limits), Some(tenant)) = (&self.limits, &principal.tenant) {
+            if principal.scope != Scope::Admin {
+                if let Err(wait) = limits.take(tenant, std::time::Instant::now()) {
+                    return Err(limits.refusal(tenant, wait));
+                }
+            }
+        }
         req.extensions_mut().insert(principal);
         Ok(())
     }

@@ -99,7 +99,8 @@ pub async fn serve(
     } else {
         (ka / 2).max(Duration::from_millis(500))
     };
-    let gate = crate::gate::GateLayer::new(arb.authenticator().clone());
+    let gate =
+        crate::gate::GateLayer::new(arb.authenticator().clone()).with_rate_limit(arb.config().rate);
     let conns = crate::listener::ConnTracker::new(listeners.limits.clone());
     tracing::info!(limits = ?conns.limits(), "connection limits");
     let router = tonic::transport::Server::builder()

@@ -472,4 +472,14 @@ impl AdminClient {
             .into_inner();
         Ok(reply.changed)
     }
+
+    /// The broker's version, API revision and features.
+    pub async fn broker_info(&self) -> Result<crate::info::BrokerInfo, ClientError> {
+        let reply = self
+            .raw()
+            .get_info(pb::GetInfoRequest {})
+            .await?
+            .into_inner();
+        Ok(crate::info::BrokerInfo::from(reply))
+    }
 }

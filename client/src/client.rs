@@ -26,7 +26,11 @@ impl Client {
     /// request carries `authorization: Bearer <token>`.
     pub async fn connect(uri: &str, token: impl Into<String>) -> Result<Client, ClientError> {
         let channel = connect::connect_channel(uri).await?;
-        Ok(Client::from_channel(channel, token)?.dialled(uri))
+        let c = Client::from_channel(channel, token)?.dialled(uri);
+        if let Some(w) = crate::info::version_warning(&c.broker_info().await) {
+            tracing::warn!("{w}");
+        }
+        Ok(c)
     }
 
     fn dialled(mut self, uri: &str) -> Client {
@@ -59,6 +63,17 @@ impl Client {
         let fd = crate::fd::fetch(&info.socket_path, &info.ticket, self.dialled_socket())?;
         info.ticket.clear();
         Ok((info, fd))
+    }
+
+    /// The broker's version, API revision and features.
+    pub async fn broker_info(&self) -> Result<crate::info::BrokerInfo, ClientError> {
+        let reply = self
+            .raw()
+            .get_info(gpu_broker_proto::v1::GetInfoRequest {})
+            .await?
+            .into_inner();
+        Ok(crate::info::BrokerInfo::from(reply))
+
     }
 
     /// Like [`Client::connect`] but dials on first use (a missing broker then shows up

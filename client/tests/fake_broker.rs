@@ -313,6 +313,13 @@ impl Broker for Fake {
             "the fake broker has no compute turns",
         ))
     }
+
+    async fn get_info(
+        &self,
+        _req: Request<pb::GetInfoRequest>,
+    ) -> Result<Response<pb::GetInfoResponse>, Status> {
+        Err(Status::unimplemented("an old broker"))
+    }
 }
 
 #[tonic::async_trait]
@@ -578,6 +585,13 @@ impl Admin for Fake {
         &self,
         _req: Request<pb::SetDeviceHealthRequest>,
     ) -> Result<Response<pb::SetDeviceHealthResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn get_info(
+        &self,
+        _req: Request<pb::GetInfoRequest>,
+    ) -> Result<Response<pb::GetInfoResponse>, Status> {
         Err(Status::unimplemented("not in the fake"))
     }
 
@@ -1312,4 +1326,14 @@ async fn reclaim_handler_releases_leases() {
         .await
         .unwrap()
         .unwrap();
+}
+
+#[tokio::test]
+async fn a_broker_without_get_info_is_reported_as_older() {
+    let h = start(0).await;
+    let client = Client::connect(&h.uri, TENANT_TOKEN).await.unwrap();
+    let w = gpu_broker_client::version_warning(&client.broker_info().await).unwrap();
+    assert!(w.contains("predates") && w.contains("upgrade"), "{w}");
+    // Everything else still works against it.
+    client.usage().await.unwrap();
 }

@@ -352,3 +352,97 @@ async fn operator_changes_are_audited_durably_with_who() {
         .unwrap()
         .is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_are_rate_limited_with_a_retry_hint_and_one_cannot_starve_another() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec![
+            "--tenant-rpc-rate".into(),
+            "2".into(),
+            "--tenant-rpc-burst".into(),
+            "5".into(),
+        ],
+        ..Default::default()
+    })
+    .unwrap();
+    let admin = b.admin().await.unwrap();
+    let busy = b.client("busy", GIB).await.unwrap();
+    let calm = b.client("calm", GIB).await.unwrap();
+    // Client::connect asked GetInfo once: that used one call of the burst.
+    let mut ok = 1;
+    let refused = loop {
+        match busy.usage().await {
+            Ok(_) => ok += 1,
+            Err(e) => break e,
+        }
+        assert!(ok <= 10, "no limit after {ok} calls");
+    };
+    assert!((5..=6).contains(&ok), "{ok} calls before the limit");
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused}");
+    assert!(
+        refused.message().contains("rate limit") && refused.message().contains("retry in"),
+        "{refused}"
+    );
+    // The standard gRPC retry hint.
+    let raw = busy
+        .raw()
+        .get_usage(gpu_broker_proto::v1::GetUsageRequest {})
+        .await
+        .unwrap_err();
+    let ms: u64 = raw
+        .metadata()
+        .get("grpc-retry-pushback-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .expect("grpc-retry-pushback-ms");
+    assert!(ms > 0 && ms <= 500, "{ms}");
+    // Another tenant and the operator are not held back.
+    for _ in 0..3 {
+        calm.usage().await.unwrap();
+    }
+    for _ in 0..20 {
+        admin.list_tenants().await.unwrap();
+    }
+    // After the hint, the busy tenant may call again.
+    tokio::time::sleep(Duration::from_millis(ms + 50)).await;
+    busy.usage().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_reports_its_version_and_api_revision() {
+    let b = Broker::start().unwrap();
+    let c = b.client("alice", GIB).await.unwrap();
+    let i = c.broker_info().await.unwrap();
+    assert_eq!(i.api_revision, gpu_broker_client::REQUIRED_API_REVISION);
+    assert_eq!(i.version, env!("CARGO_PKG_VERSION"));
+    assert_eq!((i.backend.as_str(), i.device_count), ("host", 1));
+    assert!(i.features.iter().any(|f| f == "drain"), "{:?}", i.features);
+    assert_eq!(gpu_broker_client::version_warning(&Ok(i)), None);
+    let admin = b.admin().await.unwrap();
+    // A read token may ask too.
+    let ro = admin
+        .issue_token_with(None, &opts(TokenScope::Read, "info"))
+        .await
+        .unwrap();
+    let ro = AdminClient::connect(&b.uri(), ro.token).await.unwrap();
+    assert_eq!(ro.broker_info().await.unwrap().api_revision, 2);
+    let out = std::process::Command::new(bin("gpu-brokerctl"))
+        .arg("--broker")
+        .arg(b.uri())
+        .arg("--token-file")
+        .arg(b.state_dir.join("admin.token"))
+        .args(["info"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        text.contains("API revision 2") && text.contains("features:"),
+        "{text}"
+    );
+    assert!(
+        out.stderr.is_empty(),
+        "no warning against a current broker: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -70,6 +70,8 @@ pub struct ArbiterConfig {
     pub refresh_interval: Duration,
     /// Quantum and grace of compute turns.
     pub turns: crate::scheduler::TurnConfig,
+    /// Per-tenant RPC rate limit (`rate.rs`; off by default).
+    pub rate: crate::rate::RateConfig,
 }
 
 impl Default for ArbiterConfig {
@@ -84,6 +86,7 @@ impl Default for ArbiterConfig {
             max_waiting_per_tenant: 1024,
             refresh_interval: Duration::from_secs(1),
             turns: crate::scheduler::TurnConfig::default(),
+            rate: crate::rate::RateConfig::default(),
         }
     }
 }

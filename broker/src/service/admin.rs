@@ -371,4 +371,11 @@ impl Admin for AdminService {
             .set_device_health(r.device, r.healthy, &r.reason, &who)?;
         Ok(Response::new(pb::SetDeviceHealthResponse { changed }))
     }
+
+    async fn get_info(
+        &self,
+        _req: Request<pb::GetInfoRequest>,
+    ) -> Result<Response<pb::GetInfoResponse>, Status> {
+        Ok(Response::new(convert::info(&self.arb.info())))
+    }
 }

@@ -231,4 +231,11 @@ impl Broker for BrokerService {
         self.arb.touch(&tenant, id)?;
         Ok(Response::new(pb::KeepaliveResponse {}))
     }
+
+    async fn get_info(
+        &self,
+        _req: Request<pb::GetInfoRequest>,
+    ) -> Result<Response<pb::GetInfoResponse>, Status> {
+        Ok(Response::new(convert::info(&self.arb.info())))
+    }
 }

@@ -317,3 +317,13 @@ pub fn filter(s: &str) -> Option<&str> {
         Some(s)
     }
 }
+
+pub fn info(i: &crate::info::BrokerInfo) -> pb::GetInfoResponse {
+    pb::GetInfoResponse {
+        version: i.version.to_string(),
+        api_revision: i.api_revision,
+        backend: i.backend.clone(),
+        device_count: i.device_count,
+        features: i.features.iter().map(|f| f.to_string()).collect(),
+    }
+}

@@ -160,6 +160,8 @@ enum Command {
         #[arg(long)]
         device: Option<u32>,
     },
+    /// Show the broker's version, API revision and features (and this CLI's).
+    Info,
     /// List recorded operator changes (quota, tenant, token, revoke, drain, reload).
     Audit {
         /// Only changes since this: an RFC 3339 time (2026-12-01T08:00:00Z) or an age (1h, 30m).
@@ -348,6 +350,11 @@ fn read_token_file(path: &Path) -> Result<String> {
 async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
     let token = admin_token(&cli, matches)?;
     let admin = AdminClient::connect(&cli.broker, token).await?;
+    // An older broker may not know what this CLI asks: say so once, on stderr.
+    let info = admin.broker_info().await;
+    if let Some(w) = gpu_broker_client::version_warning(&info) {
+        print_err(&format!("warning: {w}"));
+    }
     let json = cli.json;
     let width = if cli.wide { None } else { Some(ctl::WIDTH) };
     match cli.command {
@@ -578,6 +585,26 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
         Command::Undrain { device } => {
             let status = admin.undrain(device).await?;
             emit(json, &status, || drain_table(&status))
+        }
+        Command::Info => {
+            let i = info?;
+            let v = serde_json::json!({
+                "broker": i,
+                "client_version": env!("CARGO_PKG_VERSION"),
+                "client_api_revision": gpu_broker_client::REQUIRED_API_REVISION,
+            });
+            emit(json, &v, || {
+                format!(
+                    "broker {} (API revision {}, {} backend, {} device(s))\nfeatures: {}\ngpu-brokerctl {} (needs API revision {})\n",
+                    i.version,
+                    i.api_revision,
+                    i.backend,
+                    i.device_count,
+                    i.features.join(", "),
+                    env!("CARGO_PKG_VERSION"),
+                    gpu_broker_client::REQUIRED_API_REVISION
+                )
+            })
         }
         Command::Audit {
             since,

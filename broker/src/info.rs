@@ -1,0 +1,49 @@
+//! What the broker says about itself (`GetInfo` on both services): its release, the API
+//! revision, the backend, and the optional features it has. Clients compare the revision
+//! with [`API_REVISION`] of their own build and warn when the broker is older.
+
+use crate::arbiter::Arbiter;
+
+/// Revision of the gRPC API this build serves. Raised whenever the API gains something a
+/// client may rely on. 1: leases, quotas, turns; 2: token scopes and expiry, audit log,
+/// drain, device health and identity, rate limits, GetInfo.
+pub const API_REVISION: u32 = 2;
+
+/// The optional features of this build.
+pub const FEATURES: &[&str] = &[
+    "token-scopes",
+    "token-expiry",
+    "audit",
+    "drain",
+    "device-health",
+    "device-uuids",
+    "rate-limits",
+];
+
+/// What `GetInfo` reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BrokerInfo {
+    pub version: &'static str,
+    pub api_revision: u32,
+    pub backend: String,
+    pub device_count: u32,
+    pub features: Vec<&'static str>,
+}
+
+impl Arbiter {
+    /// This broker's [`BrokerInfo`].
+    pub fn info(&self) -> BrokerInfo {
+        BrokerInfo {
+            version: env!("CARGO_PKG_VERSION"),
+            api_revision: API_REVISION,
+            backend: if self.backend_is_cuda() {
+                "cuda"
+            } else {
+                "host"
+            }
+            .to_string(),
+            device_count: self.device_count() as u32,
+            features: FEATURES.to_vec(),
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! What a broker says about itself ([`BrokerInfo`]: release, API revision, backend,
+//! features) and the check this crate makes against it: a broker whose API revision is
+//! below [`REQUIRED_API_REVISION`] (or that predates `GetInfo` altogether) gets a warning,
+//! since calls this crate makes may be unknown to it.
+
+use serde::Serialize;
+
+use gpu_broker_proto::v1 as pb;
+
+use crate::error::ClientError;
+
+/// The broker API revision this crate is written against.
+pub const REQUIRED_API_REVISION: u32 = 2;
+
+/// A broker's description of itself.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct BrokerInfo {
+    /// The broker's release.
+    pub version: String,
+    /// Its API revision.
+    pub api_revision: u32,
+    /// `"cuda"` or `"host"`.
+    pub backend: String,
+    pub device_count: u32,
+    /// Optional features it has.
+    pub features: Vec<String>,
+}
+
+impl From<pb::GetInfoResponse> for BrokerInfo {
+    fn from(r: pb::GetInfoResponse) -> Self {
+        BrokerInfo {
+            version: r.version,
+            api_revision: r.api_revision,
+            backend: r.backend,
+            device_count: r.device_count,
+            features: r.features,
+        }
+    }
+}
+
+/// The warning to give about a broker, given what `GetInfo` returned; `None`: it is new
+/// enough, or it could not be asked for reasons that its real calls will report.
+pub fn version_warning(info: &Result<BrokerInfo, ClientError>) -> Option<String> {
+    match info {
+        Ok(i) if i.api_revision < REQUIRED_API_REVISION => Some(format!(
+            "the broker (version {}, API revision {}) is older than this client needs (API revision {REQUIRED_API_REVISION}): some calls may fail as unimplemented; upgrade the broker",
+            i.version, i.api_revision
+        )),
+        Ok(_) => None,
+        Err(e) if e.code() == crate::Code::Unimplemented => Some(format!(
+            "the broker predates API revision {REQUIRED_API_REVISION} (it has no GetInfo): some calls may fail as unimplemented; upgrade the broker"
+        )),
+        Err(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn older_brokers_are_named() {
+        let old = Ok(BrokerInfo {
+            version: "0.0.9".into(),
+            api_revision: 1,
+            ..Default::default()
+        });
+        assert!(version_warning(&old).unwrap().contains("0.0.9"));
+        let new = Ok(BrokerInfo {
+            api_revision: REQUIRED_API_REVISION,
+            ..Default::default()
+        });
+        assert_eq!(version_warning(&new), None);
+        let none = Err(ClientError::from(tonic::Status::unimplemented("x")));
+        assert!(version_warning(&none).unwrap().contains("predates"));
+        let denied = Err(ClientError::from(tonic::Status::unauthenticated("x")));
+        assert_eq!(version_warning(&denied), None);
+    }
+}
