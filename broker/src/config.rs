@@ -59,7 +59,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
 /// A rate or burst: a finite number >= 0.
 fn parse_rate(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 && v <= 1e9 => Ok(v),
+        Ok(v) if v.is_finite() && (0.0..=1e9).contains(&v) => Ok(v),
         _ => Err(format!("{s:?} is not a number from 0 to 1e9")),
     }
 }

@@ -584,9 +584,9 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, sw)| {
-                let (sw, d) = (sw.clone(), dir.path().to_path_buf());
+                let sw = sw.clone();
                 let thread = DeviceThread::spawn(format!("faulty-{i}"), move || {
-                    let inner = Box::new(HostDevice::new(i as u32, 64 * MIB, &d)?);
+                    let inner = Box::new(HostDevice::new(i as u32, 64 * MIB)?);
                     Ok(Box::new(FaultyDevice::new(inner, sw)) as Box<dyn Device>)
                 })
                 .unwrap();

@@ -73,7 +73,6 @@ impl Client {
             .await?
             .into_inner();
         Ok(crate::info::BrokerInfo::from(reply))
-
     }
 
     /// Like [`Client::connect`] but dials on first use (a missing broker then shows up

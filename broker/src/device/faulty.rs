@@ -124,15 +124,13 @@ mod tests {
 
     #[test]
     fn without_faults_it_passes_conformance_and_with_them_it_fails_health() {
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path().to_path_buf();
         crate::device::conformance::run_all(&mut || {
-            let inner = Box::new(HostDevice::new(0, 256 << 20, &d)?);
+            let inner = Box::new(HostDevice::new(0, 256 << 20)?);
             Ok(Box::new(FaultyDevice::new(inner, FaultSwitch::default())) as Box<dyn Device>)
         });
         let switch = FaultSwitch::default();
         let mut dev = FaultyDevice::new(
-            Box::new(HostDevice::new(0, 16 << 20, &d).unwrap()),
+            Box::new(HostDevice::new(0, 16 << 20).unwrap()),
             switch.clone(),
         );
         switch.unhealthy("Xid 79 (fallen off the bus)");
