@@ -590,9 +590,15 @@ impl Admin for Fake {
 
     async fn get_info(
         &self,
-        _req: Request<pb::GetInfoRequest>,
+        req: Request<pb::GetInfoRequest>,
     ) -> Result<Response<pb::GetInfoResponse>, Status> {
-        Err(Status::unimplemented("not in the fake"))
+        self.admin(&req)?;
+        // The fake's admin side is current (its worker side is an old broker).
+        Ok(Response::new(pb::GetInfoResponse {
+            version: "fake".into(),
+            api_revision: gpu_broker_client::REQUIRED_API_REVISION,
+            ..Default::default()
+        }))
     }
 
     async fn rotate_admin_token(
