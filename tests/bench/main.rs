@@ -11,11 +11,14 @@
 //! - `resident`: the broker's resident memory with 10,000 live leases;
 //! - `oversub`: 2x oversubscription with 3 priorities, guarantees, waits and cooperative
 //!   reclaim: per-priority time-to-grant, reclaim/revocation counts, utilization;
+//! - `abuse`: descriptors and memory after many session cycles, admin latency while idle
+//!   connections and unauthenticated streams are held, acquire p99 while listings run;
 //! - `all`: each of the above with its defaults.
 //!
 //! Everything is bounded in count and time; results are aligned tables on stdout, plus
 //! one JSON object per line with `--json`. See docs/benchmarks.md.
 
+mod abuse;
 mod broker;
 mod cpu;
 mod latency;
@@ -88,6 +91,8 @@ enum Mode {
     Resident(resident::ResidentArgs),
     /// Oversubscription with priorities, guarantees, waits and reclaim.
     Oversub(oversub::OversubArgs),
+    /// Faults and abuse: session cycles, held connections and streams, listings at scale.
+    Abuse(abuse::AbuseArgs),
     /// Every mode with its defaults, one after the other.
     All,
     /// A worker process of `throughput --processes` (internal).
@@ -167,6 +172,7 @@ async fn run(cli: Cli) -> Result<()> {
         Mode::Throughput(a) => throughput::run(&common, &a).await,
         Mode::Resident(a) => resident::run(&common, &a).await,
         Mode::Oversub(a) => oversub::run(&common, &a).await,
+        Mode::Abuse(a) => abuse::run(&common, &a).await,
         Mode::Worker(a) => throughput::worker_process(&common, &a).await,
         Mode::All => {
             let defaults = |mode: &str| Cli::try_parse_from(["gpu-broker-bench", mode]);
