@@ -11,7 +11,8 @@
 #      lease; a second tenant reads only zeros from a reused block; a SIGKILLed worker's
 #      memory comes back; more than the card is RESOURCE_EXHAUSTED with no CUDA OOM and
 #      >= 95% of (total - headroom) is leasable; every GPU of the node is used
-#   3. a Python worker (CuPy + PyTorch) maps a lease and a Rust worker sees its bytes
+#   3. a Python worker (CuPy + PyTorch) maps a legacy IPC lease (a broker started with
+#      --legacy-ipc-handles) and a Rust worker sees its bytes
 #   4. the lease benchmark: AcquireLease (fresh, pooled) vs in-process cuMemAlloc +
 #      cuIpcGetMemHandle for 1 MiB, 64 MiB, 1 GiB, in the same run
 #   5. gpu-broker-bench latency and throughput against the CUDA broker
@@ -53,10 +54,10 @@ run() {
         echo "=== 2. GPU end-to-end tests ==="
         "$OUT/deps/gpu-test" --test-threads=1 --nocapture
     fi
-    echo "=== 3. Python (CuPy + PyTorch) worker ==="
+    echo "=== 3. Python (CuPy + PyTorch) worker (legacy IPC handles; fd leases: scripts/gpu-fd-check.sh) ==="
     local dir; dir=$(mktemp -d)
     "$OUT/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
-        --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
+        --legacy-ipc-handles --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
     local pid=$!
     for _ in $(seq 100); do [[ -S "$dir/b.sock" ]] && break; sleep 0.1; done
     local ctl=("$OUT/gpu-brokerctl" --broker "unix://$dir/b.sock" --token-file "$dir/state/admin.token")

@@ -66,7 +66,12 @@ pub fn open_devices(spec: &BackendSpec) -> Result<Vec<DeviceSlot>, BackendError>
         },
     };
     let threads = if use_cuda {
-        open_cuda(spec.cuda_devices.as_deref())?
+        if spec.legacy_ipc {
+            tracing::warn!(
+                "LEGACY CUDA IPC HANDLES ENABLED (--legacy-ipc-handles): every device lease is a 64-byte handle that ANY process on this node can forge to read and write OTHER TENANTS' memory (docs/security.md); use only with trusted workers that cannot take fd handles"
+            );
+        }
+        open_cuda(spec.cuda_devices.as_deref(), spec.legacy_ipc)?
     } else {
         open_host(
             spec.host_devices,
@@ -104,7 +109,7 @@ fn open_host(
         .collect()
 }
 
-fn open_cuda(wanted: Option<&[u32]>) -> Result<Vec<DeviceThread>, BackendError> {
+fn open_cuda(wanted: Option<&[u32]>, legacy: bool) -> Result<Vec<DeviceThread>, BackendError> {
     let count = cuda::device_count().map_err(|e| BackendError::CudaUnavailable(e.to_string()))?;
     let ordinals: Vec<u32> = match wanted {
         Some(w) => w.to_vec(),
@@ -117,7 +122,7 @@ fn open_cuda(wanted: Option<&[u32]>) -> Result<Vec<DeviceThread>, BackendError> 
                 return Err(BackendError::NoSuchDevice(ordinal, count));
             }
             DeviceThread::spawn(format!("device-cuda-{ordinal}"), move || {
-                Ok(Box::new(CudaDevice::open(ordinal)?) as Box<dyn Device>)
+                Ok(Box::new(CudaDevice::open_with(ordinal, legacy)?) as Box<dyn Device>)
             })
             .map_err(|source| BackendError::Open {
                 index: ordinal,

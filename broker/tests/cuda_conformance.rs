@@ -33,7 +33,16 @@ fn cuda_backend_passes_conformance_on_every_gpu() {
         let t = Instant::now();
         conformance::run_all(&mut || Ok(Box::new(CudaDevice::open(ordinal)?) as Box<dyn Device>));
         println!(
-            "device {ordinal}: all {} conformance checks passed in {:.2?}",
+            "device {ordinal} (VMM, fd handles): all {} conformance checks passed in {:.2?}",
+            conformance::CHECKS.len(),
+            t.elapsed()
+        );
+        let t = Instant::now();
+        conformance::run_all(&mut || {
+            Ok(Box::new(CudaDevice::open_legacy(ordinal)?) as Box<dyn Device>)
+        });
+        println!(
+            "device {ordinal} (legacy IPC): all {} conformance checks passed in {:.2?}",
             conformance::CHECKS.len(),
             t.elapsed()
         );
@@ -85,7 +94,7 @@ fn cuda_handle_opens_in_another_process() {
         return;
     };
     let _gpu = GPU.lock();
-    let mut dev = CudaDevice::open(0).expect("open device 0");
+    let mut dev = CudaDevice::open_legacy(0).expect("open device 0");
     // Not a multiple of the granularity: the lease is smaller than what the driver maps.
     let bytes = 48 * MIB + 4096;
     let a = dev.alloc(bytes).expect("alloc");
@@ -140,49 +149,59 @@ fn cuda_timings() {
         return;
     }
     let _gpu = GPU.lock();
-    let t = Instant::now();
-    let mut dev = CudaDevice::open(0).expect("open device 0");
-    println!(
-        "open device 0 ({}, {} bytes): {:.2?}",
-        dev.desc().name,
-        dev.desc().total_bytes,
-        t.elapsed()
-    );
-    for (label, bytes) in [
-        ("2 MiB", 2 * MIB),
-        ("64 MiB", 64 * MIB),
-        ("1 GiB", 1024 * MIB),
-    ] {
-        let (mut alloc, mut export, mut scrub, mut free) = (vec![], vec![], vec![], vec![]);
-        for _ in 0..15 {
-            let t = Instant::now();
-            let a = dev.alloc(bytes).expect("alloc");
-            alloc.push(t.elapsed());
-            let t = Instant::now();
-            dev.export(&a).expect("export");
-            export.push(t.elapsed());
-            let t = Instant::now();
-            dev.scrub(&a).expect("scrub");
-            scrub.push(t.elapsed());
-            let t = Instant::now();
-            dev.free(a).expect("free");
-            free.push(t.elapsed());
-        }
+    for legacy in [false, true] {
+        let t = Instant::now();
+        let mut dev = CudaDevice::open_with(0, legacy).expect("open device 0");
         println!(
-            "{label}: median alloc {:.1?}, export {:.1?}, scrub {:.1?}, free {:.1?}",
-            median(alloc),
-            median(export),
-            median(scrub),
-            median(free)
+            "mode: {}",
+            if legacy {
+                "legacy IPC (cuMemAlloc)"
+            } else {
+                "VMM (cuMemCreate, fd export)"
+            }
         );
+        println!(
+            "open device 0 ({}, {} bytes): {:.2?}",
+            dev.desc().name,
+            dev.desc().total_bytes,
+            t.elapsed()
+        );
+        for (label, bytes) in [
+            ("2 MiB", 2 * MIB),
+            ("64 MiB", 64 * MIB),
+            ("1 GiB", 1024 * MIB),
+        ] {
+            let (mut alloc, mut export, mut scrub, mut free) = (vec![], vec![], vec![], vec![]);
+            for _ in 0..15 {
+                let t = Instant::now();
+                let a = dev.alloc(bytes).expect("alloc");
+                alloc.push(t.elapsed());
+                let t = Instant::now();
+                dev.export(&a).expect("export");
+                export.push(t.elapsed());
+                let t = Instant::now();
+                dev.scrub(&a).expect("scrub");
+                scrub.push(t.elapsed());
+                let t = Instant::now();
+                dev.free(a).expect("free");
+                free.push(t.elapsed());
+            }
+            println!(
+                "{label}: median alloc {:.1?}, export {:.1?}, scrub {:.1?}, free {:.1?}",
+                median(alloc),
+                median(export),
+                median(scrub),
+                median(free)
+            );
+        }
+        let t = Instant::now();
+        let m = dev.mem_info().expect("mem_info");
+        println!(
+            "mem_info {:.1?}: free {} of {}",
+            t.elapsed(),
+            m.free,
+            m.total
+        );
+        assert_eq!(dev.live_allocations(), 0);
     }
-    let t = Instant::now();
-    let m = dev.mem_info().expect("mem_info");
-    println!(
-        "mem_info {:.1?}: free {} of {}",
-        t.elapsed(),
-        m.free,
-        m.total
-    );
-    assert_eq!(dev.live_allocations(), 0);
 }

@@ -1,6 +1,13 @@
-//! The worker side of a CUDA lease: open the 64-byte CUDA IPC handle the broker exported
-//! and get a device pointer usable in this process (feature `cuda`; libcuda is loaded at
-//! run time, so this builds and links on machines without CUDA).
+//! The worker side of a CUDA lease: import the CUDA VMM memory of an fd lease (the default:
+//! `cuMemImportFromShareableHandle`, reserve an address range, `cuMemMap`,
+//! `cuMemSetAccess`), or open the 64-byte legacy CUDA IPC handle, and get a device pointer
+//! usable in this process (feature `cuda`; libcuda is loaded at run time, so this builds and
+//! links on machines without CUDA).
+//!
+//! - **VMM imports are cached per block** (`(device, block_id)`): mapping a lease again
+//!   while a mapping of its block lives returns the same pointer. Dropping the last mapping
+//!   unmaps, releases the imported handle and frees the address range, in that order; the
+//!   descriptor itself stays with the [`crate::Lease`] and is closed when it goes.
 //!
 //! # Rules this module follows (and you must too)
 //!
@@ -140,13 +147,20 @@ fn open_error(rc: CUresult) -> CudaError {
     }
 }
 
-type Key = (u32, [u8; 64]);
+/// What an open is keyed by: a legacy handle's bytes, or a VMM block's id (per device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Key {
+    Ipc(u32, [u8; 64]),
+    Vmm(u32, u64),
+}
 
-/// One opened handle in this process.
+/// One opened handle (or imported VMM block) in this process.
 struct Entry {
     ptr: CUdeviceptr,
     alloc_bytes: u64,
     count: usize,
+    /// For a VMM import: the imported handle and the mapped length.
+    vmm: Option<(sys::CUmemGenericAllocationHandle, usize)>,
 }
 
 static OPEN: LazyLock<Mutex<HashMap<Key, Entry>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
@@ -154,18 +168,28 @@ static OPEN: LazyLock<Mutex<HashMap<Key, Entry>>> = LazyLock::new(|| Mutex::new(
 /// How many live [`CudaMapping`]s share the open of `handle` on `device` in this process
 /// (0: not open).
 pub fn open_count(handle: &[u8; 64], device: u32) -> usize {
-    OPEN.lock().get(&(device, *handle)).map_or(0, |e| e.count)
+    OPEN.lock()
+        .get(&Key::Ipc(device, *handle))
+        .map_or(0, |e| e.count)
 }
 
-/// A device pointer to a leased allocation, opened from its CUDA IPC handle. Dropping the
-/// last mapping of a handle closes it (`cuIpcCloseMemHandle`). `Send + Sync`.
+/// How many live [`CudaMapping`]s share the import of VMM block `block_id` on `device`.
+pub fn vmm_import_count(block_id: u64, device: u32) -> usize {
+    OPEN.lock()
+        .get(&Key::Vmm(device, block_id))
+        .map_or(0, |e| e.count)
+}
+
+/// A device pointer to a leased allocation: an imported VMM block, or a legacy CUDA IPC
+/// handle. Dropping the last mapping of a block unmaps and releases it (VMM) or closes the
+/// handle (`cuIpcCloseMemHandle`). `Send + Sync`.
 #[derive(Debug)]
 pub struct CudaMapping {
     device: u32,
     cu_device: CUdevice,
     /// The retained primary context, as an address (kept `Send`/`Sync`).
     ctx: usize,
-    handle: [u8; 64],
+    key: Key,
     ptr: CUdeviceptr,
     len: u64,
     alloc_bytes: u64,
@@ -230,7 +254,7 @@ pub fn open_ipc(handle: &[u8; 64], device: u32) -> Result<CudaMapping, CudaError
         // SAFETY: balances the retain in `retain_primary`.
         let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(cu_device) };
     };
-    let key: Key = (device, *handle);
+    let key = Key::Ipc(device, *handle);
     let mut open = OPEN.lock();
     let (ptr, alloc_bytes) = match open.get_mut(&key) {
         Some(e) => {
@@ -272,6 +296,7 @@ pub fn open_ipc(handle: &[u8; 64], device: u32) -> Result<CudaMapping, CudaError
                     ptr,
                     alloc_bytes,
                     count: 1,
+                    vmm: None,
                 },
             );
             (ptr, alloc_bytes)
@@ -282,7 +307,7 @@ pub fn open_ipc(handle: &[u8; 64], device: u32) -> Result<CudaMapping, CudaError
         device,
         cu_device,
         ctx: ctx as usize,
-        handle: *handle,
+        key,
         ptr,
         len: alloc_bytes,
         alloc_bytes,
@@ -305,6 +330,129 @@ pub fn map_lease(handle: &[u8; 64], device: u32, bytes: u64) -> Result<CudaMappi
     }
     m.len = bytes;
     Ok(m)
+}
+
+/// Imports the CUDA VMM memory of an fd lease on `device`: the descriptor `fd` (the
+/// lease's: it is not consumed or closed), a memory object of `size` bytes identified by
+/// `block_id`, of which the lease is the first `bytes`. An import of the same block that is
+/// still mapped in this process is shared (same pointer). Leaves the device's primary
+/// context current on the calling thread.
+pub fn map_vmm(
+    fd: std::os::fd::BorrowedFd<'_>,
+    device: u32,
+    bytes: u64,
+    size: u64,
+    block_id: u64,
+) -> Result<CudaMapping, CudaError> {
+    use std::os::fd::AsRawFd;
+    if bytes == 0 {
+        return Err(CudaError::InvalidSize(bytes));
+    }
+    if bytes > size {
+        return Err(CudaError::SizeMismatch {
+            bytes,
+            alloc_bytes: size,
+        });
+    }
+    let len = usize::try_from(size).map_err(|_| CudaError::InvalidSize(size))?;
+    let (cu_device, ctx) = retain_primary(device)?;
+    let release_ctx = || {
+        // SAFETY: balances the retain in `retain_primary`.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(cu_device) };
+    };
+    let key = Key::Vmm(device, block_id);
+    let mut open = OPEN.lock();
+    let ptr = match open.get_mut(&key) {
+        Some(e) => {
+            e.count += 1;
+            e.ptr
+        }
+        None => match import_and_map(fd.as_raw_fd(), cu_device, len) {
+            Ok((ptr, handle)) => {
+                open.insert(
+                    key,
+                    Entry {
+                        ptr,
+                        alloc_bytes: size,
+                        count: 1,
+                        vmm: Some((handle, len)),
+                    },
+                );
+                ptr
+            }
+            Err(e) => {
+                release_ctx();
+                return Err(e);
+            }
+        },
+    };
+    drop(open);
+    Ok(CudaMapping {
+        device,
+        cu_device,
+        ctx: ctx as usize,
+        key,
+        ptr,
+        len: bytes,
+        alloc_bytes: size,
+        released: false,
+    })
+}
+
+/// Import, reserve, map, set access; undoes what it did on failure. Context current.
+fn import_and_map(
+    fd: std::os::fd::RawFd,
+    cu_device: CUdevice,
+    len: usize,
+) -> Result<(CUdeviceptr, sys::CUmemGenericAllocationHandle), CudaError> {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: the driver reads the descriptor number (passed as the pointer value, as the
+    // API defines for POSIX descriptors) and does not take ownership of it.
+    check("cuMemImportFromShareableHandle", unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut handle,
+            fd as isize as *mut c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+    })?;
+    let mut ptr: CUdeviceptr = 0;
+    // SAFETY: valid out pointer; default alignment (the allocation granularity).
+    if let Err(e) = check("cuMemAddressReserve", unsafe {
+        sys::cuMemAddressReserve(&mut ptr, len, 0, 0, 0)
+    }) {
+        // SAFETY: releases the import just made.
+        let _ = unsafe { sys::cuMemRelease(handle) };
+        return Err(e);
+    }
+    // SAFETY: the reserved range is `len` bytes; the handle's allocation is `len` bytes.
+    if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(ptr, len, 0, handle, 0) }) {
+        // SAFETY: undo the reservation and the import above.
+        unsafe {
+            let _ = sys::cuMemAddressFree(ptr, len);
+            let _ = sys::cuMemRelease(handle);
+        }
+        return Err(e);
+    }
+    let access = sys::CUmemAccessDesc {
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: cu_device,
+        },
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: the mapped range; one valid access descriptor.
+    if let Err(e) = check("cuMemSetAccess", unsafe {
+        sys::cuMemSetAccess(ptr, len, &access, 1)
+    }) {
+        // SAFETY: undo the mapping, the reservation and the import above.
+        unsafe {
+            let _ = sys::cuMemUnmap(ptr, len);
+            let _ = sys::cuMemAddressFree(ptr, len);
+            let _ = sys::cuMemRelease(handle);
+        }
+        return Err(e);
+    }
+    Ok((ptr, handle))
 }
 
 impl CudaMapping {
@@ -339,9 +487,20 @@ impl CudaMapping {
         self.device
     }
 
-    /// The 64-byte handle this mapping was opened from.
-    pub fn handle(&self) -> &[u8; 64] {
-        &self.handle
+    /// The 64-byte legacy handle this mapping was opened from (`None` for VMM imports).
+    pub fn handle(&self) -> Option<&[u8; 64]> {
+        match &self.key {
+            Key::Ipc(_, h) => Some(h),
+            Key::Vmm(..) => None,
+        }
+    }
+
+    /// The block id of a VMM import (`None` for legacy handles).
+    pub fn block_id(&self) -> Option<u64> {
+        match self.key {
+            Key::Vmm(_, b) => Some(b),
+            Key::Ipc(..) => None,
+        }
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<(), CudaError> {
@@ -407,9 +566,8 @@ impl CudaMapping {
         self.released = true;
         let mut result = Ok(());
         {
-            let key: Key = (self.device, self.handle);
             let mut open = OPEN.lock();
-            let last = match open.get_mut(&key) {
+            let last = match open.get_mut(&self.key) {
                 Some(e) => {
                     e.count -= 1;
                     e.count == 0
@@ -417,13 +575,24 @@ impl CudaMapping {
                 None => false,
             };
             if last {
-                open.remove(&key);
-                result = Pushed::new(self.ctx).and_then(|_ctx| {
-                    // SAFETY: the last user of this open; closed exactly once, in its context.
-                    check("cuIpcCloseMemHandle", unsafe {
-                        sys::cuIpcCloseMemHandle(self.ptr)
-                    })
-                });
+                if let Some(e) = open.remove(&self.key) {
+                    result = Pushed::new(self.ctx).and_then(|_ctx| match e.vmm {
+                        // SAFETY: the last user of this import, in its context: unmap, then
+                        // release the imported handle, then free the address range; once.
+                        Some((handle, len)) => unsafe {
+                            let unmapped = check("cuMemUnmap", sys::cuMemUnmap(e.ptr, len));
+                            let released = check("cuMemRelease", sys::cuMemRelease(handle));
+                            let freed =
+                                check("cuMemAddressFree", sys::cuMemAddressFree(e.ptr, len));
+                            unmapped.and(released).and(freed)
+                        },
+                        // SAFETY: the last user of this open; closed exactly once, in its
+                        // context.
+                        None => check("cuIpcCloseMemHandle", unsafe {
+                            sys::cuIpcCloseMemHandle(e.ptr)
+                        }),
+                    });
+                }
             }
         }
         // SAFETY: balances the retain made when this mapping was opened.
@@ -435,7 +604,7 @@ impl CudaMapping {
 impl Drop for CudaMapping {
     fn drop(&mut self) {
         if let Err(e) = self.release() {
-            tracing::warn!(device = self.device, error = %e, "closing a CUDA IPC mapping failed");
+            tracing::warn!(device = self.device, error = %e, "closing a CUDA mapping failed");
         }
     }
 }
@@ -554,6 +723,21 @@ mod tests {
             ));
             assert_eq!(open_count(&[7u8; 64], 0), 0);
         }
+    }
+
+    #[test]
+    fn vmm_sizes_are_checked_before_the_driver() {
+        let f = std::fs::File::open("/dev/null").unwrap();
+        use std::os::fd::AsFd;
+        assert!(matches!(
+            map_vmm(f.as_fd(), 0, 0, 4096, 1),
+            Err(CudaError::InvalidSize(0))
+        ));
+        assert!(matches!(
+            map_vmm(f.as_fd(), 0, 8192, 4096, 1),
+            Err(CudaError::SizeMismatch { .. })
+        ));
+        assert_eq!(vmm_import_count(1, 0), 0);
     }
 
     #[test]

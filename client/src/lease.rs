@@ -422,8 +422,9 @@ impl Lease {
         }
     }
 
-    /// Opens a `cuda_ipc` lease in this process (feature `cuda`): a device pointer in the
-    /// device's primary context, `bytes()` long. Drop the mapping before releasing the
+    /// Maps CUDA memory of this lease in this process (feature `cuda`): imports a VMM fd
+    /// lease (cached per block while mapped) or opens a legacy `cuda_ipc` handle. A device
+    /// pointer in the device's primary context, `bytes()` long. Drop the mapping before releasing the
     /// lease. `NotMappable` for other handles; driver failures are `ClientError::Cuda`.
     /// A lost lease ([`Lease::is_lost`]) fails with [`ClientError::LeaseLost`].
     #[cfg(feature = "cuda")]
@@ -435,6 +436,19 @@ impl Lease {
             LeaseHandle::CudaIpc(handle) => {
                 crate::cuda::map_lease(handle, self.info.device, self.info.bytes)
                     .map_err(|e| ClientError::Cuda(e.to_string()))
+            }
+            LeaseHandle::Fd(i) if i.memory_kind == MemoryKind::CudaVmm => {
+                let fd = self.fd.as_ref().ok_or_else(|| {
+                    ClientError::Protocol("fd lease without its descriptor".into())
+                })?;
+                crate::cuda::map_vmm(
+                    fd.as_fd(),
+                    self.info.device,
+                    self.info.bytes,
+                    i.size,
+                    i.block_id,
+                )
+                .map_err(|e| ClientError::Cuda(e.to_string()))
             }
             _ => Err(ClientError::NotMappable),
         }

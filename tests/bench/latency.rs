@@ -11,6 +11,12 @@
 //! checks the pool's cached bytes did not shrink during the acquires (no hit); a broker
 //! that already cached blocks of those sizes (an earlier run) would show it.
 //!
+//! `--cross-tenant`: two tenants take turns with the same size: each acquire asks for a
+//! block the *other* tenant just released. By the reuse rule (memory a process may still
+//! map never changes tenant) it is not handed on: the broker frees it and allocates a fresh
+//! one of that size (a memfd on the host backend; VMM memory, zeroed, on CUDA). This is
+//! the cost of that rule next to the same-tenant pooled path.
+//!
 //! Each call is timed on its own, as the worker sees it (client library + gRPC over the
 //! socket + broker).
 
@@ -41,9 +47,12 @@ pub struct LatencyArgs {
     #[arg(long, default_value_t = 3)]
     pub repeat: u32,
     /// Fresh allocations: hold every lease of a run, so no acquire can reuse a block.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cross_tenant")]
     pub fresh: bool,
-    /// Capacity of a started (host) broker. Host blocks are sparse files: no RAM used.
+    /// Two tenants alternate: every acquire finds the other tenant's released block.
+    #[arg(long)]
+    pub cross_tenant: bool,
+    /// Capacity of a started (host) broker. Host blocks are sparse memfds: no RAM used.
     #[arg(long, default_value = "32TiB")]
     pub host_capacity: String,
 }
@@ -71,7 +80,22 @@ pub async fn run(common: &Common, a: &LatencyArgs) -> Result<()> {
         .await?;
     let client = Client::connect(&target.uri, token).await?;
     let session = client.session("bench-latency").await?;
-    let kind = if a.fresh { "fresh" } else { "pooled" };
+    let other = if a.cross_tenant {
+        let (_, token) = target
+            .tenant("latency-b", QuotaSpec::new(dev.leasable_bytes.max(1)))
+            .await?;
+        let c = Client::connect(&target.uri, token).await?;
+        Some(c.session("bench-latency-b").await?)
+    } else {
+        None
+    };
+    let kind = if a.fresh {
+        "fresh"
+    } else if a.cross_tenant {
+        "cross-tenant"
+    } else {
+        "pooled"
+    };
     note(format!(
         "latency ({kind}): {} sizes x {} runs x {iterations} calls (+{} warm-up pairs), device {} ({}, {} leasable), broker {}",
         a.sizes.len(),
@@ -127,6 +151,8 @@ pub async fn run(common: &Common, a: &LatencyArgs) -> Result<()> {
                 // Warm with a size no fresh run of this base uses.
                 let warm = size + u64::from(a.repeat) * gran;
                 fresh_run(&session, &admin, a.warmup, per_run, size, warm).await?
+            } else if let Some(other) = &other {
+                cross_run(&session, other, a.warmup, iterations, size).await?
             } else {
                 pooled_run(&session, a.warmup, iterations, size).await?
             };
@@ -176,7 +202,7 @@ pub async fn run(common: &Common, a: &LatencyArgs) -> Result<()> {
                     "p50_us": p50, "p90_us": p90, "p99_us": p99, "max_us": max, "mean_us": mean,
                 }),
             );
-            if call == "acquire" && !a.fresh {
+            if call == "acquire" && !a.fresh && !a.cross_tenant {
                 let ok = p50 < 100.0 && p99 < 500.0;
                 verdicts.push(format!(
                     "target (issue 2) pooled acquire p50 < 100 us and p99 < 500 us, {}: p50 {} us, p99 {} us -> {}",
@@ -198,6 +224,7 @@ pub async fn run(common: &Common, a: &LatencyArgs) -> Result<()> {
     }
     session.close();
     drop(session);
+    drop(other);
     target.cleanup().await;
     Ok(())
 }
@@ -223,6 +250,34 @@ async fn pooled_run(session: &Session, warmup: u32, iterations: u32, size: u64) 
         if lease.bytes() < size {
             bail!("granted {} for a request of {}", lease.bytes(), size);
         }
+        lease.release().await?;
+        let t2 = Instant::now();
+        if i >= warmup {
+            run.acquire.record(t1 - t0);
+            run.release.record(t2 - t1);
+        }
+    }
+    Ok(run)
+}
+
+/// Like `pooled_run`, but the two sessions (of two tenants) alternate, so every acquire
+/// finds a cached block of the other tenant.
+async fn cross_run(
+    a: &Session,
+    b: &Session,
+    warmup: u32,
+    iterations: u32,
+    size: u64,
+) -> Result<Run> {
+    let mut run = Run {
+        acquire: Histogram::default(),
+        release: Histogram::default(),
+    };
+    for i in 0..warmup + iterations {
+        let s = if i % 2 == 0 { a } else { b };
+        let t0 = Instant::now();
+        let lease = s.lease_request(size).send().await?;
+        let t1 = Instant::now();
         lease.release().await?;
         let t2 = Instant::now();
         if i >= warmup {

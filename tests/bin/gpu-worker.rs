@@ -20,6 +20,9 @@ struct Cli {
     /// Tenant token.
     #[arg(long, env = "GPU_BROKER_TOKEN", default_value = "")]
     token: String,
+    /// Drop to this uid (and gid) first (needs root): a worker of another user.
+    #[arg(long)]
+    as_uid: Option<u32>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -36,11 +39,14 @@ enum Cmd {
         #[arg(long)]
         device: Option<u32>,
     },
-    /// Open a handle exported for another process, check it holds `expect`, write `write`
-    /// into its first 4 KiB, print `OK`.
+    /// Open another process's lease — a legacy handle (`--handle <hex>`) or, for an fd
+    /// lease (`--handle fd:<block>`), by id with a ticket of this process's own
+    /// (`--lease`) — check it holds `expect`, write `write` into its first 4 KiB, print `OK`.
     Open {
         #[arg(long)]
         handle: String,
+        #[arg(long)]
+        lease: Option<String>,
         #[arg(long)]
         device: u32,
         #[arg(long)]
@@ -81,6 +87,25 @@ enum Cmd {
     ReadZeros {
         #[arg(long)]
         bytes: u64,
+    },
+    /// Acquire a lease of its own and print `KIND <handle kind> <memory kind>`, map it, write
+    /// and read back a pattern, print `MAPPED <bad bytes>` (for the namespace test).
+    Selftest {
+        #[arg(long, default_value_t = 64 << 20)]
+        bytes: u64,
+    },
+    /// Time lease + map (import) for fresh, pooled and cross-tenant pooled leases, against
+    /// raw in-process allocation + map; `--token2` is a second tenant's token.
+    BenchMap {
+        #[arg(long, default_value = "2MiB,64MiB,1GiB")]
+        sizes: String,
+        #[arg(long, default_value_t = 20)]
+        iters: usize,
+        #[arg(long)]
+        token2: String,
+        /// Label of the rows (e.g. `fd` or `legacy`).
+        #[arg(long)]
+        label: String,
     },
     /// Time AcquireLease (fresh and pooled) against in-process cuMemAlloc+cuIpcGetMemHandle.
     Bench {
@@ -136,9 +161,13 @@ fn unhex(s: &str) -> Result<[u8; 64]> {
     Ok(out)
 }
 
-fn ipc_handle(h: &LeaseHandle) -> Result<[u8; 64]> {
+/// What identifies a lease's memory: the legacy handle's hex, or `fd:<block id>`.
+fn handle_id(h: &LeaseHandle) -> Result<String> {
     match h {
-        LeaseHandle::CudaIpc(b) => Ok(*b),
+        LeaseHandle::CudaIpc(b) => Ok(hex(b)),
+        LeaseHandle::Fd(i) if i.memory_kind == gpu_broker_client::MemoryKind::CudaVmm => {
+            Ok(format!("fd:{}", i.block_id))
+        }
         other => bail!("not a CUDA lease: {other:?}"),
     }
 }
@@ -183,16 +212,36 @@ fn median(v: &mut [f64]) -> f64 {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
+    if let Some(uid) = cli.as_uid {
+        // SAFETY: plain syscalls; nothing else runs yet that depends on the ids.
+        if unsafe { libc::setgid(uid) != 0 || libc::setuid(uid) != 0 } {
+            bail!(
+                "cannot become uid {uid}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
     if let Cmd::Open {
         handle,
+        lease,
         device,
         bytes,
         expect,
         write,
     } = &cli.cmd
     {
-        let h = unhex(handle)?;
-        let m = gpu_broker_client::cuda::map_lease(&h, *device, *bytes)?;
+        let m = if handle.starts_with("fd:") {
+            let lease = lease
+                .as_deref()
+                .context("an fd lease is opened by --lease")?;
+            let client = Client::connect(&cli.broker, cli.token.clone()).await?;
+            let (info, fd) = client.lease_fd(lease).await?;
+            use std::os::fd::AsFd;
+            gpu_broker_client::cuda::map_vmm(fd.as_fd(), *device, *bytes, info.size, info.block_id)?
+        } else {
+            let h = unhex(handle)?;
+            gpu_broker_client::cuda::map_lease(&h, *device, *bytes)?
+        };
         let bad = count_not(&m, *bytes, *expect)?;
         if bad > 0 {
             bail!("{bad} bytes differ from {expect:#04x}");
@@ -233,7 +282,7 @@ async fn main() -> Result<()> {
                 lease.id(),
                 lease.device(),
                 lease.bytes(),
-                hex(&ipc_handle(lease.handle())?)
+                handle_id(lease.handle())?
             ));
             let mut first = [pattern; 1];
             loop {
@@ -249,18 +298,18 @@ async fn main() -> Result<()> {
         }
         Cmd::FillRelease { bytes, pattern } => {
             let lease = session.lease(bytes).await?;
-            let h = ipc_handle(lease.handle())?;
+            let h = handle_id(lease.handle())?;
             {
                 let m = lease.map_cuda()?;
                 fill(&m, lease.bytes(), pattern)?;
                 m.close()?;
             }
             lease.release().await?;
-            say(format!("DONE {}", hex(&h)));
+            say(format!("DONE {h}"));
         }
         Cmd::ReadZeros { bytes } => {
             let lease = session.lease(bytes).await?;
-            let h = ipc_handle(lease.handle())?;
+            let h = handle_id(lease.handle())?;
             let bad = {
                 let m = lease.map_cuda()?;
                 let bad = count_not(&m, lease.bytes(), 0)?;
@@ -268,7 +317,7 @@ async fn main() -> Result<()> {
                 bad
             };
             lease.release().await?;
-            say(format!("READ {} {bad}", hex(&h)));
+            say(format!("READ {h} {bad}"));
         }
         Cmd::Hog { bytes, own } => {
             use gpu_broker::device::Device;
@@ -315,7 +364,156 @@ async fn main() -> Result<()> {
             say(format!("HOSTREG {tier} {not_set}"));
         }
         Cmd::Bench { sizes, iters } => bench(&session, &sizes, iters).await?,
+        Cmd::Selftest { bytes } => {
+            let lease = session.lease(bytes).await?;
+            let memory = match lease.handle() {
+                LeaseHandle::Fd(i) => format!("{:?}", i.memory_kind),
+                _ => "-".into(),
+            };
+            say(format!("KIND {} {memory}", lease.handle().kind()));
+            let bad = {
+                let m = lease.map_cuda()?;
+                fill(&m, lease.bytes(), 0x5a)?;
+                let bad = count_not(&m, lease.bytes(), 0x5a)?;
+                m.close()?;
+                bad
+            };
+            lease.release().await?;
+            say(format!("MAPPED {bad}"));
+        }
+        Cmd::BenchMap {
+            sizes,
+            iters,
+            token2,
+            label,
+        } => {
+            let other = Client::connect(&cli.broker, token2).await?;
+            let other = other.session("gpu-worker-2").await?;
+            bench_map(&session, &other, &sizes, iters, &label).await?
+        }
         Cmd::Open { .. } | Cmd::Outside { .. } => unreachable!("handled above"),
+    }
+    Ok(())
+}
+
+/// Raw in-process VMM: cuMemCreate + reserve + map + set access (timed), then undone.
+fn raw_vmm_us(device: u32, bytes: u64, iters: usize) -> Result<f64> {
+    // On a thread of its own with the device's primary context current (opening a device
+    // of the broker library makes it current), as a worker's CUDA thread would be.
+    std::thread::spawn(move || raw_vmm_on_thread(device, bytes, iters))
+        .join()
+        .map_err(|_| anyhow::anyhow!("raw VMM bench thread panicked"))?
+}
+
+fn raw_vmm_on_thread(device: u32, bytes: u64, iters: usize) -> Result<f64> {
+    use cudarc::driver::sys;
+    let check = |call: &str, rc: sys::CUresult| -> Result<()> {
+        if rc == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            bail!("{call} failed: {rc:?}")
+        }
+    };
+    let keep = gpu_broker::device::cuda::CudaDevice::open_legacy(device)?;
+    let size = usize::try_from(bytes)?;
+    // SAFETY: zeroed properties are valid; then set the fields the call needs.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: device as i32,
+    };
+    let access = sys::CUmemAccessDesc {
+        location: prop.location,
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let mut t = Vec::new();
+    for _ in 0..iters {
+        let start = Instant::now();
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: raw driver calls with valid out pointers, undone below.
+        unsafe {
+            check("cuMemCreate", sys::cuMemCreate(&mut h, size, &prop, 0))?;
+            check(
+                "cuMemAddressReserve",
+                sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0),
+            )?;
+            check("cuMemMap", sys::cuMemMap(ptr, size, 0, h, 0))?;
+            check("cuMemSetAccess", sys::cuMemSetAccess(ptr, size, &access, 1))?;
+        }
+        t.push(start.elapsed().as_secs_f64() * 1e6);
+        // SAFETY: undoing the mapping made above.
+        unsafe {
+            check("cuMemUnmap", sys::cuMemUnmap(ptr, size))?;
+            check("cuMemAddressFree", sys::cuMemAddressFree(ptr, size))?;
+            check("cuMemRelease", sys::cuMemRelease(h))?;
+        }
+    }
+    drop(keep);
+    Ok(median(&mut t))
+}
+
+/// Lease + map (fd: fetch + import + map; legacy: cuIpcOpenMemHandle) for a fresh size, the
+/// same size again (pooled), and a size another tenant just released (cross-tenant pooled:
+/// by the reuse rule a fresh object), against raw in-process VMM allocation + map. Unmap and
+/// release are not timed.
+async fn bench_map(
+    a: &gpu_broker_client::Session,
+    b: &gpu_broker_client::Session,
+    sizes: &str,
+    iters: usize,
+    label: &str,
+) -> Result<()> {
+    let sizes: Vec<u64> = sizes.split(',').map(parse_size).collect::<Result<_>>()?;
+    // Keep the device's primary context alive for the whole run, as a worker's framework
+    // does: otherwise the last unmap releases it and every lease pays a new context
+    // (~100 ms), which is not what a lease costs.
+    let _context = gpu_broker::device::cuda::CudaDevice::open_legacy(0)?;
+    say(format!(
+        "{label}: size_bytes raw_vmm_map_us fresh_lease_map_us pooled_lease_map_us cross_tenant_lease_map_us release_unmap_us"
+    ));
+    let timed = |s: &gpu_broker_client::Session, bytes: u64| {
+        let s = s.clone();
+        async move {
+            let start = Instant::now();
+            let l = s.lease(bytes).await?;
+            let m = l.map_cuda()?;
+            let took = start.elapsed().as_secs_f64() * 1e6;
+            let start = Instant::now();
+            m.close()?;
+            l.release().await?;
+            Ok::<_, anyhow::Error>((took, start.elapsed().as_secs_f64() * 1e6))
+        }
+    };
+    for &s in &sizes {
+        let raw = raw_vmm_us(0, s, iters)?;
+        let (mut fresh, mut pooled, mut cross, mut rel) = (vec![], vec![], vec![], vec![]);
+        // Fresh: a size no cached block has (different per round).
+        for k in 0..iters {
+            let fs = s + (k as u64 + 1) * (2 << 20);
+            fresh.push(timed(a, fs).await?.0);
+        }
+        // Pooled: tenant a again and again (its own block, warmed first).
+        timed(a, s).await?;
+        for _ in 0..iters {
+            let (p, r) = timed(a, s).await?;
+            pooled.push(p);
+            rel.push(r);
+        }
+        // Cross-tenant: a and b take turns, each finding the block the other just released
+        // (which the reuse rule replaces by a fresh one).
+        for k in 0..iters {
+            let who = if k % 2 == 0 { b } else { a };
+            cross.push(timed(who, s).await?.0);
+        }
+        say(format!(
+            "{label}: {s} {raw:.1} {:.1} {:.1} {:.1} {:.1}",
+            median(&mut fresh),
+            median(&mut pooled),
+            median(&mut cross),
+            median(&mut rel)
+        ));
     }
     Ok(())
 }
@@ -329,7 +527,7 @@ async fn bench(session: &gpu_broker_client::Session, sizes: &str, iters: usize) 
     // The raw side runs on its own thread with its own context, like a worker would.
     let raw_sizes = sizes.clone();
     let raw = std::thread::spawn(move || -> Result<Vec<f64>> {
-        let mut dev = CudaDevice::open(0)?;
+        let mut dev = CudaDevice::open_legacy(0)?;
         let mut out = Vec::new();
         for &s in &raw_sizes {
             let mut t = Vec::new();

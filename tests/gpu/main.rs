@@ -90,13 +90,17 @@ async fn two_processes_exchange_data_through_a_lease() {
     );
     let ready = holder.line();
     assert_eq!(ready[0], "READY", "{ready:?}");
-    let (device, bytes, handle) = (&ready[2], &ready[3], &ready[4]);
+    let (lease, device, bytes, handle) = (&ready[1], &ready[2], &ready[3], &ready[4]);
+    assert!(
+        handle.starts_with("fd:"),
+        "default leases are fd leases: {ready:?}"
+    );
     let ok = run(
         &b,
         &token,
         &[
-            "open", "--handle", handle, "--device", device, "--bytes", bytes, "--expect", "ab",
-            "--write", "cd",
+            "open", "--handle", handle, "--lease", lease, "--device", device, "--bytes", bytes,
+            "--expect", "ab", "--write", "cd",
         ],
     );
     assert_eq!(ok, vec!["OK"]);
@@ -104,12 +108,11 @@ async fn two_processes_exchange_data_through_a_lease() {
     assert_eq!(holder.line(), vec!["CHANGED", "0xcd"]);
 }
 
-#[tokio::test]
-async fn another_tenant_reads_only_zeros_from_a_reused_block() {
-    if !gpu_or_skip("another_tenant_reads_only_zeros_from_a_reused_block") {
-        return;
-    }
-    let (b, admin, token_a) = setup(&[]).await;
+/// Tenant a fills a block and releases it; tenant b's lease of that size is zero. With fd
+/// leases (the default) it is a fresh memory object (a's process may still map the old
+/// one); with legacy handles the same block is reused once a's process is gone (scrubbed).
+async fn next_tenant_reads_only_zeros(extra: &[&str], reused: bool) {
+    let (b, admin, token_a) = setup(extra).await;
     admin
         .set_quota("b", QuotaSpec::new(64 * GIB))
         .await
@@ -121,6 +124,7 @@ async fn another_tenant_reads_only_zeros_from_a_reused_block() {
         &["fill-release", "--bytes", "134217728", "--pattern", "ee"],
     );
     assert_eq!(done[0], "DONE");
+    assert_eq!(done[1].starts_with("fd:"), !reused, "{done:?}");
     let devices = admin.get_devices().await.unwrap();
     assert_eq!(
         devices[0].cached_bytes,
@@ -129,11 +133,28 @@ async fn another_tenant_reads_only_zeros_from_a_reused_block() {
     );
     let read = run(&b, &token_b, &["read-zeros", "--bytes", "134217728"]);
     assert_eq!(read[0], "READ");
-    assert_eq!(
-        read[1], done[1],
-        "tenant b must get the same (reused) block"
-    );
+    if reused {
+        assert_eq!(read[1], done[1], "legacy: the block is reused, scrubbed");
+    } else {
+        assert_ne!(read[1], done[1], "fd: another tenant gets a fresh object");
+    }
     assert_eq!(read[2], "0", "nonzero bytes seen by the next tenant");
+}
+
+#[tokio::test]
+async fn another_tenant_reads_only_zeros_from_fresh_memory() {
+    if !gpu_or_skip("another_tenant_reads_only_zeros_from_fresh_memory") {
+        return;
+    }
+    next_tenant_reads_only_zeros(&[], false).await;
+}
+
+#[tokio::test]
+async fn legacy_another_tenant_reads_only_zeros_from_a_reused_block() {
+    if !gpu_or_skip("legacy_another_tenant_reads_only_zeros_from_a_reused_block") {
+        return;
+    }
+    next_tenant_reads_only_zeros(&["--legacy-ipc-handles"], true).await;
 }
 
 fn card_free(device: u32) -> u64 {

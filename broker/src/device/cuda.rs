@@ -4,10 +4,18 @@
 //! A [`CudaDevice`] owns, for one device ordinal: a retained reference to the device's
 //! primary context, one non-blocking stream used only for scrubs, and every allocation it
 //! made (a map id -> device pointer; whatever is still live when it is dropped is freed).
-//! Allocations are plain `cuMemAlloc_v2` memory — the only kind `cuIpcGetMemHandle` can
-//! export (not managed memory, not the stream-ordered pool) — with
-//! `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` set, so synchronous copies and memsets on them are
-//! complete when they return and an importing process never sees a half-done scrub.
+//!
+//! Allocations are, by default ([`CudaDevice::open`]), **CUDA VMM memory**: `cuMemCreate`
+//! with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` at the allocation granularity, mapped
+//! into the broker's own address space (reserve, map, set access) so the broker can zero it,
+//! and exported once as a file descriptor that stays with the block (a pooled block costs no
+//! export). Workers get that descriptor over the ticket socket and import it; the physical
+//! memory lives until the last holder (the broker's handle, every import) lets go.
+//!
+//! With [`CudaDevice::open_legacy`] (operator flag `--legacy-ipc-handles`) allocations are
+//! plain `cuMemAlloc_v2` memory — the only kind `cuIpcGetMemHandle` can export — with
+//! `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` set, exported as legacy IPC handles, which can be
+//! forged (`docs/security.md`).
 //!
 //! Driver calls act on the context current on the calling OS thread: open a device with
 //! [`CudaDevice::open`] on the thread that will use it (the device thread, see
@@ -17,7 +25,8 @@
 //! on the first driver call when the library is missing, so presence is checked first).
 
 use super::{
-    check_range, Allocation, BackendKind, Device, DeviceDesc, DeviceError, Handle, MemInfo,
+    check_range, new_block_id, Allocation, BackendKind, Device, DeviceDesc, DeviceError, Handle,
+    MemInfo, MemoryKind, SharedFd,
 };
 use cudarc::driver::sys::{self, CUcontext, CUdevice, CUdeviceptr, CUresult, CUstream};
 use std::collections::HashMap;
@@ -116,10 +125,20 @@ fn check(call: &'static str, rc: CUresult) -> Result<(), DeviceError> {
 }
 
 /// A live allocation as this device recorded it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Live {
     ptr: CUdeviceptr,
     bytes: u64,
+    /// VMM memory: its handle and exported descriptor; `None` for `cuMemAlloc` memory.
+    vmm: Option<Vmm>,
+}
+
+/// The VMM side of an allocation.
+#[derive(Clone, Debug)]
+struct Vmm {
+    handle: sys::CUmemGenericAllocationHandle,
+    fd: SharedFd,
+    block_id: u64,
 }
 
 /// One GPU, driven through its primary context. See the module documentation.
@@ -130,6 +149,8 @@ pub struct CudaDevice {
     stream: CUstream,
     next_id: u64,
     live: HashMap<u64, Live>,
+    /// Legacy mode: `cuMemAlloc` memory and IPC handles instead of VMM memory and fds.
+    legacy: bool,
 }
 
 // SAFETY: the context and stream are opaque driver handles that are valid on any thread once
@@ -138,9 +159,21 @@ pub struct CudaDevice {
 unsafe impl Send for CudaDevice {}
 
 impl CudaDevice {
-    /// Opens device `ordinal`: retains its primary context, makes it current on the calling
-    /// thread and creates the scrub stream. Call it on the thread that will use the device.
+    /// Opens device `ordinal` for VMM memory exported as file descriptors (the default):
+    /// retains its primary context, makes it current on the calling thread and creates the
+    /// scrub stream. Call it on the thread that will use the device.
     pub fn open(ordinal: u32) -> Result<CudaDevice, DeviceError> {
+        CudaDevice::open_with(ordinal, false)
+    }
+
+    /// Opens device `ordinal` for legacy `cuMemAlloc` memory exported as CUDA IPC handles
+    /// (forgeable: only by the operator's choice).
+    pub fn open_legacy(ordinal: u32) -> Result<CudaDevice, DeviceError> {
+        CudaDevice::open_with(ordinal, true)
+    }
+
+    /// Opens device `ordinal`; `legacy` picks legacy IPC memory over VMM fds.
+    pub fn open_with(ordinal: u32, legacy: bool) -> Result<CudaDevice, DeviceError> {
         init()?;
         let ord = std::ffi::c_int::try_from(ordinal)
             .map_err(|_| DeviceError::Unavailable(format!("no CUDA device {ordinal}")))?;
@@ -193,13 +226,14 @@ impl CudaDevice {
                 backend: BackendKind::Cuda,
                 total_bytes: total as u64,
                 granularity: CUDA_GRANULARITY,
-                legacy_ipc: true,
+                legacy_ipc: legacy,
             },
             dev,
             ctx,
             stream: std::ptr::null_mut(),
             next_id: 1,
             live: HashMap::new(),
+            legacy,
         };
         this.make_current()?;
         let mut stream: CUstream = std::ptr::null_mut();
@@ -211,6 +245,21 @@ impl CudaDevice {
             )
         })?;
         this.stream = stream;
+        if !legacy {
+            // Leases are whole granules of VMM memory.
+            let mut g: usize = 0;
+            let prop = this.vmm_prop();
+            // SAFETY: valid out pointer and property struct.
+            check("cuMemGetAllocationGranularity", unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut g,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                )
+            })?;
+            let g = (g as u64).max(1).next_power_of_two();
+            this.desc.granularity = this.desc.granularity.max(g);
+        }
 
         // The context's view of total memory is what `mem_info` reports; keep them equal.
         let info = this.mem_info()?;
@@ -238,6 +287,120 @@ impl CudaDevice {
         self.dev
     }
 
+    /// Allocation properties of this device's VMM memory: pinned device memory that can be
+    /// exported as a POSIX file descriptor.
+    fn vmm_prop(&self) -> sys::CUmemAllocationProp {
+        // SAFETY: an all-zero property struct is valid (no flags, null metadata).
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        prop.location = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: self.dev,
+        };
+        prop
+    }
+
+    /// Creates VMM memory of `size` bytes, maps it here, exports it: (pointer, VMM part).
+    /// Undoes what it did on failure. Context current.
+    fn vmm_alloc(&mut self, size: usize) -> Result<(CUdeviceptr, Vmm), DeviceError> {
+        let prop = self.vmm_prop();
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out pointer and properties; `size` is a multiple of the granularity
+        // (the pool rounds every lease up to it).
+        let rc = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+        if rc == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Err(DeviceError::OutOfMemory {
+                requested: size as u64,
+                free: self.free_bytes(),
+            });
+        }
+        check("cuMemCreate", rc)?;
+        let release = |h| {
+            // SAFETY: a handle created above and never handed out.
+            let _ = unsafe { sys::cuMemRelease(h) };
+        };
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: valid out pointer; default alignment.
+        if let Err(e) = check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0)
+        }) {
+            release(handle);
+            return Err(e);
+        }
+        let unreserve = |p| {
+            // SAFETY: the range reserved above.
+            let _ = unsafe { sys::cuMemAddressFree(p, size) };
+        };
+        // SAFETY: the reserved range and the allocation are both `size` bytes.
+        if let Err(e) = check("cuMemMap", unsafe {
+            sys::cuMemMap(ptr, size, 0, handle, 0)
+        }) {
+            unreserve(ptr);
+            release(handle);
+            return Err(e);
+        }
+        let undo = |p, h| {
+            // SAFETY: the mapping, range and handle made above.
+            unsafe {
+                let _ = sys::cuMemUnmap(p, size);
+                let _ = sys::cuMemAddressFree(p, size);
+                let _ = sys::cuMemRelease(h);
+            }
+        };
+        let access = sys::CUmemAccessDesc {
+            location: prop.location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the mapped range; one access descriptor.
+        if let Err(e) = check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr, size, &access, 1)
+        }) {
+            undo(ptr, handle);
+            return Err(e);
+        }
+        let mut raw: std::ffi::c_int = -1;
+        // SAFETY: for POSIX descriptors the out pointer receives an int.
+        if let Err(e) = check("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                &mut raw as *mut std::ffi::c_int as *mut c_void,
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        }) {
+            undo(ptr, handle);
+            return Err(e);
+        }
+        // SAFETY: the driver gave us a new descriptor that nobody else owns.
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+        // Never inherited by processes the broker starts.
+        // SAFETY: fcntl on the descriptor just received.
+        unsafe {
+            libc::fcntl(raw, libc::F_SETFD, libc::FD_CLOEXEC);
+        }
+        Ok((
+            ptr,
+            Vmm {
+                handle,
+                fd: SharedFd::new(fd),
+                block_id: new_block_id(),
+            },
+        ))
+    }
+
+    /// Unmaps and releases VMM memory (the physical memory stays while importers hold it).
+    fn vmm_free(&self, live: &Live, vmm: &Vmm) -> Result<(), DeviceError> {
+        let size = usize::try_from(live.bytes).map_err(|_| DeviceError::InvalidSize(live.bytes))?;
+        // SAFETY: the broker's own mapping of a live VMM allocation, undone once.
+        unsafe {
+            check("cuMemUnmap", sys::cuMemUnmap(live.ptr, size))?;
+            check("cuMemAddressFree", sys::cuMemAddressFree(live.ptr, size))?;
+            check("cuMemRelease", sys::cuMemRelease(vmm.handle))
+        }
+    }
+
     /// Number of allocations this device currently holds.
     pub fn live_allocations(&self) -> usize {
         self.live.len()
@@ -253,7 +416,7 @@ impl CudaDevice {
     /// (same pointer and size), so a forged or stale one cannot reach other memory.
     fn lookup(&self, alloc: &Allocation) -> Result<Live, DeviceError> {
         match self.live.get(&alloc.id) {
-            Some(l) if l.ptr == alloc.addr && l.bytes == alloc.bytes => Ok(*l),
+            Some(l) if l.ptr == alloc.addr && l.bytes == alloc.bytes => Ok(l.clone()),
             _ => Err(DeviceError::UnknownAllocation(alloc.id)),
         }
     }
@@ -324,6 +487,25 @@ impl Device for CudaDevice {
                 free: self.free_bytes(),
             });
         }
+        if !self.legacy {
+            let (ptr, vmm) = self.vmm_alloc(size)?;
+            let id = self.next_id;
+            self.next_id += 1;
+            self.live.insert(
+                id,
+                Live {
+                    ptr,
+                    bytes,
+                    vmm: Some(vmm),
+                },
+            );
+            return Ok(Allocation {
+                id,
+                bytes,
+                addr: ptr,
+                path: None,
+            });
+        }
         let mut ptr: CUdeviceptr = 0;
         // SAFETY: context current; valid out pointer; plain device memory (IPC-exportable).
         let rc = unsafe { sys::cuMemAlloc_v2(&mut ptr, size) };
@@ -350,7 +532,14 @@ impl Device for CudaDevice {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.live.insert(id, Live { ptr, bytes });
+        self.live.insert(
+            id,
+            Live {
+                ptr,
+                bytes,
+                vmm: None,
+            },
+        );
         Ok(Allocation {
             id,
             bytes,
@@ -362,15 +551,27 @@ impl Device for CudaDevice {
     fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError> {
         let live = self.lookup(&alloc)?;
         self.make_current()?;
-        // SAFETY: `live.ptr` is a live allocation of this context; removed from the map
-        // only once the driver accepted the free.
-        check("cuMemFree", unsafe { sys::cuMemFree_v2(live.ptr) })?;
+        match &live.vmm {
+            Some(vmm) => self.vmm_free(&live, vmm)?,
+            // SAFETY: `live.ptr` is a live allocation of this context; removed from the map
+            // only once the driver accepted the free.
+            None => check("cuMemFree", unsafe { sys::cuMemFree_v2(live.ptr) })?,
+        }
         self.live.remove(&alloc.id);
         Ok(())
     }
 
     fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError> {
         let live = self.lookup(alloc)?;
+        if let Some(vmm) = &live.vmm {
+            // Exported once at allocation; every lease of the block shares the descriptor.
+            return Ok(Handle::Fd {
+                kind: MemoryKind::CudaVmm,
+                fd: vmm.fd.clone(),
+                block_id: vmm.block_id,
+                size: live.bytes,
+            });
+        }
         self.make_current()?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
         // SAFETY: `live.ptr` is the base pointer of a cuMemAlloc allocation; valid out pointer.
@@ -423,14 +624,20 @@ impl Device for CudaDevice {
             return Ok(());
         }
         // SAFETY: [offset, offset+len) lies inside the live allocation; `data` is readable.
-        // SYNC_MEMOPS on the allocation makes this copy complete when it returns.
+        // SYNC_MEMOPS on a legacy allocation makes this copy complete when it returns.
         check("cuMemcpyHtoD", unsafe {
             sys::cuMemcpyHtoD_v2(
                 at(live.ptr, offset),
                 data.as_ptr() as *const c_void,
                 data.len(),
             )
-        })
+        })?;
+        if live.vmm.is_some() {
+            // VMM memory has no SYNC_MEMOPS: wait for the copy here.
+            // SAFETY: context current.
+            check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
+        }
+        Ok(())
     }
 }
 
@@ -439,10 +646,14 @@ impl Drop for CudaDevice {
         if let Err(e) = self.make_current() {
             tracing::error!(device = self.desc.index, error = %e, "cannot make context current on drop");
         }
-        for (id, live) in self.live.drain() {
-            // SAFETY: a live allocation of this context, freed once.
-            let rc = unsafe { sys::cuMemFree_v2(live.ptr) };
-            if let Err(e) = check("cuMemFree", rc) {
+        let live: Vec<(u64, Live)> = self.live.drain().collect();
+        for (id, live) in live {
+            let r = match &live.vmm {
+                Some(vmm) => self.vmm_free(&live, vmm),
+                // SAFETY: a live allocation of this context, freed once.
+                None => check("cuMemFree", unsafe { sys::cuMemFree_v2(live.ptr) }),
+            };
+            if let Err(e) = r {
                 tracing::error!(device = self.desc.index, allocation = id, error = %e, "free on drop failed");
             }
         }
