@@ -33,6 +33,9 @@ pub struct Waiter {
     pub reply: oneshot::Sender<BrokerResult<LeaseView>>,
     /// Reclaim was already requested on this waiter's behalf.
     pub reclaim_sent: bool,
+    /// Grants to other tenants of its priority that went ahead of it while it was
+    /// blocked by capacity (bounded: see `admission::MAX_OVERTAKES`).
+    pub overtaken: u32,
 }
 
 /// Every waiting request, by arrival order.
@@ -61,6 +64,7 @@ impl WaitQueue {
                 since: Instant::now(),
                 reply,
                 reclaim_sent: false,
+                overtaken: 0,
             },
         );
         id

@@ -712,3 +712,47 @@ async fn legacy_ipc_block_is_reused_across_tenants_only_after_its_holder_exits()
     let st = arb.state.lock().pools[0].stats();
     assert_eq!((st.scrubs, st.hits, st.misses), (1, 1, 3), "{st:?}");
 }
+
+/// A big request blocked by held memory lets other tenants' requests of its priority that
+/// fit go first — a bounded number of times (then it blocks them, so it cannot starve) —
+/// and is granted once the memory comes back.
+#[tokio::test]
+async fn a_blocked_big_request_is_overtaken_a_bounded_number_of_times() {
+    use super::admission::MAX_OVERTAKES;
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    let hs = f.tenant("holder", quota(64 * MIB));
+    let bs = f.tenant("big", quota(64 * MIB));
+    let ss = f.tenant("small", quota(64 * MIB));
+    let held = f.arb.acquire(req("holder", hs, 32 * MIB)).await.unwrap();
+    let big = {
+        let arb = f.arb.clone();
+        tokio::spawn(async move {
+            let mut r = req("big", bs, 48 * MIB);
+            r.wait = Duration::from_secs(20);
+            arb.acquire(r).await
+        })
+    };
+    while f.arb.get_tenant("big").unwrap().waiting == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // 32 MiB free: small requests that fit are granted while the big one waits, up to
+    // the bound; after that they are refused (the big one is next).
+    let mut granted = 0;
+    for _ in 0..MAX_OVERTAKES + 8 {
+        match f.arb.acquire(req("small", ss, 8 * MIB)).await {
+            Ok(l) => {
+                granted += 1;
+                f.arb.release("small", l.id).unwrap();
+            }
+            Err(e) => assert!(matches!(e, BrokerError::ResourceExhausted(_)), "{e:?}"),
+        }
+    }
+    assert_eq!(granted, MAX_OVERTAKES);
+    f.arb.release("holder", held.id).unwrap();
+    let l = tokio::time::timeout(Duration::from_secs(5), big)
+        .await
+        .expect("the big request is granted once memory comes back")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.bytes, 48 * MIB);
+}
