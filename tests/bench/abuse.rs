@@ -10,6 +10,10 @@
 //!    pooled acquire+release is timed alone and then while an operator loops over full
 //!    `ListTenants` and `ListAllLeases` walks (every page): the admission stall listings
 //!    cause is the difference of the p99s.
+//! 4. A big waiter (another broker, 1 GiB): a tenant holding nothing waits for 768 MiB
+//!    while 512 MiB are held; four tenants of the same priority keep asking for 64 MiB
+//!    (no wait). Reported: their grants and refusals, the device's utilization while the
+//!    big request waits, and the big request's time to grant after the memory came back.
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -270,6 +274,101 @@ pub async fn run(common: &Common, a: &AbuseArgs) -> Result<()> {
                 "walk_p50_us": walk.q_us(0.5)}),
     );
     drop(held);
+    drop(target);
+    big_waiter(common).await
+}
+
+/// Phase 4 (see the module doc).
+async fn big_waiter(common: &Common) -> Result<()> {
+    let mut target = common.target("1GiB", None)?;
+    let admin = target.admin().await?;
+    const MIB: u64 = 1 << 20;
+    let (_, h) = target
+        .tenant("fair-holder", QuotaSpec::new(1 << 30))
+        .await?;
+    let (_, b) = target.tenant("fair-big", QuotaSpec::new(1 << 30)).await?;
+    let holder = Client::connect(&target.uri, h).await?;
+    let hs = holder.session("h").await?;
+    let held = hs.lease(512 * MIB).await?;
+    let big = Client::connect(&target.uri, b).await?;
+    let bs = big.session("big").await?;
+    let t0 = Instant::now();
+    let big_task = tokio::spawn(async move {
+        let r = bs
+            .lease_request(768 * MIB)
+            .wait(Duration::from_secs(30))
+            .send()
+            .await;
+        (r.map(|l| l.bytes()), Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, refused) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut smalls = Vec::new();
+    for i in 0..4 {
+        let (_, t) = target
+            .tenant(&format!("fair-small{i}"), QuotaSpec::new(1 << 30))
+            .await?;
+        let c = Client::connect(&target.uri, t).await?;
+        let s = c.session("s").await?;
+        let (stop, ok, refused) = (stop.clone(), ok.clone(), refused.clone());
+        smalls.push(tokio::spawn(async move {
+            let _c = c;
+            while !stop.load(Ordering::Relaxed) {
+                match s.lease(64 * MIB).await {
+                    Ok(l) => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        let _ = l.release().await;
+                    }
+                    Err(_) => {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            }
+        }));
+    }
+    // Utilization while the big request waits (sampled for 1 s).
+    let mut util = Vec::new();
+    let end = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < end {
+        if let Some(d) = admin.get_devices().await?.first() {
+            util.push(d.leased_bytes as f64 / d.leasable_bytes.max(1) as f64);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let released = Instant::now();
+    held.release().await?;
+    let (granted, at) = big_task.await?;
+    stop.store(true, Ordering::Relaxed);
+    for s in smalls {
+        let _ = s.await;
+    }
+    let mean_util = util.iter().sum::<f64>() / util.len().max(1) as f64;
+    let mut t = Table::new(
+        "abuse: a 768 MiB request waits while 512 MiB of 1 GiB are held; 4 tenants of its priority ask 64 MiB",
+        &["small grants", "small refused", "utilization while waiting", "big: granted", "after release", "waited in all"],
+    );
+    t.row(vec![
+        count(ok.load(Ordering::Relaxed)),
+        count(refused.load(Ordering::Relaxed)),
+        format!("{:.0}%", mean_util * 100.0),
+        match &granted {
+            Ok(b) => bytes(*b),
+            Err(e) => format!("no: {e}"),
+        },
+        us(at.duration_since(released).as_secs_f64() * 1e6),
+        us(at.duration_since(t0).as_secs_f64() * 1e6),
+    ]);
+    t.print();
+    json_line(
+        common.json,
+        &json!({"mode": "abuse", "phase": "big_waiter", "small_ok": ok.load(Ordering::Relaxed),
+                "small_refused": refused.load(Ordering::Relaxed), "utilization": mean_util,
+                "big_granted": granted.is_ok(),
+                "big_after_release_us": at.duration_since(released).as_secs_f64() * 1e6}),
+    );
     Ok(())
 }
 
