@@ -48,13 +48,14 @@ async fn next_turn_event(events: &mut gpu_broker_client::SessionEvents) -> Sessi
 async fn a_holder_asked_to_yield_hands_the_turn_over() {
     let (b, sa, sc) = two_tenants().await;
     let mut ea = sa.events();
+    // The quantum runs from the grant, which happens after this instant.
+    let t0 = Instant::now();
     let turn = sa.turn(0).await.unwrap();
     assert_eq!(turn.quantum(), Duration::from_millis(100));
     // Busy: no wait is RESOURCE_EXHAUSTED, naming the holder.
     let busy = sc.turn(0).await.unwrap_err();
     assert_eq!(busy.code(), Code::ResourceExhausted, "{busy}");
     assert!(busy.to_string().contains("\"a\""), "{busy}");
-    let t0 = Instant::now();
     let waiter = tokio::spawn(async move {
         let t = sc.turn(0).wait(Duration::from_secs(5)).await;
         (t, sc)
