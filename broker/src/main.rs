@@ -89,6 +89,9 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             std::time::Duration::from_secs(2),
             shutdown.clone(),
         );
+    } else {
+        // SIGHUP's default action ends the process: handle it even with nothing to reload.
+        spawn_hup_without_config(shutdown.clone());
     }
 
     let unix = bind_unix(&cfg.socket).await?;
@@ -183,6 +186,29 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(&cfg.socket);
     let _ = std::fs::remove_file(&ticket_path);
     Ok(())
+}
+
+/// Without `--config`, SIGHUP is logged as having nothing to reload (never the default
+/// action, which would end the broker). Registered before returning.
+fn spawn_hup_without_config(stop: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("SIGHUP handler not installed");
+        return;
+    };
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                r = hup.recv() => {
+                    if r.is_none() {
+                        return;
+                    }
+                    tracing::info!("SIGHUP: nothing to reload (no --config file)");
+                }
+            }
+        }
+    });
 }
 
 async fn wait_for_signal() {

@@ -185,3 +185,23 @@ async fn config_tenants_apply_at_start_on_change_and_on_sighup() {
     assert!(b.pid().is_some(), "SIGHUP does not stop the broker");
     assert_eq!(limit_of(&b, "alpha").await, Some(256 * MIB));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_without_a_config_file_keeps_the_broker_running() {
+    let mut b = Broker::start().unwrap();
+    b.signal(libc::SIGHUP);
+    let b_ref = &b;
+    assert!(
+        eventually(Duration::from_secs(10), || async move {
+            b_ref.log_text().contains("nothing to reload")
+        })
+        .await,
+        "{}",
+        b.log_text()
+    );
+    b.signal(libc::SIGHUP);
+    let admin = b.admin().await.unwrap();
+    admin.list_tenants().await.unwrap();
+    let status = b.stop(Duration::from_secs(10)).unwrap();
+    assert!(status.success(), "{status:?}\n{}", b.log_text());
+}
