@@ -83,10 +83,12 @@ impl Tenant {
                 show(q.limit_bytes)
             ));
         }
-        if q.max_leases > 0 && u.lease_count > q.max_leases {
+        // max_leases bounds device and host leases together (as `check_charge` counts).
+        let leases = u.lease_count + u.host_lease_count;
+        if q.max_leases > 0 && leases > q.max_leases {
             out.push(format!(
                 "tenant {:?} has {} leases, above its new max-leases {}: they stay; new requests are refused until it has fewer",
-                self.name, u.lease_count, q.max_leases
+                self.name, leases, q.max_leases
             ));
         }
         if u.host_held_bytes > q.host_limit_bytes {
@@ -499,6 +501,29 @@ mod tests {
         }
         l.uncharge_host("a", 1);
         assert!(l.check_charge("a", 1, Tier::Host).is_ok());
+    }
+
+    #[test]
+    fn max_leases_warning_counts_host_leases_too() {
+        let mut l = Ledger::new();
+        let q = Quota {
+            host_limit_bytes: 100,
+            max_leases: 3,
+            ..quota(100)
+        };
+        l.set_quota("a", q).unwrap();
+        l.reserve("a", 1).unwrap();
+        l.commit("a", 1);
+        l.charge_host("a", 1).unwrap();
+        l.charge_host("a", 1).unwrap();
+        assert!(l.get("a").unwrap().over_quota_warnings().is_empty());
+        l.set_quota("a", Quota { max_leases: 2, ..q }).unwrap();
+        let w = l.get("a").unwrap().over_quota_warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("3 leases") && w[0].contains("max-leases 2"),
+            "{w:?}"
+        );
     }
 
     #[test]
