@@ -132,6 +132,14 @@ pub fn memfd(name: &str, bytes: u64) -> std::io::Result<OwnedFd> {
     if unsafe { libc::ftruncate(raw, len) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
+    // Workers get this descriptor: its size is the lease's, for good. Without the seals a
+    // holder could grow it past its quota (the pages live as long as the broker's
+    // descriptor), shrink it under the next holder, or seal writes away from the broker.
+    let seals = libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on the descriptor just created.
+    if unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     Ok(fd)
 }
 
@@ -263,6 +271,37 @@ mod tests {
         crate::device::conformance::run_all(&mut || {
             Ok(Box::new(HostDevice::new(0, 256 << 20)?) as Box<dyn Device>)
         });
+    }
+
+    #[test]
+    fn a_holder_cannot_resize_or_seal_lease_memory() {
+        let mut dev = HostDevice::new(0, 16 << 20).unwrap();
+        let a = dev.alloc(1 << 20).unwrap();
+        let Handle::Fd { fd, .. } = dev.export(&a).unwrap() else {
+            panic!("host memory is fd memory");
+        };
+        // What a worker could try with the descriptor it received.
+        // SAFETY: plain syscalls on a valid descriptor.
+        unsafe {
+            assert_ne!(
+                libc::ftruncate(fd.raw(), 64 << 20),
+                0,
+                "grown past the lease"
+            );
+            assert_ne!(libc::ftruncate(fd.raw(), 4096), 0, "shrunk under the lease");
+            assert_ne!(
+                libc::fcntl(fd.raw(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE),
+                0,
+                "writes sealed away from the broker"
+            );
+        }
+        let f = std::fs::File::from(fd.0.try_clone().unwrap());
+        assert_eq!(f.metadata().unwrap().len(), 1 << 20);
+        // The broker still writes and scrubs it.
+        dev.write(&a, 0, &[7u8; 16]).unwrap();
+        dev.scrub(&a).unwrap();
+        assert_eq!(dev.read(&a, 0, 16).unwrap(), vec![0u8; 16]);
+        dev.free(a).unwrap();
     }
 
     #[test]
