@@ -26,6 +26,12 @@ pub const TICKET_LEN: usize = 32;
 const MAX_PER_LEASE: usize = 16;
 /// Most ticket connections served at once.
 const MAX_CONNECTIONS: usize = 256;
+/// Most ticket connections one peer uid may have open at once (root and the broker's own
+/// user may use a reserve beyond it): the socket is open to every local user, and one of
+/// them must not take every slot from the others.
+const MAX_CONNECTIONS_PER_UID: usize = 32;
+/// Slots beyond the per-uid cap for root and the broker's own user.
+const PRIVILEGED_RESERVE: usize = 16;
 /// A connection must send its ticket within this time.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -243,7 +249,12 @@ pub async fn serve(
     arb: Arc<crate::arbiter::Arbiter>,
     stop: CancellationToken,
 ) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let conns = crate::listener::ConnTracker::new(crate::listener::Limits {
+        max_connections: MAX_CONNECTIONS,
+        max_connections_per_uid: MAX_CONNECTIONS_PER_UID,
+        admin_reserve: PRIVILEGED_RESERVE,
+        ..crate::listener::Limits::default()
+    });
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
@@ -257,10 +268,15 @@ pub async fn serve(
                 continue;
             }
         };
-        // Over the limit: close at once (the client retries or reports).
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            tracing::warn!("too many ticket connections; closing one");
-            continue;
+        // Over a limit (in all, or of this peer's uid): close at once (the client retries
+        // or reports).
+        let uid = stream.peer_cred().ok().map(|c| c.uid());
+        let permit = match conns.admit(uid) {
+            Ok(p) => p,
+            Err(cap) => {
+                tracing::warn!(?uid, ?cap, "too many ticket connections; closing one");
+                continue;
+            }
         };
         let arb = arb.clone();
         tokio::spawn(async move {
@@ -411,6 +427,59 @@ mod tests {
         t.forget_lease(lease);
         assert_eq!(t.redeem(&k, 1000, Some(42)).unwrap_err(), Refusal::Unknown);
         assert_eq!(t.outstanding(), 0);
+    }
+
+    #[tokio::test]
+    async fn one_uid_cannot_take_every_ticket_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.sock");
+        let listener = bind(&path).await.unwrap();
+        let spec = crate::backend::BackendSpec {
+            choice: crate::config::BackendChoice::Host,
+            cuda_devices: None,
+            host_capacity: 16 << 20,
+            host_devices: 1,
+            headroom: crate::config::Headroom::Bytes(0),
+            host_uuid_seed: None,
+            legacy_ipc: false,
+        };
+        let arb = crate::arbiter::Arbiter::new(
+            crate::backend::open_devices(&spec).unwrap(),
+            None,
+            None,
+            Arc::new(crate::auth::Authenticator::new("x")),
+            crate::arbiter::ArbiterConfig::default(),
+        )
+        .unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(listener, arb, stop.clone()));
+        // This process is the broker's own user: the cap plus the reserve.
+        let cap = MAX_CONNECTIONS_PER_UID + PRIVILEGED_RESERVE;
+        let mut held = Vec::new();
+        for _ in 0..cap {
+            held.push(UnixStream::connect(&path).await.unwrap());
+        }
+        // One more from the same uid is closed at once...
+        let mut extra = UnixStream::connect(&path).await.unwrap();
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(30), extra.read(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, 0);
+        // ...while the ones it holds are still open (not closed by their read timeout).
+        let mut open = 0;
+        for s in &held {
+            match s.try_read(&mut b) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => open += 1,
+                _ => {}
+            }
+        }
+        assert_eq!(
+            open, cap,
+            "the held connections were still waiting for tickets"
+        );
+        stop.cancel();
     }
 
     #[test]
