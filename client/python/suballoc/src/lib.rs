@@ -558,8 +558,11 @@ impl<B: Backend> SubAllocator<B> {
     ) -> Result<u64, Refused> {
         self.state.lock().stats.broker_acquires += 1;
         let granted = self.backend.acquire(device, bytes, wait)?;
+        // One critical section from inserting the segment to carving from it: in between,
+        // another thread's carve would take its first block (then both got its base) or
+        // release it as wholly free.
+        let mut st = self.state.lock();
         let id = {
-            let mut st = self.state.lock();
             let id = st.next_segment;
             st.next_segment += 1;
             let mut blocks = BTreeMap::new();
@@ -602,7 +605,6 @@ impl<B: Backend> SubAllocator<B> {
             });
         }
         // The fresh segment is wholly free: carve from it directly.
-        let mut st = self.state.lock();
         let State {
             segments,
             live,

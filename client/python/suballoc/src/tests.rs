@@ -486,3 +486,29 @@ fn many_threads_share_segments_exactly() {
         fake.acquires()
     );
 }
+
+#[test]
+fn a_fresh_segment_is_carved_before_other_threads_see_it() {
+    // Segments of two blocks: every other allocation takes a fresh segment, whose free
+    // half other threads look for at the same time.
+    let (_fake, a) = allocator(1 << 40, 2 * MIB);
+    let a = Arc::new(a);
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                (0..400)
+                    .map(|_| a.alloc(0, MIB, 0x100 * (t + 1)).unwrap())
+                    .collect::<Vec<u64>>()
+            })
+        })
+        .collect();
+    let mut all: Vec<u64> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    let n = all.len();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), n, "no address handed out twice");
+}
