@@ -70,45 +70,34 @@ where
     Ok(py.detach(|| handle.block_on(fut)))
 }
 
-/// Runs `fut` on the runtime and waits for it without the GIL, checking for signals
-/// every 100 ms (a `KeyboardInterrupt` cancels the call). `None` when `timeout` passed.
+/// Waits for `fut` without the GIL, polling it on the calling thread inside the runtime
+/// in 100 ms slices and checking for signals between them (a `KeyboardInterrupt` drops,
+/// and so cancels, the call). `None` when `timeout` passed first.
 pub fn wait<F>(py: Python<'_>, fut: F, timeout: Option<Duration>) -> PyResult<Option<F::Output>>
 where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
+    F: Future + Send,
+    F::Output: Send,
 {
     check_process()?;
     let handle = handle();
-    let mut task = handle.spawn(fut);
+    let mut fut = Box::pin(fut);
     let deadline = timeout.map(|t| std::time::Instant::now() + t);
     loop {
         let slice = match deadline {
             Some(d) => {
                 let left = d.saturating_duration_since(std::time::Instant::now());
                 if left.is_zero() {
-                    task.abort();
                     return Ok(None);
                 }
                 left.min(Duration::from_millis(100))
             }
             None => Duration::from_millis(100),
         };
-        let polled =
-            py.detach(|| handle.block_on(async { tokio::time::timeout(slice, &mut task).await }));
+        let polled = py
+            .detach(|| handle.block_on(async { tokio::time::timeout(slice, fut.as_mut()).await }));
         match polled {
-            Ok(Ok(out)) => return Ok(Some(out)),
-            Ok(Err(join)) => {
-                return Err(errors::local(
-                    "BrokerError",
-                    &format!("gpubroker: background call failed: {join}"),
-                ))
-            }
-            Err(_elapsed) => {
-                if let Err(e) = py.check_signals() {
-                    task.abort();
-                    return Err(e);
-                }
-            }
+            Ok(out) => return Ok(Some(out)),
+            Err(_elapsed) => py.check_signals()?,
         }
     }
 }
