@@ -365,3 +365,36 @@ def test_torch_allocator_hooks_are_exported_and_inert_before_install():
         with pytest.raises(gpubroker.FailedPrecondition) as e:
             gt.install()
         assert "PyTorch" in str(e.value)
+
+
+def test_torch_install_plumbing_with_a_stand_in_torch(broker):
+    """gpubroker.torch's Python half against a recording stand-in for PyTorch (the real
+    hooks; the host backend's leases cannot be mapped as CUDA memory, which exercises the
+    refusal path): routing, hooks, OOM reason, refusals, empty_cache's pool switch."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    token = broker.tenant("t", "64MiB")
+    child = subprocess.run(
+        [sys.executable, os.path.join(here, "torch_plumbing_child.py"), broker.address, token,
+         os.path.join(here, "fake_torch")],
+        capture_output=True, text=True, timeout=120,
+    )
+    lines = [l for l in child.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, child.stdout + child.stderr
+    out = json.loads(lines[-1][7:])
+    assert out["installed"] and out["routed"]
+    assert out["hooks"] == ["gpubroker_torch_alloc", "gpubroker_torch_free"]
+    assert out["calls"][:3] == ["allocator", "pool", "begin"], out["calls"]
+    assert out["ptr"] is None
+    s = out["stats"]
+    assert (s["allocs"], s["ooms"], s["waits"], s["segments"], s["leased_bytes"]) == (0, 1, 1, 0, 0), s
+    assert s["broker_acquires"] == 2, "a segment without waiting, then the exact size with the wait"
+    assert out["oom"] and "gpubroker" in out["oom"] and "FAILED_PRECONDITION" in out["oom"], out["oom"]
+    assert "torch.multiprocessing" in out["mp"]
+    assert "CUDA graph" in out["graph"]
+    assert out["empty_calls"][:4] == ["pool", "begin", "end", "release"], out["empty_calls"]
+    assert "pool_deleted" in out["empty_calls"] and "torch_empty_cache" in out["empty_calls"]
+    assert out["released"] == 0

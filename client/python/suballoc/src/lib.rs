@@ -129,7 +129,7 @@ pub enum AllocError {
 impl fmt::Display for AllocError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            AllocError::Refused(r) => write!(f, "the broker refused the memory: {r}"),
+            AllocError::Refused(r) => write!(f, "no segment could be leased and mapped: {r}"),
             AllocError::TooLarge(n) => write!(f, "cannot allocate {n} bytes"),
         }
     }

@@ -1,0 +1,6 @@
+def reduce_tensor(tensor):
+    return (object, ())
+
+
+def reduce_storage(storage):
+    return (object, ())

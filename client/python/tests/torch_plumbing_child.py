@@ -1,0 +1,60 @@
+"""Run in a child process (install() is once per process): gpubroker.torch over the fake
+torch in fake_torch/, against the broker in argv, with the real native hooks."""
+
+import ctypes
+import json
+import sys
+
+sys.path.insert(0, sys.argv[3])
+import torch  # the fake  # noqa: E402
+
+import gpubroker  # noqa: E402
+import gpubroker.torch as gt  # noqa: E402
+
+out = {}
+session = gpubroker.connect(sys.argv[1], sys.argv[2]).session("torch-plumbing")
+assert gt.install(session, segment_size=8 << 20, wait=0.3) is session
+assert gt.install() is session, "idempotent"
+out["installed"] = gt.installed()
+out["calls"] = [c[0] for c in torch.calls]
+pool = [c for c in torch.calls if c[0] == "pool"][0][1]
+out["routed"] = ("begin", 0, pool) in torch.calls
+allocator = [c for c in torch.calls if c[0] == "allocator"][0]
+out["hooks"] = allocator[2:]
+
+# The hook: on the host backend the lease cannot be mapped as CUDA memory, so the
+# allocation fails after the broker granted (and took back) the lease; the reason is kept.
+alloc = ctypes.CDLL(gpubroker._native.__file__).gpubroker_torch_alloc
+alloc.restype = ctypes.c_void_p
+alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+out["ptr"] = alloc(2 << 20, 0, None)
+stats = gt.memory_stats()
+out["stats"] = {k: stats[k] for k in ("allocs", "ooms", "broker_acquires", "waits", "segments", "leased_bytes")}
+# The OOM observer PyTorch would call raises torch.OutOfMemoryError with the reason.
+observer = torch._observers[0]
+try:
+    observer(0, 2 << 20, 0, 0)
+    out["oom"] = None
+except torch.OutOfMemoryError as e:
+    out["oom"] = str(e)
+observer(0, 1, 0, 0)  # nothing new: PyTorch's own error stands (no exception here)
+
+# Refusals.
+from multiprocessing.reduction import ForkingPickler  # noqa: E402
+
+try:
+    ForkingPickler.dumps(torch.Tensor(is_cuda=True))
+    out["mp"] = "pickled"
+except RuntimeError as e:
+    out["mp"] = str(e)
+try:
+    torch.cuda.CUDAGraph().capture_begin()
+    out["graph"] = "captured"
+except RuntimeError as e:
+    out["graph"] = str(e)
+
+# empty_cache: a fresh pool routed before the old one stops; PyTorch's cache emptied.
+torch.calls.clear()
+out["released"] = gt.empty_cache()
+out["empty_calls"] = [c[0] for c in torch.calls]
+print("RESULT " + json.dumps(out))
