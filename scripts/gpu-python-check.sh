@@ -44,8 +44,8 @@ run() {
     local wheel; wheel=$(ls "$OUT"/gpubroker-*.whl | head -n1)
     python3 -m zipfile -e "$wheel" "$dir/py"
     export PYTHONPATH="$dir/py${PYTHONPATH:+:$PYTHONPATH}"
-    local check=(python3 "$OUT/gpu_python_check.py")
-    [[ -f scripts/gpu_python_check.py ]] && check=(python3 scripts/gpu_python_check.py)
+    local check=(python3 scripts/gpu_python_check.py)
+    [[ -f $OUT/gpu_python_check.py ]] && check=(python3 "$OUT/gpu_python_check.py")
     nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
     python3 -c 'import torch, cupy, gpubroker; print("torch", torch.__version__, "cupy", cupy.__version__, "gpubroker", gpubroker.__version__)'
 

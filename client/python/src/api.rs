@@ -394,8 +394,8 @@ impl PyLease {
         }
     }
 
-    /// Maps the lease as host memory through the client crate (`Lease::map`: shared
-    /// memory today, memfd leases once the broker sends them) on first use.
+    /// Maps the lease as host memory through the client crate (`Lease::map_unbound`: a
+    /// memfd fd lease or a legacy shared-memory file) on first use.
     fn host_ptr(&self, core: &LeaseCore) -> PyResult<u64> {
         let mut host = core.host.lock();
         if host.is_none() {
@@ -403,7 +403,7 @@ impl PyLease {
             let Some(lease) = lease.as_ref() else {
                 return Err(errors::local("FailedPrecondition", "lease released"));
             };
-            let mapping = match lease.map() {
+            let mapping = match lease.map_unbound() {
                 Ok(m) => m,
                 Err(gpu_broker_client::ClientError::NotMappable) => {
                     return Err(errors::local(
@@ -417,11 +417,8 @@ impl PyLease {
                 }
                 Err(e) => return Err(errors::to_py(e)),
             };
-            // SAFETY: the mapping borrows the lease only to keep it from being released
-            // while mapped; it holds no reference into it. The core keeps both, drops the
-            // mapping first (field order; `unmap` before the lease is taken for release),
-            // so the lease outlives the mapping as the borrow demands.
-            let mapping: HostMapping<'static> = unsafe { std::mem::transmute(mapping) };
+            // The core keeps both and drops the mapping first (field order; `unmap` before
+            // the lease is taken for release), as `map_unbound` requires.
             *host = Some(mapping);
         }
         Ok(host.as_ref().map_or(0, |m| m.as_ptr() as u64))
@@ -429,11 +426,15 @@ impl PyLease {
 
     /// `"host"` when the lease maps as host memory, `"device"` when it is CUDA memory.
     fn kind_of(&self, core: &LeaseCore) -> &'static str {
-        match self.info.handle.kind() {
-            "host_shm" => "host",
-            "cuda_ipc" => "device",
-            _ if self.host_ptr(core).is_ok() => "host",
-            _ => "device",
+        let mappable = core
+            .lease
+            .lock()
+            .as_ref()
+            .is_some_and(|l| l.is_host_mappable());
+        if mappable || core.host.lock().is_some() {
+            "host"
+        } else {
+            "device"
         }
     }
 }
