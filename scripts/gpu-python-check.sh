@@ -50,7 +50,7 @@ run() {
     python3 -c 'import torch, cupy, gpubroker; print("torch", torch.__version__, "cupy", cupy.__version__, "gpubroker", gpubroker.__version__)'
 
     echo "=== 2. training loop, PyTorch's own allocator (no broker yet) ==="
-    "${check[@]}" train --mode native || echo "STEP FAILED: native training"
+    "${check[@]}" train --mode native --steps 200 || echo "STEP FAILED: native training"
 
     # A card with 16 GiB leasable: the rest is headroom, so the second tenant can find it full.
     "$OUT/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
@@ -73,7 +73,7 @@ run() {
     GPU_BROKER_TOKEN=$train "${check[@]}" roundtrip || echo "STEP FAILED: round trip"
 
     echo "=== 3. training loop under gpubroker.torch.install() ==="
-    GPU_BROKER_TOKEN=$train "${check[@]}" train --mode broker || echo "STEP FAILED: broker training"
+    GPU_BROKER_TOKEN=$train "${check[@]}" train --mode broker --steps 200 || echo "STEP FAILED: broker training"
 
     echo "=== 4. training again while a second tenant wants more than is left ==="
     GPU_BROKER_TOKEN=$train "${check[@]}" train --mode broker --steps 50 \
@@ -103,7 +103,7 @@ print(max(0, d["leasable_bytes"] - d["leased_bytes"] - d.get("reserved_bytes", 0
     trap - EXIT
     grep -c "OUT_OF_MEMORY" "$dir/broker.log" && echo "CUDA OOM in the broker log" || true
     echo "=== 2b. PyTorch's own allocator again (brackets step 3 against clock drift) ==="
-    "${check[@]}" train --mode native || echo "STEP FAILED: native training (again)"
+    "${check[@]}" train --mode native --steps 200 || echo "STEP FAILED: native training (again)"
     grep -E "WARN|ERROR" "$dir/broker.log" | tail -20 || true
     echo "=== done in $((SECONDS - t0)) s ==="
 }

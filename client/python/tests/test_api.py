@@ -395,6 +395,8 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
     assert out["oom"] and "gpubroker" in out["oom"] and "FAILED_PRECONDITION" in out["oom"], out["oom"]
     assert "torch.multiprocessing" in out["mp"]
     assert "CUDA graph" in out["graph"]
-    assert out["empty_calls"][:4] == ["pool", "begin", "end", "release"], out["empty_calls"]
-    assert "pool_deleted" in out["empty_calls"] and "torch_empty_cache" in out["empty_calls"]
+    # A fresh pool; the routing pauses while the old pool is destroyed and PyTorch's cache
+    # emptied (PyTorch asserts no routing is active then), and resumes on the new pool.
+    assert out["empty_calls"] == [
+        "pool", "end", "release", "pool_deleted", "torch_empty_cache", "begin"], out["empty_calls"]
     assert out["released"] == 0

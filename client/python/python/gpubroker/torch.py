@@ -29,6 +29,7 @@ Not supported (refused with a clear error): CUDA graph capture (``torch.cuda.gra
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import warnings
@@ -153,7 +154,23 @@ def install(
             _attach_oom_reason(torch)
         _refuse_unsupported(torch)
         _state = _State(session, allocator, pools)
+        atexit.register(_stop_routing)
         return session
+
+
+def _stop_routing() -> None:
+    """At exit: PyTorch destroys its pools, which it may do only while no routing is
+    active (it asserts otherwise), so the routing ends first."""
+    state = _state
+    if state is None:
+        return
+    import torch
+
+    for d, pool in state.pools.items():
+        try:
+            torch._C._cuda_endAllocateToPool(d, pool.id)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def _new_pool(torch: Any, allocator: Any) -> Any:
@@ -234,17 +251,22 @@ def empty_cache() -> int:
     import torch
 
     with _lock:
-        for d, old in list(state.pools.items()):
-            # A fresh pool takes over (routed before the old one stops, so no allocation
-            # slips out); the old one becomes freeable and PyTorch returns its free blocks.
+        old_pools = dict(state.pools)
+        for d in old_pools:
+            # PyTorch empties a pool (MemPool's destructor does) only while no pool routing
+            # is active on the device (it asserts otherwise), so the routing pauses here:
+            # allocations other threads make meanwhile go to PyTorch's default pool.
             with torch.cuda.device(d):
-                new = _new_pool(torch, state.allocator)
-            torch._C._cuda_beginAllocateToPool(d, new.id)
-            torch._C._cuda_endAllocateToPool(d, old.id)
-            torch._C._cuda_releasePool(d, old.id)
-            state.pools[d] = new
-            del old
-        torch.cuda.empty_cache()
+                state.pools[d] = _new_pool(torch, state.allocator)
+            torch._C._cuda_endAllocateToPool(d, old_pools[d].id)
+            torch._C._cuda_releasePool(d, old_pools[d].id)
+        try:
+            # The old pools become freeable: their cached free blocks go back to the hook.
+            old_pools.clear()
+            torch.cuda.empty_cache()
+        finally:
+            for d, pool in state.pools.items():
+                torch._C._cuda_beginAllocateToPool(d, pool.id)
     return int(_native._torch_empty_cache())
 
 
