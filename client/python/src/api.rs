@@ -856,6 +856,16 @@ pub fn event_to_py(py: Python<'_>, event: &SessionEvent) -> PyResult<Py<PyAny>> 
             kw.set_item("reason", reason)?;
             "TurnRevoked"
         }
+        SessionEvent::DeviceUnhealthy {
+            device,
+            uuid,
+            reason,
+        } => {
+            kw.set_item("device", device)?;
+            kw.set_item("uuid", uuid)?;
+            kw.set_item("reason", reason)?;
+            "DeviceUnhealthy"
+        }
         SessionEvent::Disconnected { session_id, reason } => {
             kw.set_item("session_id", session_id)?;
             kw.set_item("reason", reason)?;

@@ -400,3 +400,20 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
     assert out["empty_calls"] == [
         "pool", "end", "release", "pool_deleted", "torch_empty_cache", "begin"], out["empty_calls"]
     assert out["released"] == 0
+
+
+def test_device_unhealthy_event(broker):
+    b = gpubroker.connect(broker.address, broker.tenant("t"))
+    with b.session("w") as s:
+        stream = s.events()
+        lease = s.lease(2 * MIB)
+        broker.ctl("mark-unhealthy", "0", "--reason", "test fault")
+        got = None
+        deadline = time.time() + 10
+        while time.time() < deadline and not isinstance(got, ev.DeviceUnhealthy):
+            got = stream.next(timeout=1)
+        assert isinstance(got, ev.DeviceUnhealthy), got
+        assert got.device == 0 and "test fault" in got.reason and got.uuid
+        with pytest.raises(gpubroker.BrokerError):
+            s.lease(2 * MIB)
+        lease.release()

@@ -1,7 +1,7 @@
 """Session events, as :meth:`gpubroker.Session.events` yields them.
 
 The broker pushes :class:`ReclaimRequested`, :class:`LeaseRevoked`, :class:`ShuttingDown`,
-:class:`YieldRequested` and :class:`TurnRevoked`; the client adds :class:`Disconnected` and
+:class:`YieldRequested`, :class:`TurnRevoked` and :class:`DeviceUnhealthy`; the client adds :class:`Disconnected` and
 :class:`Reconnected` (sessions opened with ``reconnect=True``) and ends every stream with
 :class:`Closed`. Times are seconds since the Unix epoch (``time.time()`` scale).
 """
@@ -19,6 +19,7 @@ __all__ = [
     "ShuttingDown",
     "YieldRequested",
     "TurnRevoked",
+    "DeviceUnhealthy",
     "Disconnected",
     "Reconnected",
     "Closed",
@@ -76,6 +77,16 @@ class TurnRevoked(Event):
 
     turn_id: str
     device: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeviceUnhealthy(Event):
+    """A device this session holds memory on was found unhealthy (or marked so by an
+    operator): it takes no new leases; move work elsewhere."""
+
+    device: int
+    uuid: str
     reason: str
 
 
