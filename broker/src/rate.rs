@@ -73,7 +73,10 @@ impl RateLimiter {
             Ok(())
         } else {
             let missing = 1.0 - bucket.tokens;
-            Err(Duration::from_secs_f64(missing / self.cfg.rate).max(Duration::from_millis(1)))
+            // A very low rate gives a wait too long for a Duration: the longest one then.
+            let wait =
+                Duration::try_from_secs_f64(missing / self.cfg.rate).unwrap_or(Duration::MAX);
+            Err(wait.max(Duration::from_millis(1)))
         }
     }
 
@@ -124,6 +127,21 @@ mod tests {
         assert_eq!(s.code(), tonic::Code::ResourceExhausted);
         assert!(s.message().contains("retry in"), "{}", s.message());
         assert!(s.metadata().get("grpc-retry-pushback-ms").is_some());
+    }
+
+    #[test]
+    fn a_tiny_rate_refuses_without_panicking() {
+        // --tenant-rpc-rate accepts any finite value from 0: the wait may not fit a Duration.
+        let l = RateLimiter::new(RateConfig {
+            rate: 1e-300,
+            burst: 1.0,
+        });
+        let t = Instant::now();
+        l.take("a", t).unwrap();
+        let wait = l.take("a", t).unwrap_err();
+        assert!(wait > Duration::from_secs(86400 * 365));
+        let s = l.refusal("a", wait);
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted);
     }
 
     #[test]
