@@ -300,7 +300,14 @@ impl Authenticator {
 
     /// Drops every token of `tenant`.
     pub fn remove_tenant(&self, tenant: &str) {
-        self.tokens.retain(|_, e| e.tenant != tenant);
+        let last_used = &self.last_used;
+        self.tokens.retain(|h, e| {
+            let keep = e.tenant != tenant;
+            if !keep {
+                last_used.remove(h);
+            }
+            keep
+        });
     }
 
     /// Tokens (of one tenant, or all), sorted by tenant then id.
@@ -400,6 +407,17 @@ mod tests {
         r.metadata_mut()
             .insert("authorization", format!("Bearer {token}").parse().unwrap());
         r
+    }
+
+    #[test]
+    fn deleting_a_tenant_forgets_when_its_tokens_were_used() {
+        let (a, tok) = auth_with_tenant();
+        a.authenticate(&tok).unwrap();
+        let h = hash_token(&tok);
+        assert!(a.last_used(&h).is_some());
+        a.remove_tenant("t1");
+        assert!(a.authenticate(&tok).is_err());
+        assert_eq!(a.last_used(&h), None);
     }
 
     fn auth_with_tenant() -> (Arc<Authenticator>, String) {
