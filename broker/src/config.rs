@@ -104,6 +104,22 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_LISTEN")]
     pub listen: Option<SocketAddr>,
 
+    /// TLS certificate chain (PEM) served on `--listen`.
+    #[arg(long, env = "GPU_BROKER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// Private key (PEM) of `--tls-cert`.
+    #[arg(long, env = "GPU_BROKER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// Require client certificates on `--listen`, signed by this CA (PEM).
+    #[arg(long, env = "GPU_BROKER_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Serve `--listen` as plain HTTP/2 without TLS (tokens cross the network readable).
+    #[arg(long, env = "GPU_BROKER_INSECURE_TCP", conflicts_with = "tls_cert")]
+    pub insecure_tcp: bool,
+
     /// Device backend.
     #[arg(long, env = "GPU_BROKER_BACKEND", value_enum, default_value = "auto")]
     pub backend: BackendChoice,

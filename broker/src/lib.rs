@@ -36,4 +36,5 @@ pub mod status_page;
 pub mod store;
 pub mod tenants_config;
 pub mod tickets;
+pub mod tls;
 pub mod units;

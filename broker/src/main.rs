@@ -49,6 +49,27 @@ fn init_logging(json: bool) {
 }
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
+    // The TCP listener's TLS first: a missing or bad certificate fails before anything
+    // else is opened.
+    let mut tcp_tls = None;
+    if let Some(addr) = cfg.listen {
+        match gpu_broker::tls::tcp_security(
+            cfg.tls_cert.as_deref(),
+            cfg.tls_key.as_deref(),
+            cfg.tls_client_ca.as_deref(),
+            cfg.insecure_tcp,
+            cfg.limits.handshake_timeout,
+        )? {
+            gpu_broker::tls::TcpSecurity::Tls { config, mtls } => {
+                tracing::info!(%addr, client_certificates = mtls, "TLS on the TCP listener");
+                tcp_tls = Some(config);
+            }
+            gpu_broker::tls::TcpSecurity::Insecure => tracing::warn!(
+                %addr,
+                "--insecure-tcp: the TCP listener is plain HTTP/2, tokens cross the network readable; use --tls-cert/--tls-key"
+            ),
+        }
+    }
     let nofile = gpu_broker::listener::raise_nofile_limit();
     tracing::info!(nofile, "descriptor limit");
     let store = Store::open(&cfg.state_dir)
@@ -176,6 +197,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         Listeners {
             unix: Some(unix),
             tcp,
+            tcp_tls,
             limits: cfg.limits.limits(),
         },
         shutdown,

@@ -61,6 +61,8 @@ pub async fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
 pub struct Listeners {
     pub unix: Option<UnixListener>,
     pub tcp: Option<TcpListener>,
+    /// TLS of the TCP listener (`crate::tls`); None: plain HTTP/2 (`--insecure-tcp`).
+    pub tcp_tls: Option<tonic::transport::ServerTlsConfig>,
     /// Connection caps, handshake deadline, stream limits (`crate::listener`).
     pub limits: crate::listener::Limits,
 }
@@ -103,7 +105,7 @@ pub async fn serve(
         crate::gate::GateLayer::new(arb.authenticator().clone()).with_rate_limit(arb.config().rate);
     let conns = crate::listener::ConnTracker::new(listeners.limits.clone());
     tracing::info!(limits = ?conns.limits(), "connection limits");
-    let router = tonic::transport::Server::builder()
+    let builder = tonic::transport::Server::builder()
         // Every request gets a span named by its method; the services add tenant,
         // session and lease ids to it.
         .trace_fn(|req| tracing::info_span!("rpc", method = %req.uri().path()))
@@ -114,11 +116,21 @@ pub async fn serve(
         // Connection and stream limits (listener.rs): calls per connection, and open calls
         // to the services that need no token.
         .max_concurrent_streams(listeners.limits.max_streams_per_connection)
-        .layer(crate::listener::UnauthStreamsLayer::new(&conns))
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(broker)
-        .add_service(admin);
+        .layer(crate::listener::UnauthStreamsLayer::new(&conns));
+    // The TCP listener gets the same server with TLS (tonic handshakes each admitted
+    // connection, so the connection limits still apply first).
+    let tcp_builder = match listeners.tcp_tls {
+        Some(tls) => builder.clone().tls_config(tls)?,
+        None => builder.clone(),
+    };
+    let routes = |mut b: tonic::transport::Server<_>| {
+        b.add_service(health.clone())
+            .add_service(reflection.clone())
+            .add_service(broker.clone())
+            .add_service(admin.clone())
+    };
+    let router = routes(builder);
+    let tcp_router = routes(tcp_builder);
 
     let bg_stop = CancellationToken::new();
     arb.spawn_background(bg_stop.clone());
@@ -172,7 +184,7 @@ pub async fn serve(
         });
     }
     if let Some(l) = listeners.tcp {
-        let r = router.clone();
+        let r = tcp_router;
         let s = stop_serving.clone();
         let c = conns.clone();
         tasks.spawn(async move {

@@ -41,6 +41,16 @@ impl AdminClient {
         AdminClient::from_channel(channel, admin_token)
     }
 
+    /// [`AdminClient::connect`] with explicit TLS options (CA file, client certificate).
+    pub async fn connect_with(
+        uri: &str,
+        admin_token: impl Into<String>,
+        opts: &connect::ConnectOptions,
+    ) -> Result<AdminClient, ClientError> {
+        let channel = connect::connect_channel_with(uri, opts).await?;
+        AdminClient::from_channel(channel, admin_token)
+    }
+
     /// Uses an existing channel (custom transports, tests).
     pub fn from_channel(
         channel: Channel,

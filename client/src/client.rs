@@ -24,8 +24,19 @@ pub struct Client {
 impl Client {
     /// Connects now to `uri` (`unix:///path/broker.sock` or `http://host:port`); every
     /// request carries `authorization: Bearer <token>`.
+    /// `https://` addresses use the TLS options of the environment
+    /// ([`connect::ConnectOptions::from_env`]).
     pub async fn connect(uri: &str, token: impl Into<String>) -> Result<Client, ClientError> {
-        let channel = connect::connect_channel(uri).await?;
+        Client::connect_with(uri, token, &connect::ConnectOptions::from_env()).await
+    }
+
+    /// [`Client::connect`] with explicit TLS options (CA file, client certificate).
+    pub async fn connect_with(
+        uri: &str,
+        token: impl Into<String>,
+        opts: &connect::ConnectOptions,
+    ) -> Result<Client, ClientError> {
+        let channel = connect::connect_channel_with(uri, opts).await?;
         let c = Client::from_channel(channel, token)?.dialled(uri);
         if let Some(w) = crate::info::version_warning(&c.broker_info().await) {
             tracing::warn!("{w}");

@@ -2,15 +2,17 @@
 //! request with `authorization: Bearer <token>`. Accepted URIs are
 //! `unix:///path/to/broker.sock` (tonic 0.14 dials Unix sockets natively), a bare
 //! absolute path (taken as a Unix socket), `http://host:port`, and `host:port`
-//! (taken as `http://`). TLS is not built in: the broker listens on a local socket
-//! or a trusted network. Channels reconnect on their own after a broken connection.
+//! (taken as `http://`), and `https://host:port` (TLS, rustls: the broker's certificate
+//! must be signed by the CA of [`ConnectOptions::ca_file`]; with a client certificate for
+//! brokers that require one). Channels reconnect on their own after a broken connection.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Interceptor;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 use crate::error::ClientError;
 
@@ -83,17 +85,12 @@ fn normalize(uri: &str) -> Result<String, ClientError> {
         }
         return Ok(uri.to_string());
     }
-    if uri.starts_with("https://") {
-        return Err(ClientError::InvalidArgument(format!(
-            "broker address {uri:?}: TLS is not supported, use http:// or unix://"
-        )));
-    }
-    if uri.starts_with("http://") {
+    if uri.starts_with("http://") || uri.starts_with("https://") {
         return Ok(uri.to_string());
     }
     if uri.contains("://") {
         return Err(ClientError::InvalidArgument(format!(
-            "broker address {uri:?}: scheme must be unix:// or http://"
+            "broker address {uri:?}: scheme must be unix://, http:// or https://"
         )));
     }
     Ok(format!("http://{uri}"))
@@ -107,21 +104,103 @@ pub fn unix_path(uri: &str) -> Option<std::path::PathBuf> {
         .map(std::path::PathBuf::from)
 }
 
-/// The tonic endpoint for a broker address (see the module docs for accepted forms).
+/// How to reach a broker over TLS (`https://` addresses; other schemes ignore it).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConnectOptions {
+    /// PEM file of the CA that signed the broker's certificate (required for `https://`).
+    pub ca_file: Option<PathBuf>,
+    /// PEM certificate this client presents (brokers started with `--tls-client-ca`).
+    pub client_cert: Option<PathBuf>,
+    /// PEM private key of `client_cert`.
+    pub client_key: Option<PathBuf>,
+}
+
+impl ConnectOptions {
+    /// From `GPU_BROKER_CA_FILE`, `GPU_BROKER_CLIENT_CERT` and `GPU_BROKER_CLIENT_KEY`
+    /// (unset or empty: none). [`connect_channel`] and `Client::connect` use these.
+    pub fn from_env() -> ConnectOptions {
+        let var = |name: &str| {
+            std::env::var_os(name)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
+        ConnectOptions {
+            ca_file: var("GPU_BROKER_CA_FILE"),
+            client_cert: var("GPU_BROKER_CLIENT_CERT"),
+            client_key: var("GPU_BROKER_CLIENT_KEY"),
+        }
+    }
+
+    /// The rustls settings of these options.
+    fn tls(&self, uri: &str) -> Result<ClientTlsConfig, ClientError> {
+        let read = |what: &str, path: &Path| {
+            std::fs::read(path).map_err(|e| {
+                ClientError::InvalidArgument(format!(
+                    "reading the TLS {what} {}: {e}",
+                    path.display()
+                ))
+            })
+        };
+        let ca = self.ca_file.as_deref().ok_or_else(|| {
+            ClientError::InvalidArgument(format!(
+                "broker address {uri:?} is https://: give the CA file that signed the broker's \
+                 certificate (--ca-file or GPU_BROKER_CA_FILE)"
+            ))
+        })?;
+        let mut tls =
+            ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read("CA file", ca)?));
+        match (&self.client_cert, &self.client_key) {
+            (Some(cert), Some(key)) => {
+                tls = tls.identity(Identity::from_pem(
+                    read("client certificate", cert)?,
+                    read("client key", key)?,
+                ));
+            }
+            (None, None) => {}
+            _ => {
+                return Err(ClientError::InvalidArgument(
+                    "a client certificate needs both its certificate and its key file".into(),
+                ))
+            }
+        }
+        Ok(tls)
+    }
+}
+
+/// The tonic endpoint for a broker address (see the module docs for accepted forms), with
+/// the TLS options of [`ConnectOptions::from_env`].
 pub fn endpoint(uri: &str) -> Result<Endpoint, ClientError> {
+    endpoint_with(uri, &ConnectOptions::from_env())
+}
+
+/// The tonic endpoint for a broker address, `https://` ones with the TLS of `opts`.
+pub fn endpoint_with(uri: &str, opts: &ConnectOptions) -> Result<Endpoint, ClientError> {
     let normalized = normalize(uri)?;
-    let endpoint = Endpoint::from_shared(normalized).map_err(|e| {
+    let tls = normalized.starts_with("https://");
+    let bad = |e: &tonic::transport::Error| {
         ClientError::InvalidArgument(format!(
             "bad broker address {uri:?}: {}",
-            crate::error::error_chain(&e)
+            crate::error::error_chain(e)
         ))
-    })?;
+    };
+    let mut endpoint = Endpoint::from_shared(normalized).map_err(|e| bad(&e))?;
+    if tls {
+        endpoint = endpoint.tls_config(opts.tls(uri)?).map_err(|e| bad(&e))?;
+    }
     Ok(endpoint.connect_timeout(CONNECT_TIMEOUT))
 }
 
 /// Dials the broker now; fails with `Transport` when nothing answers.
 pub async fn connect_channel(uri: &str) -> Result<Channel, ClientError> {
-    let channel = endpoint(uri)?.connect().await.map_err(|e| {
+    connect_channel_with(uri, &ConnectOptions::from_env()).await
+}
+
+/// [`connect_channel`] with explicit TLS options.
+pub async fn connect_channel_with(
+    uri: &str,
+    opts: &ConnectOptions,
+) -> Result<Channel, ClientError> {
+    let channel = endpoint_with(uri, opts)?.connect().await.map_err(|e| {
         // The top-level error only says "transport error"; the cause is in its sources.
         let cause = std::error::Error::source(&e)
             .map(crate::error::error_chain)
@@ -158,7 +237,8 @@ mod tests {
         assert_eq!(ok("/tmp/b.sock"), "unix:///tmp/b.sock");
         assert_eq!(ok("http://127.0.0.1:7070"), "http://127.0.0.1:7070");
         assert_eq!(ok("localhost:7070"), "http://localhost:7070");
-        for bad in ["", "unix://", "https://x:1", "ftp://x"] {
+        assert_eq!(ok("https://broker:7070"), "https://broker:7070");
+        for bad in ["", "unix://", "ftp://x"] {
             assert!(
                 matches!(normalize(bad), Err(ClientError::InvalidArgument(_))),
                 "{bad:?} should be refused"
@@ -180,6 +260,17 @@ mod tests {
         assert!(endpoint("unix:///tmp/x.sock").is_ok());
         assert!(endpoint("http://127.0.0.1:1").is_ok());
         assert!(endpoint("http://[bad").is_err());
+        let none = ConnectOptions::default();
+        let e = endpoint_with("https://127.0.0.1:1", &none).unwrap_err();
+        assert!(e.to_string().contains("--ca-file"), "{e}");
+        let half = ConnectOptions {
+            ca_file: Some("/nonexistent/ca.pem".into()),
+            ..none
+        };
+        assert!(matches!(
+            endpoint_with("https://127.0.0.1:1", &half),
+            Err(ClientError::InvalidArgument(_))
+        ));
     }
 
     #[tokio::test]

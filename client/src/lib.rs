@@ -88,6 +88,7 @@ pub use gpu_broker_proto as proto;
 pub use admin::AdminClient;
 pub use audit::{AuditEntry, AuditFilter};
 pub use client::Client;
+pub use connect::ConnectOptions;
 pub use device::DeviceInfo;
 pub use drain::{DeviceDrain, DrainStatus};
 pub use error::{ClientError, Code};

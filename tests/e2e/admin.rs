@@ -346,7 +346,7 @@ async fn revoked_lease_event_reaches_an_in_process_session() {
 }
 
 /// The TCP address the broker logged (`serving on TCP addr=...`).
-fn tcp_addr(log: &str) -> Option<String> {
+pub(crate) fn tcp_addr(log: &str) -> Option<String> {
     // Strip ANSI colour sequences, then find the field.
     let mut plain = String::with_capacity(log.len());
     let mut chars = log.chars();
@@ -369,7 +369,11 @@ fn tcp_addr(log: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_sessions_have_no_pid_and_get_no_fd_leases() {
     let b = Broker::start_with(BrokerOpts {
-        extra: vec!["--listen".into(), "127.0.0.1:0".into()],
+        extra: vec![
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--insecure-tcp".into(),
+        ],
         ..Default::default()
     })
     .unwrap();

@@ -23,6 +23,7 @@ mod scrub;
 mod shutdown;
 mod smoke;
 mod status_page;
+mod tls;
 mod trust;
 mod turns;
 mod waiting;

@@ -32,7 +32,7 @@ mod ctl;
     about = "Operate a gpu-broker: tenants, quotas, tokens, leases, sessions, devices"
 )]
 struct Cli {
-    /// Broker address: unix:///path/to/broker.sock or http://host:port.
+    /// Broker address: unix:///path/to/broker.sock, http://host:port or https://host:port.
     #[arg(
         long,
         global = true,
@@ -41,6 +41,35 @@ struct Cli {
         default_value = "unix:///run/gpu-broker/broker.sock"
     )]
     broker: String,
+
+    /// CA (PEM) that signed the broker's certificate, for https:// addresses.
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        env = "GPU_BROKER_CA_FILE"
+    )]
+    ca_file: Option<PathBuf>,
+
+    /// Client certificate (PEM) for brokers that require one (mutual TLS).
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        env = "GPU_BROKER_CLIENT_CERT",
+        requires = "client_key"
+    )]
+    client_cert: Option<PathBuf>,
+
+    /// Private key (PEM) of --client-cert.
+    #[arg(
+        long,
+        global = true,
+        help_heading = "Global options",
+        env = "GPU_BROKER_CLIENT_KEY",
+        requires = "client_cert"
+    )]
+    client_key: Option<PathBuf>,
 
     /// File holding the admin token.
     #[arg(
@@ -349,7 +378,12 @@ fn read_token_file(path: &Path) -> Result<String> {
 
 async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
     let token = admin_token(&cli, matches)?;
-    let admin = AdminClient::connect(&cli.broker, token).await?;
+    let tls = gpu_broker_client::ConnectOptions {
+        ca_file: cli.ca_file.clone(),
+        client_cert: cli.client_cert.clone(),
+        client_key: cli.client_key.clone(),
+    };
+    let admin = AdminClient::connect_with(&cli.broker, token, &tls).await?;
     // An older broker may not know what this CLI asks: say so once, on stderr.
     let info = admin.broker_info().await;
     if let Some(w) = gpu_broker_client::version_warning(&info) {
