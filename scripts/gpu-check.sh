@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU machine's check of the CUDA backend, end to end (issue 3).
+# The GPU machine's check of the CUDA backend, end to end.
 #
 #   scripts/gpu-check.sh build   # here (Rust, no GPU): release binaries into .gpu/check
 #   scripts/gpu-check.sh run [STEPS]  # on the GPU machine (no Rust): runs the steps below

@@ -205,7 +205,7 @@ pub async fn run(common: &Common, a: &LatencyArgs) -> Result<()> {
             if call == "acquire" && !a.fresh && !a.cross_tenant {
                 let ok = p50 < 100.0 && p99 < 500.0;
                 verdicts.push(format!(
-                    "target (issue 2) pooled acquire p50 < 100 us and p99 < 500 us, {}: p50 {} us, p99 {} us -> {}",
+                    "target: pooled acquire p50 < 100 us and p99 < 500 us, {}: p50 {} us, p99 {} us -> {}",
                     bytes(size),
                     us(p50),
                     us(p99),

@@ -1,4 +1,4 @@
-//! `oversub` (issue 4): contention without OOM. Three priority levels (0, 1, 2), each with
+//! `oversub`: contention without OOM. Three priority levels (0, 1, 2), each with
 //! its tenants, a guarantee and a limit of the whole device; workers of every level ask
 //! for random sizes whose sum is `oversubscription` times the leasable memory, wait in
 //! the queue up to `--wait`, mark a fraction of their leases reclaimable, hold each lease
@@ -466,7 +466,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
         }),
     );
     println!(
-        "target (issue 4) >= 90% utilization while requests wait: {:.1}% (mean over {} samples with requests waiting) -> {}\n",
+        "target: >= 90% utilization while requests wait: {:.1}% (mean over {} samples with requests waiting) -> {}\n",
         100.0 * util_waiting,
         waiting.len(),
         if waiting.is_empty() {

@@ -228,11 +228,11 @@ pub async fn run(common: &Common, a: &ResidentArgs) -> Result<()> {
         .filter_map(|m| m.held.map(|x| x.rss as f64))
         .collect();
     if held.is_empty() {
-        println!("target (issue 2) broker RSS < 100 MiB with 10,000 live leases: broker pid unknown (pass --broker-pid)\n");
+        println!("target: broker RSS < 100 MiB with 10,000 live leases: broker pid unknown (pass --broker-pid)\n");
     } else {
         let rss = median(&held);
         println!(
-            "target (issue 2) broker RSS < 100 MiB with 10,000 live leases: {} with {} -> {}\n",
+            "target: broker RSS < 100 MiB with 10,000 live leases: {} with {} -> {}\n",
             bytes(rss as u64),
             count(u64::from(a.leases)),
             if a.leases < 10_000 {

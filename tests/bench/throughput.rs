@@ -289,7 +289,7 @@ pub async fn run(common: &Common, a: &ThroughputArgs) -> Result<()> {
         }),
     );
     println!(
-        "target (issue 2) 32 workers >= 10,000 acquire+release pairs/s: {} pairs/s with {} workers -> {}\n",
+        "target: 32 workers >= 10,000 acquire+release pairs/s: {} pairs/s with {} workers -> {}\n",
         count(rate.round() as u64),
         a.workers,
         if rate >= 10_000.0 && a.workers >= 32 {
