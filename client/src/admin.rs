@@ -123,16 +123,8 @@ impl AdminClient {
 
     /// Every tenant with quota and usage (all pages).
     pub async fn list_tenants(&self) -> Result<Vec<TenantInfo>, ClientError> {
-        let mut all = Vec::new();
-        let mut token = String::new();
-        loop {
-            let (page, next) = self.list_tenants_page(0, &token).await?;
-            all.extend(page);
-            match next {
-                Some(t) => token = t,
-                None => return Ok(all),
-            }
-        }
+        crate::paging::all_pages(|token| async move { self.list_tenants_page(0, &token).await })
+            .await
     }
 
     /// One page of tenants: `page_size` 0 is the broker's default; `page_token` empty for
@@ -305,16 +297,10 @@ impl AdminClient {
         &self,
         tenant: Option<&str>,
     ) -> Result<Vec<LeaseInfo>, ClientError> {
-        let mut all = Vec::new();
-        let mut token = String::new();
-        loop {
-            let (page, next) = self.list_all_leases_page(tenant, 0, &token).await?;
-            all.extend(page);
-            match next {
-                Some(t) => token = t,
-                None => return Ok(all),
-            }
-        }
+        crate::paging::all_pages(|token| async move {
+            self.list_all_leases_page(tenant, 0, &token).await
+        })
+        .await
     }
 
     /// One page of leases (see [`AdminClient::list_tenants_page`] for the paging).
@@ -364,16 +350,10 @@ impl AdminClient {
         &self,
         tenant: Option<&str>,
     ) -> Result<Vec<SessionInfo>, ClientError> {
-        let mut all = Vec::new();
-        let mut token = String::new();
-        loop {
-            let (page, next) = self.list_sessions_page(tenant, 0, &token).await?;
-            all.extend(page);
-            match next {
-                Some(t) => token = t,
-                None => return Ok(all),
-            }
-        }
+        crate::paging::all_pages(
+            |token| async move { self.list_sessions_page(tenant, 0, &token).await },
+        )
+        .await
     }
 
     /// One page of sessions (see [`AdminClient::list_tenants_page`] for the paging).

@@ -121,16 +121,8 @@ impl Client {
 
     /// Every lease of the caller's tenant (all pages, in the order they were granted).
     pub async fn list_leases(&self) -> Result<Vec<LeaseInfo>, ClientError> {
-        let mut all = Vec::new();
-        let mut token = String::new();
-        loop {
-            let (page, next) = self.list_leases_page(0, &token).await?;
-            all.extend(page);
-            match next {
-                Some(t) => token = t,
-                None => return Ok(all),
-            }
-        }
+        crate::paging::all_pages(|token| async move { self.list_leases_page(0, &token).await })
+            .await
     }
 
     /// One page of the caller's leases: `page_size` 0 is the broker's default;

@@ -73,6 +73,7 @@ pub mod fd;
 pub mod info;
 pub mod lease;
 pub mod mapping;
+mod paging;
 pub mod quarantine;
 pub mod reconnect;
 pub mod session;
