@@ -13,9 +13,9 @@ use crate::connect::{self, AuthChannel};
 use crate::device::DeviceInfo;
 use crate::drain::DrainStatus;
 use crate::error::ClientError;
-use crate::lease::LeaseInfo;
+use crate::lease_info::LeaseInfo;
 use crate::quarantine::QuarantinedBlock;
-use crate::session::SessionInfo;
+use crate::session_info::SessionInfo;
 use crate::tenant::{QuotaChange, QuotaPatch, QuotaSpec, TenantInfo};
 use crate::token::{IssuedToken, TokenInfo, TokenOptions};
 

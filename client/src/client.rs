@@ -1,6 +1,8 @@
 //! The worker-facing client: a connection to the broker's `Broker` service carrying a
 //! tenant token. Cheap to clone (clones share one HTTP/2 connection). Open a
-//! [`Session`] to acquire leases; usage and lease listings need no session.
+//! [`Session`](crate::Session) to acquire leases (`Client::session`, defined with the
+//! session so that this module does not depend on it); usage and lease listings need no
+//! session.
 
 use tonic::transport::Channel;
 
@@ -9,8 +11,7 @@ use pb::broker_client::BrokerClient;
 
 use crate::connect::{self, AuthChannel};
 use crate::error::ClientError;
-use crate::lease::LeaseInfo;
-use crate::session::{Session, SessionBuilder};
+use crate::lease_info::LeaseInfo;
 use crate::tenant::Usage;
 
 /// A connection to the broker authenticated with a tenant token.
@@ -99,18 +100,6 @@ impl Client {
             broker: BrokerClient::new(connect::authenticated(channel, &token)?),
             dialled: None,
         })
-    }
-
-    /// Opens a session named `name` (shown to operators), without reconnection: when
-    /// the broker loses it, it ends with [`crate::SessionEvent::Closed`].
-    pub async fn session(&self, name: impl Into<String>) -> Result<Session, ClientError> {
-        Session::open(self.clone(), name.into()).await
-    }
-
-    /// A session named `name` to configure before opening, e.g. with automatic
-    /// reconnection: `client.session_builder("w").reconnect(Backoff::default()).await`.
-    pub fn session_builder(&self, name: impl Into<String>) -> SessionBuilder {
-        SessionBuilder::new(self.clone(), name.into())
     }
 
     /// The tenant's quota and live usage.

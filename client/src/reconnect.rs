@@ -8,7 +8,8 @@
 //! session (the broker does not keep leases across sessions or restarts). A permanent
 //! refusal (`UNAUTHENTICATED`, `PERMISSION_DENIED`, `NOT_FOUND`: token revoked, tenant
 //! deleted; `INVALID_ARGUMENT`) or the optional give-up limit ends it with
-//! [`SessionEvent::Closed`].
+//! [`SessionEvent::Closed`]. The supervisor is a loop over one state enum (`Link`:
+//! connected, reconnecting, closed); the stream itself is read by the pump (`pump.rs`).
 //!
 //! [`SessionEvent::Disconnected`]: crate::SessionEvent::Disconnected
 //! [`SessionEvent::Reconnected`]: crate::SessionEvent::Reconnected
@@ -22,10 +23,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use gpu_broker_proto::v1 as pb;
+
 use crate::client::Client;
 use crate::error::{ClientError, Code};
-use crate::events::{self, EventHub, SessionEvent};
-use crate::session::{self, Shared};
+use crate::events::{EventHub, SessionEvent};
+use crate::generation::Generations;
+use crate::handshake::open_stream;
+use crate::pump;
 
 /// Shortest delay between two attempts, whatever the settings (no busy loop).
 const MIN_DELAY: Duration = Duration::from_millis(1);
@@ -164,104 +169,167 @@ pub fn is_permanent(err: &ClientError) -> bool {
     )
 }
 
-/// The session's background task: pumps the current stream; without a policy, closes
+/// Where a session's background task is: the reconnect supervisor's state.
+enum Link {
+    /// Pumping the stream of the current broker session.
+    Connected(tonic::Streaming<pb::SessionEvent>),
+    /// The broker session was lost; re-opening one (one attempt per step).
+    Reconnecting(Lost),
+    /// Over for good: `Closed` goes out with this reason.
+    Closed(Option<String>),
+}
+
+/// A lost broker session being replaced.
+struct Lost {
+    /// Its session id (for `Reconnected`).
+    session_id: String,
+    /// Ids of the leases that died with it.
+    lost_leases: Vec<String>,
+    /// When it was lost (for the give-up limit).
+    since: Instant,
+    policy: ReconnectPolicy,
+}
+
+/// The session's background task: without a policy, pumps the stream once and closes
 /// the hub when it ends; with one, reconnects until closed, aborted, refused for good
-/// or out of time.
-pub(crate) async fn supervise(
-    mut stream: tonic::Streaming<gpu_broker_proto::v1::SessionEvent>,
+/// or out of time. Moves between the [`Link`] states and nothing else.
+struct Supervisor {
     hub: Arc<EventHub>,
     client: Client,
     name: String,
-    shared: Arc<Shared>,
+    generations: Arc<Generations>,
+    policy: Option<ReconnectPolicy>,
+    /// Consecutive failed attempts; reset once a connection stayed up for
+    /// `backoff.max`, so a broker that accepts sessions and drops them at once is not
+    /// hammered.
+    attempt: u32,
+}
+
+/// Runs a session's background task on the stream of its first broker session.
+pub(crate) async fn supervise(
+    stream: tonic::Streaming<pb::SessionEvent>,
+    hub: Arc<EventHub>,
+    client: Client,
+    name: String,
+    generations: Arc<Generations>,
     policy: Option<ReconnectPolicy>,
 ) {
-    // Consecutive failed attempts; reset once a connection stayed up for `backoff.max`,
-    // so a broker that accepts sessions and drops them at once is not hammered.
-    let mut attempt: u32 = 0;
+    let mut supervisor = Supervisor {
+        hub,
+        client,
+        name,
+        generations,
+        policy,
+        attempt: 0,
+    };
+    let mut link = Link::Connected(stream);
     loop {
-        let (id, keepalive) = shared.current_id_and_keepalive();
+        link = match link {
+            Link::Connected(stream) => supervisor.connected(stream).await,
+            Link::Reconnecting(lost) => supervisor.reconnecting(lost).await,
+            Link::Closed(reason) => {
+                supervisor.hub.close(reason);
+                return;
+            }
+        };
+    }
+}
+
+impl Supervisor {
+    /// Pumps `stream` until it ends; then closes, or starts reconnecting.
+    async fn connected(&mut self, mut stream: tonic::Streaming<pb::SessionEvent>) -> Link {
+        let current = self.generations.current();
+        let id = current.id();
         let connected_at = Instant::now();
-        let end = events::pump(
+        let end = pump::pump(
             &mut stream,
-            &hub,
-            &client,
-            &id,
-            keepalive.map(|t| t / 3),
-            policy.is_some(),
-            policy.and_then(|p| p.idle_timeout),
+            &self.hub,
+            &self.client,
+            id,
+            current.opened().keepalive_timeout.map(|t| t / 3),
+            self.policy.is_some(),
+            self.policy.and_then(|p| p.idle_timeout),
         )
         .await;
         // Dropping the stream ends the session on the broker if it still has it.
         drop(stream);
-        let Some(policy) = policy else {
+        let Some(policy) = self.policy else {
             tracing::debug!(session_id = id, ?end, "session stream ended");
-            hub.close(end.closed_reason());
-            return;
+            return Link::Closed(end.closed_reason());
         };
         let reason = end.to_string();
-        let lost_leases = shared.disconnect();
+        let lost_leases = self.generations.disconnect();
         tracing::warn!(
             session_id = id,
             reason,
             lost_leases = lost_leases.len(),
             "session lost; reconnecting"
         );
-        hub.publish(SessionEvent::Disconnected {
-            session_id: id.clone(),
+        self.hub.publish(SessionEvent::Disconnected {
+            session_id: id.to_string(),
             reason,
         });
         if connected_at.elapsed() >= policy.backoff.max {
-            attempt = 0;
+            self.attempt = 0;
         }
-        let started = Instant::now();
-        stream = loop {
-            let delay = policy.backoff.jittered(attempt);
-            attempt = attempt.saturating_add(1);
-            if let Some(limit) = policy.give_up_after {
-                if started.elapsed() + delay > limit {
-                    hub.close(Some(format!(
-                        "gave up reconnecting session {name:?} after {:?} ({attempt} attempts)",
-                        started.elapsed()
-                    )));
-                    return;
-                }
+        Link::Reconnecting(Lost {
+            session_id: id.to_string(),
+            lost_leases,
+            since: Instant::now(),
+            policy,
+        })
+    }
+
+    /// One re-open attempt after its backoff delay: connected, still reconnecting, or
+    /// closed (refused for good, or the give-up limit would pass before it).
+    async fn reconnecting(&mut self, lost: Lost) -> Link {
+        let policy = lost.policy;
+        let name = &self.name;
+        let delay = policy.backoff.jittered(self.attempt);
+        self.attempt = self.attempt.saturating_add(1);
+        let attempt = self.attempt;
+        if let Some(limit) = policy.give_up_after {
+            if lost.since.elapsed() + delay > limit {
+                return Link::Closed(Some(format!(
+                    "gave up reconnecting session {name:?} after {:?} ({attempt} attempts)",
+                    lost.since.elapsed()
+                )));
             }
-            tokio::time::sleep(delay).await;
-            let opened =
-                tokio::time::timeout(ATTEMPT_TIMEOUT, session::open_stream(&client, &name))
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(ClientError::Unavailable(format!(
-                            "no `opened` event within {ATTEMPT_TIMEOUT:?}"
-                        )))
-                    });
-            match opened {
-                Ok((stream, opened)) => {
-                    let new_id = opened.id.clone();
-                    shared.connected(opened);
-                    tracing::info!(
-                        old_session_id = id,
-                        new_session_id = new_id,
-                        attempt,
-                        "session re-opened"
-                    );
-                    hub.publish(SessionEvent::Reconnected {
-                        old_session_id: id,
-                        new_session_id: new_id,
-                        lost_leases,
-                    });
-                    break stream;
-                }
-                Err(e) if is_permanent(&e) => {
-                    tracing::warn!(session = name, error = %e, "reconnect refused for good");
-                    hub.close(Some(format!("cannot re-open session {name:?}: {e}")));
-                    return;
-                }
-                Err(e) => {
-                    tracing::debug!(session = name, attempt, error = %e, "reconnect attempt failed");
-                }
+        }
+        tokio::time::sleep(delay).await;
+        let opened = tokio::time::timeout(ATTEMPT_TIMEOUT, open_stream(&self.client, name))
+            .await
+            .unwrap_or_else(|_| {
+                Err(ClientError::Unavailable(format!(
+                    "no `opened` event within {ATTEMPT_TIMEOUT:?}"
+                )))
+            });
+        match opened {
+            Ok((stream, opened)) => {
+                let new_id = opened.id.clone();
+                self.generations.connected(opened);
+                tracing::info!(
+                    old_session_id = lost.session_id,
+                    new_session_id = new_id,
+                    attempt,
+                    "session re-opened"
+                );
+                self.hub.publish(SessionEvent::Reconnected {
+                    old_session_id: lost.session_id,
+                    new_session_id: new_id,
+                    lost_leases: lost.lost_leases,
+                });
+                Link::Connected(stream)
             }
-        };
+            Err(e) if is_permanent(&e) => {
+                tracing::warn!(session = name, error = %e, "reconnect refused for good");
+                Link::Closed(Some(format!("cannot re-open session {name:?}: {e}")))
+            }
+            Err(e) => {
+                tracing::debug!(session = name, attempt, error = %e, "reconnect attempt failed");
+                Link::Reconnecting(lost)
+            }
+        }
     }
 }
 

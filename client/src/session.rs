@@ -1,10 +1,15 @@
-//! Sessions: a worker's connection to the broker. [`Session`] opens the `OpenSession`
-//! stream, reads its first event (`opened`: id, tenant, keepalive timeout, peer pid)
-//! and hands the rest of the stream to a background task (see [`crate::events`]).
-//! Leases are acquired through a session and keep it alive; when the last clone of the
-//! session (and the last lease) is dropped, or [`Session::close`] is called, the task
-//! is aborted, the stream ends, and the broker ends the session and takes back every
-//! lease it still held. [`SessionInfo`] is the admin service's record of a session.
+//! Sessions: a worker's connection to the broker. This module is the handle
+//! ([`Session`]) and its builder ([`SessionBuilder`], reached through
+//! [`Client::session`] and [`Client::session_builder`]). Opening one runs the handshake
+//! (`handshake.rs`: `OpenSession` and its `opened` event) and hands the stream to the
+//! session's background task, the reconnect supervisor (`reconnect.rs`), which runs the
+//! stream pump (`pump.rs`) and publishes to the session's events ([`crate::events`]);
+//! which broker session is current, and the leases held on it, live in
+//! `generation.rs`. Leases ([`crate::lease`]) and compute turns ([`crate::turn`]) are
+//! requested through a session and keep it alive; when the last clone of the session
+//! (and the last lease) is dropped, or [`Session::close`] is called, the task is
+//! aborted, the stream ends, and the broker ends the session and takes back every
+//! lease it still held.
 //!
 //! **Reconnection is opt-in** ([`SessionBuilder::reconnect`]): a session the broker
 //! loses (restart, crash, shutdown, broken connection) takes all its leases with it, so
@@ -12,29 +17,24 @@
 //! needs) should ask for it. Without it, such a session ends with
 //! [`SessionEvent::Closed`], as [`Client::session`] always did. With it, the session
 //! object stays usable across broker restarts: [`Session::id`] follows the current
-//! broker session, and [`Lease`]s of a lost session are dead (see
-//! [`crate::reconnect`]).
+//! broker session, and leases of a lost session are dead (see [`crate::reconnect`]).
 
 use std::fmt;
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use parking_lot::Mutex;
-use serde::Serialize;
 use tokio::runtime::Handle;
 use tokio::task::{AbortHandle, JoinHandle, JoinSet};
-
-use gpu_broker_proto::v1 as pb;
-use pb::session_event::Event;
 
 use crate::client::Client;
 use crate::error::ClientError;
 use crate::events::{EventHub, ReclaimRequest, SessionEvent, SessionEvents};
-use crate::lease::{Lease, LeaseInfo, LeaseRequest};
+use crate::generation::Generations;
+use crate::handshake::open_stream;
+use crate::lease_info::LeaseInfo;
 use crate::reconnect::{self, Backoff, ReconnectPolicy, DEFAULT_IDLE_TIMEOUT};
 use crate::tenant::Usage;
 
@@ -49,7 +49,7 @@ struct SessionInner {
     name: String,
     client: Client,
     hub: Arc<EventHub>,
-    shared: Arc<Shared>,
+    generations: Arc<Generations>,
     reconnect: Option<ReconnectPolicy>,
     task: AbortHandle,
     runtime: Handle,
@@ -70,225 +70,6 @@ impl fmt::Debug for Session {
             .field("name", &self.inner.name)
             .field("reconnect", &self.inner.reconnect.map(|p| p.backoff))
             .finish_non_exhaustive()
-    }
-}
-
-/// What one `opened` event said: one broker session behind a [`Session`].
-#[derive(Debug)]
-pub(crate) struct Opened {
-    pub(crate) id: String,
-    tenant: String,
-    broker_version: String,
-    keepalive_timeout: Option<Duration>,
-    peer_pid: u32,
-}
-
-/// Opens one `OpenSession` stream and reads its `opened` event.
-pub(crate) async fn open_stream(
-    client: &Client,
-    name: &str,
-) -> Result<(tonic::Streaming<pb::SessionEvent>, Opened), ClientError> {
-    let mut stream = client
-        .raw()
-        .open_session(pb::OpenSessionRequest {
-            name: name.to_string(),
-        })
-        .await?
-        .into_inner();
-    let opened = loop {
-        match stream.message().await? {
-            None => {
-                return Err(ClientError::Protocol(
-                    "session stream ended before its `opened` event".into(),
-                ))
-            }
-            Some(pb::SessionEvent {
-                event: Some(Event::Opened(opened)),
-            }) => break opened,
-            Some(pb::SessionEvent {
-                event: Some(Event::Heartbeat(_)),
-            }) => continue,
-            Some(other) => {
-                return Err(ClientError::Protocol(format!(
-                    "first session event is {other:?}, expected `opened`"
-                )))
-            }
-        }
-    };
-    if opened.session_id.is_empty() {
-        return Err(ClientError::Protocol(
-            "`opened` event carries no session id".into(),
-        ));
-    }
-    tracing::debug!(
-        session_id = opened.session_id,
-        tenant = opened.tenant,
-        "session opened"
-    );
-    let opened = Opened {
-        keepalive_timeout: (opened.keepalive_timeout_ms > 0)
-            .then(|| Duration::from_millis(opened.keepalive_timeout_ms)),
-        id: opened.session_id,
-        tenant: opened.tenant,
-        broker_version: opened.broker_version,
-        peer_pid: opened.peer_pid,
-    };
-    Ok((stream, opened))
-}
-
-/// State shared by a session's clones, its leases and its background task: every
-/// broker session it has had (append-only, so `&str` accessors stay valid), which one
-/// is current, whether it is connected, and the leases held on it.
-pub(crate) struct Shared {
-    generations: AppendOnly<Opened>,
-    live: Mutex<Live>,
-}
-
-struct Live {
-    /// Index of the current generation in `generations`.
-    current: usize,
-    /// False between losing a session and re-opening one.
-    connected: bool,
-    /// Ids of the leases of the current generation held through `Lease` objects.
-    leases: Vec<String>,
-}
-
-impl Shared {
-    fn new(first: Opened) -> Arc<Shared> {
-        let generations = AppendOnly::new();
-        let current = generations.push(first);
-        Arc::new(Shared {
-            generations,
-            live: Mutex::new(Live {
-                current,
-                connected: true,
-                leases: Vec::new(),
-            }),
-        })
-    }
-
-    fn current(&self) -> &Opened {
-        let index = self.live.lock().current;
-        self.generation(index)
-    }
-
-    fn generation(&self, index: usize) -> &Opened {
-        match self.generations.get(index) {
-            Some(g) => g,
-            // Indexes only come from `push`, and entries are never removed.
-            None => unreachable!("session generation {index} missing"),
-        }
-    }
-
-    pub(crate) fn current_id_and_keepalive(&self) -> (String, Option<Duration>) {
-        let g = self.current();
-        (g.id.clone(), g.keepalive_timeout)
-    }
-
-    /// The current generation, its session id, and whether it is connected.
-    pub(crate) fn snapshot(&self) -> (usize, &str, bool) {
-        let (index, connected) = {
-            let live = self.live.lock();
-            (live.current, live.connected)
-        };
-        (index, &self.generation(index).id, connected)
-    }
-
-    /// The session id of a generation.
-    pub(crate) fn id_of(&self, generation: usize) -> &str {
-        &self.generation(generation).id
-    }
-
-    /// Records a lease acquired on `generation`; false (nothing recorded) when that
-    /// session is no longer the live one.
-    pub(crate) fn track(&self, generation: usize, lease_id: &str) -> bool {
-        let mut live = self.live.lock();
-        if live.current != generation || !live.connected {
-            return false;
-        }
-        live.leases.push(lease_id.to_string());
-        true
-    }
-
-    /// Forgets a lease of `generation` (released, detached or dropped); true when that
-    /// session is still the live one, i.e. the lease may still exist on the broker.
-    pub(crate) fn untrack(&self, generation: usize, lease_id: &str) -> bool {
-        let mut live = self.live.lock();
-        if live.current != generation || !live.connected {
-            return false;
-        }
-        if let Some(pos) = live.leases.iter().position(|l| l == lease_id) {
-            live.leases.remove(pos);
-        }
-        true
-    }
-
-    /// Whether a lease of `generation` may still exist on the broker.
-    pub(crate) fn is_live(&self, generation: usize) -> bool {
-        let live = self.live.lock();
-        live.current == generation && live.connected
-    }
-
-    /// The current session is lost: returns the ids of its leases.
-    pub(crate) fn disconnect(&self) -> Vec<String> {
-        let mut live = self.live.lock();
-        live.connected = false;
-        std::mem::take(&mut live.leases)
-    }
-
-    /// A new session replaces the lost one.
-    pub(crate) fn connected(&self, opened: Opened) {
-        let index = self.generations.push(opened);
-        let mut live = self.live.lock();
-        live.current = index;
-        live.connected = true;
-        live.leases.clear();
-    }
-}
-
-/// An append-only list whose entries never move, so `&T` lives as long as the list.
-/// Entries sit in segments of doubling size (1, 2, 4, ...), allocated on demand.
-struct AppendOnly<T> {
-    segments: [OnceLock<Box<[OnceLock<T>]>>; SEGMENTS],
-    len: AtomicUsize,
-    push: Mutex<()>,
-}
-
-const SEGMENTS: usize = usize::BITS as usize;
-
-impl<T> AppendOnly<T> {
-    fn new() -> Self {
-        AppendOnly {
-            segments: std::array::from_fn(|_| OnceLock::new()),
-            len: AtomicUsize::new(0),
-            push: Mutex::new(()),
-        }
-    }
-
-    /// (segment, offset) of entry `index`: segment `s` holds entries `2^s - 1 ..`.
-    fn locate(index: usize) -> (usize, usize) {
-        let n = index + 1;
-        let segment = (usize::BITS - 1 - n.leading_zeros()) as usize;
-        (segment, n - (1 << segment))
-    }
-
-    fn push(&self, value: T) -> usize {
-        let _one_writer = self.push.lock();
-        let index = self.len.load(Ordering::Acquire);
-        let (segment, offset) = Self::locate(index);
-        let slots = self.segments[segment]
-            .get_or_init(|| (0..1usize << segment).map(|_| OnceLock::new()).collect());
-        let _ = slots[offset].set(value);
-        self.len.store(index + 1, Ordering::Release);
-        index
-    }
-
-    fn get(&self, index: usize) -> Option<&T> {
-        if index >= self.len.load(Ordering::Acquire) {
-            return None;
-        }
-        let (segment, offset) = Self::locate(index);
-        self.segments[segment].get()?.get(offset)?.get()
     }
 }
 
@@ -359,11 +140,6 @@ impl IntoFuture for SessionBuilder {
 }
 
 impl Session {
-    /// Opens a session named `name` without reconnection (see [`Client::session`]).
-    pub(crate) async fn open(client: Client, name: String) -> Result<Session, ClientError> {
-        Session::open_with(client, name, None).await
-    }
-
     async fn open_with(
         client: Client,
         name: String,
@@ -373,13 +149,13 @@ impl Session {
             .map_err(|_| ClientError::Transport("no tokio runtime to run the session on".into()))?;
         let (stream, opened) = open_stream(&client, &name).await?;
         let hub = EventHub::new();
-        let shared = Shared::new(opened);
+        let generations = Generations::new(opened);
         let task = runtime.spawn(reconnect::supervise(
             stream,
             hub.clone(),
             client.clone(),
             name.clone(),
-            shared.clone(),
+            generations.clone(),
             reconnect,
         ));
         Ok(Session {
@@ -387,7 +163,7 @@ impl Session {
                 name,
                 client,
                 hub,
-                shared,
+                generations,
                 reconnect,
                 task: task.abort_handle(),
                 runtime,
@@ -396,14 +172,15 @@ impl Session {
     }
 
     /// Session id assigned by the broker. With reconnection, the id of the current
-    /// broker session (it changes on [`SessionEvent::Reconnected`]).
-    pub fn id(&self) -> &str {
-        &self.inner.shared.current().id
+    /// broker session (it changes on [`SessionEvent::Reconnected`]); an id returned
+    /// earlier is the caller's and keeps its value.
+    pub fn id(&self) -> String {
+        self.inner.generations.current().id().to_string()
     }
 
     /// Tenant the token belongs to.
-    pub fn tenant(&self) -> &str {
-        &self.inner.shared.current().tenant
+    pub fn tenant(&self) -> String {
+        self.inner.generations.current().opened().tenant.clone()
     }
 
     /// Name given at open time.
@@ -412,19 +189,24 @@ impl Session {
     }
 
     /// Version string the broker reported (the current broker, with reconnection).
-    pub fn broker_version(&self) -> &str {
-        &self.inner.shared.current().broker_version
+    pub fn broker_version(&self) -> String {
+        self.inner
+            .generations
+            .current()
+            .opened()
+            .broker_version
+            .clone()
     }
 
     /// How long the broker keeps a quiet session (None: no timeout). Keepalives are sent
     /// automatically every third of it.
     pub fn keepalive_timeout(&self) -> Option<Duration> {
-        self.inner.shared.current().keepalive_timeout
+        self.inner.generations.current().opened().keepalive_timeout
     }
 
     /// This process's pid as the broker saw it on the Unix socket (0 over TCP).
     pub fn peer_pid(&self) -> u32 {
-        self.inner.shared.current().peer_pid
+        self.inner.generations.current().opened().peer_pid
     }
 
     /// The client this session was opened with.
@@ -440,7 +222,7 @@ impl Session {
     /// False while a reconnecting session is between losing its broker session and
     /// re-opening one (and once closed).
     pub fn is_connected(&self) -> bool {
-        !self.is_closed() && self.inner.shared.snapshot().2
+        !self.is_closed() && self.inner.generations.snapshot().1
     }
 
     /// Events from the broker, ending with [`SessionEvent::Closed`]. The first call also
@@ -465,7 +247,7 @@ impl Session {
     /// Runs `handler` for every [`SessionEvent::ReclaimRequested`] from now on, each
     /// call on its own task (a slow handler does not hold up the next request). The
     /// handler is expected to stop using the lease, close its mappings and
-    /// [`Lease::release`] it before [`ReclaimRequest::deadline`]; an `Err` it returns is
+    /// [`Lease::release`](crate::Lease::release) it before [`ReclaimRequest::deadline`]; an `Err` it returns is
     /// logged. The returned task ends once the session is closed and every handler call
     /// has finished. Across reconnections the handler stays registered.
     ///
@@ -520,28 +302,12 @@ impl Session {
 
     /// Ends the session now, for every clone: the stream is dropped (or reconnecting
     /// stops), subscribers get `Closed`, and the broker takes back the session's leases
-    /// (dropping a [`Lease`] afterwards only logs the failed release).
+    /// (dropping a [`crate::Lease`] afterwards only logs the failed release).
     pub fn close(&self) {
         self.inner.task.abort();
         self.inner
             .hub
             .close(Some("session closed by the client".into()));
-    }
-
-    /// Acquires `bytes` with default options (any device, no wait, device memory only).
-    pub async fn lease(&self, bytes: u64) -> Result<Lease, ClientError> {
-        self.lease_request(bytes).send().await
-    }
-
-    /// A lease request to refine: `.device(1).wait(d).label("kv").reclaimable(true)
-    /// .fallback_host(true).send().await`.
-    pub fn lease_request(&self, bytes: u64) -> LeaseRequest<'_> {
-        LeaseRequest::new(self, bytes)
-    }
-
-    /// A compute-turn request on `device`: `.wait(d).await` gives a [`crate::Turn`].
-    pub fn turn(&self, device: u32) -> crate::turn::TurnRequest<'_> {
-        crate::turn::TurnRequest::new(self, device)
     }
 
     /// Every lease of this session's tenant (`ListLeases`).
@@ -556,13 +322,13 @@ impl Session {
 
     /// Sends one `Keepalive` now (the background task already sends them on schedule).
     pub async fn keepalive(&self) -> Result<(), ClientError> {
-        let id = self.id().to_string();
+        let id = self.id();
         self.inner.client.keepalive(&id).await
     }
 
-    /// State shared with leases and the background task.
-    pub(crate) fn shared(&self) -> &Shared {
-        &self.inner.shared
+    /// Which broker session is current, and the leases held on it.
+    pub(crate) fn generations(&self) -> &Generations {
+        &self.inner.generations
     }
 
     /// Runs `future` on the runtime the session was opened on.
@@ -574,116 +340,18 @@ impl Session {
     }
 }
 
-/// A session as the admin service reports it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct SessionInfo {
-    /// Session id.
-    pub session_id: String,
-    /// Tenant of the session.
-    pub tenant: String,
-    /// Name the worker gave.
-    pub name: String,
-    /// Peer process id (0 when unknown, e.g. over TCP).
-    pub peer_pid: u32,
-    /// Peer user id (0 when unknown).
-    pub peer_uid: u32,
-    /// When it opened, milliseconds since the Unix epoch.
-    pub opened_unix_ms: i64,
-    /// Live leases of the session.
-    pub lease_count: u32,
-    /// Bytes those leases hold.
-    pub held_bytes: u64,
-    /// `"unix"` or `"tcp"`.
-    pub transport: String,
-    /// GPU memory the peer process uses (NVML; 0 when unknown).
-    pub gpu_used_bytes: u64,
-    /// Of that, memory beyond its leases (own allocations and CUDA context).
-    pub own_alloc_bytes: u64,
-    /// The worker allocates more GPU memory behind the broker's back than allowed.
-    pub over_allowance: bool,
-}
-
-impl From<pb::SessionInfo> for SessionInfo {
-    fn from(s: pb::SessionInfo) -> Self {
-        SessionInfo {
-            session_id: s.session_id,
-            tenant: s.tenant,
-            name: s.name,
-            peer_pid: s.peer_pid,
-            peer_uid: s.peer_uid,
-            opened_unix_ms: s.opened_unix_ms,
-            lease_count: s.lease_count,
-            held_bytes: s.held_bytes,
-            transport: s.transport,
-            gpu_used_bytes: s.gpu_used_bytes,
-            own_alloc_bytes: s.own_alloc_bytes,
-            over_allowance: s.over_allowance,
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn append_only_keeps_references_valid() {
-        let list = AppendOnly::new();
-        assert!(list.get(0).is_none());
-        let first = list.push("s-0".to_string());
-        let kept: &String = list.get(first).unwrap();
-        for i in 1..1000 {
-            assert_eq!(list.push(format!("s-{i}")), i);
-        }
-        assert_eq!(kept, "s-0");
-        for i in [0, 1, 2, 3, 6, 7, 8, 511, 999] {
-            assert_eq!(list.get(i).unwrap(), &format!("s-{i}"));
-        }
-        assert!(list.get(1000).is_none());
-        assert_eq!(AppendOnly::<()>::locate(0), (0, 0));
-        assert_eq!(AppendOnly::<()>::locate(1), (1, 0));
-        assert_eq!(AppendOnly::<()>::locate(2), (1, 1));
-        assert_eq!(AppendOnly::<()>::locate(3), (2, 0));
-        assert_eq!(
-            AppendOnly::<()>::locate(usize::MAX - 1),
-            (63, (1 << 63) - 1)
-        );
+/// Opening sessions is the client's job to the caller; the code lives here so that the
+/// connection (`client.rs`) does not depend on the session built on it.
+impl Client {
+    /// Opens a session named `name` (shown to operators), without reconnection: when
+    /// the broker loses it, it ends with [`SessionEvent::Closed`].
+    pub async fn session(&self, name: impl Into<String>) -> Result<Session, ClientError> {
+        Session::open_with(self.clone(), name.into(), None).await
     }
 
-    fn opened(id: &str) -> Opened {
-        Opened {
-            id: id.into(),
-            tenant: "t".into(),
-            broker_version: "v".into(),
-            keepalive_timeout: None,
-            peer_pid: 1,
-        }
-    }
-
-    #[test]
-    fn leases_die_with_their_generation() {
-        let shared = Shared::new(opened("s-1"));
-        let (g1, id, connected) = shared.snapshot();
-        assert_eq!((id, connected), ("s-1", true));
-        assert!(shared.track(g1, "a"));
-        assert!(shared.track(g1, "b"));
-        assert!(shared.track(g1, "c"));
-        assert!(shared.untrack(g1, "b"));
-        assert!(shared.is_live(g1));
-        assert_eq!(shared.disconnect(), ["a", "c"]);
-        // Between sessions: nothing is live, nothing can be recorded.
-        assert!(!shared.is_live(g1));
-        assert!(!shared.track(g1, "d"));
-        assert!(!shared.untrack(g1, "a"));
-        shared.connected(opened("s-2"));
-        let (g2, id, connected) = shared.snapshot();
-        assert_eq!((id, connected), ("s-2", true));
-        assert_ne!(g1, g2);
-        assert_eq!(shared.id_of(g1), "s-1");
-        assert!(!shared.is_live(g1));
-        assert!(!shared.untrack(g1, "c"));
-        assert!(!shared.track(g1, "e"), "a late reply of the old session");
-        assert!(shared.track(g2, "f"));
-        assert_eq!(shared.disconnect(), ["f"]);
+    /// A session named `name` to configure before opening, e.g. with automatic
+    /// reconnection: `client.session_builder("w").reconnect(Backoff::default()).await`.
+    pub fn session_builder(&self, name: impl Into<String>) -> SessionBuilder {
+        SessionBuilder::new(self.clone(), name.into())
     }
 }

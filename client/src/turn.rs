@@ -4,9 +4,9 @@
 //! [`crate::SessionEvent::YieldRequested`]: a turn held past the quantum while others
 //! wait is taken ([`crate::SessionEvent::TurnRevoked`]) after a grace period.
 
+use crate::client::Client;
 use crate::error::ClientError;
 use crate::session::Session;
-use crate::Client;
 use gpu_broker_proto::v1 as pb;
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
@@ -41,7 +41,7 @@ impl<'s> TurnRequest<'s> {
         let reply = client
             .raw()
             .acquire_turn(pb::AcquireTurnRequest {
-                session_id: self.session.id().to_string(),
+                session_id: self.session.id(),
                 device: self.device,
                 wait_ms: self.wait.map(|w| w.as_millis() as u64),
             })
@@ -54,6 +54,15 @@ impl<'s> TurnRequest<'s> {
             quantum: Duration::from_millis(reply.quantum_ms),
             released: false,
         })
+    }
+}
+
+/// Turns are requested through a session; the code lives here so that the session
+/// handle (`session.rs`) does not depend on turns.
+impl Session {
+    /// A compute-turn request on `device`: `.wait(d).await` gives a [`Turn`].
+    pub fn turn(&self, device: u32) -> TurnRequest<'_> {
+        TurnRequest::new(self, device)
     }
 }
 

@@ -870,11 +870,11 @@ async fn events_reach_subscribers_and_callbacks() {
     );
 
     h.fake.push(
-        session.id(),
+        &session.id(),
         pb::session_event::Event::Heartbeat(pb::Heartbeat { unix_ms: 5 }),
     );
     h.fake.push(
-        session.id(),
+        &session.id(),
         pb::session_event::Event::ReclaimRequested(pb::ReclaimRequested {
             lease_id: lease.id().to_string(),
             bytes: 1 << 20,
@@ -1107,7 +1107,7 @@ async fn reconnecting_session_replaces_a_lost_one_and_old_leases_send_nothing() 
     let session = client.session_builder("w").reconnect(fast()).await.unwrap();
     let mut events = session.events();
     assert_eq!(session.id(), "s-1");
-    let kept_id: &str = session.id();
+    let kept_id: String = session.id();
     let a = session.lease(1 << 20).await.unwrap(); // l-2
     let b = session.lease(1 << 20).await.unwrap(); // l-3
     let c = session.lease(1 << 20).await.unwrap(); // l-4
@@ -1308,7 +1308,7 @@ async fn reclaim_handler_releases_leases() {
         .as_millis() as i64;
     for lease_id in ["l-2", "unknown"] {
         h.fake.push(
-            session.id(),
+            &session.id(),
             pb::session_event::Event::ReclaimRequested(pb::ReclaimRequested {
                 lease_id: lease_id.into(),
                 bytes: 1 << 20,

@@ -167,7 +167,7 @@ async fn brokerctl_drives_a_real_broker() {
 
     // sessions list shows this process's pid.
     let table = ok(&b, &["sessions", "list", "--wide"]).await;
-    let (_, r) = row(&table, s.id());
+    let (_, r) = row(&table, &s.id());
     assert!(r.contains(&std::process::id().to_string()), "{r}");
     assert!(r.contains("cli-session") && r.contains("unix"), "{r}");
     let sessions = json(&b, &["sessions", "list", "--tenant", "team-a"]).await;

@@ -124,7 +124,7 @@ async fn invalid_argument_for_malformed_requests() {
             "bad keepalive id",
         );
     }
-    let mut req = acquire(s.id(), 2 * MIB);
+    let mut req = acquire(&s.id(), 2 * MIB);
     req.fallback = 7;
     status_of(raw.acquire_lease(req).await, ia, "unknown fallback");
 
@@ -350,17 +350,17 @@ async fn not_found_never_leaks_another_tenants_ids() {
         "unknown session",
     );
     let m_foreign = status_of(
-        raw.acquire_lease(acquire(sa.id(), 2 * MIB)).await,
+        raw.acquire_lease(acquire(&sa.id(), 2 * MIB)).await,
         nf,
         "alice's session",
     );
     assert_eq!(
         m_unknown.replace(&unknown_session, "<id>"),
-        m_foreign.replace(sa.id(), "<id>")
+        m_foreign.replace(&sa.id(), "<id>")
     );
     status_of(
         raw.keepalive(pb::KeepaliveRequest {
-            session_id: sa.id().into(),
+            session_id: sa.id(),
         })
         .await,
         nf,

@@ -128,9 +128,9 @@ impl Drop for PySession {
 impl PySession {
     fn new(session: Session) -> Self {
         PySession {
-            id: session.id().to_string(),
+            id: session.id(),
             name: session.name().to_string(),
-            tenant: session.tenant().to_string(),
+            tenant: session.tenant(),
             inner: Mutex::new(Some(session)),
         }
     }
@@ -263,7 +263,7 @@ impl PySession {
     #[getter]
     fn id(&self) -> String {
         match self.inner.lock().as_ref() {
-            Some(s) => s.id().to_string(),
+            Some(s) => s.id(),
             None => self.id.clone(),
         }
     }

@@ -1,0 +1,178 @@
+//! Which broker session a session handle is on. Each broker session it has had is a
+//! [`Generation`] (its `opened` record and a number); [`Generations`] holds the current
+//! one, whether it is connected, and the ids of the leases held on it through `Lease`
+//! objects. A lease keeps an `Arc` of its own generation, so its session id stays
+//! readable after a reconnect replaced it, and asks here whether that generation is
+//! still the live one before it talks to the broker. Shared by the handle's clones, its
+//! leases and the reconnect supervisor; one short lock, never held across an await.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::handshake::Opened;
+
+/// One broker session of a session handle.
+#[derive(Debug)]
+pub(crate) struct Generation {
+    /// 0 for the first broker session, counting up with each re-open.
+    number: u64,
+    opened: Opened,
+}
+
+impl Generation {
+    /// What the broker said when it opened this session.
+    pub(crate) fn opened(&self) -> &Opened {
+        &self.opened
+    }
+
+    /// The broker's session id.
+    pub(crate) fn id(&self) -> &str {
+        &self.opened.id
+    }
+}
+
+/// The current generation, its connection state and its tracked leases.
+pub(crate) struct Generations {
+    live: Mutex<Live>,
+}
+
+struct Live {
+    current: Arc<Generation>,
+    /// False between losing a session and re-opening one.
+    connected: bool,
+    /// Ids of the leases of the current generation held through `Lease` objects, in
+    /// acquisition order.
+    leases: Vec<String>,
+}
+
+impl Live {
+    fn is_live(&self, generation: &Generation) -> bool {
+        self.connected && self.current.number == generation.number
+    }
+}
+
+impl Generations {
+    /// Starts at generation 0, connected.
+    pub(crate) fn new(first: Opened) -> Arc<Generations> {
+        Arc::new(Generations {
+            live: Mutex::new(Live {
+                current: Arc::new(Generation {
+                    number: 0,
+                    opened: first,
+                }),
+                connected: true,
+                leases: Vec::new(),
+            }),
+        })
+    }
+
+    /// The current generation (the last one, while disconnected).
+    pub(crate) fn current(&self) -> Arc<Generation> {
+        self.live.lock().current.clone()
+    }
+
+    /// The current generation and whether it is connected.
+    pub(crate) fn snapshot(&self) -> (Arc<Generation>, bool) {
+        let live = self.live.lock();
+        (live.current.clone(), live.connected)
+    }
+
+    /// Records a lease acquired on `generation`; false (nothing recorded) when that
+    /// session is no longer the live one.
+    pub(crate) fn track(&self, generation: &Generation, lease_id: &str) -> bool {
+        let mut live = self.live.lock();
+        if !live.is_live(generation) {
+            return false;
+        }
+        live.leases.push(lease_id.to_string());
+        true
+    }
+
+    /// Forgets a lease of `generation` (released, detached or dropped); true when that
+    /// session is still the live one, i.e. the lease may still exist on the broker.
+    pub(crate) fn untrack(&self, generation: &Generation, lease_id: &str) -> bool {
+        let mut live = self.live.lock();
+        if !live.is_live(generation) {
+            return false;
+        }
+        if let Some(pos) = live.leases.iter().position(|l| l == lease_id) {
+            live.leases.remove(pos);
+        }
+        true
+    }
+
+    /// Whether a lease of `generation` may still exist on the broker.
+    pub(crate) fn is_live(&self, generation: &Generation) -> bool {
+        self.live.lock().is_live(generation)
+    }
+
+    /// The current session is lost: returns the ids of its leases.
+    pub(crate) fn disconnect(&self) -> Vec<String> {
+        let mut live = self.live.lock();
+        live.connected = false;
+        std::mem::take(&mut live.leases)
+    }
+
+    /// A new broker session replaces the lost one.
+    pub(crate) fn connected(&self, opened: Opened) {
+        let mut live = self.live.lock();
+        let number = live.current.number + 1;
+        live.current = Arc::new(Generation { number, opened });
+        live.connected = true;
+        live.leases.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opened(id: &str) -> Opened {
+        Opened {
+            id: id.into(),
+            tenant: "t".into(),
+            broker_version: "v".into(),
+            keepalive_timeout: None,
+            peer_pid: 1,
+        }
+    }
+
+    #[test]
+    fn leases_die_with_their_generation() {
+        let shared = Generations::new(opened("s-1"));
+        let (g1, connected) = shared.snapshot();
+        assert_eq!((g1.id(), connected), ("s-1", true));
+        assert!(shared.track(&g1, "a"));
+        assert!(shared.track(&g1, "b"));
+        assert!(shared.track(&g1, "c"));
+        assert!(shared.untrack(&g1, "b"));
+        assert!(shared.is_live(&g1));
+        assert_eq!(shared.disconnect(), ["a", "c"]);
+        // Between sessions: nothing is live, nothing can be recorded.
+        assert!(!shared.is_live(&g1));
+        assert!(!shared.track(&g1, "d"));
+        assert!(!shared.untrack(&g1, "a"));
+        shared.connected(opened("s-2"));
+        let (g2, connected) = shared.snapshot();
+        assert_eq!((g2.id(), connected), ("s-2", true));
+        assert_ne!(g1.number, g2.number);
+        assert_eq!(g1.id(), "s-1", "an old generation keeps its id");
+        assert!(!shared.is_live(&g1));
+        assert!(!shared.untrack(&g1, "c"));
+        assert!(!shared.track(&g1, "e"), "a late reply of the old session");
+        assert!(shared.track(&g2, "f"));
+        assert_eq!(shared.disconnect(), ["f"]);
+    }
+
+    #[test]
+    fn a_re_open_with_the_same_id_is_still_a_new_generation() {
+        let shared = Generations::new(opened("s-1"));
+        let g1 = shared.current();
+        assert!(shared.track(&g1, "a"));
+        shared.disconnect();
+        shared.connected(opened("s-1"));
+        assert!(!shared.is_live(&g1));
+        assert!(shared.is_live(&shared.current()));
+    }
+}
