@@ -19,10 +19,12 @@ if ((${#apt_missing[@]})); then
 fi
 
 # kubernetes-validate (PyPI, bundled schemas: validates deploy/kubernetes offline), in a
-# venv under target/.
+# venv under target/. A venv copied from another checkout (its scripts name the old
+# path) does not run: it is made again.
 k8s_venv=target/k8s-venv
-if [[ ! -x $k8s_venv/bin/kubernetes-validate ]]; then
+if ! "$k8s_venv/bin/kubernetes-validate" --help >/dev/null 2>&1; then
     echo "test-deps: pip install kubernetes-validate into $k8s_venv"
+    rm -rf "$k8s_venv"
     python3 -m venv "$k8s_venv"
     "$k8s_venv/bin/pip" install -q kubernetes-validate==1.37.0
 fi
