@@ -99,11 +99,10 @@ impl Availability {
         match device {
             Some(d) => {
                 let s = self.device(d)?;
-                (!s.is_open()).then(|| {
-                    BrokerError::FailedPrecondition(format!(
-                        "device {d} is {}: it takes no new leases; pin another device or wait until it is back",
-                        s.why()
-                    ))
+                (!s.is_open()).then(|| BrokerError::DeviceClosed {
+                    device: d,
+                    unhealthy: s.fault.is_some(),
+                    why: s.why(),
                 })
             }
             None => {
@@ -116,10 +115,9 @@ impl Availability {
                     .enumerate()
                     .map(|(i, s)| format!("device {i} is {}", s.why()))
                     .collect();
-                Some(BrokerError::Unavailable(format!(
-                    "no device on this node takes new leases: {}; retry later or on another node",
-                    why.join("; ")
-                )))
+                Some(BrokerError::NoDeviceOpen {
+                    why: why.join("; "),
+                })
             }
         }
     }
@@ -152,7 +150,8 @@ mod tests {
         a.device_mut(1).unwrap().drain = Some(drain());
         assert!(!a.admits(1) && a.admits(0));
         match a.refusal(Some(1)) {
-            Some(BrokerError::FailedPrecondition(m)) => {
+            Some(e @ BrokerError::DeviceClosed { device: 1, .. }) => {
+                let m = e.to_string();
                 assert!(m.contains("device 1") && m.contains("kernel update"), "{m}")
             }
             other => panic!("{other:?}"),
@@ -164,7 +163,8 @@ mod tests {
             by_operator: false,
         });
         match a.refusal(None) {
-            Some(BrokerError::Unavailable(m)) => {
+            Some(e @ BrokerError::NoDeviceOpen { .. }) => {
+                let m = e.to_string();
                 assert!(m.contains("Xid 79") && m.contains("kernel update"), "{m}")
             }
             other => panic!("{other:?}"),

@@ -687,7 +687,7 @@ mod tests {
         }
         let e = arb.acquire(ask(s, Some(1), 2 * MIB)).await.unwrap_err();
         assert!(
-            matches!(e, BrokerError::FailedPrecondition(ref m) if m.contains("unhealthy")),
+            matches!(e, BrokerError::DeviceClosed { unhealthy: true, ref why, .. } if why.contains("unhealthy")),
             "{e:?}"
         );
         let elsewhere = arb.acquire(ask(s, None, 2 * MIB)).await.unwrap();

@@ -215,7 +215,7 @@ impl Ledger {
     fn get_mut(&mut self, name: &str) -> BrokerResult<&mut Tenant> {
         self.tenants
             .get_mut(name)
-            .ok_or_else(|| BrokerError::NotFound(format!("tenant {name:?} not found")))
+            .ok_or_else(|| BrokerError::tenant_not_found(name))
     }
 
     /// Checks a quota on its own: the guarantee fits in the limit.
@@ -291,18 +291,18 @@ impl Ledger {
         let t = self
             .tenants
             .get(name)
-            .ok_or_else(|| BrokerError::NotFound(format!("tenant {name:?} not found")))?;
+            .ok_or_else(|| BrokerError::tenant_not_found(name))?;
         let u = t.usage;
         if u.committed_bytes() > 0
             || u.lease_count > 0
             || u.host_lease_count > 0
             || u.quarantined_bytes > 0
         {
-            return Err(BrokerError::FailedPrecondition(format!(
-                "tenant {name:?} still holds {} leases ({}); release or revoke them first",
-                u.lease_count + u.host_lease_count,
-                show(u.held_bytes + u.host_held_bytes + u.quarantined_bytes)
-            )));
+            return Err(BrokerError::TenantInUse {
+                tenant: name.to_string(),
+                leases: u64::from(u.lease_count + u.host_lease_count),
+                bytes: u.held_bytes + u.host_held_bytes + u.quarantined_bytes,
+            });
         }
         Ok(())
     }
@@ -312,7 +312,7 @@ impl Ledger {
         let t = self
             .tenants
             .get(name)
-            .ok_or_else(|| BrokerError::NotFound(format!("tenant {name:?} not found")))?;
+            .ok_or_else(|| BrokerError::tenant_not_found(name))?;
         let (u, q) = (&t.usage, &t.quota);
         let (used, limit) = match tier {
             Tier::Device => (u.committed_bytes(), q.limit_bytes),
@@ -321,23 +321,20 @@ impl Ledger {
         // One count for both tiers: `max_leases` bounds what the tenant holds in all.
         let count = u.lease_count + u.reserved_count + u.host_lease_count;
         if used.saturating_add(bytes) > limit {
-            return Err(BrokerError::ResourceExhausted(format!(
-                "quota exceeded for tenant {name:?}: requested {}, holding {} of limit {}{}",
-                show(bytes),
-                show(used),
-                show(limit),
-                if tier == Tier::Host {
-                    " (host fallback)"
-                } else {
-                    ""
-                }
-            )));
+            return Err(BrokerError::QuotaExceeded {
+                tenant: name.to_string(),
+                tier,
+                requested: bytes,
+                held: used,
+                limit,
+            });
         }
         if q.max_leases > 0 && count >= q.max_leases {
-            return Err(BrokerError::ResourceExhausted(format!(
-                "lease count limit reached for tenant {name:?}: {count} of {}",
-                q.max_leases
-            )));
+            return Err(BrokerError::LeaseCountLimit {
+                tenant: name.to_string(),
+                count: u64::from(count),
+                max: u64::from(q.max_leases),
+            });
         }
         Ok(())
     }
@@ -494,7 +491,7 @@ mod tests {
             assert!(
                 matches!(
                     l.check_charge("a", 1, tier),
-                    Err(BrokerError::ResourceExhausted(_))
+                    Err(BrokerError::LeaseCountLimit { .. })
                 ),
                 "{tier:?}: max_leases 2 already reached by one device and one host lease"
             );
@@ -563,7 +560,9 @@ mod tests {
         l.reserve("a", 6).unwrap();
         let err = l.reserve("a", 6).unwrap_err();
         match err {
-            BrokerError::ResourceExhausted(m) => assert!(m.contains("limit"), "{m}"),
+            e @ BrokerError::QuotaExceeded { .. } => {
+                assert!(e.to_string().contains("limit"), "{e}")
+            }
             other => panic!("{other:?}"),
         }
         l.commit("a", 6);
@@ -574,7 +573,7 @@ mod tests {
         l.commit("a", 1);
         assert!(matches!(
             l.reserve("a", 1),
-            Err(BrokerError::ResourceExhausted(_))
+            Err(BrokerError::LeaseCountLimit { .. })
         ));
         l.uncharge("a", 6);
         l.uncharge("a", 1);
@@ -589,7 +588,7 @@ mod tests {
         l.commit("a", 2);
         assert!(matches!(
             l.delete("a"),
-            Err(BrokerError::FailedPrecondition(_))
+            Err(BrokerError::TenantInUse { .. })
         ));
         l.uncharge("a", 2);
         l.delete("a").unwrap();
@@ -607,7 +606,7 @@ mod tests {
         l.add_quarantine("a", 6);
         assert!(matches!(
             l.reserve("a", 6),
-            Err(BrokerError::ResourceExhausted(_))
+            Err(BrokerError::QuotaExceeded { .. })
         ));
         l.remove_quarantine("a", 6);
         l.reserve("a", 6).unwrap();

@@ -583,9 +583,14 @@ where
                         .unauthenticated_refused
                         .fetch_add(1, Ordering::Relaxed);
                     let max = self.layer.max;
-                    let status = tonic::Status::resource_exhausted(format!(
-                        "{max} calls to the unauthenticated services are open, the most allowed (--max-unauthenticated-streams)"
-                    ));
+                    let status = crate::error::status_with_reason(
+                        tonic::Code::ResourceExhausted,
+                        format!(
+                            "{max} calls to the unauthenticated services are open, the most allowed (--max-unauthenticated-streams)"
+                        ),
+                        Some("STREAM_LIMIT"),
+                        vec![("open_streams", max.to_string())],
+                    );
                     let resp = status.into_http::<RB>();
                     return Box::pin(async move { Ok(resp.map(|b| Held::new(b, None))) });
                 }

@@ -304,26 +304,20 @@ pub const REFUSAL_REASONS: [&str; 11] = [
 /// The refusal reason label of an error (one of [`REFUSAL_REASONS`]).
 pub fn refusal_reason(e: &BrokerError) -> &'static str {
     match e {
-        BrokerError::InvalidArgument(_) => "invalid",
-        BrokerError::NotFound(_) => "not_found",
-        BrokerError::Unavailable(_) => "unavailable",
-        BrokerError::DeadlineExceeded(_) => "wait_expired",
-        // A device draining, or a caller that cannot receive what it asked for.
-        BrokerError::FailedPrecondition(_) => "precondition",
-        BrokerError::ResourceExhausted(m) => {
-            if m.contains("quota exceeded") {
-                "quota"
-            } else if m.contains("lease count limit") {
-                "max_leases"
-            } else if m.contains("requests waiting") {
-                "max_waiting"
-            } else if m.contains("exceeds the leasable capacity") {
-                "too_large"
-            } else {
-                "capacity"
-            }
-        }
-        _ => "other",
+        BrokerError::QuotaExceeded { .. } => "quota",
+        BrokerError::LeaseCountLimit { .. } => "max_leases",
+        BrokerError::QueueFull { .. } => "max_waiting",
+        BrokerError::TooLarge { .. } => "too_large",
+        BrokerError::WaitExpired { .. } => "wait_expired",
+        e => match e.code() {
+            tonic::Code::ResourceExhausted => "capacity",
+            tonic::Code::InvalidArgument => "invalid",
+            tonic::Code::NotFound => "not_found",
+            tonic::Code::Unavailable => "unavailable",
+            // A device draining, or a caller that cannot receive what it asked for.
+            tonic::Code::FailedPrecondition => "precondition",
+            _ => "other",
+        },
     }
 }
 
@@ -615,29 +609,67 @@ mod tests {
 
     #[test]
     fn refusals_are_classified() {
+        use crate::error::{DeviceRoom, Queue};
+        let t = || "a".to_string();
         for (e, want) in [
             (
-                BrokerError::ResourceExhausted("quota exceeded for tenant \"a\"".into()),
+                BrokerError::QuotaExceeded {
+                    tenant: t(),
+                    tier: Tier::Device,
+                    requested: 2,
+                    held: 0,
+                    limit: 1,
+                },
                 "quota",
             ),
             (
-                BrokerError::ResourceExhausted("lease count limit reached".into()),
+                BrokerError::LeaseCountLimit {
+                    tenant: t(),
+                    count: 1,
+                    max: 1,
+                },
                 "max_leases",
             ),
             (
-                BrokerError::ResourceExhausted(
-                    "requested 2 GiB exceeds the leasable capacity 1 GiB".into(),
-                ),
+                BrokerError::QueueFull {
+                    tenant: t(),
+                    waiting: 3,
+                    queue: Queue::Lease,
+                },
+                "max_waiting",
+            ),
+            (
+                BrokerError::TooLarge {
+                    requested: 2 << 30,
+                    leasable: 1 << 30,
+                    device: None,
+                },
                 "too_large",
             ),
             (
-                BrokerError::ResourceExhausted("no device has 4 MiB free".into()),
+                BrokerError::NoCapacity {
+                    tenant: t(),
+                    requested: 4 << 20,
+                    devices: vec![DeviceRoom {
+                        device: 0,
+                        free: 0,
+                        leasable: 1 << 30,
+                    }],
+                    guaranteed: 0,
+                    held: 0,
+                    limit: 1 << 30,
+                    waiting: 0,
+                },
                 "capacity",
             ),
             (
-                BrokerError::DeadlineExceeded("waited".into()),
+                BrokerError::WaitExpired {
+                    waited_ms: 1,
+                    cause: Box::new(BrokerError::ShuttingDown),
+                },
                 "wait_expired",
             ),
+            (BrokerError::ShuttingDown, "unavailable"),
             (BrokerError::InvalidArgument("bytes".into()), "invalid"),
         ] {
             assert_eq!(refusal_reason(&e), want, "{e:?}");
@@ -666,7 +698,10 @@ mod tests {
         let m = Metrics::new();
         m.granted(Tier::Device);
         m.acquired::<()>(
-            &Err(BrokerError::DeadlineExceeded("x".into())),
+            &Err(BrokerError::WaitExpired {
+                waited_ms: 3,
+                cause: Box::new(BrokerError::ShuttingDown),
+            }),
             Duration::from_millis(3),
         );
         m.revoked(crate::arbiter::RECLAIM_DEADLINE_MISSED);

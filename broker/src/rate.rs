@@ -83,10 +83,21 @@ impl RateLimiter {
     /// The refusal for a call over the limit.
     pub fn refusal(&self, tenant: &str, wait: Duration) -> tonic::Status {
         let ms = wait.as_millis().max(1);
-        let mut s = tonic::Status::resource_exhausted(format!(
-            "tenant {tenant:?} exceeds its rate limit of {} calls/s (burst {}): retry in {ms} ms",
-            self.cfg.rate, self.cfg.burst
-        ));
+        let mut s = crate::error::status_with_details(
+            tonic::Code::ResourceExhausted,
+            format!(
+                "tenant {tenant:?} exceeds its rate limit of {} calls/s (burst {}): retry in {ms} ms",
+                self.cfg.rate, self.cfg.burst
+            ),
+            Some("RATE_LIMITED"),
+            vec![
+                ("tenant", tenant.to_string()),
+                ("rate_per_second", self.cfg.rate.to_string()),
+                ("burst", self.cfg.burst.to_string()),
+                ("retry_after_ms", ms.to_string()),
+            ],
+            Some(wait),
+        );
         if let Ok(v) = ms.to_string().parse() {
             s.metadata_mut().insert("grpc-retry-pushback-ms", v);
         }
@@ -127,6 +138,12 @@ mod tests {
         assert_eq!(s.code(), tonic::Code::ResourceExhausted);
         assert!(s.message().contains("retry in"), "{}", s.message());
         assert!(s.metadata().get("grpc-retry-pushback-ms").is_some());
+        use tonic_types::StatusExt;
+        let info = s.get_details_error_info().expect("a reason");
+        assert_eq!(info.reason, "RATE_LIMITED");
+        assert_eq!(info.metadata["tenant"], "a");
+        let retry = s.get_details_retry_info().expect("a retry hint");
+        assert_eq!(retry.retry_delay, Some(wait));
     }
 
     #[test]

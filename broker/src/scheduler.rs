@@ -145,10 +145,11 @@ impl Scheduler {
             .filter(|w| w.who.tenant == who.tenant)
             .count();
         if waiting >= max_waiting {
-            return Err(BrokerError::ResourceExhausted(format!(
-                "tenant {:?} already has {waiting} turn requests waiting, the most allowed (--max-waiting-per-tenant)",
-                who.tenant
-            )));
+            return Err(BrokerError::QueueFull {
+                tenant: who.tenant.clone(),
+                waiting,
+                queue: crate::error::Queue::Turn,
+            });
         }
         let n = inner.devices.len();
         if device as usize >= n {
@@ -161,9 +162,7 @@ impl Scheduler {
             .as_ref()
             .is_some_and(|h| h.who.session == who.session)
         {
-            return Err(BrokerError::FailedPrecondition(format!(
-                "this session already holds the turn on device {device}"
-            )));
+            return Err(BrokerError::TurnAlreadyHeld { device });
         }
         let (tx, rx) = oneshot::channel();
         inner.next_waiter += 1;
@@ -209,7 +208,9 @@ impl Scheduler {
                 .is_some_and(|h| h.turn_id == turn_id && h.who.tenant == tenant)
         });
         let Some(device) = found else {
-            return Err(BrokerError::NotFound(format!("turn {turn_id} not found")));
+            return Err(BrokerError::NotFound(crate::error::Missing::Turn(
+                turn_id.to_string(),
+            )));
         };
         let now = Instant::now();
         let end = self.end_turn(&mut inner, device as u32, now);
@@ -412,7 +413,7 @@ mod tests {
             .request_capped(0, w, 3)
             .err()
             .expect("the fourth is refused");
-        assert!(matches!(err, BrokerError::ResourceExhausted(_)), "{err:?}");
+        assert!(matches!(err, BrokerError::QueueFull { .. }), "{err:?}");
         // Another tenant is not affected.
         let (o, _eo) = who("other", 1);
         assert!(s.request_capped(0, o, 3).is_ok());

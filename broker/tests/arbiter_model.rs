@@ -132,10 +132,10 @@ enum Code {
 }
 
 fn code(e: &BrokerError) -> Code {
-    match e {
-        BrokerError::InvalidArgument(_) => Code::InvalidArgument,
-        BrokerError::NotFound(_) => Code::NotFound,
-        BrokerError::ResourceExhausted(_) => Code::ResourceExhausted,
+    match e.code() {
+        tonic::Code::InvalidArgument => Code::InvalidArgument,
+        tonic::Code::NotFound => Code::NotFound,
+        tonic::Code::ResourceExhausted => Code::ResourceExhausted,
         _ => Code::Other,
     }
 }

@@ -185,10 +185,9 @@ impl AdminClient {
     ) -> Result<IssuedToken, ClientError> {
         let ttl_ms = match opts.ttl {
             None => None,
-            Some(d) => Some(
-                u64::try_from(d.as_millis())
-                    .map_err(|_| ClientError::InvalidArgument(format!("ttl {d:?} is too long")))?,
-            ),
+            Some(d) => Some(u64::try_from(d.as_millis()).map_err(|_| {
+                ClientError::InvalidArgument(format!("ttl {d:?} is too long").into())
+            })?),
         };
         let reply = self
             .raw()

@@ -79,9 +79,9 @@ fn normalize(uri: &str) -> Result<String, ClientError> {
         .or_else(|| uri.strip_prefix("unix:"))
     {
         if path.is_empty() {
-            return Err(ClientError::InvalidArgument(format!(
-                "broker address {uri:?} names no socket path"
-            )));
+            return Err(ClientError::InvalidArgument(
+                format!("broker address {uri:?} names no socket path").into(),
+            ));
         }
         return Ok(uri.to_string());
     }
@@ -89,9 +89,9 @@ fn normalize(uri: &str) -> Result<String, ClientError> {
         return Ok(uri.to_string());
     }
     if uri.contains("://") {
-        return Err(ClientError::InvalidArgument(format!(
-            "broker address {uri:?}: scheme must be unix://, http:// or https://"
-        )));
+        return Err(ClientError::InvalidArgument(
+            format!("broker address {uri:?}: scheme must be unix://, http:// or https://").into(),
+        ));
     }
     Ok(format!("http://{uri}"))
 }
@@ -135,17 +135,19 @@ impl ConnectOptions {
     fn tls(&self, uri: &str) -> Result<ClientTlsConfig, ClientError> {
         let read = |what: &str, path: &Path| {
             std::fs::read(path).map_err(|e| {
-                ClientError::InvalidArgument(format!(
-                    "reading the TLS {what} {}: {e}",
-                    path.display()
-                ))
+                ClientError::InvalidArgument(
+                    format!("reading the TLS {what} {}: {e}", path.display()).into(),
+                )
             })
         };
         let ca = self.ca_file.as_deref().ok_or_else(|| {
-            ClientError::InvalidArgument(format!(
+            ClientError::InvalidArgument(
+                format!(
                 "broker address {uri:?} is https://: give the CA file that signed the broker's \
                  certificate (--ca-file or GPU_BROKER_CA_FILE)"
-            ))
+            )
+                .into(),
+            )
         })?;
         let mut tls =
             ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read("CA file", ca)?));
@@ -178,10 +180,13 @@ pub fn endpoint_with(uri: &str, opts: &ConnectOptions) -> Result<Endpoint, Clien
     let normalized = normalize(uri)?;
     let tls = normalized.starts_with("https://");
     let bad = |e: &tonic::transport::Error| {
-        ClientError::InvalidArgument(format!(
-            "bad broker address {uri:?}: {}",
-            crate::error::error_chain(e)
-        ))
+        ClientError::InvalidArgument(
+            format!(
+                "bad broker address {uri:?}: {}",
+                crate::error::error_chain(e)
+            )
+            .into(),
+        )
     };
     let mut endpoint = Endpoint::from_shared(normalized).map_err(|e| bad(&e))?;
     if tls {

@@ -2,12 +2,18 @@
 //! are sorted into one variant per status code the broker uses on purpose
 //! (`RESOURCE_EXHAUSTED` for quota or capacity, `NOT_FOUND` for unknown or foreign
 //! leases, ...), so callers can match on them; anything else keeps its code in
-//! [`ClientError::Status`]. Local failures (connecting, I/O, mapping, a broker that
-//! breaks the protocol) have variants of their own. [`ClientError::code`] gives every
-//! error a gRPC code, and the `Display` form starts with the code's canonical name
+//! [`ClientError::Status`]. Each status variant holds a [`Refusal`]: the broker's message
+//! and, where the broker sent one (a `google.rpc.ErrorInfo` in the status details), its
+//! machine-readable [`Reason`] and the numbers behind it, so callers match on
+//! [`ClientError::reason`] instead of the message text (the table of reasons is in
+//! `docs/protocol.md`). Local failures (connecting, I/O, mapping, a broker that breaks
+//! the protocol) have variants of their own. [`ClientError::code`] gives every error a
+//! gRPC code, and the `Display` form starts with the code's canonical name
 //! (`RESOURCE_EXHAUSTED: tenant "a" would hold 9.0 GiB of 8.0 GiB`).
 
+use std::collections::BTreeMap;
 use std::error::Error as StdError;
+use std::fmt;
 
 pub use tonic::Code;
 
@@ -17,31 +23,31 @@ pub use tonic::Code;
 pub enum ClientError {
     /// `INVALID_ARGUMENT`: zero or absurd sizes, unknown device, malformed ids.
     #[error("INVALID_ARGUMENT: {0}")]
-    InvalidArgument(String),
+    InvalidArgument(Refusal),
     /// `UNAUTHENTICATED`: missing, unknown or revoked token.
     #[error("UNAUTHENTICATED: {0}")]
-    Unauthenticated(String),
+    Unauthenticated(Refusal),
     /// `PERMISSION_DENIED`: e.g. a tenant token calling the admin service.
     #[error("PERMISSION_DENIED: {0}")]
-    PermissionDenied(String),
+    PermissionDenied(Refusal),
     /// `NOT_FOUND`: unknown tenant, token, session or lease (also another tenant's lease).
     #[error("NOT_FOUND: {0}")]
-    NotFound(String),
+    NotFound(Refusal),
     /// `RESOURCE_EXHAUSTED`: quota or capacity; the message carries the numbers.
     #[error("RESOURCE_EXHAUSTED: {0}")]
-    ResourceExhausted(String),
+    ResourceExhausted(Refusal),
     /// `DEADLINE_EXCEEDED`: waited in the queue and lost.
     #[error("DEADLINE_EXCEEDED: {0}")]
-    DeadlineExceeded(String),
+    DeadlineExceeded(Refusal),
     /// `UNAVAILABLE`: the broker is draining or shutting down, or the connection broke.
     #[error("UNAVAILABLE: {0}")]
-    Unavailable(String),
+    Unavailable(Refusal),
     /// `FAILED_PRECONDITION`: e.g. deleting a tenant that still holds leases.
     #[error("FAILED_PRECONDITION: {0}")]
-    FailedPrecondition(String),
+    FailedPrecondition(Refusal),
     /// `ALREADY_EXISTS`.
     #[error("ALREADY_EXISTS: {0}")]
-    AlreadyExists(String),
+    AlreadyExists(Refusal),
     /// Any other gRPC status.
     #[error("{}: {message}", code_name(*code))]
     Status {
@@ -116,18 +122,47 @@ impl ClientError {
     /// The broker's status message, or this error's text for local errors.
     pub fn message(&self) -> String {
         match self {
-            ClientError::InvalidArgument(m)
-            | ClientError::Unauthenticated(m)
-            | ClientError::PermissionDenied(m)
-            | ClientError::NotFound(m)
-            | ClientError::ResourceExhausted(m)
-            | ClientError::DeadlineExceeded(m)
-            | ClientError::Unavailable(m)
-            | ClientError::FailedPrecondition(m)
-            | ClientError::AlreadyExists(m)
+            ClientError::InvalidArgument(Refusal { message: m, .. })
+            | ClientError::Unauthenticated(Refusal { message: m, .. })
+            | ClientError::PermissionDenied(Refusal { message: m, .. })
+            | ClientError::NotFound(Refusal { message: m, .. })
+            | ClientError::ResourceExhausted(Refusal { message: m, .. })
+            | ClientError::DeadlineExceeded(Refusal { message: m, .. })
+            | ClientError::Unavailable(Refusal { message: m, .. })
+            | ClientError::FailedPrecondition(Refusal { message: m, .. })
+            | ClientError::AlreadyExists(Refusal { message: m, .. })
             | ClientError::Status { message: m, .. } => m.clone(),
             other => other.to_string(),
         }
+    }
+
+    /// What the broker said, for errors that came as a status with one of the typed
+    /// codes (`None` for [`ClientError::Status`] and local errors).
+    pub fn refusal(&self) -> Option<&Refusal> {
+        match self {
+            ClientError::InvalidArgument(r)
+            | ClientError::Unauthenticated(r)
+            | ClientError::PermissionDenied(r)
+            | ClientError::NotFound(r)
+            | ClientError::ResourceExhausted(r)
+            | ClientError::DeadlineExceeded(r)
+            | ClientError::Unavailable(r)
+            | ClientError::FailedPrecondition(r)
+            | ClientError::AlreadyExists(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The broker's machine-readable reason, where it sent one.
+    pub fn reason(&self) -> Option<&Reason> {
+        self.refusal().and_then(|r| r.reason.as_ref())
+    }
+
+    /// One value behind the reason (`ErrorInfo.metadata`, e.g. `"limit_bytes"`).
+    pub fn detail(&self, key: &str) -> Option<&str> {
+        self.refusal()
+            .and_then(|r| r.metadata.get(key))
+            .map(String::as_str)
     }
 
     /// True for errors that came from the broker as a gRPC status (not local ones).
@@ -147,18 +182,26 @@ impl ClientError {
 
 impl From<tonic::Status> for ClientError {
     fn from(status: tonic::Status) -> Self {
-        let message = status.message().to_string();
+        let message = if status.code() == Code::Unavailable {
+            unavailable_message(&status)
+        } else {
+            status.message().to_string()
+        };
+        let r = Refusal::from_status(&status, message);
         match status.code() {
-            Code::InvalidArgument => ClientError::InvalidArgument(message),
-            Code::Unauthenticated => ClientError::Unauthenticated(message),
-            Code::PermissionDenied => ClientError::PermissionDenied(message),
-            Code::NotFound => ClientError::NotFound(message),
-            Code::ResourceExhausted => ClientError::ResourceExhausted(message),
-            Code::DeadlineExceeded => ClientError::DeadlineExceeded(message),
-            Code::Unavailable => ClientError::Unavailable(unavailable_message(&status)),
-            Code::FailedPrecondition => ClientError::FailedPrecondition(message),
-            Code::AlreadyExists => ClientError::AlreadyExists(message),
-            code => ClientError::Status { code, message },
+            Code::InvalidArgument => ClientError::InvalidArgument(r),
+            Code::Unauthenticated => ClientError::Unauthenticated(r),
+            Code::PermissionDenied => ClientError::PermissionDenied(r),
+            Code::NotFound => ClientError::NotFound(r),
+            Code::ResourceExhausted => ClientError::ResourceExhausted(r),
+            Code::DeadlineExceeded => ClientError::DeadlineExceeded(r),
+            Code::Unavailable => ClientError::Unavailable(r),
+            Code::FailedPrecondition => ClientError::FailedPrecondition(r),
+            Code::AlreadyExists => ClientError::AlreadyExists(r),
+            code => ClientError::Status {
+                code,
+                message: r.message,
+            },
         }
     }
 }
@@ -166,6 +209,170 @@ impl From<tonic::Status> for ClientError {
 impl From<tonic::transport::Error> for ClientError {
     fn from(err: tonic::transport::Error) -> Self {
         ClientError::Transport(error_chain(&err))
+    }
+}
+
+/// The `ErrorInfo.domain` of the broker's reasons.
+pub const ERROR_DOMAIN: &str = "gpu-broker";
+
+/// A refusal as the broker sent it: its message, and where it sent a
+/// `google.rpc.ErrorInfo`, the reason and the values behind it (byte counts in bytes, as
+/// decimal strings). Reads as its message (`Deref<Target = str>`, `Display`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Refusal {
+    /// The status message.
+    pub message: String,
+    /// The machine-readable reason, if the broker sent one.
+    pub reason: Option<Reason>,
+    /// `ErrorInfo.metadata`: e.g. `requested_bytes`, `limit_bytes`, `tenant`.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl Refusal {
+    fn from_status(status: &tonic::Status, message: String) -> Self {
+        use tonic_types::StatusExt;
+        match status.get_details_error_info() {
+            Some(info) => Refusal {
+                message,
+                reason: Some(Reason::parse(&info.domain, &info.reason)),
+                metadata: info.metadata.into_iter().collect(),
+            },
+            None => Refusal {
+                message,
+                ..Refusal::default()
+            },
+        }
+    }
+}
+
+impl From<String> for Refusal {
+    fn from(message: String) -> Self {
+        Refusal {
+            message,
+            ..Refusal::default()
+        }
+    }
+}
+
+impl From<&str> for Refusal {
+    fn from(message: &str) -> Self {
+        message.to_string().into()
+    }
+}
+
+impl std::ops::Deref for Refusal {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl PartialEq<str> for Refusal {
+    fn eq(&self, other: &str) -> bool {
+        self.message == other
+    }
+}
+
+impl PartialEq<&str> for Refusal {
+    fn eq(&self, other: &&str) -> bool {
+        self.message == *other
+    }
+}
+
+macro_rules! reasons {
+    ($($(#[$doc:meta])* $variant:ident = $name:literal,)*) => {
+        /// The broker's machine-readable reason for a refusal (`ErrorInfo.reason` in the
+        /// `gpu-broker` domain). A reason this client does not know (a newer broker, or
+        /// another domain) is [`Reason::Unknown`] with the reason as sent.
+        #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum Reason {
+            $($(#[$doc])* $variant,)*
+            /// A reason this client does not know, as sent.
+            Unknown(String),
+        }
+
+        impl Reason {
+            /// Every reason this client knows.
+            pub const KNOWN: &'static [Reason] = &[$(Reason::$variant,)*];
+
+            /// The reason as the broker spells it (`"QUOTA_EXCEEDED"`).
+            pub fn as_str(&self) -> &str {
+                match self {
+                    $(Reason::$variant => $name,)*
+                    Reason::Unknown(s) => s,
+                }
+            }
+
+            /// The reason a broker sent in `domain`.
+            pub fn parse(domain: &str, reason: &str) -> Reason {
+                match (domain == ERROR_DOMAIN, reason) {
+                    $((true, $name) => Reason::$variant,)*
+                    _ => Reason::Unknown(reason.to_string()),
+                }
+            }
+        }
+    };
+}
+
+reasons! {
+    /// `RESOURCE_EXHAUSTED`: the tenant's byte limit (`tier` says device or host).
+    QuotaExceeded = "QUOTA_EXCEEDED",
+    /// `RESOURCE_EXHAUSTED`: the tenant holds `max_leases` leases.
+    LeaseCountLimit = "LEASE_COUNT_LIMIT",
+    /// `RESOURCE_EXHAUSTED`: larger than any device could ever lease.
+    RequestTooLarge = "REQUEST_TOO_LARGE",
+    /// `RESOURCE_EXHAUSTED`: fits the quota, not what is free now.
+    CapacityExhausted = "CAPACITY_EXHAUSTED",
+    /// `RESOURCE_EXHAUSTED`: the tenant has the most waiting requests allowed.
+    QueueFull = "QUEUE_FULL",
+    /// `RESOURCE_EXHAUSTED`: the tenant has the most open sessions allowed.
+    SessionLimit = "SESSION_LIMIT",
+    /// `RESOURCE_EXHAUSTED`: another session holds the compute turn.
+    TurnBusy = "TURN_BUSY",
+    /// `RESOURCE_EXHAUSTED`: host memory asked for as a fallback could not be made.
+    HostFallbackFailed = "HOST_FALLBACK_FAILED",
+    /// `RESOURCE_EXHAUSTED`: over the tenant's call rate; the status has a retry hint.
+    RateLimited = "RATE_LIMITED",
+    /// `RESOURCE_EXHAUSTED`: too many calls open to the unauthenticated services.
+    StreamLimit = "STREAM_LIMIT",
+    /// `DEADLINE_EXCEEDED`: waited and lost; `cause` names the reason it would have had.
+    WaitExpired = "WAIT_EXPIRED",
+    /// `NOT_FOUND`: no such tenant.
+    TenantNotFound = "TENANT_NOT_FOUND",
+    /// `NOT_FOUND`: no such session (or another tenant's).
+    SessionNotFound = "SESSION_NOT_FOUND",
+    /// `NOT_FOUND`: no such lease (or another tenant's).
+    LeaseNotFound = "LEASE_NOT_FOUND",
+    /// `NOT_FOUND`: no such token.
+    TokenNotFound = "TOKEN_NOT_FOUND",
+    /// `NOT_FOUND`: no such compute turn.
+    TurnNotFound = "TURN_NOT_FOUND",
+    /// `UNAVAILABLE`: the broker is shutting down.
+    ShuttingDown = "SHUTTING_DOWN",
+    /// `UNAVAILABLE`: the session belongs to an earlier run of the broker.
+    BrokerRestarted = "BROKER_RESTARTED",
+    /// `UNAVAILABLE`: no device of the node takes new leases.
+    NoDeviceOpen = "NO_DEVICE_OPEN",
+    /// `FAILED_PRECONDITION`: the pinned device is draining.
+    DeviceDraining = "DEVICE_DRAINING",
+    /// `FAILED_PRECONDITION`: the pinned device is unhealthy.
+    DeviceUnhealthy = "DEVICE_UNHEALTHY",
+    /// `FAILED_PRECONDITION`: the tenant still holds leases.
+    TenantInUse = "TENANT_IN_USE",
+    /// `FAILED_PRECONDITION`: the session already holds the compute turn.
+    TurnAlreadyHeld = "TURN_ALREADY_HELD",
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -259,6 +466,7 @@ mod tests {
     fn specific_variants() {
         let err = ClientError::from(tonic::Status::resource_exhausted("over quota"));
         assert!(matches!(err, ClientError::ResourceExhausted(ref m) if m == "over quota"));
+        assert_eq!(err.reason(), None, "a status without details has no reason");
         let err = ClientError::from(tonic::Status::not_found("no lease"));
         assert!(matches!(err, ClientError::NotFound(_)));
         let err = ClientError::from(tonic::Status::new(Code::DataLoss, "x"));
@@ -269,6 +477,49 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn reasons_come_from_error_info_in_the_details() {
+        use tonic_types::{ErrorDetails, StatusExt};
+        let status = tonic::Status::with_error_details(
+            Code::ResourceExhausted,
+            "quota exceeded for tenant \"a\"",
+            ErrorDetails::with_error_info(
+                "QUOTA_EXCEEDED",
+                ERROR_DOMAIN,
+                [("limit_bytes".to_string(), "8388608".to_string())],
+            ),
+        );
+        let err = ClientError::from(status);
+        assert!(matches!(err, ClientError::ResourceExhausted(_)));
+        assert_eq!(err.reason(), Some(&Reason::QuotaExceeded));
+        assert_eq!(err.detail("limit_bytes"), Some("8388608"));
+        assert_eq!(err.message(), "quota exceeded for tenant \"a\"");
+        // An unknown reason, or one of another domain, is kept as sent.
+        for (domain, reason) in [
+            (ERROR_DOMAIN, "SOMETHING_NEW"),
+            ("other.example", "QUOTA_EXCEEDED"),
+        ] {
+            let status = tonic::Status::with_error_details(
+                Code::ResourceExhausted,
+                "x",
+                ErrorDetails::with_error_info(
+                    reason,
+                    domain,
+                    Vec::<(String, String)>::new()
+                        .into_iter()
+                        .collect::<std::collections::HashMap<_, _>>(),
+                ),
+            );
+            assert_eq!(
+                ClientError::from(status).reason(),
+                Some(&Reason::Unknown(reason.into()))
+            );
+        }
+        for r in Reason::KNOWN {
+            assert_eq!(&Reason::parse(ERROR_DOMAIN, r.as_str()), r);
+        }
     }
 
     #[test]

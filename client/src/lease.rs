@@ -381,9 +381,9 @@ impl<'s> LeaseRequest<'s> {
         let (generation, connected) = generations.snapshot();
         let session_id = generation.id();
         if !connected {
-            return Err(ClientError::Unavailable(format!(
-                "session {session_id} was lost; reconnecting"
-            )));
+            return Err(ClientError::Unavailable(
+                format!("session {session_id} was lost; reconnecting").into(),
+            ));
         }
         request.session_id = session_id.to_string();
         let response = self
@@ -398,10 +398,13 @@ impl<'s> LeaseRequest<'s> {
             .ok_or_else(|| ClientError::Protocol("AcquireLease reply carries no lease".into()))?;
         let info = LeaseInfo::from(lease);
         if !generations.track(&generation, &info.lease_id) {
-            return Err(ClientError::Unavailable(format!(
+            return Err(ClientError::Unavailable(
+                format!(
                 "session {session_id} was lost while lease {} was being granted; the lease is gone",
                 info.lease_id
-            )));
+            )
+                .into(),
+            ));
         }
         let mut lease = Lease::new(info, self.session.clone(), generation.clone());
         if let LeaseHandle::Fd(i) = &lease.info.handle {

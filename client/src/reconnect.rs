@@ -300,9 +300,9 @@ impl Supervisor {
         let opened = tokio::time::timeout(ATTEMPT_TIMEOUT, open_stream(&self.client, name))
             .await
             .unwrap_or_else(|_| {
-                Err(ClientError::Unavailable(format!(
-                    "no `opened` event within {ATTEMPT_TIMEOUT:?}"
-                )))
+                Err(ClientError::Unavailable(
+                    format!("no `opened` event within {ATTEMPT_TIMEOUT:?}").into(),
+                ))
             });
         match opened {
             Ok((stream, opened)) => {

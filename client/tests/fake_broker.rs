@@ -1297,7 +1297,7 @@ async fn reclaim_handler_releases_leases() {
             async move {
                 match lease {
                     Some(lease) => lease.release().await,
-                    None => Err(ClientError::NotFound(req.lease_id)),
+                    None => Err(ClientError::NotFound(req.lease_id.into())),
                 }
             }
         }

@@ -85,6 +85,12 @@ async fn drain_stops_admission_asks_reclaimable_holders_and_reports_until_empty(
     // New requests: pinned there refused, unpinned go to the open device.
     let e = s.lease_request(2 * MIB).device(1).send().await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert_eq!(
+        e.reason(),
+        Some(&gpu_broker_client::error::Reason::DeviceDraining),
+        "{e}"
+    );
+    assert_eq!(e.detail("device"), Some("1"));
     let elsewhere = s.lease(2 * MIB).await.unwrap();
     assert_eq!(elsewhere.device(), 0);
     let devs = admin.get_devices().await.unwrap();
@@ -136,6 +142,11 @@ async fn node_drain_is_unavailable_missed_deadlines_revoke_and_undrain_withdraws
     let e = s.lease(2 * MIB).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable, "{e}");
     assert!(e.message().contains("node reboot"), "{e}");
+    assert_eq!(
+        e.reason(),
+        Some(&gpu_broker_client::error::Reason::NoDeviceOpen),
+        "{e}"
+    );
     // Readiness: nothing here takes new work.
     assert!(
         eventually(T, || async {

@@ -2,6 +2,7 @@
 //! stays healthy after all of them.
 
 use futures::StreamExt;
+use gpu_broker_client::error::Reason;
 use gpu_broker_client::proto::v1 as pb;
 use gpu_broker_client::{AdminClient, Client, ClientError, Code, QuotaSpec, SessionEvent};
 use gpu_broker_tests::*;
@@ -16,6 +17,23 @@ fn err_of<T: Debug>(r: Result<T, ClientError>, code: Code, what: &str) -> String
             assert_eq!(e.code(), code, "{what}: {e}");
             assert!(e.is_status(), "{what}: {e} should come from the broker");
             e.message()
+        }
+    }
+}
+
+/// The error of `r`, which must have code `code` and the broker's reason `reason`.
+fn refusal_of<T: Debug>(
+    r: Result<T, ClientError>,
+    code: Code,
+    reason: Reason,
+    what: &str,
+) -> ClientError {
+    match r {
+        Ok(v) => panic!("{what}: expected {code:?}, got Ok({v:?})"),
+        Err(e) => {
+            assert_eq!(e.code(), code, "{what}: {e}");
+            assert_eq!(e.reason(), Some(&reason), "{what}: {e}");
+            e
         }
     }
 }
@@ -393,7 +411,13 @@ async fn not_found_never_leaks_another_tenants_ids() {
     let released = la.id().to_string();
     la.release().await.unwrap();
     // A released lease is unknown now, also to its former holder.
-    let m = err_of(alice.release_lease(&released).await, nf, "released lease");
+    let m = refusal_of(
+        alice.release_lease(&released).await,
+        nf,
+        Reason::LeaseNotFound,
+        "released lease",
+    )
+    .message();
     assert!(m.contains("not found"), "{m}");
 }
 
@@ -409,14 +433,30 @@ async fn resource_exhausted_names_the_numbers() {
     let re = Code::ResourceExhausted;
 
     // Larger than the whole quota.
-    let m = err_of(s.lease(10 * MIB).await, re, "over quota");
+    let e = refusal_of(
+        s.lease(10 * MIB).await,
+        re,
+        Reason::QuotaExceeded,
+        "over quota",
+    );
+    assert_eq!(e.detail("requested_bytes"), Some("10485760"));
+    assert_eq!(e.detail("limit_bytes"), Some("8388608"));
+    assert_eq!(e.detail("tenant"), Some("alice"));
+    let m = e.message();
     assert!(m.contains("10485760"), "names the request: {m}");
     assert!(m.contains("8388608"), "names the limit: {m}");
     assert!(m.contains("alice"), "{m}");
 
     // Fits the quota alone, not on top of what the tenant holds.
     let held = s.lease(6 * MIB).await.unwrap();
-    let m = err_of(s.lease(4 * MIB).await, re, "over quota with holdings");
+    let e = refusal_of(
+        s.lease(4 * MIB).await,
+        re,
+        Reason::QuotaExceeded,
+        "over quota with holdings",
+    );
+    assert_eq!(e.detail("held_bytes"), Some("6291456"));
+    let m = e.message();
     assert!(m.contains("4194304"), "names the request: {m}");
     assert!(m.contains("6291456"), "names the holdings: {m}");
     assert!(m.contains("8388608"), "names the limit: {m}");
@@ -429,7 +469,14 @@ async fn resource_exhausted_names_the_numbers() {
     // Over capacity, no wait: bob fills the device, alice2 asks for more.
     let bob = b.client("bob", GIB).await.unwrap();
     let sb = bob.session("b").await.unwrap();
-    let m = err_of(sb.lease(128 * MIB).await, re, "bigger than the device");
+    let e = refusal_of(
+        sb.lease(128 * MIB).await,
+        re,
+        Reason::RequestTooLarge,
+        "bigger than the device",
+    );
+    assert_eq!(e.detail("leasable_bytes"), Some("67108864"));
+    let m = e.message();
     assert!(m.contains("134217728"), "names the request: {m}");
     assert!(m.contains("67108864"), "names the capacity: {m}");
     let big = sb.lease(48 * MIB).await.unwrap();
@@ -439,7 +486,14 @@ async fn resource_exhausted_names_the_numbers() {
         c.usage().await.map(|u| u.held_bytes == 0).unwrap_or(false)
     })
     .await;
-    let m = err_of(sc.lease(32 * MIB).await, re, "over capacity");
+    let e = refusal_of(
+        sc.lease(32 * MIB).await,
+        re,
+        Reason::CapacityExhausted,
+        "over capacity",
+    );
+    assert_eq!(e.detail("free_bytes"), Some("16777216"));
+    let m = e.message();
     assert!(m.contains("33554432"), "names the request: {m}");
     assert!(m.contains("16777216"), "names what is free: {m}");
     assert!(m.contains("67108864"), "names the leasable capacity: {m}");
@@ -460,14 +514,19 @@ async fn deadline_exceeded_after_a_lost_wait() {
     let s = c.session("a").await.unwrap();
     let _all = s.lease(64 * MIB).await.unwrap();
     let t0 = Instant::now();
-    let m = err_of(
+    let e = refusal_of(
         s.lease_request(8 * MIB)
             .wait(Duration::from_millis(300))
             .send()
             .await,
         Code::DeadlineExceeded,
+        Reason::WaitExpired,
         "lost wait",
     );
+    assert_eq!(e.detail("cause"), Some("CAPACITY_EXHAUSTED"), "{e}");
+    assert_eq!(e.detail("waited_ms"), Some("300"));
+    assert_eq!(e.detail("requested_bytes"), Some("8388608"));
+    let m = e.message();
     let waited = t0.elapsed();
     assert!(waited >= Duration::from_millis(300), "waited {waited:?}");
     assert!(waited < Duration::from_secs(3), "waited {waited:?}");
@@ -570,11 +629,13 @@ async fn unavailable_while_shutting_down() {
     assert!(waiter_queued);
     err_of(r, Code::Unavailable, "waiting while the broker stops");
     // During the grace period: new work is refused as UNAVAILABLE.
-    let m = err_of(
+    let m = refusal_of(
         s.lease(2 * MIB).await,
         Code::Unavailable,
+        Reason::ShuttingDown,
         "acquire while draining",
-    );
+    )
+    .message();
     assert!(m.contains("shutting down"), "{m}");
     err_of(
         c.session("late").await,
@@ -606,11 +667,17 @@ async fn max_leases_refusal_names_the_lease_limit() {
     let c = Client::connect(&b.uri(), token).await.unwrap();
     let s = c.session("s").await.unwrap();
     let _one = s.lease(2 * MIB).await.unwrap();
-    let m = err_of(
+    let e = refusal_of(
         s.lease(2 * MIB).await,
         Code::ResourceExhausted,
+        Reason::LeaseCountLimit,
         "second lease",
     );
+    assert_eq!(
+        (e.detail("lease_count"), e.detail("max_leases")),
+        (Some("1"), Some("1"))
+    );
+    let m = e.message();
     // Quota bytes and device memory are plentiful: the message must say why it failed.
     assert!(
         m.contains("lease count") || m.contains("max_leases") || m.contains("leases"),

@@ -379,6 +379,12 @@ async fn tenants_are_rate_limited_with_a_retry_hint_and_one_cannot_starve_anothe
     };
     assert!((5..=6).contains(&ok), "{ok} calls before the limit");
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused}");
+    assert_eq!(
+        refused.reason(),
+        Some(&gpu_broker_client::error::Reason::RateLimited),
+        "{refused}"
+    );
+    assert!(refused.detail("retry_after_ms").is_some(), "{refused}");
     assert!(
         refused.message().contains("rate limit") && refused.message().contains("retry in"),
         "{refused}"

@@ -213,7 +213,7 @@ impl Arbiter {
     pub fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
         match tenant {
             Some(name) if self.state.lock().ledger.get(name).is_none() => {
-                Err(BrokerError::NotFound(format!("tenant {name:?} not found")))
+                Err(BrokerError::tenant_not_found(name))
             }
             _ => Ok(()),
         }
@@ -224,7 +224,7 @@ impl Arbiter {
         let t = st
             .ledger
             .get(name)
-            .ok_or_else(|| BrokerError::NotFound(format!("tenant {name:?} not found")))?;
+            .ok_or_else(|| BrokerError::tenant_not_found(name))?;
         Ok(self.tenant_view(&st, t))
     }
 
@@ -277,7 +277,7 @@ impl Arbiter {
         let entry = self
             .auth
             .find(id_or_token)
-            .ok_or_else(|| BrokerError::NotFound("token not found".into()))?;
+            .ok_or_else(|| BrokerError::NotFound(crate::error::Missing::Token))?;
         if let Some(store) = &self.store {
             store
                 .delete_token(&entry.token_id)

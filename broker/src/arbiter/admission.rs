@@ -5,7 +5,7 @@
 
 use super::queue::Ask;
 use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
-use crate::error::{BrokerError, BrokerResult};
+use crate::error::{BrokerError, BrokerResult, DeviceRoom, Queue};
 use crate::lease::{Lease, LeaseState, LeaseView};
 use crate::ledger::Tier;
 use crate::pool::{Block, Source};
@@ -111,16 +111,14 @@ impl Arbiter {
                 Err(_) => {
                     let lost = {
                         let mut st = self.state.lock();
-                        st.queue
-                            .remove(id)
-                            .map(|w| self.exhausted_message(&st, &w.ask))
+                        st.queue.remove(id).map(|w| self.exhausted(&st, &w.ask))
                     };
                     match lost {
-                        Some(msg) => {
-                            let err = BrokerError::DeadlineExceeded(format!(
-                                "waited {} ms: {msg}",
-                                req.wait.as_millis()
-                            ));
+                        Some(cause) => {
+                            let err = BrokerError::WaitExpired {
+                                waited_ms: u64::try_from(req.wait.as_millis()).unwrap_or(u64::MAX),
+                                cause: Box::new(cause),
+                            };
                             return self.fallback_or(&req, bytes, err).await;
                         }
                         // Granted just as the wait ran out: the result is on its way.
@@ -149,7 +147,7 @@ impl Arbiter {
         let tenant = st
             .ledger
             .get(&req.tenant)
-            .ok_or_else(|| BrokerError::NotFound(format!("tenant {:?} not found", req.tenant)))?;
+            .ok_or_else(|| BrokerError::tenant_not_found(&req.tenant))?;
         let (limit, priority) = (tenant.quota.limit_bytes, tenant.quota.priority);
         let candidates = self.candidates(req.device);
         let gran = candidates
@@ -167,30 +165,24 @@ impl Arbiter {
             .unwrap_or(0);
         // Requests that can never fit fail at once, waiting or not.
         let never = if bytes > limit {
-            Some(format!(
-                "quota exceeded for tenant {:?}: requested {} but its limit is {}",
-                req.tenant,
-                show(bytes),
-                show(limit)
-            ))
+            Some(BrokerError::QuotaExceeded {
+                tenant: req.tenant.clone(),
+                tier: Tier::Device,
+                requested: bytes,
+                held: tenant.usage.committed_bytes(),
+                limit,
+            })
         } else if bytes > max_leasable {
-            Some(format!(
-                "requested {} exceeds the leasable capacity {} of {}",
-                show(bytes),
-                show(max_leasable),
-                match req.device {
-                    Some(d) => format!("device {d}"),
-                    None => "every device".into(),
-                }
-            ))
+            Some(BrokerError::TooLarge {
+                requested: bytes,
+                leasable: max_leasable,
+                device: req.device,
+            })
         } else {
             None
         };
-        if let Some(msg) = never {
-            return Ok(Enqueued::Refused {
-                bytes,
-                err: BrokerError::ResourceExhausted(msg),
-            });
+        if let Some(err) = never {
+            return Ok(Enqueued::Refused { bytes, err });
         }
         let ask = Ask {
             tenant: req.tenant.clone(),
@@ -207,10 +199,11 @@ impl Arbiter {
             .filter(|w| w.ask.tenant == req.tenant)
             .count();
         if waiting >= self.cfg.max_waiting_per_tenant {
-            return Err(BrokerError::ResourceExhausted(format!(
-                "tenant {:?} already has {waiting} requests waiting, the most allowed (--max-waiting-per-tenant)",
-                req.tenant
-            )));
+            return Err(BrokerError::QueueFull {
+                tenant: req.tenant.clone(),
+                waiting,
+                queue: Queue::Lease,
+            });
         }
         let (tx, rx) = oneshot::channel();
         let id = st.queue.push(ask, priority, tx);
@@ -218,13 +211,10 @@ impl Arbiter {
         let queued = st.queue.contains(id);
         if queued && req.wait.is_zero() {
             let w = st.queue.remove(id);
-            let msg = w
-                .map(|w| self.exhausted_message(&st, &w.ask))
-                .unwrap_or_default();
-            return Ok(Enqueued::Refused {
-                bytes,
-                err: BrokerError::ResourceExhausted(msg),
+            let err = w.map(|w| self.exhausted(&st, &w.ask)).unwrap_or_else(|| {
+                BrokerError::Internal("a refused request left the queue early".into())
             });
+            return Ok(Enqueued::Refused { bytes, err });
         }
         Ok(Enqueued::Waiting {
             rx,
@@ -483,7 +473,7 @@ impl Arbiter {
             st.ledger.unreserve(&ask.tenant, ask.bytes);
             st.pools[d as usize].unreserve(ask.bytes, Some(block));
             return Err(if alive {
-                BrokerError::Unavailable("the broker is shutting down".into())
+                BrokerError::ShuttingDown
             } else {
                 session_not_found(ask.session)
             });
@@ -534,38 +524,36 @@ impl Arbiter {
     }
 
     /// Why `ask` does not fit now, with the numbers.
-    pub(crate) fn exhausted_message(&self, st: &State, ask: &Ask) -> String {
+    pub(crate) fn exhausted(&self, st: &State, ask: &Ask) -> BrokerError {
         // The tenant's own limits first (bytes or lease count): they say it precisely.
         if let Err(e) = st.ledger.check_charge(&ask.tenant, ask.bytes, Tier::Device) {
-            return e.to_string();
+            return e;
         }
         let tenant = st.ledger.get(&ask.tenant);
         let (held, limit) = tenant
             .map(|t| (t.usage.committed_bytes(), t.quota.limit_bytes))
             .unwrap_or((0, 0));
-        let devices: Vec<String> = self
+        let devices = self
             .candidates(ask.device)
             .iter()
             .map(|&d| {
                 let p = &st.pools[d as usize];
-                format!(
-                    "device {d}: {} free of {} leasable",
-                    show(p.available()),
-                    show(p.leasable())
-                )
+                DeviceRoom {
+                    device: d,
+                    free: p.available(),
+                    leasable: p.leasable(),
+                }
             })
             .collect();
-        let guaranteed = st.ledger.others_unused_guarantees(&ask.tenant);
-        let waiting = st.queue.len();
-        format!(
-            "cannot grant {} to tenant {:?} now: {}; {} kept for other tenants' guarantees; tenant holds {} of limit {}; {waiting} other request(s) waiting",
-            show(ask.bytes),
-            ask.tenant,
-            devices.join(", "),
-            show(guaranteed),
-            show(held),
-            show(limit)
-        )
+        BrokerError::NoCapacity {
+            tenant: ask.tenant.clone(),
+            requested: ask.bytes,
+            devices,
+            guaranteed: st.ledger.others_unused_guarantees(&ask.tenant),
+            held,
+            limit,
+            waiting: st.queue.len(),
+        }
     }
 
     async fn fallback_or(
@@ -588,7 +576,10 @@ impl Arbiter {
         bytes: u64,
     ) -> BrokerResult<LeaseView> {
         let Some(host) = self.host_tier.clone() else {
-            return Err(BrokerError::ResourceExhausted("no host fallback".into()));
+            return Err(BrokerError::HostFallbackFailed {
+                requested: bytes,
+                cause: "this broker has no host tier".into(),
+            });
         };
         {
             let mut st = self.state.lock();
@@ -604,10 +595,10 @@ impl Arbiter {
             Ok(b) => b,
             Err(e) => {
                 st.ledger.uncharge_host(&req.tenant, bytes);
-                return Err(BrokerError::ResourceExhausted(format!(
-                    "host fallback of {} failed: {e}",
-                    show(bytes)
-                )));
+                return Err(BrokerError::HostFallbackFailed {
+                    requested: bytes,
+                    cause: e.to_string(),
+                });
             }
         };
         let alive = st

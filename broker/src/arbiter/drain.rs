@@ -245,7 +245,9 @@ impl Arbiter {
         for id in stranded {
             if let Some(w) = st.queue.remove(id) {
                 let err = self.avail.read().refusal(w.ask.device).unwrap_or_else(|| {
-                    BrokerError::Unavailable("no device takes new leases".into())
+                    BrokerError::NoDeviceOpen {
+                        why: "every device it may use is closed".into(),
+                    }
                 });
                 tracing::info!(tenant = %w.ask.tenant, error = %err, "waiting request refused: its devices closed");
                 let _ = w.reply.send(Err(err));

@@ -25,7 +25,7 @@ pub use drain::{DeviceDrain, DrainReport};
 use crate::auth::Authenticator;
 use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
-use crate::error::{BrokerError, BrokerResult};
+use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::lease::{LeaseTable, LeaseView};
 use crate::ledger::Ledger;
 use crate::pool::{Block, Pool};
@@ -272,9 +272,7 @@ impl Arbiter {
 
     fn check_not_draining(&self) -> BrokerResult<()> {
         if self.is_draining() {
-            Err(BrokerError::Unavailable(
-                "the broker is shutting down; reconnect to its successor".into(),
-            ))
+            Err(BrokerError::ShuttingDown)
         } else {
             Ok(())
         }
@@ -309,15 +307,16 @@ impl Arbiter {
         {
             let mut st = self.state.lock();
             if st.ledger.get(tenant).is_none() {
-                return Err(BrokerError::NotFound(format!(
-                    "tenant {tenant:?} no longer exists"
+                return Err(BrokerError::NotFound(Missing::TenantGone(
+                    tenant.to_string(),
                 )));
             }
             let open = st.sessions.count_of(tenant);
             if open >= self.cfg.max_sessions_per_tenant {
-                return Err(BrokerError::ResourceExhausted(format!(
-                    "tenant {tenant:?} has {open} open sessions, the most allowed (--max-sessions-per-tenant)"
-                )));
+                return Err(BrokerError::SessionLimit {
+                    tenant: tenant.to_string(),
+                    open,
+                });
             }
             st.sessions.insert(Session {
                 id,
@@ -428,9 +427,7 @@ impl Arbiter {
         let waiters: Vec<u64> = st.queue.iter().map(|w| w.id).collect();
         for id in waiters {
             if let Some(w) = st.queue.remove(id) {
-                let _ = w.reply.send(Err(BrokerError::Unavailable(
-                    "the broker is shutting down".into(),
-                )));
+                let _ = w.reply.send(Err(BrokerError::ShuttingDown));
             }
         }
     }
@@ -516,15 +513,13 @@ pub(crate) fn session_not_found(id: Uuid) -> BrokerError {
         u128::from(secs) * 1000 + u128::from(nanos / 1_000_000)
     });
     match opened_ms {
-        Some(t) if t < ms(*STARTED) => BrokerError::Unavailable(format!(
-            "session {id} belongs to an earlier run of the broker, which restarted; its leases are gone: open a new session"
-        )),
-        _ => BrokerError::NotFound(format!("session {id} not found")),
+        Some(t) if t < ms(*STARTED) => BrokerError::BrokerRestarted { session: id },
+        _ => BrokerError::NotFound(Missing::Session(id)),
     }
 }
 
 pub(crate) fn lease_not_found(id: Uuid) -> BrokerError {
-    BrokerError::NotFound(format!("lease {id} not found"))
+    BrokerError::NotFound(Missing::Lease(id))
 }
 
 #[cfg(test)]

@@ -99,7 +99,9 @@ async fn concurrent_requests_never_exceed_the_quota() {
     for t in tasks {
         match t.await.unwrap() {
             Ok(_) => ok += 1,
-            Err(BrokerError::ResourceExhausted(m)) => assert!(m.contains("limit"), "{m}"),
+            Err(e @ BrokerError::QuotaExceeded { .. }) => {
+                assert!(e.to_string().contains("limit"), "{e}")
+            }
             Err(e) => panic!("unexpected {e:?}"),
         }
     }
@@ -180,7 +182,8 @@ async fn losing_a_wait_is_deadline_exceeded_with_numbers() {
     let mut r = req("a", s, 2 * MIB);
     r.wait = Duration::from_millis(50);
     match f.arb.acquire(r).await {
-        Err(BrokerError::DeadlineExceeded(m)) => {
+        Err(e @ BrokerError::WaitExpired { .. }) => {
+            let m = e.to_string();
             assert!(
                 m.contains("2.0 MiB (2097152 bytes)") && m.contains("free"),
                 "{m}"
@@ -192,7 +195,7 @@ async fn losing_a_wait_is_deadline_exceeded_with_numbers() {
     let r = req("a", s, 2 * MIB);
     assert!(matches!(
         f.arb.acquire(r).await,
-        Err(BrokerError::ResourceExhausted(_))
+        Err(BrokerError::NoCapacity { .. })
     ));
 }
 
@@ -240,7 +243,7 @@ async fn unused_guarantees_are_kept_from_borrowers() {
     // 8 MiB free, all of it guaranteed to g.
     assert!(matches!(
         f.arb.acquire(req("b", b, 2 * MIB)).await,
-        Err(BrokerError::ResourceExhausted(_))
+        Err(BrokerError::NoCapacity { .. })
     ));
     f.arb.acquire(req("g", g, 8 * MIB)).await.unwrap();
 }
@@ -444,7 +447,7 @@ async fn memory_within_a_guarantee_is_not_reclaimed_for_a_higher_priority() {
     r.wait = Duration::from_millis(200);
     assert!(matches!(
         f.arb.acquire(r).await,
-        Err(BrokerError::DeadlineExceeded(_))
+        Err(BrokerError::WaitExpired { .. })
     ));
     assert!(
         events.try_recv().is_err(),
@@ -591,7 +594,7 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     assert_eq!(dev.headroom, 8 * MIB);
     assert!(matches!(
         arb.acquire(req("a", s, 18 * MIB)).await,
-        Err(BrokerError::ResourceExhausted(_))
+        Err(BrokerError::TooLarge { .. })
     ));
     // It takes 4 MiB more, eating into the headroom: the unused cached block goes back.
     outside.store(44 * MIB, std::sync::atomic::Ordering::SeqCst);
@@ -648,7 +651,7 @@ async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
     f.arb.open_session("a", "2", Peer::default()).unwrap();
     assert!(matches!(
         f.arb.open_session("a", "3", Peer::default()),
-        Err(BrokerError::ResourceExhausted(_))
+        Err(BrokerError::SessionLimit { .. })
     ));
     let _l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
     let mut waiters = Vec::new();
@@ -665,7 +668,7 @@ async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
     let mut r = req("a", s, 2 * MIB);
     r.wait = Duration::from_secs(2);
     match f.arb.acquire(r).await {
-        Err(BrokerError::ResourceExhausted(m)) => assert!(m.contains("waiting"), "{m}"),
+        Err(e @ BrokerError::QueueFull { .. }) => assert!(e.to_string().contains("waiting"), "{e}"),
         other => panic!("{other:?}"),
     }
     for w in waiters {
@@ -744,7 +747,7 @@ async fn a_blocked_big_request_is_overtaken_a_bounded_number_of_times() {
                 granted += 1;
                 f.arb.release("small", l.id).unwrap();
             }
-            Err(e) => assert!(matches!(e, BrokerError::ResourceExhausted(_)), "{e:?}"),
+            Err(e) => assert!(matches!(e, BrokerError::NoCapacity { .. }), "{e:?}"),
         }
     }
     assert_eq!(granted, MAX_OVERTAKES);

@@ -117,7 +117,7 @@ impl Arbiter {
         let st = self.state.lock();
         if let Some(t) = &tenant {
             if st.ledger.get(t).is_none() {
-                return Err(BrokerError::NotFound(format!("tenant {t:?} not found")));
+                return Err(BrokerError::tenant_not_found(t));
             }
         }
         let (token, hash) = generate_token();

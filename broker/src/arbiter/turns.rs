@@ -80,10 +80,11 @@ impl Arbiter {
         };
         let busy = |arb: &Arbiter| {
             let (holder, waiting) = arb.scheduler.device_state(device);
-            format!(
-                "the compute turn on device {device} is held by tenant {:?}; {waiting} waiting",
-                holder.unwrap_or_default()
-            )
+            BrokerError::TurnBusy {
+                device,
+                holder: holder.unwrap_or_default(),
+                waiting,
+            }
         };
         let Some(rx) = guard.rx.as_mut() else {
             return Err(BrokerError::Internal("turn request lost".into()));
@@ -103,14 +104,14 @@ impl Arbiter {
             None => {
                 if self.scheduler.cancel(device, pending.waiter) {
                     guard.rx = None;
-                    let msg = busy(self);
+                    let busy = busy(self);
                     Err(if wait.is_zero() {
-                        BrokerError::ResourceExhausted(msg)
+                        busy
                     } else {
-                        BrokerError::DeadlineExceeded(format!(
-                            "waited {} ms: {msg}",
-                            wait.as_millis()
-                        ))
+                        BrokerError::WaitExpired {
+                            waited_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+                            cause: Box::new(busy),
+                        }
                     })
                 } else {
                     // Granted just now: the grant is in the channel.
