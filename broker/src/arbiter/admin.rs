@@ -277,7 +277,7 @@ impl Arbiter {
         let entry = self
             .auth
             .find(id_or_token)
-            .ok_or_else(|| BrokerError::NotFound(crate::error::Missing::Token))?;
+            .ok_or(BrokerError::NotFound(crate::error::Missing::Token))?;
         if let Some(store) = &self.store {
             store
                 .delete_token(&entry.token_id)
