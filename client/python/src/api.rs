@@ -88,6 +88,21 @@ impl Broker {
         Ok(PyUsage::from(usage))
     }
 
+    /// What the broker says about itself (`GetInfo`): a dict with `version` (its
+    /// release), `api_revision`, `backend`, `device_count` and `features`. A broker too
+    /// old to have `GetInfo` raises `BrokerError` with code `UNIMPLEMENTED`.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let client = self.client.clone();
+        let i = rt::block_on(py, async move { client.broker_info().await })?.py()?;
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("version", i.version)?;
+        d.set_item("api_revision", i.api_revision)?;
+        d.set_item("backend", i.backend)?;
+        d.set_item("device_count", i.device_count)?;
+        d.set_item("features", i.features)?;
+        Ok(d)
+    }
+
     /// The address this broker was reached at.
     #[getter]
     fn address(&self) -> String {

@@ -1,11 +1,14 @@
 //! Client errors as Python exceptions. The exception classes live in
 //! `gpubroker/errors.py` (all subclasses of `gpubroker.BrokerError`); this module picks
-//! the class for a [`ClientError`]'s gRPC code and builds it with the broker's message,
-//! the code's name and the broker's machine-readable reason when it sent one.
+//! the class for a [`ClientError`]'s gRPC code and builds it (through
+//! `gpubroker.errors._make`, which picks the reason's subclass) with the broker's message,
+//! the code's name, and the broker's machine-readable reason and its values when it sent
+//! them.
 
 use gpu_broker_client::{ClientError, Code};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use std::collections::BTreeMap;
 
 /// The `gpubroker.errors` class for a gRPC code.
 pub fn class_for(code: Code) -> &'static str {
@@ -22,14 +25,22 @@ pub fn class_for(code: Code) -> &'static str {
     }
 }
 
-fn build(class: &str, message: &str, code: &str, reason: Option<&str>) -> PyErr {
+fn build(
+    class: &str,
+    message: &str,
+    code: &str,
+    reason: Option<&str>,
+    details: Option<&BTreeMap<String, String>>,
+) -> PyErr {
     Python::attach(|py| {
         let made = py.import("gpubroker.errors").and_then(|m| {
-            let cls = m.getattr(class)?;
-            let kwargs = pyo3::types::PyDict::new(py);
-            kwargs.set_item("code", code)?;
-            kwargs.set_item("reason", reason)?;
-            cls.call((message,), Some(&kwargs))
+            let base = m.getattr(class)?;
+            let details = match details {
+                Some(d) => d.clone().into_pyobject(py)?.into_any(),
+                None => pyo3::types::PyDict::new(py).into_any(),
+            };
+            m.getattr("_make")?
+                .call1((base, message, code, reason, details))
         });
         match made {
             Ok(obj) => PyErr::from_value(obj),
@@ -40,18 +51,19 @@ fn build(class: &str, message: &str, code: &str, reason: Option<&str>) -> PyErr 
     })
 }
 
-/// A [`ClientError`] as the matching `gpubroker.errors` exception.
+/// A [`ClientError`] as the matching `gpubroker.errors` exception: the class of its
+/// reason where the broker sent one (`gpubroker.errors.REASONS`), else of its code.
 pub fn to_py(err: ClientError) -> PyErr {
     let code = err.code();
     let class = class_for(code);
     let message = err.message();
-    // The broker sends no machine-readable reason beyond the status code today; `.reason`
-    // is None until the client crate carries one.
+    let refusal = err.refusal();
     build(
         class,
         &message,
         gpu_broker_client::error::code_name(code),
-        None,
+        err.reason().map(|r| r.as_str()),
+        refusal.map(|r| &r.metadata),
     )
 }
 
@@ -65,7 +77,7 @@ pub fn local(class: &str, message: &str) -> PyErr {
         "Unauthenticated" => "UNAUTHENTICATED",
         _ => "INTERNAL",
     };
-    build(class, message, code, None)
+    build(class, message, code, None, None)
 }
 
 /// `?`-friendly conversion.

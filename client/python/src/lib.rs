@@ -29,5 +29,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch::_torch_take_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(torch::_torch_lease_ids, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add(
+        "REQUIRED_API_REVISION",
+        gpu_broker_client::REQUIRED_API_REVISION,
+    )?;
     Ok(())
 }

@@ -45,6 +45,8 @@ pub struct LeaseBackend {
 fn refused(e: ClientError) -> Refused {
     Refused {
         code: e.code_name().to_string(),
+        reason: e.reason().map(|r| r.as_str().to_string()),
+        cause: e.detail("cause").map(str::to_string),
         message: e.message(),
     }
 }
@@ -369,10 +371,22 @@ pub fn _torch_empty_cache(py: Python<'_>) -> PyResult<u64> {
     Ok(py.detach(|| a.empty_cache()))
 }
 
-/// The broker's reason for the last failed allocation, cleared by reading it.
+/// The last failed allocation, cleared by reading it: `{"error": text, "code": ...,
+/// "reason": ..., "cause": ...}` (the broker's reason and, for a lost wait, its cause;
+/// `None` for local failures), or `None`.
 #[pyfunction]
-pub fn _torch_take_last_error() -> Option<String> {
-    ALLOCATOR.get().and_then(|a| a.take_last_error())
+pub fn _torch_take_last_error(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
+    let Some(err) = ALLOCATOR.get().and_then(|a| a.take_last_error()) else {
+        return Ok(None);
+    };
+    let d = PyDict::new(py);
+    d.set_item("error", err.to_string())?;
+    if let gpubroker_suballoc::AllocError::Refused(r) = &err {
+        d.set_item("code", &r.code)?;
+        d.set_item("reason", &r.reason)?;
+        d.set_item("cause", &r.cause)?;
+    }
+    Ok(Some(d))
 }
 
 /// Lease ids of the segments held now.

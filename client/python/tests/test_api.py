@@ -150,7 +150,9 @@ def test_a_forked_child_cannot_use_the_parents_session(broker):
 
 def _check(err, cls, code):
     assert isinstance(err, gpubroker.BrokerError)
-    assert type(err) is cls, type(err)
+    # The code's class, or the class of the broker's reason, which is one of its subclasses.
+    assert type(err) is cls or type(err) is gpubroker.errors.REASONS.get(err.reason), type(err)
+    assert isinstance(err, cls), type(err)
     assert err.code == code
     assert err.message and str(err) == err.message
     assert hasattr(err, "reason")
@@ -184,6 +186,7 @@ def test_every_exception_type(broker):
         with pytest.raises(gpubroker.NotFound) as e:
             held.release()
         _check(e.value, gpubroker.NotFound, "NOT_FOUND")
+        assert type(e.value) is gpubroker.LeaseNotFound and e.value.reason == "LEASE_NOT_FOUND"
 
         with s.lease(2 * MIB) as viewed:
             keep = viewed.as_numpy()
@@ -393,6 +396,10 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
     assert (s["allocs"], s["ooms"], s["waits"], s["segments"], s["leased_bytes"]) == (0, 1, 1, 0, 0), s
     assert s["broker_acquires"] == 2, "a segment without waiting, then the exact size with the wait"
     assert out["oom"] and "gpubroker" in out["oom"] and "FAILED_PRECONDITION" in out["oom"], out["oom"]
+    assert out["ptr_over_quota"] is None
+    q = out["oom_quota"]
+    assert q and q["reason"] == "QUOTA_EXCEEDED" and q["code"] == "RESOURCE_EXHAUSTED", q
+    assert "RESOURCE_EXHAUSTED (QUOTA_EXCEEDED)" in q["text"] and str(64 << 20) in q["text"], q
     assert "torch.multiprocessing" in out["mp"]
     assert "CUDA graph" in out["graph"]
     # A fresh pool; the routing pauses while the old pool is destroyed and PyTorch's cache

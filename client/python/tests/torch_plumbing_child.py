@@ -38,6 +38,13 @@ try:
 except torch.OutOfMemoryError as e:
     out["oom"] = str(e)
 observer(0, 1, 0, 0)  # nothing new: PyTorch's own error stands (no exception here)
+# More than the tenant's quota: the broker refuses with its reason, which the OOM carries.
+out["ptr_over_quota"] = alloc(128 << 20, 0, None)
+try:
+    observer(0, 128 << 20, 0, 0)
+    out["oom_quota"] = None
+except torch.OutOfMemoryError as e:
+    out["oom_quota"] = {"text": str(e), "reason": e.reason, "cause": e.cause, "code": e.code}
 
 # Refusals.
 from multiprocessing.reduction import ForkingPickler  # noqa: E402

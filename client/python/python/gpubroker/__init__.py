@@ -24,7 +24,10 @@ of a PyTorch program into broker leases.
 Errors are :class:`BrokerError` subclasses named after the broker's gRPC status:
 :class:`QuotaExceeded`, :class:`WaitTimeout`, :class:`Unauthenticated`,
 :class:`PermissionDenied`, :class:`NotFound`, :class:`InvalidArgument`,
-:class:`FailedPrecondition`, :class:`Unavailable`.
+:class:`FailedPrecondition`, :class:`Unavailable`; where the broker names its reason, a
+subclass says which (:class:`CapacityExhausted`, :class:`LeaseLimitReached`,
+:class:`QueueFull`, :class:`LeaseNotFound`, :class:`DeviceDraining`, ... — see
+:mod:`gpubroker.errors`), with ``err.reason`` and the broker's numbers in ``err.details``.
 """
 
 from __future__ import annotations
@@ -32,17 +35,36 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from . import events
+from . import compat, events
+from .compat import BrokerVersionWarning
 from ._native import Broker, EventStream, Lease, Memory, Session, Usage
 from ._native import __version__
 from ._native import _connect
 from .errors import (
     BrokerError,
+    BrokerRestarted,
+    CapacityExhausted,
+    DeviceClosed,
+    DeviceDraining,
+    DeviceUnhealthy,
     FailedPrecondition,
+    HostFallbackFailed,
     InvalidArgument,
+    LeaseLimitReached,
+    LeaseNotFound,
+    NoDeviceOpen,
     NotFound,
     PermissionDenied,
+    QueueFull,
     QuotaExceeded,
+    RateLimited,
+    RequestTooLarge,
+    SessionLimitReached,
+    SessionNotFound,
+    ShuttingDown,
+    TenantInUse,
+    TenantNotFound,
+    TurnBusy,
     Unauthenticated,
     Unavailable,
     WaitTimeout,
@@ -66,6 +88,26 @@ __all__ = [
     "InvalidArgument",
     "FailedPrecondition",
     "Unavailable",
+    "LeaseLimitReached",
+    "RequestTooLarge",
+    "CapacityExhausted",
+    "QueueFull",
+    "SessionLimitReached",
+    "TurnBusy",
+    "HostFallbackFailed",
+    "RateLimited",
+    "TenantNotFound",
+    "SessionNotFound",
+    "LeaseNotFound",
+    "ShuttingDown",
+    "BrokerRestarted",
+    "NoDeviceOpen",
+    "DeviceClosed",
+    "DeviceDraining",
+    "DeviceUnhealthy",
+    "TenantInUse",
+    "BrokerVersionWarning",
+    "compat",
     "DEFAULT_ADDRESS",
     "__version__",
 ]
@@ -106,6 +148,10 @@ def connect(address: Optional[str] = None, token: Optional[str] = None) -> Broke
         Unauthenticated: no token was given or found.
         Unavailable: nothing answers at the address.
         InvalidArgument: a malformed address or token.
+
+    Warns:
+        BrokerVersionWarning: the broker is older than this package needs, naming the
+            rule (:mod:`gpubroker.compat`).
     """
     if address is None:
         address = os.environ.get("GPU_BROKER_ADDR") or DEFAULT_ADDRESS
@@ -116,4 +162,6 @@ def connect(address: Optional[str] = None, token: Optional[str] = None) -> Broke
             "no broker token: pass token=..., or set GPU_BROKER_TOKEN or GPU_BROKER_TOKEN_FILE",
             code="UNAUTHENTICATED",
         )
-    return _connect(address, token.strip())
+    broker = _connect(address, token.strip())
+    compat.check(broker)
+    return broker

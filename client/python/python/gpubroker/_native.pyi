@@ -5,6 +5,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 from .events import Event, ReclaimRequested
 
 __version__: str
+REQUIRED_API_REVISION: int
 
 Shape = Union[int, Sequence[int], None]
 
@@ -19,6 +20,9 @@ class Broker:
         """Opens a session (a context manager; leaving it ends the session)."""
     def usage(self) -> Usage:
         """The tenant's quota and live usage."""
+    def info(self) -> dict:
+        """What the broker says about itself: version, api_revision, backend,
+        device_count, features."""
 
 class Session:
     """A worker session: leases are taken through it; events arrive on it."""

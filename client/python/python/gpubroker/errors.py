@@ -1,15 +1,19 @@
 """Exceptions raised by :mod:`gpubroker`.
 
-Every error is a :class:`BrokerError`; the subclass names the gRPC status the broker
-answered with (or the closest one for a local failure). ``str(err)`` is the broker's
-message (it carries the numbers, e.g. how much the tenant holds of its limit),
-``err.code`` the gRPC code's name and ``err.reason`` the broker's machine-readable reason
-where it sends one (``None`` otherwise).
+Every error is a :class:`BrokerError`; its class names the gRPC status the broker
+answered with (or the closest one for a local failure), and where the broker sent a
+machine-readable reason, a subclass of that names the reason (``CapacityExhausted`` is a
+``QuotaExceeded``, ``LeaseNotFound`` a ``NotFound``, ...). ``str(err)`` is the broker's
+message (for people: it carries the numbers too), ``err.code`` the gRPC code's name,
+``err.reason`` the broker's reason (e.g. ``"CAPACITY_EXHAUSTED"``, ``None`` where it sent
+none) and ``err.details`` the values behind it (``{"requested_bytes": "8388608", ...}``:
+byte counts in bytes, as strings). Programs match on the class or on ``err.reason``,
+never on the message. The table of reasons is in the project's ``docs/protocol.md``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional, Type
 
 __all__ = [
     "BrokerError",
@@ -21,6 +25,26 @@ __all__ = [
     "InvalidArgument",
     "FailedPrecondition",
     "Unavailable",
+    # by reason
+    "LeaseLimitReached",
+    "RequestTooLarge",
+    "CapacityExhausted",
+    "QueueFull",
+    "SessionLimitReached",
+    "TurnBusy",
+    "HostFallbackFailed",
+    "RateLimited",
+    "TenantNotFound",
+    "SessionNotFound",
+    "LeaseNotFound",
+    "ShuttingDown",
+    "BrokerRestarted",
+    "NoDeviceOpen",
+    "DeviceClosed",
+    "DeviceDraining",
+    "DeviceUnhealthy",
+    "TenantInUse",
+    "REASONS",
 ]
 
 
@@ -31,13 +55,26 @@ class BrokerError(Exception):
         message: the broker's message (or the local failure's description).
         code: the gRPC status code's name, e.g. ``"RESOURCE_EXHAUSTED"``.
         reason: the broker's machine-readable reason, or ``None``.
+        details: the values behind the reason (``ErrorInfo.metadata``), ``{}`` without one.
     """
 
-    def __init__(self, message: str, *, code: Optional[str] = None, reason: Optional[str] = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: Optional[str] = None,
+        reason: Optional[str] = None,
+        details: Optional[Dict[str, str]] = None,
+    ):
         super().__init__(message)
         self.message = message
         self.code = code
         self.reason = reason
+        self.details: Dict[str, str] = dict(details or {})
+
+    def _bytes(self, key: str) -> Optional[int]:
+        value = self.details.get(key)
+        return int(value) if value is not None and value.isdigit() else None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, code={self.code!r}, reason={self.reason!r})"
@@ -45,12 +82,34 @@ class BrokerError(Exception):
 
 class QuotaExceeded(BrokerError):
     """RESOURCE_EXHAUSTED: the tenant's quota, the device's capacity or a cap (leases,
-    sessions, waiting requests) does not allow the request now."""
+    sessions, waiting requests) does not allow the request now. Raised as this class for
+    the reason ``QUOTA_EXCEEDED`` (the tenant's byte limit) and as a subclass for the
+    others (:class:`CapacityExhausted`, :class:`LeaseLimitReached`, ...).
+
+    ``requested_bytes``, ``held_bytes`` and ``limit_bytes`` are the broker's numbers where
+    it sent them (else ``None``)."""
+
+    @property
+    def requested_bytes(self) -> Optional[int]:
+        return self._bytes("requested_bytes")
+
+    @property
+    def held_bytes(self) -> Optional[int]:
+        return self._bytes("held_bytes")
+
+    @property
+    def limit_bytes(self) -> Optional[int]:
+        return self._bytes("limit_bytes")
 
 
 class WaitTimeout(BrokerError):
     """DEADLINE_EXCEEDED: the request waited in the broker's queue for ``wait`` seconds
-    and did not get memory."""
+    and did not get memory (reason ``WAIT_EXPIRED``). ``cause`` is the reason it would
+    have been refused with had it not waited (e.g. ``"CAPACITY_EXHAUSTED"``)."""
+
+    @property
+    def cause(self) -> Optional[str]:
+        return self.details.get("cause")
 
 
 class Unauthenticated(BrokerError):
@@ -77,3 +136,130 @@ class FailedPrecondition(BrokerError):
 
 class Unavailable(BrokerError):
     """UNAVAILABLE: the broker cannot be reached, or it is shutting down."""
+
+
+# ---- one class per reason, each a subclass of its code's class
+
+
+class LeaseLimitReached(QuotaExceeded):
+    """LEASE_COUNT_LIMIT: the tenant holds as many leases as its quota's ``max_leases``."""
+
+
+class RequestTooLarge(QuotaExceeded):
+    """REQUEST_TOO_LARGE: larger than any device could ever lease; waiting does not help."""
+
+
+class CapacityExhausted(QuotaExceeded):
+    """CAPACITY_EXHAUSTED: within the quota, but the devices have not that much free now
+    (``details["free_bytes"]`` is the most any candidate device has). Wait, or retry."""
+
+
+class QueueFull(QuotaExceeded):
+    """QUEUE_FULL: the tenant already has the most waiting requests allowed."""
+
+
+class SessionLimitReached(QuotaExceeded):
+    """SESSION_LIMIT: the tenant already has the most open sessions allowed."""
+
+
+class TurnBusy(QuotaExceeded):
+    """TURN_BUSY: another session holds the compute turn."""
+
+
+class HostFallbackFailed(QuotaExceeded):
+    """HOST_FALLBACK_FAILED: host memory asked for as a fallback could not be made."""
+
+
+class RateLimited(QuotaExceeded):
+    """RATE_LIMITED: over the tenant's call rate; ``retry_after`` seconds until a call
+    would pass."""
+
+    @property
+    def retry_after(self) -> Optional[float]:
+        ms = self.details.get("retry_after_ms")
+        return int(ms) / 1000.0 if ms is not None and ms.isdigit() else None
+
+
+class TenantNotFound(NotFound):
+    """TENANT_NOT_FOUND: the tenant does not exist (any more)."""
+
+
+class SessionNotFound(NotFound):
+    """SESSION_NOT_FOUND: no such session for this tenant."""
+
+
+class LeaseNotFound(NotFound):
+    """LEASE_NOT_FOUND: no such lease for this tenant (released, revoked, or never yours)."""
+
+
+class ShuttingDown(Unavailable):
+    """SHUTTING_DOWN: the broker is stopping; reconnect to its successor."""
+
+
+class BrokerRestarted(Unavailable):
+    """BROKER_RESTARTED: the session belongs to an earlier run of the broker; open a new one."""
+
+
+class NoDeviceOpen(Unavailable):
+    """NO_DEVICE_OPEN: no device on the node takes new leases (drained or unhealthy)."""
+
+
+class DeviceClosed(FailedPrecondition):
+    """The pinned device takes no new leases (:class:`DeviceDraining`,
+    :class:`DeviceUnhealthy`); ``details["device"]`` names it."""
+
+
+class DeviceDraining(DeviceClosed):
+    """DEVICE_DRAINING: the pinned device is drained for maintenance."""
+
+
+class DeviceUnhealthy(DeviceClosed):
+    """DEVICE_UNHEALTHY: the pinned device is unhealthy."""
+
+
+class TenantInUse(FailedPrecondition):
+    """TENANT_IN_USE: the tenant still holds leases."""
+
+
+#: The class raised for each reason the broker sends. A reason not listed here (a newer
+#: broker's) raises its code's class with ``.reason`` set.
+REASONS: Dict[str, Type[BrokerError]] = {
+    "QUOTA_EXCEEDED": QuotaExceeded,
+    "LEASE_COUNT_LIMIT": LeaseLimitReached,
+    "REQUEST_TOO_LARGE": RequestTooLarge,
+    "CAPACITY_EXHAUSTED": CapacityExhausted,
+    "QUEUE_FULL": QueueFull,
+    "SESSION_LIMIT": SessionLimitReached,
+    "TURN_BUSY": TurnBusy,
+    "HOST_FALLBACK_FAILED": HostFallbackFailed,
+    "RATE_LIMITED": RateLimited,
+    "STREAM_LIMIT": QuotaExceeded,
+    "WAIT_EXPIRED": WaitTimeout,
+    "TENANT_NOT_FOUND": TenantNotFound,
+    "SESSION_NOT_FOUND": SessionNotFound,
+    "LEASE_NOT_FOUND": LeaseNotFound,
+    "TOKEN_NOT_FOUND": NotFound,
+    "TURN_NOT_FOUND": NotFound,
+    "SHUTTING_DOWN": ShuttingDown,
+    "BROKER_RESTARTED": BrokerRestarted,
+    "NO_DEVICE_OPEN": NoDeviceOpen,
+    "DEVICE_DRAINING": DeviceDraining,
+    "DEVICE_UNHEALTHY": DeviceUnhealthy,
+    "TENANT_IN_USE": TenantInUse,
+    "TURN_ALREADY_HELD": FailedPrecondition,
+}
+
+
+def _make(
+    base: Type[BrokerError],
+    message: str,
+    code: str,
+    reason: Optional[str],
+    details: Optional[Dict[str, str]],
+) -> BrokerError:
+    """The exception for a broker status: the reason's class where it is one of `base`'s
+    (a reason always belongs to one code; a mismatch keeps `base`), else `base`."""
+    cls = REASONS.get(reason or "", base)
+    if not issubclass(cls, base):
+        cls = base
+    return cls(message, code=code, reason=reason, details=details)

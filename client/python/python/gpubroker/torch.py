@@ -184,13 +184,19 @@ def _new_pool(torch: Any, allocator: Any) -> Any:
 
 def _attach_oom_reason(torch: Any) -> None:
     def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-        reason = _native._torch_take_last_error()
-        if reason is None:
+        last = _native._torch_take_last_error()
+        if last is None:
             return  # not a refusal of ours: PyTorch raises its own error
-        raise torch.OutOfMemoryError(
+        err = torch.OutOfMemoryError(
             f"CUDA out of memory on cuda:{device}: tried to allocate {alloc} bytes and "
-            f"gpubroker could not get them from the broker within GPU_BROKER_WAIT: {reason}"
+            f"gpubroker could not get them from the broker within GPU_BROKER_WAIT: {last['error']}"
         )
+        # The broker's machine-readable reason (e.g. "WAIT_EXPIRED" with cause
+        # "QUOTA_EXCEEDED"), as on gpubroker's own exceptions; None for local failures.
+        err.reason = last.get("reason")
+        err.cause = last.get("cause")
+        err.code = last.get("code")
+        raise err
 
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
     if attach is not None:

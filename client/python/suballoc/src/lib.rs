@@ -63,13 +63,38 @@ impl fmt::Debug for Granted {
 pub struct Refused {
     /// The gRPC code's name (`RESOURCE_EXHAUSTED`, `DEADLINE_EXCEEDED`, ...).
     pub code: String,
+    /// The broker's machine-readable reason (`QUOTA_EXCEEDED`, `WAIT_EXPIRED`, ...),
+    /// where it sent one.
+    pub reason: Option<String>,
+    /// For a lost wait, the reason it would have been refused with without waiting
+    /// (`CAPACITY_EXHAUSTED`, `QUOTA_EXCEEDED`, ...).
+    pub cause: Option<String>,
     /// The broker's message (it carries the numbers).
     pub message: String,
 }
 
+impl Refused {
+    /// A refusal with no machine-readable reason (a local one).
+    pub fn plain(code: &str, message: String) -> Self {
+        Refused {
+            code: code.into(),
+            reason: None,
+            cause: None,
+            message,
+        }
+    }
+}
+
 impl fmt::Display for Refused {
+    /// `CODE (REASON, cause CAUSE): message`, leaving out what is not known.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.code, self.message)
+        f.write_str(&self.code)?;
+        match (&self.reason, &self.cause) {
+            (Some(r), Some(c)) => write!(f, " ({r}, cause {c})")?,
+            (Some(r), None) => write!(f, " ({r})")?,
+            _ => {}
+        }
+        write!(f, ": {}", self.message)
     }
 }
 
@@ -245,7 +270,7 @@ pub struct SubAllocator<B: Backend> {
     backend: B,
     config: Config,
     state: Mutex<State>,
-    last_error: Mutex<Option<String>>,
+    last_error: Mutex<Option<AllocError>>,
 }
 
 fn round_up(n: u64, to: u64) -> Option<u64> {
@@ -306,7 +331,7 @@ impl<B: Backend> SubAllocator<B> {
             Err(refused) => {
                 self.state.lock().stats.ooms += 1;
                 let err = AllocError::Refused(refused);
-                *self.last_error.lock() = Some(err.to_string());
+                *self.last_error.lock() = Some(err.clone());
                 Err(err)
             }
         }
@@ -432,14 +457,14 @@ impl<B: Backend> SubAllocator<B> {
             .collect()
     }
 
-    /// The message of the last failed allocation (the broker's reason).
+    /// The message of the last failed allocation (the broker's refusal).
     pub fn last_error(&self) -> Option<String> {
-        self.last_error.lock().clone()
+        self.last_error.lock().as_ref().map(ToString::to_string)
     }
 
-    /// Like [`SubAllocator::last_error`], and forgets it (a later, unrelated failure
+    /// The last failed allocation's error, and forgets it (a later, unrelated failure
     /// does not repeat an old reason).
-    pub fn take_last_error(&self) -> Option<String> {
+    pub fn take_last_error(&self) -> Option<AllocError> {
         self.last_error.lock().take()
     }
 
@@ -596,13 +621,13 @@ impl<B: Backend> SubAllocator<B> {
             id
         };
         if granted.bytes < need {
-            return Err(Refused {
-                code: "INTERNAL".into(),
-                message: format!(
+            return Err(Refused::plain(
+                "INTERNAL",
+                format!(
                     "the broker granted {} bytes for a request of {bytes}",
                     granted.bytes
                 ),
-            });
+            ));
         }
         // The fresh segment is wholly free: carve from it directly.
         let State {
@@ -611,15 +636,14 @@ impl<B: Backend> SubAllocator<B> {
             stats,
             ..
         } = &mut *st;
-        let seg = segments.get_mut(&id).ok_or_else(|| Refused {
-            code: "INTERNAL".into(),
-            message: "segment vanished".into(),
-        })?;
+        let seg = segments
+            .get_mut(&id)
+            .ok_or_else(|| Refused::plain("INTERNAL", "segment vanished".into()))?;
         let Some(mut block) = seg.blocks.remove(&0) else {
-            return Err(Refused {
-                code: "INTERNAL".into(),
-                message: "fresh segment already used".into(),
-            });
+            return Err(Refused::plain(
+                "INTERNAL",
+                "fresh segment already used".into(),
+            ));
         };
         if block.size > need {
             seg.blocks.insert(

@@ -77,6 +77,15 @@ impl Backend for Arc<Fake> {
         while st.held + bytes > st.quota {
             let refuse = |code: &str, st: &FakeState| Refused {
                 code: code.into(),
+                reason: Some(
+                    if code == "DEADLINE_EXCEEDED" {
+                        "WAIT_EXPIRED"
+                    } else {
+                        "QUOTA_EXCEEDED"
+                    }
+                    .into(),
+                ),
+                cause: (code == "DEADLINE_EXCEEDED").then(|| "QUOTA_EXCEEDED".into()),
                 message: format!(
                     "tenant would hold {} of {} bytes",
                     st.held + bytes,
@@ -326,6 +335,7 @@ fn out_of_memory_carries_the_brokers_reason() {
     match &err {
         AllocError::Refused(r) => {
             assert_eq!(r.code, "DEADLINE_EXCEEDED");
+            assert_eq!(r.reason.as_deref(), Some("WAIT_EXPIRED"));
             assert!(r.message.contains("of 16777216 bytes"), "{}", r.message);
         }
         other => panic!("{other:?}"),
@@ -333,9 +343,12 @@ fn out_of_memory_carries_the_brokers_reason() {
     assert_eq!(a.stats().ooms, 1);
     let last = a.last_error().unwrap();
     assert!(
-        last.contains("DEADLINE_EXCEEDED") && last.contains("16777216"),
+        last.contains("DEADLINE_EXCEEDED (WAIT_EXPIRED, cause QUOTA_EXCEEDED)")
+            && last.contains("16777216"),
         "{last}"
     );
+    assert_eq!(a.take_last_error(), Some(err));
+    assert_eq!(a.take_last_error(), None, "taken once");
 }
 
 #[test]
