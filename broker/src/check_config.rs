@@ -105,18 +105,9 @@ fn running_tenants(
         Ok(tenants
             .into_iter()
             .map(|t| {
-                let q = t.quota;
-                (
-                    t.name,
-                    Quota {
-                        limit_bytes: q.limit_bytes,
-                        max_leases: q.max_leases,
-                        priority: q.priority,
-                        guaranteed_bytes: q.guaranteed_bytes,
-                        host_limit_bytes: q.host_limit_bytes,
-                        turn_weight: q.turn_weight,
-                    },
-                )
+                // Client type -> wire -> broker type: the two `From` pairs, no field copy.
+                let wire = gpu_broker_client::proto::v1::Quota::from(t.quota);
+                (t.name, Quota::from(wire))
             })
             .collect())
     })

@@ -26,6 +26,7 @@ pub mod listener;
 pub mod metrics;
 pub mod pool;
 pub mod process;
+pub mod quota;
 pub mod rate;
 pub mod scheduler;
 pub mod server;

@@ -38,6 +38,8 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use crate::quota::Quota;
+
 use redb::{
     Database, DatabaseError, ReadableDatabase, ReadableTable, StorageError, TableDefinition,
     TableError,
@@ -57,18 +59,14 @@ const SCHEMA_KEY: &str = "schema";
 /// redb page cache for this (small) file.
 const CACHE_BYTES: usize = 16 * 1024 * 1024;
 
-/// A tenant and its quotas, as persisted.
+/// A tenant and its quota, as persisted: the quota's fields sit beside the name (the
+/// JSON `{"name": .., "limit_bytes": .., ...}`), so the file format is
+/// [`Quota`]'s serde form.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TenantRecord {
     pub name: String,
-    pub limit_bytes: u64,
-    pub max_leases: u32,
-    pub priority: i32,
-    pub guaranteed_bytes: u64,
-    pub host_limit_bytes: u64,
-    /// Compute-turn weight (absent in files written before turns existed: 0 = 1).
-    #[serde(default)]
-    pub turn_weight: u32,
+    #[serde(flatten)]
+    pub quota: Quota,
 }
 
 /// An API token, as persisted: only the hash of the secret is stored.
@@ -802,12 +800,14 @@ mod tests {
     fn tenant(name: &str, limit: u64) -> TenantRecord {
         TenantRecord {
             name: name.to_string(),
-            limit_bytes: limit,
-            max_leases: 8,
-            priority: -3,
-            guaranteed_bytes: limit / 2,
-            host_limit_bytes: u64::MAX,
-            turn_weight: 3,
+            quota: Quota {
+                limit_bytes: limit,
+                max_leases: 8,
+                priority: -3,
+                guaranteed_bytes: limit / 2,
+                host_limit_bytes: u64::MAX,
+                turn_weight: 3,
+            },
         }
     }
 
@@ -815,7 +815,80 @@ mod tests {
     fn records_written_before_turn_weights_still_load() {
         let old = r#"{"name":"a","limit_bytes":1,"max_leases":0,"priority":0,"guaranteed_bytes":0,"host_limit_bytes":0}"#;
         let t: TenantRecord = serde_json::from_str(old).unwrap();
-        assert_eq!(t.turn_weight, 0);
+        assert_eq!(t.quota.turn_weight, 0);
+        assert_eq!(t.quota.limit_bytes, 1);
+    }
+
+    /// `tests/data/state-schema1.redb` was written by the broker before the quota had one
+    /// definition (its own `TenantRecord` fields): tenant `training` (24 GiB, 16 leases,
+    /// priority 5, 8 GiB guaranteed, 2 GiB host, turn weight 3), tenant `inference`
+    /// (8 GiB, the rest 0) and a worker token `trainer` of `training`.
+    #[test]
+    fn a_state_file_of_the_earlier_format_loads_and_is_written_back_the_same() {
+        const GIB: u64 = 1 << 30;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join(STATE_FILE_NAME);
+        std::fs::write(&file, include_bytes!("../tests/data/state-schema1.redb")).unwrap();
+        let before: Vec<(String, Vec<u8>)> = {
+            let db = Database::open(&file).unwrap();
+            let txn = db.begin_read().unwrap();
+            let table = txn.open_table(TENANTS).unwrap();
+            table
+                .iter()
+                .unwrap()
+                .map(|r| {
+                    let (k, v) = r.unwrap();
+                    (k.value().to_string(), v.value().to_vec())
+                })
+                .collect()
+        };
+        assert_eq!(before.len(), 2);
+        let store = Store::open(dir.path()).unwrap();
+        let (tenants, tokens) = store.load().unwrap();
+        assert_eq!(
+            tenants,
+            [
+                TenantRecord {
+                    name: "inference".into(),
+                    quota: Quota {
+                        limit_bytes: 8 * GIB,
+                        ..Quota::default()
+                    },
+                },
+                TenantRecord {
+                    name: "training".into(),
+                    quota: Quota {
+                        limit_bytes: 24 * GIB,
+                        max_leases: 16,
+                        priority: 5,
+                        guaranteed_bytes: 8 * GIB,
+                        host_limit_bytes: 2 * GIB,
+                        turn_weight: 3,
+                    },
+                },
+            ]
+        );
+        assert_eq!(tokens.len(), 1);
+        assert_eq!(
+            (tokens[0].tenant.as_str(), tokens[0].name.as_str()),
+            ("training", "trainer")
+        );
+        // Written back, each record is byte for byte what the earlier broker wrote.
+        for t in &tenants {
+            store.put_tenant(t).unwrap();
+        }
+        drop(store);
+        let db = Database::open(&file).unwrap();
+        let txn = db.begin_read().unwrap();
+        let table = txn.open_table(TENANTS).unwrap();
+        for (name, bytes) in &before {
+            let now = table.get(name.as_str()).unwrap().unwrap();
+            assert_eq!(
+                String::from_utf8_lossy(now.value()),
+                String::from_utf8_lossy(bytes),
+                "tenant {name}"
+            );
+        }
     }
 
     fn token(id: &str, tenant: &str) -> TokenRecord {
@@ -952,7 +1025,7 @@ mod tests {
 
         // put replaces
         let mut changed = tenant("mid", 99);
-        changed.priority = 7;
+        changed.quota.priority = 7;
         store.put_tenant(&changed).unwrap();
         let mut tok = token("tok-a", "zeta");
         tok.description = "rotated".into();

@@ -249,17 +249,6 @@ pub fn describe_change(c: &Change) -> String {
     }
 }
 
-fn quota_json(q: &Quota) -> serde_json::Value {
-    serde_json::json!({
-        "limit_bytes": q.limit_bytes,
-        "max_leases": q.max_leases,
-        "priority": q.priority,
-        "guaranteed_bytes": q.guaranteed_bytes,
-        "host_limit_bytes": q.host_limit_bytes,
-        "turn_weight": q.turn_weight,
-    })
-}
-
 /// Applies the declared tenants that differ from the running ones; returns the changes
 /// made. A tenant the arbiter refuses (e.g. guarantees above capacity) is logged and
 /// skipped; the others still apply.
@@ -277,14 +266,14 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
         match arb.change_quota(&d.name, QuotaUpdate::Patch(d.patch)) {
             Ok(c) => {
                 tracing::info!(tenant = %d.name, why, "config: {}", describe_change(&change));
-                let before = running.get(&d.name).map(quota_json);
+                let before = running.get(&d.name).map(Quota::to_json);
                 arb.audit(
                     &crate::audit::Who::system(why),
                     "config.reload",
                     &d.name,
                     &d.name,
                     before,
-                    Some(quota_json(&c.tenant.quota)),
+                    Some(c.tenant.quota.to_json()),
                 );
                 done.push(change);
             }

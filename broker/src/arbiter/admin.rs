@@ -120,7 +120,7 @@ impl Arbiter {
         let (tenants, tokens) = store.load().map_err(store_err)?;
         let mut st = self.state.lock();
         for t in &tenants {
-            st.ledger.set_quota(&t.name, quota_of(t))?;
+            st.ledger.set_quota(&t.name, t.quota)?;
         }
         for t in tokens {
             self.auth.add(TokenEntry::from_record(t)?);
@@ -185,7 +185,10 @@ impl Arbiter {
         }
         if let Some(store) = &self.store {
             store
-                .put_tenant(&record_of(name, &quota))
+                .put_tenant(&TenantRecord {
+                    name: name.to_string(),
+                    quota,
+                })
                 .inspect(|_| self.metrics.store_write(true))
                 .map_err(|e| self.store_failed(e))?;
         }
@@ -386,28 +389,5 @@ impl Arbiter {
             });
         }
         out
-    }
-}
-
-fn quota_of(t: &TenantRecord) -> Quota {
-    Quota {
-        limit_bytes: t.limit_bytes,
-        max_leases: t.max_leases,
-        priority: t.priority,
-        guaranteed_bytes: t.guaranteed_bytes,
-        host_limit_bytes: t.host_limit_bytes,
-        turn_weight: t.turn_weight,
-    }
-}
-
-fn record_of(name: &str, q: &Quota) -> TenantRecord {
-    TenantRecord {
-        name: name.to_string(),
-        limit_bytes: q.limit_bytes,
-        max_leases: q.max_leases,
-        priority: q.priority,
-        guaranteed_bytes: q.guaranteed_bytes,
-        host_limit_bytes: q.host_limit_bytes,
-        turn_weight: q.turn_weight,
     }
 }

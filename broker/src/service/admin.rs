@@ -41,8 +41,8 @@ impl Admin for AdminService {
             "quota.set",
             &c.tenant.name,
             "",
-            before.map(|b| convert::quota_json(&b.quota)),
-            Some(convert::quota_json(&c.tenant.quota)),
+            before.map(|b| b.quota.to_json()),
+            Some(c.tenant.quota.to_json()),
         );
         Ok(Response::new(pb::SetQuotaResponse {
             tenant: Some(convert::tenant(&c.tenant)),
@@ -90,7 +90,7 @@ impl Admin for AdminService {
             "tenant.delete",
             name,
             "",
-            before.map(|b| convert::quota_json(&b.quota)),
+            before.map(|b| b.quota.to_json()),
             None,
         );
         Ok(Response::new(pb::DeleteTenantResponse {}))

@@ -167,7 +167,7 @@ impl Broker for BrokerService {
         let t = self.arb.usage(&tenant)?;
         Ok(Response::new(pb::GetUsageResponse {
             tenant: t.name.clone(),
-            quota: Some(convert::quota(&t.quota)),
+            quota: Some(t.quota.into()),
             usage: Some(convert::usage(&t.usage, &t)),
         }))
     }

@@ -83,16 +83,60 @@ pub fn memory_kind(k: crate::device::MemoryKind) -> pb::MemoryKind {
     }
 }
 
-pub fn quota_from(q: Option<pb::Quota>) -> Result<Quota, BrokerError> {
-    let q = q.ok_or_else(|| BrokerError::InvalidArgument("quota is required".into()))?;
-    Ok(Quota {
-        limit_bytes: q.limit_bytes,
-        max_leases: q.max_leases,
-        priority: q.priority,
-        guaranteed_bytes: q.guaranteed_bytes,
-        host_limit_bytes: q.host_limit_bytes,
-        turn_weight: q.turn_weight,
-    })
+/// The wire quota as the broker's [`Quota`] (field for field; checks come later).
+impl From<pb::Quota> for Quota {
+    fn from(q: pb::Quota) -> Self {
+        Quota {
+            limit_bytes: q.limit_bytes,
+            max_leases: q.max_leases,
+            priority: q.priority,
+            guaranteed_bytes: q.guaranteed_bytes,
+            host_limit_bytes: q.host_limit_bytes,
+            turn_weight: q.turn_weight,
+        }
+    }
+}
+
+/// The broker's [`Quota`] as the wire quota.
+impl From<Quota> for pb::Quota {
+    fn from(q: Quota) -> Self {
+        pb::Quota {
+            limit_bytes: q.limit_bytes,
+            max_leases: q.max_leases,
+            priority: q.priority,
+            guaranteed_bytes: q.guaranteed_bytes,
+            host_limit_bytes: q.host_limit_bytes,
+            turn_weight: q.turn_weight,
+        }
+    }
+}
+
+/// The wire patch as the broker's [`QuotaPatch`].
+impl From<pb::QuotaPatch> for QuotaPatch {
+    fn from(p: pb::QuotaPatch) -> Self {
+        QuotaPatch {
+            limit_bytes: p.limit_bytes,
+            max_leases: p.max_leases,
+            priority: p.priority,
+            guaranteed_bytes: p.guaranteed_bytes,
+            host_limit_bytes: p.host_limit_bytes,
+            turn_weight: p.turn_weight,
+        }
+    }
+}
+
+/// The broker's [`QuotaPatch`] as the wire patch.
+impl From<QuotaPatch> for pb::QuotaPatch {
+    fn from(p: QuotaPatch) -> Self {
+        pb::QuotaPatch {
+            limit_bytes: p.limit_bytes,
+            max_leases: p.max_leases,
+            priority: p.priority,
+            guaranteed_bytes: p.guaranteed_bytes,
+            host_limit_bytes: p.host_limit_bytes,
+            turn_weight: p.turn_weight,
+        }
+    }
 }
 
 /// A `SetQuota` request's change: the whole `quota`, or only the fields of `patch`.
@@ -104,16 +148,9 @@ pub fn quota_update(
         (Some(_), Some(_)) => Err(BrokerError::InvalidArgument(
             "give either quota (replace) or patch (change some fields), not both".into(),
         )),
-        (q @ Some(_), None) => quota_from(q).map(QuotaUpdate::Replace),
+        (Some(q), None) => Ok(QuotaUpdate::Replace(Quota::from(q))),
         (None, Some(p)) => {
-            let patch = QuotaPatch {
-                limit_bytes: p.limit_bytes,
-                max_leases: p.max_leases,
-                priority: p.priority,
-                guaranteed_bytes: p.guaranteed_bytes,
-                host_limit_bytes: p.host_limit_bytes,
-                turn_weight: p.turn_weight,
-            };
+            let patch = QuotaPatch::from(p);
             if patch.is_empty() {
                 return Err(BrokerError::InvalidArgument(
                     "the quota patch changes nothing: give at least one field".into(),
@@ -124,17 +161,6 @@ pub fn quota_update(
         (None, None) => Err(BrokerError::InvalidArgument(
             "quota or patch is required".into(),
         )),
-    }
-}
-
-pub fn quota(q: &Quota) -> pb::Quota {
-    pb::Quota {
-        limit_bytes: q.limit_bytes,
-        max_leases: q.max_leases,
-        priority: q.priority,
-        guaranteed_bytes: q.guaranteed_bytes,
-        host_limit_bytes: q.host_limit_bytes,
-        turn_weight: q.turn_weight,
     }
 }
 
@@ -156,7 +182,7 @@ pub fn usage(u: &Usage, t: &TenantView) -> pb::Usage {
 pub fn tenant(t: &TenantView) -> pb::TenantInfo {
     pb::TenantInfo {
         name: t.name.clone(),
-        quota: Some(quota(&t.quota)),
+        quota: Some(pb::Quota::from(t.quota)),
         usage: Some(usage(&t.usage, t)),
         token_count: t.tokens,
     }
@@ -192,18 +218,6 @@ pub fn scope_from(v: i32) -> Result<Scope, BrokerError> {
             "unknown token scope {v}"
         ))),
     }
-}
-
-/// A quota as the audit log records it.
-pub fn quota_json(q: &Quota) -> serde_json::Value {
-    serde_json::json!({
-        "limit_bytes": q.limit_bytes,
-        "max_leases": q.max_leases,
-        "priority": q.priority,
-        "guaranteed_bytes": q.guaranteed_bytes,
-        "host_limit_bytes": q.host_limit_bytes,
-        "turn_weight": q.turn_weight,
-    })
 }
 
 /// A token's public fields as the audit log records them.
