@@ -251,6 +251,11 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_TURN_GRACE", default_value = "100ms", value_parser = parse_duration)]
     pub turn_grace: Duration,
 
+    /// Holders of compute turns per device at once: 1 is strict time slicing; N lets N
+    /// small models run concurrently (under MPS, each held to its own share).
+    #[arg(long, env = "GPU_BROKER_TURN_SLOTS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub turn_slots: u32,
+
     /// Log as JSON lines instead of text.
     #[arg(long, env = "GPU_BROKER_LOG_JSON")]
     pub log_json: bool,
@@ -258,6 +263,10 @@ pub struct Config {
     /// Connection and stream limits (`crate::listener`).
     #[command(flatten)]
     pub limits: crate::listener::LimitFlags,
+
+    /// Managed MPS (`crate::mps`).
+    #[command(flatten)]
+    pub mps: crate::mps::MpsFlags,
 
     /// Unix socket of the ticket server that hands lease file descriptors to workers
     /// (default: `<socket stem>.tickets.sock` next to --socket).
@@ -356,6 +365,7 @@ impl Config {
             turns: crate::scheduler::TurnConfig {
                 quantum: self.turn_quantum,
                 grace: self.turn_grace,
+                slots: self.turn_slots,
             },
             rate: crate::rate::RateConfig {
                 rate: self.tenant_rpc_rate,

@@ -24,6 +24,7 @@ pub mod lease;
 pub mod ledger;
 pub mod listener;
 pub mod metrics;
+pub mod mps;
 pub mod pool;
 pub mod process;
 pub mod quota;

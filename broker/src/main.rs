@@ -92,12 +92,23 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         ),
         legacy_ipc: cfg.legacy_ipc_handles,
     };
+    // Managed MPS starts before the devices open: in the ExclusiveProcess compute mode the
+    // broker's own context must be an MPS client (docs/mps.md).
+    let mps = if cfg.mps.mps {
+        Some(start_mps(&cfg).await)
+    } else {
+        None
+    };
     let devices = open_devices(&spec).context("opening devices")?;
     let host_tier =
         open_host_tier(cfg.host_fallback_capacity).context("opening the host fallback tier")?;
     let arb = Arbiter::new(devices, host_tier, Some(store), auth, cfg.arbiter())
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading state")?;
+    if let Some(mps) = mps.clone() {
+        mps.set_device_count(arb.device_count() as u32);
+        arb.set_mps(mps);
+    }
     let shutdown = CancellationToken::new();
     // Declarative tenants: applied before serving, then on SIGHUP and file changes.
     if let Some(path) = &cfg.config {
@@ -205,9 +216,50 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     )
     .await?;
     tickets_stop.cancel();
+    if let Some(mps) = &mps {
+        // After every session ended: no reserved process is left to need the daemon.
+        mps.shutdown().await;
+    }
     let _ = std::fs::remove_file(&cfg.socket);
     let _ = std::fs::remove_file(&ticket_path);
     Ok(())
+}
+
+/// Starts the managed MPS daemon (`--mps`), reading the devices' compute mode first; in
+/// the ExclusiveProcess mode the broker itself becomes a client of its daemon.
+async fn start_mps(cfg: &Config) -> Arc<gpu_broker::mps::Mps> {
+    use gpu_broker::mps::{compute_mode, Mps};
+    let indices: Vec<u32> = match &cfg.devices {
+        Some(d) => d.0.clone(),
+        None => match nvml_wrapper::Nvml::init().and_then(|n| n.device_count()) {
+            Ok(n) => (0..n).collect(),
+            Err(_) => (0..cfg.host_devices).collect(),
+        },
+    };
+    let modes = compute_mode::read(&indices);
+    let control = cfg
+        .mps
+        .control(&cfg.socket, &cfg.state_dir, cfg.devices.as_ref().map(|d| d.0.as_slice()));
+    let pipe = control.pipe_dir.clone();
+    let mps = Mps::start(control, cfg.mps.timings(), indices.len() as u32, modes.clone()).await;
+    let status = mps.status();
+    tracing::info!(
+        pipe = %pipe.display(),
+        compute_modes = ?modes,
+        status = %status.summary(),
+        "managed MPS"
+    );
+    if compute_mode::broker_must_join(&modes) {
+        tracing::info!(
+            "ExclusiveProcess compute mode: the broker's own CUDA context goes through its MPS daemon"
+        );
+        std::env::set_var("CUDA_MPS_PIPE_DIRECTORY", &pipe);
+    } else if modes.iter().any(|m| m == compute_mode::DEFAULT) {
+        tracing::warn!(
+            "compute mode Default: a program that drops the MPS variables runs outside MPS and its limits; ExclusiveProcess (set by the operator) prevents that (docs/mps.md)"
+        );
+    }
+    mps
 }
 
 /// Without `--config`, SIGHUP is logged as having nothing to reload (never the default

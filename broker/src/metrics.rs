@@ -467,6 +467,7 @@ const TENANT_GAUGES: [(&str, &str, TenantGet); 11] = [
 pub async fn render(arb: &Arbiter, format: Format) -> String {
     let mut reg = Registry::with_prefix("gpu_broker");
     arb.metrics().register(&mut reg);
+    arb.scheduler.register_metrics(&mut reg);
 
     let devices = arb.devices().await;
     let backend = devices

@@ -1,16 +1,19 @@
 //! Compute turns: time-slicing a GPU between workers. A worker asks for a turn on a
 //! device (`AcquireTurn`), runs its kernels while it holds it, and gives it back
-//! (`ReleaseTurn`). One turn per device at a time. When several wait, the next turn goes
-//! to the tenant with the least compute time per unit of weight (weighted fair share;
-//! `turn_weight` in the quota), first come first served within a tenant. A holder that
-//! keeps its turn past the quantum while others wait is asked to yield
-//! (`YieldRequested`); past quantum + grace the turn is taken (`TurnRevoked`) and given to
-//! the next. Time held beyond the quantum while others waited is the holder's *overrun*.
-//! This module never touches memory.
+//! (`ReleaseTurn`). Up to `slots` turns per device at a time (`--turn-slots`: 1 is strict
+//! time slicing; N lets N small models run at once, e.g. under MPS). When several wait,
+//! the next free slot goes to the tenant with the least compute time per unit of weight
+//! (weighted fair share; `turn_weight` in the quota), first come first served within a
+//! tenant. A holder that keeps its turn past the quantum while others wait is asked to
+//! yield (`YieldRequested`); past quantum + grace the turn is taken (`TurnRevoked`) and
+//! given to the next. Time held beyond the quantum while others waited is the holder's
+//! *overrun*. The hand-off time (from receiving a `ReleaseTurn` to sending the next
+//! waiter its grant) is a histogram. This module never touches memory.
 
 use crate::error::{BrokerError, BrokerResult};
 use crate::session::SessionEvent;
 use parking_lot::Mutex;
+use prometheus_client::metrics::histogram::Histogram;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{mpsc, oneshot};
@@ -23,6 +26,8 @@ pub struct TurnConfig {
     pub quantum: Duration,
     /// How long after the yield request the turn is taken away.
     pub grace: Duration,
+    /// Turns held on one device at once (at least 1).
+    pub slots: u32,
 }
 
 impl Default for TurnConfig {
@@ -30,6 +35,7 @@ impl Default for TurnConfig {
         TurnConfig {
             quantum: Duration::from_millis(100),
             grace: Duration::from_millis(100),
+            slots: 1,
         }
     }
 }
@@ -40,6 +46,9 @@ pub struct TurnGrant {
     pub turn_id: Uuid,
     pub device: u32,
     pub quantum: Duration,
+    /// When the `ReleaseTurn` that freed this slot was received (None: the slot was free,
+    /// or freed otherwise). The service observes the hand-off time from it.
+    pub handoff_from: Option<Instant>,
 }
 
 /// How a turn went, reported when it ends.
@@ -86,7 +95,7 @@ struct Waiter {
 
 #[derive(Default)]
 struct DeviceTurns {
-    holder: Option<Holder>,
+    holders: Vec<Holder>,
     waiting: VecDeque<Waiter>,
 }
 
@@ -101,6 +110,15 @@ struct Inner {
 pub struct Scheduler {
     cfg: TurnConfig,
     inner: Mutex<Inner>,
+    handoff: Histogram,
+}
+
+/// Hand-off buckets: 5 us to about 0.3 s, x1.5 apart (fine enough to read a p99 near
+/// 100 us).
+fn handoff_histogram() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        5e-6, 1.5, 28,
+    ))
 }
 
 /// A turn request: granted at once (already sent on `rx`) or waiting as `waiter`.
@@ -115,9 +133,29 @@ impl Scheduler {
         let mut inner = Inner::default();
         inner.devices.resize_with(devices, DeviceTurns::default);
         Scheduler {
-            cfg,
+            cfg: TurnConfig {
+                slots: cfg.slots.max(1),
+                ..cfg
+            },
             inner: Mutex::new(inner),
+            handoff: handoff_histogram(),
         }
+    }
+
+    /// Records a hand-off: a grant that `handoff_from` a release is being sent now.
+    pub fn observe_handoff(&self, grant: &TurnGrant) {
+        if let Some(t) = grant.handoff_from {
+            self.handoff.observe(t.elapsed().as_secs_f64());
+        }
+    }
+
+    /// Registers the hand-off histogram (`turn_handoff_seconds`).
+    pub fn register_metrics(&self, reg: &mut prometheus_client::registry::Registry) {
+        reg.register(
+            "turn_handoff_seconds",
+            "Time from receiving a ReleaseTurn to sending the next waiter its grant",
+            self.handoff.clone(),
+        );
     }
 
     pub fn config(&self) -> TurnConfig {
@@ -158,9 +196,9 @@ impl Scheduler {
             )));
         }
         if inner.devices[device as usize]
-            .holder
-            .as_ref()
-            .is_some_and(|h| h.who.session == who.session)
+            .holders
+            .iter()
+            .any(|h| h.who.session == who.session)
         {
             return Err(BrokerError::TurnAlreadyHeld { device });
         }
@@ -168,12 +206,15 @@ impl Scheduler {
         inner.next_waiter += 1;
         let id = inner.next_waiter;
         let now = Instant::now();
+        let slots = self.cfg.slots as usize;
         let d = &mut inner.devices[device as usize];
-        if let Some(h) = d.holder.as_mut() {
-            h.contended_since.get_or_insert(now);
+        if d.holders.len() >= slots {
+            for h in &mut d.holders {
+                h.contended_since.get_or_insert(now);
+            }
         }
         d.waiting.push_back(Waiter { id, who, reply: tx });
-        self.grant_next(&mut inner, device, now);
+        self.grant_next(&mut inner, device, now, None);
         Ok(Pending {
             rx,
             device,
@@ -192,7 +233,7 @@ impl Scheduler {
         d.waiting.retain(|w| w.id != waiter);
         let removed = d.waiting.len() != before;
         if d.waiting.is_empty() {
-            if let Some(h) = d.holder.as_mut() {
+            for h in &mut d.holders {
                 h.contended_since = None;
             }
         }
@@ -201,20 +242,32 @@ impl Scheduler {
 
     /// The holder gives its turn back.
     pub fn release(&self, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
+        self.release_received(tenant, turn_id, Instant::now())
+    }
+
+    /// The holder gives its turn back; its `ReleaseTurn` was received at `received` (the
+    /// start of the hand-off the next grant measures).
+    pub fn release_received(
+        &self,
+        tenant: &str,
+        turn_id: Uuid,
+        received: Instant,
+    ) -> BrokerResult<TurnEnd> {
         let mut inner = self.inner.lock();
-        let found = inner.devices.iter().position(|d| {
-            d.holder
-                .as_ref()
-                .is_some_and(|h| h.turn_id == turn_id && h.who.tenant == tenant)
+        let found = inner.devices.iter().enumerate().find_map(|(i, d)| {
+            d.holders
+                .iter()
+                .position(|h| h.turn_id == turn_id && h.who.tenant == tenant)
+                .map(|slot| (i, slot))
         });
-        let Some(device) = found else {
+        let Some((device, slot)) = found else {
             return Err(BrokerError::NotFound(crate::error::Missing::Turn(
                 turn_id.to_string(),
             )));
         };
         let now = Instant::now();
-        let end = self.end_turn(&mut inner, device as u32, now);
-        self.grant_next(&mut inner, device as u32, now);
+        let end = self.end_turn(&mut inner, device as u32, slot, now);
+        self.grant_next(&mut inner, device as u32, now, Some(received));
         Ok(end)
     }
 
@@ -226,14 +279,14 @@ impl Scheduler {
             inner.devices[device]
                 .waiting
                 .retain(|w| w.who.session != session);
-            let holds = inner.devices[device]
-                .holder
-                .as_ref()
-                .is_some_and(|h| h.who.session == session);
-            if holds {
-                self.end_turn(&mut inner, device as u32, now);
-                self.grant_next(&mut inner, device as u32, now);
+            while let Some(slot) = inner.devices[device]
+                .holders
+                .iter()
+                .position(|h| h.who.session == session)
+            {
+                self.end_turn(&mut inner, device as u32, slot, now);
             }
+            self.grant_next(&mut inner, device as u32, now, None);
         }
     }
 
@@ -243,37 +296,41 @@ impl Scheduler {
         let mut inner = self.inner.lock();
         let now = Instant::now();
         for device in 0..inner.devices.len() {
-            let d = &mut inner.devices[device];
-            if d.waiting.is_empty() {
+            if inner.devices[device].waiting.is_empty() {
                 continue;
             }
-            let Some(h) = d.holder.as_mut() else { continue };
-            let held = now.duration_since(h.since);
-            match h.yield_sent_at {
-                Some(asked) if now.duration_since(asked) >= self.cfg.grace => {
-                    let _ = h.who.events.send(SessionEvent::TurnRevoked {
-                        turn_id: h.turn_id,
-                        device: device as u32,
-                        reason: format!(
-                            "held {} ms, past the quantum ({} ms) and grace ({} ms) while others waited",
-                            held.as_millis(),
-                            self.cfg.quantum.as_millis(),
-                            self.cfg.grace.as_millis()
-                        ),
-                    });
-                    self.end_turn(&mut inner, device as u32, now);
-                    self.grant_next(&mut inner, device as u32, now);
+            let mut slot = 0;
+            while slot < inner.devices[device].holders.len() {
+                let h = &mut inner.devices[device].holders[slot];
+                let held = now.duration_since(h.since);
+                match h.yield_sent_at {
+                    Some(asked) if now.duration_since(asked) >= self.cfg.grace => {
+                        let _ = h.who.events.send(SessionEvent::TurnRevoked {
+                            turn_id: h.turn_id,
+                            device: device as u32,
+                            reason: format!(
+                                "held {} ms, past the quantum ({} ms) and grace ({} ms) while others waited",
+                                held.as_millis(),
+                                self.cfg.quantum.as_millis(),
+                                self.cfg.grace.as_millis()
+                            ),
+                        });
+                        self.end_turn(&mut inner, device as u32, slot, now);
+                        continue; // the next holder moved into this slot
+                    }
+                    None if held >= self.cfg.quantum => {
+                        h.yield_sent_at = Some(now);
+                        let _ = h.who.events.send(SessionEvent::YieldRequested {
+                            turn_id: h.turn_id,
+                            device: device as u32,
+                            deadline: SystemTime::now() + self.cfg.grace,
+                        });
+                    }
+                    _ => {}
                 }
-                None if held >= self.cfg.quantum => {
-                    h.yield_sent_at = Some(now);
-                    let _ = h.who.events.send(SessionEvent::YieldRequested {
-                        turn_id: h.turn_id,
-                        device: device as u32,
-                        deadline: SystemTime::now() + self.cfg.grace,
-                    });
-                }
-                _ => {}
+                slot += 1;
             }
+            self.grant_next(&mut inner, device as u32, now, None);
         }
     }
 
@@ -287,23 +344,35 @@ impl Scheduler {
             .unwrap_or_default()
     }
 
-    /// Tenant holding the turn on `device`, and how many wait.
+    /// Tenant holding the (longest-held) turn on `device`, and how many wait.
     pub fn device_state(&self, device: u32) -> (Option<String>, u32) {
         let inner = self.inner.lock();
         match inner.devices.get(device as usize) {
             Some(d) => (
-                d.holder.as_ref().map(|h| h.who.tenant.clone()),
+                d.holders.first().map(|h| h.who.tenant.clone()),
                 d.waiting.len() as u32,
             ),
             None => (None, 0),
         }
     }
 
-    /// Ends the current turn on `device` and books its time.
-    fn end_turn(&self, inner: &mut Inner, device: u32, now: Instant) -> TurnEnd {
-        let Some(h) = inner.devices[device as usize].holder.take() else {
+    /// How many hold a turn on `device` now (at most the slots).
+    pub fn holders(&self, device: u32) -> u32 {
+        self.inner
+            .lock()
+            .devices
+            .get(device as usize)
+            .map(|d| d.holders.len() as u32)
+            .unwrap_or(0)
+    }
+
+    /// Ends the turn in `slot` on `device` and books its time.
+    fn end_turn(&self, inner: &mut Inner, device: u32, slot: usize, now: Instant) -> TurnEnd {
+        let holders = &mut inner.devices[device as usize].holders;
+        if slot >= holders.len() {
             return TurnEnd::default();
-        };
+        }
+        let h = holders.remove(slot);
         let held = now.duration_since(h.since);
         let overrun = match h.contended_since {
             Some(c) => now.saturating_duration_since(c.max(h.since + self.cfg.quantum)),
@@ -316,14 +385,15 @@ impl Scheduler {
         TurnEnd { held, overrun }
     }
 
-    /// Grants the free turn on `device` to the next waiter: the tenant with the least
+    /// Grants the free slots on `device` to the next waiters: the tenant with the least
     /// compute time per weight, first come first served within it. Skips waiters whose
-    /// caller is gone.
-    fn grant_next(&self, inner: &mut Inner, device: u32, now: Instant) {
+    /// caller is gone. `handoff_from`: when the release that freed a slot was received.
+    fn grant_next(&self, inner: &mut Inner, device: u32, now: Instant, handoff_from: Option<Instant>) {
+        let slots = self.cfg.slots as usize;
         loop {
             let Inner { devices, usage, .. } = inner;
             let d = &mut devices[device as usize];
-            if d.holder.is_some() || d.waiting.is_empty() {
+            if d.holders.len() >= slots || d.waiting.is_empty() {
                 return;
             }
             let share = |w: &Waiter| {
@@ -346,23 +416,24 @@ impl Scheduler {
                 turn_id: Uuid::new_v4(),
                 device,
                 quantum: self.cfg.quantum,
+                handoff_from,
             };
             let who = w.who.clone();
             if w.reply.send(Ok(grant.clone())).is_err() {
                 continue; // the caller left; next
             }
-            d.holder = Some(Holder {
+            let full = d.holders.len() + 1 >= slots;
+            d.holders.push(Holder {
                 turn_id: grant.turn_id,
                 who,
                 since: now,
-                contended_since: if d.waiting.is_empty() {
-                    None
-                } else {
+                contended_since: if full && !d.waiting.is_empty() {
                     Some(now)
+                } else {
+                    None
                 },
                 yield_sent_at: None,
             });
-            return;
         }
     }
 }
@@ -394,6 +465,7 @@ mod tests {
             TurnConfig {
                 quantum: Duration::from_millis(quantum_ms),
                 grace: Duration::from_millis(quantum_ms),
+                slots: 1,
             },
         )
     }
@@ -572,5 +644,164 @@ mod tests {
             s.request(9, who("d", 1).0),
             Err(BrokerError::InvalidArgument(_))
         ));
+    }
+
+    fn sched_slots(slots: u32) -> Scheduler {
+        Scheduler::new(
+            1,
+            TurnConfig {
+                quantum: Duration::from_secs(10),
+                grace: Duration::from_secs(10),
+                slots,
+            },
+        )
+    }
+
+    #[test]
+    fn n_slots_admit_n_holders_then_the_next_waits_for_a_release() {
+        let s = sched_slots(2);
+        let (a, _ea) = who("a", 1);
+        let (b, _eb) = who("b", 1);
+        let (c, _ec) = who("c", 1);
+        let mut pa = s.request(0, a).unwrap();
+        let mut pb = s.request(0, b).unwrap();
+        let mut pc = s.request(0, c).unwrap();
+        let ga = granted(&mut pa).expect("first slot");
+        let gb = granted(&mut pb).expect("second slot");
+        assert!(ga.handoff_from.is_none() && gb.handoff_from.is_none());
+        assert!(granted(&mut pc).is_none(), "both slots taken");
+        assert_eq!(s.holders(0), 2);
+        assert_eq!(s.device_state(0), (Some("a".into()), 1));
+        let received = Instant::now() - Duration::from_millis(3);
+        s.release_received("b", gb.turn_id, received).unwrap();
+        let gc = granted(&mut pc).expect("c takes the freed slot");
+        assert_eq!(gc.handoff_from, Some(received));
+        assert_eq!(s.holders(0), 2);
+        s.release("a", ga.turn_id).unwrap();
+        assert_eq!(s.holders(0), 1);
+        assert_eq!(s.usage("b").turns, 1);
+    }
+
+    #[test]
+    fn a_session_holds_at_most_one_slot_of_a_device() {
+        let s = sched_slots(4);
+        let (a, _ea) = who("a", 1);
+        let mut pa = s.request(0, a.clone()).unwrap();
+        granted(&mut pa).unwrap();
+        assert!(matches!(
+            s.request(0, a),
+            Err(BrokerError::TurnAlreadyHeld { .. })
+        ));
+    }
+
+    #[test]
+    fn hand_offs_are_counted_in_the_histogram() {
+        let s = sched_slots(1);
+        let (a, _ea) = who("a", 1);
+        let (b, _eb) = who("b", 1);
+        let mut pa = s.request(0, a).unwrap();
+        let ga = granted(&mut pa).unwrap();
+        s.observe_handoff(&ga); // not a hand-off: not counted
+        let mut pb = s.request(0, b).unwrap();
+        s.release_received("a", ga.turn_id, Instant::now()).unwrap();
+        let gb = granted(&mut pb).unwrap();
+        s.observe_handoff(&gb);
+        let mut reg = prometheus_client::registry::Registry::default();
+        s.register_metrics(&mut reg);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        assert!(text.contains("turn_handoff_seconds_count 1"), "{text}");
+    }
+
+    /// Runs `rounds` turns of 10 ms (booked by backdating each holder's start) with every
+    /// tenant always waiting; returns each tenant's share of the compute.
+    fn shares(slots: u32, weights: &[(&str, u32)], rounds: usize) -> Vec<f64> {
+        let s = sched_slots(slots);
+        let mut events = Vec::new();
+        let mut pending: Vec<(usize, Pending)> = Vec::new();
+        // Two sessions per tenant, so that every tenant has a waiter whatever holds.
+        for (i, (t, w)) in weights.iter().enumerate() {
+            for _ in 0..2 {
+                let (r, e) = who(t, *w);
+                events.push((i, r.clone(), e));
+                pending.push((i, s.request(0, r).unwrap()));
+            }
+        }
+        for _ in 0..rounds {
+            // Backdate every holder by 10 ms, then release the oldest one and queue its
+            // session again.
+            for (_, p) in pending.iter_mut() {
+                let _ = granted(p);
+            }
+            {
+                let mut inner = s.inner.lock();
+                for h in &mut inner.devices[0].holders {
+                    h.since -= Duration::from_millis(10);
+                }
+            }
+            let (tenant, turn, session) = {
+                let inner = s.inner.lock();
+                let h = &inner.devices[0].holders[0];
+                (h.who.tenant.clone(), h.turn_id, h.who.session)
+            };
+            s.release(&tenant, turn).unwrap();
+            let (i, r, _) = events.iter().find(|(_, r, _)| r.session == session).unwrap();
+            pending.push((*i, s.request(0, r.clone()).unwrap()));
+            pending.retain(|(_, p)| !p.rx.is_terminated());
+        }
+        let total: f64 = weights
+            .iter()
+            .map(|(t, _)| s.usage(t).compute.as_secs_f64())
+            .sum();
+        weights
+            .iter()
+            .map(|(t, _)| s.usage(t).compute.as_secs_f64() / total)
+            .collect()
+    }
+
+    #[test]
+    fn shares_follow_the_weights_with_one_slot_and_with_several() {
+        let weights = [("w1", 1), ("w2", 2), ("w4", 4)];
+        for slots in [1, 2] {
+            let got = shares(slots, &weights, 700);
+            for (g, want) in got.iter().zip([1.0 / 7.0, 2.0 / 7.0, 4.0 / 7.0]) {
+                assert!(
+                    (g - want).abs() / want < 0.05,
+                    "slots {slots}: shares {got:?}, want 1:2:4"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn with_slots_only_holders_past_the_quantum_are_asked_to_yield() {
+        let s = Scheduler::new(
+            1,
+            TurnConfig {
+                quantum: Duration::from_millis(20),
+                grace: Duration::from_millis(20),
+                slots: 2,
+            },
+        );
+        let (a, mut ea) = who("a", 1);
+        let (b, mut eb) = who("b", 1);
+        let (c, _ec) = who("c", 1);
+        let mut pa = s.request(0, a).unwrap();
+        let ga = granted(&mut pa).unwrap();
+        std::thread::sleep(Duration::from_millis(25));
+        let mut pb = s.request(0, b).unwrap();
+        granted(&mut pb).unwrap();
+        s.tick();
+        assert!(ea.try_recv().is_err(), "a free slot was left: nobody waits");
+        let mut pc = s.request(0, c).unwrap();
+        s.tick();
+        assert!(matches!(ea.try_recv(), Ok(SessionEvent::YieldRequested { .. })));
+        assert!(eb.try_recv().is_err(), "b is within its quantum");
+        std::thread::sleep(Duration::from_millis(25));
+        s.tick();
+        assert!(matches!(ea.try_recv(), Ok(SessionEvent::TurnRevoked { .. })));
+        assert!(granted(&mut pc).is_some(), "c got a's slot");
+        assert!(s.release("a", ga.turn_id).is_err());
+        assert_eq!(s.holders(0), 2);
     }
 }

@@ -52,6 +52,16 @@ pub struct DeviceInfo {
     /// Marked unhealthy (no new leases), and why.
     pub unhealthy: bool,
     pub health_reason: String,
+    /// The broker's managed MPS daemon: "" without `--mps`, else "starting", "running",
+    /// "down" (MPS reservations refused) or "stopped"; with a one-line detail.
+    pub mps_state: String,
+    pub mps_detail: String,
+    /// Client processes connected to the MPS servers.
+    pub mps_clients: u32,
+    /// Compute mode as NVML reports it ("" when not read).
+    pub compute_mode: String,
+    /// Holders of compute turns now (at most the broker's `--turn-slots`).
+    pub turn_holders: u32,
 }
 
 impl From<pb::DeviceInfo> for DeviceInfo {
@@ -79,6 +89,11 @@ impl From<pb::DeviceInfo> for DeviceInfo {
             drain_reason: d.drain_reason,
             unhealthy: d.unhealthy,
             health_reason: d.health_reason,
+            mps_state: d.mps_state,
+            mps_detail: d.mps_detail,
+            mps_clients: d.mps_clients,
+            compute_mode: d.compute_mode,
+            turn_holders: d.turn_holders,
         }
     }
 }

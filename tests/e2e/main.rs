@@ -14,6 +14,7 @@ mod errors;
 mod examples;
 mod fd_leases;
 mod isolation;
+mod mps;
 mod observability;
 mod prometheus;
 mod quota;

@@ -160,6 +160,8 @@ pub struct Arbiter {
     pub(crate) metrics: crate::metrics::Metrics,
     /// NVML faults, once the health monitor runs (operators' resets reach it).
     pub(crate) health_source: HealthSourceSlot,
+    /// The managed MPS daemon (`--mps`), set once at start.
+    mps: std::sync::OnceLock<Arc<crate::mps::Mps>>,
 }
 
 /// Where the health monitor keeps its fault source.
@@ -173,6 +175,16 @@ pub const RECLAIM_DEADLINE_MISSED: &str = "reclaim deadline missed";
 pub const MAX_LABEL: usize = crate::bounds::MAX_TEXT_BYTES;
 
 impl Arbiter {
+    /// The managed MPS daemon, when the broker runs one (`--mps`).
+    pub fn mps(&self) -> Option<&Arc<crate::mps::Mps>> {
+        self.mps.get()
+    }
+
+    /// Hands the arbiter the managed MPS daemon (once; later calls are ignored).
+    pub fn set_mps(&self, mps: Arc<crate::mps::Mps>) {
+        let _ = self.mps.set(mps);
+    }
+
     /// An arbiter over `devices`; tenants and tokens are loaded from `store` if given.
     pub fn new(
         devices: Vec<DeviceSlot>,
@@ -201,6 +213,7 @@ impl Arbiter {
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             health_source: parking_lot::Mutex::new(None),
+            mps: std::sync::OnceLock::new(),
             scheduler,
             state: Mutex::new(st),
             devices,

@@ -131,4 +131,25 @@ impl Arbiter {
     pub fn release_turn(&self, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
         self.scheduler.release(tenant, turn_id)
     }
+
+    /// The holder gives its compute turn back; its `ReleaseTurn` arrived at `received`
+    /// (the start of the hand-off to the next waiter).
+    pub fn release_turn_received(
+        &self,
+        tenant: &str,
+        turn_id: Uuid,
+        received: Instant,
+    ) -> BrokerResult<TurnEnd> {
+        self.scheduler.release_received(tenant, turn_id, received)
+    }
+
+    /// A turn grant is being sent: its hand-off time, if a release freed its slot.
+    pub fn observe_turn_handoff(&self, grant: &TurnGrant) {
+        self.scheduler.observe_handoff(grant);
+    }
+
+    /// Holders of compute turns on `device` now.
+    pub fn turn_holders(&self, device: u32) -> u32 {
+        self.scheduler.holders(device)
+    }
 }

@@ -248,9 +248,14 @@ impl Admin for AdminService {
         _req: Request<pb::GetDevicesRequest>,
     ) -> Result<Response<pb::GetDevicesResponse>, Status> {
         let devices = self.arb.devices().await;
-        Ok(Response::new(pb::GetDevicesResponse {
-            devices: devices.iter().map(convert::device).collect(),
-        }))
+        let mut devices: Vec<pb::DeviceInfo> = devices.iter().map(convert::device).collect();
+        for d in &mut devices {
+            d.turn_holders = self.arb.turn_holders(d.index);
+        }
+        if let Some(mps) = self.arb.mps() {
+            crate::mps::report::fill(&mps.status(), &mut devices);
+        }
+        Ok(Response::new(pb::GetDevicesResponse { devices }))
     }
 
     async fn rotate_admin_token(

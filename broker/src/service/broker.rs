@@ -186,6 +186,7 @@ impl Broker for BrokerService {
             .acquire_turn(&tenant, session, r.device, wait)
             .instrument(span)
             .await?;
+        self.arb.observe_turn_handoff(&grant);
         Ok(Response::new(pb::AcquireTurnResponse {
             turn_id: grant.turn_id.to_string(),
             device: grant.device,
@@ -197,9 +198,10 @@ impl Broker for BrokerService {
         &self,
         req: Request<pb::ReleaseTurnRequest>,
     ) -> Result<Response<pb::ReleaseTurnResponse>, Status> {
+        let received = std::time::Instant::now();
         let tenant = tenant_of(&req)?;
         let id = parse_id("turn_id", &req.get_ref().turn_id)?;
-        let end = self.arb.release_turn(&tenant, id)?;
+        let end = self.arb.release_turn_received(&tenant, id, received)?;
         Ok(Response::new(pb::ReleaseTurnResponse {
             held_ms: end.held.as_millis() as u64,
             overrun_ms: end.overrun.as_millis() as u64,

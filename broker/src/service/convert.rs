@@ -291,6 +291,8 @@ pub fn device(d: &DeviceReport) -> pb::DeviceInfo {
         drain_reason: d.drain_reason.clone().unwrap_or_default(),
         unhealthy: d.fault.is_some(),
         health_reason: d.fault.clone().unwrap_or_default(),
+        // Filled by the admin service from the MPS supervisor and the turn scheduler.
+        ..Default::default()
     }
 }
 

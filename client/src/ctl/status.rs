@@ -152,10 +152,28 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
             d.waiting_requests,
             if d.turn_holder.is_empty() {
                 String::new()
+            } else if d.turn_holders > 1 {
+                format!(
+                    "  turns: {} holders, {} first (+{} waiting)",
+                    d.turn_holders, d.turn_holder, d.turns_waiting
+                )
             } else {
                 format!("  turn: {} (+{} waiting)", d.turn_holder, d.turns_waiting)
             }
         ));
+        if !d.mps_state.is_empty() {
+            // The line ends the device's block: replace the blank line after it.
+            out.pop();
+            out.push_str(&format!(
+                "  mps: {}  compute mode {}\n\n",
+                cut(&d.mps_detail, 70),
+                if d.compute_mode.is_empty() {
+                    "unknown"
+                } else {
+                    &d.compute_mode
+                }
+            ));
+        }
     }
 
     let mut t = Table::new([
@@ -362,5 +380,25 @@ pub(crate) mod tests {
         let oldest = text.split("OLDEST LEASES").nth(1).unwrap();
         assert!(oldest.lines().nth(2).unwrap().contains("11111111"));
         assert!(oldest.contains("2h00m"), "{oldest}");
+    }
+
+    #[test]
+    fn status_shows_the_mps_daemon_and_compute_mode_only_when_managed() {
+        let mut s = snapshot();
+        assert!(!render(&s, now()).contains("mps:"));
+        s.devices[0].mps_state = "running".into();
+        s.devices[0].mps_detail = "running (pid 77, 1 server(s), 3 client(s), 0 restart(s))".into();
+        s.devices[0].mps_clients = 3;
+        s.devices[0].compute_mode = "Default".into();
+        let text = render(&s, now());
+        assert!(
+            text.contains("  mps: running (pid 77, 1 server(s), 3 client(s), 0 restart(s))  compute mode Default\n\n"),
+            "{text}"
+        );
+        s.devices[0].mps_state = "down".into();
+        s.devices[0].mps_detail = "down: failed to start: no binary".into();
+        s.devices[0].compute_mode.clear();
+        let text = render(&s, now());
+        assert!(text.contains("mps: down: failed to start: no binary  compute mode unknown"), "{text}");
     }
 }

@@ -1,0 +1,139 @@
+//! Managed MPS through the broker binary, against the fake control binary
+//! (`broker/src/mps/fake-control.sh`, which records what it is sent): `--mps` starts the
+//! daemon in private directories, `GetDevices` and `gpu-brokerctl status` show it, and
+//! stopping the broker sends `quit` and leaves no daemon. And `--turn-slots`: N turn
+//! holders per device at once.
+
+use gpu_broker_tests::*;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+fn fake_control() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../broker/src/mps/fake-control.sh")
+}
+
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let exists = unsafe { libc::kill(pid, 0) == 0 };
+    exists
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_runs_its_mps_daemon_shows_it_and_quits_it_at_shutdown() {
+    let mps_dir = tempfile::tempdir().unwrap();
+    let pipe = mps_dir.path().join("pipe");
+    let mut b = Broker::start_with(BrokerOpts {
+        extra: vec![
+            "--mps".into(),
+            "--mps-control".into(),
+            fake_control().display().to_string(),
+            "--mps-pipe-dir".into(),
+            pipe.display().to_string(),
+            "--mps-health-interval".into(),
+            "100ms".into(),
+        ],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let admin = b.admin().await.unwrap();
+    let devices = admin.get_devices().await.unwrap();
+    assert_eq!(devices[0].mps_state, "running", "{:?}", devices[0]);
+    assert!(devices[0].mps_detail.contains("pid "), "{:?}", devices[0]);
+    let pid: i32 = std::fs::read_to_string(pipe.join("nvidia-cuda-mps-control.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(alive(pid));
+    let log = mps_dir.path().join("commands.log");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let default_log_dir = b.state_dir.join("mps-log");
+    assert!(
+        text.contains(&format!("log={}", default_log_dir.display())),
+        "the log directory defaults to the state directory: {text}"
+    );
+    // gpu-brokerctl status shows the daemon.
+    let out = tokio::process::Command::new(bin("gpu-brokerctl"))
+        .arg("--broker")
+        .arg(b.uri())
+        .arg("--token-file")
+        .arg(b.state_dir.join("admin.token"))
+        .arg("status")
+        .env_remove("GPU_BROKER_ADMIN_TOKEN")
+        .env_remove("GPU_BROKER_ADDR")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("mps: running (pid"), "{stdout}");
+    // The daemon dies: the broker restarts it and reports the restart.
+    // SAFETY: kills the fake daemon this test's broker started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            admin
+                .get_devices()
+                .await
+                .is_ok_and(|d| d[0].mps_state == "running" && d[0].mps_detail.contains("1 restart"))
+        })
+        .await,
+        "restarted"
+    );
+    let pid: i32 = std::fs::read_to_string(pipe.join("nvidia-cuda-mps-control.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(alive(pid));
+    let status = b.stop(Duration::from_secs(20)).unwrap();
+    assert!(status.success(), "{status}\n{}", b.log_text());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text.matches(" cmd quit").count(), 1, "{text}");
+    assert!(!alive(pid), "no MPS daemon left after the broker stopped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_control_binary_the_broker_serves_and_reports_mps_down() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec![
+            "--mps".into(),
+            "--mps-control".into(),
+            "/nonexistent/nvidia-cuda-mps-control".into(),
+        ],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let d = b.admin().await.unwrap().get_devices().await.unwrap();
+    assert_eq!(d[0].mps_state, "down", "{:?}", d[0]);
+    assert!(d[0].mps_detail.contains("/nonexistent"), "{:?}", d[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turn_slots_let_n_holders_run_at_once() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--turn-slots".into(), "2".into()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let mut sessions = Vec::new();
+    for t in ["a", "b", "c"] {
+        let c = b.client(t, 64 * MIB).await.unwrap();
+        sessions.push(c.session(t).await.unwrap());
+    }
+    let ta = sessions[0].turn(0).await.expect("first slot");
+    let _tb = sessions[1].turn(0).await.expect("second slot");
+    let busy = sessions[2].turn(0).await.unwrap_err();
+    assert_eq!(busy.code(), gpu_broker_client::Code::ResourceExhausted, "{busy}");
+    let admin = b.admin().await.unwrap();
+    assert_eq!(admin.get_devices().await.unwrap()[0].turn_holders, 2);
+    let sc = sessions.pop().unwrap();
+    let waiter = tokio::spawn(async move { sc.turn(0).wait(Duration::from_secs(10)).await.is_ok() });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    ta.release().await.unwrap();
+    assert!(waiter.await.unwrap(), "the third got the freed slot");
+}
