@@ -22,6 +22,7 @@ fn main() -> anyhow::Result<()> {
     }
     let cfg = Config::load().unwrap_or_else(|e| e.exit());
     init_logging(cfg.log_json);
+    join_own_mps(&cfg);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -225,23 +226,52 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Starts the managed MPS daemon (`--mps`), reading the devices' compute mode first; in
-/// the ExclusiveProcess mode the broker itself becomes a client of its daemon.
-async fn start_mps(cfg: &Config) -> Arc<gpu_broker::mps::Mps> {
-    use gpu_broker::mps::{compute_mode, Mps};
-    let indices: Vec<u32> = match &cfg.devices {
+/// The CUDA device indices the broker will own (for NVML, before the devices open).
+fn device_indices(cfg: &Config) -> Vec<u32> {
+    match &cfg.devices {
         Some(d) => d.0.clone(),
         None => match nvml_wrapper::Nvml::init().and_then(|n| n.device_count()) {
             Ok(n) => (0..n).collect(),
             Err(_) => (0..cfg.host_devices).collect(),
         },
-    };
+    }
+}
+
+/// With `--mps` on a device in the ExclusiveProcess compute mode, the broker's own CUDA
+/// context must be a client of its MPS daemon (the server holds the one context the
+/// device admits): point this process at the daemon's pipe directory before any thread
+/// or CUDA call exists. The daemon itself starts in `start_mps`, before the devices open.
+fn join_own_mps(cfg: &Config) {
+    use gpu_broker::mps::compute_mode;
+    if !cfg.mps.mps || !compute_mode::broker_must_join(&compute_mode::read(&device_indices(cfg))) {
+        return;
+    }
+    let control = cfg.mps.control(&cfg.socket, &cfg.state_dir, None);
+    // Before the runtime starts: this process has one thread, so nothing reads the
+    // environment concurrently.
+    #[allow(clippy::disallowed_methods)]
+    std::env::set_var("CUDA_MPS_PIPE_DIRECTORY", &control.pipe_dir);
+}
+
+/// Starts the managed MPS daemon (`--mps`), reading the devices' compute mode first; in
+/// the ExclusiveProcess mode the broker itself becomes a client of its daemon.
+async fn start_mps(cfg: &Config) -> Arc<gpu_broker::mps::Mps> {
+    use gpu_broker::mps::{compute_mode, Mps};
+    let indices = device_indices(cfg);
     let modes = compute_mode::read(&indices);
-    let control = cfg
-        .mps
-        .control(&cfg.socket, &cfg.state_dir, cfg.devices.as_ref().map(|d| d.0.as_slice()));
+    let control = cfg.mps.control(
+        &cfg.socket,
+        &cfg.state_dir,
+        cfg.devices.as_ref().map(|d| d.0.as_slice()),
+    );
     let pipe = control.pipe_dir.clone();
-    let mps = Mps::start(control, cfg.mps.timings(), indices.len() as u32, modes.clone()).await;
+    let mps = Mps::start(
+        control,
+        cfg.mps.timings(),
+        indices.len() as u32,
+        modes.clone(),
+    )
+    .await;
     let status = mps.status();
     tracing::info!(
         pipe = %pipe.display(),
@@ -253,7 +283,6 @@ async fn start_mps(cfg: &Config) -> Arc<gpu_broker::mps::Mps> {
         tracing::info!(
             "ExclusiveProcess compute mode: the broker's own CUDA context goes through its MPS daemon"
         );
-        std::env::set_var("CUDA_MPS_PIPE_DIRECTORY", &pipe);
     } else if modes.iter().any(|m| m == compute_mode::DEFAULT) {
         tracing::warn!(
             "compute mode Default: a program that drops the MPS variables runs outside MPS and its limits; ExclusiveProcess (set by the operator) prevents that (docs/mps.md)"

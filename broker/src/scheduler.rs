@@ -388,7 +388,13 @@ impl Scheduler {
     /// Grants the free slots on `device` to the next waiters: the tenant with the least
     /// compute time per weight, first come first served within it. Skips waiters whose
     /// caller is gone. `handoff_from`: when the release that freed a slot was received.
-    fn grant_next(&self, inner: &mut Inner, device: u32, now: Instant, handoff_from: Option<Instant>) {
+    fn grant_next(
+        &self,
+        inner: &mut Inner,
+        device: u32,
+        now: Instant,
+        handoff_from: Option<Instant>,
+    ) {
         let slots = self.cfg.slots as usize;
         loop {
             let Inner { devices, usage, .. } = inner;
@@ -745,7 +751,10 @@ mod tests {
                 (h.who.tenant.clone(), h.turn_id, h.who.session)
             };
             s.release(&tenant, turn).unwrap();
-            let (i, r, _) = events.iter().find(|(_, r, _)| r.session == session).unwrap();
+            let (i, r, _) = events
+                .iter()
+                .find(|(_, r, _)| r.session == session)
+                .unwrap();
             pending.push((*i, s.request(0, r.clone()).unwrap()));
             pending.retain(|(_, p)| !p.rx.is_terminated());
         }
@@ -795,11 +804,17 @@ mod tests {
         assert!(ea.try_recv().is_err(), "a free slot was left: nobody waits");
         let mut pc = s.request(0, c).unwrap();
         s.tick();
-        assert!(matches!(ea.try_recv(), Ok(SessionEvent::YieldRequested { .. })));
+        assert!(matches!(
+            ea.try_recv(),
+            Ok(SessionEvent::YieldRequested { .. })
+        ));
         assert!(eb.try_recv().is_err(), "b is within its quantum");
         std::thread::sleep(Duration::from_millis(25));
         s.tick();
-        assert!(matches!(ea.try_recv(), Ok(SessionEvent::TurnRevoked { .. })));
+        assert!(matches!(
+            ea.try_recv(),
+            Ok(SessionEvent::TurnRevoked { .. })
+        ));
         assert!(granted(&mut pc).is_some(), "c got a's slot");
         assert!(s.release("a", ga.turn_id).is_err());
         assert_eq!(s.holders(0), 2);

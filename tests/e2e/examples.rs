@@ -164,3 +164,37 @@ async fn operator_script_runs_against_a_real_broker() {
     assert_eq!(training.quota.guaranteed_bytes, 8 * GIB);
     assert_eq!(training.token_count, 1, "only the worker's token is left");
 }
+
+/// `turn-gate` as `examples/turn_step_worker.py` drives it: `a` waits for the turn and
+/// answers `g`, `r` gives it back; a second gate waiting on the same device gets the turn
+/// when the first gives it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turn_gate_takes_and_hands_over_turns_on_stdin() {
+    // A quantum longer than the test: the first turn is not taken away meanwhile.
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--turn-quantum".into(), "30s".into()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let t1 = b.tenant("one", QuotaSpec::new(GIB)).await.unwrap();
+    let t2 = b.tenant("two", QuotaSpec::new(GIB)).await.unwrap();
+    let gate = |token: &str| Proc::spawn(example(&b, "turn-gate", token, &[])).unwrap();
+    let mut g1 = gate(&t1);
+    let mut g2 = gate(&t2);
+    g1.send("a").await.unwrap();
+    assert_eq!(g1.line_starting("g", T).await.unwrap(), "g");
+    g2.send("a").await.unwrap();
+    assert!(
+        g2.line_starting("g", Duration::from_millis(300))
+            .await
+            .is_err(),
+        "the second waits while the first holds the turn"
+    );
+    g1.send("r").await.unwrap();
+    assert!(g1.line_starting("r ", T).await.is_ok());
+    assert_eq!(g2.line_starting("g", T).await.unwrap(), "g");
+    g1.send("x").await.unwrap();
+    assert!(g1.line_starting("e unknown command", T).await.is_ok());
+    g1.send("r").await.unwrap();
+    assert!(g1.line_starting("e no turn held", T).await.is_ok());
+}

@@ -128,11 +128,16 @@ async fn turn_slots_let_n_holders_run_at_once() {
     let ta = sessions[0].turn(0).await.expect("first slot");
     let _tb = sessions[1].turn(0).await.expect("second slot");
     let busy = sessions[2].turn(0).await.unwrap_err();
-    assert_eq!(busy.code(), gpu_broker_client::Code::ResourceExhausted, "{busy}");
+    assert_eq!(
+        busy.code(),
+        gpu_broker_client::Code::ResourceExhausted,
+        "{busy}"
+    );
     let admin = b.admin().await.unwrap();
     assert_eq!(admin.get_devices().await.unwrap()[0].turn_holders, 2);
     let sc = sessions.pop().unwrap();
-    let waiter = tokio::spawn(async move { sc.turn(0).wait(Duration::from_secs(10)).await.is_ok() });
+    let waiter =
+        tokio::spawn(async move { sc.turn(0).wait(Duration::from_secs(10)).await.is_ok() });
     tokio::time::sleep(Duration::from_millis(100)).await;
     ta.release().await.unwrap();
     assert!(waiter.await.unwrap(), "the third got the freed slot");

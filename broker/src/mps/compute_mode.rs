@@ -46,7 +46,10 @@ mod tests {
     #[test]
     fn only_exclusive_process_makes_the_broker_a_client() {
         assert!(!broker_must_join(&[DEFAULT.into(), UNKNOWN.into()]));
-        assert!(broker_must_join(&[DEFAULT.into(), EXCLUSIVE_PROCESS.into()]));
+        assert!(broker_must_join(&[
+            DEFAULT.into(),
+            EXCLUSIVE_PROCESS.into()
+        ]));
         assert!(!broker_must_join(&[]));
     }
 }

@@ -106,13 +106,10 @@ impl Control {
     /// Sends one command line to the running daemon; returns what it printed.
     pub async fn send(&self, line: &str) -> Result<String, ControlError> {
         let what = line;
-        let mut child = self
-            .command()
-            .spawn()
-            .map_err(|e| ControlError::Spawn {
-                binary: self.name(),
-                reason: e.to_string(),
-            })?;
+        let mut child = self.command().spawn().map_err(|e| ControlError::Spawn {
+            binary: self.name(),
+            reason: e.to_string(),
+        })?;
         let mut input = child.stdin.take();
         let mut out = child.stdout.take();
         let mut err = child.stderr.take();

@@ -93,7 +93,12 @@ mod tests {
 
     #[test]
     fn the_env_names_the_pipe_limit_and_share() {
-        let e = client_env(Path::new("/run/b/mps"), Path::new("/var/b/log"), 4 << 30, 50);
+        let e = client_env(
+            Path::new("/run/b/mps"),
+            Path::new("/var/b/log"),
+            4 << 30,
+            50,
+        );
         assert_eq!(e.get(PIPE_DIRECTORY), Some("/run/b/mps"));
         assert_eq!(e.get(LOG_DIRECTORY), Some("/var/b/log"));
         assert_eq!(e.get(PINNED_DEVICE_MEM_LIMIT), Some("0=4096M"));

@@ -47,7 +47,11 @@ mod tests {
         assert_eq!(devices[1].mps_clients, 2);
         assert_eq!(devices[0].compute_mode, "Default");
         assert_eq!(devices[1].compute_mode, "ExclusiveProcess");
-        assert!(devices[0].mps_detail.contains("pid 9"), "{}", devices[0].mps_detail);
+        assert!(
+            devices[0].mps_detail.contains("pid 9"),
+            "{}",
+            devices[0].mps_detail
+        );
         s.state = MpsState::Down;
         s.last_error = "stopped answering".into();
         fill(&s, &mut devices);

@@ -83,17 +83,30 @@ async fn starts_the_daemon_checks_it_and_quits_at_shutdown() {
     assert_eq!(s.state, MpsState::Running, "{s:?}");
     let pid = s.daemon_pid.expect("pid from the pid file");
     assert!(alive(pid));
-    let starts: Vec<String> = fx.lines().into_iter().filter(|l| l.contains(" -d ")).collect();
+    let starts: Vec<String> = fx
+        .lines()
+        .into_iter()
+        .filter(|l| l.contains(" -d "))
+        .collect();
     assert_eq!(starts.len(), 1, "{starts:?}");
     let pipe = fx.dir.path().join("pipe");
-    assert!(starts[0].contains(&format!("pipe={}", pipe.display())), "{}", starts[0]);
+    assert!(
+        starts[0].contains(&format!("pipe={}", pipe.display())),
+        "{}",
+        starts[0]
+    );
     assert!(starts[0].contains("visible=0,1"), "{}", starts[0]);
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&pipe).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode, 0o770, "the pipe directory is private to the broker's user and group");
+    assert_eq!(
+        mode, 0o770,
+        "the pipe directory is private to the broker's user and group"
+    );
     // Health checks keep coming.
     until("health checks", || fx.commands("get_server_list") >= 3).await;
-    let env = mps.client_env(1, 4 << 30, 25).expect("admitted while running");
+    let env = mps
+        .client_env(1, 4 << 30, 25)
+        .expect("admitted while running");
     assert_eq!(env.get(env::PIPE_DIRECTORY), Some(pipe.to_str().unwrap()));
     assert_eq!(env.get(env::PINNED_DEVICE_MEM_LIMIT), Some("0=4096M"));
     assert_eq!(env.get(env::ACTIVE_THREAD_PERCENTAGE), Some("25"));
@@ -163,7 +176,10 @@ async fn failed_starts_back_off_exponentially_up_to_the_maximum() {
     // slower, never faster).
     for (i, want) in [0.1, 0.2, 0.4, 0.4].iter().enumerate() {
         let gap = s[i + 1] - s[i];
-        assert!(gap >= want * 0.95, "gap {i} was {gap:.3}s, want >= {want}s: {s:?}");
+        assert!(
+            gap >= want * 0.95,
+            "gap {i} was {gap:.3}s, want >= {want}s: {s:?}"
+        );
     }
     std::fs::remove_file(fx.dir.path().join("fail-start")).unwrap();
     until("running", || mps.status().state == MpsState::Running).await;

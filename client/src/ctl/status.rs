@@ -399,6 +399,9 @@ pub(crate) mod tests {
         s.devices[0].mps_detail = "down: failed to start: no binary".into();
         s.devices[0].compute_mode.clear();
         let text = render(&s, now());
-        assert!(text.contains("mps: down: failed to start: no binary  compute mode unknown"), "{text}");
+        assert!(
+            text.contains("mps: down: failed to start: no binary  compute mode unknown"),
+            "{text}"
+        );
     }
 }

@@ -1,0 +1,487 @@
+#!/usr/bin/env python3
+"""Managed MPS and compute turns on the GPU machine (run by scripts/gpu-mps-check.sh).
+
+check: the broker's own MPS daemon (start, status and clients, driver-enforced limits for
+       an unmodified PyTorch program, restart after SIGKILL, nothing left after stop).
+bench: K = 2, 4, 8 ResNet-18 workers (a) alone one after another, (b) all at once,
+       (c) broker turns with 1 slot, (d) managed MPS with K slots; weights 1:2:4.
+
+Also the allocator of the check (``--alloc``): allocates 256 MiB blocks until CUDA says out
+of memory or ``--target`` bytes are held, fills each, holds them ``--hold`` seconds, checks
+they kept their bytes, and prints one JSON line.
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+GIB = 1 << 30
+MIB = 1 << 20
+WEIGHTS = [1, 2, 4]
+PASSED, FAILED = [], []
+
+
+def verdict(ok, what):
+    (PASSED if ok else FAILED).append(what)
+    print(("PASS " if ok else "FAIL ") + what, flush=True)
+
+
+# ---------------------------------------------------------------- the allocator
+
+def alloc_main(a):
+    import torch
+
+    blocks, oom, err = [], False, ""
+    step = 256 * MIB
+    t0 = time.time()
+    while sum(b.numel() for b in blocks) + step <= a.target:
+        try:
+            b = torch.empty(step, dtype=torch.uint8, device="cuda")
+            b.fill_(len(blocks) % 251)
+            blocks.append(b)
+        except torch.OutOfMemoryError as e:
+            oom, err = True, str(e).splitlines()[0][:200]
+            break
+    torch.cuda.synchronize()
+    held = sum(b.numel() for b in blocks)
+    time.sleep(a.hold)
+    intact = all(int(b[0]) == i % 251 and int(b[-1]) == i % 251 for i, b in enumerate(blocks))
+    free, total = torch.cuda.mem_get_info()
+    print(json.dumps({
+        "allocated": held, "oom": oom, "error": err, "intact": intact,
+        "mem_get_info_free": free, "mem_get_info_total": total,
+        "seconds": round(time.time() - t0, 2),
+        "mps_pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY", ""),
+        "limit": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""),
+    }), flush=True)
+
+
+# ---------------------------------------------------------------- a broker under test
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Broker:
+    def __init__(self, bin_dir, name, extra):
+        self.bin = bin_dir
+        self.dir = tempfile.mkdtemp(prefix=f"gpb-{name}-")
+        self.sock = os.path.join(self.dir, "broker.sock")
+        self.state = os.path.join(self.dir, "state")
+        self.port = free_port()
+        backend = os.environ.get("GPU_MPS_BACKEND", "cuda")  # host: try the harness without a GPU
+        args = [os.path.join(bin_dir, "gpu-broker"), "--backend", backend, "--socket", self.sock,
+                "--state-dir", self.state, "--metrics-listen", f"127.0.0.1:{self.port}",
+                "--shutdown-grace", "1s", "--headroom", "5%"]
+        if os.environ.get("GPU_MPS_CONTROL"):
+            args += ["--mps-control", os.environ["GPU_MPS_CONTROL"]]
+        if os.environ.get("GPU_MPS_DEVICES"):
+            args += ["--devices", os.environ["GPU_MPS_DEVICES"]]
+        self.log_path = os.path.join(self.dir, "broker.log")
+        self.log = open(self.log_path, "w")
+        t0 = time.time()
+        self.p = subprocess.Popen(args + extra, stdout=self.log, stderr=subprocess.STDOUT)
+        token = os.path.join(self.state, "admin.token")
+        while not (os.path.exists(self.sock) and os.path.exists(token)):
+            if self.p.poll() is not None or time.time() - t0 > 60:
+                print(open(self.log_path).read())
+                raise RuntimeError(f"broker {name} did not start")
+            time.sleep(0.05)
+        self.started_s = time.time() - t0
+        self.tokens = {}
+
+    def ctl(self, *args, check=True):
+        cmd = [os.path.join(self.bin, "gpu-brokerctl"), "--broker", f"unix://{self.sock}",
+               "--token-file", os.path.join(self.state, "admin.token"), *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"{args}: {r.stdout}{r.stderr}")
+        return r.stdout
+
+    def tenant(self, name, limit="16GiB", weight=1):
+        self.ctl("quota", "set", name, "--limit", limit, "--turn-weight", str(weight))
+        tok = self.ctl("tokens", "issue", name).strip().splitlines()[-1].strip()
+        self.tokens[name] = tok
+        return tok
+
+    def devices(self):
+        return json.loads(self.ctl("devices", "--json"))
+
+    def tenants(self):
+        return json.loads(self.ctl("tenants", "list", "--json"))
+
+    def metrics(self):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self):
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            rc = self.p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            rc = "killed"
+        self.log.close()
+        return rc
+
+    def log_tail(self, n=15):
+        return "".join(open(self.log_path).readlines()[-n:])
+
+
+def mps_processes():
+    r = subprocess.run(["ps", "-eo", "pid,user,args"], capture_output=True, text=True)
+    return [l for l in r.stdout.splitlines() if "nvidia-cuda-mps" in l and "grep" not in l]
+
+
+def device_uuid(b, index=0):
+    for d in b.devices():
+        if d.get("index") == index:
+            return d.get("uuid", "")
+    return ""
+
+
+# ---------------------------------------------------------------- check
+
+def check(bin_dir):
+    print("=== check: managed MPS under the broker ===", flush=True)
+    before = mps_processes()
+    verdict(not before, f"no MPS process before the broker starts ({len(before)})")
+    b = Broker(bin_dir, "mps", ["--mps", "--mps-health-interval", "500ms"])
+    print(f"broker started in {b.started_s:.2f} s; log:\n{b.log_tail(8)}")
+    d = b.devices()[0]
+    print("GetDevices:", {k: d.get(k) for k in ("mps_state", "mps_detail", "mps_clients", "compute_mode")})
+    verdict(d.get("mps_state") == "running", f"MPS daemon running: {d.get('mps_detail')}")
+    verdict(d.get("compute_mode") != "", f"compute mode reported: {d.get('compute_mode')}")
+    pipe = os.path.join(b.dir, "mps")
+    print("pipe directory:", pipe, sorted(os.listdir(pipe)))
+    procs = mps_processes()
+    print("MPS processes:\n  " + "\n  ".join(procs))
+    verdict(any("nvidia-cuda-mps-control" in p for p in procs), "the control daemon runs")
+    tok_small = b.tenant("small", "6GiB")
+    tok_big = b.tenant("big", "12GiB")
+    have_run = subprocess.run([os.path.join(bin_dir, "gpu-brokerctl"), "run", "--help"],
+                              capture_output=True).returncode == 0
+    me = os.path.abspath(__file__)
+    uuid = device_uuid(b)
+
+    def launch(name, token, limit, target):
+        alloc = [sys.executable, me, "--alloc", "--target", str(target), "--hold", "3"]
+        env = dict(os.environ)
+        if have_run:
+            tf = os.path.join(b.dir, f"{name}.token")
+            with open(os.open(tf, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(token)
+            cmd = [os.path.join(bin_dir, "gpu-brokerctl"), "--broker", f"unix://{b.sock}", "run",
+                   "--token-file", tf, "--memory", f"{limit // GIB}GiB", "--name", name, "--", *alloc]
+        else:
+            # Stand-in for `gpu-brokerctl run`: the environment the broker's MPS hook gives.
+            env.update({
+                "CUDA_VISIBLE_DEVICES": uuid,
+                "CUDA_MPS_PIPE_DIRECTORY": pipe,
+                "CUDA_MPS_LOG_DIRECTORY": os.path.join(b.state, "mps-log"),
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={limit // MIB}M",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100",
+            })
+            cmd = alloc
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    print(f"launching with {'gpu-brokerctl run' if have_run else 'the MPS environment set by hand (no gpu-brokerctl run yet)'}")
+    small = launch("small", tok_small, 4 * GIB, 64 * GIB)
+    big = launch("big", tok_big, 8 * GIB, 7 * GIB)
+    time.sleep(2.5)
+    status = b.ctl("status")
+    print("gpu-brokerctl status while both run:\n" + status)
+    mid = b.devices()[0]
+    verdict(mid.get("mps_clients", 0) >= 2, f"status shows the MPS clients: {mid.get('mps_detail')}")
+    outs = {}
+    for name, p in (("small", small), ("big", big)):
+        o, e = p.communicate(timeout=120)
+        print(f"{name}: rc={p.returncode} {o.strip()}")
+        if p.returncode != 0 or not o.strip():
+            print(e[-2000:])
+        try:
+            outs[name] = json.loads(o.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            outs[name] = {}
+    s, g = outs.get("small", {}), outs.get("big", {})
+    verdict(s.get("oom") and 3 * GIB <= s.get("allocated", 0) <= 4 * GIB,
+            f"4 GiB program: torch.OutOfMemoryError after {s.get('allocated', 0) / GIB:.2f} GiB ({s.get('error', '')[:90]})")
+    verdict(not g.get("oom") and g.get("allocated") == 7 * GIB and g.get("intact"),
+            f"8 GiB neighbour: allocated {g.get('allocated', 0) / GIB:.2f} GiB, bytes intact {g.get('intact')}")
+    # The control daemon dies: the broker restarts it.
+    pid = int(open(os.path.join(pipe, "nvidia-cuda-mps-control.pid")).read().strip())
+    t0 = time.time()
+    os.kill(pid, signal.SIGKILL)
+    saw_down, restarted = False, None
+    while time.time() - t0 < 30:
+        dd = b.devices()[0]
+        saw_down |= dd.get("mps_state") != "running"
+        if dd.get("mps_state") == "running" and "1 restart" in dd.get("mps_detail", ""):
+            restarted = dd
+            break
+        time.sleep(0.1)
+    verdict(restarted is not None,
+            f"SIGKILLed control daemon (pid {pid}) restarted in {time.time() - t0:.2f} s (down seen: {saw_down}): {restarted and restarted.get('mps_detail')}")
+    print("broker log:\n" + b.log_tail(12))
+    rc = b.stop()
+    time.sleep(1.0)
+    left = mps_processes()
+    verdict(rc == 0, f"broker stopped (rc {rc})")
+    verdict(not left, "nothing of MPS left running after the broker stopped" + (f": {left}" if left else ""))
+    return {"small": s, "big": g, "restart": restarted and restarted.get("mps_detail"), "used_run": have_run}
+
+
+# ---------------------------------------------------------------- bench
+
+def pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    f = int(k)
+    c = min(f + 1, len(xs) - 1)
+    return xs[f] + (xs[c] - xs[f]) * (k - f)
+
+
+def jain(xs):
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs else float("nan")
+
+
+def hist_quantiles(text, name, qs):
+    """Quantiles of a Prometheus histogram, interpolated within buckets."""
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return [float("nan")] * len(qs), 0
+    total = buckets[-1][1]
+    out = []
+    for q in qs:
+        want = q * total
+        prev_le, prev_c = 0.0, 0.0
+        for le, c in buckets:
+            if c >= want:
+                if le == float("inf"):
+                    out.append(prev_le)
+                else:
+                    frac = (want - prev_c) / (c - prev_c) if c > prev_c else 1.0
+                    out.append(prev_le + (le - prev_le) * frac)
+                break
+            prev_le, prev_c = le, c
+    return out, int(total)
+
+
+def run_workers(bin_dir, k, duration, envs, gate, tag):
+    """Starts k workers, waits until all are warm, lets them run one window; reports."""
+    work = tempfile.mkdtemp(prefix=f"w-{tag}-")
+    go = os.path.join(work, "go")
+    procs = []
+    for i in range(k):
+        cmd = [sys.executable, os.path.join(bin_dir, "turn_step_worker.py"), "--duration", str(duration),
+               "--model", os.environ.get("GPU_MPS_MODEL", "resnet18"),
+               "--ready", os.path.join(work, f"ready{i}"), "--go", go, "--out", os.path.join(work, f"out{i}.json")]
+        if gate:
+            cmd += ["--gate", os.path.join(bin_dir, "turn-gate")]
+        procs.append(subprocess.Popen(cmd, env=envs[i], stderr=subprocess.PIPE, text=True))
+    t0 = time.time()
+    while not all(os.path.exists(os.path.join(work, f"ready{i}")) for i in range(k)):
+        if any(p.poll() not in (None, 0) for p in procs) or time.time() - t0 > 180:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"{tag}: workers failed: " + " | ".join((p.stderr.read() or "")[-800:] for p in procs))
+        time.sleep(0.02)
+    with open(go + ".tmp", "w") as f:
+        f.write(str(time.time() + 0.3))
+    os.rename(go + ".tmp", go)
+    reports = []
+    for i, p in enumerate(procs):
+        err = p.communicate(timeout=duration + 120)[1]
+        if p.returncode != 0:
+            raise RuntimeError(f"{tag}: worker {i} rc {p.returncode}: {err[-1500:]}")
+        reports.append(json.load(open(os.path.join(work, f"out{i}.json"))))
+    return reports
+
+
+def summarize(reports, duration, weights=None, broker_compute=None):
+    steps = [len(r["steps"]) for r in reports]
+    lat = [[(t2 - t0) / 1e6 for (t0, tg, t1, t2) in r["steps"]] for r in reports]
+    s = {
+        "model": reports[0]["model"],
+        "workers": len(reports),
+        "steps_per_s": sum(steps) / duration,
+        "per_worker_steps": steps,
+        "p50_ms": statistics.median(pct(l, 0.5) for l in lat),
+        "p99_ms": max(pct(l, 0.99) for l in lat),
+    }
+    if weights:
+        target = [w / sum(weights) for w in weights]
+        held = [sum(t2 - tg for (t0, tg, t1, t2) in r["steps"]) for r in reports]
+        shares = [h / sum(held) for h in held]
+        sshares = [n / sum(steps) for n in steps]
+        s["weights"] = weights
+        s["held_share"] = [round(x, 4) for x in shares]
+        s["steps_share"] = [round(x, 4) for x in sshares]
+        s["held_share_err_max"] = max(abs(a - t) / t for a, t in zip(shares, target))
+        s["steps_share_err_max"] = max(abs(a - t) / t for a, t in zip(sshares, target))
+        s["jain_held"] = jain([a / t for a, t in zip(shares, target)])
+        s["jain_steps"] = jain([a / t for a, t in zip(sshares, target)])
+        if broker_compute:
+            bshare = [c / sum(broker_compute) for c in broker_compute]
+            s["broker_share"] = [round(x, 4) for x in bshare]
+            s["broker_share_err_max"] = max(abs(a - t) / t for a, t in zip(bshare, target))
+            s["jain_broker"] = jain([a / t for a, t in zip(bshare, target)])
+    return s
+
+
+def e2e_handoffs(reports):
+    """Release sent by one worker -> grant seen by another that was already waiting."""
+    rel = sorted((t1, i) for i, r in enumerate(reports) for (t0, tg, t1, t2) in r["steps"])
+    grants = sorted((tg, t0, i) for i, r in enumerate(reports) for (t0, tg, t1, t2) in r["steps"])
+    import bisect
+    times = [t for t, _ in rel]
+    out = []
+    for tg, t0, j in grants:
+        k = bisect.bisect_left(times, tg) - 1
+        while k >= 0 and rel[k][1] == j:
+            k -= 1
+        if k < 0:
+            continue
+        t_rel = rel[k][0]
+        if t0 < t_rel:  # it was waiting when the turn was given back
+            out.append((tg - t_rel) / 1e3)
+    return out
+
+
+def bench(bin_dir, duration, ks):
+    print("=== bench: ResNet-18 workers, modes (a)-(d) ===", flush=True)
+    base = dict(os.environ)
+    results = {"duration_s": duration}
+    solo = run_workers(bin_dir, 1, duration, [base], False, "solo")
+    results["a"] = summarize(solo, duration)
+    print("(a) alone:", json.dumps(results["a"]), flush=True)
+    for k in ks:
+        weights = [WEIGHTS[i % 3] for i in range(k)]
+        row = {}
+        rb = run_workers(bin_dir, k, duration, [base] * k, False, f"b{k}")
+        row["b"] = summarize(rb, duration)
+        print(f"K={k} (b) uncoordinated:", json.dumps(row["b"]), flush=True)
+
+        b = Broker(bin_dir, f"c{k}", ["--turn-slots", "1"])
+        envs = []
+        for i, w in enumerate(weights):
+            e = dict(base, GPU_BROKER_ADDR=f"unix://{b.sock}", GPU_BROKER_TOKEN=b.tenant(f"t{i}", "16GiB", w))
+            envs.append(e)
+        rc = run_workers(bin_dir, k, duration, envs, True, f"c{k}")
+        tenants = {t["name"]: t for t in b.tenants()}
+        comp = [tenants[f"t{i}"].get("usage", {}).get("compute_ms", 0) for i in range(k)]
+        (h50, h99), n = hist_quantiles(b.metrics(), "gpu_broker_turn_handoff_seconds", [0.5, 0.99])
+        b.stop()
+        row["c"] = summarize(rc, duration, weights, comp if all(comp) else None)
+        e2e = e2e_handoffs(rc)
+        row["c"]["handoff_broker_us"] = {"p50": h50 * 1e6, "p99": h99 * 1e6, "count": n}
+        row["c"]["handoff_e2e_us"] = {"p50": pct(e2e, 0.5), "p99": pct(e2e, 0.99), "count": len(e2e)}
+        print(f"K={k} (c) turns, 1 slot:", json.dumps(row["c"]), flush=True)
+
+        b = Broker(bin_dir, f"d{k}", ["--mps", "--turn-slots", str(k)])
+        pipe = os.path.join(b.dir, "mps")
+        uuid = device_uuid(b)
+        envs = []
+        for i, w in enumerate(weights):
+            e = dict(base, GPU_BROKER_ADDR=f"unix://{b.sock}", GPU_BROKER_TOKEN=b.tenant(f"t{i}", "16GiB", w))
+            # The environment of an MPS reservation (3 GiB; share by weight: 1:2:4 -> 25/50/100 %).
+            e.update({
+                "CUDA_VISIBLE_DEVICES": uuid,
+                "CUDA_MPS_PIPE_DIRECTORY": pipe,
+                "CUDA_MPS_LOG_DIRECTORY": os.path.join(b.state, "mps-log"),
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3072M",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, -(-100 * w // max(weights)))),
+            })
+            envs.append(e)
+        rd = run_workers(bin_dir, k, duration, envs, True, f"d{k}")
+        mid = b.devices()[0]
+        b.stop()
+        row["d"] = summarize(rd, duration, weights)
+        row["d"]["mps"] = mid.get("mps_detail")
+        print(f"K={k} (d) MPS, {k} slots:", json.dumps(row["d"]), flush=True)
+        row["d_over_a"] = row["d"]["steps_per_s"] / results["a"]["steps_per_s"]
+        row["b_over_a"] = row["b"]["steps_per_s"] / results["a"]["steps_per_s"]
+        row["c_over_a"] = row["c"]["steps_per_s"] / results["a"]["steps_per_s"]
+        results[f"K{k}"] = row
+    left = mps_processes()
+    verdict(not left, "nothing of MPS left after the bench" + (f": {left}" if left else ""))
+    return results
+
+
+def table(r):
+    lines = ["| K | mode | steps/s | vs (a) | p50 ms | p99 ms | shares (held) vs weights | Jain | hand-off p50/p99 us (broker / end to end) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    a = r["a"]
+    for key in sorted(k for k in r if k.startswith("K")):
+        k = int(key[1:])
+        row = r[key]
+        lines.append(f"| {k} | (a) one after another | {a['steps_per_s']:.0f} | 1.00 | {a['p50_ms']:.2f} | {a['p99_ms']:.2f} | | | |")
+        for m, name in (("b", "(b) all at once"), ("c", "(c) turns, 1 slot"), ("d", f"(d) MPS, {k} slots")):
+            s = row[m]
+            share = ""
+            jn = ""
+            if "held_share" in s:
+                sh = s["held_share"] if m == "c" else s["steps_share"]
+                share = "/".join(f"{x:.3f}" for x in sh) + f" (max err {100 * (s['held_share_err_max'] if m == 'c' else s['steps_share_err_max']):.1f}%)"
+                jn = f"{s['jain_held'] if m == 'c' else s['jain_steps']:.4f}"
+            ho = ""
+            if m == "c":
+                hb, he = s["handoff_broker_us"], s["handoff_e2e_us"]
+                ho = f"{hb['p50']:.0f}/{hb['p99']:.0f} / {he['p50']:.0f}/{he['p99']:.0f}"
+            lines.append(f"| {k} | {name} | {s['steps_per_s']:.0f} | {s['steps_per_s'] / a['steps_per_s']:.2f} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | {share} | {jn} | {ho} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--alloc", action="store_true")
+    ap.add_argument("--target", type=int, default=0)
+    ap.add_argument("--hold", type=float, default=0)
+    ap.add_argument("--bin", default=".gpu/mps")
+    ap.add_argument("--parts", default="check,bench")
+    ap.add_argument("--duration", type=float, default=6.0)
+    ap.add_argument("--ks", default="2,4,8")
+    a = ap.parse_args()
+    if a.alloc:
+        return alloc_main(a)
+    out = os.environ.get("OUT", "")
+    res = {}
+    t0 = time.time()
+    if "check" in a.parts:
+        try:
+            res["check"] = check(a.bin)
+        except Exception as e:  # report and go on to the bench
+            verdict(False, f"check raised {e!r}")
+    if "bench" in a.parts:
+        try:
+            res["bench"] = bench(a.bin, a.duration, [int(k) for k in a.ks.split(",")])
+            print(table(res["bench"]))
+        except Exception as e:
+            verdict(False, f"bench raised {e!r}")
+    print(f"=== {len(PASSED)} passed, {len(FAILED)} failed, {time.time() - t0:.0f} s ===")
+    for f in FAILED:
+        print("FAILED:", f)
+    if out:
+        with open(os.path.join(out, "mps-results.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    sys.exit(1 if FAILED else 0)
+
+
+if __name__ == "__main__":
+    main()
