@@ -41,6 +41,21 @@ pub enum BrokerError {
         held: u64,
         limit: u64,
     },
+    /// The tenant's cap on one device does not fit the request there (and no other
+    /// device the request may use has room under its caps).
+    #[error(
+        "per-device quota exceeded for tenant {tenant:?} on device {device}: requested {}, holding {} of its limit {} there",
+        show(*requested),
+        show(*held),
+        show(*limit)
+    )]
+    DeviceQuotaExceeded {
+        tenant: String,
+        device: u32,
+        requested: u64,
+        held: u64,
+        limit: u64,
+    },
     /// The tenant holds `max_leases` leases (device and host together).
     #[error("lease count limit reached for tenant {tenant:?}: {count} of {max}")]
     LeaseCountLimit {
@@ -260,6 +275,7 @@ impl BrokerError {
         use BrokerError::*;
         match self {
             QuotaExceeded { .. }
+            | DeviceQuotaExceeded { .. }
             | LeaseCountLimit { .. }
             | TooLarge { .. }
             | NoCapacity { .. }
@@ -289,6 +305,7 @@ impl BrokerError {
         use BrokerError::*;
         Some(match self {
             QuotaExceeded { .. } => "QUOTA_EXCEEDED",
+            DeviceQuotaExceeded { .. } => "DEVICE_QUOTA_EXCEEDED",
             LeaseCountLimit { .. } => "LEASE_COUNT_LIMIT",
             TooLarge { .. } => "REQUEST_TOO_LARGE",
             NoCapacity { .. } => "CAPACITY_EXHAUSTED",
@@ -345,6 +362,19 @@ impl BrokerError {
                     }
                     .into(),
                 ),
+                ("requested_bytes", s(requested)),
+                ("held_bytes", s(held)),
+                ("limit_bytes", s(limit)),
+            ],
+            DeviceQuotaExceeded {
+                tenant,
+                device,
+                requested,
+                held,
+                limit,
+            } => vec![
+                ("tenant", tenant.clone()),
+                ("device", s(device)),
                 ("requested_bytes", s(requested)),
                 ("held_bytes", s(held)),
                 ("limit_bytes", s(limit)),

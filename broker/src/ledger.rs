@@ -35,6 +35,18 @@ impl Tenant {
                 self.name, leases, q.max_leases
             ));
         }
+        for (&device, &limit) in &q.device_limit_bytes {
+            let held = self.device_bytes.get(&device).copied().unwrap_or(0);
+            if held > limit {
+                out.push(format!(
+                    "tenant {:?} holds {} on device {device}, above its new limit {} there: those leases stay; \
+                     no new leases on that device until it holds less",
+                    self.name,
+                    show(held),
+                    show(limit)
+                ));
+            }
+        }
         if u.host_held_bytes > q.host_limit_bytes {
             out.push(format!(
                 "tenant {:?} holds {} of host fallback, above its new host limit {}: those leases stay; no more host fallback until it holds less",
@@ -81,6 +93,10 @@ pub struct Tenant {
     pub name: String,
     pub quota: Quota,
     pub usage: Usage,
+    /// Device bytes held, in flight or quarantined, per device index (what
+    /// `Quota::device_limit_bytes` caps); devices at 0 are left out. Sums to
+    /// `usage.committed_bytes()`.
+    pub device_bytes: BTreeMap<u32, u64>,
 }
 
 impl Tenant {
@@ -216,6 +232,7 @@ impl Ledger {
                         name: name.to_string(),
                         quota,
                         usage: Usage::default(),
+                        device_bytes: BTreeMap::new(),
                     },
                 );
                 Ok(true)
@@ -283,24 +300,99 @@ impl Ledger {
         Ok(())
     }
 
-    /// Charges an admission in flight (device tier). Call after `check_charge`.
-    pub fn reserve(&mut self, name: &str, bytes: u64) -> BrokerResult<()> {
+    /// Device bytes `name` holds on `device` (held, in flight, quarantined).
+    pub fn device_committed(&self, name: &str, device: u32) -> u64 {
+        self.tenants
+            .get(name)
+            .and_then(|t| t.device_bytes.get(&device).copied())
+            .unwrap_or(0)
+    }
+
+    /// Can `name` take `bytes` more on `device` under its per-device cap there? (The
+    /// total is `check_charge`'s.) Per-device enforcement lives here.
+    pub fn check_device(&self, name: &str, device: u32, bytes: u64) -> BrokerResult<()> {
+        let t = self
+            .tenants
+            .get(name)
+            .ok_or_else(|| BrokerError::tenant_not_found(name))?;
+        let Some(limit) = t.quota.device_limit(device) else {
+            return Ok(());
+        };
+        let held = t.device_bytes.get(&device).copied().unwrap_or(0);
+        if held.saturating_add(bytes) > limit {
+            return Err(BrokerError::DeviceQuotaExceeded {
+                tenant: name.to_string(),
+                device,
+                requested: bytes,
+                held,
+                limit,
+            });
+        }
+        Ok(())
+    }
+
+    /// The refusal when `bytes` can never fit `name`'s caps on any of `devices` (each
+    /// cap is below the request), whatever it releases; None when some device could.
+    pub fn device_caps_never_fit(
+        &self,
+        name: &str,
+        devices: &[u32],
+        bytes: u64,
+    ) -> Option<BrokerError> {
+        let t = self.tenants.get(name)?;
+        let mut worst = None;
+        for &d in devices {
+            match t.quota.device_limit(d) {
+                Some(limit) if limit < bytes => {
+                    worst.get_or_insert(BrokerError::DeviceQuotaExceeded {
+                        tenant: name.to_string(),
+                        device: d,
+                        requested: bytes,
+                        held: t.device_bytes.get(&d).copied().unwrap_or(0),
+                        limit,
+                    });
+                }
+                _ => return None,
+            }
+        }
+        worst
+    }
+
+    fn add_device_bytes(t: &mut Tenant, device: u32, bytes: u64) {
+        *t.device_bytes.entry(device).or_insert(0) += bytes;
+    }
+
+    fn sub_device_bytes(t: &mut Tenant, device: u32, bytes: u64) {
+        if let Some(b) = t.device_bytes.get_mut(&device) {
+            *b -= bytes;
+            if *b == 0 {
+                t.device_bytes.remove(&device);
+            }
+        }
+    }
+
+    /// Charges an admission in flight on `device` (device tier). Call after
+    /// `check_charge` and `check_device`.
+    pub fn reserve(&mut self, name: &str, device: u32, bytes: u64) -> BrokerResult<()> {
         self.check_charge(name, bytes, Tier::Device)?;
-        let u = &mut self.get_mut(name)?.usage;
-        u.reserved_bytes += bytes;
-        u.reserved_count += 1;
+        self.check_device(name, device, bytes)?;
+        let t = self.get_mut(name)?;
+        t.usage.reserved_bytes += bytes;
+        t.usage.reserved_count += 1;
+        Self::add_device_bytes(t, device, bytes);
         Ok(())
     }
 
     /// Undoes a reservation that did not become a lease.
-    pub fn unreserve(&mut self, name: &str, bytes: u64) {
+    pub fn unreserve(&mut self, name: &str, device: u32, bytes: u64) {
         if let Ok(t) = self.get_mut(name) {
             t.usage.reserved_bytes -= bytes;
             t.usage.reserved_count -= 1;
+            Self::sub_device_bytes(t, device, bytes);
         }
     }
 
-    /// Turns a reservation into a held lease.
+    /// Turns a reservation into a held lease (same device: its per-device bytes stay).
     pub fn commit(&mut self, name: &str, bytes: u64) {
         if let Ok(t) = self.get_mut(name) {
             t.usage.reserved_bytes -= bytes;
@@ -310,11 +402,12 @@ impl Ledger {
         }
     }
 
-    /// A device lease ended.
-    pub fn uncharge(&mut self, name: &str, bytes: u64) {
+    /// A device lease on `device` ended.
+    pub fn uncharge(&mut self, name: &str, device: u32, bytes: u64) {
         if let Ok(t) = self.get_mut(name) {
             t.usage.held_bytes -= bytes;
             t.usage.lease_count -= 1;
+            Self::sub_device_bytes(t, device, bytes);
         }
     }
 
@@ -335,17 +428,19 @@ impl Ledger {
         }
     }
 
-    /// Memory of an ended lease stays mapped by a live process.
-    pub fn add_quarantine(&mut self, name: &str, bytes: u64) {
+    /// Memory of an ended lease on `device` stays mapped by a live process.
+    pub fn add_quarantine(&mut self, name: &str, device: u32, bytes: u64) {
         if let Ok(t) = self.get_mut(name) {
             t.usage.quarantined_bytes += bytes;
+            Self::add_device_bytes(t, device, bytes);
         }
     }
 
-    /// Quarantined memory was let go.
-    pub fn remove_quarantine(&mut self, name: &str, bytes: u64) {
+    /// Quarantined memory on `device` was let go.
+    pub fn remove_quarantine(&mut self, name: &str, device: u32, bytes: u64) {
         if let Ok(t) = self.get_mut(name) {
             t.usage.quarantined_bytes -= bytes;
+            Self::sub_device_bytes(t, device, bytes);
         }
     }
 }
@@ -371,6 +466,7 @@ mod tests {
             guaranteed_bytes: 4,
             host_limit_bytes: 5,
             turn_weight: 7,
+            device_limit_bytes: BTreeMap::from([(1, 6)]),
         };
         let p = QuotaPatch {
             limit_bytes: Some(20),
@@ -405,7 +501,7 @@ mod tests {
     fn a_limit_below_usage_is_explained() {
         let mut l = Ledger::new();
         l.set_quota("a", quota(10)).unwrap();
-        l.reserve("a", 8).unwrap();
+        l.reserve("a", 0, 8).unwrap();
         l.commit("a", 8);
         assert!(l.get("a").unwrap().over_quota_warnings().is_empty());
         l.set_quota("a", quota(4)).unwrap();
@@ -428,7 +524,7 @@ mod tests {
             },
         )
         .unwrap();
-        l.reserve("a", 1).unwrap();
+        l.reserve("a", 0, 1).unwrap();
         l.commit("a", 1);
         l.charge_host("a", 1).unwrap();
         for tier in [Tier::Device, Tier::Host] {
@@ -452,8 +548,8 @@ mod tests {
             max_leases: 3,
             ..quota(100)
         };
-        l.set_quota("a", q).unwrap();
-        l.reserve("a", 1).unwrap();
+        l.set_quota("a", q.clone()).unwrap();
+        l.reserve("a", 0, 1).unwrap();
         l.commit("a", 1);
         l.charge_host("a", 1).unwrap();
         l.charge_host("a", 1).unwrap();
@@ -501,8 +597,8 @@ mod tests {
     fn limit_counts_reservations_and_leases() {
         let mut l = Ledger::new();
         l.set_quota("a", quota(10)).unwrap();
-        l.reserve("a", 6).unwrap();
-        let err = l.reserve("a", 6).unwrap_err();
+        l.reserve("a", 0, 6).unwrap();
+        let err = l.reserve("a", 0, 6).unwrap_err();
         match err {
             e @ BrokerError::QuotaExceeded { .. } => {
                 assert!(e.to_string().contains("limit"), "{e}")
@@ -510,17 +606,17 @@ mod tests {
             other => panic!("{other:?}"),
         }
         l.commit("a", 6);
-        l.reserve("a", 4).unwrap();
+        l.reserve("a", 0, 4).unwrap();
         // max_leases = 2: one held + one reserved.
-        l.unreserve("a", 4);
-        l.reserve("a", 1).unwrap();
+        l.unreserve("a", 0, 4);
+        l.reserve("a", 0, 1).unwrap();
         l.commit("a", 1);
         assert!(matches!(
-            l.reserve("a", 1),
+            l.reserve("a", 0, 1),
             Err(BrokerError::LeaseCountLimit { .. })
         ));
-        l.uncharge("a", 6);
-        l.uncharge("a", 1);
+        l.uncharge("a", 0, 6);
+        l.uncharge("a", 0, 1);
         assert_eq!(l.get("a").unwrap().usage, Usage::default());
     }
 
@@ -528,13 +624,13 @@ mod tests {
     fn delete_refused_while_holding() {
         let mut l = Ledger::new();
         l.set_quota("a", quota(10)).unwrap();
-        l.reserve("a", 2).unwrap();
+        l.reserve("a", 0, 2).unwrap();
         l.commit("a", 2);
         assert!(matches!(
             l.delete("a"),
             Err(BrokerError::TenantInUse { .. })
         ));
-        l.uncharge("a", 2);
+        l.uncharge("a", 0, 2);
         l.delete("a").unwrap();
         assert!(l.get("a").is_none());
         assert!(matches!(l.delete("a"), Err(BrokerError::NotFound(_))));
@@ -544,16 +640,16 @@ mod tests {
     fn quarantined_bytes_count_against_the_limit() {
         let mut l = Ledger::new();
         l.set_quota("a", quota(10)).unwrap();
-        l.reserve("a", 6).unwrap();
+        l.reserve("a", 0, 6).unwrap();
         l.commit("a", 6);
-        l.uncharge("a", 6);
-        l.add_quarantine("a", 6);
+        l.uncharge("a", 0, 6);
+        l.add_quarantine("a", 0, 6);
         assert!(matches!(
-            l.reserve("a", 6),
+            l.reserve("a", 0, 6),
             Err(BrokerError::QuotaExceeded { .. })
         ));
-        l.remove_quarantine("a", 6);
-        l.reserve("a", 6).unwrap();
+        l.remove_quarantine("a", 0, 6);
+        l.reserve("a", 0, 6).unwrap();
     }
 
     #[test]
@@ -565,9 +661,85 @@ mod tests {
             ..Quota::default()
         };
         l.set_quota("a", q).unwrap();
-        l.reserve("a", 6).unwrap();
+        l.reserve("a", 0, 6).unwrap();
         let t = l.get("a").unwrap();
         assert_eq!(t.borrowed_bytes(), 2);
         assert_eq!(t.unused_guarantee(), 0);
+    }
+
+    #[test]
+    fn per_device_caps_count_held_in_flight_and_quarantined_bytes() {
+        let mut l = Ledger::new();
+        l.set_quota(
+            "a",
+            Quota {
+                limit_bytes: 100,
+                device_limit_bytes: BTreeMap::from([(0, 30)]),
+                ..Quota::default()
+            },
+        )
+        .unwrap();
+        // Device 0: capped at 30; device 1: only the total bounds it.
+        l.reserve("a", 0, 20).unwrap();
+        assert_eq!(l.device_committed("a", 0), 20);
+        assert!(matches!(
+            l.reserve("a", 0, 11),
+            Err(BrokerError::DeviceQuotaExceeded { device: 0, requested: 11, held: 20, limit: 30, .. })
+        ));
+        assert_eq!(l.get("a").unwrap().usage.reserved_count, 1, "a refusal charges nothing");
+        l.reserve("a", 0, 10).unwrap();
+        l.reserve("a", 1, 60).unwrap();
+        assert!(l.check_device("a", 1, 1000).is_ok(), "no cap on device 1");
+        l.commit("a", 20);
+        l.commit("a", 10);
+        l.commit("a", 60);
+        assert_eq!(l.device_committed("a", 0), 30);
+        // A lease ending in quarantine still counts on its device until let go.
+        l.uncharge("a", 0, 20);
+        l.add_quarantine("a", 0, 20);
+        assert!(l.check_device("a", 0, 1).is_err());
+        l.remove_quarantine("a", 0, 20);
+        assert_eq!(l.device_committed("a", 0), 10);
+        assert!(l.check_device("a", 0, 20).is_ok());
+        let t = l.get("a").unwrap();
+        assert_eq!(
+            t.device_bytes.values().sum::<u64>(),
+            t.usage.committed_bytes(),
+            "per-device bytes add up to the total"
+        );
+        // Lowering the cap below what it holds is explained, not enforced backwards.
+        let mut q = t.quota.clone();
+        q.device_limit_bytes.insert(1, 50);
+        l.set_quota("a", q).unwrap();
+        let w = l.get("a").unwrap().over_quota_warnings();
+        assert!(w.iter().any(|w| w.contains("device 1")), "{w:?}");
+        l.uncharge("a", 1, 60);
+        l.uncharge("a", 0, 10);
+        assert!(l.get("a").unwrap().device_bytes.is_empty());
+    }
+
+    #[test]
+    fn a_request_above_every_cap_can_never_fit() {
+        let mut l = Ledger::new();
+        l.set_quota(
+            "a",
+            Quota {
+                limit_bytes: 100,
+                device_limit_bytes: BTreeMap::from([(0, 30), (1, 40)]),
+                ..Quota::default()
+            },
+        )
+        .unwrap();
+        assert!(l.device_caps_never_fit("a", &[0, 1], 40).is_none());
+        assert!(matches!(
+            l.device_caps_never_fit("a", &[0, 1], 41),
+            Some(BrokerError::DeviceQuotaExceeded { device: 0, limit: 30, .. })
+        ));
+        assert!(matches!(
+            l.device_caps_never_fit("a", &[1], 41),
+            Some(BrokerError::DeviceQuotaExceeded { device: 1, limit: 40, .. })
+        ));
+        assert!(l.device_caps_never_fit("a", &[0, 2], 41).is_none(), "device 2 has no cap");
+        assert!(l.device_caps_never_fit("a", &[], 41).is_none());
     }
 }

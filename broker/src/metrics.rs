@@ -304,7 +304,7 @@ pub const REFUSAL_REASONS: [&str; 11] = [
 /// The refusal reason label of an error (one of [`REFUSAL_REASONS`]).
 pub fn refusal_reason(e: &BrokerError) -> &'static str {
     match e {
-        BrokerError::QuotaExceeded { .. } => "quota",
+        BrokerError::QuotaExceeded { .. } | BrokerError::DeviceQuotaExceeded { .. } => "quota",
         BrokerError::LeaseCountLimit { .. } => "max_leases",
         BrokerError::QueueFull { .. } => "max_waiting",
         BrokerError::TooLarge { .. } => "too_large",

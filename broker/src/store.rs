@@ -807,6 +807,7 @@ mod tests {
                 guaranteed_bytes: limit / 2,
                 host_limit_bytes: u64::MAX,
                 turn_weight: 3,
+                ..Quota::default()
             },
         }
     }
@@ -864,6 +865,7 @@ mod tests {
                         guaranteed_bytes: 8 * GIB,
                         host_limit_bytes: 2 * GIB,
                         turn_weight: 3,
+                        ..Quota::default()
                     },
                 },
             ]

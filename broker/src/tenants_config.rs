@@ -60,6 +60,9 @@ struct TenantTable {
     guaranteed: Option<toml::Spanned<Size>>,
     host_limit: Option<toml::Spanned<Size>>,
     turn_weight: Option<u32>,
+    /// Per-device caps by device index (`{ 0 = "8GiB", 1 = "4GiB" }`): when given, the
+    /// whole set (caps not listed are removed).
+    device_limits: Option<BTreeMap<toml::Spanned<String>, toml::Spanned<Size>>>,
 }
 
 #[derive(Deserialize)]
@@ -107,7 +110,25 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<DeclaredTenant>, TenantsErro
             guaranteed_bytes: size(t.guaranteed, "guaranteed")?,
             host_limit_bytes: size(t.host_limit, "host-limit")?,
             turn_weight: t.turn_weight,
+            clear_device_limits: t.device_limits.is_some(),
+            device_limits: Vec::new(),
         };
+        let mut patch = patch;
+        for (device, limit) in t.device_limits.into_iter().flatten() {
+            let at = device.span().start;
+            let index: u32 = device.get_ref().parse().map_err(|_| {
+                invalid(
+                    at,
+                    format!(
+                        "tenants.{}.device-limits: {:?} is not a device index (0, 1, ...)",
+                        name.get_ref(),
+                        device.get_ref()
+                    ),
+                )
+            })?;
+            let bytes = size(Some(limit), "device-limits")?;
+            patch.device_limits.push((index, bytes));
+        }
         if patch.limit_bytes.is_none() {
             return Err(invalid(
                 at,
@@ -173,13 +194,13 @@ pub fn diff(declared: &[DeclaredTenant], running: &BTreeMap<String, Quota>) -> V
                     name,
                 },
                 Some(from) => {
-                    let to = d.patch.apply(Some(from)).unwrap_or(*from);
+                    let to = d.patch.apply(Some(from)).unwrap_or(from.clone());
                     if to == *from {
                         Change::Same { name }
                     } else {
                         Change::Update {
                             name,
-                            from: *from,
+                            from: from.clone(),
                             to,
                         }
                     }
@@ -195,7 +216,7 @@ fn human(bytes: u64) -> String {
 }
 
 fn describe(q: &Quota) -> String {
-    format!(
+    let mut out = format!(
         "limit {}, guaranteed {}, priority {}, max-leases {}, host-limit {}, turn-weight {}",
         human(q.limit_bytes),
         human(q.guaranteed_bytes),
@@ -203,7 +224,23 @@ fn describe(q: &Quota) -> String {
         q.max_leases,
         human(q.host_limit_bytes),
         q.turn_weight
-    )
+    );
+    if !q.device_limit_bytes.is_empty() {
+        out.push_str(&format!(", device-limits {}", device_limits(q)));
+    }
+    out
+}
+
+/// Per-device caps as `0=8.0 GiB 1=4.0 GiB` (`none` without any).
+fn device_limits(q: &Quota) -> String {
+    if q.device_limit_bytes.is_empty() {
+        return "none".into();
+    }
+    q.device_limit_bytes
+        .iter()
+        .map(|(d, b)| format!("{d}={}", human(*b)))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// One line per change: `+` created, `~` changed (only the fields that differ), `=` same.
@@ -244,6 +281,7 @@ pub fn describe_change(c: &Change) -> String {
                 from.turn_weight.to_string(),
                 to.turn_weight.to_string(),
             );
+            field("device-limits", device_limits(from), device_limits(to));
             format!("~ {name}: {}", parts.join(", "))
         }
     }
@@ -263,7 +301,7 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
         if matches!(change, Change::Same { .. }) {
             continue;
         }
-        match arb.change_quota(&d.name, QuotaUpdate::Patch(d.patch)) {
+        match arb.change_quota(&d.name, QuotaUpdate::Patch(d.patch.clone())) {
             Ok(c) => {
                 tracing::info!(tenant = %d.name, why, "config: {}", describe_change(&change));
                 let before = running.get(&d.name).map(Quota::to_json);

@@ -3,13 +3,15 @@
 //! admin service reports them) and [`Usage`] (a worker's flat view of its own tenant).
 //! Plain data with `serde` support, converted from the gRPC messages.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use gpu_broker_proto::v1 as pb;
 
 /// A tenant's limits. [`AdminClient::set_quota`](crate::AdminClient::set_quota) replaces
 /// all of them at once; [`QuotaPatch`] changes only some.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QuotaSpec {
     /// Most device bytes the tenant may hold at once (granted, rounded sizes).
     pub limit_bytes: u64,
@@ -24,6 +26,10 @@ pub struct QuotaSpec {
     /// Share of compute turns relative to other tenants (0 counts as 1).
     #[serde(default)]
     pub turn_weight: u32,
+    /// Per-device caps by device index (on top of `limit_bytes`); a device without an
+    /// entry is bounded by the total alone, 0 keeps the tenant off it.
+    #[serde(default)]
+    pub device_limit_bytes: BTreeMap<u32, u64>,
 }
 
 impl QuotaSpec {
@@ -45,6 +51,7 @@ impl From<pb::Quota> for QuotaSpec {
             guaranteed_bytes: q.guaranteed_bytes,
             host_limit_bytes: q.host_limit_bytes,
             turn_weight: q.turn_weight,
+            device_limit_bytes: q.device_limit_bytes.into_iter().collect(),
         }
     }
 }
@@ -58,13 +65,14 @@ impl From<QuotaSpec> for pb::Quota {
             guaranteed_bytes: q.guaranteed_bytes,
             host_limit_bytes: q.host_limit_bytes,
             turn_weight: q.turn_weight,
+            device_limit_bytes: q.device_limit_bytes.into_iter().collect(),
         }
     }
 }
 
 /// Some of a tenant's limits: the fields given change, the others keep their current
 /// values (a new tenant starts from zeros and needs `limit_bytes`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QuotaPatch {
     pub limit_bytes: Option<u64>,
     pub max_leases: Option<u32>,
@@ -72,6 +80,12 @@ pub struct QuotaPatch {
     pub guaranteed_bytes: Option<u64>,
     pub host_limit_bytes: Option<u64>,
     pub turn_weight: Option<u32>,
+    /// Remove every per-device cap before applying `device_limits`.
+    #[serde(default)]
+    pub clear_device_limits: bool,
+    /// Per-device caps to set (`Some(bytes)`) or remove (`None`), in order.
+    #[serde(default)]
+    pub device_limits: Vec<(u32, Option<u64>)>,
 }
 
 impl QuotaPatch {
@@ -90,6 +104,15 @@ impl From<QuotaPatch> for pb::QuotaPatch {
             guaranteed_bytes: q.guaranteed_bytes,
             host_limit_bytes: q.host_limit_bytes,
             turn_weight: q.turn_weight,
+            clear_device_limits: q.clear_device_limits,
+            device_limits: q
+                .device_limits
+                .into_iter()
+                .map(|(device, limit_bytes)| pb::DeviceLimit {
+                    device,
+                    limit_bytes,
+                })
+                .collect(),
         }
     }
 }
@@ -104,7 +127,7 @@ pub struct QuotaChange {
 }
 
 /// Live usage of one tenant.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UsageCounters {
     /// Device bytes held (granted sizes).
     pub held_bytes: u64,
@@ -129,6 +152,10 @@ pub struct UsageCounters {
     /// Time held past the quantum while others waited, in milliseconds.
     #[serde(default)]
     pub overrun_ms: u64,
+    /// Device bytes held per device index (held, in flight, quarantined: what
+    /// [`QuotaSpec::device_limit_bytes`] caps); devices with nothing are left out.
+    #[serde(default)]
+    pub device_committed_bytes: BTreeMap<u32, u64>,
 }
 
 impl From<pb::Usage> for UsageCounters {
@@ -144,6 +171,7 @@ impl From<pb::Usage> for UsageCounters {
             turns: u.turns,
             compute_ms: u.compute_ms,
             overrun_ms: u.overrun_ms,
+            device_committed_bytes: u.device_committed_bytes.into_iter().collect(),
         }
     }
 }
@@ -209,6 +237,12 @@ pub struct Usage {
     pub compute_ms: u64,
     /// See [`UsageCounters::overrun_ms`].
     pub overrun_ms: u64,
+    /// See [`QuotaSpec::device_limit_bytes`].
+    #[serde(default)]
+    pub device_limit_bytes: BTreeMap<u32, u64>,
+    /// See [`UsageCounters::device_committed_bytes`].
+    #[serde(default)]
+    pub device_committed_bytes: BTreeMap<u32, u64>,
 }
 
 impl Usage {
@@ -221,6 +255,7 @@ impl Usage {
             guaranteed_bytes: self.guaranteed_bytes,
             host_limit_bytes: self.host_limit_bytes,
             turn_weight: self.turn_weight,
+            device_limit_bytes: self.device_limit_bytes.clone(),
         }
     }
 
@@ -237,6 +272,7 @@ impl Usage {
             turns: self.turns,
             compute_ms: self.compute_ms,
             overrun_ms: self.overrun_ms,
+            device_committed_bytes: self.device_committed_bytes.clone(),
         }
     }
 
@@ -268,6 +304,8 @@ impl From<pb::GetUsageResponse> for Usage {
             turns: u.turns,
             compute_ms: u.compute_ms,
             overrun_ms: u.overrun_ms,
+            device_limit_bytes: q.device_limit_bytes,
+            device_committed_bytes: u.device_committed_bytes,
         }
     }
 }

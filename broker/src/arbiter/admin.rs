@@ -19,6 +19,8 @@ pub struct TenantView {
     pub name: String,
     pub quota: Quota,
     pub usage: Usage,
+    /// Device bytes per device index (`Tenant::device_bytes`).
+    pub device_bytes: std::collections::BTreeMap<u32, u64>,
     pub borrowed_bytes: u64,
     pub sessions: u32,
     pub waiting: u32,
@@ -82,7 +84,7 @@ pub struct DeviceReport {
 }
 
 /// A quota change: the whole quota, or only some fields.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum QuotaUpdate {
     Replace(Quota),
     Patch(QuotaPatch),
@@ -120,7 +122,7 @@ impl Arbiter {
         let (tenants, tokens) = store.load().map_err(store_err)?;
         let mut st = self.state.lock();
         for t in &tenants {
-            st.ledger.set_quota(&t.name, t.quota)?;
+            st.ledger.set_quota(&t.name, t.quota.clone())?;
         }
         for t in tokens {
             self.auth.add(TokenEntry::from_record(t)?);
@@ -132,8 +134,9 @@ impl Arbiter {
     fn tenant_view(&self, st: &State, t: &Tenant) -> TenantView {
         TenantView {
             name: t.name.clone(),
-            quota: t.quota,
+            quota: t.quota.clone(),
             usage: t.usage,
+            device_bytes: t.device_bytes.clone(),
             borrowed_bytes: t.borrowed_bytes(),
             sessions: st.sessions.count_of(&t.name) as u32,
             waiting: st.queue.iter().filter(|w| w.ask.tenant == t.name).count() as u32,
@@ -174,6 +177,7 @@ impl Arbiter {
             QuotaUpdate::Patch(p) => p.apply(st.ledger.get(name).map(|t| &t.quota))?,
         };
         Ledger::validate_quota(&quota)?;
+        quota.validate_devices(self.devices.len())?;
         let guarantees = st.ledger.guarantees_with(name, quota.guaranteed_bytes);
         let leasable = Self::leasable_total(&st);
         if guarantees > leasable {
@@ -187,13 +191,13 @@ impl Arbiter {
             store
                 .put_tenant(&TenantRecord {
                     name: name.to_string(),
-                    quota,
+                    quota: quota.clone(),
                 })
                 .inspect(|_| self.metrics.store_write(true))
                 .map_err(|e| self.store_failed(e))?;
         }
+        tracing::info!(tenant = name, ?quota, "quota set");
         let created = st.ledger.set_quota(name, quota)?;
-        tracing::info!(tenant = name, ?quota, created, "quota set");
         // A raised limit or new guarantee may let waiters in, or call for reclaim.
         self.drain(&mut st);
         let t = st

@@ -164,6 +164,9 @@ impl Arbiter {
             .max()
             .unwrap_or(0);
         // Requests that can never fit fail at once, waiting or not.
+        let device_caps = st
+            .ledger
+            .device_caps_never_fit(&req.tenant, &candidates, bytes);
         let never = if bytes > limit {
             Some(BrokerError::QuotaExceeded {
                 tenant: req.tenant.clone(),
@@ -172,6 +175,8 @@ impl Arbiter {
                 held: tenant.usage.committed_bytes(),
                 limit,
             })
+        } else if device_caps.is_some() {
+            device_caps
         } else if bytes > max_leasable {
             Some(BrokerError::TooLarge {
                 requested: bytes,
@@ -297,7 +302,16 @@ impl Arbiter {
                 {
                     continue;
                 }
-                let all = self.candidates(w.ask.device);
+                // Devices where the tenant's per-device cap leaves room; none: blocked by
+                // its own quota (blocks nobody).
+                let all: Vec<u32> = self
+                    .candidates(w.ask.device)
+                    .into_iter()
+                    .filter(|&d| st.ledger.check_device(&w.ask.tenant, d, w.ask.bytes).is_ok())
+                    .collect();
+                if all.is_empty() {
+                    continue;
+                }
                 // Memory kept for a guarantee is its owner's: a request within its
                 // guarantee is not held back behind others blocked on capacity.
                 let guaranteed = st.ledger.within_guarantee(&w.ask.tenant, w.ask.bytes);
@@ -369,7 +383,7 @@ impl Arbiter {
         reply: oneshot::Sender<BrokerResult<LeaseView>>,
         d: u32,
     ) {
-        if let Err(e) = st.ledger.reserve(&ask.tenant, ask.bytes) {
+        if let Err(e) = st.ledger.reserve(&ask.tenant, d, ask.bytes) {
             let _ = reply.send(Err(e));
             return;
         }
@@ -413,7 +427,7 @@ impl Arbiter {
                 Ok(block) => arb.commit_grant(&mut st, &ask, priority, d, block),
                 Err(e) => {
                     tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed");
-                    st.ledger.unreserve(&ask.tenant, ask.bytes);
+                    st.ledger.unreserve(&ask.tenant, d, ask.bytes);
                     st.pools[d as usize].unreserve(ask.bytes, None);
                     Err(e)
                 }
@@ -470,7 +484,7 @@ impl Arbiter {
             .get(&ask.session)
             .is_some_and(|s| s.tenant == ask.tenant);
         if !alive || self.is_draining() {
-            st.ledger.unreserve(&ask.tenant, ask.bytes);
+            st.ledger.unreserve(&ask.tenant, d, ask.bytes);
             st.pools[d as usize].unreserve(ask.bytes, Some(block));
             return Err(if alive {
                 BrokerError::ShuttingDown
@@ -528,6 +542,17 @@ impl Arbiter {
         // The tenant's own limits first (bytes or lease count): they say it precisely.
         if let Err(e) = st.ledger.check_charge(&ask.tenant, ask.bytes, Tier::Device) {
             return e;
+        }
+        // Its caps on every device it may use: the first device's refusal says it.
+        let open = self.candidates(ask.device);
+        let capped: Vec<BrokerError> = open
+            .iter()
+            .filter_map(|&d| st.ledger.check_device(&ask.tenant, d, ask.bytes).err())
+            .collect();
+        if !open.is_empty() && capped.len() == open.len() {
+            if let Some(e) = capped.into_iter().next() {
+                return e;
+            }
         }
         let tenant = st.ledger.get(&ask.tenant);
         let (held, limit) = tenant

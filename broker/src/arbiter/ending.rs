@@ -74,7 +74,7 @@ impl Arbiter {
             self.free_host(block);
             return Some(view);
         }
-        st.ledger.uncharge(&tenant, bytes);
+        st.ledger.uncharge(&tenant, d, bytes);
         block.last_tenant = Some(tenant.clone());
         let pool = &mut st.pools[d as usize];
         match ending {
@@ -86,7 +86,7 @@ impl Arbiter {
             Ending::Quarantine { pid } => {
                 self.metrics.quarantined();
                 pool.release_to_quarantine(bytes);
-                st.ledger.add_quarantine(&tenant, bytes);
+                st.ledger.add_quarantine(&tenant, d, bytes);
                 let watch = tokio_util::sync::CancellationToken::new();
                 st.quarantine.insert(
                     id,
@@ -145,7 +145,7 @@ impl Arbiter {
             return;
         };
         let bytes = q.block.bytes();
-        st.ledger.remove_quarantine(&q.tenant, bytes);
+        st.ledger.remove_quarantine(&q.tenant, q.device, bytes);
         let pool = &mut st.pools[q.device as usize];
         if destroy {
             pool.unquarantine_destroyed(bytes);

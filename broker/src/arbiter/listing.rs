@@ -79,8 +79,9 @@ impl Arbiter {
                         counts.get(t.name.as_str()).copied().unwrap_or((0, 0));
                     TenantView {
                         name: t.name.clone(),
-                        quota: t.quota,
+                        quota: t.quota.clone(),
                         usage: t.usage,
+                        device_bytes: t.device_bytes.clone(),
                         borrowed_bytes: t.borrowed_bytes(),
                         sessions,
                         waiting,

@@ -164,7 +164,7 @@ mod tests {
             )
             .unwrap();
         }
-        l.reserve("a", 50).unwrap();
+        l.reserve("a", 0, 50).unwrap();
         let mut q = WaitQueue::default();
         let (tx, _rx) = oneshot::channel();
         let a1 = q.push(ask("a"), 0, tx);

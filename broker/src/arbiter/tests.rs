@@ -256,7 +256,7 @@ async fn guarantees_cannot_exceed_capacity() {
         guaranteed_bytes: 10 * MIB,
         ..Quota::default()
     };
-    f.arb.set_quota("a", q).unwrap();
+    f.arb.set_quota("a", q.clone()).unwrap();
     assert!(matches!(
         f.arb.set_quota("b", q),
         Err(BrokerError::InvalidArgument(_))

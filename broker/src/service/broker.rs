@@ -167,7 +167,7 @@ impl Broker for BrokerService {
         let t = self.arb.usage(&tenant)?;
         Ok(Response::new(pb::GetUsageResponse {
             tenant: t.name.clone(),
-            quota: Some(t.quota.into()),
+            quota: Some(t.quota.clone().into()),
             usage: Some(convert::usage(&t.usage, &t)),
         }))
     }

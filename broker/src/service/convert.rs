@@ -93,6 +93,7 @@ impl From<pb::Quota> for Quota {
             guaranteed_bytes: q.guaranteed_bytes,
             host_limit_bytes: q.host_limit_bytes,
             turn_weight: q.turn_weight,
+            device_limit_bytes: q.device_limit_bytes.into_iter().collect(),
         }
     }
 }
@@ -107,6 +108,7 @@ impl From<Quota> for pb::Quota {
             guaranteed_bytes: q.guaranteed_bytes,
             host_limit_bytes: q.host_limit_bytes,
             turn_weight: q.turn_weight,
+            device_limit_bytes: q.device_limit_bytes.into_iter().collect(),
         }
     }
 }
@@ -121,6 +123,12 @@ impl From<pb::QuotaPatch> for QuotaPatch {
             guaranteed_bytes: p.guaranteed_bytes,
             host_limit_bytes: p.host_limit_bytes,
             turn_weight: p.turn_weight,
+            clear_device_limits: p.clear_device_limits,
+            device_limits: p
+                .device_limits
+                .into_iter()
+                .map(|d| (d.device, d.limit_bytes))
+                .collect(),
         }
     }
 }
@@ -135,6 +143,15 @@ impl From<QuotaPatch> for pb::QuotaPatch {
             guaranteed_bytes: p.guaranteed_bytes,
             host_limit_bytes: p.host_limit_bytes,
             turn_weight: p.turn_weight,
+            clear_device_limits: p.clear_device_limits,
+            device_limits: p
+                .device_limits
+                .into_iter()
+                .map(|(device, limit_bytes)| pb::DeviceLimit {
+                    device,
+                    limit_bytes,
+                })
+                .collect(),
         }
     }
 }
@@ -176,13 +193,14 @@ pub fn usage(u: &Usage, t: &TenantView) -> pb::Usage {
         turns: t.turns.turns,
         compute_ms: t.turns.compute.as_millis() as u64,
         overrun_ms: t.turns.overrun.as_millis() as u64,
+        device_committed_bytes: t.device_bytes.clone().into_iter().collect(),
     }
 }
 
 pub fn tenant(t: &TenantView) -> pb::TenantInfo {
     pb::TenantInfo {
         name: t.name.clone(),
-        quota: Some(pb::Quota::from(t.quota)),
+        quota: Some(pb::Quota::from(t.quota.clone())),
         usage: Some(usage(&t.usage, t)),
         token_count: t.tokens,
     }
