@@ -389,6 +389,37 @@ mod tests {
     }
 
     #[test]
+    fn device_limits_replace_the_set_of_caps() {
+        let text = "[tenants.a]\nlimit = \"64GiB\"\ndevice-limits = { 0 = \"16GiB\", 1 = 0 }\n\n[tenants.b]\nlimit = \"1GiB\"\n";
+        let t = parse(Path::new("c.toml"), text).unwrap();
+        let a = t.iter().find(|t| t.name == "a").unwrap();
+        assert!(a.patch.clear_device_limits);
+        assert_eq!(a.patch.device_limits, [(0, Some(16 << 30)), (1, Some(0))]);
+        let b = t.iter().find(|t| t.name == "b").unwrap();
+        assert!(!b.patch.clear_device_limits && b.patch.device_limits.is_empty());
+        // Against a running quota with other caps: the file's set replaces them.
+        let running = BTreeMap::from([(
+            "a".to_string(),
+            Quota {
+                limit_bytes: 64 << 30,
+                device_limit_bytes: BTreeMap::from([(2, 5)]),
+                ..Quota::default()
+            },
+        )]);
+        let changes = diff(&t[..1], &running);
+        let Change::Update { to, .. } = &changes[0] else {
+            panic!("{changes:?}")
+        };
+        assert_eq!(to.device_limit_bytes, BTreeMap::from([(0, 16 << 30), (1, 0)]));
+        let line = describe_change(&changes[0]);
+        assert!(line.contains("device-limits 2=5 B -> 0=16.0 GiB 1=0 B"), "{line}");
+        let e = parse(Path::new("c.toml"), "[tenants.a]\nlimit = 1\ndevice-limits = { gpu0 = 1 }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("c.toml:3: ") && e.contains("not a device index"), "{e}");
+    }
+
+    #[test]
     fn errors_name_file_line_and_reason() {
         for (text, line, want) in [
             ("[tenants.a]\nlimit = \"lots\"\n", 2, "invalid size"),

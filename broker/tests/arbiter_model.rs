@@ -93,6 +93,7 @@ fn quota_strategy() -> impl Strategy<Value = Quota> {
                 (limit / 100 * g_pct) / GRAN * GRAN
             },
             host_limit_bytes: 0,
+            device_limit_bytes: Default::default(),
             turn_weight: 1,
         })
 }
@@ -325,7 +326,7 @@ impl Harness {
         for (i, q) in quotas.iter().enumerate() {
             h.step(&Op::SetQuota {
                 tenant: i,
-                quota: *q,
+                quota: q.clone(),
             });
         }
         h
@@ -489,9 +490,10 @@ impl Harness {
                 let leasable: u64 = m.devices.iter().map(|d| d.leasable).sum();
                 let want_ok = quota.guaranteed_bytes <= quota.limit_bytes && guarantees <= leasable;
                 let arb = self.arb.clone();
+                let asked = quota.clone();
                 let got = self
                     .rt
-                    .block_on(async move { arb.set_quota(TENANTS[tenant], quota) });
+                    .block_on(async move { arb.set_quota(TENANTS[tenant], asked) });
                 match got {
                     Ok((view, _)) => {
                         assert!(want_ok, "quota {quota:?} accepted, model refuses it");

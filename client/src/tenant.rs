@@ -325,10 +325,12 @@ mod tests {
                 guaranteed_bytes: 40,
                 host_limit_bytes: 7,
                 turn_weight: 0,
+                device_limit_bytes: [(1, 50)].into(),
             }),
             usage: Some(pb::Usage {
                 held_bytes: 60,
                 lease_count: 2,
+                device_committed_bytes: [(1, 60)].into(),
                 ..Default::default()
             }),
         };
@@ -342,10 +344,12 @@ mod tests {
                 priority: -2,
                 guaranteed_bytes: 40,
                 host_limit_bytes: 7,
-                turn_weight: 0
+                turn_weight: 0,
+                device_limit_bytes: BTreeMap::from([(1, 50)]),
             }
         );
         assert_eq!(u.counters().held_bytes, 60);
+        assert_eq!(u.counters().device_committed_bytes, BTreeMap::from([(1, 60)]));
         assert_eq!(u.available_bytes(), 40);
         let back: pb::Quota = u.quota().into();
         assert_eq!(QuotaSpec::from(back), u.quota());

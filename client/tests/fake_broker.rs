@@ -333,7 +333,7 @@ impl Admin for Fake {
         let quota = match (r.quota, r.patch) {
             (Some(q), _) => q,
             (None, Some(p)) => {
-                let old = self.state.lock().tenants.get(&r.tenant).copied();
+                let old = self.state.lock().tenants.get(&r.tenant).cloned();
                 let old = old.unwrap_or_default();
                 pb::Quota {
                     limit_bytes: p.limit_bytes.unwrap_or(old.limit_bytes),
@@ -342,6 +342,7 @@ impl Admin for Fake {
                     guaranteed_bytes: p.guaranteed_bytes.unwrap_or(old.guaranteed_bytes),
                     host_limit_bytes: p.host_limit_bytes.unwrap_or(old.host_limit_bytes),
                     turn_weight: p.turn_weight.unwrap_or(old.turn_weight),
+                    device_limit_bytes: old.device_limit_bytes,
                 }
             }
             (None, None) => pb::Quota::default(),
@@ -355,7 +356,7 @@ impl Admin for Fake {
             .state
             .lock()
             .tenants
-            .insert(r.tenant.clone(), quota)
+            .insert(r.tenant.clone(), quota.clone())
             .is_none();
         Ok(Response::new(pb::SetQuotaResponse {
             tenant: Some(self.tenant_info(&r.tenant, quota)),
@@ -370,7 +371,7 @@ impl Admin for Fake {
     ) -> Result<Response<pb::GetQuotaResponse>, Status> {
         self.admin(&req)?;
         let name = req.into_inner().tenant;
-        let quota = self.state.lock().tenants.get(&name).copied();
+        let quota = self.state.lock().tenants.get(&name).cloned();
         match quota {
             Some(q) => Ok(Response::new(pb::GetQuotaResponse {
                 tenant: Some(self.tenant_info(&name, q)),
@@ -389,7 +390,7 @@ impl Admin for Fake {
             .lock()
             .tenants
             .iter()
-            .map(|(k, v)| (k.clone(), *v))
+            .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         all.sort_by(|a, b| a.0.cmp(&b.0));
         let tenants = all
@@ -942,9 +943,10 @@ async fn admin_calls() {
         guaranteed_bytes: 1 << 30,
         host_limit_bytes: 0,
         turn_weight: 0,
+        device_limit_bytes: Default::default(),
     };
-    let info = admin.set_quota("a", quota).await.unwrap();
-    assert_eq!((info.name.as_str(), info.quota), ("a", quota));
+    let info = admin.set_quota("a", quota.clone()).await.unwrap();
+    assert_eq!((info.name.as_str(), info.quota.clone()), ("a", quota.clone()));
     assert_eq!(admin.get_quota("a").await.unwrap().quota, quota);
     let err = admin.get_quota("zz").await.unwrap_err();
     assert!(matches!(err, ClientError::NotFound(_)));

@@ -193,6 +193,7 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
                         guaranteed_bytes: guarantee,
                         host_limit_bytes: 0,
                         turn_weight: 0,
+                        device_limit_bytes: Default::default(),
                     },
                 )
                 .await?;

@@ -25,6 +25,7 @@ async fn quotas_tenants_and_tokens() {
             guaranteed_bytes: 0,
             host_limit_bytes: 0,
             turn_weight: 0,
+            device_limit_bytes: Default::default(),
         }),
         patch: None,
     };

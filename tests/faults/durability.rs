@@ -18,6 +18,7 @@ fn qs(
         guaranteed_bytes: guaranteed_mib * MIB,
         host_limit_bytes: host_mib * MIB,
         turn_weight: 0,
+        device_limit_bytes: Default::default(),
     }
 }
 
@@ -34,7 +35,7 @@ async fn admin_changes_survive_sigkill_of_the_broker() {
     admin.set_quota("gamma", qs(10, 0, 0, 0, 0)).await.unwrap();
     // Updates replace the whole quota.
     let alpha = qs(96, 32, 7, 0, 0);
-    admin.set_quota("alpha", alpha).await.unwrap();
+    admin.set_quota("alpha", alpha.clone()).await.unwrap();
     let a1 = admin.issue_token("alpha", "one").await.unwrap();
     let a2 = admin.issue_token("alpha", "two").await.unwrap();
     let b1 = admin.issue_token("beta", "b").await.unwrap();
@@ -69,7 +70,7 @@ async fn admin_changes_survive_sigkill_of_the_broker() {
     assert_eq!(
         tenants_after,
         vec![
-            ("alpha".to_string(), alpha),
+            ("alpha".to_string(), alpha.clone()),
             ("beta".to_string(), qs(32, 0, -1, 0, 0))
         ]
     );

@@ -340,7 +340,7 @@ async fn two_hundred_workers_with_kills_keep_every_invariant() {
     let plans = plans();
     let mut tokens = Vec::new();
     for p in &plans {
-        tokens.push(b.tenant(p.name, p.quota).await.unwrap());
+        tokens.push(b.tenant(p.name, p.quota.clone()).await.unwrap());
     }
     let leasable = admin.get_devices().await.unwrap()[0].leasable_bytes;
     assert_eq!(leasable, 480 * MIB);

@@ -242,6 +242,13 @@ enum QuotaCommand {
         /// Share of compute turns relative to other tenants (0 counts as 1).
         #[arg(long)]
         turn_weight: Option<u32>,
+        /// Cap on one device, on top of --limit: DEVICE=SIZE (e.g. 0=16GiB; 0=0 keeps the
+        /// tenant off device 0), or DEVICE=none to remove it. Repeat for several devices.
+        #[arg(long = "device-limit", value_name = "DEVICE=SIZE", value_parser = parse_device_limit)]
+        device_limits: Vec<(u32, Option<u64>)>,
+        /// Remove every per-device cap first (with --device-limit: those become the whole set).
+        #[arg(long)]
+        clear_device_limits: bool,
     },
     /// Show a tenant's quota and usage.
     Get {
@@ -418,6 +425,8 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                     guaranteed,
                     host_limit,
                     turn_weight,
+                    device_limits,
+                    clear_device_limits,
                 },
         } => {
             let patch = QuotaPatch {
@@ -427,10 +436,12 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
                 guaranteed_bytes: guaranteed,
                 host_limit_bytes: host_limit,
                 turn_weight,
+                clear_device_limits,
+                device_limits,
             };
             anyhow::ensure!(
                 !patch.is_empty(),
-                "nothing to change: give --limit, --max-leases, --priority, --guaranteed, --host-limit or --turn-weight"
+                "nothing to change: give --limit, --max-leases, --priority, --guaranteed, --host-limit, --turn-weight, --device-limit or --clear-device-limits"
             );
             let change = admin.patch_quota(&tenant, patch).await?;
             for w in &change.warnings {
@@ -438,7 +449,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             }
             let info = change.tenant;
             emit(json, &info, || {
-                tenant_table(std::slice::from_ref(&info), width)
+                tenant_table(std::slice::from_ref(&info), width) + &device_lines(&info)
             })
         }
         Command::Quota {
@@ -446,7 +457,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
         } => {
             let info = admin.get_quota(&tenant).await?;
             emit(json, &info, || {
-                tenant_table(std::slice::from_ref(&info), width)
+                tenant_table(std::slice::from_ref(&info), width) + &device_lines(&info)
             })
         }
         Command::Tokens {
@@ -706,6 +717,43 @@ fn or_dash_str(s: &str) -> String {
     } else {
         s.to_string()
     }
+}
+
+/// `--device-limit DEVICE=SIZE` or `DEVICE=none`.
+fn parse_device_limit(text: &str) -> Result<(u32, Option<u64>), String> {
+    let (device, size) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?}: expected DEVICE=SIZE (e.g. 0=16GiB) or DEVICE=none"))?;
+    let device: u32 = device
+        .trim()
+        .parse()
+        .map_err(|_| format!("{device:?} is not a device index (0, 1, ...)"))?;
+    match size.trim() {
+        "none" => Ok((device, None)),
+        s => parse_bytes(s).map(|b| (device, Some(b))),
+    }
+}
+
+/// One line per device where the tenant has a cap or holds memory:
+/// `device 0: 12.0 MiB held of its 16.0 MiB limit`.
+fn device_lines(info: &TenantInfo) -> String {
+    let (caps, held) = (
+        &info.quota.device_limit_bytes,
+        &info.usage.device_committed_bytes,
+    );
+    let devices: std::collections::BTreeSet<u32> = caps.keys().chain(held.keys()).copied().collect();
+    let mut out = String::new();
+    for d in devices {
+        let h = format_bytes(held.get(&d).copied().unwrap_or(0));
+        match caps.get(&d) {
+            Some(c) => out.push_str(&format!(
+                "device {d}: {h} held of its {} limit\n",
+                format_bytes(*c)
+            )),
+            None => out.push_str(&format!("device {d}: {h} held (no per-device limit)\n")),
+        }
+    }
+    out
 }
 
 fn tenant_table(tenants: &[TenantInfo], width: Option<usize>) -> String {
