@@ -684,9 +684,19 @@ mod tests {
         assert_eq!(l.device_committed("a", 0), 20);
         assert!(matches!(
             l.reserve("a", 0, 11),
-            Err(BrokerError::DeviceQuotaExceeded { device: 0, requested: 11, held: 20, limit: 30, .. })
+            Err(BrokerError::DeviceQuotaExceeded {
+                device: 0,
+                requested: 11,
+                held: 20,
+                limit: 30,
+                ..
+            })
         ));
-        assert_eq!(l.get("a").unwrap().usage.reserved_count, 1, "a refusal charges nothing");
+        assert_eq!(
+            l.get("a").unwrap().usage.reserved_count,
+            1,
+            "a refusal charges nothing"
+        );
         l.reserve("a", 0, 10).unwrap();
         l.reserve("a", 1, 60).unwrap();
         assert!(l.check_device("a", 1, 1000).is_ok(), "no cap on device 1");
@@ -733,13 +743,24 @@ mod tests {
         assert!(l.device_caps_never_fit("a", &[0, 1], 40).is_none());
         assert!(matches!(
             l.device_caps_never_fit("a", &[0, 1], 41),
-            Some(BrokerError::DeviceQuotaExceeded { device: 0, limit: 30, .. })
+            Some(BrokerError::DeviceQuotaExceeded {
+                device: 0,
+                limit: 30,
+                ..
+            })
         ));
         assert!(matches!(
             l.device_caps_never_fit("a", &[1], 41),
-            Some(BrokerError::DeviceQuotaExceeded { device: 1, limit: 40, .. })
+            Some(BrokerError::DeviceQuotaExceeded {
+                device: 1,
+                limit: 40,
+                ..
+            })
         ));
-        assert!(l.device_caps_never_fit("a", &[0, 2], 41).is_none(), "device 2 has no cap");
+        assert!(
+            l.device_caps_never_fit("a", &[0, 2], 41).is_none(),
+            "device 2 has no cap"
+        );
         assert!(l.device_caps_never_fit("a", &[], 41).is_none());
     }
 }

@@ -32,7 +32,11 @@ pub struct Quota {
     /// (counted like `limit_bytes`), on top of the total. A device without an entry is
     /// bounded by the total alone; 0 keeps the tenant off it. Left out of the state file
     /// when empty (so a quota without caps is stored as before).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        with = "by_device"
+    )]
     pub device_limit_bytes: BTreeMap<u32, u64>,
 }
 
@@ -62,6 +66,31 @@ impl Quota {
             ))),
             None => Ok(()),
         }
+    }
+}
+
+/// A map by device index as JSON wants it: keys are the index in decimal (`{"1": 7}`),
+/// read back strictly. (serde's own integer-key support does not survive `flatten`, which
+/// the state file's tenant record uses.)
+mod by_device {
+    use std::collections::BTreeMap;
+
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(map: &BTreeMap<u32, u64>, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(map.iter().map(|(d, b)| (d.to_string(), b)))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<u32, u64>, D::Error> {
+        BTreeMap::<String, u64>::deserialize(d)?
+            .into_iter()
+            .map(|(k, v)| {
+                k.parse::<u32>()
+                    .map(|k| (k, v))
+                    .map_err(|_| D::Error::custom(format!("{k:?} is not a device index")))
+            })
+            .collect()
     }
 }
 
@@ -167,7 +196,10 @@ mod tests {
         };
         assert!(q.validate_devices(2).is_ok());
         let err = q.validate_devices(1).unwrap_err().to_string();
-        assert!(err.contains("device 1") && err.contains("1 device"), "{err}");
+        assert!(
+            err.contains("device 1") && err.contains("1 device"),
+            "{err}"
+        );
         assert!(Quota::default().validate_devices(0).is_ok());
     }
 

@@ -820,6 +820,25 @@ mod tests {
         assert_eq!(t.quota.limit_bytes, 1);
     }
 
+    #[test]
+    fn per_device_caps_round_trip_through_the_record() {
+        let mut t = tenant("a", 100);
+        t.quota.device_limit_bytes = [(0, 5), (3, 0)].into();
+        let json = serde_json::to_string(&t).unwrap();
+        assert!(
+            json.contains(r#""device_limit_bytes":{"0":5,"3":0}"#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<TenantRecord>(&json).unwrap(), t);
+        let bad = json.replace(r#""3":0"#, r#""x":0"#);
+        let e = serde_json::from_str::<TenantRecord>(&bad).unwrap_err();
+        assert!(e.to_string().contains("not a device index"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        store.put_tenant(&t).unwrap();
+        assert_eq!(store.load().unwrap().0, [t]);
+    }
+
     /// `tests/data/state-schema1.redb` was written by the broker before the quota had one
     /// definition (its own `TenantRecord` fields): tenant `training` (24 GiB, 16 leases,
     /// priority 5, 8 GiB guaranteed, 2 GiB host, turn weight 3), tenant `inference`

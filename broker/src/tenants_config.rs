@@ -410,13 +410,25 @@ mod tests {
         let Change::Update { to, .. } = &changes[0] else {
             panic!("{changes:?}")
         };
-        assert_eq!(to.device_limit_bytes, BTreeMap::from([(0, 16 << 30), (1, 0)]));
+        assert_eq!(
+            to.device_limit_bytes,
+            BTreeMap::from([(0, 16 << 30), (1, 0)])
+        );
         let line = describe_change(&changes[0]);
-        assert!(line.contains("device-limits 2=5 B -> 0=16.0 GiB 1=0 B"), "{line}");
-        let e = parse(Path::new("c.toml"), "[tenants.a]\nlimit = 1\ndevice-limits = { gpu0 = 1 }\n")
-            .unwrap_err()
-            .to_string();
-        assert!(e.starts_with("c.toml:3: ") && e.contains("not a device index"), "{e}");
+        assert!(
+            line.contains("device-limits 2=5 B -> 0=16.0 GiB 1=0 B"),
+            "{line}"
+        );
+        let e = parse(
+            Path::new("c.toml"),
+            "[tenants.a]\nlimit = 1\ndevice-limits = { gpu0 = 1 }\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("c.toml:3: ") && e.contains("not a device index"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -349,7 +349,10 @@ mod tests {
             }
         );
         assert_eq!(u.counters().held_bytes, 60);
-        assert_eq!(u.counters().device_committed_bytes, BTreeMap::from([(1, 60)]));
+        assert_eq!(
+            u.counters().device_committed_bytes,
+            BTreeMap::from([(1, 60)])
+        );
         assert_eq!(u.available_bytes(), 40);
         let back: pb::Quota = u.quota().into();
         assert_eq!(QuotaSpec::from(back), u.quota());

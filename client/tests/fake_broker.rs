@@ -946,7 +946,10 @@ async fn admin_calls() {
         device_limit_bytes: Default::default(),
     };
     let info = admin.set_quota("a", quota.clone()).await.unwrap();
-    assert_eq!((info.name.as_str(), info.quota.clone()), ("a", quota.clone()));
+    assert_eq!(
+        (info.name.as_str(), info.quota.clone()),
+        ("a", quota.clone())
+    );
     assert_eq!(admin.get_quota("a").await.unwrap().quota, quota);
     let err = admin.get_quota("zz").await.unwrap_err();
     assert!(matches!(err, ClientError::NotFound(_)));

@@ -307,7 +307,11 @@ impl Arbiter {
                 let all: Vec<u32> = self
                     .candidates(w.ask.device)
                     .into_iter()
-                    .filter(|&d| st.ledger.check_device(&w.ask.tenant, d, w.ask.bytes).is_ok())
+                    .filter(|&d| {
+                        st.ledger
+                            .check_device(&w.ask.tenant, d, w.ask.bytes)
+                            .is_ok()
+                    })
                     .collect();
                 if all.is_empty() {
                     continue;

@@ -462,7 +462,8 @@ impl Arbiter {
         for id in quarantined {
             if let Some(q) = st.quarantine.remove(&id) {
                 st.pools[q.device as usize].unquarantine_destroyed(q.block.bytes());
-                st.ledger.remove_quarantine(&q.tenant, q.device, q.block.bytes());
+                st.ledger
+                    .remove_quarantine(&q.tenant, q.device, q.block.bytes());
                 self.free_on_device(q.device, q.block);
             }
         }

@@ -741,7 +741,8 @@ fn device_lines(info: &TenantInfo) -> String {
         &info.quota.device_limit_bytes,
         &info.usage.device_committed_bytes,
     );
-    let devices: std::collections::BTreeSet<u32> = caps.keys().chain(held.keys()).copied().collect();
+    let devices: std::collections::BTreeSet<u32> =
+        caps.keys().chain(held.keys()).copied().collect();
     let mut out = String::new();
     for d in devices {
         let h = format_bytes(held.get(&d).copied().unwrap_or(0));
