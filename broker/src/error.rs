@@ -121,6 +121,10 @@ pub enum BrokerError {
     /// Host memory was asked for as a fallback and could not be made.
     #[error("host fallback of {} failed: {cause}", show(*requested))]
     HostFallbackFailed { requested: u64, cause: String },
+    /// A shared-lease table limit (publications of a tenant, imports of a publication or
+    /// of a session) is reached.
+    #[error("{what}: {max}, the most allowed")]
+    SharingLimit { what: &'static str, max: usize },
 
     // ---- DEADLINE_EXCEEDED
     /// A request waited as long as it asked and was not granted; `cause` is what it would
@@ -249,6 +253,11 @@ pub enum Missing {
     Lease(Uuid),
     Token,
     Turn(String),
+    /// A shared lease `name` of `publisher` that does not exist or is not published for
+    /// the caller (the two are one answer).
+    SharedLease { publisher: String, name: String },
+    /// An import of a shared lease.
+    Import(Uuid),
 }
 
 impl fmt::Display for Missing {
@@ -260,6 +269,11 @@ impl fmt::Display for Missing {
             Missing::Lease(id) => write!(f, "lease {id} not found"),
             Missing::Token => f.write_str("token not found"),
             Missing::Turn(id) => write!(f, "turn {id} not found"),
+            Missing::SharedLease { publisher, name } => write!(
+                f,
+                "no shared lease {name:?} of tenant {publisher:?} is published for you"
+            ),
+            Missing::Import(id) => write!(f, "import {id} not found"),
         }
     }
 }
@@ -282,7 +296,8 @@ impl BrokerError {
             | QueueFull { .. }
             | SessionLimit { .. }
             | TurnBusy { .. }
-            | HostFallbackFailed { .. } => Code::ResourceExhausted,
+            | HostFallbackFailed { .. }
+            | SharingLimit { .. } => Code::ResourceExhausted,
             WaitExpired { .. } => Code::DeadlineExceeded,
             NotFound(_) => Code::NotFound,
             ShuttingDown | BrokerRestarted { .. } | NoDeviceOpen { .. } | Unavailable(_) => {
@@ -313,6 +328,7 @@ impl BrokerError {
             SessionLimit { .. } => "SESSION_LIMIT",
             TurnBusy { .. } => "TURN_BUSY",
             HostFallbackFailed { .. } => "HOST_FALLBACK_FAILED",
+            SharingLimit { .. } => "SHARING_LIMIT",
             WaitExpired { .. } => "WAIT_EXPIRED",
             NotFound(m) => match m {
                 Missing::Tenant(_) | Missing::TenantGone(_) => "TENANT_NOT_FOUND",
@@ -320,6 +336,8 @@ impl BrokerError {
                 Missing::Lease(_) => "LEASE_NOT_FOUND",
                 Missing::Token => "TOKEN_NOT_FOUND",
                 Missing::Turn(_) => "TURN_NOT_FOUND",
+                Missing::SharedLease { .. } => "SHARED_LEASE_NOT_FOUND",
+                Missing::Import(_) => "IMPORT_NOT_FOUND",
             },
             ShuttingDown => "SHUTTING_DOWN",
             BrokerRestarted { .. } => "BROKER_RESTARTED",
@@ -444,6 +462,7 @@ impl BrokerError {
                 ("waiting_requests", s(waiting)),
             ],
             HostFallbackFailed { requested, .. } => vec![("requested_bytes", s(requested))],
+            SharingLimit { max, .. } => vec![("max", s(max))],
             WaitExpired { waited_ms, cause } => {
                 let mut v = vec![("waited_ms", s(waited_ms))];
                 if let Some(r) = cause.reason() {
@@ -458,6 +477,10 @@ impl BrokerError {
                 Missing::Lease(id) => vec![("lease_id", s(id))],
                 Missing::Token => vec![],
                 Missing::Turn(id) => vec![("turn_id", id.clone())],
+                Missing::SharedLease { publisher, name } => {
+                    vec![("publisher", publisher.clone()), ("name", name.clone())]
+                }
+                Missing::Import(id) => vec![("import_id", s(id))],
             },
             BrokerRestarted { session } => vec![("session_id", s(session))],
             DeviceClosed { device, .. } => vec![("device", s(device))],
@@ -629,6 +652,15 @@ mod tests {
             },
             BrokerError::NotFound(Missing::Lease(id)),
             BrokerError::NotFound(Missing::Session(id)),
+            BrokerError::NotFound(Missing::Import(id)),
+            BrokerError::NotFound(Missing::SharedLease {
+                publisher: "a".into(),
+                name: "w".into(),
+            }),
+            BrokerError::SharingLimit {
+                what: "imports of a session",
+                max: 1,
+            },
             BrokerError::ShuttingDown,
             BrokerError::BrokerRestarted { session: id },
             BrokerError::DeviceClosed {

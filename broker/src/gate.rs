@@ -32,6 +32,7 @@ pub const READ_METHODS: &[&str] = &[
     "/gpubroker.v1.Admin/ListQuarantined",
     "/gpubroker.v1.Admin/GetInfo",
     "/gpubroker.v1.Broker/GetInfo",
+    "/gpubroker.v1.Admin/ListSharedLeases",
 ];
 
 /// Paths that need a token: the broker's own services.

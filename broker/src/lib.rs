@@ -33,6 +33,7 @@ pub mod scheduler;
 pub mod server;
 pub mod service;
 pub mod session;
+pub mod sharing;
 pub mod status_http;
 pub mod status_page;
 pub mod store;

@@ -304,6 +304,7 @@ async fn serve_one(mut stream: UnixStream, arb: &crate::arbiter::Arbiter) {
         Ok((lease, fd)) => match send_fd(&stream, &fd).await {
             Ok(()) => {
                 arb.metrics().ticket_redeemed();
+                arb.fd_delivered(lease, pid);
                 tracing::debug!(%lease, ?uid, ?pid, "lease fd delivered");
             }
             Err(e) => tracing::warn!(%lease, error = %e, "sending a lease fd failed"),

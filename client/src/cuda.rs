@@ -152,6 +152,8 @@ fn open_error(rc: CUresult) -> CudaError {
 enum Key {
     Ipc(u32, [u8; 64]),
     Vmm(u32, u64),
+    /// A read-only import of a shared lease (never shared with a writable one).
+    VmmReadOnly(u32, u64),
 }
 
 /// One opened handle (or imported VMM block) in this process.
@@ -344,6 +346,32 @@ pub fn map_vmm(
     size: u64,
     block_id: u64,
 ) -> Result<CudaMapping, CudaError> {
+    map_vmm_with(fd, device, bytes, size, Key::Vmm(device, block_id))
+}
+
+/// Like [`map_vmm`] with read access only (`cuMemSetAccess` `PROT_READ`): how this client
+/// maps an imported shared lease. The driver enforces the access this process sets; the
+/// broker cannot stop another importer from setting read-write (`docs/security.md`).
+/// Never shares a mapping with a writable import of the same block.
+pub fn map_vmm_read_only(
+    fd: std::os::fd::BorrowedFd<'_>,
+    device: u32,
+    bytes: u64,
+    size: u64,
+) -> Result<CudaMapping, CudaError> {
+    // A key of its own for every call: nothing is shared with another mapping.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    map_vmm_with(fd, device, bytes, size, Key::VmmReadOnly(device, id))
+}
+
+fn map_vmm_with(
+    fd: std::os::fd::BorrowedFd<'_>,
+    device: u32,
+    bytes: u64,
+    size: u64,
+    key: Key,
+) -> Result<CudaMapping, CudaError> {
     use std::os::fd::AsRawFd;
     if bytes == 0 {
         return Err(CudaError::InvalidSize(bytes));
@@ -360,14 +388,14 @@ pub fn map_vmm(
         // SAFETY: balances the retain in `retain_primary`.
         let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(cu_device) };
     };
-    let key = Key::Vmm(device, block_id);
+    let read_only = matches!(key, Key::VmmReadOnly(..));
     let mut open = OPEN.lock();
     let ptr = match open.get_mut(&key) {
         Some(e) => {
             e.count += 1;
             e.ptr
         }
-        None => match import_and_map(fd.as_raw_fd(), cu_device, len) {
+        None => match import_and_map(fd.as_raw_fd(), cu_device, len, read_only) {
             Ok((ptr, handle)) => {
                 open.insert(
                     key,
@@ -404,6 +432,7 @@ fn import_and_map(
     fd: std::os::fd::RawFd,
     cu_device: CUdevice,
     len: usize,
+    read_only: bool,
 ) -> Result<(CUdeviceptr, sys::CUmemGenericAllocationHandle), CudaError> {
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: the driver reads the descriptor number (passed as the pointer value, as the
@@ -438,7 +467,11 @@ fn import_and_map(
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
             id: cu_device,
         },
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        flags: if read_only {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ
+        } else {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        },
     };
     // SAFETY: the mapped range; one valid access descriptor.
     if let Err(e) = check("cuMemSetAccess", unsafe {
@@ -491,7 +524,7 @@ impl CudaMapping {
     pub fn handle(&self) -> Option<&[u8; 64]> {
         match &self.key {
             Key::Ipc(_, h) => Some(h),
-            Key::Vmm(..) => None,
+            Key::Vmm(..) | Key::VmmReadOnly(..) => None,
         }
     }
 
@@ -499,7 +532,7 @@ impl CudaMapping {
     pub fn block_id(&self) -> Option<u64> {
         match self.key {
             Key::Vmm(_, b) => Some(b),
-            Key::Ipc(..) => None,
+            Key::Ipc(..) | Key::VmmReadOnly(..) => None,
         }
     }
 

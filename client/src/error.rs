@@ -338,6 +338,8 @@ reasons! {
     TurnBusy = "TURN_BUSY",
     /// `RESOURCE_EXHAUSTED`: host memory asked for as a fallback could not be made.
     HostFallbackFailed = "HOST_FALLBACK_FAILED",
+    /// `RESOURCE_EXHAUSTED`: a shared-lease limit (publications, imports) is reached.
+    SharingLimit = "SHARING_LIMIT",
     /// `RESOURCE_EXHAUSTED`: over the tenant's call rate; the status has a retry hint.
     RateLimited = "RATE_LIMITED",
     /// `RESOURCE_EXHAUSTED`: too many calls open to the unauthenticated services.
@@ -354,6 +356,10 @@ reasons! {
     TokenNotFound = "TOKEN_NOT_FOUND",
     /// `NOT_FOUND`: no such compute turn.
     TurnNotFound = "TURN_NOT_FOUND",
+    /// `NOT_FOUND`: no such shared lease published for the caller's tenant.
+    SharedLeaseNotFound = "SHARED_LEASE_NOT_FOUND",
+    /// `NOT_FOUND`: no such import.
+    ImportNotFound = "IMPORT_NOT_FOUND",
     /// `UNAVAILABLE`: the broker is shutting down.
     ShuttingDown = "SHUTTING_DOWN",
     /// `UNAVAILABLE`: the session belongs to an earlier run of the broker.

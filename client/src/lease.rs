@@ -295,6 +295,7 @@ pub struct LeaseRequest<'s> {
     reclaimable: bool,
     fallback_host: bool,
     accept: Vec<pb::HandleKind>,
+    host_tier: bool,
 }
 
 /// What a lease request accepts unless told otherwise: fd handles, and legacy CUDA IPC
@@ -312,6 +313,7 @@ impl<'s> LeaseRequest<'s> {
             reclaimable: false,
             fallback_host: false,
             accept: DEFAULT_ACCEPT.to_vec(),
+            host_tier: false,
         }
     }
 
@@ -352,6 +354,13 @@ impl<'s> LeaseRequest<'s> {
         self
     }
 
+    /// Asks for host memory (the broker's host tier) instead of device memory, under the
+    /// tenant's host limit (e.g. to keep a sleeping lease's contents).
+    pub fn host_tier(mut self, host_tier: bool) -> Self {
+        self.host_tier = host_tier;
+        self
+    }
+
     /// The gRPC request this builder sends.
     pub fn to_proto(&self) -> pb::AcquireLeaseRequest {
         pb::AcquireLeaseRequest {
@@ -369,6 +378,7 @@ impl<'s> LeaseRequest<'s> {
                 pb::Fallback::None as i32
             },
             accept_handles: self.accept.iter().map(|k| *k as i32).collect(),
+            host_tier: self.host_tier,
         }
     }
 

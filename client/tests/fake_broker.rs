@@ -320,6 +320,41 @@ impl Broker for Fake {
     ) -> Result<Response<pb::GetInfoResponse>, Status> {
         Err(Status::unimplemented("an old broker"))
     }
+
+    async fn publish_lease(
+        &self,
+        _req: Request<pb::PublishLeaseRequest>,
+    ) -> Result<Response<pb::PublishLeaseResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn unpublish_lease(
+        &self,
+        _req: Request<pb::UnpublishLeaseRequest>,
+    ) -> Result<Response<pb::UnpublishLeaseResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn import_lease(
+        &self,
+        _req: Request<pb::ImportLeaseRequest>,
+    ) -> Result<Response<pb::ImportLeaseResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn release_import(
+        &self,
+        _req: Request<pb::ReleaseImportRequest>,
+    ) -> Result<Response<pb::ReleaseImportResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn list_shared_leases(
+        &self,
+        _req: Request<pb::ListSharedLeasesRequest>,
+    ) -> Result<Response<pb::ListSharedLeasesResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
 }
 
 #[tonic::async_trait]
@@ -586,6 +621,13 @@ impl Admin for Fake {
         &self,
         _req: Request<pb::SetDeviceHealthRequest>,
     ) -> Result<Response<pb::SetDeviceHealthResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn list_shared_leases(
+        &self,
+        _req: Request<pb::AdminListSharedLeasesRequest>,
+    ) -> Result<Response<pb::AdminListSharedLeasesResponse>, Status> {
         Err(Status::unimplemented("not in the fake"))
     }
 

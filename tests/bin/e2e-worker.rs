@@ -9,7 +9,8 @@
 //!   `EVENT revoked <lease_id>`, `EVENT reclaim <lease_id>`, `EVENT shutting_down
 //!   <grace_ms>`, `EVENT closed`. Commands on stdin, one per line: `check <byte>` (every
 //!   byte of every lease; answers `CHECK ok` or `CHECK bad <index> <got>`), `fill <byte>`
-//!   (`FILLED`), `release` (`RELEASED`), `exit`. End of stdin also exits, so a worker never
+//!   (`FILLED`), `release` (`RELEASED`), `publish <name> [<tenant>...]` (the first lease:
+//!   `PUBLISHED`), `exit`. End of stdin also exits, so a worker never
 //!   outlives its test.
 //! - `read`: fetches the descriptor of the tenant's fd lease `--lease` with a new ticket of
 //!   its own (`RenewLeaseTicket`: this process is not the holder), maps it and prints
@@ -23,6 +24,12 @@
 //!   cycles spread over the sessions, and prints `FDS <before> <after>`.
 //! - `renew`: asks for a new ticket for lease `--lease` and prints `RENEWED` or
 //!   `ERROR <CODE> <message>`.
+//!
+//! - `import`: opens a session, imports `--publisher`'s shared lease `--name`, maps it
+//!   read-only and prints `IMPORTED <import_id> <len> <first byte>`, then `READY`, and holds
+//!   it until killed. Commands on stdin: `close` (ends the session but keeps the descriptor
+//!   and mapping: `CLOSED`), `exit`. `read --hold` likewise holds its mapping after `SUM`
+//!   until stdin ends.
 //!
 //! `--as-uid <uid>` (root only) drops to that uid first, to act as another user.
 
@@ -94,6 +101,16 @@ enum Cmd {
         bytes: Option<u64>,
         #[arg(long, value_parser = parse_byte)]
         expect_byte: Option<u8>,
+        /// Keep the mapping (and descriptor) until stdin ends.
+        #[arg(long)]
+        hold: bool,
+    },
+    /// Import a shared lease and hold it.
+    Import {
+        #[arg(long)]
+        publisher: String,
+        #[arg(long)]
+        name: String,
     },
     /// Present a ticket at the ticket socket.
     Redeem {
@@ -181,9 +198,79 @@ async fn run(cli: Cli) -> Result<u8> {
             lease,
             bytes,
             expect_byte,
+            hold,
         } => {
             let client = Client::connect(&cli.broker, cli.token).await?;
+            if hold {
+                let m = map_lease(&client, &lease, bytes).await?;
+                say(format!(
+                    "SUM {} {:#04x}",
+                    m.len(),
+                    m.first().copied().unwrap_or(0)
+                ));
+                let mut lines = BufReader::new(tokio::io::stdin()).lines();
+                while let Ok(Some(_)) = lines.next_line().await {}
+                drop(m);
+                return Ok(0);
+            }
             read(&client, &lease, bytes, expect_byte).await
+        }
+        Cmd::Import { publisher, name } => {
+            let client = Client::connect(&cli.broker, cli.token).await?;
+            let session = client.session("e2e-importer").await?;
+            let import = match session.import(&publisher, &name).await {
+                Ok(i) => i,
+                Err(e) => {
+                    say(format!("ERROR {} {e}", e.code_name()));
+                    return Ok(2);
+                }
+            };
+            // Map a descriptor of our own (read-only, as the broker hands it), so the
+            // mapping outlives the import object on `close`.
+            use std::os::fd::AsRawFd;
+            let fd = import.fd().try_clone_to_owned()?;
+            let len = usize::try_from(import.bytes())?;
+            // SAFETY: mapping a memfd of at least `len` bytes read-only; checked below.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            anyhow::ensure!(
+                p != libc::MAP_FAILED,
+                "mmap: {}",
+                std::io::Error::last_os_error()
+            );
+            // SAFETY: `p` maps `len` (> 0) readable bytes.
+            let first = unsafe { *p.cast::<u8>() };
+            say(format!("IMPORTED {} {len} {first:#04x}", import.id()));
+            say("READY");
+            let mut lines = BufReader::new(tokio::io::stdin()).lines();
+            let mut import = Some(import);
+            while let Ok(Some(line)) = lines.next_line().await {
+                match line.trim() {
+                    "close" => {
+                        // Not released: the session ends while this process still has the
+                        // descriptor and the mapping.
+                        if let Some(i) = import.take() {
+                            i.detach();
+                        }
+                        session.close();
+                        say("CLOSED");
+                    }
+                    "exit" => break,
+                    _ => {}
+                }
+            }
+            // SAFETY: unmapping what was mapped above.
+            unsafe { libc::munmap(p, len) };
+            drop(fd);
+            Ok(0)
         }
         Cmd::Redeem { socket, ticket } => {
             let bytes: Vec<u8> = (0..ticket.len() / 2)
@@ -352,6 +439,17 @@ async fn run(cli: Cli) -> Result<u8> {
                                     }
                                 }
                                 say("RELEASED");
+                            }
+                            (Some("publish"), Some(name)) => {
+                                // `publish <name> [tenant...]`: the first lease.
+                                let readers: Vec<&str> = words.collect();
+                                match leases.first() {
+                                    Some(l) => match l.publish(name, &readers).await {
+                                        Ok(_) => say("PUBLISHED"),
+                                        Err(e) => say(format!("ERROR {} {}", e.code_name(), e.message())),
+                                    },
+                                    None => say("ERROR FAILED_PRECONDITION no lease"),
+                                }
                             }
                             (Some("exit"), _) => return Ok(0),
                             _ => say(format!("ERROR INVALID_ARGUMENT unknown command {line:?}")),

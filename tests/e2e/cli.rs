@@ -493,3 +493,39 @@ async fn status_and_leaks_show_a_real_broker() {
     assert!(text.contains("LONGER THAN 1d00h (0)"), "{text}");
     kept.release().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_lists_publications_and_their_importers() {
+    let b = Broker::start().unwrap();
+    assert_eq!(ok(&b, &["shared"]).await, "no shared leases\n");
+    let alice = b.client("alice", GIB).await.unwrap();
+    let bob = b.client("bob", GIB).await.unwrap();
+    let sa = alice.session("p").await.unwrap();
+    let lease = sa.lease(8 * MIB).await.unwrap();
+    lease.publish("weights", &["bob"]).await.unwrap();
+    let sb = bob.session("r").await.unwrap();
+    let import = sb.import("alice", "weights").await.unwrap();
+    let text = ok(&b, &["shared"]).await;
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with("PUBLISHER"), "{text}");
+    assert!(
+        lines[1].contains("alice")
+            && lines[1].contains("weights")
+            && lines[1].contains("8.0 MiB")
+            && lines[1].contains("bob")
+            && lines[1].contains("enforced"),
+        "{text}"
+    );
+    assert!(
+        lines[2].contains("<- bob") && lines[2].contains("live"),
+        "{text}"
+    );
+    let json: Value = serde_json::from_str(&ok(&b, &["--json", "shared"]).await).unwrap();
+    assert_eq!(json[0]["publisher"], "alice");
+    assert_eq!(json[0]["imports"][0]["tenant"], "bob");
+    assert_eq!(json[0]["imports"][0]["import_id"], import.id());
+    assert_eq!(
+        ok(&b, &["shared", "--tenant", "bob"]).await,
+        "no shared leases\n"
+    );
+}

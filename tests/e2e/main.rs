@@ -22,6 +22,7 @@ mod quota;
 mod readme;
 mod reload;
 mod scrub;
+mod shared;
 mod shutdown;
 mod smoke;
 mod status_page;

@@ -599,7 +599,7 @@ impl Arbiter {
     }
 
     /// Grants host shared memory instead of device memory, under the host limit.
-    async fn acquire_host(
+    pub(crate) async fn acquire_host(
         self: &Arc<Self>,
         req: &AcquireRequest,
         bytes: u64,

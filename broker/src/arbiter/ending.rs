@@ -76,6 +76,12 @@ impl Arbiter {
         }
         st.ledger.uncharge(&tenant, d, bytes);
         block.last_tenant = Some(tenant.clone());
+        // Importers of its publication, or other processes that fetched its descriptor,
+        // may keep the block (`sharing.rs`).
+        let Some((block, ending)) = self.sharing_lease_ended(st, id, &tenant, d, block, ending)
+        else {
+            return Some(view);
+        };
         let pool = &mut st.pools[d as usize];
         match ending {
             Ending::Cache => pool.release_to_cache(block),
@@ -186,6 +192,7 @@ impl Arbiter {
             bytes += l.bytes();
             self.end_lease(&mut st, *lease, ending);
         }
+        self.sharing_session_ended(&mut st, id, &session.peer);
         tracing::info!(session = %id, tenant = %session.tenant, reason, leases = count, bytes, "session ended");
         self.drain(&mut st);
     }

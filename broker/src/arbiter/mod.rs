@@ -13,14 +13,17 @@ mod admin;
 mod admission;
 mod drain;
 mod ending;
+mod host_direct;
 pub mod listing;
 pub mod queue;
+mod sharing;
 mod tasks;
 pub mod tokens;
 mod turns;
 
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
 pub use drain::{DeviceDrain, DrainReport};
+pub use sharing::ImportGrant;
 
 use crate::auth::Authenticator;
 use crate::device::thread::DeviceThread;
@@ -124,6 +127,8 @@ pub(crate) struct State {
     pub queue: WaitQueue,
     pub quarantine: HashMap<Uuid, Quarantined>,
     pub seq: u64,
+    /// Shared read-only leases and the blocks held for their importers (`sharing.rs`).
+    pub shared: crate::sharing::SharedTable,
 }
 
 /// A request for memory, after the service layer checked its shape.
@@ -465,6 +470,14 @@ impl Arbiter {
                 st.ledger
                     .remove_quarantine(&q.tenant, q.device, q.block.bytes());
                 self.free_on_device(q.device, q.block);
+            }
+        }
+        let held: Vec<Uuid> = st.shared.held.keys().copied().collect();
+        for id in held {
+            if let Some(h) = st.shared.held.remove(&id) {
+                st.pools[h.device as usize].unquarantine_destroyed(h.block.bytes());
+                st.ledger.remove_quarantine(&h.tenant, h.block.bytes());
+                self.free_on_device(h.device, h.block);
             }
         }
         for i in 0..st.pools.len() {

@@ -115,6 +115,9 @@ fn io(alloc: &Allocation, source: std::io::Error) -> DeviceError {
     }
 }
 
+/// The seals every lease memfd gets when it is made: no growing, no shrinking.
+pub const CREATION_SEALS: libc::c_int = libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
+
 /// A new close-on-exec, sealable memfd of `bytes` bytes named `name` (the name is only a
 /// label in `/proc/<pid>/fd`).
 pub fn memfd(name: &str, bytes: u64) -> std::io::Result<OwnedFd> {
@@ -134,10 +137,11 @@ pub fn memfd(name: &str, bytes: u64) -> std::io::Result<OwnedFd> {
     }
     // Workers get this descriptor: its size is the lease's, for good. Without the seals a
     // holder could grow it past its quota (the pages live as long as the broker's
-    // descriptor), shrink it under the next holder, or seal writes away from the broker.
-    let seals = libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+    // descriptor) or shrink it under the next holder. It stays sealable, so that publishing
+    // it (`sharing.rs`) can seal it read-only; a holder that adds a seal itself only
+    // hurts its own tenant, and such an object never returns to the cache.
     // SAFETY: fcntl on the descriptor just created.
-    if unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, seals) } != 0 {
+    if unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, CREATION_SEALS) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(fd)
@@ -274,7 +278,7 @@ mod tests {
     }
 
     #[test]
-    fn a_holder_cannot_resize_or_seal_lease_memory() {
+    fn a_holder_cannot_resize_lease_memory() {
         let mut dev = HostDevice::new(0, 16 << 20).unwrap();
         let a = dev.alloc(1 << 20).unwrap();
         let Handle::Fd { fd, .. } = dev.export(&a).unwrap() else {
@@ -289,12 +293,8 @@ mod tests {
                 "grown past the lease"
             );
             assert_ne!(libc::ftruncate(fd.raw(), 4096), 0, "shrunk under the lease");
-            assert_ne!(
-                libc::fcntl(fd.raw(), libc::F_ADD_SEALS, libc::F_SEAL_WRITE),
-                0,
-                "writes sealed away from the broker"
-            );
         }
+        assert!(crate::sharing::seals_untouched(&fd));
         let f = std::fs::File::from(fd.0.try_clone().unwrap());
         assert_eq!(f.metadata().unwrap().len(), 1 << 20);
         // The broker still writes and scrubs it.

@@ -345,6 +345,16 @@ impl Admin for AdminService {
         )))
     }
 
+    async fn list_shared_leases(
+        &self,
+        req: Request<pb::AdminListSharedLeasesRequest>,
+    ) -> Result<Response<pb::AdminListSharedLeasesResponse>, Status> {
+        Ok(Response::new(super::shared::list_all(
+            &self.arb,
+            req.get_ref(),
+        )))
+    }
+
     async fn list_quarantined(
         &self,
         _req: Request<pb::ListQuarantinedRequest>,

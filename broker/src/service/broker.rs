@@ -114,7 +114,19 @@ impl Broker for BrokerService {
         handles::check_same_user(&self.arb.session_peer(&acquire.tenant, session)?, &caller)?;
         let fallback_ok = handles::check_servable(&self.arb, accept, &caller)?;
         acquire.fallback_host &= fallback_ok;
-        let lease = self.arb.acquire(acquire).instrument(span).await?;
+        let lease = if r.host_tier {
+            // Host memory is always fd memory.
+            if !accept.fd {
+                return Err(BrokerError::FailedPrecondition(
+                    "host-tier leases are fd handles and the request does not accept HANDLE_KIND_FD".into(),
+                )
+                .into());
+            }
+            handles::check_fd_receivable(&self.arb, &caller)?;
+            self.arb.acquire_host_tier(acquire).instrument(span).await?
+        } else {
+            self.arb.acquire(acquire).instrument(span).await?
+        };
         let mut reply = convert::lease_on(&lease, &self.arb);
         match handles::fd_handle(&self.arb, &lease, &caller) {
             Ok(Some(fd)) => reply.handle = Some(pb::lease::Handle::Fd(fd)),
@@ -216,6 +228,10 @@ impl Broker for BrokerService {
         let caller = peer_of(&req);
         let id = parse_id("lease_id", &req.get_ref().lease_id)?;
         let _span = tracing::info_span!("renew_ticket", %tenant, lease = %id).entered();
+        // An import's id renews the import's (read-only) descriptor.
+        if let Some(fd) = super::shared::renew_import(&self.arb, &tenant, id, &caller)? {
+            return Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }));
+        }
         let (view, session) = self.arb.own_lease(&tenant, id)?;
         handles::check_same_user(&session, &caller)?;
         let fd = handles::fd_handle(&self.arb, &view, &caller)?.ok_or_else(|| {
@@ -239,5 +255,65 @@ impl Broker for BrokerService {
         _req: Request<pb::GetInfoRequest>,
     ) -> Result<Response<pb::GetInfoResponse>, Status> {
         Ok(Response::new(convert::info(&self.arb.info())))
+    }
+
+    async fn publish_lease(
+        &self,
+        req: Request<pb::PublishLeaseRequest>,
+    ) -> Result<Response<pb::PublishLeaseResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        Ok(Response::new(super::shared::publish(
+            &self.arb,
+            &tenant,
+            req.get_ref(),
+        )?))
+    }
+
+    async fn unpublish_lease(
+        &self,
+        req: Request<pb::UnpublishLeaseRequest>,
+    ) -> Result<Response<pb::UnpublishLeaseResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        Ok(Response::new(super::shared::unpublish(
+            &self.arb,
+            &tenant,
+            req.get_ref(),
+        )?))
+    }
+
+    async fn import_lease(
+        &self,
+        req: Request<pb::ImportLeaseRequest>,
+    ) -> Result<Response<pb::ImportLeaseResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let caller = peer_of(&req);
+        Ok(Response::new(super::shared::import(
+            &self.arb,
+            &tenant,
+            &caller,
+            req.get_ref(),
+        )?))
+    }
+
+    async fn release_import(
+        &self,
+        req: Request<pb::ReleaseImportRequest>,
+    ) -> Result<Response<pb::ReleaseImportResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        Ok(Response::new(super::shared::release_import(
+            &self.arb,
+            &tenant,
+            req.get_ref(),
+        )?))
+    }
+
+    async fn list_shared_leases(
+        &self,
+        req: Request<pb::ListSharedLeasesRequest>,
+    ) -> Result<Response<pb::ListSharedLeasesResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        Ok(Response::new(super::shared::list_visible(
+            &self.arb, &tenant,
+        )))
     }
 }

@@ -126,18 +126,37 @@ pub fn fd_handle(
     else {
         return Ok(None);
     };
+    fd_handle_of(arb, view.id, *kind, fd, *block_id, *size, caller).map(Some)
+}
+
+/// Can `caller` receive descriptors at all (a Unix-socket peer, a ticket server running)?
+pub fn check_fd_receivable(arb: &Arbiter, caller: &Peer) -> Result<(), BrokerError> {
+    binding(arb, caller).map(|_| ())
+}
+
+/// An `FdHandle` for the memory `fd` of lease or import `id`, with a fresh ticket bound
+/// to `caller`.
+pub fn fd_handle_of(
+    arb: &Arbiter,
+    id: uuid::Uuid,
+    kind: crate::device::MemoryKind,
+    fd: &crate::device::SharedFd,
+    block_id: u64,
+    size: u64,
+    caller: &Peer,
+) -> Result<pb::FdHandle, BrokerError> {
     let bind = binding(arb, caller)?;
     let tickets = arb.tickets();
     let socket = tickets.socket().unwrap_or_default();
-    let ticket = tickets.mint(view.id, bind, fd.clone());
-    Ok(Some(pb::FdHandle {
+    let ticket = tickets.mint(id, bind, fd.clone());
+    Ok(pb::FdHandle {
         socket_path: socket.to_string_lossy().into_owned(),
         ticket: ticket.to_vec(),
-        memory_kind: super::convert::memory_kind(*kind) as i32,
-        block_id: *block_id,
-        size: *size,
+        memory_kind: super::convert::memory_kind(kind) as i32,
+        block_id,
+        size,
         ticket_ttl_ms: u64::try_from(tickets.ttl().as_millis()).unwrap_or(u64::MAX),
-    }))
+    })
 }
 
 #[cfg(test)]

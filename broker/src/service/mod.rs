@@ -7,3 +7,4 @@ pub mod broker;
 pub mod convert;
 mod events;
 pub mod handles;
+pub mod shared;

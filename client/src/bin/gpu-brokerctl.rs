@@ -149,6 +149,13 @@ enum Command {
         #[arg(long, value_parser = humantime::parse_duration, default_value = "24h")]
         older_than: Duration,
     },
+    /// Shared read-only leases: publisher, name, size, readers, whether read-only is
+    /// enforced, and their importers (process, session, lingering or live).
+    Shared {
+        /// Only this publishing tenant's.
+        #[arg(long)]
+        tenant: Option<String>,
+    },
     /// Empty a device (or the node) for maintenance: no new leases there, holders of
     /// reclaimable leases are asked to release; waits until nothing is left (or the deadline).
     Drain {
@@ -590,6 +597,10 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             let now = std::time::SystemTime::now();
             let leaks = ctl::leaks::find(&snap, older_than, now);
             emit(json, &leaks, || ctl::leaks::render(&leaks, older_than, now))
+        }
+        Command::Shared { tenant } => {
+            let shared = admin.list_shared(tenant.as_deref()).await?;
+            emit(json, &shared, || ctl::shared::render(&shared, width))
         }
         Command::Drain {
             device,

@@ -5,6 +5,7 @@
 pub mod drain;
 pub mod leaks;
 pub mod secret_file;
+pub mod shared;
 pub mod status;
 pub mod top;
 

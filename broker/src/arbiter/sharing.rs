@@ -1,0 +1,693 @@
+//! The arbiter's side of shared read-only leases (`crate::sharing` has the table and the
+//! rules): publish, unpublish, import, release an import, list; and the hooks the lease
+//! and session endings call ([`Arbiter::sharing_lease_ended`],
+//! [`Arbiter::sharing_session_ended`]) and the ticket server calls
+//! ([`Arbiter::fd_delivered`]). Every transition runs under the state lock, so the bytes of
+//! a shared block are always in exactly one state: leased (the publisher's lease lives),
+//! or quarantined (held here for importers or other processes that may map it).
+
+use super::ending::Ending;
+use super::{lease_not_found, session_not_found, Arbiter, State};
+use crate::device::{Handle, MemoryKind, SharedFd};
+use crate::error::{BrokerError, BrokerResult, Missing};
+use crate::ledger::Tier;
+use crate::pool::Block;
+use crate::session::Peer;
+use crate::sharing::{
+    self, Held, Import, Publication, SharedView, Waiters, MAX_IMPORTS, MAX_IMPORTS_PER_SESSION,
+    MAX_NAME, MAX_PUBLICATIONS_PER_TENANT, MAX_READERS,
+};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+use uuid::Uuid;
+
+/// What an importer needs to fetch its descriptor.
+#[derive(Clone, Debug)]
+pub struct ImportGrant {
+    pub id: Uuid,
+    pub shared: SharedView,
+    pub fd: SharedFd,
+    pub kind: MemoryKind,
+    pub block_id: u64,
+    pub size: u64,
+}
+
+/// The caller's `NOT_FOUND` for a name it may not see (the same whether the publication
+/// does not exist or is not published for it: names of other tenants do not leak).
+fn not_visible(publisher: &str, name: &str) -> BrokerError {
+    BrokerError::NotFound(Missing::SharedLease {
+        publisher: publisher.to_string(),
+        name: name.to_string(),
+    })
+}
+
+fn import_not_found(id: Uuid) -> BrokerError {
+    BrokerError::NotFound(Missing::Import(id))
+}
+
+/// Does the block carry only the seals it was made with (host memory), so it may be
+/// cached for its tenant's next lease?
+fn pristine(block: &Block) -> bool {
+    match &block.handle {
+        Handle::Fd {
+            kind: MemoryKind::HostMemfd,
+            fd,
+            ..
+        } => sharing::seals_untouched(fd),
+        _ => true,
+    }
+}
+
+fn check_name(name: &str) -> BrokerResult<()> {
+    if name.is_empty() {
+        return Err(BrokerError::InvalidArgument(
+            "a shared lease needs a name".into(),
+        ));
+    }
+    crate::bounds::check("name", name, MAX_NAME)
+}
+
+impl Arbiter {
+    /// Publishes `lease` of `tenant` under `name` for `readers` (empty: the tenant's own).
+    pub fn publish(
+        &self,
+        tenant: &str,
+        lease: Uuid,
+        name: &str,
+        readers: &[String],
+    ) -> BrokerResult<SharedView> {
+        check_name(name)?;
+        if readers.len() > MAX_READERS {
+            return Err(BrokerError::InvalidArgument(format!(
+                "{} reader tenants, the most allowed is {MAX_READERS}",
+                readers.len()
+            )));
+        }
+        for r in readers {
+            if r.is_empty() {
+                return Err(BrokerError::InvalidArgument(
+                    "an empty tenant name among the readers".into(),
+                ));
+            }
+            crate::bounds::check("reader tenant", r, crate::bounds::MAX_TEXT_BYTES)?;
+        }
+        let mut st = self.state.lock();
+        let l = match st.leases.get(&lease) {
+            Some(l) if l.tenant == tenant => l,
+            _ => return Err(lease_not_found(lease)),
+        };
+        if l.tier != Tier::Device {
+            return Err(BrokerError::FailedPrecondition(
+                "host-fallback leases cannot be published; publish a device lease".into(),
+            ));
+        }
+        let Handle::Fd {
+            kind,
+            fd,
+            block_id,
+            size,
+        } = &l.block.handle
+        else {
+            return Err(BrokerError::FailedPrecondition(
+                "legacy CUDA IPC leases cannot be published (any process can open their \
+                 handles); publish an fd lease"
+                    .into(),
+            ));
+        };
+        let (kind, fd, block_id, size) = (*kind, fd.clone(), *block_id, *size);
+        let (device, bytes) = (l.device, l.bytes());
+        let key = (tenant.to_string(), name.to_string());
+        if st.shared.by_name.contains_key(&key) {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "tenant {tenant:?} already publishes a lease named {name:?}; unpublish it first"
+            )));
+        }
+        let mut set: BTreeSet<String> = readers.iter().cloned().collect();
+        set.remove(tenant);
+        let now = SystemTime::now();
+        let id = if let Some(&pid) = st.shared.by_lease.get(&lease) {
+            let p = st
+                .shared
+                .pubs
+                .get_mut(&pid)
+                .ok_or_else(|| BrokerError::Internal("publication index out of step".into()))?;
+            if let Some(n) = &p.name {
+                return Err(BrokerError::FailedPrecondition(format!(
+                    "lease {lease} is already published as {n:?}"
+                )));
+            }
+            p.name = Some(name.to_string());
+            p.readers = set;
+            p.published_at = now;
+            pid
+        } else {
+            if st.shared.count_of(tenant) >= MAX_PUBLICATIONS_PER_TENANT {
+                return Err(BrokerError::SharingLimit {
+                    what: "shared leases of a tenant",
+                    max: MAX_PUBLICATIONS_PER_TENANT,
+                });
+            }
+            let (ro, enforced) = sharing::importer_fd(kind, &fd)
+                .map_err(|e| BrokerError::FailedPrecondition(e.to_string()))?;
+            let id = Uuid::new_v4();
+            st.shared.pubs.insert(
+                id,
+                Publication {
+                    id,
+                    publisher: tenant.to_string(),
+                    name: Some(name.to_string()),
+                    lease,
+                    lease_live: true,
+                    device,
+                    bytes,
+                    kind,
+                    readers: set,
+                    published_at: now,
+                    fd: ro,
+                    block_id,
+                    size,
+                    enforced,
+                    imports: Default::default(),
+                },
+            );
+            st.shared.by_lease.insert(lease, id);
+            id
+        };
+        st.shared.by_name.insert(key, id);
+        tracing::info!(%lease, tenant, name, "lease published");
+        Ok(st.shared.pubs[&id].view(true))
+    }
+
+    /// Takes `name` of `tenant` away; live imports keep the memory.
+    pub fn unpublish(self: &Arc<Self>, tenant: &str, name: &str) -> BrokerResult<SharedView> {
+        check_name(name)?;
+        let mut st = self.state.lock();
+        let id = st
+            .shared
+            .by_name
+            .remove(&(tenant.to_string(), name.to_string()))
+            .ok_or_else(|| not_visible(tenant, name))?;
+        let view = match st.shared.pubs.get_mut(&id) {
+            Some(p) => {
+                p.name = None;
+                p.view(true)
+            }
+            None => return Err(not_visible(tenant, name)),
+        };
+        tracing::info!(
+            tenant,
+            name,
+            imports = view.import_count,
+            "lease unpublished"
+        );
+        Ok(view)
+    }
+
+    /// Imports `publisher`'s `name` into `session` of `tenant`.
+    pub fn import(
+        &self,
+        tenant: &str,
+        session: Uuid,
+        publisher: &str,
+        name: &str,
+    ) -> BrokerResult<ImportGrant> {
+        check_name(name)?;
+        crate::bounds::check("publisher", publisher, crate::bounds::MAX_TEXT_BYTES)?;
+        let mut st = self.state.lock();
+        let pid = match st.sessions.get_mut(&session) {
+            Some(s) if s.tenant == tenant => {
+                s.last_seen = Instant::now();
+                s.peer.pid
+            }
+            _ => return Err(session_not_found(session)),
+        };
+        let held = st.shared.imports_of_session(session).len();
+        let p = st
+            .shared
+            .visible(publisher, name, tenant)
+            .ok_or_else(|| not_visible(publisher, name))?;
+        if held >= MAX_IMPORTS_PER_SESSION {
+            return Err(BrokerError::SharingLimit {
+                what: "imports of a session",
+                max: MAX_IMPORTS_PER_SESSION,
+            });
+        }
+        if p.imports.len() >= MAX_IMPORTS {
+            return Err(BrokerError::SharingLimit {
+                what: "imports of a shared lease",
+                max: MAX_IMPORTS,
+            });
+        }
+        let pub_id = p.id;
+        let id = Uuid::new_v4();
+        let p = st
+            .shared
+            .pubs
+            .get_mut(&pub_id)
+            .ok_or_else(|| BrokerError::Internal("publication vanished".into()))?;
+        p.imports.insert(
+            id,
+            Import {
+                id,
+                tenant: tenant.to_string(),
+                session,
+                pid,
+                created: SystemTime::now(),
+                lingering: None,
+            },
+        );
+        let grant = ImportGrant {
+            id,
+            shared: p.view(tenant == p.publisher),
+            fd: p.fd.clone(),
+            kind: p.kind,
+            block_id: p.block_id,
+            size: p.size,
+        };
+        st.shared.by_import.insert(id, pub_id);
+        tracing::info!(import = %id, tenant, publisher, name, "shared lease imported");
+        Ok(grant)
+    }
+
+    /// The holder lets go of an import (it promises it unmapped it).
+    pub fn release_import(self: &Arc<Self>, tenant: &str, import: Uuid) -> BrokerResult<()> {
+        let mut st = self.state.lock();
+        match st
+            .shared
+            .of_import(&import)
+            .and_then(|p| p.imports.get(&import))
+        {
+            Some(i) if i.tenant == tenant && i.lingering.is_none() => {}
+            _ => return Err(import_not_found(import)),
+        }
+        self.import_let_go(&mut st, import, Ending::Cache);
+        self.drain(&mut st);
+        Ok(())
+    }
+
+    /// A live import of `tenant` (for a renewed ticket) with its session's peer.
+    pub fn own_import(&self, tenant: &str, import: Uuid) -> BrokerResult<(ImportGrant, Peer)> {
+        let st = self.state.lock();
+        let p = st
+            .shared
+            .of_import(&import)
+            .ok_or_else(|| import_not_found(import))?;
+        let i = match p.imports.get(&import) {
+            Some(i) if i.tenant == tenant && i.lingering.is_none() => i,
+            _ => return Err(import_not_found(import)),
+        };
+        let peer = st
+            .sessions
+            .get(&i.session)
+            .map(|s| s.peer)
+            .unwrap_or_default();
+        Ok((
+            ImportGrant {
+                id: import,
+                shared: p.view(tenant == p.publisher),
+                fd: p.fd.clone(),
+                kind: p.kind,
+                block_id: p.block_id,
+                size: p.size,
+            },
+            peer,
+        ))
+    }
+
+    /// Publications a worker of `tenant` sees: its own (with importers) and those
+    /// published for it.
+    pub fn shared_visible_to(&self, tenant: &str) -> Vec<SharedView> {
+        let st = self.state.lock();
+        st.shared
+            .all()
+            .into_iter()
+            .filter(|p| p.listed())
+            .filter(|p| p.publisher == tenant || p.readable_by(tenant))
+            .map(|p| p.view(p.publisher == tenant))
+            .collect()
+    }
+
+    /// Every listed publication (of `publisher` only, if given), with importers.
+    pub fn list_shared(&self, publisher: Option<&str>) -> Vec<SharedView> {
+        let st = self.state.lock();
+        st.shared
+            .all()
+            .into_iter()
+            .filter(|p| p.listed())
+            .filter(|p| publisher.is_none_or(|t| p.publisher == t))
+            .map(|p| p.view(true))
+            .collect()
+    }
+
+    /// The ticket server delivered the descriptor of lease or import `id` to `pid`: a
+    /// process other than the holder's session process is tracked, so memory it may map
+    /// stays counted until it exits.
+    pub fn fd_delivered(&self, id: Uuid, pid: Option<u32>) {
+        let Some(pid) = pid else { return };
+        let mut st = self.state.lock();
+        let session = match st.leases.get(&id) {
+            Some(l) => Some(l.session),
+            None => st
+                .shared
+                .of_import(&id)
+                .and_then(|p| p.imports.get(&id))
+                .map(|i| i.session),
+        };
+        let Some(session) = session else { return };
+        if st.sessions.get(&session).and_then(|s| s.peer.pid) == Some(pid) {
+            return;
+        }
+        tracing::debug!(%id, pid, "a lease descriptor went to a process outside its session");
+        st.shared.recipients.entry(id).or_default().insert(pid);
+    }
+
+    /// Hook of `end_lease` (after the lease left the table and its charge became free):
+    /// returns the block and how it ends, or `None` when it is held here because
+    /// importers or other processes may still map it.
+    pub(crate) fn sharing_lease_ended(
+        self: &Arc<Self>,
+        st: &mut State,
+        lease: Uuid,
+        tenant: &str,
+        device: u32,
+        block: Block,
+        ending: Ending,
+    ) -> Option<(Block, Ending)> {
+        let publication = st.shared.by_lease.get(&lease).copied();
+        let recipients: Vec<u32> = st
+            .shared
+            .recipients
+            .remove(&lease)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|&p| crate::process::process_alive(p))
+            .collect();
+        if publication.is_none() && recipients.is_empty() {
+            // A memfd its holder sealed (it may do so) never returns to the cache: the
+            // next lease must get memory it can write and publish.
+            let ending = match ending {
+                Ending::Cache if !pristine(&block) => Ending::Destroy,
+                e => e,
+            };
+            return Some((block, ending));
+        }
+        let mut imported = false;
+        if let Some(pid) = publication {
+            if let Some(p) = st.shared.pubs.get_mut(&pid) {
+                p.lease_live = false;
+                imported = !p.imports.is_empty();
+                if let Some(name) = p.name.take() {
+                    st.shared.by_name.remove(&(p.publisher.clone(), name));
+                }
+            }
+        }
+        // A published block never returns to the cache: other tenants had its
+        // descriptor, and a memfd stays sealed.
+        let destroy = publication.is_some() || ending == Ending::Destroy;
+        if !imported && recipients.is_empty() {
+            if let Some(pid) = publication {
+                self.forget_publication(st, pid);
+            }
+            let ending = match ending {
+                Ending::Cache if destroy => Ending::Destroy,
+                e => e,
+            };
+            return Some((block, ending));
+        }
+        let bytes = block.bytes();
+        st.pools[device as usize].release_to_quarantine(bytes);
+        st.ledger.add_quarantine(tenant, bytes);
+        let mut waiters = Waiters::default();
+        match ending {
+            Ending::Quarantine { pid: Some(p) } => {
+                waiters.pids.insert(p, self.watch_held_pid(lease, p));
+            }
+            Ending::Quarantine { pid: None } => waiters.timeout = Some(self.held_timeout(lease)),
+            Ending::Cache | Ending::Destroy => {}
+        }
+        for p in recipients {
+            waiters
+                .pids
+                .entry(p)
+                .or_insert_with(|| self.watch_held_pid(lease, p));
+        }
+        tracing::info!(%lease, tenant, imported, waiting = waiters.pids.len(), "lease ended; its memory is held while others may map it");
+        st.shared.held.insert(
+            lease,
+            Held {
+                tenant: tenant.to_string(),
+                device,
+                block,
+                since: Instant::now(),
+                publication: imported.then_some(publication).flatten(),
+                waiters,
+                destroy,
+            },
+        );
+        if !imported {
+            if let Some(pid) = publication {
+                self.forget_publication(st, pid);
+            }
+        }
+        None
+    }
+
+    /// Hook of `end_session`: the session's imports end (lingering while its process, or
+    /// a process that fetched their descriptor, lives).
+    pub(crate) fn sharing_session_ended(
+        self: &Arc<Self>,
+        st: &mut State,
+        session: Uuid,
+        peer: &Peer,
+    ) {
+        let imports = st.shared.imports_of_session(session);
+        if imports.is_empty() {
+            return;
+        }
+        let backend_host = |d: u32| self.backend(d) == crate::device::BackendKind::Host;
+        for id in imports {
+            let device = st.shared.of_import(&id).map(|p| p.device).unwrap_or(0);
+            let ending = match peer.pid {
+                Some(pid) if crate::process::process_gone(pid) => Ending::Cache,
+                Some(pid) => Ending::Quarantine { pid: Some(pid) },
+                None if backend_host(device) => Ending::Destroy,
+                None => Ending::Quarantine { pid: None },
+            };
+            self.import_let_go(st, id, ending);
+        }
+    }
+
+    /// An import's holder let go (`ending` says whether its process may still map it).
+    fn import_let_go(self: &Arc<Self>, st: &mut State, import: Uuid, ending: Ending) {
+        self.tickets.forget_lease(import);
+        let recipients: Vec<u32> = st
+            .shared
+            .recipients
+            .remove(&import)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|&p| crate::process::process_alive(p))
+            .collect();
+        let mut waiters = Waiters::default();
+        if let Ending::Quarantine { pid } = ending {
+            match pid {
+                Some(p) => {
+                    waiters.pids.insert(p, self.watch_import_pid(import, p));
+                }
+                None => waiters.timeout = Some(self.import_timeout(import)),
+            }
+        }
+        for p in recipients {
+            waiters
+                .pids
+                .entry(p)
+                .or_insert_with(|| self.watch_import_pid(import, p));
+        }
+        if waiters.is_empty() {
+            self.end_import(st, import);
+            return;
+        }
+        let Some(pid) = st.shared.by_import.get(&import).copied() else {
+            return;
+        };
+        if let Some(i) = st
+            .shared
+            .pubs
+            .get_mut(&pid)
+            .and_then(|p| p.imports.get_mut(&import))
+        {
+            tracing::info!(%import, pids = ?waiters.pids.keys().collect::<Vec<_>>(), "import let go while processes may map it; lingering");
+            i.lingering = Some(waiters);
+        }
+    }
+
+    /// An import is over: nobody it was given to may map the memory any more.
+    fn end_import(self: &Arc<Self>, st: &mut State, import: Uuid) {
+        self.tickets.forget_lease(import);
+        st.shared.recipients.remove(&import);
+        let Some(pid) = st.shared.by_import.remove(&import) else {
+            return;
+        };
+        let Some(p) = st.shared.pubs.get_mut(&pid) else {
+            return;
+        };
+        p.imports.remove(&import);
+        tracing::debug!(%import, "import ended");
+        if p.imports.is_empty() && !p.lease_live {
+            let lease = p.lease;
+            self.forget_publication(st, pid);
+            if let Some(h) = st.shared.held.get_mut(&lease) {
+                h.publication = None;
+            }
+            self.maybe_lift(st, lease);
+        }
+    }
+
+    /// Drops a publication whose lease ended and that nobody imports.
+    fn forget_publication(&self, st: &mut State, id: Uuid) {
+        if let Some(p) = st.shared.pubs.remove(&id) {
+            st.shared.by_lease.remove(&p.lease);
+            if let Some(n) = p.name {
+                st.shared.by_name.remove(&(p.publisher, n));
+            }
+            for i in p.imports.keys() {
+                st.shared.by_import.remove(i);
+            }
+        }
+    }
+
+    /// Frees (or caches) a held block once nobody may map it.
+    fn maybe_lift(self: &Arc<Self>, st: &mut State, lease: Uuid) {
+        let done = st
+            .shared
+            .held
+            .get(&lease)
+            .is_some_and(|h| h.publication.is_none() && h.waiters.is_empty());
+        if !done {
+            return;
+        }
+        let Some(h) = st.shared.held.remove(&lease) else {
+            return;
+        };
+        let bytes = h.block.bytes();
+        st.ledger.remove_quarantine(&h.tenant, bytes);
+        let pool = &mut st.pools[h.device as usize];
+        if h.destroy || !pristine(&h.block) {
+            pool.unquarantine_destroyed(bytes);
+            self.free_on_device(h.device, h.block);
+        } else {
+            pool.unquarantine_to_cache(h.block);
+        }
+        tracing::info!(%lease, tenant = %h.tenant, held_for = ?h.since.elapsed(), "held memory let go by everyone");
+        self.drain(st);
+    }
+
+    fn watch_held_pid(self: &Arc<Self>, lease: Uuid, pid: u32) -> tokio_util::sync::DropGuard {
+        self.on_exit(pid, move |arb| {
+            let mut st = arb.state.lock();
+            if let Some(h) = st.shared.held.get_mut(&lease) {
+                h.waiters.pids.remove(&pid);
+            }
+            arb.maybe_lift(&mut st, lease);
+        })
+    }
+
+    fn held_timeout(self: &Arc<Self>, lease: Uuid) -> tokio_util::sync::DropGuard {
+        self.after_timeout(move |arb| {
+            let mut st = arb.state.lock();
+            if let Some(h) = st.shared.held.get_mut(&lease) {
+                h.waiters.timeout = None;
+            }
+            arb.maybe_lift(&mut st, lease);
+        })
+    }
+
+    fn watch_import_pid(self: &Arc<Self>, import: Uuid, pid: u32) -> tokio_util::sync::DropGuard {
+        self.on_exit(pid, move |arb| {
+            let mut st = arb.state.lock();
+            arb.import_waiter_gone(&mut st, import, |w| {
+                w.pids.remove(&pid);
+            });
+        })
+    }
+
+    fn import_timeout(self: &Arc<Self>, import: Uuid) -> tokio_util::sync::DropGuard {
+        self.after_timeout(move |arb| {
+            let mut st = arb.state.lock();
+            arb.import_waiter_gone(&mut st, import, |w| w.timeout = None);
+        })
+    }
+
+    fn import_waiter_gone(
+        self: &Arc<Self>,
+        st: &mut State,
+        import: Uuid,
+        change: impl FnOnce(&mut Waiters),
+    ) {
+        let Some(pid) = st.shared.by_import.get(&import).copied() else {
+            return;
+        };
+        let Some(w) = st
+            .shared
+            .pubs
+            .get_mut(&pid)
+            .and_then(|p| p.imports.get_mut(&import))
+            .and_then(|i| i.lingering.as_mut())
+        else {
+            return;
+        };
+        change(w);
+        if w.is_empty() {
+            self.end_import(st, import);
+            self.drain(st);
+        }
+    }
+
+    /// Runs `f` when `pid` exits (at once if it already did), unless the returned guard is
+    /// dropped first.
+    fn on_exit(
+        self: &Arc<Self>,
+        pid: u32,
+        f: impl FnOnce(&Arc<Arbiter>) + Send + 'static,
+    ) -> tokio_util::sync::DropGuard {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let guard = stop.clone().drop_guard();
+        let me = Arc::downgrade(self);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                if crate::process::wait_for_exit_or(pid, stop).await {
+                    if let Some(arb) = me.upgrade() {
+                        f(&arb);
+                    }
+                }
+            });
+        }
+        guard
+    }
+
+    /// Runs `f` after the quarantine timeout (holders whose pid is unknown), unless the
+    /// returned guard is dropped first.
+    fn after_timeout(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Arc<Arbiter>) + Send + 'static,
+    ) -> tokio_util::sync::DropGuard {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let guard = stop.clone().drop_guard();
+        let me = Arc::downgrade(self);
+        let timeout = self.cfg.quarantine_timeout;
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                tokio::select! {
+                    _ = tokio::time::sleep(timeout) => {
+                        if let Some(arb) = me.upgrade() {
+                            f(&arb);
+                        }
+                    }
+                    _ = stop.cancelled() => {}
+                }
+            });
+        }
+        guard
+    }
+}
