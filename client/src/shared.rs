@@ -20,7 +20,8 @@ use gpu_broker_proto::v1 as pb;
 use crate::client::Client;
 use crate::error::ClientError;
 use crate::fd::{FdInfo, MemoryKind};
-use crate::lease::{unix_ms, Lease};
+use crate::lease::Lease;
+use crate::lease_info::unix_ms;
 use crate::session::Session;
 
 /// One importer of a shared lease.
