@@ -103,9 +103,11 @@ async fn a_mapping_that_outlives_its_killed_holder_never_shows_the_next_tenants_
     drop(fd);
     assert!(keeper.iter().all(|&x| x == 0x3C));
     a.proc.kill().await.unwrap();
+    // This process still maps it: the block stays counted (quarantined), not cached.
     assert!(
         eventually(Duration::from_secs(2), || async {
-            admin.get_devices().await.unwrap()[0].cached_bytes == 4 * MIB
+            let d = &admin.get_devices().await.unwrap()[0];
+            d.quarantined_bytes == 4 * MIB && d.cached_bytes == 0
         })
         .await
     );
@@ -127,6 +129,7 @@ async fn a_mapping_that_outlives_its_killed_holder_never_shows_the_next_tenants_
     .unwrap();
     assert_ne!(bw.leases[0].block, held.block, "a fresh object for bob");
     assert_eq!(admin.get_devices().await.unwrap()[0].cached_bytes, 0);
+    assert_eq!(admin.get_devices().await.unwrap()[0].quarantined_bytes, 4 * MIB);
     assert!(
         keeper.iter().all(|&x| x == 0x3C),
         "the surviving mapping sees bob's bytes"
