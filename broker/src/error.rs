@@ -255,7 +255,10 @@ pub enum Missing {
     Turn(String),
     /// A shared lease `name` of `publisher` that does not exist or is not published for
     /// the caller (the two are one answer).
-    SharedLease { publisher: String, name: String },
+    SharedLease {
+        publisher: String,
+        name: String,
+    },
     /// An import of a shared lease.
     Import(Uuid),
 }

@@ -129,7 +129,10 @@ async fn a_mapping_that_outlives_its_killed_holder_never_shows_the_next_tenants_
     .unwrap();
     assert_ne!(bw.leases[0].block, held.block, "a fresh object for bob");
     assert_eq!(admin.get_devices().await.unwrap()[0].cached_bytes, 0);
-    assert_eq!(admin.get_devices().await.unwrap()[0].quarantined_bytes, 4 * MIB);
+    assert_eq!(
+        admin.get_devices().await.unwrap()[0].quarantined_bytes,
+        4 * MIB
+    );
     assert!(
         keeper.iter().all(|&x| x == 0x3C),
         "the surviving mapping sees bob's bytes"
