@@ -476,7 +476,8 @@ impl Arbiter {
         for id in held {
             if let Some(h) = st.shared.held.remove(&id) {
                 st.pools[h.device as usize].unquarantine_destroyed(h.block.bytes());
-                st.ledger.remove_quarantine(&h.tenant, h.block.bytes());
+                st.ledger
+                    .remove_quarantine(&h.tenant, h.device, h.block.bytes());
                 self.free_on_device(h.device, h.block);
             }
         }

@@ -417,7 +417,7 @@ impl Arbiter {
         }
         let bytes = block.bytes();
         st.pools[device as usize].release_to_quarantine(bytes);
-        st.ledger.add_quarantine(tenant, bytes);
+        st.ledger.add_quarantine(tenant, device, bytes);
         let mut waiters = Waiters::default();
         match ending {
             Ending::Quarantine { pid: Some(p) } => {
@@ -571,7 +571,7 @@ impl Arbiter {
             return;
         };
         let bytes = h.block.bytes();
-        st.ledger.remove_quarantine(&h.tenant, bytes);
+        st.ledger.remove_quarantine(&h.tenant, h.device, bytes);
         let pool = &mut st.pools[h.device as usize];
         if h.destroy || !pristine(&h.block) {
             pool.unquarantine_destroyed(bytes);
