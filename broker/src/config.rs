@@ -4,6 +4,7 @@
 //! environment, then defaults.
 
 use crate::arbiter::{ArbiterConfig, ReclaimPolicy};
+use crate::defaults;
 use clap::{CommandFactory, Parser, ValueEnum};
 use std::ffi::OsString;
 use std::net::SocketAddr;
@@ -163,7 +164,7 @@ pub struct Config {
     pub admin_token_file: Option<PathBuf>,
 
     /// Time a holder has to release a lease after a reclaim request.
-    #[arg(long, env = "GPU_BROKER_RECLAIM_DEADLINE", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, env = "GPU_BROKER_RECLAIM_DEADLINE", default_value = defaults::text(defaults::RECLAIM_DEADLINE), value_parser = parse_duration)]
     pub reclaim_deadline: Duration,
 
     /// What happens to a holder that misses its reclaim deadline.
@@ -176,11 +177,11 @@ pub struct Config {
     pub reclaim_policy: ReclaimPolicy,
 
     /// A session with no stream activity and no keepalive for this long ends (0s: never).
-    #[arg(long, env = "GPU_BROKER_KEEPALIVE_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "GPU_BROKER_KEEPALIVE_TIMEOUT", default_value = defaults::text(defaults::KEEPALIVE_TIMEOUT), value_parser = parse_duration)]
     pub keepalive_timeout: Duration,
 
     /// Quarantined memory of a holder with unknown pid (TCP) is freed after this.
-    #[arg(long, env = "GPU_BROKER_QUARANTINE_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, env = "GPU_BROKER_QUARANTINE_TIMEOUT", default_value = defaults::text(defaults::QUARANTINE_TIMEOUT), value_parser = parse_duration)]
     pub quarantine_timeout: Duration,
 
     /// Time sessions get to release their leases on shutdown.
@@ -219,18 +220,18 @@ pub struct Config {
     /// How often the health monitor checks every device (0s: never). A device that fails
     /// a check (or, with NVML, shows a critical Xid, new uncorrectable ECC errors or pages
     /// pending retirement) takes no new leases until it passes again.
-    #[arg(long, env = "GPU_BROKER_HEALTH_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, env = "GPU_BROKER_HEALTH_INTERVAL", default_value = defaults::text(defaults::HEALTH_INTERVAL), value_parser = parse_duration)]
     pub health_interval: Duration,
 
     /// A device that does not answer a health check within this is unhealthy.
-    #[arg(long, env = "GPU_BROKER_HEALTH_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "GPU_BROKER_HEALTH_TIMEOUT", default_value = defaults::text(defaults::HEALTH_TIMEOUT), value_parser = parse_duration)]
     pub health_timeout: Duration,
 
     /// Most open sessions per tenant.
     #[arg(
         long,
         env = "GPU_BROKER_MAX_SESSIONS_PER_TENANT",
-        default_value_t = 1024
+        default_value_t = defaults::MAX_SESSIONS_PER_TENANT
     )]
     pub max_sessions_per_tenant: usize,
 
@@ -238,22 +239,22 @@ pub struct Config {
     #[arg(
         long,
         env = "GPU_BROKER_MAX_WAITING_PER_TENANT",
-        default_value_t = 1024
+        default_value_t = defaults::MAX_WAITING_PER_TENANT
     )]
     pub max_waiting_per_tenant: usize,
 
     /// How long a compute turn may last while others wait before its holder is asked to
     /// yield.
-    #[arg(long, env = "GPU_BROKER_TURN_QUANTUM", default_value = "100ms", value_parser = parse_duration)]
+    #[arg(long, env = "GPU_BROKER_TURN_QUANTUM", default_value = defaults::text(defaults::TURN_QUANTUM), value_parser = parse_duration)]
     pub turn_quantum: Duration,
 
     /// How long after a yield request a compute turn is taken away.
-    #[arg(long, env = "GPU_BROKER_TURN_GRACE", default_value = "100ms", value_parser = parse_duration)]
+    #[arg(long, env = "GPU_BROKER_TURN_GRACE", default_value = defaults::text(defaults::TURN_GRACE), value_parser = parse_duration)]
     pub turn_grace: Duration,
 
     /// Holders of compute turns per device at once: 1 is strict time slicing; N lets N
     /// small models run concurrently (under MPS, each held to its own share).
-    #[arg(long, env = "GPU_BROKER_TURN_SLOTS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[arg(long, env = "GPU_BROKER_TURN_SLOTS", default_value_t = defaults::TURN_SLOTS, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub turn_slots: u32,
 
     /// Log as JSON lines instead of text.
@@ -456,6 +457,32 @@ mod tests {
         assert!(c.log_json);
         let c = Config::from_args(args(&["--host-capacity", "1GiB"])).unwrap();
         assert_eq!(c.host_capacity, 1 << 30, "the command line wins");
+    }
+
+    #[test]
+    fn the_command_lines_defaults_are_the_components_defaults() {
+        let c = Config::from_args(vec!["gpu-broker".into()]).unwrap();
+        let (got, want) = (c.arbiter(), ArbiterConfig::default());
+        assert_eq!(
+            (
+                got.reclaim_deadline,
+                got.keepalive_timeout,
+                got.quarantine_timeout,
+                got.max_sessions_per_tenant,
+                got.max_waiting_per_tenant,
+                (got.turns.quantum, got.turns.grace, got.turns.slots),
+            ),
+            (
+                want.reclaim_deadline,
+                want.keepalive_timeout,
+                want.quarantine_timeout,
+                want.max_sessions_per_tenant,
+                want.max_waiting_per_tenant,
+                (want.turns.quantum, want.turns.grace, want.turns.slots),
+            )
+        );
+        assert_eq!(c.health(), crate::health::HealthConfig::default());
+        assert_eq!(c.reclaim_deadline, defaults::RECLAIM_DEADLINE);
     }
 
     #[test]

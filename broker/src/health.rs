@@ -48,8 +48,8 @@ pub struct HealthConfig {
 impl Default for HealthConfig {
     fn default() -> Self {
         HealthConfig {
-            interval: Duration::from_secs(5),
-            timeout: Duration::from_secs(10),
+            interval: crate::defaults::HEALTH_INTERVAL,
+            timeout: crate::defaults::HEALTH_TIMEOUT,
         }
     }
 }

@@ -14,6 +14,7 @@ pub mod availability;
 pub mod backend;
 pub mod bounds;
 pub mod config;
+pub mod defaults;
 pub mod device;
 pub mod error;
 pub mod gate;

@@ -33,9 +33,9 @@ pub struct TurnConfig {
 impl Default for TurnConfig {
     fn default() -> Self {
         TurnConfig {
-            quantum: Duration::from_millis(100),
-            grace: Duration::from_millis(100),
-            slots: 1,
+            quantum: crate::defaults::TURN_QUANTUM,
+            grace: crate::defaults::TURN_GRACE,
+            slots: crate::defaults::TURN_SLOTS,
         }
     }
 }

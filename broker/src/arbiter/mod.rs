@@ -80,14 +80,14 @@ pub struct ArbiterConfig {
 impl Default for ArbiterConfig {
     fn default() -> Self {
         ArbiterConfig {
-            reclaim_deadline: Duration::from_secs(5),
-            keepalive_timeout: Duration::from_secs(30),
+            reclaim_deadline: crate::defaults::RECLAIM_DEADLINE,
+            keepalive_timeout: crate::defaults::KEEPALIVE_TIMEOUT,
             reclaim_policy: ReclaimPolicy::Cooperative,
-            quarantine_timeout: Duration::from_secs(300),
-            max_wait: Duration::from_secs(3600),
-            max_sessions_per_tenant: 1024,
-            max_waiting_per_tenant: 1024,
-            refresh_interval: Duration::from_secs(1),
+            quarantine_timeout: crate::defaults::QUARANTINE_TIMEOUT,
+            max_wait: crate::defaults::MAX_WAIT,
+            max_sessions_per_tenant: crate::defaults::MAX_SESSIONS_PER_TENANT,
+            max_waiting_per_tenant: crate::defaults::MAX_WAITING_PER_TENANT,
+            refresh_interval: crate::defaults::REFRESH_INTERVAL,
             turns: crate::scheduler::TurnConfig::default(),
             rate: crate::rate::RateConfig::default(),
         }

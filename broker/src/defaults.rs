@@ -1,0 +1,62 @@
+//! The broker's default settings, in one place: the command line's defaults
+//! (`config.rs`, shown by `--help`) and the `Default` of each component's settings
+//! (`ArbiterConfig`, `TurnConfig`, `HealthConfig`) are these values.
+
+use std::time::Duration;
+
+/// `--reclaim-deadline`: time a holder has to release a lease after a reclaim request.
+pub const RECLAIM_DEADLINE: Duration = Duration::from_secs(5);
+/// `--keepalive-timeout`: a quiet session ends after this.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(30);
+/// `--quarantine-timeout`: quarantined memory of a holder with unknown pid is freed after this.
+pub const QUARANTINE_TIMEOUT: Duration = Duration::from_secs(300);
+/// `--max-sessions-per-tenant`.
+pub const MAX_SESSIONS_PER_TENANT: usize = 1024;
+/// `--max-waiting-per-tenant`.
+pub const MAX_WAITING_PER_TENANT: usize = 1024;
+/// `--turn-quantum`: how long a compute turn may last while others wait.
+pub const TURN_QUANTUM: Duration = Duration::from_millis(100);
+/// `--turn-grace`: how long after a yield request a turn is taken.
+pub const TURN_GRACE: Duration = Duration::from_millis(100);
+/// `--turn-slots`: turn holders per device at once.
+pub const TURN_SLOTS: u32 = 1;
+/// `--health-interval`: how often the health monitor checks every device.
+pub const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
+/// `--health-timeout`: a device that does not answer a check within this is unhealthy.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest wait a request may ask for (not a flag).
+pub const MAX_WAIT: Duration = Duration::from_secs(3600);
+/// How often leasable memory is refreshed from the devices (not a flag).
+pub const REFRESH_INTERVAL: Duration = Duration::from_secs(1);
+
+/// A duration as the command line writes it (`5s`, `5m`, `100ms`), for clap's defaults.
+pub fn text(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_back_as_themselves() {
+        for d in [
+            RECLAIM_DEADLINE,
+            KEEPALIVE_TIMEOUT,
+            QUARANTINE_TIMEOUT,
+            TURN_QUANTUM,
+            TURN_GRACE,
+            HEALTH_INTERVAL,
+            HEALTH_TIMEOUT,
+        ] {
+            assert_eq!(
+                crate::config::parse_duration(&text(d)),
+                Ok(d),
+                "{}",
+                text(d)
+            );
+        }
+        assert_eq!(text(QUARANTINE_TIMEOUT), "5m");
+        assert_eq!(text(TURN_QUANTUM), "100ms");
+    }
+}
