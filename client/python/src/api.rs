@@ -953,6 +953,12 @@ pub struct PyUsage {
     /// Device bytes the tenant may still take under its limit.
     #[pyo3(get)]
     available_bytes: u64,
+    /// Per-device caps by device index (on top of `limit_bytes`).
+    #[pyo3(get)]
+    device_limit_bytes: std::collections::BTreeMap<u32, u64>,
+    /// Device bytes held per device index (what the caps count).
+    #[pyo3(get)]
+    device_committed_bytes: std::collections::BTreeMap<u32, u64>,
 }
 
 impl From<Usage> for PyUsage {
@@ -972,6 +978,8 @@ impl From<Usage> for PyUsage {
             host_held_bytes: u.host_held_bytes,
             session_count: u.session_count,
             waiting_requests: u.waiting_requests,
+            device_limit_bytes: u.device_limit_bytes,
+            device_committed_bytes: u.device_committed_bytes,
         }
     }
 }

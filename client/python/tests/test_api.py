@@ -424,3 +424,21 @@ def test_device_unhealthy_event(broker):
         with pytest.raises(gpubroker.BrokerError):
             s.lease(2 * MIB)
         lease.release()
+
+
+def test_per_device_caps_show_in_usage_and_refuse_past_the_cap(make_broker):
+    b = make_broker("--host-capacity", "64MiB", "--host-devices", "2")
+    token = b.tenant("capped", "48MiB", "--device-limit", "0=4MiB")
+    with gpubroker.connect(b.address, token).session("w") as s:
+        first = s.lease(4 * MIB, device=0)
+        with pytest.raises(gpubroker.QuotaExceeded) as e:
+            s.lease(2 * MIB, device=0)
+        assert e.value.reason == "DEVICE_QUOTA_EXCEEDED"
+        assert e.value.details["device"] == "0"
+        other = s.lease(2 * MIB)
+        assert other.device == 1, "an unpinned lease goes where the cap leaves room"
+        u = s.usage()
+        assert u.device_limit_bytes == {0: 4 * MIB}
+        assert u.device_committed_bytes == {0: 4 * MIB, 1: 2 * MIB}
+        first.release()
+        other.release()

@@ -1,6 +1,6 @@
 """Typing stubs of the native extension (the classes gpubroker re-exports)."""
 
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from .events import Event, ReclaimRequested
 
@@ -135,3 +135,5 @@ class Usage:
     session_count: int
     waiting_requests: int
     available_bytes: int
+    device_limit_bytes: Dict[int, int]
+    device_committed_bytes: Dict[int, int]
