@@ -815,3 +815,180 @@ mod tests {
         assert_send_sync::<CudaMapping>();
     }
 }
+
+/// A reserved device virtual address range that VMM memory can be mapped into, unmapped
+/// and mapped again at the same address (what a sleeping lease keeps: pointers into it stay
+/// valid across sleep and wake). Holds a retain of the device's primary context; dropping
+/// it unmaps what is mapped, releases the import and frees the range.
+#[derive(Debug)]
+pub struct VaRange {
+    device: u32,
+    cu_device: CUdevice,
+    ctx: usize,
+    ptr: CUdeviceptr,
+    len: usize,
+    /// The imported handle mapped into the range now.
+    mapped: Option<sys::CUmemGenericAllocationHandle>,
+}
+
+impl VaRange {
+    /// Reserves `len` bytes (a multiple of the allocation granularity) of `device`'s
+    /// address space.
+    pub fn reserve(device: u32, len: u64) -> Result<VaRange, CudaError> {
+        let n = usize::try_from(len).map_err(|_| CudaError::InvalidSize(len))?;
+        if n == 0 {
+            return Err(CudaError::InvalidSize(len));
+        }
+        let (cu_device, ctx) = retain_primary(device)?;
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: valid out pointer; default alignment (the allocation granularity).
+        if let Err(e) = check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, n, 0, 0, 0)
+        }) {
+            // SAFETY: balances the retain above.
+            let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(cu_device) };
+            return Err(e);
+        }
+        Ok(VaRange {
+            device,
+            cu_device,
+            ctx: ctx as usize,
+            ptr,
+            len: n,
+            mapped: None,
+        })
+    }
+
+    /// Start of the range.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length of the range in bytes.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// True for an empty range (never: `reserve` refuses zero).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Is memory mapped into the range now?
+    pub fn is_mapped(&self) -> bool {
+        self.mapped.is_some()
+    }
+
+    /// Imports the VMM memory of `fd` (an fd lease's descriptor, not consumed) and maps the
+    /// range's length of it at the range's start, read-write for the device.
+    pub fn map(&mut self, fd: std::os::fd::BorrowedFd<'_>) -> Result<(), CudaError> {
+        use std::os::fd::AsRawFd;
+        if self.mapped.is_some() {
+            self.unmap()?;
+        }
+        let _ctx = Pushed::new(self.ctx)?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: the driver reads the descriptor number and does not take ownership.
+        check("cuMemImportFromShareableHandle", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                fd.as_raw_fd() as isize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        // SAFETY: the reserved range; the imported allocation is at least `len` bytes (the
+        // caller's lease is the range's size).
+        if let Err(e) = check("cuMemMap", unsafe {
+            sys::cuMemMap(self.ptr, self.len, 0, handle, 0)
+        }) {
+            // SAFETY: releases the import just made.
+            let _ = unsafe { sys::cuMemRelease(handle) };
+            return Err(e);
+        }
+        let access = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.cu_device,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the range just mapped; one valid access descriptor.
+        if let Err(e) = check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(self.ptr, self.len, &access, 1)
+        }) {
+            // SAFETY: undo the mapping and the import above.
+            unsafe {
+                let _ = sys::cuMemUnmap(self.ptr, self.len);
+                let _ = sys::cuMemRelease(handle);
+            }
+            return Err(e);
+        }
+        self.mapped = Some(handle);
+        Ok(())
+    }
+
+    /// Unmaps the memory and releases its import; the range stays reserved. Waits for the
+    /// device's queued work first (kernels may still use the memory).
+    pub fn unmap(&mut self) -> Result<(), CudaError> {
+        let Some(handle) = self.mapped.take() else {
+            return Ok(());
+        };
+        let _ctx = Pushed::new(self.ctx)?;
+        // SAFETY: the context is current; then unmap and release the handle mapped here.
+        unsafe {
+            let synced = check("cuCtxSynchronize", sys::cuCtxSynchronize());
+            let unmapped = check("cuMemUnmap", sys::cuMemUnmap(self.ptr, self.len));
+            let released = check("cuMemRelease", sys::cuMemRelease(handle));
+            synced.and(unmapped).and(released)
+        }
+    }
+
+    /// Copies the whole range to `dst` (its length), device to host.
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), CudaError> {
+        self.check_copy(dst.len())?;
+        let _ctx = Pushed::new(self.ctx)?;
+        // SAFETY: `dst` has `len` writable bytes; the range is mapped (checked).
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr, self.len)
+        })
+    }
+
+    /// Copies `src` (the range's length) into the range, host to device.
+    pub fn copy_from_host(&self, src: &[u8]) -> Result<(), CudaError> {
+        self.check_copy(src.len())?;
+        let _ctx = Pushed::new(self.ctx)?;
+        // SAFETY: `src` has `len` readable bytes; the range is mapped (checked).
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.len)
+        })
+    }
+
+    fn check_copy(&self, n: usize) -> Result<(), CudaError> {
+        if self.mapped.is_none() || n != self.len {
+            return Err(CudaError::OutOfRange {
+                offset: 0,
+                len: n as u64,
+                bytes: if self.mapped.is_some() {
+                    self.len as u64
+                } else {
+                    0
+                },
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for VaRange {
+    fn drop(&mut self) {
+        if let Err(e) = self.unmap() {
+            tracing::warn!(device = self.device, error = %e, "unmapping a VA range failed");
+        }
+        if let Ok(_ctx) = Pushed::new(self.ctx) {
+            // SAFETY: the range reserved in `reserve`, freed once; nothing is mapped now.
+            let _ = unsafe { sys::cuMemAddressFree(self.ptr, self.len) };
+        }
+        // SAFETY: balances the retain in `reserve`.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.cu_device) };
+    }
+}

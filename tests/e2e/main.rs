@@ -24,6 +24,7 @@ mod reload;
 mod scrub;
 mod shared;
 mod shutdown;
+mod sleep;
 mod smoke;
 mod status_page;
 mod tls;

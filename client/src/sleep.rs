@@ -1,0 +1,392 @@
+//! Sleep and wake: a lease's memory given back while its addresses are kept. A
+//! [`Resident`] maps a lease at a virtual address range of its own; [`Resident::sleep`]
+//! unmaps the memory and releases the lease (optionally saving its contents to a host-tier
+//! lease first), keeping the range reserved; [`Resident::wake`] asks for memory again
+//! (waiting or refused exactly like an acquire: it *is* one), maps it at the same
+//! addresses and restores the saved contents. Pointers into the range stay valid across
+//! both, so a tensor (or anything) that points into it works again after a wake.
+//!
+//! While asleep the tenant is charged nothing for the device memory (the lease is
+//! released) and the host-tier lease's size for saved contents. Touching the range while
+//! asleep faults (host: `PROT_NONE`; CUDA: nothing is mapped).
+//!
+//! Host memory (memfd leases: the host backend, host-fallback leases) keeps the range as a
+//! `PROT_NONE` anonymous reservation and maps the memfd over it with `MAP_FIXED`; CUDA VMM
+//! memory (feature `cuda`) keeps the `cuMemAddressReserve` range and maps a new import of
+//! each lease there ([`crate::cuda::VaRange`]).
+
+use std::fmt;
+#[cfg(feature = "cuda")]
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use crate::error::ClientError;
+use crate::fd::MemoryKind;
+use crate::lease::{Lease, LeaseHandle};
+use crate::session::Session;
+
+/// A reserved address range of this process.
+enum Range {
+    Host {
+        addr: usize,
+        len: usize,
+    },
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::VaRange),
+}
+
+/// What a sleep does with the contents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Contents {
+    /// Dropped: the memory after a wake is whatever the new lease holds (zeros or the
+    /// tenant's own earlier bytes).
+    #[default]
+    Discard,
+    /// Copied to a host-tier lease on sleep and back on wake.
+    Save,
+}
+
+/// A lease mapped at addresses that survive sleep and wake.
+pub struct Resident {
+    session: Session,
+    range: Range,
+    requested: u64,
+    bytes: u64,
+    device: u32,
+    label: String,
+    reclaimable: bool,
+    lease: Option<Lease>,
+    /// The host-tier lease holding the contents while asleep.
+    saved: Option<Lease>,
+}
+
+impl fmt::Debug for Resident {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Resident")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("bytes", &self.bytes)
+            .field("device", &self.device)
+            .field("awake", &self.is_awake())
+            .field("saved", &self.saved.is_some())
+            .finish()
+    }
+}
+
+fn os_err(what: &str) -> ClientError {
+    let e = std::io::Error::last_os_error();
+    ClientError::Io(std::io::Error::new(e.kind(), format!("{what}: {e}")))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_err(e: impl fmt::Display) -> ClientError {
+    ClientError::Cuda(e.to_string())
+}
+
+impl Range {
+    fn reserve_host(len: u64) -> Result<Range, ClientError> {
+        let n = usize::try_from(len)
+            .map_err(|_| ClientError::Protocol(format!("{len} bytes do not fit this process")))?;
+        // SAFETY: a fresh anonymous reservation; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                n,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_err("reserving an address range"));
+        }
+        Ok(Range::Host {
+            addr: p as usize,
+            len: n,
+        })
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            Range::Host { addr, .. } => *addr as u64,
+            #[cfg(feature = "cuda")]
+            Range::Cuda(r) => r.device_ptr(),
+        }
+    }
+
+    /// Maps `lease`'s memory over the range.
+    fn map(&mut self, lease: &Lease) -> Result<(), ClientError> {
+        let fd = lease
+            .fd()
+            .ok_or_else(|| ClientError::Protocol("an fd lease without its descriptor".into()))?;
+        match self {
+            Range::Host { addr, len } => {
+                use std::os::fd::AsRawFd;
+                // SAFETY: replaces our own reservation (or mapping) of `len` bytes at `addr`
+                // with the lease's memfd, which is at least `len` bytes (its lease size).
+                let p = unsafe {
+                    libc::mmap(
+                        *addr as *mut libc::c_void,
+                        *len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_SHARED | libc::MAP_FIXED,
+                        fd.as_raw_fd(),
+                        0,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    return Err(os_err("mapping a lease at its kept address"));
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Range::Cuda(r) => r.map(fd.as_fd()).map_err(cuda_err),
+        }
+    }
+
+    /// Unmaps the memory, keeping the range reserved.
+    fn unmap(&mut self) -> Result<(), ClientError> {
+        match self {
+            Range::Host { addr, len } => {
+                // SAFETY: replaces our own mapping at `addr` with a fresh reservation.
+                let p = unsafe {
+                    libc::mmap(
+                        *addr as *mut libc::c_void,
+                        *len,
+                        libc::PROT_NONE,
+                        libc::MAP_PRIVATE
+                            | libc::MAP_ANONYMOUS
+                            | libc::MAP_NORESERVE
+                            | libc::MAP_FIXED,
+                        -1,
+                        0,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    return Err(os_err("unmapping a sleeping lease"));
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Range::Cuda(r) => r.unmap().map_err(cuda_err),
+        }
+    }
+
+    /// Copies the mapped memory into `dst`.
+    fn save(&self, dst: &mut [u8]) -> Result<(), ClientError> {
+        match self {
+            Range::Host { addr, len } => {
+                // SAFETY: `len` mapped, readable bytes at `addr`; `dst` is as long (checked
+                // by the caller) and another mapping.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(*addr as *const u8, dst.as_mut_ptr(), *len)
+                };
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Range::Cuda(r) => r.copy_to_host(dst).map_err(cuda_err),
+        }
+    }
+
+    /// Copies `src` into the mapped memory.
+    fn restore(&self, src: &[u8]) -> Result<(), ClientError> {
+        match self {
+            Range::Host { addr, len } => {
+                // SAFETY: `len` mapped, writable bytes at `addr`; `src` is as long.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), *addr as *mut u8, *len) };
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Range::Cuda(r) => r.copy_from_host(src).map_err(cuda_err),
+        }
+    }
+}
+
+impl Drop for Range {
+    fn drop(&mut self) {
+        // A CUDA range frees itself (`VaRange`'s drop).
+        #[allow(irrefutable_let_patterns)]
+        if let Range::Host { addr, len } = self {
+            // SAFETY: our own range (mapped or reserved), unmapped once.
+            unsafe { libc::munmap(*addr as *mut libc::c_void, *len) };
+        }
+    }
+}
+
+impl Resident {
+    /// Maps `lease` (an fd lease: a memfd, or CUDA VMM memory with feature `cuda`) at an
+    /// address range of its own. `NotMappable` for other handles.
+    pub fn new(lease: Lease) -> Result<Resident, ClientError> {
+        let kind = match lease.handle() {
+            LeaseHandle::Fd(i) => i.memory_kind,
+            _ => return Err(ClientError::NotMappable),
+        };
+        let bytes = lease.bytes();
+        let mut range = match kind {
+            MemoryKind::HostMemfd => Range::reserve_host(bytes)?,
+            #[cfg(feature = "cuda")]
+            MemoryKind::CudaVmm => {
+                Range::Cuda(crate::cuda::VaRange::reserve(lease.device(), bytes).map_err(cuda_err)?)
+            }
+            _ => return Err(ClientError::NotMappable),
+        };
+        range.map(&lease)?;
+        Ok(Resident {
+            session: lease.session().clone(),
+            range,
+            requested: lease.requested_bytes(),
+            bytes,
+            device: lease.device(),
+            label: lease.label().to_string(),
+            reclaimable: lease.info().reclaimable,
+            lease: Some(lease),
+            saved: None,
+        })
+    }
+
+    /// Start of the range (a host pointer for host memory, a `CUdeviceptr` for CUDA).
+    pub fn addr(&self) -> u64 {
+        self.range.addr()
+    }
+
+    /// Length of the range (the lease's granted size).
+    pub fn len(&self) -> u64 {
+        self.bytes
+    }
+
+    /// True for a zero-length range (never).
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The device the memory lives on (a wake asks for the same one).
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// Is memory mapped now?
+    pub fn is_awake(&self) -> bool {
+        self.lease.is_some()
+    }
+
+    /// Are the contents kept in a host-tier lease (asleep with [`Contents::Save`])?
+    pub fn has_saved_contents(&self) -> bool {
+        self.saved.is_some()
+    }
+
+    /// The lease mapped now (awake only).
+    pub fn lease(&self) -> Option<&Lease> {
+        self.lease.as_ref()
+    }
+
+    /// The mapped bytes (host memory, awake); `None` otherwise.
+    pub fn as_slice(&self) -> Option<&[u8]> {
+        match (&self.range, &self.lease) {
+            // SAFETY: `len` mapped readable bytes while awake; borrowed from `self`.
+            (Range::Host { addr, len }, Some(_)) => {
+                Some(unsafe { std::slice::from_raw_parts(*addr as *const u8, *len) })
+            }
+            _ => None,
+        }
+    }
+
+    /// The mapped bytes, writable (host memory, awake); `None` otherwise.
+    pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
+        match (&self.range, &self.lease) {
+            // SAFETY: `len` mapped writable bytes while awake; borrowed mutably from `self`.
+            (Range::Host { addr, len }, Some(_)) => {
+                Some(unsafe { std::slice::from_raw_parts_mut(*addr as *mut u8, *len) })
+            }
+            _ => None,
+        }
+    }
+
+    /// Gives the memory back, keeping the addresses: with [`Contents::Save`] the contents
+    /// go to a host-tier lease first (refused like any host lease: over the host limit,
+    /// no host tier). Then the memory is unmapped and the lease released, so the tenant is
+    /// no longer charged for it. Sleeping twice is a no-op. For CUDA memory it waits for the
+    /// device's queued work first.
+    pub async fn sleep(&mut self, contents: Contents) -> Result<(), ClientError> {
+        let Some(lease) = self.lease.as_ref() else {
+            return Ok(());
+        };
+        let saved = match contents {
+            Contents::Discard => None,
+            Contents::Save => {
+                let host = self
+                    .session
+                    .lease_request(self.bytes)
+                    .host_tier(true)
+                    .label(format!("{} (saved while asleep)", lease.label()))
+                    .send()
+                    .await?;
+                let mut m = host.map()?;
+                let dst = m.get_mut(..self.bytes as usize).ok_or_else(|| {
+                    ClientError::Protocol("the host lease is smaller than the lease".into())
+                })?;
+                self.range.save(dst)?;
+                drop(m);
+                Some(host)
+            }
+        };
+        self.range.unmap()?;
+        self.saved = saved;
+        if let Some(lease) = self.lease.take() {
+            lease.release().await?;
+        }
+        Ok(())
+    }
+
+    /// Gets memory again at the same addresses: a new lease of the same size on the same
+    /// device (waiting up to `wait` in the broker's queue, refused like any acquire), mapped
+    /// over the range, with saved contents copied back (and their host lease released).
+    /// Waking an awake resident is a no-op. On a refusal it stays asleep, contents kept.
+    pub async fn wake(&mut self, wait: Option<Duration>) -> Result<(), ClientError> {
+        if self.lease.is_some() {
+            return Ok(());
+        }
+        let mut request = self
+            .session
+            .lease_request(self.requested)
+            .device(self.device)
+            .label(self.label.clone())
+            .reclaimable(self.reclaimable);
+        if let Some(w) = wait {
+            request = request.wait(w);
+        }
+        let lease = request.send().await?;
+        if lease.bytes() != self.bytes {
+            let got = lease.bytes();
+            let _ = lease.release().await;
+            return Err(ClientError::Protocol(format!(
+                "woke with {got} bytes, the range is {}",
+                self.bytes
+            )));
+        }
+        self.range.map(&lease)?;
+        if let Some(saved) = &self.saved {
+            let m = saved.map()?;
+            let src = m.get(..self.bytes as usize).ok_or_else(|| {
+                ClientError::Protocol("the saved host lease is smaller than the range".into())
+            })?;
+            self.range.restore(src)?;
+        }
+        self.lease = Some(lease);
+        if let Some(saved) = self.saved.take() {
+            saved.release().await?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Resident {
+    fn drop(&mut self) {
+        // Unmap before the lease goes (it is released in the background when dropped);
+        // the range itself is freed when `range` drops.
+        if self.lease.is_some() {
+            if let Err(e) = self.range.unmap() {
+                tracing::warn!(error = %e, "unmapping a resident lease failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! Sleep and wake (host backend): a resident lease keeps its addresses across sleep and
+//! wake, its contents when saved to a host-tier lease, and its quota is released while it
+//! sleeps and charged again on wake; a wake waits or is refused exactly like an acquire.
+
+use gpu_broker_client::{Client, Code, Contents, QuotaSpec, Resident};
+use gpu_broker_tests::*;
+use std::time::Duration;
+
+async fn usage(c: &Client) -> (u64, u64) {
+    let u = c.usage().await.unwrap();
+    (u.held_bytes, u.host_held_bytes)
+}
+
+async fn tenant(b: &Broker, name: &str, limit: u64, host_limit: u64) -> Client {
+    let token = b
+        .tenant(
+            name,
+            QuotaSpec {
+                host_limit_bytes: host_limit,
+                ..QuotaSpec::new(limit)
+            },
+        )
+        .await
+        .unwrap();
+    Client::connect(&b.uri(), token).await.unwrap()
+}
+
+fn pattern(i: usize) -> u8 {
+    (i.wrapping_mul(31) ^ (i >> 12)) as u8
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sleep_and_wake_keep_the_addresses_and_saved_contents_and_release_the_quota() {
+    let b = Broker::start().unwrap();
+    let c = tenant(&b, "alice", GIB, GIB).await;
+    let s = c.session("sleeper").await.unwrap();
+    let lease = s
+        .lease_request(8 * MIB)
+        .label("weights")
+        .send()
+        .await
+        .unwrap();
+    let mut r = Resident::new(lease).unwrap();
+    let addr = r.addr();
+    for (i, b) in r.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *b = pattern(i);
+    }
+    assert_eq!(usage(&c).await, (8 * MIB, 0));
+
+    // Asleep with contents: no device bytes charged, the host copy is.
+    r.sleep(Contents::Save).await.unwrap();
+    assert!(!r.is_awake() && r.has_saved_contents());
+    assert!(r.as_slice().is_none());
+    assert_eq!(usage(&c).await, (0, 8 * MIB));
+    // Another tenant's worker could take the memory now; the address is still ours.
+    // SAFETY: a read-only query of our own address range.
+    let mut vec = [0u8; 1];
+    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, 4096, vec.as_mut_ptr()) };
+    assert_eq!(rc, 0, "the range stays reserved while asleep");
+
+    r.wake(None).await.unwrap();
+    assert_eq!(r.addr(), addr, "the same addresses");
+    assert!(r.is_awake() && !r.has_saved_contents());
+    let m = r.as_slice().unwrap();
+    assert_eq!(m.len(), 8 * MIB as usize);
+    assert!(
+        m.iter().enumerate().all(|(i, &b)| b == pattern(i)),
+        "contents restored"
+    );
+    assert_eq!(usage(&c).await, (8 * MIB, 0));
+    assert_eq!(r.lease().unwrap().label(), "weights");
+
+    // Without contents: nothing charged at all while asleep; the address stays.
+    r.sleep(Contents::Discard).await.unwrap();
+    assert_eq!(usage(&c).await, (0, 0));
+    r.sleep(Contents::Discard).await.unwrap();
+    r.wake(None).await.unwrap();
+    assert_eq!(r.addr(), addr);
+    r.as_mut_slice().unwrap()[0] = 7;
+    assert_eq!(usage(&c).await, (8 * MIB, 0));
+    drop(r);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            usage(&c).await == (0, 0)
+        })
+        .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waking_waits_or_is_refused_like_an_acquire() {
+    let b = Broker::start().unwrap();
+    let c = tenant(&b, "alice", 8 * MIB, 8 * MIB).await;
+    let s = c.session("sleeper").await.unwrap();
+    let mut r = Resident::new(s.lease(8 * MIB).await.unwrap()).unwrap();
+    r.as_mut_slice().unwrap().fill(0x5c);
+    r.sleep(Contents::Save).await.unwrap();
+    // While it sleeps the tenant uses its quota for something else.
+    let other = s.lease(8 * MIB).await.unwrap();
+    let e = r.wake(None).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
+    assert!(
+        !r.is_awake() && r.has_saved_contents(),
+        "still asleep, contents kept"
+    );
+    let e = r.wake(Some(Duration::from_millis(200))).await.unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e}");
+    // A waiting wake is granted when the memory comes back.
+    let addr = r.addr();
+    let waker =
+        tokio::spawn(async move { r.wake(Some(Duration::from_secs(20))).await.map(|()| r) });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waker.is_finished());
+    other.release().await.unwrap();
+    let r = waker.await.unwrap().unwrap();
+    assert_eq!(r.addr(), addr);
+    assert!(r.as_slice().unwrap().iter().all(|&x| x == 0x5c));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_save_the_host_limit_refuses_leaves_the_lease_awake() {
+    let b = Broker::start().unwrap();
+    let c = tenant(&b, "alice", GIB, 0).await;
+    let s = c.session("sleeper").await.unwrap();
+    let mut r = Resident::new(s.lease(4 * MIB).await.unwrap()).unwrap();
+    r.as_mut_slice().unwrap().fill(0x21);
+    let e = r.sleep(Contents::Save).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
+    assert!(r.is_awake());
+    assert!(r.as_slice().unwrap().iter().all(|&x| x == 0x21));
+    assert_eq!(usage(&c).await, (4 * MIB, 0));
+    // Host-tier leases asked for directly are fd memfd leases of the host tier.
+    let c2 = tenant(&b, "bob", GIB, 16 * MIB).await;
+    let s2 = c2.session("h").await.unwrap();
+    let h = s2
+        .lease_request(3 * MIB)
+        .host_tier(true)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(h.tier(), gpu_broker_client::Tier::Host);
+    assert!(h.bytes() >= 3 * MIB);
+    h.map().unwrap().fill(1);
+    assert_eq!(usage(&c2).await, (0, h.bytes()));
+}
