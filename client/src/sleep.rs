@@ -379,6 +379,32 @@ impl Resident {
     }
 }
 
+impl Resident {
+    /// Host memory (`true`: [`Resident::addr`] is a host pointer) or CUDA memory.
+    pub fn is_host(&self) -> bool {
+        matches!(self.range, Range::Host { .. })
+    }
+
+    /// Unmaps, frees the range and gives everything back now (the lease if awake, the
+    /// saved contents if asleep); dropping does the same with the releases in the
+    /// background.
+    pub async fn release(mut self) -> Result<(), ClientError> {
+        if self.lease.is_some() {
+            self.range.unmap()?;
+        }
+        let lease = self.lease.take();
+        let saved = self.saved.take();
+        drop(self);
+        if let Some(l) = lease {
+            l.release().await?;
+        }
+        if let Some(s) = saved {
+            s.release().await?;
+        }
+        Ok(())
+    }
+}
+
 impl Drop for Resident {
     fn drop(&mut self) {
         // Unmap before the lease goes (it is released in the background when dropped);

@@ -409,6 +409,31 @@ impl PyLease {
         }
     }
 
+    /// Takes the lease out of this object for a wrapper that owns it from now on (a
+    /// `Resident`): refused while arrays or tensors view it; this object reads as
+    /// released afterwards.
+    pub(crate) fn take_lease(&self) -> PyResult<Lease> {
+        let Some(core) = self.core.lock().take() else {
+            return Err(errors::local(
+                "FailedPrecondition",
+                &format!("lease {} was released", self.info.lease_id),
+            ));
+        };
+        if Arc::strong_count(&core) > 1 {
+            *self.core.lock() = Some(core);
+            return Err(errors::local(
+                "FailedPrecondition",
+                &format!(
+                    "lease {} is still viewed by arrays or tensors; delete them first",
+                    self.info.lease_id
+                ),
+            ));
+        }
+        core.unmap();
+        let lease = core.lease.lock().take();
+        lease.ok_or_else(|| errors::local("FailedPrecondition", "lease released"))
+    }
+
     /// Maps the lease as host memory through the client crate (`Lease::map_unbound`: a
     /// memfd fd lease or a legacy shared-memory file) on first use.
     fn host_ptr(&self, core: &LeaseCore) -> PyResult<u64> {
@@ -569,6 +594,38 @@ impl PyLease {
         }
         *self.core.lock() = Some(core);
         self.release(py).map(|()| true)
+    }
+
+    /// A new, unredeemed ticket of this fd lease (`RenewLeaseTicket`), as
+    /// `(socket_path, ticket bytes)`: for redeeming it with plain sockets, as
+    /// `docs/protocol.md` describes.
+    fn _fresh_ticket<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(String, Bound<'py, pyo3::types::PyBytes>)> {
+        let core = self.core()?;
+        let client = core
+            .lease
+            .lock()
+            .as_ref()
+            .map(|l| l.session().client().clone())
+            .ok_or_else(|| errors::local("FailedPrecondition", "lease released"))?;
+        let id = self.info.lease_id.clone();
+        let reply = rt::block_on(py, async move {
+            client
+                .raw()
+                .renew_lease_ticket(gpu_broker_client::proto::v1::RenewLeaseTicketRequest {
+                    lease_id: id,
+                })
+                .await
+                .map_err(gpu_broker_client::ClientError::from)
+        })?
+        .py()?
+        .into_inner();
+        let fd = reply
+            .fd
+            .ok_or_else(|| errors::local("BrokerError", "RenewLeaseTicket carried no handle"))?;
+        Ok((fd.socket_path, pyo3::types::PyBytes::new(py, &fd.ticket)))
     }
 
     /// `"host"` (maps as host memory: as_numpy works) or `"device"` (CUDA memory).

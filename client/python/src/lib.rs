@@ -9,6 +9,7 @@
 pub mod api;
 pub mod errors;
 pub mod rt;
+pub mod sleep;
 pub mod torch;
 
 use pyo3::prelude::*;
@@ -23,6 +24,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<api::Memory>()?;
     m.add_class::<api::EventStream>()?;
     m.add_class::<api::PyUsage>()?;
+    m.add_class::<sleep::PyResident>()?;
+    m.add_class::<sleep::ResidentMemory>()?;
     m.add_function(wrap_pyfunction!(torch::_torch_install, m)?)?;
     m.add_function(wrap_pyfunction!(torch::_torch_stats, m)?)?;
     m.add_function(wrap_pyfunction!(torch::_torch_empty_cache, m)?)?;

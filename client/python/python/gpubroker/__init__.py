@@ -37,7 +37,7 @@ from typing import Optional
 
 from . import compat, events
 from .compat import BrokerVersionWarning
-from ._native import Broker, EventStream, Lease, Memory, Session, Usage
+from ._native import Broker, EventStream, Lease, Memory, Resident, Session, Usage
 from ._native import __version__
 from ._native import _connect
 from .errors import (
@@ -75,6 +75,7 @@ __all__ = [
     "Broker",
     "Session",
     "Lease",
+    "Resident",
     "Usage",
     "Memory",
     "EventStream",
