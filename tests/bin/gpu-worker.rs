@@ -107,6 +107,14 @@ enum Cmd {
         #[arg(long)]
         label: String,
     },
+    /// Time sleep and wake of a resident lease of `--bytes`, with contents saved to a
+    /// host-tier lease and without; checks the address and the saved bytes each time.
+    SleepBench {
+        #[arg(long, default_value_t = 1 << 30)]
+        bytes: u64,
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+    },
     /// Time AcquireLease (fresh and pooled) against in-process cuMemAlloc+cuIpcGetMemHandle.
     Bench {
         #[arg(long, default_value = "1MiB,64MiB,1GiB")]
@@ -364,6 +372,7 @@ async fn main() -> Result<()> {
             say(format!("HOSTREG {tier} {not_set}"));
         }
         Cmd::Bench { sizes, iters } => bench(&session, &sizes, iters).await?,
+        Cmd::SleepBench { bytes, iters } => sleep_bench(&session, bytes, iters).await?,
         Cmd::Selftest { bytes } => {
             let lease = session.lease(bytes).await?;
             let memory = match lease.handle() {
@@ -564,6 +573,103 @@ async fn bench(session: &gpu_broker_client::Session, sizes: &str, iters: usize) 
         pooled.remove(0);
         let (f, p) = (median(&mut fresh), median(&mut pooled));
         say(format!("{s} {:.1} {f:.1} {p:.1} {:.3}", raw[i], p / raw[i]));
+    }
+    Ok(())
+}
+
+/// Fills `len` bytes at device address `ptr` with `byte` and reads back the first and last
+/// bytes (the device's primary context current on this thread).
+fn memset_and_probe(device: u32, ptr: u64, len: u64, byte: Option<u8>) -> Result<(u8, u8)> {
+    use cudarc::driver::sys;
+    let n = usize::try_from(len)?;
+    // SAFETY: driver calls on a range this process mapped (the resident lease), with the
+    // device's primary context retained and current; buffers outlive the calls.
+    unsafe {
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        if sys::cuDeviceGet(&mut dev, device as i32) != sys::CUresult::CUDA_SUCCESS
+            || sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) != sys::CUresult::CUDA_SUCCESS
+            || sys::cuCtxSetCurrent(ctx) != sys::CUresult::CUDA_SUCCESS
+        {
+            bail!("no CUDA context for device {device}");
+        }
+        if let Some(b) = byte {
+            let rc = sys::cuMemsetD8_v2(ptr, b, n);
+            if rc != sys::CUresult::CUDA_SUCCESS {
+                bail!("cuMemsetD8: {rc:?}");
+            }
+            sys::cuCtxSynchronize();
+        }
+        let (mut first, mut last) = (0u8, 0u8);
+        let a = sys::cuMemcpyDtoH_v2((&mut first as *mut u8).cast(), ptr, 1);
+        let b = sys::cuMemcpyDtoH_v2((&mut last as *mut u8).cast(), ptr + len - 1, 1);
+        sys::cuDevicePrimaryCtxRelease_v2(dev);
+        if a != sys::CUresult::CUDA_SUCCESS || b != sys::CUresult::CUDA_SUCCESS {
+            bail!("cuMemcpyDtoH: {a:?} {b:?}");
+        }
+        Ok((first, last))
+    }
+}
+
+async fn sleep_bench(session: &gpu_broker_client::Session, bytes: u64, iters: usize) -> Result<()> {
+    use gpu_broker_client::{Contents, Resident};
+    let lease = session.lease(bytes).await?;
+    let device = lease.device();
+    let mut r = Resident::new(lease)?;
+    let addr = r.addr();
+    say(format!(
+        "RESIDENT {addr:#x} {} bytes device {device}",
+        r.len()
+    ));
+    let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+    let (mut sleep_save, mut wake_save, mut sleep_plain, mut wake_plain) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut bad = 0;
+    for i in 0..iters {
+        let pattern = 0x30 + i as u8;
+        memset_and_probe(device, addr, r.len(), Some(pattern))?;
+        let t = Instant::now();
+        r.sleep(Contents::Save).await?;
+        sleep_save.push(ms(t));
+        let used = session.usage().await?;
+        if used.held_bytes != 0 || used.host_held_bytes < bytes {
+            bad += 1;
+            say(format!(
+                "ASLEEP usage held {} host {}",
+                used.held_bytes, used.host_held_bytes
+            ));
+        }
+        let t = Instant::now();
+        r.wake(None).await?;
+        wake_save.push(ms(t));
+        let (first, last) = memset_and_probe(device, addr, r.len(), None)?;
+        if r.addr() != addr || first != pattern || last != pattern {
+            bad += 1;
+            say(format!(
+                "MISMATCH addr {:#x} first {first:#x} last {last:#x} want {pattern:#x}",
+                r.addr()
+            ));
+        }
+        let t = Instant::now();
+        r.sleep(Contents::Discard).await?;
+        sleep_plain.push(ms(t));
+        let t = Instant::now();
+        r.wake(None).await?;
+        wake_plain.push(ms(t));
+        if r.addr() != addr {
+            bad += 1;
+        }
+    }
+    say(format!(
+        "SLEEPBENCH bytes={bytes} iters={iters} sleep_save_ms={:.2} wake_restore_ms={:.2} sleep_ms={:.2} wake_ms={:.2} bad={bad}",
+        median(&mut sleep_save),
+        median(&mut wake_save),
+        median(&mut sleep_plain),
+        median(&mut wake_plain)
+    ));
+    r.release().await?;
+    if bad > 0 {
+        bail!("{bad} sleep/wake checks failed");
     }
     Ok(())
 }

@@ -31,6 +31,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch::_torch_empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(torch::_torch_take_last_error, m)?)?;
     m.add_function(wrap_pyfunction!(torch::_torch_lease_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(torch::_torch_sleep, m)?)?;
+    m.add_function(wrap_pyfunction!(torch::_torch_wake, m)?)?;
+    m.add_function(wrap_pyfunction!(torch::_torch_asleep, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "REQUIRED_API_REVISION",

@@ -7,13 +7,22 @@
 //! (`cuEventRecord`/`cuEventQuery`). Reclaim requests and revocations are handled on a
 //! Rust thread reading the session's events: no GIL, no Python callback.
 //!
+//! **Sleep and wake.** A segment of CUDA VMM memory is a [`Resident`] (the client crate's:
+//! its own reserved address range), so [`_torch_sleep`] can give every segment's memory
+//! back (contents optionally saved to host-tier leases) and [`_torch_wake`] get it again at
+//! the same addresses: PyTorch's tensors keep their pointers and, when saved, their bytes.
+//! While asleep the alloc hook refuses (PyTorch raises its OOM). Legacy CUDA IPC segments
+//! cannot sleep.
+//!
 //! `gpubroker/torch.py` installs the hooks behind a `MemPool` that every thread and stream
 //! allocates from, so PyTorch's own caching allocator sits on top (one hook call per
 //! PyTorch segment) and turns a failed hook call into `torch.OutOfMemoryError`.
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use cudarc::driver::sys::{self, CUcontext, CUevent, CUresult, CUstream};
@@ -22,18 +31,48 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use gpu_broker_client::cuda::CudaMapping;
-use gpu_broker_client::{ClientError, Lease, Session, SessionEvent};
+use gpu_broker_client::{
+    ClientError, Contents, Lease, LeaseHandle, MemoryKind, Resident, Session, SessionEvent,
+};
 use gpubroker_suballoc::{Backend, Config, EventId, Granted, Refused, Stream, SubAllocator};
 
 use crate::api::PySession;
 use crate::errors;
 use crate::rt;
 
-/// One segment: the mapping (closed first) and the lease it maps.
-struct Segment {
-    mapping: Option<CudaMapping>,
-    lease: Option<Lease>,
+/// One segment: a resident lease (VMM memory: it can sleep and wake at its address), or
+/// a mapping (closed first) and the lease it maps (legacy handles).
+// Boxed once as the allocator's token; the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Segment {
+    Resident(Arc<ResidentSegment>),
+    Mapped {
+        mapping: Option<CudaMapping>,
+        lease: Option<Lease>,
+    },
 }
+
+/// A resident segment: the sub-allocator knows it by its first lease's id.
+struct ResidentSegment {
+    first_id: String,
+    resident: parking_lot::Mutex<Option<Resident>>,
+}
+
+/// Resident segments by base address, and which first id each current lease id belongs
+/// to (a wake gives a segment a new lease; reclaim requests name the new one).
+#[derive(Default)]
+struct Residents {
+    by_base: HashMap<u64, Arc<ResidentSegment>>,
+    first_id: HashMap<String, String>,
+}
+
+fn residents() -> &'static parking_lot::Mutex<Residents> {
+    static R: OnceLock<parking_lot::Mutex<Residents>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// Set while the segments sleep: the alloc hook refuses.
+static ASLEEP: AtomicBool = AtomicBool::new(false);
 
 /// Segments are leases of one session; events and contexts through the driver API.
 pub struct LeaseBackend {
@@ -127,13 +166,33 @@ impl Backend for LeaseBackend {
                 request.send().await
             })
             .map_err(refused)?;
-        // A failed mapping drops the lease, which releases it in the background.
+        let vmm =
+            matches!(lease.handle(), LeaseHandle::Fd(i) if i.memory_kind == MemoryKind::CudaVmm);
+        let (bytes, lease_id) = (lease.bytes(), lease.id().to_string());
+        if vmm {
+            // A failed mapping drops the lease, which releases it in the background.
+            let r = Resident::new(lease).map_err(refused)?;
+            let base = r.addr();
+            let seg = Arc::new(ResidentSegment {
+                first_id: lease_id.clone(),
+                resident: parking_lot::Mutex::new(Some(r)),
+            });
+            let mut reg = residents().lock();
+            reg.by_base.insert(base, seg.clone());
+            reg.first_id.insert(lease_id.clone(), lease_id.clone());
+            return Ok(Granted {
+                base,
+                bytes,
+                lease_id,
+                token: Box::new(Segment::Resident(seg)),
+            });
+        }
         let mapping = lease.map_cuda().map_err(refused)?;
         Ok(Granted {
             base: mapping.device_ptr(),
-            bytes: lease.bytes(),
-            lease_id: lease.id().to_string(),
-            token: Box::new(Segment {
+            bytes,
+            lease_id,
+            token: Box::new(Segment::Mapped {
                 mapping: Some(mapping),
                 lease: Some(lease),
             }),
@@ -141,16 +200,38 @@ impl Backend for LeaseBackend {
     }
 
     fn release(&self, token: Box<dyn Any + Send>) {
-        let Ok(mut seg) = token.downcast::<Segment>() else {
+        let Ok(seg) = token.downcast::<Segment>() else {
             tracing::error!("gpubroker.torch: a foreign segment token");
             return;
         };
-        drop(seg.mapping.take());
-        if let Some(lease) = seg.lease.take() {
-            let id = lease.id().to_string();
-            if let Err(e) = self.handle.block_on(lease.release()) {
-                // Revoked or lost leases are already gone.
-                tracing::debug!(lease_id = id, error = %e, "segment release");
+        match *seg {
+            Segment::Mapped {
+                mut mapping,
+                mut lease,
+            } => {
+                drop(mapping.take());
+                if let Some(lease) = lease.take() {
+                    let id = lease.id().to_string();
+                    if let Err(e) = self.handle.block_on(lease.release()) {
+                        // Revoked or lost leases are already gone.
+                        tracing::debug!(lease_id = id, error = %e, "segment release");
+                    }
+                }
+            }
+            Segment::Resident(seg) => {
+                let r = seg.resident.lock().take();
+                {
+                    let mut reg = residents().lock();
+                    if let Some(r) = &r {
+                        reg.by_base.remove(&r.addr());
+                    }
+                    reg.first_id.retain(|_, first| *first != seg.first_id);
+                }
+                if let Some(r) = r {
+                    if let Err(e) = self.handle.block_on(r.release()) {
+                        tracing::debug!(lease_id = seg.first_id, error = %e, "segment release");
+                    }
+                }
             }
         }
     }
@@ -232,6 +313,14 @@ pub extern "C" fn gpubroker_torch_alloc(
         if size == 0 {
             return std::ptr::null_mut();
         }
+        if ASLEEP.load(Ordering::SeqCst) {
+            tracing::warn!(
+                size,
+                device,
+                "gpubroker.torch: allocation while asleep (wake() first)"
+            );
+            return std::ptr::null_mut();
+        }
         match a.alloc(device, size, stream) {
             Ok(ptr) => ptr as *mut c_void,
             Err(e) => {
@@ -279,6 +368,8 @@ fn watch_events(session: &Session) -> std::io::Result<()> {
                     _ => continue,
                 };
                 for id in ids {
+                    // A woken segment's lease has a new id; the allocator knows the first.
+                    let id = residents().lock().first_id.get(&id).cloned().unwrap_or(id);
                     let outcome = a.reclaim(&id);
                     tracing::info!(lease_id = id, ?outcome, "gpubroker.torch: reclaim");
                 }
@@ -393,4 +484,91 @@ pub fn _torch_take_last_error(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDic
 #[pyfunction]
 pub fn _torch_lease_ids() -> PyResult<Vec<String>> {
     Ok(allocator()?.lease_ids())
+}
+
+/// Puts every resident segment to sleep: synchronizes the devices, saves the contents to
+/// host-tier leases when `save`, unmaps, releases the leases (keeping every address).
+/// Returns the device bytes given back. Allocations fail until [`_torch_wake`].
+#[pyfunction]
+#[pyo3(signature = (save))]
+pub fn _torch_sleep(py: Python<'_>, save: bool) -> PyResult<u64> {
+    let a = allocator()?;
+    rt::check_process()?;
+    ASLEEP.store(true, Ordering::SeqCst);
+    let segs: Vec<Arc<ResidentSegment>> = residents().lock().by_base.values().cloned().collect();
+    let contents = if save {
+        Contents::Save
+    } else {
+        Contents::Discard
+    };
+    let handle = rt::handle();
+    let _ = a;
+    py.detach(|| {
+        let mut given = 0;
+        for seg in segs {
+            let mut g = seg.resident.lock();
+            let Some(r) = g.as_mut() else { continue };
+            if !r.is_awake() {
+                continue;
+            }
+            let old = r.lease().map(|l| l.id().to_string());
+            handle.block_on(r.sleep(contents))?;
+            given += r.len();
+            if let Some(old) = old {
+                if old != seg.first_id {
+                    residents().lock().first_id.remove(&old);
+                }
+            }
+        }
+        Ok::<u64, ClientError>(given)
+    })
+    .map_err(errors::to_py)
+}
+
+/// Wakes every sleeping segment at its address (waiting up to `wait_s` seconds for each;
+/// `None`: do not wait), restoring saved contents. On a refusal the rest stay asleep and
+/// allocations keep failing; call again.
+#[pyfunction]
+#[pyo3(signature = (wait_s))]
+pub fn _torch_wake(py: Python<'_>, wait_s: Option<f64>) -> PyResult<u64> {
+    allocator()?;
+    rt::check_process()?;
+    let wait = match wait_s {
+        Some(w) if !w.is_finite() || w < 0.0 => {
+            return Err(errors::local(
+                "InvalidArgument",
+                &format!("wait must be a non-negative number of seconds, got {w}"),
+            ))
+        }
+        Some(w) => Some(Duration::from_secs_f64(w)),
+        None => None,
+    };
+    let segs: Vec<Arc<ResidentSegment>> = residents().lock().by_base.values().cloned().collect();
+    let handle = rt::handle();
+    let woke = py
+        .detach(|| {
+            let mut woke = 0;
+            for seg in segs {
+                let mut g = seg.resident.lock();
+                let Some(r) = g.as_mut() else { continue };
+                if r.is_awake() {
+                    continue;
+                }
+                handle.block_on(r.wake(wait))?;
+                woke += r.len();
+                if let Some(id) = r.lease().map(|l| l.id().to_string()) {
+                    residents().lock().first_id.insert(id, seg.first_id.clone());
+                }
+            }
+            Ok::<u64, ClientError>(woke)
+        })
+        .map_err(errors::to_py)?;
+    ASLEEP.store(false, Ordering::SeqCst);
+    Ok(woke)
+}
+
+/// Is the allocator asleep?
+#[pyfunction]
+pub fn _torch_asleep() -> bool {
+    ASLEEP.load(Ordering::SeqCst)
 }

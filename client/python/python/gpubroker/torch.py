@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterable, List, Optional
 from . import _native
 from .errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["install", "installed", "empty_cache", "memory_stats", "session"]
+__all__ = ["install", "installed", "empty_cache", "memory_stats", "session", "sleep", "wake", "asleep"]
 
 _lock = threading.Lock()
 _state: Optional["_State"] = None
@@ -274,6 +274,37 @@ def empty_cache() -> int:
             for d, pool in state.pools.items():
                 torch._C._cuda_beginAllocateToPool(d, pool.id)
     return int(_native._torch_empty_cache())
+
+
+def sleep(save: bool = True) -> int:
+    """Gives every segment's device memory back to the broker while keeping its addresses:
+    waits for the GPU (``torch.cuda.synchronize``), copies the contents to host-tier
+    leases when ``save`` (charged under the tenant's host limit), unmaps, releases the
+    leases. Tensors keep their pointers; do not touch them (or allocate: it fails) until
+    :func:`wake`. Returns the device bytes given back. Legacy CUDA IPC segments cannot
+    sleep and stay as they are."""
+    if _state is None:
+        raise FailedPrecondition("gpubroker.torch is not installed", code="FAILED_PRECONDITION")
+    import torch
+
+    torch.cuda.synchronize()
+    return int(_native._torch_sleep(bool(save)))
+
+
+def wake(wait: Optional[float] = None) -> int:
+    """Gets memory again for every sleeping segment at the same addresses (waiting up to
+    ``wait`` seconds for each in the broker's queue; ``None``: do not wait) and restores
+    saved contents; tensors made before :func:`sleep` work again. Refused like a lease
+    (``gpubroker.QuotaExceeded``, ``WaitTimeout``, ...); then what did not wake stays
+    asleep and allocations keep failing: call again. Returns the bytes woken."""
+    if _state is None:
+        raise FailedPrecondition("gpubroker.torch is not installed", code="FAILED_PRECONDITION")
+    return int(_native._torch_wake(None if wait is None else float(wait)))
+
+
+def asleep() -> bool:
+    """True between :func:`sleep` and a complete :func:`wake`."""
+    return bool(_native._torch_asleep())
 
 
 def memory_stats() -> Dict[str, int]:
