@@ -65,20 +65,61 @@ impl std::fmt::Display for Scope {
     }
 }
 
-/// A token, as kept (never the token itself).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A token, as kept (never the token itself), and as the state file stores it (the
+/// store's `tokens` table holds this record's serde form: the hash as `hash_hex`, the
+/// scope as its name; fields absent in older files take their defaults).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TokenEntry {
     pub token_id: String,
     /// The tenant; "" for admin and node-wide read tokens.
     pub tenant: String,
+    #[serde(rename = "hash_hex", with = "hash_hex")]
+    pub hash: [u8; 32],
     pub description: String,
     pub created_unix_ms: i64,
-    pub hash: [u8; 32],
-    /// Operator-chosen name (may be empty).
+    /// Operator-chosen name (may be empty; absent in files written before token
+    /// lifecycles).
+    #[serde(default)]
     pub name: String,
+    /// Absent or "" in files written before scopes: `worker`.
+    #[serde(default)]
     pub scope: Scope,
     /// Past this instant (ms since the epoch) the token is refused; `None`: never.
+    #[serde(default)]
     pub expires_unix_ms: Option<i64>,
+}
+
+/// A SHA-256 as 64 hex digits.
+mod hash_hex {
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(hash: &[u8; 32], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&hex::encode(hash))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 32], D::Error> {
+        let text = String::deserialize(d)?;
+        let mut hash = [0u8; 32];
+        hex::decode_to_slice(&text, &mut hash)
+            .map_err(|e| D::Error::custom(format!("bad token hash: {e}")))?;
+        Ok(hash)
+    }
+}
+
+/// Stored as its name (`"worker"`, `"read"`, `"admin"`).
+impl serde::Serialize for Scope {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Scope {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Scope, D::Error> {
+        let text = String::deserialize(d)?;
+        Scope::parse(&text)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown scope {text:?}")))
+    }
 }
 
 /// The authenticated identity behind a request: which token, what it may do. Put into

@@ -69,24 +69,9 @@ pub struct TenantRecord {
     pub quota: Quota,
 }
 
-/// An API token, as persisted: only the hash of the secret is stored.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TokenRecord {
-    pub token_id: String,
-    pub tenant: String,
-    pub hash_hex: String,
-    pub description: String,
-    pub created_unix_ms: i64,
-    /// Operator-chosen name (absent in files written before token lifecycles: "").
-    #[serde(default)]
-    pub name: String,
-    /// `worker`, `read` or `admin` (absent in older files: "" = `worker`).
-    #[serde(default)]
-    pub scope: String,
-    /// Expiry, ms since the epoch; absent: never expires.
-    #[serde(default)]
-    pub expires_unix_ms: Option<i64>,
-}
+/// An API token, as persisted (only the hash of the secret): the authenticator's own
+/// record, [`crate::auth::TokenEntry`], in its serde form.
+pub type TokenRecord = crate::auth::TokenEntry;
 
 /// Errors of the state store. Every variant names the file or directory concerned.
 #[derive(Debug, thiserror::Error)]
@@ -849,10 +834,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join(STATE_FILE_NAME);
         std::fs::write(&file, include_bytes!("../tests/data/state-schema1.redb")).unwrap();
-        let before: Vec<(String, Vec<u8>)> = {
+        let records = |table: TableDefinition<&str, &[u8]>| -> Vec<(String, Vec<u8>)> {
             let db = Database::open(&file).unwrap();
             let txn = db.begin_read().unwrap();
-            let table = txn.open_table(TENANTS).unwrap();
+            let table = txn.open_table(table).unwrap();
             table
                 .iter()
                 .unwrap()
@@ -862,7 +847,8 @@ mod tests {
                 })
                 .collect()
         };
-        assert_eq!(before.len(), 2);
+        let (tenants_before, tokens_before) = (records(TENANTS), records(TOKENS));
+        assert_eq!((tenants_before.len(), tokens_before.len()), (2, 1));
         let store = Store::open(dir.path()).unwrap();
         let (tenants, tokens) = store.load().unwrap();
         assert_eq!(
@@ -894,21 +880,26 @@ mod tests {
             (tokens[0].tenant.as_str(), tokens[0].name.as_str()),
             ("training", "trainer")
         );
+        assert_eq!(tokens[0].scope, crate::auth::Scope::Worker);
+        assert_eq!(tokens[0].description, "old worker token");
         // Written back, each record is byte for byte what the earlier broker wrote.
         for t in &tenants {
             store.put_tenant(t).unwrap();
         }
+        for t in &tokens {
+            store.put_token(t).unwrap();
+        }
         drop(store);
-        let db = Database::open(&file).unwrap();
-        let txn = db.begin_read().unwrap();
-        let table = txn.open_table(TENANTS).unwrap();
-        for (name, bytes) in &before {
-            let now = table.get(name.as_str()).unwrap().unwrap();
-            assert_eq!(
-                String::from_utf8_lossy(now.value()),
-                String::from_utf8_lossy(bytes),
-                "tenant {name}"
-            );
+        for (table, before) in [(TENANTS, tenants_before), (TOKENS, tokens_before)] {
+            let now = records(table);
+            assert_eq!(now.len(), before.len());
+            for ((name, was), (_, is)) in before.iter().zip(&now) {
+                assert_eq!(
+                    String::from_utf8_lossy(is),
+                    String::from_utf8_lossy(was),
+                    "{name}"
+                );
+            }
         }
     }
 
@@ -916,21 +907,30 @@ mod tests {
         TokenRecord {
             token_id: id.to_string(),
             tenant: tenant.to_string(),
-            hash_hex: format!("{:064x}", id.len()),
+            hash: [id.len() as u8; 32],
             description: format!("token {id} of {tenant}"),
             created_unix_ms: 1_764_460_800_000,
             name: format!("n-{id}"),
-            scope: "worker".into(),
+            scope: crate::auth::Scope::Worker,
             expires_unix_ms: Some(1_864_460_800_000),
         }
     }
 
     #[test]
     fn tokens_written_before_scopes_still_load() {
-        let old = r#"{"token_id":"ab","tenant":"a","hash_hex":"00","description":"d","created_unix_ms":1}"#;
+        let old = r#"{"token_id":"ab","tenant":"a","hash_hex":"0000000000000000000000000000000000000000000000000000000000000000","description":"d","created_unix_ms":1}"#;
         let t: TokenRecord = serde_json::from_str(old).unwrap();
-        assert_eq!((t.name.as_str(), t.scope.as_str()), ("", ""));
+        assert_eq!((t.name.as_str(), t.scope), ("", crate::auth::Scope::Worker));
         assert_eq!(t.expires_unix_ms, None);
+        let blank_scope = old.replace("}", r#","scope":""}"#);
+        let t: TokenRecord = serde_json::from_str(&blank_scope).unwrap();
+        assert_eq!(t.scope, crate::auth::Scope::Worker);
+        for bad in [
+            old.replace("}", r#","scope":"root"}"#),
+            old.replace(r#""hash_hex":"00"#, r#""hash_hex":"zz"#),
+        ] {
+            assert!(serde_json::from_str::<TokenRecord>(&bad).is_err(), "{bad}");
+        }
     }
 
     /// A real database with some content, closed; returns its bytes.

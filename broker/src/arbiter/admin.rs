@@ -125,7 +125,7 @@ impl Arbiter {
             st.ledger.set_quota(&t.name, t.quota.clone())?;
         }
         for t in tokens {
-            self.auth.add(TokenEntry::from_record(t)?);
+            self.auth.add(t);
         }
         tracing::info!(tenants = tenants.len(), "state loaded");
         Ok(())

@@ -6,7 +6,6 @@
 use super::Arbiter;
 use crate::auth::{generate_token, token_id, Scope, TokenEntry};
 use crate::error::{BrokerError, BrokerResult};
-use crate::store::TokenRecord;
 use std::time::{Duration, SystemTime};
 
 /// Longest time to live a token may be given (10 years): longer is a typo.
@@ -32,45 +31,6 @@ pub struct TokenSpec {
 pub struct IssuedToken {
     pub token: String,
     pub entry: TokenEntry,
-}
-
-impl TokenEntry {
-    /// The stored form.
-    pub(crate) fn record(&self) -> TokenRecord {
-        TokenRecord {
-            token_id: self.token_id.clone(),
-            tenant: self.tenant.clone(),
-            hash_hex: hex::encode(self.hash),
-            description: self.description.clone(),
-            created_unix_ms: self.created_unix_ms,
-            name: self.name.clone(),
-            scope: self.scope.as_str().to_string(),
-            expires_unix_ms: self.expires_unix_ms,
-        }
-    }
-
-    /// From the stored form.
-    pub(crate) fn from_record(t: TokenRecord) -> BrokerResult<TokenEntry> {
-        let mut hash = [0u8; 32];
-        hex::decode_to_slice(&t.hash_hex, &mut hash)
-            .map_err(|e| BrokerError::Internal(format!("bad token hash in store: {e}")))?;
-        let scope = Scope::parse(&t.scope).ok_or_else(|| {
-            BrokerError::Internal(format!(
-                "token {} in the store has unknown scope {:?}",
-                t.token_id, t.scope
-            ))
-        })?;
-        Ok(TokenEntry {
-            token_id: t.token_id,
-            tenant: t.tenant,
-            description: t.description,
-            created_unix_ms: t.created_unix_ms,
-            hash,
-            name: t.name,
-            scope,
-            expires_unix_ms: t.expires_unix_ms,
-        })
-    }
 }
 
 impl Arbiter {
@@ -133,7 +93,7 @@ impl Arbiter {
         };
         if let Some(store) = &self.store {
             store
-                .put_token(&entry.record())
+                .put_token(&entry)
                 .inspect(|_| self.metrics.store_write(true))
                 .map_err(|e| self.store_failed(e))?;
         }
