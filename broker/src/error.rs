@@ -118,6 +118,21 @@ pub enum BrokerError {
         holder: String,
         waiting: u32,
     },
+    /// A lease of a reserved process does not fit in what is left of its reservation.
+    #[error(
+        "a lease of {} does not fit in process reservation {reservation} of pid {pid}: {} reserved, {} drawn by leases, {} left (a reserved process maps its leases within its reservation)",
+        show(*requested),
+        show(*reserved),
+        show(*drawn),
+        show(reserved.saturating_sub(*drawn))
+    )]
+    ReservationExceeded {
+        reservation: Uuid,
+        pid: u32,
+        requested: u64,
+        reserved: u64,
+        drawn: u64,
+    },
     /// Host memory was asked for as a fallback and could not be made.
     #[error("host fallback of {} failed: {cause}", show(*requested))]
     HostFallbackFailed { requested: u64, cause: String },
@@ -261,6 +276,8 @@ pub enum Missing {
     },
     /// An import of a shared lease.
     Import(Uuid),
+    /// A process reservation (`ReleaseProcessMemory`).
+    Reservation(Uuid),
 }
 
 impl fmt::Display for Missing {
@@ -277,6 +294,7 @@ impl fmt::Display for Missing {
                 "no shared lease {name:?} of tenant {publisher:?} is published for you"
             ),
             Missing::Import(id) => write!(f, "import {id} not found"),
+            Missing::Reservation(id) => write!(f, "process reservation {id} not found"),
         }
     }
 }
@@ -300,6 +318,7 @@ impl BrokerError {
             | SessionLimit { .. }
             | TurnBusy { .. }
             | HostFallbackFailed { .. }
+            | ReservationExceeded { .. }
             | SharingLimit { .. } => Code::ResourceExhausted,
             WaitExpired { .. } => Code::DeadlineExceeded,
             NotFound(_) => Code::NotFound,
@@ -332,6 +351,7 @@ impl BrokerError {
             TurnBusy { .. } => "TURN_BUSY",
             HostFallbackFailed { .. } => "HOST_FALLBACK_FAILED",
             SharingLimit { .. } => "SHARING_LIMIT",
+            ReservationExceeded { .. } => "RESERVATION_EXCEEDED",
             WaitExpired { .. } => "WAIT_EXPIRED",
             NotFound(m) => match m {
                 Missing::Tenant(_) | Missing::TenantGone(_) => "TENANT_NOT_FOUND",
@@ -341,6 +361,7 @@ impl BrokerError {
                 Missing::Turn(_) => "TURN_NOT_FOUND",
                 Missing::SharedLease { .. } => "SHARED_LEASE_NOT_FOUND",
                 Missing::Import(_) => "IMPORT_NOT_FOUND",
+                Missing::Reservation(_) => "RESERVATION_NOT_FOUND",
             },
             ShuttingDown => "SHUTTING_DOWN",
             BrokerRestarted { .. } => "BROKER_RESTARTED",
@@ -466,6 +487,19 @@ impl BrokerError {
             ],
             HostFallbackFailed { requested, .. } => vec![("requested_bytes", s(requested))],
             SharingLimit { max, .. } => vec![("max", s(max))],
+            ReservationExceeded {
+                reservation,
+                pid,
+                requested,
+                reserved,
+                drawn,
+            } => vec![
+                ("reservation_id", s(reservation)),
+                ("pid", s(pid)),
+                ("requested_bytes", s(requested)),
+                ("reserved_bytes", s(reserved)),
+                ("drawn_bytes", s(drawn)),
+            ],
             WaitExpired { waited_ms, cause } => {
                 let mut v = vec![("waited_ms", s(waited_ms))];
                 if let Some(r) = cause.reason() {
@@ -484,6 +518,7 @@ impl BrokerError {
                     vec![("publisher", publisher.clone()), ("name", name.clone())]
                 }
                 Missing::Import(id) => vec![("import_id", s(id))],
+                Missing::Reservation(id) => vec![("reservation_id", s(id))],
             },
             BrokerRestarted { session } => vec![("session_id", s(session))],
             DeviceClosed { device, .. } => vec![("device", s(device))],
@@ -663,6 +698,14 @@ mod tests {
             BrokerError::SharingLimit {
                 what: "imports of a session",
                 max: 1,
+            },
+            BrokerError::NotFound(Missing::Reservation(id)),
+            BrokerError::ReservationExceeded {
+                reservation: id,
+                pid: 1,
+                requested: 4,
+                reserved: 8,
+                drawn: 6,
             },
             BrokerError::ShuttingDown,
             BrokerError::BrokerRestarted { session: id },

@@ -42,6 +42,8 @@ pub struct Lease {
     /// Order of grant (newest reclaimed first).
     pub seq: u64,
     pub block: Block,
+    /// The process reservation its bytes were drawn from (`reservations.rs`), if any.
+    pub reservation: Option<Uuid>,
 }
 
 impl Lease {

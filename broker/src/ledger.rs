@@ -76,6 +76,11 @@ pub struct Usage {
     pub host_held_bytes: u64,
     /// Host-fallback leases.
     pub host_lease_count: u32,
+    /// Device bytes reserved for processes to allocate themselves (`reservations.rs`),
+    /// less what their leases drew from them (those bytes are in `held_bytes`).
+    pub process_reserved_bytes: u64,
+    /// Live process reservations.
+    pub process_reservations: u32,
 }
 
 impl Usage {
@@ -83,7 +88,7 @@ impl Usage {
     /// tenant may still map): what the limit is checked against. Quarantined bytes count
     /// because they are still in the tenant's hands.
     pub fn committed_bytes(&self) -> u64 {
-        self.held_bytes + self.reserved_bytes + self.quarantined_bytes
+        self.held_bytes + self.reserved_bytes + self.quarantined_bytes + self.process_reserved_bytes
     }
 }
 
@@ -441,6 +446,62 @@ impl Ledger {
         if let Ok(t) = self.get_mut(name) {
             t.usage.quarantined_bytes -= bytes;
             Self::sub_device_bytes(t, device, bytes);
+        }
+    }
+
+    /// Can `name` reserve `bytes` more for a process? The byte limit only: a process
+    /// reservation is not a lease, so `max_leases` does not bound it.
+    pub fn check_process_charge(&self, name: &str, bytes: u64) -> BrokerResult<()> {
+        let t = self
+            .tenants
+            .get(name)
+            .ok_or_else(|| BrokerError::tenant_not_found(name))?;
+        let used = t.usage.committed_bytes();
+        if used.saturating_add(bytes) > t.quota.limit_bytes {
+            return Err(BrokerError::QuotaExceeded {
+                tenant: name.to_string(),
+                tier: Tier::Device,
+                requested: bytes,
+                held: used,
+                limit: t.quota.limit_bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// Charges a new process reservation on `device` (checks the limit and the
+    /// device's cap first).
+    pub fn charge_process(&mut self, name: &str, device: u32, bytes: u64) -> BrokerResult<()> {
+        self.check_process_charge(name, bytes)?;
+        self.check_device(name, device, bytes)?;
+        let t = self.get_mut(name)?;
+        t.usage.process_reserved_bytes += bytes;
+        t.usage.process_reservations += 1;
+        Self::add_device_bytes(t, device, bytes);
+        Ok(())
+    }
+
+    /// A process reservation on `device` ended with `bytes` still charged to it.
+    pub fn uncharge_process(&mut self, name: &str, device: u32, bytes: u64) {
+        if let Ok(t) = self.get_mut(name) {
+            t.usage.process_reserved_bytes -= bytes;
+            t.usage.process_reservations -= 1;
+            Self::sub_device_bytes(t, device, bytes);
+        }
+    }
+
+    /// Moves `bytes` of a live process reservation on `device` out of it (`into ==
+    /// false`: a lease of the process draws them and is charged for them itself, on the
+    /// same device) or back into it.
+    pub fn shift_process(&mut self, name: &str, device: u32, bytes: u64, into: bool) {
+        if let Ok(t) = self.get_mut(name) {
+            if into {
+                t.usage.process_reserved_bytes += bytes;
+                Self::add_device_bytes(t, device, bytes);
+            } else {
+                t.usage.process_reserved_bytes -= bytes;
+                Self::sub_device_bytes(t, device, bytes);
+            }
         }
     }
 }

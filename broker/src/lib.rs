@@ -30,6 +30,7 @@ pub mod pool;
 pub mod process;
 pub mod quota;
 pub mod rate;
+pub mod reservations;
 pub mod scheduler;
 pub mod server;
 pub mod service;

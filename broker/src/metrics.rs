@@ -361,7 +361,7 @@ fn device_labels(d: &DeviceReport) -> DeviceLabels {
 }
 
 type DeviceGet = fn(&DeviceReport) -> u64;
-const DEVICE_GAUGES: [(&str, &str, DeviceGet); 12] = [
+const DEVICE_GAUGES: [(&str, &str, DeviceGet); 13] = [
     (
         "device_healthy",
         "1 while the device is healthy; 0 when marked unhealthy (no new leases there)",
@@ -402,6 +402,11 @@ const DEVICE_GAUGES: [(&str, &str, DeviceGet); 12] = [
         "Memory used on the device outside the broker",
         |d| d.external_used,
     ),
+    (
+        "device_process_reserved_bytes",
+        "Device bytes kept for reserved processes to allocate themselves",
+        |d| d.process_reserved,
+    ),
     ("device_leases", "Live leases on the device", |d| {
         d.lease_count.into()
     }),
@@ -413,7 +418,7 @@ const DEVICE_GAUGES: [(&str, &str, DeviceGet); 12] = [
 ];
 
 type TenantGet = fn(&TenantView) -> u64;
-const TENANT_GAUGES: [(&str, &str, TenantGet); 11] = [
+const TENANT_GAUGES: [(&str, &str, TenantGet); 12] = [
     ("tenant_held_bytes", "Device bytes the tenant holds", |t| {
         t.usage.held_bytes
     }),
@@ -441,6 +446,11 @@ const TENANT_GAUGES: [(&str, &str, TenantGet); 11] = [
         "tenant_borrowed_bytes",
         "Bytes the tenant holds beyond its guarantee",
         |t| t.borrowed_bytes,
+    ),
+    (
+        "tenant_process_reserved_bytes",
+        "Device bytes reserved for the tenant's processes, less what their leases drew",
+        |t| t.usage.process_reserved_bytes,
     ),
     (
         "tenant_host_held_bytes",

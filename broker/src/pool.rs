@@ -64,6 +64,8 @@ pub struct PoolStats {
     pub reserved: u64,
     pub quarantined: u64,
     pub cached: u64,
+    /// Room kept for processes to allocate themselves (process reservations).
+    pub process_reserved: u64,
     pub cached_blocks: u64,
     pub hits: u64,
     pub misses: u64,
@@ -83,6 +85,9 @@ pub struct Pool {
     reserved: u64,
     quarantined: u64,
     cached: u64,
+    /// Room of process reservations (`reservations.rs`): memory their processes allocate
+    /// themselves, counted as held so admissions and the outside-memory estimate leave it.
+    process_reserved: u64,
     lease_count: u32,
     next_seq: u64,
     /// Cached blocks in least-recently-used order.
@@ -117,6 +122,7 @@ impl Pool {
             reserved: 0,
             quarantined: 0,
             cached: 0,
+            process_reserved: 0,
             lease_count: 0,
             next_seq: 0,
             lru: BTreeMap::new(),
@@ -148,9 +154,10 @@ impl Pool {
         self.lease_count
     }
 
-    /// Bytes promised to someone: leased, being allocated, or quarantined.
+    /// Bytes promised to someone: leased, being allocated, quarantined, or kept for a
+    /// reserved process.
     pub fn committed(&self) -> u64 {
-        self.leased + self.reserved + self.quarantined
+        self.leased + self.reserved + self.quarantined + self.process_reserved
     }
 
     /// Bytes the broker holds on the device (committed plus cached).
@@ -248,6 +255,20 @@ impl Pool {
         self.quarantined -= bytes;
     }
 
+    /// Keeps `bytes` (caller checked `available() >= bytes`) for a reserved process.
+    /// Returns the cached blocks to free so the broker's holdings fit under the limit.
+    pub fn reserve_process(&mut self, bytes: u64) -> Vec<Block> {
+        debug_assert!(self.available() >= bytes);
+        self.process_reserved += bytes;
+        self.evict_to_fit()
+    }
+
+    /// Gives back `bytes` of process-reserved room (the reservation ended, or a lease of
+    /// the process draws them and they become a reservation of an allocation).
+    pub fn unreserve_process(&mut self, bytes: u64) {
+        self.process_reserved -= bytes;
+    }
+
     /// Changes the leasable limit (processes outside the broker took or gave back memory).
     /// Returns the cached blocks to free so the broker's holdings fit again.
     pub fn set_leasable(&mut self, leasable: u64) -> Vec<Block> {
@@ -293,6 +314,7 @@ impl Pool {
             reserved: self.reserved,
             quarantined: self.quarantined,
             cached: self.cached,
+            process_reserved: self.process_reserved,
             cached_blocks: self.lru.len() as u64,
             hits: self.hits,
             misses: self.misses,

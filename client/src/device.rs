@@ -29,8 +29,10 @@ pub struct DeviceInfo {
     pub headroom_bytes: u64,
     /// Revoked or abandoned memory that may still be mapped.
     pub quarantined_bytes: u64,
-    /// Memory used on the device outside the broker.
+    /// Memory used on the device outside the broker (and outside process reservations).
     pub external_used_bytes: u64,
+    /// Kept for reserved processes to allocate themselves (`gpu-brokerctl run`).
+    pub process_reserved_bytes: u64,
     /// Allocation granularity: lease sizes round up to a multiple of it.
     pub granularity_bytes: u64,
     /// Live leases on the device.
@@ -78,6 +80,7 @@ impl From<pb::DeviceInfo> for DeviceInfo {
             headroom_bytes: d.headroom_bytes,
             quarantined_bytes: d.quarantined_bytes,
             external_used_bytes: d.external_used_bytes,
+            process_reserved_bytes: d.process_reserved_bytes,
             granularity_bytes: d.granularity_bytes,
             lease_count: d.lease_count,
             waiting_requests: d.waiting_requests,

@@ -340,6 +340,9 @@ reasons! {
     HostFallbackFailed = "HOST_FALLBACK_FAILED",
     /// `RESOURCE_EXHAUSTED`: a shared-lease limit (publications, imports) is reached.
     SharingLimit = "SHARING_LIMIT",
+    /// `RESOURCE_EXHAUSTED`: a lease of a reserved process does not fit in what is left
+    /// of its process reservation.
+    ReservationExceeded = "RESERVATION_EXCEEDED",
     /// `RESOURCE_EXHAUSTED`: over the tenant's call rate; the status has a retry hint.
     RateLimited = "RATE_LIMITED",
     /// `RESOURCE_EXHAUSTED`: too many calls open to the unauthenticated services.
@@ -360,6 +363,8 @@ reasons! {
     SharedLeaseNotFound = "SHARED_LEASE_NOT_FOUND",
     /// `NOT_FOUND`: no such import.
     ImportNotFound = "IMPORT_NOT_FOUND",
+    /// `NOT_FOUND`: no such process reservation (or another tenant's).
+    ReservationNotFound = "RESERVATION_NOT_FOUND",
     /// `UNAVAILABLE`: the broker is shutting down.
     ShuttingDown = "SHUTTING_DOWN",
     /// `UNAVAILABLE`: the session belongs to an earlier run of the broker.

@@ -32,6 +32,9 @@ pub struct SessionInfo {
     pub own_alloc_bytes: u64,
     /// The worker allocates more GPU memory behind the broker's back than allowed.
     pub over_allowance: bool,
+    /// Room of the session's process reservation (`gpu-brokerctl run`), less what its
+    /// process's leases drew.
+    pub process_reserved_bytes: u64,
 }
 
 impl From<pb::SessionInfo> for SessionInfo {
@@ -49,6 +52,7 @@ impl From<pb::SessionInfo> for SessionInfo {
             gpu_used_bytes: s.gpu_used_bytes,
             own_alloc_bytes: s.own_alloc_bytes,
             over_allowance: s.over_allowance,
+            process_reserved_bytes: s.process_reserved_bytes,
         }
     }
 }

@@ -156,6 +156,13 @@ pub struct UsageCounters {
     /// [`QuotaSpec::device_limit_bytes`] caps); devices with nothing are left out.
     #[serde(default)]
     pub device_committed_bytes: BTreeMap<u32, u64>,
+    /// Device bytes reserved for processes to allocate themselves, less what their
+    /// leases drew (see [`crate::reservation`]).
+    #[serde(default)]
+    pub process_reserved_bytes: u64,
+    /// Live process reservations.
+    #[serde(default)]
+    pub process_reservations: u32,
 }
 
 impl From<pb::Usage> for UsageCounters {
@@ -172,6 +179,8 @@ impl From<pb::Usage> for UsageCounters {
             compute_ms: u.compute_ms,
             overrun_ms: u.overrun_ms,
             device_committed_bytes: u.device_committed_bytes.into_iter().collect(),
+            process_reserved_bytes: u.process_reserved_bytes,
+            process_reservations: u.process_reservations,
         }
     }
 }
@@ -243,6 +252,12 @@ pub struct Usage {
     /// See [`UsageCounters::device_committed_bytes`].
     #[serde(default)]
     pub device_committed_bytes: BTreeMap<u32, u64>,
+    /// See [`UsageCounters::process_reserved_bytes`].
+    #[serde(default)]
+    pub process_reserved_bytes: u64,
+    /// See [`UsageCounters::process_reservations`].
+    #[serde(default)]
+    pub process_reservations: u32,
 }
 
 impl Usage {
@@ -273,6 +288,8 @@ impl Usage {
             compute_ms: self.compute_ms,
             overrun_ms: self.overrun_ms,
             device_committed_bytes: self.device_committed_bytes.clone(),
+            process_reserved_bytes: self.process_reserved_bytes,
+            process_reservations: self.process_reservations,
         }
     }
 
@@ -306,6 +323,8 @@ impl From<pb::GetUsageResponse> for Usage {
             overrun_ms: u.overrun_ms,
             device_limit_bytes: q.device_limit_bytes,
             device_committed_bytes: u.device_committed_bytes,
+            process_reserved_bytes: u.process_reserved_bytes,
+            process_reservations: u.process_reservations,
         }
     }
 }

@@ -355,6 +355,22 @@ impl Broker for Fake {
     ) -> Result<Response<pb::ListSharedLeasesResponse>, Status> {
         Err(Status::unimplemented("not in the fake"))
     }
+
+    async fn reserve_process_memory(
+        &self,
+        req: Request<pb::ReserveProcessMemoryRequest>,
+    ) -> Result<Response<pb::ReserveProcessMemoryResponse>, Status> {
+        self.tenant(&req)?;
+        Err(Status::unimplemented("an old broker"))
+    }
+
+    async fn release_process_memory(
+        &self,
+        req: Request<pb::ReleaseProcessMemoryRequest>,
+    ) -> Result<Response<pb::ReleaseProcessMemoryResponse>, Status> {
+        self.tenant(&req)?;
+        Err(Status::unimplemented("an old broker"))
+    }
 }
 
 #[tonic::async_trait]

@@ -21,6 +21,7 @@ mod prometheus;
 mod quota;
 mod readme;
 mod reload;
+mod run;
 mod scrub;
 mod shared;
 mod shutdown;

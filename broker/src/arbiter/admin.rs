@@ -41,6 +41,8 @@ pub struct SessionView {
     pub lease_count: u32,
     pub held_bytes: u64,
     pub gpu: Option<crate::session::GpuUse>,
+    /// Room of the session's process reservation (`reservations.rs`).
+    pub process_reserved: u64,
 }
 
 /// A quarantined block as operators see it.
@@ -70,7 +72,10 @@ pub struct DeviceReport {
     pub cached: u64,
     pub headroom: u64,
     pub quarantined: u64,
+    /// Memory on the device neither the broker's nor inside a process reservation.
     pub external_used: u64,
+    /// Kept for reserved processes to allocate themselves.
+    pub process_reserved: u64,
     pub granularity: u64,
     pub lease_count: u32,
     pub waiting: u32,
@@ -378,6 +383,7 @@ impl Arbiter {
                 cached: s.cached,
                 headroom: p.headroom(),
                 quarantined: s.quarantined,
+                process_reserved: s.process_reserved,
                 external_used: desc.total_bytes.saturating_sub(free).saturating_sub(held),
                 granularity: desc.granularity,
                 lease_count: p.lease_count(),

@@ -3,7 +3,7 @@
 //! not yet promised (pool), and granting it leaves other tenants' unused guarantees intact.
 //! Requests that do not fit wait in the queue; every release re-runs [`Arbiter::drain`].
 
-use super::queue::Ask;
+use super::queue::{Ask, Granted, Reply};
 use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
 use crate::error::{BrokerError, BrokerResult, DeviceRoom, Queue};
 use crate::lease::{Lease, LeaseState, LeaseView};
@@ -35,7 +35,7 @@ enum Fit {
 /// Result of queueing a request.
 enum Enqueued {
     Waiting {
-        rx: oneshot::Receiver<BrokerResult<LeaseView>>,
+        rx: oneshot::Receiver<BrokerResult<Granted>>,
         id: u64,
         bytes: u64,
         /// Still in the queue after the first pass (it did not fit at once).
@@ -71,7 +71,15 @@ impl Arbiter {
     pub async fn acquire(self: &Arc<Self>, req: AcquireRequest) -> BrokerResult<LeaseView> {
         let started = Instant::now();
         let mut waited = false;
-        let r = self.acquire_untimed(req, &mut waited).await;
+        let r = self
+            .acquire_untimed(req, None, &mut waited)
+            .await
+            .and_then(|g| match g {
+                Granted::Lease(v) => Ok(v),
+                Granted::Process(_) => Err(BrokerError::Internal(
+                    "a lease request was granted a process reservation".into(),
+                )),
+            });
         self.metrics.acquired(&r, started.elapsed());
         if waited && r.is_ok() {
             self.metrics.granted_after_wait(started.elapsed());
@@ -79,14 +87,17 @@ impl Arbiter {
         r
     }
 
-    async fn acquire_untimed(
+    /// Queues a lease request (`process` None) or a process reservation and waits for
+    /// its grant.
+    pub(crate) async fn acquire_untimed(
         self: &Arc<Self>,
         req: AcquireRequest,
+        process: Option<crate::reservations::ProcessAsk>,
         waited: &mut bool,
-    ) -> BrokerResult<LeaseView> {
+    ) -> BrokerResult<Granted> {
         self.check_not_draining()?;
         self.validate(&req)?;
-        let queued = self.enqueue(&req)?;
+        let queued = self.enqueue(&req, process)?;
         let (mut rx, id, bytes) = match queued {
             Enqueued::Waiting {
                 rx,
@@ -131,7 +142,11 @@ impl Arbiter {
     }
 
     /// Checks the request against what never fits, queues it and runs the queue once.
-    fn enqueue(self: &Arc<Self>, req: &AcquireRequest) -> BrokerResult<Enqueued> {
+    fn enqueue(
+        self: &Arc<Self>,
+        req: &AcquireRequest,
+        process: Option<crate::reservations::ProcessAsk>,
+    ) -> BrokerResult<Enqueued> {
         let mut st = self.state.lock();
         let session = st
             .sessions
@@ -143,6 +158,23 @@ impl Arbiter {
         // which drains and health changes also hold).
         if let Some(e) = self.avail.read().refusal(req.device) {
             return Err(e);
+        }
+        // A lease of a reserved process is drawn from its reservation: no queue, the
+        // memory is already set aside (`reservations.rs`).
+        if process.is_none() {
+            if let Some(drawn) = self.draw_from_reservation(&mut st, req)? {
+                let (tx, rx) = oneshot::channel();
+                let bytes = drawn.ask.bytes;
+                self.grant(&mut st, drawn.ask, drawn.priority, tx, drawn.device);
+                return Ok(Enqueued::Waiting {
+                    rx,
+                    id: 0,
+                    bytes,
+                    queued: false,
+                });
+            }
+        } else {
+            self.check_process_ask(&st, req)?;
         }
         let tenant = st
             .ledger
@@ -197,6 +229,8 @@ impl Arbiter {
             device: req.device,
             label: req.label.clone(),
             reclaimable: req.reclaimable,
+            process,
+            draw: None,
         };
         let waiting = st
             .queue
@@ -295,11 +329,7 @@ impl Arbiter {
             let mut reclaim_for = Vec::new();
             for id in order {
                 let Some(w) = st.queue.get(id) else { continue };
-                if st
-                    .ledger
-                    .check_charge(&w.ask.tenant, w.ask.bytes, Tier::Device)
-                    .is_err()
-                {
+                if w.ask.check_charge(&st.ledger).is_err() {
                     continue;
                 }
                 // Devices where the tenant's per-device cap leaves room; none: blocked by
@@ -379,15 +409,13 @@ impl Arbiter {
 
     /// Reserves memory for `ask` on device `d` and finishes the grant: at once for a
     /// cached block that needs no device work, else on a task that does the device work.
-    fn grant(
-        self: &Arc<Self>,
-        st: &mut State,
-        ask: Ask,
-        priority: i32,
-        reply: oneshot::Sender<BrokerResult<LeaseView>>,
-        d: u32,
-    ) {
+    fn grant(self: &Arc<Self>, st: &mut State, ask: Ask, priority: i32, reply: Reply, d: u32) {
+        if ask.process.is_some() {
+            self.grant_process(st, ask, reply, d);
+            return;
+        }
         if let Err(e) = st.ledger.reserve(&ask.tenant, d, ask.bytes) {
+            self.undraw(st, &ask);
             let _ = reply.send(Err(e));
             return;
         }
@@ -433,6 +461,7 @@ impl Arbiter {
                     tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed");
                     st.ledger.unreserve(&ask.tenant, d, ask.bytes);
                     st.pools[d as usize].unreserve(ask.bytes, None);
+                    arb.undraw(&mut st, &ask);
                     Err(e)
                 }
             };
@@ -490,6 +519,7 @@ impl Arbiter {
         if !alive || self.is_draining() {
             st.ledger.unreserve(&ask.tenant, d, ask.bytes);
             st.pools[d as usize].unreserve(ask.bytes, Some(block));
+            self.undraw(st, ask);
             return Err(if alive {
                 BrokerError::ShuttingDown
             } else {
@@ -517,6 +547,7 @@ impl Arbiter {
             priority,
             seq: st.seq,
             block,
+            reservation: ask.draw,
         };
         let view = st.view(&lease);
         if let Some(s) = st.sessions.get_mut(&ask.session) {
@@ -529,13 +560,8 @@ impl Arbiter {
 
     /// Sends a grant's result; if the caller is gone, the lease is released at once
     /// (nobody saw its handle, so the block is safe to cache).
-    fn reply(
-        self: &Arc<Self>,
-        st: &mut State,
-        reply: oneshot::Sender<BrokerResult<LeaseView>>,
-        r: BrokerResult<LeaseView>,
-    ) {
-        if let Err(Ok(view)) = reply.send(r) {
+    fn reply(self: &Arc<Self>, st: &mut State, reply: Reply, r: BrokerResult<LeaseView>) {
+        if let Err(Ok(Granted::Lease(view))) = reply.send(r.map(Granted::Lease)) {
             tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
             self.end_lease(st, view.id, super::ending::Ending::Cache);
         }
@@ -544,7 +570,7 @@ impl Arbiter {
     /// Why `ask` does not fit now, with the numbers.
     pub(crate) fn exhausted(&self, st: &State, ask: &Ask) -> BrokerError {
         // The tenant's own limits first (bytes or lease count): they say it precisely.
-        if let Err(e) = st.ledger.check_charge(&ask.tenant, ask.bytes, Tier::Device) {
+        if let Err(e) = ask.check_charge(&st.ledger) {
             return e;
         }
         // Its caps on every device it may use: the first device's refusal says it.
@@ -590,9 +616,9 @@ impl Arbiter {
         req: &AcquireRequest,
         bytes: u64,
         err: BrokerError,
-    ) -> BrokerResult<LeaseView> {
+    ) -> BrokerResult<Granted> {
         if req.fallback_host && self.host_tier.is_some() {
-            self.acquire_host(req, bytes).await
+            self.acquire_host(req, bytes).await.map(Granted::Lease)
         } else {
             Err(err)
         }
@@ -659,6 +685,7 @@ impl Arbiter {
             priority,
             seq: st.seq,
             block,
+            reservation: None,
         };
         let view = st.view(&lease);
         if let Some(s) = st.sessions.get_mut(&req.session) {

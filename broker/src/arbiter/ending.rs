@@ -80,6 +80,10 @@ impl Arbiter {
         // may keep the block (`sharing.rs`).
         let Some((block, ending)) = self.sharing_lease_ended(st, id, &tenant, d, block, ending)
         else {
+            // Still held for others: its bytes do not come back into a reservation.
+            if let Some(r) = lease.reservation {
+                self.lease_left_reservation(st, r, bytes, false);
+            }
             return Some(view);
         };
         let pool = &mut st.pools[d as usize];
@@ -107,6 +111,10 @@ impl Arbiter {
                 );
                 self.watch_quarantine(id, pid, watch);
             }
+        }
+        if let Some(r) = lease.reservation {
+            let back = !matches!(ending, Ending::Quarantine { .. });
+            self.lease_left_reservation(st, r, bytes, back);
         }
         Some(view)
     }
@@ -193,6 +201,7 @@ impl Arbiter {
             self.end_lease(&mut st, *lease, ending);
         }
         self.sharing_session_ended(&mut st, id, &session.peer);
+        self.end_session_reservations(&mut st, id);
         tracing::info!(session = %id, tenant = %session.tenant, reason, leases = count, bytes, "session ended");
         self.drain(&mut st);
     }

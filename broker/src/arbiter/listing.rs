@@ -182,6 +182,7 @@ impl Arbiter {
                     .map(|l| l.bytes())
                     .sum(),
                 gpu: s.gpu,
+                process_reserved: st.reservations.room_of_session(s.id),
             })
             .collect();
         let next = if more {

@@ -129,6 +129,8 @@ pub(crate) struct State {
     pub seq: u64,
     /// Shared read-only leases and the blocks held for their importers (`sharing.rs`).
     pub shared: crate::sharing::SharedTable,
+    /// Process reservations (`reservations.rs`).
+    pub reservations: crate::reservations::ReservationTable,
 }
 
 /// A request for memory, after the service layer checked its shape.
@@ -380,9 +382,13 @@ impl Arbiter {
     /// Attributes per-process GPU memory (NVML) to sessions by peer pid, and reports a
     /// worker whose memory beyond its leases exceeds `allowance` (its own `cudaMalloc`).
     pub fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
+        let covered = self.covered_usage(usage);
         let mut st = self.state.lock();
         let State {
-            sessions, leases, ..
+            sessions,
+            leases,
+            reservations,
+            ..
         } = &mut *st;
         for id in sessions.ids() {
             let Some(s) = sessions.get_mut(&id) else {
@@ -394,7 +400,20 @@ impl Arbiter {
             // maps through an IPC handle is the broker's, not the worker's (measured on
             // an H200, driver 580). So all of `used` is the worker's own: its CUDA
             // context plus whatever it allocated itself.
-            let own = used;
+            let mut own = used;
+            let mut used = used;
+            let mut allowance = allowance;
+            // A process a reservation covers allocates within it: its tree's memory is
+            // over only beyond the reservation's room (`reservations.rs`). The session
+            // holding the reservation shows the whole tree's memory.
+            if let Some(r) = covered.by_pid.get(&pid).and_then(|r| reservations.get(r)) {
+                let tree = covered.tree_used.get(&r.id).copied().unwrap_or(0);
+                allowance = allowance.saturating_add(r.room());
+                if r.session == s.id {
+                    used = tree;
+                }
+                own = tree;
+            }
             let held: u64 = s
                 .leases
                 .iter()

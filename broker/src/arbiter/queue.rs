@@ -21,7 +21,33 @@ pub struct Ask {
     pub device: Option<u32>,
     pub label: String,
     pub reclaimable: bool,
+    /// A process reservation rather than a lease (`reservations.rs`).
+    pub process: Option<crate::reservations::ProcessAsk>,
+    /// The process reservation a lease of a reserved process draws its bytes from.
+    pub draw: Option<Uuid>,
 }
+
+impl Ask {
+    /// Can the tenant take this now? Quota enforcement (`Ledger`): a lease is checked
+    /// against the byte and lease-count limits, a process reservation against bytes only.
+    pub fn check_charge(&self, ledger: &Ledger) -> BrokerResult<()> {
+        if self.process.is_some() {
+            ledger.check_process_charge(&self.tenant, self.bytes)
+        } else {
+            ledger.check_charge(&self.tenant, self.bytes, crate::ledger::Tier::Device)
+        }
+    }
+}
+
+/// What a granted request gets.
+#[derive(Debug)]
+pub enum Granted {
+    Lease(LeaseView),
+    Process(crate::reservations::ReservationView),
+}
+
+/// The channel a waiting request's result goes back on.
+pub type Reply = oneshot::Sender<BrokerResult<Granted>>;
 
 /// A request in the queue, with the channel its result goes back on.
 #[derive(Debug)]
@@ -30,7 +56,7 @@ pub struct Waiter {
     pub ask: Ask,
     pub priority: i32,
     pub since: Instant,
-    pub reply: oneshot::Sender<BrokerResult<LeaseView>>,
+    pub reply: Reply,
     /// Reclaim was already requested on this waiter's behalf.
     pub reclaim_sent: bool,
     /// Grants to other tenants of its priority that went ahead of it while it was
@@ -47,12 +73,7 @@ pub struct WaitQueue {
 
 impl WaitQueue {
     /// Adds a request; returns its id.
-    pub fn push(
-        &mut self,
-        ask: Ask,
-        priority: i32,
-        reply: oneshot::Sender<BrokerResult<LeaseView>>,
-    ) -> u64 {
+    pub fn push(&mut self, ask: Ask, priority: i32, reply: Reply) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
         self.waiters.insert(
@@ -148,6 +169,8 @@ mod tests {
             device: None,
             label: String::new(),
             reclaimable: false,
+            process: None,
+            draw: None,
         }
     }
 

@@ -316,4 +316,45 @@ impl Broker for BrokerService {
             &self.arb, &tenant,
         )))
     }
+
+    async fn reserve_process_memory(
+        &self,
+        req: Request<pb::ReserveProcessMemoryRequest>,
+    ) -> Result<Response<pb::ReserveProcessMemoryResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let r = req.into_inner();
+        let session = parse_id("session_id", &r.session_id)?;
+        crate::bounds::check("label", &r.label, crate::arbiter::MAX_LABEL)?;
+        let span = tracing::info_span!("reserve_process", %tenant, %session, bytes = r.bytes);
+        let view = self
+            .arb
+            .reserve_process(crate::reservations::ReserveRequest {
+                tenant,
+                session,
+                bytes: r.bytes,
+                device: r.device,
+                wait: Duration::from_millis(r.wait_ms.unwrap_or(0)),
+                label: r.label,
+                compute_percent: r.compute_percent,
+            })
+            .instrument(span)
+            .await?;
+        let mps = self.arb.mps().is_some().then(|| pb::MpsEnvironment {
+            vars: view.env.iter().cloned().collect(),
+        });
+        Ok(Response::new(pb::ReserveProcessMemoryResponse {
+            reservation: Some(convert::reservation(&view)),
+            mps,
+        }))
+    }
+
+    async fn release_process_memory(
+        &self,
+        req: Request<pb::ReleaseProcessMemoryRequest>,
+    ) -> Result<Response<pb::ReleaseProcessMemoryResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let id = parse_id("reservation_id", &req.get_ref().reservation_id)?;
+        self.arb.release_process(&tenant, id)?;
+        Ok(Response::new(pb::ReleaseProcessMemoryResponse {}))
+    }
 }

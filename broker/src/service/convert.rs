@@ -194,6 +194,8 @@ pub fn usage(u: &Usage, t: &TenantView) -> pb::Usage {
         compute_ms: t.turns.compute.as_millis() as u64,
         overrun_ms: t.turns.overrun.as_millis() as u64,
         device_committed_bytes: t.device_bytes.clone().into_iter().collect(),
+        process_reserved_bytes: u.process_reserved_bytes,
+        process_reservations: u.process_reservations,
     }
 }
 
@@ -282,6 +284,7 @@ pub fn session(s: &SessionView) -> pb::SessionInfo {
         gpu_used_bytes: s.gpu.map(|g| g.used).unwrap_or(0),
         own_alloc_bytes: s.gpu.map(|g| g.own).unwrap_or(0),
         over_allowance: s.gpu.is_some_and(|g| g.over),
+        process_reserved_bytes: s.process_reserved,
     }
 }
 
@@ -309,6 +312,7 @@ pub fn device(d: &DeviceReport) -> pb::DeviceInfo {
         drain_reason: d.drain_reason.clone().unwrap_or_default(),
         unhealthy: d.fault.is_some(),
         health_reason: d.fault.clone().unwrap_or_default(),
+        process_reserved_bytes: d.process_reserved,
         // Filled by the admin service from the MPS supervisor and the turn scheduler.
         ..Default::default()
     }
@@ -359,5 +363,21 @@ pub fn info(i: &crate::info::BrokerInfo) -> pb::GetInfoResponse {
         backend: i.backend.clone(),
         device_count: i.device_count,
         features: i.features.iter().map(|f| f.to_string()).collect(),
+    }
+}
+
+pub fn reservation(r: &crate::reservations::ReservationView) -> pb::ProcessReservation {
+    pb::ProcessReservation {
+        reservation_id: r.id.to_string(),
+        session_id: r.session.to_string(),
+        tenant: r.tenant.clone(),
+        device: r.device,
+        device_uuid: r.device_uuid.clone(),
+        bytes: r.bytes,
+        requested_bytes: r.requested_bytes,
+        drawn_bytes: r.drawn_bytes,
+        label: r.label.clone(),
+        pid: r.pid.unwrap_or(0),
+        created_unix_ms: r.created.map(unix_ms).unwrap_or(0),
     }
 }

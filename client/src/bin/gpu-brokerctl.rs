@@ -105,6 +105,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a program under a process reservation of a tenant: reserve --memory on a
+    /// device, start COMMAND with the broker's environment (token file, CUDA_VISIBLE_DEVICES,
+    /// MPS variables), end the reservation when it exits. Takes the TENANT token
+    /// (--token-file, GPU_BROKER_TOKEN or GPU_BROKER_TOKEN_FILE), not the admin token.
+    Run(ctl::run::RunArgs),
     /// List or delete tenants.
     Tenants {
         #[command(subcommand)]
@@ -343,6 +348,18 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    if let Command::Run(args) = &cli.command {
+        let target = ctl::run::Target {
+            broker: cli.broker.clone(),
+            tls: gpu_broker_client::ConnectOptions {
+                ca_file: cli.ca_file.clone(),
+                client_cert: cli.client_cert.clone(),
+                client_key: cli.client_key.clone(),
+            },
+            token: tenant_token(&cli, &matches),
+        };
+        return ctl::run::main(target, args.clone());
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -372,6 +389,38 @@ fn admin_token(cli: &Cli, matches: &ArgMatches) -> Result<String> {
         Some(token) if !(file_on_command_line && token_from_env) => Ok(token.trim().to_string()),
         _ => read_token_file(&cli.token_file),
     }
+}
+
+/// The tenant token `run` uses: `--token-file` given on the command line, else
+/// `GPU_BROKER_TOKEN`, else the file `GPU_BROKER_TOKEN_FILE` names, else `--token`.
+fn tenant_token(cli: &Cli, matches: &ArgMatches) -> Result<String> {
+    let read = |path: &Path| -> Result<String> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the token file {}", path.display()))?;
+        let token = text.trim();
+        anyhow::ensure!(!token.is_empty(), "token file {} is empty", path.display());
+        Ok(token.to_string())
+    };
+    if matches.value_source("token_file") == Some(ValueSource::CommandLine) {
+        return read(&cli.token_file);
+    }
+    if let Some(t) = std::env::var("GPU_BROKER_TOKEN")
+        .ok()
+        .filter(|t| !t.trim().is_empty())
+    {
+        return Ok(t.trim().to_string());
+    }
+    if let Some(p) = std::env::var_os("GPU_BROKER_TOKEN_FILE").filter(|p| !p.is_empty()) {
+        return read(Path::new(&p));
+    }
+    if matches.value_source("token") == Some(ValueSource::CommandLine) {
+        if let Some(t) = &cli.token {
+            return Ok(t.trim().to_string());
+        }
+    }
+    anyhow::bail!(
+        "run needs the tenant's token: --token-file FILE, GPU_BROKER_TOKEN or GPU_BROKER_TOKEN_FILE"
+    )
 }
 
 fn read_token_file(path: &Path) -> Result<String> {
@@ -642,6 +691,8 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             let status = admin.undrain(device).await?;
             emit(json, &status, || drain_table(&status))
         }
+        // Dispatched in `main` before the admin connection (it takes a tenant token).
+        Command::Run(_) => anyhow::bail!("run is handled before connecting as admin"),
         Command::Info => {
             let i = info?;
             let v = serde_json::json!({
@@ -811,6 +862,7 @@ fn tenant_table(tenants: &[TenantInfo], width: Option<usize>) -> String {
         "HOST_LIMIT",
         "HOST_HELD",
         "QUARANTINED",
+        "PROC_RESERVED",
         "SESSIONS",
         "WAITING",
         "TOKENS",
@@ -818,7 +870,7 @@ fn tenant_table(tenants: &[TenantInfo], width: Option<usize>) -> String {
         "COMPUTE",
         "OVERRUN",
     ])
-    .right(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]);
+    .right(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]);
     for i in tenants {
         let (q, u) = (&i.quota, &i.usage);
         t.row([
@@ -833,6 +885,7 @@ fn tenant_table(tenants: &[TenantInfo], width: Option<usize>) -> String {
             format_bytes(q.host_limit_bytes),
             format_bytes(u.host_held_bytes),
             format_bytes(u.quarantined_bytes),
+            format_bytes(u.process_reserved_bytes),
             u.session_count.to_string(),
             u.waiting_requests.to_string(),
             i.token_count.to_string(),
@@ -1067,9 +1120,10 @@ fn session_table(sessions: &[SessionInfo], width: Option<usize>) -> String {
         "HELD",
         "GPU_USED",
         "OWN_ALLOC",
+        "PROC_RESERVED",
         "AGE",
     ])
-    .right(&[3, 4, 6, 7, 8, 9, 10]);
+    .right(&[3, 4, 6, 7, 8, 9, 10, 11]);
     for s in sessions {
         t.row([
             s.session_id.clone(),
@@ -1090,6 +1144,10 @@ fn session_table(sessions: &[SessionInfo], width: Option<usize>) -> String {
             } else {
                 or_dash(s.gpu_used_bytes, format_bytes(s.own_alloc_bytes))
             },
+            or_dash(
+                s.process_reserved_bytes,
+                format_bytes(s.process_reserved_bytes),
+            ),
             format_age(s.opened_unix_ms),
         ]);
     }
@@ -1150,6 +1208,7 @@ fn device_table(devices: &[DeviceInfo], width: Option<usize>) -> String {
         "QUARANTINED",
         "HEADROOM",
         "EXTERNAL",
+        "PROC_RESERVED",
         "GRANULARITY",
         "LEASES",
         "WAITING",
@@ -1158,7 +1217,7 @@ fn device_table(devices: &[DeviceInfo], width: Option<usize>) -> String {
         "UUID",
         "STATE",
     ])
-    .right(&[0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]);
+    .right(&[0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]);
     for d in devices {
         t.row([
             d.index.to_string(),
@@ -1172,6 +1231,7 @@ fn device_table(devices: &[DeviceInfo], width: Option<usize>) -> String {
             format_bytes(d.quarantined_bytes),
             format_bytes(d.headroom_bytes),
             format_bytes(d.external_used_bytes),
+            format_bytes(d.process_reserved_bytes),
             format_bytes(d.granularity_bytes),
             d.lease_count.to_string(),
             d.waiting_requests.to_string(),

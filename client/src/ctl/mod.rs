@@ -4,6 +4,7 @@
 
 pub mod drain;
 pub mod leaks;
+pub mod run;
 pub mod secret_file;
 pub mod shared;
 pub mod status;

@@ -243,6 +243,9 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "SHARED_LEASE_NOT_FOUND": NotFound,
     "IMPORT_NOT_FOUND": NotFound,
     "SHARING_LIMIT": QuotaExceeded,
+    "RESERVATION_NOT_FOUND": NotFound,
+    # A lease of a process reserved with `gpu-brokerctl run` beyond its reservation.
+    "RESERVATION_EXCEEDED": QuotaExceeded,
     "SHUTTING_DOWN": ShuttingDown,
     "BROKER_RESTARTED": BrokerRestarted,
     "NO_DEVICE_OPEN": NoDeviceOpen,

@@ -1,0 +1,361 @@
+//! `gpu-brokerctl run`: runs an unmodified program under a process reservation. It opens
+//! a session with the tenant's token, reserves `--memory` on a device (waiting up to
+//! `--wait`, under the tenant's quota like a lease request), and starts the program with
+//! the environment a worker needs: `GPU_BROKER_ADDR`, `GPU_BROKER_TOKEN_FILE` (a 0600 file
+//! in a 0700 directory of the caller's), `GPU_BROKER_SESSION`, `GPU_BROKER_RESERVATION`,
+//! `GPU_BROKER_DEVICE`, `CUDA_VISIBLE_DEVICES` (the device's UUID) and, when the broker
+//! runs managed MPS, the `CUDA_MPS_*` variables of the reply. It forwards signals to the
+//! program, exits with its status, and ends the session (freeing everything) when it
+//! exits. If `run` itself dies, the program gets SIGKILL (`PR_SET_PDEATHSIG`) and the
+//! broker ends the session when `run`'s process is gone.
+//!
+//! Exit codes of `run`'s own failures (as `timeout(1)` and `env(1)` use them): 125 the
+//! broker refused or could not be reached, 126 the program cannot be executed, 127 it was
+//! not found.
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use futures::StreamExt;
+use gpu_broker_client::{Client, ConnectOptions, ReservationRequest, SessionEvent};
+use tokio::signal::unix::{signal, SignalKind};
+
+/// `run`'s own failure: the broker refused, or it could not be reached.
+pub const EXIT_REFUSED: u8 = 125;
+/// The program exists but cannot be executed.
+pub const EXIT_CANNOT_EXECUTE: u8 = 126;
+/// The program was not found.
+pub const EXIT_NOT_FOUND: u8 = 127;
+
+/// How long the program has to exit after SIGTERM when its session is lost, before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// The `run` subcommand's arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Broker device index to reserve on (default: where it fits best).
+    #[arg(long)]
+    pub device: Option<u32>,
+    /// Device memory to reserve for the program (e.g. 4GiB); the program's own
+    /// allocations and the leases it takes on that device must fit in it.
+    #[arg(long, value_parser = gpu_broker_client::units::parse_bytes)]
+    pub memory: u64,
+    /// Share of the device's SMs for the program under managed MPS (1-100; default: from
+    /// the tenant's turn weight).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub compute: Option<u32>,
+    /// How long to wait for the reservation (e.g. 30s; default: do not wait).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
+    pub wait: Duration,
+    /// Session name shown to operators (default: "run:" and the program's name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// For a Python program: make `gpubroker.torch.install()` happen before its first
+    /// CUDA allocation (a `sitecustomize` put first on PYTHONPATH), if the gpubroker
+    /// package is installed.
+    #[arg(long)]
+    pub torch: bool,
+    /// The program and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "COMMAND"
+    )]
+    pub command: Vec<OsString>,
+}
+
+/// Where `run` connects, and with which token.
+pub struct Target {
+    pub broker: String,
+    pub tls: ConnectOptions,
+    /// The tenant token, or why there is none.
+    pub token: Result<String>,
+}
+
+/// How the program ended.
+enum Outcome {
+    Exited(u8),
+    Signalled(i32),
+}
+
+/// Runs `args` under a reservation; never returns before the program ended.
+pub fn main(target: Target, args: RunArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            return fail(
+                EXIT_REFUSED,
+                &format!("cannot start the async runtime: {e}"),
+            )
+        }
+    };
+    // The program is spawned from this (the main) thread: PR_SET_PDEATHSIG fires when
+    // the thread that forked it ends, and the main thread ends only with the process.
+    let outcome = runtime.block_on(supervise(target, args));
+    drop(runtime);
+    match outcome {
+        Ok(Outcome::Exited(code)) => ExitCode::from(code),
+        Ok(Outcome::Signalled(sig)) => {
+            // Die of the same signal, so a shell sees what the program died of.
+            // SAFETY: plain libc calls on this process.
+            unsafe {
+                libc::signal(sig, libc::SIG_DFL);
+                libc::raise(sig);
+            }
+            ExitCode::from(128u8.saturating_add(sig as u8))
+        }
+        Err(e) => {
+            let code = e
+                .downcast_ref::<SpawnError>()
+                .map(|s| s.code)
+                .unwrap_or(EXIT_REFUSED);
+            fail(code, &format!("{e:#}"))
+        }
+    }
+}
+
+fn fail(code: u8, text: &str) -> ExitCode {
+    let text = text.replace(['\n', '\r'], " ");
+    let _ = writeln!(std::io::stderr(), "error: {text}");
+    ExitCode::from(code)
+}
+
+/// The program could not be started.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot run {program}: {source}")]
+struct SpawnError {
+    program: String,
+    code: u8,
+    source: std::io::Error,
+}
+
+async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
+    let token = target.token?;
+    let client = Client::connect_with(&target.broker, token.clone(), &target.tls)
+        .await
+        .with_context(|| format!("cannot reach the broker at {}", target.broker))?;
+    let program = args.command[0].to_string_lossy().into_owned();
+    let name = args.name.clone().unwrap_or_else(|| {
+        let base = Path::new(&program)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| program.clone());
+        format!("run:{base}")
+    });
+    let session = client.session(&name).await?;
+    let mut request = ReservationRequest::new(&session, args.memory)
+        .wait(args.wait)
+        .label(name.clone());
+    if let Some(d) = args.device {
+        request = request.device(d);
+    }
+    if let Some(c) = args.compute {
+        request = request.compute_percent(c);
+    }
+    let reservation = request.await?;
+    let info = reservation.info().clone();
+
+    // The token goes to the program in a file only its user can read, removed when `run`
+    // ends (`secrets` is dropped last).
+    let secrets = private_dir()?;
+    let token_path = secrets.path().join("token");
+    write_private(&token_path, token.as_bytes())?;
+
+    let mut cmd = std::process::Command::new(&args.command[0]);
+    cmd.args(&args.command[1..])
+        .env("GPU_BROKER_ADDR", &target.broker)
+        .env("GPU_BROKER_TOKEN_FILE", &token_path)
+        .env("GPU_BROKER_SESSION", session.id())
+        .env("GPU_BROKER_RESERVATION", &info.reservation_id)
+        .env("GPU_BROKER_DEVICE", info.device.to_string())
+        .env("CUDA_VISIBLE_DEVICES", &info.device_uuid)
+        // The program gets the tenant's token file only: never an admin token.
+        .env_remove("GPU_BROKER_TOKEN")
+        .env_remove("GPU_BROKER_ADMIN_TOKEN")
+        .env_remove("GPU_BROKER_ADMIN_TOKEN_FILE");
+    for (k, v) in info.mps_env.iter().flatten() {
+        cmd.env(k, v);
+    }
+    if args.torch {
+        let dir = secrets.path().join("python");
+        std::fs::create_dir(&dir).context("cannot create the sitecustomize directory")?;
+        write_private(&dir.join("sitecustomize.py"), SITECUSTOMIZE.as_bytes())?;
+        let mut path = OsString::from(&dir);
+        if let Some(old) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
+            path.push(":");
+            path.push(old);
+        }
+        cmd.env("PYTHONPATH", path);
+    }
+    let parent = std::process::id();
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // `run` died before the line above took effect: do not run unaccounted.
+            if libc::getppid() as u32 != parent {
+                libc::_exit(EXIT_REFUSED as i32);
+            }
+            Ok(())
+        });
+    }
+
+    // Signal handlers first, so a signal that arrives as the program starts is forwarded.
+    let mut sigs = Vec::new();
+    for kind in [
+        SignalKind::terminate(),
+        SignalKind::hangup(),
+        SignalKind::interrupt(),
+        SignalKind::quit(),
+        SignalKind::user_defined1(),
+        SignalKind::user_defined2(),
+    ] {
+        sigs.push((kind.as_raw_value(), signal(kind)?));
+    }
+    let mut child = tokio::process::Command::from(cmd)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| SpawnError {
+            code: if source.kind() == std::io::ErrorKind::NotFound {
+                EXIT_NOT_FOUND
+            } else {
+                EXIT_CANNOT_EXECUTE
+            },
+            program: program.clone(),
+            source,
+        })?;
+    let pid = child.id().unwrap_or(0) as libc::pid_t;
+    // A terminal's Ctrl-C / Ctrl-\ already reached the program (same process group):
+    // forward those only when they cannot have come from a terminal.
+    let from_terminal = on_foreground_terminal();
+
+    let mut events = session.events();
+    let mut session_lost = false;
+    let mut kill_at: Option<tokio::time::Instant> = None;
+    let status = loop {
+        let forwarded = futures::future::select_all(
+            sigs.iter_mut()
+                .map(|(raw, s)| Box::pin(async move { s.recv().await.map(|_| *raw) })),
+        );
+        let kill_deadline = async {
+            match kill_at {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => futures::future::pending().await,
+            }
+        };
+        tokio::select! {
+            status = child.wait() => break status?,
+            (sig, _, _) = forwarded => {
+                let Some(sig) = sig else { continue };
+                let tty_sent = from_terminal && (sig == libc::SIGINT || sig == libc::SIGQUIT);
+                if !tty_sent {
+                    // SAFETY: plain syscall on our own child's pid.
+                    unsafe { libc::kill(pid, sig) };
+                }
+            }
+            ev = events.next(), if !session_lost => {
+                if matches!(ev, None | Some(SessionEvent::Closed { .. })) {
+                    // The reservation is gone with the session: the program must not
+                    // run on unaccounted.
+                    session_lost = true;
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "gpu-brokerctl run: the broker ended the session; stopping {program} (SIGTERM, SIGKILL after {}s)",
+                        STOP_GRACE.as_secs()
+                    );
+                    // SAFETY: plain syscall on our own child's pid.
+                    unsafe { libc::kill(pid, libc::SIGTERM) };
+                    kill_at = Some(tokio::time::Instant::now() + STOP_GRACE);
+                }
+            }
+            _ = kill_deadline => {
+                // SAFETY: plain syscall on our own child's pid.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                kill_at = None;
+            }
+        }
+    };
+    // Free the reservation at once (a round trip), then end the session.
+    let _ = reservation.release().await;
+    session.close();
+    drop(secrets);
+    Ok(match (status.code(), status.signal()) {
+        (Some(code), _) => Outcome::Exited(code.clamp(0, 255) as u8),
+        (None, Some(sig)) => Outcome::Signalled(sig),
+        (None, None) => Outcome::Exited(EXIT_REFUSED),
+    })
+}
+
+/// Is `run` in the foreground process group of its controlling terminal?
+fn on_foreground_terminal() -> bool {
+    // SAFETY: plain libc queries on fd 0 and this process.
+    unsafe { libc::isatty(0) == 1 && libc::tcgetpgrp(0) == libc::getpgrp() }
+}
+
+/// A fresh 0700 directory of the caller's for the program's token (the per-user runtime
+/// directory when there is one, else the temporary directory).
+fn private_dir() -> Result<tempfile::TempDir> {
+    let base = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_dir())
+        .unwrap_or_else(std::env::temp_dir);
+    let dir = tempfile::Builder::new()
+        .prefix("gpu-broker-run-")
+        .tempdir_in(&base)
+        .with_context(|| format!("cannot create a private directory in {}", base.display()))?;
+    // Before anything is written into it.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot make {} private", dir.path().display()))?;
+    Ok(dir)
+}
+
+/// Writes `bytes` to a new file only the caller can read.
+fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot create {}", path.display()))?;
+    f.write_all(bytes)
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Put first on PYTHONPATH by `--torch`: Python imports it at start-up, before the program.
+const SITECUSTOMIZE: &str = r#"# Written by `gpu-brokerctl run --torch`: routes this program's CUDA memory
+# through gpu-broker leases, drawn from the run's process reservation.
+def _gpu_broker_install():
+    import sys
+    try:
+        import gpubroker.torch
+    except ImportError as e:
+        sys.stderr.write(
+            "gpu-brokerctl run --torch: gpubroker is not importable (%s); "
+            "CUDA memory is not routed through leases\n" % (e,)
+        )
+        return
+    try:
+        gpubroker.torch.install()
+    except Exception as e:  # the program runs on, within its reservation
+        sys.stderr.write(
+            "gpu-brokerctl run --torch: gpubroker.torch.install() failed (%s); "
+            "CUDA memory is not routed through leases\n" % (e,)
+        )
+
+
+_gpu_broker_install()
+del _gpu_broker_install
+"#;

@@ -1,0 +1,369 @@
+//! `gpu-brokerctl run` against a real broker: the program gets the worker environment
+//! (token file only its user reads, the device's UUID), its exit status and signals pass
+//! through, the reservation is charged while it runs and freed within a second of the
+//! program's exit or of `run` being SIGKILLed (which stops the program too), and a
+//! reservation over quota is refused or waits with the statuses of a lease request.
+
+use gpu_broker_client::QuotaSpec;
+use gpu_broker_tests::*;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+/// A broker, a tenant `name` with `limit` bytes, and a token file for it.
+async fn setup(name: &str, limit: u64) -> (Broker, PathBuf, String) {
+    let b = Broker::start().expect("broker starts");
+    let token = b
+        .tenant(name, QuotaSpec::new(limit))
+        .await
+        .expect("tenant created");
+    let file = b.dir.path().join(format!("{name}.token"));
+    std::fs::write(&file, &token).unwrap();
+    (b, file, token)
+}
+
+/// `gpu-brokerctl run ARGS -- sh -c SCRIPT` with the tenant's token file.
+fn run_cmd(b: &Broker, token_file: &PathBuf, args: &[&str], script: &str) -> Command {
+    let mut cmd = Command::new(bin("gpu-brokerctl"));
+    cmd.arg("--broker")
+        .arg(b.uri())
+        .arg("--token-file")
+        .arg(token_file)
+        .arg("run")
+        .args(args)
+        .args(["--", "sh", "-c", script])
+        .env_remove("GPU_BROKER_TOKEN")
+        .env_remove("GPU_BROKER_TOKEN_FILE")
+        .env_remove("GPU_BROKER_ADMIN_TOKEN")
+        .env_remove("GPU_BROKER_ADDR");
+    cmd
+}
+
+/// Bytes the tenant has reserved for processes now, and how many reservations.
+async fn reserved(b: &Broker, tenant: &str) -> (u64, u32) {
+    let t = b
+        .admin()
+        .await
+        .unwrap()
+        .get_quota(tenant)
+        .await
+        .expect("tenant");
+    (t.usage.process_reserved_bytes, t.usage.process_reservations)
+}
+
+/// Is `pid` a live (not zombie) process?
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().next().map(str::to_string));
+            !matches!(state.as_deref(), Some("Z") | Some("X") | None)
+        }
+        Err(_) => false,
+    }
+}
+
+#[tokio::test]
+async fn run_hands_the_program_its_environment_and_exit_code() {
+    let (b, token_file, token) = setup("alice", 512 * MIB).await;
+    let dev = devices(&b).await.unwrap().remove(0);
+    let script = r#"echo "addr=$GPU_BROKER_ADDR"; echo "cvd=$CUDA_VISIBLE_DEVICES";
+        echo "device=$GPU_BROKER_DEVICE"; echo "mode=$(stat -c %a "$GPU_BROKER_TOKEN_FILE")";
+        echo "dirmode=$(stat -c %a "$(dirname "$GPU_BROKER_TOKEN_FILE")")";
+        echo "token=$(cat "$GPU_BROKER_TOKEN_FILE")"; echo "admin=${GPU_BROKER_ADMIN_TOKEN:-none}";
+        echo "file=$GPU_BROKER_TOKEN_FILE"; exit 7"#;
+    let mut cmd = run_cmd(&b, &token_file, &["--memory", "256MiB"], script);
+    cmd.env("GPU_BROKER_ADMIN_TOKEN", "not-for-the-program");
+    let (status, out) = Proc::spawn(cmd)
+        .unwrap()
+        .finish(Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(7), "{out}");
+    let line = |k: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")).map(str::to_string))
+            .unwrap_or_else(|| panic!("no {k}= in\n{out}"))
+    };
+    assert_eq!(line("addr"), b.uri());
+    assert_eq!(
+        line("cvd"),
+        dev.uuid,
+        "CUDA_VISIBLE_DEVICES is the device's UUID"
+    );
+    assert_eq!(line("device"), "0");
+    assert_eq!(line("mode"), "600", "token file readable by its user only");
+    assert_eq!(line("dirmode"), "700");
+    assert_eq!(line("token"), token);
+    assert_eq!(line("admin"), "none", "no admin token reaches the program");
+    assert!(
+        !std::path::Path::new(&line("file")).exists(),
+        "the token file is removed when run ends"
+    );
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            reserved(&b, "alice").await == (0, 0)
+        })
+        .await
+    );
+}
+
+#[tokio::test]
+async fn run_frees_the_reservation_within_a_second_of_the_program_exiting() {
+    let (b, token_file, _) = setup("alice", 512 * MIB).await;
+    // The program runs until its stdin (run's stdin) closes.
+    let script = "echo started; cat >/dev/null; echo done";
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "300MiB"], script)).unwrap();
+    p.line_starting("started", Duration::from_secs(20))
+        .await
+        .unwrap();
+    let (bytes, count) = reserved(&b, "alice").await;
+    assert_eq!((bytes, count), (300 * MIB, 1), "charged while it runs");
+    let sessions = b.admin().await.unwrap().list_sessions(None).await.unwrap();
+    assert_eq!(sessions.len(), 1);
+    assert_eq!(sessions[0].peer_pid, p.pid, "the session is run's");
+    let (status, out) = p.finish(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success(), "{out}");
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            reserved(&b, "alice").await == (0, 0)
+        })
+        .await,
+        "reservation freed within 1 s of the program's exit"
+    );
+}
+
+#[tokio::test]
+async fn killing_run_stops_the_program_and_frees_the_reservation() {
+    let (b, token_file, _) = setup("alice", 512 * MIB).await;
+    let script = "echo pid=$$; exec sleep 300";
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "128MiB"], script)).unwrap();
+    let line = p
+        .line_starting("pid=", Duration::from_secs(20))
+        .await
+        .unwrap();
+    let child: u32 = line.trim_start_matches("pid=").parse().unwrap();
+    assert!(alive(child));
+    assert_eq!(reserved(&b, "alice").await, (128 * MIB, 1));
+    p.signal(libc::SIGKILL);
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            reserved(&b, "alice").await == (0, 0) && !alive(child)
+        })
+        .await,
+        "within 1 s of run's SIGKILL the program is gone and the reservation freed (reserved {:?}, program alive {})",
+        reserved(&b, "alice").await,
+        alive(child)
+    );
+    let _ = p.wait(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn run_forwards_signals_and_passes_the_programs_status() {
+    let (b, token_file, _) = setup("alice", 512 * MIB).await;
+    // A program that handles SIGTERM exits with its own code...
+    let script = r#"trap 'echo got-term; exit 42' TERM; echo ready; while :; do sleep 0.05; done"#;
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "64MiB"], script)).unwrap();
+    p.line_starting("ready", Duration::from_secs(20))
+        .await
+        .unwrap();
+    p.signal(libc::SIGTERM);
+    let (status, out) = p.finish(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(status.code(), Some(42), "{out}");
+    assert!(out.contains("got-term"), "{out}");
+    // ... and one that dies of a signal makes run die of the same signal.
+    use std::os::unix::process::ExitStatusExt;
+    let script = "echo ready; exec sleep 300";
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "64MiB"], script)).unwrap();
+    p.line_starting("ready", Duration::from_secs(20))
+        .await
+        .unwrap();
+    p.signal(libc::SIGUSR1);
+    let (status, out) = p.finish(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGUSR1), "{out}");
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            reserved(&b, "alice").await == (0, 0)
+        })
+        .await
+    );
+}
+
+#[tokio::test]
+async fn run_over_quota_is_refused_or_waits() {
+    let (b, token_file, _) = setup("alice", 256 * MIB).await;
+    // Above the limit: refused at once, even with a wait; the program never starts.
+    let (status, out) = Proc::spawn(run_cmd(
+        &b,
+        &token_file,
+        &["--memory", "512MiB", "--wait", "5s"],
+        "echo started",
+    ))
+    .unwrap()
+    .finish(Duration::from_secs(20))
+    .await
+    .unwrap();
+    assert_eq!(status.code(), Some(125), "{out}");
+    assert!(out.contains("RESOURCE_EXHAUSTED"), "{out}");
+    assert!(!out.contains("started"), "{out}");
+
+    // A first run holds 200 MiB of the 256.
+    let mut first = Proc::spawn(run_cmd(
+        &b,
+        &token_file,
+        &["--memory", "200MiB"],
+        "echo started; cat >/dev/null",
+    ))
+    .unwrap();
+    first
+        .line_starting("started", Duration::from_secs(20))
+        .await
+        .unwrap();
+    // No wait: RESOURCE_EXHAUSTED; a wait that runs out: DEADLINE_EXCEEDED.
+    for (wait, code) in [("0s", "RESOURCE_EXHAUSTED"), ("300ms", "DEADLINE_EXCEEDED")] {
+        let (status, out) = Proc::spawn(run_cmd(
+            &b,
+            &token_file,
+            &["--memory", "100MiB", "--wait", wait],
+            "echo started",
+        ))
+        .unwrap()
+        .finish(Duration::from_secs(20))
+        .await
+        .unwrap();
+        assert_eq!(status.code(), Some(125), "{out}");
+        assert!(out.contains(code), "wait {wait}: {out}");
+        assert!(!out.contains("started"), "{out}");
+    }
+    // A long enough wait is granted once the first run ends.
+    let mut second = Proc::spawn(run_cmd(
+        &b,
+        &token_file,
+        &["--memory", "100MiB", "--wait", "20s"],
+        "echo started; exit 3",
+    ))
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            b.admin()
+                .await
+                .unwrap()
+                .get_quota("alice")
+                .await
+                .is_ok_and(|t| t.usage.waiting_requests == 1)
+        })
+        .await,
+        "the second run waits in the queue"
+    );
+    let (status, _) = first.finish(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success());
+    second
+        .line_starting("started", Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(
+        second.wait(Duration::from_secs(10)).await.unwrap().code(),
+        Some(3)
+    );
+}
+
+#[tokio::test]
+async fn run_without_a_tenant_token_or_program_fails_clearly() {
+    let (b, _token_file, _) = setup("alice", 256 * MIB).await;
+    let mut cmd = Command::new(bin("gpu-brokerctl"));
+    cmd.arg("--broker")
+        .arg(b.uri())
+        .args(["run", "--memory", "64MiB", "--", "true"])
+        .env_remove("GPU_BROKER_TOKEN")
+        .env_remove("GPU_BROKER_TOKEN_FILE");
+    let (status, out) = Proc::spawn(cmd)
+        .unwrap()
+        .finish(Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(125), "{out}");
+    assert!(out.contains("tenant's token"), "{out}");
+
+    let mut cmd = Command::new(bin("gpu-brokerctl"));
+    cmd.arg("--broker")
+        .arg(b.uri())
+        .args(["run", "--memory", "64MiB", "--", "/nonexistent/program"])
+        .env("GPU_BROKER_TOKEN_FILE", _token_file.as_os_str());
+    let (status, out) = Proc::spawn(cmd)
+        .unwrap()
+        .finish(Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(127), "{out}");
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            reserved(&b, "alice").await == (0, 0)
+        })
+        .await,
+        "a program that never started leaves no reservation"
+    );
+}
+
+#[tokio::test]
+async fn run_stops_the_program_when_the_broker_ends_its_session() {
+    let (mut b, token_file, _) = setup("alice", 512 * MIB).await;
+    let script = r#"trap 'echo stopping; exit 5' TERM; echo ready; while :; do sleep 0.05; done"#;
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "64MiB"], script)).unwrap();
+    p.line_starting("ready", Duration::from_secs(20))
+        .await
+        .unwrap();
+    // The broker dies: the reservation is gone, so the program must not run on.
+    b.kill().unwrap();
+    let (status, out) = p.finish(Duration::from_secs(15)).await.unwrap();
+    assert_eq!(status.code(), Some(5), "{out}");
+    assert!(out.contains("stopping"), "{out}");
+    assert!(out.contains("ended the session"), "{out}");
+}
+
+/// A program under `run` that takes leases itself (here `e2e-worker`) draws them from its
+/// reservation: the tenant's total stays what `run` reserved, a lease beyond it is refused
+/// with RESERVATION_EXCEEDED, and everything is freed when `run` is killed.
+#[tokio::test]
+async fn leases_of_the_program_are_drawn_from_its_reservation() {
+    let (b, token_file, _) = setup("alice", 512 * MIB).await;
+    let worker = bin("e2e-worker");
+    let script = format!(
+        r#"export GPU_BROKER_TOKEN="$(cat "$GPU_BROKER_TOKEN_FILE")"; exec {} hold --bytes 64MiB --count 2"#,
+        worker.display()
+    );
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "200MiB"], &script)).unwrap();
+    p.line_starting("READY", Duration::from_secs(20))
+        .await
+        .unwrap();
+    let t = b.admin().await.unwrap().get_quota("alice").await.unwrap();
+    assert_eq!(t.usage.held_bytes, 128 * MIB, "the program's two leases");
+    assert_eq!(
+        t.usage.process_reserved_bytes,
+        72 * MIB,
+        "drawn from the reservation"
+    );
+    assert_eq!(t.usage.process_reservations, 1);
+    // A lease beyond what is left of the reservation, though within the quota.
+    let script = format!(
+        r#"export GPU_BROKER_TOKEN="$(cat "$GPU_BROKER_TOKEN_FILE")"; exec {} hold --bytes 128MiB"#,
+        worker.display()
+    );
+    let (status, out) = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "100MiB"], &script))
+        .unwrap()
+        .finish(Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("RESOURCE_EXHAUSTED"), "{out}");
+    assert!(out.contains("process reservation"), "{out}");
+    p.signal(libc::SIGKILL);
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            let t = b.admin().await.unwrap().get_quota("alice").await.unwrap();
+            t.usage.held_bytes == 0 && t.usage.process_reserved_bytes == 0
+        })
+        .await,
+        "the program's leases and the reservation end with run"
+    );
+}
