@@ -78,7 +78,7 @@ pub struct Reservation {
 impl Reservation {
     /// Bytes still charged to the reservation itself: the room its process allocates in.
     pub fn room(&self) -> u64 {
-        self.bytes - self.drawn - self.lost
+        self.bytes.saturating_sub(self.drawn + self.lost)
     }
 }
 
@@ -445,7 +445,7 @@ impl Arbiter {
         let Some(r) = st.reservations.by_id.get_mut(&rid) else {
             return;
         };
-        r.drawn -= bytes;
+        r.drawn = r.drawn.saturating_sub(bytes);
         let d = r.device as usize;
         let tenant = r.tenant.clone();
         if back && st.pools[d].available() >= bytes {

@@ -367,3 +367,82 @@ async fn leases_of_the_program_are_drawn_from_its_reservation() {
         "the program's leases and the reservation end with run"
     );
 }
+
+/// While a program runs under `run`, operators see its reservation: the tenant and device
+/// gauges, and the PROC_RESERVED columns of `tenants list`, `sessions` and `devices`.
+#[tokio::test]
+async fn a_running_reservation_shows_in_metrics_and_the_cli() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--metrics-listen".into(), "127.0.0.1:0".into()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(512 * MIB)).await.unwrap();
+    let token_file = b.dir.path().join("alice.token");
+    std::fs::write(&token_file, &token).unwrap();
+    let addr = crate::observability::metrics_addr(&b).await;
+    let mut p = Proc::spawn(run_cmd(
+        &b,
+        &token_file,
+        &["--memory", "300MiB"],
+        "echo started; cat >/dev/null",
+    ))
+    .unwrap();
+    p.line_starting("started", Duration::from_secs(20))
+        .await
+        .unwrap();
+    let text = crate::observability::get(&addr, "/metrics").await;
+    use crate::observability::gauge;
+    assert_eq!(
+        gauge(
+            &text,
+            "gpu_broker_tenant_process_reserved_bytes{tenant=\"alice\"}"
+        ),
+        Some((300 * MIB) as f64),
+        "{text}"
+    );
+    assert_eq!(
+        gauge(
+            &text,
+            "gpu_broker_device_process_reserved_bytes{device=\"0\","
+        ),
+        Some((300 * MIB) as f64),
+        "{text}"
+    );
+    let admin_file = b.state_dir.join("admin.token");
+    for view in [
+        &["tenants", "list"][..],
+        &["sessions", "list"][..],
+        &["devices"][..],
+    ] {
+        let out = Command::new(bin("gpu-brokerctl"))
+            .arg("--broker")
+            .arg(b.uri())
+            .arg("--token-file")
+            .arg(&admin_file)
+            .args(view)
+            .arg("--wide")
+            .env_remove("GPU_BROKER_ADMIN_TOKEN")
+            .output()
+            .unwrap();
+        let table = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{view:?}: {table}");
+        let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+        let col = header
+            .iter()
+            .position(|h| *h == "PROC_RESERVED")
+            .unwrap_or_else(|| panic!("{view:?}: no PROC_RESERVED in\n{table}"));
+        // Values may hold a space ("300 MiB"): read the column by its start offset.
+        let head = table.lines().next().unwrap();
+        let start = head.find("PROC_RESERVED").unwrap();
+        let row = table.lines().nth(1).unwrap();
+        let end = (start + "PROC_RESERVED".len() + 2).min(row.len());
+        let cell = row.get(start.saturating_sub(4)..end).unwrap_or("");
+        assert!(
+            cell.contains("300"),
+            "{view:?} column {col}: {cell:?} in\n{table}"
+        );
+    }
+    let (status, _) = p.finish(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success());
+}
