@@ -12,6 +12,11 @@ Subcommands (each prints one `RESULT {json}` line; `all` runs them and checks):
   hog         a second tenant's job that wants more than the card has left: it must wait
               GPU_BROKER_WAIT and then get torch.OutOfMemoryError with the broker's reason
   latency     pooled lease() + release() latency from Python
+  multistream blocks used on a side stream (record_stream): reserved memory with and
+              without gpubroker.torch.reuse_stream_blocks()
+
+`train --mode pool-native` runs the broker mode's pool routing over PyTorch's own
+cudaMalloc, to tell the routing's cost from the leases' (scripts/gpu-python-bench.sh).
 """
 
 from __future__ import annotations
@@ -144,6 +149,12 @@ def train(args):
     import torch
     import torch.nn.functional as F
 
+    if args.mode == "pool-native":
+        # The broker mode's routing (every thread and stream to one MemPool) over
+        # PyTorch's own cudaMalloc: separates the routing's cost from the leases'.
+        native_pool = torch.cuda.MemPool()
+        torch._C._cuda_beginAllocateToPool(0, native_pool.id)
+
     torch.manual_seed(0)
     dev = torch.device("cuda:0")
     model = build(torch).to(dev)
@@ -184,7 +195,10 @@ def train(args):
            "peak_torch_reserved": torch.cuda.max_memory_reserved(dev),
            "peak_torch_allocated": torch.cuda.max_memory_allocated(dev),
            "torch_reserved": torch.cuda.memory_reserved(dev),
-           "nvml_mib": nvml_used(os.getpid()), "pid": os.getpid()}
+           "nvml_mib": nvml_used(os.getpid()), "pid": os.getpid(),
+}
+    if args.mode == "pool-native":
+        torch._C._cuda_endAllocateToPool(0, native_pool.id)
     if args.mode == "broker":
         s1 = gt.memory_stats()
         out.update(
@@ -257,6 +271,46 @@ def _refusals(torch):
     return got
 
 
+# ---------------------------------------------------------------- multistream
+def multistream(args):
+    """Blocks used on a second stream (record_stream): does memory stay bounded? Each
+    iteration allocates 64 MiB on the default stream, uses it on a side stream and marks
+    it (record_stream), then drops it. PyTorch defers such blocks' reuse while pool
+    routing is active; under the broker, reuse_stream_blocks() every --every iterations
+    (0: never) makes them reusable."""
+    if args.mode == "broker":
+        import gpubroker.torch as gt
+
+        gt.install(wait=args.wait)
+    import torch
+
+    dev = torch.device("cuda:0")
+    side = torch.cuda.Stream()
+    reserved = []
+    t0 = time.perf_counter()
+    for i in range(args.iters):
+        x = torch.empty(64 * MIB // 4, dtype=torch.float32, device=dev)
+        x.fill_(1.0)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x.mul_(2.0)
+        x.record_stream(side)
+        del x
+        if args.mode == "broker" and args.every and (i + 1) % args.every == 0:
+            gt.reuse_stream_blocks()
+        reserved.append(torch.cuda.memory_reserved(dev))
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    out = {"step": "multistream", "mode": args.mode, "every": args.every, "iters": args.iters,
+           "reserved_first": reserved[0], "reserved_last": reserved[-1],
+           "reserved_max": max(reserved), "iters_per_s": args.iters / dt}
+    if args.mode == "broker":
+        st = gt.memory_stats()
+        out.update(leased=st["leased_bytes"], segments=st["segments"],
+                   broker_calls=st["broker_calls"])
+    result(**out)
+
+
 # ---------------------------------------------------------------- hog
 def hog(args):
     import gpubroker.torch as gt
@@ -309,9 +363,10 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--ready-file")
     p.add_argument("--hold-until")
+    p.add_argument("--every", type=int, default=0)
     args = p.parse_args()
     {"roundtrip": roundtrip, "roundtrip-cupy": roundtrip_cupy, "train": train, "hog": hog,
-     "latency": latency}[args.cmd](args)
+     "latency": latency, "multistream": multistream}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -406,6 +406,8 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
     # emptied (PyTorch asserts no routing is active then), and resumes on the new pool.
     assert out["empty_calls"] == [
         "pool", "end", "release", "pool_deleted", "torch_empty_cache", "begin"], out["empty_calls"]
+    assert out["reuse_calls"] == ["end", "torch_empty_cache", "begin"], out["reuse_calls"]
+    assert out["reuse_same_pool"]
     assert out["released"] == 0
 
 

@@ -64,4 +64,10 @@ except RuntimeError as e:
 torch.calls.clear()
 out["released"] = gt.empty_cache()
 out["empty_calls"] = [c[0] for c in torch.calls]
+# reuse_stream_blocks: the routing pauses around PyTorch's empty_cache (which then
+# processes the deferred multi-stream blocks), on the same pool.
+torch.calls.clear()
+gt.reuse_stream_blocks()
+out["reuse_calls"] = [c[0] for c in torch.calls]
+out["reuse_same_pool"] = len({c[2] for c in torch.calls if c[0] in ("end", "begin")}) == 1
 print("RESULT " + json.dumps(out))

@@ -38,7 +38,17 @@ from typing import Any, Dict, Iterable, List, Optional
 from . import _native
 from .errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["install", "installed", "empty_cache", "memory_stats", "session", "sleep", "wake", "asleep"]
+__all__ = [
+    "install",
+    "installed",
+    "empty_cache",
+    "reuse_stream_blocks",
+    "memory_stats",
+    "session",
+    "sleep",
+    "wake",
+    "asleep",
+]
 
 _lock = threading.Lock()
 _state: Optional["_State"] = None
@@ -305,6 +315,33 @@ def wake(wait: Optional[float] = None) -> int:
 def asleep() -> bool:
     """True between :func:`sleep` and a complete :func:`wake`."""
     return bool(_native._torch_asleep())
+
+
+def reuse_stream_blocks() -> None:
+    """Makes blocks that were used on more than one stream (``Tensor.record_stream``,
+    side-stream copies) reusable again. PyTorch defers their end-of-use events while any
+    pool routing is active, which under :func:`install` is always: without this call such
+    blocks are never reused and PyTorch keeps asking for new segments. The routing pauses
+    for the call (as in :func:`empty_cache`; other threads' allocations in that moment go
+    to PyTorch's default pool, outside leases) and PyTorch waits for those blocks' streams
+    to finish their work; then they are back in the pool. Cheap enough to call once per
+    step of a loop that uses side streams; :func:`empty_cache` does it too."""
+    state = _state
+    if state is None:
+        return
+    import torch
+
+    with _lock:
+        for d, pool in state.pools.items():
+            torch._C._cuda_endAllocateToPool(d, pool.id)
+        try:
+            # With no routing active, PyTorch records the deferred events, waits for them
+            # and returns those blocks to their pool (ours stays in use, so its cached
+            # blocks are kept); only its default pool's free blocks are released.
+            torch.cuda.empty_cache()
+        finally:
+            for d, pool in state.pools.items():
+                torch._C._cuda_beginAllocateToPool(d, pool.id)
 
 
 def memory_stats() -> Dict[str, int]:

@@ -4,8 +4,10 @@
 //! costs a broker call.
 //!
 //! What it owns (and tests against a fake device, `tests` below):
-//! - **split and coalesce**: best fit over the free blocks of every segment; a block is
-//!   split to the (aligned) size asked, and freed blocks merge with free neighbours;
+//! - **split and coalesce**: best fit over the free blocks of the oldest segment that
+//!   can serve the request (so allocations pack into the first segments and the later
+//!   ones empty out, to be given back); a block is split to the (aligned) size asked,
+//!   and freed blocks merge with free neighbours;
 //! - **stream-ordered reuse**: a freed block remembers an event recorded on the stream it
 //!   was used on; it is handed to the same stream at once, to another stream only once
 //!   that event completed (or after waiting for it, before asking the broker for more);
@@ -468,8 +470,9 @@ impl<B: Backend> SubAllocator<B> {
         self.last_error.lock().take()
     }
 
-    /// Best fit over usable free blocks; with `sync`, also blocks whose only obstacle is
-    /// another stream's pending work (waited for here).
+    /// Best fit over the usable free blocks of the oldest segment that has one; with
+    /// `sync`, also blocks whose only obstacle is another stream's pending work (waited
+    /// for here).
     fn carve(
         &self,
         device: u32,
@@ -514,6 +517,11 @@ impl<B: Backend> SubAllocator<B> {
                 if best.is_none_or(|(size, ..)| block.size < size) {
                     best = Some((block.size, id, off, blocked));
                 }
+            }
+            // The oldest segment that fits wins (best fit within it): allocations pack
+            // into the first segments, so the later ones empty out and can go back.
+            if best.is_some() {
+                break;
             }
         }
         let (_, id, off, blocked) = best?;

@@ -218,6 +218,33 @@ fn splits_one_segment_and_never_calls_the_broker_for_what_fits() {
 }
 
 #[test]
+fn allocations_pack_into_the_oldest_segment_so_later_ones_empty_out() {
+    let (fake, a) = allocator(1 << 30, 16 * MIB);
+    let long_lived = a.alloc(0, 8 * MIB, S1).unwrap();
+    let transient = a.alloc(0, 12 * MIB, S1).unwrap();
+    assert_eq!(
+        fake.acquires(),
+        2,
+        "12 MiB does not fit the first segment's 8 MiB"
+    );
+    // 4 MiB fits both the first segment's 8 MiB hole and the second's exact 4 MiB: the
+    // first segment takes it, so the second holds only the transient block.
+    let small = a.alloc(0, 4 * MIB, S1).unwrap();
+    assert_eq!(small, long_lived + 8 * MIB);
+    a.free(transient).unwrap();
+    assert_eq!(
+        a.empty_cache(),
+        16 * MIB,
+        "the second segment is wholly free"
+    );
+    let s = a.stats();
+    assert_eq!((s.segments, s.reserved_bytes), (1, 16 * MIB));
+    a.free(small).unwrap();
+    a.free(long_lived).unwrap();
+    assert_eq!(a.empty_cache(), 16 * MIB);
+}
+
+#[test]
 fn coalesces_neighbours_back_into_the_whole_segment() {
     let (fake, a) = allocator(1 << 30, 16 * MIB);
     let ps: Vec<u64> = (0..4).map(|_| a.alloc(0, 4 * MIB, S1).unwrap()).collect();

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The PyTorch allocator's speed against PyTorch's own, measured so that clock drift and
+# noise cannot pass for a difference: the same training loop (scripts/gpu_python_check.py
+# train) in fresh processes, interleaved round by round, in three modes:
+#   native       PyTorch's own caching allocator
+#   pool-native  the broker mode's routing (every thread and stream to one MemPool) over
+#                PyTorch's own cudaMalloc: what the routing alone costs
+#   broker       gpubroker.torch.install(): the routing over broker leases
+# then the multi-stream check (record_stream on a side stream: reserved memory without
+# and with gpubroker.torch.reuse_stream_blocks()). Prints a summary: median steps/s per
+# mode and the median of the per-round ratios.
+#
+#   scripts/gpu-python-bench.sh build   # here: the release wheel (+ binaries) into $OUT
+#   scripts/gpu-python-bench.sh run     # on the GPU machine (PyTorch, no Rust)
+#
+# Knobs: GPU_BENCH_ROUNDS (3), GPU_BENCH_STEPS (300), GPU_BENCH_MULTISTREAM (1; 0 skips
+# it), GPU_BENCH_ORDER (the modes of a round, default "native pool-native broker"),
+# GPU_PYTHON_OUT (.gpu/python).
+# It allocates and frees memory only; it never changes the card's settings.
+set -euo pipefail
+# From scripts/ (or a copy of this script run from the repository root, e.g. in $OUT).
+[[ $(basename "$(dirname "$0")") == scripts ]] && cd "$(dirname "$0")/.."
+OUT=${GPU_PYTHON_OUT:-.gpu/python}
+ROUNDS=${GPU_BENCH_ROUNDS:-3}
+STEPS=${GPU_BENCH_STEPS:-300}
+
+build() {
+    GPU_PYTHON_OUT=$OUT scripts/gpu-python-check.sh build
+    cp -f scripts/gpu-python-bench.sh "$OUT/"
+}
+
+run() {
+    local t0=$SECONDS
+    local dir; dir=$(mktemp -d)
+    local wheel; wheel=$(ls "$OUT"/gpubroker-*.whl | head -n1)
+    python3 -m zipfile -e "$wheel" "$dir/py"
+    export PYTHONPATH="$dir/py${PYTHONPATH:+:$PYTHONPATH}"
+    local check=(python3 scripts/gpu_python_check.py)
+    [[ -f $OUT/gpu_python_check.py ]] && check=(python3 "$OUT/gpu_python_check.py")
+    nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version,clocks.sm,clocks.max.sm --format=csv || true
+    python3 -c 'import torch, gpubroker; print("torch", torch.__version__, "gpubroker", gpubroker.__version__)'
+    nproc; uptime
+
+    "$OUT/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
+        --headroom "${GPU_PYTHON_HEADROOM:-124GiB}" --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
+    local pid=$!
+    trap 'kill -TERM $pid 2>/dev/null || true' EXIT
+    for _ in $(seq 100); do [[ -S "$dir/b.sock" ]] && break; sleep 0.1; done
+    local ctl=("$OUT/gpu-brokerctl" --broker "unix://$dir/b.sock" --token-file "$dir/state/admin.token")
+    export GPU_BROKER_ADDR="unix://$dir/b.sock"
+    "${ctl[@]}" quota set train --limit 12GiB >/dev/null
+    export GPU_BROKER_TOKEN; GPU_BROKER_TOKEN=$("${ctl[@]}" tokens issue train 2>/dev/null)
+
+    : >"$dir/results"
+    for r in $(seq "$ROUNDS"); do
+        for mode in ${GPU_BENCH_ORDER:-native pool-native broker}; do
+            echo "=== round $r: $mode ==="
+            "${check[@]}" train --mode "$mode" --steps "$STEPS" >"$dir/one" 2>&1 \
+                || echo "STEP FAILED: $mode round $r"
+            cat "$dir/one" >>"$dir/results"
+            grep '"step": "train"' "$dir/one" | cut -c1-400 || true
+        done
+    done
+
+    if [[ ${GPU_BENCH_MULTISTREAM:-1} != 0 ]]; then
+        echo "=== multi-stream: record_stream on a side stream ==="
+        "${check[@]}" multistream --mode native --iters 40 | tee -a "$dir/results"
+        "${check[@]}" multistream --mode broker --iters 40 --every 0 | tee -a "$dir/results"
+        "${check[@]}" multistream --mode broker --iters 40 --every 1 | tee -a "$dir/results"
+    fi
+
+    echo "=== summary ==="
+    python3 - "$dir/results" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l.split("RESULT ", 1)[1]) for l in open(sys.argv[1]) if l.startswith("RESULT ")]
+train = [r for r in rows if r.get("step") == "train"]
+by = {}
+for r in train:
+    by.setdefault(r["mode"], []).append(r["steps_per_s"])
+for mode, v in by.items():
+    print(f"{mode}: steps/s {', '.join(f'{x:.2f}' for x in v)}; median {statistics.median(v):.2f}")
+rounds = list(zip(*(by.get(m, []) for m in ("native", "pool-native", "broker"))))
+if rounds:
+    rb = [b / n for n, _, b in rounds]
+    rp = [p / n for n, p, _ in rounds]
+    rbp = [b / p for _, p, b in rounds]
+    print(f"per-round ratios broker/native {', '.join(f'{x:.3f}' for x in rb)}; median {statistics.median(rb):.3f}")
+    print(f"per-round ratios pool-native/native {', '.join(f'{x:.3f}' for x in rp)}; median {statistics.median(rp):.3f}")
+    print(f"per-round ratios broker/pool-native {', '.join(f'{x:.3f}' for x in rbp)}; median {statistics.median(rbp):.3f}")
+    print(f"ratio of medians broker/native {statistics.median(by['broker']) / statistics.median(by['native']):.3f}")
+for r in rows:
+    if r.get("step") == "train-extra" and "empty_cache" in r:
+        print("empty_cache after the model was deleted:", json.dumps(r["empty_cache"]))
+        break
+for r in rows:
+    if r.get("step") == "multistream":
+        print(f"multistream {r['mode']} every={r['every']}: reserved first {r['reserved_first']}, "
+              f"last {r['reserved_last']}, max {r['reserved_max']}, leased {r.get('leased')}, "
+              f"{r['iters_per_s']:.1f} it/s")
+PY
+    kill -TERM "$pid"; wait "$pid" || { echo "broker exit status $?"; tail -30 "$dir/broker.log"; }
+    trap - EXIT
+    grep -E "WARN|ERROR" "$dir/broker.log" | tail -10 || true
+    echo "=== done in $((SECONDS - t0)) s ==="
+}
+
+case ${1:-} in
+    build) build ;;
+    run) run ;;
+    *) echo "usage: $0 build|run" >&2; exit 2 ;;
+esac
