@@ -172,8 +172,11 @@ pub struct ListenerStats {
     pub accepted: AtomicU64,
     /// Connections closed at once because a cap was reached.
     pub refused: AtomicU64,
-    /// Connections closed because they sent no HTTP/2 preface in time.
+    /// Connections closed because they sent no HTTP/2 preface in time (with TLS: or did
+    /// not finish the TLS handshake in time).
     pub handshake_timeouts: AtomicU64,
+    /// TLS handshakes that failed (bad or missing client certificate, not TLS, ...).
+    pub tls_handshake_failures: AtomicU64,
     /// `accept` failures (EMFILE and the like), each followed by a back-off.
     pub accept_errors: AtomicU64,
     /// Unauthenticated calls refused because their cap was reached.
@@ -411,6 +414,16 @@ async fn accept_admitted<L: Acceptor>(
     tracker: &Arc<ConnTracker>,
     backoff: &mut Backoff,
 ) -> Conn<L::Io> {
+    let (io, permit) = accept_admitted_raw(l, tracker, backoff).await;
+    Conn::new(io, permit, tracker.limits.handshake_timeout)
+}
+
+/// [`accept_admitted`] without the preface deadline: the connection and its permit.
+async fn accept_admitted_raw<L: Acceptor>(
+    l: &L,
+    tracker: &Arc<ConnTracker>,
+    backoff: &mut Backoff,
+) -> (L::Io, ConnPermit) {
     let mut streak = 0u32;
     loop {
         match l.accept_one().await {
@@ -419,9 +432,7 @@ async fn accept_admitted<L: Acceptor>(
                 streak = 0;
                 let uid = L::uid(&io);
                 match tracker.admit(uid) {
-                    Ok(permit) => {
-                        return Conn::new(io, permit, tracker.limits.handshake_timeout);
-                    }
+                    Ok(permit) => return (io, permit),
                     Err(why) => {
                         let n = tracker.stats.refused.fetch_add(1, Ordering::Relaxed);
                         // Log the first refusal and then one in a thousand.
@@ -495,6 +506,51 @@ pub fn incoming_tcp(
     tracker: Arc<ConnTracker>,
 ) -> impl Stream<Item = io::Result<Conn<TcpStream>>> {
     incoming(l, tracker)
+}
+
+/// The admitted connections of a TCP listener served with TLS. Each handshake runs in a
+/// task of its own (a slow one holds up no other) and must finish within the handshake
+/// timeout counted from accept; the connection then has what is left of that timeout to
+/// send its HTTP/2 preface, read through the TLS layer: a client that completes the
+/// handshake and then sends nothing is closed like a silent plain connection, and its
+/// permit (its place under the connection caps) goes with it.
+pub fn incoming_tls(
+    l: TcpListener,
+    tracker: Arc<ConnTracker>,
+    tls: Arc<crate::tls::TlsServer>,
+) -> impl Stream<Item = io::Result<Conn<tokio_rustls::server::TlsStream<TcpStream>>>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut backoff = Backoff(Backoff::MIN);
+        loop {
+            let (io, permit) = tokio::select! {
+                _ = tx.closed() => return,
+                a = accept_admitted_raw(&l, &tracker, &mut backoff) => a,
+            };
+            let accepted = std::time::Instant::now();
+            let timeout = tracker.limits.handshake_timeout;
+            let (tx, acceptor, stats) = (tx.clone(), tls.acceptor(), tracker.stats.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(timeout, acceptor.accept(io)).await {
+                    Ok(Ok(stream)) => {
+                        let left = timeout.saturating_sub(accepted.elapsed());
+                        let _ = tx.send(Ok(Conn::new(stream, permit, left))).await;
+                    }
+                    Ok(Err(e)) => {
+                        stats.tls_handshake_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(error = %e, "TLS handshake failed");
+                    }
+                    Err(_) => {
+                        stats.handshake_timeouts.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(
+                            "closing a connection whose TLS handshake did not finish in time"
+                        );
+                    }
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
 fn incoming<L: Acceptor + Send + 'static>(

@@ -61,9 +61,9 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             cfg.insecure_tcp,
             cfg.limits.handshake_timeout,
         )? {
-            gpu_broker::tls::TcpSecurity::Tls { config, mtls } => {
+            gpu_broker::tls::TcpSecurity::Tls { server, mtls } => {
                 tracing::info!(%addr, client_certificates = mtls, "TLS on the TCP listener");
-                tcp_tls = Some(config);
+                tcp_tls = Some(server);
             }
             gpu_broker::tls::TcpSecurity::Insecure => tracing::warn!(
                 %addr,
@@ -111,6 +111,14 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         arb.set_mps(mps);
     }
     let shutdown = CancellationToken::new();
+    // The TLS certificate is read again on SIGHUP and when its files change.
+    if let Some(server) = &tcp_tls {
+        gpu_broker::tls::spawn_reload(
+            server.clone(),
+            std::time::Duration::from_secs(2),
+            shutdown.clone(),
+        );
+    }
     // Declarative tenants: applied before serving, then on SIGHUP and file changes.
     if let Some(path) = &cfg.config {
         let declared = gpu_broker::tenants_config::load(path)?;

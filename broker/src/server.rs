@@ -62,7 +62,7 @@ pub struct Listeners {
     pub unix: Option<UnixListener>,
     pub tcp: Option<TcpListener>,
     /// TLS of the TCP listener (`crate::tls`); None: plain HTTP/2 (`--insecure-tcp`).
-    pub tcp_tls: Option<tonic::transport::ServerTlsConfig>,
+    pub tcp_tls: Option<Arc<crate::tls::TlsServer>>,
     /// Connection caps, handshake deadline, stream limits (`crate::listener`).
     pub limits: crate::listener::Limits,
 }
@@ -117,12 +117,9 @@ pub async fn serve(
         // to the services that need no token.
         .max_concurrent_streams(listeners.limits.max_streams_per_connection)
         .layer(crate::listener::UnauthStreamsLayer::new(&conns));
-    // The TCP listener gets the same server with TLS (tonic handshakes each admitted
-    // connection, so the connection limits still apply first).
-    let tcp_builder = match listeners.tcp_tls {
-        Some(tls) => builder.clone().tls_config(tls)?,
-        None => builder.clone(),
-    };
+    // The TCP listener gets the same server; its TLS is terminated in front of it
+    // (`listener::incoming_tls`), after the connection limits and under their deadline.
+    let tcp_builder = builder.clone();
     let routes = |mut b: tonic::transport::Server<_>| {
         b.add_service(health.clone())
             .add_service(reflection.clone())
@@ -187,10 +184,22 @@ pub async fn serve(
         let r = tcp_router;
         let s = stop_serving.clone();
         let c = conns.clone();
-        tasks.spawn(async move {
-            r.serve_with_incoming_shutdown(crate::listener::incoming_tcp(l, c), s.cancelled_owned())
+        match listeners.tcp_tls {
+            Some(tls) => tasks.spawn(async move {
+                r.serve_with_incoming_shutdown(
+                    crate::listener::incoming_tls(l, c, tls),
+                    s.cancelled_owned(),
+                )
                 .await
-        });
+            }),
+            None => tasks.spawn(async move {
+                r.serve_with_incoming_shutdown(
+                    crate::listener::incoming_tcp(l, c),
+                    s.cancelled_owned(),
+                )
+                .await
+            }),
+        };
     }
 
     // Serve until asked to stop (or a listener fails).

@@ -1,13 +1,27 @@
 //! TLS of the TCP listener: turns `--tls-cert`, `--tls-key`, `--tls-client-ca` and
-//! `--insecure-tcp` into what `server.rs` serves `--listen` with. TLS is rustls (ring)
-//! through tonic; with a client CA every client must present a certificate it signed
-//! (mutual TLS). Plain TCP needs `--insecure-tcp`; `--listen` with neither is refused. The
-//! Unix socket is never TLS.
+//! `--insecure-tcp` into what `server.rs` serves `--listen` with. TLS is rustls (ring),
+//! terminated here rather than inside tonic so that the listener's deadline
+//! (`listener::incoming_tls`) covers the handshake *and* the HTTP/2 preface that must
+//! follow it: a client that completes the handshake and then sends nothing is closed like
+//! any other silent connection. With a client CA every client must present a certificate
+//! it signed (mutual TLS). The certificate and key are read again on SIGHUP and whenever
+//! their files change ([`spawn_reload`]): new connections get the new certificate, open
+//! ones keep theirs, and a bad pair is refused and logged while the old one stays. The
+//! client CA is read only at start. Plain TCP needs `--insecure-tcp`; `--listen` with
+//! neither is refused. The Unix socket is never TLS.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use parking_lot::RwLock;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::{
+    self, crypto::CryptoProvider, server::ClientHello, server::ResolvesServerCert,
+    server::WebPkiClientVerifier, sign::CertifiedKey, RootCertStore, ServerConfig,
+};
+use tokio_util::sync::CancellationToken;
 
 /// Why the TCP listener's security could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -38,9 +52,77 @@ pub enum TlsError {
 #[derive(Clone, Debug)]
 pub enum TcpSecurity {
     /// TLS; with a client CA when `mtls`.
-    Tls { config: ServerTlsConfig, mtls: bool },
+    Tls { server: Arc<TlsServer>, mtls: bool },
     /// Plain HTTP/2 (`--insecure-tcp`).
     Insecure,
+}
+
+/// The TCP listener's TLS: the rustls configuration and the certificate it serves,
+/// which [`TlsServer::reload`] replaces.
+#[derive(Debug)]
+pub struct TlsServer {
+    config: Arc<ServerConfig>,
+    cert: Arc<ReloadableCert>,
+}
+
+impl TlsServer {
+    /// What accepts one connection's handshake.
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.config.clone())
+    }
+
+    /// Reads the certificate and key again and serves them to new connections; on an
+    /// error the old pair stays.
+    pub fn reload(&self) -> Result<(), TlsError> {
+        let fresh = load_certified_key(&self.cert.cert_path, &self.cert.key_path)?;
+        *self.cert.current.write() = Arc::new(fresh);
+        Ok(())
+    }
+
+    /// The leaf certificate served now (DER).
+    pub fn current_certificate(&self) -> Vec<u8> {
+        self.cert.current.read().cert[0].as_ref().to_vec()
+    }
+}
+
+/// The served certificate, swapped on reload.
+#[derive(Debug)]
+struct ReloadableCert {
+    cert_path: PathBuf,
+    key_path: PathBuf,
+    current: RwLock<Arc<CertifiedKey>>,
+}
+
+impl ResolvesServerCert for ReloadableCert {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current.read().clone())
+    }
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Certificate chain and key from PEM files, checked to belong together.
+fn load_certified_key(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
+    let cert_pem = read_pem("certificate", cert, "certificate")?;
+    let key_pem = read_pem("key", key, "private key")?;
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| TlsError::Config(format!("{}: {e}", cert.display())))?;
+    if chain.is_empty() {
+        return Err(TlsError::NotPem {
+            what: "certificate",
+            path: cert.to_path_buf(),
+            expect: "certificate",
+        });
+    }
+    let key_der = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| TlsError::NotPem {
+        what: "key",
+        path: key.to_path_buf(),
+        expect: "private key",
+    })?;
+    CertifiedKey::from_der(chain, key_der, &provider()).map_err(|e| TlsError::Config(chain_of(&e)))
 }
 
 fn read_pem(what: &'static str, path: &Path, expect: &'static str) -> Result<Vec<u8>, TlsError> {
@@ -60,7 +142,7 @@ fn read_pem(what: &'static str, path: &Path, expect: &'static str) -> Result<Vec
 }
 
 /// An error and its sources, joined with ": " (rustls says what is wrong in a source).
-fn chain(e: &dyn std::error::Error) -> String {
+fn chain_of(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {
@@ -85,26 +167,83 @@ pub fn tcp_security(
         _ if insecure => return Ok(TcpSecurity::Insecure),
         _ => return Err(TlsError::NoTls),
     };
-    let identity = Identity::from_pem(
-        read_pem("certificate", cert, "certificate")?,
-        read_pem("key", key, "private key")?,
-    );
-    let mut config = ServerTlsConfig::new().identity(identity).timeout(handshake);
-    if let Some(ca) = client_ca {
-        config = config.client_ca_root(Certificate::from_pem(read_pem(
-            "client CA",
-            ca,
-            "certificate",
-        )?));
-    }
-    // Build the acceptor once now: a key that does not fit its certificate fails here.
-    tonic::transport::Server::builder()
-        .tls_config(config.clone())
-        .map_err(|e| TlsError::Config(chain(&e)))?;
+    let _ = handshake; // the listener's deadline covers the handshake (`incoming_tls`)
+    let certified = load_certified_key(cert, key)?;
+    let resolver = Arc::new(ReloadableCert {
+        cert_path: cert.to_path_buf(),
+        key_path: key.to_path_buf(),
+        current: RwLock::new(Arc::new(certified)),
+    });
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::Config(chain_of(&e)))?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let pem = read_pem("client CA", ca, "certificate")?;
+            let mut roots = RootCertStore::empty();
+            for c in CertificateDer::pem_slice_iter(&pem) {
+                let c = c.map_err(|e| TlsError::Config(format!("{}: {e}", ca.display())))?;
+                roots
+                    .add(c)
+                    .map_err(|e| TlsError::Config(format!("{}: {}", ca.display(), chain_of(&e))))?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(roots.into(), provider())
+                .build()
+                .map_err(|e| TlsError::Config(chain_of(&e)))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder.with_cert_resolver(resolver.clone());
+    config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(TcpSecurity::Tls {
-        config,
+        server: Arc::new(TlsServer {
+            config: Arc::new(config),
+            cert: resolver,
+        }),
         mtls: client_ca.is_some(),
     })
+}
+
+/// Reloads `server`'s certificate on SIGHUP and whenever the certificate or key file
+/// changes (checked every `poll`; reads follow symlinks, so a Secret's `..data` swap
+/// counts), until `stop`. Registered before returning.
+pub fn spawn_reload(server: Arc<TlsServer>, poll: Duration, stop: CancellationToken) {
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    let files = |s: &TlsServer| {
+        (
+            std::fs::read(&s.cert.cert_path).ok(),
+            std::fs::read(&s.cert.key_path).ok(),
+        )
+    };
+    tokio::spawn(async move {
+        let mut last = files(&server);
+        loop {
+            let why = tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = async {
+                    match hup.as_mut() {
+                        Some(h) => { h.recv().await; }
+                        None => std::future::pending::<()>().await,
+                    }
+                } => "SIGHUP",
+                _ = tokio::time::sleep(poll) => "certificate file changed",
+            };
+            let now = files(&server);
+            if why != "SIGHUP" && now == last {
+                continue;
+            }
+            last = now;
+            match server.reload() {
+                Ok(()) => {
+                    tracing::info!(why, cert = %server.cert.cert_path.display(), "TLS certificate reloaded")
+                }
+                Err(e) => {
+                    tracing::error!(why, error = %e, "TLS certificate not reloaded; the old one stays")
+                }
+            }
+        }
+    });
 }
 
 #[cfg(test)]
