@@ -78,11 +78,6 @@ impl TlsServer {
         *self.cert.current.write() = Arc::new(fresh);
         Ok(())
     }
-
-    /// The leaf certificate served now (DER).
-    pub fn current_certificate(&self) -> Vec<u8> {
-        self.cert.current.read().cert[0].as_ref().to_vec()
-    }
 }
 
 /// The served certificate, swapped on reload.
