@@ -363,17 +363,38 @@ impl Ledger {
         worst
     }
 
+    // Called by every byte mover after it changed the usage counters: the per-device
+    // bytes move with them, and (debug builds) still add up to the tenant's total.
     fn add_device_bytes(t: &mut Tenant, device: u32, bytes: u64) {
         *t.device_bytes.entry(device).or_insert(0) += bytes;
+        Self::debug_check_device_sum(t);
     }
 
     fn sub_device_bytes(t: &mut Tenant, device: u32, bytes: u64) {
-        if let Some(b) = t.device_bytes.get_mut(&device) {
-            *b -= bytes;
-            if *b == 0 {
-                t.device_bytes.remove(&device);
+        match t.device_bytes.get_mut(&device) {
+            Some(b) => {
+                *b -= bytes;
+                if *b == 0 {
+                    t.device_bytes.remove(&device);
+                }
             }
+            None => debug_assert_eq!(
+                bytes, 0,
+                "tenant {:?} holds nothing on device {device}",
+                t.name
+            ),
         }
+        Self::debug_check_device_sum(t);
+    }
+
+    fn debug_check_device_sum(t: &Tenant) {
+        debug_assert_eq!(
+            t.device_bytes.values().sum::<u64>(),
+            t.usage.committed_bytes(),
+            "tenant {:?}: per-device bytes {:?} do not add up to its committed bytes",
+            t.name,
+            t.device_bytes
+        );
     }
 
     /// Charges an admission in flight on `device` (device tier). Call after
