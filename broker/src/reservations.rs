@@ -125,23 +125,25 @@ impl ReservationTable {
     pub fn of_session(&self, session: Uuid) -> impl Iterator<Item = &Reservation> {
         self.by_id.values().filter(move |r| r.session == session)
     }
-    /// Room (bytes charged to reservations) of a session's reservations.
-    pub fn room_of_session(&self, session: Uuid) -> u64 {
-        self.of_session(session).map(Reservation::room).sum()
-    }
-    /// The reservation whose process tree holds `pid` (its root or a descendant), if any
-    /// matches `keep`. Reads `/proc` only when some reservation has a pid.
-    fn covering(&self, pid: u32, keep: impl Fn(&Reservation) -> bool) -> Option<&Reservation> {
+    /// The reservation of `tenant` on a device `keep` accepts whose root is a pid of
+    /// `lineage` (the caller, its parent, ...), nearest first.
+    fn covering(
+        &self,
+        lineage: &[u32],
+        keep: impl Fn(&Reservation) -> bool,
+    ) -> Option<&Reservation> {
         let roots: HashMap<u32, &Reservation> = self
             .by_id
             .values()
             .filter(|r| keep(r))
             .filter_map(|r| r.pid.map(|p| (p, r)))
             .collect();
-        if roots.is_empty() {
-            return None;
-        }
-        lineage(pid).find_map(|p| roots.get(&p).copied())
+        lineage.iter().find_map(|p| roots.get(p).copied())
+    }
+
+    /// Room (bytes charged to reservations) of a session's reservations.
+    pub fn room_of_session(&self, session: Uuid) -> u64 {
+        self.of_session(session).map(Reservation::room).sum()
     }
 }
 
@@ -371,21 +373,39 @@ impl Arbiter {
         }
     }
 
-    /// If `req` comes from a process a reservation of its tenant covers, on that
-    /// reservation's device, takes its bytes out of the reservation's room and returns
-    /// the ask to grant at once. `RESOURCE_EXHAUSTED` when it does not fit in the room.
+    /// The pids a lease request's process tree is made of (its session's peer, its
+    /// parent, ...), read from `/proc` outside the state lock; empty when no reservation
+    /// could cover it.
+    pub(crate) fn caller_lineage(&self, req: &AcquireRequest) -> Vec<u32> {
+        let pid = {
+            let st = self.state.lock();
+            if st.reservations.is_empty() {
+                return Vec::new();
+            }
+            st.sessions.get(&req.session).and_then(|s| s.peer.pid)
+        };
+        pid.map(|p| lineage(p).collect()).unwrap_or_default()
+    }
+
+    /// If `req` comes from a process (`lineage`: it and its ancestors) a reservation of
+    /// its tenant covers, on that reservation's device, takes its bytes out of the
+    /// reservation's room and returns the ask to grant at once. `RESERVATION_EXCEEDED`
+    /// when it does not fit in the room.
     pub(crate) fn draw_from_reservation(
         &self,
         st: &mut State,
         req: &AcquireRequest,
+        lineage: &[u32],
     ) -> BrokerResult<Option<Drawn>> {
-        if st.reservations.is_empty() {
+        if st.reservations.is_empty() || lineage.is_empty() {
             return Ok(None);
         }
-        let Some(pid) = st.sessions.get(&req.session).and_then(|s| s.peer.pid) else {
+        // The lineage was read for the session's peer before the lock.
+        let peer = st.sessions.get(&req.session).and_then(|s| s.peer.pid);
+        if peer != lineage.first().copied() {
             return Ok(None);
-        };
-        let Some(r) = st.reservations.covering(pid, |r| {
+        }
+        let Some(r) = st.reservations.covering(lineage, |r| {
             r.tenant == req.tenant && req.device.is_none_or(|d| d == r.device)
         }) else {
             return Ok(None);

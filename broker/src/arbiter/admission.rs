@@ -97,7 +97,12 @@ impl Arbiter {
     ) -> BrokerResult<Granted> {
         self.check_not_draining()?;
         self.validate(&req)?;
-        let queued = self.enqueue(&req, process)?;
+        // Whose process tree the caller is in, read from /proc before the state lock.
+        let lineage = match process {
+            None => self.caller_lineage(&req),
+            Some(_) => Vec::new(),
+        };
+        let queued = self.enqueue(&req, process, &lineage)?;
         let (mut rx, id, bytes) = match queued {
             Enqueued::Waiting {
                 rx,
@@ -146,6 +151,7 @@ impl Arbiter {
         self: &Arc<Self>,
         req: &AcquireRequest,
         process: Option<crate::reservations::ProcessAsk>,
+        lineage: &[u32],
     ) -> BrokerResult<Enqueued> {
         let mut st = self.state.lock();
         let session = st
@@ -162,7 +168,7 @@ impl Arbiter {
         // A lease of a reserved process is drawn from its reservation: no queue, the
         // memory is already set aside (`reservations.rs`).
         if process.is_none() {
-            if let Some(drawn) = self.draw_from_reservation(&mut st, req)? {
+            if let Some(drawn) = self.draw_from_reservation(&mut st, req, lineage)? {
                 let (tx, rx) = oneshot::channel();
                 let bytes = drawn.ask.bytes;
                 self.grant(&mut st, drawn.ask, drawn.priority, tx, drawn.device);
