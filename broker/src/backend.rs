@@ -3,12 +3,22 @@
 //! device gets its own thread, and its leasable amount is fixed here: what was free at
 //! start minus the headroom.
 
-use crate::arbiter::DeviceSlot;
 use crate::config::{BackendChoice, Headroom};
 use crate::device::cuda::{self, CudaDevice};
 use crate::device::host::HostDevice;
 use crate::device::thread::DeviceThread;
 use crate::device::{Device, DeviceError};
+
+/// One device as the arbiter knows it.
+pub struct DeviceSlot {
+    pub thread: DeviceThread,
+    /// Leasable bytes decided at start (free at start minus headroom).
+    pub initial_leasable: u64,
+    /// Memory used by others when the broker started.
+    pub external_at_start: u64,
+    /// Memory kept free on the device (configured headroom).
+    pub headroom: u64,
+}
 
 /// What the backend needs to know.
 #[derive(Clone, Debug)]

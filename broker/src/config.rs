@@ -22,6 +22,21 @@ pub enum BackendChoice {
     Cuda,
 }
 
+/// The `--reclaim-policy` values (the arbiter's [`ReclaimPolicy`] knows nothing of clap).
+fn reclaim_policy_parser() -> impl clap::builder::TypedValueParser<Value = ReclaimPolicy> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("cooperative")
+            .help("Revoke the lease and quarantine its memory until the process lets go or exits"),
+        PossibleValue::new("terminate")
+            .help("Kill the holder process (pid from the Unix socket), then reuse the memory"),
+    ])
+    .map(|v| match v.as_str() {
+        "terminate" => ReclaimPolicy::Terminate,
+        _ => ReclaimPolicy::Cooperative,
+    })
+}
+
 /// Headroom kept free on each device: bytes or a percentage of its total.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Headroom {
@@ -171,7 +186,7 @@ pub struct Config {
     #[arg(
         long,
         env = "GPU_BROKER_RECLAIM_POLICY",
-        value_enum,
+        value_parser = reclaim_policy_parser(),
         default_value = "cooperative"
     )]
     pub reclaim_policy: ReclaimPolicy,

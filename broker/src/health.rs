@@ -694,7 +694,9 @@ mod tests {
         assert_eq!(elsewhere.device, 0);
         let report = arb.devices().await;
         assert!(report[1].fault.as_deref().unwrap().contains("Xid 79"));
-        let text = crate::metrics::render(&arb, crate::metrics::Format::PrometheusText).await;
+        let text = arb
+            .metrics_text(crate::metrics::Format::PrometheusText)
+            .await;
         let healthy: Vec<&str> = text
             .lines()
             .filter(|l| l.starts_with("gpu_broker_device_healthy{"))

@@ -43,3 +43,4 @@ pub mod tenants_config;
 pub mod tickets;
 pub mod tls;
 pub mod units;
+pub mod views;

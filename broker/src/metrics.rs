@@ -1,14 +1,16 @@
-//! Prometheus metrics. [`Metrics`] is owned by the arbiter (`Arbiter::metrics`): counters
-//! and histograms of what the broker did (grants, refusals by reason, reclaims,
-//! revocations, quarantines, acquire latency, time to grant, store writes), bumped where
-//! it happens. [`render`] adds gauges read from the live state (devices labelled by index,
-//! UUID and model; tenants; sessions; build info) and encodes everything as OpenMetrics
-//! text, or as the Prometheus 0.0.4 text format for scrapers that do not ask for
-//! OpenMetrics ([`Format`]). The HTTP side is `status_http`.
+//! Prometheus metrics. [`Metrics`] is owned by the arbiter (`Arbiter::metrics`, one per
+//! arbiter, no globals): counters and histograms of what the broker did (grants, refusals
+//! by reason, reclaims, revocations, quarantines, acquire latency, time to grant, store
+//! writes), bumped where it happens. [`render`] adds gauges from snapshots of the live state
+//! (`views.rs`: devices labelled by index, UUID and model; tenants; sessions; build info)
+//! and encodes everything as OpenMetrics text, or as the Prometheus 0.0.4 text format for
+//! scrapers that do not ask for OpenMetrics ([`Format`]). This module does not know the
+//! arbiter: `Arbiter::metrics_text` takes the snapshots and calls [`render`]. The HTTP side
+//! is `status_http`.
 
-use crate::arbiter::{Arbiter, DeviceReport, TenantView};
 use crate::error::BrokerError;
 use crate::ledger::Tier;
+use crate::views::{DeviceReport, TenantView};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -178,11 +180,10 @@ impl Metrics {
     }
 
     /// A lease was taken away: by an operator, or for a missed reclaim deadline.
-    pub fn revoked(&self, reason: &str) {
-        let reason = if reason == crate::arbiter::RECLAIM_DEADLINE_MISSED {
-            "reclaim_deadline"
-        } else {
-            "operator"
+    pub fn revoked(&self, why: Revocation) {
+        let reason = match why {
+            Revocation::ReclaimDeadline => "reclaim_deadline",
+            Revocation::Operator => "operator",
         };
         self.revocations
             .get_or_create(&ReasonLabel { reason })
@@ -284,6 +285,15 @@ impl Metrics {
             started,
         );
     }
+}
+
+/// Why a lease was revoked (the `reason` label of `revocations`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Revocation {
+    /// An operator's `RevokeLease`.
+    Operator,
+    /// The holder missed its reclaim deadline.
+    ReclaimDeadline,
 }
 
 /// Every value of the `reason` label of `acquire_refusals`.
@@ -473,13 +483,21 @@ const TENANT_GAUGES: [(&str, &str, TenantGet); 12] = [
     }),
 ];
 
-/// The metrics text for the current state, in `format`.
-pub async fn render(arb: &Arbiter, format: Format) -> String {
+/// The metrics text for `metrics`, what `more` registers (the scheduler's own metrics) and
+/// snapshots of the live state (`devices`, `tenants`, the number of open `sessions`), in
+/// `format`.
+pub fn render(
+    metrics: &Metrics,
+    more: impl FnOnce(&mut Registry),
+    devices: &[DeviceReport],
+    tenants: &[TenantView],
+    sessions: usize,
+    format: Format,
+) -> String {
     let mut reg = Registry::with_prefix("gpu_broker");
-    arb.metrics().register(&mut reg);
-    arb.scheduler.register_metrics(&mut reg);
+    metrics.register(&mut reg);
+    more(&mut reg);
 
-    let devices = arb.devices().await;
     let backend = devices
         .first()
         .map(|d| d.backend.clone())
@@ -494,16 +512,15 @@ pub async fn render(arb: &Arbiter, format: Format) -> String {
     reg.register("build_info", "Version of the broker and its backend", build);
     for (name, help, get) in DEVICE_GAUGES {
         let fam = Family::<DeviceLabels, Gauge>::default();
-        for d in &devices {
+        for d in devices {
             fam.get_or_create(&device_labels(d)).set(get(d) as i64);
         }
         reg.register(name, help, fam);
     }
 
-    let tenants = arb.list_tenants();
     for (name, help, get) in TENANT_GAUGES {
         let fam = Family::<TenantLabel, Gauge>::default();
-        for t in &tenants {
+        for t in tenants {
             fam.get_or_create(&TenantLabel {
                 tenant: t.name.clone(),
             })
@@ -514,7 +531,7 @@ pub async fn render(arb: &Arbiter, format: Format) -> String {
     let turns = Family::<TenantLabel, Counter>::default();
     let compute = Family::<TenantLabel, Counter<f64, std::sync::atomic::AtomicU64>>::default();
     let overrun = Family::<TenantLabel, Counter<f64, std::sync::atomic::AtomicU64>>::default();
-    for t in &tenants {
+    for t in tenants {
         let l = TenantLabel {
             tenant: t.name.clone(),
         };
@@ -542,9 +559,9 @@ pub async fn render(arb: &Arbiter, format: Format) -> String {
         overrun,
     );
 
-    let sessions = Gauge::<i64>::default();
-    sessions.set(arb.session_count() as i64);
-    reg.register("sessions", "Open sessions", sessions);
+    let open = Gauge::<i64>::default();
+    open.set(sessions as i64);
+    reg.register("sessions", "Open sessions", open);
     let mps = Gauge::<i64>::default();
     mps.set(i64::from(mps_control_present()));
     reg.register(
@@ -715,7 +732,7 @@ mod tests {
             }),
             Duration::from_millis(3),
         );
-        m.revoked(crate::arbiter::RECLAIM_DEADLINE_MISSED);
+        m.revoked(Revocation::ReclaimDeadline);
         m.store_write(false);
         let mut reg = Registry::with_prefix("gpu_broker");
         m.register(&mut reg);

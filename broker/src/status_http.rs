@@ -8,7 +8,7 @@
 //! `server::serve_metrics`.
 
 use crate::arbiter::Arbiter;
-use crate::metrics::{render, Format};
+use crate::metrics::Format;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Request, Response, StatusCode};
@@ -95,7 +95,7 @@ pub async fn respond<B>(
                     .get(hyper::header::ACCEPT)
                     .and_then(|v| v.to_str().ok()),
             );
-            let body = render(arb, format).await;
+            let body = arb.metrics_text(format).await;
             let mut r = Response::new(Full::new(Bytes::from(body)));
             r.headers_mut().insert(
                 hyper::header::CONTENT_TYPE,

@@ -11,6 +11,8 @@
 //! - `resident`: the broker's resident memory with 10,000 live leases;
 //! - `oversub`: 2x oversubscription with 3 priorities, guarantees, waits and cooperative
 //!   reclaim: per-priority time-to-grant, reclaim/revocation counts, utilization;
+//! - `quota-writes`: pooled acquire p50/p99 alone and while an admin client sets quotas
+//!   in a loop (each a durable store commit);
 //! - `abuse`: descriptors and memory after many session cycles, admin latency while idle
 //!   connections and unauthenticated streams are held, acquire p99 while listings run;
 //! - `all`: each of the above with its defaults.
@@ -23,6 +25,7 @@ mod broker;
 mod cpu;
 mod latency;
 mod oversub;
+mod quota_writes;
 mod report;
 mod resident;
 mod stats;
@@ -93,6 +96,8 @@ enum Mode {
     Oversub(oversub::OversubArgs),
     /// Faults and abuse: session cycles, held connections and streams, listings at scale.
     Abuse(abuse::AbuseArgs),
+    /// Pooled acquire latency alone and while an admin client writes quotas in a loop.
+    QuotaWrites(quota_writes::QuotaWritesArgs),
     /// Every mode with its defaults, one after the other.
     All,
     /// A worker process of `throughput --processes` (internal).
@@ -173,6 +178,7 @@ async fn run(cli: Cli) -> Result<()> {
         Mode::Resident(a) => resident::run(&common, &a).await,
         Mode::Oversub(a) => oversub::run(&common, &a).await,
         Mode::Abuse(a) => abuse::run(&common, &a).await,
+        Mode::QuotaWrites(a) => quota_writes::run(&common, &a).await,
         Mode::Worker(a) => throughput::worker_process(&common, &a).await,
         Mode::All => {
             let defaults = |mode: &str| Cli::try_parse_from(["gpu-broker-bench", mode]);

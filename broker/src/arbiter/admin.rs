@@ -6,87 +6,13 @@ use super::{Arbiter, State};
 use crate::auth::TokenEntry;
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
-use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant, Usage};
+use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant};
 use crate::store::{StoreError, TenantRecord};
 use crate::units::show;
+pub use crate::views::{DeviceReport, QuarantineView, SessionView, TenantView};
 use std::sync::Arc;
 use std::time::SystemTime;
 use uuid::Uuid;
-
-/// A tenant with its live usage.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TenantView {
-    pub name: String,
-    pub quota: Quota,
-    pub usage: Usage,
-    /// Device bytes per device index (`Tenant::device_bytes`).
-    pub device_bytes: std::collections::BTreeMap<u32, u64>,
-    pub borrowed_bytes: u64,
-    pub sessions: u32,
-    pub waiting: u32,
-    pub tokens: u32,
-    pub turns: crate::scheduler::TurnUsage,
-}
-
-/// A session as operators see it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SessionView {
-    pub id: Uuid,
-    pub tenant: String,
-    pub name: String,
-    pub pid: Option<u32>,
-    pub uid: Option<u32>,
-    pub unix: bool,
-    pub opened: SystemTime,
-    pub lease_count: u32,
-    pub held_bytes: u64,
-    pub gpu: Option<crate::session::GpuUse>,
-    /// Room of the session's process reservation (`reservations.rs`).
-    pub process_reserved: u64,
-}
-
-/// A quarantined block as operators see it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct QuarantineView {
-    pub lease: Uuid,
-    pub tenant: String,
-    pub device: u32,
-    pub bytes: u64,
-    pub pid: Option<u32>,
-    pub since: SystemTime,
-}
-
-/// A device as operators see it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceReport {
-    pub index: u32,
-    pub name: String,
-    /// `GPU-<uuid>` / `HOST-<uuid>` (see `DeviceDesc::uuid`).
-    pub uuid: String,
-    pub model: String,
-    pub backend: String,
-    pub total: u64,
-    pub free: u64,
-    pub leasable: u64,
-    pub leased: u64,
-    pub cached: u64,
-    pub headroom: u64,
-    pub quarantined: u64,
-    /// Memory on the device neither the broker's nor inside a process reservation.
-    pub external_used: u64,
-    /// Kept for reserved processes to allocate themselves.
-    pub process_reserved: u64,
-    pub granularity: u64,
-    pub lease_count: u32,
-    pub waiting: u32,
-    /// Tenant holding the compute turn.
-    pub turn_holder: Option<String>,
-    pub turns_waiting: u32,
-    /// Why the device drains (`None`: it does not).
-    pub drain_reason: Option<String>,
-    /// Why it is unhealthy (`None`: healthy).
-    pub fault: Option<String>,
-}
 
 /// A quota change: the whole quota, or only some fields.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -347,6 +273,21 @@ impl Arbiter {
             .get(index as usize)
             .map(|d| d.thread.desc().uuid.clone())
             .unwrap_or_default()
+    }
+
+    /// The `/metrics` text: the arbiter's counters and gauges from snapshots of its state.
+    pub async fn metrics_text(&self, format: crate::metrics::Format) -> String {
+        let devices = self.devices().await;
+        let tenants = self.list_tenants();
+        let sessions = self.session_count();
+        crate::metrics::render(
+            &self.metrics,
+            |reg| self.scheduler.register_metrics(reg),
+            &devices,
+            &tenants,
+            sessions,
+            format,
+        )
     }
 
     /// Every device with its memory picture. Reads each device's free memory.

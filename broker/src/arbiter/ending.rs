@@ -245,7 +245,12 @@ impl Arbiter {
             ..v
         });
         tracing::warn!(lease = %id, reason, ?ending, "lease revoked");
-        self.metrics.revoked(reason);
+        self.metrics
+            .revoked(if reason == super::RECLAIM_DEADLINE_MISSED {
+                crate::metrics::Revocation::ReclaimDeadline
+            } else {
+                crate::metrics::Revocation::Operator
+            });
         self.drain(&mut st);
         view.ok_or_else(|| lease_not_found(id))
     }

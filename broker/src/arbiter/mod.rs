@@ -21,6 +21,7 @@ mod tasks;
 pub mod tokens;
 mod turns;
 
+pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
 pub use drain::{DeviceDrain, DrainReport};
 pub use sharing::ImportGrant;
@@ -45,7 +46,7 @@ use uuid::Uuid;
 
 /// What happens to a holder that misses a reclaim deadline (or whose lease an operator
 /// revokes) while its process still runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReclaimPolicy {
     /// Revoke the lease and quarantine its memory until the process lets go or exits.
     Cooperative,
@@ -92,17 +93,6 @@ impl Default for ArbiterConfig {
             rate: crate::rate::RateConfig::default(),
         }
     }
-}
-
-/// One device as the arbiter knows it.
-pub struct DeviceSlot {
-    pub thread: DeviceThread,
-    /// Leasable bytes decided at start (free at start minus headroom).
-    pub initial_leasable: u64,
-    /// Memory used by others when the broker started.
-    pub external_at_start: u64,
-    /// Memory kept free on the device (configured headroom).
-    pub headroom: u64,
 }
 
 /// Memory of an ended lease that a live process may still map.
