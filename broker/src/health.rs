@@ -75,7 +75,7 @@ impl Arbiter {
         self.check_device_index(index)?;
         let uuid = self.device_uuid(index);
         let holders = {
-            let mut st = self.state.lock();
+            let mut st = self.lock();
             {
                 let mut avail = self.avail.write();
                 let Some(s) = avail.device_mut(index) else {
@@ -108,11 +108,15 @@ impl Arbiter {
                 .collect();
             for s in &sessions {
                 if let Some(s) = st.sessions.get(s) {
-                    s.notify(SessionEvent::DeviceUnhealthy {
-                        device: index,
-                        uuid: uuid.clone(),
-                        reason: reason.to_string(),
-                    });
+                    let to = s.events.clone();
+                    st.fx.notify(
+                        &to,
+                        SessionEvent::DeviceUnhealthy {
+                            device: index,
+                            uuid: uuid.clone(),
+                            reason: reason.to_string(),
+                        },
+                    );
                 }
             }
             sessions.len()
@@ -139,7 +143,7 @@ impl Arbiter {
     ) -> BrokerResult<bool> {
         self.check_device_index(index)?;
         let before = {
-            let mut st = self.state.lock();
+            let mut st = self.lock();
             let before = {
                 let mut avail = self.avail.write();
                 let Some(s) = avail.device_mut(index) else {

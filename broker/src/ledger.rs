@@ -147,6 +147,9 @@ pub fn validate_tenant_name(name: &str) -> BrokerResult<()> {
 #[derive(Debug, Default)]
 pub struct Ledger {
     tenants: BTreeMap<String, Tenant>,
+    /// Tenants being deleted (their removal is being committed to the store): they take
+    /// no new charge, so they still hold nothing when the deletion is applied.
+    closing: std::collections::BTreeSet<String>,
 }
 
 impl Ledger {
@@ -249,7 +252,27 @@ impl Ledger {
     pub fn delete(&mut self, name: &str) -> BrokerResult<()> {
         self.check_deletable(name)?;
         self.tenants.remove(name);
+        self.closing.remove(name);
         Ok(())
+    }
+
+    /// Starts deleting a tenant that holds nothing: from now on it takes no new charge
+    /// (`check_charge` answers as for a tenant that does not exist). Undo with [`Ledger::reopen`].
+    pub fn close(&mut self, name: &str) -> BrokerResult<()> {
+        self.check_deletable(name)?;
+        self.closing.insert(name.to_string());
+        Ok(())
+    }
+
+    /// A deletion did not happen after all (the store refused it): the tenant takes
+    /// charges again.
+    pub fn reopen(&mut self, name: &str) {
+        self.closing.remove(name);
+    }
+
+    /// Is the tenant being deleted?
+    pub fn is_closing(&self, name: &str) -> bool {
+        self.closing.contains(name)
     }
 
     /// Fails unless the tenant exists and holds nothing.
@@ -278,6 +301,7 @@ impl Ledger {
         let t = self
             .tenants
             .get(name)
+            .filter(|_| !self.closing.contains(name))
             .ok_or_else(|| BrokerError::tenant_not_found(name))?;
         let (u, q) = (&t.usage, &t.quota);
         let (used, limit) = match tier {

@@ -226,6 +226,10 @@ pub async fn serve(
         .await
         .map_err(|e| std::io::Error::other(e.to_string()))?;
     bg_stop.cancel();
+    let stuck = arb.join_workers(Duration::from_secs(3)).await;
+    if !stuck.is_empty() {
+        tracing::warn!(workers = ?stuck, "background workers did not stop in time");
+    }
     stop_serving.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(3), async {
         while tasks.join_next().await.is_some() {}

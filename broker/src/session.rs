@@ -6,6 +6,8 @@
 //! business.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -64,7 +66,9 @@ pub struct Session {
     pub name: String,
     pub peer: Peer,
     pub opened: SystemTime,
-    pub last_seen: Instant,
+    /// Last activity; shared with the session's event stream, which marks it without the
+    /// state lock.
+    pub last_seen: Arc<Activity>,
     pub events: mpsc::UnboundedSender<SessionEvent>,
     pub leases: HashSet<Uuid>,
     /// What NVML last said about the peer process's GPU memory.
@@ -72,6 +76,35 @@ pub struct Session {
     /// Cancelled when the session is dropped: its background watchers (the peer's pidfd)
     /// end with it and close what they hold.
     pub ended: tokio_util::sync::DropGuard,
+}
+
+/// When a session last showed activity: a lock-free timestamp (nanoseconds since the
+/// session opened), so its event stream can mark it from `poll_next` without the state lock.
+#[derive(Debug)]
+pub struct Activity {
+    base: Instant,
+    nanos: AtomicU64,
+}
+
+impl Activity {
+    /// Active now.
+    pub fn new() -> Arc<Activity> {
+        Arc::new(Activity {
+            base: Instant::now(),
+            nanos: AtomicU64::new(0),
+        })
+    }
+
+    /// The session was active just now.
+    pub fn touch(&self) {
+        let n = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_max(n, Ordering::Relaxed);
+    }
+
+    /// When it was last active.
+    pub fn last(&self) -> Instant {
+        self.base + Duration::from_nanos(self.nanos.load(Ordering::Relaxed))
+    }
 }
 
 /// GPU memory of a session's peer process (NVML).
@@ -135,8 +168,27 @@ impl SessionTable {
     pub fn idle(&self, timeout: Duration, now: Instant) -> Vec<Uuid> {
         self.sessions
             .values()
-            .filter(|s| now.duration_since(s.last_seen) > timeout)
+            .filter(|s| now.saturating_duration_since(s.last_seen.last()) > timeout)
             .map(|s| s.id)
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn activity_moves_forward_without_a_lock_and_idle_reads_it() {
+        let a = Activity::new();
+        let t0 = a.last();
+        std::thread::sleep(Duration::from_millis(2));
+        a.touch();
+        let t1 = a.last();
+        assert!(t1 > t0);
+        // A touch never moves it back.
+        a.nanos.store(0, Ordering::Relaxed);
+        a.touch();
+        assert!(a.last() >= t1);
     }
 }

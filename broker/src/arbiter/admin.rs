@@ -40,6 +40,43 @@ impl Arbiter {
     }
 }
 
+impl Arbiter {
+    /// Holds off other durable operator changes (see `Arbiter::admin_writes`). Waiting
+    /// for it does not hold up the worker thread's other tasks.
+    pub(super) fn admin_writes(&self) -> parking_lot::MutexGuard<'_, ()> {
+        match self.admin_writes.try_lock() {
+            Some(g) => g,
+            None => off_the_runtime(|| self.admin_writes.lock()),
+        }
+    }
+
+    /// Commits a durable change (a redb transaction, fsync included), counted in the
+    /// metrics. Callers hold no state lock; on a multi-threaded runtime the commit runs in
+    /// `block_in_place`, so the worker thread's other tasks move elsewhere meanwhile.
+    pub(super) fn durable<T: Default>(
+        &self,
+        write: impl FnOnce(&crate::store::Store) -> Result<T, StoreError>,
+    ) -> BrokerResult<T> {
+        let Some(store) = &self.store else {
+            return Ok(T::default());
+        };
+        off_the_runtime(|| write(store))
+            .inspect(|_| self.metrics.store_write(true))
+            .map_err(|e| self.store_failed(e))
+    }
+}
+
+/// Runs blocking work: inside `block_in_place` on a multi-threaded tokio runtime, as is
+/// elsewhere (current-thread runtimes, plain threads).
+fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
 pub(super) fn store_err(e: StoreError) -> BrokerError {
     BrokerError::Internal(format!("state store: {e}"))
 }
@@ -51,7 +88,7 @@ impl Arbiter {
             return Ok(());
         };
         let (tenants, tokens) = store.load().map_err(store_err)?;
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         for t in &tenants {
             st.ledger.set_quota(&t.name, t.quota.clone())?;
         }
@@ -102,7 +139,8 @@ impl Arbiter {
         update: QuotaUpdate,
     ) -> BrokerResult<QuotaChange> {
         validate_tenant_name(name)?;
-        let mut st = self.state.lock();
+        let _writes = self.admin_writes();
+        let st = self.lock();
         let quota = match update {
             QuotaUpdate::Replace(q) => q,
             QuotaUpdate::Patch(p) => p.apply(st.ledger.get(name).map(|t| &t.quota))?,
@@ -118,16 +156,18 @@ impl Arbiter {
                 show(leasable)
             )));
         }
-        if let Some(store) = &self.store {
-            store
-                .put_tenant(&TenantRecord {
-                    name: name.to_string(),
-                    quota: quota.clone(),
-                })
-                .inspect(|_| self.metrics.store_write(true))
-                .map_err(|e| self.store_failed(e))?;
-        }
+        drop(st);
+        // Committed first, with no state lock held (acquires and heartbeats go on); then
+        // applied. Other durable changes wait for `admin_writes`, so nothing changes this
+        // tenant's quota in between.
+        self.durable(|store| {
+            store.put_tenant(&TenantRecord {
+                name: name.to_string(),
+                quota: quota.clone(),
+            })
+        })?;
         tracing::info!(tenant = name, ?quota, "quota set");
+        let mut st = self.lock();
         let created = st.ledger.set_quota(name, quota)?;
         // A raised limit or new guarantee may let waiters in, or call for reclaim.
         self.drain(&mut st);
@@ -150,7 +190,7 @@ impl Arbiter {
     /// must not look like "nothing there").
     pub fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
         match tenant {
-            Some(name) if self.state.lock().ledger.get(name).is_none() => {
+            Some(name) if self.lock().ledger.get(name).is_none() => {
                 Err(BrokerError::tenant_not_found(name))
             }
             _ => Ok(()),
@@ -158,7 +198,7 @@ impl Arbiter {
     }
 
     pub fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
-        let st = self.state.lock();
+        let st = self.lock();
         let t = st
             .ledger
             .get(name)
@@ -173,16 +213,16 @@ impl Arbiter {
 
     /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
     pub fn delete_tenant(self: &Arc<Self>, name: &str) -> BrokerResult<()> {
+        let _writes = self.admin_writes();
+        // Check and close the tenant (it takes no new charge), commit the deletion to the
+        // store with no state lock held, then apply it (or reopen the tenant).
+        self.lock().ledger.close(name)?;
+        if let Err(e) = self.durable(|store| store.delete_tenant(name)) {
+            self.lock().ledger.reopen(name);
+            return Err(e);
+        }
         let sessions: Vec<Uuid> = {
-            let mut st = self.state.lock();
-            // Check first (no change), then commit to the store, then apply.
-            st.ledger.check_deletable(name)?;
-            if let Some(store) = &self.store {
-                store
-                    .delete_tenant(name)
-                    .inspect(|_| self.metrics.store_write(true))
-                    .map_err(|e| self.store_failed(e))?;
-            }
+            let mut st = self.lock();
             st.ledger.delete(name)?;
             self.auth.remove_tenant(name);
             st.sessions
@@ -211,17 +251,12 @@ impl Arbiter {
 
     /// Revokes a token given its id or the token itself.
     pub fn revoke_token(&self, id_or_token: &str) -> BrokerResult<()> {
-        let _st = self.state.lock();
+        let _writes = self.admin_writes();
         let entry = self
             .auth
             .find(id_or_token)
             .ok_or(BrokerError::NotFound(crate::error::Missing::Token))?;
-        if let Some(store) = &self.store {
-            store
-                .delete_token(&entry.token_id)
-                .inspect(|_| self.metrics.store_write(true))
-                .map_err(|e| self.store_failed(e))?;
-        }
+        self.durable(|store| store.delete_token(&entry.token_id))?;
         self.auth.remove(&entry.hash);
         tracing::info!(tenant = %entry.tenant, token_id = %entry.token_id, "token revoked");
         Ok(())
@@ -244,7 +279,7 @@ impl Arbiter {
 
     /// Every quarantined block (memory a live process may still map), oldest first.
     pub fn list_quarantined(&self) -> Vec<QuarantineView> {
-        let st = self.state.lock();
+        let st = self.lock();
         let now = (std::time::Instant::now(), SystemTime::now());
         let mut v: Vec<QuarantineView> = st
             .quarantine
@@ -307,7 +342,7 @@ impl Arbiter {
                 .device(i as u32)
                 .cloned()
                 .unwrap_or_default();
-            let st = self.state.lock();
+            let st = self.lock();
             let p = &st.pools[i];
             let s = p.stats();
             let held = p.held_on_device();

@@ -3,6 +3,7 @@
 //! not yet promised (pool), and granting it leaves other tenants' unused guarantees intact.
 //! Requests that do not fit wait in the queue; every release re-runs [`Arbiter::drain`].
 
+use super::effects::Counted;
 use super::queue::{Ask, Granted, Reply};
 use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
 use crate::error::{BrokerError, BrokerResult, DeviceRoom, Queue};
@@ -55,7 +56,7 @@ struct WaiterGuard {
 
 impl Drop for WaiterGuard {
     fn drop(&mut self) {
-        let mut st = self.arb.state.lock();
+        let mut st = self.arb.lock();
         if st.queue.remove(self.id).is_some() {
             tracing::debug!(waiter = self.id, "waiting request left the queue");
             // Its place may have blocked others.
@@ -126,7 +127,7 @@ impl Arbiter {
                 Ok(r) => r,
                 Err(_) => {
                     let lost = {
-                        let mut st = self.state.lock();
+                        let mut st = self.lock();
                         st.queue.remove(id).map(|w| self.exhausted(&st, &w.ask))
                     };
                     match lost {
@@ -153,13 +154,13 @@ impl Arbiter {
         process: Option<crate::reservations::ProcessAsk>,
         lineage: &[u32],
     ) -> BrokerResult<Enqueued> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let session = st
             .sessions
             .get_mut(&req.session)
             .filter(|s| s.tenant == req.tenant)
             .ok_or_else(|| session_not_found(req.session))?;
-        session.last_seen = Instant::now();
+        session.last_seen.touch();
         // A drained or unhealthy device takes nothing new (checked under the state lock,
         // which drains and health changes also hold).
         if let Some(e) = self.avail.read().refusal(req.device) {
@@ -422,7 +423,7 @@ impl Arbiter {
         }
         if let Err(e) = st.ledger.reserve(&ask.tenant, d, ask.bytes) {
             self.undraw(st, &ask);
-            let _ = reply.send(Err(e));
+            st.fx.reply(reply, Err(e));
             return;
         }
         let mut source = match st.pools[d as usize].reserve(ask.bytes, &ask.tenant) {
@@ -430,10 +431,10 @@ impl Arbiter {
             // tenant. Free it (a surviving mapping keeps its old pages, reaching nobody
             // else) and give a fresh memory object of the same size.
             Source::Cached { block, scrub: true } if !reusable_across_tenants(&block) => {
-                self.metrics.cross_tenant_fresh();
+                st.fx.count(Counted::CrossTenantFresh);
                 st.pools[d as usize].note_replaced(true);
                 tracing::debug!(device = d, tenant = %ask.tenant, "cached block of another tenant may still be mapped; allocating fresh");
-                self.free_on_device(d, block);
+                st.fx.free(d, block);
                 Source::Fresh {
                     evicted: Vec::new(),
                 }
@@ -446,21 +447,22 @@ impl Arbiter {
         } = source
         {
             let r = self.commit_grant(st, &ask, priority, d, block);
-            self.reply(st, reply, r);
+            st.fx.reply(reply, r);
             return;
         }
-        // Free evicted blocks now, under the lock: the device thread runs jobs in order, so
-        // these frees happen before any allocation admitted after this one. (Leaving them
-        // to the spawned task let a later grant's allocation overtake them.)
+        // Evicted blocks are freed before the lock is released (`effects.rs`): the device
+        // thread runs jobs in order, so these frees happen before any allocation admitted
+        // after this one. (Leaving them to the spawned task let a later grant's allocation
+        // overtake them.)
         if let Source::Fresh { evicted } = &mut source {
             for b in std::mem::take(evicted) {
-                self.free_on_device(d, b);
+                st.fx.free(d, b);
             }
         }
         let arb = self.clone();
         tokio::spawn(async move {
             let made = arb.materialize(d, ask.bytes, source).await;
-            let mut st = arb.state.lock();
+            let mut st = arb.lock();
             let r = match made {
                 Ok(block) => arb.commit_grant(&mut st, &ask, priority, d, block),
                 Err(e) => {
@@ -471,7 +473,7 @@ impl Arbiter {
                     Err(e)
                 }
             };
-            arb.reply(&mut st, reply, r);
+            st.fx.reply(reply, r);
             arb.drain(&mut st);
         });
     }
@@ -537,7 +539,7 @@ impl Arbiter {
         block.holders.add(holder);
         st.ledger.commit(&ask.tenant, ask.bytes);
         st.pools[d as usize].commit(ask.bytes);
-        self.metrics.granted(Tier::Device);
+        st.fx.count(Counted::Granted(Tier::Device));
         st.seq += 1;
         let lease = Lease {
             id: uuid::Uuid::new_v4(),
@@ -562,15 +564,6 @@ impl Arbiter {
         tracing::debug!(lease = %lease.id, tenant = %ask.tenant, session = %ask.session, device = d, bytes = ask.bytes, "lease granted");
         st.leases.insert(lease);
         Ok(view)
-    }
-
-    /// Sends a grant's result; if the caller is gone, the lease is released at once
-    /// (nobody saw its handle, so the block is safe to cache).
-    fn reply(self: &Arc<Self>, st: &mut State, reply: Reply, r: BrokerResult<LeaseView>) {
-        if let Err(Ok(Granted::Lease(view))) = reply.send(r.map(Granted::Lease)) {
-            tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
-            self.end_lease(st, view.id, super::ending::Ending::Cache);
-        }
     }
 
     /// Why `ask` does not fit now, with the numbers.
@@ -643,15 +636,17 @@ impl Arbiter {
             });
         };
         {
-            let mut st = self.state.lock();
+            let mut st = self.lock();
             st.ledger.charge_host(&req.tenant, bytes)?;
+            st.host_in_flight(&req.tenant, bytes, true);
         }
         let made = host
             .call(move |dev| fresh_block(dev, bytes))
             .await
             .map_err(BrokerError::from)
             .and_then(|r| r.map_err(BrokerError::from));
-        let mut st = self.state.lock();
+        let mut st = self.lock();
+        st.host_in_flight(&req.tenant, bytes, false);
         let block = match made {
             Ok(b) => b,
             Err(e) => {
@@ -668,7 +663,7 @@ impl Arbiter {
             .is_some_and(|s| s.tenant == req.tenant);
         if !alive {
             st.ledger.uncharge_host(&req.tenant, bytes);
-            self.free_host(block);
+            st.fx.free_host(block);
             return Err(session_not_found(req.session));
         }
         let priority = st
@@ -698,7 +693,7 @@ impl Arbiter {
             s.leases.insert(lease.id);
         }
         st.leases.insert(lease);
-        self.metrics.granted(Tier::Host);
+        st.fx.count(Counted::Granted(Tier::Host));
         Ok(view)
     }
 

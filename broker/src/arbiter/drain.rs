@@ -106,7 +106,7 @@ impl Arbiter {
         } else {
             reason.to_string()
         };
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let now = SystemTime::now();
         let deadline_wall = deadline.map(|d| now + d);
         {
@@ -146,12 +146,16 @@ impl Arbiter {
             };
             let (session, bytes, device) = (l.session, l.bytes(), l.device);
             if let Some(s) = st.sessions.get(&session) {
-                s.notify(SessionEvent::ReclaimRequested {
-                    lease_id: id,
-                    bytes,
-                    deadline: due_wall,
-                    reason: format!("device {device} is draining for maintenance ({reason})"),
-                });
+                let to = s.events.clone();
+                st.fx.notify(
+                    &to,
+                    SessionEvent::ReclaimRequested {
+                        lease_id: id,
+                        bytes,
+                        deadline: due_wall,
+                        reason: format!("device {device} is draining for maintenance ({reason})"),
+                    },
+                );
             }
             asked.push((device, id));
         }
@@ -171,7 +175,7 @@ impl Arbiter {
     /// requests. An unhealthy device stays closed.
     pub fn undrain(self: &Arc<Self>, device: Option<u32>) -> BrokerResult<DrainReport> {
         let targets = self.drain_targets(device)?;
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let mut withdrawn: HashSet<uuid::Uuid> = HashSet::new();
         {
             let mut avail = self.avail.write();
@@ -198,7 +202,7 @@ impl Arbiter {
 
     /// Progress of every device.
     pub fn drain_report(&self) -> DrainReport {
-        let st = self.state.lock();
+        let st = self.lock();
         self.drain_report_locked(&st)
     }
 
@@ -250,7 +254,7 @@ impl Arbiter {
                     }
                 });
                 tracing::info!(tenant = %w.ask.tenant, error = %err, "waiting request refused: its devices closed");
-                let _ = w.reply.send(Err(err));
+                st.fx.reply(w.reply, Err(err));
             }
         }
         // Their places may have blocked others.

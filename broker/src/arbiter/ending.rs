@@ -3,6 +3,7 @@
 //! process may still have mapped is **quarantined**: counted, never handed to anyone else,
 //! until the holder's process is gone (or, when its pid is unknown, a timeout passes).
 
+use super::effects::{Counted, Effect};
 use super::{lease_not_found, Arbiter, Quarantined, ReclaimPolicy, State};
 use crate::device::BackendKind;
 use crate::error::BrokerResult;
@@ -28,7 +29,7 @@ pub(crate) enum Ending {
 impl Arbiter {
     /// The holder gives a lease back (it promises it closed every mapping).
     pub fn release(self: &Arc<Self>, tenant: &str, lease: Uuid) -> BrokerResult<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         match st.leases.get(&lease) {
             Some(l) if l.tenant == tenant => {}
             _ => return Err(lease_not_found(lease)),
@@ -40,15 +41,24 @@ impl Arbiter {
     }
 
     /// What to do with memory a session held when it ended without releasing it.
-    fn abandoned(&self, peer: &Peer, device: u32, tier: Tier) -> Ending {
+    /// `gone`: the peer process was found gone (read from `/proc` before the state lock was
+    /// taken: no `/proc` read happens under it).
+    fn abandoned(&self, peer: &Peer, device: u32, tier: Tier, gone: bool) -> Ending {
         match peer.pid {
-            Some(pid) if process_gone(pid) => Ending::Cache,
+            Some(_) if gone => Ending::Cache,
             Some(pid) => Ending::Quarantine { pid: Some(pid) },
             None if tier == Tier::Host || self.backend(device) == BackendKind::Host => {
                 Ending::Destroy
             }
             None => Ending::Quarantine { pid: None },
         }
+    }
+
+    /// Is the peer process `find` names (under a short state lock) gone? Read from `/proc`
+    /// after the lock is released. False when there is no such peer or its pid is unknown.
+    fn peer_gone(&self, find: impl FnOnce(&State) -> Option<Peer>) -> bool {
+        let pid = find(&self.lock()).and_then(|p| p.pid);
+        pid.is_some_and(process_gone)
     }
 
     /// Ends a lease; returns its view. Does not run the queue (callers do).
@@ -59,7 +69,7 @@ impl Arbiter {
         ending: Ending,
     ) -> Option<LeaseView> {
         let lease = st.leases.remove(&id)?;
-        self.tickets.forget_lease(id);
+        st.fx.push(Effect::ForgetTickets { lease: id });
         let view = st.view(&lease);
         if let Some(s) = st.sessions.get_mut(&lease.session) {
             s.leases.remove(&id);
@@ -71,7 +81,7 @@ impl Arbiter {
         if lease.tier == Tier::Host {
             st.ledger.uncharge_host(&tenant, bytes);
             // Host fallback files are never reused: a surviving mapping reaches nobody.
-            self.free_host(block);
+            st.fx.free_host(block);
             return Some(view);
         }
         st.ledger.uncharge(&tenant, d, bytes);
@@ -91,10 +101,10 @@ impl Arbiter {
             Ending::Cache => pool.release_to_cache(block),
             Ending::Destroy => {
                 pool.release_destroyed(bytes);
-                self.free_on_device(d, block);
+                st.fx.free(d, block);
             }
             Ending::Quarantine { pid } => {
-                self.metrics.quarantined();
+                st.fx.count(Counted::Quarantined);
                 pool.release_to_quarantine(bytes);
                 st.ledger.add_quarantine(&tenant, d, bytes);
                 let watch = tokio_util::sync::CancellationToken::new();
@@ -109,7 +119,11 @@ impl Arbiter {
                         _watch: watch.clone().drop_guard(),
                     },
                 );
-                self.watch_quarantine(id, pid, watch);
+                st.fx.push(Effect::WatchQuarantine {
+                    lease: id,
+                    pid,
+                    stop: watch,
+                });
             }
         }
         if let Some(r) = lease.reservation {
@@ -119,7 +133,9 @@ impl Arbiter {
         Some(view)
     }
 
-    fn watch_quarantine(
+    /// Runs `Effect::WatchQuarantine`: lifts the quarantine when `pid` exits (or frees the
+    /// memory after the timeout when the pid is unknown).
+    pub(super) fn watch_quarantine(
         self: &Arc<Self>,
         id: Uuid,
         pid: Option<u32>,
@@ -154,7 +170,7 @@ impl Arbiter {
 
     /// The holder of quarantined memory is gone: cache (or free) the block.
     fn unquarantine(self: &Arc<Self>, id: Uuid, destroy: bool) {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let Some(q) = st.quarantine.remove(&id) else {
             return;
         };
@@ -163,7 +179,7 @@ impl Arbiter {
         let pool = &mut st.pools[q.device as usize];
         if destroy {
             pool.unquarantine_destroyed(bytes);
-            self.free_on_device(q.device, q.block);
+            st.fx.free(q.device, q.block);
         } else {
             pool.unquarantine_to_cache(q.block);
         }
@@ -182,21 +198,23 @@ impl Arbiter {
     }
 
     fn end_session_inner(self: &Arc<Self>, id: Uuid, reason: &str, forced: Option<Ending>) {
-        let mut st = self.state.lock();
+        let gone = forced.is_none() && self.peer_gone(|st| st.sessions.get(&id).map(|s| s.peer));
+        let mut st = self.lock();
         let Some(session) = st.sessions.remove(&id) else {
             return;
         };
         for w in st.queue.remove_session(id) {
-            let _ = w.reply.send(Err(super::session_not_found(id)));
+            st.fx.reply(w.reply, Err(super::session_not_found(id)));
         }
-        self.scheduler.end_session(id);
+        st.fx.push(Effect::EndTurns { session: id });
         let mut bytes = 0;
         let count = session.leases.len();
         for lease in &session.leases {
             let Some(l) = st.leases.get(lease) else {
                 continue;
             };
-            let ending = forced.unwrap_or_else(|| self.abandoned(&session.peer, l.device, l.tier));
+            let ending =
+                forced.unwrap_or_else(|| self.abandoned(&session.peer, l.device, l.tier, gone));
             bytes += l.bytes();
             self.end_lease(&mut st, *lease, ending);
         }
@@ -210,7 +228,11 @@ impl Arbiter {
     /// memory is quarantined until its process lets go, or with the `terminate` policy the
     /// process is killed first.
     pub fn revoke(self: &Arc<Self>, id: Uuid, reason: &str) -> BrokerResult<LeaseView> {
-        let mut st = self.state.lock();
+        let gone = self.peer_gone(|st| {
+            let l = st.leases.get(&id)?;
+            st.sessions.get(&l.session).map(|s| s.peer)
+        });
+        let mut st = self.lock();
         let Some(l) = st.leases.get(&id) else {
             return Err(lease_not_found(id));
         };
@@ -221,22 +243,20 @@ impl Arbiter {
             .map(|s| s.peer)
             .unwrap_or_default();
         if let Some(s) = st.sessions.get(&session) {
-            s.notify(SessionEvent::LeaseRevoked {
-                lease_id: id,
-                reason: reason.to_string(),
-            });
+            let to = s.events.clone();
+            st.fx.notify(
+                &to,
+                SessionEvent::LeaseRevoked {
+                    lease_id: id,
+                    reason: reason.to_string(),
+                },
+            );
         }
-        let mut ending = self.abandoned(&peer, device, tier);
+        let mut ending = self.abandoned(&peer, device, tier, gone);
         if let (Ending::Quarantine { pid: Some(pid) }, ReclaimPolicy::Terminate) =
             (ending, self.cfg.reclaim_policy)
         {
-            if pid != std::process::id() {
-                tracing::warn!(lease = %id, pid, "terminating the holder of a revoked lease");
-                // SAFETY: plain syscall on a pid the kernel told us holds the session.
-                unsafe {
-                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
-                }
-            }
+            st.fx.push(Effect::Kill { pid });
             ending = Ending::Quarantine { pid: Some(pid) };
         }
         let view = self.end_lease(&mut st, id, ending).map(|v| LeaseView {
@@ -245,12 +265,13 @@ impl Arbiter {
             ..v
         });
         tracing::warn!(lease = %id, reason, ?ending, "lease revoked");
-        self.metrics
-            .revoked(if reason == super::RECLAIM_DEADLINE_MISSED {
+        st.fx.count(Counted::Revoked(
+            if reason == super::RECLAIM_DEADLINE_MISSED {
                 crate::metrics::Revocation::ReclaimDeadline
             } else {
                 crate::metrics::Revocation::Operator
-            });
+            },
+        ));
         self.drain(&mut st);
         view.ok_or_else(|| lease_not_found(id))
     }
@@ -354,18 +375,22 @@ impl Arbiter {
             };
             let session = l.session;
             if let Some(s) = st.sessions.get(&session) {
-                s.notify(SessionEvent::ReclaimRequested {
-                    lease_id: lid,
-                    bytes,
-                    deadline: deadline_wall,
-                    reason: format!(
-                        "tenant {:?} (priority {priority}) is waiting for {}",
-                        ask.tenant,
-                        crate::units::show(ask.bytes)
-                    ),
-                });
+                let to = s.events.clone();
+                st.fx.notify(
+                    &to,
+                    SessionEvent::ReclaimRequested {
+                        lease_id: lid,
+                        bytes,
+                        deadline: deadline_wall,
+                        reason: format!(
+                            "tenant {:?} (priority {priority}) is waiting for {}",
+                            ask.tenant,
+                            crate::units::show(ask.bytes)
+                        ),
+                    },
+                );
             }
-            self.metrics.reclaim_requested();
+            st.fx.count(Counted::ReclaimRequested);
             tracing::info!(lease = %lid, owner = %owner, for_tenant = %ask.tenant, "reclaim requested");
             need = need.saturating_sub(bytes);
         }
@@ -378,7 +403,7 @@ impl Arbiter {
     pub(crate) fn enforce_reclaim_deadlines(self: &Arc<Self>) -> usize {
         let now = Instant::now();
         let late: Vec<Uuid> = {
-            let st = self.state.lock();
+            let st = self.lock();
             st.leases
                 .iter()
                 .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { deadline, .. } if deadline <= now))
@@ -393,7 +418,7 @@ impl Arbiter {
 
     /// Re-arms reclaim for waiters whose earlier request was not enough.
     pub(crate) fn rearm_reclaim(self: &Arc<Self>, older_than: Duration) {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let stale: Vec<u64> = st
             .queue
             .iter()

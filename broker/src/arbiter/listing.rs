@@ -56,7 +56,7 @@ impl Arbiter {
         let after = (!token.is_empty()).then_some(token);
         let size = size.max(1);
         let (mut views, more) = {
-            let st = self.state.lock();
+            let st = self.lock();
             let mut it = st.ledger.tenants_after(after);
             let page: Vec<_> = it.by_ref().take(size).collect();
             let more = it.next().is_some();
@@ -123,7 +123,7 @@ impl Arbiter {
             token.parse().map_err(|_| bad_token())?
         };
         let size = size.max(1);
-        let st = self.state.lock();
+        let st = self.lock();
         let keyed: Vec<(u64, &crate::lease::Lease)> = st
             .leases
             .iter()
@@ -156,7 +156,7 @@ impl Arbiter {
             Uuid::parse_str(token).map_err(|_| bad_token())?
         };
         let size = size.max(1);
-        let st = self.state.lock();
+        let st = self.lock();
         let keyed: Vec<(Uuid, &crate::session::Session)> = st
             .sessions
             .iter()

@@ -12,6 +12,7 @@
 mod admin;
 mod admission;
 mod drain;
+mod effects;
 mod ending;
 mod host_direct;
 pub mod listing;
@@ -20,6 +21,7 @@ mod sharing;
 mod tasks;
 pub mod tokens;
 mod turns;
+mod workers;
 
 pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
@@ -121,6 +123,12 @@ pub(crate) struct State {
     pub shared: crate::sharing::SharedTable,
     /// Process reservations (`reservations.rs`).
     pub reservations: crate::reservations::ReservationTable,
+    /// What the transitions under the current lock asked for (`effects.rs`); run when the
+    /// lock guard drops.
+    pub(crate) fx: effects::Effects,
+    /// Host-fallback leases charged in the ledger whose memory is being made (bytes,
+    /// count per tenant): the invariant counts them with the host leases.
+    host_pending: HashMap<String, (u64, u32)>,
 }
 
 /// A request for memory, after the service layer checked its shape.
@@ -159,6 +167,14 @@ pub struct Arbiter {
     pub(crate) health_source: HealthSourceSlot,
     /// The managed MPS daemon (`--mps`), set once at start.
     mps: std::sync::OnceLock<Arc<crate::mps::Mps>>,
+    /// This arbiter (effects that outlive a call hold it: watchers, late releases).
+    me: std::sync::Weak<Arbiter>,
+    /// Serializes durable operator changes (quotas, tenant deletion, tokens): each
+    /// validates under the state lock, commits to the store with no state lock held, then
+    /// applies under the state lock. Lock order: this, then the state.
+    admin_writes: Mutex<()>,
+    /// Background workers (`workers.rs`).
+    workers: workers::Workers,
 }
 
 /// Where the health monitor keeps its fault source.
@@ -206,7 +222,10 @@ impl Arbiter {
         let scheduler = crate::scheduler::Scheduler::new(devices.len(), cfg.turns);
         let audit_log =
             crate::audit::AuditLog::open(store.as_ref(), crate::audit::DEFAULT_MAX_RECORDS)?;
-        let arb = Arbiter {
+        let arb = Arc::new_cyclic(|me| Arbiter {
+            me: me.clone(),
+            admin_writes: Mutex::new(()),
+            workers: workers::Workers::default(),
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             health_source: parking_lot::Mutex::new(None),
@@ -221,9 +240,9 @@ impl Arbiter {
             tickets: Arc::default(),
             draining: AtomicBool::new(false),
             metrics: crate::metrics::Metrics::new(),
-        };
+        });
         arb.load_store()?;
-        Ok(Arc::new(arb))
+        Ok(arb)
     }
 
     /// The broker's counters and histograms.
@@ -248,7 +267,7 @@ impl Arbiter {
 
     /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
     pub fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
-        match self.state.lock().sessions.get(&session) {
+        match self.lock().sessions.get(&session) {
             Some(s) if s.tenant == tenant => Ok(s.peer),
             _ => Err(session_not_found(session)),
         }
@@ -256,7 +275,7 @@ impl Arbiter {
 
     /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
     pub fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
-        let st = self.state.lock();
+        let st = self.lock();
         match st.leases.get(&lease) {
             Some(l) if l.tenant == tenant => {
                 let peer = st
@@ -315,8 +334,8 @@ impl Arbiter {
         let id = Uuid::now_v7();
         let ended = tokio_util::sync::CancellationToken::new();
         {
-            let mut st = self.state.lock();
-            if st.ledger.get(tenant).is_none() {
+            let mut st = self.lock();
+            if st.ledger.get(tenant).is_none() || st.ledger.is_closing(tenant) {
                 return Err(BrokerError::NotFound(Missing::TenantGone(
                     tenant.to_string(),
                 )));
@@ -334,7 +353,7 @@ impl Arbiter {
                 name: name.to_string(),
                 peer,
                 opened: SystemTime::now(),
-                last_seen: Instant::now(),
+                last_seen: crate::session::Activity::new(),
                 events: tx,
                 leases: Default::default(),
                 gpu: None,
@@ -359,10 +378,10 @@ impl Arbiter {
 
     /// Marks a session active (keepalive).
     pub fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         match st.sessions.get_mut(&session) {
             Some(s) if s.tenant == tenant => {
-                s.last_seen = Instant::now();
+                s.last_seen.touch();
                 Ok(())
             }
             _ => Err(session_not_found(session)),
@@ -373,7 +392,7 @@ impl Arbiter {
     /// worker whose memory beyond its leases exceeds `allowance` (its own `cudaMalloc`).
     pub fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
         let covered = self.covered_usage(usage);
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let State {
             sessions,
             leases,
@@ -431,9 +450,17 @@ impl Arbiter {
 
     /// Marks a session active (its stream delivered an event).
     pub fn touch_session(&self, session: Uuid) {
-        if let Some(s) = self.state.lock().sessions.get_mut(&session) {
-            s.last_seen = Instant::now();
+        if let Some(s) = self.lock().sessions.get(&session) {
+            s.last_seen.touch();
         }
+    }
+
+    /// A session's activity mark, for its event stream to touch without the state lock.
+    pub fn session_activity(&self, session: Uuid) -> Option<Arc<crate::session::Activity>> {
+        self.lock()
+            .sessions
+            .get(&session)
+            .map(|s| s.last_seen.clone())
     }
 
     /// The caller's own leases, in the order they were granted (every page).
@@ -444,41 +471,45 @@ impl Arbiter {
     /// Begins shutdown: refuse new work, tell every session.
     pub fn begin_drain(&self, grace: Duration) {
         self.draining.store(true, Ordering::SeqCst);
-        let mut st = self.state.lock();
+        let mut g = self.lock();
+        let st = &mut *g;
         for s in st.sessions.iter() {
-            s.notify(SessionEvent::ShuttingDown {
-                reason: "broker shutting down".into(),
-                grace,
-            });
+            st.fx.notify(
+                &s.events,
+                SessionEvent::ShuttingDown {
+                    reason: "broker shutting down".into(),
+                    grace,
+                },
+            );
         }
         let waiters: Vec<u64> = st.queue.iter().map(|w| w.id).collect();
         for id in waiters {
             if let Some(w) = st.queue.remove(id) {
-                let _ = w.reply.send(Err(BrokerError::ShuttingDown));
+                st.fx.reply(w.reply, Err(BrokerError::ShuttingDown));
             }
         }
     }
 
     /// Number of open sessions.
     pub fn session_count(&self) -> usize {
-        self.state.lock().sessions.len()
+        self.lock().sessions.len()
     }
 
     /// Ends every session and frees every block on the devices. Blocks until done.
     pub fn shutdown_release_all(self: &Arc<Self>) {
         self.draining.store(true, Ordering::SeqCst);
-        let ids = self.state.lock().sessions.ids();
+        let ids = self.lock().sessions.ids();
         for id in ids {
             self.end_session_with(id, "broker shut down", ending::Ending::Destroy);
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let quarantined: Vec<Uuid> = st.quarantine.keys().copied().collect();
         for id in quarantined {
             if let Some(q) = st.quarantine.remove(&id) {
                 st.pools[q.device as usize].unquarantine_destroyed(q.block.bytes());
                 st.ledger
                     .remove_quarantine(&q.tenant, q.device, q.block.bytes());
-                self.free_on_device(q.device, q.block);
+                st.fx.free(q.device, q.block);
             }
         }
         let held: Vec<Uuid> = st.shared.held.keys().copied().collect();
@@ -487,12 +518,12 @@ impl Arbiter {
                 st.pools[h.device as usize].unquarantine_destroyed(h.block.bytes());
                 st.ledger
                     .remove_quarantine(&h.tenant, h.device, h.block.bytes());
-                self.free_on_device(h.device, h.block);
+                st.fx.free(h.device, h.block);
             }
         }
         for i in 0..st.pools.len() {
             for b in st.pools[i].drain_cache() {
-                self.free_on_device(i as u32, b);
+                st.fx.free(i as u32, b);
             }
         }
         drop(st);
@@ -505,7 +536,8 @@ impl Arbiter {
         }
     }
 
-    /// Queues a free of `block` on its device thread.
+    /// Queues a free of `block` on its device thread: the one place device memory is freed
+    /// (reached through `Effect::Free`, and by the grant path when device work failed).
     pub(crate) fn free_on_device(&self, device: u32, block: Block) {
         if let Some(d) = self.devices.get(device as usize) {
             let id = block.alloc.id;
@@ -522,6 +554,146 @@ impl Arbiter {
 }
 
 impl State {
+    /// A host-fallback charge starts (`started`) or ends its flight (became a lease, or
+    /// was uncharged).
+    pub(crate) fn host_in_flight(&mut self, tenant: &str, bytes: u64, started: bool) {
+        let e = self.host_pending.entry(tenant.to_string()).or_default();
+        if started {
+            e.0 += bytes;
+            e.1 += 1;
+        } else {
+            e.0 -= bytes;
+            e.1 -= 1;
+            if e.1 == 0 {
+                self.host_pending.remove(tenant);
+            }
+        }
+    }
+
+    /// The byte-state invariant, checked in this one place (after every transition, by the
+    /// lock guard in debug builds; by the model test): every device byte the broker holds
+    /// is in exactly one state, and the ledger (per tenant), the pools (per device), the
+    /// lease table, the quarantine and the sessions agree on it.
+    ///
+    /// - per device: `leased` and the lease count equal the device leases on it, and
+    ///   `quarantined` equals its quarantined blocks (and shared blocks held for importers);
+    /// - per tenant: held bytes and lease count equal its device leases, host bytes and
+    ///   count its host leases (and host charges in flight), quarantined bytes its
+    ///   quarantined blocks;
+    /// - bytes being allocated (`reserved`) add up the same in the pools and the ledger;
+    /// - every lease belongs to an open session that lists it, and every lease a session
+    ///   lists exists.
+    pub(crate) fn check_invariant(&self) -> Result<(), String> {
+        #[derive(Default, PartialEq, Debug)]
+        struct Sum {
+            leased: u64,
+            leases: u32,
+            quarantined: u64,
+            host: u64,
+            host_leases: u32,
+        }
+        let mut by_device: Vec<Sum> = (0..self.pools.len()).map(|_| Sum::default()).collect();
+        let mut by_tenant: HashMap<&str, Sum> = HashMap::new();
+        for l in self.leases.iter() {
+            let t = by_tenant.entry(l.tenant.as_str()).or_default();
+            match l.tier {
+                crate::ledger::Tier::Device => {
+                    t.leased += l.bytes();
+                    t.leases += 1;
+                    let d = by_device
+                        .get_mut(l.device as usize)
+                        .ok_or_else(|| format!("lease {} on unknown device {}", l.id, l.device))?;
+                    d.leased += l.bytes();
+                    d.leases += 1;
+                }
+                crate::ledger::Tier::Host => {
+                    t.host += l.bytes();
+                    t.host_leases += 1;
+                }
+            }
+            match self.sessions.get(&l.session) {
+                Some(s) if s.leases.contains(&l.id) => {}
+                _ => return Err(format!("lease {} not listed by an open session", l.id)),
+            }
+        }
+        for (t, (bytes, count)) in &self.host_pending {
+            let t = by_tenant.entry(t.as_str()).or_default();
+            t.host += bytes;
+            t.host_leases += count;
+        }
+        // Quarantined: ended leases a live process may map, and blocks of ended shared
+        // leases held for their importers (`sharing.rs`).
+        let quarantined = self
+            .quarantine
+            .values()
+            .map(|q| (q.tenant.as_str(), q.device, q.block.bytes()))
+            .chain(
+                self.shared
+                    .held
+                    .values()
+                    .map(|h| (h.tenant.as_str(), h.device, h.block.bytes())),
+            );
+        for (tenant, device, bytes) in quarantined {
+            by_tenant.entry(tenant).or_default().quarantined += bytes;
+            if let Some(d) = by_device.get_mut(device as usize) {
+                d.quarantined += bytes;
+            }
+        }
+        for (i, (p, sum)) in self.pools.iter().zip(&by_device).enumerate() {
+            let s = p.stats();
+            let pool = Sum {
+                leased: s.leased,
+                leases: p.lease_count(),
+                quarantined: s.quarantined,
+                ..Sum::default()
+            };
+            if &pool != sum {
+                return Err(format!(
+                    "device {i}: pool says {pool:?}, leases and quarantine say {sum:?}"
+                ));
+            }
+        }
+        let mut reserved = 0u64;
+        for t in self.ledger.tenants() {
+            let u = &t.usage;
+            reserved += u.reserved_bytes;
+            let ledger = Sum {
+                leased: u.held_bytes,
+                leases: u.lease_count,
+                quarantined: u.quarantined_bytes,
+                host: u.host_held_bytes,
+                host_leases: u.host_lease_count,
+            };
+            let sum = by_tenant.remove(t.name.as_str()).unwrap_or_default();
+            if ledger != sum {
+                return Err(format!(
+                    "tenant {:?}: ledger says {ledger:?}, leases and quarantine say {sum:?}",
+                    t.name
+                ));
+            }
+        }
+        if let Some((t, _)) = by_tenant.iter().find(|(_, s)| **s != Sum::default()) {
+            return Err(format!(
+                "tenant {t:?} holds memory but is not in the ledger"
+            ));
+        }
+        let pooled: u64 = self.pools.iter().map(|p| p.stats().reserved).sum();
+        if pooled != reserved {
+            return Err(format!(
+                "reserved: pools say {pooled}, ledger says {reserved}"
+            ));
+        }
+        for s in self.sessions.iter() {
+            if let Some(l) = s.leases.iter().find(|l| self.leases.get(l).is_none()) {
+                return Err(format!(
+                    "session {} lists lease {l}, which does not exist",
+                    s.id
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// A lease's public view.
     pub fn view(&self, l: &crate::lease::Lease) -> LeaseView {
         let borrowed = self

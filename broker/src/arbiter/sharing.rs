@@ -92,7 +92,7 @@ impl Arbiter {
             }
             crate::bounds::check("reader tenant", r, crate::bounds::MAX_TEXT_BYTES)?;
         }
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let l = match st.leases.get(&lease) {
             Some(l) if l.tenant == tenant => l,
             _ => return Err(lease_not_found(lease)),
@@ -182,7 +182,7 @@ impl Arbiter {
     /// Takes `name` of `tenant` away; live imports keep the memory.
     pub fn unpublish(self: &Arc<Self>, tenant: &str, name: &str) -> BrokerResult<SharedView> {
         check_name(name)?;
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let id = st
             .shared
             .by_name
@@ -214,10 +214,10 @@ impl Arbiter {
     ) -> BrokerResult<ImportGrant> {
         check_name(name)?;
         crate::bounds::check("publisher", publisher, crate::bounds::MAX_TEXT_BYTES)?;
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let pid = match st.sessions.get_mut(&session) {
             Some(s) if s.tenant == tenant => {
-                s.last_seen = Instant::now();
+                s.last_seen.touch();
                 s.peer.pid
             }
             _ => return Err(session_not_found(session)),
@@ -272,7 +272,7 @@ impl Arbiter {
 
     /// The holder lets go of an import (it promises it unmapped it).
     pub fn release_import(self: &Arc<Self>, tenant: &str, import: Uuid) -> BrokerResult<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         match st
             .shared
             .of_import(&import)
@@ -288,7 +288,7 @@ impl Arbiter {
 
     /// A live import of `tenant` (for a renewed ticket) with its session's peer.
     pub fn own_import(&self, tenant: &str, import: Uuid) -> BrokerResult<(ImportGrant, Peer)> {
-        let st = self.state.lock();
+        let st = self.lock();
         let p = st
             .shared
             .of_import(&import)
@@ -318,7 +318,7 @@ impl Arbiter {
     /// Publications a worker of `tenant` sees: its own (with importers) and those
     /// published for it.
     pub fn shared_visible_to(&self, tenant: &str) -> Vec<SharedView> {
-        let st = self.state.lock();
+        let st = self.lock();
         st.shared
             .all()
             .into_iter()
@@ -330,7 +330,7 @@ impl Arbiter {
 
     /// Every listed publication (of `publisher` only, if given), with importers.
     pub fn list_shared(&self, publisher: Option<&str>) -> Vec<SharedView> {
-        let st = self.state.lock();
+        let st = self.lock();
         st.shared
             .all()
             .into_iter()
@@ -345,7 +345,7 @@ impl Arbiter {
     /// stays counted until it exits.
     pub fn fd_delivered(&self, id: Uuid, pid: Option<u32>) {
         let Some(pid) = pid else { return };
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let session = match st.leases.get(&id) {
             Some(l) => Some(l.session),
             None => st
@@ -575,7 +575,7 @@ impl Arbiter {
         let pool = &mut st.pools[h.device as usize];
         if h.destroy || !pristine(&h.block) {
             pool.unquarantine_destroyed(bytes);
-            self.free_on_device(h.device, h.block);
+            st.fx.free(h.device, h.block);
         } else {
             pool.unquarantine_to_cache(h.block);
         }
@@ -585,7 +585,7 @@ impl Arbiter {
 
     fn watch_held_pid(self: &Arc<Self>, lease: Uuid, pid: u32) -> tokio_util::sync::DropGuard {
         self.on_exit(pid, move |arb| {
-            let mut st = arb.state.lock();
+            let mut st = arb.lock();
             if let Some(h) = st.shared.held.get_mut(&lease) {
                 h.waiters.pids.remove(&pid);
             }
@@ -595,7 +595,7 @@ impl Arbiter {
 
     fn held_timeout(self: &Arc<Self>, lease: Uuid) -> tokio_util::sync::DropGuard {
         self.after_timeout(move |arb| {
-            let mut st = arb.state.lock();
+            let mut st = arb.lock();
             if let Some(h) = st.shared.held.get_mut(&lease) {
                 h.waiters.timeout = None;
             }
@@ -605,7 +605,7 @@ impl Arbiter {
 
     fn watch_import_pid(self: &Arc<Self>, import: Uuid, pid: u32) -> tokio_util::sync::DropGuard {
         self.on_exit(pid, move |arb| {
-            let mut st = arb.state.lock();
+            let mut st = arb.lock();
             arb.import_waiter_gone(&mut st, import, |w| {
                 w.pids.remove(&pid);
             });
@@ -614,7 +614,7 @@ impl Arbiter {
 
     fn import_timeout(self: &Arc<Self>, import: Uuid) -> tokio_util::sync::DropGuard {
         self.after_timeout(move |arb| {
-            let mut st = arb.state.lock();
+            let mut st = arb.lock();
             arb.import_waiter_gone(&mut st, import, |w| w.timeout = None);
         })
     }

@@ -1,4 +1,5 @@
-//! Background loops of the arbiter, stopped by a cancellation token: the keepalive reaper
+//! Background loops of the arbiter, named workers (`workers.rs`) stopped by a cancellation
+//! token: the keepalive reaper
 //! (idle sessions end), reclaim deadlines (late holders are revoked), compute-turn
 //! quanta, the leasable refresh (memory taken by processes outside the broker shrinks what
 //! it hands out), and the NVML process watch (GPU memory per session).
@@ -15,19 +16,16 @@ fn outside_noise(total: u64) -> u64 {
 }
 
 impl Arbiter {
-    /// Starts the background loops; they end when `stop` is cancelled.
+    /// Starts the background workers (`workers.rs`); they end when `stop` is cancelled
+    /// ([`Arbiter::join_workers`] waits for them).
     pub fn spawn_background(self: &Arc<Self>, stop: CancellationToken) {
         let me = self.clone();
-        let s = stop.clone();
-        tokio::spawn(async move {
+        self.workers.spawn("ticker", stop.clone(), async move {
             // Fine enough for compute-turn quanta of tens of milliseconds.
             let mut tick = tokio::time::interval(Duration::from_millis(20));
             let mut last_reap = Instant::now();
             loop {
-                tokio::select! {
-                    _ = s.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
+                tick.tick().await;
                 me.scheduler.tick();
                 me.enforce_reclaim_deadlines();
                 if last_reap.elapsed() >= Duration::from_millis(500) {
@@ -38,16 +36,24 @@ impl Arbiter {
             }
         });
         let me = self.clone();
-        tokio::spawn(async move {
+        self.workers.spawn("leasable-refresh", stop, async move {
             let mut tick = tokio::time::interval(me.cfg.refresh_interval);
             loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
+                tick.tick().await;
                 me.refresh_leasable().await;
             }
         });
+    }
+
+    /// Waits (up to `within`) for the background workers to end after their stop token
+    /// was cancelled; returns the names of any that did not (they are aborted).
+    pub async fn join_workers(&self, within: Duration) -> Vec<&'static str> {
+        self.workers.join(within).await
+    }
+
+    /// Names of the background workers running now.
+    pub fn worker_names(&self) -> Vec<&'static str> {
+        self.workers.names()
     }
 
     /// Every 2 s, attributes per-process GPU memory (NVML) to sessions and reports
@@ -60,12 +66,9 @@ impl Arbiter {
     ) {
         let me = self.clone();
         let monitor = Arc::new(monitor);
-        tokio::spawn(async move {
+        self.workers.spawn("gpu-process-watch", stop, async move {
             loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_secs(2)) => {}
-                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
                 let m = monitor.clone();
                 if let Ok(usage) = tokio::task::spawn_blocking(move || m.usage_by_pid()).await {
                     me.apply_process_usage(&usage, allowance);
@@ -80,7 +83,7 @@ impl Arbiter {
         if timeout.is_zero() {
             return;
         }
-        let idle = self.state.lock().sessions.idle(timeout, Instant::now());
+        let idle = self.lock().sessions.idle(timeout, Instant::now());
         for id in idle {
             self.end_session(id, "no keepalive within the timeout");
         }
@@ -97,7 +100,7 @@ impl Arbiter {
             let Ok(Ok(info)) = slot.thread.call(|d| d.mem_info()).await else {
                 continue;
             };
-            let mut st = self.state.lock();
+            let mut st = self.lock();
             let pool = &mut st.pools[i];
             let held = pool.held_on_device();
             let external = info.total.saturating_sub(info.free).saturating_sub(held);
@@ -117,7 +120,7 @@ impl Arbiter {
                     "memory used outside the broker changed; leasable adjusted"
                 );
                 for b in pool.set_leasable(leasable) {
-                    self.free_on_device(i as u32, b);
+                    st.fx.free(i as u32, b);
                 }
                 self.drain(&mut st);
             }
@@ -135,7 +138,7 @@ impl Arbiter {
                     "free memory below the headroom: cached blocks given back to the device"
                 );
                 for b in freed {
-                    self.free_on_device(i as u32, b);
+                    st.fx.free(i as u32, b);
                 }
             }
         }

@@ -759,3 +759,70 @@ async fn a_blocked_big_request_is_overtaken_a_bounded_number_of_times() {
         .unwrap();
     assert_eq!(l.bytes, 48 * MIB);
 }
+
+#[tokio::test]
+async fn the_invariant_check_catches_bytes_in_no_state() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(64 * MIB));
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    assert_eq!(f.arb.lock().check_invariant(), Ok(()));
+    // Behind the guard's back, take the bytes off the ledger but not off the pool (what a
+    // transition pairing its updates by hand could get wrong): the check names it.
+    let mut st = f.arb.state.lock();
+    st.ledger.uncharge("a", 4 * MIB);
+    let e = st.check_invariant().unwrap_err();
+    assert!(e.contains("tenant \"a\""), "{e}");
+    st.ledger.reserve("a", 4 * MIB).unwrap();
+    st.ledger.commit("a", 4 * MIB);
+    assert_eq!(st.check_invariant(), Ok(()));
+    drop(st);
+    f.arb.release("a", l.id).unwrap();
+    let st = f.arb.lock();
+    assert_eq!(st.check_invariant(), Ok(()));
+    assert_eq!(st.pools[0].stats().cached, 4 * MIB);
+}
+
+#[tokio::test]
+async fn a_tenant_being_deleted_takes_no_new_charge_or_session() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(64 * MIB));
+    f.arb.lock().ledger.close("a").unwrap();
+    let e = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap_err();
+    assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
+    let e = f.arb.open_session("a", "t", Peer::default()).unwrap_err();
+    assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
+    assert_eq!(f.held("a"), 0);
+    // The store refused the deletion: the tenant is back.
+    f.arb.lock().ledger.reopen("a");
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    assert_eq!(f.held("a"), 4 * MIB);
+    // A tenant holding memory cannot start closing.
+    assert!(f.arb.lock().ledger.close("a").is_err());
+    f.arb.release("a", l.id).unwrap();
+    f.arb.delete_tenant("a").unwrap();
+    assert!(f.arb.get_tenant("a").is_err());
+}
+
+#[tokio::test]
+async fn effects_run_after_the_lock_is_released() {
+    // A revoked lease's holder is told, its memory quarantined (a watcher started) and
+    // the revocation counted: all effects, run once the guard dropped.
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let me = Peer {
+        pid: Some(std::process::id()),
+        uid: None,
+        unix: true,
+    };
+    let (s, mut rx) = f.arb.open_session("a", "t", me).unwrap();
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    f.arb.revoke(l.id, "operator test").unwrap();
+    match rx.try_recv() {
+        Ok(SessionEvent::LeaseRevoked { lease_id, .. }) => assert_eq!(lease_id, l.id),
+        other => panic!("expected LeaseRevoked, got {other:?}"),
+    }
+    let st = f.arb.lock();
+    assert!(st.fx.is_empty());
+    assert_eq!(st.quarantine.len(), 1);
+    assert_eq!(st.pools[0].stats().quarantined, 4 * MIB);
+}

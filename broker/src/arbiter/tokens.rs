@@ -72,11 +72,12 @@ impl Arbiter {
             }
             Some(ttl) => Some(crate::units::unix_ms(SystemTime::now() + ttl)),
         };
-        // The state lock orders this against tenant deletion (a token never outlives
-        // its tenant).
-        let st = self.state.lock();
+        // `admin_writes` orders this against tenant deletion (a token never outlives its
+        // tenant); the store commit runs with no state lock held.
+        let _writes = self.admin_writes();
         if let Some(t) = &tenant {
-            if st.ledger.get(t).is_none() {
+            let st = self.lock();
+            if st.ledger.get(t).is_none() || st.ledger.is_closing(t) {
                 return Err(BrokerError::tenant_not_found(t));
             }
         }
@@ -91,14 +92,8 @@ impl Arbiter {
             scope: spec.scope,
             expires_unix_ms,
         };
-        if let Some(store) = &self.store {
-            store
-                .put_token(&entry)
-                .inspect(|_| self.metrics.store_write(true))
-                .map_err(|e| self.store_failed(e))?;
-        }
+        self.durable(|store| store.put_token(&entry))?;
         self.auth.add(entry.clone());
-        drop(st);
         tracing::info!(
             tenant = %entry.tenant,
             token_id = %entry.token_id,

@@ -49,7 +49,7 @@ impl Arbiter {
             )));
         }
         let who = {
-            let mut st = self.state.lock();
+            let mut st = self.lock();
             let weight = st
                 .ledger
                 .get(tenant)
@@ -60,7 +60,7 @@ impl Arbiter {
                 .get_mut(&session)
                 .filter(|s| s.tenant == tenant)
                 .ok_or_else(|| session_not_found(session))?;
-            s.last_seen = Instant::now();
+            s.last_seen.touch();
             Requester {
                 tenant: tenant.to_string(),
                 session,

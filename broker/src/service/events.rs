@@ -32,7 +32,9 @@ pub struct EventStream {
     first: Option<pb::SessionEvent>,
     rx: mpsc::UnboundedReceiver<SessionEvent>,
     heartbeat: tokio::time::Interval,
-    guard: SessionGuard,
+    /// The session's activity mark: `poll_next` touches it without any lock.
+    activity: Option<Arc<crate::session::Activity>>,
+    _guard: SessionGuard,
 }
 
 impl EventStream {
@@ -46,12 +48,13 @@ impl EventStream {
         let mut hb = tokio::time::interval(heartbeat);
         hb.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         EventStream {
+            activity: arb.session_activity(id),
             first: Some(pb::SessionEvent {
                 event: Some(pb::session_event::Event::Opened(opened)),
             }),
             rx,
             heartbeat: hb,
-            guard: SessionGuard { arb, id },
+            _guard: SessionGuard { arb, id },
         }
     }
 }
@@ -126,7 +129,9 @@ impl Stream for EventStream {
         }
         if self.heartbeat.poll_tick(cx).is_ready() {
             // The transport took our last event: the worker's connection is alive.
-            self.guard.arb.touch_session(self.guard.id);
+            if let Some(a) = &self.activity {
+                a.touch();
+            }
             return Poll::Ready(Some(Ok(pb::SessionEvent {
                 event: Some(pb::session_event::Event::Heartbeat(pb::Heartbeat {
                     unix_ms: now_ms(),
