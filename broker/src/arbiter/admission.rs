@@ -3,7 +3,7 @@
 //! not yet promised (pool), and granting it leaves other tenants' unused guarantees intact.
 //! Requests that do not fit wait in the queue; every release re-runs [`Arbiter::drain`].
 
-use super::effects::Counted;
+use super::effects::{Counted, Effect, PendingGrant};
 use super::queue::{Ask, Granted, Reply};
 use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
 use crate::error::{BrokerError, BrokerResult, DeviceRoom, Queue};
@@ -459,7 +459,28 @@ impl Arbiter {
                 st.fx.free(d, b);
             }
         }
+        // The device work starts once the lock is released, after the frees above were
+        // queued (`Effect::Materialize`).
+        st.fx.push(Effect::Materialize(Box::new(PendingGrant {
+            ask,
+            priority,
+            reply,
+            device: d,
+            source,
+        })));
+    }
+
+    /// Runs `Effect::Materialize`: the device work of a grant on a task, then the grant is
+    /// committed (or rolled back) under the lock and the caller answered.
+    pub(super) fn spawn_grant(self: &Arc<Self>, p: PendingGrant) {
         let arb = self.clone();
+        let PendingGrant {
+            ask,
+            priority,
+            reply,
+            device: d,
+            source,
+        } = p;
         tokio::spawn(async move {
             let made = arb.materialize(d, ask.bytes, source).await;
             let mut st = arb.lock();

@@ -60,6 +60,19 @@ pub(crate) enum Effect {
     EndTurns { session: Uuid },
     /// Count something in the metrics.
     Count(Counted),
+    /// Do a grant's device work (allocate, or scrub a reused block) on a task, then commit
+    /// it. Runs after the lock is released, so after the frees queued under it.
+    Materialize(Box<PendingGrant>),
+}
+
+/// A grant whose memory is reserved (ledger and pool) and needs device work.
+#[derive(Debug)]
+pub(crate) struct PendingGrant {
+    pub ask: super::queue::Ask,
+    pub priority: i32,
+    pub reply: Reply,
+    pub device: u32,
+    pub source: crate::pool::Source,
 }
 
 /// What a transition counts.
@@ -204,6 +217,11 @@ impl Arbiter {
             }
             Effect::ForgetTickets { lease } => self.tickets.forget_lease(lease),
             Effect::EndTurns { session } => self.scheduler.end_session(session),
+            Effect::Materialize(p) => {
+                if let Some(me) = self.me.upgrade() {
+                    me.spawn_grant(*p);
+                }
+            }
             Effect::Count(c) => match c {
                 Counted::Granted(tier) => self.metrics.granted(tier),
                 Counted::Quarantined => self.metrics.quarantined(),
