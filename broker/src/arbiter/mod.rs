@@ -664,6 +664,15 @@ impl State {
                 host: u.host_held_bytes,
                 host_leases: u.host_lease_count,
             };
+            // Per device, the ledger counts what is reserved, held and quarantined there.
+            let per_device: u64 = t.device_bytes.values().sum();
+            if per_device != u.committed_bytes() {
+                return Err(format!(
+                    "tenant {:?}: its bytes per device add up to {per_device}, not {}",
+                    t.name,
+                    u.committed_bytes()
+                ));
+            }
             let sum = by_tenant.remove(t.name.as_str()).unwrap_or_default();
             if ledger != sum {
                 return Err(format!(

@@ -769,10 +769,10 @@ async fn the_invariant_check_catches_bytes_in_no_state() {
     // Behind the guard's back, take the bytes off the ledger but not off the pool (what a
     // transition pairing its updates by hand could get wrong): the check names it.
     let mut st = f.arb.state.lock();
-    st.ledger.uncharge("a", 4 * MIB);
+    st.ledger.uncharge("a", 0, 4 * MIB);
     let e = st.check_invariant().unwrap_err();
     assert!(e.contains("tenant \"a\""), "{e}");
-    st.ledger.reserve("a", 4 * MIB).unwrap();
+    st.ledger.reserve("a", 0, 4 * MIB).unwrap();
     st.ledger.commit("a", 4 * MIB);
     assert_eq!(st.check_invariant(), Ok(()));
     drop(st);
