@@ -242,7 +242,7 @@ impl Arbiter {
             return Ok(Vec::new());
         };
         let (weight, max_weight) = {
-            let st = self.state.lock();
+            let st = self.lock();
             let w = |t: &crate::ledger::Tenant| t.quota.turn_weight.max(1);
             (
                 st.ledger.get(&req.tenant).map(w).unwrap_or(1),
@@ -255,7 +255,7 @@ impl Arbiter {
 
     /// Ends a reservation of `tenant` early (its session keeps going).
     pub fn release_process(self: &Arc<Self>, tenant: &str, id: Uuid) -> BrokerResult<()> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         match st.reservations.get(&id) {
             Some(r) if r.tenant == tenant => {}
             _ => return Err(BrokerError::NotFound(Missing::Reservation(id))),
@@ -267,7 +267,7 @@ impl Arbiter {
 
     /// The reservations of `tenant` (all tenants: None), oldest first.
     pub fn list_reservations(&self, tenant: Option<&str>) -> Vec<ReservationView> {
-        let st = self.state.lock();
+        let st = self.lock();
         let mut v: Vec<ReservationView> = st
             .reservations
             .iter()
@@ -329,7 +329,7 @@ impl Arbiter {
             return;
         }
         for b in st.pools[d as usize].reserve_process(ask.bytes) {
-            self.free_on_device(d, b);
+            st.fx.free(d, b);
         }
         let r = Reservation {
             id: Uuid::now_v7(),
@@ -471,7 +471,7 @@ impl Arbiter {
         if back && st.pools[d].available() >= bytes {
             st.ledger.shift_process(&tenant, d as u32, bytes, true);
             for b in st.pools[d].reserve_process(bytes) {
-                self.free_on_device(d as u32, b);
+                st.fx.free(d as u32, b);
             }
         } else if let Some(r) = st.reservations.by_id.get_mut(&rid) {
             r.lost += bytes;
@@ -482,7 +482,7 @@ impl Arbiter {
     /// how much each tree uses. Reads `/proc` outside the state lock.
     pub(crate) fn covered_usage(&self, usage: &HashMap<u32, u64>) -> Covered {
         let roots: HashMap<u32, Uuid> = {
-            let st = self.state.lock();
+            let st = self.lock();
             st.reservations
                 .iter()
                 .filter_map(|r| r.pid.map(|p| (p, r.id)))

@@ -15,9 +15,9 @@
 //! [`Arbiter::execute`] is the one executor: every device free of the broker goes through
 //! it (`Effect::Free`, `Effect::FreeHost`).
 
+use super::queue::{Granted, Reply};
 use super::{Arbiter, State};
 use crate::error::BrokerResult;
-use super::queue::{Granted, Reply};
 use crate::lease::LeaseView;
 use crate::ledger::Tier;
 use crate::metrics::Revocation;

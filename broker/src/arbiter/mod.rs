@@ -580,7 +580,8 @@ impl State {
     /// - per tenant: held bytes and lease count equal its device leases, host bytes and
     ///   count its host leases (and host charges in flight), quarantined bytes its
     ///   quarantined blocks;
-    /// - bytes being allocated (`reserved`) add up the same in the pools and the ledger;
+    /// - bytes being allocated (`reserved`) and room kept for reserved processes add up the
+    ///   same in the pools and the ledger;
     /// - every lease belongs to an open session that lists it, and every lease a session
     ///   lists exists.
     pub(crate) fn check_invariant(&self) -> Result<(), String> {
@@ -690,6 +691,18 @@ impl State {
         if pooled != reserved {
             return Err(format!(
                 "reserved: pools say {pooled}, ledger says {reserved}"
+            ));
+        }
+        // Room kept for reserved processes (`reservations.rs`): the same in both.
+        let in_pools: u64 = self.pools.iter().map(|p| p.stats().process_reserved).sum();
+        let in_ledger: u64 = self
+            .ledger
+            .tenants()
+            .map(|t| t.usage.process_reserved_bytes)
+            .sum();
+        if in_pools != in_ledger {
+            return Err(format!(
+                "process reservations: pools say {in_pools}, ledger says {in_ledger}"
             ));
         }
         for s in self.sessions.iter() {
