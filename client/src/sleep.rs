@@ -55,6 +55,8 @@ pub struct Resident {
     device: u32,
     label: String,
     reclaimable: bool,
+    /// A host-tier lease: a wake asks the host tier again.
+    host_tier: bool,
     lease: Option<Lease>,
     /// The host-tier lease holding the contents while asleep.
     saved: Option<Lease>,
@@ -239,6 +241,7 @@ impl Resident {
             device: lease.device(),
             label: lease.label().to_string(),
             reclaimable: lease.info().reclaimable,
+            host_tier: lease.tier() == crate::lease::Tier::Host,
             lease: Some(lease),
             saved: None,
         })
@@ -350,7 +353,8 @@ impl Resident {
             .lease_request(self.requested)
             .device(self.device)
             .label(self.label.clone())
-            .reclaimable(self.reclaimable);
+            .reclaimable(self.reclaimable)
+            .host_tier(self.host_tier);
         if let Some(w) = wait {
             request = request.wait(w);
         }

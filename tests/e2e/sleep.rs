@@ -143,3 +143,30 @@ async fn a_save_the_host_limit_refuses_leaves_the_lease_awake() {
     h.map().unwrap().fill(1);
     assert_eq!(usage(&c2).await, (0, h.bytes()));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_tier_lease_wakes_as_host_memory() {
+    let b = Broker::start().unwrap();
+    let c = tenant(&b, "alice", GIB, 64 * MIB).await;
+    let s = c.session("h").await.unwrap();
+    let h = s
+        .lease_request(4 * MIB)
+        .host_tier(true)
+        .send()
+        .await
+        .unwrap();
+    let mut r = Resident::new(h).unwrap();
+    r.as_mut_slice().unwrap().fill(0x42);
+    let addr = r.addr();
+    r.sleep(Contents::Save).await.unwrap();
+    assert_eq!(usage(&c).await, (0, 4 * MIB), "only the saved copy");
+    r.wake(None).await.unwrap();
+    assert_eq!(r.addr(), addr);
+    assert_eq!(r.lease().unwrap().tier(), gpu_broker_client::Tier::Host);
+    assert!(r.as_slice().unwrap().iter().all(|&x| x == 0x42));
+    assert_eq!(
+        usage(&c).await,
+        (0, 4 * MIB),
+        "host memory again, not device memory"
+    );
+}
