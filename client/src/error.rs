@@ -324,6 +324,9 @@ macro_rules! reasons {
 reasons! {
     /// `RESOURCE_EXHAUSTED`: the tenant's byte limit (`tier` says device or host).
     QuotaExceeded = "QUOTA_EXCEEDED",
+    /// `RESOURCE_EXHAUSTED`: the tenant's cap on a device does not fit the request on any
+    /// device it may use (`device` names it).
+    DeviceQuotaExceeded = "DEVICE_QUOTA_EXCEEDED",
     /// `RESOURCE_EXHAUSTED`: the tenant holds `max_leases` leases.
     LeaseCountLimit = "LEASE_COUNT_LIMIT",
     /// `RESOURCE_EXHAUSTED`: larger than any device could ever lease.

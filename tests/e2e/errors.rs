@@ -685,3 +685,55 @@ async fn max_leases_refusal_names_the_lease_limit() {
     );
     assert!(m.contains("1 of 1") || m.contains("limit 1"), "{m}");
 }
+
+/// The upper-snake words quoted in `text` right after `marker` (`=> "QUOTA_EXCEEDED"`).
+fn quoted_after(text: &str, marker: &str) -> std::collections::BTreeSet<String> {
+    text.split(marker)
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .filter(|w| w.len() > 2 && w.bytes().all(|b| b.is_ascii_uppercase() || b == b'_'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every reason the broker can send is in the reasons table of `docs/protocol.md`, and the
+/// Rust client's `Reason` and the Python package's `REASONS` know every reason of the
+/// table: a new refusal cannot reach clients as "unknown" unnoticed.
+#[test]
+fn every_reason_the_broker_sends_is_documented_and_known_to_both_clients() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap();
+    let mut sent = quoted_after(&read("broker/src/error.rs"), "=> \"");
+    sent.extend(quoted_after(&read("broker/src/rate.rs"), "Some(\""));
+    sent.extend(quoted_after(&read("broker/src/listener.rs"), "Some(\""));
+    assert!(
+        sent.contains("QUOTA_EXCEEDED") && sent.contains("RATE_LIMITED"),
+        "{sent:?}"
+    );
+    let table: std::collections::BTreeSet<String> = read("docs/protocol.md")
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .filter(|w| w.bytes().all(|b| b.is_ascii_uppercase() || b == b'_'))
+        .map(str::to_string)
+        .collect();
+    let undocumented: Vec<_> = sent.difference(&table).collect();
+    assert!(
+        undocumented.is_empty(),
+        "not in docs/protocol.md: {undocumented:?}"
+    );
+    let python = quoted_after(&read("client/python/python/gpubroker/errors.py"), "    \"");
+    for reason in &table {
+        assert!(
+            !matches!(
+                Reason::parse(gpu_broker_client::error::ERROR_DOMAIN, reason),
+                Reason::Unknown(_)
+            ),
+            "the Rust client does not know {reason}"
+        );
+        assert!(
+            python.contains(reason),
+            "gpubroker.errors.REASONS lacks {reason}"
+        );
+    }
+}

@@ -26,6 +26,7 @@ __all__ = [
     "FailedPrecondition",
     "Unavailable",
     # by reason
+    "DeviceQuotaExceeded",
     "LeaseLimitReached",
     "RequestTooLarge",
     "CapacityExhausted",
@@ -141,6 +142,11 @@ class Unavailable(BrokerError):
 # ---- one class per reason, each a subclass of its code's class
 
 
+class DeviceQuotaExceeded(QuotaExceeded):
+    """DEVICE_QUOTA_EXCEEDED: the tenant's cap on a device does not fit the request on any
+    device it may use (``details["device"]``)."""
+
+
 class LeaseLimitReached(QuotaExceeded):
     """LEASE_COUNT_LIMIT: the tenant holds as many leases as its quota's ``max_leases``."""
 
@@ -225,6 +231,7 @@ class TenantInUse(FailedPrecondition):
 #: broker's) raises its code's class with ``.reason`` set.
 REASONS: Dict[str, Type[BrokerError]] = {
     "QUOTA_EXCEEDED": QuotaExceeded,
+    "DEVICE_QUOTA_EXCEEDED": DeviceQuotaExceeded,
     "LEASE_COUNT_LIMIT": LeaseLimitReached,
     "REQUEST_TOO_LARGE": RequestTooLarge,
     "CAPACITY_EXHAUSTED": CapacityExhausted,
