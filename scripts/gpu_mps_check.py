@@ -378,7 +378,7 @@ def bench(bin_dir, duration, ks):
         row["b"] = summarize(rb, duration)
         print(f"K={k} (b) uncoordinated:", json.dumps(row["b"]), flush=True)
 
-        b = Broker(bin_dir, f"c{k}", ["--turn-slots", "1"])
+        b = Broker(bin_dir, f"c{k}", ["--turn-slots", "1", "--turn-anticipation", "1ms"])
         envs = []
         for i, w in enumerate(weights):
             e = dict(base, GPU_BROKER_ADDR=f"unix://{b.sock}", GPU_BROKER_TOKEN=b.tenant(f"t{i}", "16GiB", w))

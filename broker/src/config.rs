@@ -272,6 +272,12 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_TURN_SLOTS", default_value_t = defaults::TURN_SLOTS, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub turn_slots: u32,
 
+    /// How long a tenant still owed compute (below its weighted share) keeps the turn slot
+    /// it gave back, for its next request; 0s: never (the slot goes to the next waiter at
+    /// once). Lets weights hold when each tenant asks again right after its step.
+    #[arg(long, env = "GPU_BROKER_TURN_ANTICIPATION", default_value = defaults::text(defaults::TURN_ANTICIPATION), value_parser = parse_duration)]
+    pub turn_anticipation: Duration,
+
     /// Log as JSON lines instead of text.
     #[arg(long, env = "GPU_BROKER_LOG_JSON")]
     pub log_json: bool,
@@ -382,6 +388,7 @@ impl Config {
                 quantum: self.turn_quantum,
                 grace: self.turn_grace,
                 slots: self.turn_slots,
+                anticipation: self.turn_anticipation,
             },
             rate: crate::rate::RateConfig {
                 rate: self.tenant_rpc_rate,

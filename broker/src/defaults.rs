@@ -20,6 +20,9 @@ pub const TURN_QUANTUM: Duration = Duration::from_millis(100);
 pub const TURN_GRACE: Duration = Duration::from_millis(100);
 /// `--turn-slots`: turn holders per device at once.
 pub const TURN_SLOTS: u32 = 1;
+/// `--turn-anticipation`: how long a tenant below its weighted share keeps the turn slot
+/// it gave back (zero: never).
+pub const TURN_ANTICIPATION: Duration = Duration::ZERO;
 /// `--health-interval`: how often the health monitor checks every device.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
 /// `--health-timeout`: a device that does not answer a check within this is unhealthy.
@@ -46,6 +49,7 @@ mod tests {
             QUARANTINE_TIMEOUT,
             TURN_QUANTUM,
             TURN_GRACE,
+            TURN_ANTICIPATION,
             HEALTH_INTERVAL,
             HEALTH_TIMEOUT,
         ] {

@@ -7,8 +7,13 @@
 //! tenant. A holder that keeps its turn past the quantum while others wait is asked to
 //! yield (`YieldRequested`); past quantum + grace the turn is taken (`TurnRevoked`) and
 //! given to the next. Time held beyond the quantum while others waited is the holder's
-//! *overrun*. The hand-off time (from receiving a `ReleaseTurn` to sending the next
-//! waiter its grant) is a histogram. This module never touches memory.
+//! *overrun*. With an anticipation window (`--turn-anticipation`), a tenant that gives a
+//! turn back while still owed compute (its time per weight is below every waiter's) keeps
+//! that slot for its session's next request, up to the window: one worker per tenant that
+//! asks again right after each step could otherwise never take two turns in a row, and
+//! weights above an even split would not hold. The hand-off time (from receiving a
+//! `ReleaseTurn` to sending the next waiter its grant) is a histogram. This module never
+//! touches memory.
 
 use crate::error::{BrokerError, BrokerResult};
 use crate::session::SessionEvent;
@@ -28,6 +33,9 @@ pub struct TurnConfig {
     pub grace: Duration,
     /// Turns held on one device at once (at least 1).
     pub slots: u32,
+    /// How long a slot given back by a tenant still owed compute is kept for its
+    /// session's next request (zero: never; the slot goes to the next waiter at once).
+    pub anticipation: Duration,
 }
 
 impl Default for TurnConfig {
@@ -36,6 +44,7 @@ impl Default for TurnConfig {
             quantum: crate::defaults::TURN_QUANTUM,
             grace: crate::defaults::TURN_GRACE,
             slots: crate::defaults::TURN_SLOTS,
+            anticipation: crate::defaults::TURN_ANTICIPATION,
         }
     }
 }
@@ -56,6 +65,10 @@ pub struct TurnGrant {
 pub struct TurnEnd {
     pub held: Duration,
     pub overrun: Duration,
+    /// The slot is kept for the same session until then (anticipation): call
+    /// [`Scheduler::expire_kept`] at that time, so that it goes to the next waiter if the
+    /// session has not asked again.
+    pub kept_until: Option<Instant>,
 }
 
 /// A tenant's compute-turn counters.
@@ -97,6 +110,8 @@ struct Waiter {
 struct DeviceTurns {
     holders: Vec<Holder>,
     waiting: VecDeque<Waiter>,
+    /// A slot kept for a session's next request, until a deadline (anticipation).
+    kept: Option<(Uuid, Instant)>,
 }
 
 #[derive(Default)]
@@ -266,9 +281,56 @@ impl Scheduler {
             )));
         };
         let now = Instant::now();
-        let end = self.end_turn(&mut inner, device as u32, slot, now);
+        let who = inner.devices[device].holders[slot].who.clone();
+        let mut end = self.end_turn(&mut inner, device as u32, slot, now);
+        if self.owed(&inner, device, &who) {
+            let until = now + self.cfg.anticipation;
+            inner.devices[device].kept = Some((who.session, until));
+            end.kept_until = Some(until);
+        }
         self.grant_next(&mut inner, device as u32, now, Some(received));
         Ok(end)
+    }
+
+    /// Whether `who`, which just gave a turn back on `device`, keeps the slot: with an
+    /// anticipation window, when others wait and its compute time per weight is below
+    /// every waiting tenant's.
+    fn owed(&self, inner: &Inner, device: usize, who: &Requester) -> bool {
+        if self.cfg.anticipation.is_zero() {
+            return false;
+        }
+        let d = &inner.devices[device];
+        if d.waiting.is_empty() || d.waiting.iter().any(|w| w.who.session == who.session) {
+            return false;
+        }
+        let vt = |tenant: &str, weight: u32| {
+            inner
+                .usage
+                .get(tenant)
+                .map(|u| u.compute)
+                .unwrap_or_default()
+                .as_secs_f64()
+                / f64::from(weight.max(1))
+        };
+        let mine = vt(&who.tenant, who.weight);
+        d.waiting
+            .iter()
+            .all(|w| w.who.tenant != who.tenant && vt(&w.who.tenant, w.who.weight) > mine)
+    }
+
+    /// Gives kept slots whose window has passed to the next waiters.
+    pub fn expire_kept(&self) {
+        let mut inner = self.inner.lock();
+        let now = Instant::now();
+        for device in 0..inner.devices.len() {
+            if inner.devices[device]
+                .kept
+                .is_some_and(|(_, until)| until <= now)
+            {
+                inner.devices[device].kept = None;
+                self.grant_next(&mut inner, device as u32, now, None);
+            }
+        }
     }
 
     /// A session ended: its waiting requests go, its turns end.
@@ -286,6 +348,12 @@ impl Scheduler {
             {
                 self.end_turn(&mut inner, device as u32, slot, now);
             }
+            if inner.devices[device]
+                .kept
+                .is_some_and(|(s, _)| s == session)
+            {
+                inner.devices[device].kept = None;
+            }
             self.grant_next(&mut inner, device as u32, now, None);
         }
     }
@@ -293,6 +361,7 @@ impl Scheduler {
     /// Asks holders past their quantum to yield, and takes turns past quantum + grace,
     /// when others wait. Called periodically.
     pub fn tick(&self) {
+        self.expire_kept();
         let mut inner = self.inner.lock();
         let now = Instant::now();
         for device in 0..inner.devices.len() {
@@ -382,7 +451,11 @@ impl Scheduler {
         u.turns += 1;
         u.compute += held;
         u.overrun += overrun;
-        TurnEnd { held, overrun }
+        TurnEnd {
+            held,
+            overrun,
+            kept_until: None,
+        }
     }
 
     /// Grants the free slots on `device` to the next waiters: the tenant with the least
@@ -399,8 +472,21 @@ impl Scheduler {
         loop {
             let Inner { devices, usage, .. } = inner;
             let d = &mut devices[device as usize];
+            if d.kept.is_some_and(|(_, until)| until <= now) {
+                d.kept = None;
+            }
             if d.holders.len() >= slots || d.waiting.is_empty() {
                 return;
+            }
+            // A kept slot goes only to its session; the other slots as usual.
+            let mut forced = None;
+            if let Some((session, _)) = d.kept {
+                forced = d.waiting.iter().position(|w| w.who.session == session);
+                if forced.is_some() {
+                    d.kept = None;
+                } else if d.holders.len() + 1 >= slots {
+                    return;
+                }
             }
             let share = |w: &Waiter| {
                 let used = usage
@@ -409,12 +495,15 @@ impl Scheduler {
                     .unwrap_or_default();
                 used.as_secs_f64() / f64::from(w.who.weight.max(1))
             };
-            let mut best = 0;
-            for (i, w) in d.waiting.iter().enumerate() {
-                if share(w) < share(&d.waiting[best]) {
-                    best = i;
+            let best = forced.unwrap_or_else(|| {
+                let mut best = 0;
+                for (i, w) in d.waiting.iter().enumerate() {
+                    if share(w) < share(&d.waiting[best]) {
+                        best = i;
+                    }
                 }
-            }
+                best
+            });
             let Some(w) = d.waiting.remove(best) else {
                 return;
             };
@@ -472,6 +561,7 @@ mod tests {
                 quantum: Duration::from_millis(quantum_ms),
                 grace: Duration::from_millis(quantum_ms),
                 slots: 1,
+                anticipation: Duration::ZERO,
             },
         )
     }
@@ -659,6 +749,7 @@ mod tests {
                 quantum: Duration::from_secs(10),
                 grace: Duration::from_secs(10),
                 slots,
+                anticipation: Duration::ZERO,
             },
         )
     }
@@ -722,12 +813,22 @@ mod tests {
     /// Runs `rounds` turns of 10 ms (booked by backdating each holder's start) with every
     /// tenant always waiting; returns each tenant's share of the compute.
     fn shares(slots: u32, weights: &[(&str, u32)], rounds: usize) -> Vec<f64> {
-        let s = sched_slots(slots);
+        shares_with(sched_slots(slots), weights, 2, rounds)
+    }
+
+    /// As [`shares`] with `per_tenant` sessions each, on scheduler `s`; a session asks again
+    /// right after it gives its turn back (the next round), as a worker's step loop does.
+    fn shares_with(
+        s: Scheduler,
+        weights: &[(&str, u32)],
+        per_tenant: usize,
+        rounds: usize,
+    ) -> Vec<f64> {
         let mut events = Vec::new();
         let mut pending: Vec<(usize, Pending)> = Vec::new();
         // Two sessions per tenant, so that every tenant has a waiter whatever holds.
         for (i, (t, w)) in weights.iter().enumerate() {
-            for _ in 0..2 {
+            for _ in 0..per_tenant {
                 let (r, e) = who(t, *w);
                 events.push((i, r.clone(), e));
                 pending.push((i, s.request(0, r).unwrap()));
@@ -790,6 +891,7 @@ mod tests {
                 quantum: Duration::from_millis(20),
                 grace: Duration::from_millis(20),
                 slots: 2,
+                anticipation: Duration::ZERO,
             },
         );
         let (a, mut ea) = who("a", 1);
@@ -818,5 +920,87 @@ mod tests {
         assert!(granted(&mut pc).is_some(), "c got a's slot");
         assert!(s.release("a", ga.turn_id).is_err());
         assert_eq!(s.holders(0), 2);
+    }
+
+    fn anticipating(ms: u64) -> Scheduler {
+        Scheduler::new(
+            1,
+            TurnConfig {
+                quantum: Duration::from_secs(10),
+                grace: Duration::from_secs(10),
+                slots: 1,
+                anticipation: Duration::from_millis(ms),
+            },
+        )
+    }
+
+    #[test]
+    fn one_worker_per_tenant_gets_its_weight_only_with_anticipation() {
+        let weights = [("light", 1), ("heavy", 2)];
+        // Without it, two single workers alternate whatever their weights.
+        let even = shares_with(sched_slots(1), &weights, 1, 300);
+        assert!((even[0] - 0.5).abs() < 0.02, "{even:?}");
+        let got = shares_with(anticipating(1000), &weights, 1, 300);
+        for (g, want) in got.iter().zip([1.0 / 3.0, 2.0 / 3.0]) {
+            assert!((g - want).abs() / want < 0.05, "shares {got:?}, want 1:2");
+        }
+    }
+
+    #[test]
+    fn a_kept_slot_goes_to_its_session_or_to_the_next_waiter_when_the_window_ends() {
+        let s = anticipating(30);
+        let (h, _eh) = who("heavy", 4);
+        let (l, _el) = who("light", 1);
+        let mut ph = s.request(0, h.clone()).unwrap();
+        let gh = granted(&mut ph).unwrap();
+        let mut pl = s.request(0, l).unwrap();
+        {
+            // light has used far more per weight: heavy is owed compute.
+            let mut inner = s.inner.lock();
+            inner.usage.insert(
+                "light".into(),
+                TurnUsage {
+                    turns: 1,
+                    compute: Duration::from_secs(5),
+                    overrun: Duration::ZERO,
+                },
+            );
+        }
+        let end = s.release("heavy", gh.turn_id).unwrap();
+        assert!(end.kept_until.is_some(), "kept for heavy");
+        assert!(
+            granted(&mut pl).is_none(),
+            "light waits while the slot is kept"
+        );
+        assert_eq!(s.holders(0), 0);
+        // heavy asks again within the window: it gets the slot ahead of light.
+        let mut ph = s.request(0, h).unwrap();
+        let gh = granted(&mut ph).expect("the kept slot");
+        assert!(granted(&mut pl).is_none());
+        // Again, but heavy does not come back: light gets the slot once the window ends.
+        assert!(s.release("heavy", gh.turn_id).unwrap().kept_until.is_some());
+        s.expire_kept();
+        assert!(granted(&mut pl).is_none(), "not before the window ends");
+        std::thread::sleep(Duration::from_millis(35));
+        s.expire_kept();
+        assert!(
+            granted(&mut pl).is_some(),
+            "the next waiter after the window"
+        );
+    }
+
+    #[test]
+    fn a_tenant_ahead_of_its_share_keeps_nothing() {
+        let s = anticipating(1000);
+        let (a, _ea) = who("a", 1);
+        let (b, _eb) = who("b", 1);
+        let mut pa = s.request(0, a).unwrap();
+        let ga = granted(&mut pa).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        let mut pb = s.request(0, b).unwrap();
+        // a used 2 ms, b nothing: b is owed, not a.
+        let end = s.release("a", ga.turn_id).unwrap();
+        assert_eq!(end.kept_until, None);
+        assert!(granted(&mut pb).is_some());
     }
 }

@@ -135,12 +135,22 @@ impl Arbiter {
     /// The holder gives its compute turn back; its `ReleaseTurn` arrived at `received`
     /// (the start of the hand-off to the next waiter).
     pub fn release_turn_received(
-        &self,
+        self: &Arc<Self>,
         tenant: &str,
         turn_id: Uuid,
         received: Instant,
     ) -> BrokerResult<TurnEnd> {
-        self.scheduler.release_received(tenant, turn_id, received)
+        let end = self.scheduler.release_received(tenant, turn_id, received)?;
+        if let Some(until) = end.kept_until {
+            // The slot is kept for the releaser's next request; if none comes in time it
+            // goes to the next waiter then (not at the next tick).
+            let arb = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep_until(until.into()).await;
+                arb.scheduler.expire_kept();
+            });
+        }
+        Ok(end)
     }
 
     /// A turn grant is being sent: its hand-off time, if a release freed its slot.
