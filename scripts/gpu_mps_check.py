@@ -138,9 +138,19 @@ class Broker:
         return "".join(open(self.log_path).readlines()[-n:])
 
 
-def mps_processes():
-    r = subprocess.run(["ps", "-eo", "pid,user,args"], capture_output=True, text=True)
-    return [l for l in r.stdout.splitlines() if "nvidia-cuda-mps" in l and "grep" not in l]
+def mps_processes(zombies=False):
+    """MPS processes that run (with zombies=True: exited ones nobody reaped, `<defunct>`;
+    the machine's init does not reap orphans, so the daemon's exited processes stay as
+    zombies: they hold no GPU memory and run nothing)."""
+    r = subprocess.run(["ps", "-eo", "pid,user,stat,args"], capture_output=True, text=True)
+    out = []
+    for l in r.stdout.splitlines():
+        if "nvidia-cuda-mps" not in l or "grep" in l:
+            continue
+        dead = l.split()[2].startswith("Z")
+        if dead == zombies:
+            out.append(l)
+    return out
 
 
 def device_uuid(b, index=0):
@@ -175,7 +185,7 @@ def check(bin_dir):
     uuid = device_uuid(b)
 
     def launch(name, token, limit, target):
-        alloc = [sys.executable, me, "--alloc", "--target", str(target), "--hold", "3"]
+        alloc = [sys.executable, me, "--alloc", "--target", str(target), "--hold", "8"]
         env = dict(os.environ)
         if have_run:
             tf = os.path.join(b.dir, f"{name}.token")
@@ -198,10 +208,15 @@ def check(bin_dir):
     print(f"launching with {'gpu-brokerctl run' if have_run else 'the MPS environment set by hand (no gpu-brokerctl run yet)'}")
     small = launch("small", tok_small, 4 * GIB, 64 * GIB)
     big = launch("big", tok_big, 8 * GIB, 7 * GIB)
-    time.sleep(2.5)
+    t0 = time.time()
+    mid = {}
+    while time.time() - t0 < 20 and small.poll() is None and big.poll() is None:
+        mid = b.devices()[0]
+        if mid.get("mps_clients", 0) >= 2:
+            break
+        time.sleep(0.2)
     status = b.ctl("status")
-    print("gpu-brokerctl status while both run:\n" + status)
-    mid = b.devices()[0]
+    print(f"gpu-brokerctl status while both run ({time.time() - t0:.1f} s after the start):\n" + status)
     verdict(mid.get("mps_clients", 0) >= 2, f"status shows the MPS clients: {mid.get('mps_detail')}")
     outs = {}
     for name, p in (("small", small), ("big", big)):
@@ -238,6 +253,7 @@ def check(bin_dir):
     left = mps_processes()
     verdict(rc == 0, f"broker stopped (rc {rc})")
     verdict(not left, "nothing of MPS left running after the broker stopped" + (f": {left}" if left else ""))
+    print("exited MPS processes not reaped by the machine's init (zombies):", mps_processes(zombies=True))
     return {"small": s, "big": g, "restart": restarted and restarted.get("mps_detail"), "used_run": have_run}
 
 
