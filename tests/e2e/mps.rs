@@ -22,10 +22,27 @@ fn alive(pid: i32) -> bool {
             .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
 }
 
+/// Kills the fake daemon named by the pid file in `pipe` when dropped (a failed test must
+/// not leave it sleeping).
+struct DaemonGuard(PathBuf);
+
+impl Drop for DaemonGuard {
+    fn drop(&mut self) {
+        let pid = std::fs::read_to_string(self.0.join("nvidia-cuda-mps-control.pid"))
+            .ok()
+            .and_then(|t| t.trim().parse::<i32>().ok());
+        if let Some(pid) = pid.filter(|p| *p > 0) {
+            // SAFETY: kills the fake daemon this test's broker started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_broker_runs_its_mps_daemon_shows_it_and_quits_it_at_shutdown() {
     let mps_dir = tempfile::tempdir().unwrap();
     let pipe = mps_dir.path().join("pipe");
+    let _guard = DaemonGuard(pipe.clone());
     let mut b = Broker::start_with(BrokerOpts {
         extra: vec![
             "--mps".into(),

@@ -10,6 +10,16 @@ struct Fixture {
     log: PathBuf,
 }
 
+impl Drop for Fixture {
+    /// A failed test must not leave its fake daemon sleeping.
+    fn drop(&mut self) {
+        if let Some(pid) = self.control().daemon_pid() {
+            // SAFETY: kills the fake daemon this test started (its pid file is ours).
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+}
+
 impl Fixture {
     fn new() -> Fixture {
         let dir = tempfile::tempdir().unwrap();
