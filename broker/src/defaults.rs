@@ -23,6 +23,8 @@ pub const TURN_SLOTS: u32 = 1;
 /// `--turn-anticipation`: how long a tenant below its weighted share keeps the turn slot
 /// it gave back (zero: never).
 pub const TURN_ANTICIPATION: Duration = Duration::ZERO;
+/// `--mps-health-interval`: how often the managed MPS daemon is checked.
+pub const MPS_HEALTH_INTERVAL: Duration = Duration::from_secs(2);
 /// `--health-interval`: how often the health monitor checks every device.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
 /// `--health-timeout`: a device that does not answer a check within this is unhealthy.
@@ -50,6 +52,7 @@ mod tests {
             TURN_QUANTUM,
             TURN_GRACE,
             TURN_ANTICIPATION,
+            MPS_HEALTH_INTERVAL,
             HEALTH_INTERVAL,
             HEALTH_TIMEOUT,
         ] {

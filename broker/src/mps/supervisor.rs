@@ -27,7 +27,7 @@ pub struct Timings {
 impl Default for Timings {
     fn default() -> Self {
         Timings {
-            health_interval: Duration::from_secs(2),
+            health_interval: crate::defaults::MPS_HEALTH_INTERVAL,
             backoff_initial: Duration::from_millis(500),
             backoff_max: Duration::from_secs(30),
             start_timeout: Duration::from_secs(10),
