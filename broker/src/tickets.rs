@@ -34,6 +34,11 @@ const MAX_CONNECTIONS_PER_UID: usize = 32;
 const PRIVILEGED_RESERVE: usize = 16;
 /// A connection must send its ticket within this time.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// The one byte (with no descriptor) a connection over a limit gets before it is closed:
+/// its ticket was not looked at, so the client may present it again after a pause.
+pub const BUSY_REPLY: u8 = 0x00;
+/// The byte that carries the descriptor of a redeemed ticket.
+pub const FD_REPLY: u8 = 0x01;
 
 /// A ticket's bytes.
 pub type Ticket = [u8; TICKET_LEN];
@@ -268,13 +273,15 @@ pub async fn serve(
                 continue;
             }
         };
-        // Over a limit (in all, or of this peer's uid): close at once (the client retries
-        // or reports).
+        // Over a limit (in all, or of this peer's uid): say "busy" and close at once; the
+        // ticket is untouched and the client presents it again after a pause.
         let uid = stream.peer_cred().ok().map(|c| c.uid());
         let permit = match conns.admit(uid) {
             Ok(p) => p,
             Err(cap) => {
-                tracing::warn!(?uid, ?cap, "too many ticket connections; closing one");
+                tracing::debug!(?uid, ?cap, "too many ticket connections; one told busy");
+                arb.metrics().ticket_refused("busy");
+                let _ = stream.try_write(&[BUSY_REPLY]);
                 continue;
             }
         };
@@ -335,9 +342,9 @@ async fn send_fd(stream: &UnixStream, fd: &SharedFd) -> std::io::Result<()> {
     }
 }
 
-/// `sendmsg` of the byte 1 with one descriptor attached.
+/// `sendmsg` of the byte [`FD_REPLY`] with one descriptor attached.
 pub fn send_with_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
-    let mut byte = [1u8];
+    let mut byte = [FD_REPLY];
     let mut iov = libc::iovec {
         iov_base: byte.as_mut_ptr().cast(),
         iov_len: 1,
@@ -460,14 +467,19 @@ mod tests {
         for _ in 0..cap {
             held.push(UnixStream::connect(&path).await.unwrap());
         }
-        // One more from the same uid is closed at once...
+        // One more from the same uid is told "busy" (no descriptor) and closed at once...
         let mut extra = UnixStream::connect(&path).await.unwrap();
         let mut b = [0u8; 1];
         let n = tokio::time::timeout(Duration::from_secs(30), extra.read(&mut b))
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(n, 0);
+        assert_eq!((n, b[0]), (1, BUSY_REPLY));
+        let n = tokio::time::timeout(Duration::from_secs(30), extra.read(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, 0, "closed after the busy byte");
         // ...while the ones it holds are still open (not closed by their read timeout).
         let mut open = 0;
         for s in &held {

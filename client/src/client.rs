@@ -72,7 +72,7 @@ impl Client {
         let mut info = crate::fd::FdInfo::from(reply.fd.ok_or_else(|| {
             ClientError::Protocol("RenewLeaseTicket reply carries no handle".into())
         })?);
-        let fd = crate::fd::fetch(&info.socket_path, &info.ticket, self.dialled_socket())?;
+        let fd = crate::fd::fetch(&info.socket_path, &info.ticket, self.dialled_socket()).await?;
         info.ticket.clear();
         Ok((info, fd))
     }

@@ -12,7 +12,7 @@
 //! Every descriptor received is close-on-exec and owned ([`OwnedFd`]): dropping it closes
 //! it, so nothing leaks on any error path.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -26,6 +26,13 @@ use crate::error::ClientError;
 
 /// How long a ticket exchange may take.
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// The data byte that carries a lease's descriptor.
+const FD_REPLY: u8 = 0x01;
+/// The data byte (no descriptor) of a broker at its ticket-connection limit: the ticket was
+/// not looked at; present it again after a pause.
+const BUSY_REPLY: u8 = 0x00;
+/// Longest pause between presentations to a busy ticket socket.
+const MAX_BUSY_PAUSE: Duration = Duration::from_millis(50);
 
 /// What the memory behind an fd handle is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -124,9 +131,11 @@ fn connect(socket_path: &Path, dialled: Option<&Path>) -> Result<UnixStream, Cli
     )))
 }
 
-/// Redeems `ticket` at the ticket socket and returns the descriptor (blocking; a few
-/// tens of microseconds on a local broker).
-pub fn fetch(
+/// Redeems `ticket` at the ticket socket and returns the descriptor. Each presentation is
+/// a few tens of microseconds on a local broker; a broker at its connection limit answers
+/// "busy" without looking at the ticket, and the ticket is presented again after a pause
+/// (1 ms doubling to 50 ms, for up to 10 s), without blocking the async runtime meanwhile.
+pub async fn fetch(
     socket_path: &Path,
     ticket: &[u8],
     dialled: Option<&Path>,
@@ -136,17 +145,64 @@ pub fn fetch(
             "the handle carries no ticket (listings do not): ask for a new one".into(),
         ));
     }
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if let Some(fd) = present(socket_path, ticket, dialled)? {
+            return Ok(fd);
+        }
+        if tokio::time::Instant::now() + pause > deadline {
+            return Err(ClientError::Unavailable(
+                format!("the broker's ticket socket stayed busy for {TIMEOUT:?}").into(),
+            ));
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(MAX_BUSY_PAUSE);
+    }
+}
+
+/// Presents `ticket` once: the descriptor, or `None` when the broker said "busy".
+fn present(
+    socket_path: &Path,
+    ticket: &[u8],
+    dialled: Option<&Path>,
+) -> Result<Option<OwnedFd>, ClientError> {
     let mut s = connect(socket_path, dialled)?;
     s.set_read_timeout(Some(TIMEOUT))?;
     s.set_write_timeout(Some(TIMEOUT))?;
-    s.write_all(ticket)?;
-    let (n, fd) = recv_with_fd(s.as_raw_fd())?;
-    match (n, fd) {
-        (1, Some(fd)) => Ok(fd),
-        (0, None) => Err(ClientError::TicketRefused(
+    // A busy broker may answer and close before the ticket is written: read its answer
+    // all the same.
+    match s.write_all(ticket) {
+        Err(e) if !matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => {
+            return Err(e.into())
+        }
+        _ => {}
+    }
+    let got = match recv_with_fd(s.as_raw_fd()) {
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => Received {
+            len: 0,
+            byte: 0,
+            fd: None,
+        },
+        r => r?,
+    };
+    match got {
+        Received {
+            len: 1,
+            byte: FD_REPLY,
+            fd: Some(fd),
+        } => Ok(Some(fd)),
+        Received {
+            len: 1,
+            byte: BUSY_REPLY,
+            fd: None,
+        } => Ok(None),
+        Received {
+            len: 0, fd: None, ..
+        } => Err(ClientError::TicketRefused(
             "the broker closed the connection (wrong, used, expired or foreign ticket)".into(),
         )),
-        (_, fd) => {
+        Received { fd, .. } => {
             drop(fd);
             // Drain whatever else came, so the error is about the protocol.
             let mut rest = [0u8; 16];
@@ -158,9 +214,19 @@ pub fn fetch(
     }
 }
 
+/// What one `recvmsg` on a ticket connection brought.
+pub struct Received {
+    /// Bytes of data read (0: the broker closed the connection).
+    pub len: usize,
+    /// The data byte, when `len` is 1.
+    pub byte: u8,
+    /// The first descriptor that came with it (extras are closed).
+    pub fd: Option<OwnedFd>,
+}
+
 /// `recvmsg` of up to one byte and one descriptor (`MSG_CMSG_CLOEXEC`). Any extra
 /// descriptors are closed.
-pub fn recv_with_fd(sock: RawFd) -> std::io::Result<(usize, Option<OwnedFd>)> {
+pub fn recv_with_fd(sock: RawFd) -> std::io::Result<Received> {
     let mut byte = [0u8; 1];
     let mut iov = libc::iovec {
         iov_base: byte.as_mut_ptr().cast(),
@@ -207,7 +273,11 @@ pub fn recv_with_fd(sock: RawFd) -> std::io::Result<(usize, Option<OwnedFd>)> {
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
     }
-    Ok((n, first))
+    Ok(Received {
+        len: n,
+        byte: byte[0],
+        fd: first,
+    })
 }
 
 #[cfg(test)]

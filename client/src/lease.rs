@@ -419,7 +419,7 @@ impl<'s> LeaseRequest<'s> {
         let mut lease = Lease::new(info, self.session.clone(), generation.clone());
         if let LeaseHandle::Fd(i) = &lease.info.handle {
             let dialled = self.session.client().dialled_socket();
-            match crate::fd::fetch(&i.socket_path, &i.ticket, dialled) {
+            match crate::fd::fetch(&i.socket_path, &i.ticket, dialled).await {
                 Ok(fd) => lease.fd = Some(fd),
                 Err(e) => {
                     // Nobody can map it: give it back.

@@ -189,7 +189,8 @@ impl Session {
             &fd_info.socket_path,
             &fd_info.ticket,
             self.client().dialled_socket(),
-        );
+        )
+        .await;
         fd_info.ticket.clear();
         let fd = match fetched {
             Ok(fd) => fd,

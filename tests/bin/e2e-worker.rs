@@ -277,7 +277,7 @@ async fn run(cli: Cli) -> Result<u8> {
                 .map(|i| u8::from_str_radix(&ticket[2 * i..2 * i + 2], 16))
                 .collect::<Result<_, _>>()
                 .context("ticket hex")?;
-            match gpu_broker_client::fd::fetch(&socket, &bytes, None) {
+            match gpu_broker_client::fd::fetch(&socket, &bytes, None).await {
                 Ok(fd) => {
                     let size = std::fs::File::from(fd).metadata()?.len();
                     say(format!("FD {size}"));

@@ -39,10 +39,10 @@ fn present(socket: &str, bytes: &[u8]) -> (usize, bool) {
         s.shutdown(std::net::Shutdown::Write).unwrap();
     }
     use std::os::fd::AsRawFd;
-    let (n, fd) = gpu_broker_client::fd::recv_with_fd(s.as_raw_fd()).unwrap();
+    let got = gpu_broker_client::fd::recv_with_fd(s.as_raw_fd()).unwrap();
     let mut rest = Vec::new();
     let _ = s.read_to_end(&mut rest);
-    (n + rest.len(), fd.is_some())
+    (got.len + rest.len(), got.fd.is_some())
 }
 
 async fn metric(b: &Broker, name: &str) -> f64 {
@@ -325,4 +325,58 @@ async fn a_sigkilled_workers_memfd_memory_leaves_nothing_behind() {
     assert_eq!(admin.get_devices().await.unwrap()[0].cached_bytes, 0);
     assert_eq!(b.memfds().len(), 2, "{:?}", b.memfds());
     bw.proc.kill().await.unwrap();
+}
+
+/// A ticket socket at its connection limit says "busy" rather than refusing: the client
+/// presents its (untouched) ticket again and gets its descriptor once a slot frees, so a
+/// burst of workers never sees a spurious "ticket refused".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_ticket_socket_delays_a_lease_instead_of_refusing_it() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--metrics-listen".into(), "127.0.0.1:0".into()],
+        ..Default::default()
+    })
+    .unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(GIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    let socket = b.socket.with_file_name("broker.tickets.sock");
+    // Take every slot this user has (the per-uid cap plus the reserve of the broker's own
+    // user, which this test is): connections that send nothing hold a slot for up to 5 s.
+    let mut held = Vec::new();
+    while held.len() < 64 {
+        let h = UnixStream::connect(&socket).unwrap();
+        held.push(h);
+    }
+    // Wait until the broker answers a further connection "busy".
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let mut probe = UnixStream::connect(&socket).unwrap();
+        probe.set_read_timeout(Some(T)).unwrap();
+        let mut byte = [9u8; 1];
+        if probe.read(&mut byte).unwrap() == 1 && byte[0] == 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never busy");
+    }
+    let lease = tokio::spawn(async move {
+        let lease = s.lease(4 * MIB).await;
+        (s, lease)
+    });
+    // The lease waits on the busy socket (its fetch retries)...
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    if lease.is_finished() {
+        let (_s, l) = lease.await.unwrap();
+        panic!(
+            "the lease got past a full ticket socket: {:?}",
+            l.map(|l| l.id().to_string())
+        );
+    }
+    // ...and gets its descriptor once the slots free.
+    drop(held);
+    let (_s, lease) = tokio::time::timeout(T, lease).await.unwrap().unwrap();
+    let lease = lease.unwrap();
+    lease.map().unwrap().fill(7);
+    let busy = metric(&b, "gpu_broker_ticket_refusals_total{reason=\"busy\"}").await;
+    assert!(busy >= 1.0, "busy answers are counted: {busy}");
 }
