@@ -305,31 +305,36 @@ mod tests {
         assert!(candidates(Path::new(""), None).is_empty());
     }
 
-    #[test]
-    fn a_closed_connection_is_a_refusal_and_a_descriptor_arrives_cloexec() {
+    #[tokio::test]
+    async fn busy_is_retried_a_closed_connection_is_a_refusal_and_a_descriptor_arrives_cloexec() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.sock");
         let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
         let server = std::thread::spawn(move || {
-            // First connection: refused (closed after reading). Second: gets a descriptor.
-            for give in [false, true] {
+            // First connection: "busy" (the ticket not read). Second: refused (closed after
+            // reading). Third: gets a descriptor.
+            for answer in ["busy", "refuse", "give"] {
                 let (mut s, _) = listener.accept().unwrap();
+                if answer == "busy" {
+                    s.write_all(&[BUSY_REPLY]).unwrap();
+                    continue;
+                }
                 let mut t = [0u8; 4];
                 s.read_exact(&mut t).unwrap();
-                if give {
+                if answer == "give" {
                     let f = std::fs::File::open("/dev/null").unwrap();
                     send_one(s.as_raw_fd(), f.as_raw_fd());
                 }
             }
         });
-        let e = fetch(&path, b"nope", None).unwrap_err();
+        let e = fetch(&path, b"nope", None).await.unwrap_err();
         assert!(matches!(e, ClientError::TicketRefused(_)), "{e}");
-        let fd = fetch(&path, b"good", None).unwrap();
+        let fd = fetch(&path, b"good", None).await.unwrap();
         // SAFETY: fcntl on a descriptor we own.
         let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
         assert!(flags & libc::FD_CLOEXEC != 0);
         server.join().unwrap();
-        let e = fetch(&path, b"", None).unwrap_err();
+        let e = fetch(&path, b"", None).await.unwrap_err();
         assert!(matches!(e, ClientError::FailedPrecondition(_)), "{e}");
     }
 
