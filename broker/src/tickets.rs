@@ -308,10 +308,15 @@ async fn serve_one(mut stream: UnixStream, arb: &crate::arbiter::Arbiter) {
         _ => Err(Refusal::Malformed),
     };
     match result {
+        // The recipient is recorded before the descriptor leaves, so there is no moment
+        // when a process outside the session maps memory the broker no longer counts.
+        Ok((lease, _)) if !arb.fd_delivering(lease, pid) => {
+            arb.metrics().ticket_refused("lease_gone");
+            tracing::debug!(%lease, ?uid, ?pid, "ticket of a lease that just ended; closed");
+        }
         Ok((lease, fd)) => match send_fd(&stream, &fd).await {
             Ok(()) => {
                 arb.metrics().ticket_redeemed();
-                arb.fd_delivered(lease, pid);
                 tracing::debug!(%lease, ?uid, ?pid, "lease fd delivered");
             }
             Err(e) => tracing::warn!(%lease, error = %e, "sending a lease fd failed"),

@@ -2,7 +2,7 @@
 //! rules): publish, unpublish, import, release an import, list; and the hooks the lease
 //! and session endings call ([`Arbiter::sharing_lease_ended`],
 //! [`Arbiter::sharing_session_ended`]) and the ticket server calls
-//! ([`Arbiter::fd_delivered`]). Every transition runs under the state lock, so the bytes of
+//! ([`Arbiter::fd_delivering`]). Every transition runs under the state lock, so the bytes of
 //! a shared block are always in exactly one state: leased (the publisher's lease lives),
 //! or quarantined (held here for importers or other processes that may map it).
 
@@ -340,11 +340,11 @@ impl Arbiter {
             .collect()
     }
 
-    /// The ticket server delivered the descriptor of lease or import `id` to `pid`: a
-    /// process other than the holder's session process is tracked, so memory it may map
-    /// stays counted until it exits.
-    pub fn fd_delivered(&self, id: Uuid, pid: Option<u32>) {
-        let Some(pid) = pid else { return };
+    /// The ticket server is about to deliver the descriptor of lease or import `id` to
+    /// `pid`: a process other than the holder's session process is tracked first, so memory
+    /// it may map stays counted until it exits, even if the holder lets go the moment the
+    /// descriptor arrives. Returns false (deliver nothing) when the lease or import is gone.
+    pub fn fd_delivering(&self, id: Uuid, pid: Option<u32>) -> bool {
         let mut st = self.lock();
         let session = match st.leases.get(&id) {
             Some(l) => Some(l.session),
@@ -354,12 +354,14 @@ impl Arbiter {
                 .and_then(|p| p.imports.get(&id))
                 .map(|i| i.session),
         };
-        let Some(session) = session else { return };
+        let Some(session) = session else { return false };
+        let Some(pid) = pid else { return true };
         if st.sessions.get(&session).and_then(|s| s.peer.pid) == Some(pid) {
-            return;
+            return true;
         }
-        tracing::debug!(%id, pid, "a lease descriptor went to a process outside its session");
+        tracing::debug!(%id, pid, "a lease descriptor goes to a process outside its session");
         st.shared.recipients.entry(id).or_default().insert(pid);
+        true
     }
 
     /// Hook of `end_lease` (after the lease left the table and its charge became free):
