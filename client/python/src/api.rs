@@ -715,9 +715,7 @@ impl PyLease {
         dtype: Option<Bound<'py, PyAny>>,
         shape: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        py.import("gpubroker._arrays")?
-            .call_method1("as_numpy", (slf, dtype, shape))
+        array_view(slf.as_any(), "as_numpy", dtype, shape)
     }
 
     /// Zero-copy torch tensor: device memory becomes a CUDA tensor (through the CUDA
@@ -729,9 +727,7 @@ impl PyLease {
         dtype: Option<Bound<'py, PyAny>>,
         shape: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        py.import("gpubroker._arrays")?
-            .call_method1("as_torch", (slf, dtype, shape))
+        array_view(slf.as_any(), "as_torch", dtype, shape)
     }
 
     /// Zero-copy CuPy array on the lease's device (host memory: registered and mapped).
@@ -741,9 +737,7 @@ impl PyLease {
         dtype: Option<Bound<'py, PyAny>>,
         shape: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        py.import("gpubroker._arrays")?
-            .call_method1("as_cupy", (slf, dtype, shape))
+        array_view(slf.as_any(), "as_cupy", dtype, shape)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -1049,4 +1043,17 @@ impl PyUsage {
             self.tenant, self.held_bytes, self.limit_bytes, self.lease_count
         )
     }
+}
+
+/// A zero-copy view of `obj`'s memory made by `gpubroker._arrays.<view>` (`as_numpy`,
+/// `as_torch` or `as_cupy`): the one place leases and residents turn into arrays.
+pub(crate) fn array_view<'py>(
+    obj: &Bound<'py, PyAny>,
+    view: &str,
+    dtype: Option<Bound<'py, PyAny>>,
+    shape: Option<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    obj.py()
+        .import("gpubroker._arrays")?
+        .call_method1(view, (obj, dtype, shape))
 }

@@ -270,9 +270,7 @@ impl PyResident {
         dtype: Option<Bound<'py, PyAny>>,
         shape: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        slf.py()
-            .import("gpubroker._arrays")?
-            .call_method1("as_numpy", (slf, dtype, shape))
+        crate::api::array_view(slf.as_any(), "as_numpy", dtype, shape)
     }
 
     /// Zero-copy torch tensor (CUDA memory: a CUDA tensor whose address survives sleep
@@ -283,9 +281,7 @@ impl PyResident {
         dtype: Option<Bound<'py, PyAny>>,
         shape: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        slf.py()
-            .import("gpubroker._arrays")?
-            .call_method1("as_torch", (slf, dtype, shape))
+        crate::api::array_view(slf.as_any(), "as_torch", dtype, shape)
     }
 
     /// Zero-copy CuPy array (CUDA memory), valid while awake.
@@ -295,9 +291,7 @@ impl PyResident {
         dtype: Option<Bound<'py, PyAny>>,
         shape: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        slf.py()
-            .import("gpubroker._arrays")?
-            .call_method1("as_cupy", (slf, dtype, shape))
+        crate::api::array_view(slf.as_any(), "as_cupy", dtype, shape)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
