@@ -77,6 +77,8 @@ pub struct Import {
 #[derive(Debug)]
 pub struct Publication {
     pub id: Uuid,
+    /// Order of creation (listings page by it).
+    pub seq: u64,
     pub publisher: String,
     /// `None` once unpublished.
     pub name: Option<String>,
@@ -125,6 +127,8 @@ pub struct Held {
     pub waiters: Waiters,
     /// Free it when lifted (published blocks, a forced destroy); else cache it.
     pub destroy: bool,
+    /// The lease's own process when its session ended while it lives (it may map it too).
+    pub holder: Option<u32>,
 }
 
 /// Processes outside a lease's (or import's) session that redeemed a ticket of it.
@@ -143,6 +147,8 @@ pub struct SharedTable {
     /// Held blocks, by the id of the lease they belonged to.
     pub held: HashMap<Uuid, Held>,
     pub recipients: Recipients,
+    /// The last publication's `seq`.
+    pub last_seq: u64,
 }
 
 impl SharedTable {
@@ -179,16 +185,60 @@ impl SharedTable {
             .collect()
     }
 
-    /// Every publication, oldest first.
-    pub fn all(&self) -> Vec<&Publication> {
-        let mut v: Vec<&Publication> = self.pubs.values().collect();
-        v.sort_by_key(|p| (p.published_at, p.id));
-        v
+    /// The `seq` of a new publication.
+    pub fn next_seq(&mut self) -> u64 {
+        self.last_seq += 1;
+        self.last_seq
     }
 
     /// Bytes held here (they are counted as quarantined).
     pub fn held_bytes(&self) -> u64 {
         self.held.values().map(|h| h.block.bytes()).sum()
+    }
+
+    /// The held blocks as operators see them beside the quarantine (`ListQuarantined`):
+    /// why each is held and every process that may still map it. `now` pairs a monotonic
+    /// and a wall clock reading taken together.
+    pub fn held_views(&self, now: (Instant, SystemTime)) -> Vec<crate::views::QuarantineView> {
+        use crate::views::{HoldReason, QuarantineView};
+        self.held
+            .iter()
+            .map(|(lease, h)| {
+                let mut holders: BTreeSet<u32> = h.waiters.pids.keys().copied().collect();
+                let publication = h.publication.and_then(|id| self.pubs.get(&id));
+                if let Some(p) = publication {
+                    for i in p.imports.values() {
+                        holders.extend(i.pid);
+                        if let Some(w) = &i.lingering {
+                            holders.extend(w.pids.keys().copied());
+                        }
+                    }
+                }
+                let reason = if publication.is_some() {
+                    HoldReason::Importers
+                } else if self.recipients_of(h) {
+                    HoldReason::Recipients
+                } else {
+                    HoldReason::Holder
+                };
+                QuarantineView {
+                    lease: *lease,
+                    tenant: h.tenant.clone(),
+                    device: h.device,
+                    bytes: h.block.bytes(),
+                    pid: h.holder.filter(|p| h.waiters.pids.contains_key(p)),
+                    since: now.1 - now.0.saturating_duration_since(h.since),
+                    reason,
+                    holders: holders.into_iter().collect(),
+                    publication: publication.map(|p| (p.id, p.imports.len())),
+                }
+            })
+            .collect()
+    }
+
+    /// Is a held block waiting for processes other than its lease's own?
+    fn recipients_of(&self, h: &Held) -> bool {
+        h.waiters.pids.keys().any(|p| Some(*p) != h.holder)
     }
 }
 

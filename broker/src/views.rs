@@ -48,6 +48,23 @@ pub struct QuarantineView {
     pub bytes: u64,
     pub pid: Option<u32>,
     pub since: SystemTime,
+    pub reason: HoldReason,
+    /// Every process that may still map it, sorted (empty: none known, a TCP peer).
+    pub holders: Vec<u32>,
+    /// The publication whose importers hold it, and how many imports it has.
+    pub publication: Option<(Uuid, usize)>,
+}
+
+/// Why quarantined memory is still held. None of them can be lifted by an operator: the
+/// memory may still be mapped, so it stays counted until its holders let go or exit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldReason {
+    /// The lease ended while its process lives.
+    Holder,
+    /// The lease was published and ended while importers hold the memory.
+    Importers,
+    /// Processes outside the lease's session fetched its descriptor.
+    Recipients,
 }
 
 /// A device as operators see it.

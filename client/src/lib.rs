@@ -106,7 +106,7 @@ pub use fd::{FdInfo, MemoryKind};
 pub use info::{version_warning, BrokerInfo, REQUIRED_API_REVISION};
 pub use lease::{Lease, LeaseHandle, LeaseInfo, LeaseRequest, LeaseState, Tier};
 pub use mapping::HostMapping;
-pub use quarantine::QuarantinedBlock;
+pub use quarantine::{HoldReason, QuarantinedBlock};
 pub use reconnect::Backoff;
 pub use reservation::{ProcessReservation, ReservationInfo, ReservationRequest};
 pub use session::{Session, SessionBuilder};

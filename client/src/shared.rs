@@ -142,18 +142,36 @@ impl Client {
         shared_of(reply.shared, "UnpublishLease")
     }
 
-    /// Your tenant's publications (with importers) and those published for it.
+    /// Your tenant's publications (with importers) and those published for it, oldest
+    /// first (all pages).
     pub async fn list_shared(&self) -> Result<Vec<SharedLeaseInfo>, ClientError> {
+        crate::paging::all_pages(|token| async move { self.list_shared_page(0, &token).await })
+            .await
+    }
+
+    /// One page of [`Client::list_shared`]: `page_size` 0 is the broker's default;
+    /// `page_token` empty for the first page, else the token the previous page returned.
+    pub async fn list_shared_page(
+        &self,
+        page_size: u32,
+        page_token: &str,
+    ) -> Result<(Vec<SharedLeaseInfo>, Option<String>), ClientError> {
         let reply = self
             .raw()
-            .list_shared_leases(pb::ListSharedLeasesRequest {})
+            .list_shared_leases(pb::ListSharedLeasesRequest {
+                page_size,
+                page_token: page_token.to_string(),
+            })
             .await?
             .into_inner();
-        Ok(reply
-            .shared
-            .into_iter()
-            .map(SharedLeaseInfo::from)
-            .collect())
+        Ok((
+            reply
+                .shared
+                .into_iter()
+                .map(SharedLeaseInfo::from)
+                .collect(),
+            Some(reply.next_page_token).filter(|t| !t.is_empty()),
+        ))
     }
 
     /// Lets go of an import by id (e.g. one a [`SharedImport::detach`]ed).
@@ -346,21 +364,50 @@ impl ReadOnlyMapping<'_> {
 
 /// Operators' view: every shared lease with its importers (`Admin.ListSharedLeases`).
 impl crate::admin::AdminClient {
+    /// Every shared lease (of one publishing tenant, if given), oldest first (all pages).
     pub async fn list_shared(
         &self,
         tenant: Option<&str>,
     ) -> Result<Vec<SharedLeaseInfo>, ClientError> {
+        self.list_shared_paged(tenant, 0).await
+    }
+
+    /// [`AdminClient::list_shared`] asking for pages of `page_size` (0: the broker's
+    /// default).
+    pub async fn list_shared_paged(
+        &self,
+        tenant: Option<&str>,
+        page_size: u32,
+    ) -> Result<Vec<SharedLeaseInfo>, ClientError> {
+        crate::paging::all_pages(|token| async move {
+            self.list_shared_page(tenant, page_size, &token).await
+        })
+        .await
+    }
+
+    /// One page of shared leases (see [`AdminClient::list_tenants_page`] for the paging).
+    pub async fn list_shared_page(
+        &self,
+        tenant: Option<&str>,
+        page_size: u32,
+        page_token: &str,
+    ) -> Result<(Vec<SharedLeaseInfo>, Option<String>), ClientError> {
         let reply = self
             .raw()
             .list_shared_leases(pb::AdminListSharedLeasesRequest {
                 tenant: tenant.unwrap_or_default().to_string(),
+                page_size,
+                page_token: page_token.to_string(),
             })
             .await?
             .into_inner();
-        Ok(reply
-            .shared
-            .into_iter()
-            .map(SharedLeaseInfo::from)
-            .collect())
+        Ok((
+            reply
+                .shared
+                .into_iter()
+                .map(SharedLeaseInfo::from)
+                .collect(),
+            Some(reply.next_page_token).filter(|t| !t.is_empty()),
+        ))
     }
 }

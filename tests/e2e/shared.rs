@@ -436,3 +436,230 @@ async fn memory_its_holder_sealed_is_not_handed_out_again() {
     lease.map().unwrap().fill(1);
     lease.publish("x", &[]).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_held_for_importers_is_listed_as_quarantined_with_every_holder() {
+    use gpu_broker_client::HoldReason;
+    let b = Broker::start().unwrap();
+    let alice = b.client("alice", GIB).await.unwrap();
+    let bob_token = b.tenant("bob", QuotaSpec::new(GIB)).await.unwrap();
+    let sa = alice.session("p").await.unwrap();
+    let lease = sa.lease(4 * MIB).await.unwrap();
+    lease.map().unwrap().fill(0x55);
+    let shared = lease.publish("w", &["bob"]).await.unwrap();
+    let spawn = |b: &Broker| {
+        Proc::spawn(worker_cmd(
+            b,
+            &bob_token,
+            &["import", "--publisher", "alice", "--name", "w"],
+        ))
+        .unwrap()
+    };
+    // One live importer, and one whose session ended while its process maps the memory.
+    let mut live = spawn(&b);
+    live.line_starting("READY", T).await.unwrap();
+    let mut lingering = spawn(&b);
+    lingering.line_starting("READY", T).await.unwrap();
+    lingering.send("close").await.unwrap();
+    lingering.line_starting("CLOSED", T).await.unwrap();
+    let admin = b.admin().await.unwrap();
+    // While the publisher's lease lives nothing is quarantined: it is simply leased.
+    assert!(admin.list_quarantined().await.unwrap().is_empty());
+
+    // The publisher lets go: the block is held for both importers, and listed.
+    lease.release().await.unwrap();
+    assert_eq!(usage(&alice).await, (0, 4 * MIB));
+    let q = admin.list_quarantined().await.unwrap();
+    assert_eq!(q.len(), 1, "{q:?}");
+    let mut pids = vec![live.pid, lingering.pid];
+    pids.sort_unstable();
+    assert_eq!(q[0].tenant, "alice");
+    assert_eq!(q[0].bytes, 4 * MIB);
+    assert_eq!(q[0].reason, HoldReason::Importers);
+    assert_eq!(q[0].holder_pids, pids);
+    assert_eq!(q[0].importers, 2);
+    assert_eq!(
+        q[0].publication_id.as_deref(),
+        Some(shared.publication_id.as_str())
+    );
+    assert_eq!(q[0].pid, None, "the publisher released it itself");
+    assert_eq!(q[0].lease_id, lease_id_of(&shared));
+
+    // `gpu-brokerctl leaks` shows it with why and who.
+    let out = std::process::Command::new(bin("gpu-brokerctl"))
+        .arg("--broker")
+        .arg(b.uri())
+        .arg("--token-file")
+        .arg(b.state_dir.join("admin.token"))
+        .args(["leaks"])
+        .env_remove("GPU_BROKER_ADMIN_TOKEN")
+        .env_remove("GPU_BROKER_ADDR")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let section = text
+        .split("QUARANTINED MEMORY (1 blocks")
+        .nth(1)
+        .unwrap_or("");
+    let want_pids = format!("{},{}", pids[0], pids[1]);
+    for want in ["alice", "4.0 MiB", "2 importers", want_pids.as_str()] {
+        assert!(section.contains(want), "{want:?} in\n{text}");
+    }
+
+    // Nothing lifts it: the lease is gone, so a revoke finds nothing, and it stays held.
+    let e = admin
+        .revoke_lease(&q[0].lease_id, "lift")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    assert_eq!(admin.list_quarantined().await.unwrap().len(), 1);
+
+    // The lingering importer's process exits: one holder left.
+    lingering.send("exit").await.unwrap();
+    let _ = lingering.wait(T).await;
+    assert!(
+        eventually(T, || async {
+            let q = admin.list_quarantined().await.unwrap();
+            q.len() == 1 && q[0].holder_pids == vec![live.pid] && q[0].importers == 1
+        })
+        .await,
+        "{:?}",
+        admin.list_quarantined().await
+    );
+    // The last importer crashes: freed, and the listing is empty.
+    live.signal(libc::SIGKILL);
+    let _ = live.wait(T).await;
+    assert!(
+        usage_becomes(&alice, 0, 0).await,
+        "{:?}",
+        usage(&alice).await
+    );
+    assert!(admin.list_quarantined().await.unwrap().is_empty());
+}
+
+/// The publisher's lease id as the publication first named it.
+fn lease_id_of(s: &gpu_broker_client::SharedLeaseInfo) -> String {
+    assert!(!s.lease_id.is_empty(), "published from a live lease");
+    s.lease_id.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_renewed_ticket_recipient_maps_is_listed_with_its_pid() {
+    use gpu_broker_client::HoldReason;
+    let b = Broker::start().unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(GIB)).await.unwrap();
+    let alice = Client::connect(&b.uri(), token.clone()).await.unwrap();
+    let s = alice.session("holder").await.unwrap();
+    let lease = s.lease(2 * MIB).await.unwrap();
+    let id = lease.id().to_string();
+    let mut child =
+        Proc::spawn(worker_cmd(&b, &token, &["read", "--lease", &id, "--hold"])).unwrap();
+    child.line_starting("SUM ", T).await.unwrap();
+    lease.release().await.unwrap();
+    let admin = b.admin().await.unwrap();
+    let q = admin.list_quarantined().await.unwrap();
+    assert_eq!(q.len(), 1, "{q:?}");
+    assert_eq!(
+        (q[0].lease_id.as_str(), q[0].tenant.as_str(), q[0].bytes),
+        (id.as_str(), "alice", 2 * MIB)
+    );
+    assert_eq!(q[0].reason, HoldReason::Recipients);
+    assert_eq!(q[0].holder_pids, vec![child.pid]);
+    assert_eq!((q[0].publication_id.as_deref(), q[0].importers), (None, 0));
+    child.signal(libc::SIGKILL);
+    let _ = child.wait(T).await;
+    assert!(
+        eventually(T, || async {
+            admin.list_quarantined().await.unwrap().is_empty()
+        })
+        .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_lease_listings_come_in_pages() {
+    use gpu_broker_client::proto::v1 as pb;
+    let b = Broker::start().unwrap();
+    let alice = b.client("alice", GIB).await.unwrap();
+    let bob = b.client("bob", GIB).await.unwrap();
+    let sa = alice.session("p").await.unwrap();
+    let mut leases = Vec::new();
+    // Five publications; bob may read the even ones.
+    for i in 0..5 {
+        let l = sa.lease(2 * MIB).await.unwrap();
+        let readers: &[&str] = if i % 2 == 0 { &["bob"] } else { &[] };
+        l.publish(&format!("p{i}"), readers).await.unwrap();
+        leases.push(l);
+    }
+    let admin = b.admin().await.unwrap();
+    let names = |v: &[gpu_broker_client::SharedLeaseInfo]| {
+        v.iter().map(|s| s.name.clone()).collect::<Vec<_>>()
+    };
+    // Operators: pages of 2, 2 and 1, oldest first, the same as the whole listing.
+    let (p1, t1) = admin.list_shared_page(None, 2, "").await.unwrap();
+    let t1 = t1.expect("a second page");
+    let (p2, t2) = admin.list_shared_page(None, 2, &t1).await.unwrap();
+    let (p3, t3) = admin.list_shared_page(None, 2, &t2.unwrap()).await.unwrap();
+    assert_eq!((p1.len(), p2.len(), p3.len(), t3), (2, 2, 1, None));
+    let all: Vec<String> = [names(&p1), names(&p2), names(&p3)].concat();
+    assert_eq!(all, ["p0", "p1", "p2", "p3", "p4"]);
+    assert_eq!(names(&admin.list_shared(None).await.unwrap()), all);
+    assert_eq!(
+        names(&admin.list_shared_paged(Some("alice"), 1).await.unwrap()),
+        all
+    );
+    assert!(p1.iter().all(|s| s.publisher == "alice"));
+    // A worker of bob: only the three published for it, in pages of 2.
+    let (b1, bt) = bob.list_shared_page(2, "").await.unwrap();
+    let (b2, bt2) = bob.list_shared_page(2, &bt.unwrap()).await.unwrap();
+    assert_eq!(bt2, None);
+    assert_eq!([names(&b1), names(&b2)].concat(), ["p0", "p2", "p4"]);
+    assert_eq!(names(&bob.list_shared().await.unwrap()), ["p0", "p2", "p4"]);
+    // The publisher sees its own, with a token that goes on past the unpublished ones.
+    alice.unpublish("p1").await.unwrap();
+    let (a1, at) = alice.list_shared_page(3, "").await.unwrap();
+    assert_eq!(names(&a1), ["p0", "p2", "p3"]);
+    let (a2, at2) = alice.list_shared_page(3, &at.unwrap()).await.unwrap();
+    assert_eq!((names(&a2), at2), (vec!["p4".to_string()], None));
+    // Tokens the broker did not give out: INVALID_ARGUMENT, and it keeps serving.
+    for bad in ["abc", "-1", &"9".repeat(300)] {
+        let e = admin.list_shared_page(None, 2, bad).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{bad}: {e}");
+        let e = bob
+            .raw()
+            .list_shared_leases(pb::ListSharedLeasesRequest {
+                page_size: 2,
+                page_token: bad.to_string(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad}: {e}");
+    }
+    assert_eq!(bob.list_shared().await.unwrap().len(), 3);
+    // The CLI walks the pages.
+    let out = tokio::process::Command::new(bin("gpu-brokerctl"))
+        .arg("--broker")
+        .arg(b.uri())
+        .arg("--token-file")
+        .arg(b.state_dir.join("admin.token"))
+        .args(["--json", "shared", "--page-size", "2"])
+        .env_remove("GPU_BROKER_ADMIN_TOKEN")
+        .env_remove("GPU_BROKER_ADDR")
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let listed: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        listed,
+        ["p0", "p2", "p3", "p4"],
+        "unpublished and not imported: gone"
+    );
+    drop(leases);
+}

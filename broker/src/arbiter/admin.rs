@@ -277,7 +277,8 @@ impl Arbiter {
         Self::all_pages(|t| self.sessions_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE))
     }
 
-    /// Every quarantined block (memory a live process may still map), oldest first.
+    /// Every quarantined block (memory a live process may still map), oldest first: the
+    /// quarantine's and the blocks held for shared-lease importers and other processes.
     pub fn list_quarantined(&self) -> Vec<QuarantineView> {
         let st = self.lock();
         let now = (std::time::Instant::now(), SystemTime::now());
@@ -291,8 +292,13 @@ impl Arbiter {
                 bytes: q.block.bytes(),
                 pid: q.pid,
                 since: now.1 - now.0.saturating_duration_since(q.since),
+                reason: crate::views::HoldReason::Holder,
+                holders: q.pid.into_iter().collect(),
+                publication: None,
             })
             .collect();
+        // Blocks held for importers of shared leases and other processes (`sharing.rs`).
+        v.extend(st.shared.held_views(now));
         v.sort_by_key(|q| q.since);
         v
     }

@@ -1,8 +1,9 @@
-//! Paginated listings (tenants, leases, sessions). Each page is built under one short hold
+//! Paginated listings (tenants, leases, sessions, shared leases). Each page is built under one short hold
 //! of the state lock — only what the page needs is copied, and per-tenant token counts and
 //! compute-turn usage are read after the lock is released — so a listing never stalls
 //! admission for long, however many tenants or leases there are. Page tokens are opaque
-//! to clients: the last key of the page (tenant name, lease sequence number, session id).
+//! to clients: the last key of the page (tenant name, lease sequence number, session id,
+//! publication sequence number).
 //! The whole-list methods (`list_tenants`, `list_all_leases`, ...) walk the pages.
 
 use super::{Arbiter, SessionView, TenantView};
@@ -47,6 +48,32 @@ fn smallest<K: Ord + Copy, T>(mut keyed: Vec<(K, T)>, size: usize) -> (Vec<(K, T
     }
     keyed.sort_unstable_by_key(|k| k.0);
     (keyed, more)
+}
+
+/// Who lists shared leases.
+#[derive(Clone, Copy, Debug)]
+pub enum SharedViewer<'a> {
+    /// A worker of this tenant: its own publications (with importers) and those published
+    /// for it (without).
+    Tenant(&'a str),
+    /// An operator: every publication (of this publisher only, if given), with importers.
+    Operator(Option<&'a str>),
+}
+
+impl SharedViewer<'_> {
+    fn sees(&self, p: &crate::sharing::Publication) -> bool {
+        match self {
+            SharedViewer::Tenant(t) => p.publisher == *t || p.readable_by(t),
+            SharedViewer::Operator(publisher) => publisher.is_none_or(|t| p.publisher == t),
+        }
+    }
+
+    fn sees_imports(&self, p: &crate::sharing::Publication) -> bool {
+        match self {
+            SharedViewer::Tenant(t) => p.publisher == *t,
+            SharedViewer::Operator(_) => true,
+        }
+    }
 }
 
 impl Arbiter {
@@ -187,6 +214,44 @@ impl Arbiter {
             .collect();
         let next = if more {
             page.last().map(|(id, _)| id.to_string())
+        } else {
+            None
+        };
+        drop(page);
+        drop(st);
+        Ok(Page { items, next })
+    }
+
+    /// Shared leases `viewer` may see, in the order they were first published, after
+    /// `token`.
+    pub fn shared_page(
+        &self,
+        viewer: SharedViewer<'_>,
+        token: &str,
+        size: usize,
+    ) -> BrokerResult<Page<crate::sharing::SharedView>> {
+        bounds::check("page_token", token, bounds::MAX_ID_BYTES)?;
+        let after: u64 = if token.is_empty() {
+            0
+        } else {
+            token.parse().map_err(|_| bad_token())?
+        };
+        let size = size.max(1);
+        let st = self.lock();
+        let keyed: Vec<(u64, &crate::sharing::Publication)> = st
+            .shared
+            .pubs
+            .values()
+            .filter(|p| p.seq > after && p.listed() && viewer.sees(p))
+            .map(|p| (p.seq, p))
+            .collect();
+        let (page, more) = smallest(keyed, size);
+        let items: Vec<_> = page
+            .iter()
+            .map(|(_, p)| p.view(viewer.sees_imports(p)))
+            .collect();
+        let next = if more {
+            page.last().map(|(seq, _)| seq.to_string())
         } else {
             None
         };

@@ -7,6 +7,7 @@
 //! or quarantined (held here for importers or other processes that may map it).
 
 use super::ending::Ending;
+use super::listing::SharedViewer;
 use super::{lease_not_found, session_not_found, Arbiter, State};
 use crate::device::{Handle, MemoryKind, SharedFd};
 use crate::error::{BrokerError, BrokerResult, Missing};
@@ -151,10 +152,12 @@ impl Arbiter {
             let (ro, enforced) = sharing::importer_fd(kind, &fd)
                 .map_err(|e| BrokerError::FailedPrecondition(e.to_string()))?;
             let id = Uuid::new_v4();
+            let seq = st.shared.next_seq();
             st.shared.pubs.insert(
                 id,
                 Publication {
                     id,
+                    seq,
                     publisher: tenant.to_string(),
                     name: Some(name.to_string()),
                     lease,
@@ -316,28 +319,27 @@ impl Arbiter {
     }
 
     /// Publications a worker of `tenant` sees: its own (with importers) and those
-    /// published for it.
+    /// published for it, oldest first, page by page.
     pub fn shared_visible_to(&self, tenant: &str) -> Vec<SharedView> {
-        let st = self.lock();
-        st.shared
-            .all()
-            .into_iter()
-            .filter(|p| p.listed())
-            .filter(|p| p.publisher == tenant || p.readable_by(tenant))
-            .map(|p| p.view(p.publisher == tenant))
-            .collect()
+        Self::all_pages(|t| {
+            self.shared_page(
+                SharedViewer::Tenant(tenant),
+                t,
+                super::listing::DEFAULT_PAGE_SIZE,
+            )
+        })
     }
 
-    /// Every listed publication (of `publisher` only, if given), with importers.
+    /// Every listed publication (of `publisher` only, if given), with importers, oldest
+    /// first, page by page.
     pub fn list_shared(&self, publisher: Option<&str>) -> Vec<SharedView> {
-        let st = self.lock();
-        st.shared
-            .all()
-            .into_iter()
-            .filter(|p| p.listed())
-            .filter(|p| publisher.is_none_or(|t| p.publisher == t))
-            .map(|p| p.view(true))
-            .collect()
+        Self::all_pages(|t| {
+            self.shared_page(
+                SharedViewer::Operator(publisher),
+                t,
+                super::listing::DEFAULT_PAGE_SIZE,
+            )
+        })
     }
 
     /// The ticket server is about to deliver the descriptor of lease or import `id` to
@@ -421,6 +423,10 @@ impl Arbiter {
         st.pools[device as usize].release_to_quarantine(bytes);
         st.ledger.add_quarantine(tenant, device, bytes);
         let mut waiters = Waiters::default();
+        let holder = match ending {
+            Ending::Quarantine { pid } => pid,
+            _ => None,
+        };
         match ending {
             Ending::Quarantine { pid: Some(p) } => {
                 waiters.pids.insert(p, self.watch_held_pid(lease, p));
@@ -445,6 +451,7 @@ impl Arbiter {
                 publication: imported.then_some(publication).flatten(),
                 waiters,
                 destroy,
+                holder,
             },
         );
         if !imported {

@@ -352,7 +352,7 @@ impl Admin for AdminService {
         Ok(Response::new(super::shared::list_all(
             &self.arb,
             req.get_ref(),
-        )))
+        )?))
     }
 
     async fn list_quarantined(
@@ -370,6 +370,17 @@ impl Admin for AdminService {
                 bytes: q.bytes,
                 pid: q.pid.unwrap_or(0),
                 since_unix_ms: convert::unix_ms(q.since),
+                reason: match q.reason {
+                    crate::views::HoldReason::Holder => pb::HoldReason::Holder,
+                    crate::views::HoldReason::Importers => pb::HoldReason::Importers,
+                    crate::views::HoldReason::Recipients => pb::HoldReason::Recipients,
+                } as i32,
+                holder_pids: q.holders.clone(),
+                publication_id: q.publication.map(|p| p.0.to_string()).unwrap_or_default(),
+                importers: q
+                    .publication
+                    .map(|p| u32::try_from(p.1).unwrap_or(u32::MAX))
+                    .unwrap_or(0),
             })
             .collect();
         Ok(Response::new(pb::ListQuarantinedResponse { blocks }))

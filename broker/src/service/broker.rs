@@ -313,8 +313,10 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::ListSharedLeasesResponse>, Status> {
         let tenant = tenant_of(&req)?;
         Ok(Response::new(super::shared::list_visible(
-            &self.arb, &tenant,
-        )))
+            &self.arb,
+            &tenant,
+            req.get_ref(),
+        )?))
     }
 
     async fn reserve_process_memory(

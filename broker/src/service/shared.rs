@@ -5,6 +5,7 @@
 
 use super::convert::{self, parse_id};
 use super::handles;
+use crate::arbiter::listing::{self, SharedViewer};
 use crate::arbiter::{Arbiter, ImportGrant};
 use crate::error::BrokerError;
 use crate::session::Peer;
@@ -113,29 +114,37 @@ pub fn release_import(
     Ok(pb::ReleaseImportResponse {})
 }
 
-/// `Broker.ListSharedLeases`.
-pub fn list_visible(arb: &Arbiter, tenant: &str) -> pb::ListSharedLeasesResponse {
-    pb::ListSharedLeasesResponse {
-        shared: arb
-            .shared_visible_to(tenant)
-            .iter()
-            .map(|v| shared(v, arb))
-            .collect(),
-    }
+/// `Broker.ListSharedLeases` (one page).
+pub fn list_visible(
+    arb: &Arbiter,
+    tenant: &str,
+    r: &pb::ListSharedLeasesRequest,
+) -> Result<pb::ListSharedLeasesResponse, BrokerError> {
+    let page = arb.shared_page(
+        SharedViewer::Tenant(tenant),
+        &r.page_token,
+        listing::page_size(r.page_size),
+    )?;
+    Ok(pb::ListSharedLeasesResponse {
+        shared: page.items.iter().map(|v| shared(v, arb)).collect(),
+        next_page_token: page.next.unwrap_or_default(),
+    })
 }
 
-/// `Admin.ListSharedLeases`.
+/// `Admin.ListSharedLeases` (one page).
 pub fn list_all(
     arb: &Arbiter,
     r: &pb::AdminListSharedLeasesRequest,
-) -> pb::AdminListSharedLeasesResponse {
-    pb::AdminListSharedLeasesResponse {
-        shared: arb
-            .list_shared(convert::filter(&r.tenant))
-            .iter()
-            .map(|v| shared(v, arb))
-            .collect(),
-    }
+) -> Result<pb::AdminListSharedLeasesResponse, BrokerError> {
+    let page = arb.shared_page(
+        SharedViewer::Operator(convert::filter(&r.tenant)),
+        &r.page_token,
+        listing::page_size(r.page_size),
+    )?;
+    Ok(pb::AdminListSharedLeasesResponse {
+        shared: page.items.iter().map(|v| shared(v, arb)).collect(),
+        next_page_token: page.next.unwrap_or_default(),
+    })
 }
 
 /// A renewed ticket for import `id` of `tenant` (`RenewLeaseTicket` names imports too).

@@ -160,6 +160,9 @@ enum Command {
         /// Only this publishing tenant's.
         #[arg(long)]
         tenant: Option<String>,
+        /// Fetch them in pages of this many (0: the broker's default).
+        #[arg(long, default_value_t = 0)]
+        page_size: u32,
     },
     /// Empty a device (or the node) for maintenance: no new leases there, holders of
     /// reclaimable leases are asked to release; waits until nothing is left (or the deadline).
@@ -647,8 +650,10 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             let leaks = ctl::leaks::find(&snap, older_than, now);
             emit(json, &leaks, || ctl::leaks::render(&leaks, older_than, now))
         }
-        Command::Shared { tenant } => {
-            let shared = admin.list_shared(tenant.as_deref()).await?;
+        Command::Shared { tenant, page_size } => {
+            let shared = admin
+                .list_shared_paged(tenant.as_deref(), page_size)
+                .await?;
             emit(json, &shared, || ctl::shared::render(&shared, width))
         }
         Command::Drain {

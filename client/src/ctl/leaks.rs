@@ -100,23 +100,51 @@ pub fn render(l: &Leaks, older_than: Duration, now: SystemTime) -> String {
     }
     let total: u64 = l.quarantined.iter().map(|q| q.bytes).sum();
     out.push_str(&format!(
-        "\nQUARANTINED MEMORY ({} blocks, {}): freed when the process lets go or exits\n",
+        "\nQUARANTINED MEMORY ({} blocks, {}): freed when its holders let go or exit; \
+         nothing lifts it\n",
         l.quarantined.len(),
         format_bytes(total)
     ));
     if !l.quarantined.is_empty() {
-        let mut t = Table::new(["LEASE", "TENANT", "DEV", "SIZE", "FOR", "PID", "COMMAND"])
-            .right(&[2, 3, 4, 5])
-            .fit(w, &[1, 6]);
+        let mut t = Table::new([
+            "LEASE", "TENANT", "DEV", "SIZE", "FOR", "WHY", "PIDS", "COMMAND",
+        ])
+        .right(&[2, 3, 4])
+        .fit(w, &[1, 7]);
         for q in &l.quarantined {
+            let why = match q.reason {
+                gpu_broker_client::HoldReason::Importers => {
+                    format!("{} importers", q.importers)
+                }
+                r => r.describe().to_string(),
+            };
+            let pids = if q.holder_pids.is_empty() {
+                "-".to_string()
+            } else {
+                q.holder_pids
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            let command = if q.holder_pids.is_empty() {
+                "(tcp peer)".to_string()
+            } else {
+                q.holder_pids
+                    .iter()
+                    .map(|&p| command_of(p))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
             t.row([
                 q.lease_id.clone(),
                 q.tenant.clone(),
                 q.device.to_string(),
                 format_bytes(q.bytes),
                 format_age_at(q.since_unix_ms, now),
-                q.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
-                q.pid.map(command_of).unwrap_or_else(|| "(tcp peer)".into()),
+                why,
+                pids,
+                command,
             ]);
         }
         out.push_str(&t.render());
@@ -169,6 +197,21 @@ mod tests {
             bytes: 7 << 30,
             pid: Some(4242),
             since_unix_ms: 999_999_000_000,
+            reason: gpu_broker_client::HoldReason::Holder,
+            holder_pids: vec![4242],
+            ..Default::default()
+        });
+        s.quarantined.push(QuarantinedBlock {
+            lease_id: "44444444-4444-4444-8444-444444444444".into(),
+            tenant: "weights".into(),
+            device: 0,
+            bytes: 3 << 30,
+            pid: None,
+            since_unix_ms: 999_999_500_000,
+            reason: gpu_broker_client::HoldReason::Importers,
+            holder_pids: vec![5151, 5252],
+            publication_id: Some("p".into()),
+            importers: 2,
         });
         s.sessions.push(SessionInfo {
             session_id: "s".into(),
@@ -183,7 +226,7 @@ mod tests {
         let l = find(&s, Duration::from_secs(3600), now());
         assert_eq!(l.old_leases.len(), 1, "only the 2 h old lease");
         assert_eq!(l.old_leases[0].0.label, "weights");
-        assert_eq!(l.quarantined.len(), 1);
+        assert_eq!(l.quarantined.len(), 2);
         assert_eq!(l.over_allowance.len(), 1);
         let text = render(&l, Duration::from_secs(3600), now());
         for line in text.lines() {
@@ -196,6 +239,10 @@ mod tests {
             "7.0 GiB",
             "greedy",
             "5.0 GiB",
+            "2 importers",
+            "5151,5252",
+            "holder",
+            "nothing lifts it",
         ] {
             assert!(text.contains(want), "{want:?} in\n{text}");
         }
