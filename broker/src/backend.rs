@@ -3,11 +3,38 @@
 //! device gets its own thread, and its leasable amount is fixed here: what was free at
 //! start minus the headroom.
 
-use crate::config::{BackendChoice, Headroom};
 use crate::device::cuda::{self, CudaDevice};
 use crate::device::host::HostDevice;
 use crate::device::thread::DeviceThread;
 use crate::device::{Device, DeviceError};
+
+/// Which device backend to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// CUDA when a driver and a GPU are usable, otherwise the host simulation.
+    Auto,
+    /// The simulated device (shared-memory files).
+    Host,
+    /// Real GPUs through the CUDA driver API.
+    Cuda,
+}
+
+/// Headroom kept free on each device: bytes or a percentage of its total.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Headroom {
+    Bytes(u64),
+    Percent(f64),
+}
+
+impl Headroom {
+    /// Headroom of a device of `total` bytes.
+    pub fn of(&self, total: u64) -> u64 {
+        match *self {
+            Headroom::Bytes(b) => b.min(total),
+            Headroom::Percent(p) => ((total as f64) * p / 100.0) as u64,
+        }
+    }
+}
 
 /// One device as the arbiter knows it.
 pub struct DeviceSlot {

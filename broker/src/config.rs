@@ -4,22 +4,29 @@
 //! environment, then defaults.
 
 use crate::arbiter::{ArbiterConfig, ReclaimPolicy};
+pub use crate::backend::{BackendChoice, Headroom};
 use crate::defaults;
-use clap::{CommandFactory, Parser, ValueEnum};
+pub(crate) use crate::units::parse_duration;
+use clap::{CommandFactory, Parser};
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Which device backend to use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendChoice {
-    /// CUDA when a driver and a GPU are usable, otherwise the host simulation.
-    Auto,
-    /// The simulated device (shared-memory files).
-    Host,
-    /// Real GPUs through the CUDA driver API.
-    Cuda,
+/// The `--backend` values (the backend's [`BackendChoice`] knows nothing of clap).
+fn backend_choice_parser() -> impl clap::builder::TypedValueParser<Value = BackendChoice> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new([
+        PossibleValue::new("auto")
+            .help("CUDA when a driver and a GPU are usable, otherwise the host simulation"),
+        PossibleValue::new("host").help("The simulated device (shared-memory files)"),
+        PossibleValue::new("cuda").help("Real GPUs through the CUDA driver API"),
+    ])
+    .map(|v| match v.as_str() {
+        "host" => BackendChoice::Host,
+        "cuda" => BackendChoice::Cuda,
+        _ => BackendChoice::Auto,
+    })
 }
 
 /// The `--reclaim-policy` values (the arbiter's [`ReclaimPolicy`] knows nothing of clap).
@@ -35,23 +42,6 @@ fn reclaim_policy_parser() -> impl clap::builder::TypedValueParser<Value = Recla
         "terminate" => ReclaimPolicy::Terminate,
         _ => ReclaimPolicy::Cooperative,
     })
-}
-
-/// Headroom kept free on each device: bytes or a percentage of its total.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Headroom {
-    Bytes(u64),
-    Percent(f64),
-}
-
-impl Headroom {
-    /// Headroom of a device of `total` bytes.
-    pub fn of(&self, total: u64) -> u64 {
-        match *self {
-            Headroom::Bytes(b) => b.min(total),
-            Headroom::Percent(p) => ((total as f64) * p / 100.0) as u64,
-        }
-    }
 }
 
 fn parse_headroom(s: &str) -> Result<Headroom, String> {
@@ -78,10 +68,6 @@ fn parse_rate(s: &str) -> Result<f64, String> {
         Ok(v) if v.is_finite() && (0.0..=1e9).contains(&v) => Ok(v),
         _ => Err(format!("{s:?} is not a number from 0 to 1e9")),
     }
-}
-
-pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
 
 /// A comma-separated list of device indices (`0,1`).
@@ -137,7 +123,7 @@ pub struct Config {
     pub insecure_tcp: bool,
 
     /// Device backend.
-    #[arg(long, env = "GPU_BROKER_BACKEND", value_enum, default_value = "auto")]
+    #[arg(long, env = "GPU_BROKER_BACKEND", value_parser = backend_choice_parser(), default_value = "auto")]
     pub backend: BackendChoice,
 
     /// CUDA devices to own, e.g. `0,1` (default: all).

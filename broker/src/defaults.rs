@@ -56,12 +56,7 @@ mod tests {
             HEALTH_INTERVAL,
             HEALTH_TIMEOUT,
         ] {
-            assert_eq!(
-                crate::config::parse_duration(&text(d)),
-                Ok(d),
-                "{}",
-                text(d)
-            );
+            assert_eq!(crate::units::parse_duration(&text(d)), Ok(d), "{}", text(d));
         }
         assert_eq!(text(QUARANTINE_TIMEOUT), "5m");
         assert_eq!(text(TURN_QUANTUM), "100ms");

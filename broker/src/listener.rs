@@ -51,7 +51,7 @@ pub struct LimitFlags {
     pub admin_connection_reserve: usize,
 
     /// A new connection must send its HTTP/2 preface within this, or it is closed.
-    #[arg(long, env = "GPU_BROKER_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = crate::config::parse_duration)]
+    #[arg(long, env = "GPU_BROKER_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = crate::units::parse_duration)]
     pub handshake_timeout: Duration,
 
     /// Most concurrent HTTP/2 streams (calls) on one connection.

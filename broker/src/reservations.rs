@@ -313,19 +313,21 @@ impl Arbiter {
         let pid = match st.sessions.get(&ask.session) {
             Some(s) if s.tenant == ask.tenant => s.peer.pid,
             _ => {
-                let _ = reply.send(Err(crate::arbiter::session_not_found(ask.session)));
+                let e = crate::arbiter::session_not_found(ask.session);
+                st.fx.reply_process(reply, Err(e));
                 return;
             }
         };
         if let Some(r) = st.reservations.of_session(ask.session).next() {
-            let _ = reply.send(Err(BrokerError::FailedPrecondition(format!(
+            let e = BrokerError::FailedPrecondition(format!(
                 "session {} already holds process reservation {}",
                 ask.session, r.id
-            ))));
+            ));
+            st.fx.reply_process(reply, Err(e));
             return;
         }
         if let Err(e) = st.ledger.charge_process(&ask.tenant, d, ask.bytes) {
-            let _ = reply.send(Err(e));
+            st.fx.reply_process(reply, Err(e));
             return;
         }
         for b in st.pools[d as usize].reserve_process(ask.bytes) {
@@ -346,16 +348,13 @@ impl Arbiter {
             lost: 0,
         };
         let view = self.reservation_view(&r);
-        let id = r.id;
-        st.reservations.by_id.insert(id, r);
-        if reply.send(Ok(Granted::Process(view))).is_err() {
-            tracing::debug!(reservation = %id, "caller gone before the reservation arrived; ending it");
-            self.end_reservation(st, id);
-        }
+        st.reservations.by_id.insert(r.id, r);
+        // A reservation nobody receives ends at once (the shell, `Effect::Reply`).
+        st.fx.reply_process(reply, Ok(view));
     }
 
     /// Ends one reservation: its room is uncharged. Does not run the queue.
-    fn end_reservation(&self, st: &mut State, id: Uuid) {
+    pub(crate) fn end_reservation(&self, st: &mut State, id: Uuid) {
         let Some(r) = st.reservations.by_id.remove(&id) else {
             return;
         };
@@ -511,7 +510,7 @@ mod tests {
     use crate::arbiter::ArbiterConfig;
     use crate::auth::Authenticator;
     use crate::backend::{open_devices, BackendSpec};
-    use crate::config::{BackendChoice, Headroom};
+    use crate::backend::{BackendChoice, Headroom};
     use crate::ledger::Quota;
     use crate::session::Peer;
 

@@ -73,9 +73,6 @@ pub struct Session {
     pub leases: HashSet<Uuid>,
     /// What NVML last said about the peer process's GPU memory.
     pub gpu: Option<GpuUse>,
-    /// Cancelled when the session is dropped: its background watchers (the peer's pidfd)
-    /// end with it and close what they hold.
-    pub ended: tokio_util::sync::DropGuard,
 }
 
 /// When a session last showed activity: a lock-free timestamp (nanoseconds since the

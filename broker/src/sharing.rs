@@ -43,19 +43,19 @@ pub const MAX_PUBLICATIONS_PER_TENANT: usize = 1024;
 /// Most imports one session may hold.
 pub const MAX_IMPORTS_PER_SESSION: usize = 1024;
 
-/// Processes that may still map memory whose holder let go, each with the guard of its
-/// exit watcher, and the guard of a timeout for a holder whose pid is unknown. Dropping a
-/// guard stops its watcher.
-#[derive(Debug, Default)]
+/// Processes that may still map memory whose holder let go, and whether a timeout runs
+/// for a holder whose pid is unknown. Each has a watcher the arbiter's shell keeps
+/// (`arbiter::effects::Watch`); this is only what is waited on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Waiters {
-    pub pids: BTreeMap<u32, tokio_util::sync::DropGuard>,
-    pub timeout: Option<tokio_util::sync::DropGuard>,
+    pub pids: BTreeSet<u32>,
+    pub timeout: bool,
 }
 
 impl Waiters {
     /// Nobody left who may map it.
     pub fn is_empty(&self) -> bool {
-        self.pids.is_empty() && self.timeout.is_none()
+        self.pids.is_empty() && !self.timeout
     }
 }
 

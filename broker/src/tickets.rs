@@ -448,11 +448,11 @@ mod tests {
         let path = dir.path().join("t.sock");
         let listener = bind(&path).await.unwrap();
         let spec = crate::backend::BackendSpec {
-            choice: crate::config::BackendChoice::Host,
+            choice: crate::backend::BackendChoice::Host,
             cuda_devices: None,
             host_capacity: 16 << 20,
             host_devices: 1,
-            headroom: crate::config::Headroom::Bytes(0),
+            headroom: crate::backend::Headroom::Bytes(0),
             host_uuid_seed: None,
             legacy_ipc: false,
         };

@@ -1,5 +1,6 @@
-//! Units: byte sizes (rounding to a granularity, human units in messages) and wall-clock
-//! times as milliseconds since the Unix epoch (what the API carries).
+//! Units: byte sizes (rounding to a granularity, human units in messages), durations as
+//! flags write them, and wall-clock times as milliseconds since the Unix epoch (what the
+//! API carries).
 
 /// Rounds `bytes` up to a multiple of `granularity` (a power of two); `None` on overflow.
 pub fn round_up(bytes: u64, granularity: u64) -> Option<u64> {
@@ -23,6 +24,11 @@ pub fn parse(s: &str) -> Result<u64, String> {
         .parse::<bytesize::ByteSize>()
         .map(|b| b.as_u64())
         .map_err(|e| format!("invalid size {s:?}: {e}"))
+}
+
+/// Parses a duration (`5s`, `100ms`, `5m`), as flags and config files write them.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
 
 /// Milliseconds since the Unix epoch (0 for times before it).

@@ -24,8 +24,9 @@ use crate::metrics::Revocation;
 use crate::pool::Block;
 use crate::session::SessionEvent;
 use parking_lot::MutexGuard;
+use std::collections::HashMap;
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use uuid::Uuid;
 
 /// One thing a transition asks the shell to do.
@@ -37,13 +38,12 @@ pub(crate) enum Effect {
     FreeHost { block: Block },
     /// Kill the holder of a revoked lease (`--reclaim-policy terminate`).
     Kill { pid: u32 },
-    /// Watch quarantined memory: lift it when `pid` exits (or after the quarantine timeout
-    /// when the pid is unknown); `stop` ends the watcher.
-    WatchQuarantine {
-        lease: Uuid,
-        pid: Option<u32>,
-        stop: CancellationToken,
-    },
+    /// Start a watcher (a task waiting for a process's exit or a timeout); the shell
+    /// keeps its cancellation handle under the key. Run before the lock is released, so
+    /// it is in place before any later transition can stop it.
+    Watch(Watch),
+    /// Stop the watcher of that key (if it still runs). Run before the lock is released.
+    Unwatch(Watch),
     /// Answer a waiting `acquire`; a grant nobody receives is released at once.
     Reply {
         to: Reply,
@@ -63,6 +63,43 @@ pub(crate) enum Effect {
     /// Do a grant's device work (allocate, or scrub a reused block) on a task, then commit
     /// it. Runs after the lock is released, so after the frees queued under it.
     Materialize(Box<PendingGrant>),
+}
+
+/// What a watcher waits for, and its key: the state names what it waits on, the shell
+/// ([`Watchers`]) keeps the task's cancellation handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Watch {
+    /// Quarantined memory of an ended lease: lift it when `pid` exits, or free it after
+    /// the quarantine timeout when the pid is unknown.
+    Quarantine { lease: Uuid, pid: Option<u32> },
+    /// A shared block held for others (`sharing.rs`): process `pid` that may map it
+    /// exited, or (`None`) the quarantine timeout passed.
+    Held { lease: Uuid, pid: Option<u32> },
+    /// A lingering import: likewise.
+    Import { import: Uuid, pid: Option<u32> },
+    /// A session's peer process: the session ends when it exits.
+    Session { session: Uuid, pid: u32 },
+}
+
+/// The cancellation handles of running watchers, by key (a leaf lock: taken under the
+/// state lock, never holding another).
+#[derive(Default)]
+pub(crate) struct Watchers(parking_lot::Mutex<HashMap<Watch, DropGuard>>);
+
+impl Watchers {
+    fn insert(&self, key: Watch, stop: DropGuard) {
+        self.0.lock().insert(key, stop);
+    }
+    /// Drops the handle: the watcher, if it still waits, ends.
+    fn stop(&self, key: &Watch) {
+        let guard = self.0.lock().remove(key);
+        drop(guard);
+    }
+    /// How many watchers are kept (tests).
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.0.lock().len()
+    }
 }
 
 /// A grant whose memory is reserved (ledger and pool) and needs device work.
@@ -115,6 +152,25 @@ impl Effects {
             result: result.map(Granted::Lease),
         });
     }
+    /// Answer a waiting process reservation (or why not).
+    pub fn reply_process(
+        &mut self,
+        to: Reply,
+        result: BrokerResult<crate::reservations::ReservationView>,
+    ) {
+        self.0.push(Effect::Reply {
+            to,
+            result: result.map(Granted::Process),
+        });
+    }
+    /// Start a watcher.
+    pub fn watch(&mut self, w: Watch) {
+        self.0.push(Effect::Watch(w));
+    }
+    /// Stop a watcher.
+    pub fn unwatch(&mut self, w: Watch) {
+        self.0.push(Effect::Unwatch(w));
+    }
     /// Count something.
     pub fn count(&mut self, what: Counted) {
         self.0.push(Effect::Count(what));
@@ -163,6 +219,8 @@ impl Drop for Locked<'_> {
             match e {
                 Effect::Free { device, block } => self.arb.free_on_device(device, block),
                 Effect::FreeHost { block } => self.arb.free_host(block),
+                Effect::Watch(w) => self.arb.start_watch(w),
+                Effect::Unwatch(w) => self.arb.watchers.stop(&w),
                 other => later.push(other),
             }
         }
@@ -182,6 +240,53 @@ impl Arbiter {
         }
     }
 
+    /// Runs `Effect::Watch`: spawns the watcher (when a runtime runs) and keeps its
+    /// cancellation handle. When it fires it runs the transition its key names.
+    fn start_watch(&self, w: Watch) {
+        let Some(me) = self.me.upgrade() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let stop = CancellationToken::new();
+        self.watchers.insert(w, stop.clone().drop_guard());
+        let me = std::sync::Arc::downgrade(&me);
+        let timeout = self.cfg.quarantine_timeout;
+        rt.spawn(async move {
+            let pid = match w {
+                Watch::Quarantine { pid, .. }
+                | Watch::Held { pid, .. }
+                | Watch::Import { pid, .. } => pid,
+                Watch::Session { pid, .. } => Some(pid),
+            };
+            match pid {
+                Some(pid) => {
+                    if !crate::process::wait_for_exit_or(pid, stop).await {
+                        return;
+                    }
+                }
+                None => {
+                    tokio::select! {
+                        _ = tokio::time::sleep(timeout) => {}
+                        _ = stop.cancelled() => return,
+                    }
+                }
+            }
+            if let Some(arb) = me.upgrade() {
+                arb.watch_fired(w);
+            }
+        });
+    }
+
+    /// A watcher's process exited (or its timeout passed): the transition it stood for.
+    fn watch_fired(self: &std::sync::Arc<Self>, w: Watch) {
+        match w {
+            Watch::Quarantine { lease, pid } => self.unquarantine(lease, pid.is_none()),
+            Watch::Held { lease, pid } => self.held_waiter_gone(lease, pid),
+            Watch::Import { import, pid } => self.import_waiter_gone(import, pid),
+            Watch::Session { session, .. } => self.end_session(session, "peer process exited"),
+        }
+    }
+
     /// Runs one effect, with no lock held (device frees come here too when they are not
     /// queued under the lock).
     pub(crate) fn execute(&self, e: Effect) {
@@ -197,13 +302,10 @@ impl Arbiter {
                     }
                 }
             }
-            Effect::WatchQuarantine { lease, pid, stop } => {
-                if let Some(me) = self.me.upgrade() {
-                    me.watch_quarantine(lease, pid, stop);
-                }
-            }
-            Effect::Reply { to, result } => {
-                if let Err(Ok(Granted::Lease(view))) = to.send(result) {
+            Effect::Watch(w) => self.start_watch(w),
+            Effect::Unwatch(w) => self.watchers.stop(&w),
+            Effect::Reply { to, result } => match to.send(result) {
+                Err(Ok(Granted::Lease(view))) => {
                     tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
                     if let Some(me) = self.me.upgrade() {
                         let mut st = me.lock();
@@ -211,7 +313,16 @@ impl Arbiter {
                         me.drain(&mut st);
                     }
                 }
-            }
+                Err(Ok(Granted::Process(view))) => {
+                    tracing::debug!(reservation = %view.id, "caller gone before the reservation arrived; ending it");
+                    if let Some(me) = self.me.upgrade() {
+                        let mut st = me.lock();
+                        me.end_reservation(&mut st, view.id);
+                        me.drain(&mut st);
+                    }
+                }
+                _ => {}
+            },
             Effect::Notify { to, event } => {
                 let _ = to.send(event);
             }

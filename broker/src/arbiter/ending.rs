@@ -3,7 +3,7 @@
 //! process may still have mapped is **quarantined**: counted, never handed to anyone else,
 //! until the holder's process is gone (or, when its pid is unknown, a timeout passes).
 
-use super::effects::{Counted, Effect};
+use super::effects::{Counted, Effect, Watch};
 use super::{lease_not_found, Arbiter, Quarantined, ReclaimPolicy, State};
 use crate::device::BackendKind;
 use crate::error::BrokerResult;
@@ -107,7 +107,6 @@ impl Arbiter {
                 st.fx.count(Counted::Quarantined);
                 pool.release_to_quarantine(bytes);
                 st.ledger.add_quarantine(&tenant, d, bytes);
-                let watch = tokio_util::sync::CancellationToken::new();
                 st.quarantine.insert(
                     id,
                     Quarantined {
@@ -116,14 +115,9 @@ impl Arbiter {
                         block,
                         pid,
                         since: Instant::now(),
-                        _watch: watch.clone().drop_guard(),
                     },
                 );
-                st.fx.push(Effect::WatchQuarantine {
-                    lease: id,
-                    pid,
-                    stop: watch,
-                });
+                st.fx.watch(Watch::Quarantine { lease: id, pid });
             }
         }
         if let Some(r) = lease.reservation {
@@ -133,47 +127,16 @@ impl Arbiter {
         Some(view)
     }
 
-    /// Runs `Effect::WatchQuarantine`: lifts the quarantine when `pid` exits (or frees the
-    /// memory after the timeout when the pid is unknown).
-    pub(super) fn watch_quarantine(
-        self: &Arc<Self>,
-        id: Uuid,
-        pid: Option<u32>,
-        stop: tokio_util::sync::CancellationToken,
-    ) {
-        let me = Arc::downgrade(self);
-        let timeout = self.cfg.quarantine_timeout;
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        rt.spawn(async move {
-            let destroy = match pid {
-                Some(pid) => {
-                    if !crate::process::wait_for_exit_or(pid, stop).await {
-                        return;
-                    }
-                    false
-                }
-                None => {
-                    tokio::select! {
-                        _ = tokio::time::sleep(timeout) => {}
-                        _ = stop.cancelled() => return,
-                    }
-                    true
-                }
-            };
-            if let Some(arb) = me.upgrade() {
-                arb.unquarantine(id, destroy);
-            }
-        });
-    }
-
     /// The holder of quarantined memory is gone: cache (or free) the block.
-    fn unquarantine(self: &Arc<Self>, id: Uuid, destroy: bool) {
+    pub(super) fn unquarantine(self: &Arc<Self>, id: Uuid, destroy: bool) {
         let mut st = self.lock();
         let Some(q) = st.quarantine.remove(&id) else {
             return;
         };
+        st.fx.unwatch(Watch::Quarantine {
+            lease: id,
+            pid: q.pid,
+        });
         let bytes = q.block.bytes();
         st.ledger.remove_quarantine(&q.tenant, q.device, bytes);
         let pool = &mut st.pools[q.device as usize];
@@ -207,6 +170,9 @@ impl Arbiter {
             st.fx.reply(w.reply, Err(super::session_not_found(id)));
         }
         st.fx.push(Effect::EndTurns { session: id });
+        if let Some(pid) = session.peer.pid {
+            st.fx.unwatch(Watch::Session { session: id, pid });
+        }
         let mut bytes = 0;
         let count = session.leases.len();
         for lease in &session.leases {

@@ -105,8 +105,6 @@ pub(crate) struct Quarantined {
     pub block: Block,
     pub pid: Option<u32>,
     pub since: Instant,
-    /// Cancelled when the entry is dropped (lifted, freed at shutdown): its watcher ends.
-    pub _watch: tokio_util::sync::DropGuard,
 }
 
 /// Everything behind the lock.
@@ -175,6 +173,8 @@ pub struct Arbiter {
     admin_writes: Mutex<()>,
     /// Background workers (`workers.rs`).
     workers: workers::Workers,
+    /// Running watchers (process exits, timeouts), started and stopped by effects.
+    pub(crate) watchers: effects::Watchers,
 }
 
 /// Where the health monitor keeps its fault source.
@@ -226,6 +226,7 @@ impl Arbiter {
             me: me.clone(),
             admin_writes: Mutex::new(()),
             workers: workers::Workers::default(),
+            watchers: effects::Watchers::default(),
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             health_source: parking_lot::Mutex::new(None),
@@ -332,7 +333,6 @@ impl Arbiter {
         crate::bounds::check("session name", name, MAX_LABEL)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let id = Uuid::now_v7();
-        let ended = tokio_util::sync::CancellationToken::new();
         {
             let mut st = self.lock();
             if st.ledger.get(tenant).is_none() || st.ledger.is_closing(tenant) {
@@ -357,20 +357,12 @@ impl Arbiter {
                 events: tx,
                 leases: Default::default(),
                 gpu: None,
-                ended: ended.clone().drop_guard(),
             });
-        }
-        if let Some(pid) = peer.pid {
-            // The watcher ends with the session (its guard cancels `ended`), so a live
+            // The watcher ends with the session (`end_session` stops it), so a live
             // process opening and closing sessions leaves no pidfd behind.
-            let me = Arc::downgrade(self);
-            tokio::spawn(async move {
-                if crate::process::wait_for_exit_or(pid, ended).await {
-                    if let Some(arb) = me.upgrade() {
-                        arb.end_session(id, "peer process exited");
-                    }
-                }
-            });
+            if let Some(pid) = peer.pid {
+                st.fx.watch(effects::Watch::Session { session: id, pid });
+            }
         }
         tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
         Ok((id, rx))
@@ -506,6 +498,10 @@ impl Arbiter {
         let quarantined: Vec<Uuid> = st.quarantine.keys().copied().collect();
         for id in quarantined {
             if let Some(q) = st.quarantine.remove(&id) {
+                st.fx.unwatch(effects::Watch::Quarantine {
+                    lease: id,
+                    pid: q.pid,
+                });
                 st.pools[q.device as usize].unquarantine_destroyed(q.block.bytes());
                 st.ledger
                     .remove_quarantine(&q.tenant, q.device, q.block.bytes());
@@ -515,6 +511,7 @@ impl Arbiter {
         let held: Vec<Uuid> = st.shared.held.keys().copied().collect();
         for id in held {
             if let Some(h) = st.shared.held.remove(&id) {
+                sharing::unwatch_held(&mut st, id, &h.waiters);
                 st.pools[h.device as usize].unquarantine_destroyed(h.block.bytes());
                 st.ledger
                     .remove_quarantine(&h.tenant, h.device, h.block.bytes());

@@ -6,6 +6,7 @@
 //! a shared block are always in exactly one state: leased (the publisher's lease lives),
 //! or quarantined (held here for importers or other processes that may map it).
 
+use super::effects::{Effect, Watch};
 use super::ending::Ending;
 use super::listing::SharedViewer;
 use super::{lease_not_found, session_not_found, Arbiter, State};
@@ -429,16 +430,20 @@ impl Arbiter {
         };
         match ending {
             Ending::Quarantine { pid: Some(p) } => {
-                waiters.pids.insert(p, self.watch_held_pid(lease, p));
+                waiters.pids.insert(p);
             }
-            Ending::Quarantine { pid: None } => waiters.timeout = Some(self.held_timeout(lease)),
+            Ending::Quarantine { pid: None } => waiters.timeout = true,
             Ending::Cache | Ending::Destroy => {}
         }
-        for p in recipients {
-            waiters
-                .pids
-                .entry(p)
-                .or_insert_with(|| self.watch_held_pid(lease, p));
+        waiters.pids.extend(recipients);
+        for &pid in &waiters.pids {
+            st.fx.watch(Watch::Held {
+                lease,
+                pid: Some(pid),
+            });
+        }
+        if waiters.timeout {
+            st.fx.watch(Watch::Held { lease, pid: None });
         }
         tracing::info!(%lease, tenant, imported, waiting = waiters.pids.len(), "lease ended; its memory is held while others may map it");
         st.shared.held.insert(
@@ -489,7 +494,7 @@ impl Arbiter {
 
     /// An import's holder let go (`ending` says whether its process may still map it).
     fn import_let_go(self: &Arc<Self>, st: &mut State, import: Uuid, ending: Ending) {
-        self.tickets.forget_lease(import);
+        st.fx.push(Effect::ForgetTickets { lease: import });
         let recipients: Vec<u32> = st
             .shared
             .recipients
@@ -502,17 +507,12 @@ impl Arbiter {
         if let Ending::Quarantine { pid } = ending {
             match pid {
                 Some(p) => {
-                    waiters.pids.insert(p, self.watch_import_pid(import, p));
+                    waiters.pids.insert(p);
                 }
-                None => waiters.timeout = Some(self.import_timeout(import)),
+                None => waiters.timeout = true,
             }
         }
-        for p in recipients {
-            waiters
-                .pids
-                .entry(p)
-                .or_insert_with(|| self.watch_import_pid(import, p));
-        }
+        waiters.pids.extend(recipients);
         if waiters.is_empty() {
             self.end_import(st, import);
             return;
@@ -520,20 +520,29 @@ impl Arbiter {
         let Some(pid) = st.shared.by_import.get(&import).copied() else {
             return;
         };
+        for &p in &waiters.pids {
+            st.fx.watch(Watch::Import {
+                import,
+                pid: Some(p),
+            });
+        }
+        if waiters.timeout {
+            st.fx.watch(Watch::Import { import, pid: None });
+        }
         if let Some(i) = st
             .shared
             .pubs
             .get_mut(&pid)
             .and_then(|p| p.imports.get_mut(&import))
         {
-            tracing::info!(%import, pids = ?waiters.pids.keys().collect::<Vec<_>>(), "import let go while processes may map it; lingering");
+            tracing::info!(%import, pids = ?waiters.pids, "import let go while processes may map it; lingering");
             i.lingering = Some(waiters);
         }
     }
 
     /// An import is over: nobody it was given to may map the memory any more.
     fn end_import(self: &Arc<Self>, st: &mut State, import: Uuid) {
-        self.tickets.forget_lease(import);
+        st.fx.push(Effect::ForgetTickets { lease: import });
         st.shared.recipients.remove(&import);
         let Some(pid) = st.shared.by_import.remove(&import) else {
             return;
@@ -560,8 +569,11 @@ impl Arbiter {
             if let Some(n) = p.name {
                 st.shared.by_name.remove(&(p.publisher, n));
             }
-            for i in p.imports.keys() {
-                st.shared.by_import.remove(i);
+            for (&i, import) in &p.imports {
+                st.shared.by_import.remove(&i);
+                if let Some(w) = &import.lingering {
+                    unwatch_import(st, i, w);
+                }
             }
         }
     }
@@ -592,111 +604,72 @@ impl Arbiter {
         self.drain(st);
     }
 
-    fn watch_held_pid(self: &Arc<Self>, lease: Uuid, pid: u32) -> tokio_util::sync::DropGuard {
-        self.on_exit(pid, move |arb| {
-            let mut st = arb.lock();
-            if let Some(h) = st.shared.held.get_mut(&lease) {
-                h.waiters.pids.remove(&pid);
+    /// A held block's waiter (process `pid`, or with `None` the timeout) is gone.
+    pub(super) fn held_waiter_gone(self: &Arc<Self>, lease: Uuid, pid: Option<u32>) {
+        let mut st = self.lock();
+        if let Some(h) = st.shared.held.get_mut(&lease) {
+            match pid {
+                Some(p) => {
+                    h.waiters.pids.remove(&p);
+                }
+                None => h.waiters.timeout = false,
             }
-            arb.maybe_lift(&mut st, lease);
-        })
+        }
+        st.fx.unwatch(Watch::Held { lease, pid });
+        self.maybe_lift(&mut st, lease);
     }
 
-    fn held_timeout(self: &Arc<Self>, lease: Uuid) -> tokio_util::sync::DropGuard {
-        self.after_timeout(move |arb| {
-            let mut st = arb.lock();
-            if let Some(h) = st.shared.held.get_mut(&lease) {
-                h.waiters.timeout = None;
-            }
-            arb.maybe_lift(&mut st, lease);
-        })
-    }
-
-    fn watch_import_pid(self: &Arc<Self>, import: Uuid, pid: u32) -> tokio_util::sync::DropGuard {
-        self.on_exit(pid, move |arb| {
-            let mut st = arb.lock();
-            arb.import_waiter_gone(&mut st, import, |w| {
-                w.pids.remove(&pid);
-            });
-        })
-    }
-
-    fn import_timeout(self: &Arc<Self>, import: Uuid) -> tokio_util::sync::DropGuard {
-        self.after_timeout(move |arb| {
-            let mut st = arb.lock();
-            arb.import_waiter_gone(&mut st, import, |w| w.timeout = None);
-        })
-    }
-
-    fn import_waiter_gone(
-        self: &Arc<Self>,
-        st: &mut State,
-        import: Uuid,
-        change: impl FnOnce(&mut Waiters),
-    ) {
-        let Some(pid) = st.shared.by_import.get(&import).copied() else {
+    /// A lingering import's waiter (process `pid`, or with `None` the timeout) is gone.
+    pub(super) fn import_waiter_gone(self: &Arc<Self>, import: Uuid, pid: Option<u32>) {
+        let mut st = self.lock();
+        st.fx.unwatch(Watch::Import { import, pid });
+        let Some(p) = st.shared.by_import.get(&import).copied() else {
             return;
         };
         let Some(w) = st
             .shared
             .pubs
-            .get_mut(&pid)
+            .get_mut(&p)
             .and_then(|p| p.imports.get_mut(&import))
             .and_then(|i| i.lingering.as_mut())
         else {
             return;
         };
-        change(w);
+        match pid {
+            Some(p) => {
+                w.pids.remove(&p);
+            }
+            None => w.timeout = false,
+        }
         if w.is_empty() {
-            self.end_import(st, import);
-            self.drain(st);
+            self.end_import(&mut st, import);
+            self.drain(&mut st);
         }
     }
+}
 
-    /// Runs `f` when `pid` exits (at once if it already did), unless the returned guard is
-    /// dropped first.
-    fn on_exit(
-        self: &Arc<Self>,
-        pid: u32,
-        f: impl FnOnce(&Arc<Arbiter>) + Send + 'static,
-    ) -> tokio_util::sync::DropGuard {
-        let stop = tokio_util::sync::CancellationToken::new();
-        let guard = stop.clone().drop_guard();
-        let me = Arc::downgrade(self);
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                if crate::process::wait_for_exit_or(pid, stop).await {
-                    if let Some(arb) = me.upgrade() {
-                        f(&arb);
-                    }
-                }
-            });
-        }
-        guard
+/// Stops the watchers of a lingering import's waiters.
+fn unwatch_import(st: &mut State, import: Uuid, w: &Waiters) {
+    for &pid in &w.pids {
+        st.fx.unwatch(Watch::Import {
+            import,
+            pid: Some(pid),
+        });
     }
+    if w.timeout {
+        st.fx.unwatch(Watch::Import { import, pid: None });
+    }
+}
 
-    /// Runs `f` after the quarantine timeout (holders whose pid is unknown), unless the
-    /// returned guard is dropped first.
-    fn after_timeout(
-        self: &Arc<Self>,
-        f: impl FnOnce(&Arc<Arbiter>) + Send + 'static,
-    ) -> tokio_util::sync::DropGuard {
-        let stop = tokio_util::sync::CancellationToken::new();
-        let guard = stop.clone().drop_guard();
-        let me = Arc::downgrade(self);
-        let timeout = self.cfg.quarantine_timeout;
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                tokio::select! {
-                    _ = tokio::time::sleep(timeout) => {
-                        if let Some(arb) = me.upgrade() {
-                            f(&arb);
-                        }
-                    }
-                    _ = stop.cancelled() => {}
-                }
-            });
-        }
-        guard
+/// Stops the watchers of a held block's waiters (it is freed without them).
+pub(super) fn unwatch_held(st: &mut State, lease: Uuid, w: &Waiters) {
+    for &pid in &w.pids {
+        st.fx.unwatch(Watch::Held {
+            lease,
+            pid: Some(pid),
+        });
+    }
+    if w.timeout {
+        st.fx.unwatch(Watch::Held { lease, pid: None });
     }
 }

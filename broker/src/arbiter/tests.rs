@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::backend::{open_devices, BackendSpec};
-use crate::config::{BackendChoice, Headroom};
+use crate::backend::{BackendChoice, Headroom};
 use crate::device::Handle;
 use crate::ledger::Quota;
 

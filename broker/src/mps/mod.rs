@@ -52,7 +52,7 @@ pub struct MpsFlags {
 
     /// How often the MPS daemon is checked (and restarted, with backoff, when it does not
     /// answer).
-    #[arg(long, env = "GPU_BROKER_MPS_HEALTH_INTERVAL", default_value = crate::defaults::text(crate::defaults::MPS_HEALTH_INTERVAL), value_parser = crate::config::parse_duration)]
+    #[arg(long, env = "GPU_BROKER_MPS_HEALTH_INTERVAL", default_value = crate::defaults::text(crate::defaults::MPS_HEALTH_INTERVAL), value_parser = crate::units::parse_duration)]
     pub mps_health_interval: Duration,
 }
 

@@ -1,0 +1,163 @@
+//! The broker's modules form layers where it matters: reads the crate's own sources and
+//! checks, through `crate::` paths in code (comments aside, test modules included), that
+//! the configuration is on no import circle and that nothing below the arbiter reaches up
+//! into it, the configuration, the services or the server. A directory module
+//! (`arbiter/`, `device/`, `service/`, `mps/`) counts as one module.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Modules below the arbiter: the state it owns, the devices, the records and their rules.
+const BELOW_ARBITER: [&str; 20] = [
+    "units",
+    "bounds",
+    "process",
+    "quota",
+    "error",
+    "device",
+    "pool",
+    "lease",
+    "ledger",
+    "session",
+    "sharing",
+    "availability",
+    "scheduler",
+    "views",
+    "defaults",
+    "backend",
+    "store",
+    "auth",
+    "rate",
+    "gate",
+];
+
+/// What those must never reach, directly or through other modules.
+const ABOVE: [&str; 4] = ["arbiter", "config", "service", "server"];
+
+/// The crate modules a source file's code (not its comments) names.
+fn uses(source: &str) -> BTreeSet<String> {
+    let mut found = BTreeSet::new();
+    for line in source.lines() {
+        let code = line.split("//").next().unwrap_or("");
+        let mut rest = code;
+        while let Some(at) = rest.find("crate::") {
+            rest = &rest[at + "crate::".len()..];
+            let names: Vec<&str> = if let Some(group) = rest.strip_prefix('{') {
+                group
+                    .split('}')
+                    .next()
+                    .unwrap_or("")
+                    .split(',')
+                    .map(|n| n.trim().split("::").next().unwrap_or(""))
+                    .collect()
+            } else {
+                vec![rest
+                    .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                    .next()
+                    .unwrap_or("")]
+            };
+            found.extend(names.into_iter().map(str::to_string));
+        }
+    }
+    found
+}
+
+/// Every `.rs` file under `dir`, read.
+fn sources(dir: &Path, out: &mut String) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push_str(&std::fs::read_to_string(&p).unwrap());
+            out.push('\n');
+        }
+    }
+}
+
+/// Module -> the other crate modules it names.
+fn graph() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut graph = BTreeMap::new();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_stem().unwrap().to_string_lossy().to_string();
+        if matches!(name.as_str(), "lib" | "main") {
+            continue;
+        }
+        let mut text = String::new();
+        if p.is_dir() {
+            sources(&p, &mut text);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            text = std::fs::read_to_string(&p).unwrap();
+        } else {
+            continue;
+        }
+        let mut named = uses(&text);
+        named.remove(&name);
+        graph.insert(name, named);
+    }
+    // Names that are not modules (`crate::Foo` re-exports) are dropped.
+    let modules: BTreeSet<String> = graph.keys().cloned().collect();
+    for named in graph.values_mut() {
+        named.retain(|n| modules.contains(n));
+    }
+    graph
+}
+
+/// Every module `from` reaches, with the path to it.
+fn reach(graph: &BTreeMap<String, BTreeSet<String>>, from: &str) -> BTreeMap<String, String> {
+    let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    let mut todo = vec![(from.to_string(), from.to_string())];
+    while let Some((m, path)) = todo.pop() {
+        for n in graph.get(&m).into_iter().flatten() {
+            if !seen.contains_key(n) {
+                let p = format!("{path} -> {n}");
+                seen.insert(n.clone(), p.clone());
+                todo.push((n.clone(), p));
+            }
+        }
+    }
+    seen
+}
+
+#[test]
+fn the_configuration_is_on_no_import_circle() {
+    let graph = graph();
+    let back = reach(&graph, "config");
+    if let Some(path) = back.get("config") {
+        panic!("config reaches itself: {path}");
+    }
+    // The check sees real dependencies (it would catch one going back).
+    assert!(graph["config"].contains("arbiter"));
+    assert!(back.contains_key("backend"), "config reaches the backend");
+}
+
+#[test]
+fn nothing_below_the_arbiter_reaches_up() {
+    let graph = graph();
+    for m in BELOW_ARBITER {
+        assert!(graph.contains_key(m), "no module {m}");
+        let reached = reach(&graph, m);
+        for up in ABOVE {
+            if let Some(path) = reached.get(up) {
+                panic!("{m} reaches {up}: {path}");
+            }
+        }
+    }
+    assert!(graph["arbiter"].contains("backend"));
+    assert!(reach(&graph, "arbiter").contains_key("ledger"));
+}
+
+#[test]
+fn the_scanner_reads_paths_groups_and_skips_comments() {
+    let found = uses(
+        "use crate::a::B;\nuse crate::{b, c::D};\nlet x = crate::d::f(); // crate::e\n/// [`crate::g`]\n",
+    );
+    let want: BTreeSet<String> = ["a", "b", "c", "d"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(found, want);
+}
