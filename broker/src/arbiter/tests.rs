@@ -826,3 +826,43 @@ async fn effects_run_after_the_lock_is_released() {
     assert_eq!(st.quarantine.len(), 1);
     assert_eq!(st.pools[0].stats().quarantined, 4 * MIB);
 }
+
+#[tokio::test]
+async fn watchers_are_kept_by_the_shell_and_stopped_with_what_they_watch() {
+    let f = fixture(8 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(8 * MIB)).unwrap();
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let peer = Peer {
+        pid: Some(child.id()),
+        uid: None,
+        unix: true,
+    };
+    // A session of a live process: its peer is watched.
+    let (s, _events) = f.arb.open_session("a", "w", peer).unwrap();
+    assert_eq!(f.arb.watchers.len(), 1);
+    f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    // It ends while the process lives: the session's watcher stops, the quarantine's starts.
+    f.arb.end_session(s, "test");
+    assert_eq!(f.arb.watchers.len(), 1);
+    assert_eq!(f.arb.devices().await[0].quarantined, 4 * MIB);
+    // A session closed at once leaves no watcher behind.
+    let (s2, _e2) = f.arb.open_session("a", "w2", peer).unwrap();
+    assert_eq!(f.arb.watchers.len(), 2);
+    f.arb.end_session(s2, "test");
+    assert_eq!(f.arb.watchers.len(), 1);
+    // The process exits: its quarantine is lifted by the watcher, which is then dropped.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for _ in 0..200 {
+        if f.arb.watchers.len() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(f.arb.watchers.len(), 0);
+    let d = &f.arb.devices().await[0];
+    assert_eq!((d.quarantined, d.cached), (0, 4 * MIB));
+}
