@@ -204,13 +204,13 @@ impl SharedTable {
         self.held
             .iter()
             .map(|(lease, h)| {
-                let mut holders: BTreeSet<u32> = h.waiters.pids.keys().copied().collect();
+                let mut holders: BTreeSet<u32> = h.waiters.pids.iter().copied().collect();
                 let publication = h.publication.and_then(|id| self.pubs.get(&id));
                 if let Some(p) = publication {
                     for i in p.imports.values() {
                         holders.extend(i.pid);
                         if let Some(w) = &i.lingering {
-                            holders.extend(w.pids.keys().copied());
+                            holders.extend(w.pids.iter().copied());
                         }
                     }
                 }
@@ -226,7 +226,7 @@ impl SharedTable {
                     tenant: h.tenant.clone(),
                     device: h.device,
                     bytes: h.block.bytes(),
-                    pid: h.holder.filter(|p| h.waiters.pids.contains_key(p)),
+                    pid: h.holder.filter(|p| h.waiters.pids.contains(p)),
                     since: now.1 - now.0.saturating_duration_since(h.since),
                     reason,
                     holders: holders.into_iter().collect(),
@@ -238,7 +238,7 @@ impl SharedTable {
 
     /// Is a held block waiting for processes other than its lease's own?
     fn recipients_of(&self, h: &Held) -> bool {
-        h.waiters.pids.keys().any(|p| Some(*p) != h.holder)
+        h.waiters.pids.iter().any(|p| Some(*p) != h.holder)
     }
 }
 
