@@ -2,8 +2,10 @@
 # The GPU machine's check of managed MPS and compute turns, and their benchmark.
 #
 #   scripts/gpu-mps-check.sh build            # here (Rust): release binaries into .gpu/mps
-#   scripts/gpu-mps-check.sh run [PARTS]      # on the GPU machine (Python 3 + PyTorch, no
-#                                             # Rust, no network); PARTS: check,bench (both)
+#   scripts/gpu-mps-check.sh run [PARTS] [ARGS]  # on the GPU machine (Python 3 + PyTorch, no
+#                                             # Rust, no network); PARTS: check,bench (both),
+#                                             # handoff; ARGS go to gpu_mps_check.py
+#                                             # (--ks 4,8 --duration 6 --before DIR --repeat N)
 #
 # What runs on the GPU (scripts/gpu_mps_check.py does the work):
 #   check: the broker with --mps runs its own MPS control daemon in private directories;
@@ -12,6 +14,8 @@
 #     set by hand) gets torch.OutOfMemoryError at ~4 GiB while a neighbour held to 8 GiB
 #     allocates 7 GiB and keeps its bytes; the control daemon SIGKILLed is restarted;
 #     after the broker stops nothing of MPS is left running.
+#   handoff: (c) alone, this build's turn hand-off beside an earlier gpu-broker's
+#     (--before DIR), alternating.
 #   bench: K = 2, 4, 8 workers of examples/turn_step_worker.py (ResNet-18 inference,
 #     batch 8) (a) alone, one after another, (b) all at once uncoordinated, (c) with broker
 #     turns and 1 slot, (d) under managed MPS with K slots; tenants weighted 1:2:4.
@@ -34,7 +38,9 @@ build() {
 
 run() {
     nvidia-smi --query-gpu=index,name,memory.total,memory.used,compute_mode,driver_version --format=csv || true
-    PYTHONUNBUFFERED=1 python3 "$OUT/gpu_mps_check.py" --bin "$OUT" --parts "${1:-check,bench}"
+    local parts=${1:-check,bench}
+    shift || true
+    PYTHONUNBUFFERED=1 python3 "$OUT/gpu_mps_check.py" --bin "$OUT" --parts "$parts" "$@"
 }
 
 case "${1:-}" in

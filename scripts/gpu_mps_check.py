@@ -5,6 +5,8 @@ check: the broker's own MPS daemon (start, status and clients, driver-enforced l
        an unmodified PyTorch program, restart after SIGKILL, nothing left after stop).
 bench: K = 2, 4, 8 ResNet-18 workers (a) alone one after another, (b) all at once,
        (c) broker turns with 1 slot, (d) managed MPS with K slots; weights 1:2:4.
+handoff: (c) alone, the turn hand-off of this build and (--before DIR) of an earlier
+       gpu-broker, alternating (--repeat runs each).
 
 Also the allocator of the check (``--alloc``): allocates 256 MiB blocks until CUDA says out
 of memory or ``--target`` bytes are held, fills each, holds them ``--hold`` seconds, checks
@@ -73,14 +75,14 @@ def free_port():
 
 
 class Broker:
-    def __init__(self, bin_dir, name, extra):
+    def __init__(self, bin_dir, name, extra, broker_bin=None):
         self.bin = bin_dir
         self.dir = tempfile.mkdtemp(prefix=f"gpb-{name}-")
         self.sock = os.path.join(self.dir, "broker.sock")
         self.state = os.path.join(self.dir, "state")
         self.port = free_port()
         backend = os.environ.get("GPU_MPS_BACKEND", "cuda")  # host: try the harness without a GPU
-        args = [os.path.join(bin_dir, "gpu-broker"), "--backend", backend, "--socket", self.sock,
+        args = [broker_bin or os.path.join(bin_dir, "gpu-broker"), "--backend", backend, "--socket", self.sock,
                 "--state-dir", self.state, "--metrics-listen", f"127.0.0.1:{self.port}",
                 "--shutdown-grace", "1s", "--headroom", "5%"]
         if os.environ.get("GPU_MPS_CONTROL"):
@@ -440,6 +442,53 @@ def bench(bin_dir, duration, ks):
     return results
 
 
+def turns_c(bin_dir, k, duration, tag, broker_bin=None):
+    """(c) alone: K workers taking broker turns with 1 slot; shares and hand-offs."""
+    weights = [WEIGHTS[i % 3] for i in range(k)]
+    base = dict(os.environ)
+    b = Broker(bin_dir, tag, ["--turn-slots", "1", "--turn-anticipation", "1ms"], broker_bin)
+    envs = [dict(base, GPU_BROKER_ADDR=f"unix://{b.sock}", GPU_BROKER_TOKEN=b.tenant(f"t{i}", "16GiB", w))
+            for i, w in enumerate(weights)]
+    rc = run_workers(bin_dir, k, duration, envs, True, tag)
+    (h50, h99), n = hist_quantiles(b.metrics(), "gpu_broker_turn_handoff_seconds", [0.5, 0.99])
+    b.stop()
+    s = summarize(rc, duration, weights)
+    e2e = e2e_handoffs(rc)
+    s["handoff_broker_us"] = {"p50": h50 * 1e6, "p99": h99 * 1e6, "count": n}
+    s["handoff_e2e_us"] = {"p50": pct(e2e, 0.5), "p99": pct(e2e, 0.99), "count": len(e2e)}
+    return s
+
+
+def handoff(bin_dir, duration, ks, before, repeat):
+    """The turn hand-off in (c): this build and, with --before DIR, an earlier gpu-broker,
+    alternating, `repeat` runs each."""
+    print("=== handoff: (c) broker turns, 1 slot ===", flush=True)
+    brokers = [("this", None)] + ([("before", os.path.join(before, "gpu-broker"))] if before else [])
+    out = {}
+    for k in ks:
+        for rep in range(repeat):
+            for name, bb in brokers:
+                s = turns_c(bin_dir, k, duration, f"h{k}{name}{rep}", bb)
+                out.setdefault(f"K{k}", {}).setdefault(name, []).append(s)
+                print(f"K={k} {name} run {rep}: steps/s {s['steps_per_s']:.0f}, shares {s['held_share']}"
+                      f" (max err {100 * s['held_share_err_max']:.1f}%), hand-off broker p50/p99"
+                      f" {s['handoff_broker_us']['p50']:.1f}/{s['handoff_broker_us']['p99']:.1f} us (n={s['handoff_broker_us']['count']}),"
+                      f" end to end p50/p99 {s['handoff_e2e_us']['p50']:.0f}/{s['handoff_e2e_us']['p99']:.0f} us", flush=True)
+    lines = ["| K | broker | runs | steps/s | max share err | broker p50 us | broker p99 us | end to end p50 us | end to end p99 us |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, per in out.items():
+        for name, runs in per.items():
+            med = lambda f: statistics.median(f(r) for r in runs)
+            lines.append(f"| {key[1:]} | {name} | {len(runs)} | {med(lambda r: r['steps_per_s']):.0f} | "
+                         f"{100 * med(lambda r: r['held_share_err_max']):.1f}% | "
+                         f"{med(lambda r: r['handoff_broker_us']['p50']):.1f} | {med(lambda r: r['handoff_broker_us']['p99']):.1f} | "
+                         f"{med(lambda r: r['handoff_e2e_us']['p50']):.0f} | {med(lambda r: r['handoff_e2e_us']['p99']):.0f} |")
+    print("\n".join(lines), flush=True)
+    verdict(all(statistics.median(r["handoff_broker_us"]["p99"] for r in per["this"]) < 100 for per in out.values()),
+            "hand-off p99 (broker side) < 100 us for this build")
+    return out
+
+
 def table(r):
     lines = ["| K | mode | steps/s | vs (a) | p50 ms | p99 ms | shares (held) vs weights | Jain | hand-off p50/p99 us (broker / end to end) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -473,6 +522,8 @@ def main():
     ap.add_argument("--parts", default="check,bench")
     ap.add_argument("--duration", type=float, default=6.0)
     ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--before", default="", help="handoff: a directory with an earlier gpu-broker")
+    ap.add_argument("--repeat", type=int, default=1, help="handoff: runs per broker")
     a = ap.parse_args()
     if a.alloc:
         return alloc_main(a)
@@ -490,6 +541,11 @@ def main():
             print(table(res["bench"]))
         except Exception as e:
             verdict(False, f"bench raised {e!r}")
+    if "handoff" in a.parts:
+        try:
+            res["handoff"] = handoff(a.bin, a.duration, [int(k) for k in a.ks.split(",")], a.before, a.repeat)
+        except Exception as e:
+            verdict(False, f"handoff raised {e!r}")
     print(f"=== {len(PASSED)} passed, {len(FAILED)} failed, {time.time() - t0:.0f} s ===")
     for f in FAILED:
         print("FAILED:", f)

@@ -13,6 +13,7 @@
 //!   reclaim: per-priority time-to-grant, reclaim/revocation counts, utilization;
 //! - `quota-writes`: pooled acquire p50/p99 alone and while an admin client sets quotas
 //!   in a loop (each a durable store commit);
+//! - `turns`: the compute-turn hand-off between K workers (broker side and end to end);
 //! - `abuse`: descriptors and memory after many session cycles, admin latency while idle
 //!   connections and unauthenticated streams are held, acquire p99 while listings run;
 //! - `all`: each of the above with its defaults.
@@ -30,6 +31,7 @@ mod report;
 mod resident;
 mod stats;
 mod throughput;
+mod turns;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -100,6 +102,8 @@ enum Mode {
     QuotaWrites(quota_writes::QuotaWritesArgs),
     /// Every mode with its defaults, one after the other.
     All,
+    /// Compute-turn hand-off between workers that take turns on one device.
+    Turns(turns::TurnsArgs),
     /// A worker process of `throughput --processes` (internal).
     #[command(hide = true)]
     Worker(throughput::WorkerArgs),
@@ -179,6 +183,7 @@ async fn run(cli: Cli) -> Result<()> {
         Mode::Oversub(a) => oversub::run(&common, &a).await,
         Mode::Abuse(a) => abuse::run(&common, &a).await,
         Mode::QuotaWrites(a) => quota_writes::run(&common, &a).await,
+        Mode::Turns(a) => turns::run(&common, &a).await,
         Mode::Worker(a) => throughput::worker_process(&common, &a).await,
         Mode::All => {
             let defaults = |mode: &str| Cli::try_parse_from(["gpu-broker-bench", mode]);

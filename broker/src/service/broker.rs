@@ -214,6 +214,13 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let id = parse_id("turn_id", &req.get_ref().turn_id)?;
         let end = self.arb.release_turn_received(&tenant, id, received)?;
+        if end.handed_off {
+            // The direct hand-off: the waiter's task was woken on this worker thread by
+            // its grant, and tokio runs it next when this task yields, so the waiter's
+            // reply goes out before this one instead of behind this response's write or a
+            // parked worker's wake-up.
+            tokio::task::yield_now().await;
+        }
         Ok(Response::new(pb::ReleaseTurnResponse {
             held_ms: end.held.as_millis() as u64,
             overrun_ms: end.overrun.as_millis() as u64,
