@@ -1,8 +1,10 @@
 //! The status page (`GET /status` on the metrics listener): what `gpu-brokerctl status`
 //! shows, as one read-only HTML page that reloads itself every few seconds — devices with
-//! usage bars (leased, cached, quarantined, outside the broker, headroom, free), tenants
-//! against limit and guarantee, the largest and oldest leases, waiting requests, and
-//! quarantined memory with its process. No scripts, no external resources; every value
+//! usage bars (leased, reserved for processes, cached, quarantined, outside the broker,
+//! headroom, free) and, under managed MPS, the daemon's state, clients and the compute mode,
+//! tenants against limit and guarantee, the process reservations (`gpu-brokerctl run`),
+//! the largest and oldest leases, waiting requests, and quarantined memory with its
+//! process. No scripts, no external resources; every value
 //! is HTML-escaped. Access is the metrics listener's (`status_http`).
 
 use crate::arbiter::{Arbiter, DeviceReport};
@@ -47,6 +49,7 @@ fn bar(d: &DeviceReport) -> String {
     let total = d.total.max(1) as f64;
     let parts = [
         ("leased", d.leased),
+        ("processes", d.process_reserved),
         ("cached", d.cached),
         ("quarantined", d.quarantined),
         ("outside", d.external_used),
@@ -94,7 +97,7 @@ td.n{text-align:right}td.id{font-family:monospace}\
 .bar{display:flex;width:22em;height:1.1em;background:#eee;border:1px solid #999}\
 .bar span{display:block;height:100%}\
 .leased{background:#2a9d3a}.cached{background:#3fa7d6}.quarantined{background:#e9b000}\
-.outside{background:#d1495b}.headroom{background:#888}\
+.outside{background:#d1495b}.headroom{background:#888}.processes{background:#8e44ad}\
 .key span{display:inline-block;width:.9em;height:.9em;margin:0 .3em 0 1em;vertical-align:middle}";
 
 /// The page for the broker's state now.
@@ -104,6 +107,8 @@ pub async fn render(arb: &Arbiter) -> String {
     let tenants = arb.list_tenants();
     let leases = arb.list_all_leases(None);
     let quarantined = arb.list_quarantined();
+    let reservations = arb.list_reservations(None);
+    let mps = arb.mps().map(|m| m.status());
     let waiting: u32 = tenants.iter().map(|t| t.waiting).sum();
     let mut out = String::new();
     let _ = write!(
@@ -117,18 +122,19 @@ pub async fn render(arb: &Arbiter) -> String {
         leases.len(),
         waiting
     );
-    out.push_str("<h2>Devices</h2><p class=\"key\"><span class=\"leased\"></span>leased<span class=\"cached\"></span>cached<span class=\"quarantined\"></span>quarantined<span class=\"outside\"></span>outside the broker<span class=\"headroom\"></span>headroom</p>");
-    out.push_str("<table><tr><th>device</th><th>model</th><th>usage</th><th>leased</th><th>cached</th><th>quarantined</th><th>outside</th><th>total</th><th>waiting</th></tr>");
+    out.push_str("<h2>Devices</h2><p class=\"key\"><span class=\"leased\"></span>leased<span class=\"processes\"></span>reserved for processes<span class=\"cached\"></span>cached<span class=\"quarantined\"></span>quarantined<span class=\"outside\"></span>outside the broker<span class=\"headroom\"></span>headroom</p>");
+    out.push_str("<table><tr><th>device</th><th>model</th><th>usage</th><th>leased</th><th>processes</th><th>cached</th><th>quarantined</th><th>outside</th><th>total</th><th>waiting</th></tr>");
     for d in &devices {
         let _ = write!(
             out,
-            "<tr><td>{} <span class=\"id\" title=\"{}\">{}</span></td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
+            "<tr><td>{} <span class=\"id\" title=\"{}\">{}</span></td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
             d.index,
             esc(&d.uuid),
             esc(&d.uuid.chars().take(12).collect::<String>()),
             esc(if d.model.is_empty() { &d.name } else { &d.model }),
             bar(d),
             size(d.leased),
+            size(d.process_reserved),
             size(d.cached),
             size(d.quarantined),
             size(d.external_used),
@@ -136,19 +142,50 @@ pub async fn render(arb: &Arbiter) -> String {
             d.waiting
         );
     }
-    out.push_str("</table><h2>Tenants</h2><table><tr><th>tenant</th><th>held</th><th>limit</th><th>guaranteed</th><th>quarantined</th><th>leases</th><th>sessions</th><th>waiting</th></tr>");
+    out.push_str("</table>");
+    if let Some(m) = &mps {
+        let _ = write!(
+            out,
+            "<p id=\"mps\">MPS: {} · {} client(s) · compute mode {}</p>",
+            esc(&crate::bounds::status_message(m.summary())),
+            m.clients.len(),
+            esc(&if m.compute_modes.is_empty() {
+                "unknown".to_string()
+            } else {
+                m.compute_modes.join(", ")
+            })
+        );
+    }
+    out.push_str("<h2>Tenants</h2><table><tr><th>tenant</th><th>held</th><th>reserved for processes</th><th>limit</th><th>guaranteed</th><th>quarantined</th><th>leases</th><th>sessions</th><th>waiting</th></tr>");
     for t in &tenants {
         let _ = write!(
             out,
-            "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
+            "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
             esc(&t.name),
             size(t.usage.held_bytes),
+            size(t.usage.process_reserved_bytes),
             size(t.quota.limit_bytes),
             size(t.quota.guaranteed_bytes),
             size(t.usage.quarantined_bytes),
             t.usage.lease_count,
             t.sessions,
             t.waiting
+        );
+    }
+    out.push_str("</table>");
+    out.push_str("<h2>Process reservations</h2><table><tr><th>reservation</th><th>tenant</th><th>device</th><th>reserved</th><th>drawn by leases</th><th>pid</th><th>age</th><th>label</th></tr>");
+    for r in &reservations {
+        let _ = write!(
+            out,
+            "<tr><td class=\"id\">{}</td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td></tr>",
+            r.id,
+            esc(&r.tenant),
+            r.device,
+            size(r.bytes),
+            size(r.drawn_bytes),
+            r.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+            r.created.map(|c| age(c, now)).unwrap_or_else(|| "-".into()),
+            esc(&r.label)
         );
     }
     out.push_str("</table>");

@@ -1,6 +1,7 @@
 //! The status page on the metrics listener, in headless Chromium (Debian's `chromium`,
 //! installed by `scripts/test-deps.sh`): loaded against a broker with tenants and leases,
-//! its content checked in the DOM Chromium built, and a screenshot saved
+//! its content checked in the DOM Chromium built (also a process reservation: per device,
+//! per tenant and in its own table), and a screenshot saved
 //! (`target/status-page.png`).
 
 use gpu_broker_tests::*;
@@ -94,6 +95,13 @@ async fn the_status_page_shows_devices_tenants_and_leases_in_chromium() {
         .await
         .unwrap();
     let _ = gone.detach();
+    // A process reservation (what `gpu-brokerctl run` takes) of another session.
+    let sr = inference.session("run:serve").await.unwrap();
+    let reservation = gpu_broker_client::ReservationRequest::new(&sr, 96 * MIB)
+        .label("run:<serve>")
+        .await
+        .unwrap();
+    let rid = reservation.info().reservation_id.clone();
 
     let profile = tempfile::tempdir().unwrap();
     let url = format!("http://{addr}/status");
@@ -105,7 +113,7 @@ async fn the_status_page_shows_devices_tenants_and_leases_in_chromium() {
         String::from_utf8_lossy(&out.stderr)
     );
     for want in [
-        "1 devices · 2 tenants · 2 sessions · 2 leases · 0 waiting",
+        "1 devices · 2 tenants · 3 sessions · 2 leases · 0 waiting",
         "host simulation",
         "training",
         "inference",
@@ -117,6 +125,12 @@ async fn the_status_page_shows_devices_tenants_and_leases_in_chromium() {
         "300.0 MiB",
         "class=\"leased\"",
         "http-equiv=\"refresh\"",
+        "<h2>Process reservations</h2>",
+        &rid,
+        "run:&lt;serve&gt;",
+        "96.0 MiB",
+        "class=\"processes\"",
+        "reserved for processes",
     ] {
         assert!(dom.contains(want), "{want:?} missing from the page:\n{dom}");
     }
@@ -143,6 +157,13 @@ async fn the_status_page_shows_devices_tenants_and_leases_in_chromium() {
         "{} bytes",
         png.len()
     );
+    // The inference tenant's row shows its reservation beside its held bytes.
+    let row = dom
+        .split("<tr>")
+        .find(|r| r.starts_with("<td>inference</td>"))
+        .expect("the inference tenant's row");
+    assert!(row.contains("96.0 MiB"), "{row}");
     big.release().await.unwrap();
     small.release().await.unwrap();
+    reservation.release().await.unwrap();
 }

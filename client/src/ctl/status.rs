@@ -1,7 +1,8 @@
 //! `gpu-brokerctl status`: one screen, like `nvidia-smi`, built from one [`Snapshot`] of
-//! the admin views: each device with a usage bar (leased, cached, quarantined, outside the
-//! broker, headroom, free), tenants against their limit and guarantee, the largest and
-//! oldest leases, and the requests waiting. [`render`] is a pure function of the snapshot
+//! the admin views: each device with a usage bar (leased, reserved for processes, cached,
+//! quarantined, outside the broker, headroom, free), tenants against their limit and
+//! guarantee, the process reservations (`gpu-brokerctl run`), the largest and oldest
+//! leases, and the requests waiting. [`render`] is a pure function of the snapshot
 //! and the time (`top` draws the same lines live).
 
 use std::time::SystemTime;
@@ -51,9 +52,10 @@ impl Snapshot {
 const BAR: usize = 40;
 
 /// The bar's segments: (character, bytes), in this order, then free as `.`.
-fn segments(d: &DeviceInfo) -> [(char, u64); 5] {
+fn segments(d: &DeviceInfo) -> [(char, u64); 6] {
     [
         ('#', d.leased_bytes),
+        ('r', d.process_reserved_bytes),
         ('c', d.cached_bytes),
         ('q', d.quarantined_bytes),
         ('x', d.external_used_bytes),
@@ -128,9 +130,9 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
             cut(&d.uuid, 40),
             state
         ));
-        let headroom_free = d
-            .leasable_bytes
-            .saturating_sub(d.leased_bytes + d.cached_bytes + d.quarantined_bytes);
+        let headroom_free = d.leasable_bytes.saturating_sub(
+            d.leased_bytes + d.cached_bytes + d.quarantined_bytes + d.process_reserved_bytes,
+        );
         out.push_str(&format!(
             "  {} {:>10} / {}\n",
             usage_bar(d, BAR),
@@ -144,6 +146,12 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
             format_bytes(d.quarantined_bytes),
             format_bytes(d.external_used_bytes),
         ));
+        if d.process_reserved_bytes > 0 {
+            out.push_str(&format!(
+                "  r reserved for processes {}\n",
+                format_bytes(d.process_reserved_bytes)
+            ));
+        }
         out.push_str(&format!(
             "  h headroom {}  leasable now {}  leases {}  waiting {}{}\n\n",
             format_bytes(d.headroom_bytes),
@@ -176,7 +184,9 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
         }
     }
 
-    let mut t = Table::new([
+    // The column of process reservations only when there are some.
+    let procs = s.tenants.iter().any(|t| t.usage.process_reservations > 0);
+    let mut headers = vec![
         "TENANT",
         "HELD/LIMIT",
         "HELD",
@@ -185,23 +195,64 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
         "QUARANTINED",
         "LEASES",
         "WAITING",
-    ])
-    .right(&[2, 3, 4, 5, 6, 7])
-    .fit(Some(super::WIDTH), &[0]);
+    ];
+    if procs {
+        headers.insert(3, "PROCESSES");
+    }
+    let right: Vec<usize> = (2..headers.len()).collect();
+    let mut t = Table::new(headers)
+        .right(&right)
+        .fit(Some(super::WIDTH), &[0]);
     for i in &s.tenants {
         let (q, u) = (&i.quota, &i.usage);
-        t.row([
+        // Reservations count against the limit like leases do.
+        let charged = u.held_bytes + u.quarantined_bytes + u.process_reserved_bytes;
+        let mut row = vec![
             i.name.clone(),
-            held_bar(u.held_bytes + u.quarantined_bytes, q.limit_bytes, 12),
+            held_bar(charged, q.limit_bytes, 12),
             format_bytes(u.held_bytes),
             format_bytes(q.limit_bytes),
             format_bytes(q.guaranteed_bytes),
             format_bytes(u.quarantined_bytes),
             u.lease_count.to_string(),
             u.waiting_requests.to_string(),
-        ]);
+        ];
+        if procs {
+            row.insert(3, format_bytes(u.process_reserved_bytes));
+        }
+        t.row(row);
     }
     out.push_str(&t.render());
+
+    let reserved: Vec<&SessionInfo> = s
+        .sessions
+        .iter()
+        .filter(|x| x.process_reserved_bytes > 0)
+        .collect();
+    if !reserved.is_empty() {
+        let mut t = Table::new(["TENANT", "SESSION", "PID", "RESERVED", "GPU USED", "AGE"])
+            .right(&[2, 3, 4, 5])
+            .fit(Some(super::WIDTH), &[0, 1]);
+        for x in reserved {
+            t.row([
+                x.tenant.clone(),
+                x.name.clone(),
+                if x.peer_pid == 0 {
+                    "-".to_string()
+                } else {
+                    x.peer_pid.to_string()
+                },
+                format_bytes(x.process_reserved_bytes),
+                if x.over_allowance {
+                    format!("{} (!)", format_bytes(x.gpu_used_bytes))
+                } else {
+                    format_bytes(x.gpu_used_bytes)
+                },
+                format_age_at(x.opened_unix_ms, now),
+            ]);
+        }
+        out.push_str(&format!("\nPROCESS RESERVATIONS\n{}", t.render()));
+    }
 
     let lease_rows = |title: &str, leases: Vec<&LeaseInfo>| {
         let mut t = Table::new(["LEASE", "TENANT", "DEV", "SIZE", "AGE", "LABEL"])
@@ -380,6 +431,97 @@ pub(crate) mod tests {
         let oldest = text.split("OLDEST LEASES").nth(1).unwrap();
         assert!(oldest.lines().nth(2).unwrap().contains("11111111"));
         assert!(oldest.contains("2h00m"), "{oldest}");
+    }
+
+    #[test]
+    fn status_shows_process_reservations_per_device_tenant_and_session() {
+        const GIB: u64 = 1 << 30;
+        let mut s = snapshot();
+        let plain = render(&s, now());
+        assert!(!plain.contains("PROCESSES") && !plain.contains("PROCESS RESERVATIONS"));
+        assert!(!plain.contains("reserved for processes"));
+        assert!(plain.contains("leasable now 28.0 GiB"), "{plain}");
+        s.devices[0].process_reserved_bytes = 7 * GIB;
+        s.tenants[1].usage.process_reserved_bytes = 7 * GIB;
+        s.tenants[1].usage.process_reservations = 2;
+        s.sessions = vec![
+            SessionInfo {
+                session_id: "s1".into(),
+                tenant: "inference".into(),
+                name: "run:python3".into(),
+                peer_pid: 4242,
+                process_reserved_bytes: 4 * GIB,
+                gpu_used_bytes: 3 * GIB,
+                opened_unix_ms: 1_000_000_000_000 - 90_000,
+                ..Default::default()
+            },
+            SessionInfo {
+                session_id: "s2".into(),
+                tenant: "inference".into(),
+                name: "run:serve".into(),
+                peer_pid: 4343,
+                process_reserved_bytes: 3 * GIB,
+                gpu_used_bytes: 5 * GIB,
+                over_allowance: true,
+                opened_unix_ms: 1_000_000_000_000 - 30_000,
+                ..Default::default()
+            },
+            SessionInfo {
+                session_id: "s3".into(),
+                tenant: "training".into(),
+                name: "trainer".into(),
+                ..Default::default()
+            },
+        ];
+        let text = render(&s, now());
+        for line in text.lines() {
+            assert!(line.chars().count() <= 100, "{line:?}");
+        }
+        let bar = usage_bar(&s.devices[0], 40);
+        assert_eq!(bar.matches('r').count(), 2, "{bar}");
+        assert!(
+            text.contains("  r reserved for processes 7.0 GiB\n"),
+            "{text}"
+        );
+        assert!(text.contains("leasable now 21.0 GiB"), "{text}");
+        let tenants = text.split("TENANT").nth(1).unwrap();
+        let header = tenants.lines().next().unwrap();
+        assert!(header.contains("HELD  PROCESSES"), "{text}");
+        let inference = tenants
+            .lines()
+            .find(|l| l.starts_with("inference "))
+            .expect(&text);
+        let cols: Vec<&str> = inference.split("  ").filter(|c| !c.is_empty()).collect();
+        assert_eq!(cols[2].trim(), "10.0 GiB", "held: {cols:?}");
+        assert_eq!(
+            cols[3].trim(),
+            "7.0 GiB",
+            "reserved for processes: {cols:?}"
+        );
+        let training = tenants
+            .lines()
+            .find(|l| l.starts_with("training "))
+            .expect(&text);
+        assert!(training.contains("60.0 GiB        0 B"), "{training}");
+        let section = text.split("PROCESS RESERVATIONS\n").nth(1).expect(&text);
+        let rows: Vec<&str> = section
+            .lines()
+            .skip(1)
+            .take_while(|l| !l.is_empty())
+            .collect();
+        assert_eq!(rows.len(), 2, "only sessions with a reservation: {section}");
+        assert!(
+            rows[0].contains("run:python3") && rows[0].contains("4242"),
+            "{rows:?}"
+        );
+        assert!(
+            rows[0].contains("4.0 GiB") && rows[0].contains("1m30s"),
+            "{rows:?}"
+        );
+        assert!(
+            rows[1].contains("5.0 GiB (!)"),
+            "over its allowance: {rows:?}"
+        );
     }
 
     #[test]

@@ -21,6 +21,7 @@ use super::status::{render, Snapshot};
 fn cell_style(c: char) -> Style {
     match c {
         '#' => Style::default().fg(Color::Green),
+        'r' => Style::default().fg(Color::Magenta),
         'c' => Style::default().fg(Color::Cyan),
         'q' => Style::default().fg(Color::Yellow),
         'x' => Style::default().fg(Color::Red),
@@ -156,6 +157,31 @@ mod tests {
             .find(|&(x, y)| buf[(x, y)].symbol() == "#")
             .expect("a bar cell");
         assert_eq!(buf[(x, y)].fg, Color::Green);
+
+        // Process reservations: their bar cells, line and table show too.
+        let mut s = snapshot();
+        s.devices[0].process_reserved_bytes = 7 << 30;
+        s.tenants[1].usage.process_reserved_bytes = 7 << 30;
+        s.tenants[1].usage.process_reservations = 1;
+        s.sessions = vec![gpu_broker_client::SessionInfo {
+            tenant: "inference".into(),
+            name: "run:serve".into(),
+            peer_pid: 4242,
+            process_reserved_bytes: 7 << 30,
+            ..Default::default()
+        }];
+        draw(&mut t, Ok(&s), Duration::from_secs(2), now()).unwrap();
+        let text = screen(&t);
+        assert!(text.contains("r reserved for processes 7.0 GiB"), "{text}");
+        assert!(text.contains("PROCESS RESERVATIONS"), "{text}");
+        let buf = t.backend().buffer();
+        let bar_row = (0..buf.area.height)
+            .find(|&y| (0..buf.area.width).any(|x| buf[(x, y)].symbol() == "#"))
+            .expect("the bar's row");
+        let r = (0..buf.area.width)
+            .find(|&x| buf[(x, bar_row)].symbol() == "r")
+            .expect("a reserved cell in the bar");
+        assert_eq!(buf[(r, bar_row)].fg, Color::Magenta);
 
         draw(
             &mut t,
