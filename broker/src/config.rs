@@ -264,6 +264,11 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_TURN_ANTICIPATION", default_value = defaults::text(defaults::TURN_ANTICIPATION), value_parser = parse_duration)]
     pub turn_anticipation: Duration,
 
+    /// How long the processes left in the process group of an ended process reservation
+    /// (`gpu-brokerctl run`'s program and its descendants) have between SIGTERM and SIGKILL.
+    #[arg(long, env = "GPU_BROKER_PROCESS_STOP_GRACE", default_value = defaults::text(defaults::PROCESS_STOP_GRACE), value_parser = parse_duration)]
+    pub process_stop_grace: Duration,
+
     /// Log as JSON lines instead of text.
     #[arg(long, env = "GPU_BROKER_LOG_JSON")]
     pub log_json: bool,
@@ -380,6 +385,7 @@ impl Config {
                 rate: self.tenant_rpc_rate,
                 burst: self.tenant_rpc_burst,
             },
+            process_stop_grace: self.process_stop_grace,
             ..ArbiterConfig::default()
         }
     }
@@ -479,6 +485,7 @@ mod tests {
                 got.max_sessions_per_tenant,
                 got.max_waiting_per_tenant,
                 (got.turns.quantum, got.turns.grace, got.turns.slots),
+                got.process_stop_grace,
             ),
             (
                 want.reclaim_deadline,
@@ -487,6 +494,7 @@ mod tests {
                 want.max_sessions_per_tenant,
                 want.max_waiting_per_tenant,
                 (want.turns.quantum, want.turns.grace, want.turns.slots),
+                want.process_stop_grace,
             )
         );
         assert_eq!(c.health(), crate::health::HealthConfig::default());

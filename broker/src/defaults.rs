@@ -23,6 +23,9 @@ pub const TURN_SLOTS: u32 = 1;
 /// `--turn-anticipation`: how long a tenant below its weighted share keeps the turn slot
 /// it gave back (zero: never).
 pub const TURN_ANTICIPATION: Duration = Duration::ZERO;
+/// `--process-stop-grace`: how long the processes left in an ended reservation's process
+/// group have between SIGTERM and SIGKILL.
+pub const PROCESS_STOP_GRACE: Duration = Duration::from_secs(10);
 /// `--mps-health-interval`: how often the managed MPS daemon is checked.
 pub const MPS_HEALTH_INTERVAL: Duration = Duration::from_secs(2);
 /// `--health-interval`: how often the health monitor checks every device.
@@ -52,6 +55,7 @@ mod tests {
             TURN_QUANTUM,
             TURN_GRACE,
             TURN_ANTICIPATION,
+            PROCESS_STOP_GRACE,
             MPS_HEALTH_INTERVAL,
             HEALTH_INTERVAL,
             HEALTH_TIMEOUT,

@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod mps;
 pub mod pool;
 pub mod process;
+pub mod process_group;
 pub mod quota;
 pub mod rate;
 pub mod reservations;

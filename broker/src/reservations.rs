@@ -73,6 +73,8 @@ pub struct Reservation {
     pub drawn: u64,
     /// Bytes of drawn leases that ended quarantined: no longer the reservation's.
     pub lost: u64,
+    /// The program's process group (`SetProcessGroup`), stopped when the reservation ends.
+    pub group: Option<crate::process_group::ProcessGroup>,
 }
 
 impl Reservation {
@@ -265,6 +267,32 @@ impl Arbiter {
         Ok(())
     }
 
+    /// Names the process group of a reservation's program (its leader `pgid` must be a
+    /// child of the session's process, of its uid, leading its group): when the
+    /// reservation ends, what is left of the group is stopped.
+    pub fn set_process_group(&self, tenant: &str, id: Uuid, pgid: u32) -> BrokerResult<()> {
+        let root = |st: &State| {
+            st.reservations
+                .get(&id)
+                .filter(|r| r.tenant == tenant)
+                .map(|r| (r.pid, st.sessions.get(&r.session).and_then(|s| s.peer.uid)))
+                .ok_or(BrokerError::NotFound(Missing::Reservation(id)))
+        };
+        let (pid, uid) = root(&self.lock())?;
+        // `/proc` is read with no lock held.
+        let g = crate::process_group::verify(pgid, pid, uid)
+            .map_err(|e| BrokerError::PermissionDenied(format!("process group {pgid}: {e}")))?;
+        let mut st = self.lock();
+        if root(&st)? != (pid, uid) {
+            return Err(BrokerError::NotFound(Missing::Reservation(id)));
+        }
+        if let Some(r) = st.reservations.by_id.get_mut(&id) {
+            r.group = Some(g);
+        }
+        tracing::info!(reservation = %id, pgid, "process group of the reservation's program");
+        Ok(())
+    }
+
     /// The reservations of `tenant` (all tenants: None), oldest first.
     pub fn list_reservations(&self, tenant: Option<&str>) -> Vec<ReservationView> {
         let st = self.lock();
@@ -346,6 +374,7 @@ impl Arbiter {
             created: SystemTime::now(),
             drawn: 0,
             lost: 0,
+            group: None,
         };
         let view = self.reservation_view(&r);
         st.reservations.by_id.insert(r.id, r);
@@ -361,6 +390,9 @@ impl Arbiter {
         let room = r.room();
         st.ledger.uncharge_process(&r.tenant, r.device, room);
         st.pools[r.device as usize].unreserve_process(room);
+        if let Some(g) = r.group {
+            st.fx.stop_group(g);
+        }
         tracing::info!(reservation = %id, tenant = %r.tenant, session = %r.session, bytes = r.bytes, drawn = r.drawn, "process reservation ended");
     }
 

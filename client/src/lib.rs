@@ -76,6 +76,7 @@ pub mod info;
 pub mod lease;
 pub mod lease_info;
 pub mod mapping;
+pub mod ordinal;
 mod paging;
 mod pump;
 pub mod quarantine;

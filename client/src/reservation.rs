@@ -155,4 +155,18 @@ impl ProcessReservation {
             .await?;
         Ok(())
     }
+
+    /// Names the process group of the program the reservation is for (its leader, a
+    /// child of this process, e.g. started with `process_group(0)`): when the reservation
+    /// ends, the broker stops what is left of the group.
+    pub async fn set_process_group(&self, pgid: u32) -> Result<(), ClientError> {
+        self.client
+            .raw()
+            .set_process_group(pb::SetProcessGroupRequest {
+                reservation_id: self.info.reservation_id.clone(),
+                pgid,
+            })
+            .await?;
+        Ok(())
+    }
 }

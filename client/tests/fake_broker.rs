@@ -371,6 +371,14 @@ impl Broker for Fake {
         self.tenant(&req)?;
         Err(Status::unimplemented("an old broker"))
     }
+
+    async fn set_process_group(
+        &self,
+        req: Request<pb::SetProcessGroupRequest>,
+    ) -> Result<Response<pb::SetProcessGroupResponse>, Status> {
+        self.tenant(&req)?;
+        Err(Status::unimplemented("an old broker"))
+    }
 }
 
 #[tonic::async_trait]

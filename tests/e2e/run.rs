@@ -446,3 +446,118 @@ async fn a_running_reservation_shows_in_metrics_and_the_cli() {
     let (status, _) = p.finish(Duration::from_secs(10)).await.unwrap();
     assert!(status.success());
 }
+
+#[tokio::test]
+async fn killing_run_stops_the_programs_whole_process_group() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--process-stop-grace".into(), "500ms".into()],
+        ..BrokerOpts::default()
+    })
+    .expect("broker starts");
+    let token = b.tenant("alice", QuotaSpec::new(512 * MIB)).await.unwrap();
+    let token_file = b.dir.path().join("alice.token");
+    std::fs::write(&token_file, &token).unwrap();
+    // The program forks a grandchild that dies of SIGTERM and one that ignores it.
+    let script = r#"sleep 300 & echo gc=$!; (trap '' TERM; exec sleep 300) & echo stubborn=$!;
+        sleep 0.2; echo pid=$$; wait"#;
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "128MiB"], script)).unwrap();
+    let pid_of = |l: String, k: &str| -> u32 { l.trim_start_matches(k).trim().parse().unwrap() };
+    let gc = pid_of(
+        p.line_starting("gc=", Duration::from_secs(20))
+            .await
+            .unwrap(),
+        "gc=",
+    );
+    let stubborn = pid_of(
+        p.line_starting("stubborn=", Duration::from_secs(5))
+            .await
+            .unwrap(),
+        "stubborn=",
+    );
+    let child = pid_of(
+        p.line_starting("pid=", Duration::from_secs(5))
+            .await
+            .unwrap(),
+        "pid=",
+    );
+    assert!(alive(child) && alive(gc) && alive(stubborn));
+    assert_eq!(reserved(&b, "alice").await, (128 * MIB, 1));
+    p.signal(libc::SIGKILL);
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            reserved(&b, "alice").await == (0, 0) && !alive(child) && !alive(gc)
+        })
+        .await,
+        "within 1 s of run's SIGKILL: program {} grandchild {} reserved {:?}",
+        alive(child),
+        alive(gc),
+        reserved(&b, "alice").await
+    );
+    assert!(
+        eventually(Duration::from_millis(1500), || async { !alive(stubborn) }).await,
+        "the grandchild that ignores SIGTERM is killed after the grace"
+    );
+    let _ = p.wait(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn only_a_child_group_of_the_sessions_process_is_accepted_and_stopped_at_release() {
+    use std::os::unix::process::CommandExt;
+    let (b, _, token) = setup("alice", 512 * MIB).await;
+    let client = gpu_broker_client::Client::connect(&b.uri(), token)
+        .await
+        .unwrap();
+    let session = client.session("groups").await.unwrap();
+    let r = gpu_broker_client::ReservationRequest::new(&session, 64 * MIB)
+        .await
+        .unwrap();
+    let code = |e: gpu_broker_client::ClientError| e.code_name();
+    assert_eq!(
+        code(r.set_process_group(1).await.unwrap_err()),
+        "INVALID_ARGUMENT"
+    );
+    // This process is the session's peer, not a child of it.
+    assert_eq!(
+        code(r.set_process_group(std::process::id()).await.unwrap_err()),
+        "PERMISSION_DENIED"
+    );
+    // A child in this process's own group is not a group leader.
+    let mut same = std::process::Command::new("sleep")
+        .arg("300")
+        .spawn()
+        .unwrap();
+    assert_eq!(
+        code(r.set_process_group(same.id()).await.unwrap_err()),
+        "PERMISSION_DENIED"
+    );
+    let mut leader = std::process::Command::new("sh")
+        .args(["-c", "sleep 300 & wait"])
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    r.set_process_group(leader.id()).await.unwrap();
+    assert!(alive(leader.id()));
+    r.release().await.unwrap();
+    let gone = tokio::task::spawn_blocking(move || {
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        while std::time::Instant::now() < end {
+            if let Ok(Some(s)) = leader.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = leader.kill();
+        None
+    })
+    .await
+    .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        gone.and_then(|s| s.signal()),
+        Some(libc::SIGTERM),
+        "releasing the reservation stopped its group"
+    );
+    assert!(alive(same.id()), "a process outside the group is untouched");
+    let _ = same.kill();
+    let _ = same.wait();
+}

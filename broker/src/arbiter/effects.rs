@@ -58,6 +58,9 @@ pub(crate) enum Effect {
     ForgetTickets { lease: Uuid },
     /// A session ended: its compute turns and turn requests go.
     EndTurns { session: Uuid },
+    /// A process reservation ended: stop what is left of its program's process group
+    /// (SIGTERM, SIGKILL after `process_stop_grace`).
+    StopGroup(crate::process_group::ProcessGroup),
     /// Count something in the metrics.
     Count(Counted),
     /// Do a grant's device work (allocate, or scrub a reused block) on a task, then commit
@@ -170,6 +173,10 @@ impl Effects {
     /// Stop a watcher.
     pub fn unwatch(&mut self, w: Watch) {
         self.0.push(Effect::Unwatch(w));
+    }
+    /// Stop what is left of an ended reservation's process group.
+    pub fn stop_group(&mut self, g: crate::process_group::ProcessGroup) {
+        self.0.push(Effect::StopGroup(g));
     }
     /// Count something.
     pub fn count(&mut self, what: Counted) {
@@ -328,6 +335,15 @@ impl Arbiter {
             }
             Effect::ForgetTickets { lease } => self.tickets.forget_lease(lease),
             Effect::EndTurns { session } => self.scheduler.end_session(session),
+            Effect::StopGroup(g) => {
+                let grace = self.cfg.process_stop_grace;
+                match tokio::runtime::Handle::try_current() {
+                    Ok(rt) => {
+                        rt.spawn(crate::process_group::stop(g, grace));
+                    }
+                    Err(_) => tracing::warn!(pgid = g.pgid, "no runtime to stop a process group"),
+                }
+            }
             Effect::Materialize(p) => {
                 if let Some(me) = self.me.upgrade() {
                     me.spawn_grant(*p);

@@ -78,6 +78,8 @@ pub struct ArbiterConfig {
     pub turns: crate::scheduler::TurnConfig,
     /// Per-tenant RPC rate limit (`rate.rs`; off by default).
     pub rate: crate::rate::RateConfig,
+    /// SIGTERM to SIGKILL for what is left of an ended reservation's process group.
+    pub process_stop_grace: Duration,
 }
 
 impl Default for ArbiterConfig {
@@ -93,6 +95,7 @@ impl Default for ArbiterConfig {
             refresh_interval: crate::defaults::REFRESH_INTERVAL,
             turns: crate::scheduler::TurnConfig::default(),
             rate: crate::rate::RateConfig::default(),
+            process_stop_grace: crate::defaults::PROCESS_STOP_GRACE,
         }
     }
 }

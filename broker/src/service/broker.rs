@@ -366,4 +366,22 @@ impl Broker for BrokerService {
         self.arb.release_process(&tenant, id)?;
         Ok(Response::new(pb::ReleaseProcessMemoryResponse {}))
     }
+
+    async fn set_process_group(
+        &self,
+        req: Request<pb::SetProcessGroupRequest>,
+    ) -> Result<Response<pb::SetProcessGroupResponse>, Status> {
+        let tenant = tenant_of(&req)?;
+        let r = req.get_ref();
+        let id = parse_id("reservation_id", &r.reservation_id)?;
+        if r.pgid <= 1 {
+            return Err(BrokerError::InvalidArgument(format!(
+                "pgid {} is not a process group a program can lead",
+                r.pgid
+            ))
+            .into());
+        }
+        self.arb.set_process_group(&tenant, id, r.pgid)?;
+        Ok(Response::new(pb::SetProcessGroupResponse {}))
+    }
 }

@@ -4,10 +4,16 @@
 //! the environment a worker needs: `GPU_BROKER_ADDR`, `GPU_BROKER_TOKEN_FILE` (a 0600 file
 //! in a 0700 directory of the caller's), `GPU_BROKER_SESSION`, `GPU_BROKER_RESERVATION`,
 //! `GPU_BROKER_DEVICE`, `CUDA_VISIBLE_DEVICES` (the device's UUID) and, when the broker
-//! runs managed MPS, the `CUDA_MPS_*` variables of the reply. It forwards signals to the
-//! program, exits with its status, and ends the session (freeing everything) when it
-//! exits. If `run` itself dies, the program gets SIGKILL (`PR_SET_PDEATHSIG`) and the
-//! broker ends the session when `run`'s process is gone.
+//! runs managed MPS, the `CUDA_MPS_*` variables of the reply. The program leads a new
+//! process group, which `run` names to the broker (`SetProcessGroup`); `run` forwards
+//! signals to the group, exits with the program's status, and ends the session (freeing
+//! everything) when the program exits. When the reservation ends — the program exited,
+//! the broker ended the session, or `run` itself died — the broker stops what is left of
+//! the group (SIGTERM, SIGKILL after its `--process-stop-grace`); if `run` dies, the
+//! program itself also gets SIGKILL at once (`PR_SET_PDEATHSIG`). A descendant that leaves
+//! the group (`setsid`, `setpgid`) escapes this (docs/mps.md). On a terminal the group is
+//! made the foreground group while it runs (like a shell's job), so the program reads the
+//! terminal and gets its Ctrl-C itself.
 //!
 //! Exit codes of `run`'s own failures (as `timeout(1)` and `env(1)` use them): 125 the
 //! broker refused or could not be reached, 126 the program cannot be executed, 127 it was
@@ -198,6 +204,9 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
         cmd.env("PYTHONPATH", path);
     }
     let parent = std::process::id();
+    // The program leads its own process group (set before the closure below runs).
+    cmd.process_group(0);
+    let foreground = on_foreground_terminal();
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
@@ -207,6 +216,11 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
             // `run` died before the line above took effect: do not run unaccounted.
             if libc::getppid() as u32 != parent {
                 libc::_exit(EXIT_REFUSED as i32);
+            }
+            if foreground {
+                // Take the terminal before the program can read it (as a shell's child
+                // does); `run` does the same after the fork, whichever comes first.
+                give_terminal(libc::getpid());
             }
             Ok(())
         });
@@ -237,9 +251,17 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
             source,
         })?;
     let pid = child.id().unwrap_or(0) as libc::pid_t;
-    // A terminal's Ctrl-C / Ctrl-\ already reached the program (same process group):
-    // forward those only when they cannot have come from a terminal.
-    let from_terminal = on_foreground_terminal();
+    if foreground {
+        // SAFETY: plain libc calls on fd 0 and our child's group.
+        unsafe { give_terminal(pid) };
+    }
+    // The broker stops what is left of the group when the reservation ends.
+    if let Err(e) = reservation.set_process_group(pid as u32).await {
+        let _ = writeln!(
+            std::io::stderr(),
+            "gpu-brokerctl run: the broker will not stop {program}'s descendants if run dies ({e})"
+        );
+    }
 
     let mut events = session.events();
     let mut session_lost = false;
@@ -259,11 +281,10 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
             status = child.wait() => break status?,
             (sig, _, _) = forwarded => {
                 let Some(sig) = sig else { continue };
-                let tty_sent = from_terminal && (sig == libc::SIGINT || sig == libc::SIGQUIT);
-                if !tty_sent {
-                    // SAFETY: plain syscall on our own child's pid.
-                    unsafe { libc::kill(pid, sig) };
-                }
+                // A terminal's Ctrl-C reaches the program's group itself (it is the
+                // foreground group), not `run`: what `run` gets came from elsewhere.
+                // SAFETY: plain syscall on our own child's process group.
+                unsafe { libc::kill(-pid, sig) };
             }
             ev = events.next(), if !session_lost => {
                 if matches!(ev, None | Some(SessionEvent::Closed { .. })) {
@@ -275,19 +296,25 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
                         "gpu-brokerctl run: the broker ended the session; stopping {program} (SIGTERM, SIGKILL after {}s)",
                         STOP_GRACE.as_secs()
                     );
-                    // SAFETY: plain syscall on our own child's pid.
-                    unsafe { libc::kill(pid, libc::SIGTERM) };
+                    // SAFETY: plain syscall on our own child's process group.
+                    unsafe { libc::kill(-pid, libc::SIGTERM) };
                     kill_at = Some(tokio::time::Instant::now() + STOP_GRACE);
                 }
             }
             _ = kill_deadline => {
-                // SAFETY: plain syscall on our own child's pid.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+                // SAFETY: plain syscall on our own child's process group.
+                unsafe { libc::kill(-pid, libc::SIGKILL) };
                 kill_at = None;
             }
         }
     };
-    // Free the reservation at once (a round trip), then end the session.
+    if foreground {
+        // The terminal back to `run`'s group (the shell's job).
+        // SAFETY: plain libc calls on fd 0 and this process.
+        unsafe { give_terminal(libc::getpgrp()) };
+    }
+    // Free the reservation at once (a round trip), then end the session; the broker
+    // stops what the program left running in its group.
     let _ = reservation.release().await;
     session.close();
     drop(secrets);
@@ -296,6 +323,17 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
         (None, Some(sig)) => Outcome::Signalled(sig),
         (None, None) => Outcome::Exited(EXIT_REFUSED),
     })
+}
+
+/// Makes `pgrp` the foreground process group of the terminal on fd 0, ignoring the
+/// SIGTTOU that a background caller would get meanwhile. Async-signal-safe.
+///
+/// # Safety
+/// Plain libc calls; safe to call between fork and exec.
+unsafe fn give_terminal(pgrp: libc::pid_t) {
+    let old = libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+    libc::tcsetpgrp(0, pgrp);
+    libc::signal(libc::SIGTTOU, old);
 }
 
 /// Is `run` in the foreground process group of its controlling terminal?
