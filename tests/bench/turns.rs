@@ -61,6 +61,9 @@ struct Run {
     broker_count: u64,
 }
 
+/// One statistic of a run.
+type Stat<'a> = &'a dyn Fn(&Run) -> f64;
+
 /// One worker's turns: (asked, granted, about to release) for each.
 type Steps = Vec<(Instant, Instant, Instant)>;
 
@@ -107,8 +110,8 @@ pub async fn run(common: &Common, a: &TurnsArgs) -> Result<()> {
             runs[i].push(r);
         }
     }
-    let med = |rs: &[Run], f: &dyn Fn(&Run) -> f64| median(&rs.iter().map(f).collect::<Vec<_>>());
-    let stats: [(&str, &dyn Fn(&Run) -> f64); 5] = [
+    let med = |rs: &[Run], f: Stat| median(&rs.iter().map(f).collect::<Vec<_>>());
+    let stats: [(&str, Stat); 5] = [
         ("turns/s", &|r: &Run| {
             r.turns as f64 / a.duration.as_secs_f64()
         }),

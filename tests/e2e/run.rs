@@ -547,6 +547,7 @@ async fn only_a_child_group_of_the_sessions_process_is_accepted_and_stopped_at_r
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = leader.kill();
+        let _ = leader.wait();
         None
     })
     .await
