@@ -331,6 +331,14 @@ impl Session {
         &self.inner.generations
     }
 
+    /// Runs `future` on the runtime the session was opened on, returning its handle.
+    pub(crate) fn spawn_task<F>(&self, future: F) -> JoinHandle<()>
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.inner.runtime.spawn(future)
+    }
+
     /// Runs `future` on the runtime the session was opened on.
     pub(crate) fn spawn<F>(&self, future: F)
     where

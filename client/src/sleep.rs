@@ -14,11 +14,24 @@
 //! `PROT_NONE` anonymous reservation and maps the memfd over it with `MAP_FIXED`; CUDA VMM
 //! memory (feature `cuda`) keeps the `cuMemAddressReserve` range and maps a new import of
 //! each lease there ([`crate::cuda::VaRange`]).
+//!
+//! **Sleeping on a reclaim request.** [`Resident::sleep_on_reclaim`] turns a resident into
+//! an [`AutoSleep`]: a task watches the session's events, and when the broker asks for the
+//! resident's current lease back (a reclaim request: a higher-priority tenant waits, a
+//! drain) it sleeps by itself, with or without its contents, so the reclaim completes
+//! without the worker's own handler. The resident sits behind an async mutex: the worker
+//! uses the memory through [`AutoSleep::lock`], and a reclaim waits until the guard is
+//! dropped (so nothing is unmapped under a borrow; a guard held past the reclaim deadline
+//! gets the lease revoked, as for any holder). Only reclaimable leases are ever asked.
 
 use std::fmt;
 #[cfg(feature = "cuda")]
 use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+
+use futures::StreamExt;
 
 use crate::error::ClientError;
 use crate::fd::MemoryKind;
@@ -247,6 +260,11 @@ impl Resident {
         })
     }
 
+    /// The session its leases are asked on.
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
     /// Start of the range (a host pointer for host memory, a `CUdeviceptr` for CUDA).
     pub fn addr(&self) -> u64 {
         self.range.addr()
@@ -418,5 +436,161 @@ impl Drop for Resident {
                 tracing::warn!(error = %e, "unmapping a resident lease failed");
             }
         }
+    }
+}
+
+/// What an [`AutoSleep`]'s watcher shares with it.
+#[derive(Default)]
+struct AutoState {
+    /// Sleeps a reclaim request triggered.
+    sleeps: AtomicU64,
+    changed: tokio::sync::Notify,
+    last_error: parking_lot::Mutex<Option<String>>,
+}
+
+/// A [`Resident`] that sleeps by itself when the broker asks for its lease back (see the
+/// module docs). Dropping it stops the watcher and drops the resident.
+pub struct AutoSleep {
+    resident: Arc<tokio::sync::Mutex<Resident>>,
+    state: Arc<AutoState>,
+    /// Tells the watcher to stop when dropped (between events: a sleep it started
+    /// completes).
+    stop: StopOnDrop,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl fmt::Debug for AutoSleep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AutoSleep")
+            .field("reclaim_sleeps", &self.reclaim_sleeps())
+            .finish()
+    }
+}
+
+impl Resident {
+    /// Sleeps by itself (keeping `contents` as [`Resident::sleep`] does) whenever the
+    /// broker sends a reclaim request for its current lease; wake it with
+    /// [`AutoSleep::lock`] and [`Resident::wake`]. Only reclaimable leases are asked
+    /// (the resident's lease, and the ones its wakes take, keep the first lease's
+    /// `reclaimable`). The watcher starts at once, on the session's runtime.
+    pub fn sleep_on_reclaim(self, contents: Contents) -> AutoSleep {
+        let mut events = self.session.events();
+        let session = self.session.clone();
+        let resident = Arc::new(tokio::sync::Mutex::new(self));
+        let state = Arc::new(AutoState::default());
+        let (r, st) = (Arc::downgrade(&resident), state.clone());
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let task = session.spawn_task(async move {
+            loop {
+                let event = tokio::select! {
+                    e = events.next() => e,
+                    _ = stopped.changed() => None,
+                };
+                let Some(event) = event else { return };
+                let Some(request) = event.reclaim_request() else {
+                    continue;
+                };
+                let Some(r) = r.upgrade() else { return };
+                let mut r = r.lock().await;
+                if r.lease().map(Lease::id) != Some(request.lease_id.as_str()) {
+                    continue;
+                }
+                match r.sleep(contents).await {
+                    Ok(()) => {
+                        tracing::info!(
+                            lease_id = request.lease_id,
+                            ?contents,
+                            "resident slept on a reclaim request"
+                        );
+                        st.sleeps.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            lease_id = request.lease_id,
+                            error = %e,
+                            "a reclaim request could not put the resident to sleep"
+                        );
+                        *st.last_error.lock() = Some(e.to_string());
+                    }
+                }
+                drop(r);
+                st.changed.notify_waiters();
+            }
+        });
+        AutoSleep {
+            resident,
+            state,
+            stop: StopOnDrop(stop),
+            task,
+        }
+    }
+}
+
+impl AutoSleep {
+    /// The resident, for using its memory (a reclaim waits until the guard is dropped),
+    /// sleeping or waking it by hand.
+    pub async fn lock(&self) -> tokio::sync::MutexGuard<'_, Resident> {
+        self.resident.lock().await
+    }
+
+    /// How many times a reclaim request put it to sleep.
+    pub fn reclaim_sleeps(&self) -> u64 {
+        self.state.sleeps.load(Ordering::SeqCst)
+    }
+
+    /// Waits until a reclaim request put it to sleep more than `seen` times (or a try
+    /// failed: see [`AutoSleep::last_error`]), or `timeout` passed; returns the count.
+    pub async fn reclaimed_after(&self, seen: u64, timeout: Duration) -> u64 {
+        let wait = async {
+            loop {
+                let changed = self.state.changed.notified();
+                if self.reclaim_sleeps() > seen || self.state.last_error.lock().is_some() {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        let _ = tokio::time::timeout(timeout, wait).await;
+        self.reclaim_sleeps()
+    }
+
+    /// Why the last reclaim-triggered sleep failed (the lease then stays mapped and the
+    /// broker revokes it at the deadline), cleared by reading it.
+    pub fn last_error(&self) -> Option<String> {
+        self.state.last_error.lock().take()
+    }
+
+    /// Stops watching (after a reclaim-triggered sleep that is running) and gives the
+    /// resident back.
+    pub async fn into_inner(self) -> Resident {
+        let AutoSleep {
+            resident,
+            stop,
+            task,
+            ..
+        } = self;
+        drop(stop);
+        let _ = task.await;
+        // The watcher held the resident only while running, and it has stopped; the
+        // loop only guards against a holder this code does not know of.
+        let mut resident = resident;
+        loop {
+            match Arc::try_unwrap(resident) {
+                Ok(m) => return m.into_inner(),
+                Err(still) => {
+                    resident = still;
+                    tokio::task::yield_now().await;
+                }
+            }
+        }
+    }
+}
+
+/// Stops the watcher when dropped.
+struct StopOnDrop(tokio::sync::watch::Sender<bool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send(true);
     }
 }

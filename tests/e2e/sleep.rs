@@ -1,6 +1,8 @@
 //! Sleep and wake (host backend): a resident lease keeps its addresses across sleep and
 //! wake, its contents when saved to a host-tier lease, and its quota is released while it
-//! sleeps and charged again on wake; a wake waits or is refused exactly like an acquire.
+//! sleeps and charged again on wake; a wake waits or is refused exactly like an acquire;
+//! a resident that sleeps on reclaim requests gives its memory back to a waiting tenant
+//! by itself.
 
 use gpu_broker_client::{Client, Code, Contents, QuotaSpec, Resident};
 use gpu_broker_tests::*;
@@ -169,4 +171,108 @@ async fn a_host_tier_lease_wakes_as_host_memory() {
         (0, 4 * MIB),
         "host memory again, not device memory"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reclaim_request_puts_an_auto_sleeping_resident_to_sleep() {
+    let b = Broker::start_with(BrokerOpts {
+        capacity: "64MiB",
+        extra: vec!["--reclaim-deadline".into(), "20s".into()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let quota = |priority| QuotaSpec {
+        priority,
+        host_limit_bytes: 64 * MIB,
+        ..QuotaSpec::new(64 * MIB)
+    };
+    let low = Client::connect(&b.uri(), b.tenant("low", quota(0)).await.unwrap())
+        .await
+        .unwrap();
+    let high = Client::connect(&b.uri(), b.tenant("high", quota(10)).await.unwrap())
+        .await
+        .unwrap();
+    let ls = low.session("sleeper").await.unwrap();
+    let lease = ls
+        .lease_request(48 * MIB)
+        .reclaimable(true)
+        .label("kv")
+        .send()
+        .await
+        .unwrap();
+    let first_id = lease.id().to_string();
+    let mut r = Resident::new(lease).unwrap();
+    let addr = r.addr();
+    for (i, b) in r.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *b = pattern(i);
+    }
+    let auto = r.sleep_on_reclaim(Contents::Save);
+
+    // A higher-priority tenant waits for memory only the sleeper's lease can give.
+    let hs = high.session("high").await.unwrap();
+    let want = tokio::spawn(async move {
+        let l = hs
+            .lease_request(32 * MIB)
+            .wait(Duration::from_secs(20))
+            .send()
+            .await;
+        (hs, l)
+    });
+    // The reclaim request puts it to sleep by itself: contents saved, lease released.
+    assert_eq!(auto.reclaimed_after(0, Duration::from_secs(20)).await, 1);
+    assert_eq!(auto.last_error(), None);
+    let (hs, granted) = want.await.unwrap();
+    let granted = granted.expect("the waiting tenant is granted");
+    assert_eq!(granted.bytes(), 32 * MIB);
+    {
+        let g = auto.lock().await;
+        assert!(!g.is_awake() && g.has_saved_contents());
+        assert_eq!(g.addr(), addr);
+    }
+    assert_eq!(
+        usage(&low).await,
+        (0, 48 * MIB),
+        "only the host copy is charged"
+    );
+    let admin = b.admin().await.unwrap();
+    let leases = admin.list_all_leases(Some("low")).await.unwrap();
+    assert!(
+        leases.iter().all(|l| l.lease_id != first_id),
+        "the reclaimed lease is gone, not revoked and quarantined"
+    );
+    assert!(admin.list_quarantined().await.unwrap().is_empty());
+
+    // The other tenant is done: wake at the same address with the contents back.
+    granted.release().await.unwrap();
+    drop(hs);
+    {
+        let mut g = auto.lock().await;
+        g.wake(Some(Duration::from_secs(10))).await.unwrap();
+        assert_eq!(g.addr(), addr, "the same addresses");
+        let m = g.as_slice().unwrap();
+        assert!(
+            m.iter().enumerate().all(|(i, &b)| b == pattern(i)),
+            "contents restored"
+        );
+        assert!(g.lease().unwrap().info().reclaimable);
+        assert_ne!(g.lease().unwrap().id(), first_id);
+    }
+    assert_eq!(usage(&low).await, (48 * MIB, 0));
+    // The watcher follows the new lease: the next reclaim puts it to sleep again.
+    let hs = high.session("high-2").await.unwrap();
+    let again = hs
+        .lease_request(32 * MIB)
+        .wait(Duration::from_secs(20))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(auto.reclaimed_after(1, Duration::from_secs(20)).await, 2);
+    again.release().await.unwrap();
+    // Stopping the watcher gives the resident back, asleep, contents kept.
+    let mut r = auto.into_inner().await;
+    assert!(!r.is_awake() && r.has_saved_contents());
+    r.wake(None).await.unwrap();
+    assert_eq!(r.as_slice().unwrap()[12345], pattern(12345));
+    r.release().await.unwrap();
+    assert_eq!(usage(&low).await, (0, 0));
 }

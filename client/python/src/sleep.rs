@@ -4,9 +4,18 @@
 //! again (waiting or refused like `Session.lease`), maps it at the same addresses and
 //! restores the contents. Arrays and tensors made from it (`as_numpy`, `as_torch`,
 //! `as_cupy`) keep pointing at the same memory across both: touch them only while awake.
+//!
+//! `sleep_on_reclaim(save=True)` makes it sleep by itself when the broker asks for its
+//! lease back (a reclaim request): a task on the package's runtime watches the session's
+//! events, takes the resident (waiting for a sleep or wake of the caller to finish), and
+//! sleeps it, so the reclaim completes without a Python handler. The caller learns of it
+//! from `awake`/`reclaim_sleeps` and wakes it when it wants the memory again.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
+
+use futures::StreamExt;
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -22,6 +31,64 @@ struct Cell {
     /// `None` while a sleep or wake runs, and once released.
     resident: Mutex<Option<Resident>>,
     released: Mutex<bool>,
+    /// The reclaim watcher (`sleep_on_reclaim`), stopped on release.
+    watcher: Mutex<Option<tokio::task::AbortHandle>>,
+    /// Sleeps a reclaim request triggered, and why the last one failed.
+    reclaim_sleeps: AtomicU64,
+    reclaim_error: Mutex<Option<String>>,
+}
+
+impl Drop for Cell {
+    fn drop(&mut self) {
+        if let Some(w) = self.watcher.get_mut().take() {
+            w.abort();
+        }
+    }
+}
+
+/// Watches `events` for reclaim requests of the resident's current lease and sleeps it.
+async fn sleep_on_reclaims(
+    cell: Weak<Cell>,
+    mut events: gpu_broker_client::SessionEvents,
+    contents: Contents,
+) {
+    while let Some(event) = events.next().await {
+        let Some(request) = event.reclaim_request() else {
+            continue;
+        };
+        let Some(c) = cell.upgrade() else { return };
+        // A sleep or wake the caller runs holds the resident: wait for it (until the
+        // deadline: then the broker revokes the lease anyway).
+        let mut r = loop {
+            if *c.released.lock() {
+                return;
+            }
+            if let Some(r) = c.resident.lock().take() {
+                break Some(r);
+            }
+            if request.time_left().is_zero() {
+                break None;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        let Some(res) = r.as_mut() else { continue };
+        if res.lease().map(|l| l.id()) == Some(request.lease_id.as_str()) {
+            match res.sleep(contents).await {
+                Ok(()) => {
+                    c.reclaim_sleeps.fetch_add(1, Ordering::SeqCst);
+                    tracing::info!(
+                        lease_id = request.lease_id,
+                        "gpubroker.Resident slept on a reclaim request"
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(lease_id = request.lease_id, error = %e, "a reclaim request could not put a gpubroker.Resident to sleep");
+                    *c.reclaim_error.lock() = Some(e.to_string());
+                }
+            }
+        }
+        *c.resident.lock() = r;
+    }
 }
 
 /// A lease whose memory can sleep and wake at the same addresses.
@@ -99,6 +166,9 @@ impl PyResident {
             cell: Arc::new(Cell {
                 resident: Mutex::new(Some(r)),
                 released: Mutex::new(false),
+                watcher: Mutex::new(None),
+                reclaim_sleeps: AtomicU64::new(0),
+                reclaim_error: Mutex::new(None),
             }),
         })
     }
@@ -187,6 +257,58 @@ impl PyResident {
         }
     }
 
+    /// From now on, sleep by itself (with the contents saved when `save`) whenever the
+    /// broker asks for the current lease back; only reclaimable leases are asked (wakes
+    /// keep the first lease's `reclaimable`). Arrays and tensors made from it must not be
+    /// touched once it slept (check `awake`; `wake()` it first). Calling it again changes
+    /// `save`.
+    #[pyo3(signature = (save = true))]
+    fn sleep_on_reclaim(&self, save: bool) -> PyResult<()> {
+        rt::check_process()?;
+        if *self.cell.released.lock() {
+            return Err(errors::local(
+                "FailedPrecondition",
+                "the resident lease was released",
+            ));
+        }
+        let events = {
+            let g = self.cell.resident.lock();
+            let r = g.as_ref().ok_or_else(|| {
+                errors::local(
+                    "FailedPrecondition",
+                    "another sleep or wake of this lease is running",
+                )
+            })?;
+            r.session().events()
+        };
+        let contents = if save {
+            Contents::Save
+        } else {
+            Contents::Discard
+        };
+        let task = rt::handle().spawn(sleep_on_reclaims(
+            Arc::downgrade(&self.cell),
+            events,
+            contents,
+        ));
+        if let Some(old) = self.cell.watcher.lock().replace(task.abort_handle()) {
+            old.abort();
+        }
+        Ok(())
+    }
+
+    /// How many times a reclaim request put it to sleep (`sleep_on_reclaim`).
+    #[getter]
+    fn reclaim_sleeps(&self) -> u64 {
+        self.cell.reclaim_sleeps.load(Ordering::SeqCst)
+    }
+
+    /// Why the last reclaim-triggered sleep failed (then the lease stayed mapped and the
+    /// broker revokes it at the deadline), cleared by reading it; `None` if none did.
+    fn take_reclaim_error(&self) -> Option<String> {
+        self.cell.reclaim_error.lock().take()
+    }
+
     /// Gets memory again at the same addresses (waiting up to `wait` seconds in the
     /// broker's queue; `None`: do not wait) and restores saved contents. Refused like
     /// `Session.lease` (the same exceptions); stays asleep then. Waking twice does nothing.
@@ -231,6 +353,9 @@ impl PyResident {
         }
         let r = self.take()?;
         *self.cell.released.lock() = true;
+        if let Some(w) = self.cell.watcher.lock().take() {
+            w.abort();
+        }
         rt::block_on(py, async move { r.release().await })?.py()
     }
 

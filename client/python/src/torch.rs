@@ -21,7 +21,7 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -73,6 +73,13 @@ fn residents() -> &'static parking_lot::Mutex<Residents> {
 
 /// Set while the segments sleep: the alloc hook refuses.
 static ASLEEP: AtomicBool = AtomicBool::new(false);
+
+/// What a reclaim request of a resident segment does (`install(sleep_on_reclaim=...)`):
+/// 0 drain the segment (the default), 1 sleep every segment without contents, 2 sleep
+/// every segment saving the contents.
+static SLEEP_ON_RECLAIM: AtomicU8 = AtomicU8::new(0);
+/// Sleeps reclaim requests triggered.
+static RECLAIM_SLEEPS: AtomicU64 = AtomicU64::new(0);
 
 /// Segments are leases of one session; events and contexts through the driver API.
 pub struct LeaseBackend {
@@ -361,13 +368,16 @@ fn watch_events(session: &Session) -> std::io::Result<()> {
         .spawn(move || {
             while let Some(event) = handle.block_on(events.next()) {
                 let Some(a) = ALLOCATOR.get() else { continue };
-                let ids: Vec<String> = match event {
+                let ids: Vec<String> = match &event {
                     SessionEvent::ReclaimRequested { lease_id, .. }
-                    | SessionEvent::LeaseRevoked { lease_id, .. } => vec![lease_id],
-                    SessionEvent::Reconnected { lost_leases, .. } => lost_leases,
+                    | SessionEvent::LeaseRevoked { lease_id, .. } => vec![lease_id.clone()],
+                    SessionEvent::Reconnected { lost_leases, .. } => lost_leases.clone(),
                     _ => continue,
                 };
                 for id in ids {
+                    if reclaim_sleeps(&event, &id) {
+                        continue;
+                    }
                     // A woken segment's lease has a new id; the allocator knows the first.
                     let id = residents().lock().first_id.get(&id).cloned().unwrap_or(id);
                     let outcome = a.reclaim(&id);
@@ -378,14 +388,75 @@ fn watch_events(session: &Session) -> std::io::Result<()> {
         .map(drop)
 }
 
+/// With `install(sleep_on_reclaim=True)`: a reclaim request of a resident segment's
+/// current lease puts every segment to sleep (as `sleep()` does: the devices are
+/// synchronized first), so the reclaim completes by itself. True when it did (or tried:
+/// a failure is logged, and the broker revokes at the deadline).
+fn reclaim_sleeps(event: &SessionEvent, lease_id: &str) -> bool {
+    let contents = match SLEEP_ON_RECLAIM.load(Ordering::SeqCst) {
+        1 => Contents::Discard,
+        2 => Contents::Save,
+        _ => return false,
+    };
+    if !matches!(event, SessionEvent::ReclaimRequested { .. })
+        || !residents().lock().first_id.contains_key(lease_id)
+    {
+        return false;
+    }
+    match sleep_all(contents, &rt::handle()) {
+        Ok(given) => {
+            RECLAIM_SLEEPS.fetch_add(1, Ordering::SeqCst);
+            tracing::info!(
+                lease_id,
+                given,
+                "gpubroker.torch: slept on a reclaim request"
+            );
+        }
+        Err(e) => {
+            tracing::warn!(lease_id, error = %e, "gpubroker.torch: a reclaim request could not put the segments to sleep");
+        }
+    }
+    true
+}
+
+/// Puts every awake resident segment to sleep (allocations fail from now on); the
+/// device bytes given back.
+fn sleep_all(contents: Contents, handle: &tokio::runtime::Handle) -> Result<u64, ClientError> {
+    ASLEEP.store(true, Ordering::SeqCst);
+    let segs: Vec<Arc<ResidentSegment>> = residents().lock().by_base.values().cloned().collect();
+    let mut given = 0;
+    for seg in segs {
+        let mut g = seg.resident.lock();
+        let Some(r) = g.as_mut() else { continue };
+        if !r.is_awake() {
+            continue;
+        }
+        // Work queued on any stream must finish before its memory goes.
+        // SAFETY: the device's primary context is current.
+        in_context(r.device(), || unsafe {
+            sys::cuCtxSynchronize();
+        });
+        let old = r.lease().map(|l| l.id().to_string());
+        handle.block_on(r.sleep(contents))?;
+        given += r.len();
+        if let Some(old) = old {
+            if old != seg.first_id {
+                residents().lock().first_id.remove(&old);
+            }
+        }
+    }
+    Ok(given)
+}
+
 /// Sets up the allocator on `session` (once per process).
 #[pyfunction]
-#[pyo3(signature = (session, segment_bytes, wait_s, reclaimable))]
+#[pyo3(signature = (session, segment_bytes, wait_s, reclaimable, sleep_on_reclaim = None))]
 pub fn _torch_install(
     session: &PySession,
     segment_bytes: u64,
     wait_s: f64,
     reclaimable: bool,
+    sleep_on_reclaim: Option<bool>,
 ) -> PyResult<()> {
     rt::check_process()?;
     if ALLOCATOR.get().is_some() {
@@ -406,6 +477,17 @@ pub fn _torch_install(
         wait: Duration::from_secs_f64(wait_s),
         ..Config::default()
     };
+    // `Some(save)`: sleep on reclaim requests (the segments must be reclaimable for the
+    // broker to ask).
+    SLEEP_ON_RECLAIM.store(
+        match sleep_on_reclaim {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        },
+        Ordering::SeqCst,
+    );
+    let reclaimable = reclaimable || sleep_on_reclaim.is_some();
     watch_events(&session)
         .map_err(|e| errors::local("BrokerError", &format!("cannot start a thread: {e}")))?;
     let backend = LeaseBackend {
@@ -451,6 +533,7 @@ pub fn _torch_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("stream_syncs", s.stream_syncs)?;
     d.set_item("ooms", s.ooms)?;
     d.set_item("reclaimed_segments", s.reclaimed_segments)?;
+    d.set_item("reclaim_sleeps", RECLAIM_SLEEPS.load(Ordering::SeqCst))?;
     Ok(d)
 }
 
@@ -492,37 +575,16 @@ pub fn _torch_lease_ids() -> PyResult<Vec<String>> {
 #[pyfunction]
 #[pyo3(signature = (save))]
 pub fn _torch_sleep(py: Python<'_>, save: bool) -> PyResult<u64> {
-    let a = allocator()?;
+    allocator()?;
     rt::check_process()?;
-    ASLEEP.store(true, Ordering::SeqCst);
-    let segs: Vec<Arc<ResidentSegment>> = residents().lock().by_base.values().cloned().collect();
     let contents = if save {
         Contents::Save
     } else {
         Contents::Discard
     };
     let handle = rt::handle();
-    let _ = a;
-    py.detach(|| {
-        let mut given = 0;
-        for seg in segs {
-            let mut g = seg.resident.lock();
-            let Some(r) = g.as_mut() else { continue };
-            if !r.is_awake() {
-                continue;
-            }
-            let old = r.lease().map(|l| l.id().to_string());
-            handle.block_on(r.sleep(contents))?;
-            given += r.len();
-            if let Some(old) = old {
-                if old != seg.first_id {
-                    residents().lock().first_id.remove(&old);
-                }
-            }
-        }
-        Ok::<u64, ClientError>(given)
-    })
-    .map_err(errors::to_py)
+    py.detach(|| sleep_all(contents, &handle))
+        .map_err(errors::to_py)
 }
 
 /// Wakes every sleeping segment at its address (waiting up to `wait_s` seconds for each;

@@ -91,6 +91,8 @@ def install(
     reclaimable: bool = False,
     devices: Optional[Iterable[int]] = None,
     oom_reason: bool = True,
+    sleep_on_reclaim: bool = False,
+    save_on_reclaim: bool = True,
 ) -> Any:
     """Routes every CUDA allocation of this process through broker leases.
 
@@ -109,6 +111,15 @@ def install(
         devices: CUDA devices to route (default: all visible).
         oom_reason: raise ``torch.OutOfMemoryError`` with the broker's reason (from an
             out-of-memory observer); False leaves PyTorch's own message.
+        sleep_on_reclaim: when the broker asks for a segment back (a reclaim request),
+            put every segment to sleep by itself, as :func:`sleep` does (contents saved
+            when ``save_on_reclaim``), so the reclaim completes without a handler of
+            yours; implies ``reclaimable``. Tensors must not be touched while
+            :func:`asleep`; :func:`wake` brings them back at the same addresses.
+            For jobs that check :func:`asleep` between steps or sit idle between
+            requests: a kernel that runs on a tensor after the sleep faults.
+        save_on_reclaim: with ``sleep_on_reclaim``, keep the contents (host-tier
+            leases) or not.
 
     Returns:
         The session.
@@ -149,7 +160,13 @@ def install(
             from . import connect
 
             session = connect().session(f"torch-{os.getpid()}")
-        _native._torch_install(session, int(segment_size), float(wait), bool(reclaimable))
+        _native._torch_install(
+            session,
+            int(segment_size),
+            float(wait),
+            bool(reclaimable),
+            bool(save_on_reclaim) if sleep_on_reclaim else None,
+        )
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
             _native.__file__, "gpubroker_torch_alloc", "gpubroker_torch_free"
         )
