@@ -992,3 +992,59 @@ impl Drop for VaRange {
         let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.cu_device) };
     }
 }
+
+/// Page-locked staging for a [`VaRange`]'s copies: the host memory is registered with CUDA
+/// (`cuMemHostRegister`) for the one copy, so the DMA goes straight into (or out of) it
+/// instead of through the driver's pageable staging buffer. Registering pins (and faults
+/// in) every page first; that is the price, paid once per copy.
+impl VaRange {
+    /// [`VaRange::copy_to_host`] into `dst` page-locked for the copy.
+    pub fn copy_to_host_pinned(&self, dst: &mut [u8]) -> Result<(), CudaError> {
+        self.check_copy(dst.len())?;
+        let _ctx = Pushed::new(self.ctx)?;
+        let _pin = Pinned::new(dst.as_mut_ptr().cast(), dst.len())?;
+        // SAFETY: `dst` has `len` writable, registered bytes; the range is mapped.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr, self.len)
+        })
+    }
+
+    /// [`VaRange::copy_from_host`] from `src` page-locked for the copy (the copy from
+    /// page-locked memory is complete when it returns).
+    pub fn copy_from_host_pinned(&self, src: &[u8]) -> Result<(), CudaError> {
+        self.check_copy(src.len())?;
+        let _ctx = Pushed::new(self.ctx)?;
+        // The driver only reads through it; the memory is mapped writable by the caller.
+        let _pin = Pinned::new(src.as_ptr() as *mut c_void, src.len())?;
+        // SAFETY: `src` has `len` readable, registered bytes; the range is mapped.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), self.len)
+        })
+    }
+}
+
+/// Host memory registered with CUDA (in the current context) until dropped.
+struct Pinned(*mut c_void);
+
+impl Pinned {
+    fn new(ptr: *mut c_void, len: usize) -> Result<Pinned, CudaError> {
+        // SAFETY: `ptr..ptr+len` is memory of this process that outlives the guard (the
+        // callers borrow it for the copy); a context is current.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr, len, 0)
+        })?;
+        Ok(Pinned(ptr))
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: registered in `new`, unregistered once, in the same (still current)
+        // context.
+        if let Err(e) = check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(self.0)
+        }) {
+            tracing::warn!(error = %e, "unregistering staging memory failed");
+        }
+    }
+}

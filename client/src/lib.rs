@@ -113,7 +113,7 @@ pub use reservation::{ProcessReservation, ReservationInfo, ReservationRequest};
 pub use session::{Session, SessionBuilder};
 pub use session_info::SessionInfo;
 pub use shared::{ReadOnlyMapping, SharedImport, SharedImportInfo, SharedLeaseInfo};
-pub use sleep::{AutoSleep, Contents, Resident};
+pub use sleep::{AutoSleep, Contents, Resident, Staging};
 pub use tenant::{QuotaChange, QuotaPatch, QuotaSpec, TenantInfo, Usage, UsageCounters};
 pub use token::{IssuedToken, TokenInfo, TokenOptions, TokenScope};
 pub use turn::{Turn, TurnEnd, TurnRequest};

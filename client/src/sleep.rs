@@ -13,7 +13,10 @@
 //! Host memory (memfd leases: the host backend, host-fallback leases) keeps the range as a
 //! `PROT_NONE` anonymous reservation and maps the memfd over it with `MAP_FIXED`; CUDA VMM
 //! memory (feature `cuda`) keeps the `cuMemAddressReserve` range and maps a new import of
-//! each lease there ([`crate::cuda::VaRange`]).
+//! each lease there ([`crate::cuda::VaRange`]). Its contents travel to and from the
+//! host-tier lease page-locked ([`Staging::Pinned`]: the host lease's mapping is
+//! registered with CUDA for the copy) unless [`Staging::Pageable`] is chosen
+//! ([`Resident::set_staging`], or `GPU_BROKER_SLEEP_STAGING=pageable`).
 //!
 //! **Sleeping on a reclaim request.** [`Resident::sleep_on_reclaim`] turns a resident into
 //! an [`AutoSleep`]: a task watches the session's events, and when the broker asks for the
@@ -59,6 +62,29 @@ pub enum Contents {
     Save,
 }
 
+/// How a CUDA resident's contents travel to and from its host-tier lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Staging {
+    /// The host lease's mapping is page-locked (`cuMemHostRegister`) for each copy, so the
+    /// DMA goes straight into it; a registration that fails falls back to
+    /// [`Staging::Pageable`].
+    #[default]
+    Pinned,
+    /// A plain copy to and from pageable memory (the driver stages it through a buffer
+    /// of its own).
+    Pageable,
+}
+
+impl Staging {
+    /// `GPU_BROKER_SLEEP_STAGING` (`pinned` or `pageable`; anything else: the default).
+    fn from_env() -> Staging {
+        match std::env::var("GPU_BROKER_SLEEP_STAGING").as_deref() {
+            Ok("pageable") => Staging::Pageable,
+            _ => Staging::Pinned,
+        }
+    }
+}
+
 /// A lease mapped at addresses that survive sleep and wake.
 pub struct Resident {
     session: Session,
@@ -73,6 +99,7 @@ pub struct Resident {
     lease: Option<Lease>,
     /// The host-tier lease holding the contents while asleep.
     saved: Option<Lease>,
+    staging: Staging,
 }
 
 impl fmt::Debug for Resident {
@@ -188,7 +215,8 @@ impl Range {
     }
 
     /// Copies the mapped memory into `dst`.
-    fn save(&self, dst: &mut [u8]) -> Result<(), ClientError> {
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn save(&self, dst: &mut [u8], staging: Staging) -> Result<(), ClientError> {
         match self {
             Range::Host { addr, len } => {
                 // SAFETY: `len` mapped, readable bytes at `addr`; `dst` is as long (checked
@@ -199,12 +227,23 @@ impl Range {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Range::Cuda(r) => r.copy_to_host(dst).map_err(cuda_err),
+            Range::Cuda(r) => {
+                if staging == Staging::Pinned {
+                    match r.copy_to_host_pinned(dst) {
+                        Ok(()) => return Ok(()),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "pinned staging failed; copying pageable")
+                        }
+                    }
+                }
+                r.copy_to_host(dst).map_err(cuda_err)
+            }
         }
     }
 
     /// Copies `src` into the mapped memory.
-    fn restore(&self, src: &[u8]) -> Result<(), ClientError> {
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn restore(&self, src: &[u8], staging: Staging) -> Result<(), ClientError> {
         match self {
             Range::Host { addr, len } => {
                 // SAFETY: `len` mapped, writable bytes at `addr`; `src` is as long.
@@ -212,7 +251,17 @@ impl Range {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Range::Cuda(r) => r.copy_from_host(src).map_err(cuda_err),
+            Range::Cuda(r) => {
+                if staging == Staging::Pinned {
+                    match r.copy_from_host_pinned(src) {
+                        Ok(()) => return Ok(()),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "pinned staging failed; copying pageable")
+                        }
+                    }
+                }
+                r.copy_from_host(src).map_err(cuda_err)
+            }
         }
     }
 }
@@ -257,7 +306,19 @@ impl Resident {
             host_tier: lease.tier() == crate::lease::Tier::Host,
             lease: Some(lease),
             saved: None,
+            staging: Staging::from_env(),
         })
+    }
+
+    /// How contents are copied for CUDA memory (default [`Staging::Pinned`], or
+    /// `GPU_BROKER_SLEEP_STAGING=pageable` in the environment); host memory is a memcpy.
+    pub fn set_staging(&mut self, staging: Staging) {
+        self.staging = staging;
+    }
+
+    /// The staging in use.
+    pub fn staging(&self) -> Staging {
+        self.staging
     }
 
     /// The session its leases are asked on.
@@ -345,7 +406,7 @@ impl Resident {
                 let dst = m.get_mut(..self.bytes as usize).ok_or_else(|| {
                     ClientError::Protocol("the host lease is smaller than the lease".into())
                 })?;
-                self.range.save(dst)?;
+                self.range.save(dst, self.staging)?;
                 drop(m);
                 Some(host)
             }
@@ -391,7 +452,7 @@ impl Resident {
             let src = m.get(..self.bytes as usize).ok_or_else(|| {
                 ClientError::Protocol("the saved host lease is smaller than the range".into())
             })?;
-            self.range.restore(src)?;
+            self.range.restore(src, self.staging)?;
         }
         self.lease = Some(lease);
         if let Some(saved) = self.saved.take() {

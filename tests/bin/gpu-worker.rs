@@ -115,6 +115,35 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         iters: usize,
     },
+    /// A shared CUDA lease across tenants: this tenant (`--publisher`, the token's) publishes
+    /// a written VMM lease for `--reader`; a worker of the reader (a child process,
+    /// `--token-b`) imports and reads it; a tenant not listed (`--token-c`) gets
+    /// NOT_FOUND; only the publisher is charged; after the publisher's lease ends the
+    /// reader still reads until it releases; then the memory is freed. Prints one line per
+    /// fact and `SHAREDCHECK ok`.
+    SharedCheck {
+        #[arg(long, default_value_t = 256 << 20)]
+        bytes: u64,
+        #[arg(long)]
+        publisher: String,
+        #[arg(long)]
+        reader: String,
+        #[arg(long)]
+        token_b: String,
+        #[arg(long)]
+        token_c: String,
+    },
+    /// The importing worker of `shared-check`: imports `--publisher`'s `--name`, maps it
+    /// (CUDA, read-only), counts bytes other than `--expect` (`IMPORTED <memory kind>
+    /// <bad>`); then on stdin `read` (`READ <bad>`) and `release` (`RELEASED`, exits).
+    SharedImport {
+        #[arg(long)]
+        publisher: String,
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        expect: u8,
+    },
     /// Time AcquireLease (fresh and pooled) against in-process cuMemAlloc+cuIpcGetMemHandle.
     Bench {
         #[arg(long, default_value = "1MiB,64MiB,1GiB")]
@@ -373,6 +402,28 @@ async fn main() -> Result<()> {
         }
         Cmd::Bench { sizes, iters } => bench(&session, &sizes, iters).await?,
         Cmd::SleepBench { bytes, iters } => sleep_bench(&session, bytes, iters).await?,
+        Cmd::SharedCheck {
+            bytes,
+            publisher,
+            reader,
+            token_b,
+            token_c,
+        } => {
+            shared_check(
+                &cli.broker,
+                &client,
+                &session,
+                bytes,
+                (&publisher, &reader),
+                (&token_b, &token_c),
+            )
+            .await?
+        }
+        Cmd::SharedImport {
+            publisher,
+            name,
+            expect,
+        } => shared_import(&session, &publisher, &name, expect).await?,
         Cmd::Selftest { bytes } => {
             let lease = session.lease(bytes).await?;
             let memory = match lease.handle() {
@@ -612,7 +663,7 @@ fn memset_and_probe(device: u32, ptr: u64, len: u64, byte: Option<u8>) -> Result
 }
 
 async fn sleep_bench(session: &gpu_broker_client::Session, bytes: u64, iters: usize) -> Result<()> {
-    use gpu_broker_client::{Contents, Resident};
+    use gpu_broker_client::{Contents, Resident, Staging};
     let lease = session.lease(bytes).await?;
     let device = lease.device();
     let mut r = Resident::new(lease)?;
@@ -622,33 +673,40 @@ async fn sleep_bench(session: &gpu_broker_client::Session, bytes: u64, iters: us
         r.len()
     ));
     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
-    let (mut sleep_save, mut wake_save, mut sleep_plain, mut wake_plain) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Per staging (pinned, pageable): sleep with contents, wake restoring them.
+    let mut save: [(Vec<f64>, Vec<f64>); 2] = Default::default();
+    let (mut sleep_plain, mut wake_plain) = (Vec::new(), Vec::new());
     let mut bad = 0;
     for i in 0..iters {
-        let pattern = 0x30 + i as u8;
-        memset_and_probe(device, addr, r.len(), Some(pattern))?;
-        let t = Instant::now();
-        r.sleep(Contents::Save).await?;
-        sleep_save.push(ms(t));
-        let used = session.usage().await?;
-        if used.held_bytes != 0 || used.host_held_bytes < bytes {
-            bad += 1;
-            say(format!(
-                "ASLEEP usage held {} host {}",
-                used.held_bytes, used.host_held_bytes
-            ));
-        }
-        let t = Instant::now();
-        r.wake(None).await?;
-        wake_save.push(ms(t));
-        let (first, last) = memset_and_probe(device, addr, r.len(), None)?;
-        if r.addr() != addr || first != pattern || last != pattern {
-            bad += 1;
-            say(format!(
-                "MISMATCH addr {:#x} first {first:#x} last {last:#x} want {pattern:#x}",
-                r.addr()
-            ));
+        // Both stagings each round, in alternating order (side by side, one run).
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for k in order {
+            let staging = [Staging::Pinned, Staging::Pageable][k];
+            r.set_staging(staging);
+            let pattern = 0x30 + (2 * i + k) as u8;
+            memset_and_probe(device, addr, r.len(), Some(pattern))?;
+            let t = Instant::now();
+            r.sleep(Contents::Save).await?;
+            save[k].0.push(ms(t));
+            let used = session.usage().await?;
+            if used.held_bytes != 0 || used.host_held_bytes < bytes {
+                bad += 1;
+                say(format!(
+                    "ASLEEP usage held {} host {}",
+                    used.held_bytes, used.host_held_bytes
+                ));
+            }
+            let t = Instant::now();
+            r.wake(None).await?;
+            save[k].1.push(ms(t));
+            let (first, last) = memset_and_probe(device, addr, r.len(), None)?;
+            if r.addr() != addr || first != pattern || last != pattern {
+                bad += 1;
+                say(format!(
+                    "MISMATCH {staging:?} addr {:#x} first {first:#x} last {last:#x} want {pattern:#x}",
+                    r.addr()
+                ));
+            }
         }
         let t = Instant::now();
         r.sleep(Contents::Discard).await?;
@@ -660,16 +718,227 @@ async fn sleep_bench(session: &gpu_broker_client::Session, bytes: u64, iters: us
             bad += 1;
         }
     }
+    let [(mut ps, mut pw), (mut gs, mut gw)] = save;
     say(format!(
-        "SLEEPBENCH bytes={bytes} iters={iters} sleep_save_ms={:.2} wake_restore_ms={:.2} sleep_ms={:.2} wake_ms={:.2} bad={bad}",
-        median(&mut sleep_save),
-        median(&mut wake_save),
+        "SLEEPBENCH bytes={bytes} iters={iters} pinned_sleep_save_ms={:.2} pinned_wake_restore_ms={:.2} pageable_sleep_save_ms={:.2} pageable_wake_restore_ms={:.2} sleep_ms={:.2} wake_ms={:.2} bad={bad}",
+        median(&mut ps),
+        median(&mut pw),
+        median(&mut gs),
+        median(&mut gw),
         median(&mut sleep_plain),
         median(&mut wake_plain)
     ));
     r.release().await?;
     if bad > 0 {
         bail!("{bad} sleep/wake checks failed");
+    }
+    Ok(())
+}
+
+/// Free memory of `device` as the driver reports it (the primary context current).
+fn free_bytes(device: u32) -> Result<u64> {
+    use cudarc::driver::sys;
+    // SAFETY: plain driver queries with valid out pointers; the retained primary context
+    // is made current on this thread.
+    unsafe {
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        if sys::cuInit(0) != sys::CUresult::CUDA_SUCCESS
+            || sys::cuDeviceGet(&mut dev, device as i32) != sys::CUresult::CUDA_SUCCESS
+            || sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) != sys::CUresult::CUDA_SUCCESS
+            || sys::cuCtxSetCurrent(ctx) != sys::CUresult::CUDA_SUCCESS
+        {
+            bail!("no CUDA context for device {device}");
+        }
+        let (mut free, mut total) = (0usize, 0usize);
+        let rc = sys::cuMemGetInfo_v2(&mut free, &mut total);
+        sys::cuDevicePrimaryCtxRelease_v2(dev);
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            bail!("cuMemGetInfo: {rc:?}");
+        }
+        Ok(free as u64)
+    }
+}
+
+async fn shared_check(
+    broker: &str,
+    client: &Client,
+    session: &gpu_broker_client::Session,
+    bytes: u64,
+    (publisher, reader): (&str, &str),
+    (token_b, token_c): (&str, &str),
+) -> Result<()> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    const PATTERN: u8 = 0x6b;
+    const NAME: &str = "gpu-shared-check";
+    let mut failed = Vec::new();
+    let mut check = |ok: bool, what: String| {
+        say(format!(
+            "{} {what}",
+            if ok { "CHECK ok" } else { "CHECK FAILED" }
+        ));
+        if !ok {
+            failed.push(what);
+        }
+    };
+    let free_before = free_bytes(0)?;
+    let lease = session.lease_request(bytes).device(0).send().await?;
+    let kind = match lease.handle() {
+        LeaseHandle::Fd(i) => format!("{:?}", i.memory_kind),
+        other => bail!("not an fd lease: {other:?}"),
+    };
+    let m = lease.map_cuda()?;
+    fill(&m, lease.bytes(), PATTERN)?;
+    let shared = lease.publish(NAME, &[reader]).await?;
+    say(format!(
+        "PUBLISHED {} {} bytes {kind} read_only_enforced={}",
+        shared.publication_id, shared.bytes, shared.read_only_enforced
+    ));
+    check(
+        kind == "CudaVmm",
+        format!("the lease is CUDA VMM memory ({kind})"),
+    );
+
+    // The reader's worker: another process, another tenant.
+    let mut child = tokio::process::Command::new(std::env::current_exe()?)
+        .args(["--broker", broker, "--token", token_b, "shared-import"])
+        .args(["--publisher", publisher, "--name", NAME])
+        .args(["--expect", &PATTERN.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut to_child = child.stdin.take().context("child stdin")?;
+    let mut from_child =
+        tokio::io::BufReader::new(child.stdout.take().context("child stdout")?).lines();
+    let mut next_line = async || -> Result<String> {
+        let line = tokio::time::timeout(Duration::from_secs(30), from_child.next_line())
+            .await
+            .context("the importer said nothing for 30 s")??
+            .context("the importer exited")?;
+        say(format!("IMPORTER {line}"));
+        Ok(line)
+    };
+    let imported = next_line().await?;
+    check(
+        imported == "IMPORTED CudaVmm 0",
+        format!("tenant {reader:?}'s worker imported and read every byte ({imported})"),
+    );
+
+    // A tenant not listed: NOT_FOUND.
+    let outsider = Client::connect(broker, token_c.to_string()).await?;
+    let os = outsider.session("gpu-outsider").await?;
+    match os.import(publisher, NAME).await {
+        Err(e) => check(
+            e.code() == gpu_broker_client::Code::NotFound,
+            format!("a tenant not listed gets NOT_FOUND ({:?})", e.code()),
+        ),
+        Ok(_) => check(false, "a tenant not listed imported it".into()),
+    }
+
+    // Charged once, to the publisher.
+    let reader_client = Client::connect(broker, token_b.to_string()).await?;
+    let (ua, ub) = (client.usage().await?, reader_client.usage().await?);
+    check(
+        ua.held_bytes == lease.bytes() && ub.held_bytes == 0 && ub.quarantined_bytes == 0,
+        format!(
+            "charged once: publisher holds {} bytes, reader {} (+{} quarantined)",
+            ua.held_bytes, ub.held_bytes, ub.quarantined_bytes
+        ),
+    );
+
+    // The publisher's lease ends; the reader still reads its bytes.
+    let granted = lease.bytes();
+    m.close()?;
+    lease.release().await?;
+    let ua = client.usage().await?;
+    check(
+        ua.held_bytes == 0 && ua.quarantined_bytes == granted,
+        format!(
+            "after the publisher's release its tenant holds {} and has {} quarantined (held for the reader)",
+            ua.held_bytes, ua.quarantined_bytes
+        ),
+    );
+    to_child.write_all(b"read\n").await?;
+    let read = next_line().await?;
+    check(
+        read == "READ 0",
+        format!("the reader still reads every byte ({read})"),
+    );
+    let free_held = free_bytes(0)?;
+    check(
+        free_before.saturating_sub(free_held) >= granted,
+        format!(
+            "the memory is still in use on the card ({} MiB less free than before)",
+            (free_before.saturating_sub(free_held)) >> 20
+        ),
+    );
+
+    // The reader lets go: the memory is freed.
+    to_child.write_all(b"release\n").await?;
+    let released = next_line().await?;
+    check(
+        released == "RELEASED",
+        format!("the reader released ({released})"),
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+    let t = Instant::now();
+    let (mut ua, mut free_after) = (client.usage().await?, free_bytes(0)?);
+    while t.elapsed() < Duration::from_secs(10)
+        && (ua.quarantined_bytes != 0 || free_after + (64 << 20) < free_before)
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        ua = client.usage().await?;
+        free_after = free_bytes(0)?;
+    }
+    check(
+        ua.held_bytes == 0 && ua.quarantined_bytes == 0,
+        format!(
+            "nothing charged after the last importer let go (held {}, quarantined {})",
+            ua.held_bytes, ua.quarantined_bytes
+        ),
+    );
+    check(
+        free_after + (64 << 20) >= free_before,
+        format!(
+            "the card's free memory came back ({} MiB before, {} MiB after, {} ms)",
+            free_before >> 20,
+            free_after >> 20,
+            t.elapsed().as_millis()
+        ),
+    );
+    if failed.is_empty() {
+        say("SHAREDCHECK ok".into());
+        Ok(())
+    } else {
+        bail!("{} shared-lease checks failed: {failed:?}", failed.len())
+    }
+}
+
+async fn shared_import(
+    session: &gpu_broker_client::Session,
+    publisher: &str,
+    name: &str,
+    expect: u8,
+) -> Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    let import = session.import(publisher, name).await?;
+    let m = import.map_cuda()?;
+    let bytes = import.bytes();
+    let bad = count_not(&m, bytes, expect)?;
+    say(format!("IMPORTED {:?} {bad}", import.memory_kind()));
+    let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = lines.next_line().await? {
+        match line.trim() {
+            "read" => say(format!("READ {}", count_not(&m, bytes, expect)?)),
+            "release" => {
+                m.close()?;
+                import.release().await?;
+                say("RELEASED".into());
+                return Ok(());
+            }
+            other => say(format!("ERROR unknown command {other:?}")),
+        }
     }
     Ok(())
 }
