@@ -7,14 +7,15 @@
 #
 # What runs on the GPU:
 #   1. the Device conformance suite against the CUDA backend (scripts/gpu-conformance.sh)
-#   2. the GPU end-to-end tests (tests/gpu): two worker processes exchange data through a
-#      lease; a second tenant reads only zeros from a reused block; a SIGKILLed worker's
-#      memory comes back; more than the card is RESOURCE_EXHAUSTED with no CUDA OOM and
-#      >= 95% of (total - headroom) is leasable; every GPU of the node is used
-#   3. a Python worker (CuPy + PyTorch) maps a legacy IPC lease (a broker started with
-#      --legacy-ipc-handles) and a Rust worker sees its bytes
-#   4. the lease benchmark: AcquireLease (fresh, pooled) vs in-process cuMemAlloc +
-#      cuIpcGetMemHandle for 1 MiB, 64 MiB, 1 GiB, in the same run
+#   2. the GPU end-to-end tests (tests/gpu), on fd leases: two worker processes exchange
+#      data through a lease; a second tenant reads only zeros (fresh memory); a block still
+#      mapped when its session ends is quarantined until its holder exits; a SIGKILLed
+#      worker's memory comes back; more than the card is RESOURCE_EXHAUSTED with no CUDA OOM
+#      and >= 95% of (total - headroom) is leasable; every GPU of the node is used
+#   3. a Python worker (grpcio + socket.recv_fds + cuda-python) imports a VMM fd lease and
+#      a Rust worker sees its bytes (scripts/gpu_python_fd_worker.py)
+#   4. the lease benchmark: AcquireLease (fresh, pooled) vs in-process cuMemCreate + map +
+#      fd export for 1 MiB, 64 MiB, 1 GiB, in the same run
 #   5. gpu-broker-bench latency and throughput against the CUDA broker
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
@@ -54,16 +55,16 @@ run() {
         echo "=== 2. GPU end-to-end tests ==="
         "$OUT/deps/gpu-test" --test-threads=1 --nocapture
     fi
-    echo "=== 3. Python (CuPy + PyTorch) worker (legacy IPC handles; fd leases: scripts/gpu-fd-check.sh) ==="
+    echo "=== 3. Python worker (grpcio + socket.recv_fds + cuda-python) imports an fd lease ==="
     local dir; dir=$(mktemp -d)
     "$OUT/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
-        --legacy-ipc-handles --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
+        --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
     local pid=$!
     for _ in $(seq 100); do [[ -S "$dir/b.sock" ]] && break; sleep 0.1; done
     local ctl=("$OUT/gpu-brokerctl" --broker "unix://$dir/b.sock" --token-file "$dir/state/admin.token")
     "${ctl[@]}" quota set py --limit 16GiB >/dev/null
     local token; token=$("${ctl[@]}" tokens issue py 2>/dev/null)
-    python3 scripts/gpu_python_worker.py "$dir/b.sock" "$token" "$OUT/gpubroker_descriptor.bin" "$OUT/gpu-worker"
+    python3 scripts/gpu_python_fd_worker.py "$dir/b.sock" "$token" "$OUT/gpubroker_descriptor.bin" "$OUT/gpu-worker"
     echo "=== 4. lease benchmark (same run: raw in-process alloc vs gRPC lease) ==="
     "${ctl[@]}" quota set bench --limit 100GiB >/dev/null
     token=$("${ctl[@]}" tokens issue bench 2>/dev/null)

@@ -5,20 +5,21 @@
 #   scripts/gpu-fd-check.sh run [STEPS]  # on the GPU machine (no Rust); default 123456
 #
 # What runs on the GPU:
-#   1. the Device conformance suite on the CUDA backend in both modes (VMM fds, legacy
-#      IPC), the cross-process legacy check, driver timings of both
-#   2. the GPU end-to-end tests (tests/gpu), on fd leases by default: two processes share a
-#      lease (the second with a ticket of its own), another tenant reads only zeros from
-#      FRESH memory (and, with --legacy-ipc-handles, from the scrubbed reused block once its
-#      holder exited), a SIGKILLed worker's memory returns, capacity, NVML, host fallback
-#   3. default mode: a lease carries an fd handle of CUDA VMM memory, never a legacy handle
+#   1. the Device conformance suite on the CUDA backend (VMM memory exported as fds), the
+#      cross-process fd check (a child imports CudaDevice's descriptor), driver timings
+#   2. the GPU end-to-end tests (tests/gpu), on fd leases: two processes share a lease (the
+#      second with a ticket of its own), another tenant reads only zeros from FRESH memory,
+#      a block still mapped when its session ends is quarantined until its holder exits, a
+#      SIGKILLed worker's memory returns, capacity, NVML, host fallback
+#   3. a lease carries an fd handle of CUDA VMM memory, never a legacy handle (the broker
+#      has none: docs/security.md)
 #   4. a VMM lease acquired, imported and mapped by a worker of ANOTHER uid (nobody) in its
 #      own PID, IPC and mount namespaces (unshare)
 #   5. Python as the other language: grpcio + socket.recv_fds + cuda-python import
 #      (scripts/gpu_python_fd_worker.py), a Rust process opening the same lease
 #   6. benchmark, one run: lease + map for fresh, pooled and cross-tenant-pooled leases of
-#      2 MiB, 64 MiB, 1 GiB on the fd path and on the legacy IPC path, against raw
-#      in-process cuMemCreate + reserve + map + set access
+#      2 MiB, 64 MiB, 1 GiB on the fd path, against raw in-process cuMemCreate + reserve +
+#      map + set access
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,14 +34,14 @@ build() {
     local t c e
     t=$(cargo test --release -p gpu-broker-tests --test gpu --no-run --message-format=json 2>/dev/null | grep '"executable":"' | exe_of gpu)
     c=$(cargo test --release -p gpu-broker --test cuda_conformance --no-run --message-format=json 2>/dev/null | grep '"executable":"' | exe_of cuda_conformance)
-    e=$(cargo build --release -p gpu-broker-client --features cuda --example cuda_ipc_check --message-format=json 2>/dev/null | grep '"executable":"' | exe_of cuda_ipc_check)
+    e=$(cargo build --release -p gpu-broker-client --features cuda --example cuda_fd_check --message-format=json 2>/dev/null | grep '"executable":"' | exe_of cuda_fd_check)
     [[ -n "$t" && -n "$c" && -n "$e" ]] || { echo "cannot find the test executables" >&2; exit 1; }
     cp -f "$t" "$OUT/gpu-test"
     cp -f "$c" "$OUT/cuda_conformance"
-    cp -f "$e" "$OUT/cuda_ipc_check"
+    cp -f "$e" "$OUT/cuda_fd_check"
     for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
     cp -f "$(ls -t "$TARGET"/release/build/gpu-broker-proto-*/out/gpubroker_descriptor.bin | head -n1)" "$OUT/gpubroker_descriptor.bin"
-    strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/gpu-worker "$OUT"/gpu-test "$OUT"/cuda_conformance "$OUT"/cuda_ipc_check 2>/dev/null || true
+    strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/gpu-worker "$OUT"/gpu-test "$OUT"/cuda_conformance "$OUT"/cuda_fd_check 2>/dev/null || true
     du -sh "$OUT"
 }
 
@@ -69,8 +70,8 @@ run() {
     local t0=$SECONDS steps=${1:-123456}
     nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
     if [[ $steps == *1* ]]; then
-        echo "=== 1. conformance (VMM fds and legacy IPC) ==="
-        GPU_BROKER_CUDA_IPC_CHILD="$PWD/$OUT/cuda_ipc_check" "$OUT/cuda_conformance" --nocapture --test-threads=1
+        echo "=== 1. conformance (VMM fds, cross-process import, timings) ==="
+        GPU_BROKER_CUDA_FD_CHILD="$PWD/$OUT/cuda_fd_check" "$OUT/cuda_conformance" --nocapture --test-threads=1
     fi
     if [[ $steps == *2* ]]; then
         echo "=== 2. GPU end-to-end tests (fd leases by default) ==="
@@ -82,13 +83,13 @@ run() {
     start_broker "$dir"
     local tok; tok=$(token_for a)
     if [[ $steps == *3* ]]; then
-        echo "=== 3. default mode: no legacy handle ==="
+        echo "=== 3. fd handles only: no legacy handle ==="
         out=$("$dir/gpu-worker" --broker "unix://$dir/b.sock" --token "$tok" selftest --bytes 67108864)
         echo "$out"
         grep -q "^KIND fd CudaVmm" <<<"$out" || { echo "default lease is not a VMM fd lease"; exit 1; }
         grep -q "^MAPPED 0$" <<<"$out" || { echo "VMM lease did not read back"; exit 1; }
         "${CTL[@]}" --json leases list | grep -c cuda_ipc && { echo "a legacy handle was listed"; exit 1; } || true
-        echo "default-mode lease: fd handle of CUDA VMM memory; no cuda_ipc anywhere"
+        echo "lease: fd handle of CUDA VMM memory; no cuda_ipc anywhere"
     fi
     if [[ $steps == *4* ]]; then
         echo "=== 4. a worker of another uid in its own PID/IPC/mount namespaces ==="
@@ -107,22 +108,13 @@ run() {
         python3 scripts/gpu_python_fd_worker.py "$dir/b.sock" "$tok" "$OUT/gpubroker_descriptor.bin" "$dir/gpu-worker"
     fi
     if [[ $steps == *6* ]]; then
-        echo "=== 6. benchmark: lease + map, fd path vs legacy IPC path vs raw VMM, one run ==="
+        echo "=== 6. benchmark: lease + map, fd path vs raw VMM, one run ==="
         local tok2; tok2=$(token_for b)
         "$dir/gpu-worker" --broker "unix://$dir/b.sock" --token "$tok" bench-map \
             --sizes 2MiB,64MiB,1GiB --iters 20 --token2 "$tok2" --label fd
     fi
     "${CTL[@]}" devices || true
     stop_broker "$dir"
-    if [[ $steps == *6* ]]; then
-        local ldir; ldir=$(mktemp -d /tmp/gpu-legacy.XXXXXX)
-        start_broker "$ldir" --legacy-ipc-handles
-        grep -m1 "LEGACY CUDA IPC HANDLES ENABLED" "$ldir/broker.log" || { echo "no legacy warning logged"; exit 1; }
-        local la lb; la=$(token_for a); lb=$(token_for b)
-        "$dir/gpu-worker" --broker "unix://$ldir/b.sock" --token "$la" bench-map \
-            --sizes 2MiB,64MiB,1GiB --iters 20 --token2 "$lb" --label legacy
-        stop_broker "$ldir"
-    fi
     echo "=== all fd GPU checks passed in $((SECONDS - t0)) s ==="
 }
 

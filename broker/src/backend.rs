@@ -58,8 +58,6 @@ pub struct BackendSpec {
     /// Seed of the host devices' synthetic UUIDs (the broker passes its state directory,
     /// so they survive restarts); `None`: a fresh identity each start.
     pub host_uuid_seed: Option<String>,
-    /// Serve CUDA memory as legacy IPC handles (operator's choice; unsafe).
-    pub legacy_ipc: bool,
 }
 
 /// Why devices could not be opened.
@@ -103,12 +101,7 @@ pub fn open_devices(spec: &BackendSpec) -> Result<Vec<DeviceSlot>, BackendError>
         },
     };
     let threads = if use_cuda {
-        if spec.legacy_ipc {
-            tracing::warn!(
-                "LEGACY CUDA IPC HANDLES ENABLED (--legacy-ipc-handles): every device lease is a 64-byte handle that ANY process on this node can forge to read and write OTHER TENANTS' memory (docs/security.md); use only with trusted workers that cannot take fd handles"
-            );
-        }
-        open_cuda(spec.cuda_devices.as_deref(), spec.legacy_ipc)?
+        open_cuda(spec.cuda_devices.as_deref())?
     } else {
         open_host(
             spec.host_devices,
@@ -146,7 +139,7 @@ fn open_host(
         .collect()
 }
 
-fn open_cuda(wanted: Option<&[u32]>, legacy: bool) -> Result<Vec<DeviceThread>, BackendError> {
+fn open_cuda(wanted: Option<&[u32]>) -> Result<Vec<DeviceThread>, BackendError> {
     let count = cuda::device_count().map_err(|e| BackendError::CudaUnavailable(e.to_string()))?;
     let ordinals: Vec<u32> = match wanted {
         Some(w) => w.to_vec(),
@@ -159,7 +152,7 @@ fn open_cuda(wanted: Option<&[u32]>, legacy: bool) -> Result<Vec<DeviceThread>, 
                 return Err(BackendError::NoSuchDevice(ordinal, count));
             }
             DeviceThread::spawn(format!("device-cuda-{ordinal}"), move || {
-                Ok(Box::new(CudaDevice::open_with(ordinal, legacy)?) as Box<dyn Device>)
+                Ok(Box::new(CudaDevice::open(ordinal)?) as Box<dyn Device>)
             })
             .map_err(|source| BackendError::Open {
                 index: ordinal,

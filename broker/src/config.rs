@@ -289,11 +289,42 @@ pub struct Config {
     /// How long a lease ticket stays valid.
     #[arg(long, env = "GPU_BROKER_TICKET_TTL", default_value = "30s", value_parser = parse_duration)]
     pub ticket_ttl: Duration,
+}
 
-    /// UNSAFE, for old workers only: CUDA memory as legacy CUDA IPC handles, which any
-    /// process can forge to open other tenants' memory (docs/security.md). Off by default.
-    #[arg(long, env = "GPU_BROKER_LEGACY_IPC_HANDLES")]
-    pub legacy_ipc_handles: bool,
+/// Settings the broker no longer has, each with why it was removed. Naming one (flag,
+/// config key or environment variable) stops the broker at start with this reason rather
+/// than clap's "unknown argument": an operator who relied on it must learn what changed.
+const REMOVED_SETTINGS: &[(&str, &str, &str)] = &[(
+    "legacy-ipc-handles",
+    "GPU_BROKER_LEGACY_IPC_HANDLES",
+    "legacy CUDA IPC handles were removed: any process on the node can forge one to open \
+     other tenants' GPU memory, and one exporter process per tenant would not stop it \
+     (measured; docs/security.md). Workers get fd handles (CUDA VMM memory); remove this \
+     setting and use a client that accepts HANDLE_KIND_FD",
+)];
+
+/// The first removed setting that `args` (program name first) or the environment
+/// (`env`) still names, as an error.
+fn check_removed(
+    args: &[OsString],
+    env: impl Fn(&str) -> Option<OsString>,
+) -> Result<(), ConfigError> {
+    for &(flag, var, why) in REMOVED_SETTINGS {
+        let long = format!("--{flag}");
+        let named = args.iter().skip(1).any(|a| {
+            let a = a.to_string_lossy();
+            a == long || a.starts_with(&format!("{long}="))
+        });
+        let setting = if named {
+            long
+        } else if env(var).is_some() {
+            var.to_string()
+        } else {
+            continue;
+        };
+        return Err(ConfigError::Removed { setting, why });
+    }
+    Ok(())
 }
 
 /// Why the configuration could not be read.
@@ -303,6 +334,8 @@ pub enum ConfigError {
     Flags(#[from] clap::Error),
     #[error("config file {path}: {reason}")]
     File { path: PathBuf, reason: String },
+    #[error("{setting} is no longer a setting of the broker: {why}")]
+    Removed { setting: String, why: &'static str },
 }
 
 impl ConfigError {
@@ -327,6 +360,16 @@ impl Config {
     /// Parses `args` (program name first), reading the TOML file named by `--config` (or
     /// `GPU_BROKER_CONFIG`) and placing its settings before the command-line flags.
     pub fn from_args(args: Vec<OsString>) -> Result<Config, ConfigError> {
+        Config::from_args_env(args, |var| std::env::var_os(var))
+    }
+
+    /// [`Config::from_args`] with the environment read through `env` (for removed
+    /// settings; clap reads the flags' own variables itself).
+    fn from_args_env(
+        args: Vec<OsString>,
+        env: impl Fn(&str) -> Option<OsString>,
+    ) -> Result<Config, ConfigError> {
+        check_removed(&args, env)?;
         let first = Config::try_parse_from(&args)?;
         let Some(path) = first.config.clone() else {
             return Ok(first);
@@ -411,6 +454,11 @@ fn file_args(path: &std::path::Path) -> Result<Vec<OsString>, ConfigError> {
         // `[tenants.NAME]` tables are declarative tenants (`tenants_config`), not flags.
         if key == "tenants" {
             continue;
+        }
+        if let Some((_, _, why)) = REMOVED_SETTINGS.iter().find(|(k, _, _)| *k == key) {
+            return Err(err(format!(
+                "setting {key:?} is no longer a setting of the broker: {why}"
+            )));
         }
         if key == "config" || !known.contains(&key) {
             return Err(err(format!(
@@ -559,6 +607,53 @@ mod tests {
             "/nonexistent.toml".into(),
         ];
         assert!(Config::from_args(missing).is_err());
+    }
+
+    #[test]
+    fn a_removed_setting_stops_the_broker_saying_why() {
+        let none = |_: &str| None;
+        let args = |extra: &[&str]| -> Vec<OsString> {
+            std::iter::once("gpu-broker")
+                .chain(extra.iter().copied())
+                .map(OsString::from)
+                .collect()
+        };
+        for flag in ["--legacy-ipc-handles", "--legacy-ipc-handles=true"] {
+            let e = Config::from_args_env(args(&[flag]), none).unwrap_err();
+            assert!(matches!(e, ConfigError::Removed { .. }), "{e:?}");
+            let text = e.to_string();
+            assert!(
+                text.starts_with("--legacy-ipc-handles is no longer"),
+                "{text}"
+            );
+            assert!(
+                text.contains("forge") && text.contains("docs/security.md"),
+                "{text}"
+            );
+        }
+        let env = |v: &str| (v == "GPU_BROKER_LEGACY_IPC_HANDLES").then(|| OsString::from("1"));
+        let e = Config::from_args_env(args(&[]), env)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("GPU_BROKER_LEGACY_IPC_HANDLES is no longer"),
+            "{e}"
+        );
+        // In a config file: the same reason, not "unknown setting".
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("broker.toml");
+        for value in ["true", "false"] {
+            std::fs::write(&path, format!("legacy-ipc-handles = {value}\n")).unwrap();
+            let a = args(&["--config", path.to_str().unwrap()]);
+            let e = Config::from_args_env(a, none).unwrap_err().to_string();
+            assert!(!e.contains("unknown setting"), "{e}");
+            assert!(e.contains("\"legacy-ipc-handles\" is no longer"), "{e}");
+            assert!(e.contains("docs/security.md"), "{e}");
+        }
+        // A similar name is still just unknown; the broker's own flags still parse.
+        let e = Config::from_args_env(args(&["--legacy-ipc"]), none).unwrap_err();
+        assert!(matches!(e, ConfigError::Flags(_)), "{e:?}");
+        assert!(Config::from_args_env(args(&["--backend", "host"]), none).is_ok());
     }
 
     #[test]

@@ -192,6 +192,11 @@ pub enum BrokerError {
     /// The session already holds the compute turn on the device.
     #[error("this session already holds the turn on device {device}")]
     TurnAlreadyHeld { device: u32 },
+    /// The request accepts only legacy CUDA IPC handles, which the broker no longer serves.
+    #[error(
+        "this broker no longer serves legacy CUDA IPC handles (HANDLE_KIND_CUDA_IPC): any process on the node could forge one to open other tenants' memory (docs/security.md); accept HANDLE_KIND_FD (the client crate and the Python package do)"
+    )]
+    LegacyHandlesRemoved,
 
     // ---- untyped: a message under its code (no reason is sent)
     #[error("{0}")]
@@ -328,6 +333,7 @@ impl BrokerError {
             DeviceClosed { .. }
             | TenantInUse { .. }
             | TurnAlreadyHeld { .. }
+            | LegacyHandlesRemoved
             | FailedPrecondition(_) => Code::FailedPrecondition,
             InvalidArgument(_) => Code::InvalidArgument,
             PermissionDenied(_) => Code::PermissionDenied,
@@ -372,6 +378,7 @@ impl BrokerError {
             DeviceClosed { .. } => "DEVICE_DRAINING",
             TenantInUse { .. } => "TENANT_IN_USE",
             TurnAlreadyHeld { .. } => "TURN_ALREADY_HELD",
+            LegacyHandlesRemoved => "LEGACY_HANDLES_REMOVED",
             InvalidArgument(_)
             | FailedPrecondition(_)
             | Unavailable(_)
@@ -532,6 +539,7 @@ impl BrokerError {
                 ("held_bytes", s(bytes)),
             ],
             TurnAlreadyHeld { device } => vec![("device", s(device))],
+            LegacyHandlesRemoved => vec![("served_kinds", "HANDLE_KIND_FD".into())],
             ShuttingDown
             | NoDeviceOpen { .. }
             | InvalidArgument(_)
@@ -719,6 +727,7 @@ mod tests {
                 leases: 1,
                 bytes: 2,
             },
+            BrokerError::LegacyHandlesRemoved,
         ];
         let mut seen = std::collections::HashMap::new();
         for e in all {

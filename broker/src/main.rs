@@ -91,7 +91,6 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
                 .to_string_lossy()
                 .into_owned(),
         ),
-        legacy_ipc: cfg.legacy_ipc_handles,
     };
     // Managed MPS starts before the devices open: in the ExclusiveProcess compute mode the
     // broker's own context must be an MPS client (docs/mps.md).

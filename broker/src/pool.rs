@@ -21,33 +21,6 @@ pub struct Block {
     pub handle: Handle,
     /// Tenant whose bytes it may contain; `None` when known to be zero.
     pub last_tenant: Option<String>,
-    /// Processes its handle was given to since it last changed tenant.
-    pub holders: Holders,
-}
-
-/// Processes that may map a block: the pids its handle was given to, and whether it was
-/// given to a process whose pid the broker could not see (TCP, another PID namespace).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Holders {
-    pub pids: BTreeSet<u32>,
-    pub unknown: bool,
-}
-
-impl Holders {
-    /// Records that `pid` (None: unknown) got the handle.
-    pub fn add(&mut self, pid: Option<u32>) {
-        match pid {
-            Some(p) => {
-                self.pids.insert(p);
-            }
-            None => self.unknown = true,
-        }
-    }
-
-    /// True when every holder is known and `alive` says none of them runs.
-    pub fn all_gone(&self, alive: impl Fn(u32) -> bool) -> bool {
-        !self.unknown && !self.pids.iter().any(|&p| alive(p))
-    }
 }
 
 impl Block {
@@ -402,9 +375,13 @@ mod tests {
                 addr: 0,
                 path: None,
             },
-            handle: Handle::CudaIpc([id as u8; 64]),
+            handle: Handle::Fd {
+                kind: crate::device::MemoryKind::HostMemfd,
+                fd: crate::device::SharedFd::new(std::fs::File::open("/dev/null").unwrap().into()),
+                block_id: id,
+                size: bytes,
+            },
             last_tenant: tenant.map(str::to_string),
-            holders: Holders::default(),
         }
     }
 
@@ -415,17 +392,6 @@ mod tests {
         }
         p.commit(bytes);
         block(id, bytes, Some(tenant))
-    }
-
-    #[test]
-    fn holders_are_gone_only_when_all_known_and_dead() {
-        let mut h = Holders::default();
-        assert!(h.all_gone(|_| true), "nobody got it");
-        h.add(Some(10));
-        assert!(!h.all_gone(|p| p == 10));
-        assert!(h.all_gone(|_| false));
-        h.add(None);
-        assert!(!h.all_gone(|_| false), "an unknown holder may still map it");
     }
 
     #[test]

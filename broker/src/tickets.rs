@@ -454,7 +454,6 @@ mod tests {
             host_devices: 1,
             headroom: crate::backend::Headroom::Bytes(0),
             host_uuid_seed: None,
-            legacy_ipc: false,
         };
         let arb = crate::arbiter::Arbiter::new(
             crate::backend::open_devices(&spec).unwrap(),

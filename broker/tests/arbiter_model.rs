@@ -294,7 +294,6 @@ impl Harness {
             host_devices: ndev,
             headroom: Headroom::Bytes(headroom_mib * MIB),
             host_uuid_seed: None,
-            legacy_ipc: false,
         };
         let devices = open_devices(&spec).expect("host devices");
         let arb = Arbiter::new(
@@ -397,12 +396,8 @@ impl Harness {
                             "granted on device {} which had no room (fitting: {fitting:?})",
                             view.device
                         );
-                        match &view.handle {
-                            Handle::Fd { size, .. } => {
-                                assert!(*size >= view.bytes, "memory object too small")
-                            }
-                            other => panic!("unexpected handle {other:?}"),
-                        }
+                        let Handle::Fd { size, .. } = &view.handle;
+                        assert!(*size >= view.bytes, "memory object too small");
                         let t = &mut m.tenants[tenant];
                         t.held += view.bytes;
                         t.count += 1;

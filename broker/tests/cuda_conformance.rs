@@ -1,6 +1,6 @@
 //! The device conformance suite against the real `cuda` backend, on every GPU of the
-//! machine, plus a cross-process check (a handle exported by `CudaDevice` opened by the
-//! client crate's CUDA module in a child process) and a few timings. Without a CUDA driver
+//! machine, plus a cross-process check (the descriptor of a block exported by `CudaDevice`
+//! imported by the client crate's CUDA module in a child process) and a few timings. Without a CUDA driver
 //! or GPU each test prints `skipped: ...` and passes, so this runs everywhere;
 //! `scripts/gpu-conformance.sh` runs it on the GPU machine.
 
@@ -37,43 +37,38 @@ fn cuda_backend_passes_conformance_on_every_gpu() {
             conformance::CHECKS.len(),
             t.elapsed()
         );
-        let t = Instant::now();
-        conformance::run_all(&mut || {
-            Ok(Box::new(CudaDevice::open_legacy(ordinal)?) as Box<dyn Device>)
-        });
-        println!(
-            "device {ordinal} (legacy IPC): all {} conformance checks passed in {:.2?}",
-            conformance::CHECKS.len(),
-            t.elapsed()
-        );
     }
 }
 
-/// Same as the `pattern` of `client/examples/cuda_ipc_check.rs`.
+/// Same as the `pattern` of `client/examples/cuda_fd_check.rs`.
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| ((((i as u64).wrapping_mul(2654435761) >> 7) as u8) ^ seed) | 1)
         .collect()
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// Runs the worker side (`cuda_ipc_check child ...`) in another process.
-fn run_child(child: &str, handle: &[u8; 64], bytes: u64, expect: &str, write: u8) {
+/// Runs the worker side (`cuda_fd_check child ...`) in another process, which inherits a
+/// duplicate of the block's descriptor (the broker's own is close-on-exec).
+fn run_child(child: &str, handle: &Handle, bytes: u64, expect: &str, write: u8) {
+    let Handle::Fd { fd, size, .. } = handle;
+    // SAFETY: dup of a descriptor the handle keeps open; the copy is not close-on-exec.
+    let copy = unsafe { libc::dup(fd.raw()) };
+    assert!(copy >= 0, "dup: {}", std::io::Error::last_os_error());
+    // SAFETY: the new descriptor is ours; closed when this drops (after the child ran).
+    let _copy = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(copy) };
     let t = Instant::now();
     let out = std::process::Command::new(child)
         .args([
             "child",
             "0",
-            &hex(handle),
+            &copy.to_string(),
             &bytes.to_string(),
+            &size.to_string(),
             expect,
             &write.to_string(),
         ])
         .output()
-        .expect("spawn the cuda_ipc_check child");
+        .expect("spawn the cuda_fd_check child");
     print!("{}", String::from_utf8_lossy(&out.stdout));
     eprint!("{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "child failed: {}", out.status);
@@ -81,30 +76,28 @@ fn run_child(child: &str, handle: &[u8; 64], bytes: u64, expect: &str, write: u8
 }
 
 #[test]
-fn cuda_handle_opens_in_another_process() {
+fn cuda_block_maps_in_another_process() {
     if let Some(msg) = skip_reason() {
         println!("{msg}");
         return;
     }
-    let Ok(child) = std::env::var("GPU_BROKER_CUDA_IPC_CHILD") else {
+    let Ok(child) = std::env::var("GPU_BROKER_CUDA_FD_CHILD") else {
         println!(
-            "skipped: set GPU_BROKER_CUDA_IPC_CHILD to the cuda_ipc_check example binary \
+            "skipped: set GPU_BROKER_CUDA_FD_CHILD to the cuda_fd_check example binary \
              (scripts/gpu-conformance.sh does)"
         );
         return;
     };
     let _gpu = GPU.lock();
-    let mut dev = CudaDevice::open_legacy(0).expect("open device 0");
-    // Not a multiple of the granularity: the lease is smaller than what the driver maps.
+    let mut dev = CudaDevice::open(0).expect("open device 0");
+    // Not a multiple of the granularity: the lease is smaller than the memory object.
     let bytes = 48 * MIB + 4096;
     let a = dev.alloc(bytes).expect("alloc");
     dev.scrub(&a).expect("scrub");
     dev.write(&a, 0, &pattern(5, bytes as usize))
         .expect("write");
     let t = Instant::now();
-    let Handle::CudaIpc(handle) = dev.export(&a).expect("export") else {
-        panic!("cuda export must give a CudaIpc handle");
-    };
+    let handle = dev.export(&a).expect("export");
     println!("exported {bytes} bytes in {:.2?}", t.elapsed());
 
     // The worker sees what the broker wrote and writes its own pattern.
@@ -120,12 +113,10 @@ fn cuda_handle_opens_in_another_process() {
     let t = Instant::now();
     dev.scrub(&a).expect("scrub");
     println!("scrubbed {bytes} bytes in {:.2?}", t.elapsed());
-    let Handle::CudaIpc(again) = dev.export(&a).expect("export again") else {
-        panic!("cuda export must give a CudaIpc handle");
-    };
-    println!(
-        "second export of the same block gives the same handle: {}",
-        again == handle
+    let again = dev.export(&a).expect("export again");
+    assert_eq!(
+        again, handle,
+        "a block is exported once: the same descriptor"
     );
     run_child(&child, &again, bytes, "zero", 9);
     let back = dev.read(&a, 0, bytes as usize).expect("read");
@@ -149,17 +140,10 @@ fn cuda_timings() {
         return;
     }
     let _gpu = GPU.lock();
-    for legacy in [false, true] {
+    {
         let t = Instant::now();
-        let mut dev = CudaDevice::open_with(0, legacy).expect("open device 0");
-        println!(
-            "mode: {}",
-            if legacy {
-                "legacy IPC (cuMemAlloc)"
-            } else {
-                "VMM (cuMemCreate, fd export)"
-            }
-        );
+        let mut dev = CudaDevice::open(0).expect("open device 0");
+        println!("mode: VMM (cuMemCreate, fd export)");
         println!(
             "open device 0 ({}, {} bytes): {:.2?}",
             dev.desc().name,

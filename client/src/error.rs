@@ -382,6 +382,9 @@ reasons! {
     TenantInUse = "TENANT_IN_USE",
     /// `FAILED_PRECONDITION`: the session already holds the compute turn.
     TurnAlreadyHeld = "TURN_ALREADY_HELD",
+    /// `FAILED_PRECONDITION`: the request accepts only legacy CUDA IPC handles, which the
+    /// broker no longer serves (`docs/security.md`).
+    LegacyHandlesRemoved = "LEGACY_HANDLES_REMOVED",
 }
 
 impl fmt::Display for Reason {

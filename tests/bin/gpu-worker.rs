@@ -1,5 +1,5 @@
 //! A worker process for the GPU tests and the GPU benchmark (`scripts/gpu-check.sh`). Each
-//! subcommand is one role: hold a lease and watch it, open another process's handle,
+//! subcommand is one role: hold a lease and watch it, open another process's lease,
 //! check a reused block reads zeros, or time leases against raw driver allocations.
 
 use anyhow::{bail, Context, Result};
@@ -39,14 +39,14 @@ enum Cmd {
         #[arg(long)]
         device: Option<u32>,
     },
-    /// Open another process's lease — a legacy handle (`--handle <hex>`) or, for an fd
-    /// lease (`--handle fd:<block>`), by id with a ticket of this process's own
-    /// (`--lease`) — check it holds `expect`, write `write` into its first 4 KiB, print `OK`.
+    /// Open another process's fd lease (`--handle fd:<block>`, as `hold` prints it) by id
+    /// with a ticket of this process's own (`--lease`), check it holds `expect`, write
+    /// `write` into its first 4 KiB, print `OK`.
     Open {
         #[arg(long)]
         handle: String,
         #[arg(long)]
-        lease: Option<String>,
+        lease: String,
         #[arg(long)]
         device: u32,
         #[arg(long)]
@@ -83,6 +83,15 @@ enum Cmd {
         #[arg(long)]
         bytes: u64,
     },
+    /// Lease, map, fill with `pattern`, then end the session without releasing (the broker
+    /// must quarantine the still-mapped block); print `ABANDONED <lease> <bytes>`, then
+    /// `STILL <bytes-not-pattern>` from the mapping it keeps; hold until killed.
+    Abandon {
+        #[arg(long)]
+        bytes: u64,
+        #[arg(long, value_parser = parse_byte)]
+        pattern: u8,
+    },
     /// Lease, read every byte; print `READ <handle-hex> <nonzero-bytes>`; release.
     ReadZeros {
         #[arg(long)]
@@ -103,7 +112,7 @@ enum Cmd {
         iters: usize,
         #[arg(long)]
         token2: String,
-        /// Label of the rows (e.g. `fd` or `legacy`).
+        /// Label of the rows (e.g. `fd`).
         #[arg(long)]
         label: String,
     },
@@ -144,7 +153,7 @@ enum Cmd {
         #[arg(long)]
         expect: u8,
     },
-    /// Time AcquireLease (fresh and pooled) against in-process cuMemAlloc+cuIpcGetMemHandle.
+    /// Time AcquireLease (fresh and pooled) against in-process cuMemCreate + fd export.
     Bench {
         #[arg(long, default_value = "1MiB,64MiB,1GiB")]
         sizes: String,
@@ -183,25 +192,9 @@ mod bytesize_like {
     }
 }
 
-fn hex(h: &[u8]) -> String {
-    h.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Result<[u8; 64]> {
-    if s.len() != 128 {
-        bail!("handle must be 128 hex digits");
-    }
-    let mut out = [0u8; 64];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16)?;
-    }
-    Ok(out)
-}
-
-/// What identifies a lease's memory: the legacy handle's hex, or `fd:<block id>`.
+/// What identifies a lease's memory: `fd:<block id>`.
 fn handle_id(h: &LeaseHandle) -> Result<String> {
     match h {
-        LeaseHandle::CudaIpc(b) => Ok(hex(b)),
         LeaseHandle::Fd(i) if i.memory_kind == gpu_broker_client::MemoryKind::CudaVmm => {
             Ok(format!("fd:{}", i.block_id))
         }
@@ -267,18 +260,22 @@ async fn main() -> Result<()> {
         write,
     } = &cli.cmd
     {
-        let m = if handle.starts_with("fd:") {
-            let lease = lease
-                .as_deref()
-                .context("an fd lease is opened by --lease")?;
-            let client = Client::connect(&cli.broker, cli.token.clone()).await?;
-            let (info, fd) = client.lease_fd(lease).await?;
-            use std::os::fd::AsFd;
-            gpu_broker_client::cuda::map_vmm(fd.as_fd(), *device, *bytes, info.size, info.block_id)?
-        } else {
-            let h = unhex(handle)?;
-            gpu_broker_client::cuda::map_lease(&h, *device, *bytes)?
+        let Some(block) = handle.strip_prefix("fd:") else {
+            bail!("--handle must be fd:<block id> (as hold prints it), got {handle:?}");
         };
+        let client = Client::connect(&cli.broker, cli.token.clone()).await?;
+        let (info, fd) = client.lease_fd(lease).await?;
+        if info.block_id.to_string() != block {
+            bail!("lease {lease} is block {}, not {block}", info.block_id);
+        }
+        use std::os::fd::AsFd;
+        let m = gpu_broker_client::cuda::map_vmm(
+            fd.as_fd(),
+            *device,
+            *bytes,
+            info.size,
+            info.block_id,
+        )?;
         let bad = count_not(&m, *bytes, *expect)?;
         if bad > 0 {
             bail!("{bad} bytes differ from {expect:#04x}");
@@ -343,6 +340,17 @@ async fn main() -> Result<()> {
             }
             lease.release().await?;
             say(format!("DONE {h}"));
+        }
+        Cmd::Abandon { bytes, pattern } => {
+            let lease = session.lease(bytes).await?;
+            let m = lease.map_cuda()?;
+            fill(&m, lease.bytes(), pattern)?;
+            say(format!("ABANDONED {} {}", lease.id(), lease.bytes()));
+            session.close();
+            // The mapping outlives the session: the memory must stay this process's.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            say(format!("STILL {}", count_not(&m, lease.bytes(), pattern)?));
+            std::future::pending::<()>().await;
         }
         Cmd::ReadZeros { bytes } => {
             let lease = session.lease(bytes).await?;
@@ -474,7 +482,7 @@ fn raw_vmm_on_thread(device: u32, bytes: u64, iters: usize) -> Result<f64> {
             bail!("{call} failed: {rc:?}")
         }
     };
-    let keep = gpu_broker::device::cuda::CudaDevice::open_legacy(device)?;
+    let keep = gpu_broker::device::cuda::CudaDevice::open(device)?;
     let size = usize::try_from(bytes)?;
     // SAFETY: zeroed properties are valid; then set the fields the call needs.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
@@ -514,7 +522,7 @@ fn raw_vmm_on_thread(device: u32, bytes: u64, iters: usize) -> Result<f64> {
     Ok(median(&mut t))
 }
 
-/// Lease + map (fd: fetch + import + map; legacy: cuIpcOpenMemHandle) for a fresh size, the
+/// Lease + map (fetch the fd + import + map) for a fresh size, the
 /// same size again (pooled), and a size another tenant just released (cross-tenant pooled:
 /// by the reuse rule a fresh object), against raw in-process VMM allocation + map. Unmap and
 /// release are not timed.
@@ -529,7 +537,7 @@ async fn bench_map(
     // Keep the device's primary context alive for the whole run, as a worker's framework
     // does: otherwise the last unmap releases it and every lease pays a new context
     // (~100 ms), which is not what a lease costs.
-    let _context = gpu_broker::device::cuda::CudaDevice::open_legacy(0)?;
+    let _context = gpu_broker::device::cuda::CudaDevice::open(0)?;
     say(format!(
         "{label}: size_bytes raw_vmm_map_us fresh_lease_map_us pooled_lease_map_us cross_tenant_lease_map_us release_unmap_us"
     ));
@@ -578,8 +586,9 @@ async fn bench_map(
     Ok(())
 }
 
-/// For each size: median of in-process cuMemAlloc + cuIpcGetMemHandle (then free, not
-/// timed), of a fresh lease (nothing cached), and of a pooled lease (same size again).
+/// For each size: median of in-process cuMemCreate + map + fd export (the broker's own
+/// `CudaDevice`; then free, not timed), of a fresh lease (nothing cached), and of a pooled
+/// lease (same size again).
 async fn bench(session: &gpu_broker_client::Session, sizes: &str, iters: usize) -> Result<()> {
     use gpu_broker::device::cuda::CudaDevice;
     use gpu_broker::device::Device;
@@ -587,7 +596,7 @@ async fn bench(session: &gpu_broker_client::Session, sizes: &str, iters: usize) 
     // The raw side runs on its own thread with its own context, like a worker would.
     let raw_sizes = sizes.clone();
     let raw = std::thread::spawn(move || -> Result<Vec<f64>> {
-        let mut dev = CudaDevice::open_legacy(0)?;
+        let mut dev = CudaDevice::open(0)?;
         let mut out = Vec::new();
         for &s in &raw_sizes {
             let mut t = Vec::new();

@@ -2,6 +2,7 @@
 //! to, once; every misuse gets the connection closed with nothing sent, is counted, and
 //! leaves the lease as it was. Descriptors do not leak on either side over many cycles.
 
+use gpu_broker_client::error::Reason;
 use gpu_broker_client::proto::v1 as pb;
 use gpu_broker_client::{Client, LeaseHandle, QuotaSpec};
 use gpu_broker_tests::*;
@@ -204,14 +205,31 @@ async fn handle_kinds_are_negotiated() {
         lease.handle
     );
     c.release_lease(&lease.lease_id).await.unwrap();
-    // Only legacy kinds: refused before anything is granted (legacy handles are off).
-    for kinds in [
-        vec![pb::HandleKind::CudaIpc as i32],
-        vec![pb::HandleKind::HostShm as i32],
+    // Only legacy kinds: refused before anything is granted (the broker serves fd only).
+    // Naming the removed legacy CUDA IPC kind says so with its own reason.
+    for (kinds, reason) in [
+        (
+            vec![pb::HandleKind::CudaIpc as i32],
+            Some(Reason::LegacyHandlesRemoved),
+        ),
+        (
+            vec![
+                pb::HandleKind::CudaIpc as i32,
+                pb::HandleKind::HostShm as i32,
+            ],
+            Some(Reason::LegacyHandlesRemoved),
+        ),
+        (vec![pb::HandleKind::HostShm as i32], None),
     ] {
         let e = c.raw().acquire_lease(raw(kinds)).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
         assert!(e.message().contains("HANDLE_KIND_FD"), "{e:?}");
+        let e = gpu_broker_client::ClientError::from(e);
+        assert_eq!(e.reason(), reason.as_ref(), "{e}");
+        if reason.is_some() {
+            assert!(e.message().contains("docs/security.md"), "{e}");
+            assert_eq!(e.detail("served_kinds"), Some("HANDLE_KIND_FD"), "{e}");
+        }
     }
     let e = c.raw().acquire_lease(raw(vec![77])).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
@@ -379,4 +397,37 @@ async fn a_busy_ticket_socket_delays_a_lease_instead_of_refusing_it() {
     lease.map().unwrap().fill(7);
     let busy = metric(&b, "gpu_broker_ticket_refusals_total{reason=\"busy\"}").await;
     assert!(busy >= 1.0, "busy answers are counted: {busy}");
+}
+
+/// The removed legacy CUDA IPC handles setting, as a flag or in a config file, stops the
+/// broker at start with why (and where to read more), before it serves anything.
+#[test]
+fn the_broker_refuses_to_start_with_the_removed_legacy_handles_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("broker.toml");
+    std::fs::write(&config, "backend = \"host\"\nlegacy-ipc-handles = true\n").unwrap();
+    let socket = dir.path().join("b.sock");
+    for extra in [
+        vec!["--legacy-ipc-handles".to_string()],
+        vec!["--config".to_string(), config.display().to_string()],
+    ] {
+        let out = std::process::Command::new(bin("gpu-broker"))
+            .args(["--backend", "host", "--socket"])
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(&extra)
+            .env_remove("GPU_BROKER_LEGACY_IPC_HANDLES")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(
+            err.contains("legacy-ipc-handles") && err.contains("is no longer a setting"),
+            "{extra:?}: {err}"
+        );
+        assert!(err.contains("docs/security.md"), "{err}");
+        assert!(!err.contains("unknown setting") && !err.contains("unexpected argument"));
+        assert!(!socket.exists(), "it served nothing");
+    }
 }

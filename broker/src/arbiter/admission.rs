@@ -427,10 +427,11 @@ impl Arbiter {
             return;
         }
         let mut source = match st.pools[d as usize].reserve(ask.bytes, &ask.tenant) {
-            // Another tenant's block that a process may still map: it never reaches this
-            // tenant. Free it (a surviving mapping keeps its old pages, reaching nobody
-            // else) and give a fresh memory object of the same size.
-            Source::Cached { block, scrub: true } if !reusable_across_tenants(&block) => {
+            // Another tenant's block: a process may still map it (the broker cannot know
+            // who the holder passed the descriptor to: fork, `SCM_RIGHTS`), so it never
+            // reaches this tenant. Free it (a surviving mapping keeps its old pages,
+            // reaching nobody else) and give a fresh memory object of the same size.
+            Source::Cached { block, scrub: true } => {
                 st.fx.count(Counted::CrossTenantFresh);
                 st.pools[d as usize].note_replaced(true);
                 tracing::debug!(device = d, tenant = %ask.tenant, "cached block of another tenant may still be mapped; allocating fresh");
@@ -514,7 +515,6 @@ impl Arbiter {
                 match r {
                     Ok(()) => Ok(Block {
                         last_tenant: None,
-                        holders: Default::default(),
                         ..block
                     }),
                     Err(e) => {
@@ -555,9 +555,6 @@ impl Arbiter {
                 session_not_found(ask.session)
             });
         }
-        let holder = st.sessions.get(&ask.session).and_then(|s| s.peer.pid);
-        let mut block = block;
-        block.holders.add(holder);
         st.ledger.commit(&ask.tenant, ask.bytes);
         st.pools[d as usize].commit(ask.bytes);
         st.fx.count(Counted::Granted(Tier::Device));
@@ -747,24 +744,11 @@ fn fresh_block(
             alloc: a,
             handle,
             last_tenant: None,
-            holders: Default::default(),
         }),
         Err(e) => {
             let _ = dev.free(a);
             Err(e)
         }
-    }
-}
-
-/// May a cached block that held another tenant's bytes be scrubbed and handed on? Only
-/// when no process that may map it is alive. For fd memory (memfd, CUDA VMM) the broker
-/// cannot know who the holder passed the descriptor to (fork, `SCM_RIGHTS`), so never: a
-/// fresh object costs little. For legacy CUDA IPC memory, once every process the handle
-/// went to is gone.
-fn reusable_across_tenants(block: &Block) -> bool {
-    match &block.handle {
-        crate::device::Handle::Fd { .. } => false,
-        crate::device::Handle::CudaIpc(_) => block.holders.all_gone(crate::process::process_alive),
     }
 }
 

@@ -264,11 +264,6 @@ impl Arbiter {
         &self.tickets
     }
 
-    /// Do device leases carry legacy CUDA IPC handles (operator's choice) instead of fds?
-    pub fn legacy_ipc(&self) -> bool {
-        self.devices.iter().any(|d| d.thread.desc().legacy_ipc)
-    }
-
     /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
     pub fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
         match self.lock().sessions.get(&session) {

@@ -109,14 +109,7 @@ impl Arbiter {
             fd,
             block_id,
             size,
-        } = &l.block.handle
-        else {
-            return Err(BrokerError::FailedPrecondition(
-                "legacy CUDA IPC leases cannot be published (any process can open their \
-                 handles); publish an fd lease"
-                    .into(),
-            ));
-        };
+        } = &l.block.handle;
         let (kind, fd, block_id, size) = (*kind, fd.clone(), *block_id, *size);
         let (device, bytes) = (l.device, l.bytes());
         let key = (tenant.to_string(), name.to_string());

@@ -23,7 +23,6 @@ fn fixture(capacity: u64, devices: u32, cfg: ArbiterConfig) -> Fixture {
         host_devices: devices,
         headroom: Headroom::Bytes(0),
         host_uuid_seed: None,
-        legacy_ipc: false,
     };
     let slots = open_devices(&spec).unwrap();
     let arb = Arbiter::new(slots, None, None, Arc::new(Authenticator::new("x")), cfg).unwrap();
@@ -66,14 +65,12 @@ impl Fixture {
 fn file_of(h: &Handle) -> std::fs::File {
     match h {
         Handle::Fd { fd, .. } => std::fs::File::from(fd.0.try_clone().unwrap()),
-        Handle::CudaIpc(_) => panic!("host backend"),
     }
 }
 
 fn block_of(h: &Handle) -> u64 {
     match h {
         Handle::Fd { block_id, .. } => *block_id,
-        Handle::CudaIpc(b) => u64::from_le_bytes(b[..8].try_into().unwrap()),
     }
 }
 
@@ -488,12 +485,6 @@ impl crate::device::Device for OutsideDevice {
         &mut self,
         a: &crate::device::Allocation,
     ) -> Result<Handle, crate::device::DeviceError> {
-        if self.desc.legacy_ipc {
-            // A stand-in legacy handle naming the allocation.
-            let mut h = [0u8; 64];
-            h[..8].copy_from_slice(&a.id.to_le_bytes());
-            return Ok(Handle::CudaIpc(h));
-        }
         self.inner.export(a)
     }
     fn scrub(&mut self, a: &crate::device::Allocation) -> Result<(), crate::device::DeviceError> {
@@ -526,13 +517,12 @@ fn outside_fixture(
     Arc<std::sync::atomic::AtomicU64>,
     tempfile::TempDir,
 ) {
-    fake_cuda_fixture(cfg, false)
+    fake_cuda_fixture(cfg)
 }
 
-/// Like `outside_fixture`; with `legacy` the device exports legacy CUDA IPC handles.
+/// Like `outside_fixture`.
 fn fake_cuda_fixture(
     cfg: ArbiterConfig,
-    legacy: bool,
 ) -> (
     Arc<Arbiter>,
     Arc<std::sync::atomic::AtomicU64>,
@@ -547,7 +537,6 @@ fn fake_cuda_fixture(
         let inner = crate::device::host::HostDevice::new(0, 64 * MIB)?;
         let desc = crate::device::DeviceDesc {
             backend: crate::device::BackendKind::Cuda,
-            legacy_ipc: legacy,
             ..crate::device::Device::desc(&inner).clone()
         };
         Ok(Box::new(OutsideDevice {
@@ -674,46 +663,6 @@ async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
     for w in waiters {
         w.abort();
     }
-}
-
-/// Legacy CUDA IPC memory goes to another tenant only once every process its handle went
-/// to is gone; while one may still run, the other tenant gets a fresh allocation.
-#[tokio::test]
-async fn legacy_ipc_block_is_reused_across_tenants_only_after_its_holder_exits() {
-    let (arb, _outside, _dir) = fake_cuda_fixture(ArbiterConfig::default(), true);
-    arb.set_quota("a", quota(64 * MIB)).unwrap();
-    arb.set_quota("b", quota(64 * MIB)).unwrap();
-    let mut holder = std::process::Command::new("sleep")
-        .arg("30")
-        .spawn()
-        .unwrap();
-    let peer = Peer {
-        pid: Some(holder.id()),
-        uid: Some(0),
-        unix: true,
-    };
-    let (sa, _ra) = arb.open_session("a", "w", peer).unwrap();
-    let (sb, _rb) = arb.open_session("b", "w", Peer::default()).unwrap();
-    let la = arb.acquire(req("a", sa, 4 * MIB)).await.unwrap();
-    arb.release("a", la.id).unwrap();
-    // The holder still runs (it may have kept the handle open): b gets other memory.
-    let lb1 = arb.acquire(req("b", sb, 4 * MIB)).await.unwrap();
-    assert_ne!(block_of(&lb1.handle), block_of(&la.handle));
-    // (a's first block was freed for that.) A new block of a, released; its holder exits.
-    let la2 = arb.acquire(req("a", sa, 4 * MIB)).await.unwrap();
-    let la2_block = block_of(&la2.handle);
-    arb.release("a", la2.id).unwrap();
-    holder.kill().unwrap();
-    holder.wait().unwrap();
-    // Now no process that got a's handle lives: b may get that block (scrubbed).
-    let lb2 = arb.acquire(req("b", sb, 4 * MIB)).await.unwrap();
-    assert_eq!(
-        block_of(&lb2.handle),
-        la2_block,
-        "reused once the holder is gone"
-    );
-    let st = arb.state.lock().pools[0].stats();
-    assert_eq!((st.scrubs, st.hits, st.misses), (1, 1, 3), "{st:?}");
 }
 
 /// A big request blocked by held memory lets other tenants' requests of its priority that

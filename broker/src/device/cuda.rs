@@ -5,17 +5,15 @@
 //! primary context, one non-blocking stream used only for scrubs, and every allocation it
 //! made (a map id -> device pointer; whatever is still live when it is dropped is freed).
 //!
-//! Allocations are, by default ([`CudaDevice::open`]), **CUDA VMM memory**: `cuMemCreate`
+//! Allocations are **CUDA VMM memory**: `cuMemCreate`
 //! with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` at the allocation granularity, mapped
 //! into the broker's own address space (reserve, map, set access) so the broker can zero it,
 //! and exported once as a file descriptor that stays with the block (a pooled block costs no
 //! export). Workers get that descriptor over the ticket socket and import it; the physical
 //! memory lives until the last holder (the broker's handle, every import) lets go.
 //!
-//! With [`CudaDevice::open_legacy`] (operator flag `--legacy-ipc-handles`) allocations are
-//! plain `cuMemAlloc_v2` memory — the only kind `cuIpcGetMemHandle` can export — with
-//! `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` set, exported as legacy IPC handles, which can be
-//! forged (`docs/security.md`).
+//! The broker never exports legacy CUDA IPC handles (`cuIpcGetMemHandle`): any process on
+//! the node can forge them (`docs/security.md`).
 //!
 //! Driver calls act on the context current on the calling OS thread: open a device with
 //! [`CudaDevice::open`] on the thread that will use it (the device thread, see
@@ -129,8 +127,8 @@ fn check(call: &'static str, rc: CUresult) -> Result<(), DeviceError> {
 struct Live {
     ptr: CUdeviceptr,
     bytes: u64,
-    /// VMM memory: its handle and exported descriptor; `None` for `cuMemAlloc` memory.
-    vmm: Option<Vmm>,
+    /// Its VMM handle and exported descriptor.
+    vmm: Vmm,
 }
 
 /// The VMM side of an allocation.
@@ -149,8 +147,6 @@ pub struct CudaDevice {
     stream: CUstream,
     next_id: u64,
     live: HashMap<u64, Live>,
-    /// Legacy mode: `cuMemAlloc` memory and IPC handles instead of VMM memory and fds.
-    legacy: bool,
 }
 
 // SAFETY: the context and stream are opaque driver handles that are valid on any thread once
@@ -159,21 +155,10 @@ pub struct CudaDevice {
 unsafe impl Send for CudaDevice {}
 
 impl CudaDevice {
-    /// Opens device `ordinal` for VMM memory exported as file descriptors (the default):
-    /// retains its primary context, makes it current on the calling thread and creates the
-    /// scrub stream. Call it on the thread that will use the device.
+    /// Opens device `ordinal` for VMM memory exported as file descriptors: retains its
+    /// primary context, makes it current on the calling thread and creates the scrub stream.
+    /// Call it on the thread that will use the device.
     pub fn open(ordinal: u32) -> Result<CudaDevice, DeviceError> {
-        CudaDevice::open_with(ordinal, false)
-    }
-
-    /// Opens device `ordinal` for legacy `cuMemAlloc` memory exported as CUDA IPC handles
-    /// (forgeable: only by the operator's choice).
-    pub fn open_legacy(ordinal: u32) -> Result<CudaDevice, DeviceError> {
-        CudaDevice::open_with(ordinal, true)
-    }
-
-    /// Opens device `ordinal`; `legacy` picks legacy IPC memory over VMM fds.
-    pub fn open_with(ordinal: u32, legacy: bool) -> Result<CudaDevice, DeviceError> {
         init()?;
         let ord = std::ffi::c_int::try_from(ordinal)
             .map_err(|_| DeviceError::Unavailable(format!("no CUDA device {ordinal}")))?;
@@ -226,14 +211,12 @@ impl CudaDevice {
                 backend: BackendKind::Cuda,
                 total_bytes: total as u64,
                 granularity: CUDA_GRANULARITY,
-                legacy_ipc: legacy,
             },
             dev,
             ctx,
             stream: std::ptr::null_mut(),
             next_id: 1,
             live: HashMap::new(),
-            legacy,
         };
         this.make_current()?;
         let mut stream: CUstream = std::ptr::null_mut();
@@ -245,21 +228,19 @@ impl CudaDevice {
             )
         })?;
         this.stream = stream;
-        if !legacy {
-            // Leases are whole granules of VMM memory.
-            let mut g: usize = 0;
-            let prop = this.vmm_prop();
-            // SAFETY: valid out pointer and property struct.
-            check("cuMemGetAllocationGranularity", unsafe {
-                sys::cuMemGetAllocationGranularity(
-                    &mut g,
-                    &prop,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-                )
-            })?;
-            let g = (g as u64).max(1).next_power_of_two();
-            this.desc.granularity = this.desc.granularity.max(g);
-        }
+        // Leases are whole granules of VMM memory.
+        let mut g: usize = 0;
+        let prop = this.vmm_prop();
+        // SAFETY: valid out pointer and property struct.
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        let g = (g as u64).max(1).next_power_of_two();
+        this.desc.granularity = this.desc.granularity.max(g);
 
         // The context's view of total memory is what `mem_info` reports; keep them equal.
         let info = this.mem_info()?;
@@ -391,13 +372,13 @@ impl CudaDevice {
     }
 
     /// Unmaps and releases VMM memory (the physical memory stays while importers hold it).
-    fn vmm_free(&self, live: &Live, vmm: &Vmm) -> Result<(), DeviceError> {
+    fn vmm_free(&self, live: &Live) -> Result<(), DeviceError> {
         let size = usize::try_from(live.bytes).map_err(|_| DeviceError::InvalidSize(live.bytes))?;
         // SAFETY: the broker's own mapping of a live VMM allocation, undone once.
         unsafe {
             check("cuMemUnmap", sys::cuMemUnmap(live.ptr, size))?;
             check("cuMemAddressFree", sys::cuMemAddressFree(live.ptr, size))?;
-            check("cuMemRelease", sys::cuMemRelease(vmm.handle))
+            check("cuMemRelease", sys::cuMemRelease(live.vmm.handle))
         }
     }
 
@@ -487,59 +468,10 @@ impl Device for CudaDevice {
                 free: self.free_bytes(),
             });
         }
-        if !self.legacy {
-            let (ptr, vmm) = self.vmm_alloc(size)?;
-            let id = self.next_id;
-            self.next_id += 1;
-            self.live.insert(
-                id,
-                Live {
-                    ptr,
-                    bytes,
-                    vmm: Some(vmm),
-                },
-            );
-            return Ok(Allocation {
-                id,
-                bytes,
-                addr: ptr,
-                path: None,
-            });
-        }
-        let mut ptr: CUdeviceptr = 0;
-        // SAFETY: context current; valid out pointer; plain device memory (IPC-exportable).
-        let rc = unsafe { sys::cuMemAlloc_v2(&mut ptr, size) };
-        if rc == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-            return Err(DeviceError::OutOfMemory {
-                requested: bytes,
-                free: self.free_bytes(),
-            });
-        }
-        check("cuMemAlloc", rc)?;
-        let one: std::ffi::c_uint = 1;
-        // SAFETY: `ptr` is the base of a live allocation; the attribute takes an unsigned int.
-        let rc = unsafe {
-            sys::cuPointerSetAttribute(
-                &one as *const std::ffi::c_uint as *const c_void,
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
-                ptr,
-            )
-        };
-        if let Err(e) = check("cuPointerSetAttribute(SYNC_MEMOPS)", rc) {
-            // SAFETY: `ptr` came from cuMemAlloc above and was never handed out.
-            let _ = unsafe { sys::cuMemFree_v2(ptr) };
-            return Err(e);
-        }
+        let (ptr, vmm) = self.vmm_alloc(size)?;
         let id = self.next_id;
         self.next_id += 1;
-        self.live.insert(
-            id,
-            Live {
-                ptr,
-                bytes,
-                vmm: None,
-            },
-        );
+        self.live.insert(id, Live { ptr, bytes, vmm });
         Ok(Allocation {
             id,
             bytes,
@@ -551,34 +483,21 @@ impl Device for CudaDevice {
     fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError> {
         let live = self.lookup(&alloc)?;
         self.make_current()?;
-        match &live.vmm {
-            Some(vmm) => self.vmm_free(&live, vmm)?,
-            // SAFETY: `live.ptr` is a live allocation of this context; removed from the map
-            // only once the driver accepted the free.
-            None => check("cuMemFree", unsafe { sys::cuMemFree_v2(live.ptr) })?,
-        }
+        // Removed from the map only once the driver accepted the free.
+        self.vmm_free(&live)?;
         self.live.remove(&alloc.id);
         Ok(())
     }
 
     fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError> {
         let live = self.lookup(alloc)?;
-        if let Some(vmm) = &live.vmm {
-            // Exported once at allocation; every lease of the block shares the descriptor.
-            return Ok(Handle::Fd {
-                kind: MemoryKind::CudaVmm,
-                fd: vmm.fd.clone(),
-                block_id: vmm.block_id,
-                size: live.bytes,
-            });
-        }
-        self.make_current()?;
-        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
-        // SAFETY: `live.ptr` is the base pointer of a cuMemAlloc allocation; valid out pointer.
-        check("cuIpcGetMemHandle", unsafe {
-            sys::cuIpcGetMemHandle(&mut handle, live.ptr)
-        })?;
-        Ok(Handle::CudaIpc(handle.reserved.map(|c| c as u8)))
+        // Exported once at allocation; every lease of the block shares the descriptor.
+        Ok(Handle::Fd {
+            kind: MemoryKind::CudaVmm,
+            fd: live.vmm.fd.clone(),
+            block_id: live.vmm.block_id,
+            size: live.bytes,
+        })
     }
 
     fn scrub(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
@@ -624,7 +543,6 @@ impl Device for CudaDevice {
             return Ok(());
         }
         // SAFETY: [offset, offset+len) lies inside the live allocation; `data` is readable.
-        // SYNC_MEMOPS on a legacy allocation makes this copy complete when it returns.
         check("cuMemcpyHtoD", unsafe {
             sys::cuMemcpyHtoD_v2(
                 at(live.ptr, offset),
@@ -632,12 +550,9 @@ impl Device for CudaDevice {
                 data.len(),
             )
         })?;
-        if live.vmm.is_some() {
-            // VMM memory has no SYNC_MEMOPS: wait for the copy here.
-            // SAFETY: context current.
-            check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
-        }
-        Ok(())
+        // VMM memory has no SYNC_MEMOPS: wait for the copy here.
+        // SAFETY: context current.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 }
 
@@ -648,12 +563,7 @@ impl Drop for CudaDevice {
         }
         let live: Vec<(u64, Live)> = self.live.drain().collect();
         for (id, live) in live {
-            let r = match &live.vmm {
-                Some(vmm) => self.vmm_free(&live, vmm),
-                // SAFETY: a live allocation of this context, freed once.
-                None => check("cuMemFree", unsafe { sys::cuMemFree_v2(live.ptr) }),
-            };
-            if let Err(e) = r {
+            if let Err(e) = self.vmm_free(&live) {
                 tracing::error!(device = self.desc.index, allocation = id, error = %e, "free on drop failed");
             }
         }

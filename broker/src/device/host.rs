@@ -75,7 +75,6 @@ impl HostDevice {
                 backend: BackendKind::Host,
                 total_bytes: capacity,
                 granularity: HOST_GRANULARITY,
-                legacy_ipc: false,
             },
             allocated: 0,
             next_id: 1,
@@ -281,9 +280,7 @@ mod tests {
     fn a_holder_cannot_resize_lease_memory() {
         let mut dev = HostDevice::new(0, 16 << 20).unwrap();
         let a = dev.alloc(1 << 20).unwrap();
-        let Handle::Fd { fd, .. } = dev.export(&a).unwrap() else {
-            panic!("host memory is fd memory");
-        };
+        let Handle::Fd { fd, .. } = dev.export(&a).unwrap();
         // What a worker could try with the descriptor it received.
         // SAFETY: plain syscalls on a valid descriptor.
         unsafe {
@@ -324,9 +321,7 @@ mod tests {
         let mut dev = HostDevice::new(0, 16 << 20).unwrap();
         let a = dev.alloc(4096).unwrap();
         assert!(a.path.is_none());
-        let Handle::Fd { kind, fd, size, .. } = dev.export(&a).unwrap() else {
-            panic!("host exports fds");
-        };
+        let Handle::Fd { kind, fd, size, .. } = dev.export(&a).unwrap();
         assert_eq!((kind, size), (MemoryKind::HostMemfd, 4096));
         let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.raw())).unwrap();
         assert!(

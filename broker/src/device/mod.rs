@@ -56,8 +56,6 @@ pub struct DeviceDesc {
     pub total_bytes: u64,
     /// Allocation granularity in bytes: leases are rounded up to a multiple of it.
     pub granularity: u64,
-    /// Exports legacy CUDA IPC handles (`cuMemAlloc` memory) instead of file descriptors.
-    pub legacy_ipc: bool,
 }
 
 /// Free and total memory as the device reports it now.
@@ -120,8 +118,6 @@ impl fmt::Debug for SharedFd {
 /// How another process maps an allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Handle {
-    /// Legacy: the 64-byte `CUipcMemHandle` (anyone who has or forges it can open it).
-    CudaIpc([u8; 64]),
     /// A file descriptor, sent only over the ticket socket with `SCM_RIGHTS`.
     Fd {
         kind: MemoryKind,

@@ -99,7 +99,7 @@ impl Broker for BrokerService {
         })?;
         let accept = handles::parse_accept(&r.accept_handles)?;
         let span = tracing::info_span!("acquire", %tenant, %session, bytes = r.bytes);
-        let mut acquire = AcquireRequest {
+        let acquire = AcquireRequest {
             tenant,
             session,
             bytes: r.bytes,
@@ -112,25 +112,15 @@ impl Broker for BrokerService {
         // Bad values first (as before), then whether this caller can use what it would get.
         self.arb.validate(&acquire)?;
         handles::check_same_user(&self.arb.session_peer(&acquire.tenant, session)?, &caller)?;
-        let fallback_ok = handles::check_servable(&self.arb, accept, &caller)?;
-        acquire.fallback_host &= fallback_ok;
+        handles::check_servable(&self.arb, accept, &caller)?;
         let lease = if r.host_tier {
-            // Host memory is always fd memory.
-            if !accept.fd {
-                return Err(BrokerError::FailedPrecondition(
-                    "host-tier leases are fd handles and the request does not accept HANDLE_KIND_FD".into(),
-                )
-                .into());
-            }
-            handles::check_fd_receivable(&self.arb, &caller)?;
             self.arb.acquire_host_tier(acquire).instrument(span).await?
         } else {
             self.arb.acquire(acquire).instrument(span).await?
         };
         let mut reply = convert::lease_on(&lease, &self.arb);
         match handles::fd_handle(&self.arb, &lease, &caller) {
-            Ok(Some(fd)) => reply.handle = Some(pb::lease::Handle::Fd(fd)),
-            Ok(None) => {}
+            Ok(fd) => reply.handle = Some(pb::lease::Handle::Fd(fd)),
             Err(e) => {
                 // Checked before the grant; if it fails now nobody can map the lease.
                 let _ = self.arb.release(&lease.tenant, lease.id);
@@ -241,9 +231,7 @@ impl Broker for BrokerService {
         }
         let (view, session) = self.arb.own_lease(&tenant, id)?;
         handles::check_same_user(&session, &caller)?;
-        let fd = handles::fd_handle(&self.arb, &view, &caller)?.ok_or_else(|| {
-            BrokerError::FailedPrecondition(format!("lease {id} has no fd handle"))
-        })?;
+        let fd = handles::fd_handle(&self.arb, &view, &caller)?;
         Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }))
     }
 

@@ -46,7 +46,6 @@ pub fn lease(v: &LeaseView) -> pb::Lease {
         reclaim_deadline_unix_ms: v.reclaim_deadline.map(unix_ms).unwrap_or(0),
         borrowed: v.borrowed,
         handle: Some(match &v.handle {
-            Handle::CudaIpc(b) => pb::lease::Handle::CudaIpc(b.to_vec()),
             // Listings carry no ticket (and no socket): AcquireLease and RenewLeaseTicket
             // fill both in for the caller.
             Handle::Fd {

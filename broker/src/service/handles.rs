@@ -1,16 +1,14 @@
 //! Which handle kind a lease reply carries, and the tickets of fd handles. A request names
-//! the kinds it accepts (`accept_handles`; empty means any: older workers); the broker
-//! serves the safest kind it can for this caller:
+//! the kinds it accepts (`accept_handles`; empty means any: older workers). The broker
+//! serves one kind, **fd**: CUDA VMM memory or a memfd, delivered by the ticket server to
+//! the calling process only. It needs a Unix-socket caller (its uid and pid come from the
+//! kernel) and a running ticket server; a TCP caller cannot receive `SCM_RIGHTS` and gets
+//! `FAILED_PRECONDITION`.
 //!
-//! - **fd** (the default): CUDA VMM memory or a memfd, delivered by the ticket server to
-//!   the calling process only. Needs a Unix-socket caller (its uid and pid come from the
-//!   kernel) and a running ticket server. A TCP caller cannot receive `SCM_RIGHTS`: it gets
-//!   `FAILED_PRECONDITION` (or a legacy handle where the operator enabled them).
-//! - **cuda_ipc** (legacy): only when the operator started the broker with
-//!   `--legacy-ipc-handles`; then every device lease is a legacy handle, and a caller that
-//!   does not accept it gets `FAILED_PRECONDITION`.
-//!
-//! `host_shm` is accepted in requests (old workers name it) but never served.
+//! `cuda_ipc` (legacy CUDA IPC handles) is no longer served: any process on the node can
+//! forge them (`docs/security.md`). A request that accepts it but not fd gets
+//! [`BrokerError::LegacyHandlesRemoved`]. `host_shm` is accepted in requests (old workers
+//! name it) but never served.
 
 use crate::arbiter::Arbiter;
 use crate::error::BrokerError;
@@ -23,6 +21,7 @@ use gpu_broker_proto::v1 as pb;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Accept {
     pub fd: bool,
+    /// Names the removed legacy kind (only to say so when it names no kind served).
     pub cuda_ipc: bool,
 }
 
@@ -73,30 +72,19 @@ fn binding(arb: &Arbiter, caller: &Peer) -> Result<Binding, BrokerError> {
     }
 }
 
-/// Checks before a grant that the caller can use what device leases carry. Returns whether
-/// host fallback (always fd memory) may be used for it.
-pub fn check_servable(arb: &Arbiter, accept: Accept, caller: &Peer) -> Result<bool, BrokerError> {
-    let fd_ok = accept.fd && binding(arb, caller).is_ok();
-    if arb.legacy_ipc() {
-        if !accept.cuda_ipc {
-            return Err(BrokerError::FailedPrecondition(
-                "this broker serves device memory as legacy CUDA IPC handles \
-                 (--legacy-ipc-handles) and the request does not accept HANDLE_KIND_CUDA_IPC"
-                    .into(),
-            ));
-        }
-        return Ok(fd_ok);
-    }
+/// Checks before a grant that the caller can use what leases carry (fd handles).
+pub fn check_servable(arb: &Arbiter, accept: Accept, caller: &Peer) -> Result<(), BrokerError> {
     if !accept.fd {
+        if accept.cuda_ipc {
+            return Err(BrokerError::LegacyHandlesRemoved);
+        }
         return Err(BrokerError::FailedPrecondition(
             "this broker serves leases as fd handles only and the request does not accept \
-             HANDLE_KIND_FD (an operator may enable legacy CUDA IPC handles with \
-             --legacy-ipc-handles, which any process can forge: docs/security.md)"
+             HANDLE_KIND_FD"
                 .into(),
         ));
     }
-    binding(arb, caller)?;
-    Ok(true)
+    binding(arb, caller).map(|_| ())
 }
 
 /// The session a lease or request names must belong to the caller's uid when both are
@@ -110,23 +98,19 @@ pub fn check_same_user(session: &Peer, caller: &Peer) -> Result<(), BrokerError>
     }
 }
 
-/// The reply's `FdHandle` with a fresh ticket bound to `caller`, or `None` for a lease
-/// without an fd handle.
+/// The reply's `FdHandle` with a fresh ticket bound to `caller`.
 pub fn fd_handle(
     arb: &Arbiter,
     view: &LeaseView,
     caller: &Peer,
-) -> Result<Option<pb::FdHandle>, BrokerError> {
+) -> Result<pb::FdHandle, BrokerError> {
     let crate::device::Handle::Fd {
         kind,
         fd,
         block_id,
         size,
-    } = &view.handle
-    else {
-        return Ok(None);
-    };
-    fd_handle_of(arb, view.id, *kind, fd, *block_id, *size, caller).map(Some)
+    } = &view.handle;
+    fd_handle_of(arb, view.id, *kind, fd, *block_id, *size, caller)
 }
 
 /// Can `caller` receive descriptors at all (a Unix-socket peer, a ticket server running)?
@@ -164,7 +148,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn empty_accepts_everything_and_unknown_kinds_are_refused() {
+    fn empty_accepts_fd_and_unknown_kinds_are_refused() {
         assert_eq!(
             parse_accept(&[]).unwrap(),
             Accept {
@@ -176,6 +160,8 @@ mod tests {
         assert!(only_fd.fd && !only_fd.cuda_ipc);
         let shm = parse_accept(&[pb::HandleKind::HostShm as i32]).unwrap();
         assert!(!shm.fd && !shm.cuda_ipc);
+        let legacy = parse_accept(&[pb::HandleKind::CudaIpc as i32]).unwrap();
+        assert!(!legacy.fd && legacy.cuda_ipc);
         assert!(matches!(
             parse_accept(&[99]),
             Err(BrokerError::InvalidArgument(_))

@@ -260,6 +260,8 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "DEVICE_UNHEALTHY": DeviceUnhealthy,
     "TENANT_IN_USE": TenantInUse,
     "TURN_ALREADY_HELD": FailedPrecondition,
+    # A request that accepts only legacy CUDA IPC handles (no longer served).
+    "LEGACY_HANDLES_REMOVED": FailedPrecondition,
 }
 
 
