@@ -322,6 +322,20 @@ impl Authenticator {
         self.tokens.insert(entry.hash, entry);
     }
 
+    /// The ids of the tokens that authenticate now (not revoked, not expired), the admin
+    /// token file's included.
+    pub fn live_token_ids(&self) -> std::collections::HashSet<String> {
+        let now = crate::units::unix_ms(std::time::SystemTime::now());
+        let mut live: std::collections::HashSet<String> = self
+            .tokens
+            .iter()
+            .filter(|e| e.expires_unix_ms.is_none_or(|exp| now < exp))
+            .map(|e| e.token_id.clone())
+            .collect();
+        live.insert(ADMIN_FILE_TOKEN_ID.into());
+        live
+    }
+
     /// Looks a token up by id or by the token itself.
     pub fn find(&self, id_or_token: &str) -> Option<TokenEntry> {
         let by_hash = hash_token(id_or_token);

@@ -73,6 +73,9 @@ pub struct Session {
     pub leases: HashSet<Uuid>,
     /// What NVML last said about the peer process's GPU memory.
     pub gpu: Option<GpuUse>,
+    /// The id of the token the session was opened with: revoking that token, or its
+    /// expiry, ends the session (`arbiter/revocation.rs`).
+    pub token_id: Option<String>,
 }
 
 /// When a session last showed activity: a lock-free timestamp (nanoseconds since the

@@ -103,17 +103,33 @@ async fn quotas_tenants_and_tokens() {
         l.release().await.unwrap();
     }
 
-    // RevokeToken (by id, and by the token itself): the token stops working.
+    // RevokeToken (by id, and by the token itself): the token stops working, and the
+    // sessions opened with it end; sessions of the tenant's other tokens live on.
+    let c2 = Client::connect(&b.uri(), t2.token.clone()).await.unwrap();
+    let s2 = c2.session("other token").await.unwrap();
     admin.revoke_token(&t1.token_id).await.unwrap();
     let e = c.usage().await.unwrap_err();
     assert_eq!(e.code(), Code::Unauthenticated, "{e}");
-    let c2 = Client::connect(&b.uri(), t2.token.clone()).await.unwrap();
+    assert!(
+        eventually(T, || async { s.is_closed() }).await,
+        "the revoked token's session stream ended"
+    );
+    let sessions = admin.list_sessions(None).await.unwrap();
+    assert_eq!(sessions.len(), 1, "{sessions:?}");
+    assert_eq!(sessions[0].session_id, s2.id());
     assert_eq!(c2.usage().await.unwrap().tenant, "team-a");
     admin.revoke_token(&t2.token).await.unwrap();
     assert_eq!(c2.usage().await.unwrap_err().code(), Code::Unauthenticated);
+    assert!(
+        eventually(T, || async { s2.is_closed() }).await,
+        "the second token's session ended with it"
+    );
     assert_eq!(admin.get_quota("team-a").await.unwrap().token_count, 0);
 
-    // Holding nothing (its session still open), the tenant can be deleted.
+    // Holding nothing (a session of a new token still open), the tenant can be deleted.
+    let t3 = admin.issue_token("team-a", "late").await.unwrap();
+    let c3 = Client::connect(&b.uri(), t3.token.clone()).await.unwrap();
+    let s3 = c3.session("late").await.unwrap();
     admin.delete_tenant("team-a").await.unwrap();
     assert!(
         eventually(T, || async {
@@ -123,7 +139,7 @@ async fn quotas_tenants_and_tokens() {
         "the deleted tenant's sessions end"
     );
     assert!(
-        eventually(T, || async { s.is_closed() }).await,
+        eventually(T, || async { s3.is_closed() }).await,
         "the session stream ended"
     );
     let names: Vec<String> = admin

@@ -259,6 +259,9 @@ impl Arbiter {
         self.durable(|store| store.delete_token(&entry.token_id))?;
         self.auth.remove(&entry.hash);
         tracing::info!(tenant = %entry.tenant, token_id = %entry.token_id, "token revoked");
+        if let Some(me) = self.me.upgrade() {
+            me.end_sessions_of_token(&entry.token_id, "the session's token was revoked");
+        }
         Ok(())
     }
 

@@ -17,6 +17,7 @@ mod ending;
 mod host_direct;
 pub mod listing;
 pub mod queue;
+mod revocation;
 mod sharing;
 mod tasks;
 pub mod tokens;
@@ -327,6 +328,18 @@ impl Arbiter {
         name: &str,
         peer: Peer,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
+        self.open_session_with_token(tenant, name, peer, None)
+    }
+
+    /// Opens a session on behalf of the token `token_id` (the caller's): the session ends
+    /// when that token is revoked or expires.
+    pub fn open_session_with_token(
+        self: &Arc<Self>,
+        tenant: &str,
+        name: &str,
+        peer: Peer,
+        token_id: Option<String>,
+    ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
         self.check_not_draining()?;
         crate::bounds::check("session name", name, MAX_LABEL)?;
         let (tx, rx) = mpsc::unbounded_channel();
@@ -355,6 +368,7 @@ impl Arbiter {
                 events: tx,
                 leases: Default::default(),
                 gpu: None,
+                token_id,
             });
             // The watcher ends with the session (`end_session` stops it), so a live
             // process opening and closing sessions leaves no pidfd behind.

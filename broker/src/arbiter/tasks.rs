@@ -31,6 +31,7 @@ impl Arbiter {
                 if last_reap.elapsed() >= Duration::from_millis(500) {
                     last_reap = Instant::now();
                     me.reap_idle_sessions();
+                    me.end_sessions_of_lapsed_tokens();
                     me.rearm_reclaim(me.cfg.reclaim_deadline * 2);
                 }
             }

@@ -68,8 +68,14 @@ impl Broker for BrokerService {
     ) -> Result<Response<Self::OpenSessionStream>, Status> {
         let tenant = tenant_of(&req)?;
         let peer = peer_of(&req);
+        let token_id = req
+            .extensions()
+            .get::<crate::auth::Principal>()
+            .map(|p| p.token_id.clone());
         let name = req.into_inner().name;
-        let (id, rx) = self.arb.open_session(&tenant, &name, peer)?;
+        let (id, rx) = self
+            .arb
+            .open_session_with_token(&tenant, &name, peer, token_id)?;
         let opened = pb::SessionOpened {
             session_id: id.to_string(),
             tenant,

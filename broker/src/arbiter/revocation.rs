@@ -1,0 +1,146 @@
+//! Sessions outlive nothing that let them in: a session remembers the token it was opened
+//! with, and when that token is revoked (at once) or expires (on the next sweep of the
+//! background ticker) the session ends like any other — waiters are refused, leases end
+//! (quarantined while the peer may still map them), and its event stream closes, so a
+//! reconnecting worker meets `UNAUTHENTICATED`.
+
+use super::Arbiter;
+use std::sync::Arc;
+use uuid::Uuid;
+
+impl Arbiter {
+    /// Ends every session opened with `token_id`. Returns how many.
+    pub(crate) fn end_sessions_of_token(self: &Arc<Self>, token_id: &str, reason: &str) -> usize {
+        let ids: Vec<Uuid> = self
+            .lock()
+            .sessions
+            .iter()
+            .filter(|s| s.token_id.as_deref() == Some(token_id))
+            .map(|s| s.id)
+            .collect();
+        for id in &ids {
+            self.end_session(*id, reason);
+        }
+        if !ids.is_empty() {
+            tracing::warn!(token_id, sessions = ids.len(), reason, "sessions ended");
+        }
+        ids.len()
+    }
+
+    /// Ends the sessions whose token no longer authenticates (expired, or removed by a
+    /// path other than `revoke_token`). Returns how many.
+    pub(crate) fn end_sessions_of_lapsed_tokens(self: &Arc<Self>) -> usize {
+        let live = self.auth.live_token_ids();
+        let ids: Vec<Uuid> = self
+            .lock()
+            .sessions
+            .iter()
+            .filter(|s| s.token_id.as_ref().is_some_and(|t| !live.contains(t)))
+            .map(|s| s.id)
+            .collect();
+        for id in &ids {
+            self.end_session(*id, "the session's token expired");
+        }
+        ids.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::arbiter::tokens::TokenSpec;
+    use crate::arbiter::{Arbiter, ArbiterConfig};
+    use crate::auth::{Authenticator, Scope};
+    use crate::backend::{open_devices, BackendChoice, BackendSpec, Headroom};
+    use crate::ledger::Quota;
+    use crate::session::Peer;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn arbiter() -> Arc<Arbiter> {
+        let spec = BackendSpec {
+            choice: BackendChoice::Host,
+            cuda_devices: None,
+            host_capacity: 64 << 20,
+            host_devices: 1,
+            headroom: Headroom::Bytes(0),
+            host_uuid_seed: None,
+            legacy_ipc: false,
+        };
+        let slots = open_devices(&spec).unwrap();
+        let arb = Arbiter::new(
+            slots,
+            None,
+            None,
+            Arc::new(Authenticator::new("x")),
+            ArbiterConfig::default(),
+        )
+        .unwrap();
+        arb.set_quota(
+            "a",
+            Quota {
+                limit_bytes: 32 << 20,
+                ..Quota::default()
+            },
+        )
+        .unwrap();
+        arb
+    }
+
+    fn worker_token(arb: &Arc<Arbiter>, ttl: Option<Duration>) -> String {
+        arb.issue(TokenSpec {
+            tenant: Some("a".into()),
+            scope: Scope::Worker,
+            ttl,
+            name: "w".into(),
+            description: String::new(),
+        })
+        .unwrap()
+        .entry
+        .token_id
+    }
+
+    #[test]
+    fn revoking_a_token_ends_its_sessions_and_no_others() {
+        let arb = arbiter();
+        let (t1, t2) = (worker_token(&arb, None), worker_token(&arb, None));
+        let open = |t: &str| {
+            arb.open_session_with_token("a", "s", Peer::default(), Some(t.to_string()))
+                .unwrap()
+        };
+        let (s1, mut rx1) = open(&t1);
+        let (s1b, _rx1b) = open(&t1);
+        let (s2, mut rx2) = open(&t2);
+        let (untracked, _rx3) = arb.open_session("a", "s", Peer::default()).unwrap();
+        arb.revoke_token(&t1).unwrap();
+        let live = arb.lock().sessions.ids();
+        assert!(!live.contains(&s1) && !live.contains(&s1b), "{live:?}");
+        assert!(live.contains(&s2) && live.contains(&untracked), "{live:?}");
+        // The ended session's event channel is closed; the other's is not.
+        assert!(matches!(
+            rx1.try_recv(),
+            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected)
+        ));
+        assert!(matches!(
+            rx2.try_recv(),
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty)
+        ));
+    }
+
+    #[test]
+    fn the_sweep_ends_sessions_of_expired_tokens_only() {
+        let arb = arbiter();
+        let short = worker_token(&arb, Some(Duration::from_millis(1)));
+        let long = worker_token(&arb, Some(Duration::from_secs(3600)));
+        let (s_short, _a) = arb
+            .open_session_with_token("a", "s", Peer::default(), Some(short))
+            .unwrap();
+        let (s_long, _b) = arb
+            .open_session_with_token("a", "s", Peer::default(), Some(long))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(arb.end_sessions_of_lapsed_tokens(), 1);
+        let live = arb.lock().sessions.ids();
+        assert_eq!(live, vec![s_long], "{s_short} should have ended");
+        assert_eq!(arb.end_sessions_of_lapsed_tokens(), 0);
+    }
+}
