@@ -64,7 +64,6 @@ mod tests {
             host_devices: 1,
             headroom: Headroom::Bytes(0),
             host_uuid_seed: None,
-            legacy_ipc: false,
         };
         let slots = open_devices(&spec).unwrap();
         let arb = Arbiter::new(
