@@ -101,15 +101,15 @@ impl Arbiter {
             }
             self.fail_stranded_waiters(&mut st);
             let sessions: std::collections::HashSet<uuid::Uuid> = st
-                .leases
+                .leases()
                 .iter()
                 .filter(|l| l.device == index && l.tier == crate::ledger::Tier::Device)
                 .map(|l| l.session)
                 .collect();
             for s in &sessions {
-                if let Some(s) = st.sessions.get(s) {
+                if let Some(s) = st.sessions().get(s) {
                     let to = s.events.clone();
-                    st.fx.notify(
+                    st.fx().notify(
                         &to,
                         SessionEvent::DeviceUnhealthy {
                             device: index,

@@ -107,7 +107,7 @@ pub struct ReservationView {
 /// Every live reservation, by id.
 #[derive(Debug, Default)]
 pub struct ReservationTable {
-    by_id: HashMap<Uuid, Reservation>,
+    pub(crate) by_id: HashMap<Uuid, Reservation>,
 }
 
 impl ReservationTable {
@@ -247,8 +247,8 @@ impl Arbiter {
             let st = self.lock();
             let w = |t: &crate::ledger::Tenant| t.quota.turn_weight.max(1);
             (
-                st.ledger.get(&req.tenant).map(w).unwrap_or(1),
-                st.ledger.tenants().map(w).max().unwrap_or(1),
+                st.ledger().get(&req.tenant).map(w).unwrap_or(1),
+                st.ledger().tenants().map(w).max().unwrap_or(1),
             )
         };
         let percentage = crate::mps::thread_percentage(req.compute_percent, weight, max_weight);
@@ -258,7 +258,7 @@ impl Arbiter {
     /// Ends a reservation of `tenant` early (its session keeps going).
     pub fn release_process(self: &Arc<Self>, tenant: &str, id: Uuid) -> BrokerResult<()> {
         let mut st = self.lock();
-        match st.reservations.get(&id) {
+        match st.reservations().get(&id) {
             Some(r) if r.tenant == tenant => {}
             _ => return Err(BrokerError::NotFound(Missing::Reservation(id))),
         }
@@ -272,10 +272,15 @@ impl Arbiter {
     /// reservation ends, what is left of the group is stopped.
     pub fn set_process_group(&self, tenant: &str, id: Uuid, pgid: u32) -> BrokerResult<()> {
         let root = |st: &State| {
-            st.reservations
+            st.reservations()
                 .get(&id)
                 .filter(|r| r.tenant == tenant)
-                .map(|r| (r.pid, st.sessions.get(&r.session).and_then(|s| s.peer.uid)))
+                .map(|r| {
+                    (
+                        r.pid,
+                        st.sessions().get(&r.session).and_then(|s| s.peer.uid),
+                    )
+                })
                 .ok_or(BrokerError::NotFound(Missing::Reservation(id)))
         };
         let (pid, uid) = root(&self.lock())?;
@@ -286,9 +291,7 @@ impl Arbiter {
         if root(&st)? != (pid, uid) {
             return Err(BrokerError::NotFound(Missing::Reservation(id)));
         }
-        if let Some(r) = st.reservations.by_id.get_mut(&id) {
-            r.group = Some(g);
-        }
+        st.set_process_group(id, g);
         tracing::info!(reservation = %id, pgid, "process group of the reservation's program");
         Ok(())
     }
@@ -297,7 +300,7 @@ impl Arbiter {
     pub fn list_reservations(&self, tenant: Option<&str>) -> Vec<ReservationView> {
         let st = self.lock();
         let mut v: Vec<ReservationView> = st
-            .reservations
+            .reservations()
             .iter()
             .filter(|r| tenant.is_none_or(|t| r.tenant == t))
             .map(|r| self.reservation_view(r))
@@ -327,7 +330,7 @@ impl Arbiter {
     /// Refuses a reservation the session cannot have: one per session (it stands for
     /// the session's one process).
     pub(crate) fn check_process_ask(&self, st: &State, req: &AcquireRequest) -> BrokerResult<()> {
-        if let Some(r) = st.reservations.of_session(req.session).next() {
+        if let Some(r) = st.reservations().of_session(req.session).next() {
             return Err(BrokerError::FailedPrecondition(format!(
                 "session {} already holds process reservation {}; a session reserves once, for its process",
                 req.session, r.id
@@ -336,72 +339,22 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Grants a queued reservation on device `d` (the queue found room and quota).
+    /// Grants a queued reservation on device `d` (the queue found room and quota) and
+    /// answers the waiter (`State::grant_process`; one nobody receives is ended by the
+    /// shell).
     pub(crate) fn grant_process(self: &Arc<Self>, st: &mut State, ask: Ask, reply: Reply, d: u32) {
-        let pid = match st.sessions.get(&ask.session) {
-            Some(s) if s.tenant == ask.tenant => s.peer.pid,
-            _ => {
-                let e = crate::arbiter::session_not_found(ask.session);
-                st.fx.reply_process(reply, Err(e));
-                return;
-            }
-        };
-        if let Some(r) = st.reservations.of_session(ask.session).next() {
-            let e = BrokerError::FailedPrecondition(format!(
-                "session {} already holds process reservation {}",
-                ask.session, r.id
-            ));
-            st.fx.reply_process(reply, Err(e));
-            return;
-        }
-        if let Err(e) = st.ledger.charge_process(&ask.tenant, d, ask.bytes) {
-            st.fx.reply_process(reply, Err(e));
-            return;
-        }
-        for b in st.pools[d as usize].reserve_process(ask.bytes) {
-            st.fx.free(d, b);
-        }
-        let r = Reservation {
-            id: Uuid::now_v7(),
-            tenant: ask.tenant.clone(),
-            session: ask.session,
-            device: d,
-            bytes: ask.bytes,
-            requested_bytes: ask.requested_bytes,
-            label: ask.label.clone(),
-            pid,
-            compute_percent: ask.process.as_ref().and_then(|p| p.compute_percent),
-            created: SystemTime::now(),
-            drawn: 0,
-            lost: 0,
-            group: None,
-        };
-        let view = self.reservation_view(&r);
-        st.reservations.by_id.insert(r.id, r);
-        // A reservation nobody receives ends at once (the shell, `Effect::Reply`).
-        st.fx.reply_process(reply, Ok(view));
+        let r = st.grant_process(&ask, d).and_then(|id| {
+            st.reservations()
+                .get(&id)
+                .map(|r| self.reservation_view(r))
+                .ok_or_else(|| BrokerError::Internal("reservation vanished".into()))
+        });
+        st.fx().reply_process(reply, r);
     }
 
     /// Ends one reservation: its room is uncharged. Does not run the queue.
     pub(crate) fn end_reservation(&self, st: &mut State, id: Uuid) {
-        let Some(r) = st.reservations.by_id.remove(&id) else {
-            return;
-        };
-        let room = r.room();
-        st.ledger.uncharge_process(&r.tenant, r.device, room);
-        st.pools[r.device as usize].unreserve_process(room);
-        if let Some(g) = r.group {
-            st.fx.stop_group(g);
-        }
-        tracing::info!(reservation = %id, tenant = %r.tenant, session = %r.session, bytes = r.bytes, drawn = r.drawn, "process reservation ended");
-    }
-
-    /// A session ended: so do its reservations. Does not run the queue (the caller does).
-    pub(crate) fn end_session_reservations(&self, st: &mut State, session: Uuid) {
-        let ids: Vec<Uuid> = st.reservations.of_session(session).map(|r| r.id).collect();
-        for id in ids {
-            self.end_reservation(st, id);
-        }
+        st.end_reservation(id);
     }
 
     /// The pids a lease request's process tree is made of (its session's peer, its
@@ -410,10 +363,10 @@ impl Arbiter {
     pub(crate) fn caller_lineage(&self, req: &AcquireRequest) -> Vec<u32> {
         let pid = {
             let st = self.state.lock();
-            if st.reservations.is_empty() {
+            if st.reservations().is_empty() {
                 return Vec::new();
             }
-            st.sessions.get(&req.session).and_then(|s| s.peer.pid)
+            st.sessions().get(&req.session).and_then(|s| s.peer.pid)
         };
         pid.map(|p| lineage(p).collect()).unwrap_or_default()
     }
@@ -428,21 +381,21 @@ impl Arbiter {
         req: &AcquireRequest,
         lineage: &[u32],
     ) -> BrokerResult<Option<Drawn>> {
-        if st.reservations.is_empty() || lineage.is_empty() {
+        if st.reservations().is_empty() || lineage.is_empty() {
             return Ok(None);
         }
         // The lineage was read for the session's peer before the lock.
-        let peer = st.sessions.get(&req.session).and_then(|s| s.peer.pid);
+        let peer = st.sessions().get(&req.session).and_then(|s| s.peer.pid);
         if peer != lineage.first().copied() {
             return Ok(None);
         }
-        let Some(r) = st.reservations.covering(lineage, |r| {
+        let Some(r) = st.reservations().covering(lineage, |r| {
             r.tenant == req.tenant && req.device.is_none_or(|d| d == r.device)
         }) else {
             return Ok(None);
         };
         let (rid, d) = (r.id, r.device);
-        let gran = st.pools[d as usize].granularity();
+        let gran = st.pools()[d as usize].granularity();
         let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
             BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
         })?;
@@ -456,15 +409,11 @@ impl Arbiter {
             });
         }
         let priority = st
-            .ledger
+            .ledger()
             .get(&req.tenant)
             .map(|t| t.quota.priority)
             .unwrap_or(0);
-        if let Some(r) = st.reservations.by_id.get_mut(&rid) {
-            r.drawn += bytes;
-        }
-        st.ledger.shift_process(&req.tenant, d, bytes, false);
-        st.pools[d as usize].unreserve_process(bytes);
+        st.draw(rid, &req.tenant, bytes);
         Ok(Some(Drawn {
             ask: Ask {
                 tenant: req.tenant.clone(),
@@ -482,39 +431,12 @@ impl Arbiter {
         }))
     }
 
-    /// A drawn ask did not become a lease: its bytes (just given back to the pool and the
-    /// ledger) return to its reservation's room, if the reservation is still there.
-    pub(crate) fn undraw(&self, st: &mut State, ask: &Ask) {
-        if let Some(rid) = ask.draw {
-            self.lease_left_reservation(st, rid, ask.bytes, true);
-        }
-    }
-
-    /// `bytes` drawn from reservation `rid` came back: into its room when `back` and the
-    /// device still has the room, else (quarantined) they stay out of it.
-    pub(crate) fn lease_left_reservation(&self, st: &mut State, rid: Uuid, bytes: u64, back: bool) {
-        let Some(r) = st.reservations.by_id.get_mut(&rid) else {
-            return;
-        };
-        r.drawn = r.drawn.saturating_sub(bytes);
-        let d = r.device as usize;
-        let tenant = r.tenant.clone();
-        if back && st.pools[d].available() >= bytes {
-            st.ledger.shift_process(&tenant, d as u32, bytes, true);
-            for b in st.pools[d].reserve_process(bytes) {
-                st.fx.free(d as u32, b);
-            }
-        } else if let Some(r) = st.reservations.by_id.get_mut(&rid) {
-            r.lost += bytes;
-        }
-    }
-
     /// Which GPU processes (pid -> bytes, NVML) lie in a reservation's process tree, and
     /// how much each tree uses. Reads `/proc` outside the state lock.
     pub(crate) fn covered_usage(&self, usage: &HashMap<u32, u64>) -> Covered {
         let roots: HashMap<u32, Uuid> = {
             let st = self.lock();
-            st.reservations
+            st.reservations()
                 .iter()
                 .filter_map(|r| r.pid.map(|p| (p, r.id)))
                 .collect()
@@ -616,16 +538,16 @@ mod tests {
         let st = arb.state.lock();
         let mut total = 0;
         for (t, limit) in limits {
-            let u = st.ledger.get(t).unwrap().usage;
+            let u = st.ledger().get(t).unwrap().usage;
             assert!(u.committed_bytes() <= *limit, "{t} over its limit: {u:?}");
             let room: u64 = st
-                .reservations
+                .reservations()
                 .iter()
                 .filter(|r| r.tenant == *t)
                 .map(Reservation::room)
                 .sum();
             assert_eq!(u.process_reserved_bytes, room, "{t}");
-            let t = st.ledger.get(t).unwrap();
+            let t = st.ledger().get(t).unwrap();
             assert_eq!(
                 t.device_bytes.values().sum::<u64>(),
                 u.committed_bytes(),
@@ -634,11 +556,11 @@ mod tests {
             );
             total += u.committed_bytes();
         }
-        let p = &st.pools[0];
+        let p = &st.pools()[0];
         assert_eq!(p.committed(), total, "pool promises = tenants' charges");
         assert!(p.committed() <= p.leasable());
         assert_eq!(p.stats().process_reserved, {
-            let r: u64 = st.reservations.iter().map(Reservation::room).sum();
+            let r: u64 = st.reservations().iter().map(Reservation::room).sum();
             r
         });
     }
@@ -706,7 +628,7 @@ mod tests {
             Err(BrokerError::NotFound(_))
         ));
         check_books(&arb, &[("a", 512 * MIB), ("b", 1024 * MIB)]);
-        assert_eq!(arb.state.lock().pools[0].committed(), 0);
+        assert_eq!(arb.state.lock().pools()[0].committed(), 0);
     }
 
     #[tokio::test]
@@ -749,7 +671,7 @@ mod tests {
         arb.reserve_process(reserve("a", s, 64 * MIB, Duration::ZERO))
             .await
             .unwrap();
-        assert_eq!(arb.state.lock().ledger.device_committed("a", 0), 64 * MIB);
+        assert_eq!(arb.state.lock().ledger().device_committed("a", 0), 64 * MIB);
         let other = session(&arb, "a", None);
         let e = arb.acquire(lease("a", other, 64 * MIB)).await.unwrap_err();
         assert!(
@@ -758,7 +680,7 @@ mod tests {
         );
         check_books(&arb, &[("a", 1024 * MIB)]);
         arb.end_session(s, "test");
-        assert_eq!(arb.state.lock().ledger.device_committed("a", 0), 0);
+        assert_eq!(arb.state.lock().ledger().device_committed("a", 0), 0);
     }
 
     #[tokio::test]
@@ -844,7 +766,7 @@ mod tests {
         );
         arb.release("a", l.id).unwrap();
         check_books(&arb, &[("a", 600 * MIB)]);
-        assert_eq!(arb.state.lock().pools[0].committed(), 0);
+        assert_eq!(arb.state.lock().pools()[0].committed(), 0);
     }
 
     #[tokio::test]
@@ -862,7 +784,7 @@ mod tests {
         let over = |arb: &Arbiter, id: Uuid| {
             arb.state
                 .lock()
-                .sessions
+                .sessions()
                 .get(&id)
                 .and_then(|s| s.gpu)
                 .map(|g| (g.used, g.over))
@@ -939,8 +861,8 @@ mod tests {
                     {
                         // g's unused guarantee is never given away.
                         let st = arb.state.lock();
-                        let g = st.ledger.get("g").unwrap();
-                        let p = &st.pools[0];
+                        let g = st.ledger().get("g").unwrap();
+                        let p = &st.pools()[0];
                         assert!(
                             p.available() >= g.unused_guarantee(),
                             "g's guarantee taken: available {} unused guarantee {}",
@@ -964,6 +886,6 @@ mod tests {
             assert_eq!(u.committed_bytes(), u.quarantined_bytes, "{t}: {u:?}");
             assert_eq!(u.process_reservations, 0);
         }
-        assert!(arb.state.lock().reservations.is_empty());
+        assert!(arb.state.lock().reservations().is_empty());
     }
 }

@@ -90,7 +90,7 @@ impl Arbiter {
         let (tenants, tokens) = store.load().map_err(store_err)?;
         let mut st = self.lock();
         for t in &tenants {
-            st.ledger.set_quota(&t.name, t.quota.clone())?;
+            st.set_quota(&t.name, t.quota.clone())?;
         }
         for t in tokens {
             self.auth.add(t);
@@ -106,8 +106,8 @@ impl Arbiter {
             usage: t.usage,
             device_bytes: t.device_bytes.clone(),
             borrowed_bytes: t.borrowed_bytes(),
-            sessions: st.sessions.count_of(&t.name) as u32,
-            waiting: st.queue.iter().filter(|w| w.ask.tenant == t.name).count() as u32,
+            sessions: st.sessions().count_of(&t.name) as u32,
+            waiting: st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32,
             tokens: self.auth.count(&t.name) as u32,
             turns: self.scheduler.usage(&t.name),
         }
@@ -115,7 +115,7 @@ impl Arbiter {
 
     /// Total leasable bytes of every device.
     fn leasable_total(st: &State) -> u64 {
-        st.pools
+        st.pools()
             .iter()
             .map(|p| p.leasable())
             .fold(0, u64::saturating_add)
@@ -143,11 +143,11 @@ impl Arbiter {
         let st = self.lock();
         let quota = match update {
             QuotaUpdate::Replace(q) => q,
-            QuotaUpdate::Patch(p) => p.apply(st.ledger.get(name).map(|t| &t.quota))?,
+            QuotaUpdate::Patch(p) => p.apply(st.ledger().get(name).map(|t| &t.quota))?,
         };
         Ledger::validate_quota(&quota)?;
         quota.validate_devices(self.devices.len())?;
-        let guarantees = st.ledger.guarantees_with(name, quota.guaranteed_bytes);
+        let guarantees = st.ledger().guarantees_with(name, quota.guaranteed_bytes);
         let leasable = Self::leasable_total(&st);
         if guarantees > leasable {
             return Err(BrokerError::InvalidArgument(format!(
@@ -168,11 +168,11 @@ impl Arbiter {
         })?;
         tracing::info!(tenant = name, ?quota, "quota set");
         let mut st = self.lock();
-        let created = st.ledger.set_quota(name, quota)?;
+        let created = st.set_quota(name, quota)?;
         // A raised limit or new guarantee may let waiters in, or call for reclaim.
         self.drain(&mut st);
         let t = st
-            .ledger
+            .ledger()
             .get(name)
             .ok_or_else(|| BrokerError::Internal("tenant vanished".into()))?;
         let warnings = t.over_quota_warnings();
@@ -190,7 +190,7 @@ impl Arbiter {
     /// must not look like "nothing there").
     pub fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
         match tenant {
-            Some(name) if self.lock().ledger.get(name).is_none() => {
+            Some(name) if self.lock().ledger().get(name).is_none() => {
                 Err(BrokerError::tenant_not_found(name))
             }
             _ => Ok(()),
@@ -200,7 +200,7 @@ impl Arbiter {
     pub fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
         let st = self.lock();
         let t = st
-            .ledger
+            .ledger()
             .get(name)
             .ok_or_else(|| BrokerError::tenant_not_found(name))?;
         Ok(self.tenant_view(&st, t))
@@ -216,16 +216,16 @@ impl Arbiter {
         let _writes = self.admin_writes();
         // Check and close the tenant (it takes no new charge), commit the deletion to the
         // store with no state lock held, then apply it (or reopen the tenant).
-        self.lock().ledger.close(name)?;
+        self.lock().close_tenant(name)?;
         if let Err(e) = self.durable(|store| store.delete_tenant(name)) {
-            self.lock().ledger.reopen(name);
+            self.lock().reopen_tenant(name);
             return Err(e);
         }
         let sessions: Vec<Uuid> = {
             let mut st = self.lock();
-            st.ledger.delete(name)?;
+            st.delete_tenant(name)?;
             self.auth.remove_tenant(name);
-            st.sessions
+            st.sessions()
                 .iter()
                 .filter(|s| s.tenant == name)
                 .map(|s| s.id)
@@ -286,7 +286,7 @@ impl Arbiter {
         let st = self.lock();
         let now = (std::time::Instant::now(), SystemTime::now());
         let mut v: Vec<QuarantineView> = st
-            .quarantine
+            .quarantine()
             .iter()
             .map(|(id, q)| QuarantineView {
                 lease: *id,
@@ -301,7 +301,7 @@ impl Arbiter {
             })
             .collect();
         // Blocks held for importers of shared leases and other processes (`sharing.rs`).
-        v.extend(st.shared.held_views(now));
+        v.extend(st.shared().held_views(now));
         v.sort_by_key(|q| q.since);
         v
     }
@@ -352,7 +352,7 @@ impl Arbiter {
                 .cloned()
                 .unwrap_or_default();
             let st = self.lock();
-            let p = &st.pools[i];
+            let p = &st.pools()[i];
             let s = p.stats();
             let held = p.held_on_device();
             out.push(DeviceReport {
@@ -373,7 +373,7 @@ impl Arbiter {
                 granularity: desc.granularity,
                 lease_count: p.lease_count(),
                 waiting: st
-                    .queue
+                    .queue()
                     .iter()
                     .filter(|w| w.ask.device.is_none_or(|d| d == i as u32))
                     .count() as u32,

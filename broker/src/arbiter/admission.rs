@@ -3,17 +3,18 @@
 //! not yet promised (pool), and granting it leaves other tenants' unused guarantees intact.
 //! Requests that do not fit wait in the queue; every release re-runs [`Arbiter::drain`].
 
-use super::effects::{Counted, Effect, PendingGrant};
+use super::effects::{Effect, PendingGrant};
 use super::queue::{Ask, Granted, Reply};
+use super::state::NotCommitted;
 use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
 use crate::error::{BrokerError, BrokerResult, DeviceRoom, Queue};
-use crate::lease::{Lease, LeaseState, LeaseView};
+use crate::lease::LeaseView;
 use crate::ledger::Tier;
 use crate::pool::{Block, Source};
 use crate::units::show;
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 use tokio::sync::oneshot;
 
 /// Largest single request accepted at all (1 PiB): anything above is malformed.
@@ -57,7 +58,7 @@ struct WaiterGuard {
 impl Drop for WaiterGuard {
     fn drop(&mut self) {
         let mut st = self.arb.lock();
-        if st.queue.remove(self.id).is_some() {
+        if st.queue_mut().remove(self.id).is_some() {
             tracing::debug!(waiter = self.id, "waiting request left the queue");
             // Its place may have blocked others.
             self.arb.drain(&mut st);
@@ -128,7 +129,8 @@ impl Arbiter {
                 Err(_) => {
                     let lost = {
                         let mut st = self.lock();
-                        st.queue.remove(id).map(|w| self.exhausted(&st, &w.ask))
+                        let w = st.queue_mut().remove(id);
+                        w.map(|w| self.exhausted(&st, &w.ask))
                     };
                     match lost {
                         Some(cause) => {
@@ -156,8 +158,8 @@ impl Arbiter {
     ) -> BrokerResult<Enqueued> {
         let mut st = self.lock();
         let session = st
-            .sessions
-            .get_mut(&req.session)
+            .sessions()
+            .get(&req.session)
             .filter(|s| s.tenant == req.tenant)
             .ok_or_else(|| session_not_found(req.session))?;
         session.last_seen.touch();
@@ -184,14 +186,14 @@ impl Arbiter {
             self.check_process_ask(&st, req)?;
         }
         let tenant = st
-            .ledger
+            .ledger()
             .get(&req.tenant)
             .ok_or_else(|| BrokerError::tenant_not_found(&req.tenant))?;
         let (limit, priority) = (tenant.quota.limit_bytes, tenant.quota.priority);
         let candidates = self.candidates(req.device);
         let gran = candidates
             .iter()
-            .map(|&d| st.pools[d as usize].granularity())
+            .map(|&d| st.pools()[d as usize].granularity())
             .max()
             .unwrap_or(2 << 20);
         let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
@@ -199,12 +201,12 @@ impl Arbiter {
         })?;
         let max_leasable = candidates
             .iter()
-            .map(|&d| st.pools[d as usize].leasable())
+            .map(|&d| st.pools()[d as usize].leasable())
             .max()
             .unwrap_or(0);
         // Requests that can never fit fail at once, waiting or not.
         let device_caps = st
-            .ledger
+            .ledger()
             .device_caps_never_fit(&req.tenant, &candidates, bytes);
         let never = if bytes > limit {
             Some(BrokerError::QuotaExceeded {
@@ -240,7 +242,7 @@ impl Arbiter {
             draw: None,
         };
         let waiting = st
-            .queue
+            .queue()
             .iter()
             .filter(|w| w.ask.tenant == req.tenant)
             .count();
@@ -252,11 +254,11 @@ impl Arbiter {
             });
         }
         let (tx, rx) = oneshot::channel();
-        let id = st.queue.push(ask, priority, tx);
+        let id = st.queue_mut().push(ask, priority, tx);
         self.drain(&mut st);
-        let queued = st.queue.contains(id);
+        let queued = st.queue().contains(id);
         if queued && req.wait.is_zero() {
-            let w = st.queue.remove(id);
+            let w = st.queue_mut().remove(id);
             let err = w.map(|w| self.exhausted(&st, &w.ask)).unwrap_or_else(|| {
                 BrokerError::Internal("a refused request left the queue early".into())
             });
@@ -323,11 +325,11 @@ impl Arbiter {
     /// one blocked by its own quota blocks nobody.
     pub(crate) fn drain(self: &Arc<Self>, st: &mut State) {
         loop {
-            st.queue.remove_abandoned();
-            if st.queue.is_empty() {
+            st.queue_mut().remove_abandoned();
+            if st.queue().is_empty() {
                 return;
             }
-            let order = st.queue.order(&st.ledger);
+            let order = st.queue().order(&st.ledger());
             let mut blocked: HashSet<u32> = HashSet::new();
             // Heads blocked by capacity that other tenants of their priority may still
             // overtake (their budget is not spent): (waiter, priority, tenant, devices).
@@ -335,8 +337,10 @@ impl Arbiter {
             let mut granted = None;
             let mut reclaim_for = Vec::new();
             for id in order {
-                let Some(w) = st.queue.get(id) else { continue };
-                if w.ask.check_charge(&st.ledger).is_err() {
+                let Some(w) = st.queue().get(id) else {
+                    continue;
+                };
+                if w.ask.check_charge(&st.ledger()).is_err() {
                     continue;
                 }
                 // Devices where the tenant's per-device cap leaves room; none: blocked by
@@ -345,7 +349,7 @@ impl Arbiter {
                     .candidates(w.ask.device)
                     .into_iter()
                     .filter(|&d| {
-                        st.ledger
+                        st.ledger()
                             .check_device(&w.ask.tenant, d, w.ask.bytes)
                             .is_ok()
                     })
@@ -355,7 +359,7 @@ impl Arbiter {
                 }
                 // Memory kept for a guarantee is its owner's: a request within its
                 // guarantee is not held back behind others blocked on capacity.
-                let guaranteed = st.ledger.within_guarantee(&w.ask.tenant, w.ask.bytes);
+                let guaranteed = st.ledger().within_guarantee(&w.ask.tenant, w.ask.bytes);
                 // A head blocked by capacity lets requests of other tenants of its own
                 // priority that fit go first, a bounded number of times; it keeps blocking
                 // its own tenant (FIFO) and lower priorities.
@@ -394,20 +398,20 @@ impl Arbiter {
             // Heads the grant overtakes spend one of their budget.
             if let Some((gid, d)) = granted {
                 let within = st
-                    .queue
+                    .queue()
                     .get(gid)
-                    .is_some_and(|w| st.ledger.within_guarantee(&w.ask.tenant, w.ask.bytes));
+                    .is_some_and(|w| st.ledger().within_guarantee(&w.ask.tenant, w.ask.bytes));
                 if !within {
                     for (h, _, _, ds) in &soft {
                         if ds.contains(&d) {
-                            if let Some(hw) = st.queue.get_mut(*h) {
+                            if let Some(hw) = st.queue_mut().get_mut(*h) {
                                 hw.overtaken += 1;
                             }
                         }
                     }
                 }
             }
-            match granted.and_then(|(id, d)| st.queue.remove(id).map(|w| (w, d))) {
+            match granted.and_then(|(id, d)| st.queue_mut().remove(id).map(|w| (w, d))) {
                 Some((w, d)) => self.grant(st, w.ask, w.priority, w.reply, d),
                 None => return,
             }
@@ -421,21 +425,22 @@ impl Arbiter {
             self.grant_process(st, ask, reply, d);
             return;
         }
-        if let Err(e) = st.ledger.reserve(&ask.tenant, d, ask.bytes) {
-            self.undraw(st, &ask);
-            st.fx.reply(reply, Err(e));
-            return;
-        }
-        let mut source = match st.pools[d as usize].reserve(ask.bytes, &ask.tenant) {
+        let source = match st.reserve_grant(&ask, d) {
+            Ok(source) => source,
+            Err(e) => {
+                st.undraw(&ask);
+                st.fx().reply(reply, Err(e));
+                return;
+            }
+        };
+        let mut source = match source {
             // Another tenant's block: a process may still map it (the broker cannot know
             // who the holder passed the descriptor to: fork, `SCM_RIGHTS`), so it never
             // reaches this tenant. Free it (a surviving mapping keeps its old pages,
             // reaching nobody else) and give a fresh memory object of the same size.
             Source::Cached { block, scrub: true } => {
-                st.fx.count(Counted::CrossTenantFresh);
-                st.pools[d as usize].note_replaced(true);
                 tracing::debug!(device = d, tenant = %ask.tenant, "cached block of another tenant may still be mapped; allocating fresh");
-                st.fx.free(d, block);
+                st.replace_cached(d, block);
                 Source::Fresh {
                     evicted: Vec::new(),
                 }
@@ -448,7 +453,7 @@ impl Arbiter {
         } = source
         {
             let r = self.commit_grant(st, &ask, priority, d, block);
-            st.fx.reply(reply, r);
+            st.fx().reply(reply, r);
             return;
         }
         // Evicted blocks are freed before the lock is released (`effects.rs`): the device
@@ -457,12 +462,12 @@ impl Arbiter {
         // overtake them.)
         if let Source::Fresh { evicted } = &mut source {
             for b in std::mem::take(evicted) {
-                st.fx.free(d, b);
+                st.fx().free(d, b);
             }
         }
         // The device work starts once the lock is released, after the frees above were
         // queued (`Effect::Materialize`).
-        st.fx.push(Effect::Materialize(Box::new(PendingGrant {
+        st.fx().push(Effect::Materialize(Box::new(PendingGrant {
             ask,
             priority,
             reply,
@@ -489,13 +494,11 @@ impl Arbiter {
                 Ok(block) => arb.commit_grant(&mut st, &ask, priority, d, block),
                 Err(e) => {
                     tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed");
-                    st.ledger.unreserve(&ask.tenant, d, ask.bytes);
-                    st.pools[d as usize].unreserve(ask.bytes, None);
-                    arb.undraw(&mut st, &ask);
+                    st.unreserve_grant(&ask, d, None);
                     Err(e)
                 }
             };
-            st.fx.reply(reply, r);
+            st.fx().reply(reply, r);
             arb.drain(&mut st);
         });
     }
@@ -532,7 +535,7 @@ impl Arbiter {
     }
 
     /// Turns a reservation into a lease of the session (or gives it back if the session
-    /// ended meanwhile).
+    /// ended meanwhile, or the broker drains): `State::commit_grant`.
     fn commit_grant(
         self: &Arc<Self>,
         st: &mut State,
@@ -541,67 +544,31 @@ impl Arbiter {
         d: u32,
         block: Block,
     ) -> BrokerResult<LeaseView> {
-        let alive = st
-            .sessions
-            .get(&ask.session)
-            .is_some_and(|s| s.tenant == ask.tenant);
-        if !alive || self.is_draining() {
-            st.ledger.unreserve(&ask.tenant, d, ask.bytes);
-            st.pools[d as usize].unreserve(ask.bytes, Some(block));
-            self.undraw(st, ask);
-            return Err(if alive {
-                BrokerError::ShuttingDown
-            } else {
-                session_not_found(ask.session)
-            });
-        }
-        st.ledger.commit(&ask.tenant, ask.bytes);
-        st.pools[d as usize].commit(ask.bytes);
-        st.fx.count(Counted::Granted(Tier::Device));
-        st.seq += 1;
-        let lease = Lease {
-            id: uuid::Uuid::new_v4(),
-            tenant: ask.tenant.clone(),
-            session: ask.session,
-            device: d,
-            tier: Tier::Device,
-            requested_bytes: ask.requested_bytes,
-            label: ask.label.clone(),
-            reclaimable: ask.reclaimable,
-            created: SystemTime::now(),
-            state: LeaseState::Active,
-            priority,
-            seq: st.seq,
-            block,
-            reservation: ask.draw,
-        };
-        let view = st.view(&lease);
-        if let Some(s) = st.sessions.get_mut(&ask.session) {
-            s.leases.insert(lease.id);
-        }
-        tracing::debug!(lease = %lease.id, tenant = %ask.tenant, session = %ask.session, device = d, bytes = ask.bytes, "lease granted");
-        st.leases.insert(lease);
-        Ok(view)
+        st.commit_grant(ask, priority, d, block, self.is_draining())
+            .map_err(|why| match why {
+                NotCommitted::Draining => BrokerError::ShuttingDown,
+                NotCommitted::SessionGone => session_not_found(ask.session),
+            })
     }
 
     /// Why `ask` does not fit now, with the numbers.
     pub(crate) fn exhausted(&self, st: &State, ask: &Ask) -> BrokerError {
         // The tenant's own limits first (bytes or lease count): they say it precisely.
-        if let Err(e) = ask.check_charge(&st.ledger) {
+        if let Err(e) = ask.check_charge(&st.ledger()) {
             return e;
         }
         // Its caps on every device it may use: the first device's refusal says it.
         let open = self.candidates(ask.device);
         let capped: Vec<BrokerError> = open
             .iter()
-            .filter_map(|&d| st.ledger.check_device(&ask.tenant, d, ask.bytes).err())
+            .filter_map(|&d| st.ledger().check_device(&ask.tenant, d, ask.bytes).err())
             .collect();
         if !open.is_empty() && capped.len() == open.len() {
             if let Some(e) = capped.into_iter().next() {
                 return e;
             }
         }
-        let tenant = st.ledger.get(&ask.tenant);
+        let tenant = st.ledger().get(&ask.tenant);
         let (held, limit) = tenant
             .map(|t| (t.usage.committed_bytes(), t.quota.limit_bytes))
             .unwrap_or((0, 0));
@@ -609,7 +576,7 @@ impl Arbiter {
             .candidates(ask.device)
             .iter()
             .map(|&d| {
-                let p = &st.pools[d as usize];
+                let p = &st.pools()[d as usize];
                 DeviceRoom {
                     device: d,
                     free: p.available(),
@@ -621,10 +588,10 @@ impl Arbiter {
             tenant: ask.tenant.clone(),
             requested: ask.bytes,
             devices,
-            guaranteed: st.ledger.others_unused_guarantees(&ask.tenant),
+            guaranteed: st.ledger().others_unused_guarantees(&ask.tenant),
             held,
             limit,
-            waiting: st.queue.len(),
+            waiting: st.queue().len(),
         }
     }
 
@@ -653,66 +620,17 @@ impl Arbiter {
                 cause: "this broker has no host tier".into(),
             });
         };
-        {
-            let mut st = self.lock();
-            st.ledger.charge_host(&req.tenant, bytes)?;
-            st.host_in_flight(&req.tenant, bytes, true);
-        }
+        self.lock().charge_host(&req.tenant, bytes)?;
         let made = host
             .call(move |dev| fresh_block(dev, bytes))
             .await
             .map_err(BrokerError::from)
-            .and_then(|r| r.map_err(BrokerError::from));
-        let mut st = self.lock();
-        st.host_in_flight(&req.tenant, bytes, false);
-        let block = match made {
-            Ok(b) => b,
-            Err(e) => {
-                st.ledger.uncharge_host(&req.tenant, bytes);
-                return Err(BrokerError::HostFallbackFailed {
-                    requested: bytes,
-                    cause: e.to_string(),
-                });
-            }
-        };
-        let alive = st
-            .sessions
-            .get(&req.session)
-            .is_some_and(|s| s.tenant == req.tenant);
-        if !alive {
-            st.ledger.uncharge_host(&req.tenant, bytes);
-            st.fx.free_host(block);
-            return Err(session_not_found(req.session));
-        }
-        let priority = st
-            .ledger
-            .get(&req.tenant)
-            .map(|t| t.quota.priority)
-            .unwrap_or(0);
-        st.seq += 1;
-        let lease = Lease {
-            id: uuid::Uuid::new_v4(),
-            tenant: req.tenant.clone(),
-            session: req.session,
-            device: 0,
-            tier: Tier::Host,
-            requested_bytes: req.bytes,
-            label: req.label.clone(),
-            reclaimable: req.reclaimable,
-            created: SystemTime::now(),
-            state: LeaseState::Active,
-            priority,
-            seq: st.seq,
-            block,
-            reservation: None,
-        };
-        let view = st.view(&lease);
-        if let Some(s) = st.sessions.get_mut(&req.session) {
-            s.leases.insert(lease.id);
-        }
-        st.leases.insert(lease);
-        st.fx.count(Counted::Granted(Tier::Host));
-        Ok(view)
+            .and_then(|r| r.map_err(BrokerError::from))
+            .map_err(|e| BrokerError::HostFallbackFailed {
+                requested: bytes,
+                cause: e.to_string(),
+            });
+        self.lock().commit_host(req, bytes, made)
     }
 
     pub(crate) fn free_host(&self, block: Block) {
@@ -758,22 +676,22 @@ fn fit(st: &State, ask: &Ask, open: &[u32]) -> Fit {
     let fitting: Vec<u32> = open
         .iter()
         .copied()
-        .filter(|&d| st.pools[d as usize].available() >= ask.bytes)
+        .filter(|&d| st.pools()[d as usize].available() >= ask.bytes)
         .collect();
     if fitting.is_empty() {
         return Fit::NoCapacity;
     }
     let node_free = st
-        .pools
+        .pools()
         .iter()
         .map(|p| p.available())
         .fold(0, u64::saturating_add);
-    let others_guarantees = st.ledger.others_unused_guarantees(&ask.tenant);
+    let others_guarantees = st.ledger().others_unused_guarantees(&ask.tenant);
     if node_free.saturating_sub(others_guarantees) < ask.bytes {
         return Fit::GuaranteeHeld;
     }
     let best = fitting.iter().copied().max_by_key(|&d| {
-        let p = &st.pools[d as usize];
+        let p = &st.pools()[d as usize];
         (p.has_cached(ask.bytes), p.available(), u32::MAX - d)
     });
     best.map(Fit::Device).unwrap_or(Fit::NoCapacity)

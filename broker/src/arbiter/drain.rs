@@ -130,24 +130,30 @@ impl Arbiter {
         let (due, due_wall) = (Instant::now() + grace, now + grace);
         let mut asked: Vec<(u32, uuid::Uuid)> = Vec::new();
         let ids: Vec<uuid::Uuid> = st
-            .leases
+            .leases()
             .iter()
             .filter(|l| l.tier == Tier::Device && targets.contains(&l.device))
             .filter(|l| l.reclaimable && matches!(l.state, LeaseState::Active))
             .map(|l| l.id)
             .collect();
         for id in ids {
-            let Some(l) = st.leases.get_mut(&id) else {
+            let Some((session, bytes, device)) = st
+                .leases()
+                .get(&id)
+                .map(|l| (l.session, l.bytes(), l.device))
+            else {
                 continue;
             };
-            l.state = LeaseState::ReclaimRequested {
-                deadline: due,
-                deadline_wall: due_wall,
-            };
-            let (session, bytes, device) = (l.session, l.bytes(), l.device);
-            if let Some(s) = st.sessions.get(&session) {
+            st.set_lease_state(
+                &id,
+                LeaseState::ReclaimRequested {
+                    deadline: due,
+                    deadline_wall: due_wall,
+                },
+            );
+            if let Some(s) = st.sessions().get(&session) {
                 let to = s.events.clone();
-                st.fx.notify(
+                st.fx().notify(
                     &to,
                     SessionEvent::ReclaimRequested {
                         lease_id: id,
@@ -188,10 +194,12 @@ impl Arbiter {
             }
         }
         for id in &withdrawn {
-            if let Some(l) = st.leases.get_mut(id) {
-                if matches!(l.state, LeaseState::ReclaimRequested { .. }) {
-                    l.state = LeaseState::Active;
-                }
+            let asked = st
+                .leases()
+                .get(id)
+                .is_some_and(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }));
+            if asked {
+                st.set_lease_state(id, LeaseState::Active);
             }
         }
         tracing::warn!(devices = ?targets, withdrawn = withdrawn.len(), "drain ended");
@@ -212,7 +220,7 @@ impl Arbiter {
             .map(|d| {
                 let drain = avail.device(d).and_then(|s| s.drain.clone());
                 let on: Vec<_> = st
-                    .leases
+                    .leases()
                     .iter()
                     .filter(|l| l.tier == Tier::Device && l.device == d)
                     .collect();
@@ -230,7 +238,7 @@ impl Arbiter {
                         .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }))
                         .count() as u32,
                     not_reclaimable: on.iter().filter(|l| !l.reclaimable).count() as u32,
-                    quarantined_bytes: st.pools[d as usize].stats().quarantined,
+                    quarantined_bytes: st.pools()[d as usize].stats().quarantined,
                 }
             })
             .collect();
@@ -241,20 +249,20 @@ impl Arbiter {
     /// reason (pinned: `FAILED_PRECONDITION`; unpinned: `UNAVAILABLE`).
     pub(crate) fn fail_stranded_waiters(self: &Arc<Self>, st: &mut State) {
         let stranded: Vec<u64> = st
-            .queue
+            .queue()
             .iter()
             .filter(|w| self.candidates(w.ask.device).is_empty())
             .map(|w| w.id)
             .collect();
         for id in stranded {
-            if let Some(w) = st.queue.remove(id) {
+            if let Some(w) = st.queue_mut().remove(id) {
                 let err = self.avail.read().refusal(w.ask.device).unwrap_or_else(|| {
                     BrokerError::NoDeviceOpen {
                         why: "every device it may use is closed".into(),
                     }
                 });
                 tracing::info!(tenant = %w.ask.tenant, error = %err, "waiting request refused: its devices closed");
-                st.fx.reply(w.reply, Err(err));
+                st.fx().reply(w.reply, Err(err));
             }
         }
         // Their places may have blocked others.

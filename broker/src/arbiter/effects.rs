@@ -185,6 +185,11 @@ impl Effects {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+    /// The effects, in order (the model test).
+    #[cfg(test)]
+    pub fn into_vec(self) -> Vec<Effect> {
+        self.0
+    }
     fn take(&mut self) -> Vec<Effect> {
         std::mem::take(&mut self.0)
     }
@@ -217,10 +222,10 @@ impl Drop for Locked<'_> {
         if let Err(e) = st.check_invariant() {
             panic!("byte-state invariant broken: {e}");
         }
-        if st.fx.is_empty() {
+        if st.fx().is_empty() {
             return;
         }
-        let effects = st.fx.take();
+        let effects = st.fx().take();
         let mut later = Vec::with_capacity(effects.len());
         for e in effects {
             match e {
@@ -316,7 +321,7 @@ impl Arbiter {
                     tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
                     if let Some(me) = self.me.upgrade() {
                         let mut st = me.lock();
-                        me.end_lease(&mut st, view.id, super::ending::Ending::Cache);
+                        me.end_lease(&mut st, view.id, super::Ending::Cache);
                         me.drain(&mut st);
                     }
                 }

@@ -84,17 +84,17 @@ impl Arbiter {
         let size = size.max(1);
         let (mut views, more) = {
             let st = self.lock();
-            let mut it = st.ledger.tenants_after(after);
+            let mut it = st.ledger().tenants_after(after);
             let page: Vec<_> = it.by_ref().take(size).collect();
             let more = it.next().is_some();
             let mut counts: HashMap<&str, (u32, u32)> =
                 page.iter().map(|t| (t.name.as_str(), (0, 0))).collect();
-            for s in st.sessions.iter() {
+            for s in st.sessions().iter() {
                 if let Some(c) = counts.get_mut(s.tenant.as_str()) {
                     c.0 += 1;
                 }
             }
-            for w in st.queue.iter() {
+            for w in st.queue().iter() {
                 if let Some(c) = counts.get_mut(w.ask.tenant.as_str()) {
                     c.1 += 1;
                 }
@@ -152,7 +152,7 @@ impl Arbiter {
         let size = size.max(1);
         let st = self.lock();
         let keyed: Vec<(u64, &crate::lease::Lease)> = st
-            .leases
+            .leases()
             .iter()
             .filter(|l| l.seq > after && tenant.is_none_or(|t| l.tenant == t))
             .map(|l| (l.seq, l))
@@ -185,7 +185,7 @@ impl Arbiter {
         let size = size.max(1);
         let st = self.lock();
         let keyed: Vec<(Uuid, &crate::session::Session)> = st
-            .sessions
+            .sessions()
             .iter()
             .filter(|s| s.id > after && tenant.is_none_or(|t| s.tenant == t))
             .map(|s| (s.id, s))
@@ -205,11 +205,11 @@ impl Arbiter {
                 held_bytes: s
                     .leases
                     .iter()
-                    .filter_map(|l| st.leases.get(l))
+                    .filter_map(|l| st.leases().get(l))
                     .map(|l| l.bytes())
                     .sum(),
                 gpu: s.gpu,
-                process_reserved: st.reservations.room_of_session(s.id),
+                process_reserved: st.reservations().room_of_session(s.id),
             })
             .collect();
         let next = if more {
@@ -239,7 +239,7 @@ impl Arbiter {
         let size = size.max(1);
         let st = self.lock();
         let keyed: Vec<(u64, &crate::sharing::Publication)> = st
-            .shared
+            .shared()
             .pubs
             .values()
             .filter(|p| p.seq > after && p.listed() && viewer.sees(p))

@@ -19,6 +19,7 @@ pub mod listing;
 pub mod queue;
 mod revocation;
 mod sharing;
+mod state;
 mod tasks;
 pub mod tokens;
 mod turns;
@@ -28,22 +29,21 @@ pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
 pub use drain::{DeviceDrain, DrainReport};
 pub use sharing::ImportGrant;
+pub(crate) use state::{Ending, State};
 
 use crate::auth::Authenticator;
 use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
 use crate::error::{BrokerError, BrokerResult, Missing};
-use crate::lease::{LeaseTable, LeaseView};
-use crate::ledger::Ledger;
+use crate::lease::LeaseView;
 use crate::pool::{Block, Pool};
-use crate::session::{Peer, Session, SessionEvent, SessionTable};
+use crate::session::{Peer, Session, SessionEvent};
 use crate::store::Store;
 use parking_lot::Mutex;
-use queue::WaitQueue;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -99,38 +99,6 @@ impl Default for ArbiterConfig {
             process_stop_grace: crate::defaults::PROCESS_STOP_GRACE,
         }
     }
-}
-
-/// Memory of an ended lease that a live process may still map.
-#[derive(Debug)]
-pub(crate) struct Quarantined {
-    pub tenant: String,
-    pub device: u32,
-    pub block: Block,
-    pub pid: Option<u32>,
-    pub since: Instant,
-}
-
-/// Everything behind the lock.
-#[derive(Default)]
-pub(crate) struct State {
-    pub ledger: Ledger,
-    pub pools: Vec<Pool>,
-    pub leases: LeaseTable,
-    pub sessions: SessionTable,
-    pub queue: WaitQueue,
-    pub quarantine: HashMap<Uuid, Quarantined>,
-    pub seq: u64,
-    /// Shared read-only leases and the blocks held for their importers (`sharing.rs`).
-    pub shared: crate::sharing::SharedTable,
-    /// Process reservations (`reservations.rs`).
-    pub reservations: crate::reservations::ReservationTable,
-    /// What the transitions under the current lock asked for (`effects.rs`); run when the
-    /// lock guard drops.
-    pub(crate) fx: effects::Effects,
-    /// Host-fallback leases charged in the ledger whose memory is being made (bytes,
-    /// count per tenant): the invariant counts them with the host leases.
-    host_pending: HashMap<String, (u64, u32)>,
 }
 
 /// A request for memory, after the service layer checked its shape.
@@ -210,7 +178,8 @@ impl Arbiter {
         auth: Arc<Authenticator>,
         cfg: ArbiterConfig,
     ) -> BrokerResult<Arc<Arbiter>> {
-        let mut st = State::default();
+        let mut pools = Vec::with_capacity(devices.len());
+        let mut host_backed = Vec::with_capacity(devices.len());
         for d in &devices {
             let desc = d.thread.desc();
             let mut pool = Pool::new(
@@ -220,8 +189,10 @@ impl Arbiter {
                 d.initial_leasable,
             );
             pool.set_headroom(d.headroom);
-            st.pools.push(pool);
+            pools.push(pool);
+            host_backed.push(desc.backend == BackendKind::Host);
         }
+        let st = State::new(pools, host_backed);
         std::sync::LazyLock::force(&STARTED);
         let scheduler = crate::scheduler::Scheduler::new(devices.len(), cfg.turns);
         let audit_log =
@@ -267,7 +238,7 @@ impl Arbiter {
 
     /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
     pub fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
-        match self.lock().sessions.get(&session) {
+        match self.lock().sessions().get(&session) {
             Some(s) if s.tenant == tenant => Ok(s.peer),
             _ => Err(session_not_found(session)),
         }
@@ -276,10 +247,10 @@ impl Arbiter {
     /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
     pub fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
         let st = self.lock();
-        match st.leases.get(&lease) {
+        match st.leases().get(&lease) {
             Some(l) if l.tenant == tenant => {
                 let peer = st
-                    .sessions
+                    .sessions()
                     .get(&l.session)
                     .map(|s| s.peer)
                     .unwrap_or_default();
@@ -314,13 +285,6 @@ impl Arbiter {
             .any(|d| d.thread.desc().backend == BackendKind::Cuda)
     }
 
-    fn backend(&self, device: u32) -> BackendKind {
-        self.devices
-            .get(device as usize)
-            .map(|d| d.thread.desc().backend)
-            .unwrap_or(BackendKind::Host)
-    }
-
     /// Opens a session for `tenant`; returns its id and the event receiver.
     pub fn open_session(
         self: &Arc<Self>,
@@ -346,19 +310,19 @@ impl Arbiter {
         let id = Uuid::now_v7();
         {
             let mut st = self.lock();
-            if st.ledger.get(tenant).is_none() || st.ledger.is_closing(tenant) {
+            if st.ledger().get(tenant).is_none() || st.ledger().is_closing(tenant) {
                 return Err(BrokerError::NotFound(Missing::TenantGone(
                     tenant.to_string(),
                 )));
             }
-            let open = st.sessions.count_of(tenant);
+            let open = st.sessions().count_of(tenant);
             if open >= self.cfg.max_sessions_per_tenant {
                 return Err(BrokerError::SessionLimit {
                     tenant: tenant.to_string(),
                     open,
                 });
             }
-            st.sessions.insert(Session {
+            st.open_session(Session {
                 id,
                 tenant: tenant.to_string(),
                 name: name.to_string(),
@@ -370,11 +334,6 @@ impl Arbiter {
                 gpu: None,
                 token_id,
             });
-            // The watcher ends with the session (`end_session` stops it), so a live
-            // process opening and closing sessions leaves no pidfd behind.
-            if let Some(pid) = peer.pid {
-                st.fx.watch(effects::Watch::Session { session: id, pid });
-            }
         }
         tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
         Ok((id, rx))
@@ -383,7 +342,7 @@ impl Arbiter {
     /// Marks a session active (keepalive).
     pub fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
         let mut st = self.lock();
-        match st.sessions.get_mut(&session) {
+        match st.session_mut(&session) {
             Some(s) if s.tenant == tenant => {
                 s.last_seen.touch();
                 Ok(())
@@ -397,16 +356,9 @@ impl Arbiter {
     pub fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
         let covered = self.covered_usage(usage);
         let mut st = self.lock();
-        let State {
-            sessions,
-            leases,
-            reservations,
-            ..
-        } = &mut *st;
-        for id in sessions.ids() {
-            let Some(s) = sessions.get_mut(&id) else {
-                continue;
-            };
+        let (sessions, leases, reservations) = (st.sessions(), st.leases(), st.reservations());
+        let mut seen = Vec::new();
+        for s in sessions.iter() {
             let Some(pid) = s.peer.pid else { continue };
             let used = usage.get(&pid).copied().unwrap_or(0);
             // NVML attributes memory to the process that allocated it: memory a worker
@@ -448,13 +400,18 @@ impl Arbiter {
                     "worker uses GPU memory beyond its leases (its own allocations)"
                 );
             }
-            s.gpu = Some(crate::session::GpuUse { used, own, over });
+            seen.push((s.id, crate::session::GpuUse { used, own, over }));
+        }
+        for (id, gpu) in seen {
+            if let Some(s) = st.session_mut(&id) {
+                s.gpu = Some(gpu);
+            }
         }
     }
 
     /// Marks a session active (its stream delivered an event).
     pub fn touch_session(&self, session: Uuid) {
-        if let Some(s) = self.lock().sessions.get(&session) {
+        if let Some(s) = self.lock().sessions().get(&session) {
             s.last_seen.touch();
         }
     }
@@ -462,7 +419,7 @@ impl Arbiter {
     /// A session's activity mark, for its event stream to touch without the state lock.
     pub fn session_activity(&self, session: Uuid) -> Option<Arc<crate::session::Activity>> {
         self.lock()
-            .sessions
+            .sessions()
             .get(&session)
             .map(|s| s.last_seen.clone())
     }
@@ -477,64 +434,38 @@ impl Arbiter {
         self.draining.store(true, Ordering::SeqCst);
         let mut g = self.lock();
         let st = &mut *g;
-        for s in st.sessions.iter() {
-            st.fx.notify(
-                &s.events,
+        let to: Vec<_> = st.sessions().iter().map(|s| s.events.clone()).collect();
+        for to in to {
+            st.fx().notify(
+                &to,
                 SessionEvent::ShuttingDown {
                     reason: "broker shutting down".into(),
                     grace,
                 },
             );
         }
-        let waiters: Vec<u64> = st.queue.iter().map(|w| w.id).collect();
+        let waiters: Vec<u64> = st.queue().iter().map(|w| w.id).collect();
         for id in waiters {
-            if let Some(w) = st.queue.remove(id) {
-                st.fx.reply(w.reply, Err(BrokerError::ShuttingDown));
+            if let Some(w) = st.queue_mut().remove(id) {
+                st.fx().reply(w.reply, Err(BrokerError::ShuttingDown));
             }
         }
     }
 
     /// Number of open sessions.
     pub fn session_count(&self) -> usize {
-        self.lock().sessions.len()
+        self.lock().sessions().len()
     }
 
     /// Ends every session and frees every block on the devices. Blocks until done.
     pub fn shutdown_release_all(self: &Arc<Self>) {
         self.draining.store(true, Ordering::SeqCst);
-        let ids = self.lock().sessions.ids();
+        let ids = self.lock().sessions().ids();
         for id in ids {
-            self.end_session_with(id, "broker shut down", ending::Ending::Destroy);
+            self.end_session_with(id, "broker shut down", Ending::Destroy);
         }
         let mut st = self.lock();
-        let quarantined: Vec<Uuid> = st.quarantine.keys().copied().collect();
-        for id in quarantined {
-            if let Some(q) = st.quarantine.remove(&id) {
-                st.fx.unwatch(effects::Watch::Quarantine {
-                    lease: id,
-                    pid: q.pid,
-                });
-                st.pools[q.device as usize].unquarantine_destroyed(q.block.bytes());
-                st.ledger
-                    .remove_quarantine(&q.tenant, q.device, q.block.bytes());
-                st.fx.free(q.device, q.block);
-            }
-        }
-        let held: Vec<Uuid> = st.shared.held.keys().copied().collect();
-        for id in held {
-            if let Some(h) = st.shared.held.remove(&id) {
-                sharing::unwatch_held(&mut st, id, &h.waiters);
-                st.pools[h.device as usize].unquarantine_destroyed(h.block.bytes());
-                st.ledger
-                    .remove_quarantine(&h.tenant, h.device, h.block.bytes());
-                st.fx.free(h.device, h.block);
-            }
-        }
-        for i in 0..st.pools.len() {
-            for b in st.pools[i].drain_cache() {
-                st.fx.free(i as u32, b);
-            }
-        }
+        st.free_everything();
         drop(st);
         // Wait for the device threads to finish the frees queued above.
         for d in &self.devices {
@@ -559,179 +490,6 @@ impl Arbiter {
                 tracing::error!(device, error = %e, "cannot queue free");
             }
         }
-    }
-}
-
-impl State {
-    /// A host-fallback charge starts (`started`) or ends its flight (became a lease, or
-    /// was uncharged).
-    pub(crate) fn host_in_flight(&mut self, tenant: &str, bytes: u64, started: bool) {
-        let e = self.host_pending.entry(tenant.to_string()).or_default();
-        if started {
-            e.0 += bytes;
-            e.1 += 1;
-        } else {
-            e.0 -= bytes;
-            e.1 -= 1;
-            if e.1 == 0 {
-                self.host_pending.remove(tenant);
-            }
-        }
-    }
-
-    /// The byte-state invariant, checked in this one place (after every transition, by the
-    /// lock guard in debug builds; by the model test): every device byte the broker holds
-    /// is in exactly one state, and the ledger (per tenant), the pools (per device), the
-    /// lease table, the quarantine and the sessions agree on it.
-    ///
-    /// - per device: `leased` and the lease count equal the device leases on it, and
-    ///   `quarantined` equals its quarantined blocks (and shared blocks held for importers);
-    /// - per tenant: held bytes and lease count equal its device leases, host bytes and
-    ///   count its host leases (and host charges in flight), quarantined bytes its
-    ///   quarantined blocks;
-    /// - bytes being allocated (`reserved`) and room kept for reserved processes add up the
-    ///   same in the pools and the ledger;
-    /// - every lease belongs to an open session that lists it, and every lease a session
-    ///   lists exists.
-    pub(crate) fn check_invariant(&self) -> Result<(), String> {
-        #[derive(Default, PartialEq, Debug)]
-        struct Sum {
-            leased: u64,
-            leases: u32,
-            quarantined: u64,
-            host: u64,
-            host_leases: u32,
-        }
-        let mut by_device: Vec<Sum> = (0..self.pools.len()).map(|_| Sum::default()).collect();
-        let mut by_tenant: HashMap<&str, Sum> = HashMap::new();
-        for l in self.leases.iter() {
-            let t = by_tenant.entry(l.tenant.as_str()).or_default();
-            match l.tier {
-                crate::ledger::Tier::Device => {
-                    t.leased += l.bytes();
-                    t.leases += 1;
-                    let d = by_device
-                        .get_mut(l.device as usize)
-                        .ok_or_else(|| format!("lease {} on unknown device {}", l.id, l.device))?;
-                    d.leased += l.bytes();
-                    d.leases += 1;
-                }
-                crate::ledger::Tier::Host => {
-                    t.host += l.bytes();
-                    t.host_leases += 1;
-                }
-            }
-            match self.sessions.get(&l.session) {
-                Some(s) if s.leases.contains(&l.id) => {}
-                _ => return Err(format!("lease {} not listed by an open session", l.id)),
-            }
-        }
-        for (t, (bytes, count)) in &self.host_pending {
-            let t = by_tenant.entry(t.as_str()).or_default();
-            t.host += bytes;
-            t.host_leases += count;
-        }
-        // Quarantined: ended leases a live process may map, and blocks of ended shared
-        // leases held for their importers (`sharing.rs`).
-        let quarantined = self
-            .quarantine
-            .values()
-            .map(|q| (q.tenant.as_str(), q.device, q.block.bytes()))
-            .chain(
-                self.shared
-                    .held
-                    .values()
-                    .map(|h| (h.tenant.as_str(), h.device, h.block.bytes())),
-            );
-        for (tenant, device, bytes) in quarantined {
-            by_tenant.entry(tenant).or_default().quarantined += bytes;
-            if let Some(d) = by_device.get_mut(device as usize) {
-                d.quarantined += bytes;
-            }
-        }
-        for (i, (p, sum)) in self.pools.iter().zip(&by_device).enumerate() {
-            let s = p.stats();
-            let pool = Sum {
-                leased: s.leased,
-                leases: p.lease_count(),
-                quarantined: s.quarantined,
-                ..Sum::default()
-            };
-            if &pool != sum {
-                return Err(format!(
-                    "device {i}: pool says {pool:?}, leases and quarantine say {sum:?}"
-                ));
-            }
-        }
-        let mut reserved = 0u64;
-        for t in self.ledger.tenants() {
-            let u = &t.usage;
-            reserved += u.reserved_bytes;
-            let ledger = Sum {
-                leased: u.held_bytes,
-                leases: u.lease_count,
-                quarantined: u.quarantined_bytes,
-                host: u.host_held_bytes,
-                host_leases: u.host_lease_count,
-            };
-            // Per device, the ledger counts what is reserved, held and quarantined there.
-            let per_device: u64 = t.device_bytes.values().sum();
-            if per_device != u.committed_bytes() {
-                return Err(format!(
-                    "tenant {:?}: its bytes per device add up to {per_device}, not {}",
-                    t.name,
-                    u.committed_bytes()
-                ));
-            }
-            let sum = by_tenant.remove(t.name.as_str()).unwrap_or_default();
-            if ledger != sum {
-                return Err(format!(
-                    "tenant {:?}: ledger says {ledger:?}, leases and quarantine say {sum:?}",
-                    t.name
-                ));
-            }
-        }
-        if let Some((t, _)) = by_tenant.iter().find(|(_, s)| **s != Sum::default()) {
-            return Err(format!(
-                "tenant {t:?} holds memory but is not in the ledger"
-            ));
-        }
-        let pooled: u64 = self.pools.iter().map(|p| p.stats().reserved).sum();
-        if pooled != reserved {
-            return Err(format!(
-                "reserved: pools say {pooled}, ledger says {reserved}"
-            ));
-        }
-        // Room kept for reserved processes (`reservations.rs`): the same in both.
-        let in_pools: u64 = self.pools.iter().map(|p| p.stats().process_reserved).sum();
-        let in_ledger: u64 = self
-            .ledger
-            .tenants()
-            .map(|t| t.usage.process_reserved_bytes)
-            .sum();
-        if in_pools != in_ledger {
-            return Err(format!(
-                "process reservations: pools say {in_pools}, ledger says {in_ledger}"
-            ));
-        }
-        for s in self.sessions.iter() {
-            if let Some(l) = s.leases.iter().find(|l| self.leases.get(l).is_none()) {
-                return Err(format!(
-                    "session {} lists lease {l}, which does not exist",
-                    s.id
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// A lease's public view.
-    pub fn view(&self, l: &crate::lease::Lease) -> LeaseView {
-        let borrowed = self
-            .ledger
-            .get(&l.tenant)
-            .is_some_and(|t| t.borrowed_bytes() > 0 && l.tier == crate::ledger::Tier::Device);
-        l.view(borrowed)
     }
 }
 

@@ -6,22 +6,20 @@
 //! a shared block are always in exactly one state: leased (the publisher's lease lives),
 //! or quarantined (held here for importers or other processes that may map it).
 
-use super::effects::{Effect, Watch};
-use super::ending::Ending;
 use super::listing::SharedViewer;
-use super::{lease_not_found, session_not_found, Arbiter, State};
+use super::Ending;
+use super::{lease_not_found, session_not_found, Arbiter};
 use crate::device::{Handle, MemoryKind, SharedFd};
 use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::ledger::Tier;
-use crate::pool::Block;
 use crate::session::Peer;
 use crate::sharing::{
-    self, Held, Import, Publication, SharedView, Waiters, MAX_IMPORTS, MAX_IMPORTS_PER_SESSION,
-    MAX_NAME, MAX_PUBLICATIONS_PER_TENANT, MAX_READERS,
+    self, Import, Publication, SharedView, MAX_IMPORTS, MAX_IMPORTS_PER_SESSION, MAX_NAME,
+    MAX_PUBLICATIONS_PER_TENANT, MAX_READERS,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::SystemTime;
 use uuid::Uuid;
 
 /// What an importer needs to fetch its descriptor.
@@ -46,19 +44,6 @@ fn not_visible(publisher: &str, name: &str) -> BrokerError {
 
 fn import_not_found(id: Uuid) -> BrokerError {
     BrokerError::NotFound(Missing::Import(id))
-}
-
-/// Does the block carry only the seals it was made with (host memory), so it may be
-/// cached for its tenant's next lease?
-fn pristine(block: &Block) -> bool {
-    match &block.handle {
-        Handle::Fd {
-            kind: MemoryKind::HostMemfd,
-            fd,
-            ..
-        } => sharing::seals_untouched(fd),
-        _ => true,
-    }
 }
 
 fn check_name(name: &str) -> BrokerResult<()> {
@@ -95,7 +80,7 @@ impl Arbiter {
             crate::bounds::check("reader tenant", r, crate::bounds::MAX_TEXT_BYTES)?;
         }
         let mut st = self.lock();
-        let l = match st.leases.get(&lease) {
+        let l = match st.leases().get(&lease) {
             Some(l) if l.tenant == tenant => l,
             _ => return Err(lease_not_found(lease)),
         };
@@ -113,7 +98,7 @@ impl Arbiter {
         let (kind, fd, block_id, size) = (*kind, fd.clone(), *block_id, *size);
         let (device, bytes) = (l.device, l.bytes());
         let key = (tenant.to_string(), name.to_string());
-        if st.shared.by_name.contains_key(&key) {
+        if st.shared().by_name.contains_key(&key) {
             return Err(BrokerError::FailedPrecondition(format!(
                 "tenant {tenant:?} already publishes a lease named {name:?}; unpublish it first"
             )));
@@ -121,9 +106,9 @@ impl Arbiter {
         let mut set: BTreeSet<String> = readers.iter().cloned().collect();
         set.remove(tenant);
         let now = SystemTime::now();
-        let id = if let Some(&pid) = st.shared.by_lease.get(&lease) {
+        let id = if let Some(&pid) = st.shared().by_lease.get(&lease) {
             let p = st
-                .shared
+                .shared_mut()
                 .pubs
                 .get_mut(&pid)
                 .ok_or_else(|| BrokerError::Internal("publication index out of step".into()))?;
@@ -137,7 +122,7 @@ impl Arbiter {
             p.published_at = now;
             pid
         } else {
-            if st.shared.count_of(tenant) >= MAX_PUBLICATIONS_PER_TENANT {
+            if st.shared().count_of(tenant) >= MAX_PUBLICATIONS_PER_TENANT {
                 return Err(BrokerError::SharingLimit {
                     what: "shared leases of a tenant",
                     max: MAX_PUBLICATIONS_PER_TENANT,
@@ -146,8 +131,8 @@ impl Arbiter {
             let (ro, enforced) = sharing::importer_fd(kind, &fd)
                 .map_err(|e| BrokerError::FailedPrecondition(e.to_string()))?;
             let id = Uuid::new_v4();
-            let seq = st.shared.next_seq();
-            st.shared.pubs.insert(
+            let seq = st.shared_mut().next_seq();
+            st.shared_mut().pubs.insert(
                 id,
                 Publication {
                     id,
@@ -168,12 +153,12 @@ impl Arbiter {
                     imports: Default::default(),
                 },
             );
-            st.shared.by_lease.insert(lease, id);
+            st.shared_mut().by_lease.insert(lease, id);
             id
         };
-        st.shared.by_name.insert(key, id);
+        st.shared_mut().by_name.insert(key, id);
         tracing::info!(%lease, tenant, name, "lease published");
-        Ok(st.shared.pubs[&id].view(true))
+        Ok(st.shared().pubs[&id].view(true))
     }
 
     /// Takes `name` of `tenant` away; live imports keep the memory.
@@ -181,11 +166,11 @@ impl Arbiter {
         check_name(name)?;
         let mut st = self.lock();
         let id = st
-            .shared
+            .shared_mut()
             .by_name
             .remove(&(tenant.to_string(), name.to_string()))
             .ok_or_else(|| not_visible(tenant, name))?;
-        let view = match st.shared.pubs.get_mut(&id) {
+        let view = match st.shared_mut().pubs.get_mut(&id) {
             Some(p) => {
                 p.name = None;
                 p.view(true)
@@ -212,16 +197,16 @@ impl Arbiter {
         check_name(name)?;
         crate::bounds::check("publisher", publisher, crate::bounds::MAX_TEXT_BYTES)?;
         let mut st = self.lock();
-        let pid = match st.sessions.get_mut(&session) {
+        let pid = match st.sessions().get(&session) {
             Some(s) if s.tenant == tenant => {
                 s.last_seen.touch();
                 s.peer.pid
             }
             _ => return Err(session_not_found(session)),
         };
-        let held = st.shared.imports_of_session(session).len();
+        let held = st.shared().imports_of_session(session).len();
         let p = st
-            .shared
+            .shared()
             .visible(publisher, name, tenant)
             .ok_or_else(|| not_visible(publisher, name))?;
         if held >= MAX_IMPORTS_PER_SESSION {
@@ -239,7 +224,7 @@ impl Arbiter {
         let pub_id = p.id;
         let id = Uuid::new_v4();
         let p = st
-            .shared
+            .shared_mut()
             .pubs
             .get_mut(&pub_id)
             .ok_or_else(|| BrokerError::Internal("publication vanished".into()))?;
@@ -262,7 +247,7 @@ impl Arbiter {
             block_id: p.block_id,
             size: p.size,
         };
-        st.shared.by_import.insert(id, pub_id);
+        st.shared_mut().by_import.insert(id, pub_id);
         tracing::info!(import = %id, tenant, publisher, name, "shared lease imported");
         Ok(grant)
     }
@@ -271,14 +256,14 @@ impl Arbiter {
     pub fn release_import(self: &Arc<Self>, tenant: &str, import: Uuid) -> BrokerResult<()> {
         let mut st = self.lock();
         match st
-            .shared
+            .shared()
             .of_import(&import)
             .and_then(|p| p.imports.get(&import))
         {
             Some(i) if i.tenant == tenant && i.lingering.is_none() => {}
             _ => return Err(import_not_found(import)),
         }
-        self.import_let_go(&mut st, import, Ending::Cache);
+        st.import_let_go(import, Ending::Cache, &crate::process::process_alive);
         self.drain(&mut st);
         Ok(())
     }
@@ -287,7 +272,7 @@ impl Arbiter {
     pub fn own_import(&self, tenant: &str, import: Uuid) -> BrokerResult<(ImportGrant, Peer)> {
         let st = self.lock();
         let p = st
-            .shared
+            .shared()
             .of_import(&import)
             .ok_or_else(|| import_not_found(import))?;
         let i = match p.imports.get(&import) {
@@ -295,7 +280,7 @@ impl Arbiter {
             _ => return Err(import_not_found(import)),
         };
         let peer = st
-            .sessions
+            .sessions()
             .get(&i.session)
             .map(|s| s.peer)
             .unwrap_or_default();
@@ -342,327 +327,39 @@ impl Arbiter {
     /// descriptor arrives. Returns false (deliver nothing) when the lease or import is gone.
     pub fn fd_delivering(&self, id: Uuid, pid: Option<u32>) -> bool {
         let mut st = self.lock();
-        let session = match st.leases.get(&id) {
+        let session = match st.leases().get(&id) {
             Some(l) => Some(l.session),
             None => st
-                .shared
+                .shared()
                 .of_import(&id)
                 .and_then(|p| p.imports.get(&id))
                 .map(|i| i.session),
         };
         let Some(session) = session else { return false };
         let Some(pid) = pid else { return true };
-        if st.sessions.get(&session).and_then(|s| s.peer.pid) == Some(pid) {
+        if st.sessions().get(&session).and_then(|s| s.peer.pid) == Some(pid) {
             return true;
         }
         tracing::debug!(%id, pid, "a lease descriptor goes to a process outside its session");
-        st.shared.recipients.entry(id).or_default().insert(pid);
+        st.add_recipient(id, pid);
         true
     }
 
-    /// Hook of `end_lease` (after the lease left the table and its charge became free):
-    /// returns the block and how it ends, or `None` when it is held here because
-    /// importers or other processes may still map it.
-    pub(crate) fn sharing_lease_ended(
-        self: &Arc<Self>,
-        st: &mut State,
-        lease: Uuid,
-        tenant: &str,
-        device: u32,
-        block: Block,
-        ending: Ending,
-    ) -> Option<(Block, Ending)> {
-        let publication = st.shared.by_lease.get(&lease).copied();
-        let recipients: Vec<u32> = st
-            .shared
-            .recipients
-            .remove(&lease)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|&p| crate::process::process_alive(p))
-            .collect();
-        if publication.is_none() && recipients.is_empty() {
-            // A memfd its holder sealed (it may do so) never returns to the cache: the
-            // next lease must get memory it can write and publish.
-            let ending = match ending {
-                Ending::Cache if !pristine(&block) => Ending::Destroy,
-                e => e,
-            };
-            return Some((block, ending));
-        }
-        let mut imported = false;
-        if let Some(pid) = publication {
-            if let Some(p) = st.shared.pubs.get_mut(&pid) {
-                p.lease_live = false;
-                imported = !p.imports.is_empty();
-                if let Some(name) = p.name.take() {
-                    st.shared.by_name.remove(&(p.publisher.clone(), name));
-                }
-            }
-        }
-        // A published block never returns to the cache: other tenants had its
-        // descriptor, and a memfd stays sealed.
-        let destroy = publication.is_some() || ending == Ending::Destroy;
-        if !imported && recipients.is_empty() {
-            if let Some(pid) = publication {
-                self.forget_publication(st, pid);
-            }
-            let ending = match ending {
-                Ending::Cache if destroy => Ending::Destroy,
-                e => e,
-            };
-            return Some((block, ending));
-        }
-        let bytes = block.bytes();
-        st.pools[device as usize].release_to_quarantine(bytes);
-        st.ledger.add_quarantine(tenant, device, bytes);
-        let mut waiters = Waiters::default();
-        let holder = match ending {
-            Ending::Quarantine { pid } => pid,
-            _ => None,
-        };
-        match ending {
-            Ending::Quarantine { pid: Some(p) } => {
-                waiters.pids.insert(p);
-            }
-            Ending::Quarantine { pid: None } => waiters.timeout = true,
-            Ending::Cache | Ending::Destroy => {}
-        }
-        waiters.pids.extend(recipients);
-        for &pid in &waiters.pids {
-            st.fx.watch(Watch::Held {
-                lease,
-                pid: Some(pid),
-            });
-        }
-        if waiters.timeout {
-            st.fx.watch(Watch::Held { lease, pid: None });
-        }
-        tracing::info!(%lease, tenant, imported, waiting = waiters.pids.len(), "lease ended; its memory is held while others may map it");
-        st.shared.held.insert(
-            lease,
-            Held {
-                tenant: tenant.to_string(),
-                device,
-                block,
-                since: Instant::now(),
-                publication: imported.then_some(publication).flatten(),
-                waiters,
-                destroy,
-                holder,
-            },
-        );
-        if !imported {
-            if let Some(pid) = publication {
-                self.forget_publication(st, pid);
-            }
-        }
-        None
-    }
-
-    /// Hook of `end_session`: the session's imports end (lingering while its process, or
-    /// a process that fetched their descriptor, lives).
-    pub(crate) fn sharing_session_ended(
-        self: &Arc<Self>,
-        st: &mut State,
-        session: Uuid,
-        peer: &Peer,
-    ) {
-        let imports = st.shared.imports_of_session(session);
-        if imports.is_empty() {
-            return;
-        }
-        let backend_host = |d: u32| self.backend(d) == crate::device::BackendKind::Host;
-        for id in imports {
-            let device = st.shared.of_import(&id).map(|p| p.device).unwrap_or(0);
-            let ending = match peer.pid {
-                Some(pid) if crate::process::process_gone(pid) => Ending::Cache,
-                Some(pid) => Ending::Quarantine { pid: Some(pid) },
-                None if backend_host(device) => Ending::Destroy,
-                None => Ending::Quarantine { pid: None },
-            };
-            self.import_let_go(st, id, ending);
-        }
-    }
-
-    /// An import's holder let go (`ending` says whether its process may still map it).
-    fn import_let_go(self: &Arc<Self>, st: &mut State, import: Uuid, ending: Ending) {
-        st.fx.push(Effect::ForgetTickets { lease: import });
-        let recipients: Vec<u32> = st
-            .shared
-            .recipients
-            .remove(&import)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|&p| crate::process::process_alive(p))
-            .collect();
-        let mut waiters = Waiters::default();
-        if let Ending::Quarantine { pid } = ending {
-            match pid {
-                Some(p) => {
-                    waiters.pids.insert(p);
-                }
-                None => waiters.timeout = true,
-            }
-        }
-        waiters.pids.extend(recipients);
-        if waiters.is_empty() {
-            self.end_import(st, import);
-            return;
-        }
-        let Some(pid) = st.shared.by_import.get(&import).copied() else {
-            return;
-        };
-        for &p in &waiters.pids {
-            st.fx.watch(Watch::Import {
-                import,
-                pid: Some(p),
-            });
-        }
-        if waiters.timeout {
-            st.fx.watch(Watch::Import { import, pid: None });
-        }
-        if let Some(i) = st
-            .shared
-            .pubs
-            .get_mut(&pid)
-            .and_then(|p| p.imports.get_mut(&import))
-        {
-            tracing::info!(%import, pids = ?waiters.pids, "import let go while processes may map it; lingering");
-            i.lingering = Some(waiters);
-        }
-    }
-
-    /// An import is over: nobody it was given to may map the memory any more.
-    fn end_import(self: &Arc<Self>, st: &mut State, import: Uuid) {
-        st.fx.push(Effect::ForgetTickets { lease: import });
-        st.shared.recipients.remove(&import);
-        let Some(pid) = st.shared.by_import.remove(&import) else {
-            return;
-        };
-        let Some(p) = st.shared.pubs.get_mut(&pid) else {
-            return;
-        };
-        p.imports.remove(&import);
-        tracing::debug!(%import, "import ended");
-        if p.imports.is_empty() && !p.lease_live {
-            let lease = p.lease;
-            self.forget_publication(st, pid);
-            if let Some(h) = st.shared.held.get_mut(&lease) {
-                h.publication = None;
-            }
-            self.maybe_lift(st, lease);
-        }
-    }
-
-    /// Drops a publication whose lease ended and that nobody imports.
-    fn forget_publication(&self, st: &mut State, id: Uuid) {
-        if let Some(p) = st.shared.pubs.remove(&id) {
-            st.shared.by_lease.remove(&p.lease);
-            if let Some(n) = p.name {
-                st.shared.by_name.remove(&(p.publisher, n));
-            }
-            for (&i, import) in &p.imports {
-                st.shared.by_import.remove(&i);
-                if let Some(w) = &import.lingering {
-                    unwatch_import(st, i, w);
-                }
-            }
-        }
-    }
-
-    /// Frees (or caches) a held block once nobody may map it.
-    fn maybe_lift(self: &Arc<Self>, st: &mut State, lease: Uuid) {
-        let done = st
-            .shared
-            .held
-            .get(&lease)
-            .is_some_and(|h| h.publication.is_none() && h.waiters.is_empty());
-        if !done {
-            return;
-        }
-        let Some(h) = st.shared.held.remove(&lease) else {
-            return;
-        };
-        let bytes = h.block.bytes();
-        st.ledger.remove_quarantine(&h.tenant, h.device, bytes);
-        let pool = &mut st.pools[h.device as usize];
-        if h.destroy || !pristine(&h.block) {
-            pool.unquarantine_destroyed(bytes);
-            st.fx.free(h.device, h.block);
-        } else {
-            pool.unquarantine_to_cache(h.block);
-        }
-        tracing::info!(%lease, tenant = %h.tenant, held_for = ?h.since.elapsed(), "held memory let go by everyone");
-        self.drain(st);
-    }
-
-    /// A held block's waiter (process `pid`, or with `None` the timeout) is gone.
+    /// A held block's waiter (process `pid`, or with `None` the timeout) is gone
+    /// (`Watch::Held` fired).
     pub(super) fn held_waiter_gone(self: &Arc<Self>, lease: Uuid, pid: Option<u32>) {
         let mut st = self.lock();
-        if let Some(h) = st.shared.held.get_mut(&lease) {
-            match pid {
-                Some(p) => {
-                    h.waiters.pids.remove(&p);
-                }
-                None => h.waiters.timeout = false,
-            }
-        }
-        st.fx.unwatch(Watch::Held { lease, pid });
-        self.maybe_lift(&mut st, lease);
-    }
-
-    /// A lingering import's waiter (process `pid`, or with `None` the timeout) is gone.
-    pub(super) fn import_waiter_gone(self: &Arc<Self>, import: Uuid, pid: Option<u32>) {
-        let mut st = self.lock();
-        st.fx.unwatch(Watch::Import { import, pid });
-        let Some(p) = st.shared.by_import.get(&import).copied() else {
-            return;
-        };
-        let Some(w) = st
-            .shared
-            .pubs
-            .get_mut(&p)
-            .and_then(|p| p.imports.get_mut(&import))
-            .and_then(|i| i.lingering.as_mut())
-        else {
-            return;
-        };
-        match pid {
-            Some(p) => {
-                w.pids.remove(&p);
-            }
-            None => w.timeout = false,
-        }
-        if w.is_empty() {
-            self.end_import(&mut st, import);
+        if st.held_waiter_gone(lease, pid) {
             self.drain(&mut st);
         }
     }
-}
 
-/// Stops the watchers of a lingering import's waiters.
-fn unwatch_import(st: &mut State, import: Uuid, w: &Waiters) {
-    for &pid in &w.pids {
-        st.fx.unwatch(Watch::Import {
-            import,
-            pid: Some(pid),
-        });
-    }
-    if w.timeout {
-        st.fx.unwatch(Watch::Import { import, pid: None });
-    }
-}
-
-/// Stops the watchers of a held block's waiters (it is freed without them).
-pub(super) fn unwatch_held(st: &mut State, lease: Uuid, w: &Waiters) {
-    for &pid in &w.pids {
-        st.fx.unwatch(Watch::Held {
-            lease,
-            pid: Some(pid),
-        });
-    }
-    if w.timeout {
-        st.fx.unwatch(Watch::Held { lease, pid: None });
+    /// A lingering import's waiter (process `pid`, or with `None` the timeout) is gone
+    /// (`Watch::Import` fired).
+    pub(super) fn import_waiter_gone(self: &Arc<Self>, import: Uuid, pid: Option<u32>) {
+        let mut st = self.lock();
+        if st.import_waiter_gone(import, pid) {
+            self.drain(&mut st);
+        }
     }
 }

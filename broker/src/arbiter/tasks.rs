@@ -84,7 +84,7 @@ impl Arbiter {
         if timeout.is_zero() {
             return;
         }
-        let idle = self.lock().sessions.idle(timeout, Instant::now());
+        let idle = self.lock().sessions().idle(timeout, Instant::now());
         for id in idle {
             self.end_session(id, "no keepalive within the timeout");
         }
@@ -102,7 +102,7 @@ impl Arbiter {
                 continue;
             };
             let mut st = self.lock();
-            let pool = &mut st.pools[i];
+            let pool = &st.pools()[i];
             let held = pool.held_on_device();
             let external = info.total.saturating_sub(info.free).saturating_sub(held);
             // Ignore small drift (driver bookkeeping, the broker's own context growing):
@@ -120,27 +120,21 @@ impl Arbiter {
                     leasable,
                     "memory used outside the broker changed; leasable adjusted"
                 );
-                for b in pool.set_leasable(leasable) {
-                    st.fx.free(i as u32, b);
-                }
+                st.set_leasable(i as u32, leasable);
                 self.drain(&mut st);
             }
             // Keep the headroom free for everyone: when processes outside the broker ate
             // into it, give cached (unused) blocks back to the device.
-            let pool = &mut st.pools[i];
-            if info.free < slot.headroom && pool.stats().cached > 0 {
+            if info.free < slot.headroom && st.pools()[i].stats().cached > 0 {
                 let short = slot.headroom - info.free;
-                let freed = pool.evict_bytes(short);
+                let blocks = st.evict_cached(i as u32, short);
                 tracing::warn!(
                     device = i,
                     free = info.free,
                     headroom = slot.headroom,
-                    blocks = freed.len(),
+                    blocks,
                     "free memory below the headroom: cached blocks given back to the device"
                 );
-                for b in freed {
-                    st.fx.free(i as u32, b);
-                }
             }
         }
     }

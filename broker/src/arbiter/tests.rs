@@ -123,7 +123,7 @@ async fn released_block_is_reused_without_scrub_by_its_tenant() {
         l2.handle, l1.handle,
         "same exported descriptor: no new export"
     );
-    let st = f.arb.state.lock().pools[0].stats();
+    let st = f.arb.state.lock().pools()[0].stats();
     assert_eq!((st.hits, st.scrubs), (1, 0));
 }
 
@@ -149,7 +149,7 @@ async fn another_tenant_gets_a_fresh_memory_object_not_a_mapped_one() {
         "the old mapping must not see the new tenant's bytes"
     );
     // Accounting: one lease of 2 MiB, the old block freed (not cached).
-    let st = f.arb.state.lock().pools[0].stats();
+    let st = f.arb.state.lock().pools()[0].stats();
     assert_eq!((st.leased, st.cached), (2 * MIB, 0));
 }
 
@@ -388,7 +388,7 @@ async fn eviction_keeps_holdings_under_leasable() {
     let s = f.tenant("a", quota(64 * MIB));
     for size in [2, 4, 6, 8] {
         let l = f.arb.acquire(req("a", s, size * MIB)).await.unwrap();
-        let st = f.arb.state.lock().pools[0].stats();
+        let st = f.arb.state.lock().pools()[0].stats();
         assert!(st.leased + st.cached <= 8 * MIB, "{st:?}");
         f.arb.release("a", l.id).unwrap();
     }
@@ -718,35 +718,37 @@ async fn the_invariant_check_catches_bytes_in_no_state() {
     // Behind the guard's back, take the bytes off the ledger but not off the pool (what a
     // transition pairing its updates by hand could get wrong): the check names it.
     let mut st = f.arb.state.lock();
-    st.ledger.uncharge("a", 0, 4 * MIB);
+    st.ledger_behind_the_back().uncharge("a", 0, 4 * MIB);
     let e = st.check_invariant().unwrap_err();
     assert!(e.contains("tenant \"a\""), "{e}");
-    st.ledger.reserve("a", 0, 4 * MIB).unwrap();
-    st.ledger.commit("a", 4 * MIB);
+    st.ledger_behind_the_back()
+        .reserve("a", 0, 4 * MIB)
+        .unwrap();
+    st.ledger_behind_the_back().commit("a", 4 * MIB);
     assert_eq!(st.check_invariant(), Ok(()));
     drop(st);
     f.arb.release("a", l.id).unwrap();
     let st = f.arb.lock();
     assert_eq!(st.check_invariant(), Ok(()));
-    assert_eq!(st.pools[0].stats().cached, 4 * MIB);
+    assert_eq!(st.pools()[0].stats().cached, 4 * MIB);
 }
 
 #[tokio::test]
 async fn a_tenant_being_deleted_takes_no_new_charge_or_session() {
     let f = fixture(64 * MIB, 1, ArbiterConfig::default());
     let s = f.tenant("a", quota(64 * MIB));
-    f.arb.lock().ledger.close("a").unwrap();
+    f.arb.lock().close_tenant("a").unwrap();
     let e = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap_err();
     assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
     let e = f.arb.open_session("a", "t", Peer::default()).unwrap_err();
     assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
     assert_eq!(f.held("a"), 0);
     // The store refused the deletion: the tenant is back.
-    f.arb.lock().ledger.reopen("a");
+    f.arb.lock().reopen_tenant("a");
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
     assert_eq!(f.held("a"), 4 * MIB);
     // A tenant holding memory cannot start closing.
-    assert!(f.arb.lock().ledger.close("a").is_err());
+    assert!(f.arb.lock().close_tenant("a").is_err());
     f.arb.release("a", l.id).unwrap();
     f.arb.delete_tenant("a").unwrap();
     assert!(f.arb.get_tenant("a").is_err());
@@ -770,10 +772,10 @@ async fn effects_run_after_the_lock_is_released() {
         Ok(SessionEvent::LeaseRevoked { lease_id, .. }) => assert_eq!(lease_id, l.id),
         other => panic!("expected LeaseRevoked, got {other:?}"),
     }
-    let st = f.arb.lock();
-    assert!(st.fx.is_empty());
-    assert_eq!(st.quarantine.len(), 1);
-    assert_eq!(st.pools[0].stats().quarantined, 4 * MIB);
+    let mut st = f.arb.lock();
+    assert!(st.fx().is_empty());
+    assert_eq!(st.quarantine().len(), 1);
+    assert_eq!(st.pools()[0].stats().quarantined, 4 * MIB);
 }
 
 #[tokio::test]

@@ -77,7 +77,7 @@ impl Arbiter {
         let _writes = self.admin_writes();
         if let Some(t) = &tenant {
             let st = self.lock();
-            if st.ledger.get(t).is_none() || st.ledger.is_closing(t) {
+            if st.ledger().get(t).is_none() || st.ledger().is_closing(t) {
                 return Err(BrokerError::tenant_not_found(t));
             }
         }

@@ -51,13 +51,12 @@ impl Arbiter {
         let who = {
             let mut st = self.lock();
             let weight = st
-                .ledger
+                .ledger()
                 .get(tenant)
                 .map(|t| t.quota.turn_weight.max(1))
                 .unwrap_or(1);
             let s = st
-                .sessions
-                .get_mut(&session)
+                .session_mut(&session)
                 .filter(|s| s.tenant == tenant)
                 .ok_or_else(|| session_not_found(session))?;
             s.last_seen.touch();

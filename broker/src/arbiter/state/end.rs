@@ -1,0 +1,176 @@
+//! Endings: a lease ends into the cache, a free on the device, or quarantine (a live
+//! process may still map it); quarantine is lifted when that process exits (or a timeout
+//! passes); a session's end; everything freed at shutdown.
+
+use super::{Quarantined, State};
+use crate::arbiter::effects::{Counted, Effect, Watch};
+use crate::lease::LeaseView;
+use crate::ledger::Tier;
+use crate::session::{Peer, Session};
+use std::time::Instant;
+use uuid::Uuid;
+
+/// What becomes of an ended lease's block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Nobody maps it any more: cache it for reuse.
+    Cache,
+    /// Free it on the device now (a mapping that survives cannot reach anyone else).
+    Destroy,
+    /// A live process may map it: hold it until `pid` exits (or a timeout if unknown).
+    Quarantine { pid: Option<u32> },
+}
+
+impl State {
+    /// What to do with memory a session held when it ended without releasing it.
+    /// `gone`: the peer process was found gone (the shell reads `/proc` before the lock).
+    pub(crate) fn abandoned(&self, peer: &Peer, device: u32, tier: Tier, gone: bool) -> Ending {
+        match peer.pid {
+            Some(_) if gone => Ending::Cache,
+            Some(pid) => Ending::Quarantine { pid: Some(pid) },
+            None if tier == Tier::Host || self.host_backed(device) => Ending::Destroy,
+            None => Ending::Quarantine { pid: None },
+        }
+    }
+
+    /// Ends a lease; returns its view. `alive` says whether a process that fetched its
+    /// descriptor still runs (the shell's liveness check). Does not run the queue.
+    pub(crate) fn end_lease(
+        &mut self,
+        id: Uuid,
+        ending: Ending,
+        alive: &dyn Fn(u32) -> bool,
+    ) -> Option<LeaseView> {
+        let lease = self.leases.remove(&id)?;
+        self.fx.push(Effect::ForgetTickets { lease: id });
+        let view = self.view(&lease);
+        if let Some(s) = self.sessions.get_mut(&lease.session) {
+            s.leases.remove(&id);
+        }
+        let bytes = lease.bytes();
+        let d = lease.device;
+        let tenant = lease.tenant.clone();
+        let mut block = lease.block;
+        if lease.tier == Tier::Host {
+            self.ledger.uncharge_host(&tenant, bytes);
+            // Host fallback files are never reused: a surviving mapping reaches nobody.
+            self.fx.free_host(block);
+            return Some(view);
+        }
+        self.ledger.uncharge(&tenant, d, bytes);
+        block.last_tenant = Some(tenant.clone());
+        // Importers of its publication, or other processes that fetched its descriptor,
+        // may keep the block (`shared.rs`).
+        let Some((block, ending)) = self.shared_lease_ended(id, &tenant, d, block, ending, alive)
+        else {
+            // Still held for others: its bytes do not come back into a reservation.
+            if let Some(r) = lease.reservation {
+                self.lease_left_reservation(r, bytes, false);
+            }
+            return Some(view);
+        };
+        let pool = &mut self.pools[d as usize];
+        match ending {
+            Ending::Cache => pool.release_to_cache(block),
+            Ending::Destroy => {
+                pool.release_destroyed(bytes);
+                self.fx.free(d, block);
+            }
+            Ending::Quarantine { pid } => {
+                self.fx.count(Counted::Quarantined);
+                pool.release_to_quarantine(bytes);
+                self.ledger.add_quarantine(&tenant, d, bytes);
+                self.quarantine.insert(
+                    id,
+                    Quarantined {
+                        tenant,
+                        device: d,
+                        block,
+                        pid,
+                        since: Instant::now(),
+                    },
+                );
+                self.fx.watch(Watch::Quarantine { lease: id, pid });
+            }
+        }
+        if let Some(r) = lease.reservation {
+            let back = !matches!(ending, Ending::Quarantine { .. });
+            self.lease_left_reservation(r, bytes, back);
+        }
+        Some(view)
+    }
+
+    /// The holder of quarantined memory is gone (`destroy`: or the timeout passed): the
+    /// block is cached (or freed). False when it was not quarantined.
+    pub(crate) fn lift_quarantine(&mut self, id: Uuid, destroy: bool) -> bool {
+        let Some(q) = self.quarantine.remove(&id) else {
+            return false;
+        };
+        self.fx.unwatch(Watch::Quarantine {
+            lease: id,
+            pid: q.pid,
+        });
+        let bytes = q.block.bytes();
+        self.ledger.remove_quarantine(&q.tenant, q.device, bytes);
+        let pool = &mut self.pools[q.device as usize];
+        if destroy {
+            pool.unquarantine_destroyed(bytes);
+            self.fx.free(q.device, q.block);
+        } else {
+            pool.unquarantine_to_cache(q.block);
+        }
+        tracing::info!(lease = %id, tenant = %q.tenant, pid = ?q.pid, held_for = ?q.since.elapsed(), "quarantine lifted");
+        true
+    }
+
+    /// Ends a session: its waiting requests are refused, its leases end (as `forced`
+    /// says, else as [`State::abandoned`] decides with `gone`), its imports and process
+    /// reservations end. Returns it and the bytes it held (none if it was not open). Does
+    /// not run the queue.
+    pub(crate) fn end_session(
+        &mut self,
+        id: Uuid,
+        forced: Option<Ending>,
+        gone: bool,
+        alive: &dyn Fn(u32) -> bool,
+    ) -> Option<(Session, u64)> {
+        let session = self.sessions.remove(&id)?;
+        for w in self.queue.remove_session(id) {
+            self.fx
+                .reply(w.reply, Err(crate::arbiter::session_not_found(id)));
+        }
+        self.fx.push(Effect::EndTurns { session: id });
+        if let Some(pid) = session.peer.pid {
+            self.fx.unwatch(Watch::Session { session: id, pid });
+        }
+        let mut bytes = 0;
+        for lease in &session.leases {
+            let Some(l) = self.leases.get(lease) else {
+                continue;
+            };
+            let e = forced.unwrap_or_else(|| self.abandoned(&session.peer, l.device, l.tier, gone));
+            bytes += l.bytes();
+            self.end_lease(*lease, e, alive);
+        }
+        self.shared_session_ended(id, &session.peer, alive);
+        self.end_session_reservations(id);
+        Some((session, bytes))
+    }
+
+    /// Shutdown: every quarantined and held block, and every cached block, is freed.
+    pub(crate) fn free_everything(&mut self) {
+        let quarantined: Vec<Uuid> = self.quarantine.keys().copied().collect();
+        for id in quarantined {
+            self.lift_quarantine(id, true);
+        }
+        let held: Vec<Uuid> = self.shared.held.keys().copied().collect();
+        for id in held {
+            self.free_held(id);
+        }
+        for i in 0..self.pools.len() {
+            for b in self.pools[i].drain_cache() {
+                self.fx.free(i as u32, b);
+            }
+        }
+    }
+}

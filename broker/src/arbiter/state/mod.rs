@@ -1,0 +1,393 @@
+//! The arbiter's core: every byte the broker holds and every table that says whose it is
+//! (ledger, pools, lease table, sessions, wait queue, quarantine, shared blocks, process
+//! reservations), behind private fields. It is synchronous and does no I/O of its own: no
+//! tokio runtime, no device calls, no `/proc` reads, no locks (the shell,
+//! `arbiter/effects.rs`, holds the one lock around it). Each transition is one method that
+//! updates everything it concerns together and pushes what the shell must do afterwards
+//! (free a block, start or stop a watcher, answer a waiter, tell a session, count) onto
+//! [`State::fx`]. The byte-state invariant is written once, here
+//! ([`State::check_invariant`]): the lock guard checks it after every transition in debug
+//! builds, and the model test (`state/tests.rs`) drives the core directly.
+//!
+//! Transitions: `grant.rs` (reserve, commit or give back a grant; host-fallback leases),
+//! `end.rs` (end a lease into the cache, a free or quarantine; lift a quarantine; a
+//! session's end; free everything at shutdown), `shared.rs` (blocks held for importers and
+//! fd recipients), `process.rs` (process reservations: grant, end, draw a lease from one,
+//! give it back), and here: opening a session, leasable and headroom changes, quota
+//! changes.
+
+mod end;
+mod grant;
+mod process;
+mod shared;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use end::Ending;
+pub(crate) use grant::NotCommitted;
+
+use super::effects::{Effects, Watch};
+use super::queue::WaitQueue;
+use crate::error::BrokerResult;
+use crate::lease::{Lease, LeaseState, LeaseTable, LeaseView};
+use crate::ledger::{Ledger, Tier};
+use crate::pool::{Block, Pool};
+use crate::quota::Quota;
+use crate::reservations::ReservationTable;
+use crate::session::{Session, SessionTable};
+use crate::sharing::SharedTable;
+use std::collections::HashMap;
+use std::time::Instant;
+use uuid::Uuid;
+
+/// Memory of an ended lease that a live process may still map.
+#[derive(Debug)]
+pub(crate) struct Quarantined {
+    pub tenant: String,
+    pub device: u32,
+    pub block: Block,
+    pub pid: Option<u32>,
+    pub since: Instant,
+}
+
+/// Everything behind the arbiter's lock.
+#[derive(Default)]
+pub(crate) struct State {
+    ledger: Ledger,
+    pools: Vec<Pool>,
+    /// Per device: is it the host simulation (a surviving mapping of a destroyed block
+    /// reaches nobody, so abandoned memory of an unknown pid is freed, not quarantined).
+    host_backed: Vec<bool>,
+    leases: LeaseTable,
+    sessions: SessionTable,
+    queue: WaitQueue,
+    quarantine: HashMap<Uuid, Quarantined>,
+    seq: u64,
+    /// Shared read-only leases and the blocks held for their importers (`sharing.rs`).
+    shared: SharedTable,
+    /// Process reservations (`reservations.rs`).
+    reservations: ReservationTable,
+    /// What the transitions under the current lock asked for (`effects.rs`); run when the
+    /// lock guard drops.
+    fx: Effects,
+    /// Host-fallback leases charged in the ledger whose memory is being made (bytes,
+    /// count per tenant): the invariant counts them with the host leases.
+    host_pending: HashMap<String, (u64, u32)>,
+}
+
+impl State {
+    /// A core over these device pools (`host_backed`: which are the host simulation).
+    pub(crate) fn new(pools: Vec<Pool>, host_backed: Vec<bool>) -> State {
+        State {
+            pools,
+            host_backed,
+            ..State::default()
+        }
+    }
+
+    // Reading: every table, shared, never mutable from outside the core.
+
+    pub(crate) fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+    pub(crate) fn pools(&self) -> &[Pool] {
+        &self.pools
+    }
+    pub(crate) fn leases(&self) -> &LeaseTable {
+        &self.leases
+    }
+    pub(crate) fn sessions(&self) -> &SessionTable {
+        &self.sessions
+    }
+    pub(crate) fn queue(&self) -> &WaitQueue {
+        &self.queue
+    }
+    pub(crate) fn quarantine(&self) -> &HashMap<Uuid, Quarantined> {
+        &self.quarantine
+    }
+    pub(crate) fn shared(&self) -> &SharedTable {
+        &self.shared
+    }
+    pub(crate) fn reservations(&self) -> &ReservationTable {
+        &self.reservations
+    }
+    /// Is device `d` the host simulation?
+    pub(crate) fn host_backed(&self, d: u32) -> bool {
+        self.host_backed.get(d as usize).copied().unwrap_or(true)
+    }
+
+    /// Where transitions (and the shell code deciding them) push their effects.
+    pub(crate) fn fx(&mut self) -> &mut Effects {
+        &mut self.fx
+    }
+    /// The ledger, mutable, skipping the transitions: only for the test that checks the
+    /// invariant catches a hand-made mismatch.
+    #[cfg(test)]
+    pub(crate) fn ledger_behind_the_back(&mut self) -> &mut Ledger {
+        &mut self.ledger
+    }
+
+    /// What the transitions pushed (the model test runs them itself).
+    #[cfg(test)]
+    pub(crate) fn take_effects(&mut self) -> Effects {
+        std::mem::take(&mut self.fx)
+    }
+
+    // Changes that move no bytes: the wait queue, session marks, a lease's reclaim
+    // state, publications' names and readers.
+
+    /// The wait queue (waiters hold no bytes: a grant reserves them through
+    /// [`State::reserve_grant`]).
+    pub(crate) fn queue_mut(&mut self) -> &mut WaitQueue {
+        &mut self.queue
+    }
+    /// Mark a lease's reclaim state (asked back, deadline passed, drained).
+    pub(crate) fn set_lease_state(&mut self, id: &Uuid, state: LeaseState) -> bool {
+        match self.leases.get_mut(id) {
+            Some(l) => {
+                l.state = state;
+                true
+            }
+            None => false,
+        }
+    }
+    /// Mark a session's GPU use (NVML) or activity.
+    pub(crate) fn session_mut(&mut self, id: &Uuid) -> Option<&mut Session> {
+        self.sessions.get_mut(id)
+    }
+    /// Publications and imports (names, readers, import records). Held blocks change only
+    /// through the transitions of `shared.rs`.
+    pub(crate) fn shared_mut(&mut self) -> &mut SharedTable {
+        &mut self.shared
+    }
+    /// A lease's descriptor went to `pid`, a process outside its session: it may map the
+    /// memory until it exits (counted when the lease ends).
+    pub(crate) fn add_recipient(&mut self, id: Uuid, pid: u32) {
+        self.shared.recipients.entry(id).or_default().insert(pid);
+    }
+
+    // Transitions that move no bytes of a device.
+
+    /// A session opens (it holds nothing yet); its peer process is watched.
+    pub(crate) fn open_session(&mut self, s: Session) {
+        if let Some(pid) = s.peer.pid {
+            self.fx.watch(Watch::Session { session: s.id, pid });
+        }
+        self.sessions.insert(s);
+    }
+
+    /// Sets a tenant's quota (creating it); true when it was created.
+    pub(crate) fn set_quota(&mut self, name: &str, quota: Quota) -> BrokerResult<bool> {
+        self.ledger.set_quota(name, quota)
+    }
+    /// Deletes a tenant that holds nothing.
+    pub(crate) fn delete_tenant(&mut self, name: &str) -> BrokerResult<()> {
+        self.ledger.delete(name)
+    }
+    /// A tenant being deleted takes no new charge.
+    pub(crate) fn close_tenant(&mut self, name: &str) -> BrokerResult<()> {
+        self.ledger.close(name)
+    }
+    /// Its deletion failed: it takes charges again.
+    pub(crate) fn reopen_tenant(&mut self, name: &str) {
+        self.ledger.reopen(name)
+    }
+
+    /// Device `d`'s leasable bytes change (memory outside the broker came or went); cached
+    /// blocks beyond it are freed.
+    pub(crate) fn set_leasable(&mut self, d: u32, leasable: u64) {
+        let Some(pool) = self.pools.get_mut(d as usize) else {
+            return;
+        };
+        for b in pool.set_leasable(leasable) {
+            self.fx.free(d, b);
+        }
+    }
+
+    /// A host-fallback charge starts (`started`) or ends its flight (became a lease, or
+    /// was uncharged).
+    fn host_in_flight(&mut self, tenant: &str, bytes: u64, started: bool) {
+        let e = self.host_pending.entry(tenant.to_string()).or_default();
+        if started {
+            e.0 += bytes;
+            e.1 += 1;
+        } else {
+            e.0 -= bytes;
+            e.1 -= 1;
+            if e.1 == 0 {
+                self.host_pending.remove(tenant);
+            }
+        }
+    }
+
+    /// Adds a lease to the table and its session (the caller charged it).
+    fn insert_lease(&mut self, lease: Lease) -> LeaseView {
+        let view = self.view(&lease);
+        if let Some(s) = self.sessions.get_mut(&lease.session) {
+            s.leases.insert(lease.id);
+        }
+        self.leases.insert(lease);
+        view
+    }
+
+    /// The next grant's sequence number (lease order).
+    fn next_seq(&mut self) -> u64 {
+        self.seq += 1;
+        self.seq
+    }
+
+    /// A lease's public view.
+    pub fn view(&self, l: &Lease) -> LeaseView {
+        let borrowed = self
+            .ledger
+            .get(&l.tenant)
+            .is_some_and(|t| t.borrowed_bytes() > 0 && l.tier == Tier::Device);
+        l.view(borrowed)
+    }
+
+    /// Gives cached blocks of device `d` back to the device, at least `bytes` of them
+    /// (processes outside the broker ate into the headroom); how many blocks.
+    pub(crate) fn evict_cached(&mut self, d: u32, bytes: u64) -> usize {
+        let Some(pool) = self.pools.get_mut(d as usize) else {
+            return 0;
+        };
+        let freed = pool.evict_bytes(bytes);
+        let n = freed.len();
+        for b in freed {
+            self.fx.free(d, b);
+        }
+        n
+    }
+
+    pub(crate) fn check_invariant(&self) -> Result<(), String> {
+        #[derive(Default, PartialEq, Debug)]
+        struct Sum {
+            leased: u64,
+            leases: u32,
+            quarantined: u64,
+            host: u64,
+            host_leases: u32,
+        }
+        let mut by_device: Vec<Sum> = (0..self.pools.len()).map(|_| Sum::default()).collect();
+        let mut by_tenant: HashMap<&str, Sum> = HashMap::new();
+        for l in self.leases.iter() {
+            let t = by_tenant.entry(l.tenant.as_str()).or_default();
+            match l.tier {
+                Tier::Device => {
+                    t.leased += l.bytes();
+                    t.leases += 1;
+                    let d = by_device
+                        .get_mut(l.device as usize)
+                        .ok_or_else(|| format!("lease {} on unknown device {}", l.id, l.device))?;
+                    d.leased += l.bytes();
+                    d.leases += 1;
+                }
+                Tier::Host => {
+                    t.host += l.bytes();
+                    t.host_leases += 1;
+                }
+            }
+            match self.sessions.get(&l.session) {
+                Some(s) if s.leases.contains(&l.id) => {}
+                _ => return Err(format!("lease {} not listed by an open session", l.id)),
+            }
+        }
+        for (t, (bytes, count)) in &self.host_pending {
+            let t = by_tenant.entry(t.as_str()).or_default();
+            t.host += bytes;
+            t.host_leases += count;
+        }
+        // Quarantined: ended leases a live process may map, and blocks of ended shared
+        // leases held for their importers (`sharing.rs`).
+        let quarantined = self
+            .quarantine
+            .values()
+            .map(|q| (q.tenant.as_str(), q.device, q.block.bytes()))
+            .chain(
+                self.shared
+                    .held
+                    .values()
+                    .map(|h| (h.tenant.as_str(), h.device, h.block.bytes())),
+            );
+        for (tenant, device, bytes) in quarantined {
+            by_tenant.entry(tenant).or_default().quarantined += bytes;
+            if let Some(d) = by_device.get_mut(device as usize) {
+                d.quarantined += bytes;
+            }
+        }
+        for (i, (p, sum)) in self.pools.iter().zip(&by_device).enumerate() {
+            let s = p.stats();
+            let pool = Sum {
+                leased: s.leased,
+                leases: p.lease_count(),
+                quarantined: s.quarantined,
+                ..Sum::default()
+            };
+            if &pool != sum {
+                return Err(format!(
+                    "device {i}: pool says {pool:?}, leases and quarantine say {sum:?}"
+                ));
+            }
+        }
+        let mut reserved = 0u64;
+        for t in self.ledger.tenants() {
+            let u = &t.usage;
+            reserved += u.reserved_bytes;
+            let ledger = Sum {
+                leased: u.held_bytes,
+                leases: u.lease_count,
+                quarantined: u.quarantined_bytes,
+                host: u.host_held_bytes,
+                host_leases: u.host_lease_count,
+            };
+            // Per device, the ledger counts what is reserved, held and quarantined there.
+            let per_device: u64 = t.device_bytes.values().sum();
+            if per_device != u.committed_bytes() {
+                return Err(format!(
+                    "tenant {:?}: its bytes per device add up to {per_device}, not {}",
+                    t.name,
+                    u.committed_bytes()
+                ));
+            }
+            let sum = by_tenant.remove(t.name.as_str()).unwrap_or_default();
+            if ledger != sum {
+                return Err(format!(
+                    "tenant {:?}: ledger says {ledger:?}, leases and quarantine say {sum:?}",
+                    t.name
+                ));
+            }
+        }
+        if let Some((t, _)) = by_tenant.iter().find(|(_, s)| **s != Sum::default()) {
+            return Err(format!(
+                "tenant {t:?} holds memory but is not in the ledger"
+            ));
+        }
+        let pooled: u64 = self.pools.iter().map(|p| p.stats().reserved).sum();
+        if pooled != reserved {
+            return Err(format!(
+                "reserved: pools say {pooled}, ledger says {reserved}"
+            ));
+        }
+        // Room kept for reserved processes (`reservations.rs`): the same in both.
+        let in_pools: u64 = self.pools.iter().map(|p| p.stats().process_reserved).sum();
+        let in_ledger: u64 = self
+            .ledger
+            .tenants()
+            .map(|t| t.usage.process_reserved_bytes)
+            .sum();
+        if in_pools != in_ledger {
+            return Err(format!(
+                "process reservations: pools say {in_pools}, ledger says {in_ledger}"
+            ));
+        }
+        for s in self.sessions.iter() {
+            if let Some(l) = s.leases.iter().find(|l| self.leases.get(l).is_none()) {
+                return Err(format!(
+                    "session {} lists lease {l}, which does not exist",
+                    s.id
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,661 @@
+//! Model test of the core, driven directly: no tokio runtime, no arbiter, no device. A
+//! [`State`] over two pools (one CUDA-like, one host-backed) runs random sequences of
+//! transitions: open a session, reserve a grant and later commit it (with a cached block
+//! or a fresh one the test makes) or give it back, end a lease every way (cache, free,
+//! quarantine with and without a pid), lift a quarantine, end a session (its process gone
+//! or alive), host-fallback leases, leasable changes, a descriptor fetched by another
+//! process (the block is then held) and that process's exit, process reservations. After
+//! every step the invariant holds, the ledger and the pools equal a simple model (bytes
+//! per tenant and per device, per state), and every block the test made is either still
+//! held by the core or was freed exactly once through an effect.
+
+use super::*;
+use crate::arbiter::effects::Effect;
+use crate::arbiter::queue::Ask;
+use crate::arbiter::AcquireRequest;
+use crate::device::{Allocation, Handle, MemoryKind, SharedFd};
+use crate::pool::{Block, Pool, Source};
+use crate::reservations::ProcessAsk;
+use crate::session::{Activity, Peer, Session};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, SystemTime};
+
+const MIB: u64 = 1 << 20;
+const GRAN: u64 = 2 * MIB;
+const CAPACITY: u64 = 16 * MIB;
+const TENANTS: [&str; 3] = ["t0", "t1", "t2"];
+const LIMIT: u64 = 20 * MIB;
+const HOST_LIMIT: u64 = 8 * MIB;
+/// Peer pids of sessions (fake: nothing here looks at processes).
+const PIDS: [u32; 2] = [4_000_001, 4_000_002];
+/// Processes outside a session that fetch a lease's descriptor.
+const OTHERS: [u32; 2] = [4_000_011, 4_000_012];
+
+#[derive(Clone, Debug)]
+enum Op {
+    Open {
+        tenant: usize,
+        pid: Option<usize>,
+    },
+    Reserve {
+        session: usize,
+        units: u64,
+        device: u32,
+    },
+    Commit {
+        pending: usize,
+    },
+    Abort {
+        pending: usize,
+    },
+    End {
+        lease: usize,
+        how: usize,
+    },
+    Lift {
+        which: usize,
+        destroy: bool,
+    },
+    EndSession {
+        session: usize,
+        gone: bool,
+    },
+    Host {
+        session: usize,
+        units: u64,
+        made: bool,
+    },
+    Leasable {
+        device: u32,
+        units: u64,
+    },
+    Fetched {
+        lease: usize,
+        other: usize,
+    },
+    Exits {
+        which: usize,
+    },
+    ReserveProcess {
+        session: usize,
+        units: u64,
+        device: u32,
+    },
+    EndReservation {
+        which: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        1 => (0..3usize, prop::option::of(0..2usize)).prop_map(|(tenant, pid)| Op::Open { tenant, pid }),
+        1 => (any::<usize>(), 1..5u64, 0..2u32)
+            .prop_map(|(session, units, device)| Op::Reserve { session, units, device }),
+        3 => any::<usize>().prop_map(|pending| Op::Commit { pending }),
+        1 => any::<usize>().prop_map(|pending| Op::Abort { pending }),
+        3 => (any::<usize>(), 0..4usize).prop_map(|(lease, how)| Op::End { lease, how }),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(which, destroy)| Op::Lift { which, destroy }),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(session, gone)| Op::EndSession { session, gone }),
+        1 => (any::<usize>(), 1..3u64, any::<bool>())
+            .prop_map(|(session, units, made)| Op::Host { session, units, made }),
+        1 => (0..2u32, 2..9u64).prop_map(|(device, units)| Op::Leasable { device, units }),
+        1 => (any::<usize>(), 0..2usize).prop_map(|(lease, other)| Op::Fetched { lease, other }),
+        1 => any::<usize>().prop_map(|which| Op::Exits { which }),
+        1 => (any::<usize>(), 1..4u64, 0..2u32)
+            .prop_map(|(session, units, device)| Op::ReserveProcess { session, units, device }),
+        1 => any::<usize>().prop_map(|which| Op::EndReservation { which }),
+    ]
+}
+
+/// What the model expects one tenant (or one device) to hold, per state.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Bytes {
+    leased: u64,
+    leases: u32,
+    reserved: u64,
+    quarantined: u64,
+    host: u64,
+    process: u64,
+}
+
+impl Bytes {
+    fn committed(&self) -> u64 {
+        self.leased + self.reserved + self.quarantined + self.process
+    }
+}
+
+/// A grant reserved and not yet committed (the shell's device work in flight).
+struct Pending {
+    ask: Ask,
+    device: u32,
+    block: Option<Block>,
+}
+
+struct Harness {
+    st: State,
+    tenants: BTreeMap<&'static str, Bytes>,
+    devices: [Bytes; 2],
+    pending: Vec<Pending>,
+    /// Blocks made here, by allocation id, with their size; and those freed by effects.
+    made: BTreeMap<u64, u64>,
+    freed: BTreeSet<u64>,
+    next_alloc: u64,
+    /// Processes that fetched a descriptor and still run.
+    running: BTreeSet<u32>,
+    /// Bytes of every live lease, quarantined and held block (by lease), to follow them.
+    quarantined: BTreeMap<Uuid, (String, u32, u64)>,
+}
+
+fn fake_fd() -> SharedFd {
+    SharedFd::new(std::fs::File::open("/dev/null").unwrap().into())
+}
+
+impl Harness {
+    fn new() -> Harness {
+        let pools = (0..2)
+            .map(|i| Pool::new(i, GRAN, CAPACITY, CAPACITY))
+            .collect();
+        let mut st = State::new(pools, vec![false, true]);
+        for t in TENANTS {
+            let q = Quota {
+                limit_bytes: LIMIT,
+                host_limit_bytes: HOST_LIMIT,
+                ..Quota::default()
+            };
+            st.set_quota(t, q).unwrap();
+        }
+        Harness {
+            st,
+            tenants: TENANTS.iter().map(|t| (*t, Bytes::default())).collect(),
+            devices: Default::default(),
+            pending: Vec::new(),
+            made: BTreeMap::new(),
+            freed: BTreeSet::new(),
+            next_alloc: 1,
+            running: BTreeSet::new(),
+            quarantined: BTreeMap::new(),
+        }
+    }
+
+    fn block(&mut self, bytes: u64) -> Block {
+        let id = self.next_alloc;
+        self.next_alloc += 1;
+        self.made.insert(id, bytes);
+        Block {
+            alloc: Allocation {
+                id,
+                bytes,
+                addr: 0,
+                path: None,
+            },
+            handle: Handle::Fd {
+                kind: MemoryKind::CudaVmm,
+                fd: fake_fd(),
+                block_id: id,
+                size: bytes,
+            },
+            last_tenant: None,
+        }
+    }
+
+    fn sessions(&self) -> Vec<Uuid> {
+        let mut v = self.st.sessions().ids();
+        v.sort();
+        v
+    }
+
+    fn leases(&self) -> Vec<Uuid> {
+        let mut v = self.st.leases().ids();
+        v.sort();
+        v
+    }
+
+    fn pick<T: Copy>(v: &[T], i: usize) -> Option<T> {
+        (!v.is_empty()).then(|| v[i % v.len()])
+    }
+
+    /// Runs the effects the last transition pushed: frees are recorded (each block once).
+    fn effects(&mut self) {
+        for e in self.st.take_effects().into_vec() {
+            match e {
+                Effect::Free { block, .. } | Effect::FreeHost { block } => {
+                    let id = block.alloc.id;
+                    assert!(
+                        self.made.contains_key(&id),
+                        "freed a block never made: {id}"
+                    );
+                    assert!(self.freed.insert(id), "block {id} freed twice");
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn tenant_of(&self, session: Uuid) -> Option<(String, Option<u32>)> {
+        self.st
+            .sessions()
+            .get(&session)
+            .map(|s| (s.tenant.clone(), s.peer.pid))
+    }
+
+    fn step(&mut self, op: &Op) {
+        match *op {
+            Op::Open { tenant, pid } => {
+                let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+                self.st.open_session(Session {
+                    id: Uuid::now_v7(),
+                    tenant: TENANTS[tenant].to_string(),
+                    name: String::new(),
+                    peer: Peer {
+                        pid: pid.map(|p| PIDS[p]),
+                        uid: None,
+                        unix: pid.is_some(),
+                    },
+                    opened: SystemTime::now(),
+                    last_seen: Activity::new(),
+                    events: tx,
+                    leases: Default::default(),
+                    gpu: None,
+                });
+            }
+            Op::Reserve {
+                session,
+                units,
+                device,
+            } => {
+                let Some(s) = Self::pick(&self.sessions(), session) else {
+                    return;
+                };
+                let (tenant, _) = self.tenant_of(s).unwrap();
+                let bytes = units * GRAN;
+                let ask = ask(&tenant, s, bytes, None);
+                // The shell's fit check: only what the device has room for.
+                if self.st.pools()[device as usize].available() < bytes {
+                    return;
+                }
+                let t = self.tenants[tenant.as_str()];
+                let fits = t.committed() + bytes <= LIMIT;
+                match self.st.reserve_grant(&ask, device) {
+                    Ok(source) => {
+                        assert!(fits, "reserved beyond the quota");
+                        let block = match source {
+                            Source::Cached { block, .. } => Some(block),
+                            Source::Fresh { evicted } => {
+                                for b in evicted {
+                                    self.st.fx().free(device, b);
+                                }
+                                None
+                            }
+                        };
+                        self.tenants.get_mut(tenant.as_str()).unwrap().reserved += bytes;
+                        self.devices[device as usize].reserved += bytes;
+                        self.pending.push(Pending { ask, device, block });
+                    }
+                    Err(e) => assert!(!fits, "refused within the quota: {e}"),
+                }
+            }
+            Op::Commit { pending } | Op::Abort { pending } => {
+                if self.pending.is_empty() {
+                    return;
+                }
+                let p = self.pending.remove(pending % self.pending.len());
+                let bytes = p.ask.bytes;
+                let t = p.ask.tenant.clone();
+                self.tenants.get_mut(t.as_str()).unwrap().reserved -= bytes;
+                self.devices[p.device as usize].reserved -= bytes;
+                if matches!(op, Op::Abort { .. }) {
+                    self.st.unreserve_grant(&p.ask, p.device, p.block);
+                    return;
+                }
+                let block = match p.block {
+                    Some(b) => b,
+                    None => self.block(bytes),
+                };
+                let alive = self.st.sessions().get(&p.ask.session).is_some();
+                match self.st.commit_grant(&p.ask, 0, p.device, block, false) {
+                    Ok(v) => {
+                        assert!(alive);
+                        assert_eq!(v.bytes, bytes);
+                        let m = self.tenants.get_mut(t.as_str()).unwrap();
+                        m.leased += bytes;
+                        m.leases += 1;
+                        self.devices[p.device as usize].leased += bytes;
+                        self.devices[p.device as usize].leases += 1;
+                    }
+                    Err(why) => {
+                        assert!(!alive);
+                        assert_eq!(why, grant::NotCommitted::SessionGone);
+                    }
+                }
+            }
+            Op::End { lease, how } => {
+                let Some(id) = Self::pick(&self.leases(), lease) else {
+                    return;
+                };
+                let pid = self
+                    .st
+                    .leases()
+                    .get(&id)
+                    .and_then(|l| self.st.sessions().get(&l.session))
+                    .and_then(|s| s.peer.pid);
+                let ending = match how {
+                    0 => Ending::Cache,
+                    1 => Ending::Destroy,
+                    2 => Ending::Quarantine { pid },
+                    _ => Ending::Quarantine { pid: None },
+                };
+                self.end_lease(id, ending);
+            }
+            Op::Lift { which, destroy } => {
+                let mut q: Vec<Uuid> = self.st.quarantine().keys().copied().collect();
+                q.sort();
+                let Some(id) = Self::pick(&q, which) else {
+                    return;
+                };
+                assert!(self.st.lift_quarantine(id, destroy));
+                self.unquarantined(id);
+            }
+            Op::EndSession { session, gone } => {
+                let Some(s) = Self::pick(&self.sessions(), session) else {
+                    return;
+                };
+                let session = self.st.sessions().get(&s).unwrap();
+                let (peer, leases): (Peer, Vec<Uuid>) =
+                    (session.peer, session.leases.iter().copied().collect());
+                let endings: Vec<(Uuid, Ending)> = leases
+                    .iter()
+                    .map(|l| {
+                        let l = self.st.leases().get(l).unwrap();
+                        (l.id, self.st.abandoned(&peer, l.device, l.tier, gone))
+                    })
+                    .collect();
+                let rooms: Vec<(String, u32, u64)> = self
+                    .st
+                    .reservations()
+                    .of_session(s)
+                    .map(|r| (r.tenant.clone(), r.device, r.room()))
+                    .collect();
+                let before: Vec<(Uuid, (String, u32, u64, crate::ledger::Tier))> = leases
+                    .iter()
+                    .map(|l| {
+                        let l = self.st.leases().get(l).unwrap();
+                        (l.id, (l.tenant.clone(), l.device, l.bytes(), l.tier))
+                    })
+                    .collect();
+                let alive = |p: u32| self.running.contains(&p) || (!gone && PIDS.contains(&p));
+                let held_before: BTreeSet<Uuid> = self.st.shared().held.keys().copied().collect();
+                self.st.end_session(s, None, gone, &alive).unwrap();
+                for ((id, ending), (_, (t, d, b, tier))) in endings.into_iter().zip(before) {
+                    self.lease_gone(id, &t, d, b, tier, ending, &held_before);
+                }
+                for (t, d, room) in rooms {
+                    self.tenants.get_mut(t.as_str()).unwrap().process -= room;
+                    self.devices[d as usize].process -= room;
+                }
+            }
+            Op::Host {
+                session,
+                units,
+                made,
+            } => {
+                let Some(s) = Self::pick(&self.sessions(), session) else {
+                    return;
+                };
+                let (tenant, _) = self.tenant_of(s).unwrap();
+                let bytes = units * GRAN;
+                let fits = self.tenants[tenant.as_str()].host + bytes <= HOST_LIMIT;
+                let charged = self.st.charge_host(&tenant, bytes);
+                assert_eq!(charged.is_ok(), fits);
+                if !fits {
+                    return;
+                }
+                let block = if made {
+                    Ok(self.block(bytes))
+                } else {
+                    Err(crate::error::BrokerError::Internal("no memory".into()))
+                };
+                let req = AcquireRequest {
+                    tenant: tenant.clone(),
+                    session: s,
+                    bytes,
+                    device: None,
+                    wait: Duration::ZERO,
+                    label: String::new(),
+                    reclaimable: false,
+                    fallback_host: true,
+                };
+                let r = self.st.commit_host(&req, bytes, block);
+                assert_eq!(r.is_ok(), made);
+                if made {
+                    self.tenants.get_mut(tenant.as_str()).unwrap().host += bytes;
+                }
+            }
+            Op::Leasable { device, units } => {
+                self.st.set_leasable(device, units * GRAN);
+            }
+            Op::Fetched { lease, other } => {
+                let Some(id) = Self::pick(&self.leases(), lease) else {
+                    return;
+                };
+                if self.st.leases().get(&id).unwrap().tier != crate::ledger::Tier::Device {
+                    return;
+                }
+                self.running.insert(OTHERS[other]);
+                self.st.add_recipient(id, OTHERS[other]);
+            }
+            Op::Exits { which } => {
+                let mut held: Vec<Uuid> = self.st.shared().held.keys().copied().collect();
+                held.sort();
+                let Some(lease) = Self::pick(&held, which) else {
+                    return;
+                };
+                let h = &self.st.shared().held[&lease];
+                let pid = h.waiters.pids.iter().next().copied();
+                let timeout = h.waiters.timeout;
+                let waiting = h.waiters.pids.len() + usize::from(timeout);
+                let lifted = self
+                    .st
+                    .held_waiter_gone(lease, if pid.is_some() { pid } else { None });
+                assert_eq!(lifted, waiting == 1);
+                if lifted {
+                    self.unquarantined(lease);
+                }
+            }
+            Op::ReserveProcess {
+                session,
+                units,
+                device,
+            } => {
+                let Some(s) = Self::pick(&self.sessions(), session) else {
+                    return;
+                };
+                let (tenant, _) = self.tenant_of(s).unwrap();
+                let bytes = units * GRAN;
+                if self.st.pools()[device as usize].available() < bytes {
+                    return;
+                }
+                let has = self.st.reservations().of_session(s).next().is_some();
+                let fits = self.tenants[tenant.as_str()].committed() + bytes <= LIMIT;
+                let mut a = ask(&tenant, s, bytes, None);
+                a.process = Some(ProcessAsk {
+                    compute_percent: None,
+                });
+                let r = self.st.grant_process(&a, device);
+                assert_eq!(r.is_ok(), fits && !has, "{r:?}");
+                if r.is_ok() {
+                    self.tenants.get_mut(tenant.as_str()).unwrap().process += bytes;
+                    self.devices[device as usize].process += bytes;
+                }
+            }
+            Op::EndReservation { which } => {
+                let mut ids: Vec<Uuid> = self.st.reservations().iter().map(|r| r.id).collect();
+                ids.sort();
+                let Some(id) = Self::pick(&ids, which) else {
+                    return;
+                };
+                let r = self.st.reservations().get(&id).unwrap();
+                let (t, d, room) = (r.tenant.clone(), r.device, r.room());
+                self.st.end_reservation(id);
+                self.tenants.get_mut(t.as_str()).unwrap().process -= room;
+                self.devices[d as usize].process -= room;
+            }
+        }
+    }
+
+    fn end_lease(&mut self, id: Uuid, ending: Ending) {
+        let l = self.st.leases().get(&id).unwrap();
+        let (t, d, b, tier) = (l.tenant.clone(), l.device, l.bytes(), l.tier);
+        let held_before: BTreeSet<Uuid> = self.st.shared().held.keys().copied().collect();
+        let running = self.running.clone();
+        let alive = move |p: u32| running.contains(&p);
+        assert!(self.st.end_lease(id, ending, &alive).is_some());
+        self.lease_gone(id, &t, d, b, tier, ending, &held_before);
+    }
+
+    /// Follows a lease that just ended into its next state.
+    #[allow(clippy::too_many_arguments)]
+    fn lease_gone(
+        &mut self,
+        id: Uuid,
+        t: &str,
+        d: u32,
+        b: u64,
+        tier: crate::ledger::Tier,
+        ending: Ending,
+        held_before: &BTreeSet<Uuid>,
+    ) {
+        assert!(self.st.leases().get(&id).is_none());
+        let m = self.tenants.get_mut(t).unwrap();
+        if tier == crate::ledger::Tier::Host {
+            m.host -= b;
+            return;
+        }
+        m.leased -= b;
+        m.leases -= 1;
+        self.devices[d as usize].leased -= b;
+        self.devices[d as usize].leases -= 1;
+        let held = !held_before.contains(&id) && self.st.shared().held.contains_key(&id);
+        let quarantined = self.st.quarantine().contains_key(&id);
+        assert_eq!(
+            quarantined,
+            !held && matches!(ending, Ending::Quarantine { .. }),
+            "{ending:?}"
+        );
+        if held || quarantined {
+            let m = self.tenants.get_mut(t).unwrap();
+            m.quarantined += b;
+            self.devices[d as usize].quarantined += b;
+            self.quarantined.insert(id, (t.to_string(), d, b));
+        }
+    }
+
+    fn unquarantined(&mut self, id: Uuid) {
+        let (t, d, b) = self.quarantined.remove(&id).expect("followed");
+        self.tenants.get_mut(t.as_str()).unwrap().quarantined -= b;
+        self.devices[d as usize].quarantined -= b;
+    }
+
+    /// The core's numbers against the model's, and every block accounted for.
+    fn check(&self) {
+        self.st.check_invariant().unwrap();
+        for (name, want) in &self.tenants {
+            let u = self.st.ledger().get(name).unwrap().usage;
+            let got = Bytes {
+                leased: u.held_bytes,
+                leases: u.lease_count,
+                reserved: u.reserved_bytes,
+                quarantined: u.quarantined_bytes,
+                host: u.host_held_bytes,
+                process: u.process_reserved_bytes,
+            };
+            assert_eq!(&got, want, "tenant {name}");
+        }
+        let mut in_core = 0;
+        for (i, want) in self.devices.iter().enumerate() {
+            let s = self.st.pools()[i].stats();
+            let got = Bytes {
+                leased: s.leased,
+                leases: self.st.pools()[i].lease_count(),
+                reserved: s.reserved,
+                quarantined: s.quarantined,
+                host: 0,
+                process: s.process_reserved,
+            };
+            assert_eq!(&got, want, "device {i}");
+            assert!(
+                s.leased + s.reserved + s.quarantined + s.cached + s.process_reserved <= CAPACITY
+            );
+            in_core += s.leased + s.quarantined + s.cached;
+        }
+        in_core += self.tenants.values().map(|t| t.host).sum::<u64>();
+        in_core += self
+            .pending
+            .iter()
+            .filter_map(|p| p.block.as_ref())
+            .map(|b| b.bytes())
+            .sum::<u64>();
+        let outstanding: u64 = self
+            .made
+            .iter()
+            .filter(|(id, _)| !self.freed.contains(id))
+            .map(|(_, b)| b)
+            .sum();
+        assert_eq!(
+            outstanding, in_core,
+            "blocks made and not freed vs bytes the core holds"
+        );
+    }
+}
+
+fn ask(tenant: &str, session: Uuid, bytes: u64, device: Option<u32>) -> Ask {
+    Ask {
+        tenant: tenant.to_string(),
+        session,
+        bytes,
+        requested_bytes: bytes,
+        device,
+        label: String::new(),
+        reclaimable: false,
+        process: None,
+        draw: None,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_core_keeps_every_byte_in_one_state(ops in prop::collection::vec(op(), 1..80)) {
+        let mut h = Harness::new();
+        for op in &ops {
+            h.step(op);
+            h.effects();
+            h.check();
+        }
+        // Everything ends: every session, the grants in flight, the quarantine, the rest.
+        for p in std::mem::take(&mut h.pending) {
+            h.tenants.get_mut(p.ask.tenant.as_str()).unwrap().reserved -= p.ask.bytes;
+            h.devices[p.device as usize].reserved -= p.ask.bytes;
+            h.st.unreserve_grant(&p.ask, p.device, p.block);
+        }
+        for s in h.sessions() {
+            h.step(&Op::EndSession { session: h.sessions().iter().position(|x| *x == s).unwrap(), gone: true });
+            h.effects();
+            h.check();
+        }
+        h.st.free_everything();
+        h.effects();
+        h.st.check_invariant().unwrap();
+        for (i, p) in h.st.pools().iter().enumerate() {
+            let s = p.stats();
+            prop_assert_eq!((s.leased, s.reserved, s.quarantined, s.cached, s.process_reserved), (0, 0, 0, 0, 0), "device {}", i);
+        }
+        for t in TENANTS {
+            prop_assert_eq!(h.st.ledger().get(t).unwrap().usage, crate::ledger::Usage::default());
+        }
+        // No block leaked: every block made here was freed exactly once.
+        let freed: BTreeSet<u64> = h.made.keys().copied().collect();
+        prop_assert_eq!(&h.freed, &freed);
+    }
+}
