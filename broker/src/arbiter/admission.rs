@@ -329,7 +329,7 @@ impl Arbiter {
             if st.queue().is_empty() {
                 return;
             }
-            let order = st.queue().order(&st.ledger());
+            let order = st.queue().order(st.ledger());
             let mut blocked: HashSet<u32> = HashSet::new();
             // Heads blocked by capacity that other tenants of their priority may still
             // overtake (their budget is not spent): (waiter, priority, tenant, devices).
@@ -340,7 +340,7 @@ impl Arbiter {
                 let Some(w) = st.queue().get(id) else {
                     continue;
                 };
-                if w.ask.check_charge(&st.ledger()).is_err() {
+                if w.ask.check_charge(st.ledger()).is_err() {
                     continue;
                 }
                 // Devices where the tenant's per-device cap leaves room; none: blocked by
@@ -554,7 +554,7 @@ impl Arbiter {
     /// Why `ask` does not fit now, with the numbers.
     pub(crate) fn exhausted(&self, st: &State, ask: &Ask) -> BrokerError {
         // The tenant's own limits first (bytes or lease count): they say it precisely.
-        if let Err(e) = ask.check_charge(&st.ledger()) {
+        if let Err(e) = ask.check_charge(st.ledger()) {
             return e;
         }
         // Its caps on every device it may use: the first device's refusal says it.
