@@ -13,7 +13,7 @@ impl Arbiter {
     pub(crate) fn end_sessions_of_token(self: &Arc<Self>, token_id: &str, reason: &str) -> usize {
         let ids: Vec<Uuid> = self
             .lock()
-            .sessions
+            .sessions()
             .iter()
             .filter(|s| s.token_id.as_deref() == Some(token_id))
             .map(|s| s.id)
@@ -33,7 +33,7 @@ impl Arbiter {
         let live = self.auth.live_token_ids();
         let ids: Vec<Uuid> = self
             .lock()
-            .sessions
+            .sessions()
             .iter()
             .filter(|s| s.token_id.as_ref().is_some_and(|t| !live.contains(t)))
             .map(|s| s.id)
@@ -111,7 +111,7 @@ mod tests {
         let (s2, mut rx2) = open(&t2);
         let (untracked, _rx3) = arb.open_session("a", "s", Peer::default()).unwrap();
         arb.revoke_token(&t1).unwrap();
-        let live = arb.lock().sessions.ids();
+        let live = arb.lock().sessions().ids();
         assert!(!live.contains(&s1) && !live.contains(&s1b), "{live:?}");
         assert!(live.contains(&s2) && live.contains(&untracked), "{live:?}");
         // The ended session's event channel is closed; the other's is not.
@@ -138,7 +138,7 @@ mod tests {
             .unwrap();
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(arb.end_sessions_of_lapsed_tokens(), 1);
-        let live = arb.lock().sessions.ids();
+        let live = arb.lock().sessions().ids();
         assert_eq!(live, vec![s_long], "{s_short} should have ended");
         assert_eq!(arb.end_sessions_of_lapsed_tokens(), 0);
     }

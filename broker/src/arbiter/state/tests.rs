@@ -257,6 +257,7 @@ impl Harness {
                     events: tx,
                     leases: Default::default(),
                     gpu: None,
+                    token_id: None,
                 });
             }
             Op::Reserve {
