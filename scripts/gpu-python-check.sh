@@ -22,28 +22,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_PYTHON_OUT:-.gpu/python}
-TARGET=${CARGO_TARGET_DIR:-target}
+# shellcheck source=scripts/gpu-common.sh
+source scripts/gpu-common.sh
 
 build() {
-    mkdir -p "$OUT"
-    rm -f "$OUT"/gpubroker-*.whl
-    cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl \
-        -p gpu-broker-tests --bin gpu-worker
-    local venv=${GPUBROKER_VENV:-target/py-venv}
-    [[ -x $venv/bin/maturin ]] || scripts/test-python.sh --co -q >/dev/null
-    "$venv/bin/maturin" build --release --strip --manifest-path client/python/Cargo.toml --out "$OUT"
-    for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
-    strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/gpu-worker 2>/dev/null || true
-    cp -f scripts/gpu-python-check.sh scripts/gpu_python_check.py "$OUT/"
-    du -sh "$OUT"
+    gpu_build "$OUT" scripts/gpu-common.sh scripts/gpu-python-check.sh scripts/gpu_python_check.py
 }
 
 run() {
     local t0=$SECONDS
     local dir; dir=$(mktemp -d)
-    local wheel; wheel=$(ls "$OUT"/gpubroker-*.whl | head -n1)
-    python3 -m zipfile -e "$wheel" "$dir/py"
-    export PYTHONPATH="$dir/py${PYTHONPATH:+:$PYTHONPATH}"
+    gpu_python "$OUT" "$dir"
     local check=(python3 scripts/gpu_python_check.py)
     [[ -f $OUT/gpu_python_check.py ]] && check=(python3 "$OUT/gpu_python_check.py")
     nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
@@ -53,13 +42,8 @@ run() {
     "${check[@]}" train --mode native --steps 200 || echo "STEP FAILED: native training"
 
     # A card with 16 GiB leasable: the rest is headroom, so the second tenant can find it full.
-    "$OUT/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
-        --headroom "${GPU_PYTHON_HEADROOM:-124GiB}" --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
-    local pid=$!
-    trap 'kill -TERM $pid 2>/dev/null || true' EXIT
-    for _ in $(seq 100); do [[ -S "$dir/b.sock" ]] && break; sleep 0.1; done
-    local ctl=("$OUT/gpu-brokerctl" --broker "unix://$dir/b.sock" --token-file "$dir/state/admin.token")
-    export GPU_BROKER_ADDR="unix://$dir/b.sock"
+    gpu_start "$OUT" "$dir" --headroom "${GPU_PYTHON_HEADROOM:-124GiB}"
+    local ctl=("${CTL[@]}")
     "${ctl[@]}" quota set train --limit 12GiB >/dev/null
     "${ctl[@]}" quota set other --limit 100GiB >/dev/null
     "${ctl[@]}" quota set bench --limit 100GiB >/dev/null
@@ -99,7 +83,7 @@ print(max(0, d["leasable_bytes"] - d["leased_bytes"] - d.get("reserved_bytes", 0
     GPU_BROKER_TOKEN=$bench "${check[@]}" latency --nbytes $((64 << 20)) --iters 200 || echo "STEP FAILED: latency"
     "$OUT/gpu-worker" --broker "unix://$dir/b.sock" --token "$bench" bench --sizes 64MiB --iters 200 || true
     "${ctl[@]}" devices
-    kill -TERM "$pid"; wait "$pid" || { echo "broker exit status $?"; tail -50 "$dir/broker.log"; }
+    kill -TERM "$BROKER_PID"; wait "$BROKER_PID" || { echo "broker exit status $?"; tail -50 "$dir/broker.log"; }
     trap - EXIT
     grep -c "OUT_OF_MEMORY" "$dir/broker.log" && echo "CUDA OOM in the broker log" || true
     echo "=== 2b. PyTorch's own allocator again (brackets step 3 against clock drift) ==="

@@ -3,7 +3,14 @@ tensor in gpubroker.torch's leases keeps its address and contents across
 gpubroker.torch.sleep(save=True) / wake(), the tenant's device bytes go to zero while
 asleep, a kernel runs on the tensor after the wake; then the same with save=False (the
 address stays, the tensor is usable); and a gpubroker.Resident of a VMM lease keeps its
-CUDA address and bytes. Prints one line per fact; exits 1 on the first failure."""
+CUDA address and bytes. Prints one line per fact; exits 1 on the first failure.
+
+`gpu_sleep_check.py reclaim HIGH_TOKEN`: gpubroker.torch installed with
+sleep_on_reclaim=True; another tenant of higher priority (HIGH_TOKEN) asks for 256 MiB more
+than the card has left (read with $GPU_SLEEP_CTL --json devices), which only the segments'
+memory can give: the reclaim request puts the allocator to sleep
+by itself (contents saved), the other tenant is granted, and after it lets go a wake()
+brings the tensor back at the same address with its bytes."""
 
 import os
 import sys
@@ -84,5 +91,65 @@ def main():
     print("OK", flush=True)
 
 
+def left_on_card():
+    """(leasable, leased) bytes of device 0, from gpu-brokerctl."""
+    import json
+    import subprocess
+
+    out = subprocess.run(
+        os.environ["GPU_SLEEP_CTL"].split() + ["--json", "devices"], check=True, capture_output=True, text=True
+    ).stdout
+    d = json.loads(out)
+    d = d[0] if isinstance(d, list) else d.get("devices", [d])[0]
+    return d["leasable_bytes"], d["leased_bytes"]
+
+
+def reclaim(high_token):
+    import torch
+
+    addr = os.environ["GPU_BROKER_ADDR"]
+    s = gpubroker.connect(addr, os.environ["GPU_BROKER_TOKEN"]).session("reclaim-check")
+    gt.install(s, segment_size=512 * MIB, sleep_on_reclaim=True, save_on_reclaim=True)
+    x = torch.arange(64 * MIB, device="cuda", dtype=torch.float32)  # 256 MiB
+    ptr = x.data_ptr()
+    want = x.cpu()
+    torch.cuda.synchronize()
+    held = s.usage().held_bytes
+    print("BEFORE held", held, "ptr", hex(ptr), "reclaimable segments", gt.memory_stats()["segments"], flush=True)
+    leasable, leased = left_on_card()
+    nbytes = leasable - leased + 256 * MIB
+    print("CARD leasable", leasable, "leased", leased, "the other tenant asks", nbytes, flush=True)
+    hs = gpubroker.connect(addr, high_token).session("high")
+    t = time.perf_counter()
+    lease = hs.lease(nbytes, wait=60)
+    t_grant = time.perf_counter() - t
+    st = gt.memory_stats()
+    u = s.usage()
+    print(
+        "GRANTED other tenant", lease.nbytes, f"after {t_grant:.3f} s;", "asleep", gt.asleep(),
+        "reclaim_sleeps", st["reclaim_sleeps"], "held", u.held_bytes, "host_held", u.host_held_bytes,
+        flush=True,
+    )
+    if not gt.asleep() or st["reclaim_sleeps"] != 1 or u.held_bytes != 0:
+        fail("the reclaim request did not put the allocator to sleep")
+    lease.release()
+    hs.close()
+    t = time.perf_counter()
+    gt.wake(wait=30)
+    t_wake = time.perf_counter() - t
+    if x.data_ptr() != ptr:
+        fail("the tensor moved")
+    if not torch.equal(x.cpu(), want):
+        fail("contents not restored after the reclaim-triggered sleep")
+    print(
+        "WOKE same_ptr True contents True", f"wake_s {t_wake:.3f}", "held", s.usage().held_bytes,
+        "sum", float(x.sum().item()), flush=True,
+    )
+    print("OK", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "reclaim":
+        reclaim(sys.argv[2])
+    else:
+        main()
