@@ -108,6 +108,7 @@ def reclaim(high_token):
     import torch
 
     addr = os.environ["GPU_BROKER_ADDR"]
+    leasable0, _ = left_on_card()
     s = gpubroker.connect(addr, os.environ["GPU_BROKER_TOKEN"]).session("reclaim-check")
     gt.install(s, segment_size=512 * MIB, sleep_on_reclaim=True, save_on_reclaim=True)
     x = torch.arange(64 * MIB, device="cuda", dtype=torch.float32)  # 256 MiB
@@ -116,7 +117,14 @@ def reclaim(high_token):
     torch.cuda.synchronize()
     held = s.usage().held_bytes
     print("BEFORE held", held, "ptr", hex(ptr), "reclaimable segments", gt.memory_stats()["segments"], flush=True)
+    # The broker shrinks its leasable memory when it sees this process's CUDA context
+    # (memory outside the broker) on its next refresh: ask only after that, or the ask
+    # may exceed what can ever be leased.
     leasable, leased = left_on_card()
+    deadline = time.time() + 15
+    while time.time() < deadline and leasable >= leasable0 - 256 * MIB:
+        time.sleep(0.5)
+        leasable, leased = left_on_card()
     nbytes = leasable - leased + 256 * MIB
     print("CARD leasable", leasable, "leased", leased, "the other tenant asks", nbytes, flush=True)
     hs = gpubroker.connect(addr, high_token).session("high")
