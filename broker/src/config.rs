@@ -244,6 +244,12 @@ pub struct Config {
     )]
     pub max_waiting_per_tenant: usize,
 
+    /// A request waiting for memory that others hold is overtaken by other tenants'
+    /// requests of its priority that fit only while it has waited less than this; then
+    /// they queue behind it until it is granted (0s: never overtaken).
+    #[arg(long, env = "GPU_BROKER_OVERTAKE_AGE", default_value = defaults::text(defaults::OVERTAKE_AGE), value_parser = parse_duration)]
+    pub overtake_age: Duration,
+
     /// How long a compute turn may last while others wait before its holder is asked to
     /// yield.
     #[arg(long, env = "GPU_BROKER_TURN_QUANTUM", default_value = defaults::text(defaults::TURN_QUANTUM), value_parser = parse_duration)]
@@ -418,6 +424,7 @@ impl Config {
             quarantine_timeout: self.quarantine_timeout,
             max_sessions_per_tenant: self.max_sessions_per_tenant,
             max_waiting_per_tenant: self.max_waiting_per_tenant,
+            overtake_age: self.overtake_age,
             turns: crate::scheduler::TurnConfig {
                 quantum: self.turn_quantum,
                 grace: self.turn_grace,
@@ -532,6 +539,7 @@ mod tests {
                 got.quarantine_timeout,
                 got.max_sessions_per_tenant,
                 got.max_waiting_per_tenant,
+                got.overtake_age,
                 (got.turns.quantum, got.turns.grace, got.turns.slots),
                 got.process_stop_grace,
             ),
@@ -541,6 +549,7 @@ mod tests {
                 want.quarantine_timeout,
                 want.max_sessions_per_tenant,
                 want.max_waiting_per_tenant,
+                want.overtake_age,
                 (want.turns.quantum, want.turns.grace, want.turns.slots),
                 want.process_stop_grace,
             )

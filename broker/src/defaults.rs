@@ -32,6 +32,9 @@ pub const MPS_HEALTH_INTERVAL: Duration = Duration::from_secs(2);
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
 /// `--health-timeout`: a device that does not answer a check within this is unhealthy.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(10);
+/// `--overtake-age`: a request blocked by held memory is overtaken by other tenants'
+/// requests of its priority that fit only while it has waited less than this.
+pub const OVERTAKE_AGE: Duration = Duration::from_secs(2);
 /// Longest wait a request may ask for (not a flag).
 pub const MAX_WAIT: Duration = Duration::from_secs(3600);
 /// How often leasable memory is refreshed from the devices (not a flag).
@@ -59,6 +62,7 @@ mod tests {
             MPS_HEALTH_INTERVAL,
             HEALTH_INTERVAL,
             HEALTH_TIMEOUT,
+            OVERTAKE_AGE,
         ] {
             assert_eq!(crate::units::parse_duration(&text(d)), Ok(d), "{}", text(d));
         }

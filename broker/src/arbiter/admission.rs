@@ -20,11 +20,6 @@ use tokio::sync::oneshot;
 /// Largest single request accepted at all (1 PiB): anything above is malformed.
 pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
 
-/// How many grants to other tenants of its priority may go ahead of a request blocked by
-/// capacity before it blocks its devices again (so a big request cannot starve, and small
-/// ones that fit are not refused while it waits).
-pub const MAX_OVERTAKES: u32 = 32;
-
 /// Outcome of looking for a device.
 enum Fit {
     Device(u32),
@@ -332,10 +327,12 @@ impl Arbiter {
             let order = st.queue().order(st.ledger());
             let mut blocked: HashSet<u32> = HashSet::new();
             // Heads blocked by capacity that other tenants of their priority may still
-            // overtake (their budget is not spent): (waiter, priority, tenant, devices).
+            // overtake (younger than the overtake age: `overtaking.rs`):
+            // (waiter, priority, tenant, devices).
             let mut soft: Vec<(u64, i32, String, Vec<u32>)> = Vec::new();
             let mut granted = None;
             let mut reclaim_for = Vec::new();
+            let now = Instant::now();
             for id in order {
                 let Some(w) = st.queue().get(id) else {
                     continue;
@@ -361,8 +358,8 @@ impl Arbiter {
                 // guarantee is not held back behind others blocked on capacity.
                 let guaranteed = st.ledger().within_guarantee(&w.ask.tenant, w.ask.bytes);
                 // A head blocked by capacity lets requests of other tenants of its own
-                // priority that fit go first, a bounded number of times; it keeps blocking
-                // its own tenant (FIFO) and lower priorities.
+                // priority that fit go first while it is young; it keeps blocking its own
+                // tenant (FIFO) and lower priorities.
                 let soft_blocks = |d: &u32| {
                     soft.iter().any(|(_, p, t, ds)| {
                         ds.contains(d) && (*p != w.priority || *t == w.ask.tenant)
@@ -383,7 +380,11 @@ impl Arbiter {
                     }
                     Fit::NoCapacity => {
                         reclaim_for.push(id);
-                        if w.overtaken < MAX_OVERTAKES {
+                        if super::overtaking::open_to_overtakers(
+                            w.since,
+                            now,
+                            self.cfg.overtake_age,
+                        ) {
                             soft.push((id, w.priority, w.ask.tenant.clone(), all));
                         } else {
                             blocked.extend(all);
@@ -394,22 +395,6 @@ impl Arbiter {
             }
             for id in reclaim_for {
                 self.request_reclaim(st, id);
-            }
-            // Heads the grant overtakes spend one of their budget.
-            if let Some((gid, d)) = granted {
-                let within = st
-                    .queue()
-                    .get(gid)
-                    .is_some_and(|w| st.ledger().within_guarantee(&w.ask.tenant, w.ask.bytes));
-                if !within {
-                    for (h, _, _, ds) in &soft {
-                        if ds.contains(&d) {
-                            if let Some(hw) = st.queue_mut().get_mut(*h) {
-                                hw.overtaken += 1;
-                            }
-                        }
-                    }
-                }
             }
             match granted.and_then(|(id, d)| st.queue_mut().remove(id).map(|w| (w, d))) {
                 Some((w, d)) => self.grant(st, w.ask, w.priority, w.reply, d),

@@ -16,6 +16,7 @@ mod effects;
 mod ending;
 mod host_direct;
 pub mod listing;
+mod overtaking;
 pub mod queue;
 mod revocation;
 mod sharing;
@@ -81,6 +82,9 @@ pub struct ArbiterConfig {
     pub rate: crate::rate::RateConfig,
     /// SIGTERM to SIGKILL for what is left of an ended reservation's process group.
     pub process_stop_grace: Duration,
+    /// A request blocked by held memory is overtaken by other tenants' requests that fit
+    /// only while it has waited less than this (`overtaking.rs`; zero: never).
+    pub overtake_age: Duration,
 }
 
 impl Default for ArbiterConfig {
@@ -97,6 +101,7 @@ impl Default for ArbiterConfig {
             turns: crate::scheduler::TurnConfig::default(),
             rate: crate::rate::RateConfig::default(),
             process_stop_grace: crate::defaults::PROCESS_STOP_GRACE,
+            overtake_age: crate::defaults::OVERTAKE_AGE,
         }
     }
 }

@@ -59,9 +59,6 @@ pub struct Waiter {
     pub reply: Reply,
     /// Reclaim was already requested on this waiter's behalf.
     pub reclaim_sent: bool,
-    /// Grants to other tenants of its priority that went ahead of it while it was
-    /// blocked by capacity (bounded: see `admission::MAX_OVERTAKES`).
-    pub overtaken: u32,
 }
 
 /// Every waiting request, by arrival order.
@@ -85,7 +82,6 @@ impl WaitQueue {
                 since: Instant::now(),
                 reply,
                 reclaim_sent: false,
-                overtaken: 0,
             },
         );
         id

@@ -665,13 +665,53 @@ async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
     }
 }
 
+/// Makes every waiting request of `tenant` look `by` older (the overtaking rule's clock is
+/// the waiter's `since`: moving it is a controllable clock).
+fn age_waiters(f: &Fixture, tenant: &str, by: Duration) {
+    let mut st = f.arb.state.lock();
+    let ids: Vec<u64> = st
+        .queue
+        .iter()
+        .filter(|w| w.ask.tenant == tenant)
+        .map(|w| w.id)
+        .collect();
+    for id in ids {
+        let w = st.queue.get_mut(id).unwrap();
+        w.since = w.since.checked_sub(by).expect("an instant that far back");
+    }
+}
+
+/// `n` requests of 8 MiB (no wait) from `tenant`'s session, each released at once when
+/// granted; how many were granted (the others must be NO_CAPACITY).
+async fn small_grants(f: &Fixture, tenant: &str, s: Uuid, n: u32) -> u32 {
+    let mut granted = 0;
+    for _ in 0..n {
+        match f.arb.acquire(req(tenant, s, 8 * MIB)).await {
+            Ok(l) => {
+                granted += 1;
+                f.arb.release(tenant, l.id).unwrap();
+            }
+            Err(e) => assert!(matches!(e, BrokerError::NoCapacity { .. }), "{e:?}"),
+        }
+    }
+    granted
+}
+
 /// A big request blocked by held memory lets other tenants' requests of its priority that
-/// fit go first — a bounded number of times (then it blocks them, so it cannot starve) —
-/// and is granted once the memory comes back.
+/// fit go first while it is younger than the overtake age, however many they are; once it
+/// is that old they queue behind it (it cannot starve), and it is granted first when the
+/// memory comes back.
 #[tokio::test]
-async fn a_blocked_big_request_is_overtaken_a_bounded_number_of_times() {
-    use super::admission::MAX_OVERTAKES;
-    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+async fn a_blocked_big_request_is_overtaken_only_while_younger_than_the_overtake_age() {
+    let age = Duration::from_secs(3600);
+    let f = fixture(
+        64 * MIB,
+        1,
+        ArbiterConfig {
+            overtake_age: age,
+            ..ArbiterConfig::default()
+        },
+    );
     let hs = f.tenant("holder", quota(64 * MIB));
     let bs = f.tenant("big", quota(64 * MIB));
     let ss = f.tenant("small", quota(64 * MIB));
@@ -680,33 +720,86 @@ async fn a_blocked_big_request_is_overtaken_a_bounded_number_of_times() {
         let arb = f.arb.clone();
         tokio::spawn(async move {
             let mut r = req("big", bs, 48 * MIB);
-            r.wait = Duration::from_secs(20);
+            r.wait = Duration::from_secs(60);
             arb.acquire(r).await
         })
     };
     while f.arb.get_tenant("big").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    // 32 MiB free: small requests that fit are granted while the big one waits, up to
-    // the bound; after that they are refused (the big one is next).
-    let mut granted = 0;
-    for _ in 0..MAX_OVERTAKES + 8 {
-        match f.arb.acquire(req("small", ss, 8 * MIB)).await {
-            Ok(l) => {
-                granted += 1;
-                f.arb.release("small", l.id).unwrap();
-            }
-            Err(e) => assert!(matches!(e, BrokerError::NoCapacity { .. }), "{e:?}"),
-        }
+    // Young: 32 MiB free, and every small request that fits is granted (no count limit).
+    assert_eq!(small_grants(&f, "small", ss, 100).await, 100);
+    // The big request's own tenant never overtakes it (first come, first served).
+    let e = f.arb.acquire(req("big", bs, 8 * MIB)).await.unwrap_err();
+    assert!(matches!(e, BrokerError::NoCapacity { .. }), "{e:?}");
+    // Old: the small requests are refused, the memory is kept for the big one.
+    age_waiters(&f, "big", age);
+    assert_eq!(small_grants(&f, "small", ss, 8).await, 0);
+    // A small request that waits queues behind it: when the memory comes back the big
+    // request is granted first, then the small one from what is left.
+    let waiting_small = {
+        let arb = f.arb.clone();
+        tokio::spawn(async move {
+            let mut r = req("small", ss, 8 * MIB);
+            r.wait = Duration::from_secs(60);
+            let l = arb.acquire(r).await;
+            (l, arb.get_tenant("big").map(|t| t.usage.committed_bytes()))
+        })
+    };
+    while f.arb.get_tenant("small").unwrap().waiting == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(granted, MAX_OVERTAKES);
     f.arb.release("holder", held.id).unwrap();
-    let l = tokio::time::timeout(Duration::from_secs(5), big)
+    let l = tokio::time::timeout(Duration::from_secs(10), big)
         .await
         .expect("the big request is granted once memory comes back")
         .unwrap()
         .unwrap();
     assert_eq!(l.bytes, 48 * MIB);
+    let (small, big_held) = tokio::time::timeout(Duration::from_secs(10), waiting_small)
+        .await
+        .expect("the waiting small request is granted from what is left")
+        .unwrap();
+    assert_eq!(small.unwrap().bytes, 8 * MIB);
+    assert_eq!(big_held.unwrap(), 48 * MIB, "the big request went first");
+}
+
+/// `--overtake-age 0s`: a request blocked by held memory is never overtaken; requests
+/// of its priority that would fit are refused while it waits, and granted once it is.
+#[tokio::test]
+async fn with_a_zero_overtake_age_a_blocked_request_is_never_overtaken() {
+    let f = fixture(
+        64 * MIB,
+        1,
+        ArbiterConfig {
+            overtake_age: Duration::ZERO,
+            ..ArbiterConfig::default()
+        },
+    );
+    let hs = f.tenant("holder", quota(64 * MIB));
+    let bs = f.tenant("big", quota(64 * MIB));
+    let ss = f.tenant("small", quota(64 * MIB));
+    let held = f.arb.acquire(req("holder", hs, 32 * MIB)).await.unwrap();
+    let big = {
+        let arb = f.arb.clone();
+        tokio::spawn(async move {
+            let mut r = req("big", bs, 48 * MIB);
+            r.wait = Duration::from_secs(60);
+            arb.acquire(r).await
+        })
+    };
+    while f.arb.get_tenant("big").unwrap().waiting == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(small_grants(&f, "small", ss, 4).await, 0);
+    f.arb.release("holder", held.id).unwrap();
+    let l = tokio::time::timeout(Duration::from_secs(10), big)
+        .await
+        .expect("granted once memory comes back")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.bytes, 48 * MIB);
+    assert_eq!(small_grants(&f, "small", ss, 2).await, 2, "16 MiB left");
 }
 
 #[tokio::test]
