@@ -365,6 +365,20 @@ impl Authenticator {
         });
     }
 
+    /// How many tokens each tenant has (tenants without a token are absent); copies no
+    /// token entry.
+    pub fn counts(&self) -> std::collections::HashMap<String, u32> {
+        let mut m = std::collections::HashMap::new();
+        for e in self.tokens.iter() {
+            if let Some(c) = m.get_mut(e.tenant.as_str()) {
+                *c += 1;
+            } else {
+                m.insert(e.tenant.clone(), 1);
+            }
+        }
+        m
+    }
+
     /// Tokens (of one tenant, or all), sorted by tenant then id.
     pub fn list(&self, tenant: Option<&str>) -> Vec<TokenEntry> {
         let mut v: Vec<_> = self

@@ -702,4 +702,22 @@ mod tests {
         }
         assert_eq!(parse_headroom("1GiB").unwrap(), Headroom::Bytes(1 << 30));
     }
+
+    #[test]
+    fn metrics_are_off_by_default_and_the_bare_flag_binds_loopback_only() {
+        let c = Config::from_args(vec!["gpu-broker".into()]).unwrap();
+        assert_eq!(c.metrics_listen, None);
+        assert!(!c.metrics_require_token);
+        let c = Config::from_args(vec!["gpu-broker".into(), "--metrics-listen".into()]).unwrap();
+        let addr = c.metrics_listen.unwrap();
+        assert!(addr.ip().is_loopback(), "{addr}");
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config.toml");
+        let c =
+            Config::from_args(vec!["gpu-broker".into(), "--config".into(), path.into()]).unwrap();
+        assert!(
+            c.metrics_listen.is_some_and(|a| a.ip().is_loopback()),
+            "the shipped config serves metrics on loopback only: {:?}",
+            c.metrics_listen
+        );
+    }
 }

@@ -9,7 +9,7 @@
 
 use crate::ledger::Tier;
 use crate::pool::Block;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Instant, SystemTime};
 use uuid::Uuid;
 
@@ -97,27 +97,90 @@ impl Lease {
     }
 }
 
-/// Every live lease, by id.
+/// Every live lease, by id, with two indexes for listings in grant order: by sequence
+/// number, and each tenant's sequence numbers. A page of a listing then costs what the
+/// page holds, not the number of live leases (`arbiter/listing.rs`).
 #[derive(Debug, Default)]
 pub struct LeaseTable {
     leases: HashMap<Uuid, Lease>,
+    by_seq: BTreeMap<u64, Uuid>,
+    by_tenant: HashMap<String, BTreeSet<u64>>,
 }
 
 impl LeaseTable {
     pub fn insert(&mut self, lease: Lease) {
+        self.remove(&lease.id);
+        self.by_seq.insert(lease.seq, lease.id);
+        self.by_tenant
+            .entry(lease.tenant.clone())
+            .or_default()
+            .insert(lease.seq);
         self.leases.insert(lease.id, lease);
     }
     pub fn get(&self, id: &Uuid) -> Option<&Lease> {
         self.leases.get(id)
     }
+    /// (A lease's id, tenant and sequence number never change: the indexes stay true.)
     pub fn get_mut(&mut self, id: &Uuid) -> Option<&mut Lease> {
         self.leases.get_mut(id)
     }
     pub fn remove(&mut self, id: &Uuid) -> Option<Lease> {
-        self.leases.remove(id)
+        let l = self.leases.remove(id)?;
+        self.unindex(&l);
+        Some(l)
+    }
+    fn unindex(&mut self, l: &Lease) {
+        self.by_seq.remove(&l.seq);
+        if let Some(seqs) = self.by_tenant.get_mut(&l.tenant) {
+            seqs.remove(&l.seq);
+            if seqs.is_empty() {
+                self.by_tenant.remove(&l.tenant);
+            }
+        }
     }
     pub fn iter(&self) -> impl Iterator<Item = &Lease> {
         self.leases.values()
+    }
+    /// Are the indexes exactly the table? (`State::check_invariant`.)
+    pub fn check_indexes(&self) -> Result<(), String> {
+        let in_tenants: usize = self.by_tenant.values().map(|s| s.len()).sum();
+        if self.by_seq.len() != self.leases.len() || in_tenants != self.leases.len() {
+            return Err(format!(
+                "lease indexes: {} leases, {} by sequence, {} by tenant",
+                self.leases.len(),
+                self.by_seq.len(),
+                in_tenants
+            ));
+        }
+        for l in self.leases.values() {
+            let by_tenant = self
+                .by_tenant
+                .get(&l.tenant)
+                .is_some_and(|s| s.contains(&l.seq));
+            if self.by_seq.get(&l.seq) != Some(&l.id) || !by_tenant {
+                return Err(format!("lease {} (seq {}) is not indexed", l.id, l.seq));
+            }
+        }
+        Ok(())
+    }
+    /// Up to `size` leases (of `tenant`, or all) granted after sequence number `after`, in
+    /// grant order, and whether more follow.
+    pub fn page_after(&self, tenant: Option<&str>, after: u64, size: usize) -> (Vec<&Lease>, bool) {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let range = (Excluded(after), Unbounded);
+        let mut seqs: Box<dyn Iterator<Item = u64> + '_> = match tenant {
+            None => Box::new(self.by_seq.range(range).map(|(s, _)| *s)),
+            Some(t) => match self.by_tenant.get(t) {
+                Some(set) => Box::new(set.range(range).copied()),
+                None => Box::new(std::iter::empty()),
+            },
+        };
+        let page: Vec<&Lease> = seqs
+            .by_ref()
+            .filter_map(|s| self.by_seq.get(&s).and_then(|id| self.leases.get(id)))
+            .take(size)
+            .collect();
+        (page, seqs.next().is_some())
     }
     pub fn len(&self) -> usize {
         self.leases.len()

@@ -24,6 +24,7 @@ pub mod info;
 pub mod lease;
 pub mod ledger;
 pub mod listener;
+pub mod lock_holds;
 pub mod metrics;
 pub mod mps;
 pub mod pool;

@@ -81,6 +81,8 @@ pub struct Metrics {
     store_last_failure: AtomicU64,
     store_last_success: AtomicU64,
     started: SystemTime,
+    /// How long the state lock is held (`lock_holds.rs`).
+    pub lock_holds: crate::lock_holds::LockHolds,
 }
 
 impl Default for Metrics {
@@ -106,6 +108,7 @@ impl Metrics {
             store_last_failure: AtomicU64::new(0),
             store_last_success: AtomicU64::new(0),
             started: SystemTime::now(),
+            lock_holds: Default::default(),
         };
         // Every label value exists from the start (at 0), so that rate() and alerts see
         // the first event.
@@ -207,6 +210,7 @@ impl Metrics {
     }
 
     fn register(&self, reg: &mut Registry) {
+        self.lock_holds.register(reg);
         reg.register(
             "tickets_redeemed",
             "Lease file descriptors delivered by the ticket server",

@@ -6,21 +6,20 @@
 //! 2. Held connections: `idle` connections that never send a byte and `streams`
 //!    unauthenticated `Health/Watch` streams are held open (the broker keeps only what its
 //!    caps allow); admin calls are timed meanwhile (p50/p99).
-//! 3. Listings at scale: with `tenants` tenants and `leases` live leases, a worker's
-//!    pooled acquire+release is timed alone and then while an operator loops over full
-//!    `ListTenants` and `ListAllLeases` walks (every page): the admission stall listings
-//!    cause is the difference of the p99s.
-//! 4. A big waiter (another broker, 1 GiB): a tenant holding nothing waits for 768 MiB
-//!    while 512 MiB are held; four tenants of the same priority keep asking for 64 MiB
-//!    (no wait). Reported: their grants and refusals, the device's utilization while the
-//!    big request waits, and the big request's time to grant after the memory came back.
+//! 3. Admin and metrics reads at scale (`admin_reads.rs`): with `tenants` tenants and
+//!    `leases` live leases, a worker's pooled acquire+release timed with no reads and
+//!    while each kind of read (listings, usage, `/metrics`, `/status`) loops, arms
+//!    interleaved over `rounds` rounds.
+//! 4. A big waiter (`big_waiter.rs`, another broker, 1 GiB): a tenant holding nothing
+//!    waits for 768 MiB while 512 MiB are held for 1.2 s; twelve tenants of the same
+//!    priority keep asking for 64 MiB (no wait). Reported: their grants and refusals, the
+//!    device's utilization while the big request waits, and the big request's time to
+//!    grant after the memory came back (`oversub --big-waiter` compares brokers).
 
 use anyhow::{Context, Result};
 use clap::Args;
 use gpu_broker_client::{Client, QuotaSpec};
 use serde_json::json;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::report::{bytes, count, json_line, note, us, Table};
@@ -44,9 +43,15 @@ pub struct AbuseArgs {
     /// Live leases in phase 3.
     #[arg(long, default_value_t = 10_000)]
     pub leases: u32,
-    /// How long each acquire measurement of phase 3 runs.
-    #[arg(long, value_parser = crate::parse_duration, default_value = "5s")]
+    /// How long each acquire measurement of phase 3 runs (per arm and round).
+    #[arg(long, value_parser = crate::parse_duration, default_value = "3s")]
     pub duration: Duration,
+    /// Rounds of phase 3 (every arm once per round, interleaved).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// The phases to run (1-4).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
+    pub phases: Vec<u32>,
 }
 
 fn fds(pid: Option<u32>) -> Option<usize> {
@@ -57,6 +62,20 @@ fn fds(pid: Option<u32>) -> Option<usize> {
 }
 
 pub async fn run(common: &Common, a: &AbuseArgs) -> Result<()> {
+    if a.phases.contains(&1) || a.phases.contains(&2) {
+        cycles_and_held(common, a).await?;
+    }
+    if a.phases.contains(&3) {
+        crate::admin_reads::run(common, a.tenants, a.leases, a.duration, a.rounds).await?;
+    }
+    if a.phases.contains(&4) {
+        big_waiter(common).await?;
+    }
+    Ok(())
+}
+
+/// Phases 1 and 2, on one broker.
+async fn cycles_and_held(common: &Common, a: &AbuseArgs) -> Result<()> {
     let mut target = common.target("32TiB", None)?;
     let admin = target.admin().await?;
 
@@ -171,205 +190,38 @@ pub async fn run(common: &Common, a: &AbuseArgs) -> Result<()> {
     drop(watches);
     drop(channels);
     drop(idle);
-
-    // ---- 3. listings at scale ----
-    let started = Instant::now();
-    for i in 0..a.tenants {
-        admin
-            .set_quota(&format!("bulk-{i:05}"), QuotaSpec::new(1 << 20))
-            .await?;
-    }
-    let (_, holder) = target
-        .tenant("holder", QuotaSpec::new(u64::MAX / 4))
-        .await?;
-    let holder = Client::connect(&target.uri, holder).await?;
-    let hs = holder.session("holder").await?;
-    let mut held = Vec::new();
-    let mut pending = futures::stream::FuturesUnordered::new();
-    use futures::StreamExt;
-    for _ in 0..a.leases {
-        pending.push(hs.lease(2 << 20));
-        if pending.len() >= 32 {
-            if let Some(l) = pending.next().await {
-                held.push(l?);
-            }
-        }
-    }
-    while let Some(l) = pending.next().await {
-        held.push(l?);
-    }
+    // What the broker gives back once they are closed.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (fd_after, mem_after) = (fds(target.pid), target.rss());
     note(format!(
-        "{} tenants and {} leases set up in {:.1} s",
-        a.tenants,
-        held.len(),
-        started.elapsed().as_secs_f64()
+        "after closing them: broker fds {}, RSS {}",
+        show_fd(fd_after),
+        show_mem(mem_after)
     ));
-    let (_, wtoken) = target.tenant("worker", QuotaSpec::new(1 << 30)).await?;
-    let worker = Client::connect(&target.uri, wtoken).await?;
-    let ws = worker.session("w").await?;
-    ws.lease(2 << 20).await?.release().await?;
-    let quiet = time_acquire(&ws, a.duration).await?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let walks = Arc::new(AtomicU64::new(0));
-    let lister = {
-        let (stop, walks, admin) = (stop.clone(), walks.clone(), admin.clone());
-        tokio::spawn(async move {
-            let mut walk = Histogram::default();
-            while !stop.load(Ordering::Relaxed) {
-                let t0 = Instant::now();
-                let a = admin.list_tenants().await;
-                let b = admin.list_all_leases(None).await;
-                if a.is_err() || b.is_err() {
-                    break;
-                }
-                walk.record(t0.elapsed());
-                walks.fetch_add(1, Ordering::Relaxed);
-            }
-            walk
-        })
-    };
-    let busy = time_acquire(&ws, a.duration).await?;
-    stop.store(true, Ordering::Relaxed);
-    let walk = lister.await?;
-    let mut t = Table::new(
-        format!(
-            "abuse: pooled acquire+release with {} tenants and {} live leases",
-            a.tenants,
-            held.len()
-        ),
-        &[
-            "",
-            "calls",
-            "p50",
-            "p99",
-            "max",
-            "listing walks",
-            "walk p50",
-        ],
-    );
-    t.row(vec![
-        "alone".into(),
-        count(quiet.count()),
-        us(quiet.q_us(0.5)),
-        us(quiet.q_us(0.99)),
-        us(quiet.max_us()),
-        "-".into(),
-        "-".into(),
-    ]);
-    t.row(vec![
-        "while listing".into(),
-        count(busy.count()),
-        us(busy.q_us(0.5)),
-        us(busy.q_us(0.99)),
-        us(busy.max_us()),
-        count(walks.load(Ordering::Relaxed)),
-        us(walk.q_us(0.5)),
-    ]);
-    t.print();
     json_line(
         common.json,
-        &json!({"mode": "abuse", "phase": "listings", "tenants": a.tenants, "leases": held.len(),
-                "alone_p99_us": quiet.q_us(0.99), "busy_p99_us": busy.q_us(0.99),
-                "busy_max_us": busy.max_us(), "walks": walks.load(Ordering::Relaxed),
-                "walk_p50_us": walk.q_us(0.5)}),
+        &json!({"mode": "abuse", "phase": "held_closed", "fds": fd_after,
+                "rss": mem_after.map(|m| m.rss)}),
     );
-    drop(held);
+
     drop(target);
-    big_waiter(common).await
+    Ok(())
 }
 
-/// Phase 4 (see the module doc).
+/// Phase 4 (see the module doc and `big_waiter.rs`).
 async fn big_waiter(common: &Common) -> Result<()> {
-    let mut target = common.target("1GiB", None)?;
-    let admin = target.admin().await?;
-    const MIB: u64 = 1 << 20;
-    let (_, h) = target
-        .tenant("fair-holder", QuotaSpec::new(1 << 30))
-        .await?;
-    let (_, b) = target.tenant("fair-big", QuotaSpec::new(1 << 30)).await?;
-    let holder = Client::connect(&target.uri, h).await?;
-    let hs = holder.session("h").await?;
-    let held = hs.lease(512 * MIB).await?;
-    let big = Client::connect(&target.uri, b).await?;
-    let bs = big.session("big").await?;
-    let t0 = Instant::now();
-    let big_task = tokio::spawn(async move {
-        let r = bs
-            .lease_request(768 * MIB)
-            .wait(Duration::from_secs(30))
-            .send()
-            .await;
-        (r.map(|l| l.bytes()), Instant::now())
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let (ok, refused) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let mut smalls = Vec::new();
-    for i in 0..4 {
-        let (_, t) = target
-            .tenant(&format!("fair-small{i}"), QuotaSpec::new(1 << 30))
-            .await?;
-        let c = Client::connect(&target.uri, t).await?;
-        let s = c.session("s").await?;
-        let (stop, ok, refused) = (stop.clone(), ok.clone(), refused.clone());
-        smalls.push(tokio::spawn(async move {
-            let _c = c;
-            while !stop.load(Ordering::Relaxed) {
-                match s.lease(64 * MIB).await {
-                    Ok(l) => {
-                        ok.fetch_add(1, Ordering::Relaxed);
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        let _ = l.release().await;
-                    }
-                    Err(_) => {
-                        refused.fetch_add(1, Ordering::Relaxed);
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                }
-            }
-        }));
-    }
-    // Utilization while the big request waits (sampled for 1 s).
-    let mut util = Vec::new();
-    let end = Instant::now() + Duration::from_secs(1);
-    while Instant::now() < end {
-        if let Some(d) = admin.get_devices().await?.first() {
-            util.push(d.leased_bytes as f64 / d.leasable_bytes.max(1) as f64);
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let released = Instant::now();
-    held.release().await?;
-    let (granted, at) = big_task.await?;
-    stop.store(true, Ordering::Relaxed);
-    for s in smalls {
-        let _ = s.await;
-    }
-    let mean_util = util.iter().sum::<f64>() / util.len().max(1) as f64;
-    let mut t = Table::new(
-        "abuse: a 768 MiB request waits while 512 MiB of 1 GiB are held; 4 tenants of its priority ask 64 MiB",
-        &["small grants", "small refused", "utilization while waiting", "big: granted", "after release", "waited in all"],
-    );
-    t.row(vec![
-        count(ok.load(Ordering::Relaxed)),
-        count(refused.load(Ordering::Relaxed)),
-        format!("{:.0}%", mean_util * 100.0),
-        match &granted {
-            Ok(b) => bytes(*b),
-            Err(e) => format!("no: {e}"),
-        },
-        us(at.duration_since(released).as_secs_f64() * 1e6),
-        us(at.duration_since(t0).as_secs_f64() * 1e6),
-    ]);
-    t.print();
-    json_line(
-        common.json,
-        &json!({"mode": "abuse", "phase": "big_waiter", "small_ok": ok.load(Ordering::Relaxed),
-                "small_refused": refused.load(Ordering::Relaxed), "utilization": mean_util,
-                "big_granted": granted.is_ok(),
-                "big_after_release_us": at.duration_since(released).as_secs_f64() * 1e6}),
-    );
-    Ok(())
+    let this = crate::big_waiter::Variant {
+        name: "this broker".into(),
+        bin: None,
+        extra: Vec::new(),
+    };
+    crate::big_waiter::run(
+        common,
+        &[this],
+        Duration::from_millis(1200),
+        Duration::from_secs(30),
+    )
+    .await
 }
 
 async fn settle_sessions(admin: &gpu_broker_client::AdminClient) {
@@ -392,16 +244,4 @@ async fn time_admin(admin: &gpu_broker_client::AdminClient, n: u32) -> Histogram
         h.record(t0.elapsed());
     }
     h
-}
-
-/// Pooled acquire+release pairs for `dur`, each pair timed.
-async fn time_acquire(s: &gpu_broker_client::Session, dur: Duration) -> Result<Histogram> {
-    let mut h = Histogram::default();
-    let end = Instant::now() + dur;
-    while Instant::now() < end {
-        let t0 = Instant::now();
-        s.lease(2 << 20).await?.release().await?;
-        h.record(t0.elapsed());
-    }
-    Ok(h)
 }

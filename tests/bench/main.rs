@@ -22,6 +22,8 @@
 //! one JSON object per line with `--json`. See docs/benchmarks.md.
 
 mod abuse;
+mod admin_reads;
+mod big_waiter;
 mod broker;
 mod cpu;
 mod latency;
@@ -112,6 +114,25 @@ enum Mode {
 impl Common {
     /// The broker to measure: the one given with --broker, else a fresh host-backend one.
     pub fn target(&self, capacity: &str, reclaim_deadline: Option<&str>) -> Result<Target> {
+        self.target_with(capacity, reclaim_deadline, Vec::new())
+    }
+
+    /// The same settings, starting `bin` instead (None: unchanged).
+    pub fn with_broker_bin(&self, bin: Option<PathBuf>) -> Common {
+        let mut c = self.clone();
+        if bin.is_some() {
+            c.broker_bin = bin;
+        }
+        c
+    }
+
+    /// [`Common::target`], starting the broker (if one is started) with `extra` flags.
+    pub fn target_with(
+        &self,
+        capacity: &str,
+        reclaim_deadline: Option<&str>,
+        extra: Vec<String>,
+    ) -> Result<Target> {
         if let Some(uri) = &self.broker {
             let file = self
                 .admin_token_file
@@ -135,7 +156,7 @@ impl Common {
             headroom: self.headroom.clone(),
             log: self.broker_log.clone(),
             reclaim_deadline: reclaim_deadline.map(str::to_string),
-            extra: Vec::new(),
+            extra,
         })
     }
 }

@@ -68,6 +68,23 @@ pub struct OversubArgs {
     /// Device the load runs on.
     #[arg(long, default_value_t = 0)]
     pub device: u32,
+    /// Instead of the mixed load: a big request among small ones (`big_waiter.rs`),
+    /// against a broker for each of `--overtake-ages`, one after the other in this run.
+    #[arg(long)]
+    pub big_waiter: bool,
+    /// `--overtake-age` of each broker of `--big-waiter`.
+    #[arg(long, value_delimiter = ',', default_value = "0s,2s,1h")]
+    pub overtake_ages: Vec<String>,
+    /// With `--big-waiter`, also a broker of this binary (another build, started without
+    /// `--overtake-age`), first.
+    #[arg(long)]
+    pub before_broker_bin: Option<std::path::PathBuf>,
+    /// With `--big-waiter`: how long the 512 MiB are held while the big request waits.
+    #[arg(long, value_parser = parse_duration, default_value = "3s")]
+    pub big_hold: Duration,
+    /// With `--big-waiter`: the big request's wait.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub big_wait: Duration,
 }
 
 const PRIORITIES: [i32; 3] = [0, 1, 2];
@@ -144,6 +161,24 @@ struct WorkerSpec {
 }
 
 pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
+    if a.big_waiter {
+        let mut variants = Vec::new();
+        if let Some(bin) = &a.before_broker_bin {
+            variants.push(crate::big_waiter::Variant {
+                name: format!("{}", bin.display()),
+                bin: Some(bin.clone()),
+                extra: Vec::new(),
+            });
+        }
+        for age in &a.overtake_ages {
+            variants.push(crate::big_waiter::Variant {
+                name: format!("--overtake-age {age}"),
+                bin: None,
+                extra: vec!["--overtake-age".into(), age.clone()],
+            });
+        }
+        return crate::big_waiter::run(common, &variants, a.big_hold, a.big_wait).await;
+    }
     if !(0.0..=1.0 / 3.0 + 1e-9).contains(&a.guarantee) {
         bail!("--guarantee must be in [0, 1/3]: three levels share the device");
     }

@@ -200,3 +200,19 @@ fn the_docs_cite_only_files_that_exist() {
         "the docs cite files that do not exist: {missing:#?}"
     );
 }
+
+/// The systemd unit raises the descriptor limit (systemd's soft default of 1024 is what
+/// idle connections exhausted) far enough that the broker's own connection cap (half the
+/// limit, at most 4096) binds first.
+#[test]
+fn the_systemd_unit_raises_the_descriptor_limit_above_the_connection_cap() {
+    let unit = std::fs::read_to_string(root().join("deploy/gpu-broker.service")).unwrap();
+    let limit: u64 = unit
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("LimitNOFILE="))
+        .expect("deploy/gpu-broker.service sets LimitNOFILE")
+        .trim()
+        .parse()
+        .expect("a number");
+    assert!(limit >= 2 * 4096, "LimitNOFILE={limit}");
+}

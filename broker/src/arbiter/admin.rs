@@ -99,6 +99,8 @@ impl Arbiter {
         Ok(())
     }
 
+    /// A tenant's view from the state (under its lock); its token count and compute-turn
+    /// usage come from their own tables after the lock is released ([`Self::finish_view`]).
     fn tenant_view(&self, st: &State, t: &Tenant) -> TenantView {
         TenantView {
             name: t.name.clone(),
@@ -108,9 +110,16 @@ impl Arbiter {
             borrowed_bytes: t.borrowed_bytes(),
             sessions: st.sessions().count_of(&t.name) as u32,
             waiting: st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32,
-            tokens: self.auth.count(&t.name) as u32,
-            turns: self.scheduler.usage(&t.name),
+            tokens: 0,
+            turns: Default::default(),
         }
+    }
+
+    /// Fills in what [`Self::tenant_view`] leaves out, with no state lock held.
+    fn finish_view(&self, mut v: TenantView) -> TenantView {
+        v.tokens = self.auth.count(&v.name) as u32;
+        v.turns = self.scheduler.usage(&v.name);
+        v
     }
 
     /// Total leasable bytes of every device.
@@ -179,8 +188,10 @@ impl Arbiter {
         for w in &warnings {
             tracing::warn!(tenant = name, "{w}");
         }
+        let view = self.tenant_view(&st, t);
+        drop(st);
         Ok(QuotaChange {
-            tenant: self.tenant_view(&st, t),
+            tenant: self.finish_view(view),
             created,
             warnings,
         })
@@ -198,12 +209,15 @@ impl Arbiter {
     }
 
     pub fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
-        let st = self.lock();
-        let t = st
-            .ledger()
-            .get(name)
-            .ok_or_else(|| BrokerError::tenant_not_found(name))?;
-        Ok(self.tenant_view(&st, t))
+        let view = {
+            let st = self.lock();
+            let t = st
+                .ledger()
+                .get(name)
+                .ok_or_else(|| BrokerError::tenant_not_found(name))?;
+            self.tenant_view(&st, t)
+        };
+        Ok(self.finish_view(view))
     }
 
     /// Every tenant by name, page by page (short lock holds: `listing.rs`).

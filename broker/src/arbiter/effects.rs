@@ -200,6 +200,8 @@ impl Effects {
 pub(crate) struct Locked<'a> {
     arb: &'a Arbiter,
     st: Option<MutexGuard<'a, State>>,
+    /// When the lock was taken (its hold is counted: `lock_holds.rs`).
+    since: std::time::Instant,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -223,6 +225,8 @@ impl Drop for Locked<'_> {
             panic!("byte-state invariant broken: {e}");
         }
         if st.fx().is_empty() {
+            drop(st);
+            self.arb.metrics.lock_holds.record(self.since.elapsed());
             return;
         }
         let effects = st.fx().take();
@@ -237,6 +241,7 @@ impl Drop for Locked<'_> {
             }
         }
         drop(st);
+        self.arb.metrics.lock_holds.record(self.since.elapsed());
         for e in later {
             self.arb.execute(e);
         }
@@ -246,9 +251,11 @@ impl Drop for Locked<'_> {
 impl Arbiter {
     /// Takes the state lock; dropping the guard runs the effects the transitions pushed.
     pub(crate) fn lock(&self) -> Locked<'_> {
+        let st = self.state.lock();
         Locked {
             arb: self,
-            st: Some(self.state.lock()),
+            st: Some(st),
+            since: std::time::Instant::now(),
         }
     }
 

@@ -1,9 +1,11 @@
 //! Paginated listings (tenants, leases, sessions, shared leases). Each page is built under one short hold
 //! of the state lock — only what the page needs is copied, and per-tenant token counts and
 //! compute-turn usage are read after the lock is released — so a listing never stalls
-//! admission for long, however many tenants or leases there are. Page tokens are opaque
-//! to clients: the last key of the page (tenant name, lease sequence number, session id,
-//! publication sequence number).
+//! admission for long, however many tenants or leases there are. Tenants come from the
+//! ledger's ordered map and leases from the lease table's indexes (by grant sequence, and
+//! per tenant), so a page costs what it holds, not the size of the table. Page tokens are
+//! opaque to clients: the last key of the page (tenant name, lease sequence number,
+//! session id, publication sequence number).
 //! The whole-list methods (`list_tenants`, `list_all_leases`, ...) walk the pages.
 
 use super::{Arbiter, SessionView, TenantView};
@@ -17,6 +19,10 @@ use uuid::Uuid;
 pub const DEFAULT_PAGE_SIZE: usize = 500;
 /// Largest page a request may ask for (larger asks get this many).
 pub const MAX_PAGE_SIZE: usize = 5000;
+/// Most items copied under one hold of the state lock: a page is built in chunks of this
+/// many (the lock is released between them), so even a page of [`MAX_PAGE_SIZE`] holds it
+/// only as long as this many items take to copy (tens of microseconds).
+const HOLD_CHUNK: usize = 100;
 
 /// One page of a listing; `next` is the token of the next page (None: this was the last).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -80,50 +86,67 @@ impl Arbiter {
     /// Tenants by name, after `token`.
     pub fn tenants_page(&self, token: &str, size: usize) -> BrokerResult<Page<TenantView>> {
         bounds::check("page_token", token, bounds::MAX_TENANT_BYTES)?;
-        let after = (!token.is_empty()).then_some(token);
         let size = size.max(1);
-        let (mut views, more) = {
-            let st = self.lock();
-            let mut it = st.ledger().tenants_after(after);
-            let page: Vec<_> = it.by_ref().take(size).collect();
-            let more = it.next().is_some();
-            let mut counts: HashMap<&str, (u32, u32)> =
-                page.iter().map(|t| (t.name.as_str(), (0, 0))).collect();
-            for s in st.sessions().iter() {
-                if let Some(c) = counts.get_mut(s.tenant.as_str()) {
-                    c.0 += 1;
-                }
+        let mut views: Vec<TenantView> = Vec::new();
+        let mut cursor = token.to_string();
+        loop {
+            let want = (size - views.len()).min(HOLD_CHUNK);
+            let (chunk, more) = self.tenants_chunk(&cursor, want);
+            views.extend(chunk);
+            if !more {
+                break Ok(self.finish_tenants(views, false));
             }
-            for w in st.queue().iter() {
-                if let Some(c) = counts.get_mut(w.ask.tenant.as_str()) {
-                    c.1 += 1;
-                }
+            if views.len() >= size {
+                break Ok(self.finish_tenants(views, true));
             }
-            let views: Vec<TenantView> = page
-                .iter()
-                .map(|t| {
-                    let (sessions, waiting) =
-                        counts.get(t.name.as_str()).copied().unwrap_or((0, 0));
-                    TenantView {
-                        name: t.name.clone(),
-                        quota: t.quota.clone(),
-                        usage: t.usage,
-                        device_bytes: t.device_bytes.clone(),
-                        borrowed_bytes: t.borrowed_bytes(),
-                        sessions,
-                        waiting,
-                        tokens: 0,
-                        turns: Default::default(),
-                    }
-                })
-                .collect();
-            (views, more)
-        };
-        // Outside the state lock: token counts (the authenticator's own table) and turns.
-        let mut tokens: HashMap<String, u32> = HashMap::new();
-        for e in self.auth.list(None) {
-            *tokens.entry(e.tenant).or_default() += 1;
+            cursor = views.last().map(|v| v.name.clone()).unwrap_or_default();
         }
+    }
+
+    /// Up to `want` tenants after `after` ("": from the first) under one hold of the state
+    /// lock, and whether more follow.
+    fn tenants_chunk(&self, after: &str, want: usize) -> (Vec<TenantView>, bool) {
+        let st = self.lock();
+        let mut it = st.ledger()
+            .tenants_after((!after.is_empty()).then_some(after));
+        let page: Vec<_> = it.by_ref().take(want).collect();
+        let more = it.next().is_some();
+        let mut counts: HashMap<&str, (u32, u32)> =
+            page.iter().map(|t| (t.name.as_str(), (0, 0))).collect();
+        for s in st.sessions().iter() {
+            if let Some(c) = counts.get_mut(s.tenant.as_str()) {
+                c.0 += 1;
+            }
+        }
+        for w in st.queue().iter() {
+            if let Some(c) = counts.get_mut(w.ask.tenant.as_str()) {
+                c.1 += 1;
+            }
+        }
+        let views = page
+            .iter()
+            .map(|t| {
+                let (sessions, waiting) = counts.get(t.name.as_str()).copied().unwrap_or((0, 0));
+                TenantView {
+                    name: t.name.clone(),
+                    quota: t.quota.clone(),
+                    usage: t.usage,
+                    device_bytes: t.device_bytes.clone(),
+                    borrowed_bytes: t.borrowed_bytes(),
+                    sessions,
+                    waiting,
+                    tokens: 0,
+                    turns: Default::default(),
+                }
+            })
+            .collect();
+        (views, more)
+    }
+
+    /// Token counts (the authenticator's own table) and turns, outside the state lock;
+    /// the page's next token.
+    fn finish_tenants(&self, mut views: Vec<TenantView>, more: bool) -> Page<TenantView> {
+        let tokens = self.auth.counts();
         for v in &mut views {
             v.tokens = tokens.get(&v.name).copied().unwrap_or(0);
             v.turns = self.scheduler.usage(&v.name);
@@ -133,7 +156,7 @@ impl Arbiter {
         } else {
             None
         };
-        Ok(Page { items: views, next })
+        Page { items: views, next }
     }
 
     /// Leases (of `tenant`, or all) in the order they were granted, after `token`.
@@ -150,23 +173,26 @@ impl Arbiter {
             token.parse().map_err(|_| bad_token())?
         };
         let size = size.max(1);
-        let st = self.lock();
-        let keyed: Vec<(u64, &crate::lease::Lease)> = st
-            .leases()
-            .iter()
-            .filter(|l| l.seq > after && tenant.is_none_or(|t| l.tenant == t))
-            .map(|l| (l.seq, l))
-            .collect();
-        let (page, more) = smallest(keyed, size);
-        let items: Vec<LeaseView> = page.iter().map(|(_, l)| st.view(l)).collect();
-        let next = if more {
-            page.last().map(|(seq, _)| seq.to_string())
-        } else {
-            None
-        };
-        drop(page);
-        drop(st);
-        Ok(Page { items, next })
+        let mut items: Vec<LeaseView> = Vec::new();
+        let mut cursor = after;
+        loop {
+            let want = (size - items.len()).min(HOLD_CHUNK);
+            let (chunk, more) = {
+                let st = self.lock();
+                let (page, more) = st.leases().page_after(tenant, cursor, want);
+                let chunk: Vec<(u64, LeaseView)> =
+                    page.iter().map(|l| (l.seq, st.view(l))).collect();
+                (chunk, more)
+            };
+            if let Some((seq, _)) = chunk.last() {
+                cursor = *seq;
+            }
+            items.extend(chunk.into_iter().map(|(_, v)| v));
+            if !more || items.len() >= size {
+                let next = more.then(|| cursor.to_string());
+                return Ok(Page { items, next });
+            }
+        }
     }
 
     /// Sessions (of `tenant`, or all) by id (the order they were opened), after `token`.

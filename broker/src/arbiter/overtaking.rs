@@ -30,7 +30,11 @@ mod tests {
         let t0 = Instant::now();
         let age = Duration::from_secs(2);
         assert!(open_to_overtakers(t0, t0, age));
-        assert!(open_to_overtakers(t0, t0 + Duration::from_millis(1999), age));
+        assert!(open_to_overtakers(
+            t0,
+            t0 + Duration::from_millis(1999),
+            age
+        ));
         assert!(!open_to_overtakers(t0, t0 + age, age));
         assert!(!open_to_overtakers(t0, t0 + Duration::from_secs(60), age));
         // A clock reading before `since` (read earlier in the pass) is age zero.

@@ -380,6 +380,7 @@ impl State {
                 "process reservations: pools say {in_pools}, ledger says {in_ledger}"
             ));
         }
+        self.leases.check_indexes()?;
         for s in self.sessions.iter() {
             if let Some(l) = s.leases.iter().find(|l| self.leases.get(l).is_none()) {
                 return Err(format!(
