@@ -72,7 +72,7 @@ mod tests {
         h.record(Duration::from_millis(2));
         h.record(Duration::from_millis(1));
         h.record(Duration::from_millis(30));
-        assert_eq!(h.counts(), [5, 3, 2, 1]);
+        assert_eq!(h.counts(), [5, 4, 2, 1]);
         let mut reg = Registry::default();
         h.register(&mut reg);
         let mut text = String::new();

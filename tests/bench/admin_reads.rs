@@ -34,17 +34,35 @@ const READS: [&str; 6] = [
     "/status",
 ];
 
-/// What a read loop needs.
+/// Where the read loops connect: they run on their own thread and runtime, with their own
+/// connections, so the bench's acquire loop shares only the machine's CPUs with them, not
+/// its runtime's worker threads.
 #[derive(Clone)]
 struct Readers {
-    admin: AdminClient,
-    /// The client of the tenant holding every lease (its own `ListLeases`, `GetUsage`).
-    holder: Client,
+    uri: String,
+    admin_token: String,
+    /// The token of the tenant holding every lease (its own `ListLeases`, `GetUsage`).
+    holder_token: String,
     /// The metrics listener (`/metrics`, `/status`).
     http: String,
 }
 
-impl Readers {
+/// The clients of one arm's read loops.
+struct ReadClients {
+    admin: AdminClient,
+    holder: Client,
+    http: String,
+}
+
+impl ReadClients {
+    async fn connect(r: &Readers) -> Result<ReadClients> {
+        Ok(ReadClients {
+            admin: AdminClient::connect(&r.uri, r.admin_token.clone()).await?,
+            holder: Client::connect(&r.uri, r.holder_token.clone()).await?,
+            http: r.http.clone(),
+        })
+    }
+
     /// One read of kind `i` (of [`READS`]); how many items or bytes it got.
     async fn read(&self, i: usize) -> Result<u64> {
         Ok(match i {
@@ -56,6 +74,46 @@ impl Readers {
             _ => http_get(&self.http, "/status").await?,
         })
     }
+}
+
+/// Starts the read loops `kinds` on a thread of their own; returns once they are
+/// connected, with the thread (it returns how many reads were done once `stop` is set).
+fn start_reads(
+    readers: &Readers,
+    kinds: &[usize],
+    stop: Arc<AtomicBool>,
+) -> Result<std::thread::JoinHandle<Result<u64>>> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (r, kinds) = (readers.clone(), kinds.to_vec());
+    let handle = std::thread::spawn(move || -> Result<u64> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        rt.block_on(async move {
+            let c = Arc::new(ReadClients::connect(&r).await?);
+            let done = Arc::new(AtomicU64::new(0));
+            let _ = ready_tx.send(());
+            let mut loops = Vec::new();
+            for k in kinds {
+                let (c, stop, done) = (c.clone(), stop.clone(), done.clone());
+                loops.push(tokio::spawn(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        c.read(k).await?;
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                    anyhow::Ok(())
+                }));
+            }
+            for l in loops {
+                l.await??;
+            }
+            Ok(done.load(Ordering::Relaxed))
+        })
+    });
+    // Connected (or failed: the thread's result says why).
+    let _ = ready_rx.recv();
+    Ok(handle)
 }
 
 /// `GET path` on `addr` (HTTP/1.1, one request per connection); the body's length.
@@ -111,8 +169,8 @@ fn metrics_addr(log: &std::path::Path) -> Option<String> {
     None
 }
 
-/// One arm: acquire+release pairs timed for `dur` while the reads `kinds` loop (each on
-/// its own task); the acquire histogram and the reads done.
+/// One arm: acquire+release pairs timed for `dur` while the reads `kinds` loop (on their
+/// own thread); the acquire histogram and the reads done.
 async fn arm(
     ws: &Session,
     readers: &Readers,
@@ -120,34 +178,34 @@ async fn arm(
     dur: Duration,
 ) -> Result<(Histogram, u64)> {
     let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let mut loops = Vec::new();
-    for &k in kinds {
-        let (stop, done, r) = (stop.clone(), done.clone(), readers.clone());
-        loops.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                r.read(k).await?;
-                done.fetch_add(1, Ordering::Relaxed);
-            }
-            anyhow::Ok(())
-        }));
-    }
-    // Let the loops start before timing.
-    if !kinds.is_empty() {
+    let reads = if kinds.is_empty() {
+        None
+    } else {
+        let h = start_reads(readers, kinds, stop.clone())?;
+        // Let the loops get going before timing.
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        Some(h)
+    };
     let mut h = Histogram::default();
     let end = Instant::now() + dur;
-    while Instant::now() < end {
-        let t0 = Instant::now();
-        ws.lease(2 << 20).await?.release().await?;
-        h.record(t0.elapsed());
+    let timed = async {
+        while Instant::now() < end {
+            let t0 = Instant::now();
+            ws.lease(2 << 20).await?.release().await?;
+            h.record(t0.elapsed());
+        }
+        anyhow::Ok(())
     }
+    .await;
     stop.store(true, Ordering::Relaxed);
-    for l in loops {
-        l.await??;
-    }
-    Ok((h, done.load(Ordering::Relaxed)))
+    let done = match reads {
+        Some(t) => tokio::task::spawn_blocking(move || t.join())
+            .await?
+            .map_err(|_| anyhow::anyhow!("a read loop panicked"))??,
+        None => 0,
+    };
+    timed?;
+    Ok((h, done))
 }
 
 /// Phase 3 (see the module doc); runs on its own broker (with a metrics listener).
@@ -175,10 +233,10 @@ pub async fn run(
             .set_quota(&format!("bulk-{i:05}"), QuotaSpec::new(1 << 20))
             .await?;
     }
-    let (_, holder) = target
+    let (_, holder_token) = target
         .tenant("holder", QuotaSpec::new(u64::MAX / 4))
         .await?;
-    let holder = Client::connect(&target.uri, holder).await?;
+    let holder = Client::connect(&target.uri, holder_token.clone()).await?;
     let hs = holder.session("holder").await?;
     let mut held = Vec::new();
     let mut pending = futures::stream::FuturesUnordered::new();
@@ -204,14 +262,18 @@ pub async fn run(
     let ws = worker.session("w").await?;
     ws.lease(2 << 20).await?.release().await?;
     let readers = Readers {
-        admin: admin.clone(),
-        holder: holder.clone(),
+        uri: target.uri.clone(),
+        admin_token: target.admin_token.clone(),
+        holder_token: holder_token.clone(),
         http,
     };
     // What one read of each kind returns (and a warm-up).
     let mut sizes = Vec::new();
-    for k in 0..READS.len() {
-        sizes.push(readers.read(k).await?);
+    {
+        let c = ReadClients::connect(&readers).await?;
+        for k in 0..READS.len() {
+            sizes.push(c.read(k).await?);
+        }
     }
     // Arms: quiet, each read alone, all reads at once.
     let mut arms: Vec<(String, Vec<usize>)> = vec![("no reads".into(), vec![])];
