@@ -107,7 +107,8 @@ impl Arbiter {
     /// lock, and whether more follow.
     fn tenants_chunk(&self, after: &str, want: usize) -> (Vec<TenantView>, bool) {
         let st = self.lock();
-        let mut it = st.ledger()
+        let mut it = st
+            .ledger()
             .tenants_after((!after.is_empty()).then_some(after));
         let page: Vec<_> = it.by_ref().take(want).collect();
         let more = it.next().is_some();

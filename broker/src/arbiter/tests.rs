@@ -670,13 +670,13 @@ async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
 fn age_waiters(f: &Fixture, tenant: &str, by: Duration) {
     let mut st = f.arb.state.lock();
     let ids: Vec<u64> = st
-        .queue
+        .queue()
         .iter()
         .filter(|w| w.ask.tenant == tenant)
         .map(|w| w.id)
         .collect();
     for id in ids {
-        let w = st.queue.get_mut(id).unwrap();
+        let w = st.queue_mut().get_mut(id).unwrap();
         w.since = w.since.checked_sub(by).expect("an instant that far back");
     }
 }
