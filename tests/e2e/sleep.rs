@@ -276,3 +276,66 @@ async fn a_reclaim_request_puts_an_auto_sleeping_resident_to_sleep() {
     r.release().await.unwrap();
     assert_eq!(usage(&low).await, (0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reclaim_sleep_that_cannot_save_keeps_the_memory_and_says_why() {
+    let b = Broker::start_with(BrokerOpts {
+        capacity: "64MiB",
+        extra: vec!["--reclaim-deadline".into(), "20s".into()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    // No host limit: the contents cannot be saved.
+    let low = Client::connect(
+        &b.uri(),
+        b.tenant("low", QuotaSpec::new(64 * MIB)).await.unwrap(),
+    )
+    .await
+    .unwrap();
+    let high = Client::connect(
+        &b.uri(),
+        b.tenant(
+            "high",
+            QuotaSpec {
+                priority: 10,
+                ..QuotaSpec::new(64 * MIB)
+            },
+        )
+        .await
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let ls = low.session("sleeper").await.unwrap();
+    let lease = ls
+        .lease_request(48 * MIB)
+        .reclaimable(true)
+        .send()
+        .await
+        .unwrap();
+    let mut r = Resident::new(lease).unwrap();
+    r.as_mut_slice().unwrap().fill(0x77);
+    let auto = r.sleep_on_reclaim(Contents::Save);
+    let hs = high.session("high").await.unwrap();
+    let want = tokio::spawn(async move {
+        hs.lease_request(32 * MIB)
+            .wait(Duration::from_millis(1500))
+            .send()
+            .await
+            .map(|_| ())
+    });
+    // The save is refused: the resident stays awake with its bytes, and says why.
+    assert_eq!(auto.reclaimed_after(0, Duration::from_secs(20)).await, 0);
+    let why = auto.last_error().expect("the failed sleep is reported");
+    assert!(why.to_lowercase().contains("host"), "{why}");
+    {
+        let g = auto.lock().await;
+        assert!(g.is_awake() && !g.has_saved_contents());
+        assert!(g.as_slice().unwrap().iter().all(|&x| x == 0x77));
+    }
+    assert_eq!(usage(&low).await, (48 * MIB, 0));
+    assert_eq!(
+        want.await.unwrap().unwrap_err().code(),
+        Code::DeadlineExceeded
+    );
+}
