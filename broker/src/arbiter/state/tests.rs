@@ -4,7 +4,8 @@
 //! or a fresh one the test makes) or give it back, end a lease every way (cache, free,
 //! quarantine with and without a pid), lift a quarantine, end a session (its process gone
 //! or alive), host-fallback leases, leasable changes, a descriptor fetched by another
-//! process (the block is then held) and that process's exit, process reservations. After
+//! process (the block is then held) and that process's exit, process reservations and
+//! leases drawn from them (their bytes back into the room, or lost to it). After
 //! every step the invariant holds, the ledger and the pools equal a simple model (bytes
 //! per tenant and per device, per state), and every block the test made is either still
 //! held by the core or was freed exactly once through an effect.
@@ -34,6 +35,10 @@ const OTHERS: [u32; 2] = [4_000_011, 4_000_012];
 
 #[derive(Clone, Debug)]
 enum Op {
+    Draw {
+        which: usize,
+        units: u64,
+    },
     Open {
         tenant: usize,
         pid: Option<usize>,
@@ -105,6 +110,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<usize>(), 1..4u64, 0..2u32)
             .prop_map(|(session, units, device)| Op::ReserveProcess { session, units, device }),
         1 => any::<usize>().prop_map(|which| Op::EndReservation { which }),
+        2 => (any::<usize>(), 1..3u64).prop_map(|(which, units)| Op::Draw { which, units }),
     ]
 }
 
@@ -280,18 +286,7 @@ impl Harness {
                 match self.st.reserve_grant(&ask, device) {
                     Ok(source) => {
                         assert!(fits, "reserved beyond the quota");
-                        let block = match source {
-                            Source::Cached { block, .. } => Some(block),
-                            Source::Fresh { evicted } => {
-                                for b in evicted {
-                                    self.st.fx().free(device, b);
-                                }
-                                None
-                            }
-                        };
-                        self.tenants.get_mut(tenant.as_str()).unwrap().reserved += bytes;
-                        self.devices[device as usize].reserved += bytes;
-                        self.pending.push(Pending { ask, device, block });
+                        self.reserved(ask, device, source);
                     }
                     Err(e) => assert!(!fits, "refused within the quota: {e}"),
                 }
@@ -305,8 +300,11 @@ impl Harness {
                 let t = p.ask.tenant.clone();
                 self.tenants.get_mut(t.as_str()).unwrap().reserved -= bytes;
                 self.devices[p.device as usize].reserved -= bytes;
+                let draw = p.ask.draw;
                 if matches!(op, Op::Abort { .. }) {
-                    self.st.unreserve_grant(&p.ask, p.device, p.block);
+                    self.returning(draw, bytes, |st| {
+                        st.unreserve_grant(&p.ask, p.device, p.block)
+                    });
                     return;
                 }
                 let block = match p.block {
@@ -314,7 +312,10 @@ impl Harness {
                     None => self.block(bytes),
                 };
                 let alive = self.st.sessions().get(&p.ask.session).is_some();
-                match self.st.commit_grant(&p.ask, 0, p.device, block, false) {
+                let committed = self.returning(draw, bytes, |st| {
+                    st.commit_grant(&p.ask, 0, p.device, block, false)
+                });
+                match committed {
                     Ok(v) => {
                         assert!(alive);
                         assert_eq!(v.bytes, bytes);
@@ -489,6 +490,34 @@ impl Harness {
                     self.devices[device as usize].process += bytes;
                 }
             }
+            Op::Draw { which, units } => {
+                let mut ids: Vec<Uuid> = self.st.reservations().iter().map(|r| r.id).collect();
+                ids.sort();
+                let Some(rid) = Self::pick(&ids, which) else {
+                    return;
+                };
+                let r = self.st.reservations().get(&rid).unwrap();
+                let bytes = units * GRAN;
+                if bytes > r.room() {
+                    return;
+                }
+                let (t, d, session) = (r.tenant.clone(), r.device, r.session);
+                // The shell draws without a fit check: a device whose leasable shrank below
+                // what it holds would be over-committed by the grant (left out here).
+                let p = self.st.pools()[d as usize].stats();
+                if p.leased + p.reserved + p.quarantined + p.process_reserved > p.leasable {
+                    return;
+                }
+                // A lease of the reserved process: its bytes leave the room, then are
+                // reserved as a grant (they always fit: the room was the tenant's already).
+                self.st.draw(rid, &t, bytes);
+                self.tenants.get_mut(t.as_str()).unwrap().process -= bytes;
+                self.devices[d as usize].process -= bytes;
+                let mut a = ask(&t, session, bytes, Some(d));
+                a.draw = Some(rid);
+                let source = self.st.reserve_grant(&a, d).expect("a draw fits its room");
+                self.reserved(a, d, source);
+            }
             Op::EndReservation { which } => {
                 let mut ids: Vec<Uuid> = self.st.reservations().iter().map(|r| r.id).collect();
                 ids.sort();
@@ -504,13 +533,64 @@ impl Harness {
         }
     }
 
+    /// A grant was reserved from `source`: followed until it is committed or given back.
+    fn reserved(&mut self, ask: Ask, device: u32, source: Source) {
+        let block = match source {
+            Source::Cached { block, .. } => Some(block),
+            Source::Fresh { evicted } => {
+                for b in evicted {
+                    self.st.fx().free(device, b);
+                }
+                None
+            }
+        };
+        self.tenants.get_mut(ask.tenant.as_str()).unwrap().reserved += ask.bytes;
+        self.devices[device as usize].reserved += ask.bytes;
+        self.pending.push(Pending { ask, device, block });
+    }
+
+    /// Runs `f`, which may give `bytes` drawn from reservation `rid` back: the model's
+    /// room follows what the reservation then says (back into its room, or lost to it
+    /// when the device has no room for them).
+    fn returning<R>(
+        &mut self,
+        rid: Option<Uuid>,
+        bytes: u64,
+        f: impl FnOnce(&mut State) -> R,
+    ) -> R {
+        let before = rid
+            .and_then(|r| self.st.reservations().get(&r))
+            .map(|r| (r.drawn, r.lost, r.tenant.clone(), r.device));
+        let out = f(&mut self.st);
+        if let (Some(rid), Some((drawn, lost, t, d))) = (rid, before) {
+            let r = self
+                .st
+                .reservations()
+                .get(&rid)
+                .expect("a reservation outlives its draws' ending");
+            if r.drawn == drawn {
+                assert_eq!(r.lost, lost);
+            } else {
+                assert_eq!(r.drawn + bytes, drawn);
+                if r.lost == lost {
+                    self.tenants.get_mut(t.as_str()).unwrap().process += bytes;
+                    self.devices[d as usize].process += bytes;
+                } else {
+                    assert_eq!(r.lost, lost + bytes);
+                }
+            }
+        }
+        out
+    }
+
     fn end_lease(&mut self, id: Uuid, ending: Ending) {
         let l = self.st.leases().get(&id).unwrap();
-        let (t, d, b, tier) = (l.tenant.clone(), l.device, l.bytes(), l.tier);
+        let (t, d, b, tier, rid) = (l.tenant.clone(), l.device, l.bytes(), l.tier, l.reservation);
         let held_before: BTreeSet<Uuid> = self.st.shared().held.keys().copied().collect();
         let running = self.running.clone();
         let alive = move |p: u32| running.contains(&p);
-        assert!(self.st.end_lease(id, ending, &alive).is_some());
+        let ended = self.returning(rid, b, |st| st.end_lease(id, ending, &alive));
+        assert!(ended.is_some());
         self.lease_gone(id, &t, d, b, tier, ending, &held_before);
     }
 
@@ -638,7 +718,11 @@ proptest! {
         for p in std::mem::take(&mut h.pending) {
             h.tenants.get_mut(p.ask.tenant.as_str()).unwrap().reserved -= p.ask.bytes;
             h.devices[p.device as usize].reserved -= p.ask.bytes;
-            h.st.unreserve_grant(&p.ask, p.device, p.block);
+            let draw = p.ask.draw;
+            let bytes = p.ask.bytes;
+            h.returning(draw, bytes, |st| st.unreserve_grant(&p.ask, p.device, p.block));
+            h.effects();
+            h.check();
         }
         for s in h.sessions() {
             h.step(&Op::EndSession { session: h.sessions().iter().position(|x| *x == s).unwrap(), gone: true });
