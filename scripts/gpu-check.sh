@@ -20,7 +20,7 @@
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=.gpu/check
+OUT=${GPU_BIN:-.gpu/check}
 TARGET=${CARGO_TARGET_DIR:-target}
 
 exe_of() { # package, target kind, name -> path of the built test executable

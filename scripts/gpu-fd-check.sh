@@ -23,7 +23,7 @@
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=.gpu/fd
+OUT=${GPU_BIN:-.gpu/fd}
 TARGET=${CARGO_TARGET_DIR:-target}
 
 exe_of() { sed -n "s/.*\"name\":\"$1\".*\"executable\":\"\([^\"]*\)\".*/\1/p" | tail -n1; }

@@ -1,8 +1,9 @@
-//! The worker side of a CUDA lease: import the CUDA VMM memory of an fd lease (the default:
-//! `cuMemImportFromShareableHandle`, reserve an address range, `cuMemMap`,
-//! `cuMemSetAccess`), or open the 64-byte legacy CUDA IPC handle, and get a device pointer
-//! usable in this process (feature `cuda`; libcuda is loaded at run time, so this builds and
-//! links on machines without CUDA).
+//! The worker side of a CUDA lease: import the CUDA VMM memory of an fd lease
+//! (`cuMemImportFromShareableHandle`, reserve an address range, `cuMemMap`,
+//! `cuMemSetAccess`) and get a device pointer usable in this process (feature `cuda`;
+//! libcuda is loaded at run time, so this builds and links on machines without CUDA).
+//! Legacy CUDA IPC handles are not opened: brokers no longer serve them
+//! (`docs/security.md`).
 //!
 //! - **VMM imports are cached per block** (`(device, block_id)`): mapping a lease again
 //!   while a mapping of its block lives returns the same pointer. Dropping the last mapping
@@ -11,18 +12,10 @@
 //!
 //! # Rules this module follows (and you must too)
 //!
-//! - **One open per handle per context.** CUDA lets a context open a given IPC handle only
-//!   once, so this module keeps a per-process, reference-counted cache keyed by
-//!   `(device, handle bytes)`: opening the same handle again returns the same device
-//!   pointer and bumps the count; dropping the last [`CudaMapping`] calls
-//!   `cuIpcCloseMemHandle`.
-//! - **Not in the exporting process.** A process cannot open an IPC handle it exported
-//!   itself: the driver refuses (`CUDA_ERROR_INVALID_CONTEXT`), which this module reports
-//!   as [`CudaError::OwnProcess`]. Inside the broker, use the allocation directly.
-//! - **Close before release.** Drop every mapping of a lease (so the handle is closed)
+//! - **Close before release.** Drop every mapping of a lease (so the import is released)
 //!   before calling `ReleaseLease`; the broker frees or reuses the memory after that.
 //! - **Contexts.** Mappings live in the device's *primary* context (the one the CUDA
-//!   runtime, PyTorch and CuPy use). [`open_ipc`] leaves that context current on the calling
+//!   runtime, PyTorch and CuPy use). [`map_vmm`] leaves that context current on the calling
 //!   thread, as the runtime would, so the pointer is usable at once; the copy helpers and
 //!   the close push and pop it and leave the caller's current context as it was.
 
@@ -41,19 +34,12 @@ pub enum CudaError {
     /// The device ordinal does not exist here.
     #[error("CUDA device {device} does not exist (the driver sees {count})")]
     NoSuchDevice { device: u32, count: u32 },
-    /// The handle was exported by this very process (e.g. opened inside the broker).
-    #[error(
-        "cannot open a CUDA IPC handle in the process that exported it (driver: {driver}); \
-         a process cannot open its own IPC handle: use the allocation directly, or map the \
-         lease from a worker process"
-    )]
-    OwnProcess { driver: String },
     /// A lease size of zero.
     #[error("invalid lease size {0}")]
     InvalidSize(u64),
-    /// The lease claims more bytes than the allocation behind the handle has.
+    /// The lease claims more bytes than the memory object behind the descriptor has.
     #[error(
-        "the lease is {bytes} bytes but the allocation behind the handle has only {alloc_bytes}"
+        "the lease is {bytes} bytes but the memory object behind its descriptor has only {alloc_bytes}"
     )]
     SizeMismatch { bytes: u64, alloc_bytes: u64 },
     /// A copy outside the mapping.
@@ -136,44 +122,25 @@ fn check(call: &'static str, rc: CUresult) -> Result<(), CudaError> {
     }
 }
 
-/// How a failed `cuIpcOpenMemHandle` is reported: the driver answers an open in the
-/// exporting process with `CUDA_ERROR_INVALID_CONTEXT`.
-fn open_error(rc: CUresult) -> CudaError {
-    match rc {
-        CUresult::CUDA_ERROR_INVALID_CONTEXT => CudaError::OwnProcess {
-            driver: describe(rc),
-        },
-        _ => driver_error("cuIpcOpenMemHandle", rc),
-    }
-}
-
-/// What an open is keyed by: a legacy handle's bytes, or a VMM block's id (per device).
+/// What an import is keyed by: a VMM block's id (per device).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Key {
-    Ipc(u32, [u8; 64]),
     Vmm(u32, u64),
     /// A read-only import of a shared lease (never shared with a writable one).
     VmmReadOnly(u32, u64),
 }
 
-/// One opened handle (or imported VMM block) in this process.
+/// One imported VMM block in this process.
 struct Entry {
     ptr: CUdeviceptr,
-    alloc_bytes: u64,
     count: usize,
-    /// For a VMM import: the imported handle and the mapped length.
-    vmm: Option<(sys::CUmemGenericAllocationHandle, usize)>,
+    /// The imported handle.
+    handle: sys::CUmemGenericAllocationHandle,
+    /// The mapped length.
+    len: usize,
 }
 
 static OPEN: LazyLock<Mutex<HashMap<Key, Entry>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
-
-/// How many live [`CudaMapping`]s share the open of `handle` on `device` in this process
-/// (0: not open).
-pub fn open_count(handle: &[u8; 64], device: u32) -> usize {
-    OPEN.lock()
-        .get(&Key::Ipc(device, *handle))
-        .map_or(0, |e| e.count)
-}
 
 /// How many live [`CudaMapping`]s share the import of VMM block `block_id` on `device`.
 pub fn vmm_import_count(block_id: u64, device: u32) -> usize {
@@ -182,9 +149,9 @@ pub fn vmm_import_count(block_id: u64, device: u32) -> usize {
         .map_or(0, |e| e.count)
 }
 
-/// A device pointer to a leased allocation: an imported VMM block, or a legacy CUDA IPC
-/// handle. Dropping the last mapping of a block unmaps and releases it (VMM) or closes the
-/// handle (`cuIpcCloseMemHandle`). `Send + Sync`.
+/// A device pointer to a leased allocation: an imported VMM block. Dropping the last
+/// mapping of a block unmaps it, releases the import and frees the address range.
+/// `Send + Sync`.
 #[derive(Debug)]
 pub struct CudaMapping {
     device: u32,
@@ -243,95 +210,6 @@ fn retain_primary(device: u32) -> Result<(CUdevice, CUcontext), CudaError> {
         return Err(e);
     }
     Ok((dev, ctx))
-}
-
-/// Opens a CUDA IPC handle on `device` (the CUDA ordinal the broker named in the lease)
-/// and returns a mapping covering the whole allocation. Opening a handle this process has
-/// already open returns the same device pointer (reference-counted). Leaves the device's
-/// primary context current on the calling thread. Fails with [`CudaError::OwnProcess`] in
-/// the process that exported the handle.
-pub fn open_ipc(handle: &[u8; 64], device: u32) -> Result<CudaMapping, CudaError> {
-    let (cu_device, ctx) = retain_primary(device)?;
-    let release = || {
-        // SAFETY: balances the retain in `retain_primary`.
-        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(cu_device) };
-    };
-    let key = Key::Ipc(device, *handle);
-    let mut open = OPEN.lock();
-    let (ptr, alloc_bytes) = match open.get_mut(&key) {
-        Some(e) => {
-            e.count += 1;
-            (e.ptr, e.alloc_bytes)
-        }
-        None => {
-            let raw = sys::CUipcMemHandle {
-                reserved: handle.map(|b| b as c_char),
-            };
-            let mut ptr: CUdeviceptr = 0;
-            // SAFETY: the primary context is current; valid out pointer; the handle is
-            // passed by value and only read by the driver.
-            let rc = unsafe {
-                sys::cuIpcOpenMemHandle_v2(
-                    &mut ptr,
-                    raw,
-                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
-                )
-            };
-            if rc != CUresult::CUDA_SUCCESS {
-                release();
-                return Err(open_error(rc));
-            }
-            let mut base: CUdeviceptr = 0;
-            let mut size: usize = 0;
-            // SAFETY: `ptr` is a live mapping in the current context; valid out pointers.
-            let rc = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
-            if rc != CUresult::CUDA_SUCCESS {
-                // SAFETY: closes the open just made, once.
-                let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
-                release();
-                return Err(driver_error("cuMemGetAddressRange", rc));
-            }
-            let alloc_bytes = size as u64;
-            open.insert(
-                key,
-                Entry {
-                    ptr,
-                    alloc_bytes,
-                    count: 1,
-                    vmm: None,
-                },
-            );
-            (ptr, alloc_bytes)
-        }
-    };
-    drop(open);
-    Ok(CudaMapping {
-        device,
-        cu_device,
-        ctx: ctx as usize,
-        key,
-        ptr,
-        len: alloc_bytes,
-        alloc_bytes,
-        released: false,
-    })
-}
-
-/// Maps a lease: [`open_ipc`] plus a check that the allocation holds the lease's `bytes`;
-/// the mapping's length is the lease size. What `Lease::map_cuda()` calls.
-pub fn map_lease(handle: &[u8; 64], device: u32, bytes: u64) -> Result<CudaMapping, CudaError> {
-    if bytes == 0 {
-        return Err(CudaError::InvalidSize(bytes));
-    }
-    let mut m = open_ipc(handle, device)?;
-    if bytes > m.alloc_bytes {
-        return Err(CudaError::SizeMismatch {
-            bytes,
-            alloc_bytes: m.alloc_bytes,
-        });
-    }
-    m.len = bytes;
-    Ok(m)
 }
 
 /// Imports the CUDA VMM memory of an fd lease on `device`: the descriptor `fd` (the
@@ -401,9 +279,9 @@ fn map_vmm_with(
                     key,
                     Entry {
                         ptr,
-                        alloc_bytes: size,
                         count: 1,
-                        vmm: Some((handle, len)),
+                        handle,
+                        len,
                     },
                 );
                 ptr
@@ -495,7 +373,7 @@ impl CudaMapping {
         self.ptr
     }
 
-    /// Usable length in bytes (the lease size for [`map_lease`]).
+    /// Usable length in bytes (the lease size).
     pub fn len(&self) -> u64 {
         self.len
     }
@@ -520,19 +398,11 @@ impl CudaMapping {
         self.device
     }
 
-    /// The 64-byte legacy handle this mapping was opened from (`None` for VMM imports).
-    pub fn handle(&self) -> Option<&[u8; 64]> {
-        match &self.key {
-            Key::Ipc(_, h) => Some(h),
-            Key::Vmm(..) | Key::VmmReadOnly(..) => None,
-        }
-    }
-
-    /// The block id of a VMM import (`None` for legacy handles).
+    /// The block id of a VMM import (`None` for read-only imports of shared leases).
     pub fn block_id(&self) -> Option<u64> {
         match self.key {
             Key::Vmm(_, b) => Some(b),
-            Key::Ipc(..) | Key::VmmReadOnly(..) => None,
+            Key::VmmReadOnly(..) => None,
         }
     }
 
@@ -609,21 +479,13 @@ impl CudaMapping {
             };
             if last {
                 if let Some(e) = open.remove(&self.key) {
-                    result = Pushed::new(self.ctx).and_then(|_ctx| match e.vmm {
-                        // SAFETY: the last user of this import, in its context: unmap, then
-                        // release the imported handle, then free the address range; once.
-                        Some((handle, len)) => unsafe {
-                            let unmapped = check("cuMemUnmap", sys::cuMemUnmap(e.ptr, len));
-                            let released = check("cuMemRelease", sys::cuMemRelease(handle));
-                            let freed =
-                                check("cuMemAddressFree", sys::cuMemAddressFree(e.ptr, len));
-                            unmapped.and(released).and(freed)
-                        },
-                        // SAFETY: the last user of this open; closed exactly once, in its
-                        // context.
-                        None => check("cuIpcCloseMemHandle", unsafe {
-                            sys::cuIpcCloseMemHandle(e.ptr)
-                        }),
+                    // SAFETY: the last user of this import, in its context: unmap, then
+                    // release the imported handle, then free the address range; once.
+                    result = Pushed::new(self.ctx).and_then(|_ctx| unsafe {
+                        let unmapped = check("cuMemUnmap", sys::cuMemUnmap(e.ptr, e.len));
+                        let released = check("cuMemRelease", sys::cuMemRelease(e.handle));
+                        let freed = check("cuMemAddressFree", sys::cuMemAddressFree(e.ptr, e.len));
+                        unmapped.and(released).and(freed)
                     });
                 }
             }
@@ -746,15 +608,13 @@ mod tests {
         let available = is_available();
         if !lib_present() {
             assert!(!available);
-            match open_ipc(&[7u8; 64], 0) {
+            let f = std::fs::File::open("/dev/null").unwrap();
+            use std::os::fd::AsFd;
+            match map_vmm(f.as_fd(), 0, 4096, 4096, 7) {
                 Err(CudaError::Unavailable(msg)) => assert!(msg.contains("libcuda")),
                 other => panic!("expected Unavailable, got {other:?}"),
             }
-            assert!(matches!(
-                map_lease(&[7u8; 64], 0, 4096),
-                Err(CudaError::Unavailable(_))
-            ));
-            assert_eq!(open_count(&[7u8; 64], 0), 0);
+            assert_eq!(vmm_import_count(7, 0), 0);
         }
     }
 
@@ -774,23 +634,13 @@ mod tests {
     }
 
     #[test]
-    fn zero_sized_lease_is_refused_before_the_driver() {
-        assert!(matches!(
-            map_lease(&[1u8; 64], 0, 0),
-            Err(CudaError::InvalidSize(0))
-        ));
-    }
-
-    #[test]
-    fn open_in_the_exporting_process_gets_a_clear_error() {
-        let e = open_error(CUresult::CUDA_ERROR_INVALID_CONTEXT);
-        assert!(matches!(e, CudaError::OwnProcess { .. }));
-        let text = e.to_string();
-        assert!(text.contains("exported it"), "{text}");
-        assert!(text.contains("CUDA_ERROR_INVALID_CONTEXT"), "{text}");
-        match open_error(CUresult::CUDA_ERROR_INVALID_VALUE) {
+    fn driver_errors_name_the_call_and_the_code() {
+        match driver_error(
+            "cuMemImportFromShareableHandle",
+            CUresult::CUDA_ERROR_INVALID_VALUE,
+        ) {
             CudaError::Driver { call, code, .. } => {
-                assert_eq!(call, "cuIpcOpenMemHandle");
+                assert_eq!(call, "cuMemImportFromShareableHandle");
                 assert_eq!(code, 1);
             }
             other => panic!("expected Driver, got {other:?}"),

@@ -193,8 +193,8 @@ impl Lease {
     }
 
     /// Maps CUDA memory of this lease in this process (feature `cuda`): imports a VMM fd
-    /// lease (cached per block while mapped) or opens a legacy `cuda_ipc` handle. A device
-    /// pointer in the device's primary context, `bytes()` long. Drop the mapping before releasing the
+    /// lease (cached per block while mapped). A device pointer in the device's primary
+    /// context, `bytes()` long. Drop the mapping before releasing the
     /// lease. `NotMappable` for other handles; driver failures are `ClientError::Cuda`.
     /// A lost lease ([`Lease::is_lost`]) fails with [`ClientError::LeaseLost`].
     #[cfg(feature = "cuda")]
@@ -203,10 +203,6 @@ impl Lease {
             return Err(self.lost_error());
         }
         match &self.info.handle {
-            LeaseHandle::CudaIpc(handle) => {
-                crate::cuda::map_lease(handle, self.info.device, self.info.bytes)
-                    .map_err(|e| ClientError::Cuda(e.to_string()))
-            }
             LeaseHandle::Fd(i) if i.memory_kind == MemoryKind::CudaVmm => {
                 let fd = self.fd.as_ref().ok_or_else(|| {
                     ClientError::Protocol("fd lease without its descriptor".into())
@@ -298,9 +294,9 @@ pub struct LeaseRequest<'s> {
     host_tier: bool,
 }
 
-/// What a lease request accepts unless told otherwise: fd handles, and legacy CUDA IPC
-/// handles from a broker whose operator enabled them.
-const DEFAULT_ACCEPT: [pb::HandleKind; 2] = [pb::HandleKind::Fd, pb::HandleKind::CudaIpc];
+/// What a lease request accepts unless told otherwise: fd handles (the only kind brokers
+/// serve).
+const DEFAULT_ACCEPT: [pb::HandleKind; 1] = [pb::HandleKind::Fd];
 
 impl<'s> LeaseRequest<'s> {
     pub(crate) fn new(session: &'s Session, bytes: u64) -> Self {
@@ -317,7 +313,7 @@ impl<'s> LeaseRequest<'s> {
         }
     }
 
-    /// The handle kinds this worker can use (default: fd and legacy CUDA IPC). A broker
+    /// The handle kinds this worker can use (default: fd). A broker
     /// that can serve none of them answers `FAILED_PRECONDITION`.
     pub fn accept_handles(mut self, kinds: &[pb::HandleKind]) -> Self {
         self.accept = kinds.to_vec();

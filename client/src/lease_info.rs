@@ -17,12 +17,9 @@ use crate::fd::FdInfo;
 /// How to reach a lease's memory.
 #[derive(Clone, PartialEq, Eq)]
 pub enum LeaseHandle {
-    /// Legacy (brokers started with `--legacy-ipc-handles`): the 64-byte
-    /// `CUipcMemHandle`: open with `cuIpcOpenMemHandle` (`cuda` feature).
-    CudaIpc([u8; 64]),
     /// Legacy (older brokers): a shared-memory file of the lease's size: [`Lease::map`](crate::Lease::map) it.
     HostShm(PathBuf),
-    /// A file descriptor from the broker's ticket server (the default): a memfd
+    /// A file descriptor from the broker's ticket server (the only kind brokers serve): a memfd
     /// ([`Lease::map`](crate::Lease::map)) or CUDA VMM memory (`Lease::map_cuda`, `cuda` feature). The
     /// [`Lease`](crate::Lease) fetched it when it was granted.
     Fd(FdInfo),
@@ -31,10 +28,9 @@ pub enum LeaseHandle {
 }
 
 impl LeaseHandle {
-    /// `"cuda_ipc"`, `"host_shm"`, `"fd"` or `"unknown"`.
+    /// `"host_shm"`, `"fd"` or `"unknown"`.
     pub fn kind(&self) -> &'static str {
         match self {
-            LeaseHandle::CudaIpc(_) => "cuda_ipc",
             LeaseHandle::HostShm(_) => "host_shm",
             LeaseHandle::Fd(_) => "fd",
             LeaseHandle::Unknown => "unknown",
@@ -45,7 +41,6 @@ impl LeaseHandle {
 impl fmt::Debug for LeaseHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            LeaseHandle::CudaIpc(h) => write!(f, "CudaIpc({})", hex(h)),
             LeaseHandle::HostShm(p) => f.debug_tuple("HostShm").field(p).finish(),
             LeaseHandle::Fd(i) => f.debug_tuple("Fd").field(i).finish(),
             LeaseHandle::Unknown => f.write_str("Unknown"),
@@ -53,16 +48,11 @@ impl fmt::Debug for LeaseHandle {
     }
 }
 
-/// Serialized as `{"cuda_ipc": "<hex>"}`, `{"host_shm": "<path>"}`,
+/// Serialized as `{"host_shm": "<path>"}`,
 /// `{"fd": {"memory_kind": .., "block_id": .., ..}}` (never the ticket) or `null`.
 impl Serialize for LeaseHandle {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         match self {
-            LeaseHandle::CudaIpc(h) => {
-                let mut m = s.serialize_map(Some(1))?;
-                m.serialize_entry("cuda_ipc", &hex(h))?;
-                m.end()
-            }
             LeaseHandle::HostShm(p) => {
                 let mut m = s.serialize_map(Some(1))?;
                 m.serialize_entry("host_shm", p)?;
@@ -78,21 +68,9 @@ impl Serialize for LeaseHandle {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 impl From<Option<pb::lease::Handle>> for LeaseHandle {
     fn from(h: Option<pb::lease::Handle>) -> Self {
         match h {
-            Some(pb::lease::Handle::CudaIpc(bytes)) => match <[u8; 64]>::try_from(bytes.as_slice())
-            {
-                Ok(raw) => LeaseHandle::CudaIpc(raw),
-                Err(_) => {
-                    tracing::warn!(len = bytes.len(), "cuda_ipc handle is not 64 bytes");
-                    LeaseHandle::Unknown
-                }
-            },
             Some(pb::lease::Handle::HostShm(path)) => LeaseHandle::HostShm(PathBuf::from(path)),
             Some(pb::lease::Handle::Fd(h)) => LeaseHandle::Fd(FdInfo::from(h)),
             None => LeaseHandle::Unknown,
@@ -246,6 +224,7 @@ impl From<pb::Lease> for LeaseInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prost::Message;
 
     fn proto_lease(handle: Option<pb::lease::Handle>) -> pb::Lease {
         pb::Lease {
@@ -263,11 +242,10 @@ mod tests {
 
     #[test]
     fn converts_handles() {
-        let ipc = LeaseInfo::from(proto_lease(Some(pb::lease::Handle::CudaIpc(vec![7; 64]))));
-        assert_eq!(ipc.handle, LeaseHandle::CudaIpc([7; 64]));
-        assert_eq!(ipc.handle.kind(), "cuda_ipc");
-        let short = LeaseInfo::from(proto_lease(Some(pb::lease::Handle::CudaIpc(vec![7; 10]))));
-        assert_eq!(short.handle, LeaseHandle::Unknown);
+        // A reply of an older broker with a legacy CUDA IPC handle (field 20, now reserved)
+        // decodes to no handle: this client cannot open one.
+        let old = pb::Lease::decode(&[0xa2, 0x01, 0x02, 0x07, 0x07][..]).unwrap();
+        assert_eq!(LeaseInfo::from(old).handle, LeaseHandle::Unknown);
         let shm = LeaseInfo::from(proto_lease(Some(pb::lease::Handle::HostShm(
             "/dev/shm/x".into(),
         ))));
@@ -296,15 +274,12 @@ mod tests {
 
     #[test]
     fn serializes_to_json() {
-        let mut info = LeaseInfo::from(proto_lease(Some(pb::lease::Handle::CudaIpc(vec![
-            0xab;
-            64
-        ]))));
+        let mut info = LeaseInfo::from(proto_lease(Some(pb::lease::Handle::HostShm(
+            "/dev/shm/a".into(),
+        ))));
         let json = serde_json::to_value(&info).unwrap();
         assert_eq!(json["tier"], "host");
         assert_eq!(json["state"], "active");
-        assert_eq!(json["handle"]["cuda_ipc"], "ab".repeat(64));
-        info.handle = LeaseHandle::HostShm("/dev/shm/a".into());
         let json = serde_json::to_value(&info).unwrap();
         assert_eq!(json["handle"]["host_shm"], "/dev/shm/a");
         info.handle = LeaseHandle::Unknown;

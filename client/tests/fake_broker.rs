@@ -207,8 +207,9 @@ impl Broker for Fake {
             ..Default::default()
         };
         let mut lease = lease;
-        if lease.label == "cuda" {
-            lease.handle = Some(pb::lease::Handle::CudaIpc(vec![1; 64]));
+        if lease.label == "no-handle" {
+            // What an older broker's legacy CUDA IPC handle (a reserved field now) reads as.
+            lease.handle = None;
         }
         st.leases.insert(id, lease.clone());
         Ok(Response::new(pb::AcquireLeaseResponse {
@@ -842,8 +843,8 @@ async fn errors_carry_codes() {
     let err = admin_with_tenant_token.list_tenants().await.unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied);
 
-    let lease = session.lease_request(1).label("cuda").await.unwrap();
-    assert!(matches!(lease.handle(), LeaseHandle::CudaIpc(h) if h == &[1u8; 64]));
+    let lease = session.lease_request(1).label("no-handle").await.unwrap();
+    assert!(matches!(lease.handle(), LeaseHandle::Unknown));
     let err = lease.map().map(|_| ()).unwrap_err();
     assert!(matches!(err, ClientError::NotMappable), "{err}");
     lease.release().await.unwrap();

@@ -180,6 +180,7 @@ async fn a_ticket_presented_by_another_uid_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(deprecated)] // asks for the removed legacy kind
 async fn handle_kinds_are_negotiated() {
     let b = Broker::start().unwrap();
     let token = b.tenant("alice", QuotaSpec::new(GIB)).await.unwrap();

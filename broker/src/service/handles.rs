@@ -25,12 +25,15 @@ pub struct Accept {
     pub cuda_ipc: bool,
 }
 
-/// Reads `accept_handles`: empty means every kind; unknown values are `INVALID_ARGUMENT`.
+/// Reads `accept_handles`: empty means any kind (the broker serves fd); unknown values are
+/// `INVALID_ARGUMENT`.
+// Names the deprecated legacy kind on purpose: to answer it with LEGACY_HANDLES_REMOVED.
+#[allow(deprecated)]
 pub fn parse_accept(kinds: &[i32]) -> Result<Accept, BrokerError> {
     if kinds.is_empty() {
         return Ok(Accept {
             fd: true,
-            cuda_ipc: true,
+            cuda_ipc: false,
         });
     }
     let mut a = Accept {
@@ -148,12 +151,13 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(deprecated)] // the legacy kind, still parsed
     fn empty_accepts_fd_and_unknown_kinds_are_refused() {
         assert_eq!(
             parse_accept(&[]).unwrap(),
             Accept {
                 fd: true,
-                cuda_ipc: true
+                cuda_ipc: false
             }
         );
         let only_fd = parse_accept(&[pb::HandleKind::Fd as i32]).unwrap();

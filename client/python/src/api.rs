@@ -511,7 +511,8 @@ impl PyLease {
         self.info.tier.as_str()
     }
 
-    /// How the memory is reached: `"host_shm"`, `"cuda_ipc"`, ...
+    /// How the memory is reached: `"fd"` (a memfd or CUDA VMM memory), `"host_shm"`
+    /// (older brokers), `"unknown"`.
     #[getter]
     fn handle_kind(&self) -> &'static str {
         self.info.handle.kind()

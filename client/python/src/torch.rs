@@ -1,9 +1,9 @@
 //! The PyTorch allocator on broker leases: the C hooks PyTorch's
 //! `CUDAPluggableAllocator` loads from this very shared object
 //! (`gpubroker_torch_alloc`, `gpubroker_torch_free`), the [`gpubroker_suballoc`] allocator
-//! they call, and its CUDA backend over the client crate: a segment is one lease of the
-//! process's own session, mapped with `Lease::map_cuda` (whatever handle kinds the client
-//! crate imports), released after its mapping is closed. Stream order uses CUDA events
+//! they call, and its CUDA backend over the client crate: a segment is one CUDA VMM lease
+//! of the process's own session, a [`Resident`] mapped at an address range of its own,
+//! released after its mapping is closed. Stream order uses CUDA events
 //! (`cuEventRecord`/`cuEventQuery`). Reclaim requests and revocations are handled on a
 //! Rust thread reading the session's events: no GIL, no Python callback.
 //!
@@ -11,8 +11,7 @@
 //! its own reserved address range), so [`_torch_sleep`] can give every segment's memory
 //! back (contents optionally saved to host-tier leases) and [`_torch_wake`] get it again at
 //! the same addresses: PyTorch's tensors keep their pointers and, when saved, their bytes.
-//! While asleep the alloc hook refuses (PyTorch raises its OOM). Legacy CUDA IPC segments
-//! cannot sleep.
+//! While asleep the alloc hook refuses (PyTorch raises its OOM).
 //!
 //! `gpubroker/torch.py` installs the hooks behind a `MemPool` that every thread and stream
 //! allocates from, so PyTorch's own caching allocator sits on top (one hook call per
@@ -30,9 +29,8 @@ use futures::StreamExt;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use gpu_broker_client::cuda::CudaMapping;
 use gpu_broker_client::{
-    ClientError, Contents, Lease, LeaseHandle, MemoryKind, Resident, Session, SessionEvent,
+    ClientError, Contents, LeaseHandle, MemoryKind, Resident, Session, SessionEvent,
 };
 use gpubroker_suballoc::{Backend, Config, EventId, Granted, Refused, Stream, SubAllocator};
 
@@ -40,19 +38,8 @@ use crate::api::PySession;
 use crate::errors;
 use crate::rt;
 
-/// One segment: a resident lease (VMM memory: it can sleep and wake at its address), or
-/// a mapping (closed first) and the lease it maps (legacy handles).
-// Boxed once as the allocator's token; the size difference does not matter.
-#[allow(clippy::large_enum_variant)]
-enum Segment {
-    Resident(Arc<ResidentSegment>),
-    Mapped {
-        mapping: Option<CudaMapping>,
-        lease: Option<Lease>,
-    },
-}
-
-/// A resident segment: the sub-allocator knows it by its first lease's id.
+/// One segment, a resident lease (VMM memory: it can sleep and wake at its address): the
+/// sub-allocator knows it by its first lease's id. Boxed as the allocator's token.
 struct ResidentSegment {
     first_id: String,
     resident: parking_lot::Mutex<Option<Resident>>,
@@ -175,70 +162,46 @@ impl Backend for LeaseBackend {
             .map_err(refused)?;
         let vmm =
             matches!(lease.handle(), LeaseHandle::Fd(i) if i.memory_kind == MemoryKind::CudaVmm);
-        let (bytes, lease_id) = (lease.bytes(), lease.id().to_string());
-        if vmm {
-            // A failed mapping drops the lease, which releases it in the background.
-            let r = Resident::new(lease).map_err(refused)?;
-            let base = r.addr();
-            let seg = Arc::new(ResidentSegment {
-                first_id: lease_id.clone(),
-                resident: parking_lot::Mutex::new(Some(r)),
-            });
-            let mut reg = residents().lock();
-            reg.by_base.insert(base, seg.clone());
-            reg.first_id.insert(lease_id.clone(), lease_id.clone());
-            return Ok(Granted {
-                base,
-                bytes,
-                lease_id,
-                token: Box::new(Segment::Resident(seg)),
-            });
+        if !vmm {
+            // Host memory cannot back CUDA tensors; dropping the lease releases it.
+            return Err(refused(ClientError::NotMappable));
         }
-        let mapping = lease.map_cuda().map_err(refused)?;
+        let (bytes, lease_id) = (lease.bytes(), lease.id().to_string());
+        // A failed mapping drops the lease, which releases it in the background.
+        let r = Resident::new(lease).map_err(refused)?;
+        let base = r.addr();
+        let seg = Arc::new(ResidentSegment {
+            first_id: lease_id.clone(),
+            resident: parking_lot::Mutex::new(Some(r)),
+        });
+        let mut reg = residents().lock();
+        reg.by_base.insert(base, seg.clone());
+        reg.first_id.insert(lease_id.clone(), lease_id.clone());
         Ok(Granted {
-            base: mapping.device_ptr(),
+            base,
             bytes,
             lease_id,
-            token: Box::new(Segment::Mapped {
-                mapping: Some(mapping),
-                lease: Some(lease),
-            }),
+            token: Box::new(seg),
         })
     }
 
     fn release(&self, token: Box<dyn Any + Send>) {
-        let Ok(seg) = token.downcast::<Segment>() else {
+        let Ok(seg) = token.downcast::<Arc<ResidentSegment>>() else {
             tracing::error!("gpubroker.torch: a foreign segment token");
             return;
         };
-        match *seg {
-            Segment::Mapped {
-                mut mapping,
-                mut lease,
-            } => {
-                drop(mapping.take());
-                if let Some(lease) = lease.take() {
-                    let id = lease.id().to_string();
-                    if let Err(e) = self.handle.block_on(lease.release()) {
-                        // Revoked or lost leases are already gone.
-                        tracing::debug!(lease_id = id, error = %e, "segment release");
-                    }
-                }
+        let r = seg.resident.lock().take();
+        {
+            let mut reg = residents().lock();
+            if let Some(r) = &r {
+                reg.by_base.remove(&r.addr());
             }
-            Segment::Resident(seg) => {
-                let r = seg.resident.lock().take();
-                {
-                    let mut reg = residents().lock();
-                    if let Some(r) = &r {
-                        reg.by_base.remove(&r.addr());
-                    }
-                    reg.first_id.retain(|_, first| *first != seg.first_id);
-                }
-                if let Some(r) = r {
-                    if let Err(e) = self.handle.block_on(r.release()) {
-                        tracing::debug!(lease_id = seg.first_id, error = %e, "segment release");
-                    }
-                }
+            reg.first_id.retain(|_, first| *first != seg.first_id);
+        }
+        if let Some(r) = r {
+            // Revoked or lost leases are already gone.
+            if let Err(e) = self.handle.block_on(r.release()) {
+                tracing::debug!(lease_id = seg.first_id, error = %e, "segment release");
             }
         }
     }

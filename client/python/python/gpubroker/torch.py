@@ -308,8 +308,7 @@ def sleep(save: bool = True) -> int:
     waits for the GPU (``torch.cuda.synchronize``), copies the contents to host-tier
     leases when ``save`` (charged under the tenant's host limit), unmaps, releases the
     leases. Tensors keep their pointers; do not touch them (or allocate: it fails) until
-    :func:`wake`. Returns the device bytes given back. Legacy CUDA IPC segments cannot
-    sleep and stay as they are."""
+    :func:`wake`. Returns the device bytes given back."""
     if _state is None:
         raise FailedPrecondition("gpubroker.torch is not installed", code="FAILED_PRECONDITION")
     import torch
