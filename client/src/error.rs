@@ -62,11 +62,11 @@ pub enum ClientError {
     /// A local I/O error (opening or mapping a shared-memory file, reading a token file).
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
-    /// The lease's handle cannot be mapped this way (e.g. [`crate::Lease::map`] on a
-    /// CUDA IPC handle, which needs the `cuda` feature instead).
+    /// The lease's handle cannot be mapped this way (e.g. [`crate::Lease::map`] on CUDA
+    /// VMM memory, which needs `Lease::map_cuda` and the `cuda` feature instead).
     #[error("lease handle cannot be mapped this way")]
     NotMappable,
-    /// A CUDA driver error while opening or using a CUDA IPC handle (`cuda` feature).
+    /// A CUDA driver error while importing or using a CUDA lease (`cuda` feature).
     #[error("CUDA error: {0}")]
     Cuda(String),
     /// The lease belonged to a broker session that was lost (the broker restarted or the
