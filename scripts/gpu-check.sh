@@ -15,7 +15,7 @@
 #   3. a Python worker (grpcio + socket.recv_fds + cuda-python) imports a VMM fd lease and
 #      a Rust worker sees its bytes (scripts/gpu_python_fd_worker.py)
 #   4. the lease benchmark: AcquireLease (fresh, pooled) vs in-process cuMemCreate + map +
-#      fd export for 1 MiB, 64 MiB, 1 GiB, in the same run
+#      fd export for 2 MiB, 64 MiB, 1 GiB, in the same run
 #   5. gpu-broker-bench latency and throughput against the CUDA broker
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
@@ -68,7 +68,7 @@ run() {
     echo "=== 4. lease benchmark (same run: raw in-process alloc vs gRPC lease) ==="
     "${ctl[@]}" quota set bench --limit 100GiB >/dev/null
     token=$("${ctl[@]}" tokens issue bench 2>/dev/null)
-    "$OUT/gpu-worker" --broker "unix://$dir/b.sock" --token "$token" bench --sizes 1MiB,64MiB,1GiB --iters 30
+    "$OUT/gpu-worker" --broker "unix://$dir/b.sock" --token "$token" bench --sizes 2MiB,64MiB,1GiB --iters 30
     "${ctl[@]}" devices
     echo "=== 5. gpu-broker-bench against the CUDA broker (pooled latency, 32-worker throughput) ==="
     "$OUT/gpu-broker-bench" --broker "unix://$dir/b.sock" --admin-token-file "$dir/state/admin.token" \

@@ -13,7 +13,9 @@
 #     for HANDLE_KIND_CUDA_IPC only is LEGACY_HANDLES_REMOVED, then crafts legacy handles
 #     from its own export template with the broker's pid, all 256 values of byte 48 and a
 #     range of counters (after a control run that must reach an exporter of its own): none
-#     may open. Also: the removed --legacy-ipc-handles flag stops the broker at start.
+#     may open memory of another context (its own byte-48 value reaches only its own
+#     allocations: reported apart). Also: the removed --legacy-ipc-handles flag stops the
+#     broker at start.
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."

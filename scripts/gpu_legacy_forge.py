@@ -23,7 +23,10 @@ scripts/gpu-legacy-forge.sh.
       template with the broker's pid, all 256 values of byte 48 and a range of the two
       counters, and opens each: first against a control exporter of its own (the crafting
       must reach that one, or the check proves nothing), then with the control gone.
-      Exits 1 if any crafted handle opens then, or if any reply carried a legacy handle.
+      Exits 1 if any crafted handle then opens memory of another context (byte 48 other
+      than this process's own: a handle with its own value reaches only its own
+      allocations, reported apart), if tenant B's bytes are read, or if any reply carried
+      a legacy handle.
 
   gpu_legacy_forge.py exporter TAG N     (the exporter child of `raw` and the control)
 """
@@ -224,11 +227,14 @@ def error_info(err):
 def craft_and_open(template, pid, label):
     """Every crafted handle: the template with `pid` at bytes 8-11, each value of byte 48,
     the counters at bytes 40 (step 1) and 52 (step 2) near the template's and small. Returns
-    (tries, seconds, {first byte read: count}) of the ones that opened."""
-    t40, t52 = template[40], template[52]
+    (tries, seconds, {first byte read: count} of the ones that opened in another context,
+    the same of those that opened with this process's own byte 48). Byte 48 names the
+    context (GPU.md): a handle with this process's own value reaches only this process's
+    own allocations (its template block, the driver's own), no other tenant's."""
+    t40, t52, own = template[40], template[52], template[48]
     counters = {((t40 + d) % 256, (t52 + 2 * d) % 256) for d in range(-16, 17)}
     counters |= {(k, (2 * k) % 256) for k in range(33)}
-    opened, tries = {}, 0
+    other, mine, seen, tries = {}, {}, [], 0
     t0 = time.perf_counter()
     for v in range(256):
         for c40, c52 in sorted(counters):
@@ -238,12 +244,18 @@ def craft_and_open(template, pid, label):
             tries += 1
             got = try_open(bytes(raw))
             if got is not None:
-                opened[hex(got)] = opened.get(hex(got), 0) + 1
+                into = mine if v == own else other
+                into[hex(got)] = into.get(hex(got), 0) + 1
+                if len(seen) < 24:
+                    seen.append("byte48=%#x b40=%d b52=%d -> %#x" % (v, c40, c52, got))
     secs = time.perf_counter() - t0
-    print("%s: %d crafted handles (byte 48: 256 values x %d counter pairs, pid %d) in %.2f s: %s"
-          % (label, tries, len(counters), pid, secs,
-             "opened %s" % opened if opened else "none opened"), flush=True)
-    return tries, secs, opened
+    print("%s: %d crafted handles (byte 48: 256 values x %d counter pairs, pid %d) in %.2f s: "
+          "other contexts %s; own context (byte 48 = %#x) %s"
+          % (label, tries, len(counters), pid, secs, other or "none opened", own,
+             mine or "none opened"), flush=True)
+    for line in seen:
+        print("  opened: " + line)
+    return tries, secs, other, mine
 
 
 def broker_attack(sock, token, broker_pid, fds_path, victim_lease, pattern):
@@ -308,21 +320,26 @@ def broker_attack(sock, token, broker_pid, fds_path, victim_lease, pattern):
     print("template (own export): %s" % template.hex())
     # Control: an exporter of this tenant's own; the crafting must reach it.
     pr, info = spawn_exporter(0xC, 1)
-    _, _, control = craft_and_open(template, broker_pid, "control (own exporter pid %d alive)" % info["pid"])
+    _, _, control, _ = craft_and_open(template, broker_pid,
+                                      "control (own exporter pid %d alive)" % info["pid"])
     stop(pr)
     control_ok = any(int(k, 16) == 0xC0 for k in control)
     print("control reached its own exporter's block: %s" % ("yes" if control_ok else "no"))
-    tries, secs, opened = craft_and_open(template, broker_pid, "against the broker (pid %d)" % broker_pid)
-    victim = opened.get(hex(pattern), 0)
+    tries, secs, opened, own = craft_and_open(template, broker_pid,
+                                              "against the broker (pid %d)" % broker_pid)
+    victim = opened.get(hex(pattern), 0) + own.get(hex(pattern), 0)
     events.cancel()
     print("reached tenant B's lease %s (pattern %#x): %s" % (victim_lease, pattern, "YES" if victim else "no"))
-    print("crafted handles that opened anything: %d" % sum(opened.values()))
+    print("crafted handles that opened memory of another context: %d (of this process's own: %d)"
+          % (sum(opened.values()), sum(own.values())))
     print(json.dumps({"legacy_in_replies": bad, "control_reached": control_ok, "tries": tries,
-                      "seconds": round(secs, 3), "opened": opened, "victim_reached": bool(victim)}))
-    if bad or opened or not control_ok:
+                      "seconds": round(secs, 3), "opened_other_context": opened,
+                      "opened_own_context": own, "victim_reached": bool(victim)}))
+    if bad or opened or victim or not control_ok:
         print("FORGE CHECK FAILED")
         sys.exit(1)
-    print("FORGE CHECK OK: no legacy handle in any reply; no crafted handle reached anything")
+    print("FORGE CHECK OK: no legacy handle in any reply; no crafted handle reached another "
+          "context's memory")
 
 
 def main():

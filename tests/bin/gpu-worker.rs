@@ -155,7 +155,7 @@ enum Cmd {
     },
     /// Time AcquireLease (fresh and pooled) against in-process cuMemCreate + fd export.
     Bench {
-        #[arg(long, default_value = "1MiB,64MiB,1GiB")]
+        #[arg(long, default_value = "2MiB,64MiB,1GiB")]
         sizes: String,
         #[arg(long, default_value_t = 30)]
         iters: usize,
@@ -597,8 +597,11 @@ async fn bench(session: &gpu_broker_client::Session, sizes: &str, iters: usize) 
     let raw_sizes = sizes.clone();
     let raw = std::thread::spawn(move || -> Result<Vec<f64>> {
         let mut dev = CudaDevice::open(0)?;
+        // VMM memory comes in whole granules, as the broker's pool rounds leases.
+        let g = dev.desc().granularity;
         let mut out = Vec::new();
         for &s in &raw_sizes {
+            let s = s.div_ceil(g) * g;
             let mut t = Vec::new();
             for _ in 0..iters {
                 let start = Instant::now();

@@ -169,6 +169,12 @@ async fn a_still_mapped_block_is_quarantined_until_its_holder_exits() {
     let d = &admin.get_devices().await.unwrap()[0];
     assert!(quarantined, "not quarantined: {d:?}");
     assert_eq!(d.cached_bytes, 0, "a mapped block is not in the pool");
+    let usage = admin.get_quota("a").await.unwrap().usage;
+    assert_eq!(
+        (usage.quarantined_bytes, usage.lease_count),
+        (64 << 20, 0),
+        "charged to its tenant as quarantine: {usage:?}"
+    );
     w.kill();
     let back = eventually(Duration::from_secs(10), || async {
         let d = &admin.get_devices().await.unwrap()[0];
@@ -180,6 +186,8 @@ async fn a_still_mapped_block_is_quarantined_until_its_holder_exits() {
         back,
         "the holder exited but the block did not come back: {d:?}"
     );
+    let usage = admin.get_quota("a").await.unwrap().usage;
+    assert_eq!(usage.quarantined_bytes, 0, "{usage:?}");
 }
 
 fn card_free(device: u32) -> u64 {
