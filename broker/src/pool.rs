@@ -156,6 +156,18 @@ impl Pool {
     /// Admits `bytes` (caller checked `available() >= bytes`) and says where they come from.
     pub fn reserve(&mut self, bytes: u64, tenant: &str) -> Source {
         debug_assert!(self.available() >= bytes);
+        self.reserve_unchecked(bytes, tenant)
+    }
+
+    /// Admits `bytes` a process reservation just gave up for a lease of its process
+    /// (`unreserve_process` before): the pool's commitment stays what it was, so there is
+    /// no fit to check — a device whose leasable shrank below what it holds (memory used
+    /// outside the broker) stays over-committed by the same amount, never more.
+    pub fn reserve_drawn(&mut self, bytes: u64, tenant: &str) -> Source {
+        self.reserve_unchecked(bytes, tenant)
+    }
+
+    fn reserve_unchecked(&mut self, bytes: u64, tenant: &str) -> Source {
         self.reserved += bytes;
         if let Some(block) = self.take_cached(bytes, tenant) {
             self.hits += 1;

@@ -28,7 +28,13 @@ impl State {
     /// quota or device cap does not allow it.
     pub(crate) fn reserve_grant(&mut self, ask: &Ask, d: u32) -> BrokerResult<Source> {
         self.ledger.reserve(&ask.tenant, d, ask.bytes)?;
-        Ok(self.pools[d as usize].reserve(ask.bytes, &ask.tenant))
+        let pool = &mut self.pools[d as usize];
+        Ok(if ask.draw.is_some() {
+            // Drawn from a process reservation (`draw`): room the tenant held already.
+            pool.reserve_drawn(ask.bytes, &ask.tenant)
+        } else {
+            pool.reserve(ask.bytes, &ask.tenant)
+        })
     }
 
     /// A reserved grant did not happen: its bytes go back (with the block it had, if any,

@@ -502,12 +502,11 @@ impl Harness {
                     return;
                 }
                 let (t, d, session) = (r.tenant.clone(), r.device, r.session);
-                // The shell draws without a fit check: a device whose leasable shrank below
-                // what it holds would be over-committed by the grant (left out here).
+                // No fit check, also on a device whose leasable shrank below what it holds:
+                // the draw moves room the tenant held already, so the device's commitment
+                // stays what it was.
                 let p = self.st.pools()[d as usize].stats();
-                if p.leased + p.reserved + p.quarantined + p.process_reserved > p.leasable {
-                    return;
-                }
+                let before = p.leased + p.reserved + p.quarantined + p.process_reserved;
                 // A lease of the reserved process: its bytes leave the room, then are
                 // reserved as a grant (they always fit: the room was the tenant's already).
                 self.st.draw(rid, &t, bytes);
@@ -516,6 +515,12 @@ impl Harness {
                 let mut a = ask(&t, session, bytes, Some(d));
                 a.draw = Some(rid);
                 let source = self.st.reserve_grant(&a, d).expect("a draw fits its room");
+                let p = self.st.pools()[d as usize].stats();
+                assert_eq!(
+                    p.leased + p.reserved + p.quarantined + p.process_reserved,
+                    before,
+                    "a draw changes what the device holds"
+                );
                 self.reserved(a, d, source);
             }
             Op::EndReservation { which } => {
@@ -701,6 +706,47 @@ fn ask(tenant: &str, session: Uuid, bytes: u64, device: Option<u32>) -> Ask {
         process: None,
         draw: None,
     }
+}
+
+/// A lease drawn from a process reservation on a device whose leasable memory shrank
+/// below what it holds (memory used outside the broker grew) is granted from the room the
+/// tenant held already: no panic, and the device holds what it held before.
+#[test]
+fn a_draw_on_an_over_committed_device_moves_room_without_adding_to_it() {
+    let mut h = Harness::new();
+    for op in [
+        Op::Open {
+            tenant: 0,
+            pid: Some(0),
+        },
+        Op::ReserveProcess {
+            session: 0,
+            units: 3,
+            device: 0,
+        },
+        Op::Reserve {
+            session: 0,
+            units: 4,
+            device: 0,
+        },
+        Op::Commit { pending: 0 },
+        // 7 units held on a device now leasable for 2.
+        Op::Leasable {
+            device: 0,
+            units: 2,
+        },
+        Op::Draw { which: 0, units: 2 },
+    ] {
+        h.step(&op);
+        h.effects();
+        h.check();
+    }
+    assert_eq!(h.pending.len(), 1, "the draw is a grant in flight");
+    let p = h.st.pools()[0].stats();
+    assert_eq!(
+        (p.leased, p.reserved, p.process_reserved, p.leasable),
+        (4 * GRAN, 2 * GRAN, GRAN, 2 * GRAN)
+    );
 }
 
 proptest! {
