@@ -1,9 +1,12 @@
 //! How long the arbiter's state lock is held, counted by threshold: every hold, and the
-//! holds longer than 100 us, 1 ms and 10 ms (`gpu_broker_state_lock_holds_total{longer_than}`).
+//! holds longer than 100 us, 1 ms and 10 ms
+//! (`gpu_broker_state_lock_holds_total{longer_than, clock}`), by the wall clock (what
+//! acquires behind the hold wait) and by the holding thread's CPU clock (the work done
+//! under the lock; a hold whose thread the OS preempted is long by the wall clock only).
 //! Admission waits for the lock, so a long hold is a stall of every acquire behind it;
 //! operators (and the bench's admin-reads phase) read these counters to see whether
-//! listings, usage reads or scrapes stall admission. Recording is one or two relaxed atomic
-//! adds per hold (`arbiter/effects.rs`, when the guard is dropped).
+//! listings, usage reads or scrapes stall admission. Recording is two clock reads and one
+//! or two relaxed atomic adds per hold (`arbiter/effects.rs`, when the guard is dropped).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -23,34 +26,65 @@ pub const THRESHOLDS: [(&str, Duration); 4] = [
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct LongerThan {
     longer_than: &'static str,
+    clock: &'static str,
 }
 
-/// Counts of state-lock holds by threshold.
+/// Counts of state-lock holds by threshold, by the wall clock and by the thread's CPU
+/// clock.
 #[derive(Debug, Default)]
 pub struct LockHolds {
-    counts: [AtomicU64; THRESHOLDS.len()],
+    wall: [AtomicU64; THRESHOLDS.len()],
+    cpu: [AtomicU64; THRESHOLDS.len()],
+}
+
+/// The calling thread's CPU time (zero if the clock cannot be read).
+pub fn thread_cpu_now() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a plain clock read into a timespec we own.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if r != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+fn bump(counts: &[AtomicU64; THRESHOLDS.len()], held: Duration) {
+    for (i, (_, t)) in THRESHOLDS.iter().enumerate() {
+        if i > 0 && held <= *t {
+            break;
+        }
+        counts[i].fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 impl LockHolds {
-    /// The lock was held for `held`.
-    pub fn record(&self, held: Duration) {
-        for (i, (_, t)) in THRESHOLDS.iter().enumerate() {
-            if i > 0 && held <= *t {
-                break;
-            }
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
+    /// The lock was held for `wall` by the wall clock and `cpu` of the holding thread's
+    /// CPU time.
+    pub fn record(&self, wall: Duration, cpu: Duration) {
+        bump(&self.wall, wall);
+        bump(&self.cpu, cpu);
     }
 
-    /// Holds counted so far under each threshold, in [`THRESHOLDS`] order.
-    pub fn counts(&self) -> [u64; THRESHOLDS.len()] {
-        std::array::from_fn(|i| self.counts[i].load(Ordering::Relaxed))
+    /// Holds counted so far under each threshold (in [`THRESHOLDS`] order), by the wall
+    /// clock and by the CPU clock.
+    pub fn counts(&self) -> ([u64; THRESHOLDS.len()], [u64; THRESHOLDS.len()]) {
+        (
+            std::array::from_fn(|i| self.wall[i].load(Ordering::Relaxed)),
+            std::array::from_fn(|i| self.cpu[i].load(Ordering::Relaxed)),
+        )
     }
 
     pub(crate) fn register(&self, reg: &mut Registry) {
         let fam = Family::<LongerThan, Counter>::default();
-        for ((longer_than, _), n) in THRESHOLDS.iter().zip(self.counts()) {
-            fam.get_or_create(&LongerThan { longer_than }).inc_by(n);
+        let (wall, cpu) = self.counts();
+        for (clock, counts) in [("wall", wall), ("cpu", cpu)] {
+            for ((longer_than, _), n) in THRESHOLDS.iter().zip(counts) {
+                fam.get_or_create(&LongerThan { longer_than, clock })
+                    .inc_by(n);
+            }
         }
         reg.register(
             "state_lock_holds",
@@ -67,19 +101,38 @@ mod tests {
     #[test]
     fn a_hold_counts_under_every_threshold_it_exceeds() {
         let h = LockHolds::default();
-        h.record(Duration::from_micros(5));
-        h.record(Duration::from_micros(150));
-        h.record(Duration::from_millis(2));
-        h.record(Duration::from_millis(1));
-        h.record(Duration::from_millis(30));
-        assert_eq!(h.counts(), [5, 4, 2, 1]);
+        let us = Duration::from_micros;
+        h.record(us(5), us(5));
+        h.record(us(150), us(20));
+        h.record(us(2000), us(1500));
+        h.record(us(1000), us(900));
+        h.record(us(30_000), us(200));
+        assert_eq!(h.counts(), ([5, 4, 2, 1], [5, 3, 1, 0]));
         let mut reg = Registry::default();
         h.register(&mut reg);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
         assert!(
-            text.contains("state_lock_holds_total{longer_than=\"1ms\"} 2"),
+            text.contains("state_lock_holds_total{longer_than=\"1ms\",clock=\"wall\"} 2"),
             "{text}"
         );
+        assert!(
+            text.contains("state_lock_holds_total{longer_than=\"1ms\",clock=\"cpu\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_thread_cpu_clock_moves_with_work_not_with_sleep() {
+        let t0 = thread_cpu_now();
+        std::thread::sleep(Duration::from_millis(50));
+        let slept = thread_cpu_now() - t0;
+        let t1 = thread_cpu_now();
+        let mut x = 0u64;
+        while thread_cpu_now() - t1 < Duration::from_millis(5) {
+            x = x.wrapping_add(1);
+        }
+        assert!(x > 0);
+        assert!(slept < Duration::from_millis(50), "{slept:?}");
     }
 }

@@ -220,6 +220,7 @@ async fn big_waiter(common: &Common) -> Result<()> {
         &[this],
         Duration::from_millis(1200),
         Duration::from_secs(30),
+        1,
     )
     .await
 }

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::report::{bytes, count, json_line, us, Table};
+use crate::stats::median;
 use crate::Common;
 
 const MIB: u64 = 1 << 20;
@@ -138,16 +139,26 @@ async fn scenario(common: &Common, v: &Variant, hold: Duration, wait: Duration) 
     })
 }
 
-/// Runs the scenario against every variant, one after the other, and prints one table.
+/// Runs the scenario against every variant, one after the other, `rounds` times
+/// (interleaved: every variant once per round), and prints one table of medians over the
+/// rounds (grants and refusals: per round, median).
 pub async fn run(
     common: &Common,
     variants: &[Variant],
     hold: Duration,
     wait: Duration,
+    rounds: u32,
 ) -> Result<()> {
+    let rounds = rounds.max(1);
+    let mut outcomes: Vec<Vec<Outcome>> = variants.iter().map(|_| Vec::new()).collect();
+    for _ in 0..rounds {
+        for (i, v) in variants.iter().enumerate() {
+            outcomes[i].push(scenario(common, v, hold, wait).await?);
+        }
+    }
     let mut t = Table::new(
         format!(
-            "a 768 MiB request waits (up to {:.0} s) while 512 MiB of 1 GiB are held for {:.1} s; 12 tenants of its priority loop 64 MiB requests (no wait, held 20 ms)",
+            "a 768 MiB request waits (up to {:.0} s) while 512 MiB of 1 GiB are held for {:.1} s; {SMALL_TENANTS} tenants of its priority loop 64 MiB requests (no wait, held 20 ms); medians of {rounds} round(s)",
             wait.as_secs_f64(),
             hold.as_secs_f64()
         ),
@@ -156,37 +167,45 @@ pub async fn run(
             "small grants",
             "small refused",
             "utilization while it waits",
-            "big request",
+            "big request granted",
             "granted after the release",
             "waited in all",
         ],
     );
-    for v in variants {
-        let o = scenario(common, v, hold, wait).await?;
+    for (v, os) in variants.iter().zip(&outcomes) {
+        let med = |f: &dyn Fn(&Outcome) -> f64| median(&os.iter().map(f).collect::<Vec<_>>());
+        let granted = os.iter().filter(|o| o.granted.is_ok()).count();
+        let after: Vec<f64> = os
+            .iter()
+            .filter(|o| o.granted.is_ok())
+            .map(|o| o.after_release.as_secs_f64() * 1e6)
+            .collect();
         t.row(vec![
             v.name.clone(),
-            count(o.small_ok),
-            count(o.small_refused),
-            format!("{:.0}%", o.utilization * 100.0),
-            match &o.granted {
-                Ok(b) => format!("{} granted", bytes(*b)),
-                Err(e) => format!("not granted: {}", e.chars().take(60).collect::<String>()),
+            count(med(&|o| o.small_ok as f64) as u64),
+            count(med(&|o| o.small_refused as f64) as u64),
+            format!("{:.0}%", med(&|o| o.utilization) * 100.0),
+            match os.iter().find_map(|o| o.granted.as_ref().ok()) {
+                Some(b) if granted == os.len() => format!("{} ({granted}/{})", bytes(*b), os.len()),
+                _ => format!("{granted}/{}", os.len()),
             },
-            if o.granted.is_ok() {
-                us(o.after_release.as_secs_f64() * 1e6)
-            } else {
+            if after.is_empty() {
                 "-".into()
+            } else {
+                us(median(&after))
             },
-            us(o.in_all.as_secs_f64() * 1e6),
+            us(med(&|o| o.in_all.as_secs_f64() * 1e6)),
         ]);
-        json_line(
-            common.json,
-            &json!({"mode": "big_waiter", "broker": v.name, "small_ok": o.small_ok,
-                    "small_refused": o.small_refused, "utilization": o.utilization,
-                    "big_granted": o.granted.is_ok(),
-                    "big_after_release_us": o.after_release.as_secs_f64() * 1e6,
-                    "big_in_all_us": o.in_all.as_secs_f64() * 1e6}),
-        );
+        for o in os {
+            json_line(
+                common.json,
+                &json!({"mode": "big_waiter", "broker": v.name, "small_ok": o.small_ok,
+                        "small_refused": o.small_refused, "utilization": o.utilization,
+                        "big_granted": o.granted.is_ok(),
+                        "big_after_release_us": o.after_release.as_secs_f64() * 1e6,
+                        "big_in_all_us": o.in_all.as_secs_f64() * 1e6}),
+            );
+        }
     }
     t.print();
     Ok(())

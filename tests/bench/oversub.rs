@@ -85,6 +85,9 @@ pub struct OversubArgs {
     /// With `--big-waiter`: the big request's wait.
     #[arg(long, value_parser = parse_duration, default_value = "10s")]
     pub big_wait: Duration,
+    /// With `--big-waiter`: rounds (every broker once per round, interleaved).
+    #[arg(long, default_value_t = 3)]
+    pub big_rounds: u32,
 }
 
 const PRIORITIES: [i32; 3] = [0, 1, 2];
@@ -177,7 +180,8 @@ pub async fn run(common: &Common, a: &OversubArgs) -> Result<()> {
                 extra: vec!["--overtake-age".into(), age.clone()],
             });
         }
-        return crate::big_waiter::run(common, &variants, a.big_hold, a.big_wait).await;
+        return crate::big_waiter::run(common, &variants, a.big_hold, a.big_wait, a.big_rounds)
+            .await;
     }
     if !(0.0..=1.0 / 3.0 + 1e-9).contains(&a.guarantee) {
         bail!("--guarantee must be in [0, 1/3]: three levels share the device");

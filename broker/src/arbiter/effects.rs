@@ -200,8 +200,10 @@ impl Effects {
 pub(crate) struct Locked<'a> {
     arb: &'a Arbiter,
     st: Option<MutexGuard<'a, State>>,
-    /// When the lock was taken (its hold is counted: `lock_holds.rs`).
+    /// When the lock was taken, by the wall clock and the thread's CPU clock (its hold is
+    /// counted: `lock_holds.rs`).
     since: std::time::Instant,
+    cpu_since: std::time::Duration,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -217,6 +219,17 @@ impl std::ops::DerefMut for Locked<'_> {
     }
 }
 
+impl Locked<'_> {
+    /// Counts the hold that just ended (`lock_holds.rs`).
+    fn record_hold(&self) {
+        let cpu = crate::lock_holds::thread_cpu_now().saturating_sub(self.cpu_since);
+        self.arb
+            .metrics
+            .lock_holds
+            .record(self.since.elapsed(), cpu);
+    }
+}
+
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
         let Some(mut st) = self.st.take() else { return };
@@ -226,7 +239,7 @@ impl Drop for Locked<'_> {
         }
         if st.fx().is_empty() {
             drop(st);
-            self.arb.metrics.lock_holds.record(self.since.elapsed());
+            self.record_hold();
             return;
         }
         let effects = st.fx().take();
@@ -241,7 +254,7 @@ impl Drop for Locked<'_> {
             }
         }
         drop(st);
-        self.arb.metrics.lock_holds.record(self.since.elapsed());
+        self.record_hold();
         for e in later {
             self.arb.execute(e);
         }
@@ -256,6 +269,7 @@ impl Arbiter {
             arb: self,
             st: Some(st),
             since: std::time::Instant::now(),
+            cpu_since: crate::lock_holds::thread_cpu_now(),
         }
     }
 
