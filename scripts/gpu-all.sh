@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Every GPU check from ONE folder of release binaries, for a closing run in few device calls.
+#
+#   scripts/gpu-all.sh build            # here (Rust, no GPU): everything into .gpu/all
+#   scripts/gpu-all.sh run [PARTS]      # on the GPU machine (no Rust); PARTS is a comma list
+#                                       # of fd,check,forge,shared,sleep,python,mps
+#                                       # (default: all of them, in that order)
+#
+# The parts are the other scripts' runs, pointed at .gpu/all:
+#   fd      scripts/gpu-fd-check.sh run        conformance, GPU e2e, another uid in its own
+#                                              namespaces, Python recv_fds, fd-path benchmark
+#   check   scripts/gpu-check.sh run 0         Python fd worker, lease benchmark, gpu-broker-bench
+#   forge   scripts/gpu-legacy-forge.sh run    why there are no legacy IPC handles
+#   shared  scripts/gpu-shared-check.sh run    shared CUDA imports across tenants
+#   sleep   scripts/gpu-sleep-check.sh run     sleep/wake (pinned vs pageable), PyTorch, reclaim
+#   python  scripts/gpu-python-check.sh run    PyTorch on fd leases
+#   mps     scripts/gpu-mps-check.sh run check,handoff   managed MPS and turn hand-off
+# Carry .gpu/all (the build prints its size: at most 64 MiB). Nothing here changes the
+# card's settings.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${GPU_ALL_OUT:-.gpu/all}
+TARGET=${CARGO_TARGET_DIR:-target}
+
+build() {
+    GPU_BIN=$OUT scripts/gpu-fd-check.sh build
+    cargo build --release -p gpu-broker-examples --bin turn-gate
+    mkdir -p "$OUT/deps"
+    ln -f "$OUT/gpu-test" "$OUT/deps/gpu-test"
+    for b in gpu-broker-bench turn-gate; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
+    strip "$OUT"/gpu-broker-bench "$OUT"/turn-gate 2>/dev/null || true
+    local venv=${GPUBROKER_VENV:-target/py-venv}
+    [[ -x $venv/bin/maturin ]] || scripts/test-python.sh --co -q >/dev/null
+    rm -f "$OUT"/gpubroker-*.whl
+    "$venv/bin/maturin" build --release --strip --manifest-path client/python/Cargo.toml --out "$OUT"
+    cp -f scripts/gpu_python_check.py scripts/gpu_sleep_check.py scripts/gpu_mps_check.py \
+        examples/turn_step_worker.py "$OUT/"
+    du -sh "$OUT"
+}
+
+run() {
+    local parts=${1:-fd,check,forge,shared,sleep,python,mps} t0=$SECONDS failed=()
+    local p
+    for p in ${parts//,/ }; do
+        echo "################ $p ################"
+        case $p in
+            fd) GPU_BIN=$OUT scripts/gpu-fd-check.sh run ;;
+            check) GPU_BIN=$OUT scripts/gpu-check.sh run 0 ;;
+            forge) GPU_BIN=$OUT scripts/gpu-legacy-forge.sh run ;;
+            shared) GPU_SHARED_OUT=$OUT scripts/gpu-shared-check.sh run ;;
+            sleep) GPU_SLEEP_OUT=$OUT scripts/gpu-sleep-check.sh run ;;
+            python) GPU_PYTHON_OUT=$OUT scripts/gpu-python-check.sh run ;;
+            mps) GPU_MPS_OUT=$OUT scripts/gpu-mps-check.sh run check,handoff ;;
+            *) echo "unknown part $p" >&2; exit 2 ;;
+        esac || failed+=("$p")
+    done
+    echo "################ parts failed: ${failed[*]:-none} (in $((SECONDS - t0)) s) ################"
+    [[ ${#failed[@]} -eq 0 ]]
+}
+
+case ${1:-} in
+    build) build ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: $0 build | run [PARTS]" >&2; exit 2 ;;
+esac
