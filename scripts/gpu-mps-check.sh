@@ -14,6 +14,8 @@
 #     set by hand) gets torch.OutOfMemoryError at ~4 GiB while a neighbour held to 8 GiB
 #     allocates 7 GiB and keeps its bytes; the control daemon SIGKILLed is restarted;
 #     after the broker stops nothing of MPS is left running.
+#   ordinal: `gpu-brokerctl run -- gpu-worker ordinal` maps its lease on the CUDA ordinal
+#     whose UUID is the lease's device's (with and without --mps).
 #   handoff: (c) alone, this build's turn hand-off beside an earlier gpu-broker's
 #     (--before DIR), alternating.
 #   bench: K = 2, 4, 8 workers of examples/turn_step_worker.py (ResNet-18 inference,
@@ -29,9 +31,9 @@ TARGET=${CARGO_TARGET_DIR:-target}
 build() {
     mkdir -p "$OUT"
     cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl \
-        -p gpu-broker-examples --bin turn-gate
-    for b in gpu-broker gpu-brokerctl turn-gate; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
-    strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/turn-gate 2>/dev/null || true
+        -p gpu-broker-examples --bin turn-gate -p gpu-broker-tests --bin gpu-worker
+    for b in gpu-broker gpu-brokerctl turn-gate gpu-worker; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
+    strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/turn-gate "$OUT"/gpu-worker 2>/dev/null || true
     cp -f scripts/gpu-mps-check.sh scripts/gpu_mps_check.py examples/turn_step_worker.py "$OUT/"
     du -sh "$OUT"
 }

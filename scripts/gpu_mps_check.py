@@ -5,6 +5,8 @@ check: the broker's own MPS daemon (start, status and clients, driver-enforced l
        an unmodified PyTorch program, restart after SIGKILL, nothing left after stop).
 bench: K = 2, 4, 8 ResNet-18 workers (a) alone one after another, (b) all at once,
        (c) broker turns with 1 slot, (d) managed MPS with K slots; weights 1:2:4.
+ordinal: a lease-taking child of `gpu-brokerctl run` (gpu-worker ordinal) maps its lease
+       on the CUDA ordinal whose UUID is the lease's device's, with and without --mps.
 handoff: (c) alone, the turn hand-off of this build and (--before DIR) of an earlier
        gpu-broker, alternating (--repeat runs each).
 
@@ -489,6 +491,36 @@ def handoff(bin_dir, duration, ks, before, repeat):
     return out
 
 
+def ordinal(bin_dir):
+    """A lease-taking child of `gpu-brokerctl run` maps its lease on the local CUDA ordinal
+    whose UUID is the lease's device's (run narrows CUDA_VISIBLE_DEVICES to that UUID)."""
+    print("=== ordinal: broker device -> the child's CUDA ordinal, by UUID ===", flush=True)
+    out = {}
+    for mode, extra in (("plain", []), ("mps", ["--mps"])):
+        b = Broker(bin_dir, f"o-{mode}", extra)
+        try:
+            tok = b.tenant("alice", "8GiB")
+            tf = os.path.join(b.dir, "alice.token")
+            with open(tf, "w") as f:
+                f.write(tok)
+            uuid = device_uuid(b)
+            cmd = [os.path.join(bin_dir, "gpu-brokerctl"), "--broker", f"unix://{b.sock}", "--token-file", tf,
+                   "run", "--memory", "2GiB", "--", os.path.join(bin_dir, "gpu-worker"), "ordinal", "--bytes", str(64 * MIB)]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_BROKER_")}
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+            line = next((l for l in r.stdout.splitlines() if l.startswith("{")), "")
+            print(f"{mode}: rc={r.returncode} {line} {r.stderr.strip()[-400:]}", flush=True)
+            j = json.loads(line) if line else {}
+            out[mode] = j
+            verdict(r.returncode == 0 and j.get("cuda_visible_devices") == uuid and j.get("local_uuids") == [uuid]
+                    and j.get("lease_uuid") == uuid and j.get("broker_uuids", [None])[0] == uuid
+                    and j.get("ordinal") == 0 and j.get("mapped_on") == 0 and j.get("bad_bytes") == 0,
+                    f"{mode}: cuDeviceGetUuid's UUID is the broker's (NVML) UUID; the lease mapped on ordinal 0 and kept its bytes")
+        finally:
+            b.stop()
+    return out
+
+
 def table(r):
     lines = ["| K | mode | steps/s | vs (a) | p50 ms | p99 ms | shares (held) vs weights | Jain | hand-off p50/p99 us (broker / end to end) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -541,6 +573,11 @@ def main():
             print(table(res["bench"]))
         except Exception as e:
             verdict(False, f"bench raised {e!r}")
+    if "ordinal" in a.parts:
+        try:
+            res["ordinal"] = ordinal(a.bin)
+        except Exception as e:
+            verdict(False, f"ordinal raised {e!r}")
     if "handoff" in a.parts:
         try:
             res["handoff"] = handoff(a.bin, a.duration, [int(k) for k in a.ks.split(",")], a.before, a.repeat)

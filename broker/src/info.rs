@@ -28,6 +28,8 @@ pub struct BrokerInfo {
     pub backend: String,
     pub device_count: u32,
     pub features: Vec<&'static str>,
+    /// Each device's UUID, by index.
+    pub device_uuids: Vec<String>,
 }
 
 impl Arbiter {
@@ -44,6 +46,9 @@ impl Arbiter {
             .to_string(),
             device_count: self.device_count() as u32,
             features: FEATURES.to_vec(),
+            device_uuids: (0..self.device_count() as u32)
+                .map(|i| self.device_uuid(i))
+                .collect(),
         }
     }
 }

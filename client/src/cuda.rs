@@ -604,6 +604,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_lease_maps_on_the_local_ordinal_of_its_uuid() {
+        let local = local_uuids();
+        if local.is_empty() {
+            // No driver here: the broker's index is the ordinal.
+            assert_eq!(
+                local_ordinal(3, "GPU-0a1b2c3d-0000-1111-2222-333344445555"),
+                3
+            );
+            assert_eq!(ordinal_uuid(0), None);
+        } else {
+            // Each local device is found by its own UUID, whatever the broker's index.
+            for (i, u) in local.iter().enumerate() {
+                if let Some(u) = u {
+                    assert!(u.starts_with("GPU-") && u.len() == 40, "{u}");
+                    assert_eq!(local_ordinal(99, u), i as u32);
+                    assert_eq!(ordinal_uuid(i as u32).as_deref(), Some(u.as_str()));
+                }
+            }
+        }
+    }
+
+    #[test]
     fn without_a_driver_nothing_panics() {
         let available = is_available();
         if !lib_present() {
@@ -897,4 +919,45 @@ impl Drop for Pinned {
             tracing::warn!(error = %e, "unregistering staging memory failed");
         }
     }
+}
+
+/// The UUID (`GPU-…`, as NVML prints it) of each local CUDA ordinal, read once with
+/// `cuDeviceGetUuid_v2` (`None` where the driver does not say; empty without CUDA). The
+/// ordinals are this process's: after its `CUDA_VISIBLE_DEVICES`.
+pub fn local_uuids() -> &'static [Option<String>] {
+    static UUIDS: OnceLock<Vec<Option<String>>> = OnceLock::new();
+    UUIDS.get_or_init(|| {
+        if init().is_err() {
+            return Vec::new();
+        }
+        let n = device_count().unwrap_or(0);
+        (0..n)
+            .map(|i| {
+                let mut dev: CUdevice = 0;
+                // SAFETY: initialised; valid out pointer; i < the device count.
+                check("cuDeviceGet", unsafe {
+                    sys::cuDeviceGet(&mut dev, i as std::ffi::c_int)
+                })
+                .ok()?;
+                let mut u = sys::CUuuid { bytes: [0; 16] };
+                // SAFETY: valid device and out pointer.
+                check("cuDeviceGetUuid_v2", unsafe {
+                    sys::cuDeviceGetUuid_v2(&mut u, dev)
+                })
+                .ok()?;
+                Some(crate::ordinal::format_uuid(&u.bytes.map(|b| b as u8)))
+            })
+            .collect()
+    })
+}
+
+/// The local CUDA ordinal of the broker's device `index` whose UUID is `uuid` (a lease's
+/// `device` and `device_uuid`): the ordinal with that UUID, else `index`.
+pub fn local_ordinal(index: u32, uuid: &str) -> u32 {
+    crate::ordinal::ordinal_for(local_uuids(), uuid, index)
+}
+
+/// The UUID of local CUDA ordinal `ordinal`, if known.
+pub fn ordinal_uuid(ordinal: u32) -> Option<String> {
+    local_uuids().get(ordinal as usize).cloned().flatten()
 }

@@ -24,6 +24,8 @@ pub struct BrokerInfo {
     pub device_count: u32,
     /// Optional features it has.
     pub features: Vec<String>,
+    /// Each device's UUID by index (empty from a broker that does not say).
+    pub device_uuids: Vec<String>,
 }
 
 impl From<pb::GetInfoResponse> for BrokerInfo {
@@ -34,6 +36,7 @@ impl From<pb::GetInfoResponse> for BrokerInfo {
             backend: r.backend,
             device_count: r.device_count,
             features: r.features,
+            device_uuids: r.device_uuids,
         }
     }
 }

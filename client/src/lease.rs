@@ -202,19 +202,16 @@ impl Lease {
         if self.is_lost() {
             return Err(self.lost_error());
         }
+        // The broker's device index is not this process's CUDA ordinal when their
+        // CUDA_VISIBLE_DEVICES differ (`gpu-brokerctl run` narrows it): match by UUID.
+        let ordinal = crate::cuda::local_ordinal(self.info.device, &self.info.device_uuid);
         match &self.info.handle {
             LeaseHandle::Fd(i) if i.memory_kind == MemoryKind::CudaVmm => {
                 let fd = self.fd.as_ref().ok_or_else(|| {
                     ClientError::Protocol("fd lease without its descriptor".into())
                 })?;
-                crate::cuda::map_vmm(
-                    fd.as_fd(),
-                    self.info.device,
-                    self.info.bytes,
-                    i.size,
-                    i.block_id,
-                )
-                .map_err(|e| ClientError::Cuda(e.to_string()))
+                crate::cuda::map_vmm(fd.as_fd(), ordinal, self.info.bytes, i.size, i.block_id)
+                    .map_err(|e| ClientError::Cuda(e.to_string()))
             }
             _ => Err(ClientError::NotMappable),
         }

@@ -302,7 +302,7 @@ impl SharedImport {
         }
         crate::cuda::map_vmm_read_only(
             self.fd.as_fd(),
-            self.shared.device,
+            crate::cuda::local_ordinal(self.shared.device, &self.shared.device_uuid),
             self.shared.bytes,
             self.fd_info.size,
         )

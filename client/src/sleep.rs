@@ -289,9 +289,13 @@ impl Resident {
         let mut range = match kind {
             MemoryKind::HostMemfd => Range::reserve_host(bytes)?,
             #[cfg(feature = "cuda")]
-            MemoryKind::CudaVmm => {
-                Range::Cuda(crate::cuda::VaRange::reserve(lease.device(), bytes).map_err(cuda_err)?)
-            }
+            MemoryKind::CudaVmm => Range::Cuda(
+                crate::cuda::VaRange::reserve(
+                    crate::cuda::local_ordinal(lease.device(), lease.device_uuid()),
+                    bytes,
+                )
+                .map_err(cuda_err)?,
+            ),
             _ => return Err(ClientError::NotMappable),
         };
         range.map(&lease)?;

@@ -124,6 +124,14 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         iters: usize,
     },
+    /// Which local CUDA ordinal a lease's broker device is (by UUID): lease `--bytes`, map
+    /// it, fill and check it, print one JSON line (local and broker UUIDs, the lease's
+    /// device and UUID, the ordinal mapped), release. Under `gpu-brokerctl run` (token from
+    /// GPU_BROKER_TOKEN_FILE) the lease is drawn from the reservation.
+    Ordinal {
+        #[arg(long, default_value_t = 64 << 20)]
+        bytes: u64,
+    },
     /// A shared CUDA lease across tenants: this tenant (`--publisher`, the token's) publishes
     /// a written VMM lease for `--reader`; a worker of the reader (a child process,
     /// `--token-b`) imports and reads it; a tenant not listed (`--token-c`) gets
@@ -294,7 +302,14 @@ async fn main() -> Result<()> {
             std::thread::park();
         }
     }
-    let client = Client::connect(&cli.broker, cli.token.clone())
+    let token = match (cli.token.is_empty(), std::env::var("GPU_BROKER_TOKEN_FILE")) {
+        (true, Ok(f)) => std::fs::read_to_string(&f)
+            .with_context(|| format!("reading {f}"))?
+            .trim()
+            .to_string(),
+        _ => cli.token.clone(),
+    };
+    let client = Client::connect(&cli.broker, token)
         .await
         .context("connecting")?;
     let session = client.session("gpu-worker").await?;
@@ -409,6 +424,29 @@ async fn main() -> Result<()> {
             say(format!("HOSTREG {tier} {not_set}"));
         }
         Cmd::Bench { sizes, iters } => bench(&session, &sizes, iters).await?,
+        Cmd::Ordinal { bytes } => {
+            let info = client.broker_info().await?;
+            let lease = session.lease(bytes).await?;
+            let ordinal =
+                gpu_broker_client::cuda::local_ordinal(lease.device(), lease.device_uuid());
+            let m = lease.map_cuda()?;
+            fill(&m, lease.bytes(), 0x5a)?;
+            let bad = count_not(&m, lease.bytes(), 0x5a)?;
+            say(serde_json::json!({
+                "cuda_visible_devices": std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default(),
+                "local_uuids": gpu_broker_client::cuda::local_uuids(),
+                "broker_uuids": info.device_uuids,
+                "lease_device": lease.device(),
+                "lease_uuid": lease.device_uuid(),
+                "ordinal": ordinal,
+                "mapped_on": m.device(),
+                "bytes": lease.bytes(),
+                "bad_bytes": bad,
+            })
+            .to_string());
+            m.close()?;
+            lease.release().await?;
+        }
         Cmd::SleepBench { bytes, iters } => sleep_bench(&session, bytes, iters).await?,
         Cmd::SharedCheck {
             bytes,

@@ -423,8 +423,22 @@ async fn the_broker_reports_its_version_and_api_revision() {
     assert_eq!(i.version, env!("CARGO_PKG_VERSION"));
     assert_eq!((i.backend.as_str(), i.device_count), ("host", 1));
     assert!(i.features.iter().any(|f| f == "drain"), "{:?}", i.features);
-    assert_eq!(gpu_broker_client::version_warning(&Ok(i)), None);
     let admin = b.admin().await.unwrap();
+    // Workers learn each device's UUID (to find their own CUDA ordinal for it).
+    let uuids: Vec<String> = admin
+        .get_devices()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.uuid)
+        .collect();
+    assert_eq!(i.device_uuids, uuids);
+    assert!(
+        i.device_uuids[0].starts_with("HOST-"),
+        "{:?}",
+        i.device_uuids
+    );
+    assert_eq!(gpu_broker_client::version_warning(&Ok(i)), None);
     // A read token may ask too.
     let ro = admin
         .issue_token_with(None, &opts(TokenScope::Read, "info"))

@@ -362,6 +362,7 @@ pub fn info(i: &crate::info::BrokerInfo) -> pb::GetInfoResponse {
         backend: i.backend.clone(),
         device_count: i.device_count,
         features: i.features.iter().map(|f| f.to_string()).collect(),
+        device_uuids: i.device_uuids.clone(),
     }
 }
 

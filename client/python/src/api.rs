@@ -656,7 +656,10 @@ impl PyLease {
     fn _cuda_memory(&self, py: Python<'_>) -> PyResult<Memory> {
         let core = self.core()?;
         self.lost_check(&core)?;
-        let device = self.info.device;
+        // This process's CUDA ordinal of the lease's device (by UUID: the broker's index
+        // differs when the CUDA_VISIBLE_DEVICES differ, as under `gpu-brokerctl run`).
+        let device =
+            gpu_broker_client::cuda::local_ordinal(self.info.device, &self.info.device_uuid);
         let ptr = match self.kind_of(&core) {
             "host" => {
                 self.host_ptr(&core)?;

@@ -73,6 +73,22 @@ pub struct LeaseBackend {
     session: Session,
     handle: tokio::runtime::Handle,
     reclaimable: bool,
+    /// The broker's device UUIDs by index (`GetInfo`; empty from a broker that does not
+    /// say): PyTorch's device numbers are this process's CUDA ordinals, which are the
+    /// broker's indices only when both see the same devices in the same order.
+    broker_uuids: Vec<String>,
+}
+
+impl LeaseBackend {
+    /// The broker device of this process's CUDA ordinal `device` (by UUID, else the same
+    /// number).
+    fn broker_device(&self, device: u32) -> u32 {
+        gpu_broker_client::ordinal::index_for(
+            &self.broker_uuids,
+            gpu_broker_client::cuda::ordinal_uuid(device).as_deref(),
+            device,
+        )
+    }
 }
 
 fn refused(e: ClientError) -> Refused {
@@ -146,12 +162,13 @@ impl Backend for LeaseBackend {
     fn acquire(&self, device: u32, bytes: u64, wait: Option<Duration>) -> Result<Granted, Refused> {
         let session = self.session.clone();
         let reclaimable = self.reclaimable;
+        let broker_device = self.broker_device(device);
         let lease = self
             .handle
             .block_on(async move {
                 let mut request = session
                     .lease_request(bytes)
-                    .device(device)
+                    .device(broker_device)
                     .label("gpubroker.torch")
                     .reclaimable(reclaimable);
                 if let Some(w) = wait {
@@ -415,6 +432,7 @@ fn sleep_all(contents: Contents, handle: &tokio::runtime::Handle) -> Result<u64,
 #[pyfunction]
 #[pyo3(signature = (session, segment_bytes, wait_s, reclaimable, sleep_on_reclaim = None))]
 pub fn _torch_install(
+    py: Python<'_>,
     session: &PySession,
     segment_bytes: u64,
     wait_s: f64,
@@ -453,10 +471,17 @@ pub fn _torch_install(
     let reclaimable = reclaimable || sleep_on_reclaim.is_some();
     watch_events(&session)
         .map_err(|e| errors::local("BrokerError", &format!("cannot start a thread: {e}")))?;
+    let handle = rt::handle();
+    let client = session.client().clone();
+    let broker_uuids = py
+        .detach(|| handle.block_on(client.broker_info()))
+        .map(|i| i.device_uuids)
+        .unwrap_or_default();
     let backend = LeaseBackend {
         session,
-        handle: rt::handle(),
+        handle,
         reclaimable,
+        broker_uuids,
     };
     ALLOCATOR
         .set(SubAllocator::new(backend, config))
