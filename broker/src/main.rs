@@ -108,6 +108,16 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     if let Some(mps) = mps.clone() {
         mps.set_device_count(arb.device_count() as u32);
         arb.set_mps(mps);
+    } else if arb.backend_is_cuda() {
+        use gpu_broker::mps::compute_mode;
+        let modes = compute_mode::read(&device_indices(&cfg));
+        if compute_mode::broker_must_join(&modes) {
+            tracing::warn!(
+                compute_modes = ?modes,
+                "a device is in the ExclusiveProcess compute mode: the broker's context is the only one it admits, so workers cannot map leases there; run with --mps (docs/mps.md)"
+            );
+        }
+        arb.set_compute_modes(modes);
     }
     let shutdown = CancellationToken::new();
     // The TLS certificate is read again on SIGHUP and when its files change.

@@ -143,6 +143,14 @@ pub async fn render(arb: &Arbiter) -> String {
         );
     }
     out.push_str("</table>");
+    let modes = arb.compute_modes();
+    if mps.is_none() && !modes.is_empty() {
+        let _ = write!(
+            out,
+            "<p id=\"compute-mode\">compute mode {}</p>",
+            esc(&modes.join(", "))
+        );
+    }
     if let Some(m) = &mps {
         let _ = write!(
             out,

@@ -142,6 +142,9 @@ pub struct Arbiter {
     pub(crate) health_source: HealthSourceSlot,
     /// The managed MPS daemon (`--mps`), set once at start.
     mps: std::sync::OnceLock<Arc<crate::mps::Mps>>,
+    /// Each device's compute mode (NVML) read at start, for a CUDA broker without `--mps`
+    /// (with it the daemon's status has them).
+    compute_modes: std::sync::OnceLock<Vec<String>>,
     /// This arbiter (effects that outlive a call hold it: watchers, late releases).
     me: std::sync::Weak<Arbiter>,
     /// Serializes durable operator changes (quotas, tenant deletion, tokens): each
@@ -168,6 +171,20 @@ impl Arbiter {
     /// The managed MPS daemon, when the broker runs one (`--mps`).
     pub fn mps(&self) -> Option<&Arc<crate::mps::Mps>> {
         self.mps.get()
+    }
+
+    /// Each device's compute mode, by index: the MPS daemon's record with `--mps`, else
+    /// what was read at start (none on the host backend).
+    pub fn compute_modes(&self) -> Vec<String> {
+        match self.mps() {
+            Some(m) => m.status().compute_modes,
+            None => self.compute_modes.get().cloned().unwrap_or_default(),
+        }
+    }
+
+    /// Records the devices' compute modes read at start (once).
+    pub fn set_compute_modes(&self, modes: Vec<String>) {
+        let _ = self.compute_modes.set(modes);
     }
 
     /// Hands the arbiter the managed MPS daemon (once; later calls are ignored).
@@ -211,6 +228,7 @@ impl Arbiter {
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             health_source: parking_lot::Mutex::new(None),
             mps: std::sync::OnceLock::new(),
+            compute_modes: std::sync::OnceLock::new(),
             scheduler,
             state: Mutex::new(st),
             devices,

@@ -254,6 +254,11 @@ impl Admin for AdminService {
         }
         if let Some(mps) = self.arb.mps() {
             crate::mps::report::fill(&mps.status(), &mut devices);
+        } else {
+            let modes = self.arb.compute_modes();
+            for d in &mut devices {
+                d.compute_mode = modes.get(d.index as usize).cloned().unwrap_or_default();
+            }
         }
         Ok(Response::new(pb::GetDevicesResponse { devices }))
     }

@@ -181,6 +181,10 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
                     &d.compute_mode
                 }
             ));
+        } else if !d.compute_mode.is_empty() {
+            // A CUDA broker without managed MPS reports the mode too.
+            out.pop();
+            out.push_str(&format!("  compute mode {}\n\n", cut(&d.compute_mode, 40)));
         }
     }
 
@@ -525,7 +529,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn status_shows_the_mps_daemon_and_compute_mode_only_when_managed() {
+    fn status_shows_the_mps_daemon_when_managed_and_any_reported_compute_mode() {
         let mut s = snapshot();
         assert!(!render(&s, now()).contains("mps:"));
         s.devices[0].mps_state = "running".into();
@@ -543,6 +547,15 @@ pub(crate) mod tests {
         let text = render(&s, now());
         assert!(
             text.contains("mps: down: failed to start: no binary  compute mode unknown"),
+            "{text}"
+        );
+        // Without managed MPS a CUDA broker still reports the mode.
+        s.devices[0].mps_state.clear();
+        s.devices[0].compute_mode = "ExclusiveProcess".into();
+        let text = render(&s, now());
+        assert!(!text.contains("mps:"), "{text}");
+        assert!(
+            text.contains("waiting 1\n  compute mode ExclusiveProcess\n\n"),
             "{text}"
         );
     }
