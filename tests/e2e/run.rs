@@ -562,3 +562,128 @@ async fn only_a_child_group_of_the_sessions_process_is_accepted_and_stopped_at_r
     let _ = same.kill();
     let _ = same.wait();
 }
+
+/// State letter of a process (`R`, `S`, `T`, `Z`, ...), `None` when gone.
+fn state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
+/// A new pseudo-terminal: (master, path of the slave).
+fn open_pty() -> (std::fs::File, String) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain libc calls; the master descriptor is owned by the File.
+    unsafe {
+        let m = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY);
+        assert!(m >= 0, "posix_openpt: {}", std::io::Error::last_os_error());
+        assert_eq!(libc::grantpt(m), 0);
+        assert_eq!(libc::unlockpt(m), 0);
+        let mut buf = [0 as libc::c_char; 128];
+        assert_eq!(libc::ptsname_r(m, buf.as_mut_ptr(), buf.len()), 0);
+        let path = std::ffi::CStr::from_ptr(buf.as_ptr())
+            .to_string_lossy()
+            .into_owned();
+        let flags = libc::fcntl(m, libc::F_GETFL);
+        libc::fcntl(m, libc::F_SETFL, flags | libc::O_NONBLOCK);
+        (std::fs::File::from_raw_fd(m), path)
+    }
+}
+
+#[tokio::test]
+async fn on_a_terminal_ctrl_z_stops_run_with_its_program_and_continuing_run_continues_both() {
+    use std::io::{Read, Write};
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let (b, token_file, _) = setup("alice", 512 * MIB).await;
+    let (mut master, slave_path) = open_pty();
+    let slave = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&slave_path)
+        .unwrap();
+    let script = "echo pid=$$; while :; do sleep 0.05; done";
+    let mut cmd = run_cmd(&b, &token_file, &["--memory", "64MiB"], script);
+    cmd.stdin(slave.try_clone().unwrap())
+        .stdout(slave.try_clone().unwrap())
+        .stderr(slave);
+    // `run` leads a session whose controlling terminal is the pty (as a shell's job).
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY as _, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut run = cmd.spawn().unwrap();
+    let run_pid = run.id();
+    let mut seen = String::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let program: u32 = loop {
+        let mut buf = [0u8; 4096];
+        if let Ok(n) = master.read(&mut buf) {
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+        if let Some(p) = seen
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("pid=").map(str::to_string))
+            .and_then(|p| p.parse().ok())
+        {
+            break p;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no pid line: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let stopped = |pid: u32| state(pid) == Some('T');
+    // Ctrl-Z stops the program (the terminal's foreground group) and then run.
+    master.write_all(b"\x1a").unwrap();
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            stopped(program) && stopped(run_pid)
+        })
+        .await,
+        "program {:?}, run {:?}",
+        state(program),
+        state(run_pid)
+    );
+    // Continuing run (what a shell's `fg` does) continues the program too.
+    // SAFETY: plain syscall on our child.
+    unsafe { libc::kill(run_pid as libc::pid_t, libc::SIGCONT) };
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            !stopped(program) && !stopped(run_pid) && alive(program)
+        })
+        .await,
+        "program {:?}, run {:?}",
+        state(program),
+        state(run_pid)
+    );
+    // Ctrl-C reaches the program in the foreground again; run dies of its signal.
+    master.write_all(b"\x03").unwrap();
+    let status = tokio::task::spawn_blocking(move || {
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(s) = run.try_wait().unwrap() {
+                return Some(s);
+            }
+            if std::time::Instant::now() > end {
+                let _ = run.kill();
+                let _ = run.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(status.and_then(|s| s.signal()), Some(libc::SIGINT));
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            reserved(&b, "alice").await == (0, 0) && !alive(program)
+        })
+        .await
+    );
+}

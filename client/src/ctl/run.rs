@@ -13,7 +13,8 @@
 //! program itself also gets SIGKILL at once (`PR_SET_PDEATHSIG`). A descendant that leaves
 //! the group (`setsid`, `setpgid`) escapes this (docs/mps.md). On a terminal the group is
 //! made the foreground group while it runs (like a shell's job), so the program reads the
-//! terminal and gets its Ctrl-C itself.
+//! terminal and gets its Ctrl-C itself; when Ctrl-Z stops the program, `run` gives the
+//! terminal back and stops too, and when it is continued (`fg`) it continues the program.
 //!
 //! Exit codes of `run`'s own failures (as `timeout(1)` and `env(1)` use them): 125 the
 //! broker refused or could not be reached, 126 the program cannot be executed, 127 it was
@@ -238,6 +239,8 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
     ] {
         sigs.push((kind.as_raw_value(), signal(kind)?));
     }
+    // The program's stops (Ctrl-Z), seen through SIGCHLD.
+    let mut child_changed = signal(SignalKind::child())?;
     let mut child = tokio::process::Command::from(cmd)
         .kill_on_drop(true)
         .spawn()
@@ -279,6 +282,20 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
         };
         tokio::select! {
             status = child.wait() => break status?,
+            _ = child_changed.recv(), if foreground => {
+                if stopped(pid) {
+                    // Job control: the terminal's Ctrl-Z stopped the program's group. Stop
+                    // `run` too, so the shell gets its terminal back; when `run` is
+                    // continued, so is the program, in the foreground again.
+                    // SAFETY: plain libc calls on this process and our child's group.
+                    unsafe {
+                        give_terminal(libc::getpgrp());
+                        libc::raise(libc::SIGSTOP);
+                        give_terminal(pid);
+                        libc::kill(-pid, libc::SIGCONT);
+                    }
+                }
+            }
             (sig, _, _) = forwarded => {
                 let Some(sig) = sig else { continue };
                 // A terminal's Ctrl-C reaches the program's group itself (it is the
@@ -334,6 +351,23 @@ unsafe fn give_terminal(pgrp: libc::pid_t) {
     let old = libc::signal(libc::SIGTTOU, libc::SIG_IGN);
     libc::tcsetpgrp(0, pgrp);
     libc::signal(libc::SIGTTOU, old);
+}
+
+/// Whether `pid` (our child) has stopped since last asked; consumes that stop report only
+/// (an exit stays for `wait`).
+fn stopped(pid: libc::pid_t) -> bool {
+    // SAFETY: waitid on our own child into a zeroed siginfo.
+    unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WSTOPPED | libc::WNOHANG,
+        ) == 0
+            && info.si_pid() == pid
+            && info.si_code == libc::CLD_STOPPED
+    }
 }
 
 /// Is `run` in the foreground process group of its controlling terminal?
