@@ -259,6 +259,9 @@ impl State {
         n
     }
 
+    /// Every byte in exactly one state, ledger and pools agreeing (checked after every
+    /// transition in debug builds, and by the tests).
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub(crate) fn check_invariant(&self) -> Result<(), String> {
         #[derive(Default, PartialEq, Debug)]
         struct Sum {
