@@ -51,6 +51,18 @@ async fn reserved(b: &Broker, tenant: &str) -> (u64, u32) {
     (t.usage.process_reserved_bytes, t.usage.process_reservations)
 }
 
+/// The tenant's process reservations are all gone within a second.
+async fn assert_freed_within_a_second(b: &Broker, tenant: &str) {
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            reserved(b, tenant).await == (0, 0)
+        })
+        .await,
+        "{tenant}'s reservation still held a second later: {:?}",
+        reserved(b, tenant).await
+    );
+}
+
 /// Is `pid` a live (not zombie) process?
 fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -101,12 +113,7 @@ async fn run_hands_the_program_its_environment_and_exit_code() {
         !std::path::Path::new(&line("file")).exists(),
         "the token file is removed when run ends"
     );
-    assert!(
-        eventually(Duration::from_secs(1), || async {
-            reserved(&b, "alice").await == (0, 0)
-        })
-        .await
-    );
+    assert_freed_within_a_second(&b, "alice").await;
 }
 
 #[tokio::test]
@@ -125,13 +132,7 @@ async fn run_frees_the_reservation_within_a_second_of_the_program_exiting() {
     assert_eq!(sessions[0].peer_pid, p.pid, "the session is run's");
     let (status, out) = p.finish(Duration::from_secs(10)).await.unwrap();
     assert!(status.success(), "{out}");
-    assert!(
-        eventually(Duration::from_secs(1), || async {
-            reserved(&b, "alice").await == (0, 0)
-        })
-        .await,
-        "reservation freed within 1 s of the program's exit"
-    );
+    assert_freed_within_a_second(&b, "alice").await;
 }
 
 #[tokio::test]
@@ -182,12 +183,7 @@ async fn run_forwards_signals_and_passes_the_programs_status() {
     p.signal(libc::SIGUSR1);
     let (status, out) = p.finish(Duration::from_secs(10)).await.unwrap();
     assert_eq!(status.signal(), Some(libc::SIGUSR1), "{out}");
-    assert!(
-        eventually(Duration::from_secs(1), || async {
-            reserved(&b, "alice").await == (0, 0)
-        })
-        .await
-    );
+    assert_freed_within_a_second(&b, "alice").await;
 }
 
 #[tokio::test]
@@ -296,13 +292,7 @@ async fn run_without_a_tenant_token_or_program_fails_clearly() {
         .await
         .unwrap();
     assert_eq!(status.code(), Some(127), "{out}");
-    assert!(
-        eventually(Duration::from_secs(1), || async {
-            reserved(&b, "alice").await == (0, 0)
-        })
-        .await,
-        "a program that never started leaves no reservation"
-    );
+    assert_freed_within_a_second(&b, "alice").await;
 }
 
 #[tokio::test]
