@@ -9,6 +9,8 @@
 //! of the peer's uid, and leads its group; at the end only members of the group with that
 //! real uid are signalled, each through a pidfd (immune to pid reuse between the scan and
 //! the signal). A descendant that leaves the group (`setsid`, `setpgid`) escapes it.
+//! The leader's start time is kept too: a group whose number was given to a new leader
+//! after the old group died out entirely is another group, and is left alone.
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +20,9 @@ pub struct ProcessGroup {
     pub pgid: u32,
     /// Real uid of the processes that may be signalled.
     pub uid: u32,
+    /// The leader's start time (clock ticks since boot): the kernel hands the number out
+    /// again only once the whole group is gone, and then to a process started later.
+    pub leader_start: u64,
 }
 
 /// Why a process group was not accepted.
@@ -46,6 +51,23 @@ fn parent_and_group(pid: u32) -> Option<(u32, u32)> {
         return None;
     }
     Some((f.next()?.parse().ok()?, f.next()?.parse().ok()?))
+}
+
+/// When a process started (clock ticks since boot), from `/proc/PID/stat`.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After "pid (comm)", field 3 (state) comes first; starttime is field 22.
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(22 - 3)?
+        .parse()
+        .ok()
+}
+
+/// Is `g` still the group that was accepted? Its leader, if alive, is the same process
+/// (a live group without its leader keeps its number: the kernel does not reuse it).
+fn same_group(g: ProcessGroup) -> bool {
+    start_time(g.pgid).is_none_or(|t| t == g.leader_start)
 }
 
 /// Real uid of a process, from `/proc/PID/status`.
@@ -81,11 +103,20 @@ pub fn verify(
     if uid != want {
         return Err(GroupError::OtherUser { pgid, uid, want });
     }
-    Ok(ProcessGroup { pgid, uid: want })
+    let leader_start = start_time(pgid).ok_or(GroupError::NoSuchProcess(pgid))?;
+    Ok(ProcessGroup {
+        pgid,
+        uid: want,
+        leader_start,
+    })
 }
 
-/// Live members of the group with its uid (never the broker itself).
+/// Live members of the group with its uid (never the broker itself); none when the
+/// number now belongs to another group.
 pub fn members(g: ProcessGroup) -> Vec<u32> {
+    if !same_group(g) {
+        return Vec::new();
+    }
     let me = std::process::id();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -124,10 +155,22 @@ fn signal_member(pid: u32, g: ProcessGroup, sig: i32) {
     unsafe { libc::close(fd) };
 }
 
-/// Stops the group: SIGTERM to each member, then SIGKILL to those left after `grace`.
-/// Returns how many were signalled at first.
+/// [`members`], read off the async threads (`/proc` of the whole node).
+async fn members_now(g: ProcessGroup) -> Vec<u32> {
+    tokio::task::spawn_blocking(move || members(g))
+        .await
+        .unwrap_or_default()
+}
+
+/// Rounds of SIGKILL at most after the grace: each round also reaches processes forked
+/// since the previous scan.
+const KILL_ROUNDS: usize = 50;
+
+/// Stops the group: SIGTERM to each member, then SIGKILL to those left after `grace`
+/// (again until none is left, so processes forked meanwhile go too). Returns how many
+/// were signalled at first.
 pub async fn stop(g: ProcessGroup, grace: Duration) -> usize {
-    let first = members(g);
+    let first = members_now(g).await;
     if first.is_empty() {
         return 0;
     }
@@ -140,25 +183,38 @@ pub async fn stop(g: ProcessGroup, grace: Duration) -> usize {
         signal_member(pid, g, libc::SIGTERM);
     }
     let deadline = Instant::now() + grace;
-    loop {
-        let left = members(g);
-        if left.is_empty() {
-            return first.len();
-        }
-        if Instant::now() >= deadline {
-            tracing::warn!(
-                pgid = g.pgid,
-                processes = left.len(),
-                grace_ms = grace.as_millis() as u64,
-                "process group still running after the grace; killing it"
-            );
-            for pid in left {
-                signal_member(pid, g, libc::SIGKILL);
-            }
-            return first.len();
-        }
+    let mut left = members_now(g).await;
+    while !left.is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
+        left = members_now(g).await;
     }
+    if left.is_empty() {
+        return first.len();
+    }
+    tracing::warn!(
+        pgid = g.pgid,
+        processes = left.len(),
+        grace_ms = grace.as_millis() as u64,
+        "process group still running after the grace; killing it"
+    );
+    for _ in 0..KILL_ROUNDS {
+        for &pid in &left {
+            signal_member(pid, g, libc::SIGKILL);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        left = members_now(g).await;
+        if left.is_empty() {
+            break;
+        }
+    }
+    if !left.is_empty() {
+        tracing::warn!(
+            pgid = g.pgid,
+            processes = left.len(),
+            "process group outlived the kill rounds"
+        );
+    }
+    first.len()
 }
 
 #[cfg(test)]
@@ -199,10 +255,9 @@ mod tests {
         let (pid, uid) = me();
         let mut c = leader("sleep 30");
         let cpid = c.id();
-        assert_eq!(
-            verify(cpid, Some(pid), Some(uid)),
-            Ok(ProcessGroup { pgid: cpid, uid })
-        );
+        let g = verify(cpid, Some(pid), Some(uid)).unwrap();
+        assert_eq!((g.pgid, g.uid), (cpid, uid));
+        assert_eq!(Some(g.leader_start), start_time(cpid));
         assert_eq!(
             verify(cpid, Some(1), Some(uid)),
             Err(GroupError::NotAChild {
@@ -229,6 +284,27 @@ mod tests {
             let _ = ch.kill();
             let _ = ch.wait();
         }
+    }
+
+    #[tokio::test]
+    async fn a_group_number_now_led_by_another_process_is_left_alone() {
+        let (pid, uid) = me();
+        let mut c = leader("sleep 30");
+        let g = verify(c.id(), Some(pid), Some(uid)).unwrap();
+        // The same number as if a process started later had been given it.
+        let later = ProcessGroup {
+            leader_start: g.leader_start + 1,
+            ..g
+        };
+        assert!(members(later).is_empty());
+        assert_eq!(stop(later, Duration::from_millis(10)).await, 0);
+        assert!(
+            parent_and_group(c.id()).is_some(),
+            "the other group still runs"
+        );
+        assert!(members(g).contains(&c.id()), "the accepted group is still found");
+        assert!(stop(g, Duration::from_millis(10)).await >= 1);
+        let _ = c.wait();
     }
 
     #[tokio::test]
