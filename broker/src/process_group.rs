@@ -302,7 +302,10 @@ mod tests {
             parent_and_group(c.id()).is_some(),
             "the other group still runs"
         );
-        assert!(members(g).contains(&c.id()), "the accepted group is still found");
+        assert!(
+            members(g).contains(&c.id()),
+            "the accepted group is still found"
+        );
         assert!(stop(g, Duration::from_millis(10)).await >= 1);
         let _ = c.wait();
     }

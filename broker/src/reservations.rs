@@ -462,26 +462,13 @@ impl Arbiter {
 mod tests {
     use super::*;
     use crate::arbiter::ArbiterConfig;
-    use crate::auth::Authenticator;
-    use crate::backend::{open_devices, BackendSpec};
-    use crate::backend::{BackendChoice, Headroom};
     use crate::ledger::Quota;
     use crate::session::Peer;
 
     const MIB: u64 = 1 << 20;
 
     fn arbiter(capacity: u64) -> Arc<Arbiter> {
-        let spec = BackendSpec {
-            choice: BackendChoice::Host,
-            cuda_devices: None,
-            host_capacity: capacity,
-            host_devices: 1,
-            headroom: Headroom::Bytes(0),
-            host_uuid_seed: None,
-        };
-        let slots = open_devices(&spec).unwrap();
-        let auth = Arc::new(Authenticator::new("x"));
-        Arbiter::new(slots, None, None, auth, ArbiterConfig::default()).unwrap()
+        crate::arbiter::host_arbiter(capacity, 1, ArbiterConfig::default())
     }
 
     fn quota(limit: u64, guaranteed: u64) -> Quota {

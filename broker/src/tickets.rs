@@ -447,22 +447,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.sock");
         let listener = bind(&path).await.unwrap();
-        let spec = crate::backend::BackendSpec {
-            choice: crate::backend::BackendChoice::Host,
-            cuda_devices: None,
-            host_capacity: 16 << 20,
-            host_devices: 1,
-            headroom: crate::backend::Headroom::Bytes(0),
-            host_uuid_seed: None,
-        };
-        let arb = crate::arbiter::Arbiter::new(
-            crate::backend::open_devices(&spec).unwrap(),
-            None,
-            None,
-            Arc::new(crate::auth::Authenticator::new("x")),
-            crate::arbiter::ArbiterConfig::default(),
-        )
-        .unwrap();
+        let arb =
+            crate::arbiter::host_arbiter(16 << 20, 1, crate::arbiter::ArbiterConfig::default());
         let stop = CancellationToken::new();
         tokio::spawn(serve(listener, arb, stop.clone()));
         // This process is the broker's own user: the cap plus the reserve.

@@ -543,5 +543,21 @@ pub(crate) fn lease_not_found(id: Uuid) -> BrokerError {
     BrokerError::NotFound(Missing::Lease(id))
 }
 
+/// A test arbiter over `devices` simulated (host-backend) devices of `capacity` bytes
+/// each, with the admin token `x` and no store.
+#[cfg(test)]
+pub(crate) fn host_arbiter(capacity: u64, devices: u32, cfg: ArbiterConfig) -> Arc<Arbiter> {
+    let spec = crate::backend::BackendSpec {
+        choice: crate::backend::BackendChoice::Host,
+        cuda_devices: None,
+        host_capacity: capacity,
+        host_devices: devices,
+        headroom: crate::backend::Headroom::Bytes(0),
+        host_uuid_seed: None,
+    };
+    let slots = crate::backend::open_devices(&spec).unwrap();
+    Arbiter::new(slots, None, None, Arc::new(Authenticator::new("x")), cfg).unwrap()
+}
+
 #[cfg(test)]
 mod tests;

@@ -49,31 +49,14 @@ impl Arbiter {
 mod tests {
     use crate::arbiter::tokens::TokenSpec;
     use crate::arbiter::{Arbiter, ArbiterConfig};
-    use crate::auth::{Authenticator, Scope};
-    use crate::backend::{open_devices, BackendChoice, BackendSpec, Headroom};
+    use crate::auth::Scope;
     use crate::ledger::Quota;
     use crate::session::Peer;
     use std::sync::Arc;
     use std::time::Duration;
 
     fn arbiter() -> Arc<Arbiter> {
-        let spec = BackendSpec {
-            choice: BackendChoice::Host,
-            cuda_devices: None,
-            host_capacity: 64 << 20,
-            host_devices: 1,
-            headroom: Headroom::Bytes(0),
-            host_uuid_seed: None,
-        };
-        let slots = open_devices(&spec).unwrap();
-        let arb = Arbiter::new(
-            slots,
-            None,
-            None,
-            Arc::new(Authenticator::new("x")),
-            ArbiterConfig::default(),
-        )
-        .unwrap();
+        let arb = crate::arbiter::host_arbiter(64 << 20, 1, ArbiterConfig::default());
         arb.set_quota(
             "a",
             Quota {

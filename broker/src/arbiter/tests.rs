@@ -2,8 +2,6 @@
 //! arbiter over simulated devices.
 
 use super::*;
-use crate::backend::{open_devices, BackendSpec};
-use crate::backend::{BackendChoice, Headroom};
 use crate::device::Handle;
 use crate::ledger::Quota;
 
@@ -16,16 +14,7 @@ struct Fixture {
 
 fn fixture(capacity: u64, devices: u32, cfg: ArbiterConfig) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    let spec = BackendSpec {
-        choice: BackendChoice::Host,
-        cuda_devices: None,
-        host_capacity: capacity,
-        host_devices: devices,
-        headroom: Headroom::Bytes(0),
-        host_uuid_seed: None,
-    };
-    let slots = open_devices(&spec).unwrap();
-    let arb = Arbiter::new(slots, None, None, Arc::new(Authenticator::new("x")), cfg).unwrap();
+    let arb = host_arbiter(capacity, devices, cfg);
     Fixture { arb, _dir: dir }
 }
 
