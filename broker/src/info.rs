@@ -6,8 +6,10 @@ use crate::arbiter::Arbiter;
 
 /// Revision of the gRPC API this build serves. Raised whenever the API gains something a
 /// client may rely on. 1: leases, quotas, turns; 2: token scopes and expiry, audit log,
-/// drain, device health and identity, rate limits, GetInfo.
-pub const API_REVISION: u32 = 2;
+/// drain, device health and identity, rate limits, GetInfo; 3: leases as file descriptors
+/// (handle kinds, tickets), shared leases, process reservations and process groups,
+/// paginated listings, typed refusals (`google.rpc.ErrorInfo` reasons), device UUIDs.
+pub const API_REVISION: u32 = 3;
 
 /// The optional features of this build.
 pub const FEATURES: &[&str] = &[
@@ -18,6 +20,12 @@ pub const FEATURES: &[&str] = &[
     "device-health",
     "device-uuids",
     "rate-limits",
+    "fd-leases",
+    "shared-leases",
+    "process-reservations",
+    "process-groups",
+    "paged-listings",
+    "error-reasons",
 ];
 
 /// What `GetInfo` reports.

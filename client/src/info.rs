@@ -10,7 +10,7 @@ use gpu_broker_proto::v1 as pb;
 use crate::error::ClientError;
 
 /// The broker API revision this crate is written against.
-pub const REQUIRED_API_REVISION: u32 = 2;
+pub const REQUIRED_API_REVISION: u32 = 3;
 
 /// A broker's description of itself.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]

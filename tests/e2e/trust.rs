@@ -422,7 +422,9 @@ async fn the_broker_reports_its_version_and_api_revision() {
     assert_eq!(i.api_revision, gpu_broker_client::REQUIRED_API_REVISION);
     assert_eq!(i.version, env!("CARGO_PKG_VERSION"));
     assert_eq!((i.backend.as_str(), i.device_count), ("host", 1));
-    assert!(i.features.iter().any(|f| f == "drain"), "{:?}", i.features);
+    for f in ["drain", "fd-leases", "process-groups", "paged-listings"] {
+        assert!(i.features.iter().any(|g| g == f), "{f}: {:?}", i.features);
+    }
     let admin = b.admin().await.unwrap();
     // Workers learn each device's UUID (to find their own CUDA ordinal for it).
     let uuids: Vec<String> = admin
@@ -445,7 +447,7 @@ async fn the_broker_reports_its_version_and_api_revision() {
         .await
         .unwrap();
     let ro = AdminClient::connect(&b.uri(), ro.token).await.unwrap();
-    assert_eq!(ro.broker_info().await.unwrap().api_revision, 2);
+    assert_eq!(ro.broker_info().await.unwrap().api_revision, 3);
     let out = std::process::Command::new(bin("gpu-brokerctl"))
         .arg("--broker")
         .arg(b.uri())
@@ -457,7 +459,7 @@ async fn the_broker_reports_its_version_and_api_revision() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(
-        text.contains("API revision 2") && text.contains("features:"),
+        text.contains("API revision 3") && text.contains("features:"),
         "{text}"
     );
     assert!(
