@@ -51,32 +51,9 @@ pub struct Binding {
     pub pid: Option<u32>,
 }
 
-/// Why a ticket was refused (the label of the refusal counter).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Refusal {
-    /// Never issued, already used, or its lease ended.
-    Unknown,
-    /// Issued but past its TTL.
-    Expired,
-    /// Presented by a process whose credentials do not match the binding.
-    Foreign,
-    /// Not `TICKET_LEN` bytes before the connection ended or timed out.
-    Malformed,
-}
-
-/// Every refusal reason (label values of the refusal counter).
-pub const REFUSAL_REASONS: [&str; 4] = ["unknown_or_used", "expired", "foreign_peer", "malformed"];
-
-impl Refusal {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Refusal::Unknown => "unknown_or_used",
-            Refusal::Expired => "expired",
-            Refusal::Foreign => "foreign_peer",
-            Refusal::Malformed => "malformed",
-        }
-    }
-}
+/// Why a ticket was refused: the metrics own the reasons (the labels of the refusal
+/// counter), so the metrics need not import the ticket server.
+pub use crate::metrics::TicketRefusal as Refusal;
 
 struct Entry {
     lease: Uuid,
