@@ -108,9 +108,9 @@ impl Arbiter {
                 .collect();
             for s in &sessions {
                 if let Some(s) = st.sessions().get(s) {
-                    let to = s.events.clone();
+                    let to = s.id;
                     st.fx().notify(
-                        &to,
+                        to,
                         SessionEvent::DeviceUnhealthy {
                             device: index,
                             uuid: uuid.clone(),

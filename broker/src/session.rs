@@ -1,6 +1,7 @@
-//! Sessions: a connected worker. A session has a tenant, the event stream back to the
-//! worker (reclaim requested, lease revoked, shutting down), the peer's pid/uid when it
-//! came over the Unix socket, and the leases it holds. When its stream ends, its peer
+//! Sessions: a connected worker. A session has a tenant, the peer's pid/uid when it came
+//! over the Unix socket, and the leases it holds; the events sent back to the worker
+//! (reclaim requested, lease revoked, shutting down) are [`SessionEvent`]s, delivered
+//! through the arbiter shell's outbox by session id (the session holds no channel). When its stream ends, its peer
 //! process exits, or it shows no activity for the keepalive timeout, the arbiter ends it
 //! and releases everything it held. Whether a peer process lives is `crate::process`'s
 //! business.
@@ -9,7 +10,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-use tokio::sync::mpsc;
 use uuid::Uuid;
 
 /// How the worker reached the broker, with what the kernel says about it.
@@ -69,7 +69,6 @@ pub struct Session {
     /// Last activity; shared with the session's event stream, which marks it without the
     /// state lock.
     pub last_seen: Arc<Activity>,
-    pub events: mpsc::UnboundedSender<SessionEvent>,
     pub leases: HashSet<Uuid>,
     /// What NVML last said about the peer process's GPU memory.
     pub gpu: Option<GpuUse>,
@@ -117,13 +116,6 @@ pub struct GpuUse {
     pub own: u64,
     /// `own` is above the allowance.
     pub over: bool,
-}
-
-impl Session {
-    /// Sends an event; a worker that stopped listening just misses it.
-    pub fn notify(&self, event: SessionEvent) {
-        let _ = self.events.send(event);
-    }
 }
 
 /// Every open session, by id.

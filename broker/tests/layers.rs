@@ -246,3 +246,67 @@ fn the_circle_check_finds_a_circle_through_other_modules() {
     graph.get_mut("c").unwrap().remove("a");
     assert_eq!(circle(&graph), None);
 }
+
+/// The arbiter's core and the records it owns (paths under `src/`; a directory: every file
+/// in it). They name no tokio type: the shell owns every channel and task (`effects.rs`,
+/// `outbox.rs`). The files' own test modules (from a line `#[cfg(test)]` on) may use a
+/// runtime to drive the whole arbiter, except the core's model test, which drives the core
+/// directly.
+const CORE: [&str; 7] = [
+    "arbiter/state",
+    "session.rs",
+    "lease.rs",
+    "ledger.rs",
+    "pool.rs",
+    "sharing.rs",
+    "reservations.rs",
+];
+
+/// The first line of `source`'s code (comments and, with `tests_apart`, its test module
+/// aside) that names tokio.
+fn names_tokio(source: &str, tests_apart: bool) -> Option<String> {
+    source
+        .lines()
+        .take_while(|l| !(tests_apart && l.trim() == "#[cfg(test)]"))
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .find(|code| code.contains("tokio"))
+        .map(str::to_string)
+}
+
+#[test]
+fn the_core_names_no_tokio() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut checked = 0;
+    for path in CORE {
+        let p = src.join(path);
+        let files: Vec<std::path::PathBuf> = if p.is_dir() {
+            let mut v: Vec<_> = std::fs::read_dir(&p)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|f| f.extension().is_some_and(|x| x == "rs"))
+                .collect();
+            v.sort();
+            v
+        } else {
+            vec![p]
+        };
+        for f in files {
+            let text =
+                std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("read {}: {e}", f.display()));
+            // Inside the core's own directory the test modules are the core's too.
+            if let Some(line) = names_tokio(&text, !path.starts_with("arbiter/state")) {
+                panic!("{} names tokio: {line}", f.display());
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 12, "only {checked} core files found");
+    // The check sees tokio where it is.
+    assert!(names_tokio("use tokio::sync::mpsc;\n", true).is_some());
+    assert!(names_tokio(
+        "// tokio\nfn f() {}\n#[cfg(test)]\nmod t { use tokio; }\n",
+        true
+    )
+    .is_none());
+    assert!(names_tokio("#[cfg(test)]\nmod t { use tokio; }\n", false).is_some());
+}

@@ -152,9 +152,9 @@ impl Arbiter {
                 },
             );
             if let Some(s) = st.sessions().get(&session) {
-                let to = s.events.clone();
+                let to = s.id;
                 st.fx().notify(
-                    &to,
+                    to,
                     SessionEvent::ReclaimRequested {
                         lease_id: id,
                         bytes,

@@ -7,7 +7,9 @@
 //! 1. the byte-state invariant is checked (debug builds: `State::check_invariant`);
 //! 2. device frees are queued on their device threads (a channel send, never a driver call)
 //!    *before* the lock is released, so a free always reaches the device ahead of any
-//!    allocation admitted after it (the device thread runs jobs in order);
+//!    allocation admitted after it (the device thread runs jobs in order); session events
+//!    find their mailbox and ended sessions' mailboxes close (`outbox.rs`), so an event
+//!    decided before a session's end reaches its stream;
 //! 3. the lock is released;
 //! 4. everything else runs: kills, watchers, replies, session events, ticket and turn
 //!    clean-up, counters.
@@ -49,11 +51,10 @@ pub(crate) enum Effect {
         to: Reply,
         result: BrokerResult<Granted>,
     },
-    /// Tell a session something (its event stream).
-    Notify {
-        to: mpsc::UnboundedSender<SessionEvent>,
-        event: SessionEvent,
-    },
+    /// Tell a session something (its event stream, through its mailbox in `outbox.rs`).
+    Notify { session: Uuid, event: SessionEvent },
+    /// A session ended: its mailbox closes (after the events pushed before this).
+    Hangup { session: Uuid },
     /// A lease ended: its undelivered tickets go.
     ForgetTickets { lease: Uuid },
     /// A session ended: its compute turns and turn requests go.
@@ -141,12 +142,9 @@ impl Effects {
     pub fn free_host(&mut self, block: Block) {
         self.0.push(Effect::FreeHost { block });
     }
-    /// Send `event` to a session's stream.
-    pub fn notify(&mut self, to: &mpsc::UnboundedSender<SessionEvent>, event: SessionEvent) {
-        self.0.push(Effect::Notify {
-            to: to.clone(),
-            event,
-        });
+    /// Send `event` to session `session`'s stream.
+    pub fn notify(&mut self, session: Uuid, event: SessionEvent) {
+        self.0.push(Effect::Notify { session, event });
     }
     /// Answer a waiter with a lease (or why not).
     pub fn reply(&mut self, to: Reply, result: BrokerResult<LeaseView>) {
@@ -193,6 +191,13 @@ impl Effects {
     fn take(&mut self) -> Vec<Effect> {
         std::mem::take(&mut self.0)
     }
+}
+
+/// What the lock guard runs once the lock is released: an effect, or an event whose
+/// mailbox it found under the lock.
+enum After {
+    Run(Effect),
+    Deliver(mpsc::UnboundedSender<SessionEvent>, SessionEvent),
 }
 
 /// The state lock, held: derefs to [`State`]. Dropping it checks the invariant, releases
@@ -250,13 +255,24 @@ impl Drop for Locked<'_> {
                 Effect::FreeHost { block } => self.arb.free_host(block),
                 Effect::Watch(w) => self.arb.start_watch(w),
                 Effect::Unwatch(w) => self.arb.watchers.stop(&w),
-                other => later.push(other),
+                Effect::Notify { session, event } => {
+                    if let Some(to) = self.arb.outbox.sender(&session) {
+                        later.push(After::Deliver(to, event));
+                    }
+                }
+                Effect::Hangup { session } => self.arb.outbox.close(&session),
+                other => later.push(After::Run(other)),
             }
         }
         drop(st);
         self.record_hold();
         for e in later {
-            self.arb.execute(e);
+            match e {
+                After::Run(e) => self.arb.execute(e),
+                After::Deliver(to, event) => {
+                    let _ = to.send(event);
+                }
+            }
         }
     }
 }
@@ -356,9 +372,8 @@ impl Arbiter {
                 }
                 _ => {}
             },
-            Effect::Notify { to, event } => {
-                let _ = to.send(event);
-            }
+            Effect::Notify { session, event } => self.outbox.send(&session, event),
+            Effect::Hangup { session } => self.outbox.close(&session),
             Effect::ForgetTickets { lease } => self.tickets.forget_lease(lease),
             Effect::EndTurns { session } => self.scheduler.end_session(session),
             Effect::StopGroup(g) => {

@@ -97,9 +97,9 @@ impl Arbiter {
             .map(|s| s.peer)
             .unwrap_or_default();
         if let Some(s) = st.sessions().get(&session) {
-            let to = s.events.clone();
+            let to = s.id;
             st.fx().notify(
-                &to,
+                to,
                 SessionEvent::LeaseRevoked {
                     lease_id: id,
                     reason: reason.to_string(),
@@ -238,9 +238,9 @@ impl Arbiter {
                 },
             );
             if let Some(s) = st.sessions().get(&session) {
-                let to = s.events.clone();
+                let to = s.id;
                 st.fx().notify(
-                    &to,
+                    to,
                     SessionEvent::ReclaimRequested {
                         lease_id: lid,
                         bytes,

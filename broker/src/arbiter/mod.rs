@@ -16,6 +16,7 @@ mod effects;
 mod ending;
 mod host_direct;
 pub mod listing;
+mod outbox;
 mod overtaking;
 pub mod queue;
 mod revocation;
@@ -155,6 +156,8 @@ pub struct Arbiter {
     workers: workers::Workers,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
     pub(crate) watchers: effects::Watchers,
+    /// Sessions' event channels, by session id (`outbox.rs`).
+    pub(crate) outbox: outbox::Outbox,
 }
 
 /// Where the health monitor keeps its fault source.
@@ -224,6 +227,7 @@ impl Arbiter {
             admin_writes: Mutex::new(()),
             workers: workers::Workers::default(),
             watchers: effects::Watchers::default(),
+            outbox: outbox::Outbox::default(),
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             health_source: parking_lot::Mutex::new(None),
@@ -345,6 +349,8 @@ impl Arbiter {
                     open,
                 });
             }
+            // Its mailbox is in place before any transition can tell it something.
+            self.outbox.open(id, tx);
             st.open_session(Session {
                 id,
                 tenant: tenant.to_string(),
@@ -352,7 +358,6 @@ impl Arbiter {
                 peer,
                 opened: SystemTime::now(),
                 last_seen: crate::session::Activity::new(),
-                events: tx,
                 leases: Default::default(),
                 gpu: None,
                 token_id,
@@ -457,10 +462,10 @@ impl Arbiter {
         self.draining.store(true, Ordering::SeqCst);
         let mut g = self.lock();
         let st = &mut *g;
-        let to: Vec<_> = st.sessions().iter().map(|s| s.events.clone()).collect();
+        let to: Vec<_> = st.sessions().ids();
         for to in to {
             st.fx().notify(
-                &to,
+                to,
                 SessionEvent::ShuttingDown {
                     reason: "broker shutting down".into(),
                     grace,

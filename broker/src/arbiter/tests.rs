@@ -861,6 +861,54 @@ async fn effects_run_after_the_lock_is_released() {
 }
 
 #[tokio::test]
+async fn session_events_go_through_the_outbox_and_its_end_closes_the_stream() {
+    // The core names sessions by id; the shell keeps each one's channel. Events decided
+    // in the same lock hold as the session's end still arrive, then the stream ends.
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let (s, mut rx) = f.arb.open_session("a", "t", Peer::default()).unwrap();
+    let (other, mut other_rx) = f.arb.open_session("a", "u", Peer::default()).unwrap();
+    assert_eq!(f.arb.outbox.len(), 2);
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    {
+        let mut st = f.arb.lock();
+        st.fx().notify(
+            s,
+            SessionEvent::LeaseRevoked {
+                lease_id: l.id,
+                reason: "told, then ended".into(),
+            },
+        );
+        st.end_session(s, Some(Ending::Cache), false, &|_| true);
+    }
+    match rx.try_recv() {
+        Ok(SessionEvent::LeaseRevoked { lease_id, reason }) => {
+            assert_eq!((lease_id, reason.as_str()), (l.id, "told, then ended"));
+        }
+        other => panic!("expected LeaseRevoked, got {other:?}"),
+    }
+    assert_eq!(
+        rx.try_recv(),
+        Err(tokio::sync::mpsc::error::TryRecvError::Disconnected)
+    );
+    assert_eq!(f.arb.outbox.len(), 1);
+    // The other session heard nothing, and an event to the ended one reaches nobody.
+    f.arb.execute(effects::Effect::Notify {
+        session: s,
+        event: SessionEvent::ShuttingDown {
+            reason: "late".into(),
+            grace: Duration::ZERO,
+        },
+    });
+    assert_eq!(
+        other_rx.try_recv(),
+        Err(tokio::sync::mpsc::error::TryRecvError::Empty)
+    );
+    f.arb.end_session(other, "test");
+    assert_eq!(f.arb.outbox.len(), 0);
+}
+
+#[tokio::test]
 async fn watchers_are_kept_by_the_shell_and_stopped_with_what_they_watch() {
     let f = fixture(8 * MIB, 1, ArbiterConfig::default());
     f.arb.set_quota("a", quota(8 * MIB)).unwrap();

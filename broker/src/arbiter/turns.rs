@@ -60,11 +60,16 @@ impl Arbiter {
                 .filter(|s| s.tenant == tenant)
                 .ok_or_else(|| session_not_found(session))?;
             s.last_seen.touch();
+            // Open while the session is (its mailbox closes under the state lock).
+            let events = self
+                .outbox
+                .sender(&session)
+                .ok_or_else(|| session_not_found(session))?;
             Requester {
                 tenant: tenant.to_string(),
                 session,
                 weight,
-                events: s.events.clone(),
+                events,
             }
         };
         let pending =

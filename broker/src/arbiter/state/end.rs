@@ -154,6 +154,8 @@ impl State {
         }
         self.shared_session_ended(id, &session.peer, alive);
         self.end_session_reservations(id);
+        // Last: events pushed above still reach the session's stream.
+        self.fx.push(Effect::Hangup { session: id });
         Some((session, bytes))
     }
 

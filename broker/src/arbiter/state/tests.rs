@@ -248,7 +248,6 @@ impl Harness {
     fn step(&mut self, op: &Op) {
         match *op {
             Op::Open { tenant, pid } => {
-                let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
                 self.st.open_session(Session {
                     id: Uuid::now_v7(),
                     tenant: TENANTS[tenant].to_string(),
@@ -260,7 +259,6 @@ impl Harness {
                     },
                     opened: SystemTime::now(),
                     last_seen: Activity::new(),
-                    events: tx,
                     leases: Default::default(),
                     gpu: None,
                     token_id: None,
