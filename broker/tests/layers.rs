@@ -248,8 +248,9 @@ fn the_circle_check_finds_a_circle_through_other_modules() {
 }
 
 /// The arbiter's core and the records it owns (paths under `src/`; a directory: every file
-/// in it). They name no tokio type: the shell owns every channel and task (`effects.rs`,
-/// `outbox.rs`). The files' own test modules (from a line `#[cfg(test)]` on) may use a
+/// in it). They name no tokio type (the shell owns every channel and task: `effects.rs`,
+/// `outbox.rs`) and do not ask whether a process lives (`crate::process`, a `/proc` read:
+/// the shell looks before the lock or after it). The files' own test modules (from a line `#[cfg(test)]` on) may use a
 /// runtime to drive the whole arbiter, except the core's model test, which drives the core
 /// directly.
 const CORE: [&str; 7] = [
@@ -262,19 +263,22 @@ const CORE: [&str; 7] = [
     "reservations.rs",
 ];
 
+/// What the core's code must not name.
+const NOT_IN_THE_CORE: [&str; 2] = ["tokio", "crate::process::"];
+
 /// The first line of `source`'s code (comments and, with `tests_apart`, its test module
-/// aside) that names tokio.
-fn names_tokio(source: &str, tests_apart: bool) -> Option<String> {
+/// aside) that names one of [`NOT_IN_THE_CORE`].
+fn names_forbidden(source: &str, tests_apart: bool) -> Option<String> {
     source
         .lines()
         .take_while(|l| !(tests_apart && l.trim() == "#[cfg(test)]"))
         .map(|l| l.split("//").next().unwrap_or(""))
-        .find(|code| code.contains("tokio"))
+        .find(|code| NOT_IN_THE_CORE.iter().any(|w| code.contains(w)))
         .map(str::to_string)
 }
 
 #[test]
-fn the_core_names_no_tokio() {
+fn the_core_names_no_tokio_and_reads_no_liveness() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut checked = 0;
     for path in CORE {
@@ -294,19 +298,21 @@ fn the_core_names_no_tokio() {
             let text =
                 std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("read {}: {e}", f.display()));
             // Inside the core's own directory the test modules are the core's too.
-            if let Some(line) = names_tokio(&text, !path.starts_with("arbiter/state")) {
-                panic!("{} names tokio: {line}", f.display());
+            if let Some(line) = names_forbidden(&text, !path.starts_with("arbiter/state")) {
+                panic!("{} names tokio or process liveness: {line}", f.display());
             }
             checked += 1;
         }
     }
     assert!(checked >= 12, "only {checked} core files found");
     // The check sees tokio where it is.
-    assert!(names_tokio("use tokio::sync::mpsc;\n", true).is_some());
-    assert!(names_tokio(
+    assert!(names_forbidden("use tokio::sync::mpsc;\n", true).is_some());
+    assert!(names_forbidden("let a = crate::process::process_alive(p);\n", true).is_some());
+    assert!(names_forbidden("use crate::process_group::ProcessGroup;\n", true).is_none());
+    assert!(names_forbidden(
         "// tokio\nfn f() {}\n#[cfg(test)]\nmod t { use tokio; }\n",
         true
     )
     .is_none());
-    assert!(names_tokio("#[cfg(test)]\nmod t { use tokio; }\n", false).is_some());
+    assert!(names_forbidden("#[cfg(test)]\nmod t { use tokio; }\n", false).is_some());
 }

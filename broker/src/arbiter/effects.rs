@@ -55,6 +55,13 @@ pub(crate) enum Effect {
     Notify { session: Uuid, event: SessionEvent },
     /// A session ended: its mailbox closes (after the events pushed before this).
     Hangup { session: Uuid },
+    /// Processes that may map an ended lease's (or import's) memory, counted alive under
+    /// the lock without a look: after the unlock the shell reads `/proc` and hands those
+    /// certainly gone to `State::holders_checked` (a check that cannot decide is alive).
+    CheckGone {
+        of: super::state::Holding,
+        pids: Vec<u32>,
+    },
     /// A lease ended: its undelivered tickets go.
     ForgetTickets { lease: Uuid },
     /// A session ended: its compute turns and turn requests go.
@@ -374,6 +381,18 @@ impl Arbiter {
             },
             Effect::Notify { session, event } => self.outbox.send(&session, event),
             Effect::Hangup { session } => self.outbox.close(&session),
+            Effect::CheckGone { of, pids } => {
+                let gone: Vec<u32> = pids
+                    .into_iter()
+                    .filter(|&p| crate::process::process_gone(p))
+                    .collect();
+                if let Some(me) = self.me.upgrade() {
+                    let mut st = me.lock();
+                    if st.holders_checked(of, &gone) {
+                        me.drain(&mut st);
+                    }
+                }
+            }
             Effect::ForgetTickets { lease } => self.tickets.forget_lease(lease),
             Effect::EndTurns { session } => self.scheduler.end_session(session),
             Effect::StopGroup(g) => {

@@ -35,17 +35,16 @@ impl Arbiter {
         pid.is_some_and(process_gone)
     }
 
-    /// Ends a lease; returns its view. Does not run the queue (callers do). Whether a
-    /// process outside the session that fetched its descriptor still runs is
-    /// `process::process_alive` (`kill(pid, 0)` and `/proc/<pid>/stat`), asked only for
-    /// such processes, under the lock: the one `/proc` read left there.
+    /// Ends a lease; returns its view. Does not run the queue (callers do). Processes
+    /// outside the session that fetched its descriptor are looked at after the unlock
+    /// (`Effect::CheckGone`): no `/proc` read under the lock.
     pub(crate) fn end_lease(
         self: &Arc<Self>,
         st: &mut State,
         id: Uuid,
         ending: Ending,
     ) -> Option<LeaseView> {
-        st.end_lease(id, ending, &crate::process::process_alive)
+        st.end_lease(id, ending)
     }
 
     /// The holder of quarantined memory is gone: cache (or free) the block.
@@ -69,9 +68,7 @@ impl Arbiter {
     fn end_session_inner(self: &Arc<Self>, id: Uuid, reason: &str, forced: Option<Ending>) {
         let gone = forced.is_none() && self.peer_gone(|st| st.sessions().get(&id).map(|s| s.peer));
         let mut st = self.lock();
-        let Some((session, bytes)) =
-            st.end_session(id, forced, gone, &crate::process::process_alive)
-        else {
+        let Some((session, bytes)) = st.end_session(id, forced, gone) else {
             return;
         };
         tracing::info!(session = %id, tenant = %session.tenant, reason, leases = session.leases.len(), bytes, "session ended");

@@ -263,7 +263,7 @@ impl Arbiter {
             Some(i) if i.tenant == tenant && i.lingering.is_none() => {}
             _ => return Err(import_not_found(import)),
         }
-        st.import_let_go(import, Ending::Cache, &crate::process::process_alive);
+        st.import_let_go(import, Ending::Cache);
         self.drain(&mut st);
         Ok(())
     }

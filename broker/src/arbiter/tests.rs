@@ -879,7 +879,7 @@ async fn session_events_go_through_the_outbox_and_its_end_closes_the_stream() {
                 reason: "told, then ended".into(),
             },
         );
-        st.end_session(s, Some(Ending::Cache), false, &|_| true);
+        st.end_session(s, Some(Ending::Cache), false);
     }
     match rx.try_recv() {
         Ok(SessionEvent::LeaseRevoked { lease_id, reason }) => {
@@ -906,6 +906,68 @@ async fn session_events_go_through_the_outbox_and_its_end_closes_the_stream() {
     );
     f.arb.end_session(other, "test");
     assert_eq!(f.arb.outbox.len(), 0);
+}
+
+/// Device 0's quarantined and cached bytes.
+async fn quarantined_and_cached(f: &Fixture) -> (u64, u64) {
+    let d = &f.arb.devices().await[0];
+    (d.quarantined, d.cached)
+}
+
+/// Processes that fetched a lease's descriptor are looked at after the unlock: one that
+/// already exited lets the memory back before `release` returns, one alive keeps it held
+/// until it exits, and one the broker cannot decide about (pid 0: another PID namespace)
+/// counts as alive.
+#[tokio::test]
+async fn fd_recipients_are_looked_at_after_the_unlock_and_undecided_counts_alive() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let (s, _rx) = f.arb.open_session("a", "t", Peer::default()).unwrap();
+    let mut dead = std::process::Command::new("true").spawn().unwrap();
+    dead.wait().unwrap();
+    let mut live = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    // Only a recipient that exited: cached as if nobody else had it.
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    assert!(f.arb.fd_delivering(l.id, Some(dead.id())));
+    f.arb.release("a", l.id).unwrap();
+    // Before anything awaits (a watcher could run then): the look already let it go.
+    assert!(f.arb.list_quarantined().is_empty());
+    assert_eq!(quarantined_and_cached(&f).await, (0, 4 * MIB));
+    assert_eq!(f.arb.lock().unlooked(), 0);
+    // The exited one and a live one: held for the live one only.
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    assert!(f.arb.fd_delivering(l.id, Some(dead.id())));
+    assert!(f.arb.fd_delivering(l.id, Some(live.id())));
+    f.arb.release("a", l.id).unwrap();
+    let q = f.arb.list_quarantined();
+    assert_eq!(q.len(), 1, "{q:?}");
+    assert_eq!((q[0].lease, q[0].bytes), (l.id, 4 * MIB));
+    assert_eq!(q[0].holders, vec![live.id()]);
+    assert_eq!(quarantined_and_cached(&f).await, (4 * MIB, 0));
+    // An undecidable pid keeps memory held too.
+    let l0 = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    assert!(f.arb.fd_delivering(l0.id, Some(0)));
+    f.arb.release("a", l0.id).unwrap();
+    assert_eq!(quarantined_and_cached(&f).await, (8 * MIB, 0));
+    assert_eq!(f.arb.lock().unlooked(), 0);
+    // The live one exits: its watcher lets the memory go.
+    live.kill().unwrap();
+    live.wait().unwrap();
+    for _ in 0..200 {
+        if quarantined_and_cached(&f).await == (4 * MIB, 4 * MIB) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(quarantined_and_cached(&f).await, (4 * MIB, 4 * MIB));
+    let q = f.arb.list_quarantined();
+    assert_eq!(
+        (q.len(), q[0].lease, q[0].holders.clone()),
+        (1, l0.id, vec![0])
+    );
 }
 
 #[tokio::test]

@@ -33,14 +33,10 @@ impl State {
         }
     }
 
-    /// Ends a lease; returns its view. `alive` says whether a process that fetched its
-    /// descriptor still runs (the shell's liveness check). Does not run the queue.
-    pub(crate) fn end_lease(
-        &mut self,
-        id: Uuid,
-        ending: Ending,
-        alive: &dyn Fn(u32) -> bool,
-    ) -> Option<LeaseView> {
+    /// Ends a lease; returns its view. Processes outside its session that fetched its
+    /// descriptor count as alive until the shell looked (`shared.rs`). Does not run the
+    /// queue.
+    pub(crate) fn end_lease(&mut self, id: Uuid, ending: Ending) -> Option<LeaseView> {
         let lease = self.leases.remove(&id)?;
         self.fx.push(Effect::ForgetTickets { lease: id });
         let view = self.view(&lease);
@@ -61,12 +57,10 @@ impl State {
         block.last_tenant = Some(tenant.clone());
         // Importers of its publication, or other processes that fetched its descriptor,
         // may keep the block (`shared.rs`).
-        let Some((block, ending)) = self.shared_lease_ended(id, &tenant, d, block, ending, alive)
+        let Some((block, ending)) =
+            self.shared_lease_ended(id, &tenant, d, block, ending, lease.reservation)
         else {
-            // Still held for others: its bytes do not come back into a reservation.
-            if let Some(r) = lease.reservation {
-                self.lease_left_reservation(r, bytes, false);
-            }
+            // Held for others (its reservation's bytes settled there).
             return Some(view);
         };
         let pool = &mut self.pools[d as usize];
@@ -124,15 +118,15 @@ impl State {
     }
 
     /// Ends a session: its waiting requests are refused, its leases end (as `forced`
-    /// says, else as [`State::abandoned`] decides with `gone`), its imports and process
-    /// reservations end. Returns it and the bytes it held (none if it was not open). Does
-    /// not run the queue.
+    /// says, else as [`State::abandoned`] decides with `gone`), its imports (lingering
+    /// unless `gone`) and process reservations end. `gone`: the shell found its peer
+    /// process gone before the lock. Returns it and the bytes it held (none if it was not
+    /// open). Does not run the queue.
     pub(crate) fn end_session(
         &mut self,
         id: Uuid,
         forced: Option<Ending>,
         gone: bool,
-        alive: &dyn Fn(u32) -> bool,
     ) -> Option<(Session, u64)> {
         let session = self.sessions.remove(&id)?;
         for w in self.queue.remove_session(id) {
@@ -150,9 +144,9 @@ impl State {
             };
             let e = forced.unwrap_or_else(|| self.abandoned(&session.peer, l.device, l.tier, gone));
             bytes += l.bytes();
-            self.end_lease(*lease, e, alive);
+            self.end_lease(*lease, e);
         }
-        self.shared_session_ended(id, &session.peer, alive);
+        self.shared_session_ended(id, &session.peer, gone);
         self.end_session_reservations(id);
         // Last: events pushed above still reach the session's stream.
         self.fx.push(Effect::Hangup { session: id });

@@ -25,6 +25,7 @@ mod tests;
 
 pub(crate) use end::Ending;
 pub(crate) use grant::NotCommitted;
+pub(crate) use shared::Holding;
 
 use super::effects::{Effects, Watch};
 use super::queue::WaitQueue;
@@ -65,6 +66,9 @@ pub(crate) struct State {
     seq: u64,
     /// Shared read-only leases and the blocks held for their importers (`sharing.rs`).
     shared: SharedTable,
+    /// Held blocks of ended leases whose fd recipients the shell has yet to look at
+    /// (`shared.rs`); each is in `shared.held`.
+    unchecked: HashMap<Uuid, shared::Unchecked>,
     /// Process reservations (`reservations.rs`).
     reservations: ReservationTable,
     /// What the transitions under the current lock asked for (`effects.rs`); run when the
@@ -381,6 +385,15 @@ impl State {
         if in_pools != in_ledger {
             return Err(format!(
                 "process reservations: pools say {in_pools}, ledger says {in_ledger}"
+            ));
+        }
+        if let Some(id) = self
+            .unchecked
+            .keys()
+            .find(|id| !self.shared.held.contains_key(id))
+        {
+            return Err(format!(
+                "lease {id} waits for a look at its recipients but is not held"
             ));
         }
         self.leases.check_indexes()?;

@@ -3,15 +3,47 @@
 //! last importer and every such process let go; imports end (or linger while their
 //! process may map the memory). The publication table itself is `crate::sharing`; the
 //! requests (publish, import, release) are the shell's `arbiter/sharing.rs`.
+//!
+//! The core reads no `/proc`: a process outside a lease's session that fetched its
+//! descriptor (a **recipient**), and an importing session's peer, count as alive when the
+//! lease or import ends. The block is held (the import lingers) for them and
+//! `Effect::CheckGone` names them; after the unlock the shell reads `/proc` and hands those
+//! certainly gone to [`State::holders_checked`] (a check that cannot decide says alive). A
+//! lease held only for unchecked recipients is **parked** ([`Unchecked`]): when they all
+//! turn out gone it ends the way it was ending (cache, free, or its own quarantine), so the
+//! outcome is the one a look under the lock would have given, and memory never reaches
+//! another tenant while a process that may map it lives.
 
-use super::{Ending, State};
-use crate::arbiter::effects::{Effect, Effects, Watch};
+use super::{Ending, Quarantined, State};
+use crate::arbiter::effects::{Counted, Effect, Effects, Watch};
 use crate::device::{Handle, MemoryKind};
 use crate::pool::Block;
 use crate::session::Peer;
 use crate::sharing::{self, Held, Waiters};
+use std::collections::BTreeSet;
 use std::time::Instant;
 use uuid::Uuid;
+
+/// What processes counted alive without a look may map: an ended lease's held block, or a
+/// lingering import (`Effect::CheckGone`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Holding {
+    Lease(Uuid),
+    Import(Uuid),
+}
+
+/// A lease held only because processes outside its session had its descriptor, none
+/// looked at yet: how it ends if they are all gone.
+#[derive(Debug)]
+pub(crate) struct Unchecked {
+    /// How it was ending (its own process may still map it: `Ending::Quarantine`).
+    ending: Ending,
+    /// The process reservation it was drawn from: its bytes go back into the room (or
+    /// are lost to it) once the look decided.
+    reservation: Option<Uuid>,
+    /// The recipients counted alive.
+    recipients: BTreeSet<u32>,
+}
 
 /// Does the block carry only the seals it was made with (host memory), so it may be
 /// cached for its tenant's next lease? (Reads the seals of a memfd the broker owns.)
@@ -29,7 +61,8 @@ pub(crate) fn pristine(block: &Block) -> bool {
 impl State {
     /// Hook of [`State::end_lease`] (after the lease left the table and its charge became
     /// free): returns the block and how it ends, or `None` when it is held here because
-    /// importers or other processes may still map it.
+    /// importers or other processes may still map it (then this settles the bytes drawn
+    /// from `reservation`, now or once its recipients were looked at).
     pub(crate) fn shared_lease_ended(
         &mut self,
         lease: Uuid,
@@ -37,17 +70,11 @@ impl State {
         device: u32,
         block: Block,
         ending: Ending,
-        alive: &dyn Fn(u32) -> bool,
+        reservation: Option<Uuid>,
     ) -> Option<(Block, Ending)> {
         let publication = self.shared.by_lease.get(&lease).copied();
-        let recipients: Vec<u32> = self
-            .shared
-            .recipients
-            .remove(&lease)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|&p| alive(p))
-            .collect();
+        // Every recipient counts as alive: the shell looks after the unlock.
+        let recipients: BTreeSet<u32> = self.shared.recipients.remove(&lease).unwrap_or_default();
         if publication.is_none() && recipients.is_empty() {
             // A memfd its holder sealed (it may do so) never returns to the cache: the
             // next lease must get memory it can write and publish.
@@ -95,7 +122,7 @@ impl State {
             Ending::Quarantine { pid: None } => waiters.timeout = true,
             Ending::Cache | Ending::Destroy => {}
         }
-        waiters.pids.extend(recipients);
+        waiters.pids.extend(recipients.iter().copied());
         for &pid in &waiters.pids {
             self.fx.watch(Watch::Held {
                 lease,
@@ -104,6 +131,27 @@ impl State {
         }
         if waiters.timeout {
             self.fx.watch(Watch::Held { lease, pid: None });
+        }
+        if !recipients.is_empty() {
+            self.fx.push(Effect::CheckGone {
+                of: Holding::Lease(lease),
+                pids: recipients.iter().copied().collect(),
+            });
+        }
+        if imported {
+            // Held for its importers whatever the look says.
+            if let Some(r) = reservation {
+                self.lease_left_reservation(r, bytes, false);
+            }
+        } else {
+            self.unchecked.insert(
+                lease,
+                Unchecked {
+                    ending,
+                    reservation,
+                    recipients,
+                },
+            );
         }
         tracing::info!(%lease, tenant, imported, waiting = waiters.pids.len(), "lease ended; its memory is held while others may map it");
         self.shared.held.insert(
@@ -128,13 +176,9 @@ impl State {
     }
 
     /// Hook of `end_session`: the session's imports end (lingering while its process, or
-    /// a process that fetched their descriptor, lives).
-    pub(crate) fn shared_session_ended(
-        &mut self,
-        session: Uuid,
-        peer: &Peer,
-        alive: &dyn Fn(u32) -> bool,
-    ) {
+    /// a process that fetched their descriptor, lives). `gone`: the shell found the peer
+    /// gone before the lock; if not, the import lingers for it and the shell looks again.
+    pub(crate) fn shared_session_ended(&mut self, session: Uuid, peer: &Peer, gone: bool) {
         let imports = self.shared.imports_of_session(session);
         if imports.is_empty() {
             return;
@@ -142,31 +186,20 @@ impl State {
         for id in imports {
             let device = self.shared.of_import(&id).map(|p| p.device).unwrap_or(0);
             let ending = match peer.pid {
-                Some(pid) if !alive(pid) => Ending::Cache,
+                Some(_) if gone => Ending::Cache,
                 Some(pid) => Ending::Quarantine { pid: Some(pid) },
                 None if self.host_backed(device) => Ending::Destroy,
                 None => Ending::Quarantine { pid: None },
             };
-            self.import_let_go(id, ending, alive);
+            self.import_let_go(id, ending);
         }
     }
 
     /// An import's holder let go (`ending` says whether its process may still map it).
-    pub(crate) fn import_let_go(
-        &mut self,
-        import: Uuid,
-        ending: Ending,
-        alive: &dyn Fn(u32) -> bool,
-    ) {
+    /// Processes that may map it count as alive; the shell looks at them after the unlock.
+    pub(crate) fn import_let_go(&mut self, import: Uuid, ending: Ending) {
         self.fx.push(Effect::ForgetTickets { lease: import });
-        let recipients: Vec<u32> = self
-            .shared
-            .recipients
-            .remove(&import)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|&p| alive(p))
-            .collect();
+        let recipients = self.shared.recipients.remove(&import).unwrap_or_default();
         let mut waiters = Waiters::default();
         if let Ending::Quarantine { pid } = ending {
             match pid {
@@ -192,6 +225,12 @@ impl State {
         }
         if waiters.timeout {
             self.fx.watch(Watch::Import { import, pid: None });
+        }
+        if !waiters.pids.is_empty() {
+            self.fx.push(Effect::CheckGone {
+                of: Holding::Import(import),
+                pids: waiters.pids.iter().copied().collect(),
+            });
         }
         if let Some(i) = self
             .shared
@@ -256,6 +295,9 @@ impl State {
             return false;
         };
         let bytes = h.block.bytes();
+        // Parked, and its recipients' watchers were quicker than the look: the bytes are
+        // back (below), so are those drawn from a reservation.
+        let parked = self.unchecked.remove(&lease);
         self.ledger.remove_quarantine(&h.tenant, h.device, bytes);
         let pool = &mut self.pools[h.device as usize];
         if h.destroy || !pristine(&h.block) {
@@ -264,8 +306,98 @@ impl State {
         } else {
             pool.unquarantine_to_cache(h.block);
         }
+        if let Some(r) = parked.and_then(|u| u.reservation) {
+            self.lease_left_reservation(r, bytes, true);
+        }
         tracing::info!(%lease, tenant = %h.tenant, held_for = ?h.since.elapsed(), "held memory let go by everyone");
         true
+    }
+
+    /// The second half of a look at processes counted alive under the lock
+    /// (`Effect::CheckGone`): `gone` are those the shell found certainly gone. An import
+    /// ends once nobody may map it; a held block is let go likewise; a parked lease whose
+    /// recipients are all gone ends as it was ending (cached, freed, or quarantined for its
+    /// own process), else it stays held for those alive. True when memory came back.
+    pub(crate) fn holders_checked(&mut self, of: Holding, gone: &[u32]) -> bool {
+        let lease = match of {
+            Holding::Import(import) => {
+                let mut ended = false;
+                for &p in gone {
+                    ended |= self.import_waiter_gone(import, Some(p));
+                }
+                return ended;
+            }
+            Holding::Lease(lease) => lease,
+        };
+        let Some(parked) = self.unchecked.remove(&lease) else {
+            // Held for importers (or already let go): each gone process is a waiter gone.
+            let mut back = false;
+            for &p in gone {
+                back |= self.held_waiter_gone(lease, Some(p));
+            }
+            return back;
+        };
+        let Some(h) = self.shared.held.get_mut(&lease) else {
+            return false;
+        };
+        for &p in gone.iter().filter(|p| parked.recipients.contains(p)) {
+            h.waiters.pids.remove(&p);
+            self.fx.unwatch(Watch::Held {
+                lease,
+                pid: Some(p),
+            });
+        }
+        let bytes = h.block.bytes();
+        let still_held =
+            h.publication.is_some() || parked.recipients.iter().any(|p| h.waiters.pids.contains(p));
+        if still_held {
+            if let Some(r) = parked.reservation {
+                self.lease_left_reservation(r, bytes, false);
+            }
+            return false;
+        }
+        let Some(h) = self.shared.held.remove(&lease) else {
+            return false;
+        };
+        // Its own process (or the timeout) no longer waits here, but in its quarantine.
+        unwatch_held(&mut self.fx, lease, &h.waiters);
+        let ending = match parked.ending {
+            Ending::Cache if h.destroy || !pristine(&h.block) => Ending::Destroy,
+            e => e,
+        };
+        let pool = &mut self.pools[h.device as usize];
+        match ending {
+            Ending::Cache => {
+                self.ledger.remove_quarantine(&h.tenant, h.device, bytes);
+                pool.unquarantine_to_cache(h.block);
+            }
+            Ending::Destroy => {
+                self.ledger.remove_quarantine(&h.tenant, h.device, bytes);
+                pool.unquarantine_destroyed(bytes);
+                self.fx.free(h.device, h.block);
+            }
+            Ending::Quarantine { pid } => {
+                // Its bytes stay quarantined, now in the lease's own quarantine.
+                self.fx.count(Counted::Quarantined);
+                self.quarantine.insert(
+                    lease,
+                    Quarantined {
+                        tenant: h.tenant,
+                        device: h.device,
+                        block: h.block,
+                        pid,
+                        since: h.since,
+                    },
+                );
+                self.fx.watch(Watch::Quarantine { lease, pid });
+            }
+        }
+        let back = !matches!(ending, Ending::Quarantine { .. });
+        if let Some(r) = parked.reservation {
+            self.lease_left_reservation(r, bytes, back);
+        }
+        tracing::debug!(%lease, ?ending, "the processes that had its descriptor are gone");
+        back
     }
 
     /// A held block's waiter (process `pid`, or with `None` the timeout) is gone; the
@@ -312,9 +444,17 @@ impl State {
         false
     }
 
+    /// How many ended leases wait for the shell's look at their recipients (tests: none
+    /// once the effects ran).
+    #[cfg(test)]
+    pub(crate) fn unlooked(&self) -> usize {
+        self.unchecked.len()
+    }
+
     /// Shutdown: a held block is freed, whoever may still map it.
     pub(crate) fn free_held(&mut self, lease: Uuid) {
         if let Some(h) = self.shared.held.remove(&lease) {
+            self.unchecked.remove(&lease);
             unwatch_held(&mut self.fx, lease, &h.waiters);
             self.pools[h.device as usize].unquarantine_destroyed(h.block.bytes());
             self.ledger

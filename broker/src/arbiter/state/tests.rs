@@ -4,20 +4,22 @@
 //! or a fresh one the test makes) or give it back, end a lease every way (cache, free,
 //! quarantine with and without a pid), lift a quarantine, end a session (its process gone
 //! or alive), host-fallback leases, leasable changes, a descriptor fetched by another
-//! process (the block is then held) and that process's exit, process reservations and
+//! process (the block is then held, and let go when the shell's look after the unlock,
+//! `Effect::CheckGone`, finds that process gone) and that process's exit, process reservations and
 //! leases drawn from them (their bytes back into the room, or lost to it). After
 //! every step the invariant holds, the ledger and the pools equal a simple model (bytes
 //! per tenant and per device, per state), and every block the test made is either still
 //! held by the core or was freed exactly once through an effect.
 
 use super::*;
-use crate::arbiter::effects::Effect;
+use crate::arbiter::effects::{Counted, Effect, Watch};
 use crate::arbiter::queue::Ask;
 use crate::arbiter::AcquireRequest;
 use crate::device::{Allocation, Handle, MemoryKind, SharedFd};
 use crate::pool::{Block, Pool, Source};
 use crate::reservations::ProcessAsk;
 use crate::session::{Activity, Peer, Session};
+use crate::sharing::Held;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, SystemTime};
@@ -82,6 +84,10 @@ enum Op {
     Exits {
         which: usize,
     },
+    /// A process that fetched a descriptor exits unseen (no watcher fired yet).
+    Dies {
+        other: usize,
+    },
     ReserveProcess {
         session: usize,
         units: u64,
@@ -107,6 +113,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..2u32, 2..9u64).prop_map(|(device, units)| Op::Leasable { device, units }),
         1 => (any::<usize>(), 0..2usize).prop_map(|(lease, other)| Op::Fetched { lease, other }),
         1 => any::<usize>().prop_map(|which| Op::Exits { which }),
+        1 => (0..2usize).prop_map(|other| Op::Dies { other }),
         1 => (any::<usize>(), 1..4u64, 0..2u32)
             .prop_map(|(session, units, device)| Op::ReserveProcess { session, units, device }),
         1 => any::<usize>().prop_map(|which| Op::EndReservation { which }),
@@ -151,6 +158,9 @@ struct Harness {
     running: BTreeSet<u32>,
     /// Bytes of every live lease, quarantined and held block (by lease), to follow them.
     quarantined: BTreeMap<Uuid, (String, u32, u64)>,
+    /// Ended leases: the reservation each was drawn from and its bytes (a look at its
+    /// recipients may settle them later).
+    drawn: BTreeMap<Uuid, (Option<Uuid>, u64)>,
 }
 
 fn fake_fd() -> SharedFd {
@@ -181,6 +191,7 @@ impl Harness {
             next_alloc: 1,
             running: BTreeSet::new(),
             quarantined: BTreeMap::new(),
+            drawn: BTreeMap::new(),
         }
     }
 
@@ -221,20 +232,59 @@ impl Harness {
         (!v.is_empty()).then(|| v[i % v.len()])
     }
 
-    /// Runs the effects the last transition pushed: frees are recorded (each block once).
+    /// Runs the effects the last transition pushed: frees are recorded (each block once);
+    /// the looks at processes counted alive find those not running gone (as the shell does
+    /// after the unlock), and what that second transition pushes runs too.
     fn effects(&mut self) {
-        for e in self.st.take_effects().into_vec() {
-            match e {
-                Effect::Free { block, .. } | Effect::FreeHost { block } => {
-                    let id = block.alloc.id;
-                    assert!(
-                        self.made.contains_key(&id),
-                        "freed a block never made: {id}"
-                    );
-                    assert!(self.freed.insert(id), "block {id} freed twice");
-                }
-                _ => {}
+        loop {
+            let effects = self.st.take_effects().into_vec();
+            if effects.is_empty() {
+                return;
             }
+            let mut looks = Vec::new();
+            for e in effects {
+                match e {
+                    Effect::Free { block, .. } | Effect::FreeHost { block } => {
+                        let id = block.alloc.id;
+                        assert!(
+                            self.made.contains_key(&id),
+                            "freed a block never made: {id}"
+                        );
+                        assert!(self.freed.insert(id), "block {id} freed twice");
+                    }
+                    Effect::CheckGone { of, pids } => looks.push((of, pids)),
+                    _ => {}
+                }
+            }
+            for (of, pids) in looks {
+                self.look(of, pids);
+            }
+        }
+    }
+
+    /// The shell's look at processes counted alive: those not running are gone.
+    fn look(&mut self, of: Holding, pids: Vec<u32>) {
+        let gone: Vec<u32> = pids
+            .into_iter()
+            .filter(|p| !self.running.contains(p))
+            .collect();
+        let Holding::Lease(id) = of else {
+            self.st.holders_checked(of, &gone);
+            return;
+        };
+        let was_held = self.st.shared().held.contains_key(&id);
+        let (rid, bytes) = self.drawn.get(&id).copied().unwrap_or((None, 0));
+        let back = self.returning(rid, bytes, |st| st.holders_checked(of, &gone));
+        let held = self.st.shared().held.contains_key(&id);
+        let quarantined = self.st.quarantine().contains_key(&id);
+        if was_held && !held {
+            // Let go: cached or freed, or (its own process lives) in its own quarantine.
+            assert_eq!(back, !quarantined);
+            if !quarantined {
+                self.unquarantined(id);
+            }
+        } else {
+            assert!(!back);
         }
     }
 
@@ -383,9 +433,12 @@ impl Harness {
                         (l.id, (l.tenant.clone(), l.device, l.bytes(), l.tier))
                     })
                     .collect();
-                let alive = |p: u32| self.running.contains(&p) || (!gone && PIDS.contains(&p));
+                for l in &leases {
+                    let l = self.st.leases().get(l).unwrap();
+                    self.drawn.insert(l.id, (l.reservation, l.bytes()));
+                }
                 let held_before: BTreeSet<Uuid> = self.st.shared().held.keys().copied().collect();
-                self.st.end_session(s, None, gone, &alive).unwrap();
+                self.st.end_session(s, None, gone).unwrap();
                 for ((id, ending), (_, (t, d, b, tier))) in endings.into_iter().zip(before) {
                     self.lease_gone(id, &t, d, b, tier, ending, &held_before);
                 }
@@ -461,6 +514,9 @@ impl Harness {
                 if lifted {
                     self.unquarantined(lease);
                 }
+            }
+            Op::Dies { other } => {
+                self.running.remove(&OTHERS[other]);
             }
             Op::ReserveProcess {
                 session,
@@ -590,9 +646,8 @@ impl Harness {
         let l = self.st.leases().get(&id).unwrap();
         let (t, d, b, tier, rid) = (l.tenant.clone(), l.device, l.bytes(), l.tier, l.reservation);
         let held_before: BTreeSet<Uuid> = self.st.shared().held.keys().copied().collect();
-        let running = self.running.clone();
-        let alive = move |p: u32| running.contains(&p);
-        let ended = self.returning(rid, b, |st| st.end_lease(id, ending, &alive));
+        self.drawn.insert(id, (rid, b));
+        let ended = self.returning(rid, b, |st| st.end_lease(id, ending));
         assert!(ended.is_some());
         self.lease_gone(id, &t, d, b, tier, ending, &held_before);
     }
@@ -643,6 +698,11 @@ impl Harness {
     /// The core's numbers against the model's, and every block accounted for.
     fn check(&self) {
         self.st.check_invariant().unwrap();
+        // Every look the core asked for was taken (they run with the step's effects).
+        assert!(
+            self.st.unchecked.is_empty(),
+            "a parked lease left unlooked at"
+        );
         for (name, want) in &self.tenants {
             let u = self.st.ledger().get(name).unwrap().usage;
             let got = Bytes {
@@ -747,6 +807,136 @@ fn a_draw_on_an_over_committed_device_moves_room_without_adding_to_it() {
     );
 }
 
+/// A lease whose descriptor went to processes outside its session is held for them when
+/// it ends, each counted alive until the look after the unlock: those that exited unseen
+/// let it end as it was ending (cached; quarantined for its own live process, with the
+/// drawn bytes of a reservation lost only then), one alive keeps it held.
+#[test]
+fn a_lease_held_for_recipients_ends_as_it_was_ending_once_they_are_found_gone() {
+    let mut h = Harness::new();
+    let steps = |h: &mut Harness, ops: &[Op]| {
+        for op in ops {
+            h.step(op);
+            h.effects();
+            h.check();
+        }
+    };
+    let lease = |h: &Harness| h.leases()[0];
+    steps(
+        &mut h,
+        &[
+            Op::Open {
+                tenant: 0,
+                pid: Some(0),
+            },
+            Op::Reserve {
+                session: 0,
+                units: 2,
+                device: 0,
+            },
+            Op::Commit { pending: 0 },
+            Op::Fetched { lease: 0, other: 0 },
+            Op::Dies { other: 0 },
+        ],
+    );
+    // Ended into the cache: held until the look, then cached.
+    let id = lease(&h);
+    h.end_lease(id, Ending::Cache);
+    assert!(h.st.shared().held.contains_key(&id));
+    assert_eq!(h.st.unlooked(), 1);
+    h.effects();
+    h.check();
+    assert!(!h.st.shared().held.contains_key(&id));
+    assert_eq!(h.st.pools()[0].stats().cached, 2 * GRAN);
+    // Its own process lives: after the look, in its own quarantine (counted, watched).
+    steps(
+        &mut h,
+        &[
+            Op::Reserve {
+                session: 0,
+                units: 2,
+                device: 0,
+            },
+            Op::Commit { pending: 0 },
+            Op::Fetched { lease: 0, other: 0 },
+            Op::Dies { other: 0 },
+        ],
+    );
+    let id = lease(&h);
+    h.end_lease(id, Ending::Quarantine { pid: Some(PIDS[0]) });
+    let fx = h.st.take_effects().into_vec();
+    assert!(fx.iter().any(|e| matches!(
+        e,
+        Effect::CheckGone { of: Holding::Lease(l), pids } if *l == id && pids == &[OTHERS[0]]
+    )));
+    // No memory came back: it stays quarantined.
+    assert!(!h.st.holders_checked(Holding::Lease(id), &[OTHERS[0]]));
+    let fx = h.st.take_effects().into_vec();
+    assert!(fx
+        .iter()
+        .any(|e| matches!(e, Effect::Count(Counted::Quarantined))));
+    assert!(fx.iter().any(|e| matches!(
+        e,
+        Effect::Watch(Watch::Quarantine { lease, pid: Some(p) }) if *lease == id && *p == PIDS[0]
+    )));
+    assert!(h.st.quarantine().contains_key(&id));
+    assert!(!h.st.shared().held.contains_key(&id));
+    h.check();
+    // A recipient alive: still held for it after the look.
+    steps(
+        &mut h,
+        &[
+            Op::Lift {
+                which: 0,
+                destroy: false,
+            },
+            Op::Reserve {
+                session: 0,
+                units: 1,
+                device: 0,
+            },
+            Op::Commit { pending: 0 },
+            Op::Fetched { lease: 0, other: 1 },
+            Op::End { lease: 0, how: 0 },
+        ],
+    );
+    let held: Vec<&Held> = h.st.shared().held.values().collect();
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].waiters.pids, BTreeSet::from([OTHERS[1]]));
+    // Drawn from a reservation: its bytes go back into the room once the look found the
+    // recipient gone.
+    steps(
+        &mut h,
+        &[
+            Op::ReserveProcess {
+                session: 0,
+                units: 3,
+                device: 1,
+            },
+            Op::Draw { which: 0, units: 2 },
+            Op::Commit { pending: 0 },
+        ],
+    );
+    let drawn = h
+        .leases()
+        .into_iter()
+        .find(|l| h.st.leases().get(l).unwrap().reservation.is_some())
+        .unwrap();
+    h.running.insert(OTHERS[0]);
+    h.st.add_recipient(drawn, OTHERS[0]);
+    h.running.remove(&OTHERS[0]);
+    let room = h.st.reservations().iter().next().unwrap().room();
+    h.end_lease(drawn, Ending::Cache);
+    assert_eq!(h.st.reservations().iter().next().unwrap().room(), room);
+    h.effects();
+    h.check();
+    assert_eq!(
+        h.st.reservations().iter().next().unwrap().room(),
+        room + 2 * GRAN
+    );
+    run_to_the_end_from(h).unwrap();
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -765,6 +955,11 @@ fn run_to_the_end(ops: &[Op]) -> Result<(), TestCaseError> {
         h.effects();
         h.check();
     }
+    run_to_the_end_from(h)
+}
+
+/// Ends everything `h` holds and checks nothing is left (see [`run_to_the_end`]).
+fn run_to_the_end_from(mut h: Harness) -> Result<(), TestCaseError> {
     // Everything ends: every session, the grants in flight, the quarantine, the rest.
     // One grant at a time: those not given back yet stay in `pending` for the checks.
     while !h.pending.is_empty() {
