@@ -1,12 +1,16 @@
 //! The arbiter's side of shared read-only leases (`crate::sharing` has the table and the
-//! rules): publish, unpublish, import, release an import, list; and the hooks the lease
-//! and session endings call ([`Arbiter::sharing_lease_ended`],
-//! [`Arbiter::sharing_session_ended`]) and the ticket server calls
-//! ([`Arbiter::fd_delivering`]). Every transition runs under the state lock, so the bytes of
-//! a shared block are always in exactly one state: leased (the publisher's lease lives),
-//! or quarantined (held here for importers or other processes that may map it).
+//! rules): publish, unpublish, import, release an import, list; and the hook the ticket
+//! server calls ([`Arbiter::fd_delivering`]); the lease and session endings' hooks are the
+//! core's (`State::shared_lease_ended`, `State::shared_session_ended`). The shell validates (names, readers, limits, who may see
+//! what), seals a memfd for its importers, and calls the core's transitions
+//! (`state/shared.rs`: `publish`, `publish_again`, `unpublish`, `import`, `import_let_go`,
+//! `add_recipient`) under the state lock, so the bytes of a shared block are always in
+//! exactly one state: leased (the publisher's lease lives), or quarantined (held for
+//! importers or other processes that may map it); the table's indexes are checked with the
+//! invariant.
 
 use super::listing::SharedViewer;
+use super::state::NewPublication;
 use super::Ending;
 use super::{lease_not_found, session_not_found, Arbiter};
 use crate::device::{Handle, MemoryKind, SharedFd};
@@ -14,8 +18,8 @@ use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::ledger::Tier;
 use crate::session::Peer;
 use crate::sharing::{
-    self, Import, Publication, SharedView, MAX_IMPORTS, MAX_IMPORTS_PER_SESSION, MAX_NAME,
-    MAX_PUBLICATIONS_PER_TENANT, MAX_READERS,
+    self, SharedView, MAX_IMPORTS, MAX_IMPORTS_PER_SESSION, MAX_NAME, MAX_PUBLICATIONS_PER_TENANT,
+    MAX_READERS,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -89,16 +93,13 @@ impl Arbiter {
                 "host-fallback leases cannot be published; publish a device lease".into(),
             ));
         }
-        let Handle::Fd {
-            kind,
-            fd,
-            block_id,
-            size,
-        } = &l.block.handle;
-        let (kind, fd, block_id, size) = (*kind, fd.clone(), *block_id, *size);
-        let (device, bytes) = (l.device, l.bytes());
-        let key = (tenant.to_string(), name.to_string());
-        if st.shared().by_name.contains_key(&key) {
+        let Handle::Fd { kind, fd, .. } = &l.block.handle;
+        let (kind, fd) = (*kind, fd.clone());
+        if st
+            .shared()
+            .by_name
+            .contains_key(&(tenant.to_string(), name.to_string()))
+        {
             return Err(BrokerError::FailedPrecondition(format!(
                 "tenant {tenant:?} already publishes a lease named {name:?}; unpublish it first"
             )));
@@ -106,21 +107,19 @@ impl Arbiter {
         let mut set: BTreeSet<String> = readers.iter().cloned().collect();
         set.remove(tenant);
         let now = SystemTime::now();
-        let id = if let Some(&pid) = st.shared().by_lease.get(&lease) {
-            let p = st
-                .shared_mut()
-                .pubs
-                .get_mut(&pid)
-                .ok_or_else(|| BrokerError::Internal("publication index out of step".into()))?;
+        let id = if let Some(p) = st.shared().of_lease(&lease) {
             if let Some(n) = &p.name {
                 return Err(BrokerError::FailedPrecondition(format!(
                     "lease {lease} is already published as {n:?}"
                 )));
             }
-            p.name = Some(name.to_string());
-            p.readers = set;
-            p.published_at = now;
-            pid
+            let id = p.id;
+            if !st.publish_again(id, name, set, now) {
+                return Err(BrokerError::Internal(
+                    "publication index out of step".into(),
+                ));
+            }
+            id
         } else {
             if st.shared().count_of(tenant) >= MAX_PUBLICATIONS_PER_TENANT {
                 return Err(BrokerError::SharingLimit {
@@ -130,33 +129,17 @@ impl Arbiter {
             }
             let (ro, enforced) = sharing::importer_fd(kind, &fd)
                 .map_err(|e| BrokerError::FailedPrecondition(e.to_string()))?;
-            let id = Uuid::new_v4();
-            let seq = st.shared_mut().next_seq();
-            st.shared_mut().pubs.insert(
-                id,
-                Publication {
-                    id,
-                    seq,
-                    publisher: tenant.to_string(),
-                    name: Some(name.to_string()),
-                    lease,
-                    lease_live: true,
-                    device,
-                    bytes,
-                    kind,
-                    readers: set,
-                    published_at: now,
-                    fd: ro,
-                    block_id,
-                    size,
-                    enforced,
-                    imports: Default::default(),
-                },
-            );
-            st.shared_mut().by_lease.insert(lease, id);
-            id
+            st.publish(NewPublication {
+                lease,
+                publisher: tenant.to_string(),
+                name: name.to_string(),
+                readers: set,
+                published_at: now,
+                fd: ro,
+                enforced,
+            })
+            .ok_or_else(|| lease_not_found(lease))?
         };
-        st.shared_mut().by_name.insert(key, id);
         tracing::info!(%lease, tenant, name, "lease published");
         Ok(st.shared().pubs[&id].view(true))
     }
@@ -166,15 +149,10 @@ impl Arbiter {
         check_name(name)?;
         let mut st = self.lock();
         let id = st
-            .shared_mut()
-            .by_name
-            .remove(&(tenant.to_string(), name.to_string()))
+            .unpublish(tenant, name)
             .ok_or_else(|| not_visible(tenant, name))?;
-        let view = match st.shared_mut().pubs.get_mut(&id) {
-            Some(p) => {
-                p.name = None;
-                p.view(true)
-            }
+        let view = match st.shared().pubs.get(&id) {
+            Some(p) => p.view(true),
             None => return Err(not_visible(tenant, name)),
         };
         tracing::info!(
@@ -222,23 +200,10 @@ impl Arbiter {
             });
         }
         let pub_id = p.id;
-        let id = Uuid::new_v4();
-        let p = st
-            .shared_mut()
-            .pubs
-            .get_mut(&pub_id)
+        let id = st
+            .import(pub_id, tenant, session, pid)
             .ok_or_else(|| BrokerError::Internal("publication vanished".into()))?;
-        p.imports.insert(
-            id,
-            Import {
-                id,
-                tenant: tenant.to_string(),
-                session,
-                pid,
-                created: SystemTime::now(),
-                lingering: None,
-            },
-        );
+        let p = &st.shared().pubs[&pub_id];
         let grant = ImportGrant {
             id,
             shared: p.view(tenant == p.publisher),
@@ -247,7 +212,6 @@ impl Arbiter {
             block_id: p.block_id,
             size: p.size,
         };
-        st.shared_mut().by_import.insert(id, pub_id);
         tracing::info!(import = %id, tenant, publisher, name, "shared lease imported");
         Ok(grant)
     }

@@ -153,7 +153,8 @@ impl State {
         Some((session, bytes))
     }
 
-    /// Shutdown: every quarantined and held block, and every cached block, is freed.
+    /// Shutdown: every quarantined and held block, and every cached block, is freed (and
+    /// the publications and imports of that memory are forgotten).
     pub(crate) fn free_everything(&mut self) {
         let quarantined: Vec<Uuid> = self.quarantine.keys().copied().collect();
         for id in quarantined {
@@ -163,6 +164,7 @@ impl State {
         for id in held {
             self.free_held(id);
         }
+        self.forget_all_shared();
         for i in 0..self.pools.len() {
             for b in self.pools[i].drain_cache() {
                 self.fx.free(i as u32, b);

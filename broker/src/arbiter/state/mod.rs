@@ -11,8 +11,9 @@
 //!
 //! Transitions: `grant.rs` (reserve, commit or give back a grant; host-fallback leases),
 //! `end.rs` (end a lease into the cache, a free or quarantine; lift a quarantine; a
-//! session's end; free everything at shutdown), `shared.rs` (blocks held for importers and
-//! fd recipients), `process.rs` (process reservations: grant, end, draw a lease from one,
+//! session's end; free everything at shutdown), `shared.rs` (publish, unpublish, import,
+//! recipients of descriptors; blocks held for importers and fd recipients, and the look at
+//! processes counted alive), `process.rs` (process reservations: grant, end, draw a lease from one,
 //! give it back), and here: opening a session, leasable and headroom changes, quota
 //! changes.
 
@@ -25,7 +26,7 @@ mod tests;
 
 pub(crate) use end::Ending;
 pub(crate) use grant::NotCommitted;
-pub(crate) use shared::Holding;
+pub(crate) use shared::{Holding, NewPublication};
 
 use super::effects::{Effects, Watch};
 use super::queue::WaitQueue;
@@ -138,7 +139,7 @@ impl State {
     }
 
     // Changes that move no bytes: the wait queue, session marks, a lease's reclaim
-    // state, publications' names and readers.
+    // state (publications, imports and recipients: `shared.rs`).
 
     /// The wait queue (waiters hold no bytes: a grant reserves them through
     /// [`State::reserve_grant`]).
@@ -158,16 +159,6 @@ impl State {
     /// Mark a session's GPU use (NVML) or activity.
     pub(crate) fn session_mut(&mut self, id: &Uuid) -> Option<&mut Session> {
         self.sessions.get_mut(id)
-    }
-    /// Publications and imports (names, readers, import records). Held blocks change only
-    /// through the transitions of `shared.rs`.
-    pub(crate) fn shared_mut(&mut self) -> &mut SharedTable {
-        &mut self.shared
-    }
-    /// A lease's descriptor went to `pid`, a process outside its session: it may map the
-    /// memory until it exits (counted when the lease ends).
-    pub(crate) fn add_recipient(&mut self, id: Uuid, pid: u32) {
-        self.shared.recipients.entry(id).or_default().insert(pid);
     }
 
     // Transitions that move no bytes of a device.
@@ -396,6 +387,7 @@ impl State {
                 "lease {id} waits for a look at its recipients but is not held"
             ));
         }
+        self.check_shared()?;
         self.leases.check_indexes()?;
         for s in self.sessions.iter() {
             if let Some(l) = s.leases.iter().find(|l| self.leases.get(l).is_none()) {

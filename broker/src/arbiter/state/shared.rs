@@ -16,13 +16,27 @@
 
 use super::{Ending, Quarantined, State};
 use crate::arbiter::effects::{Counted, Effect, Effects, Watch};
-use crate::device::{Handle, MemoryKind};
+use crate::device::{Handle, MemoryKind, SharedFd};
 use crate::pool::Block;
 use crate::session::Peer;
-use crate::sharing::{self, Held, Waiters};
+use crate::sharing::{self, Held, Import, Publication, Waiters};
 use std::collections::BTreeSet;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 use uuid::Uuid;
+
+/// A publication the shell prepared for a live lease that has none: it checked the lease
+/// (its tenant's, a device lease), the name (free) and the limits, and made the descriptor
+/// importers get (read-only where the OS can enforce it).
+#[derive(Debug)]
+pub(crate) struct NewPublication {
+    pub lease: Uuid,
+    pub publisher: String,
+    pub name: String,
+    pub readers: BTreeSet<String>,
+    pub published_at: SystemTime,
+    pub fd: SharedFd,
+    pub enforced: bool,
+}
 
 /// What processes counted alive without a look may map: an ended lease's held block, or a
 /// lingering import (`Effect::CheckGone`).
@@ -59,6 +73,217 @@ pub(crate) fn pristine(block: &Block) -> bool {
 }
 
 impl State {
+    /// Publishes a live lease that has no publication under a name; returns the new
+    /// publication's id (`None`, nothing changed, when the lease is not live). The lease's
+    /// memory stays charged once, to its tenant.
+    pub(crate) fn publish(&mut self, new: NewPublication) -> Option<Uuid> {
+        let l = self.leases.get(&new.lease)?;
+        let Handle::Fd {
+            kind,
+            block_id,
+            size,
+            ..
+        } = &l.block.handle;
+        let (kind, block_id, size, device, bytes) = (*kind, *block_id, *size, l.device, l.bytes());
+        let id = Uuid::new_v4();
+        let seq = self.shared.next_seq();
+        self.shared
+            .by_name
+            .insert((new.publisher.clone(), new.name.clone()), id);
+        self.shared.by_lease.insert(new.lease, id);
+        self.shared.pubs.insert(
+            id,
+            Publication {
+                id,
+                seq,
+                publisher: new.publisher,
+                name: Some(new.name),
+                lease: new.lease,
+                lease_live: true,
+                device,
+                bytes,
+                kind,
+                readers: new.readers,
+                published_at: new.published_at,
+                fd: new.fd,
+                block_id,
+                size,
+                enforced: new.enforced,
+                imports: Default::default(),
+            },
+        );
+        Some(id)
+    }
+
+    /// Publishes an unpublished publication of a live lease again, under `name` for
+    /// `readers` (the shell checked the name is free). False when there is no such
+    /// publication, it is named, or its lease ended.
+    pub(crate) fn publish_again(
+        &mut self,
+        id: Uuid,
+        name: &str,
+        readers: BTreeSet<String>,
+        now: SystemTime,
+    ) -> bool {
+        let Some(p) = self.shared.pubs.get_mut(&id) else {
+            return false;
+        };
+        if p.name.is_some() || !p.lease_live {
+            return false;
+        }
+        p.name = Some(name.to_string());
+        p.readers = readers;
+        p.published_at = now;
+        self.shared
+            .by_name
+            .insert((p.publisher.clone(), name.to_string()), id);
+        true
+    }
+
+    /// Takes `publisher`'s `name` away (live imports keep the memory); returns the
+    /// publication's id, `None` when it has no such name.
+    pub(crate) fn unpublish(&mut self, publisher: &str, name: &str) -> Option<Uuid> {
+        let id = self
+            .shared
+            .by_name
+            .remove(&(publisher.to_string(), name.to_string()))?;
+        if let Some(p) = self.shared.pubs.get_mut(&id) {
+            p.name = None;
+        }
+        Some(id)
+    }
+
+    /// Session `session` of `tenant` (process `pid`) imports publication `publication`
+    /// (the shell checked it may, and the limits); returns the import's id. `None` when the
+    /// publication or the session is gone. Importers are not charged.
+    pub(crate) fn import(
+        &mut self,
+        publication: Uuid,
+        tenant: &str,
+        session: Uuid,
+        pid: Option<u32>,
+    ) -> Option<Uuid> {
+        if self
+            .sessions
+            .get(&session)
+            .is_none_or(|s| s.tenant != tenant)
+        {
+            return None;
+        }
+        let p = self.shared.pubs.get_mut(&publication)?;
+        let id = Uuid::new_v4();
+        p.imports.insert(
+            id,
+            Import {
+                id,
+                tenant: tenant.to_string(),
+                session,
+                pid,
+                created: SystemTime::now(),
+                lingering: None,
+            },
+        );
+        self.shared.by_import.insert(id, publication);
+        Some(id)
+    }
+
+    /// A lease's (or an import's) descriptor went to `pid`, a process outside its session:
+    /// it may map the memory until it exits (counted when the lease or import ends).
+    /// False when there is no such live lease or import.
+    pub(crate) fn add_recipient(&mut self, id: Uuid, pid: u32) -> bool {
+        if self.leases.get(&id).is_none() && !self.shared.by_import.contains_key(&id) {
+            return false;
+        }
+        self.shared.recipients.entry(id).or_default().insert(pid);
+        true
+    }
+
+    /// The shared table's indexes agree with it and with the leases and sessions (part of
+    /// [`State::check_invariant`]).
+    pub(crate) fn check_shared(&self) -> Result<(), String> {
+        let t = &self.shared;
+        for ((publisher, name), id) in &t.by_name {
+            match t.pubs.get(id) {
+                Some(p) if &p.publisher == publisher && p.name.as_deref() == Some(name) => {}
+                _ => {
+                    return Err(format!(
+                        "name {publisher:?}/{name:?} points at {id} wrongly"
+                    ))
+                }
+            }
+        }
+        let mut imports = 0;
+        for (id, p) in &t.pubs {
+            if let Some(n) = &p.name {
+                if t.by_name.get(&(p.publisher.clone(), n.clone())) != Some(id) {
+                    return Err(format!("publication {id} named {n:?} is not found by it"));
+                }
+            }
+            if t.by_lease.get(&p.lease) != Some(id) {
+                return Err(format!("publication {id} is not found by its lease"));
+            }
+            if p.lease_live {
+                match self.leases.get(&p.lease) {
+                    Some(l) if l.tenant == p.publisher && l.bytes() == p.bytes => {}
+                    _ => return Err(format!("publication {id}: its live lease is not")),
+                }
+            } else {
+                // Its lease ended: kept only while imported, its block held for them.
+                if p.imports.is_empty() || p.name.is_some() {
+                    return Err(format!(
+                        "publication {id} of an ended lease is kept for nothing"
+                    ));
+                }
+                match t.held.get(&p.lease) {
+                    Some(h) if h.publication == Some(*id) => {}
+                    _ => {
+                        return Err(format!(
+                            "publication {id}: its ended lease's block is not held for it"
+                        ))
+                    }
+                }
+            }
+            for (i, import) in &p.imports {
+                imports += 1;
+                if t.by_import.get(i) != Some(id) {
+                    return Err(format!("import {i} is not found by its id"));
+                }
+                if import.lingering.is_none() && self.sessions.get(&import.session).is_none() {
+                    return Err(format!("import {i} is held by a session that ended"));
+                }
+            }
+        }
+        if t.by_lease.len() != t.pubs.len() || t.by_import.len() != imports {
+            return Err(format!(
+                "{} publications by lease and {} imports by id, for {} and {imports}",
+                t.by_lease.len(),
+                t.by_import.len(),
+                t.pubs.len()
+            ));
+        }
+        for (lease, h) in &t.held {
+            if let Some(p) = h.publication {
+                match t.pubs.get(&p) {
+                    Some(p) if p.lease == *lease && !p.lease_live => {}
+                    _ => return Err(format!("held block {lease} names publication {p} wrongly")),
+                }
+            }
+            if self.leases.get(lease).is_some() {
+                return Err(format!("block of live lease {lease} is held"));
+            }
+        }
+        if let Some(id) = t
+            .recipients
+            .keys()
+            .find(|id| self.leases.get(id).is_none() && !t.by_import.contains_key(id))
+        {
+            return Err(format!(
+                "recipients kept for {id}, neither a lease nor an import"
+            ));
+        }
+        Ok(())
+    }
+
     /// Hook of [`State::end_lease`] (after the lease left the table and its charge became
     /// free): returns the block and how it ends, or `None` when it is held here because
     /// importers or other processes may still map it (then this settles the bytes drawn
@@ -449,6 +674,16 @@ impl State {
     #[cfg(test)]
     pub(crate) fn unlooked(&self) -> usize {
         self.unchecked.len()
+    }
+
+    /// Shutdown, once every held block was freed: no publication, import or recipient is
+    /// left (their memory is gone).
+    pub(crate) fn forget_all_shared(&mut self) {
+        let pubs: Vec<Uuid> = self.shared.pubs.keys().copied().collect();
+        for id in pubs {
+            self.forget_publication(id);
+        }
+        self.shared.recipients.clear();
     }
 
     /// Shutdown: a held block is freed, whoever may still map it.

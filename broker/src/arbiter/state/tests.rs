@@ -5,7 +5,9 @@
 //! quarantine with and without a pid), lift a quarantine, end a session (its process gone
 //! or alive), host-fallback leases, leasable changes, a descriptor fetched by another
 //! process (the block is then held, and let go when the shell's look after the unlock,
-//! `Effect::CheckGone`, finds that process gone) and that process's exit, process reservations and
+//! `Effect::CheckGone`, finds that process gone) and that process's exit, publications
+//! (published, unpublished, published again), imports and their release (a published
+//! lease's block held for its importers), process reservations and
 //! leases drawn from them (their bytes back into the room, or lost to it). After
 //! every step the invariant holds, the ledger and the pools equal a simple model (bytes
 //! per tenant and per device, per state), and every block the test made is either still
@@ -30,6 +32,8 @@ const CAPACITY: u64 = 16 * MIB;
 const TENANTS: [&str; 3] = ["t0", "t1", "t2"];
 const LIMIT: u64 = 20 * MIB;
 const HOST_LIMIT: u64 = 8 * MIB;
+/// Publication names.
+const NAMES: [&str; 2] = ["n0", "n1"];
 /// Peer pids of sessions (fake: nothing here looks at processes).
 const PIDS: [u32; 2] = [4_000_001, 4_000_002];
 /// Processes outside a session that fetch a lease's descriptor.
@@ -88,6 +92,24 @@ enum Op {
     Dies {
         other: usize,
     },
+    /// A tenant publishes one of its leases under one of two names (again, if unpublished).
+    Publish {
+        lease: usize,
+        name: usize,
+    },
+    Unpublish {
+        tenant: usize,
+        name: usize,
+    },
+    /// A session imports a publication (every tenant may read them all).
+    Import {
+        session: usize,
+        which: usize,
+    },
+    /// An import's holder lets go.
+    ReleaseImport {
+        which: usize,
+    },
     ReserveProcess {
         session: usize,
         units: u64,
@@ -114,6 +136,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<usize>(), 0..2usize).prop_map(|(lease, other)| Op::Fetched { lease, other }),
         1 => any::<usize>().prop_map(|which| Op::Exits { which }),
         1 => (0..2usize).prop_map(|other| Op::Dies { other }),
+        1 => (any::<usize>(), 0..2usize).prop_map(|(lease, name)| Op::Publish { lease, name }),
+        1 => (0..3usize, 0..2usize).prop_map(|(tenant, name)| Op::Unpublish { tenant, name }),
+        1 => (any::<usize>(), any::<usize>()).prop_map(|(session, which)| Op::Import { session, which }),
+        1 => any::<usize>().prop_map(|which| Op::ReleaseImport { which }),
         1 => (any::<usize>(), 1..4u64, 0..2u32)
             .prop_map(|(session, units, device)| Op::ReserveProcess { session, units, device }),
         1 => any::<usize>().prop_map(|which| Op::EndReservation { which }),
@@ -507,16 +533,98 @@ impl Harness {
                 let pid = h.waiters.pids.iter().next().copied();
                 let timeout = h.waiters.timeout;
                 let waiting = h.waiters.pids.len() + usize::from(timeout);
+                let imported = h.publication.is_some();
                 let lifted = self
                     .st
                     .held_waiter_gone(lease, if pid.is_some() { pid } else { None });
-                assert_eq!(lifted, waiting == 1);
-                if lifted {
-                    self.unquarantined(lease);
-                }
+                // Let go (followed by `run`) when it was the last waiter and nobody imports it.
+                assert_eq!(lifted, waiting == 1 && !imported);
             }
             Op::Dies { other } => {
                 self.running.remove(&OTHERS[other]);
+            }
+            Op::Publish { lease, name } => {
+                let Some(id) = Self::pick(&self.leases(), lease) else {
+                    return;
+                };
+                let l = self.st.leases().get(&id).unwrap();
+                if l.tier != crate::ledger::Tier::Device {
+                    return;
+                }
+                let tenant = l.tenant.clone();
+                let name = NAMES[name];
+                // The shell's checks: the name is free, the lease not published already.
+                if self
+                    .st
+                    .shared()
+                    .by_name
+                    .contains_key(&(tenant.clone(), name.to_string()))
+                {
+                    return;
+                }
+                let readers: BTreeSet<String> = TENANTS.iter().map(|t| t.to_string()).collect();
+                match self
+                    .st
+                    .shared()
+                    .of_lease(&id)
+                    .map(|p| (p.id, p.name.is_some()))
+                {
+                    Some((_, true)) => {}
+                    Some((p, false)) => {
+                        assert!(self.st.publish_again(p, name, readers, SystemTime::now()))
+                    }
+                    None => {
+                        let p = self.st.publish(NewPublication {
+                            lease: id,
+                            publisher: tenant,
+                            name: name.to_string(),
+                            readers,
+                            published_at: SystemTime::now(),
+                            fd: fake_fd(),
+                            enforced: false,
+                        });
+                        assert!(p.is_some());
+                    }
+                }
+            }
+            Op::Unpublish { tenant, name } => {
+                let named = self
+                    .st
+                    .shared()
+                    .by_name
+                    .contains_key(&(TENANTS[tenant].to_string(), NAMES[name].to_string()));
+                assert_eq!(
+                    self.st.unpublish(TENANTS[tenant], NAMES[name]).is_some(),
+                    named
+                );
+            }
+            Op::Import { session, which } => {
+                let Some(s) = Self::pick(&self.sessions(), session) else {
+                    return;
+                };
+                let (tenant, pid) = self.tenant_of(s).unwrap();
+                let mut named: Vec<Uuid> = self.st.shared().by_name.values().copied().collect();
+                named.sort();
+                let Some(p) = Self::pick(&named, which) else {
+                    return;
+                };
+                assert!(self.st.import(p, &tenant, s, pid).is_some());
+            }
+            Op::ReleaseImport { which } => {
+                let mut live: Vec<Uuid> = self
+                    .st
+                    .shared()
+                    .pubs
+                    .values()
+                    .flat_map(|p| p.imports.values())
+                    .filter(|i| i.lingering.is_none())
+                    .map(|i| i.id)
+                    .collect();
+                live.sort();
+                let Some(i) = Self::pick(&live, which) else {
+                    return;
+                };
+                self.st.import_let_go(i, Ending::Cache);
             }
             Op::ReserveProcess {
                 session,
@@ -689,6 +797,19 @@ impl Harness {
         }
     }
 
+    /// One step and its effects; held blocks that were let go leave the model's
+    /// quarantine (those held in this very step are followed where they were held).
+    fn run(&mut self, op: &Op) {
+        let before: Vec<Uuid> = self.st.shared().held.keys().copied().collect();
+        self.step(op);
+        self.effects();
+        for id in before {
+            if !self.st.shared().held.contains_key(&id) && !self.st.quarantine().contains_key(&id) {
+                self.unquarantined(id);
+            }
+        }
+    }
+
     fn unquarantined(&mut self, id: Uuid) {
         let (t, d, b) = self.quarantined.remove(&id).expect("followed");
         self.tenants.get_mut(t.as_str()).unwrap().quarantined -= b;
@@ -795,8 +916,7 @@ fn a_draw_on_an_over_committed_device_moves_room_without_adding_to_it() {
         },
         Op::Draw { which: 0, units: 2 },
     ] {
-        h.step(&op);
-        h.effects();
+        h.run(&op);
         h.check();
     }
     assert_eq!(h.pending.len(), 1, "the draw is a grant in flight");
@@ -816,8 +936,7 @@ fn a_lease_held_for_recipients_ends_as_it_was_ending_once_they_are_found_gone() 
     let mut h = Harness::new();
     let steps = |h: &mut Harness, ops: &[Op]| {
         for op in ops {
-            h.step(op);
-            h.effects();
+            h.run(op);
             h.check();
         }
     };
@@ -937,6 +1056,77 @@ fn a_lease_held_for_recipients_ends_as_it_was_ending_once_they_are_found_gone() 
     run_to_the_end_from(h).unwrap();
 }
 
+/// A published lease ends while imported: its block is held for the import (the
+/// publisher's quarantined bytes) and freed, never cached, when the import lets go; the
+/// shared table's indexes are part of the invariant.
+#[test]
+fn a_published_lease_is_held_for_its_importers_and_the_invariant_checks_the_indexes() {
+    let mut h = Harness::new();
+    for op in [
+        Op::Open {
+            tenant: 0,
+            pid: None,
+        },
+        Op::Open {
+            tenant: 1,
+            pid: None,
+        },
+        Op::Reserve {
+            session: 0,
+            units: 2,
+            device: 0,
+        },
+        Op::Commit { pending: 0 },
+        Op::Publish { lease: 0, name: 0 },
+        Op::Unpublish { tenant: 0, name: 0 },
+        // Published again under the other name, then imported by both tenants' sessions.
+        Op::Publish { lease: 0, name: 1 },
+        Op::Import {
+            session: 0,
+            which: 0,
+        },
+        Op::Import {
+            session: 1,
+            which: 0,
+        },
+    ] {
+        h.run(&op);
+        h.check();
+    }
+    let lease = h.leases()[0];
+    assert_eq!(h.st.shared().pubs.len(), 1);
+    let p = h.st.shared().of_lease(&lease).unwrap();
+    assert_eq!((p.name.as_deref(), p.imports.len()), (Some("n1"), 2));
+    // The lease ends: held for its importers, its name gone.
+    h.end_lease(lease, Ending::Cache);
+    h.effects();
+    h.check();
+    assert!(h.st.shared().held.contains_key(&lease));
+    assert!(h.st.shared().by_name.is_empty());
+    assert_eq!(h.st.pools()[0].stats().quarantined, 2 * GRAN);
+    // One import lets go: still held; the last: freed (published memory is not cached).
+    h.run(&Op::ReleaseImport { which: 0 });
+    h.check();
+    assert!(h.st.shared().held.contains_key(&lease));
+    h.run(&Op::ReleaseImport { which: 0 });
+    h.check();
+    assert!(h.st.shared().held.is_empty() && h.st.shared().pubs.is_empty());
+    let p = h.st.pools()[0].stats();
+    assert_eq!((p.quarantined, p.cached), (0, 0));
+    // A publication whose name index is out of step is caught.
+    h.run(&Op::Reserve {
+        session: 0,
+        units: 1,
+        device: 0,
+    });
+    h.run(&Op::Commit { pending: 0 });
+    h.run(&Op::Publish { lease: 0, name: 0 });
+    h.check();
+    h.st.shared.by_name.clear();
+    let e = h.st.check_invariant().unwrap_err();
+    assert!(e.contains("is not found by it"), "{e}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
@@ -951,8 +1141,7 @@ proptest! {
 fn run_to_the_end(ops: &[Op]) -> Result<(), TestCaseError> {
     let mut h = Harness::new();
     for op in ops {
-        h.step(op);
-        h.effects();
+        h.run(op);
         h.check();
     }
     run_to_the_end_from(h)
@@ -975,11 +1164,10 @@ fn run_to_the_end_from(mut h: Harness) -> Result<(), TestCaseError> {
         h.check();
     }
     for s in h.sessions() {
-        h.step(&Op::EndSession {
+        h.run(&Op::EndSession {
             session: h.sessions().iter().position(|x| *x == s).unwrap(),
             gone: true,
         });
-        h.effects();
         h.check();
     }
     h.st.free_everything();
