@@ -941,23 +941,25 @@ fn a_lease_held_for_recipients_ends_as_it_was_ending_once_they_are_found_gone() 
         }
     };
     let lease = |h: &Harness| h.leases()[0];
+    // A lease whose descriptor a process outside the session fetched, which then exited.
+    const FETCHED_BY_ONE_NOW_GONE: &[Op] = &[
+        Op::Reserve {
+            session: 0,
+            units: 2,
+            device: 0,
+        },
+        Op::Commit { pending: 0 },
+        Op::Fetched { lease: 0, other: 0 },
+        Op::Dies { other: 0 },
+    ];
     steps(
         &mut h,
-        &[
-            Op::Open {
-                tenant: 0,
-                pid: Some(0),
-            },
-            Op::Reserve {
-                session: 0,
-                units: 2,
-                device: 0,
-            },
-            Op::Commit { pending: 0 },
-            Op::Fetched { lease: 0, other: 0 },
-            Op::Dies { other: 0 },
-        ],
+        &[Op::Open {
+            tenant: 0,
+            pid: Some(0),
+        }],
     );
+    steps(&mut h, FETCHED_BY_ONE_NOW_GONE);
     // Ended into the cache: held until the look, then cached.
     let id = lease(&h);
     h.end_lease(id, Ending::Cache);
@@ -968,19 +970,7 @@ fn a_lease_held_for_recipients_ends_as_it_was_ending_once_they_are_found_gone() 
     assert!(!h.st.shared().held.contains_key(&id));
     assert_eq!(h.st.pools()[0].stats().cached, 2 * GRAN);
     // Its own process lives: after the look, in its own quarantine (counted, watched).
-    steps(
-        &mut h,
-        &[
-            Op::Reserve {
-                session: 0,
-                units: 2,
-                device: 0,
-            },
-            Op::Commit { pending: 0 },
-            Op::Fetched { lease: 0, other: 0 },
-            Op::Dies { other: 0 },
-        ],
-    );
+    steps(&mut h, FETCHED_BY_ONE_NOW_GONE);
     let id = lease(&h);
     h.end_lease(id, Ending::Quarantine { pid: Some(PIDS[0]) });
     let fx = h.st.take_effects().into_vec();
