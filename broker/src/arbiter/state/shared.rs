@@ -74,10 +74,18 @@ pub(crate) fn pristine(block: &Block) -> bool {
 
 impl State {
     /// Publishes a live lease that has no publication under a name; returns the new
-    /// publication's id (`None`, nothing changed, when the lease is not live). The lease's
-    /// memory stays charged once, to its tenant.
+    /// publication's id (`None`, nothing changed, when the lease is not live or not the
+    /// publisher's, already has a publication, or the name is taken). The lease's memory
+    /// stays charged once, to its tenant.
     pub(crate) fn publish(&mut self, new: NewPublication) -> Option<Uuid> {
-        let l = self.leases.get(&new.lease)?;
+        let key = (new.publisher.clone(), new.name.clone());
+        if self.shared.by_lease.contains_key(&new.lease) || self.shared.by_name.contains_key(&key) {
+            return None;
+        }
+        let l = self
+            .leases
+            .get(&new.lease)
+            .filter(|l| l.tenant == new.publisher)?;
         let Handle::Fd {
             kind,
             block_id,
@@ -87,9 +95,7 @@ impl State {
         let (kind, block_id, size, device, bytes) = (*kind, *block_id, *size, l.device, l.bytes());
         let id = Uuid::new_v4();
         let seq = self.shared.next_seq();
-        self.shared
-            .by_name
-            .insert((new.publisher.clone(), new.name.clone()), id);
+        self.shared.by_name.insert(key, id);
         self.shared.by_lease.insert(new.lease, id);
         self.shared.pubs.insert(
             id,
@@ -128,15 +134,14 @@ impl State {
         let Some(p) = self.shared.pubs.get_mut(&id) else {
             return false;
         };
-        if p.name.is_some() || !p.lease_live {
+        let key = (p.publisher.clone(), name.to_string());
+        if p.name.is_some() || !p.lease_live || self.shared.by_name.contains_key(&key) {
             return false;
         }
         p.name = Some(name.to_string());
         p.readers = readers;
         p.published_at = now;
-        self.shared
-            .by_name
-            .insert((p.publisher.clone(), name.to_string()), id);
+        self.shared.by_name.insert(key, id);
         true
     }
 

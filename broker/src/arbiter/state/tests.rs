@@ -1087,6 +1087,24 @@ fn a_published_lease_is_held_for_its_importers_and_the_invariant_checks_the_inde
     assert_eq!(h.st.shared().pubs.len(), 1);
     let p = h.st.shared().of_lease(&lease).unwrap();
     assert_eq!((p.name.as_deref(), p.imports.len()), (Some("n1"), 2));
+    let pid = p.id;
+    // The core refuses what would break its indexes: a second publication of the lease,
+    // a second name for a named one.
+    let again = NewPublication {
+        lease,
+        publisher: "t0".to_string(),
+        name: "n0".to_string(),
+        readers: BTreeSet::new(),
+        published_at: SystemTime::now(),
+        fd: fake_fd(),
+        enforced: false,
+    };
+    assert_eq!(h.st.publish(again), None);
+    assert!(!h
+        .st
+        .publish_again(pid, "n0", BTreeSet::new(), SystemTime::now()));
+    h.check();
+    assert_eq!(h.st.shared().by_name.len(), 1);
     // The lease ends: held for its importers, its name gone.
     h.end_lease(lease, Ending::Cache);
     h.effects();
