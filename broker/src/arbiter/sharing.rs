@@ -1,8 +1,9 @@
 //! The arbiter's side of shared read-only leases (`crate::sharing` has the table and the
 //! rules): publish, unpublish, import, release an import, list; and the hook the ticket
 //! server calls ([`Arbiter::fd_delivering`]); the lease and session endings' hooks are the
-//! core's (`State::shared_lease_ended`, `State::shared_session_ended`). The shell validates (names, readers, limits, who may see
-//! what), seals a memfd for its importers, and calls the core's transitions
+//! core's (`State::shared_lease_ended`, `State::shared_session_ended`). The shell
+//! validates (names, readers, limits, who may see what), seals a memfd for its importers
+//! (with no lock held: it checks again after), and calls the core's transitions
 //! (`state/shared.rs`: `publish`, `publish_again`, `unpublish`, `import`, `import_let_go`,
 //! `add_recipient`) under the state lock, so the bytes of a shared block are always in
 //! exactly one state: leased (the publisher's lease lives), or quarantined (held for
@@ -12,7 +13,7 @@
 use super::listing::SharedViewer;
 use super::state::NewPublication;
 use super::Ending;
-use super::{lease_not_found, session_not_found, Arbiter};
+use super::{lease_not_found, session_not_found, Arbiter, State};
 use crate::device::{Handle, MemoryKind, SharedFd};
 use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::ledger::Tier;
@@ -59,6 +60,72 @@ fn check_name(name: &str) -> BrokerResult<()> {
     crate::bounds::check("name", name, MAX_NAME)
 }
 
+/// How a lease may be published.
+enum Publishable {
+    /// Its publication, unpublished, gets the name.
+    Again(Uuid),
+    /// A new publication: its memory needs a descriptor for importers first.
+    New { kind: MemoryKind, fd: SharedFd },
+}
+
+/// Whether `tenant` may publish `lease` under `name` now, and how (or why not).
+fn publishable(st: &State, tenant: &str, lease: Uuid, name: &str) -> BrokerResult<Publishable> {
+    let l = match st.leases().get(&lease) {
+        Some(l) if l.tenant == tenant => l,
+        _ => return Err(lease_not_found(lease)),
+    };
+    if l.tier != Tier::Device {
+        return Err(BrokerError::FailedPrecondition(
+            "host-fallback leases cannot be published; publish a device lease".into(),
+        ));
+    }
+    if st
+        .shared()
+        .by_name
+        .contains_key(&(tenant.to_string(), name.to_string()))
+    {
+        return Err(BrokerError::FailedPrecondition(format!(
+            "tenant {tenant:?} already publishes a lease named {name:?}; unpublish it first"
+        )));
+    }
+    if let Some(p) = st.shared().of_lease(&lease) {
+        return match &p.name {
+            Some(n) => Err(BrokerError::FailedPrecondition(format!(
+                "lease {lease} is already published as {n:?}"
+            ))),
+            None => Ok(Publishable::Again(p.id)),
+        };
+    }
+    if st.shared().count_of(tenant) >= MAX_PUBLICATIONS_PER_TENANT {
+        return Err(BrokerError::SharingLimit {
+            what: "shared leases of a tenant",
+            max: MAX_PUBLICATIONS_PER_TENANT,
+        });
+    }
+    let Handle::Fd { kind, fd, .. } = &l.block.handle;
+    Ok(Publishable::New {
+        kind: *kind,
+        fd: fd.clone(),
+    })
+}
+
+/// Names publication `id` of `lease` again (`publishable` said so under this lock).
+fn publish_again(
+    st: &mut State,
+    id: Uuid,
+    lease: Uuid,
+    name: &str,
+    readers: BTreeSet<String>,
+) -> BrokerResult<SharedView> {
+    if !st.publish_again(id, name, readers, SystemTime::now()) {
+        return Err(BrokerError::Internal(
+            "publication index out of step".into(),
+        ));
+    }
+    tracing::info!(%lease, name, "lease published again");
+    Ok(st.shared().pubs[&id].view(true))
+}
+
 impl Arbiter {
     /// Publishes `lease` of `tenant` under `name` for `readers` (empty: the tenant's own).
     pub fn publish(
@@ -83,62 +150,34 @@ impl Arbiter {
             }
             crate::bounds::check("reader tenant", r, crate::bounds::MAX_TEXT_BYTES)?;
         }
-        let mut st = self.lock();
-        let l = match st.leases().get(&lease) {
-            Some(l) if l.tenant == tenant => l,
-            _ => return Err(lease_not_found(lease)),
-        };
-        if l.tier != Tier::Device {
-            return Err(BrokerError::FailedPrecondition(
-                "host-fallback leases cannot be published; publish a device lease".into(),
-            ));
-        }
-        let Handle::Fd { kind, fd, .. } = &l.block.handle;
-        let (kind, fd) = (*kind, fd.clone());
-        if st
-            .shared()
-            .by_name
-            .contains_key(&(tenant.to_string(), name.to_string()))
-        {
-            return Err(BrokerError::FailedPrecondition(format!(
-                "tenant {tenant:?} already publishes a lease named {name:?}; unpublish it first"
-            )));
-        }
         let mut set: BTreeSet<String> = readers.iter().cloned().collect();
         set.remove(tenant);
-        let now = SystemTime::now();
-        let id = if let Some(p) = st.shared().of_lease(&lease) {
-            if let Some(n) = &p.name {
-                return Err(BrokerError::FailedPrecondition(format!(
-                    "lease {lease} is already published as {n:?}"
-                )));
+        let (kind, fd) = {
+            let mut st = self.lock();
+            match publishable(&st, tenant, lease, name)? {
+                Publishable::Again(id) => return publish_again(&mut st, id, lease, name, set),
+                Publishable::New { kind, fd } => (kind, fd),
             }
-            let id = p.id;
-            if !st.publish_again(id, name, set, now) {
-                return Err(BrokerError::Internal(
-                    "publication index out of step".into(),
-                ));
-            }
-            id
-        } else {
-            if st.shared().count_of(tenant) >= MAX_PUBLICATIONS_PER_TENANT {
-                return Err(BrokerError::SharingLimit {
-                    what: "shared leases of a tenant",
-                    max: MAX_PUBLICATIONS_PER_TENANT,
-                });
-            }
-            let (ro, enforced) = sharing::importer_fd(kind, &fd)
-                .map_err(|e| BrokerError::FailedPrecondition(e.to_string()))?;
-            st.publish(NewPublication {
-                lease,
-                publisher: tenant.to_string(),
-                name: name.to_string(),
-                readers: set,
-                published_at: now,
-                fd: ro,
-                enforced,
-            })
-            .ok_or_else(|| lease_not_found(lease))?
+        };
+        // Sealed and reopened read-only (through `/proc/self/fd`) with no lock held; a
+        // memfd sealed for a publish that then loses a race is only no longer cached.
+        let (ro, enforced) = sharing::importer_fd(kind, &fd)
+            .map_err(|e| BrokerError::FailedPrecondition(e.to_string()))?;
+        let mut st = self.lock();
+        // Again: the lock was let go meanwhile.
+        let id = match publishable(&st, tenant, lease, name)? {
+            Publishable::Again(id) => return publish_again(&mut st, id, lease, name, set),
+            Publishable::New { .. } => st
+                .publish(NewPublication {
+                    lease,
+                    publisher: tenant.to_string(),
+                    name: name.to_string(),
+                    readers: set,
+                    published_at: SystemTime::now(),
+                    fd: ro,
+                    enforced,
+                })
+                .ok_or_else(|| BrokerError::Internal("publication index out of step".into()))?,
         };
         tracing::info!(%lease, tenant, name, "lease published");
         Ok(st.shared().pubs[&id].view(true))
