@@ -908,6 +908,49 @@ async fn session_events_go_through_the_outbox_and_its_end_closes_the_stream() {
     assert_eq!(f.arb.outbox.len(), 0);
 }
 
+/// Publishing seals memory with no lock held, then checks again: of publishes racing for
+/// one name, or for one lease, exactly one wins and the others are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_publishes_leave_one_publication_per_name_and_per_lease() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let (s, _rx) = f.arb.open_session("a", "t", Peer::default()).unwrap();
+    let mut leases = Vec::new();
+    for _ in 0..6 {
+        leases.push(f.arb.acquire(req("a", s, 2 * MIB)).await.unwrap().id);
+    }
+    let race = |jobs: Vec<(Uuid, String)>| {
+        let threads: Vec<_> = jobs
+            .into_iter()
+            .map(|(l, name)| {
+                let arb = f.arb.clone();
+                std::thread::spawn(move || arb.publish("a", l, &name, &[]))
+            })
+            .collect();
+        let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let won = results.iter().filter(|r| r.is_ok()).count();
+        for e in results.into_iter().filter_map(Result::err) {
+            assert!(matches!(e, BrokerError::FailedPrecondition(_)), "{e}");
+        }
+        won
+    };
+    // Five leases, one name.
+    let one_name = leases[..5]
+        .iter()
+        .map(|l| (*l, "same".to_string()))
+        .collect();
+    assert_eq!(race(one_name), 1);
+    // The sixth lease, five names.
+    let one_lease = (0..5).map(|i| (leases[5], format!("n{i}"))).collect();
+    assert_eq!(race(one_lease), 1);
+    let shared = f.arb.list_shared(None);
+    assert_eq!(shared.len(), 2, "{shared:?}");
+    assert_eq!(
+        shared.iter().filter(|p| p.lease == Some(leases[5])).count(),
+        1
+    );
+}
+
 /// Device 0's quarantined and cached bytes.
 async fn quarantined_and_cached(f: &Fixture) -> (u64, u64) {
     let d = &f.arb.devices().await[0];
