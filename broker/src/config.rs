@@ -214,6 +214,11 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_TENANT_RPC_RATE", default_value = "0", value_parser = parse_rate)]
     pub tenant_rpc_rate: f64,
 
+    /// Threads of the runtime that serves listings, other operator reads and the metrics
+    /// listener, apart from the one admission's calls run on (0: the same runtime).
+    #[arg(long, env = "GPU_BROKER_ADMIN_THREADS", default_value_t = defaults::ADMIN_THREADS, value_parser = clap::value_parser!(u16).range(0..=64))]
+    pub admin_threads: u16,
+
     /// Most calls a tenant may make in a burst above its rate.
     #[arg(long, env = "GPU_BROKER_TENANT_RPC_BURST", default_value = "100", value_parser = parse_rate)]
     pub tenant_rpc_burst: f64,

@@ -70,3 +70,5 @@ mod tests {
         assert_eq!(text(TURN_QUANTUM), "100ms");
     }
 }
+/// `--admin-threads`: threads of the runtime of listings, operator reads and `/metrics`.
+pub const ADMIN_THREADS: u16 = 2;

@@ -32,6 +32,7 @@ pub mod process;
 pub mod process_group;
 pub mod quota;
 pub mod rate;
+pub mod read_pool;
 pub mod reservations;
 pub mod scheduler;
 pub mod server;

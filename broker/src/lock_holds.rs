@@ -7,6 +7,11 @@
 //! operators (and the bench's admin-reads phase) read these counters to see whether
 //! listings, usage reads or scrapes stall admission. Recording is two clock reads and one
 //! or two relaxed atomic adds per hold (`arbiter/effects.rs`, when the guard is dropped).
+//!
+//! It also counts the takes that found the lock held, by how long they waited for it
+//! (`gpu_broker_state_lock_waits_total{longer_than}`; "0": every such take): what an
+//! acquire loses to others' holds, including a holder re-taking the lock at once. A take
+//! that finds the lock free costs no clock read.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -35,6 +40,13 @@ struct LongerThan {
 pub struct LockHolds {
     wall: [AtomicU64; THRESHOLDS.len()],
     cpu: [AtomicU64; THRESHOLDS.len()],
+    /// Takes that found the lock held, by how long they waited.
+    waits: [AtomicU64; THRESHOLDS.len()],
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WaitedLongerThan {
+    longer_than: &'static str,
 }
 
 /// The calling thread's CPU time (zero if the clock cannot be read).
@@ -68,6 +80,16 @@ impl LockHolds {
         bump(&self.cpu, cpu);
     }
 
+    /// A take of the lock found it held and waited `waited` for it.
+    pub fn record_wait(&self, waited: Duration) {
+        bump(&self.waits, waited);
+    }
+
+    /// Takes that waited, counted so far under each threshold (in [`THRESHOLDS`] order).
+    pub fn wait_counts(&self) -> [u64; THRESHOLDS.len()] {
+        std::array::from_fn(|i| self.waits[i].load(Ordering::Relaxed))
+    }
+
     /// Holds counted so far under each threshold (in [`THRESHOLDS`] order), by the wall
     /// clock and by the CPU clock.
     pub fn counts(&self) -> ([u64; THRESHOLDS.len()], [u64; THRESHOLDS.len()]) {
@@ -90,6 +112,17 @@ impl LockHolds {
             "state_lock_holds",
             "Holds of the arbiter's state lock (admission waits for it), by how long they exceeded",
             fam,
+        );
+        let waits = Family::<WaitedLongerThan, Counter>::default();
+        for ((longer_than, _), n) in THRESHOLDS.iter().zip(self.wait_counts()) {
+            waits
+                .get_or_create(&WaitedLongerThan { longer_than })
+                .inc_by(n);
+        }
+        reg.register(
+            "state_lock_waits",
+            "Takes of the arbiter's state lock that found it held, by how long they waited",
+            waits,
         );
     }
 }
@@ -118,6 +151,24 @@ mod tests {
         );
         assert!(
             text.contains("state_lock_holds_total{longer_than=\"1ms\",clock=\"cpu\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_wait_counts_under_every_threshold_it_exceeds() {
+        let h = LockHolds::default();
+        let us = Duration::from_micros;
+        h.record_wait(us(3));
+        h.record_wait(us(250));
+        h.record_wait(us(1500));
+        assert_eq!(h.wait_counts(), [3, 2, 1, 0]);
+        let mut reg = Registry::default();
+        h.register(&mut reg);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        assert!(
+            text.contains("state_lock_waits_total{longer_than=\"100us\"} 2"),
             "{text}"
         );
     }

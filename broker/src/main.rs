@@ -23,11 +23,15 @@ fn main() -> anyhow::Result<()> {
     let cfg = Config::load().unwrap_or_else(|e| e.exit());
     init_logging(cfg.log_json);
     join_own_mps(&cfg);
+    // Listings, operator reads and the metrics listener run on their own runtime
+    // (`read_pool.rs`), kept until the main one has stopped.
+    let reads = gpu_broker::read_pool::ReadPool::start(cfg.admin_threads.into())
+        .context("starting the runtime of operator reads")?;
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the tokio runtime")?
-        .block_on(run(cfg))
+        .block_on(run(cfg, &reads))
 }
 
 fn init_logging(json: bool) {
@@ -49,7 +53,7 @@ fn init_logging(json: bool) {
     }
 }
 
-async fn run(cfg: Config) -> anyhow::Result<()> {
+async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Result<()> {
     // The TCP listener's TLS first: a missing or bad certificate fails before anything
     // else is opened.
     let mut tcp_tls = None;
@@ -186,13 +190,21 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             tracing::warn!(%addr, "the metrics listener is reachable from other hosts without a token (--metrics-require-token)");
         }
         tracing::info!(addr = %l.local_addr()?, require_token = access.require_token, "metrics at /metrics");
-        tokio::spawn(serve_metrics_with(
+        // Registered again with the runtime it is served on.
+        let (l, arb, stop, limits) = (
+            l.into_std()?,
             arb.clone(),
-            l,
             shutdown.clone(),
-            access,
             cfg.limits.limits(),
-        ));
+        );
+        let serving = async move {
+            let l = tokio::net::TcpListener::from_std(l)?;
+            serve_metrics_with(arb, l, stop, access, limits).await
+        };
+        match reads.handle() {
+            Some(rt) => rt.spawn(serving),
+            None => tokio::spawn(serving),
+        };
     }
     let mut nvml_faults: Option<Box<dyn gpu_broker::health::FaultSource>> = None;
     if arb.backend_is_cuda() {
@@ -228,6 +240,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             tcp,
             tcp_tls,
             limits: cfg.limits.limits(),
+            reads: reads.layer(),
         },
         shutdown,
         cfg.shutdown_grace,

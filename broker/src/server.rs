@@ -65,6 +65,8 @@ pub struct Listeners {
     pub tcp_tls: Option<Arc<crate::tls::TlsServer>>,
     /// Connection caps, handshake deadline, stream limits (`crate::listener`).
     pub limits: crate::listener::Limits,
+    /// Moves listings and other operator reads to their own runtime (`crate::read_pool`).
+    pub reads: crate::read_pool::ReadsLayer,
 }
 
 /// Serves until `shutdown` is cancelled, then shuts down gracefully within `grace`.
@@ -116,7 +118,9 @@ pub async fn serve(
         // Connection and stream limits (listener.rs): calls per connection, and open calls
         // to the services that need no token.
         .max_concurrent_streams(listeners.limits.max_streams_per_connection)
-        .layer(crate::listener::UnauthStreamsLayer::new(&conns));
+        .layer(crate::listener::UnauthStreamsLayer::new(&conns))
+        // Listings and other operator reads run (and are encoded) on their own runtime.
+        .layer(listeners.reads.clone());
     // The TCP listener gets the same server; its TLS is terminated in front of it
     // (`listener::incoming_tls`), after the connection limits and under their deadline.
     let tcp_builder = builder.clone();

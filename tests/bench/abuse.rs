@@ -52,6 +52,19 @@ pub struct AbuseArgs {
     /// The phases to run (1-4).
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     pub phases: Vec<u32>,
+    /// Where phase 3's read loops run: a child process (decoding their answers takes
+    /// nothing from the timed worker's process) or a thread of this process.
+    #[arg(long, value_enum, default_value = "process")]
+    pub readers: crate::admin_reads::ReadersIn,
+    /// Phase 3: another broker measured side by side with the first, `"BIN [FLAGS...]"`
+    /// (repeatable; every arm of every broker in each round).
+    #[arg(long)]
+    pub also: Vec<String>,
+    /// Phase 3: the read arms to run, by number (1 ListTenants, 2 ListAllLeases, 3
+    /// ListLeases, 4 GetUsage, 5 /metrics, 6 /status, 7 all at once); the quiet arm
+    /// always runs. Default: all.
+    #[arg(long, value_delimiter = ',')]
+    pub arms: Vec<usize>,
 }
 
 fn fds(pid: Option<u32>) -> Option<usize> {
@@ -66,7 +79,16 @@ pub async fn run(common: &Common, a: &AbuseArgs) -> Result<()> {
         cycles_and_held(common, a).await?;
     }
     if a.phases.contains(&3) {
-        crate::admin_reads::run(common, a.tenants, a.leases, a.duration, a.rounds).await?;
+        let p = crate::admin_reads::Phase3 {
+            tenants: a.tenants,
+            leases: a.leases,
+            duration: a.duration,
+            rounds: a.rounds,
+            readers: a.readers,
+            also: a.also.clone(),
+            arms: a.arms.clone(),
+        };
+        crate::admin_reads::run(common, &p).await?;
     }
     if a.phases.contains(&4) {
         big_waiter(common).await?;

@@ -109,6 +109,9 @@ enum Mode {
     /// A worker process of `throughput --processes` (internal).
     #[command(hide = true)]
     Worker(throughput::WorkerArgs),
+    /// The read loops of `abuse` phase 3 in a process of their own (internal).
+    #[command(hide = true)]
+    Reads(admin_reads::ReadsArgs),
 }
 
 impl Common {
@@ -206,6 +209,7 @@ async fn run(cli: Cli) -> Result<()> {
         Mode::QuotaWrites(a) => quota_writes::run(&common, &a).await,
         Mode::Turns(a) => turns::run(&common, &a).await,
         Mode::Worker(a) => throughput::worker_process(&common, &a).await,
+        Mode::Reads(a) => admin_reads::reads_process(&a).await,
         Mode::All => {
             let defaults = |mode: &str| Cli::try_parse_from(["gpu-broker-bench", mode]);
             if let Mode::Latency(a) = defaults("latency")?.mode {

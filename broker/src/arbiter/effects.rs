@@ -216,6 +216,8 @@ pub(crate) struct Locked<'a> {
     /// counted: `lock_holds.rs`).
     since: std::time::Instant,
     cpu_since: std::time::Duration,
+    /// Released with a fair unlock: handed to a thread waiting for it, if any.
+    fair: bool,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -231,7 +233,22 @@ impl std::ops::DerefMut for Locked<'_> {
     }
 }
 
-impl Locked<'_> {
+impl<'a> Locked<'a> {
+    /// Releases the lock like a drop, but hands it to a thread waiting for it, if any, so
+    /// that the caller cannot take it again first (a listing between its chunks: an
+    /// acquire waiting behind one chunk does not wait behind the next as well).
+    pub(crate) fn unlock_fair(mut self) {
+        self.fair = true;
+    }
+
+    fn release(&self, st: MutexGuard<'a, State>) {
+        if self.fair {
+            MutexGuard::unlock_fair(st);
+        } else {
+            drop(st);
+        }
+    }
+
     /// Counts the hold that just ended (`lock_holds.rs`).
     fn record_hold(&self) {
         let cpu = crate::lock_holds::thread_cpu_now().saturating_sub(self.cpu_since);
@@ -250,7 +267,7 @@ impl Drop for Locked<'_> {
             panic!("byte-state invariant broken: {e}");
         }
         if st.fx().is_empty() {
-            drop(st);
+            self.release(st);
             self.record_hold();
             return;
         }
@@ -271,7 +288,7 @@ impl Drop for Locked<'_> {
                 other => later.push(After::Run(other)),
             }
         }
-        drop(st);
+        self.release(st);
         self.record_hold();
         for e in later {
             match e {
@@ -287,12 +304,19 @@ impl Drop for Locked<'_> {
 impl Arbiter {
     /// Takes the state lock; dropping the guard runs the effects the transitions pushed.
     pub(crate) fn lock(&self) -> Locked<'_> {
-        let st = self.state.lock();
+        // A take that finds the lock held is timed (`lock_holds.rs`); a free one is not.
+        let st = self.state.try_lock().unwrap_or_else(|| {
+            let t0 = std::time::Instant::now();
+            let st = self.state.lock();
+            self.metrics.lock_holds.record_wait(t0.elapsed());
+            st
+        });
         Locked {
             arb: self,
             st: Some(st),
             since: std::time::Instant::now(),
             cpu_since: crate::lock_holds::thread_cpu_now(),
+            fair: false,
         }
     }
 

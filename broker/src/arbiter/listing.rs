@@ -7,6 +7,8 @@
 //! opaque to clients: the last key of the page (tenant name, lease sequence number,
 //! session id, publication sequence number).
 //! The whole-list methods (`list_tenants`, `list_all_leases`, ...) walk the pages.
+//! Chunks release the lock fairly (`Locked::unlock_fair`): a take waiting behind one chunk
+//! gets the lock before the listing takes it for the next.
 
 use super::{Arbiter, SessionView, TenantView};
 use crate::bounds;
@@ -141,6 +143,8 @@ impl Arbiter {
                 }
             })
             .collect();
+        drop((counts, page, it));
+        st.unlock_fair();
         (views, more)
     }
 
@@ -183,6 +187,8 @@ impl Arbiter {
                 let (page, more) = st.leases().page_after(tenant, cursor, want);
                 let chunk: Vec<(u64, LeaseView)> =
                     page.iter().map(|l| (l.seq, st.view(l))).collect();
+                drop(page);
+                st.unlock_fair();
                 (chunk, more)
             };
             if let Some((seq, _)) = chunk.last() {
@@ -310,6 +316,36 @@ impl Arbiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A listing's chunk hands the lock to a take waiting behind it (it cannot re-take the
+    /// lock first), and that take's wait is counted.
+    #[test]
+    fn a_chunk_hands_the_lock_to_a_waiting_take() {
+        let arb = crate::arbiter::host_arbiter(1 << 30, 1, Default::default());
+        let waits_before = arb.metrics.lock_holds.wait_counts()[0];
+        let chunk = arb.lock();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = {
+            let arb = arb.clone();
+            std::thread::spawn(move || {
+                tx.send(()).unwrap();
+                let st = arb.lock();
+                // Holds it a moment so the main thread's try_lock below sees it taken.
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                drop(st);
+            })
+        };
+        rx.recv().unwrap();
+        // The waiter spins a few microseconds, then parks; wait until it has parked.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        chunk.unlock_fair();
+        assert!(
+            arb.state.try_lock().is_none(),
+            "the lock went to the waiting take, not back to the listing"
+        );
+        waiter.join().unwrap();
+        assert!(arb.metrics.lock_holds.wait_counts()[0] > waits_before);
+    }
 
     #[test]
     fn page_sizes_default_and_cap() {

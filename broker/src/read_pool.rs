@@ -1,0 +1,252 @@
+//! Where operators' reads run: the listings and other reads of [`OFFLOADED`] and the
+//! metrics listener (`/metrics`, `/status`) are served on a small runtime of their own
+//! (`--admin-threads`, default 2; 0: on the main runtime), so building their pages,
+//! encoding them and rendering the scrape never take the worker threads that admission's
+//! calls (acquire, release, turns, session streams) run on, however large the listing.
+//!
+//! [`ReadsLayer`] is the tower layer in front of the gRPC routes that moves such a call
+//! there: the handler runs and its response is encoded on the reads runtime (the whole
+//! body, a bounded page), and the main runtime only forwards the encoded frames. The
+//! state lock is the same for both; listings hold it for short chunks (`arbiter/listing.rs`).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use tonic::body::Body;
+use tonic::codegen::http;
+
+/// The calls served on the reads runtime: unary reads whose answer grows with the number
+/// of tenants, leases, sessions or records (and the device and drain views).
+pub const OFFLOADED: &[&str] = &[
+    "/gpubroker.v1.Broker/ListLeases",
+    "/gpubroker.v1.Broker/ListSharedLeases",
+    "/gpubroker.v1.Admin/ListTenants",
+    "/gpubroker.v1.Admin/ListAllLeases",
+    "/gpubroker.v1.Admin/ListSessions",
+    "/gpubroker.v1.Admin/ListTokens",
+    "/gpubroker.v1.Admin/ListAudit",
+    "/gpubroker.v1.Admin/ListQuarantined",
+    "/gpubroker.v1.Admin/ListSharedLeases",
+    "/gpubroker.v1.Admin/GetDevices",
+];
+
+/// Name of the reads runtime's threads.
+pub const THREAD_NAME: &str = "gpu-broker-reads";
+
+/// The reads runtime (None with 0 threads: reads run where they arrive).
+pub struct ReadPool {
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl ReadPool {
+    /// Starts a runtime of `threads` worker threads (0: none).
+    pub fn start(threads: usize) -> std::io::Result<ReadPool> {
+        let rt = match threads {
+            0 => None,
+            n => Some(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(n)
+                    .thread_name(THREAD_NAME)
+                    .enable_all()
+                    .build()?,
+            ),
+        };
+        Ok(ReadPool { rt })
+    }
+
+    /// Where to spawn reads (None: on the caller's runtime).
+    pub fn handle(&self) -> Option<tokio::runtime::Handle> {
+        self.rt.as_ref().map(|rt| rt.handle().clone())
+    }
+
+    /// The layer that moves [`OFFLOADED`] calls to this runtime.
+    pub fn layer(&self) -> ReadsLayer {
+        ReadsLayer {
+            handle: self.handle(),
+        }
+    }
+}
+
+impl Drop for ReadPool {
+    fn drop(&mut self) {
+        // May be dropped from within an async context (a test's runtime): never block.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// The tower layer (see the module doc); without a runtime it passes every call through.
+#[derive(Clone, Default)]
+pub struct ReadsLayer {
+    handle: Option<tokio::runtime::Handle>,
+}
+
+impl<S> tower::Layer<S> for ReadsLayer {
+    type Service = Reads<S>;
+    fn layer(&self, inner: S) -> Reads<S> {
+        Reads {
+            inner,
+            handle: self.handle.clone(),
+        }
+    }
+}
+
+/// The service of [`ReadsLayer`].
+#[derive(Clone)]
+pub struct Reads<S> {
+    inner: S,
+    handle: Option<tokio::runtime::Handle>,
+}
+
+type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
+
+/// Runs `call` to its response and reads the whole response body (it is encoded as it is
+/// read); the frames, replayed as a body.
+async fn answered<F, E>(call: F) -> Result<http::Response<Body>, E>
+where
+    F: Future<Output = Result<http::Response<Body>, E>>,
+{
+    use http_body_util::BodyExt;
+    let (parts, mut body) = call.await?.into_parts();
+    let mut frames = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let failed = frame.is_err();
+        frames.push(frame);
+        if failed {
+            break;
+        }
+    }
+    let body = http_body_util::StreamBody::new(futures::stream::iter(frames));
+    Ok(http::Response::from_parts(parts, Body::new(body)))
+}
+
+impl<S> tower::Service<http::Request<Body>> for Reads<S>
+where
+    S: tower::Service<http::Request<Body>, Response = http::Response<Body>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let Some(rt) = self
+            .handle
+            .clone()
+            .filter(|_| OFFLOADED.contains(&req.uri().path()))
+        else {
+            return Box::pin(self.inner.call(req));
+        };
+        // The service that was made ready takes the call; a clone stays for the next.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        // Dropped (the caller went away): the read is aborted at its next await.
+        let task = tokio_util::task::AbortOnDropHandle::new(rt.spawn(answered(inner.call(req))));
+        Box::pin(async move {
+            match task.await {
+                Ok(r) => r,
+                Err(e) => Ok(tonic::Status::internal(format!("the read failed: {e}")).into_http()),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::{Layer, Service, ServiceExt};
+
+    /// A service answering with the name of the thread that ran it, as the body, and a
+    /// trailer.
+    #[derive(Clone)]
+    struct WhereRun;
+
+    impl Service<http::Request<Body>> for WhereRun {
+        type Response = http::Response<Body>;
+        type Error = std::convert::Infallible;
+        type Future = BoxFuture<Self::Response, Self::Error>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
+            Box::pin(async {
+                tokio::task::yield_now().await;
+                let name = std::thread::current().name().unwrap_or("").to_string();
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                let frames: Vec<Result<_, tonic::Status>> = vec![
+                    Ok(http_body::Frame::data(tonic::codegen::Bytes::from(name))),
+                    Ok(http_body::Frame::trailers(trailers)),
+                ];
+                Ok(http::Response::new(Body::new(
+                    http_body_util::StreamBody::new(futures::stream::iter(frames)),
+                )))
+            })
+        }
+    }
+
+    async fn call(layer: &ReadsLayer, path: &str) -> (String, Option<http::HeaderMap>) {
+        use http_body_util::BodyExt;
+        let req = http::Request::builder()
+            .uri(format!("http://x{path}"))
+            .body(Body::empty())
+            .unwrap();
+        let resp = layer.layer(WhereRun).oneshot(req).await.unwrap();
+        let collected = resp.into_body().collect().await.unwrap();
+        let trailers = collected.trailers().cloned();
+        (
+            String::from_utf8(collected.to_bytes().to_vec()).unwrap(),
+            trailers,
+        )
+    }
+
+    #[test]
+    fn listings_run_on_the_reads_runtime_and_everything_else_where_it_arrives() {
+        let pool = ReadPool::start(1).unwrap();
+        let main = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("main-worker")
+            .enable_all()
+            .build()
+            .unwrap();
+        let layer = pool.layer();
+        // On a worker of the main runtime, as a served call is.
+        main.block_on(main.spawn(async move {
+            for path in OFFLOADED {
+                let (ran_on, trailers) = call(&layer, path).await;
+                assert_eq!(ran_on, THREAD_NAME, "{path}");
+                // The body's frames come through whole, trailers (the gRPC status) too.
+                assert_eq!(trailers.unwrap()["grpc-status"], "0", "{path}");
+            }
+            for path in [
+                "/gpubroker.v1.Broker/AcquireLease",
+                "/gpubroker.v1.Broker/ReleaseLease",
+                "/gpubroker.v1.Broker/GetUsage",
+                "/gpubroker.v1.Admin/SetQuota",
+                "/grpc.health.v1.Health/Check",
+            ] {
+                let (ran_on, _) = call(&layer, path).await;
+                assert_eq!(ran_on, "main-worker", "{path}");
+            }
+        }))
+        .unwrap();
+        // With no reads runtime every call runs where it arrives.
+        let inline = ReadPool::start(0).unwrap();
+        assert!(inline.handle().is_none());
+        let layer = inline.layer();
+        main.block_on(main.spawn(async move {
+            let (ran_on, _) = call(&layer, OFFLOADED[0]).await;
+            assert_eq!(ran_on, "main-worker");
+        }))
+        .unwrap();
+    }
+}
