@@ -399,13 +399,91 @@ struct Setup {
     label: String,
     /// The binary and its extra flags.
     what: String,
-    /// The holder's client and session (open while `held` is).
-    _holder: (Client, Session),
+    /// The process holding the leases.
+    holder: Holder,
     target: crate::broker::Target,
     readers: Readers,
     ws: Session,
-    held: Vec<gpu_broker_client::Lease>,
     sizes: Vec<u64>,
+}
+
+/// The child process holding one broker's leases (each lease's descriptor is open in the
+/// holder: one process of the bench could not hold those of several brokers), until it
+/// is dropped.
+struct Holder {
+    child: std::process::Child,
+    held: u64,
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        // Closing its stdin ends it (its leases are released as its session ends).
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts the holder of `leases` leases of 2 MiB for the tenant of `token`; returns once
+/// they are held.
+fn start_holder(uri: &str, token: &str, leases: u32) -> Result<Holder> {
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["hold", "--uri", uri, "--leases", &leases.to_string()])
+        .env("GPB_BENCH_HOLDER_TOKEN", token)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the lease holder")?;
+    let mut out = std::io::BufReader::new(child.stdout.take().context("stdout")?);
+    let mut line = String::new();
+    out.read_line(&mut line)?;
+    let held = line
+        .strip_prefix("held ")
+        .and_then(|n| n.trim().parse().ok());
+    let Some(held) = held else {
+        let _ = child.kill();
+        let _ = child.wait();
+        anyhow::bail!("the lease holder did not start: {line:?}");
+    };
+    Ok(Holder { child, held })
+}
+
+/// The hidden `hold` mode: the lease holder of phase 3.
+#[derive(Debug, Args)]
+pub struct HoldArgs {
+    #[arg(long)]
+    uri: String,
+    #[arg(long)]
+    leases: u32,
+}
+
+/// Acquires the leases (32 in flight), prints "held N", holds them until stdin closes.
+pub async fn hold_process(a: &HoldArgs) -> Result<()> {
+    use futures::StreamExt;
+    let holder = Client::connect(&a.uri, std::env::var("GPB_BENCH_HOLDER_TOKEN")?).await?;
+    let hs = holder.session("holder").await?;
+    let mut held = Vec::new();
+    let mut pending = futures::stream::FuturesUnordered::new();
+    for _ in 0..a.leases {
+        pending.push(hs.lease(2 << 20));
+        if pending.len() >= 32 {
+            if let Some(l) = pending.next().await {
+                held.push(l?);
+            }
+        }
+    }
+    while let Some(l) = pending.next().await {
+        held.push(l?);
+    }
+    drop(pending);
+    println!("held {}", held.len());
+    std::io::stdout().flush()?;
+    tokio::task::spawn_blocking(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+    })
+    .await?;
+    drop(held);
+    Ok(())
 }
 
 async fn setup(common: &Common, label: String, extra: Vec<String>, p: &Phase3) -> Result<Setup> {
@@ -438,27 +516,11 @@ async fn setup(common: &Common, label: String, extra: Vec<String>, p: &Phase3) -
     let (_, holder_token) = target
         .tenant("holder", QuotaSpec::new(u64::MAX / 4))
         .await?;
-    let holder = Client::connect(&target.uri, holder_token.clone()).await?;
-    let hs = holder.session("holder").await?;
-    let mut held = Vec::new();
-    let mut pending = futures::stream::FuturesUnordered::new();
-    use futures::StreamExt;
-    for _ in 0..p.leases {
-        pending.push(hs.lease(2 << 20));
-        if pending.len() >= 32 {
-            if let Some(l) = pending.next().await {
-                held.push(l?);
-            }
-        }
-    }
-    while let Some(l) = pending.next().await {
-        held.push(l?);
-    }
-    drop(pending);
+    let holder = start_holder(&target.uri, &holder_token, p.leases)?;
     note(format!(
         "broker {label}: {} tenants and {} leases set up in {:.1} s",
         p.tenants,
-        held.len(),
+        holder.held,
         started.elapsed().as_secs_f64()
     ));
     let (_, wtoken) = target.tenant("worker", QuotaSpec::new(1 << 30)).await?;
@@ -482,11 +544,10 @@ async fn setup(common: &Common, label: String, extra: Vec<String>, p: &Phase3) -
     Ok(Setup {
         label,
         what,
-        _holder: (holder, hs),
+        holder,
         target,
         readers,
         ws,
-        held,
         sizes,
     })
 }
@@ -561,7 +622,7 @@ pub async fn run(common: &Common, p: &Phase3) -> Result<()> {
         format!(
             "abuse: pooled acquire+release with {} tenants and {} live leases, while admin and metrics reads loop ({} rounds of {:.1} s per arm; medians over rounds; readers in a {})",
             p.tenants,
-            brokers[0].held.len(),
+            brokers[0].holder.held,
             p.rounds.max(1),
             p.duration.as_secs_f64(),
             match p.readers {
@@ -627,7 +688,7 @@ pub async fn run(common: &Common, p: &Phase3) -> Result<()> {
             json_line(
                 common.json,
                 &json!({"mode": "abuse", "phase": "admin_reads", "broker": s.label, "arm": name,
-                        "tenants": p.tenants, "leases": s.held.len(), "rounds": p.rounds,
+                        "tenants": p.tenants, "leases": s.holder.held, "rounds": p.rounds,
                         "readers": format!("{:?}", p.readers).to_lowercase(),
                         "acquires": t.acquires, "reads": t.reads,
                         "p50_us": p50, "p99_us": p99, "p99s_us": t.p99s, "added_p99_us": p99 - quiet_p99,

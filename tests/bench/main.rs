@@ -112,6 +112,9 @@ enum Mode {
     /// The read loops of `abuse` phase 3 in a process of their own (internal).
     #[command(hide = true)]
     Reads(admin_reads::ReadsArgs),
+    /// The lease holder of `abuse` phase 3 in a process of its own (internal).
+    #[command(hide = true)]
+    Hold(admin_reads::HoldArgs),
 }
 
 impl Common {
@@ -210,6 +213,7 @@ async fn run(cli: Cli) -> Result<()> {
         Mode::Turns(a) => turns::run(&common, &a).await,
         Mode::Worker(a) => throughput::worker_process(&common, &a).await,
         Mode::Reads(a) => admin_reads::reads_process(&a).await,
+        Mode::Hold(a) => admin_reads::hold_process(&a).await,
         Mode::All => {
             let defaults = |mode: &str| Cli::try_parse_from(["gpu-broker-bench", mode]);
             if let Mode::Latency(a) = defaults("latency")?.mode {
