@@ -45,6 +45,9 @@ pub fn text(d: Duration) -> String {
     humantime::format_duration(d).to_string()
 }
 
+/// `--admin-threads`: threads of the runtime of listings, operator reads and `/metrics`.
+pub const ADMIN_THREADS: u16 = 2;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,5 +73,3 @@ mod tests {
         assert_eq!(text(TURN_QUANTUM), "100ms");
     }
 }
-/// `--admin-threads`: threads of the runtime of listings, operator reads and `/metrics`.
-pub const ADMIN_THREADS: u16 = 2;
