@@ -2,7 +2,8 @@
 //! shows, as one read-only HTML page that reloads itself every few seconds — devices with
 //! usage bars (leased, reserved for processes, cached, quarantined, outside the broker,
 //! headroom, free) and, under managed MPS, the daemon's state, clients and the compute mode,
-//! tenants against limit and guarantee, the process reservations (`gpu-brokerctl run`),
+//! tenants against limit and guarantee (on a node of more than
+//! [`MAX_TENANT_ROWS`] tenants, those holding the most), the process reservations (`gpu-brokerctl run`),
 //! the largest and oldest leases, waiting requests, and quarantined memory with its
 //! process. No scripts, no external resources; every value
 //! is HTML-escaped. Access is the metrics listener's (`status_http`).
@@ -14,6 +15,11 @@ use std::time::SystemTime;
 
 /// Seconds between the page's reloads.
 pub const REFRESH_SECS: u32 = 5;
+
+/// Most tenant rows the page shows. Above it the page shows the tenants holding the most
+/// and counts the rest (`gpu-brokerctl tenants list` lists every one), so a node of
+/// thousands of tenants gets a page of tens of kilobytes, not megabytes.
+pub const MAX_TENANT_ROWS: usize = 200;
 
 fn esc(s: &str) -> String {
     let mut o = String::with_capacity(s.len());
@@ -165,7 +171,18 @@ pub async fn render(arb: &Arbiter) -> String {
         );
     }
     out.push_str("<h2>Tenants</h2><table><tr><th>tenant</th><th>held</th><th>reserved for processes</th><th>limit</th><th>guaranteed</th><th>quarantined</th><th>leases</th><th>sessions</th><th>waiting</th></tr>");
-    for t in &tenants {
+    let mut shown: Vec<&crate::arbiter::TenantView> = tenants.iter().collect();
+    let hidden = shown.len().saturating_sub(MAX_TENANT_ROWS);
+    if hidden > 0 {
+        shown.sort_by(|a, b| {
+            b.usage
+                .held_bytes
+                .cmp(&a.usage.held_bytes)
+                .then_with(|| a.name.cmp(&b.name))
+        });
+        shown.truncate(MAX_TENANT_ROWS);
+    }
+    for t in shown {
         let _ = write!(
             out,
             "<tr><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
@@ -181,6 +198,12 @@ pub async fn render(arb: &Arbiter) -> String {
         );
     }
     out.push_str("</table>");
+    if hidden > 0 {
+        let _ = write!(
+            out,
+            "<p id=\"more-tenants\">the {MAX_TENANT_ROWS} tenants holding the most are shown; {hidden} more are not (<code>gpu-brokerctl tenants list</code> lists every tenant)</p>"
+        );
+    }
     out.push_str("<h2>Process reservations</h2><table><tr><th>reservation</th><th>tenant</th><th>device</th><th>reserved</th><th>drawn by leases</th><th>pid</th><th>age</th><th>label</th></tr>");
     for r in &reservations {
         let _ = write!(
@@ -225,6 +248,58 @@ pub async fn render(arb: &Arbiter) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Above the cap the page shows the tenants holding the most and counts the others.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_node_of_many_tenants_gets_a_bounded_page() {
+        use crate::quota::Quota;
+        let arb = crate::arbiter::host_arbiter(1 << 30, 1, Default::default());
+        let q = Quota {
+            limit_bytes: 1 << 30,
+            ..Quota::default()
+        };
+        let n = MAX_TENANT_ROWS + 50;
+        for i in 0..n {
+            arb.set_quota(&format!("t{i:04}"), q.clone()).unwrap();
+        }
+        // The last tenant by name holds memory: it is shown although it sorts last.
+        let holder = format!("t{:04}", n - 1);
+        let (session, rx) = arb
+            .open_session(&holder, "s", crate::session::Peer::default())
+            .unwrap();
+        let _lease = arb
+            .acquire(crate::arbiter::AcquireRequest {
+                tenant: holder.clone(),
+                session,
+                bytes: 2 << 20,
+                device: None,
+                wait: std::time::Duration::ZERO,
+                label: String::new(),
+                reclaimable: false,
+                fallback_host: false,
+            })
+            .await
+            .unwrap();
+        let page = render(&arb).await;
+        let rows = (0..n)
+            .filter(|i| page.contains(&format!("<tr><td>t{i:04}</td>")))
+            .count();
+        assert_eq!(rows, MAX_TENANT_ROWS);
+        assert!(page.contains(&format!("<tr><td>{holder}</td>")));
+        assert!(page.contains("; 50 more are not"), "{page}");
+        // The summary still counts every tenant.
+        assert!(page.contains(&format!("{n} tenants")));
+        drop(rx);
+
+        // At or below the cap every tenant is shown, and no note.
+        let small = crate::arbiter::host_arbiter(1 << 30, 1, Default::default());
+        for i in 0..3 {
+            small.set_quota(&format!("s{i}"), q.clone()).unwrap();
+        }
+        let page = render(&small).await;
+        assert!((0..3).all(|i| page.contains(&format!("<tr><td>s{i}</td>"))));
+        assert!(!page.contains("more-tenants"));
+    }
 
     #[test]
     fn escapes_what_tenants_control() {
