@@ -614,6 +614,42 @@ impl From<BrokerError> for tonic::Status {
 /// Shorthand for results of broker operations.
 pub type BrokerResult<T> = Result<T, BrokerError>;
 
+/// When this broker process started (sessions are UUIDv7: their id carries their time).
+static STARTED: std::sync::LazyLock<std::time::SystemTime> =
+    std::sync::LazyLock::new(std::time::SystemTime::now);
+
+/// Records the broker's start (the first arbiter calls it): sessions opened before it are
+/// another run's.
+pub fn mark_started() {
+    std::sync::LazyLock::force(&STARTED);
+}
+
+/// A session id that is not open: `UNAVAILABLE` when it was opened before this broker
+/// started (the broker restarted and its leases are gone: re-open), else `NOT_FOUND`.
+pub fn session_not_found(id: Uuid) -> BrokerError {
+    use std::time::SystemTime;
+    // UUIDv7 timestamps are milliseconds: compare whole milliseconds, so a session opened
+    // in the millisecond the broker started counts as this run's.
+    let ms = |t: SystemTime| {
+        t.duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0)
+    };
+    let opened_ms = id.get_timestamp().map(|t| {
+        let (secs, nanos) = t.to_unix();
+        u128::from(secs) * 1000 + u128::from(nanos / 1_000_000)
+    });
+    match opened_ms {
+        Some(t) if t < ms(*STARTED) => BrokerError::BrokerRestarted { session: id },
+        _ => BrokerError::NotFound(Missing::Session(id)),
+    }
+}
+
+/// A lease id that is not live (or not the caller's).
+pub fn lease_not_found(id: Uuid) -> BrokerError {
+    BrokerError::NotFound(Missing::Lease(id))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,7 +27,7 @@
 //! * When the reservation ends, its remaining room is uncharged; leases drawn from it that
 //!   outlive it stay ordinary leases.
 
-use crate::arbiter::queue::{Ask, Granted, Reply};
+use crate::arbiter::queue::{Ask, Granted};
 use crate::arbiter::{AcquireRequest, Arbiter, State};
 use crate::error::{BrokerError, BrokerResult, Missing};
 use std::collections::HashMap;
@@ -78,6 +78,25 @@ pub struct Reservation {
 }
 
 impl Reservation {
+    /// Its public view (`device_uuid`: its device's UUID, which the core does not know).
+    pub fn view(&self, device_uuid: String) -> ReservationView {
+        ReservationView {
+            id: self.id,
+            tenant: self.tenant.clone(),
+            session: self.session,
+            device: self.device,
+            device_uuid,
+            bytes: self.bytes,
+            requested_bytes: self.requested_bytes,
+            drawn_bytes: self.drawn + self.lost,
+            label: self.label.clone(),
+            pid: self.pid,
+            compute_percent: self.compute_percent,
+            created: Some(self.created),
+            env: Vec::new(),
+        }
+    }
+
     /// Bytes still charged to the reservation itself: the room its process allocates in.
     pub fn room(&self) -> u64 {
         self.bytes.saturating_sub(self.drawn + self.lost)
@@ -310,21 +329,7 @@ impl Arbiter {
     }
 
     fn reservation_view(&self, r: &Reservation) -> ReservationView {
-        ReservationView {
-            id: r.id,
-            tenant: r.tenant.clone(),
-            session: r.session,
-            device: r.device,
-            device_uuid: self.device_uuid(r.device),
-            bytes: r.bytes,
-            requested_bytes: r.requested_bytes,
-            drawn_bytes: r.drawn + r.lost,
-            label: r.label.clone(),
-            pid: r.pid,
-            compute_percent: r.compute_percent,
-            created: Some(r.created),
-            env: Vec::new(),
-        }
+        r.view(self.device_uuid(r.device))
     }
 
     /// Refuses a reservation the session cannot have: one per session (it stands for
@@ -337,19 +342,6 @@ impl Arbiter {
             )));
         }
         Ok(())
-    }
-
-    /// Grants a queued reservation on device `d` (the queue found room and quota) and
-    /// answers the waiter (`State::grant_process`; one nobody receives is ended by the
-    /// shell).
-    pub(crate) fn grant_process(self: &Arc<Self>, st: &mut State, ask: Ask, reply: Reply, d: u32) {
-        let r = st.grant_process(&ask, d).and_then(|id| {
-            st.reservations()
-                .get(&id)
-                .map(|r| self.reservation_view(r))
-                .ok_or_else(|| BrokerError::Internal("reservation vanished".into()))
-        });
-        st.fx().reply_process(reply, r);
     }
 
     /// Ends one reservation: its room is uncharged. Does not run the queue.

@@ -1,39 +1,30 @@
-//! Admission: does a request fit now, on which device, and the grant itself. A request
-//! fits when its tenant's quota allows it (ledger), a device has that much leasable memory
-//! not yet promised (pool), and granting it leaves other tenants' unused guarantees intact.
-//! Requests that do not fit wait in the queue; every release re-runs [`Arbiter::drain`].
+//! Admission, the shell's side: a request is checked (shape, session, devices, what can
+//! never fit, a draw from a process reservation), offered to the queue, and its caller
+//! waits for the answer. What fits where, in which order, and whose memory is asked back
+//! is the core's queue policy (`state/queue.rs`): [`Arbiter::drain`] only reads what the
+//! policy needs from outside the state (which devices admit leases, the clocks, the
+//! tunables) and runs it. The device work of a grant (allocate, scrub) runs here on a
+//! task, outside the lock, on memory already reserved.
 
-use super::effects::{Effect, PendingGrant};
-use super::queue::{Ask, Granted, Reply};
-use super::state::NotCommitted;
+use super::effects::PendingGrant;
+use super::queue::{Ask, Granted, WaiterId};
+use super::state::{Enqueued, QueueEnv};
 use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
-use crate::error::{BrokerError, BrokerResult, DeviceRoom, Queue};
+use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
-use crate::ledger::Tier;
 use crate::pool::{Block, Source};
 use crate::units::show;
-use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Instant;
-use tokio::sync::oneshot;
+use std::time::{Instant, SystemTime};
 
 /// Largest single request accepted at all (1 PiB): anything above is malformed.
 pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
 
-/// Outcome of looking for a device.
-enum Fit {
-    Device(u32),
-    /// No candidate device has that much unpromised memory.
-    NoCapacity,
-    /// Memory exists but is kept for other tenants' guarantees.
-    GuaranteeHeld,
-}
-
-/// Result of queueing a request.
-enum Enqueued {
+/// A request offered to the queue, seen from the caller.
+enum Offered {
     Waiting {
-        rx: oneshot::Receiver<BrokerResult<Granted>>,
-        id: u64,
+        rx: tokio::sync::oneshot::Receiver<super::replies::Answer>,
+        id: WaiterId,
         bytes: u64,
         /// Still in the queue after the first pass (it did not fit at once).
         queued: bool,
@@ -44,17 +35,18 @@ enum Enqueued {
     },
 }
 
-/// Removes a waiter from the queue if the acquiring future is dropped (caller gone).
+/// Removes a waiter from the queue, and its reply channel, if the acquiring future is
+/// dropped (caller gone).
 struct WaiterGuard {
     arb: Arc<Arbiter>,
-    id: u64,
+    id: WaiterId,
 }
 
 impl Drop for WaiterGuard {
     fn drop(&mut self) {
         let mut st = self.arb.lock();
-        if st.queue_mut().remove(self.id).is_some() {
-            tracing::debug!(waiter = self.id, "waiting request left the queue");
+        self.arb.replies.forget(self.id);
+        if st.abandon(self.id) {
             // Its place may have blocked others.
             self.arb.drain(&mut st);
         }
@@ -101,7 +93,7 @@ impl Arbiter {
         };
         let queued = self.enqueue(&req, process, &lineage)?;
         let (mut rx, id, bytes) = match queued {
-            Enqueued::Waiting {
+            Offered::Waiting {
                 rx,
                 id,
                 bytes,
@@ -110,7 +102,7 @@ impl Arbiter {
                 *waited = queued;
                 (rx, id, bytes)
             }
-            Enqueued::Refused { bytes, err } => return self.fallback_or(&req, bytes, err).await,
+            Offered::Refused { bytes, err } => return self.fallback_or(&req, bytes, err).await,
         };
         let _guard = WaiterGuard {
             arb: self.clone(),
@@ -124,8 +116,12 @@ impl Arbiter {
                 Err(_) => {
                     let lost = {
                         let mut st = self.lock();
-                        let w = st.queue_mut().remove(id);
-                        w.map(|w| self.exhausted(&st, &w.ask))
+                        let lost = st.give_up(id, &self.avail.read());
+                        if lost.is_some() {
+                            // Its place may have blocked others.
+                            self.drain(&mut st);
+                        }
+                        lost
                     };
                     match lost {
                         Some(cause) => {
@@ -150,7 +146,7 @@ impl Arbiter {
         req: &AcquireRequest,
         process: Option<crate::reservations::ProcessAsk>,
         lineage: &[u32],
-    ) -> BrokerResult<Enqueued> {
+    ) -> BrokerResult<Offered> {
         let mut st = self.lock();
         let session = st
             .sessions()
@@ -167,12 +163,14 @@ impl Arbiter {
         // memory is already set aside (`reservations.rs`).
         if process.is_none() {
             if let Some(drawn) = self.draw_from_reservation(&mut st, req, lineage)? {
-                let (tx, rx) = oneshot::channel();
+                let id = st.next_waiter_id();
+                let rx = self.replies.register(id);
                 let bytes = drawn.ask.bytes;
-                self.grant(&mut st, drawn.ask, drawn.priority, tx, drawn.device);
-                return Ok(Enqueued::Waiting {
+                let draining = self.is_draining();
+                st.grant_waiter(id, drawn.ask, drawn.priority, drawn.device, draining);
+                return Ok(Offered::Waiting {
                     rx,
-                    id: 0,
+                    id,
                     bytes,
                     queued: false,
                 });
@@ -184,8 +182,8 @@ impl Arbiter {
             .ledger()
             .get(&req.tenant)
             .ok_or_else(|| BrokerError::tenant_not_found(&req.tenant))?;
-        let (limit, priority) = (tenant.quota.limit_bytes, tenant.quota.priority);
-        let candidates = self.candidates(req.device);
+        let priority = tenant.quota.priority;
+        let candidates = st.candidates(&self.avail.read(), req.device);
         let gran = candidates
             .iter()
             .map(|&d| st.pools()[d as usize].granularity())
@@ -194,36 +192,9 @@ impl Arbiter {
         let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
             BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
         })?;
-        let max_leasable = candidates
-            .iter()
-            .map(|&d| st.pools()[d as usize].leasable())
-            .max()
-            .unwrap_or(0);
         // Requests that can never fit fail at once, waiting or not.
-        let device_caps = st
-            .ledger()
-            .device_caps_never_fit(&req.tenant, &candidates, bytes);
-        let never = if bytes > limit {
-            Some(BrokerError::QuotaExceeded {
-                tenant: req.tenant.clone(),
-                tier: Tier::Device,
-                requested: bytes,
-                held: tenant.usage.committed_bytes(),
-                limit,
-            })
-        } else if device_caps.is_some() {
-            device_caps
-        } else if bytes > max_leasable {
-            Some(BrokerError::TooLarge {
-                requested: bytes,
-                leasable: max_leasable,
-                device: req.device,
-            })
-        } else {
-            None
-        };
-        if let Some(err) = never {
-            return Ok(Enqueued::Refused { bytes, err });
+        if let Some(err) = st.never_fits(&req.tenant, bytes, req.device, &candidates) {
+            return Ok(Offered::Refused { bytes, err });
         }
         let ask = Ask {
             tenant: req.tenant.clone(),
@@ -236,34 +207,26 @@ impl Arbiter {
             process,
             draw: None,
         };
-        let waiting = st
-            .queue()
-            .iter()
-            .filter(|w| w.ask.tenant == req.tenant)
-            .count();
-        if waiting >= self.cfg.max_waiting_per_tenant {
-            return Err(BrokerError::QueueFull {
-                tenant: req.tenant.clone(),
-                waiting,
-                queue: Queue::Lease,
-            });
-        }
-        let (tx, rx) = oneshot::channel();
-        let id = st.queue_mut().push(ask, priority, tx);
-        self.drain(&mut st);
-        let queued = st.queue().contains(id);
-        if queued && req.wait.is_zero() {
-            let w = st.queue_mut().remove(id);
-            let err = w.map(|w| self.exhausted(&st, &w.ask)).unwrap_or_else(|| {
-                BrokerError::Internal("a refused request left the queue early".into())
-            });
-            return Ok(Enqueued::Refused { bytes, err });
-        }
-        Ok(Enqueued::Waiting {
-            rx,
-            id,
-            bytes,
-            queued,
+        let offered = {
+            let avail = self.avail.read();
+            st.enqueue(
+                ask,
+                priority,
+                req.wait.is_zero(),
+                self.cfg.max_waiting_per_tenant,
+                &self.queue_env(&avail),
+            )?
+        };
+        Ok(match offered {
+            // The channel is in place before the lock is released, so before any answer
+            // the queue pushed for it runs.
+            Enqueued::Waiting { id, queued } => Offered::Waiting {
+                rx: self.replies.register(id),
+                id,
+                bytes,
+                queued,
+            },
+            Enqueued::Refused(err) => Offered::Refused { bytes, err },
         })
     }
 
@@ -302,163 +265,28 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Devices a request may use: the one it named, or all; only those that admit new
-    /// leases (not draining, not unhealthy: `availability.rs`).
-    pub(crate) fn candidates(&self, device: Option<u32>) -> Vec<u32> {
+    /// What the core's queue policy reads from outside the state, now.
+    fn queue_env<'a>(&self, avail: &'a crate::availability::Availability) -> QueueEnv<'a> {
+        QueueEnv {
+            avail,
+            now: Instant::now(),
+            wall: SystemTime::now(),
+            overtake_age: self.cfg.overtake_age,
+            reclaim_deadline: self.cfg.reclaim_deadline,
+            terminating: self.cfg.reclaim_policy == super::ReclaimPolicy::Terminate,
+            draining: self.is_draining(),
+        }
+    }
+
+    /// Runs the queue (`State::run_queue`): grants what fits, refuses what never can,
+    /// asks memory back for the rest. Every release and every change that may let a
+    /// waiter in calls it, under the state lock.
+    pub(crate) fn drain(&self, st: &mut State) {
+        if st.queue().is_empty() {
+            return;
+        }
         let avail = self.avail.read();
-        match device {
-            Some(d) => vec![d],
-            None => (0..self.devices.len() as u32).collect(),
-        }
-        .into_iter()
-        .filter(|&d| avail.admits(d))
-        .collect()
-    }
-
-    /// Grants every waiting request that fits, in queue order. A request blocked by
-    /// capacity blocks the devices it wants for everyone ranked after it (no overtaking);
-    /// one blocked by its own quota blocks nobody.
-    pub(crate) fn drain(self: &Arc<Self>, st: &mut State) {
-        loop {
-            st.queue_mut().remove_abandoned();
-            if st.queue().is_empty() {
-                return;
-            }
-            let order = st.queue().order(st.ledger());
-            let mut blocked: HashSet<u32> = HashSet::new();
-            // Heads blocked by capacity that other tenants of their priority may still
-            // overtake (younger than the overtake age: `overtaking.rs`):
-            // (waiter, priority, tenant, devices).
-            let mut soft: Vec<(u64, i32, String, Vec<u32>)> = Vec::new();
-            let mut granted = None;
-            let mut reclaim_for = Vec::new();
-            let now = Instant::now();
-            for id in order {
-                let Some(w) = st.queue().get(id) else {
-                    continue;
-                };
-                if w.ask.check_charge(st.ledger()).is_err() {
-                    continue;
-                }
-                // Devices where the tenant's per-device cap leaves room; none: blocked by
-                // its own quota (blocks nobody).
-                let all: Vec<u32> = self
-                    .candidates(w.ask.device)
-                    .into_iter()
-                    .filter(|&d| {
-                        st.ledger()
-                            .check_device(&w.ask.tenant, d, w.ask.bytes)
-                            .is_ok()
-                    })
-                    .collect();
-                if all.is_empty() {
-                    continue;
-                }
-                // Memory kept for a guarantee is its owner's: a request within its
-                // guarantee is not held back behind others blocked on capacity.
-                let guaranteed = st.ledger().within_guarantee(&w.ask.tenant, w.ask.bytes);
-                // A head blocked by capacity lets requests of other tenants of its own
-                // priority that fit go first while it is young; it keeps blocking its own
-                // tenant (FIFO) and lower priorities.
-                let soft_blocks = |d: &u32| {
-                    soft.iter().any(|(_, p, t, ds)| {
-                        ds.contains(d) && (*p != w.priority || *t == w.ask.tenant)
-                    })
-                };
-                let open: Vec<u32> = all
-                    .iter()
-                    .copied()
-                    .filter(|d| guaranteed || (!blocked.contains(d) && !soft_blocks(d)))
-                    .collect();
-                if open.is_empty() {
-                    continue;
-                }
-                match fit(st, &w.ask, &open) {
-                    Fit::Device(d) => {
-                        granted = Some((id, d));
-                        break;
-                    }
-                    Fit::NoCapacity => {
-                        reclaim_for.push(id);
-                        if super::overtaking::open_to_overtakers(
-                            w.since,
-                            now,
-                            self.cfg.overtake_age,
-                        ) {
-                            soft.push((id, w.priority, w.ask.tenant.clone(), all));
-                        } else {
-                            blocked.extend(all);
-                        }
-                    }
-                    Fit::GuaranteeHeld => reclaim_for.push(id),
-                }
-            }
-            for id in reclaim_for {
-                self.request_reclaim(st, id);
-            }
-            match granted.and_then(|(id, d)| st.queue_mut().remove(id).map(|w| (w, d))) {
-                Some((w, d)) => self.grant(st, w.ask, w.priority, w.reply, d),
-                None => return,
-            }
-        }
-    }
-
-    /// Reserves memory for `ask` on device `d` and finishes the grant: at once for a
-    /// cached block that needs no device work, else on a task that does the device work.
-    fn grant(self: &Arc<Self>, st: &mut State, ask: Ask, priority: i32, reply: Reply, d: u32) {
-        if ask.process.is_some() {
-            self.grant_process(st, ask, reply, d);
-            return;
-        }
-        let source = match st.reserve_grant(&ask, d) {
-            Ok(source) => source,
-            Err(e) => {
-                st.undraw(&ask);
-                st.fx().reply(reply, Err(e));
-                return;
-            }
-        };
-        let mut source = match source {
-            // Another tenant's block: a process may still map it (the broker cannot know
-            // who the holder passed the descriptor to: fork, `SCM_RIGHTS`), so it never
-            // reaches this tenant. Free it (a surviving mapping keeps its old pages,
-            // reaching nobody else) and give a fresh memory object of the same size.
-            Source::Cached { block, scrub: true } => {
-                tracing::debug!(device = d, tenant = %ask.tenant, "cached block of another tenant may still be mapped; allocating fresh");
-                st.replace_cached(d, block);
-                Source::Fresh {
-                    evicted: Vec::new(),
-                }
-            }
-            other => other,
-        };
-        if let Source::Cached {
-            block,
-            scrub: false,
-        } = source
-        {
-            let r = self.commit_grant(st, &ask, priority, d, block);
-            st.fx().reply(reply, r);
-            return;
-        }
-        // Evicted blocks are freed before the lock is released (`effects.rs`): the device
-        // thread runs jobs in order, so these frees happen before any allocation admitted
-        // after this one. (Leaving them to the spawned task let a later grant's allocation
-        // overtake them.)
-        if let Source::Fresh { evicted } = &mut source {
-            for b in std::mem::take(evicted) {
-                st.fx().free(d, b);
-            }
-        }
-        // The device work starts once the lock is released, after the frees above were
-        // queued (`Effect::Materialize`).
-        st.fx().push(Effect::Materialize(Box::new(PendingGrant {
-            ask,
-            priority,
-            reply,
-            device: d,
-            source,
-        })));
+        st.run_queue(&self.queue_env(&avail));
     }
 
     /// Runs `Effect::Materialize`: the device work of a grant on a task, then the grant is
@@ -468,7 +296,7 @@ impl Arbiter {
         let PendingGrant {
             ask,
             priority,
-            reply,
+            to,
             device: d,
             source,
         } = p;
@@ -476,14 +304,16 @@ impl Arbiter {
             let made = arb.materialize(d, ask.bytes, source).await;
             let mut st = arb.lock();
             let r = match made {
-                Ok(block) => arb.commit_grant(&mut st, &ask, priority, d, block),
+                Ok(block) => st
+                    .commit_grant(&ask, priority, d, block, arb.is_draining())
+                    .map_err(|why| why.into_error(ask.session)),
                 Err(e) => {
                     tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed");
                     st.unreserve_grant(&ask, d, None);
                     Err(e)
                 }
             };
-            st.fx().reply(reply, r);
+            st.fx().reply(to, r);
             arb.drain(&mut st);
         });
     }
@@ -516,67 +346,6 @@ impl Arbiter {
                 .call(move |dev| fresh_block(dev, bytes))
                 .await?
                 .map_err(BrokerError::from),
-        }
-    }
-
-    /// Turns a reservation into a lease of the session (or gives it back if the session
-    /// ended meanwhile, or the broker drains): `State::commit_grant`.
-    fn commit_grant(
-        self: &Arc<Self>,
-        st: &mut State,
-        ask: &Ask,
-        priority: i32,
-        d: u32,
-        block: Block,
-    ) -> BrokerResult<LeaseView> {
-        st.commit_grant(ask, priority, d, block, self.is_draining())
-            .map_err(|why| match why {
-                NotCommitted::Draining => BrokerError::ShuttingDown,
-                NotCommitted::SessionGone => session_not_found(ask.session),
-            })
-    }
-
-    /// Why `ask` does not fit now, with the numbers.
-    pub(crate) fn exhausted(&self, st: &State, ask: &Ask) -> BrokerError {
-        // The tenant's own limits first (bytes or lease count): they say it precisely.
-        if let Err(e) = ask.check_charge(st.ledger()) {
-            return e;
-        }
-        // Its caps on every device it may use: the first device's refusal says it.
-        let open = self.candidates(ask.device);
-        let capped: Vec<BrokerError> = open
-            .iter()
-            .filter_map(|&d| st.ledger().check_device(&ask.tenant, d, ask.bytes).err())
-            .collect();
-        if !open.is_empty() && capped.len() == open.len() {
-            if let Some(e) = capped.into_iter().next() {
-                return e;
-            }
-        }
-        let tenant = st.ledger().get(&ask.tenant);
-        let (held, limit) = tenant
-            .map(|t| (t.usage.committed_bytes(), t.quota.limit_bytes))
-            .unwrap_or((0, 0));
-        let devices = self
-            .candidates(ask.device)
-            .iter()
-            .map(|&d| {
-                let p = &st.pools()[d as usize];
-                DeviceRoom {
-                    device: d,
-                    free: p.available(),
-                    leasable: p.leasable(),
-                }
-            })
-            .collect();
-        BrokerError::NoCapacity {
-            tenant: ask.tenant.clone(),
-            requested: ask.bytes,
-            devices,
-            guaranteed: st.ledger().others_unused_guarantees(&ask.tenant),
-            held,
-            limit,
-            waiting: st.queue().len(),
         }
     }
 
@@ -653,31 +422,4 @@ fn fresh_block(
             Err(e)
         }
     }
-}
-
-/// Finds a device for `ask` among `open`: one with a cached block of that exact size
-/// first (no driver call), else the one with the most unpromised memory.
-fn fit(st: &State, ask: &Ask, open: &[u32]) -> Fit {
-    let fitting: Vec<u32> = open
-        .iter()
-        .copied()
-        .filter(|&d| st.pools()[d as usize].available() >= ask.bytes)
-        .collect();
-    if fitting.is_empty() {
-        return Fit::NoCapacity;
-    }
-    let node_free = st
-        .pools()
-        .iter()
-        .map(|p| p.available())
-        .fold(0, u64::saturating_add);
-    let others_guarantees = st.ledger().others_unused_guarantees(&ask.tenant);
-    if node_free.saturating_sub(others_guarantees) < ask.bytes {
-        return Fit::GuaranteeHeld;
-    }
-    let best = fitting.iter().copied().max_by_key(|&d| {
-        let p = &st.pools()[d as usize];
-        (p.has_cached(ask.bytes), p.available(), u32::MAX - d)
-    });
-    best.map(Fit::Device).unwrap_or(Fit::NoCapacity)
 }

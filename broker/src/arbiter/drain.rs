@@ -246,26 +246,9 @@ impl Arbiter {
     }
 
     /// Fails every waiting request that no open device can serve any more, with the
-    /// reason (pinned: `FAILED_PRECONDITION`; unpinned: `UNAVAILABLE`).
-    pub(crate) fn fail_stranded_waiters(self: &Arc<Self>, st: &mut State) {
-        let stranded: Vec<u64> = st
-            .queue()
-            .iter()
-            .filter(|w| self.candidates(w.ask.device).is_empty())
-            .map(|w| w.id)
-            .collect();
-        for id in stranded {
-            if let Some(w) = st.queue_mut().remove(id) {
-                let err = self.avail.read().refusal(w.ask.device).unwrap_or_else(|| {
-                    BrokerError::NoDeviceOpen {
-                        why: "every device it may use is closed".into(),
-                    }
-                });
-                tracing::info!(tenant = %w.ask.tenant, error = %err, "waiting request refused: its devices closed");
-                st.fx().reply(w.reply, Err(err));
-            }
-        }
-        // Their places may have blocked others.
+    /// reason (pinned: `FAILED_PRECONDITION`; unpinned: `UNAVAILABLE`), and runs the queue
+    /// (their places may have blocked others): `State::run_queue` refuses them.
+    pub(crate) fn fail_stranded_waiters(&self, st: &mut State) {
         self.drain(st);
     }
 }

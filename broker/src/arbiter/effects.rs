@@ -17,7 +17,7 @@
 //! [`Arbiter::execute`] is the one executor: every device free of the broker goes through
 //! it (`Effect::Free`, `Effect::FreeHost`).
 
-use super::queue::{Granted, Reply};
+use super::queue::{Granted, WaiterId};
 use super::{Arbiter, State};
 use crate::error::BrokerResult;
 use crate::lease::LeaseView;
@@ -46,9 +46,10 @@ pub(crate) enum Effect {
     Watch(Watch),
     /// Stop the watcher of that key (if it still runs). Run before the lock is released.
     Unwatch(Watch),
-    /// Answer a waiting `acquire`; a grant nobody receives is released at once.
+    /// Answer a waiting `acquire` (by its id: the shell keeps the channel,
+    /// `replies.rs`); a grant nobody receives is released at once.
     Reply {
-        to: Reply,
+        to: WaiterId,
         result: BrokerResult<Granted>,
     },
     /// Tell a session something (its event stream, through its mailbox in `outbox.rs`).
@@ -118,7 +119,8 @@ impl Watchers {
 pub(crate) struct PendingGrant {
     pub ask: super::queue::Ask,
     pub priority: i32,
-    pub reply: Reply,
+    /// The waiter its answer goes to.
+    pub to: WaiterId,
     pub device: u32,
     pub source: crate::pool::Source,
 }
@@ -154,7 +156,7 @@ impl Effects {
         self.0.push(Effect::Notify { session, event });
     }
     /// Answer a waiter with a lease (or why not).
-    pub fn reply(&mut self, to: Reply, result: BrokerResult<LeaseView>) {
+    pub fn reply(&mut self, to: WaiterId, result: BrokerResult<LeaseView>) {
         self.0.push(Effect::Reply {
             to,
             result: result.map(Granted::Lease),
@@ -163,7 +165,7 @@ impl Effects {
     /// Answer a waiting process reservation (or why not).
     pub fn reply_process(
         &mut self,
-        to: Reply,
+        to: WaiterId,
         result: BrokerResult<crate::reservations::ReservationView>,
     ) {
         self.0.push(Effect::Reply {
@@ -384,25 +386,13 @@ impl Arbiter {
             }
             Effect::Watch(w) => self.start_watch(w),
             Effect::Unwatch(w) => self.watchers.stop(&w),
-            Effect::Reply { to, result } => match to.send(result) {
-                Err(Ok(Granted::Lease(view))) => {
-                    tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
-                    if let Some(me) = self.me.upgrade() {
-                        let mut st = me.lock();
-                        me.end_lease(&mut st, view.id, super::Ending::Cache);
-                        me.drain(&mut st);
-                    }
+            Effect::Reply { to, mut result } => {
+                // The core leaves a reservation's device UUID to the shell.
+                if let Ok(Granted::Process(v)) = &mut result {
+                    v.device_uuid = self.device_uuid(v.device);
                 }
-                Err(Ok(Granted::Process(view))) => {
-                    tracing::debug!(reservation = %view.id, "caller gone before the reservation arrived; ending it");
-                    if let Some(me) = self.me.upgrade() {
-                        let mut st = me.lock();
-                        me.end_reservation(&mut st, view.id);
-                        me.drain(&mut st);
-                    }
-                }
-                _ => {}
-            },
+                self.answer(to, result)
+            }
             Effect::Notify { session, event } => self.outbox.send(&session, event),
             Effect::Hangup { session } => self.outbox.close(&session),
             Effect::CheckGone { of, pids } => {
@@ -440,6 +430,30 @@ impl Arbiter {
                 Counted::ReclaimRequested => self.metrics.reclaim_requested(),
                 Counted::CrossTenantFresh => self.metrics.cross_tenant_fresh(),
             },
+        }
+    }
+
+    /// Runs `Effect::Reply`: the answer goes to the waiter's channel; a grant nobody
+    /// receives (the caller went away) is given back at once.
+    fn answer(&self, to: WaiterId, result: BrokerResult<Granted>) {
+        match self.replies.send(to, result) {
+            Err(Ok(Granted::Lease(view))) => {
+                tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
+                if let Some(me) = self.me.upgrade() {
+                    let mut st = me.lock();
+                    me.end_lease(&mut st, view.id, super::Ending::Cache);
+                    me.drain(&mut st);
+                }
+            }
+            Err(Ok(Granted::Process(view))) => {
+                tracing::debug!(reservation = %view.id, "caller gone before the reservation arrived; ending it");
+                if let Some(me) = self.me.upgrade() {
+                    let mut st = me.lock();
+                    me.end_reservation(&mut st, view.id);
+                    me.drain(&mut st);
+                }
+            }
+            _ => {}
         }
     }
 }

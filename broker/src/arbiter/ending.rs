@@ -7,11 +7,10 @@ use super::effects::{Counted, Effect};
 use super::{lease_not_found, Arbiter, Ending, ReclaimPolicy, State};
 use crate::error::BrokerResult;
 use crate::lease::{LeaseState, LeaseView};
-use crate::ledger::Tier;
 use crate::process::process_gone;
 use crate::session::{Peer, SessionEvent};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 impl Arbiter {
@@ -127,138 +126,6 @@ impl Arbiter {
         view.ok_or_else(|| lease_not_found(id))
     }
 
-    /// Asks holders of memory that waiter `id` is entitled to for it back: borrowed leases
-    /// (when the waiter is within its guarantee) and reclaimable leases of lower priority,
-    /// lowest priority and newest first, only as much as needed.
-    pub(crate) fn request_reclaim(self: &Arc<Self>, st: &mut State, id: u64) {
-        let Some(w) = st.queue().get(id) else { return };
-        if w.reclaim_sent {
-            return;
-        }
-        let ask = w.ask.clone();
-        let priority = w.priority;
-        if st.ledger().get(&ask.tenant).is_none() {
-            return;
-        }
-        let within_guarantee = st.ledger().within_guarantee(&ask.tenant, ask.bytes);
-        let devices = self.candidates(ask.device);
-        // Free for this tenant: unpromised memory minus what is kept for others' guarantees.
-        let node_free = st
-            .pools()
-            .iter()
-            .map(|p| p.available())
-            .fold(0, u64::saturating_add);
-        let for_tenant =
-            node_free.saturating_sub(st.ledger().others_unused_guarantees(&ask.tenant));
-        let best_free = devices
-            .iter()
-            .map(|&d| st.pools()[d as usize].available())
-            .max()
-            .unwrap_or(0)
-            .min(for_tenant);
-        // Memory already on its way back counts: leases asked to go, and (with the
-        // terminate policy) quarantine of holders being killed.
-        let terminating = self.cfg.reclaim_policy == ReclaimPolicy::Terminate;
-        let pending: u64 = st
-            .leases()
-            .iter()
-            .filter(|l| devices.contains(&l.device) && l.tier == Tier::Device)
-            .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }))
-            .map(|l| l.bytes())
-            .chain(
-                devices
-                    .iter()
-                    .filter(|_| terminating)
-                    .map(|&d| st.pools()[d as usize].stats().quarantined),
-            )
-            .fold(0, u64::saturating_add);
-        // Under the cooperative policy, a holder that already ignored a reclaim (its
-        // revoked memory sits in quarantine) frees nothing by losing more leases: ask others.
-        let uncooperative: std::collections::HashSet<u32> = if terminating {
-            Default::default()
-        } else {
-            st.quarantine().values().filter_map(|q| q.pid).collect()
-        };
-        let mut need = ask.bytes.saturating_sub(best_free.saturating_add(pending));
-        if need == 0 {
-            return;
-        }
-        // Asking for memory back changes no charge: what each tenant borrowed, read once.
-        let borrowed: std::collections::HashMap<String, u64> = st
-            .ledger()
-            .tenants()
-            .map(|t| (t.name.clone(), t.borrowed_bytes()))
-            .collect();
-        let borrowed_of = |t: &str| borrowed.get(t).copied().unwrap_or(0);
-        let mut victims: Vec<(i32, u64, Uuid, u64, String)> = st
-            .leases()
-            .iter()
-            .filter(|l| l.tier == Tier::Device && devices.contains(&l.device))
-            .filter(|l| matches!(l.state, LeaseState::Active))
-            .filter(|l| l.tenant != ask.tenant)
-            .filter(|l| {
-                st.sessions()
-                    .get(&l.session)
-                    .and_then(|s| s.peer.pid)
-                    .is_none_or(|pid| !uncooperative.contains(&pid))
-            })
-            .filter(|l| {
-                (within_guarantee && borrowed_of(&l.tenant) > 0)
-                    || (l.reclaimable && l.priority < priority)
-            })
-            .map(|l| (l.priority, l.seq, l.id, l.bytes(), l.tenant.clone()))
-            .collect();
-        victims.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        let deadline = Instant::now() + self.cfg.reclaim_deadline;
-        let deadline_wall = SystemTime::now() + self.cfg.reclaim_deadline;
-        let mut taken_from: std::collections::HashMap<String, u64> = Default::default();
-        for (_, _, lid, bytes, owner) in victims {
-            if need == 0 {
-                break;
-            }
-            // Take no more than the owner borrowed: memory within a guarantee is never
-            // reclaimed, not even for a higher priority (it would only become the owner's
-            // unused guarantee, kept from the waiter anyway).
-            let taken = taken_from.entry(owner.clone()).or_default();
-            if *taken >= borrowed_of(&owner) {
-                continue;
-            }
-            *taken += bytes;
-            let Some(session) = st.leases().get(&lid).map(|l| l.session) else {
-                continue;
-            };
-            st.set_lease_state(
-                &lid,
-                LeaseState::ReclaimRequested {
-                    deadline,
-                    deadline_wall,
-                },
-            );
-            if let Some(s) = st.sessions().get(&session) {
-                let to = s.id;
-                st.fx().notify(
-                    to,
-                    SessionEvent::ReclaimRequested {
-                        lease_id: lid,
-                        bytes,
-                        deadline: deadline_wall,
-                        reason: format!(
-                            "tenant {:?} (priority {priority}) is waiting for {}",
-                            ask.tenant,
-                            crate::units::show(ask.bytes)
-                        ),
-                    },
-                );
-            }
-            st.fx().count(Counted::ReclaimRequested);
-            tracing::info!(lease = %lid, owner = %owner, for_tenant = %ask.tenant, "reclaim requested");
-            need = need.saturating_sub(bytes);
-        }
-        if let Some(w) = st.queue_mut().get_mut(id) {
-            w.reclaim_sent = true;
-        }
-    }
-
     /// Revokes leases whose reclaim deadline passed. Returns how many.
     pub(crate) fn enforce_reclaim_deadlines(self: &Arc<Self>) -> usize {
         let now = Instant::now();
@@ -279,17 +146,7 @@ impl Arbiter {
     /// Re-arms reclaim for waiters whose earlier request was not enough.
     pub(crate) fn rearm_reclaim(self: &Arc<Self>, older_than: Duration) {
         let mut st = self.lock();
-        let stale: Vec<u64> = st
-            .queue()
-            .iter()
-            .filter(|w| w.reclaim_sent && w.since.elapsed() > older_than)
-            .map(|w| w.id)
-            .collect();
-        for id in stale {
-            if let Some(w) = st.queue_mut().get_mut(id) {
-                w.reclaim_sent = false;
-            }
-        }
+        st.rearm_reclaim(older_than, Instant::now());
         self.drain(&mut st);
     }
 }

@@ -19,6 +19,7 @@ pub mod listing;
 mod outbox;
 mod overtaking;
 pub mod queue;
+mod replies;
 mod revocation;
 mod sharing;
 mod state;
@@ -36,6 +37,7 @@ pub(crate) use state::{Ending, State};
 use crate::auth::Authenticator;
 use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
+pub(crate) use crate::error::{lease_not_found, session_not_found};
 use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::lease::LeaseView;
 use crate::pool::{Block, Pool};
@@ -158,6 +160,8 @@ pub struct Arbiter {
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
     pub(crate) outbox: outbox::Outbox,
+    /// The reply channels of waiting requests, by waiter id (`replies.rs`).
+    pub(crate) replies: replies::Replies,
 }
 
 /// Where the health monitor keeps its fault source.
@@ -218,7 +222,7 @@ impl Arbiter {
             host_backed.push(desc.backend == BackendKind::Host);
         }
         let st = State::new(pools, host_backed);
-        std::sync::LazyLock::force(&STARTED);
+        crate::error::mark_started();
         let scheduler = crate::scheduler::Scheduler::new(devices.len(), cfg.turns);
         let audit_log =
             crate::audit::AuditLog::open(store.as_ref(), crate::audit::DEFAULT_MAX_RECORDS)?;
@@ -228,6 +232,7 @@ impl Arbiter {
             workers: workers::Workers::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
+            replies: replies::Replies::default(),
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             health_source: parking_lot::Mutex::new(None),
@@ -472,12 +477,7 @@ impl Arbiter {
                 },
             );
         }
-        let waiters: Vec<u64> = st.queue().iter().map(|w| w.id).collect();
-        for id in waiters {
-            if let Some(w) = st.queue_mut().remove(id) {
-                st.fx().reply(w.reply, Err(BrokerError::ShuttingDown));
-            }
-        }
+        st.refuse_all_waiters(&BrokerError::ShuttingDown);
     }
 
     /// Number of open sessions.
@@ -519,33 +519,6 @@ impl Arbiter {
             }
         }
     }
-}
-
-/// When this broker process started (sessions are UUIDv7: their id carries their time).
-static STARTED: std::sync::LazyLock<SystemTime> = std::sync::LazyLock::new(SystemTime::now);
-
-/// A session id that is not open: `UNAVAILABLE` when it was opened before this broker
-/// started (the broker restarted and its leases are gone: re-open), else `NOT_FOUND`.
-pub(crate) fn session_not_found(id: Uuid) -> BrokerError {
-    // UUIDv7 timestamps are milliseconds: compare whole milliseconds, so a session opened
-    // in the millisecond the broker started counts as this run's.
-    let ms = |t: SystemTime| {
-        t.duration_since(SystemTime::UNIX_EPOCH)
-            .map(|d| d.as_millis())
-            .unwrap_or(0)
-    };
-    let opened_ms = id.get_timestamp().map(|t| {
-        let (secs, nanos) = t.to_unix();
-        u128::from(secs) * 1000 + u128::from(nanos / 1_000_000)
-    });
-    match opened_ms {
-        Some(t) if t < ms(*STARTED) => BrokerError::BrokerRestarted { session: id },
-        _ => BrokerError::NotFound(Missing::Session(id)),
-    }
-}
-
-pub(crate) fn lease_not_found(id: Uuid) -> BrokerError {
-    BrokerError::NotFound(Missing::Lease(id))
 }
 
 /// A test arbiter over `devices` simulated (host-backend) devices of `capacity` bytes

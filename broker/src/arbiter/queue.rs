@@ -1,14 +1,21 @@
 //! The wait queue: requests that did not fit yet. Order of service: higher priority
 //! first; within a priority, the tenant holding the least goes first (so no tenant starves
 //! another by sending more requests); within a tenant, first come first served.
+//!
+//! Plain data of the core: a waiter is known by its [`WaiterId`]; the channel its answer
+//! goes back on is the shell's (`arbiter/replies.rs`). What the queue grants, refuses or
+//! asks back is decided by `State::run_queue` (`state/queue.rs`).
 
 use crate::error::BrokerResult;
 use crate::lease::LeaseView;
 use crate::ledger::Ledger;
 use std::collections::BTreeMap;
 use std::time::Instant;
-use tokio::sync::oneshot;
 use uuid::Uuid;
+
+/// A waiting (or just granted) request, as the core knows it: the shell answers it by
+/// this id (`Effect::Reply`).
+pub type WaiterId = u64;
 
 /// What a waiting request asked for.
 #[derive(Clone, Debug)]
@@ -46,17 +53,14 @@ pub enum Granted {
     Process(crate::reservations::ReservationView),
 }
 
-/// The channel a waiting request's result goes back on.
-pub type Reply = oneshot::Sender<BrokerResult<Granted>>;
-
-/// A request in the queue, with the channel its result goes back on.
+/// A request in the queue.
 #[derive(Debug)]
 pub struct Waiter {
-    pub id: u64,
+    pub id: WaiterId,
     pub ask: Ask,
     pub priority: i32,
+    /// When it was queued (its age decides overtaking: `overtaking.rs`).
     pub since: Instant,
-    pub reply: Reply,
     /// Reclaim was already requested on this waiter's behalf.
     pub reclaim_sent: bool,
 }
@@ -69,18 +73,22 @@ pub struct WaitQueue {
 }
 
 impl WaitQueue {
-    /// Adds a request; returns its id.
-    pub fn push(&mut self, ask: Ask, priority: i32, reply: Reply) -> u64 {
+    /// A new waiter id (also for a request granted without queueing).
+    pub fn next_id(&mut self) -> WaiterId {
         self.next_id += 1;
-        let id = self.next_id;
+        self.next_id
+    }
+
+    /// Adds a request queued at `since`; returns its id.
+    pub fn push(&mut self, ask: Ask, priority: i32, since: Instant) -> WaiterId {
+        let id = self.next_id();
         self.waiters.insert(
             id,
             Waiter {
                 id,
                 ask,
                 priority,
-                since: Instant::now(),
-                reply,
+                since,
                 reclaim_sent: false,
             },
         );
@@ -124,13 +132,6 @@ impl WaitQueue {
             .map(|w| w.id)
             .collect();
         ids.into_iter().filter_map(|id| self.remove(id)).collect()
-    }
-
-    /// Removes waiters whose caller went away (their reply channel is closed).
-    pub fn remove_abandoned(&mut self) -> usize {
-        let before = self.waiters.len();
-        self.waiters.retain(|_, w| !w.reply.is_closed());
-        before - self.waiters.len()
     }
 
     /// Waiter ids in order of service, given what each tenant holds now.
@@ -185,24 +186,23 @@ mod tests {
         }
         l.reserve("a", 0, 50).unwrap();
         let mut q = WaitQueue::default();
-        let (tx, _rx) = oneshot::channel();
-        let a1 = q.push(ask("a"), 0, tx);
-        let (tx, _rx2) = oneshot::channel();
-        let a2 = q.push(ask("a"), 0, tx);
-        let (tx, _rx3) = oneshot::channel();
-        let b1 = q.push(ask("b"), 0, tx);
-        let (tx, _rx4) = oneshot::channel();
-        let c1 = q.push(ask("c"), 5, tx);
+        let now = Instant::now();
+        let a1 = q.push(ask("a"), 0, now);
+        let a2 = q.push(ask("a"), 0, now);
+        let b1 = q.push(ask("b"), 0, now);
+        let c1 = q.push(ask("c"), 5, now);
         assert_eq!(q.order(&l), vec![c1, b1, a1, a2]);
     }
 
     #[test]
-    fn abandoned_waiters_leave() {
+    fn ids_are_never_reused() {
         let mut q = WaitQueue::default();
-        let (tx, rx) = oneshot::channel();
-        q.push(ask("a"), 0, tx);
-        drop(rx);
-        assert_eq!(q.remove_abandoned(), 1);
-        assert!(q.is_empty());
+        let now = Instant::now();
+        let a = q.push(ask("a"), 0, now);
+        assert!(q.remove(a).is_some());
+        let lone = q.next_id();
+        let b = q.push(ask("a"), 0, now);
+        assert!(a < lone && lone < b);
+        assert!(!q.contains(a) && !q.contains(lone) && q.contains(b));
     }
 }

@@ -131,7 +131,7 @@ impl State {
         let session = self.sessions.remove(&id)?;
         for w in self.queue.remove_session(id) {
             self.fx
-                .reply(w.reply, Err(crate::arbiter::session_not_found(id)));
+                .reply(w.id, Err(crate::error::session_not_found(id)));
         }
         self.fx.push(Effect::EndTurns { session: id });
         if let Some(pid) = session.peer.pid {

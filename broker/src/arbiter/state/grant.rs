@@ -22,6 +22,16 @@ pub(crate) enum NotCommitted {
     Draining,
 }
 
+impl NotCommitted {
+    /// The error the waiter of a grant of `session` gets.
+    pub(crate) fn into_error(self, session: uuid::Uuid) -> crate::error::BrokerError {
+        match self {
+            NotCommitted::Draining => crate::error::BrokerError::ShuttingDown,
+            NotCommitted::SessionGone => crate::error::session_not_found(session),
+        }
+    }
+}
+
 impl State {
     /// Reserves `ask.bytes` for its tenant on device `d` (ledger and pool together) and
     /// says where the memory comes from. Refused (nothing reserved) when the tenant's
@@ -130,7 +140,7 @@ impl State {
         if !alive {
             self.ledger.uncharge_host(&ask.tenant, bytes);
             self.fx.free_host(block);
-            return Err(crate::arbiter::session_not_found(ask.session));
+            return Err(crate::error::session_not_found(ask.session));
         }
         let priority = self
             .ledger

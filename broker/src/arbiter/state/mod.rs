@@ -14,18 +14,20 @@
 //! session's end; free everything at shutdown), `shared.rs` (publish, unpublish, import,
 //! recipients of descriptors; blocks held for importers and fd recipients, and the look at
 //! processes counted alive), `process.rs` (process reservations: grant, end, draw a lease from one,
-//! give it back), and here: opening a session, leasable and headroom changes, quota
-//! changes.
+//! give it back), `queue.rs` (the queue policy: queue a request, one pass deciding what
+//! fits where, the whole drain, refusing what can never fit, reclaim requests), and here:
+//! opening a session, leasable and headroom changes, quota changes.
 
 mod end;
 mod grant;
 mod process;
+mod queue;
 mod shared;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use end::Ending;
-pub(crate) use grant::NotCommitted;
+pub(crate) use queue::{Enqueued, QueueEnv};
 pub(crate) use shared::{Holding, NewPublication};
 
 use super::effects::{Effects, Watch};
@@ -141,8 +143,8 @@ impl State {
     // Changes that move no bytes: the wait queue, session marks, a lease's reclaim
     // state (publications, imports and recipients: `shared.rs`).
 
-    /// The wait queue (waiters hold no bytes: a grant reserves them through
-    /// [`State::reserve_grant`]).
+    /// The wait queue, mutable, skipping the transitions (tests move waiters' clocks).
+    #[cfg(test)]
     pub(crate) fn queue_mut(&mut self) -> &mut WaitQueue {
         &mut self.queue
     }

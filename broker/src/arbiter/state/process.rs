@@ -18,7 +18,7 @@ impl State {
     pub(crate) fn grant_process(&mut self, ask: &Ask, d: u32) -> BrokerResult<Uuid> {
         let pid = match self.sessions.get(&ask.session) {
             Some(s) if s.tenant == ask.tenant => s.peer.pid,
-            _ => return Err(crate::arbiter::session_not_found(ask.session)),
+            _ => return Err(crate::error::session_not_found(ask.session)),
         };
         if let Some(r) = self.reservations.of_session(ask.session).next() {
             return Err(BrokerError::FailedPrecondition(format!(
