@@ -1142,3 +1142,174 @@ async fn tenant_pages_span_chunks_in_name_order() {
     let t601 = p.items.iter().find(|t| t.name == "t0601").unwrap();
     assert_eq!(t601.tokens, 1);
 }
+
+/// Waits until `tenant` has `n` requests in the queue.
+async fn until_waiting(f: &Fixture, tenant: &str, n: u32) {
+    while f.arb.get_tenant(tenant).unwrap().waiting != n {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A queued request that can no longer fit anywhere (memory used outside the broker made
+/// the device's leasable amount smaller than it) is refused at once, with the error a new
+/// request of that size gets, instead of waiting out its wait.
+#[tokio::test]
+async fn a_waiting_request_larger_than_what_is_leasable_now_is_refused_at_once() {
+    let (arb, outside, _dir) = outside_fixture(ArbiterConfig::default());
+    arb.set_quota("a", quota(64 * MIB)).unwrap();
+    arb.set_quota("b", quota(64 * MIB)).unwrap();
+    let (sa, _ra) = arb.open_session("a", "w", Peer::default()).unwrap();
+    let (sb, _rb) = arb.open_session("b", "w", Peer::default()).unwrap();
+    let _held = arb.acquire(req("a", sa, 32 * MIB)).await.unwrap();
+    let waiting = {
+        let arb = arb.clone();
+        tokio::spawn(async move {
+            let mut r = req("b", sb, 30 * MIB);
+            r.wait = Duration::from_secs(60);
+            arb.acquire(r).await
+        })
+    };
+    while arb.get_tenant("b").unwrap().waiting == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Another process takes 30 MiB: 26 MiB leasable, less than the 30 MiB asked for.
+    outside.store(30 * MIB, std::sync::atomic::Ordering::SeqCst);
+    arb.refresh_leasable().await;
+    let got = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("refused at once, not after its wait")
+        .unwrap();
+    let new = arb.acquire(req("b", sb, 30 * MIB)).await;
+    match (&got, &new) {
+        (Err(e @ BrokerError::TooLarge { leasable, .. }), Err(n)) => {
+            assert_eq!(*leasable, 26 * MIB);
+            assert_eq!(e, n, "the error a new request of that size gets");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(arb.get_tenant("b").unwrap().waiting, 0);
+}
+
+/// Likewise when the tenant's limit is lowered below the request, and when the only
+/// device large enough drains: refused at once with the new request's error.
+#[tokio::test]
+async fn a_waiting_request_that_its_devices_or_quota_can_never_serve_is_refused_at_once() {
+    let f = fixture(64 * MIB, 2, ArbiterConfig::default());
+    f.arb.lock().set_leasable(0, 16 * MIB);
+    let hs = f.tenant("holder", quota(64 * MIB));
+    let bs = f.tenant("big", quota(64 * MIB));
+    let cs = f.tenant("capped", quota(64 * MIB));
+    for (bytes, d) in [(40 * MIB, 1), (16 * MIB, 0)] {
+        let mut r = req("holder", hs, bytes);
+        r.device = Some(d);
+        f.arb.acquire(r).await.unwrap();
+    }
+    // Device 0: 16 MiB leasable, all held; device 1: 24 MiB free.
+    let wait = |tenant: &'static str, s: Uuid, bytes: u64| {
+        let arb = f.arb.clone();
+        tokio::spawn(async move {
+            let mut r = req(tenant, s, bytes);
+            r.wait = Duration::from_secs(60);
+            arb.acquire(r).await
+        })
+    };
+    let big = wait("big", bs, 32 * MIB);
+    let capped = wait("capped", cs, 28 * MIB);
+    until_waiting(&f, "big", 1).await;
+    until_waiting(&f, "capped", 1).await;
+    // The capped tenant's limit goes below its request.
+    f.arb.set_quota("capped", quota(16 * MIB)).unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), capped)
+        .await
+        .expect("refused at once")
+        .unwrap();
+    let new = f.arb.acquire(req("capped", cs, 28 * MIB)).await;
+    assert!(
+        matches!(&got, Err(BrokerError::QuotaExceeded { limit, .. }) if *limit == 16 * MIB),
+        "{got:?}"
+    );
+    assert_eq!(got.unwrap_err(), new.unwrap_err());
+    // Device 1, the only one with 32 MiB leasable, drains.
+    f.arb.start_drain(Some(1), None, "kernel update").unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), big)
+        .await
+        .expect("refused at once")
+        .unwrap();
+    let new = f.arb.acquire(req("big", bs, 32 * MIB)).await;
+    assert!(
+        matches!(&got, Err(BrokerError::TooLarge { leasable, .. }) if *leasable == 16 * MIB),
+        "{got:?}"
+    );
+    assert_eq!(got.unwrap_err(), new.unwrap_err());
+    assert!(f.arb.lock().queue().is_empty());
+    assert_eq!(f.arb.replies.len(), 0, "no reply channel left behind");
+}
+
+/// A head that held its device for everyone after it (older than the overtake age) and
+/// whose wait ran out lets them in at once: its leaving runs the queue.
+#[tokio::test]
+async fn a_blocking_head_whose_wait_ran_out_lets_the_others_in_at_once() {
+    let f = fixture(
+        64 * MIB,
+        1,
+        ArbiterConfig {
+            overtake_age: Duration::ZERO,
+            ..ArbiterConfig::default()
+        },
+    );
+    let hs = f.tenant("holder", quota(64 * MIB));
+    let bs = f.tenant("big", quota(64 * MIB));
+    let ss = f.tenant("small", quota(64 * MIB));
+    let _held = f.arb.acquire(req("holder", hs, 32 * MIB)).await.unwrap();
+    let mut r = req("big", bs, 48 * MIB);
+    r.wait = Duration::from_millis(300);
+    let big = {
+        let arb = f.arb.clone();
+        tokio::spawn(async move { arb.acquire(r).await })
+    };
+    until_waiting(&f, "big", 1).await;
+    let small = {
+        let arb = f.arb.clone();
+        tokio::spawn(async move {
+            let mut r = req("small", ss, 8 * MIB);
+            r.wait = Duration::from_secs(60);
+            arb.acquire(r).await
+        })
+    };
+    until_waiting(&f, "small", 1).await;
+    assert!(matches!(
+        big.await.unwrap(),
+        Err(BrokerError::WaitExpired { .. })
+    ));
+    let l = tokio::time::timeout(Duration::from_secs(10), small)
+        .await
+        .expect("granted when the head left, not after its own wait")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.bytes, 8 * MIB);
+}
+
+/// A caller that goes away while waiting leaves the queue and its reply channel behind
+/// neither in the core nor in the shell; a grant made as it went is given back.
+#[tokio::test]
+async fn an_abandoned_waiter_leaves_no_queue_entry_and_no_reply_channel() {
+    let f = fixture(16 * MIB, 1, ArbiterConfig::default());
+    let a = f.tenant("a", quota(64 * MIB));
+    let held = f.arb.acquire(req("a", a, 16 * MIB)).await.unwrap();
+    let waiting = {
+        let arb = f.arb.clone();
+        tokio::spawn(async move {
+            let mut r = req("a", a, 8 * MIB);
+            r.wait = Duration::from_secs(60);
+            arb.acquire(r).await
+        })
+    };
+    until_waiting(&f, "a", 1).await;
+    assert_eq!(f.arb.replies.len(), 1);
+    waiting.abort();
+    let _ = waiting.await;
+    until_waiting(&f, "a", 0).await;
+    assert_eq!(f.arb.replies.len(), 0);
+    f.arb.release("a", held.id).unwrap();
+    assert_eq!(f.held("a"), 0, "nothing was granted to the gone caller");
+}

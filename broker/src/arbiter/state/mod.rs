@@ -22,6 +22,8 @@ mod end;
 mod grant;
 mod process;
 mod queue;
+#[cfg(test)]
+mod queue_tests;
 mod shared;
 #[cfg(test)]
 mod tests;
