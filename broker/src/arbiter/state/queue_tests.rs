@@ -50,8 +50,6 @@ impl Core {
     /// A tenant with one open session; returns the session.
     fn tenant(&mut self, name: &str, q: Quota) -> Uuid {
         self.st.set_quota(name, q).unwrap();
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        std::mem::forget(rx);
         let id = Uuid::now_v7();
         self.st.open_session(Session {
             id,
@@ -60,7 +58,6 @@ impl Core {
             peer: Peer::default(),
             opened: SystemTime::now(),
             last_seen: Activity::new(),
-            events: tx,
             leases: Default::default(),
             gpu: None,
             token_id: None,
@@ -352,7 +349,7 @@ fn fit_prefers_a_cached_block_of_the_size_then_the_most_free_device() {
     let a = c.tenant("a", quota(128 * MIB, 0));
     let on1 = c.hold("a", a, 8 * MIB, 1, false);
     c.hold("a", a, 4 * MIB, 1, false);
-    c.st.end_lease(on1, Ending::Cache, &|_| false).unwrap();
+    c.st.end_lease(on1, Ending::Cache).unwrap();
     c.st.take_effects();
     let w8 = c.wait(ask("a", a, 8 * MIB, None), 0);
     assert_eq!(c.pass(0).grant, Some((w8, 1)), "the cached 8 MiB block");
@@ -380,7 +377,7 @@ fn another_tenants_cached_block_is_replaced_by_fresh_memory() {
     let a = c.tenant("a", quota(64 * MIB, 0));
     let b = c.tenant("b", quota(64 * MIB, 0));
     let l = c.hold("a", a, 8 * MIB, 0, false);
-    c.st.end_lease(l, Ending::Cache, &|_| false).unwrap();
+    c.st.end_lease(l, Ending::Cache).unwrap();
     c.st.take_effects();
     let w = c.wait(ask("b", b, 8 * MIB, None), 0);
     let effects = c.run(0);

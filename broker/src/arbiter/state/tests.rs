@@ -8,15 +8,21 @@
 //! `Effect::CheckGone`, finds that process gone) and that process's exit, publications
 //! (published, unpublished, published again), imports and their release (a published
 //! lease's block held for its importers), process reservations and
-//! leases drawn from them (their bytes back into the room, or lost to it). After
-//! every step the invariant holds, the ledger and the pools equal a simple model (bytes
+//! leases drawn from them (their bytes back into the room, or lost to it), and the wait
+//! queue: requests queued, the queue run (with the clock moved on, devices closed or
+//! reopened, leasable memory changed), waiters giving up. After every step the invariant
+//! holds, every waiter was answered at most once and the queue holds exactly those not
+//! answered yet, none of them can never fit, and the first in order of service does not
+//! fit now (the run left nothing grantable), the ledger and the pools equal a simple model (bytes
 //! per tenant and per device, per state), and every block the test made is either still
 //! held by the core or was freed exactly once through an effect.
 
 use super::*;
 use crate::arbiter::effects::{Counted, Effect, Watch};
-use crate::arbiter::queue::Ask;
+use crate::arbiter::queue::{Ask, Granted};
+use crate::arbiter::state::{Enqueued, QueueEnv};
 use crate::arbiter::AcquireRequest;
+use crate::availability::{Availability, Drain};
 use crate::device::{Allocation, Handle, MemoryKind, SharedFd};
 use crate::pool::{Block, Pool, Source};
 use crate::reservations::ProcessAsk;
@@ -24,7 +30,7 @@ use crate::session::{Activity, Peer, Session};
 use crate::sharing::Held;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 const MIB: u64 = 1 << 20;
 const GRAN: u64 = 2 * MIB;
@@ -118,6 +124,21 @@ enum Op {
     EndReservation {
         which: usize,
     },
+    Queue {
+        session: usize,
+        units: u64,
+        device: Option<u32>,
+    },
+    RunQueue {
+        secs: u64,
+    },
+    GiveUp {
+        which: usize,
+    },
+    Close {
+        device: u32,
+        closed: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -144,6 +165,11 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(session, units, device)| Op::ReserveProcess { session, units, device }),
         1 => any::<usize>().prop_map(|which| Op::EndReservation { which }),
         2 => (any::<usize>(), 1..3u64).prop_map(|(which, units)| Op::Draw { which, units }),
+        3 => (any::<usize>(), 1..7u64, prop::option::of(0..2u32))
+            .prop_map(|(session, units, device)| Op::Queue { session, units, device }),
+        1 => (0..4u64).prop_map(|secs| Op::RunQueue { secs }),
+        1 => any::<usize>().prop_map(|which| Op::GiveUp { which }),
+        1 => (0..2u32, any::<bool>()).prop_map(|(device, closed)| Op::Close { device, closed }),
     ]
 }
 
@@ -187,6 +213,11 @@ struct Harness {
     /// Ended leases: the reservation each was drawn from and its bytes (a look at its
     /// recipients may settle them later).
     drawn: BTreeMap<Uuid, (Option<Uuid>, u64)>,
+    /// Which devices admit new leases, and the clock, for the queue.
+    avail: Availability,
+    now: Instant,
+    /// Queued requests not answered yet: tenant and bytes.
+    waiting: BTreeMap<u64, (String, u64)>,
 }
 
 fn fake_fd() -> SharedFd {
@@ -218,7 +249,15 @@ impl Harness {
             running: BTreeSet::new(),
             quarantined: BTreeMap::new(),
             drawn: BTreeMap::new(),
+            avail: Availability::new(2),
+            now: Instant::now(),
+            waiting: BTreeMap::new(),
         }
+    }
+
+    /// Runs the queue as the shell does after a change that may let a waiter in.
+    fn run_queue(&mut self) {
+        self.st.run_queue(&env(&self.avail, self.now));
     }
 
     fn block(&mut self, bytes: u64) -> Block {
@@ -279,13 +318,59 @@ impl Harness {
                         assert!(self.freed.insert(id), "block {id} freed twice");
                     }
                     Effect::CheckGone { of, pids } => looks.push((of, pids)),
+                    Effect::Reply { to, result } => self.answered(to, result),
+                    Effect::Materialize(p) => self.materialize(*p),
                     _ => {}
                 }
             }
+            let looked = !looks.is_empty();
             for (of, pids) in looks {
                 self.look(of, pids);
             }
+            if looked {
+                // What a look let go may let a waiter in (the shell runs the queue).
+                self.run_queue();
+            }
         }
+    }
+
+    /// A waiter's answer (each waiter once): a lease committed at once, or a refusal.
+    fn answered(&mut self, to: u64, result: crate::error::BrokerResult<Granted>) {
+        let Some((tenant, bytes)) = self.waiting.remove(&to) else {
+            panic!("answer to {to}, which is not waiting: {result:?}");
+        };
+        match result {
+            Ok(Granted::Lease(v)) => {
+                assert_eq!((v.tenant.as_str(), v.bytes), (tenant.as_str(), bytes));
+                let m = self.tenants.get_mut(tenant.as_str()).unwrap();
+                m.leased += bytes;
+                m.leases += 1;
+                self.devices[v.device as usize].leased += bytes;
+                self.devices[v.device as usize].leases += 1;
+            }
+            Ok(Granted::Process(v)) => panic!("no reservation is queued: {v:?}"),
+            Err(_) => {}
+        }
+    }
+
+    /// A waiter's grant left to the shell's device work: followed as a grant in flight.
+    fn materialize(&mut self, p: crate::arbiter::effects::PendingGrant) {
+        let (tenant, bytes) = self
+            .waiting
+            .remove(&p.to)
+            .expect("device work for a waiting request, once");
+        assert_eq!(
+            (p.ask.tenant.as_str(), p.ask.bytes),
+            (tenant.as_str(), bytes)
+        );
+        assert!(matches!(&p.source, Source::Fresh { evicted } if evicted.is_empty()));
+        self.tenants.get_mut(tenant.as_str()).unwrap().reserved += bytes;
+        self.devices[p.device as usize].reserved += bytes;
+        self.pending.push(Pending {
+            ask: p.ask,
+            device: p.device,
+            block: None,
+        });
     }
 
     /// The shell's look at processes counted alive: those not running are gone.
@@ -321,7 +406,14 @@ impl Harness {
             .map(|s| (s.tenant.clone(), s.peer.pid))
     }
 
+    /// One transition, then the queue runs (as the shell runs it after every change that
+    /// may let a waiter in).
     fn step(&mut self, op: &Op) {
+        self.transition(op);
+        self.run_queue();
+    }
+
+    fn transition(&mut self, op: &Op) {
         match *op {
             Op::Open { tenant, pid } => {
                 self.st.open_session(Session {
@@ -685,6 +777,64 @@ impl Harness {
                 );
                 self.reserved(a, d, source);
             }
+            Op::Queue {
+                session,
+                units,
+                device,
+            } => {
+                let Some(s) = Self::pick(&self.sessions(), session) else {
+                    return;
+                };
+                let (tenant, _) = self.tenant_of(s).unwrap();
+                let bytes = units * GRAN;
+                // The shell's checks first: closed devices, what can never fit.
+                if self.avail.refusal(device).is_some() {
+                    return;
+                }
+                let candidates = self.st.candidates(&self.avail, device);
+                if self
+                    .st
+                    .never_fits(&tenant, bytes, device, &candidates)
+                    .is_some()
+                {
+                    return;
+                }
+                let env = env(&self.avail, self.now);
+                let newest = self.st.queue().iter().map(|w| w.id).max();
+                match self
+                    .st
+                    .enqueue(ask(&tenant, s, bytes, device), 0, false, 4, &env)
+                {
+                    // Waiting until answered, whether at once (in this call's effects) or
+                    // later.
+                    Ok(Enqueued::Waiting { id, .. }) => {
+                        assert!(newest.is_none_or(|n| id > n));
+                        self.waiting.insert(id, (tenant, bytes));
+                    }
+                    Ok(Enqueued::Refused(e)) => panic!("refused with a wait: {e}"),
+                    Err(e) => assert!(matches!(e, crate::error::BrokerError::QueueFull { .. })),
+                }
+            }
+            Op::RunQueue { secs } => {
+                self.now += Duration::from_secs(secs);
+            }
+            Op::GiveUp { which } => {
+                let ids: Vec<u64> = self.waiting.keys().copied().collect();
+                let Some(id) = Self::pick(&ids, which) else {
+                    return;
+                };
+                assert!(self.st.give_up(id, &self.avail).is_some());
+                self.waiting.remove(&id);
+            }
+            Op::Close { device, closed } => {
+                let d = self.avail.device_mut(device).unwrap();
+                d.drain = closed.then(|| Drain {
+                    since: SystemTime::now(),
+                    deadline: None,
+                    reason: "test".into(),
+                    asked: Default::default(),
+                });
+            }
             Op::EndReservation { which } => {
                 let mut ids: Vec<Uuid> = self.st.reservations().iter().map(|r| r.id).collect();
                 ids.sort();
@@ -819,6 +969,7 @@ impl Harness {
     /// The core's numbers against the model's, and every block accounted for.
     fn check(&self) {
         self.st.check_invariant().unwrap();
+        self.check_queue();
         // Every look the core asked for was taken (they run with the step's effects).
         assert!(
             self.st.unchecked.is_empty(),
@@ -870,6 +1021,55 @@ impl Harness {
             outstanding, in_core,
             "blocks made and not freed vs bytes the core holds"
         );
+    }
+}
+
+impl Harness {
+    /// The queue holds exactly the waiters not answered yet; none of them can never fit;
+    /// the first in order of service does not fit now (nobody is ahead of it to wait
+    /// behind: it would have been granted).
+    fn check_queue(&self) {
+        let queued: BTreeSet<u64> = self.st.queue().iter().map(|w| w.id).collect();
+        let waiting: BTreeSet<u64> = self.waiting.keys().copied().collect();
+        assert_eq!(queued, waiting, "queued vs not answered");
+        for w in self.st.queue().iter() {
+            let candidates = self.st.candidates(&self.avail, w.ask.device);
+            assert!(!candidates.is_empty(), "waiter {} has no open device", w.id);
+            let never = self
+                .st
+                .never_fits(&w.ask.tenant, w.ask.bytes, w.ask.device, &candidates);
+            assert!(never.is_none(), "waiter {} can never fit: {never:?}", w.id);
+        }
+        let Some(head) = self.st.queue().order(self.st.ledger()).first().copied() else {
+            return;
+        };
+        let w = self.st.queue().get(head).unwrap();
+        let quota_ok = w.ask.check_charge(self.st.ledger()).is_ok();
+        let fits_somewhere = self
+            .st
+            .candidates(&self.avail, w.ask.device)
+            .iter()
+            .any(|&d| self.st.pools()[d as usize].available() >= w.ask.bytes);
+        assert!(
+            !(quota_ok && fits_somewhere),
+            "the first waiter ({} bytes of {}) fits and was not granted",
+            w.ask.bytes,
+            w.ask.tenant
+        );
+    }
+}
+
+/// The queue's view of the world outside the core: which devices admit leases, the
+/// clock; overtake age 2 s, cooperative reclaim.
+fn env(avail: &Availability, now: Instant) -> QueueEnv<'_> {
+    QueueEnv {
+        avail,
+        now,
+        wall: SystemTime::now(),
+        overtake_age: Duration::from_secs(2),
+        reclaim_deadline: Duration::from_secs(30),
+        terminating: false,
+        draining: false,
     }
 }
 
@@ -1157,27 +1357,34 @@ fn run_to_the_end(ops: &[Op]) -> Result<(), TestCaseError> {
 
 /// Ends everything `h` holds and checks nothing is left (see [`run_to_the_end`]).
 fn run_to_the_end_from(mut h: Harness) -> Result<(), TestCaseError> {
-    // Everything ends: every session, the grants in flight, the quarantine, the rest.
-    // One grant at a time: those not given back yet stay in `pending` for the checks.
-    while !h.pending.is_empty() {
-        let p = h.pending.remove(0);
-        h.tenants.get_mut(p.ask.tenant.as_str()).unwrap().reserved -= p.ask.bytes;
-        h.devices[p.device as usize].reserved -= p.ask.bytes;
-        let draw = p.ask.draw;
-        let bytes = p.ask.bytes;
-        h.returning(draw, bytes, |st| {
-            st.unreserve_grant(&p.ask, p.device, p.block)
-        });
-        h.effects();
-        h.check();
-    }
-    for s in h.sessions() {
+    // Everything ends: the grants in flight, every session (its waiters are refused), the
+    // quarantine, the rest. One grant at a time: those not given back yet stay in
+    // `pending` for the checks. Room given back, or a session's end, may let a waiter in:
+    // a grant in flight again, given back in turn (each waiter is granted at most once).
+    loop {
+        while !h.pending.is_empty() {
+            let p = h.pending.remove(0);
+            h.tenants.get_mut(p.ask.tenant.as_str()).unwrap().reserved -= p.ask.bytes;
+            h.devices[p.device as usize].reserved -= p.ask.bytes;
+            let draw = p.ask.draw;
+            let bytes = p.ask.bytes;
+            h.returning(draw, bytes, |st| {
+                st.unreserve_grant(&p.ask, p.device, p.block)
+            });
+            h.run_queue();
+            h.effects();
+            h.check();
+        }
+        if h.sessions().is_empty() {
+            break;
+        }
         h.run(&Op::EndSession {
-            session: h.sessions().iter().position(|x| *x == s).unwrap(),
+            session: 0,
             gone: true,
         });
         h.check();
     }
+    assert!(h.waiting.is_empty() && h.st.queue().is_empty());
     h.st.free_everything();
     h.effects();
     h.st.check_invariant().unwrap();
