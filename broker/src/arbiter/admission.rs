@@ -23,7 +23,7 @@ pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
 /// A request offered to the queue, seen from the caller.
 enum Offered {
     Waiting {
-        rx: tokio::sync::oneshot::Receiver<super::replies::Answer>,
+        rx: tokio::sync::oneshot::Receiver<super::outbox::Answer>,
         id: WaiterId,
         bytes: u64,
         /// Still in the queue after the first pass (it did not fit at once).
@@ -45,7 +45,7 @@ struct WaiterGuard {
 impl Drop for WaiterGuard {
     fn drop(&mut self) {
         let mut st = self.arb.lock();
-        self.arb.replies.forget(self.id);
+        self.arb.outbox.forget_reply(self.id);
         if st.abandon(self.id) {
             // Its place may have blocked others.
             self.arb.drain(&mut st);
@@ -164,7 +164,7 @@ impl Arbiter {
         if process.is_none() {
             if let Some(drawn) = self.draw_from_reservation(&mut st, req, lineage)? {
                 let id = st.next_waiter_id();
-                let rx = self.replies.register(id);
+                let rx = self.outbox.register_reply(id);
                 let bytes = drawn.ask.bytes;
                 let draining = self.is_draining();
                 st.grant_waiter(id, drawn.ask, drawn.priority, drawn.device, draining);
@@ -221,7 +221,7 @@ impl Arbiter {
             // The channel is in place before the lock is released, so before any answer
             // the queue pushed for it runs.
             Enqueued::Waiting { id, queued } => Offered::Waiting {
-                rx: self.replies.register(id),
+                rx: self.outbox.register_reply(id),
                 id,
                 bytes,
                 queued,

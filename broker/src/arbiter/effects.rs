@@ -47,7 +47,7 @@ pub(crate) enum Effect {
     /// Stop the watcher of that key (if it still runs). Run before the lock is released.
     Unwatch(Watch),
     /// Answer a waiting `acquire` (by its id: the shell keeps the channel,
-    /// `replies.rs`); a grant nobody receives is released at once.
+    /// `outbox.rs`); a grant nobody receives is released at once.
     Reply {
         to: WaiterId,
         result: BrokerResult<Granted>,
@@ -436,7 +436,7 @@ impl Arbiter {
     /// Runs `Effect::Reply`: the answer goes to the waiter's channel; a grant nobody
     /// receives (the caller went away) is given back at once.
     fn answer(&self, to: WaiterId, result: BrokerResult<Granted>) {
-        match self.replies.send(to, result) {
+        match self.outbox.reply(to, result) {
             Err(Ok(Granted::Lease(view))) => {
                 tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
                 if let Some(me) = self.me.upgrade() {

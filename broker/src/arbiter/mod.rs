@@ -19,7 +19,6 @@ pub mod listing;
 mod outbox;
 mod overtaking;
 pub mod queue;
-mod replies;
 mod revocation;
 mod sharing;
 mod state;
@@ -160,8 +159,6 @@ pub struct Arbiter {
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
     pub(crate) outbox: outbox::Outbox,
-    /// The reply channels of waiting requests, by waiter id (`replies.rs`).
-    pub(crate) replies: replies::Replies,
 }
 
 /// Where the health monitor keeps its fault source.
@@ -232,7 +229,6 @@ impl Arbiter {
             workers: workers::Workers::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
-            replies: replies::Replies::default(),
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             health_source: parking_lot::Mutex::new(None),

@@ -6,18 +6,34 @@
 //! still held, so an event decided before a session ended always reaches its stream, and
 //! sends after the lock is released.
 //!
-//! A leaf lock: taken under the state lock or without it, never holding another.
+//! Waiting requests' **reply channels** are kept here too, by the waiter id the core knows
+//! them by (`queue::WaiterId`). A channel is registered under the state lock, in the same
+//! hold that queued the request, so it is in place before any `Effect::Reply` for it can
+//! run (they run after the lock is released). `Effect::Reply` takes it out and answers; an
+//! id with no channel (its future was dropped: `WaiterGuard` forgot it) or a closed one
+//! means the caller is gone, and the shell gives back whatever was granted.
+//!
+//! Leaf locks (one per table): taken under the state lock or without it, never holding
+//! another.
 
+use super::queue::{Granted, WaiterId};
+use crate::error::BrokerResult;
 use crate::session::SessionEvent;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
 use uuid::Uuid;
 
-/// Every open session's event channel, by session id.
+/// What a waiting request's future receives.
+pub(crate) type Answer = BrokerResult<Granted>;
+
+/// Every open session's event channel, by session id, and every waiting request's reply
+/// channel, by waiter id.
 #[derive(Default)]
 pub(crate) struct Outbox {
     mailboxes: Mutex<HashMap<Uuid, UnboundedSender<SessionEvent>>>,
+    replies: Mutex<HashMap<WaiterId, oneshot::Sender<Answer>>>,
 }
 
 impl Outbox {
@@ -52,11 +68,40 @@ impl Outbox {
     pub fn len(&self) -> usize {
         self.mailboxes.lock().len()
     }
+
+    /// A reply channel for waiter `id`; its receiver is the acquiring future's.
+    pub fn register_reply(&self, id: WaiterId) -> oneshot::Receiver<Answer> {
+        let (tx, rx) = oneshot::channel();
+        self.replies.lock().insert(id, tx);
+        rx
+    }
+
+    /// The caller of waiter `id` went away: its reply channel goes.
+    pub fn forget_reply(&self, id: WaiterId) {
+        self.replies.lock().remove(&id);
+    }
+
+    /// Answers waiter `id`; gives the answer back when nobody receives it (no channel, or
+    /// its receiver was dropped).
+    pub fn reply(&self, id: WaiterId, answer: Answer) -> Result<(), Answer> {
+        let tx = self.replies.lock().remove(&id);
+        match tx {
+            Some(tx) => tx.send(answer),
+            None => Err(answer),
+        }
+    }
+
+    /// How many reply channels are kept (tests: none may be left behind).
+    #[cfg(test)]
+    pub fn replies_len(&self) -> usize {
+        self.replies.lock().len()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::BrokerError;
 
     #[test]
     fn events_reach_an_open_mailbox_and_a_closed_one_ends_the_stream() {
@@ -83,5 +128,29 @@ mod tests {
             rx.try_recv(),
             Err(tokio::sync::mpsc::error::TryRecvError::Disconnected)
         );
+    }
+
+    #[test]
+    fn an_answer_reaches_its_receiver_once() {
+        let r = Outbox::default();
+        let mut rx = r.register_reply(7);
+        assert!(r.reply(7, Err(BrokerError::ShuttingDown)).is_ok());
+        assert!(matches!(rx.try_recv(), Ok(Err(BrokerError::ShuttingDown))));
+        // Taken out: a second answer has nobody to go to.
+        assert!(r.reply(7, Err(BrokerError::ShuttingDown)).is_err());
+        assert_eq!(r.replies_len(), 0);
+    }
+
+    #[test]
+    fn an_answer_for_a_gone_caller_comes_back() {
+        let r = Outbox::default();
+        let rx = r.register_reply(1);
+        drop(rx);
+        assert!(r.reply(1, Err(BrokerError::ShuttingDown)).is_err());
+        let _rx = r.register_reply(2);
+        r.forget_reply(2);
+        assert!(r.reply(2, Err(BrokerError::ShuttingDown)).is_err());
+        assert!(r.reply(3, Err(BrokerError::ShuttingDown)).is_err());
+        assert_eq!(r.replies_len(), 0);
     }
 }

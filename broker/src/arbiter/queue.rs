@@ -3,7 +3,7 @@
 //! another by sending more requests); within a tenant, first come first served.
 //!
 //! Plain data of the core: a waiter is known by its [`WaiterId`]; the channel its answer
-//! goes back on is the shell's (`arbiter/replies.rs`). What the queue grants, refuses or
+//! goes back on is the shell's (`arbiter/outbox.rs`). What the queue grants, refuses or
 //! asks back is decided by `State::run_queue` (`state/queue.rs`).
 
 use crate::error::BrokerResult;

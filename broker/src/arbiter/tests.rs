@@ -1242,7 +1242,11 @@ async fn a_waiting_request_that_its_devices_or_quota_can_never_serve_is_refused_
     );
     assert_eq!(got.unwrap_err(), new.unwrap_err());
     assert!(f.arb.lock().queue().is_empty());
-    assert_eq!(f.arb.replies.len(), 0, "no reply channel left behind");
+    assert_eq!(
+        f.arb.outbox.replies_len(),
+        0,
+        "no reply channel left behind"
+    );
 }
 
 /// A head that held its device for everyone after it (older than the overtake age) and
@@ -1305,11 +1309,11 @@ async fn an_abandoned_waiter_leaves_no_queue_entry_and_no_reply_channel() {
         })
     };
     until_waiting(&f, "a", 1).await;
-    assert_eq!(f.arb.replies.len(), 1);
+    assert_eq!(f.arb.outbox.replies_len(), 1);
     waiting.abort();
     let _ = waiting.await;
     until_waiting(&f, "a", 0).await;
-    assert_eq!(f.arb.replies.len(), 0);
+    assert_eq!(f.arb.outbox.replies_len(), 0);
     f.arb.release("a", held.id).unwrap();
     assert_eq!(f.held("a"), 0, "nothing was granted to the gone caller");
 }
