@@ -437,7 +437,7 @@ impl Arbiter {
     /// receives (the caller went away) is given back at once.
     fn answer(&self, to: WaiterId, result: BrokerResult<Granted>) {
         match self.outbox.reply(to, result) {
-            Err(Ok(Granted::Lease(view))) => {
+            Some(Ok(Granted::Lease(view))) => {
                 tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
                 if let Some(me) = self.me.upgrade() {
                     let mut st = me.lock();
@@ -445,7 +445,7 @@ impl Arbiter {
                     me.drain(&mut st);
                 }
             }
-            Err(Ok(Granted::Process(view))) => {
+            Some(Ok(Granted::Process(view))) => {
                 tracing::debug!(reservation = %view.id, "caller gone before the reservation arrived; ending it");
                 if let Some(me) = self.me.upgrade() {
                     let mut st = me.lock();
