@@ -149,9 +149,13 @@ where
         // The service that was made ready takes the call; a clone stays for the next.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        // Dropped (the caller went away): the read is aborted at its next await.
-        let task = tokio_util::task::AbortOnDropHandle::new(rt.spawn(answered(inner.call(req))));
         Box::pin(async move {
+            // Spawned when first polled, inside the call's span (`trace_fn`), which the
+            // read keeps. Dropped (the caller went away): the read is aborted at its next
+            // await.
+            use tracing::Instrument;
+            let call = answered(inner.call(req)).instrument(tracing::Span::current());
+            let task = tokio_util::task::AbortOnDropHandle::new(rt.spawn(call));
             match task.await {
                 Ok(r) => r,
                 Err(e) => Ok(tonic::Status::internal(format!("the read failed: {e}")).into_http()),

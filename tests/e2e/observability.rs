@@ -120,3 +120,53 @@ async fn reflection_lists_the_services() {
         );
     }
 }
+
+/// Operator reads answer alike on their own runtime (`--admin-threads 1`) and on the main
+/// one (`--admin-threads 0`): pages of a listing, a bad page token's status, the metrics
+/// listener (which counts the state lock's waits) and the status page.
+#[tokio::test]
+async fn operator_reads_answer_alike_on_either_runtime() {
+    use gpu_broker_client::{Code, QuotaSpec};
+    for threads in ["0", "1"] {
+        let b = Broker::start_with(BrokerOpts {
+            capacity: "64MiB",
+            extra: vec![
+                "--admin-threads".into(),
+                threads.into(),
+                "--metrics-listen".into(),
+                "127.0.0.1:0".into(),
+            ],
+            ..BrokerOpts::default()
+        })
+        .unwrap();
+        let admin = b.admin().await.unwrap();
+        for i in 0..3 {
+            admin
+                .set_quota(&format!("t{i}"), QuotaSpec::new(MIB))
+                .await
+                .unwrap();
+        }
+        let (first, next) = admin.list_tenants_page(2, "").await.unwrap();
+        let (rest, last) = admin
+            .list_tenants_page(2, &next.expect("a second page"))
+            .await
+            .unwrap();
+        let names: Vec<String> = first.into_iter().chain(rest).map(|t| t.name).collect();
+        assert_eq!(names, ["t0", "t1", "t2"], "--admin-threads {threads}");
+        assert!(last.is_none());
+        let bad = admin
+            .list_all_leases_page(None, 5, "not-a-token")
+            .await
+            .expect_err("a bad token is refused");
+        assert_eq!(bad.code(), Code::InvalidArgument, "{bad}");
+        let addr = metrics_addr(&b).await;
+        let metrics = get(&addr, "/metrics").await;
+        assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+        assert!(
+            metrics.contains("gpu_broker_state_lock_waits_total{longer_than=\"1ms\"}"),
+            "{metrics}"
+        );
+        let status = get(&addr, "/status").await;
+        assert!(status.starts_with("HTTP/1.1 200") && status.contains("<td>t2</td>"));
+    }
+}
