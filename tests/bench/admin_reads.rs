@@ -201,27 +201,64 @@ fn start_reads(readers: &Readers, kinds: &[usize], place: ReadersIn) -> Result<R
         }
         ReadersIn::Process => {
             let kinds: Vec<String> = kinds.iter().map(|k| k.to_string()).collect();
-            let mut child = std::process::Command::new(std::env::current_exe()?)
-                .args(["reads", "--uri", &readers.uri, "--http", &readers.http])
-                .arg("--kinds")
-                .arg(kinds.join(","))
-                .env("GPB_BENCH_ADMIN_TOKEN", &readers.admin_token)
-                .env("GPB_BENCH_HOLDER_TOKEN", &readers.holder_token)
-                .stdin(std::process::Stdio::piped())
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .context("starting the read process")?;
-            let mut out = std::io::BufReader::new(child.stdout.take().context("stdout")?);
-            let mut line = String::new();
-            out.read_line(&mut line)?;
-            if line.trim() != "ready" {
-                let _ = child.kill();
-                let _ = child.wait();
-                anyhow::bail!("the read process did not start: {line:?}");
-            }
+            let (child, out, line) = start_child(
+                "reads",
+                &[
+                    "--uri",
+                    &readers.uri,
+                    "--http",
+                    &readers.http,
+                    "--kinds",
+                    &kinds.join(","),
+                ],
+                &[
+                    ("GPB_BENCH_ADMIN_TOKEN", &readers.admin_token),
+                    ("GPB_BENCH_HOLDER_TOKEN", &readers.holder_token),
+                ],
+            )?;
+            anyhow::ensure!(
+                line.trim() == "ready",
+                "the read process did not start: {line:?}"
+            );
             Ok(Running::Process(child, out))
         }
     }
+}
+
+/// Starts this bench's hidden mode `mode` with `args` and `env` (stdin and stdout piped:
+/// closing its stdin ends it); the child, its output and its first line. A child that
+/// does not get as far as its first line is killed.
+fn start_child(
+    mode: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Result<(
+    std::process::Child,
+    std::io::BufReader<std::process::ChildStdout>,
+    String,
+)> {
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .arg(mode)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting the bench's {mode} process"))?;
+    let mut out = std::io::BufReader::new(child.stdout.take().context("stdout")?);
+    let mut line = String::new();
+    if out.read_line(&mut line).is_err() || line.is_empty() {
+        let _ = child.kill();
+        let _ = child.wait();
+        anyhow::bail!("the bench's {mode} process exited before it started");
+    }
+    Ok((child, out, line))
+}
+
+/// Blocks until this process's stdin closes (the parent of a hidden mode ends it so).
+fn until_stdin_closes() {
+    let mut sink = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
 }
 
 /// The hidden `reads` mode: the child process of `--readers process`.
@@ -247,8 +284,7 @@ pub async fn reads_process(a: &ReadsArgs) -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
     std::thread::spawn(move || {
-        let mut sink = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+        until_stdin_closes();
         s.store(true, Ordering::Relaxed);
     });
     let n = read_loops(readers, a.kinds.clone(), stop, || {
@@ -426,24 +462,15 @@ impl Drop for Holder {
 /// Starts the holder of `leases` leases of 2 MiB for the tenant of `token`; returns once
 /// they are held.
 fn start_holder(uri: &str, token: &str, leases: u32) -> Result<Holder> {
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args(["hold", "--uri", uri, "--leases", &leases.to_string()])
-        .env("GPB_BENCH_HOLDER_TOKEN", token)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .context("starting the lease holder")?;
-    let mut out = std::io::BufReader::new(child.stdout.take().context("stdout")?);
-    let mut line = String::new();
-    out.read_line(&mut line)?;
+    let (child, _out, line) = start_child(
+        "hold",
+        &["--uri", uri, "--leases", &leases.to_string()],
+        &[("GPB_BENCH_HOLDER_TOKEN", token)],
+    )?;
     let held = line
         .strip_prefix("held ")
         .and_then(|n| n.trim().parse().ok());
-    let Some(held) = held else {
-        let _ = child.kill();
-        let _ = child.wait();
-        anyhow::bail!("the lease holder did not start: {line:?}");
-    };
+    let held = held.with_context(|| format!("the lease holder did not start: {line:?}"))?;
     Ok(Holder { child, held })
 }
 
@@ -477,11 +504,7 @@ pub async fn hold_process(a: &HoldArgs) -> Result<()> {
     drop(pending);
     println!("held {}", held.len());
     std::io::stdout().flush()?;
-    tokio::task::spawn_blocking(|| {
-        let mut sink = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
-    })
-    .await?;
+    tokio::task::spawn_blocking(until_stdin_closes).await?;
     drop(held);
     Ok(())
 }
