@@ -291,7 +291,12 @@ mod tests {
             );
             assert_ne!(libc::ftruncate(fd.raw(), 4096), 0, "shrunk under the lease");
         }
-        assert!(crate::sharing::seals_untouched(&fd));
+        // Only the seals it was made with (what the sharing rules call pristine).
+        // SAFETY: fcntl on a valid descriptor.
+        assert_eq!(
+            unsafe { libc::fcntl(fd.raw(), libc::F_GET_SEALS) },
+            CREATION_SEALS
+        );
         let f = std::fs::File::from(fd.0.try_clone().unwrap());
         assert_eq!(f.metadata().unwrap().len(), 1 << 20);
         // The broker still writes and scrubs it.
