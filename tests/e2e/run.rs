@@ -590,7 +590,10 @@ async fn on_a_terminal_ctrl_z_stops_run_with_its_program_and_continuing_run_cont
         .write(true)
         .open(&slave_path)
         .unwrap();
-    let script = "echo pid=$$; while :; do sleep 0.05; done";
+    // The program is one process (the shell execs `sleep`): a shell that forks in a loop can
+    // be stopped between its vfork and the child's exec, and then sits in 'D' until the
+    // child runs again, so it never shows as stopped.
+    let script = "echo pid=$$; exec sleep 600";
     let mut cmd = run_cmd(&b, &token_file, &["--memory", "64MiB"], script);
     cmd.stdin(slave.try_clone().unwrap())
         .stdout(slave.try_clone().unwrap())
