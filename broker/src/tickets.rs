@@ -252,7 +252,9 @@ pub async fn serve(
         };
         // Over a limit (in all, or of this peer's uid): say "busy" and close at once; the
         // ticket is untouched and the client presents it again after a pause.
-        let uid = stream.peer_cred().ok().map(|c| c.uid());
+        // Read once (a system call) and handed on.
+        let cred = stream.peer_cred().ok();
+        let uid = cred.map(|c| c.uid());
         let permit = match conns.admit(uid) {
             Ok(p) => p,
             Err(cap) => {
@@ -264,15 +266,18 @@ pub async fn serve(
         };
         let arb = arb.clone();
         tokio::spawn(async move {
-            serve_one(stream, &arb).await;
+            serve_one(stream, cred, &arb).await;
             drop(permit);
         });
     }
 }
 
-async fn serve_one(mut stream: UnixStream, arb: &crate::arbiter::Arbiter) {
+async fn serve_one(
+    mut stream: UnixStream,
+    cred: Option<tokio::net::unix::UCred>,
+    arb: &crate::arbiter::Arbiter,
+) {
     let table = arb.tickets();
-    let cred = stream.peer_cred().ok();
     let uid = cred.map(|c| c.uid());
     let pid = cred
         .and_then(|c| c.pid())

@@ -253,11 +253,10 @@ impl<'a> Locked<'a> {
 
     /// Counts the hold that just ended (`lock_holds.rs`).
     fn record_hold(&self) {
-        let cpu = crate::lock_holds::thread_cpu_now().saturating_sub(self.cpu_since);
-        self.arb
-            .metrics
-            .lock_holds
-            .record(self.since.elapsed(), cpu);
+        // The wall clock first: the CPU clock (a system call) is read only for a long hold.
+        let wall = self.since.elapsed();
+        let cpu = || crate::lock_holds::thread_cpu_now().saturating_sub(self.cpu_since);
+        self.arb.metrics.lock_holds.record_hold(wall, cpu);
     }
 }
 
