@@ -757,26 +757,8 @@ async fn a_blocked_big_request_is_overtaken_only_while_younger_than_the_overtake
 /// of its priority that would fit are refused while it waits, and granted once it is.
 #[tokio::test]
 async fn with_a_zero_overtake_age_a_blocked_request_is_never_overtaken() {
-    let f = fixture(
-        64 * MIB,
-        1,
-        ArbiterConfig {
-            overtake_age: Duration::ZERO,
-            ..ArbiterConfig::default()
-        },
-    );
-    let hs = f.tenant("holder", quota(64 * MIB));
-    let bs = f.tenant("big", quota(64 * MIB));
-    let ss = f.tenant("small", quota(64 * MIB));
-    let held = f.arb.acquire(req("holder", hs, 32 * MIB)).await.unwrap();
-    let big = {
-        let arb = f.arb.clone();
-        tokio::spawn(async move {
-            let mut r = req("big", bs, 48 * MIB);
-            r.wait = Duration::from_secs(60);
-            arb.acquire(r).await
-        })
-    };
+    let (f, held, _, bs, ss) = zero_age_fixture().await;
+    let big = spawn_acquire(&f.arb, "big", bs, 48 * MIB, Duration::from_secs(60));
     while f.arb.get_tenant("big").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -1143,6 +1125,40 @@ async fn tenant_pages_span_chunks_in_name_order() {
     assert_eq!(t601.tokens, 1);
 }
 
+/// `bytes` asked for on a task by `tenant`'s session `s`, waiting up to `wait`.
+fn spawn_acquire(
+    arb: &Arc<Arbiter>,
+    tenant: &'static str,
+    s: Uuid,
+    bytes: u64,
+    wait: Duration,
+) -> tokio::task::JoinHandle<BrokerResult<LeaseView>> {
+    let arb = arb.clone();
+    tokio::spawn(async move {
+        let mut r = req(tenant, s, bytes);
+        r.wait = wait;
+        arb.acquire(r).await
+    })
+}
+
+/// One device of 64 MiB, `--overtake-age 0s`, tenants `holder`, `big` and `small` (64 MiB
+/// each; their sessions, in that order) and 32 MiB held by `holder`.
+async fn zero_age_fixture() -> (Fixture, LeaseView, Uuid, Uuid, Uuid) {
+    let f = fixture(
+        64 * MIB,
+        1,
+        ArbiterConfig {
+            overtake_age: Duration::ZERO,
+            ..ArbiterConfig::default()
+        },
+    );
+    let hs = f.tenant("holder", quota(64 * MIB));
+    let bs = f.tenant("big", quota(64 * MIB));
+    let ss = f.tenant("small", quota(64 * MIB));
+    let held = f.arb.acquire(req("holder", hs, 32 * MIB)).await.unwrap();
+    (f, held, hs, bs, ss)
+}
+
 /// Waits until `tenant` has `n` requests in the queue.
 async fn until_waiting(f: &Fixture, tenant: &str, n: u32) {
     while f.arb.get_tenant(tenant).unwrap().waiting != n {
@@ -1161,14 +1177,7 @@ async fn a_waiting_request_larger_than_what_is_leasable_now_is_refused_at_once()
     let (sa, _ra) = arb.open_session("a", "w", Peer::default()).unwrap();
     let (sb, _rb) = arb.open_session("b", "w", Peer::default()).unwrap();
     let _held = arb.acquire(req("a", sa, 32 * MIB)).await.unwrap();
-    let waiting = {
-        let arb = arb.clone();
-        tokio::spawn(async move {
-            let mut r = req("b", sb, 30 * MIB);
-            r.wait = Duration::from_secs(60);
-            arb.acquire(r).await
-        })
-    };
+    let waiting = spawn_acquire(&arb, "b", sb, 30 * MIB, Duration::from_secs(60));
     while arb.get_tenant("b").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -1205,16 +1214,9 @@ async fn a_waiting_request_that_its_devices_or_quota_can_never_serve_is_refused_
         f.arb.acquire(r).await.unwrap();
     }
     // Device 0: 16 MiB leasable, all held; device 1: 24 MiB free.
-    let wait = |tenant: &'static str, s: Uuid, bytes: u64| {
-        let arb = f.arb.clone();
-        tokio::spawn(async move {
-            let mut r = req(tenant, s, bytes);
-            r.wait = Duration::from_secs(60);
-            arb.acquire(r).await
-        })
-    };
-    let big = wait("big", bs, 32 * MIB);
-    let capped = wait("capped", cs, 28 * MIB);
+    let minute = Duration::from_secs(60);
+    let big = spawn_acquire(&f.arb, "big", bs, 32 * MIB, minute);
+    let capped = spawn_acquire(&f.arb, "capped", cs, 28 * MIB, minute);
     until_waiting(&f, "big", 1).await;
     until_waiting(&f, "capped", 1).await;
     // The capped tenant's limit goes below its request.
@@ -1253,33 +1255,10 @@ async fn a_waiting_request_that_its_devices_or_quota_can_never_serve_is_refused_
 /// whose wait ran out lets them in at once: its leaving runs the queue.
 #[tokio::test]
 async fn a_blocking_head_whose_wait_ran_out_lets_the_others_in_at_once() {
-    let f = fixture(
-        64 * MIB,
-        1,
-        ArbiterConfig {
-            overtake_age: Duration::ZERO,
-            ..ArbiterConfig::default()
-        },
-    );
-    let hs = f.tenant("holder", quota(64 * MIB));
-    let bs = f.tenant("big", quota(64 * MIB));
-    let ss = f.tenant("small", quota(64 * MIB));
-    let _held = f.arb.acquire(req("holder", hs, 32 * MIB)).await.unwrap();
-    let mut r = req("big", bs, 48 * MIB);
-    r.wait = Duration::from_millis(300);
-    let big = {
-        let arb = f.arb.clone();
-        tokio::spawn(async move { arb.acquire(r).await })
-    };
+    let (f, _held, _, bs, ss) = zero_age_fixture().await;
+    let big = spawn_acquire(&f.arb, "big", bs, 48 * MIB, Duration::from_millis(300));
     until_waiting(&f, "big", 1).await;
-    let small = {
-        let arb = f.arb.clone();
-        tokio::spawn(async move {
-            let mut r = req("small", ss, 8 * MIB);
-            r.wait = Duration::from_secs(60);
-            arb.acquire(r).await
-        })
-    };
+    let small = spawn_acquire(&f.arb, "small", ss, 8 * MIB, Duration::from_secs(60));
     until_waiting(&f, "small", 1).await;
     assert!(matches!(
         big.await.unwrap(),
@@ -1300,14 +1279,7 @@ async fn an_abandoned_waiter_leaves_no_queue_entry_and_no_reply_channel() {
     let f = fixture(16 * MIB, 1, ArbiterConfig::default());
     let a = f.tenant("a", quota(64 * MIB));
     let held = f.arb.acquire(req("a", a, 16 * MIB)).await.unwrap();
-    let waiting = {
-        let arb = f.arb.clone();
-        tokio::spawn(async move {
-            let mut r = req("a", a, 8 * MIB);
-            r.wait = Duration::from_secs(60);
-            arb.acquire(r).await
-        })
-    };
+    let waiting = spawn_acquire(&f.arb, "a", a, 8 * MIB, Duration::from_secs(60));
     until_waiting(&f, "a", 1).await;
     assert_eq!(f.arb.outbox.replies_len(), 1);
     waiting.abort();

@@ -4,11 +4,11 @@
 //! result and the effects it pushed.
 
 use super::queue::{Enqueued, Pass, QueueEnv};
+use super::tests::{ask, env, fake_block};
 use super::{Ending, State};
 use crate::arbiter::effects::{Counted, Effect};
 use crate::arbiter::queue::{Ask, Granted, WaiterId};
 use crate::availability::{Availability, Drain};
-use crate::device::{Allocation, Handle, MemoryKind, SharedFd};
 use crate::error::BrokerError;
 use crate::lease::LeaseState;
 use crate::pool::{Block, Pool, Source};
@@ -19,6 +19,7 @@ use uuid::Uuid;
 
 const MIB: u64 = 1 << 20;
 const GRAN: u64 = 2 * MIB;
+/// The overtake age of [`env`].
 const AGE: Duration = Duration::from_secs(2);
 
 struct Core {
@@ -68,21 +69,7 @@ impl Core {
     fn block(&mut self, bytes: u64) -> Block {
         let id = self.next_alloc;
         self.next_alloc += 1;
-        Block {
-            alloc: Allocation {
-                id,
-                bytes,
-                addr: 0,
-                path: None,
-            },
-            handle: Handle::Fd {
-                kind: MemoryKind::CudaVmm,
-                fd: SharedFd::new(std::fs::File::open("/dev/null").unwrap().into()),
-                block_id: id,
-                size: bytes,
-            },
-            last_tenant: None,
-        }
+        fake_block(id, bytes)
     }
 
     /// A live lease of `bytes` on device `d` for `session` of `tenant`, made directly.
@@ -115,33 +102,6 @@ impl Core {
         self.st.run_queue(&env);
         self.st.check_invariant().unwrap();
         self.st.take_effects().into_vec()
-    }
-}
-
-/// The environment at `now`: overtake age 2 s, reclaim deadline 30 s, cooperative.
-fn env(avail: &Availability, now: Instant) -> QueueEnv<'_> {
-    QueueEnv {
-        avail,
-        now,
-        wall: SystemTime::now(),
-        overtake_age: AGE,
-        reclaim_deadline: Duration::from_secs(30),
-        terminating: false,
-        draining: false,
-    }
-}
-
-fn ask(tenant: &str, session: Uuid, bytes: u64, device: Option<u32>) -> Ask {
-    Ask {
-        tenant: tenant.to_string(),
-        session,
-        bytes,
-        requested_bytes: bytes,
-        device,
-        label: String::new(),
-        reclaimable: false,
-        process: None,
-        draw: None,
     }
 }
 
@@ -217,7 +177,7 @@ fn a_head_blocked_by_capacity_is_overtaken_by_other_tenants_only_while_young() {
     );
     // As old as the overtake age: it blocks the device for everyone after it.
     assert_eq!(
-        c.pass(2),
+        c.pass(AGE.as_secs()),
         Pass {
             grant: None,
             reclaim: vec![big]

@@ -245,6 +245,26 @@ fn fake_fd() -> SharedFd {
     SharedFd::new(std::fs::File::open("/dev/null").unwrap().into())
 }
 
+/// A block of `bytes` with allocation id `id` (no device behind it; also the queue's
+/// unit tests).
+pub(super) fn fake_block(id: u64, bytes: u64) -> Block {
+    Block {
+        alloc: Allocation {
+            id,
+            bytes,
+            addr: 0,
+            path: None,
+        },
+        handle: Handle::Fd {
+            kind: MemoryKind::CudaVmm,
+            fd: fake_fd(),
+            block_id: id,
+            size: bytes,
+        },
+        last_tenant: None,
+    }
+}
+
 impl Harness {
     fn new() -> Harness {
         let pools = (0..2)
@@ -285,21 +305,7 @@ impl Harness {
         let id = self.next_alloc;
         self.next_alloc += 1;
         self.made.insert(id, bytes);
-        Block {
-            alloc: Allocation {
-                id,
-                bytes,
-                addr: 0,
-                path: None,
-            },
-            handle: Handle::Fd {
-                kind: MemoryKind::CudaVmm,
-                fd: fake_fd(),
-                block_id: id,
-                size: bytes,
-            },
-            last_tenant: None,
-        }
+        fake_block(id, bytes)
     }
 
     fn sessions(&self) -> Vec<Uuid> {
@@ -1094,8 +1100,9 @@ impl Harness {
 }
 
 /// The queue's view of the world outside the core: which devices admit leases, the
-/// clock; overtake age 2 s, cooperative reclaim.
-fn env(avail: &Availability, now: Instant) -> QueueEnv<'_> {
+/// clock; overtake age 2 s, reclaim deadline 30 s, cooperative reclaim (also the queue's
+/// unit tests).
+pub(super) fn env(avail: &Availability, now: Instant) -> QueueEnv<'_> {
     QueueEnv {
         avail,
         now,
@@ -1107,7 +1114,7 @@ fn env(avail: &Availability, now: Instant) -> QueueEnv<'_> {
     }
 }
 
-fn ask(tenant: &str, session: Uuid, bytes: u64, device: Option<u32>) -> Ask {
+pub(super) fn ask(tenant: &str, session: Uuid, bytes: u64, device: Option<u32>) -> Ask {
     Ask {
         tenant: tenant.to_string(),
         session,
