@@ -43,6 +43,7 @@ pub mod status_http;
 pub mod status_page;
 pub mod store;
 pub mod tenants_config;
+pub mod ticket_server;
 pub mod tickets;
 pub mod tls;
 pub mod units;

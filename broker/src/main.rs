@@ -157,14 +157,14 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
         libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
     }
     let ticket_path = cfg.ticket_socket_path();
-    let tickets = gpu_broker::tickets::bind(&ticket_path)
+    let tickets = gpu_broker::ticket_server::bind(&ticket_path)
         .await
         .with_context(|| format!("binding the ticket socket {}", ticket_path.display()))?;
     arb.tickets().set_ttl(cfg.ticket_ttl);
     arb.tickets().set_socket(&ticket_path);
     tracing::info!(socket = %ticket_path.display(), "serving lease tickets");
     let tickets_stop = CancellationToken::new();
-    tokio::spawn(gpu_broker::tickets::serve(
+    tokio::spawn(gpu_broker::ticket_server::serve(
         tickets,
         arb.clone(),
         tickets_stop.clone(),

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// Modules below the arbiter: the state it owns, the devices, the records and their rules.
-const BELOW_ARBITER: [&str; 21] = [
+const BELOW_ARBITER: [&str; 22] = [
     "units",
     "bounds",
     "process",
@@ -32,6 +32,7 @@ const BELOW_ARBITER: [&str; 21] = [
     "rate",
     "gate",
     "metrics",
+    "tickets",
 ];
 
 /// What those must never reach, directly or through other modules.
@@ -168,7 +169,7 @@ fn the_scanner_reads_paths_groups_and_skips_comments() {
 /// Imports that close an import circle today, each with its reason (from, to). Every other
 /// import among the broker's modules goes one way; a new circle, or one of these gone,
 /// fails the test below.
-const CIRCLE_EXCEPTIONS: [(&str, &str, &str); 6] = [
+const CIRCLE_EXCEPTIONS: [(&str, &str, &str); 5] = [
     (
         "audit",
         "arbiter",
@@ -183,11 +184,6 @@ const CIRCLE_EXCEPTIONS: [(&str, &str, &str); 6] = [
         "reservations",
         "arbiter",
         "process reservations are arbiter methods kept in their own file",
-    ),
-    (
-        "tickets",
-        "arbiter",
-        "the ticket server asks the arbiter who may receive a descriptor",
     ),
     (
         "error",
@@ -221,10 +217,12 @@ fn the_module_graph_has_no_import_circle_but_the_listed_ones() {
     if let Some(path) = circle(&graph) {
         panic!("import circle: {path}");
     }
-    // The metrics, the ticket server and the arbiter: one way only.
+    // The metrics, the tickets, the ticket server and the arbiter: one way only.
     let graph = self::graph();
     assert!(!reach(&graph, "metrics").contains_key("tickets"));
+    assert!(!reach(&graph, "tickets").contains_key("arbiter"));
     assert!(reach(&graph, "arbiter").contains_key("metrics"));
+    assert!(reach(&graph, "ticket_server").contains_key("arbiter"));
 }
 
 #[test]

@@ -131,7 +131,7 @@ pub struct Arbiter {
     pub(crate) cfg: ArbiterConfig,
     /// Compute turns (time-slicing); separate from memory, with its own lock.
     pub(crate) scheduler: crate::scheduler::Scheduler,
-    /// Tickets that deliver fd leases (served by `tickets::serve`).
+    /// Tickets that deliver fd leases (served by `ticket_server::serve`).
     pub(crate) tickets: Arc<crate::tickets::TicketTable>,
     draining: AtomicBool,
     /// Operator changes, durable in the store (`audit.rs`).

@@ -1,0 +1,227 @@
+//! The ticket server: the Unix stream socket where a worker presents a lease ticket
+//! (`tickets.rs` has the table and the protocol's bytes) and receives the lease's
+//! descriptor in `SCM_RIGHTS`. Above the arbiter: it asks it who may receive a descriptor
+//! ([`Arbiter::fd_delivering`]). Connections are capped in all and per peer uid; one over a
+//! cap is told "busy" and closed, its ticket untouched.
+
+use crate::arbiter::Arbiter;
+use crate::device::SharedFd;
+use crate::tickets::{Refusal, BUSY_REPLY, FD_REPLY, TICKET_LEN};
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::AsyncReadExt;
+use tokio::net::{UnixListener, UnixStream};
+use tokio_util::sync::CancellationToken;
+
+/// Most ticket connections served at once.
+const MAX_CONNECTIONS: usize = 256;
+/// Most ticket connections one peer uid may have open at once (root and the broker's own
+/// user may use a reserve beyond it): the socket is open to every local user, and one of
+/// them must not take every slot from the others.
+const MAX_CONNECTIONS_PER_UID: usize = 32;
+/// Slots beyond the per-uid cap for root and the broker's own user.
+const PRIVILEGED_RESERVE: usize = 16;
+/// A connection must send its ticket within this time.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Binds the ticket socket at `path` (replacing a stale file; refusing one a live process
+/// serves) with mode 0666: any local process may connect, only a ticket's holder gets an fd.
+pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).await.is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("another broker serves tickets on {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(l)
+}
+
+/// Serves the tickets of `arb` on `listener` until `stop` is cancelled.
+pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: CancellationToken) {
+    let conns = crate::listener::ConnTracker::new(crate::listener::Limits {
+        max_connections: MAX_CONNECTIONS,
+        max_connections_per_uid: MAX_CONNECTIONS_PER_UID,
+        admin_reserve: PRIVILEGED_RESERVE,
+        ..crate::listener::Limits::default()
+    });
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = listener.accept() => r,
+        };
+        let stream = match accepted {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "ticket socket accept failed; backing off");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // Over a limit (in all, or of this peer's uid): say "busy" and close at once; the
+        // ticket is untouched and the client presents it again after a pause.
+        // Read once (a system call) and handed on.
+        let cred = stream.peer_cred().ok();
+        let uid = cred.map(|c| c.uid());
+        let permit = match conns.admit(uid) {
+            Ok(p) => p,
+            Err(cap) => {
+                tracing::debug!(?uid, ?cap, "too many ticket connections; one told busy");
+                arb.metrics().ticket_refused("busy");
+                let _ = stream.try_write(&[BUSY_REPLY]);
+                continue;
+            }
+        };
+        let arb = arb.clone();
+        tokio::spawn(async move {
+            serve_one(stream, cred, &arb).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>, arb: &Arbiter) {
+    let table = arb.tickets();
+    let uid = cred.map(|c| c.uid());
+    let pid = cred
+        .and_then(|c| c.pid())
+        .and_then(|p| u32::try_from(p).ok())
+        .filter(|&p| p != 0);
+    let mut buf = [0u8; TICKET_LEN];
+    let read = tokio::time::timeout(READ_TIMEOUT, stream.read_exact(&mut buf)).await;
+    let result = match (read, uid) {
+        (Ok(Ok(_)), Some(uid)) => table.redeem(&buf, uid, pid),
+        _ => Err(Refusal::Malformed),
+    };
+    match result {
+        // The recipient is recorded before the descriptor leaves, so there is no moment
+        // when a process outside the session maps memory the broker no longer counts.
+        Ok((lease, _)) if !arb.fd_delivering(lease, pid) => {
+            arb.metrics().ticket_refused("lease_gone");
+            tracing::debug!(%lease, ?uid, ?pid, "ticket of a lease that just ended; closed");
+        }
+        Ok((lease, fd)) => match send_fd(&stream, &fd).await {
+            Ok(()) => {
+                arb.metrics().ticket_redeemed();
+                tracing::debug!(%lease, ?uid, ?pid, "lease fd delivered");
+            }
+            Err(e) => tracing::warn!(%lease, error = %e, "sending a lease fd failed"),
+        },
+        Err(r) => {
+            arb.metrics().ticket_refused(r.as_str());
+            tracing::warn!(
+                reason = r.as_str(),
+                ?uid,
+                ?pid,
+                "ticket refused; connection closed"
+            );
+        }
+    }
+}
+
+/// Sends one byte with `fd` in `SCM_RIGHTS`.
+async fn send_fd(stream: &UnixStream, fd: &SharedFd) -> std::io::Result<()> {
+    loop {
+        stream.writable().await?;
+        match stream.try_io(tokio::io::Interest::WRITABLE, || {
+            send_with_fd(stream.as_raw_fd(), fd.raw())
+        }) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// `sendmsg` of the byte [`FD_REPLY`] with one descriptor attached.
+pub fn send_with_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
+    let mut byte = [FD_REPLY];
+    let mut iov = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: zeroed msghdr is a valid starting point; every pointer set below outlives
+    // the sendmsg call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer has room for one header with one fd (CMSG_SPACE).
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+    }
+    // SAFETY: a valid socket and message.
+    let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+    if n == 1 {
+        Ok(())
+    } else if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Err(std::io::Error::other("short sendmsg"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_uid_cannot_take_every_ticket_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.sock");
+        let listener = bind(&path).await.unwrap();
+        let arb =
+            crate::arbiter::host_arbiter(16 << 20, 1, crate::arbiter::ArbiterConfig::default());
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(listener, arb, stop.clone()));
+        // This process is the broker's own user: the cap plus the reserve.
+        let cap = MAX_CONNECTIONS_PER_UID + PRIVILEGED_RESERVE;
+        let mut held = Vec::new();
+        for _ in 0..cap {
+            held.push(UnixStream::connect(&path).await.unwrap());
+        }
+        // One more from the same uid is told "busy" (no descriptor) and closed at once...
+        let mut extra = UnixStream::connect(&path).await.unwrap();
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(30), extra.read(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((n, b[0]), (1, BUSY_REPLY));
+        let n = tokio::time::timeout(Duration::from_secs(30), extra.read(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, 0, "closed after the busy byte");
+        // ...while the ones it holds are still open (not closed by their read timeout).
+        let mut open = 0;
+        for s in &held {
+            match s.try_read(&mut b) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => open += 1,
+                _ => {}
+            }
+        }
+        assert_eq!(
+            open, cap,
+            "the held connections were still waiting for tickets"
+        );
+        stop.cancel();
+    }
+}
