@@ -7,7 +7,7 @@
 //! task, outside the lock, on memory already reserved.
 
 use super::effects::PendingGrant;
-use super::queue::{Ask, Granted, WaiterId};
+use super::queue::{Granted, WaiterId};
 use super::state::{Enqueued, QueueEnv};
 use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
 use crate::error::{BrokerError, BrokerResult};
@@ -178,41 +178,11 @@ impl Arbiter {
         } else {
             self.check_process_ask(&st, req)?;
         }
-        let tenant = st
-            .ledger()
-            .get(&req.tenant)
-            .ok_or_else(|| BrokerError::tenant_not_found(&req.tenant))?;
-        let priority = tenant.quota.priority;
-        let candidates = st.candidates(&self.avail.read(), req.device);
-        let gran = candidates
-            .iter()
-            .map(|&d| st.pools()[d as usize].granularity())
-            .max()
-            .unwrap_or(2 << 20);
-        let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
-            BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
-        })?;
-        // Requests that can never fit fail at once, waiting or not.
-        if let Some(err) = st.never_fits(&req.tenant, bytes, req.device, &candidates) {
-            return Ok(Offered::Refused { bytes, err });
-        }
-        let ask = Ask {
-            tenant: req.tenant.clone(),
-            session: req.session,
-            bytes,
-            requested_bytes: req.bytes,
-            device: req.device,
-            label: req.label.clone(),
-            reclaimable: req.reclaimable,
-            process,
-            draw: None,
-        };
-        let offered = {
+        let (bytes, offered) = {
             let avail = self.avail.read();
-            st.enqueue(
-                ask,
-                priority,
-                req.wait.is_zero(),
+            st.offer(
+                req,
+                process,
                 self.cfg.max_waiting_per_tenant,
                 &self.queue_env(&avail),
             )?

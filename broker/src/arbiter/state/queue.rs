@@ -21,11 +21,13 @@
 use super::State;
 use crate::arbiter::effects::{Counted, Effect, PendingGrant};
 use crate::arbiter::queue::{Ask, Waiter, WaiterId};
+use crate::arbiter::AcquireRequest;
 use crate::availability::Availability;
 use crate::error::{BrokerError, BrokerResult, DeviceRoom, Queue};
 use crate::lease::LeaseState;
 use crate::ledger::Tier;
 use crate::pool::Source;
+use crate::reservations::ProcessAsk;
 use crate::session::SessionEvent;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime};
@@ -134,8 +136,56 @@ impl State {
         self.queue.next_id()
     }
 
-    /// Offers `ask` (checked by the shell: session, devices, never-fit, rounding) to the
-    /// queue: `QUEUE_FULL` when its tenant has `max_waiting` waiters already; else it is
+    /// Offers request `req` (checked by the shell: its values, session, devices, a draw
+    /// from a process reservation) to the queue, as a lease request or (`process`) a
+    /// process reservation: its size is rounded up to the largest granularity of the
+    /// devices it may use; one that can never fit is refused at once (waiting or not:
+    /// [`State::never_fits`]); else [`State::enqueue`]. Returns the rounded size with the
+    /// outcome.
+    pub(crate) fn offer(
+        &mut self,
+        req: &AcquireRequest,
+        process: Option<ProcessAsk>,
+        max_waiting: usize,
+        env: &QueueEnv,
+    ) -> BrokerResult<(u64, Enqueued)> {
+        let priority = self
+            .ledger
+            .get(&req.tenant)
+            .ok_or_else(|| BrokerError::tenant_not_found(&req.tenant))?
+            .quota
+            .priority;
+        let candidates = self.candidates(env.avail, req.device);
+        let gran = candidates
+            .iter()
+            .map(|&d| self.pools[d as usize].granularity())
+            .max()
+            .unwrap_or(2 << 20);
+        let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
+            BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
+        })?;
+        if let Some(err) = self.never_fits(&req.tenant, bytes, req.device, &candidates) {
+            return Ok((bytes, Enqueued::Refused(err)));
+        }
+        let ask = Ask {
+            tenant: req.tenant.clone(),
+            session: req.session,
+            bytes,
+            requested_bytes: req.bytes,
+            device: req.device,
+            label: req.label.clone(),
+            reclaimable: req.reclaimable,
+            process,
+            draw: None,
+        };
+        let wait_zero = req.wait.is_zero();
+        Ok((
+            bytes,
+            self.enqueue(ask, priority, wait_zero, max_waiting, env)?,
+        ))
+    }
+
+    /// Offers `ask` (rounded, and checked against what can never fit) to the queue: `QUEUE_FULL` when its tenant has `max_waiting` waiters already; else it is
     /// queued and the queue runs. With `wait_zero`, one that did not fit at once leaves
     /// the queue again, refused with why.
     pub(crate) fn enqueue(

@@ -495,3 +495,51 @@ fn enqueue_refuses_past_the_per_tenant_cap_and_a_zero_wait_that_does_not_fit() {
     assert!(!st.abandon(id));
     st.check_invariant().unwrap();
 }
+
+#[test]
+fn an_offer_is_rounded_to_the_largest_granularity_and_refused_at_once_when_it_never_fits() {
+    let mut c = Core::new(2, 64 * MIB);
+    c.st = State::new(
+        vec![
+            Pool::new(0, GRAN, 64 * MIB, 64 * MIB),
+            Pool::new(1, 8 * MIB, 64 * MIB, 64 * MIB),
+        ],
+        vec![true, true],
+    );
+    let a = c.tenant("a", quota(128 * MIB, 0));
+    let req = |bytes: u64, device: Option<u32>| crate::arbiter::AcquireRequest {
+        tenant: "a".into(),
+        session: a,
+        bytes,
+        device,
+        wait: Duration::ZERO,
+        label: String::new(),
+        reclaimable: false,
+        fallback_host: false,
+    };
+    let mut st = std::mem::take(&mut c.st);
+    let env = env(&c.avail, c.t0);
+    // Either device: the larger granularity (8 MiB); pinned to device 0: its own (2 MiB).
+    for (device, want) in [(None, 8 * MIB), (Some(0), 4 * MIB)] {
+        let got = st.offer(&req(3 * MIB, device), None, 4, &env).unwrap();
+        assert!(
+            matches!(got, (b, Enqueued::Waiting { queued: false, .. }) if b == want),
+            "{got:?}"
+        );
+    }
+    // Larger than any device leases: refused, no wait needed, nothing queued.
+    let got = st.offer(&req(80 * MIB, None), None, 4, &env).unwrap();
+    assert!(
+        matches!(&got, (b, Enqueued::Refused(BrokerError::TooLarge { leasable, .. }))
+            if *b == 80 * MIB && *leasable == 64 * MIB),
+        "{got:?}"
+    );
+    let mut other = req(2 * MIB, None);
+    other.tenant = "nobody".into();
+    assert!(matches!(
+        st.offer(&other, None, 4, &env),
+        Err(BrokerError::NotFound(_))
+    ));
+    assert!(st.queue().is_empty());
+    st.check_invariant().unwrap();
+}

@@ -822,31 +822,45 @@ impl Harness {
                 };
                 let (tenant, _) = self.tenant_of(s).unwrap();
                 let bytes = units * GRAN;
-                // The shell's checks first: closed devices, what can never fit.
+                // The shell's check first: closed devices.
                 if self.avail.refusal(device).is_some() {
-                    return;
-                }
-                let candidates = self.st.candidates(&self.avail, device);
-                if self
-                    .st
-                    .never_fits(&tenant, bytes, device, &candidates)
-                    .is_some()
-                {
                     return;
                 }
                 let env = env(&self.avail, self.now);
                 let newest = self.st.queue().iter().map(|w| w.id).max();
-                match self
-                    .st
-                    .enqueue(ask(&tenant, s, bytes, device), 0, false, 4, &env)
-                {
+                let req = AcquireRequest {
+                    tenant: tenant.clone(),
+                    session: s,
+                    bytes,
+                    device,
+                    wait: Duration::from_secs(1),
+                    label: String::new(),
+                    reclaimable: false,
+                    fallback_host: false,
+                };
+                let leasable = |d: u32| self.st.pools()[d as usize].leasable();
+                let never = match device {
+                    Some(d) => bytes > leasable(d),
+                    None => (0..2)
+                        .filter(|&d| self.avail.admits(d))
+                        .all(|d| bytes > leasable(d)),
+                };
+                match self.st.offer(&req, None, 4, &env) {
                     // Waiting until answered, whether at once (in this call's effects) or
                     // later.
-                    Ok(Enqueued::Waiting { id, .. }) => {
+                    Ok((b, Enqueued::Waiting { id, .. })) => {
+                        assert!(!never, "queued what can never fit");
+                        assert_eq!(b, bytes);
                         assert!(newest.is_none_or(|n| id > n));
                         self.waiting.insert(id, (tenant, bytes));
                     }
-                    Ok(Enqueued::Refused(e)) => panic!("refused with a wait: {e}"),
+                    Ok((_, Enqueued::Refused(e))) => {
+                        assert!(never, "refused what may fit: {e}");
+                        assert!(
+                            matches!(e, crate::error::BrokerError::TooLarge { .. }),
+                            "{e}"
+                        );
+                    }
                     Err(e) => assert!(matches!(e, crate::error::BrokerError::QueueFull { .. })),
                 }
             }
