@@ -314,15 +314,19 @@ pub enum TicketRefusal {
     Foreign,
     /// Not `TICKET_LEN` bytes before the connection ended or timed out.
     Malformed,
+    /// Presented by its rightful peer after its lease ended (reclaimed, revoked, released
+    /// or its session ended): answered "lease ended".
+    LeaseEnded,
 }
 
 impl TicketRefusal {
     /// Every reason (each label value exists from the start).
-    pub const ALL: [TicketRefusal; 4] = [
+    pub const ALL: [TicketRefusal; 5] = [
         TicketRefusal::Unknown,
         TicketRefusal::Expired,
         TicketRefusal::Foreign,
         TicketRefusal::Malformed,
+        TicketRefusal::LeaseEnded,
     ];
 
     /// Its label value.
@@ -332,6 +336,7 @@ impl TicketRefusal {
             TicketRefusal::Expired => "expired",
             TicketRefusal::Foreign => "foreign_peer",
             TicketRefusal::Malformed => "malformed",
+            TicketRefusal::LeaseEnded => "lease_ended",
         }
     }
 }

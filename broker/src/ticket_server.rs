@@ -6,7 +6,7 @@
 
 use crate::arbiter::Arbiter;
 use crate::device::SharedFd;
-use crate::tickets::{Refusal, BUSY_REPLY, FD_REPLY, TICKET_LEN};
+use crate::tickets::{Refusal, BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY, TICKET_LEN};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::Arc;
@@ -105,8 +105,10 @@ async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>
     match result {
         // The recipient is recorded before the descriptor leaves, so there is no moment
         // when a process outside the session maps memory the broker no longer counts.
+        // The lease ended between the redemption and now: its rightful holder is told so.
         Ok((lease, _)) if !arb.fd_delivering(lease, pid) => {
             arb.metrics().ticket_refused("lease_gone");
+            let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
             tracing::debug!(%lease, ?uid, ?pid, "ticket of a lease that just ended; closed");
         }
         Ok((lease, fd)) => match send_fd(&stream, &fd).await {
@@ -116,6 +118,12 @@ async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>
             }
             Err(e) => tracing::warn!(%lease, error = %e, "sending a lease fd failed"),
         },
+        // Only the ticket's rightful peer gets here (a foreign one is refused as unknown).
+        Err(Refusal::LeaseEnded) => {
+            arb.metrics().ticket_refused(Refusal::LeaseEnded.as_str());
+            let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
+            tracing::debug!(?uid, ?pid, "ticket of an ended lease; told so and closed");
+        }
         Err(r) => {
             arb.metrics().ticket_refused(r.as_str());
             tracing::warn!(

@@ -7,11 +7,14 @@
 //! byte of data carrying exactly one descriptor in `SCM_RIGHTS`. A wrong, reused, expired
 //! or foreign ticket gets nothing: the connection is closed, the attempt logged and counted
 //! (`gpu_broker_ticket_refusals_total{reason}`), the lease untouched. Ending a lease drops
-//! its tickets. The wire protocol is in `docs/protocol.md`.
+//! its tickets' descriptors but keeps each unredeemed ticket as a **tombstone** until its
+//! expiry: its rightful peer presenting it learns "lease ended" ([`LEASE_ENDED_REPLY`])
+//! instead of a bare refusal; any other peer still learns nothing. The wire protocol is in
+//! `docs/protocol.md`.
 
 use crate::device::SharedFd;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -25,6 +28,12 @@ const MAX_PER_LEASE: usize = 16;
 pub const BUSY_REPLY: u8 = 0x00;
 /// The byte that carries the descriptor of a redeemed ticket.
 pub const FD_REPLY: u8 = 0x01;
+/// The one byte (with no descriptor) the rightful holder of a ticket gets when the ticket's
+/// lease ended (reclaimed, revoked, released or its session ended) before it was redeemed.
+pub const LEASE_ENDED_REPLY: u8 = 0x02;
+/// Most tombstones kept in all (the oldest go first): each ended lease leaves at most
+/// `MAX_PER_LEASE`, and they live no longer than the TTL.
+const MAX_TOMBSTONES: usize = 4096;
 
 /// A ticket's bytes.
 pub type Ticket = [u8; TICKET_LEN];
@@ -48,10 +57,19 @@ struct Entry {
     fd: SharedFd,
 }
 
+/// An unredeemed ticket of a lease that ended: who may learn so, and until when.
+struct Tombstone {
+    binding: Binding,
+    expires: Instant,
+}
+
 #[derive(Default)]
 struct Inner {
     by_ticket: HashMap<Ticket, Entry>,
     by_lease: HashMap<Uuid, Vec<Ticket>>,
+    tombstones: HashMap<Ticket, Tombstone>,
+    /// Tombstones in the order they were laid (for the bound).
+    tomb_order: VecDeque<Ticket>,
 }
 
 /// Every unredeemed ticket, and where the ticket server listens.
@@ -120,12 +138,17 @@ impl TicketTable {
         ticket
     }
 
-    /// Drops every ticket of a lease (it ended).
+    /// Drops every ticket of a lease (it ended) and its descriptors; each unexpired one
+    /// stays as a tombstone, so its holder learns that the lease ended.
     pub fn forget_lease(&self, lease: Uuid) {
+        let now = Instant::now();
         let mut inner = self.inner.lock();
+        inner.purge_expired(now);
         if let Some(list) = inner.by_lease.remove(&lease) {
             for t in list {
-                inner.by_ticket.remove(&t);
+                if let Some(e) = inner.by_ticket.remove(&t) {
+                    inner.lay_tombstone(t, e.binding, e.expires);
+                }
             }
         }
     }
@@ -133,6 +156,11 @@ impl TicketTable {
     /// Unredeemed tickets (all leases).
     pub fn outstanding(&self) -> usize {
         self.inner.lock().by_ticket.len()
+    }
+
+    /// Tombstones kept (tickets of ended leases, not yet expired or presented).
+    pub fn tombstones(&self) -> usize {
+        self.inner.lock().tombstones.len()
     }
 
     /// Redeems `ticket` for a peer with `uid` and `pid`: the lease and its descriptor, once.
@@ -147,17 +175,13 @@ impl TicketTable {
         let now = Instant::now();
         let mut inner = self.inner.lock();
         let Some(e) = inner.by_ticket.get(&key) else {
-            return Err(Refusal::Unknown);
+            return Err(inner.bury(&key, uid, pid, now));
         };
         if e.expires <= now {
             inner.remove(&key);
             return Err(Refusal::Expired);
         }
-        let pid_ok = match e.binding.pid {
-            Some(want) => pid == Some(want),
-            None => true,
-        };
-        if e.binding.uid != uid || !pid_ok {
+        if !e.binding.admits(uid, pid) {
             return Err(Refusal::Foreign);
         }
         let e = inner.remove(&key).ok_or(Refusal::Unknown)?;
@@ -165,7 +189,54 @@ impl TicketTable {
     }
 }
 
+impl Binding {
+    /// Whether a peer with `uid` and `pid` is the one this binding names.
+    fn admits(&self, uid: u32, pid: Option<u32>) -> bool {
+        let pid_ok = match self.pid {
+            Some(want) => pid == Some(want),
+            None => true,
+        };
+        self.uid == uid && pid_ok
+    }
+}
+
 impl Inner {
+    /// A ticket not in the live table: "lease ended" (once) for the rightful peer of an
+    /// unexpired tombstone; "unknown" for everyone else, so a foreign peer learns nothing.
+    fn bury(&mut self, key: &Ticket, uid: u32, pid: Option<u32>, now: Instant) -> Refusal {
+        match self.tombstones.get(key) {
+            Some(t) if t.expires > now && t.binding.admits(uid, pid) => {
+                self.tombstones.remove(key);
+                Refusal::LeaseEnded
+            }
+            Some(t) if t.expires <= now => {
+                self.tombstones.remove(key);
+                Refusal::Unknown
+            }
+            _ => Refusal::Unknown,
+        }
+    }
+
+    fn lay_tombstone(&mut self, ticket: Ticket, binding: Binding, expires: Instant) {
+        self.tombstones
+            .insert(ticket, Tombstone { binding, expires });
+        self.tomb_order.push_back(ticket);
+        while self.tombstones.len() > MAX_TOMBSTONES {
+            match self.tomb_order.pop_front() {
+                Some(old) => {
+                    self.tombstones.remove(&old);
+                }
+                None => break,
+            }
+        }
+        // Keep the order queue no larger than twice the table (entries whose tombstone was
+        // already presented or purged linger in it until then).
+        if self.tomb_order.len() > 2 * self.tombstones.len().max(MAX_PER_LEASE) {
+            let live = &self.tombstones;
+            self.tomb_order.retain(|t| live.contains_key(t));
+        }
+    }
+
     fn remove(&mut self, key: &Ticket) -> Option<Entry> {
         let e = self.by_ticket.remove(key)?;
         if let Some(list) = self.by_lease.get_mut(&e.lease) {
@@ -186,6 +257,18 @@ impl Inner {
             .collect();
         for t in old {
             self.remove(&t);
+        }
+        // Tombstones are laid in expiry order (one TTL for all, save when it is changed):
+        // the expired ones are at the front.
+        while let Some(front) = self.tomb_order.front() {
+            match self.tombstones.get(front) {
+                Some(t) if t.expires > now => break,
+                Some(_) => {
+                    self.tombstones.remove(front);
+                }
+                None => {}
+            }
+            self.tomb_order.pop_front();
         }
     }
 }
@@ -245,8 +328,73 @@ mod tests {
         let lease = Uuid::new_v4();
         let k = t.mint(lease, ME, fd());
         t.forget_lease(lease);
+        assert_eq!(
+            t.redeem(&k, 1000, Some(42)).unwrap_err(),
+            Refusal::LeaseEnded
+        );
         assert_eq!(t.redeem(&k, 1000, Some(42)).unwrap_err(), Refusal::Unknown);
         assert_eq!(t.outstanding(), 0);
+        assert_eq!(t.tombstones(), 0);
+    }
+
+    #[test]
+    fn an_ended_leases_ticket_says_so_to_its_peer_only_until_it_expires() {
+        let t = TicketTable::default();
+        let lease = Uuid::new_v4();
+        let f = fd();
+        let k1 = t.mint(lease, ME, f.clone());
+        let k2 = t.mint(lease, ME, f.clone());
+        let other = t.mint(Uuid::new_v4(), ME, f.clone());
+        t.forget_lease(lease);
+        assert_eq!((t.outstanding(), t.tombstones()), (1, 2));
+        // The tombstones hold no descriptor: only `f` and the live ticket's clone remain.
+        assert_eq!(std::sync::Arc::strong_count(&f.0), 2);
+        // A foreign peer learns nothing (as for a ticket never issued), and does not use
+        // the tombstone up.
+        assert_eq!(t.redeem(&k1, 1001, Some(42)).unwrap_err(), Refusal::Unknown);
+        assert_eq!(t.redeem(&k1, 1000, Some(43)).unwrap_err(), Refusal::Unknown);
+        assert_eq!(
+            t.redeem(&k1, 1000, Some(42)).unwrap_err(),
+            Refusal::LeaseEnded
+        );
+        assert_eq!(t.redeem(&k1, 1000, Some(42)).unwrap_err(), Refusal::Unknown);
+        // The live ticket of another lease is untouched.
+        assert!(t.redeem(&other, 1000, Some(42)).is_ok());
+        // Past its expiry the tombstone is gone.
+        t.set_ttl(Duration::from_millis(1));
+        let short = Uuid::new_v4();
+        let k3 = t.mint(short, ME, f.clone());
+        t.forget_lease(short);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(t.redeem(&k3, 1000, Some(42)).unwrap_err(), Refusal::Unknown);
+        // Purging (on a mint) keeps the unexpired tombstone (k2).
+        t.mint(Uuid::new_v4(), ME, f.clone());
+        assert_eq!(t.tombstones(), 1);
+        assert_eq!(
+            t.redeem(&k2, 1000, Some(42)).unwrap_err(),
+            Refusal::LeaseEnded
+        );
+        assert_eq!(t.tombstones(), 0);
+    }
+
+    #[test]
+    fn tombstones_are_bounded() {
+        let t = TicketTable::default();
+        let f = fd();
+        let first_lease = Uuid::new_v4();
+        let first = t.mint(first_lease, ME, f.clone());
+        t.forget_lease(first_lease);
+        for _ in 0..MAX_TOMBSTONES {
+            let l = Uuid::new_v4();
+            t.mint(l, ME, f.clone());
+            t.forget_lease(l);
+        }
+        assert_eq!(t.tombstones(), MAX_TOMBSTONES);
+        assert_eq!(
+            t.redeem(&first, 1000, Some(42)).unwrap_err(),
+            Refusal::Unknown,
+            "the oldest tombstone went first"
+        );
     }
 
     #[test]

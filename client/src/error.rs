@@ -84,6 +84,12 @@ pub enum ClientError {
     /// Ask for a new one (`Lease::fetch_fd`). Code `PERMISSION_DENIED`.
     #[error("PERMISSION_DENIED: lease ticket refused: {0}")]
     TicketRefused(String),
+    /// The ticket server said the ticket's lease ended (reclaimed, revoked, released or its
+    /// session ended) before its memory was fetched: the lease and its memory are gone, and a
+    /// new ticket would not help; ask for a new lease. Code `NOT_FOUND`, as for any lease
+    /// the broker no longer has.
+    #[error("NOT_FOUND: {0}")]
+    LeaseEnded(String),
     /// The broker answered something the protocol does not allow (e.g. a session stream
     /// whose first event is not `opened`, or a reply missing a required field).
     #[error("protocol error: {0}")]
@@ -93,7 +99,7 @@ pub enum ClientError {
 impl ClientError {
     /// The gRPC code of this error. Local errors map to the closest code:
     /// `Transport` -> `UNAVAILABLE`, `Io`/`Cuda`/`Protocol` -> `INTERNAL`,
-    /// `NotMappable` -> `FAILED_PRECONDITION`, `LeaseLost` -> `NOT_FOUND`.
+    /// `NotMappable` -> `FAILED_PRECONDITION`, `LeaseLost` and `LeaseEnded` -> `NOT_FOUND`.
     pub fn code(&self) -> Code {
         match self {
             ClientError::InvalidArgument(_) => Code::InvalidArgument,
@@ -101,7 +107,9 @@ impl ClientError {
             ClientError::PermissionDenied(_) | ClientError::TicketRefused(_) => {
                 Code::PermissionDenied
             }
-            ClientError::NotFound(_) | ClientError::LeaseLost { .. } => Code::NotFound,
+            ClientError::NotFound(_)
+            | ClientError::LeaseLost { .. }
+            | ClientError::LeaseEnded(_) => Code::NotFound,
             ClientError::ResourceExhausted(_) => Code::ResourceExhausted,
             ClientError::DeadlineExceeded(_) => Code::DeadlineExceeded,
             ClientError::Unavailable(_) | ClientError::Transport(_) => Code::Unavailable,
@@ -175,6 +183,7 @@ impl ClientError {
                 | ClientError::Cuda(_)
                 | ClientError::Protocol(_)
                 | ClientError::TicketRefused(_)
+                | ClientError::LeaseEnded(_)
                 | ClientError::LeaseLost { .. }
         )
     }

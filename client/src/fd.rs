@@ -2,7 +2,8 @@
 //! `docs/protocol.md`): connect to the ticket socket, send the ticket bytes, receive one
 //! byte with exactly one descriptor in `SCM_RIGHTS`. The broker hands it only to the
 //! process the ticket was issued to; a refused ticket gets the connection closed with
-//! nothing sent ([`ClientError::TicketRefused`]).
+//! nothing sent ([`ClientError::TicketRefused`]); a ticket whose lease ended before it was
+//! redeemed gets "lease ended" ([`ClientError::LeaseEnded`]).
 //!
 //! **Finding the socket.** `socket_path` is the path as the broker knows it. A worker that
 //! sees the broker's socket directory elsewhere (a container mounting `/run/gpu-broker` at
@@ -31,6 +32,9 @@ const FD_REPLY: u8 = 0x01;
 /// The data byte (no descriptor) of a broker at its ticket-connection limit: the ticket was
 /// not looked at; present it again after a pause.
 const BUSY_REPLY: u8 = 0x00;
+/// The data byte (no descriptor) for the rightful holder of a ticket whose lease ended
+/// (reclaimed, revoked, released or its session ended) before the ticket was redeemed.
+const LEASE_ENDED_REPLY: u8 = 0x02;
 /// Longest pause between presentations to a busy ticket socket.
 const MAX_BUSY_PAUSE: Duration = Duration::from_millis(50);
 
@@ -198,6 +202,15 @@ fn present(
             fd: None,
         } => Ok(None),
         Received {
+            len: 1,
+            byte: LEASE_ENDED_REPLY,
+            fd: None,
+        } => Err(ClientError::LeaseEnded(
+            "the lease ended (reclaimed, revoked, released or its session ended) before its \
+             memory was fetched; ask for a new lease"
+                .into(),
+        )),
+        Received {
             len: 0, fd: None, ..
         } => Err(ClientError::TicketRefused(
             "the broker closed the connection (wrong, used, expired or foreign ticket)".into(),
@@ -283,6 +296,7 @@ pub fn recv_with_fd(sock: RawFd) -> std::io::Result<Received> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Code;
 
     #[test]
     fn candidates_try_the_brokers_path_then_the_sibling_of_the_dialled_socket() {
@@ -313,7 +327,7 @@ mod tests {
         let server = std::thread::spawn(move || {
             // First connection: "busy" (the ticket not read). Second: refused (closed after
             // reading). Third: gets a descriptor.
-            for answer in ["busy", "refuse", "give"] {
+            for answer in ["busy", "refuse", "give", "ended"] {
                 let (mut s, _) = listener.accept().unwrap();
                 if answer == "busy" {
                     s.write_all(&[BUSY_REPLY]).unwrap();
@@ -325,6 +339,9 @@ mod tests {
                     let f = std::fs::File::open("/dev/null").unwrap();
                     send_one(s.as_raw_fd(), f.as_raw_fd());
                 }
+                if answer == "ended" {
+                    s.write_all(&[LEASE_ENDED_REPLY]).unwrap();
+                }
             }
         });
         let e = fetch(&path, b"nope", None).await.unwrap_err();
@@ -333,6 +350,10 @@ mod tests {
         // SAFETY: fcntl on a descriptor we own.
         let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
         assert!(flags & libc::FD_CLOEXEC != 0);
+        let e = fetch(&path, b"gone", None).await.unwrap_err();
+        assert!(matches!(e, ClientError::LeaseEnded(_)), "{e}");
+        assert_eq!(e.code(), Code::NotFound);
+        assert!(e.to_string().contains("lease ended"), "{e}");
         server.join().unwrap();
         let e = fetch(&path, b"", None).await.unwrap_err();
         assert!(matches!(e, ClientError::FailedPrecondition(_)), "{e}");

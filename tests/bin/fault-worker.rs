@@ -227,7 +227,8 @@ async fn load(a: LoadArgs) -> Result<()> {
                 denied += 1;
                 emit(
                     json!({"ev": "deny", "ms": ms, "bytes": bytes, "code": e.code_name(),
-                    "within": a.within_guarantee, "msg": e.message()}),
+                    "within": a.within_guarantee, "msg": e.message(),
+                    "ended": matches!(e, gpu_broker_client::ClientError::LeaseEnded(_))}),
                 );
                 continue;
             }

@@ -116,20 +116,44 @@ async fn every_ticket_misuse_is_refused_counted_and_leaves_the_lease_alone() {
     // ... which does not use it up for its rightful holder.
     assert_eq!(present(&socket, &stolen.ticket), (1, true));
 
-    // A ticket of a lease that ended.
+    // A ticket of a lease that ended before it was redeemed (a foreign peer learns
+    // nothing of it: the table's unit tests; this broker's TTL is too short to spawn one):
     let gone = s.lease(2 * MIB).await.unwrap();
     let h2 = ticket(&c, gone.id()).await;
     gone.release().await.unwrap();
+    // its rightful holder is told "lease ended" (one byte, no descriptor), once...
+    assert_eq!(present(&socket, &h2.ticket), (1, false));
     assert_eq!(present(&socket, &h2.ticket), (0, false));
+    // ...and the client reports it as such, not as a refused ticket.
+    let h3 = ticket(&c, lease.id()).await;
+    let revoked = s.lease(2 * MIB).await.unwrap();
+    let h4 = ticket(&c, revoked.id()).await;
+    b.admin()
+        .await
+        .unwrap()
+        .revoke_lease(revoked.id(), "test")
+        .await
+        .unwrap();
+    let e = gpu_broker_client::fd::fetch(std::path::Path::new(&socket), &h4.ticket, None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, gpu_broker_client::ClientError::LeaseEnded(_)),
+        "{e}"
+    );
+    assert_eq!(e.code_name(), "NOT_FOUND");
+    assert!(e.to_string().contains("lease ended"), "{e}");
+    assert_eq!(present(&socket, &h3.ticket), (1, true));
 
     // Counted by reason, and logged.
     let refused = |r: &str| format!("gpu_broker_ticket_refusals_total{{reason=\"{r}\"}}");
     assert_eq!(metric(&b, &refused("unknown_or_used")).await, 3.0);
+    assert_eq!(metric(&b, &refused("lease_ended")).await, 2.0);
     assert_eq!(metric(&b, &refused("expired")).await, 1.0);
     assert_eq!(metric(&b, &refused("foreign_peer")).await, 1.0);
     assert_eq!(metric(&b, &refused("malformed")).await, 1.0);
-    // Redeemed: the two grants (the client fetched at once), and the two good tickets.
-    assert_eq!(metric(&b, "gpu_broker_tickets_redeemed_total").await, 4.0);
+    // Redeemed: the three grants (the client fetched at once), and the three good tickets.
+    assert_eq!(metric(&b, "gpu_broker_tickets_redeemed_total").await, 6.0);
     assert_eq!(b.log_text().matches("ticket refused").count(), 6);
 
     // The lease is as it was: listed, mapped, its bytes intact.

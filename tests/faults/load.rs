@@ -277,7 +277,10 @@ struct Report {
     done: u32,
 }
 
-fn parse(out: &str, r: &mut Report) {
+/// `reclaimable`: the worker's leases are reclaimable, so one may be reclaimed (or revoked
+/// when its holder is slow to give it back) before the worker fetched its memory: "lease
+/// ended" is a legitimate outcome for it, and only for it.
+fn parse(out: &str, r: &mut Report, reclaimable: bool) {
     for line in out.lines() {
         let Ok(v) = serde_json::from_str::<Value>(line) else {
             continue;
@@ -300,6 +303,8 @@ fn parse(out: &str, r: &mut Report) {
                 if oom {
                     r.device_oom += 1;
                     code = "INTERNAL (device OOM)".into();
+                } else if v["ended"].as_bool() == Some(true) && reclaimable {
+                    code = "NOT_FOUND (lease ended before its fetch)".into();
                 } else if code != "DEADLINE_EXCEEDED" && code != "RESOURCE_EXHAUSTED" {
                     r.violations.push(format!("unexpected refusal: {v}"));
                 }
@@ -508,7 +513,7 @@ async fn two_hundred_workers_with_kills_keep_every_invariant() {
     for s in &slots {
         let text = std::fs::read_to_string(&s.out).unwrap_or_default();
         let r = reports.entry(s.tenant).or_default();
-        parse(&text, r);
+        parse(&text, r, plans[s.tenant].reclaimable);
         if s.killed {
             killed += 1;
         } else if !s.status.is_some_and(|st| st.success()) {
