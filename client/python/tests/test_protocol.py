@@ -43,3 +43,10 @@ def test_a_lease_fd_over_plain_python_sockets(broker):
         assert (msg, fds) == (b"", [])
         # So does a forged one.
         assert redeem(bytes(32)) == (b"", [])
+        # A ticket whose lease ended before it was redeemed: one byte 0x02, no descriptor,
+        # for its rightful holder, once; then the bare close.
+        gone = s.lease(2 * MIB)
+        _path, late = gone._fresh_ticket()
+        gone.release()
+        assert redeem(late) == (b"\x02", [])
+        assert redeem(late) == (b"", [])
