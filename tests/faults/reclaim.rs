@@ -1,7 +1,8 @@
 //! Reclaim and revocation: a higher-priority waiter gets memory back from lower-priority
 //! reclaimable leases (lowest priority, newest first, only as many as needed); a holder
 //! that ignores the request is revoked and its memory quarantined while its process
-//! lives (cooperative policy) or its process is killed (terminate policy).
+//! lives (cooperative policy) or its process is killed (terminate policy); a ticket of a
+//! revoked lease not yet redeemed says "lease ended".
 
 use super::*;
 use gpu_broker_client::Client;
@@ -415,5 +416,60 @@ async fn a_stuck_quarantine_does_not_stop_reclaim_from_others() {
     stuckh.proc.wait(Duration::from_secs(5)).await.unwrap();
     cooph.proc.wait(Duration::from_secs(5)).await.unwrap();
     assert!(wait_all_zero(&admin, Duration::from_secs(2)).await.is_ok());
+    assert_broker_alive(&b);
+}
+
+/// A reclaimable lease whose holder does not answer the reclaim request in time is revoked;
+/// a ticket of it not yet redeemed then tells its holder "lease ended" (NOT_FOUND), not
+/// "ticket refused": what a slow worker sees when the revocation comes between its grant
+/// and its fetch.
+#[tokio::test]
+async fn a_lease_revoked_before_its_ticket_is_redeemed_is_reported_as_ended() {
+    let b = broker_64mib(&["--reclaim-deadline", "300ms"]);
+    let admin = b.admin().await.unwrap();
+    let low = b.tenant("low", quota(64 * MIB, 0, 0)).await.unwrap();
+    let high = b.tenant("high", quota(64 * MIB, 0, 10)).await.unwrap();
+    let lc = Client::connect(&b.uri(), low).await.unwrap();
+    let ls = lc.session("low").await.unwrap();
+    let held = ls
+        .lease_request(64 * MIB)
+        .reclaimable(true)
+        .send()
+        .await
+        .unwrap();
+    // A ticket minted, not redeemed (the worker is slow to fetch).
+    let fd = lc
+        .raw()
+        .renew_lease_ticket(gpu_broker_client::proto::v1::RenewLeaseTicketRequest {
+            lease_id: held.id().into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .fd
+        .unwrap();
+    // HIGH waits; LOW never answers the reclaim request and is revoked after 300 ms.
+    let hs = session_of(&b, high, "high").await;
+    let waiter = spawn_lease(&hs, 16 * MIB, Duration::from_secs(30));
+    let revoked = eventually(Duration::from_secs(10), || async {
+        tenant(&admin, "low").await.usage.quarantined_bytes == 64 * MIB
+    })
+    .await;
+    assert!(revoked, "LOW's lease was not revoked");
+    let e = gpu_broker_client::fd::fetch(std::path::Path::new(&fd.socket_path), &fd.ticket, None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, gpu_broker_client::ClientError::LeaseEnded(_)),
+        "{e}"
+    );
+    assert_eq!(e.code_name(), "NOT_FOUND");
+    // LOW's memory stays quarantined while this process (its holder) lives: HIGH keeps
+    // waiting; the broker is healthy.
+    assert!(!waiter.is_finished());
+    waiter.abort();
+    hs.close();
+    drop(held);
+    ls.close();
     assert_broker_alive(&b);
 }
