@@ -284,6 +284,12 @@ impl Pool {
         out
     }
 
+    /// The cached blocks (tests: what may be handed out again).
+    #[cfg(test)]
+    pub(crate) fn cached_blocks(&self) -> impl Iterator<Item = &Block> {
+        self.lru.values()
+    }
+
     /// Removes every cached block (shutdown).
     pub fn drain_cache(&mut self) -> Vec<Block> {
         let seqs: Vec<u64> = self.lru.keys().copied().collect();

@@ -156,11 +156,19 @@ impl Arbiter {
             let mut st = self.lock();
             match publishable(&st, tenant, lease, name)? {
                 Publishable::Again(id) => return publish_again(&mut st, id, lease, name, set),
-                Publishable::New { kind, fd } => (kind, fd),
+                Publishable::New { kind, fd } => {
+                    if kind == MemoryKind::HostMemfd {
+                        // Marked before the seal: if the lease ends meanwhile, its
+                        // block is freed, never cached sealed.
+                        st.mark_sealing(lease);
+                    }
+                    (kind, fd)
+                }
             }
         };
         // Sealed and reopened read-only (through `/proc/self/fd`) with no lock held; a
-        // memfd sealed for a publish that then loses a race is only no longer cached.
+        // memfd sealed for a publish that then loses a race is never cached (marked
+        // above).
         let (ro, enforced) = sharing::importer_fd(kind, &fd)
             .map_err(|e| BrokerError::FailedPrecondition(e.to_string()))?;
         let mut st = self.lock();

@@ -2,6 +2,7 @@
 //! process may still map it); quarantine is lifted when that process exits (or a timeout
 //! passes); a session's end; everything freed at shutdown.
 
+use super::shared::pristine;
 use super::{Quarantined, State};
 use crate::arbiter::effects::{Counted, Effect, Watch};
 use crate::lease::LeaseView;
@@ -48,6 +49,9 @@ impl State {
         let tenant = lease.tenant.clone();
         let mut block = lease.block;
         if lease.tier == Tier::Host {
+            // Processes it was given to are not followed: the file is never reused.
+            self.shared.recipients.remove(&id);
+            self.sealing.remove(&id);
             self.ledger.uncharge_host(&tenant, bytes);
             // Host fallback files are never reused: a surviving mapping reaches nobody.
             self.fx.free_host(block);
@@ -57,7 +61,7 @@ impl State {
         block.last_tenant = Some(tenant.clone());
         // Importers of its publication, or other processes that fetched its descriptor,
         // may keep the block (`shared.rs`).
-        let Some((block, ending)) =
+        let Some((block, ending, destroy)) =
             self.shared_lease_ended(id, &tenant, d, block, ending, lease.reservation)
         else {
             // Held for others (its reservation's bytes settled there).
@@ -82,6 +86,7 @@ impl State {
                         block,
                         pid,
                         since: Instant::now(),
+                        destroy,
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease: id, pid });
@@ -95,7 +100,8 @@ impl State {
     }
 
     /// The holder of quarantined memory is gone (`destroy`: or the timeout passed): the
-    /// block is cached (or freed). False when it was not quarantined.
+    /// block is cached, or freed when asked, when it was ever published or sealed, or
+    /// when its memfd is no longer pristine. False when it was not quarantined.
     pub(crate) fn lift_quarantine(&mut self, id: Uuid, destroy: bool) -> bool {
         let Some(q) = self.quarantine.remove(&id) else {
             return false;
@@ -107,7 +113,7 @@ impl State {
         let bytes = q.block.bytes();
         self.ledger.remove_quarantine(&q.tenant, q.device, bytes);
         let pool = &mut self.pools[q.device as usize];
-        if destroy {
+        if destroy || q.destroy || !pristine(&q.block) {
             pool.unquarantine_destroyed(bytes);
             self.fx.free(q.device, q.block);
         } else {

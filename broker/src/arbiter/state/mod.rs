@@ -54,6 +54,9 @@ pub(crate) struct Quarantined {
     pub block: Block,
     pub pid: Option<u32>,
     pub since: Instant,
+    /// Freed, never cached, when lifted: the block was published (or its memfd sealed
+    /// for a publish), so others may hold its descriptor.
+    pub destroy: bool,
 }
 
 /// Everything behind the arbiter's lock.
@@ -74,6 +77,9 @@ pub(crate) struct State {
     /// Held blocks of ended leases whose fd recipients the shell has yet to look at
     /// (`shared.rs`); each is in `shared.held`.
     unchecked: HashMap<Uuid, shared::Unchecked>,
+    /// Live leases a publish is sealing (or sealed) with no lock held (`shared.rs`): when
+    /// they end, their block is freed, never cached.
+    sealing: std::collections::HashSet<Uuid>,
     /// Process reservations (`reservations.rs`).
     reservations: ReservationTable,
     /// What the transitions under the current lock asked for (`effects.rs`); run when the

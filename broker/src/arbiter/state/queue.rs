@@ -460,6 +460,20 @@ impl State {
                     evicted: Vec::new(),
                 }
             }
+            // Sealed since it was cached (no path caches a sealed memfd: checked again
+            // where it is handed out): the tenant's next lease must get memory it can
+            // write and publish. Freed, and fresh memory given instead.
+            Source::Cached {
+                block,
+                scrub: false,
+            } if !super::shared::pristine(&block) => {
+                tracing::warn!(device = d, tenant = %ask.tenant, "a cached memfd was sealed; allocating fresh");
+                self.pools[d as usize].note_replaced(false);
+                self.fx.free(d, block);
+                Source::Fresh {
+                    evicted: Vec::new(),
+                }
+            }
             other => other,
         };
         if let Source::Cached {

@@ -543,3 +543,54 @@ fn an_offer_is_rounded_to_the_largest_granularity_and_refused_at_once_when_it_ne
     assert!(st.queue().is_empty());
     st.check_invariant().unwrap();
 }
+
+/// A cached memfd found sealed when it would be handed out (whatever sealed it) is freed
+/// and fresh memory allocated instead, also for the tenant that used it last.
+#[test]
+fn a_cached_memfd_found_sealed_is_freed_not_handed_out() {
+    use crate::device::{Allocation, Handle, MemoryKind, SharedFd};
+    let mut c = Core::new(1, 64 * MIB);
+    let a = c.tenant("a", quota(64 * MIB, 0));
+    let bytes = 8 * MIB;
+    let fd = SharedFd::new(crate::device::host::memfd("t", bytes).unwrap());
+    let block = Block {
+        alloc: Allocation {
+            id: 1,
+            bytes,
+            addr: 0,
+            path: None,
+        },
+        handle: Handle::Fd {
+            kind: MemoryKind::HostMemfd,
+            fd: fd.clone(),
+            block_id: 1,
+            size: bytes,
+        },
+        last_tenant: None,
+    };
+    let req = ask("a", a, bytes, Some(0));
+    assert!(matches!(
+        c.st.reserve_grant(&req, 0).unwrap(),
+        Source::Fresh { .. }
+    ));
+    let l = c.st.commit_grant(&req, 0, 0, block, false).unwrap().id;
+    c.st.end_lease(l, Ending::Cache).unwrap();
+    c.st.take_effects();
+    assert_eq!(c.st.pools()[0].stats().cached, bytes);
+    // Sealed while cached.
+    crate::sharing::seal_read_only(&fd).unwrap();
+    let w = c.wait(ask("a", a, bytes, None), 0);
+    let effects = c.run(0);
+    assert!(
+        matches!(
+            effects.as_slice(),
+            [
+                Effect::Free { device: 0, block },
+                Effect::Materialize(p),
+            ] if block.alloc.id == 1 && p.to == w && matches!(p.source, Source::Fresh { .. })
+        ),
+        "{effects:?}"
+    );
+    let s = c.st.pools()[0].stats();
+    assert_eq!((s.cached, s.reserved, s.hits, s.misses), (0, bytes, 0, 2));
+}

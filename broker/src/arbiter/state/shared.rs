@@ -286,11 +286,26 @@ impl State {
                 "recipients kept for {id}, neither a lease nor an import"
             ));
         }
+        if let Some(id) = self.sealing.iter().find(|id| self.leases.get(id).is_none()) {
+            return Err(format!("lease {id} marked sealing is not live"));
+        }
         Ok(())
     }
 
+    /// A publish is about to seal live lease `lease`'s memfd with no lock held: whatever
+    /// happens to the publish, the block is freed, never cached, when the lease ends (a
+    /// seal cannot be undone). False when there is no such live lease.
+    pub(crate) fn mark_sealing(&mut self, lease: Uuid) -> bool {
+        if self.leases.get(&lease).is_none() {
+            return false;
+        }
+        self.sealing.insert(lease);
+        true
+    }
+
     /// Hook of [`State::end_lease`] (after the lease left the table and its charge became
-    /// free): returns the block and how it ends, or `None` when it is held here because
+    /// free): returns the block, how it ends and whether it must never be cached (it was
+    /// published or sealed: a quarantine of it frees it), or `None` when it is held here because
     /// importers or other processes may still map it (then this settles the bytes drawn
     /// from `reservation`, now or once its recipients were looked at).
     pub(crate) fn shared_lease_ended(
@@ -301,18 +316,20 @@ impl State {
         block: Block,
         ending: Ending,
         reservation: Option<Uuid>,
-    ) -> Option<(Block, Ending)> {
+    ) -> Option<(Block, Ending, bool)> {
         let publication = self.shared.by_lease.get(&lease).copied();
+        // A publish sealing it (with no lock held) may not have published it yet.
+        let sealed = self.sealing.remove(&lease);
         // Every recipient counts as alive: the shell looks after the unlock.
         let recipients: BTreeSet<u32> = self.shared.recipients.remove(&lease).unwrap_or_default();
         if publication.is_none() && recipients.is_empty() {
             // A memfd its holder sealed (it may do so) never returns to the cache: the
             // next lease must get memory it can write and publish.
             let ending = match ending {
-                Ending::Cache if !pristine(&block) => Ending::Destroy,
+                Ending::Cache if sealed || !pristine(&block) => Ending::Destroy,
                 e => e,
             };
-            return Some((block, ending));
+            return Some((block, ending, sealed));
         }
         let mut imported = false;
         if let Some(pid) = publication {
@@ -326,7 +343,8 @@ impl State {
         }
         // A published block never returns to the cache: other tenants had its
         // descriptor, and a memfd stays sealed.
-        let destroy = publication.is_some() || ending == Ending::Destroy;
+        let never_cached = publication.is_some() || sealed;
+        let destroy = never_cached || ending == Ending::Destroy;
         if !imported && recipients.is_empty() {
             if let Some(pid) = publication {
                 self.forget_publication(pid);
@@ -335,7 +353,7 @@ impl State {
                 Ending::Cache if destroy => Ending::Destroy,
                 e => e,
             };
-            return Some((block, ending));
+            return Some((block, ending, never_cached));
         }
         let bytes = block.bytes();
         self.pools[device as usize].release_to_quarantine(bytes);
@@ -617,6 +635,7 @@ impl State {
                         block: h.block,
                         pid,
                         since: h.since,
+                        destroy: h.destroy,
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease, pid });

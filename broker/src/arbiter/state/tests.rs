@@ -10,8 +10,10 @@
 //! lease's block held for its importers), process reservations and
 //! leases drawn from them (their bytes back into the room, or lost to it), and the wait
 //! queue: requests queued, the queue run (with the clock moved on, devices closed or
-//! reopened, leasable memory changed), waiters giving up. After every step the invariant
-//! holds, every waiter was answered at most once and the queue holds exactly those not
+//! reopened, leasable memory changed), waiters giving up, and a publish marking a lease
+//! it seals (`State::mark_sealing`); descriptors of host-fallback leases are fetched too,
+//! and no block once published or marked is ever found in the cache. After every step the
+//! invariant holds, every waiter was answered at most once and the queue holds exactly those not
 //! answered yet, none of them can never fit, and the first in order of service does not
 //! fit now (the run left nothing grantable), the ledger and the pools equal a simple model (bytes
 //! per tenant and per device, per state), and every block the test made is either still
@@ -98,6 +100,10 @@ enum Op {
     Dies {
         other: usize,
     },
+    /// A publish marks a device lease as being sealed (no lock held while it seals).
+    Seal {
+        lease: usize,
+    },
     /// A tenant publishes one of its leases under one of two names (again, if unpublished).
     Publish {
         lease: usize,
@@ -158,6 +164,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|which| Op::Exits { which }),
         2 => (0..2usize).prop_map(|other| Op::Dies { other }),
         2 => (any::<usize>(), 0..2usize).prop_map(|(lease, name)| Op::Publish { lease, name }),
+        1 => any::<usize>().prop_map(|lease| Op::Seal { lease }),
         1 => (0..3usize, 0..2usize).prop_map(|(tenant, name)| Op::Unpublish { tenant, name }),
         2 => (any::<usize>(), any::<usize>()).prop_map(|(session, which)| Op::Import { session, which }),
         1 => any::<usize>().prop_map(|which| Op::ReleaseImport { which }),
@@ -188,6 +195,9 @@ fn sharing_op() -> impl Strategy<Value = Op> {
         3 => (0..2usize).prop_map(|other| Op::Dies { other }),
         1 => any::<usize>().prop_map(|which| Op::Exits { which }),
         3 => (any::<usize>(), 0..2usize).prop_map(|(lease, name)| Op::Publish { lease, name }),
+        1 => any::<usize>().prop_map(|lease| Op::Seal { lease }),
+        1 => (any::<usize>(), 1..3u64, any::<bool>())
+            .prop_map(|(session, units, made)| Op::Host { session, units, made }),
         1 => (0..3usize, 0..2usize).prop_map(|(tenant, name)| Op::Unpublish { tenant, name }),
         3 => (any::<usize>(), any::<usize>()).prop_map(|(session, which)| Op::Import { session, which }),
         2 => any::<usize>().prop_map(|which| Op::ReleaseImport { which }),
@@ -239,6 +249,8 @@ struct Harness {
     now: Instant,
     /// Queued requests not answered yet: tenant and bytes.
     waiting: BTreeMap<u64, (String, u64)>,
+    /// Blocks (allocation ids) that were published or sealed: never cached again.
+    never_cached: BTreeSet<u64>,
 }
 
 fn fake_fd() -> SharedFd {
@@ -293,6 +305,7 @@ impl Harness {
             avail: Availability::new(2),
             now: Instant::now(),
             waiting: BTreeMap::new(),
+            never_cached: BTreeSet::new(),
         }
     }
 
@@ -633,14 +646,8 @@ impl Harness {
                 self.st.set_leasable(device, units * GRAN);
             }
             Op::Fetched { lease, other } => {
-                // A device lease's descriptor, or an import's.
-                let mut ids: Vec<Uuid> = self
-                    .leases()
-                    .into_iter()
-                    .filter(|l| {
-                        self.st.leases().get(l).unwrap().tier == crate::ledger::Tier::Device
-                    })
-                    .collect();
+                // A lease's descriptor (device or host tier), or an import's.
+                let mut ids: Vec<Uuid> = self.leases();
                 let mut imports: Vec<Uuid> = self.st.shared().by_import.keys().copied().collect();
                 imports.sort();
                 ids.extend(imports);
@@ -713,6 +720,20 @@ impl Harness {
                         assert!(p.is_some());
                     }
                 }
+                let block = self.st.leases().get(&id).unwrap().block.alloc.id;
+                self.never_cached.insert(block);
+            }
+            Op::Seal { lease } => {
+                let Some(id) = Self::pick(&self.leases(), lease) else {
+                    return;
+                };
+                let l = self.st.leases().get(&id).unwrap();
+                if l.tier != crate::ledger::Tier::Device {
+                    return;
+                }
+                let block = l.block.alloc.id;
+                assert!(self.st.mark_sealing(id));
+                self.never_cached.insert(block);
             }
             Op::Unpublish { tenant, name } => {
                 let named = self
@@ -1057,6 +1078,14 @@ impl Harness {
                 s.leased + s.reserved + s.quarantined + s.cached + s.process_reserved <= CAPACITY
             );
             in_core += s.leased + s.quarantined + s.cached;
+            // A block once published or sealed never returns to the cache.
+            for b in self.st.pools()[i].cached_blocks() {
+                assert!(
+                    !self.never_cached.contains(&b.alloc.id),
+                    "block {} was published or sealed and is cached on device {i}",
+                    b.alloc.id
+                );
+            }
         }
         in_core += self.tenants.values().map(|t| t.host).sum::<u64>();
         in_core += self
@@ -1541,4 +1570,154 @@ fn a_block_held_and_let_go_in_one_step_leaves_the_model_too() {
         Op::Dies { other: 1 },
     ])
     .unwrap();
+}
+
+/// A published lease's block never goes back to the cache, however its quarantine ends:
+/// ended by quarantine with no importer left (a former importer may keep the descriptor),
+/// or parked for a process that fetched its descriptor and then quarantined for its own.
+#[test]
+fn a_published_block_quarantined_is_freed_when_its_holder_exits() {
+    let mut h = Harness::new();
+    let steps = |h: &mut Harness, ops: &[Op]| {
+        for op in ops {
+            h.run(op);
+            h.check();
+        }
+    };
+    const PUBLISHED_IMPORTED_LET_GO: &[Op] = &[
+        Op::Reserve {
+            session: 0,
+            units: 2,
+            device: 0,
+        },
+        Op::Commit { pending: 0 },
+        Op::Publish { lease: 0, name: 0 },
+        Op::Import {
+            session: 1,
+            which: 0,
+        },
+        Op::ReleaseImport { which: 0 },
+    ];
+    steps(
+        &mut h,
+        &[
+            Op::Open {
+                tenant: 0,
+                pid: Some(0),
+            },
+            Op::Open {
+                tenant: 1,
+                pid: Some(1),
+            },
+        ],
+    );
+    for fetched in [false, true] {
+        steps(&mut h, PUBLISHED_IMPORTED_LET_GO);
+        let id = h.leases()[0];
+        let block = h.st.leases().get(&id).unwrap().block.alloc.id;
+        if fetched {
+            // Parked for a process outside the session that has since exited.
+            steps(
+                &mut h,
+                &[Op::Fetched { lease: 0, other: 0 }, Op::Dies { other: 0 }],
+            );
+        }
+        // Ended (revoked) while its publisher's process lives: quarantined for it.
+        h.end_lease(id, Ending::Quarantine { pid: Some(PIDS[0]) });
+        h.effects();
+        h.check();
+        assert!(h.st.quarantine().contains_key(&id), "fetched: {fetched}");
+        assert!(h.st.quarantine()[&id].destroy);
+        // The publisher's process exits: freed, not cached for it.
+        steps(
+            &mut h,
+            &[Op::Lift {
+                which: 0,
+                destroy: false,
+            }],
+        );
+        assert!(h.freed.contains(&block), "fetched: {fetched}");
+        assert_eq!(h.st.pools()[0].stats().cached, 0);
+    }
+    run_to_the_end_from(h).unwrap();
+}
+
+/// A lease that ends while a publish seals its memory with no lock held (the publish then
+/// loses the race) is freed, never cached: neither at once nor after its quarantine.
+#[test]
+fn a_lease_ending_while_a_publish_seals_it_is_freed_not_cached() {
+    let mut h = Harness::new();
+    for (how, lift) in [(0, false), (2, true)] {
+        for op in [
+            Op::Open {
+                tenant: 0,
+                pid: Some(0),
+            },
+            Op::Reserve {
+                session: 0,
+                units: 2,
+                device: 1,
+            },
+            Op::Commit { pending: 0 },
+            Op::Seal { lease: 0 },
+        ] {
+            h.run(&op);
+            h.check();
+        }
+        let id = h.leases()[0];
+        let block = h.st.leases().get(&id).unwrap().block.alloc.id;
+        h.run(&Op::End { lease: 0, how });
+        h.check();
+        if lift {
+            assert!(h.st.quarantine()[&id].destroy);
+            h.run(&Op::Lift {
+                which: 0,
+                destroy: false,
+            });
+            h.check();
+        }
+        assert!(h.freed.contains(&block), "ending {how}");
+        assert_eq!(h.st.pools()[1].stats().cached, 0);
+        h.run(&Op::EndSession {
+            session: 0,
+            gone: true,
+        });
+    }
+    // The mark goes with the lease: none is left, and a lease that is gone cannot be marked.
+    assert!(h.st.sealing.is_empty());
+    assert!(!h.st.mark_sealing(Uuid::new_v4()));
+    run_to_the_end_from(h).unwrap();
+}
+
+/// A host-fallback lease whose descriptor went to another process leaves no recipient
+/// behind when it ends (its file is freed, never reused).
+#[test]
+fn a_host_lease_given_to_another_process_leaves_no_recipient_behind() {
+    let mut h = Harness::new();
+    for op in [
+        Op::Open {
+            tenant: 0,
+            pid: Some(0),
+        },
+        Op::Host {
+            session: 0,
+            units: 1,
+            made: true,
+        },
+        Op::Fetched { lease: 0, other: 0 },
+    ] {
+        h.run(&op);
+        h.check();
+    }
+    let id = h.leases()[0];
+    assert_eq!(
+        h.st.leases().get(&id).unwrap().tier,
+        crate::ledger::Tier::Host
+    );
+    assert!(h.st.shared().recipients.contains_key(&id));
+    h.run(&Op::End { lease: 0, how: 0 });
+    h.check();
+    assert!(h.st.shared().recipients.is_empty());
+    assert!(h.st.shared().held.is_empty() && h.st.quarantine().is_empty());
+    run_to_the_end_from(h).unwrap();
 }
