@@ -1297,3 +1297,39 @@ async fn an_abandoned_waiter_leaves_no_queue_entry_and_no_reply_channel() {
     f.arb.release("a", held.id).unwrap();
     assert_eq!(f.held("a"), 0, "nothing was granted to the gone caller");
 }
+
+/// A published lease whose importer let go (it may keep the descriptor) is revoked while
+/// its publisher's process lives: quarantined, and when that process exits its memfd is
+/// freed, never cached for the publisher's next lease.
+#[tokio::test]
+async fn a_published_lease_revoked_is_freed_not_cached_when_its_process_exits() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let b = f.tenant("b", quota(64 * MIB));
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let peer = Peer {
+        pid: Some(child.id()),
+        uid: None,
+        unix: true,
+    };
+    let (s, _rx) = f.arb.open_session("a", "t", peer).unwrap();
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    f.arb.publish("a", l.id, "weights", &["b".into()]).unwrap();
+    let i = f.arb.import("b", b, "a", "weights").unwrap();
+    f.arb.release_import("b", i.id).unwrap();
+    f.arb.revoke(l.id, "test").unwrap();
+    assert_eq!(quarantined_and_cached(&f).await, (4 * MIB, 0));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for _ in 0..200 {
+        if quarantined_and_cached(&f).await.0 == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(quarantined_and_cached(&f).await, (0, 0));
+    assert_eq!(f.arb.get_tenant("a").unwrap().usage.quarantined_bytes, 0);
+}
