@@ -3,7 +3,7 @@
 #
 #   scripts/gpu-all.sh build            # here (Rust, no GPU): everything into .gpu/all
 #   scripts/gpu-all.sh run [PARTS]      # on the GPU machine (no Rust); PARTS is a comma list
-#                                       # of fd,check,forge,shared,sleep,python,mps
+#                                       # of fd,check,forge,shared,sleep,python,mps,host
 #                                       # (default: all of them, in that order)
 #
 # The parts are the other scripts' runs, pointed at .gpu/all:
@@ -15,6 +15,10 @@
 #   sleep   scripts/gpu-sleep-check.sh run     sleep/wake (pinned vs pageable), PyTorch, reclaim
 #   python  scripts/gpu-python-check.sh run    PyTorch on fd leases
 #   mps     scripts/gpu-mps-check.sh run check,handoff   managed MPS and turn hand-off
+#   host    the host backend on the machine's idle cores (no GPU): scripts/bench-ab.sh of
+#           gpu-broker-before (if the build was given GPU_ALL_BEFORE=path of an older broker)
+#           against gpu-broker, then quota-writes on each (acquire p50/p99 alone and while an
+#           admin client writes quotas)
 # Carry .gpu/all (the build prints its size: at most 64 MiB). Nothing here changes the
 # card's settings.
 set -euo pipefail
@@ -33,13 +37,29 @@ build() {
     [[ -x $venv/bin/maturin ]] || scripts/test-python.sh --co -q >/dev/null
     rm -f "$OUT"/gpubroker-*.whl
     "$venv/bin/maturin" build --release --strip --manifest-path client/python/Cargo.toml --out "$OUT"
+    if [[ -n ${GPU_ALL_BEFORE:-} ]]; then
+        cp -f "$GPU_ALL_BEFORE" "$OUT/gpu-broker-before"
+        strip "$OUT/gpu-broker-before" 2>/dev/null || true
+    fi
+    cp -f scripts/bench-ab.sh "$OUT/"
     cp -f scripts/gpu_python_check.py scripts/gpu_sleep_check.py scripts/gpu_mps_check.py \
         examples/turn_step_worker.py "$OUT/"
     du -sh "$OUT"
 }
 
+host_ab() {
+    local dir=$OUT results brokers=("$OUT/gpu-broker") b
+    [[ -x $dir/gpu-broker-before ]] && brokers=("$dir/gpu-broker-before" "$dir/gpu-broker")
+    results=$(mktemp -d)
+    OUT=$results ROUNDS=${ROUNDS:-4} "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${brokers[@]}"
+    for b in "${brokers[@]}"; do
+        echo "quota-writes: $b"
+        "$OUT/gpu-broker-bench" --broker-bin "$b" --broker-log warn quota-writes --duration 2s
+    done
+}
+
 run() {
-    local parts=${1:-fd,check,forge,shared,sleep,python,mps} t0=$SECONDS failed=()
+    local parts=${1:-fd,check,forge,shared,sleep,python,mps,host} t0=$SECONDS failed=()
     local p
     for p in ${parts//,/ }; do
         echo "################ $p ################"
@@ -51,6 +71,7 @@ run() {
             sleep) GPU_SLEEP_OUT=$OUT scripts/gpu-sleep-check.sh run ;;
             python) GPU_PYTHON_OUT=$OUT scripts/gpu-python-check.sh run ;;
             mps) GPU_MPS_OUT=$OUT scripts/gpu-mps-check.sh run check,handoff ;;
+            host) host_ab ;;
             *) echo "unknown part $p" >&2; exit 2 ;;
         esac || failed+=("$p")
     done
