@@ -340,10 +340,13 @@ impl Arbiter {
         let mut st = self.lock();
         let session = match st.leases().get(&id) {
             Some(l) => Some(l.session),
+            // A lingering import (its holder let go; memory held for processes that may
+            // still map it) delivers nothing more: a new recipient would not be waited for.
             None => st
                 .shared()
                 .of_import(&id)
                 .and_then(|p| p.imports.get(&id))
+                .filter(|i| i.lingering.is_none())
                 .map(|i| i.session),
         };
         let Some(session) = session else { return false };

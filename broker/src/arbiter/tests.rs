@@ -1333,3 +1333,33 @@ async fn a_published_lease_revoked_is_freed_not_cached_when_its_process_exits() 
     assert_eq!(quarantined_and_cached(&f).await, (0, 0));
     assert_eq!(f.arb.get_tenant("a").unwrap().usage.quarantined_bytes, 0);
 }
+
+/// A lingering import (its holder let go while a process that fetched its descriptor may
+/// still map it) delivers its descriptor to nobody else: a new recipient would not be
+/// waited for, and its memory would be counted free while that process maps it.
+#[tokio::test]
+async fn a_lingering_import_delivers_its_descriptor_to_nobody_else() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(64 * MIB)).unwrap();
+    f.arb.set_quota("b", quota(64 * MIB)).unwrap();
+    let (sa, _ra) = f.arb.open_session("a", "t", Peer::default()).unwrap();
+    let (sb, _rb) = f.arb.open_session("b", "t", Peer::default()).unwrap();
+    let l = f.arb.acquire(req("a", sa, 4 * MIB)).await.unwrap();
+    f.arb
+        .publish("a", l.id, "weights", &["b".to_string()])
+        .unwrap();
+    let import = f.arb.import("b", sb, "a", "weights").unwrap();
+    let mut live = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    // Another process of the reader fetched the import's descriptor, then the reader lets go.
+    assert!(f.arb.fd_delivering(import.id, Some(live.id())));
+    f.arb.release_import("b", import.id).unwrap();
+    // The import lingers for that process; a second fetch (a ticket already being redeemed)
+    // gets nothing.
+    assert!(!f.arb.fd_delivering(import.id, Some(std::process::id())));
+    assert!(!f.arb.fd_delivering(import.id, None));
+    live.kill().unwrap();
+    live.wait().unwrap();
+}
