@@ -36,19 +36,29 @@ enum Offered {
 }
 
 /// Removes a waiter from the queue, and its reply channel, if the acquiring future is
-/// dropped (caller gone).
+/// dropped (caller gone); a grant already sent but not yet received is given back.
 struct WaiterGuard {
     arb: Arc<Arbiter>,
     id: WaiterId,
+    rx: tokio::sync::oneshot::Receiver<super::outbox::Answer>,
 }
 
 impl Drop for WaiterGuard {
     fn drop(&mut self) {
-        let mut st = self.arb.lock();
-        self.arb.outbox.forget_reply(self.id);
-        if st.abandon(self.id) {
-            // Its place may have blocked others.
-            self.arb.drain(&mut st);
+        // Closed first: an answer sent from now on comes back to its sender, which gives
+        // it back (`Effect::Reply`); one already sent is taken here.
+        self.rx.close();
+        let unreceived = self.rx.try_recv().ok();
+        {
+            let mut st = self.arb.lock();
+            self.arb.outbox.forget_reply(self.id);
+            if st.abandon(self.id) {
+                // Its place may have blocked others.
+                self.arb.drain(&mut st);
+            }
+        }
+        if let Some(Ok(granted)) = unreceived {
+            self.arb.give_back(granted);
         }
     }
 }
@@ -92,7 +102,7 @@ impl Arbiter {
             Some(_) => Vec::new(),
         };
         let queued = self.enqueue(&req, process, &lineage)?;
-        let (mut rx, id, bytes) = match queued {
+        let (rx, id, bytes) = match queued {
             Offered::Waiting {
                 rx,
                 id,
@@ -104,14 +114,16 @@ impl Arbiter {
             }
             Offered::Refused { bytes, err } => return self.fallback_or(&req, bytes, err).await,
         };
-        let _guard = WaiterGuard {
+        let mut guard = WaiterGuard {
             arb: self.clone(),
             id,
+            rx,
         };
+        let rx = &mut guard.rx;
         let outcome = if req.wait.is_zero() {
-            (&mut rx).await
+            rx.await
         } else {
-            match tokio::time::timeout(req.wait, &mut rx).await {
+            match tokio::time::timeout(req.wait, &mut *rx).await {
                 Ok(r) => r,
                 Err(_) => {
                     let lost = {
@@ -132,7 +144,7 @@ impl Arbiter {
                             return self.fallback_or(&req, bytes, err).await;
                         }
                         // Granted just as the wait ran out: the result is on its way.
-                        None => (&mut rx).await,
+                        None => rx.await,
                     }
                 }
             }

@@ -27,6 +27,7 @@ use crate::pool::Block;
 use crate::session::SessionEvent;
 use parking_lot::MutexGuard;
 use std::collections::HashMap;
+use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use uuid::Uuid;
@@ -435,24 +436,29 @@ impl Arbiter {
     /// Runs `Effect::Reply`: the answer goes to the waiter's channel; a grant nobody
     /// receives (the caller went away) is given back at once.
     fn answer(&self, to: WaiterId, result: BrokerResult<Granted>) {
-        match self.outbox.reply(to, result) {
-            Some(Ok(Granted::Lease(view))) => {
-                tracing::debug!(lease = %view.id, "caller gone before the grant arrived; releasing");
-                if let Some(me) = self.me.upgrade() {
-                    let mut st = me.lock();
-                    me.end_lease(&mut st, view.id, super::Ending::Cache);
-                    me.drain(&mut st);
-                }
+        if let Some(Ok(g)) = self.outbox.reply(to, result) {
+            if let Some(me) = self.me.upgrade() {
+                me.give_back(g);
             }
-            Some(Ok(Granted::Process(view))) => {
-                tracing::debug!(reservation = %view.id, "caller gone before the reservation arrived; ending it");
-                if let Some(me) = self.me.upgrade() {
-                    let mut st = me.lock();
-                    me.end_reservation(&mut st, view.id);
-                    me.drain(&mut st);
-                }
-            }
-            _ => {}
         }
+    }
+}
+
+impl Arbiter {
+    /// Ends a grant its caller never received (it went away before or just as the answer
+    /// arrived): a lease is released as by its holder, a reservation ended. Locks the state.
+    pub(super) fn give_back(self: &Arc<Self>, granted: Granted) {
+        let mut st = self.lock();
+        match granted {
+            Granted::Lease(view) => {
+                tracing::debug!(lease = %view.id, "caller gone before it received the grant; releasing");
+                self.end_lease(&mut st, view.id, super::Ending::Cache);
+            }
+            Granted::Process(view) => {
+                tracing::debug!(reservation = %view.id, "caller gone before it received the reservation; ending it");
+                self.end_reservation(&mut st, view.id);
+            }
+        }
+        self.drain(&mut st);
     }
 }

@@ -1363,3 +1363,28 @@ async fn a_lingering_import_delivers_its_descriptor_to_nobody_else() {
     live.kill().unwrap();
     live.wait().unwrap();
 }
+
+/// A caller that goes away after its grant was sent but before it received it (a client
+/// deadline, a dropped connection) leaves nothing charged: the grant is given back.
+#[tokio::test]
+async fn a_grant_sent_to_a_caller_gone_before_receiving_it_is_given_back() {
+    use std::future::Future;
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    let a = f.tenant("a", quota(64 * MIB));
+    // A fresh block: the grant is answered from the device work's task, after this poll.
+    let mut acquiring = Box::pin(f.arb.acquire(req("a", a, 4 * MIB)));
+    let first =
+        std::future::poll_fn(|cx| std::task::Poll::Ready(acquiring.as_mut().poll(cx))).await;
+    assert!(first.is_pending(), "the grant needs device work");
+    for _ in 0..2000 {
+        if f.arb.outbox.replies_len() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(f.arb.outbox.replies_len(), 0, "the answer was sent");
+    assert_eq!(f.held("a"), 4 * MIB, "granted, not yet received");
+    drop(acquiring);
+    assert_eq!(f.held("a"), 0, "the unreceived grant was given back");
+    assert!(f.arb.lock().leases().is_empty());
+}
