@@ -1388,3 +1388,54 @@ async fn a_grant_sent_to_a_caller_gone_before_receiving_it_is_given_back() {
     assert_eq!(f.held("a"), 0, "the unreceived grant was given back");
     assert!(f.arb.lock().leases().is_empty());
 }
+
+/// A host-fallback lease whose descriptor went to a process outside its session ends
+/// with nothing of it left in the shared table (the lock guard checks the invariant after
+/// every transition in debug builds), and its file is freed.
+#[tokio::test]
+async fn a_host_fallback_lease_given_to_another_process_leaves_no_recipient_behind() {
+    let spec = crate::backend::BackendSpec {
+        choice: crate::backend::BackendChoice::Host,
+        cuda_devices: None,
+        host_capacity: 8 * MIB,
+        host_devices: 1,
+        headroom: crate::backend::Headroom::Bytes(0),
+        host_uuid_seed: None,
+    };
+    let slots = crate::backend::open_devices(&spec).unwrap();
+    let host = crate::backend::open_host_tier(64 * MIB).unwrap();
+    let arb = Arbiter::new(
+        slots,
+        host,
+        None,
+        Arc::new(Authenticator::new("x")),
+        ArbiterConfig::default(),
+    )
+    .unwrap();
+    let q = Quota {
+        limit_bytes: 8 * MIB,
+        host_limit_bytes: 16 * MIB,
+        ..Quota::default()
+    };
+    arb.set_quota("a", q).unwrap();
+    let (s, _rx) = arb.open_session("a", "t", Peer::default()).unwrap();
+    arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
+    let mut r = req("a", s, 4 * MIB);
+    r.fallback_host = true;
+    let l = arb.acquire(r).await.unwrap();
+    assert_eq!(l.tier, crate::ledger::Tier::Host);
+    let mut other = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    assert!(arb.fd_delivering(l.id, Some(other.id())));
+    arb.release("a", l.id).unwrap();
+    {
+        let st = arb.lock();
+        assert!(st.shared().recipients.is_empty());
+        st.check_invariant().unwrap();
+    }
+    assert_eq!(arb.get_tenant("a").unwrap().usage.host_held_bytes, 0);
+    other.kill().unwrap();
+    other.wait().unwrap();
+}
