@@ -41,7 +41,7 @@ build() {
         cp -f "$GPU_ALL_BEFORE" "$OUT/gpu-broker-before"
         strip "$OUT/gpu-broker-before" 2>/dev/null || true
     fi
-    cp -f scripts/bench-ab.sh "$OUT/"
+    cp -f scripts/bench-ab.sh scripts/bench-ab-summary.py "$OUT/"
     cp -f scripts/gpu_python_check.py scripts/gpu_sleep_check.py scripts/gpu_mps_check.py \
         examples/turn_step_worker.py "$OUT/"
     du -sh "$OUT"
