@@ -22,6 +22,24 @@ pub struct TenantView {
     pub turns: crate::scheduler::TurnUsage,
 }
 
+impl TenantView {
+    /// The ledger's part of a tenant's view, with its open sessions and waiting requests;
+    /// tokens and compute turns are filled in after the state lock is released.
+    pub fn of(t: &crate::ledger::Tenant, sessions: u32, waiting: u32) -> TenantView {
+        TenantView {
+            name: t.name.clone(),
+            quota: t.quota.clone(),
+            usage: t.usage,
+            device_bytes: t.device_bytes.clone(),
+            borrowed_bytes: t.borrowed_bytes(),
+            sessions,
+            waiting,
+            tokens: 0,
+            turns: Default::default(),
+        }
+    }
+}
+
 /// A session as operators see it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionView {

@@ -102,17 +102,11 @@ impl Arbiter {
     /// A tenant's view from the state (under its lock); its token count and compute-turn
     /// usage come from their own tables after the lock is released ([`Self::finish_view`]).
     fn tenant_view(&self, st: &State, t: &Tenant) -> TenantView {
-        TenantView {
-            name: t.name.clone(),
-            quota: t.quota.clone(),
-            usage: t.usage,
-            device_bytes: t.device_bytes.clone(),
-            borrowed_bytes: t.borrowed_bytes(),
-            sessions: st.sessions().count_of(&t.name) as u32,
-            waiting: st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32,
-            tokens: 0,
-            turns: Default::default(),
-        }
+        TenantView::of(
+            t,
+            st.sessions().count_of(&t.name) as u32,
+            st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32,
+        )
     }
 
     /// Fills in what [`Self::tenant_view`] leaves out, with no state lock held.

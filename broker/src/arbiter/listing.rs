@@ -130,17 +130,7 @@ impl Arbiter {
             .iter()
             .map(|t| {
                 let (sessions, waiting) = counts.get(t.name.as_str()).copied().unwrap_or((0, 0));
-                TenantView {
-                    name: t.name.clone(),
-                    quota: t.quota.clone(),
-                    usage: t.usage,
-                    device_bytes: t.device_bytes.clone(),
-                    borrowed_bytes: t.borrowed_bytes(),
-                    sessions,
-                    waiting,
-                    tokens: 0,
-                    turns: Default::default(),
-                }
+                TenantView::of(t, sessions, waiting)
             })
             .collect();
         drop((counts, page, it));
