@@ -19,6 +19,7 @@ pub mod listing;
 mod outbox;
 mod overtaking;
 pub mod queue;
+mod reservations;
 mod revocation;
 mod sharing;
 mod state;
