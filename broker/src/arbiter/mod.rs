@@ -11,6 +11,7 @@
 
 mod admin;
 mod admission;
+mod audit;
 mod drain;
 mod effects;
 mod ending;
