@@ -5,7 +5,7 @@
 //! * the device does not answer a health check ([`Device::health`](crate::device::Device::health),
 //!   run on its device thread) within `--health-timeout`: "stopped answering";
 //! * the health check fails (for CUDA: a driver call on a broken context);
-//! * on NVIDIA GPUs, through NVML where it loads: a critical Xid event other than the ones
+//! * on NVIDIA GPUs, through NVML where it loads (`faults.rs`): a critical Xid event other than the ones
 //!   applications cause (13, 31, 43, 45, 68, 109), new uncorrectable ECC errors since the
 //!   broker started (volatile counter), pages waiting to be retired, or NVML saying the GPU
 //!   is lost. Xid and ECC faults stay until an operator clears them (the counters do not go
@@ -16,6 +16,8 @@
 //! event; the leases stay with their holders. Operators see it in `GetDevices`, the drain
 //! report and the audit log, and may mark a device unhealthy or healthy themselves
 //! (`SetDeviceHealth`); a device an operator marked stays so until an operator clears it.
+//! Marking is the arbiter's (`arbiter/health.rs`); this module holds the monitor that
+//! drives it and the task that keeps gRPC health in step with the devices.
 //!
 //! MIG: a GPU in MIG mode is refused at start ([`mig_refusal`]): the broker serves whole
 //! GPUs, whose memory one CUDA context can allocate; MIG instances would need one context
@@ -23,19 +25,13 @@
 
 use crate::arbiter::Arbiter;
 use crate::audit::Who;
-use crate::availability::Fault;
-use crate::error::{BrokerError, BrokerResult};
-use crate::session::SessionEvent;
+use crate::faults::FaultSource;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
-
-/// Xid codes that applications cause (bad kernels, page faults): not the GPU's fault. The
-/// same list NVIDIA's Kubernetes device plugin skips.
-pub const APPLICATION_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 
 /// How often and how patiently to check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,162 +50,7 @@ impl Default for HealthConfig {
     }
 }
 
-/// Faults another source (NVML) reports, by broker device index.
-pub trait FaultSource: Send {
-    /// The current fault of each device that has one.
-    fn poll(&mut self) -> HashMap<u32, String>;
-    /// An operator cleared device `index`: forget what was seen so far.
-    fn reset(&mut self, index: u32);
-}
-
 impl Arbiter {
-    /// Marks device `index` unhealthy for `reason`: see the module doc. Returns false if
-    /// it already was.
-    pub fn mark_unhealthy(
-        self: &Arc<Self>,
-        index: u32,
-        reason: &str,
-        by_operator: bool,
-        who: &Who,
-    ) -> BrokerResult<bool> {
-        self.check_device_index(index)?;
-        let uuid = self.device_uuid(index);
-        let holders = {
-            let mut st = self.lock();
-            {
-                let mut avail = self.avail.write();
-                let Some(s) = avail.device_mut(index) else {
-                    return Ok(false);
-                };
-                match &mut s.fault {
-                    Some(f) => {
-                        // An operator's mark outranks the monitor's; same reason: nothing new.
-                        if f.reason == reason && f.by_operator == by_operator {
-                            return Ok(false);
-                        }
-                        f.reason = reason.to_string();
-                        f.by_operator |= by_operator;
-                    }
-                    None => {
-                        s.fault = Some(Fault {
-                            since: SystemTime::now(),
-                            reason: reason.to_string(),
-                            by_operator,
-                        })
-                    }
-                }
-            }
-            self.fail_stranded_waiters(&mut st);
-            let sessions: std::collections::HashSet<uuid::Uuid> = st
-                .leases()
-                .iter()
-                .filter(|l| l.device == index && l.tier == crate::ledger::Tier::Device)
-                .map(|l| l.session)
-                .collect();
-            for s in &sessions {
-                if let Some(s) = st.sessions().get(s) {
-                    let to = s.id;
-                    st.fx().notify(
-                        to,
-                        SessionEvent::DeviceUnhealthy {
-                            device: index,
-                            uuid: uuid.clone(),
-                            reason: reason.to_string(),
-                        },
-                    );
-                }
-            }
-            sessions.len()
-        };
-        tracing::error!(device = index, %uuid, reason, by_operator, sessions_told = holders, "DEVICE UNHEALTHY: no new leases on it");
-        self.audit(
-            who,
-            "device.health",
-            "",
-            &index.to_string(),
-            Some(serde_json::json!({"healthy": true})),
-            Some(serde_json::json!({"healthy": false, "reason": reason})),
-        );
-        Ok(true)
-    }
-
-    /// Marks device `index` healthy again. The monitor cannot clear an operator's mark
-    /// (`by_operator` false); an operator clears anything. Returns false if it was healthy.
-    pub fn mark_healthy(
-        self: &Arc<Self>,
-        index: u32,
-        by_operator: bool,
-        who: &Who,
-    ) -> BrokerResult<bool> {
-        self.check_device_index(index)?;
-        let before = {
-            let mut st = self.lock();
-            let before = {
-                let mut avail = self.avail.write();
-                let Some(s) = avail.device_mut(index) else {
-                    return Ok(false);
-                };
-                match &s.fault {
-                    None => return Ok(false),
-                    Some(f) if f.by_operator && !by_operator => return Ok(false),
-                    Some(f) => {
-                        let r = f.reason.clone();
-                        s.fault = None;
-                        r
-                    }
-                }
-            };
-            // Waiters may fit there now.
-            self.drain(&mut st);
-            before
-        };
-        tracing::warn!(device = index, by_operator, was = %before, "device healthy again: admitting");
-        self.audit(
-            who,
-            "device.health",
-            "",
-            &index.to_string(),
-            Some(serde_json::json!({"healthy": false, "reason": before})),
-            Some(serde_json::json!({"healthy": true})),
-        );
-        Ok(true)
-    }
-
-    fn check_device_index(&self, index: u32) -> BrokerResult<()> {
-        if index as usize >= self.devices.len() {
-            return Err(BrokerError::InvalidArgument(format!(
-                "unknown device {index}: this broker has {} device(s)",
-                self.devices.len()
-            )));
-        }
-        Ok(())
-    }
-
-    /// How many devices the broker serves.
-    pub fn device_count(&self) -> usize {
-        self.devices.len()
-    }
-
-    /// Is device `index` healthy (not marked unhealthy)?
-    pub fn device_healthy(&self, index: u32) -> bool {
-        self.avail
-            .read()
-            .device(index)
-            .is_some_and(|s| s.fault.is_none())
-    }
-
-    /// Devices marked unhealthy, with the reason.
-    pub fn unhealthy_devices(&self) -> Vec<(u32, String)> {
-        let avail = self.avail.read();
-        (0..avail.len() as u32)
-            .filter_map(|d| {
-                avail
-                    .device(d)
-                    .and_then(|s| s.fault.as_ref().map(|f| (d, f.reason.clone())))
-            })
-            .collect()
-    }
-
     /// Runs the health monitor until `stop`: every `cfg.interval`, each device's health
     /// check (with `cfg.timeout`) and `source`'s faults.
     pub fn spawn_health_monitor(
@@ -289,35 +130,6 @@ impl Arbiter {
             }
         }))
     }
-
-    /// An operator's verdict on device `index` (`SetDeviceHealth`).
-    pub fn set_device_health(
-        self: &Arc<Self>,
-        index: u32,
-        healthy: bool,
-        reason: &str,
-        who: &Who,
-    ) -> BrokerResult<bool> {
-        if reason.len() > crate::arbiter::MAX_LABEL {
-            return Err(BrokerError::InvalidArgument(format!(
-                "reason longer than {} bytes",
-                crate::arbiter::MAX_LABEL
-            )));
-        }
-        if healthy {
-            if let Some(s) = self.health_source.lock().as_ref() {
-                s.lock().reset(index);
-            }
-            self.mark_healthy(index, true, who)
-        } else {
-            let reason = if reason.is_empty() {
-                "marked unhealthy by an operator"
-            } else {
-                reason
-            };
-            self.mark_unhealthy(index, reason, true, who)
-        }
-    }
 }
 
 /// Name under which gRPC health reports device `index` (SERVING: admits new leases).
@@ -373,174 +185,6 @@ pub async fn report_grpc_health(
     }
 }
 
-/// NVML's view of the broker's GPUs (matched by UUID): Xid events (from a thread that
-/// waits for them), uncorrectable ECC errors since start, pending page retirement, lost
-/// GPUs.
-pub struct NvmlFaults {
-    nvml: nvml_wrapper::Nvml,
-    /// Broker index -> UUID.
-    uuids: Vec<String>,
-    /// Uncorrectable volatile ECC count at start (or at the last operator reset).
-    ecc_base: HashMap<u32, u64>,
-    /// Critical Xids seen, by UUID.
-    xids: Arc<Mutex<HashMap<String, Vec<u64>>>>,
-}
-
-impl NvmlFaults {
-    /// Opens NVML for the devices with these UUIDs (broker index order); `None` where
-    /// NVML does not load. Starts the Xid event thread.
-    pub fn open(uuids: Vec<String>) -> Option<NvmlFaults> {
-        let nvml = nvml_wrapper::Nvml::init().ok()?;
-        let mut ecc_base = HashMap::new();
-        for (i, u) in uuids.iter().enumerate() {
-            if let Ok(dev) = nvml.device_by_uuid(u.as_str()) {
-                if let Ok(n) = dev.total_ecc_errors(
-                    nvml_wrapper::enum_wrappers::device::MemoryError::Uncorrected,
-                    nvml_wrapper::enum_wrappers::device::EccCounter::Volatile,
-                ) {
-                    ecc_base.insert(i as u32, n);
-                }
-            }
-        }
-        let xids: Arc<Mutex<HashMap<String, Vec<u64>>>> = Arc::default();
-        let (x, u) = (xids.clone(), uuids.clone());
-        let spawned = std::thread::Builder::new()
-            .name("nvml-xid-events".into())
-            .spawn(move || xid_events(u, x));
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "no Xid event thread");
-        }
-        tracing::info!(devices = uuids.len(), "NVML health checks on");
-        Some(NvmlFaults {
-            nvml,
-            uuids,
-            ecc_base,
-            xids,
-        })
-    }
-
-    fn fault_of(&self, index: u32, uuid: &str) -> Option<String> {
-        use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError};
-        use nvml_wrapper::error::NvmlError;
-        let dev = match self.nvml.device_by_uuid(uuid) {
-            Ok(d) => d,
-            Err(NvmlError::GpuLost) => {
-                return Some("NVML: the GPU is lost (fell off the bus)".into())
-            }
-            Err(e) => return Some(format!("NVML cannot find the GPU: {e}")),
-        };
-        if let Some(x) = self.xids.lock().get(uuid).and_then(|v| v.last().copied()) {
-            return Some(format!("Xid {x} (critical GPU error; see the kernel log)"));
-        }
-        match dev.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile) {
-            Ok(n) => {
-                let base = self.ecc_base.get(&index).copied().unwrap_or(0);
-                if n > base {
-                    return Some(format!(
-                        "{} new uncorrectable ECC error(s) since the broker started",
-                        n - base
-                    ));
-                }
-            }
-            Err(NvmlError::GpuLost) => return Some("NVML: the GPU is lost".into()),
-            Err(_) => {}
-        }
-        match dev.are_pages_pending_retired() {
-            Ok(true) => Some("memory pages are waiting to be retired: reset the GPU".into()),
-            Err(NvmlError::GpuLost) => Some("NVML: the GPU is lost".into()),
-            _ => None,
-        }
-    }
-
-    /// What NVML reports about each device now (for the GPU check: healthy and real).
-    pub fn describe(&self) -> Vec<String> {
-        use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError};
-        self.uuids
-            .iter()
-            .enumerate()
-            .map(|(i, u)| match self.nvml.device_by_uuid(u.as_str()) {
-                Ok(d) => format!(
-                    "device {i} {u}: name {:?}, uncorrectable ECC (volatile) {:?}, pages pending retirement {:?}, MIG {:?}, fault {:?}",
-                    d.name().unwrap_or_default(),
-                    d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile),
-                    d.are_pages_pending_retired(),
-                    d.mig_mode().map(|m| m.current),
-                    self.fault_of(i as u32, u)
-                ),
-                Err(e) => format!("device {i} {u}: NVML error {e}"),
-            })
-            .collect()
-    }
-}
-
-impl FaultSource for NvmlFaults {
-    fn poll(&mut self) -> HashMap<u32, String> {
-        self.uuids
-            .iter()
-            .enumerate()
-            .filter_map(|(i, u)| self.fault_of(i as u32, u).map(|f| (i as u32, f)))
-            .collect()
-    }
-
-    fn reset(&mut self, index: u32) {
-        use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError};
-        let Some(u) = self.uuids.get(index as usize) else {
-            return;
-        };
-        self.xids.lock().remove(u);
-        if let Ok(d) = self.nvml.device_by_uuid(u.as_str()) {
-            if let Ok(n) = d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile) {
-                self.ecc_base.insert(index, n);
-            }
-        }
-    }
-}
-
-/// The Xid event loop (its own NVML handle: event sets borrow it).
-fn xid_events(uuids: Vec<String>, out: Arc<Mutex<HashMap<String, Vec<u64>>>>) {
-    use nvml_wrapper::bitmasks::event::EventTypes;
-    use nvml_wrapper::enums::event::XidError;
-    let Ok(nvml) = nvml_wrapper::Nvml::init() else {
-        return;
-    };
-    let Ok(mut set) = nvml.create_event_set() else {
-        return;
-    };
-    for u in &uuids {
-        let Ok(dev) = nvml.device_by_uuid(u.as_str()) else {
-            continue;
-        };
-        set = match dev.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(uuid = %u, error = %e.error, "cannot watch Xid events");
-                return;
-            }
-        };
-    }
-    loop {
-        match set.wait(1000) {
-            Ok(ev) => {
-                let Some(XidError::Value(xid)) = ev.event_data else {
-                    continue;
-                };
-                let uuid = ev.device.uuid().unwrap_or_default();
-                if APPLICATION_XIDS.contains(&xid) {
-                    tracing::info!(%uuid, xid, "Xid event caused by an application: device stays healthy");
-                    continue;
-                }
-                tracing::error!(%uuid, xid, "critical Xid event");
-                out.lock().entry(uuid).or_default().push(xid);
-            }
-            Err(nvml_wrapper::error::NvmlError::Timeout) => {}
-            Err(e) => {
-                tracing::warn!(error = %e, "Xid event wait failed; no more Xid events");
-                return;
-            }
-        }
-    }
-}
-
 /// Why the broker refuses to serve these CUDA devices (by UUID): one is in MIG mode.
 /// `None`: serve them (also when NVML does not load: MIG then shows as `MIG-` UUIDs).
 pub fn mig_refusal(uuids: &[String]) -> Option<String> {
@@ -575,8 +219,9 @@ mod tests {
     use crate::device::host::HostDevice;
     use crate::device::thread::DeviceThread;
     use crate::device::Device;
+    use crate::error::BrokerError;
     use crate::ledger::Quota;
-    use crate::session::Peer;
+    use crate::session::{Peer, SessionEvent};
 
     const MIB: u64 = 1 << 20;
 

@@ -17,6 +17,7 @@ pub mod config;
 pub mod defaults;
 pub mod device;
 pub mod error;
+pub mod faults;
 pub mod gate;
 pub mod gpu_processes;
 pub mod health;

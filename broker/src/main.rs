@@ -206,7 +206,7 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
             None => tokio::spawn(serving),
         };
     }
-    let mut nvml_faults: Option<Box<dyn gpu_broker::health::FaultSource>> = None;
+    let mut nvml_faults: Option<Box<dyn gpu_broker::faults::FaultSource>> = None;
     if arb.backend_is_cuda() {
         let uuids: Vec<String> = (0..arb.device_count() as u32)
             .map(|d| arb.device_uuid(d))
@@ -214,7 +214,7 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
         if let Some(why) = gpu_broker::health::mig_refusal(&uuids) {
             anyhow::bail!("{why}");
         }
-        if let Some(f) = gpu_broker::health::NvmlFaults::open(uuids) {
+        if let Some(f) = gpu_broker::faults::NvmlFaults::open(uuids) {
             for line in f.describe() {
                 tracing::info!("NVML: {line}");
             }

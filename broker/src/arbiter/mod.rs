@@ -15,6 +15,7 @@ mod audit;
 mod drain;
 mod effects;
 mod ending;
+mod health;
 mod host_direct;
 pub mod listing;
 mod outbox;
@@ -165,7 +166,7 @@ pub struct Arbiter {
 
 /// Where the health monitor keeps its fault source.
 pub(crate) type HealthSourceSlot =
-    parking_lot::Mutex<Option<Arc<parking_lot::Mutex<Box<dyn crate::health::FaultSource>>>>>;
+    parking_lot::Mutex<Option<Arc<parking_lot::Mutex<Box<dyn crate::faults::FaultSource>>>>>;
 
 /// The revocation reason of a holder that missed its reclaim deadline.
 pub const RECLAIM_DEADLINE_MISSED: &str = "reclaim deadline missed";

@@ -1,0 +1,191 @@
+//! The arbiter's side of device health (`crate::health` has the monitor that drives it,
+//! `crate::availability` the per-device record): mark a device unhealthy (its waiters
+//! that can go nowhere else are told why, its holders get `DeviceUnhealthy`) or healthy
+//! again (the queue runs), an operator's verdict (`SetDeviceHealth`, which also resets
+//! the fault source's memory of the device), and which devices are healthy.
+
+use super::Arbiter;
+use crate::audit::Who;
+use crate::availability::Fault;
+use crate::error::{BrokerError, BrokerResult};
+use crate::session::SessionEvent;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+impl Arbiter {
+    /// Marks device `index` unhealthy for `reason`: see the module doc. Returns false if
+    /// it already was.
+    pub fn mark_unhealthy(
+        self: &Arc<Self>,
+        index: u32,
+        reason: &str,
+        by_operator: bool,
+        who: &Who,
+    ) -> BrokerResult<bool> {
+        self.check_device_index(index)?;
+        let uuid = self.device_uuid(index);
+        let holders = {
+            let mut st = self.lock();
+            {
+                let mut avail = self.avail.write();
+                let Some(s) = avail.device_mut(index) else {
+                    return Ok(false);
+                };
+                match &mut s.fault {
+                    Some(f) => {
+                        // An operator's mark outranks the monitor's; same reason: nothing new.
+                        if f.reason == reason && f.by_operator == by_operator {
+                            return Ok(false);
+                        }
+                        f.reason = reason.to_string();
+                        f.by_operator |= by_operator;
+                    }
+                    None => {
+                        s.fault = Some(Fault {
+                            since: SystemTime::now(),
+                            reason: reason.to_string(),
+                            by_operator,
+                        })
+                    }
+                }
+            }
+            self.fail_stranded_waiters(&mut st);
+            let sessions: std::collections::HashSet<uuid::Uuid> = st
+                .leases()
+                .iter()
+                .filter(|l| l.device == index && l.tier == crate::ledger::Tier::Device)
+                .map(|l| l.session)
+                .collect();
+            for s in &sessions {
+                if let Some(s) = st.sessions().get(s) {
+                    let to = s.id;
+                    st.fx().notify(
+                        to,
+                        SessionEvent::DeviceUnhealthy {
+                            device: index,
+                            uuid: uuid.clone(),
+                            reason: reason.to_string(),
+                        },
+                    );
+                }
+            }
+            sessions.len()
+        };
+        tracing::error!(device = index, %uuid, reason, by_operator, sessions_told = holders, "DEVICE UNHEALTHY: no new leases on it");
+        self.audit(
+            who,
+            "device.health",
+            "",
+            &index.to_string(),
+            Some(serde_json::json!({"healthy": true})),
+            Some(serde_json::json!({"healthy": false, "reason": reason})),
+        );
+        Ok(true)
+    }
+
+    /// Marks device `index` healthy again. The monitor cannot clear an operator's mark
+    /// (`by_operator` false); an operator clears anything. Returns false if it was healthy.
+    pub fn mark_healthy(
+        self: &Arc<Self>,
+        index: u32,
+        by_operator: bool,
+        who: &Who,
+    ) -> BrokerResult<bool> {
+        self.check_device_index(index)?;
+        let before = {
+            let mut st = self.lock();
+            let before = {
+                let mut avail = self.avail.write();
+                let Some(s) = avail.device_mut(index) else {
+                    return Ok(false);
+                };
+                match &s.fault {
+                    None => return Ok(false),
+                    Some(f) if f.by_operator && !by_operator => return Ok(false),
+                    Some(f) => {
+                        let r = f.reason.clone();
+                        s.fault = None;
+                        r
+                    }
+                }
+            };
+            // Waiters may fit there now.
+            self.drain(&mut st);
+            before
+        };
+        tracing::warn!(device = index, by_operator, was = %before, "device healthy again: admitting");
+        self.audit(
+            who,
+            "device.health",
+            "",
+            &index.to_string(),
+            Some(serde_json::json!({"healthy": false, "reason": before})),
+            Some(serde_json::json!({"healthy": true})),
+        );
+        Ok(true)
+    }
+
+    fn check_device_index(&self, index: u32) -> BrokerResult<()> {
+        if index as usize >= self.devices.len() {
+            return Err(BrokerError::InvalidArgument(format!(
+                "unknown device {index}: this broker has {} device(s)",
+                self.devices.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// How many devices the broker serves.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Is device `index` healthy (not marked unhealthy)?
+    pub fn device_healthy(&self, index: u32) -> bool {
+        self.avail
+            .read()
+            .device(index)
+            .is_some_and(|s| s.fault.is_none())
+    }
+
+    /// Devices marked unhealthy, with the reason.
+    pub fn unhealthy_devices(&self) -> Vec<(u32, String)> {
+        let avail = self.avail.read();
+        (0..avail.len() as u32)
+            .filter_map(|d| {
+                avail
+                    .device(d)
+                    .and_then(|s| s.fault.as_ref().map(|f| (d, f.reason.clone())))
+            })
+            .collect()
+    }
+
+    /// An operator's verdict on device `index` (`SetDeviceHealth`).
+    pub fn set_device_health(
+        self: &Arc<Self>,
+        index: u32,
+        healthy: bool,
+        reason: &str,
+        who: &Who,
+    ) -> BrokerResult<bool> {
+        if reason.len() > crate::arbiter::MAX_LABEL {
+            return Err(BrokerError::InvalidArgument(format!(
+                "reason longer than {} bytes",
+                crate::arbiter::MAX_LABEL
+            )));
+        }
+        if healthy {
+            if let Some(s) = self.health_source.lock().as_ref() {
+                s.lock().reset(index);
+            }
+            self.mark_healthy(index, true, who)
+        } else {
+            let reason = if reason.is_empty() {
+                "marked unhealthy by an operator"
+            } else {
+                reason
+            };
+            self.mark_unhealthy(index, reason, true, who)
+        }
+    }
+}
