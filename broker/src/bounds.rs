@@ -1,8 +1,8 @@
 //! Input bounds: the longest string the broker accepts in each kind of request field, and
 //! the check that refuses a longer one with `INVALID_ARGUMENT` naming the field and the
 //! limit — never echoing the input. Error messages are also capped where they become a
-//! gRPC status ([`status_message`]), so no input can make `grpc-message` exceed what a
-//! client's header limit accepts.
+//! gRPC status (`error::status_message`), so no input can make `grpc-message` exceed what
+//! a client's header limit accepts.
 
 use crate::error::BrokerError;
 
@@ -16,8 +16,6 @@ pub const MAX_TEXT_BYTES: usize = 256;
 pub const MAX_REASON_BYTES: usize = 256;
 /// A token or token id given to `RevokeToken` (tokens are 68 bytes).
 pub const MAX_TOKEN_BYTES: usize = 128;
-/// Longest message of a gRPC status the broker sends.
-pub const MAX_STATUS_MESSAGE_BYTES: usize = 1024;
 
 /// Refuses `value` when it is longer than `max` bytes.
 pub fn check(field: &str, value: &str, max: usize) -> Result<(), BrokerError> {
@@ -36,18 +34,6 @@ pub fn tenant(field: &str, value: &str) -> Result<(), BrokerError> {
     check(field, value, MAX_TENANT_BYTES)
 }
 
-/// `message` cut to [`MAX_STATUS_MESSAGE_BYTES`] on a character boundary.
-pub fn status_message(message: String) -> String {
-    if message.len() <= MAX_STATUS_MESSAGE_BYTES {
-        return message;
-    }
-    let mut cut = MAX_STATUS_MESSAGE_BYTES - 16;
-    while !message.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{} ...(truncated)", &message[..cut])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -62,13 +48,5 @@ mod tests {
             "{m}"
         );
         assert!(check("label", "short", MAX_TEXT_BYTES).is_ok());
-    }
-
-    #[test]
-    fn status_messages_are_capped_on_a_char_boundary() {
-        let m = status_message("é".repeat(5000));
-        assert!(m.len() <= MAX_STATUS_MESSAGE_BYTES, "{}", m.len());
-        assert!(m.ends_with("(truncated)"));
-        assert_eq!(status_message("ok".into()), "ok");
     }
 }

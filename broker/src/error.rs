@@ -5,10 +5,11 @@
 //! `tonic::Status` ([`From<BrokerError> for tonic::Status`]) and nothing else does: the
 //! code, the human message, and for every typed variant a `google.rpc.ErrorInfo` in the
 //! status details whose `reason` ([`BrokerError::reason`]) clients match on instead of the
-//! message text. The reasons table is in `docs/protocol.md`.
+//! message text. The reasons table is in `docs/protocol.md`. Every status message is cut
+//! to [`MAX_STATUS_MESSAGE_BYTES`] ([`status_message`]), whatever input it quotes.
 
 use crate::device::DeviceError;
-use crate::ledger::Tier;
+use crate::tier::Tier;
 use crate::units::show;
 use std::collections::HashMap;
 use std::fmt;
@@ -21,6 +22,9 @@ pub const ERROR_DOMAIN: &str = "gpu-broker";
 /// Longest `ErrorInfo.metadata` value (a tenant name is at most 64 bytes; the rest are
 /// numbers and words): status details travel in a header, like the message.
 const MAX_METADATA_VALUE: usize = 256;
+
+/// Longest message of a gRPC status the broker sends.
+pub const MAX_STATUS_MESSAGE_BYTES: usize = 1024;
 
 /// A request failure.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -581,7 +585,7 @@ pub fn status_with_details(
     retry_after: Option<std::time::Duration>,
 ) -> tonic::Status {
     use tonic_types::{ErrorDetails, StatusExt};
-    let message = crate::bounds::status_message(message);
+    let message = status_message(message);
     let Some(reason) = reason else {
         return tonic::Status::new(code, message);
     };
@@ -648,6 +652,18 @@ pub fn session_not_found(id: Uuid) -> BrokerError {
 /// A lease id that is not live (or not the caller's).
 pub fn lease_not_found(id: Uuid) -> BrokerError {
     BrokerError::NotFound(Missing::Lease(id))
+}
+
+/// `message` cut to [`MAX_STATUS_MESSAGE_BYTES`] on a character boundary.
+pub fn status_message(message: String) -> String {
+    if message.len() <= MAX_STATUS_MESSAGE_BYTES {
+        return message;
+    }
+    let mut cut = MAX_STATUS_MESSAGE_BYTES - 16;
+    while !message.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{} ...(truncated)", &message[..cut])
 }
 
 #[cfg(test)]
@@ -791,5 +807,13 @@ mod tests {
         );
         let info = s.get_details_error_info().unwrap();
         assert!(info.metadata["k"].len() <= MAX_METADATA_VALUE);
+    }
+
+    #[test]
+    fn status_messages_are_capped_on_a_char_boundary() {
+        let m = status_message("é".repeat(5000));
+        assert!(m.len() <= MAX_STATUS_MESSAGE_BYTES, "{}", m.len());
+        assert!(m.ends_with("(truncated)"));
+        assert_eq!(status_message("ok".into()), "ok");
     }
 }

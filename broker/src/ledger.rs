@@ -9,6 +9,7 @@ use crate::units::show;
 use std::collections::BTreeMap;
 
 pub use crate::quota::{Quota, QuotaPatch};
+pub use crate::tier::Tier;
 
 impl Tenant {
     /// What a new quota means for what the tenant holds now: one line per limit it is
@@ -118,13 +119,6 @@ impl Tenant {
             .guaranteed_bytes
             .saturating_sub(self.usage.committed_bytes())
     }
-}
-
-/// Which pool a charge draws on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Tier {
-    Device,
-    Host,
 }
 
 /// Checks a tenant name: 1-64 of `[A-Za-z0-9._-]`.

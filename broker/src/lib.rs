@@ -46,6 +46,7 @@ pub mod store;
 pub mod tenants_config;
 pub mod ticket_server;
 pub mod tickets;
+pub mod tier;
 pub mod tls;
 pub mod units;
 pub mod views;

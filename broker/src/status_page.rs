@@ -161,7 +161,7 @@ pub async fn render(arb: &Arbiter) -> String {
         let _ = write!(
             out,
             "<p id=\"mps\">MPS: {} · {} client(s) · compute mode {}</p>",
-            esc(&crate::bounds::status_message(m.summary())),
+            esc(&crate::error::status_message(m.summary())),
             m.clients.len(),
             esc(&if m.compute_modes.is_empty() {
                 "unknown".to_string()

@@ -7,7 +7,7 @@ use gpu_broker_proto::v1 as pb;
 
 /// Writes `status` into each of `devices`.
 pub fn fill(status: &MpsStatus, devices: &mut [pb::DeviceInfo]) {
-    let detail = crate::bounds::status_message(status.summary());
+    let detail = crate::error::status_message(status.summary());
     for d in devices {
         d.mps_state = status.state.as_str().to_string();
         d.mps_detail = detail.clone();
