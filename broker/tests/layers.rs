@@ -2,11 +2,12 @@
 //! checks, through `crate::` paths in code (comments aside, test modules included), that
 //! the configuration is on no import circle and that nothing below the arbiter reaches up
 //! into it, the configuration, the services or the server; that the module graph has no
-//! import circle at all; and that the arbiter's core
-//! (`arbiter/state/` and the records it owns) names no tokio. A directory module
-//! (`arbiter/`, `device/`, `service/`, `mps/`) counts as one module.
+//! import circle at all; and that the arbiter's core (`arbiter/state/` and the records it
+//! owns) names no tokio. A directory module (`arbiter/`, `device/`, `service/`, `mps/`)
+//! counts as one module. The graph is read by `gpu-broker-module-graph`
+//! (`tests/module-graph`), shared with the client's layer test.
 
-use std::collections::{BTreeMap, BTreeSet};
+use gpu_broker_module_graph::{circle, module_graph, reach, uses, Graph};
 use std::path::Path;
 
 /// Modules below the arbiter: the state it owns, the devices, the records and their rules.
@@ -41,95 +42,10 @@ const BELOW_ARBITER: [&str; 25] = [
 /// What those must never reach, directly or through other modules.
 const ABOVE: [&str; 4] = ["arbiter", "config", "service", "server"];
 
-/// The crate modules a source file's code (not its comments) names.
-fn uses(source: &str) -> BTreeSet<String> {
-    let mut found = BTreeSet::new();
-    for line in source.lines() {
-        let code = line.split("//").next().unwrap_or("");
-        let mut rest = code;
-        while let Some(at) = rest.find("crate::") {
-            rest = &rest[at + "crate::".len()..];
-            let names: Vec<&str> = if let Some(group) = rest.strip_prefix('{') {
-                group
-                    .split('}')
-                    .next()
-                    .unwrap_or("")
-                    .split(',')
-                    .map(|n| n.trim().split("::").next().unwrap_or(""))
-                    .collect()
-            } else {
-                vec![rest
-                    .split(|c: char| !(c.is_alphanumeric() || c == '_'))
-                    .next()
-                    .unwrap_or("")]
-            };
-            found.extend(names.into_iter().map(str::to_string));
-        }
-    }
-    found
-}
-
-/// Every `.rs` file under `dir`, read.
-fn sources(dir: &Path, out: &mut String) {
-    let mut entries: Vec<_> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            sources(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push_str(&std::fs::read_to_string(&p).unwrap());
-            out.push('\n');
-        }
-    }
-}
-
-/// Module -> the other crate modules it names.
-fn graph() -> BTreeMap<String, BTreeSet<String>> {
+/// Module -> the other crate modules it names (`lib.rs` and `main.rs`, the roots, aside).
+fn graph() -> Graph {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut graph = BTreeMap::new();
-    for e in std::fs::read_dir(&src).unwrap() {
-        let p = e.unwrap().path();
-        let name = p.file_stem().unwrap().to_string_lossy().to_string();
-        if matches!(name.as_str(), "lib" | "main") {
-            continue;
-        }
-        let mut text = String::new();
-        if p.is_dir() {
-            sources(&p, &mut text);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            text = std::fs::read_to_string(&p).unwrap();
-        } else {
-            continue;
-        }
-        let mut named = uses(&text);
-        named.remove(&name);
-        graph.insert(name, named);
-    }
-    // Names that are not modules (`crate::Foo` re-exports) are dropped.
-    let modules: BTreeSet<String> = graph.keys().cloned().collect();
-    for named in graph.values_mut() {
-        named.retain(|n| modules.contains(n));
-    }
-    graph
-}
-
-/// Every module `from` reaches, with the path to it.
-fn reach(graph: &BTreeMap<String, BTreeSet<String>>, from: &str) -> BTreeMap<String, String> {
-    let mut seen: BTreeMap<String, String> = BTreeMap::new();
-    let mut todo = vec![(from.to_string(), from.to_string())];
-    while let Some((m, path)) = todo.pop() {
-        for n in graph.get(&m).into_iter().flatten() {
-            if !seen.contains_key(n) {
-                let p = format!("{path} -> {n}");
-                seen.insert(n.clone(), p.clone());
-                todo.push((n.clone(), p));
-            }
-        }
-    }
-    seen
+    module_graph(&src, &["lib", "main"], uses)
 }
 
 #[test]
@@ -161,20 +77,6 @@ fn nothing_below_the_arbiter_reaches_up() {
 }
 
 #[test]
-fn the_scanner_reads_paths_groups_and_skips_comments() {
-    let found = uses(
-        "use crate::a::B;\nuse crate::{b, c::D};\nlet x = crate::d::f(); // crate::e\n/// [`crate::g`]\n",
-    );
-    let want: BTreeSet<String> = ["a", "b", "c", "d"].iter().map(|s| s.to_string()).collect();
-    assert_eq!(found, want);
-}
-
-/// A module that reaches itself in `graph`, with the path (the first found).
-fn circle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<String> {
-    graph.keys().find_map(|m| reach(graph, m).get(m).cloned())
-}
-
-#[test]
 fn the_module_graph_has_no_import_circle() {
     let graph = graph();
     if let Some(path) = circle(&graph) {
@@ -195,21 +97,6 @@ fn the_module_graph_has_no_import_circle() {
     assert!(!reach(&graph, "tickets").contains_key("arbiter"));
     assert!(reach(&graph, "arbiter").contains_key("metrics"));
     assert!(reach(&graph, "ticket_server").contains_key("arbiter"));
-}
-
-#[test]
-fn the_circle_check_finds_a_circle_through_other_modules() {
-    let edges = [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")];
-    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for (f, t) in edges {
-        graph
-            .entry(f.to_string())
-            .or_default()
-            .insert(t.to_string());
-    }
-    assert_eq!(circle(&graph).as_deref(), Some("a -> b -> c -> a"));
-    graph.get_mut("c").unwrap().remove("a");
-    assert_eq!(circle(&graph), None);
 }
 
 /// The arbiter's core and the records it owns (paths under `src/`; a directory: every file
