@@ -5,9 +5,12 @@
 //! import circle at all; and that the arbiter's core (`arbiter/state/` and the records it
 //! owns) names no tokio. A directory module (`arbiter/`, `device/`, `service/`, `mps/`)
 //! counts as one module. The graph is read by `gpu-broker-module-graph`
-//! (`tests/module-graph`), shared with the client's layer test.
+//! (`tests/module-graph`), shared with the client's layer test. Also: the command line is
+//! named only by the configuration (and a component's flag group), the gRPC messages only
+//! by the services and the server; and the process holds no static state but the few
+//! listed with their reasons (metrics are fields of the component that counts).
 
-use gpu_broker_module_graph::{circle, module_graph, reach, uses, Graph};
+use gpu_broker_module_graph::{circle, files, module_graph, reach, uses, Graph};
 use std::path::Path;
 
 /// Modules below the arbiter: the state it owns, the devices, the records and their rules.
@@ -170,4 +173,168 @@ fn the_core_names_no_tokio_and_reads_no_liveness() {
     )
     .is_none());
     assert!(names_forbidden("#[cfg(test)]\nmod t { use tokio; }\n", false).is_some());
+}
+
+/// Where the command line may be named: the configuration parses the flags. Elsewhere a
+/// component takes its own plain settings; only a component's flag group (a `...Flags`
+/// struct deriving `clap::Args`, flattened into the configuration) may sit beside it, and
+/// it converts into those settings. No domain type derives `clap::ValueEnum`.
+const CLI_FILES: [&str; 3] = ["config.rs", "check_config.rs", "main.rs"];
+
+/// Where the generated gRPC types may be named: the services and the server (the edge that
+/// converts records to messages and back).
+const WIRE_FILES: [&str; 2] = ["service/", "server.rs"];
+
+/// Every `.rs` file under `src/`, as (path relative to `src/`, text).
+fn all_sources() -> Vec<(String, String)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    files(&src)
+        .into_iter()
+        .map(|(p, text)| {
+            let rel = p.strip_prefix(&src).unwrap().to_string_lossy().to_string();
+            (rel, text)
+        })
+        .collect()
+}
+
+/// The first line of `source`'s code (comments aside) that names the command line, other
+/// than the `clap::Args` derive of a `...Flags` struct.
+fn names_the_cli(source: &str) -> Option<String> {
+    let code: Vec<&str> = source
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect();
+    code.iter().enumerate().find_map(|(i, line)| {
+        if !(line.contains("clap") || line.contains("ValueEnum")) {
+            return None;
+        }
+        let flag_group = line.trim_start().starts_with("#[derive(")
+            && line.contains("clap::Args")
+            && !line.contains("ValueEnum")
+            && code[i + 1..]
+                .iter()
+                .map(|l| l.trim())
+                .find(|l| !l.is_empty() && !l.starts_with("#["))
+                .and_then(|l| l.strip_prefix("pub struct "))
+                .and_then(|l| l.split(|c: char| !c.is_alphanumeric()).next())
+                .is_some_and(|name| name.ends_with("Flags"));
+        (!flag_group).then(|| line.to_string())
+    })
+}
+
+#[test]
+fn the_command_line_and_the_wire_stay_at_the_edge() {
+    let mut cli_seen = 0;
+    let mut wire_seen = 0;
+    for (path, text) in all_sources() {
+        let at = |files: &[&str]| files.iter().any(|f| path == *f || path.starts_with(f));
+        if at(&CLI_FILES) {
+            cli_seen += usize::from(text.contains("clap"));
+        } else if let Some(line) = names_the_cli(&text) {
+            panic!("{path} names the command line: {line}");
+        }
+        let wire = text
+            .lines()
+            .map(|l| l.split("//").next().unwrap_or(""))
+            .find(|code| code.contains("gpu_broker_proto"));
+        match wire {
+            Some(_) if at(&WIRE_FILES) => wire_seen += 1,
+            Some(line) => panic!("{path} names the gRPC messages: {line}"),
+            None => {}
+        }
+    }
+    // The checks see the command line and the wire where they are.
+    assert!(cli_seen >= 2, "clap in {cli_seen} configuration files");
+    assert!(
+        wire_seen >= 5,
+        "gRPC messages in {wire_seen} files of the edge"
+    );
+    assert!(
+        names_the_cli("#[derive(Clone, Debug, clap::Args)]\npub struct MpsFlags {\n").is_none()
+    );
+    assert!(names_the_cli(
+        "/// Flags.\n#[derive(Clone, clap::Args)]\n#[command(next_help_heading = \"x\")]\npub struct LimitFlags {\n"
+    )
+    .is_none());
+    assert!(
+        names_the_cli("#[derive(Clone, Copy, clap::ValueEnum)]\npub enum ReclaimPolicy {\n")
+            .is_some()
+    );
+    assert!(names_the_cli("#[derive(Clone, clap::Args)]\npub struct Quota {\n").is_some());
+    assert!(names_the_cli("use clap::Parser;\n").is_some());
+    assert!(names_the_cli("// clap\nfn f() {}\n").is_none());
+}
+
+/// The broker's process-wide statics, each with its reason. Everything else a component
+/// counts or keeps is a field of the component (the metrics are `metrics::Metrics`, owned
+/// by the arbiter and passed in), so two arbiters in one process (the tests) share nothing;
+/// a new static (a global counter, a registry) fails the test below, and so does one of
+/// these gone.
+const STATICS: [(&str, &str, &str); 2] = [
+    (
+        "error.rs",
+        "STARTED",
+        "when this process started: a session id older than that is another run's",
+    ),
+    (
+        "device/cuda.rs",
+        "PRESENT",
+        "whether libcuda loads, checked once per process",
+    ),
+];
+
+/// The names of the `static` items in `source`'s code (comments aside).
+fn statics(source: &str) -> Vec<String> {
+    source
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or("").trim_start())
+        .filter_map(|code| {
+            let code = code
+                .strip_prefix("pub(crate) ")
+                .or_else(|| code.strip_prefix("pub "))
+                .unwrap_or(code);
+            let rest = code.strip_prefix("static ")?;
+            let rest = rest.strip_prefix("mut ").unwrap_or(rest);
+            Some(rest.split(':').next().unwrap_or("").trim().to_string())
+        })
+        .chain(
+            source
+                .lines()
+                .map(|l| l.split("//").next().unwrap_or(""))
+                .filter(|code| code.contains("lazy_static!") || code.contains("thread_local!"))
+                .map(|code| code.trim().to_string()),
+        )
+        .collect()
+}
+
+#[test]
+fn no_process_wide_state_but_the_listed_statics() {
+    let mut found: Vec<(String, String)> = Vec::new();
+    for (path, text) in all_sources() {
+        for name in statics(&text) {
+            found.push((path.clone(), name));
+        }
+    }
+    for (path, name, why) in STATICS {
+        let at = found.iter().position(|(p, n)| p == path && n == name);
+        let Some(at) = at else {
+            panic!("{path} has no static {name} ({why}) any more: drop it from the list");
+        };
+        found.remove(at);
+    }
+    assert!(
+        found.is_empty(),
+        "statics not listed (make them fields of their component): {found:?}"
+    );
+    // The check sees statics where they are.
+    assert_eq!(
+        statics("    static PRESENT: OnceLock<bool> = OnceLock::new();\n"),
+        ["PRESENT"]
+    );
+    assert_eq!(
+        statics("pub static LEASES: AtomicU64 = AtomicU64::new(0);\n"),
+        ["LEASES"]
+    );
+    assert_eq!(statics("lazy_static! {\n"), ["lazy_static! {"]);
+    assert!(statics("// static X: u8 = 0;\nlet s: &'static str = \"\";\n").is_empty());
 }

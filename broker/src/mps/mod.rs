@@ -5,13 +5,13 @@
 //! and [`Mps::client_env`], the variables of a reserved process (refused while the
 //! daemon is down). The parts: [`control`] drives the control binary, [`supervisor`]
 //! keeps the daemon alive, [`env`] builds a client's variables, [`compute_mode`] reads
-//! the devices' compute mode, [`status`] is what is shown and [`report`] puts it in the
-//! device list. `docs/mps.md` says what is enforced by whom.
+//! the devices' compute mode, [`status`] is what is shown (the admin service puts it in
+//! the device list: `service/mps_report.rs`). `docs/mps.md` says what is enforced by
+//! whom.
 
 pub mod compute_mode;
 pub mod control;
 pub mod env;
-pub mod report;
 pub mod status;
 pub mod supervisor;
 

@@ -253,7 +253,7 @@ impl Admin for AdminService {
             d.turn_holders = self.arb.turn_holders(d.index);
         }
         if let Some(mps) = self.arb.mps() {
-            crate::mps::report::fill(&mps.status(), &mut devices);
+            super::mps_report::fill(&mps.status(), &mut devices);
         } else {
             let modes = self.arb.compute_modes();
             for d in &mut devices {

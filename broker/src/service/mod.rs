@@ -7,4 +7,5 @@ pub mod broker;
 pub mod convert;
 mod events;
 pub mod handles;
+mod mps_report;
 pub mod shared;

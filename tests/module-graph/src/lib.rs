@@ -6,7 +6,7 @@
 //! compiler's view: a path a macro builds, or a glob import, is not seen.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Module -> the other modules of the graph it names.
 pub type Graph = BTreeMap<String, BTreeSet<String>>;
@@ -55,23 +55,33 @@ pub fn uses_super(source: &str) -> BTreeSet<String> {
     names_after(source, "super::")
 }
 
-/// Every `.rs` file under `dir` (subdirectories too), read, in name order.
-pub fn sources(dir: &Path) -> String {
+/// Every `.rs` file under `dir` (subdirectories too), in path order, with its text.
+pub fn files(dir: &Path) -> Vec<(PathBuf, String)> {
     let mut entries: Vec<_> = std::fs::read_dir(dir)
         .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
         .collect();
     entries.sort();
-    let mut out = String::new();
+    let mut out = Vec::new();
     for p in entries {
         if p.is_dir() {
-            out.push_str(&sources(&p));
+            out.extend(files(&p));
         } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push_str(&std::fs::read_to_string(&p).unwrap());
-            out.push('\n');
+            let text =
+                std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
+            out.push((p, text));
         }
     }
     out
+}
+
+/// Every `.rs` file under `dir` (subdirectories too), read, in path order, one after the
+/// other.
+pub fn sources(dir: &Path) -> String {
+    files(dir)
+        .into_iter()
+        .map(|(_, text)| text + "\n")
+        .collect()
 }
 
 /// The modules of `dir` (each `.rs` file and each directory, as one module, but those named

@@ -2,7 +2,7 @@
 //! device the daemon serves shows its state, one-line detail, client count and the
 //! device's compute mode.
 
-use super::MpsStatus;
+use crate::mps::MpsStatus;
 use gpu_broker_proto::v1 as pb;
 
 /// Writes `status` into each of `devices`.
