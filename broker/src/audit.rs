@@ -13,7 +13,6 @@
 //! names changes nobody asked for over the API (a signal-triggered reload, the health
 //! monitor).
 
-use crate::auth::Principal;
 use crate::error::{BrokerError, BrokerResult};
 use crate::store::Store;
 use parking_lot::Mutex;
@@ -50,24 +49,6 @@ impl Who {
             scope: "system".into(),
             peer_uid: None,
             peer_pid: None,
-        }
-    }
-
-    /// The caller of a request: its principal (put there by the gate) and peer.
-    pub fn of<T>(req: &tonic::Request<T>) -> Who {
-        let p = req.extensions().get::<Principal>();
-        let cred = req
-            .extensions()
-            .get::<tonic::transport::server::UdsConnectInfo>()
-            .and_then(|i| i.peer_cred);
-        Who {
-            token_id: p.map(|p| p.token_id.clone()).unwrap_or_default(),
-            name: p.map(|p| p.name.clone()).unwrap_or_default(),
-            scope: p.map(|p| p.scope.as_str().to_string()).unwrap_or_default(),
-            peer_uid: cred.map(|c| c.uid()),
-            peer_pid: cred
-                .and_then(|c| c.pid())
-                .and_then(|p| u32::try_from(p).ok()),
         }
     }
 }

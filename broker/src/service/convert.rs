@@ -381,3 +381,25 @@ pub fn reservation(r: &crate::reservations::ReservationView) -> pb::ProcessReser
         created_unix_ms: r.created.map(unix_ms).unwrap_or(0),
     }
 }
+
+/// Who is behind an operator request, for the audit log: read from the request at the
+/// edge, so the audit records name no transport.
+impl crate::audit::Who {
+    /// The caller of a request: its principal (put there by the gate) and peer.
+    pub fn of<T>(req: &tonic::Request<T>) -> Self {
+        let p = req.extensions().get::<crate::auth::Principal>();
+        let cred = req
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|i| i.peer_cred);
+        Self {
+            token_id: p.map(|p| p.token_id.clone()).unwrap_or_default(),
+            name: p.map(|p| p.name.clone()).unwrap_or_default(),
+            scope: p.map(|p| p.scope.as_str().to_string()).unwrap_or_default(),
+            peer_uid: cred.map(|c| c.uid()),
+            peer_pid: cred
+                .and_then(|c| c.pid())
+                .and_then(|p| u32::try_from(p).ok()),
+        }
+    }
+}
