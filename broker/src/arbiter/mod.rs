@@ -7,7 +7,9 @@
 //!
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
 //! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (background
-//! loops: keepalive reaper, reclaim deadlines, leasable refresh).
+//! loops: keepalive reaper, reclaim deadlines, leasable refresh); `audit`, `health`,
+//! `reservations` and `sharing` are the arbiter's side of the audit log, device health,
+//! process reservations and shared leases (the records they work on live below it).
 
 mod admin;
 mod admission;
