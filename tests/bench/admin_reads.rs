@@ -228,7 +228,7 @@ fn start_reads(readers: &Readers, kinds: &[usize], place: ReadersIn) -> Result<R
 /// Starts this bench's hidden mode `mode` with `args` and `env` (stdin and stdout piped:
 /// closing its stdin ends it); the child, its output and its first line. A child that
 /// does not get as far as its first line is killed.
-fn start_child(
+pub(crate) fn start_child(
     mode: &str,
     args: &[&str],
     env: &[(&str, &str)],
@@ -256,7 +256,7 @@ fn start_child(
 }
 
 /// Blocks until this process's stdin closes (the parent of a hidden mode ends it so).
-fn until_stdin_closes() {
+pub(crate) fn until_stdin_closes() {
     let mut sink = Vec::new();
     let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
 }
@@ -298,7 +298,7 @@ pub async fn reads_process(a: &ReadsArgs) -> Result<()> {
 }
 
 /// CPU time (user + system) of process `pid` so far (None: this process).
-fn process_cpu(pid: Option<u32>) -> Option<Duration> {
+pub(crate) fn process_cpu(pid: Option<u32>) -> Option<Duration> {
     let path = match pid {
         Some(p) => format!("/proc/{p}/stat"),
         None => "/proc/self/stat".into(),
@@ -329,12 +329,15 @@ async fn http_get(addr: &str, path: &str) -> Result<u64> {
     Ok(out.len() as u64)
 }
 
+/// The lock counters [`lock_counters`] reads, in its order.
+pub(crate) type LockCounters = [Option<u64>; 12];
+
 /// The broker's lock counters: holds longer than 0, 100 us, 1 ms and 10 ms by the wall
 /// clock, then the same by the holding thread's CPU clock
 /// (`gpu_broker_state_lock_holds_total{longer_than, clock}`), then takes that waited
 /// longer than 0, 100 us, 1 ms, 10 ms (`gpu_broker_state_lock_waits_total`), from
 /// `/metrics` (None where the broker has no such counter).
-async fn lock_counters(addr: &str) -> Result<[Option<u64>; 12]> {
+pub(crate) async fn lock_counters(addr: &str) -> Result<LockCounters> {
     let mut s = tokio::net::TcpStream::connect(addr).await?;
     s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .await?;
@@ -364,7 +367,7 @@ async fn lock_counters(addr: &str) -> Result<[Option<u64>; 12]> {
 }
 
 /// The metrics listener's address, from the broker's log.
-fn metrics_addr(log: &std::path::Path) -> Option<String> {
+pub(crate) fn metrics_addr(log: &std::path::Path) -> Option<String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         let text = std::fs::read_to_string(log).unwrap_or_default();

@@ -19,7 +19,19 @@ pub struct SpawnOpts {
     pub headroom: String,
     pub log: String,
     pub reclaim_deadline: Option<String>,
+    /// More flags of the broker; leading `NAME=value` words are its environment instead.
     pub extra: Vec<String>,
+}
+
+/// `NAME=value` (an upper-case environment variable name) split in two, else None.
+pub fn env_word(w: &str) -> Option<(String, String)> {
+    let (name, value) = w.split_once('=')?;
+    let first = name.chars().next()?;
+    (first.is_ascii_uppercase()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+    .then(|| (name.to_string(), value.to_string()))
 }
 
 /// A broker started by the bench; stopped (SIGTERM, then SIGKILL) when dropped.
@@ -168,12 +180,15 @@ impl Target {
             args.push("--reclaim-deadline".into());
             args.push(r.clone());
         }
-        args.extend(opts.extra.iter().cloned());
+        // Leading `NAME=value` words of `extra` are the broker's environment, the rest flags.
+        let env: Vec<(String, String)> = opts.extra.iter().map_while(|w| env_word(w)).collect();
+        args.extend(opts.extra.iter().skip(env.len()).cloned());
         let log_file = std::fs::File::create(&log)?;
         let child = Command::new(&opts.bin)
             .args(&args)
             .env("GPU_BROKER_LOG", &opts.log)
             .env("NO_COLOR", "1")
+            .envs(env)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file)

@@ -12,7 +12,7 @@
 //! - `oversub`: 2x oversubscription with 3 priorities, guarantees, waits and cooperative
 //!   reclaim: per-priority time-to-grant, reclaim/revocation counts, utilization;
 //! - `quota-writes`: pooled acquire p50/p99 alone and while an admin client sets quotas
-//!   in a loop (each a durable store commit);
+//!   in a loop (each a durable store commit), with controls that separate the causes;
 //! - `turns`: the compute-turn hand-off between K workers (broker side and end to end);
 //! - `abuse`: descriptors and memory after many session cycles, admin latency while idle
 //!   connections and unauthenticated streams are held, acquire p99 while listings run;
@@ -115,6 +115,9 @@ enum Mode {
     /// The lease holder of `abuse` phase 3 in a process of its own (internal).
     #[command(hide = true)]
     Hold(admin_reads::HoldArgs),
+    /// The admin loop of `quota-writes --writer process` (internal).
+    #[command(hide = true)]
+    QuotaWriter(quota_writes::QuotaWriterArgs),
 }
 
 impl Common {
@@ -214,6 +217,7 @@ async fn run(cli: Cli) -> Result<()> {
         Mode::Worker(a) => throughput::worker_process(&common, &a).await,
         Mode::Reads(a) => admin_reads::reads_process(&a).await,
         Mode::Hold(a) => admin_reads::hold_process(&a).await,
+        Mode::QuotaWriter(a) => quota_writes::writer_process(&a).await,
         Mode::All => {
             let defaults = |mode: &str| Cli::try_parse_from(["gpu-broker-bench", mode]);
             if let Mode::Latency(a) = defaults("latency")?.mode {
