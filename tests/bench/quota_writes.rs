@@ -13,8 +13,9 @@
 //!
 //! - `--op set,get`: `set` sets a quota (a durable store commit with fsync, then applied
 //!   in memory and the queue run); `get` reads one (`GetQuota`, answered on the broker's
-//!   main runtime, no commit) at the same pace, as a control: if it costs as much, the
-//!   commit is not the cause.
+//!   main runtime, no commit) at the same pace (the calls a second `set` reached on that
+//!   broker just before, in the same run; or `--rate`), as a control: if it costs as
+//!   much, the commit is not the cause.
 //! - `--writer process|task`: the admin loop runs in a child process of the bench (the
 //!   default: what an operator's `gpu-brokerctl` is, sharing no runtime or thread with the
 //!   timed worker) or as a task on the bench's own runtime, beside the worker.
@@ -91,10 +92,12 @@ pub struct QuotaWritesArgs {
     #[arg(long, value_enum, default_value = "process")]
     pub writer: WriterIn,
     /// The admin calls of the arms besides "alone", each an arm: `set` (SetQuota, a
-    /// durable commit) and/or `get` (GetQuota, no commit: the control).
+    /// durable commit) and/or `get` (GetQuota, no commit: the control, at the pace `set`
+    /// reached just before on the same broker unless `--rate` is given).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "set")]
     pub op: Vec<Op>,
-    /// At most this many admin calls a second (0: as fast as they return).
+    /// At most this many admin calls a second, every arm (0: `set` as fast as calls
+    /// return, `get` at the pace `set` reached).
     #[arg(long, default_value_t = 0)]
     pub rate: u32,
     /// Another broker measured side by side with the first, `"[NAME=value...] BIN
@@ -178,9 +181,18 @@ pub async fn run(common: &Common, a: &QuotaWritesArgs) -> Result<()> {
         .map(|_| arms.iter().map(|_| Vec::new()).collect())
         .collect();
     for rep in 0..a.repeat {
+        // The pace `set` reached on each broker this run (`get` keeps to it).
+        let mut set_pace = vec![0u32; brokers.len()];
         for (i, op) in arms.iter().enumerate() {
             for (b, br) in brokers.iter().enumerate() {
-                let r = measure(br, *op, a).await?;
+                let rate = match op {
+                    Some(Op::Get) if a.rate == 0 => set_pace[b],
+                    _ => a.rate,
+                };
+                let r = measure(br, *op, rate, a).await?;
+                if *op == Some(Op::Set) {
+                    set_pace[b] = r.calls_per_s.round() as u32;
+                }
                 json_line(
                     common.json,
                     &json!({"mode": "quota-writes", "broker": br.label, "arm": arm_name(*op),
@@ -437,8 +449,8 @@ enum Writer {
 }
 
 impl Writer {
-    async fn start(b: &Broker, op: Op, a: &QuotaWritesArgs) -> Result<Writer> {
-        match a.writer {
+    async fn start(b: &Broker, op: Op, rate: u32, place: WriterIn) -> Result<Writer> {
+        match place {
             WriterIn::Task => {
                 let stop = Arc::new(AtomicBool::new(false));
                 let (tx, rx) = tokio::sync::oneshot::channel();
@@ -446,7 +458,7 @@ impl Writer {
                     b.admin.clone(),
                     b.names.clone(),
                     op,
-                    a.rate,
+                    rate,
                     stop.clone(),
                     move || {
                         let _ = tx.send(());
@@ -458,7 +470,7 @@ impl Writer {
             }
             WriterIn::Process => {
                 let (uri, token) = (b.target.uri.clone(), b.target.admin_token.clone());
-                let (names, rate) = (b.names.join(","), a.rate.to_string());
+                let (names, rate) = (b.names.join(","), rate.to_string());
                 let (child, out, line) = tokio::task::spawn_blocking(move || {
                     start_child(
                         "quota-writer",
@@ -548,10 +560,10 @@ impl WriterReport {
 }
 
 /// Pooled acquires for `a.duration`, each timed; with `op`, the admin loop runs meanwhile.
-async fn measure(b: &Broker, op: Option<Op>, a: &QuotaWritesArgs) -> Result<Run> {
+async fn measure(b: &Broker, op: Option<Op>, rate: u32, a: &QuotaWritesArgs) -> Result<Run> {
     let writer = match op {
         Some(op) => {
-            let w = Writer::start(b, op, a).await?;
+            let w = Writer::start(b, op, rate, a.writer).await?;
             // Let the loop reach its steady state.
             tokio::time::sleep(Duration::from_millis(50)).await;
             Some(w)
