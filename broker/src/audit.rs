@@ -97,6 +97,9 @@ impl AuditFilter {
     }
 }
 
+/// Writes one audit record into a write transaction (see [`AuditLog::append_with`]).
+pub type RecordWriter<'a> = &'a dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
+
 /// The log: the next sequence number, and the records themselves when there is no store.
 #[derive(Debug)]
 pub struct AuditLog {
@@ -130,35 +133,55 @@ impl AuditLog {
     pub fn append(
         &self,
         store: Option<&Store>,
-        mut rec: AuditRecord,
+        rec: AuditRecord,
     ) -> Result<AuditRecord, crate::store::StoreError> {
+        self.append_with(store, rec, |insert| match (store, insert) {
+            (Some(s), Some(insert)) => s.write_with("write audit record", insert),
+            _ => Ok(()),
+        })
+        .map(|((), rec)| rec)
+    }
+
+    /// Writes `rec` (numbered) in `txn`, dropping the oldest past the bound.
+    fn insert(&self, txn: &redb::WriteTransaction, rec: &AuditRecord) -> Result<(), redb::Error> {
+        let bytes = serde_json::to_vec(rec).unwrap_or_default();
+        let mut t = txn.open_table(AUDIT)?;
+        t.insert(rec.seq, bytes.as_slice())?;
+        while t.len()? > self.max_records {
+            if t.pop_first()?.is_none() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends `rec` in the write transaction that `commit` runs, so that a change and
+    /// its record are one commit: with a store, `commit` is given what writes the
+    /// (numbered) record into a transaction and must call it in the transaction it
+    /// commits; without one it gets None and the record is kept in memory once `commit`
+    /// returns Ok. Numbers are taken in order and only by records that committed.
+    pub fn append_with<T>(
+        &self,
+        store: Option<&Store>,
+        mut rec: AuditRecord,
+        commit: impl FnOnce(Option<RecordWriter<'_>>) -> Result<T, crate::store::StoreError>,
+    ) -> Result<(T, AuditRecord), crate::store::StoreError> {
         let mut next = self.next.lock();
         rec.seq = *next;
-        match store {
-            Some(s) => {
-                let bytes = serde_json::to_vec(&rec).unwrap_or_default();
-                let max = self.max_records;
-                s.write_with("write audit record", |txn| {
-                    let mut t = txn.open_table(AUDIT)?;
-                    t.insert(rec.seq, bytes.as_slice())?;
-                    while t.len()? > max {
-                        if t.pop_first()?.is_none() {
-                            break;
-                        }
-                    }
-                    Ok(())
-                })?;
-            }
+        let out = match store {
+            Some(_) => commit(Some(&|txn: &redb::WriteTransaction| self.insert(txn, &rec)))?,
             None => {
+                let out = commit(None)?;
                 let mut m = self.mem.lock();
                 m.push_back(rec.clone());
                 while m.len() as u64 > self.max_records {
                     m.pop_front();
                 }
+                out
             }
-        }
+        };
         *next += 1;
-        Ok(rec)
+        Ok((out, rec))
     }
 
     /// Matching records, oldest first (the newest `filter.limit`).
@@ -208,6 +231,48 @@ impl AuditLog {
         out.reverse();
         Ok(out)
     }
+}
+
+impl AuditRecord {
+    /// A record of a change made now (numbered when appended).
+    pub fn now(
+        who: &Who,
+        action: &str,
+        tenant: &str,
+        target: &str,
+        before: Option<serde_json::Value>,
+        after: Option<serde_json::Value>,
+    ) -> AuditRecord {
+        AuditRecord {
+            seq: 0,
+            unix_ms: crate::units::unix_ms(std::time::SystemTime::now()),
+            who: who.clone(),
+            action: action.to_string(),
+            tenant: tenant.to_string(),
+            target: target.to_string(),
+            before,
+            after,
+        }
+    }
+}
+
+/// The structured log line of a record written (target `gpu_broker::audit`).
+pub(crate) fn logged(r: &AuditRecord) {
+    tracing::info!(
+        target: "gpu_broker::audit",
+        seq = r.seq,
+        action = %r.action,
+        tenant = %r.tenant,
+        object = %r.target,
+        token_id = %r.who.token_id,
+        token_name = %r.who.name,
+        scope = %r.who.scope,
+        peer_uid = ?r.who.peer_uid,
+        peer_pid = ?r.who.peer_pid,
+        before = %r.before.as_ref().map(|v| v.to_string()).unwrap_or_default(),
+        after = %r.after.as_ref().map(|v| v.to_string()).unwrap_or_default(),
+        "audit"
+    );
 }
 
 #[cfg(test)]

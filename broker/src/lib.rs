@@ -43,6 +43,7 @@ pub mod sharing;
 pub mod status_http;
 pub mod status_page;
 pub mod store;
+pub mod store_writer;
 pub mod tenants_config;
 pub mod ticket_server;
 pub mod tickets;

@@ -212,6 +212,15 @@ impl Store {
 
     /// Inserts or replaces the tenant named `t.name`; durable before returning.
     pub fn put_tenant(&self, t: &TenantRecord) -> Result<(), StoreError> {
+        self.put_tenant_with(t, |_| Ok(()))
+    }
+
+    /// [`Store::put_tenant`], with `also` written in the same transaction (one commit).
+    pub(crate) fn put_tenant_with(
+        &self,
+        t: &TenantRecord,
+        also: impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::Error>,
+    ) -> Result<(), StoreError> {
         self.check_key("tenant name", &t.name)?;
         let bytes = self.encode(&format!("tenant '{}'", t.name), t)?;
         let txn = self.begin_write()?;
@@ -223,6 +232,7 @@ impl Store {
                 .insert(t.name.as_str(), bytes.as_slice())
                 .map_err(|e| db_err(&self.path, "write tenant", e))?;
         }
+        also(&txn).map_err(|e| db_err(&self.path, "write with tenant", e))?;
         self.commit(txn)
     }
 

@@ -66,8 +66,8 @@ impl Arbiter {
     }
 }
 
-/// Runs blocking work: inside `block_in_place` on a multi-threaded tokio runtime, as is
-/// elsewhere (current-thread runtimes, plain threads).
+/// Runs blocking work: inside `block_in_place` on a multi-threaded tokio runtime's worker,
+/// as is elsewhere (current-thread runtimes, plain threads, the store writer).
 fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current() {
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
@@ -141,9 +141,73 @@ impl Arbiter {
         name: &str,
         update: QuotaUpdate,
     ) -> BrokerResult<QuotaChange> {
+        self.change_quota_audited(name, update, None)
+    }
+
+    /// [`Arbiter::change_quota`] for an operator's RPC: run on the store writer (a thread
+    /// of its own, so no runtime worker blocks in the commit or is handed off for it),
+    /// with its audit record (`quota.set`, by `who`) committed in the same transaction as
+    /// the quota. Answers once both are durable and the change applied.
+    pub async fn change_quota_for(
+        self: &Arc<Self>,
+        name: String,
+        update: QuotaUpdate,
+        who: crate::audit::Who,
+    ) -> BrokerResult<QuotaChange> {
+        let me = self.clone();
+        self.on_store_writer(move || me.change_quota_audited(&name, update, Some(&who)))
+            .await
+    }
+
+    /// Runs `change` on the store writer (started on first use, inside the caller's
+    /// runtime), after the changes asked for before it. Without a store it runs here:
+    /// nothing is committed.
+    pub(super) async fn on_store_writer<T: Send + 'static>(
+        &self,
+        change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
+    ) -> BrokerResult<T> {
+        if self.store.is_none() {
+            return change();
+        }
+        let writer = match self.store_writer.get() {
+            Some(w) => w,
+            None => {
+                let w = crate::store_writer::StoreWriter::start("store-writer").map_err(|e| {
+                    BrokerError::Internal(format!("starting the store writer: {e}"))
+                })?;
+                // Another caller may have started one meanwhile: theirs is kept.
+                let _ = self.store_writer.set(w);
+                self.store_writer.get().expect("just set")
+            }
+        };
+        writer.run(change).await.map_err(|e| match e {
+            crate::store_writer::WriterError::Stopped => BrokerError::ShuttingDown,
+            crate::store_writer::WriterError::Panicked(why) => {
+                BrokerError::Internal(format!("a durable change panicked: {why}"))
+            }
+        })?
+    }
+
+    /// Stops the store writer (shutdown): the changes already handed to it finish first;
+    /// later ones are refused as the broker shutting down.
+    pub fn stop_store_writer(&self) {
+        if let Some(w) = self.store_writer.get() {
+            off_the_runtime(|| w.stop());
+        }
+    }
+
+    /// [`Arbiter::change_quota`]; with `who`, its audit record (`quota.set`, the quota
+    /// before and after) is committed in the same transaction as the quota, and logged.
+    pub(crate) fn change_quota_audited(
+        self: &Arc<Self>,
+        name: &str,
+        update: QuotaUpdate,
+        who: Option<&crate::audit::Who>,
+    ) -> BrokerResult<QuotaChange> {
         validate_tenant_name(name)?;
         let _writes = self.admin_writes();
         let st = self.lock();
+        let before = st.ledger().get(name).map(|t| t.quota.to_json());
         let quota = match update {
             QuotaUpdate::Replace(q) => q,
             QuotaUpdate::Patch(p) => p.apply(st.ledger().get(name).map(|t| &t.quota))?,
@@ -163,12 +227,36 @@ impl Arbiter {
         // Committed first, with no state lock held (acquires and heartbeats go on); then
         // applied. Other durable changes wait for `admin_writes`, so nothing changes this
         // tenant's quota in between.
-        self.durable(|store| {
-            store.put_tenant(&TenantRecord {
-                name: name.to_string(),
-                quota: quota.clone(),
-            })
-        })?;
+        let record = TenantRecord {
+            name: name.to_string(),
+            quota: quota.clone(),
+        };
+        match who {
+            None => self.durable(|store| store.put_tenant(&record))?,
+            Some(who) => {
+                let rec = crate::audit::AuditRecord::now(
+                    who,
+                    "quota.set",
+                    name,
+                    "",
+                    before,
+                    Some(quota.to_json()),
+                );
+                let store = self.store.as_ref();
+                let ((), rec) = off_the_runtime(|| {
+                    self.audit_log
+                        .append_with(store, rec, |audit| match (store, audit) {
+                            (Some(s), Some(audit)) => s.put_tenant_with(&record, audit),
+                            _ => Ok(()),
+                        })
+                })
+                .map_err(|e| self.store_failed(e))?;
+                if store.is_some() {
+                    self.metrics.store_write(true);
+                }
+                crate::audit::logged(&rec);
+            }
+        }
         tracing::info!(tenant = name, ?quota, "quota set");
         let mut st = self.lock();
         let created = st.set_quota(name, quota)?;

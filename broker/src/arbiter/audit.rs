@@ -18,32 +18,9 @@ impl Arbiter {
         before: Option<serde_json::Value>,
         after: Option<serde_json::Value>,
     ) {
-        let rec = AuditRecord {
-            seq: 0,
-            unix_ms: crate::units::unix_ms(std::time::SystemTime::now()),
-            who: who.clone(),
-            action: action.to_string(),
-            tenant: tenant.to_string(),
-            target: target.to_string(),
-            before,
-            after,
-        };
+        let rec = AuditRecord::now(who, action, tenant, target, before, after);
         match self.audit_log.append(self.store.as_ref(), rec) {
-            Ok(r) => tracing::info!(
-                target: "gpu_broker::audit",
-                seq = r.seq,
-                action = %r.action,
-                tenant = %r.tenant,
-                object = %r.target,
-                token_id = %r.who.token_id,
-                token_name = %r.who.name,
-                scope = %r.who.scope,
-                peer_uid = ?r.who.peer_uid,
-                peer_pid = ?r.who.peer_pid,
-                before = %r.before.as_ref().map(|v| v.to_string()).unwrap_or_default(),
-                after = %r.after.as_ref().map(|v| v.to_string()).unwrap_or_default(),
-                "audit"
-            ),
+            Ok(r) => crate::audit::logged(&r),
             Err(e) => tracing::error!(
                 target: "gpu_broker::audit",
                 action,

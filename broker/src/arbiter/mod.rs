@@ -158,6 +158,9 @@ pub struct Arbiter {
     /// validates under the state lock, commits to the store with no state lock held, then
     /// applies under the state lock. Lock order: this, then the state.
     admin_writes: Mutex<()>,
+    /// The thread that runs operators' quota changes (`store_writer.rs`), started on
+    /// first use; stopped by [`Arbiter::join_workers`] or when the arbiter is dropped.
+    store_writer: std::sync::OnceLock<crate::store_writer::StoreWriter>,
     /// Background workers (`workers.rs`).
     workers: workers::Workers,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
@@ -231,6 +234,7 @@ impl Arbiter {
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             admin_writes: Mutex::new(()),
+            store_writer: std::sync::OnceLock::new(),
             workers: workers::Workers::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
@@ -538,5 +542,7 @@ pub(crate) fn host_arbiter(capacity: u64, devices: u32, cfg: ArbiterConfig) -> A
     Arbiter::new(slots, None, None, Arc::new(Authenticator::new("x")), cfg).unwrap()
 }
 
+#[cfg(test)]
+mod durable_tests;
 #[cfg(test)]
 mod tests;

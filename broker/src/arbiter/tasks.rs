@@ -47,9 +47,12 @@ impl Arbiter {
     }
 
     /// Waits (up to `within`) for the background workers to end after their stop token
-    /// was cancelled; returns the names of any that did not (they are aborted).
+    /// was cancelled; returns the names of any that did not (they are aborted). The store
+    /// writer stops too, once the changes handed to it are done.
     pub async fn join_workers(&self, within: Duration) -> Vec<&'static str> {
-        self.workers.join(within).await
+        let stuck = self.workers.join(within).await;
+        self.stop_store_writer();
+        stuck
     }
 
     /// Names of the background workers running now.

@@ -34,16 +34,8 @@ impl Admin for AdminService {
         let r = req.into_inner();
         bounds::tenant("tenant", &r.tenant)?;
         let update = convert::quota_update(r.quota, r.patch)?;
-        let before = self.arb.get_tenant(&r.tenant).ok();
-        let c = self.arb.change_quota(&r.tenant, update)?;
-        self.arb.audit(
-            &who,
-            "quota.set",
-            &c.tenant.name,
-            "",
-            before.map(|b| b.quota.to_json()),
-            Some(c.tenant.quota.to_json()),
-        );
+        // Committed with its audit record, on the store writer.
+        let c = self.arb.change_quota_for(r.tenant, update, who).await?;
         Ok(Response::new(pb::SetQuotaResponse {
             tenant: Some(convert::tenant(&c.tenant)),
             created: c.created,

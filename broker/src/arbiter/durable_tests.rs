@@ -1,0 +1,242 @@
+//! Unit tests of operators' quota changes through the store writer: each change and its
+//! audit record in one commit, in the order asked for, memory and store agreeing after
+//! concurrent changes and after a restart, and the writer's shutdown.
+
+use super::admin::QuotaUpdate;
+use super::*;
+use crate::audit::{AuditFilter, AuditLog, Who};
+use crate::ledger::{Quota, QuotaPatch};
+
+const MIB: u64 = 1 << 20;
+
+/// An arbiter over one simulated 1 GiB device whose tenants live in `dir`'s store.
+fn stored_arbiter(dir: &std::path::Path) -> Arc<Arbiter> {
+    let spec = crate::backend::BackendSpec {
+        choice: crate::backend::BackendChoice::Host,
+        cuda_devices: None,
+        host_capacity: 1024 * MIB,
+        host_devices: 1,
+        headroom: crate::backend::Headroom::Bytes(0),
+        host_uuid_seed: None,
+    };
+    let slots = crate::backend::open_devices(&spec).unwrap();
+    let store = Store::open(dir).unwrap();
+    Arbiter::new(
+        slots,
+        None,
+        Some(store),
+        Arc::new(Authenticator::new("x")),
+        ArbiterConfig::default(),
+    )
+    .unwrap()
+}
+
+fn limit(bytes: u64) -> QuotaUpdate {
+    QuotaUpdate::Replace(Quota {
+        limit_bytes: bytes,
+        ..Quota::default()
+    })
+}
+
+fn who() -> Who {
+    Who::system("test")
+}
+
+/// What the store holds once the arbiter is gone: tenants by name, and the audit log.
+fn reopened(dir: &std::path::Path) -> (Vec<(String, u64)>, Vec<crate::audit::AuditRecord>) {
+    let store = Store::open(dir).unwrap();
+    let (tenants, _) = store.load().unwrap();
+    let log = AuditLog::open(Some(&store), 1000).unwrap();
+    let records = log.list(Some(&store), &AuditFilter::default()).unwrap();
+    let mut t: Vec<_> = tenants
+        .into_iter()
+        .map(|t| (t.name, t.quota.limit_bytes))
+        .collect();
+    t.sort();
+    (t, records)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    let c = arb
+        .change_quota_for("a".into(), limit(64 * MIB), who())
+        .await
+        .unwrap();
+    assert!(c.created);
+    assert_eq!(c.tenant.quota.limit_bytes, 64 * MIB);
+    assert!(arb.store_writer.get().is_some(), "ran on the store writer");
+    // A patch: only the field given changes; the record has the quota before and after.
+    let patch = QuotaPatch {
+        max_leases: Some(3),
+        ..QuotaPatch::default()
+    };
+    let c = arb
+        .change_quota_for("a".into(), QuotaUpdate::Patch(patch), who())
+        .await
+        .unwrap();
+    assert!(!c.created);
+    assert_eq!(
+        (c.tenant.quota.limit_bytes, c.tenant.quota.max_leases),
+        (64 * MIB, 3)
+    );
+    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    assert_eq!(records.len(), 2);
+    assert_eq!(records[0].action, "quota.set");
+    assert_eq!(records[0].tenant, "a");
+    assert_eq!(records[0].who, who());
+    assert_eq!(records[0].before, None, "created");
+    assert_eq!(records[1].before, records[0].after);
+    assert_eq!(records[1].after, Some(c.tenant.quota.to_json()));
+    assert_eq!(records[1].seq, records[0].seq + 1);
+    // A refused change commits nothing: no tenant, no record.
+    let e = arb
+        .change_quota_for("bad name".into(), limit(MIB), who())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::InvalidArgument(_)), "{e:?}");
+    let e = arb
+        .change_quota_for("g".into(), guaranteed(2048 * MIB), who())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::InvalidArgument(_)), "{e:?}");
+    assert!(arb.get_tenant("g").is_err());
+    assert_eq!(arb.list_audit(&AuditFilter::default()).unwrap().len(), 2);
+    arb.join_workers(Duration::from_secs(5)).await;
+    drop(arb);
+    let (tenants, records) = reopened(dir.path());
+    assert_eq!(tenants, vec![("a".to_string(), 64 * MIB)]);
+    assert_eq!(records.len(), 2, "both records durable");
+}
+
+fn guaranteed(bytes: u64) -> QuotaUpdate {
+    QuotaUpdate::Replace(Quota {
+        limit_bytes: bytes,
+        guaranteed_bytes: bytes,
+        ..Quota::default()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_changes_leave_memory_store_and_audit_agreeing() {
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    let mut changes = Vec::new();
+    for i in 0..40u64 {
+        let arb = arb.clone();
+        changes.push(tokio::spawn(async move {
+            arb.change_quota_for(format!("t{}", i % 4), limit((i + 1) * MIB), who())
+                .await
+        }));
+    }
+    for c in changes {
+        c.await.unwrap().unwrap();
+    }
+    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    assert_eq!(records.len(), 40);
+    let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+    assert_eq!(
+        seqs,
+        (seqs[0]..seqs[0] + 40).collect::<Vec<_>>(),
+        "in order, no gap"
+    );
+    // The last record of each tenant is what memory holds, and each record's `before`
+    // is the `after` of the tenant's record before it.
+    let mut in_memory = Vec::new();
+    for t in 0..4 {
+        let name = format!("t{t}");
+        let mine: Vec<_> = records.iter().filter(|r| r.tenant == name).collect();
+        assert_eq!(mine.len(), 10);
+        for w in mine.windows(2) {
+            assert_eq!(w[1].before, w[0].after, "{name}");
+        }
+        let q = arb.get_tenant(&name).unwrap().quota;
+        assert_eq!(mine.last().unwrap().after, Some(q.to_json()));
+        in_memory.push((name, q.limit_bytes));
+    }
+    arb.join_workers(Duration::from_secs(5)).await;
+    drop(arb);
+    let (tenants, durable) = reopened(dir.path());
+    assert_eq!(tenants, in_memory, "the store agrees with memory");
+    assert_eq!(durable, records);
+    // And a broker started on it again loads the same.
+    let arb = stored_arbiter(dir.path());
+    for (name, bytes) in &in_memory {
+        assert_eq!(arb.get_tenant(name).unwrap().quota.limit_bytes, *bytes);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    arb.change_quota_for("a".into(), limit(8 * MIB), who())
+        .await
+        .unwrap();
+    assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+    let e = arb
+        .change_quota_for("a".into(), limit(16 * MIB), who())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
+    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 8 * MIB);
+    assert_eq!(arb.list_audit(&AuditFilter::default()).unwrap().len(), 1);
+    // The synchronous path (configuration reloads, start-up) still works.
+    arb.change_quota("a", limit(32 * MIB)).unwrap();
+    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raised_quota_on_the_writer_lets_a_waiter_in() {
+    // The queue run after a change spawns the grant's task from the writer thread.
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    arb.change_quota_for("a".into(), limit(8 * MIB), who())
+        .await
+        .unwrap();
+    let (s, _rx) = arb.open_session("a", "w", Peer::default()).unwrap();
+    let held = arb
+        .acquire(AcquireRequest {
+            tenant: "a".into(),
+            session: s,
+            bytes: 8 * MIB,
+            device: None,
+            wait: Duration::ZERO,
+            label: String::new(),
+            reclaimable: false,
+            fallback_host: false,
+        })
+        .await
+        .unwrap();
+    let waiter = {
+        let arb = arb.clone();
+        tokio::spawn(async move {
+            arb.acquire(AcquireRequest {
+                tenant: "a".into(),
+                session: s,
+                bytes: 8 * MIB,
+                device: None,
+                wait: Duration::from_secs(30),
+                label: String::new(),
+                reclaimable: false,
+                fallback_host: false,
+            })
+            .await
+        })
+    };
+    while arb.get_tenant("a").unwrap().waiting == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    arb.change_quota_for("a".into(), limit(16 * MIB), who())
+        .await
+        .unwrap();
+    let l = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("granted once the quota grew")
+        .unwrap()
+        .unwrap();
+    assert_eq!(l.bytes, 8 * MIB);
+    arb.release("a", held.id).unwrap();
+    arb.release("a", l.id).unwrap();
+}
