@@ -20,6 +20,7 @@ pub mod error;
 pub mod faults;
 pub mod gate;
 pub mod gpu_processes;
+pub mod grpc_status;
 pub mod health;
 pub mod info;
 pub mod lease;

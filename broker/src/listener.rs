@@ -639,7 +639,7 @@ where
                         .unauthenticated_refused
                         .fetch_add(1, Ordering::Relaxed);
                     let max = self.layer.max;
-                    let status = crate::error::status_with_reason(
+                    let status = crate::grpc_status::status_with_reason(
                         tonic::Code::ResourceExhausted,
                         format!(
                             "{max} calls to the unauthenticated services are open, the most allowed (--max-unauthenticated-streams)"

@@ -356,23 +356,34 @@ pub const REFUSAL_REASONS: [&str; 11] = [
     "other",
 ];
 
-/// The refusal reason label of an error (one of [`REFUSAL_REASONS`]).
+/// The refusal reason label of an error (one of [`REFUSAL_REASONS`]): the caps that have a
+/// label of their own, then by what kind of refusal the rest are.
 pub fn refusal_reason(e: &BrokerError) -> &'static str {
+    use BrokerError::*;
     match e {
-        BrokerError::QuotaExceeded { .. } | BrokerError::DeviceQuotaExceeded { .. } => "quota",
-        BrokerError::LeaseCountLimit { .. } => "max_leases",
-        BrokerError::QueueFull { .. } => "max_waiting",
-        BrokerError::TooLarge { .. } => "too_large",
-        BrokerError::WaitExpired { .. } => "wait_expired",
-        e => match e.code() {
-            tonic::Code::ResourceExhausted => "capacity",
-            tonic::Code::InvalidArgument => "invalid",
-            tonic::Code::NotFound => "not_found",
-            tonic::Code::Unavailable => "unavailable",
-            // A device draining, or a caller that cannot receive what it asked for.
-            tonic::Code::FailedPrecondition => "precondition",
-            _ => "other",
-        },
+        QuotaExceeded { .. } | DeviceQuotaExceeded { .. } => "quota",
+        LeaseCountLimit { .. } => "max_leases",
+        QueueFull { .. } => "max_waiting",
+        TooLarge { .. } => "too_large",
+        WaitExpired { .. } => "wait_expired",
+        NoCapacity { .. }
+        | SessionLimit { .. }
+        | TurnBusy { .. }
+        | HostFallbackFailed { .. }
+        | ReservationExceeded { .. }
+        | SharingLimit { .. } => "capacity",
+        InvalidArgument(_) => "invalid",
+        NotFound(_) => "not_found",
+        ShuttingDown | BrokerRestarted { .. } | NoDeviceOpen { .. } | Unavailable(_) => {
+            "unavailable"
+        }
+        // A device draining, or a caller that cannot receive what it asked for.
+        DeviceClosed { .. }
+        | TenantInUse { .. }
+        | TurnAlreadyHeld { .. }
+        | LegacyHandlesRemoved
+        | FailedPrecondition(_) => "precondition",
+        PermissionDenied(_) | Unauthenticated(_) | Internal(_) => "other",
     }
 }
 

@@ -83,7 +83,7 @@ impl RateLimiter {
     /// The refusal for a call over the limit.
     pub fn refusal(&self, tenant: &str, wait: Duration) -> tonic::Status {
         let ms = wait.as_millis().max(1);
-        let mut s = crate::error::status_with_details(
+        let mut s = crate::grpc_status::status_with_details(
             tonic::Code::ResourceExhausted,
             format!(
                 "tenant {tenant:?} exceeds its rate limit of {} calls/s (burst {}): retry in {ms} ms",

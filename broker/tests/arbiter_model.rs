@@ -133,7 +133,7 @@ enum Code {
 }
 
 fn code(e: &BrokerError) -> Code {
-    match e.code() {
+    match gpu_broker::grpc_status::code(e) {
         tonic::Code::InvalidArgument => Code::InvalidArgument,
         tonic::Code::NotFound => Code::NotFound,
         tonic::Code::ResourceExhausted => Code::ResourceExhausted,

@@ -8,13 +8,15 @@
 //! (`tests/module-graph`), shared with the client's layer test. Also: the command line is
 //! named only by the configuration (and a component's flag group), the gRPC messages only
 //! by the services and the server; and the process holds no static state but the few
-//! listed with their reasons (metrics are fields of the component that counts).
+//! listed with their reasons (metrics are fields of the component that counts); and tonic
+//! is named only by the transport modules, listed with their reasons (a refusal is a
+//! `BrokerError` everywhere else; `grpc_status.rs` makes it a status).
 
 use gpu_broker_module_graph::{circle, files, module_graph, reach, uses, Graph};
 use std::path::Path;
 
 /// Modules below the arbiter: the state it owns, the devices, the records and their rules.
-const BELOW_ARBITER: [&str; 25] = [
+const BELOW_ARBITER: [&str; 26] = [
     "units",
     "tier",
     "faults",
@@ -23,6 +25,7 @@ const BELOW_ARBITER: [&str; 25] = [
     "process",
     "quota",
     "error",
+    "grpc_status",
     "device",
     "pool",
     "lease",
@@ -337,4 +340,93 @@ fn no_process_wide_state_but_the_listed_statics() {
     );
     assert_eq!(statics("lazy_static! {\n"), ["lazy_static! {"]);
     assert!(statics("// static X: u8 = 0;\nlet s: &'static str = \"\";\n").is_empty());
+}
+
+/// Where the transport (tonic and its `tonic_*` companions) may be named, each with its
+/// reason. Everything else speaks in domain types: a refusal is a `BrokerError`, and
+/// `grpc_status.rs` alone makes it a status (code, message, reason and its numbers). A new
+/// file naming tonic fails the test below, and so does one of these that no longer does.
+const TRANSPORT: [(&str, &str); 9] = [
+    (
+        "server.rs",
+        "builds the gRPC server, its health and reflection services",
+    ),
+    ("service/", "the services: requests in, statuses out"),
+    (
+        "grpc_status.rs",
+        "a refusal becomes a gRPC status with its ErrorInfo",
+    ),
+    (
+        "listener.rs",
+        "accepts connections; refuses one over its caps with a status",
+    ),
+    (
+        "gate.rs",
+        "the tower layer that authenticates and scopes every call",
+    ),
+    (
+        "auth.rs",
+        "the services' interceptors: a request's token to a principal",
+    ),
+    (
+        "rate.rs",
+        "a call over the tenant's rate is a status with RetryInfo",
+    ),
+    (
+        "read_pool.rs",
+        "the tower layer that runs reads on their own runtime",
+    ),
+    (
+        "health.rs",
+        "device health reported to the gRPC health service",
+    ),
+];
+
+/// The first line of `source`'s code (comments aside) that names tonic or a `tonic_*`
+/// crate (not a word that merely ends in "tonic").
+fn names_the_transport(source: &str) -> Option<String> {
+    source
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .find(|code| {
+            code.match_indices("tonic").any(|(at, _)| {
+                !code[..at]
+                    .chars()
+                    .next_back()
+                    .is_some_and(|c| c.is_alphanumeric() || c == '_')
+            })
+        })
+        .map(str::to_string)
+}
+
+#[test]
+fn the_transport_is_named_only_at_the_edge() {
+    let mut named: Vec<&str> = Vec::new();
+    for (path, text) in all_sources() {
+        let Some(line) = names_the_transport(&text) else {
+            continue;
+        };
+        let listed = TRANSPORT
+            .iter()
+            .find(|(f, _)| path == *f || (f.ends_with('/') && path.starts_with(f)));
+        match listed {
+            Some((f, _)) => named.push(f),
+            None => panic!(
+                "{path} names the transport (only {:?} may): {line}",
+                TRANSPORT.map(|(f, _)| f)
+            ),
+        }
+    }
+    for (f, why) in TRANSPORT {
+        assert!(
+            named.contains(&f),
+            "{f} ({why}) names no tonic any more: drop it from the list"
+        );
+    }
+    // The check sees tonic where it is, and only there.
+    assert!(names_the_transport("use tonic::Status;\n").is_some());
+    assert!(names_the_transport("fn f() -> Result<(), tonic::Status> {\n").is_some());
+    assert!(names_the_transport("    reporter: tonic_health::server::HealthReporter,\n").is_some());
+    assert!(names_the_transport("// tonic\n/// a `tonic::Status`\n").is_none());
+    assert!(names_the_transport("/// a monotonic clock\nlet monotonic = 1;\n").is_none());
 }

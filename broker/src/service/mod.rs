@@ -1,6 +1,7 @@
 //! The tonic services: [`broker`] for workers and [`admin`] for operators. They translate
-//! proto messages to domain types and `BrokerError` to `tonic::Status` ([`convert`]) and
-//! delegate everything else to the arbiter. No business logic lives here.
+//! proto messages to domain types ([`convert`]) and a `BrokerError` to a `tonic::Status`
+//! ([`crate::grpc_status`]) and delegate everything else to the arbiter. No business logic
+//! lives here.
 
 pub mod admin;
 pub mod broker;

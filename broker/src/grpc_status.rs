@@ -1,0 +1,620 @@
+//! How a refusal becomes a gRPC status: the one place the broker's errors meet the
+//! transport. A [`BrokerError`] becomes a `tonic::Status` ([`From<BrokerError> for
+//! Status`]) with its gRPC code ([`code`]), its message (cut by
+//! [`crate::error::status_message`]) and, for every typed variant, a `google.rpc.ErrorInfo`
+//! in the status details whose `reason` ([`reason`]) clients match on instead of the
+//! message text, with the numbers behind it ([`metadata`]). The refusals built outside
+//! [`BrokerError`] (rate limits, connection caps) get their details here too
+//! ([`status_with_reason`], [`status_with_details`]). The reasons table is in
+//! `docs/protocol.md`.
+
+use crate::error::{status_message, BrokerError, Missing, Queue};
+use crate::tier::Tier;
+use std::collections::HashMap;
+use tonic::{Code, Status};
+
+/// The `ErrorInfo.domain` of every reason the broker sends.
+pub const ERROR_DOMAIN: &str = "gpu-broker";
+
+/// Longest `ErrorInfo.metadata` value (a tenant name is at most 64 bytes; the rest are
+/// numbers and words): status details travel in a header, like the message.
+const MAX_METADATA_VALUE: usize = 256;
+
+/// The gRPC code this error becomes.
+pub fn code(e: &BrokerError) -> Code {
+    use BrokerError::*;
+    match e {
+        QuotaExceeded { .. }
+        | DeviceQuotaExceeded { .. }
+        | LeaseCountLimit { .. }
+        | TooLarge { .. }
+        | NoCapacity { .. }
+        | QueueFull { .. }
+        | SessionLimit { .. }
+        | TurnBusy { .. }
+        | HostFallbackFailed { .. }
+        | ReservationExceeded { .. }
+        | SharingLimit { .. } => Code::ResourceExhausted,
+        WaitExpired { .. } => Code::DeadlineExceeded,
+        NotFound(_) => Code::NotFound,
+        ShuttingDown | BrokerRestarted { .. } | NoDeviceOpen { .. } | Unavailable(_) => {
+            Code::Unavailable
+        }
+        DeviceClosed { .. }
+        | TenantInUse { .. }
+        | TurnAlreadyHeld { .. }
+        | LegacyHandlesRemoved
+        | FailedPrecondition(_) => Code::FailedPrecondition,
+        InvalidArgument(_) => Code::InvalidArgument,
+        PermissionDenied(_) => Code::PermissionDenied,
+        Unauthenticated(_) => Code::Unauthenticated,
+        Internal(_) => Code::Internal,
+    }
+}
+
+/// The machine-readable reason (`ErrorInfo.reason`, upper snake case), `None` for the
+/// untyped variants. Each reason belongs to exactly one gRPC code.
+pub fn reason(e: &BrokerError) -> Option<&'static str> {
+    use BrokerError::*;
+    Some(match e {
+        QuotaExceeded { .. } => "QUOTA_EXCEEDED",
+        DeviceQuotaExceeded { .. } => "DEVICE_QUOTA_EXCEEDED",
+        LeaseCountLimit { .. } => "LEASE_COUNT_LIMIT",
+        TooLarge { .. } => "REQUEST_TOO_LARGE",
+        NoCapacity { .. } => "CAPACITY_EXHAUSTED",
+        QueueFull { .. } => "QUEUE_FULL",
+        SessionLimit { .. } => "SESSION_LIMIT",
+        TurnBusy { .. } => "TURN_BUSY",
+        HostFallbackFailed { .. } => "HOST_FALLBACK_FAILED",
+        SharingLimit { .. } => "SHARING_LIMIT",
+        ReservationExceeded { .. } => "RESERVATION_EXCEEDED",
+        WaitExpired { .. } => "WAIT_EXPIRED",
+        NotFound(m) => match m {
+            Missing::Tenant(_) | Missing::TenantGone(_) => "TENANT_NOT_FOUND",
+            Missing::Session(_) => "SESSION_NOT_FOUND",
+            Missing::Lease(_) => "LEASE_NOT_FOUND",
+            Missing::Token => "TOKEN_NOT_FOUND",
+            Missing::Turn(_) => "TURN_NOT_FOUND",
+            Missing::SharedLease { .. } => "SHARED_LEASE_NOT_FOUND",
+            Missing::Import(_) => "IMPORT_NOT_FOUND",
+            Missing::Reservation(_) => "RESERVATION_NOT_FOUND",
+        },
+        ShuttingDown => "SHUTTING_DOWN",
+        BrokerRestarted { .. } => "BROKER_RESTARTED",
+        NoDeviceOpen { .. } => "NO_DEVICE_OPEN",
+        DeviceClosed {
+            unhealthy: true, ..
+        } => "DEVICE_UNHEALTHY",
+        DeviceClosed { .. } => "DEVICE_DRAINING",
+        TenantInUse { .. } => "TENANT_IN_USE",
+        TurnAlreadyHeld { .. } => "TURN_ALREADY_HELD",
+        LegacyHandlesRemoved => "LEGACY_HANDLES_REMOVED",
+        InvalidArgument(_)
+        | FailedPrecondition(_)
+        | Unavailable(_)
+        | PermissionDenied(_)
+        | Unauthenticated(_)
+        | Internal(_) => return None,
+    })
+}
+
+/// bytes, as decimal strings. A [`BrokerError::WaitExpired`] adds its cause's reason
+/// as `cause` and the cause's metadata.
+pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
+    use BrokerError::*;
+    let s = |v: &dyn ToString| v.to_string();
+    match e {
+        QuotaExceeded {
+            tenant,
+            tier,
+            requested,
+            held,
+            limit,
+        } => vec![
+            ("tenant", tenant.clone()),
+            (
+                "tier",
+                match tier {
+                    Tier::Device => "device",
+                    Tier::Host => "host",
+                }
+                .into(),
+            ),
+            ("requested_bytes", s(requested)),
+            ("held_bytes", s(held)),
+            ("limit_bytes", s(limit)),
+        ],
+        DeviceQuotaExceeded {
+            tenant,
+            device,
+            requested,
+            held,
+            limit,
+        } => vec![
+            ("tenant", tenant.clone()),
+            ("device", s(device)),
+            ("requested_bytes", s(requested)),
+            ("held_bytes", s(held)),
+            ("limit_bytes", s(limit)),
+        ],
+        LeaseCountLimit { tenant, count, max } => vec![
+            ("tenant", tenant.clone()),
+            ("lease_count", s(count)),
+            ("max_leases", s(max)),
+        ],
+        TooLarge {
+            requested,
+            leasable,
+            device,
+        } => {
+            let mut v = vec![
+                ("requested_bytes", s(requested)),
+                ("leasable_bytes", s(leasable)),
+            ];
+            if let Some(d) = device {
+                v.push(("device", s(d)));
+            }
+            v
+        }
+        NoCapacity {
+            tenant,
+            requested,
+            devices,
+            guaranteed,
+            held,
+            limit,
+            waiting,
+        } => vec![
+            ("tenant", tenant.clone()),
+            ("requested_bytes", s(requested)),
+            (
+                "free_bytes",
+                s(&devices.iter().map(|d| d.free).max().unwrap_or(0)),
+            ),
+            (
+                "leasable_bytes",
+                s(&devices.iter().map(|d| d.leasable).max().unwrap_or(0)),
+            ),
+            ("guaranteed_bytes", s(guaranteed)),
+            ("held_bytes", s(held)),
+            ("limit_bytes", s(limit)),
+            ("waiting_requests", s(waiting)),
+        ],
+        QueueFull {
+            tenant,
+            waiting,
+            queue,
+        } => vec![
+            ("tenant", tenant.clone()),
+            ("waiting_requests", s(waiting)),
+            ("queue", queue_name(*queue).into()),
+        ],
+        SessionLimit { tenant, open } => {
+            vec![("tenant", tenant.clone()), ("open_sessions", s(open))]
+        }
+        TurnBusy {
+            device,
+            holder,
+            waiting,
+        } => vec![
+            ("device", s(device)),
+            ("holder", holder.clone()),
+            ("waiting_requests", s(waiting)),
+        ],
+        HostFallbackFailed { requested, .. } => vec![("requested_bytes", s(requested))],
+        SharingLimit { max, .. } => vec![("max", s(max))],
+        ReservationExceeded {
+            reservation,
+            pid,
+            requested,
+            reserved,
+            drawn,
+        } => vec![
+            ("reservation_id", s(reservation)),
+            ("pid", s(pid)),
+            ("requested_bytes", s(requested)),
+            ("reserved_bytes", s(reserved)),
+            ("drawn_bytes", s(drawn)),
+        ],
+        WaitExpired { waited_ms, cause } => {
+            let mut v = vec![("waited_ms", s(waited_ms))];
+            if let Some(r) = reason(cause) {
+                v.push(("cause", r.into()));
+            }
+            v.extend(metadata(cause));
+            v
+        }
+        NotFound(m) => match m {
+            Missing::Tenant(t) | Missing::TenantGone(t) => vec![("tenant", t.clone())],
+            Missing::Session(id) => vec![("session_id", s(id))],
+            Missing::Lease(id) => vec![("lease_id", s(id))],
+            Missing::Token => vec![],
+            Missing::Turn(id) => vec![("turn_id", id.clone())],
+            Missing::SharedLease { publisher, name } => {
+                vec![("publisher", publisher.clone()), ("name", name.clone())]
+            }
+            Missing::Import(id) => vec![("import_id", s(id))],
+            Missing::Reservation(id) => vec![("reservation_id", s(id))],
+        },
+        BrokerRestarted { session } => vec![("session_id", s(session))],
+        DeviceClosed { device, .. } => vec![("device", s(device))],
+        TenantInUse {
+            tenant,
+            leases,
+            bytes,
+        } => vec![
+            ("tenant", tenant.clone()),
+            ("lease_count", s(leases)),
+            ("held_bytes", s(bytes)),
+        ],
+        TurnAlreadyHeld { device } => vec![("device", s(device))],
+        LegacyHandlesRemoved => vec![("served_kinds", "HANDLE_KIND_FD".into())],
+        ShuttingDown
+        | NoDeviceOpen { .. }
+        | InvalidArgument(_)
+        | FailedPrecondition(_)
+        | Unavailable(_)
+        | PermissionDenied(_)
+        | Unauthenticated(_)
+        | Internal(_) => vec![],
+    }
+}
+
+/// The `queue` metadata of a [`BrokerError::QueueFull`].
+fn queue_name(queue: Queue) -> &'static str {
+    match queue {
+        Queue::Lease => "lease",
+        Queue::Turn => "turn",
+    }
+}
+
+/// A status with `code`, `message` (capped for the header) and, with a reason, an
+/// `ErrorInfo` in the details (domain [`ERROR_DOMAIN`]). The one place refusals get
+/// their details, also for the refusals built outside [`BrokerError`] (rate limits,
+/// connection caps).
+pub fn status_with_reason(
+    code: Code,
+    message: String,
+    reason: Option<&str>,
+    metadata: Vec<(&str, String)>,
+) -> Status {
+    status_with_details(code, message, reason, metadata, None)
+}
+
+/// [`status_with_reason`] plus a `google.rpc.RetryInfo` saying when to try again.
+pub fn status_with_details(
+    code: Code,
+    message: String,
+    reason: Option<&str>,
+    metadata: Vec<(&str, String)>,
+    retry_after: Option<std::time::Duration>,
+) -> Status {
+    use tonic_types::{ErrorDetails, StatusExt};
+    let message = status_message(message);
+    let Some(reason) = reason else {
+        return Status::new(code, message);
+    };
+    let metadata: HashMap<String, String> = metadata
+        .into_iter()
+        .map(|(k, mut v)| {
+            if v.len() > MAX_METADATA_VALUE {
+                let mut cut = MAX_METADATA_VALUE;
+                while !v.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                v.truncate(cut);
+            }
+            (k.to_string(), v)
+        })
+        .collect();
+    let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata);
+    if let Some(after) = retry_after {
+        details.set_retry_info(Some(after));
+    }
+    Status::with_error_details(code, message, details)
+}
+
+impl From<BrokerError> for Status {
+    fn from(e: BrokerError) -> Self {
+        status_with_reason(code(&e), e.to_string(), reason(&e), metadata(&e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::DeviceRoom;
+    use tonic_types::StatusExt;
+    use uuid::Uuid;
+
+    #[test]
+    fn typed_errors_carry_their_reason_and_numbers_in_the_status() {
+        let e = BrokerError::QuotaExceeded {
+            tenant: "alice".into(),
+            tier: Tier::Device,
+            requested: 4 << 20,
+            held: 6 << 20,
+            limit: 8 << 20,
+        };
+        let s = Status::from(e.clone());
+        assert_eq!(s.code(), Code::ResourceExhausted);
+        assert_eq!(s.message(), e.to_string());
+        assert!(s.message().contains("4194304"), "{}", s.message());
+        let info = s.get_details_error_info().expect("an ErrorInfo");
+        assert_eq!(info.reason, "QUOTA_EXCEEDED");
+        assert_eq!(info.domain, ERROR_DOMAIN);
+        assert_eq!(info.metadata["tenant"], "alice");
+        assert_eq!(info.metadata["requested_bytes"], "4194304");
+        assert_eq!(info.metadata["held_bytes"], "6291456");
+        assert_eq!(info.metadata["limit_bytes"], "8388608");
+        assert_eq!(info.metadata["tier"], "device");
+    }
+
+    #[test]
+    fn a_lost_wait_names_its_cause() {
+        let e = BrokerError::WaitExpired {
+            waited_ms: 300,
+            cause: Box::new(BrokerError::NoCapacity {
+                tenant: "a".into(),
+                requested: 8 << 20,
+                devices: vec![DeviceRoom {
+                    device: 0,
+                    free: 0,
+                    leasable: 64 << 20,
+                }],
+                guaranteed: 0,
+                held: 64 << 20,
+                limit: 1 << 30,
+                waiting: 0,
+            }),
+        };
+        let s = Status::from(e);
+        assert_eq!(s.code(), Code::DeadlineExceeded);
+        assert!(s
+            .message()
+            .starts_with("waited 300 ms: cannot grant 8.0 MiB"));
+        let info = s.get_details_error_info().unwrap();
+        assert_eq!(info.reason, "WAIT_EXPIRED");
+        assert_eq!(info.metadata["cause"], "CAPACITY_EXHAUSTED");
+        assert_eq!(info.metadata["waited_ms"], "300");
+        assert_eq!(info.metadata["free_bytes"], "0");
+        assert_eq!(info.metadata["leasable_bytes"], "67108864");
+    }
+
+    #[test]
+    fn every_reason_belongs_to_one_code() {
+        let id = Uuid::nil();
+        let all = [
+            BrokerError::LeaseCountLimit {
+                tenant: "a".into(),
+                count: 1,
+                max: 1,
+            },
+            BrokerError::TooLarge {
+                requested: 2,
+                leasable: 1,
+                device: Some(0),
+            },
+            BrokerError::QueueFull {
+                tenant: "a".into(),
+                waiting: 3,
+                queue: Queue::Turn,
+            },
+            BrokerError::SessionLimit {
+                tenant: "a".into(),
+                open: 2,
+            },
+            BrokerError::NotFound(Missing::Lease(id)),
+            BrokerError::NotFound(Missing::Session(id)),
+            BrokerError::NotFound(Missing::Import(id)),
+            BrokerError::NotFound(Missing::SharedLease {
+                publisher: "a".into(),
+                name: "w".into(),
+            }),
+            BrokerError::SharingLimit {
+                what: "imports of a session",
+                max: 1,
+            },
+            BrokerError::NotFound(Missing::Reservation(id)),
+            BrokerError::ReservationExceeded {
+                reservation: id,
+                pid: 1,
+                requested: 4,
+                reserved: 8,
+                drawn: 6,
+            },
+            BrokerError::ShuttingDown,
+            BrokerError::BrokerRestarted { session: id },
+            BrokerError::DeviceClosed {
+                device: 1,
+                unhealthy: true,
+                why: "unhealthy (Xid 79)".into(),
+            },
+            BrokerError::TenantInUse {
+                tenant: "a".into(),
+                leases: 1,
+                bytes: 2,
+            },
+            BrokerError::LegacyHandlesRemoved,
+        ];
+        let mut seen = std::collections::HashMap::new();
+        for e in all {
+            let r = reason(&e).unwrap();
+            assert!(
+                r.bytes().all(|b| b.is_ascii_uppercase() || b == b'_'),
+                "{r}"
+            );
+            assert_eq!(*seen.entry(r).or_insert(code(&e)), code(&e), "{r}");
+            let s = Status::from(e.clone());
+            assert_eq!(s.get_details_error_info().unwrap().reason, r);
+        }
+        let plain = Status::from(BrokerError::InvalidArgument("bytes".into()));
+        assert_eq!(plain.code(), Code::InvalidArgument);
+        assert!(plain.get_details_error_info().is_none());
+    }
+
+    #[test]
+    fn metadata_values_are_capped() {
+        let s = status_with_reason(
+            Code::ResourceExhausted,
+            "x".into(),
+            Some("R"),
+            vec![("k", "é".repeat(1000))],
+        );
+        let info = s.get_details_error_info().unwrap();
+        assert!(info.metadata["k"].len() <= MAX_METADATA_VALUE);
+    }
+
+    /// One error of every variant (and both kinds of a closed device).
+    fn one_of_each() -> Vec<BrokerError> {
+        use BrokerError::*;
+        let t = || "a".to_string();
+        let id = Uuid::nil();
+        vec![
+            QuotaExceeded {
+                tenant: t(),
+                tier: Tier::Host,
+                requested: 2,
+                held: 0,
+                limit: 1,
+            },
+            DeviceQuotaExceeded {
+                tenant: t(),
+                device: 1,
+                requested: 2,
+                held: 0,
+                limit: 1,
+            },
+            LeaseCountLimit {
+                tenant: t(),
+                count: 1,
+                max: 1,
+            },
+            TooLarge {
+                requested: 2,
+                leasable: 1,
+                device: None,
+            },
+            NoCapacity {
+                tenant: t(),
+                requested: 2,
+                devices: vec![],
+                guaranteed: 0,
+                held: 0,
+                limit: 1,
+                waiting: 0,
+            },
+            QueueFull {
+                tenant: t(),
+                waiting: 1,
+                queue: Queue::Lease,
+            },
+            SessionLimit {
+                tenant: t(),
+                open: 1,
+            },
+            TurnBusy {
+                device: 0,
+                holder: t(),
+                waiting: 0,
+            },
+            ReservationExceeded {
+                reservation: id,
+                pid: 1,
+                requested: 2,
+                reserved: 1,
+                drawn: 0,
+            },
+            HostFallbackFailed {
+                requested: 1,
+                cause: "no".into(),
+            },
+            SharingLimit {
+                what: "imports of a session",
+                max: 1,
+            },
+            WaitExpired {
+                waited_ms: 1,
+                cause: Box::new(ShuttingDown),
+            },
+            NotFound(Missing::Token),
+            ShuttingDown,
+            BrokerRestarted { session: id },
+            NoDeviceOpen {
+                why: "drained".into(),
+            },
+            DeviceClosed {
+                device: 0,
+                unhealthy: false,
+                why: "draining".into(),
+            },
+            DeviceClosed {
+                device: 0,
+                unhealthy: true,
+                why: "unhealthy".into(),
+            },
+            TenantInUse {
+                tenant: t(),
+                leases: 1,
+                bytes: 1,
+            },
+            TurnAlreadyHeld { device: 0 },
+            LegacyHandlesRemoved,
+            InvalidArgument("x".into()),
+            FailedPrecondition("x".into()),
+            Unavailable("x".into()),
+            PermissionDenied("x".into()),
+            Unauthenticated("x".into()),
+            Internal("x".into()),
+        ]
+    }
+
+    #[test]
+    fn the_refusal_metrics_follow_the_codes() {
+        // The metrics classify errors by their own variants; apart from the caps with a
+        // label of their own, the label is the code's.
+        use crate::metrics::refusal_reason;
+        let own = [
+            "quota",
+            "max_leases",
+            "max_waiting",
+            "too_large",
+            "wait_expired",
+        ];
+        let mut seen = std::collections::BTreeSet::new();
+        for e in one_of_each() {
+            let label = refusal_reason(&e);
+            seen.insert(label);
+            if own.contains(&label) {
+                continue;
+            }
+            let by_code = match code(&e) {
+                Code::ResourceExhausted => "capacity",
+                Code::InvalidArgument => "invalid",
+                Code::NotFound => "not_found",
+                Code::Unavailable => "unavailable",
+                Code::FailedPrecondition => "precondition",
+                _ => "other",
+            };
+            assert_eq!(label, by_code, "{e:?}");
+        }
+        let all: std::collections::BTreeSet<&str> =
+            crate::metrics::REFUSAL_REASONS.into_iter().collect();
+        assert_eq!(seen, all, "every label is reached by some error");
+    }
+
+    #[test]
+    fn every_error_becomes_its_code_message_and_reason() {
+        for e in one_of_each() {
+            let s = Status::from(e.clone());
+            assert_eq!(s.code(), code(&e), "{e:?}");
+            assert_eq!(s.message(), e.to_string(), "{e:?}");
+            let info = s.get_details_error_info();
+            assert_eq!(
+                info.map(|i| i.reason),
+                reason(&e).map(String::from),
+                "{e:?}"
+            );
+        }
+    }
+}
