@@ -703,7 +703,7 @@ fn quoted_after(text: &str, marker: &str) -> std::collections::BTreeSet<String> 
 fn every_reason_the_broker_sends_is_documented_and_known_to_both_clients() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap();
-    let mut sent = quoted_after(&read("broker/src/error.rs"), "=> \"");
+    let mut sent = quoted_after(&read("broker/src/grpc_status.rs"), "=> \"");
     sent.extend(quoted_after(&read("broker/src/rate.rs"), "Some(\""));
     sent.extend(quoted_after(&read("broker/src/listener.rs"), "Some(\""));
     assert!(
