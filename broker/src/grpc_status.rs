@@ -569,6 +569,46 @@ mod tests {
         ]
     }
 
+    /// The variant of `e`, by number: a new variant does not compile here until it gets a
+    /// number, and [`one_of_each`] must then hold one of it.
+    fn variant(e: &BrokerError) -> usize {
+        use BrokerError::*;
+        match e {
+            QuotaExceeded { .. } => 0,
+            DeviceQuotaExceeded { .. } => 1,
+            LeaseCountLimit { .. } => 2,
+            TooLarge { .. } => 3,
+            NoCapacity { .. } => 4,
+            QueueFull { .. } => 5,
+            SessionLimit { .. } => 6,
+            TurnBusy { .. } => 7,
+            ReservationExceeded { .. } => 8,
+            HostFallbackFailed { .. } => 9,
+            SharingLimit { .. } => 10,
+            WaitExpired { .. } => 11,
+            NotFound(_) => 12,
+            ShuttingDown => 13,
+            BrokerRestarted { .. } => 14,
+            NoDeviceOpen { .. } => 15,
+            DeviceClosed { .. } => 16,
+            TenantInUse { .. } => 17,
+            TurnAlreadyHeld { .. } => 18,
+            LegacyHandlesRemoved => 19,
+            InvalidArgument(_) => 20,
+            FailedPrecondition(_) => 21,
+            Unavailable(_) => 22,
+            PermissionDenied(_) => 23,
+            Unauthenticated(_) => 24,
+            Internal(_) => 25,
+        }
+    }
+
+    #[test]
+    fn one_of_each_holds_every_variant() {
+        let seen: std::collections::BTreeSet<usize> = one_of_each().iter().map(variant).collect();
+        assert_eq!(seen, (0..=25).collect());
+    }
+
     #[test]
     fn the_refusal_metrics_follow_the_codes() {
         // The metrics classify errors by their own variants; apart from the caps with a
