@@ -6,17 +6,20 @@
 #   scripts/gpu-quota-writes.sh DIR
 #
 # DIR holds gpu-broker-bench and the brokers, release builds: gpu-broker (the one
-# measured) and, optionally, gpu-broker-before (the broker to compare against) and
-# gpu-broker-exp (an experimental build whose quota write path is picked by the
-# environment variable GPB_X_QUOTA: main, audit, one, writer, writer-one). The parts:
-#   1. writer in a child process, state on disk, SetQuota and GetQuota (the control)
+# measured, B) and, optionally, gpu-broker-before (the broker to compare against, A) and
+# gpu-broker-exp (an experimental build, one arm per word of EXP_ENVS: the environment
+# that picks what it does, e.g. "GPB_X_QUOTA=one GPB_X_QUOTA=writer"). The parts:
+#   1. writer in a child process, state on disk, SetQuota and GetQuota (the control, at
+#      the pace SetQuota reached)
 #   2. writer as a task of the bench (as the first measurements)
-#   3. state on tmpfs (fsync costs nothing there)
-#   4. writes capped at RATE a second (500), so every broker gets the same pace
-#   5. the broker's log at warn, and its runtime at 4 worker threads
-# REPEAT (4), DURATION (1s) scale it. Every part stays within its `timeout`.
+#   3. state on tmpfs (fsync costs nothing there), writes capped at RATE a second (500)
+#   4. state on disk, writes capped at RATE a second, so every broker gets the same pace
+#   5. with gpu-broker-before: scripts/bench-ab.sh A B (throughput and latency, no writes)
+#   6. with EXTRA=1: the broker's log at warn, and its runtime at 4 worker threads
+# REPEAT (4), DURATION (1s), ROUNDS (3, part 5) scale it. Every part has its `timeout`.
 set -euo pipefail
 dir=$(cd "$1" && pwd)
+here=$(cd "$(dirname "$0")" && pwd)
 repeat=${REPEAT:-4}
 duration=${DURATION:-1s}
 rate=${RATE:-500}
@@ -30,33 +33,47 @@ tmpfs=$(mktemp -d -p /dev/shm qw-tmpfs.XXXXXX)
 trap 'rm -rf "$disk" "$tmpfs"' EXIT
 echo "machine: $(nproc) cores, $(uname -r); load: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "state dirs: disk $(df -PT "$disk" | awk 'NR==2 {print $2, $1}'), tmpfs $(df -PT "$tmpfs" | awk 'NR==2 {print $2, $1}')"
-# The experimental arms, where that build is there.
-also_exp=()
-if [ -x "$exp" ]; then
-    for m in audit one writer writer-one; do also_exp+=(--also "GPB_X_QUOTA=$m $exp"); done
+# The first broker (A) is the one before where there is one; then the one measured; then
+# the experimental arms.
+first=$main
+also=()
+if [ -x "$before" ]; then
+    first=$before
+    also+=(--also "$main")
 fi
-also_some=()
 if [ -x "$exp" ]; then
-    also_some=(--also "GPB_X_QUOTA=one $exp" --also "GPB_X_QUOTA=writer-one $exp")
+    for e in ${EXP_ENVS:-}; do also+=(--also "$e $exp"); done
 fi
-also_before=()
-if [ -x "$before" ]; then also_before=(--also "$before"); fi
+for b in "$first" "$main" "$before" "$exp"; do
+    [ -x "$b" ] && echo "$(basename "$b"): $(sha256sum "$b" | cut -c1-12)"
+done
 qw() { # qw NAME TIMEOUT TMPDIR ARGS...
     local name=$1 limit=$2 tmp=$3
     shift 3
     echo "== $name"
     date -u +%FT%TZ
-    TMPDIR=$tmp timeout "$limit" "$bench" --json --broker-bin "$main" quota-writes \
+    TMPDIR=$tmp timeout "$limit" "$bench" --json --broker-bin "$first" quota-writes \
         --repeat "$repeat" --duration "$duration" "$@" || echo "$name rc=$?"
     echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 }
-qw "part 1: writer process, disk, set and get" 120 "$disk" \
-    --writer process --op set,get ${also_exp[@]+"${also_exp[@]}"} ${also_before[@]+"${also_before[@]}"}
-qw "part 2: writer task, disk" 60 "$disk" --writer task --op set ${also_some[@]+"${also_some[@]}"}
-qw "part 3: writer process, tmpfs" 60 "$tmpfs" --writer process --op set ${also_some[@]+"${also_some[@]}"}
+qw "part 1: writer process, disk, set and get" 150 "$disk" \
+    --writer process --op set,get ${also[@]+"${also[@]}"}
+qw "part 2: writer task, disk" 90 "$disk" --writer task --op set ${also[@]+"${also[@]}"}
+qw "part 3: writer process, tmpfs, at most $rate/s" 90 "$tmpfs" \
+    --writer process --op set --rate "$rate" ${also[@]+"${also[@]}"}
 qw "part 4: writer process, disk, at most $rate/s" 90 "$disk" \
-    --writer process --op set --rate "$rate" ${also_exp[@]+"${also_exp[@]}"}
-qw "part 5: writer process, disk, broker log warn / 4 runtime threads" 60 "$disk" \
-    --writer process --op set,get \
-    --also "GPU_BROKER_LOG=warn $main" --also "TOKIO_WORKER_THREADS=4 $main"
+    --writer process --op set --rate "$rate" ${also[@]+"${also[@]}"}
+if [ -x "$before" ]; then
+    echo "== part 5: no writes, A = before, B = measured (scripts/bench-ab.sh)"
+    date -u +%FT%TZ
+    ab=$here/bench-ab.sh
+    [ -x "$ab" ] || ab=$PWD/scripts/bench-ab.sh
+    ROUNDS=${ROUNDS:-3} OUT=$(mktemp -d) timeout 120 "$ab" "$bench" "$before" "$main" |
+        grep -v '^{' || echo "part 5 rc=$?"
+fi
+if [ "${EXTRA:-0}" = 1 ]; then
+    qw "part 6: writer process, disk, broker log warn / 4 runtime threads" 60 "$disk" \
+        --writer process --op set,get \
+        --also "GPU_BROKER_LOG=warn $main" --also "TOKIO_WORKER_THREADS=4 $main"
+fi
 date -u +%FT%TZ
