@@ -408,7 +408,7 @@ impl Arbiter {
                 }
             }
             Effect::ForgetTickets { lease } => self.tickets.forget_lease(lease),
-            Effect::EndTurns { session } => self.scheduler.end_session(session),
+            Effect::EndTurns { session } => self.end_turns(session),
             Effect::StopGroup(g) => {
                 let grace = self.cfg.process_stop_grace;
                 match tokio::runtime::Handle::try_current() {

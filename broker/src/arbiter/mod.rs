@@ -135,7 +135,7 @@ pub struct Arbiter {
     pub(crate) auth: Arc<Authenticator>,
     pub(crate) cfg: ArbiterConfig,
     /// Compute turns (time-slicing); separate from memory, with its own lock.
-    pub(crate) scheduler: crate::scheduler::Scheduler,
+    pub(crate) scheduler: turns::Scheduler,
     /// Tickets that deliver fd leases (served by `ticket_server::serve`).
     pub(crate) tickets: Arc<crate::tickets::TicketTable>,
     draining: AtomicBool,
@@ -228,7 +228,7 @@ impl Arbiter {
         }
         let st = State::new(pools, host_backed);
         crate::error::mark_started();
-        let scheduler = crate::scheduler::Scheduler::new(devices.len(), cfg.turns);
+        let scheduler = turns::Scheduler::new(devices.len(), cfg.turns);
         let audit_log =
             crate::audit::AuditLog::open(store.as_ref(), crate::audit::DEFAULT_MAX_RECORDS)?;
         let arb = Arc::new_cyclic(|me| Arbiter {

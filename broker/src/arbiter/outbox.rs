@@ -13,11 +13,17 @@
 //! id with no channel (its future was dropped: `WaiterGuard` forgot it) or a closed one
 //! means the caller is gone, and the shell gives back whatever was granted.
 //!
-//! Leaf locks (one per table): taken under the state lock or without it, never holding
-//! another.
+//! Waiting compute-turn requests' reply channels likewise (by the turn core's waiter id,
+//! `scheduler::TurnWaiterId`): registered under the scheduler's lock in the hold that
+//! queued the request, taken out by the delivery of its `TurnEffect::Reply`
+//! (`arbiter/turns.rs`) after that lock is released.
+//!
+//! Leaf locks (one per table): taken under the state lock (or the scheduler's) or without
+//! it, never holding another.
 
 use super::queue::{Granted, WaiterId};
 use crate::error::BrokerResult;
+use crate::scheduler::{TurnGrant, TurnWaiterId};
 use crate::session::SessionEvent;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -34,7 +40,11 @@ pub(crate) type Answer = BrokerResult<Granted>;
 pub(crate) struct Outbox {
     mailboxes: Mutex<HashMap<Uuid, UnboundedSender<SessionEvent>>>,
     replies: Mutex<HashMap<WaiterId, oneshot::Sender<Answer>>>,
+    turn_replies: Mutex<HashMap<TurnWaiterId, oneshot::Sender<TurnAnswer>>>,
 }
+
+/// What a waiting turn request's future receives.
+pub(crate) type TurnAnswer = BrokerResult<TurnGrant>;
 
 impl Outbox {
     /// Session `id` opens: its events go to `tx`.
@@ -43,14 +53,14 @@ impl Outbox {
     }
 
     /// Session `id` ended: its channel is dropped here (its stream ends once every event
-    /// already sent is read, and no other sender, such as a turn holder's, remains).
+    /// already sent is read, and no sender taken out before the close remains).
     pub fn close(&self, id: &Uuid) {
         let tx = self.mailboxes.lock().remove(id);
         drop(tx);
     }
 
-    /// A sender to session `id`'s stream (for a component that sends on its own: the
-    /// compute-turn scheduler), if it is open.
+    /// A sender to session `id`'s stream, if it is open (the lock guard finds it before
+    /// the unlock and sends after it).
     pub fn sender(&self, id: &Uuid) -> Option<UnboundedSender<SessionEvent>> {
         self.mailboxes.lock().get(id).cloned()
     }
@@ -95,6 +105,35 @@ impl Outbox {
     #[cfg(test)]
     pub fn replies_len(&self) -> usize {
         self.replies.lock().len()
+    }
+
+    /// A reply channel for turn waiter `id`; its receiver is the `AcquireTurn` future's.
+    pub fn register_turn_reply(&self, id: TurnWaiterId) -> oneshot::Receiver<TurnAnswer> {
+        let (tx, rx) = oneshot::channel();
+        self.turn_replies.lock().insert(id, tx);
+        rx
+    }
+
+    /// The caller of turn waiter `id` went away: its reply channel goes. Returns whether
+    /// it was still here (false: a delivery took it, or it was never registered).
+    pub fn forget_turn_reply(&self, id: TurnWaiterId) -> bool {
+        self.turn_replies.lock().remove(&id).is_some()
+    }
+
+    /// Answers turn waiter `id`; gives the answer back when nobody receives it (no
+    /// channel, or its receiver was closed or dropped).
+    pub fn reply_turn(&self, id: TurnWaiterId, answer: TurnAnswer) -> Option<TurnAnswer> {
+        let tx = self.turn_replies.lock().remove(&id);
+        match tx {
+            Some(tx) => tx.send(answer).err(),
+            None => Some(answer),
+        }
+    }
+
+    /// How many turn reply channels are kept (tests: none may be left behind).
+    #[cfg(test)]
+    pub fn turn_replies_len(&self) -> usize {
+        self.turn_replies.lock().len()
     }
 }
 

@@ -26,7 +26,7 @@ impl Arbiter {
             let mut last_reap = Instant::now();
             loop {
                 tick.tick().await;
-                me.scheduler.tick();
+                me.tick_turns();
                 me.enforce_reclaim_deadlines();
                 if last_reap.elapsed() >= Duration::from_millis(500) {
                     last_reap = Instant::now();
