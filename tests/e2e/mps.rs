@@ -132,8 +132,17 @@ async fn without_a_control_binary_the_broker_serves_and_reports_mps_down() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn turn_slots_let_n_holders_run_at_once() {
+    // The holders keep their turns while the third waits, for as long as the machine takes
+    // to run the test: with the default quantum and grace (100 ms each) a loaded machine
+    // had them taken (`TurnRevoked`) before the release, which then found no turn. Here
+    // nothing is taken: what is tested is the slots.
     let b = Broker::start_with(BrokerOpts {
-        extra: vec!["--turn-slots".into(), "2".into()],
+        extra: vec![
+            "--turn-slots".into(),
+            "2".into(),
+            "--turn-quantum".into(),
+            "10min".into(),
+        ],
         ..BrokerOpts::default()
     })
     .unwrap();
@@ -151,11 +160,27 @@ async fn turn_slots_let_n_holders_run_at_once() {
         "{busy}"
     );
     let admin = b.admin().await.unwrap();
-    assert_eq!(admin.get_devices().await.unwrap()[0].turn_holders, 2);
+    let d = &admin.get_devices().await.unwrap()[0];
+    assert_eq!((d.turn_holders, d.turns_waiting), (2, 0), "{d:?}");
     let sc = sessions.pop().unwrap();
-    let waiter =
-        tokio::spawn(async move { sc.turn(0).wait(Duration::from_secs(10)).await.is_ok() });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiter = tokio::spawn(async move {
+        let t = sc.turn(0).wait(Duration::from_secs(10)).await;
+        (t, sc)
+    });
+    // Released once the third waits (not after a guessed sleep).
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            admin
+                .get_devices()
+                .await
+                .is_ok_and(|d| d[0].turns_waiting == 1)
+        })
+        .await,
+        "the third waits"
+    );
     ta.release().await.unwrap();
-    assert!(waiter.await.unwrap(), "the third got the freed slot");
+    let (tc, _sc) = waiter.await.unwrap();
+    let tc = tc.expect("the third got the freed slot");
+    assert_eq!(admin.get_devices().await.unwrap()[0].turn_holders, 2);
+    tc.release().await.unwrap();
 }
