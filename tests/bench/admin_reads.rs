@@ -513,15 +513,7 @@ pub async fn hold_process(a: &HoldArgs) -> Result<()> {
 }
 
 async fn setup(common: &Common, label: String, extra: Vec<String>, p: &Phase3) -> Result<Setup> {
-    let what = format!(
-        "{} {}",
-        common
-            .broker_bin
-            .as_ref()
-            .map(|b| b.display().to_string())
-            .unwrap_or_else(|| "gpu-broker".into()),
-        extra.join(" ")
-    );
+    let what = common.broker_what(&extra);
     let mut flags = vec!["--metrics-listen".to_string(), "127.0.0.1:0".to_string()];
     flags.extend(extra);
     let mut target = common.target_with("32TiB", None, flags)?;

@@ -135,6 +135,18 @@ impl Common {
         c
     }
 
+    /// What a started broker is, for the reports: its binary and `extra` flags.
+    pub fn broker_what(&self, extra: &[String]) -> String {
+        format!(
+            "{} {}",
+            self.broker_bin
+                .as_ref()
+                .map(|b| b.display().to_string())
+                .unwrap_or_else(|| "gpu-broker".into()),
+            extra.join(" ")
+        )
+    }
+
     /// [`Common::target`], starting the broker (if one is started) with `extra` flags.
     pub fn target_with(
         &self,

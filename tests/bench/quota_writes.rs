@@ -351,15 +351,7 @@ async fn setup(
     extra: Vec<String>,
     a: &QuotaWritesArgs,
 ) -> Result<Broker> {
-    let what = format!(
-        "{} {}",
-        common
-            .broker_bin
-            .as_ref()
-            .map(|b| b.display().to_string())
-            .unwrap_or_else(|| "gpu-broker".into()),
-        extra.join(" ")
-    );
+    let what = common.broker_what(&extra);
     // Environment words first (see `SpawnOpts::extra`), then the flags.
     let envs = extra
         .iter()

@@ -38,6 +38,20 @@ fn limit(bytes: u64) -> QuotaUpdate {
     })
 }
 
+/// 8 MiB for tenant `a` in `session`, waiting up to `wait`.
+fn ask(session: Uuid, wait: Duration) -> AcquireRequest {
+    AcquireRequest {
+        tenant: "a".into(),
+        session,
+        bytes: 8 * MIB,
+        device: None,
+        wait,
+        label: String::new(),
+        reclaimable: false,
+        fallback_host: false,
+    }
+}
+
 fn who() -> Who {
     Who::system("test")
 }
@@ -196,34 +210,10 @@ async fn a_raised_quota_on_the_writer_lets_a_waiter_in() {
         .await
         .unwrap();
     let (s, _rx) = arb.open_session("a", "w", Peer::default()).unwrap();
-    let held = arb
-        .acquire(AcquireRequest {
-            tenant: "a".into(),
-            session: s,
-            bytes: 8 * MIB,
-            device: None,
-            wait: Duration::ZERO,
-            label: String::new(),
-            reclaimable: false,
-            fallback_host: false,
-        })
-        .await
-        .unwrap();
+    let held = arb.acquire(ask(s, Duration::ZERO)).await.unwrap();
     let waiter = {
         let arb = arb.clone();
-        tokio::spawn(async move {
-            arb.acquire(AcquireRequest {
-                tenant: "a".into(),
-                session: s,
-                bytes: 8 * MIB,
-                device: None,
-                wait: Duration::from_secs(30),
-                label: String::new(),
-                reclaimable: false,
-                fallback_host: false,
-            })
-            .await
-        })
+        tokio::spawn(async move { arb.acquire(ask(s, Duration::from_secs(30))).await })
     };
     while arb.get_tenant("a").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
