@@ -2,7 +2,8 @@
 //! checks, through `crate::` paths in code (comments aside, test modules included), that
 //! the configuration is on no import circle and that nothing below the arbiter reaches up
 //! into it, the configuration, the services or the server; that the module graph has no
-//! import circle at all; and that the arbiter's core (`arbiter/state/` and the records it
+//! import circle at all (a top-level file may not name a sibling through `super::`, the
+//! crate root, which the graph would not see); and that the arbiter's core (`arbiter/state/` and the records it
 //! owns) names no tokio. A directory module (`arbiter/`, `device/`, `service/`, `mps/`)
 //! counts as one module. The graph is read by `gpu-broker-module-graph`
 //! (`tests/module-graph`), shared with the client's layer test. Also: the command line is
@@ -12,7 +13,7 @@
 //! is named only by the transport modules, listed with their reasons (a refusal is a
 //! `BrokerError` everywhere else; `grpc_status.rs` makes it a status).
 
-use gpu_broker_module_graph::{circle, files, module_graph, reach, uses, Graph};
+use gpu_broker_module_graph::{circle, files, module_graph, reach, uses, uses_super, Graph};
 use std::path::Path;
 
 /// Modules below the arbiter: the state it owns, the devices, the records and their rules.
@@ -103,6 +104,27 @@ fn the_module_graph_has_no_import_circle() {
     assert!(!reach(&graph, "tickets").contains_key("arbiter"));
     assert!(reach(&graph, "arbiter").contains_key("metrics"));
     assert!(reach(&graph, "ticket_server").contains_key("arbiter"));
+}
+
+#[test]
+fn a_top_level_module_names_its_siblings_through_crate_paths_only() {
+    // From a file of `src/`, `super::` is the crate root: `super::arbiter` is
+    // `crate::arbiter`, which the graph above (read from `crate::` paths) would not see.
+    let graph = graph();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut read = 0;
+    for m in graph.keys() {
+        let Ok(text) = std::fs::read_to_string(src.join(format!("{m}.rs"))) else {
+            continue;
+        };
+        read += 1;
+        let named: Vec<String> = uses_super(&text)
+            .into_iter()
+            .filter(|n| n != m && graph.contains_key(n))
+            .collect();
+        assert!(named.is_empty(), "{m}.rs names {named:?} through super::");
+    }
+    assert!(read >= 40, "only {read} top-level files read");
 }
 
 /// The arbiter's core and the records it owns (paths under `src/`; a directory: every file

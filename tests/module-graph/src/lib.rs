@@ -12,36 +12,59 @@ use std::path::{Path, PathBuf};
 pub type Graph = BTreeMap<String, BTreeSet<String>>;
 
 /// The names that follow `prefix` (after any repeats of it: `super::super::`) in a source
-/// file's code (not its comments): the first segment of each path, each member of a
-/// `{...}` group.
+/// file's code (not its comments): the first segment of each path, the first segment of
+/// each member of a `{...}` group (nested groups and groups over several lines, as rustfmt
+/// writes a long one, included).
 pub fn names_after(source: &str, prefix: &str) -> BTreeSet<String> {
+    let code: Vec<&str> = source
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect();
+    let code = code.join("\n");
     let mut found = BTreeSet::new();
-    for line in source.lines() {
-        let code = line.split("//").next().unwrap_or("");
-        let mut rest = code;
-        while let Some(at) = rest.find(prefix) {
-            rest = &rest[at + prefix.len()..];
-            while let Some(r) = rest.strip_prefix(prefix) {
-                rest = r;
+    let mut rest = code.as_str();
+    while let Some(at) = rest.find(prefix) {
+        rest = &rest[at + prefix.len()..];
+        while let Some(r) = rest.strip_prefix(prefix) {
+            rest = r;
+        }
+        match rest.strip_prefix('{') {
+            Some(group) => found.extend(group_heads(group)),
+            None => {
+                found.insert(head(rest));
             }
-            let names: Vec<&str> = if let Some(group) = rest.strip_prefix('{') {
-                group
-                    .split('}')
-                    .next()
-                    .unwrap_or("")
-                    .split(',')
-                    .map(|n| n.trim().split("::").next().unwrap_or(""))
-                    .collect()
-            } else {
-                vec![rest
-                    .split(|c: char| !(c.is_alphanumeric() || c == '_'))
-                    .next()
-                    .unwrap_or("")]
-            };
-            found.extend(names.into_iter().map(str::to_string));
         }
     }
+    found.remove("");
     found
+}
+
+/// The first path segment of each member of the group whose text follows its `{`.
+fn group_heads(group: &str) -> Vec<String> {
+    let mut heads = Vec::new();
+    let mut member = String::new();
+    let mut depth = 0usize;
+    for c in group.chars() {
+        match c {
+            '}' if depth == 0 => break,
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            ',' if depth == 0 => heads.push(head(&std::mem::take(&mut member))),
+            _ if depth == 0 => member.push(c),
+            _ => {}
+        }
+    }
+    heads.push(head(&member));
+    heads
+}
+
+/// The first identifier of a path's text.
+fn head(path: &str) -> String {
+    path.trim_start()
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .next()
+        .unwrap_or("")
+        .to_string()
 }
 
 /// The crate modules a source file's code names (`crate::NAME`).
@@ -149,6 +172,39 @@ mod tests {
             "use crate::a::B;\nuse crate::{b, c::D};\nlet x = crate::d::f(); // crate::e\n/// [`crate::g`]\n",
         );
         assert_eq!(found, set(&["a", "b", "c", "d"]));
+    }
+
+    #[test]
+    fn a_group_over_several_lines_is_read_whole() {
+        // What rustfmt makes of a group too long for one line.
+        let found = uses("use crate::{\n    arbiter::Arbiter,\n    error::{BrokerError, BrokerResult},\n    ledger,\n};\n");
+        assert_eq!(found, set(&["arbiter", "error", "ledger"]));
+    }
+
+    #[test]
+    fn a_nested_group_names_its_heads_only() {
+        let found = uses("use crate::{a::{B, c::D}, e, f as g, self};\n");
+        assert_eq!(found, set(&["a", "e", "f", "self"]));
+        let found = uses_super("use super::{\n    a::{B, C},\n    d,\n};\n");
+        assert_eq!(found, set(&["a", "d"]));
+    }
+
+    #[test]
+    fn a_circle_closed_by_a_multi_line_group_is_found() {
+        let dir = std::env::temp_dir().join(format!("module-graph-multi-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("a.rs"), "use crate::b::X;\n").unwrap();
+        std::fs::write(
+            dir.join("b.rs"),
+            "use crate::{\n    a::Y,\n    c::{Z, W},\n};\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("c.rs"), "pub struct Z;\n").unwrap();
+        let graph = module_graph(&dir, &[], uses);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(graph["b"], set(&["a", "c"]));
+        assert_eq!(circle(&graph).as_deref(), Some("a -> b -> a"));
     }
 
     #[test]
