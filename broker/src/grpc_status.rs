@@ -98,6 +98,7 @@ pub fn reason(e: &BrokerError) -> Option<&'static str> {
     })
 }
 
+/// The numbers and names behind the reason (`ErrorInfo.metadata`): byte counts in
 /// bytes, as decimal strings. A [`BrokerError::WaitExpired`] adds its cause's reason
 /// as `cause` and the cause's metadata.
 pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {

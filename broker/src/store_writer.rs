@@ -49,6 +49,15 @@ impl StoreWriter {
         })
     }
 
+    /// A writer that has stopped without ever starting: every [`StoreWriter::run`] gets
+    /// [`WriterError::Stopped`].
+    pub fn stopped() -> StoreWriter {
+        StoreWriter {
+            tx: Mutex::new(None),
+            thread: Mutex::new(None),
+        }
+    }
+
     /// Runs `f` on the writer thread after every change asked for before it; its result.
     /// The change runs to its end even if the caller stops waiting.
     pub async fn run<T: Send + 'static>(

@@ -189,11 +189,13 @@ impl Arbiter {
     }
 
     /// Stops the store writer (shutdown): the changes already handed to it finish first;
-    /// later ones are refused as the broker shutting down.
+    /// later ones are refused as the broker shutting down (also when none came before:
+    /// a stopped writer takes the empty slot, so none starts after).
     pub fn stop_store_writer(&self) {
-        if let Some(w) = self.store_writer.get() {
-            off_the_runtime(|| w.stop());
-        }
+        let w = self
+            .store_writer
+            .get_or_init(crate::store_writer::StoreWriter::stopped);
+        off_the_runtime(|| w.stop());
     }
 
     /// [`Arbiter::change_quota`]; with `who`, its audit record (`quota.set`, the quota

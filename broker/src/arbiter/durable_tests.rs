@@ -202,6 +202,49 @@ async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_after_shutdown_is_refused_though_none_came_before() {
+    // No change started the writer before the workers were joined: none starts after.
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+    let e = arb
+        .change_quota_for("a".into(), limit(16 * MIB), who())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
+    assert!(arb.get_tenant("a").is_err(), "nothing applied");
+    assert!(arb.list_audit(&AuditFilter::default()).unwrap().is_empty());
+    drop(arb);
+    assert_eq!(reopened(dir.path()).0, vec![], "nothing committed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_whose_caller_went_away_is_committed_and_applied_both() {
+    // The caller (an RPC past its deadline) stops waiting once the change is handed over:
+    // the change still runs whole, so memory and the store agree.
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    let writes = arb.admin_writes();
+    // Polled once (the change is handed over, and waits for `writes`), then dropped.
+    let asked = arb.change_quota_for("a".into(), limit(8 * MIB), who());
+    assert!(futures::FutureExt::now_or_never(asked).is_none());
+    drop(writes);
+    let mut waited = 0;
+    while arb.get_tenant("a").is_err() {
+        assert!(waited < 1000, "the change was not applied");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        waited += 1;
+    }
+    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 8 * MIB);
+    assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    drop(arb);
+    let (tenants, durable) = reopened(dir.path());
+    assert_eq!(tenants, vec![("a".to_string(), 8 * MIB)]);
+    assert_eq!((records.len(), durable), (1, records));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_raised_quota_on_the_writer_lets_a_waiter_in() {
     // The queue run after a change spawns the grant's task from the writer thread.
     let dir = tempfile::tempdir().unwrap();
