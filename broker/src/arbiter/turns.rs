@@ -477,4 +477,110 @@ mod tests {
         assert_eq!(arb.scheduler.device_state(0), (None, 0));
         assert_eq!(arb.outbox.turn_replies_len(), 0);
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn callers_that_come_go_and_release_at_once_leave_nothing_behind() {
+        // Eight sessions ask for turns on two slots, some with no wait, some giving up
+        // mid-wait (their futures dropped by a short timeout, as a disconnect would), and
+        // release what they get; the core's invariant is checked on every hold (debug
+        // builds). At the end no turn is held, nobody waits, no reply channel is left, and
+        // every turn a caller received it could release (none was given to two).
+        let arb = arbiter(TurnConfig {
+            slots: 2,
+            ..slots(60_000)
+        });
+        let mut tasks = Vec::new();
+        for i in 0..8u64 {
+            let tenant = format!("t{}", i % 3);
+            let (s, rx) = session(&arb, &tenant);
+            let arb = arb.clone();
+            tasks.push(tokio::spawn(async move {
+                let _rx = rx;
+                let (mut got, mut dropped) = (0u32, 0u32);
+                for j in 0..60u64 {
+                    let wait = Duration::from_millis((i + j) % 3 * 5);
+                    let ask = arb.acquire_turn(&tenant, s, 0, wait);
+                    // Every other ask is dropped after 0-900 us, mid-wait if not granted.
+                    let give_up = if j % 2 == 0 {
+                        Duration::from_micros((i * 7 + j * 13) % 4 * 300)
+                    } else {
+                        wait + Duration::from_secs(5)
+                    };
+                    let grant = match tokio::time::timeout(give_up, ask).await {
+                        Ok(Ok(g)) => g,
+                        Ok(Err(BrokerError::TurnBusy { .. }))
+                        | Ok(Err(BrokerError::WaitExpired { .. })) => continue,
+                        Err(_) => {
+                            dropped += 1;
+                            continue;
+                        }
+                        Ok(Err(e)) => panic!("{e}"),
+                    };
+                    got += 1;
+                    tokio::task::yield_now().await;
+                    arb.release_turn(&tenant, grant.turn_id)
+                        .expect("a received turn is the caller's until released");
+                }
+                (got, dropped)
+            }));
+        }
+        let (mut got, mut dropped) = (0, 0);
+        for t in tasks {
+            let (g, d) = t.await.unwrap();
+            got += g;
+            dropped += d;
+        }
+        assert!(
+            got > 0 && dropped > 0,
+            "{got} granted, {dropped} dropped mid-wait"
+        );
+        assert_eq!(arb.scheduler.device_state(0), (None, 0));
+        assert_eq!(arb.scheduler.holders(0), 0);
+        assert_eq!(arb.outbox.turn_replies_len(), 0);
+        let booked: u64 = (0..3)
+            .map(|t| arb.scheduler.usage(&format!("t{t}")).turns)
+            .sum();
+        // A turn given back for a caller that left is not booked: exactly the received ones.
+        assert_eq!(booked, u64::from(got));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_dropped_request_gives_back_a_grant_decided_for_it() {
+        let arb = arbiter(slots(60_000));
+        let who = |t: &str| Requester {
+            tenant: t.into(),
+            session: Uuid::now_v7(),
+            weight: 1,
+        };
+        let ask = |w: Requester| {
+            arb.turns(|t| {
+                let id = t.request(0, w, usize::MAX, Instant::now()).unwrap();
+                (id, arb.outbox.register_turn_reply(id))
+            })
+            .0
+        };
+        // Granted and delivered (the slot was free) but the caller's future is dropped
+        // before it looked: the guard finds the grant in its channel and gives it back.
+        let (id, rx) = ask(who("a"));
+        drop(TurnWait {
+            arb: arb.clone(),
+            device: 0,
+            waiter: id,
+            rx: Some(rx),
+        });
+        assert_eq!(arb.scheduler.holders(0), 0);
+        // Decided but not delivered yet when the caller forgot its channel: the delivery
+        // finds none and gives it back; the slot goes to the next waiter.
+        let (_, mut rb) = ask(who("b"));
+        let (c, _rc) = ask(who("c"));
+        let (_, mut rd) = ask(who("d"));
+        assert!(arb.outbox.forget_turn_reply(c));
+        let tb = rb.try_recv().unwrap().unwrap();
+        let end = arb.release_turn("b", tb.turn_id).unwrap();
+        assert!(end.handed_off, "d got it, past c");
+        assert!(rd.try_recv().unwrap().is_ok());
+        assert_eq!(arb.scheduler.device_state(0), (Some("d".into()), 0));
+        assert_eq!(arb.scheduler.usage("c"), TurnUsage::default());
+        assert_eq!(arb.outbox.turn_replies_len(), 0);
+    }
 }
