@@ -39,12 +39,48 @@ pub(crate) type Answer = BrokerResult<Granted>;
 #[derive(Default)]
 pub(crate) struct Outbox {
     mailboxes: Mutex<HashMap<Uuid, UnboundedSender<SessionEvent>>>,
-    replies: Mutex<HashMap<WaiterId, oneshot::Sender<Answer>>>,
-    turn_replies: Mutex<HashMap<TurnWaiterId, oneshot::Sender<TurnAnswer>>>,
+    replies: Replies<Answer>,
+    turn_replies: Replies<TurnAnswer>,
 }
 
 /// What a waiting turn request's future receives.
 pub(crate) type TurnAnswer = BrokerResult<TurnGrant>;
+
+/// Reply channels by waiter id (the memory queue's and the turn core's ids are both
+/// `u64`, each counted by its own core), answering `A`.
+struct Replies<A>(Mutex<HashMap<u64, oneshot::Sender<A>>>);
+
+impl<A> Default for Replies<A> {
+    fn default() -> Self {
+        Replies(Mutex::new(HashMap::new()))
+    }
+}
+
+impl<A> Replies<A> {
+    fn register(&self, id: u64) -> oneshot::Receiver<A> {
+        let (tx, rx) = oneshot::channel();
+        self.0.lock().insert(id, tx);
+        rx
+    }
+
+    fn forget(&self, id: u64) -> bool {
+        self.0.lock().remove(&id).is_some()
+    }
+
+    /// Gives the answer back when nobody receives it.
+    fn reply(&self, id: u64, answer: A) -> Option<A> {
+        let tx = self.0.lock().remove(&id);
+        match tx {
+            Some(tx) => tx.send(answer).err(),
+            None => Some(answer),
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.0.lock().len()
+    }
+}
 
 impl Outbox {
     /// Session `id` opens: its events go to `tx`.
@@ -81,59 +117,47 @@ impl Outbox {
 
     /// A reply channel for waiter `id`; its receiver is the acquiring future's.
     pub fn register_reply(&self, id: WaiterId) -> oneshot::Receiver<Answer> {
-        let (tx, rx) = oneshot::channel();
-        self.replies.lock().insert(id, tx);
-        rx
+        self.replies.register(id)
     }
 
     /// The caller of waiter `id` went away: its reply channel goes.
     pub fn forget_reply(&self, id: WaiterId) {
-        self.replies.lock().remove(&id);
+        self.replies.forget(id);
     }
 
     /// Answers waiter `id`; gives the answer back when nobody receives it (no channel, or
     /// its receiver was dropped).
     pub fn reply(&self, id: WaiterId, answer: Answer) -> Option<Answer> {
-        let tx = self.replies.lock().remove(&id);
-        match tx {
-            Some(tx) => tx.send(answer).err(),
-            None => Some(answer),
-        }
+        self.replies.reply(id, answer)
     }
 
     /// How many reply channels are kept (tests: none may be left behind).
     #[cfg(test)]
     pub fn replies_len(&self) -> usize {
-        self.replies.lock().len()
+        self.replies.len()
     }
 
     /// A reply channel for turn waiter `id`; its receiver is the `AcquireTurn` future's.
     pub fn register_turn_reply(&self, id: TurnWaiterId) -> oneshot::Receiver<TurnAnswer> {
-        let (tx, rx) = oneshot::channel();
-        self.turn_replies.lock().insert(id, tx);
-        rx
+        self.turn_replies.register(id)
     }
 
     /// The caller of turn waiter `id` went away: its reply channel goes. Returns whether
     /// it was still here (false: a delivery took it, or it was never registered).
     pub fn forget_turn_reply(&self, id: TurnWaiterId) -> bool {
-        self.turn_replies.lock().remove(&id).is_some()
+        self.turn_replies.forget(id)
     }
 
     /// Answers turn waiter `id`; gives the answer back when nobody receives it (no
     /// channel, or its receiver was closed or dropped).
     pub fn reply_turn(&self, id: TurnWaiterId, answer: TurnAnswer) -> Option<TurnAnswer> {
-        let tx = self.turn_replies.lock().remove(&id);
-        match tx {
-            Some(tx) => tx.send(answer).err(),
-            None => Some(answer),
-        }
+        self.turn_replies.reply(id, answer)
     }
 
     /// How many turn reply channels are kept (tests: none may be left behind).
     #[cfg(test)]
     pub fn turn_replies_len(&self) -> usize {
-        self.turn_replies.lock().len()
+        self.turn_replies.len()
     }
 }
 
