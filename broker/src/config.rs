@@ -219,6 +219,13 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_ADMIN_THREADS", default_value_t = defaults::ADMIN_THREADS, value_parser = clap::value_parser!(u16).range(0..=64))]
     pub admin_threads: u16,
 
+    /// Also serve the Admin service (and gRPC health) on this Unix socket, wholly on the
+    /// operators' runtime (`--admin-threads`), its connections included: an operator's
+    /// calls there never touch the runtime admission's calls run on. Created 0660 like
+    /// `--socket`; Broker calls there are UNIMPLEMENTED; `--socket` still serves Admin.
+    #[arg(long, env = "GPU_BROKER_ADMIN_LISTEN")]
+    pub admin_listen: Option<PathBuf>,
+
     /// Most calls a tenant may make in a burst above its rate.
     #[arg(long, env = "GPU_BROKER_TENANT_RPC_BURST", default_value = "100", value_parser = parse_rate)]
     pub tenant_rpc_burst: f64,

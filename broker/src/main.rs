@@ -23,7 +23,7 @@ fn main() -> anyhow::Result<()> {
     let cfg = Config::load().unwrap_or_else(|e| e.exit());
     init_logging(cfg.log_json);
     join_own_mps(&cfg);
-    // Listings, operator reads and the metrics listener run on their own runtime
+    // Admin calls, listings, the operators' socket and the metrics listener run on their own runtime
     // (`read_pool.rs`), kept until the main one has stopped.
     let reads = gpu_broker::read_pool::ReadPool::start(cfg.admin_threads.into())
         .context("starting the runtime of operator reads")?;
@@ -148,6 +148,21 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
         spawn_hup_without_config(shutdown.clone());
     }
 
+    // The operators' socket first: once the main socket answers, both do.
+    let admin_unix = match &cfg.admin_listen {
+        Some(path) if *path == cfg.socket || *path == cfg.ticket_socket_path() => {
+            anyhow::bail!(
+                "--admin-listen {} must be a socket of its own (not --socket or the ticket socket)",
+                path.display()
+            )
+        }
+        Some(path) => {
+            let l = bind_unix(path).await?;
+            tracing::info!(socket = %path.display(), on_own_runtime = reads.handle().is_some(), "serving Admin on the operators' socket");
+            Some(l)
+        }
+        None => None,
+    };
     let unix = bind_unix(&cfg.socket).await?;
     tracing::info!(socket = %cfg.socket.display(), "serving on the Unix socket");
     // Lease descriptors live in this process: keep other processes of the broker's user
@@ -241,6 +256,7 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
             tcp_tls,
             limits: cfg.limits.limits(),
             reads: reads.layer(),
+            admin_unix,
         },
         shutdown,
         cfg.shutdown_grace,
@@ -252,6 +268,9 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
         mps.shutdown().await;
     }
     let _ = std::fs::remove_file(&cfg.socket);
+    if let Some(path) = &cfg.admin_listen {
+        let _ = std::fs::remove_file(path);
+    }
     let _ = std::fs::remove_file(&ticket_path);
     Ok(())
 }

@@ -1,13 +1,17 @@
-//! Where operators' reads run: the listings and other reads of [`OFFLOADED`] and the
-//! metrics listener (`/metrics`, `/status`) are served on a small runtime of their own
-//! (`--admin-threads`, default 2; 0: on the main runtime), so building their pages,
-//! encoding them and rendering the scrape never take the worker threads that admission's
-//! calls (acquire, release, turns, session streams) run on, however large the listing.
+//! Where operators' calls run: every call of the `Admin` service (reads and changes
+//! alike), the Broker-side listings of [`OFFLOADED_BROKER`] and the metrics listener
+//! (`/metrics`, `/status`) are served on a small runtime of their own (`--admin-threads`,
+//! default 2; 0: on the main runtime), so handling them, encoding their answers and
+//! rendering the scrape never take the worker threads that admission's calls (acquire,
+//! release, turns, session streams) run on, however large the listing or however often
+//! an operator writes.
 //!
 //! [`ReadsLayer`] is the tower layer in front of the gRPC routes that moves such a call
-//! there: the handler runs and its response is encoded on the reads runtime (the whole
-//! body, a bounded page), and the main runtime only forwards the encoded frames. The
-//! state lock is the same for both; listings hold it for short chunks (`arbiter/listing.rs`).
+//! there ([`offloaded`]): the handler runs and its response is encoded on the operators'
+//! runtime (the whole body, a bounded page), and the main runtime only forwards the
+//! encoded frames. The state lock is the same for both; listings hold it for short chunks
+//! (`arbiter/listing.rs`). The optional operators' socket (`--admin-listen`, `server.rs`)
+//! is served wholly on this runtime, its HTTP/2 connections included.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -15,22 +19,23 @@ use std::task::{Context, Poll};
 use tonic::body::Body;
 use tonic::codegen::http;
 
-/// The calls served on the reads runtime: unary reads whose answer grows with the number
-/// of tenants, leases, sessions or records (and the device and drain views).
-pub const OFFLOADED: &[&str] = &[
+/// The path prefix of the `Admin` service: every one of its calls (all unary) is served on
+/// the operators' runtime.
+pub const ADMIN_SERVICE: &str = "/gpubroker.v1.Admin/";
+
+/// The Broker-side calls served on the operators' runtime too: unary listings whose
+/// answer grows with the number of leases.
+pub const OFFLOADED_BROKER: &[&str] = &[
     "/gpubroker.v1.Broker/ListLeases",
     "/gpubroker.v1.Broker/ListSharedLeases",
-    "/gpubroker.v1.Admin/ListTenants",
-    "/gpubroker.v1.Admin/ListAllLeases",
-    "/gpubroker.v1.Admin/ListSessions",
-    "/gpubroker.v1.Admin/ListTokens",
-    "/gpubroker.v1.Admin/ListAudit",
-    "/gpubroker.v1.Admin/ListQuarantined",
-    "/gpubroker.v1.Admin/ListSharedLeases",
-    "/gpubroker.v1.Admin/GetDevices",
 ];
 
-/// Name of the reads runtime's threads.
+/// Whether the call to `path` is served on the operators' runtime.
+pub fn offloaded(path: &str) -> bool {
+    path.starts_with(ADMIN_SERVICE) || OFFLOADED_BROKER.contains(&path)
+}
+
+/// Name of the operators' runtime's threads.
 pub const THREAD_NAME: &str = "gpu-broker-reads";
 
 /// The reads runtime (None with 0 threads: reads run where they arrive).
@@ -59,7 +64,7 @@ impl ReadPool {
         self.rt.as_ref().map(|rt| rt.handle().clone())
     }
 
-    /// The layer that moves [`OFFLOADED`] calls to this runtime.
+    /// The layer that moves [`offloaded`] calls to this runtime.
     pub fn layer(&self) -> ReadsLayer {
         ReadsLayer {
             handle: self.handle(),
@@ -80,6 +85,13 @@ impl Drop for ReadPool {
 #[derive(Clone, Default)]
 pub struct ReadsLayer {
     handle: Option<tokio::runtime::Handle>,
+}
+
+impl ReadsLayer {
+    /// The runtime calls are moved to (None: they run where they arrive).
+    pub fn runtime(&self) -> Option<tokio::runtime::Handle> {
+        self.handle.clone()
+    }
 }
 
 impl<S> tower::Layer<S> for ReadsLayer {
@@ -139,11 +151,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        let Some(rt) = self
-            .handle
-            .clone()
-            .filter(|_| OFFLOADED.contains(&req.uri().path()))
-        else {
+        let Some(rt) = self.handle.clone().filter(|_| offloaded(req.uri().path())) else {
             return Box::pin(self.inner.call(req));
         };
         // The service that was made ready takes the call; a clone stays for the next.
@@ -213,8 +221,33 @@ mod tests {
         )
     }
 
+    /// Every call of the Admin service (as generated from admin.proto), changes included.
+    const ADMIN_CALLS: &[&str] = &[
+        "/gpubroker.v1.Admin/SetQuota",
+        "/gpubroker.v1.Admin/GetQuota",
+        "/gpubroker.v1.Admin/ListTenants",
+        "/gpubroker.v1.Admin/DeleteTenant",
+        "/gpubroker.v1.Admin/IssueToken",
+        "/gpubroker.v1.Admin/RevokeToken",
+        "/gpubroker.v1.Admin/ListTokens",
+        "/gpubroker.v1.Admin/ListAllLeases",
+        "/gpubroker.v1.Admin/RevokeLease",
+        "/gpubroker.v1.Admin/ListSessions",
+        "/gpubroker.v1.Admin/GetDevices",
+        "/gpubroker.v1.Admin/RotateAdminToken",
+        "/gpubroker.v1.Admin/ListAudit",
+        "/gpubroker.v1.Admin/Drain",
+        "/gpubroker.v1.Admin/Undrain",
+        "/gpubroker.v1.Admin/GetDrain",
+        "/gpubroker.v1.Admin/ListQuarantined",
+        "/gpubroker.v1.Admin/SetDeviceHealth",
+        "/gpubroker.v1.Admin/GetInfo",
+        "/gpubroker.v1.Admin/ListSharedLeases",
+    ];
+
     #[test]
-    fn listings_run_on_the_reads_runtime_and_everything_else_where_it_arrives() {
+    fn admin_calls_and_listings_run_on_the_operators_runtime_and_everything_else_where_it_arrives()
+    {
         let pool = ReadPool::start(1).unwrap();
         let main = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -225,7 +258,7 @@ mod tests {
         let layer = pool.layer();
         // On a worker of the main runtime, as a served call is.
         main.block_on(main.spawn(async move {
-            for path in OFFLOADED {
+            for path in ADMIN_CALLS.iter().chain(OFFLOADED_BROKER) {
                 let (ran_on, trailers) = call(&layer, path).await;
                 assert_eq!(ran_on, THREAD_NAME, "{path}");
                 // The body's frames come through whole, trailers (the gRPC status) too.
@@ -235,7 +268,9 @@ mod tests {
                 "/gpubroker.v1.Broker/AcquireLease",
                 "/gpubroker.v1.Broker/ReleaseLease",
                 "/gpubroker.v1.Broker/GetUsage",
-                "/gpubroker.v1.Admin/SetQuota",
+                "/gpubroker.v1.Broker/GetInfo",
+                "/gpubroker.v1.Broker/OpenSession",
+                "/gpubroker.v1.AdminX/SetQuota",
                 "/grpc.health.v1.Health/Check",
             ] {
                 let (ran_on, _) = call(&layer, path).await;
@@ -248,7 +283,7 @@ mod tests {
         assert!(inline.handle().is_none());
         let layer = inline.layer();
         main.block_on(main.spawn(async move {
-            let (ran_on, _) = call(&layer, OFFLOADED[0]).await;
+            let (ran_on, _) = call(&layer, "/gpubroker.v1.Admin/SetQuota").await;
             assert_eq!(ran_on, "main-worker");
         }))
         .unwrap();

@@ -1,7 +1,10 @@
 //! The server: binds the Unix socket (0660, stale file replaced) and the optional TCP
 //! address, serves the `Broker` and `Admin` services plus gRPC health and reflection,
 //! and shuts down with a grace period: refuse new work, tell sessions, give them the
-//! grace to release, then end them, free every block, and stop.
+//! grace to release, then end them, free every block, and stop. The optional operators'
+//! socket (`--admin-listen`) serves `Admin` and health only, wholly on the operators'
+//! runtime (`read_pool.rs`): its connections, handlers and encoding never run on the
+//! runtime admission's calls run on.
 
 use crate::arbiter::Arbiter;
 use crate::auth::{admin_interceptor, tenant_interceptor};
@@ -65,8 +68,12 @@ pub struct Listeners {
     pub tcp_tls: Option<Arc<crate::tls::TlsServer>>,
     /// Connection caps, handshake deadline, stream limits (`crate::listener`).
     pub limits: crate::listener::Limits,
-    /// Moves listings and other operator reads to their own runtime (`crate::read_pool`).
+    /// Moves Admin calls and listings to the operators' runtime (`crate::read_pool`).
     pub reads: crate::read_pool::ReadsLayer,
+    /// The operators' socket (`--admin-listen`, bound with [`bind_unix`]): Admin and health
+    /// only, served on the operators' runtime (the main one without it), under the same
+    /// connection caps as the other listeners.
+    pub admin_unix: Option<UnixListener>,
 }
 
 /// Serves until `shutdown` is cancelled, then shuts down gracefully within `grace`.
@@ -107,20 +114,27 @@ pub async fn serve(
         crate::gate::GateLayer::new(arb.authenticator().clone()).with_rate_limit(arb.config().rate);
     let conns = crate::listener::ConnTracker::new(listeners.limits.clone());
     tracing::info!(limits = ?conns.limits(), "connection limits");
-    let builder = tonic::transport::Server::builder()
-        // Every request gets a span named by its method; the services add tenant,
-        // session and lease ids to it.
-        .trace_fn(|req| tracing::info_span!("rpc", method = %req.uri().path()))
-        .http2_keepalive_interval(Some(ping))
-        .http2_keepalive_timeout(Some(ping))
-        // Tokens, expiry and scopes (gate.rs), before any service sees the request.
-        .layer(gate)
-        // Connection and stream limits (listener.rs): calls per connection, and open calls
-        // to the services that need no token.
-        .max_concurrent_streams(listeners.limits.max_streams_per_connection)
-        .layer(crate::listener::UnauthStreamsLayer::new(&conns))
-        // Listings and other operator reads run (and are encoded) on their own runtime.
-        .layer(listeners.reads.clone());
+    let server = |reads: crate::read_pool::ReadsLayer| {
+        tonic::transport::Server::builder()
+            // Every request gets a span named by its method; the services add tenant,
+            // session and lease ids to it.
+            .trace_fn(|req| tracing::info_span!("rpc", method = %req.uri().path()))
+            .http2_keepalive_interval(Some(ping))
+            .http2_keepalive_timeout(Some(ping))
+            // Tokens, expiry and scopes (gate.rs), before any service sees the request.
+            .layer(gate.clone())
+            // Connection and stream limits (listener.rs): calls per connection, and open
+            // calls to the services that need no token.
+            .max_concurrent_streams(listeners.limits.max_streams_per_connection)
+            .layer(crate::listener::UnauthStreamsLayer::new(&conns))
+            // Admin calls and listings run (and are encoded) on the operators' runtime.
+            .layer(reads)
+    };
+    let builder = server(listeners.reads.clone());
+    // The operators' socket is served on that runtime already: nothing to move.
+    let admin_router = server(crate::read_pool::ReadsLayer::default())
+        .add_service(health.clone())
+        .add_service(admin.clone());
     // The TCP listener gets the same server; its TLS is terminated in front of it
     // (`listener::incoming_tls`), after the connection limits and under their deadline.
     let tcp_builder = builder.clone();
@@ -183,6 +197,32 @@ pub async fn serve(
             )
             .await
         });
+    }
+    if let Some(l) = listeners.admin_unix {
+        let s = stop_serving.clone();
+        let c = conns.clone();
+        let rt = listeners.reads.runtime();
+        // Registered again with the runtime it is served on.
+        let l = match &rt {
+            Some(rt) => {
+                let std = l.into_std()?;
+                let _in = rt.enter();
+                UnixListener::from_std(std)?
+            }
+            None => l,
+        };
+        let serving = async move {
+            admin_router
+                .serve_with_incoming_shutdown(
+                    crate::listener::incoming_unix(l, c),
+                    s.cancelled_owned(),
+                )
+                .await
+        };
+        match &rt {
+            Some(rt) => tasks.spawn_on(serving, rt),
+            None => tasks.spawn(serving),
+        };
     }
     if let Some(l) = listeners.tcp {
         let r = tcp_router;
@@ -304,5 +344,25 @@ pub async fn serve_metrics_with(
                 .serve_connection(io, svc)
                 .await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::server::NamedService;
+
+    #[test]
+    fn the_operators_runtime_names_the_served_services() {
+        assert_eq!(
+            crate::read_pool::ADMIN_SERVICE,
+            format!("/{}/", AdminServer::<AdminService>::NAME)
+        );
+        for path in crate::read_pool::OFFLOADED_BROKER {
+            assert!(
+                path.starts_with(&format!("/{}/", BrokerServer::<BrokerService>::NAME)),
+                "{path}"
+            );
+        }
     }
 }

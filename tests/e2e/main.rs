@@ -17,6 +17,7 @@ mod fd_leases;
 mod isolation;
 mod mps;
 mod observability;
+mod operators_socket;
 mod prometheus;
 mod quota;
 mod readme;

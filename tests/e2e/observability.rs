@@ -121,8 +121,9 @@ async fn reflection_lists_the_services() {
     }
 }
 
-/// Operator reads answer alike on their own runtime (`--admin-threads 1`) and on the main
-/// one (`--admin-threads 0`): pages of a listing, a bad page token's status, the metrics
+/// Operators' calls answer alike on their own runtime (`--admin-threads 1`) and on the main
+/// one (`--admin-threads 0`): pages of a listing, a bad page token's status, a quota
+/// change and its read, a refused change's status, the metrics
 /// listener (which counts the state lock's waits) and the status page.
 #[tokio::test]
 async fn operator_reads_answer_alike_on_either_runtime() {
@@ -153,6 +154,18 @@ async fn operator_reads_answer_alike_on_either_runtime() {
             .unwrap();
         let names: Vec<String> = first.into_iter().chain(rest).map(|t| t.name).collect();
         assert_eq!(names, ["t0", "t1", "t2"], "--admin-threads {threads}");
+        // Admin changes and reads answer alike too (they run there as well).
+        admin
+            .set_quota("t1", QuotaSpec::new(2 * MIB))
+            .await
+            .unwrap();
+        let t1 = admin.get_quota("t1").await.unwrap();
+        assert_eq!(t1.quota.limit_bytes, 2 * MIB, "--admin-threads {threads}");
+        let bad = admin
+            .set_quota("", QuotaSpec::new(MIB))
+            .await
+            .expect_err("an empty tenant name is refused");
+        assert_eq!(bad.code(), Code::InvalidArgument, "{bad}");
         assert!(last.is_none());
         let bad = admin
             .list_all_leases_page(None, 5, "not-a-token")

@@ -1,0 +1,176 @@
+//! The operators' socket (`--admin-listen`): the Admin service on a socket of its own,
+//! served wholly on the operators' runtime, beside the main socket that keeps serving it.
+
+use gpu_broker_client::{AdminClient, Client, Code, QuotaSpec};
+use gpu_broker_tests::*;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// A host-backend broker with its operators' socket at `dir/admin.sock`, and `extra` flags.
+fn broker_with_operators_socket(extra: &[&str]) -> (Broker, PathBuf) {
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let b = Broker::start_raw(move |dir| {
+        let mut args: Vec<String> = [
+            "--backend",
+            "host",
+            "--host-capacity",
+            "64MiB",
+            "--admin-listen",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push(dir.join("admin.sock").display().to_string());
+        args.extend(extra);
+        args
+    })
+    .unwrap();
+    let path = b.socket.with_file_name("admin.sock");
+    (b, path)
+}
+
+fn uri(path: &Path) -> String {
+    format!("unix://{}", path.display())
+}
+
+/// Admin calls work over the operators' socket (and still over the main one), with either
+/// runtime; Broker calls there are UNIMPLEMENTED, a bad token is refused; the socket is
+/// 0660, removed at a clean stop, and replaced when a killed broker left it behind.
+#[tokio::test]
+async fn operators_socket_serves_admin_only_and_lives_like_the_main_one() {
+    for threads in ["1", "0"] {
+        let (mut b, path) = broker_with_operators_socket(&["--admin-threads", threads]);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o660, "--admin-threads {threads}");
+
+        let ops = AdminClient::connect(&uri(&path), b.admin_token.clone())
+            .await
+            .unwrap();
+        ops.set_quota("t", QuotaSpec::new(8 * MIB)).await.unwrap();
+        assert_eq!(ops.get_quota("t").await.unwrap().quota.limit_bytes, 8 * MIB);
+        let token = ops.issue_token("t", "test").await.unwrap().token;
+        // The main socket serves Admin too, and sees the same state.
+        let main = b.admin().await.unwrap();
+        assert_eq!(
+            main.get_quota("t").await.unwrap().quota.limit_bytes,
+            8 * MIB
+        );
+        let names: Vec<String> = ops
+            .list_tenants()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|t| t.name)
+            .collect();
+        assert_eq!(names, ["t"]);
+
+        // Broker calls are not served there, even with a good tenant token...
+        let worker = Client::connect(&uri(&path), token.clone()).await.unwrap();
+        let e = worker.usage().await.expect_err("no Broker service there");
+        assert_eq!(e.code(), Code::Unimplemented, "{e}");
+        // ... and are on the main socket.
+        let worker = Client::connect(&b.uri(), token).await.unwrap();
+        assert_eq!(worker.usage().await.unwrap().limit_bytes, 8 * MIB);
+
+        // A bad token, and a tenant token, are refused on the operators' socket.
+        let bad = AdminClient::connect(&uri(&path), "not-the-admin-token")
+            .await
+            .unwrap();
+        let e = bad.list_tenants().await.expect_err("a bad token");
+        assert_eq!(e.code(), Code::Unauthenticated, "{e}");
+
+        // A clean stop removes the socket; a restart serves it again.
+        b.stop(Duration::from_secs(10)).unwrap();
+        assert!(
+            !path.exists(),
+            "the operators' socket is removed at a clean stop"
+        );
+        b.spawn().unwrap();
+        let ops = AdminClient::connect(&uri(&path), b.admin_token.clone())
+            .await
+            .unwrap();
+        assert_eq!(ops.get_quota("t").await.unwrap().quota.limit_bytes, 8 * MIB);
+        // A killed broker leaves the file behind; the next one replaces it.
+        drop(ops);
+        b.kill().unwrap();
+        assert!(path.exists(), "a killed broker leaves its socket file");
+        b.spawn().unwrap();
+        let ops = AdminClient::connect(&uri(&path), b.admin_token.clone())
+            .await
+            .unwrap();
+        assert_eq!(ops.get_quota("t").await.unwrap().quota.limit_bytes, 8 * MIB);
+        assert!(
+            b.log_text()
+                .contains("serving Admin on the operators' socket"),
+            "{}",
+            b.log_text()
+        );
+    }
+}
+
+/// Whether the broker keeps `c` open: a refused connection is closed at once (EOF), an
+/// admitted one waits for its HTTP/2 preface.
+fn kept_open(c: &mut UnixStream) -> bool {
+    c.set_read_timeout(Some(Duration::from_millis(1500)))
+        .unwrap();
+    let mut buf = [0u8; 256];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => return false,
+            Ok(_) => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return true
+            }
+            Err(_) => return false,
+        }
+    }
+}
+
+/// The operators' socket is under the same connection caps as the main one (one count for
+/// both): the broker's own user gets its per-uid cap plus the operator reserve, the rest
+/// is closed at once, and a place given back lets the next connection in.
+#[tokio::test]
+async fn operators_socket_shares_the_connection_caps() {
+    let (b, path) = broker_with_operators_socket(&[
+        "--max-connections-per-uid",
+        "2",
+        "--admin-connection-reserve",
+        "1",
+        "--handshake-timeout",
+        "60s",
+    ]);
+    let mut held: Vec<UnixStream> = (0..3)
+        .map(|_| UnixStream::connect(&path).unwrap())
+        .collect();
+    let kept: Vec<bool> = held.iter_mut().map(kept_open).collect();
+    assert_eq!(kept, [true, true, true], "2 per uid + 1 reserved");
+    let mut over = UnixStream::connect(&path).unwrap();
+    assert!(!kept_open(&mut over), "a 4th connection is over the cap");
+    let mut main = UnixStream::connect(&b.socket).unwrap();
+    assert!(
+        !kept_open(&mut main),
+        "the main socket counts the same connections"
+    );
+    held.pop();
+    // The place is given back once the broker sees the close.
+    let mut admitted = false;
+    for _ in 0..50 {
+        let ops = AdminClient::connect(&uri(&path), b.admin_token.clone()).await;
+        if let Ok(ops) = ops {
+            if ops.list_tenants().await.is_ok() {
+                admitted = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(admitted, "a place given back admits an operator again");
+}
