@@ -12,8 +12,7 @@
 //! The options separate what a write loop costs:
 //!
 //! - `--op set,get`: `set` sets a quota (a durable store commit with fsync, then applied
-//!   in memory and the queue run); `get` reads one (`GetQuota`, answered on the broker's
-//!   main runtime, no commit) at the same pace (the calls a second `set` reached on that
+//!   in memory and the queue run); `get` reads one (`GetQuota`, no commit) at the same pace (the calls a second `set` reached on that
 //!   broker just before, in the same run; or `--rate`), as a control: if it costs as
 //!   much, the commit is not the cause.
 //! - `--writer process|task`: the admin loop runs in a child process of the bench (the
@@ -22,7 +21,8 @@
 //! - `--rate N`: at most N admin calls a second (0: as fast as they return).
 //! - `--also "[NAME=value...] BIN [FLAGS...]"`: more brokers set up alike (with those
 //!   environment variables, e.g. `TOKIO_WORKER_THREADS=4`) and measured side by side, every
-//!   arm of every broker in each run.
+//!   arm of every broker in each run. A broker started with `--admin-listen PATH` (its
+//!   operators' socket) gets its admin loop there, the worker on its main socket.
 //!
 //! Beside the latencies: the broker's state-lock takes that found the lock held and how
 //! long they waited (`gpu_broker_state_lock_waits_total`), its holds over 100 us of CPU
@@ -113,6 +113,11 @@ struct Broker {
     what: String,
     target: crate::broker::Target,
     admin: AdminClient,
+    /// Where the admin loop connects: the operators' socket where the broker has one
+    /// (`--admin-listen`), else the main one.
+    admin_uri: String,
+    /// The admin loop's client (a task writer), on `admin_uri`.
+    loop_admin: AdminClient,
     session: Session,
     /// The metrics listener (brokers the bench started).
     http: Option<String>,
@@ -377,14 +382,32 @@ async fn setup(
     for _ in 0..200 {
         session.lease(a.size).await?.release().await?;
     }
+    let admin_uri = match operators_socket(&extra) {
+        Some(path) => format!("unix://{path}"),
+        None => target.uri.clone(),
+    };
+    let loop_admin = AdminClient::connect(&admin_uri, target.admin_token.clone()).await?;
     Ok(Broker {
         label,
         what,
         target,
         admin,
+        admin_uri,
+        loop_admin,
         session,
         http,
         names,
+    })
+}
+
+/// The operators' socket among a broker's flags (`--admin-listen PATH` or `=PATH`).
+fn operators_socket(flags: &[String]) -> Option<String> {
+    flags.iter().enumerate().find_map(|(i, f)| {
+        if f == "--admin-listen" {
+            flags.get(i + 1).cloned()
+        } else {
+            f.strip_prefix("--admin-listen=").map(str::to_string)
+        }
     })
 }
 
@@ -447,7 +470,7 @@ impl Writer {
                 let stop = Arc::new(AtomicBool::new(false));
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 let t = tokio::spawn(admin_loop(
-                    b.admin.clone(),
+                    b.loop_admin.clone(),
                     b.names.clone(),
                     op,
                     rate,
@@ -461,7 +484,7 @@ impl Writer {
                 Ok(Writer::Task(stop, t))
             }
             WriterIn::Process => {
-                let (uri, token) = (b.target.uri.clone(), b.target.admin_token.clone());
+                let (uri, token) = (b.admin_uri.clone(), b.target.admin_token.clone());
                 let (names, rate) = (b.names.join(","), rate.to_string());
                 let (child, out, line) = tokio::task::spawn_blocking(move || {
                     start_child(
@@ -664,6 +687,26 @@ mod tests {
         assert_eq!(WriterReport::parse(&r.line()).unwrap(), r);
         assert!(WriterReport::parse("reads 3 cpu_us 4").is_err());
         assert!(WriterReport::parse("calls x secs 1 p50_us 1 cpu_s 1").is_err());
+    }
+
+    #[test]
+    fn the_admin_loop_finds_the_operators_socket_among_the_flags() {
+        let words = |w: &[&str]| w.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            operators_socket(&words(&[
+                "--admin-threads",
+                "2",
+                "--admin-listen",
+                "/r/a.sock"
+            ])),
+            Some("/r/a.sock".into())
+        );
+        assert_eq!(
+            operators_socket(&words(&["X=1", "--admin-listen=/r/b.sock"])),
+            Some("/r/b.sock".into())
+        );
+        assert_eq!(operators_socket(&words(&["--admin-threads", "0"])), None);
+        assert_eq!(operators_socket(&words(&["--admin-listen"])), None);
     }
 
     #[test]
