@@ -29,18 +29,17 @@ if [ "${1:-}" = build ]; then
     out=${2:?usage: $0 build DIR [BEFORE_REV]}
     mkdir -p "$out"
     target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
-    cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-tests --bin gpu-broker-bench
-    cp -f "$target/release/gpu-broker" "$out/gpu-broker"
-    cp -f "$target/release/gpu-broker-bench" "$out/gpu-broker-bench"
+    # The before build first: the measured one's build then leaves its own binaries there.
     if [ -n "${3:-}" ]; then
         tree=$(mktemp -d /tmp/qw-before.XXXXXX)
         git worktree add --detach "$tree" "$3"
         (cd "$tree" && cargo build --release --target-dir "$target" -p gpu-broker --bin gpu-broker)
         cp -f "$target/release/gpu-broker" "$out/gpu-broker-before"
         git worktree remove --force "$tree"
-        # The measured broker again: the before build replaced it in the target directory.
-        cargo build --release -p gpu-broker --bin gpu-broker
     fi
+    cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-tests --bin gpu-broker-bench
+    cp -f "$target/release/gpu-broker" "$out/gpu-broker"
+    cp -f "$target/release/gpu-broker-bench" "$out/gpu-broker-bench"
     rm -f "$out/gpu-broker-exp"
     strip "$out"/gpu-broker* 2>/dev/null || true
     cp -f "$0" "$out/"
@@ -79,7 +78,7 @@ fi
 if [ -x "$exp" ]; then
     for e in ${EXP_ENVS:-}; do also+=(--also "$e $exp"); done
 fi
-for b in "$first" "$main" "$before" "$exp"; do
+for b in "$before" "$main" "$exp"; do
     [ -x "$b" ] && echo "$(basename "$b"): $(sha256sum "$b" | cut -c1-12)"
 done
 qw() { # qw NAME TIMEOUT TMPDIR ARGS...
