@@ -5,9 +5,15 @@
 //! runtime it was started from, so a change may spawn tasks (the effects of a queue run).
 //! Stopping closes the queue: changes asked for before still run, then the thread ends
 //! and is joined.
+//!
+//! The queue is bounded ([`DEFAULT_QUEUE`] changes handed over and not yet done): a caller
+//! past the bound waits for room before its change is handed over, so callers that give
+//! up and ask again cannot grow it. Each change runs inside the caller's tracing span
+//! (an RPC's `rpc{method=...}`), so what it logs reads as the RPC's.
 
 use parking_lot::Mutex;
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 /// Why a change handed to the writer got no answer.
@@ -23,16 +29,26 @@ pub enum WriterError {
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
 
+/// Changes handed over and not yet done, at most (see [`StoreWriter::with_queue`]).
+pub const DEFAULT_QUEUE: usize = 256;
+
 /// The writer thread and its queue.
 #[derive(Debug)]
 pub struct StoreWriter {
     tx: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// One permit per change in the queue or running ([`DEFAULT_QUEUE`] in all).
+    room: Arc<tokio::sync::Semaphore>,
 }
 
 impl StoreWriter {
     /// Starts the thread `name`, inside the current tokio runtime if there is one.
     pub fn start(name: &str) -> std::io::Result<StoreWriter> {
+        Self::with_queue(name, DEFAULT_QUEUE)
+    }
+
+    /// [`StoreWriter::start`] with room for `queue` changes (at least one).
+    pub fn with_queue(name: &str, queue: usize) -> std::io::Result<StoreWriter> {
         let (tx, rx) = mpsc::channel::<Job>();
         let rt = tokio::runtime::Handle::try_current().ok();
         let thread = std::thread::Builder::new()
@@ -46,6 +62,7 @@ impl StoreWriter {
         Ok(StoreWriter {
             tx: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
+            room: Arc::new(tokio::sync::Semaphore::new(queue.max(1))),
         })
     }
 
@@ -55,27 +72,66 @@ impl StoreWriter {
         StoreWriter {
             tx: Mutex::new(None),
             thread: Mutex::new(None),
+            room: Arc::new(tokio::sync::Semaphore::new(1)),
         }
     }
 
     /// Runs `f` on the writer thread after every change asked for before it; its result.
-    /// The change runs to its end even if the caller stops waiting.
+    /// Waits for room in the queue first (a caller that gives up while waiting hands
+    /// nothing over). Once handed over, the change runs to its end even if the caller
+    /// stops waiting.
     pub async fn run<T: Send + 'static>(
         &self,
         f: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, WriterError> {
+        let permit = self
+            .room
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| WriterError::Stopped)?;
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let job: Job = Box::new(move || {
+        self.hand_over(Some(permit), move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
                 .map_err(|p| WriterError::Panicked(panic_text(&p)));
             let _ = reply.send(r);
-        });
-        {
-            let tx = self.tx.lock();
-            let tx = tx.as_ref().ok_or(WriterError::Stopped)?;
-            tx.send(job).map_err(|_| WriterError::Stopped)?;
-        }
+        })?;
         answer.await.map_err(|_| WriterError::Stopped)?
+    }
+
+    /// Hands `f` to the writer thread (after every change asked for before it) and
+    /// returns without waiting for it; a panic in it is logged. For work nobody awaits
+    /// (the audit record of a change made elsewhere): it takes a place in the queue if
+    /// there is one, and is handed over anyway if not (such work follows a change
+    /// already made, not a caller that can ask again and again).
+    pub fn submit(&self, f: impl FnOnce() + Send + 'static) -> Result<(), WriterError> {
+        let permit = self.room.clone().try_acquire_owned().ok();
+        self.hand_over(permit, move || {
+            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                tracing::error!(why = %panic_text(&p), "a store-writer job panicked");
+            }
+        })
+    }
+
+    /// Queues `job`, to run inside the caller's tracing span; `permit` (its place in the
+    /// queue) is given back once it has run. It logs through the caller's dispatcher too.
+    fn hand_over(
+        &self,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        job: impl FnOnce() + Send + 'static,
+    ) -> Result<(), WriterError> {
+        let span = tracing::Span::current();
+        let dispatch = tracing::dispatcher::get_default(|d| d.clone());
+        let job: Job = Box::new(move || {
+            tracing::dispatcher::with_default(&dispatch, || {
+                let _in_span = span.enter();
+                job();
+            });
+            drop(permit);
+        });
+        let tx = self.tx.lock();
+        let tx = tx.as_ref().ok_or(WriterError::Stopped)?;
+        tx.send(job).map_err(|_| WriterError::Stopped)
     }
 
     /// Closes the queue and waits for the changes already in it and the thread's end
@@ -83,6 +139,7 @@ impl StoreWriter {
     /// returns). Later [`StoreWriter::run`] calls get [`WriterError::Stopped`].
     pub fn stop(&self) {
         drop(self.tx.lock().take());
+        self.room.close();
         let thread = self.thread.lock().take();
         if let Some(t) = thread {
             if t.thread().id() != std::thread::current().id() {
@@ -108,7 +165,6 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn changes_run_in_order_on_the_named_thread() {
@@ -204,5 +260,110 @@ mod tests {
             .expect("the writer did not deadlock")
             .unwrap();
         assert_eq!(name.as_deref(), Some("test-writer"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn callers_past_the_queue_bound_wait_and_those_that_give_up_hand_nothing_over() {
+        let w = StoreWriter::with_queue("test-writer", 2).unwrap();
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        // The first holds the thread; the second waits in the queue: both places taken.
+        let r = ran.clone();
+        let mut first = Box::pin(w.run(move || {
+            wait.recv().unwrap();
+            r.lock().push(1);
+        }));
+        assert!(futures::poll!(&mut first).is_pending());
+        let r = ran.clone();
+        let mut second = Box::pin(w.run(move || r.lock().push(2)));
+        assert!(futures::poll!(&mut second).is_pending());
+        // A hundred callers that ask and give up (an RPC cancelled and sent again): none
+        // finds room, so none is handed over.
+        for i in 0..100 {
+            let r = ran.clone();
+            let mut gave_up = Box::pin(w.run(move || r.lock().push(100 + i)));
+            assert!(futures::poll!(&mut gave_up).is_pending());
+        }
+        assert_eq!(w.room.available_permits(), 0);
+        // One that waits gets its turn once there is room.
+        let r = ran.clone();
+        let mut third = Box::pin(w.run(move || r.lock().push(3)));
+        assert!(futures::poll!(&mut third).is_pending());
+        go.send(()).unwrap();
+        first.await.unwrap();
+        second.await.unwrap();
+        third.await.unwrap();
+        assert_eq!(*ran.lock(), vec![1, 2, 3], "only the callers that waited ran");
+        assert_eq!(w.room.available_permits(), 2, "every place given back");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn submitted_work_runs_in_order_without_being_awaited() {
+        let w = StoreWriter::with_queue("test-writer", 1).unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        for i in 0..5 {
+            let s = seen.clone();
+            // Past the bound too: submitted work follows a change already made.
+            w.submit(move || s.lock().push(i)).unwrap();
+        }
+        w.submit(|| panic!("logged, not fatal")).unwrap();
+        let s = seen.clone();
+        assert_eq!(w.run(move || s.lock().clone()).await, Ok(vec![0, 1, 2, 3, 4]));
+        w.stop();
+        assert_eq!(w.submit(|| ()), Err(WriterError::Stopped));
+    }
+
+    /// Collects, for each event, the name of the span it was logged in.
+    struct SpanOfEvents(Arc<Mutex<Vec<(String, Option<String>)>>>);
+
+    impl<S> tracing_subscriber::Layer<S> for SpanOfEvents
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            ctx: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            let mut message = String::new();
+            struct Message<'a>(&'a mut String);
+            impl tracing::field::Visit for Message<'_> {
+                fn record_debug(
+                    &mut self,
+                    field: &tracing::field::Field,
+                    value: &dyn std::fmt::Debug,
+                ) {
+                    if field.name() == "message" {
+                        *self.0 = format!("{value:?}");
+                    }
+                }
+            }
+            event.record(&mut Message(&mut message));
+            let span = ctx.event_span(event).map(|s| s.name().to_string());
+            self.0.lock().push((message, span));
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_change_logs_in_the_callers_span() {
+        use tracing::Instrument;
+        use tracing_subscriber::layer::SubscriberExt;
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let subscriber = tracing_subscriber::registry().with(SpanOfEvents(seen.clone()));
+        let dispatch = tracing::Dispatch::new(subscriber);
+        let w = StoreWriter::start("test-writer").unwrap();
+        let _default = tracing::dispatcher::set_default(&dispatch);
+        w.run(|| tracing::info!("committed"))
+            .instrument(tracing::info_span!("rpc", method = "SetQuota"))
+            .await
+            .unwrap();
+        w.submit(|| tracing::info!("unawaited")).unwrap();
+        w.run(|| ()).await.unwrap();
+        let seen = seen.lock().clone();
+        assert!(
+            seen.contains(&("committed".into(), Some("rpc".into()))),
+            "{seen:?}"
+        );
+        assert!(seen.contains(&("unawaited".into(), None)), "{seen:?}");
     }
 }
