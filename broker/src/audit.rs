@@ -233,6 +233,17 @@ impl AuditLog {
     }
 }
 
+/// A token's public fields as the audit log records them.
+pub fn token_json(t: &crate::auth::TokenEntry) -> serde_json::Value {
+    serde_json::json!({
+        "token_id": t.token_id,
+        "name": t.name,
+        "scope": t.scope.as_str(),
+        "tenant": t.tenant,
+        "expires_unix_ms": t.expires_unix_ms,
+    })
+}
+
 impl AuditRecord {
     /// A record of a change made now (numbered when appended).
     pub fn now(

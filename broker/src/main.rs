@@ -135,8 +135,13 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     // Declarative tenants: applied before serving, then on SIGHUP and file changes.
     if let Some(path) = &cfg.config {
         let declared = gpu_broker::tenants_config::load(path)?;
-        let changes = gpu_broker::tenants_config::apply(&arb, &declared, "start");
-        tracing::info!(path = %path.display(), tenants = declared.len(), changed = changes.len(), "config tenants applied");
+        let n = declared.len();
+        let a = arb.clone();
+        // On the store writer, as every durable change.
+        let changes = arb
+            .run_durable(move || Ok(gpu_broker::tenants_config::apply(&a, &declared, "start")))
+            .await?;
+        tracing::info!(path = %path.display(), tenants = n, changed = changes.len(), "config tenants applied");
         gpu_broker::tenants_config::spawn_watch(
             arb.clone(),
             path.clone(),

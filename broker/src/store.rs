@@ -238,6 +238,16 @@ impl Store {
 
     /// Deletes the tenant and all its tokens in one transaction. Ok(false) if absent.
     pub fn delete_tenant(&self, name: &str) -> Result<bool, StoreError> {
+        self.delete_tenant_with(name, None)
+    }
+
+    /// [`Store::delete_tenant`], with `also` written in the same transaction (one commit,
+    /// made also when the tenant is absent).
+    pub(crate) fn delete_tenant_with(
+        &self,
+        name: &str,
+        also: Option<&dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>>,
+    ) -> Result<bool, StoreError> {
         let txn = self.begin_write()?;
         let existed = {
             let mut tenants = txn
@@ -248,7 +258,10 @@ impl Store {
                 .map_err(|e| db_err(&self.path, "delete tenant", e))?;
             removed.is_some()
         };
-        if !existed {
+        if let Some(also) = also {
+            also(&txn).map_err(|e| db_err(&self.path, "write with tenant deletion", e))?;
+        }
+        if !existed && also.is_none() {
             txn.abort()
                 .map_err(|e| db_err(&self.path, "abort write transaction", e))?;
             return Ok(false);
@@ -271,6 +284,15 @@ impl Store {
 
     /// Inserts or replaces the token `t.token_id`; durable before returning.
     pub fn put_token(&self, t: &TokenRecord) -> Result<(), StoreError> {
+        self.put_token_with(t, None)
+    }
+
+    /// [`Store::put_token`], with `also` written in the same transaction (one commit).
+    pub(crate) fn put_token_with(
+        &self,
+        t: &TokenRecord,
+        also: Option<&dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>>,
+    ) -> Result<(), StoreError> {
         self.check_key("token id", &t.token_id)?;
         let bytes = self.encode(&format!("token '{}'", t.token_id), t)?;
         let txn = self.begin_write()?;
@@ -282,11 +304,24 @@ impl Store {
                 .insert(t.token_id.as_str(), bytes.as_slice())
                 .map_err(|e| db_err(&self.path, "write token", e))?;
         }
+        if let Some(also) = also {
+            also(&txn).map_err(|e| db_err(&self.path, "write with token", e))?;
+        }
         self.commit(txn)
     }
 
     /// Deletes one token. Ok(false) if absent.
     pub fn delete_token(&self, token_id: &str) -> Result<bool, StoreError> {
+        self.delete_token_with(token_id, None)
+    }
+
+    /// [`Store::delete_token`], with `also` written in the same transaction (one commit,
+    /// made also when the token is absent).
+    pub(crate) fn delete_token_with(
+        &self,
+        token_id: &str,
+        also: Option<&dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>>,
+    ) -> Result<bool, StoreError> {
         let txn = self.begin_write()?;
         let existed = {
             let mut table = txn
@@ -297,7 +332,10 @@ impl Store {
                 .map_err(|e| db_err(&self.path, "delete token", e))?;
             removed.is_some()
         };
-        if existed {
+        if let Some(also) = also {
+            also(&txn).map_err(|e| db_err(&self.path, "write with token deletion", e))?;
+        }
+        if existed || also.is_some() {
             self.commit(txn)?;
         } else {
             txn.abort()

@@ -293,7 +293,11 @@ mod tests {
         first.await.unwrap();
         second.await.unwrap();
         third.await.unwrap();
-        assert_eq!(*ran.lock(), vec![1, 2, 3], "only the callers that waited ran");
+        assert_eq!(
+            *ran.lock(),
+            vec![1, 2, 3],
+            "only the callers that waited ran"
+        );
         assert_eq!(w.room.available_permits(), 2, "every place given back");
     }
 
@@ -308,7 +312,10 @@ mod tests {
         }
         w.submit(|| panic!("logged, not fatal")).unwrap();
         let s = seen.clone();
-        assert_eq!(w.run(move || s.lock().clone()).await, Ok(vec![0, 1, 2, 3, 4]));
+        assert_eq!(
+            w.run(move || s.lock().clone()).await,
+            Ok(vec![0, 1, 2, 3, 4])
+        );
         w.stop();
         assert_eq!(w.submit(|| ()), Err(WriterError::Stopped));
     }

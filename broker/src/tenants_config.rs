@@ -301,18 +301,15 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
         if matches!(change, Change::Same { .. }) {
             continue;
         }
-        match arb.change_quota(&d.name, QuotaUpdate::Patch(d.patch.clone())) {
-            Ok(c) => {
+        // Each change is committed with its audit record (`config.reload`).
+        let who = crate::audit::Who::system(why);
+        match arb.change_quota_recorded(
+            &d.name,
+            QuotaUpdate::Patch(d.patch.clone()),
+            Some((&who, "config.reload")),
+        ) {
+            Ok(_) => {
                 tracing::info!(tenant = %d.name, why, "config: {}", describe_change(&change));
-                let before = running.get(&d.name).map(Quota::to_json);
-                arb.audit(
-                    &crate::audit::Who::system(why),
-                    "config.reload",
-                    &d.name,
-                    &d.name,
-                    before,
-                    Some(c.tenant.quota.to_json()),
-                );
                 done.push(change);
             }
             Err(e) => {
@@ -354,8 +351,15 @@ pub fn spawn_watch(
             last = now;
             match load(&path) {
                 Ok(declared) => {
-                    let changes = apply(&arb, &declared, why);
-                    tracing::info!(path = %path.display(), why, tenants = declared.len(), changed = changes.len(), "config reloaded");
+                    // On the store writer, in order with operators' changes.
+                    let n = declared.len();
+                    let a = arb.clone();
+                    match arb.run_durable(move || Ok(apply(&a, &declared, why))).await {
+                        Ok(changes) => {
+                            tracing::info!(path = %path.display(), why, tenants = n, changed = changes.len(), "config reloaded");
+                        }
+                        Err(e) => tracing::error!(why, "config not reloaded: {e}"),
+                    }
                 }
                 Err(e) => {
                     tracing::error!(why, "config not reloaded, the running state stays: {e}");

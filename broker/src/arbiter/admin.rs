@@ -68,7 +68,7 @@ impl Arbiter {
 
 /// Runs blocking work: inside `block_in_place` on a multi-threaded tokio runtime's worker,
 /// as is elsewhere (current-thread runtimes, plain threads, the store writer).
-fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
+pub(super) fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
     match tokio::runtime::Handle::try_current() {
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(f)
@@ -169,23 +169,36 @@ impl Arbiter {
         if self.store.is_none() {
             return change();
         }
-        let writer = match self.store_writer.get() {
-            Some(w) => w,
-            None => {
-                let w = crate::store_writer::StoreWriter::start("store-writer").map_err(|e| {
-                    BrokerError::Internal(format!("starting the store writer: {e}"))
-                })?;
-                // Another caller may have started one meanwhile: theirs is kept.
-                let _ = self.store_writer.set(w);
-                self.store_writer.get().expect("just set")
-            }
-        };
-        writer.run(change).await.map_err(|e| match e {
-            crate::store_writer::WriterError::Stopped => BrokerError::ShuttingDown,
-            crate::store_writer::WriterError::Panicked(why) => {
-                BrokerError::Internal(format!("a durable change panicked: {why}"))
-            }
-        })?
+        self.store_writer()?
+            .run(change)
+            .await
+            .map_err(|e| match e {
+                crate::store_writer::WriterError::Stopped => BrokerError::ShuttingDown,
+                crate::store_writer::WriterError::Panicked(why) => {
+                    BrokerError::Internal(format!("a durable change panicked: {why}"))
+                }
+            })?
+    }
+
+    /// The store writer, started on first use (inside the caller's runtime).
+    pub(super) fn store_writer(&self) -> BrokerResult<&crate::store_writer::StoreWriter> {
+        if let Some(w) = self.store_writer.get() {
+            return Ok(w);
+        }
+        let w = crate::store_writer::StoreWriter::start("store-writer")
+            .map_err(|e| BrokerError::Internal(format!("starting the store writer: {e}")))?;
+        // Another caller may have started one meanwhile: theirs is kept.
+        let _ = self.store_writer.set(w);
+        Ok(self.store_writer.get().expect("just set"))
+    }
+
+    /// Runs `change` on the store writer, after the durable changes asked for before it
+    /// (for changes made outside the arbiter, e.g. a configuration reload).
+    pub async fn run_durable<T: Send + 'static>(
+        &self,
+        change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
+    ) -> BrokerResult<T> {
+        self.on_store_writer(change).await
     }
 
     /// Stops the store writer (shutdown): the changes already handed to it finish first;
@@ -205,6 +218,18 @@ impl Arbiter {
         name: &str,
         update: QuotaUpdate,
         who: Option<&crate::audit::Who>,
+    ) -> BrokerResult<QuotaChange> {
+        self.change_quota_recorded(name, update, who.map(|w| (w, "quota.set")))
+    }
+
+    /// [`Arbiter::change_quota`]; with `(who, action)`, its audit record (`action`, the
+    /// quota before, read under the same locks, and after) is committed in the same
+    /// transaction as the quota, and logged.
+    pub fn change_quota_recorded(
+        self: &Arc<Self>,
+        name: &str,
+        update: QuotaUpdate,
+        who: Option<(&crate::audit::Who, &str)>,
     ) -> BrokerResult<QuotaChange> {
         validate_tenant_name(name)?;
         let _writes = self.admin_writes();
@@ -233,32 +258,12 @@ impl Arbiter {
             name: name.to_string(),
             quota: quota.clone(),
         };
-        match who {
-            None => self.durable(|store| store.put_tenant(&record))?,
-            Some(who) => {
-                let rec = crate::audit::AuditRecord::now(
-                    who,
-                    "quota.set",
-                    name,
-                    "",
-                    before,
-                    Some(quota.to_json()),
-                );
-                let store = self.store.as_ref();
-                let ((), rec) = off_the_runtime(|| {
-                    self.audit_log
-                        .append_with(store, rec, |audit| match (store, audit) {
-                            (Some(s), Some(audit)) => s.put_tenant_with(&record, audit),
-                            _ => Ok(()),
-                        })
-                })
-                .map_err(|e| self.store_failed(e))?;
-                if store.is_some() {
-                    self.metrics.store_write(true);
-                }
-                crate::audit::logged(&rec);
-            }
-        }
+        let rec = who.map(|(who, action)| {
+            crate::audit::AuditRecord::now(who, action, name, "", before, Some(quota.to_json()))
+        });
+        self.durable_recorded(rec, |store, audit| {
+            store.put_tenant_with(&record, |txn| audit.map_or(Ok(()), |a| a(txn)))
+        })?;
         tracing::info!(tenant = name, ?quota, "quota set");
         let mut st = self.lock();
         let created = st.set_quota(name, quota)?;
@@ -311,11 +316,42 @@ impl Arbiter {
 
     /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
     pub fn delete_tenant(self: &Arc<Self>, name: &str) -> BrokerResult<()> {
+        self.delete_tenant_recorded(name, None)
+    }
+
+    /// [`Arbiter::delete_tenant`] for an operator's RPC: on the store writer, with its
+    /// audit record (`tenant.delete`, by `who`, the quota before) in the same commit.
+    pub async fn delete_tenant_for(
+        self: &Arc<Self>,
+        name: String,
+        who: crate::audit::Who,
+    ) -> BrokerResult<()> {
+        let me = self.clone();
+        self.on_store_writer(move || me.delete_tenant_recorded(&name, Some(&who)))
+            .await
+    }
+
+    /// [`Arbiter::delete_tenant`]; with `who`, its audit record committed with it.
+    fn delete_tenant_recorded(
+        self: &Arc<Self>,
+        name: &str,
+        who: Option<&crate::audit::Who>,
+    ) -> BrokerResult<()> {
         let _writes = self.admin_writes();
         // Check and close the tenant (it takes no new charge), commit the deletion to the
-        // store with no state lock held, then apply it (or reopen the tenant).
-        self.lock().close_tenant(name)?;
-        if let Err(e) = self.durable(|store| store.delete_tenant(name)) {
+        // store with no state lock held, then apply it (or reopen the tenant). What it was
+        // is read under the same locks.
+        let before = {
+            let mut st = self.lock();
+            st.close_tenant(name)?;
+            st.ledger().get(name).map(|t| t.quota.to_json())
+        };
+        let rec = who.map(|who| {
+            crate::audit::AuditRecord::now(who, "tenant.delete", name, "", before, None)
+        });
+        if let Err(e) =
+            self.durable_recorded(rec, |store, audit| store.delete_tenant_with(name, audit))
+        {
             self.lock().reopen_tenant(name);
             return Err(e);
         }
@@ -349,12 +385,45 @@ impl Arbiter {
 
     /// Revokes a token given its id or the token itself.
     pub fn revoke_token(&self, id_or_token: &str) -> BrokerResult<()> {
+        self.revoke_token_recorded(id_or_token, None)
+    }
+
+    /// [`Arbiter::revoke_token`] for an operator's RPC: on the store writer, with its
+    /// audit record (`token.revoke`, by `who`, the token before) in the same commit.
+    pub async fn revoke_token_for(
+        self: &Arc<Self>,
+        id_or_token: String,
+        who: crate::audit::Who,
+    ) -> BrokerResult<()> {
+        let me = self.clone();
+        self.on_store_writer(move || me.revoke_token_recorded(&id_or_token, Some(&who)))
+            .await
+    }
+
+    /// [`Arbiter::revoke_token`]; with `who`, its audit record committed with it.
+    fn revoke_token_recorded(
+        &self,
+        id_or_token: &str,
+        who: Option<&crate::audit::Who>,
+    ) -> BrokerResult<()> {
         let _writes = self.admin_writes();
         let entry = self
             .auth
             .find(id_or_token)
             .ok_or(BrokerError::NotFound(crate::error::Missing::Token))?;
-        self.durable(|store| store.delete_token(&entry.token_id))?;
+        let rec = who.map(|who| {
+            crate::audit::AuditRecord::now(
+                who,
+                "token.revoke",
+                &entry.tenant,
+                &entry.token_id,
+                Some(crate::audit::token_json(&entry)),
+                None,
+            )
+        });
+        self.durable_recorded(rec, |store, audit| {
+            store.delete_token_with(&entry.token_id, audit)
+        })?;
         self.auth.remove(&entry.hash);
         tracing::info!(tenant = %entry.tenant, token_id = %entry.token_id, "token revoked");
         if let Some(me) = self.me.upgrade() {

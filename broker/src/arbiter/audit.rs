@@ -1,14 +1,21 @@
 //! The arbiter's side of the audit log (`crate::audit` has the records and the log):
 //! [`Arbiter::audit`] records an operator change durably and as a structured log line;
-//! [`Arbiter::list_audit`] reads them back.
+//! [`Arbiter::durable_recorded`] commits a store change and its record as one;
+//! [`Arbiter::list_audit`] reads them back. Every record is written on the store writer
+//! (`store_writer.rs`), in the order of the store's own commits, so the log's order is
+//! the store's and no runtime worker waits for an fsync or for the log.
 
 use super::Arbiter;
-use crate::audit::{AuditFilter, AuditRecord, Who};
+use crate::audit::{AuditFilter, AuditRecord, RecordWriter, Who};
 use crate::error::{BrokerError, BrokerResult};
+use crate::store::{Store, StoreError};
 
 impl Arbiter {
-    /// Records an operator change: durably, and as a structured log line. A record that
-    /// cannot be written is logged as an error; the change itself stands.
+    /// Records an operator change that has no store change of its own (a drain, a lease
+    /// revoked, a device's health): handed to the store writer, behind the durable
+    /// changes asked for before it, and written (and logged) there; await
+    /// [`Arbiter::audits_written`] before answering the operator. A record that cannot be
+    /// written is logged as an error; the change itself stands.
     pub fn audit(
         &self,
         who: &Who,
@@ -19,6 +26,32 @@ impl Arbiter {
         after: Option<serde_json::Value>,
     ) {
         let rec = AuditRecord::now(who, action, tenant, target, before, after);
+        if self.store.is_none() {
+            // Kept in memory: nothing to wait for.
+            return self.write_audit(rec);
+        }
+        let Some(me) = self.me.upgrade() else {
+            return super::admin::off_the_runtime(|| self.write_audit(rec));
+        };
+        let handed = self.store_writer().map_err(|_| ()).and_then(|w| {
+            let rec = rec.clone();
+            w.submit(move || me.write_audit(rec)).map_err(|_| ())
+        });
+        if handed.is_err() {
+            // The writer has stopped (shutdown): written here.
+            super::admin::off_the_runtime(|| self.write_audit(rec));
+        }
+    }
+
+    /// Returns once every audit record handed over before has been written.
+    pub async fn audits_written(&self) {
+        if self.store.is_some() {
+            let _ = self.on_store_writer(|| Ok(())).await;
+        }
+    }
+
+    fn write_audit(&self, rec: AuditRecord) {
+        let (action, tenant, target) = (rec.action.clone(), rec.tenant.clone(), rec.target.clone());
         match self.audit_log.append(self.store.as_ref(), rec) {
             Ok(r) => crate::audit::logged(&r),
             Err(e) => tracing::error!(
@@ -30,6 +63,35 @@ impl Arbiter {
                 "AUDIT RECORD NOT WRITTEN"
             ),
         }
+    }
+
+    /// Commits a store change (`write`), with `rec` in the same transaction when given:
+    /// `write` is then handed what writes the record and must call it in the transaction
+    /// it commits. The record is logged once committed. Without a store nothing is
+    /// committed and the record is kept in memory. Runs where it is called (on the store
+    /// writer, for an RPC's change).
+    pub(super) fn durable_recorded<T: Default>(
+        &self,
+        rec: Option<AuditRecord>,
+        write: impl FnOnce(&Store, Option<RecordWriter<'_>>) -> Result<T, StoreError>,
+    ) -> BrokerResult<T> {
+        let Some(rec) = rec else {
+            return self.durable(|store| write(store, None));
+        };
+        let store = self.store.as_ref();
+        let (out, rec) = super::admin::off_the_runtime(|| {
+            self.audit_log
+                .append_with(store, rec, |audit| match (store, audit) {
+                    (Some(s), Some(audit)) => write(s, Some(audit)),
+                    _ => Ok(T::default()),
+                })
+        })
+        .map_err(|e| self.store_failed(e))?;
+        if store.is_some() {
+            self.metrics.store_write(true);
+        }
+        crate::audit::logged(&rec);
+        Ok(out)
     }
 
     /// Recorded changes, oldest first.

@@ -1,4 +1,5 @@
-//! Unit tests of operators' quota changes through the store writer: each change and its
+//! Unit tests of operators' durable changes (quotas, tenant deletion, tokens, config
+//! reloads, audit-only records) through the store writer: each change and its
 //! audit record in one commit, in the order asked for, memory and store agreeing after
 //! concurrent changes and after a restart, and the writer's shutdown.
 
@@ -272,4 +273,186 @@ async fn a_raised_quota_on_the_writer_lets_a_waiter_in() {
     assert_eq!(l.bytes, 8 * MIB);
     arb.release("a", held.id).unwrap();
     arb.release("a", l.id).unwrap();
+}
+
+fn actions(records: &[crate::audit::AuditRecord]) -> Vec<&str> {
+    records.iter().map(|r| r.action.as_str()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_racing_a_quota_change_is_recorded_in_the_stores_order() {
+    // SetQuota(a) and DeleteTenant(a) asked at once, in both orders: the audit log reads
+    // in the order the store committed them, and each record's `before` is what the
+    // store held then.
+    for delete_first in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = stored_arbiter(dir.path());
+        arb.change_quota_for("a".into(), limit(8 * MIB), who())
+            .await
+            .unwrap();
+        let writes = arb.admin_writes();
+        let mut set = Box::pin(arb.change_quota_for("a".into(), limit(16 * MIB), who()));
+        let mut delete = Box::pin(arb.delete_tenant_for("a".into(), who()));
+        // Each polled once: handed to the writer in this order (both wait for `writes`).
+        if delete_first {
+            assert!(futures::poll!(&mut delete).is_pending());
+            assert!(futures::poll!(&mut set).is_pending());
+        } else {
+            assert!(futures::poll!(&mut set).is_pending());
+            assert!(futures::poll!(&mut delete).is_pending());
+        }
+        drop(writes);
+        set.await.unwrap();
+        delete.await.unwrap();
+        let records = arb.list_audit(&AuditFilter::default()).unwrap();
+        arb.join_workers(Duration::from_secs(5)).await;
+        drop(arb);
+        let (tenants, durable) = reopened(dir.path());
+        assert_eq!(durable, records, "every record durable");
+        let q = |bytes| {
+            Some(
+                Quota {
+                    limit_bytes: bytes,
+                    ..Quota::default()
+                }
+                .to_json(),
+            )
+        };
+        if delete_first {
+            assert_eq!(tenants, vec![("a".to_string(), 16 * MIB)], "set again");
+            assert_eq!(
+                actions(&records),
+                ["quota.set", "tenant.delete", "quota.set"]
+            );
+            assert_eq!(records[1].before, q(8 * MIB));
+            assert_eq!(records[2].before, None, "created again");
+        } else {
+            assert_eq!(tenants, vec![], "deleted last");
+            assert_eq!(
+                actions(&records),
+                ["quota.set", "quota.set", "tenant.delete"]
+            );
+            assert_eq!(records[2].before, q(16 * MIB), "what the store held");
+            assert_eq!(records[2].after, None);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_deletion_commits_no_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    let e = arb
+        .delete_tenant_for("nobody".into(), who())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
+    assert!(arb.list_audit(&AuditFilter::default()).unwrap().is_empty());
+    arb.join_workers(Duration::from_secs(5)).await;
+    drop(arb);
+    assert_eq!(reopened(dir.path()).1, vec![]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_issued_and_revoked_commit_with_their_records_on_the_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    arb.change_quota_for("a".into(), limit(8 * MIB), who())
+        .await
+        .unwrap();
+    let spec = super::tokens::TokenSpec {
+        tenant: Some("a".into()),
+        name: "ci".into(),
+        ..Default::default()
+    };
+    let issued = arb.issue_for(spec.clone(), who()).await.unwrap();
+    let kept = arb.issue_for(spec, who()).await.unwrap();
+    arb.revoke_token_for(issued.entry.token_id.clone(), who())
+        .await
+        .unwrap();
+    let e = arb
+        .revoke_token_for(issued.entry.token_id.clone(), who())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
+    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    assert_eq!(
+        actions(&records),
+        ["quota.set", "token.issue", "token.issue", "token.revoke"]
+    );
+    let json = crate::audit::token_json(&issued.entry);
+    assert_eq!(records[1].after, Some(json.clone()));
+    assert_eq!(records[1].target, issued.entry.token_id);
+    assert_eq!(records[3].before, Some(json), "the token as it was");
+    assert_eq!(records[3].tenant, "a");
+    arb.join_workers(Duration::from_secs(5)).await;
+    drop(arb);
+    let store = Store::open(dir.path()).unwrap();
+    let (_, tokens) = store.load().unwrap();
+    let ids: Vec<_> = tokens.iter().map(|t| t.token_id.clone()).collect();
+    assert_eq!(ids, vec![kept.entry.token_id], "the revoked one is gone");
+    drop(store);
+    assert_eq!(reopened(dir.path()).1, records, "every record durable");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
+    // A record with no store change of its own (a drain, a lease revoked) waits behind
+    // the durable changes asked for before it, on the writer: the runtime worker that
+    // asks neither commits nor waits for the log.
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    let writes = arb.admin_writes();
+    let mut set = Box::pin(arb.change_quota_for("a".into(), limit(8 * MIB), who()));
+    assert!(futures::poll!(&mut set).is_pending());
+    arb.audit(&who(), "drain.start", "", "node", None, None);
+    assert!(
+        arb.list_audit(&AuditFilter::default()).unwrap().is_empty(),
+        "not written in place"
+    );
+    drop(writes);
+    set.await.unwrap();
+    arb.audits_written().await;
+    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    assert_eq!(actions(&records), ["quota.set", "drain.start"]);
+    arb.join_workers(Duration::from_secs(5)).await;
+    // After shutdown a record is still written (in place).
+    arb.audit(&who(), "drain.stop", "", "node", None, None);
+    arb.audits_written().await;
+    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    assert_eq!(
+        actions(&records),
+        ["quota.set", "drain.start", "drain.stop"]
+    );
+    drop(arb);
+    assert_eq!(reopened(dir.path()).1, records, "every record durable");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_reload_commits_each_change_with_its_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    arb.change_quota_for("a".into(), limit(8 * MIB), who())
+        .await
+        .unwrap();
+    let declared = crate::tenants_config::parse(
+        std::path::Path::new("tenants.toml"),
+        "[tenants.a]\nlimit = \"16MiB\"\n",
+    )
+    .unwrap();
+    let a = arb.clone();
+    let changes = arb
+        .run_durable(move || Ok(crate::tenants_config::apply(&a, &declared, "SIGHUP")))
+        .await
+        .unwrap();
+    assert_eq!(changes.len(), 1);
+    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    assert_eq!(actions(&records), ["quota.set", "config.reload"]);
+    assert_eq!(records[1].who, Who::system("SIGHUP"));
+    assert_eq!(records[1].before, records[0].after);
+    arb.join_workers(Duration::from_secs(5)).await;
+    drop(arb);
+    let (tenants, durable) = reopened(dir.path());
+    assert_eq!(tenants, vec![("a".to_string(), 16 * MIB)]);
+    assert_eq!(durable, records);
 }

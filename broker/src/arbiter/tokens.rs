@@ -36,6 +36,27 @@ pub struct IssuedToken {
 impl Arbiter {
     /// Issues a token. Durable before it is returned.
     pub fn issue(&self, spec: TokenSpec) -> BrokerResult<IssuedToken> {
+        self.issue_recorded(spec, None)
+    }
+
+    /// [`Arbiter::issue`] for an operator's RPC: on the store writer, with its audit
+    /// record (`token.issue`, by `who`) in the same commit as the token.
+    pub async fn issue_for(
+        self: &std::sync::Arc<Self>,
+        spec: TokenSpec,
+        who: crate::audit::Who,
+    ) -> BrokerResult<IssuedToken> {
+        let me = self.clone();
+        self.on_store_writer(move || me.issue_recorded(spec, Some(&who)))
+            .await
+    }
+
+    /// [`Arbiter::issue`]; with `who`, its audit record committed with the token.
+    fn issue_recorded(
+        &self,
+        spec: TokenSpec,
+        who: Option<&crate::audit::Who>,
+    ) -> BrokerResult<IssuedToken> {
         let max = super::MAX_LABEL;
         if spec.description.len() > max || spec.name.len() > max {
             return Err(BrokerError::InvalidArgument(format!(
@@ -92,7 +113,17 @@ impl Arbiter {
             scope: spec.scope,
             expires_unix_ms,
         };
-        self.durable(|store| store.put_token(&entry))?;
+        let rec = who.map(|who| {
+            crate::audit::AuditRecord::now(
+                who,
+                "token.issue",
+                &entry.tenant,
+                &entry.token_id,
+                None,
+                Some(crate::audit::token_json(&entry)),
+            )
+        });
+        self.durable_recorded(rec, |store, audit| store.put_token_with(&entry, audit))?;
         self.auth.add(entry.clone());
         tracing::info!(
             tenant = %entry.tenant,

@@ -74,17 +74,10 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DeleteTenantResponse>, Status> {
         bounds::tenant("tenant", &req.get_ref().tenant)?;
         let who = Who::of(&req);
-        let name = &req.get_ref().tenant;
-        let before = self.arb.get_tenant(name).ok();
-        self.arb.delete_tenant(name)?;
-        self.arb.audit(
-            &who,
-            "tenant.delete",
-            name,
-            "",
-            before.map(|b| b.quota.to_json()),
-            None,
-        );
+        // Committed with its audit record, on the store writer.
+        self.arb
+            .delete_tenant_for(req.into_inner().tenant, who)
+            .await?;
         Ok(Response::new(pb::DeleteTenantResponse {}))
     }
 
@@ -103,16 +96,9 @@ impl Admin for AdminService {
             name: r.name,
             description: r.description,
         };
-        let issued = self.arb.issue(spec)?;
+        // Committed with its audit record, on the store writer.
+        let issued = self.arb.issue_for(spec, who).await?;
         let e = &issued.entry;
-        self.arb.audit(
-            &who,
-            "token.issue",
-            &e.tenant,
-            &e.token_id,
-            None,
-            Some(convert::token_json(e)),
-        );
         Ok(Response::new(pb::IssueTokenResponse {
             token: issued.token.clone(),
             token_id: e.token_id.clone(),
@@ -139,18 +125,8 @@ impl Admin for AdminService {
         if key.is_empty() {
             return Err(Status::invalid_argument("token_id or token is required"));
         }
-        let before = self.arb.authenticator().find(&key);
-        self.arb.revoke_token(&key)?;
-        if let Some(e) = before {
-            self.arb.audit(
-                &who,
-                "token.revoke",
-                &e.tenant,
-                &e.token_id,
-                Some(convert::token_json(&e)),
-                None,
-            );
-        }
+        // Committed with its audit record, on the store writer.
+        self.arb.revoke_token_for(key, who).await?;
         Ok(Response::new(pb::RevokeTokenResponse {}))
     }
 
@@ -213,6 +189,7 @@ impl Admin for AdminService {
             Some(serde_json::json!({"bytes": lease.bytes, "device": lease.device, "session": lease.session.to_string()})),
             Some(serde_json::json!({"state": "revoked", "reason": reason})),
         );
+        self.arb.audits_written().await;
         Ok(Response::new(pb::RevokeLeaseResponse {
             lease: Some(convert::lease_on(&lease, &self.arb)),
         }))
@@ -270,6 +247,7 @@ impl Admin for AdminService {
             None,
             Some(serde_json::json!({"old_token_grace_ms": req.get_ref().grace_ms})),
         );
+        self.arb.audits_written().await;
         Ok(Response::new(pb::RotateAdminTokenResponse {
             token,
             old_valid_until_unix_ms: convert::unix_ms(SystemTime::now() + grace),
@@ -311,6 +289,7 @@ impl Admin for AdminService {
             Some(serde_json::json!({"draining": before.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
             Some(serde_json::json!({"draining": report.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>(), "deadline_ms": r.deadline_ms, "reason": r.reason})),
         );
+        self.arb.audits_written().await;
         Ok(Response::new(convert::drain_report(&report)))
     }
 
@@ -330,6 +309,7 @@ impl Admin for AdminService {
             Some(serde_json::json!({"draining": before.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
             Some(serde_json::json!({"draining": report.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
         );
+        self.arb.audits_written().await;
         Ok(Response::new(convert::drain_report(&report)))
     }
 
@@ -392,6 +372,7 @@ impl Admin for AdminService {
         let changed = self
             .arb
             .set_device_health(r.device, r.healthy, &r.reason, &who)?;
+        self.arb.audits_written().await;
         Ok(Response::new(pb::SetDeviceHealthResponse { changed }))
     }
 

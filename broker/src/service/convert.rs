@@ -241,13 +241,7 @@ pub fn scope_from(v: i32) -> Result<Scope, BrokerError> {
 
 /// A token's public fields as the audit log records them.
 pub fn token_json(t: &TokenEntry) -> serde_json::Value {
-    serde_json::json!({
-        "token_id": t.token_id,
-        "name": t.name,
-        "scope": t.scope.as_str(),
-        "tenant": t.tenant,
-        "expires_unix_ms": t.expires_unix_ms,
-    })
+    crate::audit::token_json(t)
 }
 
 pub fn audit_entry(r: &AuditRecord) -> pb::AuditEntry {
