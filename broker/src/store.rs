@@ -160,6 +160,9 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// What a `..._with` write also writes in its transaction (an audit record).
+pub(crate) type AlsoWrite<'a> = &'a dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
+
 impl Store {
     /// Opens or creates `<dir>/state.redb`; creates `dir` (mode 0700) if missing. A file
     /// that exists but cannot be read as a redb database (corrupt, truncated, garbage,
@@ -246,7 +249,7 @@ impl Store {
     pub(crate) fn delete_tenant_with(
         &self,
         name: &str,
-        also: Option<&dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>>,
+        also: Option<AlsoWrite<'_>>,
     ) -> Result<bool, StoreError> {
         let txn = self.begin_write()?;
         let existed = {
@@ -291,7 +294,7 @@ impl Store {
     pub(crate) fn put_token_with(
         &self,
         t: &TokenRecord,
-        also: Option<&dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>>,
+        also: Option<AlsoWrite<'_>>,
     ) -> Result<(), StoreError> {
         self.check_key("token id", &t.token_id)?;
         let bytes = self.encode(&format!("token '{}'", t.token_id), t)?;
@@ -320,7 +323,7 @@ impl Store {
     pub(crate) fn delete_token_with(
         &self,
         token_id: &str,
-        also: Option<&dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>>,
+        also: Option<AlsoWrite<'_>>,
     ) -> Result<bool, StoreError> {
         let txn = self.begin_write()?;
         let existed = {

@@ -321,7 +321,10 @@ mod tests {
     }
 
     /// Collects, for each event, the name of the span it was logged in.
-    struct SpanOfEvents(Arc<Mutex<Vec<(String, Option<String>)>>>);
+    struct SpanOfEvents(Seen);
+
+    /// Each event's message and the name of its span.
+    type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
 
     impl<S> tracing_subscriber::Layer<S> for SpanOfEvents
     where
