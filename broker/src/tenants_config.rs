@@ -504,4 +504,48 @@ mod tests {
                 name: "training".into()
             }));
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_config_reload_commits_each_change_with_its_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
+        arb.change_quota_for(
+            "a".into(),
+            QuotaUpdate::Replace(Quota {
+                limit_bytes: 8 << 20,
+                ..Quota::default()
+            }),
+            crate::audit::Who::system("test"),
+        )
+        .await
+        .unwrap();
+        let declared = parse(
+            std::path::Path::new("tenants.toml"),
+            "[tenants.a]\nlimit = \"16MiB\"\n",
+        )
+        .unwrap();
+        let a = arb.clone();
+        let changes = arb
+            .run_durable(move || Ok(apply(&a, &declared, "SIGHUP")))
+            .await
+            .unwrap();
+        assert_eq!(changes.len(), 1);
+        let records = arb
+            .list_audit(&crate::audit::AuditFilter::default())
+            .unwrap();
+        assert_eq!(
+            records
+                .iter()
+                .map(|r| r.action.as_str())
+                .collect::<Vec<_>>(),
+            ["quota.set", "config.reload"]
+        );
+        assert_eq!(records[1].who, crate::audit::Who::system("SIGHUP"));
+        assert_eq!(records[1].before, records[0].after);
+        arb.join_workers(std::time::Duration::from_secs(5)).await;
+        drop(arb);
+        let (tenants, durable) = crate::arbiter::durable_tests::reopened(dir.path());
+        assert_eq!(tenants, vec![("a".to_string(), 16 << 20)]);
+        assert_eq!(durable, records);
+    }
 }

@@ -1,5 +1,5 @@
 //! Unit tests of operators' durable changes (quotas, tenant deletion, tokens, config
-//! reloads, audit-only records) through the store writer: each change and its
+//! reloads: `tenants_config.rs`; audit-only records) through the store writer: each change and its
 //! audit record in one commit, in the order asked for, memory and store agreeing after
 //! concurrent changes and after a restart, and the writer's shutdown.
 
@@ -11,7 +11,7 @@ use crate::ledger::{Quota, QuotaPatch};
 const MIB: u64 = 1 << 20;
 
 /// An arbiter over one simulated 1 GiB device whose tenants live in `dir`'s store.
-fn stored_arbiter(dir: &std::path::Path) -> Arc<Arbiter> {
+pub(crate) fn stored_arbiter(dir: &std::path::Path) -> Arc<Arbiter> {
     let spec = crate::backend::BackendSpec {
         choice: crate::backend::BackendChoice::Host,
         cuda_devices: None,
@@ -58,7 +58,9 @@ fn who() -> Who {
 }
 
 /// What the store holds once the arbiter is gone: tenants by name, and the audit log.
-fn reopened(dir: &std::path::Path) -> (Vec<(String, u64)>, Vec<crate::audit::AuditRecord>) {
+pub(crate) fn reopened(
+    dir: &std::path::Path,
+) -> (Vec<(String, u64)>, Vec<crate::audit::AuditRecord>) {
     let store = Store::open(dir).unwrap();
     let (tenants, _) = store.load().unwrap();
     let log = AuditLog::open(Some(&store), 1000).unwrap();
@@ -426,33 +428,4 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
     );
     drop(arb);
     assert_eq!(reopened(dir.path()).1, records, "every record durable");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_config_reload_commits_each_change_with_its_record() {
-    let dir = tempfile::tempdir().unwrap();
-    let arb = stored_arbiter(dir.path());
-    arb.change_quota_for("a".into(), limit(8 * MIB), who())
-        .await
-        .unwrap();
-    let declared = crate::tenants_config::parse(
-        std::path::Path::new("tenants.toml"),
-        "[tenants.a]\nlimit = \"16MiB\"\n",
-    )
-    .unwrap();
-    let a = arb.clone();
-    let changes = arb
-        .run_durable(move || Ok(crate::tenants_config::apply(&a, &declared, "SIGHUP")))
-        .await
-        .unwrap();
-    assert_eq!(changes.len(), 1);
-    let records = arb.list_audit(&AuditFilter::default()).unwrap();
-    assert_eq!(actions(&records), ["quota.set", "config.reload"]);
-    assert_eq!(records[1].who, Who::system("SIGHUP"));
-    assert_eq!(records[1].before, records[0].after);
-    arb.join_workers(Duration::from_secs(5)).await;
-    drop(arb);
-    let (tenants, durable) = reopened(dir.path());
-    assert_eq!(tenants, vec![("a".to_string(), 16 * MIB)]);
-    assert_eq!(durable, records);
 }

@@ -543,6 +543,6 @@ pub(crate) fn host_arbiter(capacity: u64, devices: u32, cfg: ArbiterConfig) -> A
 }
 
 #[cfg(test)]
-mod durable_tests;
+pub(crate) mod durable_tests;
 #[cfg(test)]
 mod tests;
