@@ -20,8 +20,10 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
-/// The compute-turn scheduler of every device: the core under its own lock (a leaf lock,
-/// see docs/architecture.md) and the hand-off histogram.
+/// The compute-turn scheduler of every device: the core under its own lock (taken under
+/// the state lock or alone; under it only the outbox's turn reply table is taken, to
+/// register a request's channel: docs/architecture.md, "Locks and their order") and the
+/// hand-off histogram.
 pub(crate) struct Scheduler {
     core: Mutex<Turns>,
     handoff: Histogram,
