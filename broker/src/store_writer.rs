@@ -163,7 +163,7 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -320,36 +320,72 @@ mod tests {
         assert_eq!(w.submit(|| ()), Err(WriterError::Stopped));
     }
 
-    /// Collects, for each event, the name of the span it was logged in.
-    struct SpanOfEvents(Seen);
+    /// Each event's message and the span it was logged in (`name{field=value ...}`).
+    pub(crate) type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
 
-    /// Each event's message and the name of its span.
-    type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
+    /// A tracing layer that collects, for each event, its message and its span.
+    pub(crate) struct SpanOfEvents(pub(crate) Seen);
+
+    /// A span's fields as text (kept in the span's extensions).
+    struct Fields(String);
+
+    #[derive(Default)]
+    struct Text(String);
+
+    impl tracing::field::Visit for Text {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if !self.0.is_empty() {
+                self.0.push(' ');
+            }
+            if field.name() == "message" {
+                self.0.push_str(&format!("{value:?}"));
+            } else {
+                self.0.push_str(&format!("{}={value:?}", field.name()));
+            }
+        }
+    }
+
+    /// An event's message only.
+    #[derive(Default)]
+    struct Message(String);
+
+    impl tracing::field::Visit for Message {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
 
     impl<S> tracing_subscriber::Layer<S> for SpanOfEvents
     where
         S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
     {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            id: &tracing::span::Id,
+            ctx: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            let mut text = Text::default();
+            attrs.record(&mut text);
+            if let Some(span) = ctx.span(id) {
+                span.extensions_mut()
+                    .insert(Fields(format!("{}{{{}}}", span.name(), text.0)));
+            }
+        }
+
         fn on_event(
             &self,
             event: &tracing::Event<'_>,
             ctx: tracing_subscriber::layer::Context<'_, S>,
         ) {
-            let mut message = String::new();
-            struct Message<'a>(&'a mut String);
-            impl tracing::field::Visit for Message<'_> {
-                fn record_debug(
-                    &mut self,
-                    field: &tracing::field::Field,
-                    value: &dyn std::fmt::Debug,
-                ) {
-                    if field.name() == "message" {
-                        *self.0 = format!("{value:?}");
-                    }
-                }
-            }
-            event.record(&mut Message(&mut message));
-            let span = ctx.event_span(event).map(|s| s.name().to_string());
+            let mut message = Message::default();
+            event.record(&mut message);
+            let message = message.0;
+            let span = ctx
+                .event_span(event)
+                .and_then(|s| s.extensions().get::<Fields>().map(|f| f.0.clone()));
             self.0.lock().push((message, span));
         }
     }
@@ -371,7 +407,7 @@ mod tests {
         w.run(|| ()).await.unwrap();
         let seen = seen.lock().clone();
         assert!(
-            seen.contains(&("committed".into(), Some("rpc".into()))),
+            seen.contains(&("committed".into(), Some("rpc{method=\"SetQuota\"}".into()))),
             "{seen:?}"
         );
         assert!(seen.contains(&("unawaited".into(), None)), "{seen:?}");

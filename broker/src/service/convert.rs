@@ -239,11 +239,6 @@ pub fn scope_from(v: i32) -> Result<Scope, BrokerError> {
     }
 }
 
-/// A token's public fields as the audit log records them.
-pub fn token_json(t: &TokenEntry) -> serde_json::Value {
-    crate::audit::token_json(t)
-}
-
 pub fn audit_entry(r: &AuditRecord) -> pb::AuditEntry {
     let json =
         |v: &Option<serde_json::Value>| v.as_ref().map(|v| v.to_string()).unwrap_or_default();
