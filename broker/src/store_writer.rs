@@ -163,7 +163,7 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -321,10 +321,10 @@ pub(crate) mod tests {
     }
 
     /// Each event's message and the span it was logged in (`name{field=value ...}`).
-    pub(crate) type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
+    type Seen = Arc<Mutex<Vec<(String, Option<String>)>>>;
 
     /// A tracing layer that collects, for each event, its message and its span.
-    pub(crate) struct SpanOfEvents(pub(crate) Seen);
+    struct SpanOfEvents(Seen);
 
     /// A span's fields as text (kept in the span's extensions).
     struct Fields(String);

@@ -429,34 +429,3 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
     drop(arb);
     assert_eq!(reopened(dir.path()).1, records, "every record durable");
 }
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_quota_change_logs_in_its_rpcs_span() {
-    // Run on the store writer, the change's log lines (the quota set, its warnings, the
-    // audit line) still read as the RPC's.
-    use tracing::Instrument;
-    use tracing_subscriber::layer::SubscriberExt;
-    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let subscriber =
-        tracing_subscriber::registry().with(crate::store_writer::tests::SpanOfEvents(seen.clone()));
-    let dispatch = tracing::Dispatch::new(subscriber);
-    let _default = tracing::dispatcher::set_default(&dispatch);
-    let dir = tempfile::tempdir().unwrap();
-    let arb = stored_arbiter(dir.path());
-    arb.change_quota_for("a".into(), limit(8 * MIB), who())
-        .instrument(tracing::info_span!("rpc", method = "SetQuota"))
-        .await
-        .unwrap();
-    arb.join_workers(Duration::from_secs(5)).await;
-    let seen = seen.lock().clone();
-    let rpc = Some("rpc{method=\"SetQuota\"}".to_string());
-    assert!(
-        seen.contains(&("quota set".into(), rpc.clone())),
-        "{seen:?}"
-    );
-    let audit_line = seen
-        .iter()
-        .find(|(m, _)| m == "audit")
-        .unwrap_or_else(|| panic!("no audit line: {seen:?}"));
-    assert_eq!(audit_line.1, rpc, "{seen:?}");
-}
