@@ -321,7 +321,9 @@ async fn huge_strings_are_refused_by_name_not_echoed() {
 #[tokio::test]
 async fn turn_waiters_per_tenant_are_capped() {
     use gpu_broker_client::proto::v1 as pb;
-    let b = broker_64mib(&["--max-waiting-per-tenant", "2"]);
+    // A long quantum: the holder keeps its turn while the waiters are counted (with the
+    // default 100 ms + grace it would be taken, a waiter served, and the third let in).
+    let b = broker_64mib(&["--max-waiting-per-tenant", "2", "--turn-quantum", "10min"]);
     let token = b.tenant("t", QuotaSpec::new(64 * MIB)).await.unwrap();
     let holder_token = b.tenant("h", QuotaSpec::new(64 * MIB)).await.unwrap();
     let mut h = raw::broker(&b.uri(), &holder_token).await;
