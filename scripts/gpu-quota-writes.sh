@@ -23,6 +23,10 @@
 #      the same pace
 #   5. with gpu-broker-before: scripts/bench-ab.sh A B (throughput and latency, no writes)
 #   6. with EXTRA=1: the broker's log at warn, and its runtime at 4 worker threads
+# PARTS=burn runs one short part instead (~60 s): gpu-broker on its main socket and C (the
+# admin loop on its operators' socket), writer process, state on disk, tight loop: set,
+# get, and burn (the control for CPU busy elsewhere: a process that talks to nobody keeps
+# as many cores busy as set added to the broker, `--op burn`).
 # REPEAT (4), DURATION (1s), ROUNDS (3, part 5) scale it. Every part has its `timeout`.
 set -euo pipefail
 if [ "${1:-}" = build ]; then
@@ -90,6 +94,14 @@ qw() { # qw NAME TIMEOUT TMPDIR ARGS...
         --repeat "$repeat" --duration "$duration" "$@" || echo "$name rc=$?"
     echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 }
+if [ "${PARTS:-all}" = burn ]; then
+    first=$main
+    also=(--also "$main --admin-listen $ops/admin.sock")
+    qw "part burn: writer process, disk, set, get and burn (a CPU load alone)" 120 "$disk" \
+        --writer process --op set,get,burn "${also[@]}"
+    date -u +%FT%TZ
+    exit 0
+fi
 qw "part 1: writer process, disk, set and get" 180 "$disk" \
     --writer process --op set,get ${also[@]+"${also[@]}"}
 qw "part 2: writer task, disk" 90 "$disk" --writer task --op set ${also[@]+"${also[@]}"}

@@ -14,7 +14,9 @@
 //! - `--op set,get`: `set` sets a quota (a durable store commit with fsync, then applied
 //!   in memory and the queue run); `get` reads one (`GetQuota`, no commit) at the same pace (the calls a second `set` reached on that
 //!   broker just before, in the same run; or `--rate`), as a control: if it costs as
-//!   much, the commit is not the cause.
+//!   much, the commit is not the cause; `burn` makes no call: a child process keeps
+//!   `--burn-cores` busy (default: the cores `set` added to that broker in the run), the
+//!   control for CPU busy elsewhere on the host.
 //! - `--writer process|task`: the admin loop runs in a child process of the bench (the
 //!   default: what an operator's `gpu-brokerctl` is, sharing no runtime or thread with the
 //!   timed worker) or as a task on the bench's own runtime, beside the worker.
@@ -60,8 +62,11 @@ pub enum WriterIn {
 pub enum Op {
     /// `SetQuota`: a durable commit, then applied in memory.
     Set,
-    /// `GetQuota`: a read on the broker's main runtime, no commit (the control).
+    /// `GetQuota`: a read, no commit (the control).
     Get,
+    /// No call at all: a child process that talks to nobody burns `--burn-cores` of CPU
+    /// (the control for CPU busy elsewhere on the host).
+    Burn,
 }
 
 impl Op {
@@ -69,6 +74,7 @@ impl Op {
         match self {
             Op::Set => "set",
             Op::Get => "get",
+            Op::Burn => "burn",
         }
     }
 }
@@ -105,6 +111,10 @@ pub struct QuotaWritesArgs {
     /// broker in each run).
     #[arg(long)]
     pub also: Vec<String>,
+    /// Cores the `burn` arm keeps busy (0: the broker cores the `set` arm added over alone
+    /// on that broker in the same run, or 0.6 without a `set` arm).
+    #[arg(long, default_value_t = 0.0)]
+    pub burn_cores: f64,
 }
 
 /// One broker set up: its worker's session and the tenants the admin loop writes.
@@ -188,15 +198,28 @@ pub async fn run(common: &Common, a: &QuotaWritesArgs) -> Result<()> {
     for rep in 0..a.repeat {
         // The pace `set` reached on each broker this run (`get` keeps to it).
         let mut set_pace = vec![0u32; brokers.len()];
+        // The broker cores alone, and what `set` added over them (the `burn` arm's load).
+        let mut alone_cores = vec![None; brokers.len()];
+        let mut set_excess = vec![None; brokers.len()];
         for (i, op) in arms.iter().enumerate() {
             for (b, br) in brokers.iter().enumerate() {
                 let rate = match op {
                     Some(Op::Get) if a.rate == 0 => set_pace[b],
                     _ => a.rate,
                 };
-                let r = measure(br, *op, rate, a).await?;
-                if *op == Some(Op::Set) {
-                    set_pace[b] = r.calls_per_s.round() as u32;
+                let burn = if a.burn_cores > 0.0 {
+                    a.burn_cores
+                } else {
+                    set_excess[b].filter(|c: &f64| *c > 0.0).unwrap_or(0.6)
+                };
+                let r = measure(br, *op, rate, burn, a).await?;
+                match op {
+                    None => alone_cores[b] = r.broker_cores,
+                    Some(Op::Set) => {
+                        set_pace[b] = r.calls_per_s.round() as u32;
+                        set_excess[b] = r.broker_cores.zip(alone_cores[b]).map(|(s, a)| s - a);
+                    }
+                    _ => {}
                 }
                 json_line(
                     common.json,
@@ -345,6 +368,7 @@ fn arm_name(op: Option<Op>) -> &'static str {
         None => "alone",
         Some(Op::Set) => "set quotas",
         Some(Op::Get) => "get quotas",
+        Some(Op::Burn) => "burn cpu",
     }
 }
 
@@ -440,6 +464,7 @@ async fn admin_loop(
             Op::Get => {
                 admin.get_quota(name).await?;
             }
+            Op::Burn => bail!("the burn arm makes no admin call"),
         }
         h.record(t0.elapsed());
         i += 1;
@@ -464,7 +489,13 @@ enum Writer {
 }
 
 impl Writer {
-    async fn start(b: &Broker, op: Op, rate: u32, place: WriterIn) -> Result<Writer> {
+    async fn start(b: &Broker, op: Op, rate: u32, burn: f64, place: WriterIn) -> Result<Writer> {
+        // The burn arm always runs in a process of its own.
+        let place = if op == Op::Burn {
+            WriterIn::Process
+        } else {
+            place
+        };
         match place {
             WriterIn::Task => {
                 let stop = Arc::new(AtomicBool::new(false));
@@ -485,7 +516,7 @@ impl Writer {
             }
             WriterIn::Process => {
                 let (uri, token) = (b.admin_uri.clone(), b.target.admin_token.clone());
-                let (names, rate) = (b.names.join(","), rate.to_string());
+                let (names, rate, burn) = (b.names.join(","), rate.to_string(), burn.to_string());
                 let (child, out, line) = tokio::task::spawn_blocking(move || {
                     start_child(
                         "quota-writer",
@@ -498,6 +529,8 @@ impl Writer {
                             op.name(),
                             "--rate",
                             &rate,
+                            "--burn-cores",
+                            &burn,
                         ],
                         &[("GPB_BENCH_ADMIN_TOKEN", &token)],
                     )
@@ -575,10 +608,16 @@ impl WriterReport {
 }
 
 /// Pooled acquires for `a.duration`, each timed; with `op`, the admin loop runs meanwhile.
-async fn measure(b: &Broker, op: Option<Op>, rate: u32, a: &QuotaWritesArgs) -> Result<Run> {
+async fn measure(
+    b: &Broker,
+    op: Option<Op>,
+    rate: u32,
+    burn: f64,
+    a: &QuotaWritesArgs,
+) -> Result<Run> {
     let writer = match op {
         Some(op) => {
-            let w = Writer::start(b, op, rate, a.writer).await?;
+            let w = Writer::start(b, op, rate, burn, a.writer).await?;
             // Let the loop reach its steady state.
             tokio::time::sleep(Duration::from_millis(50)).await;
             Some(w)
@@ -642,11 +681,73 @@ pub struct QuotaWriterArgs {
     op: Op,
     #[arg(long, default_value_t = 0)]
     rate: u32,
+    /// Cores the burn arm keeps busy.
+    #[arg(long, default_value_t = 0.6)]
+    burn_cores: f64,
+}
+
+/// The burn arm: threads that keep `cores` of CPU busy (each a duty cycle of 1 ms slices)
+/// until `stop`; (slices, seconds).
+fn burn(cores: f64, stop: Arc<AtomicBool>) -> (u64, Duration) {
+    let threads = cores.ceil().max(1.0) as usize;
+    let duty = (cores / threads as f64).clamp(0.0, 1.0);
+    let t0 = Instant::now();
+    let slices: u64 = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                let stop = stop.clone();
+                s.spawn(move || {
+                    let mut n = 0u64;
+                    let slice = Duration::from_millis(1);
+                    while !stop.load(Ordering::Relaxed) {
+                        let start = Instant::now();
+                        let mut x = 0u64;
+                        while start.elapsed() < slice.mul_f64(duty) {
+                            x = std::hint::black_box(
+                                x.wrapping_mul(6364136223846793005).wrapping_add(1),
+                            );
+                        }
+                        std::thread::sleep(slice.mul_f64(1.0 - duty));
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(0)).sum()
+    });
+    (slices, t0.elapsed())
 }
 
 /// Runs the admin loop until stdin closes; prints "ready" once the first call is
 /// answered, then the figures ([`WriterReport`]).
 pub async fn writer_process(a: &QuotaWriterArgs) -> Result<()> {
+    if a.op == Op::Burn {
+        anyhow::ensure!(
+            a.burn_cores > 0.0 && a.burn_cores <= 64.0,
+            "--burn-cores must be in (0, 64]"
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        std::thread::spawn(move || {
+            until_stdin_closes();
+            s.store(true, Ordering::Relaxed);
+        });
+        let cpu0 = process_cpu(None).unwrap_or_default();
+        println!("ready");
+        let _ = std::io::stdout().flush();
+        let cores = a.burn_cores;
+        let (_, ran) = tokio::task::spawn_blocking(move || burn(cores, stop)).await?;
+        let cpu = process_cpu(None).unwrap_or_default().saturating_sub(cpu0);
+        let r = WriterReport {
+            calls: 0,
+            secs: ran.as_secs_f64(),
+            p50_us: 0.0,
+            cpu_s: cpu.as_secs_f64(),
+        };
+        println!("{}", r.line());
+        return Ok(());
+    }
     anyhow::ensure!(!a.tenants.is_empty(), "no tenants to write");
     let admin = AdminClient::connect(&a.uri, std::env::var("GPB_BENCH_ADMIN_TOKEN")?).await?;
     let stop = Arc::new(AtomicBool::new(false));
