@@ -298,6 +298,7 @@ impl Arbiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arbiter::tests::req;
     use crate::arbiter::ArbiterConfig;
     use crate::ledger::Quota;
     use crate::session::Peer;
@@ -337,19 +338,6 @@ mod tests {
             wait,
             label: String::new(),
             compute_percent: None,
-        }
-    }
-
-    fn lease(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
-        AcquireRequest {
-            tenant: tenant.into(),
-            session,
-            bytes,
-            device: None,
-            wait: Duration::ZERO,
-            label: String::new(),
-            reclaimable: false,
-            fallback_host: false,
         }
     }
 
@@ -423,9 +411,9 @@ mod tests {
         assert!(matches!(e, BrokerError::FailedPrecondition(_)), "{e:?}");
         // The device counts it: b gets 1024 - 300 at most now, and waits for more.
         let sb = session(&arb, "b", None);
-        let e = arb.acquire(lease("b", sb, 800 * MIB)).await.unwrap_err();
+        let e = arb.acquire(req("b", sb, 800 * MIB)).await.unwrap_err();
         assert!(matches!(e, BrokerError::NoCapacity { .. }), "{e:?}");
-        let big = arb.acquire(lease("b", sb, 724 * MIB)).await.unwrap();
+        let big = arb.acquire(req("b", sb, 724 * MIB)).await.unwrap();
         let sb2 = session(&arb, "b", None);
         let waiting = {
             let arb = arb.clone();
@@ -498,7 +486,7 @@ mod tests {
             .unwrap();
         assert_eq!(arb.state.lock().ledger().device_committed("a", 0), 64 * MIB);
         let other = session(&arb, "a", None);
-        let e = arb.acquire(lease("a", other, 64 * MIB)).await.unwrap_err();
+        let e = arb.acquire(req("a", other, 64 * MIB)).await.unwrap_err();
         assert!(
             matches!(e, BrokerError::DeviceQuotaExceeded { .. }),
             "{e:?}"
@@ -548,7 +536,7 @@ mod tests {
             .unwrap();
         // Another session of the same process (a worker library inside the program).
         let worker = session(&arb, "a", Some(me));
-        let l = arb.acquire(lease("a", worker, 128 * MIB)).await.unwrap();
+        let l = arb.acquire(req("a", worker, 128 * MIB)).await.unwrap();
         let u = usage(&arb, "a");
         assert_eq!(
             (u.held_bytes, u.process_reserved_bytes),
@@ -558,10 +546,7 @@ mod tests {
         assert_eq!(arb.list_reservations(Some("a"))[0].drawn_bytes, 128 * MIB);
         check_books(&arb, &[("a", 600 * MIB)]);
         // Beyond the room: refused, though the quota would have allowed 88 MiB more.
-        let e = arb
-            .acquire(lease("a", worker, 400 * MIB))
-            .await
-            .unwrap_err();
+        let e = arb.acquire(req("a", worker, 400 * MIB)).await.unwrap_err();
         assert!(
             matches!(e, BrokerError::ReservationExceeded { requested, reserved, drawn, .. }
                 if (requested, reserved, drawn) == (400 * MIB, 512 * MIB, 128 * MIB)),
@@ -569,7 +554,7 @@ mod tests {
         );
         // Another process of the tenant is charged normally.
         let other = session(&arb, "a", None);
-        let o = arb.acquire(lease("a", other, 64 * MIB)).await.unwrap();
+        let o = arb.acquire(req("a", other, 64 * MIB)).await.unwrap();
         assert_eq!(usage(&arb, "a").committed_bytes(), 576 * MIB);
         arb.release("a", o.id).unwrap();
         // Released: back into the room.
@@ -578,7 +563,7 @@ mod tests {
         assert_eq!((u.held_bytes, u.process_reserved_bytes), (0, 512 * MIB));
         check_books(&arb, &[("a", 600 * MIB)]);
         // A drawn lease outliving the reservation stays an ordinary lease.
-        let l = arb.acquire(lease("a", worker, 64 * MIB)).await.unwrap();
+        let l = arb.acquire(req("a", worker, 64 * MIB)).await.unwrap();
         arb.release_process("a", r.id).unwrap();
         let u = usage(&arb, "a");
         assert_eq!(
@@ -665,7 +650,7 @@ mod tests {
                 if r.is_ok() {
                     granted = 1;
                     // Some draw leases from it, some lease beside it.
-                    let _ = arb.acquire(lease(t, s, 8 * MIB)).await;
+                    let _ = arb.acquire(req(t, s, 8 * MIB)).await;
                 }
                 tokio::task::yield_now().await;
                 if i % 4 == 0 {

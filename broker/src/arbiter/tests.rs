@@ -25,7 +25,7 @@ fn quota(limit: u64) -> Quota {
     }
 }
 
-fn req(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
+pub(super) fn req(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
     AcquireRequest {
         tenant: tenant.into(),
         session,
