@@ -193,7 +193,11 @@ impl Arbiter {
                 self.cfg.max_wait.as_millis()
             )));
         }
-        let who = {
+        // The session is checked and the request queued in one hold of the state lock
+        // (state, then scheduler): a session ending in between would leave a turn queued
+        // or held for a session that is gone. The effects are carried out after both.
+        let max_waiting = self.cfg.max_waiting_per_tenant;
+        let (queued, fx) = {
             let mut st = self.lock();
             let weight = st
                 .ledger()
@@ -205,18 +209,20 @@ impl Arbiter {
                 .filter(|s| s.tenant == tenant)
                 .ok_or_else(|| session_not_found(session))?;
             s.last_seen.touch();
-            Requester {
+            let who = Requester {
                 tenant: tenant.to_string(),
                 session,
                 weight,
-            }
+            };
+            self.turn_hold(|t| {
+                let id = t.request(device, who, max_waiting, Instant::now())?;
+                // In the hold that queued it: in place before any answer is delivered.
+                Ok::<_, BrokerError>((id, self.outbox.register_turn_reply(id)))
+            })
         };
-        let max_waiting = self.cfg.max_waiting_per_tenant;
-        let (queued, _) = self.turns(|t| {
-            let id = t.request(device, who, max_waiting, Instant::now())?;
-            // In the hold that queued it: in place before any answer is delivered.
-            Ok::<_, BrokerError>((id, self.outbox.register_turn_reply(id)))
-        });
+        if !fx.is_empty() {
+            self.deliver_turns(fx);
+        }
         let (waiter, rx) = queued?;
         let mut guard = TurnWait {
             arb: self.clone(),
@@ -563,6 +569,33 @@ mod tests {
             .sum();
         // A turn given back for a caller that left is not booked: exactly the received ones.
         assert_eq!(booked, u64::from(got));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_turn_is_never_left_for_a_session_that_ended_while_it_asked() {
+        // A session ends while its turn request comes in, many times over: whichever
+        // comes first, no turn, waiter or reply channel is left for the gone session.
+        let arb = arbiter(slots(60_000));
+        for _ in 0..200 {
+            let (s, _rx) = session(&arb, "t");
+            let ask = {
+                let arb = arb.clone();
+                tokio::spawn(async move { arb.acquire_turn("t", s, 0, Duration::ZERO).await })
+            };
+            let end = {
+                let arb = arb.clone();
+                tokio::task::spawn_blocking(move || arb.end_session(s, "gone"))
+            };
+            let _ = end.await;
+            let _ = ask.await.unwrap();
+            assert_eq!(
+                arb.scheduler.holders(0),
+                0,
+                "a turn held for an ended session"
+            );
+            assert_eq!(arb.scheduler.device_state(0), (None, 0));
+            assert_eq!(arb.outbox.turn_replies_len(), 0);
+        }
     }
 
     #[tokio::test(flavor = "current_thread")]

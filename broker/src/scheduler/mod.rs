@@ -183,7 +183,8 @@ impl Turns {
     /// Asks for a turn on `device`: the request waits as the returned waiter (granted at
     /// once when a slot is free: its `Reply` is among the effects). Refused
     /// (`RESOURCE_EXHAUSTED`) when the tenant already has `max_waiting` requests waiting
-    /// across the devices, `INVALID_ARGUMENT` for a device that does not exist, and
+    /// across the devices, `INVALID_ARGUMENT` for a device that does not exist (checked
+    /// first: a bad device is a bad request whatever the queue), and
     /// `FAILED_PRECONDITION` when the session already holds a turn of the device.
     pub fn request(
         &mut self,
@@ -192,6 +193,12 @@ impl Turns {
         max_waiting: usize,
         now: Instant,
     ) -> BrokerResult<TurnWaiterId> {
+        let n = self.devices.len();
+        if device as usize >= n {
+            return Err(BrokerError::InvalidArgument(format!(
+                "unknown device {device}: this broker has {n} device(s)"
+            )));
+        }
         let waiting = self
             .devices
             .iter()
@@ -204,12 +211,6 @@ impl Turns {
                 waiting,
                 queue: crate::error::Queue::Turn,
             });
-        }
-        let n = self.devices.len();
-        if device as usize >= n {
-            return Err(BrokerError::InvalidArgument(format!(
-                "unknown device {device}: this broker has {n} device(s)"
-            )));
         }
         let slots = self.cfg.slots as usize;
         let d = &mut self.devices[device as usize];

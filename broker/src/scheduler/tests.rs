@@ -344,6 +344,11 @@ fn a_cancelled_waiter_is_skipped() {
         s.s.request(9, who("d", 1), usize::MAX, s.now),
         Err(BrokerError::InvalidArgument(_))
     ));
+    // A bad device is a bad request, also from a tenant at its waiting cap.
+    assert!(matches!(
+        s.s.request(9, who("d", 1), 0, s.now),
+        Err(BrokerError::InvalidArgument(_))
+    ));
 }
 
 #[test]
