@@ -301,12 +301,12 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
         if matches!(change, Change::Same { .. }) {
             continue;
         }
-        // Each change is committed with its audit record (`config.reload`).
+        // Each change is committed with its audit record (`config.reload`, on the tenant).
         let who = crate::audit::Who::system(why);
         match arb.change_quota_recorded(
             &d.name,
             QuotaUpdate::Patch(d.patch.clone()),
-            Some((&who, "config.reload")),
+            Some((&who, "config.reload", &d.name)),
         ) {
             Ok(_) => {
                 tracing::info!(tenant = %d.name, why, "config: {}", describe_change(&change));
@@ -541,6 +541,10 @@ mod tests {
             ["quota.set", "config.reload"]
         );
         assert_eq!(records[1].who, crate::audit::Who::system("SIGHUP"));
+        assert_eq!(
+            (records[1].tenant.as_str(), records[1].target.as_str()),
+            ("a", "a")
+        );
         assert_eq!(records[1].before, records[0].after);
         arb.join_workers(std::time::Duration::from_secs(5)).await;
         drop(arb);

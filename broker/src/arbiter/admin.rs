@@ -141,7 +141,7 @@ impl Arbiter {
         name: &str,
         update: QuotaUpdate,
     ) -> BrokerResult<QuotaChange> {
-        self.change_quota_audited(name, update, None)
+        self.change_quota_recorded(name, update, None)
     }
 
     /// [`Arbiter::change_quota`] for an operator's RPC: run on the store writer (a thread
@@ -155,8 +155,10 @@ impl Arbiter {
         who: crate::audit::Who,
     ) -> BrokerResult<QuotaChange> {
         let me = self.clone();
-        self.on_store_writer(move || me.change_quota_audited(&name, update, Some(&who)))
-            .await
+        self.on_store_writer(move || {
+            me.change_quota_recorded(&name, update, Some((&who, "quota.set", "")))
+        })
+        .await
     }
 
     /// Runs `change` on the store writer (started on first use, inside the caller's
@@ -211,25 +213,14 @@ impl Arbiter {
         off_the_runtime(|| w.stop());
     }
 
-    /// [`Arbiter::change_quota`]; with `who`, its audit record (`quota.set`, the quota
-    /// before and after) is committed in the same transaction as the quota, and logged.
-    pub(crate) fn change_quota_audited(
-        self: &Arc<Self>,
-        name: &str,
-        update: QuotaUpdate,
-        who: Option<&crate::audit::Who>,
-    ) -> BrokerResult<QuotaChange> {
-        self.change_quota_recorded(name, update, who.map(|w| (w, "quota.set")))
-    }
-
-    /// [`Arbiter::change_quota`]; with `(who, action)`, its audit record (`action`, the
-    /// quota before, read under the same locks, and after) is committed in the same
-    /// transaction as the quota, and logged.
+    /// [`Arbiter::change_quota`]; with `(who, action, target)`, its audit record
+    /// (`action` on `target`, the quota before, read under the same locks, and after) is
+    /// committed in the same transaction as the quota, and logged.
     pub fn change_quota_recorded(
         self: &Arc<Self>,
         name: &str,
         update: QuotaUpdate,
-        who: Option<(&crate::audit::Who, &str)>,
+        who: Option<(&crate::audit::Who, &str, &str)>,
     ) -> BrokerResult<QuotaChange> {
         validate_tenant_name(name)?;
         let _writes = self.admin_writes();
@@ -258,8 +249,8 @@ impl Arbiter {
             name: name.to_string(),
             quota: quota.clone(),
         };
-        let rec = who.map(|(who, action)| {
-            crate::audit::AuditRecord::now(who, action, name, "", before, Some(quota.to_json()))
+        let rec = who.map(|(who, action, target)| {
+            crate::audit::AuditRecord::now(who, action, name, target, before, Some(quota.to_json()))
         });
         self.durable_recorded(rec, |store, audit| {
             store.put_tenant_with(&record, |txn| audit.map_or(Ok(()), |a| a(txn)))

@@ -19,6 +19,11 @@ impl Arbiter {
     /// Starts the background workers (`workers.rs`); they end when `stop` is cancelled
     /// ([`Arbiter::join_workers`] waits for them).
     pub fn spawn_background(self: &Arc<Self>, stop: CancellationToken) {
+        // The store writer starts here, inside the main runtime (what its changes spawn,
+        // grants and watchers, runs there), not in whichever runtime asks first.
+        if let Err(e) = self.store_writer() {
+            tracing::error!("{e}");
+        }
         let me = self.clone();
         self.workers.spawn("ticker", stop.clone(), async move {
             // Fine enough for compute-turn quanta of tens of milliseconds.
