@@ -114,6 +114,8 @@ pub async fn serve(
         crate::gate::GateLayer::new(arb.authenticator().clone()).with_rate_limit(arb.config().rate);
     let conns = crate::listener::ConnTracker::new(listeners.limits.clone());
     tracing::info!(limits = ?conns.limits(), "connection limits");
+    // One count of open calls that need no token, whichever socket they come through.
+    let unauth = crate::listener::UnauthStreamsLayer::new(&conns);
     let server = |reads: crate::read_pool::ReadsLayer| {
         tonic::transport::Server::builder()
             // Every request gets a span named by its method; the services add tenant,
@@ -126,7 +128,7 @@ pub async fn serve(
             // Connection and stream limits (listener.rs): calls per connection, and open
             // calls to the services that need no token.
             .max_concurrent_streams(listeners.limits.max_streams_per_connection)
-            .layer(crate::listener::UnauthStreamsLayer::new(&conns))
+            .layer(unauth.clone())
             // Admin calls and listings run (and are encoded) on the operators' runtime.
             .layer(reads)
     };

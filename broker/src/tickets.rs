@@ -258,8 +258,10 @@ impl Inner {
         for t in old {
             self.remove(&t);
         }
-        // Tombstones are laid in expiry order (one TTL for all, save when it is changed):
-        // the expired ones are at the front.
+        // Tombstones are laid when their lease ends, so roughly but not exactly in expiry
+        // order (a ticket minted earlier may end later): this drops the expired ones at the
+        // front; one left behind a younger one is still refused by its own expiry when
+        // looked up, and the count stays bounded (`MAX_TOMBSTONES`).
         while let Some(front) = self.tomb_order.front() {
             match self.tombstones.get(front) {
                 Some(t) if t.expires > now => break,

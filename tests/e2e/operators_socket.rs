@@ -91,7 +91,7 @@ async fn operators_socket_serves_admin_only_and_lives_like_the_main_one() {
         let e = worker.usage().await.expect_err("no Broker service there");
         assert_eq!(e.code(), Code::Unimplemented, "{e}");
         // ... and are on the main socket.
-        let worker = Client::connect(&b.uri(), token).await.unwrap();
+        let worker = Client::connect(&b.uri(), token.clone()).await.unwrap();
         assert_eq!(worker.usage().await.unwrap().limit_bytes, 8 * MIB);
 
         // A bad token, and a tenant token, are refused on the operators' socket.
@@ -100,6 +100,11 @@ async fn operators_socket_serves_admin_only_and_lives_like_the_main_one() {
             .unwrap();
         let e = bad.list_tenants().await.expect_err("a bad token");
         assert_eq!(e.code(), Code::Unauthenticated, "{e}");
+        let tenant = AdminClient::connect(&uri(&path), token.clone())
+            .await
+            .unwrap();
+        let e = tenant.list_tenants().await.expect_err("a tenant token");
+        assert_eq!(e.code(), Code::PermissionDenied, "{e}");
 
         // A clean stop removes the socket; a restart serves it again.
         b.stop(Duration::from_secs(10)).unwrap();
@@ -200,4 +205,32 @@ async fn operators_socket_shares_the_connection_caps() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(admitted, "a place given back admits an operator again");
+}
+
+/// Open calls that need no token (health watches) are counted once across the main
+/// socket and the operators' socket: the cap is the broker's, not each socket's.
+#[tokio::test]
+async fn calls_without_a_token_share_one_cap_across_the_sockets() {
+    let (b, path) = broker_with_operators_socket(&["--max-unauthenticated-streams", "1"]);
+    let main = gpu_broker_client::connect::connect_channel(&b.uri())
+        .await
+        .unwrap();
+    let ops = gpu_broker_client::connect::connect_channel(&uri(&path))
+        .await
+        .unwrap();
+    let held = HealthWatch::open(&main, "")
+        .await
+        .expect("within the cap")
+        .0;
+    let over = HealthWatch::open(&ops, "")
+        .await
+        .err()
+        .expect("the operators' socket shares the cap");
+    assert_eq!(over.code(), Code::ResourceExhausted, "{over:?}");
+    drop(held);
+    let freed = eventually(Duration::from_secs(5), || async {
+        HealthWatch::open(&ops, "").await.is_ok()
+    })
+    .await;
+    assert!(freed, "a closed watch frees the shared slot");
 }
