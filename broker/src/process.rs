@@ -3,7 +3,8 @@
 //! polling). Used for session peers (their memory may be reused once they are gone) and
 //! for block files left by a dead broker. A check that cannot decide (no descriptor left
 //! to read `/proc`, pid 0 from a peer in another PID namespace) answers
-//! [`Liveness::Unknown`], and nothing treats unknown as gone.
+//! [`Liveness::Unknown`], and nothing treats unknown as gone. Also the one reader of
+//! `/proc/PID/stat` (its fields, a process's parent and lineage) for the rest of the broker.
 
 use std::time::Duration;
 
@@ -123,9 +124,48 @@ fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
     Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// The fields of `/proc/PID/stat` after "pid (comm)", state first (comm may hold spaces
+/// and parentheses); None if the process is gone or unreadable.
+pub fn stat_fields(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat[stat.rfind(')')? + 1..].to_string())
+}
+
+/// The parent of a live process (None if gone or unknown).
+pub fn parent_of(pid: u32) -> Option<u32> {
+    stat_fields(pid)?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+        .filter(|&p: &u32| p != 0)
+}
+
+/// `pid`, its parent, grandparent, ..., at most 64 of them.
+pub fn lineage(pid: u32) -> impl Iterator<Item = u32> {
+    std::iter::successors(Some(pid), |&p| if p <= 1 { None } else { parent_of(p) }).take(64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stat_reader_finds_parent_and_lineage_and_nothing_for_a_gone_pid() {
+        let me = std::process::id();
+        let parent = parent_of(me).expect("the test has a parent");
+        // SAFETY: getppid has no preconditions.
+        assert_eq!(parent, unsafe { libc::getppid() } as u32);
+        let up: Vec<u32> = lineage(me).collect();
+        assert_eq!(&up[..2], &[me, parent]);
+        assert!(up.len() <= 64);
+        assert!(stat_fields(me)
+            .unwrap()
+            .trim_start()
+            .starts_with(['R', 'S', 'D']));
+        assert_eq!(stat_fields(u32::MAX - 1), None);
+        assert_eq!(parent_of(u32::MAX - 1), None);
+    }
 
     #[test]
     fn own_process_is_alive_and_bogus_pid_is_not() {

@@ -42,9 +42,8 @@ pub enum GroupError {
 
 /// `(ppid, pgrp)` of a process, from `/proc/PID/stat`.
 fn parent_and_group(pid: u32) -> Option<(u32, u32)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses.
-    let rest = &stat[stat.rfind(')')? + 1..];
+    // "state ppid pgrp session ..." after "pid (comm)".
+    let rest = crate::process::stat_fields(pid)?;
     let mut f = rest.split_whitespace();
     let state = f.next()?;
     if state == "Z" || state == "X" {
@@ -55,9 +54,8 @@ fn parent_and_group(pid: u32) -> Option<(u32, u32)> {
 
 /// When a process started (clock ticks since boot), from `/proc/PID/stat`.
 fn start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // After "pid (comm)", field 3 (state) comes first; starttime is field 22.
-    stat[stat.rfind(')')? + 1..]
+    crate::process::stat_fields(pid)?
         .split_whitespace()
         .nth(22 - 3)?
         .parse()

@@ -8,27 +8,11 @@
 use crate::arbiter::queue::{Ask, Granted};
 use crate::arbiter::{AcquireRequest, Arbiter, State};
 use crate::error::{BrokerError, BrokerResult, Missing};
+use crate::process::lineage;
 use crate::reservations::{ProcessAsk, Reservation, ReservationView, ReserveRequest};
 use std::collections::HashMap;
 use std::sync::Arc;
 use uuid::Uuid;
-
-/// `pid`, its parent, grandparent, ... (from `/proc/PID/stat`), at most 64 of them.
-fn lineage(pid: u32) -> impl Iterator<Item = u32> {
-    std::iter::successors(Some(pid), |&p| if p <= 1 { None } else { parent_of(p) }).take(64)
-}
-
-/// The parent of a live process, from `/proc/PID/stat` (None if gone or unknown).
-pub fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
-        .filter(|&p: &u32| p != 0)
-}
 
 /// A lease request of a reserved process, ready to be granted from its reservation.
 pub(crate) struct Drawn {
@@ -584,7 +568,7 @@ mod tests {
         let arb = arbiter(1024 * MIB);
         arb.set_quota("a", quota(1024 * MIB, 0)).unwrap();
         let me = std::process::id();
-        let parent = parent_of(me).expect("the test has a parent");
+        let parent = crate::process::parent_of(me).expect("the test has a parent");
         // The reservation is the parent's (as `run`'s is); this process is its child.
         let owner = session(&arb, "a", Some(parent));
         arb.reserve_process(reserve("a", owner, 512 * MIB, Duration::ZERO))
