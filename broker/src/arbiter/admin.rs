@@ -359,6 +359,9 @@ impl Arbiter {
         for s in sessions {
             self.end_session(s, "tenant deleted");
         }
+        // After its sessions ended (their turns are booked): a tenant created again under
+        // the name must not inherit the counters.
+        self.forget_turns(name);
         tracing::info!(tenant = name, "tenant deleted");
         Ok(())
     }

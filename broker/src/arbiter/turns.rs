@@ -299,6 +299,11 @@ impl Arbiter {
         self.turns(|t| t.end_session(session, Instant::now()));
     }
 
+    /// A tenant was deleted (its sessions ended first): its compute-turn counters go.
+    pub(crate) fn forget_turns(&self, tenant: &str) {
+        self.turns(|t| t.forget_tenant(tenant));
+    }
+
     /// The ticker's compute-turn step: kept slots past their window, yield requests past
     /// the quantum, turns taken past quantum + grace.
     pub(crate) fn tick_turns(&self) {
@@ -636,5 +641,28 @@ mod tests {
         assert_eq!(arb.scheduler.device_state(0), (Some("d".into()), 0));
         assert_eq!(arb.scheduler.usage("c"), TurnUsage::default());
         assert_eq!(arb.outbox.turn_replies_len(), 0);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_deleted_tenant_leaves_no_turn_usage_for_one_created_again() {
+        let arb = arbiter(slots(10_000));
+        let (a, _ea) = session(&arb, "a");
+        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        arb.release_turn("a", ga.turn_id).unwrap();
+        // A turn still held when the tenant goes is booked as its session ends, then
+        // forgotten with the rest.
+        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
+        arb.delete_tenant("a").unwrap();
+        assert_eq!(arb.scheduler.holders(0), 0, "its session's turn ended");
+        assert!(arb.release_turn("a", ga.turn_id).is_err());
+        assert_eq!(arb.scheduler.usage("a"), TurnUsage::default());
+        assert_eq!(arb.scheduler.core.lock().tenants_counted(), 0);
+        // Created again under the name: it starts with no usage.
+        let (a, _ea) = session(&arb, "a");
+        assert_eq!(arb.get_tenant("a").unwrap().turns, TurnUsage::default());
+        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        arb.release_turn("a", ga.turn_id).unwrap();
+        assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
     }
 }

@@ -404,6 +404,19 @@ impl Turns {
         }
     }
 
+    /// A tenant was deleted: its counters go, so a tenant created again under the name
+    /// starts afresh and the table does not grow with tenants that come and go. Its
+    /// sessions are ended first ([`Turns::end_session`] books their turns); a turn of the
+    /// name that ended after this would book a new entry.
+    pub fn forget_tenant(&mut self, tenant: &str) {
+        self.usage.remove(tenant);
+    }
+
+    /// How many tenants have counters (the table [`Turns::forget_tenant`] keeps small).
+    pub fn tenants_counted(&self) -> usize {
+        self.usage.len()
+    }
+
     /// A tenant's counters.
     pub fn usage(&self, tenant: &str) -> TurnUsage {
         self.usage.get(tenant).copied().unwrap_or_default()

@@ -690,3 +690,44 @@ fn a_release_after_the_turn_was_taken_is_not_found_and_changes_nothing() {
     assert_eq!(s.s.holders(0), 1);
     s.release("c", gc.turn_id).unwrap();
 }
+
+#[test]
+fn a_forgotten_tenant_starts_afresh_and_its_counters_go() {
+    // a used the device for 300 ms; deleted (sessions ended, then forgotten) and created
+    // again under the name, it has no counters and comes before b, which used 100 ms.
+    let mut s = sched(10_000);
+    let a = who("a", 1);
+    let pa = s.request(&a).unwrap();
+    s.granted(pa).expect("free slot");
+    s.advance(300);
+    s.end_session(a.session);
+    assert_eq!(s.s.usage("a").compute, Duration::from_millis(300));
+    s.set_compute("b", 100);
+    s.s.forget_tenant("a");
+    s.drain();
+    assert_eq!(s.s.usage("a"), TurnUsage::default());
+    assert_eq!(s.s.tenants_counted(), 1, "only b is counted");
+    // The new a and b wait behind a holder; the freed slot goes to the new a (0 ms).
+    let h = who("h", 1);
+    let ph = s.request(&h).unwrap();
+    let gh = s.granted(ph).unwrap();
+    let pb = s.request(&who("b", 1)).unwrap();
+    let pa = s.request(&who("a", 1)).unwrap();
+    s.release("h", gh.turn_id).unwrap();
+    let ga = s.granted(pa).expect("the new a has used nothing");
+    assert!(s.granted(pb).is_none());
+    s.release("a", ga.turn_id).unwrap();
+    let gb = s.granted(pb).expect("b next");
+    s.release("b", gb.turn_id).unwrap();
+    // Churn: tenants that take a turn and go leave no counters behind.
+    for i in 0..50 {
+        let t = who(&format!("churn{i}"), 1);
+        let p = s.request(&t).unwrap();
+        s.granted(p).expect("free slot");
+        s.advance(1);
+        s.end_session(t.session);
+        assert_eq!(s.s.usage(&t.tenant).turns, 1, "booked");
+        s.s.forget_tenant(&t.tenant);
+    }
+    assert_eq!(s.s.tenants_counted(), 3, "a, b and h");
+}
