@@ -345,6 +345,18 @@ fn check_removed(
     Ok(())
 }
 
+/// The file a socket path names, for comparing two: absolute, its directory resolved
+/// (symlinks, `.` and `..`) where it exists.
+fn socket_identity(p: &std::path::Path) -> PathBuf {
+    let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    match (abs.parent(), abs.file_name()) {
+        (Some(dir), Some(name)) => std::fs::canonicalize(dir)
+            .map(|d| d.join(name))
+            .unwrap_or(abs),
+        _ => abs,
+    }
+}
+
 /// Why the configuration could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -354,6 +366,12 @@ pub enum ConfigError {
     File { path: PathBuf, reason: String },
     #[error("{setting} is no longer a setting of the broker: {why}")]
     Removed { setting: String, why: &'static str },
+    #[error("{flag} {path} is the socket {other} names: each socket must be one of its own")]
+    SharedSocket {
+        flag: &'static str,
+        path: PathBuf,
+        other: &'static str,
+    },
 }
 
 impl ConfigError {
@@ -390,6 +408,7 @@ impl Config {
         check_removed(&args, env)?;
         let first = Config::try_parse_from(&args)?;
         let Some(path) = first.config.clone() else {
+            first.check_sockets()?;
             return Ok(first);
         };
         let file_args = file_args(&path)?;
@@ -397,7 +416,34 @@ impl Config {
         merged.extend(args.first().cloned());
         merged.extend(file_args);
         merged.extend(args.into_iter().skip(1));
-        Ok(Config::try_parse_from(merged)?)
+        let cfg = Config::try_parse_from(merged)?;
+        cfg.check_sockets()?;
+        Ok(cfg)
+    }
+
+    /// The Unix sockets the broker binds (`--socket`, the ticket socket, `--admin-listen`)
+    /// are three different files: binding one would replace another (each bind removes a
+    /// stale file first), leaving it dead. Compared as absolute paths with the directory
+    /// resolved (`./b.sock`, `dir/../b.sock` and a symlinked directory name one file).
+    fn check_sockets(&self) -> Result<(), ConfigError> {
+        let mut named: Vec<(&'static str, PathBuf)> = vec![
+            ("--socket", self.socket.clone()),
+            ("--ticket-socket", self.ticket_socket_path()),
+        ];
+        if let Some(p) = &self.admin_listen {
+            named.push(("--admin-listen", p.clone()));
+        }
+        for (i, (flag, path)) in named.iter().enumerate() {
+            let me = socket_identity(path);
+            if let Some((other, _)) = named[..i].iter().find(|(_, p)| socket_identity(p) == me) {
+                return Err(ConfigError::SharedSocket {
+                    flag,
+                    path: path.clone(),
+                    other,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Where the ticket server listens.
@@ -731,5 +777,69 @@ mod tests {
             "the shipped config serves metrics on loopback only: {:?}",
             c.metrics_listen
         );
+    }
+
+    #[test]
+    fn a_socket_named_twice_is_refused_whatever_its_spelling() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::os::unix::fs::symlink(d, d.join("link")).unwrap();
+        let parse = |args: &[&str]| {
+            let mut v: Vec<OsString> = vec!["gpu-broker".into(), "--socket".into()];
+            v.push(d.join("b.sock").into());
+            v.extend(args.iter().map(OsString::from));
+            Config::from_args(v)
+        };
+        let p = |rel: &str| d.join(rel).display().to_string();
+        std::fs::create_dir_all(d.join("x")).unwrap();
+        for same in [
+            p("b.sock"),
+            p("./b.sock"),
+            p("x/../b.sock"),
+            p("link/b.sock"),
+        ] {
+            match parse(&["--admin-listen", &same]) {
+                Err(e @ ConfigError::SharedSocket { flag, other, .. }) => {
+                    assert_eq!((flag, other), ("--admin-listen", "--socket"), "{same}");
+                    let text = e.to_string();
+                    assert!(
+                        text.contains(&same) && text.contains("one of its own"),
+                        "{text}"
+                    );
+                }
+                other => panic!("{same}: {other:?}"),
+            }
+        }
+        // The ticket socket (given, or the default beside --socket) is a socket too.
+        let ticket = p("b.tickets.sock");
+        assert!(matches!(
+            parse(&["--admin-listen", &ticket]),
+            Err(ConfigError::SharedSocket {
+                other: "--ticket-socket",
+                ..
+            })
+        ));
+        assert!(matches!(
+            parse(&["--ticket-socket", &p("./b.sock")]),
+            Err(ConfigError::SharedSocket {
+                flag: "--ticket-socket",
+                other: "--socket",
+                ..
+            })
+        ));
+        // Three sockets of their own are fine; so is a relative name of another file.
+        let c = parse(&["--admin-listen", &p("admin.sock")]).unwrap();
+        assert_eq!(c.admin_listen, Some(d.join("admin.sock")));
+        parse(&["--admin-listen", "admin.sock"]).unwrap();
+        // A config file's settings are checked too.
+        let file = d.join("broker.toml");
+        std::fs::write(
+            &file,
+            format!("socket = \"{0}\"\nadmin-listen = \"{0}\"\n", p("c.sock")),
+        )
+        .unwrap();
+        let e = Config::from_args(vec!["gpu-broker".into(), "--config".into(), file.into()])
+            .unwrap_err();
+        assert!(matches!(e, ConfigError::SharedSocket { .. }), "{e:?}");
     }
 }

@@ -154,13 +154,8 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     }
 
     // The operators' socket first: once the main socket answers, both do.
+    // A socket of its own: `Config::load` refused one that names another.
     let admin_unix = match &cfg.admin_listen {
-        Some(path) if *path == cfg.socket || *path == cfg.ticket_socket_path() => {
-            anyhow::bail!(
-                "--admin-listen {} must be a socket of its own (not --socket or the ticket socket)",
-                path.display()
-            )
-        }
         Some(path) => {
             let l = bind_unix(path).await?;
             tracing::info!(socket = %path.display(), on_own_runtime = reads.handle().is_some(), "serving Admin on the operators' socket");

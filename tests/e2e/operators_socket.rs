@@ -234,3 +234,47 @@ async fn calls_without_a_token_share_one_cap_across_the_sockets() {
     .await;
     assert!(freed, "a closed watch frees the shared slot");
 }
+
+/// `--admin-listen` naming the main socket (in another spelling too) stops the broker at
+/// start with a clear message, before it binds anything; `check-config` refuses the same
+/// setting in a file.
+#[test]
+fn an_operators_socket_that_is_the_main_socket_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("b.sock");
+    let same = dir.path().join(".").join("b.sock");
+    let out = std::process::Command::new(bin("gpu-broker"))
+        .args(["--backend", "host", "--host-capacity", "16MiB"])
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--admin-listen")
+        .arg(&same)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--admin-listen") && err.contains("--socket") && err.contains("of its own"),
+        "{err}"
+    );
+    assert!(!socket.exists(), "nothing was bound");
+    let file = dir.path().join("config.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "socket = \"{0}\"\nadmin-listen = \"{0}\"\n",
+            socket.display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(bin("gpu-broker"))
+        .arg("check-config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("of its own"), "{err}");
+}
