@@ -152,6 +152,9 @@ pub struct Store {
     path: PathBuf,
     /// False from a failed write (ENOSPC, EIO) until a write commits again.
     writable: tokio::sync::watch::Sender<bool>,
+    /// Tests only: every commit fails as an I/O error would (see [`Store::fail_commits`]).
+    #[cfg(test)]
+    fail_commits: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Store {
@@ -461,6 +464,13 @@ impl Store {
     }
 
     fn commit(&self, txn: redb::WriteTransaction) -> Result<(), StoreError> {
+        #[cfg(test)]
+        if self.fail_commits.load(std::sync::atomic::Ordering::SeqCst) {
+            let _ = txn.abort();
+            let e = redb::Error::Io(io::Error::other("a commit failure injected by a test"));
+            self.note_failure(&e);
+            return Err(db_err(&self.path, "commit", e));
+        }
         match txn.commit() {
             Ok(()) => {
                 if !self.writable.send_replace(true) {
@@ -481,7 +491,18 @@ impl Store {
             db: parking_lot::RwLock::new(Some(db)),
             path,
             writable: tokio::sync::watch::Sender::new(true),
+            #[cfg(test)]
+            fail_commits: Default::default(),
         }
+    }
+
+    /// Tests only: from now on (`on`) every commit fails as an I/O error (EIO) would: the
+    /// transaction is aborted, the store turns unwritable, the caller gets the error; with
+    /// `on` false the next write reopens the database and commits as after a recovery.
+    #[cfg(test)]
+    pub(crate) fn fail_commits(&self, on: bool) {
+        self.fail_commits
+            .store(on, std::sync::atomic::Ordering::SeqCst);
     }
 
     fn into_db(self) -> Database {

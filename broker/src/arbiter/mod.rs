@@ -545,4 +545,6 @@ pub(crate) fn host_arbiter(capacity: u64, devices: u32, cfg: ArbiterConfig) -> A
 #[cfg(test)]
 pub(crate) mod durable_tests;
 #[cfg(test)]
+mod store_fault_tests;
+#[cfg(test)]
 mod tests;
