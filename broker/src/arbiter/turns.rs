@@ -665,4 +665,56 @@ mod tests {
         arb.release_turn("a", ga.turn_id).unwrap();
         assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_slot_goes_to_the_waiter_when_its_window_ends_without_a_tick() {
+        // Anticipation: a tenant still owed compute keeps the slot it gave back for its
+        // session's next request; if none comes, the shell's timer (not the ticker, which
+        // this arbiter does not run) gives the slot to the waiter when the window ends.
+        let window = Duration::from_millis(300);
+        let arb = arbiter(TurnConfig {
+            anticipation: window,
+            ..slots(60_000)
+        });
+        let (a, _ea) = session(&arb, "a");
+        let (b, _eb) = session(&arb, "b");
+        // b has used the device for a while; a has used nothing: a is owed.
+        let gb = arb.acquire_turn("b", b, 0, Duration::ZERO).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        arb.release_turn("b", gb.turn_id).unwrap();
+        let ask_b = |arb: &Arc<Arbiter>| {
+            let arb = arb.clone();
+            tokio::spawn(async move { arb.acquire_turn("b", b, 0, Duration::from_secs(30)).await })
+        };
+        // Round one: a gives its turn back with b waiting, asks again in the window and
+        // gets the kept slot, ahead of b.
+        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        let wb = ask_b(&arb);
+        waiting(&arb, 1).await;
+        let end = arb.release_turn("a", ga.turn_id).unwrap();
+        let until = end.kept_until.expect("a is owed: its slot is kept");
+        assert!(!end.handed_off);
+        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await;
+        if Instant::now() < until {
+            let ga = ga.expect("the kept slot is a's in its window");
+            assert_eq!(arb.scheduler.device_state(0), (Some("a".into()), 1));
+            // Round two: a gives it back again and does not ask: the timer hands it on.
+            let end = arb.release_turn("a", ga.turn_id).unwrap();
+            assert!(end.kept_until.is_some(), "a is still owed");
+        } else if let Ok(ga) = ga {
+            // A loaded machine ran past the window before the ask: a got the slot as the
+            // tenant owed most; it gives it back (kept once more, for the timer to end).
+            arb.release_turn("a", ga.turn_id).unwrap();
+        }
+        let gb = tokio::time::timeout(Duration::from_secs(20), wb)
+            .await
+            .expect("the window's timer gave b the slot")
+            .unwrap()
+            .unwrap();
+        assert!(Instant::now() >= until, "not before a's window ended");
+        assert_eq!(arb.scheduler.device_state(0), (Some("b".into()), 0));
+        arb.release_turn("b", gb.turn_id).unwrap();
+        assert_eq!(arb.scheduler.holders(0), 0);
+        assert_eq!(arb.outbox.turn_replies_len(), 0);
+    }
 }
