@@ -8,7 +8,8 @@
 //!
 //! The queue is bounded ([`DEFAULT_QUEUE`] changes handed over and not yet done): a caller
 //! past the bound waits for room before its change is handed over, so callers that give
-//! up and ask again cannot grow it. Each change runs inside the caller's tracing span
+//! up and ask again cannot grow it. Work nobody awaits ([`StoreWriter::submit`], an
+//! audit record) takes a place too, waiting for one on its calling thread. Each change runs inside the caller's tracing span
 //! (an RPC's `rpc{method=...}`), so what it logs reads as the RPC's.
 
 use parking_lot::Mutex;
@@ -39,6 +40,8 @@ pub struct StoreWriter {
     thread: Mutex<Option<JoinHandle<()>>>,
     /// One permit per change in the queue or running ([`DEFAULT_QUEUE`] in all).
     room: Arc<tokio::sync::Semaphore>,
+    /// The writer thread's id (None: never started).
+    thread_id: Option<std::thread::ThreadId>,
 }
 
 impl StoreWriter {
@@ -61,6 +64,7 @@ impl StoreWriter {
             })?;
         Ok(StoreWriter {
             tx: Mutex::new(Some(tx)),
+            thread_id: Some(thread.thread().id()),
             thread: Mutex::new(Some(thread)),
             room: Arc::new(tokio::sync::Semaphore::new(queue.max(1))),
         })
@@ -73,6 +77,7 @@ impl StoreWriter {
             tx: Mutex::new(None),
             thread: Mutex::new(None),
             room: Arc::new(tokio::sync::Semaphore::new(1)),
+            thread_id: None,
         }
     }
 
@@ -100,17 +105,46 @@ impl StoreWriter {
     }
 
     /// Hands `f` to the writer thread (after every change asked for before it) and
-    /// returns without waiting for it; a panic in it is logged. For work nobody awaits
-    /// (the audit record of a change made elsewhere): it takes a place in the queue if
-    /// there is one, and is handed over anyway if not (such work follows a change
-    /// already made, not a caller that can ask again and again).
+    /// returns without waiting for it to run; a panic in it is logged. For work nobody
+    /// awaits (the audit record of a change made elsewhere). It takes a place in the queue
+    /// as [`StoreWriter::run`] does: when the queue is full it waits for room on the
+    /// calling thread (in `block_in_place` on a multi-threaded runtime's worker), so
+    /// callers that hand work over and go away (an operator's RPC cancelled after its
+    /// change) cannot grow the queue. Work submitted by a change running on the writer
+    /// itself does not wait (it would wait for itself): one job adds at most what it
+    /// submits.
     pub fn submit(&self, f: impl FnOnce() + Send + 'static) -> Result<(), WriterError> {
-        let permit = self.room.clone().try_acquire_owned().ok();
+        use tokio::sync::TryAcquireError;
+        let permit = match self.room.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(TryAcquireError::Closed) => return Err(WriterError::Stopped),
+            Err(TryAcquireError::NoPermits) if self.on_writer() => None,
+            Err(TryAcquireError::NoPermits) => Some(self.wait_for_room()?),
+        };
         self.hand_over(permit, move || {
             if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
                 tracing::error!(why = %panic_text(&p), "a store-writer job panicked");
             }
         })
+    }
+
+    /// Whether this is the writer thread.
+    fn on_writer(&self) -> bool {
+        self.thread_id == Some(std::thread::current().id())
+    }
+
+    /// Blocks the calling thread until the queue has room (`Stopped` once it closed).
+    fn wait_for_room(&self) -> Result<tokio::sync::OwnedSemaphorePermit, WriterError> {
+        let room = self.room.clone();
+        let wait = move || {
+            futures::executor::block_on(room.acquire_owned()).map_err(|_| WriterError::Stopped)
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(wait)
+            }
+            _ => wait(),
+        }
     }
 
     /// Queues `job`, to run inside the caller's tracing span; `permit` (its place in the
@@ -307,7 +341,7 @@ mod tests {
         let seen = Arc::new(Mutex::new(Vec::new()));
         for i in 0..5 {
             let s = seen.clone();
-            // Past the bound too: submitted work follows a change already made.
+            // Past the bound: each waits for the one before to have run.
             w.submit(move || s.lock().push(i)).unwrap();
         }
         w.submit(|| panic!("logged, not fatal")).unwrap();
@@ -318,6 +352,105 @@ mod tests {
         );
         w.stop();
         assert_eq!(w.submit(|| ()), Err(WriterError::Stopped));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn submitted_work_past_the_bound_waits_for_room() {
+        let w = Arc::new(StoreWriter::with_queue("test-writer", 2).unwrap());
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        // Both places taken: one change holds the thread, one waits behind it.
+        let r = ran.clone();
+        let mut first = Box::pin(w.run(move || {
+            wait.recv().unwrap();
+            r.lock().push(1);
+        }));
+        assert!(futures::poll!(&mut first).is_pending());
+        let r = ran.clone();
+        let mut second = Box::pin(w.run(move || r.lock().push(2)));
+        assert!(futures::poll!(&mut second).is_pending());
+        // Four submitters (an RPC that recorded and went away, four times) wait for room
+        // on their threads instead of growing the queue.
+        let (returned, submitted) = std::sync::mpsc::channel::<u32>();
+        let submitters: Vec<_> = (0..4u32)
+            .map(|i| {
+                let (w, r, returned) = (w.clone(), ran.clone(), returned.clone());
+                std::thread::spawn(move || {
+                    w.submit(move || r.lock().push(10 + i)).unwrap();
+                    returned.send(i).unwrap();
+                })
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(submitted.try_recv().is_err(), "none was handed over");
+        assert_eq!(w.room.available_permits(), 0);
+        go.send(()).unwrap();
+        first.await.unwrap();
+        second.await.unwrap();
+        for s in submitters {
+            s.join().unwrap();
+        }
+        let r = ran.clone();
+        let mut seen = w.run(move || r.lock().clone()).await.unwrap();
+        assert_eq!(seen[..2], [1, 2], "the changes asked for first ran first");
+        seen[2..].sort();
+        assert_eq!(seen[2..], [10, 11, 12, 13], "every submitted record ran");
+        // A place is given back just after its job answered: wait (bounded) for both.
+        for _ in 0..10_000 {
+            if w.room.available_permits() == 2 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(w.room.available_permits(), 2, "every place given back");
+        // A submitter waiting when the writer stops is told so (the caller writes its
+        // record itself).
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let mut held = Box::pin(w.run(move || wait.recv().is_ok()));
+        assert!(futures::poll!(&mut held).is_pending());
+        let mut queued = Box::pin(w.run(|| ()));
+        assert!(futures::poll!(&mut queued).is_pending());
+        let late = {
+            let w = w.clone();
+            std::thread::spawn(move || w.submit(|| ()))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let stopper = {
+            let w = w.clone();
+            std::thread::spawn(move || w.stop())
+        };
+        go.send(()).unwrap();
+        stopper.join().unwrap();
+        assert_eq!(held.await, Ok(true));
+        let late = late.join().unwrap();
+        // It waited (stopped) or got the place the stop freed as the writer ended.
+        assert!(
+            matches!(late, Err(WriterError::Stopped) | Ok(())),
+            "{late:?}"
+        );
+        let _ = queued.await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_change_that_submits_on_a_full_queue_does_not_wait_for_itself() {
+        let w = Arc::new(StoreWriter::with_queue("test-writer", 1).unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (me, s) = (w.clone(), seen.clone());
+        // The change holds the only place; what it submits goes behind it.
+        let change = w.run(move || {
+            let s2 = s.clone();
+            me.submit(move || s2.lock().push("record")).unwrap();
+            s.lock().push("change");
+        });
+        tokio::time::timeout(std::time::Duration::from_secs(10), change)
+            .await
+            .expect("the writer did not wait for itself")
+            .unwrap();
+        let s = seen.clone();
+        assert_eq!(
+            w.run(move || s.lock().clone()).await.unwrap(),
+            ["change", "record"]
+        );
     }
 
     /// Each event's message and the span it was logged in (`name{field=value ...}`).
