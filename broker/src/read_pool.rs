@@ -159,10 +159,14 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(async move {
             // Spawned when first polled, inside the call's span (`trace_fn`), which the
-            // read keeps. Dropped (the caller went away): the read is aborted at its next
-            // await.
+            // read keeps, and logging through the caller's dispatcher (the process's
+            // global one in the broker; a test's own otherwise). Dropped (the caller went
+            // away): the read is aborted at its next await.
+            use tracing::instrument::WithSubscriber;
             use tracing::Instrument;
-            let call = answered(inner.call(req)).instrument(tracing::Span::current());
+            let call = answered(inner.call(req))
+                .instrument(tracing::Span::current())
+                .with_current_subscriber();
             let task = tokio_util::task::AbortOnDropHandle::new(rt.spawn(call));
             match task.await {
                 Ok(r) => r,
@@ -287,5 +291,99 @@ mod tests {
             assert_eq!(ran_on, "main-worker");
         }))
         .unwrap();
+    }
+
+    /// A service that logs "served" where it runs, and answers with an empty body.
+    #[derive(Clone)]
+    struct Logs;
+
+    impl Service<http::Request<Body>> for Logs {
+        type Response = http::Response<Body>;
+        type Error = std::convert::Infallible;
+        type Future = BoxFuture<Self::Response, Self::Error>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
+            Box::pin(async {
+                tokio::task::yield_now().await;
+                tracing::info!("served");
+                Ok(http::Response::new(Body::empty()))
+            })
+        }
+    }
+
+    /// What a fmt subscriber wrote, line by line.
+    #[derive(Clone, Default)]
+    struct Captured(std::sync::Arc<parking_lot::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn an_offloaded_call_logs_on_the_operators_runtime_in_the_callers_span() {
+        use tracing::instrument::WithSubscriber;
+        use tracing::Instrument;
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_thread_names(true)
+            .finish();
+        let dispatch = tracing::Dispatch::new(subscriber);
+        let pool = ReadPool::start(1).unwrap();
+        let main = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("main-worker")
+            .enable_all()
+            .build()
+            .unwrap();
+        let layer = pool.layer();
+        main.block_on(
+            main.spawn(
+                async move {
+                    for path in [
+                        "/gpubroker.v1.Admin/SetQuota",
+                        "/gpubroker.v1.Broker/GetUsage",
+                    ] {
+                        let req = http::Request::builder()
+                            .uri(format!("http://x{path}"))
+                            .body(Body::empty())
+                            .unwrap();
+                        layer
+                            .layer(Logs)
+                            .oneshot(req)
+                            .instrument(tracing::info_span!("rpc", method = path))
+                            .await
+                            .unwrap();
+                    }
+                }
+                .with_subscriber(dispatch),
+            ),
+        )
+        .unwrap();
+        let text = String::from_utf8(out.0.lock().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("served")).collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        // The offloaded call: written on the operators' runtime, in the caller's span.
+        assert!(
+            lines[0].contains(THREAD_NAME)
+                && lines[0].contains("rpc{method=\"/gpubroker.v1.Admin/SetQuota\"}"),
+            "{text}"
+        );
+        // The other where it arrived, in its span too.
+        assert!(
+            lines[1].contains("main-worker")
+                && lines[1].contains("rpc{method=\"/gpubroker.v1.Broker/GetUsage\"}"),
+            "{text}"
+        );
     }
 }
