@@ -367,4 +367,113 @@ mod tests {
             );
         }
     }
+
+    /// An Admin call with the test arbiter's admin token.
+    fn admin_req<T>(msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        r.metadata_mut()
+            .insert("authorization", "Bearer x".parse().unwrap());
+        r
+    }
+
+    #[test]
+    fn the_operators_socket_answers_while_the_main_runtime_is_stalled() {
+        use gpu_broker_proto::v1 as pb;
+        use pb::admin_client::AdminClient;
+        let dir = tempfile::tempdir().unwrap();
+        let (main_sock, ops_sock) = (dir.path().join("b.sock"), dir.path().join("ops.sock"));
+        // The main runtime has one worker: a task that blocks it stalls the runtime.
+        let main = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("main-worker")
+            .enable_all()
+            .build()
+            .unwrap();
+        let pool = crate::read_pool::ReadPool::start(1).unwrap();
+        let arb = crate::arbiter::host_arbiter(64 << 20, 1, Default::default());
+        let shutdown = CancellationToken::new();
+        let listeners = main.block_on(async {
+            Listeners {
+                unix: Some(bind_unix(&main_sock).await.unwrap()),
+                tcp: None,
+                tcp_tls: None,
+                limits: crate::listener::Limits::default(),
+                reads: pool.layer(),
+                admin_unix: Some(bind_unix(&ops_sock).await.unwrap()),
+            }
+        });
+        main.spawn(serve(
+            arb.clone(),
+            listeners,
+            shutdown.clone(),
+            Duration::from_millis(100),
+        ));
+        let client = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let uri = format!("unix://{}", ops_sock.display());
+        let bounded = Duration::from_secs(30); // a failure detector, not a speed limit
+        let get_quota = |uri: String| async move {
+            let mut ops = AdminClient::connect(uri).await.unwrap();
+            let r = ops
+                .get_quota(admin_req(pb::GetQuotaRequest { tenant: "t".into() }))
+                .await
+                .unwrap();
+            r.into_inner().tenant.unwrap().quota.unwrap().limit_bytes
+        };
+        // Served normally first (and serving has started).
+        let mut ops = client.block_on(async { AdminClient::connect(uri.clone()).await.unwrap() });
+        client.block_on(async {
+            ops.set_quota(admin_req(pb::SetQuotaRequest {
+                tenant: "t".into(),
+                quota: Some(pb::Quota {
+                    limit_bytes: 8 << 20,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }))
+            .await
+            .unwrap();
+        });
+        // Stall the main runtime's only worker.
+        let (blocked, is_blocked) = std::sync::mpsc::channel::<()>();
+        let (release, stalled) = std::sync::mpsc::channel::<()>();
+        main.spawn(async move {
+            blocked.send(()).unwrap();
+            let _ = stalled.recv();
+        });
+        is_blocked.recv().unwrap();
+        let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let r = ran.clone();
+        main.spawn(async move { r.store(true, std::sync::atomic::Ordering::SeqCst) });
+        // A new connection and the open one are both answered, reads and changes.
+        let limit = client
+            .block_on(async { tokio::time::timeout(bounded, get_quota(uri.clone())).await })
+            .expect("a new connection to the operators' socket is served");
+        assert_eq!(limit, 8 << 20);
+        client
+            .block_on(async {
+                let change = ops.set_quota(admin_req(pb::SetQuotaRequest {
+                    tenant: "t".into(),
+                    quota: Some(pb::Quota {
+                        limit_bytes: 16 << 20,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }));
+                tokio::time::timeout(bounded, change).await
+            })
+            .expect("the open connection is served")
+            .unwrap();
+        assert_eq!(arb.get_tenant("t").unwrap().quota.limit_bytes, 16 << 20);
+        assert!(
+            !ran.load(std::sync::atomic::Ordering::SeqCst),
+            "the main runtime ran nothing meanwhile: it was stalled throughout"
+        );
+        release.send(()).unwrap();
+        shutdown.cancel();
+        main.shutdown_background();
+        drop(pool);
+    }
 }
