@@ -96,9 +96,11 @@ impl StoreWriter {
             .await
             .map_err(|_| WriterError::Stopped)?;
         let (reply, answer) = tokio::sync::oneshot::channel();
-        self.hand_over(Some(permit), move || {
+        self.hand_over(None, move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
                 .map_err(|p| WriterError::Panicked(panic_text(&p)));
+            // Its place is free before its caller hears back.
+            drop(permit);
             let _ = reply.send(r);
         })?;
         answer.await.map_err(|_| WriterError::Stopped)?
