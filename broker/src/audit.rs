@@ -14,7 +14,7 @@
 //! monitor).
 
 use crate::error::{BrokerError, BrokerResult};
-use crate::store::Store;
+use crate::store::{AlsoWrite, Store};
 use parking_lot::Mutex;
 use redb::{ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde::{Deserialize, Serialize};
@@ -97,9 +97,6 @@ impl AuditFilter {
     }
 }
 
-/// Writes one audit record into a write transaction (see [`AuditLog::append_with`]).
-pub type RecordWriter<'a> = &'a dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
-
 /// The log: the next sequence number, and the records themselves when there is no store.
 #[derive(Debug)]
 pub struct AuditLog {
@@ -164,7 +161,7 @@ impl AuditLog {
         &self,
         store: Option<&Store>,
         mut rec: AuditRecord,
-        commit: impl FnOnce(Option<RecordWriter<'_>>) -> Result<T, crate::store::StoreError>,
+        commit: impl FnOnce(Option<AlsoWrite<'_>>) -> Result<T, crate::store::StoreError>,
     ) -> Result<(T, AuditRecord), crate::store::StoreError> {
         let mut next = self.next.lock();
         rec.seq = *next;

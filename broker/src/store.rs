@@ -163,8 +163,9 @@ impl std::fmt::Debug for Store {
     }
 }
 
-/// What a `..._with` write also writes in its transaction (an audit record).
-pub(crate) type AlsoWrite<'a> = &'a dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
+/// What a `..._with` write also writes in its transaction (an audit record; see
+/// [`crate::audit::AuditLog::append_with`]).
+pub type AlsoWrite<'a> = &'a dyn Fn(&redb::WriteTransaction) -> Result<(), redb::Error>;
 
 impl Store {
     /// Opens or creates `<dir>/state.redb`; creates `dir` (mode 0700) if missing. A file
@@ -218,14 +219,14 @@ impl Store {
 
     /// Inserts or replaces the tenant named `t.name`; durable before returning.
     pub fn put_tenant(&self, t: &TenantRecord) -> Result<(), StoreError> {
-        self.put_tenant_with(t, |_| Ok(()))
+        self.put_tenant_with(t, None)
     }
 
     /// [`Store::put_tenant`], with `also` written in the same transaction (one commit).
     pub(crate) fn put_tenant_with(
         &self,
         t: &TenantRecord,
-        also: impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::Error>,
+        also: Option<AlsoWrite<'_>>,
     ) -> Result<(), StoreError> {
         self.check_key("tenant name", &t.name)?;
         let bytes = self.encode(&format!("tenant '{}'", t.name), t)?;
@@ -238,7 +239,9 @@ impl Store {
                 .insert(t.name.as_str(), bytes.as_slice())
                 .map_err(|e| db_err(&self.path, "write tenant", e))?;
         }
-        also(&txn).map_err(|e| db_err(&self.path, "write with tenant", e))?;
+        if let Some(also) = also {
+            also(&txn).map_err(|e| db_err(&self.path, "write with tenant", e))?;
+        }
         self.commit(txn)
     }
 

@@ -252,9 +252,7 @@ impl Arbiter {
         let rec = who.map(|(who, action, target)| {
             crate::audit::AuditRecord::now(who, action, name, target, before, Some(quota.to_json()))
         });
-        self.durable_recorded(rec, |store, audit| {
-            store.put_tenant_with(&record, |txn| audit.map_or(Ok(()), |a| a(txn)))
-        })?;
+        self.durable_recorded(rec, |store, audit| store.put_tenant_with(&record, audit))?;
         tracing::info!(tenant = name, ?quota, "quota set");
         let mut st = self.lock();
         let created = st.set_quota(name, quota)?;

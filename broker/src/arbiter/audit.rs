@@ -6,9 +6,9 @@
 //! the store's and no runtime worker waits for an fsync or for the log.
 
 use super::Arbiter;
-use crate::audit::{AuditFilter, AuditRecord, RecordWriter, Who};
+use crate::audit::{AuditFilter, AuditRecord, Who};
 use crate::error::{BrokerError, BrokerResult};
-use crate::store::{Store, StoreError};
+use crate::store::{AlsoWrite, Store, StoreError};
 
 impl Arbiter {
     /// Records an operator change that has no store change of its own (a drain, a lease
@@ -73,7 +73,7 @@ impl Arbiter {
     pub(super) fn durable_recorded<T: Default>(
         &self,
         rec: Option<AuditRecord>,
-        write: impl FnOnce(&Store, Option<RecordWriter<'_>>) -> Result<T, StoreError>,
+        write: impl FnOnce(&Store, Option<AlsoWrite<'_>>) -> Result<T, StoreError>,
     ) -> BrokerResult<T> {
         let Some(rec) = rec else {
             return self.durable(|store| write(store, None));
