@@ -3,7 +3,8 @@
 //! different weights, a tenant's queue capped), releases (by the holder's tenant, or by
 //! another, which must be `NOT_FOUND`), waiters giving up, grants given back as the shell
 //! does when their caller is gone, ticks past quantum and grace, kept slots expiring and
-//! sessions ending, under random slots, quantum, grace and anticipation. After every step:
+//! sessions ending, tenants deleted (their sessions end, then their counters are forgotten,
+//! as the shell does), under random slots, quantum, grace and anticipation. After every step:
 //! the core's invariant holds (at most `slots` holders per device, a session holds at most
 //! one slot of a device), every waiter was answered at most once and never after it left,
 //! the core's waiters are exactly those not answered yet, its holders exactly those the
@@ -31,6 +32,7 @@ enum Op {
     Advance { ms: u64 },
     ExpireKept,
     EndSession { session: usize },
+    DeleteTenant { tenant: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -45,6 +47,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..60u64).prop_map(|ms| Op::Advance { ms }),
         1 => Just(Op::ExpireKept),
         1 => (0..SESSIONS).prop_map(|session| Op::EndSession { session }),
+        1 => (0..TENANTS.len()).prop_map(|tenant| Op::DeleteTenant { tenant }),
     ]
 }
 
@@ -311,6 +314,17 @@ impl Model {
             }
             Op::ExpireKept => self.core.expire_kept(self.now),
             Op::EndSession { session } => self.end_session(session)?,
+            Op::DeleteTenant { tenant } => {
+                for slot in 0..SESSIONS {
+                    if self.sessions[slot].1 == tenant {
+                        self.end_session(slot)?;
+                    }
+                }
+                let name = TENANTS[tenant].0;
+                self.core.forget_tenant(name);
+                self.booked.remove(name);
+                prop_assert_eq!(self.core.usage(name), TurnUsage::default());
+            }
         }
         self.drain()?;
         self.check()
