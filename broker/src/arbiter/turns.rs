@@ -666,7 +666,7 @@ mod tests {
         assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[tokio::test(flavor = "current_thread")]
     async fn a_kept_slot_goes_to_the_waiter_when_its_window_ends_without_a_tick() {
         // Anticipation: a tenant still owed compute keeps the slot it gave back for its
         // session's next request; if none comes, the shell's timer (not the ticker, which
