@@ -3,7 +3,8 @@
 //! audit record in one commit, in the order asked for, memory and store agreeing after
 //! concurrent changes and after a restart, and the writer's shutdown.
 
-use super::admin::QuotaUpdate;
+use super::admin::QuotaUpdate::{self, Replace};
+use super::tests::{quota, req};
 use super::*;
 use crate::audit::{AuditFilter, AuditLog, Who};
 use crate::ledger::{Quota, QuotaPatch};
@@ -12,45 +13,12 @@ const MIB: u64 = 1 << 20;
 
 /// An arbiter over one simulated 1 GiB device whose tenants live in `dir`'s store.
 pub(crate) fn stored_arbiter(dir: &std::path::Path) -> Arc<Arbiter> {
-    let spec = crate::backend::BackendSpec {
-        choice: crate::backend::BackendChoice::Host,
-        cuda_devices: None,
-        host_capacity: 1024 * MIB,
-        host_devices: 1,
-        headroom: crate::backend::Headroom::Bytes(0),
-        host_uuid_seed: None,
-    };
-    let slots = crate::backend::open_devices(&spec).unwrap();
-    let store = Store::open(dir).unwrap();
-    Arbiter::new(
-        slots,
-        None,
-        Some(store),
-        Arc::new(Authenticator::new("x")),
+    host_arbiter_with_store(
+        1024 * MIB,
+        1,
         ArbiterConfig::default(),
+        Some(Store::open(dir).unwrap()),
     )
-    .unwrap()
-}
-
-fn limit(bytes: u64) -> QuotaUpdate {
-    QuotaUpdate::Replace(Quota {
-        limit_bytes: bytes,
-        ..Quota::default()
-    })
-}
-
-/// 8 MiB for tenant `a` in `session`, waiting up to `wait`.
-fn ask(session: Uuid, wait: Duration) -> AcquireRequest {
-    AcquireRequest {
-        tenant: "a".into(),
-        session,
-        bytes: 8 * MIB,
-        device: None,
-        wait,
-        label: String::new(),
-        reclaimable: false,
-        fallback_host: false,
-    }
 }
 
 fn who() -> Who {
@@ -78,7 +46,7 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
     let c = arb
-        .change_quota_for("a".into(), limit(64 * MIB), who())
+        .change_quota_for("a".into(), Replace(quota(64 * MIB)), who())
         .await
         .unwrap();
     assert!(c.created);
@@ -109,7 +77,7 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
     assert_eq!(records[1].seq, records[0].seq + 1);
     // A refused change commits nothing: no tenant, no record.
     let e = arb
-        .change_quota_for("bad name".into(), limit(MIB), who())
+        .change_quota_for("bad name".into(), Replace(quota(MIB)), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::InvalidArgument(_)), "{e:?}");
@@ -128,10 +96,9 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
 }
 
 fn guaranteed(bytes: u64) -> QuotaUpdate {
-    QuotaUpdate::Replace(Quota {
-        limit_bytes: bytes,
+    Replace(Quota {
         guaranteed_bytes: bytes,
-        ..Quota::default()
+        ..quota(bytes)
     })
 }
 
@@ -143,7 +110,7 @@ async fn concurrent_changes_leave_memory_store_and_audit_agreeing() {
     for i in 0..40u64 {
         let arb = arb.clone();
         changes.push(tokio::spawn(async move {
-            arb.change_quota_for(format!("t{}", i % 4), limit((i + 1) * MIB), who())
+            arb.change_quota_for(format!("t{}", i % 4), Replace(quota((i + 1) * MIB)), who())
                 .await
         }));
     }
@@ -188,19 +155,19 @@ async fn concurrent_changes_leave_memory_store_and_audit_agreeing() {
 async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    arb.change_quota_for("a".into(), limit(8 * MIB), who())
+    arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
         .await
         .unwrap();
     assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
     let e = arb
-        .change_quota_for("a".into(), limit(16 * MIB), who())
+        .change_quota_for("a".into(), Replace(quota(16 * MIB)), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 8 * MIB);
     assert_eq!(arb.list_audit(&AuditFilter::default()).unwrap().len(), 1);
     // The synchronous path (configuration reloads, start-up) still works.
-    arb.change_quota("a", limit(32 * MIB)).unwrap();
+    arb.change_quota("a", Replace(quota(32 * MIB))).unwrap();
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
 }
 
@@ -211,7 +178,7 @@ async fn a_change_after_shutdown_is_refused_though_none_came_before() {
     let arb = stored_arbiter(dir.path());
     assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
     let e = arb
-        .change_quota_for("a".into(), limit(16 * MIB), who())
+        .change_quota_for("a".into(), Replace(quota(16 * MIB)), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
@@ -229,7 +196,7 @@ async fn a_change_whose_caller_went_away_is_committed_and_applied_both() {
     let arb = stored_arbiter(dir.path());
     let writes = arb.admin_writes();
     // Polled once (the change is handed over, and waits for `writes`), then dropped.
-    let asked = arb.change_quota_for("a".into(), limit(8 * MIB), who());
+    let asked = arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who());
     assert!(futures::FutureExt::now_or_never(asked).is_none());
     drop(writes);
     let mut waited = 0;
@@ -252,19 +219,25 @@ async fn a_raised_quota_on_the_writer_lets_a_waiter_in() {
     // The queue run after a change spawns the grant's task from the writer thread.
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    arb.change_quota_for("a".into(), limit(8 * MIB), who())
+    arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
         .await
         .unwrap();
     let (s, _rx) = arb.open_session("a", "w", Peer::default()).unwrap();
-    let held = arb.acquire(ask(s, Duration::ZERO)).await.unwrap();
+    let held = arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
     let waiter = {
         let arb = arb.clone();
-        tokio::spawn(async move { arb.acquire(ask(s, Duration::from_secs(30))).await })
+        tokio::spawn(async move {
+            arb.acquire(AcquireRequest {
+                wait: Duration::from_secs(30),
+                ..req("a", s, 8 * MIB)
+            })
+            .await
+        })
     };
     while arb.get_tenant("a").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    arb.change_quota_for("a".into(), limit(16 * MIB), who())
+    arb.change_quota_for("a".into(), Replace(quota(16 * MIB)), who())
         .await
         .unwrap();
     let l = tokio::time::timeout(Duration::from_secs(10), waiter)
@@ -289,11 +262,11 @@ async fn a_deletion_racing_a_quota_change_is_recorded_in_the_stores_order() {
     for delete_first in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let arb = stored_arbiter(dir.path());
-        arb.change_quota_for("a".into(), limit(8 * MIB), who())
+        arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
             .await
             .unwrap();
         let writes = arb.admin_writes();
-        let mut set = Box::pin(arb.change_quota_for("a".into(), limit(16 * MIB), who()));
+        let mut set = Box::pin(arb.change_quota_for("a".into(), Replace(quota(16 * MIB)), who()));
         let mut delete = Box::pin(arb.delete_tenant_for("a".into(), who()));
         // Each polled once: handed to the writer in this order (both wait for `writes`).
         if delete_first {
@@ -359,7 +332,7 @@ async fn a_refused_deletion_commits_no_record() {
 async fn tokens_issued_and_revoked_commit_with_their_records_on_the_writer() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    arb.change_quota_for("a".into(), limit(8 * MIB), who())
+    arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
         .await
         .unwrap();
     let spec = super::tokens::TokenSpec {
@@ -405,7 +378,7 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
     let writes = arb.admin_writes();
-    let mut set = Box::pin(arb.change_quota_for("a".into(), limit(8 * MIB), who()));
+    let mut set = Box::pin(arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who()));
     assert!(futures::FutureExt::now_or_never(&mut set).is_none());
     arb.audit(&who(), "drain.start", "", "node", None, None);
     assert!(

@@ -530,6 +530,17 @@ impl Arbiter {
 /// each, with the admin token `x` and no store.
 #[cfg(test)]
 pub(crate) fn host_arbiter(capacity: u64, devices: u32, cfg: ArbiterConfig) -> Arc<Arbiter> {
+    host_arbiter_with_store(capacity, devices, cfg, None)
+}
+
+/// [`host_arbiter`], with its tenants and tokens in `store`.
+#[cfg(test)]
+pub(crate) fn host_arbiter_with_store(
+    capacity: u64,
+    devices: u32,
+    cfg: ArbiterConfig,
+    store: Option<Store>,
+) -> Arc<Arbiter> {
     let spec = crate::backend::BackendSpec {
         choice: crate::backend::BackendChoice::Host,
         cuda_devices: None,
@@ -539,7 +550,7 @@ pub(crate) fn host_arbiter(capacity: u64, devices: u32, cfg: ArbiterConfig) -> A
         host_uuid_seed: None,
     };
     let slots = crate::backend::open_devices(&spec).unwrap();
-    Arbiter::new(slots, None, None, Arc::new(Authenticator::new("x")), cfg).unwrap()
+    Arbiter::new(slots, None, store, Arc::new(Authenticator::new("x")), cfg).unwrap()
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ fn fixture(capacity: u64, devices: u32, cfg: ArbiterConfig) -> Fixture {
     Fixture { arb, _dir: dir }
 }
 
-fn quota(limit: u64) -> Quota {
+pub(super) fn quota(limit: u64) -> Quota {
     Quota {
         limit_bytes: limit,
         ..Quota::default()
