@@ -295,6 +295,31 @@ impl BrokerError {
     pub fn tenant_not_found(name: &str) -> Self {
         BrokerError::NotFound(Missing::Tenant(name.to_string()))
     }
+
+    /// A device index past the last of the broker's `count` devices (`InvalidArgument`).
+    pub fn unknown_device(device: u32, count: usize) -> Self {
+        Self::unknown_device_of(device, "this broker has", count)
+    }
+
+    /// A device index past the last of the `count` devices the MPS daemon serves.
+    pub fn unknown_mps_device(device: u32, count: u32) -> Self {
+        Self::unknown_device_of(device, "the MPS daemon serves", count as usize)
+    }
+
+    fn unknown_device_of(device: u32, whose: &str, count: usize) -> Self {
+        BrokerError::InvalidArgument(format!(
+            "unknown device {device}: {whose} {count} device(s)"
+        ))
+    }
+
+    /// A request that asks to wait longer than the longest wait allowed (`--max-wait`).
+    pub fn wait_too_long(wait: std::time::Duration, max: std::time::Duration) -> Self {
+        BrokerError::InvalidArgument(format!(
+            "wait {} ms exceeds the maximum {} ms",
+            wait.as_millis(),
+            max.as_millis()
+        ))
+    }
 }
 
 impl From<DeviceError> for BrokerError {
@@ -365,5 +390,29 @@ mod tests {
         assert!(m.len() <= MAX_STATUS_MESSAGE_BYTES, "{}", m.len());
         assert!(m.ends_with("(truncated)"));
         assert_eq!(status_message("ok".into()), "ok");
+    }
+
+    #[test]
+    fn unknown_devices_and_long_waits_are_invalid_arguments_that_say_the_numbers() {
+        use std::time::Duration;
+        let msg = |e: BrokerError| match e {
+            BrokerError::InvalidArgument(m) => m,
+            other => panic!("not InvalidArgument: {other:?}"),
+        };
+        assert_eq!(
+            msg(BrokerError::unknown_device(3, 2)),
+            "unknown device 3: this broker has 2 device(s)"
+        );
+        assert_eq!(
+            msg(BrokerError::unknown_mps_device(1, 1)),
+            "unknown device 1: the MPS daemon serves 1 device(s)"
+        );
+        assert_eq!(
+            msg(BrokerError::wait_too_long(
+                Duration::from_millis(1500),
+                Duration::from_secs(1)
+            )),
+            "wait 1500 ms exceeds the maximum 1000 ms"
+        );
     }
 }

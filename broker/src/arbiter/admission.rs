@@ -225,19 +225,10 @@ impl Arbiter {
             )));
         }
         if let Some(d) = req.device {
-            if d as usize >= self.devices.len() {
-                return Err(BrokerError::InvalidArgument(format!(
-                    "unknown device {d}: this broker has {} device(s)",
-                    self.devices.len()
-                )));
-            }
+            self.check_device_index(d)?;
         }
         if req.wait > self.cfg.max_wait {
-            return Err(BrokerError::InvalidArgument(format!(
-                "wait {} ms exceeds the maximum {} ms",
-                req.wait.as_millis(),
-                self.cfg.max_wait.as_millis()
-            )));
+            return Err(BrokerError::wait_too_long(req.wait, self.cfg.max_wait));
         }
         if req.label.len() > MAX_LABEL {
             return Err(BrokerError::InvalidArgument(format!(

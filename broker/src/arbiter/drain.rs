@@ -67,13 +67,10 @@ impl DrainReport {
 impl Arbiter {
     fn drain_targets(&self, device: Option<u32>) -> BrokerResult<Vec<u32>> {
         match device {
-            Some(d) if d as usize >= self.devices.len() => {
-                Err(BrokerError::InvalidArgument(format!(
-                    "unknown device {d}: this broker has {} device(s)",
-                    self.devices.len()
-                )))
+            Some(d) => {
+                self.check_device_index(d)?;
+                Ok(vec![d])
             }
-            Some(d) => Ok(vec![d]),
             None => Ok((0..self.devices.len() as u32).collect()),
         }
     }

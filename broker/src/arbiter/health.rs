@@ -125,12 +125,10 @@ impl Arbiter {
         Ok(true)
     }
 
-    fn check_device_index(&self, index: u32) -> BrokerResult<()> {
+    /// `index` names one of this broker's devices (else `InvalidArgument`).
+    pub(super) fn check_device_index(&self, index: u32) -> BrokerResult<()> {
         if index as usize >= self.devices.len() {
-            return Err(BrokerError::InvalidArgument(format!(
-                "unknown device {index}: this broker has {} device(s)",
-                self.devices.len()
-            )));
+            return Err(BrokerError::unknown_device(index, self.devices.len()));
         }
         Ok(())
     }

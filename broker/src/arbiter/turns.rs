@@ -187,11 +187,7 @@ impl Arbiter {
     ) -> BrokerResult<TurnGrant> {
         self.check_not_draining()?;
         if wait > self.cfg.max_wait {
-            return Err(BrokerError::InvalidArgument(format!(
-                "wait {} ms exceeds the maximum {} ms",
-                wait.as_millis(),
-                self.cfg.max_wait.as_millis()
-            )));
+            return Err(BrokerError::wait_too_long(wait, self.cfg.max_wait));
         }
         // The session is checked and the request queued in one hold of the state lock
         // (state, then scheduler): a session ending in between would leave a turn queued

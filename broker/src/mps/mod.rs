@@ -160,9 +160,7 @@ impl Mps {
     ) -> BrokerResult<MpsEnv> {
         let devices = self.devices.load(std::sync::atomic::Ordering::Relaxed);
         if device >= devices {
-            return Err(BrokerError::InvalidArgument(format!(
-                "unknown device {device}: the MPS daemon serves {devices} device(s)"
-            )));
+            return Err(BrokerError::unknown_mps_device(device, devices));
         }
         let s = self.status();
         if s.state != MpsState::Running {

@@ -195,9 +195,7 @@ impl Turns {
     ) -> BrokerResult<TurnWaiterId> {
         let n = self.devices.len();
         if device as usize >= n {
-            return Err(BrokerError::InvalidArgument(format!(
-                "unknown device {device}: this broker has {n} device(s)"
-            )));
+            return Err(BrokerError::unknown_device(device, n));
         }
         let waiting = self
             .devices
