@@ -158,13 +158,9 @@ impl Running {
                     .map_err(|_| anyhow::anyhow!("a read loop panicked"))??;
                 Ok((n, None))
             }
-            Running::Process(mut child, mut out) => {
-                // Closing its stdin stops it; it answers "reads N cpu_us M".
-                drop(child.stdin.take());
-                let mut line = String::new();
-                out.read_line(&mut line)?;
-                let status = child.wait()?;
-                anyhow::ensure!(status.success(), "the read process failed: {status}");
+            Running::Process(child, out) => {
+                // It answers "reads N cpu_us M".
+                let line = stop_child(child, out, "the read process")?;
                 let mut it = line.split_whitespace();
                 let field = |it: &mut std::str::SplitWhitespace, key: &str| -> Result<u64> {
                     anyhow::ensure!(it.next() == Some(key), "read process said {line:?}");
@@ -255,10 +251,36 @@ pub(crate) fn start_child(
     Ok((child, out, line))
 }
 
+/// Ends a child that [`start_child`] started: closes its stdin (which stops it), reads
+/// the one line it answers with, and waits for it; an error names `what` when it failed.
+pub(crate) fn stop_child(
+    mut child: std::process::Child,
+    mut out: std::io::BufReader<std::process::ChildStdout>,
+    what: &str,
+) -> Result<String> {
+    drop(child.stdin.take());
+    let mut line = String::new();
+    out.read_line(&mut line)?;
+    let status = child.wait()?;
+    anyhow::ensure!(status.success(), "{what} failed: {status}");
+    Ok(line)
+}
+
 /// Blocks until this process's stdin closes (the parent of a hidden mode ends it so).
 pub(crate) fn until_stdin_closes() {
     let mut sink = Vec::new();
     let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+}
+
+/// A flag that turns true once this process's stdin closes (watched by a thread).
+pub(crate) fn stop_when_stdin_closes() -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = stop.clone();
+    std::thread::spawn(move || {
+        until_stdin_closes();
+        s.store(true, Ordering::Relaxed);
+    });
+    stop
 }
 
 /// The hidden `reads` mode: the child process of `--readers process`.
@@ -281,12 +303,7 @@ pub async fn reads_process(a: &ReadsArgs) -> Result<()> {
         holder_token: std::env::var("GPB_BENCH_HOLDER_TOKEN")?,
         http: a.http.clone(),
     };
-    let stop = Arc::new(AtomicBool::new(false));
-    let s = stop.clone();
-    std::thread::spawn(move || {
-        until_stdin_closes();
-        s.store(true, Ordering::Relaxed);
-    });
+    let stop = stop_when_stdin_closes();
     let n = read_loops(readers, a.kinds.clone(), stop, || {
         println!("ready");
         let _ = std::io::stdout().flush();

@@ -36,13 +36,14 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use gpu_broker_client::{AdminClient, Client, QuotaSpec, Session};
 use serde_json::json;
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::admin_reads::{
-    lock_counters, metrics_addr, process_cpu, start_child, until_stdin_closes, LockCounters,
+    lock_counters, metrics_addr, process_cpu, start_child, stop_child, stop_when_stdin_closes,
+    LockCounters,
 };
 use crate::report::{count, json_line, note, us, Table};
 use crate::stats::{median, Histogram};
@@ -557,14 +558,10 @@ impl Writer {
                     None,
                 ))
             }
-            Writer::Process(mut child, mut out) => {
+            Writer::Process(child, out) => {
                 tokio::task::spawn_blocking(move || {
-                    // Closing its stdin stops it; it answers one line of its figures.
-                    drop(child.stdin.take());
-                    let mut line = String::new();
-                    out.read_line(&mut line)?;
-                    let status = child.wait()?;
-                    anyhow::ensure!(status.success(), "the quota writer failed: {status}");
+                    // It answers one line of its figures.
+                    let line = stop_child(child, out, "the quota writer")?;
                     let w = WriterReport::parse(&line)?;
                     let ran = w.secs.max(1e-9);
                     Ok((w.calls as f64 / ran, w.p50_us, Some(w.cpu_s / ran)))
@@ -727,12 +724,7 @@ pub async fn writer_process(a: &QuotaWriterArgs) -> Result<()> {
             a.burn_cores > 0.0 && a.burn_cores <= 64.0,
             "--burn-cores must be in (0, 64]"
         );
-        let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
-        std::thread::spawn(move || {
-            until_stdin_closes();
-            s.store(true, Ordering::Relaxed);
-        });
+        let stop = stop_when_stdin_closes();
         let cpu0 = process_cpu(None).unwrap_or_default();
         println!("ready");
         let _ = std::io::stdout().flush();
@@ -750,12 +742,7 @@ pub async fn writer_process(a: &QuotaWriterArgs) -> Result<()> {
     }
     anyhow::ensure!(!a.tenants.is_empty(), "no tenants to write");
     let admin = AdminClient::connect(&a.uri, std::env::var("GPB_BENCH_ADMIN_TOKEN")?).await?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let s = stop.clone();
-    std::thread::spawn(move || {
-        until_stdin_closes();
-        s.store(true, Ordering::Relaxed);
-    });
+    let stop = stop_when_stdin_closes();
     let cpu0 = process_cpu(None).unwrap_or_default();
     let (h, ran) = admin_loop(admin, a.tenants.clone(), a.op, a.rate, stop, || {
         println!("ready");
