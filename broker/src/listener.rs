@@ -5,7 +5,8 @@
 //! handshake deadline or it is closed; accept errors (EMFILE) back off instead of spinning;
 //! and the unauthenticated services (health, reflection) share a bounded number of open
 //! streams. Counters are in [`ListenerStats`]. `server.rs` wires this in with
-//! [`incoming_unix`], [`incoming_tcp`] and [`UnauthStreamsLayer`].
+//! [`incoming_unix`], [`incoming_tcp`] and [`UnauthStreamsLayer`]. Every Unix socket the
+//! broker serves (main, operators', tickets) is bound by [`bind_unix`].
 
 use futures::Stream;
 use parking_lot::Mutex;
@@ -21,6 +22,43 @@ use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::codegen::http;
 use tonic::transport::server::Connected;
+
+/// Why [`bind_unix`] bound nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// A live process still serves on the socket file.
+    #[error("a live process already serves on {0}")]
+    InUse(std::path::PathBuf),
+    #[error("socket {path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Binds the Unix socket at `path` with file mode `mode`: creates its directory and
+/// replaces a stale socket file, but refuses one that a live process still serves.
+pub async fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener, BindError> {
+    use std::os::unix::fs::PermissionsExt;
+    let err = |source| BindError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).await.is_ok() {
+            return Err(BindError::InUse(path.to_path_buf()));
+        }
+        tracing::info!(path = %path.display(), "removing stale socket file");
+        std::fs::remove_file(path).map_err(err)?;
+    }
+    let l = UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(err)?;
+    Ok(l)
+}
 
 /// The HTTP/2 client preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`) is 24 bytes.
 const PREFACE_BYTES: usize = 24;
@@ -710,6 +748,39 @@ mod tests {
             max_connections_per_uid: per_uid,
             admin_reserve: reserve,
             ..Limits::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_unix_socket_is_bound_with_its_mode_over_a_stale_file_never_over_a_live_one() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/dir/s.sock");
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        // The directory is made; the mode is the one asked for.
+        let live = bind_unix(&path, 0o660).await.unwrap();
+        assert_eq!(mode(&path), 0o660);
+        // A socket a live process serves is refused, and left in place.
+        match bind_unix(&path, 0o666).await {
+            Err(BindError::InUse(p)) => assert_eq!(p, path),
+            other => panic!("bound over a live socket: {other:?}"),
+        }
+        assert!(
+            UnixStream::connect(&path).await.is_ok(),
+            "the live socket still serves"
+        );
+        // Once nobody serves it the file is stale: replaced, with the new mode.
+        drop(live);
+        let _again = bind_unix(&path, 0o666).await.unwrap();
+        assert_eq!(mode(&path), 0o666);
+        assert!(UnixStream::connect(&path).await.is_ok());
+        // What cannot be made is an I/O error naming the path.
+        let file = dir.path().join("plain");
+        std::fs::write(&file, b"").unwrap();
+        let under_a_file = file.join("s.sock");
+        match bind_unix(&under_a_file, 0o660).await {
+            Err(BindError::Io { path, .. }) => assert_eq!(path, under_a_file),
+            other => panic!("bound under a plain file: {other:?}"),
         }
     }
 

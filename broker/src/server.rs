@@ -12,7 +12,6 @@ use crate::service::admin::AdminService;
 use crate::service::broker::BrokerService;
 use gpu_broker_proto::v1::admin_server::AdminServer;
 use gpu_broker_proto::v1::broker_server::BrokerServer;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,23 +40,13 @@ pub enum ServerError {
 /// Binds the Unix socket at `path`: creates its directory, replaces a stale socket file
 /// (refuses one a live broker still serves), and sets mode 0660.
 pub async fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
-    let err = |source| ServerError::Socket {
-        path: path.to_path_buf(),
-        source,
-    };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(err)?;
-    }
-    if path.exists() {
-        if tokio::net::UnixStream::connect(path).await.is_ok() {
-            return Err(ServerError::InUse(path.to_path_buf()));
-        }
-        tracing::info!(path = %path.display(), "removing stale socket file");
-        std::fs::remove_file(path).map_err(err)?;
-    }
-    let l = UnixListener::bind(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(err)?;
-    Ok(l)
+    use crate::listener::BindError;
+    crate::listener::bind_unix(path, 0o660)
+        .await
+        .map_err(|e| match e {
+            BindError::InUse(path) => ServerError::InUse(path),
+            BindError::Io { path, source } => ServerError::Socket { path, source },
+        })
 }
 
 /// The listeners to serve on.

@@ -28,22 +28,16 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Binds the ticket socket at `path` (replacing a stale file; refusing one a live process
 /// serves) with mode 0666: any local process may connect, only a ticket's holder gets an fd.
 pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
-    use std::os::unix::fs::PermissionsExt;
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    if path.exists() {
-        if UnixStream::connect(path).await.is_ok() {
-            return Err(std::io::Error::new(
+    use crate::listener::BindError;
+    crate::listener::bind_unix(path, 0o666)
+        .await
+        .map_err(|e| match e {
+            BindError::InUse(path) => std::io::Error::new(
                 std::io::ErrorKind::AddrInUse,
                 format!("another broker serves tickets on {}", path.display()),
-            ));
-        }
-        std::fs::remove_file(path)?;
-    }
-    let l = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
-    Ok(l)
+            ),
+            BindError::Io { source, .. } => source,
+        })
 }
 
 /// Serves the tickets of `arb` on `listener` until `stop` is cancelled.
