@@ -16,11 +16,7 @@ pub type Graph = BTreeMap<String, BTreeSet<String>>;
 /// each member of a `{...}` group (nested groups and groups over several lines, as rustfmt
 /// writes a long one, included).
 pub fn names_after(source: &str, prefix: &str) -> BTreeSet<String> {
-    let code: Vec<&str> = source
-        .lines()
-        .map(|l| l.split("//").next().unwrap_or(""))
-        .collect();
-    let code = code.join("\n");
+    let code = code(source);
     let mut found = BTreeSet::new();
     let mut rest = code.as_str();
     while let Some(at) = rest.find(prefix) {
@@ -34,6 +30,174 @@ pub fn names_after(source: &str, prefix: &str) -> BTreeSet<String> {
                 found.insert(head(rest));
             }
         }
+    }
+    found.remove("");
+    found
+}
+
+/// `source` with its comments (line and block, nested too) left out and the contents of
+/// its string and character literals blanked (a `//` in a string starts no comment, a
+/// path in one is not code); line breaks stay where they were.
+pub fn code(source: &str) -> String {
+    let c: Vec<char> = source.chars().collect();
+    let ident = |i: usize| c[i].is_alphanumeric() || c[i] == '_';
+    let mut out = String::with_capacity(source.len());
+    let blank = |out: &mut String, ch: char| out.push(if ch == '\n' { '\n' } else { ' ' });
+    let mut i = 0;
+    while i < c.len() {
+        let ch = c[i];
+        let next = c.get(i + 1).copied();
+        if ch == '/' && next == Some('/') {
+            while i < c.len() && c[i] != '\n' {
+                i += 1;
+            }
+            continue;
+        }
+        if ch == '/' && next == Some('*') {
+            let mut depth = 0usize;
+            while i < c.len() {
+                if c[i] == '/' && c.get(i + 1) == Some(&'*') {
+                    depth += 1;
+                    i += 2;
+                } else if c[i] == '*' && c.get(i + 1) == Some(&'/') {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    if c[i] == '\n' {
+                        out.push('\n');
+                    }
+                    i += 1;
+                }
+            }
+            out.push(' ');
+            continue;
+        }
+        // A raw string (`r"..."`, `r#"..."#`, `br"..."`).
+        let starts_raw =
+            ch == 'r' && (i == 0 || !ident(i - 1) || (c[i - 1] == 'b' && (i < 2 || !ident(i - 2))));
+        if starts_raw {
+            let mut j = i + 1;
+            while j < c.len() && c[j] == '#' {
+                j += 1;
+            }
+            if c.get(j) == Some(&'"') {
+                let hashes = j - i - 1;
+                out.push('"');
+                let mut k = j + 1;
+                while k < c.len() {
+                    if c[k] == '"' && (1..=hashes).all(|h| c.get(k + h) == Some(&'#')) {
+                        break;
+                    }
+                    blank(&mut out, c[k]);
+                    k += 1;
+                }
+                out.push('"');
+                i = k + 1 + hashes;
+                continue;
+            }
+        }
+        if ch == '"' {
+            out.push('"');
+            i += 1;
+            while i < c.len() && c[i] != '"' {
+                if c[i] == '\\' {
+                    blank(&mut out, c[i]);
+                    i += 1;
+                }
+                if i < c.len() {
+                    blank(&mut out, c[i]);
+                    i += 1;
+                }
+            }
+            out.push('"');
+            i += 1;
+            continue;
+        }
+        if ch == '\'' {
+            // A character literal ('x', '\n', '\''), else a lifetime or label.
+            let end = if next == Some('\\') {
+                (i + 3..c.len()).find(|&k| c[k] == '\'')
+            } else if c.get(i + 2) == Some(&'\'') {
+                Some(i + 2)
+            } else {
+                None
+            };
+            if let Some(end) = end {
+                out.push_str("' '");
+                i = end + 1;
+                continue;
+            }
+        }
+        out.push(ch);
+        i += 1;
+    }
+    out
+}
+
+/// The names a source file's code reaches at the root of the scanned tree through
+/// `super::` chains, the file being `depth` modules below that root (`a.rs` and
+/// `d/mod.rs`: 1; `d/x.rs`: 2): the chains exactly as long as the depth where they stand
+/// (each inline `mod m { ... }` block adds one).
+pub fn names_at_root(source: &str, depth: usize) -> BTreeSet<String> {
+    const SUPER: &str = "super::";
+    let code = code(source);
+    let mut found = BTreeSet::new();
+    let mut inline_mods: Vec<usize> = Vec::new();
+    let mut braces = 0usize;
+    let is_ident = |ch: char| ch.is_alphanumeric() || ch == '_';
+    let mut at = 0;
+    while at < code.len() {
+        let rest = &code[at..];
+        let ch = rest.chars().next().unwrap_or(' ');
+        let fresh = !code[..at].ends_with(|c: char| is_ident(c) || c == ':');
+        if fresh && rest.starts_with(SUPER) {
+            let mut n = 0;
+            let mut after = rest;
+            while let Some(r) = after.strip_prefix(SUPER) {
+                after = r;
+                n += 1;
+            }
+            if n == depth + inline_mods.len() {
+                match after.strip_prefix('{') {
+                    Some(group) => found.extend(group_heads(group)),
+                    None => {
+                        found.insert(head(after));
+                    }
+                }
+            }
+            at += n * SUPER.len();
+            continue;
+        }
+        match ch {
+            '{' => {
+                let before = code[..at].trim_end();
+                let name_len = before
+                    .chars()
+                    .rev()
+                    .take_while(|&c| is_ident(c))
+                    .map(char::len_utf8)
+                    .sum::<usize>();
+                let keyword = before[..before.len() - name_len].trim_end();
+                let is_mod = name_len > 0
+                    && keyword.ends_with("mod")
+                    && !keyword[..keyword.len() - 3].ends_with(is_ident);
+                if is_mod {
+                    inline_mods.push(braces);
+                }
+                braces += 1;
+            }
+            '}' => {
+                braces = braces.saturating_sub(1);
+                if inline_mods.last() == Some(&braces) {
+                    inline_mods.pop();
+                }
+            }
+            _ => {}
+        }
+        at += ch.len_utf8();
     }
     found.remove("");
     found
@@ -119,14 +283,29 @@ pub fn module_graph(dir: &Path, skip: &[&str], scan: fn(&str) -> BTreeSet<String
         if skip.contains(&name.as_str()) {
             continue;
         }
-        let text = if p.is_dir() {
-            sources(&p)
+        let texts: Vec<(usize, String)> = if p.is_dir() {
+            files(&p)
+                .into_iter()
+                .map(|(f, text)| {
+                    let parts = f.strip_prefix(dir).unwrap().components().count();
+                    let depth = if f.file_name().is_some_and(|n| n == "mod.rs") {
+                        parts - 1
+                    } else {
+                        parts
+                    };
+                    (depth, text)
+                })
+                .collect()
         } else if p.extension().is_some_and(|x| x == "rs") {
-            std::fs::read_to_string(&p).unwrap()
+            vec![(1, std::fs::read_to_string(&p).unwrap())]
         } else {
             continue;
         };
-        let mut named = scan(&text);
+        let all: String = texts.iter().map(|(_, t)| format!("{t}\n")).collect();
+        let mut named = scan(&all);
+        for (depth, text) in &texts {
+            named.extend(names_at_root(text, *depth));
+        }
         named.remove(&name);
         graph.insert(name, named);
     }
@@ -213,6 +392,44 @@ mod tests {
             "use super::a::B;\nuse super::super::b::C;\nuse super::{c, d::E};\nlet w = super::WIDTH; // super::e\n",
         );
         assert_eq!(found, set(&["a", "b", "c", "d", "WIDTH"]));
+    }
+
+    #[test]
+    fn a_double_slash_in_a_string_starts_no_comment() {
+        let found = uses("let u = \"http://x\"; use crate::a::B;\nlet r = r#\"//\"#; crate::b::f();\nlet c = '\"'; crate::c::g(); // crate::d\n/* crate::e */ let s = \"crate::f\";\n");
+        assert_eq!(found, set(&["a", "b", "c"]));
+        let code = code("fn f<'a>(x: &'a str) -> char { '\\'' } // x\nlet y = 1;\n");
+        assert_eq!(code, "fn f<'a>(x: &'a str) -> char { ' ' } \nlet y = 1;\n");
+    }
+
+    #[test]
+    fn super_paths_out_of_a_directory_module_reach_its_siblings() {
+        let dir = std::env::temp_dir().join(format!("module-graph-super-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("d/s")).unwrap();
+        std::fs::write(dir.join("a.rs"), "use crate::d::X;\n").unwrap();
+        std::fs::write(dir.join("b.rs"), "pub struct B;\n").unwrap();
+        std::fs::write(dir.join("c.rs"), "pub struct C;\n").unwrap();
+        std::fs::write(dir.join("e.rs"), "pub struct E;\n").unwrap();
+        std::fs::write(dir.join("f.rs"), "pub struct F;\n").unwrap();
+        // mod.rs's `super::` is the root; a child's `super::` is the directory module itself
+        // (its own item, not a sibling), its `super::super::` the root; an inline module
+        // adds a level.
+        std::fs::write(
+            dir.join("d/mod.rs"),
+            "mod x;\nmod s;\nuse super::a::Y;\nmod tests { use super::super::f::F; use super::Z; }\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("d/x.rs"),
+            "use super::b;\nuse super::super::{c::C, e};\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("d/s/mod.rs"), "use super::super::b::B;\n").unwrap();
+        let graph = module_graph(&dir, &[], uses);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(graph["d"], set(&["a", "b", "c", "e", "f"]));
+        assert_eq!(circle(&graph).as_deref(), Some("a -> d -> a"));
     }
 
     #[test]
