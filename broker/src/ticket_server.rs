@@ -6,7 +6,8 @@
 
 use crate::arbiter::Arbiter;
 use crate::device::SharedFd;
-use crate::tickets::{Refusal, BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY, TICKET_LEN};
+use crate::tickets::{Refusal, TICKET_LEN};
+use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::Arc;

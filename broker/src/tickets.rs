@@ -8,7 +8,7 @@
 //! or foreign ticket gets nothing: the connection is closed, the attempt logged and counted
 //! (`gpu_broker_ticket_refusals_total{reason}`), the lease untouched. Ending a lease drops
 //! its tickets' descriptors but keeps each unredeemed ticket as a **tombstone** until its
-//! expiry: its rightful peer presenting it learns "lease ended" ([`LEASE_ENDED_REPLY`])
+//! expiry: its rightful peer presenting it learns "lease ended" (`gpu_broker_proto::ticket`)
 //! instead of a bare refusal; any other peer still learns nothing. The wire protocol is in
 //! `docs/protocol.md`.
 
@@ -23,14 +23,6 @@ use uuid::Uuid;
 pub const TICKET_LEN: usize = 32;
 /// Most unredeemed tickets one lease may have (older ones are dropped first).
 const MAX_PER_LEASE: usize = 16;
-/// The one byte (with no descriptor) a connection over a limit gets before it is closed:
-/// its ticket was not looked at, so the client may present it again after a pause.
-pub const BUSY_REPLY: u8 = 0x00;
-/// The byte that carries the descriptor of a redeemed ticket.
-pub const FD_REPLY: u8 = 0x01;
-/// The one byte (with no descriptor) the rightful holder of a ticket gets when the ticket's
-/// lease ended (reclaimed, revoked, released or its session ended) before it was redeemed.
-pub const LEASE_ENDED_REPLY: u8 = 0x02;
 /// Most tombstones kept in all (the oldest go first): each ended lease leaves at most
 /// `MAX_PER_LEASE`, and they live no longer than the TTL.
 const MAX_TOMBSTONES: usize = 4096;

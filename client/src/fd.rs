@@ -21,20 +21,13 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY};
 use gpu_broker_proto::v1 as pb;
 
 use crate::error::ClientError;
 
 /// How long a ticket exchange may take.
 const TIMEOUT: Duration = Duration::from_secs(10);
-/// The data byte that carries a lease's descriptor.
-const FD_REPLY: u8 = 0x01;
-/// The data byte (no descriptor) of a broker at its ticket-connection limit: the ticket was
-/// not looked at; present it again after a pause.
-const BUSY_REPLY: u8 = 0x00;
-/// The data byte (no descriptor) for the rightful holder of a ticket whose lease ended
-/// (reclaimed, revoked, released or its session ended) before the ticket was redeemed.
-const LEASE_ENDED_REPLY: u8 = 0x02;
 /// Longest pause between presentations to a busy ticket socket.
 const MAX_BUSY_PAUSE: Duration = Duration::from_millis(50);
 

@@ -1,6 +1,8 @@
 //! The gpu-broker gRPC API (`gpubroker.v1`): the `Broker` service for workers, the
 //! `Admin` service for operators, and the messages they share. Generated at build time
-//! from `proto/gpubroker/v1/*.proto`; nothing here is written by hand but this file.
+//! from `proto/gpubroker/v1/*.proto`; nothing here is written by hand but this file. Also
+//! the bytes of the ticket socket's replies ([`ticket`]), shared by the broker's ticket
+//! server and the client that redeems tickets.
 
 #![allow(clippy::all, missing_docs)]
 
@@ -13,3 +15,19 @@ pub mod v1 {
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("gpubroker_descriptor");
 
 pub use v1::*;
+
+/// The ticket socket's replies: after a worker sends a lease ticket (the bytes of a
+/// `FdTicket`), the broker answers one data byte, with the lease's descriptor attached
+/// (`SCM_RIGHTS`) only to [`FD_REPLY`](ticket::FD_REPLY).
+pub mod ticket {
+    /// The one byte (with no descriptor) a connection over a limit gets before it is
+    /// closed: its ticket was not looked at, so the client may present it again after a
+    /// pause.
+    pub const BUSY_REPLY: u8 = 0x00;
+    /// The byte that carries the descriptor of a redeemed ticket.
+    pub const FD_REPLY: u8 = 0x01;
+    /// The one byte (with no descriptor) the rightful holder of a ticket gets when the
+    /// ticket's lease ended (reclaimed, revoked, released or its session ended) before it
+    /// was redeemed.
+    pub const LEASE_ENDED_REPLY: u8 = 0x02;
+}
