@@ -27,6 +27,8 @@
 # admin loop on its operators' socket), writer process, state on disk, tight loop: set,
 # get, and burn (the control for CPU busy elsewhere: a process that talks to nobody keeps
 # as many cores busy as set added to the broker, `--op burn`).
+# PARTS=exp runs the experimental build's arms (EXP_ENVS), each on its own operators'
+# socket, beside gpu-broker on its main and operators' sockets: set and get, tight loop.
 # REPEAT (4), DURATION (1s), ROUNDS (3, part 5) scale it. Every part has its `timeout`.
 set -euo pipefail
 if [ "${1:-}" = build ]; then
@@ -94,6 +96,21 @@ qw() { # qw NAME TIMEOUT TMPDIR ARGS...
         --repeat "$repeat" --duration "$duration" "$@" || echo "$name rc=$?"
     echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 }
+if [ "${PARTS:-all}" = exp ]; then
+    # The experimental build's arms, each with its admin loop on its own operators'
+    # socket, beside gpu-broker on its main socket (A) and on its operators' socket (C).
+    first=$main
+    also=(--also "$main --admin-listen $ops/admin.sock")
+    i=0
+    for e in ${EXP_ENVS:-}; do
+        i=$((i + 1))
+        also+=(--also "$e $exp --admin-listen $ops/x$i.sock")
+    done
+    qw "part exp: writer process, disk, set and get, the experimental arms" 420 "$disk" \
+        --writer process --op set,get "${also[@]}"
+    date -u +%FT%TZ
+    exit 0
+fi
 if [ "${PARTS:-all}" = burn ]; then
     first=$main
     also=(--also "$main --admin-listen $ops/admin.sock")
