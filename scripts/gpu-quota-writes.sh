@@ -28,7 +28,8 @@
 # get, and burn (the control for CPU busy elsewhere: a process that talks to nobody keeps
 # as many cores busy as set added to the broker, `--op burn`).
 # PARTS=exp runs the experimental build's arms (EXP_ENVS), each on its own operators'
-# socket, beside gpu-broker on its main and operators' sockets: set and get, tight loop.
+# socket, beside gpu-broker on its main and operators' sockets: set and get (EXP_OPS), tight
+# loop.
 # REPEAT (4), DURATION (1s), ROUNDS (3, part 5) scale it. Every part has its `timeout`.
 set -euo pipefail
 if [ "${1:-}" = build ]; then
@@ -107,7 +108,7 @@ if [ "${PARTS:-all}" = exp ]; then
         also+=(--also "$e $exp --admin-listen $ops/x$i.sock")
     done
     qw "part exp: writer process, disk, set and get, the experimental arms" 420 "$disk" \
-        --writer process --op set,get "${also[@]}"
+        --writer process --op "${EXP_OPS:-set,get}" "${also[@]}"
     date -u +%FT%TZ
     exit 0
 fi
