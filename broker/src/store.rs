@@ -476,7 +476,7 @@ impl Store {
         }
         match txn.commit() {
             Ok(()) => {
-                if !self.writable.send_replace(true) {
+                if self.set_writable(true) {
                     tracing::info!(path = %self.path.display(), "state store writable again");
                 }
                 Ok(())
@@ -521,11 +521,20 @@ impl Store {
         }
     }
 
+    /// Records whether the store is writable; true when that changed. Watchers (the Admin
+    /// service's health) hear of changes only: a commit of a writable store, the common
+    /// case, wakes nobody (a wake-up on every commit costs acquires a runtime worker's
+    /// wake-up per operator write).
+    fn set_writable(&self, now: bool) -> bool {
+        self.writable
+            .send_if_modified(|w| std::mem::replace(w, now) != now)
+    }
+
     /// An I/O failure (ENOSPC, EIO, or redb's "previous I/O error") makes the store
     /// unwritable until a write commits again; logged once per episode.
     fn note_failure(&self, e: &redb::Error) {
         let io = matches!(e, redb::Error::Io(_) | redb::Error::PreviousIo);
-        if io && self.writable.send_replace(false) {
+        if io && self.set_writable(false) {
             tracing::error!(
                 path = %self.path.display(),
                 error = %e,
@@ -856,6 +865,32 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_writable_watch_hears_of_changes_only_not_of_every_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let mut rx = store.writable();
+        assert!(*rx.borrow_and_update());
+        store.put_tenant(&tenant("a", 1)).unwrap();
+        store.put_tenant(&tenant("b", 2)).unwrap();
+        assert!(
+            !rx.has_changed().unwrap(),
+            "commits of a writable store wake no watcher"
+        );
+        store.fail_commits(true);
+        assert!(store.put_tenant(&tenant("c", 3)).is_err());
+        assert!(rx.has_changed().unwrap(), "turning unwritable is heard");
+        assert!(!*rx.borrow_and_update());
+        assert!(store.put_tenant(&tenant("c", 3)).is_err());
+        assert!(!rx.has_changed().unwrap(), "a second failure is no change");
+        store.fail_commits(false);
+        store.put_tenant(&tenant("c", 3)).unwrap();
+        assert!(rx.has_changed().unwrap(), "writable again is heard");
+        assert!(*rx.borrow_and_update());
+        store.put_tenant(&tenant("d", 4)).unwrap();
+        assert!(!rx.has_changed().unwrap());
+    }
 
     fn tenant(name: &str, limit: u64) -> TenantRecord {
         TenantRecord {
