@@ -72,6 +72,18 @@ impl ReadPool {
     }
 }
 
+/// Tests: a multi-threaded runtime of one worker named "main-worker", standing for the
+/// broker's main runtime (one task that blocks it stalls it).
+#[cfg(test)]
+pub(crate) fn main_runtime_of_one_worker() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("main-worker")
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 impl Drop for ReadPool {
     fn drop(&mut self) {
         // May be dropped from within an async context (a test's runtime): never block.
@@ -253,12 +265,7 @@ mod tests {
     fn admin_calls_and_listings_run_on_the_operators_runtime_and_everything_else_where_it_arrives()
     {
         let pool = ReadPool::start(1).unwrap();
-        let main = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("main-worker")
-            .enable_all()
-            .build()
-            .unwrap();
+        let main = main_runtime_of_one_worker();
         let layer = pool.layer();
         // On a worker of the main runtime, as a served call is.
         main.block_on(main.spawn(async move {
@@ -340,12 +347,7 @@ mod tests {
             .finish();
         let dispatch = tracing::Dispatch::new(subscriber);
         let pool = ReadPool::start(1).unwrap();
-        let main = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("main-worker")
-            .enable_all()
-            .build()
-            .unwrap();
+        let main = main_runtime_of_one_worker();
         let layer = pool.layer();
         main.block_on(
             main.spawn(

@@ -372,12 +372,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (main_sock, ops_sock) = (dir.path().join("b.sock"), dir.path().join("ops.sock"));
         // The main runtime has one worker: a task that blocks it stalls the runtime.
-        let main = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("main-worker")
-            .enable_all()
-            .build()
-            .unwrap();
+        let main = crate::read_pool::main_runtime_of_one_worker();
         let pool = crate::read_pool::ReadPool::start(1).unwrap();
         let arb = crate::arbiter::host_arbiter(64 << 20, 1, Default::default());
         let shutdown = CancellationToken::new();

@@ -142,13 +142,7 @@ async fn quotas_tenants_and_tokens() {
         eventually(T, || async { s3.is_closed() }).await,
         "the session stream ended"
     );
-    let names: Vec<String> = admin
-        .list_tenants()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|t| t.name)
-        .collect();
+    let names = tenant_names(&admin).await;
     assert_eq!(names, ["team-b"]);
     assert_eq!(
         admin.get_quota("team-a").await.unwrap_err().code(),

@@ -151,13 +151,7 @@ async fn operator_script_runs_against_a_real_broker() {
         .line_starting(&format!("EVENT revoked {lease_id}"), T)
         .await
         .unwrap();
-    let tenants: Vec<String> = admin
-        .list_tenants()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|t| t.name)
-        .collect();
+    let tenants = tenant_names(&admin).await;
     assert_eq!(tenants, ["inference", "training"]);
     let training = admin.get_quota("training").await.unwrap();
     assert_eq!(training.quota.limit_bytes, 48 * GIB);

@@ -58,13 +58,7 @@ async fn operators_socket_serves_admin_only_and_lives_like_the_main_one() {
             main.get_quota("t").await.unwrap().quota.limit_bytes,
             8 * MIB
         );
-        let names: Vec<String> = ops
-            .list_tenants()
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|t| t.name)
-            .collect();
+        let names = tenant_names(&ops).await;
         assert_eq!(names, ["t"]);
 
         // gpu-brokerctl needs nothing new: --broker points it there.

@@ -121,13 +121,7 @@ async fn sigint_on_an_idle_broker_exits_quickly_and_state_survives_a_restart() {
     let q = admin.get_quota("keep").await.unwrap();
     assert_eq!(q.quota.limit_bytes, 3 * GIB, "the last quota set");
     assert_eq!(q.token_count, 1);
-    let names: Vec<String> = admin
-        .list_tenants()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|t| t.name)
-        .collect();
+    let names = tenant_names(&admin).await;
     assert_eq!(names, ["keep"], "a deleted tenant stays deleted");
     // A revoked token, or one of a deleted tenant, stays dead across the restart, even
     // when the tenant's name is used again.

@@ -333,6 +333,17 @@ impl Drop for Broker {
     }
 }
 
+/// The names of the broker's tenants, as `ListTenants` gives them.
+pub async fn tenant_names(admin: &AdminClient) -> Vec<String> {
+    admin
+        .list_tenants()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.name)
+        .collect()
+}
+
 /// Polls `f` every 20 ms until it returns true or `timeout` passes.
 pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
 where
