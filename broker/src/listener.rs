@@ -29,6 +29,10 @@ pub enum BindError {
     /// A live process still serves on the socket file.
     #[error("a live process already serves on {0}")]
     InUse(std::path::PathBuf),
+    /// Something that is not a socket (a mistyped path naming a file) is there: never
+    /// removed.
+    #[error("{0} exists and is not a socket: not replaced")]
+    NotASocket(std::path::PathBuf),
     #[error("socket {path}: {source}")]
     Io {
         path: std::path::PathBuf,
@@ -38,9 +42,11 @@ pub enum BindError {
 }
 
 /// Binds the Unix socket at `path` with file mode `mode`: creates its directory and
-/// replaces a stale socket file, but refuses one that a live process still serves.
+/// replaces a stale socket file (one whose connect is refused: nobody listens), but
+/// refuses one that a live process still serves (or may: a full backlog, no permission)
+/// and never removes anything that is not a socket.
 pub async fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener, BindError> {
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     let err = |source| BindError::Io {
         path: path.to_path_buf(),
         source,
@@ -48,12 +54,19 @@ pub async fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
     }
-    if path.exists() {
-        if UnixStream::connect(path).await.is_ok() {
-            return Err(BindError::InUse(path.to_path_buf()));
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if !meta.file_type().is_socket() => {
+            return Err(BindError::NotASocket(path.to_path_buf()));
         }
-        tracing::info!(path = %path.display(), "removing stale socket file");
-        std::fs::remove_file(path).map_err(err)?;
+        Ok(_) => match UnixStream::connect(path).await {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                tracing::info!(path = %path.display(), "removing stale socket file");
+                std::fs::remove_file(path).map_err(err)?;
+            }
+            _ => return Err(BindError::InUse(path.to_path_buf())),
+        },
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e)),
     }
     let l = UnixListener::bind(path).map_err(err)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(err)?;
@@ -774,9 +787,19 @@ mod tests {
         let _again = bind_unix(&path, 0o666).await.unwrap();
         assert_eq!(mode(&path), 0o666);
         assert!(UnixStream::connect(&path).await.is_ok());
-        // What cannot be made is an I/O error naming the path.
+        // A file that is not a socket (a mistyped path) is refused and left as it was.
         let file = dir.path().join("plain");
-        std::fs::write(&file, b"").unwrap();
+        std::fs::write(&file, b"state").unwrap();
+        match bind_unix(&file, 0o660).await {
+            Err(BindError::NotASocket(p)) => assert_eq!(p, file),
+            other => panic!("bound over a plain file: {other:?}"),
+        }
+        assert_eq!(
+            std::fs::read(&file).unwrap(),
+            b"state",
+            "the file is untouched"
+        );
+        // What cannot be made is an I/O error naming the path.
         let under_a_file = file.join("s.sock");
         match bind_unix(&under_a_file, 0o660).await {
             Err(BindError::Io { path, .. }) => assert_eq!(path, under_a_file),

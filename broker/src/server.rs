@@ -46,6 +46,13 @@ pub async fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
         .map_err(|e| match e {
             BindError::InUse(path) => ServerError::InUse(path),
             BindError::Io { path, source } => ServerError::Socket { path, source },
+            BindError::NotASocket(path) => ServerError::Socket {
+                source: std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "the path exists and is not a socket: not replaced",
+                ),
+                path,
+            },
         })
 }
 

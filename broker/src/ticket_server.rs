@@ -38,6 +38,9 @@ pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
                 format!("another broker serves tickets on {}", path.display()),
             ),
             BindError::Io { source, .. } => source,
+            e @ BindError::NotASocket(_) => {
+                std::io::Error::new(std::io::ErrorKind::AlreadyExists, e.to_string())
+            }
         })
 }
 
