@@ -288,7 +288,7 @@ impl Store {
             }
         }
         self.commit(txn)?;
-        Ok(true)
+        Ok(existed)
     }
 
     /// Inserts or replaces the token `t.token_id`; durable before returning.
@@ -865,6 +865,28 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn deleting_an_absent_tenant_with_a_record_says_it_was_absent_and_commits_the_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        store.put_tenant(&tenant("a", 1)).unwrap();
+        let also = |txn: &redb::WriteTransaction| -> Result<(), redb::Error> {
+            txn.open_table(TENANTS)?
+                .insert("marker", b"{}".as_slice())?;
+            Ok(())
+        };
+        assert!(!store.delete_tenant_with("absent", Some(&also)).unwrap());
+        assert!(store.delete_tenant_with("a", Some(&also)).unwrap());
+        let db = store.into_db();
+        let txn = db.begin_read().unwrap();
+        let t = txn.open_table(TENANTS).unwrap();
+        assert!(
+            t.get("marker").unwrap().is_some(),
+            "the extra write committed"
+        );
+        assert!(t.get("a").unwrap().is_none());
+    }
 
     #[test]
     fn the_writable_watch_hears_of_changes_only_not_of_every_commit() {

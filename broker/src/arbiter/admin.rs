@@ -216,7 +216,7 @@ impl Arbiter {
     /// [`Arbiter::change_quota`]; with `(who, action, target)`, its audit record
     /// (`action` on `target`, the quota before, read under the same locks, and after) is
     /// committed in the same transaction as the quota, and logged.
-    pub fn change_quota_recorded(
+    pub(crate) fn change_quota_recorded(
         self: &Arc<Self>,
         name: &str,
         update: QuotaUpdate,

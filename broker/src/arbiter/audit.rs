@@ -15,7 +15,9 @@ impl Arbiter {
     /// revoked, a device's health): handed to the store writer, behind the durable
     /// changes asked for before it, and written (and logged) there; await
     /// [`Arbiter::audits_written`] before answering the operator. A record that cannot be
-    /// written is logged as an error; the change itself stands.
+    /// written is logged as an error; the change itself stands. Call it with no arbiter
+    /// lock held (neither the state lock nor `admin_writes`): with the writer's queue full
+    /// it waits for room, and the writer's jobs take those locks.
     pub fn audit(
         &self,
         who: &Who,

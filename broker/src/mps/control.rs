@@ -179,26 +179,7 @@ fn read_live_pid(path: &Path) -> Option<u32> {
     if pid <= 0 {
         return None;
     }
-    process_alive(pid as u32).then_some(pid as u32)
-}
-
-/// Whether `pid` is a live process (a zombie, which a container's init may never reap, is
-/// not).
-pub fn process_alive(pid: u32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    let exists = unsafe { libc::kill(pid as i32, 0) } == 0
-        || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-    if !exists {
-        return false;
-    }
-    // The state is the field after the parenthesised command name.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_none_or(|state| state != "Z" && state != "X"),
-        Err(_) => true,
-    }
+    crate::process::process_alive(pid as u32).then_some(pid as u32)
 }
 
 /// Pids in a command's answer (one per line; other lines are ignored).

@@ -146,7 +146,7 @@ impl Shared {
     }
 }
 
-use super::control::process_alive as alive;
+use crate::process::process_alive as alive;
 
 /// Creates `dir` (and parents) and makes it 0770: the broker's user and group (who may
 /// use the broker's socket) reach the daemon; nobody else on the node becomes a client.

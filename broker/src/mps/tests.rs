@@ -83,7 +83,7 @@ async fn until(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-use control::process_alive as alive;
+use crate::process::process_alive as alive;
 
 #[tokio::test]
 async fn starts_the_daemon_checks_it_and_quits_at_shutdown() {
