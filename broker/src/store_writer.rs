@@ -138,15 +138,9 @@ impl StoreWriter {
     /// Blocks the calling thread until the queue has room (`Stopped` once it closed).
     fn wait_for_room(&self) -> Result<tokio::sync::OwnedSemaphorePermit, WriterError> {
         let room = self.room.clone();
-        let wait = move || {
+        off_the_runtime(|| {
             futures::executor::block_on(room.acquire_owned()).map_err(|_| WriterError::Stopped)
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(wait)
-            }
-            _ => wait(),
-        }
+        })
     }
 
     /// Queues `job`, to run inside the caller's tracing span; `permit` (its place in the
@@ -188,6 +182,18 @@ impl StoreWriter {
 impl Drop for StoreWriter {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Runs blocking work (a wait, a commit): inside `block_in_place` on a multi-threaded
+/// tokio runtime's worker, so that worker's other tasks move elsewhere meanwhile; as is
+/// elsewhere (current-thread runtimes, plain threads, the writer itself).
+pub(crate) fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
     }
 }
 

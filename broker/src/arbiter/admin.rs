@@ -8,6 +8,7 @@ use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant};
 use crate::store::{StoreError, TenantRecord};
+use crate::store_writer::off_the_runtime;
 use crate::units::show;
 pub use crate::views::{DeviceReport, QuarantineView, SessionView, TenantView};
 use std::sync::Arc;
@@ -63,17 +64,6 @@ impl Arbiter {
         off_the_runtime(|| write(store))
             .inspect(|_| self.metrics.store_write(true))
             .map_err(|e| self.store_failed(e))
-    }
-}
-
-/// Runs blocking work: inside `block_in_place` on a multi-threaded tokio runtime's worker,
-/// as is elsewhere (current-thread runtimes, plain threads, the store writer).
-pub(super) fn off_the_runtime<T>(f: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
-        }
-        _ => f(),
     }
 }
 

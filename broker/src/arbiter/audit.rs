@@ -9,6 +9,7 @@ use super::Arbiter;
 use crate::audit::{AuditFilter, AuditRecord, Who};
 use crate::error::{BrokerError, BrokerResult};
 use crate::store::{AlsoWrite, Store, StoreError};
+use crate::store_writer::off_the_runtime;
 
 impl Arbiter {
     /// Records an operator change that has no store change of its own (a drain, a lease
@@ -32,16 +33,15 @@ impl Arbiter {
             // Kept in memory: nothing to wait for.
             return self.write_audit(rec);
         }
-        let Some(me) = self.me.upgrade() else {
-            return super::admin::off_the_runtime(|| self.write_audit(rec));
-        };
-        let handed = self.store_writer().map_err(|_| ()).and_then(|w| {
-            let rec = rec.clone();
-            w.submit(move || me.write_audit(rec)).map_err(|_| ())
+        let handed = self.me.upgrade().is_some_and(|me| {
+            self.store_writer().is_ok_and(|w| {
+                let rec = rec.clone();
+                w.submit(move || me.write_audit(rec)).is_ok()
+            })
         });
-        if handed.is_err() {
-            // The writer has stopped (shutdown): written here.
-            super::admin::off_the_runtime(|| self.write_audit(rec));
+        if !handed {
+            // The writer has stopped (shutdown), or the arbiter is going away: written here.
+            off_the_runtime(|| self.write_audit(rec));
         }
     }
 
@@ -81,7 +81,7 @@ impl Arbiter {
             return self.durable(|store| write(store, None));
         };
         let store = self.store.as_ref();
-        let (out, rec) = super::admin::off_the_runtime(|| {
+        let (out, rec) = off_the_runtime(|| {
             self.audit_log
                 .append_with(store, rec, |audit| match (store, audit) {
                     (Some(s), Some(audit)) => write(s, Some(audit)),
