@@ -145,16 +145,17 @@ impl Arbiter {
         who: crate::audit::Who,
     ) -> BrokerResult<QuotaChange> {
         let me = self.clone();
-        self.on_store_writer(move || {
+        self.run_durable(move || {
             me.change_quota_recorded(&name, update, Some((&who, "quota.set", "")))
         })
         .await
     }
 
     /// Runs `change` on the store writer (started on first use, inside the caller's
-    /// runtime), after the changes asked for before it. Without a store it runs here:
-    /// nothing is committed.
-    pub(super) async fn on_store_writer<T: Send + 'static>(
+    /// runtime), after the durable changes asked for before it: the arbiter's own
+    /// operator changes and those made outside it (a configuration reload). Without a
+    /// store it runs here: nothing is committed.
+    pub async fn run_durable<T: Send + 'static>(
         &self,
         change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
     ) -> BrokerResult<T> {
@@ -182,15 +183,6 @@ impl Arbiter {
         // Another caller may have started one meanwhile: theirs is kept.
         let _ = self.store_writer.set(w);
         Ok(self.store_writer.get().expect("just set"))
-    }
-
-    /// Runs `change` on the store writer, after the durable changes asked for before it
-    /// (for changes made outside the arbiter, e.g. a configuration reload).
-    pub async fn run_durable<T: Send + 'static>(
-        &self,
-        change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
-    ) -> BrokerResult<T> {
-        self.on_store_writer(change).await
     }
 
     /// Stops the store writer (shutdown): the changes already handed to it finish first;
@@ -306,7 +298,7 @@ impl Arbiter {
         who: crate::audit::Who,
     ) -> BrokerResult<()> {
         let me = self.clone();
-        self.on_store_writer(move || me.delete_tenant_recorded(&name, Some(&who)))
+        self.run_durable(move || me.delete_tenant_recorded(&name, Some(&who)))
             .await
     }
 
@@ -378,7 +370,7 @@ impl Arbiter {
         who: crate::audit::Who,
     ) -> BrokerResult<()> {
         let me = self.clone();
-        self.on_store_writer(move || me.revoke_token_recorded(&id_or_token, Some(&who)))
+        self.run_durable(move || me.revoke_token_recorded(&id_or_token, Some(&who)))
             .await
     }
 

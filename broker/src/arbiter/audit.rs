@@ -48,7 +48,7 @@ impl Arbiter {
     /// Returns once every audit record handed over before has been written.
     pub async fn audits_written(&self) {
         if self.store.is_some() {
-            let _ = self.on_store_writer(|| Ok(())).await;
+            let _ = self.run_durable(|| Ok(())).await;
         }
     }
 

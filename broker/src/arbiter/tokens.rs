@@ -47,7 +47,7 @@ impl Arbiter {
         who: crate::audit::Who,
     ) -> BrokerResult<IssuedToken> {
         let me = self.clone();
-        self.on_store_writer(move || me.issue_recorded(spec, Some(&who)))
+        self.run_durable(move || me.issue_recorded(spec, Some(&who)))
             .await
     }
 
