@@ -26,6 +26,17 @@ def _bin(name: str) -> str:
     return str(path)
 
 
+def wait_for(what, timeout: float = 20, every: float = 0.05):
+    """Calls `what` until it returns something true, sleeping `every` seconds between
+    calls, for at most `timeout` seconds; its last answer (false if time ran out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = what()
+        if got or time.monotonic() >= deadline:
+            return got
+        time.sleep(every)
+
+
 class BrokerProc:
     """A broker process with its own socket, state and shared-memory directories."""
 
@@ -33,6 +44,9 @@ class BrokerProc:
         self.dir = tempfile.TemporaryDirectory(prefix="gpb-py-")
         d = Path(self.dir.name)
         self.socket = d / "broker.sock"
+        # Where workers fetch their leases' descriptors (named here, not left to the
+        # broker's default, so tests can reach it).
+        self.tickets = d / "broker.tickets.sock"
         self.state = d / "state"
         self.shm = Path("/dev/shm") / d.name
         self.log = d / "broker.log"
@@ -42,6 +56,7 @@ class BrokerProc:
             "--backend", "host",
             "--headroom", "0%",
             "--socket", str(self.socket),
+            "--ticket-socket", str(self.tickets),
             "--state-dir", str(self.state),
             "--host-shm-dir", str(self.shm),
             "--shutdown-grace", "1s",
