@@ -213,9 +213,11 @@ fn the_core_names_no_tokio_and_reads_no_liveness() {
 const CLI_FILES: [&str; 3] = ["config.rs", "check_config.rs", "main.rs"];
 
 /// Where the generated gRPC types may be named: the services and the server (the edge that
-/// converts records to messages and back), and the ticket server (the ticket socket's
-/// reply bytes, shared with the client, are defined beside the messages).
-const WIRE_FILES: [&str; 3] = ["service/", "server.rs", "ticket_server.rs"];
+/// converts records to messages and back), the ticket server (the ticket socket's reply
+/// bytes, shared with the client, are defined beside the messages), and the read pool
+/// (its test takes the services' method paths from the proto, to check each is served
+/// where it should be).
+const WIRE_FILES: [&str; 4] = ["service/", "server.rs", "ticket_server.rs", "read_pool.rs"];
 
 /// Every `.rs` file under `src/`, as (path relative to `src/`, text).
 fn all_sources() -> Vec<(String, String)> {

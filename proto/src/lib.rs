@@ -14,6 +14,12 @@ pub mod v1 {
 /// Encoded `FileDescriptorSet` of the API, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("gpubroker_descriptor");
 
+/// The gRPC path of every method, one list per service (`ADMIN`, `BROKER`), read from
+/// the descriptor set at build time: for checks that must cover every method.
+pub mod paths {
+    include!(concat!(env!("OUT_DIR"), "/gpubroker_paths.rs"));
+}
+
 pub use v1::*;
 
 /// The ticket socket's replies: after a worker sends a lease ticket (the bytes of a
