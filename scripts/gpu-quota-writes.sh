@@ -27,6 +27,7 @@
 # admin loop on its operators' socket), writer process, state on disk, tight loop: set,
 # get, and burn (the control for CPU busy elsewhere: a process that talks to nobody keeps
 # as many cores busy as set added to the broker, `--op burn`).
+# PARTS=arms runs the arms ARMS lists (below), each on its own operators' socket.
 # PARTS=exp runs the experimental build's arms (EXP_ENVS), each on its own operators'
 # socket, beside gpu-broker on its main and operators' sockets: set and get (EXP_OPS), tight
 # loop.
@@ -108,6 +109,32 @@ if [ "${PARTS:-all}" = exp ]; then
         also+=(--also "$e $exp --admin-listen $ops/x$i.sock")
     done
     qw "part exp: writer process, disk, set and get, the experimental arms" 420 "$disk" \
+        --writer process --op "${EXP_OPS:-set,get}" "${also[@]}"
+    date -u +%FT%TZ
+    exit 0
+fi
+if [ "${PARTS:-all}" = arms ]; then
+    # Arms given whole, each on its own operators' socket, beside gpu-broker on its main
+    # socket (A): ARMS is a ';'-separated list of "[NAME=value...] BIN [FLAGS...]", BIN a
+    # file in DIR, '@' in a NAME=value standing for DIR (e.g. a preloaded allocator:
+    # "LD_PRELOAD=@/libjemalloc.so.2 gpu-broker"). One arm twice tells the noise.
+    first=$main
+    also=()
+    i=0
+    IFS=';' read -ra specs <<<"${ARMS:?PARTS=arms needs ARMS}"
+    for spec in "${specs[@]}"; do
+        i=$((i + 1))
+        words=()
+        for w in $spec; do
+            case $w in
+            *=*) words+=("${w//@/$dir}") ;;
+            *) [ -e "$dir/$w" ] && w=$dir/$w; words+=("$w") ;;
+            esac
+        done
+        echo "arm $i (the bench's broker $i after A): $spec"
+        also+=(--also "${words[*]} --admin-listen $ops/x$i.sock")
+    done
+    qw "part arms: writer process, disk, ${EXP_OPS:-set,get}, the arms" 540 "$disk" \
         --writer process --op "${EXP_OPS:-set,get}" "${also[@]}"
     date -u +%FT%TZ
     exit 0

@@ -33,13 +33,18 @@ mod ctl;
 )]
 struct Cli {
     /// Broker address: unix:///path/to/broker.sock, http://host:port or https://host:port.
+    /// Default: the operators' socket unix:///run/gpu-broker/admin.sock where the broker
+    /// has one (`run`: always the workers' socket), else unix:///run/gpu-broker/broker.sock.
     #[arg(
-        long,
+        long = "broker",
         global = true,
         help_heading = "Global options",
-        env = "GPU_BROKER_ADDR",
-        default_value = "unix:///run/gpu-broker/broker.sock"
+        env = "GPU_BROKER_ADDR"
     )]
+    broker_given: Option<String>,
+
+    /// The address used: `--broker`, or the default for the command.
+    #[arg(skip)]
     broker: String,
 
     /// CA (PEM) that signed the broker's certificate, for https:// addresses.
@@ -347,10 +352,16 @@ enum SessionsCommand {
 
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
-    let cli = match Cli::from_arg_matches(&matches) {
+    let mut cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    cli.broker = ctl::address::resolve(
+        cli.broker_given.as_deref(),
+        !matches!(cli.command, Command::Run(_)),
+        std::path::Path::new(ctl::address::OPERATORS_SOCKET),
+        ctl::address::WORKERS_SOCKET,
+    );
     if let Command::Run(args) = &cli.command {
         let target = ctl::run::Target {
             broker: cli.broker.clone(),
@@ -1286,7 +1297,7 @@ mod tests {
             "1.5GB",
         ])
         .unwrap();
-        assert_eq!(cli.broker, "unix:///tmp/b.sock");
+        assert_eq!(cli.broker_given.as_deref(), Some("unix:///tmp/b.sock"));
         match cli.command {
             Command::Quota {
                 command:

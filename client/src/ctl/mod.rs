@@ -2,6 +2,7 @@
 //! files and the operator views built from several admin calls. Each view lives in its own
 //! module; `gpu-brokerctl.rs` only parses the command line and dispatches.
 
+pub mod address;
 pub mod drain;
 pub mod leaks;
 pub mod run;
