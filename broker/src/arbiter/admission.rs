@@ -262,8 +262,9 @@ impl Arbiter {
         st.run_queue(&self.queue_env(&avail));
     }
 
-    /// Runs `Effect::Materialize`: the device work of a grant on a task, then the grant is
-    /// committed (or rolled back) under the lock and the caller answered.
+    /// Runs `Effect::Materialize`: the device work of a grant on a task of the main
+    /// runtime ([`Arbiter::effects_runtime`], whichever runtime ran the queue), then the
+    /// grant is committed (or rolled back) under the lock and the caller answered.
     pub(super) fn spawn_grant(self: &Arc<Self>, p: PendingGrant) {
         let arb = self.clone();
         let PendingGrant {
@@ -273,7 +274,24 @@ impl Arbiter {
             device: d,
             source,
         } = p;
-        tokio::spawn(async move {
+        let Some(rt) = self.effects_runtime() else {
+            // No runtime to do the device work on: the reservation is rolled back.
+            tracing::error!(device = d, tenant = %ask.tenant, "no runtime for a grant's device work");
+            let mut st = self.lock();
+            let block = match source {
+                Source::Cached { block, .. } => Some(block),
+                Source::Fresh { .. } => None,
+            };
+            st.unreserve_grant(&ask, d, block);
+            st.fx().reply(
+                to,
+                Err(BrokerError::Internal(
+                    "no runtime for the grant's device work".into(),
+                )),
+            );
+            return;
+        };
+        rt.spawn(async move {
             let made = arb.materialize(d, ask.bytes, source).await;
             let mut st = arb.lock();
             let r = match made {

@@ -322,11 +322,13 @@ impl Arbiter {
         }
     }
 
-    /// Runs `Effect::Watch`: spawns the watcher (when a runtime runs) and keeps its
-    /// cancellation handle. When it fires it runs the transition its key names.
+    /// Runs `Effect::Watch`: spawns the watcher on the main runtime
+    /// ([`Arbiter::effects_runtime`]: not on the operators' one when an operator's call
+    /// asked for it) and keeps its cancellation handle. When it fires it runs the
+    /// transition its key names.
     fn start_watch(&self, w: Watch) {
         let Some(me) = self.me.upgrade() else { return };
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        let Some(rt) = self.effects_runtime() else {
             return;
         };
         let stop = CancellationToken::new();
@@ -411,11 +413,11 @@ impl Arbiter {
             Effect::EndTurns { session } => self.end_turns(session),
             Effect::StopGroup(g) => {
                 let grace = self.cfg.process_stop_grace;
-                match tokio::runtime::Handle::try_current() {
-                    Ok(rt) => {
+                match self.effects_runtime() {
+                    Some(rt) => {
                         rt.spawn(crate::process_group::stop(g, grace));
                     }
-                    Err(_) => tracing::warn!(pgid = g.pgid, "no runtime to stop a process group"),
+                    None => tracing::warn!(pgid = g.pgid, "no runtime to stop a process group"),
                 }
             }
             Effect::Materialize(p) => {

@@ -163,6 +163,10 @@ pub struct Arbiter {
     store_writer: std::sync::OnceLock<crate::store_writer::StoreWriter>,
     /// Background workers (`workers.rs`).
     workers: workers::Workers,
+    /// The main runtime, learnt where the background work starts
+    /// ([`Arbiter::spawn_background`]): effects' tasks (grants, watchers) run there,
+    /// whichever runtime the transition that asked for them ran on.
+    main_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
@@ -236,6 +240,7 @@ impl Arbiter {
             admin_writes: Mutex::new(()),
             store_writer: std::sync::OnceLock::new(),
             workers: workers::Workers::default(),
+            main_runtime: std::sync::OnceLock::new(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
             audit_log,

@@ -19,6 +19,12 @@ impl Arbiter {
     /// Starts the background workers (`workers.rs`); they end when `stop` is cancelled
     /// ([`Arbiter::join_workers`] waits for them).
     pub fn spawn_background(self: &Arc<Self>, stop: CancellationToken) {
+        // This is the main runtime: what effects spawn (a grant's device work, a watcher)
+        // runs here from now on, also when an operator's call on the operators' runtime
+        // (or the store writer) is what let a waiter in.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let _ = self.main_runtime.set(rt);
+        }
         // The store writer starts here, inside the main runtime (what its changes spawn,
         // grants and watchers, runs there), not in whichever runtime asks first.
         if let Err(e) = self.store_writer() {
@@ -58,6 +64,15 @@ impl Arbiter {
         let stuck = self.workers.join(within).await;
         self.stop_store_writer();
         stuck
+    }
+
+    /// Where effects' tasks run: the main runtime once [`Arbiter::spawn_background`] ran
+    /// on it, else the caller's (an arbiter driven alone, in tests); None outside any.
+    pub(crate) fn effects_runtime(&self) -> Option<tokio::runtime::Handle> {
+        self.main_runtime
+            .get()
+            .cloned()
+            .or_else(|| tokio::runtime::Handle::try_current().ok())
     }
 
     /// Names of the background workers running now.

@@ -10,3 +10,6 @@ mod events;
 pub mod handles;
 mod mps_report;
 pub mod shared;
+
+#[cfg(test)]
+mod runtime_tests;
