@@ -38,19 +38,37 @@ pub const READ_METHODS: &[&str] = &[
 /// Paths that need a token: the broker's own services.
 const GUARDED_PREFIX: &str = "/gpubroker.v1.";
 
-/// Decides whether `principal` may call `path`.
+/// The path prefix of the `Broker` service (workers' calls).
+const BROKER_SERVICE: &str = "/gpubroker.v1.Broker/";
+
+/// Decides whether `principal` may call `path`: here, before the call is handed on (an
+/// Admin call to the operators' runtime), so a token that may not call a service is
+/// refused by the gate and nothing of its call runs elsewhere. Workers' tokens (and
+/// tenant-bound read tokens) reach no Admin method, the admin token no Broker method,
+/// a node-wide read token no Broker method; a read token only [`READ_METHODS`]. (The
+/// services' interceptors check the same again.)
 pub fn check_scope(principal: &Principal, path: &str) -> Result<(), AuthError> {
-    match principal.scope {
-        // The services' interceptors keep workers out of Admin and admins out of Broker.
-        Scope::Worker | Scope::Admin => Ok(()),
-        Scope::Read if READ_METHODS.contains(&path) => Ok(()),
-        Scope::Read => Err(AuthError::Scope {
-            scope: Scope::Read,
-            what: format!(
-                "{} (a read token may only read usage, leases, devices and status)",
-                path.trim_start_matches('/')
-            ),
-        }),
+    let refuse = |why: &str| {
+        Err(AuthError::Scope {
+            scope: principal.scope,
+            what: format!("{} ({why})", path.trim_start_matches('/')),
+        })
+    };
+    let admin = path.starts_with(crate::read_pool::ADMIN_SERVICE);
+    let broker = path.starts_with(BROKER_SERVICE);
+    match (principal.scope, &principal.tenant) {
+        (Scope::Worker, _) | (Scope::Read, Some(_)) if admin => {
+            refuse("tenant tokens cannot call the Admin service")
+        }
+        (Scope::Admin, _) if broker => {
+            refuse("the admin token is for the Admin service; workers use a tenant token")
+        }
+        (Scope::Read, None) if broker => {
+            refuse("a node-wide read token has no tenant: it reads through the Admin service")
+        }
+        (Scope::Worker | Scope::Admin, _) => Ok(()),
+        (Scope::Read, _) if READ_METHODS.contains(&path) => Ok(()),
+        (Scope::Read, _) => refuse("a read token may only read usage, leases, devices and status"),
     }
 }
 
@@ -164,7 +182,8 @@ mod tests {
     #[test]
     fn read_scope_reaches_only_read_methods() {
         let r = principal(Scope::Read);
-        assert!(check_scope(&r, "/gpubroker.v1.Broker/GetUsage").is_ok());
+        // Broker reads with a tenant's read token (a node-wide one has no tenant there).
+        assert!(check_scope(&of_tenant(Scope::Read), "/gpubroker.v1.Broker/GetUsage").is_ok());
         assert!(check_scope(&r, "/gpubroker.v1.Admin/GetDevices").is_ok());
         for write in [
             "/gpubroker.v1.Broker/AcquireLease",
@@ -183,5 +202,123 @@ mod tests {
         )
         .is_ok());
         assert!(check_scope(&principal(Scope::Admin), "/gpubroker.v1.Admin/SetQuota").is_ok());
+    }
+
+    fn of_tenant(scope: Scope) -> Principal {
+        Principal {
+            tenant: Some("t".into()),
+            ..principal(scope)
+        }
+    }
+
+    #[test]
+    fn each_token_reaches_only_its_service() {
+        let denied = |p: &Principal, path: &str| {
+            let e = check_scope(p, path).unwrap_err();
+            let status = tonic::Status::from(e);
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{path}");
+            status.message().to_string()
+        };
+        // Workers' tokens: no Admin method, reads included.
+        let worker = of_tenant(Scope::Worker);
+        for path in [
+            "/gpubroker.v1.Admin/SetQuota",
+            "/gpubroker.v1.Admin/GetQuota",
+            "/gpubroker.v1.Admin/ListAllLeases",
+            "/gpubroker.v1.Admin/SomethingAddedLater",
+        ] {
+            let m = denied(&worker, path);
+            assert!(
+                m.contains("worker token") && m.contains("cannot call the Admin service"),
+                "{m}"
+            );
+        }
+        assert!(check_scope(&worker, "/gpubroker.v1.Broker/ListLeases").is_ok());
+        // A tenant's read token: its tenant's reads on Broker, nothing on Admin.
+        let reader = of_tenant(Scope::Read);
+        assert!(check_scope(&reader, "/gpubroker.v1.Broker/GetUsage").is_ok());
+        denied(&reader, "/gpubroker.v1.Admin/GetQuota");
+        // A node-wide read token: Admin reads, no Broker method.
+        let node_reader = principal(Scope::Read);
+        assert!(check_scope(&node_reader, "/gpubroker.v1.Admin/GetQuota").is_ok());
+        let m = denied(&node_reader, "/gpubroker.v1.Broker/ListLeases");
+        assert!(m.contains("node-wide read token"), "{m}");
+        // The admin token: no Broker method (the offloaded listings included).
+        let admin = principal(Scope::Admin);
+        for path in [
+            "/gpubroker.v1.Broker/ListLeases",
+            "/gpubroker.v1.Broker/AcquireLease",
+        ] {
+            let m = denied(&admin, path);
+            assert!(m.contains("is for the Admin service"), "{m}");
+        }
+    }
+
+    /// A service that counts the calls it is handed and answers OK.
+    #[derive(Clone, Default)]
+    struct Counts(Arc<std::sync::atomic::AtomicUsize>);
+
+    impl tower::Service<http::Request<tonic::body::Body>> for Counts {
+        type Response = http::Response<tonic::body::Body>;
+        type Error = std::convert::Infallible;
+        type Future = BoxFuture<Self::Response, Self::Error>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _: http::Request<tonic::body::Body>) -> Self::Future {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Box::pin(async { Ok(http::Response::new(tonic::body::Body::empty())) })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_token_refused_by_its_scope_never_reaches_the_operators_runtime() {
+        use tower::{Layer, ServiceExt};
+        let auth = Arc::new(Authenticator::new("admin-secret"));
+        let (worker, hash) = crate::auth::generate_token();
+        auth.add(crate::auth::TokenEntry {
+            token_id: crate::auth::token_id(&hash),
+            tenant: "t1".into(),
+            description: String::new(),
+            created_unix_ms: 0,
+            hash,
+            name: String::new(),
+            scope: Scope::Worker,
+            expires_unix_ms: None,
+        });
+        // As served: the gate, then the layer that offloads Admin calls.
+        let pool = crate::read_pool::ReadPool::start(1).unwrap();
+        let handed = Counts::default();
+        let svc = GateLayer::new(auth).layer(pool.layer().layer(handed.clone()));
+        let call = |token: &str, path: &str| {
+            http::Request::builder()
+                .uri(format!("http://x{path}"))
+                .header("authorization", format!("Bearer {token}"))
+                .body(tonic::body::Body::empty())
+                .unwrap()
+        };
+        for (token, path) in [
+            (worker.as_str(), "/gpubroker.v1.Admin/SetQuota"),
+            (worker.as_str(), "/gpubroker.v1.Admin/ListTenants"),
+            ("admin-secret", "/gpubroker.v1.Broker/ListLeases"),
+        ] {
+            let resp = svc.clone().oneshot(call(token, path)).await.unwrap();
+            let status = tonic::Status::from_header_map(resp.headers()).unwrap();
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{path}");
+            assert_eq!(
+                handed.0.load(std::sync::atomic::Ordering::SeqCst),
+                0,
+                "{path}: refused at the gate, never handed on"
+            );
+        }
+        // The right tokens are handed on (and offloaded).
+        for (token, path) in [
+            ("admin-secret", "/gpubroker.v1.Admin/SetQuota"),
+            (worker.as_str(), "/gpubroker.v1.Broker/ListLeases"),
+        ] {
+            let resp = svc.clone().oneshot(call(token, path)).await.unwrap();
+            assert!(tonic::Status::from_header_map(resp.headers()).is_none());
+        }
+        assert_eq!(handed.0.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 }
