@@ -3,8 +3,8 @@
 //! cap (Unix socket), with a reserve only root and the broker's own user may use so an
 //! operator can always connect; a connection must send its HTTP/2 preface within the
 //! handshake deadline or it is closed; accept errors (EMFILE) back off instead of spinning;
-//! and the unauthenticated services (health, reflection) share a bounded number of open
-//! streams. Counters are in [`ListenerStats`]. `server.rs` wires this in with
+//! and the unauthenticated services (health, reflection) have a bounded number of open
+//! streams on each listener. Counters are in [`ListenerStats`]. `server.rs` wires this in with
 //! [`incoming_unix`], [`incoming_tcp`] and [`UnauthStreamsLayer`]. Every Unix socket the
 //! broker serves (main, operators', tickets) is bound by [`bind_unix`].
 
@@ -113,7 +113,8 @@ pub struct LimitFlags {
     )]
     pub max_streams_per_connection: u32,
 
-    /// Most open calls to the services that need no token (health, reflection), in all.
+    /// Most open calls to the services that need no token (health, reflection), on each
+    /// listener (main socket, TCP, operators' socket).
     #[arg(
         long,
         env = "GPU_BROKER_MAX_UNAUTHENTICATED_STREAMS",
@@ -628,6 +629,8 @@ fn unauthenticated(path: &str) -> bool {
 /// A tower layer that bounds the open calls to the unauthenticated services (a
 /// `Health/Watch` stream lives until its client leaves): past the cap they are answered
 /// `RESOURCE_EXHAUSTED` at once. A call's slot is held until its response body ends.
+/// `server.rs` makes one per listener (its clones share the slots), so the listeners'
+/// caps are apart.
 #[derive(Clone)]
 pub struct UnauthStreamsLayer {
     slots: Arc<Semaphore>,
@@ -693,7 +696,7 @@ where
                     let status = crate::grpc_status::status_with_reason(
                         tonic::Code::ResourceExhausted,
                         format!(
-                            "{max} calls to the unauthenticated services are open, the most allowed (--max-unauthenticated-streams)"
+                            "{max} calls to the unauthenticated services are open on this listener, the most allowed (--max-unauthenticated-streams)"
                         ),
                         Some("STREAM_LIMIT"),
                         vec![("open_streams", max.to_string())],

@@ -110,8 +110,9 @@ pub async fn serve(
         crate::gate::GateLayer::new(arb.authenticator().clone()).with_rate_limit(arb.config().rate);
     let conns = crate::listener::ConnTracker::new(listeners.limits.clone());
     tracing::info!(limits = ?conns.limits(), "connection limits");
-    // One count of open calls that need no token, whichever socket they come through.
-    let unauth = crate::listener::UnauthStreamsLayer::new(&conns);
+    // Each listener gets a server of its own, and so its own count of open calls that
+    // need no token: health watches held on one socket (a tenant's on the main one) never
+    // take the slots of another (an operator's health check on the operators' socket).
     let server = |reads: crate::read_pool::ReadsLayer| {
         tonic::transport::Server::builder()
             // Every request gets a span named by its method; the services add tenant,
@@ -124,18 +125,18 @@ pub async fn serve(
             // Connection and stream limits (listener.rs): calls per connection, and open
             // calls to the services that need no token.
             .max_concurrent_streams(listeners.limits.max_streams_per_connection)
-            .layer(unauth.clone())
+            .layer(crate::listener::UnauthStreamsLayer::new(&conns))
             // Admin calls and listings run (and are encoded) on the operators' runtime.
             .layer(reads)
     };
     let builder = server(listeners.reads.clone());
+    // The TCP listener gets the same server; its TLS is terminated in front of it
+    // (`listener::incoming_tls`), after the connection limits and under their deadline.
+    let tcp_builder = server(listeners.reads.clone());
     // The operators' socket is served on that runtime already: nothing to move.
     let admin_router = server(crate::read_pool::ReadsLayer::default())
         .add_service(health.clone())
         .add_service(admin.clone());
-    // The TCP listener gets the same server; its TLS is terminated in front of it
-    // (`listener::incoming_tls`), after the connection limits and under their deadline.
-    let tcp_builder = builder.clone();
     let routes = |mut b: tonic::transport::Server<_>| {
         b.add_service(health.clone())
             .add_service(reflection.clone())

@@ -201,10 +201,11 @@ async fn operators_socket_shares_the_connection_caps() {
     assert!(admitted, "a place given back admits an operator again");
 }
 
-/// Open calls that need no token (health watches) are counted once across the main
-/// socket and the operators' socket: the cap is the broker's, not each socket's.
+/// Open calls that need no token (health watches) are capped per socket: a tenant that
+/// holds every slot of the main socket does not block an operator's health check on the
+/// operators' socket, whose own cap still holds.
 #[tokio::test]
-async fn calls_without_a_token_share_one_cap_across_the_sockets() {
+async fn calls_without_a_token_are_capped_per_socket() {
     let (b, path) = broker_with_operators_socket(&["--max-unauthenticated-streams", "1"]);
     let main = gpu_broker_client::connect::connect_channel(&b.uri())
         .await
@@ -216,17 +217,33 @@ async fn calls_without_a_token_share_one_cap_across_the_sockets() {
         .await
         .expect("within the cap")
         .0;
+    let over = HealthWatch::open(&main, "")
+        .await
+        .err()
+        .expect("the main socket's cap is full");
+    assert_eq!(over.code(), Code::ResourceExhausted, "{over:?}");
+    // The main socket's slots are all held: the operators' socket still answers.
+    assert_eq!(
+        health_check(&uri(&path), "").await.unwrap(),
+        1,
+        "SERVING on the operators' socket"
+    );
+    let ops_held = HealthWatch::open(&ops, "")
+        .await
+        .expect("the operators' socket has slots of its own")
+        .0;
     let over = HealthWatch::open(&ops, "")
         .await
         .err()
-        .expect("the operators' socket shares the cap");
+        .expect("the operators' socket is capped too");
     assert_eq!(over.code(), Code::ResourceExhausted, "{over:?}");
     drop(held);
     let freed = eventually(Duration::from_secs(5), || async {
-        HealthWatch::open(&ops, "").await.is_ok()
+        HealthWatch::open(&main, "").await.is_ok()
     })
     .await;
-    assert!(freed, "a closed watch frees the shared slot");
+    assert!(freed, "a closed watch frees its socket's slot");
+    drop(ops_held);
 }
 
 /// `--admin-listen` naming the main socket (in another spelling too) stops the broker at
