@@ -1,140 +1,28 @@
 //! A crate's module graph read from its sources, for the layer tests of the broker and the
 //! client (`broker/tests/layers.rs`, `client/tests/layers.rs`): which sibling modules each
 //! module's code names (through `crate::` or `super::` paths, comments aside, test modules
-//! included; a directory module counts as one, with all its files), what a module reaches
-//! through others, and the first import circle if there is one. It reads text, not the
-//! compiler's view: a path a macro builds, or a glob import, is not seen.
+//! and macro arguments included; a directory module counts as one, with all its files),
+//! what a module reaches through others, and the first import circle if there is one. The
+//! sources are read as Rust tokens (proc-macro2's lexer: comments dropped, literals whole),
+//! not through the compiler: a path a macro builds, or a glob import, is not seen.
 
+use proc_macro2::{Delimiter, Spacing, TokenStream, TokenTree};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Module -> the other modules of the graph it names.
 pub type Graph = BTreeMap<String, BTreeSet<String>>;
 
-/// The names that follow `prefix` (after any repeats of it: `super::super::`) in a source
-/// file's code (not its comments): the first segment of each path, the first segment of
-/// each member of a `{...}` group (nested groups and groups over several lines, as rustfmt
-/// writes a long one, included).
+/// The names that follow `prefix` (`crate::`, `super::`; after any repeats of it:
+/// `super::super::`) in a source file's code (not its comments or literals): the first
+/// segment of each path, the first segment of each member of a `{...}` group (nested
+/// groups and groups over several lines, as rustfmt writes a long one, included).
 pub fn names_after(source: &str, prefix: &str) -> BTreeSet<String> {
-    let code = code(source);
     let mut found = BTreeSet::new();
-    let mut rest = code.as_str();
-    while let Some(at) = rest.find(prefix) {
-        rest = &rest[at + prefix.len()..];
-        while let Some(r) = rest.strip_prefix(prefix) {
-            rest = r;
-        }
-        match rest.strip_prefix('{') {
-            Some(group) => found.extend(group_heads(group)),
-            None => {
-                found.insert(head(rest));
-            }
-        }
-    }
-    found.remove("");
+    paths(&tokens(source), keyword(prefix), 0, &mut |_, _, head| {
+        found.insert(head);
+    });
     found
-}
-
-/// `source` with its comments (line and block, nested too) left out and the contents of
-/// its string and character literals blanked (a `//` in a string starts no comment, a
-/// path in one is not code); line breaks stay where they were.
-pub fn code(source: &str) -> String {
-    let c: Vec<char> = source.chars().collect();
-    let ident = |i: usize| c[i].is_alphanumeric() || c[i] == '_';
-    let mut out = String::with_capacity(source.len());
-    let blank = |out: &mut String, ch: char| out.push(if ch == '\n' { '\n' } else { ' ' });
-    let mut i = 0;
-    while i < c.len() {
-        let ch = c[i];
-        let next = c.get(i + 1).copied();
-        if ch == '/' && next == Some('/') {
-            while i < c.len() && c[i] != '\n' {
-                i += 1;
-            }
-            continue;
-        }
-        if ch == '/' && next == Some('*') {
-            let mut depth = 0usize;
-            while i < c.len() {
-                if c[i] == '/' && c.get(i + 1) == Some(&'*') {
-                    depth += 1;
-                    i += 2;
-                } else if c[i] == '*' && c.get(i + 1) == Some(&'/') {
-                    depth -= 1;
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    if c[i] == '\n' {
-                        out.push('\n');
-                    }
-                    i += 1;
-                }
-            }
-            out.push(' ');
-            continue;
-        }
-        // A raw string (`r"..."`, `r#"..."#`, `br"..."`).
-        let starts_raw =
-            ch == 'r' && (i == 0 || !ident(i - 1) || (c[i - 1] == 'b' && (i < 2 || !ident(i - 2))));
-        if starts_raw {
-            let mut j = i + 1;
-            while j < c.len() && c[j] == '#' {
-                j += 1;
-            }
-            if c.get(j) == Some(&'"') {
-                let hashes = j - i - 1;
-                out.push('"');
-                let mut k = j + 1;
-                while k < c.len() {
-                    if c[k] == '"' && (1..=hashes).all(|h| c.get(k + h) == Some(&'#')) {
-                        break;
-                    }
-                    blank(&mut out, c[k]);
-                    k += 1;
-                }
-                out.push('"');
-                i = k + 1 + hashes;
-                continue;
-            }
-        }
-        if ch == '"' {
-            out.push('"');
-            i += 1;
-            while i < c.len() && c[i] != '"' {
-                if c[i] == '\\' {
-                    blank(&mut out, c[i]);
-                    i += 1;
-                }
-                if i < c.len() {
-                    blank(&mut out, c[i]);
-                    i += 1;
-                }
-            }
-            out.push('"');
-            i += 1;
-            continue;
-        }
-        if ch == '\'' {
-            // A character literal ('x', '\n', '\''), else a lifetime or label.
-            let end = if next == Some('\\') {
-                (i + 3..c.len()).find(|&k| c[k] == '\'')
-            } else if c.get(i + 2) == Some(&'\'') {
-                Some(i + 2)
-            } else {
-                None
-            };
-            if let Some(end) = end {
-                out.push_str("' '");
-                i = end + 1;
-                continue;
-            }
-        }
-        out.push(ch);
-        i += 1;
-    }
-    out
 }
 
 /// The names a source file's code reaches at the root of the scanned tree through
@@ -142,93 +30,95 @@ pub fn code(source: &str) -> String {
 /// `d/mod.rs`: 1; `d/x.rs`: 2): the chains exactly as long as the depth where they stand
 /// (each inline `mod m { ... }` block adds one).
 pub fn names_at_root(source: &str, depth: usize) -> BTreeSet<String> {
-    const SUPER: &str = "super::";
-    let code = code(source);
     let mut found = BTreeSet::new();
-    let mut inline_mods: Vec<usize> = Vec::new();
-    let mut braces = 0usize;
-    let is_ident = |ch: char| ch.is_alphanumeric() || ch == '_';
-    let mut at = 0;
-    while at < code.len() {
-        let rest = &code[at..];
-        let ch = rest.chars().next().unwrap_or(' ');
-        let fresh = !code[..at].ends_with(|c: char| is_ident(c) || c == ':');
-        if fresh && rest.starts_with(SUPER) {
-            let mut n = 0;
-            let mut after = rest;
-            while let Some(r) = after.strip_prefix(SUPER) {
-                after = r;
-                n += 1;
-            }
-            if n == depth + inline_mods.len() {
-                match after.strip_prefix('{') {
-                    Some(group) => found.extend(group_heads(group)),
-                    None => {
-                        found.insert(head(after));
-                    }
-                }
-            }
-            at += n * SUPER.len();
-            continue;
+    paths(&tokens(source), "super", depth, &mut |n, at, head| {
+        if n == at {
+            found.insert(head);
         }
-        match ch {
-            '{' => {
-                let before = code[..at].trim_end();
-                let name_len = before
-                    .chars()
-                    .rev()
-                    .take_while(|&c| is_ident(c))
-                    .map(char::len_utf8)
-                    .sum::<usize>();
-                let keyword = before[..before.len() - name_len].trim_end();
-                let is_mod = name_len > 0
-                    && keyword.ends_with("mod")
-                    && !keyword[..keyword.len() - 3].ends_with(is_ident);
-                if is_mod {
-                    inline_mods.push(braces);
-                }
-                braces += 1;
-            }
-            '}' => {
-                braces = braces.saturating_sub(1);
-                if inline_mods.last() == Some(&braces) {
-                    inline_mods.pop();
-                }
-            }
-            _ => {}
-        }
-        at += ch.len_utf8();
-    }
-    found.remove("");
+    });
     found
 }
 
-/// The first path segment of each member of the group whose text follows its `{`.
-fn group_heads(group: &str) -> Vec<String> {
-    let mut heads = Vec::new();
-    let mut member = String::new();
-    let mut depth = 0usize;
-    for c in group.chars() {
-        match c {
-            '}' if depth == 0 => break,
-            '{' => depth += 1,
-            '}' => depth -= 1,
-            ',' if depth == 0 => heads.push(head(&std::mem::take(&mut member))),
-            _ if depth == 0 => member.push(c),
-            _ => {}
-        }
-    }
-    heads.push(head(&member));
-    heads
+/// The keyword of a path prefix (`crate::`: `crate`).
+fn keyword(prefix: &str) -> &str {
+    prefix.trim_end_matches("::")
 }
 
-/// The first identifier of a path's text.
-fn head(path: &str) -> String {
-    path.trim_start()
-        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
-        .next()
-        .unwrap_or("")
-        .to_string()
+/// `source` as token trees (comments dropped; a doc comment is an attribute holding its
+/// text as a literal).
+fn tokens(source: &str) -> Vec<TokenTree> {
+    let stream: TokenStream = source
+        .parse()
+        .unwrap_or_else(|e| panic!("not Rust tokens: {e}"));
+    stream.into_iter().collect()
+}
+
+/// Whether `t` is the identifier `name`.
+fn is_ident(t: Option<&TokenTree>, name: &str) -> bool {
+    matches!(t, Some(TokenTree::Ident(i)) if i == name)
+}
+
+/// Whether `trees[i..]` starts with `::`.
+fn is_path_sep(trees: &[TokenTree], i: usize) -> bool {
+    match (trees.get(i), trees.get(i + 1)) {
+        (Some(TokenTree::Punct(a)), Some(TokenTree::Punct(b))) => {
+            a.as_char() == ':' && a.spacing() == Spacing::Joint && b.as_char() == ':'
+        }
+        _ => false,
+    }
+}
+
+/// Every path in `trees` (groups, inline modules and macro arguments included) that starts
+/// with one or more `start::` (`crate`, `super`): `found(n, depth, head)` for each head
+/// after the `n` of them (the next segment, or each member's first of a `{...}` group),
+/// `depth` being `base` plus the inline modules around the path.
+fn paths(
+    trees: &[TokenTree],
+    start: &str,
+    depth: usize,
+    found: &mut impl FnMut(usize, usize, String),
+) {
+    let mut i = 0;
+    while i < trees.len() {
+        let fresh = i < 2 || !is_path_sep(trees, i - 2);
+        if fresh && is_ident(trees.get(i), start) && is_path_sep(trees, i + 1) {
+            let mut n = 0;
+            while is_ident(trees.get(i), start) && is_path_sep(trees, i + 1) {
+                n += 1;
+                i += 3;
+            }
+            for head in heads(trees.get(i)) {
+                found(n, depth, head);
+            }
+            continue;
+        }
+        if let TokenTree::Group(g) = &trees[i] {
+            // `mod m { ... }`: one level down.
+            let inline_mod = g.delimiter() == Delimiter::Brace
+                && i >= 2
+                && matches!(&trees[i - 1], TokenTree::Ident(_))
+                && is_ident(trees.get(i - 2), "mod");
+            let inner: Vec<TokenTree> = g.stream().into_iter().collect();
+            paths(&inner, start, depth + usize::from(inline_mod), found);
+        }
+        i += 1;
+    }
+}
+
+/// The names a path's next tree stands for: the identifier, or each member's first of a
+/// `{...}` group (a glob: none).
+fn heads(next: Option<&TokenTree>) -> Vec<String> {
+    match next {
+        Some(TokenTree::Ident(i)) => vec![i.to_string()],
+        Some(TokenTree::Group(g)) if g.delimiter() == Delimiter::Brace => {
+            let inner: Vec<TokenTree> = g.stream().into_iter().collect();
+            inner
+                .split(|t| matches!(t, TokenTree::Punct(p) if p.as_char() == ','))
+                .flat_map(|member| heads(member.first()))
+                .collect()
+        }
+        _ => Vec::new(),
+    }
 }
 
 /// The crate modules a source file's code names (`crate::NAME`).
@@ -260,15 +150,6 @@ pub fn files(dir: &Path) -> Vec<(PathBuf, String)> {
         }
     }
     out
-}
-
-/// Every `.rs` file under `dir` (subdirectories too), read, in path order, one after the
-/// other.
-pub fn sources(dir: &Path) -> String {
-    files(dir)
-        .into_iter()
-        .map(|(_, text)| text + "\n")
-        .collect()
 }
 
 /// The modules of `dir` (each `.rs` file and each directory, as one module, but those named
@@ -398,8 +279,9 @@ mod tests {
     fn a_double_slash_in_a_string_starts_no_comment() {
         let found = uses("let u = \"http://x\"; use crate::a::B;\nlet r = r#\"//\"#; crate::b::f();\nlet c = '\"'; crate::c::g(); // crate::d\n/* crate::e */ let s = \"crate::f\";\n");
         assert_eq!(found, set(&["a", "b", "c"]));
-        let code = code("fn f<'a>(x: &'a str) -> char { '\\'' } // x\nlet y = 1;\n");
-        assert_eq!(code, "fn f<'a>(x: &'a str) -> char { ' ' } \nlet y = 1;\n");
+        // A lifetime, and a character literal that is a quote, end no literal early.
+        let found = uses("fn f<'a>(x: &'a str) -> char { '\\'' } // crate::x\nlet y = crate::y::Z; let q = '\"'; crate::q::f();\n");
+        assert_eq!(found, set(&["y", "q"]));
     }
 
     #[test]
