@@ -283,7 +283,10 @@ mod tests {
         .unwrap();
     }
 
-    /// A service that logs "served" where it runs, and answers with an empty body.
+    /// A service that logs "served" where it runs, and answers with an empty body. Not
+    /// [`WhereRun`] logging too: its callsite must be this test's alone (shared with the
+    /// test above, which runs at the same time with no subscriber, its events were lost
+    /// now and then: tracing caches a callsite's interest).
     #[derive(Clone)]
     struct Logs;
 

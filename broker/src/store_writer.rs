@@ -207,6 +207,8 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
+    use std::pin::Pin;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn changes_run_in_order_on_the_named_thread() {
@@ -304,12 +306,18 @@ mod tests {
         assert_eq!(name.as_deref(), Some("test-writer"));
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn callers_past_the_queue_bound_wait_and_those_that_give_up_hand_nothing_over() {
-        let w = StoreWriter::with_queue("test-writer", 2).unwrap();
-        let ran = Arc::new(Mutex::new(Vec::new()));
-        let (go, wait) = std::sync::mpsc::channel::<()>();
-        // The first holds the thread; the second waits in the queue: both places taken.
+    /// Takes both places of `w` (room for two): a change that holds the thread until `go`
+    /// (the sender returned) is sent, then pushes 1 to `ran`, and one that pushes 2 queued
+    /// behind it; both handed over (polled once).
+    async fn both_places_taken<'w>(
+        w: &'w StoreWriter,
+        ran: &Arc<Mutex<Vec<i32>>>,
+    ) -> (
+        mpsc::Sender<()>,
+        Pin<Box<impl Future<Output = Result<(), WriterError>> + 'w>>,
+        Pin<Box<impl Future<Output = Result<(), WriterError>> + 'w>>,
+    ) {
+        let (go, wait) = mpsc::channel::<()>();
         let r = ran.clone();
         let mut first = Box::pin(w.run(move || {
             wait.recv().unwrap();
@@ -319,6 +327,14 @@ mod tests {
         let r = ran.clone();
         let mut second = Box::pin(w.run(move || r.lock().push(2)));
         assert!(futures::poll!(&mut second).is_pending());
+        (go, first, second)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn callers_past_the_queue_bound_wait_and_those_that_give_up_hand_nothing_over() {
+        let w = StoreWriter::with_queue("test-writer", 2).unwrap();
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let (go, first, second) = both_places_taken(&w, &ran).await;
         // A hundred callers that ask and give up (an RPC cancelled and sent again): none
         // finds room, so none is handed over.
         for i in 0..100 {
@@ -366,21 +382,11 @@ mod tests {
     async fn submitted_work_past_the_bound_waits_for_room() {
         let w = Arc::new(StoreWriter::with_queue("test-writer", 2).unwrap());
         let ran = Arc::new(Mutex::new(Vec::new()));
-        let (go, wait) = std::sync::mpsc::channel::<()>();
-        // Both places taken: one change holds the thread, one waits behind it.
-        let r = ran.clone();
-        let mut first = Box::pin(w.run(move || {
-            wait.recv().unwrap();
-            r.lock().push(1);
-        }));
-        assert!(futures::poll!(&mut first).is_pending());
-        let r = ran.clone();
-        let mut second = Box::pin(w.run(move || r.lock().push(2)));
-        assert!(futures::poll!(&mut second).is_pending());
+        let (go, first, second) = both_places_taken(&w, &ran).await;
         // Four submitters (an RPC that recorded and went away, four times) wait for room
         // on their threads instead of growing the queue.
-        let (returned, submitted) = std::sync::mpsc::channel::<u32>();
-        let submitters: Vec<_> = (0..4u32)
+        let (returned, submitted) = std::sync::mpsc::channel::<i32>();
+        let submitters: Vec<_> = (0..4)
             .map(|i| {
                 let (w, r, returned) = (w.clone(), ran.clone(), returned.clone());
                 std::thread::spawn(move || {
