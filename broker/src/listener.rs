@@ -45,7 +45,48 @@ pub enum BindError {
 /// replaces a stale socket file (one whose connect is refused: nobody listens), but
 /// refuses one that a live process still serves (or may: a full backlog, no permission)
 /// and never removes anything that is not a socket.
+///
+/// The socket never sits at `path` with another mode: it is bound inside a fresh
+/// directory of its own next to `path` (mode 0700: nobody else can reach the socket while
+/// its mode is still the umask's), given `mode` there, then linked into place (a name
+/// taken meanwhile is refused, never replaced); the directory is removed. The path bound
+/// first is `DIR/.bind-<12 hex digits>/s`, 21 bytes after the directory (a socket's path
+/// has at most 107).
 pub async fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener, BindError> {
+    bind_unix_observed(path, mode, |_| {}).await
+}
+
+/// A directory only its owner can enter, removed with what is in it when dropped.
+struct HiddenDir(std::path::PathBuf);
+
+impl HiddenDir {
+    /// Makes `.bind-<random>` in `dir`, mode 0700 from its creation.
+    fn create(dir: &std::path::Path) -> io::Result<HiddenDir> {
+        use std::os::unix::fs::DirBuilderExt;
+        let name = uuid::Uuid::new_v4().simple().to_string();
+        let p = dir.join(format!(".bind-{}", &name[..12]));
+        std::fs::DirBuilder::new().mode(0o700).create(&p)?;
+        Ok(HiddenDir(p))
+    }
+    fn socket(&self) -> std::path::PathBuf {
+        self.0.join("s")
+    }
+}
+
+impl Drop for HiddenDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.socket());
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// [`bind_unix`], calling `just_bound` with where the socket is the moment it is bound
+/// (before its mode is set; tests look at what is reachable then).
+async fn bind_unix_observed(
+    path: &std::path::Path,
+    mode: u32,
+    just_bound: impl FnOnce(&std::path::Path),
+) -> Result<UnixListener, BindError> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     let err = |source| BindError::Io {
         path: path.to_path_buf(),
@@ -68,9 +109,28 @@ pub async fn bind_unix(path: &std::path::Path, mode: u32) -> Result<UnixListener
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(err(e)),
     }
-    let l = UnixListener::bind(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(err)?;
-    Ok(l)
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    let hidden = HiddenDir::create(dir).map_err(err)?;
+    let bound = hidden.socket();
+    let l = UnixListener::bind(&bound).map_err(err)?;
+    just_bound(&bound);
+    std::fs::set_permissions(&bound, std::fs::Permissions::from_mode(mode)).map_err(err)?;
+    // A link, not a rename: a name taken since the look above is not replaced.
+    match std::fs::hard_link(&bound, path) {
+        Ok(()) => Ok(l),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            match std::fs::symlink_metadata(path) {
+                Ok(m) if !m.file_type().is_socket() => {
+                    Err(BindError::NotASocket(path.to_path_buf()))
+                }
+                _ => Err(BindError::InUse(path.to_path_buf())),
+            }
+        }
+        Err(e) => Err(err(e)),
+    }
 }
 
 /// The HTTP/2 client preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`) is 24 bytes.
@@ -808,6 +868,51 @@ mod tests {
             Err(BindError::Io { path, .. }) => assert_eq!(path, under_a_file),
             other => panic!("bound under a plain file: {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_unix_socket_is_never_reachable_at_its_path_before_its_mode_is_set() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let mut seen = None;
+        let l = bind_unix_observed(&path, 0o666, |bound| {
+            // Just bound, its mode still the umask's: not at the path, and inside a
+            // directory only the broker's user can enter.
+            assert!(
+                std::fs::symlink_metadata(&path).is_err(),
+                "a socket is at the path before its mode is set"
+            );
+            let hidden = bound.parent().unwrap();
+            assert_eq!(hidden.parent().unwrap(), dir.path(), "next to the path");
+            let meta = std::fs::metadata(hidden).unwrap();
+            assert_eq!(meta.permissions().mode() & 0o777, 0o700);
+            // SAFETY: plain syscall.
+            assert_eq!(meta.uid(), unsafe { libc::geteuid() });
+            seen = Some(hidden.to_path_buf());
+        })
+        .await
+        .unwrap();
+        // At the path with the mode asked for, serving; the directory is gone.
+        assert_eq!(mode(&path), 0o666);
+        assert!(UnixStream::connect(&path).await.is_ok());
+        assert!(!seen.unwrap().exists(), "the hidden directory is removed");
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["s.sock"], "nothing else is left next to it");
+        // Accepted connections come through the linked path.
+        let (accepted, _) = tokio::join!(l.accept(), UnixStream::connect(&path));
+        accepted.unwrap();
+        // A name taken after the look (here: a plain file made in the window) is never
+        // replaced, and nothing is left behind.
+        let raced = dir.path().join("raced.sock");
+        let r = bind_unix_observed(&raced, 0o660, |_| std::fs::write(&raced, b"x").unwrap()).await;
+        assert!(matches!(r, Err(BindError::NotASocket(_))), "{r:?}");
+        assert_eq!(std::fs::read(&raced).unwrap(), b"x");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 
     #[test]
