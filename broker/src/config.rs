@@ -346,15 +346,32 @@ fn check_removed(
 }
 
 /// The file a socket path names, for comparing two: absolute, its directory resolved
-/// (symlinks, `.` and `..`) where it exists.
+/// component by component, as the bind will walk it (made where missing): `.` is
+/// dropped, a directory that exists is resolved (symlinks; after it, `..` is its real
+/// parent), one that does not yet is taken as spelled (`..` then goes back up the name).
+/// So `/run/x/../gpu.sock` and `/run/gpu.sock` are one socket whether or not `/run/x`
+/// exists.
 fn socket_identity(p: &std::path::Path) -> PathBuf {
+    use std::path::Component;
     let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-    match (abs.parent(), abs.file_name()) {
-        (Some(dir), Some(name)) => std::fs::canonicalize(dir)
-            .map(|d| d.join(name))
-            .unwrap_or(abs),
-        _ => abs,
+    let (Some(dir), Some(name)) = (abs.parent(), abs.file_name()) else {
+        return abs;
+    };
+    let mut at = PathBuf::new();
+    for c in dir.components() {
+        match c {
+            Component::CurDir => continue,
+            Component::ParentDir => {
+                at.pop();
+                continue;
+            }
+            other => at.push(other),
+        }
+        if let Ok(real) = std::fs::canonicalize(&at) {
+            at = real;
+        }
     }
+    at.join(name)
 }
 
 /// Why the configuration could not be read.
@@ -827,6 +844,24 @@ mod tests {
                 ..
             })
         ));
+        // A directory that does not exist yet (the bind makes it): `..` still goes back up,
+        // through a symlinked directory after it too.
+        for same in [
+            p("not-yet/../b.sock"),
+            p("not-yet/deeper/../../b.sock"),
+            p("./not-yet/./.././b.sock"),
+            p("not-yet/../link/b.sock"),
+        ] {
+            assert!(!d.join("not-yet").exists());
+            assert!(
+                matches!(
+                    parse(&["--admin-listen", &same]),
+                    Err(ConfigError::SharedSocket { .. })
+                ),
+                "{same}"
+            );
+        }
+        parse(&["--admin-listen", &p("not-yet/b.sock")]).unwrap();
         // Three sockets of their own are fine; so is a relative name of another file.
         let c = parse(&["--admin-listen", &p("admin.sock")]).unwrap();
         assert_eq!(c.admin_listen, Some(d.join("admin.sock")));
