@@ -12,4 +12,6 @@ mod mps_report;
 pub mod shared;
 
 #[cfg(test)]
+mod audit_wait_tests;
+#[cfg(test)]
 mod runtime_tests;
