@@ -552,4 +552,97 @@ mod tests {
         assert_eq!(tenants, vec![("a".to_string(), 16 << 20)]);
         assert_eq!(durable, records);
     }
+
+    /// Waits (bounded: a failure detector, not a speed limit) until `a`'s quota is `limit`.
+    async fn limit_becomes(arb: &Arbiter, limit: u64) -> bool {
+        for _ in 0..500 {
+            if arb.get_tenant("a").map(|t| t.quota.limit_bytes) == Ok(limit) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watched_file_is_applied_on_the_store_writer_in_order_with_operators_changes() {
+        use crate::audit::{AuditFilter, Who};
+        let dir = tempfile::tempdir().unwrap();
+        let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
+        let file = dir.path().join("tenants.toml");
+        std::fs::write(&file, "[tenants.a]\nlimit = \"16MiB\"\n").unwrap();
+        // At start, as the broker does it.
+        let declared = load(&file).unwrap();
+        let a = arb.clone();
+        let at_start = arb
+            .run_durable(move || Ok(apply(&a, &declared, "start")))
+            .await
+            .unwrap();
+        assert_eq!(at_start.len(), 1);
+        let stop = CancellationToken::new();
+        let watch = spawn_watch(
+            arb.clone(),
+            file.clone(),
+            Duration::from_millis(20),
+            stop.clone(),
+        );
+        // An operator changes the declared field and an undeclared one.
+        arb.change_quota_for(
+            "a".into(),
+            QuotaUpdate::Patch(QuotaPatch {
+                limit_bytes: Some(8 << 20),
+                max_leases: Some(5),
+                ..QuotaPatch::default()
+            }),
+            Who::system("operator"),
+        )
+        .await
+        .unwrap();
+        // The file changes: applied after the operator's change, over it.
+        std::fs::write(&file, "[tenants.a]\nlimit = \"32MiB\"\n").unwrap();
+        assert!(
+            limit_becomes(&arb, 32 << 20).await,
+            "the edit was not applied"
+        );
+        assert_eq!(
+            arb.get_tenant("a").unwrap().quota.max_leases,
+            5,
+            "undeclared: kept"
+        );
+        // An invalid edit changes nothing; the next valid one applies.
+        std::fs::write(&file, "[tenants.a]\nlimit = \"lots\"\n").unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 << 20);
+        std::fs::write(&file, "[tenants.a]\nlimit = \"48MiB\"\n").unwrap();
+        assert!(
+            limit_becomes(&arb, 48 << 20).await,
+            "the next edit was not applied"
+        );
+        stop.cancel();
+        watch.await.unwrap();
+        let records = arb.list_audit(&AuditFilter::default()).unwrap();
+        let seen: Vec<(&str, &Who)> = records
+            .iter()
+            .map(|r| (r.action.as_str(), &r.who))
+            .collect();
+        let reload = Who::system("config file changed");
+        assert_eq!(
+            seen,
+            [
+                ("config.reload", &Who::system("start")),
+                ("quota.set", &Who::system("operator")),
+                ("config.reload", &reload),
+                ("config.reload", &reload),
+            ]
+        );
+        // Each applied over what the change before it committed: the store's order.
+        for pair in records.windows(2) {
+            assert_eq!(pair[1].before, pair[0].after, "{pair:?}");
+        }
+        arb.join_workers(Duration::from_secs(5)).await;
+        drop(arb);
+        let (tenants, durable) = crate::arbiter::durable_tests::reopened(dir.path());
+        assert_eq!(tenants, vec![("a".to_string(), 48 << 20)]);
+        assert_eq!(durable, records);
+    }
 }
