@@ -205,3 +205,94 @@ async fn sighup_without_a_config_file_keeps_the_broker_running() {
     let status = b.stop(Duration::from_secs(10)).unwrap();
     assert!(status.success(), "{status:?}\n{}", b.log_text());
 }
+
+/// The tenants a config file declares are there the moment the broker answers (applied
+/// on the store writer before the sockets are bound), each with its `config.reload`
+/// record by the broker itself; after a restart with fewer declared, none is deleted and
+/// the unchanged ones are not written again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declared_tenants_are_listed_at_once_and_kept_across_a_restart() {
+    let cm = tempfile::tempdir().unwrap();
+    let file = cm.path().join("config.toml");
+    std::fs::write(
+        &file,
+        "[tenants.alpha]\nlimit = \"64MiB\"\npriority = 2\n\n[tenants.beta]\nlimit = \"32MiB\"\nmax-leases = 4\n\n[tenants.gamma]\nlimit = \"16MiB\"\n",
+    )
+    .unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        extra: vec!["--config".into(), file.display().to_string()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    // No wait, no retry: listed by the first call.
+    let admin = b.admin().await.unwrap();
+    let listed = admin.list_tenants().await.unwrap();
+    let quotas: Vec<(String, u64, i32, u32)> = listed
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.quota.limit_bytes,
+                t.quota.priority,
+                t.quota.max_leases,
+            )
+        })
+        .collect();
+    assert_eq!(
+        quotas,
+        [
+            ("alpha".to_string(), 64 * MIB, 2, 0),
+            ("beta".to_string(), 32 * MIB, 0, 4),
+            ("gamma".to_string(), 16 * MIB, 0, 0),
+        ]
+    );
+    let audit = admin
+        .list_audit(&gpu_broker_client::AuditFilter::default())
+        .await
+        .unwrap();
+    let records: Vec<(&str, &str, &str, &str)> = audit
+        .iter()
+        .map(|e| {
+            (
+                e.action.as_str(),
+                e.tenant.as_str(),
+                e.token_id.as_str(),
+                e.token_name.as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        records,
+        [
+            ("config.reload", "alpha", "system", "start"),
+            ("config.reload", "beta", "system", "start"),
+            ("config.reload", "gamma", "system", "start"),
+        ]
+    );
+    drop(admin);
+
+    // Restarted with gamma no longer declared and the others as they were.
+    b.stop(Duration::from_secs(10)).unwrap();
+    std::fs::write(
+        &file,
+        "[tenants.alpha]\nlimit = \"64MiB\"\npriority = 2\n\n[tenants.beta]\nlimit = \"32MiB\"\nmax-leases = 4\n",
+    )
+    .unwrap();
+    b.spawn().unwrap();
+    let admin = b.admin().await.unwrap();
+    assert_eq!(tenant_names(&admin).await, ["alpha", "beta", "gamma"]);
+    assert_eq!(
+        admin.get_quota("gamma").await.unwrap().quota.limit_bytes,
+        16 * MIB,
+        "no longer declared: kept as it was"
+    );
+    let again = admin
+        .list_audit(&gpu_broker_client::AuditFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        again.len(),
+        3,
+        "nothing changed, nothing written: {again:?}"
+    );
+}
