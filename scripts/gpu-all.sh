@@ -17,8 +17,9 @@
 #   mps     scripts/gpu-mps-check.sh run check,handoff   managed MPS and turn hand-off
 #   host    the host backend on the machine's idle cores (no GPU): scripts/bench-ab.sh of
 #           gpu-broker-before (if the build was given GPU_ALL_BEFORE=path of an older broker)
-#           against gpu-broker, then quota-writes on each (acquire p50/p99 alone and while an
-#           admin client writes quotas)
+#           against gpu-broker, then quota-writes side by side (acquire p50/p99 alone and
+#           while an admin client writes or reads quotas in a tight loop; gpu-broker also with
+#           the loop on its operators' socket)
 # Carry .gpu/all (the build prints its size: at most 64 MiB). Nothing here changes the
 # card's settings.
 set -euo pipefail
@@ -52,10 +53,17 @@ host_ab() {
     [[ -x $dir/gpu-broker-before ]] && brokers=("$dir/gpu-broker-before" "$dir/gpu-broker")
     results=$(mktemp -d)
     OUT=$results ROUNDS=${ROUNDS:-4} "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${brokers[@]}"
-    for b in "${brokers[@]}"; do
-        echo "quota-writes: $b"
-        "$OUT/gpu-broker-bench" --broker-bin "$b" --broker-log warn quota-writes --duration 2s
-    done
+    # Quota writes side by side: every broker with its admin loop on the workers' socket,
+    # and gpu-broker also with it on its operators' socket (--admin-listen), interleaved.
+    local ops also=()
+    ops=$(mktemp -d /tmp/ga-ops.XXXXXX)
+    for b in "${brokers[@]:1}"; do also+=(--also "$b"); done
+    also+=(--also "$dir/gpu-broker --admin-listen $ops/admin.sock")
+    echo "quota-writes: ${brokers[*]}, then gpu-broker on its operators' socket"
+    "$dir/gpu-broker-bench" --broker-bin "${brokers[0]}" --broker-log warn quota-writes \
+        --writer process --op set,get --repeat "${QW_REPEAT:-12}" --duration 0.6s "${also[@]}" |
+        grep -v '^{'
+    rm -rf "$ops"
 }
 
 run() {
