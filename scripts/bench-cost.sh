@@ -11,6 +11,8 @@
 # Prints one line per broker and round: instructions/pair, system calls/pair, and those
 # calls by name (at least 0.05 a pair). BASE_PAIRS (default 200): the shorter run.
 set -euo pipefail
+# shellcheck source=scripts/cost-common.sh
+source "$(dirname "$0")/cost-common.sh"
 bench=$1
 shift
 brokers=("$@")
@@ -18,21 +20,8 @@ rounds=${ROUNDS:-2}
 base=${BASE_PAIRS:-200}
 out=$(mktemp -d)
 wrap=$out/wrap.sh
-# The bench starts the broker through this wrapper; SIGTERM reaches the broker itself (so
-# it shuts down normally and the tool writes its counts).
-cat >"$wrap" <<'EOF'
-#!/usr/bin/env bash
-case "$COST_TOOL" in
-callgrind) exec valgrind --tool=callgrind --callgrind-out-file="$COST_OUT" "$COST_BROKER" "$@" 2>>"$COST_OUT.log" ;;
-strace)
-    strace -f -c -o "$COST_OUT" "$COST_BROKER" "$@" &
-    tracer=$!
-    trap 'kill -TERM $(pgrep -P $tracer)' TERM
-    wait $tracer || wait $tracer
-    ;;
-esac
-EOF
-chmod +x "$wrap"
+# The bench starts the broker through this wrapper.
+cost_wrapper "$wrap"
 
 one() { # tool broker pairs -> count
     local tool=$1 broker=$2 pairs=$3 file
@@ -41,7 +30,7 @@ one() { # tool broker pairs -> count
         --broker-log warn --client-threads 1 latency --sizes 2MiB --iterations "$pairs" \
         --warmup 0 --repeat 1 >/dev/null 2>&1
     if [ "$tool" = callgrind ]; then
-        grep -o 'Collected : [0-9]*' "$file.log" | awk '{print $3}'
+        cost_instructions "$file"
     else
         echo "$file"
     fi
@@ -54,28 +43,8 @@ for r in $(seq "$rounds"); do
         i1=$(one callgrind "$b" $((base + 2000)))
         s0=$(one strace "$b" "$base")
         s1=$(one strace "$b" $((base + 2000)))
-        python3 - "$b" "$r" "$i0" "$i1" "$s0" "$s1" <<'EOF'
-import sys
-broker, rnd, i0, i1, s0, s1 = sys.argv[1:]
-
-def counts(path):
-    out = {}
-    for line in open(path):
-        f = line.split()
-        if len(f) >= 5 and f[0][0].isdigit() and f[-1] != "total":
-            out[f[-1]] = int(f[3])
-    return out
-
-a, b = counts(s0), counts(s1)
-per = {k: (b.get(k, 0) - a.get(k, 0)) / 2000 for k in set(a) | set(b)}
-top = sorted(((v, k) for k, v in per.items() if v >= 0.05), reverse=True)
-print(
-    f"{broker} round {rnd}: {(int(i1) - int(i0)) / 2000:,.0f} instructions/pair, "
-    f"{sum(per.values()):.1f} system calls/pair ("
-    + ", ".join(f"{k} {v:.2f}" for v, k in top)
-    + ")"
-)
-EOF
+        { read -r calls; read -r top; } < <(cost_syscalls "$s0" "$s1" 2000)
+        echo "$b round $r: $(cost_per "$i0" "$i1" 2000) instructions/pair, $calls system calls/pair ($top)"
     done
 done
 rm -rf "$out"

@@ -14,6 +14,8 @@
 # broker gets an operators' socket (`--admin-listen`) and the admin loop runs there. Prints
 # one line per call and tool.
 set -euo pipefail
+# shellcheck source=scripts/cost-common.sh
+source "$(dirname "$0")/cost-common.sh"
 dir=$(cd "$1" && pwd)
 shift
 flags=("$@")
@@ -23,6 +25,8 @@ long=${LONG:-9}
 work=$(mktemp -d -p "$PWD" .qcost.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 names=$(seq -f "t%02g" 0 15 | paste -sd,)
+wrap=$work/wrap.sh
+cost_wrapper "$wrap"
 
 one() { # one TOOL OP SECS -> "COUNT CALLS" (COUNT: instructions, or the strace file)
     local tool=$1 op=$2 secs=$3 w sock pid tok res
@@ -35,12 +39,8 @@ one() { # one TOOL OP SECS -> "COUNT CALLS" (COUNT: instructions, or the strace 
     fi
     local args=(--backend host --host-capacity 1GiB --socket "$sock" --state-dir "$w/state"
         --host-shm-dir "/dev/shm/qcost-$(basename "$w")" --shutdown-grace 1s ${ops[@]+"${ops[@]}"} ${flags[@]+"${flags[@]}"})
-    if [ "$tool" = callgrind ]; then
-        GPU_BROKER_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$w/cg.out" \
-            "$broker" "${args[@]}" 2>"$w/tool.log" &
-    else
-        GPU_BROKER_LOG=warn strace -f -c -o "$w/st.out" "$broker" "${args[@]}" 2>"$w/tool.log" &
-    fi
+    COST_TOOL=$tool COST_BROKER=$broker COST_OUT=$w/$tool.out GPU_BROKER_LOG=warn \
+        "$wrap" "${args[@]}" 2>"$w/tool.log" &
     pid=$!
     for _ in $(seq 300); do [ -S "$sock" ] && break; sleep 0.1; done
     tok=$(cat "$w/state/admin.token")
@@ -51,16 +51,12 @@ one() { # one TOOL OP SECS -> "COUNT CALLS" (COUNT: instructions, or the strace 
     # The tenants exist before a get loop (the same in both runs: cancels out).
     [ "$op" = get ] && writer set 2 >/dev/null
     res=$(writer "$op" "$secs")
-    if [ "$tool" = strace ]; then
-        kill -TERM "$(pgrep -P "$pid")"
-    else
-        kill -TERM "$pid"
-    fi
+    kill -TERM "$pid"
     wait "$pid" || true
     if [ "$tool" = callgrind ]; then
-        echo "$(grep -o 'Collected : [0-9]*' "$w/tool.log" | awk '{print $3}') $(echo "$res" | awk '{print $2}')"
+        echo "$(cost_instructions "$w/$tool.out") $(echo "$res" | awk '{print $2}')"
     else
-        echo "$w/st.out $(echo "$res" | awk '{print $2}')"
+        echo "$w/$tool.out $(echo "$res" | awk '{print $2}')"
     fi
 }
 
@@ -71,27 +67,9 @@ for op in set get; do
     read -r i1 c1 <<<"$(one callgrind "$op" "$long")"
     read -r s0 d0 <<<"$(one strace "$op" "$short")"
     read -r s1 d1 <<<"$(one strace "$op" "$long")"
-    python3 - "$op" "$i0" "$c0" "$i1" "$c1" "$s0" "$d0" "$s1" "$d1" <<'EOF'
-import sys
-op, i0, c0, i1, c1, s0, d0, s1, d1 = sys.argv[1:]
-
-def counts(path):
-    out = {}
-    for line in open(path):
-        f = line.split()
-        if len(f) >= 5 and f[0][0].isdigit() and f[-1] != "total":
-            out[f[-1]] = int(f[3])
-    return out
-
-n = int(c1) - int(c0)
-print(f"{op}: {(int(i1) - int(i0)) / n:,.0f} instructions/call ({n} calls apart)")
-a, b = counts(s0), counts(s1)
-n = int(d1) - int(d0)
-per = {k: (b.get(k, 0) - a.get(k, 0)) / n for k in set(a) | set(b)}
-top = sorted(((v, k) for k, v in per.items() if v >= 0.05), reverse=True)
-print(
-    f"{op}: {sum(per.values()):.1f} system calls/call ({n} calls apart): "
-    + ", ".join(f"{k} {v:.2f}" for v, k in top)
-)
-EOF
+    n=$((c1 - c0))
+    echo "$op: $(cost_per "$i0" "$i1" "$n") instructions/call ($n calls apart)"
+    n=$((d1 - d0))
+    { read -r calls; read -r top; } < <(cost_syscalls "$s0" "$s1" "$n")
+    echo "$op: $calls system calls/call ($n calls apart): $top"
 done
