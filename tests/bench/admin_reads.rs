@@ -388,13 +388,8 @@ pub(crate) fn metrics_addr(log: &std::path::Path) -> Option<String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(a) = text
-            .lines()
-            .find(|l| l.contains("metrics at /metrics"))
-            .and_then(|l| l.split("addr=").nth(1))
-            .and_then(|a| a.split_whitespace().next())
-        {
-            return Some(a.to_string());
+        if let Some(a) = gpu_broker_tests::logged_metrics_addr(&text) {
+            return Some(a);
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -3,7 +3,7 @@
 //! existing one reached with `--broker URI --admin-token-file F`. Tenants made by the
 //! bench carry a run-unique prefix and are deleted at the end.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use gpu_broker_client::{AdminClient, QuotaSpec};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -76,12 +76,6 @@ impl Spawned {
             .filter(|l| l.contains(&pat))
             .map(str::to_string)
             .collect()
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
     /// SIGTERM and wait (SIGKILL after `timeout`).
@@ -201,21 +195,11 @@ impl Target {
             shm_dir,
             log,
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
-                break;
-            }
-            if let Some(c) = spawned.child.as_mut() {
-                if let Some(status) = c.try_wait()? {
-                    bail!("broker exited early ({status}):\n{}", spawned.log_tail());
-                }
-            }
-            if Instant::now() > deadline {
-                bail!("broker did not start within 30 s:\n{}", spawned.log_tail());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let Spawned { child, log, .. } = &mut spawned;
+        let child = child.as_mut().expect("just started");
+        gpu_broker_tests::wait_until_serving(child, &socket, Duration::from_secs(30), || {
+            tail(log)
+        })?;
         let admin_token = std::fs::read_to_string(state_dir.join("admin.token"))
             .context("reading the started broker's admin token")?
             .trim()
@@ -374,4 +358,11 @@ pub fn free_inodes(dir: &Path) -> Option<u64> {
         return Some(u64::MAX);
     }
     Some(st.f_favail as u64)
+}
+
+/// The last 20 lines of the log at `path`.
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
 }

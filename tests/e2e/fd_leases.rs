@@ -47,7 +47,7 @@ fn present(socket: &str, bytes: &[u8]) -> (usize, bool) {
 }
 
 async fn metric(b: &Broker, name: &str) -> f64 {
-    let addr = crate::observability::metrics_addr(b).await;
+    let addr = b.metrics_addr().await;
     let text = crate::observability::get(&addr, "/metrics").await;
     crate::observability::gauge(&text, name).unwrap_or(0.0)
 }

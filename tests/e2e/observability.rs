@@ -2,26 +2,7 @@
 //! server reflection (what `grpcurl list` uses).
 
 use gpu_broker_tests::*;
-use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// The metrics address the broker logged (`--metrics-listen 127.0.0.1:0`).
-pub(crate) async fn metrics_addr(b: &Broker) -> String {
-    let mut addr = None;
-    let found = eventually(Duration::from_secs(5), || {
-        let log = b.log_text();
-        addr = log
-            .lines()
-            .find(|l| l.contains("metrics at /metrics"))
-            .and_then(|l| l.split("addr=").nth(1))
-            .map(|a| a.split_whitespace().next().unwrap_or("").to_string());
-        let ok = addr.is_some();
-        async move { ok }
-    })
-    .await;
-    assert!(found, "no metrics address in the log:\n{}", b.log_text());
-    addr.unwrap_or_default()
-}
 
 pub(crate) async fn get(addr: &str, path: &str) -> String {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -47,7 +28,7 @@ async fn prometheus_metrics_follow_the_leases() {
         ..BrokerOpts::default()
     })
     .unwrap();
-    let addr = metrics_addr(&b).await;
+    let addr = b.metrics_addr().await;
     let c = b.client("metered", 256 * MIB).await.unwrap();
     let s = c.session("m").await.unwrap();
     let lease = s.lease(6 * MIB).await.unwrap();
@@ -172,7 +153,7 @@ async fn operator_reads_answer_alike_on_either_runtime() {
             .await
             .expect_err("a bad token is refused");
         assert_eq!(bad.code(), Code::InvalidArgument, "{bad}");
-        let addr = metrics_addr(&b).await;
+        let addr = b.metrics_addr().await;
         let metrics = get(&addr, "/metrics").await;
         assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
         assert!(

@@ -62,26 +62,6 @@ fn dechunk(mut body: &str) -> String {
     out
 }
 
-/// The metrics address the broker logged.
-async fn metrics_addr(b: &Broker) -> String {
-    let mut addr = String::new();
-    let found = eventually(Duration::from_secs(5), || {
-        addr = b
-            .log_text()
-            .lines()
-            .find(|l| l.contains("metrics at /metrics"))
-            .and_then(|l| l.split("addr=").nth(1))
-            .and_then(|a| a.split_whitespace().next())
-            .unwrap_or("")
-            .to_string();
-        let ok = !addr.is_empty();
-        async move { ok }
-    })
-    .await;
-    assert!(found, "no metrics address in the log:\n{}", b.log_text());
-    addr
-}
-
 fn metered_broker(extra: &[&str]) -> Broker {
     let mut args = vec!["--metrics-listen".to_string(), "127.0.0.1:0".into()];
     args.extend(extra.iter().map(|s| s.to_string()));
@@ -105,7 +85,7 @@ async fn promtool_accepts_the_metrics_and_prometheus_scrapes_them() {
     let promtool = tool("promtool");
     let prometheus = tool("prometheus");
     let b = metered_broker(&[]);
-    let addr = metrics_addr(&b).await;
+    let addr = b.metrics_addr().await;
     let c = b.client("metered", 256 * MIB).await.unwrap();
     let s = c.session("m").await.unwrap();
     let lease = s.lease(6 * MIB).await.unwrap();
@@ -269,7 +249,7 @@ async fn promtool_accepts_the_shipped_alert_rules() {
 #[tokio::test]
 async fn metrics_behind_a_token_want_the_admin_token() {
     let b = metered_broker(&["--metrics-require-token"]);
-    let addr = metrics_addr(&b).await;
+    let addr = b.metrics_addr().await;
     let (status, headers, _) = http_get(&addr, "/metrics", &[]).await;
     assert!(status.contains("401"), "{status}");
     assert!(headers.contains("www-authenticate: bearer"), "{headers}");
@@ -345,7 +325,7 @@ fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_and_alerts_use_only_exported_metrics() {
     let b = metered_broker(&[]);
-    let addr = metrics_addr(&b).await;
+    let addr = b.metrics_addr().await;
     let _c = b.client("t", 64 * MIB).await.unwrap();
     let (_, _, text) = http_get(&addr, "/metrics", &[]).await;
     let exported: std::collections::BTreeSet<String> = text

@@ -370,7 +370,7 @@ async fn a_running_reservation_shows_in_metrics_and_the_cli() {
     let token = b.tenant("alice", QuotaSpec::new(512 * MIB)).await.unwrap();
     let token_file = b.dir.path().join("alice.token");
     std::fs::write(&token_file, &token).unwrap();
-    let addr = crate::observability::metrics_addr(&b).await;
+    let addr = b.metrics_addr().await;
     let mut p = Proc::spawn(run_cmd(
         &b,
         &token_file,

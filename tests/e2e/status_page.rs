@@ -24,25 +24,6 @@ fn chromium() -> PathBuf {
     );
 }
 
-async fn metrics_addr(b: &Broker) -> String {
-    let mut addr = String::new();
-    let found = eventually(Duration::from_secs(5), || {
-        addr = b
-            .log_text()
-            .lines()
-            .find(|l| l.contains("metrics at /metrics"))
-            .and_then(|l| l.split("addr=").nth(1))
-            .and_then(|a| a.split_whitespace().next())
-            .unwrap_or("")
-            .to_string();
-        let ok = !addr.is_empty();
-        async move { ok }
-    })
-    .await;
-    assert!(found, "{}", b.log_text());
-    addr
-}
-
 async fn headless(profile: &Path, args: &[String]) -> std::process::Output {
     let mut cmd = tokio::process::Command::new(chromium());
     cmd.args([
@@ -69,7 +50,7 @@ async fn the_status_page_shows_devices_tenants_and_leases_in_chromium() {
         ..BrokerOpts::default()
     })
     .unwrap();
-    let addr = metrics_addr(&b).await;
+    let addr = b.metrics_addr().await;
     let training = b.client("training", 512 * MIB).await.unwrap();
     let inference = b.client("inference", 256 * MIB).await.unwrap();
     let st = training.session("trainer").await.unwrap();

@@ -622,20 +622,7 @@ async fn the_metrics_listener_drops_half_sent_requests() {
         "--handshake-timeout",
         "300ms",
     ]);
-    let mut addr = None;
-    let found = eventually(Duration::from_secs(5), || {
-        addr = b
-            .log_text()
-            .lines()
-            .find(|l| l.contains("metrics at /metrics"))
-            .and_then(|l| l.split("addr=").nth(1))
-            .map(|a| a.split_whitespace().next().unwrap_or("").to_string());
-        let ok = addr.is_some();
-        async move { ok }
-    })
-    .await;
-    assert!(found, "no metrics address in the log");
-    let addr = addr.unwrap();
+    let addr = b.metrics_addr().await;
     let mut half = tokio::net::TcpStream::connect(&addr).await.unwrap();
     half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
         .await

@@ -64,6 +64,22 @@ impl Default for BrokerOpts {
     }
 }
 
+impl BrokerOpts {
+    /// The host backend's flags for these options (`extra` aside).
+    fn host_args(&self) -> Vec<String> {
+        vec![
+            "--backend".to_string(),
+            "host".into(),
+            "--host-capacity".into(),
+            self.capacity.into(),
+            "--host-devices".into(),
+            self.devices.to_string(),
+            "--headroom".into(),
+            self.headroom.into(),
+        ]
+    }
+}
+
 impl Broker {
     /// Starts a host-backend broker with default options (1 GiB, no headroom).
     pub fn start() -> Result<Broker> {
@@ -71,16 +87,7 @@ impl Broker {
     }
 
     pub fn start_with(opts: BrokerOpts) -> Result<Broker> {
-        let host = vec![
-            "--backend".to_string(),
-            "host".into(),
-            "--host-capacity".into(),
-            opts.capacity.into(),
-            "--host-devices".into(),
-            opts.devices.to_string(),
-            "--headroom".into(),
-            opts.headroom.into(),
-        ];
+        let host = opts.host_args();
         Broker::start_args(host, opts.extra)
     }
 
@@ -99,16 +106,7 @@ impl Broker {
     /// Starts a host-backend broker under `wrapper` (e.g. `unshare --pid --fork ...`):
     /// the broker runs as `wrapper... gpu-broker args...`; `pid()` is the wrapper's.
     pub fn start_wrapped(wrapper: Vec<String>, opts: BrokerOpts) -> Result<Broker> {
-        let host = vec![
-            "--backend".to_string(),
-            "host".into(),
-            "--host-capacity".into(),
-            opts.capacity.into(),
-            "--host-devices".into(),
-            opts.devices.to_string(),
-            "--headroom".into(),
-            opts.headroom.into(),
-        ];
+        let host = opts.host_args();
         let extra = opts.extra;
         Broker::start_args_in(wrapper, host, move |_| extra)
     }
@@ -182,22 +180,11 @@ impl Broker {
             .stderr(log)
             .spawn()
             .context("spawning gpu-broker")?;
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
-                break;
-            }
-            if let Some(c) = self.child.as_mut() {
-                if let Some(status) = c.try_wait()? {
-                    bail!("broker exited early ({status}):\n{}", self.log_text());
-                }
-            }
-            if Instant::now() > deadline {
-                bail!("broker did not start:\n{}", self.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let child = self.child.insert(child);
+        let log = self.log.clone();
+        wait_until_serving(child, &self.socket, Duration::from_secs(20), || {
+            std::fs::read_to_string(&log).unwrap_or_default()
+        })?;
         self.admin_token = std::fs::read_to_string(self.state_dir.join("admin.token"))?
             .trim()
             .to_string();
@@ -214,6 +201,20 @@ impl Broker {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The address of the metrics listener (`--metrics-listen 127.0.0.1:0`), as the broker
+    /// logged it (waited for, up to 5 s).
+    pub async fn metrics_addr(&self) -> String {
+        let mut addr = None;
+        let found = eventually(Duration::from_secs(5), || {
+            addr = logged_metrics_addr(&self.log_text());
+            let ok = addr.is_some();
+            async move { ok }
+        })
+        .await;
+        assert!(found, "no metrics address in the log:\n{}", self.log_text());
+        addr.unwrap_or_default()
     }
 
     pub async fn admin(&self) -> Result<AdminClient> {
@@ -342,6 +343,41 @@ pub async fn tenant_names(admin: &AdminClient) -> Vec<String> {
         .into_iter()
         .map(|t| t.name)
         .collect()
+}
+
+/// Waits, up to `within`, until `socket` accepts a connection from the broker process
+/// `child` has started: an error with its log (`log()`) if it exits first or does not
+/// serve in time.
+pub fn wait_until_serving(
+    child: &mut Child,
+    socket: &Path,
+    within: Duration,
+    log: impl Fn() -> String,
+) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!("broker exited early ({status}):\n{}", log());
+        }
+        if Instant::now() > deadline {
+            bail!("broker did not start within {within:?}:\n{}", log());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The address the metrics listener logged it serves on (`metrics at /metrics ...
+/// addr=HOST:PORT`), in a broker's log text.
+pub fn logged_metrics_addr(log: &str) -> Option<String> {
+    log.lines()
+        .find(|l| l.contains("metrics at /metrics"))
+        .and_then(|l| l.split("addr=").nth(1))
+        .and_then(|a| a.split_whitespace().next())
+        .filter(|a| !a.is_empty())
+        .map(str::to_string)
 }
 
 /// Polls `f` every 20 ms until it returns true or `timeout` passes.
