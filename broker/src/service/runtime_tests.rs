@@ -2,7 +2,7 @@
 //! runtime (`read_pool.rs`) that lets a waiter in or starts a watcher leaves the grant's
 //! device work and the watcher to the main runtime. Each test stalls the operators'
 //! runtime (its one worker blocked) right after the call: what the call asked for must
-//! still happen.
+//! still happen. A grant with no runtime at all to run on is rolled back and answered.
 
 use crate::arbiter::{host_arbiter, AcquireRequest, Arbiter, ArbiterConfig};
 use crate::ledger::Quota;
@@ -198,4 +198,48 @@ fn a_quarantine_watcher_started_by_an_operators_revoke_runs_on_the_main_runtime(
     }
     assert_eq!(arb.get_tenant("a").unwrap().usage.held_bytes, 0);
     release.send(()).unwrap();
+}
+
+#[test]
+fn a_grant_with_no_runtime_to_run_on_is_rolled_back_and_answered() {
+    // No background work started (no main runtime known), and the queue run from a
+    // thread outside any runtime: the grant cannot do its device work anywhere.
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    let rt = crate::read_pool::main_runtime_of_one_worker();
+    for t in ["a", "b"] {
+        arb.set_quota(t, quota(64 * MIB)).unwrap();
+    }
+    let (sa, _ea) = arb.open_session("a", "t", Peer::default()).unwrap();
+    let (sb, _eb) = arb.open_session("b", "t", Peer::default()).unwrap();
+    let a = arb.clone();
+    let held = rt
+        .block_on(async move { a.acquire(req("a", sa, 64 * MIB)).await })
+        .unwrap();
+    let a = arb.clone();
+    let waiting = rt.spawn(async move {
+        a.acquire(AcquireRequest {
+            wait: Duration::from_secs(30),
+            ..req("b", sb, 32 * MIB)
+        })
+        .await
+    });
+    let t0 = std::time::Instant::now();
+    while arb.lock().queue().is_empty() {
+        assert!(t0.elapsed() < BOUNDED, "b never queued");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(tokio::runtime::Handle::try_current().is_err());
+    arb.revoke(held.id, "test").unwrap();
+    let e = rt.block_on(waiting).unwrap().unwrap_err();
+    assert!(
+        matches!(&e, crate::error::BrokerError::Internal(m) if m.contains("no runtime")),
+        "{e:?}"
+    );
+    // The reservation was given back: nothing held, the whole device grantable again.
+    assert_eq!(arb.get_tenant("b").unwrap().usage.held_bytes, 0);
+    let a = arb.clone();
+    let lease = rt
+        .block_on(async move { a.acquire(req("b", sb, 64 * MIB)).await })
+        .unwrap();
+    assert_eq!(lease.bytes, 64 * MIB);
 }
