@@ -2,8 +2,10 @@
 //! [`Principal`] once (unknown, revoked and expired tokens stop here), puts it into the
 //! request's extensions for the services' interceptors and the audit log, and refuses
 //! methods the token's scope does not reach. A `read` token reaches only the methods in
-//! [`READ_METHODS`]; everything else it is `PERMISSION_DENIED`. Health and reflection pass
-//! without a token, as before.
+//! [`READ_METHODS`]; everything else it is `PERMISSION_DENIED`. Workers' tokens reach no
+//! Admin method and the admin token no Broker method ([`check_scope`]): refused here, so
+//! nothing of such a call is moved to the operators' runtime (`read_pool.rs`, the layer
+//! after this one). Health and reflection pass without a token, as before.
 //!
 //! It also applies the per-tenant call rate limit (`rate.rs`).
 //!
