@@ -468,7 +468,7 @@ pub fn tenant_of<T>(req: &Request<T>) -> Result<String, Status> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn with_token(token: &str) -> Request<()> {
@@ -489,7 +489,9 @@ mod tests {
         assert_eq!(a.last_used(&h), None);
     }
 
-    fn auth_with_tenant() -> (Arc<Authenticator>, String) {
+    /// An authenticator with the admin token `admin-secret` and a worker token of
+    /// tenant `t1` (returned).
+    pub(crate) fn auth_with_tenant() -> (Arc<Authenticator>, String) {
         let a = Arc::new(Authenticator::new("admin-secret"));
         let (tok, hash) = generate_token();
         a.add(TokenEntry {

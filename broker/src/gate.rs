@@ -276,18 +276,7 @@ mod tests {
     #[tokio::test]
     async fn a_token_refused_by_its_scope_never_reaches_the_operators_runtime() {
         use tower::{Layer, ServiceExt};
-        let auth = Arc::new(Authenticator::new("admin-secret"));
-        let (worker, hash) = crate::auth::generate_token();
-        auth.add(crate::auth::TokenEntry {
-            token_id: crate::auth::token_id(&hash),
-            tenant: "t1".into(),
-            description: String::new(),
-            created_unix_ms: 0,
-            hash,
-            name: String::new(),
-            scope: Scope::Worker,
-            expires_unix_ms: None,
-        });
+        let (auth, worker) = crate::auth::tests::auth_with_tenant();
         // As served: the gate, then the layer that offloads Admin calls.
         let pool = crate::read_pool::ReadPool::start(1).unwrap();
         let handed = Counts::default();

@@ -563,4 +563,4 @@ pub(crate) mod durable_tests;
 #[cfg(test)]
 mod store_fault_tests;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -18,14 +18,14 @@ fn fixture(capacity: u64, devices: u32, cfg: ArbiterConfig) -> Fixture {
     Fixture { arb, _dir: dir }
 }
 
-pub(super) fn quota(limit: u64) -> Quota {
+pub(crate) fn quota(limit: u64) -> Quota {
     Quota {
         limit_bytes: limit,
         ..Quota::default()
     }
 }
 
-pub(super) fn req(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
+pub(crate) fn req(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
     AcquireRequest {
         tenant: tenant.into(),
         session,

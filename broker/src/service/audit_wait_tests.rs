@@ -5,9 +5,9 @@
 //! not answer meanwhile, and its record is there to read the moment it does.
 
 use crate::arbiter::durable_tests::{reopened, stored_arbiter};
-use crate::arbiter::{AcquireRequest, Arbiter, QuotaUpdate};
+use crate::arbiter::tests::{quota, req};
+use crate::arbiter::{Arbiter, QuotaUpdate};
 use crate::audit::{AuditFilter, AuditRecord, Who};
-use crate::ledger::Quota;
 use crate::service::admin::AdminService;
 use crate::session::Peer;
 use gpu_broker_proto::v1 as pb;
@@ -76,28 +76,13 @@ async fn admin_calls_without_a_store_change_answer_once_their_audit_record_is_du
     let svc = AdminService::new(arb.clone());
     arb.change_quota_for(
         "a".into(),
-        QuotaUpdate::Replace(Quota {
-            limit_bytes: 64 * MIB,
-            ..Quota::default()
-        }),
+        QuotaUpdate::Replace(quota(64 * MIB)),
         Who::system("test"),
     )
     .await
     .unwrap();
     let (session, _events) = arb.open_session("a", "t", Peer::default()).unwrap();
-    let lease = arb
-        .acquire(AcquireRequest {
-            tenant: "a".into(),
-            session,
-            bytes: 8 * MIB,
-            device: None,
-            wait: Duration::ZERO,
-            label: String::new(),
-            reclaimable: false,
-            fallback_host: false,
-        })
-        .await
-        .unwrap();
+    let lease = arb.acquire(req("a", session, 8 * MIB)).await.unwrap();
 
     let r = answers_once_its_record_is_written(
         &arb,

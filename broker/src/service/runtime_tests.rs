@@ -4,37 +4,18 @@
 //! runtime (its one worker blocked) right after the call: what the call asked for must
 //! still happen. A grant with no runtime at all to run on is rolled back and answered.
 
+use crate::arbiter::tests::{quota, req};
 use crate::arbiter::{host_arbiter, AcquireRequest, Arbiter, ArbiterConfig};
-use crate::ledger::Quota;
+use crate::error::BrokerResult;
+use crate::lease::LeaseView;
 use crate::service::admin::AdminService;
 use crate::session::Peer;
 use gpu_broker_proto::v1 as pb;
 use gpu_broker_proto::v1::admin_server::Admin;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
-use uuid::Uuid;
 
 const MIB: u64 = 1 << 20;
-
-fn quota(limit: u64) -> Quota {
-    Quota {
-        limit_bytes: limit,
-        ..Quota::default()
-    }
-}
-
-fn req(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
-    AcquireRequest {
-        tenant: tenant.into(),
-        session,
-        bytes,
-        device: None,
-        wait: Duration::ZERO,
-        label: String::new(),
-        reclaimable: false,
-        fallback_host: false,
-    }
-}
 
 /// A failure detector, not a speed limit.
 const BOUNDED: Duration = Duration::from_secs(10);
@@ -81,6 +62,21 @@ impl Runtimes {
         assert_eq!(ran_on, crate::read_pool::THREAD_NAME);
         release
     }
+
+    /// An operator's RevokeLease of `lease`, served on the operators' runtime, which then
+    /// stalls ([`Runtimes::on_ops_then_stall`]).
+    fn revoke_then_stall(&self, arb: &Arc<Arbiter>, lease: &LeaseView) -> mpsc::Sender<()> {
+        let svc = AdminService::new(arb.clone());
+        let id = lease.id.to_string();
+        self.on_ops_then_stall(async move {
+            svc.revoke_lease(tonic::Request::new(pb::RevokeLeaseRequest {
+                lease_id: id,
+                reason: String::new(),
+            }))
+            .await
+            .unwrap();
+        })
+    }
 }
 
 impl Drop for Runtimes {
@@ -89,54 +85,49 @@ impl Drop for Runtimes {
     }
 }
 
-fn admin_call<T>(msg: T) -> tonic::Request<T> {
-    tonic::Request::new(msg)
-}
-
-#[test]
-fn a_waiter_let_in_by_an_operators_revoke_is_granted_on_the_main_runtime() {
-    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    let rts = Runtimes::start(&arb);
+/// On a 64 MiB device, `a` holds it all from a session with no pid (a TCP peer: revoked,
+/// its memory is destroyed at once on a host-backed device) and `b` waits on `rt` for
+/// 32 MiB. Returns `a`'s lease and `b`'s answer, once `b` is queued.
+fn one_holds_all_one_waits(
+    arb: &Arc<Arbiter>,
+    rt: &tokio::runtime::Runtime,
+) -> (LeaseView, mpsc::Receiver<BrokerResult<LeaseView>>) {
     for t in ["a", "b"] {
         arb.set_quota(t, quota(64 * MIB)).unwrap();
     }
-    // `a` fills the device from a session with no pid (a TCP peer): revoked, its memory
-    // is destroyed at once on a host-backed device.
-    let (sa, _ea) = arb.open_session("a", "t", Peer::default()).unwrap();
-    let (sb, _eb) = arb.open_session("b", "t", Peer::default()).unwrap();
+    let (sa, ea) = arb.open_session("a", "t", Peer::default()).unwrap();
+    let (sb, eb) = arb.open_session("b", "t", Peer::default()).unwrap();
+    std::mem::forget((ea, eb));
     let a = arb.clone();
-    let held = rts
-        .main
+    let held = rt
         .block_on(async move { a.acquire(req("a", sa, 64 * MIB)).await })
         .unwrap();
-    // `b` waits on the main runtime.
-    let (granted, grant) = mpsc::channel();
+    let (answer, answered) = mpsc::channel();
     let a = arb.clone();
-    rts.main.spawn(async move {
+    rt.spawn(async move {
         let r = a
             .acquire(AcquireRequest {
                 wait: Duration::from_secs(30),
                 ..req("b", sb, 32 * MIB)
             })
             .await;
-        let _ = granted.send(r);
+        let _ = answer.send(r);
     });
     let t0 = std::time::Instant::now();
     while arb.lock().queue().is_empty() {
         assert!(t0.elapsed() < BOUNDED, "b never queued");
         std::thread::sleep(Duration::from_millis(5));
     }
+    (held, answered)
+}
+
+#[test]
+fn a_waiter_let_in_by_an_operators_revoke_is_granted_on_the_main_runtime() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    let rts = Runtimes::start(&arb);
+    let (held, grant) = one_holds_all_one_waits(&arb, &rts.main);
     // The operator revokes `a`'s lease on the operators' runtime, which then stalls.
-    let svc = AdminService::new(arb.clone());
-    let id = held.id.to_string();
-    let release = rts.on_ops_then_stall(async move {
-        svc.revoke_lease(admin_call(pb::RevokeLeaseRequest {
-            lease_id: id,
-            reason: String::new(),
-        }))
-        .await
-        .unwrap();
-    });
+    let release = rts.revoke_then_stall(&arb, &held);
     let lease = grant
         .recv_timeout(BOUNDED)
         .expect("the grant's device work ran on the main runtime, not the stalled one")
@@ -171,16 +162,7 @@ fn a_quarantine_watcher_started_by_an_operators_revoke_runs_on_the_main_runtime(
             l
         })
         .unwrap();
-    let svc = AdminService::new(arb.clone());
-    let id = held.id.to_string();
-    let release = rts.on_ops_then_stall(async move {
-        svc.revoke_lease(admin_call(pb::RevokeLeaseRequest {
-            lease_id: id,
-            reason: String::new(),
-        }))
-        .await
-        .unwrap();
-    });
+    let release = rts.revoke_then_stall(&arb, &held);
     assert_eq!(
         arb.list_quarantined().len(),
         1,
@@ -206,37 +188,17 @@ fn a_grant_with_no_runtime_to_run_on_is_rolled_back_and_answered() {
     // thread outside any runtime: the grant cannot do its device work anywhere.
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
     let rt = crate::read_pool::main_runtime_of_one_worker();
-    for t in ["a", "b"] {
-        arb.set_quota(t, quota(64 * MIB)).unwrap();
-    }
-    let (sa, _ea) = arb.open_session("a", "t", Peer::default()).unwrap();
-    let (sb, _eb) = arb.open_session("b", "t", Peer::default()).unwrap();
-    let a = arb.clone();
-    let held = rt
-        .block_on(async move { a.acquire(req("a", sa, 64 * MIB)).await })
-        .unwrap();
-    let a = arb.clone();
-    let waiting = rt.spawn(async move {
-        a.acquire(AcquireRequest {
-            wait: Duration::from_secs(30),
-            ..req("b", sb, 32 * MIB)
-        })
-        .await
-    });
-    let t0 = std::time::Instant::now();
-    while arb.lock().queue().is_empty() {
-        assert!(t0.elapsed() < BOUNDED, "b never queued");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let (held, answer) = one_holds_all_one_waits(&arb, &rt);
     assert!(tokio::runtime::Handle::try_current().is_err());
     arb.revoke(held.id, "test").unwrap();
-    let e = rt.block_on(waiting).unwrap().unwrap_err();
+    let e = answer.recv_timeout(BOUNDED).unwrap().unwrap_err();
     assert!(
         matches!(&e, crate::error::BrokerError::Internal(m) if m.contains("no runtime")),
         "{e:?}"
     );
     // The reservation was given back: nothing held, the whole device grantable again.
     assert_eq!(arb.get_tenant("b").unwrap().usage.held_bytes, 0);
+    let (sb, _eb) = arb.open_session("b", "t", Peer::default()).unwrap();
     let a = arb.clone();
     let lease = rt
         .block_on(async move { a.acquire(req("b", sb, 64 * MIB)).await })
