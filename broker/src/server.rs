@@ -29,6 +29,10 @@ pub enum ServerError {
     },
     #[error("another broker is already serving on {0}")]
     InUse(PathBuf),
+    /// Something that is not a socket (a mistyped path naming a file) is at the path: it
+    /// is left as it is.
+    #[error("{0} exists and is not a socket: not replaced")]
+    NotASocket(PathBuf),
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
     #[error("reflection: {0}")]
@@ -46,13 +50,7 @@ pub async fn bind_unix(path: &Path) -> Result<UnixListener, ServerError> {
         .map_err(|e| match e {
             BindError::InUse(path) => ServerError::InUse(path),
             BindError::Io { path, source } => ServerError::Socket { path, source },
-            BindError::NotASocket(path) => ServerError::Socket {
-                source: std::io::Error::new(
-                    std::io::ErrorKind::AlreadyExists,
-                    "the path exists and is not a socket: not replaced",
-                ),
-                path,
-            },
+            BindError::NotASocket(path) => ServerError::NotASocket(path),
         })
 }
 
@@ -363,6 +361,30 @@ mod tests {
                 "{path}"
             );
         }
+    }
+
+    #[tokio::test]
+    async fn binding_says_what_is_in_the_way() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("state.db");
+        std::fs::write(&file, b"x").unwrap();
+        let e = bind_unix(&file).await.unwrap_err();
+        assert!(
+            matches!(&e, ServerError::NotASocket(p) if *p == file),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "{} exists and is not a socket: not replaced",
+                file.display()
+            )
+        );
+        let sock = dir.path().join("b.sock");
+        let _live = bind_unix(&sock).await.unwrap();
+        let e = bind_unix(&sock).await.unwrap_err();
+        assert!(matches!(&e, ServerError::InUse(p) if *p == sock), "{e:?}");
+        assert!(e.to_string().contains("already serving"), "{e}");
     }
 
     /// An Admin call with the test arbiter's admin token.
