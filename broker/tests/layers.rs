@@ -154,15 +154,66 @@ const CORE_WITH_TESTS: [&str; 2] = ["arbiter/state", "scheduler"];
 /// What the core's code must not name.
 const NOT_IN_THE_CORE: [&str; 2] = ["tokio", "crate::process::"];
 
+/// What the arbiter's core (`arbiter/state/`) must not name either: it does no I/O (no
+/// system call, no file, no socket, no look at a memfd's seals: the shell gives it that
+/// look, `state::SealCheck`). Its tests may make real descriptors to hand it, as the
+/// devices would: its test files (`*tests.rs`) and test modules are not checked for these.
+const NO_IO_IN_THE_CORE: [&str; 4] = ["libc::", "sharing::seals_untouched", "std::fs", "std::net"];
+
 /// The first line of `source`'s code (comments and, with `tests_apart`, its test module
 /// aside) that names one of [`NOT_IN_THE_CORE`].
 fn names_forbidden(source: &str, tests_apart: bool) -> Option<String> {
+    names_any(source, tests_apart, &NOT_IN_THE_CORE)
+}
+
+/// The first line of `source`'s code (comments and, with `tests_apart`, its test module
+/// aside) that names one of `words`.
+fn names_any(source: &str, tests_apart: bool, words: &[&str]) -> Option<String> {
     source
         .lines()
         .take_while(|l| !(tests_apart && l.trim() == "#[cfg(test)]"))
         .map(|l| l.split("//").next().unwrap_or(""))
-        .find(|code| NOT_IN_THE_CORE.iter().any(|w| code.contains(w)))
+        .find(|code| words.iter().any(|w| code.contains(w)))
         .map(str::to_string)
+}
+
+#[test]
+fn the_arbiters_core_does_no_io() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/arbiter/state");
+    let mut checked = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let f = e.unwrap().path();
+        let name = f.file_name().unwrap().to_string_lossy().to_string();
+        if !name.ends_with(".rs") || name.ends_with("tests.rs") {
+            continue;
+        }
+        let text =
+            std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("read {}: {e}", f.display()));
+        if let Some(line) = names_any(&text, true, &NO_IO_IN_THE_CORE) {
+            panic!("{} does I/O: {line}", f.display());
+        }
+        checked += 1;
+    }
+    assert!(checked >= 6, "only {checked} core files found");
+    // The check sees I/O where it is.
+    for code in [
+        "} => sharing::seals_untouched(fd),\n",
+        "let have = unsafe { libc::fcntl(fd.raw(), libc::F_GET_SEALS) };\n",
+        "let f = std::fs::File::open(p)?;\n",
+        "use std::net::TcpStream;\n",
+    ] {
+        assert!(
+            names_any(code, true, &NO_IO_IN_THE_CORE).is_some(),
+            "{code}"
+        );
+    }
+    assert!(names_any("(self.seals.0)(fd)\n", true, &NO_IO_IN_THE_CORE).is_none());
+    assert!(names_any(
+        "fn f() {}\n#[cfg(test)]\nmod t { use std::fs; }\n",
+        true,
+        &NO_IO_IN_THE_CORE
+    )
+    .is_none());
 }
 
 #[test]

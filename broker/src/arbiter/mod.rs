@@ -230,7 +230,9 @@ impl Arbiter {
             pools.push(pool);
             host_backed.push(desc.backend == BackendKind::Host);
         }
-        let st = State::new(pools, host_backed);
+        // The core asks the kernel about a memfd's seals through the shell's look.
+        let seals = state::SealCheck::new(crate::sharing::seals_untouched);
+        let st = State::new(pools, host_backed, seals);
         crate::error::mark_started();
         let scheduler = turns::Scheduler::new(devices.len(), cfg.turns);
         let audit_log =

@@ -2,7 +2,6 @@
 //! process may still map it); quarantine is lifted when that process exits (or a timeout
 //! passes); a session's end; everything freed at shutdown.
 
-use super::shared::pristine;
 use super::{Quarantined, State};
 use crate::arbiter::effects::{Counted, Effect, Watch};
 use crate::lease::LeaseView;
@@ -112,8 +111,9 @@ impl State {
         });
         let bytes = q.block.bytes();
         self.ledger.remove_quarantine(&q.tenant, q.device, bytes);
+        let destroy = destroy || q.destroy || !self.pristine(&q.block);
         let pool = &mut self.pools[q.device as usize];
-        if destroy || q.destroy || !pristine(&q.block) {
+        if destroy {
             pool.unquarantine_destroyed(bytes);
             self.fx.free(q.device, q.block);
         } else {

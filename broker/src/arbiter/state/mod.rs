@@ -30,7 +30,7 @@ mod tests;
 
 pub(crate) use end::Ending;
 pub(crate) use queue::{Enqueued, QueueEnv};
-pub(crate) use shared::{Holding, NewPublication};
+pub(crate) use shared::{Holding, NewPublication, SealCheck};
 
 use super::effects::{Effects, Watch};
 use super::queue::WaitQueue;
@@ -88,14 +88,18 @@ pub(crate) struct State {
     /// Host-fallback leases charged in the ledger whose memory is being made (bytes,
     /// count per tenant): the invariant counts them with the host leases.
     host_pending: HashMap<String, (u64, u32)>,
+    /// The shell's look at a host memfd's seals (`shared.rs`): the core asks, never reads.
+    seals: SealCheck,
 }
 
 impl State {
-    /// A core over these device pools (`host_backed`: which are the host simulation).
-    pub(crate) fn new(pools: Vec<Pool>, host_backed: Vec<bool>) -> State {
+    /// A core over these device pools (`host_backed`: which are the host simulation),
+    /// asking `seals` whether a host memfd is still as it was made.
+    pub(crate) fn new(pools: Vec<Pool>, host_backed: Vec<bool>, seals: SealCheck) -> State {
         State {
             pools,
             host_backed,
+            seals,
             ..State::default()
         }
     }

@@ -466,7 +466,7 @@ impl State {
             Source::Cached {
                 block,
                 scrub: false,
-            } if !super::shared::pristine(&block) => {
+            } if !self.pristine(&block) => {
                 tracing::warn!(device = d, tenant = %ask.tenant, "a cached memfd was sealed; allocating fresh");
                 self.pools[d as usize].note_replaced(false);
                 self.fx.free(d, block);

@@ -5,7 +5,7 @@
 
 use super::queue::{Enqueued, Pass, QueueEnv};
 use super::tests::{ask, env, fake_block};
-use super::{Ending, State};
+use super::{Ending, SealCheck, State};
 use crate::arbiter::effects::{Counted, Effect};
 use crate::arbiter::queue::{Ask, Granted, WaiterId};
 use crate::availability::{Availability, Drain};
@@ -14,6 +14,9 @@ use crate::lease::LeaseState;
 use crate::pool::{Block, Pool, Source};
 use crate::quota::Quota;
 use crate::session::{Activity, Peer, Session};
+use parking_lot::Mutex;
+use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use uuid::Uuid;
 
@@ -27,6 +30,17 @@ struct Core {
     avail: Availability,
     t0: Instant,
     next_alloc: u64,
+    /// The descriptors (raw numbers) whose seals the core's look reports touched.
+    touched: Touched,
+}
+
+/// What the test's seal look answers touched: the test adds seals by naming a descriptor.
+type Touched = Arc<Mutex<BTreeSet<i32>>>;
+
+/// The seal look of a core under test: untouched unless the test said otherwise.
+fn seal_check(touched: &Touched) -> SealCheck {
+    let touched = touched.clone();
+    SealCheck::new(move |fd| !touched.lock().contains(&fd.raw()))
 }
 
 impl Core {
@@ -35,11 +49,13 @@ impl Core {
         let pools = (0..devices)
             .map(|i| Pool::new(i, GRAN, capacity, capacity))
             .collect();
+        let touched = Touched::default();
         Core {
-            st: State::new(pools, vec![true; devices as usize]),
+            st: State::new(pools, vec![true; devices as usize], seal_check(&touched)),
             avail: Availability::new(devices as usize),
             t0: Instant::now(),
             next_alloc: 1,
+            touched,
         }
     }
 
@@ -505,6 +521,7 @@ fn an_offer_is_rounded_to_the_largest_granularity_and_refused_at_once_when_it_ne
             Pool::new(1, 8 * MIB, 64 * MIB, 64 * MIB),
         ],
         vec![true, true],
+        seal_check(&c.touched),
     );
     let a = c.tenant("a", quota(128 * MIB, 0));
     let req = |bytes: u64, device: Option<u32>| crate::arbiter::AcquireRequest {
@@ -545,14 +562,15 @@ fn an_offer_is_rounded_to_the_largest_granularity_and_refused_at_once_when_it_ne
 }
 
 /// A cached memfd found sealed when it would be handed out (whatever sealed it) is freed
-/// and fresh memory allocated instead, also for the tenant that used it last.
+/// and fresh memory allocated instead, also for the tenant that used it last. The core
+/// learns of the seals only through the look the shell gave it (here, the test's).
 #[test]
 fn a_cached_memfd_found_sealed_is_freed_not_handed_out() {
-    use crate::device::{Allocation, Handle, MemoryKind, SharedFd};
+    use crate::device::{Allocation, Handle, MemoryKind};
     let mut c = Core::new(1, 64 * MIB);
     let a = c.tenant("a", quota(64 * MIB, 0));
     let bytes = 8 * MIB;
-    let fd = SharedFd::new(crate::device::host::memfd("t", bytes).unwrap());
+    let Handle::Fd { fd, .. } = fake_block(1, bytes).handle;
     let block = Block {
         alloc: Allocation {
             id: 1,
@@ -577,8 +595,8 @@ fn a_cached_memfd_found_sealed_is_freed_not_handed_out() {
     c.st.end_lease(l, Ending::Cache).unwrap();
     c.st.take_effects();
     assert_eq!(c.st.pools()[0].stats().cached, bytes);
-    // Sealed while cached.
-    crate::sharing::seal_read_only(&fd).unwrap();
+    // Sealed while cached (the look now says so).
+    c.touched.lock().insert(fd.raw());
     let w = c.wait(ask("a", a, bytes, None), 0);
     let effects = c.run(0);
     assert!(

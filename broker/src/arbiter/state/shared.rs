@@ -19,8 +19,9 @@ use crate::arbiter::effects::{Counted, Effect, Effects, Watch};
 use crate::device::{Handle, MemoryKind, SharedFd};
 use crate::pool::Block;
 use crate::session::Peer;
-use crate::sharing::{self, Held, Import, Publication, Waiters};
+use crate::sharing::{Held, Import, Publication, Waiters};
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 use uuid::Uuid;
 
@@ -59,20 +60,48 @@ pub(crate) struct Unchecked {
     recipients: BTreeSet<u32>,
 }
 
-/// Does the block carry only the seals it was made with (host memory), so it may be
-/// cached for its tenant's next lease? (Reads the seals of a memfd the broker owns.)
-pub(crate) fn pristine(block: &Block) -> bool {
-    match &block.handle {
-        Handle::Fd {
-            kind: MemoryKind::HostMemfd,
-            fd,
-            ..
-        } => sharing::seals_untouched(fd),
-        _ => true,
+/// How the core learns whether a host memfd still carries only the seals it was made
+/// with: a holder may add seals to a memfd it has, so only the kernel knows. The core
+/// does no I/O; the shell gives it the look (`sharing::seals_untouched`, a `fcntl`) when
+/// it makes the core, and the core's tests give it one they control.
+#[derive(Clone)]
+pub(crate) struct SealCheck(Arc<dyn Fn(&SharedFd) -> bool + Send + Sync>);
+
+impl SealCheck {
+    /// The look `untouched` answers: true when the memfd's seals are its creation seals.
+    pub(crate) fn new(untouched: impl Fn(&SharedFd) -> bool + Send + Sync + 'static) -> Self {
+        SealCheck(Arc::new(untouched))
+    }
+}
+
+impl Default for SealCheck {
+    /// No look at all: every host memfd counts as touched (freed, never cached), which is
+    /// never wrong, only slower. The shell always gives the real look.
+    fn default() -> Self {
+        SealCheck::new(|_| false)
+    }
+}
+
+impl std::fmt::Debug for SealCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SealCheck")
     }
 }
 
 impl State {
+    /// Does the block carry only the seals it was made with (host memory: asks the
+    /// [`SealCheck`] the shell gave), so it may be cached for its tenant's next lease?
+    pub(crate) fn pristine(&self, block: &Block) -> bool {
+        match &block.handle {
+            Handle::Fd {
+                kind: MemoryKind::HostMemfd,
+                fd,
+                ..
+            } => (self.seals.0)(fd),
+            _ => true,
+        }
+    }
+
     /// Publishes a live lease that has no publication under a name; returns the new
     /// publication's id (`None`, nothing changed, when the lease is not live or not the
     /// publisher's, already has a publication, or the name is taken). The lease's memory
@@ -326,7 +355,7 @@ impl State {
             // A memfd its holder sealed (it may do so) never returns to the cache: the
             // next lease must get memory it can write and publish.
             let ending = match ending {
-                Ending::Cache if sealed || !pristine(&block) => Ending::Destroy,
+                Ending::Cache if sealed || !self.pristine(&block) => Ending::Destroy,
                 e => e,
             };
             return Some((block, ending, sealed));
@@ -547,8 +576,9 @@ impl State {
         // back (below), so are those drawn from a reservation.
         let parked = self.unchecked.remove(&lease);
         self.ledger.remove_quarantine(&h.tenant, h.device, bytes);
+        let destroy = h.destroy || !self.pristine(&h.block);
         let pool = &mut self.pools[h.device as usize];
-        if h.destroy || !pristine(&h.block) {
+        if destroy {
             pool.unquarantine_destroyed(bytes);
             self.fx.free(h.device, h.block);
         } else {
@@ -610,7 +640,7 @@ impl State {
         // Its own process (or the timeout) no longer waits here, but in its quarantine.
         unwatch_held(&mut self.fx, lease, &h.waiters);
         let ending = match parked.ending {
-            Ending::Cache if h.destroy || !pristine(&h.block) => Ending::Destroy,
+            Ending::Cache if h.destroy || !self.pristine(&h.block) => Ending::Destroy,
             e => e,
         };
         let pool = &mut self.pools[h.device as usize];

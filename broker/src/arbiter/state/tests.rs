@@ -282,7 +282,7 @@ impl Harness {
         let pools = (0..2)
             .map(|i| Pool::new(i, GRAN, CAPACITY, CAPACITY))
             .collect();
-        let mut st = State::new(pools, vec![false, true]);
+        let mut st = State::new(pools, vec![false, true], SealCheck::default());
         for t in TENANTS {
             let q = Quota {
                 limit_bytes: LIMIT,
