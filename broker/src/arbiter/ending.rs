@@ -3,12 +3,12 @@
 //! process may still have mapped is **quarantined**: counted, never handed to anyone else,
 //! until the holder's process is gone (or, when its pid is unknown, a timeout passes).
 
-use super::effects::{Counted, Effect};
+use super::state::Revoke;
 use super::{lease_not_found, Arbiter, Ending, ReclaimPolicy, State};
 use crate::error::BrokerResult;
 use crate::lease::{LeaseState, LeaseView};
 use crate::process::process_gone;
-use crate::session::{Peer, SessionEvent};
+use crate::session::Peer;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -74,56 +74,28 @@ impl Arbiter {
         self.drain(&mut st);
     }
 
-    /// Takes a lease away (operator, or reclaim deadline missed). The holder is told; its
-    /// memory is quarantined until its process lets go, or with the `terminate` policy the
-    /// process is killed first.
+    /// Takes a lease away at an operator's word (`reason`: what its holder is told). The
+    /// holder is told; its memory is quarantined until its process lets go, or with the
+    /// `terminate` policy the process is killed first.
     pub fn revoke(self: &Arc<Self>, id: Uuid, reason: &str) -> BrokerResult<LeaseView> {
+        self.revoke_for(id, &Revoke::Operator(reason.to_string()))
+    }
+
+    /// Takes a lease away for `why`: the holder's process is looked at before the lock,
+    /// then one transition (`State::revoke`) does the rest.
+    pub(crate) fn revoke_for(self: &Arc<Self>, id: Uuid, why: &Revoke) -> BrokerResult<LeaseView> {
         let gone = self.peer_gone(|st| {
             let l = st.leases().get(&id)?;
             st.sessions().get(&l.session).map(|s| s.peer)
         });
+        let kill = self.cfg.reclaim_policy == ReclaimPolicy::Terminate;
         let mut st = self.lock();
-        let Some(l) = st.leases().get(&id) else {
-            return Err(lease_not_found(id));
-        };
-        let (session, device, tier) = (l.session, l.device, l.tier);
-        let peer = st
-            .sessions()
-            .get(&session)
-            .map(|s| s.peer)
-            .unwrap_or_default();
-        if let Some(s) = st.sessions().get(&session) {
-            let to = s.id;
-            st.fx().notify(
-                to,
-                SessionEvent::LeaseRevoked {
-                    lease_id: id,
-                    reason: reason.to_string(),
-                },
-            );
-        }
-        let mut ending = st.abandoned(&peer, device, tier, gone);
-        if let (Ending::Quarantine { pid: Some(pid) }, ReclaimPolicy::Terminate) =
-            (ending, self.cfg.reclaim_policy)
-        {
-            st.fx().push(Effect::Kill { pid });
-            ending = Ending::Quarantine { pid: Some(pid) };
-        }
-        let view = self.end_lease(&mut st, id, ending).map(|v| LeaseView {
-            revoked: true,
-            reclaim_deadline: None,
-            ..v
-        });
-        tracing::warn!(lease = %id, reason, ?ending, "lease revoked");
-        st.fx().count(Counted::Revoked(
-            if reason == super::RECLAIM_DEADLINE_MISSED {
-                crate::metrics::Revocation::ReclaimDeadline
-            } else {
-                crate::metrics::Revocation::Operator
-            },
-        ));
+        let (view, ending) = st
+            .revoke(id, why, gone, kill)
+            .ok_or_else(|| lease_not_found(id))?;
+        tracing::warn!(lease = %id, reason = why.reason(), ?ending, "lease revoked");
         self.drain(&mut st);
-        view.ok_or_else(|| lease_not_found(id))
+        Ok(view)
     }
 
     /// Revokes leases whose reclaim deadline passed. Returns how many.
@@ -138,7 +110,7 @@ impl Arbiter {
                 .collect()
         };
         for id in &late {
-            let _ = self.revoke(*id, super::RECLAIM_DEADLINE_MISSED);
+            let _ = self.revoke_for(*id, &Revoke::ReclaimDeadline);
         }
         late.len()
     }

@@ -6,9 +6,36 @@ use super::{Quarantined, State};
 use crate::arbiter::effects::{Counted, Effect, Watch};
 use crate::lease::LeaseView;
 use crate::ledger::Tier;
-use crate::session::{Peer, Session};
+use crate::metrics::Revocation;
+use crate::session::{Peer, Session, SessionEvent};
 use std::time::Instant;
 use uuid::Uuid;
+
+/// Why a lease is taken away from its holder.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Revoke {
+    /// An operator's `RevokeLease`, with the reason its holder is told.
+    Operator(String),
+    /// The holder missed its reclaim deadline.
+    ReclaimDeadline,
+}
+
+impl Revoke {
+    /// What the holder is told (`SessionEvent::LeaseRevoked`).
+    pub(crate) fn reason(&self) -> &str {
+        match self {
+            Revoke::Operator(reason) => reason,
+            Revoke::ReclaimDeadline => crate::arbiter::RECLAIM_DEADLINE_MISSED,
+        }
+    }
+    /// The `reason` label of the revocations counter.
+    pub(crate) fn label(&self) -> Revocation {
+        match self {
+            Revoke::Operator(_) => Revocation::Operator,
+            Revoke::ReclaimDeadline => Revocation::ReclaimDeadline,
+        }
+    }
+}
 
 /// What becomes of an ended lease's block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +58,50 @@ impl State {
             None if tier == Tier::Host || self.host_backed(device) => Ending::Destroy,
             None => Ending::Quarantine { pid: None },
         }
+    }
+
+    /// Takes lease `id` away: its holder is told why, its memory ends as abandoned memory
+    /// does ([`State::abandoned`]: quarantined while its process may map it), and with
+    /// `kill` (the `terminate` reclaim policy) that process is killed first; counted by
+    /// `why`. `gone`: the holder's process was found gone (the shell reads `/proc` before
+    /// the lock). Returns the revoked lease's view and how its memory ended (`None`,
+    /// nothing changed, when there is no such lease). Does not run the queue.
+    pub(crate) fn revoke(
+        &mut self,
+        id: Uuid,
+        why: &Revoke,
+        gone: bool,
+        kill: bool,
+    ) -> Option<(LeaseView, Ending)> {
+        let l = self.leases.get(&id)?;
+        let (session, device, tier) = (l.session, l.device, l.tier);
+        let peer = match self.sessions.get(&session) {
+            Some(s) => {
+                self.fx.notify(
+                    session,
+                    SessionEvent::LeaseRevoked {
+                        lease_id: id,
+                        reason: why.reason().to_string(),
+                    },
+                );
+                s.peer
+            }
+            None => Peer::default(),
+        };
+        let ending = self.abandoned(&peer, device, tier, gone);
+        if let (Ending::Quarantine { pid: Some(pid) }, true) = (ending, kill) {
+            self.fx.push(Effect::Kill { pid });
+        }
+        let view = self.end_lease(id, ending)?;
+        self.fx.count(Counted::Revoked(why.label()));
+        Some((
+            LeaseView {
+                revoked: true,
+                reclaim_deadline: None,
+                ..view
+            },
+            ending,
+        ))
     }
 
     /// Ends a lease; returns its view. Processes outside its session that fetched its

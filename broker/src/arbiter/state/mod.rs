@@ -28,7 +28,7 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use end::Ending;
+pub(crate) use end::{Ending, Revoke};
 pub(crate) use queue::{Enqueued, QueueEnv};
 pub(crate) use shared::{Holding, NewPublication, SealCheck};
 

@@ -145,6 +145,14 @@ enum Op {
         device: u32,
         closed: bool,
     },
+    /// A lease is taken away (an operator's, or a missed reclaim deadline), its holder's
+    /// process found gone or not, under the `terminate` policy or not.
+    Revoke {
+        lease: usize,
+        deadline: bool,
+        gone: bool,
+        kill: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -177,6 +185,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..4u64).prop_map(|secs| Op::RunQueue { secs }),
         1 => any::<usize>().prop_map(|which| Op::GiveUp { which }),
         1 => (0..2u32, any::<bool>()).prop_map(|(device, closed)| Op::Close { device, closed }),
+        1 => (any::<usize>(), any::<bool>(), any::<bool>(), any::<bool>())
+            .prop_map(|(lease, deadline, gone, kill)| Op::Revoke { lease, deadline, gone, kill }),
     ]
 }
 
@@ -201,6 +211,8 @@ fn sharing_op() -> impl Strategy<Value = Op> {
         1 => (0..3usize, 0..2usize).prop_map(|(tenant, name)| Op::Unpublish { tenant, name }),
         3 => (any::<usize>(), any::<usize>()).prop_map(|(session, which)| Op::Import { session, which }),
         2 => any::<usize>().prop_map(|which| Op::ReleaseImport { which }),
+        1 => (any::<usize>(), any::<bool>(), any::<bool>(), any::<bool>())
+            .prop_map(|(lease, deadline, gone, kill)| Op::Revoke { lease, deadline, gone, kill }),
     ]
 }
 
@@ -896,6 +908,12 @@ impl Harness {
                 assert!(self.st.give_up(id, &self.avail).is_some());
                 self.waiting.remove(&id);
             }
+            Op::Revoke {
+                lease,
+                deadline,
+                gone,
+                kill,
+            } => self.revoke(lease, deadline, gone, kill),
             Op::Close { device, closed } => {
                 let d = self.avail.device_mut(device).unwrap();
                 d.drain = closed.then(|| Drain {
@@ -977,6 +995,71 @@ impl Harness {
         self.drawn.insert(id, (rid, b));
         let ended = self.returning(rid, b, |st| st.end_lease(id, ending));
         assert!(ended.is_some());
+        self.lease_gone(id, &t, d, b, tier, ending, &held_before);
+    }
+
+    /// A lease taken away: one transition tells its holder, ends its memory as abandoned
+    /// memory ends (killing the holder's process first under `terminate`) and counts it
+    /// by why; the model then follows the lease as any ended lease.
+    fn revoke(&mut self, lease: usize, deadline: bool, gone: bool, kill: bool) {
+        let Some(id) = Self::pick(&self.leases(), lease) else {
+            return;
+        };
+        let l = self.st.leases().get(&id).unwrap();
+        let (t, d, b, tier, rid, session) = (
+            l.tenant.clone(),
+            l.device,
+            l.bytes(),
+            l.tier,
+            l.reservation,
+            l.session,
+        );
+        let peer = self.st.sessions().get(&session).map(|s| s.peer);
+        let want = self.st.abandoned(&peer.unwrap_or_default(), d, tier, gone);
+        let why = if deadline {
+            Revoke::ReclaimDeadline
+        } else {
+            Revoke::Operator("model revoke".into())
+        };
+        let held_before: BTreeSet<Uuid> = self.st.shared().held.keys().copied().collect();
+        self.drawn.insert(id, (rid, b));
+        let before = self.st.take_effects().into_vec();
+        let (view, ending) = self
+            .returning(rid, b, |st| st.revoke(id, &why, gone, kill))
+            .expect("a live lease is revoked");
+        assert_eq!(ending, want);
+        assert!(view.revoked && view.reclaim_deadline.is_none());
+        assert_eq!((view.id, view.bytes), (id, b));
+        let effects = self.st.take_effects().into_vec();
+        let told = effects.iter().filter(|e| {
+            matches!(e, Effect::Notify { session: s, event: crate::session::SessionEvent::LeaseRevoked { lease_id, reason } }
+                if *s == session && *lease_id == id && reason == why.reason())
+        });
+        assert_eq!(told.count(), usize::from(peer.is_some()));
+        let killed: Vec<u32> = effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Kill { pid } => Some(*pid),
+                _ => None,
+            })
+            .collect();
+        let want_kill = match (want, kill) {
+            (Ending::Quarantine { pid: Some(pid) }, true) => vec![pid],
+            _ => vec![],
+        };
+        assert_eq!(killed, want_kill);
+        let label = if deadline {
+            crate::metrics::Revocation::ReclaimDeadline
+        } else {
+            crate::metrics::Revocation::Operator
+        };
+        let counted = effects
+            .iter()
+            .filter(|e| matches!(e, Effect::Count(Counted::Revoked(w)) if *w == label));
+        assert_eq!(counted.count(), 1);
+        for e in before.into_iter().chain(effects) {
+            self.st.fx().push(e);
+        }
         self.lease_gone(id, &t, d, b, tier, ending, &held_before);
     }
 
