@@ -16,7 +16,7 @@ import pytest
 import gpubroker
 from gpubroker import events as ev
 
-from conftest import MIB
+from conftest import MIB, wait_for
 
 
 def test_connect_reads_the_environment(broker, monkeypatch, tmp_path):
@@ -93,9 +93,7 @@ def test_with_block_releases_after_the_last_view(broker):
         assert s.usage().held_bytes == 2 * MIB, "still viewed: the release waits"
         assert view[0] == 3
         del view
-        deadline = time.time() + 5
-        while s.usage().held_bytes and time.time() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: s.usage().held_bytes == 0, timeout=5, every=0.02)
         assert s.usage().held_bytes == 0
 
 

@@ -14,6 +14,8 @@ import gpubroker
 from gpubroker import errors
 from gpubroker import events as ev
 
+from conftest import wait_for
+
 MIB = 1 << 20
 
 
@@ -106,9 +108,7 @@ def test_a_full_queue(make_broker):
 
         t = threading.Thread(target=wait_for_memory)
         t.start()
-        deadline = time.time() + 10
-        while time.time() < deadline and s.usage().waiting_requests < 1:
-            time.sleep(0.02)
+        wait_for(lambda: s.usage().waiting_requests >= 1, timeout=10, every=0.02)
         with pytest.raises(gpubroker.QueueFull) as e:
             s.lease(2 * MIB, wait=10)
         err = _refusal(e, gpubroker.QueueFull, "RESOURCE_EXHAUSTED", "QUEUE_FULL")

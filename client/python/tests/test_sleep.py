@@ -3,12 +3,12 @@ and wake, its contents when saved, releases the tenant's quota while asleep, and
 refused or waits like a lease."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
 import gpubroker
+from conftest import wait_for
 
 MIB = 1 << 20
 
@@ -77,9 +77,7 @@ def test_a_resident_sleeps_by_itself_on_a_reclaim_request(make_broker):
             # waiting request is granted.
             got = hs.lease(32 * MIB, wait=20)
             assert got.nbytes == 32 * MIB
-            deadline = time.time() + 10
-            while r.reclaim_sleeps == 0 and time.time() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: r.reclaim_sleeps != 0, timeout=10, every=0.01)
             assert r.reclaim_sleeps == 1 and r.take_reclaim_error() is None
             assert not r.awake and r.saved and r.lease_id is None
             u = s.usage()
