@@ -15,16 +15,8 @@ struct Out {
 }
 
 async fn ctl(b: &Broker, args: &[&str]) -> Out {
-    let token_file = b.state_dir.join("admin.token");
-    let mut cmd = tokio::process::Command::new(bin("gpu-brokerctl"));
-    cmd.arg("--broker")
-        .arg(b.uri())
-        .arg("--token-file")
-        .arg(&token_file)
-        .args(args)
-        .env_remove("GPU_BROKER_ADMIN_TOKEN")
-        .env_remove("GPU_BROKER_ADDR")
-        .kill_on_drop(true);
+    let mut cmd = tokio::process::Command::from(b.ctl());
+    cmd.args(args).kill_on_drop(true);
     let out = tokio::time::timeout(Duration::from_secs(20), cmd.output())
         .await
         .expect("gpu-brokerctl finished")

@@ -303,16 +303,7 @@ async fn brokerctl_and_the_tenants_file_set_device_limits() {
     );
 
     let ctl = |args: &[&str]| {
-        let out = std::process::Command::new(bin("gpu-brokerctl"))
-            .arg("--broker")
-            .arg(b.uri())
-            .arg("--token-file")
-            .arg(b.state_dir.join("admin.token"))
-            .args(args)
-            .env_remove("GPU_BROKER_ADMIN_TOKEN")
-            .env_remove("GPU_BROKER_ADDR")
-            .output()
-            .unwrap();
+        let out = b.ctl().args(args).output().unwrap();
         (
             out.status.success(),
             String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -216,23 +216,17 @@ async fn brokerctl_drain_waits_until_the_device_is_empty() {
     let c = b.client("alice", GIB).await.unwrap();
     let s = c.session("s").await.unwrap();
     let l = s.lease_request(4 * MIB).device(0).send().await.unwrap();
-    let mut cmd = tokio::process::Command::new(bin("gpu-brokerctl"));
-    cmd.arg("--broker")
-        .arg(b.uri())
-        .arg("--token-file")
-        .arg(b.state_dir.join("admin.token"))
-        .args([
-            "drain",
-            "--device",
-            "0",
-            "--deadline",
-            "30s",
-            "--poll",
-            "50ms",
-        ])
-        .env_remove("GPU_BROKER_ADMIN_TOKEN")
-        .env_remove("GPU_BROKER_ADDR")
-        .kill_on_drop(true);
+    let mut cmd = tokio::process::Command::from(b.ctl());
+    cmd.args([
+        "drain",
+        "--device",
+        "0",
+        "--deadline",
+        "30s",
+        "--poll",
+        "50ms",
+    ])
+    .kill_on_drop(true);
     let child = cmd
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -259,11 +253,7 @@ async fn brokerctl_drain_waits_until_the_device_is_empty() {
 
     // A deadline that passes with a non-reclaimable lease left: non-zero exit, named.
     let _held = s.lease_request(2 * MIB).device(1).send().await.unwrap();
-    let out = tokio::process::Command::new(bin("gpu-brokerctl"))
-        .arg("--broker")
-        .arg(b.uri())
-        .arg("--token-file")
-        .arg(b.state_dir.join("admin.token"))
+    let out = tokio::process::Command::from(b.ctl())
         .args([
             "drain",
             "--device",
@@ -282,11 +272,7 @@ async fn brokerctl_drain_waits_until_the_device_is_empty() {
         stderr.contains("deadline passed") && stderr.contains("device 1"),
         "{stderr}"
     );
-    let undrain = tokio::process::Command::new(bin("gpu-brokerctl"))
-        .arg("--broker")
-        .arg(b.uri())
-        .arg("--token-file")
-        .arg(b.state_dir.join("admin.token"))
+    let undrain = tokio::process::Command::from(b.ctl())
         .args(["undrain"])
         .output()
         .await
@@ -314,15 +300,7 @@ async fn an_unhealthy_device_takes_nothing_new_and_its_holders_are_told() {
     let s = c.session("s").await.unwrap();
     let mut events = s.events();
     let l = s.lease_request(4 * MIB).device(0).send().await.unwrap();
-    let ctl = |args: &[&str]| {
-        let mut cmd = std::process::Command::new(bin("gpu-brokerctl"));
-        cmd.arg("--broker")
-            .arg(b.uri())
-            .arg("--token-file")
-            .arg(b.state_dir.join("admin.token"))
-            .args(args);
-        cmd.output().unwrap()
-    };
+    let ctl = |args: &[&str]| b.ctl().args(args).output().unwrap();
     let out = ctl(&["mark-unhealthy", "0", "--reason", "fan failure"]);
     assert!(
         out.status.success(),

@@ -74,14 +74,8 @@ async fn the_broker_runs_its_mps_daemon_shows_it_and_quits_it_at_shutdown() {
         "the log directory defaults to the state directory: {text}"
     );
     // gpu-brokerctl status shows the daemon.
-    let out = tokio::process::Command::new(bin("gpu-brokerctl"))
-        .arg("--broker")
-        .arg(b.uri())
-        .arg("--token-file")
-        .arg(b.state_dir.join("admin.token"))
+    let out = tokio::process::Command::from(b.ctl())
         .arg("status")
-        .env_remove("GPU_BROKER_ADMIN_TOKEN")
-        .env_remove("GPU_BROKER_ADDR")
         .output()
         .await
         .unwrap();

@@ -62,14 +62,8 @@ async fn operators_socket_serves_admin_only_and_lives_like_the_main_one() {
         assert_eq!(names, ["t"]);
 
         // gpu-brokerctl needs nothing new: --broker points it there.
-        let out = tokio::process::Command::new(bin("gpu-brokerctl"))
-            .arg("--broker")
-            .arg(uri(&path))
-            .arg("--token-file")
-            .arg(b.state_dir.join("admin.token"))
+        let out = tokio::process::Command::from(b.ctl_at(&uri(&path)))
             .args(["tenants", "list", "--json"])
-            .env_remove("GPU_BROKER_ADMIN_TOKEN")
-            .env_remove("GPU_BROKER_ADDR")
             .output()
             .await
             .unwrap();

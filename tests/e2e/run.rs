@@ -399,22 +399,12 @@ async fn a_running_reservation_shows_in_metrics_and_the_cli() {
         Some((300 * MIB) as f64),
         "{text}"
     );
-    let admin_file = b.state_dir.join("admin.token");
     for view in [
         &["tenants", "list"][..],
         &["sessions", "list"][..],
         &["devices"][..],
     ] {
-        let out = Command::new(bin("gpu-brokerctl"))
-            .arg("--broker")
-            .arg(b.uri())
-            .arg("--token-file")
-            .arg(&admin_file)
-            .args(view)
-            .arg("--wide")
-            .env_remove("GPU_BROKER_ADMIN_TOKEN")
-            .output()
-            .unwrap();
+        let out = b.ctl().args(view).arg("--wide").output().unwrap();
         let table = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{view:?}: {table}");
         let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();

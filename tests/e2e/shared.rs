@@ -486,16 +486,7 @@ async fn memory_held_for_importers_is_listed_as_quarantined_with_every_holder() 
     assert_eq!(q[0].lease_id, lease_id_of(&shared));
 
     // `gpu-brokerctl leaks` shows it with why and who.
-    let out = std::process::Command::new(bin("gpu-brokerctl"))
-        .arg("--broker")
-        .arg(b.uri())
-        .arg("--token-file")
-        .arg(b.state_dir.join("admin.token"))
-        .args(["leaks"])
-        .env_remove("GPU_BROKER_ADMIN_TOKEN")
-        .env_remove("GPU_BROKER_ADDR")
-        .output()
-        .unwrap();
+    let out = b.ctl().args(["leaks"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     let section = text
         .split("QUARANTINED MEMORY (1 blocks")
@@ -637,14 +628,8 @@ async fn shared_lease_listings_come_in_pages() {
     }
     assert_eq!(bob.list_shared().await.unwrap().len(), 3);
     // The CLI walks the pages.
-    let out = tokio::process::Command::new(bin("gpu-brokerctl"))
-        .arg("--broker")
-        .arg(b.uri())
-        .arg("--token-file")
-        .arg(b.state_dir.join("admin.token"))
+    let out = tokio::process::Command::from(b.ctl())
         .args(["--json", "shared", "--page-size", "2"])
-        .env_remove("GPU_BROKER_ADMIN_TOKEN")
-        .env_remove("GPU_BROKER_ADDR")
         .output()
         .await
         .unwrap();

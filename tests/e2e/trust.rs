@@ -448,14 +448,7 @@ async fn the_broker_reports_its_version_and_api_revision() {
         .unwrap();
     let ro = AdminClient::connect(&b.uri(), ro.token).await.unwrap();
     assert_eq!(ro.broker_info().await.unwrap().api_revision, 3);
-    let out = std::process::Command::new(bin("gpu-brokerctl"))
-        .arg("--broker")
-        .arg(b.uri())
-        .arg("--token-file")
-        .arg(b.state_dir.join("admin.token"))
-        .args(["info"])
-        .output()
-        .unwrap();
+    let out = b.ctl().args(["info"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(

@@ -179,13 +179,7 @@ async fn brokerctl_survives_a_closed_stdout() {
             .unwrap();
     }
     for json in [true, false] {
-        let mut cmd = std::process::Command::new(bin("gpu-brokerctl"));
-        cmd.arg("--broker")
-            .arg(b.uri())
-            .arg("--token-file")
-            .arg(b.state_dir.join("admin.token"))
-            .env_remove("GPU_BROKER_ADMIN_TOKEN")
-            .env_remove("GPU_BROKER_ADDR");
+        let mut cmd = b.ctl();
         if json {
             cmd.arg("--json");
         }

@@ -203,6 +203,24 @@ impl Broker {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// `gpu-brokerctl` aimed at this broker with its admin token (`--broker`,
+    /// `--token-file`; the environment's broker and token left out): add the command.
+    pub fn ctl(&self) -> Command {
+        self.ctl_at(&self.uri())
+    }
+
+    /// [`Broker::ctl`] aimed at `uri` (another of its sockets).
+    pub fn ctl_at(&self, uri: &str) -> Command {
+        let mut cmd = Command::new(bin("gpu-brokerctl"));
+        cmd.arg("--broker")
+            .arg(uri)
+            .arg("--token-file")
+            .arg(self.state_dir.join("admin.token"))
+            .env_remove("GPU_BROKER_ADMIN_TOKEN")
+            .env_remove("GPU_BROKER_ADDR");
+        cmd
+    }
+
     /// The address of the metrics listener (`--metrics-listen 127.0.0.1:0`), as the broker
     /// logged it (waited for, up to 5 s).
     pub async fn metrics_addr(&self) -> String {
