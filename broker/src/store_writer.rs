@@ -267,12 +267,7 @@ mod tests {
             assert!(futures::poll!(&mut q).is_pending());
             queued.push(q);
         }
-        let stopper = {
-            let w = w.clone();
-            std::thread::spawn(move || w.stop())
-        };
-        go.send(()).unwrap();
-        stopper.join().unwrap();
+        stop_while_held(&w, &go);
         assert_eq!(first.await, Ok(true));
         for q in queued {
             assert_eq!(q.await, Ok(()), "asked before the stop: done");
@@ -304,6 +299,17 @@ mod tests {
             .expect("the writer did not deadlock")
             .unwrap();
         assert_eq!(name.as_deref(), Some("test-writer"));
+    }
+
+    /// Stops `w` from another thread while the change holding it waits for `go`, then sends
+    /// `go`; returns once the writer has stopped.
+    fn stop_while_held(w: &Arc<StoreWriter>, go: &mpsc::Sender<()>) {
+        let stopper = {
+            let w = w.clone();
+            std::thread::spawn(move || w.stop())
+        };
+        go.send(()).unwrap();
+        stopper.join().unwrap();
     }
 
     /// Takes both places of `w` (room for two): a change that holds the thread until `go`
@@ -429,12 +435,7 @@ mod tests {
             std::thread::spawn(move || w.submit(|| ()))
         };
         std::thread::sleep(std::time::Duration::from_millis(20));
-        let stopper = {
-            let w = w.clone();
-            std::thread::spawn(move || w.stop())
-        };
-        go.send(()).unwrap();
-        stopper.join().unwrap();
+        stop_while_held(&w, &go);
         assert_eq!(held.await, Ok(true));
         let late = late.join().unwrap();
         // It waited (stopped) or got the place the stop freed as the writer ended.
