@@ -4,7 +4,7 @@
 # latency of one worker, each on a started host-backend broker. Prints every run as JSON
 # and the medians and the ratios to A at the end.
 #
-#   ROUNDS=5 OUT=dir scripts/bench-ab.sh BENCH BROKER_A BROKER_B [BROKER_C]
+#   ROUNDS=5 OUT=dir scripts/bench-ab.sh BENCH BROKER_A BROKER_B [BROKER_C ... up to H]
 #
 # ROUNDS (default 5) throughput runs of each broker (3 s window, 1 s warm-up), then
 # ROUNDS latency runs of each (2,000 pairs of 2 MiB, current-thread client).
@@ -12,7 +12,7 @@ set -euo pipefail
 bench=$1
 shift
 brokers=("$@")
-labels=(A B C D)
+labels=(A B C D E F G H)
 rounds=${ROUNDS:-5}
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"

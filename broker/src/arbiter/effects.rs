@@ -306,6 +306,11 @@ impl Drop for Locked<'_> {
 impl Arbiter {
     /// Takes the state lock; dropping the guard runs the effects the transitions pushed.
     pub(crate) fn lock(&self) -> Locked<'_> {
+        // The thread's CPU clock is a system call (the vDSO does not serve it): read it
+        // before the take, so the hold does not grow by it. A thread waiting for the lock
+        // parks and uses no CPU (at most parking_lot's few microseconds of spinning), so
+        // the hold's CPU is the same to the thresholds (100 us and up).
+        let cpu_since = crate::lock_holds::thread_cpu_now();
         // A take that finds the lock held is timed (`lock_holds.rs`); a free one is not.
         let st = self.state.try_lock().unwrap_or_else(|| {
             let t0 = std::time::Instant::now();
@@ -317,7 +322,7 @@ impl Arbiter {
             arb: self,
             st: Some(st),
             since: std::time::Instant::now(),
-            cpu_since: crate::lock_holds::thread_cpu_now(),
+            cpu_since,
             fair: false,
         }
     }
