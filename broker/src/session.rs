@@ -69,12 +69,43 @@ pub struct Session {
     /// Last activity; shared with the session's event stream, which marks it without the
     /// state lock.
     pub last_seen: Arc<Activity>,
-    pub leases: HashSet<Uuid>,
+    /// The leases it holds: only the core's lease table moves them (a session starts with
+    /// none; [`Session::held`], [`Session::let_go`]), so the two never disagree.
+    leases: HashSet<Uuid>,
     /// What NVML last said about the peer process's GPU memory.
     pub gpu: Option<GpuUse>,
     /// The id of the token the session was opened with: revoking that token, or its
     /// expiry, ends the session (`arbiter/revocation.rs`).
     pub token_id: Option<String>,
+}
+
+impl Session {
+    /// A session just opened: active now, holding nothing, no GPU use seen yet.
+    pub fn new(id: Uuid, tenant: &str, name: &str, peer: Peer, token_id: Option<String>) -> Self {
+        Session {
+            id,
+            tenant: tenant.to_string(),
+            name: name.to_string(),
+            peer,
+            opened: SystemTime::now(),
+            last_seen: Activity::new(),
+            leases: HashSet::new(),
+            gpu: None,
+            token_id,
+        }
+    }
+    /// The leases it holds.
+    pub fn leases(&self) -> &HashSet<Uuid> {
+        &self.leases
+    }
+    /// It holds lease `id` now (the core, adding the lease to its table).
+    pub(crate) fn held(&mut self, id: Uuid) {
+        self.leases.insert(id);
+    }
+    /// It no longer holds lease `id` (the core, removing the lease from its table).
+    pub(crate) fn let_go(&mut self, id: &Uuid) {
+        self.leases.remove(id);
+    }
 }
 
 /// When a session last showed activity: a lock-free timestamp (nanoseconds since the
@@ -169,6 +200,21 @@ impl SessionTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_session_holds_nothing_and_its_leases_move_only_through_held_and_let_go() {
+        let mut s = Session::new(Uuid::now_v7(), "a", "w", Peer::default(), None);
+        assert!(s.leases().is_empty() && s.gpu.is_none());
+        let (l1, l2) = (Uuid::now_v7(), Uuid::now_v7());
+        s.held(l1);
+        s.held(l2);
+        s.held(l1);
+        s.let_go(&l2);
+        assert_eq!(s.leases().iter().copied().collect::<Vec<_>>(), vec![l1]);
+        s.let_go(&l2);
+        s.let_go(&l1);
+        assert!(s.leases().is_empty());
+    }
 
     #[test]
     fn activity_moves_forward_without_a_lock_and_idle_reads_it() {

@@ -163,16 +163,50 @@ const NO_IO_IN_THE_CORE: [&str; 4] = ["libc::", "sharing::seals_untouched", "std
 /// The first line of `source`'s code (comments and, with `tests_apart`, its test module
 /// aside) that names one of [`NOT_IN_THE_CORE`].
 fn names_forbidden(source: &str, tests_apart: bool) -> Option<String> {
-    names_any(source, tests_apart, &NOT_IN_THE_CORE)
-}
-
-/// The first line of `source`'s code (comments and, with `tests_apart`, its test module
-/// aside) that names one of `words`.
-fn names_any(source: &str, tests_apart: bool, words: &[&str]) -> Option<String> {
     source
         .lines()
         .take_while(|l| !(tests_apart && l.trim() == "#[cfg(test)]"))
         .map(|l| l.split("//").next().unwrap_or(""))
+        .find(|code| NOT_IN_THE_CORE.iter().any(|w| code.contains(w)))
+        .map(str::to_string)
+}
+
+/// The lines of `source`'s code, comments aside, and with `tests_apart` every item marked
+/// `#[cfg(test)]` aside too (a `mod x;` line, or a block up to its closing brace), wherever
+/// it sits: code after it is still read.
+fn code_lines(source: &str, tests_apart: bool) -> Vec<&str> {
+    let mut out = Vec::new();
+    // Inside a test item: its brace depth, and whether its block opened yet.
+    let mut skipping: Option<(i64, bool)> = None;
+    for line in source.lines() {
+        let code = line.split("//").next().unwrap_or("");
+        if let Some((depth, opened)) = skipping.as_mut() {
+            *depth += code.matches('{').count() as i64 - code.matches('}').count() as i64;
+            *opened |= code.contains('{');
+            let ended = if *opened {
+                *depth <= 0
+            } else {
+                code.trim_end().ends_with(';')
+            };
+            if ended {
+                skipping = None;
+            }
+            continue;
+        }
+        if tests_apart && code.trim() == "#[cfg(test)]" {
+            skipping = Some((0, false));
+            continue;
+        }
+        out.push(code);
+    }
+    out
+}
+
+/// The first line of `source`'s code (comments and, with `tests_apart`, its test items
+/// aside: [`code_lines`]) that names one of `words`.
+fn names_any(source: &str, tests_apart: bool, words: &[&str]) -> Option<String> {
+    code_lines(source, tests_apart)
+        .into_iter()
         .find(|code| words.iter().any(|w| code.contains(w)))
         .map(str::to_string)
 }
@@ -209,11 +243,21 @@ fn the_arbiters_core_does_no_io() {
     }
     assert!(names_any("(self.seals.0)(fd)\n", true, &NO_IO_IN_THE_CORE).is_none());
     assert!(names_any(
-        "fn f() {}\n#[cfg(test)]\nmod t { use std::fs; }\n",
+        "fn f() {}\n#[cfg(test)]\nmod t {\n    use std::fs;\n}\n",
         true,
         &NO_IO_IN_THE_CORE
     )
     .is_none());
+    // Code after a test item is still read.
+    for code in [
+        "#[cfg(test)]\nmod tests;\nuse std::fs;\n",
+        "#[cfg(test)]\nfn t() {\n    let a = 1;\n}\nuse std::fs;\n",
+    ] {
+        assert!(
+            names_any(code, true, &NO_IO_IN_THE_CORE).is_some(),
+            "{code}"
+        );
+    }
 }
 
 #[test]
@@ -255,6 +299,57 @@ fn the_core_names_no_tokio_and_reads_no_liveness() {
     )
     .is_none());
     assert!(names_forbidden("#[cfg(test)]\nmod t { use tokio; }\n", false).is_some());
+}
+
+/// How the arbiter's state lock may be taken outside test code: only by `Arbiter::lock`
+/// (`arbiter/effects.rs`), whose guard checks the invariant, runs the effects and times the
+/// hold. Another take would skip all three.
+const RAW_STATE_LOCK: [&str; 4] = [
+    ".state.lock(",
+    ".state.try_lock(",
+    ".state.lock_arc(",
+    ".state.data_ptr(",
+];
+
+/// Every `.rs` file under `dir`, sorted.
+fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(rust_files(&p));
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn the_state_lock_is_taken_only_through_arbiter_lock() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut taken_by_lock = false;
+    for f in rust_files(&src) {
+        let name = f.file_name().unwrap().to_string_lossy().to_string();
+        if name.ends_with("tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        let found = names_any(&text, true, &RAW_STATE_LOCK);
+        if f.ends_with("arbiter/effects.rs") {
+            taken_by_lock = found.is_some();
+        } else if let Some(line) = found {
+            panic!("{} takes the state lock itself: {line}", f.display());
+        }
+    }
+    // The check sees the one take there is.
+    assert!(
+        taken_by_lock,
+        "Arbiter::lock takes the lock in arbiter/effects.rs"
+    );
+    assert!(names_any("let st = self.state.lock();\n", true, &RAW_STATE_LOCK).is_some());
+    assert!(names_any("let st = self.lock();\n", true, &RAW_STATE_LOCK).is_none());
 }
 
 /// Where the command line may be named: the configuration parses the flags. Elsewhere a

@@ -70,7 +70,7 @@ impl Arbiter {
         let Some((session, bytes)) = st.end_session(id, forced, gone) else {
             return;
         };
-        tracing::info!(session = %id, tenant = %session.tenant, reason, leases = session.leases.len(), bytes, "session ended");
+        tracing::info!(session = %id, tenant = %session.tenant, reason, leases = session.leases().len(), bytes, "session ended");
         self.drain(&mut st);
     }
 

@@ -224,9 +224,9 @@ impl Arbiter {
                 uid: s.peer.uid,
                 unix: s.peer.unix,
                 opened: s.opened,
-                lease_count: s.leases.len() as u32,
+                lease_count: s.leases().len() as u32,
                 held_bytes: s
-                    .leases
+                    .leases()
                     .iter()
                     .filter_map(|l| st.leases().get(l))
                     .map(|l| l.bytes())

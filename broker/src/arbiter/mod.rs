@@ -51,7 +51,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -128,7 +128,10 @@ pub struct AcquireRequest {
 
 /// The admission authority of one broker.
 pub struct Arbiter {
-    pub(crate) state: Mutex<State>,
+    /// The core behind its one lock: taken only by `Arbiter::lock` (`effects.rs`), whose
+    /// guard checks the invariant, runs the effects and times the hold (checked by
+    /// `broker/tests/layers.rs`; tests may read it directly).
+    state: Mutex<State>,
     pub(crate) devices: Vec<DeviceSlot>,
     pub(crate) host_tier: Option<DeviceThread>,
     pub(crate) store: Option<Store>,
@@ -368,17 +371,7 @@ impl Arbiter {
             }
             // Its mailbox is in place before any transition can tell it something.
             self.outbox.open(id, tx);
-            st.open_session(Session {
-                id,
-                tenant: tenant.to_string(),
-                name: name.to_string(),
-                peer,
-                opened: SystemTime::now(),
-                last_seen: crate::session::Activity::new(),
-                leases: Default::default(),
-                gpu: None,
-                token_id,
-            });
+            st.open_session(Session::new(id, tenant, name, peer, token_id));
         }
         tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
         Ok((id, rx))
@@ -386,8 +379,8 @@ impl Arbiter {
 
     /// Marks a session active (keepalive).
     pub fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
-        let mut st = self.lock();
-        match st.session_mut(&session) {
+        let st = self.lock();
+        match st.sessions().get(&session) {
             Some(s) if s.tenant == tenant => {
                 s.last_seen.touch();
                 Ok(())
@@ -425,7 +418,7 @@ impl Arbiter {
                 own = tree;
             }
             let held: u64 = s
-                .leases
+                .leases()
                 .iter()
                 .filter_map(|l| leases.get(l))
                 .filter(|l| l.tier == crate::ledger::Tier::Device)
@@ -448,9 +441,7 @@ impl Arbiter {
             seen.push((s.id, crate::session::GpuUse { used, own, over }));
         }
         for (id, gpu) in seen {
-            if let Some(s) = st.session_mut(&id) {
-                s.gpu = Some(gpu);
-            }
+            st.set_session_gpu(&id, gpu);
         }
     }
 

@@ -183,7 +183,7 @@ impl Arbiter {
     /// could cover it.
     pub(crate) fn caller_lineage(&self, req: &AcquireRequest) -> Vec<u32> {
         let pid = {
-            let st = self.state.lock();
+            let st = self.lock();
             if st.reservations().is_empty() {
                 return Vec::new();
             }

@@ -194,14 +194,15 @@ impl Arbiter {
         // or held for a session that is gone. The effects are carried out after both.
         let max_waiting = self.cfg.max_waiting_per_tenant;
         let (queued, fx) = {
-            let mut st = self.lock();
+            let st = self.lock();
             let weight = st
                 .ledger()
                 .get(tenant)
                 .map(|t| t.quota.turn_weight.max(1))
                 .unwrap_or(1);
             let s = st
-                .session_mut(&session)
+                .sessions()
+                .get(&session)
                 .filter(|s| s.tenant == tenant)
                 .ok_or_else(|| session_not_found(session))?;
             s.last_seen.touch();

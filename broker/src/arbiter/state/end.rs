@@ -112,7 +112,7 @@ impl State {
         self.fx.push(Effect::ForgetTickets { lease: id });
         let view = self.view(&lease);
         if let Some(s) = self.sessions.get_mut(&lease.session) {
-            s.leases.remove(&id);
+            s.let_go(&id);
         }
         let bytes = lease.bytes();
         let d = lease.device;
@@ -215,7 +215,7 @@ impl State {
             self.fx.unwatch(Watch::Session { session: id, pid });
         }
         let mut bytes = 0;
-        for lease in &session.leases {
+        for lease in session.leases() {
             let Some(l) = self.leases.get(lease) else {
                 continue;
             };

@@ -170,9 +170,16 @@ impl State {
             None => false,
         }
     }
-    /// Mark a session's GPU use (NVML) or activity.
-    pub(crate) fn session_mut(&mut self, id: &Uuid) -> Option<&mut Session> {
-        self.sessions.get_mut(id)
+    /// Mark what NVML says of a session's GPU use; false when there is no such session.
+    /// (Its activity is marked through `Session::last_seen`, shared, with no lock.)
+    pub(crate) fn set_session_gpu(&mut self, id: &Uuid, gpu: crate::session::GpuUse) -> bool {
+        match self.sessions.get_mut(id) {
+            Some(s) => {
+                s.gpu = Some(gpu);
+                true
+            }
+            None => false,
+        }
     }
 
     // Transitions that move no bytes of a device.
@@ -233,7 +240,7 @@ impl State {
     fn insert_lease(&mut self, lease: Lease) -> LeaseView {
         let view = self.view(&lease);
         if let Some(s) = self.sessions.get_mut(&lease.session) {
-            s.leases.insert(lease.id);
+            s.held(lease.id);
         }
         self.leases.insert(lease);
         view
@@ -300,7 +307,7 @@ impl State {
                 }
             }
             match self.sessions.get(&l.session) {
-                Some(s) if s.leases.contains(&l.id) => {}
+                Some(s) if s.leases().contains(&l.id) => {}
                 _ => return Err(format!("lease {} not listed by an open session", l.id)),
             }
         }
@@ -404,7 +411,7 @@ impl State {
         self.check_shared()?;
         self.leases.check_indexes()?;
         for s in self.sessions.iter() {
-            if let Some(l) = s.leases.iter().find(|l| self.leases.get(l).is_none()) {
+            if let Some(l) = s.leases().iter().find(|l| self.leases.get(l).is_none()) {
                 return Err(format!(
                     "session {} lists lease {l}, which does not exist",
                     s.id

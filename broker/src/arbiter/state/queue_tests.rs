@@ -13,7 +13,7 @@ use crate::error::BrokerError;
 use crate::lease::LeaseState;
 use crate::pool::{Block, Pool, Source};
 use crate::quota::Quota;
-use crate::session::{Activity, Peer, Session};
+use crate::session::{Peer, Session};
 use parking_lot::Mutex;
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -68,17 +68,8 @@ impl Core {
     fn tenant(&mut self, name: &str, q: Quota) -> Uuid {
         self.st.set_quota(name, q).unwrap();
         let id = Uuid::now_v7();
-        self.st.open_session(Session {
-            id,
-            tenant: name.to_string(),
-            name: String::new(),
-            peer: Peer::default(),
-            opened: SystemTime::now(),
-            last_seen: Activity::new(),
-            leases: Default::default(),
-            gpu: None,
-            token_id: None,
-        });
+        self.st
+            .open_session(Session::new(id, name, "", Peer::default(), None));
         id
     }
 

@@ -28,7 +28,7 @@ use crate::availability::{Availability, Drain};
 use crate::device::{Allocation, Handle, MemoryKind, SharedFd};
 use crate::pool::{Block, Pool, Source};
 use crate::reservations::ProcessAsk;
-use crate::session::{Activity, Peer, Session};
+use crate::session::{Peer, Session};
 use crate::sharing::Held;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -468,21 +468,18 @@ impl Harness {
     fn transition(&mut self, op: &Op) {
         match *op {
             Op::Open { tenant, pid } => {
-                self.st.open_session(Session {
-                    id: Uuid::now_v7(),
-                    tenant: TENANTS[tenant].to_string(),
-                    name: String::new(),
-                    peer: Peer {
-                        pid: pid.map(|p| PIDS[p]),
-                        uid: None,
-                        unix: pid.is_some(),
-                    },
-                    opened: SystemTime::now(),
-                    last_seen: Activity::new(),
-                    leases: Default::default(),
-                    gpu: None,
-                    token_id: None,
-                });
+                let peer = Peer {
+                    pid: pid.map(|p| PIDS[p]),
+                    uid: None,
+                    unix: pid.is_some(),
+                };
+                self.st.open_session(Session::new(
+                    Uuid::now_v7(),
+                    TENANTS[tenant],
+                    "",
+                    peer,
+                    None,
+                ));
             }
             Op::Reserve {
                 session,
@@ -582,7 +579,7 @@ impl Harness {
                 };
                 let session = self.st.sessions().get(&s).unwrap();
                 let (peer, leases): (Peer, Vec<Uuid>) =
-                    (session.peer, session.leases.iter().copied().collect());
+                    (session.peer, session.leases().iter().copied().collect());
                 let endings: Vec<(Uuid, Ending)> = leases
                     .iter()
                     .map(|l| {
