@@ -311,6 +311,37 @@ const RAW_STATE_LOCK: [&str; 4] = [
     ".state.data_ptr(",
 ];
 
+/// Where memory is freed on a device, outside tests: the one executor
+/// (`Arbiter::free_on_device`, `arbiter/mod.rs`) and the host tier's (`Arbiter::free_host`,
+/// `arbiter/admission.rs`); the devices' own wrappers (`device/`) pass a free on.
+const FREES: [&str; 3] = ["arbiter/mod.rs", "arbiter/admission.rs", "device/"];
+
+#[test]
+fn memory_is_freed_on_a_device_only_by_the_executors() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut executors = 0;
+    for f in rust_files(&src) {
+        let rel = f.strip_prefix(&src).unwrap().to_string_lossy().to_string();
+        if rel.ends_with("tests.rs") || rel.ends_with("conformance.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        let frees = code_lines(&text, true)
+            .into_iter()
+            .filter(|l| l.contains("dev.free(") || l.contains(".free(alloc)"))
+            .count();
+        if FREES.iter().any(|w| rel.starts_with(w)) {
+            if rel.starts_with("arbiter/") {
+                assert_eq!(frees, 1, "{rel}: one free, in its executor");
+                executors += 1;
+            }
+        } else {
+            assert_eq!(frees, 0, "{rel} frees device memory itself");
+        }
+    }
+    assert_eq!(executors, 2);
+}
+
 /// Every `.rs` file under `dir`, sorted.
 fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();

@@ -333,10 +333,15 @@ impl Arbiter {
                 }
             }
             // Evicted blocks were already queued for freeing by `grant`, in order.
-            Source::Fresh { .. } => thread
-                .call(move |dev| fresh_block(dev, bytes))
-                .await?
-                .map_err(BrokerError::from),
+            Source::Fresh { .. } => match thread.call(move |dev| fresh_block(dev, bytes)).await? {
+                Ok(block) => Ok(block),
+                Err((e, unmade)) => {
+                    if let Some(a) = unmade {
+                        self.free_on_device(d, a);
+                    }
+                    Err(e.into())
+                }
+            },
         }
     }
 
@@ -370,7 +375,14 @@ impl Arbiter {
             .call(move |dev| fresh_block(dev, bytes))
             .await
             .map_err(BrokerError::from)
-            .and_then(|r| r.map_err(BrokerError::from))
+            .and_then(|r| {
+                r.map_err(|(e, unmade)| {
+                    if let Some(a) = unmade {
+                        self.free_host(a);
+                    }
+                    BrokerError::from(e)
+                })
+            })
             .map_err(|e| BrokerError::HostFallbackFailed {
                 requested: bytes,
                 cause: e.to_string(),
@@ -378,10 +390,13 @@ impl Arbiter {
         self.lock().commit_host(req, bytes, made)
     }
 
-    pub(crate) fn free_host(&self, block: Block) {
+    pub(crate) fn free_host(&self, what: impl Into<super::Unneeded>) {
         if let Some(h) = &self.host_tier {
+            let what = what.into();
             let _ = h.submit(move |dev| {
-                if let Err(e) = dev.free(block.alloc) {
+                // A block's file closes here, after the free.
+                let (alloc, _handle) = what.split();
+                if let Err(e) = dev.free(alloc) {
                     tracing::error!(error = %e, "freeing a host-fallback block failed");
                 }
             });
@@ -390,13 +405,21 @@ impl Arbiter {
 }
 
 /// Allocates a block, zeroes it unless the device guarantees fresh memory reads as zeros
-/// (a new `cuMemAlloc` block may hold an earlier owner's bytes), and exports it. Nothing
-/// leaks on failure. Runs on the device thread.
+/// (a new `cuMemAlloc` block may hold an earlier owner's bytes), and exports it. Runs on
+/// the device thread. When the zeroing or the export fails the allocation comes back with
+/// the error, for the caller to free through the one executor (nothing frees here).
 fn fresh_block(
     dev: &mut dyn crate::device::Device,
     bytes: u64,
-) -> Result<Block, crate::device::DeviceError> {
-    let a = dev.alloc(bytes)?;
+) -> Result<
+    Block,
+    (
+        crate::device::DeviceError,
+        Option<crate::device::Allocation>,
+    ),
+> {
+    // Nothing allocated: nothing to free.
+    let a = dev.alloc(bytes).map_err(|e| (e, None))?;
     let zeroed = if dev.fresh_is_zeroed() {
         Ok(())
     } else {
@@ -408,9 +431,6 @@ fn fresh_block(
             handle,
             last_tenant: None,
         }),
-        Err(e) => {
-            let _ = dev.free(a);
-            Err(e)
-        }
+        Err(e) => Err((e, Some(a))),
     }
 }

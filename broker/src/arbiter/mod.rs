@@ -126,6 +126,41 @@ pub struct AcquireRequest {
     pub fallback_host: bool,
 }
 
+/// Memory the one executor frees on a device ([`Arbiter::free_on_device`]): an exported
+/// block, or an allocation that never became one (its zeroing or export failed).
+pub(crate) enum Unneeded {
+    Block(Block),
+    Allocation(crate::device::Allocation),
+}
+
+impl Unneeded {
+    fn alloc_id(&self) -> u64 {
+        match self {
+            Unneeded::Block(b) => b.alloc.id,
+            Unneeded::Allocation(a) => a.id,
+        }
+    }
+    /// The allocation to free, and the descriptor to close after it (a block's).
+    fn split(self) -> (crate::device::Allocation, Option<crate::device::Handle>) {
+        match self {
+            Unneeded::Block(b) => (b.alloc, Some(b.handle)),
+            Unneeded::Allocation(a) => (a, None),
+        }
+    }
+}
+
+impl From<Block> for Unneeded {
+    fn from(b: Block) -> Self {
+        Unneeded::Block(b)
+    }
+}
+
+impl From<crate::device::Allocation> for Unneeded {
+    fn from(a: crate::device::Allocation) -> Self {
+        Unneeded::Allocation(a)
+    }
+}
+
 /// The admission authority of one broker.
 pub struct Arbiter {
     /// The core behind its one lock: taken only by `Arbiter::lock` (`effects.rs`), whose
@@ -507,13 +542,17 @@ impl Arbiter {
         }
     }
 
-    /// Queues a free of `block` on its device thread: the one place device memory is freed
-    /// (reached through `Effect::Free`, and by the grant path when device work failed).
-    pub(crate) fn free_on_device(&self, device: u32, block: Block) {
+    /// Queues a free of `what` on its device thread: the one place device memory is freed
+    /// (reached through `Effect::Free`, and by the grant path when device work failed: a
+    /// block whose scrub failed, an allocation whose zeroing or export failed).
+    pub(crate) fn free_on_device(&self, device: u32, what: impl Into<Unneeded>) {
         if let Some(d) = self.devices.get(device as usize) {
-            let id = block.alloc.id;
+            let what = what.into();
+            let id = what.alloc_id();
             let r = d.thread.submit(move |dev| {
-                if let Err(e) = dev.free(block.alloc) {
+                // A block's descriptor closes here, after the free, on the device thread.
+                let (alloc, _handle) = what.split();
+                if let Err(e) = dev.free(alloc) {
                     tracing::error!(device, alloc = id, error = %e, "free failed");
                 }
             });

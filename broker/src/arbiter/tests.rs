@@ -1439,3 +1439,51 @@ async fn a_host_fallback_lease_given_to_another_process_leaves_no_recipient_behi
     other.kill().unwrap();
     other.wait().unwrap();
 }
+
+/// A fresh block whose export fails is freed on the device through the one executor
+/// (`Arbiter::free_on_device`): the grant fails, the device ends with nothing allocated,
+/// and the memory is grantable again once exports work.
+#[tokio::test]
+async fn a_fresh_block_whose_export_failed_is_freed_on_the_device() {
+    use crate::device::faulty::{FaultSwitch, Faults, FaultyDevice};
+    use crate::device::thread::DeviceThread;
+    let switch = FaultSwitch::default();
+    let sw = switch.clone();
+    let thread = DeviceThread::spawn("faulty-export".into(), move || {
+        let inner = Box::new(crate::device::host::HostDevice::new(0, 64 * MIB)?);
+        Ok(Box::new(FaultyDevice::new(inner, sw)) as Box<dyn crate::device::Device>)
+    })
+    .unwrap();
+    let slot = DeviceSlot {
+        thread: thread.clone(),
+        initial_leasable: 64 * MIB,
+        external_at_start: 0,
+        headroom: 0,
+    };
+    let arb = Arbiter::new(
+        vec![slot],
+        None,
+        None,
+        Arc::new(Authenticator::new("x")),
+        ArbiterConfig::default(),
+    )
+    .unwrap();
+    arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let (s, _rx) = arb.open_session("a", "w", Peer::default()).unwrap();
+    switch.set(Faults {
+        fail_export: true,
+        ..Faults::default()
+    });
+    let err = arb.acquire(req("a", s, 16 * MIB)).await.unwrap_err();
+    assert!(err.to_string().contains("export"), "{err}");
+    // The free was queued before the answer: a call after it sees the device empty.
+    let free = thread
+        .call(|dev| dev.mem_info().unwrap().free)
+        .await
+        .unwrap();
+    assert_eq!(free, 64 * MIB, "the failed block's allocation was freed");
+    assert_eq!(arb.lock().pools()[0].committed(), 0);
+    switch.heal();
+    let l = arb.acquire(req("a", s, 64 * MIB)).await.unwrap();
+    assert_eq!(l.bytes, 64 * MIB);
+}

@@ -19,6 +19,8 @@ pub struct Faults {
     pub hang: bool,
     /// Allocations fail.
     pub fail_alloc: bool,
+    /// Exports fail (after an allocation succeeded).
+    pub fail_export: bool,
 }
 
 /// The remote control of a [`FaultyDevice`]; cheap to clone, usable from any thread.
@@ -89,6 +91,12 @@ impl Device for FaultyDevice {
     }
     fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError> {
         self.stall();
+        if self.switch.get().fail_export {
+            return Err(DeviceError::Driver {
+                call: "export",
+                message: "injected fault".into(),
+            });
+        }
         self.inner.export(alloc)
     }
     fn scrub(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
