@@ -1,6 +1,6 @@
 //! Tenants as the client sees them: a [`QuotaSpec`] (the limits an operator sets),
 //! [`UsageCounters`] (what the tenant holds right now), [`TenantInfo`] (both, as the
-//! admin service reports them) and [`Usage`] (a worker's flat view of its own tenant).
+//! admin service reports them) and [`Usage`] (a worker's view of its own tenant: both, embedded).
 //! Plain data with `serde` support, converted from the gRPC messages.
 
 use std::collections::BTreeMap;
@@ -209,122 +209,42 @@ impl From<pb::TenantInfo> for TenantInfo {
     }
 }
 
-/// The calling worker's own tenant: its quota and live usage, flattened.
+/// The calling worker's own tenant: its quota and live usage. The quota is the one
+/// [`QuotaSpec`] and the counters the one [`UsageCounters`], embedded (and serialised as
+/// `quota` and `usage` objects, as in [`TenantInfo`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     /// Tenant name.
     pub tenant: String,
-    /// See [`QuotaSpec::limit_bytes`].
-    pub limit_bytes: u64,
-    /// See [`QuotaSpec::max_leases`].
-    pub max_leases: u32,
-    /// See [`QuotaSpec::priority`].
-    pub priority: i32,
-    /// See [`QuotaSpec::guaranteed_bytes`].
-    pub guaranteed_bytes: u64,
-    /// See [`QuotaSpec::host_limit_bytes`].
-    pub host_limit_bytes: u64,
-    /// See [`UsageCounters::held_bytes`].
-    pub held_bytes: u64,
-    /// See [`UsageCounters::lease_count`].
-    pub lease_count: u32,
-    /// See [`UsageCounters::borrowed_bytes`].
-    pub borrowed_bytes: u64,
-    /// See [`UsageCounters::quarantined_bytes`].
-    pub quarantined_bytes: u64,
-    /// See [`UsageCounters::host_held_bytes`].
-    pub host_held_bytes: u64,
-    /// See [`UsageCounters::session_count`].
-    pub session_count: u32,
-    /// See [`UsageCounters::waiting_requests`].
-    pub waiting_requests: u32,
-    /// See [`QuotaSpec::turn_weight`].
-    pub turn_weight: u32,
-    /// See [`UsageCounters::turns`].
-    pub turns: u64,
-    /// See [`UsageCounters::compute_ms`].
-    pub compute_ms: u64,
-    /// See [`UsageCounters::overrun_ms`].
-    pub overrun_ms: u64,
-    /// See [`QuotaSpec::device_limit_bytes`].
-    #[serde(default)]
-    pub device_limit_bytes: BTreeMap<u32, u64>,
-    /// See [`UsageCounters::device_committed_bytes`].
-    #[serde(default)]
-    pub device_committed_bytes: BTreeMap<u32, u64>,
-    /// See [`UsageCounters::process_reserved_bytes`].
-    #[serde(default)]
-    pub process_reserved_bytes: u64,
-    /// See [`UsageCounters::process_reservations`].
-    #[serde(default)]
-    pub process_reservations: u32,
+    /// Its limits.
+    pub quota: QuotaSpec,
+    /// What it holds now.
+    pub usage: UsageCounters,
 }
 
 impl Usage {
-    /// The quota part.
+    /// The quota part (a copy of [`Usage::quota`](#structfield.quota)).
     pub fn quota(&self) -> QuotaSpec {
-        QuotaSpec {
-            limit_bytes: self.limit_bytes,
-            max_leases: self.max_leases,
-            priority: self.priority,
-            guaranteed_bytes: self.guaranteed_bytes,
-            host_limit_bytes: self.host_limit_bytes,
-            turn_weight: self.turn_weight,
-            device_limit_bytes: self.device_limit_bytes.clone(),
-        }
+        self.quota.clone()
     }
 
-    /// The live-usage part.
+    /// The live-usage part (a copy of [`Usage::usage`](#structfield.usage)).
     pub fn counters(&self) -> UsageCounters {
-        UsageCounters {
-            held_bytes: self.held_bytes,
-            lease_count: self.lease_count,
-            borrowed_bytes: self.borrowed_bytes,
-            quarantined_bytes: self.quarantined_bytes,
-            host_held_bytes: self.host_held_bytes,
-            session_count: self.session_count,
-            waiting_requests: self.waiting_requests,
-            turns: self.turns,
-            compute_ms: self.compute_ms,
-            overrun_ms: self.overrun_ms,
-            device_committed_bytes: self.device_committed_bytes.clone(),
-            process_reserved_bytes: self.process_reserved_bytes,
-            process_reservations: self.process_reservations,
-        }
+        self.usage.clone()
     }
 
     /// Device bytes the tenant may still take under its limit.
     pub fn available_bytes(&self) -> u64 {
-        self.limit_bytes.saturating_sub(self.held_bytes)
+        self.quota.limit_bytes.saturating_sub(self.usage.held_bytes)
     }
 }
 
 impl From<pb::GetUsageResponse> for Usage {
     fn from(r: pb::GetUsageResponse) -> Self {
-        let q = QuotaSpec::from(r.quota.unwrap_or_default());
-        let u = UsageCounters::from(r.usage.unwrap_or_default());
         Usage {
             tenant: r.tenant,
-            limit_bytes: q.limit_bytes,
-            max_leases: q.max_leases,
-            priority: q.priority,
-            guaranteed_bytes: q.guaranteed_bytes,
-            host_limit_bytes: q.host_limit_bytes,
-            held_bytes: u.held_bytes,
-            lease_count: u.lease_count,
-            borrowed_bytes: u.borrowed_bytes,
-            quarantined_bytes: u.quarantined_bytes,
-            host_held_bytes: u.host_held_bytes,
-            session_count: u.session_count,
-            waiting_requests: u.waiting_requests,
-            turn_weight: q.turn_weight,
-            turns: u.turns,
-            compute_ms: u.compute_ms,
-            overrun_ms: u.overrun_ms,
-            device_limit_bytes: q.device_limit_bytes,
-            device_committed_bytes: u.device_committed_bytes,
-            process_reserved_bytes: u.process_reserved_bytes,
-            process_reservations: u.process_reservations,
+            quota: r.quota.map(Into::into).unwrap_or_default(),
+            usage: r.usage.map(Into::into).unwrap_or_default(),
         }
     }
 }
@@ -375,6 +295,42 @@ mod tests {
         assert_eq!(u.available_bytes(), 40);
         let back: pb::Quota = u.quota().into();
         assert_eq!(QuotaSpec::from(back), u.quota());
+    }
+
+    #[test]
+    fn usage_embeds_the_one_quota_and_round_trips() {
+        let u = Usage {
+            tenant: "a".into(),
+            quota: QuotaSpec {
+                limit_bytes: 100,
+                device_limit_bytes: BTreeMap::from([(1, 50)]),
+                ..QuotaSpec::new(100)
+            },
+            usage: UsageCounters {
+                held_bytes: 60,
+                device_committed_bytes: BTreeMap::from([(1, 60)]),
+                ..Default::default()
+            },
+        };
+        let json = serde_json::to_value(&u).unwrap();
+        // The shape of a `TenantInfo`: the quota and the counters as their own objects.
+        assert_eq!(json["tenant"], "a");
+        assert_eq!(json["quota"], serde_json::to_value(&u.quota).unwrap());
+        assert_eq!(json["usage"]["held_bytes"], 60);
+        assert_eq!(json["quota"]["device_limit_bytes"]["1"], 50);
+        assert_eq!(json["usage"]["device_committed_bytes"]["1"], 60);
+        let back: Usage = serde_json::from_value(json).unwrap();
+        assert_eq!(back, u);
+        assert_eq!(
+            Usage::from(pb::GetUsageResponse {
+                tenant: "b".into(),
+                ..Default::default()
+            }),
+            Usage {
+                tenant: "b".into(),
+                ..Default::default()
+            }
+        );
     }
 
     #[test]

@@ -798,8 +798,8 @@ async fn session_lease_map_release() {
     }
 
     let usage = session.usage().await.unwrap();
-    assert_eq!(usage.held_bytes, 4 << 20);
-    assert_eq!(usage.limit_bytes, QUOTA);
+    assert_eq!(usage.usage.held_bytes, 4 << 20);
+    assert_eq!(usage.quota.limit_bytes, QUOTA);
     assert_eq!(session.list_leases().await.unwrap().len(), 1);
 
     lease.release().await.unwrap();

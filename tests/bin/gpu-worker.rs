@@ -739,11 +739,11 @@ async fn sleep_bench(session: &gpu_broker_client::Session, bytes: u64, iters: us
             r.sleep(Contents::Save).await?;
             save[k].0.push(ms(t));
             let used = session.usage().await?;
-            if used.held_bytes != 0 || used.host_held_bytes < bytes {
+            if used.usage.held_bytes != 0 || used.usage.host_held_bytes < bytes {
                 bad += 1;
                 say(format!(
                     "ASLEEP usage held {} host {}",
-                    used.held_bytes, used.host_held_bytes
+                    used.usage.held_bytes, used.usage.host_held_bytes
                 ));
             }
             let t = Instant::now();
@@ -890,10 +890,12 @@ async fn shared_check(
     let reader_client = Client::connect(broker, token_b.to_string()).await?;
     let (ua, ub) = (client.usage().await?, reader_client.usage().await?);
     check(
-        ua.held_bytes == lease.bytes() && ub.held_bytes == 0 && ub.quarantined_bytes == 0,
+        ua.usage.held_bytes == lease.bytes()
+            && ub.usage.held_bytes == 0
+            && ub.usage.quarantined_bytes == 0,
         format!(
             "charged once: publisher holds {} bytes, reader {} (+{} quarantined)",
-            ua.held_bytes, ub.held_bytes, ub.quarantined_bytes
+            ua.usage.held_bytes, ub.usage.held_bytes, ub.usage.quarantined_bytes
         ),
     );
 
@@ -903,10 +905,10 @@ async fn shared_check(
     lease.release().await?;
     let ua = client.usage().await?;
     check(
-        ua.held_bytes == 0 && ua.quarantined_bytes == granted,
+        ua.usage.held_bytes == 0 && ua.usage.quarantined_bytes == granted,
         format!(
             "after the publisher's release its tenant holds {} and has {} quarantined (held for the reader)",
-            ua.held_bytes, ua.quarantined_bytes
+            ua.usage.held_bytes, ua.usage.quarantined_bytes
         ),
     );
     to_child.write_all(b"read\n").await?;
@@ -935,17 +937,17 @@ async fn shared_check(
     let t = Instant::now();
     let (mut ua, mut free_after) = (client.usage().await?, free_bytes(0)?);
     while t.elapsed() < Duration::from_secs(10)
-        && (ua.quarantined_bytes != 0 || free_after + (64 << 20) < free_before)
+        && (ua.usage.quarantined_bytes != 0 || free_after + (64 << 20) < free_before)
     {
         tokio::time::sleep(Duration::from_millis(50)).await;
         ua = client.usage().await?;
         free_after = free_bytes(0)?;
     }
     check(
-        ua.held_bytes == 0 && ua.quarantined_bytes == 0,
+        ua.usage.held_bytes == 0 && ua.usage.quarantined_bytes == 0,
         format!(
             "nothing charged after the last importer let go (held {}, quarantined {})",
-            ua.held_bytes, ua.quarantined_bytes
+            ua.usage.held_bytes, ua.usage.quarantined_bytes
         ),
     );
     check(

@@ -79,7 +79,7 @@ async fn quotas_tenants_and_tokens() {
     // The worker's own view agrees.
     let u = c.usage().await.unwrap();
     assert_eq!(
-        (u.tenant.as_str(), u.held_bytes, u.limit_bytes),
+        (u.tenant.as_str(), u.usage.held_bytes, u.quota.limit_bytes),
         ("team-a", 8 * MIB, 128 * MIB)
     );
     // max_leases = 3.
@@ -94,7 +94,7 @@ async fn quotas_tenants_and_tokens() {
         .unwrap();
     let e = s.lease(2 * MIB).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
-    assert_eq!(c.usage().await.unwrap().held_bytes, 10 * MIB);
+    assert_eq!(c.usage().await.unwrap().usage.held_bytes, 10 * MIB);
 
     // DeleteTenant is refused while the tenant holds leases.
     let e = admin.delete_tenant("team-a").await.unwrap_err();

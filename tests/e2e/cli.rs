@@ -313,7 +313,7 @@ async fn quota_set_changes_only_what_is_given_and_warns_below_usage() {
         o.stderr
     );
     assert_eq!(
-        c.usage().await.unwrap().held_bytes,
+        c.usage().await.unwrap().usage.held_bytes,
         32 * MIB,
         "nothing was revoked"
     );
@@ -345,7 +345,7 @@ async fn tokens_go_to_private_files_and_unknown_tenants_are_errors() {
     assert_eq!(mode, 0o600);
     let token = std::fs::read_to_string(&path).unwrap().trim().to_string();
     let c = Client::connect(&b.uri(), token).await.unwrap();
-    assert_eq!(c.usage().await.unwrap().limit_bytes, 64 * MIB);
+    assert_eq!(c.usage().await.unwrap().quota.limit_bytes, 64 * MIB);
 
     for args in [
         &["leases", "list", "--tenant", "nobody"][..],
@@ -387,7 +387,7 @@ async fn brokerctl_token_lifecycle_and_audit() {
         o.stderr
     );
     let c = Client::connect(&b.uri(), token).await.unwrap();
-    assert_eq!(c.usage().await.unwrap().held_bytes, 0);
+    assert_eq!(c.usage().await.unwrap().usage.held_bytes, 0);
     // A node-wide read token and an admin token (no tenant).
     let node = json(
         &b,

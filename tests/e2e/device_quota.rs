@@ -77,15 +77,18 @@ async fn a_device_cap_refuses_steers_and_lets_waiters_in() {
 
     // Usage shows the caps and what is held per device, to the worker and the operator.
     let u = c.usage().await.unwrap();
-    assert_eq!(u.device_limit_bytes, BTreeMap::from([(0, 16 * MIB)]));
+    assert_eq!(u.quota.device_limit_bytes, BTreeMap::from([(0, 16 * MIB)]));
     assert_eq!(
-        u.device_committed_bytes,
+        u.usage.device_committed_bytes,
         BTreeMap::from([(0, 16 * MIB), (1, 24 * MIB)])
     );
     let admin = b.admin().await.unwrap();
     let info = admin.get_quota("alice").await.unwrap();
-    assert_eq!(info.quota.device_limit_bytes, u.device_limit_bytes);
-    assert_eq!(info.usage.device_committed_bytes, u.device_committed_bytes);
+    assert_eq!(info.quota.device_limit_bytes, u.quota.device_limit_bytes);
+    assert_eq!(
+        info.usage.device_committed_bytes,
+        u.usage.device_committed_bytes
+    );
 
     // A waiter pinned to the capped device gets in when the tenant releases there.
     let waiter = {
@@ -100,7 +103,7 @@ async fn a_device_cap_refuses_steers_and_lets_waiters_in() {
     };
     assert!(
         eventually(Duration::from_secs(5), || async {
-            c.usage().await.unwrap().waiting_requests == 1
+            c.usage().await.unwrap().usage.waiting_requests == 1
         })
         .await
     );
@@ -247,7 +250,7 @@ async fn concurrent_requests_never_pass_a_device_cap() {
     let c = Client::connect(&b.uri(), token.clone()).await.unwrap();
     assert!(
         eventually(Duration::from_secs(5), || async {
-            c.usage().await.unwrap().waiting_requests == 5
+            c.usage().await.unwrap().usage.waiting_requests == 5
         })
         .await
     );
@@ -260,12 +263,12 @@ async fn concurrent_requests_never_pass_a_device_cap() {
     }
     assert!(
         eventually(Duration::from_secs(5), || async {
-            c.usage().await.unwrap().waiting_requests == 2
+            c.usage().await.unwrap().usage.waiting_requests == 2
         })
         .await
     );
     let u = c.usage().await.unwrap();
-    assert_eq!(u.device_committed_bytes.get(&0), Some(&(10 * MIB)));
+    assert_eq!(u.usage.device_committed_bytes.get(&0), Some(&(10 * MIB)));
     drop(pinned);
     drop(unpinned);
     let mut granted = 0;

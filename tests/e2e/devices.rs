@@ -72,7 +72,7 @@ async fn pinned_and_unpinned_requests_on_two_devices() {
     drop(pinned);
     assert!(
         eventually(Duration::from_secs(5), || async {
-            c.usage().await.unwrap().held_bytes == 0
+            c.usage().await.unwrap().usage.held_bytes == 0
         })
         .await
     );

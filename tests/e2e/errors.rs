@@ -214,7 +214,7 @@ async fn invalid_argument_for_malformed_requests() {
     );
 
     // Nothing leaked, and the broker still works.
-    assert_eq!(s.usage().await.unwrap().held_bytes, 0);
+    assert_eq!(s.usage().await.unwrap().usage.held_bytes, 0);
     assert!(admin
         .list_tenants()
         .await
@@ -406,8 +406,8 @@ async fn not_found_never_leaks_another_tenants_ids() {
     );
 
     // Nothing happened to alice's lease, and bob holds nothing.
-    assert_eq!(sa.usage().await.unwrap().held_bytes, 4 * MIB);
-    assert_eq!(sb.usage().await.unwrap().held_bytes, 0);
+    assert_eq!(sa.usage().await.unwrap().usage.held_bytes, 4 * MIB);
+    assert_eq!(sb.usage().await.unwrap().usage.held_bytes, 0);
     let released = la.id().to_string();
     la.release().await.unwrap();
     // A released lease is unknown now, also to its former holder.
@@ -463,7 +463,7 @@ async fn resource_exhausted_names_the_numbers() {
     // A rounded request is charged its rounded size: 2 MiB + 1 byte is 4 MiB.
     err_of(s.lease(2 * MIB + 1).await, re, "rounded over quota");
     let fits = s.lease(2 * MIB).await.unwrap();
-    assert_eq!(s.usage().await.unwrap().held_bytes, 8 * MIB);
+    assert_eq!(s.usage().await.unwrap().usage.held_bytes, 8 * MIB);
     drop((held, fits));
 
     // Over capacity, no wait: bob fills the device, alice2 asks for more.
@@ -483,7 +483,10 @@ async fn resource_exhausted_names_the_numbers() {
     let carol = b.client("carol", GIB).await.unwrap();
     let sc = carol.session("c").await.unwrap();
     eventually(Duration::from_secs(5), || async {
-        c.usage().await.map(|u| u.held_bytes == 0).unwrap_or(false)
+        c.usage()
+            .await
+            .map(|u| u.usage.held_bytes == 0)
+            .unwrap_or(false)
     })
     .await;
     let e = refusal_of(
@@ -536,7 +539,7 @@ async fn deadline_exceeded_after_a_lost_wait() {
     // The lost request left the queue.
     let d = &devices(&b).await.unwrap()[0];
     assert_eq!(d.waiting_requests, 0);
-    assert_eq!(s.usage().await.unwrap().waiting_requests, 0);
+    assert_eq!(s.usage().await.unwrap().usage.waiting_requests, 0);
     // A quota that can never fit fails at once even with a wait.
     let small = b.client("small", 4 * MIB).await.unwrap();
     let ss = small.session("s").await.unwrap();
@@ -566,7 +569,7 @@ async fn failed_precondition_deleting_a_tenant_that_holds_leases() {
     );
     assert!(m.contains("alice"), "{m}");
     // Refused means unchanged.
-    assert_eq!(s.usage().await.unwrap().held_bytes, 4 * MIB);
+    assert_eq!(s.usage().await.unwrap().usage.held_bytes, 4 * MIB);
     assert_eq!(
         admin.get_quota("alice").await.unwrap().quota.limit_bytes,
         GIB

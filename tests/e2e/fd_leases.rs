@@ -258,7 +258,7 @@ async fn handle_kinds_are_negotiated() {
     }
     let e = c.raw().acquire_lease(raw(vec![77])).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
-    assert_eq!(c.usage().await.unwrap().held_bytes, 0);
+    assert_eq!(c.usage().await.unwrap().usage.held_bytes, 0);
     // Renewing a ticket of another tenant's lease, or of no lease, is NOT_FOUND.
     let e = c
         .raw()

@@ -30,8 +30,8 @@ async fn another_tenants_lease_is_invisible_and_untouchable() {
     assert_eq!(bobs[0].lease_id, lb.id());
     assert!(bobs.iter().all(|l| l.tenant == "bob"));
     // GetUsage is per tenant too.
-    assert_eq!(bob.usage().await.unwrap().held_bytes, 6 * MIB);
-    assert_eq!(alice.usage().await.unwrap().held_bytes, 6 * MIB);
+    assert_eq!(bob.usage().await.unwrap().usage.held_bytes, 6 * MIB);
+    assert_eq!(alice.usage().await.unwrap().usage.held_bytes, 6 * MIB);
 
     // Bob cannot release alice's lease; it is NOT_FOUND and survives.
     for id in [la1.id(), la2.id()] {
@@ -40,7 +40,7 @@ async fn another_tenants_lease_is_invisible_and_untouchable() {
     }
     let mine_after = alice.list_leases().await.unwrap();
     assert_eq!(mine_after.len(), 2);
-    assert_eq!(alice.usage().await.unwrap().held_bytes, 6 * MIB);
+    assert_eq!(alice.usage().await.unwrap().usage.held_bytes, 6 * MIB);
     let all = b
         .admin()
         .await

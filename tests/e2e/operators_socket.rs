@@ -80,7 +80,7 @@ async fn operators_socket_serves_admin_only_and_lives_like_the_main_one() {
         assert_eq!(e.code(), Code::Unimplemented, "{e}");
         // ... and are on the main socket.
         let worker = Client::connect(&b.uri(), token.clone()).await.unwrap();
-        assert_eq!(worker.usage().await.unwrap().limit_bytes, 8 * MIB);
+        assert_eq!(worker.usage().await.unwrap().quota.limit_bytes, 8 * MIB);
 
         // A bad token, and a tenant token, are refused on the operators' socket.
         let bad = AdminClient::connect(&uri(&path), "not-the-admin-token")

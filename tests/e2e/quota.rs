@@ -81,9 +81,9 @@ async fn quota_is_exact_under_64_concurrent_requests() {
             assert!(e.message().contains("racer"), "{e}");
         }
         let usage = sessions[0].usage().await.unwrap();
-        assert_eq!(usage.held_bytes, LIMIT, "round {round}");
-        assert_eq!(usage.lease_count, 16);
-        assert_eq!(usage.waiting_requests, 0);
+        assert_eq!(usage.usage.held_bytes, LIMIT, "round {round}");
+        assert_eq!(usage.usage.lease_count, 16);
+        assert_eq!(usage.usage.waiting_requests, 0);
         let all = admin.list_all_leases(Some("racer")).await.unwrap();
         assert_eq!(all.len(), 16);
         assert_eq!(all.iter().map(|l| l.bytes).sum::<u64>(), LIMIT);
@@ -98,7 +98,7 @@ async fn quota_is_exact_under_64_concurrent_requests() {
             l.release().await.unwrap();
         }
         let usage = sessions[0].usage().await.unwrap();
-        assert_eq!(usage.held_bytes, 0);
+        assert_eq!(usage.usage.held_bytes, 0);
         let dev = &admin.get_devices().await.unwrap()[0];
         assert_eq!(dev.leased_bytes, 0);
         assert_eq!(dev.cached_bytes, LIMIT, "released blocks are cached");
@@ -135,7 +135,7 @@ async fn max_leases_is_exact_under_concurrency() {
     for e in &err {
         assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
     }
-    assert_eq!(sessions[0].usage().await.unwrap().lease_count, 5);
+    assert_eq!(sessions[0].usage().await.unwrap().usage.lease_count, 5);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

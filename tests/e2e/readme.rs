@@ -105,11 +105,15 @@ async fn the_readme_operator_quick_start_runs_against_the_readme_broker() {
         .await
         .unwrap();
     assert_eq!(
-        usage.limit_bytes,
+        usage.quota.limit_bytes,
         6 * GIB,
         "the second quota set changed the limit"
     );
-    assert_eq!(usage.guaranteed_bytes, 2 * GIB, "and left the guarantee");
-    assert_eq!(usage.max_leases, 32);
-    assert_eq!(usage.priority, 1);
+    assert_eq!(
+        usage.quota.guaranteed_bytes,
+        2 * GIB,
+        "and left the guarantee"
+    );
+    assert_eq!(usage.quota.max_leases, 32);
+    assert_eq!(usage.quota.priority, 1);
 }

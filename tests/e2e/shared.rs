@@ -13,7 +13,7 @@ const T: Duration = Duration::from_secs(10);
 
 async fn usage(c: &Client) -> (u64, u64) {
     let u = c.usage().await.unwrap();
-    (u.held_bytes, u.quarantined_bytes)
+    (u.usage.held_bytes, u.usage.quarantined_bytes)
 }
 
 /// Waits until `c`'s tenant holds `held` and has `quarantined` bytes quarantined.

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 async fn usage(c: &Client) -> (u64, u64) {
     let u = c.usage().await.unwrap();
-    (u.held_bytes, u.host_held_bytes)
+    (u.usage.held_bytes, u.usage.host_held_bytes)
 }
 
 async fn tenant(b: &Broker, name: &str, limit: u64, host_limit: u64) -> Client {

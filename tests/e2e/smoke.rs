@@ -13,9 +13,9 @@ async fn lease_round_trip_and_clean_shutdown() {
         let mut m = lease.map().unwrap();
         m[0] = 42;
     }
-    assert_eq!(s.usage().await.unwrap().held_bytes, 4 * MIB);
+    assert_eq!(s.usage().await.unwrap().usage.held_bytes, 4 * MIB);
     lease.release().await.unwrap();
-    assert_eq!(s.usage().await.unwrap().held_bytes, 0);
+    assert_eq!(s.usage().await.unwrap().usage.held_bytes, 0);
     drop(s);
     let status =
         tokio::task::block_in_place(|| b.stop(std::time::Duration::from_secs(10))).unwrap();

@@ -32,7 +32,7 @@ async fn scopes_grant_what_they_say_and_nothing_else() {
         (TokenScope::Read, "alice")
     );
     let rc = Client::connect(&b.uri(), read.token.clone()).await.unwrap();
-    assert_eq!(rc.usage().await.unwrap().held_bytes, 0);
+    assert_eq!(rc.usage().await.unwrap().usage.held_bytes, 0);
     let e = rc.session("s").await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e}");
     assert!(e.message().contains("read token"), "{e}");

@@ -80,8 +80,8 @@ async fn a_holder_asked_to_yield_hands_the_turn_over() {
     assert_eq!(admin.get_devices().await.unwrap()[0].turn_holder, "c");
     granted.release().await.unwrap();
     let usage = sa.usage().await.unwrap();
-    assert_eq!(usage.turns, 1);
-    assert!(usage.compute_ms >= 100, "{usage:?}");
+    assert_eq!(usage.usage.turns, 1);
+    assert!(usage.usage.compute_ms >= 100, "{usage:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -108,7 +108,7 @@ async fn a_holder_that_ignores_the_yield_loses_the_turn() {
     let late = turn.release().await.unwrap_err();
     assert_eq!(late.code(), Code::NotFound, "{late}");
     let usage = sa.usage().await.unwrap();
-    assert!(usage.overrun_ms >= 150, "overrun {usage:?}");
+    assert!(usage.usage.overrun_ms >= 150, "overrun {usage:?}");
     granted.release().await.unwrap();
 }
 

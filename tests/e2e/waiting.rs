@@ -58,7 +58,7 @@ async fn waiter_is_granted_when_another_session_releases() {
     // The freed block was another tenant's: it is handed out zeroed.
     assert!(l.map().unwrap().iter().all(|&x| x == 0));
     assert_eq!(waiting(&b).await, 0);
-    assert_eq!(s.usage().await.unwrap().held_bytes, 32 * MIB);
+    assert_eq!(s.usage().await.unwrap().usage.held_bytes, 32 * MIB);
 }
 
 /// Spawns a waiting request that records its label in `order` when granted.
@@ -128,7 +128,7 @@ async fn waiters_of_one_tenant_are_served_in_order_without_overtaking() {
         .unwrap();
     assert_eq!(*order.lock().await, vec!["big", "small"]);
     assert_eq!(waiting(&b).await, 0);
-    assert_eq!(c.usage().await.unwrap().held_bytes, 64 * MIB);
+    assert_eq!(c.usage().await.unwrap().usage.held_bytes, 64 * MIB);
     drop((big, small));
 }
 
@@ -176,7 +176,7 @@ async fn dropped_waiting_request_leaves_the_queue() {
             .await
     });
     until_waiting(&b, 1).await;
-    assert_eq!(s.usage().await.unwrap().waiting_requests, 1);
+    assert_eq!(s.usage().await.unwrap().usage.waiting_requests, 1);
     gave_up.abort();
     until_waiting(&b, 0).await;
 
@@ -245,7 +245,7 @@ async fn waiter_bound_by_its_own_quota_is_granted_when_the_tenant_releases() {
     };
     assert!(
         eventually(Duration::from_secs(5), || async {
-            c.usage().await.unwrap().waiting_requests == 1
+            c.usage().await.unwrap().usage.waiting_requests == 1
         })
         .await
     );
@@ -262,5 +262,5 @@ async fn waiter_bound_by_its_own_quota_is_granted_when_the_tenant_releases() {
         .unwrap();
     assert_eq!(l.bytes(), 8 * MIB);
     let u = c.usage().await.unwrap();
-    assert_eq!((u.held_bytes, u.waiting_requests), (8 * MIB, 0));
+    assert_eq!((u.usage.held_bytes, u.usage.waiting_requests), (8 * MIB, 0));
 }

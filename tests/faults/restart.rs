@@ -151,8 +151,8 @@ async fn after_a_broker_restart_old_sessions_fail_and_new_ones_work() {
     let l2 = s2.lease(4 * MIB).await.unwrap();
     // Nothing of before survives: only the two new leases are held.
     let u = client.usage().await.unwrap();
-    assert_eq!(u.held_bytes, 12 * MIB, "{u:?}");
-    assert_eq!(u.lease_count, 2);
+    assert_eq!(u.usage.held_bytes, 12 * MIB, "{u:?}");
+    assert_eq!(u.usage.lease_count, 2);
     let all = b
         .admin()
         .await

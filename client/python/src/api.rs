@@ -963,88 +963,107 @@ pub fn event_to_py(py: Python<'_>, event: &SessionEvent) -> PyResult<Py<PyAny>> 
     Ok(m.getattr(class)?.call((), Some(&kw))?.unbind())
 }
 
-/// The tenant's quota and live usage (`Session.usage()` / `Broker.usage()`).
+/// The tenant's quota and live usage (`Session.usage()` / `Broker.usage()`): the client's
+/// [`Usage`] itself, its attributes read from its quota and counters.
 #[pyclass(frozen, name = "Usage", module = "gpubroker._native")]
-pub struct PyUsage {
-    /// Tenant name.
-    #[pyo3(get)]
-    tenant: String,
-    /// Most device bytes the tenant may hold.
-    #[pyo3(get)]
-    limit_bytes: u64,
-    /// Device bytes held now.
-    #[pyo3(get)]
-    held_bytes: u64,
-    /// Live leases.
-    #[pyo3(get)]
-    lease_count: u32,
-    /// Most live leases (0: no limit).
-    #[pyo3(get)]
-    max_leases: u32,
-    /// Queue priority.
-    #[pyo3(get)]
-    priority: i32,
-    /// Bytes kept available for the tenant.
-    #[pyo3(get)]
-    guaranteed_bytes: u64,
-    /// Held beyond the guarantee.
-    #[pyo3(get)]
-    borrowed_bytes: u64,
-    /// Bytes of ended leases a live process may still map.
-    #[pyo3(get)]
-    quarantined_bytes: u64,
-    /// Most host-fallback bytes.
-    #[pyo3(get)]
-    host_limit_bytes: u64,
-    /// Host-fallback bytes held.
-    #[pyo3(get)]
-    host_held_bytes: u64,
-    /// Open sessions of the tenant.
-    #[pyo3(get)]
-    session_count: u32,
-    /// Requests waiting in a queue.
-    #[pyo3(get)]
-    waiting_requests: u32,
-    /// Device bytes the tenant may still take under its limit.
-    #[pyo3(get)]
-    available_bytes: u64,
-    /// Per-device caps by device index (on top of `limit_bytes`).
-    #[pyo3(get)]
-    device_limit_bytes: std::collections::BTreeMap<u32, u64>,
-    /// Device bytes held per device index (what the caps count).
-    #[pyo3(get)]
-    device_committed_bytes: std::collections::BTreeMap<u32, u64>,
-}
+pub struct PyUsage(Usage);
 
 impl From<Usage> for PyUsage {
     fn from(u: Usage) -> Self {
-        PyUsage {
-            available_bytes: u.available_bytes(),
-            tenant: u.tenant,
-            limit_bytes: u.limit_bytes,
-            held_bytes: u.held_bytes,
-            lease_count: u.lease_count,
-            max_leases: u.max_leases,
-            priority: u.priority,
-            guaranteed_bytes: u.guaranteed_bytes,
-            borrowed_bytes: u.borrowed_bytes,
-            quarantined_bytes: u.quarantined_bytes,
-            host_limit_bytes: u.host_limit_bytes,
-            host_held_bytes: u.host_held_bytes,
-            session_count: u.session_count,
-            waiting_requests: u.waiting_requests,
-            device_limit_bytes: u.device_limit_bytes,
-            device_committed_bytes: u.device_committed_bytes,
-        }
+        PyUsage(u)
     }
 }
 
 #[pymethods]
 impl PyUsage {
+    /// Tenant name.
+    #[getter]
+    fn tenant(&self) -> &str {
+        &self.0.tenant
+    }
+    /// Most device bytes the tenant may hold.
+    #[getter]
+    fn limit_bytes(&self) -> u64 {
+        self.0.quota.limit_bytes
+    }
+    /// Device bytes held now.
+    #[getter]
+    fn held_bytes(&self) -> u64 {
+        self.0.usage.held_bytes
+    }
+    /// Live leases.
+    #[getter]
+    fn lease_count(&self) -> u32 {
+        self.0.usage.lease_count
+    }
+    /// Most live leases (0: no limit).
+    #[getter]
+    fn max_leases(&self) -> u32 {
+        self.0.quota.max_leases
+    }
+    /// Queue priority.
+    #[getter]
+    fn priority(&self) -> i32 {
+        self.0.quota.priority
+    }
+    /// Bytes kept available for the tenant.
+    #[getter]
+    fn guaranteed_bytes(&self) -> u64 {
+        self.0.quota.guaranteed_bytes
+    }
+    /// Held beyond the guarantee.
+    #[getter]
+    fn borrowed_bytes(&self) -> u64 {
+        self.0.usage.borrowed_bytes
+    }
+    /// Bytes of ended leases a live process may still map.
+    #[getter]
+    fn quarantined_bytes(&self) -> u64 {
+        self.0.usage.quarantined_bytes
+    }
+    /// Most host-fallback bytes.
+    #[getter]
+    fn host_limit_bytes(&self) -> u64 {
+        self.0.quota.host_limit_bytes
+    }
+    /// Host-fallback bytes held.
+    #[getter]
+    fn host_held_bytes(&self) -> u64 {
+        self.0.usage.host_held_bytes
+    }
+    /// Open sessions of the tenant.
+    #[getter]
+    fn session_count(&self) -> u32 {
+        self.0.usage.session_count
+    }
+    /// Requests waiting in a queue.
+    #[getter]
+    fn waiting_requests(&self) -> u32 {
+        self.0.usage.waiting_requests
+    }
+    /// Device bytes the tenant may still take under its limit.
+    #[getter]
+    fn available_bytes(&self) -> u64 {
+        self.0.available_bytes()
+    }
+    /// Per-device caps by device index (on top of `limit_bytes`).
+    #[getter]
+    fn device_limit_bytes(&self) -> std::collections::BTreeMap<u32, u64> {
+        self.0.quota.device_limit_bytes.clone()
+    }
+    /// Device bytes held per device index (what the caps count).
+    #[getter]
+    fn device_committed_bytes(&self) -> std::collections::BTreeMap<u32, u64> {
+        self.0.usage.device_committed_bytes.clone()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "<gpubroker.Usage tenant={:?} held={} of {} bytes, {} lease(s)>",
-            self.tenant, self.held_bytes, self.limit_bytes, self.lease_count
+            self.0.tenant,
+            self.0.usage.held_bytes,
+            self.0.quota.limit_bytes,
+            self.0.usage.lease_count
         )
     }
 }

@@ -38,6 +38,24 @@ def test_connect_reads_the_environment(broker, monkeypatch, tmp_path):
     assert gpubroker.connect().usage().tenant == "envy"
 
 
+def test_usage_has_the_attributes_the_stub_declares(broker):
+    """Usage reads its attributes from the client's one quota and counters: each the stub
+    declares is there, with the value the broker reports, and no other."""
+    import pathlib
+    import re
+
+    stub = (pathlib.Path(gpubroker.__file__).parent / "_native.pyi").read_text()
+    body = stub.split("class Usage:", 1)[1].split("\nclass ", 1)[0]
+    declared = set(re.findall(r"^    (\w+): ", body, re.M))
+    assert {"tenant", "limit_bytes", "held_bytes", "device_limit_bytes"} <= declared
+    b = gpubroker.connect(broker.address, broker.tenant("stub", "64MiB", "--priority", "3"))
+    u = b.usage()
+    assert {a for a in dir(u) if not a.startswith("_")} == declared
+    assert (u.tenant, u.limit_bytes, u.priority, u.held_bytes) == ("stub", 64 * MIB, 3, 0)
+    assert u.available_bytes == 64 * MIB and u.device_limit_bytes == {}
+    assert "tenant=\"stub\"" in repr(u)
+
+
 def test_connect_without_a_token_is_unauthenticated(monkeypatch):
     monkeypatch.delenv("GPU_BROKER_TOKEN", raising=False)
     monkeypatch.delenv("GPU_BROKER_TOKEN_FILE", raising=False)
