@@ -633,6 +633,32 @@ mod tests {
         assert_eq!(c.reclaim_deadline, defaults::RECLAIM_DEADLINE);
     }
 
+    /// The connection limits' flags, left at their defaults, are `Limits::default()`: both
+    /// come from `defaults.rs`.
+    #[test]
+    fn the_limit_flags_defaults_are_the_limits_default() {
+        let flags = Config::from_args(vec!["gpu-broker".into()]).unwrap().limits;
+        assert_eq!(
+            (
+                flags.max_connections,
+                flags.max_connections_per_uid,
+                flags.admin_connection_reserve,
+                flags.handshake_timeout,
+                flags.max_streams_per_connection,
+                flags.max_unauthenticated_streams,
+            ),
+            (
+                defaults::MAX_CONNECTIONS,
+                defaults::MAX_CONNECTIONS_PER_UID,
+                defaults::ADMIN_CONNECTION_RESERVE,
+                defaults::HANDSHAKE_TIMEOUT,
+                defaults::MAX_STREAMS_PER_CONNECTION,
+                defaults::MAX_UNAUTHENTICATED_STREAMS,
+            )
+        );
+        assert_eq!(flags.limits(), crate::listener::Limits::default());
+    }
+
     #[test]
     fn the_shipped_example_config_is_valid() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config.toml");

@@ -1,6 +1,6 @@
 //! The broker's default settings, in one place: the command line's defaults
 //! (`config.rs`, shown by `--help`) and the `Default` of each component's settings
-//! (`ArbiterConfig`, `TurnConfig`, `HealthConfig`) are these values.
+//! (`ArbiterConfig`, `TurnConfig`, `HealthConfig`, the listeners' `Limits`) are these values.
 
 use std::time::Duration;
 
@@ -48,6 +48,19 @@ pub fn text(d: Duration) -> String {
 /// `--admin-threads`: threads of the runtime of listings, operator reads and `/metrics`.
 pub const ADMIN_THREADS: u16 = 2;
 
+/// `--max-connections`: most open connections in all (0: derived from the descriptor limit).
+pub const MAX_CONNECTIONS: usize = 0;
+/// `--max-connections-per-uid`: most open connections of one peer uid on the Unix socket.
+pub const MAX_CONNECTIONS_PER_UID: usize = 256;
+/// `--admin-connection-reserve`: connections kept for root and the broker's own user.
+pub const ADMIN_CONNECTION_RESERVE: usize = 16;
+/// `--handshake-timeout`: a new connection must send its HTTP/2 preface within this.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// `--max-streams-per-connection`: most concurrent HTTP/2 streams on one connection.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+/// `--max-unauthenticated-streams`: most open calls needing no token, per listener.
+pub const MAX_UNAUTHENTICATED_STREAMS: usize = 128;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,6 +79,7 @@ mod tests {
             HEALTH_INTERVAL,
             HEALTH_TIMEOUT,
             OVERTAKE_AGE,
+            HANDSHAKE_TIMEOUT,
         ] {
             assert_eq!(crate::units::parse_duration(&text(d)), Ok(d), "{}", text(d));
         }

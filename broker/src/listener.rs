@@ -141,14 +141,14 @@ const PREFACE_BYTES: usize = 24;
 pub struct LimitFlags {
     /// Most open connections in all (gRPC listeners together); 0: derive from the
     /// descriptor limit (half of `RLIMIT_NOFILE`, at most 4096).
-    #[arg(long, env = "GPU_BROKER_MAX_CONNECTIONS", default_value_t = 0)]
+    #[arg(long, env = "GPU_BROKER_MAX_CONNECTIONS", default_value_t = crate::defaults::MAX_CONNECTIONS)]
     pub max_connections: usize,
 
     /// Most open connections of one peer uid on the Unix socket.
     #[arg(
         long,
         env = "GPU_BROKER_MAX_CONNECTIONS_PER_UID",
-        default_value_t = 256
+        default_value_t = crate::defaults::MAX_CONNECTIONS_PER_UID
     )]
     pub max_connections_per_uid: usize,
 
@@ -157,19 +157,19 @@ pub struct LimitFlags {
     #[arg(
         long,
         env = "GPU_BROKER_ADMIN_CONNECTION_RESERVE",
-        default_value_t = 16
+        default_value_t = crate::defaults::ADMIN_CONNECTION_RESERVE
     )]
     pub admin_connection_reserve: usize,
 
     /// A new connection must send its HTTP/2 preface within this, or it is closed.
-    #[arg(long, env = "GPU_BROKER_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = crate::units::parse_duration)]
+    #[arg(long, env = "GPU_BROKER_HANDSHAKE_TIMEOUT", default_value = crate::defaults::text(crate::defaults::HANDSHAKE_TIMEOUT), value_parser = crate::units::parse_duration)]
     pub handshake_timeout: Duration,
 
     /// Most concurrent HTTP/2 streams (calls) on one connection.
     #[arg(
         long,
         env = "GPU_BROKER_MAX_STREAMS_PER_CONNECTION",
-        default_value_t = 256
+        default_value_t = crate::defaults::MAX_STREAMS_PER_CONNECTION
     )]
     pub max_streams_per_connection: u32,
 
@@ -178,7 +178,7 @@ pub struct LimitFlags {
     #[arg(
         long,
         env = "GPU_BROKER_MAX_UNAUTHENTICATED_STREAMS",
-        default_value_t = 128
+        default_value_t = crate::defaults::MAX_UNAUTHENTICATED_STREAMS
     )]
     pub max_unauthenticated_streams: usize,
 }
@@ -231,12 +231,12 @@ impl Limits {
 impl Default for Limits {
     fn default() -> Self {
         LimitFlags {
-            max_connections: 0,
-            max_connections_per_uid: 256,
-            admin_connection_reserve: 16,
-            handshake_timeout: Duration::from_secs(5),
-            max_streams_per_connection: 256,
-            max_unauthenticated_streams: 128,
+            max_connections: crate::defaults::MAX_CONNECTIONS,
+            max_connections_per_uid: crate::defaults::MAX_CONNECTIONS_PER_UID,
+            admin_connection_reserve: crate::defaults::ADMIN_CONNECTION_RESERVE,
+            handshake_timeout: crate::defaults::HANDSHAKE_TIMEOUT,
+            max_streams_per_connection: crate::defaults::MAX_STREAMS_PER_CONNECTION,
+            max_unauthenticated_streams: crate::defaults::MAX_UNAUTHENTICATED_STREAMS,
         }
         .limits()
     }
