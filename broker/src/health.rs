@@ -51,21 +51,23 @@ impl Default for HealthConfig {
 }
 
 impl Arbiter {
-    /// Runs the health monitor until `stop`: every `cfg.interval`, each device's health
-    /// check (with `cfg.timeout`) and `source`'s faults.
+    /// Runs the health monitor until `stop`, as the named worker `health-monitor` (joined
+    /// by [`Arbiter::join_workers`]): every `cfg.interval`, each device's health check
+    /// (with `cfg.timeout`) and `source`'s faults. False when `cfg` turns it off.
     pub fn spawn_health_monitor(
         self: &Arc<Self>,
         cfg: HealthConfig,
         source: Option<Box<dyn FaultSource>>,
         stop: CancellationToken,
-    ) -> Option<tokio::task::JoinHandle<()>> {
+    ) -> bool {
         if cfg.interval.is_zero() {
-            return None;
+            return false;
         }
         let me = self.clone();
         let source = source.map(|s| Arc::new(Mutex::new(s)));
         *self.health_source.lock() = source.clone();
-        Some(tokio::spawn(async move {
+        // Marks are synchronous: stopping at an await leaves none half-made.
+        self.spawn_worker("health-monitor", stop.clone(), async move {
             let n = me.devices.len();
             let busy: Vec<Arc<AtomicBool>> =
                 (0..n).map(|_| Arc::new(AtomicBool::new(false))).collect();
@@ -128,7 +130,8 @@ impl Arbiter {
                     }
                 }
             }
-        }))
+        });
+        true
     }
 }
 
@@ -312,11 +315,21 @@ mod tests {
             interval: Duration::from_millis(20),
             timeout: Duration::from_millis(200),
         };
-        arb.spawn_health_monitor(
+        assert!(!arb.spawn_health_monitor(
+            HealthConfig {
+                interval: Duration::ZERO,
+                ..cfg
+            },
+            None,
+            stop.clone(),
+        ));
+        assert!(arb.worker_names().is_empty(), "a zero interval: no monitor");
+        assert!(arb.spawn_health_monitor(
             cfg,
             Some(Box::new(Fake(nvml.clone(), resets.clone()))),
             stop.clone(),
-        );
+        ));
+        assert_eq!(arb.worker_names(), vec!["health-monitor"]);
 
         // A failing health check: closed, the holder is told.
         sw[1].unhealthy("injected Xid 79");
@@ -406,6 +419,9 @@ mod tests {
         let log = arb.list_audit(&Default::default()).unwrap();
         assert!(log.iter().filter(|r| r.action == "device.health").count() >= 8);
         stop.cancel();
+        // The shutdown path waits for the monitor: it has ended when the join returns.
+        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+        assert!(arb.worker_names().is_empty());
     }
 
     #[test]

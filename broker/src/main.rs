@@ -150,7 +150,7 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
         );
     } else {
         // SIGHUP's default action ends the process: handle it even with nothing to reload.
-        spawn_hup_without_config(shutdown.clone());
+        spawn_hup_without_config(&arb, shutdown.clone());
     }
 
     // The operators' socket first: once the main socket answers, both do.
@@ -341,14 +341,15 @@ async fn start_mps(cfg: &Config) -> Arc<gpu_broker::mps::Mps> {
 }
 
 /// Without `--config`, SIGHUP is logged as having nothing to reload (never the default
-/// action, which would end the broker). Registered before returning.
-fn spawn_hup_without_config(stop: CancellationToken) {
+/// action, which would end the broker). Registered before returning; the worker `sighup`,
+/// joined at shutdown.
+fn spawn_hup_without_config(arb: &Arbiter, stop: CancellationToken) {
     use tokio::signal::unix::{signal, SignalKind};
     let Ok(mut hup) = signal(SignalKind::hangup()) else {
         tracing::warn!("SIGHUP handler not installed");
         return;
     };
-    tokio::spawn(async move {
+    arb.spawn_worker("sighup", stop.clone(), async move {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,

@@ -149,8 +149,8 @@ pub async fn serve(
     // The Admin service is NOT_SERVING while the state store is unwritable (a full disk):
     // admin changes fail then. Probed every 2 s until a write commits again.
     if let Some(mut writable) = arb.store.as_ref().map(|s| s.writable()) {
-        let (reporter, arb, stop) = (health_reporter.clone(), arb.clone(), bg_stop.clone());
-        tokio::spawn(async move {
+        let (reporter, me, stop) = (health_reporter.clone(), arb.clone(), bg_stop.clone());
+        arb.spawn_worker("admin-writable-health", bg_stop.clone(), async move {
             loop {
                 let ok = *writable.borrow_and_update();
                 if ok {
@@ -164,7 +164,7 @@ pub async fn serve(
                     _ = stop.cancelled() => return,
                     r = writable.changed() => if r.is_err() { return },
                     _ = tokio::time::sleep(Duration::from_secs(2)), if !ok => {
-                        let a = arb.clone();
+                        let a = me.clone();
                         let _ = tokio::task::spawn_blocking(move || {
                             a.store.as_ref().map(|s| s.probe())
                         })
@@ -175,11 +175,11 @@ pub async fn serve(
         });
     }
     // Device health and drains in gRPC health (health.rs).
-    tokio::spawn(crate::health::report_grpc_health(
-        arb.clone(),
-        health_reporter.clone(),
+    arb.spawn_worker(
+        "grpc-health",
         shutdown.clone(),
-    ));
+        crate::health::report_grpc_health(arb.clone(), health_reporter.clone(), shutdown.clone()),
+    );
 
     let stop_serving = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();
@@ -385,6 +385,58 @@ mod tests {
         let e = bind_unix(&sock).await.unwrap_err();
         assert!(matches!(&e, ServerError::InUse(p) if *p == sock), "{e:?}");
         assert!(e.to_string().contains("already serving"), "{e}");
+    }
+
+    /// Every background loop of a served broker is a named worker, and the shutdown has
+    /// joined them all when `serve` returns.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stop_joins_every_background_loop() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
+        let shutdown = CancellationToken::new();
+        let listeners = Listeners {
+            unix: Some(bind_unix(&dir.path().join("b.sock")).await.unwrap()),
+            tcp: None,
+            tcp_tls: None,
+            limits: crate::listener::Limits::default(),
+            reads: crate::read_pool::ReadsLayer::default(),
+            admin_unix: None,
+        };
+        assert!(arb.spawn_health_monitor(
+            crate::health::HealthConfig::default(),
+            None,
+            shutdown.clone()
+        ));
+        let serving = tokio::spawn(serve(
+            arb.clone(),
+            listeners,
+            shutdown.clone(),
+            Duration::from_millis(50),
+        ));
+        let every = [
+            "admin-writable-health",
+            "grpc-health",
+            "health-monitor",
+            "leasable-refresh",
+            "ticker",
+        ];
+        let named = || {
+            let mut n = arb.worker_names();
+            n.sort();
+            n
+        };
+        let t = std::time::Instant::now();
+        while named() != every && t.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(named(), every);
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(30), serving)
+            .await
+            .expect("serve returns after a stop")
+            .unwrap()
+            .unwrap();
+        assert!(arb.worker_names().is_empty(), "{:?}", arb.worker_names());
     }
 
     /// An Admin call with the test arbiter's admin token.

@@ -321,16 +321,16 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
 }
 
 /// Reloads the tenants of `path` on SIGHUP and whenever its contents change (checked every
-/// `poll`), until `stop`. An invalid file is logged and ignored.
-pub fn spawn_watch(
-    arb: Arc<Arbiter>,
-    path: PathBuf,
-    poll: Duration,
-    stop: CancellationToken,
-) -> tokio::task::JoinHandle<()> {
+/// `poll`), until `stop`, as the named worker `tenants-config-watch`. An invalid file is
+/// logged and ignored. The stop is seen only between reloads: a reload handed to the store
+/// writer is waited for, so [`Arbiter::join_workers`] returns with it applied whole (and
+/// the store writer stops after it); one asked for after the writer stopped is refused
+/// whole (`ShuttingDown`, nothing applied).
+pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: CancellationToken) {
     // Registered before returning, so a SIGHUP right after start reloads (not kills).
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-    tokio::spawn(async move {
+    let me = arb.clone();
+    me.spawn_worker_to_end("tenants-config-watch", async move {
         let mut last = std::fs::read(&path).ok();
         loop {
             let why = tokio::select! {
@@ -366,7 +366,7 @@ pub fn spawn_watch(
                 }
             }
         }
-    })
+    });
 }
 
 #[cfg(test)]
@@ -580,7 +580,7 @@ mod tests {
             .unwrap();
         assert_eq!(at_start.len(), 1);
         let stop = CancellationToken::new();
-        let watch = spawn_watch(
+        spawn_watch(
             arb.clone(),
             file.clone(),
             Duration::from_millis(20),
@@ -619,7 +619,6 @@ mod tests {
             "the next edit was not applied"
         );
         stop.cancel();
-        watch.await.unwrap();
         let records = arb.list_audit(&AuditFilter::default()).unwrap();
         let seen: Vec<(&str, &Who)> = records
             .iter()
@@ -639,10 +638,95 @@ mod tests {
         for pair in records.windows(2) {
             assert_eq!(pair[1].before, pair[0].after, "{pair:?}");
         }
-        arb.join_workers(Duration::from_secs(5)).await;
+        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+        assert!(arb.worker_names().is_empty(), "the watch has ended");
         drop(arb);
         let (tenants, durable) = crate::arbiter::durable_tests::reopened(dir.path());
         assert_eq!(tenants, vec![("a".to_string(), 48 << 20)]);
         assert_eq!(durable, records);
+    }
+
+    /// A reload handed to the store writer when the stop comes is applied whole before the
+    /// shutdown's join returns; after the stop, an edit applies nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reload_in_flight_at_stop_is_applied_whole_before_the_join_returns() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
+        let file = dir.path().join("tenants.toml");
+        let two = |limit: &str| {
+            format!("[tenants.a]\nlimit = \"{limit}\"\n[tenants.b]\nlimit = \"{limit}\"\n")
+        };
+        std::fs::write(&file, two("16MiB")).unwrap();
+        let declared = load(&file).unwrap();
+        let a = arb.clone();
+        arb.run_durable(move || Ok(apply(&a, &declared, "start")))
+            .await
+            .unwrap();
+        let stop = CancellationToken::new();
+        spawn_watch(
+            arb.clone(),
+            file.clone(),
+            Duration::from_millis(20),
+            stop.clone(),
+        );
+        assert_eq!(arb.worker_names(), vec!["tenants-config-watch"]);
+        // The store writer is held busy, so the next reload waits in its queue.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (started, running) = tokio::sync::oneshot::channel::<()>();
+        let blocker = tokio::spawn({
+            let arb = arb.clone();
+            async move {
+                arb.run_durable(move || {
+                    let _ = started.send(());
+                    let _ = held.recv();
+                    Ok(())
+                })
+                .await
+            }
+        });
+        running.await.unwrap();
+        // The watcher's reload holds a clone of the arbiter while it waits on the writer.
+        let idle = Arc::strong_count(&arb);
+        std::fs::write(&file, two("32MiB")).unwrap();
+        let t = std::time::Instant::now();
+        while Arc::strong_count(&arb) == idle && t.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            Arc::strong_count(&arb),
+            idle + 1,
+            "the reload is handed to the writer"
+        );
+        stop.cancel();
+        let join = tokio::spawn({
+            let arb = arb.clone();
+            async move { arb.join_workers(Duration::from_secs(10)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            !join.is_finished(),
+            "the join waits for the reload in flight"
+        );
+        let limits =
+            |arb: &Arbiter| ["a", "b"].map(|t| arb.get_tenant(t).unwrap().quota.limit_bytes);
+        assert_eq!(limits(&arb), [16 << 20; 2], "nothing applied yet");
+        release.send(()).unwrap();
+        assert!(join.await.unwrap().is_empty(), "every worker ended in time");
+        blocker.await.unwrap().unwrap();
+        assert_eq!(limits(&arb), [32 << 20; 2], "the reload applied whole");
+        assert!(arb.worker_names().is_empty());
+        // The watch has ended and the writer stopped: a later edit changes nothing.
+        std::fs::write(&file, two("48MiB")).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(limits(&arb), [32 << 20; 2]);
+        let a = arb.clone();
+        let refused = arb
+            .run_durable(move || Ok(apply(&a, &load(&file).unwrap(), "late")))
+            .await;
+        assert!(
+            matches!(refused, Err(crate::error::BrokerError::ShuttingDown)),
+            "{refused:?}"
+        );
+        assert_eq!(limits(&arb), [32 << 20; 2], "refused whole");
     }
 }

@@ -1,9 +1,14 @@
-//! The arbiter's background workers, by name: `ticker` (compute-turn quanta, reclaim
-//! deadlines, the keepalive reaper, reclaim re-arming), `leasable-refresh` (memory used
-//! outside the broker) and `gpu-process-watch` (NVML memory per session). Each runs until
-//! its stop token is cancelled; [`Workers::join`] waits for them to end (the shutdown
-//! path) and names any that did not.
+//! The broker's background workers, by name. The arbiter's own: `ticker` (compute-turn
+//! quanta, reclaim deadlines, the keepalive reaper, reclaim re-arming), `leasable-refresh`
+//! (memory used outside the broker) and `gpu-process-watch` (NVML memory per session).
+//! Registered by the broker's other loops through [`Arbiter::spawn_worker`] and
+//! [`Arbiter::spawn_worker_to_end`]: `health-monitor` and `grpc-health` (`health.rs`),
+//! `tenants-config-watch` (`tenants_config.rs`), `admin-writable-health` (`server.rs`) and
+//! `sighup` (`main.rs`). Each runs until its stop token is cancelled; [`Workers::join`]
+//! waits for them to end (the shutdown path, before the store writer stops) and names any
+//! that did not.
 
+use super::Arbiter;
 use parking_lot::Mutex;
 use std::future::Future;
 use std::time::Duration;
@@ -29,6 +34,23 @@ impl Workers {
                 _ = stop.cancelled() => {}
                 _ = work => {}
             }
+            tracing::debug!(worker = name, "worker stopped");
+        });
+        let mut running = self.running.lock();
+        running.retain(|(_, h)| !h.is_finished());
+        running.push((name, handle));
+    }
+
+    /// Starts `work` as worker `name`, left to end on its own: it watches its stop token
+    /// itself, at the points where stopping leaves nothing half-done (a reload in flight
+    /// finishes first).
+    pub fn spawn_to_end(
+        &self,
+        name: &'static str,
+        work: impl Future<Output = ()> + Send + 'static,
+    ) {
+        let handle = tokio::spawn(async move {
+            work.await;
             tracing::debug!(worker = name, "worker stopped");
         });
         let mut running = self.running.lock();
@@ -63,6 +85,30 @@ impl Workers {
     }
 }
 
+impl Arbiter {
+    /// Starts `work` as one of the broker's named workers: dropped at its next await once
+    /// `stop` is cancelled, and waited for by [`Arbiter::join_workers`].
+    pub fn spawn_worker(
+        &self,
+        name: &'static str,
+        stop: CancellationToken,
+        work: impl Future<Output = ()> + Send + 'static,
+    ) {
+        self.workers.spawn(name, stop, work);
+    }
+
+    /// Starts `work` as a named worker that ends by itself once its stop token is
+    /// cancelled (it checks the token where stopping leaves nothing half-done);
+    /// [`Arbiter::join_workers`] waits for it before the store writer stops.
+    pub fn spawn_worker_to_end(
+        &self,
+        name: &'static str,
+        work: impl Future<Output = ()> + Send + 'static,
+    ) {
+        self.workers.spawn_to_end(name, work);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,5 +135,32 @@ mod tests {
         let w = Workers::default();
         w.spawn("stubborn", CancellationToken::new(), std::future::pending());
         assert_eq!(w.join(Duration::from_millis(50)).await, vec!["stubborn"]);
+    }
+
+    #[tokio::test]
+    async fn a_worker_left_to_end_finishes_its_step_before_join_returns() {
+        let w = Workers::default();
+        let stop = CancellationToken::new();
+        let (step_tx, step_rx) = tokio::sync::oneshot::channel::<()>();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (s, d) = (stop.clone(), done.clone());
+        w.spawn_to_end("careful", async move {
+            // A step already begun when the stop comes is finished, then the token read.
+            let _ = step_rx.await;
+            d.store(true, std::sync::atomic::Ordering::SeqCst);
+            s.cancelled().await;
+        });
+        tokio::task::yield_now().await;
+        stop.cancel();
+        let join = tokio::spawn(async move {
+            let stuck = w.join(Duration::from_secs(5)).await;
+            (stuck, w.names())
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!join.is_finished(), "join waits for the step in flight");
+        step_tx.send(()).unwrap();
+        let (stuck, names) = join.await.unwrap();
+        assert!(stuck.is_empty() && names.is_empty(), "{stuck:?} {names:?}");
+        assert!(done.load(std::sync::atomic::Ordering::SeqCst));
     }
 }
