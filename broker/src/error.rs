@@ -190,6 +190,28 @@ pub enum BrokerError {
         "this broker no longer serves legacy CUDA IPC handles (HANDLE_KIND_CUDA_IPC): any process on the node could forge one to open other tenants' memory (docs/security.md); accept HANDLE_KIND_FD (the client crate and the Python package do)"
     )]
     LegacyHandlesRemoved,
+    /// The session already holds a process reservation (a session reserves once, for its
+    /// one process).
+    #[error(
+        "session {session} already holds process reservation {reservation}; a session reserves once, for its process"
+    )]
+    ReservationHeld { session: Uuid, reservation: Uuid },
+    /// The tenant already publishes a lease under this name.
+    #[error("tenant {tenant:?} already publishes a lease named {name:?}; unpublish it first")]
+    SharedNameTaken { tenant: String, name: String },
+    /// The lease is already published (under another name, or this one).
+    #[error("lease {lease} is already published as {name:?}")]
+    AlreadyPublished { lease: Uuid, name: String },
+
+    // ---- INVALID_ARGUMENT
+    /// A quota change would make the tenants' guarantees add up to more than the node can
+    /// lease.
+    #[error(
+        "guarantees would add up to {}, more than the leasable capacity {}",
+        show(*guarantees),
+        show(*leasable)
+    )]
+    GuaranteesExceedCapacity { guarantees: u64, leasable: u64 },
 
     // ---- untyped: a message under its code (no reason is sent)
     #[error("{0}")]

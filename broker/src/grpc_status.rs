@@ -44,8 +44,11 @@ pub fn code(e: &BrokerError) -> Code {
         | TenantInUse { .. }
         | TurnAlreadyHeld { .. }
         | LegacyHandlesRemoved
+        | ReservationHeld { .. }
+        | SharedNameTaken { .. }
+        | AlreadyPublished { .. }
         | FailedPrecondition(_) => Code::FailedPrecondition,
-        InvalidArgument(_) => Code::InvalidArgument,
+        GuaranteesExceedCapacity { .. } | InvalidArgument(_) => Code::InvalidArgument,
         PermissionDenied(_) => Code::PermissionDenied,
         Unauthenticated(_) => Code::Unauthenticated,
         Internal(_) => Code::Internal,
@@ -89,6 +92,10 @@ pub fn reason(e: &BrokerError) -> Option<&'static str> {
         TenantInUse { .. } => "TENANT_IN_USE",
         TurnAlreadyHeld { .. } => "TURN_ALREADY_HELD",
         LegacyHandlesRemoved => "LEGACY_HANDLES_REMOVED",
+        ReservationHeld { .. } => "RESERVATION_HELD",
+        SharedNameTaken { .. } => "SHARED_NAME_TAKEN",
+        AlreadyPublished { .. } => "ALREADY_PUBLISHED",
+        GuaranteesExceedCapacity { .. } => "GUARANTEES_EXCEED_CAPACITY",
         InvalidArgument(_)
         | FailedPrecondition(_)
         | Unavailable(_)
@@ -238,6 +245,26 @@ pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
             Missing::Reservation(id) => vec![("reservation_id", s(id))],
         },
         BrokerRestarted { session } => vec![("session_id", s(session))],
+        ReservationHeld {
+            session,
+            reservation,
+        } => vec![
+            ("session_id", s(session)),
+            ("reservation_id", s(reservation)),
+        ],
+        SharedNameTaken { tenant, name } => {
+            vec![("tenant", tenant.clone()), ("name", name.clone())]
+        }
+        AlreadyPublished { lease, name } => {
+            vec![("lease_id", s(lease)), ("name", name.clone())]
+        }
+        GuaranteesExceedCapacity {
+            guarantees,
+            leasable,
+        } => vec![
+            ("guaranteed_bytes", s(guarantees)),
+            ("leasable_bytes", s(leasable)),
+        ],
         DeviceClosed { device, .. } => vec![("device", s(device))],
         TenantInUse {
             tenant,
@@ -437,6 +464,22 @@ mod tests {
                 bytes: 2,
             },
             BrokerError::LegacyHandlesRemoved,
+            BrokerError::ReservationHeld {
+                session: id,
+                reservation: id,
+            },
+            BrokerError::SharedNameTaken {
+                tenant: "a".into(),
+                name: "w".into(),
+            },
+            BrokerError::AlreadyPublished {
+                lease: id,
+                name: "w".into(),
+            },
+            BrokerError::GuaranteesExceedCapacity {
+                guarantees: 2,
+                leasable: 1,
+            },
         ];
         let mut seen = std::collections::HashMap::new();
         for e in all {
@@ -561,6 +604,22 @@ mod tests {
             },
             TurnAlreadyHeld { device: 0 },
             LegacyHandlesRemoved,
+            ReservationHeld {
+                session: id,
+                reservation: id,
+            },
+            SharedNameTaken {
+                tenant: t(),
+                name: "w".into(),
+            },
+            AlreadyPublished {
+                lease: id,
+                name: "w".into(),
+            },
+            GuaranteesExceedCapacity {
+                guarantees: 2,
+                leasable: 1,
+            },
             InvalidArgument("x".into()),
             FailedPrecondition("x".into()),
             Unavailable("x".into()),
@@ -601,13 +660,17 @@ mod tests {
             PermissionDenied(_) => 23,
             Unauthenticated(_) => 24,
             Internal(_) => 25,
+            ReservationHeld { .. } => 26,
+            SharedNameTaken { .. } => 27,
+            AlreadyPublished { .. } => 28,
+            GuaranteesExceedCapacity { .. } => 29,
         }
     }
 
     #[test]
     fn one_of_each_holds_every_variant() {
         let seen: std::collections::BTreeSet<usize> = one_of_each().iter().map(variant).collect();
-        assert_eq!(seen, (0..=25).collect());
+        assert_eq!(seen, (0..=29).collect());
     }
 
     #[test]

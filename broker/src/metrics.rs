@@ -372,7 +372,7 @@ pub fn refusal_reason(e: &BrokerError) -> &'static str {
         | HostFallbackFailed { .. }
         | ReservationExceeded { .. }
         | SharingLimit { .. } => "capacity",
-        InvalidArgument(_) => "invalid",
+        GuaranteesExceedCapacity { .. } | InvalidArgument(_) => "invalid",
         NotFound(_) => "not_found",
         ShuttingDown | BrokerRestarted { .. } | NoDeviceOpen { .. } | Unavailable(_) => {
             "unavailable"
@@ -382,6 +382,9 @@ pub fn refusal_reason(e: &BrokerError) -> &'static str {
         | TenantInUse { .. }
         | TurnAlreadyHeld { .. }
         | LegacyHandlesRemoved
+        | ReservationHeld { .. }
+        | SharedNameTaken { .. }
+        | AlreadyPublished { .. }
         | FailedPrecondition(_) => "precondition",
         PermissionDenied(_) | Unauthenticated(_) | Internal(_) => "other",
     }

@@ -394,6 +394,14 @@ reasons! {
     /// `FAILED_PRECONDITION`: the request accepts only legacy CUDA IPC handles, which the
     /// broker no longer serves (`docs/security.md`).
     LegacyHandlesRemoved = "LEGACY_HANDLES_REMOVED",
+    /// `FAILED_PRECONDITION`: the session already holds a process reservation.
+    ReservationHeld = "RESERVATION_HELD",
+    /// `FAILED_PRECONDITION`: the tenant already publishes a lease under that name.
+    SharedNameTaken = "SHARED_NAME_TAKEN",
+    /// `FAILED_PRECONDITION`: the lease is already published.
+    AlreadyPublished = "ALREADY_PUBLISHED",
+    /// `INVALID_ARGUMENT`: the tenants' guarantees would exceed the leasable capacity.
+    GuaranteesExceedCapacity = "GUARANTEES_EXCEED_CAPACITY",
 }
 
 impl fmt::Display for Reason {

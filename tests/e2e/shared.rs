@@ -91,6 +91,11 @@ async fn a_shared_lease_is_charged_once_and_hidden_from_tenants_not_listed() {
     let other = sa.lease(2 * MIB).await.unwrap();
     let e = other.publish("weights", &[]).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert_eq!(
+        e.reason(),
+        Some(&gpu_broker_client::error::Reason::SharedNameTaken),
+        "{e}"
+    );
     let bl = sb1.lease(2 * MIB).await.unwrap();
     bl.publish("weights", &[]).await.unwrap();
     // Bad names are refused.

@@ -9,7 +9,6 @@ use crate::lease::LeaseView;
 use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant};
 use crate::store::{StoreError, TenantRecord};
 use crate::store_writer::off_the_runtime;
-use crate::units::show;
 pub use crate::views::{DeviceReport, QuarantineView, SessionView, TenantView};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -217,11 +216,10 @@ impl Arbiter {
         let guarantees = st.ledger().guarantees_with(name, quota.guaranteed_bytes);
         let leasable = Self::leasable_total(&st);
         if guarantees > leasable {
-            return Err(BrokerError::InvalidArgument(format!(
-                "guarantees would add up to {}, more than the leasable capacity {}",
-                show(guarantees),
-                show(leasable)
-            )));
+            return Err(BrokerError::GuaranteesExceedCapacity {
+                guarantees,
+                leasable,
+            });
         }
         drop(st);
         // Committed first, with no state lock held (acquires and heartbeats go on); then

@@ -85,7 +85,10 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
         .change_quota_for("g".into(), guaranteed(2048 * MIB), who())
         .await
         .unwrap_err();
-    assert!(matches!(e, BrokerError::InvalidArgument(_)), "{e:?}");
+    assert!(
+        matches!(e, BrokerError::GuaranteesExceedCapacity { .. }),
+        "{e:?}"
+    );
     assert!(arb.get_tenant("g").is_err());
     assert_eq!(arb.list_audit(&AuditFilter::default()).unwrap().len(), 2);
     arb.join_workers(Duration::from_secs(5)).await;

@@ -165,10 +165,10 @@ impl Arbiter {
     /// the session's one process).
     pub(crate) fn check_process_ask(&self, st: &State, req: &AcquireRequest) -> BrokerResult<()> {
         if let Some(r) = st.reservations().of_session(req.session).next() {
-            return Err(BrokerError::FailedPrecondition(format!(
-                "session {} already holds process reservation {}; a session reserves once, for its process",
-                req.session, r.id
-            )));
+            return Err(BrokerError::ReservationHeld {
+                session: req.session,
+                reservation: r.id,
+            });
         }
         Ok(())
     }
@@ -392,7 +392,10 @@ mod tests {
             .reserve_process(reserve("a", sa, 2 * MIB, Duration::ZERO))
             .await
             .unwrap_err();
-        assert!(matches!(e, BrokerError::FailedPrecondition(_)), "{e:?}");
+        assert!(
+            matches!(e, BrokerError::ReservationHeld { session, .. } if session == sa),
+            "{e:?}"
+        );
         // The device counts it: b gets 1024 - 300 at most now, and waits for more.
         let sb = session(&arb, "b", None);
         let e = arb.acquire(req("b", sb, 800 * MIB)).await.unwrap_err();

@@ -84,15 +84,17 @@ fn publishable(st: &State, tenant: &str, lease: Uuid, name: &str) -> BrokerResul
         .by_name
         .contains_key(&(tenant.to_string(), name.to_string()))
     {
-        return Err(BrokerError::FailedPrecondition(format!(
-            "tenant {tenant:?} already publishes a lease named {name:?}; unpublish it first"
-        )));
+        return Err(BrokerError::SharedNameTaken {
+            tenant: tenant.to_string(),
+            name: name.to_string(),
+        });
     }
     if let Some(p) = st.shared().of_lease(&lease) {
         return match &p.name {
-            Some(n) => Err(BrokerError::FailedPrecondition(format!(
-                "lease {lease} is already published as {n:?}"
-            ))),
+            Some(n) => Err(BrokerError::AlreadyPublished {
+                lease,
+                name: n.clone(),
+            }),
             None => Ok(Publishable::Again(p.id)),
         };
     }

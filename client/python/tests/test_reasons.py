@@ -33,6 +33,7 @@ def test_every_reason_class_is_a_subclass_of_its_codes_class():
         "NOT_FOUND": gpubroker.NotFound,
         "UNAVAILABLE": gpubroker.Unavailable,
         "FAILED_PRECONDITION": gpubroker.FailedPrecondition,
+        "INVALID_ARGUMENT": gpubroker.InvalidArgument,
     }
     for reason, cls in errors.REASONS.items():
         assert any(issubclass(cls, base) for base in by_code.values()), reason

@@ -21,10 +21,10 @@ impl State {
             _ => return Err(crate::error::session_not_found(ask.session)),
         };
         if let Some(r) = self.reservations.of_session(ask.session).next() {
-            return Err(BrokerError::FailedPrecondition(format!(
-                "session {} already holds process reservation {}",
-                ask.session, r.id
-            )));
+            return Err(BrokerError::ReservationHeld {
+                session: ask.session,
+                reservation: r.id,
+            });
         }
         self.ledger.charge_process(&ask.tenant, d, ask.bytes)?;
         for b in self.pools[d as usize].reserve_process(ask.bytes) {

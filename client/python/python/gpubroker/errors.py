@@ -262,6 +262,13 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "TURN_ALREADY_HELD": FailedPrecondition,
     # A request that accepts only legacy CUDA IPC handles (no longer served).
     "LEGACY_HANDLES_REMOVED": FailedPrecondition,
+    # A session that already holds its process reservation.
+    "RESERVATION_HELD": FailedPrecondition,
+    # A publish under a name the tenant already uses, or of a lease already published.
+    "SHARED_NAME_TAKEN": FailedPrecondition,
+    "ALREADY_PUBLISHED": FailedPrecondition,
+    # A quota change whose guarantees would exceed the node's leasable memory.
+    "GUARANTEES_EXCEED_CAPACITY": InvalidArgument,
 }
 
 
