@@ -126,10 +126,14 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     let shutdown = CancellationToken::new();
     // The TLS certificate is read again on SIGHUP and when its files change.
     if let Some(server) = &tcp_tls {
-        gpu_broker::tls::spawn_reload(
-            server.clone(),
-            std::time::Duration::from_secs(2),
+        arb.spawn_worker(
+            "tls-reload",
             shutdown.clone(),
+            gpu_broker::tls::reload_loop(
+                server.clone(),
+                std::time::Duration::from_secs(2),
+                shutdown.clone(),
+            ),
         );
     }
     // Declarative tenants: applied before serving, then on SIGHUP and file changes.
@@ -179,7 +183,7 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     arb.tickets().set_socket(&ticket_path);
     tracing::info!(socket = %ticket_path.display(), "serving lease tickets");
     let tickets_stop = CancellationToken::new();
-    tokio::spawn(gpu_broker::ticket_server::serve(
+    let ticket_serving = tokio::spawn(gpu_broker::ticket_server::serve(
         tickets,
         arb.clone(),
         tickets_stop.clone(),
@@ -263,6 +267,8 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     )
     .await?;
     tickets_stop.cancel();
+    // Its accept loop has ended before the socket file goes.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(3), ticket_serving).await;
     if let Some(mps) = &mps {
         // After every session ended: no reserved process is left to need the daemon.
         mps.shutdown().await;

@@ -5,7 +5,7 @@
 //! follow it: a client that completes the handshake and then sends nothing is closed like
 //! any other silent connection. With a client CA every client must present a certificate
 //! it signed (mutual TLS). The certificate and key are read again on SIGHUP and whenever
-//! their files change ([`spawn_reload`]): new connections get the new certificate, open
+//! their files change ([`reload_loop`]): new connections get the new certificate, open
 //! ones keep theirs, and a bad pair is refused and logged while the old one stays. The
 //! client CA is read only at start. Plain TCP needs `--insecure-tcp`; `--listen` with
 //! neither is refused. The Unix socket is never TLS.
@@ -202,8 +202,13 @@ pub fn tcp_security(
 
 /// Reloads `server`'s certificate on SIGHUP and whenever the certificate or key file
 /// changes (checked every `poll`; reads follow symlinks, so a Secret's `..data` swap
-/// counts), until `stop`. Registered before returning.
-pub fn spawn_reload(server: Arc<TlsServer>, poll: Duration, stop: CancellationToken) {
+/// counts), until `stop`: the loop, for the broker to run as its named worker `tls-reload`
+/// (`Arbiter::spawn_worker`). SIGHUP is registered before returning.
+pub fn reload_loop(
+    server: Arc<TlsServer>,
+    poll: Duration,
+    stop: CancellationToken,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     let files = |s: &TlsServer| {
         (
@@ -211,7 +216,7 @@ pub fn spawn_reload(server: Arc<TlsServer>, poll: Duration, stop: CancellationTo
             std::fs::read(&s.cert.key_path).ok(),
         )
     };
-    tokio::spawn(async move {
+    async move {
         let mut last = files(&server);
         loop {
             let why = tokio::select! {
@@ -238,7 +243,7 @@ pub fn spawn_reload(server: Arc<TlsServer>, poll: Duration, stop: CancellationTo
                 }
             }
         }
-    });
+    }
 }
 
 #[cfg(test)]

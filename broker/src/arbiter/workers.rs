@@ -3,8 +3,8 @@
 //! (memory used outside the broker) and `gpu-process-watch` (NVML memory per session).
 //! Registered by the broker's other loops through [`Arbiter::spawn_worker`] and
 //! [`Arbiter::spawn_worker_to_end`]: `health-monitor` and `grpc-health` (`health.rs`),
-//! `tenants-config-watch` (`tenants_config.rs`), `admin-writable-health` (`server.rs`) and
-//! `sighup` (`main.rs`). Each runs until its stop token is cancelled; [`Workers::join`]
+//! `tenants-config-watch` (`tenants_config.rs`), `admin-writable-health` (`server.rs`),
+//! `tls-reload` (`tls.rs`) and `sighup` (`main.rs`). Each runs until its stop token is cancelled; [`Workers::join`]
 //! waits for them to end (the shutdown path, before the store writer stops) and names any
 //! that did not.
 
