@@ -11,7 +11,6 @@ use crate::availability::Drain;
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseState;
 use crate::ledger::Tier;
-use crate::session::SessionEvent;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -125,43 +124,7 @@ impl Arbiter {
         // usual reclaim deadline).
         let grace = deadline.unwrap_or(self.cfg.reclaim_deadline);
         let (due, due_wall) = (Instant::now() + grace, now + grace);
-        let mut asked: Vec<(u32, uuid::Uuid)> = Vec::new();
-        let ids: Vec<uuid::Uuid> = st
-            .leases()
-            .iter()
-            .filter(|l| l.tier == Tier::Device && targets.contains(&l.device))
-            .filter(|l| l.reclaimable && matches!(l.state, LeaseState::Active))
-            .map(|l| l.id)
-            .collect();
-        for id in ids {
-            let Some((session, bytes, device)) = st
-                .leases()
-                .get(&id)
-                .map(|l| (l.session, l.bytes(), l.device))
-            else {
-                continue;
-            };
-            st.set_lease_state(
-                &id,
-                LeaseState::ReclaimRequested {
-                    deadline: due,
-                    deadline_wall: due_wall,
-                },
-            );
-            if let Some(s) = st.sessions().get(&session) {
-                let to = s.id;
-                st.fx().notify(
-                    to,
-                    SessionEvent::ReclaimRequested {
-                        lease_id: id,
-                        bytes,
-                        deadline: due_wall,
-                        reason: format!("device {device} is draining for maintenance ({reason})"),
-                    },
-                );
-            }
-            asked.push((device, id));
-        }
+        let asked = st.ask_drain_reclaim(&targets, due, due_wall, &reason);
         {
             let mut avail = self.avail.write();
             for (d, id) in &asked {

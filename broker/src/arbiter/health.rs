@@ -8,7 +8,6 @@ use super::Arbiter;
 use crate::audit::Who;
 use crate::availability::Fault;
 use crate::error::{BrokerError, BrokerResult};
-use crate::session::SessionEvent;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -50,26 +49,7 @@ impl Arbiter {
                 }
             }
             self.fail_stranded_waiters(&mut st);
-            let sessions: std::collections::HashSet<uuid::Uuid> = st
-                .leases()
-                .iter()
-                .filter(|l| l.device == index && l.tier == crate::ledger::Tier::Device)
-                .map(|l| l.session)
-                .collect();
-            for s in &sessions {
-                if let Some(s) = st.sessions().get(s) {
-                    let to = s.id;
-                    st.fx().notify(
-                        to,
-                        SessionEvent::DeviceUnhealthy {
-                            device: index,
-                            uuid: uuid.clone(),
-                            reason: reason.to_string(),
-                        },
-                    );
-                }
-            }
-            sessions.len()
+            st.tell_device_unhealthy(index, &uuid, reason)
         };
         tracing::error!(device = index, %uuid, reason, by_operator, sessions_told = holders, "DEVICE UNHEALTHY: no new leases on it");
         self.audit(

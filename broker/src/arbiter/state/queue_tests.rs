@@ -603,3 +603,76 @@ fn a_cached_memfd_found_sealed_is_freed_not_handed_out() {
     let s = c.st.pools()[0].stats();
     assert_eq!((s.cached, s.reserved, s.hits, s.misses), (0, bytes, 0, 2));
 }
+
+/// A drain asks back, in one transition, exactly the active reclaimable device leases on
+/// the drained devices (marked, their sessions told why and by when), and none twice; a
+/// device found unhealthy tells each session holding a lease there once.
+#[test]
+fn a_drain_asks_back_reclaimable_leases_there_and_an_unhealthy_device_tells_its_holders() {
+    let mut c = Core::new(2, 64 * MIB);
+    let a = c.tenant("a", quota(64 * MIB, 0));
+    let b = c.tenant("b", quota(64 * MIB, 0));
+    let lease = |c: &mut Core, session: Uuid, tenant: &str, device: u32, reclaimable| {
+        let mut req = ask(tenant, session, 2 * MIB, Some(device));
+        req.reclaimable = reclaimable;
+        c.st.reserve_grant(&req, device).unwrap();
+        let block = fake_block(c.next_alloc, 2 * MIB);
+        c.next_alloc += 1;
+        c.st.commit_grant(&req, 0, device, block, false).unwrap().id
+    };
+    let asked_back = lease(&mut c, a, "a", 0, true);
+    let _kept = lease(&mut c, a, "a", 0, false);
+    let _elsewhere = lease(&mut c, b, "b", 1, true);
+    let _b_on_0 = lease(&mut c, b, "b", 0, false);
+    c.st.take_effects();
+    let (due, due_wall) = (c.t0 + Duration::from_secs(30), SystemTime::now());
+    let asked = c.st.ask_drain_reclaim(&[0], due, due_wall, "firmware");
+    assert_eq!(asked, vec![(0, asked_back)]);
+    assert!(matches!(
+        c.st.leases().get(&asked_back).unwrap().state,
+        LeaseState::ReclaimRequested { deadline, .. } if deadline == due
+    ));
+    let effects = c.st.take_effects().into_vec();
+    assert!(
+        matches!(
+            effects.as_slice(),
+            [Effect::Notify {
+                session,
+                event: crate::session::SessionEvent::ReclaimRequested { lease_id, bytes, reason, .. },
+            }] if *session == a && *lease_id == asked_back && *bytes == 2 * MIB
+                && reason == "device 0 is draining for maintenance (firmware)"
+        ),
+        "{effects:?}"
+    );
+    // Asked once: a second drain of the device asks nothing more.
+    assert!(c
+        .st
+        .ask_drain_reclaim(&[0], due, due_wall, "again")
+        .is_empty());
+    assert!(c.st.take_effects().is_empty());
+    // Device 0 unhealthy: sessions a and b (each once, a holding two leases there).
+    assert_eq!(c.st.tell_device_unhealthy(0, "GPU-0", "Xid 79"), 2);
+    let mut told: Vec<Uuid> =
+        c.st.take_effects()
+            .into_vec()
+            .into_iter()
+            .map(|e| match e {
+                Effect::Notify {
+                    session,
+                    event:
+                        crate::session::SessionEvent::DeviceUnhealthy {
+                            device: 0,
+                            uuid,
+                            reason,
+                        },
+                } if uuid == "GPU-0" && reason == "Xid 79" => session,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+    told.sort();
+    let mut want = vec![a, b];
+    want.sort();
+    assert_eq!(told, want);
+    assert_eq!(c.st.tell_device_unhealthy(1, "GPU-1", "Xid 48"), 1);
+    c.st.check_invariant().unwrap();
+}
