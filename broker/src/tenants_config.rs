@@ -564,6 +564,25 @@ mod tests {
         false
     }
 
+    /// As the broker starts: `file` applied on the store writer, then watched (every
+    /// 20 ms) until the returned token is cancelled.
+    async fn start_watching(arb: &Arc<Arbiter>, file: &Path) -> (Vec<Change>, CancellationToken) {
+        let declared = load(file).unwrap();
+        let a = arb.clone();
+        let at_start = arb
+            .run_durable(move || Ok(apply(&a, &declared, "start")))
+            .await
+            .unwrap();
+        let stop = CancellationToken::new();
+        spawn_watch(
+            arb.clone(),
+            file.to_path_buf(),
+            Duration::from_millis(20),
+            stop.clone(),
+        );
+        (at_start, stop)
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_watched_file_is_applied_on_the_store_writer_in_order_with_operators_changes() {
         use crate::audit::{AuditFilter, Who};
@@ -571,21 +590,8 @@ mod tests {
         let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
         let file = dir.path().join("tenants.toml");
         std::fs::write(&file, "[tenants.a]\nlimit = \"16MiB\"\n").unwrap();
-        // At start, as the broker does it.
-        let declared = load(&file).unwrap();
-        let a = arb.clone();
-        let at_start = arb
-            .run_durable(move || Ok(apply(&a, &declared, "start")))
-            .await
-            .unwrap();
+        let (at_start, stop) = start_watching(&arb, &file).await;
         assert_eq!(at_start.len(), 1);
-        let stop = CancellationToken::new();
-        spawn_watch(
-            arb.clone(),
-            file.clone(),
-            Duration::from_millis(20),
-            stop.clone(),
-        );
         // An operator changes the declared field and an undeclared one.
         arb.change_quota_for(
             "a".into(),
@@ -657,18 +663,7 @@ mod tests {
             format!("[tenants.a]\nlimit = \"{limit}\"\n[tenants.b]\nlimit = \"{limit}\"\n")
         };
         std::fs::write(&file, two("16MiB")).unwrap();
-        let declared = load(&file).unwrap();
-        let a = arb.clone();
-        arb.run_durable(move || Ok(apply(&a, &declared, "start")))
-            .await
-            .unwrap();
-        let stop = CancellationToken::new();
-        spawn_watch(
-            arb.clone(),
-            file.clone(),
-            Duration::from_millis(20),
-            stop.clone(),
-        );
+        let (_, stop) = start_watching(&arb, &file).await;
         assert_eq!(arb.worker_names(), vec!["tenants-config-watch"]);
         // The store writer is held busy, so the next reload waits in its queue.
         let (release, held) = std::sync::mpsc::channel::<()>();
