@@ -153,15 +153,7 @@ impl Arbiter {
                 }
             }
         }
-        for id in &withdrawn {
-            let asked = st
-                .leases()
-                .get(id)
-                .is_some_and(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }));
-            if asked {
-                st.set_lease_state(id, LeaseState::Active);
-            }
-        }
+        st.withdraw_drain_reclaim(&withdrawn);
         tracing::warn!(devices = ?targets, withdrawn = withdrawn.len(), "drain ended");
         // Waiters may fit on the reopened devices now.
         self.drain(&mut st);

@@ -1,8 +1,8 @@
 //! Transitions a closing device asks of its holders, each one method: a drain asks the
 //! holders of reclaimable leases there to give them back by a deadline (the lease is
-//! marked, its session told), and a device found unhealthy tells every session holding
-//! a lease on it. Which devices are closed (`crate::availability`) is the shell's; the
-//! core is told which.
+//! marked, its session told), an undrain withdraws what it asked that is still pending,
+//! and a device found unhealthy tells every session holding a lease on it. Which devices
+//! are closed (`crate::availability`) is the shell's; the core is told which.
 
 use super::State;
 use crate::lease::LeaseState;
@@ -51,6 +51,26 @@ impl State {
             }
         }
         asked.into_iter().map(|(d, id, _, _)| (d, id)).collect()
+    }
+
+    /// A drain ended: those of the leases it asked back (`asked`) that still exist and are
+    /// still asked are active again (their holders are not told). Returns how many.
+    pub(crate) fn withdraw_drain_reclaim<'a>(
+        &mut self,
+        asked: impl IntoIterator<Item = &'a Uuid>,
+    ) -> usize {
+        let mut withdrawn = 0;
+        for id in asked {
+            let pending = self
+                .leases
+                .get(id)
+                .is_some_and(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }));
+            if pending {
+                self.set_lease_state(id, LeaseState::Active);
+                withdrawn += 1;
+            }
+        }
+        withdrawn
     }
 
     /// Device `device` (its `uuid`) was found unhealthy for `reason`: every session
