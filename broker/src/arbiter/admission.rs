@@ -282,29 +282,22 @@ impl Arbiter {
                 Source::Cached { block, .. } => Some(block),
                 Source::Fresh { .. } => None,
             };
-            st.unreserve_grant(&ask, d, block);
-            st.fx().reply(
+            st.refuse_grant(
+                &ask,
+                d,
+                block,
                 to,
-                Err(BrokerError::Internal(
-                    "no runtime for the grant's device work".into(),
-                )),
+                BrokerError::Internal("no runtime for the grant's device work".into()),
             );
             return;
         };
         rt.spawn(async move {
             let made = arb.materialize(d, ask.bytes, source).await;
+            if let Err(e) = &made {
+                tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed");
+            }
             let mut st = arb.lock();
-            let r = match made {
-                Ok(block) => st
-                    .commit_grant(&ask, priority, d, block, arb.is_draining())
-                    .map_err(|why| why.into_error(ask.session)),
-                Err(e) => {
-                    tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed");
-                    st.unreserve_grant(&ask, d, None);
-                    Err(e)
-                }
-            };
-            st.fx().reply(to, r);
+            st.finish_grant(&ask, priority, d, made, arb.is_draining(), to);
             arb.drain(&mut st);
         });
     }

@@ -1,8 +1,9 @@
 //! Effects: what a state transition asks the shell to do once it has decided. A transition
-//! (a method on `State`, or an arbiter method holding the state lock) never frees device
-//! memory, kills a process, spawns a watcher, answers a waiter or tells a session itself:
-//! it pushes an [`Effect`] onto `State::fx`. The lock guard ([`Locked`], from
-//! `Arbiter::lock`) runs them when it is dropped:
+//! (a method on `State`) never frees device memory, kills a process, spawns a watcher,
+//! answers a waiter or tells a session itself: it pushes an [`Effect`] onto the core's
+//! effect list (`State::fx`, private to `arbiter/state/`: the shell pushes nothing itself,
+//! checked by `broker/tests/layers.rs`). The lock guard ([`Locked`], from `Arbiter::lock`)
+//! takes them (`State::take_effects`) and runs them when it is dropped:
 //!
 //! 1. the byte-state invariant is checked (debug builds: `State::check_invariant`);
 //! 2. device frees are queued on their device threads (a channel send, never a driver call)
@@ -193,13 +194,9 @@ impl Effects {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-    /// The effects, in order (the model test).
-    #[cfg(test)]
+    /// The effects, in order.
     pub fn into_vec(self) -> Vec<Effect> {
         self.0
-    }
-    fn take(&mut self) -> Vec<Effect> {
-        std::mem::take(&mut self.0)
     }
 }
 
@@ -268,12 +265,12 @@ impl Drop for Locked<'_> {
         if let Err(e) = st.check_invariant() {
             panic!("byte-state invariant broken: {e}");
         }
-        if st.fx().is_empty() {
+        if !st.has_effects() {
             self.release(st);
             self.record_hold();
             return;
         }
-        let effects = st.fx().take();
+        let effects = st.take_effects().into_vec();
         let mut later = Vec::with_capacity(effects.len());
         for e in effects {
             match e {

@@ -42,7 +42,7 @@ use crate::auth::Authenticator;
 use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
 pub(crate) use crate::error::{lease_not_found, session_not_found};
-use crate::error::{BrokerError, BrokerResult, Missing};
+use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::pool::{Block, Pool};
 use crate::session::{Peer, Session, SessionEvent};
@@ -392,21 +392,11 @@ impl Arbiter {
         let id = Uuid::now_v7();
         {
             let mut st = self.lock();
-            if st.ledger().get(tenant).is_none() || st.ledger().is_closing(tenant) {
-                return Err(BrokerError::NotFound(Missing::TenantGone(
-                    tenant.to_string(),
-                )));
-            }
-            let open = st.sessions().count_of(tenant);
-            if open >= self.cfg.max_sessions_per_tenant {
-                return Err(BrokerError::SessionLimit {
-                    tenant: tenant.to_string(),
-                    open,
-                });
-            }
-            // Its mailbox is in place before any transition can tell it something.
+            let s = Session::new(id, tenant, name, peer, token_id);
+            st.open_session(s, self.cfg.max_sessions_per_tenant)?;
+            // Its mailbox is in place in the hold that opened it, so before any
+            // transition can tell it something (effects run when the guard drops).
             self.outbox.open(id, tx);
-            st.open_session(Session::new(id, tenant, name, peer, token_id));
         }
         tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
         Ok((id, rx))
@@ -503,19 +493,7 @@ impl Arbiter {
     /// Begins shutdown: refuse new work, tell every session.
     pub fn begin_drain(&self, grace: Duration) {
         self.draining.store(true, Ordering::SeqCst);
-        let mut g = self.lock();
-        let st = &mut *g;
-        let to: Vec<_> = st.sessions().ids();
-        for to in to {
-            st.fx().notify(
-                to,
-                SessionEvent::ShuttingDown {
-                    reason: "broker shutting down".into(),
-                    grace,
-                },
-            );
-        }
-        st.refuse_all_waiters(&BrokerError::ShuttingDown);
+        self.lock().begin_shutdown(grace);
     }
 
     /// Number of open sessions.

@@ -839,8 +839,8 @@ async fn effects_run_after_the_lock_is_released() {
         Ok(SessionEvent::LeaseRevoked { lease_id, .. }) => assert_eq!(lease_id, l.id),
         other => panic!("expected LeaseRevoked, got {other:?}"),
     }
-    let mut st = f.arb.lock();
-    assert!(st.fx().is_empty());
+    let st = f.arb.lock();
+    assert!(!st.has_effects());
     assert_eq!(st.quarantine().len(), 1);
     assert_eq!(st.pools()[0].stats().quarantined, 4 * MIB);
 }
@@ -857,7 +857,7 @@ async fn session_events_go_through_the_outbox_and_its_end_closes_the_stream() {
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
     {
         let mut st = f.arb.lock();
-        st.fx().notify(
+        st.fx_behind_the_back().notify(
             s,
             SessionEvent::LeaseRevoked {
                 lease_id: l.id,

@@ -1,6 +1,7 @@
 //! Endings: a lease ends into the cache, a free on the device, or quarantine (a live
 //! process may still map it); quarantine is lifted when that process exits (or a timeout
-//! passes); a session's end; everything freed at shutdown.
+//! passes); a session's end; shutdown's start (sessions told, waiters refused) and
+//! everything freed at its end.
 
 use super::{Quarantined, State};
 use crate::arbiter::effects::{Counted, Effect, Watch};
@@ -8,7 +9,7 @@ use crate::lease::LeaseView;
 use crate::ledger::Tier;
 use crate::metrics::Revocation;
 use crate::session::{Peer, Session, SessionEvent};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 /// Why a lease is taken away from its holder.
@@ -228,6 +229,22 @@ impl State {
         // Last: events pushed above still reach the session's stream.
         self.fx.push(Effect::Hangup { session: id });
         Some((session, bytes))
+    }
+
+    /// Shutdown begins: every open session is told (`ShuttingDown`, with the `grace` it
+    /// has to finish) and every waiting request is refused (`ShuttingDown`). Memory stays
+    /// as it is until the sessions end.
+    pub(crate) fn begin_shutdown(&mut self, grace: Duration) {
+        for to in self.sessions.ids() {
+            self.fx.notify(
+                to,
+                SessionEvent::ShuttingDown {
+                    reason: "broker shutting down".into(),
+                    grace,
+                },
+            );
+        }
+        self.refuse_all_waiters(&crate::error::BrokerError::ShuttingDown);
     }
 
     /// Shutdown: every quarantined and held block, and every cached block, is freed (and

@@ -1,13 +1,14 @@
 //! Grants: a device grant reserves its bytes (tenant and pool), is committed into a lease
 //! once its memory exists (at once for a cached block of the same tenant, else after the
-//! shell's device work), or is given back; a host-fallback lease is charged while its
+//! shell's device work: [`State::finish_grant`] commits it and answers its waiter), or is
+//! given back; a host-fallback lease is charged while its
 //! memory is made, then becomes a lease or is uncharged.
 
 use super::State;
 use crate::arbiter::effects::Counted;
-use crate::arbiter::queue::Ask;
+use crate::arbiter::queue::{Ask, WaiterId};
 use crate::arbiter::AcquireRequest;
-use crate::error::BrokerResult;
+use crate::error::{BrokerError, BrokerResult};
 use crate::lease::{Lease, LeaseState, LeaseView};
 use crate::ledger::Tier;
 use crate::pool::{Block, Source};
@@ -108,6 +109,46 @@ impl State {
         };
         tracing::debug!(lease = %lease.id, tenant = %ask.tenant, session = %ask.session, device = d, bytes = ask.bytes, "lease granted");
         Ok(self.insert_lease(lease))
+    }
+
+    /// The device work of a reserved grant for waiter `to` is done: with its memory
+    /// (`made` is `Ok`) the grant is committed ([`State::commit_grant`]); otherwise, or
+    /// when it cannot be committed, the reservation goes back. Either way the waiter is
+    /// answered. Does not run the queue.
+    pub(crate) fn finish_grant(
+        &mut self,
+        ask: &Ask,
+        priority: i32,
+        d: u32,
+        made: BrokerResult<Block>,
+        draining: bool,
+        to: WaiterId,
+    ) {
+        let r = match made {
+            Ok(block) => self
+                .commit_grant(ask, priority, d, block, draining)
+                .map_err(|why| why.into_error(ask.session)),
+            Err(e) => {
+                self.unreserve_grant(ask, d, None);
+                Err(e)
+            }
+        };
+        self.fx.reply(to, r);
+    }
+
+    /// A reserved grant for waiter `to` is given up before its device work (`block`: the
+    /// cached block it was to reuse, back into the cache): the reservation goes back and
+    /// the waiter gets `err`. Does not run the queue.
+    pub(crate) fn refuse_grant(
+        &mut self,
+        ask: &Ask,
+        d: u32,
+        block: Option<Block>,
+        to: WaiterId,
+        err: BrokerError,
+    ) {
+        self.unreserve_grant(ask, d, block);
+        self.fx.reply(to, Err(err));
     }
 
     /// Charges `bytes` of host memory to `tenant` while it is being made.

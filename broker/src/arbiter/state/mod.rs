@@ -29,6 +29,8 @@ mod queue_tests;
 mod shared;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod transition_tests;
 
 pub(crate) use end::{Ending, Revoke};
 pub(crate) use queue::{Enqueued, QueueEnv};
@@ -36,7 +38,7 @@ pub(crate) use shared::{Holding, NewPublication, SealCheck};
 
 use super::effects::{Effects, Watch};
 use super::queue::WaitQueue;
-use crate::error::BrokerResult;
+use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::lease::{Lease, LeaseState, LeaseTable, LeaseView};
 use crate::ledger::{Ledger, Tier};
 use crate::pool::{Block, Pool};
@@ -84,8 +86,8 @@ pub(crate) struct State {
     sealing: std::collections::HashSet<Uuid>,
     /// Process reservations (`reservations.rs`).
     reservations: ReservationTable,
-    /// What the transitions under the current lock asked for (`effects.rs`); run when the
-    /// lock guard drops.
+    /// What the transitions under the current lock asked for (`effects.rs`); taken and run
+    /// by the lock guard when it drops. Only the core's transitions push onto it.
     fx: Effects,
     /// Host-fallback leases charged in the ledger whose memory is being made (bytes,
     /// count per tenant): the invariant counts them with the host leases.
@@ -137,8 +139,19 @@ impl State {
         self.host_backed.get(d as usize).copied().unwrap_or(true)
     }
 
-    /// Where transitions (and the shell code deciding them) push their effects.
-    pub(crate) fn fx(&mut self) -> &mut Effects {
+    /// Did the transitions under the current lock push anything (the lock guard asks)?
+    pub(crate) fn has_effects(&self) -> bool {
+        !self.fx.is_empty()
+    }
+    /// What the transitions pushed, in order, taken by the lock guard to run them (and by
+    /// the model test, which runs them itself). Only the core's transitions push effects.
+    pub(crate) fn take_effects(&mut self) -> Effects {
+        std::mem::take(&mut self.fx)
+    }
+    /// Pushes effects skipping the transitions: only for shell tests of how the lock
+    /// guard runs what was pushed.
+    #[cfg(test)]
+    pub(crate) fn fx_behind_the_back(&mut self) -> &mut Effects {
         &mut self.fx
     }
     /// The ledger, mutable, skipping the transitions: only for the test that checks the
@@ -146,12 +159,6 @@ impl State {
     #[cfg(test)]
     pub(crate) fn ledger_behind_the_back(&mut self) -> &mut Ledger {
         &mut self.ledger
-    }
-
-    /// What the transitions pushed (the model test runs them itself).
-    #[cfg(test)]
-    pub(crate) fn take_effects(&mut self) -> Effects {
-        std::mem::take(&mut self.fx)
     }
 
     // Changes that move no bytes: the wait queue, session marks, a lease's reclaim
@@ -163,7 +170,7 @@ impl State {
         &mut self.queue
     }
     /// Mark a lease's reclaim state (asked back, deadline passed, drained).
-    pub(crate) fn set_lease_state(&mut self, id: &Uuid, state: LeaseState) -> bool {
+    fn set_lease_state(&mut self, id: &Uuid, state: LeaseState) -> bool {
         match self.leases.get_mut(id) {
             Some(l) => {
                 l.state = state;
@@ -186,12 +193,25 @@ impl State {
 
     // Transitions that move no bytes of a device.
 
-    /// A session opens (it holds nothing yet); its peer process is watched.
-    pub(crate) fn open_session(&mut self, s: Session) {
+    /// A session opens (it holds nothing yet); its peer process is watched. Refused when
+    /// its tenant does not exist or is being deleted (`NotFound`), or already has
+    /// `max_per_tenant` sessions open (`SessionLimit`); nothing changes then.
+    pub(crate) fn open_session(&mut self, s: Session, max_per_tenant: usize) -> BrokerResult<()> {
+        if self.ledger.get(&s.tenant).is_none() || self.ledger.is_closing(&s.tenant) {
+            return Err(BrokerError::NotFound(Missing::TenantGone(s.tenant.clone())));
+        }
+        let open = self.sessions.count_of(&s.tenant);
+        if open >= max_per_tenant {
+            return Err(BrokerError::SessionLimit {
+                tenant: s.tenant.clone(),
+                open,
+            });
+        }
         if let Some(pid) = s.peer.pid {
             self.fx.watch(Watch::Session { session: s.id, pid });
         }
         self.sessions.insert(s);
+        Ok(())
     }
 
     /// Sets a tenant's quota (creating it); true when it was created.

@@ -241,7 +241,7 @@ impl State {
     }
 
     /// Every waiter is refused with `err` (the broker shuts down).
-    pub(crate) fn refuse_all_waiters(&mut self, err: &BrokerError) {
+    pub(super) fn refuse_all_waiters(&mut self, err: &BrokerError) {
         let ids: Vec<WaiterId> = self.queue.iter().map(|w| w.id).collect();
         for id in ids {
             if let Some(w) = self.queue.remove(id) {

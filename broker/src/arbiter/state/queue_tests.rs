@@ -25,10 +25,12 @@ const GRAN: u64 = 2 * MIB;
 /// The overtake age of [`env`].
 const AGE: Duration = Duration::from_secs(2);
 
-struct Core {
-    st: State,
-    avail: Availability,
-    t0: Instant,
+/// A core under test, with the availability and clock its queue runs are given (shared
+/// with the other transitions' unit tests, `transition_tests.rs`).
+pub(super) struct Core {
+    pub(super) st: State,
+    pub(super) avail: Availability,
+    pub(super) t0: Instant,
     next_alloc: u64,
     /// The descriptors (raw numbers) whose seals the core's look reports touched.
     touched: Touched,
@@ -45,7 +47,7 @@ fn seal_check(touched: &Touched) -> SealCheck {
 
 impl Core {
     /// A core over `devices` devices of `capacity` bytes each, every one admitting.
-    fn new(devices: u32, capacity: u64) -> Core {
+    pub(super) fn new(devices: u32, capacity: u64) -> Core {
         let pools = (0..devices)
             .map(|i| Pool::new(i, GRAN, capacity, capacity))
             .collect();
@@ -65,22 +67,33 @@ impl Core {
     }
 
     /// A tenant with one open session; returns the session.
-    fn tenant(&mut self, name: &str, q: Quota) -> Uuid {
+    pub(super) fn tenant(&mut self, name: &str, q: Quota) -> Uuid {
         self.st.set_quota(name, q).unwrap();
         let id = Uuid::now_v7();
         self.st
-            .open_session(Session::new(id, name, "", Peer::default(), None));
+            .open_session(
+                Session::new(id, name, "", Peer::default(), None),
+                usize::MAX,
+            )
+            .unwrap();
         id
     }
 
-    fn block(&mut self, bytes: u64) -> Block {
+    pub(super) fn block(&mut self, bytes: u64) -> Block {
         let id = self.next_alloc;
         self.next_alloc += 1;
         fake_block(id, bytes)
     }
 
     /// A live lease of `bytes` on device `d` for `session` of `tenant`, made directly.
-    fn hold(&mut self, tenant: &str, session: Uuid, bytes: u64, d: u32, reclaimable: bool) -> Uuid {
+    pub(super) fn hold(
+        &mut self,
+        tenant: &str,
+        session: Uuid,
+        bytes: u64,
+        d: u32,
+        reclaimable: bool,
+    ) -> Uuid {
         let mut a = ask(tenant, session, bytes, Some(d));
         a.reclaimable = reclaimable;
         let priority = self.st.ledger().get(tenant).unwrap().quota.priority;
@@ -94,7 +107,7 @@ impl Core {
     }
 
     /// Queues `ask` at `secs` after the start, without running the queue.
-    fn wait(&mut self, ask: Ask, secs: u64) -> WaiterId {
+    pub(super) fn wait(&mut self, ask: Ask, secs: u64) -> WaiterId {
         let priority = self.st.ledger().get(&ask.tenant).unwrap().quota.priority;
         let since = self.t0 + Duration::from_secs(secs);
         self.st.queue_mut().push(ask, priority, since)
@@ -104,7 +117,7 @@ impl Core {
         self.st.queue_pass(&self.env(secs))
     }
 
-    fn run(&mut self, secs: u64) -> Vec<Effect> {
+    pub(super) fn run(&mut self, secs: u64) -> Vec<Effect> {
         let env = env(&self.avail, self.t0 + Duration::from_secs(secs));
         self.st.run_queue(&env);
         self.st.check_invariant().unwrap();
@@ -112,7 +125,7 @@ impl Core {
     }
 }
 
-fn quota(limit: u64, priority: i32) -> Quota {
+pub(super) fn quota(limit: u64, priority: i32) -> Quota {
     Quota {
         limit_bytes: limit,
         priority,

@@ -473,13 +473,12 @@ impl Harness {
                     uid: None,
                     unix: pid.is_some(),
                 };
-                self.st.open_session(Session::new(
-                    Uuid::now_v7(),
-                    TENANTS[tenant],
-                    "",
-                    peer,
-                    None,
-                ));
+                self.st
+                    .open_session(
+                        Session::new(Uuid::now_v7(), TENANTS[tenant], "", peer, None),
+                        usize::MAX,
+                    )
+                    .unwrap();
             }
             Op::Reserve {
                 session,
@@ -941,7 +940,7 @@ impl Harness {
             Source::Cached { block, .. } => Some(block),
             Source::Fresh { evicted } => {
                 for b in evicted {
-                    self.st.fx().free(device, b);
+                    self.st.fx.free(device, b);
                 }
                 None
             }
@@ -1055,7 +1054,7 @@ impl Harness {
             .filter(|e| matches!(e, Effect::Count(Counted::Revoked(w)) if *w == label));
         assert_eq!(counted.count(), 1);
         for e in before.into_iter().chain(effects) {
-            self.st.fx().push(e);
+            self.st.fx.push(e);
         }
         self.lease_gone(id, &t, d, b, tier, ending, &held_before);
     }
