@@ -14,8 +14,8 @@
 //! session's end; free everything at shutdown), `shared.rs` (publish, unpublish, import,
 //! recipients of descriptors; blocks held for importers and fd recipients, and the look at
 //! processes counted alive), `process.rs` (process reservations: grant, end, draw a lease from one,
-//! give it back), `devices.rs` (a drain's reclaim requests, telling holders of an unhealthy
-//! device), `queue.rs` (the queue policy: queue a request, one pass deciding what
+//! give it back), `devices.rs` (a drain's reclaim requests and their withdrawal, telling
+//! holders of an unhealthy device), `queue.rs` (the queue policy: queue a request, one pass deciding what
 //! fits where, the whole drain, refusing what can never fit, reclaim requests), and here:
 //! opening a session, leasable and headroom changes, quota changes.
 
