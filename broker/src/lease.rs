@@ -1,4 +1,4 @@
-//! The lease table and the lease state machine. A lease is a grant of one whole device
+//! The lease table and the lease state machine (and why a lease was revoked). A lease is a grant of one whole device
 //! allocation (or a host-fallback block) to one session:
 //!
 //! ```text
@@ -22,6 +22,16 @@ pub enum LeaseState {
         deadline: Instant,
         deadline_wall: SystemTime,
     },
+}
+
+/// Why a lease was revoked: the core's `Revoke` says it, the metrics count by it (the
+/// `reason` label of `revocations`). Kept with the lease record, below both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Revocation {
+    /// An operator's `RevokeLease`.
+    Operator,
+    /// The holder missed its reclaim deadline.
+    ReclaimDeadline,
 }
 
 /// A live lease.

@@ -9,6 +9,7 @@
 //! is `status_http`.
 
 use crate::error::BrokerError;
+use crate::lease::Revocation;
 use crate::ledger::Tier;
 use crate::views::{DeviceReport, TenantView};
 use prometheus_client::encoding::text::encode;
@@ -290,15 +291,6 @@ impl Metrics {
             started,
         );
     }
-}
-
-/// Why a lease was revoked (the `reason` label of `revocations`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Revocation {
-    /// An operator's `RevokeLease`.
-    Operator,
-    /// The holder missed its reclaim deadline.
-    ReclaimDeadline,
 }
 
 /// Why the ticket server refused a ticket (`tickets.rs`; the `reason` label of

@@ -4,7 +4,7 @@
 //! into it, the configuration, the services or the server; that the module graph has no
 //! import circle at all (a top-level file may not name a sibling through `super::`, the
 //! crate root, which the graph would not see); and that the arbiter's core (`arbiter/state/` and the records it
-//! owns) names no tokio. A directory module (`arbiter/`, `device/`, `service/`, `mps/`)
+//! owns) names no tokio and nothing of the metrics. A directory module (`arbiter/`, `device/`, `service/`, `mps/`)
 //! counts as one module. The graph is read by `gpu-broker-module-graph`
 //! (`tests/module-graph`), shared with the client's layer test. Also: the command line is
 //! named only by the configuration (and a component's flag group), the gRPC messages only
@@ -151,8 +151,9 @@ const CORE: [&str; 11] = [
 /// The core directories whose test modules are the core's too (no runtime there either).
 const CORE_WITH_TESTS: [&str; 2] = ["arbiter/state", "scheduler"];
 
-/// What the core's code must not name.
-const NOT_IN_THE_CORE: [&str; 2] = ["tokio", "crate::process::"];
+/// What the core's code must not name: no runtime, no look at process liveness, and
+/// nothing of the metrics (it counts by pushing `Effect::Count`; the shell bumps them).
+const NOT_IN_THE_CORE: [&str; 3] = ["tokio", "crate::process::", "crate::metrics"];
 
 /// What the arbiter's core (`arbiter/state/`) must not name either: it does no I/O (no
 /// system call, no file, no socket, no look at a memfd's seals: the shell gives it that
@@ -283,7 +284,10 @@ fn the_core_names_no_tokio_and_reads_no_liveness() {
             // Inside the cores' own directories the test modules are the core's too.
             let tests_apart = !CORE_WITH_TESTS.contains(&path);
             if let Some(line) = names_forbidden(&text, tests_apart) {
-                panic!("{} names tokio or process liveness: {line}", f.display());
+                panic!(
+                    "{} names tokio, process liveness or the metrics: {line}",
+                    f.display()
+                );
             }
             checked += 1;
         }
@@ -293,6 +297,7 @@ fn the_core_names_no_tokio_and_reads_no_liveness() {
     assert!(names_forbidden("use tokio::sync::mpsc;\n", true).is_some());
     assert!(names_forbidden("let a = crate::process::process_alive(p);\n", true).is_some());
     assert!(names_forbidden("use crate::process_group::ProcessGroup;\n", true).is_none());
+    assert!(names_forbidden("use crate::metrics::Revocation;\n", true).is_some());
     assert!(names_forbidden(
         "// tokio\nfn f() {}\n#[cfg(test)]\nmod t { use tokio; }\n",
         true

@@ -21,9 +21,8 @@
 use super::queue::{Granted, WaiterId};
 use super::{Arbiter, State};
 use crate::error::BrokerResult;
-use crate::lease::LeaseView;
+use crate::lease::{LeaseView, Revocation};
 use crate::ledger::Tier;
-use crate::metrics::Revocation;
 use crate::pool::Block;
 use crate::session::SessionEvent;
 use parking_lot::MutexGuard;

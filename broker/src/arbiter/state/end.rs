@@ -5,9 +5,8 @@
 
 use super::{Quarantined, State};
 use crate::arbiter::effects::{Counted, Effect, Watch};
-use crate::lease::LeaseView;
+use crate::lease::{LeaseView, Revocation};
 use crate::ledger::Tier;
-use crate::metrics::Revocation;
 use crate::session::{Peer, Session, SessionEvent};
 use std::time::{Duration, Instant};
 use uuid::Uuid;

@@ -1124,9 +1124,9 @@ impl Harness {
         };
         assert_eq!(killed, want_kill);
         let label = if deadline {
-            crate::metrics::Revocation::ReclaimDeadline
+            crate::lease::Revocation::ReclaimDeadline
         } else {
-            crate::metrics::Revocation::Operator
+            crate::lease::Revocation::Operator
         };
         let counted = effects
             .iter()
