@@ -157,9 +157,21 @@ const NOT_IN_THE_CORE: [&str; 3] = ["tokio", "crate::process::", "crate::metrics
 
 /// What the arbiter's core (`arbiter/state/`) must not name either: it does no I/O (no
 /// system call, no file, no socket, no look at a memfd's seals: the shell gives it that
-/// look, `state::SealCheck`). Its tests may make real descriptors to hand it, as the
-/// devices would: its test files (`*tests.rs`) and test modules are not checked for these.
-const NO_IO_IN_THE_CORE: [&str; 4] = ["libc::", "sharing::seals_untouched", "std::fs", "std::net"];
+/// look, `state::SealCheck`) and reads no clock (the shell gives it the hold's time,
+/// `state::Clock`, when it takes the lock; a version-7 id is stamped with that time too).
+/// Its tests may make real descriptors to hand it, as the devices would, and read the
+/// clocks: its test files (`*tests.rs`) and test modules are not checked for these.
+const NO_IO_IN_THE_CORE: [&str; 9] = [
+    "libc::",
+    "sharing::seals_untouched",
+    "std::fs",
+    "std::net",
+    "Instant::now",
+    "SystemTime::now",
+    ".elapsed()",
+    "now_v7",
+    "Timestamp::now",
+];
 
 /// The first line of `source`'s code (comments and, with `tests_apart`, its test module
 /// aside) that names one of [`NOT_IN_THE_CORE`].
@@ -225,7 +237,7 @@ fn the_arbiters_core_does_no_io() {
         let text =
             std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("read {}: {e}", f.display()));
         if let Some(line) = names_any(&text, true, &NO_IO_IN_THE_CORE) {
-            panic!("{} does I/O: {line}", f.display());
+            panic!("{} does I/O or reads a clock: {line}", f.display());
         }
         checked += 1;
     }
@@ -236,6 +248,10 @@ fn the_arbiters_core_does_no_io() {
         "let have = unsafe { libc::fcntl(fd.raw(), libc::F_GET_SEALS) };\n",
         "let f = std::fs::File::open(p)?;\n",
         "use std::net::TcpStream;\n",
+        "created: SystemTime::now(),\n",
+        "since: std::time::Instant::now(),\n",
+        "held_for = ?q.since.elapsed(),\n",
+        "id: Uuid::now_v7(),\n",
     ] {
         assert!(
             names_any(code, true, &NO_IO_IN_THE_CORE).is_some(),
@@ -243,6 +259,7 @@ fn the_arbiters_core_does_no_io() {
         );
     }
     assert!(names_any("(self.seals.0)(fd)\n", true, &NO_IO_IN_THE_CORE).is_none());
+    assert!(names_any("created: self.clock.wall,\n", true, &NO_IO_IN_THE_CORE).is_none());
     assert!(names_any(
         "fn f() {}\n#[cfg(test)]\nmod t {\n    use std::fs;\n}\n",
         true,

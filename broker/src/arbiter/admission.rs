@@ -8,14 +8,14 @@
 
 use super::effects::PendingGrant;
 use super::queue::{Granted, WaiterId};
-use super::state::{Enqueued, QueueEnv};
+use super::state::{Clock, Enqueued, QueueEnv};
 use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::pool::{Block, Source};
 use crate::units::show;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 /// Largest single request accepted at all (1 PiB): anything above is malformed.
 pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
@@ -192,12 +192,8 @@ impl Arbiter {
         }
         let (bytes, offered) = {
             let avail = self.avail.read();
-            st.offer(
-                req,
-                process,
-                self.cfg.max_waiting_per_tenant,
-                &self.queue_env(&avail),
-            )?
+            let env = self.queue_env(&avail, st.clock());
+            st.offer(req, process, self.cfg.max_waiting_per_tenant, &env)?
         };
         Ok(match offered {
             // The channel is in place before the lock is released, so before any answer
@@ -238,12 +234,17 @@ impl Arbiter {
         Ok(())
     }
 
-    /// What the core's queue policy reads from outside the state, now.
-    fn queue_env<'a>(&self, avail: &'a crate::availability::Availability) -> QueueEnv<'a> {
+    /// What the core's queue policy reads from outside the state, at the hold's time
+    /// (`clock`: read when the lock was taken).
+    fn queue_env<'a>(
+        &self,
+        avail: &'a crate::availability::Availability,
+        clock: Clock,
+    ) -> QueueEnv<'a> {
         QueueEnv {
             avail,
-            now: Instant::now(),
-            wall: SystemTime::now(),
+            now: clock.now,
+            wall: clock.wall,
             overtake_age: self.cfg.overtake_age,
             reclaim_deadline: self.cfg.reclaim_deadline,
             terminating: self.cfg.reclaim_policy == super::ReclaimPolicy::Terminate,
@@ -259,7 +260,8 @@ impl Arbiter {
             return;
         }
         let avail = self.avail.read();
-        st.run_queue(&self.queue_env(&avail));
+        let env = self.queue_env(&avail, st.clock());
+        st.run_queue(&env);
     }
 
     /// Runs `Effect::Materialize`: the device work of a grant on a task of the main

@@ -314,10 +314,17 @@ impl Arbiter {
             self.metrics.lock_holds.record_wait(t0.elapsed());
             st
         });
+        let mut st = st;
+        // The hold's time, on both clocks: the core reads none of its own.
+        let since = std::time::Instant::now();
+        st.set_clock(super::state::Clock {
+            now: since,
+            wall: std::time::SystemTime::now(),
+        });
         Locked {
             arb: self,
             st: Some(st),
-            since: std::time::Instant::now(),
+            since,
             cpu_since,
             fair: false,
         }

@@ -51,7 +51,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -270,7 +270,11 @@ impl Arbiter {
         }
         // The core asks the kernel about a memfd's seals through the shell's look.
         let seals = state::SealCheck::new(crate::sharing::seals_untouched);
-        let st = State::new(pools, host_backed, seals);
+        let clock = state::Clock {
+            now: Instant::now(),
+            wall: SystemTime::now(),
+        };
+        let st = State::new(pools, host_backed, seals, clock);
         crate::error::mark_started();
         let scheduler = turns::Scheduler::new(devices.len(), cfg.turns);
         let audit_log =

@@ -846,6 +846,24 @@ async fn effects_run_after_the_lock_is_released() {
 }
 
 #[tokio::test]
+async fn the_lock_gives_the_core_the_time_of_its_hold() {
+    // The core reads no clock: Arbiter::lock hands it both clocks as it takes the lock,
+    // and what a transition stamps (a lease's creation) carries that time.
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    f.arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let (s, _rx) = f.arb.open_session("a", "t", Peer::default()).unwrap();
+    let (before, t0) = (SystemTime::now(), Instant::now());
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    let st = f.arb.lock();
+    let (wall, at) = (SystemTime::now(), Instant::now());
+    let created = st.leases().get(&l.id).unwrap().created;
+    assert!(before <= created && created <= wall, "{created:?}");
+    let clock = st.clock();
+    assert!(t0 <= clock.now && clock.now <= at);
+    assert!(created <= clock.wall && clock.wall <= wall);
+}
+
+#[tokio::test]
 async fn session_events_go_through_the_outbox_and_its_end_closes_the_stream() {
     // The core names sessions by id; the shell keeps each one's channel. Events decided
     // in the same lock hold as the session's end still arrive, then the stream ends.

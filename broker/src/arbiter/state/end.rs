@@ -8,7 +8,7 @@ use crate::arbiter::effects::{Counted, Effect, Watch};
 use crate::lease::{LeaseView, Revocation};
 use crate::ledger::Tier;
 use crate::session::{Peer, Session, SessionEvent};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use uuid::Uuid;
 
 /// Why a lease is taken away from its holder.
@@ -155,7 +155,7 @@ impl State {
                         device: d,
                         block,
                         pid,
-                        since: Instant::now(),
+                        since: self.clock.now,
                         destroy,
                     },
                 );
@@ -190,7 +190,7 @@ impl State {
         } else {
             pool.unquarantine_to_cache(q.block);
         }
-        tracing::info!(lease = %id, tenant = %q.tenant, pid = ?q.pid, held_for = ?q.since.elapsed(), "quarantine lifted");
+        tracing::info!(lease = %id, tenant = %q.tenant, pid = ?q.pid, held_for = ?self.clock.now.saturating_duration_since(q.since), "quarantine lifted");
         true
     }
 

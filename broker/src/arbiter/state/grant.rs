@@ -12,7 +12,6 @@ use crate::error::{BrokerError, BrokerResult};
 use crate::lease::{Lease, LeaseState, LeaseView};
 use crate::ledger::Tier;
 use crate::pool::{Block, Source};
-use std::time::SystemTime;
 
 /// Why a reserved grant could not become a lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,7 +99,7 @@ impl State {
             requested_bytes: ask.requested_bytes,
             label: ask.label.clone(),
             reclaimable: ask.reclaimable,
-            created: SystemTime::now(),
+            created: self.clock.wall,
             state: LeaseState::Active,
             priority,
             seq,
@@ -198,7 +197,7 @@ impl State {
             requested_bytes: ask.bytes,
             label: ask.label.clone(),
             reclaimable: ask.reclaimable,
-            created: SystemTime::now(),
+            created: self.clock.wall,
             state: LeaseState::Active,
             priority,
             seq,

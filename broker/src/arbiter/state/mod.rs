@@ -1,8 +1,9 @@
 //! The arbiter's core: every byte the broker holds and every table that says whose it is
 //! (ledger, pools, lease table, sessions, wait queue, quarantine, shared blocks, process
 //! reservations), behind private fields. It is synchronous and does no I/O of its own: no
-//! tokio runtime, no device calls, no `/proc` reads, no locks (the shell,
-//! `arbiter/effects.rs`, holds the one lock around it). Each transition is one method that
+//! tokio runtime, no device calls, no `/proc` reads, no clock reads (the shell gives it the
+//! hold's time, [`Clock`]), no locks (the shell, `arbiter/effects.rs`, holds the one lock
+//! around it). Each transition is one method that
 //! updates everything it concerns together and pushes what the shell must do afterwards
 //! (free a block, start or stop a watcher, answer a waiter, tell a session, count) onto
 //! [`State::fx`]. The byte-state invariant is written once, here
@@ -47,7 +48,7 @@ use crate::reservations::ReservationTable;
 use crate::session::{Session, SessionTable};
 use crate::sharing::SharedTable;
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 use uuid::Uuid;
 
 /// Memory of an ended lease that a live process may still map.
@@ -63,8 +64,28 @@ pub(crate) struct Quarantined {
     pub destroy: bool,
 }
 
+/// The time of the lock hold a transition runs in, on the monotonic and the wall clock:
+/// read by the shell when it takes the lock (`Arbiter::lock`, [`State::set_clock`]). The
+/// core reads no clock of its own; what it stamps (a lease's or a reservation's creation,
+/// when memory was quarantined or held) carries this time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Clock {
+    pub now: Instant,
+    pub wall: SystemTime,
+}
+
+#[cfg(test)]
+impl Clock {
+    /// Both clocks, now (the core's tests start their cores with it).
+    pub(crate) fn read() -> Clock {
+        Clock {
+            now: Instant::now(),
+            wall: SystemTime::now(),
+        }
+    }
+}
+
 /// Everything behind the arbiter's lock.
-#[derive(Default)]
 pub(crate) struct State {
     ledger: Ledger,
     pools: Vec<Pool>,
@@ -94,18 +115,63 @@ pub(crate) struct State {
     host_pending: HashMap<String, (u64, u32)>,
     /// The shell's look at a host memfd's seals (`shared.rs`): the core asks, never reads.
     seals: SealCheck,
+    /// The current hold's time (set by the shell when it takes the lock).
+    clock: Clock,
+    /// Keeps the version-7 ids the core makes (process reservations) in the order they
+    /// were made, also within one millisecond.
+    ids: uuid::ContextV7,
 }
 
 impl State {
     /// A core over these device pools (`host_backed`: which are the host simulation),
-    /// asking `seals` whether a host memfd is still as it was made.
-    pub(crate) fn new(pools: Vec<Pool>, host_backed: Vec<bool>, seals: SealCheck) -> State {
+    /// asking `seals` whether a host memfd is still as it was made; its clock starts at
+    /// `clock`.
+    pub(crate) fn new(
+        pools: Vec<Pool>,
+        host_backed: Vec<bool>,
+        seals: SealCheck,
+        clock: Clock,
+    ) -> State {
         State {
+            ledger: Ledger::default(),
             pools,
             host_backed,
+            leases: LeaseTable::default(),
+            sessions: SessionTable::default(),
+            queue: WaitQueue::default(),
+            quarantine: HashMap::new(),
+            seq: 0,
+            shared: SharedTable::default(),
+            unchecked: HashMap::new(),
+            sealing: Default::default(),
+            reservations: ReservationTable::default(),
+            fx: Effects::default(),
+            host_pending: HashMap::new(),
             seals,
-            ..State::default()
+            clock,
+            ids: uuid::ContextV7::new(),
         }
+    }
+
+    /// The time of the hold that begins: the shell's reading of both clocks when it took
+    /// the lock. Every transition in the hold stamps with it.
+    pub(crate) fn set_clock(&mut self, clock: Clock) {
+        self.clock = clock;
+    }
+    /// The current hold's time.
+    pub(crate) fn clock(&self) -> Clock {
+        self.clock
+    }
+
+    /// A fresh version-7 id stamped with the hold's wall clock, after every id made before.
+    fn new_v7_id(&self) -> Uuid {
+        let since = self
+            .clock
+            .wall
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let ts = uuid::Timestamp::from_unix(&self.ids, since.as_secs(), since.subsec_nanos());
+        Uuid::new_v7(ts)
     }
 
     // Reading: every table, shared, never mutable from outside the core.

@@ -7,7 +7,6 @@ use super::State;
 use crate::arbiter::queue::Ask;
 use crate::error::{BrokerError, BrokerResult};
 use crate::reservations::Reservation;
-use std::time::SystemTime;
 use uuid::Uuid;
 
 impl State {
@@ -31,7 +30,7 @@ impl State {
             self.fx.free(d, b);
         }
         let r = Reservation {
-            id: Uuid::now_v7(),
+            id: self.new_v7_id(),
             tenant: ask.tenant.clone(),
             session: ask.session,
             device: d,
@@ -40,7 +39,7 @@ impl State {
             label: ask.label.clone(),
             pid,
             compute_percent: ask.process.as_ref().and_then(|p| p.compute_percent),
-            created: SystemTime::now(),
+            created: self.clock.wall,
             drawn: 0,
             lost: 0,
             group: None,

@@ -5,7 +5,7 @@
 
 use super::queue::{Enqueued, Pass, QueueEnv};
 use super::tests::{ask, env, fake_block};
-use super::{Ending, SealCheck, State};
+use super::{Clock, Ending, SealCheck, State};
 use crate::arbiter::effects::{Counted, Effect};
 use crate::arbiter::queue::{Ask, Granted, WaiterId};
 use crate::availability::{Availability, Drain};
@@ -53,7 +53,12 @@ impl Core {
             .collect();
         let touched = Touched::default();
         Core {
-            st: State::new(pools, vec![true; devices as usize], seal_check(&touched)),
+            st: State::new(
+                pools,
+                vec![true; devices as usize],
+                seal_check(&touched),
+                Clock::read(),
+            ),
             avail: Availability::new(devices as usize),
             t0: Instant::now(),
             next_alloc: 1,
@@ -477,7 +482,7 @@ fn enqueue_refuses_past_the_per_tenant_cap_and_a_zero_wait_that_does_not_fit() {
     let x = c.tenant("x", quota(64 * MIB, 0));
     c.hold("x", x, 48 * MIB, 0, false);
     let a = c.tenant("a", quota(64 * MIB, 0));
-    let mut st = std::mem::take(&mut c.st);
+    let st = &mut c.st;
     let env = env(&c.avail, c.t0);
     // Fits: granted in the same call.
     let got = st.enqueue(ask("a", a, 8 * MIB, None), 0, false, 2, &env);
@@ -526,6 +531,7 @@ fn an_offer_is_rounded_to_the_largest_granularity_and_refused_at_once_when_it_ne
         ],
         vec![true, true],
         seal_check(&c.touched),
+        Clock::read(),
     );
     let a = c.tenant("a", quota(128 * MIB, 0));
     let req = |bytes: u64, device: Option<u32>| crate::arbiter::AcquireRequest {
@@ -538,7 +544,7 @@ fn an_offer_is_rounded_to_the_largest_granularity_and_refused_at_once_when_it_ne
         reclaimable: false,
         fallback_host: false,
     };
-    let mut st = std::mem::take(&mut c.st);
+    let st = &mut c.st;
     let env = env(&c.avail, c.t0);
     // Either device: the larger granularity (8 MiB); pinned to device 0: its own (2 MiB).
     for (device, want) in [(None, 8 * MIB), (Some(0), 4 * MIB)] {

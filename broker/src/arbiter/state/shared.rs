@@ -22,7 +22,7 @@ use crate::session::Peer;
 use crate::sharing::{Held, Import, Publication, Waiters};
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::SystemTime;
 use uuid::Uuid;
 
 /// A publication the shell prepared for a live lease that has none: it checked the lease
@@ -213,7 +213,7 @@ impl State {
                 tenant: tenant.to_string(),
                 session,
                 pid,
-                created: SystemTime::now(),
+                created: self.clock.wall,
                 lingering: None,
             },
         );
@@ -437,7 +437,7 @@ impl State {
                 tenant: tenant.to_string(),
                 device,
                 block,
-                since: Instant::now(),
+                since: self.clock.now,
                 publication: imported.then_some(publication).flatten(),
                 waiters,
                 destroy,
@@ -587,7 +587,7 @@ impl State {
         if let Some(r) = parked.and_then(|u| u.reservation) {
             self.lease_left_reservation(r, bytes, true);
         }
-        tracing::info!(%lease, tenant = %h.tenant, held_for = ?h.since.elapsed(), "held memory let go by everyone");
+        tracing::info!(%lease, tenant = %h.tenant, held_for = ?self.clock.now.saturating_duration_since(h.since), "held memory let go by everyone");
         true
     }
 

@@ -353,7 +353,12 @@ impl Harness {
         let pools = (0..2)
             .map(|i| Pool::new(i, GRAN, CAPACITY, CAPACITY))
             .collect();
-        let mut st = State::new(pools, vec![false, true], SealCheck::default());
+        let mut st = State::new(
+            pools,
+            vec![false, true],
+            SealCheck::default(),
+            super::Clock::read(),
+        );
         for t in TENANTS {
             let q = Quota {
                 limit_bytes: LIMIT,

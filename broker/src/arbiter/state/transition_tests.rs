@@ -207,3 +207,47 @@ fn a_grant_after_its_device_work_is_committed_or_given_back_and_its_waiter_answe
     assert_eq!(c.st.leases().iter().count(), 1);
     c.st.check_invariant().unwrap();
 }
+
+/// The core reads no clock: what it stamps carries the hold's time the shell gave it
+/// (`State::set_clock`): a lease's creation, when its memory was quarantined, a process
+/// reservation's creation and its version-7 id (in the order made, within one hold too).
+#[test]
+fn the_core_stamps_with_the_holds_clock() {
+    let mut c = Core::new(1, 64 * MIB);
+    let a = c.tenant("a", quota(64 * MIB, 0));
+    let b = c.tenant("b", quota(64 * MIB, 0));
+    let hold = super::Clock {
+        now: c.t0 + Duration::from_secs(90),
+        wall: SystemTime::UNIX_EPOCH + Duration::from_millis(1_700_000_000_123),
+    };
+    c.st.set_clock(hold);
+    assert_eq!(c.st.clock(), hold);
+    let l = c.hold("a", a, 2 * MIB, 0, false);
+    assert_eq!(c.st.leases().get(&l).unwrap().created, hold.wall);
+    c.st.end_lease(l, super::Ending::Quarantine { pid: Some(7) })
+        .unwrap();
+    assert_eq!(c.st.quarantine()[&l].since, hold.now);
+    let first =
+        c.st.grant_process(&ask("a", a, 2 * MIB, Some(0)), 0)
+            .unwrap();
+    let second =
+        c.st.grant_process(&ask("b", b, 2 * MIB, Some(0)), 0)
+            .unwrap();
+    for id in [first, second] {
+        let r = c.st.reservations().get(&id).unwrap();
+        assert_eq!(r.created, hold.wall);
+        let (secs, nanos) = id.get_timestamp().unwrap().to_unix();
+        assert_eq!((secs, nanos / 1_000_000), (1_700_000_000, 123));
+    }
+    assert!(first < second, "ids in the order they were made");
+    // The next hold's time stamps what it makes.
+    let later = super::Clock {
+        now: hold.now + Duration::from_secs(1),
+        wall: hold.wall + Duration::from_secs(1),
+    };
+    c.st.set_clock(later);
+    let l = c.hold("a", a, 2 * MIB, 0, false);
+    assert_eq!(c.st.leases().get(&l).unwrap().created, later.wall);
+    c.st.take_effects();
+    c.st.check_invariant().unwrap();
+}
