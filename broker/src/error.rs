@@ -160,6 +160,15 @@ pub enum BrokerError {
     /// No device of the node takes new leases (drained or unhealthy), `why` per device.
     #[error("no device on this node takes new leases: {why}; retry later or on another node")]
     NoDeviceOpen { why: String },
+    /// A process reservation under `--mps` while the broker's MPS daemon is not running:
+    /// `state` is what it is instead (`starting`, `down`, `stopped`), `summary` says more.
+    #[error(
+        "the broker's MPS daemon is {summary}: MPS reservations are refused until it runs again"
+    )]
+    MpsNotRunning {
+        state: &'static str,
+        summary: String,
+    },
 
     // ---- FAILED_PRECONDITION
     /// The pinned device is drained or unhealthy.
@@ -202,6 +211,32 @@ pub enum BrokerError {
     /// The lease is already published (under another name, or this one).
     #[error("lease {lease} is already published as {name:?}")]
     AlreadyPublished { lease: Uuid, name: String },
+    /// A host-fallback lease was asked to be published (only device leases are shared).
+    #[error("host-fallback leases cannot be published; publish a device lease")]
+    HostLeaseNotShareable { lease: Uuid },
+    /// The lease's memory could not be sealed read-only for its importers (its holder
+    /// sealed it against further seals, say): `cause` is the kernel's answer.
+    #[error("{cause}")]
+    SealFailed { lease: Uuid, cause: String },
+    /// A host-tier lease was asked of a broker that has no host tier.
+    #[error("this broker has no host tier (--host-fallback-capacity 0)")]
+    NoHostTier,
+    /// Leases are fd handles, which need the ticket server, and this broker runs none.
+    #[error("fd handles need the ticket server, which this broker does not run")]
+    NoTicketServer,
+    /// Leases are fd handles, delivered only over the broker's Unix socket.
+    #[error(
+        "fd handles are delivered only to callers on the broker's Unix socket (a TCP peer cannot receive SCM_RIGHTS); connect over unix://"
+    )]
+    FdNeedsUnixSocket,
+    /// The request does not accept fd handles, the only kind the broker serves.
+    #[error(
+        "this broker serves leases as fd handles only and the request does not accept HANDLE_KIND_FD"
+    )]
+    FdHandlesNotAccepted,
+    /// The admin token cannot be rotated: the broker reads it from no file.
+    #[error("this broker has no admin token file to rotate; issue an admin-scope token instead")]
+    NoAdminTokenFile,
 
     // ---- INVALID_ARGUMENT
     /// A quota change would make the tenants' guarantees add up to more than the node can
@@ -212,6 +247,23 @@ pub enum BrokerError {
         show(*leasable)
     )]
     GuaranteesExceedCapacity { guarantees: u64, leasable: u64 },
+    /// A device index past the last of `count` devices (the broker's, or those its MPS
+    /// daemon serves).
+    #[error(
+        "unknown device {device}: {} {count} device(s)",
+        if *mps { "the MPS daemon serves" } else { "this broker has" }
+    )]
+    UnknownDevice {
+        device: u32,
+        count: usize,
+        mps: bool,
+    },
+    /// A request asks to wait longer than the longest wait allowed (`--max-wait`).
+    #[error("wait {wait_ms} ms exceeds the maximum {max_ms} ms")]
+    WaitTooLong { wait_ms: u64, max_ms: u64 },
+    /// A publish names more reader tenants than allowed.
+    #[error("{readers} reader tenants, the most allowed is {max}")]
+    TooManyReaders { readers: usize, max: usize },
 
     // ---- untyped: a message under its code (no reason is sent)
     #[error("{0}")]
@@ -318,29 +370,31 @@ impl BrokerError {
         BrokerError::NotFound(Missing::Tenant(name.to_string()))
     }
 
-    /// A device index past the last of the broker's `count` devices (`InvalidArgument`).
+    /// A device index past the last of the broker's `count` devices.
     pub fn unknown_device(device: u32, count: usize) -> Self {
-        Self::unknown_device_of(device, "this broker has", count)
+        BrokerError::UnknownDevice {
+            device,
+            count,
+            mps: false,
+        }
     }
 
     /// A device index past the last of the `count` devices the MPS daemon serves.
     pub fn unknown_mps_device(device: u32, count: u32) -> Self {
-        Self::unknown_device_of(device, "the MPS daemon serves", count as usize)
-    }
-
-    fn unknown_device_of(device: u32, whose: &str, count: usize) -> Self {
-        BrokerError::InvalidArgument(format!(
-            "unknown device {device}: {whose} {count} device(s)"
-        ))
+        BrokerError::UnknownDevice {
+            device,
+            count: count as usize,
+            mps: true,
+        }
     }
 
     /// A request that asks to wait longer than the longest wait allowed (`--max-wait`).
     pub fn wait_too_long(wait: std::time::Duration, max: std::time::Duration) -> Self {
-        BrokerError::InvalidArgument(format!(
-            "wait {} ms exceeds the maximum {} ms",
-            wait.as_millis(),
-            max.as_millis()
-        ))
+        let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        BrokerError::WaitTooLong {
+            wait_ms: ms(wait),
+            max_ms: ms(max),
+        }
     }
 }
 
@@ -417,9 +471,16 @@ mod tests {
     #[test]
     fn unknown_devices_and_long_waits_are_invalid_arguments_that_say_the_numbers() {
         use std::time::Duration;
-        let msg = |e: BrokerError| match e {
-            BrokerError::InvalidArgument(m) => m,
-            other => panic!("not InvalidArgument: {other:?}"),
+        // Their code (INVALID_ARGUMENT) and reasons: `grpc_status.rs`'s tests.
+        let msg = |e: BrokerError| {
+            assert!(
+                matches!(
+                    e,
+                    BrokerError::UnknownDevice { .. } | BrokerError::WaitTooLong { .. }
+                ),
+                "{e:?}"
+            );
+            e.to_string()
         };
         assert_eq!(
             msg(BrokerError::unknown_device(3, 2)),

@@ -37,9 +37,11 @@ pub fn code(e: &BrokerError) -> Code {
         | SharingLimit { .. } => Code::ResourceExhausted,
         WaitExpired { .. } => Code::DeadlineExceeded,
         NotFound(_) => Code::NotFound,
-        ShuttingDown | BrokerRestarted { .. } | NoDeviceOpen { .. } | Unavailable(_) => {
-            Code::Unavailable
-        }
+        ShuttingDown
+        | BrokerRestarted { .. }
+        | NoDeviceOpen { .. }
+        | MpsNotRunning { .. }
+        | Unavailable(_) => Code::Unavailable,
         DeviceClosed { .. }
         | TenantInUse { .. }
         | TurnAlreadyHeld { .. }
@@ -47,8 +49,19 @@ pub fn code(e: &BrokerError) -> Code {
         | ReservationHeld { .. }
         | SharedNameTaken { .. }
         | AlreadyPublished { .. }
+        | HostLeaseNotShareable { .. }
+        | SealFailed { .. }
+        | NoHostTier
+        | NoTicketServer
+        | FdNeedsUnixSocket
+        | FdHandlesNotAccepted
+        | NoAdminTokenFile
         | FailedPrecondition(_) => Code::FailedPrecondition,
-        GuaranteesExceedCapacity { .. } | InvalidArgument(_) => Code::InvalidArgument,
+        GuaranteesExceedCapacity { .. }
+        | UnknownDevice { .. }
+        | WaitTooLong { .. }
+        | TooManyReaders { .. }
+        | InvalidArgument(_) => Code::InvalidArgument,
         PermissionDenied(_) => Code::PermissionDenied,
         Unauthenticated(_) => Code::Unauthenticated,
         Internal(_) => Code::Internal,
@@ -96,6 +109,17 @@ pub fn reason(e: &BrokerError) -> Option<&'static str> {
         SharedNameTaken { .. } => "SHARED_NAME_TAKEN",
         AlreadyPublished { .. } => "ALREADY_PUBLISHED",
         GuaranteesExceedCapacity { .. } => "GUARANTEES_EXCEED_CAPACITY",
+        MpsNotRunning { .. } => "MPS_NOT_RUNNING",
+        HostLeaseNotShareable { .. } => "HOST_LEASE_NOT_SHAREABLE",
+        SealFailed { .. } => "SEAL_FAILED",
+        NoHostTier => "NO_HOST_TIER",
+        NoTicketServer => "NO_TICKET_SERVER",
+        FdNeedsUnixSocket => "FD_NEEDS_UNIX_SOCKET",
+        FdHandlesNotAccepted => "FD_HANDLES_NOT_ACCEPTED",
+        NoAdminTokenFile => "NO_ADMIN_TOKEN_FILE",
+        UnknownDevice { .. } => "UNKNOWN_DEVICE",
+        WaitTooLong { .. } => "WAIT_TOO_LONG",
+        TooManyReaders { .. } => "TOO_MANY_READERS",
         InvalidArgument(_)
         | FailedPrecondition(_)
         | Unavailable(_)
@@ -276,8 +300,28 @@ pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
             ("held_bytes", s(bytes)),
         ],
         TurnAlreadyHeld { device } => vec![("device", s(device))],
-        LegacyHandlesRemoved => vec![("served_kinds", "HANDLE_KIND_FD".into())],
+        LegacyHandlesRemoved | FdHandlesNotAccepted => {
+            vec![("served_kinds", "HANDLE_KIND_FD".into())]
+        }
+        MpsNotRunning { state, .. } => vec![("mps_state", state.to_string())],
+        HostLeaseNotShareable { lease } => vec![("lease_id", s(lease))],
+        SealFailed { lease, .. } => vec![("lease_id", s(lease))],
+        UnknownDevice { device, count, mps } => vec![
+            ("device", s(device)),
+            ("device_count", s(count)),
+            ("devices_of", if *mps { "mps" } else { "broker" }.into()),
+        ],
+        WaitTooLong { wait_ms, max_ms } => {
+            vec![("wait_ms", s(wait_ms)), ("max_wait_ms", s(max_ms))]
+        }
+        TooManyReaders { readers, max } => {
+            vec![("readers", s(readers)), ("max_readers", s(max))]
+        }
         ShuttingDown
+        | NoHostTier
+        | NoTicketServer
+        | FdNeedsUnixSocket
+        | NoAdminTokenFile
         | NoDeviceOpen { .. }
         | InvalidArgument(_)
         | FailedPrecondition(_)
@@ -497,6 +541,122 @@ mod tests {
         assert!(plain.get_details_error_info().is_none());
     }
 
+    /// The refusals a client can act on that were plain messages once: each has its
+    /// reason, its code as before, and what it is about in the metadata.
+    #[test]
+    fn refusals_a_client_can_act_on_carry_their_reason_and_what_they_are_about() {
+        let id = Uuid::now_v7();
+        let lease = id.to_string();
+        // The error, its code, its reason and its metadata.
+        type Case<'a> = (BrokerError, Code, &'a str, Vec<(&'a str, &'a str)>);
+        let cases: Vec<Case> = vec![
+            (
+                BrokerError::MpsNotRunning {
+                    state: "down",
+                    summary: "down (control binary missing)".into(),
+                },
+                Code::Unavailable,
+                "MPS_NOT_RUNNING",
+                vec![("mps_state", "down")],
+            ),
+            (
+                BrokerError::HostLeaseNotShareable { lease: id },
+                Code::FailedPrecondition,
+                "HOST_LEASE_NOT_SHAREABLE",
+                vec![("lease_id", lease.as_str())],
+            ),
+            (
+                BrokerError::SealFailed {
+                    lease: id,
+                    cause: "sealing the memfd: Operation not permitted".into(),
+                },
+                Code::FailedPrecondition,
+                "SEAL_FAILED",
+                vec![("lease_id", lease.as_str())],
+            ),
+            (
+                BrokerError::NoHostTier,
+                Code::FailedPrecondition,
+                "NO_HOST_TIER",
+                vec![],
+            ),
+            (
+                BrokerError::NoTicketServer,
+                Code::FailedPrecondition,
+                "NO_TICKET_SERVER",
+                vec![],
+            ),
+            (
+                BrokerError::FdNeedsUnixSocket,
+                Code::FailedPrecondition,
+                "FD_NEEDS_UNIX_SOCKET",
+                vec![],
+            ),
+            (
+                BrokerError::FdHandlesNotAccepted,
+                Code::FailedPrecondition,
+                "FD_HANDLES_NOT_ACCEPTED",
+                vec![("served_kinds", "HANDLE_KIND_FD")],
+            ),
+            (
+                BrokerError::NoAdminTokenFile,
+                Code::FailedPrecondition,
+                "NO_ADMIN_TOKEN_FILE",
+                vec![],
+            ),
+            (
+                BrokerError::unknown_device(3, 2),
+                Code::InvalidArgument,
+                "UNKNOWN_DEVICE",
+                vec![
+                    ("device", "3"),
+                    ("device_count", "2"),
+                    ("devices_of", "broker"),
+                ],
+            ),
+            (
+                BrokerError::unknown_mps_device(1, 1),
+                Code::InvalidArgument,
+                "UNKNOWN_DEVICE",
+                vec![
+                    ("device", "1"),
+                    ("device_count", "1"),
+                    ("devices_of", "mps"),
+                ],
+            ),
+            (
+                BrokerError::wait_too_long(
+                    std::time::Duration::from_millis(1500),
+                    std::time::Duration::from_secs(1),
+                ),
+                Code::InvalidArgument,
+                "WAIT_TOO_LONG",
+                vec![("wait_ms", "1500"), ("max_wait_ms", "1000")],
+            ),
+            (
+                BrokerError::TooManyReaders {
+                    readers: 257,
+                    max: 256,
+                },
+                Code::InvalidArgument,
+                "TOO_MANY_READERS",
+                vec![("readers", "257"), ("max_readers", "256")],
+            ),
+        ];
+        for (e, want_code, want_reason, want_meta) in cases {
+            let s = Status::from(e.clone());
+            assert_eq!(s.code(), want_code, "{e:?}");
+            assert_eq!(s.message(), e.to_string());
+            let info = s.get_details_error_info().expect("an ErrorInfo");
+            assert_eq!(info.reason, want_reason, "{e:?}");
+            let want: HashMap<String, String> = want_meta
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            assert_eq!(info.metadata, want, "{e:?}");
+        }
+    }
+
     #[test]
     fn metadata_values_are_capped() {
         let s = status_with_reason(
@@ -620,6 +780,30 @@ mod tests {
                 guarantees: 2,
                 leasable: 1,
             },
+            MpsNotRunning {
+                state: "down",
+                summary: "down (restarting in 1 s)".into(),
+            },
+            HostLeaseNotShareable { lease: id },
+            SealFailed {
+                lease: id,
+                cause: "no".into(),
+            },
+            NoHostTier,
+            NoTicketServer,
+            FdNeedsUnixSocket,
+            FdHandlesNotAccepted,
+            NoAdminTokenFile,
+            UnknownDevice {
+                device: 2,
+                count: 1,
+                mps: false,
+            },
+            WaitTooLong {
+                wait_ms: 2,
+                max_ms: 1,
+            },
+            TooManyReaders { readers: 2, max: 1 },
             InvalidArgument("x".into()),
             FailedPrecondition("x".into()),
             Unavailable("x".into()),
@@ -664,13 +848,24 @@ mod tests {
             SharedNameTaken { .. } => 27,
             AlreadyPublished { .. } => 28,
             GuaranteesExceedCapacity { .. } => 29,
+            MpsNotRunning { .. } => 30,
+            HostLeaseNotShareable { .. } => 31,
+            SealFailed { .. } => 32,
+            NoHostTier => 33,
+            NoTicketServer => 34,
+            FdNeedsUnixSocket => 35,
+            FdHandlesNotAccepted => 36,
+            NoAdminTokenFile => 37,
+            UnknownDevice { .. } => 38,
+            WaitTooLong { .. } => 39,
+            TooManyReaders { .. } => 40,
         }
     }
 
     #[test]
     fn one_of_each_holds_every_variant() {
         let seen: std::collections::BTreeSet<usize> = one_of_each().iter().map(variant).collect();
-        assert_eq!(seen, (0..=29).collect());
+        assert_eq!(seen, (0..=40).collect());
     }
 
     #[test]

@@ -413,7 +413,7 @@ mod tests {
         assert!(arb.device_healthy(0));
         assert!(matches!(
             arb.set_device_health(9, true, "", &op),
-            Err(BrokerError::InvalidArgument(_))
+            Err(BrokerError::UnknownDevice { device: 9, .. })
         ));
         // Every verdict is in the audit log.
         let log = arb.list_audit(&Default::default()).unwrap();

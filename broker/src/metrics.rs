@@ -364,11 +364,17 @@ pub fn refusal_reason(e: &BrokerError) -> &'static str {
         | HostFallbackFailed { .. }
         | ReservationExceeded { .. }
         | SharingLimit { .. } => "capacity",
-        GuaranteesExceedCapacity { .. } | InvalidArgument(_) => "invalid",
+        GuaranteesExceedCapacity { .. }
+        | UnknownDevice { .. }
+        | WaitTooLong { .. }
+        | TooManyReaders { .. }
+        | InvalidArgument(_) => "invalid",
         NotFound(_) => "not_found",
-        ShuttingDown | BrokerRestarted { .. } | NoDeviceOpen { .. } | Unavailable(_) => {
-            "unavailable"
-        }
+        ShuttingDown
+        | BrokerRestarted { .. }
+        | NoDeviceOpen { .. }
+        | MpsNotRunning { .. }
+        | Unavailable(_) => "unavailable",
         // A device draining, or a caller that cannot receive what it asked for.
         DeviceClosed { .. }
         | TenantInUse { .. }
@@ -377,6 +383,13 @@ pub fn refusal_reason(e: &BrokerError) -> &'static str {
         | ReservationHeld { .. }
         | SharedNameTaken { .. }
         | AlreadyPublished { .. }
+        | HostLeaseNotShareable { .. }
+        | SealFailed { .. }
+        | NoHostTier
+        | NoTicketServer
+        | FdNeedsUnixSocket
+        | FdHandlesNotAccepted
+        | NoAdminTokenFile
         | FailedPrecondition(_) => "precondition",
         PermissionDenied(_) | Unauthenticated(_) | Internal(_) => "other",
     }

@@ -402,6 +402,29 @@ reasons! {
     AlreadyPublished = "ALREADY_PUBLISHED",
     /// `INVALID_ARGUMENT`: the tenants' guarantees would exceed the leasable capacity.
     GuaranteesExceedCapacity = "GUARANTEES_EXCEED_CAPACITY",
+    /// `UNAVAILABLE`: an MPS reservation while the broker's MPS daemon is not running.
+    MpsNotRunning = "MPS_NOT_RUNNING",
+    /// `FAILED_PRECONDITION`: a host-fallback lease cannot be published.
+    HostLeaseNotShareable = "HOST_LEASE_NOT_SHAREABLE",
+    /// `FAILED_PRECONDITION`: the lease's memory could not be sealed for its importers.
+    SealFailed = "SEAL_FAILED",
+    /// `FAILED_PRECONDITION`: the broker has no host tier.
+    NoHostTier = "NO_HOST_TIER",
+    /// `FAILED_PRECONDITION`: fd handles need the ticket server, which the broker does not
+    /// run.
+    NoTicketServer = "NO_TICKET_SERVER",
+    /// `FAILED_PRECONDITION`: fd handles reach only callers on the broker's Unix socket.
+    FdNeedsUnixSocket = "FD_NEEDS_UNIX_SOCKET",
+    /// `FAILED_PRECONDITION`: the request does not accept fd handles, the only kind served.
+    FdHandlesNotAccepted = "FD_HANDLES_NOT_ACCEPTED",
+    /// `FAILED_PRECONDITION`: the broker has no admin token file to rotate.
+    NoAdminTokenFile = "NO_ADMIN_TOKEN_FILE",
+    /// `INVALID_ARGUMENT`: no such device index.
+    UnknownDevice = "UNKNOWN_DEVICE",
+    /// `INVALID_ARGUMENT`: the wait asked for is longer than the broker's `--max-wait`.
+    WaitTooLong = "WAIT_TOO_LONG",
+    /// `INVALID_ARGUMENT`: a publish names more reader tenants than allowed.
+    TooManyReaders = "TOO_MANY_READERS",
 }
 
 impl fmt::Display for Reason {

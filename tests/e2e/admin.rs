@@ -410,6 +410,11 @@ async fn tcp_sessions_have_no_pid_and_get_no_fd_leases() {
     let e = s.lease(4 * MIB).await.unwrap_err();
     assert_eq!(e.code(), gpu_broker_client::Code::FailedPrecondition, "{e}");
     assert!(e.message().contains("Unix socket"), "{e}");
+    assert_eq!(
+        e.reason(),
+        Some(&gpu_broker_client::error::Reason::FdNeedsUnixSocket),
+        "{e}"
+    );
     let sessions = admin.list_sessions(None).await.unwrap();
     assert_eq!(sessions.len(), 1);
     assert_eq!(sessions[0].transport, "tcp");

@@ -689,6 +689,92 @@ async fn max_leases_refusal_names_the_lease_limit() {
     assert!(m.contains("1 of 1") || m.contains("limit 1"), "{m}");
 }
 
+/// Refusals a client can act on that were once plain messages under their code name
+/// their reason, with what they are about: a device index past the last, a wait past
+/// `--max-wait`, a publish naming too many readers, a host-fallback lease published,
+/// and a host-tier lease of a broker with no host tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_a_client_can_act_on_name_their_reason() {
+    let b = Broker::start_with(BrokerOpts {
+        capacity: "64MiB",
+        ..Default::default()
+    })
+    .unwrap();
+    let token = b
+        .tenant(
+            "alice",
+            QuotaSpec {
+                host_limit_bytes: 16 * MIB,
+                ..QuotaSpec::new(GIB)
+            },
+        )
+        .await
+        .unwrap();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("a").await.unwrap();
+    let ia = Code::InvalidArgument;
+    let e = refusal_of(
+        s.lease_request(MIB).device(7).send().await,
+        ia,
+        Reason::UnknownDevice,
+        "device 7 of 1",
+    );
+    assert_eq!(e.detail("device"), Some("7"), "{e}");
+    assert_eq!(e.detail("device_count"), Some("1"), "{e}");
+    let e = refusal_of(
+        s.lease_request(MIB)
+            .wait(Duration::from_secs(2 * 3600))
+            .send()
+            .await,
+        ia,
+        Reason::WaitTooLong,
+        "a two-hour wait",
+    );
+    assert_eq!(e.detail("wait_ms"), Some("7200000"), "{e}");
+    assert_eq!(e.detail("max_wait_ms"), Some("3600000"), "{e}");
+    let lease = s.lease(2 * MIB).await.unwrap();
+    let readers: Vec<String> = (0..257).map(|i| format!("t{i}")).collect();
+    let readers: Vec<&str> = readers.iter().map(String::as_str).collect();
+    let e = refusal_of(
+        lease.publish("w", &readers).await,
+        ia,
+        Reason::TooManyReaders,
+        "257 readers",
+    );
+    assert_eq!(e.detail("readers"), Some("257"), "{e}");
+    assert_eq!(e.detail("max_readers"), Some("256"), "{e}");
+    let host = s
+        .lease_request(2 * MIB)
+        .host_tier(true)
+        .send()
+        .await
+        .unwrap();
+    let e = refusal_of(
+        host.publish("h", &[]).await,
+        Code::FailedPrecondition,
+        Reason::HostLeaseNotShareable,
+        "a host-fallback lease published",
+    );
+    assert_eq!(e.detail("lease_id"), Some(host.id()), "{e}");
+    drop((lease, host));
+
+    let bare = Broker::start_with(BrokerOpts {
+        capacity: "64MiB",
+        extra: vec!["--host-fallback-capacity".into(), "0".into()],
+        ..Default::default()
+    })
+    .unwrap();
+    let c = bare.client("bob", GIB).await.unwrap();
+    let s = c.session("b").await.unwrap();
+    refusal_of(
+        s.lease_request(MIB).host_tier(true).send().await,
+        Code::FailedPrecondition,
+        Reason::NoHostTier,
+        "no host tier",
+    );
+    assert_healthy(&bare, &c).await;
+}
+
 /// The upper-snake words quoted in `text` right after `marker` (`=> "QUOTA_EXCEEDED"`).
 fn quoted_after(text: &str, marker: &str) -> std::collections::BTreeSet<String> {
     text.split(marker)

@@ -244,16 +244,19 @@ async fn handle_kinds_are_negotiated() {
             ],
             Some(Reason::LegacyHandlesRemoved),
         ),
-        (vec![pb::HandleKind::HostShm as i32], None),
+        (
+            vec![pb::HandleKind::HostShm as i32],
+            Some(Reason::FdHandlesNotAccepted),
+        ),
     ] {
         let e = c.raw().acquire_lease(raw(kinds)).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
         assert!(e.message().contains("HANDLE_KIND_FD"), "{e:?}");
         let e = gpu_broker_client::ClientError::from(e);
         assert_eq!(e.reason(), reason.as_ref(), "{e}");
-        if reason.is_some() {
+        assert_eq!(e.detail("served_kinds"), Some("HANDLE_KIND_FD"), "{e}");
+        if reason == Some(Reason::LegacyHandlesRemoved) {
             assert!(e.message().contains("docs/security.md"), "{e}");
-            assert_eq!(e.detail("served_kinds"), Some("HANDLE_KIND_FD"), "{e}");
         }
     }
     let e = c.raw().acquire_lease(raw(vec![77])).await.unwrap_err();

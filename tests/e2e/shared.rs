@@ -430,10 +430,14 @@ async fn memory_its_holder_sealed_is_not_handed_out_again() {
         unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SEAL) },
         0
     );
+    let e = lease.publish("x", &[]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
     assert_eq!(
-        lease.publish("x", &[]).await.unwrap_err().code(),
-        Code::FailedPrecondition
+        e.reason(),
+        Some(&gpu_broker_client::error::Reason::SealFailed),
+        "{e}"
     );
+    assert_eq!(e.detail("lease_id"), Some(lease.id()), "{e}");
     lease.release().await.unwrap();
     // The next lease is a fresh memory object that can be written and published.
     let lease = s.lease(2 * MIB).await.unwrap();

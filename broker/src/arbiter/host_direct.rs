@@ -17,9 +17,7 @@ impl Arbiter {
         self.check_not_draining()?;
         self.validate(&req)?;
         let Some(host) = &self.host_tier else {
-            return Err(BrokerError::FailedPrecondition(
-                "this broker has no host tier (--host-fallback-capacity 0)".into(),
-            ));
+            return Err(BrokerError::NoHostTier);
         };
         let gran = host.desc().granularity;
         let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {

@@ -75,9 +75,7 @@ fn publishable(st: &State, tenant: &str, lease: Uuid, name: &str) -> BrokerResul
         _ => return Err(lease_not_found(lease)),
     };
     if l.tier != Tier::Device {
-        return Err(BrokerError::FailedPrecondition(
-            "host-fallback leases cannot be published; publish a device lease".into(),
-        ));
+        return Err(BrokerError::HostLeaseNotShareable { lease });
     }
     if st
         .shared()
@@ -139,10 +137,10 @@ impl Arbiter {
     ) -> BrokerResult<SharedView> {
         check_name(name)?;
         if readers.len() > MAX_READERS {
-            return Err(BrokerError::InvalidArgument(format!(
-                "{} reader tenants, the most allowed is {MAX_READERS}",
-                readers.len()
-            )));
+            return Err(BrokerError::TooManyReaders {
+                readers: readers.len(),
+                max: MAX_READERS,
+            });
         }
         for r in readers {
             if r.is_empty() {
@@ -171,8 +169,11 @@ impl Arbiter {
         // Sealed and reopened read-only (through `/proc/self/fd`) with no lock held; a
         // memfd sealed for a publish that then loses a race is never cached (marked
         // above).
-        let (ro, enforced) = sharing::importer_fd(kind, &fd)
-            .map_err(|e| BrokerError::FailedPrecondition(e.to_string()))?;
+        let (ro, enforced) =
+            sharing::importer_fd(kind, &fd).map_err(|e| BrokerError::SealFailed {
+                lease,
+                cause: e.to_string(),
+            })?;
         let mut st = self.lock();
         // Again: the lock was let go meanwhile.
         let id = match publishable(&st, tenant, lease, name)? {

@@ -370,7 +370,11 @@ async fn unpinned_requests_go_where_they_fit_and_pinned_stay() {
     r.device = Some(2);
     assert!(matches!(
         f.arb.acquire(r).await,
-        Err(BrokerError::InvalidArgument(_))
+        Err(BrokerError::UnknownDevice {
+            device: 2,
+            count: 2,
+            mps: false
+        })
     ));
 }
 

@@ -145,12 +145,10 @@ impl Arbiter {
                 MAX_ROTATION_GRACE.as_secs() / 3600
             )));
         }
-        let path = self.auth.admin_file().ok_or_else(|| {
-            BrokerError::FailedPrecondition(
-                "this broker has no admin token file to rotate; issue an admin-scope token instead"
-                    .into(),
-            )
-        })?;
+        let path = self
+            .auth
+            .admin_file()
+            .ok_or(BrokerError::NoAdminTokenFile)?;
         let (token, _) = generate_token();
         crate::admin_token::replace(&path, &token)
             .map_err(|e| BrokerError::Internal(format!("writing the new admin token: {e}")))?;

@@ -164,10 +164,10 @@ impl Mps {
         }
         let s = self.status();
         if s.state != MpsState::Running {
-            return Err(BrokerError::Unavailable(format!(
-                "the broker's MPS daemon is {}: MPS reservations are refused until it runs again",
-                s.summary()
-            )));
+            return Err(BrokerError::MpsNotRunning {
+                state: s.state.as_str(),
+                summary: s.summary(),
+            });
         }
         Ok(env::client_env(
             &self.shared.control.pipe_dir,

@@ -122,7 +122,11 @@ async fn starts_the_daemon_checks_it_and_quits_at_shutdown() {
     assert_eq!(env.get(env::ACTIVE_THREAD_PERCENTAGE), Some("25"));
     assert!(matches!(
         mps.client_env(2, 1 << 30, 100),
-        Err(BrokerError::InvalidArgument(_))
+        Err(BrokerError::UnknownDevice {
+            device: 2,
+            mps: true,
+            ..
+        })
     ));
     mps.shutdown().await;
     assert_eq!(fx.commands("quit"), 1);
@@ -130,7 +134,7 @@ async fn starts_the_daemon_checks_it_and_quits_at_shutdown() {
     assert_eq!(mps.status().state, MpsState::Stopped);
     assert!(matches!(
         mps.client_env(0, 1 << 30, 100),
-        Err(BrokerError::Unavailable(_))
+        Err(BrokerError::MpsNotRunning { .. })
     ));
     mps.shutdown().await; // idempotent
     assert_eq!(fx.commands("quit"), 1);
@@ -153,7 +157,9 @@ async fn a_crashed_daemon_is_restarted_and_reservations_are_refused_meanwhile() 
     let s = mps.status();
     assert!(s.last_error.contains("stopped answering"), "{s:?}");
     match mps.client_env(0, 1 << 30, 100) {
-        Err(BrokerError::Unavailable(m)) => assert!(m.contains("down"), "{m}"),
+        Err(e @ BrokerError::MpsNotRunning { state: "down", .. }) => {
+            assert!(e.to_string().contains("down"), "{e}")
+        }
         other => panic!("refused while down: {other:?}"),
     }
     until("running again", || mps.status().state == MpsState::Running).await;
@@ -240,7 +246,7 @@ async fn a_missing_control_binary_is_down_with_the_reason() {
     assert!(s.last_error.contains("no-such-binary"), "{s:?}");
     assert!(matches!(
         mps.client_env(0, 1 << 30, 100),
-        Err(BrokerError::Unavailable(_))
+        Err(BrokerError::MpsNotRunning { .. })
     ));
     mps.shutdown().await;
     assert_eq!(mps.status().state, MpsState::Stopped);

@@ -342,12 +342,12 @@ fn a_cancelled_waiter_is_skipped() {
     );
     assert!(matches!(
         s.s.request(9, who("d", 1), usize::MAX, s.now),
-        Err(BrokerError::InvalidArgument(_))
+        Err(BrokerError::UnknownDevice { device: 9, .. })
     ));
     // A bad device is a bad request, also from a tenant at its waiting cap.
     assert!(matches!(
         s.s.request(9, who("d", 1), 0, s.now),
-        Err(BrokerError::InvalidArgument(_))
+        Err(BrokerError::UnknownDevice { device: 9, .. })
     ));
 }
 

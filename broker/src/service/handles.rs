@@ -58,20 +58,14 @@ pub fn parse_accept(kinds: &[i32]) -> Result<Accept, BrokerError> {
 /// The ticket binding of `caller`, when it can receive an fd at all.
 fn binding(arb: &Arbiter, caller: &Peer) -> Result<Binding, BrokerError> {
     if arb.tickets().socket().is_none() {
-        return Err(BrokerError::FailedPrecondition(
-            "fd handles need the ticket server, which this broker does not run".into(),
-        ));
+        return Err(BrokerError::NoTicketServer);
     }
     match (caller.unix, caller.uid) {
         (true, Some(uid)) => Ok(Binding {
             uid,
             pid: caller.pid.filter(|&p| p != 0),
         }),
-        _ => Err(BrokerError::FailedPrecondition(
-            "fd handles are delivered only to callers on the broker's Unix socket (a TCP peer \
-             cannot receive SCM_RIGHTS); connect over unix://"
-                .into(),
-        )),
+        _ => Err(BrokerError::FdNeedsUnixSocket),
     }
 }
 
@@ -81,11 +75,7 @@ pub fn check_servable(arb: &Arbiter, accept: Accept, caller: &Peer) -> Result<()
         if accept.cuda_ipc {
             return Err(BrokerError::LegacyHandlesRemoved);
         }
-        return Err(BrokerError::FailedPrecondition(
-            "this broker serves leases as fd handles only and the request does not accept \
-             HANDLE_KIND_FD"
-                .into(),
-        ));
+        return Err(BrokerError::FdHandlesNotAccepted);
     }
     binding(arb, caller).map(|_| ())
 }

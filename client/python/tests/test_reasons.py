@@ -158,6 +158,22 @@ def test_not_found_draining_and_no_device(make_broker):
         _refusal(e, gpubroker.DeviceUnhealthy, "FAILED_PRECONDITION", "DEVICE_UNHEALTHY")
 
 
+def test_unknown_device_and_too_long_a_wait(make_broker):
+    b = make_broker("--host-capacity", "64MiB")
+    w = gpubroker.connect(b.address, b.tenant("t", "32MiB"))
+    with w.session("s") as s:
+        with pytest.raises(gpubroker.InvalidArgument) as e:
+            s.lease(2 * MIB, device=7)
+        err = _refusal(e, gpubroker.InvalidArgument, "INVALID_ARGUMENT", "UNKNOWN_DEVICE")
+        assert err.details["device"] == "7" and err.details["devices_of"] == "broker", err.details
+        assert int(err.details["device_count"]) < 7, err.details
+        with pytest.raises(gpubroker.InvalidArgument) as e:
+            s.lease(2 * MIB, wait=7200.0)
+        err = _refusal(e, gpubroker.InvalidArgument, "INVALID_ARGUMENT", "WAIT_TOO_LONG")
+        assert err.details["wait_ms"] == "7200000", err.details
+        assert err.details["max_wait_ms"] == "3600000", err.details
+
+
 def test_shutting_down(make_broker):
     b = make_broker("--host-capacity", "64MiB", "--shutdown-grace", "10s")
     w = gpubroker.connect(b.address, b.tenant("t", "32MiB"))

@@ -269,6 +269,23 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "ALREADY_PUBLISHED": FailedPrecondition,
     # A quota change whose guarantees would exceed the node's leasable memory.
     "GUARANTEES_EXCEED_CAPACITY": InvalidArgument,
+    # An MPS reservation while the broker's MPS daemon is not running.
+    "MPS_NOT_RUNNING": Unavailable,
+    # What the broker cannot do for this request or caller: publish a host-fallback lease,
+    # seal a lease's memory for importers, lease host memory without a host tier, deliver
+    # fd handles (no ticket server, a caller not on the Unix socket, a request that does
+    # not accept them), rotate an admin token it reads from no file.
+    "HOST_LEASE_NOT_SHAREABLE": FailedPrecondition,
+    "SEAL_FAILED": FailedPrecondition,
+    "NO_HOST_TIER": FailedPrecondition,
+    "NO_TICKET_SERVER": FailedPrecondition,
+    "FD_NEEDS_UNIX_SOCKET": FailedPrecondition,
+    "FD_HANDLES_NOT_ACCEPTED": FailedPrecondition,
+    "NO_ADMIN_TOKEN_FILE": FailedPrecondition,
+    # A device index past the last, a wait past --max-wait, too many reader tenants.
+    "UNKNOWN_DEVICE": InvalidArgument,
+    "WAIT_TOO_LONG": InvalidArgument,
+    "TOO_MANY_READERS": InvalidArgument,
 }
 
 
