@@ -33,15 +33,12 @@ fn backend_choice_parser() -> impl clap::builder::TypedValueParser<Value = Backe
 fn reclaim_policy_parser() -> impl clap::builder::TypedValueParser<Value = ReclaimPolicy> {
     use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
     PossibleValuesParser::new([
-        PossibleValue::new("cooperative")
+        PossibleValue::new(ReclaimPolicy::Cooperative.name())
             .help("Revoke the lease and quarantine its memory until the process lets go or exits"),
-        PossibleValue::new("terminate")
+        PossibleValue::new(ReclaimPolicy::Terminate.name())
             .help("Kill the holder process (pid from the Unix socket), then reuse the memory"),
     ])
-    .map(|v| match v.as_str() {
-        "terminate" => ReclaimPolicy::Terminate,
-        _ => ReclaimPolicy::Cooperative,
-    })
+    .map(|v| ReclaimPolicy::from_name(&v).unwrap_or(defaults::RECLAIM_POLICY))
 }
 
 fn parse_headroom(s: &str) -> Result<Headroom, String> {
@@ -173,7 +170,7 @@ pub struct Config {
         long,
         env = "GPU_BROKER_RECLAIM_POLICY",
         value_parser = reclaim_policy_parser(),
-        default_value = "cooperative"
+        default_value = defaults::RECLAIM_POLICY.name()
     )]
     pub reclaim_policy: ReclaimPolicy,
 
@@ -186,7 +183,7 @@ pub struct Config {
     pub quarantine_timeout: Duration,
 
     /// Time sessions get to release their leases on shutdown.
-    #[arg(long, env = "GPU_BROKER_SHUTDOWN_GRACE", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, env = "GPU_BROKER_SHUTDOWN_GRACE", default_value = defaults::text(defaults::SHUTDOWN_GRACE), value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
     /// Serve Prometheus metrics (`/metrics`) and `/healthz`, `/readyz` on this HTTP
@@ -211,7 +208,7 @@ pub struct Config {
 
     /// Calls per second each tenant may make (token bucket; 0: no limit). Over it a call
     /// is RESOURCE_EXHAUSTED with a retry hint. Admin and node-wide read tokens are exempt.
-    #[arg(long, env = "GPU_BROKER_TENANT_RPC_RATE", default_value = "0", value_parser = parse_rate)]
+    #[arg(long, env = "GPU_BROKER_TENANT_RPC_RATE", default_value_t = defaults::TENANT_RPC_RATE, value_parser = parse_rate)]
     pub tenant_rpc_rate: f64,
 
     /// Threads of the runtime that serves listings, other operator reads and the metrics
@@ -227,7 +224,7 @@ pub struct Config {
     pub admin_listen: Option<PathBuf>,
 
     /// Most calls a tenant may make in a burst above its rate.
-    #[arg(long, env = "GPU_BROKER_TENANT_RPC_BURST", default_value = "100", value_parser = parse_rate)]
+    #[arg(long, env = "GPU_BROKER_TENANT_RPC_BURST", default_value_t = defaults::TENANT_RPC_BURST, value_parser = parse_rate)]
     pub tenant_rpc_burst: f64,
 
     /// How often the health monitor checks every device (0s: never). A device that fails
@@ -305,7 +302,7 @@ pub struct Config {
     pub ticket_socket: Option<PathBuf>,
 
     /// How long a lease ticket stays valid.
-    #[arg(long, env = "GPU_BROKER_TICKET_TTL", default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, env = "GPU_BROKER_TICKET_TTL", default_value = defaults::text(defaults::TICKET_TTL), value_parser = parse_duration)]
     pub ticket_ttl: Duration,
 }
 
@@ -631,6 +628,62 @@ mod tests {
         );
         assert_eq!(c.health(), crate::health::HealthConfig::default());
         assert_eq!(c.reclaim_deadline, defaults::RECLAIM_DEADLINE);
+        // The reclaim policy, the tenant rate limit (off, with its burst for when a rate
+        // is set) and the tickets' TTL: each once, in defaults.rs.
+        assert_eq!(got.reclaim_policy, want.reclaim_policy);
+        assert_eq!(got.reclaim_policy, ReclaimPolicy::Cooperative);
+        assert_eq!(got.rate, want.rate);
+        assert_eq!(got.rate, crate::rate::RateConfig::default());
+        assert_eq!(c.ticket_ttl, crate::tickets::TicketTable::default().ttl());
+        assert_eq!(c.shutdown_grace, defaults::SHUTDOWN_GRACE);
+    }
+
+    /// What `--help` shows as each default is what a user who sets nothing gets.
+    #[test]
+    fn help_shows_the_defaults_a_user_gets() {
+        let cmd = Config::command();
+        let shown = |long: &str| -> String {
+            let a = cmd
+                .get_arguments()
+                .find(|a| a.get_long() == Some(long))
+                .unwrap_or_else(|| panic!("no --{long}"));
+            let v: Vec<String> = a
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().to_string())
+                .collect();
+            v.join(",")
+        };
+        assert_eq!(shown("tenant-rpc-burst"), "100");
+        assert_eq!(shown("tenant-rpc-rate"), "0");
+        assert_eq!(shown("reclaim-policy"), "cooperative");
+        assert_eq!(shown("ticket-ttl"), "30s");
+        assert_eq!(shown("shutdown-grace"), "5s");
+        let c = Config::from_args(vec!["gpu-broker".into()]).unwrap();
+        let rate = c.arbiter().rate;
+        assert_eq!(rate.burst.to_string(), shown("tenant-rpc-burst"));
+        assert_eq!(rate.rate.to_string(), shown("tenant-rpc-rate"));
+        assert_eq!(
+            crate::units::parse_duration(&shown("ticket-ttl")),
+            Ok(c.ticket_ttl)
+        );
+        // A user who sets only a rate gets bursts of the burst --help shows: 100 calls at
+        // once, then a refusal.
+        let limiter = crate::rate::RateLimiter::new(crate::rate::RateConfig { rate: 1.0, ..rate });
+        let now = std::time::Instant::now();
+        for _ in 0..100 {
+            assert!(limiter.take("t", now).is_ok());
+        }
+        assert!(limiter.take("t", now).is_err());
+        // And so does a component built with the library's defaults.
+        let limiter = crate::rate::RateLimiter::new(crate::rate::RateConfig {
+            rate: 1.0,
+            ..ArbiterConfig::default().rate
+        });
+        for _ in 0..100 {
+            assert!(limiter.take("t", now).is_ok());
+        }
+        assert!(limiter.take("t", now).is_err());
     }
 
     /// The connection limits' flags, left at their defaults, are `Limits::default()`: both

@@ -1,8 +1,21 @@
 //! The broker's default settings, in one place: the command line's defaults
 //! (`config.rs`, shown by `--help`) and the `Default` of each component's settings
-//! (`ArbiterConfig`, `TurnConfig`, `HealthConfig`, the listeners' `Limits`) are these values.
+//! (`ArbiterConfig`, `TurnConfig`, `HealthConfig`, the listeners' `Limits`, `RateConfig`,
+//! the ticket table's TTL) are these values.
 
+use crate::reclaim_policy::ReclaimPolicy;
 use std::time::Duration;
+
+/// `--reclaim-policy`: what happens to a holder that misses its reclaim deadline.
+pub const RECLAIM_POLICY: ReclaimPolicy = ReclaimPolicy::Cooperative;
+/// `--ticket-ttl`: how long a lease ticket stays valid.
+pub const TICKET_TTL: Duration = Duration::from_secs(30);
+/// `--tenant-rpc-rate`: calls per second each tenant may make (0: no limit).
+pub const TENANT_RPC_RATE: f64 = 0.0;
+/// `--tenant-rpc-burst`: most calls a tenant may make in a burst above its rate.
+pub const TENANT_RPC_BURST: f64 = 100.0;
+/// `--shutdown-grace`: time sessions get to release their leases on shutdown.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// `--reclaim-deadline`: time a holder has to release a lease after a reclaim request.
 pub const RECLAIM_DEADLINE: Duration = Duration::from_secs(5);
@@ -80,6 +93,8 @@ mod tests {
             HEALTH_TIMEOUT,
             OVERTAKE_AGE,
             HANDSHAKE_TIMEOUT,
+            TICKET_TTL,
+            SHUTDOWN_GRACE,
         ] {
             assert_eq!(crate::units::parse_duration(&text(d)), Ok(d), "{}", text(d));
         }

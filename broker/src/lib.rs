@@ -35,6 +35,7 @@ pub mod process_group;
 pub mod quota;
 pub mod rate;
 pub mod read_pool;
+pub mod reclaim_policy;
 pub mod reservations;
 pub mod scheduler;
 pub mod server;

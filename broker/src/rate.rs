@@ -10,12 +10,23 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// The limits. `rate == 0`: off.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RateConfig {
     /// Calls per second per tenant.
     pub rate: f64,
     /// Most calls in a burst (at least 1).
     pub burst: f64,
+}
+
+/// Off, with the burst `--tenant-rpc-burst` defaults to (`defaults.rs`) for when a rate is
+/// set.
+impl Default for RateConfig {
+    fn default() -> Self {
+        RateConfig {
+            rate: crate::defaults::TENANT_RPC_RATE,
+            burst: crate::defaults::TENANT_RPC_BURST,
+        }
+    }
 }
 
 impl RateConfig {

@@ -75,7 +75,7 @@ impl Default for TicketTable {
     fn default() -> Self {
         TicketTable {
             inner: Mutex::new(Inner::default()),
-            ttl: Mutex::new(Duration::from_secs(30)),
+            ttl: Mutex::new(crate::defaults::TICKET_TTL),
             socket: Mutex::new(None),
         }
     }

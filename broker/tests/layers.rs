@@ -17,8 +17,9 @@ use gpu_broker_module_graph::{circle, files, module_graph, reach, uses, uses_sup
 use std::path::Path;
 
 /// Modules below the arbiter: the state it owns, the devices, the records and their rules.
-const BELOW_ARBITER: [&str; 26] = [
+const BELOW_ARBITER: [&str; 27] = [
     "units",
+    "reclaim_policy",
     "tier",
     "faults",
     "audit",

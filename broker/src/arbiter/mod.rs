@@ -55,15 +55,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-/// What happens to a holder that misses a reclaim deadline (or whose lease an operator
-/// revokes) while its process still runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReclaimPolicy {
-    /// Revoke the lease and quarantine its memory until the process lets go or exits.
-    Cooperative,
-    /// Kill the holder process (pid from the Unix socket), then reuse the memory.
-    Terminate,
-}
+pub use crate::reclaim_policy::ReclaimPolicy;
 
 /// Tunables of the arbiter.
 #[derive(Clone, Debug)]
@@ -99,7 +91,7 @@ impl Default for ArbiterConfig {
         ArbiterConfig {
             reclaim_deadline: crate::defaults::RECLAIM_DEADLINE,
             keepalive_timeout: crate::defaults::KEEPALIVE_TIMEOUT,
-            reclaim_policy: ReclaimPolicy::Cooperative,
+            reclaim_policy: crate::defaults::RECLAIM_POLICY,
             quarantine_timeout: crate::defaults::QUARANTINE_TIMEOUT,
             max_wait: crate::defaults::MAX_WAIT,
             max_sessions_per_tenant: crate::defaults::MAX_SESSIONS_PER_TENANT,
