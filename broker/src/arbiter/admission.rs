@@ -33,18 +33,27 @@ enum Offered {
         bytes: u64,
         err: BrokerError,
     },
+    /// A process reservation may cover the request: offer it again with the process tree
+    /// of its session's peer (this pid), read from `/proc` outside the lock.
+    NeedsLineage(u32),
 }
 
 /// Removes a waiter from the queue, and its reply channel, if the acquiring future is
-/// dropped (caller gone); a grant already sent but not yet received is given back.
+/// dropped (caller gone); a grant already sent but not yet received is given back. Once
+/// the answer is received there is nothing to undo (an answered waiter has left the queue
+/// and its channel the outbox), and the drop takes no lock.
 struct WaiterGuard {
     arb: Arc<Arbiter>,
     id: WaiterId,
     rx: tokio::sync::oneshot::Receiver<super::outbox::Answer>,
+    answered: bool,
 }
 
 impl Drop for WaiterGuard {
     fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
         // Closed first: an answer sent from now on comes back to its sender, which gives
         // it back (`Effect::Reply`); one already sent is taken here.
         self.rx.close();
@@ -96,12 +105,12 @@ impl Arbiter {
     ) -> BrokerResult<Granted> {
         self.check_not_draining()?;
         self.validate(&req)?;
-        // Whose process tree the caller is in, read from /proc before the state lock.
-        let lineage = match process {
-            None => self.caller_lineage(&req),
-            Some(_) => Vec::new(),
-        };
-        let queued = self.enqueue(&req, process, &lineage)?;
+        let mut queued = self.enqueue(&req, process, None)?;
+        if let Offered::NeedsLineage(pid) = queued {
+            // Whose process tree the caller is in, read from /proc outside the state lock.
+            let lineage = Self::caller_lineage(pid);
+            queued = self.enqueue(&req, None, Some(&lineage))?;
+        }
         let (rx, id, bytes) = match queued {
             Offered::Waiting {
                 rx,
@@ -113,11 +122,17 @@ impl Arbiter {
                 (rx, id, bytes)
             }
             Offered::Refused { bytes, err } => return self.fallback_or(&req, bytes, err).await,
+            Offered::NeedsLineage(_) => {
+                return Err(BrokerError::Internal(
+                    "a request offered with its process tree asked for it again".into(),
+                ))
+            }
         };
         let mut guard = WaiterGuard {
             arb: self.clone(),
             id,
             rx,
+            answered: false,
         };
         let rx = &mut guard.rx;
         let outcome = if req.wait.is_zero() {
@@ -149,15 +164,19 @@ impl Arbiter {
                 }
             }
         };
+        guard.answered = outcome.is_ok();
         outcome.unwrap_or_else(|_| Err(BrokerError::Internal("grant was dropped".into())))
     }
 
     /// Checks the request against what never fits, queues it and runs the queue once.
+    /// A lease request is first looked at against the process reservations: with
+    /// `lineage` (its process tree) when the caller has read it, else, while a reservation
+    /// exists, the answer is `NeedsLineage` and nothing is queued.
     fn enqueue(
         self: &Arc<Self>,
         req: &AcquireRequest,
         process: Option<crate::reservations::ProcessAsk>,
-        lineage: &[u32],
+        lineage: Option<&[u32]>,
     ) -> BrokerResult<Offered> {
         let mut st = self.lock();
         let session = st
@@ -174,6 +193,13 @@ impl Arbiter {
         // A lease of a reserved process is drawn from its reservation: no queue, the
         // memory is already set aside (`reservations.rs`).
         if process.is_none() {
+            let lineage = match lineage {
+                Some(l) => l,
+                None => match self.lineage_needed(&st, req) {
+                    Some(pid) => return Ok(Offered::NeedsLineage(pid)),
+                    None => &[],
+                },
+            };
             if let Some(drawn) = self.draw_from_reservation(&mut st, req, lineage)? {
                 let id = st.next_waiter_id();
                 let rx = self.outbox.register_reply(id);

@@ -178,18 +178,22 @@ impl Arbiter {
         st.end_reservation(id);
     }
 
-    /// The pids a lease request's process tree is made of (its session's peer, its
-    /// parent, ...), read from `/proc` outside the state lock; empty when no reservation
-    /// could cover it.
-    pub(crate) fn caller_lineage(&self, req: &AcquireRequest) -> Vec<u32> {
-        let pid = {
-            let st = self.lock();
-            if st.reservations().is_empty() {
-                return Vec::new();
-            }
-            st.sessions().get(&req.session).and_then(|s| s.peer.pid)
-        };
-        pid.map(|p| lineage(p).collect()).unwrap_or_default()
+    /// Whether a lease request must be looked at against the process reservations first:
+    /// the pid of its session's peer when a reservation exists and the peer is known (the
+    /// caller then reads the peer's lineage from `/proc` outside the lock and offers the
+    /// request again with it). Read under the lock the offer holds, so a broker with no
+    /// reservation takes the lock once per acquire.
+    pub(crate) fn lineage_needed(&self, st: &State, req: &AcquireRequest) -> Option<u32> {
+        if st.reservations().is_empty() {
+            return None;
+        }
+        st.sessions().get(&req.session).and_then(|s| s.peer.pid)
+    }
+
+    /// The pids a process tree is made of (`pid`, its parent, ...), read from `/proc`
+    /// outside the state lock.
+    pub(crate) fn caller_lineage(pid: u32) -> Vec<u32> {
+        lineage(pid).collect()
     }
 
     /// If `req` comes from a process (`lineage`: it and its ancestors) a reservation of

@@ -116,6 +116,24 @@ async fn released_block_is_reused_without_scrub_by_its_tenant() {
     assert_eq!((st.hits, st.scrubs), (1, 0));
 }
 
+/// The state lock is the broker's one point of contention: a pooled acquire and its
+/// release take it once each when no process reservation exists (no look at the caller's
+/// process tree, nothing to undo once the answer was received), and a reservation costs a
+/// lease request one take more (the lineage is read from `/proc` between two takes).
+#[tokio::test]
+async fn a_pooled_acquire_and_release_take_the_state_lock_once_each() {
+    let f = fixture(64 * MIB, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(64 * MIB));
+    let warm = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    f.arb.release("a", warm.id).unwrap();
+    let holds = || f.arb.metrics.lock_holds.counts().0[0];
+    let before = holds();
+    let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    assert_eq!(holds() - before, 1, "one take for a pooled acquire");
+    f.arb.release("a", l.id).unwrap();
+    assert_eq!(holds() - before, 2, "one take for its release");
+}
+
 /// A worker that released a lease but kept its mapping (or whose forked child did) never
 /// sees the next tenant's bytes: another tenant gets a fresh memory object, and the old
 /// mapping keeps the old pages.
