@@ -6,7 +6,7 @@ use gpu_broker::arbiter::Arbiter;
 use gpu_broker::auth::Authenticator;
 use gpu_broker::backend::{open_devices, open_host_tier, BackendSpec};
 use gpu_broker::config::Config;
-use gpu_broker::server::{bind_unix, serve, serve_metrics_with, Listeners};
+use gpu_broker::server::{bind_unix, serve, Listeners};
 use gpu_broker::store::Store;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -209,21 +209,14 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
             tracing::warn!(%addr, "the metrics listener is reachable from other hosts without a token (--metrics-require-token)");
         }
         tracing::info!(addr = %l.local_addr()?, require_token = access.require_token, "metrics at /metrics");
-        // Registered again with the runtime it is served on.
-        let (l, arb, stop, limits) = (
+        gpu_broker::server::spawn_metrics(
+            &arb,
+            reads.handle(),
             l.into_std()?,
-            arb.clone(),
             shutdown.clone(),
+            access,
             cfg.limits.limits(),
         );
-        let serving = async move {
-            let l = tokio::net::TcpListener::from_std(l)?;
-            serve_metrics_with(arb, l, stop, access, limits).await
-        };
-        match reads.handle() {
-            Some(rt) => rt.spawn(serving),
-            None => tokio::spawn(serving),
-        };
     }
     let mut nvml_faults: Option<Box<dyn gpu_broker::faults::FaultSource>> = None;
     if arb.backend_is_cuda() {
@@ -246,12 +239,11 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
             arb.spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());
         }
     }
-    let s = shutdown.clone();
-    tokio::spawn(async move {
-        wait_for_signal().await;
-        tracing::info!("signal received");
-        s.cancel();
-    });
+    gpu_broker::server::spawn_signal_wait(
+        &arb,
+        shutdown.clone(),
+        gpu_broker::server::stop_signal(),
+    );
     serve(
         arb,
         Listeners {
@@ -368,20 +360,4 @@ fn spawn_hup_without_config(arb: &Arbiter, stop: CancellationToken) {
             }
         }
     });
-}
-
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        // Without signal handlers, never resolve: the broker runs until killed.
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
 }

@@ -280,6 +280,64 @@ pub async fn serve(
     Ok(())
 }
 
+/// Serves the metrics listener on `listener` (see [`serve_metrics_with`]) as the named
+/// worker `metrics-http` on runtime `rt` (the operators' runtime; else the caller's),
+/// until `stop` is cancelled; [`Arbiter::join_workers`] waits for its accept loop to end.
+pub fn spawn_metrics(
+    arb: &Arc<Arbiter>,
+    rt: Option<tokio::runtime::Handle>,
+    listener: std::net::TcpListener,
+    stop: CancellationToken,
+    access: crate::status_http::HttpAccess,
+    limits: crate::listener::Limits,
+) {
+    let rt = rt.unwrap_or_else(tokio::runtime::Handle::current);
+    let a = arb.clone();
+    arb.spawn_worker_to_end_on(&rt, "metrics-http", async move {
+        // Registered with the runtime it is served on.
+        let served = match TcpListener::from_std(listener) {
+            Ok(l) => serve_metrics_with(a, l, stop, access, limits).await,
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = served {
+            tracing::error!(error = %e, "the metrics listener failed");
+        }
+    });
+}
+
+/// Starts the named worker `signal-wait`: when `signal` resolves (SIGTERM or SIGINT, see
+/// [`stop_signal`]) it cancels `shutdown`, which starts the broker's shutdown; a shutdown
+/// begun otherwise ends it.
+pub fn spawn_signal_wait(
+    arb: &Arbiter,
+    shutdown: CancellationToken,
+    signal: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let s = shutdown.clone();
+    arb.spawn_worker("signal-wait", shutdown, async move {
+        signal.await;
+        tracing::info!("signal received");
+        s.cancel();
+    });
+}
+
+/// Resolves on the first SIGTERM or SIGINT (never, when their handlers cannot be
+/// installed: the broker then runs until killed).
+pub async fn stop_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
 /// Serves the metrics listener (`/metrics`, health; routes in `status_http`) until `stop`
 /// is cancelled.
 pub async fn serve_metrics(
@@ -437,6 +495,75 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(arb.worker_names().is_empty(), "{:?}", arb.worker_names());
+    }
+
+    /// The metrics listener and the wait for a stop signal are named workers too: a
+    /// "signal" starts the shutdown, which joins both (the metrics port is closed when
+    /// `serve` returns).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_metrics_listener_and_the_signal_wait_are_workers_joined_at_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
+        let shutdown = CancellationToken::new();
+        let listeners = Listeners {
+            unix: Some(bind_unix(&dir.path().join("b.sock")).await.unwrap()),
+            tcp: None,
+            tcp_tls: None,
+            limits: crate::listener::Limits::default(),
+            reads: crate::read_pool::ReadsLayer::default(),
+            admin_unix: None,
+        };
+        let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        metrics.set_nonblocking(true).unwrap();
+        let addr = metrics.local_addr().unwrap();
+        spawn_metrics(
+            &arb,
+            None,
+            metrics,
+            shutdown.clone(),
+            crate::status_http::HttpAccess {
+                require_token: false,
+            },
+            crate::listener::Limits::default(),
+        );
+        let (signal, signalled) = tokio::sync::oneshot::channel::<()>();
+        spawn_signal_wait(&arb, shutdown.clone(), async move {
+            let _ = signalled.await;
+        });
+        let serving = tokio::spawn(serve(
+            arb.clone(),
+            listeners,
+            shutdown.clone(),
+            Duration::from_millis(50),
+        ));
+        let named = |n: &str| arb.worker_names().contains(&n);
+        let t = std::time::Instant::now();
+        while !(named("metrics-http") && named("signal-wait") && named("ticker"))
+            && t.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            named("metrics-http") && named("signal-wait"),
+            "{:?}",
+            arb.worker_names()
+        );
+        tokio::net::TcpStream::connect(addr)
+            .await
+            .expect("the metrics listener accepts");
+        assert!(!shutdown.is_cancelled());
+        signal.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(30), serving)
+            .await
+            .expect("serve returns after the signal")
+            .unwrap()
+            .unwrap();
+        assert!(shutdown.is_cancelled(), "the signal started the shutdown");
+        assert!(arb.worker_names().is_empty(), "{:?}", arb.worker_names());
+        assert!(
+            tokio::net::TcpStream::connect(addr).await.is_err(),
+            "the metrics listener is closed once joined"
+        );
     }
 
     /// An Admin call with the test arbiter's admin token.

@@ -4,7 +4,9 @@
 //! Registered by the broker's other loops through [`Arbiter::spawn_worker`] and
 //! [`Arbiter::spawn_worker_to_end`]: `health-monitor` and `grpc-health` (`health.rs`),
 //! `tenants-config-watch` (`tenants_config.rs`), `admin-writable-health` (`server.rs`),
-//! `tls-reload` (`tls.rs`) and `sighup` (`main.rs`). Each runs until its stop token is cancelled; [`Workers::join`]
+//! `tls-reload` (`tls.rs`), `metrics-http` (the metrics listener, on the operators'
+//! runtime) and `signal-wait` (SIGTERM/SIGINT start the shutdown; both `server.rs`) and
+//! `sighup` (`main.rs`). Each runs until its stop token is cancelled; [`Workers::join`]
 //! waits for them to end (the shutdown path, before the store writer stops) and names any
 //! that did not.
 
@@ -49,7 +51,17 @@ impl Workers {
         name: &'static str,
         work: impl Future<Output = ()> + Send + 'static,
     ) {
-        let handle = tokio::spawn(async move {
+        self.spawn_to_end_on(&tokio::runtime::Handle::current(), name, work);
+    }
+
+    /// [`Workers::spawn_to_end`] on runtime `rt` (the operators' runtime, say).
+    pub fn spawn_to_end_on(
+        &self,
+        rt: &tokio::runtime::Handle,
+        name: &'static str,
+        work: impl Future<Output = ()> + Send + 'static,
+    ) {
+        let handle = rt.spawn(async move {
             work.await;
             tracing::debug!(worker = name, "worker stopped");
         });
@@ -106,6 +118,17 @@ impl Arbiter {
         work: impl Future<Output = ()> + Send + 'static,
     ) {
         self.workers.spawn_to_end(name, work);
+    }
+
+    /// [`Arbiter::spawn_worker_to_end`] on runtime `rt`: a worker served on the
+    /// operators' runtime, joined with the others.
+    pub fn spawn_worker_to_end_on(
+        &self,
+        rt: &tokio::runtime::Handle,
+        name: &'static str,
+        work: impl Future<Output = ()> + Send + 'static,
+    ) {
+        self.workers.spawn_to_end_on(rt, name, work);
     }
 }
 
