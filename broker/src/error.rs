@@ -131,8 +131,8 @@ pub enum BrokerError {
     HostFallbackFailed { requested: u64, cause: String },
     /// A shared-lease table limit (publications of a tenant, imports of a publication or
     /// of a session) is reached.
-    #[error("{what}: {max}, the most allowed")]
-    SharingLimit { what: &'static str, max: usize },
+    #[error("{}: {max}, the most allowed", what.noun())]
+    SharingLimit { what: SharingCap, max: usize },
 
     // ---- DEADLINE_EXCEEDED
     /// A request waited as long as it asked and was not granted; `cause` is what it would
@@ -319,6 +319,36 @@ impl Queue {
         match self {
             Queue::Lease => "requests",
             Queue::Turn => "turn requests",
+        }
+    }
+}
+
+/// Which shared-lease limit a [`BrokerError::SharingLimit`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharingCap {
+    /// Leases a tenant publishes.
+    PublicationsOfTenant,
+    /// Imports a session holds.
+    ImportsOfSession,
+    /// Imports of one shared lease.
+    ImportsOfPublication,
+}
+
+impl SharingCap {
+    fn noun(self) -> &'static str {
+        match self {
+            SharingCap::PublicationsOfTenant => "shared leases of a tenant",
+            SharingCap::ImportsOfSession => "imports of a session",
+            SharingCap::ImportsOfPublication => "imports of a shared lease",
+        }
+    }
+
+    /// Its name in the refusal's metadata (`limit`).
+    pub fn name(self) -> &'static str {
+        match self {
+            SharingCap::PublicationsOfTenant => "publications_per_tenant",
+            SharingCap::ImportsOfSession => "imports_per_session",
+            SharingCap::ImportsOfPublication => "imports_per_publication",
         }
     }
 }

@@ -234,7 +234,7 @@ pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
             ("waiting_requests", s(waiting)),
         ],
         HostFallbackFailed { requested, .. } => vec![("requested_bytes", s(requested))],
-        SharingLimit { max, .. } => vec![("max", s(max))],
+        SharingLimit { what, max } => vec![("limit", what.name().into()), ("max", s(max))],
         ReservationExceeded {
             reservation,
             pid,
@@ -395,7 +395,7 @@ impl From<BrokerError> for Status {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::DeviceRoom;
+    use crate::error::{DeviceRoom, SharingCap};
     use tonic_types::StatusExt;
     use uuid::Uuid;
 
@@ -484,7 +484,7 @@ mod tests {
                 name: "w".into(),
             }),
             BrokerError::SharingLimit {
-                what: "imports of a session",
+                what: SharingCap::ImportsOfSession,
                 max: 1,
             },
             BrokerError::NotFound(Missing::Reservation(id)),
@@ -634,6 +634,33 @@ mod tests {
                 vec![("wait_ms", "1500"), ("max_wait_ms", "1000")],
             ),
             (
+                BrokerError::SharingLimit {
+                    what: SharingCap::PublicationsOfTenant,
+                    max: 1024,
+                },
+                Code::ResourceExhausted,
+                "SHARING_LIMIT",
+                vec![("limit", "publications_per_tenant"), ("max", "1024")],
+            ),
+            (
+                BrokerError::SharingLimit {
+                    what: SharingCap::ImportsOfSession,
+                    max: 8,
+                },
+                Code::ResourceExhausted,
+                "SHARING_LIMIT",
+                vec![("limit", "imports_per_session"), ("max", "8")],
+            ),
+            (
+                BrokerError::SharingLimit {
+                    what: SharingCap::ImportsOfPublication,
+                    max: 9,
+                },
+                Code::ResourceExhausted,
+                "SHARING_LIMIT",
+                vec![("limit", "imports_per_publication"), ("max", "9")],
+            ),
+            (
                 BrokerError::TooManyReaders {
                     readers: 257,
                     max: 256,
@@ -734,7 +761,7 @@ mod tests {
                 cause: "no".into(),
             },
             SharingLimit {
-                what: "imports of a session",
+                what: SharingCap::ImportsOfSession,
                 max: 1,
             },
             WaitExpired {

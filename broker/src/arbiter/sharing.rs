@@ -15,7 +15,7 @@ use super::state::NewPublication;
 use super::Ending;
 use super::{lease_not_found, session_not_found, Arbiter, State};
 use crate::device::{Handle, MemoryKind, SharedFd};
-use crate::error::{BrokerError, BrokerResult, Missing};
+use crate::error::{BrokerError, BrokerResult, Missing, SharingCap};
 use crate::ledger::Tier;
 use crate::session::Peer;
 use crate::sharing::{
@@ -98,7 +98,7 @@ fn publishable(st: &State, tenant: &str, lease: Uuid, name: &str) -> BrokerResul
     }
     if st.shared().count_of(tenant) >= MAX_PUBLICATIONS_PER_TENANT {
         return Err(BrokerError::SharingLimit {
-            what: "shared leases of a tenant",
+            what: SharingCap::PublicationsOfTenant,
             max: MAX_PUBLICATIONS_PER_TENANT,
         });
     }
@@ -239,13 +239,13 @@ impl Arbiter {
             .ok_or_else(|| not_visible(publisher, name))?;
         if held >= MAX_IMPORTS_PER_SESSION {
             return Err(BrokerError::SharingLimit {
-                what: "imports of a session",
+                what: SharingCap::ImportsOfSession,
                 max: MAX_IMPORTS_PER_SESSION,
             });
         }
         if p.imports.len() >= MAX_IMPORTS {
             return Err(BrokerError::SharingLimit {
-                what: "imports of a shared lease",
+                what: SharingCap::ImportsOfPublication,
                 max: MAX_IMPORTS,
             });
         }
