@@ -167,13 +167,66 @@ pub enum AuthError {
     Scope { scope: Scope, what: String },
 }
 
-impl From<AuthError> for Status {
-    fn from(e: AuthError) -> Status {
-        match e {
-            AuthError::Scope { .. } => Status::permission_denied(e.to_string()),
-            _ => Status::unauthenticated(e.to_string()),
+impl AuthError {
+    /// The machine-readable reason (`ErrorInfo.reason`): an expired token and an unknown
+    /// one are told apart without reading the message.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AuthError::Missing => "TOKEN_MISSING",
+            AuthError::Malformed => "TOKEN_MALFORMED",
+            AuthError::Unknown => "TOKEN_UNKNOWN",
+            AuthError::Expired { .. } => "TOKEN_EXPIRED",
+            AuthError::Scope { .. } => "SCOPE_DENIED",
         }
     }
+
+    /// What the refusal is about (`ErrorInfo.metadata`).
+    pub fn metadata(&self) -> Vec<(&'static str, String)> {
+        match self {
+            AuthError::Expired {
+                token_id,
+                expired_at,
+                ..
+            } => vec![
+                ("token_id", token_id.clone()),
+                ("expired_at_ms", expired_at.to_string()),
+            ],
+            AuthError::Scope { scope, .. } => vec![("scope", scope.as_str().into())],
+            AuthError::Missing | AuthError::Malformed | AuthError::Unknown => vec![],
+        }
+    }
+}
+
+impl From<AuthError> for Status {
+    fn from(e: AuthError) -> Status {
+        let code = match e {
+            AuthError::Scope { .. } => tonic::Code::PermissionDenied,
+            _ => tonic::Code::Unauthenticated,
+        };
+        crate::grpc_status::status_with_reason(code, e.to_string(), Some(e.reason()), e.metadata())
+    }
+}
+
+/// An `authorization` header that is not text: `UNAUTHENTICATED`, reason
+/// `TOKEN_MALFORMED`.
+pub fn malformed_header() -> Status {
+    crate::grpc_status::status_with_reason(
+        tonic::Code::Unauthenticated,
+        "malformed authorization header".into(),
+        Some("TOKEN_MALFORMED"),
+        vec![],
+    )
+}
+
+/// A token refused on a service its scope does not reach (`why` says which it is for):
+/// `PERMISSION_DENIED`, reason `SCOPE_DENIED`.
+fn wrong_service(scope: Scope, why: &str) -> Status {
+    crate::grpc_status::status_with_reason(
+        tonic::Code::PermissionDenied,
+        why.to_string(),
+        Some("SCOPE_DENIED"),
+        vec![("scope", scope.as_str().into())],
+    )
 }
 
 /// Principal of the admin token file.
@@ -413,10 +466,7 @@ fn principal_of<T>(auth: &Authenticator, req: &Request<T>) -> Result<Principal, 
     }
     let value = match req.metadata().get("authorization") {
         None => None,
-        Some(v) => Some(
-            v.to_str()
-                .map_err(|_| Status::unauthenticated("malformed authorization header"))?,
-        ),
+        Some(v) => Some(v.to_str().map_err(|_| malformed_header())?),
     };
     Ok(auth.authenticate(bearer(value)?)?)
 }
@@ -435,10 +485,12 @@ pub fn tenant_interceptor(
             req.extensions_mut().insert(c);
             Ok(req)
         }
-        Caller::Reader(None) => Err(Status::permission_denied(
+        Caller::Reader(None) => Err(wrong_service(
+            Scope::Read,
             "a node-wide read token has no tenant: it reads through the Admin service",
         )),
-        Caller::Admin => Err(Status::permission_denied(
+        Caller::Admin => Err(wrong_service(
+            Scope::Admin,
             "the admin token is for the Admin service; workers use a tenant token",
         )),
     }
@@ -453,7 +505,12 @@ pub fn admin_interceptor(
             req.extensions_mut().insert(c);
             Ok(req)
         }
-        Caller::Tenant(_) | Caller::Reader(Some(_)) => Err(Status::permission_denied(
+        Caller::Tenant(_) => Err(wrong_service(
+            Scope::Worker,
+            "tenant tokens cannot call the Admin service",
+        )),
+        Caller::Reader(Some(_)) => Err(wrong_service(
+            Scope::Read,
             "tenant tokens cannot call the Admin service",
         )),
     }
@@ -470,6 +527,77 @@ pub fn tenant_of<T>(req: &Request<T>) -> Result<String, Status> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// Every token refusal carries its reason: an expired token is told from an unknown
+    /// one (and names itself), a scope refusal names the scope.
+    #[test]
+    fn token_refusals_carry_their_reason_and_what_they_are_about() {
+        use tonic_types::StatusExt;
+        let cases = [
+            (
+                AuthError::Missing,
+                tonic::Code::Unauthenticated,
+                "TOKEN_MISSING",
+                vec![],
+            ),
+            (
+                AuthError::Malformed,
+                tonic::Code::Unauthenticated,
+                "TOKEN_MALFORMED",
+                vec![],
+            ),
+            (
+                AuthError::Unknown,
+                tonic::Code::Unauthenticated,
+                "TOKEN_UNKNOWN",
+                vec![],
+            ),
+            (
+                AuthError::Expired {
+                    token_id: "tok1".into(),
+                    name: "ci".into(),
+                    expired_at: 1_700_000_000_000,
+                },
+                tonic::Code::Unauthenticated,
+                "TOKEN_EXPIRED",
+                vec![("token_id", "tok1"), ("expired_at_ms", "1700000000000")],
+            ),
+            (
+                AuthError::Scope {
+                    scope: Scope::Read,
+                    what: "SetQuota".into(),
+                },
+                tonic::Code::PermissionDenied,
+                "SCOPE_DENIED",
+                vec![("scope", "read")],
+            ),
+        ];
+        for (e, code, reason, meta) in cases {
+            let s = Status::from(e.clone());
+            assert_eq!(s.code(), code, "{e:?}");
+            assert_eq!(s.message(), e.to_string());
+            let info = s.get_details_error_info().expect("an ErrorInfo");
+            assert_eq!(info.reason, reason);
+            let want: std::collections::HashMap<String, String> = meta
+                .into_iter()
+                .map(|(k, v): (&str, &str)| (k.to_string(), v.to_string()))
+                .collect();
+            assert_eq!(info.metadata, want, "{e:?}");
+        }
+        let s = malformed_header();
+        assert_eq!(s.code(), tonic::Code::Unauthenticated);
+        assert_eq!(
+            s.get_details_error_info().unwrap().reason,
+            "TOKEN_MALFORMED"
+        );
+        let s = wrong_service(Scope::Admin, "the admin token is for the Admin service");
+        assert_eq!(s.code(), tonic::Code::PermissionDenied);
+        let info = s.get_details_error_info().unwrap();
+        assert_eq!(
+            (info.reason.as_str(), info.metadata["scope"].as_str()),
+            ("SCOPE_DENIED", "admin")
+        );
+    }
 
     fn with_token(token: &str) -> Request<()> {
         let mut r = Request::new(());

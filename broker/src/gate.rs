@@ -119,13 +119,10 @@ impl<S> Gate<S> {
         if !path.starts_with(GUARDED_PREFIX) {
             return Ok(());
         }
-        let value =
-            match req.headers().get("authorization") {
-                None => None,
-                Some(v) => Some(v.to_str().map_err(|_| {
-                    tonic::Status::unauthenticated("malformed authorization header")
-                })?),
-            };
+        let value = match req.headers().get("authorization") {
+            None => None,
+            Some(v) => Some(v.to_str().map_err(|_| crate::auth::malformed_header())?),
+        };
         let principal = self.auth.authenticate(bearer(value)?)?;
         check_scope(&principal, path)?;
         if let (Some(limits), Some(tenant)) = (&self.limits, &principal.tenant) {

@@ -425,6 +425,16 @@ reasons! {
     WaitTooLong = "WAIT_TOO_LONG",
     /// `INVALID_ARGUMENT`: a publish names more reader tenants than allowed.
     TooManyReaders = "TOO_MANY_READERS",
+    /// `UNAUTHENTICATED`: no `authorization` header.
+    TokenMissing = "TOKEN_MISSING",
+    /// `UNAUTHENTICATED`: the header is not `Bearer <token>`.
+    TokenMalformed = "TOKEN_MALFORMED",
+    /// `UNAUTHENTICATED`: no such token (never issued, or revoked).
+    TokenUnknown = "TOKEN_UNKNOWN",
+    /// `UNAUTHENTICATED`: the token is past its expiry: issue a new one.
+    TokenExpired = "TOKEN_EXPIRED",
+    /// `PERMISSION_DENIED`: the token's scope does not reach this call.
+    ScopeDenied = "SCOPE_DENIED",
 }
 
 impl fmt::Display for Reason {

@@ -795,8 +795,18 @@ fn every_reason_the_broker_sends_is_documented_and_known_to_both_clients() {
     let mut sent = quoted_after(&read("broker/src/grpc_status.rs"), "=> \"");
     sent.extend(quoted_after(&read("broker/src/rate.rs"), "Some(\""));
     sent.extend(quoted_after(&read("broker/src/listener.rs"), "Some(\""));
+    for marker in ["=> \"", "Some(\""] {
+        // The token refusals' reasons; the scopes' names there are not reasons.
+        let auth = quoted_after(&read("broker/src/auth.rs"), marker);
+        sent.extend(
+            auth.into_iter()
+                .filter(|r| r.len() > 1 && r.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')),
+        );
+    }
     assert!(
-        sent.contains("QUOTA_EXCEEDED") && sent.contains("RATE_LIMITED"),
+        sent.contains("QUOTA_EXCEEDED")
+            && sent.contains("RATE_LIMITED")
+            && sent.contains("TOKEN_EXPIRED"),
         "{sent:?}"
     );
     let table: std::collections::BTreeSet<String> = read("docs/protocol.md")

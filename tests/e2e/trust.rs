@@ -175,6 +175,27 @@ async fn expired_tokens_are_refused_and_listings_show_lifecycle() {
         "{:?}",
         c.usage().await
     );
+    // Its reason tells it from an unknown token, and names it.
+    let e = c.usage().await.unwrap_err();
+    assert_eq!(
+        e.reason(),
+        Some(&gpu_broker_client::error::Reason::TokenExpired),
+        "{e}"
+    );
+    assert_eq!(e.detail("token_id"), Some(short.token_id.as_str()), "{e}");
+    let at = expires.to_string();
+    assert_eq!(e.detail("expired_at_ms"), Some(at.as_str()), "{e}");
+    let e = Client::connect(&b.uri(), "gpb_0000000000000000")
+        .await
+        .unwrap()
+        .usage()
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.reason(),
+        Some(&gpu_broker_client::error::Reason::TokenUnknown),
+        "{e}"
+    );
     Client::connect(&b.uri(), long.token.clone())
         .await
         .unwrap()

@@ -34,6 +34,8 @@ def test_every_reason_class_is_a_subclass_of_its_codes_class():
         "UNAVAILABLE": gpubroker.Unavailable,
         "FAILED_PRECONDITION": gpubroker.FailedPrecondition,
         "INVALID_ARGUMENT": gpubroker.InvalidArgument,
+        "UNAUTHENTICATED": gpubroker.Unauthenticated,
+        "PERMISSION_DENIED": gpubroker.PermissionDenied,
     }
     for reason, cls in errors.REASONS.items():
         assert any(issubclass(cls, base) for base in by_code.values()), reason
@@ -172,6 +174,19 @@ def test_unknown_device_and_too_long_a_wait(make_broker):
         err = _refusal(e, gpubroker.InvalidArgument, "INVALID_ARGUMENT", "WAIT_TOO_LONG")
         assert err.details["wait_ms"] == "7200000", err.details
         assert err.details["max_wait_ms"] == "3600000", err.details
+
+
+def test_an_unknown_token_is_told_from_an_expired_one(make_broker):
+    b = make_broker("--host-capacity", "64MiB")
+    with pytest.raises(gpubroker.Unauthenticated) as e:
+        w = gpubroker.connect(b.address, "gpb_0000000000000000")
+        w.session("s")
+    err = _refusal(e, gpubroker.Unauthenticated, "UNAUTHENTICATED", "TOKEN_UNKNOWN")
+    assert not isinstance(err, gpubroker.TokenExpired)
+    expired = errors._make(
+        gpubroker.Unauthenticated, "m", "UNAUTHENTICATED", "TOKEN_EXPIRED", {"token_id": "t1"}
+    )
+    assert type(expired) is gpubroker.TokenExpired and expired.details["token_id"] == "t1"
 
 
 def test_shutting_down(make_broker):

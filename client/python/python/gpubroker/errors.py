@@ -45,6 +45,7 @@ __all__ = [
     "DeviceDraining",
     "DeviceUnhealthy",
     "TenantInUse",
+    "TokenExpired",
     "REASONS",
 ]
 
@@ -115,6 +116,12 @@ class WaitTimeout(BrokerError):
 
 class Unauthenticated(BrokerError):
     """UNAUTHENTICATED: no token, or an unknown or revoked one."""
+
+
+class TokenExpired(Unauthenticated):
+    """TOKEN_EXPIRED: the token is past its expiry (``details["token_id"]``,
+    ``["expired_at_ms"]``): issue a new one. An unknown or revoked token is
+    ``TOKEN_UNKNOWN``, a plain :class:`Unauthenticated`."""
 
 
 class PermissionDenied(BrokerError):
@@ -286,6 +293,13 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "UNKNOWN_DEVICE": InvalidArgument,
     "WAIT_TOO_LONG": InvalidArgument,
     "TOO_MANY_READERS": InvalidArgument,
+    # Tokens: none sent, not `Bearer <token>`, unknown or revoked, expired; a scope that
+    # does not reach the call.
+    "TOKEN_MISSING": Unauthenticated,
+    "TOKEN_MALFORMED": Unauthenticated,
+    "TOKEN_UNKNOWN": Unauthenticated,
+    "TOKEN_EXPIRED": TokenExpired,
+    "SCOPE_DENIED": PermissionDenied,
 }
 
 
