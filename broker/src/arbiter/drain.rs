@@ -13,7 +13,7 @@ use crate::lease::LeaseState;
 use crate::ledger::Tier;
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 /// Longest drain deadline accepted.
 pub const MAX_DRAIN_DEADLINE: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -103,7 +103,8 @@ impl Arbiter {
             reason.to_string()
         };
         let mut st = self.lock();
-        let now = SystemTime::now();
+        let clock = st.clock();
+        let now = clock.wall;
         let deadline_wall = deadline.map(|d| now + d);
         {
             let mut avail = self.avail.write();
@@ -123,7 +124,7 @@ impl Arbiter {
         // Ask holders of reclaimable leases there to release by the deadline (or the
         // usual reclaim deadline).
         let grace = deadline.unwrap_or(self.cfg.reclaim_deadline);
-        let (due, due_wall) = (Instant::now() + grace, now + grace);
+        let (due, due_wall) = (clock.now + grace, now + grace);
         let asked = st.ask_drain_reclaim(&targets, due, due_wall, &reason);
         {
             let mut avail = self.avail.write();

@@ -10,7 +10,7 @@ use crate::lease::{LeaseState, LeaseView};
 use crate::process::process_gone;
 use crate::session::Peer;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use uuid::Uuid;
 
 impl Arbiter {
@@ -100,9 +100,9 @@ impl Arbiter {
 
     /// Revokes leases whose reclaim deadline passed. Returns how many.
     pub(crate) fn enforce_reclaim_deadlines(self: &Arc<Self>) -> usize {
-        let now = Instant::now();
         let late: Vec<Uuid> = {
             let st = self.lock();
+            let now = st.clock().now;
             st.leases()
                 .iter()
                 .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { deadline, .. } if deadline <= now))
@@ -118,7 +118,8 @@ impl Arbiter {
     /// Re-arms reclaim for waiters whose earlier request was not enough.
     pub(crate) fn rearm_reclaim(self: &Arc<Self>, older_than: Duration) {
         let mut st = self.lock();
-        st.rearm_reclaim(older_than, Instant::now());
+        let now = st.clock().now;
+        st.rearm_reclaim(older_than, now);
         self.drain(&mut st);
     }
 }

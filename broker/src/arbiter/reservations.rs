@@ -502,13 +502,13 @@ mod tests {
             r.device = device;
             r.compute_percent = pct;
             let e = arb.reserve_process(r).await.unwrap_err();
-            assert!(
-                matches!(
-                    e,
-                    BrokerError::InvalidArgument(_) | BrokerError::UnknownDevice { .. }
+            match device {
+                Some(7) => assert!(
+                    matches!(e, BrokerError::UnknownDevice { device: 7, .. }),
+                    "{e:?}"
                 ),
-                "{e:?}"
-            );
+                _ => assert!(matches!(e, BrokerError::InvalidArgument(_)), "{e:?}"),
+            }
         }
         let e = arb
             .reserve_process(reserve("a", Uuid::now_v7(), MIB, Duration::ZERO))

@@ -24,7 +24,6 @@ use crate::sharing::{
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::SystemTime;
 use uuid::Uuid;
 
 /// What an importer needs to fetch its descriptor.
@@ -117,7 +116,8 @@ fn publish_again(
     name: &str,
     readers: BTreeSet<String>,
 ) -> BrokerResult<SharedView> {
-    if !st.publish_again(id, name, readers, SystemTime::now()) {
+    let now = st.clock().wall;
+    if !st.publish_again(id, name, readers, now) {
         return Err(BrokerError::Internal(
             "publication index out of step".into(),
         ));
@@ -169,13 +169,19 @@ impl Arbiter {
         // Sealed and reopened read-only (through `/proc/self/fd`) with no lock held; a
         // memfd sealed for a publish that then loses a race is never cached (marked
         // above).
-        let (ro, enforced) =
-            sharing::importer_fd(kind, &fd).map_err(|e| BrokerError::SealFailed {
+        // Tried twice: a publish of the same lease racing this one may add the seals
+        // between this one's look and its add (the add then fails on `F_SEAL_SEAL`); the
+        // second try finds them in place, and the look under the lock below says which of
+        // the two publishes won. A seal that fails twice failed for its own reason.
+        let (ro, enforced) = sharing::importer_fd(kind, &fd)
+            .or_else(|_| sharing::importer_fd(kind, &fd))
+            .map_err(|e| BrokerError::SealFailed {
                 lease,
                 cause: e.to_string(),
             })?;
         let mut st = self.lock();
         // Again: the lock was let go meanwhile.
+        let now = st.clock().wall;
         let id = match publishable(&st, tenant, lease, name)? {
             Publishable::Again(id) => return publish_again(&mut st, id, lease, name, set),
             Publishable::New { .. } => st
@@ -184,7 +190,7 @@ impl Arbiter {
                     publisher: tenant.to_string(),
                     name: name.to_string(),
                     readers: set,
-                    published_at: SystemTime::now(),
+                    published_at: now,
                     fd: ro,
                     enforced,
                 })
