@@ -329,9 +329,11 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
 pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: CancellationToken) {
     // Registered before returning, so a SIGHUP right after start reloads (not kills).
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    // The contents the caller started from, read before returning too: an edit made
+    // before the task first runs is a change it sees.
+    let mut last = std::fs::read(&path).ok();
     let me = arb.clone();
     me.spawn_worker_to_end("tenants-config-watch", async move {
-        let mut last = std::fs::read(&path).ok();
         loop {
             let why = tokio::select! {
                 _ = stop.cancelled() => return,
@@ -650,6 +652,38 @@ mod tests {
         let (tenants, durable) = crate::arbiter::durable_tests::reopened(dir.path());
         assert_eq!(tenants, vec![("a".to_string(), 48 << 20)]);
         assert_eq!(durable, records);
+    }
+
+    /// An edit made right after the watch is started, before its task first runs, is a
+    /// change it sees (the contents it compares with are read when it is started).
+    #[tokio::test]
+    async fn an_edit_before_the_watch_first_runs_is_reloaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
+        let file = dir.path().join("tenants.toml");
+        std::fs::write(&file, "[tenants.a]\nlimit = \"16MiB\"\n").unwrap();
+        let declared = load(&file).unwrap();
+        let a = arb.clone();
+        arb.run_durable(move || Ok(apply(&a, &declared, "start")))
+            .await
+            .unwrap();
+        let stop = CancellationToken::new();
+        spawn_watch(
+            arb.clone(),
+            file.clone(),
+            Duration::from_millis(20),
+            stop.clone(),
+        );
+        // A current-thread runtime: the watch's task has not run yet.
+        std::fs::write(&file, "[tenants.a]\nlimit = \"32MiB\"\n").unwrap();
+        let limit = || arb.get_tenant("a").unwrap().quota.limit_bytes;
+        let t = std::time::Instant::now();
+        while limit() != 32 << 20 && t.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(limit(), 32 << 20, "the edit is reloaded");
+        stop.cancel();
+        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
     }
 
     /// A reload handed to the store writer when the stop comes is applied whole before the
