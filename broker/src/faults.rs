@@ -6,6 +6,7 @@
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Xid codes that applications cause (bad kernels, page faults): not the GPU's fault. The
@@ -18,6 +19,9 @@ pub trait FaultSource: Send {
     fn poll(&mut self) -> HashMap<u32, String>;
     /// An operator cleared device `index`: forget what was seen so far.
     fn reset(&mut self, index: u32);
+    /// The broker stops: end what the source runs on its own (NVML's Xid event thread)
+    /// and wait for it. Called once, by `Arbiter::join_workers`; nothing by default.
+    fn stop(&mut self) {}
 }
 
 /// NVML's view of the broker's GPUs (matched by UUID): Xid events (from a thread that
@@ -31,6 +35,10 @@ pub struct NvmlFaults {
     ecc_base: HashMap<u32, u64>,
     /// Critical Xids seen, by UUID.
     xids: Arc<Mutex<HashMap<String, Vec<u64>>>>,
+    /// Tells the Xid event thread to end (it looks between waits of at most 1 s), and the
+    /// thread, joined by [`FaultSource::stop`].
+    xid_stop: Arc<AtomicBool>,
+    xid_thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl NvmlFaults {
@@ -50,19 +58,21 @@ impl NvmlFaults {
             }
         }
         let xids: Arc<Mutex<HashMap<String, Vec<u64>>>> = Arc::default();
-        let (x, u) = (xids.clone(), uuids.clone());
-        let spawned = std::thread::Builder::new()
+        let xid_stop = Arc::new(AtomicBool::new(false));
+        let (x, u, stop) = (xids.clone(), uuids.clone(), xid_stop.clone());
+        let xid_thread = std::thread::Builder::new()
             .name("nvml-xid-events".into())
-            .spawn(move || xid_events(u, x));
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "no Xid event thread");
-        }
+            .spawn(move || xid_events(u, x, &stop))
+            .map_err(|e| tracing::warn!(error = %e, "no Xid event thread"))
+            .ok();
         tracing::info!(devices = uuids.len(), "NVML health checks on");
         Some(NvmlFaults {
             nvml,
             uuids,
             ecc_base,
             xids,
+            xid_stop,
+            xid_thread,
         })
     }
 
@@ -141,10 +151,26 @@ impl FaultSource for NvmlFaults {
             }
         }
     }
+
+    fn stop(&mut self) {
+        self.xid_stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.xid_thread.take() {
+            if t.join().is_err() {
+                tracing::warn!("the Xid event thread panicked");
+            }
+        }
+    }
 }
 
-/// The Xid event loop (its own NVML handle: event sets borrow it).
-fn xid_events(uuids: Vec<String>, out: Arc<Mutex<HashMap<String, Vec<u64>>>>) {
+impl Drop for NvmlFaults {
+    /// Never left running: told to end (not waited for here; `stop` waits).
+    fn drop(&mut self) {
+        self.xid_stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// The Xid event loop (its own NVML handle: event sets borrow it), until `stop`.
+fn xid_events(uuids: Vec<String>, out: Arc<Mutex<HashMap<String, Vec<u64>>>>, stop: &AtomicBool) {
     use nvml_wrapper::bitmasks::event::EventTypes;
     use nvml_wrapper::enums::event::XidError;
     let Ok(nvml) = nvml_wrapper::Nvml::init() else {
@@ -165,7 +191,7 @@ fn xid_events(uuids: Vec<String>, out: Arc<Mutex<HashMap<String, Vec<u64>>>>) {
             }
         };
     }
-    loop {
+    while !stop.load(Ordering::SeqCst) {
         match set.wait(1000) {
             Ok(ev) => {
                 let Some(XidError::Value(xid)) = ev.event_data else {

@@ -285,6 +285,39 @@ mod tests {
         }
     }
 
+    /// A fault source that runs something of its own: counts its stops.
+    struct Runs(Arc<std::sync::atomic::AtomicUsize>);
+    impl FaultSource for Runs {
+        fn poll(&mut self) -> HashMap<u32, String> {
+            HashMap::new()
+        }
+        fn reset(&mut self, _: u32) {}
+        fn stop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// What a fault source runs on its own (NVML's Xid event thread) is stopped and waited
+    /// for once, when the workers are joined at the broker's stop; not before.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_fault_source_is_stopped_when_the_workers_are_joined() {
+        let (arb, _sw, _dir) = fixture();
+        let stops = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stop = CancellationToken::new();
+        let cfg = HealthConfig {
+            interval: Duration::from_millis(10),
+            timeout: Duration::from_millis(200),
+        };
+        assert!(arb.spawn_health_monitor(cfg, Some(Box::new(Runs(stops.clone()))), stop.clone()));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(stops.load(Ordering::SeqCst), 0, "running until the stop");
+        stop.cancel();
+        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+        assert_eq!(stops.load(Ordering::SeqCst), 1);
+        arb.join_workers(Duration::from_secs(5)).await;
+        assert_eq!(stops.load(Ordering::SeqCst), 1, "stopped once");
+    }
+
     async fn until(what: &str, mut f: impl FnMut() -> bool) {
         for _ in 0..500 {
             if f() {

@@ -58,12 +58,25 @@ impl Arbiter {
     }
 
     /// Waits (up to `within`) for the background workers to end after their stop token
-    /// was cancelled; returns the names of any that did not (they are aborted). The store
-    /// writer stops too, once the changes handed to it are done.
+    /// was cancelled; returns the names of any that did not (they are aborted). Then the
+    /// health monitor's fault source stops what it runs (`FaultSource::stop`: NVML's Xid
+    /// event thread, joined), and the store writer stops, once the changes handed to it
+    /// are done.
     pub async fn join_workers(&self, within: Duration) -> Vec<&'static str> {
         let stuck = self.workers.join(within).await;
+        self.stop_fault_source().await;
         self.stop_store_writer();
         stuck
+    }
+
+    /// The health monitor's fault source (NVML's) ends what it runs on its own (the Xid
+    /// event thread) and is waited for, off the runtime; the slot is left empty.
+    async fn stop_fault_source(&self) {
+        // The slot's lock is released before the source's is taken (the lock order).
+        let source = self.health_source.lock().take();
+        if let Some(s) = source {
+            let _ = tokio::task::spawn_blocking(move || s.lock().stop()).await;
+        }
     }
 
     /// Where effects' tasks run: the main runtime once [`Arbiter::spawn_background`] ran
