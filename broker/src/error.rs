@@ -265,6 +265,16 @@ pub enum BrokerError {
     #[error("{readers} reader tenants, the most allowed is {max}")]
     TooManyReaders { readers: usize, max: usize },
 
+    // ---- PERMISSION_DENIED
+    /// The session a call names belongs to another user (its uid is not the caller's):
+    /// a lease's descriptor goes to the session's user only.
+    #[error("the session belongs to another user")]
+    SessionOfAnotherUser,
+    /// A process group named for a process reservation is not the reserved process's
+    /// (`why`: what the look at it found).
+    #[error("process group {pgid}: {why}")]
+    ProcessGroupRefused { pgid: u32, why: String },
+
     // ---- untyped: a message under its code (no reason is sent)
     #[error("{0}")]
     InvalidArgument(String),

@@ -62,7 +62,9 @@ pub fn code(e: &BrokerError) -> Code {
         | WaitTooLong { .. }
         | TooManyReaders { .. }
         | InvalidArgument(_) => Code::InvalidArgument,
-        PermissionDenied(_) => Code::PermissionDenied,
+        SessionOfAnotherUser | ProcessGroupRefused { .. } | PermissionDenied(_) => {
+            Code::PermissionDenied
+        }
         Unauthenticated(_) => Code::Unauthenticated,
         Internal(_) => Code::Internal,
     }
@@ -120,6 +122,8 @@ pub fn reason(e: &BrokerError) -> Option<&'static str> {
         UnknownDevice { .. } => "UNKNOWN_DEVICE",
         WaitTooLong { .. } => "WAIT_TOO_LONG",
         TooManyReaders { .. } => "TOO_MANY_READERS",
+        SessionOfAnotherUser => "SESSION_OF_ANOTHER_USER",
+        ProcessGroupRefused { .. } => "PROCESS_GROUP_REFUSED",
         InvalidArgument(_)
         | FailedPrecondition(_)
         | Unavailable(_)
@@ -317,7 +321,9 @@ pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
         TooManyReaders { readers, max } => {
             vec![("readers", s(readers)), ("max_readers", s(max))]
         }
+        ProcessGroupRefused { pgid, .. } => vec![("pgid", s(pgid))],
         ShuttingDown
+        | SessionOfAnotherUser
         | NoHostTier
         | NoTicketServer
         | FdNeedsUnixSocket
@@ -634,6 +640,21 @@ mod tests {
                 vec![("wait_ms", "1500"), ("max_wait_ms", "1000")],
             ),
             (
+                BrokerError::SessionOfAnotherUser,
+                Code::PermissionDenied,
+                "SESSION_OF_ANOTHER_USER",
+                vec![],
+            ),
+            (
+                BrokerError::ProcessGroupRefused {
+                    pgid: 4242,
+                    why: "its leader is not the reserved process".into(),
+                },
+                Code::PermissionDenied,
+                "PROCESS_GROUP_REFUSED",
+                vec![("pgid", "4242")],
+            ),
+            (
                 BrokerError::SharingLimit {
                     what: SharingCap::PublicationsOfTenant,
                     max: 1024,
@@ -831,6 +852,11 @@ mod tests {
                 max_ms: 1,
             },
             TooManyReaders { readers: 2, max: 1 },
+            SessionOfAnotherUser,
+            ProcessGroupRefused {
+                pgid: 7,
+                why: "not yours".into(),
+            },
             InvalidArgument("x".into()),
             FailedPrecondition("x".into()),
             Unavailable("x".into()),
@@ -886,13 +912,15 @@ mod tests {
             UnknownDevice { .. } => 38,
             WaitTooLong { .. } => 39,
             TooManyReaders { .. } => 40,
+            SessionOfAnotherUser => 41,
+            ProcessGroupRefused { .. } => 42,
         }
     }
 
     #[test]
     fn one_of_each_holds_every_variant() {
         let seen: std::collections::BTreeSet<usize> = one_of_each().iter().map(variant).collect();
-        assert_eq!(seen, (0..=40).collect());
+        assert_eq!(seen, (0..=42).collect());
     }
 
     #[test]

@@ -391,7 +391,11 @@ pub fn refusal_reason(e: &BrokerError) -> &'static str {
         | FdHandlesNotAccepted
         | NoAdminTokenFile
         | FailedPrecondition(_) => "precondition",
-        PermissionDenied(_) | Unauthenticated(_) | Internal(_) => "other",
+        SessionOfAnotherUser
+        | ProcessGroupRefused { .. }
+        | PermissionDenied(_)
+        | Unauthenticated(_)
+        | Internal(_) => "other",
     }
 }
 

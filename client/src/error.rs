@@ -435,6 +435,10 @@ reasons! {
     TokenExpired = "TOKEN_EXPIRED",
     /// `PERMISSION_DENIED`: the token's scope does not reach this call.
     ScopeDenied = "SCOPE_DENIED",
+    /// `PERMISSION_DENIED`: the session belongs to another user.
+    SessionOfAnotherUser = "SESSION_OF_ANOTHER_USER",
+    /// `PERMISSION_DENIED`: the process group is not the reserved process's.
+    ProcessGroupRefused = "PROCESS_GROUP_REFUSED",
 }
 
 impl fmt::Display for Reason {

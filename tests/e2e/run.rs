@@ -497,10 +497,15 @@ async fn only_a_child_group_of_the_sessions_process_is_accepted_and_stopped_at_r
         "INVALID_ARGUMENT"
     );
     // This process is the session's peer, not a child of it.
+    let e = r.set_process_group(std::process::id()).await.unwrap_err();
     assert_eq!(
-        code(r.set_process_group(std::process::id()).await.unwrap_err()),
-        "PERMISSION_DENIED"
+        e.reason(),
+        Some(&gpu_broker_client::error::Reason::ProcessGroupRefused),
+        "{e}"
     );
+    let me = std::process::id().to_string();
+    assert_eq!(e.detail("pgid"), Some(me.as_str()), "{e}");
+    assert_eq!(code(e), "PERMISSION_DENIED");
     // A child in this process's own group is not a group leader.
     let mut same = std::process::Command::new("sleep")
         .arg("300")

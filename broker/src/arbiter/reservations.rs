@@ -133,8 +133,12 @@ impl Arbiter {
         };
         let (pid, uid) = root(&self.lock())?;
         // `/proc` is read with no lock held.
-        let g = crate::process_group::verify(pgid, pid, uid)
-            .map_err(|e| BrokerError::PermissionDenied(format!("process group {pgid}: {e}")))?;
+        let g = crate::process_group::verify(pgid, pid, uid).map_err(|e| {
+            BrokerError::ProcessGroupRefused {
+                pgid,
+                why: e.to_string(),
+            }
+        })?;
         let mut st = self.lock();
         if root(&st)? != (pid, uid) {
             return Err(BrokerError::NotFound(Missing::Reservation(id)));

@@ -84,9 +84,7 @@ pub fn check_servable(arb: &Arbiter, accept: Accept, caller: &Peer) -> Result<()
 /// known: a ticket goes to the session's user only.
 pub fn check_same_user(session: &Peer, caller: &Peer) -> Result<(), BrokerError> {
     match (session.uid, caller.uid) {
-        (Some(s), Some(c)) if s != c => Err(BrokerError::PermissionDenied(
-            "the session belongs to another user".into(),
-        )),
+        (Some(s), Some(c)) if s != c => Err(BrokerError::SessionOfAnotherUser),
         _ => Ok(()),
     }
 }
@@ -173,7 +171,7 @@ mod tests {
         assert!(check_same_user(&p(None), &p(Some(1))).is_ok());
         assert!(matches!(
             check_same_user(&p(Some(1)), &p(Some(2))),
-            Err(BrokerError::PermissionDenied(_))
+            Err(BrokerError::SessionOfAnotherUser)
         ));
     }
 }

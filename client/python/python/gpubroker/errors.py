@@ -300,6 +300,9 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "TOKEN_UNKNOWN": Unauthenticated,
     "TOKEN_EXPIRED": TokenExpired,
     "SCOPE_DENIED": PermissionDenied,
+    # A session of another user named; a process group not the reserved process's.
+    "SESSION_OF_ANOTHER_USER": PermissionDenied,
+    "PROCESS_GROUP_REFUSED": PermissionDenied,
 }
 
 
