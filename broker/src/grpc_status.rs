@@ -4,8 +4,8 @@
 //! [`crate::error::status_message`]) and, for every typed variant, a `google.rpc.ErrorInfo`
 //! in the status details whose `reason` ([`reason`]) clients match on instead of the
 //! message text, with the numbers behind it ([`metadata`]). The refusals built outside
-//! [`BrokerError`] (rate limits, connection caps) get their details here too
-//! ([`status_with_reason`], [`status_with_details`]). The reasons table is in
+//! [`BrokerError`] (rate limits, connection caps, token refusals) get their details here
+//! too ([`status_with_reason`], [`status_with_details`]). The reasons table is in
 //! `docs/protocol.md`.
 
 use crate::error::{status_message, BrokerError, Missing, Queue};
