@@ -404,7 +404,82 @@ impl fmt::Display for Missing {
     }
 }
 
+/// What kind of failure an error is, decided once per variant: the gRPC status code
+/// (`grpc_status.rs`) and the refusal label of the metrics (`metrics.rs`) are read from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A limit or a resource ran out (quota, capacity, a cap).
+    Exhausted,
+    /// A wait ran out.
+    Expired,
+    /// What the request names does not exist.
+    NotFound,
+    /// The broker (or what it needs) cannot serve now.
+    Unavailable,
+    /// The request cannot be served in the state things are in.
+    Precondition,
+    /// The request itself is wrong.
+    Invalid,
+    /// The caller may not do this.
+    Denied,
+    /// The caller is not known.
+    Unauthenticated,
+    /// A fault of the broker's own.
+    Internal,
+}
+
 impl BrokerError {
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        use BrokerError::*;
+        match self {
+            QuotaExceeded { .. }
+            | DeviceQuotaExceeded { .. }
+            | LeaseCountLimit { .. }
+            | TooLarge { .. }
+            | NoCapacity { .. }
+            | QueueFull { .. }
+            | SessionLimit { .. }
+            | TurnBusy { .. }
+            | HostFallbackFailed { .. }
+            | ReservationExceeded { .. }
+            | SharingLimit { .. } => ErrorKind::Exhausted,
+            WaitExpired { .. } => ErrorKind::Expired,
+            NotFound(_) => ErrorKind::NotFound,
+            ShuttingDown
+            | BrokerRestarted { .. }
+            | NoDeviceOpen { .. }
+            | MpsNotRunning { .. }
+            | Unavailable(_) => ErrorKind::Unavailable,
+            // A device draining, or a caller that cannot receive what it asked for.
+            DeviceClosed { .. }
+            | TenantInUse { .. }
+            | TurnAlreadyHeld { .. }
+            | LegacyHandlesRemoved
+            | ReservationHeld { .. }
+            | SharedNameTaken { .. }
+            | AlreadyPublished { .. }
+            | HostLeaseNotShareable { .. }
+            | SealFailed { .. }
+            | NoHostTier
+            | NoTicketServer
+            | FdNeedsUnixSocket
+            | FdHandlesNotAccepted
+            | NoAdminTokenFile
+            | FailedPrecondition(_) => ErrorKind::Precondition,
+            GuaranteesExceedCapacity { .. }
+            | UnknownDevice { .. }
+            | WaitTooLong { .. }
+            | TooManyReaders { .. }
+            | InvalidArgument(_) => ErrorKind::Invalid,
+            SessionOfAnotherUser | ProcessGroupRefused { .. } | PermissionDenied(_) => {
+                ErrorKind::Denied
+            }
+            Unauthenticated(_) => ErrorKind::Unauthenticated,
+            Internal(_) => ErrorKind::Internal,
+        }
+    }
+
     /// A tenant that does not exist.
     pub fn tenant_not_found(name: &str) -> Self {
         BrokerError::NotFound(Missing::Tenant(name.to_string()))

@@ -8,7 +8,7 @@
 //! too ([`status_with_reason`], [`status_with_details`]). The reasons table is in
 //! `docs/protocol.md`.
 
-use crate::error::{status_message, BrokerError, Missing, Queue};
+use crate::error::{status_message, BrokerError, ErrorKind, Missing, Queue};
 use crate::tier::Tier;
 use std::collections::HashMap;
 use tonic::{Code, Status};
@@ -22,51 +22,16 @@ const MAX_METADATA_VALUE: usize = 256;
 
 /// The gRPC code this error becomes.
 pub fn code(e: &BrokerError) -> Code {
-    use BrokerError::*;
-    match e {
-        QuotaExceeded { .. }
-        | DeviceQuotaExceeded { .. }
-        | LeaseCountLimit { .. }
-        | TooLarge { .. }
-        | NoCapacity { .. }
-        | QueueFull { .. }
-        | SessionLimit { .. }
-        | TurnBusy { .. }
-        | HostFallbackFailed { .. }
-        | ReservationExceeded { .. }
-        | SharingLimit { .. } => Code::ResourceExhausted,
-        WaitExpired { .. } => Code::DeadlineExceeded,
-        NotFound(_) => Code::NotFound,
-        ShuttingDown
-        | BrokerRestarted { .. }
-        | NoDeviceOpen { .. }
-        | MpsNotRunning { .. }
-        | Unavailable(_) => Code::Unavailable,
-        DeviceClosed { .. }
-        | TenantInUse { .. }
-        | TurnAlreadyHeld { .. }
-        | LegacyHandlesRemoved
-        | ReservationHeld { .. }
-        | SharedNameTaken { .. }
-        | AlreadyPublished { .. }
-        | HostLeaseNotShareable { .. }
-        | SealFailed { .. }
-        | NoHostTier
-        | NoTicketServer
-        | FdNeedsUnixSocket
-        | FdHandlesNotAccepted
-        | NoAdminTokenFile
-        | FailedPrecondition(_) => Code::FailedPrecondition,
-        GuaranteesExceedCapacity { .. }
-        | UnknownDevice { .. }
-        | WaitTooLong { .. }
-        | TooManyReaders { .. }
-        | InvalidArgument(_) => Code::InvalidArgument,
-        SessionOfAnotherUser | ProcessGroupRefused { .. } | PermissionDenied(_) => {
-            Code::PermissionDenied
-        }
-        Unauthenticated(_) => Code::Unauthenticated,
-        Internal(_) => Code::Internal,
+    match e.kind() {
+        ErrorKind::Exhausted => Code::ResourceExhausted,
+        ErrorKind::Expired => Code::DeadlineExceeded,
+        ErrorKind::NotFound => Code::NotFound,
+        ErrorKind::Unavailable => Code::Unavailable,
+        ErrorKind::Precondition => Code::FailedPrecondition,
+        ErrorKind::Invalid => Code::InvalidArgument,
+        ErrorKind::Denied => Code::PermissionDenied,
+        ErrorKind::Unauthenticated => Code::Unauthenticated,
+        ErrorKind::Internal => Code::Internal,
     }
 }
 

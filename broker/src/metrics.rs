@@ -351,51 +351,22 @@ pub const REFUSAL_REASONS: [&str; 11] = [
 /// The refusal reason label of an error (one of [`REFUSAL_REASONS`]): the caps that have a
 /// label of their own, then by what kind of refusal the rest are.
 pub fn refusal_reason(e: &BrokerError) -> &'static str {
+    use crate::error::ErrorKind;
     use BrokerError::*;
     match e {
         QuotaExceeded { .. } | DeviceQuotaExceeded { .. } => "quota",
         LeaseCountLimit { .. } => "max_leases",
         QueueFull { .. } => "max_waiting",
         TooLarge { .. } => "too_large",
-        WaitExpired { .. } => "wait_expired",
-        NoCapacity { .. }
-        | SessionLimit { .. }
-        | TurnBusy { .. }
-        | HostFallbackFailed { .. }
-        | ReservationExceeded { .. }
-        | SharingLimit { .. } => "capacity",
-        GuaranteesExceedCapacity { .. }
-        | UnknownDevice { .. }
-        | WaitTooLong { .. }
-        | TooManyReaders { .. }
-        | InvalidArgument(_) => "invalid",
-        NotFound(_) => "not_found",
-        ShuttingDown
-        | BrokerRestarted { .. }
-        | NoDeviceOpen { .. }
-        | MpsNotRunning { .. }
-        | Unavailable(_) => "unavailable",
-        // A device draining, or a caller that cannot receive what it asked for.
-        DeviceClosed { .. }
-        | TenantInUse { .. }
-        | TurnAlreadyHeld { .. }
-        | LegacyHandlesRemoved
-        | ReservationHeld { .. }
-        | SharedNameTaken { .. }
-        | AlreadyPublished { .. }
-        | HostLeaseNotShareable { .. }
-        | SealFailed { .. }
-        | NoHostTier
-        | NoTicketServer
-        | FdNeedsUnixSocket
-        | FdHandlesNotAccepted
-        | NoAdminTokenFile
-        | FailedPrecondition(_) => "precondition",
-        SessionOfAnotherUser
-        | ProcessGroupRefused { .. }
-        | PermissionDenied(_)
-        | Unauthenticated(_)
-        | Internal(_) => "other",
+        _ => match e.kind() {
+            ErrorKind::Exhausted => "capacity",
+            ErrorKind::Expired => "wait_expired",
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Precondition => "precondition",
+            ErrorKind::Invalid => "invalid",
+            ErrorKind::Denied | ErrorKind::Unauthenticated | ErrorKind::Internal => "other",
+        },
     }
 }
 
