@@ -90,11 +90,17 @@ struct TurnWait {
 impl Drop for TurnWait {
     fn drop(&mut self) {
         let Some(mut rx) = self.rx.take() else { return };
-        let (cancelled, _) = self.arb.turns(|t| t.cancel(self.device, self.waiter));
         // Still waiting: it is gone from the queue and nothing will answer it. Else its
-        // answer was decided: if its delivery has not taken the channel yet, it finds none
-        // and gives the grant back itself; if it has, the grant is in `rx` (or its send
-        // fails once `rx` is closed, and the delivery gives it back).
+        // answer was decided: a turn granted to it is given back in the same hold, before
+        // the drop returns (a delivery on its way then finds it given back already, in
+        // `rx` or with no channel to send to, and its own give-back does nothing).
+        let (cancelled, _) = self.arb.turns(|t| {
+            let cancelled = t.cancel(self.device, self.waiter);
+            if !cancelled {
+                t.give_back_unreceived(self.device, self.waiter, Instant::now());
+            }
+            cancelled
+        });
         self.arb.outbox.forget_turn_reply(self.waiter);
         if !cancelled {
             rx.close();

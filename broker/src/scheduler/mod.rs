@@ -124,6 +124,10 @@ pub enum TurnEffect {
 
 struct Holder {
     turn_id: Uuid,
+    /// The grant as its waiter was answered, and that waiter: a caller that went away
+    /// before it received the answer gives the turn back by its waiter id.
+    grant: TurnGrant,
+    granted_to: TurnWaiterId,
     who: Requester,
     since: Instant,
     /// When someone started waiting behind this holder.
@@ -287,6 +291,27 @@ impl Turns {
         d.holders.remove(slot);
         self.grant_next(grant.device, now, grant.handoff_from);
         true
+    }
+
+    /// The caller of `waiter` went away before it received its answer: if that answer was
+    /// a turn (decided, perhaps still on its way), the turn goes back now, its slot to the
+    /// next, so the same session may ask again at once. Whoever delivers the answer then
+    /// finds it given back already (`give_back` is false for a turn not held).
+    pub fn give_back_unreceived(
+        &mut self,
+        device: u32,
+        waiter: TurnWaiterId,
+        now: Instant,
+    ) -> bool {
+        let Some(grant) = self
+            .devices
+            .get(device as usize)
+            .and_then(|d| d.holders.iter().find(|h| h.granted_to == waiter))
+            .map(|h| h.grant.clone())
+        else {
+            return false;
+        };
+        self.give_back(&grant, now)
     }
 
     /// Whether `who`, which just gave a turn back on `device`, keeps the slot: with an
@@ -574,6 +599,8 @@ impl Turns {
             let full = d.holders.len() + 1 >= slots;
             d.holders.push(Holder {
                 turn_id: grant.turn_id,
+                grant: grant.clone(),
+                granted_to: w.id,
                 who: w.who,
                 since: now,
                 contended_since: if full && !d.waiting.is_empty() {

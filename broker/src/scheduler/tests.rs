@@ -434,6 +434,31 @@ fn a_release_returns_the_grant_of_the_next_waiter_among_its_effects() {
     }
 }
 
+/// A caller that went away while its turn's answer was on its way gives it back by its
+/// waiter id at once (the same session may ask again right away); the delivery's own
+/// give-back of the grant then finds nothing.
+#[test]
+fn a_grant_whose_caller_left_is_given_back_by_its_waiter_id() {
+    let mut s = sched_slots(1);
+    let pa = s.request(&who("a", 1)).unwrap();
+    let ga = s.granted(pa).unwrap();
+    let pb = s.request(&who("b", 1)).unwrap();
+    s.release_received("a", ga.turn_id, s.now).unwrap();
+    let gb = s.granted(pb).unwrap();
+    assert!(
+        !s.s.give_back_unreceived(0, pa + 1000, s.now),
+        "no such waiter"
+    );
+    assert!(s.s.give_back_unreceived(0, pb, s.now));
+    assert_eq!(s.s.holders(0), 0, "the slot is free again");
+    assert!(
+        !s.s.give_back(&gb, s.now),
+        "the delivery's give-back finds nothing"
+    );
+    assert!(!s.s.give_back_unreceived(0, pb, s.now), "only once");
+    assert_eq!(s.s.usage("b"), TurnUsage::default(), "b never had it");
+}
+
 #[test]
 fn a_grant_nobody_received_goes_to_the_next_waiter_and_books_nothing() {
     let mut s = sched_slots(1);
