@@ -445,6 +445,18 @@ mod tests {
         assert!(e.to_string().contains("already serving"), "{e}");
     }
 
+    /// Listeners with only the workers' Unix socket (`b.sock` in `dir`).
+    async fn workers_socket_only(dir: &Path) -> Listeners {
+        Listeners {
+            unix: Some(bind_unix(&dir.join("b.sock")).await.unwrap()),
+            tcp: None,
+            tcp_tls: None,
+            limits: crate::listener::Limits::default(),
+            reads: crate::read_pool::ReadsLayer::default(),
+            admin_unix: None,
+        }
+    }
+
     /// Every background loop of a served broker is a named worker, and the shutdown has
     /// joined them all when `serve` returns.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -452,14 +464,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
         let shutdown = CancellationToken::new();
-        let listeners = Listeners {
-            unix: Some(bind_unix(&dir.path().join("b.sock")).await.unwrap()),
-            tcp: None,
-            tcp_tls: None,
-            limits: crate::listener::Limits::default(),
-            reads: crate::read_pool::ReadsLayer::default(),
-            admin_unix: None,
-        };
+        let listeners = workers_socket_only(dir.path()).await;
         assert!(arb.spawn_health_monitor(
             crate::health::HealthConfig::default(),
             None,
@@ -505,14 +510,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
         let shutdown = CancellationToken::new();
-        let listeners = Listeners {
-            unix: Some(bind_unix(&dir.path().join("b.sock")).await.unwrap()),
-            tcp: None,
-            tcp_tls: None,
-            limits: crate::listener::Limits::default(),
-            reads: crate::read_pool::ReadsLayer::default(),
-            admin_unix: None,
-        };
+        let listeners = workers_socket_only(dir.path()).await;
         let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         metrics.set_nonblocking(true).unwrap();
         let addr = metrics.local_addr().unwrap();

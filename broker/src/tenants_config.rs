@@ -662,18 +662,7 @@ mod tests {
         let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
         let file = dir.path().join("tenants.toml");
         std::fs::write(&file, "[tenants.a]\nlimit = \"16MiB\"\n").unwrap();
-        let declared = load(&file).unwrap();
-        let a = arb.clone();
-        arb.run_durable(move || Ok(apply(&a, &declared, "start")))
-            .await
-            .unwrap();
-        let stop = CancellationToken::new();
-        spawn_watch(
-            arb.clone(),
-            file.clone(),
-            Duration::from_millis(20),
-            stop.clone(),
-        );
+        let (_, stop) = start_watching(&arb, &file).await;
         // A current-thread runtime: the watch's task has not run yet.
         std::fs::write(&file, "[tenants.a]\nlimit = \"32MiB\"\n").unwrap();
         let limit = || arb.get_tenant("a").unwrap().quota.limit_bytes;
