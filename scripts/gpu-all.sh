@@ -20,6 +20,9 @@
 #           against gpu-broker, then quota-writes side by side (acquire p50/p99 alone and
 #           while an admin client writes or reads quotas in a tight loop; gpu-broker also with
 #           the loop on its operators' socket)
+#   ab      the host backend only, brokers side by side: gpu-broker-before (if given), gpu-broker,
+#           then every variant the build was given (GPU_ALL_VARIANTS="name=path ...": copied as
+#           gpu-broker-variant-NAME, an experiment's build to ablate one cost), ROUNDS rounds
 # Carry .gpu/all (the build prints its size: at most 64 MiB). Nothing here changes the
 # card's settings.
 set -euo pipefail
@@ -41,6 +44,22 @@ build() {
     if [[ -n ${GPU_ALL_BEFORE:-} ]]; then
         cp -f "$GPU_ALL_BEFORE" "$OUT/gpu-broker-before"
         strip "$OUT/gpu-broker-before" 2>/dev/null || true
+    fi
+    rm -f "$OUT"/gpu-broker-variant-* "$OUT/extra-brokers.tgz"
+    local v
+    for v in ${GPU_ALL_VARIANTS:-}; do
+        cp -f "${v#*=}" "$OUT/gpu-broker-variant-${v%%=*}"
+        strip "$OUT/gpu-broker-variant-${v%%=*}" 2>/dev/null || true
+    done
+    # The extra brokers travel compressed (a third of their size: the carry holds 64 MiB);
+    # run unpacks them.
+    local extra=()
+    for v in "$OUT"/gpu-broker-before "$OUT"/gpu-broker-variant-*; do
+        [[ -f $v ]] && extra+=("${v##*/}")
+    done
+    if [[ ${#extra[@]} -gt 0 ]]; then
+        tar czf "$OUT/extra-brokers.tgz" -C "$OUT" "${extra[@]}"
+        (cd "$OUT" && rm -f "${extra[@]}")
     fi
     cp -f scripts/bench-ab.sh scripts/bench-ab-summary.py "$OUT/"
     cp -f scripts/gpu_python_check.py scripts/gpu_sleep_check.py scripts/gpu_mps_check.py \
@@ -66,7 +85,18 @@ host_ab() {
     rm -rf "$ops"
 }
 
+ab() {
+    local dir=$OUT brokers=() b
+    [[ -x $dir/gpu-broker-before ]] && brokers+=("$dir/gpu-broker-before")
+    brokers+=("$dir/gpu-broker")
+    for b in "$dir"/gpu-broker-variant-*; do [[ -x $b ]] && brokers+=("$b"); done
+    echo "ab: ${brokers[*]} (labels A, B, ... in that order)"
+    for b in "${brokers[@]}"; do echo "$(sha256sum "$b" | cut -c1-16) $b"; done
+    OUT=$(mktemp -d) ROUNDS=${ROUNDS:-7} "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${brokers[@]}"
+}
+
 run() {
+    [[ -f $OUT/extra-brokers.tgz ]] && tar xzf "$OUT/extra-brokers.tgz" -C "$OUT"
     local parts=${1:-fd,check,forge,shared,sleep,python,mps,host} t0=$SECONDS failed=()
     local p
     for p in ${parts//,/ }; do
@@ -80,6 +110,7 @@ run() {
             python) GPU_PYTHON_OUT=$OUT scripts/gpu-python-check.sh run ;;
             mps) GPU_MPS_OUT=$OUT scripts/gpu-mps-check.sh run check,handoff ;;
             host) host_ab ;;
+            ab) ab ;;
             *) echo "unknown part $p" >&2; exit 2 ;;
         esac || failed+=("$p")
     done
