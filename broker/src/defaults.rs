@@ -17,6 +17,10 @@ pub const TENANT_RPC_BURST: f64 = 100.0;
 /// `--shutdown-grace`: time sessions get to release their leases on shutdown.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
+/// `--lock-hold-cpu-clock`: the state lock's holds are counted by the wall clock only (the
+/// CPU clock is a system call on every take).
+pub const LOCK_HOLD_CPU_CLOCK: bool = false;
+
 /// `--reclaim-deadline`: time a holder has to release a lease after a reclaim request.
 pub const RECLAIM_DEADLINE: Duration = Duration::from_secs(5);
 /// `--keepalive-timeout`: a quiet session ends after this.

@@ -1,14 +1,19 @@
 //! How long the arbiter's state lock is held, counted by threshold: every hold, and the
 //! holds longer than 100 us, 1 ms and 10 ms
 //! (`gpu_broker_state_lock_holds_total{longer_than, clock}`), by the wall clock (what
-//! acquires behind the hold wait) and by the holding thread's CPU clock (the work done
-//! under the lock; a hold whose thread the OS preempted is long by the wall clock only).
-//! Admission waits for the lock, so a long hold is a stall of every acquire behind it;
-//! operators (and the bench's admin-reads phase) read these counters to see whether
-//! listings, usage reads or scrapes stall admission. Recording is two clock reads and one
-//! or two relaxed atomic adds per hold (`arbiter/effects.rs`, when the guard is dropped);
-//! the thread's CPU clock is a system call (not served by the vDSO, ~0.4 us on a VM), so
-//! the closing read is made only for holds longer than 100 us by the wall clock: a thread
+//! acquires behind the hold wait) and, with `--lock-hold-cpu-clock`, by the holding
+//! thread's CPU clock as well (the work done under the lock; a hold whose thread the OS
+//! preempted is long by the wall clock only). Admission waits for the lock, so a long hold
+//! is a stall of every acquire behind it; operators (and the bench's admin-reads phase)
+//! read these counters to see whether listings, usage reads or scrapes stall admission.
+//!
+//! Recording is a wall-clock read (the vDSO's, no system call) and one or two relaxed
+//! atomic adds per hold (`arbiter/effects.rs`, when the guard is dropped). The thread's
+//! CPU clock is a system call (the vDSO does not serve it), and a hold's CPU time needs a
+//! reading at every take: side by side on a 16-core host that cost ~5% of the broker's CPU
+//! a lease and ~2% of its throughput (`docs/benchmarks.md`), so it is counted only when
+//! asked for ([`LockHolds::new`]; the `clock="cpu"` series is absent otherwise). Then the
+//! closing read is made only for holds longer than 100 us by the wall clock: a thread
 //! cannot use more CPU time than the wall time that passed, so a shorter hold is under
 //! every CPU threshold above zero as well ([`LockHolds::record_hold`]).
 //!
@@ -38,10 +43,12 @@ struct LongerThan {
     clock: &'static str,
 }
 
-/// Counts of state-lock holds by threshold, by the wall clock and by the thread's CPU
-/// clock.
+/// Counts of state-lock holds by threshold, by the wall clock and (if asked for) by the
+/// thread's CPU clock.
 #[derive(Debug, Default)]
 pub struct LockHolds {
+    /// Holds are counted by the thread's CPU clock too (the `cpu` counts and series).
+    cpu_clock: bool,
     wall: [AtomicU64; THRESHOLDS.len()],
     cpu: [AtomicU64; THRESHOLDS.len()],
     /// Takes that found the lock held, by how long they waited.
@@ -77,6 +84,26 @@ fn bump(counts: &[AtomicU64; THRESHOLDS.len()], held: Duration) {
 }
 
 impl LockHolds {
+    /// Counts by the wall clock, and by the holding thread's CPU clock too if `cpu_clock`
+    /// (its caller then reads that clock at every take: [`thread_cpu_now`]).
+    pub fn new(cpu_clock: bool) -> LockHolds {
+        LockHolds {
+            cpu_clock,
+            ..LockHolds::default()
+        }
+    }
+
+    /// Are holds counted by the thread's CPU clock (is it to be read at every take)?
+    pub fn cpu_clock(&self) -> bool {
+        self.cpu_clock
+    }
+
+    /// A hold of `wall` by the wall clock, counted by the wall clock only (the CPU clock
+    /// is not counted, or was not read at the take).
+    pub fn record_wall(&self, wall: Duration) {
+        bump(&self.wall, wall);
+    }
+
     /// The lock was held for `wall` by the wall clock and `cpu` of the holding thread's
     /// CPU time.
     pub fn record(&self, wall: Duration, cpu: Duration) {
@@ -115,7 +142,13 @@ impl LockHolds {
     pub(crate) fn register(&self, reg: &mut Registry) {
         let fam = Family::<LongerThan, Counter>::default();
         let (wall, cpu) = self.counts();
-        for (clock, counts) in [("wall", wall), ("cpu", cpu)] {
+        let clocks = [("wall", wall), ("cpu", cpu)];
+        let counted = if self.cpu_clock {
+            &clocks[..]
+        } else {
+            &clocks[..1]
+        };
+        for &(clock, counts) in counted {
             for ((longer_than, _), n) in THRESHOLDS.iter().zip(counts) {
                 fam.get_or_create(&LongerThan { longer_than, clock })
                     .inc_by(n);
@@ -146,7 +179,7 @@ mod tests {
 
     #[test]
     fn a_hold_counts_under_every_threshold_it_exceeds() {
-        let h = LockHolds::default();
+        let h = LockHolds::new(true);
         let us = Duration::from_micros;
         h.record(us(5), us(5));
         h.record(us(150), us(20));
@@ -169,6 +202,27 @@ mod tests {
     }
 
     #[test]
+    fn without_the_cpu_clock_holds_count_by_the_wall_clock_and_no_cpu_series_is_exported() {
+        let h = LockHolds::new(false);
+        assert!(!h.cpu_clock());
+        let us = Duration::from_micros;
+        h.record_wall(us(5));
+        h.record_wall(us(150));
+        h.record_wall(us(2000));
+        assert_eq!(h.counts(), ([3, 2, 1, 0], [0; 4]));
+        let mut reg = Registry::default();
+        h.register(&mut reg);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        assert!(
+            text.contains("state_lock_holds_total{longer_than=\"1ms\",clock=\"wall\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("clock=\"cpu\""), "{text}");
+        assert!(LockHolds::new(true).cpu_clock());
+    }
+
+    #[test]
     fn a_wait_counts_under_every_threshold_it_exceeds() {
         let h = LockHolds::default();
         let us = Duration::from_micros;
@@ -188,7 +242,7 @@ mod tests {
 
     #[test]
     fn the_cpu_clock_is_read_only_for_holds_longer_than_the_first_threshold() {
-        let h = LockHolds::default();
+        let h = LockHolds::new(true);
         let us = Duration::from_micros;
         let reads = std::cell::Cell::new(0);
         let read = |d: Duration| {

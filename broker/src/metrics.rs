@@ -94,6 +94,11 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
+        Metrics::with_lock_holds(crate::lock_holds::LockHolds::default())
+    }
+
+    /// Metrics whose state-lock hold counts are `lock_holds` (which clocks they read).
+    pub fn with_lock_holds(lock_holds: crate::lock_holds::LockHolds) -> Metrics {
         let m = Metrics {
             grants: Family::default(),
             refusals: Family::default(),
@@ -109,7 +114,7 @@ impl Metrics {
             store_last_failure: AtomicU64::new(0),
             store_last_success: AtomicU64::new(0),
             started: SystemTime::now(),
-            lock_holds: Default::default(),
+            lock_holds,
         };
         // Every label value exists from the start (at 0), so that rate() and alerts see
         // the first event.

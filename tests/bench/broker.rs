@@ -23,6 +23,11 @@ pub struct SpawnOpts {
     pub extra: Vec<String>,
 }
 
+/// The environment word that has a started broker count its state lock's holds by the
+/// CPU clock too (`--lock-hold-cpu-clock`; a broker without that setting ignores it): for
+/// the measurements that read those counts.
+pub const LOCK_HOLD_CPU_CLOCK: &str = "GPU_BROKER_LOCK_HOLD_CPU_CLOCK=true";
+
 /// `NAME=value` (an upper-case environment variable name) split in two, else None.
 pub fn env_word(w: &str) -> Option<(String, String)> {
     let (name, value) = w.split_once('=')?;

@@ -412,7 +412,8 @@ async fn setup(
         .iter()
         .take_while(|w| crate::broker::env_word(w).is_some())
         .count();
-    let mut flags = extra[..envs].to_vec();
+    let mut flags = vec![crate::broker::LOCK_HOLD_CPU_CLOCK.to_string()];
+    flags.extend(extra[..envs].iter().cloned());
     flags.extend(["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]);
     flags.extend(extra[envs..].iter().cloned());
     let mut target = common.target_with("32TiB", None, flags)?;

@@ -211,10 +211,10 @@ enum After {
 pub(crate) struct Locked<'a> {
     arb: &'a Arbiter,
     st: Option<MutexGuard<'a, State>>,
-    /// When the lock was taken, by the wall clock and the thread's CPU clock (its hold is
-    /// counted: `lock_holds.rs`).
+    /// When the lock was taken, by the wall clock and, if holds are counted by it, the
+    /// thread's CPU clock (its hold is counted: `lock_holds.rs`).
     since: std::time::Instant,
-    cpu_since: std::time::Duration,
+    cpu_since: Option<std::time::Duration>,
     /// Released with a fair unlock: handed to a thread waiting for it, if any.
     fair: bool,
 }
@@ -252,8 +252,13 @@ impl<'a> Locked<'a> {
     fn record_hold(&self) {
         // The wall clock first: the CPU clock (a system call) is read only for a long hold.
         let wall = self.since.elapsed();
-        let cpu = || crate::lock_holds::thread_cpu_now().saturating_sub(self.cpu_since);
-        self.arb.metrics.lock_holds.record_hold(wall, cpu);
+        let holds = &self.arb.metrics.lock_holds;
+        match self.cpu_since {
+            Some(since) => holds.record_hold(wall, || {
+                crate::lock_holds::thread_cpu_now().saturating_sub(since)
+            }),
+            None => holds.record_wall(wall),
+        }
     }
 }
 
@@ -302,11 +307,13 @@ impl Drop for Locked<'_> {
 impl Arbiter {
     /// Takes the state lock; dropping the guard runs the effects the transitions pushed.
     pub(crate) fn lock(&self) -> Locked<'_> {
-        // The thread's CPU clock is a system call (the vDSO does not serve it): read it
-        // before the take, so the hold does not grow by it. A thread waiting for the lock
-        // parks and uses no CPU (at most parking_lot's few microseconds of spinning), so
-        // the hold's CPU is the same to the thresholds (100 us and up).
-        let cpu_since = crate::lock_holds::thread_cpu_now();
+        // The thread's CPU clock is a system call (the vDSO does not serve it), read only
+        // if holds are counted by it (`--lock-hold-cpu-clock`): before the take, so the
+        // hold does not grow by it. A thread waiting for the lock parks and uses no CPU (at
+        // most parking_lot's few microseconds of spinning), so the hold's CPU is the same
+        // to the thresholds (100 us and up).
+        let holds = &self.metrics.lock_holds;
+        let cpu_since = holds.cpu_clock().then(crate::lock_holds::thread_cpu_now);
         // A take that finds the lock held is timed (`lock_holds.rs`); a free one is not.
         let st = self.state.try_lock().unwrap_or_else(|| {
             let t0 = std::time::Instant::now();

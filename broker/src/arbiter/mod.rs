@@ -84,6 +84,9 @@ pub struct ArbiterConfig {
     /// A request blocked by held memory is overtaken by other tenants' requests that fit
     /// only while it has waited less than this (`overtaking.rs`; zero: never).
     pub overtake_age: Duration,
+    /// Count the state lock's holds by the holding thread's CPU clock too
+    /// (`lock_holds.rs`; a system call on every take).
+    pub lock_hold_cpu_clock: bool,
 }
 
 impl Default for ArbiterConfig {
@@ -101,6 +104,7 @@ impl Default for ArbiterConfig {
             rate: crate::rate::RateConfig::default(),
             process_stop_grace: crate::defaults::PROCESS_STOP_GRACE,
             overtake_age: crate::defaults::OVERTAKE_AGE,
+            lock_hold_cpu_clock: crate::defaults::LOCK_HOLD_CPU_CLOCK,
         }
     }
 }
@@ -271,6 +275,9 @@ impl Arbiter {
         let scheduler = turns::Scheduler::new(devices.len(), cfg.turns);
         let audit_log =
             crate::audit::AuditLog::open(store.as_ref(), crate::audit::DEFAULT_MAX_RECORDS)?;
+        let metrics = crate::metrics::Metrics::with_lock_holds(crate::lock_holds::LockHolds::new(
+            cfg.lock_hold_cpu_clock,
+        ));
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             admin_writes: Mutex::new(()),
@@ -293,7 +300,7 @@ impl Arbiter {
             cfg,
             tickets: Arc::default(),
             draining: AtomicBool::new(false),
-            metrics: crate::metrics::Metrics::new(),
+            metrics,
         });
         arb.load_store()?;
         Ok(arb)

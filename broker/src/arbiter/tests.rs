@@ -134,6 +134,37 @@ async fn a_pooled_acquire_and_release_take_the_state_lock_once_each() {
     assert_eq!(holds() - before, 2, "one take for its release");
 }
 
+/// The state lock's holds are counted by the wall clock always, and by the holding
+/// thread's CPU clock (a system call at every take) only with `--lock-hold-cpu-clock`.
+#[tokio::test]
+async fn holds_are_counted_by_the_cpu_clock_only_when_asked() {
+    for cpu_clock in [false, true] {
+        let cfg = ArbiterConfig {
+            lock_hold_cpu_clock: cpu_clock,
+            ..ArbiterConfig::default()
+        };
+        let f = fixture(64 * MIB, 1, cfg);
+        let s = f.tenant("a", quota(64 * MIB));
+        let (wall0, cpu0) = f.arb.metrics.lock_holds.counts();
+        let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+        f.arb.release("a", l.id).unwrap();
+        let (wall, cpu) = f.arb.metrics.lock_holds.counts();
+        assert!(
+            wall[0] >= wall0[0] + 2,
+            "{cpu_clock}: every hold by the wall clock"
+        );
+        if cpu_clock {
+            assert_eq!(
+                cpu[0] - cpu0[0],
+                wall[0] - wall0[0],
+                "every hold by the CPU clock"
+            );
+        } else {
+            assert_eq!(cpu, [0; 4], "no hold by the CPU clock");
+        }
+    }
+}
+
 /// A worker that released a lease but kept its mapping (or whose forked child did) never
 /// sees the next tenant's bytes: another tenant gets a fresh memory object, and the old
 /// mapping keeps the old pages.
