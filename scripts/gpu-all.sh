@@ -79,7 +79,7 @@ host_ab() {
     for b in "${brokers[@]:1}"; do also+=(--also "$b"); done
     also+=(--also "$dir/gpu-broker --admin-listen $ops/admin.sock")
     echo "quota-writes: ${brokers[*]}, then gpu-broker on its operators' socket"
-    "$dir/gpu-broker-bench" --broker-bin "${brokers[0]}" --broker-log warn quota-writes \
+    "$dir/gpu-broker-bench" --broker-bin "${brokers[0]}" --broker-log info quota-writes \
         --writer process --op set,get --repeat "${QW_REPEAT:-12}" --duration 0.6s "${also[@]}" |
         grep -v '^{'
     rm -rf "$ops"
