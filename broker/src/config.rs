@@ -609,6 +609,15 @@ mod tests {
     }
 
     #[test]
+    fn the_lock_hold_cpu_clock_is_off_unless_asked_for() {
+        let off = Config::from_args(vec!["gpu-broker".into()]).unwrap();
+        assert!(!off.arbiter().lock_hold_cpu_clock);
+        let on =
+            Config::from_args(vec!["gpu-broker".into(), "--lock-hold-cpu-clock".into()]).unwrap();
+        assert!(on.arbiter().lock_hold_cpu_clock);
+    }
+
+    #[test]
     fn the_command_lines_defaults_are_the_components_defaults() {
         let c = Config::from_args(vec!["gpu-broker".into()]).unwrap();
         let (got, want) = (c.arbiter(), ArbiterConfig::default());

@@ -526,16 +526,7 @@ pub async fn hold_process(a: &HoldArgs) -> Result<()> {
 
 async fn setup(common: &Common, label: String, extra: Vec<String>, p: &Phase3) -> Result<Setup> {
     let what = common.broker_what(&extra);
-    // The lock's holds by the CPU clock too (an environment word, first: a broker that
-    // has no such setting ignores it), then the flags.
-    let envs = extra
-        .iter()
-        .take_while(|w| crate::broker::env_word(w).is_some())
-        .count();
-    let mut flags = vec![crate::broker::LOCK_HOLD_CPU_CLOCK.to_string()];
-    flags.extend(extra[..envs].iter().cloned());
-    flags.extend(["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]);
-    flags.extend(extra[envs..].iter().cloned());
+    let flags = crate::broker::counting_lock_holds(&extra);
     let mut target = common.target_with("32TiB", None, flags)?;
     let http = target
         .spawned

@@ -28,6 +28,19 @@ pub struct SpawnOpts {
 /// the measurements that read those counts.
 pub const LOCK_HOLD_CPU_CLOCK: &str = "GPU_BROKER_LOCK_HOLD_CPU_CLOCK=true";
 
+/// `extra` (a broker's environment words, then its flags: [`SpawnOpts::extra`]) for a
+/// measurement that reads the broker's state-lock counters: its holds counted by the CPU
+/// clock too ([`LOCK_HOLD_CPU_CLOCK`], with the environment words) and a metrics listener
+/// on a free loopback port (before the flags).
+pub fn counting_lock_holds(extra: &[String]) -> Vec<String> {
+    let envs = extra.iter().take_while(|w| env_word(w).is_some()).count();
+    let mut words = vec![LOCK_HOLD_CPU_CLOCK.to_string()];
+    words.extend(extra[..envs].iter().cloned());
+    words.extend(["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]);
+    words.extend(extra[envs..].iter().cloned());
+    words
+}
+
 /// `NAME=value` (an upper-case environment variable name) split in two, else None.
 pub fn env_word(w: &str) -> Option<(String, String)> {
     let (name, value) = w.split_once('=')?;
@@ -370,4 +383,32 @@ fn tail(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counting_lock_holds_puts_every_environment_word_before_the_first_flag() {
+        let words = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let got = counting_lock_holds(&words(&["GPU_BROKER_X=1", "--admin-listen", "/a.sock"]));
+        assert_eq!(
+            got,
+            words(&[
+                LOCK_HOLD_CPU_CLOCK,
+                "GPU_BROKER_X=1",
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "/a.sock",
+            ])
+        );
+        let envs: Vec<_> = got.iter().map_while(|w| env_word(w)).collect();
+        assert_eq!(envs.len(), 2, "both environment words are read as such");
+        assert_eq!(
+            env_word(LOCK_HOLD_CPU_CLOCK),
+            Some(("GPU_BROKER_LOCK_HOLD_CPU_CLOCK".into(), "true".into()))
+        );
+    }
 }

@@ -407,15 +407,7 @@ async fn setup(
     a: &QuotaWritesArgs,
 ) -> Result<Broker> {
     let what = common.broker_what(&extra);
-    // Environment words first (see `SpawnOpts::extra`), then the flags.
-    let envs = extra
-        .iter()
-        .take_while(|w| crate::broker::env_word(w).is_some())
-        .count();
-    let mut flags = vec![crate::broker::LOCK_HOLD_CPU_CLOCK.to_string()];
-    flags.extend(extra[..envs].iter().cloned());
-    flags.extend(["--metrics-listen".to_string(), "127.0.0.1:0".to_string()]);
-    flags.extend(extra[envs..].iter().cloned());
+    let flags = crate::broker::counting_lock_holds(&extra);
     let mut target = common.target_with("32TiB", None, flags)?;
     let http = target.spawned.as_ref().and_then(|s| metrics_addr(&s.log));
     let admin = target.admin().await?;
