@@ -286,7 +286,7 @@ pub struct Config {
 
     /// Count the state lock's holds by the holding thread's CPU clock as well as by the
     /// wall clock (`state_lock_holds_total{clock="cpu"}`): one system call on every take of
-    /// the lock, ~4-6% of the broker's CPU a lease; for telling work under the lock from
+    /// the lock, up to ~5% of the broker's CPU a lease; for telling work under the lock from
     /// preemption on a busy node.
     #[arg(long, env = "GPU_BROKER_LOCK_HOLD_CPU_CLOCK")]
     pub lock_hold_cpu_clock: bool,
