@@ -13,9 +13,10 @@
 //! reading at every take (four system calls a pooled acquire and release): side by side
 //! that was up to ~5% of the broker's CPU a lease (`docs/benchmarks.md`), so it is
 //! counted only when asked for ([`LockHolds::new`]; the `clock="cpu"` series is absent
-//! otherwise). Then the closing read is made only for holds longer than 100 us by the wall clock: a thread
-//! cannot use more CPU time than the wall time that passed, so a shorter hold is under
-//! every CPU threshold above zero as well ([`LockHolds::record_hold`]).
+//! otherwise). Then the closing read is made only for holds longer than 100 us by the
+//! wall clock: a thread cannot use more CPU time than the wall time that passed, so a
+//! shorter hold is under every CPU threshold above zero as well
+//! ([`LockHolds::record_hold`]).
 //!
 //! It also counts the takes that found the lock held, by how long they waited for it
 //! (`gpu_broker_state_lock_waits_total{longer_than}`; "0": every such take): what an
