@@ -164,6 +164,14 @@ impl Metrics {
         self.grants.get_or_create(&TierLabel { tier }).inc();
     }
 
+    /// Device leases granted so far (tests).
+    #[cfg(test)]
+    pub fn granted_total(&self) -> u64 {
+        self.grants
+            .get_or_create(&TierLabel { tier: "device" })
+            .get()
+    }
+
     /// An `AcquireLease` finished after `took`: its latency, and its refusal reason.
     pub fn acquired<T>(&self, result: &Result<T, BrokerError>, took: Duration) {
         let outcome = match result {

@@ -193,6 +193,21 @@ impl Effects {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+    /// Takes out the answer pushed for waiter `to`, if one is here; the other effects
+    /// stay, in order.
+    pub fn take_reply(&mut self, to: WaiterId) -> Option<BrokerResult<Granted>> {
+        let i = self
+            .0
+            .iter()
+            .position(|e| matches!(e, Effect::Reply { to: t, .. } if *t == to))?;
+        match self.0.remove(i) {
+            Effect::Reply { result, .. } => Some(result),
+            other => {
+                self.0.insert(i, other);
+                None
+            }
+        }
+    }
     /// The effects, in order.
     pub fn into_vec(self) -> Vec<Effect> {
         self.0

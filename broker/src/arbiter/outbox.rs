@@ -23,10 +23,10 @@
 
 use super::queue::{Granted, WaiterId};
 use crate::error::BrokerResult;
+use crate::id_map::IdMap;
 use crate::scheduler::{TurnGrant, TurnWaiterId};
 use crate::session::SessionEvent;
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 use uuid::Uuid;
@@ -38,7 +38,7 @@ pub(crate) type Answer = BrokerResult<Granted>;
 /// channel, by waiter id.
 #[derive(Default)]
 pub(crate) struct Outbox {
-    mailboxes: Mutex<HashMap<Uuid, UnboundedSender<SessionEvent>>>,
+    mailboxes: Mutex<IdMap<Uuid, UnboundedSender<SessionEvent>>>,
     replies: Replies<Answer>,
     turn_replies: Replies<TurnAnswer>,
 }
@@ -48,28 +48,40 @@ pub(crate) type TurnAnswer = BrokerResult<TurnGrant>;
 
 /// Reply channels by waiter id (the memory queue's and the turn core's ids are both
 /// `u64`, each counted by its own core), answering `A`.
-struct Replies<A>(Mutex<HashMap<u64, oneshot::Sender<A>>>);
+struct Replies<A> {
+    channels: Mutex<IdMap<u64, oneshot::Sender<A>>>,
+    /// Channels ever registered (tests: which requests got one).
+    #[cfg(test)]
+    registered: std::sync::atomic::AtomicUsize,
+}
 
 impl<A> Default for Replies<A> {
     fn default() -> Self {
-        Replies(Mutex::new(HashMap::new()))
+        Replies {
+            channels: Mutex::new(IdMap::default()),
+            #[cfg(test)]
+            registered: Default::default(),
+        }
     }
 }
 
 impl<A> Replies<A> {
     fn register(&self, id: u64) -> oneshot::Receiver<A> {
         let (tx, rx) = oneshot::channel();
-        self.0.lock().insert(id, tx);
+        self.channels.lock().insert(id, tx);
+        #[cfg(test)]
+        self.registered
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         rx
     }
 
     fn forget(&self, id: u64) -> bool {
-        self.0.lock().remove(&id).is_some()
+        self.channels.lock().remove(&id).is_some()
     }
 
     /// Gives the answer back when nobody receives it.
     fn reply(&self, id: u64, answer: A) -> Option<A> {
-        let tx = self.0.lock().remove(&id);
+        let tx = self.channels.lock().remove(&id);
         match tx {
             Some(tx) => tx.send(answer).err(),
             None => Some(answer),
@@ -78,7 +90,7 @@ impl<A> Replies<A> {
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.0.lock().len()
+        self.channels.lock().len()
     }
 }
 
@@ -135,6 +147,14 @@ impl Outbox {
     #[cfg(test)]
     pub fn replies_len(&self) -> usize {
         self.replies.len()
+    }
+
+    /// How many reply channels were ever made for waiting requests (tests).
+    #[cfg(test)]
+    pub fn replies_registered(&self) -> usize {
+        self.replies
+            .registered
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A reply channel for turn waiter `id`; its receiver is the `AcquireTurn` future's.

@@ -134,6 +134,41 @@ async fn a_pooled_acquire_and_release_take_the_state_lock_once_each() {
     assert_eq!(holds() - before, 2, "one take for its release");
 }
 
+/// A request granted in the hold that offered it (a pooled block of its own tenant) is
+/// answered from that hold, with no reply channel; one whose grant needs device work, or
+/// that waits, gets a channel and its answer through it.
+#[tokio::test]
+async fn only_a_request_not_granted_at_once_gets_a_reply_channel() {
+    let f = fixture(16 * MIB, 1, ArbiterConfig::default());
+    let s = f.tenant("a", quota(16 * MIB));
+    let channels = || f.arb.outbox.replies_registered();
+    // Fresh memory: device work on a task, the answer through a channel.
+    let warm = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    assert_eq!(channels(), 1, "a fresh grant is answered through a channel");
+    f.arb.release("a", warm.id).unwrap();
+    // The same size again: the tenant's cached block, granted in the offering hold.
+    let pooled = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
+    assert_eq!(channels(), 1, "a pooled grant needs no channel");
+    assert_eq!(pooled.bytes, 4 * MIB);
+    assert_eq!(f.arb.metrics.granted_total(), 2, "both grants are counted");
+    // A request that waits for memory held by the pooled lease gets a channel, and its
+    // grant once the memory comes back.
+    let waiting = {
+        let arb = f.arb.clone();
+        let mut r = req("a", s, 16 * MIB);
+        r.wait = Duration::from_secs(10);
+        tokio::spawn(async move { arb.acquire(r).await })
+    };
+    while f.arb.lock().queue().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(channels(), 2, "a waiting request has a channel");
+    f.arb.release("a", pooled.id).unwrap();
+    let big = waiting.await.unwrap().unwrap();
+    assert_eq!(big.bytes, 16 * MIB);
+    assert_eq!(f.arb.outbox.replies_len(), 0, "no channel is left behind");
+}
+
 /// The state lock's holds are counted by the wall clock always, and by the holding
 /// thread's CPU clock (a system call at every take) only with `--lock-hold-cpu-clock`.
 #[tokio::test]

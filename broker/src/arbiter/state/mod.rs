@@ -40,6 +40,7 @@ pub(crate) use shared::{Holding, NewPublication, SealCheck};
 use super::effects::{Effects, Watch};
 use super::queue::WaitQueue;
 use crate::error::{BrokerError, BrokerResult, Missing};
+use crate::id_map::IdMap;
 use crate::lease::{Lease, LeaseState, LeaseTable, LeaseView};
 use crate::ledger::{Ledger, Tier};
 use crate::pool::{Block, Pool};
@@ -95,16 +96,16 @@ pub(crate) struct State {
     leases: LeaseTable,
     sessions: SessionTable,
     queue: WaitQueue,
-    quarantine: HashMap<Uuid, Quarantined>,
+    quarantine: IdMap<Uuid, Quarantined>,
     seq: u64,
     /// Shared read-only leases and the blocks held for their importers (`sharing.rs`).
     shared: SharedTable,
     /// Held blocks of ended leases whose fd recipients the shell has yet to look at
     /// (`shared.rs`); each is in `shared.held`.
-    unchecked: HashMap<Uuid, shared::Unchecked>,
+    unchecked: IdMap<Uuid, shared::Unchecked>,
     /// Live leases a publish is sealing (or sealed) with no lock held (`shared.rs`): when
     /// they end, their block is freed, never cached.
-    sealing: std::collections::HashSet<Uuid>,
+    sealing: crate::id_map::IdSet<Uuid>,
     /// Process reservations (`reservations.rs`).
     reservations: ReservationTable,
     /// What the transitions under the current lock asked for (`effects.rs`); taken and run
@@ -139,10 +140,10 @@ impl State {
             leases: LeaseTable::default(),
             sessions: SessionTable::default(),
             queue: WaitQueue::default(),
-            quarantine: HashMap::new(),
+            quarantine: IdMap::default(),
             seq: 0,
             shared: SharedTable::default(),
-            unchecked: HashMap::new(),
+            unchecked: IdMap::default(),
             sealing: Default::default(),
             reservations: ReservationTable::default(),
             fx: Effects::default(),
@@ -191,7 +192,7 @@ impl State {
     pub(crate) fn queue(&self) -> &WaitQueue {
         &self.queue
     }
-    pub(crate) fn quarantine(&self) -> &HashMap<Uuid, Quarantined> {
+    pub(crate) fn quarantine(&self) -> &IdMap<Uuid, Quarantined> {
         &self.quarantine
     }
     pub(crate) fn shared(&self) -> &SharedTable {
@@ -213,6 +214,15 @@ impl State {
     /// the model test, which runs them itself). Only the core's transitions push effects.
     pub(crate) fn take_effects(&mut self) -> Effects {
         std::mem::take(&mut self.fx)
+    }
+    /// The answer this hold pushed for waiter `to`, taken out (`Effect::Reply`): the
+    /// shell hands a request granted in the hold that offered it to its caller directly,
+    /// with no reply channel. None when the waiter was not answered in this hold.
+    pub(crate) fn take_reply(
+        &mut self,
+        to: super::queue::WaiterId,
+    ) -> Option<BrokerResult<super::queue::Granted>> {
+        self.fx.take_reply(to)
     }
     /// Pushes effects skipping the transitions: only for shell tests of how the lock
     /// guard runs what was pushed.
