@@ -112,7 +112,7 @@ impl Lease {
 /// page holds, not the number of live leases (`arbiter/listing.rs`).
 #[derive(Debug, Default)]
 pub struct LeaseTable {
-    leases: HashMap<Uuid, Lease>,
+    leases: crate::id_map::IdMap<Uuid, Lease>,
     by_seq: BTreeMap<u64, Uuid>,
     by_tenant: HashMap<String, BTreeSet<u64>>,
 }

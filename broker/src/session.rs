@@ -6,7 +6,7 @@
 //! and releases everything it held. Whether a peer process lives is `crate::process`'s
 //! business.
 
-use std::collections::{HashMap, HashSet};
+use crate::id_map::{IdMap, IdSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -71,7 +71,7 @@ pub struct Session {
     pub last_seen: Arc<Activity>,
     /// The leases it holds: only the core's lease table moves them (a session starts with
     /// none; [`Session::held`], [`Session::let_go`]), so the two never disagree.
-    leases: HashSet<Uuid>,
+    leases: IdSet<Uuid>,
     /// What NVML last said about the peer process's GPU memory.
     pub gpu: Option<GpuUse>,
     /// The id of the token the session was opened with: revoking that token, or its
@@ -89,13 +89,13 @@ impl Session {
             peer,
             opened: SystemTime::now(),
             last_seen: Activity::new(),
-            leases: HashSet::new(),
+            leases: IdSet::default(),
             gpu: None,
             token_id,
         }
     }
     /// The leases it holds.
-    pub fn leases(&self) -> &HashSet<Uuid> {
+    pub fn leases(&self) -> &IdSet<Uuid> {
         &self.leases
     }
     /// It holds lease `id` now (the core, adding the lease to its table).
@@ -152,7 +152,7 @@ pub struct GpuUse {
 /// Every open session, by id.
 #[derive(Debug, Default)]
 pub struct SessionTable {
-    sessions: HashMap<Uuid, Session>,
+    sessions: IdMap<Uuid, Session>,
 }
 
 impl SessionTable {

@@ -13,8 +13,9 @@
 //! `docs/protocol.md`.
 
 use crate::device::SharedFd;
+use crate::id_map::IdMap;
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -57,9 +58,9 @@ struct Tombstone {
 
 #[derive(Default)]
 struct Inner {
-    by_ticket: HashMap<Ticket, Entry>,
-    by_lease: HashMap<Uuid, Vec<Ticket>>,
-    tombstones: HashMap<Ticket, Tombstone>,
+    by_ticket: IdMap<Ticket, Entry>,
+    by_lease: IdMap<Uuid, Vec<Ticket>>,
+    tombstones: IdMap<Ticket, Tombstone>,
     /// Tombstones in the order they were laid (for the bound).
     tomb_order: VecDeque<Ticket>,
 }
