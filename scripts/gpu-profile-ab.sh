@@ -7,7 +7,8 @@
 #   scripts/gpu-profile-ab.sh build BENCH NAME=BROKER [NAME=BROKER ...]   # here
 #   scripts/gpu-profile-ab.sh run [PARTS]                                 # there
 #
-# Carry .gpu/prof (the build prints its size). PARTS (default ab,sched,strace,perf):
+# Carry .gpu/prof (the build prints its size; GPU_PROF_TOOLS=0 at the build leaves strace and
+# perf out, for the ab and sched parts only). PARTS (default ab,sched,strace,perf):
 #   ab      scripts/bench-ab.sh (throughput and one worker's pooled latency), ROUNDS rounds
 #   sched   SCHED_ROUNDS runs of each broker in the throughput mode (6 s); between 3 s and
 #           6 s after the start the broker's threads' context switches (voluntary, forced),
@@ -19,9 +20,9 @@
 #           broker's own are not named; the kernel's and the C library's are)
 #   stacks  where the broker's threads call `futex` and `sched_yield` and go to sleep
 #           (`sched_switch`) in the same mode: 1.5 s of `perf record` on those tracepoints
-#           (every STACKS_PERIOD-th event, default 8) with DWARF call chains; per pair, by the
-#           first four frames outside the standard library (give brokers with their
-#           symbols, `CARGO_PROFILE_RELEASE_STRIP=false`, for names)
+#           (every event: perf takes no sample period for them) with DWARF call chains; per
+#           pair, by the first four frames outside the standard library (give brokers with
+#           their symbols, `CARGO_PROFILE_RELEASE_STRIP=false`, for names)
 # Nothing here uses a GPU or changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +41,14 @@ build() {
     printf '%s\n' "${names[@]}" >"$OUT/brokers/order"
     tar czf "$OUT/brokers.tgz" -C "$OUT" brokers && rm -rf "$OUT/brokers"
     # The tools with every library they load and the loader itself, run through that loader
-    # there (so that machine's own C library is not mixed in).
+    # there (so that machine's own C library is not mixed in); GPU_PROF_TOOLS=0 leaves them
+    # out (the ab and sched parts need none).
+    cp -f scripts/bench-ab.sh scripts/bench-ab-summary.py scripts/bench-contention.sh \
+        scripts/cost-common.sh "$OUT/"
+    if [[ ${GPU_PROF_TOOLS:-1} == 0 ]]; then
+        du -sh "$OUT"
+        return
+    fi
     local t
     t=$(mktemp -d)
     mkdir -p "$t/tools/lib"
@@ -50,14 +58,13 @@ build() {
             while read -r l; do cp -Lf "$l" "$t/tools/lib/"; done
     done
     tar czf "$OUT/tools.tgz" -C "$t" tools && rm -rf "$t"
-    cp -f scripts/bench-ab.sh scripts/bench-ab-summary.py scripts/bench-contention.sh \
-        scripts/cost-common.sh "$OUT/"
     du -sh "$OUT"
 }
 
 # The tools' wrappers, on PATH.
 tools() {
     local d=$OUT/tools b
+    [[ -f $OUT/tools.tgz ]] || { echo "no tools carried (GPU_PROF_TOOLS=0 at the build)"; return 0; }
     tar xzf "$OUT/tools.tgz" -C "$OUT"
     mkdir -p "$d/bin"
     for b in strace perf; do
@@ -184,21 +191,21 @@ perf_part() {
 }
 
 stacks() {
-    local j json data per=${STACKS_PERIOD:-8}
+    local j json data
     for j in "${!brokers[@]}"; do
         json=$(mktemp)
         data=$(mktemp)
         start_run "${brokers[$j]}" "$json"
         sleep 2.5
-        perf record -q -c "$per" --call-graph dwarf,4096 -p "$broker_pid" -o "$data" \
+        perf record -q --call-graph dwarf,4096 -p "$broker_pid" -o "$data" \
             -e syscalls:sys_enter_sched_yield -e syscalls:sys_enter_futex -e sched:sched_switch \
             -- sleep 1.5 >/dev/null 2>&1 || true
         wait "$bench_pid" || true
-        echo "---- stacks ${labels[$j]} (${brokers[$j]##*/}), every ${per}th event"
+        echo "---- stacks ${labels[$j]} (${brokers[$j]##*/})"
         perf script -i "$data" >"$data.txt" 2>/dev/null || true
-        python3 - "$json" "$per" "$data.txt" <<'EOF2'
+        python3 - "$json" "$data.txt" <<'EOF2'
 import collections, json, re, sys
-js, per, script = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+js, script = sys.argv[1:]
 pps = 0.0
 for line in open(js):
     if line.startswith("{") and "summary" not in line:
@@ -229,10 +236,10 @@ for line in open(script, errors="replace"):
             frames.append(re.sub(r"::h[0-9a-f]{16}$", "", sym))
 done()
 print(f"  {pps:,.0f} pairs/s in the run; per pair: " +
-      ", ".join(f"{e} {sum(c.values()) * per / max(pairs, 1):.2f}" for e, c in by.items()))
+      ", ".join(f"{e} {sum(c.values()) / max(pairs, 1):.2f}" for e, c in by.items()))
 for e, c in by.items():
     for key, n in c.most_common(12):
-        print(f"  {e} {n * per / max(pairs, 1):.3f}  {key[:400]}")
+        print(f"  {e} {n / max(pairs, 1):.3f}  {key[:400]}")
 EOF2
         rm -f "$json" "$data" "$data.txt"
     done
