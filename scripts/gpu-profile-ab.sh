@@ -174,15 +174,23 @@ EOF
     rm -f "$f"
 }
 
+# A throughput run of broker $1 with, from 2.5 s in, `perf record` of it for $2 seconds
+# (the other arguments are perf's) into the file $data; the run's JSON in the file $json.
+perf_during_run() {
+    local broker=$1 secs=$2
+    shift 2
+    json=$(mktemp)
+    data=$(mktemp)
+    start_run "$broker" "$json"
+    sleep 2.5
+    perf record -q -p "$broker_pid" -o "$data" "$@" -- sleep "$secs" >/dev/null 2>&1 || true
+    wait "$bench_pid" || true
+}
+
 perf_part() {
     local j json data
     for j in "${!brokers[@]}"; do
-        json=$(mktemp)
-        data=$(mktemp)
-        start_run "${brokers[$j]}" "$json"
-        sleep 2.5
-        perf record -q -F 2999 -e cpu-clock -p "$broker_pid" -o "$data" -- sleep 3 >/dev/null 2>&1 || true
-        wait "$bench_pid" || true
+        perf_during_run "${brokers[$j]}" 3 -F 2999 -e cpu-clock
         echo "---- perf ${labels[$j]} (${brokers[$j]##*/}): $(grep '^{' "$json" | grep -v summary | cut -c1-160)"
         perf report -i "$data" --stdio --no-children --sort dso --percent-limit 0.5 2>/dev/null | grep -v '^#' | grep -v '^$' | head -12 || true
         perf report -i "$data" --stdio --no-children --sort dso,sym --percent-limit 0.4 2>/dev/null | grep -v '^#' | grep -v '^$' | head -40 || true
@@ -193,14 +201,8 @@ perf_part() {
 stacks() {
     local j json data
     for j in "${!brokers[@]}"; do
-        json=$(mktemp)
-        data=$(mktemp)
-        start_run "${brokers[$j]}" "$json"
-        sleep 2.5
-        perf record -q --call-graph dwarf,4096 -p "$broker_pid" -o "$data" \
-            -e syscalls:sys_enter_sched_yield -e syscalls:sys_enter_futex -e sched:sched_switch \
-            -- sleep 1.5 >/dev/null 2>&1 || true
-        wait "$bench_pid" || true
+        perf_during_run "${brokers[$j]}" 1.5 --call-graph dwarf,4096 \
+            -e syscalls:sys_enter_sched_yield -e syscalls:sys_enter_futex -e sched:sched_switch
         echo "---- stacks ${labels[$j]} (${brokers[$j]##*/})"
         perf script -i "$data" >"$data.txt" 2>/dev/null || true
         python3 - "$json" "$data.txt" <<'EOF2'

@@ -30,6 +30,6 @@ mod tests {
             assert!(s.remove(id));
         }
         assert!(s.is_empty());
-        assert!(m.get(&uuid::Uuid::new_v4()).is_none());
+        assert!(!m.contains_key(&uuid::Uuid::new_v4()));
     }
 }
