@@ -202,6 +202,7 @@ impl Effects {
             .position(|e| matches!(e, Effect::Reply { to: t, .. } if *t == to))?;
         match self.0.remove(i) {
             Effect::Reply { result, .. } => Some(result),
+            // Not reached (`position` found a reply there); put back rather than panic.
             other => {
                 self.0.insert(i, other);
                 None
@@ -492,5 +493,41 @@ impl Arbiter {
             }
         }
         self.drain(&mut st);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::BrokerError;
+
+    #[test]
+    fn take_reply_takes_only_that_waiters_answer_and_keeps_the_rest_in_order() {
+        let mut fx = Effects::default();
+        fx.count(Counted::Quarantined);
+        fx.reply(1, Err(BrokerError::ShuttingDown));
+        fx.count(Counted::ReclaimRequested);
+        fx.reply(2, Err(BrokerError::NoHostTier));
+        assert!(
+            fx.take_reply(3).is_none(),
+            "no answer for a waiter not answered"
+        );
+        assert!(matches!(
+            fx.take_reply(2),
+            Some(Err(BrokerError::NoHostTier))
+        ));
+        assert!(fx.take_reply(2).is_none(), "taken once");
+        let rest = fx.into_vec();
+        assert!(matches!(
+            rest.as_slice(),
+            [
+                Effect::Count(Counted::Quarantined),
+                Effect::Reply {
+                    to: 1,
+                    result: Err(BrokerError::ShuttingDown)
+                },
+                Effect::Count(Counted::ReclaimRequested),
+            ]
+        ));
     }
 }
