@@ -460,9 +460,9 @@ impl State {
                     evicted: Vec::new(),
                 }
             }
-            // Sealed since it was cached (no path caches a sealed memfd: checked again
-            // where it is handed out): the tenant's next lease must get memory it can
-            // write and publish. Freed, and fresh memory given instead.
+            // Sealed by its holder (before or after its release, through a descriptor it
+            // kept; a release does not look): the tenant's next lease must get memory it
+            // can write and publish. Freed, and fresh memory given instead.
             Source::Cached {
                 block,
                 scrub: false,

@@ -352,10 +352,12 @@ impl State {
         // Every recipient counts as alive: the shell looks after the unlock.
         let recipients: BTreeSet<u32> = self.shared.recipients.remove(&lease).unwrap_or_default();
         if publication.is_none() && recipients.is_empty() {
-            // A memfd its holder sealed (it may do so) never returns to the cache: the
-            // next lease must get memory it can write and publish.
+            // A memfd its holder sealed (it may do so) is not looked at here: it can seal
+            // it through a descriptor it kept after the release too, so the one look that
+            // counts is where a cached block is handed out (`State::grant_waiter`), and a release
+            // holds the lock no longer for a system call.
             let ending = match ending {
-                Ending::Cache if sealed || !self.pristine(&block) => Ending::Destroy,
+                Ending::Cache if sealed => Ending::Destroy,
                 e => e,
             };
             return Some((block, ending, sealed));
