@@ -3,7 +3,7 @@
 //! answers a waiter or tells a session itself: it pushes an [`Effect`] onto the core's
 //! effect list (`State::fx`, private to `arbiter/state/`: the shell pushes nothing itself,
 //! checked by `broker/tests/layers.rs`). The lock guard ([`Locked`], from `Arbiter::lock`)
-//! takes them (`State::drain_effects`) and runs them when it is dropped:
+//! takes them (`State::take_effects`) and runs them when it is dropped:
 //!
 //! 1. the byte-state invariant is checked (debug builds: `State::check_invariant`);
 //! 2. device frees are queued on their device threads (a channel send, never a driver call)
@@ -209,27 +209,11 @@ impl Effects {
             }
         }
     }
-    /// The effects, in order (for tests, which run them themselves).
-    #[cfg(test)]
+    /// The effects, in order.
     pub fn into_vec(self) -> Vec<Effect> {
         self.0
     }
-    /// Takes the effects out in order, keeping the list's buffer for the next hold's
-    /// (so that a transition's first push does not allocate under the lock); a buffer
-    /// grown large by one hold (a shutdown's, say) is given back.
-    pub fn drain(&mut self) -> impl Iterator<Item = Effect> + '_ {
-        if self.0.capacity() > KEPT_CAPACITY && self.0.len() <= KEPT_CAPACITY {
-            self.0.shrink_to(KEPT_CAPACITY);
-        }
-        self.0.drain(..)
-    }
 }
-
-/// Most effect slots the list keeps between holds.
-const KEPT_CAPACITY: usize = 64;
-
-/// Effects one hold runs after the lock is released, on the stack for a usual hold's few.
-type AfterList = smallvec::SmallVec<[After; 8]>;
 
 /// What the lock guard runs once the lock is released: an effect, or an event whose
 /// mailbox it found under the lock.
@@ -306,8 +290,9 @@ impl Drop for Locked<'_> {
             self.record_hold();
             return;
         }
-        let mut later = AfterList::new();
-        for e in st.drain_effects() {
+        let effects = st.take_effects().into_vec();
+        let mut later = Vec::with_capacity(effects.len());
+        for e in effects {
             match e {
                 Effect::Free { device, block } => self.arb.free_on_device(device, block),
                 Effect::FreeHost { block } => self.arb.free_host(block),
@@ -515,35 +500,6 @@ impl Arbiter {
 mod tests {
     use super::*;
     use crate::error::BrokerError;
-
-    #[test]
-    fn a_drain_gives_the_effects_in_order_and_keeps_a_usual_buffer() {
-        let mut fx = Effects::default();
-        fx.count(Counted::Quarantined);
-        fx.count(Counted::ReclaimRequested);
-        fx.count(Counted::CrossTenantFresh);
-        let got: Vec<Effect> = fx.drain().collect();
-        assert!(matches!(
-            got.as_slice(),
-            [
-                Effect::Count(Counted::Quarantined),
-                Effect::Count(Counted::ReclaimRequested),
-                Effect::Count(Counted::CrossTenantFresh),
-            ]
-        ));
-        assert!(fx.is_empty());
-        assert!(fx.0.capacity() >= 3, "the buffer stays for the next hold");
-        // A hold with very many effects: all of them come out; the big buffer is given
-        // back at the next usual hold's drain.
-        for _ in 0..10 * KEPT_CAPACITY {
-            fx.count(Counted::Quarantined);
-        }
-        assert_eq!(fx.drain().count(), 10 * KEPT_CAPACITY);
-        assert!(fx.0.capacity() >= 10 * KEPT_CAPACITY);
-        fx.count(Counted::Quarantined);
-        assert_eq!(fx.drain().count(), 1);
-        assert!(fx.0.capacity() <= KEPT_CAPACITY, "{}", fx.0.capacity());
-    }
 
     #[test]
     fn take_reply_takes_only_that_waiters_answer_and_keeps_the_rest_in_order() {

@@ -37,7 +37,7 @@ pub(crate) use end::{Ending, Revoke};
 pub(crate) use queue::{Enqueued, QueueEnv};
 pub(crate) use shared::{Holding, NewPublication, SealCheck};
 
-use super::effects::{Effect, Effects, Watch};
+use super::effects::{Effects, Watch};
 use super::queue::WaitQueue;
 use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::id_map::IdMap;
@@ -210,16 +210,10 @@ impl State {
     pub(crate) fn has_effects(&self) -> bool {
         !self.fx.is_empty()
     }
-    /// What the transitions pushed, in order, taken out by the core's tests (which run them
-    /// themselves). Only the core's transitions push effects.
-    #[cfg(test)]
+    /// What the transitions pushed, in order, taken by the lock guard to run them (and by
+    /// the model test, which runs them itself). Only the core's transitions push effects.
     pub(crate) fn take_effects(&mut self) -> Effects {
         std::mem::take(&mut self.fx)
-    }
-    /// What the transitions pushed, drained in order by the lock guard to run them, the
-    /// list keeping its buffer (no allocation under the lock for the next hold's effects).
-    pub(crate) fn drain_effects(&mut self) -> impl Iterator<Item = Effect> + '_ {
-        self.fx.drain()
     }
     /// The answer this hold pushed for waiter `to`, taken out (`Effect::Reply`): the
     /// shell hands a request granted in the hold that offered it to its caller directly,
