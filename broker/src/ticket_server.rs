@@ -1,12 +1,12 @@
 //! The ticket server: the Unix stream socket where a worker presents a lease ticket
 //! (`tickets.rs` has the table and the protocol's bytes) and receives the lease's
-//! descriptor in `SCM_RIGHTS`. Above the arbiter: it asks it before a descriptor goes to a
-//! process other than the session's own ([`Arbiter::fd_delivering`]). Connections are capped in all and per peer uid; one over a
+//! descriptor in `SCM_RIGHTS`. Above the arbiter: it asks it who may receive a descriptor
+//! ([`Arbiter::fd_delivering`]). Connections are capped in all and per peer uid; one over a
 //! cap is told "busy" and closed, its ticket untouched.
 
 use crate::arbiter::Arbiter;
 use crate::device::SharedFd;
-use crate::tickets::{Recipient, Redeemed, Refusal, TICKET_LEN};
+use crate::tickets::{Refusal, TICKET_LEN};
 use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
@@ -101,19 +101,15 @@ async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>
         _ => Err(Refusal::Malformed),
     };
     match result {
-        // A recipient outside the session is recorded before the descriptor leaves, so
-        // there is no moment when such a process maps memory the broker no longer counts.
+        // The recipient is recorded before the descriptor leaves, so there is no moment
+        // when a process outside the session maps memory the broker no longer counts.
         // The lease ended between the redemption and now: its rightful holder is told so.
-        // The session's own process needs no record (its session's ending already counts
-        // it), so its delivery does not take the arbiter's lock: a lease that ends from here
-        // on is the same race as one ending while the descriptor is in flight.
-        Ok(r) if r.to == Recipient::Other && !arb.fd_delivering(r.lease, pid) => {
-            let lease = r.lease;
+        Ok((lease, _)) if !arb.fd_delivering(lease, pid) => {
             arb.metrics().ticket_refused("lease_gone");
             let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
             tracing::debug!(%lease, ?uid, ?pid, "ticket of a lease that just ended; closed");
         }
-        Ok(Redeemed { lease, fd, .. }) => match send_fd(&stream, &fd).await {
+        Ok((lease, fd)) => match send_fd(&stream, &fd).await {
             Ok(()) => {
                 arb.metrics().ticket_redeemed();
                 tracing::debug!(%lease, ?uid, ?pid, "lease fd delivered");

@@ -48,25 +48,6 @@ struct Entry {
     binding: Binding,
     expires: Instant,
     fd: SharedFd,
-    to: Recipient,
-}
-
-/// Whom a ticket's descriptor goes to, as the minting call saw it: the process of the
-/// lease's own session (its bound pid is the session's peer pid), or possibly another one
-/// (a forked child, another process of the same user), which the arbiter must track before
-/// the descriptor leaves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Recipient {
-    SessionProcess,
-    Other,
-}
-
-/// What a redeemed ticket gives: the lease, its descriptor, and whom it goes to.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Redeemed {
-    pub lease: Uuid,
-    pub fd: SharedFd,
-    pub to: Recipient,
 }
 
 /// An unredeemed ticket of a lease that ended: who may learn so, and until when.
@@ -121,9 +102,8 @@ impl TicketTable {
         self.socket.lock().clone()
     }
 
-    /// Mints a ticket for `lease` that delivers `fd` to a process matching `binding`
-    /// (`to`: whether that process is the lease's session's own).
-    pub fn mint(&self, lease: Uuid, binding: Binding, fd: SharedFd, to: Recipient) -> Ticket {
+    /// Mints a ticket for `lease` that delivers `fd` to a process matching `binding`.
+    pub fn mint(&self, lease: Uuid, binding: Binding, fd: SharedFd) -> Ticket {
         let ticket: Ticket = rand::random();
         let now = Instant::now();
         let expires = now + self.ttl();
@@ -146,7 +126,6 @@ impl TicketTable {
                 binding,
                 expires,
                 fd,
-                to,
             },
         );
         ticket
@@ -179,7 +158,12 @@ impl TicketTable {
 
     /// Redeems `ticket` for a peer with `uid` and `pid`: the lease and its descriptor, once.
     /// A foreign peer does not use the ticket up (its rightful holder may still redeem it).
-    pub fn redeem(&self, ticket: &[u8], uid: u32, pid: Option<u32>) -> Result<Redeemed, Refusal> {
+    pub fn redeem(
+        &self,
+        ticket: &[u8],
+        uid: u32,
+        pid: Option<u32>,
+    ) -> Result<(Uuid, SharedFd), Refusal> {
         let key: Ticket = ticket.try_into().map_err(|_| Refusal::Malformed)?;
         let now = Instant::now();
         let mut inner = self.inner.lock();
@@ -194,11 +178,7 @@ impl TicketTable {
             return Err(Refusal::Foreign);
         }
         let e = inner.remove(&key).ok_or(Refusal::Unknown)?;
-        Ok(Redeemed {
-            lease: e.lease,
-            fd: e.fd,
-            to: e.to,
-        })
+        Ok((e.lease, e.fd))
     }
 }
 
@@ -302,31 +282,16 @@ mod tests {
     };
 
     #[test]
-    fn a_redeemed_ticket_says_whom_its_mint_named() {
-        let t = TicketTable::default();
-        let own = t.mint(Uuid::new_v4(), ME, fd(), Recipient::SessionProcess);
-        let other = t.mint(Uuid::new_v4(), ME, fd(), Recipient::Other);
-        assert_eq!(
-            t.redeem(&own, 1000, Some(42)).unwrap().to,
-            Recipient::SessionProcess
-        );
-        assert_eq!(
-            t.redeem(&other, 1000, Some(42)).unwrap().to,
-            Recipient::Other
-        );
-    }
-
-    #[test]
     fn a_ticket_redeems_once_for_its_binding_only() {
         let t = TicketTable::default();
         let lease = Uuid::new_v4();
         let f = fd();
-        let k = t.mint(lease, ME, f.clone(), Recipient::Other);
+        let k = t.mint(lease, ME, f.clone());
         assert_eq!(t.redeem(&k, 1001, Some(42)).unwrap_err(), Refusal::Foreign);
         assert_eq!(t.redeem(&k, 1000, Some(43)).unwrap_err(), Refusal::Foreign);
         assert_eq!(t.redeem(&k, 1000, None).unwrap_err(), Refusal::Foreign);
-        let got = t.redeem(&k, 1000, Some(42)).unwrap();
-        assert_eq!((got.lease, got.fd), (lease, f));
+        let (l, got) = t.redeem(&k, 1000, Some(42)).unwrap();
+        assert_eq!((l, got), (lease, f));
         assert_eq!(t.redeem(&k, 1000, Some(42)).unwrap_err(), Refusal::Unknown);
         assert_eq!(
             t.redeem(&[0u8; 32], 1000, Some(42)).unwrap_err(),
@@ -342,12 +307,7 @@ mod tests {
     #[test]
     fn unknown_pid_binding_checks_uid_only() {
         let t = TicketTable::default();
-        let k = t.mint(
-            Uuid::new_v4(),
-            Binding { uid: 7, pid: None },
-            fd(),
-            Recipient::Other,
-        );
+        let k = t.mint(Uuid::new_v4(), Binding { uid: 7, pid: None }, fd());
         assert_eq!(t.redeem(&k, 8, Some(1)).unwrap_err(), Refusal::Foreign);
         assert!(t.redeem(&k, 7, Some(1)).is_ok());
     }
@@ -356,12 +316,12 @@ mod tests {
     fn expired_and_forgotten_tickets_are_refused() {
         let t = TicketTable::default();
         t.set_ttl(Duration::from_millis(1));
-        let k = t.mint(Uuid::new_v4(), ME, fd(), Recipient::Other);
+        let k = t.mint(Uuid::new_v4(), ME, fd());
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(t.redeem(&k, 1000, Some(42)).unwrap_err(), Refusal::Expired);
         t.set_ttl(Duration::from_secs(30));
         let lease = Uuid::new_v4();
-        let k = t.mint(lease, ME, fd(), Recipient::Other);
+        let k = t.mint(lease, ME, fd());
         t.forget_lease(lease);
         assert_eq!(
             t.redeem(&k, 1000, Some(42)).unwrap_err(),
@@ -377,9 +337,9 @@ mod tests {
         let t = TicketTable::default();
         let lease = Uuid::new_v4();
         let f = fd();
-        let k1 = t.mint(lease, ME, f.clone(), Recipient::Other);
-        let k2 = t.mint(lease, ME, f.clone(), Recipient::Other);
-        let other = t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other);
+        let k1 = t.mint(lease, ME, f.clone());
+        let k2 = t.mint(lease, ME, f.clone());
+        let other = t.mint(Uuid::new_v4(), ME, f.clone());
         t.forget_lease(lease);
         assert_eq!((t.outstanding(), t.tombstones()), (1, 2));
         // The tombstones hold no descriptor: only `f` and the live ticket's clone remain.
@@ -398,12 +358,12 @@ mod tests {
         // Past its expiry the tombstone is gone.
         t.set_ttl(Duration::from_millis(1));
         let short = Uuid::new_v4();
-        let k3 = t.mint(short, ME, f.clone(), Recipient::Other);
+        let k3 = t.mint(short, ME, f.clone());
         t.forget_lease(short);
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(t.redeem(&k3, 1000, Some(42)).unwrap_err(), Refusal::Unknown);
         // Purging (on a mint) keeps the unexpired tombstone (k2).
-        t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other);
+        t.mint(Uuid::new_v4(), ME, f.clone());
         assert_eq!(t.tombstones(), 1);
         assert_eq!(
             t.redeem(&k2, 1000, Some(42)).unwrap_err(),
@@ -417,11 +377,11 @@ mod tests {
         let t = TicketTable::default();
         let f = fd();
         let first_lease = Uuid::new_v4();
-        let first = t.mint(first_lease, ME, f.clone(), Recipient::Other);
+        let first = t.mint(first_lease, ME, f.clone());
         t.forget_lease(first_lease);
         for _ in 0..MAX_TOMBSTONES {
             let l = Uuid::new_v4();
-            t.mint(l, ME, f.clone(), Recipient::Other);
+            t.mint(l, ME, f.clone());
             t.forget_lease(l);
         }
         assert_eq!(t.tombstones(), MAX_TOMBSTONES);
@@ -437,9 +397,9 @@ mod tests {
         let t = TicketTable::default();
         let lease = Uuid::new_v4();
         let f = fd();
-        let first = t.mint(lease, ME, f.clone(), Recipient::Other);
+        let first = t.mint(lease, ME, f.clone());
         for _ in 0..MAX_PER_LEASE {
-            t.mint(lease, ME, f.clone(), Recipient::Other);
+            t.mint(lease, ME, f.clone());
         }
         assert_eq!(t.outstanding(), MAX_PER_LEASE);
         assert_eq!(

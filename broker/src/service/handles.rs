@@ -14,7 +14,7 @@ use crate::arbiter::Arbiter;
 use crate::error::BrokerError;
 use crate::lease::LeaseView;
 use crate::session::Peer;
-use crate::tickets::{Binding, Recipient};
+use crate::tickets::Binding;
 use gpu_broker_proto::v1 as pb;
 
 /// The kinds a request accepts.
@@ -89,14 +89,11 @@ pub fn check_same_user(session: &Peer, caller: &Peer) -> Result<(), BrokerError>
     }
 }
 
-/// The reply's `FdHandle` with a fresh ticket bound to `caller`; `session` is the peer of
-/// the lease's session (a caller with its pid is the session's own process, which the
-/// ticket server then need not ask the arbiter about).
+/// The reply's `FdHandle` with a fresh ticket bound to `caller`.
 pub fn fd_handle(
     arb: &Arbiter,
     view: &LeaseView,
     caller: &Peer,
-    session: &Peer,
 ) -> Result<pb::FdHandle, BrokerError> {
     let crate::device::Handle::Fd {
         kind,
@@ -104,33 +101,7 @@ pub fn fd_handle(
         block_id,
         size,
     } = &view.handle;
-    let mem = Memory {
-        id: view.id,
-        kind: *kind,
-        fd,
-        block_id: *block_id,
-        size: *size,
-    };
-    fd_handle_to(arb, &mem, caller, recipient(caller, session))
-}
-
-/// Whom a descriptor for `caller` goes to: the session's own process when the kernel
-/// showed both pids and they are one.
-fn recipient(caller: &Peer, session: &Peer) -> Recipient {
-    match (caller.pid.filter(|&p| p != 0), session.pid) {
-        (Some(c), Some(s)) if c == s => Recipient::SessionProcess,
-        _ => Recipient::Other,
-    }
-}
-
-/// The memory a ticket delivers: lease or import `id`'s descriptor and what the
-/// `FdHandle` says of it.
-struct Memory<'a> {
-    id: uuid::Uuid,
-    kind: crate::device::MemoryKind,
-    fd: &'a crate::device::SharedFd,
-    block_id: u64,
-    size: u64,
+    fd_handle_of(arb, view.id, *kind, fd, *block_id, *size, caller)
 }
 
 /// Can `caller` receive descriptors at all (a Unix-socket peer, a ticket server running)?
@@ -139,8 +110,7 @@ pub fn check_fd_receivable(arb: &Arbiter, caller: &Peer) -> Result<(), BrokerErr
 }
 
 /// An `FdHandle` for the memory `fd` of lease or import `id`, with a fresh ticket bound
-/// to `caller`. An import's descriptor is always delivered through the arbiter's check (a
-/// lingering import delivers nothing more, even to its session's process).
+/// to `caller`.
 pub fn fd_handle_of(
     arb: &Arbiter,
     id: uuid::Uuid,
@@ -150,32 +120,16 @@ pub fn fd_handle_of(
     size: u64,
     caller: &Peer,
 ) -> Result<pb::FdHandle, BrokerError> {
-    let mem = Memory {
-        id,
-        kind,
-        fd,
-        block_id,
-        size,
-    };
-    fd_handle_to(arb, &mem, caller, Recipient::Other)
-}
-
-fn fd_handle_to(
-    arb: &Arbiter,
-    mem: &Memory<'_>,
-    caller: &Peer,
-    to: Recipient,
-) -> Result<pb::FdHandle, BrokerError> {
     let bind = binding(arb, caller)?;
     let tickets = arb.tickets();
     let socket = tickets.socket().unwrap_or_default();
-    let ticket = tickets.mint(mem.id, bind, mem.fd.clone(), to);
+    let ticket = tickets.mint(id, bind, fd.clone());
     Ok(pb::FdHandle {
         socket_path: socket.to_string_lossy().into_owned(),
         ticket: ticket.to_vec(),
-        memory_kind: super::convert::memory_kind(mem.kind) as i32,
-        block_id: mem.block_id,
-        size: mem.size,
+        memory_kind: super::convert::memory_kind(kind) as i32,
+        block_id,
+        size,
         ticket_ttl_ms: u64::try_from(tickets.ttl().as_millis()).unwrap_or(u64::MAX),
     })
 }
@@ -183,27 +137,6 @@ fn fd_handle_to(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn peer(pid: Option<u32>) -> Peer {
-        Peer {
-            pid,
-            uid: Some(1000),
-            unix: true,
-        }
-    }
-
-    #[test]
-    fn only_a_caller_whose_pid_is_the_sessions_is_its_process() {
-        let of = |c, s| recipient(&peer(c), &peer(s));
-        assert_eq!(of(Some(7), Some(7)), Recipient::SessionProcess);
-        // A forked child or another process of the user: tracked before delivery.
-        assert_eq!(of(Some(8), Some(7)), Recipient::Other);
-        // Without both pids from the kernel nothing is known.
-        assert_eq!(of(None, Some(7)), Recipient::Other);
-        assert_eq!(of(Some(7), None), Recipient::Other);
-        assert_eq!(of(None, None), Recipient::Other);
-        assert_eq!(of(Some(0), Some(0)), Recipient::Other);
-    }
 
     #[test]
     #[allow(deprecated)] // the legacy kind, still parsed
