@@ -354,8 +354,8 @@ impl State {
         if publication.is_none() && recipients.is_empty() {
             // A memfd its holder sealed (it may do so) is not looked at here: it can seal
             // it through a descriptor it kept after the release too, so the one look that
-            // counts is where a cached block is handed out (`State::grant_waiter`), and a release
-            // holds the lock no longer for a system call.
+            // counts is where a cached block is handed out (`State::grant_waiter`), and a
+            // release holds the lock no longer for a system call.
             let ending = match ending {
                 Ending::Cache if sealed => Ending::Destroy,
                 e => e,
