@@ -54,7 +54,50 @@ pub struct Lease {
     pub block: Block,
     /// The process reservation its bytes were drawn from (`reservations.rs`), if any.
     pub reservation: Option<Uuid>,
+    /// Cleared when the lease leaves the table (`LeaseTable::remove`).
+    pub live: LiveMark,
 }
+
+/// Whether a lease is still in the table, readable without the arbiter's lock: a ticket
+/// for the lease's session's own process carries it (`tickets.rs`), so the ticket server
+/// delivers that process's descriptor without taking the lock, and a ticket minted or
+/// redeemed after the lease ended still delivers nothing. Cleared only by
+/// `LeaseTable::remove`, under the lock; a clone shares the one flag.
+#[derive(Clone, Debug)]
+pub struct LiveMark(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl LiveMark {
+    /// A mark for a lease about to enter the table (the core's grants make them).
+    pub(crate) fn new() -> Self {
+        LiveMark(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
+            true,
+        )))
+    }
+
+    /// Is the lease still in the table?
+    pub fn is_live(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn clear(&self) {
+        self.0.store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Clears the mark as the lease's removal would (tests of its readers).
+    #[cfg(test)]
+    pub(crate) fn end_for_test(&self) {
+        self.clear();
+    }
+}
+
+/// Two marks are equal when they are one lease's.
+impl PartialEq for LiveMark {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for LiveMark {}
 
 impl Lease {
     pub fn bytes(&self) -> u64 {
@@ -80,6 +123,8 @@ pub struct LeaseView {
     /// The lease was taken away (the view returned by a revocation).
     pub revoked: bool,
     pub handle: crate::device::Handle,
+    /// The lease's mark (whether it is still in the table).
+    pub live: LiveMark,
 }
 
 impl Lease {
@@ -103,6 +148,7 @@ impl Lease {
             borrowed,
             revoked: false,
             handle: self.block.handle.clone(),
+            live: self.live.clone(),
         }
     }
 }
@@ -136,6 +182,7 @@ impl LeaseTable {
     }
     pub fn remove(&mut self, id: &Uuid) -> Option<Lease> {
         let l = self.leases.remove(id)?;
+        l.live.clear();
         self.unindex(&l);
         Some(l)
     }
@@ -201,5 +248,56 @@ impl LeaseTable {
     /// Lease ids, e.g. to end them all at shutdown.
     pub fn ids(&self) -> Vec<Uuid> {
         self.leases.keys().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lease's mark is the one its views carry, and leaving the table (release,
+    /// revocation, a session's end: every ending removes it) clears it.
+    #[test]
+    fn leaving_the_table_clears_the_mark_its_views_share() {
+        let mut t = LeaseTable::default();
+        let block = Block {
+            alloc: crate::device::Allocation {
+                id: 1,
+                bytes: 4096,
+                addr: 0,
+                path: None,
+            },
+            handle: crate::device::Handle::Fd {
+                kind: crate::device::MemoryKind::HostMemfd,
+                fd: crate::device::SharedFd::new(std::fs::File::open("/dev/null").unwrap().into()),
+                block_id: 1,
+                size: 4096,
+            },
+            last_tenant: None,
+        };
+        let lease = Lease {
+            id: Uuid::new_v4(),
+            tenant: "a".into(),
+            session: Uuid::new_v4(),
+            device: 0,
+            tier: Tier::Device,
+            requested_bytes: 4096,
+            label: String::new(),
+            reclaimable: false,
+            created: SystemTime::now(),
+            state: LeaseState::Active,
+            priority: 0,
+            seq: 1,
+            block,
+            reservation: None,
+            live: LiveMark::new(),
+        };
+        let id = lease.id;
+        let view = lease.view(false);
+        t.insert(lease);
+        assert!(view.live.is_live());
+        let gone = t.remove(&id).unwrap();
+        assert!(!view.live.is_live() && !gone.live.is_live());
+        assert!(t.remove(&id).is_none());
     }
 }

@@ -1,12 +1,15 @@
 //! The ticket server: the Unix stream socket where a worker presents a lease ticket
 //! (`tickets.rs` has the table and the protocol's bytes) and receives the lease's
-//! descriptor in `SCM_RIGHTS`. Above the arbiter: it asks it who may receive a descriptor
-//! ([`Arbiter::fd_delivering`]). Connections are capped in all and per peer uid; one over a
-//! cap is told "busy" and closed, its ticket untouched.
+//! descriptor in `SCM_RIGHTS`. Above the arbiter: it asks it before a descriptor goes to a
+//! process other than the lease's session's own, or to an import's holder
+//! ([`Arbiter::fd_delivering`]); the session's own process is sent its lease's descriptor
+//! without that look (the ticket table refuses a ticket whose lease left the lease table).
+//! Connections are capped in all and per peer uid; one over a cap is told "busy" and
+//! closed, its ticket untouched.
 
 use crate::arbiter::Arbiter;
 use crate::device::SharedFd;
-use crate::tickets::{Refusal, TICKET_LEN};
+use crate::tickets::{Redeemed, Refusal, TICKET_LEN};
 use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
@@ -101,15 +104,19 @@ async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>
         _ => Err(Refusal::Malformed),
     };
     match result {
-        // The recipient is recorded before the descriptor leaves, so there is no moment
-        // when a process outside the session maps memory the broker no longer counts.
+        // A recipient outside the session is recorded before the descriptor leaves, so
+        // there is no moment when such a process maps memory the broker no longer counts.
         // The lease ended between the redemption and now: its rightful holder is told so.
-        Ok((lease, _)) if !arb.fd_delivering(lease, pid) => {
+        // The session's own process needs no record (its session's ending already counts
+        // it), so its delivery does not take the arbiter's lock: a lease that ends from here
+        // on is the same race as one ending while the descriptor is in flight.
+        Ok(r) if r.to.needs_arbiter() && !arb.fd_delivering(r.lease, pid) => {
+            let lease = r.lease;
             arb.metrics().ticket_refused("lease_gone");
             let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
             tracing::debug!(%lease, ?uid, ?pid, "ticket of a lease that just ended; closed");
         }
-        Ok((lease, fd)) => match send_fd(&stream, &fd).await {
+        Ok(Redeemed { lease, fd, .. }) => match send_fd(&stream, &fd).await {
             Ok(()) => {
                 arb.metrics().ticket_redeemed();
                 tracing::debug!(%lease, ?uid, ?pid, "lease fd delivered");
@@ -228,6 +235,124 @@ mod tests {
             open, cap,
             "the held connections were still waiting for tickets"
         );
+        stop.cancel();
+    }
+
+    /// The reply byte to `ticket` and the descriptor it carried, if any.
+    async fn present(path: &Path, ticket: &[u8]) -> (u8, Option<std::os::fd::OwnedFd>) {
+        use tokio::io::AsyncWriteExt;
+        let mut s = UnixStream::connect(path).await.unwrap();
+        s.write_all(ticket).await.unwrap();
+        s.readable().await.unwrap();
+        let raw = s.as_raw_fd();
+        tokio::task::spawn_blocking(move || recv_with_fd(raw))
+            .await
+            .unwrap()
+    }
+
+    /// `recvmsg` of one byte and at most one `SCM_RIGHTS` descriptor (blocking).
+    fn recv_with_fd(sock: RawFd) -> (u8, Option<std::os::fd::OwnedFd>) {
+        use std::os::fd::FromRawFd;
+        let mut byte = [0u8; 1];
+        let mut iov = libc::iovec {
+            iov_base: byte.as_mut_ptr().cast(),
+            iov_len: 1,
+        };
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+        let mut control = vec![0u8; space];
+        // SAFETY: zeroed msghdr, every pointer set below outlives the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: a valid socket and message.
+        let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        assert_eq!(n, 1, "one reply byte");
+        // SAFETY: the kernel filled the control buffer it was given.
+        let fd = unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (!cmsg.is_null() && (*cmsg).cmsg_type == libc::SCM_RIGHTS).then(|| {
+                std::os::fd::OwnedFd::from_raw_fd(std::ptr::read_unaligned(
+                    libc::CMSG_DATA(cmsg).cast::<RawFd>(),
+                ))
+            })
+        };
+        (byte[0], fd)
+    }
+
+    /// The server's dispatch: the session's own process is sent its lease's descriptor
+    /// without being recorded (its release then caches the block); a process outside the
+    /// session is recorded before its descriptor leaves (the release then holds the block
+    /// for it); a ticket minted after its lease left the table gets "lease ended" and no
+    /// descriptor, whoever it was minted for.
+    #[tokio::test]
+    async fn only_a_process_outside_the_session_is_recorded_and_an_ended_lease_sends_nothing() {
+        use crate::arbiter::tests::{quota, req};
+        use crate::session::Peer;
+        use crate::tickets::{Binding, Recipient};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.sock");
+        let listener = bind(&path).await.unwrap();
+        let arb =
+            crate::arbiter::host_arbiter(64 << 20, 1, crate::arbiter::ArbiterConfig::default());
+        arb.tickets().set_socket(&path);
+        arb.set_quota("a", quota(64 << 20)).unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(listener, arb.clone(), stop.clone()));
+        // SAFETY: getuid cannot fail.
+        let uid = unsafe { libc::getuid() };
+        let me = std::process::id();
+        let bound = Binding { uid, pid: Some(me) };
+        let fd_of = |v: &crate::lease::LeaseView| match &v.handle {
+            crate::device::Handle::Fd { fd, .. } => fd.clone(),
+        };
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let peer = |pid| Peer {
+            pid: Some(pid),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx1) = arb.open_session("a", "own", peer(me)).unwrap();
+        let (theirs, _rx2) = arb.open_session("a", "theirs", peer(other.id())).unwrap();
+
+        // This process is `own`'s: sent, not recorded, so the release caches the block.
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let to = Recipient::SessionProcess(l.live.clone());
+        let k = arb.tickets().mint(l.id, bound, fd_of(&l), to);
+        let (b, fd) = present(&path, &k).await;
+        assert_eq!((b, fd.is_some()), (FD_REPLY, true));
+        arb.release("a", l.id).unwrap();
+        assert!(arb.list_quarantined().is_empty());
+
+        // This process is outside `theirs`: recorded first, so the release holds the block.
+        let l = arb.acquire(req("a", theirs, 4 << 20)).await.unwrap();
+        let to = Recipient::Other(Some(l.live.clone()));
+        let k = arb.tickets().mint(l.id, bound, fd_of(&l), to);
+        let (b, fd) = present(&path, &k).await;
+        assert_eq!((b, fd.is_some()), (FD_REPLY, true));
+        arb.release("a", l.id).unwrap();
+        let q = arb.list_quarantined();
+        assert_eq!(q.len(), 1, "{q:?}");
+        assert_eq!((q[0].lease, q[0].holders.clone()), (l.id, vec![me]));
+
+        // Minted after the end, for either: "lease ended", no descriptor.
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        arb.release("a", l.id).unwrap();
+        for to in [
+            Recipient::SessionProcess(l.live.clone()),
+            Recipient::Other(Some(l.live.clone())),
+        ] {
+            let k = arb.tickets().mint(l.id, bound, fd_of(&l), to);
+            let (b, fd) = present(&path, &k).await;
+            assert_eq!((b, fd.is_some()), (LEASE_ENDED_REPLY, false));
+        }
+        other.kill().unwrap();
+        other.wait().unwrap();
         stop.cancel();
     }
 }

@@ -14,6 +14,7 @@
 
 use crate::device::SharedFd;
 use crate::id_map::IdMap;
+use crate::lease::LiveMark;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -48,6 +49,50 @@ struct Entry {
     binding: Binding,
     expires: Instant,
     fd: SharedFd,
+    to: Recipient,
+}
+
+/// Whom a ticket's descriptor goes to, as the minting call saw it, with the lease's mark
+/// (`LiveMark`: whether the lease is still in the lease table; an import has none).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Recipient {
+    /// The process of the lease's own session (its bound pid is the session's peer pid,
+    /// fixed when the session opened): the table refuses the ticket once the mark is
+    /// cleared (minted late or redeemed late alike), so the server sends without asking
+    /// the arbiter.
+    SessionProcess(LiveMark),
+    /// Possibly another process (a forked child, another process of the same user, a peer
+    /// without a pid) and every import: the server asks the arbiter first
+    /// (`Arbiter::fd_delivering`), which records the recipient. A lease's mark still lets
+    /// the table drop a ticket of an ended lease early.
+    Other(Option<LiveMark>),
+}
+
+impl Recipient {
+    fn mark(&self) -> Option<&LiveMark> {
+        match self {
+            Recipient::SessionProcess(m) => Some(m),
+            Recipient::Other(m) => m.as_ref(),
+        }
+    }
+
+    /// Must the server ask the arbiter before the descriptor leaves?
+    pub fn needs_arbiter(&self) -> bool {
+        matches!(self, Recipient::Other(_))
+    }
+
+    /// Has the lease left the lease table?
+    fn ended(&self) -> bool {
+        self.mark().is_some_and(|m| !m.is_live())
+    }
+}
+
+/// What a redeemed ticket gives: the lease, its descriptor, and whom it goes to.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Redeemed {
+    pub lease: Uuid,
+    pub fd: SharedFd,
+    pub to: Recipient,
 }
 
 /// An unredeemed ticket of a lease that ended: who may learn so, and until when.
@@ -102,13 +147,20 @@ impl TicketTable {
         self.socket.lock().clone()
     }
 
-    /// Mints a ticket for `lease` that delivers `fd` to a process matching `binding`.
-    pub fn mint(&self, lease: Uuid, binding: Binding, fd: SharedFd) -> Ticket {
+    /// Mints a ticket for `lease` that delivers `fd` to a process matching `binding`
+    /// (`to`: whether that process is the lease's session's own). A lease that already
+    /// left the table (the service mints outside the arbiter's lock) gets only a tombstone:
+    /// no descriptor is kept, and its peer learns "lease ended".
+    pub fn mint(&self, lease: Uuid, binding: Binding, fd: SharedFd, to: Recipient) -> Ticket {
         let ticket: Ticket = rand::random();
         let now = Instant::now();
         let expires = now + self.ttl();
         let mut inner = self.inner.lock();
         inner.purge_expired(now);
+        if to.ended() {
+            inner.lay_tombstone(ticket, binding, expires);
+            return ticket;
+        }
         let list = inner.by_lease.entry(lease).or_default();
         list.push(ticket);
         let dropped = if list.len() > MAX_PER_LEASE {
@@ -126,6 +178,7 @@ impl TicketTable {
                 binding,
                 expires,
                 fd,
+                to,
             },
         );
         ticket
@@ -158,12 +211,7 @@ impl TicketTable {
 
     /// Redeems `ticket` for a peer with `uid` and `pid`: the lease and its descriptor, once.
     /// A foreign peer does not use the ticket up (its rightful holder may still redeem it).
-    pub fn redeem(
-        &self,
-        ticket: &[u8],
-        uid: u32,
-        pid: Option<u32>,
-    ) -> Result<(Uuid, SharedFd), Refusal> {
+    pub fn redeem(&self, ticket: &[u8], uid: u32, pid: Option<u32>) -> Result<Redeemed, Refusal> {
         let key: Ticket = ticket.try_into().map_err(|_| Refusal::Malformed)?;
         let now = Instant::now();
         let mut inner = self.inner.lock();
@@ -178,7 +226,16 @@ impl TicketTable {
             return Err(Refusal::Foreign);
         }
         let e = inner.remove(&key).ok_or(Refusal::Unknown)?;
-        Ok((e.lease, e.fd))
+        if e.to.ended() {
+            // The lease ended and the end's forgetting has not run yet: its rightful peer
+            // learns so, as from a tombstone.
+            return Err(Refusal::LeaseEnded);
+        }
+        Ok(Redeemed {
+            lease: e.lease,
+            fd: e.fd,
+            to: e.to,
+        })
     }
 }
 
@@ -282,16 +339,98 @@ mod tests {
     };
 
     #[test]
+    fn a_redeemed_ticket_says_whom_its_mint_named() {
+        let t = TicketTable::default();
+        let mark = LiveMark::new();
+        let own = t.mint(
+            Uuid::new_v4(),
+            ME,
+            fd(),
+            Recipient::SessionProcess(mark.clone()),
+        );
+        let other = t.mint(Uuid::new_v4(), ME, fd(), Recipient::Other(None));
+        assert_eq!(
+            t.redeem(&own, 1000, Some(42)).unwrap().to,
+            Recipient::SessionProcess(mark)
+        );
+        assert_eq!(
+            t.redeem(&other, 1000, Some(42)).unwrap().to,
+            Recipient::Other(None)
+        );
+    }
+
+    /// The session's own process is served without the arbiter's look, so the table itself
+    /// refuses a ticket once its lease left the lease table: redeemed after the end but
+    /// before the end's forgetting ran, or minted after the end (the service mints outside
+    /// the lock), which keeps no descriptor at all. Its rightful peer learns "lease ended";
+    /// a foreign one learns nothing. A lease's `Other` ticket is refused the same way (the
+    /// arbiter's look would refuse it too); an import's, with no mark, is left to that look.
+    #[test]
+    fn a_ticket_of_a_lease_that_left_the_table_delivers_nothing() {
+        let t = TicketTable::default();
+        let mark = LiveMark::new();
+        let lease = Uuid::new_v4();
+        let f = fd();
+        let own = || Recipient::SessionProcess(mark.clone());
+        let before = t.mint(lease, ME, f.clone(), own());
+        let other = t.mint(lease, ME, f.clone(), Recipient::Other(Some(mark.clone())));
+        let kept = t.mint(lease, ME, f.clone(), own());
+        let import = t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other(None));
+        assert_eq!(std::sync::Arc::strong_count(&f.0), 5);
+        mark.end_for_test();
+        let late = t.mint(lease, ME, f.clone(), own());
+        assert_eq!(
+            std::sync::Arc::strong_count(&f.0),
+            5,
+            "a late mint keeps no fd"
+        );
+        assert_eq!((t.outstanding(), t.tombstones()), (4, 1));
+        // A foreign peer: refused as for any ticket (a live entry) or learns nothing (the
+        // late one's tombstone), and uses neither up.
+        assert_eq!(
+            t.redeem(&before, 1001, Some(42)).unwrap_err(),
+            Refusal::Foreign
+        );
+        assert_eq!(
+            t.redeem(&late, 1001, Some(42)).unwrap_err(),
+            Refusal::Unknown
+        );
+        for k in [&before, &other, &late] {
+            assert_eq!(
+                t.redeem(k, 1000, Some(42)).unwrap_err(),
+                Refusal::LeaseEnded
+            );
+            assert_eq!(t.redeem(k, 1000, Some(42)).unwrap_err(), Refusal::Unknown);
+        }
+        assert_eq!(
+            std::sync::Arc::strong_count(&f.0),
+            3,
+            "`f`, `kept`, `import`"
+        );
+        // The end's forgetting still lays the remaining one's tombstone.
+        t.forget_lease(lease);
+        assert_eq!((t.outstanding(), t.tombstones()), (1, 1));
+        assert_eq!(
+            t.redeem(&kept, 1000, Some(42)).unwrap_err(),
+            Refusal::LeaseEnded
+        );
+        assert_eq!(
+            t.redeem(&import, 1000, Some(42)).unwrap().to,
+            Recipient::Other(None)
+        );
+    }
+
+    #[test]
     fn a_ticket_redeems_once_for_its_binding_only() {
         let t = TicketTable::default();
         let lease = Uuid::new_v4();
         let f = fd();
-        let k = t.mint(lease, ME, f.clone());
+        let k = t.mint(lease, ME, f.clone(), Recipient::Other(None));
         assert_eq!(t.redeem(&k, 1001, Some(42)).unwrap_err(), Refusal::Foreign);
         assert_eq!(t.redeem(&k, 1000, Some(43)).unwrap_err(), Refusal::Foreign);
         assert_eq!(t.redeem(&k, 1000, None).unwrap_err(), Refusal::Foreign);
-        let (l, got) = t.redeem(&k, 1000, Some(42)).unwrap();
-        assert_eq!((l, got), (lease, f));
+        let got = t.redeem(&k, 1000, Some(42)).unwrap();
+        assert_eq!((got.lease, got.fd), (lease, f));
         assert_eq!(t.redeem(&k, 1000, Some(42)).unwrap_err(), Refusal::Unknown);
         assert_eq!(
             t.redeem(&[0u8; 32], 1000, Some(42)).unwrap_err(),
@@ -307,7 +446,12 @@ mod tests {
     #[test]
     fn unknown_pid_binding_checks_uid_only() {
         let t = TicketTable::default();
-        let k = t.mint(Uuid::new_v4(), Binding { uid: 7, pid: None }, fd());
+        let k = t.mint(
+            Uuid::new_v4(),
+            Binding { uid: 7, pid: None },
+            fd(),
+            Recipient::Other(None),
+        );
         assert_eq!(t.redeem(&k, 8, Some(1)).unwrap_err(), Refusal::Foreign);
         assert!(t.redeem(&k, 7, Some(1)).is_ok());
     }
@@ -316,12 +460,12 @@ mod tests {
     fn expired_and_forgotten_tickets_are_refused() {
         let t = TicketTable::default();
         t.set_ttl(Duration::from_millis(1));
-        let k = t.mint(Uuid::new_v4(), ME, fd());
+        let k = t.mint(Uuid::new_v4(), ME, fd(), Recipient::Other(None));
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(t.redeem(&k, 1000, Some(42)).unwrap_err(), Refusal::Expired);
         t.set_ttl(Duration::from_secs(30));
         let lease = Uuid::new_v4();
-        let k = t.mint(lease, ME, fd());
+        let k = t.mint(lease, ME, fd(), Recipient::Other(None));
         t.forget_lease(lease);
         assert_eq!(
             t.redeem(&k, 1000, Some(42)).unwrap_err(),
@@ -337,9 +481,9 @@ mod tests {
         let t = TicketTable::default();
         let lease = Uuid::new_v4();
         let f = fd();
-        let k1 = t.mint(lease, ME, f.clone());
-        let k2 = t.mint(lease, ME, f.clone());
-        let other = t.mint(Uuid::new_v4(), ME, f.clone());
+        let k1 = t.mint(lease, ME, f.clone(), Recipient::Other(None));
+        let k2 = t.mint(lease, ME, f.clone(), Recipient::Other(None));
+        let other = t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other(None));
         t.forget_lease(lease);
         assert_eq!((t.outstanding(), t.tombstones()), (1, 2));
         // The tombstones hold no descriptor: only `f` and the live ticket's clone remain.
@@ -358,12 +502,12 @@ mod tests {
         // Past its expiry the tombstone is gone.
         t.set_ttl(Duration::from_millis(1));
         let short = Uuid::new_v4();
-        let k3 = t.mint(short, ME, f.clone());
+        let k3 = t.mint(short, ME, f.clone(), Recipient::Other(None));
         t.forget_lease(short);
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(t.redeem(&k3, 1000, Some(42)).unwrap_err(), Refusal::Unknown);
         // Purging (on a mint) keeps the unexpired tombstone (k2).
-        t.mint(Uuid::new_v4(), ME, f.clone());
+        t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other(None));
         assert_eq!(t.tombstones(), 1);
         assert_eq!(
             t.redeem(&k2, 1000, Some(42)).unwrap_err(),
@@ -377,11 +521,11 @@ mod tests {
         let t = TicketTable::default();
         let f = fd();
         let first_lease = Uuid::new_v4();
-        let first = t.mint(first_lease, ME, f.clone());
+        let first = t.mint(first_lease, ME, f.clone(), Recipient::Other(None));
         t.forget_lease(first_lease);
         for _ in 0..MAX_TOMBSTONES {
             let l = Uuid::new_v4();
-            t.mint(l, ME, f.clone());
+            t.mint(l, ME, f.clone(), Recipient::Other(None));
             t.forget_lease(l);
         }
         assert_eq!(t.tombstones(), MAX_TOMBSTONES);
@@ -397,9 +541,9 @@ mod tests {
         let t = TicketTable::default();
         let lease = Uuid::new_v4();
         let f = fd();
-        let first = t.mint(lease, ME, f.clone());
+        let first = t.mint(lease, ME, f.clone(), Recipient::Other(None));
         for _ in 0..MAX_PER_LEASE {
-            t.mint(lease, ME, f.clone());
+            t.mint(lease, ME, f.clone(), Recipient::Other(None));
         }
         assert_eq!(t.outstanding(), MAX_PER_LEASE);
         assert_eq!(

@@ -117,7 +117,8 @@ impl Broker for BrokerService {
         };
         // Bad values first (as before), then whether this caller can use what it would get.
         self.arb.validate(&acquire)?;
-        handles::check_same_user(&self.arb.session_peer(&acquire.tenant, session)?, &caller)?;
+        let session_peer = self.arb.session_peer(&acquire.tenant, session)?;
+        handles::check_same_user(&session_peer, &caller)?;
         handles::check_servable(&self.arb, accept, &caller)?;
         let lease = if r.host_tier {
             self.arb.acquire_host_tier(acquire).instrument(span).await?
@@ -125,7 +126,7 @@ impl Broker for BrokerService {
             self.arb.acquire(acquire).instrument(span).await?
         };
         let mut reply = convert::lease_on(&lease, &self.arb);
-        match handles::fd_handle(&self.arb, &lease, &caller) {
+        match handles::fd_handle(&self.arb, &lease, &caller, &session_peer) {
             Ok(fd) => reply.handle = Some(pb::lease::Handle::Fd(fd)),
             Err(e) => {
                 // Checked before the grant; if it fails now nobody can map the lease.
@@ -237,7 +238,7 @@ impl Broker for BrokerService {
         }
         let (view, session) = self.arb.own_lease(&tenant, id)?;
         handles::check_same_user(&session, &caller)?;
-        let fd = handles::fd_handle(&self.arb, &view, &caller)?;
+        let fd = handles::fd_handle(&self.arb, &view, &caller, &session)?;
         Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }))
     }
 

@@ -12,9 +12,9 @@
 
 use crate::arbiter::Arbiter;
 use crate::error::BrokerError;
-use crate::lease::LeaseView;
+use crate::lease::{LeaseView, LiveMark};
 use crate::session::Peer;
-use crate::tickets::Binding;
+use crate::tickets::{Binding, Recipient};
 use gpu_broker_proto::v1 as pb;
 
 /// The kinds a request accepts.
@@ -89,11 +89,14 @@ pub fn check_same_user(session: &Peer, caller: &Peer) -> Result<(), BrokerError>
     }
 }
 
-/// The reply's `FdHandle` with a fresh ticket bound to `caller`.
+/// The reply's `FdHandle` with a fresh ticket bound to `caller`; `session` is the peer of
+/// the lease's session (a caller with its pid is the session's own process, which the
+/// ticket server then need not ask the arbiter about).
 pub fn fd_handle(
     arb: &Arbiter,
     view: &LeaseView,
     caller: &Peer,
+    session: &Peer,
 ) -> Result<pb::FdHandle, BrokerError> {
     let crate::device::Handle::Fd {
         kind,
@@ -101,7 +104,34 @@ pub fn fd_handle(
         block_id,
         size,
     } = &view.handle;
-    fd_handle_of(arb, view.id, *kind, fd, *block_id, *size, caller)
+    let mem = Memory {
+        id: view.id,
+        kind: *kind,
+        fd,
+        block_id: *block_id,
+        size: *size,
+    };
+    fd_handle_to(arb, &mem, caller, recipient(caller, session, &view.live))
+}
+
+/// Whom a lease's descriptor for `caller` goes to: the session's own process when the
+/// kernel showed both pids and they are one; either way with the lease's mark. A session's peer is fixed when
+/// the session opens, so the ticket server's own look would find the same.
+fn recipient(caller: &Peer, session: &Peer, live: &LiveMark) -> Recipient {
+    match (caller.pid.filter(|&p| p != 0), session.pid) {
+        (Some(c), Some(s)) if c == s => Recipient::SessionProcess(live.clone()),
+        _ => Recipient::Other(Some(live.clone())),
+    }
+}
+
+/// The memory a ticket delivers: lease or import `id`'s descriptor and what the
+/// `FdHandle` says of it.
+struct Memory<'a> {
+    id: uuid::Uuid,
+    kind: crate::device::MemoryKind,
+    fd: &'a crate::device::SharedFd,
+    block_id: u64,
+    size: u64,
 }
 
 /// Can `caller` receive descriptors at all (a Unix-socket peer, a ticket server running)?
@@ -110,7 +140,8 @@ pub fn check_fd_receivable(arb: &Arbiter, caller: &Peer) -> Result<(), BrokerErr
 }
 
 /// An `FdHandle` for the memory `fd` of lease or import `id`, with a fresh ticket bound
-/// to `caller`.
+/// to `caller`. An import's descriptor is always delivered through the arbiter's check (a
+/// lingering import delivers nothing more, even to its session's process).
 pub fn fd_handle_of(
     arb: &Arbiter,
     id: uuid::Uuid,
@@ -120,16 +151,32 @@ pub fn fd_handle_of(
     size: u64,
     caller: &Peer,
 ) -> Result<pb::FdHandle, BrokerError> {
+    let mem = Memory {
+        id,
+        kind,
+        fd,
+        block_id,
+        size,
+    };
+    fd_handle_to(arb, &mem, caller, Recipient::Other(None))
+}
+
+fn fd_handle_to(
+    arb: &Arbiter,
+    mem: &Memory<'_>,
+    caller: &Peer,
+    to: Recipient,
+) -> Result<pb::FdHandle, BrokerError> {
     let bind = binding(arb, caller)?;
     let tickets = arb.tickets();
     let socket = tickets.socket().unwrap_or_default();
-    let ticket = tickets.mint(id, bind, fd.clone());
+    let ticket = tickets.mint(mem.id, bind, mem.fd.clone(), to);
     Ok(pb::FdHandle {
         socket_path: socket.to_string_lossy().into_owned(),
         ticket: ticket.to_vec(),
-        memory_kind: super::convert::memory_kind(kind) as i32,
-        block_id,
-        size,
+        memory_kind: super::convert::memory_kind(mem.kind) as i32,
+        block_id: mem.block_id,
+        size: mem.size,
         ticket_ttl_ms: u64::try_from(tickets.ttl().as_millis()).unwrap_or(u64::MAX),
     })
 }
@@ -137,6 +184,75 @@ pub fn fd_handle_of(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn peer(pid: Option<u32>) -> Peer {
+        Peer {
+            pid,
+            uid: Some(1000),
+            unix: true,
+        }
+    }
+
+    #[test]
+    fn only_a_caller_whose_pid_is_the_sessions_is_its_process() {
+        let mark = LiveMark::new();
+        let of = |c, s| recipient(&peer(c), &peer(s), &mark);
+        assert_eq!(
+            of(Some(7), Some(7)),
+            Recipient::SessionProcess(mark.clone())
+        );
+        // A forked child or another process of the user: tracked before delivery.
+        let other = Recipient::Other(Some(mark.clone()));
+        assert_eq!(of(Some(8), Some(7)), other);
+        // Without both pids from the kernel nothing is known.
+        assert_eq!(of(None, Some(7)), other);
+        assert_eq!(of(Some(7), None), other);
+        assert_eq!(of(None, None), other);
+        assert_eq!(of(Some(0), Some(0)), other);
+    }
+
+    /// The service mints a lease's ticket outside the arbiter's lock: a ticket for the
+    /// session's own process minted from a grant's view after the lease ended is refused
+    /// by the table (the ticket server would not ask the arbiter), while one minted before
+    /// is redeemed as the session process's and one for another process is left to the
+    /// arbiter's look (what the server then does: `ticket_server.rs`'s tests).
+    #[tokio::test]
+    async fn an_own_process_ticket_minted_after_the_end_delivers_nothing() {
+        use crate::arbiter::{host_arbiter, ArbiterConfig};
+        let arb = host_arbiter(64 << 20, 1, ArbiterConfig::default());
+        arb.tickets()
+            .set_socket(std::path::Path::new("/nonexistent/t.sock"));
+        let q = crate::arbiter::tests::quota(64 << 20);
+        arb.set_quota("a", q).unwrap();
+        let me = Peer {
+            pid: Some(std::process::id()),
+            uid: Some(1000),
+            unix: true,
+        };
+        let (s, _rx) = arb.open_session("a", "t", me).unwrap();
+        let session = arb.session_peer("a", s).unwrap();
+        let req = crate::arbiter::tests::req("a", s, 4 << 20);
+        let (uid, pid) = (1000, me.pid);
+
+        let live = arb.acquire(req.clone()).await.unwrap();
+        let h = fd_handle(&arb, &live, &me, &session).unwrap();
+        let got = arb.tickets().redeem(&h.ticket, uid, pid).unwrap();
+        assert!(matches!(got.to, Recipient::SessionProcess(_)));
+        assert_eq!(got.lease, live.id);
+
+        let ended = arb.acquire(req).await.unwrap();
+        arb.release("a", ended.id).unwrap();
+        let late = fd_handle(&arb, &ended, &me, &session).unwrap();
+        assert_eq!(
+            arb.tickets().redeem(&late.ticket, uid, pid).unwrap_err(),
+            crate::tickets::Refusal::LeaseEnded
+        );
+        // Another process of the user goes through the arbiter's look.
+        let child = Peer { pid: Some(1), ..me };
+        let other = fd_handle(&arb, &live, &child, &session).unwrap();
+        let got = arb.tickets().redeem(&other.ticket, uid, Some(1)).unwrap();
+        assert!(got.to.needs_arbiter());
+    }
 
     #[test]
     #[allow(deprecated)] // the legacy kind, still parsed

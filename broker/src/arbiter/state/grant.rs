@@ -105,6 +105,7 @@ impl State {
             seq,
             block,
             reservation: ask.draw,
+            live: crate::lease::LiveMark::new(),
         };
         tracing::debug!(lease = %lease.id, tenant = %ask.tenant, session = %ask.session, device = d, bytes = ask.bytes, "lease granted");
         Ok(self.insert_lease(lease))
@@ -203,6 +204,7 @@ impl State {
             seq,
             block,
             reservation: None,
+            live: crate::lease::LiveMark::new(),
         };
         let view = self.insert_lease(lease);
         self.fx.count(Counted::Granted(Tier::Host));

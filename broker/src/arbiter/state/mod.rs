@@ -388,6 +388,12 @@ impl State {
         let mut by_device: Vec<Sum> = (0..self.pools.len()).map(|_| Sum::default()).collect();
         let mut by_tenant: HashMap<&str, Sum> = HashMap::new();
         for l in self.leases.iter() {
+            if !l.live.is_live() {
+                return Err(format!(
+                    "lease {} is in the table with a cleared mark",
+                    l.id
+                ));
+            }
             let t = by_tenant.entry(l.tenant.as_str()).or_default();
             match l.tier {
                 Tier::Device => {
