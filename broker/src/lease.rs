@@ -10,6 +10,8 @@
 use crate::ledger::Tier;
 use crate::pool::Block;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 use uuid::Uuid;
 
@@ -64,23 +66,21 @@ pub struct Lease {
 /// redeemed after the lease ended still delivers nothing. Cleared only by
 /// `LeaseTable::remove`, under the lock; a clone shares the one flag.
 #[derive(Clone, Debug)]
-pub struct LiveMark(std::sync::Arc<std::sync::atomic::AtomicBool>);
+pub struct LiveMark(Arc<AtomicBool>);
 
 impl LiveMark {
     /// A mark for a lease about to enter the table (the core's grants make them).
     pub(crate) fn new() -> Self {
-        LiveMark(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
-            true,
-        )))
+        LiveMark(Arc::new(AtomicBool::new(true)))
     }
 
     /// Is the lease still in the table?
     pub fn is_live(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::Acquire)
+        self.0.load(Ordering::Acquire)
     }
 
     fn clear(&self) {
-        self.0.store(false, std::sync::atomic::Ordering::Release);
+        self.0.store(false, Ordering::Release);
     }
 
     /// Clears the mark as the lease's removal would (tests of its readers).
@@ -93,7 +93,7 @@ impl LiveMark {
 /// Two marks are equal when they are one lease's.
 impl PartialEq for LiveMark {
     fn eq(&self, other: &Self) -> bool {
-        std::sync::Arc::ptr_eq(&self.0, &other.0)
+        Arc::ptr_eq(&self.0, &other.0)
     }
 }
 

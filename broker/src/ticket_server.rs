@@ -107,9 +107,10 @@ async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>
         // A recipient outside the session is recorded before the descriptor leaves, so
         // there is no moment when such a process maps memory the broker no longer counts.
         // The lease ended between the redemption and now: its rightful holder is told so.
-        // The session's own process needs no record (its session's ending already counts
-        // it), so its delivery does not take the arbiter's lock: a lease that ends from here
-        // on is the same race as one ending while the descriptor is in flight.
+        // The session's own process was never recorded (the arbiter's look returned at
+        // once for it), so its delivery does not take the arbiter's lock: the table
+        // refused its ticket if the lease already left the lease table, and a lease that
+        // ends from here on is the same race as one ending while the descriptor is in flight.
         Ok(r) if r.to.needs_arbiter() && !arb.fd_delivering(r.lease, pid) => {
             let lease = r.lease;
             arb.metrics().ticket_refused("lease_gone");
@@ -238,60 +239,17 @@ mod tests {
         stop.cancel();
     }
 
-    /// The reply byte to `ticket` and the descriptor it carried, if any.
-    async fn present(path: &Path, ticket: &[u8]) -> (u8, Option<std::os::fd::OwnedFd>) {
-        use tokio::io::AsyncWriteExt;
-        let mut s = UnixStream::connect(path).await.unwrap();
-        s.write_all(ticket).await.unwrap();
-        s.readable().await.unwrap();
-        let raw = s.as_raw_fd();
-        tokio::task::spawn_blocking(move || recv_with_fd(raw))
-            .await
-            .unwrap()
-    }
-
-    /// `recvmsg` of one byte and at most one `SCM_RIGHTS` descriptor (blocking).
-    fn recv_with_fd(sock: RawFd) -> (u8, Option<std::os::fd::OwnedFd>) {
-        use std::os::fd::FromRawFd;
-        let mut byte = [0u8; 1];
-        let mut iov = libc::iovec {
-            iov_base: byte.as_mut_ptr().cast(),
-            iov_len: 1,
-        };
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-        let mut control = vec![0u8; space];
-        // SAFETY: zeroed msghdr, every pointer set below outlives the call.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        // SAFETY: a valid socket and message.
-        let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        assert_eq!(n, 1, "one reply byte");
-        // SAFETY: the kernel filled the control buffer it was given.
-        let fd = unsafe {
-            let cmsg = libc::CMSG_FIRSTHDR(&msg);
-            (!cmsg.is_null() && (*cmsg).cmsg_type == libc::SCM_RIGHTS).then(|| {
-                std::os::fd::OwnedFd::from_raw_fd(std::ptr::read_unaligned(
-                    libc::CMSG_DATA(cmsg).cast::<RawFd>(),
-                ))
-            })
-        };
-        (byte[0], fd)
-    }
-
     /// The server's dispatch: the session's own process is sent its lease's descriptor
     /// without being recorded (its release then caches the block); a process outside the
     /// session is recorded before its descriptor leaves (the release then holds the block
     /// for it); a ticket minted after its lease left the table gets "lease ended" and no
     /// descriptor, whoever it was minted for.
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn only_a_process_outside_the_session_is_recorded_and_an_ended_lease_sends_nothing() {
         use crate::arbiter::tests::{quota, req};
         use crate::session::Peer;
         use crate::tickets::{Binding, Recipient};
+        use gpu_broker_client::{fd::fetch, ClientError};
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.sock");
         let listener = bind(&path).await.unwrap();
@@ -324,8 +282,7 @@ mod tests {
         let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
         let to = Recipient::SessionProcess(l.live.clone());
         let k = arb.tickets().mint(l.id, bound, fd_of(&l), to);
-        let (b, fd) = present(&path, &k).await;
-        assert_eq!((b, fd.is_some()), (FD_REPLY, true));
+        fetch(&path, &k, None).await.unwrap();
         arb.release("a", l.id).unwrap();
         assert!(arb.list_quarantined().is_empty());
 
@@ -333,8 +290,7 @@ mod tests {
         let l = arb.acquire(req("a", theirs, 4 << 20)).await.unwrap();
         let to = Recipient::Other(Some(l.live.clone()));
         let k = arb.tickets().mint(l.id, bound, fd_of(&l), to);
-        let (b, fd) = present(&path, &k).await;
-        assert_eq!((b, fd.is_some()), (FD_REPLY, true));
+        fetch(&path, &k, None).await.unwrap();
         arb.release("a", l.id).unwrap();
         let q = arb.list_quarantined();
         assert_eq!(q.len(), 1, "{q:?}");
@@ -348,8 +304,8 @@ mod tests {
             Recipient::Other(Some(l.live.clone())),
         ] {
             let k = arb.tickets().mint(l.id, bound, fd_of(&l), to);
-            let (b, fd) = present(&path, &k).await;
-            assert_eq!((b, fd.is_some()), (LEASE_ENDED_REPLY, false));
+            let e = fetch(&path, &k, None).await.unwrap_err();
+            assert!(matches!(e, ClientError::LeaseEnded(_)), "{e}");
         }
         other.kill().unwrap();
         other.wait().unwrap();

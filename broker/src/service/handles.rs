@@ -115,8 +115,9 @@ pub fn fd_handle(
 }
 
 /// Whom a lease's descriptor for `caller` goes to: the session's own process when the
-/// kernel showed both pids and they are one; either way with the lease's mark. A session's peer is fixed when
-/// the session opens, so the ticket server's own look would find the same.
+/// kernel showed both pids and they are one; either way with the lease's mark. A session's
+/// peer is fixed when the session opens, so the ticket server's own look would find the
+/// same.
 fn recipient(caller: &Peer, session: &Peer, live: &LiveMark) -> Recipient {
     match (caller.pid.filter(|&p| p != 0), session.pid) {
         (Some(c), Some(s)) if c == s => Recipient::SessionProcess(live.clone()),
