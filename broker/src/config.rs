@@ -1,7 +1,7 @@
 //! Configuration: command-line flags (each also settable through a `GPU_BROKER_*`
 //! environment variable) and an optional TOML file (`--config`, keys are the long flag
-//! names) parsed into one [`Config`]. Precedence: command line, then file, then
-//! environment, then defaults.
+//! names) parsed into one [`Config`]. Precedence: command line, then environment, then
+//! file, then defaults; a bad setting in the file is reported with its line and key.
 
 use crate::arbiter::{ArbiterConfig, ReclaimPolicy};
 pub use crate::backend::{BackendChoice, Headroom};
@@ -426,13 +426,13 @@ impl Config {
         args: Vec<OsString>,
         env: impl Fn(&str) -> Option<OsString>,
     ) -> Result<Config, ConfigError> {
-        check_removed(&args, env)?;
+        check_removed(&args, &env)?;
         let first = Config::try_parse_from(&args)?;
         let Some(path) = first.config.clone() else {
             first.check_sockets()?;
             return Ok(first);
         };
-        let file_args = file_args(&path)?;
+        let file_args = file_args(&path, &env)?;
         let mut merged = Vec::with_capacity(args.len() + file_args.len());
         merged.extend(args.first().cloned());
         merged.extend(file_args);
@@ -521,62 +521,104 @@ impl Config {
     }
 }
 
-/// The settings of a TOML file as `--flag value` arguments.
-fn file_args(path: &std::path::Path) -> Result<Vec<OsString>, ConfigError> {
+/// The settings of a TOML file as `--flag value` arguments, each checked by its flag's own
+/// parser first so that a bad one is reported with the file, line and key. A setting whose
+/// flag's `GPU_BROKER_*` variable is set (non-empty) in `env` is left out: the environment
+/// overrides the file, as the command line (whose flags come after these) overrides both.
+fn file_args(
+    path: &std::path::Path,
+    env: &impl Fn(&str) -> Option<OsString>,
+) -> Result<Vec<OsString>, ConfigError> {
+    use toml::Spanned;
     let err = |reason: String| ConfigError::File {
         path: path.to_path_buf(),
         reason,
     };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-    let table: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| err(e.to_string()))?;
+    let table: std::collections::BTreeMap<Spanned<String>, Spanned<toml::Value>> =
+        toml::from_str(&text).map_err(|e: toml::de::Error| {
+            let at = e.span().map(|s| s.start).unwrap_or(0);
+            err(format!("line {}: {}", line_of(&text, at), e.message()))
+        })?;
     let cmd = Config::command();
-    let known: Vec<String> = cmd
-        .get_arguments()
-        .filter_map(|a| a.get_long().map(str::to_string))
-        .collect();
     let mut out = Vec::new();
     for (key, value) in table {
+        let line = line_of(&text, key.span().start);
+        let key = key.into_inner();
+        let at = |reason: String| err(format!("line {line}: {key}: {reason}"));
         // `[tenants.NAME]` tables are declarative tenants (`tenants_config`), not flags.
         if key == "tenants" {
             continue;
         }
         if let Some((_, _, why)) = REMOVED_SETTINGS.iter().find(|(k, _, _)| *k == key) {
-            return Err(err(format!(
-                "setting {key:?} is no longer a setting of the broker: {why}"
-            )));
+            return Err(at(format!("no longer a setting of the broker: {why}")));
         }
-        if key == "config" || !known.contains(&key) {
-            return Err(err(format!(
-                "unknown setting {key:?} (settings are the long flag names, e.g. host-capacity)"
-            )));
+        let Some(arg) = cmd
+            .get_arguments()
+            .find(|a| a.get_long() == Some(key.as_str()) && key != "config")
+        else {
+            return Err(at(
+                "unknown setting (settings are the long flag names, e.g. host-capacity)".into(),
+            ));
+        };
+        let from_env = arg
+            .get_env()
+            .and_then(|var| env(&var.to_string_lossy()))
+            .is_some_and(|v| !v.is_empty());
+        if from_env {
+            continue;
         }
         let flag = OsString::from(format!("--{key}"));
-        match value {
-            toml::Value::Boolean(true) => out.push(flag),
-            toml::Value::Boolean(false) => {}
-            toml::Value::String(s) => out.extend([flag, s.into()]),
-            toml::Value::Integer(i) => out.extend([flag, i.to_string().into()]),
-            toml::Value::Float(f) => out.extend([flag, f.to_string().into()]),
-            toml::Value::Array(items) => {
-                let parts: Vec<String> = items
-                    .iter()
-                    .map(|v| match v {
-                        toml::Value::String(s) => s.clone(),
-                        other => other.to_string(),
-                    })
-                    .collect();
-                out.extend([flag, parts.join(",").into()]);
+        let takes_value = arg.get_action().takes_values();
+        let text_value = match value.into_inner() {
+            toml::Value::Boolean(on) if !takes_value => {
+                if on {
+                    out.push(flag);
+                }
+                continue;
             }
-            other => {
-                return Err(err(format!(
-                    "setting {key:?} has an unsupported value {other}"
-                )))
+            _ if !takes_value => return Err(at("an on/off setting: write true or false".into())),
+            toml::Value::String(s) => s,
+            toml::Value::Integer(i) => i.to_string(),
+            toml::Value::Float(f) => f.to_string(),
+            toml::Value::Array(items) => items
+                .iter()
+                .map(|v| match v {
+                    toml::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                })
+                .collect::<Vec<_>>()
+                .join(","),
+            other => return Err(at(format!("unsupported value {other}"))),
+        };
+        // The flag's own parser, through a parse of this one setting: only a refusal of
+        // its value counts here (a missing companion flag is the merged parse's to report).
+        if let Err(e) = Config::command().try_get_matches_from([
+            OsString::from("gpu-broker"),
+            flag.clone(),
+            text_value.clone().into(),
+        ]) {
+            use clap::error::ErrorKind;
+            if matches!(
+                e.kind(),
+                ErrorKind::ValueValidation | ErrorKind::InvalidValue
+            ) {
+                use std::error::Error;
+                let why = e
+                    .source()
+                    .map(|s| s.to_string())
+                    .unwrap_or_else(|| e.kind().to_string());
+                return Err(at(format!("{text_value:?}: {why}")));
             }
         }
+        out.extend([flag, text_value.into()]);
     }
     Ok(out)
+}
+
+/// The 1-based line of byte `offset` in `text`.
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
 }
 
 #[cfg(test)]
@@ -769,6 +811,81 @@ mod tests {
     }
 
     #[test]
+    fn the_environment_overrides_the_file_and_the_command_line_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("broker.toml");
+        std::fs::write(&path, "host-capacity = \"2GiB\"\nhost-devices = 2\n").unwrap();
+        let args = |extra: &[&str]| -> Vec<OsString> {
+            let mut v: Vec<OsString> =
+                vec!["gpu-broker".into(), "--config".into(), path.clone().into()];
+            v.extend(extra.iter().map(OsString::from));
+            v
+        };
+        // The closure stands for the process environment in the file step; clap reads the
+        // real one, so the variable's value must not differ from the file's for that test.
+        let env_says = |var: &str| (var == "GPU_BROKER_HOST_CAPACITY").then(|| "3GiB".into());
+        let c = Config::from_args_env(args(&[]), env_says).unwrap();
+        assert_ne!(
+            c.host_capacity,
+            2 << 30,
+            "a setting whose variable is set is not taken from the file"
+        );
+        assert_eq!(c.host_devices, 2, "the others are");
+        let c = Config::from_args_env(args(&["--host-capacity", "1GiB"]), env_says).unwrap();
+        assert_eq!(c.host_capacity, 1 << 30, "the command line wins over both");
+        let empty = |var: &str| (var == "GPU_BROKER_HOST_CAPACITY").then(OsString::new);
+        let c = Config::from_args_env(args(&[]), empty).unwrap();
+        assert_eq!(c.host_capacity, 2 << 30, "an empty variable is unset");
+    }
+
+    #[test]
+    fn a_bad_setting_names_the_file_its_line_and_its_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("broker.toml");
+        for (text, line, want) in [
+            (
+                "backend = \"host\"\n\nheadroom = 10\n",
+                3,
+                "headroom: \"10\": size \"10\" has no unit",
+            ),
+            (
+                "# c\nhost-capacity = \"4096\"\n",
+                2,
+                "host-capacity: \"4096\": size \"4096\" has no unit",
+            ),
+            ("log-json = \"yes\"\n", 1, "log-json: an on/off setting"),
+            (
+                "\n\nhost-capasity = \"1GiB\"",
+                3,
+                "host-capasity: unknown setting",
+            ),
+            ("headroom = \"150%\"", 1, "must be in [0%, 100%)"),
+            ("x = = 1", 1, "line 1"),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let args: Vec<OsString> =
+                vec!["gpu-broker".into(), "--config".into(), path.clone().into()];
+            let e = Config::from_args_env(args, |_: &str| None)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&path.display().to_string()) && e.contains(&format!("line {line}")),
+                "{text:?}: {e}"
+            );
+            assert!(e.contains(want), "{text:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn headroom_takes_a_percentage_or_a_size_with_its_unit() {
+        let parse = |h: &str| Config::try_parse_from(["gpu-broker", "--headroom", h]);
+        assert_eq!(parse("10%").unwrap().headroom, Headroom::Percent(10.0));
+        assert_eq!(parse("2GiB").unwrap().headroom, Headroom::Bytes(2 << 30));
+        let e = parse("10").unwrap_err().to_string();
+        assert!(e.contains("has no unit"), "{e}");
+    }
+
+    #[test]
     fn bad_config_files_are_clear_errors() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("broker.toml");
@@ -829,7 +946,7 @@ mod tests {
             let a = args(&["--config", path.to_str().unwrap()]);
             let e = Config::from_args_env(a, none).unwrap_err().to_string();
             assert!(!e.contains("unknown setting"), "{e}");
-            assert!(e.contains("\"legacy-ipc-handles\" is no longer"), "{e}");
+            assert!(e.contains("legacy-ipc-handles: no longer"), "{e}");
             assert!(e.contains("docs/security.md"), "{e}");
         }
         // A similar name is still just unknown; the broker's own flags still parse.

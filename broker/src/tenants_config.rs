@@ -96,7 +96,15 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<DeclaredTenant>, TenantsErro
                 let Some(v) = v else { return Ok(None) };
                 let at = v.span().start;
                 match v.into_inner() {
-                    Size::Bytes(b) => Ok(Some(b)),
+                    Size::Bytes(0) => Ok(Some(0)),
+                    Size::Bytes(b) => Err(invalid(
+                        at,
+                        format!(
+                            "tenants.{}.{key}: {}",
+                            name.get_ref(),
+                            crate::units::parse(&b.to_string()).unwrap_err()
+                        ),
+                    )),
                     Size::Text(s) => crate::units::parse(&s)
                         .map(Some)
                         .map_err(|e| invalid(at, format!("tenants.{}.{key}: {e}", name.get_ref()))),
@@ -375,7 +383,7 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
 mod tests {
     use super::*;
 
-    const FILE: &str = "socket = \"/run/x.sock\"\n\n[tenants.training]\nlimit = \"64GiB\"\nguaranteed = \"16GiB\"\npriority = 1\n\n[tenants.inference]\nlimit = 1073741824\nmax-leases = 8\n";
+    const FILE: &str = "socket = \"/run/x.sock\"\n\n[tenants.training]\nlimit = \"64GiB\"\nguaranteed = \"16GiB\"\npriority = 1\n\n[tenants.inference]\nlimit = \"1GiB\"\nmax-leases = 8\n";
 
     #[test]
     fn parses_tenant_tables() {
@@ -427,7 +435,7 @@ mod tests {
         );
         let e = parse(
             Path::new("c.toml"),
-            "[tenants.a]\nlimit = 1\ndevice-limits = { gpu0 = 1 }\n",
+            "[tenants.a]\nlimit = \"1GiB\"\ndevice-limits = { gpu0 = \"1GiB\" }\n",
         )
         .unwrap_err()
         .to_string();
@@ -447,7 +455,16 @@ mod tests {
                 "unknown field",
             ),
             ("\n\n[tenants.a]\npriority = 1\n", 3, "`limit` is required"),
-            ("[tenants.\"a b\"]\nlimit = 1\n", 1, "invalid tenant name"),
+            (
+                "[tenants.\"a b\"]\nlimit = \"1GiB\"\n",
+                1,
+                "invalid tenant name",
+            ),
+            (
+                "[tenants.a]\n\nlimit = 4096\n",
+                3,
+                "tenants.a.limit: size \"4096\" has no unit",
+            ),
             (
                 "[tenants.a]\nlimit = \"1GiB\"\nguaranteed = \"2GiB\"\n",
                 1,

@@ -18,12 +18,11 @@ pub fn show(bytes: u64) -> String {
     )
 }
 
-/// Parses `8GiB`, `512MiB`, `1.5GB`, `1048576`.
+/// Parses `8GiB`, `512MiB`, `1.5GB`, `1048576B` (a bare number other than 0 is refused:
+/// the client crate's [`parse_bytes`](gpu_broker_client::units::parse_bytes), one parser
+/// for every size an operator writes).
 pub fn parse(s: &str) -> Result<u64, String> {
-    s.trim()
-        .parse::<bytesize::ByteSize>()
-        .map(|b| b.as_u64())
-        .map_err(|e| format!("invalid size {s:?}: {e}"))
+    gpu_broker_client::units::parse_bytes(s)
 }
 
 /// Parses a duration (`5s`, `100ms`, `5m`), as flags and config files write them.
@@ -55,8 +54,13 @@ mod tests {
     fn parses_human_units() {
         assert_eq!(parse("8GiB").unwrap(), 8 << 30);
         assert_eq!(parse("512MiB").unwrap(), 512 << 20);
-        assert_eq!(parse("1048576").unwrap(), 1 << 20);
+        assert_eq!(parse("1048576B").unwrap(), 1 << 20);
         assert!(parse("lots").is_err());
+        assert!(parse("1048576").is_err(), "a bare number has no unit");
+        assert!(
+            parse("16EiB").is_err(),
+            "past u64 is refused, not saturated"
+        );
     }
 
     #[test]

@@ -6,23 +6,57 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytesize::ByteSize;
 
-/// Parses a byte size: plain bytes (`4096`), binary (`8GiB`, `512 MiB`, `2Ki`) or
-/// decimal (`1.5GB`, `10k`) units, case-insensitive.
+/// Parses a byte size written with its unit: binary (`8GiB`, `512 MiB`, `2Ki`), decimal
+/// (`1.5GB`, `10k`) or bytes (`4096B`), case-insensitive. A bare number other than `0` is
+/// refused with a hint: `4096` could mean bytes or anything else, and a limit mistyped by a
+/// factor of a billion is worse than a refusal. Sizes past `u64::MAX` are refused too.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let text = text.trim();
     if text.is_empty() {
         return Err("empty size".into());
     }
-    if let Ok(bytes) = text.parse::<u64>() {
-        return Ok(bytes);
+    if text.bytes().all(|b| b.is_ascii_digit()) {
+        return match text.parse::<u64>() {
+            Ok(0) => Ok(0),
+            _ => Err(format!(
+                "size {text:?} has no unit: write {text}B for bytes, or a unit such as \
+                 MiB or GiB (binary) or MB or GB (decimal)"
+            )),
+        };
     }
     let size: ByteSize = text
         .parse()
         .map_err(|e: String| format!("invalid size {text:?}: {e}"))?;
+    // bytesize saturates what does not fit in u64.
     if size.as_u64() == u64::MAX {
-        return Err(format!("size {text:?} is too large"));
+        return Err(format!("size {text:?} is too large (more than 16 EiB)"));
     }
     Ok(size.as_u64())
+}
+
+/// Whether `text` (a size [`parse_bytes`] accepts) is written in decimal units (`4GB`,
+/// `10k`): their bytes differ from the binary unit of the same letter, which a reader of
+/// `4.0 GiB`-style output may not expect.
+pub fn is_decimal(text: &str) -> bool {
+    let unit: String = text
+        .trim()
+        .trim_start_matches(|c: char| c.is_ascii_digit() || c == '.' || c == ' ')
+        .to_ascii_lowercase();
+    !unit.is_empty() && unit != "b" && !unit.contains('i')
+}
+
+/// A line saying what a decimal size is in bytes and in binary units (`4GB` is
+/// 4000000000 bytes, 3.7 GiB); `None` for a binary or byte size.
+pub fn decimal_note(text: &str) -> Option<String> {
+    if !is_decimal(text) {
+        return None;
+    }
+    let bytes = parse_bytes(text).ok()?;
+    Some(format!(
+        "{} is a decimal size: {bytes} bytes ({}); binary units are written KiB, MiB, GiB",
+        text.trim(),
+        format_bytes(bytes)
+    ))
 }
 
 /// Formats bytes with binary units and one decimal: `512 B`, `1.5 KiB`, `8.0 GiB`.
@@ -80,10 +114,49 @@ mod tests {
         assert_eq!(parse_bytes("1.5GB"), Ok(1_500_000_000));
         assert_eq!(parse_bytes("1.5GiB"), Ok(GIB + GIB / 2));
         assert_eq!(parse_bytes("10k"), Ok(10_000));
-        assert_eq!(parse_bytes("4096"), Ok(4096));
-        assert_eq!(parse_bytes(" 4096 "), Ok(4096));
+        assert_eq!(parse_bytes("4096B"), Ok(4096));
+        assert_eq!(parse_bytes(" 4096 B "), Ok(4096));
         assert_eq!(parse_bytes("0"), Ok(0));
-        assert_eq!(parse_bytes("18446744073709551615"), Ok(u64::MAX));
+    }
+
+    #[test]
+    fn a_bare_number_is_refused_with_a_hint() {
+        for bare in [
+            "4096",
+            " 10 ",
+            "18446744073709551615",
+            "99999999999999999999999",
+        ] {
+            let e = parse_bytes(bare).unwrap_err();
+            assert!(
+                e.contains("has no unit") && e.contains("GiB"),
+                "{bare:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn sizes_past_u64_are_refused_not_saturated() {
+        for big in ["16EiB", "17EiB", "20EB", "100000000EiB"] {
+            let e = parse_bytes(big).unwrap_err();
+            assert!(
+                e.contains("too large") || e.contains("invalid"),
+                "{big:?}: {e}"
+            );
+        }
+        assert_eq!(parse_bytes("15EiB"), Ok(15 << 60));
+    }
+
+    #[test]
+    fn decimal_sizes_are_told_apart_and_explained() {
+        assert!(is_decimal("4GB") && is_decimal("10k") && is_decimal("1.5 gb"));
+        assert!(!is_decimal("4GiB") && !is_decimal("2Ki") && !is_decimal("4096B"));
+        let note = decimal_note("4GB").unwrap();
+        assert!(
+            note.contains("4000000000 bytes") && note.contains("3.7 GiB"),
+            "{note}"
+        );
+        assert_eq!(decimal_note("4GiB"), None);
     }
 
     #[test]

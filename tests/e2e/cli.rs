@@ -325,6 +325,29 @@ async fn quota_set_changes_only_what_is_given_and_warns_below_usage() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sizes_need_their_unit_and_decimal_ones_are_explained() {
+    let b = Broker::start().unwrap();
+    let o = ctl(&b, &["quota", "set", "u", "--limit", "4096"]).await;
+    assert!(
+        !o.ok && o.stderr.contains("has no unit") && o.stderr.contains("4096B"),
+        "a bare number is refused with a hint: {}",
+        o.stderr
+    );
+    let o = ctl(&b, &["quota", "set", "u", "--limit", "4GB"]).await;
+    assert!(o.ok, "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("4GB is a decimal size: 4000000000 bytes (3.7 GiB)"),
+        "a decimal size says what it is: {}",
+        o.stderr
+    );
+    let quota = b.admin().await.unwrap().get_quota("u").await.unwrap();
+    assert_eq!(quota.quota.limit_bytes, 4_000_000_000);
+    let o = ctl(&b, &["quota", "set", "u", "--limit", "4GiB"]).await;
+    assert!(o.ok && !o.stderr.contains("note:"), "{}", o.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_go_to_private_files_and_unknown_tenants_are_errors() {
     use std::os::unix::fs::PermissionsExt;
     let b = Broker::start().unwrap();

@@ -93,7 +93,11 @@ async fn the_readme_operator_quick_start_runs_against_the_readme_broker() {
 
     // What it left: a private token file that works, and the patched quota.
     use std::os::unix::fs::PermissionsExt;
-    let token_file = tmp.path().join("training.token");
+    assert!(
+        !tmp.path().join("training.token").exists(),
+        "the token is written under the broker's directory, not where the block runs"
+    );
+    let token_file = b.dir.path().join("training.token");
     let mode = std::fs::metadata(&token_file).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "the token file is private");
     let token = std::fs::read_to_string(&token_file).unwrap();

@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use gpu_broker_client::table::Table;
 use gpu_broker_client::units::format_duration;
-use gpu_broker_client::units::{format_age, format_bytes, parse_bytes};
+use gpu_broker_client::units::{format_age, format_bytes};
 use gpu_broker_client::{
     AdminClient, AuditEntry, AuditFilter, DeviceInfo, DrainStatus, LeaseInfo, QuotaPatch,
     SessionInfo, TenantInfo, TokenInfo, TokenOptions, TokenScope,
@@ -245,7 +245,7 @@ enum QuotaCommand {
         /// Tenant name.
         tenant: String,
         /// Most device memory the tenant may hold (e.g. 8GiB); required for a new tenant.
-        #[arg(long, value_parser = parse_bytes)]
+        #[arg(long, value_parser = ctl::size_arg)]
         limit: Option<u64>,
         /// Most live leases (0: no limit).
         #[arg(long)]
@@ -254,10 +254,10 @@ enum QuotaCommand {
         #[arg(long, allow_negative_numbers = true)]
         priority: Option<i32>,
         /// Device memory kept available for the tenant (<= --limit).
-        #[arg(long, value_parser = parse_bytes)]
+        #[arg(long, value_parser = ctl::size_arg)]
         guaranteed: Option<u64>,
         /// Most host-fallback memory (0: no host fallback).
-        #[arg(long, value_parser = parse_bytes)]
+        #[arg(long, value_parser = ctl::size_arg)]
         host_limit: Option<u64>,
         /// Share of compute turns relative to other tenants (0 counts as 1).
         #[arg(long)]
@@ -808,7 +808,7 @@ fn parse_device_limit(text: &str) -> Result<(u32, Option<u64>), String> {
         .map_err(|_| format!("{device:?} is not a device index (0, 1, ...)"))?;
     match size.trim() {
         "none" => Ok((device, None)),
-        s => parse_bytes(s).map(|b| (device, Some(b))),
+        s => ctl::size_arg(s).map(|b| (device, Some(b))),
     }
 }
 
