@@ -52,6 +52,13 @@ fn parse_headroom(s: &str) -> Result<Headroom, String> {
         }
         return Ok(Headroom::Percent(v));
     }
+    if !s.trim().is_empty() && s.trim().bytes().all(|b| b.is_ascii_digit()) && s.trim() != "0" {
+        return Err(format!(
+            "headroom {s:?} has no unit: write {0}% for a share of each device, or a size \
+             such as {0}GiB",
+            s.trim()
+        ));
+    }
     crate::units::parse(s).map(Headroom::Bytes)
 }
 
@@ -846,7 +853,7 @@ mod tests {
             (
                 "backend = \"host\"\n\nheadroom = 10\n",
                 3,
-                "headroom: \"10\": size \"10\" has no unit",
+                "headroom: \"10\": headroom \"10\" has no unit: write 10%",
             ),
             (
                 "# c\nhost-capacity = \"4096\"\n",
