@@ -252,6 +252,16 @@ async fn run_over_quota_is_refused_or_waits() {
         .await,
         "the second run waits in the queue"
     );
+    let said = second
+        .line_starting("stderr: gpu-brokerctl run: waiting", Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        said.contains("for 100.0 MiB on any device")
+            && said
+                .contains("blocked by tenant \"alice\"'s quota: it holds 200.0 MiB of 256.0 MiB"),
+        "a queued run says what it waits for and what blocks it: {said}"
+    );
     let (status, _) = first.finish(Duration::from_secs(10)).await.unwrap();
     assert!(status.success());
     second

@@ -137,6 +137,78 @@ fn fail(code: u8, text: &str) -> ExitCode {
     ExitCode::from(code)
 }
 
+/// How soon a queued reservation is first reported, and how often after that.
+const FIRST_REPORT: Duration = Duration::from_millis(500);
+const REPORT_EVERY: Duration = Duration::from_secs(5);
+
+/// Awaits the reservation; while it is queued, says on standard error what it waits for
+/// and what blocks it, soon after the request and then every few seconds: a `run` that
+/// waits minutes in silence looks hung.
+async fn waiting_aloud<F: std::future::Future>(
+    client: &Client,
+    request: F,
+    args: &RunArgs,
+) -> F::Output {
+    if args.wait.is_zero() {
+        return request.await;
+    }
+    tokio::pin!(request);
+    let start = tokio::time::Instant::now();
+    let mut next = start + FIRST_REPORT;
+    loop {
+        tokio::select! {
+            done = &mut request => return done,
+            _ = tokio::time::sleep_until(next) => {
+                let usage = tokio::time::timeout(Duration::from_secs(1), client.usage()).await;
+                let usage = usage.ok().and_then(Result::ok);
+                eprintln!("{}", waiting_line(args, start.elapsed(), usage.as_ref()));
+                next += REPORT_EVERY;
+            }
+        }
+    }
+}
+
+/// `gpu-brokerctl run: waiting 5s of 5m for 4.0 GiB on any device; blocked by ...`.
+fn waiting_line(
+    args: &RunArgs,
+    waited: Duration,
+    usage: Option<&gpu_broker_client::Usage>,
+) -> String {
+    use gpu_broker_client::units::{format_bytes, format_duration};
+    let device = args
+        .device
+        .map_or("any device".to_string(), |d| format!("device {d}"));
+    let mut line = format!(
+        "gpu-brokerctl run: waiting {} of {} for {} on {device}",
+        match waited.as_secs() {
+            0 => "0s".to_string(),
+            secs => format_duration(Duration::from_secs(secs)),
+        },
+        format_duration(args.wait),
+        format_bytes(args.memory),
+    );
+    let Some(u) = usage else {
+        return line + " (the broker did not say how its queue stands)";
+    };
+    let held = u.usage.held_bytes + u.usage.process_reserved_bytes;
+    let limit = u.quota.limit_bytes;
+    let blocker = if held.saturating_add(args.memory) > limit {
+        format!(
+            "blocked by tenant {:?}'s quota: it holds {} of {}",
+            u.tenant,
+            format_bytes(held),
+            format_bytes(limit)
+        )
+    } else {
+        "blocked by the device: other tenants hold its memory".to_string()
+    };
+    line += &format!(
+        "; {blocker}; {} request(s) of the tenant queued",
+        u.usage.waiting_requests
+    );
+    line
+}
+
 /// The program could not be started.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot run {program}: {source}")]
@@ -169,7 +241,7 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
     if let Some(c) = args.compute {
         request = request.compute_percent(c);
     }
-    let reservation = request.await?;
+    let reservation = waiting_aloud(&client, request.send(), &args).await?;
     let info = reservation.info().clone();
 
     // The token goes to the program in a file only its user can read, removed when `run`
