@@ -9,11 +9,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 prefix=/usr/local
-run() { "$@"; }
+dry=false
+# run CMD...: runs it (prints it with --dry-run); into FILE CMD...: runs it into FILE.
+run() { if $dry; then echo "+ $*"; else "$@"; fi; }
+into() { local f=$1; shift; if $dry; then echo "+ $* > $f"; else "$@" >"$f"; fi; }
 while (($#)); do
     case "$1" in
         --prefix) prefix="$2"; shift 2 ;;
-        --dry-run) run() { echo "+ $*"; }; shift ;;
+        --dry-run) dry=true; shift ;;
         *) echo "usage: $0 [--prefix DIR] [--dry-run]" >&2; exit 2 ;;
     esac
 done
@@ -28,6 +31,11 @@ run install -m 0644 deploy/gpu-broker.service /etc/systemd/system/gpu-broker.ser
 if [[ "$prefix" != /usr/local ]]; then
     run sed -i "s|/usr/local/bin/gpu-broker|$prefix/bin/gpu-broker|" /etc/systemd/system/gpu-broker.service
 fi
+# Shell completions of gpu-brokerctl (bash and zsh), from the installed binary.
+ctl="$prefix/bin/gpu-brokerctl"
+run install -d -m 0755 /usr/share/bash-completion/completions /usr/share/zsh/vendor-completions
+into /usr/share/bash-completion/completions/gpu-brokerctl "$ctl" completions bash
+into /usr/share/zsh/vendor-completions/_gpu-brokerctl "$ctl" completions zsh
 run systemctl daemon-reload
 echo "installed. Start it:  systemctl enable --now gpu-broker"
 echo "then: add worker users to the gpu-broker group (usermod -aG gpu-broker USER),"

@@ -4,11 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages: Prometheus (promtool and a real server for the metrics tests) and
-# Chromium (headless, for the status page test). One apt-get run, only when missing.
+# Debian packages: Prometheus (promtool and a real server for the metrics tests),
+# Chromium (headless, for the status page test) and systemd (systemd-analyze). One apt-get run, only when missing.
 apt_missing=()
 command -v promtool >/dev/null 2>&1 || apt_missing+=(prometheus)
 command -v chromium >/dev/null 2>&1 || apt_missing+=(chromium)
+# systemd-analyze scores the shipped unit's sandboxing (offline; nothing is started).
+command -v systemd-analyze >/dev/null 2>&1 || apt_missing+=(systemd)
 if ((${#apt_missing[@]})); then
     sudo=""
     [[ $(id -u) -eq 0 ]] || sudo="sudo"

@@ -244,6 +244,11 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
         shutdown.clone(),
         gpu_broker::server::stop_signal(),
     );
+    // systemd (Type=notify): every socket is bound, so every connection from here on is
+    // answered. Without NOTIFY_SOCKET this does nothing.
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::warn!(error = %e, "cannot tell systemd the broker is ready");
+    }
     serve(
         arb,
         Listeners {

@@ -317,6 +317,8 @@ pub fn spawn_signal_wait(
     arb.spawn_worker("signal-wait", shutdown, async move {
         signal.await;
         tracing::info!("signal received");
+        // systemd: the stop has begun (sessions get their grace; no-op without systemd).
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
         s.cancel();
     });
 }

@@ -141,6 +141,92 @@ fn install_script_installs_both_binaries_the_group_and_the_unit() {
     }
 }
 
+/// The systemd unit is sandboxed as far as GPU access allows: systemd's own scoring of it
+/// (`systemd-analyze security`, offline) is at most 4.5 of 10, and it waits for readiness.
+#[test]
+fn the_systemd_unit_is_hardened_and_waits_for_readiness() {
+    let unit = root().join("deploy/gpu-broker.service");
+    let out = std::process::Command::new("systemd-analyze")
+        .args(["security", "--offline=true", "--threshold=45", "--no-pager"])
+        .arg(&unit)
+        .output()
+        .expect("systemd-analyze (Debian's systemd package; scripts/test-deps.sh installs it)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let overall = text
+        .lines()
+        .find(|l| l.contains("Overall exposure level"))
+        .unwrap_or_else(|| panic!("no overall score in:\n{text}"));
+    assert!(out.status.success(), "the unit scores above 4.5: {overall}");
+    let unit = std::fs::read_to_string(unit).unwrap();
+    assert!(unit.contains("Type=notify") && unit.contains("NotifyAccess=main"));
+}
+
+/// `Type=notify`: the broker sends READY=1 once its sockets answer, and STOPPING=1 when a
+/// stop signal arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_tells_systemd_when_it_is_ready_and_when_it_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("notify.sock");
+    let sock = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let b = Broker::start_wrapped(
+        vec!["env".into(), format!("NOTIFY_SOCKET={}", path.display())],
+        BrokerOpts::default(),
+    )
+    .unwrap();
+    let mut buf = [0u8; 256];
+    let n = sock.recv(&mut buf).unwrap();
+    assert_eq!(std::str::from_utf8(&buf[..n]).unwrap(), "READY=1\n");
+    b.admin().await.unwrap().list_tenants().await.unwrap();
+    b.signal(libc::SIGTERM);
+    let n = sock.recv(&mut buf).unwrap();
+    assert_eq!(std::str::from_utf8(&buf[..n]).unwrap(), "STOPPING=1\n");
+}
+
+/// The build context of the image leaves out the build tree and the history.
+#[test]
+fn the_container_context_leaves_out_target_and_git() {
+    let ignore = std::fs::read_to_string(root().join(".containerignore")).unwrap();
+    let lines: Vec<&str> = ignore.lines().map(str::trim).collect();
+    for want in ["target/", ".git/"] {
+        assert!(lines.contains(&want), "{want} in .containerignore");
+    }
+}
+
+/// `gpu-brokerctl completions SHELL` prints a script its shell accepts, naming the
+/// subcommands; the installer installs them.
+#[test]
+fn shell_completions_come_from_the_cli_and_are_installed() {
+    let out = std::process::Command::new(bin("gpu-brokerctl"))
+        .args(["completions", "bash"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let script = String::from_utf8(out.stdout).unwrap();
+    assert!(script.contains("quota") && script.contains("leases") && script.contains("run"));
+    let checked = std::process::Command::new("bash")
+        .arg("-n")
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(script.as_bytes())?;
+            c.wait()
+        })
+        .unwrap();
+    assert!(checked.success(), "bash parses the completion script");
+    let dry = std::process::Command::new(root().join("scripts/install.sh"))
+        .arg("--dry-run")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&dry.stdout);
+    assert!(
+        text.contains("completions bash > /usr/share/bash-completion/completions/gpu-brokerctl"),
+        "{text}"
+    );
+}
+
 /// Every file the docs name in backticks (`broker/src/x.rs`, `deploy/config.toml`) exists in
 /// the repository (by path, or by name somewhere in it).
 #[test]

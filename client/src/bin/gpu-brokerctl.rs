@@ -211,6 +211,12 @@ enum Command {
     },
     /// Show the broker's version, API revision and features (and this CLI's).
     Info,
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell), e.g.
+    /// `gpu-brokerctl completions bash > /usr/share/bash-completion/completions/gpu-brokerctl`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
     /// List recorded operator changes (quota, tenant, token, revoke, drain, reload).
     Audit {
         /// Only changes since this: an RFC 3339 time (2026-12-01T08:00:00Z) or an age (1h, 30m).
@@ -362,6 +368,15 @@ fn main() -> ExitCode {
         std::path::Path::new(ctl::address::OPERATORS_SOCKET),
         ctl::address::WORKERS_SOCKET,
     );
+    if let Command::Completions { shell } = cli.command {
+        // Needs no broker and no token.
+        // Into a buffer first: clap_complete panics on a write error (a closed pipe).
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut Cli::command(), "gpu-brokerctl", &mut script);
+        use std::io::Write;
+        let _ = std::io::stdout().write_all(&script);
+        return ExitCode::SUCCESS;
+    }
     if let Command::Run(args) = &cli.command {
         let target = ctl::run::Target {
             broker: cli.broker.clone(),
@@ -708,7 +723,9 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             emit(json, &status, || drain_table(&status))
         }
         // Dispatched in `main` before the admin connection (it takes a tenant token).
-        Command::Run(_) => anyhow::bail!("run is handled before connecting as admin"),
+        Command::Run(_) | Command::Completions { .. } => {
+            anyhow::bail!("handled before connecting as admin")
+        }
         Command::Info => {
             let i = info?;
             let v = serde_json::json!({
