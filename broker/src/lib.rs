@@ -33,6 +33,7 @@ pub mod mps;
 pub mod pool;
 pub mod process;
 pub mod process_group;
+pub mod process_metrics;
 pub mod quota;
 pub mod rate;
 pub mod read_pool;

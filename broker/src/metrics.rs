@@ -22,11 +22,16 @@ use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
+/// A device's labels, named as DCGM exporter names them (`gpu` the index, `UUID`,
+/// `modelName`, `Hostname`) so that one query joins the broker's series with the node's
+/// DCGM series (`* on(UUID) group_left ...`).
+#[allow(non_snake_case)]
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeviceLabels {
-    device: String,
-    uuid: String,
-    model: String,
+    gpu: String,
+    UUID: String,
+    modelName: String,
+    Hostname: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -412,14 +417,32 @@ impl Format {
 
 fn device_labels(d: &DeviceReport) -> DeviceLabels {
     DeviceLabels {
-        device: d.index.to_string(),
-        uuid: d.uuid.clone(),
-        model: if d.model.is_empty() {
+        gpu: d.index.to_string(),
+        UUID: d.uuid.clone(),
+        modelName: if d.model.is_empty() {
             d.name.clone()
         } else {
             d.model.clone()
         },
+        Hostname: hostname().to_string(),
     }
+}
+
+/// The node's name as DCGM exporter reports it: `NODE_NAME` (set from the pod's
+/// `spec.nodeName` in Kubernetes), else the host name.
+fn hostname() -> &'static str {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| {
+        std::env::var("NODE_NAME")
+            .ok()
+            .filter(|n| !n.is_empty())
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_string())
+            })
+            .unwrap_or_default()
+    })
 }
 
 type DeviceGet = fn(&DeviceReport) -> u64;
@@ -546,9 +569,11 @@ pub fn render(
     sessions: usize,
     format: Format,
 ) -> String {
-    let mut reg = Registry::with_prefix("gpu_broker");
-    metrics.register(&mut reg);
-    more(&mut reg);
+    let mut root = Registry::default();
+    crate::process_metrics::register(&mut root);
+    let reg = root.sub_registry_with_prefix("gpu_broker");
+    metrics.register(reg);
+    more(reg);
 
     let backend = devices
         .first()
@@ -623,7 +648,7 @@ pub fn render(
     );
 
     let mut out = String::new();
-    if encode(&mut out, &reg).is_err() {
+    if encode(&mut out, &root).is_err() {
         out.clear();
     }
     match format {

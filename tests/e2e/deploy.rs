@@ -184,6 +184,24 @@ async fn the_broker_tells_systemd_when_it_is_ready_and_when_it_stops() {
     assert_eq!(std::str::from_utf8(&buf[..n]).unwrap(), "STOPPING=1\n");
 }
 
+/// The example PodMonitor selects the DaemonSet's pods by their label and scrapes the
+/// port the DaemonSet names `metrics`.
+#[test]
+fn the_pod_monitor_scrapes_the_daemonsets_metrics_port() {
+    let monitor =
+        std::fs::read_to_string(root().join("deploy/prometheus/podmonitor.yaml")).unwrap();
+    let daemonset =
+        std::fs::read_to_string(root().join("deploy/kubernetes/daemonset.yaml")).unwrap();
+    assert!(monitor.contains("kind: PodMonitor") && monitor.contains("- port: metrics"));
+    assert!(daemonset.contains("- name: metrics\n              containerPort: 7478"));
+    let label = "app.kubernetes.io/name: gpu-broker";
+    assert!(monitor.contains(label) && daemonset.contains(label));
+    assert!(
+        daemonset.contains("fieldPath: spec.nodeName"),
+        "NODE_NAME for Hostname"
+    );
+}
+
 /// The build context of the image leaves out the build tree and the history.
 #[test]
 fn the_container_context_leaves_out_target_and_git() {

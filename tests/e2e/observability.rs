@@ -35,7 +35,7 @@ async fn prometheus_metrics_follow_the_leases() {
     let text = get(&addr, "/metrics").await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert_eq!(
-        gauge(&text, "gpu_broker_device_leased_bytes{device=\"0\","),
+        gauge(&text, "gpu_broker_device_leased_bytes{gpu=\"0\","),
         Some((6 * MIB) as f64),
         "{text}"
     );
@@ -51,11 +51,11 @@ async fn prometheus_metrics_follow_the_leases() {
     lease.release().await.unwrap();
     let text = get(&addr, "/metrics").await;
     assert_eq!(
-        gauge(&text, "gpu_broker_device_leased_bytes{device=\"0\","),
+        gauge(&text, "gpu_broker_device_leased_bytes{gpu=\"0\","),
         Some(0.0)
     );
     assert_eq!(
-        gauge(&text, "gpu_broker_device_cached_bytes{device=\"0\","),
+        gauge(&text, "gpu_broker_device_cached_bytes{gpu=\"0\","),
         Some((6 * MIB) as f64)
     );
     assert!(get(&addr, "/nope").await.starts_with("HTTP/1.1 404"));

@@ -120,9 +120,10 @@ async fn promtool_accepts_the_metrics_and_prometheus_scrapes_them() {
         .find(|l| l.starts_with("gpu_broker_device_leased_bytes{"))
         .unwrap_or_else(|| panic!("no device series:\n{text}"));
     assert!(
-        device_line.contains("device=\"0\"")
-            && device_line.contains("uuid=\"")
-            && device_line.contains("model=\""),
+        device_line.contains("gpu=\"0\"")
+            && device_line.contains("UUID=\"")
+            && device_line.contains("modelName=\"")
+            && device_line.contains("Hostname=\""),
         "{device_line}"
     );
     let mut check = tokio::process::Command::new(&promtool)
