@@ -1,7 +1,8 @@
-//! The README's operator quick start runs verbatim against the README's own demo broker:
-//! the test starts the broker the README's "run a broker by hand" block starts (its
-//! `/tmp/gpu-broker` directory moved to a private temporary one), then runs the operator
-//! block with bash, `gpu-brokerctl` on `PATH`, and checks what it left behind.
+//! The README's operator quick start and its `run` block run verbatim against the README's
+//! own demo broker: the test starts the broker the README's "run a broker by hand" block
+//! starts (its `/tmp/gpu-broker` directory moved to a private temporary one), then runs the
+//! operator block with bash, `gpu-brokerctl` on `PATH`, checks what it left behind, and
+//! runs the `run` block with the token it wrote. (The Python block: client/python/tests.)
 
 use gpu_broker_client::Client;
 use gpu_broker_tests::*;
@@ -69,7 +70,7 @@ async fn the_readme_operator_quick_start_runs_against_the_readme_broker() {
         .arg("-c")
         .arg(&script)
         .current_dir(tmp.path())
-        .env("PATH", path)
+        .env("PATH", &path)
         .env_remove("GPU_BROKER_ADMIN_TOKEN")
         .env_remove("GPU_BROKER_ADDR")
         .env_remove("GPU_BROKER_ADMIN_TOKEN_FILE")
@@ -120,4 +121,33 @@ async fn the_readme_operator_quick_start_runs_against_the_readme_broker() {
     );
     assert_eq!(usage.quota.max_leases, 32);
     assert_eq!(usage.quota.priority, 1);
+
+    // The `run` block, with the token the operator block wrote: the program runs under a
+    // reservation of the tenant and sees its id.
+    let script = block_after("<!-- run-quick-start:").replace("/tmp/gpu-broker", &dir);
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new("bash")
+            .args(["-euo", "pipefail", "-c", &script])
+            .current_dir(tmp.path())
+            .env("PATH", &path)
+            .env_remove("GPU_BROKER_TOKEN")
+            .env_remove("GPU_BROKER_TOKEN_FILE")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the run block finished")
+    .expect("bash ran");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the README's run block failed:\n{script}\n--- stdout\n{stdout}\n--- stderr\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = stdout
+        .trim()
+        .strip_prefix("reserved ")
+        .unwrap_or_else(|| panic!("the program printed its reservation: {stdout}"));
+    assert!(!id.is_empty(), "{stdout}");
 }
