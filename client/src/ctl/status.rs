@@ -98,11 +98,40 @@ fn held_bar(held: u64, limit: u64, width: usize) -> String {
 
 /// The status screen as lines of at most 100 characters.
 pub fn render(s: &Snapshot, now: SystemTime) -> String {
+    render_fit(s, now, super::WIDTH)
+}
+
+/// Appends `parts` after `indent`, two spaces apart, starting a new line (indented again)
+/// before a part that would pass `width`.
+fn push_wrapped(out: &mut String, indent: &str, parts: &[String], width: usize) {
+    let mut line = indent.to_string();
+    for p in parts.iter().filter(|p| !p.is_empty()) {
+        let sep = if line.len() > indent.len() { "  " } else { "" };
+        if line.len() > indent.len() && line.len() + sep.len() + p.chars().count() > width {
+            out.push_str(&line);
+            out.push('\n');
+            line = format!("{indent}{p}");
+        } else {
+            line.push_str(sep);
+            line.push_str(p);
+        }
+    }
+    out.push_str(&line);
+    out.push('\n');
+}
+
+/// [`render`] for a screen `width` columns wide (`top` gives its terminal's): bars,
+/// tables and long lines shrink or wrap to fit. The sections come in the order an
+/// operator needs them, so that a short screen cuts the least useful (the lease lists)
+/// first: devices, tenants, waiting requests, process reservations, leases.
+pub fn render_fit(s: &Snapshot, now: SystemTime, width: usize) -> String {
+    let width = width.max(40);
+    let bar = BAR.min(width.saturating_sub(30)).max(10);
     let mut out = String::new();
     let waiting: u32 = s.tenants.iter().map(|t| t.usage.waiting_requests).sum();
     out.push_str(&format!(
         "gpu-broker {}\ndevices {}  tenants {}  sessions {}  leases {}  waiting {}\n\n",
-        cut(&s.broker, 88),
+        cut(&s.broker, width.saturating_sub(12)),
         s.devices.len(),
         s.tenants.len(),
         s.sessions.len(),
@@ -116,71 +145,103 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
         } else {
             &d.model
         };
-        let state = if d.unhealthy {
-            "  UNHEALTHY"
-        } else if d.draining {
-            "  DRAINING"
-        } else {
-            ""
-        };
-        out.push_str(&format!(
-            "GPU {}  {}  {}{}\n",
-            d.index,
-            cut(model, 30),
-            cut(&d.uuid, 40),
-            state
-        ));
+        // Every state the device is in, not only the first.
+        let mut states = Vec::new();
+        if d.unhealthy {
+            states.push(if d.health_reason.is_empty() {
+                "UNHEALTHY".to_string()
+            } else {
+                format!("UNHEALTHY ({})", cut(&d.health_reason, 40))
+            });
+        }
+        if d.draining {
+            states.push("DRAINING".to_string());
+        }
+        if states.is_empty() {
+            states.push("open".to_string());
+        }
+        push_wrapped(
+            &mut out,
+            "",
+            &[
+                format!("GPU {}", d.index),
+                cut(model, 30),
+                cut(&d.uuid, 40),
+                states.join(", "),
+            ],
+            width,
+        );
         let headroom_free = d.leasable_bytes.saturating_sub(
             d.leased_bytes + d.cached_bytes + d.quarantined_bytes + d.process_reserved_bytes,
         );
         out.push_str(&format!(
             "  {} {:>10} / {}\n",
-            usage_bar(d, BAR),
+            usage_bar(d, bar),
             format_bytes(d.leased_bytes),
             format_bytes(d.total_bytes),
         ));
-        out.push_str(&format!(
-            "  # leased {}  c cached {}  q quarantined {}  x outside the broker {}\n",
-            format_bytes(d.leased_bytes),
-            format_bytes(d.cached_bytes),
-            format_bytes(d.quarantined_bytes),
-            format_bytes(d.external_used_bytes),
-        ));
+        push_wrapped(
+            &mut out,
+            "  ",
+            &[
+                format!("# leased {}", format_bytes(d.leased_bytes)),
+                format!("c cached {}", format_bytes(d.cached_bytes)),
+                format!("q quarantined {}", format_bytes(d.quarantined_bytes)),
+                format!(
+                    "x outside the broker {}",
+                    format_bytes(d.external_used_bytes)
+                ),
+            ],
+            width,
+        );
         if d.process_reserved_bytes > 0 {
             out.push_str(&format!(
                 "  r reserved for processes {}\n",
                 format_bytes(d.process_reserved_bytes)
             ));
         }
-        out.push_str(&format!(
-            "  h headroom {}  leasable now {}  leases {}  waiting {}{}\n\n",
-            format_bytes(d.headroom_bytes),
-            format_bytes(headroom_free),
-            d.lease_count,
-            d.waiting_requests,
-            if d.turn_holder.is_empty() {
-                String::new()
-            } else if d.turn_holders > 1 {
-                format!(
-                    "  turns: {} holders, {} first (+{} waiting)",
-                    d.turn_holders, d.turn_holder, d.turns_waiting
-                )
-            } else {
-                format!("  turn: {} (+{} waiting)", d.turn_holder, d.turns_waiting)
-            }
-        ));
+        push_wrapped(
+            &mut out,
+            "  ",
+            &[
+                format!("h headroom {}", format_bytes(d.headroom_bytes)),
+                format!("leasable now {}", format_bytes(headroom_free)),
+                format!("leases {}", d.lease_count),
+                format!("waiting {}", d.waiting_requests),
+                if d.turn_holder.is_empty() {
+                    String::new()
+                } else if d.turn_holders > 1 {
+                    format!(
+                        "turns: {} holders, {} first (+{} waiting)",
+                        d.turn_holders, d.turn_holder, d.turns_waiting
+                    )
+                } else {
+                    format!("turn: {} (+{} waiting)", d.turn_holder, d.turns_waiting)
+                },
+            ],
+            width,
+        );
+        out.push('\n');
         if !d.mps_state.is_empty() {
             // The line ends the device's block: replace the blank line after it.
             out.pop();
-            out.push_str(&format!(
-                "  mps: {}  compute mode {}\n\n",
-                cut(&d.mps_detail, 70),
-                if d.compute_mode.is_empty() {
-                    "unknown"
-                } else {
-                    &d.compute_mode
-                }
-            ));
+            push_wrapped(
+                &mut out,
+                "  ",
+                &[
+                    format!("mps: {}", cut(&d.mps_detail, width.saturating_sub(8))),
+                    format!(
+                        "compute mode {}",
+                        if d.compute_mode.is_empty() {
+                            "unknown"
+                        } else {
+                            &d.compute_mode
+                        }
+                    ),
+                ],
+                width,
+            );
+            out.push('\n');
         } else if !d.compute_mode.is_empty() {
             // A CUDA broker without managed MPS reports the mode too.
             out.pop();
@@ -203,10 +264,13 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
     if procs {
         headers.insert(3, "PROCESSES");
     }
-    let right: Vec<usize> = (2..headers.len()).collect();
-    let mut t = Table::new(headers)
-        .right(&right)
-        .fit(Some(super::WIDTH), &[0]);
+    // Below 100 columns the held/limit bar goes: the numbers beside it say the same.
+    let with_bar = width >= super::WIDTH;
+    if !with_bar {
+        headers.remove(1);
+    }
+    let right: Vec<usize> = ((if with_bar { 2 } else { 1 })..headers.len()).collect();
+    let mut t = Table::new(headers).right(&right).fit(Some(width), &[0]);
     for i in &s.tenants {
         let (q, u) = (&i.quota, &i.usage);
         // Reservations count against the limit like leases do.
@@ -224,9 +288,13 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
         if procs {
             row.insert(3, format_bytes(u.process_reserved_bytes));
         }
+        if !with_bar {
+            row.remove(1);
+        }
         t.row(row);
     }
     out.push_str(&t.render());
+    push_waiting(&mut out, s);
 
     let reserved: Vec<&SessionInfo> = s
         .sessions
@@ -236,7 +304,7 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
     if !reserved.is_empty() {
         let mut t = Table::new(["TENANT", "SESSION", "PID", "RESERVED", "GPU USED", "AGE"])
             .right(&[2, 3, 4, 5])
-            .fit(Some(super::WIDTH), &[0, 1]);
+            .fit(Some(width), &[0, 1]);
         for x in reserved {
             t.row([
                 x.tenant.clone(),
@@ -261,7 +329,7 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
     let lease_rows = |title: &str, leases: Vec<&LeaseInfo>| {
         let mut t = Table::new(["LEASE", "TENANT", "DEV", "SIZE", "AGE", "LABEL"])
             .right(&[2, 3, 4])
-            .fit(Some(super::WIDTH), &[1, 5]);
+            .fit(Some(width), &[1, 5]);
         for l in leases {
             t.row([
                 l.lease_id.clone(),
@@ -284,6 +352,11 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
         oldest.truncate(5);
         out.push_str(&lease_rows("OLDEST LEASES", oldest));
     }
+    out
+}
+
+/// The requests waiting, by tenant (what holds them: the tenant's holdings and limit).
+fn push_waiting(out: &mut String, s: &Snapshot) {
     let waiters: Vec<&TenantInfo> = s
         .tenants
         .iter()
@@ -304,7 +377,6 @@ pub fn render(s: &Snapshot, now: SystemTime) -> String {
             ));
         }
     }
-    out
 }
 
 fn cut(s: &str, n: usize) -> String {

@@ -15,7 +15,7 @@ use ratatui::Terminal;
 
 use gpu_broker_client::AdminClient;
 
-use super::status::{render, Snapshot};
+use super::status::{render_fit, Snapshot};
 
 /// The colour of a status line's bar cells.
 fn cell_style(c: char) -> Style {
@@ -56,8 +56,11 @@ pub fn draw<B: Backend>(
 where
     B::Error: Send + Sync + 'static,
 {
+    // Inside the border: the status fits the terminal's width; a short terminal cuts the
+    // last sections (the lease lists) first.
+    let width = usize::from(terminal.size()?.width.saturating_sub(2));
     let lines: Vec<Line> = match snapshot {
-        Ok(s) => render(s, now).lines().map(styled).collect(),
+        Ok(s) => render_fit(s, now, width).lines().map(styled).collect(),
         Err(e) => vec![Line::styled(
             format!("cannot read the broker: {e}"),
             Style::default().fg(Color::Red),
@@ -191,5 +194,35 @@ mod tests {
         )
         .unwrap();
         assert!(screen(&t).contains("cannot read the broker: connection refused"));
+    }
+
+    /// On an 80x24 terminal every size column of the tenants and the waiting requests
+    /// still show, nothing runs past the border, and every device state is named.
+    #[test]
+    fn top_fits_an_80_by_24_terminal() {
+        let mut t = Terminal::new(TestBackend::new(80, 24)).unwrap();
+        let mut s = snapshot();
+        s.devices[0].draining = true;
+        s.devices[0].unhealthy = true;
+        s.devices[0].health_reason = "Xid 79".into();
+        s.tenants[0].usage.waiting_requests = 2;
+        draw(&mut t, Ok(&s), Duration::from_secs(2), now()).unwrap();
+        let text = screen(&t);
+        for want in [
+            "UNHEALTHY (Xid 79), DRAINING",
+            "HELD",
+            "LIMIT",
+            "GUARANTEED",
+            "QUARANTINED",
+            "WAITING REQUESTS",
+            "training: 2 waiting",
+        ] {
+            assert!(text.contains(want), "{want:?} on the 80x24 screen:\n{text}");
+        }
+        // What the frame shows is all there is: no rendered line is wider than its inside.
+        let inside = render_fit(&s, now(), 78);
+        for line in inside.lines() {
+            assert!(line.chars().count() <= 78, "{line:?} is cut by the frame");
+        }
     }
 }
