@@ -1,5 +1,6 @@
 //! The status page (`GET /status` on the metrics listener): what `gpu-brokerctl status`
-//! shows, as one read-only HTML page that reloads itself every few seconds — devices with
+//! shows, as one read-only HTML page that reloads itself every few seconds (fitting a
+//! 1280 px window) — devices with every state they are in (unhealthy, draining) and
 //! usage bars (leased, reserved for processes, cached, quarantined, outside the broker,
 //! headroom, free) and, under managed MPS, the daemon's state, clients and the compute mode,
 //! tenants against limit and guarantee (on a node of more than
@@ -84,7 +85,7 @@ fn lease_rows(out: &mut String, title: &str, leases: &[&LeaseView], now: SystemT
     for l in leases {
         let _ = write!(
             out,
-            "<tr><td class=\"id\">{}</td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td></tr>",
+            "<tr><td class=\"id\">{}</td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"text\">{}</td></tr>",
             l.id,
             esc(&l.tenant),
             l.device,
@@ -96,15 +97,39 @@ fn lease_rows(out: &mut String, title: &str, leases: &[&LeaseView], now: SystemT
     out.push_str("</table>");
 }
 
-const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}\
+const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1em;color:#222}\
 h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.4em}\
-table{border-collapse:collapse}td,th{padding:.2em .7em;border-bottom:1px solid #ddd;text-align:left;white-space:nowrap}\
-td.n{text-align:right}td.id{font-family:monospace}\
-.bar{display:flex;width:22em;height:1.1em;background:#eee;border:1px solid #999}\
+table{border-collapse:collapse}td,th{padding:.2em .6em;border-bottom:1px solid #ddd;text-align:left;white-space:nowrap}\
+td.n{text-align:right}td.id{font-family:monospace;font-size:.9em}\
+td.text,td.state{white-space:normal;overflow-wrap:anywhere;min-width:10em;max-width:18em}\
+.bad{color:#c0392b;font-weight:bold}.warn{color:#b9770e;font-weight:bold}\
+.bar{display:flex;width:12em;height:1.1em;background:#eee;border:1px solid #999}\
 .bar span{display:block;height:100%}\
 .leased{background:#2a9d3a}.cached{background:#3fa7d6}.quarantined{background:#e9b000}\
 .outside{background:#d1495b}.headroom{background:#888}.processes{background:#8e44ad}\
 .key span{display:inline-block;width:.9em;height:.9em;margin:0 .3em 0 1em;vertical-align:middle}";
+
+/// A device's states, under its name: every state it is in (unhealthy and draining at
+/// once, each with its reason), or "open".
+fn state_cell(d: &DeviceReport) -> String {
+    let mut states = Vec::new();
+    if let Some(why) = &d.fault {
+        states.push(format!(
+            "<span class=\"bad\">unhealthy</span>: {}",
+            esc(why)
+        ));
+    }
+    if let Some(why) = &d.drain_reason {
+        states.push(format!(
+            "<span class=\"warn\">draining</span>: {}",
+            esc(why)
+        ));
+    }
+    if states.is_empty() {
+        states.push("open".into());
+    }
+    states.join("<br>")
+}
 
 /// The page for the broker's state now.
 pub async fn render(arb: &Arbiter) -> String {
@@ -133,10 +158,11 @@ pub async fn render(arb: &Arbiter) -> String {
     for d in &devices {
         let _ = write!(
             out,
-            "<tr><td>{} <span class=\"id\" title=\"{}\">{}</span></td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
+            "<tr><td class=\"state\">{} <span class=\"id\" title=\"{}\">{}</span><br>{}</td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
             d.index,
             esc(&d.uuid),
             esc(&d.uuid.chars().take(12).collect::<String>()),
+            state_cell(d),
             esc(if d.model.is_empty() { &d.name } else { &d.model }),
             bar(d),
             size(d.leased),
@@ -208,7 +234,7 @@ pub async fn render(arb: &Arbiter) -> String {
     for r in &reservations {
         let _ = write!(
             out,
-            "<tr><td class=\"id\">{}</td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td></tr>",
+            "<tr><td class=\"id\">{}</td><td>{}</td><td>{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"text\">{}</td></tr>",
             r.id,
             esc(&r.tenant),
             r.device,

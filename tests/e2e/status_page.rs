@@ -122,7 +122,7 @@ async fn the_status_page_shows_devices_tenants_and_leases_in_chromium() {
         &[
             "--window-size=1280,1000".into(),
             format!("--screenshot={}", shot.display()),
-            url,
+            url.clone(),
         ],
     )
     .await;
@@ -138,6 +138,78 @@ async fn the_status_page_shows_devices_tenants_and_leases_in_chromium() {
         "{} bytes",
         png.len()
     );
+    // A device both unhealthy and draining, each with its reason, and a long label: the
+    // page names both states and still fits a 1280 px window (measured by Chromium's own
+    // layout: the page, with a line that records its scroll width, loaded from a file).
+    let long = st
+        .lease_request(2 * MIB)
+        .label("a-rather-long-lease-label-".repeat(4))
+        .send()
+        .await
+        .unwrap();
+    let admin = b.admin().await.unwrap();
+    admin
+        .set_device_health(0, false, "Xid 79: fell off the bus")
+        .await
+        .unwrap();
+    admin
+        .drain(Some(0), None, "node maintenance")
+        .await
+        .unwrap();
+    let out = headless(profile.path(), &["--dump-dom".into(), url.clone()]).await;
+    let page = String::from_utf8_lossy(&out.stdout).to_string();
+    for want in [
+        "<span class=\"bad\">unhealthy</span>: Xid 79: fell off the bus",
+        "<span class=\"warn\">draining</span>: node maintenance",
+    ] {
+        assert!(
+            page.contains(want),
+            "{want:?} missing from the page:\n{page}"
+        );
+    }
+    let measured = profile.path().join("measured.html");
+    std::fs::write(
+        &measured,
+        page.replace(
+            "</body>",
+            "<script>document.body.setAttribute('data-scroll-width', \
+             document.documentElement.scrollWidth)</script></body>",
+        ),
+    )
+    .unwrap();
+    let out = headless(
+        profile.path(),
+        &[
+            "--window-size=1280,1000".into(),
+            "--dump-dom".into(),
+            format!("file://{}", measured.display()),
+        ],
+    )
+    .await;
+    let dom_measured = String::from_utf8_lossy(&out.stdout);
+    let width: u32 = dom_measured
+        .split("data-scroll-width=\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .and_then(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no measured width in:\n{dom_measured}"));
+    let shot = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/status-page-1280.png");
+    headless(
+        profile.path(),
+        &[
+            "--window-size=1280,1000".into(),
+            format!("--screenshot={}", shot.display()),
+            url.clone(),
+        ],
+    )
+    .await;
+
+    assert!(
+        width <= 1280,
+        "the page is {width} px wide in a 1280 px window (screenshot: {})",
+        shot.display()
+    );
+
     // The inference tenant's row shows its reservation beside its held bytes.
     let row = dom
         .split("<tr>")
@@ -146,5 +218,6 @@ async fn the_status_page_shows_devices_tenants_and_leases_in_chromium() {
     assert!(row.contains("96.0 MiB"), "{row}");
     big.release().await.unwrap();
     small.release().await.unwrap();
+    long.release().await.unwrap();
     reservation.release().await.unwrap();
 }
