@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# The Python tests: builds the `gpubroker` package (client/python, a native extension over
-# the client crate), installs it into a virtual environment cached under target/ with
-# maturin, pytest and numpy from PyPI, and runs pytest against real brokers on the host
-# backend. Run by scripts/test.sh; rerunning it is quick (the venv and the Rust build are
+# The Python tests: builds the `gpubroker` wheel with scripts/build-wheel.sh (release,
+# manylinux: what users install), installs it into a virtual environment cached under
+# target/ with pytest and numpy from PyPI, and runs pytest against real brokers on the host
+# backend. Run by scripts/test.sh; rerunning it is quick (the venvs and the Rust builds are
 # reused). Needs the Rust toolchain and Python 3 (with its venv module).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${GPUBROKER_VENV:-target/py-venv}
-WHEELS=target/py-wheels
 
 if [[ ! -x $VENV/bin/python ]]; then
     if ! "$PY" -m venv "$VENV" 2>/dev/null; then
@@ -21,22 +20,15 @@ if [[ ! -x $VENV/bin/python ]]; then
         "$PY" -m venv "$VENV"
     fi
 fi
-if ! "$VENV/bin/python" -c 'import maturin, pytest, numpy' 2>/dev/null; then
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        'maturin>=1.9,<2' 'pytest>=7' numpy
+if ! "$VENV/bin/python" -c 'import pytest, numpy' 2>/dev/null; then
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check 'pytest>=7' numpy
 fi
 
-# The broker and the CLI the tests drive, then the package itself (debug build, sharing
-# the workspace's target/ so dependencies compile once).
+# The broker and the CLI the tests drive (debug, sharing the workspace's target/), then the
+# package itself: the release manylinux wheel scripts/build-wheel.sh builds, the one the
+# README tells users to install.
 cargo build --quiet -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl
-rm -f "$WHEELS"/gpubroker-*.whl
-"$VENV/bin/maturin" build --quiet --manifest-path client/python/Cargo.toml --out "$WHEELS" \
-    --interpreter "$VENV/bin/python" 2>&1 | grep -v '^\(📦\|🍹\|🐍\|🔗\|📡\|⚠️\)' || true
-wheel=$(ls "$WHEELS"/gpubroker-*.whl 2>/dev/null | head -n 1)
-if [[ -z $wheel ]]; then
-    echo "test-python: maturin built no wheel" >&2
-    exit 1
-fi
+wheel=$(scripts/build-wheel.sh)
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall \
     --no-deps "$wheel"
 

@@ -144,7 +144,12 @@ pub struct Config {
 
     /// Ignored: host memory (simulated devices, host fallback) is memfd memory with no
     /// files. Still accepted so existing command lines and config files keep working.
-    #[arg(long, env = "GPU_BROKER_HOST_SHM_DIR", default_value = "/dev/shm")]
+    #[arg(
+        long,
+        env = "GPU_BROKER_HOST_SHM_DIR",
+        default_value = "/dev/shm",
+        hide = true
+    )]
     pub host_shm_dir: PathBuf,
 
     /// Memory kept free on each device: bytes (`2GiB`) or percent of total (`10%`).
