@@ -142,11 +142,25 @@ async fn promtool_accepts_the_metrics_and_prometheus_scrapes_them() {
         .await
         .unwrap();
     let out = check.wait_with_output().await.unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics: {}{}",
+    // The one lint allowed: the device series' label names are DCGM exporter's (`UUID`,
+    // `modelName`, `Hostname`), on purpose, so that both join in one query. Anything else
+    // promtool says fails the test.
+    let said = format!(
+        "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
+    );
+    let other: Vec<&str> = said
+        .lines()
+        .filter(|l| {
+            !(l.starts_with("gpu_broker_device_")
+                && l.ends_with("label names should be written in 'snake_case' not 'camelCase'"))
+        })
+        .collect();
+    assert!(
+        other.is_empty(),
+        "promtool check metrics: {}",
+        other.join("\n")
     );
 
     // OpenMetrics, when asked for.
