@@ -37,10 +37,8 @@ build() {
     ln -f "$OUT/gpu-test" "$OUT/deps/gpu-test"
     for b in gpu-broker-bench turn-gate; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
     strip "$OUT"/gpu-broker-bench "$OUT"/turn-gate 2>/dev/null || true
-    local venv=${GPUBROKER_VENV:-target/py-venv}
-    [[ -x $venv/bin/maturin ]] || scripts/test-python.sh --co -q >/dev/null
     rm -f "$OUT"/gpubroker-*.whl
-    "$venv/bin/maturin" build --release --strip --manifest-path client/python/Cargo.toml --out "$OUT"
+    cp -f "$(scripts/build-wheel.sh --strip)" "$OUT/"
     if [[ -n ${GPU_ALL_BEFORE:-} ]]; then
         cp -f "$GPU_ALL_BEFORE" "$OUT/gpu-broker-before"
         strip "$OUT/gpu-broker-before" 2>/dev/null || true

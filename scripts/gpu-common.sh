@@ -20,9 +20,8 @@ gpu_build() {
     rm -f "$out"/gpubroker-*.whl
     cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl \
         -p gpu-broker-tests --bin gpu-worker
-    local venv=${GPUBROKER_VENV:-target/py-venv}
-    [[ -x $venv/bin/maturin ]] || scripts/test-python.sh --co -q >/dev/null
-    "$venv/bin/maturin" build --release --strip --manifest-path client/python/Cargo.toml --out "$out"
+    # The wheel users install (scripts/build-wheel.sh), stripped.
+    cp -f "$(scripts/build-wheel.sh --strip)" "$out/"
     local b
     for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "$target/release/$b" "$out/$b"; done
     strip "$out"/gpu-broker "$out"/gpu-brokerctl "$out"/gpu-worker 2>/dev/null || true
