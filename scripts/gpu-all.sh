@@ -38,7 +38,7 @@ build() {
     for b in gpu-broker-bench turn-gate; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
     strip "$OUT"/gpu-broker-bench "$OUT"/turn-gate 2>/dev/null || true
     rm -f "$OUT"/gpubroker-*.whl
-    cp -f "$(scripts/build-wheel.sh --strip)" "$OUT/"
+    cp -f "$(scripts/build-wheel.sh)" "$OUT/"
     if [[ -n ${GPU_ALL_BEFORE:-} ]]; then
         cp -f "$GPU_ALL_BEFORE" "$OUT/gpu-broker-before"
         strip "$OUT/gpu-broker-before" 2>/dev/null || true

@@ -20,8 +20,8 @@ gpu_build() {
     rm -f "$out"/gpubroker-*.whl
     cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl \
         -p gpu-broker-tests --bin gpu-worker
-    # The wheel users install (scripts/build-wheel.sh), stripped.
-    cp -f "$(scripts/build-wheel.sh --strip)" "$out/"
+    # The wheel users install (scripts/build-wheel.sh; the release profile strips it).
+    cp -f "$(scripts/build-wheel.sh)" "$out/"
     local b
     for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "$target/release/$b" "$out/$b"; done
     strip "$out"/gpu-broker "$out"/gpu-brokerctl "$out"/gpu-worker 2>/dev/null || true
