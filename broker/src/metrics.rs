@@ -415,7 +415,7 @@ impl Format {
     }
 }
 
-fn device_labels(d: &DeviceReport) -> DeviceLabels {
+fn device_labels(d: &DeviceReport, host: &str) -> DeviceLabels {
     DeviceLabels {
         gpu: d.index.to_string(),
         UUID: d.uuid.clone(),
@@ -424,25 +424,23 @@ fn device_labels(d: &DeviceReport) -> DeviceLabels {
         } else {
             d.model.clone()
         },
-        Hostname: hostname().to_string(),
+        Hostname: host.to_string(),
     }
 }
 
 /// The node's name as DCGM exporter reports it: `NODE_NAME` (set from the pod's
-/// `spec.nodeName` in Kubernetes), else the host name.
-fn hostname() -> &'static str {
-    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    NAME.get_or_init(|| {
-        std::env::var("NODE_NAME")
-            .ok()
-            .filter(|n| !n.is_empty())
-            .or_else(|| {
-                std::fs::read_to_string("/proc/sys/kernel/hostname")
-                    .ok()
-                    .map(|h| h.trim().to_string())
-            })
-            .unwrap_or_default()
-    })
+/// `spec.nodeName` in Kubernetes), else the host name. Read at each scrape (a rename
+/// shows; a file read is nothing next to the scrape).
+fn hostname() -> String {
+    std::env::var("NODE_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+        })
+        .unwrap_or_default()
 }
 
 type DeviceGet = fn(&DeviceReport) -> u64;
@@ -587,10 +585,11 @@ pub fn render(
         })
         .set(1);
     reg.register("build_info", "Version of the broker and its backend", build);
+    let host = hostname();
     for (name, help, get) in DEVICE_GAUGES {
         let fam = Family::<DeviceLabels, Gauge>::default();
         for d in devices {
-            fam.get_or_create(&device_labels(d)).set(get(d) as i64);
+            fam.get_or_create(&device_labels(d, &host)).set(get(d) as i64);
         }
         reg.register(name, help, fam);
     }
