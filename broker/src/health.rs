@@ -400,13 +400,13 @@ mod tests {
         assert!(
             healthy
                 .iter()
-                .any(|l| l.contains("device=\"1\"") && l.ends_with(" 0")),
+                .any(|l| l.contains("gpu=\"1\"") && l.ends_with(" 0")),
             "{healthy:?}"
         );
         assert!(
             healthy
                 .iter()
-                .any(|l| l.contains("device=\"0\"") && l.ends_with(" 1")),
+                .any(|l| l.contains("gpu=\"0\"") && l.ends_with(" 1")),
             "{healthy:?}"
         );
         assert!(report[0].fault.is_none());

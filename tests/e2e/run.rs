@@ -404,7 +404,7 @@ async fn a_running_reservation_shows_in_metrics_and_the_cli() {
     assert_eq!(
         gauge(
             &text,
-            "gpu_broker_device_process_reserved_bytes{device=\"0\","
+            "gpu_broker_device_process_reserved_bytes{gpu=\"0\","
         ),
         Some((300 * MIB) as f64),
         "{text}"
