@@ -377,7 +377,12 @@ mod tests {
                 .uri("http://x/gpubroker.v1.Admin/ListTenants")
                 .body(Body::empty())
                 .unwrap();
-            let mut body = layer.layer(WhereRun).oneshot(req).await.unwrap().into_body();
+            let mut body = layer
+                .layer(WhereRun)
+                .oneshot(req)
+                .await
+                .unwrap()
+                .into_body();
             assert!(!body.is_end_stream());
             assert_eq!(body.size_hint().lower(), THREAD_NAME.len() as u64);
             assert_eq!(body.size_hint().upper(), None, "no content-length for gRPC");
