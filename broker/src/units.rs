@@ -18,12 +18,22 @@ pub fn show(bytes: u64) -> String {
     )
 }
 
-/// Parses `8GiB`, `512MiB`, `1.5GB`, `1048576`.
+/// Parses `8GiB`, `512MiB`, `1.5GB`, `1048576`. A size past `u64::MAX` bytes (`16EiB`)
+/// is refused, not saturated.
 pub fn parse(s: &str) -> Result<u64, String> {
-    s.trim()
+    let bytes = s
+        .trim()
         .parse::<bytesize::ByteSize>()
         .map(|b| b.as_u64())
-        .map_err(|e| format!("invalid size {s:?}: {e}"))
+        .map_err(|e| format!("invalid size {s:?}: {e}"))?;
+    // bytesize saturates an overflowing size to u64::MAX; only plain digits name it.
+    if bytes == u64::MAX && s.trim().parse::<u64>().is_err() {
+        return Err(format!(
+            "size {s:?} is too large: at most {} bytes (16 EiB less one byte)",
+            u64::MAX
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Parses a duration (`5s`, `100ms`, `5m`), as flags and config files write them.
@@ -57,6 +67,24 @@ mod tests {
         assert_eq!(parse("512MiB").unwrap(), 512 << 20);
         assert_eq!(parse("1048576").unwrap(), 1 << 20);
         assert!(parse("lots").is_err());
+    }
+
+    #[test]
+    fn refuses_sizes_past_u64_instead_of_saturating() {
+        for big in [
+            "16EiB",
+            "16 EiB",
+            "17EiB",
+            "16384PiB",
+            "99999999999EiB",
+            "16.5EiB",
+        ] {
+            let e = parse(big).unwrap_err();
+            assert!(e.contains("too large"), "{big}: {e}");
+        }
+        // The largest size is still one.
+        assert_eq!(parse("18446744073709551615"), Ok(u64::MAX));
+        assert_eq!(parse("15EiB"), Ok(15 << 60));
     }
 
     #[test]
