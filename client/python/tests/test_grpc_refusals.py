@@ -201,3 +201,28 @@ def test_refusals_on_the_operators_socket_reach_grpcio_with_their_code_and_reaso
     with channel_to(f"unix://{ops}") as channel:
         check_admin(pb, channel, b.admin_token, token)
         check_health(channel)
+
+
+def test_reflection_v1alpha_lists_the_services_and_refuses_an_unknown_symbol(broker):
+    """grpcio-reflection speaks v1alpha (as older grpcurl does)."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with channel_to(broker.address) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        for want in (
+            "gpubroker.v1.Broker",
+            "gpubroker.v1.Admin",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ):
+            assert want in services, services
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        ask = reflection_pb2.ServerReflectionRequest(file_containing_symbol="no.such.Symbol")
+        with pytest.raises(grpc.RpcError) as caught:
+            for _ in stub.ServerReflectionInfo(iter([ask]), timeout=10):
+                pass
+        assert_refused(caught.value, grpc.StatusCode.NOT_FOUND)
