@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The Python tests: builds the `gpubroker` wheel with scripts/build-wheel.sh (release,
 # manylinux: what users install), installs it into a virtual environment cached under
-# target/ with pytest and numpy from PyPI, and runs pytest against real brokers on the host
-# backend. Run by scripts/test.sh; rerunning it is quick (the venvs and the Rust builds are
-# reused). Needs the Rust toolchain and Python 3 (with its venv module).
+# target/ with pytest, numpy and grpcio (with its tools, status and reflection packages, for
+# the tests that call the broker as a plain grpc-core client: stubs generated from proto/
+# at test time) from PyPI, and runs pytest against real brokers on the host backend. Run by
+# scripts/test.sh; rerunning it is quick (the venvs and the Rust builds are reused). Needs
+# the Rust toolchain and Python 3 (with its venv module).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,8 +22,10 @@ if [[ ! -x $VENV/bin/python ]]; then
         "$PY" -m venv "$VENV"
     fi
 fi
-if ! "$VENV/bin/python" -c 'import pytest, numpy' 2>/dev/null; then
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check 'pytest>=7' numpy
+if ! "$VENV/bin/python" -c 'import pytest, numpy, grpc, grpc_tools, grpc_status, grpc_reflection' 2>/dev/null; then
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check 'pytest>=7' numpy \
+        'grpcio>=1.60,<2' 'grpcio-tools>=1.60,<2' 'grpcio-status>=1.60,<2' \
+        'grpcio-reflection>=1.60,<2'
 fi
 
 # The broker and the CLI the tests drive (debug, sharing the workspace's target/), then the

@@ -126,23 +126,72 @@ pub struct Reads<S> {
 type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
 /// Runs `call` to its response and reads the whole response body (it is encoded as it is
-/// read); the frames, replayed as a body.
+/// read); the frames, replayed as a body ([`Replay`]).
 async fn answered<F, E>(call: F) -> Result<http::Response<Body>, E>
 where
     F: Future<Output = Result<http::Response<Body>, E>>,
 {
     use http_body_util::BodyExt;
     let (parts, mut body) = call.await?.into_parts();
-    let mut frames = Vec::new();
+    let mut replay = Replay::default();
     while let Some(frame) = body.frame().await {
-        let failed = frame.is_err();
-        frames.push(frame);
-        if failed {
-            break;
+        match frame {
+            Ok(frame) => replay.frames.push_back(frame),
+            Err(e) => {
+                replay.failed = Some(e);
+                break;
+            }
         }
     }
-    let body = http_body_util::StreamBody::new(futures::stream::iter(frames));
-    Ok(http::Response::from_parts(parts, Body::new(body)))
+    Ok(http::Response::from_parts(parts, Body::new(replay)))
+}
+
+/// A read body's frames, replayed. It says it is at its end as soon as nothing is left:
+/// a refusal (a trailers-only response, its status in the headers and no frames) then
+/// goes out as one HEADERS frame with END_STREAM, as tonic sent it. A body that is never
+/// at its end sends an empty DATA frame after those headers, which grpc-core clients
+/// (grpcio, C++) read as `UNKNOWN: Stream removed`, losing the status.
+#[derive(Default)]
+struct Replay {
+    frames: std::collections::VecDeque<http_body::Frame<tonic::codegen::Bytes>>,
+    /// The error that ended the read, given after the frames.
+    failed: Option<tonic::Status>,
+}
+
+impl http_body::Body for Replay {
+    type Data = tonic::codegen::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let next = match self.frames.pop_front() {
+            Some(frame) => Some(Ok(frame)),
+            None => self.failed.take().map(Err),
+        };
+        Poll::Ready(next)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.frames.is_empty() && self.failed.is_none()
+    }
+
+    /// The data left as a lower bound only: an exact size would have hyper add a
+    /// content-length header, which a gRPC answer never carries.
+    fn size_hint(&self) -> http_body::SizeHint {
+        if self.is_end_stream() {
+            return http_body::SizeHint::with_exact(0);
+        }
+        let left = self
+            .frames
+            .iter()
+            .filter_map(|f| f.data_ref().map(|d| d.len() as u64))
+            .sum();
+        let mut hint = http_body::SizeHint::new();
+        hint.set_lower(left);
+        hint
+    }
 }
 
 impl<S> tower::Service<http::Request<Body>> for Reads<S>
@@ -279,6 +328,71 @@ mod tests {
         main.block_on(main.spawn(async move {
             let (ran_on, _) = call(&layer, "/gpubroker.v1.Admin/SetQuota").await;
             assert_eq!(ran_on, "main-worker");
+        }))
+        .unwrap();
+    }
+
+    /// A service refusing every call as a handler or an interceptor does: a trailers-only
+    /// response (the status in the headers, an empty body).
+    #[derive(Clone)]
+    struct Refuses;
+
+    impl Service<http::Request<Body>> for Refuses {
+        type Response = http::Response<Body>;
+        type Error = std::convert::Infallible;
+        type Future = BoxFuture<Self::Response, Self::Error>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _: http::Request<Body>) -> Self::Future {
+            Box::pin(async {
+                tokio::task::yield_now().await;
+                Ok(tonic::Status::not_found("no such lease").into_http())
+            })
+        }
+    }
+
+    #[test]
+    fn a_refusal_moved_to_the_operators_runtime_stays_trailers_only() {
+        use http_body::Body as _;
+        use http_body_util::BodyExt;
+        let pool = ReadPool::start(1).unwrap();
+        let main = main_runtime_of_one_worker();
+        let layer = pool.layer();
+        main.block_on(main.spawn(async move {
+            let req = http::Request::builder()
+                .uri("http://x/gpubroker.v1.Admin/GetLease")
+                .body(Body::empty())
+                .unwrap();
+            let resp = layer.layer(Refuses).oneshot(req).await.unwrap();
+            assert_eq!(resp.headers()["grpc-status"], "5");
+            // At its end already: hyper sends the headers with END_STREAM, and no DATA
+            // frame a grpc-core client would take for a broken stream.
+            let body = resp.into_body();
+            assert!(body.is_end_stream());
+            assert_eq!(body.size_hint().exact(), Some(0));
+
+            // An answer with a body: its frames, then at its end (and only then).
+            let req = http::Request::builder()
+                .uri("http://x/gpubroker.v1.Admin/ListTenants")
+                .body(Body::empty())
+                .unwrap();
+            let mut body = layer
+                .layer(WhereRun)
+                .oneshot(req)
+                .await
+                .unwrap()
+                .into_body();
+            assert!(!body.is_end_stream());
+            assert_eq!(body.size_hint().lower(), THREAD_NAME.len() as u64);
+            assert_eq!(body.size_hint().upper(), None, "no content-length for gRPC");
+            let data = body.frame().await.unwrap().unwrap();
+            assert_eq!(data.data_ref().unwrap().as_ref(), THREAD_NAME.as_bytes());
+            assert!(!body.is_end_stream());
+            let trailers = body.frame().await.unwrap().unwrap();
+            assert_eq!(trailers.trailers_ref().unwrap()["grpc-status"], "0");
+            assert!(body.is_end_stream());
+            assert!(body.frame().await.is_none());
         }))
         .unwrap();
     }

@@ -1,7 +1,7 @@
 //! The server: binds the Unix socket (0660, stale file replaced) and the optional TCP
-//! address, serves the `Broker` and `Admin` services plus gRPC health and reflection,
-//! and shuts down with a grace period: refuse new work, tell sessions, give them the
-//! grace to release, then end them, free every block, and stop. The optional operators'
+//! address, serves the `Broker` and `Admin` services plus gRPC health and reflection (v1
+//! and v1alpha), and shuts down with a grace period: refuse new work, tell sessions, give
+//! them the grace to release, then end them, free every block, and stop. The optional operators'
 //! socket (`--admin-listen`) serves `Admin` and health only, wholly on the operators'
 //! runtime (`read_pool.rs`): its connections, handlers and encoding never run on the
 //! runtime admission's calls run on.
@@ -84,11 +84,21 @@ pub async fn serve(
     health_reporter
         .set_serving::<AdminServer<AdminService>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(gpu_broker_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(|e| ServerError::Reflection(e.to_string()))?;
+    // Reflection in both versions clients speak: v1, and v1alpha (older grpcurl,
+    // grpcio-reflection); each lists every service, both reflections included.
+    let described = || {
+        use tonic_reflection::pb;
+        tonic_reflection::server::Builder::configure()
+            .include_reflection_service(false)
+            .register_encoded_file_descriptor_set(gpu_broker_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(pb::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(pb::v1alpha::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_error =
+        |e: tonic_reflection::server::Error| ServerError::Reflection(e.to_string());
+    let reflection = described().build_v1().map_err(reflection_error)?;
+    let reflection_v1alpha = described().build_v1alpha().map_err(reflection_error)?;
     let auth = arb.authenticator().clone();
     let broker = BrokerServer::with_interceptor(
         BrokerService::new(arb.clone()),
@@ -138,6 +148,7 @@ pub async fn serve(
     let routes = |mut b: tonic::transport::Server<_>| {
         b.add_service(health.clone())
             .add_service(reflection.clone())
+            .add_service(reflection_v1alpha.clone())
             .add_service(broker.clone())
             .add_service(admin.clone())
     };

@@ -449,6 +449,12 @@ mod tests {
     fn errors_name_file_line_and_reason() {
         for (text, line, want) in [
             ("[tenants.a]\nlimit = \"lots\"\n", 2, "invalid size"),
+            ("[tenants.a]\nlimit = \"16EiB\"\n", 2, "too large"),
+            (
+                "[tenants.a]\nlimit = 1\nguaranteed = \"1GiB\"\nhost-limit = \"16384PiB\"\n",
+                4,
+                "too large",
+            ),
             (
                 "[tenants.a]\nlimit = \"1GiB\"\nlimt = 3\n",
                 3,

@@ -16,7 +16,7 @@ use crate::device::SharedFd;
 use crate::id_map::IdMap;
 use crate::lease::LiveMark;
 use parking_lot::Mutex;
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -105,9 +105,16 @@ struct Tombstone {
 struct Inner {
     by_ticket: IdMap<Ticket, Entry>,
     by_lease: IdMap<Uuid, Vec<Ticket>>,
+    /// Every live ticket by its expiry, so purging looks only at the expired ones (not
+    /// the whole table on every mint). In step with `by_ticket`: every entry leaves both
+    /// through [`Inner::take`]. Ordered by deadline, not by mint: the TTL may change.
+    by_expiry: BTreeSet<(Instant, Ticket)>,
     tombstones: IdMap<Ticket, Tombstone>,
     /// Tombstones in the order they were laid (for the bound).
     tomb_order: VecDeque<Ticket>,
+    /// Tests: live entries a purge looked at.
+    #[cfg(test)]
+    purge_visits: usize,
 }
 
 /// Every unredeemed ticket, and where the ticket server listens.
@@ -169,8 +176,9 @@ impl TicketTable {
             None
         };
         if let Some(old) = dropped {
-            inner.by_ticket.remove(&old);
+            inner.take(&old);
         }
+        inner.by_expiry.insert((expires, ticket));
         inner.by_ticket.insert(
             ticket,
             Entry {
@@ -192,7 +200,7 @@ impl TicketTable {
         inner.purge_expired(now);
         if let Some(list) = inner.by_lease.remove(&lease) {
             for t in list {
-                if let Some(e) = inner.by_ticket.remove(&t) {
+                if let Some(e) = inner.take(&t) {
                     inner.lay_tombstone(t, e.binding, e.expires);
                 }
             }
@@ -287,8 +295,16 @@ impl Inner {
         }
     }
 
-    fn remove(&mut self, key: &Ticket) -> Option<Entry> {
+    /// Takes a live entry out of the ticket table and the expiry order (not `by_lease`).
+    fn take(&mut self, key: &Ticket) -> Option<Entry> {
         let e = self.by_ticket.remove(key)?;
+        self.by_expiry.remove(&(e.expires, *key));
+        Some(e)
+    }
+
+    /// Takes a live entry out of every index.
+    fn remove(&mut self, key: &Ticket) -> Option<Entry> {
+        let e = self.take(key)?;
         if let Some(list) = self.by_lease.get_mut(&e.lease) {
             list.retain(|t| t != key);
             if list.is_empty() {
@@ -299,13 +315,14 @@ impl Inner {
     }
 
     fn purge_expired(&mut self, now: Instant) {
-        let old: Vec<Ticket> = self
-            .by_ticket
-            .iter()
-            .filter(|(_, e)| e.expires <= now)
-            .map(|(t, _)| *t)
-            .collect();
-        for t in old {
+        while let Some(&(expires, t)) = self.by_expiry.first() {
+            #[cfg(test)]
+            {
+                self.purge_visits += 1;
+            }
+            if expires > now {
+                break;
+            }
             self.remove(&t);
         }
         // Tombstones are laid when their lease ends, so roughly but not exactly in expiry
@@ -536,6 +553,96 @@ mod tests {
         );
     }
 
+    /// The expiry order holds exactly the live tickets.
+    fn in_step(t: &TicketTable) {
+        let inner = t.inner.lock();
+        assert_eq!(inner.by_expiry.len(), inner.by_ticket.len());
+        for (expires, k) in &inner.by_expiry {
+            assert_eq!(inner.by_ticket.get(k).map(|e| e.expires), Some(*expires));
+        }
+    }
+
+    /// A mint purges the expired tickets only: it looks at those and the first live one,
+    /// never at every ticket of the table (a renewal flood of one tenant made every other
+    /// tenant's mint walk all of them).
+    #[test]
+    fn a_mint_looks_at_the_expired_tickets_only() {
+        let t = TicketTable::default();
+        let f = fd();
+        let leases: Vec<Uuid> = (0..64).map(|_| Uuid::new_v4()).collect();
+        for l in &leases {
+            for _ in 0..MAX_PER_LEASE {
+                t.mint(*l, ME, f.clone(), Recipient::Other(None));
+            }
+        }
+        assert_eq!(t.outstanding(), 64 * MAX_PER_LEASE);
+        t.inner.lock().purge_visits = 0;
+        t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other(None));
+        assert_eq!(t.inner.lock().purge_visits, 1, "the first live ticket only");
+        // Past the cap a lease's oldest ticket goes, from every index.
+        t.mint(leases[0], ME, f.clone(), Recipient::Other(None));
+        assert_eq!(t.outstanding(), 64 * MAX_PER_LEASE + 1);
+        in_step(&t);
+        // Short-lived ones: the next mint looks at those (purged) and one live ticket.
+        t.set_ttl(Duration::from_millis(1));
+        for _ in 0..5 {
+            t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other(None));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        t.set_ttl(Duration::from_secs(30));
+        // (A slow machine may have purged some already, on the mints after them.)
+        let expired = t.outstanding() - (64 * MAX_PER_LEASE + 1);
+        assert!((1..=5).contains(&expired), "{expired}");
+        t.inner.lock().purge_visits = 0;
+        t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other(None));
+        assert_eq!(t.inner.lock().purge_visits, expired + 1);
+        assert_eq!(t.outstanding(), 64 * MAX_PER_LEASE + 2);
+        in_step(&t);
+    }
+
+    /// Tickets expire by their own deadline, whatever the order they were minted in (the
+    /// TTL may shrink between mints): a long-lived ticket minted first outlives a
+    /// short-lived one minted after it.
+    #[test]
+    fn tickets_expire_by_their_own_deadline() {
+        let t = TicketTable::default();
+        let f = fd();
+        let (long_lease, short_lease) = (Uuid::new_v4(), Uuid::new_v4());
+        let long = t.mint(long_lease, ME, f.clone(), Recipient::Other(None));
+        t.set_ttl(Duration::from_millis(1));
+        let short = t.mint(short_lease, ME, f.clone(), Recipient::Other(None));
+        std::thread::sleep(Duration::from_millis(5));
+        t.set_ttl(Duration::from_secs(30));
+        t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other(None));
+        // The short one was purged (unknown now, its descriptor dropped); the long one
+        // still redeems.
+        assert_eq!(t.outstanding(), 2);
+        assert_eq!(
+            t.redeem(&short, 1000, Some(42)).unwrap_err(),
+            Refusal::Unknown
+        );
+        assert_eq!(t.redeem(&long, 1000, Some(42)).unwrap().lease, long_lease);
+        in_step(&t);
+        // Redeemed, forgotten and refused as expired alike leave the expiry order too.
+        let lease = Uuid::new_v4();
+        t.mint(lease, ME, f.clone(), Recipient::Other(None));
+        t.forget_lease(lease);
+        t.set_ttl(Duration::from_millis(1));
+        let late = t.mint(Uuid::new_v4(), ME, f.clone(), Recipient::Other(None));
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(
+            t.redeem(&late, 1000, Some(42)).unwrap_err(),
+            Refusal::Expired
+        );
+        in_step(&t);
+        assert_eq!(t.outstanding(), 1);
+        assert_eq!(
+            std::sync::Arc::strong_count(&f.0),
+            2,
+            "`f` and the live one"
+        );
+    }
+
     #[test]
     fn a_lease_keeps_a_bounded_number_of_tickets() {
         let t = TicketTable::default();
@@ -550,5 +657,6 @@ mod tests {
             t.redeem(&first, 1000, Some(42)).unwrap_err(),
             Refusal::Unknown
         );
+        in_step(&t);
     }
 }

@@ -64,6 +64,24 @@ mod tests {
     }
 
     #[test]
+    fn refuses_sizes_past_u64_instead_of_saturating() {
+        for big in [
+            "16EiB",
+            "16 EiB",
+            "17EiB",
+            "16384PiB",
+            "99999999999EiB",
+            "16.5EiB",
+        ] {
+            let e = parse(big).unwrap_err();
+            assert!(e.contains("too large"), "{big}: {e}");
+        }
+        // The largest sizes written with a unit still are.
+        assert_eq!(parse("15EiB"), Ok(15 << 60));
+        assert_eq!(parse("16383PiB"), Ok(16383 << 50));
+    }
+
+    #[test]
     fn unix_ms_counts_from_the_epoch() {
         use std::time::{Duration, UNIX_EPOCH};
         assert_eq!(unix_ms(UNIX_EPOCH + Duration::from_millis(1234)), 1234);

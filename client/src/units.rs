@@ -170,6 +170,9 @@ mod tests {
             "1.2.3GB",
             "8XB",
             "100000000EiB",
+            "16EiB",
+            "16384PiB",
+            "16.5EiB",
         ] {
             assert!(parse_bytes(bad).is_err(), "{bad:?} should not parse");
         }

@@ -61,44 +61,78 @@ async fn prometheus_metrics_follow_the_leases() {
     assert!(get(&addr, "/nope").await.starts_with("HTTP/1.1 404"));
 }
 
+/// Asks the reflection service of version `$v` (`v1`, `v1alpha`) on `$channel` for the
+/// services it lists and for an unknown symbol: the names, and the unknown symbol's
+/// refusal's code.
+macro_rules! reflect {
+    ($v:ident, $channel:expr) => {{
+        use tonic_reflection::pb::$v::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::$v::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::$v::server_reflection_response::MessageResponse;
+        use tonic_reflection::pb::$v::ServerReflectionRequest;
+        let mut client = ServerReflectionClient::new($channel);
+        let ask = |m| ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(m),
+        };
+        let reqs = vec![
+            ask(MessageRequest::ListServices(String::new())),
+            ask(MessageRequest::FileContainingSymbol(
+                "no.such.Symbol".into(),
+            )),
+        ];
+        let mut stream = client
+            .server_reflection_info(tokio_stream::iter(reqs))
+            .await
+            .unwrap()
+            .into_inner();
+        let resp = stream.message().await.unwrap().expect("a response");
+        let names: Vec<String> = match resp.message_response {
+            Some(MessageResponse::ListServicesResponse(l)) => {
+                l.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("unexpected {other:?}"),
+        };
+        // tonic-reflection ends the stream with the status rather than answering with an
+        // ErrorResponse: either way, its code.
+        let unknown = match stream.message().await {
+            Err(status) => status.code() as i32,
+            Ok(Some(resp)) => match resp.message_response {
+                Some(MessageResponse::ErrorResponse(e)) => e.error_code,
+                other => panic!("unexpected {other:?}"),
+            },
+            Ok(None) => panic!("no answer for the unknown symbol"),
+        };
+        (names, unknown)
+    }};
+}
+
+/// Reflection answers in both versions clients speak (v1; v1alpha: older grpcurl,
+/// grpcio-reflection), each listing every service.
 #[tokio::test]
 async fn reflection_lists_the_services() {
-    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
     let b = Broker::start().unwrap();
     let channel = tonic::transport::Endpoint::from_shared(b.uri())
         .unwrap()
         .connect()
         .await
         .unwrap();
-    let mut client = ServerReflectionClient::new(channel);
-    let req = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut stream = client
-        .server_reflection_info(tokio_stream::iter(vec![req]))
-        .await
-        .unwrap()
-        .into_inner();
-    let resp = stream.message().await.unwrap().expect("a response");
-    let names: Vec<String> = match resp.message_response {
-        Some(MessageResponse::ListServicesResponse(l)) => {
-            l.service.into_iter().map(|s| s.name).collect()
+    let v1 = reflect!(v1, channel.clone());
+    let v1alpha = reflect!(v1alpha, channel);
+    for (names, unknown) in [v1, v1alpha] {
+        for want in [
+            "gpubroker.v1.Broker",
+            "gpubroker.v1.Admin",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ] {
+            assert!(
+                names.iter().any(|n| n == want),
+                "{want} missing from {names:?}"
+            );
         }
-        other => panic!("unexpected {other:?}"),
-    };
-    for want in [
-        "gpubroker.v1.Broker",
-        "gpubroker.v1.Admin",
-        "grpc.health.v1.Health",
-    ] {
-        assert!(
-            names.iter().any(|n| n == want),
-            "{want} missing from {names:?}"
-        );
+        assert_eq!(unknown, tonic::Code::NotFound as i32);
     }
 }
 

@@ -167,3 +167,34 @@ async fn turn_requests_get_precise_statuses() {
     drop(sc);
     turn.release().await.unwrap();
 }
+
+/// A session waiting for a turn whose token is revoked meanwhile is refused for its token
+/// (as every call with it now is), not as though it had named no open session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_waiter_whose_token_is_revoked_is_refused_for_its_token() {
+    use gpu_broker_client::error::Reason;
+    use gpu_broker_client::{Client, QuotaSpec};
+    let b = Broker::start_with(BrokerOpts::default()).unwrap();
+    let a = b.client("a", 64 * MIB).await.unwrap();
+    let sa = a.session("a").await.unwrap();
+    let _turn = sa.turn(0).await.unwrap();
+    let token = b.tenant("c", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token.clone()).await.unwrap();
+    let sc = c.session("c").await.unwrap();
+    let waiter = tokio::spawn(async move { sc.turn(0).wait(Duration::from_secs(20)).await });
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            devices(&b).await.unwrap()[0].turns_waiting == 1
+        })
+        .await,
+        "the turn request never waited"
+    );
+    b.admin().await.unwrap().revoke_token(&token).await.unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter is answered when its token is revoked")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e}");
+    assert_eq!(e.reason(), Some(&Reason::TokenUnknown), "{e}");
+}

@@ -264,3 +264,40 @@ async fn waiter_bound_by_its_own_quota_is_granted_when_the_tenant_releases() {
     let u = c.usage().await.unwrap();
     assert_eq!((u.usage.held_bytes, u.usage.waiting_requests), (8 * MIB, 0));
 }
+
+/// A waiting acquire whose token is revoked meanwhile (its session ends with the token)
+/// is refused for its token, as every call with that token now is, not as though it had
+/// named a session that does not exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_token_is_revoked_is_refused_for_its_token() {
+    use gpu_broker_client::error::Reason;
+    use gpu_broker_client::{Code, QuotaSpec};
+    let b = small_broker();
+    let holder = b.client("holder", GIB).await.unwrap();
+    let hs = holder.session("h").await.unwrap();
+    let _full = hs.lease(64 * MIB).await.unwrap();
+    let token = b.tenant("waiter", QuotaSpec::new(GIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token.clone()).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    let waiter = tokio::spawn(async move {
+        s.lease_request(32 * MIB)
+            .wait(Duration::from_secs(20))
+            .send()
+            .await
+    });
+    until_waiting(&b, 1).await;
+    b.admin().await.unwrap().revoke_token(&token).await.unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter is answered when its token is revoked")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e}");
+    assert_eq!(e.reason(), Some(&Reason::TokenUnknown), "{e}");
+    // The refusal any call with the token gets now.
+    let now = c.usage().await.unwrap_err();
+    assert_eq!(now.reason(), e.reason(), "{now}");
+    assert_eq!(waiting(&b).await, 0);
+    // The holder's lease and the broker are untouched.
+    assert_eq!(hs.usage().await.unwrap().usage.held_bytes, 64 * MIB);
+}

@@ -58,6 +58,29 @@ fn peer_of<T>(req: &Request<T>) -> Peer {
     }
 }
 
+/// The request's bearer token (the gate checked it), kept for [`BrokerService::waited`].
+fn bearer_of<T>(req: &Request<T>) -> Option<String> {
+    let value = req.metadata().get("authorization")?.to_str().ok();
+    crate::auth::bearer(value).ok().map(str::to_string)
+}
+
+impl BrokerService {
+    /// The refusal of a call that waited for `session`: when the session ended because
+    /// the call's own token stopped authenticating meanwhile (revoked, or expired), the
+    /// token's refusal, as any call with it now gets; else `e` as it is.
+    fn waited(&self, e: BrokerError, session: uuid::Uuid, token: Option<&str>) -> Status {
+        use crate::error::Missing;
+        if let (BrokerError::NotFound(Missing::Session(id)), Some(token)) = (&e, token) {
+            if *id == session {
+                if let Err(refused) = self.arb.authenticator().authenticate(token) {
+                    return refused.into();
+                }
+            }
+        }
+        e.into()
+    }
+}
+
 #[tonic::async_trait]
 impl Broker for BrokerService {
     type OpenSessionStream = EventStream;
@@ -98,6 +121,7 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::AcquireLeaseResponse>, Status> {
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
+        let token = bearer_of(&req);
         let r = req.into_inner();
         let session = parse_id("session_id", &r.session_id)?;
         let fallback = pb::Fallback::try_from(r.fallback).map_err(|_| {
@@ -121,10 +145,11 @@ impl Broker for BrokerService {
         handles::check_same_user(&session_peer, &caller)?;
         handles::check_servable(&self.arb, accept, &caller)?;
         let lease = if r.host_tier {
-            self.arb.acquire_host_tier(acquire).instrument(span).await?
+            self.arb.acquire_host_tier(acquire).instrument(span).await
         } else {
-            self.arb.acquire(acquire).instrument(span).await?
-        };
+            self.arb.acquire(acquire).instrument(span).await
+        }
+        .map_err(|e| self.waited(e, session, token.as_deref()))?;
         let mut reply = convert::lease_on(&lease, &self.arb);
         match handles::fd_handle(&self.arb, &lease, &caller, &session_peer) {
             Ok(fd) => reply.handle = Some(pb::lease::Handle::Fd(fd)),
@@ -186,6 +211,7 @@ impl Broker for BrokerService {
         req: Request<pb::AcquireTurnRequest>,
     ) -> Result<Response<pb::AcquireTurnResponse>, Status> {
         let tenant = tenant_of(&req)?;
+        let token = bearer_of(&req);
         let r = req.into_inner();
         let session = parse_id("session_id", &r.session_id)?;
         let span = tracing::info_span!("turn", %tenant, %session, device = r.device);
@@ -194,7 +220,8 @@ impl Broker for BrokerService {
             .arb
             .acquire_turn(&tenant, session, r.device, wait)
             .instrument(span)
-            .await?;
+            .await
+            .map_err(|e| self.waited(e, session, token.as_deref()))?;
         self.arb.observe_turn_handoff(&grant);
         Ok(Response::new(pb::AcquireTurnResponse {
             turn_id: grant.turn_id.to_string(),
