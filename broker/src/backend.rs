@@ -94,7 +94,7 @@ pub fn open_devices(spec: &BackendSpec) -> Result<Vec<DeviceSlot>, BackendError>
                     %reason,
                     "NO USABLE GPU: serving the HOST SIMULATION ({} device(s) of {}); leases are memfd host memory, not GPU memory",
                     spec.host_devices,
-                    bytesize::ByteSize(spec.host_capacity).display().iec(),
+                    crate::units::human(spec.host_capacity),
                 );
                 false
             }

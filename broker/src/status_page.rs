@@ -38,7 +38,7 @@ fn esc(s: &str) -> String {
 }
 
 fn size(b: u64) -> String {
-    bytesize::ByteSize(b).display().iec().to_string()
+    crate::units::human(b)
 }
 
 fn age(since: SystemTime, now: SystemTime) -> String {

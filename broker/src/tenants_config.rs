@@ -220,7 +220,7 @@ pub fn diff(declared: &[DeclaredTenant], running: &BTreeMap<String, Quota>) -> V
 
 /// A size as operators read it (`64.0 GiB`).
 fn human(bytes: u64) -> String {
-    bytesize::ByteSize(bytes).display().iec().to_string()
+    crate::units::human(bytes)
 }
 
 fn describe(q: &Quota) -> String {
@@ -451,7 +451,7 @@ mod tests {
             ("[tenants.a]\nlimit = \"lots\"\n", 2, "invalid size"),
             ("[tenants.a]\nlimit = \"16EiB\"\n", 2, "too large"),
             (
-                "[tenants.a]\nlimit = 1\nguaranteed = \"1GiB\"\nhost-limit = \"16384PiB\"\n",
+                "[tenants.a]\nlimit = \"1GiB\"\nguaranteed = \"1GiB\"\nhost-limit = \"16384PiB\"\n",
                 4,
                 "too large",
             ),

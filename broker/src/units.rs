@@ -10,12 +10,15 @@ pub fn round_up(bytes: u64, granularity: u64) -> Option<u64> {
         .map(|b| b & !(granularity - 1))
 }
 
+/// `8589934592` -> `"8.0 GiB"`: sizes as operators read them, the same as the CLI
+/// prints them (one formatter: the client crate's).
+pub fn human(bytes: u64) -> String {
+    gpu_broker_client::units::format_bytes(bytes)
+}
+
 /// `8589934592` -> `"8.0 GiB (8589934592 bytes)"`: exact and readable in error messages.
 pub fn show(bytes: u64) -> String {
-    format!(
-        "{} ({bytes} bytes)",
-        bytesize::ByteSize(bytes).display().iec()
-    )
+    format!("{} ({bytes} bytes)", human(bytes))
 }
 
 /// Parses `8GiB`, `512MiB`, `1.5GB`, `1048576B` (a bare number other than 0 is refused:
