@@ -22,6 +22,7 @@ pub mod gate;
 pub mod gpu_processes;
 pub mod grpc_status;
 pub mod health;
+pub mod http_slots;
 pub mod id_map;
 pub mod info;
 pub mod lease;
