@@ -527,7 +527,10 @@ fn file_args(path: &std::path::Path) -> Result<Vec<OsString>, ConfigError> {
         path: path.to_path_buf(),
         reason,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    // A regular file of at most 1 MiB (a FIFO or a device is refused, not waited on).
+    let bytes = crate::file_read::read_regular(path, crate::file_read::MAX_WATCHED_FILE_BYTES)
+        .map_err(|e| err(e.to_string()))?;
+    let text = String::from_utf8(bytes).map_err(|_| err("not UTF-8 text".into()))?;
     let table: toml::Table = text
         .parse()
         .map_err(|e: toml::de::Error| err(e.to_string()))?;
