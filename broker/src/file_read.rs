@@ -54,6 +54,14 @@ fn kind(t: std::fs::FileType) -> &'static str {
 /// The contents of the regular file `path` (symlinks followed), at most `max` bytes.
 /// Blocking: call it off the runtime.
 pub fn read_regular(path: &Path, max: u64) -> Result<Vec<u8>, FileReadError> {
+    read_regular_with_meta(path, max).map(|(bytes, _)| bytes)
+}
+
+/// [`read_regular`], with what the open descriptor's `fstat` said (its owner, say).
+pub fn read_regular_with_meta(
+    path: &Path,
+    max: u64,
+) -> Result<(Vec<u8>, std::fs::Metadata), FileReadError> {
     let io = |source| FileReadError::Io {
         path: path.to_path_buf(),
         source,
@@ -83,7 +91,7 @@ pub fn read_regular(path: &Path, max: u64) -> Result<Vec<u8>, FileReadError> {
     if bytes.len() as u64 > max {
         return Err(too_large());
     }
-    Ok(bytes)
+    Ok((bytes, meta))
 }
 
 /// [`read_regular`] on a blocking thread.
