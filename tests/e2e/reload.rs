@@ -344,7 +344,8 @@ async fn a_config_file_swapped_for_a_fifo_a_device_or_a_huge_file_is_refused() {
     let huge = |f: &Path| {
         std::fs::File::create(f).unwrap().set_len(10 << 30).unwrap();
     };
-    let cases: [(&str, &dyn Fn(&Path)); 3] = [
+    type Make<'a> = &'a dyn Fn(&Path);
+    let cases: [(&str, Make); 3] = [
         ("a FIFO, not a regular file", &mkfifo),
         ("a character device, not a regular file", &zero),
         ("larger than 1048576 bytes", &huge),
