@@ -546,7 +546,10 @@ fn file_args(
         path: path.to_path_buf(),
         reason,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    // A regular file of at most 1 MiB (a FIFO or a device is refused, not waited on).
+    let bytes = crate::file_read::read_regular(path, crate::file_read::MAX_WATCHED_FILE_BYTES)
+        .map_err(|e| err(e.to_string()))?;
+    let text = String::from_utf8(bytes).map_err(|_| err("not UTF-8 text".into()))?;
     let table: std::collections::BTreeMap<Spanned<String>, Spanned<toml::Value>> =
         toml::from_str(&text).map_err(|e: toml::de::Error| {
             let at = e.span().map(|s| s.start).unwrap_or(0);

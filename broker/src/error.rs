@@ -267,7 +267,8 @@ pub enum BrokerError {
 
     // ---- PERMISSION_DENIED
     /// The session a call names belongs to another user (its uid is not the caller's):
-    /// a lease's descriptor goes to the session's user only.
+    /// a lease's descriptor goes to the session's user only, and its process reservation
+    /// is acted on by that user only.
     #[error("the session belongs to another user")]
     SessionOfAnotherUser,
     /// A process group named for a process reservation is not the reserved process's

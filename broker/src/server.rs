@@ -370,8 +370,10 @@ pub async fn serve_metrics(
 }
 
 /// [`serve_metrics`] under `limits` (`crate::listener::Limits::for_http`): a capped number
-/// of connections, accept back-off, and a request's headers must arrive within the
-/// handshake timeout (a half-sent request is not held forever).
+/// of connections where a new one takes the slot of the one idle the longest
+/// (`crate::http_slots`: probes are answered whoever holds idle connections), accept
+/// back-off, and a request's headers must arrive within the handshake timeout (a half-sent
+/// request is not held forever).
 pub async fn serve_metrics_with(
     arb: Arc<Arbiter>,
     listener: TcpListener,
@@ -382,7 +384,13 @@ pub async fn serve_metrics_with(
     use futures::StreamExt;
     let limits = limits.for_http();
     let header_timeout = limits.handshake_timeout;
-    let conns = crate::listener::ConnTracker::new(limits);
+    let slots = crate::http_slots::HttpSlots::new(limits.max_connections);
+    // The hard bound on descriptors: evicted connections close as their task next runs.
+    let hard = crate::listener::Limits {
+        max_connections: limits.max_connections * 2,
+        ..limits
+    };
+    let conns = crate::listener::ConnTracker::new(hard);
     let incoming = crate::listener::incoming_tcp(listener, conns);
     futures::pin_mut!(incoming);
     loop {
@@ -394,23 +402,35 @@ pub async fn serve_metrics_with(
                 None => return Ok(()),
             },
         };
+        let Some(slot) = slots.admit() else {
+            // Every slot is answering a request: closed at once.
+            continue;
+        };
+        // The one evicted for it closes first (its task wakes to its cancellation).
+        slots.settle(Duration::from_millis(100)).await;
+        let slot = Arc::new(slot);
         let arb = arb.clone();
         tokio::spawn(async move {
+            let s = slot.clone();
             let svc =
                 hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let arb = arb.clone();
+                    let (arb, slot) = (arb.clone(), s.clone());
                     async move {
-                        Ok::<_, std::convert::Infallible>(
-                            crate::status_http::respond(&arb, access, &req).await,
-                        )
+                        slot.busy();
+                        let r = crate::status_http::respond(&arb, access, &req).await;
+                        slot.idle();
+                        Ok::<_, std::convert::Infallible>(r)
                     }
                 });
             let io = hyper_util::rt::TokioIo::new(stream);
-            let _ = hyper::server::conn::http1::Builder::new()
+            let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(header_timeout)
-                .serve_connection(io, svc)
-                .await;
+                .serve_connection(io, svc);
+            tokio::select! {
+                _ = conn => {}
+                _ = slot.evicted().cancelled() => {}
+            }
         });
     }
 }

@@ -11,6 +11,9 @@
 //! is refused whole, with file, line and reason, and the running state stays.
 
 use crate::arbiter::{Arbiter, QuotaUpdate};
+use crate::file_read::{
+    read_regular, read_regular_off_runtime, FileReadError, MAX_WATCHED_FILE_BYTES,
+};
 use crate::ledger::{Quota, QuotaPatch};
 use crate::units::show;
 use serde::Deserialize;
@@ -23,12 +26,11 @@ use tokio_util::sync::CancellationToken;
 /// Why a config file's tenants could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum TenantsError {
-    #[error("{}: {source}", path.display())]
-    Read {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// Not read: missing, unreadable, not a regular file or too large.
+    #[error(transparent)]
+    Read(#[from] FileReadError),
+    #[error("{}: not UTF-8 text", path.display())]
+    NotText { path: PathBuf },
     #[error("{}:{line}: {reason}", path.display())]
     Invalid {
         path: PathBuf,
@@ -164,13 +166,18 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<DeclaredTenant>, TenantsErro
     Ok(out)
 }
 
-/// Reads and parses `path`.
+/// Reads and parses `path` (a regular file of at most 1 MiB: `crate::file_read`).
+/// Blocking: the watch runs it off the runtime.
 pub fn load(path: &Path) -> Result<Vec<DeclaredTenant>, TenantsError> {
-    let text = std::fs::read_to_string(path).map_err(|source| TenantsError::Read {
+    parse_bytes(path, &read_regular(path, MAX_WATCHED_FILE_BYTES)?)
+}
+
+/// Parses the contents `bytes` read from `path`.
+fn parse_bytes(path: &Path, bytes: &[u8]) -> Result<Vec<DeclaredTenant>, TenantsError> {
+    let text = std::str::from_utf8(bytes).map_err(|_| TenantsError::NotText {
         path: path.to_path_buf(),
-        source,
     })?;
-    parse(path, &text)
+    parse(path, text)
 }
 
 /// What applying the file would do to one tenant.
@@ -329,17 +336,19 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
 }
 
 /// Reloads the tenants of `path` on SIGHUP and whenever its contents change (checked every
-/// `poll`), until `stop`, as the named worker `tenants-config-watch`. An invalid file is
-/// logged and ignored. The stop is seen only between reloads: a reload handed to the store
-/// writer is waited for, so [`Arbiter::join_workers`] returns with it applied whole (and
-/// the store writer stops after it); one asked for after the writer stopped is refused
-/// whole (`ShuttingDown`, nothing applied).
+/// `poll`), until `stop`, as the named worker `tenants-config-watch`. The file is read on a
+/// blocking thread, bounded and only if it is a regular file (`crate::file_read`): a file
+/// replaced by a FIFO, a device or a huge file is refused (logged once per change) and the
+/// running state stays, like an invalid file's. The stop is seen only between reloads: a
+/// reload handed to the store writer is waited for, so [`Arbiter::join_workers`] returns
+/// with it applied whole (and the store writer stops after it); one asked for after the
+/// writer stopped is refused whole (`ShuttingDown`, nothing applied).
 pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: CancellationToken) {
     // Registered before returning, so a SIGHUP right after start reloads (not kills).
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-    // The contents the caller started from, read before returning too: an edit made
-    // before the task first runs is a change it sees.
-    let mut last = std::fs::read(&path).ok();
+    // What the caller started from, read before returning too: an edit made before the task
+    // first runs is a change it sees. (Read here on the caller's thread: at start, once.)
+    let mut last = Seen::of(read_regular(&path, MAX_WATCHED_FILE_BYTES));
     let me = arb.clone();
     me.spawn_worker_to_end("tenants-config-watch", async move {
         loop {
@@ -354,12 +363,13 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
                 _ = tokio::time::sleep(poll) => "config file changed",
             };
             // Reads follow symlinks: a ConfigMap's `..data` swap shows as new contents.
-            let now = std::fs::read(&path).ok();
+            let read = read_regular_off_runtime(&path, MAX_WATCHED_FILE_BYTES).await;
+            let now = Seen::of_ref(&read);
             if why != "SIGHUP" && now == last {
                 continue;
             }
             last = now;
-            match load(&path) {
+            match read.map_err(TenantsError::from).and_then(|b| parse_bytes(&path, &b)) {
                 Ok(declared) => {
                     // On the store writer, in order with operators' changes.
                     let n = declared.len();
@@ -377,6 +387,30 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
             }
         }
     });
+}
+
+/// What a look at the file found: its contents, or why it was not read (so a refusal is
+/// logged once, not at every poll).
+#[derive(Debug, PartialEq, Eq)]
+enum Seen {
+    Contents(Vec<u8>),
+    Refused(String),
+}
+
+impl Seen {
+    fn of(r: Result<Vec<u8>, FileReadError>) -> Seen {
+        match r {
+            Ok(b) => Seen::Contents(b),
+            Err(e) => Seen::Refused(e.to_string()),
+        }
+    }
+
+    fn of_ref(r: &Result<Vec<u8>, FileReadError>) -> Seen {
+        match r {
+            Ok(b) => Seen::Contents(b.clone()),
+            Err(e) => Seen::Refused(e.to_string()),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -31,12 +31,12 @@ pub enum TlsError {
          serve plain HTTP/2 (tokens then cross the network readable)"
     )]
     NoTls,
-    #[error("reading the TLS {what} {path}: {source}")]
+    /// Not read: missing, unreadable, not a regular file or too large.
+    #[error("reading the TLS {what} {source}")]
     Read {
         what: &'static str,
-        path: PathBuf,
         #[source]
-        source: std::io::Error,
+        source: crate::file_read::FileReadError,
     },
     #[error("the TLS {what} {path} holds no PEM {expect}")]
     NotPem {
@@ -121,11 +121,8 @@ fn load_certified_key(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError>
 }
 
 fn read_pem(what: &'static str, path: &Path, expect: &'static str) -> Result<Vec<u8>, TlsError> {
-    let bytes = std::fs::read(path).map_err(|source| TlsError::Read {
-        what,
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let bytes = crate::file_read::read_regular(path, crate::file_read::MAX_WATCHED_FILE_BYTES)
+        .map_err(|source| TlsError::Read { what, source })?;
     if !String::from_utf8_lossy(&bytes).contains("-----BEGIN ") {
         return Err(TlsError::NotPem {
             what,
@@ -210,14 +207,18 @@ pub fn reload_loop(
     stop: CancellationToken,
 ) -> impl std::future::Future<Output = ()> + Send + 'static {
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-    let files = |s: &TlsServer| {
-        (
-            std::fs::read(&s.cert.cert_path).ok(),
-            std::fs::read(&s.cert.key_path).ok(),
-        )
+    // Read off the runtime, bounded, regular files only (`crate::file_read`): a file
+    // swapped for a FIFO or a device cannot hold a runtime thread.
+    let files = |s: Arc<TlsServer>| async move {
+        let read = |p: &Path| {
+            crate::file_read::read_regular(p, crate::file_read::MAX_WATCHED_FILE_BYTES).ok()
+        };
+        tokio::task::spawn_blocking(move || (read(&s.cert.cert_path), read(&s.cert.key_path)))
+            .await
+            .unwrap_or_default()
     };
     async move {
-        let mut last = files(&server);
+        let mut last = files(server.clone()).await;
         loop {
             let why = tokio::select! {
                 _ = stop.cancelled() => return,
@@ -229,12 +230,16 @@ pub fn reload_loop(
                 } => "SIGHUP",
                 _ = tokio::time::sleep(poll) => "certificate file changed",
             };
-            let now = files(&server);
+            let now = files(server.clone()).await;
             if why != "SIGHUP" && now == last {
                 continue;
             }
             last = now;
-            match server.reload() {
+            let s = server.clone();
+            let reloaded = tokio::task::spawn_blocking(move || s.reload())
+                .await
+                .unwrap_or_else(|e| Err(TlsError::Config(e.to_string())));
+            match reloaded {
                 Ok(()) => {
                     tracing::info!(why, cert = %server.cert.cert_path.display(), "TLS certificate reloaded")
                 }
@@ -272,5 +277,23 @@ mod tests {
         assert!(matches!(e, TlsError::Read { .. }), "{e}");
         let e = tcp_security(Some(&junk), Some(&junk), None, false, d).unwrap_err();
         assert!(matches!(e, TlsError::NotPem { .. }), "{e}");
+    }
+
+    /// A certificate or key swapped for a FIFO (no writer) or a device is refused at once,
+    /// not waited on or read.
+    #[test]
+    fn a_fifo_or_a_device_in_place_of_the_files_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid, NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let d = Duration::from_secs(5);
+        let zero = Path::new("/dev/zero");
+        for (cert, key) in [(&*fifo, zero), (zero, &*fifo)] {
+            let e = tcp_security(Some(cert), Some(key), None, false, d).unwrap_err();
+            assert!(matches!(e, TlsError::Read { .. }), "{e}");
+            assert!(e.to_string().contains("not a regular file"), "{e}");
+        }
     }
 }

@@ -24,6 +24,10 @@
 //!   cycles spread over the sessions, and prints `FDS <before> <after>`.
 //! - `renew`: asks for a new ticket for lease `--lease` and prints `RENEWED` or
 //!   `ERROR <CODE> <message>`.
+//! - `meddle`: acts on another process's session and reservation: `ReserveProcessMemory`
+//!   on `--session`, `SetProcessGroup` of `--reservation` to `--pgid`, then
+//!   `ReleaseProcessMemory` of it; prints `<CALL> OK` or `<CALL> <CODE> <REASON>` for each
+//!   (`RESERVE`, `GROUP`, `RELEASE`).
 //!
 //! - `import`: opens a session, imports `--publisher`'s shared lease `--name`, maps it
 //!   read-only and prints `IMPORTED <import_id> <len> <first byte>`, then `READY`, and holds
@@ -133,6 +137,15 @@ enum Cmd {
     Renew {
         #[arg(long)]
         lease: String,
+    },
+    /// Reserve on `session`, name `pgid` as the group of `reservation`, release it.
+    Meddle {
+        #[arg(long)]
+        session: String,
+        #[arg(long)]
+        reservation: String,
+        #[arg(long)]
+        pgid: u32,
     },
     /// Map a lease of the tenant (by id) and fill it with a pattern.
     Write {
@@ -340,6 +353,45 @@ async fn run(cli: Cli) -> Result<u8> {
                 Ok(_) => say("RENEWED"),
                 Err(e) => say(format!("ERROR {} {}", e.code_name(), e.message())),
             }
+            Ok(0)
+        }
+        Cmd::Meddle {
+            session,
+            reservation,
+            pgid,
+        } => {
+            use gpu_broker_proto::v1 as pb;
+            let client = Client::connect(&cli.broker, cli.token).await?;
+            let outcome = |call: &str, r: Result<(), tonic::Status>| match r {
+                Ok(()) => say(format!("{call} OK")),
+                Err(s) => {
+                    let e = gpu_broker_client::ClientError::from(s);
+                    let reason = e.reason().map(|r| r.to_string()).unwrap_or_default();
+                    say(format!("{call} {} {reason}", e.code_name()));
+                }
+            };
+            let mut raw = client.raw();
+            let r = raw
+                .reserve_process_memory(pb::ReserveProcessMemoryRequest {
+                    session_id: session,
+                    bytes: 1 << 20,
+                    ..Default::default()
+                })
+                .await;
+            outcome("RESERVE", r.map(drop));
+            let r = raw
+                .set_process_group(pb::SetProcessGroupRequest {
+                    reservation_id: reservation.clone(),
+                    pgid,
+                })
+                .await;
+            outcome("GROUP", r.map(drop));
+            let r = raw
+                .release_process_memory(pb::ReleaseProcessMemoryRequest {
+                    reservation_id: reservation,
+                })
+                .await;
+            outcome("RELEASE", r.map(drop));
             Ok(0)
         }
         Cmd::Write {

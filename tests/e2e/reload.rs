@@ -11,9 +11,14 @@ use std::time::Duration;
 
 /// A ConfigMap-like layout: `config.toml -> ..data/config.toml`, `..data -> gen-N`.
 fn publish(dir: &Path, generation: u32, text: &str) {
+    publish_with(dir, generation, |f| std::fs::write(f, text).unwrap());
+}
+
+/// [`publish`] with `config.toml` of generation `generation` made by `make`.
+fn publish_with(dir: &Path, generation: u32, make: impl FnOnce(&Path)) {
     let gen = dir.join(format!("gen-{generation}"));
     std::fs::create_dir_all(&gen).unwrap();
-    std::fs::write(gen.join("config.toml"), text).unwrap();
+    make(&gen.join("config.toml"));
     let tmp = dir.join("..data_tmp");
     let _ = std::fs::remove_file(&tmp);
     symlink(format!("gen-{generation}"), &tmp).unwrap();
@@ -295,4 +300,96 @@ async fn declared_tenants_are_listed_at_once_and_kept_across_a_restart() {
         3,
         "nothing changed, nothing written: {again:?}"
     );
+}
+
+/// Resident memory of process `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+/// The config file swapped for a FIFO (no writer), a symlink to `/dev/zero` or a sparse
+/// file of 10 GiB is refused with a logged reason, without being waited on or read: the
+/// broker keeps serving workers and operators, its memory stays small, and the next valid
+/// file applies again (the running state stayed meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_file_swapped_for_a_fifo_a_device_or_a_huge_file_is_refused() {
+    let cm = tempfile::tempdir().unwrap();
+    publish(cm.path(), 1, "[tenants.alpha]\nlimit = \"64MiB\"\n");
+    let file = cm.path().join("config.toml");
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--config".into(), file.display().to_string()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let pid = b.pid().unwrap();
+    let token = b
+        .tenant("w", gpu_broker_client::QuotaSpec::new(8 * MIB))
+        .await
+        .unwrap();
+    let client = gpu_broker_client::Client::connect(&b.uri(), token)
+        .await
+        .unwrap();
+    let mkfifo = |f: &Path| {
+        let c = std::ffi::CString::new(f.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid, NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    };
+    let zero = |f: &Path| symlink("/dev/zero", f).unwrap();
+    let huge = |f: &Path| {
+        std::fs::File::create(f).unwrap().set_len(10 << 30).unwrap();
+    };
+    type Make<'a> = &'a dyn Fn(&Path);
+    let cases: [(&str, Make); 3] = [
+        ("a FIFO, not a regular file", &mkfifo),
+        ("a character device, not a regular file", &zero),
+        ("larger than 1048576 bytes", &huge),
+    ];
+    for (n, (why, make)) in cases.into_iter().enumerate() {
+        publish_with(cm.path(), n as u32 + 2, make);
+        let b_ref = &b;
+        assert!(
+            eventually(Duration::from_secs(15), || async move {
+                b_ref
+                    .log_text()
+                    .lines()
+                    .any(|l| l.contains("config not reloaded") && l.contains(why))
+            })
+            .await,
+            "no refusal ({why}) logged:\n{}",
+            b.log_text()
+        );
+        // Workers (the main runtime) and operators are still served.
+        let served = tokio::time::timeout(Duration::from_secs(10), async {
+            let s = client.session(format!("after-{n}")).await.unwrap();
+            s.lease(MIB).await.unwrap().release().await.unwrap();
+            b.admin().await.unwrap().list_tenants().await.unwrap();
+        })
+        .await;
+        assert!(served.is_ok(), "the broker stopped serving after {why}");
+        assert!(rss(pid) < 512 * MIB, "broker RSS {} after {why}", rss(pid));
+        assert_eq!(limit_of(&b, "alpha").await, Some(64 * MIB), "{why}");
+    }
+    publish(cm.path(), 9, "[tenants.alpha]\nlimit = \"128MiB\"\n");
+    let b_ref = &b;
+    assert!(
+        eventually(Duration::from_secs(15), || async move {
+            limit_of(b_ref, "alpha").await == Some(128 * MIB)
+        })
+        .await,
+        "{}",
+        b.log_text()
+    );
+    // Each refusal was logged once, not at every poll.
+    let refusals = b
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("config not reloaded"))
+        .count();
+    assert_eq!(refusals, 3, "{}", b.log_text());
 }

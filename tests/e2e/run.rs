@@ -558,6 +558,70 @@ async fn only_a_child_group_of_the_sessions_process_is_accepted_and_stopped_at_r
     let _ = same.wait();
 }
 
+/// A process of another uid holding the same tenant token can neither reserve on a
+/// session, name a group of the session's process's children for its reservation, nor
+/// release it: the broker (root) would stop the session user's processes on its word.
+#[tokio::test]
+async fn another_uid_cannot_reserve_name_a_group_or_release_on_a_session() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: plain getter.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: needs root to run a child as nobody");
+        return;
+    }
+    let (b, _, token) = setup("alice", 512 * MIB).await;
+    // Let nobody reach the broker's socket (the test directory is private otherwise).
+    let dir = b.socket.parent().unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+    std::fs::set_permissions(&b.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let client = gpu_broker_client::Client::connect(&b.uri(), token.clone())
+        .await
+        .unwrap();
+    let bare = client.session("bare").await.unwrap();
+    let held = client.session("held").await.unwrap();
+    let r = gpu_broker_client::ReservationRequest::new(&held, 64 * MIB)
+        .await
+        .unwrap();
+    // A root program of the session's process, leading its own group.
+    let mut leader = Command::new("sh")
+        .args(["-c", "sleep 300 & wait"])
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let (bare_id, pgid) = (bare.id().to_string(), leader.id().to_string());
+    let args = [
+        "--as-uid",
+        "65534",
+        "meddle",
+        "--session",
+        &bare_id,
+        "--reservation",
+        &r.info().reservation_id,
+        "--pgid",
+        &pgid,
+    ];
+    let out = Proc::spawn(worker_cmd(&b, &token, &args))
+        .unwrap()
+        .finish(Duration::from_secs(30))
+        .await
+        .unwrap()
+        .1;
+    for call in ["RESERVE", "GROUP", "RELEASE"] {
+        let refused = format!("{call} PERMISSION_DENIED SESSION_OF_ANOTHER_USER");
+        assert!(out.contains(&refused), "{call}: {out}");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(alive(leader.id()), "the session user's program still runs");
+    assert_eq!(reserved(&b, "alice").await, (64 * MIB, 1));
+    // The session's own user still names its group and releases.
+    r.set_process_group(leader.id()).await.unwrap();
+    r.release().await.unwrap();
+    assert_eq!(reserved(&b, "alice").await, (0, 0));
+    let _ = leader.kill();
+    let _ = leader.wait();
+}
+
 /// State letter of a process (`R`, `S`, `T`, `Z`, ...), `None` when gone.
 fn state(pid: u32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -645,6 +645,79 @@ async fn the_metrics_listener_drops_half_sent_requests() {
     assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
 }
 
+/// `GET path` on a new connection to the metrics listener: the reply, or why none came
+/// within 2 s (a probe's patience).
+async fn probe(addr: &str, path: &str) -> Result<String, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ask = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await?;
+        let mut reply = String::new();
+        s.read_to_string(&mut reply).await?;
+        Ok::<_, std::io::Error>(reply)
+    };
+    match tokio::time::timeout(Duration::from_secs(2), ask).await {
+        Ok(Ok(r)) if !r.is_empty() => Ok(r),
+        Ok(Ok(_)) => Err("closed without a reply".into()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("no reply within 2 s".into()),
+    }
+}
+
+/// Anyone who can reach the metrics listener holding every one of its connections idle
+/// (none sending a request, or half of one) does not starve the probes: a new connection
+/// takes the place of the one that has waited longest for a request, so `/healthz` and
+/// `/readyz` keep answering (an orchestrator would otherwise restart the broker).
+#[tokio::test]
+async fn probes_answer_while_idle_connections_fill_the_metrics_listener() {
+    use tokio::io::AsyncWriteExt;
+    let b = broker_64mib(&[
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--handshake-timeout",
+        "60s",
+    ]);
+    let addr = b.metrics_addr().await;
+    let cap = gpu_broker::listener::MAX_HTTP_CONNECTIONS;
+    let mut held = Vec::new();
+    let hold = |n: usize| {
+        let addr = addr.clone();
+        async move {
+            let mut v = Vec::new();
+            for i in 0..n {
+                let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+                if i % 2 == 1 {
+                    s.write_all(b"GET /metrics HTTP/1.1\r\nHo").await.unwrap();
+                }
+                v.push(s);
+            }
+            // Accepted (or refused) by now.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            v
+        }
+    };
+    held.extend(hold(cap).await);
+    for round in 0..10 {
+        let path = if round % 2 == 0 {
+            "/healthz"
+        } else {
+            "/readyz"
+        };
+        let reply = probe(&addr, path).await;
+        assert!(
+            reply
+                .as_deref()
+                .is_ok_and(|r| r.starts_with("HTTP/1.1 200")),
+            "probe {round} ({path}) with {cap} idle connections held: {reply:?}"
+        );
+        // The place it took is taken again.
+        held.extend(hold(1).await);
+    }
+    drop(held);
+    assert_broker_alive(&b);
+}
+
 /// Unmounts a test filesystem when dropped (after the broker using it stopped).
 struct Mounted(PathBuf);
 

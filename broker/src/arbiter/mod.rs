@@ -329,6 +329,22 @@ impl Arbiter {
         }
     }
 
+    /// The peer of the session a process reservation of `tenant` belongs to (`NOT_FOUND`
+    /// otherwise).
+    pub fn reservation_peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
+        let st = self.lock();
+        match st.reservations().get(&id) {
+            Some(r) if r.tenant == tenant => Ok(st
+                .sessions()
+                .get(&r.session)
+                .map(|s| s.peer)
+                .unwrap_or_default()),
+            _ => Err(BrokerError::NotFound(crate::error::Missing::Reservation(
+                id,
+            ))),
+        }
+    }
+
     /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
     pub fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
         let st = self.lock();

@@ -172,10 +172,20 @@ impl Control {
     }
 }
 
-/// The pid in `path` if it names a live process.
+/// The pid in `path` if it names a live process. The pipe directory is its group's too
+/// (0770: workers reach the daemon there), so a worker could put a file of its own, or a
+/// FIFO, in the daemon's place: only a small regular file of the broker's own user (who
+/// started the daemon) counts, read without waiting on a FIFO (`crate::file_read`). The
+/// pid is the one killed when a quit does not take.
 fn read_live_pid(path: &Path) -> Option<u32> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let pid: i32 = text.trim().parse().ok()?;
+    use std::os::unix::fs::MetadataExt;
+    let (bytes, meta) = crate::file_read::read_regular_with_meta(path, 64).ok()?;
+    // SAFETY: geteuid cannot fail.
+    if meta.uid() != unsafe { libc::geteuid() } {
+        tracing::warn!(path = %path.display(), owner = meta.uid(), "MPS pid file not written by the broker's user: ignored");
+        return None;
+    }
+    let pid: i32 = std::str::from_utf8(&bytes).ok()?.trim().parse().ok()?;
     if pid <= 0 {
         return None;
     }
@@ -211,5 +221,27 @@ mod tests {
         assert_eq!(read_live_pid(&p), None);
         std::fs::write(&p, format!("{}\n", std::process::id())).unwrap();
         assert_eq!(read_live_pid(&p), Some(std::process::id()));
+    }
+
+    /// The pipe directory is the group's: a FIFO put in the pid file's place is not waited
+    /// on, and a pid file another user wrote names no daemon (its pid would be killed).
+    #[test]
+    fn a_fifo_or_another_users_pid_file_is_no_daemon() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(PID_FILE);
+        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid, NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+        assert_eq!(read_live_pid(&p), None, "a FIFO");
+        std::fs::remove_file(&p).unwrap();
+        std::fs::write(&p, "1\n").unwrap();
+        assert_eq!(read_live_pid(&p), Some(1), "pid 1 lives");
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("SKIP (the other user's file): needs root to chown");
+            return;
+        }
+        std::os::unix::fs::chown(&p, Some(65534), Some(65534)).unwrap();
+        assert_eq!(read_live_pid(&p), None, "written by another user");
     }
 }

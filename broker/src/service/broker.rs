@@ -41,6 +41,18 @@ pub fn heartbeat_period(keepalive_timeout: Duration) -> Duration {
     }
 }
 
+/// A process reservation is made, named a process group and released by its session's
+/// user only: its end stops that group, with the broker's rights (often root). Unlike a
+/// lease request, a caller whose uid is unknown (TCP) may not act for a session whose uid
+/// is known, as nothing it is sent would otherwise stop it.
+fn check_reservation_caller(session: &Peer, caller: &Peer) -> Result<(), BrokerError> {
+    match (session.uid, caller.uid) {
+        (Some(s), Some(c)) if s == c => Ok(()),
+        (Some(_), _) => Err(BrokerError::SessionOfAnotherUser),
+        (None, _) => Ok(()),
+    }
+}
+
 fn peer_of<T>(req: &Request<T>) -> Peer {
     match req.extensions().get::<UdsConnectInfo>() {
         Some(info) => Peer {
@@ -353,9 +365,11 @@ impl Broker for BrokerService {
         req: Request<pb::ReserveProcessMemoryRequest>,
     ) -> Result<Response<pb::ReserveProcessMemoryResponse>, Status> {
         let tenant = tenant_of(&req)?;
+        let caller = peer_of(&req);
         let r = req.into_inner();
         let session = parse_id("session_id", &r.session_id)?;
         crate::bounds::check("label", &r.label, crate::arbiter::MAX_LABEL)?;
+        check_reservation_caller(&self.arb.session_peer(&tenant, session)?, &caller)?;
         let span = tracing::info_span!("reserve_process", %tenant, %session, bytes = r.bytes);
         let view = self
             .arb
@@ -385,6 +399,7 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::ReleaseProcessMemoryResponse>, Status> {
         let tenant = tenant_of(&req)?;
         let id = parse_id("reservation_id", &req.get_ref().reservation_id)?;
+        check_reservation_caller(&self.arb.reservation_peer(&tenant, id)?, &peer_of(&req))?;
         self.arb.release_process(&tenant, id)?;
         Ok(Response::new(pb::ReleaseProcessMemoryResponse {}))
     }
@@ -403,7 +418,33 @@ impl Broker for BrokerService {
             ))
             .into());
         }
+        // The group's leader must then be of the caller's uid too (the arbiter checks it
+        // against the session's): the broker signals only what the caller could.
+        check_reservation_caller(&self.arb.reservation_peer(&tenant, id)?, &peer_of(&req))?;
         self.arb.set_process_group(&tenant, id, r.pgid)?;
         Ok(Response::new(pb::SetProcessGroupResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reservation_is_acted_on_by_its_sessions_uid_only() {
+        let p = |uid| Peer {
+            uid,
+            pid: None,
+            unix: uid.is_some(),
+        };
+        assert!(check_reservation_caller(&p(Some(0)), &p(Some(0))).is_ok());
+        for caller in [Some(65534), None] {
+            assert!(matches!(
+                check_reservation_caller(&p(Some(0)), &p(caller)),
+                Err(BrokerError::SessionOfAnotherUser)
+            ));
+        }
+        // A TCP session has no process group to stop.
+        assert!(check_reservation_caller(&p(None), &p(Some(1))).is_ok());
     }
 }
