@@ -566,7 +566,7 @@ fn file_args(
             continue;
         }
         if let Some((_, _, why)) = REMOVED_SETTINGS.iter().find(|(k, _, _)| *k == key) {
-            return Err(at(format!("no longer a setting of the broker: {why}")));
+            return Err(at(format!("is no longer a setting of the broker: {why}")));
         }
         let Some(arg) = cmd
             .get_arguments()
@@ -961,7 +961,7 @@ mod tests {
             let a = args(&["--config", path.to_str().unwrap()]);
             let e = Config::from_args_env(a, none).unwrap_err().to_string();
             assert!(!e.contains("unknown setting"), "{e}");
-            assert!(e.contains("legacy-ipc-handles: no longer"), "{e}");
+            assert!(e.contains("legacy-ipc-handles: is no longer"), "{e}");
             assert!(e.contains("docs/security.md"), "{e}");
         }
         // A similar name is still just unknown; the broker's own flags still parse.
