@@ -342,6 +342,8 @@ pub enum SharingCap {
     ImportsOfSession,
     /// Imports of one shared lease.
     ImportsOfPublication,
+    /// Imports of one tenant, lingering ones too.
+    ImportsOfTenant,
 }
 
 impl SharingCap {
@@ -350,6 +352,9 @@ impl SharingCap {
             SharingCap::PublicationsOfTenant => "shared leases of a tenant",
             SharingCap::ImportsOfSession => "imports of a session",
             SharingCap::ImportsOfPublication => "imports of a shared lease",
+            SharingCap::ImportsOfTenant => {
+                "imports of a tenant (those lingering for a live process too)"
+            }
         }
     }
 
@@ -359,6 +364,7 @@ impl SharingCap {
             SharingCap::PublicationsOfTenant => "publications_per_tenant",
             SharingCap::ImportsOfSession => "imports_per_session",
             SharingCap::ImportsOfPublication => "imports_per_publication",
+            SharingCap::ImportsOfTenant => "imports_per_tenant",
         }
     }
 }

@@ -647,6 +647,15 @@ mod tests {
                 vec![("limit", "imports_per_publication"), ("max", "9")],
             ),
             (
+                BrokerError::SharingLimit {
+                    what: SharingCap::ImportsOfTenant,
+                    max: 4096,
+                },
+                Code::ResourceExhausted,
+                "SHARING_LIMIT",
+                vec![("limit", "imports_per_tenant"), ("max", "4096")],
+            ),
+            (
                 BrokerError::TooManyReaders {
                     readers: 257,
                     max: 256,

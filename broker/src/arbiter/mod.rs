@@ -574,6 +574,8 @@ pub(crate) fn host_arbiter_with_store(
 #[cfg(test)]
 pub(crate) mod durable_tests;
 #[cfg(test)]
+mod lingering_tests;
+#[cfg(test)]
 mod store_fault_tests;
 #[cfg(test)]
 pub(crate) mod tests;
