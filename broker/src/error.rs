@@ -133,6 +133,14 @@ pub enum BrokerError {
     /// of a session) is reached.
     #[error("{}: {max}, the most allowed", what.noun())]
     SharingLimit { what: SharingCap, max: usize },
+    /// A new block needs a descriptor, and the broker keeps the rest of its descriptor
+    /// limit for connections and operators (`fd_budget.rs`).
+    #[error("the broker is out of file descriptors for memory: it holds {held} for memory and watched processes, of its limit {limit} (RLIMIT_NOFILE) less {reserve} kept for connections and operators; raise the broker's descriptor limit (LimitNOFILE in its systemd unit), or use fewer, larger leases")]
+    OutOfDescriptors {
+        held: usize,
+        limit: usize,
+        reserve: usize,
+    },
 
     // ---- DEADLINE_EXCEEDED
     /// A request waited as long as it asked and was not granted; `cause` is what it would
@@ -449,7 +457,8 @@ impl BrokerError {
             | TurnBusy { .. }
             | HostFallbackFailed { .. }
             | ReservationExceeded { .. }
-            | SharingLimit { .. } => ErrorKind::Exhausted,
+            | SharingLimit { .. }
+            | OutOfDescriptors { .. } => ErrorKind::Exhausted,
             WaitExpired { .. } => ErrorKind::Expired,
             NotFound(_) => ErrorKind::NotFound,
             ShuttingDown

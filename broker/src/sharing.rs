@@ -103,6 +103,9 @@ pub struct Publication {
     /// Does the OS enforce read-only for importers (memfd seals)?
     pub enforced: bool,
     pub imports: BTreeMap<Uuid, Import>,
+    /// `fd`'s place in the descriptor budget while it is the publication's own (a memfd's
+    /// reopen): given back when the publication goes.
+    pub fd_counted: Option<crate::fd_budget::FdHeld>,
 }
 
 impl Publication {

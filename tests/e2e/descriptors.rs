@@ -1,9 +1,11 @@
 //! The broker's own descriptors against a client that tries to use them up: the imports
 //! one live process leaves lingering (its sessions ended) hold one pidfd between them, not
-//! one each.
+//! one each; and small leases are refused (`OUT_OF_DESCRIPTORS`) before their blocks'
+//! descriptors eat into those kept for connections and operators.
 
+use gpu_broker_client::error::Reason;
 use gpu_broker_client::proto::v1 as pb;
-use gpu_broker_client::Client;
+use gpu_broker_client::{Client, Code};
 use gpu_broker_tests::*;
 use std::time::Duration;
 
@@ -68,4 +70,71 @@ async fn lingering_imports_of_one_process_hold_one_descriptor_in_the_broker() {
         after <= before + 16,
         "the broker's descriptors went from {before} to {after}"
     );
+}
+
+/// Under a descriptor limit of 1,024, one tenant takes 2 MiB leases until refused: the
+/// refusal is `RESOURCE_EXHAUSTED` with its reason and numbers, well before the broker is
+/// out of descriptors. An operator's call and new connections still work; a block the
+/// tenant lets go (cached) makes room for another tenant's fresh one, and that tenant's
+/// own cached block is reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_leases_are_refused_before_the_broker_runs_out_of_descriptors() {
+    if std::process::Command::new("prlimit")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIP: prlimit (util-linux) is not installed");
+        return;
+    }
+    let b = Broker::start_wrapped(
+        vec!["prlimit".into(), "--nofile=1024:1024".into()],
+        BrokerOpts {
+            capacity: "4GiB",
+            ..BrokerOpts::default()
+        },
+    )
+    .unwrap();
+    let alice = b.client("alice", 4 * GIB).await.unwrap();
+    let sa = alice.session("many").await.unwrap();
+    let mut leases = Vec::new();
+    let refusal = loop {
+        match sa.lease(2 * MIB).await {
+            Ok(l) => leases.push(l),
+            Err(e) => break e,
+        }
+        assert!(leases.len() < 1024, "never refused");
+    };
+    eprintln!(
+        "refused after {} leases: {refusal}; broker descriptors {:?}",
+        leases.len(),
+        b.open_fds()
+    );
+    assert_eq!(refusal.code(), Code::ResourceExhausted, "{refusal}");
+    assert_eq!(
+        refusal.reason(),
+        Some(&Reason::OutOfDescriptors),
+        "{refusal}"
+    );
+    assert_eq!(refusal.detail("limit"), Some("1024"), "{refusal}");
+    assert!(refusal.to_string().contains("RLIMIT_NOFILE"), "{refusal}");
+    assert!(leases.len() >= 256, "only {} leases", leases.len());
+    // The operator and new connections get in.
+    let admin = b.admin().await.expect("an operator connects");
+    assert!(!admin.list_tenants().await.unwrap().is_empty());
+    let bob = b.client("bob", GIB).await.expect("a new tenant connects");
+    let sb = bob.session("other").await.unwrap();
+    // Nothing is cached: bob's fresh block is refused the same way.
+    let e = sb.lease(2 * MIB).await.unwrap_err();
+    assert_eq!(e.reason(), Some(&Reason::OutOfDescriptors), "{e}");
+    // Alice lets one go (cached for her): it is freed to make bob's block.
+    leases.pop().unwrap().release().await.unwrap();
+    let lb = sb.lease(2 * MIB).await.expect("a cached block made room");
+    // Bob's own cached block is reused, with no new descriptor.
+    lb.release().await.unwrap();
+    sb.lease(2 * MIB)
+        .await
+        .expect("a cached block of one's own");
+    let fds = b.open_fds().unwrap();
+    assert!(fds < 1000, "the broker holds {fds} descriptors");
 }

@@ -201,8 +201,8 @@ impl Watchers {
         r.timers.len() + r.procs.values().map(|p| p.keys.len()).sum::<usize>()
     }
 
-    /// How many processes are watched, each by one task with one pidfd (tests).
-    #[cfg(test)]
+    /// How many processes are watched, each by one task with one pidfd (counted against
+    /// the descriptor budget).
     pub fn processes(&self) -> usize {
         self.0.lock().procs.len()
     }

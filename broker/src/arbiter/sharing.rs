@@ -152,17 +152,20 @@ impl Arbiter {
         }
         let mut set: BTreeSet<String> = readers.iter().cloned().collect();
         set.remove(tenant);
-        let (kind, fd) = {
+        let (kind, fd, fd_counted) = {
             let mut st = self.lock();
             match publishable(&st, tenant, lease, name)? {
                 Publishable::Again(id) => return publish_again(&mut st, id, lease, name, set),
                 Publishable::New { kind, fd } => {
+                    // A memfd's importers get a reopen of it: one descriptor more.
+                    let mut counted = None;
                     if kind == MemoryKind::HostMemfd {
+                        counted = Some(self.fds.take_held(self.watchers.processes())?);
                         // Marked before the seal: if the lease ends meanwhile, its
                         // block is freed, never cached sealed.
                         st.mark_sealing(lease);
                     }
-                    (kind, fd)
+                    (kind, fd, counted)
                 }
             }
         };
@@ -193,6 +196,7 @@ impl Arbiter {
                     published_at: now,
                     fd: ro,
                     enforced,
+                    fd_counted,
                 })
                 .ok_or_else(|| BrokerError::Internal("publication index out of step".into()))?,
         };

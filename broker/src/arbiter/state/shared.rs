@@ -37,6 +37,9 @@ pub(crate) struct NewPublication {
     pub published_at: SystemTime,
     pub fd: SharedFd,
     pub enforced: bool,
+    /// Its descriptor's place in the descriptor budget (a memfd's reopen), if it has one
+    /// of its own.
+    pub fd_counted: Option<crate::fd_budget::FdHeld>,
 }
 
 /// What processes counted alive without a look may map: an ended lease's held block, or a
@@ -145,6 +148,7 @@ impl State {
                 size,
                 enforced: new.enforced,
                 imports: Default::default(),
+                fd_counted: new.fd_counted,
             },
         );
         Some(id)
