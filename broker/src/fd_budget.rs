@@ -69,6 +69,8 @@ pub struct FdBudget {
     reserve: usize,
     /// Counted now: blocks, and published memfds' reopens.
     held: AtomicUsize,
+    /// Refusals so far (the first and one in a thousand are logged).
+    refused: AtomicUsize,
 }
 
 impl FdBudget {
@@ -77,6 +79,7 @@ impl FdBudget {
             limit,
             reserve,
             held: AtomicUsize::new(0),
+            refused: AtomicUsize::new(0),
         })
     }
 
@@ -89,10 +92,22 @@ impl FdBudget {
                 (held + others < room).then_some(held + 1)
             })
             .map(drop)
-            .map_err(|held| BrokerError::OutOfDescriptors {
-                held: held + others,
-                limit: self.limit,
-                reserve: self.reserve,
+            .map_err(|held| {
+                let n = self.refused.fetch_add(1, Ordering::Relaxed);
+                if n.is_multiple_of(1000) {
+                    tracing::warn!(
+                        held = held + others,
+                        limit = self.limit,
+                        reserve = self.reserve,
+                        refusals = n + 1,
+                        "out of descriptors for memory: new blocks are refused; raise the broker's descriptor limit (LimitNOFILE)"
+                    );
+                }
+                BrokerError::OutOfDescriptors {
+                    held: held + others,
+                    limit: self.limit,
+                    reserve: self.reserve,
+                }
             })
     }
 

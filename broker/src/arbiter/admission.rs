@@ -339,8 +339,12 @@ impl Arbiter {
         };
         rt.spawn(async move {
             let made = arb.materialize(d, ask.bytes, source).await;
-            if let Err(e) = &made {
-                tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed");
+            match &made {
+                // Logged by the budget (the first and one in a thousand).
+                Ok(_) | Err(BrokerError::OutOfDescriptors { .. }) => {}
+                Err(e) => {
+                    tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed")
+                }
             }
             let mut st = arb.lock();
             st.finish_grant(&ask, priority, d, made, arb.is_draining(), to);
@@ -418,10 +422,6 @@ impl Arbiter {
             // A job queued after the frees: done once they are.
             let _ = self.devices[i as usize].thread.call(|_| ()).await;
         }
-        tracing::info!(
-            device = d,
-            "out of descriptors for memory: cached blocks freed"
-        );
         !others.is_empty()
     }
 
