@@ -528,6 +528,7 @@ impl Config {
             },
             process_stop_grace: self.process_stop_grace,
             lock_hold_cpu_clock: self.lock_hold_cpu_clock,
+            fd_reserve: crate::fd_budget::reserve_for(self.limits.limits().max_connections),
             ..ArbiterConfig::default()
         }
     }

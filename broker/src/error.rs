@@ -133,6 +133,14 @@ pub enum BrokerError {
     /// of a session) is reached.
     #[error("{}: {max}, the most allowed", what.noun())]
     SharingLimit { what: SharingCap, max: usize },
+    /// A new block needs a descriptor, and the broker keeps the rest of its descriptor
+    /// limit for connections and operators (`fd_budget.rs`).
+    #[error("the broker is out of file descriptors for memory: it holds {held} for memory and watched processes, of its limit {limit} (RLIMIT_NOFILE) less {reserve} kept for connections and operators; raise the broker's descriptor limit (LimitNOFILE in its systemd unit), or use fewer, larger leases")]
+    OutOfDescriptors {
+        held: usize,
+        limit: usize,
+        reserve: usize,
+    },
 
     // ---- DEADLINE_EXCEEDED
     /// A request waited as long as it asked and was not granted; `cause` is what it would
@@ -343,6 +351,8 @@ pub enum SharingCap {
     ImportsOfSession,
     /// Imports of one shared lease.
     ImportsOfPublication,
+    /// Imports of one tenant, lingering ones too.
+    ImportsOfTenant,
 }
 
 impl SharingCap {
@@ -351,6 +361,9 @@ impl SharingCap {
             SharingCap::PublicationsOfTenant => "shared leases of a tenant",
             SharingCap::ImportsOfSession => "imports of a session",
             SharingCap::ImportsOfPublication => "imports of a shared lease",
+            SharingCap::ImportsOfTenant => {
+                "imports of a tenant (those lingering for a live process too)"
+            }
         }
     }
 
@@ -360,6 +373,7 @@ impl SharingCap {
             SharingCap::PublicationsOfTenant => "publications_per_tenant",
             SharingCap::ImportsOfSession => "imports_per_session",
             SharingCap::ImportsOfPublication => "imports_per_publication",
+            SharingCap::ImportsOfTenant => "imports_per_tenant",
         }
     }
 }
@@ -444,7 +458,8 @@ impl BrokerError {
             | TurnBusy { .. }
             | HostFallbackFailed { .. }
             | ReservationExceeded { .. }
-            | SharingLimit { .. } => ErrorKind::Exhausted,
+            | SharingLimit { .. }
+            | OutOfDescriptors { .. } => ErrorKind::Exhausted,
             WaitExpired { .. } => ErrorKind::Expired,
             NotFound(_) => ErrorKind::NotFound,
             ShuttingDown

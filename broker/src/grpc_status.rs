@@ -50,6 +50,7 @@ pub fn reason(e: &BrokerError) -> Option<&'static str> {
         TurnBusy { .. } => "TURN_BUSY",
         HostFallbackFailed { .. } => "HOST_FALLBACK_FAILED",
         SharingLimit { .. } => "SHARING_LIMIT",
+        OutOfDescriptors { .. } => "OUT_OF_DESCRIPTORS",
         ReservationExceeded { .. } => "RESERVATION_EXCEEDED",
         WaitExpired { .. } => "WAIT_EXPIRED",
         NotFound(m) => match m {
@@ -204,6 +205,15 @@ pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
         ],
         HostFallbackFailed { requested, .. } => vec![("requested_bytes", s(requested))],
         SharingLimit { what, max } => vec![("limit", what.name().into()), ("max", s(max))],
+        OutOfDescriptors {
+            held,
+            limit,
+            reserve,
+        } => vec![
+            ("held", s(held)),
+            ("limit", s(limit)),
+            ("reserve", s(reserve)),
+        ],
         ReservationExceeded {
             reservation,
             pid,
@@ -647,6 +657,15 @@ mod tests {
                 vec![("limit", "imports_per_publication"), ("max", "9")],
             ),
             (
+                BrokerError::SharingLimit {
+                    what: SharingCap::ImportsOfTenant,
+                    max: 4096,
+                },
+                Code::ResourceExhausted,
+                "SHARING_LIMIT",
+                vec![("limit", "imports_per_tenant"), ("max", "4096")],
+            ),
+            (
                 BrokerError::TooManyReaders {
                     readers: 257,
                     max: 256,
@@ -745,6 +764,11 @@ mod tests {
             HostFallbackFailed {
                 requested: 1,
                 cause: "no".into(),
+            },
+            OutOfDescriptors {
+                held: 3,
+                limit: 2,
+                reserve: 1,
             },
             SharingLimit {
                 what: SharingCap::ImportsOfSession,
@@ -879,13 +903,14 @@ mod tests {
             TooManyReaders { .. } => 40,
             SessionOfAnotherUser => 41,
             ProcessGroupRefused { .. } => 42,
+            OutOfDescriptors { .. } => 43,
         }
     }
 
     #[test]
     fn one_of_each_holds_every_variant() {
         let seen: std::collections::BTreeSet<usize> = one_of_each().iter().map(variant).collect();
-        assert_eq!(seen, (0..=42).collect());
+        assert_eq!(seen, (0..=43).collect());
     }
 
     #[test]

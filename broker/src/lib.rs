@@ -18,6 +18,7 @@ pub mod defaults;
 pub mod device;
 pub mod error;
 pub mod faults;
+pub mod fd_budget;
 pub mod file_read;
 pub mod gate;
 pub mod gpu_processes;

@@ -187,7 +187,7 @@ impl LimitFlags {
     /// The limits these flags give on this machine.
     pub fn limits(&self) -> Limits {
         let max_connections = if self.max_connections == 0 {
-            (nofile_limit() / 2).clamp(32, 4096)
+            crate::fd_budget::default_max_connections()
         } else {
             self.max_connections
         };
@@ -240,39 +240,6 @@ impl Default for Limits {
         }
         .limits()
     }
-}
-
-/// The soft `RLIMIT_NOFILE` of this process.
-pub fn nofile_limit() -> usize {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes into the struct we pass.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
-        return 1024;
-    }
-    usize::try_from(r.rlim_cur).unwrap_or(usize::MAX)
-}
-
-/// Raises the soft descriptor limit to the hard one (systemd's soft default is 1024);
-/// returns the soft limit now in force.
-pub fn raise_nofile_limit() -> usize {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit read and write the struct we pass.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
-            let want = libc::rlimit {
-                rlim_cur: r.rlim_max,
-                rlim_max: r.rlim_max,
-            };
-            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &want);
-        }
-    }
-    nofile_limit()
 }
 
 /// What the listeners did (exported as metrics).

@@ -75,7 +75,7 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
             ),
         }
     }
-    let nofile = gpu_broker::listener::raise_nofile_limit();
+    let nofile = gpu_broker::fd_budget::raise_nofile_limit();
     tracing::info!(nofile, "descriptor limit");
     let store = Store::open(&cfg.state_dir)
         .with_context(|| format!("opening the state in {}", cfg.state_dir.display()))?;

@@ -27,6 +27,7 @@
 //! has no such control: see `docs/security.md`.
 
 use crate::device::{MemoryKind, SharedFd};
+use crate::id_map::{IdMap, IdSet};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::time::{Instant, SystemTime};
@@ -42,6 +43,9 @@ pub const MAX_IMPORTS: usize = 1024;
 pub const MAX_PUBLICATIONS_PER_TENANT: usize = 1024;
 /// Most imports one session may hold.
 pub const MAX_IMPORTS_PER_SESSION: usize = 1024;
+/// Most imports one tenant may have, live or lingering: imports are not charged, and a
+/// lingering one outlives its session (it is what its process may still map).
+pub const MAX_IMPORTS_PER_TENANT: usize = 4096;
 
 /// Processes that may still map memory whose holder let go, and whether a timeout runs
 /// for a holder whose pid is unknown. Each has a watcher the arbiter's shell keeps
@@ -99,6 +103,9 @@ pub struct Publication {
     /// Does the OS enforce read-only for importers (memfd seals)?
     pub enforced: bool,
     pub imports: BTreeMap<Uuid, Import>,
+    /// `fd`'s place in the descriptor budget while it is the publication's own (a memfd's
+    /// reopen): given back when the publication goes.
+    pub fd_counted: Option<crate::fd_budget::FdHeld>,
 }
 
 impl Publication {
@@ -144,6 +151,12 @@ pub struct SharedTable {
     pub by_lease: HashMap<Uuid, Uuid>,
     /// Import -> publication.
     pub by_import: HashMap<Uuid, Uuid>,
+    /// Live (not lingering) imports of each session: its end and its cap read them here,
+    /// not in a scan of every import. Kept by [`SharedTable::add_import`],
+    /// [`SharedTable::let_go`] and [`SharedTable::remove_import`].
+    by_session: IdMap<Uuid, IdSet<Uuid>>,
+    /// Imports (live and lingering) of each tenant, for its cap.
+    of_tenant: HashMap<String, usize>,
     /// Held blocks, by the id of the lease they belonged to.
     pub held: HashMap<Uuid, Held>,
     pub recipients: Recipients,
@@ -177,12 +190,101 @@ impl SharedTable {
 
     /// Imports a session holds (not those lingering after it let go).
     pub fn imports_of_session(&self, session: Uuid) -> Vec<Uuid> {
-        self.pubs
-            .values()
-            .flat_map(|p| p.imports.values())
-            .filter(|i| i.session == session && i.lingering.is_none())
-            .map(|i| i.id)
-            .collect()
+        self.by_session
+            .get(&session)
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// How many imports a session holds (not those lingering).
+    pub fn count_of_session(&self, session: Uuid) -> usize {
+        self.by_session.get(&session).map_or(0, |s| s.len())
+    }
+
+    /// How many imports `tenant` has, lingering ones too.
+    pub fn imports_of_tenant(&self, tenant: &str) -> usize {
+        self.of_tenant.get(tenant).copied().unwrap_or(0)
+    }
+
+    /// Adds an import of publication `publication` (indexed by id, session and tenant);
+    /// false when there is no such publication.
+    pub fn add_import(&mut self, publication: Uuid, import: Import) -> bool {
+        let Some(p) = self.pubs.get_mut(&publication) else {
+            return false;
+        };
+        self.by_import.insert(import.id, publication);
+        if import.lingering.is_none() {
+            self.by_session
+                .entry(import.session)
+                .or_default()
+                .insert(import.id);
+        }
+        *self.of_tenant.entry(import.tenant.clone()).or_default() += 1;
+        p.imports.insert(import.id, import);
+        true
+    }
+
+    /// An import's session let go of it (it lingers, or is about to end).
+    pub fn let_go(&mut self, session: Uuid, import: Uuid) {
+        if let Some(s) = self.by_session.get_mut(&session) {
+            s.remove(&import);
+            if s.is_empty() {
+                self.by_session.remove(&session);
+            }
+        }
+    }
+
+    /// Takes an import out of its publication and every index (its publication stays).
+    pub fn remove_import(&mut self, import: Uuid) -> Option<Import> {
+        let publication = self.by_import.remove(&import)?;
+        let i = self.pubs.get_mut(&publication)?.imports.remove(&import)?;
+        self.unindex(&i);
+        Some(i)
+    }
+
+    /// Takes a publication out of the table (not `by_name` nor `by_lease`), with its
+    /// imports.
+    pub fn remove_publication(&mut self, id: Uuid) -> Option<Publication> {
+        let p = self.pubs.remove(&id)?;
+        for i in p.imports.values() {
+            self.by_import.remove(&i.id);
+            self.unindex(i);
+        }
+        Some(p)
+    }
+
+    /// Forgets a removed import in the session and tenant indexes.
+    fn unindex(&mut self, i: &Import) {
+        self.let_go(i.session, i.id);
+        if let Some(n) = self.of_tenant.get_mut(&i.tenant) {
+            *n -= 1;
+            if *n == 0 {
+                self.of_tenant.remove(&i.tenant);
+            }
+        }
+    }
+
+    /// The session and tenant indexes agree with a scan of every import (part of the
+    /// invariant).
+    pub fn check_import_indexes(&self) -> Result<(), String> {
+        let mut by_session: IdMap<Uuid, IdSet<Uuid>> = IdMap::default();
+        let mut of_tenant: HashMap<String, usize> = HashMap::new();
+        for i in self.pubs.values().flat_map(|p| p.imports.values()) {
+            if i.lingering.is_none() {
+                by_session.entry(i.session).or_default().insert(i.id);
+            }
+            *of_tenant.entry(i.tenant.clone()).or_default() += 1;
+        }
+        if by_session != self.by_session {
+            return Err("the imports by session disagree with the imports".into());
+        }
+        if of_tenant != self.of_tenant {
+            return Err(format!(
+                "imports by tenant {:?}, counted {of_tenant:?}",
+                self.of_tenant
+            ));
+        }
+        Ok(())
     }
 
     /// The `seq` of a new publication.

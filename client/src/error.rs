@@ -352,6 +352,9 @@ reasons! {
     HostFallbackFailed = "HOST_FALLBACK_FAILED",
     /// `RESOURCE_EXHAUSTED`: a shared-lease limit (publications, imports) is reached.
     SharingLimit = "SHARING_LIMIT",
+    /// `RESOURCE_EXHAUSTED`: the broker keeps no descriptor for another block (the rest of
+    /// its descriptor limit is kept for connections); its operator raises the limit.
+    OutOfDescriptors = "OUT_OF_DESCRIPTORS",
     /// `RESOURCE_EXHAUSTED`: a lease of a reserved process does not fit in what is left
     /// of its process reservation.
     ReservationExceeded = "RESERVATION_EXCEEDED",

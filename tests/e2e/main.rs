@@ -8,6 +8,7 @@ mod cli;
 mod crash;
 mod data;
 mod deploy;
+mod descriptors;
 mod device_quota;
 mod devices;
 mod drain;

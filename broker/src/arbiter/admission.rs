@@ -339,8 +339,12 @@ impl Arbiter {
         };
         rt.spawn(async move {
             let made = arb.materialize(d, ask.bytes, source).await;
-            if let Err(e) = &made {
-                tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed");
+            match &made {
+                // Logged by the budget (the first and one in a thousand).
+                Ok(_) | Err(BrokerError::OutOfDescriptors { .. }) => {}
+                Err(e) => {
+                    tracing::error!(device = d, tenant = %ask.tenant, error = %e, "device work for a grant failed")
+                }
             }
             let mut st = arb.lock();
             st.finish_grant(&ask, priority, d, made, arb.is_draining(), to);
@@ -372,16 +376,53 @@ impl Arbiter {
                 }
             }
             // Evicted blocks were already queued for freeing by `grant`, in order.
-            Source::Fresh { .. } => match thread.call(move |dev| fresh_block(dev, bytes)).await? {
-                Ok(block) => Ok(block),
-                Err((e, unmade)) => {
-                    if let Some(a) = unmade {
-                        self.free_on_device(d, a);
-                    }
-                    Err(e.into())
+            Source::Fresh { .. } => match self.fresh_counted(d, bytes).await {
+                // Cached blocks keep descriptors only to be reused: freed, they make room.
+                Err(BrokerError::OutOfDescriptors { .. })
+                    if self.evict_for_descriptors(d, bytes).await =>
+                {
+                    self.fresh_counted(d, bytes).await
                 }
+                made => made,
             },
         }
+    }
+
+    /// A fresh block on device `d`, its descriptor counted: refused when it would eat into
+    /// the descriptors kept for connections (`fd_budget.rs`). Counted on the device thread,
+    /// so the frees queued before it (evicted blocks) have given theirs back.
+    async fn fresh_counted(&self, d: u32, bytes: u64) -> BrokerResult<Block> {
+        let job = counted_fresh(self.fds.clone(), self.watchers.processes(), bytes);
+        match self.devices[d as usize].thread.call(job).await? {
+            Ok(block) => Ok(block),
+            Err(unmade) => {
+                let (e, unmade) = *unmade;
+                if let Some(a) = unmade {
+                    self.free_on_device(d, a);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Out of descriptors: frees cached blocks (`bytes` of them, of device `d` first, else
+    /// of the others) and waits until their descriptors are closed. True when any were.
+    async fn evict_for_descriptors(&self, d: u32, bytes: u64) -> bool {
+        let others: Vec<u32> = {
+            let mut st = self.lock();
+            if st.evict_cached(d, bytes) > 0 {
+                // Their frees run on `d`'s thread before the next job there.
+                return true;
+            }
+            (0..self.devices.len() as u32)
+                .filter(|&i| i != d && st.evict_cached(i, bytes) > 0)
+                .collect()
+        };
+        for &i in &others {
+            // A job queued after the frees: done once they are.
+            let _ = self.devices[i as usize].thread.call(|_| ()).await;
+        }
+        !others.is_empty()
     }
 
     async fn fallback_or(
@@ -410,21 +451,26 @@ impl Arbiter {
             });
         };
         self.lock().charge_host(&req.tenant, bytes)?;
+        let job = counted_fresh(self.fds.clone(), self.watchers.processes(), bytes);
         let made = host
-            .call(move |dev| fresh_block(dev, bytes))
+            .call(job)
             .await
             .map_err(BrokerError::from)
             .and_then(|r| {
-                r.map_err(|(e, unmade)| {
+                r.map_err(|unmade| {
+                    let (e, unmade) = *unmade;
                     if let Some(a) = unmade {
                         self.free_host(a);
                     }
-                    BrokerError::from(e)
+                    e
                 })
             })
-            .map_err(|e| BrokerError::HostFallbackFailed {
-                requested: bytes,
-                cause: e.to_string(),
+            .map_err(|e| match e {
+                e @ BrokerError::OutOfDescriptors { .. } => e,
+                e => BrokerError::HostFallbackFailed {
+                    requested: bytes,
+                    cause: e.to_string(),
+                },
             });
         self.lock().commit_host(req, bytes, made)
     }
@@ -432,7 +478,9 @@ impl Arbiter {
     pub(crate) fn free_host(&self, what: impl Into<super::Unneeded>) {
         if let Some(h) = &self.host_tier {
             let what = what.into();
+            let counted = matches!(what, super::Unneeded::Block(_)).then(|| self.fds.adopt());
             let _ = h.submit(move |dev| {
+                let _counted = counted;
                 // A block's file closes here, after the free.
                 let (alloc, _handle) = what.split();
                 if let Err(e) = dev.free(alloc) {
@@ -440,6 +488,27 @@ impl Arbiter {
                 }
             });
         }
+    }
+}
+
+/// Why a fresh block was not made, and the allocation to free if one was made.
+type Unmade = Box<(BrokerError, Option<crate::device::Allocation>)>;
+
+/// The device job of a fresh block whose descriptor is counted in `fds` (with `watched`
+/// pidfds counted elsewhere): refused before anything is allocated when it would eat into
+/// the reserve; given back when nothing was made.
+fn counted_fresh(
+    fds: Arc<crate::fd_budget::FdBudget>,
+    watched: usize,
+    bytes: u64,
+) -> impl FnOnce(&mut dyn crate::device::Device) -> Result<Block, Unmade> + Send + 'static {
+    move |dev| {
+        fds.take(watched)
+            .map_err(|refused| Box::new((refused, None)))?;
+        fresh_block(dev, bytes).map_err(|(e, unmade)| {
+            fds.give_back();
+            Box::new((BrokerError::from(e), unmade))
+        })
     }
 }
 

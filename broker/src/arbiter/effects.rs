@@ -26,7 +26,7 @@ use crate::ledger::Tier;
 use crate::pool::Block;
 use crate::session::SessionEvent;
 use parking_lot::MutexGuard;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -94,24 +94,117 @@ pub(crate) enum Watch {
     Session { session: Uuid, pid: u32 },
 }
 
-/// The cancellation handles of running watchers, by key (a leaf lock: taken under the
-/// state lock, never holding another).
+impl Watch {
+    /// The process it waits on (`None`: a timeout).
+    fn pid(&self) -> Option<u32> {
+        match *self {
+            Watch::Quarantine { pid, .. } | Watch::Held { pid, .. } | Watch::Import { pid, .. } => {
+                pid
+            }
+            Watch::Session { pid, .. } => Some(pid),
+        }
+    }
+}
+
+/// The running watchers, by key (a leaf lock: taken under the state lock, never holding
+/// another). Every key that waits on one process shares one task and one pidfd: a process
+/// may stand behind thousands of keys (its sessions, quarantined leases, lingering
+/// imports), and a descriptor each would let one client exhaust the broker's descriptors.
 #[derive(Default)]
-pub(crate) struct Watchers(parking_lot::Mutex<HashMap<Watch, DropGuard>>);
+pub(crate) struct Watchers(parking_lot::Mutex<Running>);
+
+#[derive(Default)]
+struct Running {
+    /// Timeouts (the pid is unknown): a timer task each, stopped by dropping its guard.
+    timers: HashMap<Watch, DropGuard>,
+    /// Per process: the keys waiting on it and its one watcher.
+    procs: HashMap<u32, ProcWatch>,
+    /// The last process watcher's generation.
+    last: u64,
+}
+
+/// The one watcher of a process and the keys it fires.
+struct ProcWatch {
+    /// Which task this is: a task that fired takes the keys of its own generation only
+    /// (a key added after it fired starts a new one).
+    generation: u64,
+    keys: HashSet<Watch>,
+    _stop: DropGuard,
+}
 
 impl Watchers {
-    fn insert(&self, key: Watch, stop: DropGuard) {
-        self.0.lock().insert(key, stop);
+    /// Keeps a timeout's handle (a key started again replaces, so stops, the old one).
+    fn insert_timer(&self, key: Watch, stop: DropGuard) {
+        self.0.lock().timers.insert(key, stop);
     }
-    /// Drops the handle: the watcher, if it still waits, ends.
+
+    /// Adds `key` to process `pid`'s watcher. Returns the generation and cancellation
+    /// token of a new watcher when the process had none (the caller spawns its task). A
+    /// watcher is taken out of the table as soon as its process exited, so a key joins
+    /// one for a process that lives or died a moment ago, not an earlier owner of its pid.
+    fn join(&self, key: Watch, pid: u32) -> Option<(u64, CancellationToken)> {
+        let mut r = self.0.lock();
+        if let Some(p) = r.procs.get_mut(&pid) {
+            p.keys.insert(key);
+            return None;
+        }
+        r.last += 1;
+        let generation = r.last;
+        let stop = CancellationToken::new();
+        r.procs.insert(
+            pid,
+            ProcWatch {
+                generation,
+                keys: HashSet::from([key]),
+                _stop: stop.clone().drop_guard(),
+            },
+        );
+        Some((generation, stop))
+    }
+
+    /// Stops waiting for `key`; a process watcher left with no key ends (its pidfd
+    /// closes).
     fn stop(&self, key: &Watch) {
-        let guard = self.0.lock().remove(key);
-        drop(guard);
+        let mut r = self.0.lock();
+        // Cancelled once the lock is let go.
+        let stopped = match key.pid() {
+            Some(pid) => {
+                let emptied = r.procs.get_mut(&pid).is_some_and(|p| {
+                    p.keys.remove(key);
+                    p.keys.is_empty()
+                });
+                (emptied.then(|| r.procs.remove(&pid)).flatten(), None)
+            }
+            None => (None, r.timers.remove(key)),
+        };
+        drop(r);
+        drop(stopped);
     }
-    /// How many watchers are kept (tests).
+
+    /// Process `pid`'s watcher of `generation` saw it exit: its keys, to fire (none when
+    /// it was stopped meanwhile).
+    fn exited(&self, pid: u32, generation: u64) -> Vec<Watch> {
+        let mut r = self.0.lock();
+        if r.procs.get(&pid).is_none_or(|p| p.generation != generation) {
+            return Vec::new();
+        }
+        r.procs
+            .remove(&pid)
+            .map(|p| p.keys.into_iter().collect())
+            .unwrap_or_default()
+    }
+
+    /// How many keys are watched (tests).
     #[cfg(test)]
     pub fn len(&self) -> usize {
-        self.0.lock().len()
+        let r = self.0.lock();
+        r.timers.len() + r.procs.values().map(|p| p.keys.len()).sum::<usize>()
+    }
+
+    /// How many processes are watched, each by one task with one pidfd (counted against
+    /// the descriptor budget).
+    pub fn processes(&self) -> usize {
+        self.0.lock().procs.len()
     }
 }
 
@@ -292,6 +385,7 @@ impl Drop for Locked<'_> {
         }
         let effects = st.take_effects().into_vec();
         let mut later = Vec::with_capacity(effects.len());
+        let mut looks = Vec::new();
         for e in effects {
             match e {
                 Effect::Free { device, block } => self.arb.free_on_device(device, block),
@@ -304,6 +398,7 @@ impl Drop for Locked<'_> {
                     }
                 }
                 Effect::Hangup { session } => self.arb.outbox.close(&session),
+                Effect::CheckGone { of, pids } => looks.push((of, pids)),
                 other => later.push(After::Run(other)),
             }
         }
@@ -316,6 +411,10 @@ impl Drop for Locked<'_> {
                     let _ = to.send(event);
                 }
             }
+        }
+        // Last, all together: each process looked at once.
+        if !looks.is_empty() {
+            self.arb.check_gone(looks);
         }
     }
 }
@@ -353,52 +452,76 @@ impl Arbiter {
         }
     }
 
-    /// Runs `Effect::Watch`: spawns the watcher on the main runtime
+    /// Runs `Effect::Watch`: joins the key to its process's watcher, or spawns one (a
+    /// task with a pidfd; for a timeout, a timer task) on the main runtime
     /// ([`Arbiter::effects_runtime`]: not on the operators' one when an operator's call
-    /// asked for it) and keeps its cancellation handle. When it fires it runs the
-    /// transition its key names.
+    /// asked for it). When it fires it runs the transitions its keys name.
     fn start_watch(&self, w: Watch) {
         let Some(me) = self.me.upgrade() else { return };
         let Some(rt) = self.effects_runtime() else {
             return;
         };
-        let stop = CancellationToken::new();
-        self.watchers.insert(w, stop.clone().drop_guard());
         let me = std::sync::Arc::downgrade(&me);
-        let timeout = self.cfg.quarantine_timeout;
-        rt.spawn(async move {
-            let pid = match w {
-                Watch::Quarantine { pid, .. }
-                | Watch::Held { pid, .. }
-                | Watch::Import { pid, .. } => pid,
-                Watch::Session { pid, .. } => Some(pid),
-            };
-            match pid {
-                Some(pid) => {
+        match w.pid() {
+            Some(pid) => {
+                let Some((generation, stop)) = self.watchers.join(w, pid) else {
+                    return;
+                };
+                rt.spawn(async move {
                     if !crate::process::wait_for_exit_or(pid, stop).await {
                         return;
                     }
-                }
-                None => {
+                    if let Some(arb) = me.upgrade() {
+                        let keys = arb.watchers.exited(pid, generation);
+                        arb.watches_fired(keys);
+                    }
+                });
+            }
+            None => {
+                let stop = CancellationToken::new();
+                self.watchers.insert_timer(w, stop.clone().drop_guard());
+                let timeout = self.cfg.quarantine_timeout;
+                rt.spawn(async move {
                     tokio::select! {
                         _ = tokio::time::sleep(timeout) => {}
                         _ = stop.cancelled() => return,
                     }
-                }
+                    if let Some(arb) = me.upgrade() {
+                        arb.watches_fired(vec![w]);
+                    }
+                });
             }
-            if let Some(arb) = me.upgrade() {
-                arb.watch_fired(w);
-            }
-        });
+        }
     }
 
-    /// A watcher's process exited (or its timeout passed): the transition it stood for.
-    fn watch_fired(self: &std::sync::Arc<Self>, w: Watch) {
-        match w {
-            Watch::Quarantine { lease, pid } => self.unquarantine(lease, pid.is_none()),
-            Watch::Held { lease, pid } => self.held_waiter_gone(lease, pid),
-            Watch::Import { import, pid } => self.import_waiter_gone(import, pid),
-            Watch::Session { session, .. } => self.end_session(session, "peer process exited"),
+    /// Watchers fired (a process exited, or a timeout passed): the transitions their keys
+    /// stand for. A session ends through `end_session` (it looks at its process first), a
+    /// quarantine is lifted in a hold of its own; shared blocks' and imports' waiters go a
+    /// chunk per hold, so a process behind thousands of lingering imports costs a few
+    /// holds, none of them long.
+    fn watches_fired(self: &std::sync::Arc<Self>, keys: Vec<Watch>) {
+        const PER_HOLD: usize = 256;
+        let mut shared = Vec::new();
+        for w in keys {
+            match w {
+                Watch::Session { session, .. } => self.end_session(session, "peer process exited"),
+                Watch::Quarantine { lease, pid } => self.unquarantine(lease, pid.is_none()),
+                Watch::Held { .. } | Watch::Import { .. } => shared.push(w),
+            }
+        }
+        for chunk in shared.chunks(PER_HOLD) {
+            let mut st = self.lock();
+            let mut back = false;
+            for &w in chunk {
+                back |= match w {
+                    Watch::Held { lease, pid } => st.held_waiter_gone(lease, pid),
+                    Watch::Import { import, pid } => st.import_waiter_gone(import, pid),
+                    Watch::Session { .. } | Watch::Quarantine { .. } => false,
+                };
+            }
+            if back {
+                self.drain(&mut st);
+            }
         }
     }
 
@@ -428,18 +551,7 @@ impl Arbiter {
             }
             Effect::Notify { session, event } => self.outbox.send(&session, event),
             Effect::Hangup { session } => self.outbox.close(&session),
-            Effect::CheckGone { of, pids } => {
-                let gone: Vec<u32> = pids
-                    .into_iter()
-                    .filter(|&p| crate::process::process_gone(p))
-                    .collect();
-                if let Some(me) = self.me.upgrade() {
-                    let mut st = me.lock();
-                    if st.holders_checked(of, &gone) {
-                        me.drain(&mut st);
-                    }
-                }
-            }
+            Effect::CheckGone { of, pids } => self.check_gone(vec![(of, pids)]),
             Effect::ForgetTickets { lease } => self.tickets.forget_lease(lease),
             Effect::EndTurns { session } => self.end_turns(session),
             Effect::StopGroup(g) => {
@@ -463,6 +575,39 @@ impl Arbiter {
                 Counted::ReclaimRequested => self.metrics.reclaim_requested(),
                 Counted::CrossTenantFresh => self.metrics.cross_tenant_fresh(),
             },
+        }
+    }
+
+    /// Runs the `Effect::CheckGone`s of one hold together: each process is looked at once
+    /// (a session that ends with a thousand imports names its process a thousand times),
+    /// then the state learns which are gone, a chunk of looks per lock hold.
+    fn check_gone(&self, looks: Vec<(super::state::Holding, Vec<u32>)>) {
+        const PER_HOLD: usize = 256;
+        let mut seen: HashMap<u32, bool> = HashMap::new();
+        let looks: Vec<_> = looks
+            .into_iter()
+            .map(|(of, pids)| {
+                let gone: Vec<u32> = pids
+                    .into_iter()
+                    .filter(|&p| {
+                        *seen
+                            .entry(p)
+                            .or_insert_with(|| crate::process::process_gone(p))
+                    })
+                    .collect();
+                (of, gone)
+            })
+            .collect();
+        let Some(me) = self.me.upgrade() else { return };
+        for chunk in looks.chunks(PER_HOLD) {
+            let mut st = me.lock();
+            let mut back = false;
+            for (of, gone) in chunk {
+                back |= st.holders_checked(*of, gone);
+            }
+            if back {
+                me.drain(&mut st);
+            }
         }
     }
 

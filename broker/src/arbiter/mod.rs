@@ -87,6 +87,9 @@ pub struct ArbiterConfig {
     /// Count the state lock's holds by the holding thread's CPU clock too
     /// (`lock_holds.rs`; a system call on every take).
     pub lock_hold_cpu_clock: bool,
+    /// Descriptors kept for connections and operators: a new block that would eat into
+    /// them is refused (`fd_budget.rs`; the limit is read when the arbiter starts).
+    pub fd_reserve: usize,
 }
 
 impl Default for ArbiterConfig {
@@ -105,6 +108,7 @@ impl Default for ArbiterConfig {
             process_stop_grace: crate::defaults::PROCESS_STOP_GRACE,
             overtake_age: crate::defaults::OVERTAKE_AGE,
             lock_hold_cpu_clock: crate::defaults::LOCK_HOLD_CPU_CLOCK,
+            fd_reserve: crate::fd_budget::reserve_for(crate::fd_budget::default_max_connections()),
         }
     }
 }
@@ -205,6 +209,9 @@ pub struct Arbiter {
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
     pub(crate) outbox: outbox::Outbox,
+    /// The descriptors held for memory, against the limit less the reserve
+    /// (`fd_budget.rs`): counted where a block is made and freed, and for a publication.
+    pub(crate) fds: Arc<crate::fd_budget::FdBudget>,
 }
 
 /// Where the health monitor keeps its fault source.
@@ -278,6 +285,12 @@ impl Arbiter {
         let metrics = crate::metrics::Metrics::with_lock_holds(crate::lock_holds::LockHolds::new(
             cfg.lock_hold_cpu_clock,
         ));
+        let fds = crate::fd_budget::FdBudget::new(crate::fd_budget::nofile_limit(), cfg.fd_reserve);
+        tracing::info!(
+            descriptor_limit = fds.limit(),
+            reserved = cfg.fd_reserve,
+            "descriptors for memory: the limit less the reserve"
+        );
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             admin_writes: Mutex::new(()),
@@ -286,6 +299,7 @@ impl Arbiter {
             main_runtime: std::sync::OnceLock::new(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
+            fds,
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             health_source: parking_lot::Mutex::new(None),
@@ -546,7 +560,10 @@ impl Arbiter {
         if let Some(d) = self.devices.get(device as usize) {
             let what = what.into();
             let id = what.alloc_id();
+            // A block's descriptor is counted until it closes (or the job is dropped).
+            let counted = matches!(what, Unneeded::Block(_)).then(|| self.fds.adopt());
             let r = d.thread.submit(move |dev| {
+                let _counted = counted;
                 // A block's descriptor closes here, after the free, on the device thread.
                 let (alloc, _handle) = what.split();
                 if let Err(e) = dev.free(alloc) {
@@ -588,7 +605,11 @@ pub(crate) fn host_arbiter_with_store(
 }
 
 #[cfg(test)]
+mod descriptor_tests;
+#[cfg(test)]
 pub(crate) mod durable_tests;
+#[cfg(test)]
+mod lingering_tests;
 #[cfg(test)]
 mod store_fault_tests;
 #[cfg(test)]

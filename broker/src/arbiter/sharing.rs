@@ -19,8 +19,8 @@ use crate::error::{BrokerError, BrokerResult, Missing, SharingCap};
 use crate::ledger::Tier;
 use crate::session::Peer;
 use crate::sharing::{
-    self, SharedView, MAX_IMPORTS, MAX_IMPORTS_PER_SESSION, MAX_NAME, MAX_PUBLICATIONS_PER_TENANT,
-    MAX_READERS,
+    self, SharedView, MAX_IMPORTS, MAX_IMPORTS_PER_SESSION, MAX_IMPORTS_PER_TENANT, MAX_NAME,
+    MAX_PUBLICATIONS_PER_TENANT, MAX_READERS,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -152,17 +152,20 @@ impl Arbiter {
         }
         let mut set: BTreeSet<String> = readers.iter().cloned().collect();
         set.remove(tenant);
-        let (kind, fd) = {
+        let (kind, fd, fd_counted) = {
             let mut st = self.lock();
             match publishable(&st, tenant, lease, name)? {
                 Publishable::Again(id) => return publish_again(&mut st, id, lease, name, set),
                 Publishable::New { kind, fd } => {
+                    // A memfd's importers get a reopen of it: one descriptor more.
+                    let mut counted = None;
                     if kind == MemoryKind::HostMemfd {
+                        counted = Some(self.fds.take_held(self.watchers.processes())?);
                         // Marked before the seal: if the lease ends meanwhile, its
                         // block is freed, never cached sealed.
                         st.mark_sealing(lease);
                     }
-                    (kind, fd)
+                    (kind, fd, counted)
                 }
             }
         };
@@ -193,6 +196,7 @@ impl Arbiter {
                     published_at: now,
                     fd: ro,
                     enforced,
+                    fd_counted,
                 })
                 .ok_or_else(|| BrokerError::Internal("publication index out of step".into()))?,
         };
@@ -238,7 +242,8 @@ impl Arbiter {
             }
             _ => return Err(session_not_found(session)),
         };
-        let held = st.shared().imports_of_session(session).len();
+        let held = st.shared().count_of_session(session);
+        let of_tenant = st.shared().imports_of_tenant(tenant);
         let p = st
             .shared()
             .visible(publisher, name, tenant)
@@ -247,6 +252,12 @@ impl Arbiter {
             return Err(BrokerError::SharingLimit {
                 what: SharingCap::ImportsOfSession,
                 max: MAX_IMPORTS_PER_SESSION,
+            });
+        }
+        if of_tenant >= MAX_IMPORTS_PER_TENANT {
+            return Err(BrokerError::SharingLimit {
+                what: SharingCap::ImportsOfTenant,
+                max: MAX_IMPORTS_PER_TENANT,
             });
         }
         if p.imports.len() >= MAX_IMPORTS {
@@ -366,23 +377,5 @@ impl Arbiter {
         tracing::debug!(%id, pid, "a lease descriptor goes to a process outside its session");
         st.add_recipient(id, pid);
         true
-    }
-
-    /// A held block's waiter (process `pid`, or with `None` the timeout) is gone
-    /// (`Watch::Held` fired).
-    pub(super) fn held_waiter_gone(self: &Arc<Self>, lease: Uuid, pid: Option<u32>) {
-        let mut st = self.lock();
-        if st.held_waiter_gone(lease, pid) {
-            self.drain(&mut st);
-        }
-    }
-
-    /// A lingering import's waiter (process `pid`, or with `None` the timeout) is gone
-    /// (`Watch::Import` fired).
-    pub(super) fn import_waiter_gone(self: &Arc<Self>, import: Uuid, pid: Option<u32>) {
-        let mut st = self.lock();
-        if st.import_waiter_gone(import, pid) {
-            self.drain(&mut st);
-        }
     }
 }

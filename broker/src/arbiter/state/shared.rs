@@ -37,6 +37,9 @@ pub(crate) struct NewPublication {
     pub published_at: SystemTime,
     pub fd: SharedFd,
     pub enforced: bool,
+    /// Its descriptor's place in the descriptor budget (a memfd's reopen), if it has one
+    /// of its own.
+    pub fd_counted: Option<crate::fd_budget::FdHeld>,
 }
 
 /// What processes counted alive without a look may map: an ended lease's held block, or a
@@ -145,6 +148,7 @@ impl State {
                 size,
                 enforced: new.enforced,
                 imports: Default::default(),
+                fd_counted: new.fd_counted,
             },
         );
         Some(id)
@@ -204,21 +208,16 @@ impl State {
         {
             return None;
         }
-        let p = self.shared.pubs.get_mut(&publication)?;
         let id = Uuid::new_v4();
-        p.imports.insert(
+        let import = Import {
             id,
-            Import {
-                id,
-                tenant: tenant.to_string(),
-                session,
-                pid,
-                created: self.clock.wall,
-                lingering: None,
-            },
-        );
-        self.shared.by_import.insert(id, publication);
-        Some(id)
+            tenant: tenant.to_string(),
+            session,
+            pid,
+            created: self.clock.wall,
+            lingering: None,
+        };
+        self.shared.add_import(publication, import).then_some(id)
     }
 
     /// A lease's (or an import's) descriptor went to `pid`, a process outside its session:
@@ -287,6 +286,7 @@ impl State {
                 }
             }
         }
+        t.check_import_indexes()?;
         if t.by_lease.len() != t.pubs.len() || t.by_import.len() != imports {
             return Err(format!(
                 "{} publications by lease and {} imports by id, for {} and {imports}",
@@ -519,6 +519,8 @@ impl State {
         {
             tracing::info!(%import, pids = ?waiters.pids, "import let go while processes may map it; lingering");
             i.lingering = Some(waiters);
+            let session = i.session;
+            self.shared.let_go(session, import);
         }
     }
 
@@ -526,13 +528,13 @@ impl State {
     fn end_import(&mut self, import: Uuid) {
         self.fx.push(Effect::ForgetTickets { lease: import });
         self.shared.recipients.remove(&import);
-        let Some(pid) = self.shared.by_import.remove(&import) else {
+        let Some(pid) = self.shared.by_import.get(&import).copied() else {
             return;
         };
+        self.shared.remove_import(import);
         let Some(p) = self.shared.pubs.get_mut(&pid) else {
             return;
         };
-        p.imports.remove(&import);
         tracing::debug!(%import, "import ended");
         if p.imports.is_empty() && !p.lease_live {
             let lease = p.lease;
@@ -546,13 +548,12 @@ impl State {
 
     /// Drops a publication whose lease ended and that nobody imports.
     fn forget_publication(&mut self, id: Uuid) {
-        if let Some(p) = self.shared.pubs.remove(&id) {
+        if let Some(p) = self.shared.remove_publication(id) {
             self.shared.by_lease.remove(&p.lease);
             if let Some(n) = p.name {
                 self.shared.by_name.remove(&(p.publisher, n));
             }
             for (&i, import) in &p.imports {
-                self.shared.by_import.remove(&i);
                 if let Some(w) = &import.lingering {
                     unwatch_import(&mut self.fx, i, w);
                 }

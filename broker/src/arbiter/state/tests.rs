@@ -800,6 +800,7 @@ impl Harness {
                             published_at: SystemTime::now(),
                             fd: fake_fd(),
                             enforced: false,
+                            fd_counted: None,
                         });
                         assert!(p.is_some());
                     }
@@ -1732,6 +1733,7 @@ fn a_published_lease_is_held_for_its_importers_and_the_invariant_checks_the_inde
         published_at: SystemTime::now(),
         fd: fake_fd(),
         enforced: false,
+        fd_counted: None,
     };
     assert_eq!(h.st.publish(again), None);
     assert!(!h

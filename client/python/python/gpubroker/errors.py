@@ -257,6 +257,7 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "SHARED_LEASE_NOT_FOUND": NotFound,
     "IMPORT_NOT_FOUND": NotFound,
     "SHARING_LIMIT": QuotaExceeded,
+    "OUT_OF_DESCRIPTORS": QuotaExceeded,
     "RESERVATION_NOT_FOUND": NotFound,
     # A lease of a process reserved with `gpu-brokerctl run` beyond its reservation.
     "RESERVATION_EXCEEDED": QuotaExceeded,
