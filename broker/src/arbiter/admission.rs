@@ -432,9 +432,13 @@ impl Arbiter {
     pub(crate) fn free_host(&self, what: impl Into<super::Unneeded>) {
         if let Some(h) = &self.host_tier {
             let what = what.into();
+            let revoke = self.revokes();
             let _ = h.submit(move |dev| {
                 // A block's file closes here, after the free.
                 let (alloc, _handle) = what.split();
+                if revoke {
+                    super::revoke_before_free(dev, &alloc, u32::MAX);
+                }
                 if let Err(e) = dev.free(alloc) {
                     tracing::error!(error = %e, "freeing a host-fallback block failed");
                 }
