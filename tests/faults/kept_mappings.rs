@@ -220,3 +220,37 @@ async fn a_cached_block_evicted_for_another_tenant_is_revoked() {
     assert!(k.faults_on_touch());
     assert_broker_alive(&b);
 }
+
+/// The broker's shutdown frees every block without revoking it: a worker that still maps
+/// its leases when the broker stops keeps reading what it wrote (its session is gone, its
+/// memory with it once it lets go).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shutdown_leaves_kept_mappings_their_memory() {
+    let mut b = Broker::start_with(BrokerOpts {
+        capacity: "64MiB",
+        extra: vec!["--host-fallback-capacity".into(), "64MiB".into()],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let q = QuotaSpec {
+        host_limit_bytes: 16 * MIB,
+        ..QuotaSpec::new(16 * MIB)
+    };
+    let c = client_of(&b, "t", q).await;
+    let s = c.session("stays").await.unwrap();
+    let dev = s.lease(8 * MIB).await.unwrap();
+    let host = s
+        .lease_request(8 * MIB)
+        .host_tier(true)
+        .send()
+        .await
+        .unwrap();
+    let kept = [Kept::of(&dev), Kept::of(&host)];
+    b.stop(Duration::from_secs(20)).unwrap();
+    for k in &kept {
+        assert_eq!(k.held(), 8 * MIB);
+        // SAFETY: the kept mapping of `len` bytes, still backed.
+        let all = unsafe { std::slice::from_raw_parts(k.addr, k.len) };
+        assert!(all.iter().all(|&x| x == 0x5a));
+    }
+}
