@@ -529,6 +529,11 @@ impl Arbiter {
         }
     }
 
+    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
+    pub(crate) fn revokes(&self) -> bool {
+        !self.exiting.load(Ordering::SeqCst)
+    }
+
     /// Queues a free of `what` on its device thread: the one place device memory is freed
     /// (reached through `Effect::Free`, and by the grant path when device work failed: a
     /// block whose scrub failed, an allocation whose zeroing or export failed).
@@ -554,13 +559,6 @@ impl Arbiter {
     }
 }
 
-impl Arbiter {
-    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
-    pub(crate) fn revokes(&self) -> bool {
-        !self.exiting.load(Ordering::SeqCst)
-    }
-}
-
 /// Takes memory about to be freed back from whoever may still map it (a memfd is
 /// truncated). Only the broker's frees of memory that nobody it counts may map come here,
 /// so a process that still maps it kept it past its release, its session or its tenant's
@@ -572,7 +570,9 @@ pub(crate) fn revoke_before_free(
     device: u32,
 ) {
     if let Err(e) = dev.revoke(alloc) {
-        tracing::warn!(device, alloc = alloc.id, error = %e, "memory could not be revoked before its free; a process that kept it mapped keeps it");
+        // A published memfd (sealed against shrinking for its importers) or one its holder
+        // so sealed: a mapping kept of it keeps its pages, outside the books.
+        tracing::warn!(device, alloc = alloc.id, error = %e, "memory could not be revoked before its free (sealed against shrinking?); a process that kept it mapped keeps it");
     }
 }
 
