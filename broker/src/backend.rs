@@ -198,7 +198,9 @@ pub fn open_host_tier(capacity: u64) -> Result<Option<DeviceThread>, BackendErro
         return Ok(None);
     }
     DeviceThread::spawn("host-fallback".into(), move || {
-        Ok(Box::new(HostDevice::new(u32::MAX, capacity)?) as Box<dyn Device>)
+        // Host-tier leases are never published: their memfds take no seal from a holder.
+        let dev = HostDevice::new(u32::MAX, capacity)?.with_sealing_closed();
+        Ok(Box::new(dev) as Box<dyn Device>)
     })
     .map(Some)
     .map_err(|source| BackendError::Open {

@@ -415,17 +415,30 @@ pub enum SealError {
     Seal(std::io::Error),
     #[error("reopening the lease's memory read-only failed: {0}")]
     Reopen(std::io::Error),
+    #[error("the lease's memory is {now} bytes, not its {size}: its holder shrank it")]
+    Shrunk { size: u64, now: u64 },
 }
 
 /// The descriptor importers of a publication get, and whether the OS enforces read-only
 /// through it. memfd memory: the object is sealed against writes for every descriptor
-/// (`F_SEAL_FUTURE_WRITE | F_SEAL_SEAL`; sealing twice is fine) and importers get an
-/// `O_RDONLY` reopen of it. CUDA VMM memory: the exported descriptor itself (not enforced).
-pub fn importer_fd(kind: MemoryKind, fd: &SharedFd) -> Result<(SharedFd, bool), SealError> {
+/// (`F_SEAL_FUTURE_WRITE | F_SEAL_SHRINK | F_SEAL_SEAL`; sealing twice is fine), it must
+/// still be `size` bytes (a holder may shrink a lease's memfd; importers must not map
+/// past its end), and importers get an `O_RDONLY` reopen of it. CUDA VMM memory: the
+/// exported descriptor itself (not enforced).
+pub fn importer_fd(
+    kind: MemoryKind,
+    fd: &SharedFd,
+    size: u64,
+) -> Result<(SharedFd, bool), SealError> {
     match kind {
         MemoryKind::CudaVmm => Ok((fd.clone(), false)),
         MemoryKind::HostMemfd => {
             seal_read_only(fd).map_err(SealError::Seal)?;
+            let f = std::fs::File::from(fd.0.try_clone().map_err(SealError::Seal)?);
+            let now = f.metadata().map_err(SealError::Seal)?.len();
+            if now != size {
+                return Err(SealError::Shrunk { size, now });
+            }
             let ro = reopen_read_only(fd).map_err(SealError::Reopen)?;
             Ok((SharedFd::new(ro), true))
         }
@@ -433,9 +446,11 @@ pub fn importer_fd(kind: MemoryKind, fd: &SharedFd) -> Result<(SharedFd, bool), 
 }
 
 /// Seals a memfd against writes through any descriptor from now on (mappings made before
-/// keep writing), and against further seals.
+/// keep writing), against shrinking (an importer could reopen it writable and truncate it
+/// under the others) and against further seals. Such memory can no longer be revoked by
+/// the broker's free (`Device::revoke`).
 pub fn seal_read_only(fd: &SharedFd) -> std::io::Result<()> {
-    const WANT: libc::c_int = libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
+    const WANT: libc::c_int = libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
     // SAFETY: fcntl on a descriptor we own.
     let have = unsafe { libc::fcntl(fd.raw(), libc::F_GET_SEALS) };
     if have < 0 {
@@ -496,7 +511,7 @@ mod tests {
         // SAFETY: `before` maps `len` writable bytes.
         unsafe { std::ptr::write_bytes(before.cast::<u8>(), 7, 16) };
         assert!(seals_untouched(&fd));
-        let (ro, enforced) = importer_fd(MemoryKind::HostMemfd, &fd).unwrap();
+        let (ro, enforced) = importer_fd(MemoryKind::HostMemfd, &fd, len as u64).unwrap();
         assert!(enforced);
         assert!(!seals_untouched(&fd));
         // write(2) through the importer's descriptor.
@@ -547,7 +562,7 @@ mod tests {
             libc::munmap(before, len);
         }
         // Publishing again (after an unpublish) seals nothing new and still works.
-        let (again, _) = importer_fd(MemoryKind::HostMemfd, &fd).unwrap();
+        let (again, _) = importer_fd(MemoryKind::HostMemfd, &fd, len as u64).unwrap();
         assert_ne!(again, ro);
     }
 
@@ -561,8 +576,24 @@ mod tests {
         );
         assert!(!seals_untouched(&fd));
         assert!(matches!(
-            importer_fd(MemoryKind::HostMemfd, &fd),
+            importer_fd(MemoryKind::HostMemfd, &fd, 4096),
             Err(SealError::Seal(_))
+        ));
+    }
+
+    /// A holder may shrink its own lease's memfd (so that the broker's free can truncate
+    /// it), but such memory is not published: importers would map past its end.
+    #[test]
+    fn a_memfd_its_holder_shrank_is_not_published() {
+        let fd = memfd(1 << 20);
+        // SAFETY: ftruncate on a valid descriptor.
+        assert_eq!(unsafe { libc::ftruncate(fd.raw(), 4096) }, 0);
+        assert!(matches!(
+            importer_fd(MemoryKind::HostMemfd, &fd, 1 << 20),
+            Err(SealError::Shrunk {
+                size: 1048576,
+                now: 4096
+            })
         ));
     }
 }

@@ -4,6 +4,9 @@
 //! process other than the lease's session's own, or to an import's holder
 //! ([`Arbiter::fd_delivering`]); the session's own process is sent its lease's descriptor
 //! without that look (the ticket table refuses a ticket whose lease left the lease table).
+//! Who that is the kernel says of each process that wrote the ticket (`ticket_read.rs`),
+//! not only of the one that connected: a descriptor asked for over a connection its
+//! writer did not make (a child on its parent's socket) goes through that look too.
 //! Connections are capped in all and per peer uid; one over a cap is told "busy" and
 //! closed, its ticket untouched.
 
@@ -15,7 +18,6 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::AsyncReadExt;
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 
@@ -33,7 +35,7 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// serves) with mode 0666: any local process may connect, only a ticket's holder gets an fd.
 pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
     use crate::listener::BindError;
-    crate::listener::bind_unix(path, 0o666)
+    let listener = crate::listener::bind_unix(path, 0o666)
         .await
         .map_err(|e| match e {
             BindError::InUse(path) => std::io::Error::new(
@@ -44,7 +46,10 @@ pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
             e @ BindError::NotASocket(_) => {
                 std::io::Error::new(std::io::ErrorKind::AlreadyExists, e.to_string())
             }
-        })
+        })?;
+    // Every accepted connection inherits it: the kernel names each writer of a ticket.
+    crate::ticket_read::pass_credentials(listener.as_raw_fd())?;
+    Ok(listener)
 }
 
 /// Serves the tickets of `arb` on `listener` until `stop` is cancelled.
@@ -90,7 +95,7 @@ pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: Cancellation
     }
 }
 
-async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>, arb: &Arbiter) {
+async fn serve_one(stream: UnixStream, cred: Option<tokio::net::unix::UCred>, arb: &Arbiter) {
     let table = arb.tickets();
     let uid = cred.map(|c| c.uid());
     let pid = cred
@@ -98,11 +103,21 @@ async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>
         .and_then(|p| u32::try_from(p).ok())
         .filter(|&p| p != 0);
     let mut buf = [0u8; TICKET_LEN];
-    let read = tokio::time::timeout(READ_TIMEOUT, stream.read_exact(&mut buf)).await;
-    let result = match (read, uid) {
-        (Ok(Ok(_)), Some(uid)) => table.redeem(&buf, uid, pid),
-        _ => Err(Refusal::Malformed),
+    let read = tokio::time::timeout(
+        READ_TIMEOUT,
+        crate::ticket_read::read_exact_with_writers(&stream, &mut buf),
+    )
+    .await;
+    let (result, writers) = match (read, uid) {
+        (Ok(Ok(w)), Some(uid)) => (table.redeem(&buf, uid, pid), w.writers),
+        _ => (Err(Refusal::Malformed), Vec::new()),
     };
+    // Writers other than the connecting process (a child on its parent's connection):
+    // the descriptor may be theirs, so each is recorded as the arbiter sees fit.
+    let strangers: Vec<u32> = writers
+        .into_iter()
+        .filter(|&w| w != 0 && Some(w) != pid)
+        .collect();
     match result {
         // A recipient outside the session is recorded before the descriptor leaves, so
         // there is no moment when such a process maps memory the broker no longer counts.
@@ -111,7 +126,7 @@ async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>
         // once for it), so its delivery does not take the arbiter's lock: the table
         // refused its ticket if the lease already left the lease table, and a lease that
         // ends from here on is the same race as one ending while the descriptor is in flight.
-        Ok(r) if r.to.needs_arbiter() && !arb.fd_delivering(r.lease, pid) => {
+        Ok(r) if !delivering(arb, &r, pid, &strangers) => {
             let lease = r.lease;
             arb.metrics().ticket_refused("lease_gone");
             let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
@@ -140,6 +155,18 @@ async fn serve_one(mut stream: UnixStream, cred: Option<tokio::net::unix::UCred>
             );
         }
     }
+}
+
+/// Asks the arbiter before `r`'s descriptor leaves, where it must (a recipient that may be
+/// outside the session, or a writer other than the connecting process `pid`): false when
+/// the lease ended meanwhile.
+fn delivering(arb: &Arbiter, r: &Redeemed, pid: Option<u32>, strangers: &[u32]) -> bool {
+    if r.to.needs_arbiter() && !arb.fd_delivering(r.lease, pid) {
+        return false;
+    }
+    strangers
+        .iter()
+        .all(|&w| arb.fd_delivering(r.lease, Some(w)))
 }
 
 /// Sends one byte with `fd` in `SCM_RIGHTS`.
@@ -195,6 +222,7 @@ pub fn send_with_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncReadExt;
 
     #[tokio::test]
     async fn one_uid_cannot_take_every_ticket_connection() {
@@ -309,6 +337,93 @@ mod tests {
         }
         other.kill().unwrap();
         other.wait().unwrap();
+        stop.cancel();
+    }
+
+    /// A forked child that presents its parent's ticket on a connection its parent made
+    /// (`SO_PEERCRED` names the parent, the session's own process) is seen as itself by
+    /// the kernel's credentials of what it wrote: recorded before the descriptor leaves,
+    /// so the parent's release holds the block for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_child_on_its_parents_ticket_connection_is_recorded() {
+        use crate::arbiter::tests::{quota, req};
+        use crate::session::Peer;
+        use crate::tickets::{Binding, Recipient};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.sock");
+        let listener = bind(&path).await.unwrap();
+        let arb =
+            crate::arbiter::host_arbiter(64 << 20, 1, crate::arbiter::ArbiterConfig::default());
+        arb.tickets().set_socket(&path);
+        arb.set_quota("a", quota(64 << 20)).unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(listener, arb.clone(), stop.clone()));
+        // SAFETY: getuid cannot fail.
+        let uid = unsafe { libc::getuid() };
+        let me = std::process::id();
+        let peer = Peer {
+            pid: Some(me),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx) = arb.open_session("a", "own", peer).unwrap();
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let crate::device::Handle::Fd { fd, .. } = &l.handle;
+        let bound = Binding { uid, pid: Some(me) };
+        let to = Recipient::SessionProcess(l.live.clone());
+        let k = arb.tickets().mint(l.id, bound, fd.clone(), to);
+
+        // This process connects; the child writes the ticket, reads the reply, says so on
+        // a pipe and waits to be killed.
+        let conn = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        let (mut said, told) = std::os::unix::net::UnixStream::pair().unwrap();
+        // SAFETY: the child calls only write, read and _exit (async-signal-safe).
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0);
+        if child == 0 {
+            let mut b = [0u8; 1];
+            // SAFETY: plain syscalls on inherited descriptors, then _exit.
+            unsafe {
+                // Only the parent's end stays open: the child's wait ends with the parent.
+                libc::close(said.as_raw_fd());
+                libc::write(conn.as_raw_fd(), k.as_ptr().cast(), k.len());
+                let n = libc::read(conn.as_raw_fd(), b.as_mut_ptr().cast(), 1);
+                b[0] = u8::from(n == 1 && b[0] == FD_REPLY);
+                libc::write(told.as_raw_fd(), b.as_ptr().cast(), 1);
+                libc::read(told.as_raw_fd(), b.as_mut_ptr().cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        drop(conn);
+        // Killed and reaped however the test ends.
+        struct Reap(libc::pid_t);
+        impl Drop for Reap {
+            fn drop(&mut self) {
+                // SAFETY: killing and reaping our own child.
+                unsafe {
+                    libc::kill(self.0, libc::SIGKILL);
+                    libc::waitpid(self.0, std::ptr::null_mut(), 0);
+                }
+            }
+        }
+        let reap = Reap(child);
+        let got = tokio::task::spawn_blocking(move || {
+            let mut b = [0u8; 1];
+            std::io::Read::read_exact(&mut said, &mut b).unwrap();
+            (said, b[0])
+        })
+        .await
+        .unwrap();
+        assert_eq!(got.1, 1, "the child got the descriptor");
+        arb.release("a", l.id).unwrap();
+        let q = arb.list_quarantined();
+        assert_eq!(q.len(), 1, "{q:?}");
+        assert_eq!(
+            (q[0].lease, q[0].holders.clone()),
+            (l.id, vec![child as u32])
+        );
+        drop(reap);
+        drop(told);
         stop.cancel();
     }
 }

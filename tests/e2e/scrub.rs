@@ -1,8 +1,9 @@
 //! Memory that held one tenant's bytes never reaches another tenant while a process may
 //! still map it: another tenant gets a fresh memory object (zero), and a mapping kept by
 //! the former holder (after release, after a revocation, in a helper or forked process
-//! that outlived the holder) keeps the old pages and never sees the new tenant's bytes.
-//! A tenant's own released blocks are reused (pooled) as before.
+//! that outlived the holder) never sees the new tenant's bytes: it keeps the old pages
+//! while the broker counts them, and holds none once the broker freed (and so revoked)
+//! the old object. A tenant's own released blocks are reused (pooled) as before.
 
 use gpu_broker_client::{HostMapping, LeaseHandle, QuotaSpec, Session};
 use gpu_broker_tests::*;
@@ -21,6 +22,16 @@ fn block_of(l: &gpu_broker_client::Lease) -> String {
 async fn kept_mapping(l: &gpu_broker_client::Lease) -> HostMapping<'static> {
     let fd = l.fetch_fd().await.unwrap();
     HostMapping::from_fd(fd.as_fd(), 0, l.bytes()).unwrap()
+}
+
+/// Pages of `m` in memory (`mincore`), read without touching the mapping.
+fn resident_pages(m: &HostMapping<'_>) -> usize {
+    let page = 4096;
+    let mut vec = vec![0u8; m.len().div_ceil(page)];
+    // SAFETY: mincore over a live mapping into a vector of one byte per page.
+    let rc = unsafe { libc::mincore(m.as_ptr() as *mut _, m.len(), vec.as_mut_ptr()) };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+    vec.iter().filter(|&&v| v & 1 == 1).count()
 }
 
 async fn lease_filled(s: &Session, bytes: u64, byte: u8) -> String {
@@ -43,6 +54,7 @@ async fn a_released_but_still_mapped_lease_never_shows_the_next_tenants_bytes() 
     let block_a = block_of(&la);
     let mut kept = kept_mapping(&la).await;
     kept.fill(0xA5);
+    assert_eq!(resident_pages(&kept), (8 * MIB / 4096) as usize);
     la.release().await.unwrap();
     let d = &devices(&b).await.unwrap()[0];
     assert_eq!((d.cached_bytes, d.leased_bytes), (8 * MIB, 0));
@@ -59,9 +71,16 @@ async fn a_released_but_still_mapped_lease_never_shows_the_next_tenants_bytes() 
         }
         m.fill(0xB0);
     }
+    // Alice's block was freed for bob, and its memfd truncated: her kept mapping holds
+    // no page (a touch would fault), so it neither sees bob's bytes nor keeps memory the
+    // books no longer count.
     assert!(
-        kept.iter().all(|&x| x == 0xA5),
-        "alice's kept mapping sees bob's bytes"
+        eventually(Duration::from_secs(5), || async {
+            resident_pages(&kept) == 0
+        })
+        .await,
+        "alice's kept mapping still holds {} pages",
+        resident_pages(&kept)
     );
     // Same-tenant reuse stays pooled: bob's block comes back to bob (no new object).
     let block_b = block_of(&lb);

@@ -8,6 +8,7 @@ mod capacity;
 mod durability;
 mod fallback;
 mod guarantees;
+mod kept_mappings;
 mod liveness;
 mod load;
 mod malformed;

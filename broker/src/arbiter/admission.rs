@@ -479,10 +479,14 @@ impl Arbiter {
         if let Some(h) = &self.host_tier {
             let what = what.into();
             let counted = matches!(what, super::Unneeded::Block(_)).then(|| self.fds.adopt());
+            let revoke = self.revokes();
             let _ = h.submit(move |dev| {
                 let _counted = counted;
                 // A block's file closes here, after the free.
                 let (alloc, _handle) = what.split();
+                if revoke {
+                    super::revoke_before_free(dev, &alloc, u32::MAX);
+                }
                 if let Err(e) = dev.free(alloc) {
                     tracing::error!(error = %e, "freeing a host-fallback block failed");
                 }

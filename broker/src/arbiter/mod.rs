@@ -177,6 +177,10 @@ pub struct Arbiter {
     /// Tickets that deliver fd leases (served by `ticket_server::serve`).
     pub(crate) tickets: Arc<crate::tickets::TicketTable>,
     draining: AtomicBool,
+    /// Set once the shutdown frees everything: those frees leave kept mappings alone (a
+    /// worker may still read its memory after the broker is gone); every free before
+    /// revokes (`Device::revoke`), so memory that left its tenant is held by nobody.
+    exiting: AtomicBool,
     /// Operator changes, durable in the store (`audit.rs`).
     pub(crate) audit_log: crate::audit::AuditLog,
     /// Which devices admit new leases (drain, health); changed under the state lock.
@@ -314,6 +318,7 @@ impl Arbiter {
             cfg,
             tickets: Arc::default(),
             draining: AtomicBool::new(false),
+            exiting: AtomicBool::new(false),
             metrics,
         });
         arb.load_store()?;
@@ -537,6 +542,7 @@ impl Arbiter {
     /// Ends every session and frees every block on the devices. Blocks until done.
     pub fn shutdown_release_all(self: &Arc<Self>) {
         self.draining.store(true, Ordering::SeqCst);
+        self.exiting.store(true, Ordering::SeqCst);
         let ids = self.lock().sessions().ids();
         for id in ids {
             self.end_session_with(id, "broker shut down", Ending::Destroy);
@@ -553,6 +559,11 @@ impl Arbiter {
         }
     }
 
+    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
+    pub(crate) fn revokes(&self) -> bool {
+        !self.exiting.load(Ordering::SeqCst)
+    }
+
     /// Queues a free of `what` on its device thread: the one place device memory is freed
     /// (reached through `Effect::Free`, and by the grant path when device work failed: a
     /// block whose scrub failed, an allocation whose zeroing or export failed).
@@ -562,10 +573,14 @@ impl Arbiter {
             let id = what.alloc_id();
             // A block's descriptor is counted until it closes (or the job is dropped).
             let counted = matches!(what, Unneeded::Block(_)).then(|| self.fds.adopt());
+            let revoke = self.revokes();
             let r = d.thread.submit(move |dev| {
                 let _counted = counted;
                 // A block's descriptor closes here, after the free, on the device thread.
                 let (alloc, _handle) = what.split();
+                if revoke {
+                    revoke_before_free(dev, &alloc, device);
+                }
                 if let Err(e) = dev.free(alloc) {
                     tracing::error!(device, alloc = id, error = %e, "free failed");
                 }
@@ -574,6 +589,23 @@ impl Arbiter {
                 tracing::error!(device, error = %e, "cannot queue free");
             }
         }
+    }
+}
+
+/// Takes memory about to be freed back from whoever may still map it (a memfd is
+/// truncated). Only the broker's frees of memory that nobody it counts may map come here,
+/// so a process that still maps it kept it past its release, its session or its tenant's
+/// cache. Memory the device cannot revoke (CUDA; a memfd sealed against shrinking) stays
+/// with such a process, outside the books.
+pub(crate) fn revoke_before_free(
+    dev: &mut dyn crate::device::Device,
+    alloc: &crate::device::Allocation,
+    device: u32,
+) {
+    if let Err(e) = dev.revoke(alloc) {
+        // A published memfd (sealed against shrinking for its importers) or one its holder
+        // so sealed: a mapping kept of it keeps its pages, outside the books.
+        tracing::warn!(device, alloc = alloc.id, error = %e, "memory could not be revoked before its free (sealed against shrinking?); a process that kept it mapped keeps it");
     }
 }
 

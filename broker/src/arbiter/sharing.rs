@@ -63,8 +63,12 @@ fn check_name(name: &str) -> BrokerResult<()> {
 enum Publishable {
     /// Its publication, unpublished, gets the name.
     Again(Uuid),
-    /// A new publication: its memory needs a descriptor for importers first.
-    New { kind: MemoryKind, fd: SharedFd },
+    /// A new publication: its memory (`size` bytes) needs a descriptor for importers first.
+    New {
+        kind: MemoryKind,
+        fd: SharedFd,
+        size: u64,
+    },
 }
 
 /// Whether `tenant` may publish `lease` under `name` now, and how (or why not).
@@ -101,10 +105,11 @@ fn publishable(st: &State, tenant: &str, lease: Uuid, name: &str) -> BrokerResul
             max: MAX_PUBLICATIONS_PER_TENANT,
         });
     }
-    let Handle::Fd { kind, fd, .. } = &l.block.handle;
+    let Handle::Fd { kind, fd, size, .. } = &l.block.handle;
     Ok(Publishable::New {
         kind: *kind,
         fd: fd.clone(),
+        size: *size,
     })
 }
 
@@ -152,11 +157,11 @@ impl Arbiter {
         }
         let mut set: BTreeSet<String> = readers.iter().cloned().collect();
         set.remove(tenant);
-        let (kind, fd, fd_counted) = {
+        let (kind, fd, size, fd_counted) = {
             let mut st = self.lock();
             match publishable(&st, tenant, lease, name)? {
                 Publishable::Again(id) => return publish_again(&mut st, id, lease, name, set),
-                Publishable::New { kind, fd } => {
+                Publishable::New { kind, fd, size } => {
                     // A memfd's importers get a reopen of it: one descriptor more.
                     let mut counted = None;
                     if kind == MemoryKind::HostMemfd {
@@ -165,7 +170,7 @@ impl Arbiter {
                         // block is freed, never cached sealed.
                         st.mark_sealing(lease);
                     }
-                    (kind, fd, counted)
+                    (kind, fd, size, counted)
                 }
             }
         };
@@ -176,8 +181,8 @@ impl Arbiter {
         // between this one's look and its add (the add then fails on `F_SEAL_SEAL`); the
         // second try finds them in place, and the look under the lock below says which of
         // the two publishes won. A seal that fails twice failed for its own reason.
-        let (ro, enforced) = sharing::importer_fd(kind, &fd)
-            .or_else(|_| sharing::importer_fd(kind, &fd))
+        let (ro, enforced) = sharing::importer_fd(kind, &fd, size)
+            .or_else(|_| sharing::importer_fd(kind, &fd, size))
             .map_err(|e| BrokerError::SealFailed {
                 lease,
                 cause: e.to_string(),

@@ -89,6 +89,10 @@ impl Device for FaultyDevice {
         self.stall();
         self.inner.free(alloc)
     }
+    fn revoke(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
+        self.stall();
+        self.inner.revoke(alloc)
+    }
     fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError> {
         self.stall();
         if self.switch.get().fail_export {

@@ -55,6 +55,8 @@ pub struct HostDevice {
     allocated: u64,
     next_id: u64,
     live: HashMap<u64, Live>,
+    /// The seals each new memfd gets ([`CREATION_SEALS`], or [`CLOSED_SEALS`]).
+    seals: libc::c_int,
 }
 
 impl HostDevice {
@@ -79,7 +81,15 @@ impl HostDevice {
             allocated: 0,
             next_id: 1,
             live: HashMap::new(),
+            seals: CREATION_SEALS,
         })
+    }
+
+    /// Makes memfds nobody can seal further ([`CLOSED_SEALS`]): for memory that is never
+    /// published (the host tier), so no holder can seal it against the revoking truncation.
+    pub fn with_sealing_closed(mut self) -> HostDevice {
+        self.seals = CLOSED_SEALS;
+        self
     }
 
     /// Gives the device a stable identity: [`synthetic_uuid`] of `seed` (the broker passes
@@ -114,12 +124,23 @@ fn io(alloc: &Allocation, source: std::io::Error) -> DeviceError {
     }
 }
 
-/// The seals every lease memfd gets when it is made: no growing, no shrinking.
-pub const CREATION_SEALS: libc::c_int = libc::F_SEAL_GROW | libc::F_SEAL_SHRINK;
+/// The seals every device lease memfd gets when it is made: no growing. Not against
+/// shrinking: the broker's free truncates it (`Device::revoke`), which is what takes its
+/// pages back from a mapping a holder kept after the memory left it.
+pub const CREATION_SEALS: libc::c_int = libc::F_SEAL_GROW;
+
+/// The seals of memfds that are never published (the host tier): no growing, and no
+/// further seal, so no holder can keep the truncation out.
+pub const CLOSED_SEALS: libc::c_int = libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
 /// A new close-on-exec, sealable memfd of `bytes` bytes named `name` (the name is only a
-/// label in `/proc/<pid>/fd`).
+/// label in `/proc/<pid>/fd`), with the [`CREATION_SEALS`].
 pub fn memfd(name: &str, bytes: u64) -> std::io::Result<OwnedFd> {
+    memfd_sealed(name, bytes, CREATION_SEALS)
+}
+
+/// [`memfd`] with the seals `seals`.
+pub fn memfd_sealed(name: &str, bytes: u64, seals: libc::c_int) -> std::io::Result<OwnedFd> {
     let cname = CString::new(name).map_err(std::io::Error::other)?;
     // SAFETY: a valid NUL-terminated name; flags are plain constants.
     let raw =
@@ -134,13 +155,14 @@ pub fn memfd(name: &str, bytes: u64) -> std::io::Result<OwnedFd> {
     if unsafe { libc::ftruncate(raw, len) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // Workers get this descriptor: its size is the lease's, for good. Without the seals a
-    // holder could grow it past its quota (the pages live as long as the broker's
-    // descriptor) or shrink it under the next holder. It stays sealable, so that publishing
-    // it (`sharing.rs`) can seal it read-only; a holder that adds a seal itself only
-    // hurts its own tenant, and such an object never returns to the cache.
+    // Workers get this descriptor. Without the grow seal a holder could grow it past its
+    // quota (the pages live as long as the broker's descriptor). A holder may shrink it:
+    // that hurts only its own tenant (the object goes to no other). It stays sealable
+    // (device memory), so that publishing it (`sharing.rs`) can seal it read-only; a
+    // holder that adds a seal itself only hurts its own tenant, and such an object never
+    // returns to the cache.
     // SAFETY: fcntl on the descriptor just created.
-    if unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, CREATION_SEALS) } != 0 {
+    if unsafe { libc::fcntl(raw, libc::F_ADD_SEALS, seals) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(fd)
@@ -176,7 +198,7 @@ impl Device for HostDevice {
         let id = self.next_id;
         self.next_id += 1;
         let name = format!("gpu-broker-dev{}-{id}", self.desc.index);
-        let fd = memfd(&name, bytes).map_err(|source| DeviceError::Io {
+        let fd = memfd_sealed(&name, bytes, self.seals).map_err(|source| DeviceError::Io {
             path: PathBuf::from(format!("memfd:{name}")),
             source,
         })?;
@@ -196,9 +218,21 @@ impl Device for HostDevice {
         })
     }
 
+    fn revoke(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
+        let fd = self.live(alloc)?.fd.raw();
+        // Truncated to nothing: every mapping and descriptor of it, wherever a holder
+        // passed it, loses the pages (a touch faults) and the memory is back at once.
+        // SAFETY: ftruncate on a descriptor we own.
+        if unsafe { libc::ftruncate(fd, 0) } != 0 {
+            return Err(io(alloc, std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
     fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError> {
         // Dropping our descriptor; a mapping or descriptor a worker still has keeps its
-        // pages (they reach nobody else: nothing else can open this object).
+        // pages unless `revoke` truncated it first (they reach nobody else: nothing else
+        // can open this object).
         self.live
             .remove(&alloc.id)
             .ok_or(DeviceError::UnknownAllocation(alloc.id))?;
@@ -277,7 +311,7 @@ mod tests {
     }
 
     #[test]
-    fn a_holder_cannot_resize_lease_memory() {
+    fn a_holder_cannot_grow_lease_memory() {
         let mut dev = HostDevice::new(0, 16 << 20).unwrap();
         let a = dev.alloc(1 << 20).unwrap();
         let Handle::Fd { fd, .. } = dev.export(&a).unwrap();
@@ -289,7 +323,6 @@ mod tests {
                 0,
                 "grown past the lease"
             );
-            assert_ne!(libc::ftruncate(fd.raw(), 4096), 0, "shrunk under the lease");
         }
         // Only the seals it was made with (what the sharing rules call pristine).
         // SAFETY: fcntl on a valid descriptor.
@@ -304,6 +337,39 @@ mod tests {
         dev.scrub(&a).unwrap();
         assert_eq!(dev.read(&a, 0, 16).unwrap(), vec![0u8; 16]);
         dev.free(a).unwrap();
+    }
+
+    /// The free's revocation: a mapping kept of freed memory holds no page (a touch would
+    /// fault), on the device and on the host tier (whose memfds take no seal at all).
+    #[test]
+    fn revoking_takes_the_pages_from_a_kept_mapping() {
+        for mut dev in [
+            HostDevice::new(0, 16 << 20).unwrap(),
+            HostDevice::new(u32::MAX, 16 << 20)
+                .unwrap()
+                .with_sealing_closed(),
+        ] {
+            let a = dev.alloc(1 << 20).unwrap();
+            let Handle::Fd { fd, .. } = dev.export(&a).unwrap();
+            let f = std::fs::File::from(fd.0.try_clone().unwrap());
+            f.write_all_at(&[7u8; 1 << 20], 0).unwrap();
+            assert!(f.metadata().unwrap().len() == 1 << 20);
+            dev.revoke(&a).unwrap();
+            dev.free(a).unwrap();
+            assert_eq!(f.metadata().unwrap().len(), 0, "truncated");
+            use std::os::unix::fs::MetadataExt;
+            assert_eq!(f.metadata().unwrap().blocks(), 0, "no page left");
+        }
+        // A holder cannot keep the host tier's revocation out with a seal of its own.
+        let mut dev = HostDevice::new(u32::MAX, 16 << 20)
+            .unwrap()
+            .with_sealing_closed();
+        let a = dev.alloc(1 << 20).unwrap();
+        let Handle::Fd { fd, .. } = dev.export(&a).unwrap();
+        // SAFETY: fcntl on a valid descriptor.
+        let rc = unsafe { libc::fcntl(fd.raw(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) };
+        assert_ne!(rc, 0);
+        dev.revoke(&a).unwrap();
     }
 
     #[test]

@@ -179,6 +179,13 @@ pub trait Device: Send {
     fn alloc(&mut self, bytes: u64) -> Result<Allocation, DeviceError>;
     /// Frees an allocation. Callers guarantee no other process still maps it.
     fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError>;
+    /// Takes the allocation's memory back from every process that may still map it, where
+    /// the device can (a memfd is truncated); before a free of memory that left its
+    /// tenant. The default does nothing: the driver offers no such revocation for CUDA
+    /// memory, whose last importer keeps it alive.
+    fn revoke(&mut self, _alloc: &Allocation) -> Result<(), DeviceError> {
+        Ok(())
+    }
     /// Exports a handle another process can open to map the whole allocation.
     fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError>;
     /// Sets every byte of the allocation to zero.
