@@ -589,7 +589,8 @@ pub fn render(
     for (name, help, get) in DEVICE_GAUGES {
         let fam = Family::<DeviceLabels, Gauge>::default();
         for d in devices {
-            fam.get_or_create(&device_labels(d, &host)).set(get(d) as i64);
+            fam.get_or_create(&device_labels(d, &host))
+                .set(get(d) as i64);
         }
         reg.register(name, help, fam);
     }

@@ -402,10 +402,7 @@ async fn a_running_reservation_shows_in_metrics_and_the_cli() {
         "{text}"
     );
     assert_eq!(
-        gauge(
-            &text,
-            "gpu_broker_device_process_reserved_bytes{gpu=\"0\","
-        ),
+        gauge(&text, "gpu_broker_device_process_reserved_bytes{gpu=\"0\","),
         Some((300 * MIB) as f64),
         "{text}"
     );
