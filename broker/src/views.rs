@@ -18,6 +18,9 @@ pub struct TenantView {
     pub borrowed_bytes: u64,
     pub sessions: u32,
     pub waiting: u32,
+    /// Where the tenant's first waiting request stands in the order of service (1: next);
+    /// 0 when none waits.
+    pub queue_position: u32,
     pub tokens: u32,
     pub turns: crate::scheduler::TurnUsage,
 }
@@ -34,6 +37,7 @@ impl TenantView {
             borrowed_bytes: t.borrowed_bytes(),
             sessions,
             waiting,
+            queue_position: 0,
             tokens: 0,
             turns: Default::default(),
         }

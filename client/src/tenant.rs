@@ -163,6 +163,10 @@ pub struct UsageCounters {
     /// Live process reservations.
     #[serde(default)]
     pub process_reservations: u32,
+    /// Where the tenant's first waiting request stands in the node's order of service
+    /// (1: next); 0 when none waits (or the broker is older than this field).
+    #[serde(default)]
+    pub queue_position: u32,
 }
 
 impl From<pb::Usage> for UsageCounters {
@@ -181,6 +185,7 @@ impl From<pb::Usage> for UsageCounters {
             device_committed_bytes: u.device_committed_bytes.into_iter().collect(),
             process_reserved_bytes: u.process_reserved_bytes,
             process_reservations: u.process_reservations,
+            queue_position: u.queue_position,
         }
     }
 }

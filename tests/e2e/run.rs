@@ -257,7 +257,7 @@ async fn run_over_quota_is_refused_or_waits() {
         .await
         .unwrap();
     assert!(
-        said.contains("for 100.0 MiB on any device")
+        said.contains("for 100.0 MiB on any device; next in the node's queue")
             && said
                 .contains("blocked by tenant \"alice\"'s quota: it holds 200.0 MiB of 256.0 MiB"),
         "a queued run says what it waits for and what blocks it: {said}"

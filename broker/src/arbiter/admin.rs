@@ -91,11 +91,12 @@ impl Arbiter {
     /// A tenant's view from the state (under its lock); its token count and compute-turn
     /// usage come from their own tables after the lock is released ([`Self::finish_view`]).
     fn tenant_view(&self, st: &State, t: &Tenant) -> TenantView {
-        TenantView::of(
-            t,
-            st.sessions().count_of(&t.name) as u32,
-            st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32,
-        )
+        let waiting = st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32;
+        let mut v = TenantView::of(t, st.sessions().count_of(&t.name) as u32, waiting);
+        if waiting > 0 {
+            v.queue_position = st.queue().position_of(&t.name, st.ledger());
+        }
+        v
     }
 
     /// Fills in what [`Self::tenant_view`] leaves out, with no state lock held.

@@ -134,6 +134,15 @@ impl WaitQueue {
         ids.into_iter().filter_map(|id| self.remove(id)).collect()
     }
 
+    /// Where `tenant`'s first waiter stands in the order of service (1: next); 0 when it
+    /// has none waiting.
+    pub fn position_of(&self, tenant: &str, ledger: &Ledger) -> u32 {
+        self.order(ledger)
+            .iter()
+            .position(|id| self.waiters.get(id).is_some_and(|w| w.ask.tenant == tenant))
+            .map_or(0, |i| i as u32 + 1)
+    }
+
     /// Waiter ids in order of service, given what each tenant holds now.
     pub fn order(&self, ledger: &Ledger) -> Vec<u64> {
         let held = |t: &str| {
@@ -192,6 +201,11 @@ mod tests {
         let b1 = q.push(ask("b"), 0, now);
         let c1 = q.push(ask("c"), 5, now);
         assert_eq!(q.order(&l), vec![c1, b1, a1, a2]);
+        // A tenant's position is its first waiter's in that order.
+        assert_eq!(q.position_of("c", &l), 1);
+        assert_eq!(q.position_of("b", &l), 2);
+        assert_eq!(q.position_of("a", &l), 3);
+        assert_eq!(q.position_of("nobody", &l), 0);
     }
 
     #[test]

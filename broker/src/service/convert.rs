@@ -189,6 +189,7 @@ pub fn usage(u: &Usage, t: &TenantView) -> pb::Usage {
         host_held_bytes: u.host_held_bytes,
         session_count: t.sessions,
         waiting_requests: t.waiting,
+        queue_position: t.queue_position,
         turns: t.turns.turns,
         compute_ms: t.turns.compute.as_millis() as u64,
         overrun_ms: t.turns.overrun.as_millis() as u64,

@@ -202,8 +202,13 @@ fn waiting_line(
     } else {
         "blocked by the device: other tenants hold its memory".to_string()
     };
+    let position = match u.usage.queue_position {
+        0 => String::new(),
+        1 => "; next in the node's queue".to_string(),
+        n => format!("; {} request(s) ahead in the node's queue", n - 1),
+    };
     line += &format!(
-        "; {blocker}; {} request(s) of the tenant queued",
+        "{position}; {blocker}; {} request(s) of the tenant queued",
         u.usage.waiting_requests
     );
     line
