@@ -62,13 +62,30 @@ pub fn read_regular_with_meta(
     path: &Path,
     max: u64,
 ) -> Result<(Vec<u8>, std::fs::Metadata), FileReadError> {
+    read_opened(path, max, 0)
+}
+
+/// [`read_regular_with_meta`] of a file that must not be a symbolic link: for a file in a
+/// directory others may write, where a link could name any file the broker can read.
+pub fn read_regular_no_symlink(
+    path: &Path,
+    max: u64,
+) -> Result<(Vec<u8>, std::fs::Metadata), FileReadError> {
+    read_opened(path, max, libc::O_NOFOLLOW)
+}
+
+fn read_opened(
+    path: &Path,
+    max: u64,
+    extra_flags: i32,
+) -> Result<(Vec<u8>, std::fs::Metadata), FileReadError> {
     let io = |source| FileReadError::Io {
         path: path.to_path_buf(),
         source,
     };
     let f = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | extra_flags)
         .open(path)
         .map_err(io)?;
     let meta = f.metadata().map_err(io)?;

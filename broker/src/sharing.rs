@@ -487,10 +487,36 @@ pub fn seals_untouched(fd: &SharedFd) -> bool {
     have == crate::device::host::CREATION_SEALS
 }
 
+/// May a host memfd go back to its tenant's cache: its seals untouched and still `size`
+/// bytes? A holder may shrink its own memfd (it is not sealed against that, so that the
+/// broker can revoke it); a shrunk one would fault the next lease's mapping.
+pub fn untouched(fd: &SharedFd, size: u64) -> bool {
+    // SAFETY: fstat of a descriptor we own into a zeroed stat.
+    let len = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        (libc::fstat(fd.raw(), &mut st) == 0).then_some(st.st_size as u64)
+    };
+    seals_untouched(fd) && len == Some(size)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
+
+    #[test]
+    fn a_memfd_its_holder_shrank_is_not_untouched() {
+        let len = 2u64 << 20;
+        let fd = memfd(len);
+        assert!(untouched(&fd, len));
+        // SAFETY: ftruncate of a descriptor we own.
+        assert_eq!(unsafe { libc::ftruncate(fd.raw(), 4096) }, 0);
+        assert!(seals_untouched(&fd), "shrinking adds no seal");
+        assert!(
+            !untouched(&fd, len),
+            "but it is not the size it was made with"
+        );
+    }
 
     fn memfd(bytes: u64) -> SharedFd {
         SharedFd::new(crate::device::host::memfd("t", bytes).unwrap())

@@ -97,20 +97,14 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<DeclaredTenant>, TenantsErro
             |v: Option<toml::Spanned<Size>>, key: &str| -> Result<Option<u64>, TenantsError> {
                 let Some(v) = v else { return Ok(None) };
                 let at = v.span().start;
-                match v.into_inner() {
-                    Size::Bytes(0) => Ok(Some(0)),
-                    Size::Bytes(b) => Err(invalid(
-                        at,
-                        format!(
-                            "tenants.{}.{key}: {}",
-                            name.get_ref(),
-                            crate::units::parse(&b.to_string()).unwrap_err()
-                        ),
-                    )),
-                    Size::Text(s) => crate::units::parse(&s)
-                        .map(Some)
-                        .map_err(|e| invalid(at, format!("tenants.{}.{key}: {e}", name.get_ref()))),
-                }
+                // A TOML number is read as the same text: a bare one (but 0) is refused.
+                let text = match v.into_inner() {
+                    Size::Bytes(b) => b.to_string(),
+                    Size::Text(s) => s,
+                };
+                crate::units::parse(&text)
+                    .map(Some)
+                    .map_err(|e| invalid(at, format!("tenants.{}.{key}: {e}", name.get_ref())))
             };
         let t = table.into_inner();
         let patch = QuotaPatch {

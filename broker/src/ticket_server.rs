@@ -109,6 +109,11 @@ async fn serve_one(stream: UnixStream, cred: Option<tokio::net::unix::UCred>, ar
     )
     .await;
     let (result, writers) = match (read, uid) {
+        // A writer the broker's pid namespace cannot see (pid 0) beside a connecting
+        // process it can: nobody it could record would hold the descriptor.
+        (Ok(Ok(w)), Some(_)) if pid.is_some() && w.writers.contains(&0) => {
+            (Err(Refusal::Malformed), Vec::new())
+        }
         (Ok(Ok(w)), Some(uid)) => (table.redeem(&buf, uid, pid), w.writers),
         _ => (Err(Refusal::Malformed), Vec::new()),
     };

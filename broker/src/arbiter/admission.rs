@@ -414,8 +414,10 @@ impl Arbiter {
                 // Their frees run on `d`'s thread before the next job there.
                 return true;
             }
+            // The first other device that frees something: no more is evicted than needed.
             (0..self.devices.len() as u32)
-                .filter(|&i| i != d && st.evict_cached(i, bytes) > 0)
+                .find(|&i| i != d && st.evict_cached(i, bytes) > 0)
+                .into_iter()
                 .collect()
         };
         for &i in &others {

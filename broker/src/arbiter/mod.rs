@@ -276,7 +276,7 @@ impl Arbiter {
             host_backed.push(desc.backend == BackendKind::Host);
         }
         // The core asks the kernel about a memfd's seals through the shell's look.
-        let seals = state::SealCheck::new(crate::sharing::seals_untouched);
+        let seals = state::SealCheck::new(crate::sharing::untouched);
         let clock = state::Clock {
             now: Instant::now(),
             wall: SystemTime::now(),
@@ -605,7 +605,8 @@ pub(crate) fn revoke_before_free(
     if let Err(e) = dev.revoke(alloc) {
         // A published memfd (sealed against shrinking for its importers) or one its holder
         // so sealed: a mapping kept of it keeps its pages, outside the books.
-        tracing::warn!(device, alloc = alloc.id, error = %e, "memory could not be revoked before its free (sealed against shrinking?); a process that kept it mapped keeps it");
+        // The usual case is a once-published memfd, freed with nobody mapping it: no alarm.
+        tracing::debug!(device, alloc = alloc.id, error = %e, "memory could not be revoked before its free (sealed against shrinking); a process that kept it mapped keeps it");
     }
 }
 

@@ -137,10 +137,25 @@ impl WaitQueue {
     /// Where `tenant`'s first waiter stands in the order of service (1: next); 0 when it
     /// has none waiting.
     pub fn position_of(&self, tenant: &str, ledger: &Ledger) -> u32 {
-        self.order(ledger)
-            .iter()
-            .position(|id| self.waiters.get(id).is_some_and(|w| w.ask.tenant == tenant))
-            .map_or(0, |i| i as u32 + 1)
+        // One pass, no sort (it runs under the state lock for every GetUsage): the
+        // tenant's first waiter's rank, then how many rank before it.
+        let held = |t: &str| {
+            ledger
+                .get(t)
+                .map(|t| t.usage.committed_bytes())
+                .unwrap_or(0)
+        };
+        let rank = |w: &Waiter| (std::cmp::Reverse(w.priority), held(&w.ask.tenant), w.id);
+        let Some(first) = self
+            .waiters
+            .values()
+            .filter(|w| w.ask.tenant == tenant)
+            .map(rank)
+            .min()
+        else {
+            return 0;
+        };
+        self.waiters.values().filter(|w| rank(w) < first).count() as u32 + 1
     }
 
     /// Waiter ids in order of service, given what each tenant holds now.

@@ -173,13 +173,14 @@ impl Control {
 }
 
 /// The pid in `path` if it names a live process. The pipe directory is its group's too
-/// (0770: workers reach the daemon there), so a worker could put a file of its own, or a
-/// FIFO, in the daemon's place: only a small regular file of the broker's own user (who
-/// started the daemon) counts, read without waiting on a FIFO (`crate::file_read`). The
-/// pid is the one killed when a quit does not take.
+/// (workers reach the daemon there), so a worker could put a file of its own, a FIFO or a
+/// link to another file in the daemon's place: only a small regular file (not a link) of
+/// the broker's own user (who started the daemon) counts, read without waiting on a FIFO
+/// (`crate::file_read`). The pid is the one killed when a quit does not take, and then only
+/// if it runs the MPS control binary ([`is_mps_control`]).
 fn read_live_pid(path: &Path) -> Option<u32> {
     use std::os::unix::fs::MetadataExt;
-    let (bytes, meta) = crate::file_read::read_regular_with_meta(path, 64).ok()?;
+    let (bytes, meta) = crate::file_read::read_regular_no_symlink(path, 64).ok()?;
     // SAFETY: geteuid cannot fail.
     if meta.uid() != unsafe { libc::geteuid() } {
         tracing::warn!(path = %path.display(), owner = meta.uid(), "MPS pid file not written by the broker's user: ignored");
@@ -190,6 +191,16 @@ fn read_live_pid(path: &Path) -> Option<u32> {
         return None;
     }
     crate::process::process_alive(pid as u32).then_some(pid as u32)
+}
+
+/// Whether process `pid` runs the MPS control daemon's binary: the last check before it is
+/// killed, so that a pid file naming another process (pid reuse, a planted file) kills
+/// nothing else.
+pub fn is_mps_control(pid: u32) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .and_then(|exe| exe.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .is_some_and(|name| name.starts_with("nvidia-cuda-mps-control"))
 }
 
 /// Pids in a command's answer (one per line; other lines are ignored).
@@ -243,5 +254,24 @@ mod tests {
         }
         std::os::unix::fs::chown(&p, Some(65534), Some(65534)).unwrap();
         assert_eq!(read_live_pid(&p), None, "written by another user");
+    }
+
+    /// A link in the pid file's place (to a file of the broker's user that holds a live
+    /// pid) counts for nothing, and a live process that is not the control daemon is not
+    /// taken for it.
+    #[test]
+    fn a_link_in_the_pid_files_place_or_another_binary_is_no_daemon() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("elsewhere.pid");
+        std::fs::write(&target, format!("{}\n", std::process::id())).unwrap();
+        assert_eq!(read_live_pid(&target), Some(std::process::id()));
+        let p = dir.path().join(PID_FILE);
+        std::os::unix::fs::symlink(&target, &p).unwrap();
+        assert_eq!(read_live_pid(&p), None, "a symbolic link");
+        assert!(
+            !is_mps_control(std::process::id()),
+            "this test is no MPS daemon"
+        );
+        assert!(!is_mps_control(u32::MAX), "no such process");
     }
 }

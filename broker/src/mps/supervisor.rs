@@ -132,14 +132,18 @@ impl Shared {
             while Instant::now() < deadline && alive(pid) {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            if alive(pid) {
+            if alive(pid) && super::control::is_mps_control(pid) {
                 tracing::warn!(
                     pid,
                     "MPS control daemon still running after quit: killing it"
                 );
-                // SAFETY: a plain kill of the pid our own daemon wrote in our private
-                // pipe directory.
+                // SAFETY: a plain kill of a pid that runs the MPS control binary.
                 unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            } else if alive(pid) {
+                tracing::warn!(
+                    pid,
+                    "the MPS pid file names a process that is not the control daemon: not killed"
+                );
             }
         }
         self.set(MpsState::Stopped, None);
@@ -148,12 +152,13 @@ impl Shared {
 
 use crate::process::process_alive as alive;
 
-/// Creates `dir` (and parents) and makes it 0770: the broker's user and group (who may
-/// use the broker's socket) reach the daemon; nobody else on the node becomes a client.
+/// Creates `dir` (and parents) and makes it 01770: the broker's user and group (who may
+/// use the broker's socket) reach the daemon; nobody else on the node becomes a client;
+/// the sticky bit keeps the group from removing or replacing the daemon's own files.
 fn make_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(dir)?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o770))
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1770))
 }
 
 /// The supervision loop; returns (after `quit`) when `stop` is cancelled.

@@ -107,10 +107,10 @@ async fn starts_the_daemon_checks_it_and_quits_at_shutdown() {
     );
     assert!(starts[0].contains("visible=0,1"), "{}", starts[0]);
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(&pipe).unwrap().permissions().mode() & 0o777;
+    let mode = std::fs::metadata(&pipe).unwrap().permissions().mode() & 0o7777;
     assert_eq!(
-        mode, 0o770,
-        "the pipe directory is private to the broker's user and group"
+        mode, 0o1770,
+        "the pipe directory is private to the broker's user and group, and sticky"
     );
     // Health checks keep coming.
     until("health checks", || fx.commands("get_server_list") >= 3).await;

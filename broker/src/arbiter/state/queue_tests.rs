@@ -42,7 +42,7 @@ type Touched = Arc<Mutex<BTreeSet<i32>>>;
 /// The seal look of a core under test: untouched unless the test said otherwise.
 fn seal_check(touched: &Touched) -> SealCheck {
     let touched = touched.clone();
-    SealCheck::new(move |fd| !touched.lock().contains(&fd.raw()))
+    SealCheck::new(move |fd, _| !touched.lock().contains(&fd.raw()))
 }
 
 impl Core {

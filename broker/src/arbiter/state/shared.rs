@@ -65,14 +65,15 @@ pub(crate) struct Unchecked {
 
 /// How the core learns whether a host memfd still carries only the seals it was made
 /// with: a holder may add seals to a memfd it has, so only the kernel knows. The core
-/// does no I/O; the shell gives it the look (`sharing::seals_untouched`, a `fcntl`) when
+/// does no I/O; the shell gives it the look (`sharing::untouched`, a `fcntl` and a `fstat`) when
 /// it makes the core, and the core's tests give it one they control.
 #[derive(Clone)]
-pub(crate) struct SealCheck(Arc<dyn Fn(&SharedFd) -> bool + Send + Sync>);
+pub(crate) struct SealCheck(Arc<dyn Fn(&SharedFd, u64) -> bool + Send + Sync>);
 
 impl SealCheck {
-    /// The look `untouched` answers: true when the memfd's seals are its creation seals.
-    pub(crate) fn new(untouched: impl Fn(&SharedFd) -> bool + Send + Sync + 'static) -> Self {
+    /// The look `untouched` answers: true when the memfd's seals are its creation seals
+    /// and it still has the size (the second argument) it was made with.
+    pub(crate) fn new(untouched: impl Fn(&SharedFd, u64) -> bool + Send + Sync + 'static) -> Self {
         SealCheck(Arc::new(untouched))
     }
 }
@@ -81,7 +82,7 @@ impl Default for SealCheck {
     /// No look at all: every host memfd counts as touched (freed, never cached), which is
     /// never wrong, only slower. The shell always gives the real look.
     fn default() -> Self {
-        SealCheck::new(|_| false)
+        SealCheck::new(|_, _| false)
     }
 }
 
@@ -99,8 +100,9 @@ impl State {
             Handle::Fd {
                 kind: MemoryKind::HostMemfd,
                 fd,
+                size,
                 ..
-            } => (self.seals.0)(fd),
+            } => (self.seals.0)(fd, *size),
             _ => true,
         }
     }
