@@ -68,7 +68,10 @@ pub(crate) struct Unchecked {
 /// does no I/O; the shell gives it the look (`sharing::untouched`, a `fcntl` and a `fstat`) when
 /// it makes the core, and the core's tests give it one they control.
 #[derive(Clone)]
-pub(crate) struct SealCheck(Arc<dyn Fn(&SharedFd, u64) -> bool + Send + Sync>);
+pub(crate) struct SealCheck(Arc<UntouchedLook>);
+
+/// The look itself: a memfd and the size it was made with -> untouched?
+type UntouchedLook = dyn Fn(&SharedFd, u64) -> bool + Send + Sync;
 
 impl SealCheck {
     /// The look `untouched` answers: true when the memfd's seals are its creation seals
