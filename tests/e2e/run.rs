@@ -252,6 +252,12 @@ async fn run_over_quota_is_refused_or_waits() {
         .await,
         "the second run waits in the queue"
     );
+    let listed = b.admin().await.unwrap().list_tenants().await.unwrap();
+    let alice = listed.iter().find(|t| t.name == "alice").unwrap();
+    assert_eq!(
+        alice.usage.queue_position, 1,
+        "the tenants listing says where its waiter stands"
+    );
     let said = second
         .line_starting("stderr: gpu-brokerctl run: waiting", Duration::from_secs(5))
         .await

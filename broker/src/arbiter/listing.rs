@@ -126,14 +126,29 @@ impl Arbiter {
                 c.1 += 1;
             }
         }
+        // Each waiting tenant's place in the order of service: its first waiter's.
+        let mut positions: HashMap<&str, u32> = HashMap::new();
+        if !st.queue().is_empty() {
+            for (i, id) in st.queue().order(st.ledger()).iter().enumerate() {
+                if let Some(w) = st.queue().get(*id) {
+                    if counts.contains_key(w.ask.tenant.as_str()) {
+                        positions
+                            .entry(w.ask.tenant.as_str())
+                            .or_insert(i as u32 + 1);
+                    }
+                }
+            }
+        }
         let views = page
             .iter()
             .map(|t| {
                 let (sessions, waiting) = counts.get(t.name.as_str()).copied().unwrap_or((0, 0));
-                TenantView::of(t, sessions, waiting)
+                let mut v = TenantView::of(t, sessions, waiting);
+                v.queue_position = positions.get(t.name.as_str()).copied().unwrap_or(0);
+                v
             })
             .collect();
-        drop((counts, page, it));
+        drop((counts, positions, page, it));
         st.unlock_fair();
         (views, more)
     }
