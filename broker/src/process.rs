@@ -131,6 +131,12 @@ pub fn stat_fields(pid: u32) -> Option<String> {
     Some(stat[stat.rfind(')')? + 1..].to_string())
 }
 
+/// When a live process started (clock ticks since boot, `/proc/PID/stat`'s field 22):
+/// with its pid, what tells it from a later process given the same pid.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    stat_fields(pid)?.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// The parent of a live process (None if gone or unknown).
 pub fn parent_of(pid: u32) -> Option<u32> {
     stat_fields(pid)?

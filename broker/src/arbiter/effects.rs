@@ -123,11 +123,19 @@ struct Running {
     last: u64,
 }
 
+/// What [`Watchers::join`] answers: a new watcher to spawn (its generation and stop), and
+/// keys of an earlier process of the same pid to fire now.
+type Joined = (Option<(u64, CancellationToken)>, Vec<Watch>);
+
 /// The one watcher of a process and the keys it fires.
 struct ProcWatch {
     /// Which task this is: a task that fired takes the keys of its own generation only
     /// (a key added after it fired starts a new one).
     generation: u64,
+    /// When the watched process started ([`crate::process::start_ticks`]; None: gone or
+    /// unknown when the watcher began): a key for another process of the same pid must
+    /// not join it.
+    start: Option<u64>,
     keys: HashSet<Watch>,
     _stop: DropGuard,
 }
@@ -138,15 +146,26 @@ impl Watchers {
         self.0.lock().timers.insert(key, stop);
     }
 
-    /// Adds `key` to process `pid`'s watcher. Returns the generation and cancellation
-    /// token of a new watcher when the process had none (the caller spawns its task). A
-    /// watcher is taken out of the table as soon as its process exited, so a key joins
-    /// one for a process that lives or died a moment ago, not an earlier owner of its pid.
-    fn join(&self, key: Watch, pid: u32) -> Option<(u64, CancellationToken)> {
+    /// Adds `key` to the watcher of process `pid`, which started at `start` (read by the
+    /// caller, before this lock). Returns the generation and cancellation token of a new
+    /// watcher when the process had none (the caller spawns its task), and the keys of a
+    /// watcher of an earlier process of that pid, which exited though its task has not
+    /// fired yet: the caller fires them (that task then finds another generation and fires
+    /// nothing), and the key does not join them.
+    fn join(&self, key: Watch, pid: u32, start: Option<u64>) -> Joined {
         let mut r = self.0.lock();
+        let mut earlier = Vec::new();
         if let Some(p) = r.procs.get_mut(&pid) {
-            p.keys.insert(key);
-            return None;
+            // Unknown now: the process is gone, and whichever it was, the watch is due.
+            if start.is_none() || p.start == start {
+                p.keys.insert(key);
+                return (None, earlier);
+            }
+            earlier = r
+                .procs
+                .remove(&pid)
+                .map(|p| p.keys.into_iter().collect())
+                .unwrap_or_default();
         }
         r.last += 1;
         let generation = r.last;
@@ -155,11 +174,12 @@ impl Watchers {
             pid,
             ProcWatch {
                 generation,
+                start,
                 keys: HashSet::from([key]),
                 _stop: stop.clone().drop_guard(),
             },
         );
-        Some((generation, stop))
+        (Some((generation, stop)), earlier)
     }
 
     /// Stops waiting for `key`; a process watcher left with no key ends (its pidfd
@@ -464,7 +484,17 @@ impl Arbiter {
         let me = std::sync::Arc::downgrade(&me);
         match w.pid() {
             Some(pid) => {
-                let Some((generation, stop)) = self.watchers.join(w, pid) else {
+                let start = crate::process::start_ticks(pid);
+                let (new, earlier) = self.watchers.join(w, pid, start);
+                if !earlier.is_empty() {
+                    let me = me.clone();
+                    rt.spawn(async move {
+                        if let Some(arb) = me.upgrade() {
+                            arb.watches_fired(earlier);
+                        }
+                    });
+                }
+                let Some((generation, stop)) = new else {
                     return;
                 };
                 rt.spawn(async move {
@@ -645,6 +675,40 @@ impl Arbiter {
 mod tests {
     use super::*;
     use crate::error::BrokerError;
+
+    /// A key for another process that got the pid of a watched one (which exited, its
+    /// task not fired yet) does not join that watcher: the earlier keys are handed back to
+    /// fire now, the new key gets a watcher of its own, and the earlier task fires nothing.
+    #[test]
+    fn a_later_process_of_the_same_pid_gets_a_watcher_of_its_own() {
+        let w = Watchers::default();
+        let key = |n: u128| Watch::Session {
+            session: Uuid::from_u128(n),
+            pid: 42,
+        };
+        let (first, earlier) = w.join(key(1), 42, Some(100));
+        let (first_gen, _stop1) = first.expect("a new watcher");
+        assert!(earlier.is_empty());
+        let (joined, earlier) = w.join(key(2), 42, Some(100));
+        assert!(
+            joined.is_none() && earlier.is_empty(),
+            "the same process: joined"
+        );
+        let (unknown, earlier) = w.join(key(3), 42, None);
+        assert!(
+            unknown.is_none() && earlier.is_empty(),
+            "gone now: due with the rest"
+        );
+        let (second, earlier) = w.join(key(4), 42, Some(200));
+        let (second_gen, _stop2) = second.expect("a watcher of its own");
+        let earlier: HashSet<Watch> = earlier.into_iter().collect();
+        assert_eq!(earlier, HashSet::from([key(1), key(2), key(3)]));
+        assert!(
+            w.exited(42, first_gen).is_empty(),
+            "the earlier task fires nothing"
+        );
+        assert_eq!(w.exited(42, second_gen), vec![key(4)]);
+    }
 
     #[test]
     fn take_reply_takes_only_that_waiters_answer_and_keeps_the_rest_in_order() {
