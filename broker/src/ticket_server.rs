@@ -272,6 +272,40 @@ mod tests {
         stop.cancel();
     }
 
+    /// A ticket server on a fresh socket for a host arbiter (one 64 MiB device, tenant
+    /// "a" allowed all of it), and who this test process is.
+    struct Serving {
+        _dir: tempfile::TempDir,
+        path: std::path::PathBuf,
+        arb: std::sync::Arc<crate::arbiter::Arbiter>,
+        stop: CancellationToken,
+        uid: u32,
+        me: u32,
+    }
+
+    async fn serving() -> Serving {
+        let _dir = tempfile::tempdir().unwrap();
+        let path = _dir.path().join("t.sock");
+        let listener = bind(&path).await.unwrap();
+        let arb =
+            crate::arbiter::host_arbiter(64 << 20, 1, crate::arbiter::ArbiterConfig::default());
+        arb.tickets().set_socket(&path);
+        arb.set_quota("a", crate::arbiter::tests::quota(64 << 20))
+            .unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(listener, arb.clone(), stop.clone()));
+        // SAFETY: getuid cannot fail.
+        let uid = unsafe { libc::getuid() };
+        Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me: std::process::id(),
+        }
+    }
+
     /// The server's dispatch: the session's own process is sent its lease's descriptor
     /// without being recorded (its release then caches the block); a process outside the
     /// session is recorded before its descriptor leaves (the release then holds the block
@@ -279,22 +313,18 @@ mod tests {
     /// descriptor, whoever it was minted for.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn only_a_process_outside_the_session_is_recorded_and_an_ended_lease_sends_nothing() {
-        use crate::arbiter::tests::{quota, req};
+        use crate::arbiter::tests::req;
         use crate::session::Peer;
         use crate::tickets::{Binding, Recipient};
         use gpu_broker_client::{fd::fetch, ClientError};
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.sock");
-        let listener = bind(&path).await.unwrap();
-        let arb =
-            crate::arbiter::host_arbiter(64 << 20, 1, crate::arbiter::ArbiterConfig::default());
-        arb.tickets().set_socket(&path);
-        arb.set_quota("a", quota(64 << 20)).unwrap();
-        let stop = CancellationToken::new();
-        tokio::spawn(serve(listener, arb.clone(), stop.clone()));
-        // SAFETY: getuid cannot fail.
-        let uid = unsafe { libc::getuid() };
-        let me = std::process::id();
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving().await;
         let bound = Binding { uid, pid: Some(me) };
         let fd_of = |v: &crate::lease::LeaseView| match &v.handle {
             crate::device::Handle::Fd { fd, .. } => fd.clone(),
@@ -351,21 +381,17 @@ mod tests {
     /// so the parent's release holds the block for it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_child_on_its_parents_ticket_connection_is_recorded() {
-        use crate::arbiter::tests::{quota, req};
+        use crate::arbiter::tests::req;
         use crate::session::Peer;
         use crate::tickets::{Binding, Recipient};
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.sock");
-        let listener = bind(&path).await.unwrap();
-        let arb =
-            crate::arbiter::host_arbiter(64 << 20, 1, crate::arbiter::ArbiterConfig::default());
-        arb.tickets().set_socket(&path);
-        arb.set_quota("a", quota(64 << 20)).unwrap();
-        let stop = CancellationToken::new();
-        tokio::spawn(serve(listener, arb.clone(), stop.clone()));
-        // SAFETY: getuid cannot fail.
-        let uid = unsafe { libc::getuid() };
-        let me = std::process::id();
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving().await;
         let peer = Peer {
             pid: Some(me),
             uid: Some(uid),

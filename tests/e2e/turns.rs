@@ -172,7 +172,6 @@ async fn turn_requests_get_precise_statuses() {
 /// (as every call with it now is), not as though it had named no open session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_waiter_whose_token_is_revoked_is_refused_for_its_token() {
-    use gpu_broker_client::error::Reason;
     use gpu_broker_client::{Client, QuotaSpec};
     let b = Broker::start_with(BrokerOpts::default()).unwrap();
     let a = b.client("a", 64 * MIB).await.unwrap();
@@ -189,12 +188,5 @@ async fn a_turn_waiter_whose_token_is_revoked_is_refused_for_its_token() {
         .await,
         "the turn request never waited"
     );
-    b.admin().await.unwrap().revoke_token(&token).await.unwrap();
-    let e = tokio::time::timeout(Duration::from_secs(5), waiter)
-        .await
-        .expect("the waiter is answered when its token is revoked")
-        .unwrap()
-        .unwrap_err();
-    assert_eq!(e.code(), Code::Unauthenticated, "{e}");
-    assert_eq!(e.reason(), Some(&Reason::TokenUnknown), "{e}");
+    revoked_while_waiting(&b, &token, waiter).await;
 }

@@ -96,6 +96,15 @@ async fn settled_total(kept: &[Kept], at_most: u64) -> u64 {
     total()
 }
 
+/// A host-backend broker of one 512 MiB device.
+fn broker_of_512_mib() -> Broker {
+    Broker::start_with(BrokerOpts {
+        capacity: "512MiB",
+        ..BrokerOpts::default()
+    })
+    .unwrap()
+}
+
 async fn client_of(b: &Broker, name: &str, q: QuotaSpec) -> Client {
     let token = b.tenant(name, q).await.unwrap();
     Client::connect(&b.uri(), token).await.unwrap()
@@ -153,11 +162,7 @@ async fn host_memory_kept_mapped_after_its_release_is_revoked() {
 /// only the last one (still in its tenant's cache) holds memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sealed_device_memory_kept_mapped_is_revoked_when_freed() {
-    let b = Broker::start_with(BrokerOpts {
-        capacity: "512MiB",
-        ..BrokerOpts::default()
-    })
-    .unwrap();
+    let b = broker_of_512_mib();
     let c = client_of(&b, "t", QuotaSpec::new(64 * MIB)).await;
     let s = c.session("sealer").await.unwrap();
     let mut kept = Vec::new();
@@ -191,11 +196,7 @@ async fn sealed_device_memory_kept_mapped_is_revoked_when_freed() {
 /// mapped after its release does not hold device memory the books give to another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cached_block_evicted_for_another_tenant_is_revoked() {
-    let b = Broker::start_with(BrokerOpts {
-        capacity: "512MiB",
-        ..BrokerOpts::default()
-    })
-    .unwrap();
+    let b = broker_of_512_mib();
     let a = client_of(&b, "a", QuotaSpec::new(512 * MIB)).await;
     let other = client_of(&b, "b", QuotaSpec::new(512 * MIB)).await;
     let sa = a.session("keeper").await.unwrap();

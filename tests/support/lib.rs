@@ -753,3 +753,25 @@ mod health {
 pub async fn devices(b: &Broker) -> Result<Vec<gpu_broker_client::DeviceInfo>> {
     Ok(b.admin().await?.get_devices().await?)
 }
+
+/// Revokes `token` and expects the call `waiter` is waiting in (a lease or a turn asked
+/// with that token) to be answered at once with the token's refusal: UNAUTHENTICATED,
+/// `TOKEN_UNKNOWN`, not the session's disappearance.
+pub async fn revoked_while_waiting<T: std::fmt::Debug>(
+    b: &Broker,
+    token: &str,
+    waiter: tokio::task::JoinHandle<Result<T, gpu_broker_client::ClientError>>,
+) {
+    b.admin().await.unwrap().revoke_token(token).await.unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter is answered when its token is revoked")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code(), gpu_broker_client::Code::Unauthenticated, "{e}");
+    assert_eq!(
+        e.reason(),
+        Some(&gpu_broker_client::error::Reason::TokenUnknown),
+        "{e}"
+    );
+}
