@@ -79,16 +79,8 @@ async fn lingering_imports_of_one_process_hold_one_descriptor_in_the_broker() {
 /// own cached block is reused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_leases_are_refused_before_the_broker_runs_out_of_descriptors() {
-    if std::process::Command::new("prlimit")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("SKIP: prlimit (util-linux) is not installed");
-        return;
-    }
-    let b = Broker::start_wrapped(
-        vec!["prlimit".into(), "--nofile=1024:1024".into()],
+    let b = Broker::start_with_nofile(
+        1024,
         BrokerOpts {
             capacity: "4GiB",
             ..BrokerOpts::default()

@@ -561,16 +561,8 @@ async fn connections_are_capped_per_uid_and_in_total_with_an_operator_reserve() 
 /// operator still connects.
 #[tokio::test]
 async fn idle_connections_cannot_exhaust_the_descriptor_limit() {
-    if std::process::Command::new("prlimit")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("SKIP: prlimit (util-linux) is not installed");
-        return;
-    }
-    let b = Broker::start_wrapped(
-        vec!["prlimit".into(), "--nofile=128:128".into()],
+    let b = Broker::start_with_nofile(
+        128,
         BrokerOpts {
             capacity: "64MiB",
             extra: vec!["--handshake-timeout".into(), "60s".into()],

@@ -103,6 +103,16 @@ impl Broker {
         Broker::start_args_in(Vec::new(), Vec::new(), args)
     }
 
+    /// Starts a host-backend broker whose descriptor limit is `nofile` (soft and hard),
+    /// through util-linux's `prlimit` (part of every Linux base system: its absence is a
+    /// failure, not a skip).
+    pub fn start_with_nofile(nofile: u32, opts: BrokerOpts) -> Result<Broker> {
+        Broker::start_wrapped(
+            vec!["prlimit".into(), format!("--nofile={nofile}:{nofile}")],
+            opts,
+        )
+    }
+
     /// Starts a host-backend broker under `wrapper` (e.g. `unshare --pid --fork ...`):
     /// the broker runs as `wrapper... gpu-broker args...`; `pid()` is the wrapper's.
     pub fn start_wrapped(wrapper: Vec<String>, opts: BrokerOpts) -> Result<Broker> {
