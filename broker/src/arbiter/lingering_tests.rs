@@ -18,19 +18,7 @@ fn pidfds_on(pid: u32) -> usize {
         .count()
 }
 
-/// A `sleep` child: a live process sessions can belong to.
-fn live_process() -> (std::process::Child, Peer) {
-    let child = std::process::Command::new("sleep")
-        .arg("60")
-        .spawn()
-        .unwrap();
-    let peer = Peer {
-        pid: Some(child.id()),
-        uid: None,
-        unix: true,
-    };
-    (child, peer)
-}
+use super::tests::live_process;
 
 /// `tenant` publishes `n` leases of 2 MiB, named `w0`, `w1`, ..., for `readers`.
 async fn publish(arb: &Arc<Arbiter>, tenant: &str, n: usize, readers: &[String]) -> Vec<String> {

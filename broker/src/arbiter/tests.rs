@@ -398,15 +398,7 @@ async fn higher_priority_waiter_triggers_reclaim_of_lowest_newest() {
 async fn session_of_an_exited_process_returns_memory_to_the_pool() {
     let f = fixture(8 * MIB, 1, ArbiterConfig::default());
     f.arb.set_quota("a", quota(8 * MIB)).unwrap();
-    let mut child = std::process::Command::new("sleep")
-        .arg("30")
-        .spawn()
-        .unwrap();
-    let peer = Peer {
-        pid: Some(child.id()),
-        uid: None,
-        unix: true,
-    };
+    let (mut child, peer) = live_process();
     let (s, _events) = f.arb.open_session("a", "w", peer).unwrap();
     f.arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
     child.kill().unwrap();
@@ -1132,15 +1124,7 @@ async fn fd_recipients_are_looked_at_after_the_unlock_and_undecided_counts_alive
 async fn watchers_are_kept_by_the_shell_and_stopped_with_what_they_watch() {
     let f = fixture(8 * MIB, 1, ArbiterConfig::default());
     f.arb.set_quota("a", quota(8 * MIB)).unwrap();
-    let mut child = std::process::Command::new("sleep")
-        .arg("30")
-        .spawn()
-        .unwrap();
-    let peer = Peer {
-        pid: Some(child.id()),
-        uid: None,
-        unix: true,
-    };
+    let (mut child, peer) = live_process();
     // A session of a live process: its peer is watched.
     let (s, _events) = f.arb.open_session("a", "w", peer).unwrap();
     assert_eq!(f.arb.watchers.len(), 1);
@@ -1439,15 +1423,7 @@ async fn a_published_lease_revoked_is_freed_not_cached_when_its_process_exits() 
     let f = fixture(64 * MIB, 1, ArbiterConfig::default());
     f.arb.set_quota("a", quota(64 * MIB)).unwrap();
     let b = f.tenant("b", quota(64 * MIB));
-    let mut child = std::process::Command::new("sleep")
-        .arg("30")
-        .spawn()
-        .unwrap();
-    let peer = Peer {
-        pid: Some(child.id()),
-        uid: None,
-        unix: true,
-    };
+    let (mut child, peer) = live_process();
     let (s, _rx) = f.arb.open_session("a", "t", peer).unwrap();
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
     f.arb.publish("a", l.id, "weights", &["b".into()]).unwrap();
@@ -1619,4 +1595,18 @@ async fn a_fresh_block_whose_export_failed_is_freed_on_the_device() {
     switch.heal();
     let l = arb.acquire(req("a", s, 64 * MIB)).await.unwrap();
     assert_eq!(l.bytes, 64 * MIB);
+}
+
+/// A `sleep` child: a live process sessions can belong to, and its peer credentials.
+pub(crate) fn live_process() -> (std::process::Child, Peer) {
+    let child = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let peer = Peer {
+        pid: Some(child.id()),
+        uid: None,
+        unix: true,
+    };
+    (child, peer)
 }
