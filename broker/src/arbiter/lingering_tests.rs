@@ -3,7 +3,7 @@
 //! per-tenant cap counts them, and the session index answers what a scan of every import
 //! would.
 
-use super::tests::{quota, req};
+use super::tests::{live_process, quota, req};
 use super::*;
 
 const MIB: u64 = 1 << 20;
@@ -17,8 +17,6 @@ fn pidfds_on(pid: u32) -> usize {
         .filter(|e| std::fs::read_to_string(e.path()).is_ok_and(|s| s.lines().any(|l| l == want)))
         .count()
 }
-
-use super::tests::live_process;
 
 /// `tenant` publishes `n` leases of 2 MiB, named `w0`, `w1`, ..., for `readers`.
 async fn publish(arb: &Arc<Arbiter>, tenant: &str, n: usize, readers: &[String]) -> Vec<String> {
