@@ -1,12 +1,13 @@
-//! Rules of the daemon's code that the compiler does not keep. The core's layering (no
-//! runtime, OS binding, RPC or metrics in `gpu-broker-core`, nothing of it reaching the
-//! shell) is its crate boundary now; what is checked here by reading the sources (comments
-//! aside) is what a crate boundary cannot say: the core's transitions read no clock and do
-//! no file or socket I/O through `std` (which the core may name); the state lock is taken
-//! only by `Arbiter::lock`, device memory freed only by the executors, effects pushed only
-//! by the core; the command line and the wire stay at the edge; no process-wide static but
-//! the listed ones; tonic is named only by the transport modules, listed with their reasons
-//! (a refusal is a `BrokerError` everywhere else; `grpc_status.rs` makes it a status).
+//! Rules of the daemon's code that the compiler does not keep, checked by reading the
+//! sources (comments aside). The core's layering is its crate boundary now: no runtime, OS
+//! binding, RPC or metrics crate in `gpu-broker-core`, nothing of it reaching the shell,
+//! and only the core makes effects (`Effect`'s variants are `non_exhaustive`, its list
+//! private). What a crate boundary cannot say is checked here: the core's transitions read
+//! no clock and do no file or socket I/O through `std`; the state lock is taken only by
+//! `Arbiter::lock` and device memory freed only by the executors; the command line and the
+//! wire stay at the edge; the process holds no static but the listed ones; tonic is named
+//! only by the transport modules, listed with their reasons (a refusal is a `BrokerError`
+//! everywhere else; `grpc_status.rs` makes it a status).
 
 use std::path::Path;
 
@@ -198,86 +199,6 @@ fn the_state_lock_is_taken_only_through_arbiter_lock() {
     );
     assert!(names_any("let st = self.state.lock();\n", true, &RAW_STATE_LOCK).is_some());
     assert!(names_any("let st = self.lock();\n", true, &RAW_STATE_LOCK).is_none());
-}
-
-/// What only the core pushes: its effect list (`State::fx`, a private field of
-/// `arbiter/state/`) and the effects themselves. Outside `arbiter/state/` only the lock
-/// guard (`arbiter/effects.rs`, which defines them and runs what it takes with
-/// `State::take_effects`) names an `Effect` variant; shell code calls the transition that
-/// pushes its own effects. The turn core (`scheduler/`) pushes its own (`TurnEffect`).
-const PUSHES_EFFECTS: [&str; 4] = [".fx(", ".fx.", "Effect::", "Effects::"];
-
-/// Does `code` name `word` (not as the tail of a longer name: `TurnEffect::` is the turn
-/// core's)?
-fn names_word(code: &str, word: &str) -> bool {
-    code.match_indices(word).any(|(i, _)| {
-        let before = code[..i].chars().next_back();
-        !(word.starts_with(|c: char| c.is_alphanumeric())
-            && before.is_some_and(|c| c.is_alphanumeric() || c == '_'))
-    })
-}
-
-/// The first line of `source`'s code (comments and test items aside) that pushes an effect.
-fn pushes_effects(source: &str) -> Option<String> {
-    code_lines(source, true)
-        .into_iter()
-        .find(|code| PUSHES_EFFECTS.iter().any(|w| names_word(code, w)))
-        .map(str::to_string)
-}
-
-#[test]
-fn only_the_core_pushes_effects() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut guard_runs_them = false;
-    let mut checked = 0;
-    for f in rust_files(&src) {
-        let rel = f.strip_prefix(&src).unwrap().to_string_lossy().to_string();
-        if rel.ends_with("tests.rs") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&f).unwrap();
-        if rel.starts_with("scheduler/") {
-            // The turn core: its own effects (`TurnEffect`), pushed by its transitions.
-            continue;
-        }
-        if rel.starts_with("arbiter/state/") {
-            // The core keeps its list to itself: no accessor hands it out mutably.
-            if let Some(line) = names_any(&text, true, &["-> &mut Effects"]) {
-                panic!("{rel} hands out the core's effect list: {line}");
-            }
-            continue;
-        }
-        let found = pushes_effects(&text);
-        if rel == "arbiter/effects.rs" {
-            guard_runs_them = found.is_some();
-        } else if let Some(line) = found {
-            panic!("{rel} pushes effects itself instead of calling a transition: {line}");
-        }
-        checked += 1;
-    }
-    assert!(checked >= 50, "only {checked} files checked");
-    assert!(
-        guard_runs_them,
-        "the lock guard in arbiter/effects.rs runs the effects"
-    );
-    // The check sees a push where it is, and not the turn core's effects or a comment.
-    for code in [
-        "st.fx().reply(to, r);\n",
-        "self.fx.notify(s, e);\n",
-        "let e = Effect::Kill { pid };\n",
-        "let mut fx = Effects::default();\n",
-        "let e = effects::Effect::Kill { pid };\n",
-    ] {
-        assert!(pushes_effects(code).is_some(), "{code}");
-    }
-    for code in [
-        "todo.push_back(TurnEffect::WakeAt(until));\n",
-        "// answered through `Effect::Reply`\n",
-        "st.finish_grant(&ask, priority, d, made, draining, to);\n",
-        "#[cfg(test)]\nfn t(st: &mut State) {\n    st.fx_behind_the_back().free(0, b);\n}\n",
-    ] {
-        assert!(pushes_effects(code).is_none(), "{code}");
-    }
 }
 
 /// Where the command line may be named: the configuration parses the flags. Elsewhere a

@@ -13,50 +13,68 @@ use crate::queue::{Granted, WaiterId};
 use crate::session::SessionEvent;
 use uuid::Uuid;
 
-/// One thing a transition asks the shell to do.
+/// One thing a transition asks the shell to do. Only the core makes them: every variant is
+/// `non_exhaustive`, so the shell matches on them (with `..`) but cannot build one and push
+/// or run it in place of a transition (its own tests, under the `testing` feature, can).
 #[derive(Debug)]
 pub enum Effect {
     /// Free a block on device `device` (queued before the lock is released).
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     Free { device: u32, block: Block },
     /// Free a host-fallback block (queued before the lock is released).
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     FreeHost { block: Block },
     /// Kill the holder of a revoked lease (`--reclaim-policy terminate`).
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     Kill { pid: u32 },
     /// Start a watcher (a task waiting for a process's exit or a timeout); the shell
     /// keeps its cancellation handle under the key. Run before the lock is released, so
     /// it is in place before any later transition can stop it.
-    Watch(Watch),
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
+    Watch { watch: Watch },
     /// Stop the watcher of that key (if it still runs). Run before the lock is released.
-    Unwatch(Watch),
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
+    Unwatch { watch: Watch },
     /// Answer a waiting `acquire` (by its id: the shell keeps the channel,
     /// `outbox.rs`); a grant nobody receives is released at once.
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     Reply {
         to: WaiterId,
         result: BrokerResult<Granted>,
     },
     /// Tell a session something (its event stream, through its mailbox in `outbox.rs`).
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     Notify { session: Uuid, event: SessionEvent },
     /// A session ended: its mailbox closes (after the events pushed before this).
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     Hangup { session: Uuid },
     /// Processes that may map an ended lease's (or import's) memory, counted alive under
     /// the lock without a look: after the unlock the shell reads `/proc` and hands those
     /// certainly gone to `State::holders_checked` (a check that cannot decide is alive).
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     CheckGone {
         of: crate::state::Holding,
         pids: Vec<u32>,
     },
     /// A lease ended: its undelivered tickets go.
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     ForgetTickets { lease: Uuid },
     /// A session ended: its compute turns and turn requests go.
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     EndTurns { session: Uuid },
     /// A process reservation ended: stop what is left of its program's process group
     /// (SIGTERM, SIGKILL after `process_stop_grace`).
-    StopGroup(crate::process_group::ProcessGroup),
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
+    StopGroup {
+        group: crate::process_group::ProcessGroup,
+    },
     /// Count something in the metrics.
-    Count(Counted),
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
+    Count { what: Counted },
     /// Do a grant's device work (allocate, or scrub a reused block) on a task, then commit
     /// it. Runs after the lock is released, so after the frees queued under it.
-    Materialize(Box<PendingGrant>),
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
+    Materialize { grant: Box<PendingGrant> },
 }
 
 /// What a watcher waits for, and its key: the state names what it waits on, the shell
@@ -113,30 +131,35 @@ pub enum Counted {
 pub struct Effects(Vec<Effect>);
 
 impl Effects {
-    pub fn push(&mut self, e: Effect) {
+    /// Pushes `e` as a transition would (the daemon's tests of the effect executor).
+    #[cfg(feature = "testing")]
+    pub fn push_for_test(&mut self, e: Effect) {
+        self.0.push(e);
+    }
+    pub(crate) fn push(&mut self, e: Effect) {
         self.0.push(e);
     }
     /// Free `block` on device `device`.
-    pub fn free(&mut self, device: u32, block: Block) {
+    pub(crate) fn free(&mut self, device: u32, block: Block) {
         self.0.push(Effect::Free { device, block });
     }
     /// Free a host-fallback block.
-    pub fn free_host(&mut self, block: Block) {
+    pub(crate) fn free_host(&mut self, block: Block) {
         self.0.push(Effect::FreeHost { block });
     }
     /// Send `event` to session `session`'s stream.
-    pub fn notify(&mut self, session: Uuid, event: SessionEvent) {
+    pub(crate) fn notify(&mut self, session: Uuid, event: SessionEvent) {
         self.0.push(Effect::Notify { session, event });
     }
     /// Answer a waiter with a lease (or why not).
-    pub fn reply(&mut self, to: WaiterId, result: BrokerResult<LeaseView>) {
+    pub(crate) fn reply(&mut self, to: WaiterId, result: BrokerResult<LeaseView>) {
         self.0.push(Effect::Reply {
             to,
             result: result.map(Granted::Lease),
         });
     }
     /// Answer a waiting process reservation (or why not).
-    pub fn reply_process(
+    pub(crate) fn reply_process(
         &mut self,
         to: WaiterId,
         result: BrokerResult<crate::reservations::ReservationView>,
@@ -147,20 +170,20 @@ impl Effects {
         });
     }
     /// Start a watcher.
-    pub fn watch(&mut self, w: Watch) {
-        self.0.push(Effect::Watch(w));
+    pub(crate) fn watch(&mut self, w: Watch) {
+        self.0.push(Effect::Watch { watch: w });
     }
     /// Stop a watcher.
-    pub fn unwatch(&mut self, w: Watch) {
-        self.0.push(Effect::Unwatch(w));
+    pub(crate) fn unwatch(&mut self, w: Watch) {
+        self.0.push(Effect::Unwatch { watch: w });
     }
     /// Stop what is left of an ended reservation's process group.
-    pub fn stop_group(&mut self, g: crate::process_group::ProcessGroup) {
-        self.0.push(Effect::StopGroup(g));
+    pub(crate) fn stop_group(&mut self, g: crate::process_group::ProcessGroup) {
+        self.0.push(Effect::StopGroup { group: g });
     }
     /// Count something.
-    pub fn count(&mut self, what: Counted) {
-        self.0.push(Effect::Count(what));
+    pub(crate) fn count(&mut self, what: Counted) {
+        self.0.push(Effect::Count { what });
     }
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
@@ -212,12 +235,16 @@ mod tests {
         assert!(matches!(
             rest.as_slice(),
             [
-                Effect::Count(Counted::Quarantined),
+                Effect::Count {
+                    what: Counted::Quarantined
+                },
                 Effect::Reply {
                     to: 1,
                     result: Err(BrokerError::ShuttingDown)
                 },
-                Effect::Count(Counted::ReclaimRequested),
+                Effect::Count {
+                    what: Counted::ReclaimRequested
+                },
             ]
         ));
     }

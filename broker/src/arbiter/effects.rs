@@ -232,17 +232,17 @@ impl Drop for Locked<'_> {
         let mut looks = Vec::new();
         for e in effects {
             match e {
-                Effect::Free { device, block } => self.arb.free_on_device(device, block),
-                Effect::FreeHost { block } => self.arb.free_host(block),
-                Effect::Watch(w) => self.arb.start_watch(w),
-                Effect::Unwatch(w) => self.arb.watchers.stop(&w),
-                Effect::Notify { session, event } => {
+                Effect::Free { device, block, .. } => self.arb.free_on_device(device, block),
+                Effect::FreeHost { block, .. } => self.arb.free_host(block),
+                Effect::Watch { watch: w, .. } => self.arb.start_watch(w),
+                Effect::Unwatch { watch: w, .. } => self.arb.watchers.stop(&w),
+                Effect::Notify { session, event, .. } => {
                     if let Some(to) = self.arb.outbox.sender(&session) {
                         later.push(After::Deliver(to, event));
                     }
                 }
-                Effect::Hangup { session } => self.arb.outbox.close(&session),
-                Effect::CheckGone { of, pids } => looks.push((of, pids)),
+                Effect::Hangup { session, .. } => self.arb.outbox.close(&session),
+                Effect::CheckGone { of, pids, .. } => looks.push((of, pids)),
                 other => later.push(After::Run(other)),
             }
         }
@@ -383,9 +383,9 @@ impl Arbiter {
     /// queued under the lock).
     pub(crate) fn execute(&self, e: Effect) {
         match e {
-            Effect::Free { device, block } => self.free_on_device(device, block),
-            Effect::FreeHost { block } => self.free_host(block),
-            Effect::Kill { pid } => {
+            Effect::Free { device, block, .. } => self.free_on_device(device, block),
+            Effect::FreeHost { block, .. } => self.free_host(block),
+            Effect::Kill { pid, .. } => {
                 if pid != std::process::id() {
                     tracing::warn!(pid, "terminating the holder of a revoked lease");
                     // SAFETY: plain syscall on a pid the kernel told us holds the session.
@@ -394,21 +394,21 @@ impl Arbiter {
                     }
                 }
             }
-            Effect::Watch(w) => self.start_watch(w),
-            Effect::Unwatch(w) => self.watchers.stop(&w),
-            Effect::Reply { to, mut result } => {
+            Effect::Watch { watch: w, .. } => self.start_watch(w),
+            Effect::Unwatch { watch: w, .. } => self.watchers.stop(&w),
+            Effect::Reply { to, mut result, .. } => {
                 // The core leaves a reservation's device UUID to the shell.
                 if let Ok(Granted::Process(v)) = &mut result {
                     v.device_uuid = self.device_uuid(v.device);
                 }
                 self.answer(to, result)
             }
-            Effect::Notify { session, event } => self.outbox.send(&session, event),
-            Effect::Hangup { session } => self.outbox.close(&session),
-            Effect::CheckGone { of, pids } => self.check_gone(vec![(of, pids)]),
-            Effect::ForgetTickets { lease } => self.tickets.forget_lease(lease),
-            Effect::EndTurns { session } => self.end_turns(session),
-            Effect::StopGroup(g) => {
+            Effect::Notify { session, event, .. } => self.outbox.send(&session, event),
+            Effect::Hangup { session, .. } => self.outbox.close(&session),
+            Effect::CheckGone { of, pids, .. } => self.check_gone(vec![(of, pids)]),
+            Effect::ForgetTickets { lease, .. } => self.tickets.forget_lease(lease),
+            Effect::EndTurns { session, .. } => self.end_turns(session),
+            Effect::StopGroup { group: g, .. } => {
                 let grace = self.cfg.process_stop_grace;
                 match self.effects_runtime() {
                     Some(rt) => {
@@ -417,12 +417,12 @@ impl Arbiter {
                     None => tracing::warn!(pgid = g.pgid, "no runtime to stop a process group"),
                 }
             }
-            Effect::Materialize(p) => {
+            Effect::Materialize { grant: p, .. } => {
                 if let Some(me) = self.me.upgrade() {
                     me.spawn_grant(*p);
                 }
             }
-            Effect::Count(c) => match c {
+            Effect::Count { what: c, .. } => match c {
                 Counted::Granted(tier) => self.metrics.granted(tier),
                 Counted::Quarantined => self.metrics.quarantined(),
                 Counted::Revoked(why) => self.metrics.revoked(why),

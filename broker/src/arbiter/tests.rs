@@ -972,13 +972,14 @@ async fn session_events_go_through_the_outbox_and_its_end_closes_the_stream() {
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
     {
         let mut st = f.arb.lock();
-        st.fx_behind_the_back().notify(
-            s,
-            SessionEvent::LeaseRevoked {
-                lease_id: l.id,
-                reason: "told, then ended".into(),
-            },
-        );
+        st.fx_behind_the_back()
+            .push_for_test(effects::Effect::Notify {
+                session: s,
+                event: SessionEvent::LeaseRevoked {
+                    lease_id: l.id,
+                    reason: "told, then ended".into(),
+                },
+            });
         st.end_session(s, Some(Ending::Cache), false);
     }
     match rx.try_recv() {

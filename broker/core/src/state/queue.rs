@@ -486,13 +486,15 @@ impl State {
         }
         // The device work starts once the lock is released, after the frees above were
         // queued.
-        self.fx.push(Effect::Materialize(Box::new(PendingGrant {
-            ask,
-            priority,
-            to,
-            device: d,
-            source,
-        })));
+        self.fx.push(Effect::Materialize {
+            grant: Box::new(PendingGrant {
+                ask,
+                priority,
+                to,
+                device: d,
+                source,
+            }),
+        });
     }
 
     /// Why `ask` does not fit now, with the numbers.

@@ -153,7 +153,7 @@ fn answers(effects: &[Effect]) -> Vec<(WaiterId, Result<u32, BrokerError>)> {
                 result: Ok(Granted::Process(v)),
             } => Some((*to, Ok(v.device))),
             Effect::Reply { to, result: Err(e) } => Some((*to, Err(e.clone()))),
-            Effect::Materialize(p) => Some((p.to, Ok(p.device))),
+            Effect::Materialize { grant: p } => Some((p.to, Ok(p.device))),
             _ => None,
         })
         .collect()
@@ -343,7 +343,7 @@ fn fit_prefers_a_cached_block_of_the_size_then_the_most_free_device() {
     assert!(
         matches!(
             effects.as_slice(),
-            [Effect::Count(Counted::Granted(_)), Effect::Reply { to, result: Ok(Granted::Lease(v)) }]
+            [Effect::Count { what: Counted::Granted(_) }, Effect::Reply { to, result: Ok(Granted::Lease(v)) }]
                 if *to == w8 && v.device == 1
         ),
         "{effects:?}"
@@ -370,9 +370,9 @@ fn another_tenants_cached_block_is_replaced_by_fresh_memory() {
         matches!(
             effects.as_slice(),
             [
-                Effect::Count(Counted::CrossTenantFresh),
+                Effect::Count { what: Counted::CrossTenantFresh },
                 Effect::Free { device: 0, .. },
-                Effect::Materialize(p),
+                Effect::Materialize { grant: p },
             ] if p.to == w && matches!(p.source, Source::Fresh { .. })
         ),
         "{effects:?}"
@@ -409,7 +409,14 @@ fn holders_are_asked_back_lowest_priority_and_newest_first_only_as_much_as_neede
         .count();
     let counted = effects
         .iter()
-        .filter(|e| matches!(e, Effect::Count(Counted::ReclaimRequested)))
+        .filter(|e| {
+            matches!(
+                e,
+                Effect::Count {
+                    what: Counted::ReclaimRequested
+                }
+            )
+        })
         .count();
     assert_eq!((notified, counted), (2, 2));
     assert!(c.st.queue().get(w).unwrap().reclaim_sent);
@@ -614,7 +621,7 @@ fn a_cached_memfd_found_sealed_is_freed_not_handed_out() {
             effects.as_slice(),
             [
                 Effect::Free { device: 0, block },
-                Effect::Materialize(p),
+                Effect::Materialize { grant: p },
             ] if block.alloc.id == 1 && p.to == w && matches!(p.source, Source::Fresh { .. })
         ),
         "{effects:?}"

@@ -435,7 +435,7 @@ impl Harness {
                     }
                     Effect::CheckGone { of, pids } => looks.push((of, pids)),
                     Effect::Reply { to, result } => self.answered(to, result),
-                    Effect::Materialize(p) => self.materialize(*p),
+                    Effect::Materialize { grant: p } => self.materialize(*p),
                     _ => {}
                 }
             }
@@ -1136,7 +1136,7 @@ impl Harness {
         };
         let counted = effects
             .iter()
-            .filter(|e| matches!(e, Effect::Count(Counted::Revoked(w)) if *w == label));
+            .filter(|e| matches!(e, Effect::Count { what: Counted::Revoked(w) } if *w == label));
         assert_eq!(counted.count(), 1);
         for e in before.into_iter().chain(effects) {
             self.st.fx.push(e);
@@ -1614,12 +1614,15 @@ fn a_lease_held_for_recipients_ends_as_it_was_ending_once_they_are_found_gone() 
     // No memory came back: it stays quarantined.
     assert!(!h.st.holders_checked(Holding::Lease(id), &[OTHERS[0]]));
     let fx = h.st.take_effects().into_vec();
-    assert!(fx
-        .iter()
-        .any(|e| matches!(e, Effect::Count(Counted::Quarantined))));
     assert!(fx.iter().any(|e| matches!(
         e,
-        Effect::Watch(Watch::Quarantine { lease, pid: Some(p) }) if *lease == id && *p == PIDS[0]
+        Effect::Count {
+            what: Counted::Quarantined
+        }
+    )));
+    assert!(fx.iter().any(|e| matches!(
+        e,
+        Effect::Watch { watch: Watch::Quarantine { lease, pid: Some(p) } } if *lease == id && *p == PIDS[0]
     )));
     assert!(h.st.quarantine().contains_key(&id));
     assert!(!h.st.shared().held.contains_key(&id));

@@ -54,7 +54,7 @@ fn a_session_is_refused_for_a_missing_or_closing_tenant_and_past_its_tenants_cap
     assert!(
         matches!(
             c.st.take_effects().into_vec().as_slice(),
-            [Effect::Watch(Watch::Session { session, pid: 7 })] if *session == id
+            [Effect::Watch { watch: Watch::Session { session, pid: 7 } }] if *session == id
         ),
         "its peer is watched"
     );
