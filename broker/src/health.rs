@@ -159,7 +159,7 @@ pub async fn report_grpc_health(
     };
     let mut last: Option<Vec<bool>> = None;
     loop {
-        if arb.is_draining() {
+        if arb.is_shutting_down() {
             return;
         }
         let open: Vec<bool> = {
@@ -175,7 +175,7 @@ pub async fn report_grpc_health(
                     .await;
             }
             // Shutting down meanwhile: the server's NOT_SERVING stands.
-            let up = open.iter().any(|o| *o) && !stop.is_cancelled() && !arb.is_draining();
+            let up = open.iter().any(|o| *o) && !stop.is_cancelled() && !arb.is_shutting_down();
             reporter
                 .set_service_status("gpubroker.v1.Broker", status(up))
                 .await;

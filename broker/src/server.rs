@@ -267,7 +267,7 @@ pub async fn serve(
     health_reporter
         .set_not_serving::<BrokerServer<BrokerService>>()
         .await;
-    arb.begin_drain(grace);
+    arb.begin_shutdown(grace);
     let deadline = Instant::now() + grace;
     while arb.session_count() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;

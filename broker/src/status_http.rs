@@ -67,7 +67,9 @@ pub async fn respond<B>(
     }
     match req.uri().path() {
         "/healthz" => text(StatusCode::OK, "ok\n"),
-        "/readyz" if arb.is_draining() => text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n"),
+        "/readyz" if arb.is_shutting_down() => {
+            text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
+        }
         "/readyz" => text(StatusCode::OK, "ready\n"),
         "/status" | "/metrics" => {
             if access.require_token && !authorized(arb, req) {

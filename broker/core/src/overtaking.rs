@@ -10,7 +10,7 @@
 //! waits for in time, whatever the request rate. Its own tenant's later requests never
 //! overtake it (first come, first served within a tenant), nor do lower priorities.
 //!
-//! Pure: the clock reading is an argument (`Arbiter::drain` reads it once per pass).
+//! Pure: the clock reading is an argument (`Arbiter::run_queue` reads it once per queue run).
 
 use std::time::{Duration, Instant};
 

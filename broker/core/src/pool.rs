@@ -291,7 +291,7 @@ impl Pool {
     }
 
     /// Removes every cached block (shutdown).
-    pub fn drain_cache(&mut self) -> Vec<Block> {
+    pub fn take_cache(&mut self) -> Vec<Block> {
         let seqs: Vec<u64> = self.lru.keys().copied().collect();
         seqs.into_iter()
             .filter_map(|s| self.remove_seq(s))

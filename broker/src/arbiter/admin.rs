@@ -237,8 +237,8 @@ impl Arbiter {
         tracing::info!(tenant = name, ?quota, "quota set");
         let mut st = self.lock();
         let created = st.set_quota(name, quota)?;
-        // A raised limit or new guarantee may let waiters in, or call for reclaim.
-        self.drain(&mut st);
+        // The reply shows the tenant after the queue ran for it.
+        st.settle();
         let t = st
             .ledger()
             .get(name)

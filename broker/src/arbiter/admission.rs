@@ -1,10 +1,10 @@
 //! Admission, the shell's side: a request is checked (shape, session, devices, what can
 //! never fit, a draw from a process reservation), offered to the queue, and its caller
 //! waits for the answer. What fits where, in which order, and whose memory is asked back
-//! is the core's queue policy (`state/queue.rs`): [`Arbiter::drain`] only reads what the
-//! policy needs from outside the state (which devices admit leases, the clocks, the
-//! tunables) and runs it. The device work of a grant (allocate, scrub) runs here on a
-//! task, outside the lock, on memory already reserved.
+//! is the core's queue policy (`state/queue.rs`): [`Arbiter::run_queue`], called by the
+//! lock guard, reads what the policy needs from outside the state (which devices admit
+//! leases, the clocks, the tunables) and runs it. The device work of a grant (allocate,
+//! scrub) runs here on a task, outside the lock, on memory already reserved.
 
 use super::effects::PendingGrant;
 use super::queue::{Granted, WaiterId};
@@ -64,10 +64,7 @@ impl Drop for WaiterGuard {
         {
             let mut st = self.arb.lock();
             self.arb.outbox.forget_reply(self.id);
-            if st.abandon(self.id) {
-                // Its place may have blocked others.
-                self.arb.drain(&mut st);
-            }
+            st.abandon(self.id);
         }
         if let Some(Ok(granted)) = unreceived {
             self.arb.give_back(granted);
@@ -106,7 +103,7 @@ impl Arbiter {
         process: Option<crate::reservations::ProcessAsk>,
         waited: &mut bool,
     ) -> BrokerResult<Granted> {
-        self.check_not_draining()?;
+        self.check_not_shutting_down()?;
         self.validate(&req)?;
         let mut queued = self.enqueue(&req, process, None)?;
         if let Offered::NeedsLineage(pid) = queued {
@@ -147,11 +144,10 @@ impl Arbiter {
                 Err(_) => {
                     let lost = {
                         let mut st = self.lock();
-                        let lost = st.give_up(id, &self.avail.read());
-                        if lost.is_some() {
-                            // Its place may have blocked others.
-                            self.drain(&mut st);
-                        }
+                        let avail = self.avail.read();
+                        let lost = st.give_up(id, &avail);
+                        // Before the guard's drop, which runs the queue and reads it too.
+                        drop(avail);
                         lost
                     };
                     match lost {
@@ -208,8 +204,8 @@ impl Arbiter {
                 let id = st.next_waiter_id();
                 let rx = self.outbox.register_reply(id);
                 let bytes = drawn.ask.bytes;
-                let draining = self.is_draining();
-                st.grant_waiter(id, drawn.ask, drawn.priority, drawn.device, draining);
+                let shutting_down = self.is_shutting_down();
+                st.grant_waiter(id, drawn.ask, drawn.priority, drawn.device, shutting_down);
                 return Ok(Offered::Waiting {
                     rx,
                     id,
@@ -292,14 +288,15 @@ impl Arbiter {
             overtake_age: self.cfg.overtake_age,
             reclaim_deadline: self.cfg.reclaim_deadline,
             terminating: self.cfg.reclaim_policy == super::ReclaimPolicy::Terminate,
-            draining: self.is_draining(),
+            shutting_down: self.is_shutting_down(),
         }
     }
 
     /// Runs the queue (`State::run_queue`): grants what fits, refuses what never can,
-    /// asks memory back for the rest. Every release and every change that may let a
-    /// waiter in calls it, under the state lock.
-    pub(crate) fn drain(&self, st: &mut State) {
+    /// asks memory back for the rest. The lock guard calls it when a transition of the
+    /// hold asked for it (`State::take_queue_due`): every release and every change that
+    /// may let a waiter in.
+    pub(super) fn run_queue(&self, st: &mut State) {
         if st.queue().is_empty() {
             return;
         }
@@ -347,8 +344,7 @@ impl Arbiter {
                 }
             }
             let mut st = arb.lock();
-            st.finish_grant(&ask, priority, d, made, arb.is_draining(), to);
-            arb.drain(&mut st);
+            st.finish_grant(&ask, priority, d, made, arb.is_shutting_down(), to);
         });
     }
 

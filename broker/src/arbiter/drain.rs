@@ -120,7 +120,10 @@ impl Arbiter {
                 }
             }
         }
-        self.fail_stranded_waiters(&mut st);
+        // Waiters no open device can serve any more are refused now (pinned:
+        // `FAILED_PRECONDITION`; unpinned: `UNAVAILABLE`), before the reclaim requests.
+        st.devices_changed();
+        st.settle();
         // Ask holders of reclaimable leases there to release by the deadline (or the
         // usual reclaim deadline).
         let grace = deadline.unwrap_or(self.cfg.reclaim_deadline);
@@ -155,9 +158,10 @@ impl Arbiter {
             }
         }
         st.withdraw_drain_reclaim(&withdrawn);
+        st.devices_changed();
         tracing::warn!(devices = ?targets, withdrawn = withdrawn.len(), "drain ended");
-        // Waiters may fit on the reopened devices now.
-        self.drain(&mut st);
+        // The report shows what the queue granted on the reopened devices.
+        st.settle();
         Ok(self.drain_report_locked(&st))
     }
 
@@ -196,12 +200,5 @@ impl Arbiter {
             })
             .collect();
         DrainReport { devices }
-    }
-
-    /// Fails every waiting request that no open device can serve any more, with the
-    /// reason (pinned: `FAILED_PRECONDITION`; unpinned: `UNAVAILABLE`), and runs the queue
-    /// (their places may have blocked others): `State::run_queue` refuses them.
-    pub(crate) fn fail_stranded_waiters(&self, st: &mut State) {
-        self.drain(st);
     }
 }

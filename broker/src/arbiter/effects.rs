@@ -193,6 +193,15 @@ impl<'a> Locked<'a> {
         self.fair = true;
     }
 
+    /// Runs the queue now if a transition of this hold asked for it (the drop would), for
+    /// a caller that reads the state after the queue in the same hold (a reply, a report).
+    pub(crate) fn settle(&mut self) {
+        let st = self.st.as_mut().expect("held until drop");
+        if st.take_queue_due() {
+            self.arb.run_queue(st);
+        }
+    }
+
     fn release(&self, st: MutexGuard<'a, State>) {
         if self.fair {
             MutexGuard::unlock_fair(st);
@@ -218,6 +227,11 @@ impl<'a> Locked<'a> {
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
         let Some(mut st) = self.st.take() else { return };
+        // A transition that gave memory back (or changed what fits) asked for the queue:
+        // it runs here, in the same hold, so no caller can forget it.
+        if st.take_queue_due() {
+            self.arb.run_queue(&mut st);
+        }
         #[cfg(debug_assertions)]
         if let Err(e) = st.check_invariant() {
             panic!("byte-state invariant broken: {e}");
@@ -365,16 +379,12 @@ impl Arbiter {
         }
         for chunk in shared.chunks(PER_HOLD) {
             let mut st = self.lock();
-            let mut back = false;
             for &w in chunk {
-                back |= match w {
+                match w {
                     Watch::Held { lease, pid } => st.held_waiter_gone(lease, pid),
                     Watch::Import { import, pid } => st.import_waiter_gone(import, pid),
                     Watch::Session { .. } | Watch::Quarantine { .. } => false,
                 };
-            }
-            if back {
-                self.drain(&mut st);
             }
         }
     }
@@ -455,12 +465,8 @@ impl Arbiter {
         let Some(me) = self.me.upgrade() else { return };
         for chunk in looks.chunks(PER_HOLD) {
             let mut st = me.lock();
-            let mut back = false;
             for (of, gone) in chunk {
-                back |= st.holders_checked(*of, gone);
-            }
-            if back {
-                me.drain(&mut st);
+                st.holders_checked(*of, gone);
             }
         }
     }
@@ -491,7 +497,6 @@ impl Arbiter {
                 self.end_reservation(&mut st, view.id);
             }
         }
-        self.drain(&mut st);
     }
 }
 

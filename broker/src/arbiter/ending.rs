@@ -22,7 +22,6 @@ impl Arbiter {
             _ => return Err(lease_not_found(lease)),
         }
         self.end_lease(&mut st, lease, Ending::Cache);
-        self.drain(&mut st);
         tracing::debug!(%lease, tenant, "lease released");
         Ok(())
     }
@@ -34,7 +33,7 @@ impl Arbiter {
         pid.is_some_and(process_gone)
     }
 
-    /// Ends a lease; returns its view. Does not run the queue (callers do). Processes
+    /// Ends a lease; returns its view. The queue runs after the hold. Processes
     /// outside the session that fetched its descriptor are looked at after the unlock
     /// (`Effect::CheckGone`): no `/proc` read under the lock.
     pub(crate) fn end_lease(
@@ -48,10 +47,7 @@ impl Arbiter {
 
     /// The holder of quarantined memory is gone: cache (or free) the block.
     pub(super) fn unquarantine(self: &Arc<Self>, id: Uuid, destroy: bool) {
-        let mut st = self.lock();
-        if st.lift_quarantine(id, destroy) {
-            self.drain(&mut st);
-        }
+        self.lock().lift_quarantine(id, destroy);
     }
 
     /// Ends a session: its waiting requests fail, its leases end (cached if its process is
@@ -71,7 +67,6 @@ impl Arbiter {
             return;
         };
         tracing::info!(session = %id, tenant = %session.tenant, reason, leases = session.leases().len(), bytes, "session ended");
-        self.drain(&mut st);
     }
 
     /// Takes a lease away at an operator's word (`reason`: what its holder is told). The
@@ -94,7 +89,6 @@ impl Arbiter {
             .revoke(id, why, gone, kill)
             .ok_or_else(|| lease_not_found(id))?;
         tracing::warn!(lease = %id, reason = why.reason(), ?ending, "lease revoked");
-        self.drain(&mut st);
         Ok(view)
     }
 
@@ -120,6 +114,5 @@ impl Arbiter {
         let mut st = self.lock();
         let now = st.clock().now;
         st.rearm_reclaim(older_than, now);
-        self.drain(&mut st);
     }
 }

@@ -48,7 +48,9 @@ impl Arbiter {
                     }
                 }
             }
-            self.fail_stranded_waiters(&mut st);
+            // Waiters no open device can serve any more are refused now.
+            st.devices_changed();
+            st.settle();
             st.tell_device_unhealthy(index, &uuid, reason)
         };
         tracing::error!(device = index, %uuid, reason, by_operator, sessions_told = holders, "DEVICE UNHEALTHY: no new leases on it");
@@ -89,8 +91,7 @@ impl Arbiter {
                     }
                 }
             };
-            // Waiters may fit there now.
-            self.drain(&mut st);
+            st.devices_changed();
             before
         };
         tracing::warn!(device = index, by_operator, was = %before, "device healthy again: admitting");

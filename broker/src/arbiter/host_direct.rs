@@ -14,7 +14,7 @@ impl Arbiter {
         self: &Arc<Self>,
         req: AcquireRequest,
     ) -> BrokerResult<LeaseView> {
-        self.check_not_draining()?;
+        self.check_not_shutting_down()?;
         self.validate(&req)?;
         let Some(host) = &self.host_tier else {
             return Err(BrokerError::NoHostTier);

@@ -164,7 +164,7 @@ pub struct Arbiter {
     pub(crate) scheduler: turns::Scheduler,
     /// Tickets that deliver fd leases (served by `ticket_server::serve`).
     pub(crate) tickets: Arc<crate::tickets::TicketTable>,
-    draining: AtomicBool,
+    shutting_down: AtomicBool,
     /// Set once the shutdown frees everything: those frees leave kept mappings alone (a
     /// worker may still read its memory after the broker is gone); every free before
     /// revokes (`Device::revoke`), so memory that left its tenant is held by nobody.
@@ -302,7 +302,7 @@ impl Arbiter {
             auth,
             cfg,
             tickets: Arc::default(),
-            draining: AtomicBool::new(false),
+            shutting_down: AtomicBool::new(false),
             exiting: AtomicBool::new(false),
             metrics,
         });
@@ -371,12 +371,12 @@ impl Arbiter {
     }
 
     /// Is the broker shutting down?
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::SeqCst)
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
     }
 
-    fn check_not_draining(&self) -> BrokerResult<()> {
-        if self.is_draining() {
+    fn check_not_shutting_down(&self) -> BrokerResult<()> {
+        if self.is_shutting_down() {
             Err(BrokerError::ShuttingDown)
         } else {
             Ok(())
@@ -409,7 +409,7 @@ impl Arbiter {
         peer: Peer,
         token_id: Option<String>,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
-        self.check_not_draining()?;
+        self.check_not_shutting_down()?;
         crate::bounds::check("session name", name, MAX_LABEL)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let id = Uuid::now_v7();
@@ -514,8 +514,8 @@ impl Arbiter {
     }
 
     /// Begins shutdown: refuse new work, tell every session.
-    pub fn begin_drain(&self, grace: Duration) {
-        self.draining.store(true, Ordering::SeqCst);
+    pub fn begin_shutdown(&self, grace: Duration) {
+        self.shutting_down.store(true, Ordering::SeqCst);
         self.lock().begin_shutdown(grace);
     }
 
@@ -526,7 +526,7 @@ impl Arbiter {
 
     /// Ends every session and frees every block on the devices. Blocks until done.
     pub fn shutdown_release_all(self: &Arc<Self>) {
-        self.draining.store(true, Ordering::SeqCst);
+        self.shutting_down.store(true, Ordering::SeqCst);
         self.exiting.store(true, Ordering::SeqCst);
         let ids = self.lock().sessions().ids();
         for id in ids {

@@ -111,7 +111,6 @@ impl Arbiter {
             _ => return Err(BrokerError::NotFound(Missing::Reservation(id))),
         }
         self.end_reservation(&mut st, id);
-        self.drain(&mut st);
         Ok(())
     }
 
@@ -177,7 +176,7 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Ends one reservation: its room is uncharged. Does not run the queue.
+    /// Ends one reservation: its room is uncharged (the queue runs after the hold).
     pub(crate) fn end_reservation(&self, st: &mut State, id: Uuid) {
         st.end_reservation(id);
     }

@@ -300,7 +300,6 @@ impl Arbiter {
             _ => return Err(import_not_found(import)),
         }
         st.import_let_go(import, Ending::Cache);
-        self.drain(&mut st);
         Ok(())
     }
 

@@ -157,7 +157,6 @@ impl Arbiter {
                     "memory used outside the broker changed; leasable adjusted"
                 );
                 st.set_leasable(i as u32, leasable);
-                self.drain(&mut st);
             }
             // Keep the headroom free for everyone: when processes outside the broker ate
             // into it, give cached (unused) blocks back to the device.

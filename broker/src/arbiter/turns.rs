@@ -191,7 +191,7 @@ impl Arbiter {
         device: u32,
         wait: Duration,
     ) -> BrokerResult<TurnGrant> {
-        self.check_not_draining()?;
+        self.check_not_shutting_down()?;
         if wait > self.cfg.max_wait {
             return Err(BrokerError::wait_too_long(wait, self.cfg.max_wait));
         }

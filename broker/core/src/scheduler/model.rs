@@ -108,7 +108,7 @@ impl Model {
     }
 
     /// Takes the effects as the shell delivers them, checking each against the model.
-    fn drain(&mut self) -> Result<(), TestCaseError> {
+    fn deliver(&mut self) -> Result<(), TestCaseError> {
         for e in self.core.take_effects() {
             match e {
                 TurnEffect::Reply { to, result } => {
@@ -326,7 +326,7 @@ impl Model {
                 prop_assert_eq!(self.core.usage(name), TurnUsage::default());
             }
         }
-        self.drain()?;
+        self.deliver()?;
         self.check()
     }
 
@@ -339,7 +339,7 @@ impl Model {
                 *self.booked.entry(h.tenant).or_default() += 1;
             }
         }
-        self.drain()?;
+        self.deliver()?;
         prop_assert!(
             !self.waiting.values().any(|(s, _)| *s == id),
             "an ended session's waiter was not answered"

@@ -45,7 +45,7 @@ impl Harness {
     }
 
     /// Takes the effects of the last call, as the shell delivers them.
-    fn drain(&mut self) {
+    fn deliver(&mut self) {
         self.s.check_invariant().unwrap();
         for e in self.s.take_effects() {
             match e {
@@ -74,7 +74,7 @@ impl Harness {
 
     fn request_capped(&mut self, who: &Requester, max: usize) -> BrokerResult<TurnWaiterId> {
         let r = self.s.request(0, who.clone(), max, self.now);
-        self.drain();
+        self.deliver();
         r
     }
 
@@ -99,29 +99,29 @@ impl Harness {
         received: Instant,
     ) -> BrokerResult<TurnEnd> {
         let r = self.s.release(tenant, turn, received, self.now);
-        self.drain();
+        self.deliver();
         r
     }
 
     fn tick(&mut self) {
         self.s.tick(self.now, self.wall);
-        self.drain();
+        self.deliver();
     }
 
     fn cancel(&mut self, id: TurnWaiterId) -> bool {
         let r = self.s.cancel(0, id);
-        self.drain();
+        self.deliver();
         r
     }
 
     fn end_session(&mut self, session: Uuid) {
         self.s.end_session(session, self.now);
-        self.drain();
+        self.deliver();
     }
 
     fn expire_kept(&mut self) {
         self.s.expire_kept(self.now);
-        self.drain();
+        self.deliver();
     }
 
     fn next_event(&mut self, session: Uuid) -> Option<SessionEvent> {
@@ -472,7 +472,7 @@ fn a_grant_nobody_received_goes_to_the_next_waiter_and_books_nothing() {
     let gb = s.granted(pb).unwrap();
     s.advance(5);
     assert!(s.s.give_back(&gb, s.now));
-    s.drain();
+    s.deliver();
     let gc = s.granted(pc).expect("c gets the slot");
     assert_eq!(gc.handoff_from, Some(received), "the same hand-off goes on");
     assert_eq!(s.s.usage("b"), TurnUsage::default(), "b never had it");
@@ -729,7 +729,7 @@ fn a_forgotten_tenant_starts_afresh_and_its_counters_go() {
     assert_eq!(s.s.usage("a").compute, Duration::from_millis(300));
     s.set_compute("b", 100);
     s.s.forget_tenant("a");
-    s.drain();
+    s.deliver();
     assert_eq!(s.s.usage("a"), TurnUsage::default());
     assert_eq!(s.s.tenants_counted(), 1, "only b is counted");
     // The new a and b wait behind a holder; the freed slot goes to the new a (0 ms).

@@ -65,7 +65,8 @@ impl State {
     /// `kill` (the `terminate` reclaim policy) that process is killed first; counted by
     /// `why`. `gone`: the holder's process was found gone (the shell reads `/proc` before
     /// the lock). Returns the revoked lease's view and how its memory ended (`None`,
-    /// nothing changed, when there is no such lease). Does not run the queue.
+    /// nothing changed, when there is no such lease). The queue runs after the hold (its
+    /// lease's end asks for it).
     pub fn revoke(
         &mut self,
         id: Uuid,
@@ -105,10 +106,11 @@ impl State {
     }
 
     /// Ends a lease; returns its view. Processes outside its session that fetched its
-    /// descriptor count as alive until the shell looked (`shared.rs`). Does not run the
-    /// queue.
+    /// descriptor count as alive until the shell looked (`shared.rs`). The queue runs
+    /// after the hold.
     pub fn end_lease(&mut self, id: Uuid, ending: Ending) -> Option<LeaseView> {
         let lease = self.leases.remove(&id)?;
+        self.wake_queue();
         self.fx.push(Effect::ForgetTickets { lease: id });
         let view = self.view(&lease);
         if let Some(s) = self.sessions.get_mut(&lease.session) {
@@ -171,11 +173,13 @@ impl State {
 
     /// The holder of quarantined memory is gone (`destroy`: or the timeout passed): the
     /// block is cached, or freed when asked, when it was ever published or sealed, or
-    /// when its memfd is no longer pristine. False when it was not quarantined.
+    /// when its memfd is no longer pristine. False when it was not quarantined; else the
+    /// queue runs after the hold.
     pub fn lift_quarantine(&mut self, id: Uuid, destroy: bool) -> bool {
         let Some(q) = self.quarantine.remove(&id) else {
             return false;
         };
+        self.wake_queue();
         self.fx.unwatch(Watch::Quarantine {
             lease: id,
             pid: q.pid,
@@ -198,7 +202,7 @@ impl State {
     /// says, else as [`State::abandoned`] decides with `gone`), its imports (lingering
     /// unless `gone`) and process reservations end. `gone`: the shell found its peer
     /// process gone before the lock. Returns it and the bytes it held (none if it was not
-    /// open). Does not run the queue.
+    /// open). The queue runs after the hold when it was.
     pub fn end_session(
         &mut self,
         id: Uuid,
@@ -206,6 +210,7 @@ impl State {
         gone: bool,
     ) -> Option<(Session, u64)> {
         let session = self.sessions.remove(&id)?;
+        self.wake_queue();
         for w in self.queue.remove_session(id) {
             self.fx
                 .reply(w.id, Err(crate::error::session_not_found(id)));
@@ -259,7 +264,7 @@ impl State {
         }
         self.forget_all_shared();
         for i in 0..self.pools.len() {
-            for b in self.pools[i].drain_cache() {
+            for b in self.pools[i].take_cache() {
                 self.fx.free(i as u32, b);
             }
         }

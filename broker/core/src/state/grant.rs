@@ -19,14 +19,14 @@ pub enum NotCommitted {
     /// Its session ended (or is another tenant's).
     SessionGone,
     /// The broker is shutting down.
-    Draining,
+    ShuttingDown,
 }
 
 impl NotCommitted {
     /// The error the waiter of a grant of `session` gets.
     pub fn into_error(self, session: uuid::Uuid) -> crate::error::BrokerError {
         match self {
-            NotCommitted::Draining => crate::error::BrokerError::ShuttingDown,
+            NotCommitted::ShuttingDown => crate::error::BrokerError::ShuttingDown,
             NotCommitted::SessionGone => crate::error::session_not_found(session),
         }
     }
@@ -72,16 +72,16 @@ impl State {
         priority: i32,
         d: u32,
         block: Block,
-        draining: bool,
+        shutting_down: bool,
     ) -> Result<LeaseView, NotCommitted> {
         let alive = self
             .sessions
             .get(&ask.session)
             .is_some_and(|s| s.tenant == ask.tenant);
-        if !alive || draining {
+        if !alive || shutting_down {
             self.unreserve_grant(ask, d, Some(block));
             return Err(if alive {
-                NotCommitted::Draining
+                NotCommitted::ShuttingDown
             } else {
                 NotCommitted::SessionGone
             });
@@ -114,19 +114,20 @@ impl State {
     /// The device work of a reserved grant for waiter `to` is done: with its memory
     /// (`made` is `Ok`) the grant is committed ([`State::commit_grant`]); otherwise, or
     /// when it cannot be committed, the reservation goes back. Either way the waiter is
-    /// answered. Does not run the queue.
+    /// answered. The queue runs after the hold (a grant given back frees its room).
     pub fn finish_grant(
         &mut self,
         ask: &Ask,
         priority: i32,
         d: u32,
         made: BrokerResult<Block>,
-        draining: bool,
+        shutting_down: bool,
         to: WaiterId,
     ) {
+        self.wake_queue();
         let r = match made {
             Ok(block) => self
-                .commit_grant(ask, priority, d, block, draining)
+                .commit_grant(ask, priority, d, block, shutting_down)
                 .map_err(|why| why.into_error(ask.session)),
             Err(e) => {
                 self.unreserve_grant(ask, d, None);

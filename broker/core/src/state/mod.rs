@@ -17,7 +17,7 @@
 //! processes counted alive), `process.rs` (process reservations: grant, end, draw a lease from one,
 //! give it back), `devices.rs` (a drain's reclaim requests and their withdrawal, telling
 //! holders of an unhealthy device), `queue.rs` (the queue policy: queue a request, one pass deciding what
-//! fits where, the whole drain, refusing what can never fit, reclaim requests), and here:
+//! fits where, the whole queue run, refusing what can never fit, reclaim requests), and here:
 //! opening a session, leasable and headroom changes, quota changes.
 
 mod devices;
@@ -111,6 +111,10 @@ pub struct State {
     /// What the transitions under the current lock asked for (`effects.rs`); taken and run
     /// by the lock guard when it drops. Only the core's transitions push onto it.
     fx: Effects,
+    /// A transition in this hold gave memory back or changed what fits (a release, a
+    /// session's end, a quota, a device reopened): the shell's lock guard runs the queue
+    /// before it lets go of the lock ([`State::take_queue_due`]), so no caller can forget.
+    queue_due: bool,
     /// Host-fallback leases charged in the ledger whose memory is being made (bytes,
     /// count per tenant): the invariant counts them with the host leases.
     host_pending: HashMap<String, (u64, u32)>,
@@ -142,6 +146,7 @@ impl State {
             sealing: Default::default(),
             reservations: ReservationTable::default(),
             fx: Effects::default(),
+            queue_due: false,
             host_pending: HashMap::new(),
             seals,
             clock,
@@ -199,6 +204,25 @@ impl State {
     /// Is device `d` the host simulation?
     pub fn host_backed(&self, d: u32) -> bool {
         self.host_backed.get(d as usize).copied().unwrap_or(true)
+    }
+
+    /// Whether a transition in this hold asked for the queue to run, clearing it: the
+    /// lock guard asks before it lets go of the lock and then runs it
+    /// ([`State::run_queue`], with what the shell reads for it).
+    pub fn take_queue_due(&mut self) -> bool {
+        std::mem::take(&mut self.queue_due)
+    }
+
+    /// Which devices admit grants changed (a drain began or ended, a device's health mark:
+    /// the shell keeps which admit): waiters may fit, or no device can serve them any more
+    /// (the queue refuses those), so the queue runs after the hold.
+    pub fn devices_changed(&mut self) {
+        self.wake_queue();
+    }
+
+    /// A transition gave memory back or changed what fits: the queue runs after the hold.
+    fn wake_queue(&mut self) {
+        self.queue_due = true;
     }
 
     /// Did the transitions under the current lock push anything (the lock guard asks)?
@@ -285,9 +309,12 @@ impl State {
         Ok(())
     }
 
-    /// Sets a tenant's quota (creating it); true when it was created.
+    /// Sets a tenant's quota (creating it); true when it was created. A raised limit or a
+    /// new guarantee may let waiters in, or call for reclaim: the queue runs after the hold.
     pub fn set_quota(&mut self, name: &str, quota: Quota) -> BrokerResult<bool> {
-        self.ledger.set_quota(name, quota)
+        let created = self.ledger.set_quota(name, quota)?;
+        self.wake_queue();
+        Ok(created)
     }
     /// Deletes a tenant that holds nothing.
     pub fn delete_tenant(&mut self, name: &str) -> BrokerResult<()> {
@@ -303,11 +330,12 @@ impl State {
     }
 
     /// Device `d`'s leasable bytes change (memory outside the broker came or went); cached
-    /// blocks beyond it are freed.
+    /// blocks beyond it are freed; the queue runs after the hold.
     pub fn set_leasable(&mut self, d: u32, leasable: u64) {
         let Some(pool) = self.pools.get_mut(d as usize) else {
             return;
         };
+        self.queue_due = true;
         for b in pool.set_leasable(leasable) {
             self.fx.free(d, b);
         }

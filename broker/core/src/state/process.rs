@@ -57,11 +57,12 @@ impl State {
     }
 
     /// Ends one reservation: its room is uncharged (and what is left of its program's
-    /// process group stopped). Does not run the queue.
+    /// process group stopped). The queue runs after the hold.
     pub fn end_reservation(&mut self, id: Uuid) {
         let Some(r) = self.reservations.by_id.remove(&id) else {
             return;
         };
+        self.wake_queue();
         let room = r.room();
         self.ledger.uncharge_process(&r.tenant, r.device, room);
         self.pools[r.device as usize].unreserve_process(room);
@@ -71,7 +72,7 @@ impl State {
         tracing::info!(reservation = %id, tenant = %r.tenant, session = %r.session, bytes = r.bytes, drawn = r.drawn, "process reservation ended");
     }
 
-    /// A session ended: so do its reservations. Does not run the queue.
+    /// A session ended: so do its reservations.
     pub fn end_session_reservations(&mut self, session: Uuid) {
         let ids: Vec<Uuid> = self
             .reservations

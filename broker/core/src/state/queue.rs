@@ -16,7 +16,7 @@
 //!
 //! Waiters blocked by capacity or by guarantees ask holders for memory back
 //! ([`State::request_reclaim`]). [`State::run_queue`] repeats passes, granting one waiter
-//! each, until nothing more fits: that is the whole drain, one transition.
+//! each, until nothing more fits: that is the whole queue run, one transition.
 
 use super::State;
 use crate::availability::Availability;
@@ -49,7 +49,7 @@ pub struct QueueEnv<'a> {
     /// way back.
     pub terminating: bool,
     /// The broker is shutting down: grants are not committed.
-    pub draining: bool,
+    pub shutting_down: bool,
 }
 
 /// What one pass over the queue decided.
@@ -224,17 +224,20 @@ impl State {
 
     /// Waiter `id` stops waiting (its wait ran out, or it asked not to wait): it leaves
     /// the queue and this says why it did not fit. `None` when it is not waiting (it was
-    /// granted or refused meanwhile: its answer is on its way). Does not run the queue.
+    /// granted or refused meanwhile: its answer is on its way). Its place may have blocked
+    /// others: the queue runs after the hold.
     pub fn give_up(&mut self, id: WaiterId, avail: &Availability) -> Option<BrokerError> {
         let w = self.queue.remove(id)?;
+        self.wake_queue();
         Some(self.exhausted(&w.ask, avail))
     }
 
-    /// Waiter `id`'s caller went away: it leaves the queue (true if it was waiting). Does
-    /// not run the queue (the shell does: its place may have blocked others).
+    /// Waiter `id`'s caller went away: it leaves the queue (true if it was waiting). Its
+    /// place may have blocked others: the queue runs after the hold.
     pub fn abandon(&mut self, id: WaiterId) -> bool {
         let gone = self.queue.remove(id).is_some();
         if gone {
+            self.wake_queue();
             tracing::debug!(waiter = id, "waiting request left the queue");
         }
         gone
@@ -251,8 +254,9 @@ impl State {
     }
 
     /// Waiters whose reclaim request is older than `older_than` may ask again (what they
-    /// asked for was not enough). Does not run the queue.
+    /// asked for was not enough). The queue runs after the hold (and asks again).
     pub fn rearm_reclaim(&mut self, older_than: Duration, now: Instant) {
+        self.wake_queue();
         let stale: Vec<WaiterId> = self
             .queue
             .iter()
@@ -283,7 +287,7 @@ impl State {
                 .grant
                 .and_then(|(id, d)| self.queue.remove(id).map(|w| (w, d)))
             {
-                Some((w, d)) => self.grant_waiter(w.id, w.ask, w.priority, d, env.draining),
+                Some((w, d)) => self.grant_waiter(w.id, w.ask, w.priority, d, env.shutting_down),
                 None => return,
             }
         }
@@ -417,7 +421,14 @@ impl State {
     /// reserving its memory, then committing it at once for a cached block of its own
     /// tenant, else leaving the device work to the shell (`Effect::Materialize`). The
     /// answer goes to `to` (`Effect::Reply`).
-    pub fn grant_waiter(&mut self, to: WaiterId, ask: Ask, priority: i32, d: u32, draining: bool) {
+    pub fn grant_waiter(
+        &mut self,
+        to: WaiterId,
+        ask: Ask,
+        priority: i32,
+        d: u32,
+        shutting_down: bool,
+    ) {
         if ask.process.is_some() {
             let r = self.grant_process(&ask, d).and_then(|id| {
                 self.reservations
@@ -471,7 +482,7 @@ impl State {
         } = source
         {
             let r = self
-                .commit_grant(&ask, priority, d, block, draining)
+                .commit_grant(&ask, priority, d, block, shutting_down)
                 .map_err(|why| why.into_error(ask.session));
             self.fx.reply(to, r);
             return;

@@ -482,6 +482,7 @@ impl State {
     /// An import's holder let go (`ending` says whether its process may still map it).
     /// Processes that may map it count as alive; the shell looks at them after the unlock.
     pub fn import_let_go(&mut self, import: Uuid, ending: Ending) {
+        self.wake_queue();
         self.fx.push(Effect::ForgetTickets { lease: import });
         let recipients = self.shared.recipients.remove(&import).unwrap_or_default();
         let mut waiters = Waiters::default();
@@ -603,8 +604,18 @@ impl State {
     /// (`Effect::CheckGone`): `gone` are those the shell found certainly gone. An import
     /// ends once nobody may map it; a held block is let go likewise; a parked lease whose
     /// recipients are all gone ends as it was ending (cached, freed, or quarantined for its
-    /// own process), else it stays held for those alive. True when memory came back.
+    /// own process), else it stays held for those alive. True when memory came back (the
+    /// queue then runs after the hold).
     pub fn holders_checked(&mut self, of: Holding, gone: &[u32]) -> bool {
+        let back = self.check_holders(of, gone);
+        if back {
+            self.wake_queue();
+        }
+        back
+    }
+
+    /// [`State::holders_checked`], but for the queue.
+    fn check_holders(&mut self, of: Holding, gone: &[u32]) -> bool {
         let lease = match of {
             Holding::Import(import) => {
                 let mut ended = false;
@@ -688,7 +699,8 @@ impl State {
     }
 
     /// A held block's waiter (process `pid`, or with `None` the timeout) is gone; the
-    /// block is let go once nobody may map it. True when memory came back.
+    /// block is let go once nobody may map it. True when memory came back (the queue then
+    /// runs after the hold).
     pub fn held_waiter_gone(&mut self, lease: Uuid, pid: Option<u32>) -> bool {
         if let Some(h) = self.shared.held.get_mut(&lease) {
             match pid {
@@ -699,11 +711,16 @@ impl State {
             }
         }
         self.fx.unwatch(Watch::Held { lease, pid });
-        self.maybe_lift(lease)
+        let back = self.maybe_lift(lease);
+        if back {
+            self.wake_queue();
+        }
+        back
     }
 
     /// A lingering import's waiter (process `pid`, or with `None` the timeout) is gone;
-    /// the import ends once nobody may map it. True when it ended.
+    /// the import ends once nobody may map it. True when it ended (the queue then runs
+    /// after the hold).
     pub fn import_waiter_gone(&mut self, import: Uuid, pid: Option<u32>) -> bool {
         self.fx.unwatch(Watch::Import { import, pid });
         let Some(p) = self.shared.by_import.get(&import).copied() else {
@@ -726,6 +743,7 @@ impl State {
         }
         if w.is_empty() {
             self.end_import(import);
+            self.wake_queue();
             return true;
         }
         false

@@ -1500,7 +1500,7 @@ pub(super) fn env(avail: &Availability, now: Instant) -> QueueEnv<'_> {
         overtake_age: Duration::from_secs(2),
         reclaim_deadline: Duration::from_secs(30),
         terminating: false,
-        draining: false,
+        shutting_down: false,
     }
 }
 
