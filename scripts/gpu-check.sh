@@ -29,7 +29,7 @@ exe_of() { # package, target kind, name -> path of the built test executable
 
 build() {
     mkdir -p "$OUT/deps"
-    cargo build --release -p gpu-broker -p gpu-broker-client -p gpu-broker-tests --bins
+    cargo build --release -p gpu-broker -p gpu-brokerctl -p gpu-broker-tests --bins
     local t
     t=$(cargo test --release -p gpu-broker-tests --test gpu --no-run --message-format=json 2>/dev/null | grep '"executable":"' | exe_of gpu)
     [[ -n "$t" ]] || { echo "cannot find the gpu test executable" >&2; exit 1; }

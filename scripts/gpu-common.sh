@@ -18,7 +18,7 @@ gpu_build() {
     local target=${CARGO_TARGET_DIR:-target}
     mkdir -p "$out"
     rm -f "$out"/gpubroker-*.whl
-    cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl \
+    cargo build --release -p gpu-broker --bin gpu-broker -p gpu-brokerctl --bin gpu-brokerctl \
         -p gpu-broker-tests --bin gpu-worker
     # The wheel users install (scripts/build-wheel.sh; the release profile strips it).
     cp -f "$(scripts/build-wheel.sh)" "$out/"

@@ -30,7 +30,7 @@ exe_of() { sed -n "s/.*\"name\":\"$1\".*\"executable\":\"\([^\"]*\)\".*/\1/p" | 
 
 build() {
     mkdir -p "$OUT"
-    cargo build --release -p gpu-broker -p gpu-broker-client -p gpu-broker-tests --bins
+    cargo build --release -p gpu-broker -p gpu-brokerctl -p gpu-broker-tests --bins
     local t c e
     t=$(cargo test --release -p gpu-broker-tests --test gpu --no-run --message-format=json 2>/dev/null | grep '"executable":"' | exe_of gpu)
     c=$(cargo test --release -p gpu-broker --test cuda_conformance --no-run --message-format=json 2>/dev/null | grep '"executable":"' | exe_of cuda_conformance)

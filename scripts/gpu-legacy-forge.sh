@@ -24,7 +24,7 @@ TARGET=${CARGO_TARGET_DIR:-target}
 
 build() {
     mkdir -p "$OUT"
-    cargo build --release -p gpu-broker -p gpu-broker-client -p gpu-broker-tests --bins
+    cargo build --release -p gpu-broker -p gpu-brokerctl -p gpu-broker-tests --bins
     for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
     cp -f "$(ls -t "$TARGET"/release/build/gpu-broker-proto-*/out/gpubroker_descriptor.bin | head -n1)" "$OUT/gpubroker_descriptor.bin"
     strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/gpu-worker 2>/dev/null || true

@@ -30,7 +30,7 @@ TARGET=${CARGO_TARGET_DIR:-target}
 
 build() {
     mkdir -p "$OUT"
-    cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl \
+    cargo build --release -p gpu-broker --bin gpu-broker -p gpu-brokerctl --bin gpu-brokerctl \
         -p gpu-broker-examples --bin turn-gate -p gpu-broker-tests --bin gpu-worker
     for b in gpu-broker gpu-brokerctl turn-gate gpu-worker; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
     strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/turn-gate "$OUT"/gpu-worker 2>/dev/null || true
