@@ -562,8 +562,9 @@ fn file_args(
         let line = line_of(&text, key.span().start);
         let key = key.into_inner();
         let at = |reason: String| err(format!("line {line}: {key}: {reason}"));
-        // `[tenants.NAME]` tables are declarative tenants (`tenants_config`), not flags.
-        if key == "tenants" {
+        // `[tenants.NAME]` and `[tokens.NAME]` tables are declarations (`tenants_config`,
+        // `tokens_config`), not flags.
+        if key == "tenants" || key == "tokens" {
             continue;
         }
         if let Some((_, _, why)) = REMOVED_SETTINGS.iter().find(|(k, _, _)| *k == key) {

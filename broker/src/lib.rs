@@ -57,5 +57,6 @@ pub mod ticket_server;
 pub mod tickets;
 pub mod tier;
 pub mod tls;
+pub mod tokens_config;
 pub mod units;
 pub mod views;

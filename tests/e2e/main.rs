@@ -15,6 +15,7 @@ mod drain;
 mod errors;
 mod examples;
 mod fd_leases;
+mod fleet;
 mod isolation;
 mod mps;
 mod observability;
