@@ -263,6 +263,7 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
             limits: cfg.limits.limits(),
             reads: reads.layer(),
             admin_unix,
+            admin_only_on_admin_unix: cfg.admin_listen_only,
         },
         shutdown,
         cfg.shutdown_grace,

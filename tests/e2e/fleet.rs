@@ -265,3 +265,70 @@ fn a_guessable_admin_token_stops_the_start() {
     );
     assert!(text.contains("serving: true"), "{text}");
 }
+
+/// The broker's socket group is its process's group (a DaemonSet's `runAsGroup`): a
+/// non-root worker with that group among its supplementary groups (a pod's
+/// `supplementalGroups`) opens a session and takes a descriptor lease through both
+/// sockets; the same uid without the group is refused at the socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_root_worker_in_the_brokers_group_reaches_it() {
+    const GROUP: &str = "2345";
+    let b = Broker::start_wrapped(
+        ["setpriv", "--regid", GROUP, "--clear-groups", "--"]
+            .map(String::from)
+            .to_vec(),
+        BrokerOpts {
+            capacity: "64MiB",
+            ..BrokerOpts::default()
+        },
+    )
+    .unwrap();
+    // The test's private directory, as /run/gpu-broker is on a node: others may enter it.
+    std::fs::set_permissions(b.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(&b.socket).unwrap();
+    assert_eq!(meta.gid().to_string(), GROUP);
+    assert_eq!(meta.mode() & 0o777, 0o660);
+    let token = b
+        .tenant("t", gpu_broker_client::QuotaSpec::new(16 * MIB))
+        .await
+        .unwrap();
+    let worker = |groups: &[&str]| {
+        let mut c = tokio::process::Command::new("setpriv");
+        c.args(["--reuid", "1000", "--regid", "1000"]);
+        match groups {
+            [] => c.arg("--clear-groups"),
+            g => c.args(["--groups", &g.join(",")]),
+        };
+        c.arg("--")
+            .arg(bin("e2e-worker"))
+            .args(["--broker", &b.uri(), "--token", &token])
+            .args(["hold", "--bytes", "2MiB"])
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        c
+    };
+    let out = tokio::time::timeout(Duration::from_secs(20), worker(&[GROUP]).output())
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("LEASE ") && text.contains("READY"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = tokio::time::timeout(Duration::from_secs(20), worker(&[]).output())
+        .await
+        .unwrap()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !text.contains("READY") && text.to_lowercase().contains("permission denied"),
+        "{text}"
+    );
+}
