@@ -17,6 +17,7 @@ mod examples;
 mod fd_leases;
 mod fleet;
 mod isolation;
+mod k8s_scheduling;
 mod mps;
 mod observability;
 mod operators_socket;
