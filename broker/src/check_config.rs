@@ -53,7 +53,10 @@ pub fn run(args: impl Iterator<Item = OsString>) -> i32 {
             return 2;
         }
     };
-    let tokens = match gpu_broker::tokens_config::load(&args.file, &declared) {
+    let tokens = match gpu_broker::tokens_config::load(
+        &args.file,
+        &gpu_broker::tenants_config::names(&declared),
+    ) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("error: {e}");

@@ -140,7 +140,8 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     if let Some(path) = &cfg.config {
         let declared = gpu_broker::tenants_config::load(path)?;
         // Its tokens too (one declaration for every node), read before anything applies.
-        let tokens = gpu_broker::tokens_config::load(path, &declared)?;
+        let tokens =
+            gpu_broker::tokens_config::load(path, &gpu_broker::tenants_config::names(&declared))?;
         let n = declared.len();
         let a = arb.clone();
         // On the store writer, as every durable change.

@@ -38,6 +38,14 @@ pub enum TenantsError {
         line: usize,
         reason: String,
     },
+    /// Its `[tokens.NAME]` tables (`tokens_config`), read by the same watch.
+    #[error(transparent)]
+    Tokens(#[from] crate::tokens_config::TokensError),
+}
+
+/// The names of `declared` (what a token's tenant is checked against).
+pub fn names(declared: &[DeclaredTenant]) -> Vec<String> {
+    declared.iter().map(|d| d.name.clone()).collect()
 }
 
 /// One `[tenants.NAME]` table.
@@ -367,7 +375,7 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
             let parsed = read.map_err(TenantsError::from).and_then(|b| {
                 let declared = parse_bytes(&path, &b)?;
                 let text = std::str::from_utf8(&b).unwrap_or_default();
-                let tokens = crate::tokens_config::parse(&path, text, &declared)?;
+                let tokens = crate::tokens_config::parse(&path, text, &names(&declared))?;
                 Ok((declared, tokens))
             });
             match parsed {

@@ -12,12 +12,27 @@
 
 use crate::arbiter::Arbiter;
 use crate::auth::{token_id, Scope, TokenEntry};
-use crate::file_read::{read_regular, MAX_WATCHED_FILE_BYTES};
-use crate::tenants_config::{DeclaredTenant, TenantsError};
+use crate::file_read::{read_regular, FileReadError, MAX_WATCHED_FILE_BYTES};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// Why a config file's tokens could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TokensError {
+    /// Not read: missing, unreadable, not a regular file or too large.
+    #[error(transparent)]
+    Read(#[from] FileReadError),
+    #[error("{}: not UTF-8 text", path.display())]
+    NotText { path: PathBuf },
+    #[error("{}:{line}: {reason}", path.display())]
+    Invalid {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+}
 
 /// One `[tokens.NAME]` table.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,13 +79,13 @@ fn line_of(text: &str, offset: usize) -> usize {
 }
 
 /// The tokens declared in `text` (the contents of `path`, named in errors); `tenants` are
-/// the tenants the same file declares (a token's tenant must be one of them).
+/// the names of the tenants the same file declares (a token's tenant must be one of them).
 pub fn parse(
     path: &Path,
     text: &str,
-    tenants: &[DeclaredTenant],
-) -> Result<Vec<DeclaredToken>, TenantsError> {
-    let invalid = |offset: usize, reason: String| TenantsError::Invalid {
+    tenants: &[String],
+) -> Result<Vec<DeclaredToken>, TokensError> {
+    let invalid = |offset: usize, reason: String| TokensError::Invalid {
         path: path.to_path_buf(),
         line: line_of(text, offset),
         reason,
@@ -120,7 +135,7 @@ pub fn parse(
             _ => {}
         }
         if let Some((at, tenant)) = &tenant {
-            if !tenants.iter().any(|d| &d.name == tenant) {
+            if !tenants.contains(tenant) {
                 return Err(invalid(
                     *at,
                     format!(
@@ -158,9 +173,9 @@ pub fn parse(
 }
 
 /// Reads `path` (a regular file of at most 1 MiB) and parses its tokens.
-pub fn load(path: &Path, tenants: &[DeclaredTenant]) -> Result<Vec<DeclaredToken>, TenantsError> {
+pub fn load(path: &Path, tenants: &[String]) -> Result<Vec<DeclaredToken>, TokensError> {
     let bytes = read_regular(path, MAX_WATCHED_FILE_BYTES)?;
-    let text = std::str::from_utf8(&bytes).map_err(|_| TenantsError::NotText {
+    let text = std::str::from_utf8(&bytes).map_err(|_| TokensError::NotText {
         path: path.to_path_buf(),
     })?;
     parse(path, text, tenants)
@@ -196,16 +211,9 @@ pub fn apply(arb: &Arc<Arbiter>, tokens: &[DeclaredToken], why: &str) -> TokenCh
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ledger::QuotaPatch;
 
-    fn tenants(names: &[&str]) -> Vec<DeclaredTenant> {
-        names
-            .iter()
-            .map(|n| DeclaredTenant {
-                name: n.to_string(),
-                patch: QuotaPatch::default(),
-            })
-            .collect()
+    fn tenants(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| n.to_string()).collect()
     }
 
     fn sha(token: &str) -> String {
