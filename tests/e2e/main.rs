@@ -16,6 +16,7 @@ mod errors;
 mod examples;
 mod fd_leases;
 mod fleet;
+mod gpu_harness;
 mod isolation;
 mod k8s_scheduling;
 mod mps;
