@@ -11,9 +11,9 @@ thread and leave autograd's backward threads outside), so PyTorch's own caching
 allocator stays on top: most allocations never leave PyTorch, the rest come from a
 segment without a broker call, and a new lease is taken only when the segments are full.
 
-When the tenant's quota or the card is full, the hook waits in the broker's queue
-(``GPU_BROKER_WAIT`` seconds, default 60) on a Rust thread without the GIL; if no memory
-comes, PyTorch raises ``torch.OutOfMemoryError`` carrying the broker's reason. Reclaim
+Over the tenant's quota an allocation fails at once; when the card is full, the hook
+waits in the broker's queue (``GPU_BROKER_WAIT`` seconds, default 60) on a Rust thread
+without the GIL; if no memory comes, PyTorch raises ``torch.OutOfMemoryError`` carrying the broker's reason. Reclaim
 requests and revocations of a segment are handled in Rust too: a segment with no live
 block is released at once, a busy one is drained (released when its last block is freed).
 
@@ -104,8 +104,8 @@ def install(
             ``gpubroker.connect()`` named ``torch-<pid>``.
         segment_size: bytes per segment lease (default ``$GPU_BROKER_TORCH_SEGMENT`` or
             1 GiB); larger allocations get a segment of their own.
-        wait: seconds an allocation may wait in the broker's queue when the quota or the
-            card is full (default ``$GPU_BROKER_WAIT`` or 60).
+        wait: seconds an allocation may wait in the broker's queue when the card is full
+            (over the tenant's quota it fails at once) (default ``$GPU_BROKER_WAIT`` or 60).
         reclaimable: take the segments as reclaimable leases (the broker may ask for
             them back; only free segments are given).
         devices: CUDA devices to route (default: all visible).
@@ -216,7 +216,7 @@ def _attach_oom_reason(torch: Any) -> None:
             return  # not a refusal of ours: PyTorch raises its own error
         err = torch.OutOfMemoryError(
             f"CUDA out of memory on cuda:{device}: tried to allocate {alloc} bytes and "
-            f"gpubroker could not get them from the broker within GPU_BROKER_WAIT: {last['error']}"
+            f"the broker refused them: {last['error']}"
         )
         # The broker's machine-readable reason (e.g. "WAIT_EXPIRED" with cause
         # "QUOTA_EXCEEDED"), as on gpubroker's own exceptions; None for local failures.
