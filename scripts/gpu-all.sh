@@ -3,7 +3,7 @@
 #
 #   scripts/gpu-all.sh build            # here (Rust, no GPU): everything into .gpu/all
 #   scripts/gpu-all.sh run [PARTS]      # on the GPU machine (no Rust); PARTS is a comma list
-#                                       # of fd,check,forge,shared,sleep,python,mps,host
+#                                       # of fd,check,forge,shared,sleep,python,serving,mps,host
 #                                       # (default: all of them, in that order)
 #
 # The parts are the other scripts' runs, pointed at .gpu/all:
@@ -14,6 +14,9 @@
 #   shared  scripts/gpu-shared-check.sh run    shared CUDA imports across tenants
 #   sleep   scripts/gpu-sleep-check.sh run     sleep/wake (pinned vs pageable), PyTorch, reclaim
 #   python  scripts/gpu-python-check.sh run    PyTorch on fd leases
+#   serving scripts/gpu-serving-check.sh run   quotas without stalls, side-stream blocks,
+#                                              CUDA graphs + decode benchmark, torch
+#                                              multiprocessing, torch_memory_saver on leases
 #   mps     scripts/gpu-mps-check.sh run check,handoff   managed MPS and turn hand-off
 #   host    the host backend on the machine's idle cores (no GPU): scripts/bench-ab.sh of
 #           gpu-broker-before (if the build was given GPU_ALL_BEFORE=path of an older broker)
@@ -61,7 +64,8 @@ build() {
     fi
     cp -f scripts/bench-ab.sh scripts/bench-ab-summary.py "$OUT/"
     cp -f scripts/gpu_python_check.py scripts/gpu_sleep_check.py scripts/gpu_mps_check.py \
-        examples/turn_step_worker.py "$OUT/"
+        scripts/gpu_serving_check.py examples/turn_step_worker.py "$OUT/"
+    GPU_SERVING_OUT=$OUT scripts/gpu-serving-check.sh fetch-memory-saver
     du -sh "$OUT"
 }
 
@@ -95,7 +99,7 @@ ab() {
 
 run() {
     [[ -f $OUT/extra-brokers.tgz ]] && tar xzf "$OUT/extra-brokers.tgz" -C "$OUT"
-    local parts=${1:-fd,check,forge,shared,sleep,python,mps,host} t0=$SECONDS failed=()
+    local parts=${1:-fd,check,forge,shared,sleep,python,serving,mps,host} t0=$SECONDS failed=()
     local p
     for p in ${parts//,/ }; do
         echo "################ $p ################"
@@ -106,6 +110,7 @@ run() {
             shared) GPU_SHARED_OUT=$OUT scripts/gpu-shared-check.sh run ;;
             sleep) GPU_SLEEP_OUT=$OUT scripts/gpu-sleep-check.sh run ;;
             python) GPU_PYTHON_OUT=$OUT scripts/gpu-python-check.sh run ;;
+            serving) GPU_SERVING_OUT=$OUT scripts/gpu-serving-check.sh run ;;
             mps) GPU_MPS_OUT=$OUT scripts/gpu-mps-check.sh run check,handoff ;;
             host) host_ab ;;
             ab) ab ;;
