@@ -413,7 +413,10 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
     assert s["broker_acquires"] == 2, "a segment, then the exact size, neither waiting (not a full card)"
     assert s["stream_block_flushes"] == 1, s
     assert out["flush_calls"] == ["end", "torch_empty_cache", "begin", "release"], out["flush_calls"]
-    assert out["oom"] and "gpubroker" in out["oom"] and "FAILED_PRECONDITION" in out["oom"], out["oom"]
+    assert out["observers"] == 0, "no raising observer (cuDNN must see PyTorch's own error)"
+    assert out["oom"].startswith("CUDA out of memory. Tried to allocate 2.00 MiB.\ngpubroker"), out["oom"]
+    assert "FAILED_PRECONDITION" in out["oom"], out["oom"]
+    assert out["oom_plain"] == ["plain", None], "taken once"
     assert out["ptr_over_quota"] is None
     q = out["oom_quota"]
     assert q and q["reason"] == "QUOTA_EXCEEDED" and q["code"] == "RESOURCE_EXHAUSTED", q

@@ -132,8 +132,8 @@ def install(
         reclaimable: take the segments as reclaimable leases (the broker may ask for
             them back; only free segments are given).
         devices: CUDA devices to route (default: all visible).
-        oom_reason: raise ``torch.OutOfMemoryError`` with the broker's reason (from an
-            out-of-memory observer); False leaves PyTorch's own message.
+        oom_reason: ``torch.OutOfMemoryError`` carries the broker's reason (its
+            constructor appends it); False leaves PyTorch's own message.
         sleep_on_reclaim: when the broker asks for a segment back (a reclaim request),
             put every segment to sleep by itself, as :func:`sleep` does (contents saved
             when ``save_on_reclaim``), so the reclaim completes without a handler of
@@ -235,16 +235,44 @@ def _new_pool(torch: Any, allocator: Any) -> Any:
 
 
 def _attach_oom_reason(torch: Any) -> None:
+    """`torch.OutOfMemoryError`s carry the broker's refusal: PyTorch raises its own error
+    when the hook returns null, and the error's constructor (patched here) appends the
+    refusal the allocator kept and sets `.reason`, `.cause`, `.code`. Not an
+    out-of-memory observer that raises: its exception would not be the C++ out-of-memory
+    error that cuDNN catches to retry a smaller workspace, so its probes would fail."""
+    cls = torch.OutOfMemoryError
+    original_init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        last = _native._torch_take_last_error()
+        if last is None:
+            return  # not a refusal of ours: PyTorch's own error stands
+        text = str(args[0]) if args else "CUDA out of memory"
+        self.args = (f"{text}\ngpubroker could not lease the memory: {last['error']}",) + tuple(args[1:])
+        # The broker's machine-readable reason (e.g. "WAIT_EXPIRED" with cause
+        # "CAPACITY_EXHAUSTED"), as on gpubroker's own exceptions; None for local failures.
+        self.reason = last.get("reason")
+        self.cause = last.get("cause")
+        self.code = last.get("code")
+
+    try:
+        cls.reason = None
+        cls.cause = None
+        cls.code = None
+        cls.__init__ = __init__
+        return
+    except (TypeError, AttributeError):
+        pass  # an immutable type: raise from an observer instead (cuDNN probes then fail)
+
     def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
         last = _native._torch_take_last_error()
         if last is None:
-            return  # not a refusal of ours: PyTorch raises its own error
+            return
         err = torch.OutOfMemoryError(
             f"CUDA out of memory on cuda:{device}: tried to allocate {alloc} bytes and "
             f"gpubroker could not lease them: {last['error']}"
         )
-        # The broker's machine-readable reason (e.g. "WAIT_EXPIRED" with cause
-        # "QUOTA_EXCEEDED"), as on gpubroker's own exceptions; None for local failures.
         err.reason = last.get("reason")
         err.cause = last.get("cause")
         err.code = last.get("code")
