@@ -76,16 +76,21 @@ def quota(args):
     conv = torch.nn.Conv2d(64, 64, 3, padding=1).cuda().half()
     x = torch.randn(32, 64, 128, 128, device="cuda", dtype=torch.half)
     t0 = time.perf_counter()
-    for _ in range(3):
-        conv(x)
-    torch.cuda.synchronize()
+    conv_error = None
+    try:
+        for _ in range(3):
+            conv(x)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported: cuDNN must retry smaller itself
+        conv_error = f"{type(e).__name__}: {str(e)[:300]}"
     conv_s = time.perf_counter() - t0
     st = gt.memory_stats()
     del keep
     ok = (refused is not None and refused["reason"] == "QUOTA_EXCEEDED" and over_s < 2.0
-          and conv_s < 10.0 and st["waits"] == 0)
+          and conv_error is None and conv_s < 10.0 and st["waits"] == 0)
     result(step="quota", limit=limit, over_quota_s=round(over_s, 3), refused=refused,
-           cudnn_benchmark_s=round(conv_s, 3), waits=st["waits"], ooms=st["ooms"], ok=ok)
+           cudnn_benchmark_s=round(conv_s, 3), cudnn_error=conv_error, waits=st["waits"],
+           ooms=st["ooms"], ok=ok)
 
 
 # ---------------------------------------------------------------- multistream
@@ -137,22 +142,28 @@ def _decode_model(torch, d=1024, layers=8, vocab=32000):
                 q, k, v = self.qkv[i](h).chunk(3, dim=-1)
                 att = torch.softmax(q @ kv[i].transpose(-1, -2) / d ** 0.5, dim=-1) @ kv[i]
                 h = h + att + self.mlp[i](h + att)
-            return self.head(h).argmax(-1)
+            return self.head(h).float()  # logits
 
     return Step().cuda().half().eval()
 
 
-def _capture(torch, model, tok, kv, pool=None):
+def _capture(torch, step, pool=None):
+    """Captures `step()` (warmed up on a side stream first, as PyTorch's docs do)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
-            model(tok, kv)  # warm up on the side stream, as PyTorch's docs do
+            step()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=pool):
-        out = model(tok, kv)
+        out = step()
     return g, out
+
+
+def _same(torch, a, b):
+    """Graph and eager may pick other GEMM algorithms: equal up to half precision."""
+    return bool(torch.allclose(a, b, rtol=2e-2, atol=2e-2))
 
 
 def graph(args):
@@ -161,64 +172,78 @@ def graph(args):
     gt.install()
     import torch
 
+    out = {"step": "graph"}
     with torch.no_grad():
         model = _decode_model(torch)
         batch, ctx = 16, 512
         tok = torch.randint(0, 32000, (batch, 1), device="cuda")
         kv = [torch.randn(batch, ctx, 1024, device="cuda", dtype=torch.half) for _ in range(8)]
+        # A large intermediate, so the graph's pool is visibly leases of the tenant.
+        big_in = torch.randn(64 * MIB, device="cuda", dtype=torch.half)  # 128 MiB
+        s_ = torch.cuda.Stream()
+        s_.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s_):
+            for _ in range(3):
+                model(tok, kv)
+                (big_in * 2).sum()
+        torch.cuda.current_stream().wait_stream(s_)
         torch.cuda.synchronize()
         before = gt.memory_stats()
         held0 = _held()
-        g, out = _capture(torch, model, tok, kv)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out_tok = model(tok, kv)
+            out_big = (big_in * 2).sum()
         torch.cuda.synchronize()
-        after = gt.memory_stats()
-        held1 = _held()
-        expect = model(tok, kv)
+        captured = gt.memory_stats()
+        out.update(hook_allocs_at_capture=captured["allocs"] - before["allocs"],
+                   allocated_before=before["allocated_bytes"],
+                   allocated_captured=captured["allocated_bytes"],
+                   held_before=held0, held_captured=_held())
         g.replay()
         torch.cuda.synchronize()
-        replay_ok = bool(torch.equal(out, expect))
-        # Replays take no new memory (the graph's pool is reused).
+        ok_replay = _same(torch, out_tok, model(tok, kv))
+        ok_replay &= _same(torch, out_big.float(), (big_in * 2).sum().float())
+        # Replays take no new memory: the graph's pool is reused.
+        pre = gt.memory_stats()["allocs"]
         for _ in range(50):
             tok.random_(0, 32000)
             g.replay()
         torch.cuda.synchronize()
-        steady = gt.memory_stats()
-        eager_again = model(tok, kv)
-        g.replay()
-        torch.cuda.synchronize()
-        replay_ok = replay_ok and bool(torch.equal(out, eager_again))
+        out["hook_allocs_during_50_replays"] = gt.memory_stats()["allocs"] - pre
+        ok_replay &= _same(torch, out_tok, model(tok, kv))
         # A second graph sharing the first one's pool (as make_graphed_callables does).
-        g2, out2 = _capture(torch, model, tok, kv, pool=g.pool())
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2, pool=g.pool()):
+            out2 = model(tok, kv)
         g2.replay()
         torch.cuda.synchronize()
-        shared_ok = bool(torch.equal(out2, model(tok, kv)))
-        leased_graphs = gt.memory_stats()["leased_bytes"]
-        del g, g2, out, out2
-        given_back = gt.empty_cache()
-        end = gt.memory_stats()
-        held2 = _held()
+        out["shared_pool_matches"] = _same(torch, out2, model(tok, kv))
+        out["replay_matches_eager"] = ok_replay
+        # Freeing the graphs gives their pool back (with empty_cache).
+        pre_free = gt.memory_stats()
+        del g, g2, out_tok, out_big, out2
+        out["empty_cache_gave_back"] = gt.empty_cache()
+        freed = gt.memory_stats()
+        out.update(hook_frees_after_free=freed["frees"] - pre_free["frees"],
+                   allocated_after_free=freed["allocated_bytes"], held_after_free=_held())
         # torch.compile with CUDA graphs (CUDA-graph trees).
-        compiled_ok, compile_err = None, None
         try:
             cm = torch.compile(model, mode="reduce-overhead")
             for _ in range(4):
                 got = cm(tok, kv)
             torch.cuda.synchronize()
-            compiled_ok = bool(torch.equal(got, model(tok, kv)))
+            out["compiled_matches"] = _same(torch, got, model(tok, kv))
         except Exception as e:  # noqa: BLE001 - reported
-            compile_err = f"{type(e).__name__}: {str(e)[:400]}"
-    st = gt.memory_stats()
-    ok = (after["leased_bytes"] >= before["leased_bytes"] and held1 >= held0
-          and after["allocs"] > before["allocs"] and replay_ok and shared_ok
-          and steady["allocs"] == after["allocs"] and given_back > 0 and compiled_ok is True)
-    result(step="graph", leased_before=before["leased_bytes"], leased_captured=after["leased_bytes"],
-           hook_allocs_at_capture=after["allocs"] - before["allocs"], held_before=held0,
-           held_captured=held1, replay_matches_eager=replay_ok, replay_new_hook_allocs=steady["allocs"] - after["allocs"],
-           shared_pool_matches=shared_ok, leased_with_graphs=leased_graphs,
-           empty_cache_gave_back=given_back, leased_end=end["leased_bytes"], held_end=held2,
-           compiled_matches=compiled_ok, compile_error=compile_err,
-           torch_reserved_outside=torch.cuda.memory_reserved() - st["torch_reserved_bytes"],
-           ok=ok)
+            out["compiled_matches"] = False
+            out["compile_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    out["ok"] = (out["hook_allocs_at_capture"] > 0
+                 and out["allocated_captured"] >= out["allocated_before"] + 128 * MIB
+                 and out["replay_matches_eager"] and out["hook_allocs_during_50_replays"] == 0
+                 and out["shared_pool_matches"] and out["hook_frees_after_free"] > 0
+                 and out["allocated_after_free"] < out["allocated_captured"] - 64 * MIB
+                 and out["compiled_matches"])
+    result(**out)
 
 
 # ---------------------------------------------------------------- decode (one bench round)
@@ -234,7 +259,7 @@ def decode(args):
         batch, ctx = 8, 256
         tok = torch.randint(0, 32000, (batch, 1), device="cuda")
         kv = [torch.randn(batch, ctx, 1024, device="cuda", dtype=torch.half) for _ in range(8)]
-        g, out = _capture(torch, model, tok, kv)
+        g, out = _capture(torch, lambda: model(tok, kv).argmax(-1))
         steps = args.iters
         times = []
         for _ in range(5):

@@ -64,9 +64,6 @@ __all__ = [
 _lock = threading.Lock()
 _state: Optional["_State"] = None
 
-# Seconds between two automatic returns of multi-stream blocks (at most).
-_STREAM_FLUSH_INTERVAL = 0.1
-
 
 class _State:
     def __init__(self, session: Any, allocator: Any, pools: Dict[int, Any], torch: Any):
@@ -204,7 +201,13 @@ def install(
             _attach_oom_reason(torch)
         _refuse_unsupported(torch)
         _route_graphs(torch, state)
-        _native._torch_set_stream_block_flush(_reuse_stream_blocks_soon, _STREAM_FLUSH_INTERVAL)
+        # Least seconds between two automatic returns of multi-stream blocks. 0: one per
+        # burst of hook calls (the main thread runs one pending call however many were
+        # asked for meanwhile), which keeps a loop that frees a side-stream block per step
+        # from growing.
+        _native._torch_set_stream_block_flush(
+            _reuse_stream_blocks_soon, _env_number("GPU_BROKER_STREAM_FLUSH", 0.0)
+        )
         _state = state
         atexit.register(_stop_routing)
         return session
@@ -602,8 +605,8 @@ def reuse_stream_blocks() -> None:
     """Makes blocks that were used on more than one stream (``Tensor.record_stream``,
     side-stream copies, NCCL) reusable again now. PyTorch defers their end-of-use events
     while any pool routing is active, which under :func:`install` is always; the
-    allocator's hook therefore asks the main thread to do this by itself (at most every
-    0.1 s, after PyTorch missed its cache), so calling it is optional. The routing pauses
+    allocator's hook therefore asks the main thread to do this by itself (after PyTorch
+    missed its cache, once per burst of misses), so calling it is optional. The routing pauses
     for the call (as in :func:`empty_cache`; other threads' allocations in that moment go
     to PyTorch's default pool, outside leases) and PyTorch waits for those blocks'
     streams to finish their work; then they are back in the pool."""
