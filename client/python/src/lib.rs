@@ -46,6 +46,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(share::_torch_import, m)?)?;
     m.add_class::<share::ImportedSegment>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("REASON_CODES", errors::reason_codes())?;
     m.add(
         "REQUIRED_API_REVISION",
         gpu_broker_client::REQUIRED_API_REVISION,
