@@ -10,7 +10,13 @@ use std::process::{Command, Output};
 
 fn dry_run(parts: &[&str], env: &[(&str, &str)]) -> (Output, String) {
     // The binaries the harness's folder is made of (built by the workspace's build).
-    for b in ["gpu-broker", "gpu-brokerctl", "gpu-worker", "gpu-broker-bench", "turn-gate"] {
+    for b in [
+        "gpu-broker",
+        "gpu-brokerctl",
+        "gpu-worker",
+        "gpu-broker-bench",
+        "turn-gate",
+    ] {
         bin(b);
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -58,7 +64,10 @@ fn a_failed_step_fails_its_part_and_the_run() {
     assert!(text.contains("STEP FAILED: shared-check"), "{text}");
     assert!(text.contains("parts failed: shared ("), "{text}");
     // The other part still ran, and passed.
-    assert!(text.contains("=== health check: every step passed ==="), "{text}");
+    assert!(
+        text.contains("=== health check: every step passed ==="),
+        "{text}"
+    );
 }
 
 #[test]
