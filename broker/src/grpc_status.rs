@@ -61,7 +61,7 @@ pub fn reason(e: &BrokerError) -> Option<&'static str> {
             Missing::Turn(_) => "TURN_NOT_FOUND",
             Missing::SharedLease { .. } => "SHARED_LEASE_NOT_FOUND",
             Missing::Import(_) => "IMPORT_NOT_FOUND",
-            Missing::Reservation(_) => "RESERVATION_NOT_FOUND",
+            Missing::Reservation(_) | Missing::Claim(_) => "RESERVATION_NOT_FOUND",
         },
         ShuttingDown => "SHUTTING_DOWN",
         BrokerRestarted { .. } => "BROKER_RESTARTED",
@@ -246,6 +246,7 @@ pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
             }
             Missing::Import(id) => vec![("import_id", s(id))],
             Missing::Reservation(id) => vec![("reservation_id", s(id))],
+            Missing::Claim(uid) => vec![("claim", uid.clone())],
         },
         BrokerRestarted { session } => vec![("session_id", s(session))],
         ReservationHeld {

@@ -23,6 +23,7 @@ pub mod listing;
 mod outbox;
 mod overtaking;
 pub mod queue;
+pub mod claims;
 mod reservations;
 mod revocation;
 mod sharing;
@@ -647,3 +648,5 @@ mod lingering_tests;
 mod store_fault_tests;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(test)]
+mod claims_tests;

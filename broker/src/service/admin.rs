@@ -3,10 +3,12 @@
 
 use super::convert::{self, filter, parse_id};
 use crate::arbiter::listing::page_size;
+use crate::arbiter::claims::ClaimRequest;
 use crate::arbiter::tokens::TokenSpec;
 use crate::arbiter::Arbiter;
 use crate::audit::{AuditFilter, Who};
 use crate::bounds;
+use crate::reservations::ClaimBinding;
 use gpu_broker_proto::v1 as pb;
 use gpu_broker_proto::v1::admin_server::Admin;
 use std::sync::Arc;
@@ -330,6 +332,64 @@ impl Admin for AdminService {
             &self.arb,
             req.get_ref(),
         )?))
+    }
+
+    async fn reserve_claim(
+        &self,
+        req: Request<pb::ReserveClaimRequest>,
+    ) -> Result<Response<pb::ReserveClaimResponse>, Status> {
+        let who = Who::of(&req);
+        let r = req.into_inner();
+        bounds::tenant("tenant", &r.tenant)?;
+        bounds::check("claim", &r.claim, crate::arbiter::claims::MAX_CLAIM_UID)?;
+        bounds::check("label", &r.label, bounds::MAX_TEXT_BYTES)?;
+        let uid = r.claim.clone();
+        let g = self
+            .arb
+            .reserve_claim(
+                ClaimRequest {
+                    uid: r.claim,
+                    tenant: r.tenant,
+                    bytes: r.bytes,
+                    device: r.device,
+                    label: r.label,
+                },
+                who,
+            )
+            .await?;
+        let binding = ClaimBinding {
+            uid,
+            token_id: g.token_id.clone(),
+        };
+        Ok(Response::new(pb::ReserveClaimResponse {
+            reservation: Some(convert::claim(&binding, &g.reservation)),
+            token: g.token,
+            mps_env: g.reservation.env.iter().cloned().collect(),
+        }))
+    }
+
+    async fn release_claim(
+        &self,
+        req: Request<pb::ReleaseClaimRequest>,
+    ) -> Result<Response<pb::ReleaseClaimResponse>, Status> {
+        let who = Who::of(&req);
+        let r = req.into_inner();
+        bounds::check("claim", &r.claim, crate::arbiter::claims::MAX_CLAIM_UID)?;
+        if r.claim.is_empty() {
+            return Err(Status::invalid_argument("claim is required"));
+        }
+        self.arb.release_claim(&r.claim, who).await?;
+        Ok(Response::new(pb::ReleaseClaimResponse {}))
+    }
+
+    async fn list_claims(
+        &self,
+        _req: Request<pb::ListClaimsRequest>,
+    ) -> Result<Response<pb::ListClaimsResponse>, Status> {
+        let claims = self.arb.list_claims();
+        Ok(Response::new(pb::ListClaimsResponse {
+            claims: claims.iter().map(|(c, r)| convert::claim(c, r)).collect(),
+        }))
     }
 
     async fn list_quarantined(
