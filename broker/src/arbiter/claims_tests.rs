@@ -55,7 +55,11 @@ async fn a_claim_is_reserved_with_a_bound_token_and_its_sessions_draw_from_it() 
     assert_eq!(g.reservation.requested_bytes, 255 * MIB);
     let u = usage(&arb, "a");
     assert_eq!(
-        (u.process_reserved_bytes, u.process_reservations, u.held_bytes),
+        (
+            u.process_reserved_bytes,
+            u.process_reservations,
+            u.held_bytes
+        ),
         (256 * MIB, 1, 0)
     );
     let tokens = arb.list_tokens(Some("a"));

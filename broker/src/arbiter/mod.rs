@@ -14,6 +14,7 @@
 mod admin;
 mod admission;
 mod audit;
+pub mod claims;
 mod drain;
 mod effects;
 mod ending;
@@ -23,7 +24,6 @@ pub mod listing;
 mod outbox;
 mod overtaking;
 pub mod queue;
-pub mod claims;
 mod reservations;
 mod revocation;
 mod sharing;
@@ -639,6 +639,8 @@ pub(crate) fn host_arbiter_with_store(
 }
 
 #[cfg(test)]
+mod claims_tests;
+#[cfg(test)]
 mod descriptor_tests;
 #[cfg(test)]
 pub(crate) mod durable_tests;
@@ -648,5 +650,3 @@ mod lingering_tests;
 mod store_fault_tests;
 #[cfg(test)]
 pub(crate) mod tests;
-#[cfg(test)]
-mod claims_tests;

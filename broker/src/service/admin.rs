@@ -2,8 +2,8 @@
 //! Thin: the interceptor admitted only the admin; this converts and delegates.
 
 use super::convert::{self, filter, parse_id};
-use crate::arbiter::listing::page_size;
 use crate::arbiter::claims::ClaimRequest;
+use crate::arbiter::listing::page_size;
 use crate::arbiter::tokens::TokenSpec;
 use crate::arbiter::Arbiter;
 use crate::audit::{AuditFilter, Who};
