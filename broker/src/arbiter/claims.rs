@@ -85,10 +85,24 @@ impl Arbiter {
         }
     }
 
-    /// Ends claim `uid`'s reservation (its drawn leases stay ordinary leases, ended with
-    /// their sessions by the revocation) and revokes its token. `NOT_FOUND` when the claim
-    /// has neither.
+    /// Revokes claim `uid`'s token (ending the sessions opened with it) and ends its
+    /// reservation. `NOT_FOUND` when the claim has neither.
     pub async fn release_claim(self: &Arc<Self>, uid: &str, who: Who) -> BrokerResult<()> {
+        // The token first: its sessions end (their leases with them) before the room
+        // they drew from goes.
+        let name = claim_token_name(uid);
+        let tokens: Vec<String> = self
+            .list_tokens(None)
+            .into_iter()
+            .filter(|t| t.name == name)
+            .map(|t| t.token_id)
+            .collect();
+        for id in &tokens {
+            match self.revoke_token_for(id.clone(), who.clone()).await {
+                Ok(()) | Err(BrokerError::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let ended = {
             let mut st = self.lock();
             let found = st.reservations().of_claim(uid).map(|r| r.id);
@@ -98,21 +112,8 @@ impl Arbiter {
             }
             found
         };
-        let name = claim_token_name(uid);
-        let tokens: Vec<String> = self
-            .list_tokens(None)
-            .into_iter()
-            .filter(|t| t.name == name)
-            .map(|t| t.token_id)
-            .collect();
         if ended.is_none() && tokens.is_empty() {
             return Err(BrokerError::NotFound(Missing::Claim(uid.to_string())));
-        }
-        for id in tokens {
-            match self.revoke_token_for(id, who.clone()).await {
-                Ok(()) | Err(BrokerError::NotFound(_)) => {}
-                Err(e) => return Err(e),
-            }
         }
         tracing::info!(claim = %uid, reservation = ?ended, "claim released");
         Ok(())
