@@ -53,7 +53,7 @@ pub fn parse_bytes(q: &str) -> Result<u64, BadQuantity> {
 /// `bytes` as a quantity: binary-suffixed when exact ("8Gi", "2Mi"), else plain bytes.
 pub fn format_bytes(bytes: u64) -> String {
     for (shift, suffix) in [(40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki")] {
-        if bytes != 0 && bytes % (1u64 << shift) == 0 {
+        if bytes != 0 && bytes.is_multiple_of(1u64 << shift) {
             return format!("{}{suffix}", bytes >> shift);
         }
     }

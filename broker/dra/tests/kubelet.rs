@@ -371,10 +371,10 @@ async fn the_slice_publishes_the_brokers_leasable_memory_and_withdraws_a_drained
         .await?;
     assert_eq!(s["spec"]["pool"]["generation"], 3);
     // Nothing changed: no more writes.
-    let writes = n.api.state.lock().unwrap().writes.len();
+    let writes = n.api.state.lock().writes.len();
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert_eq!(
-        n.api.state.lock().unwrap().writes.len(),
+        n.api.state.lock().writes.len(),
         writes,
         "unchanged slices are not rewritten"
     );

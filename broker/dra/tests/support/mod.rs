@@ -10,11 +10,12 @@ use gpu_broker_dra::pb::{dra_v1, dra_v1beta1, registration as reg};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
+use parking_lot::Mutex;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 
@@ -66,7 +67,7 @@ async fn handle(
         .await
         .map(|b| b.to_bytes())
         .unwrap_or_default();
-    let mut st = state.lock().unwrap();
+    let mut st = state.lock();
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let answer = match (&method, parts.as_slice()) {
         (
@@ -173,23 +174,15 @@ impl FakeApi {
                 "request": "gpu", "driver": DRIVER, "pool": "node-a", "device": device,
                 "shareID": format!("share-{uid}"), "consumedCapacity": {"memory": memory}}]}}}
         });
-        self.state
-            .lock()
-            .unwrap()
-            .claims
-            .insert((ns.into(), name.into()), c);
+        self.state.lock().claims.insert((ns.into(), name.into()), c);
     }
 
     pub fn remove_claim(&self, ns: &str, name: &str) {
-        self.state
-            .lock()
-            .unwrap()
-            .claims
-            .remove(&(ns.into(), name.into()));
+        self.state.lock().claims.remove(&(ns.into(), name.into()));
     }
 
     pub fn slice(&self, name: &str) -> Option<Value> {
-        self.state.lock().unwrap().slices.get(name).cloned()
+        self.state.lock().slices.get(name).cloned()
     }
 
     /// Waits until the slice `name` satisfies `ok`.
