@@ -8,6 +8,7 @@ use crate::arbiter::tokens::TokenSpec;
 use crate::arbiter::Arbiter;
 use crate::audit::{AuditFilter, Who};
 use crate::bounds;
+use crate::grpc_status::status;
 use crate::reservations::ClaimBinding;
 use gpu_broker_proto::v1 as pb;
 use gpu_broker_proto::v1::admin_server::Admin;
@@ -34,10 +35,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::SetQuotaResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        bounds::tenant("tenant", &r.tenant)?;
-        let update = convert::quota_update(r.quota, r.patch)?;
+        bounds::tenant("tenant", &r.tenant).map_err(status)?;
+        let update = convert::quota_update(r.quota, r.patch).map_err(status)?;
         // Committed with its audit record, on the store writer.
-        let c = self.arb.change_quota_for(r.tenant, update, who).await?;
+        let c = self
+            .arb
+            .change_quota_for(r.tenant, update, who)
+            .await
+            .map_err(status)?;
         Ok(Response::new(pb::SetQuotaResponse {
             tenant: Some(convert::tenant(&c.tenant)),
             created: c.created,
@@ -49,8 +54,8 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::GetQuotaRequest>,
     ) -> Result<Response<pb::GetQuotaResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
-        let t = self.arb.get_tenant(&req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
+        let t = self.arb.get_tenant(&req.get_ref().tenant).map_err(status)?;
         Ok(Response::new(pb::GetQuotaResponse {
             tenant: Some(convert::tenant(&t)),
         }))
@@ -63,7 +68,8 @@ impl Admin for AdminService {
         let r = req.get_ref();
         let page = self
             .arb
-            .tenants_page(&r.page_token, page_size(r.page_size))?;
+            .tenants_page(&r.page_token, page_size(r.page_size))
+            .map_err(status)?;
         Ok(Response::new(pb::ListTenantsResponse {
             tenants: page.items.iter().map(convert::tenant).collect(),
             next_page_token: page.next.unwrap_or_default(),
@@ -74,12 +80,13 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::DeleteTenantRequest>,
     ) -> Result<Response<pb::DeleteTenantResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let who = Who::of(&req);
         // Committed with its audit record, on the store writer.
         self.arb
             .delete_tenant_for(req.into_inner().tenant, who)
-            .await?;
+            .await
+            .map_err(status)?;
         Ok(Response::new(pb::DeleteTenantResponse {}))
     }
 
@@ -89,17 +96,17 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::IssueTokenResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        bounds::tenant("tenant", &r.tenant)?;
-        bounds::check("description", &r.description, bounds::MAX_TEXT_BYTES)?;
+        bounds::tenant("tenant", &r.tenant).map_err(status)?;
+        bounds::check("description", &r.description, bounds::MAX_TEXT_BYTES).map_err(status)?;
         let spec = TokenSpec {
             tenant: filter(&r.tenant).map(str::to_string),
-            scope: convert::scope_from(r.scope)?,
+            scope: convert::scope_from(r.scope).map_err(status)?,
             ttl: r.ttl_ms.map(Duration::from_millis),
             name: r.name,
             description: r.description,
         };
         // Committed with its audit record, on the store writer.
-        let issued = self.arb.issue_for(spec, who).await?;
+        let issued = self.arb.issue_for(spec, who).await.map_err(status)?;
         let e = &issued.entry;
         Ok(Response::new(pb::IssueTokenResponse {
             token: issued.token.clone(),
@@ -117,8 +124,8 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::RevokeTokenResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        bounds::check("token", &r.token, bounds::MAX_TOKEN_BYTES)?;
-        bounds::check("token_id", &r.token_id, bounds::MAX_TOKEN_BYTES)?;
+        bounds::check("token", &r.token, bounds::MAX_TOKEN_BYTES).map_err(status)?;
+        bounds::check("token_id", &r.token_id, bounds::MAX_TOKEN_BYTES).map_err(status)?;
         let key = if r.token_id.is_empty() {
             r.token
         } else {
@@ -128,7 +135,7 @@ impl Admin for AdminService {
             return Err(Status::invalid_argument("token_id or token is required"));
         }
         // Committed with its audit record, on the store writer.
-        self.arb.revoke_token_for(key, who).await?;
+        self.arb.revoke_token_for(key, who).await.map_err(status)?;
         Ok(Response::new(pb::RevokeTokenResponse {}))
     }
 
@@ -136,9 +143,9 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListTokensRequest>,
     ) -> Result<Response<pb::ListTokensResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant)?;
+        self.arb.check_tenant_filter(tenant).map_err(status)?;
         let tokens = self.arb.list_tokens(tenant);
         Ok(Response::new(pb::ListTokensResponse {
             tokens: tokens
@@ -152,13 +159,14 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListAllLeasesRequest>,
     ) -> Result<Response<pb::ListAllLeasesResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant)?;
+        self.arb.check_tenant_filter(tenant).map_err(status)?;
         let r = req.get_ref();
         let page = self
             .arb
-            .leases_page(tenant, &r.page_token, page_size(r.page_size))?;
+            .leases_page(tenant, &r.page_token, page_size(r.page_size))
+            .map_err(status)?;
         Ok(Response::new(pb::ListAllLeasesResponse {
             leases: page
                 .items
@@ -175,14 +183,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::RevokeLeaseResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        let id = parse_id("lease_id", &r.lease_id)?;
-        bounds::check("reason", &r.reason, bounds::MAX_REASON_BYTES)?;
+        let id = parse_id("lease_id", &r.lease_id).map_err(status)?;
+        bounds::check("reason", &r.reason, bounds::MAX_REASON_BYTES).map_err(status)?;
         let reason = if r.reason.is_empty() {
             "revoked by an operator".to_string()
         } else {
             r.reason
         };
-        let lease = self.arb.revoke(id, &reason)?;
+        let lease = self.arb.revoke(id, &reason).map_err(status)?;
         self.arb.audit(
             &who,
             "lease.revoke",
@@ -201,13 +209,14 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant)?;
+        self.arb.check_tenant_filter(tenant).map_err(status)?;
         let r = req.get_ref();
         let page = self
             .arb
-            .sessions_page(tenant, &r.page_token, page_size(r.page_size))?;
+            .sessions_page(tenant, &r.page_token, page_size(r.page_size))
+            .map_err(status)?;
         Ok(Response::new(pb::ListSessionsResponse {
             sessions: page.items.iter().map(convert::session).collect(),
             next_page_token: page.next.unwrap_or_default(),
@@ -240,7 +249,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::RotateAdminTokenResponse>, Status> {
         let who = Who::of(&req);
         let grace = Duration::from_millis(req.get_ref().grace_ms);
-        let token = self.arb.rotate_admin_token(grace)?;
+        let token = self.arb.rotate_admin_token(grace).map_err(status)?;
         self.arb.audit(
             &who,
             "admin_token.rotate",
@@ -261,11 +270,14 @@ impl Admin for AdminService {
         req: Request<pb::ListAuditRequest>,
     ) -> Result<Response<pb::ListAuditResponse>, Status> {
         let r = req.into_inner();
-        let records = self.arb.list_audit(&AuditFilter {
-            since_unix_ms: r.since_unix_ms,
-            tenant: filter(&r.tenant).map(str::to_string),
-            limit: r.limit as usize,
-        })?;
+        let records = self
+            .arb
+            .list_audit(&AuditFilter {
+                since_unix_ms: r.since_unix_ms,
+                tenant: filter(&r.tenant).map(str::to_string),
+                limit: r.limit as usize,
+            })
+            .map_err(status)?;
         Ok(Response::new(pb::ListAuditResponse {
             entries: records.iter().map(convert::audit_entry).collect(),
         }))
@@ -278,11 +290,14 @@ impl Admin for AdminService {
         let who = Who::of(&req);
         let r = req.into_inner();
         let before = self.arb.drain_report();
-        let report = self.arb.start_drain(
-            r.device,
-            r.deadline_ms.map(Duration::from_millis),
-            &r.reason,
-        )?;
+        let report = self
+            .arb
+            .start_drain(
+                r.device,
+                r.deadline_ms.map(Duration::from_millis),
+                &r.reason,
+            )
+            .map_err(status)?;
         self.arb.audit(
             &who,
             "drain.start",
@@ -302,7 +317,7 @@ impl Admin for AdminService {
         let who = Who::of(&req);
         let device = req.get_ref().device;
         let before = self.arb.drain_report();
-        let report = self.arb.undrain(device)?;
+        let report = self.arb.undrain(device).map_err(status)?;
         self.arb.audit(
             &who,
             "drain.stop",
@@ -328,10 +343,9 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::AdminListSharedLeasesRequest>,
     ) -> Result<Response<pb::AdminListSharedLeasesResponse>, Status> {
-        Ok(Response::new(super::shared::list_all(
-            &self.arb,
-            req.get_ref(),
-        )?))
+        Ok(Response::new(
+            super::shared::list_all(&self.arb, req.get_ref()).map_err(status)?,
+        ))
     }
 
     async fn reserve_claim(
@@ -340,9 +354,9 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ReserveClaimResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        bounds::tenant("tenant", &r.tenant)?;
-        bounds::check("claim", &r.claim, crate::arbiter::claims::MAX_CLAIM_UID)?;
-        bounds::check("label", &r.label, bounds::MAX_TEXT_BYTES)?;
+        bounds::tenant("tenant", &r.tenant).map_err(status)?;
+        bounds::check("claim", &r.claim, crate::arbiter::claims::MAX_CLAIM_UID).map_err(status)?;
+        bounds::check("label", &r.label, bounds::MAX_TEXT_BYTES).map_err(status)?;
         let uid = r.claim.clone();
         let g = self
             .arb
@@ -356,7 +370,8 @@ impl Admin for AdminService {
                 },
                 who,
             )
-            .await?;
+            .await
+            .map_err(status)?;
         let binding = ClaimBinding {
             uid,
             token_id: g.token_id.clone(),
@@ -374,11 +389,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ReleaseClaimResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        bounds::check("claim", &r.claim, crate::arbiter::claims::MAX_CLAIM_UID)?;
+        bounds::check("claim", &r.claim, crate::arbiter::claims::MAX_CLAIM_UID).map_err(status)?;
         if r.claim.is_empty() {
             return Err(Status::invalid_argument("claim is required"));
         }
-        self.arb.release_claim(&r.claim, who).await?;
+        self.arb
+            .release_claim(&r.claim, who)
+            .await
+            .map_err(status)?;
         Ok(Response::new(pb::ReleaseClaimResponse {}))
     }
 
@@ -431,7 +449,8 @@ impl Admin for AdminService {
         let r = req.into_inner();
         let changed = self
             .arb
-            .set_device_health(r.device, r.healthy, &r.reason, &who)?;
+            .set_device_health(r.device, r.healthy, &r.reason, &who)
+            .map_err(status)?;
         self.arb.audits_written().await;
         Ok(Response::new(pb::SetDeviceHealthResponse { changed }))
     }

@@ -33,17 +33,17 @@ mod tests;
 #[cfg(test)]
 mod transition_tests;
 
-pub(crate) use end::{Ending, Revoke};
-pub(crate) use queue::{Enqueued, QueueEnv};
-pub(crate) use shared::{Holding, NewPublication, SealCheck};
+pub use end::{Ending, Revoke};
+pub use queue::{Enqueued, QueueEnv};
+pub use shared::{Holding, NewPublication, SealCheck};
 
-use super::effects::{Effects, Watch};
-use super::queue::WaitQueue;
+use crate::effects::{Effects, Watch};
 use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::id_map::IdMap;
 use crate::lease::{Lease, LeaseState, LeaseTable, LeaseView};
 use crate::ledger::{Ledger, Tier};
 use crate::pool::{Block, Pool};
+use crate::queue::WaitQueue;
 use crate::quota::Quota;
 use crate::reservations::ReservationTable;
 use crate::session::{Session, SessionTable};
@@ -54,7 +54,7 @@ use uuid::Uuid;
 
 /// Memory of an ended lease that a live process may still map.
 #[derive(Debug)]
-pub(crate) struct Quarantined {
+pub struct Quarantined {
     pub tenant: String,
     pub device: u32,
     pub block: Block,
@@ -70,7 +70,7 @@ pub(crate) struct Quarantined {
 /// core reads no clock of its own; what it stamps (a lease's or a reservation's creation,
 /// when memory was quarantined or held) carries this time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Clock {
+pub struct Clock {
     pub now: Instant,
     pub wall: SystemTime,
 }
@@ -78,7 +78,7 @@ pub(crate) struct Clock {
 #[cfg(test)]
 impl Clock {
     /// Both clocks, now (the core's tests start their cores with it).
-    pub(crate) fn read() -> Clock {
+    pub fn read() -> Clock {
         Clock {
             now: Instant::now(),
             wall: SystemTime::now(),
@@ -87,7 +87,7 @@ impl Clock {
 }
 
 /// Everything behind the arbiter's lock.
-pub(crate) struct State {
+pub struct State {
     ledger: Ledger,
     pools: Vec<Pool>,
     /// Per device: is it the host simulation (a surviving mapping of a destroyed block
@@ -127,12 +127,7 @@ impl State {
     /// A core over these device pools (`host_backed`: which are the host simulation),
     /// asking `seals` whether a host memfd is still as it was made; its clock starts at
     /// `clock`.
-    pub(crate) fn new(
-        pools: Vec<Pool>,
-        host_backed: Vec<bool>,
-        seals: SealCheck,
-        clock: Clock,
-    ) -> State {
+    pub fn new(pools: Vec<Pool>, host_backed: Vec<bool>, seals: SealCheck, clock: Clock) -> State {
         State {
             ledger: Ledger::default(),
             pools,
@@ -156,11 +151,11 @@ impl State {
 
     /// The time of the hold that begins: the shell's reading of both clocks when it took
     /// the lock. Every transition in the hold stamps with it.
-    pub(crate) fn set_clock(&mut self, clock: Clock) {
+    pub fn set_clock(&mut self, clock: Clock) {
         self.clock = clock;
     }
     /// The current hold's time.
-    pub(crate) fn clock(&self) -> Clock {
+    pub fn clock(&self) -> Clock {
         self.clock
     }
 
@@ -177,63 +172,63 @@ impl State {
 
     // Reading: every table, shared, never mutable from outside the core.
 
-    pub(crate) fn ledger(&self) -> &Ledger {
+    pub fn ledger(&self) -> &Ledger {
         &self.ledger
     }
-    pub(crate) fn pools(&self) -> &[Pool] {
+    pub fn pools(&self) -> &[Pool] {
         &self.pools
     }
-    pub(crate) fn leases(&self) -> &LeaseTable {
+    pub fn leases(&self) -> &LeaseTable {
         &self.leases
     }
-    pub(crate) fn sessions(&self) -> &SessionTable {
+    pub fn sessions(&self) -> &SessionTable {
         &self.sessions
     }
-    pub(crate) fn queue(&self) -> &WaitQueue {
+    pub fn queue(&self) -> &WaitQueue {
         &self.queue
     }
-    pub(crate) fn quarantine(&self) -> &IdMap<Uuid, Quarantined> {
+    pub fn quarantine(&self) -> &IdMap<Uuid, Quarantined> {
         &self.quarantine
     }
-    pub(crate) fn shared(&self) -> &SharedTable {
+    pub fn shared(&self) -> &SharedTable {
         &self.shared
     }
-    pub(crate) fn reservations(&self) -> &ReservationTable {
+    pub fn reservations(&self) -> &ReservationTable {
         &self.reservations
     }
     /// Is device `d` the host simulation?
-    pub(crate) fn host_backed(&self, d: u32) -> bool {
+    pub fn host_backed(&self, d: u32) -> bool {
         self.host_backed.get(d as usize).copied().unwrap_or(true)
     }
 
     /// Did the transitions under the current lock push anything (the lock guard asks)?
-    pub(crate) fn has_effects(&self) -> bool {
+    pub fn has_effects(&self) -> bool {
         !self.fx.is_empty()
     }
     /// What the transitions pushed, in order, taken by the lock guard to run them (and by
     /// the model test, which runs them itself). Only the core's transitions push effects.
-    pub(crate) fn take_effects(&mut self) -> Effects {
+    pub fn take_effects(&mut self) -> Effects {
         std::mem::take(&mut self.fx)
     }
     /// The answer this hold pushed for waiter `to`, taken out (`Effect::Reply`): the
     /// shell hands a request granted in the hold that offered it to its caller directly,
     /// with no reply channel. None when the waiter was not answered in this hold.
-    pub(crate) fn take_reply(
+    pub fn take_reply(
         &mut self,
-        to: super::queue::WaiterId,
-    ) -> Option<BrokerResult<super::queue::Granted>> {
+        to: crate::queue::WaiterId,
+    ) -> Option<BrokerResult<crate::queue::Granted>> {
         self.fx.take_reply(to)
     }
     /// Pushes effects skipping the transitions: only for shell tests of how the lock
     /// guard runs what was pushed.
-    #[cfg(test)]
-    pub(crate) fn fx_behind_the_back(&mut self) -> &mut Effects {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn fx_behind_the_back(&mut self) -> &mut Effects {
         &mut self.fx
     }
     /// The ledger, mutable, skipping the transitions: only for the test that checks the
     /// invariant catches a hand-made mismatch.
-    #[cfg(test)]
-    pub(crate) fn ledger_behind_the_back(&mut self) -> &mut Ledger {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn ledger_behind_the_back(&mut self) -> &mut Ledger {
         &mut self.ledger
     }
 
@@ -241,8 +236,8 @@ impl State {
     // state (publications, imports and recipients: `shared.rs`).
 
     /// The wait queue, mutable, skipping the transitions (tests move waiters' clocks).
-    #[cfg(test)]
-    pub(crate) fn queue_mut(&mut self) -> &mut WaitQueue {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn queue_mut(&mut self) -> &mut WaitQueue {
         &mut self.queue
     }
     /// Mark a lease's reclaim state (asked back, deadline passed, drained).
@@ -257,7 +252,7 @@ impl State {
     }
     /// Mark what NVML says of a session's GPU use; false when there is no such session.
     /// (Its activity is marked through `Session::last_seen`, shared, with no lock.)
-    pub(crate) fn set_session_gpu(&mut self, id: &Uuid, gpu: crate::session::GpuUse) -> bool {
+    pub fn set_session_gpu(&mut self, id: &Uuid, gpu: crate::session::GpuUse) -> bool {
         match self.sessions.get_mut(id) {
             Some(s) => {
                 s.gpu = Some(gpu);
@@ -272,7 +267,7 @@ impl State {
     /// A session opens (it holds nothing yet); its peer process is watched. Refused when
     /// its tenant does not exist or is being deleted (`NotFound`), or already has
     /// `max_per_tenant` sessions open (`SessionLimit`); nothing changes then.
-    pub(crate) fn open_session(&mut self, s: Session, max_per_tenant: usize) -> BrokerResult<()> {
+    pub fn open_session(&mut self, s: Session, max_per_tenant: usize) -> BrokerResult<()> {
         if self.ledger.get(&s.tenant).is_none() || self.ledger.is_closing(&s.tenant) {
             return Err(BrokerError::NotFound(Missing::TenantGone(s.tenant.clone())));
         }
@@ -291,25 +286,25 @@ impl State {
     }
 
     /// Sets a tenant's quota (creating it); true when it was created.
-    pub(crate) fn set_quota(&mut self, name: &str, quota: Quota) -> BrokerResult<bool> {
+    pub fn set_quota(&mut self, name: &str, quota: Quota) -> BrokerResult<bool> {
         self.ledger.set_quota(name, quota)
     }
     /// Deletes a tenant that holds nothing.
-    pub(crate) fn delete_tenant(&mut self, name: &str) -> BrokerResult<()> {
+    pub fn delete_tenant(&mut self, name: &str) -> BrokerResult<()> {
         self.ledger.delete(name)
     }
     /// A tenant being deleted takes no new charge.
-    pub(crate) fn close_tenant(&mut self, name: &str) -> BrokerResult<()> {
+    pub fn close_tenant(&mut self, name: &str) -> BrokerResult<()> {
         self.ledger.close(name)
     }
     /// Its deletion failed: it takes charges again.
-    pub(crate) fn reopen_tenant(&mut self, name: &str) {
+    pub fn reopen_tenant(&mut self, name: &str) {
         self.ledger.reopen(name)
     }
 
     /// Device `d`'s leasable bytes change (memory outside the broker came or went); cached
     /// blocks beyond it are freed.
-    pub(crate) fn set_leasable(&mut self, d: u32, leasable: u64) {
+    pub fn set_leasable(&mut self, d: u32, leasable: u64) {
         let Some(pool) = self.pools.get_mut(d as usize) else {
             return;
         };
@@ -361,7 +356,7 @@ impl State {
 
     /// Gives cached blocks of device `d` back to the device, at least `bytes` of them
     /// (processes outside the broker ate into the headroom); how many blocks.
-    pub(crate) fn evict_cached(&mut self, d: u32, bytes: u64) -> usize {
+    pub fn evict_cached(&mut self, d: u32, bytes: u64) -> usize {
         let Some(pool) = self.pools.get_mut(d as usize) else {
             return 0;
         };
@@ -376,7 +371,7 @@ impl State {
     /// Every byte in exactly one state, ledger and pools agreeing (checked after every
     /// transition in debug builds, and by the tests).
     #[cfg_attr(not(debug_assertions), allow(dead_code))]
-    pub(crate) fn check_invariant(&self) -> Result<(), String> {
+    pub fn check_invariant(&self) -> Result<(), String> {
         #[derive(Default, PartialEq, Debug)]
         struct Sum {
             leased: u64,
