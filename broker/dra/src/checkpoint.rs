@@ -54,6 +54,12 @@ pub struct ClaimEntry {
     pub reservation_id: String,
     #[serde(default)]
     pub device: Option<PreparedDevice>,
+    /// The broker device and the bytes reserved there (to reserve again after the
+    /// broker restarted).
+    #[serde(default)]
+    pub index: u32,
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 /// The whole checkpoint.
@@ -145,6 +151,8 @@ mod tests {
                 name: "c".into(),
                 reservation_id: String::new(),
                 device: None,
+                index: 0,
+                bytes: 0,
             },
         );
         f.save(&c).unwrap();

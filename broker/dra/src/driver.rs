@@ -12,6 +12,10 @@
 //! Unprepare: the reservation ends and its token is revoked at the broker, the CDI spec
 //! and token file are removed, the entry goes. An unknown claim is done already.
 //!
+//! A broker restart loses its claim reservations (memory) but not their tokens:
+//! [`Driver::reserve_lost`] reserves each prepared claim again and rewrites its token file
+//! in place.
+//!
 //! What a claim cannot get (over its tenant's quota, no room, not allocated here) is an
 //! error on that claim, returned to the kubelet in its response.
 
@@ -182,6 +186,65 @@ impl Driver {
         cleaned
     }
 
+    /// Reserves again at the broker every prepared claim it no longer holds (it
+    /// restarted: its claim reservations are memory, their tokens durable): the old token
+    /// is revoked, a new one written over the claim's token file (the container's mount
+    /// sees it) and the CDI spec rewritten. Returns the uids reserved again.
+    pub async fn reserve_lost(&self) -> Vec<String> {
+        let held: std::collections::HashSet<String> = match self.broker.list_claims().await {
+            Ok(c) => c.into_iter().map(|c| c.claim).collect(),
+            Err(e) => {
+                tracing::debug!(error = %e, "listing the broker's claims");
+                return Vec::new();
+            }
+        };
+        let mut ck = self.state.lock().await;
+        let lost: Vec<(String, ClaimEntry)> = ck
+            .claims
+            .iter()
+            .filter(|(uid, e)| e.state == ClaimState::PrepareCompleted && !held.contains(*uid))
+            .map(|(u, e)| (u.clone(), e.clone()))
+            .collect();
+        let mut again = Vec::new();
+        for (uid, e) in lost {
+            let Some(d) = e.device.clone() else { continue };
+            let c = ClaimRef {
+                namespace: e.namespace.clone(),
+                name: e.name.clone(),
+                uid: uid.clone(),
+            };
+            let a = Allocated {
+                request: d.request,
+                pool: d.pool,
+                device: d.device,
+                index: e.index,
+                bytes: e.bytes,
+                share_id: d.share_id,
+            };
+            if let Err(err) = self.broker.release_claim(&uid).await {
+                tracing::warn!(claim = %uid, error = %err, "revoking a lost claim's token");
+                continue;
+            }
+            match self.reserve(&c, &a).await {
+                Ok((reservation_id, device)) => {
+                    if let Some(entry) = ck.claims.get_mut(&uid) {
+                        entry.reservation_id = reservation_id;
+                        entry.device = Some(device);
+                    }
+                    if let Err(err) = self.save(&ck) {
+                        tracing::error!(claim = %uid, error = %err, "recording a claim reserved again");
+                    }
+                    tracing::info!(claim = %uid, bytes = e.bytes, "claim reserved again at the broker");
+                    again.push(uid);
+                }
+                Err(err) => {
+                    tracing::warn!(claim = %uid, error = %err, "reserving a lost claim again")
+                }
+            }
+        }
+        again
+    }
+
     /// The checkpoint as it stands.
     pub async fn checkpoint(&self) -> Checkpoint {
         self.state.lock().await.clone()
@@ -221,6 +284,8 @@ impl Driver {
                 name: c.name.clone(),
                 reservation_id: String::new(),
                 device: None,
+                index: a.index,
+                bytes: a.bytes,
             },
         );
         self.save(ck)?;
@@ -234,6 +299,8 @@ impl Driver {
                         name: c.name.clone(),
                         reservation_id,
                         device: Some(device.clone()),
+                        index: a.index,
+                        bytes: a.bytes,
                     },
                 );
                 self.save(ck)?;

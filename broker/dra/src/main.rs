@@ -96,7 +96,8 @@ struct RunArgs {
     /// How often the slice is brought in line with the broker.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     slice_interval: Duration,
-    /// How often prepared claims whose ResourceClaim is gone are cleaned up.
+    /// How often prepared claims whose ResourceClaim is gone are cleaned up, and claims
+    /// the broker lost (it restarted) reserved again.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     cleanup_interval: Duration,
     /// Do not publish the ResourceSlice (another process does).
@@ -213,6 +214,7 @@ async fn run(a: RunArgs) -> Result<()> {
                     _ = tokio::time::sleep(every) => {}
                 }
                 driver.clean_stale().await;
+                driver.reserve_lost().await;
             }
         })
     };

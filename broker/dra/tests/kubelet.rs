@@ -402,3 +402,43 @@ async fn slice_print_prints_the_slice_it_would_publish() -> Result<()> {
     assert_eq!(v["spec"]["devices"][0]["name"], "gpu-0");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_broker_lost_in_a_restart_is_reserved_again() -> Result<()> {
+    let mut n = node().await?;
+    let k = Kubelet::register(&n.plugin).await?;
+    n.api.add_claim(NS, "c", "uid-r", "gpu-0", "96Mi");
+    assert_eq!(
+        k.prepare(&[(NS, "c", "uid-r")]).await?.claims["uid-r"].error,
+        ""
+    );
+    let old_token = std::fs::read_to_string(n.plugin.token_file("uid-r"))?;
+    n.broker.stop(std::time::Duration::from_secs(10))?;
+    n.broker.spawn()?;
+    // The plugin notices and reserves the claim again, with a new token in the same file.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while n.claims().await.unwrap_or_default() != ["uid-r"] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never reserved again: {}",
+            n.plugin.log_text()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(n.reserved().await?, 96 * MIB);
+    assert_eq!(n.tokens().await?, ["claim/uid-r"], "the old token revoked");
+    let token = std::fs::read_to_string(n.plugin.token_file("uid-r"))?;
+    assert_ne!(token, old_token);
+    let worker = Client::connect(&n.broker.uri(), token).await?;
+    let session = worker.session("pod").await?;
+    let _lease = session.lease(32 * MIB).await?;
+    let u = n.broker.admin().await?.get_quota(NS).await?.usage;
+    assert_eq!(
+        (u.held_bytes, u.process_reserved_bytes),
+        (32 * MIB, 64 * MIB)
+    );
+    if let Ok(old) = Client::connect(&n.broker.uri(), old_token).await {
+        assert!(old.session("x").await.is_err(), "the old token is refused");
+    }
+    Ok(())
+}
