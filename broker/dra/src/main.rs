@@ -81,10 +81,10 @@ struct RunArgs {
     /// The driver's own state: the checkpoint and the claims' token directories.
     #[arg(long, default_value = "/var/lib/gpu-broker-dra")]
     state_dir: PathBuf,
-    /// The host directory of the broker's sockets, mounted into claims' containers;
-    /// absent: the directory of --broker.
-    #[arg(long)]
-    broker_socket_dir: Option<PathBuf>,
+    /// The workers' broker socket on the host: its directory (with the ticket socket) is
+    /// mounted into claims' containers.
+    #[arg(long, default_value = "/run/gpu-broker/broker.sock")]
+    worker_socket: PathBuf,
     /// Charge NAMESPACE's claims to TENANT (repeatable); unmapped namespaces are their
     /// own tenants.
     #[arg(long = "tenant", value_name = "NAMESPACE=TENANT")]
@@ -169,21 +169,20 @@ fn tenant_map(pairs: &[String]) -> Result<TenantMap> {
 async fn run(a: RunArgs) -> Result<()> {
     let broker = a.common.broker()?;
     let kube = a.common.kube().await?;
-    let socket = PathBuf::from(a.common.broker.trim_start_matches("unix://"));
     let layout = CdiLayout {
         spec_dir: a.cdi_dir.clone(),
         claims_dir: a.state_dir.join("claims"),
-        broker_socket_dir: match &a.broker_socket_dir {
-            Some(d) => d.clone(),
-            None => socket
-                .parent()
-                .context("--broker has no directory")?
-                .to_path_buf(),
-        },
-        broker_socket_name: socket
+        broker_socket_dir: a
+            .worker_socket
+            .parent()
+            .context("--worker-socket has no directory")?
+            .to_path_buf(),
+        broker_socket_name: a
+            .worker_socket
             .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "broker.sock".into()),
+            .context("--worker-socket has no file name")?
+            .to_string_lossy()
+            .into_owned(),
     };
     let cfg = DriverConfig {
         driver_name: DRIVER_NAME.to_string(),

@@ -226,6 +226,8 @@ impl Plugin {
             "node-a".into(),
             "--broker".into(),
             broker_socket.display().to_string(),
+            "--worker-socket".into(),
+            broker_socket.display().to_string(),
             "--admin-token-file".into(),
             admin_token_file.display().to_string(),
             "--apiserver".into(),
