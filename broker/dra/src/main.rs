@@ -81,10 +81,13 @@ struct RunArgs {
     /// The driver's own state: the checkpoint and the claims' token directories.
     #[arg(long, default_value = "/var/lib/gpu-broker-dra")]
     state_dir: PathBuf,
-    /// The workers' broker socket on the host: its directory (with the ticket socket) is
-    /// mounted into claims' containers.
-    #[arg(long, default_value = "/run/gpu-broker/broker.sock")]
-    worker_socket: PathBuf,
+    /// The host directory of the workers' broker socket (and its ticket socket), mounted
+    /// into claims' containers at /run/gpu-broker.
+    #[arg(long, default_value = "/run/gpu-broker")]
+    broker_socket_dir: PathBuf,
+    /// The workers' socket's file name in that directory.
+    #[arg(long, default_value = "broker.sock")]
+    broker_socket_name: String,
     /// Charge NAMESPACE's claims to TENANT (repeatable); unmapped namespaces are their
     /// own tenants.
     #[arg(long = "tenant", value_name = "NAMESPACE=TENANT")]
@@ -172,17 +175,8 @@ async fn run(a: RunArgs) -> Result<()> {
     let layout = CdiLayout {
         spec_dir: a.cdi_dir.clone(),
         claims_dir: a.state_dir.join("claims"),
-        broker_socket_dir: a
-            .worker_socket
-            .parent()
-            .context("--worker-socket has no directory")?
-            .to_path_buf(),
-        broker_socket_name: a
-            .worker_socket
-            .file_name()
-            .context("--worker-socket has no file name")?
-            .to_string_lossy()
-            .into_owned(),
+        broker_socket_dir: a.broker_socket_dir.clone(),
+        broker_socket_name: a.broker_socket_name.clone(),
     };
     let cfg = DriverConfig {
         driver_name: DRIVER_NAME.to_string(),

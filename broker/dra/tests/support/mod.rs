@@ -226,8 +226,14 @@ impl Plugin {
             "node-a".into(),
             "--broker".into(),
             broker_socket.display().to_string(),
-            "--worker-socket".into(),
-            broker_socket.display().to_string(),
+            "--broker-socket-dir".into(),
+            broker_socket.parent().unwrap().display().to_string(),
+            "--broker-socket-name".into(),
+            broker_socket
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned(),
             "--admin-token-file".into(),
             admin_token_file.display().to_string(),
             "--apiserver".into(),
