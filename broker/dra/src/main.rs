@@ -30,7 +30,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve the kubelet plugin (registration and DRA) and publish the node's ResourceSlice.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// The node's ResourceSlice as the driver would publish it.
     Slice(SliceArgs),
 }
@@ -137,7 +137,7 @@ async fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::Slice(a) => slice(a).await,
-        Command::Run(a) => run(a).await,
+        Command::Run(a) => run(*a).await,
     }
 }
 
