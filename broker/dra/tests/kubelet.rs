@@ -472,3 +472,20 @@ async fn a_claim_the_broker_lost_in_a_restart_is_reserved_again() -> Result<()> 
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_prepares_of_one_claim_reserve_it_once() -> Result<()> {
+    let n = node().await?;
+    let k = Kubelet::register(&n.plugin).await?;
+    n.api.add_claim(NS, "c", "uid-c", "gpu-0", "64Mi");
+    let calls = (0..4).map(|_| k.prepare(&[(NS, "c", "uid-c")]));
+    let answers = futures::future::try_join_all(calls).await?;
+    for a in &answers {
+        assert_eq!(a.claims["uid-c"], answers[0].claims["uid-c"]);
+        assert_eq!(a.claims["uid-c"].error, "");
+    }
+    assert_eq!(n.claims().await?, ["uid-c"]);
+    assert_eq!(n.tokens().await?, ["claim/uid-c"]);
+    assert_eq!(n.reserved().await?, 64 * MIB);
+    Ok(())
+}
