@@ -79,7 +79,6 @@ impl Default for LiveMark {
 }
 
 impl LiveMark {
-
     /// Is the lease still in the table?
     pub fn is_live(&self) -> bool {
         self.0.load(Ordering::Acquire)
