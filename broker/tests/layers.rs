@@ -259,6 +259,12 @@ fn names_the_cli(source: &str) -> Option<String> {
     })
 }
 
+/// Does `code` name the generated gRPC types? The error reasons (`gpu_broker_proto::reason`)
+/// are not messages: defined once beside the proto, every layer that refuses names them.
+fn names_the_wire(code: &str) -> bool {
+    code.contains("gpu_broker_proto") && !code.contains("gpu_broker_proto::reason")
+}
+
 #[test]
 fn the_command_line_and_the_wire_stay_at_the_edge() {
     let mut cli_seen = 0;
@@ -273,7 +279,7 @@ fn the_command_line_and_the_wire_stay_at_the_edge() {
         let wire = text
             .lines()
             .map(|l| l.split("//").next().unwrap_or(""))
-            .find(|code| code.contains("gpu_broker_proto"));
+            .find(|code| names_the_wire(code));
         match wire {
             Some(_) if at(&WIRE_FILES) => wire_seen += 1,
             Some(line) => panic!("{path} names the gRPC messages: {line}"),
@@ -281,6 +287,10 @@ fn the_command_line_and_the_wire_stay_at_the_edge() {
         }
     }
     // The checks see the command line and the wire where they are.
+    assert!(names_the_wire("use gpu_broker_proto::v1 as pb;"));
+    assert!(!names_the_wire(
+        "pub use gpu_broker_proto::reason::{Reason, ERROR_DOMAIN};"
+    ));
     assert!(cli_seen >= 2, "clap in {cli_seen} configuration files");
     assert!(
         wire_seen >= 5,

@@ -108,7 +108,6 @@ impl Arbiter {
             let found = st.reservations().of_claim(uid).map(|r| r.id);
             if let Some(id) = found {
                 self.end_reservation(&mut st, id);
-                self.drain(&mut st);
             }
             found
         };
@@ -221,7 +220,6 @@ impl Arbiter {
             let mut st = self.lock();
             if let Some(id) = st.reservations().of_claim(uid).map(|r| r.id) {
                 self.end_reservation(&mut st, id);
-                self.drain(&mut st);
             }
         }
         if let Err(e) = self.revoke_token_for(token_id.to_string(), who).await {
