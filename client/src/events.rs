@@ -111,6 +111,19 @@ pub enum SessionEvent {
         /// session (not released or detached), in acquisition order.
         lost_leases: Vec<String>,
     },
+    /// (Reconnecting sessions only.) The broker restarted and kept this session (it runs
+    /// with a keeper): the session and its leases are the same (same ids, same memory,
+    /// mappings stay valid), [`crate::Session::id`] is unchanged. Calls made while it
+    /// was away waited for this and went on.
+    Resumed {
+        /// The session, resumed.
+        session_id: String,
+        /// Leases held through [`crate::Lease`] objects that the broker kept.
+        kept_leases: Vec<String>,
+        /// Leases held through [`crate::Lease`] objects that the broker no longer has
+        /// (lost: as in [`SessionEvent::Reconnected`]).
+        lost_leases: Vec<String>,
+    },
     /// The session is over for good: the stream ended (without reconnection: broker
     /// closed it or connection lost; with it: re-opening was refused for good, e.g.
     /// token revoked or tenant deleted, or it gave up), or the session was closed or
@@ -155,7 +168,7 @@ impl SessionEvent {
                 uuid: d.uuid,
                 reason: d.reason,
             }),
-            Event::Opened(_) | Event::Heartbeat(_) => None,
+            Event::Opened(_) | Event::Heartbeat(_) | Event::Resumed(_) => None,
         }
     }
 

@@ -76,6 +76,32 @@ pub(crate) enum Effect {
     /// Do a grant's device work (allocate, or scrub a reused block) on a task, then commit
     /// it. Runs after the lock is released, so after the frees queued under it.
     Materialize(Box<PendingGrant>),
+    /// Tell the keeper (`keeper/`) a session or lease began or ended. Written before the
+    /// lock is released, in the order the transitions made them, so no later change
+    /// overtakes it and none is answered before it is kept.
+    Keep(Keep),
+}
+
+/// A change of what the keeper holds for a restarted broker.
+#[derive(Debug)]
+pub(crate) enum Keep {
+    Session(crate::keeper::SessionRecord),
+    SessionEnded(Uuid),
+    /// A lease and a copy of its block's descriptor.
+    Lease(crate::keeper::LeaseRecord, crate::device::SharedFd),
+    LeaseEnded(Uuid),
+}
+
+impl Keep {
+    /// Its name at the crash points (`crash_point.rs`).
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Keep::Session(_) => "session",
+            Keep::SessionEnded(_) => "session-ended",
+            Keep::Lease(..) => "lease",
+            Keep::LeaseEnded(_) => "lease-ended",
+        }
+    }
 }
 
 /// What a watcher waits for, and its key: the state names what it waits on, the shell
@@ -419,6 +445,7 @@ impl Drop for Locked<'_> {
                 }
                 Effect::Hangup { session } => self.arb.outbox.close(&session),
                 Effect::CheckGone { of, pids } => looks.push((of, pids)),
+                Effect::Keep(k) => self.arb.keep(k),
                 other => later.push(After::Run(other)),
             }
         }
@@ -561,6 +588,7 @@ impl Arbiter {
         match e {
             Effect::Free { device, block } => self.free_on_device(device, block),
             Effect::FreeHost { block } => self.free_host(block),
+            Effect::Keep(k) => self.keep(k),
             Effect::Kill { pid } => {
                 if pid != std::process::id() {
                     tracing::warn!(pid, "terminating the holder of a revoked lease");
