@@ -367,10 +367,10 @@ pub fn status_with_details(
     Status::with_error_details(code, message, details)
 }
 
-impl From<BrokerError> for Status {
-    fn from(e: BrokerError) -> Self {
-        status_with_reason(code(&e), e.to_string(), reason(&e), metadata(&e))
-    }
+/// The status a refusal answers with: its code, message, reason and numbers. (A function,
+/// not `From`: the error is the core crate's, the status tonic's.)
+pub fn status(e: BrokerError) -> Status {
+    status_with_reason(code(&e), e.to_string(), reason(&e), metadata(&e))
 }
 
 #[cfg(test)]
@@ -389,7 +389,7 @@ mod tests {
             held: 6 << 20,
             limit: 8 << 20,
         };
-        let s = Status::from(e.clone());
+        let s = status(e.clone());
         assert_eq!(s.code(), Code::ResourceExhausted);
         assert_eq!(s.message(), e.to_string());
         assert!(s.message().contains("4194304"), "{}", s.message());
@@ -421,7 +421,7 @@ mod tests {
                 waiting: 0,
             }),
         };
-        let s = Status::from(e);
+        let s = status(e);
         assert_eq!(s.code(), Code::DeadlineExceeded);
         assert!(s
             .message()
@@ -514,10 +514,10 @@ mod tests {
                 "{r}"
             );
             assert_eq!(*seen.entry(r).or_insert(code(&e)), code(&e), "{r}");
-            let s = Status::from(e.clone());
+            let s = status(e.clone());
             assert_eq!(s.get_details_error_info().unwrap().reason, r);
         }
-        let plain = Status::from(BrokerError::InvalidArgument("bytes".into()));
+        let plain = status(BrokerError::InvalidArgument("bytes".into()));
         assert_eq!(plain.code(), Code::InvalidArgument);
         assert!(plain.get_details_error_info().is_none());
     }
@@ -676,7 +676,7 @@ mod tests {
             ),
         ];
         for (e, want_code, want_reason, want_meta) in cases {
-            let s = Status::from(e.clone());
+            let s = status(e.clone());
             assert_eq!(s.code(), want_code, "{e:?}");
             assert_eq!(s.message(), e.to_string());
             let info = s.get_details_error_info().expect("an ErrorInfo");
@@ -950,7 +950,7 @@ mod tests {
     #[test]
     fn every_error_becomes_its_code_message_and_reason() {
         for e in one_of_each() {
-            let s = Status::from(e.clone());
+            let s = status(e.clone());
             assert_eq!(s.code(), code(&e), "{e:?}");
             assert_eq!(s.message(), e.to_string(), "{e:?}");
             let info = s.get_details_error_info();

@@ -7,8 +7,8 @@
 //! the versioned records.
 
 pub mod link;
-pub mod records;
 pub mod serve;
+pub use gpu_broker_core::kept as records;
 pub mod wire;
 
 pub use link::{Entry, KeeperError, KeeperLink};

@@ -107,11 +107,11 @@ impl Session {
         &self.leases
     }
     /// It holds lease `id` now (the core, adding the lease to its table).
-    pub(crate) fn held(&mut self, id: Uuid) {
+    pub fn held(&mut self, id: Uuid) {
         self.leases.insert(id);
     }
     /// It no longer holds lease `id` (the core, removing the lease from its table).
-    pub(crate) fn let_go(&mut self, id: &Uuid) {
+    pub fn let_go(&mut self, id: &Uuid) {
         self.leases.remove(id);
     }
 }

@@ -126,7 +126,7 @@ pub struct ReservationView {
 /// Every live reservation, by id.
 #[derive(Debug, Default)]
 pub struct ReservationTable {
-    pub(crate) by_id: HashMap<Uuid, Reservation>,
+    pub by_id: HashMap<Uuid, Reservation>,
 }
 
 impl ReservationTable {
@@ -148,7 +148,7 @@ impl ReservationTable {
     }
     /// The reservation of `tenant` on a device `keep` accepts whose root is a pid of
     /// `lineage` (the caller, its parent, ...), nearest first.
-    pub(crate) fn covering(
+    pub fn covering(
         &self,
         lineage: &[u32],
         keep: impl Fn(&Reservation) -> bool,

@@ -10,7 +10,7 @@
 //! `leased + reserved + quarantined + cached` = what the broker holds on the device
 //! (counting queued frees as done: the device thread runs jobs in order).
 
-use crate::device::{Allocation, Handle};
+use crate::memory::{Allocation, Handle};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// One device allocation with its exported handle (for fd handles, the exported
@@ -292,7 +292,7 @@ impl Pool {
 
     /// The cached blocks (tests: what may be handed out again).
     #[cfg(test)]
-    pub(crate) fn cached_blocks(&self) -> impl Iterator<Item = &Block> {
+    pub fn cached_blocks(&self) -> impl Iterator<Item = &Block> {
         self.lru.values()
     }
 
@@ -400,8 +400,8 @@ mod tests {
                 path: None,
             },
             handle: Handle::Fd {
-                kind: crate::device::MemoryKind::HostMemfd,
-                fd: crate::device::SharedFd::new(std::fs::File::open("/dev/null").unwrap().into()),
+                kind: crate::memory::MemoryKind::HostMemfd,
+                fd: crate::memory::SharedFd::new(std::fs::File::open("/dev/null").unwrap().into()),
                 block_id: id,
                 size: bytes,
             },

@@ -26,6 +26,9 @@ pub enum LeaseState {
     },
 }
 
+/// The revocation reason of a holder that missed its reclaim deadline.
+pub const RECLAIM_DEADLINE_MISSED: &str = "reclaim deadline missed";
+
 /// Why a lease was revoked: the core's `Revoke` says it, the metrics count by it (the
 /// `reason` label of `revocations`). Kept with the lease record, below both.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,12 +71,14 @@ pub struct Lease {
 #[derive(Clone, Debug)]
 pub struct LiveMark(Arc<AtomicBool>);
 
-impl LiveMark {
-    /// A mark for a lease about to enter the table (the core's grants make them).
-    pub(crate) fn new() -> Self {
+/// A mark for a lease about to enter the table (the core's grants make them): live.
+impl Default for LiveMark {
+    fn default() -> Self {
         LiveMark(Arc::new(AtomicBool::new(true)))
     }
+}
 
+impl LiveMark {
     /// Is the lease still in the table?
     pub fn is_live(&self) -> bool {
         self.0.load(Ordering::Acquire)
@@ -84,8 +89,8 @@ impl LiveMark {
     }
 
     /// Clears the mark as the lease's removal would (tests of its readers).
-    #[cfg(test)]
-    pub(crate) fn end_for_test(&self) {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn end_for_test(&self) {
         self.clear();
     }
 }
@@ -122,7 +127,7 @@ pub struct LeaseView {
     pub borrowed: bool,
     /// The lease was taken away (the view returned by a revocation).
     pub revoked: bool,
-    pub handle: crate::device::Handle,
+    pub handle: crate::memory::Handle,
     /// The lease's mark (whether it is still in the table).
     pub live: LiveMark,
 }
@@ -261,15 +266,15 @@ mod tests {
     fn leaving_the_table_clears_the_mark_its_views_share() {
         let mut t = LeaseTable::default();
         let block = Block {
-            alloc: crate::device::Allocation {
+            alloc: crate::memory::Allocation {
                 id: 1,
                 bytes: 4096,
                 addr: 0,
                 path: None,
             },
-            handle: crate::device::Handle::Fd {
-                kind: crate::device::MemoryKind::HostMemfd,
-                fd: crate::device::SharedFd::new(std::fs::File::open("/dev/null").unwrap().into()),
+            handle: crate::memory::Handle::Fd {
+                kind: crate::memory::MemoryKind::HostMemfd,
+                fd: crate::memory::SharedFd::new(std::fs::File::open("/dev/null").unwrap().into()),
                 block_id: 1,
                 size: 4096,
             },
@@ -290,7 +295,7 @@ mod tests {
             seq: 1,
             block,
             reservation: None,
-            live: LiveMark::new(),
+            live: LiveMark::default(),
         };
         let id = lease.id;
         let view = lease.view(false);

@@ -15,8 +15,8 @@
 //! another tenant while a process that may map it lives.
 
 use super::{Ending, Quarantined, State};
-use crate::arbiter::effects::{Counted, Effect, Effects, Watch};
-use crate::device::{Handle, MemoryKind, SharedFd};
+use crate::effects::{Counted, Effect, Effects, Watch};
+use crate::memory::{Handle, MemoryKind, SharedFd};
 use crate::pool::Block;
 use crate::session::Peer;
 use crate::sharing::{Held, Import, Publication, Waiters};
@@ -29,7 +29,7 @@ use uuid::Uuid;
 /// (its tenant's, a device lease), the name (free) and the limits, and made the descriptor
 /// importers get (read-only where the OS can enforce it).
 #[derive(Debug)]
-pub(crate) struct NewPublication {
+pub struct NewPublication {
     pub lease: Uuid,
     pub publisher: String,
     pub name: String,
@@ -45,7 +45,7 @@ pub(crate) struct NewPublication {
 /// What processes counted alive without a look may map: an ended lease's held block, or a
 /// lingering import (`Effect::CheckGone`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Holding {
+pub enum Holding {
     Lease(Uuid),
     Import(Uuid),
 }
@@ -53,7 +53,7 @@ pub(crate) enum Holding {
 /// A lease held only because processes outside its session had its descriptor, none
 /// looked at yet: how it ends if they are all gone.
 #[derive(Debug)]
-pub(crate) struct Unchecked {
+pub struct Unchecked {
     /// How it was ending (its own process may still map it: `Ending::Quarantine`).
     ending: Ending,
     /// The process reservation it was drawn from: its bytes go back into the room (or
@@ -68,7 +68,7 @@ pub(crate) struct Unchecked {
 /// does no I/O; the shell gives it the look (`sharing::untouched`, a `fcntl` and a `fstat`) when
 /// it makes the core, and the core's tests give it one they control.
 #[derive(Clone)]
-pub(crate) struct SealCheck(Arc<UntouchedLook>);
+pub struct SealCheck(Arc<UntouchedLook>);
 
 /// The look itself: a memfd and the size it was made with -> untouched?
 type UntouchedLook = dyn Fn(&SharedFd, u64) -> bool + Send + Sync;
@@ -76,7 +76,7 @@ type UntouchedLook = dyn Fn(&SharedFd, u64) -> bool + Send + Sync;
 impl SealCheck {
     /// The look `untouched` answers: true when the memfd's seals are its creation seals
     /// and it still has the size (the second argument) it was made with.
-    pub(crate) fn new(untouched: impl Fn(&SharedFd, u64) -> bool + Send + Sync + 'static) -> Self {
+    pub fn new(untouched: impl Fn(&SharedFd, u64) -> bool + Send + Sync + 'static) -> Self {
         SealCheck(Arc::new(untouched))
     }
 }
@@ -98,7 +98,7 @@ impl std::fmt::Debug for SealCheck {
 impl State {
     /// Does the block carry only the seals it was made with (host memory: asks the
     /// [`SealCheck`] the shell gave), so it may be cached for its tenant's next lease?
-    pub(crate) fn pristine(&self, block: &Block) -> bool {
+    pub fn pristine(&self, block: &Block) -> bool {
         match &block.handle {
             Handle::Fd {
                 kind: MemoryKind::HostMemfd,
@@ -114,7 +114,7 @@ impl State {
     /// publication's id (`None`, nothing changed, when the lease is not live or not the
     /// publisher's, already has a publication, or the name is taken). The lease's memory
     /// stays charged once, to its tenant.
-    pub(crate) fn publish(&mut self, new: NewPublication) -> Option<Uuid> {
+    pub fn publish(&mut self, new: NewPublication) -> Option<Uuid> {
         let key = (new.publisher.clone(), new.name.clone());
         if self.shared.by_lease.contains_key(&new.lease) || self.shared.by_name.contains_key(&key) {
             return None;
@@ -162,7 +162,7 @@ impl State {
     /// Publishes an unpublished publication of a live lease again, under `name` for
     /// `readers` (the shell checked the name is free). False when there is no such
     /// publication, it is named, or its lease ended.
-    pub(crate) fn publish_again(
+    pub fn publish_again(
         &mut self,
         id: Uuid,
         name: &str,
@@ -185,7 +185,7 @@ impl State {
 
     /// Takes `publisher`'s `name` away (live imports keep the memory); returns the
     /// publication's id, `None` when it has no such name.
-    pub(crate) fn unpublish(&mut self, publisher: &str, name: &str) -> Option<Uuid> {
+    pub fn unpublish(&mut self, publisher: &str, name: &str) -> Option<Uuid> {
         let id = self
             .shared
             .by_name
@@ -199,7 +199,7 @@ impl State {
     /// Session `session` of `tenant` (process `pid`) imports publication `publication`
     /// (the shell checked it may, and the limits); returns the import's id. `None` when the
     /// publication or the session is gone. Importers are not charged.
-    pub(crate) fn import(
+    pub fn import(
         &mut self,
         publication: Uuid,
         tenant: &str,
@@ -228,7 +228,7 @@ impl State {
     /// A lease's (or an import's) descriptor went to `pid`, a process outside its session:
     /// it may map the memory until it exits (counted when the lease or import ends).
     /// False when there is no such live lease or import.
-    pub(crate) fn add_recipient(&mut self, id: Uuid, pid: u32) -> bool {
+    pub fn add_recipient(&mut self, id: Uuid, pid: u32) -> bool {
         if self.leases.get(&id).is_none() && !self.shared.by_import.contains_key(&id) {
             return false;
         }
@@ -238,7 +238,7 @@ impl State {
 
     /// The shared table's indexes agree with it and with the leases and sessions (part of
     /// [`State::check_invariant`]).
-    pub(crate) fn check_shared(&self) -> Result<(), String> {
+    pub fn check_shared(&self) -> Result<(), String> {
         let t = &self.shared;
         for ((publisher, name), id) in &t.by_name {
             match t.pubs.get(id) {
@@ -329,7 +329,7 @@ impl State {
     /// A publish is about to seal live lease `lease`'s memfd with no lock held: whatever
     /// happens to the publish, the block is freed, never cached, when the lease ends (a
     /// seal cannot be undone). False when there is no such live lease.
-    pub(crate) fn mark_sealing(&mut self, lease: Uuid) -> bool {
+    pub fn mark_sealing(&mut self, lease: Uuid) -> bool {
         if self.leases.get(&lease).is_none() {
             return false;
         }
@@ -342,7 +342,7 @@ impl State {
     /// published or sealed: a quarantine of it frees it), or `None` when it is held here because
     /// importers or other processes may still map it (then this settles the bytes drawn
     /// from `reservation`, now or once its recipients were looked at).
-    pub(crate) fn shared_lease_ended(
+    pub fn shared_lease_ended(
         &mut self,
         lease: Uuid,
         tenant: &str,
@@ -462,7 +462,7 @@ impl State {
     /// Hook of `end_session`: the session's imports end (lingering while its process, or
     /// a process that fetched their descriptor, lives). `gone`: the shell found the peer
     /// gone before the lock; if not, the import lingers for it and the shell looks again.
-    pub(crate) fn shared_session_ended(&mut self, session: Uuid, peer: &Peer, gone: bool) {
+    pub fn shared_session_ended(&mut self, session: Uuid, peer: &Peer, gone: bool) {
         let imports = self.shared.imports_of_session(session);
         if imports.is_empty() {
             return;
@@ -481,7 +481,7 @@ impl State {
 
     /// An import's holder let go (`ending` says whether its process may still map it).
     /// Processes that may map it count as alive; the shell looks at them after the unlock.
-    pub(crate) fn import_let_go(&mut self, import: Uuid, ending: Ending) {
+    pub fn import_let_go(&mut self, import: Uuid, ending: Ending) {
         self.fx.push(Effect::ForgetTickets { lease: import });
         let recipients = self.shared.recipients.remove(&import).unwrap_or_default();
         let mut waiters = Waiters::default();
@@ -604,7 +604,7 @@ impl State {
     /// ends once nobody may map it; a held block is let go likewise; a parked lease whose
     /// recipients are all gone ends as it was ending (cached, freed, or quarantined for its
     /// own process), else it stays held for those alive. True when memory came back.
-    pub(crate) fn holders_checked(&mut self, of: Holding, gone: &[u32]) -> bool {
+    pub fn holders_checked(&mut self, of: Holding, gone: &[u32]) -> bool {
         let lease = match of {
             Holding::Import(import) => {
                 let mut ended = false;
@@ -689,7 +689,7 @@ impl State {
 
     /// A held block's waiter (process `pid`, or with `None` the timeout) is gone; the
     /// block is let go once nobody may map it. True when memory came back.
-    pub(crate) fn held_waiter_gone(&mut self, lease: Uuid, pid: Option<u32>) -> bool {
+    pub fn held_waiter_gone(&mut self, lease: Uuid, pid: Option<u32>) -> bool {
         if let Some(h) = self.shared.held.get_mut(&lease) {
             match pid {
                 Some(p) => {
@@ -704,7 +704,7 @@ impl State {
 
     /// A lingering import's waiter (process `pid`, or with `None` the timeout) is gone;
     /// the import ends once nobody may map it. True when it ended.
-    pub(crate) fn import_waiter_gone(&mut self, import: Uuid, pid: Option<u32>) -> bool {
+    pub fn import_waiter_gone(&mut self, import: Uuid, pid: Option<u32>) -> bool {
         self.fx.unwatch(Watch::Import { import, pid });
         let Some(p) = self.shared.by_import.get(&import).copied() else {
             return false;
@@ -733,14 +733,14 @@ impl State {
 
     /// How many ended leases wait for the shell's look at their recipients (tests: none
     /// once the effects ran).
-    #[cfg(test)]
-    pub(crate) fn unlooked(&self) -> usize {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn unlooked(&self) -> usize {
         self.unchecked.len()
     }
 
     /// Shutdown, once every held block was freed: no publication, import or recipient is
     /// left (their memory is gone).
-    pub(crate) fn forget_all_shared(&mut self) {
+    pub fn forget_all_shared(&mut self) {
         let pubs: Vec<Uuid> = self.shared.pubs.keys().copied().collect();
         for id in pubs {
             self.forget_publication(id);
@@ -749,7 +749,7 @@ impl State {
     }
 
     /// Shutdown: a held block is freed, whoever may still map it.
-    pub(crate) fn free_held(&mut self, lease: Uuid) {
+    pub fn free_held(&mut self, lease: Uuid) {
         if let Some(h) = self.shared.held.remove(&lease) {
             self.unchecked.remove(&lease);
             unwatch_held(&mut self.fx, lease, &h.waiters);

@@ -4,7 +4,7 @@
 //! and counted on its device. Nothing is pushed for the keeper: it holds them already.
 
 use super::State;
-use crate::arbiter::effects::Watch;
+use crate::effects::Watch;
 use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::lease::{Lease, LeaseState, LeaseView, LiveMark};
 use crate::ledger::Tier;
@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 /// A kept lease to take back (from its record).
 #[derive(Clone, Debug)]
-pub(crate) struct Adopted {
+pub struct Adopted {
     pub id: Uuid,
     pub tenant: String,
     pub session: Uuid,
@@ -29,7 +29,7 @@ pub(crate) struct Adopted {
 
 /// Why a kept lease was not taken back (its block is handed back to be let go).
 #[derive(Debug)]
-pub(crate) enum NotAdopted {
+pub enum NotAdopted {
     /// Its session was not taken back (its holder died meanwhile), or is another tenant's.
     NoSession,
     /// No such device in this broker, or a host-tier lease (not taken back).
@@ -42,7 +42,7 @@ impl State {
     /// Opens `s` again as its previous broker had it (no session limit: it was open
     /// already); its peer process is watched. Refused when its tenant is gone or a
     /// session of that id is open.
-    pub(crate) fn adopt_session(&mut self, s: Session) -> BrokerResult<()> {
+    pub fn adopt_session(&mut self, s: Session) -> BrokerResult<()> {
         if self.ledger.get(&s.tenant).is_none() {
             return Err(BrokerError::NotFound(Missing::TenantGone(s.tenant.clone())));
         }
@@ -62,7 +62,7 @@ impl State {
     /// Takes back lease `a` on `block` (its device tier memory): charged to its tenant
     /// beyond its quota if that shrank meanwhile (the memory is in use), counted on its
     /// device. Gives the block back when the lease cannot be taken back.
-    pub(crate) fn adopt_lease(
+    pub fn adopt_lease(
         &mut self,
         a: Adopted,
         block: Block,
@@ -98,7 +98,7 @@ impl State {
             seq,
             block,
             reservation: None,
-            live: LiveMark::new(),
+            live: LiveMark::default(),
         };
         Ok(self.insert_lease_kept(lease))
     }

@@ -4,8 +4,8 @@
 //! back into it when it ends (unless it was quarantined).
 
 use super::State;
-use crate::arbiter::queue::Ask;
 use crate::error::{BrokerError, BrokerResult};
+use crate::queue::Ask;
 use crate::reservations::Reservation;
 use uuid::Uuid;
 
@@ -14,7 +14,7 @@ impl State {
     /// quota): its room is charged to the tenant and kept on the device (cached blocks in
     /// the way are freed). Returns its id; refused when its session is gone or already
     /// holds one, or the tenant's quota does not allow it.
-    pub(crate) fn grant_process(&mut self, ask: &Ask, d: u32) -> BrokerResult<Uuid> {
+    pub fn grant_process(&mut self, ask: &Ask, d: u32) -> BrokerResult<Uuid> {
         let pid = match self.sessions.get(&ask.session) {
             Some(s) if s.tenant == ask.tenant => s.peer.pid,
             _ => return Err(crate::error::session_not_found(ask.session)),
@@ -50,7 +50,7 @@ impl State {
     }
 
     /// Names the process group of reservation `id`'s program (stopped when it ends).
-    pub(crate) fn set_process_group(&mut self, id: Uuid, g: crate::process_group::ProcessGroup) {
+    pub fn set_process_group(&mut self, id: Uuid, g: crate::process_group::ProcessGroup) {
         if let Some(r) = self.reservations.by_id.get_mut(&id) {
             r.group = Some(g);
         }
@@ -58,7 +58,7 @@ impl State {
 
     /// Ends one reservation: its room is uncharged (and what is left of its program's
     /// process group stopped). Does not run the queue.
-    pub(crate) fn end_reservation(&mut self, id: Uuid) {
+    pub fn end_reservation(&mut self, id: Uuid) {
         let Some(r) = self.reservations.by_id.remove(&id) else {
             return;
         };
@@ -72,7 +72,7 @@ impl State {
     }
 
     /// A session ended: so do its reservations. Does not run the queue.
-    pub(crate) fn end_session_reservations(&mut self, session: Uuid) {
+    pub fn end_session_reservations(&mut self, session: Uuid) {
         let ids: Vec<Uuid> = self
             .reservations
             .of_session(session)
@@ -86,7 +86,7 @@ impl State {
     /// Takes `bytes` out of reservation `rid`'s room for a lease of its process (the
     /// caller checked that they fit): they leave the room in the ledger and the pool, to
     /// be reserved as a grant.
-    pub(crate) fn draw(&mut self, rid: Uuid, tenant: &str, bytes: u64) {
+    pub fn draw(&mut self, rid: Uuid, tenant: &str, bytes: u64) {
         let Some(r) = self.reservations.by_id.get_mut(&rid) else {
             return;
         };
@@ -98,7 +98,7 @@ impl State {
 
     /// A drawn ask did not become a lease: its bytes (just given back to the pool and the
     /// ledger) return to its reservation's room, if the reservation is still there.
-    pub(crate) fn undraw(&mut self, ask: &Ask) {
+    pub fn undraw(&mut self, ask: &Ask) {
         if let Some(rid) = ask.draw {
             self.lease_left_reservation(rid, ask.bytes, true);
         }
@@ -106,7 +106,7 @@ impl State {
 
     /// `bytes` drawn from reservation `rid` came back: into its room when `back` and the
     /// device still has the room, else (quarantined) they stay out of it.
-    pub(crate) fn lease_left_reservation(&mut self, rid: Uuid, bytes: u64, back: bool) {
+    pub fn lease_left_reservation(&mut self, rid: Uuid, bytes: u64, back: bool) {
         let Some(r) = self.reservations.by_id.get_mut(&rid) else {
             return;
         };

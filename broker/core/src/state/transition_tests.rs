@@ -6,11 +6,11 @@
 
 use super::queue_tests::{quota, Core};
 use super::tests::ask;
-use crate::arbiter::effects::{Effect, Watch};
-use crate::arbiter::queue::Granted;
+use crate::effects::{Effect, Watch};
 use crate::error::{BrokerError, Missing};
 use crate::lease::LeaseState;
 use crate::pool::Source;
+use crate::queue::Granted;
 use crate::session::{Peer, Session, SessionEvent};
 use std::time::{Duration, SystemTime};
 use uuid::Uuid;

@@ -5,17 +5,17 @@
 //! memory is made, then becomes a lease or is uncharged.
 
 use super::State;
-use crate::arbiter::effects::Counted;
-use crate::arbiter::queue::{Ask, WaiterId};
-use crate::arbiter::AcquireRequest;
+use crate::effects::Counted;
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::{Lease, LeaseState, LeaseView};
 use crate::ledger::Tier;
 use crate::pool::{Block, Source};
+use crate::queue::{Ask, WaiterId};
+use crate::request::AcquireRequest;
 
 /// Why a reserved grant could not become a lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum NotCommitted {
+pub enum NotCommitted {
     /// Its session ended (or is another tenant's).
     SessionGone,
     /// The broker is shutting down.
@@ -24,7 +24,7 @@ pub(crate) enum NotCommitted {
 
 impl NotCommitted {
     /// The error the waiter of a grant of `session` gets.
-    pub(crate) fn into_error(self, session: uuid::Uuid) -> crate::error::BrokerError {
+    pub fn into_error(self, session: uuid::Uuid) -> crate::error::BrokerError {
         match self {
             NotCommitted::Draining => crate::error::BrokerError::ShuttingDown,
             NotCommitted::SessionGone => crate::error::session_not_found(session),
@@ -36,7 +36,7 @@ impl State {
     /// Reserves `ask.bytes` for its tenant on device `d` (ledger and pool together) and
     /// says where the memory comes from. Refused (nothing reserved) when the tenant's
     /// quota or device cap does not allow it.
-    pub(crate) fn reserve_grant(&mut self, ask: &Ask, d: u32) -> BrokerResult<Source> {
+    pub fn reserve_grant(&mut self, ask: &Ask, d: u32) -> BrokerResult<Source> {
         self.ledger.reserve(&ask.tenant, d, ask.bytes)?;
         let pool = &mut self.pools[d as usize];
         Ok(if ask.draw.is_some() {
@@ -49,7 +49,7 @@ impl State {
 
     /// A reserved grant did not happen: its bytes go back (with the block it had, if any,
     /// into the cache), and a draw from a process reservation goes back into its room.
-    pub(crate) fn unreserve_grant(&mut self, ask: &Ask, d: u32, block: Option<Block>) {
+    pub fn unreserve_grant(&mut self, ask: &Ask, d: u32, block: Option<Block>) {
         self.ledger.unreserve(&ask.tenant, d, ask.bytes);
         self.pools[d as usize].unreserve(ask.bytes, block);
         self.undraw(ask);
@@ -57,7 +57,7 @@ impl State {
 
     /// A cached block handed to a grant of another tenant was replaced by a fresh one
     /// (`scrubbed`: it was scrubbed first); the block is freed.
-    pub(crate) fn replace_cached(&mut self, d: u32, block: Block) {
+    pub fn replace_cached(&mut self, d: u32, block: Block) {
         self.fx.count(Counted::CrossTenantFresh);
         self.pools[d as usize].note_replaced(true);
         self.fx.free(d, block);
@@ -66,7 +66,7 @@ impl State {
     /// Turns a reserved grant into a lease of its session, holding `block`; or, when its
     /// session is gone or the broker drains, gives the reservation back (the block into
     /// the cache) and says why.
-    pub(crate) fn commit_grant(
+    pub fn commit_grant(
         &mut self,
         ask: &Ask,
         priority: i32,
@@ -105,7 +105,7 @@ impl State {
             seq,
             block,
             reservation: ask.draw,
-            live: crate::lease::LiveMark::new(),
+            live: crate::lease::LiveMark::default(),
         };
         tracing::debug!(lease = %lease.id, tenant = %ask.tenant, session = %ask.session, device = d, bytes = ask.bytes, "lease granted");
         Ok(self.insert_lease(lease))
@@ -115,7 +115,7 @@ impl State {
     /// (`made` is `Ok`) the grant is committed ([`State::commit_grant`]); otherwise, or
     /// when it cannot be committed, the reservation goes back. Either way the waiter is
     /// answered. Does not run the queue.
-    pub(crate) fn finish_grant(
+    pub fn finish_grant(
         &mut self,
         ask: &Ask,
         priority: i32,
@@ -139,7 +139,7 @@ impl State {
     /// A reserved grant for waiter `to` is given up before its device work (`block`: the
     /// cached block it was to reuse, back into the cache): the reservation goes back and
     /// the waiter gets `err`. Does not run the queue.
-    pub(crate) fn refuse_grant(
+    pub fn refuse_grant(
         &mut self,
         ask: &Ask,
         d: u32,
@@ -152,7 +152,7 @@ impl State {
     }
 
     /// Charges `bytes` of host memory to `tenant` while it is being made.
-    pub(crate) fn charge_host(&mut self, tenant: &str, bytes: u64) -> BrokerResult<()> {
+    pub fn charge_host(&mut self, tenant: &str, bytes: u64) -> BrokerResult<()> {
         self.ledger.charge_host(tenant, bytes)?;
         self.host_in_flight(tenant, bytes, true);
         Ok(())
@@ -160,7 +160,7 @@ impl State {
 
     /// A charged host block was made (`Ok`) or not: it becomes a lease of `ask`'s session,
     /// or is uncharged (and the block freed when its session is gone).
-    pub(crate) fn commit_host(
+    pub fn commit_host(
         &mut self,
         ask: &AcquireRequest,
         bytes: u64,
@@ -204,7 +204,7 @@ impl State {
             seq,
             block,
             reservation: None,
-            live: crate::lease::LiveMark::new(),
+            live: crate::lease::LiveMark::default(),
         };
         let view = self.insert_lease(lease);
         self.fx.count(Counted::Granted(Tier::Host));

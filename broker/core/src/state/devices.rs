@@ -16,7 +16,7 @@ impl State {
     /// Devices `targets` are draining (`why`: the operator's reason): every active
     /// reclaimable device lease there is asked back by `due` (`due_wall` on the wall
     /// clock) and its session told. Returns the leases asked, with their devices.
-    pub(crate) fn ask_drain_reclaim(
+    pub fn ask_drain_reclaim(
         &mut self,
         targets: &[u32],
         due: Instant,
@@ -55,7 +55,7 @@ impl State {
 
     /// A drain ended: those of the leases it asked back (`asked`) that still exist and are
     /// still asked are active again (their holders are not told). Returns how many.
-    pub(crate) fn withdraw_drain_reclaim<'a>(
+    pub fn withdraw_drain_reclaim<'a>(
         &mut self,
         asked: impl IntoIterator<Item = &'a Uuid>,
     ) -> usize {
@@ -75,7 +75,7 @@ impl State {
 
     /// Device `device` (its `uuid`) was found unhealthy for `reason`: every session
     /// holding a device lease there is told once. Returns how many sessions hold one.
-    pub(crate) fn tell_device_unhealthy(&mut self, device: u32, uuid: &str, reason: &str) -> usize {
+    pub fn tell_device_unhealthy(&mut self, device: u32, uuid: &str, reason: &str) -> usize {
         let sessions: BTreeSet<Uuid> = self
             .leases
             .iter()

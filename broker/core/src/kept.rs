@@ -1,4 +1,5 @@
-//! What a restarted broker needs to take back a session or a lease, as the keeper keeps it:
+//! What a restarted broker needs to take back a session or a lease, as its keeper keeps it
+//! (the daemon's `keeper/`):
 //! versioned JSON records under the keys `session/<id>` and `lease/<id>` (a lease's record
 //! travels with its block's descriptor). A record carries its format version `v`; a newer
 //! broker reads every older version, and fields added later have defaults, so a record
@@ -123,7 +124,7 @@ impl From<&crate::session::Session> for SessionRecord {
 impl From<&crate::lease::Lease> for LeaseRecord {
     fn from(l: &crate::lease::Lease) -> Self {
         let (block_id, kind) = match &l.block.handle {
-            crate::device::Handle::Fd { block_id, kind, .. } => (*block_id, *kind),
+            crate::memory::Handle::Fd { block_id, kind, .. } => (*block_id, *kind),
         };
         LeaseRecord {
             v: RECORD_VERSION,
@@ -144,8 +145,8 @@ impl From<&crate::lease::Lease> for LeaseRecord {
             priority: l.priority,
             block_id,
             kind: match kind {
-                crate::device::MemoryKind::CudaVmm => "cuda-vmm",
-                crate::device::MemoryKind::HostMemfd => "host-memfd",
+                crate::memory::MemoryKind::CudaVmm => "cuda-vmm",
+                crate::memory::MemoryKind::HostMemfd => "host-memfd",
             }
             .into(),
             reservation: l.reservation.map(|r| r.to_string()),

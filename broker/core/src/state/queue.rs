@@ -19,14 +19,14 @@
 //! each, until nothing more fits: that is the whole drain, one transition.
 
 use super::State;
-use crate::arbiter::effects::{Counted, Effect, PendingGrant};
-use crate::arbiter::queue::{Ask, Waiter, WaiterId};
-use crate::arbiter::AcquireRequest;
 use crate::availability::Availability;
+use crate::effects::{Counted, Effect, PendingGrant};
 use crate::error::{BrokerError, BrokerResult, DeviceRoom, Queue};
 use crate::lease::LeaseState;
 use crate::ledger::Tier;
 use crate::pool::Source;
+use crate::queue::{Ask, Waiter, WaiterId};
+use crate::request::AcquireRequest;
 use crate::reservations::ProcessAsk;
 use crate::session::SessionEvent;
 use std::collections::{HashMap, HashSet};
@@ -35,7 +35,7 @@ use uuid::Uuid;
 
 /// What the queue policy needs from outside the core, read by the shell for each call.
 #[derive(Clone, Copy)]
-pub(crate) struct QueueEnv<'a> {
+pub struct QueueEnv<'a> {
     /// Which devices admit new leases (drains, health: `availability.rs`).
     pub avail: &'a Availability,
     /// The clocks, read once for the call.
@@ -54,7 +54,7 @@ pub(crate) struct QueueEnv<'a> {
 
 /// What one pass over the queue decided.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub(crate) struct Pass {
+pub struct Pass {
     /// The first waiter that fits, and where.
     pub grant: Option<(WaiterId, u32)>,
     /// Waiters ahead of it blocked by capacity or guarantees, in order of service: memory
@@ -74,7 +74,7 @@ enum Fit {
 
 /// A request offered to the queue ([`State::enqueue`]).
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Enqueued {
+pub enum Enqueued {
     /// Granted in the same call (`queued` false) or waiting (`queued` true) as `id`.
     Waiting { id: WaiterId, queued: bool },
     /// It can never fit, or (no wait) does not fit now: why.
@@ -83,7 +83,7 @@ pub(crate) enum Enqueued {
 
 impl State {
     /// Devices a request may use: the one it named, or all; only those `avail` admits.
-    pub(crate) fn candidates(&self, avail: &Availability, device: Option<u32>) -> Vec<u32> {
+    pub fn candidates(&self, avail: &Availability, device: Option<u32>) -> Vec<u32> {
         match device {
             Some(d) => vec![d],
             None => (0..self.pools.len() as u32).collect(),
@@ -96,7 +96,7 @@ impl State {
     /// Why a request of `bytes` (rounded) of `tenant` for `candidates` can never be
     /// granted, whatever is released: beyond the tenant's limit or its per-device caps, or
     /// larger than any of those devices can lease. `None`: it may fit some day.
-    pub(crate) fn never_fits(
+    pub fn never_fits(
         &self,
         tenant: &str,
         bytes: u64,
@@ -132,7 +132,7 @@ impl State {
 
     /// An id for a request granted without queueing (a draw from a process reservation):
     /// its answer goes to it like a waiter's.
-    pub(crate) fn next_waiter_id(&mut self) -> WaiterId {
+    pub fn next_waiter_id(&mut self) -> WaiterId {
         self.queue.next_id()
     }
 
@@ -142,7 +142,7 @@ impl State {
     /// devices it may use; one that can never fit is refused at once (waiting or not:
     /// [`State::never_fits`]); else [`State::enqueue`]. Returns the rounded size with the
     /// outcome.
-    pub(crate) fn offer(
+    pub fn offer(
         &mut self,
         req: &AcquireRequest,
         process: Option<ProcessAsk>,
@@ -188,7 +188,7 @@ impl State {
     /// Offers `ask` (rounded, and checked against what can never fit) to the queue: `QUEUE_FULL` when its tenant has `max_waiting` waiters already; else it is
     /// queued and the queue runs. With `wait_zero`, one that did not fit at once leaves
     /// the queue again, refused with why.
-    pub(crate) fn enqueue(
+    pub fn enqueue(
         &mut self,
         ask: Ask,
         priority: i32,
@@ -225,14 +225,14 @@ impl State {
     /// Waiter `id` stops waiting (its wait ran out, or it asked not to wait): it leaves
     /// the queue and this says why it did not fit. `None` when it is not waiting (it was
     /// granted or refused meanwhile: its answer is on its way). Does not run the queue.
-    pub(crate) fn give_up(&mut self, id: WaiterId, avail: &Availability) -> Option<BrokerError> {
+    pub fn give_up(&mut self, id: WaiterId, avail: &Availability) -> Option<BrokerError> {
         let w = self.queue.remove(id)?;
         Some(self.exhausted(&w.ask, avail))
     }
 
     /// Waiter `id`'s caller went away: it leaves the queue (true if it was waiting). Does
     /// not run the queue (the shell does: its place may have blocked others).
-    pub(crate) fn abandon(&mut self, id: WaiterId) -> bool {
+    pub fn abandon(&mut self, id: WaiterId) -> bool {
         let gone = self.queue.remove(id).is_some();
         if gone {
             tracing::debug!(waiter = id, "waiting request left the queue");
@@ -252,7 +252,7 @@ impl State {
 
     /// Waiters whose reclaim request is older than `older_than` may ask again (what they
     /// asked for was not enough). Does not run the queue.
-    pub(crate) fn rearm_reclaim(&mut self, older_than: Duration, now: Instant) {
+    pub fn rearm_reclaim(&mut self, older_than: Duration, now: Instant) {
         let stale: Vec<WaiterId> = self
             .queue
             .iter()
@@ -269,7 +269,7 @@ impl State {
     /// Runs the queue: refuses the waiters that can never be granted any more, then
     /// grants every waiter that fits, in order of service, asking memory back for those
     /// blocked ahead of them (see the module doc).
-    pub(crate) fn run_queue(&mut self, env: &QueueEnv) {
+    pub fn run_queue(&mut self, env: &QueueEnv) {
         self.refuse_never_fitting(env.avail);
         loop {
             if self.queue.is_empty() {
@@ -322,7 +322,7 @@ impl State {
 
     /// One pass over the queue, changing nothing: the first waiter that fits (and where),
     /// and the waiters ahead of it that need memory back (see the module doc).
-    pub(crate) fn queue_pass(&self, env: &QueueEnv) -> Pass {
+    pub fn queue_pass(&self, env: &QueueEnv) -> Pass {
         let mut pass = Pass::default();
         let mut blocked: HashSet<u32> = HashSet::new();
         // Heads blocked by capacity that other tenants of their priority may still
@@ -374,11 +374,7 @@ impl State {
                 }
                 Fit::NoCapacity => {
                     pass.reclaim.push(id);
-                    if crate::arbiter::overtaking::open_to_overtakers(
-                        w.since,
-                        env.now,
-                        env.overtake_age,
-                    ) {
+                    if crate::overtaking::open_to_overtakers(w.since, env.now, env.overtake_age) {
                         soft.push((w.priority, w.ask.tenant.as_str(), all));
                     } else {
                         blocked.extend(all);
@@ -421,14 +417,7 @@ impl State {
     /// reserving its memory, then committing it at once for a cached block of its own
     /// tenant, else leaving the device work to the shell (`Effect::Materialize`). The
     /// answer goes to `to` (`Effect::Reply`).
-    pub(crate) fn grant_waiter(
-        &mut self,
-        to: WaiterId,
-        ask: Ask,
-        priority: i32,
-        d: u32,
-        draining: bool,
-    ) {
+    pub fn grant_waiter(&mut self, to: WaiterId, ask: Ask, priority: i32, d: u32, draining: bool) {
         if ask.process.is_some() {
             let r = self.grant_process(&ask, d).and_then(|id| {
                 self.reservations
@@ -507,7 +496,7 @@ impl State {
     }
 
     /// Why `ask` does not fit now, with the numbers.
-    pub(crate) fn exhausted(&self, ask: &Ask, avail: &Availability) -> BrokerError {
+    pub fn exhausted(&self, ask: &Ask, avail: &Availability) -> BrokerError {
         // The tenant's own limits first (bytes or lease count): they say it precisely.
         if let Err(e) = ask.check_charge(&self.ledger) {
             return e;
@@ -554,7 +543,7 @@ impl State {
     /// (when the waiter is within its guarantee) and reclaimable leases of lower priority,
     /// lowest priority and newest first, only as much as needed. Once per waiter (until
     /// [`State::rearm_reclaim`]).
-    pub(crate) fn request_reclaim(&mut self, id: WaiterId, env: &QueueEnv) {
+    pub fn request_reclaim(&mut self, id: WaiterId, env: &QueueEnv) {
         let Some(w) = self.queue.get(id) else { return };
         if w.reclaim_sent {
             return;

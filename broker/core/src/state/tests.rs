@@ -24,16 +24,16 @@
 //! held by the core or was freed exactly once through an effect.
 
 use super::*;
-use crate::arbiter::effects::{Counted, Effect, Watch};
-use crate::arbiter::queue::{Ask, Granted};
-use crate::arbiter::state::{Enqueued, QueueEnv};
-use crate::arbiter::AcquireRequest;
 use crate::availability::{Availability, Drain};
-use crate::device::{Allocation, Handle, MemoryKind, SharedFd};
+use crate::effects::{Counted, Effect, Watch};
+use crate::memory::{Allocation, Handle, MemoryKind, SharedFd};
 use crate::pool::{Block, Pool, Source};
+use crate::queue::{Ask, Granted};
+use crate::request::AcquireRequest;
 use crate::reservations::ProcessAsk;
 use crate::session::{Peer, Session};
 use crate::sharing::Held;
+use crate::state::{Enqueued, QueueEnv};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant, SystemTime};
@@ -475,7 +475,7 @@ impl Harness {
     }
 
     /// A waiter's grant left to the shell's device work: followed as a grant in flight.
-    fn materialize(&mut self, p: crate::arbiter::effects::PendingGrant) {
+    fn materialize(&mut self, p: crate::effects::PendingGrant) {
         let (tenant, bytes) = self
             .waiting
             .remove(&p.to)

@@ -4,7 +4,7 @@
 //! everything freed at its end.
 
 use super::{Quarantined, State};
-use crate::arbiter::effects::{Counted, Effect, Watch};
+use crate::effects::{Counted, Effect, Watch};
 use crate::lease::{LeaseView, Revocation};
 use crate::ledger::Tier;
 use crate::session::{Peer, Session, SessionEvent};
@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 /// Why a lease is taken away from its holder.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Revoke {
+pub enum Revoke {
     /// An operator's `RevokeLease`, with the reason its holder is told.
     Operator(String),
     /// The holder missed its reclaim deadline.
@@ -22,14 +22,14 @@ pub(crate) enum Revoke {
 
 impl Revoke {
     /// What the holder is told (`SessionEvent::LeaseRevoked`).
-    pub(crate) fn reason(&self) -> &str {
+    pub fn reason(&self) -> &str {
         match self {
             Revoke::Operator(reason) => reason,
-            Revoke::ReclaimDeadline => crate::arbiter::RECLAIM_DEADLINE_MISSED,
+            Revoke::ReclaimDeadline => crate::lease::RECLAIM_DEADLINE_MISSED,
         }
     }
     /// The `reason` label of the revocations counter.
-    pub(crate) fn label(&self) -> Revocation {
+    pub fn label(&self) -> Revocation {
         match self {
             Revoke::Operator(_) => Revocation::Operator,
             Revoke::ReclaimDeadline => Revocation::ReclaimDeadline,
@@ -39,7 +39,7 @@ impl Revoke {
 
 /// What becomes of an ended lease's block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Ending {
+pub enum Ending {
     /// Nobody maps it any more: cache it for reuse.
     Cache,
     /// Free it on the device now (a mapping that survives cannot reach anyone else).
@@ -51,7 +51,7 @@ pub(crate) enum Ending {
 impl State {
     /// What to do with memory a session held when it ended without releasing it.
     /// `gone`: the peer process was found gone (the shell reads `/proc` before the lock).
-    pub(crate) fn abandoned(&self, peer: &Peer, device: u32, tier: Tier, gone: bool) -> Ending {
+    pub fn abandoned(&self, peer: &Peer, device: u32, tier: Tier, gone: bool) -> Ending {
         match peer.pid {
             Some(_) if gone => Ending::Cache,
             Some(pid) => Ending::Quarantine { pid: Some(pid) },
@@ -66,7 +66,7 @@ impl State {
     /// `why`. `gone`: the holder's process was found gone (the shell reads `/proc` before
     /// the lock). Returns the revoked lease's view and how its memory ended (`None`,
     /// nothing changed, when there is no such lease). Does not run the queue.
-    pub(crate) fn revoke(
+    pub fn revoke(
         &mut self,
         id: Uuid,
         why: &Revoke,
@@ -107,9 +107,9 @@ impl State {
     /// Ends a lease; returns its view. Processes outside its session that fetched its
     /// descriptor count as alive until the shell looked (`shared.rs`). Does not run the
     /// queue.
-    pub(crate) fn end_lease(&mut self, id: Uuid, ending: Ending) -> Option<LeaseView> {
+    pub fn end_lease(&mut self, id: Uuid, ending: Ending) -> Option<LeaseView> {
         let lease = self.leases.remove(&id)?;
-        self.keep(|| crate::arbiter::effects::Keep::LeaseEnded(id));
+        self.keep(|| crate::effects::Keep::LeaseEnded(id));
         self.fx.push(Effect::ForgetTickets { lease: id });
         let view = self.view(&lease);
         if let Some(s) = self.sessions.get_mut(&lease.session) {
@@ -173,7 +173,7 @@ impl State {
     /// The holder of quarantined memory is gone (`destroy`: or the timeout passed): the
     /// block is cached, or freed when asked, when it was ever published or sealed, or
     /// when its memfd is no longer pristine. False when it was not quarantined.
-    pub(crate) fn lift_quarantine(&mut self, id: Uuid, destroy: bool) -> bool {
+    pub fn lift_quarantine(&mut self, id: Uuid, destroy: bool) -> bool {
         let Some(q) = self.quarantine.remove(&id) else {
             return false;
         };
@@ -200,7 +200,7 @@ impl State {
     /// unless `gone`) and process reservations end. `gone`: the shell found its peer
     /// process gone before the lock. Returns it and the bytes it held (none if it was not
     /// open). Does not run the queue.
-    pub(crate) fn end_session(
+    pub fn end_session(
         &mut self,
         id: Uuid,
         forced: Option<Ending>,
@@ -226,7 +226,7 @@ impl State {
         }
         self.shared_session_ended(id, &session.peer, gone);
         self.end_session_reservations(id);
-        self.keep(|| crate::arbiter::effects::Keep::SessionEnded(id));
+        self.keep(|| crate::effects::Keep::SessionEnded(id));
         // Last: events pushed above still reach the session's stream.
         self.fx.push(Effect::Hangup { session: id });
         Some((session, bytes))
@@ -235,7 +235,7 @@ impl State {
     /// Shutdown begins: every open session is told (`ShuttingDown`, with the `grace` it
     /// has to finish) and every waiting request is refused (`ShuttingDown`). Memory stays
     /// as it is until the sessions end.
-    pub(crate) fn begin_shutdown(&mut self, grace: Duration) {
+    pub fn begin_shutdown(&mut self, grace: Duration) {
         for to in self.sessions.ids() {
             self.fx.notify(
                 to,
@@ -250,7 +250,7 @@ impl State {
 
     /// Shutdown: every quarantined and held block, and every cached block, is freed (and
     /// the publications and imports of that memory are forgotten).
-    pub(crate) fn free_everything(&mut self) {
+    pub fn free_everything(&mut self) {
         let quarantined: Vec<Uuid> = self.quarantine.keys().copied().collect();
         for id in quarantined {
             self.lift_quarantine(id, true);

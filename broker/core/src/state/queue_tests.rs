@@ -6,12 +6,12 @@
 use super::queue::{Enqueued, Pass, QueueEnv};
 use super::tests::{ask, env, fake_block};
 use super::{Clock, Ending, SealCheck, State};
-use crate::arbiter::effects::{Counted, Effect};
-use crate::arbiter::queue::{Ask, Granted, WaiterId};
 use crate::availability::{Availability, Drain};
+use crate::effects::{Counted, Effect};
 use crate::error::BrokerError;
 use crate::lease::LeaseState;
 use crate::pool::{Block, Pool, Source};
+use crate::queue::{Ask, Granted, WaiterId};
 use crate::quota::Quota;
 use crate::session::{Peer, Session};
 use parking_lot::Mutex;
@@ -534,7 +534,7 @@ fn an_offer_is_rounded_to_the_largest_granularity_and_refused_at_once_when_it_ne
         Clock::read(),
     );
     let a = c.tenant("a", quota(128 * MIB, 0));
-    let req = |bytes: u64, device: Option<u32>| crate::arbiter::AcquireRequest {
+    let req = |bytes: u64, device: Option<u32>| crate::request::AcquireRequest {
         tenant: "a".into(),
         session: a,
         bytes,
@@ -576,7 +576,7 @@ fn an_offer_is_rounded_to_the_largest_granularity_and_refused_at_once_when_it_ne
 /// learns of the seals only through the look the shell gave it (here, the test's).
 #[test]
 fn a_cached_memfd_found_sealed_is_freed_not_handed_out() {
-    use crate::device::{Allocation, Handle, MemoryKind};
+    use crate::memory::{Allocation, Handle, MemoryKind};
     let mut c = Core::new(1, 64 * MIB);
     let a = c.tenant("a", quota(64 * MIB, 0));
     let bytes = 8 * MIB;

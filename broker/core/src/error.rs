@@ -6,7 +6,7 @@
 //! the machine-readable reason and its numbers). Every message a client gets is cut to
 //! [`MAX_STATUS_MESSAGE_BYTES`] ([`status_message`]), whatever input it quotes.
 
-use crate::device::DeviceError;
+use crate::memory::DeviceError;
 use crate::tier::Tier;
 use crate::units::show;
 use std::fmt;

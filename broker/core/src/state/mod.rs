@@ -34,18 +34,18 @@ mod tests;
 #[cfg(test)]
 mod transition_tests;
 
-pub(crate) use adopt::Adopted;
-pub(crate) use end::{Ending, Revoke};
-pub(crate) use queue::{Enqueued, QueueEnv};
-pub(crate) use shared::{Holding, NewPublication, SealCheck};
+pub use adopt::Adopted;
+pub use end::{Ending, Revoke};
+pub use queue::{Enqueued, QueueEnv};
+pub use shared::{Holding, NewPublication, SealCheck};
 
-use super::effects::{Effects, Watch};
-use super::queue::WaitQueue;
+use crate::effects::{Effects, Watch};
 use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::id_map::IdMap;
 use crate::lease::{Lease, LeaseState, LeaseTable, LeaseView};
 use crate::ledger::{Ledger, Tier};
 use crate::pool::{Block, Pool};
+use crate::queue::WaitQueue;
 use crate::quota::Quota;
 use crate::reservations::ReservationTable;
 use crate::session::{Session, SessionTable};
@@ -56,7 +56,7 @@ use uuid::Uuid;
 
 /// Memory of an ended lease that a live process may still map.
 #[derive(Debug)]
-pub(crate) struct Quarantined {
+pub struct Quarantined {
     pub tenant: String,
     pub device: u32,
     pub block: Block,
@@ -72,7 +72,7 @@ pub(crate) struct Quarantined {
 /// core reads no clock of its own; what it stamps (a lease's or a reservation's creation,
 /// when memory was quarantined or held) carries this time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Clock {
+pub struct Clock {
     pub now: Instant,
     pub wall: SystemTime,
 }
@@ -80,7 +80,7 @@ pub(crate) struct Clock {
 #[cfg(test)]
 impl Clock {
     /// Both clocks, now (the core's tests start their cores with it).
-    pub(crate) fn read() -> Clock {
+    pub fn read() -> Clock {
         Clock {
             now: Instant::now(),
             wall: SystemTime::now(),
@@ -89,7 +89,7 @@ impl Clock {
 }
 
 /// Everything behind the arbiter's lock.
-pub(crate) struct State {
+pub struct State {
     ledger: Ledger,
     pools: Vec<Pool>,
     /// Per device: is it the host simulation (a surviving mapping of a destroyed block
@@ -132,12 +132,7 @@ impl State {
     /// A core over these device pools (`host_backed`: which are the host simulation),
     /// asking `seals` whether a host memfd is still as it was made; its clock starts at
     /// `clock`.
-    pub(crate) fn new(
-        pools: Vec<Pool>,
-        host_backed: Vec<bool>,
-        seals: SealCheck,
-        clock: Clock,
-    ) -> State {
+    pub fn new(pools: Vec<Pool>, host_backed: Vec<bool>, seals: SealCheck, clock: Clock) -> State {
         State {
             ledger: Ledger::default(),
             pools,
@@ -161,24 +156,24 @@ impl State {
     }
 
     /// From now on every session's and lease's start and end is pushed for the keeper.
-    pub(crate) fn set_keeping(&mut self, keeping: bool) {
+    pub fn set_keeping(&mut self, keeping: bool) {
         self.keeping = keeping;
     }
 
     /// Pushes a change for the keeper, when there is one.
-    fn keep(&mut self, k: impl FnOnce() -> super::effects::Keep) {
+    fn keep(&mut self, k: impl FnOnce() -> crate::effects::Keep) {
         if self.keeping {
-            self.fx.push(super::effects::Effect::Keep(k()));
+            self.fx.push(crate::effects::Effect::Keep(k()));
         }
     }
 
     /// The time of the hold that begins: the shell's reading of both clocks when it took
     /// the lock. Every transition in the hold stamps with it.
-    pub(crate) fn set_clock(&mut self, clock: Clock) {
+    pub fn set_clock(&mut self, clock: Clock) {
         self.clock = clock;
     }
     /// The current hold's time.
-    pub(crate) fn clock(&self) -> Clock {
+    pub fn clock(&self) -> Clock {
         self.clock
     }
 
@@ -195,63 +190,63 @@ impl State {
 
     // Reading: every table, shared, never mutable from outside the core.
 
-    pub(crate) fn ledger(&self) -> &Ledger {
+    pub fn ledger(&self) -> &Ledger {
         &self.ledger
     }
-    pub(crate) fn pools(&self) -> &[Pool] {
+    pub fn pools(&self) -> &[Pool] {
         &self.pools
     }
-    pub(crate) fn leases(&self) -> &LeaseTable {
+    pub fn leases(&self) -> &LeaseTable {
         &self.leases
     }
-    pub(crate) fn sessions(&self) -> &SessionTable {
+    pub fn sessions(&self) -> &SessionTable {
         &self.sessions
     }
-    pub(crate) fn queue(&self) -> &WaitQueue {
+    pub fn queue(&self) -> &WaitQueue {
         &self.queue
     }
-    pub(crate) fn quarantine(&self) -> &IdMap<Uuid, Quarantined> {
+    pub fn quarantine(&self) -> &IdMap<Uuid, Quarantined> {
         &self.quarantine
     }
-    pub(crate) fn shared(&self) -> &SharedTable {
+    pub fn shared(&self) -> &SharedTable {
         &self.shared
     }
-    pub(crate) fn reservations(&self) -> &ReservationTable {
+    pub fn reservations(&self) -> &ReservationTable {
         &self.reservations
     }
     /// Is device `d` the host simulation?
-    pub(crate) fn host_backed(&self, d: u32) -> bool {
+    pub fn host_backed(&self, d: u32) -> bool {
         self.host_backed.get(d as usize).copied().unwrap_or(true)
     }
 
     /// Did the transitions under the current lock push anything (the lock guard asks)?
-    pub(crate) fn has_effects(&self) -> bool {
+    pub fn has_effects(&self) -> bool {
         !self.fx.is_empty()
     }
     /// What the transitions pushed, in order, taken by the lock guard to run them (and by
     /// the model test, which runs them itself). Only the core's transitions push effects.
-    pub(crate) fn take_effects(&mut self) -> Effects {
+    pub fn take_effects(&mut self) -> Effects {
         std::mem::take(&mut self.fx)
     }
     /// The answer this hold pushed for waiter `to`, taken out (`Effect::Reply`): the
     /// shell hands a request granted in the hold that offered it to its caller directly,
     /// with no reply channel. None when the waiter was not answered in this hold.
-    pub(crate) fn take_reply(
+    pub fn take_reply(
         &mut self,
-        to: super::queue::WaiterId,
-    ) -> Option<BrokerResult<super::queue::Granted>> {
+        to: crate::queue::WaiterId,
+    ) -> Option<BrokerResult<crate::queue::Granted>> {
         self.fx.take_reply(to)
     }
     /// Pushes effects skipping the transitions: only for shell tests of how the lock
     /// guard runs what was pushed.
-    #[cfg(test)]
-    pub(crate) fn fx_behind_the_back(&mut self) -> &mut Effects {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn fx_behind_the_back(&mut self) -> &mut Effects {
         &mut self.fx
     }
     /// The ledger, mutable, skipping the transitions: only for the test that checks the
     /// invariant catches a hand-made mismatch.
-    #[cfg(test)]
-    pub(crate) fn ledger_behind_the_back(&mut self) -> &mut Ledger {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn ledger_behind_the_back(&mut self) -> &mut Ledger {
         &mut self.ledger
     }
 
@@ -259,8 +254,8 @@ impl State {
     // state (publications, imports and recipients: `shared.rs`).
 
     /// The wait queue, mutable, skipping the transitions (tests move waiters' clocks).
-    #[cfg(test)]
-    pub(crate) fn queue_mut(&mut self) -> &mut WaitQueue {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn queue_mut(&mut self) -> &mut WaitQueue {
         &mut self.queue
     }
     /// Mark a lease's reclaim state (asked back, deadline passed, drained).
@@ -275,7 +270,7 @@ impl State {
     }
     /// Mark what NVML says of a session's GPU use; false when there is no such session.
     /// (Its activity is marked through `Session::last_seen`, shared, with no lock.)
-    pub(crate) fn set_session_gpu(&mut self, id: &Uuid, gpu: crate::session::GpuUse) -> bool {
+    pub fn set_session_gpu(&mut self, id: &Uuid, gpu: crate::session::GpuUse) -> bool {
         match self.sessions.get_mut(id) {
             Some(s) => {
                 s.gpu = Some(gpu);
@@ -290,7 +285,7 @@ impl State {
     /// A session opens (it holds nothing yet); its peer process is watched. Refused when
     /// its tenant does not exist or is being deleted (`NotFound`), or already has
     /// `max_per_tenant` sessions open (`SessionLimit`); nothing changes then.
-    pub(crate) fn open_session(&mut self, s: Session, max_per_tenant: usize) -> BrokerResult<()> {
+    pub fn open_session(&mut self, s: Session, max_per_tenant: usize) -> BrokerResult<()> {
         if self.ledger.get(&s.tenant).is_none() || self.ledger.is_closing(&s.tenant) {
             return Err(BrokerError::NotFound(Missing::TenantGone(s.tenant.clone())));
         }
@@ -304,31 +299,31 @@ impl State {
         if let Some(pid) = s.peer.pid {
             self.fx.watch(Watch::Session { session: s.id, pid });
         }
-        self.keep(|| super::effects::Keep::Session((&s).into()));
+        self.keep(|| crate::effects::Keep::Session((&s).into()));
         self.sessions.insert(s);
         Ok(())
     }
 
     /// Sets a tenant's quota (creating it); true when it was created.
-    pub(crate) fn set_quota(&mut self, name: &str, quota: Quota) -> BrokerResult<bool> {
+    pub fn set_quota(&mut self, name: &str, quota: Quota) -> BrokerResult<bool> {
         self.ledger.set_quota(name, quota)
     }
     /// Deletes a tenant that holds nothing.
-    pub(crate) fn delete_tenant(&mut self, name: &str) -> BrokerResult<()> {
+    pub fn delete_tenant(&mut self, name: &str) -> BrokerResult<()> {
         self.ledger.delete(name)
     }
     /// A tenant being deleted takes no new charge.
-    pub(crate) fn close_tenant(&mut self, name: &str) -> BrokerResult<()> {
+    pub fn close_tenant(&mut self, name: &str) -> BrokerResult<()> {
         self.ledger.close(name)
     }
     /// Its deletion failed: it takes charges again.
-    pub(crate) fn reopen_tenant(&mut self, name: &str) {
+    pub fn reopen_tenant(&mut self, name: &str) {
         self.ledger.reopen(name)
     }
 
     /// Device `d`'s leasable bytes change (memory outside the broker came or went); cached
     /// blocks beyond it are freed.
-    pub(crate) fn set_leasable(&mut self, d: u32, leasable: u64) {
+    pub fn set_leasable(&mut self, d: u32, leasable: u64) {
         let Some(pool) = self.pools.get_mut(d as usize) else {
             return;
         };
@@ -356,8 +351,8 @@ impl State {
     /// Adds a lease to the table and its session (the caller charged it).
     fn insert_lease(&mut self, lease: Lease) -> LeaseView {
         self.keep(|| {
-            let crate::device::Handle::Fd { fd, .. } = &lease.block.handle;
-            super::effects::Keep::Lease((&lease).into(), fd.clone())
+            let crate::memory::Handle::Fd { fd, .. } = &lease.block.handle;
+            crate::effects::Keep::Lease((&lease).into(), fd.clone())
         });
         self.insert_lease_kept(lease)
     }
@@ -389,7 +384,7 @@ impl State {
 
     /// Gives cached blocks of device `d` back to the device, at least `bytes` of them
     /// (processes outside the broker ate into the headroom); how many blocks.
-    pub(crate) fn evict_cached(&mut self, d: u32, bytes: u64) -> usize {
+    pub fn evict_cached(&mut self, d: u32, bytes: u64) -> usize {
         let Some(pool) = self.pools.get_mut(d as usize) else {
             return 0;
         };
@@ -404,7 +399,7 @@ impl State {
     /// Every byte in exactly one state, ledger and pools agreeing (checked after every
     /// transition in debug builds, and by the tests).
     #[cfg_attr(not(debug_assertions), allow(dead_code))]
-    pub(crate) fn check_invariant(&self) -> Result<(), String> {
+    pub fn check_invariant(&self) -> Result<(), String> {
         #[derive(Default, PartialEq, Debug)]
         struct Sum {
             leased: u64,
