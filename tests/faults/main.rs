@@ -5,6 +5,7 @@
 
 mod abuse;
 mod capacity;
+mod crash_points;
 mod durability;
 mod fallback;
 mod guarantees;

@@ -287,7 +287,8 @@ impl Arbiter {
     /// its own process (`peer`: same pid and uid) with its secret, of `tenant`, and only
     /// while no stream has it. Leases taken back with it that the worker does not name in
     /// `held` end (it never learnt of them; leases granted since the restart stay). Its
-    /// events, the leases kept and those ended.
+    /// events, the leases kept, and those gone: ended now, or named but no longer there
+    /// (ended before the restart: their end reached the keeper, not the worker).
     #[allow(clippy::type_complexity)]
     pub fn resume_session(
         self: &Arc<Self>,
@@ -321,6 +322,11 @@ impl Arbiter {
             .into_iter()
             .filter(|l| s.leases().contains(l))
             .partition(|l| held.contains(l));
+        let gone: Vec<Uuid> = held
+            .iter()
+            .filter(|l| !s.leases().contains(l))
+            .copied()
+            .collect();
         self.outbox.open(id, tx);
         for l in &ended {
             // Never handed to the worker (it does not know it): nobody maps it.
@@ -330,7 +336,7 @@ impl Arbiter {
         drop(st);
         tracing::info!(session = %id, tenant, kept = kept.len(), ended = ended.len(), "session resumed");
         self.metrics.count_resumed();
-        Ok((rx, kept, ended))
+        Ok((rx, kept, ended.into_iter().chain(gone).collect()))
     }
 }
 
