@@ -22,8 +22,30 @@ use gpu_broker_client::{
 };
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-#[path = "../ctl/mod.rs"]
-mod ctl;
+// The parts beyond the one-call-one-table commands: writing secrets to files and the
+// operator views built from several admin calls, one module each.
+mod address;
+mod drain;
+mod leaks;
+mod run;
+mod secret_file;
+mod shared;
+mod status;
+mod top;
+
+/// A size flag's parser: [`parse_bytes`](gpu_broker_client::units::parse_bytes), and a note
+/// on standard error when the size is decimal (`4GB` is 3.7 GiB, not 4), so that a table
+/// showing binary units later holds no surprise.
+fn size_arg(text: &str) -> Result<u64, String> {
+    let bytes = gpu_broker_client::units::parse_bytes(text)?;
+    if let Some(note) = gpu_broker_client::units::decimal_note(text) {
+        eprintln!("note: {note}");
+    }
+    Ok(bytes)
+}
+
+/// Width the default tables fit (`--wide` lifts it).
+const WIDTH: usize = 100;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -114,7 +136,7 @@ enum Command {
     /// device, start COMMAND with the broker's environment (token file, CUDA_VISIBLE_DEVICES,
     /// MPS variables), end the reservation when it exits. Takes the TENANT token
     /// (--token-file, GPU_BROKER_TOKEN or GPU_BROKER_TOKEN_FILE), not the admin token.
-    Run(ctl::run::RunArgs),
+    Run(run::RunArgs),
     /// List or delete tenants.
     Tenants {
         #[command(subcommand)]
@@ -251,7 +273,7 @@ enum QuotaCommand {
         /// Tenant name.
         tenant: String,
         /// Most device memory the tenant may hold (e.g. 8GiB); required for a new tenant.
-        #[arg(long, value_parser = ctl::size_arg)]
+        #[arg(long, value_parser = size_arg)]
         limit: Option<u64>,
         /// Most live leases (0: no limit).
         #[arg(long)]
@@ -260,10 +282,10 @@ enum QuotaCommand {
         #[arg(long, allow_negative_numbers = true)]
         priority: Option<i32>,
         /// Device memory kept available for the tenant (<= --limit).
-        #[arg(long, value_parser = ctl::size_arg)]
+        #[arg(long, value_parser = size_arg)]
         guaranteed: Option<u64>,
         /// Most host-fallback memory (0: no host fallback).
-        #[arg(long, value_parser = ctl::size_arg)]
+        #[arg(long, value_parser = size_arg)]
         host_limit: Option<u64>,
         /// Share of compute turns relative to other tenants (0 counts as 1).
         #[arg(long)]
@@ -362,11 +384,11 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
-    cli.broker = ctl::address::resolve(
+    cli.broker = address::resolve(
         cli.broker_given.as_deref(),
         !matches!(cli.command, Command::Run(_)),
-        std::path::Path::new(ctl::address::OPERATORS_SOCKET),
-        ctl::address::WORKERS_SOCKET,
+        std::path::Path::new(address::OPERATORS_SOCKET),
+        address::WORKERS_SOCKET,
     );
     if let Command::Completions { shell } = cli.command {
         // Needs no broker and no token.
@@ -378,7 +400,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if let Command::Run(args) = &cli.command {
-        let target = ctl::run::Target {
+        let target = run::Target {
             broker: cli.broker.clone(),
             tls: gpu_broker_client::ConnectOptions {
                 ca_file: cli.ca_file.clone(),
@@ -387,7 +409,7 @@ fn main() -> ExitCode {
             },
             token: tenant_token(&cli, &matches),
         };
-        return ctl::run::main(target, args.clone());
+        return run::main(target, args.clone());
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -482,7 +504,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
         print_err(&format!("warning: {w}"));
     }
     let json = cli.json;
-    let width = if cli.wide { None } else { Some(ctl::WIDTH) };
+    let width = if cli.wide { None } else { Some(WIDTH) };
     match cli.command {
         Command::Tenants {
             command: TenantsCommand::List,
@@ -564,7 +586,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             };
             let issued = admin.issue_token_with(tenant.as_deref(), &opts).await?;
             if let Some(path) = output {
-                ctl::secret_file::write(&path, &format!("{}\n", issued.token))?;
+                secret_file::write(&path, &format!("{}\n", issued.token))?;
                 print_err(&format!(
                     "issued {} token {} for {}; wrote it to {} (mode 0600)",
                     issued.scope.as_str(),
@@ -656,14 +678,14 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             emit(json, &devices, || device_table(&devices, width))
         }
         Command::Status => {
-            let snap = ctl::status::Snapshot::fetch(&admin, &cli.broker).await?;
+            let snap = status::Snapshot::fetch(&admin, &cli.broker).await?;
             emit(json, &snap, || {
-                ctl::status::render(&snap, std::time::SystemTime::now())
+                status::render(&snap, std::time::SystemTime::now())
             })
         }
         Command::Top { interval } => {
             anyhow::ensure!(!json, "top is interactive; use `status --json` for scripts");
-            ctl::top::run(
+            top::run(
                 &admin,
                 &cli.broker,
                 interval.max(Duration::from_millis(200)),
@@ -671,16 +693,16 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             .await
         }
         Command::Leaks { older_than } => {
-            let snap = ctl::status::Snapshot::fetch(&admin, &cli.broker).await?;
+            let snap = status::Snapshot::fetch(&admin, &cli.broker).await?;
             let now = std::time::SystemTime::now();
-            let leaks = ctl::leaks::find(&snap, older_than, now);
-            emit(json, &leaks, || ctl::leaks::render(&leaks, older_than, now))
+            let leaks = leaks::find(&snap, older_than, now);
+            emit(json, &leaks, || leaks::render(&leaks, older_than, now))
         }
         Command::Shared { tenant, page_size } => {
             let shared = admin
                 .list_shared_paged(tenant.as_deref(), page_size)
                 .await?;
-            emit(json, &shared, || ctl::shared::render(&shared, width))
+            emit(json, &shared, || shared::render(&shared, width))
         }
         Command::Drain {
             device,
@@ -689,7 +711,7 @@ async fn run(cli: Cli, matches: &ArgMatches) -> Result<()> {
             no_wait,
             poll,
         } => {
-            let status = ctl::drain::run(&admin, device, deadline, &reason, no_wait, poll).await?;
+            let status = drain::run(&admin, device, deadline, &reason, no_wait, poll).await?;
             emit(json, &status, || drain_table(&status))
         }
         Command::MarkUnhealthy { device, reason } => {
@@ -825,7 +847,7 @@ fn parse_device_limit(text: &str) -> Result<(u32, Option<u64>), String> {
         .map_err(|_| format!("{device:?} is not a device index (0, 1, ...)"))?;
     match size.trim() {
         "none" => Ok((device, None)),
-        s => ctl::size_arg(s).map(|b| (device, Some(b))),
+        s => size_arg(s).map(|b| (device, Some(b))),
     }
 }
 
@@ -1433,7 +1455,7 @@ mod tests {
             created_unix_ms: 1,
             ..Default::default()
         };
-        let w = Some(ctl::WIDTH);
+        let w = Some(WIDTH);
         for text in [
             tenant_table(&tenants, w),
             lease_table(std::slice::from_ref(&lease), w),
