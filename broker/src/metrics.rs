@@ -192,6 +192,11 @@ impl Metrics {
         self.sessions_resumed.inc();
     }
 
+    /// When this broker process started.
+    pub fn started(&self) -> SystemTime {
+        self.started
+    }
+
     /// A lease was granted.
     pub fn granted(&self, tier: Tier) {
         let tier = match tier {

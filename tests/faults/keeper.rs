@@ -105,6 +105,13 @@ async fn a_live_workers_session_and_leases_survive_a_broker_sigkill() {
         .unwrap()
         .expect("the call made during the outage");
     assert_eq!(d.bytes(), 2 * MIB);
+    // Operators see what the start took back.
+    let status = b.ctl().arg("status").output().unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains("keeper: took back 2 leases (12.0 MiB) of 1 sessions, reclaimed 0 leases"),
+        "{text}"
+    );
 
     // Same ids, same bytes, same tenant; the kept mapping still reaches the memory.
     let mut after = lease_ids(&b).await;
