@@ -50,6 +50,9 @@ fn run_keeper() -> anyhow::Result<()> {
         socket: std::path::PathBuf,
     }
     let args = KeeperArgs::parse_from(std::env::args_os().skip(1));
+    // One descriptor per leased block: as many as the broker may hold.
+    let nofile = gpu_broker::fd_budget::raise_nofile_limit();
+    eprintln!("gpu-broker keeper: descriptor limit {nofile}");
     gpu_broker::keeper::serve::run(&args.socket)
         .with_context(|| format!("keeper on {}", args.socket.display()))
 }

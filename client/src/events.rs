@@ -90,7 +90,9 @@ pub enum SessionEvent {
     /// (Reconnecting sessions only.) The session stream broke or ended: the broker has
     /// ended (or lost, if it died) the session `session_id` and every lease it held.
     /// The client is re-opening a session with backoff; `Reconnected` follows on
-    /// success, `Closed` if it gives up. Calls made meanwhile fail with `UNAVAILABLE`.
+    /// success (or `Resumed`, when the broker kept the session), `Closed` if it gives up.
+    /// Calls made meanwhile fail with `UNAVAILABLE`, unless the session is being resumed
+    /// (a broker with a keeper gave it a resume secret): then they wait and go through.
     Disconnected {
         /// The session that was lost.
         session_id: String,
