@@ -31,11 +31,11 @@ pub struct Adopted {
 #[derive(Debug)]
 pub enum NotAdopted {
     /// Its session was not taken back (its holder died meanwhile), or is another tenant's.
-    NoSession,
+    Session,
     /// No such device in this broker, or a host-tier lease (not taken back).
-    NoDevice,
+    Device,
     /// Its tenant no longer exists.
-    NoTenant,
+    Tenant,
 }
 
 impl State {
@@ -72,14 +72,14 @@ impl State {
             .get(&a.session)
             .is_some_and(|s| s.tenant == a.tenant);
         if !ok {
-            return Err((NotAdopted::NoSession, block));
+            return Err((NotAdopted::Session, block));
         }
         if a.device as usize >= self.pools.len() {
-            return Err((NotAdopted::NoDevice, block));
+            return Err((NotAdopted::Device, block));
         }
         let bytes = block.bytes();
         if self.ledger.adopt(&a.tenant, a.device, bytes).is_err() {
-            return Err((NotAdopted::NoTenant, block));
+            return Err((NotAdopted::Tenant, block));
         }
         self.pools[a.device as usize].adopt(bytes);
         let seq = self.next_seq();
