@@ -194,7 +194,7 @@ async fn release_and_revoke() {
             let mut held = vec![&keep];
             match (&a, point.starts_with("after")) {
                 // The revocation reached the keeper, not the worker: it learns it now.
-                (Some(_), true) => assert_eq!(lost_leases, &[a_id.clone()], "{point}"),
+                (Some(_), true) => assert_eq!(lost_leases, std::slice::from_ref(&a_id), "{point}"),
                 // The revocation died with the broker: the lease is still held.
                 (Some(a), false) => {
                     assert!(lost_leases.is_empty(), "{point}: {e:?}");
