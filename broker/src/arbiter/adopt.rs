@@ -137,25 +137,19 @@ impl Arbiter {
                 }
             }
         }
-        for (r, fd) in leases {
-            let key = r.key();
-            match self.adopt_lease(&r, fd, &adopted) {
-                Ok((session, lease, bytes)) => {
-                    report.leases_adopted += 1;
-                    report.bytes_adopted += bytes;
-                    self.awaiting_resume
-                        .lock()
-                        .entry(session)
-                        .or_default()
-                        .push(lease);
-                }
-                Err(why) => {
-                    tracing::info!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
-                    report.leases_reclaimed += 1;
-                    link.remove(key);
-                }
-            }
+        let (taken, refused) = self.adopt_leases(leases, &adopted);
+        for (r, why) in refused {
+            tracing::info!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
+            report.leases_reclaimed += 1;
+            link.remove(r.key());
         }
+        let mut waiting = self.awaiting_resume.lock();
+        for (session, lease, bytes) in taken {
+            report.leases_adopted += 1;
+            report.bytes_adopted += bytes;
+            waiting.entry(session).or_default().push(lease);
+        }
+        drop(waiting);
         // From here every change is kept: nothing else runs before serving.
         let _ = self.keeper.set(Arc::new(link));
         self.lock().set_keeping(true);
@@ -203,13 +197,120 @@ impl Arbiter {
         Ok(id)
     }
 
-    /// Takes back kept lease `r` on its descriptor `fd`; its bytes when it was.
-    fn adopt_lease(
+    /// Takes back the kept leases `leases` of the sessions taken back (`sessions`), in
+    /// batches: one job per device makes their blocks again, one lock hold adopts them.
+    /// Those taken back (session, lease, bytes), and those not with why.
+    #[allow(clippy::type_complexity)]
+    fn adopt_leases(
+        &self,
+        leases: Vec<(LeaseRecord, Option<std::os::fd::OwnedFd>)>,
+        sessions: &HashSet<Uuid>,
+    ) -> (Vec<(Uuid, Uuid, u64)>, Vec<(LeaseRecord, &'static str)>) {
+        let mut refused = Vec::new();
+        // Per device: the records and their descriptors that may be taken back.
+        let mut by_device: Vec<Vec<(LeaseRecord, Uuid, Uuid, std::os::fd::OwnedFd)>> =
+            (0..self.devices.len()).map(|_| Vec::new()).collect();
+        for (r, fd) in leases {
+            match self.adoptable(&r, fd, sessions) {
+                Ok((id, session, fd)) => by_device[r.device as usize].push((r, id, session, fd)),
+                Err(why) => refused.push((r, why)),
+            }
+        }
+        let mut made = Vec::new();
+        for (d, batch) in by_device.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            let (records, fds): (Vec<_>, Vec<_>) = batch
+                .into_iter()
+                .map(|(r, id, session, fd)| {
+                    let what = r_bytes_id(&r);
+                    ((r, id, session), (fd, what))
+                })
+                .unzip();
+            let blocks = self.devices[d].thread.call_blocking(move |dev| {
+                fds.into_iter()
+                    .map(|(fd, (bytes, block_id))| {
+                        let alloc = dev.adopt(fd, bytes, block_id)?;
+                        let handle = dev.export(&alloc);
+                        Ok::<_, crate::device::DeviceError>((alloc, handle))
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let blocks = match blocks {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!(device = d, error = %e, "kept memory could not be taken back");
+                    for (r, ..) in records {
+                        self.fds.give_back();
+                        refused.push((r, "the device refused its memory"));
+                    }
+                    continue;
+                }
+            };
+            for ((r, id, session), block) in records.into_iter().zip(blocks) {
+                match block {
+                    Ok((alloc, Ok(handle))) => made.push((r, id, session, alloc, handle)),
+                    Ok((alloc, Err(e))) => {
+                        self.fds.give_back();
+                        self.free_on_device(r.device, alloc);
+                        tracing::warn!(lease = %r.id, error = %e, "kept memory could not be exported again");
+                        refused.push((r, "the device refused its memory"));
+                    }
+                    Err(e) => {
+                        self.fds.give_back();
+                        tracing::warn!(lease = %r.id, error = %e, "kept memory could not be taken back");
+                        refused.push((r, "the device refused its memory"));
+                    }
+                }
+            }
+        }
+        let mut taken = Vec::with_capacity(made.len());
+        let mut unneeded = Vec::new();
+        {
+            let mut st = self.lock();
+            for (r, id, session, alloc, handle) in made {
+                let block = Block {
+                    alloc,
+                    handle,
+                    last_tenant: Some(r.tenant.clone()),
+                };
+                let a = super::state::Adopted {
+                    id,
+                    tenant: r.tenant.clone(),
+                    session,
+                    device: r.device,
+                    requested_bytes: r.requested_bytes,
+                    label: r.label.clone(),
+                    reclaimable: r.reclaimable,
+                    created: from_unix_ms(r.created_unix_ms),
+                    priority: r.priority,
+                };
+                match st.adopt_lease(a, block) {
+                    Ok(_) => taken.push((session, id, r.bytes)),
+                    Err((why, block)) => {
+                        tracing::debug!(?why, "kept lease not taken back");
+                        unneeded.push((r.device, block));
+                        refused.push((r, "its session or tenant is gone"));
+                    }
+                }
+            }
+        }
+        // Nobody counted maps them: their holders' sessions are gone.
+        for (d, block) in unneeded {
+            self.free_on_device(d, block);
+        }
+        (taken, refused)
+    }
+
+    /// Whether kept lease `r` can be taken back: its ids and descriptor (counted against
+    /// the descriptor budget), or why not.
+    fn adoptable(
         &self,
         r: &LeaseRecord,
         fd: Option<std::os::fd::OwnedFd>,
         sessions: &HashSet<Uuid>,
-    ) -> Result<(Uuid, Uuid, u64), &'static str> {
+    ) -> Result<(Uuid, Uuid, std::os::fd::OwnedFd), &'static str> {
         let (Ok(id), Ok(session)) = (r.id.parse::<Uuid>(), r.session.parse::<Uuid>()) else {
             return Err("unreadable id");
         };
@@ -234,53 +335,7 @@ impl Arbiter {
         if self.fds.take(0).is_err() {
             return Err("out of descriptors");
         }
-        let (bytes, block_id) = (r.bytes, r.block_id);
-        let made = slot.thread.call_blocking(move |d| {
-            let alloc = d.adopt(fd, bytes, block_id)?;
-            let handle = d.export(&alloc);
-            Ok::<_, crate::device::DeviceError>((alloc, handle))
-        });
-        let (alloc, handle) = match made {
-            Ok(Ok((alloc, Ok(handle)))) => (alloc, handle),
-            Ok(Ok((alloc, Err(e)))) => {
-                self.fds.give_back();
-                self.free_on_device(r.device, alloc);
-                tracing::warn!(lease = %r.id, error = %e, "kept memory could not be exported again");
-                return Err("the device refused its memory");
-            }
-            Ok(Err(e)) | Err(e) => {
-                self.fds.give_back();
-                tracing::warn!(lease = %r.id, error = %e, "kept memory could not be taken back");
-                return Err("the device refused its memory");
-            }
-        };
-        let block = Block {
-            alloc,
-            handle,
-            last_tenant: Some(r.tenant.clone()),
-        };
-        let a = super::state::Adopted {
-            id,
-            tenant: r.tenant.clone(),
-            session,
-            device: r.device,
-            requested_bytes: r.requested_bytes,
-            label: r.label.clone(),
-            reclaimable: r.reclaimable,
-            created: from_unix_ms(r.created_unix_ms),
-            priority: r.priority,
-        };
-        let mut st = self.lock();
-        match st.adopt_lease(a, block) {
-            Ok(_) => Ok((session, id, bytes)),
-            Err((why, block)) => {
-                drop(st);
-                // Nobody counted maps it: its holder's session is gone.
-                self.free_on_device(r.device, block);
-                tracing::debug!(?why, "kept lease not taken back");
-                Err("its session or tenant is gone")
-            }
-        }
+        Ok((id, session, fd))
     }
 
     /// Attaches the caller's stream to `id`, a session taken back from the keeper: only
@@ -338,6 +393,11 @@ impl Arbiter {
         self.metrics.count_resumed();
         Ok((rx, kept, ended.into_iter().chain(gone).collect()))
     }
+}
+
+/// A record's bytes and block id (what the device needs to take its memory back).
+fn r_bytes_id(r: &LeaseRecord) -> (u64, u64) {
+    (r.bytes, r.block_id)
 }
 
 fn to_json<T: serde::Serialize>(r: &T) -> serde_json::Value {
