@@ -3,7 +3,7 @@
 #
 #   scripts/gpu-all.sh build            # here (Rust, no GPU): everything into .gpu/all
 #   scripts/gpu-all.sh run [PARTS]      # on the GPU machine (no Rust); PARTS is a comma list
-#                                       # (default: fd,check,forge,shared,sleep,python,serving,mps,health,host)
+#                                       # (default: fd,check,forge,shared,sleep,python,serving,mps,health,restart,host)
 #   scripts/gpu-all.sh dry-run [PARTS]  # here, no GPU: the same parts on the host backend
 #                                       # with the debug binaries (GPU_ALL_BIN, default
 #                                       # target/debug), each GPU step checked, not run;
@@ -22,6 +22,9 @@
 #                                          benchmark, torch.multiprocessing, torch_memory_saver
 #   mps     scripts/gpu-mps-check.sh check,handoff   managed MPS and turn hand-off
 #   health  scripts/gpu-health-check.sh    device health, UUIDs and NVML readings
+#   restart scripts/gpu-restart-check.sh  a broker SIGKILL + restart with a keeper: 10,000
+#                                          live leases (restart to serving), PyTorch training
+#                                          stepping through it, quota enforced after
 #   pybench scripts/gpu-python-bench.sh    the PyTorch allocator against PyTorch's own,
 #                                          interleaved (not in the default parts: minutes)
 #   host    the host backend on the machine's idle cores (no GPU): scripts/bench-ab.sh of
@@ -39,7 +42,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_ALL_OUT:-.gpu/all}
 TARGET=${CARGO_TARGET_DIR:-target}
-ALL_PARTS=fd,check,forge,shared,sleep,python,serving,mps,health,host
+ALL_PARTS=fd,check,forge,shared,sleep,python,serving,mps,health,restart,host
 # shellcheck source=scripts/gpu-common.sh
 source scripts/gpu-common.sh
 
@@ -129,6 +132,7 @@ part_command() {
         serving) echo scripts/gpu-serving-check.sh run ;;
         mps) echo scripts/gpu-mps-check.sh run check,handoff ;;
         health) echo scripts/gpu-health-check.sh run ;;
+        restart) echo scripts/gpu-restart-check.sh run ;;
         pybench) echo scripts/gpu-python-bench.sh run ;;
         host) echo host_ab ;;
         ab) echo ab ;;

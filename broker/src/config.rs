@@ -329,6 +329,12 @@ pub struct Config {
     /// How long a lease ticket stays valid.
     #[arg(long, env = "GPU_BROKER_TICKET_TTL", default_value = defaults::text(defaults::TICKET_TTL), value_parser = parse_duration)]
     pub ticket_ttl: Duration,
+
+    /// Socket of a keeper (`gpu-broker keeper --socket PATH`) that holds lease descriptors
+    /// and records across broker restarts: a restarted broker adopts the leases of workers
+    /// still alive, and SIGTERM leaves them to the keeper (docs/operations.md).
+    #[arg(long, env = "GPU_BROKER_KEEPER")]
+    pub keeper: Option<PathBuf>,
 }
 
 /// Settings the broker no longer has, each with why it was removed. Naming one (flag,

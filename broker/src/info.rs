@@ -38,6 +38,11 @@ pub struct BrokerInfo {
     pub features: Vec<&'static str>,
     /// Each device's UUID, by index.
     pub device_uuids: Vec<String>,
+    pub started: std::time::SystemTime,
+    /// A keeper holds sessions and leases across restarts.
+    pub keeper: bool,
+    /// What this start took back from the keeper.
+    pub restart: Option<crate::arbiter::RestartReport>,
 }
 
 impl Arbiter {
@@ -57,6 +62,9 @@ impl Arbiter {
             device_uuids: (0..self.device_count() as u32)
                 .map(|i| self.device_uuid(i))
                 .collect(),
+            started: self.metrics().started(),
+            keeper: self.keeps_leases(),
+            restart: self.restart_report().cloned(),
         }
     }
 }

@@ -20,6 +20,9 @@ fn main() -> anyhow::Result<()> {
     {
         std::process::exit(check_config::run(std::env::args_os().skip(1)));
     }
+    if std::env::args_os().nth(1).is_some_and(|a| a == "keeper") {
+        return run_keeper();
+    }
     let cfg = Config::load().unwrap_or_else(|e| e.exit());
     init_logging(cfg.log_json);
     join_own_mps(&cfg);
@@ -32,6 +35,26 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?
         .block_on(run(cfg, &reads))
+}
+
+/// `gpu-broker keeper --socket PATH`: the process that holds lease descriptors and
+/// records across a broker restart (`keeper/serve.rs`).
+fn run_keeper() -> anyhow::Result<()> {
+    use clap::Parser;
+    /// Holds the broker's lease descriptors and records across its restarts.
+    #[derive(Parser)]
+    #[command(name = "gpu-broker keeper")]
+    struct KeeperArgs {
+        /// The keeper's socket (the broker's `--keeper`).
+        #[arg(long)]
+        socket: std::path::PathBuf,
+    }
+    let args = KeeperArgs::parse_from(std::env::args_os().skip(1));
+    // One descriptor per leased block: as many as the broker may hold.
+    let nofile = gpu_broker::fd_budget::raise_nofile_limit();
+    eprintln!("gpu-broker keeper: descriptor limit {nofile}");
+    gpu_broker::keeper::serve::run(&args.socket)
+        .with_context(|| format!("keeper on {}", args.socket.display()))
 }
 
 fn init_logging(json: bool) {
@@ -109,6 +132,12 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     let arb = Arbiter::new(devices, host_tier, Some(store), auth, cfg.arbiter())
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading state")?;
+    if let Some(path) = &cfg.keeper {
+        // Before anything is served: what the previous broker left is taken back first.
+        let link = connect_keeper(path)?;
+        arb.adopt_from_keeper(link)
+            .with_context(|| format!("taking back what the keeper at {} holds", path.display()))?;
+    }
     if let Some(mps) = mps.clone() {
         mps.set_device_count(arb.device_count() as u32);
         arb.set_mps(mps);
@@ -283,6 +312,21 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     }
     let _ = std::fs::remove_file(&ticket_path);
     Ok(())
+}
+
+/// Connects to the keeper at `path`, waiting up to 10 s for it to listen (a keeper
+/// started alongside the broker, a sidecar container).
+fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match gpu_broker::keeper::KeeperLink::connect(path) {
+            Ok(l) => return Ok(l),
+            Err(e) if std::time::Instant::now() > deadline => {
+                return Err(e).context("no keeper (start `gpu-broker keeper --socket PATH` first)")
+            }
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
+        }
+    }
 }
 
 /// The CUDA device indices the broker will own (for NVML, before the devices open).

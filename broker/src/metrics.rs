@@ -83,6 +83,10 @@ pub struct Metrics {
     tickets_redeemed: Counter,
     ticket_refusals: Family<ReasonLabel, Counter>,
     cross_tenant_fresh: Counter,
+    /// Leases and sessions a start found with the keeper, by outcome (adopted, reclaimed).
+    kept_leases: Family<OutcomeLabel, Counter>,
+    kept_sessions: Family<OutcomeLabel, Counter>,
+    sessions_resumed: Counter,
     /// Unix time (s) of the last failed store write, 0 if none; and of the last success.
     store_last_failure: AtomicU64,
     store_last_success: AtomicU64,
@@ -116,6 +120,9 @@ impl Metrics {
             tickets_redeemed: Counter::default(),
             ticket_refusals: Family::default(),
             cross_tenant_fresh: Counter::default(),
+            kept_leases: Family::default(),
+            kept_sessions: Family::default(),
+            sessions_resumed: Counter::default(),
             store_last_failure: AtomicU64::new(0),
             store_last_success: AtomicU64::new(0),
             started: SystemTime::now(),
@@ -131,6 +138,10 @@ impl Metrics {
         }
         for reason in ["operator", "reclaim_deadline"] {
             let _ = m.revocations.get_or_create(&ReasonLabel { reason });
+        }
+        for outcome in ["adopted", "reclaimed"] {
+            let _ = m.kept_leases.get_or_create(&OutcomeLabel { outcome });
+            let _ = m.kept_sessions.get_or_create(&OutcomeLabel { outcome });
         }
         for outcome in ["granted", "refused"] {
             let _ = m.acquire_seconds.get_or_create(&OutcomeLabel { outcome });
@@ -158,6 +169,32 @@ impl Metrics {
     /// process may still map.
     pub fn cross_tenant_fresh(&self) {
         self.cross_tenant_fresh.inc();
+    }
+
+    /// A start took back `adopted` and let go `reclaimed` of the kept (sessions, leases).
+    pub fn count_restart(&self, sessions: (usize, usize), leases: (usize, usize)) {
+        for (family, (adopted, reclaimed)) in
+            [(&self.kept_sessions, sessions), (&self.kept_leases, leases)]
+        {
+            family
+                .get_or_create(&OutcomeLabel { outcome: "adopted" })
+                .inc_by(adopted as u64);
+            family
+                .get_or_create(&OutcomeLabel {
+                    outcome: "reclaimed",
+                })
+                .inc_by(reclaimed as u64);
+        }
+    }
+
+    /// A worker resumed its session after a restart.
+    pub fn count_resumed(&self) {
+        self.sessions_resumed.inc();
+    }
+
+    /// When this broker process started.
+    pub fn started(&self) -> SystemTime {
+        self.started
     }
 
     /// A lease was granted.
@@ -245,6 +282,21 @@ impl Metrics {
             "cross_tenant_fresh_blocks",
             "Grants given a fresh memory object instead of another tenant's cached one",
             self.cross_tenant_fresh.clone(),
+        );
+        reg.register(
+            "restart_kept_leases",
+            "Leases a broker start found with the keeper: adopted (live holder) or reclaimed",
+            self.kept_leases.clone(),
+        );
+        reg.register(
+            "restart_kept_sessions",
+            "Sessions a broker start found with the keeper: adopted (live holder) or reclaimed",
+            self.kept_sessions.clone(),
+        );
+        reg.register(
+            "sessions_resumed",
+            "Sessions their workers resumed after a broker restart",
+            self.sessions_resumed.clone(),
         );
         reg.register(
             "leases_granted",

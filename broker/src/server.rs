@@ -330,9 +330,17 @@ pub fn spawn_signal_wait(
     signal: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
     let s = shutdown.clone();
+    let me = arb.me();
     arb.spawn_worker("signal-wait", shutdown, async move {
         signal.await;
         tracing::info!("signal received");
+        if me.upgrade().is_some_and(|a| a.keeps_leases()) {
+            // A keeper holds every session and lease as they are now: leave them to it
+            // for the next broker (an upgrade, `systemctl restart`), ending nothing. The
+            // sockets' files stay; the next broker replaces them.
+            tracing::info!("leaving sessions and leases to the keeper for the next broker");
+            std::process::exit(0);
+        }
         // systemd: the stop has begun (sessions get their grace; no-op without systemd).
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
         s.cancel();

@@ -90,7 +90,9 @@ pub enum SessionEvent {
     /// (Reconnecting sessions only.) The session stream broke or ended: the broker has
     /// ended (or lost, if it died) the session `session_id` and every lease it held.
     /// The client is re-opening a session with backoff; `Reconnected` follows on
-    /// success, `Closed` if it gives up. Calls made meanwhile fail with `UNAVAILABLE`.
+    /// success (or `Resumed`, when the broker kept the session), `Closed` if it gives up.
+    /// Calls made meanwhile fail with `UNAVAILABLE`, unless the session is being resumed
+    /// (a broker with a keeper gave it a resume secret): then they wait and go through.
     Disconnected {
         /// The session that was lost.
         session_id: String,
@@ -109,6 +111,19 @@ pub enum SessionEvent {
         new_session_id: String,
         /// Ids of the leases that were held through [`crate::Lease`] objects of the old
         /// session (not released or detached), in acquisition order.
+        lost_leases: Vec<String>,
+    },
+    /// (Reconnecting sessions only.) The broker restarted and kept this session (it runs
+    /// with a keeper): the session and its leases are the same (same ids, same memory,
+    /// mappings stay valid), [`crate::Session::id`] is unchanged. Calls made while it
+    /// was away waited for this and went on.
+    Resumed {
+        /// The session, resumed.
+        session_id: String,
+        /// Leases held through [`crate::Lease`] objects that the broker kept.
+        kept_leases: Vec<String>,
+        /// Leases held through [`crate::Lease`] objects that the broker no longer has
+        /// (lost: as in [`SessionEvent::Reconnected`]).
         lost_leases: Vec<String>,
     },
     /// The session is over for good: the stream ended (without reconnection: broker
@@ -155,7 +170,7 @@ impl SessionEvent {
                 uuid: d.uuid,
                 reason: d.reason,
             }),
-            Event::Opened(_) | Event::Heartbeat(_) => None,
+            Event::Opened(_) | Event::Heartbeat(_) | Event::Resumed(_) => None,
         }
     }
 

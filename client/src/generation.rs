@@ -3,8 +3,11 @@
 //! one, whether it is connected, and the ids of the leases held on it through `Lease`
 //! objects. A lease keeps an `Arc` of its own generation, so its session id stays
 //! readable after a reconnect replaced it, and asks here whether that generation is
-//! still the live one before it talks to the broker. Shared by the handle's clones, its
-//! leases and the reconnect supervisor; one short lock, never held across an await.
+//! still the live one before it talks to the broker. While a lost session may yet be
+//! resumed (the broker restarted with a keeper), it stays the live one, its leases are not
+//! lost, and calls wait ([`Generations::settled`]) until it is resumed or given up.
+//! Shared by the handle's clones, its leases and the reconnect supervisor; one short
+//! lock, never held across an await.
 
 use std::sync::Arc;
 
@@ -35,12 +38,16 @@ impl Generation {
 /// The current generation, its connection state and its tracked leases.
 pub(crate) struct Generations {
     live: Mutex<Live>,
+    /// Bumped on every change of the connection state (waiters look again).
+    changed: tokio::sync::watch::Sender<u64>,
 }
 
 struct Live {
     current: Arc<Generation>,
     /// False between losing a session and re-opening one.
     connected: bool,
+    /// Lost, and being resumed: its leases may still exist.
+    resuming: bool,
     /// Ids of the leases of the current generation held through `Lease` objects, in
     /// acquisition order.
     leases: Vec<String>,
@@ -48,7 +55,7 @@ struct Live {
 
 impl Live {
     fn is_live(&self, generation: &Generation) -> bool {
-        self.connected && self.current.number == generation.number
+        (self.connected || self.resuming) && self.current.number == generation.number
     }
 }
 
@@ -62,9 +69,69 @@ impl Generations {
                     opened: first,
                 }),
                 connected: true,
+                resuming: false,
                 leases: Vec::new(),
             }),
+            changed: tokio::sync::watch::channel(0).0,
         })
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Waits (at most `timeout`) while the current session is being resumed; then says
+    /// whether it is connected.
+    pub(crate) async fn settled(&self, timeout: std::time::Duration) -> bool {
+        let mut rx = self.changed.subscribe();
+        let wait = async {
+            loop {
+                {
+                    let live = self.live.lock();
+                    if live.connected || !live.resuming {
+                        return live.connected;
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return false;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.unwrap_or(false)
+    }
+
+    /// Is the current session being resumed?
+    pub(crate) fn resuming(&self) -> bool {
+        self.live.lock().resuming
+    }
+
+    /// The current session was lost and will be resumed: its leases stay live; returns
+    /// their ids (to name them to the broker).
+    pub(crate) fn pause(&self) -> Vec<String> {
+        let held = {
+            let mut live = self.live.lock();
+            live.connected = false;
+            live.resuming = true;
+            live.leases.clone()
+        };
+        self.bump();
+        held
+    }
+
+    /// The broker resumed the current session: the leases in `ended` are gone (lost),
+    /// the others live on. Returns (kept, lost) among those tracked.
+    pub(crate) fn resumed(&self, ended: &[String]) -> (Vec<String>, Vec<String>) {
+        let out = {
+            let mut live = self.live.lock();
+            live.connected = true;
+            live.resuming = false;
+            let (lost, kept): (Vec<String>, Vec<String>) =
+                live.leases.iter().cloned().partition(|l| ended.contains(l));
+            live.leases = kept.clone();
+            (kept, lost)
+        };
+        self.bump();
+        out
     }
 
     /// The current generation (the last one, while disconnected).
@@ -109,18 +176,27 @@ impl Generations {
 
     /// The current session is lost: returns the ids of its leases.
     pub(crate) fn disconnect(&self) -> Vec<String> {
-        let mut live = self.live.lock();
-        live.connected = false;
-        std::mem::take(&mut live.leases)
+        let lost = {
+            let mut live = self.live.lock();
+            live.connected = false;
+            live.resuming = false;
+            std::mem::take(&mut live.leases)
+        };
+        self.bump();
+        lost
     }
 
     /// A new broker session replaces the lost one.
     pub(crate) fn connected(&self, opened: Opened) {
-        let mut live = self.live.lock();
-        let number = live.current.number + 1;
-        live.current = Arc::new(Generation { number, opened });
-        live.connected = true;
-        live.leases.clear();
+        {
+            let mut live = self.live.lock();
+            let number = live.current.number + 1;
+            live.current = Arc::new(Generation { number, opened });
+            live.connected = true;
+            live.resuming = false;
+            live.leases.clear();
+        }
+        self.bump();
     }
 }
 
@@ -135,6 +211,7 @@ mod tests {
             broker_version: "v".into(),
             keepalive_timeout: None,
             peer_pid: 1,
+            resume_secret: String::new(),
         }
     }
 
@@ -163,6 +240,40 @@ mod tests {
         assert!(!shared.track(&g1, "e"), "a late reply of the old session");
         assert!(shared.track(&g2, "f"));
         assert_eq!(shared.disconnect(), ["f"]);
+    }
+
+    /// A session being resumed keeps its leases live; its resume ends those the broker
+    /// did not keep; waiters wake on the outcome.
+    #[tokio::test]
+    async fn a_resumed_session_keeps_its_generation_and_the_leases_the_broker_kept() {
+        let shared = Generations::new(opened("s-1"));
+        let g1 = shared.current();
+        assert!(shared.track(&g1, "a"));
+        assert!(shared.track(&g1, "b"));
+        assert_eq!(shared.pause(), ["a", "b"]);
+        assert!(
+            shared.is_live(&g1),
+            "a lease of a session being resumed is not lost"
+        );
+        assert!(!shared.snapshot().1);
+        assert!(shared.resuming());
+        let waiter = {
+            let s = shared.clone();
+            tokio::spawn(async move { s.settled(std::time::Duration::from_secs(5)).await })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(
+            shared.resumed(&["b".to_string()]),
+            (vec!["a".to_string()], vec!["b".to_string()])
+        );
+        assert!(
+            waiter.await.unwrap(),
+            "the waiter saw the session connected"
+        );
+        assert!(shared.is_live(&g1) && shared.snapshot().1);
+        assert_eq!(shared.disconnect(), ["a"]);
+        // Given up: a waiter learns at once that it is not connected.
+        assert!(!shared.settled(std::time::Duration::from_secs(5)).await);
     }
 
     #[test]

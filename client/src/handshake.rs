@@ -24,18 +24,50 @@ pub(crate) struct Opened {
     pub(crate) keepalive_timeout: Option<Duration>,
     /// The caller's pid as the broker saw it (0 over TCP).
     pub(crate) peer_pid: u32,
+    /// What resumes this session after a broker restart (empty: it cannot be resumed).
+    pub(crate) resume_secret: String,
 }
 
-/// Opens one `OpenSession` stream named `name` and reads its `opened` event
-/// (heartbeats before it are skipped; anything else first is a protocol error).
+/// A request to resume a session after a broker restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ResumeAsk {
+    pub(crate) session_id: String,
+    pub(crate) secret: String,
+    /// The leases held on it through `Lease` objects.
+    pub(crate) held: Vec<String>,
+}
+
+/// What the broker said when it resumed a session.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct ResumedLeases {
+    /// Leases it kept.
+    pub(crate) kept: Vec<String>,
+    /// Leases it kept that were not named, ended.
+    pub(crate) ended: Vec<String>,
+}
+
+/// Opens one `OpenSession` stream named `name` (or resumes a session: `resume`) and reads
+/// its `opened` event, and for a resumed session its `resumed` event (heartbeats before
+/// them are skipped; anything else is a protocol error).
 pub(crate) async fn open_stream(
     client: &Client,
     name: &str,
-) -> Result<(tonic::Streaming<pb::SessionEvent>, Opened), ClientError> {
+    resume: Option<&ResumeAsk>,
+) -> Result<
+    (
+        tonic::Streaming<pb::SessionEvent>,
+        Opened,
+        Option<ResumedLeases>,
+    ),
+    ClientError,
+> {
     let mut stream = client
         .raw()
         .open_session(pb::OpenSessionRequest {
             name: name.to_string(),
+            resume_session_id: resume.map(|r| r.session_id.clone()).unwrap_or_default(),
+            resume_secret: resume.map(|r| r.secret.clone()).unwrap_or_default(),
+            held_lease_ids: resume.map(|r| r.held.clone()).unwrap_or_default(),
         })
         .await?
         .into_inner();
@@ -69,6 +101,29 @@ pub(crate) async fn open_stream(
         tenant = opened.tenant,
         "session opened"
     );
+    let resumed = if opened.resumed {
+        let r = loop {
+            match stream.message().await? {
+                Some(pb::SessionEvent {
+                    event: Some(Event::Resumed(r)),
+                }) => break r,
+                Some(pb::SessionEvent {
+                    event: Some(Event::Heartbeat(_)),
+                }) => continue,
+                other => {
+                    return Err(ClientError::Protocol(format!(
+                        "a resumed session's second event is {other:?}, expected `resumed`"
+                    )))
+                }
+            }
+        };
+        Some(ResumedLeases {
+            kept: r.kept_lease_ids,
+            ended: r.ended_lease_ids,
+        })
+    } else {
+        None
+    };
     let opened = Opened {
         keepalive_timeout: (opened.keepalive_timeout_ms > 0)
             .then(|| Duration::from_millis(opened.keepalive_timeout_ms)),
@@ -76,6 +131,7 @@ pub(crate) async fn open_stream(
         tenant: opened.tenant,
         broker_version: opened.broker_version,
         peer_pid: opened.peer_pid,
+        resume_secret: opened.resume_secret,
     };
-    Ok((stream, opened))
+    Ok((stream, opened, resumed))
 }

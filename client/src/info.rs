@@ -26,6 +26,26 @@ pub struct BrokerInfo {
     pub features: Vec<String>,
     /// Each device's UUID by index (empty from a broker that does not say).
     pub device_uuids: Vec<String>,
+    /// When the broker process started (Unix milliseconds; 0 from a broker that does not
+    /// say).
+    pub started_unix_ms: i64,
+    /// Whether a keeper holds its sessions and leases across restarts.
+    pub keeper: bool,
+    /// What its start took back from the keeper.
+    pub restart: Option<RestartInfo>,
+}
+
+/// What a broker start took back from its keeper.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RestartInfo {
+    pub sessions_adopted: u32,
+    /// Sessions whose process had died meanwhile (their leases were reclaimed).
+    pub sessions_reclaimed: u32,
+    pub leases_adopted: u32,
+    pub leases_reclaimed: u32,
+    pub bytes_adopted: u64,
+    /// From reading the keeper to the last lease taken back.
+    pub took_ms: u64,
 }
 
 impl From<pb::GetInfoResponse> for BrokerInfo {
@@ -37,6 +57,16 @@ impl From<pb::GetInfoResponse> for BrokerInfo {
             device_count: r.device_count,
             features: r.features,
             device_uuids: r.device_uuids,
+            started_unix_ms: r.started_unix_ms,
+            keeper: r.keeper,
+            restart: r.restart.map(|x| RestartInfo {
+                sessions_adopted: x.sessions_adopted,
+                sessions_reclaimed: x.sessions_reclaimed,
+                leases_adopted: x.leases_adopted,
+                leases_reclaimed: x.leases_reclaimed,
+                bytes_adopted: x.bytes_adopted,
+                took_ms: x.took_ms,
+            }),
         }
     }
 }

@@ -228,10 +228,22 @@ impl Lease {
         {
             return Err(self.lost_error());
         }
-        self.session
-            .client()
-            .release_lease(&self.info.lease_id)
-            .await
+        let client = self.session.client();
+        let id = &self.info.lease_id;
+        let mut tries = 0;
+        let r = self
+            .session
+            .through_outage(&self.generation, || {
+                tries += 1;
+                client.release_lease(id)
+            })
+            .await;
+        match r {
+            // Tried again after an outage: the restarted broker ended it already (it was
+            // no longer named when the session resumed).
+            Err(e) if tries > 1 && e.code() == crate::error::Code::NotFound => Ok(()),
+            r => r,
+        }
     }
 
     /// Stops tracking the lease without releasing it: the broker keeps it until it is
@@ -381,7 +393,12 @@ impl<'s> LeaseRequest<'s> {
     pub async fn send(self) -> Result<Lease, ClientError> {
         let mut request = self.to_proto();
         let generations = self.session.generations();
-        let (generation, connected) = generations.snapshot();
+        let (mut generation, mut connected) = generations.snapshot();
+        if !connected && generations.resuming() {
+            // The broker restarted and the session is being resumed: wait for it.
+            generations.settled(self.session.outage_wait()).await;
+            (generation, connected) = generations.snapshot();
+        }
         let session_id = generation.id();
         if !connected {
             return Err(ClientError::Unavailable(
@@ -389,13 +406,14 @@ impl<'s> LeaseRequest<'s> {
             ));
         }
         request.session_id = session_id.to_string();
+        let client = self.session.client();
         let response = self
             .session
-            .client()
-            .raw()
-            .acquire_lease(request)
-            .await?
-            .into_inner();
+            .through_outage(&generation, || {
+                let request = request.clone();
+                async move { Ok(client.raw().acquire_lease(request).await?.into_inner()) }
+            })
+            .await?;
         let lease = response
             .lease
             .ok_or_else(|| ClientError::Protocol("AcquireLease reply carries no lease".into()))?;

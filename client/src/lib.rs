@@ -104,7 +104,7 @@ pub use drain::{DeviceDrain, DrainStatus};
 pub use error::{ClientError, Code};
 pub use events::{ReclaimRequest, SessionEvent, SessionEvents};
 pub use fd::{FdInfo, MemoryKind};
-pub use info::{version_warning, BrokerInfo, REQUIRED_API_REVISION};
+pub use info::{version_warning, BrokerInfo, RestartInfo, REQUIRED_API_REVISION};
 pub use lease::{Lease, LeaseHandle, LeaseInfo, LeaseRequest, LeaseState, Tier};
 pub use mapping::HostMapping;
 pub use quarantine::{HoldReason, QuarantinedBlock};

@@ -2,10 +2,13 @@
 //! [`SessionBuilder::reconnect`](crate::SessionBuilder::reconnect)). When the session
 //! stream breaks (connection lost, broker killed or restarted, broker shut down after
 //! `ShuttingDown`, the broker ended the session, no heartbeat for the idle timeout), the
-//! session's background task publishes [`SessionEvent::Disconnected`], re-opens a
-//! session under the same name with exponential [`Backoff`] and jitter, and publishes
+//! session's background task publishes [`SessionEvent::Disconnected`] and first tries to
+//! resume the same session with its resume secret (a broker restarted with a keeper kept
+//! it and its leases: [`SessionEvent::Resumed`], leases and mappings stay valid, calls
+//! made meanwhile waited). When the broker does not have it, it re-opens a session under
+//! the same name with exponential [`Backoff`] and jitter, and publishes
 //! [`SessionEvent::Reconnected`] with the ids of the leases that died with the old
-//! session (the broker does not keep leases across sessions or restarts). A permanent
+//! session. A permanent
 //! refusal (`UNAUTHENTICATED`, `PERMISSION_DENIED`, `NOT_FOUND`: token revoked, tenant
 //! deleted; `INVALID_ARGUMENT`) or the optional give-up limit ends it with
 //! [`SessionEvent::Closed`]. The supervisor is a loop over one state enum (`Link`:
@@ -13,6 +16,7 @@
 //!
 //! [`SessionEvent::Disconnected`]: crate::SessionEvent::Disconnected
 //! [`SessionEvent::Reconnected`]: crate::SessionEvent::Reconnected
+//! [`SessionEvent::Resumed`]: crate::SessionEvent::Resumed
 //! [`SessionEvent::Closed`]: crate::SessionEvent::Closed
 
 use std::collections::hash_map::RandomState;
@@ -29,7 +33,7 @@ use crate::client::Client;
 use crate::error::{ClientError, Code};
 use crate::events::{EventHub, SessionEvent};
 use crate::generation::Generations;
-use crate::handshake::open_stream;
+use crate::handshake::{open_stream, ResumeAsk};
 use crate::pump;
 
 /// Shortest delay between two attempts, whatever the settings (no busy loop).
@@ -179,11 +183,13 @@ enum Link {
     Closed(Option<String>),
 }
 
-/// A lost broker session being replaced.
+/// A lost broker session being resumed or replaced.
 struct Lost {
     /// Its session id (for `Reconnected`).
     session_id: String,
-    /// Ids of the leases that died with it.
+    /// Set while it may still be resumed.
+    resume: Option<ResumeAsk>,
+    /// Ids of the leases that died with it (once it cannot be resumed).
     lost_leases: Vec<String>,
     /// When it was lost (for the give-up limit).
     since: Instant,
@@ -258,11 +264,24 @@ impl Supervisor {
             return Link::Closed(end.closed_reason());
         };
         let reason = end.to_string();
-        let lost_leases = self.generations.disconnect();
+        let secret = current.opened().resume_secret.clone();
+        let (resume, lost_leases) = if secret.is_empty() {
+            (None, self.generations.disconnect())
+        } else {
+            let held = self.generations.pause();
+            (
+                Some(ResumeAsk {
+                    session_id: id.to_string(),
+                    secret,
+                    held,
+                }),
+                Vec::new(),
+            )
+        };
         tracing::warn!(
             session_id = id,
             reason,
-            lost_leases = lost_leases.len(),
+            resuming = resume.is_some(),
             "session lost; reconnecting"
         );
         self.hub.publish(SessionEvent::Disconnected {
@@ -274,6 +293,7 @@ impl Supervisor {
         }
         Link::Reconnecting(Lost {
             session_id: id.to_string(),
+            resume,
             lost_leases,
             since: Instant::now(),
             policy,
@@ -282,7 +302,7 @@ impl Supervisor {
 
     /// One re-open attempt after its backoff delay: connected, still reconnecting, or
     /// closed (refused for good, or the give-up limit would pass before it).
-    async fn reconnecting(&mut self, lost: Lost) -> Link {
+    async fn reconnecting(&mut self, mut lost: Lost) -> Link {
         let policy = lost.policy;
         let name = &self.name;
         let delay = policy.backoff.jittered(self.attempt);
@@ -290,6 +310,7 @@ impl Supervisor {
         let attempt = self.attempt;
         if let Some(limit) = policy.give_up_after {
             if lost.since.elapsed() + delay > limit {
+                self.generations.disconnect();
                 return Link::Closed(Some(format!(
                     "gave up reconnecting session {name:?} after {:?} ({attempt} attempts)",
                     lost.since.elapsed()
@@ -297,15 +318,48 @@ impl Supervisor {
             }
         }
         tokio::time::sleep(delay).await;
-        let opened = tokio::time::timeout(ATTEMPT_TIMEOUT, open_stream(&self.client, name))
-            .await
-            .unwrap_or_else(|_| {
-                Err(ClientError::Unavailable(
-                    format!("no `opened` event within {ATTEMPT_TIMEOUT:?}").into(),
-                ))
-            });
+        let opened = tokio::time::timeout(
+            ATTEMPT_TIMEOUT,
+            open_stream(&self.client, name, lost.resume.as_ref()),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(ClientError::Unavailable(
+                format!("no `opened` event within {ATTEMPT_TIMEOUT:?}").into(),
+            ))
+        });
         match opened {
-            Ok((stream, opened)) => {
+            Ok((stream, _, Some(resumed))) => {
+                let (kept, lost_leases) = self.generations.resumed(&resumed.ended);
+                tracing::info!(
+                    session_id = lost.session_id,
+                    kept = kept.len(),
+                    lost = lost_leases.len(),
+                    attempt,
+                    "session resumed"
+                );
+                self.attempt = 0;
+                self.hub.publish(SessionEvent::Resumed {
+                    session_id: lost.session_id,
+                    kept_leases: kept,
+                    lost_leases,
+                });
+                Link::Connected(stream)
+            }
+            Err(e) if lost.resume.is_some() && is_permanent(&e) => {
+                // The broker does not have it (restarted without a keeper, or the
+                // session ended meanwhile): its leases are gone; open a new one.
+                tracing::info!(session = name, error = %e, "session cannot be resumed; opening a new one");
+                lost.resume = None;
+                lost.lost_leases = self.generations.disconnect();
+                self.attempt = 0;
+                Link::Reconnecting(lost)
+            }
+            Ok((stream, opened, None)) => {
+                if lost.resume.take().is_some() {
+                    // A broker that knows no resume opened a new session.
+                    lost.lost_leases = self.generations.disconnect();
+                }
                 let new_id = opened.id.clone();
                 self.generations.connected(opened);
                 tracing::info!(

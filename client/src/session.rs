@@ -130,6 +130,24 @@ impl SessionBuilder {
     }
 }
 
+/// How long a call of a reconnecting session waits out a broker outage, unless the
+/// reconnect policy gives up sooner or later.
+pub const OUTAGE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Did the call fail because the broker was away (down, restarting, its connection cut
+/// mid-call: tonic reports that as `UNKNOWN` "transport error")?
+fn is_outage(e: &ClientError) -> bool {
+    use crate::error::Code;
+    match e.code() {
+        Code::Unavailable => true,
+        Code::Unknown => e.message().contains("transport error"),
+        _ => false,
+    }
+}
+
+/// Between two tries of a call during an outage.
+const OUTAGE_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
+
 impl IntoFuture for SessionBuilder {
     type Output = Result<Session, ClientError>;
     type IntoFuture = Pin<Box<dyn Future<Output = Self::Output> + Send>>;
@@ -147,7 +165,7 @@ impl Session {
     ) -> Result<Session, ClientError> {
         let runtime = Handle::try_current()
             .map_err(|_| ClientError::Transport("no tokio runtime to run the session on".into()))?;
-        let (stream, opened) = open_stream(&client, &name).await?;
+        let (stream, opened, _) = open_stream(&client, &name, None).await?;
         let hub = EventHub::new();
         let generations = Generations::new(opened);
         let task = runtime.spawn(reconnect::supervise(
@@ -327,6 +345,50 @@ impl Session {
     }
 
     /// Which broker session is current, and the leases held on it.
+    /// How long a call of a reconnecting session waits out a broker outage (retrying)
+    /// before it fails: the reconnect give-up limit, else [`OUTAGE_WAIT`]; zero for a
+    /// session that does not reconnect.
+    pub(crate) fn outage_wait(&self) -> std::time::Duration {
+        match &self.inner.reconnect {
+            Some(p) => p.give_up_after.unwrap_or(OUTAGE_WAIT),
+            None => std::time::Duration::ZERO,
+        }
+    }
+
+    /// Runs `call` until it succeeds, fails with something other than `UNAVAILABLE`
+    /// (the broker is down or restarting), the session's generation `on` is no longer
+    /// live, or [`Session::outage_wait`] has passed; a broker restart with a keeper keeps
+    /// the session, so the call goes through once the broker is back.
+    pub(crate) async fn through_outage<T, F, Fut>(
+        &self,
+        on: &crate::generation::Generation,
+        mut call: F,
+    ) -> Result<T, ClientError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ClientError>>,
+    {
+        let limit = self.outage_wait();
+        let t0 = tokio::time::Instant::now();
+        loop {
+            match call().await {
+                Err(e)
+                    if is_outage(&e) && t0.elapsed() < limit && self.generations().is_live(on) =>
+                {
+                    tracing::debug!(error = %e, "broker unavailable; retrying");
+                    tokio::time::sleep(OUTAGE_RETRY).await;
+                    // Once the session is being resumed, the retry waits for it: a call
+                    // that overtook the resume could not be named in it.
+                    if self.generations().resuming() {
+                        let left = limit.saturating_sub(t0.elapsed());
+                        self.generations().settled(left).await;
+                    }
+                }
+                r => return r,
+            }
+        }
+    }
+
     pub(crate) fn generations(&self) -> &Generations {
         &self.inner.generations
     }

@@ -370,6 +370,7 @@ async fn idle_raw(a: IdleArgs) -> Result<()> {
     let mut stream = raw
         .open_session(pb::OpenSessionRequest {
             name: "idle-raw".into(),
+            ..Default::default()
         })
         .await?
         .into_inner();

@@ -237,9 +237,12 @@ async fn unauthenticated_without_a_valid_token() {
     let mut bare = pb::broker_client::BrokerClient::new(channel.clone());
     status_of(bare.get_usage(pb::GetUsageRequest {}).await, ua, "no token");
     status_of(
-        bare.open_session(pb::OpenSessionRequest { name: "x".into() })
-            .await
-            .map(|_| ()),
+        bare.open_session(pb::OpenSessionRequest {
+            name: "x".into(),
+            ..Default::default()
+        })
+        .await
+        .map(|_| ()),
         ua,
         "no token, open session",
     );

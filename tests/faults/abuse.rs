@@ -248,7 +248,10 @@ async fn huge_strings_are_refused_by_name_not_echoed() {
         .await;
     assert_bounded(r, "session_id", "Keepalive");
     let r = w
-        .open_session(pb::OpenSessionRequest { name: big.clone() })
+        .open_session(pb::OpenSessionRequest {
+            name: big.clone(),
+            ..Default::default()
+        })
         .await;
     assert_bounded(r.map(|_| ()), "session name", "OpenSession name");
 

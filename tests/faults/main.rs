@@ -5,9 +5,11 @@
 
 mod abuse;
 mod capacity;
+mod crash_points;
 mod durability;
 mod fallback;
 mod guarantees;
+mod keeper;
 mod kept_mappings;
 mod liveness;
 mod load;
@@ -319,7 +321,10 @@ pub mod raw {
         name: &str,
     ) -> (String, tonic::Streaming<pb::SessionEvent>) {
         let mut stream = client
-            .open_session(pb::OpenSessionRequest { name: name.into() })
+            .open_session(pb::OpenSessionRequest {
+                name: name.into(),
+                ..Default::default()
+            })
             .await
             .expect("open session")
             .into_inner();

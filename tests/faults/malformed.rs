@@ -256,6 +256,7 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
     let r = a
         .open_session(pb::OpenSessionRequest {
             name: "n".repeat(10 * 1024),
+            ..Default::default()
         })
         .await;
     let s = match r {

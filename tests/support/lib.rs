@@ -42,6 +42,8 @@ pub struct Broker {
     args: Vec<String>,
     /// A command the broker runs under (`unshare ...`), empty for none.
     wrapper: Vec<String>,
+    /// Environment of the next [`Broker::spawn`] (e.g. a crash point).
+    pub env: Vec<(String, String)>,
 }
 
 /// Options for starting a broker.
@@ -163,6 +165,7 @@ impl Broker {
             log,
             args,
             wrapper,
+            env: Vec::new(),
             dir,
         };
         b.spawn()?;
@@ -186,6 +189,7 @@ impl Broker {
         let child = cmd
             .args(&self.args)
             .env("GPU_BROKER_LOG", "info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -334,6 +338,48 @@ impl Broker {
         std::fs::read_dir(&self.shm_dir)
             .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
             .unwrap_or_default()
+    }
+}
+
+/// A keeper process (`gpu-broker keeper`) holding lease descriptors across broker
+/// restarts; killed when dropped.
+pub struct Keeper {
+    pub proc: Proc,
+    pub socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Keeper {
+    /// Starts one on a socket of its own and waits until it listens.
+    pub async fn start() -> Result<Keeper> {
+        let dir = tempfile::Builder::new().prefix("gpb-keeper-").tempdir()?;
+        let socket = dir.path().join("keeper.sock");
+        let mut cmd = Command::new(bin("gpu-broker"));
+        cmd.arg("keeper").arg("--socket").arg(&socket);
+        let mut proc = Proc::spawn(cmd)?;
+        proc.line_starting(
+            "stderr: gpu-broker keeper: listening",
+            Duration::from_secs(10),
+        )
+        .await?;
+        Ok(Keeper {
+            proc,
+            socket,
+            _dir: dir,
+        })
+    }
+
+    /// The broker flags that use it.
+    pub fn flags(&self) -> Vec<String> {
+        vec!["--keeper".into(), self.socket.display().to_string()]
+    }
+
+    /// How many memory descriptors (memfds) it holds.
+    pub fn memfds(&self) -> usize {
+        fd_links(self.proc.pid)
+            .into_iter()
+            .filter(|(_, link)| link.starts_with("/memfd:gpu-broker"))
+            .count()
     }
 }
 

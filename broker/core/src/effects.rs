@@ -75,6 +75,33 @@ pub enum Effect {
     /// it. Runs after the lock is released, so after the frees queued under it.
     #[cfg_attr(not(feature = "testing"), non_exhaustive)]
     Materialize { grant: Box<PendingGrant> },
+    /// Tell the keeper a session or lease began or ended. Written before the lock is
+    /// released, in the order the transitions made them, so no later change overtakes it
+    /// and none is answered before it is kept.
+    #[cfg_attr(not(feature = "testing"), non_exhaustive)]
+    Keep { change: Keep },
+}
+
+/// A change of what the keeper holds for a restarted broker (`kept.rs`).
+#[derive(Debug)]
+pub enum Keep {
+    Session(crate::kept::SessionRecord),
+    SessionEnded(Uuid),
+    /// A lease and a copy of its block's descriptor.
+    Lease(crate::kept::LeaseRecord, crate::memory::SharedFd),
+    LeaseEnded(Uuid),
+}
+
+impl Keep {
+    /// Its name at the daemon's crash points (`crash_point.rs`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Keep::Session(_) => "session",
+            Keep::SessionEnded(_) => "session-ended",
+            Keep::Lease(..) => "lease",
+            Keep::LeaseEnded(_) => "lease-ended",
+        }
+    }
 }
 
 /// What a watcher waits for, and its key: the state names what it waits on, the shell

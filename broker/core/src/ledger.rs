@@ -446,6 +446,16 @@ impl Ledger {
         }
     }
 
+    /// Charges a lease a restarted broker took back (`arbiter/adopt.rs`): no quota check,
+    /// the memory is in use whatever the quota says now.
+    pub fn adopt(&mut self, name: &str, device: u32, bytes: u64) -> BrokerResult<()> {
+        let t = self.get_mut(name)?;
+        t.usage.held_bytes += bytes;
+        t.usage.lease_count += 1;
+        Self::add_device_bytes(t, device, bytes);
+        Ok(())
+    }
+
     /// A device lease on `device` ended.
     pub fn uncharge(&mut self, name: &str, device: u32, bytes: u64) {
         if let Ok(t) = self.get_mut(name) {

@@ -18,7 +18,7 @@
 //!   [`session`], [`reservations`] (process reservations), [`sharing`] (publications and
 //!   imports), [`availability`] (which devices admit grants), [`fd_budget`] (descriptors
 //!   held against the limit), [`process_group`], [`views`] (snapshots operators read).
-//! - The queue: [`queue`] (waiters and their order of service), [`overtaking`] (when a
+//! - The queue: [`kept`] (the records a broker's keeper holds across its restarts); [`queue`] (waiters and their order of service), [`overtaking`] (when a
 //!   blocked head may be overtaken).
 //! - The core: [`state`] (the transitions and the byte-state invariant) and [`effects`]
 //!   (what they ask of the shell); [`scheduler`] (compute turns, a core of its own).
@@ -34,6 +34,7 @@ pub mod effects;
 pub mod error;
 pub mod fd_budget;
 pub mod id_map;
+pub mod kept;
 pub mod lease;
 pub mod ledger;
 pub mod memory;

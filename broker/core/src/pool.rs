@@ -209,6 +209,12 @@ impl Pool {
         self.lease_count += 1;
     }
 
+    /// A lease a restarted broker took back holds `bytes` (no fit check: it is in use).
+    pub fn adopt(&mut self, bytes: u64) {
+        self.leased += bytes;
+        self.lease_count += 1;
+    }
+
     /// A lease ended and its block is safe to reuse: cache it.
     pub fn release_to_cache(&mut self, block: Block) {
         self.leased -= block.bytes();

@@ -77,6 +77,12 @@ pub struct Session {
     /// The id of the token the session was opened with: revoking that token, or its
     /// expiry, ends the session (`arbiter/revocation.rs`).
     pub token_id: Option<String>,
+    /// SHA-256 (hex) of the secret its worker resumes it with after a broker restart
+    /// (`arbiter/adopt.rs`); None: it cannot be resumed.
+    pub resume_hash: Option<String>,
+    /// When its peer process started (`/proc/<pid>/stat`), so a restarted broker does not
+    /// take another process of the same pid for it.
+    pub peer_start: Option<u64>,
 }
 
 impl Session {
@@ -92,6 +98,8 @@ impl Session {
             leases: IdSet::default(),
             gpu: None,
             token_id,
+            resume_hash: None,
+            peer_start: None,
         }
     }
     /// The leases it holds.

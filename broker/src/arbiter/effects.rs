@@ -28,7 +28,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-pub use gpu_broker_core::effects::{Counted, Effect, PendingGrant, Watch};
+pub use gpu_broker_core::effects::{Counted, Effect, Keep, PendingGrant, Watch};
 
 /// The running watchers, by key (a leaf lock: taken under the state lock, never holding
 /// another). Every key that waits on one process shares one task and one pidfd: a process
@@ -257,6 +257,7 @@ impl Drop for Locked<'_> {
                 }
                 Effect::Hangup { session, .. } => self.arb.outbox.close(&session),
                 Effect::CheckGone { of, pids, .. } => looks.push((of, pids)),
+                Effect::Keep { change, .. } => self.arb.keep(change),
                 other => later.push(After::Run(other)),
             }
         }
@@ -395,6 +396,7 @@ impl Arbiter {
         match e {
             Effect::Free { device, block, .. } => self.free_on_device(device, block),
             Effect::FreeHost { block, .. } => self.free_host(block),
+            Effect::Keep { change, .. } => self.keep(change),
             Effect::Kill { pid, .. } => {
                 if pid != std::process::id() {
                     tracing::warn!(pid, "terminating the holder of a revoked lease");

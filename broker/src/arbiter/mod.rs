@@ -13,6 +13,7 @@
 
 mod admin;
 mod admission;
+mod adopt;
 mod audit;
 pub mod claims;
 mod drain;
@@ -36,6 +37,7 @@ mod workers;
 
 pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
+pub use adopt::RestartReport;
 pub use drain::{DeviceDrain, DrainReport};
 pub use sharing::ImportGrant;
 pub(crate) use state::{Ending, State};
@@ -183,6 +185,15 @@ pub struct Arbiter {
     /// Each device's compute mode (NVML) read at start, for a CUDA broker without `--mps`
     /// (with it the daemon's status has them).
     compute_modes: std::sync::OnceLock<Vec<String>>,
+    /// The keeper of sessions and leases across restarts (`adopt.rs`), once taken back.
+    keeper: std::sync::OnceLock<Arc<crate::keeper::KeeperLink>>,
+    /// What this start took back from the keeper.
+    restart: std::sync::OnceLock<RestartReport>,
+    /// Leases taken back from the keeper, by session, until the session is resumed (a
+    /// resume ends those its worker does not name, and no lease granted since).
+    awaiting_resume: Mutex<HashMap<Uuid, Vec<Uuid>>>,
+    /// Where a crash-point test makes this broker die (`crash_point.rs`).
+    crash: crate::crash_point::CrashPoint,
     /// This arbiter (effects that outlive a call hold it: watchers, late releases).
     me: std::sync::Weak<Arbiter>,
     /// Serializes durable operator changes (quotas, tenant deletion, tokens): each
@@ -295,6 +306,10 @@ impl Arbiter {
             health_source: parking_lot::Mutex::new(None),
             mps: std::sync::OnceLock::new(),
             compute_modes: std::sync::OnceLock::new(),
+            keeper: std::sync::OnceLock::new(),
+            restart: std::sync::OnceLock::new(),
+            awaiting_resume: Mutex::default(),
+            crash: crate::crash_point::CrashPoint::from_env(),
             scheduler,
             state: Mutex::new(st),
             devices,
@@ -410,20 +425,47 @@ impl Arbiter {
         peer: Peer,
         token_id: Option<String>,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
+        self.open_resumable(tenant, name, peer, token_id)
+            .map(|(id, rx, _)| (id, rx))
+    }
+
+    /// [`Arbiter::open_session_with_token`], and the secret that resumes the session after
+    /// a broker restart (`adopt.rs`; empty without a keeper, which alone keeps sessions
+    /// across restarts, and for a peer with no pid, which cannot resume).
+    #[allow(clippy::type_complexity)]
+    pub fn open_resumable(
+        self: &Arc<Self>,
+        tenant: &str,
+        name: &str,
+        peer: Peer,
+        token_id: Option<String>,
+    ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>, String)> {
         self.check_not_shutting_down()?;
         crate::bounds::check("session name", name, MAX_LABEL)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let id = Uuid::now_v7();
+        // Read before the lock: the peer's start time (/proc), so a restarted broker
+        // tells it from another process of the same pid.
+        let peer_start = peer.pid.and_then(crate::process::start_ticks);
+        let (secret, hash) = match peer_start.filter(|_| self.keeps_leases()) {
+            Some(_) => {
+                let (s, h) = adopt::new_resume_secret();
+                (s, Some(h))
+            }
+            None => (String::new(), None),
+        };
         {
             let mut st = self.lock();
-            let s = Session::new(id, tenant, name, peer, token_id);
+            let mut s = Session::new(id, tenant, name, peer, token_id);
+            s.resume_hash = hash;
+            s.peer_start = peer_start;
             st.open_session(s, self.cfg.max_sessions_per_tenant)?;
             // Its mailbox is in place in the hold that opened it, so before any
             // transition can tell it something (effects run when the guard drops).
             self.outbox.open(id, tx);
         }
         tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
-        Ok((id, rx))
+        Ok((id, rx, secret))
     }
 
     /// Marks a session active (keepalive).

@@ -371,6 +371,64 @@ impl CudaDevice {
         ))
     }
 
+    /// Imports VMM memory a previous broker exported (its descriptor `fd`) and maps it
+    /// here: (pointer, handle). Undoes what it did on failure. Context current.
+    fn vmm_import(
+        &mut self,
+        fd: &std::os::fd::OwnedFd,
+        size: usize,
+    ) -> Result<(CUdeviceptr, sys::CUmemGenericAllocationHandle), DeviceError> {
+        use std::os::fd::AsRawFd;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: for POSIX descriptors the driver takes the descriptor number itself as
+        // the pointer-sized argument; it does not take ownership of it.
+        check("cuMemImportFromShareableHandle", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                fd.as_raw_fd() as usize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        let release = |h| {
+            // SAFETY: the handle imported above, never handed out.
+            let _ = unsafe { sys::cuMemRelease(h) };
+        };
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: valid out pointer; default alignment.
+        if let Err(e) = check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0)
+        }) {
+            release(handle);
+            return Err(e);
+        }
+        // SAFETY: the reserved range and the imported allocation are both `size` bytes.
+        if let Err(e) = check("cuMemMap", unsafe {
+            sys::cuMemMap(ptr, size, 0, handle, 0)
+        }) {
+            // SAFETY: the range reserved above.
+            let _ = unsafe { sys::cuMemAddressFree(ptr, size) };
+            release(handle);
+            return Err(e);
+        }
+        let access = sys::CUmemAccessDesc {
+            location: self.vmm_prop().location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: the mapped range; one access descriptor.
+        if let Err(e) = check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr, size, &access, 1)
+        }) {
+            // SAFETY: the mapping, range and handle made above.
+            unsafe {
+                let _ = sys::cuMemUnmap(ptr, size);
+                let _ = sys::cuMemAddressFree(ptr, size);
+            }
+            release(handle);
+            return Err(e);
+        }
+        Ok((ptr, handle))
+    }
+
     /// Unmaps and releases VMM memory (the physical memory stays while importers hold it).
     fn vmm_free(&self, live: &Live) -> Result<(), DeviceError> {
         let size = usize::try_from(live.bytes).map_err(|_| DeviceError::InvalidSize(live.bytes))?;
@@ -487,6 +545,37 @@ impl Device for CudaDevice {
         self.vmm_free(&live)?;
         self.live.remove(&alloc.id);
         Ok(())
+    }
+
+    fn adopt(
+        &mut self,
+        fd: std::os::fd::OwnedFd,
+        bytes: u64,
+        block_id: u64,
+    ) -> Result<Allocation, DeviceError> {
+        let size = usize::try_from(bytes).map_err(|_| DeviceError::InvalidSize(bytes))?;
+        self.make_current()?;
+        let (ptr, handle) = self.vmm_import(&fd, size)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.live.insert(
+            id,
+            Live {
+                ptr,
+                bytes,
+                vmm: Vmm {
+                    handle,
+                    fd: SharedFd::new(fd),
+                    block_id,
+                },
+            },
+        );
+        Ok(Allocation {
+            id,
+            bytes,
+            addr: ptr,
+            path: None,
+        })
     }
 
     fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError> {

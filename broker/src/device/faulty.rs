@@ -93,6 +93,15 @@ impl Device for FaultyDevice {
         self.stall();
         self.inner.revoke(alloc)
     }
+    fn adopt(
+        &mut self,
+        fd: std::os::fd::OwnedFd,
+        bytes: u64,
+        block_id: u64,
+    ) -> Result<Allocation, DeviceError> {
+        self.stall();
+        self.inner.adopt(fd, bytes, block_id)
+    }
     fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError> {
         self.stall();
         if self.switch.get().fail_export {

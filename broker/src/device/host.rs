@@ -218,6 +218,25 @@ impl Device for HostDevice {
         })
     }
 
+    fn adopt(&mut self, fd: OwnedFd, bytes: u64, block_id: u64) -> Result<Allocation, DeviceError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.allocated += bytes;
+        self.live.insert(
+            id,
+            Live {
+                fd: SharedFd::new(fd),
+                block_id,
+            },
+        );
+        Ok(Allocation {
+            id,
+            bytes,
+            addr: 0,
+            path: None,
+        })
+    }
+
     fn revoke(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
         let fd = self.live(alloc)?.fd.raw();
         // Truncated to nothing: every mapping and descriptor of it, wherever a holder

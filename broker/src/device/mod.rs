@@ -96,6 +96,20 @@ pub trait Device: Send {
     fn revoke(&mut self, _alloc: &Allocation) -> Result<(), DeviceError> {
         Ok(())
     }
+    /// Takes back memory exported earlier (by a previous broker) from its descriptor
+    /// `fd` of `bytes` bytes, known to workers as `block_id`: it becomes an allocation
+    /// of this device whose [`Device::export`] hands out that same descriptor (CUDA
+    /// refuses to re-export imported memory). The default cannot.
+    fn adopt(
+        &mut self,
+        _fd: std::os::fd::OwnedFd,
+        _bytes: u64,
+        _block_id: u64,
+    ) -> Result<Allocation, DeviceError> {
+        Err(DeviceError::Unavailable(
+            "this device cannot take back kept memory".into(),
+        ))
+    }
     /// Exports a handle another process can open to map the whole allocation.
     fn export(&mut self, alloc: &Allocation) -> Result<Handle, DeviceError>;
     /// Sets every byte of the allocation to zero.

@@ -108,24 +108,64 @@ impl Broker for BrokerService {
             .extensions()
             .get::<crate::auth::Principal>()
             .map(|p| p.token_id.clone());
-        let name = req.into_inner().name;
-        let (id, rx) = self
+        let r = req.into_inner();
+        let keepalive_timeout_ms = self.arb.config().keepalive_timeout.as_millis() as u64;
+        let heartbeat = heartbeat_period(self.arb.config().keepalive_timeout);
+        if !r.resume_session_id.is_empty() {
+            // A worker whose broker restarted resumes its session (kept by the keeper).
+            let id = parse_id("resume_session_id", &r.resume_session_id).map_err(status)?;
+            let held = r
+                .held_lease_ids
+                .iter()
+                .map(|l| parse_id("held_lease_ids", l))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(status)?;
+            crate::bounds::check("resume_secret", &r.resume_secret, 128).map_err(status)?;
+            let (rx, kept, ended) = self
+                .arb
+                .resume_session(&tenant, id, &r.resume_secret, peer, &held)
+                .map_err(status)?;
+            let opened = pb::SessionOpened {
+                session_id: id.to_string(),
+                tenant,
+                broker_version: env!("CARGO_PKG_VERSION").into(),
+                keepalive_timeout_ms,
+                peer_pid: peer.pid.unwrap_or(0),
+                resume_secret: r.resume_secret,
+                resumed: true,
+            };
+            let resumed = pb::Resumed {
+                session_id: id.to_string(),
+                kept_lease_ids: kept.iter().map(|l| l.to_string()).collect(),
+                ended_lease_ids: ended.iter().map(|l| l.to_string()).collect(),
+            };
+            return Ok(Response::new(
+                EventStream::new(self.arb.clone(), id, opened, rx, heartbeat).then(
+                    pb::SessionEvent {
+                        event: Some(pb::session_event::Event::Resumed(resumed)),
+                    },
+                ),
+            ));
+        }
+        let (id, rx, secret) = self
             .arb
-            .open_session_with_token(&tenant, &name, peer, token_id)
+            .open_resumable(&tenant, &r.name, peer, token_id)
             .map_err(status)?;
         let opened = pb::SessionOpened {
             session_id: id.to_string(),
             tenant,
             broker_version: env!("CARGO_PKG_VERSION").into(),
-            keepalive_timeout_ms: self.arb.config().keepalive_timeout.as_millis() as u64,
+            keepalive_timeout_ms,
             peer_pid: peer.pid.unwrap_or(0),
+            resume_secret: secret,
+            resumed: false,
         };
         Ok(Response::new(EventStream::new(
             self.arb.clone(),
             id,
             opened,
             rx,
-            heartbeat_period(self.arb.config().keepalive_timeout),
+            heartbeat,
         )))
     }
 

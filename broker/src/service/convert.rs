@@ -353,6 +353,16 @@ pub fn info(i: &crate::info::BrokerInfo) -> pb::GetInfoResponse {
         device_count: i.device_count,
         features: i.features.iter().map(|f| f.to_string()).collect(),
         device_uuids: i.device_uuids.clone(),
+        started_unix_ms: crate::units::unix_ms(i.started),
+        keeper: i.keeper,
+        restart: i.restart.as_ref().map(|r| pb::RestartInfo {
+            sessions_adopted: r.sessions_adopted as u32,
+            sessions_reclaimed: r.sessions_reclaimed as u32,
+            leases_adopted: r.leases_adopted as u32,
+            leases_reclaimed: r.leases_reclaimed as u32,
+            bytes_adopted: r.bytes_adopted,
+            took_ms: r.took.as_millis() as u64,
+        }),
     }
 }
 

@@ -30,6 +30,8 @@ impl Drop for SessionGuard {
 /// Stream of `SessionEvent`s for one session.
 pub struct EventStream {
     first: Option<pb::SessionEvent>,
+    /// Sent right after the first (a resumed session's `resumed`).
+    second: Option<pb::SessionEvent>,
     rx: mpsc::UnboundedReceiver<SessionEvent>,
     heartbeat: tokio::time::Interval,
     /// The session's activity mark: `poll_next` touches it without any lock.
@@ -52,10 +54,19 @@ impl EventStream {
             first: Some(pb::SessionEvent {
                 event: Some(pb::session_event::Event::Opened(opened)),
             }),
+            second: None,
             rx,
             heartbeat: hb,
             _guard: SessionGuard { arb, id },
         }
+    }
+}
+
+impl EventStream {
+    /// The stream with `second` right after its first event.
+    pub fn then(mut self, second: pb::SessionEvent) -> EventStream {
+        self.second = Some(second);
+        self
     }
 }
 
@@ -120,6 +131,9 @@ impl Stream for EventStream {
             // Consume the immediate first tick so heartbeats start one period later.
             let _ = self.heartbeat.poll_tick(cx);
             return Poll::Ready(Some(Ok(first)));
+        }
+        if let Some(second) = self.second.take() {
+            return Poll::Ready(Some(Ok(second)));
         }
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(e)) => return Poll::Ready(Some(Ok(to_proto(e)))),

@@ -2,7 +2,8 @@
 //! the admin views: each device with a usage bar (leased, reserved for processes, cached,
 //! quarantined, outside the broker, headroom, free), tenants against their limit and
 //! guarantee, the process reservations (`gpu-brokerctl run`), the largest and oldest
-//! leases, and the requests waiting. [`render`] is a pure function of the snapshot
+//! leases, and the requests waiting; under the header, when the broker started and, with a
+//! keeper, what that start took back (sessions and leases adopted, reclaimed). [`render`] is a pure function of the snapshot
 //! and the time (`top` draws the same lines live).
 
 use std::time::SystemTime;
@@ -25,6 +26,8 @@ pub struct Snapshot {
     pub leases: Vec<LeaseInfo>,
     pub sessions: Vec<SessionInfo>,
     pub quarantined: Vec<QuarantinedBlock>,
+    /// What the broker says of itself (none from a broker that cannot say).
+    pub info: Option<gpu_broker_client::BrokerInfo>,
 }
 
 impl Snapshot {
@@ -37,6 +40,7 @@ impl Snapshot {
             admin.list_sessions(None),
             admin.list_quarantined(),
         )?;
+        let info = admin.broker_info().await.ok();
         Ok(Snapshot {
             broker: broker.to_string(),
             devices,
@@ -44,8 +48,28 @@ impl Snapshot {
             leases,
             sessions,
             quarantined,
+            info,
         })
     }
+}
+
+/// When the broker started and what that start took back from its keeper, in a line.
+pub fn start_line(info: &gpu_broker_client::BrokerInfo, now: SystemTime) -> String {
+    let mut line = format!("started {} ago", format_age_at(info.started_unix_ms, now));
+    match (&info.restart, info.keeper) {
+        (Some(r), _) => line.push_str(&format!(
+            "  keeper: took back {} leases ({}) of {} sessions, reclaimed {} leases of {} gone sessions, in {} ms",
+            r.leases_adopted,
+            format_bytes(r.bytes_adopted),
+            r.sessions_adopted,
+            r.leases_reclaimed,
+            r.sessions_reclaimed,
+            r.took_ms
+        )),
+        (None, true) => line.push_str("  keeper: on"),
+        (None, false) => line.push_str("  no keeper: a restart loses every lease"),
+    }
+    line
 }
 
 /// Width of a device's usage bar, in characters.
@@ -138,6 +162,12 @@ pub fn render_fit(s: &Snapshot, now: SystemTime, width: usize) -> String {
         s.leases.len(),
         waiting
     ));
+    if let Some(info) = s.info.as_ref().filter(|i| i.started_unix_ms > 0) {
+        // Above the blank line that ends the header.
+        out.pop();
+        push_wrapped(&mut out, "", &[start_line(info, now)], width);
+        out.push('\n');
+    }
 
     for d in &s.devices {
         let model = if d.model.is_empty() {
@@ -465,6 +495,7 @@ pub(crate) mod tests {
             ],
             sessions: vec![],
             quarantined: vec![],
+            info: None,
         }
     }
 
@@ -483,6 +514,39 @@ pub(crate) mod tests {
         assert_eq!(bar.matches('x').count(), 2, "{bar}");
         assert_eq!(bar.matches('h').count(), 4, "{bar}");
         assert!(bar.ends_with(".]"), "{bar}");
+    }
+
+    #[test]
+    fn status_says_when_the_broker_started_and_what_it_took_back() {
+        let mut s = snapshot();
+        let plain = render(&s, now());
+        assert!(!plain.contains("started"), "{plain}");
+        s.info = Some(gpu_broker_client::BrokerInfo {
+            started_unix_ms: 1_000_000_000_000 - 90_000,
+            keeper: true,
+            restart: Some(gpu_broker_client::RestartInfo {
+                sessions_adopted: 2,
+                sessions_reclaimed: 1,
+                leases_adopted: 5,
+                leases_reclaimed: 3,
+                bytes_adopted: 5 << 30,
+                took_ms: 12,
+            }),
+            ..Default::default()
+        });
+        let text = render(&s, now());
+        assert!(
+            text.contains("started 1m30s ago  keeper: took back 5 leases (5.0 GiB) of 2 sessions, reclaimed 3 leases of 1 gone sessions, in 12 ms"),
+            "{text}"
+        );
+        let header: Vec<&str> = text.lines().take(4).collect();
+        assert!(
+            header[2].starts_with("started") && header[3].is_empty(),
+            "{header:?}"
+        );
+        s.info.as_mut().unwrap().restart = None;
+        s.info.as_mut().unwrap().keeper = false;
+        assert!(render(&s, now()).contains("no keeper: a restart loses every lease"));
     }
 
     #[test]

@@ -54,7 +54,8 @@ pub struct Broker {
 impl Broker {
     /// Opens a session named `name` (shown to operators). With `reconnect=True` the
     /// session survives broker restarts: it re-opens with backoff and reports
-    /// `Reconnected` (the old session's leases are gone). A context manager: leaving the
+    /// `Reconnected` (the old session's leases are gone), or `Resumed` when a broker with a
+    /// keeper kept it (leases and mappings live on). A context manager: leaving the
     /// `with` block ends the session and the broker takes back its leases.
     #[pyo3(signature = (name, *, reconnect = false))]
     fn session(&self, py: Python<'_>, name: String, reconnect: bool) -> PyResult<PySession> {
@@ -950,6 +951,16 @@ pub fn event_to_py(py: Python<'_>, event: &SessionEvent) -> PyResult<Py<PyAny>> 
             kw.set_item("new_session_id", new_session_id)?;
             kw.set_item("lost_leases", lost_leases.clone())?;
             "Reconnected"
+        }
+        SessionEvent::Resumed {
+            session_id,
+            kept_leases,
+            lost_leases,
+        } => {
+            kw.set_item("session_id", session_id)?;
+            kw.set_item("kept_leases", kept_leases.clone())?;
+            kw.set_item("lost_leases", lost_leases.clone())?;
+            "Resumed"
         }
         SessionEvent::Closed { reason } => {
             kw.set_item("reason", reason.clone())?;

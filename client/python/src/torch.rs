@@ -508,7 +508,8 @@ fn watch_events(session: &Session) -> std::io::Result<()> {
                 let ids: Vec<String> = match &event {
                     SessionEvent::ReclaimRequested { lease_id, .. }
                     | SessionEvent::LeaseRevoked { lease_id, .. } => vec![lease_id.clone()],
-                    SessionEvent::Reconnected { lost_leases, .. } => lost_leases.clone(),
+                    SessionEvent::Reconnected { lost_leases, .. }
+                    | SessionEvent::Resumed { lost_leases, .. } => lost_leases.clone(),
                     _ => continue,
                 };
                 for id in ids {

@@ -7,8 +7,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ import pytest
 import gpubroker
 from gpubroker import events as ev
 
-from conftest import MIB, wait_for
+from conftest import MIB, _bin, wait_for
 
 
 def test_connect_reads_the_environment(broker, monkeypatch, tmp_path):
@@ -277,6 +280,48 @@ def test_reclaim_callback_gives_memory_back(make_broker):
         assert req.nbytes == 32 * MIB and req.deadline > time.time() - 1 and req.reason
         assert len(held) == 1, "only as much as needed was asked back"
     ls.close()
+
+
+def test_a_broker_restart_with_a_keeper_resumes_the_session_and_keeps_its_leases(make_broker):
+    keeper_dir = tempfile.TemporaryDirectory(prefix="gpb-py-keeper-")
+    sock = Path(keeper_dir.name) / "keeper.sock"
+    keeper = subprocess.Popen(
+        [_bin("gpu-broker"), "keeper", "--socket", str(sock)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(sock.exists)
+        broker = make_broker("--host-capacity", "256MiB", "--keeper", str(sock))
+        b = gpubroker.connect(broker.address, broker.tenant("t"))
+        s = b.session("survivor", reconnect=True)
+        stream = s.events()
+        lease = s.lease(2 * MIB)
+        view = lease.as_numpy()
+        view[:5] = 7
+        broker.stop(signal.SIGKILL)
+        broker.start()
+        seen = []
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            e = stream.next(timeout=1)
+            if e is not None:
+                seen.append(e)
+                if isinstance(e, (ev.Resumed, ev.Reconnected)):
+                    break
+        assert isinstance(seen[-1], ev.Resumed), seen
+        assert seen[-1].kept_leases == [lease.id] and seen[-1].session_id == s.id
+        assert not lease.lost and s.connected
+        assert (view[:5] == 7).all(), "the mapping outlived the broker"
+        view[5] = 8
+        del view
+        assert (lease.as_numpy()[:6] == [7, 7, 7, 7, 7, 8]).all()
+        lease.release()
+        wait_for(lambda: s.usage().held_bytes == 0, timeout=5, every=0.02)
+        s.close()
+    finally:
+        keeper.kill()
+        keeper.wait()
+        keeper_dir.cleanup()
 
 
 def test_reconnect_after_a_broker_restart(broker):

@@ -137,6 +137,7 @@ impl Broker for Fake {
             broker_version: "fake".into(),
             keepalive_timeout_ms: self.keepalive_ms,
             peer_pid: 4242,
+            ..Default::default()
         };
         tx.send(Ok(pb::SessionEvent {
             event: Some(pb::session_event::Event::Opened(opened)),

@@ -111,6 +111,7 @@ impl State {
     pub fn end_lease(&mut self, id: Uuid, ending: Ending) -> Option<LeaseView> {
         let lease = self.leases.remove(&id)?;
         self.wake_queue();
+        self.keep(|| crate::effects::Keep::LeaseEnded(id));
         self.fx.push(Effect::ForgetTickets { lease: id });
         let view = self.view(&lease);
         if let Some(s) = self.sessions.get_mut(&lease.session) {
@@ -230,6 +231,7 @@ impl State {
         }
         self.shared_session_ended(id, &session.peer, gone);
         self.end_session_reservations(id);
+        self.keep(|| crate::effects::Keep::SessionEnded(id));
         // Last: events pushed above still reach the session's stream.
         self.fx.push(Effect::Hangup { session: id });
         Some((session, bytes))

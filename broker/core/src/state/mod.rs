@@ -20,6 +20,7 @@
 //! fits where, the whole queue run, refusing what can never fit, reclaim requests), and here:
 //! opening a session, leasable and headroom changes, quota changes.
 
+mod adopt;
 mod devices;
 mod end;
 mod grant;
@@ -33,6 +34,7 @@ mod tests;
 #[cfg(test)]
 mod transition_tests;
 
+pub use adopt::Adopted;
 pub use end::{Ending, Revoke};
 pub use queue::{Enqueued, QueueEnv};
 pub use shared::{Holding, NewPublication, SealCheck};
@@ -125,6 +127,9 @@ pub struct State {
     /// Keeps the version-7 ids the core makes (process reservations) in the order they
     /// were made, also within one millisecond.
     ids: uuid::ContextV7,
+    /// A keeper holds sessions and leases across restarts: their changes are pushed as
+    /// `Effect::Keep`.
+    keeping: bool,
 }
 
 impl State {
@@ -151,6 +156,19 @@ impl State {
             seals,
             clock,
             ids: uuid::ContextV7::new(),
+            keeping: false,
+        }
+    }
+
+    /// From now on every session's and lease's start and end is pushed for the keeper.
+    pub fn set_keeping(&mut self, keeping: bool) {
+        self.keeping = keeping;
+    }
+
+    /// Pushes a change for the keeper, when there is one.
+    fn keep(&mut self, k: impl FnOnce() -> crate::effects::Keep) {
+        if self.keeping {
+            self.fx.push(crate::effects::Effect::Keep { change: k() });
         }
     }
 
@@ -305,6 +323,7 @@ impl State {
         if let Some(pid) = s.peer.pid {
             self.fx.watch(Watch::Session { session: s.id, pid });
         }
+        self.keep(|| crate::effects::Keep::Session((&s).into()));
         self.sessions.insert(s);
         Ok(())
     }
@@ -359,6 +378,15 @@ impl State {
 
     /// Adds a lease to the table and its session (the caller charged it).
     fn insert_lease(&mut self, lease: Lease) -> LeaseView {
+        self.keep(|| {
+            let crate::memory::Handle::Fd { fd, .. } = &lease.block.handle;
+            crate::effects::Keep::Lease((&lease).into(), fd.clone())
+        });
+        self.insert_lease_kept(lease)
+    }
+
+    /// Adds a lease the keeper already holds (adopted at start).
+    fn insert_lease_kept(&mut self, lease: Lease) -> LeaseView {
         let view = self.view(&lease);
         if let Some(s) = self.sessions.get_mut(&lease.session) {
             s.held(lease.id);

@@ -251,3 +251,71 @@ fn the_core_stamps_with_the_holds_clock() {
     c.st.take_effects();
     c.st.check_invariant().unwrap();
 }
+
+/// A restarted broker takes back a kept session and its lease: the same id and bytes,
+/// charged to its tenant beyond a quota that shrank meanwhile, counted on its device,
+/// its peer watched, and nothing pushed for the keeper (it holds them already); a lease of
+/// a session not taken back, or on no such device, is handed back.
+#[test]
+fn kept_sessions_and_leases_are_taken_back_beyond_a_shrunk_quota() {
+    use super::adopt::{Adopted, NotAdopted};
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(8 * MIB, 0)).unwrap();
+    c.st.set_keeping(true);
+    let s = session("a", Some(7));
+    let sid = s.id;
+    c.st.adopt_session(s).unwrap();
+    assert!(matches!(
+        c.st.take_effects().into_vec().as_slice(),
+        [Effect::Watch(Watch::Session { pid: 7, .. })]
+    ));
+    let kept = |session| Adopted {
+        id: Uuid::new_v4(),
+        tenant: "a".into(),
+        session,
+        device: 0,
+        requested_bytes: 12 * MIB,
+        label: "kv".into(),
+        reclaimable: false,
+        created: SystemTime::UNIX_EPOCH,
+        priority: 0,
+    };
+    let a = kept(sid);
+    let block = c.block(12 * MIB);
+    let view = c.st.adopt_lease(a.clone(), block).unwrap();
+    assert_eq!(
+        (view.id, view.bytes, view.label.as_str()),
+        (a.id, 12 * MIB, "kv")
+    );
+    assert!(!c.st.has_effects(), "nothing for the keeper: it holds it");
+    let u = &c.st.ledger().get("a").unwrap().usage;
+    assert_eq!(
+        (u.held_bytes, u.lease_count),
+        (12 * MIB, 1),
+        "beyond its 8 MiB quota"
+    );
+    assert_eq!(c.st.pools()[0].stats().leased, 12 * MIB);
+    c.st.check_invariant().unwrap();
+
+    let stranger = c.block(2 * MIB);
+    let r = c.st.adopt_lease(kept(Uuid::now_v7()), stranger);
+    assert!(matches!(r, Err((NotAdopted::Session, _))));
+    let elsewhere = Adopted {
+        device: 3,
+        ..kept(sid)
+    };
+    let block = c.block(2 * MIB);
+    let r = c.st.adopt_lease(elsewhere, block);
+    assert!(matches!(r, Err((NotAdopted::Device, _))));
+    c.st.check_invariant().unwrap();
+
+    // Its end is kept like any other lease's.
+    c.st.end_lease(a.id, super::Ending::Cache).unwrap();
+    assert!(c
+        .st
+        .take_effects()
+        .into_vec()
+        .iter()
+        .any(|e| matches!(e, Effect::Keep { change: crate::effects::Keep::LeaseEnded(id) } if *id == a.id)));
+    c.st.check_invariant().unwrap();
+}

@@ -2,7 +2,7 @@
 
 The broker pushes :class:`ReclaimRequested`, :class:`LeaseRevoked`, :class:`ShuttingDown`,
 :class:`YieldRequested`, :class:`TurnRevoked` and :class:`DeviceUnhealthy`; the client adds :class:`Disconnected` and
-:class:`Reconnected` (sessions opened with ``reconnect=True``) and ends every stream with
+:class:`Reconnected` or :class:`Resumed` (sessions opened with ``reconnect=True``) and ends every stream with
 :class:`Closed`. Times are seconds since the Unix epoch (``time.time()`` scale).
 """
 
@@ -22,6 +22,7 @@ __all__ = [
     "DeviceUnhealthy",
     "Disconnected",
     "Reconnected",
+    "Resumed",
     "Closed",
     "Unknown",
 ]
@@ -106,6 +107,17 @@ class Reconnected(Event):
 
     old_session_id: str
     new_session_id: str
+    lost_leases: List[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Resumed(Event):
+    """(``reconnect=True``) The broker restarted with a keeper and kept this session: the
+    same session and its leases (``kept_leases``) live on, mappings stay valid, and calls
+    made meanwhile waited; the leases in ``lost_leases`` are gone."""
+
+    session_id: str
+    kept_leases: List[str] = field(default_factory=list)
     lost_leases: List[str] = field(default_factory=list)
 
 

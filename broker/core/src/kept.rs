@@ -1,0 +1,243 @@
+//! What a restarted broker needs to take back a session or a lease, as its keeper keeps it
+//! (the daemon's `keeper/`):
+//! versioned JSON records under the keys `session/<id>` and `lease/<id>` (a lease's record
+//! travels with its block's descriptor). A record carries its format version `v`; a newer
+//! broker reads every older version, and fields added later have defaults, so a record
+//! written by this version is read by the next (tested with a record of this version,
+//! `records_written_by_this_version_are_read_back`).
+
+use serde::{Deserialize, Serialize};
+
+/// The record format this broker writes.
+pub const RECORD_VERSION: u32 = 1;
+
+/// The key prefix of session records.
+pub const SESSION_PREFIX: &str = "session/";
+/// The key prefix of lease records.
+pub const LEASE_PREFIX: &str = "lease/";
+
+/// An open session: whose it is, which process holds it (and when that process started,
+/// so a reused pid is not taken for it), and the hash of its resume secret.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    pub v: u32,
+    pub id: String,
+    pub tenant: String,
+    pub name: String,
+    pub pid: Option<u32>,
+    pub uid: Option<u32>,
+    #[serde(default)]
+    pub unix: bool,
+    /// The peer process's start time (clock ticks since boot, `/proc/<pid>/stat`).
+    pub pid_start: Option<u64>,
+    #[serde(default)]
+    pub token_id: Option<String>,
+    /// SHA-256 of the resume secret the worker was given, hex.
+    pub resume_hash: Option<String>,
+    #[serde(default)]
+    pub opened_unix_ms: u64,
+}
+
+/// A live lease of a session, on the block whose descriptor travels with this record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    pub v: u32,
+    pub id: String,
+    pub tenant: String,
+    pub session: String,
+    pub device: u32,
+    /// `device` or `host`.
+    pub tier: String,
+    /// The block's bytes (what the quota is charged).
+    pub bytes: u64,
+    #[serde(default)]
+    pub requested_bytes: u64,
+    #[serde(default)]
+    pub label: String,
+    #[serde(default)]
+    pub reclaimable: bool,
+    #[serde(default)]
+    pub created_unix_ms: u64,
+    #[serde(default)]
+    pub priority: i32,
+    /// The memory object's id, as workers know it.
+    pub block_id: u64,
+    /// `cuda-vmm` or `host-memfd`.
+    pub kind: String,
+    /// The process reservation its bytes were drawn from.
+    #[serde(default)]
+    pub reservation: Option<String>,
+}
+
+/// A record read back from the keeper.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Kept {
+    Session(SessionRecord),
+    Lease(LeaseRecord),
+}
+
+/// Why a kept record cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("kept record {key:?} is not readable: {why}")]
+    Unreadable { key: String, why: String },
+    #[error("kept record {key:?} has an unknown key")]
+    UnknownKey { key: String },
+}
+
+impl SessionRecord {
+    pub fn key(&self) -> String {
+        format!("{SESSION_PREFIX}{}", self.id)
+    }
+}
+
+impl LeaseRecord {
+    pub fn key(&self) -> String {
+        format!("{LEASE_PREFIX}{}", self.id)
+    }
+}
+
+fn unix_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl From<&crate::session::Session> for SessionRecord {
+    fn from(s: &crate::session::Session) -> Self {
+        SessionRecord {
+            v: RECORD_VERSION,
+            id: s.id.to_string(),
+            tenant: s.tenant.clone(),
+            name: s.name.clone(),
+            pid: s.peer.pid,
+            uid: s.peer.uid,
+            unix: s.peer.unix,
+            pid_start: s.peer_start,
+            token_id: s.token_id.clone(),
+            resume_hash: s.resume_hash.clone(),
+            opened_unix_ms: unix_ms(s.opened),
+        }
+    }
+}
+
+impl From<&crate::lease::Lease> for LeaseRecord {
+    fn from(l: &crate::lease::Lease) -> Self {
+        let (block_id, kind) = match &l.block.handle {
+            crate::memory::Handle::Fd { block_id, kind, .. } => (*block_id, *kind),
+        };
+        LeaseRecord {
+            v: RECORD_VERSION,
+            id: l.id.to_string(),
+            tenant: l.tenant.clone(),
+            session: l.session.to_string(),
+            device: l.device,
+            tier: match l.tier {
+                crate::ledger::Tier::Device => "device",
+                crate::ledger::Tier::Host => "host",
+            }
+            .into(),
+            bytes: l.bytes(),
+            requested_bytes: l.requested_bytes,
+            label: l.label.clone(),
+            reclaimable: l.reclaimable,
+            created_unix_ms: unix_ms(l.created),
+            priority: l.priority,
+            block_id,
+            kind: match kind {
+                crate::memory::MemoryKind::CudaVmm => "cuda-vmm",
+                crate::memory::MemoryKind::HostMemfd => "host-memfd",
+            }
+            .into(),
+            reservation: l.reservation.map(|r| r.to_string()),
+        }
+    }
+}
+
+/// The key of session `id`'s record.
+pub fn session_key(id: &uuid::Uuid) -> String {
+    format!("{SESSION_PREFIX}{id}")
+}
+
+/// The key of lease `id`'s record.
+pub fn lease_key(id: &uuid::Uuid) -> String {
+    format!("{LEASE_PREFIX}{id}")
+}
+
+/// Reads the record kept under `key`.
+pub fn parse(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> {
+    let unreadable = |why: String| RecordError::Unreadable {
+        key: key.to_string(),
+        why,
+    };
+    let v = record.get("v").and_then(|v| v.as_u64()).unwrap_or(0);
+    if v == 0 {
+        return Err(unreadable("no format version".into()));
+    }
+    if key.starts_with(SESSION_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Session)
+            .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(LEASE_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Lease)
+            .map_err(|e| unreadable(e.to_string()))
+    } else {
+        Err(RecordError::UnknownKey {
+            key: key.to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records as this version writes them, byte for byte: the next version must read
+    /// them (a new field needs a default; a renamed one breaks this test).
+    #[test]
+    fn records_written_by_this_version_are_read_back() {
+        let session = r#"{"v":1,"id":"0193a0b2-0000-7000-8000-000000000001","tenant":"alpha","name":"w","pid":4242,"uid":1000,"unix":true,"pid_start":123456,"token_id":"t1","resume_hash":"ab","opened_unix_ms":1764800000000}"#;
+        let lease = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-000000000002","tenant":"alpha","session":"0193a0b2-0000-7000-8000-000000000001","device":0,"tier":"device","bytes":8388608,"requested_bytes":8000000,"label":"kv","reclaimable":true,"created_unix_ms":1764800000001,"priority":3,"block_id":77,"kind":"host-memfd","reservation":null}"#;
+        let s = parse(
+            "session/0193a0b2-0000-7000-8000-000000000001",
+            serde_json::from_str(session).unwrap(),
+        )
+        .unwrap();
+        let Kept::Session(s) = s else { panic!("{s:?}") };
+        assert_eq!(
+            (s.pid, s.uid, s.pid_start, s.resume_hash.as_deref()),
+            (Some(4242), Some(1000), Some(123456), Some("ab"))
+        );
+        assert_eq!(serde_json::to_string(&s).unwrap(), session);
+        let l = parse(
+            "lease/0193a0b2-0000-4000-8000-000000000002",
+            serde_json::from_str(lease).unwrap(),
+        )
+        .unwrap();
+        let Kept::Lease(l) = l else { panic!("{l:?}") };
+        assert_eq!((l.bytes, l.block_id, l.priority), (8 << 20, 77, 3));
+        assert_eq!(serde_json::to_string(&l).unwrap(), lease);
+    }
+
+    /// A later version may add fields: this one reads what it knows and keeps going.
+    #[test]
+    fn fields_of_a_later_version_are_ignored_and_bad_records_are_refused() {
+        let newer = serde_json::json!({"v": 2, "id": "x", "tenant": "a", "name": "n", "pid": 1,
+            "uid": 0, "pid_start": 5, "resume_hash": null, "numa": 3});
+        assert!(matches!(parse("session/x", newer), Ok(Kept::Session(_))));
+        let unversioned = serde_json::json!({"id": "x"});
+        assert!(matches!(
+            parse("session/x", unversioned),
+            Err(RecordError::Unreadable { .. })
+        ));
+        assert!(matches!(
+            parse("other/x", serde_json::json!({"v": 1})),
+            Err(RecordError::UnknownKey { .. })
+        ));
+        assert!(matches!(
+            parse("lease/x", serde_json::json!({"v": 1, "id": "x"})),
+            Err(RecordError::Unreadable { .. })
+        ));
+    }
+}

@@ -1,0 +1,105 @@
+//! Adoption: a restarted broker takes back what the keeper held for it. A session whose
+//! peer process still lives opens again (waiting for its worker to resume it), and each of
+//! its leases comes back with the same id, bytes, tenant and memory, charged to its tenant
+//! and counted on its device. Nothing is pushed for the keeper: it holds them already.
+
+use super::State;
+use crate::effects::Watch;
+use crate::error::{BrokerError, BrokerResult, Missing};
+use crate::lease::{Lease, LeaseState, LeaseView, LiveMark};
+use crate::ledger::Tier;
+use crate::pool::Block;
+use crate::session::Session;
+use std::time::SystemTime;
+use uuid::Uuid;
+
+/// A kept lease to take back (from its record).
+#[derive(Clone, Debug)]
+pub struct Adopted {
+    pub id: Uuid,
+    pub tenant: String,
+    pub session: Uuid,
+    pub device: u32,
+    pub requested_bytes: u64,
+    pub label: String,
+    pub reclaimable: bool,
+    pub created: SystemTime,
+    pub priority: i32,
+}
+
+/// Why a kept lease was not taken back (its block is handed back to be let go).
+#[derive(Debug)]
+pub enum NotAdopted {
+    /// Its session was not taken back (its holder died meanwhile), or is another tenant's.
+    Session,
+    /// No such device in this broker, or a host-tier lease (not taken back).
+    Device,
+    /// Its tenant no longer exists.
+    Tenant,
+}
+
+impl State {
+    /// Opens `s` again as its previous broker had it (no session limit: it was open
+    /// already); its peer process is watched. Refused when its tenant is gone or a
+    /// session of that id is open.
+    pub fn adopt_session(&mut self, s: Session) -> BrokerResult<()> {
+        if self.ledger.get(&s.tenant).is_none() {
+            return Err(BrokerError::NotFound(Missing::TenantGone(s.tenant.clone())));
+        }
+        if self.sessions.get(&s.id).is_some() {
+            return Err(BrokerError::InvalidArgument(format!(
+                "session {} is open already",
+                s.id
+            )));
+        }
+        if let Some(pid) = s.peer.pid {
+            self.fx.watch(Watch::Session { session: s.id, pid });
+        }
+        self.sessions.insert(s);
+        Ok(())
+    }
+
+    /// Takes back lease `a` on `block` (its device tier memory): charged to its tenant
+    /// beyond its quota if that shrank meanwhile (the memory is in use), counted on its
+    /// device. Gives the block back when the lease cannot be taken back.
+    pub fn adopt_lease(
+        &mut self,
+        a: Adopted,
+        block: Block,
+    ) -> Result<LeaseView, (NotAdopted, Block)> {
+        let ok = self
+            .sessions
+            .get(&a.session)
+            .is_some_and(|s| s.tenant == a.tenant);
+        if !ok {
+            return Err((NotAdopted::Session, block));
+        }
+        if a.device as usize >= self.pools.len() {
+            return Err((NotAdopted::Device, block));
+        }
+        let bytes = block.bytes();
+        if self.ledger.adopt(&a.tenant, a.device, bytes).is_err() {
+            return Err((NotAdopted::Tenant, block));
+        }
+        self.pools[a.device as usize].adopt(bytes);
+        let seq = self.next_seq();
+        let lease = Lease {
+            id: a.id,
+            tenant: a.tenant,
+            session: a.session,
+            device: a.device,
+            tier: Tier::Device,
+            requested_bytes: a.requested_bytes,
+            label: a.label,
+            reclaimable: a.reclaimable,
+            created: a.created,
+            state: LeaseState::Active,
+            priority: a.priority,
+            seq,
+            block,
+            reservation: None,
+            live: LiveMark::default(),
+        };
+        Ok(self.insert_lease_kept(lease))
+    }
+}

@@ -1,0 +1,404 @@
+//! A broker restart that loses no lease: the shell's side of the keeper (`keeper/`).
+//! Every session's and lease's start and end reaches the keeper as the lock guard runs the
+//! transition's `Effect::Keep` ([`Arbiter::keep`], under the lock, before any reply). At
+//! start, [`Arbiter::adopt_from_keeper`] reads back what the keeper holds and takes back
+//! the sessions whose peer process still lives (same pid and start time) with their
+//! leases (same id, bytes, tenant, memory: the kept descriptor becomes the block again);
+//! what belonged to processes that died meanwhile is dropped, so its memory goes. A worker
+//! then resumes its session with its secret from the same process
+//! ([`Arbiter::resume_session`]); a session nobody resumes ends with the keepalive timeout
+//! or its process.
+
+use super::effects::Keep;
+use super::{Arbiter, Ending};
+use crate::error::{BrokerError, BrokerResult};
+use crate::keeper::records::{self, Kept, LeaseRecord, SessionRecord};
+use crate::keeper::{KeeperError, KeeperLink};
+use crate::pool::Block;
+use crate::session::{Peer, Session, SessionEvent};
+use std::collections::HashSet;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+/// What a start took back from the keeper.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RestartReport {
+    /// Records the keeper held.
+    pub kept_records: usize,
+    pub sessions_adopted: usize,
+    pub sessions_reclaimed: usize,
+    pub leases_adopted: usize,
+    pub leases_reclaimed: usize,
+    pub bytes_adopted: u64,
+    /// Records this broker could not read (dropped).
+    pub unreadable: usize,
+    /// From the keeper's answer to the last lease taken back.
+    pub took: Duration,
+}
+
+/// A session's resume secret and its hash (what is kept).
+pub(crate) fn new_resume_secret() -> (String, String) {
+    let secret: [u8; 32] = rand::random();
+    let secret = hex::encode(secret);
+    (secret.clone(), secret_hash(&secret))
+}
+
+fn secret_hash(secret: &str) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+fn from_unix_ms(ms: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+impl Arbiter {
+    /// Runs `Effect::Keep`: tells the keeper (if there is one), between the crash points
+    /// of that change.
+    pub(crate) fn keep(&self, k: Keep) {
+        let Some(link) = self.keeper.get() else {
+            return;
+        };
+        let name = k.name();
+        self.crash.pass("before-keep", name);
+        match k {
+            Keep::Session(r) => link.put(r.key(), to_json(&r), None),
+            Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
+            Keep::Lease(r, fd) => link.put(r.key(), to_json(&r), Some(fd.0.as_fd())),
+            Keep::LeaseEnded(id) => link.remove(records::lease_key(&id)),
+        }
+        self.crash.pass("after-keep", name);
+    }
+
+    /// A crash point outside the keeper's writes (`crash_point.rs`).
+    pub fn crash_point(&self, kind: &str, what: &str) {
+        self.crash.pass(kind, what);
+    }
+
+    /// What this start took back from the keeper (None without a keeper).
+    pub fn restart_report(&self) -> Option<&RestartReport> {
+        self.restart.get()
+    }
+
+    /// Session `id` ended: nothing of it awaits a resume any more.
+    pub(crate) fn forget_resume(&self, id: &Uuid) {
+        self.awaiting_resume.lock().remove(id);
+    }
+
+    /// This arbiter, weakly (a task that must not keep it alive).
+    pub(crate) fn me(&self) -> std::sync::Weak<Arbiter> {
+        self.me.clone()
+    }
+
+    /// Is a keeper holding this broker's leases?
+    pub fn keeps_leases(&self) -> bool {
+        self.keeper.get().is_some_and(|k| !k.is_broken())
+    }
+
+    /// Takes back what the keeper at `link` holds (before serving), then sends it every
+    /// change from now on. See the module documentation.
+    pub fn adopt_from_keeper(
+        self: &Arc<Self>,
+        link: KeeperLink,
+    ) -> Result<RestartReport, KeeperError> {
+        let t0 = Instant::now();
+        let entries = link.dump()?;
+        let mut report = RestartReport {
+            kept_records: entries.len(),
+            ..RestartReport::default()
+        };
+        let mut sessions = Vec::new();
+        let mut leases = Vec::new();
+        for e in entries {
+            match records::parse(&e.key, e.record) {
+                Ok(Kept::Session(s)) => sessions.push(s),
+                Ok(Kept::Lease(l)) => leases.push((l, e.fd)),
+                Err(err) => {
+                    tracing::warn!(error = %err, "dropping a kept record");
+                    report.unreadable += 1;
+                    link.remove(e.key);
+                }
+            }
+        }
+        let mut adopted = HashSet::new();
+        for r in sessions {
+            match self.adopt_session(&r) {
+                Ok(id) => {
+                    adopted.insert(id);
+                    report.sessions_adopted += 1;
+                }
+                Err(why) => {
+                    tracing::info!(session = %r.id, tenant = %r.tenant, pid = ?r.pid, why, "kept session not taken back");
+                    report.sessions_reclaimed += 1;
+                    link.remove(r.key());
+                }
+            }
+        }
+        let (taken, refused) = self.adopt_leases(leases, &adopted);
+        for (r, why) in refused {
+            tracing::info!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
+            report.leases_reclaimed += 1;
+            link.remove(r.key());
+        }
+        let mut waiting = self.awaiting_resume.lock();
+        for (session, lease, bytes) in taken {
+            report.leases_adopted += 1;
+            report.bytes_adopted += bytes;
+            waiting.entry(session).or_default().push(lease);
+        }
+        drop(waiting);
+        // From here every change is kept: nothing else runs before serving.
+        let _ = self.keeper.set(Arc::new(link));
+        self.lock().set_keeping(true);
+        report.took = t0.elapsed();
+        self.metrics.count_restart(
+            (report.sessions_adopted, report.sessions_reclaimed),
+            (report.leases_adopted, report.leases_reclaimed),
+        );
+        tracing::info!(
+            records = report.kept_records,
+            sessions_adopted = report.sessions_adopted,
+            sessions_reclaimed = report.sessions_reclaimed,
+            leases_adopted = report.leases_adopted,
+            leases_reclaimed = report.leases_reclaimed,
+            bytes_adopted = report.bytes_adopted,
+            unreadable = report.unreadable,
+            took = ?report.took,
+            "took back what the keeper held"
+        );
+        let _ = self.restart.set(report.clone());
+        Ok(report)
+    }
+
+    /// Opens kept session `r` again when its peer process is the one that opened it.
+    fn adopt_session(&self, r: &SessionRecord) -> Result<Uuid, &'static str> {
+        let id: Uuid = r.id.parse().map_err(|_| "unreadable id")?;
+        let (Some(pid), Some(start)) = (r.pid, r.pid_start) else {
+            return Err("its process is unknown (not a Unix socket peer)");
+        };
+        if crate::process::start_ticks(pid) != Some(start) {
+            return Err("its process is gone");
+        }
+        let peer = Peer {
+            pid: r.pid,
+            uid: r.uid,
+            unix: r.unix,
+        };
+        let mut s = Session::new(id, &r.tenant, &r.name, peer, r.token_id.clone());
+        s.opened = from_unix_ms(r.opened_unix_ms);
+        s.resume_hash = r.resume_hash.clone();
+        s.peer_start = r.pid_start;
+        self.lock()
+            .adopt_session(s)
+            .map_err(|_| "its tenant is gone")?;
+        Ok(id)
+    }
+
+    /// Takes back the kept leases `leases` of the sessions taken back (`sessions`), in
+    /// batches: one job per device makes their blocks again, one lock hold adopts them.
+    /// Those taken back (session, lease, bytes), and those not with why.
+    #[allow(clippy::type_complexity)]
+    fn adopt_leases(
+        &self,
+        leases: Vec<(LeaseRecord, Option<std::os::fd::OwnedFd>)>,
+        sessions: &HashSet<Uuid>,
+    ) -> (Vec<(Uuid, Uuid, u64)>, Vec<(LeaseRecord, &'static str)>) {
+        let mut refused = Vec::new();
+        // Per device: the records and their descriptors that may be taken back.
+        let mut by_device: Vec<Vec<(LeaseRecord, Uuid, Uuid, std::os::fd::OwnedFd)>> =
+            (0..self.devices.len()).map(|_| Vec::new()).collect();
+        for (r, fd) in leases {
+            match self.adoptable(&r, fd, sessions) {
+                Ok((id, session, fd)) => by_device[r.device as usize].push((r, id, session, fd)),
+                Err(why) => refused.push((r, why)),
+            }
+        }
+        let mut made = Vec::new();
+        for (d, batch) in by_device.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            let (records, fds): (Vec<_>, Vec<_>) = batch
+                .into_iter()
+                .map(|(r, id, session, fd)| {
+                    let what = r_bytes_id(&r);
+                    ((r, id, session), (fd, what))
+                })
+                .unzip();
+            let blocks = self.devices[d].thread.call_blocking(move |dev| {
+                fds.into_iter()
+                    .map(|(fd, (bytes, block_id))| {
+                        let alloc = dev.adopt(fd, bytes, block_id)?;
+                        let handle = dev.export(&alloc);
+                        Ok::<_, crate::device::DeviceError>((alloc, handle))
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let blocks = match blocks {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!(device = d, error = %e, "kept memory could not be taken back");
+                    for (r, ..) in records {
+                        self.fds.give_back();
+                        refused.push((r, "the device refused its memory"));
+                    }
+                    continue;
+                }
+            };
+            for ((r, id, session), block) in records.into_iter().zip(blocks) {
+                match block {
+                    Ok((alloc, Ok(handle))) => made.push((r, id, session, alloc, handle)),
+                    Ok((alloc, Err(e))) => {
+                        self.fds.give_back();
+                        self.free_on_device(r.device, alloc);
+                        tracing::warn!(lease = %r.id, error = %e, "kept memory could not be exported again");
+                        refused.push((r, "the device refused its memory"));
+                    }
+                    Err(e) => {
+                        self.fds.give_back();
+                        tracing::warn!(lease = %r.id, error = %e, "kept memory could not be taken back");
+                        refused.push((r, "the device refused its memory"));
+                    }
+                }
+            }
+        }
+        let mut taken = Vec::with_capacity(made.len());
+        let mut unneeded = Vec::new();
+        {
+            let mut st = self.lock();
+            for (r, id, session, alloc, handle) in made {
+                let block = Block {
+                    alloc,
+                    handle,
+                    last_tenant: Some(r.tenant.clone()),
+                };
+                let a = super::state::Adopted {
+                    id,
+                    tenant: r.tenant.clone(),
+                    session,
+                    device: r.device,
+                    requested_bytes: r.requested_bytes,
+                    label: r.label.clone(),
+                    reclaimable: r.reclaimable,
+                    created: from_unix_ms(r.created_unix_ms),
+                    priority: r.priority,
+                };
+                match st.adopt_lease(a, block) {
+                    Ok(_) => taken.push((session, id, r.bytes)),
+                    Err((why, block)) => {
+                        tracing::debug!(?why, "kept lease not taken back");
+                        unneeded.push((r.device, block));
+                        refused.push((r, "its session or tenant is gone"));
+                    }
+                }
+            }
+        }
+        // Nobody counted maps them: their holders' sessions are gone.
+        for (d, block) in unneeded {
+            self.free_on_device(d, block);
+        }
+        (taken, refused)
+    }
+
+    /// Whether kept lease `r` can be taken back: its ids and descriptor (counted against
+    /// the descriptor budget), or why not.
+    fn adoptable(
+        &self,
+        r: &LeaseRecord,
+        fd: Option<std::os::fd::OwnedFd>,
+        sessions: &HashSet<Uuid>,
+    ) -> Result<(Uuid, Uuid, std::os::fd::OwnedFd), &'static str> {
+        let (Ok(id), Ok(session)) = (r.id.parse::<Uuid>(), r.session.parse::<Uuid>()) else {
+            return Err("unreadable id");
+        };
+        if !sessions.contains(&session) {
+            return Err("its session was not taken back");
+        }
+        let fd = fd.ok_or("no descriptor came with it")?;
+        if r.tier != "device" {
+            return Err("host-tier leases are not taken back");
+        }
+        let Some(slot) = self.devices.get(r.device as usize) else {
+            return Err("no such device");
+        };
+        let kind_ok = matches!(
+            (slot.thread.desc().backend, r.kind.as_str()),
+            (crate::device::BackendKind::Host, "host-memfd")
+                | (crate::device::BackendKind::Cuda, "cuda-vmm")
+        );
+        if !kind_ok {
+            return Err("its memory is of another backend");
+        }
+        if self.fds.take(0).is_err() {
+            return Err("out of descriptors");
+        }
+        Ok((id, session, fd))
+    }
+
+    /// Attaches the caller's stream to `id`, a session taken back from the keeper: only
+    /// its own process (`peer`: same pid and uid) with its secret, of `tenant`, and only
+    /// while no stream has it. Leases taken back with it that the worker does not name in
+    /// `held` end (it never learnt of them; leases granted since the restart stay). Its
+    /// events, the leases kept, and those gone: ended now, or named but no longer there
+    /// (ended before the restart: their end reached the keeper, not the worker).
+    #[allow(clippy::type_complexity)]
+    pub fn resume_session(
+        self: &Arc<Self>,
+        tenant: &str,
+        id: Uuid,
+        secret: &str,
+        peer: Peer,
+        held: &[Uuid],
+    ) -> BrokerResult<(mpsc::UnboundedReceiver<SessionEvent>, Vec<Uuid>, Vec<Uuid>)> {
+        let refused = || BrokerError::NotFound(crate::error::Missing::Session(id));
+        let hash = secret_hash(secret);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut st = self.lock();
+        let Some(s) = st.sessions().get(&id) else {
+            return Err(refused());
+        };
+        use subtle::ConstantTimeEq;
+        let secret_ok = s
+            .resume_hash
+            .as_deref()
+            .is_some_and(|h| bool::from(h.as_bytes().ct_eq(hash.as_bytes())));
+        let same_process = peer.pid.is_some() && s.peer.pid == peer.pid && s.peer.uid == peer.uid;
+        if s.tenant != tenant || !secret_ok || !same_process || self.outbox.sender(&id).is_some() {
+            tracing::warn!(session = %id, tenant, pid = ?peer.pid, "a resume was refused");
+            return Err(refused());
+        }
+        s.last_seen.touch();
+        let held: HashSet<Uuid> = held.iter().copied().collect();
+        let adopted = self.awaiting_resume.lock().remove(&id).unwrap_or_default();
+        let (kept, ended): (Vec<Uuid>, Vec<Uuid>) = adopted
+            .into_iter()
+            .filter(|l| s.leases().contains(l))
+            .partition(|l| held.contains(l));
+        let gone: Vec<Uuid> = held
+            .iter()
+            .filter(|l| !s.leases().contains(l))
+            .copied()
+            .collect();
+        self.outbox.open(id, tx);
+        for l in &ended {
+            // Never handed to the worker (it does not know it): nobody maps it.
+            st.end_lease(*l, Ending::Cache);
+        }
+        drop(st);
+        tracing::info!(session = %id, tenant, kept = kept.len(), ended = ended.len(), "session resumed");
+        self.metrics.count_resumed();
+        Ok((rx, kept, ended.into_iter().chain(gone).collect()))
+    }
+}
+
+/// A record's bytes and block id (what the device needs to take its memory back).
+fn r_bytes_id(r: &LeaseRecord) -> (u64, u64) {
+    (r.bytes, r.block_id)
+}
+
+fn to_json<T: serde::Serialize>(r: &T) -> serde_json::Value {
+    serde_json::to_value(r).unwrap_or_default()
+}

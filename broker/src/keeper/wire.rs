@@ -1,0 +1,296 @@
+//! The keeper's socket: a Unix `SOCK_SEQPACKET` socket (message boundaries kept, each
+//! message with at most one descriptor attached in `SCM_RIGHTS`), and the JSON messages
+//! that cross it. A message written before its writer dies is still read by the peer
+//! (the kernel queues it at the receiver), so what the broker wrote before a SIGKILL
+//! reaches the keeper.
+
+use serde::{Deserialize, Serialize};
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+
+/// The largest message either side sends or accepts.
+pub const MAX_MESSAGE: usize = 64 << 10;
+
+/// One message between the broker and the keeper.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum Message {
+    /// Broker to keeper: keep `record` under `key` (with the descriptor sent along, if
+    /// any), replacing what was kept under it.
+    Put {
+        key: String,
+        record: serde_json::Value,
+    },
+    /// Broker to keeper: drop what is kept under `key` (its descriptor closes).
+    Remove { key: String },
+    /// Broker to keeper: send everything kept ([`Message::Entry`] each, then
+    /// [`Message::End`]); the keeper keeps its own copies.
+    Dump,
+    /// Keeper to broker: one kept record (its descriptor attached, if it has one).
+    Entry {
+        key: String,
+        record: serde_json::Value,
+        has_fd: bool,
+    },
+    /// Keeper to broker: the dump is complete.
+    End { count: u64 },
+}
+
+fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: an all-zero sockaddr_un is valid.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("socket path too long: {}", path.display()),
+        ));
+    }
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    Ok((addr, len as libc::socklen_t))
+}
+
+fn seqpacket() -> io::Result<OwnedFd> {
+    // SAFETY: plain socket creation.
+    let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// Connects to the keeper listening at `path`.
+pub fn connect(path: &Path) -> io::Result<OwnedFd> {
+    let sock = seqpacket()?;
+    let (addr, len) = sockaddr(path)?;
+    // SAFETY: a valid socket and address of `len` bytes.
+    let rc = unsafe {
+        libc::connect(
+            sock.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(sock)
+}
+
+/// Binds and listens at `path` (a stale socket file nobody answers on is replaced; a
+/// live one is refused), readable and writable by the owner only.
+pub fn bind(path: &Path) -> io::Result<OwnedFd> {
+    if path.exists() {
+        if connect(path).is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("a keeper already listens on {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let sock = seqpacket()?;
+    let (addr, len) = sockaddr(path)?;
+    // SAFETY: a valid socket and address of `len` bytes.
+    if unsafe {
+        libc::bind(
+            sock.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    } != 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    // SAFETY: listen on the bound socket.
+    if unsafe { libc::listen(sock.as_raw_fd(), 4) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(sock)
+}
+
+/// Accepts one connection (blocking).
+pub fn accept(listener: &OwnedFd) -> io::Result<OwnedFd> {
+    loop {
+        // SAFETY: a listening socket; no address wanted.
+        let raw = unsafe {
+            libc::accept4(
+                listener.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_CLOEXEC,
+            )
+        };
+        if raw >= 0 {
+            // SAFETY: a fresh descriptor nobody else owns.
+            return Ok(unsafe { OwnedFd::from_raw_fd(raw) });
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// The uid of the process at the other end (`SO_PEERCRED`).
+pub fn peer_uid(sock: &OwnedFd) -> io::Result<u32> {
+    // SAFETY: an all-zero ucred is valid.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: valid out pointers of the right size.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+/// Sets how long a receive may wait (`None`: forever).
+pub fn set_receive_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io::Result<()> {
+    let t = t.unwrap_or_default();
+    let tv = libc::timeval {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_usec: t.subsec_micros() as libc::suseconds_t,
+    };
+    // SAFETY: a valid socket and a timeval of the right size.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sends `msg` with `fd` attached (if any), whole or not at all.
+pub fn send(sock: &OwnedFd, msg: &Message, fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+    let payload = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    if payload.len() > MAX_MESSAGE {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("keeper message of {} bytes", payload.len()),
+        ));
+    }
+    let mut iov = libc::iovec {
+        iov_base: payload.as_ptr() as *mut libc::c_void,
+        iov_len: payload.len(),
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    // SAFETY: a zeroed msghdr; every pointer set below outlives the sendmsg call.
+    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+    m.msg_iov = &mut iov;
+    m.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        m.msg_control = control.as_mut_ptr().cast();
+        m.msg_controllen = space as _;
+        // SAFETY: the control buffer has room for one header with one fd.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&m);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd.as_raw_fd());
+        }
+    }
+    loop {
+        // SAFETY: a valid socket and message.
+        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &m, libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            return if n as usize == payload.len() {
+                Ok(())
+            } else {
+                Err(io::Error::other("short keeper message"))
+            };
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Receives one message and the descriptor attached to it; `None` at the end of the
+/// connection. A message that does not parse, or was cut, is an `InvalidData` error
+/// (its descriptors are closed).
+pub fn recv(sock: &OwnedFd) -> io::Result<Option<(Message, Option<OwnedFd>)>> {
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // Room for a few descriptors: more than one is refused, but all are closed.
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    // SAFETY: a zeroed msghdr; every pointer set below outlives the recvmsg call.
+    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+    m.msg_iov = &mut iov;
+    m.msg_iovlen = 1;
+    m.msg_control = control.as_mut_ptr().cast();
+    m.msg_controllen = space as _;
+    let n = loop {
+        // SAFETY: a valid socket and message buffers.
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut m, libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote into `control`.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&m);
+        while !c.is_null() {
+            if ((*c).cmsg_level, (*c).cmsg_type) == (libc::SOL_SOCKET, libc::SCM_RIGHTS) {
+                let data = libc::CMSG_DATA(c);
+                let len = (*c).cmsg_len as usize - (data as usize - c as usize);
+                for i in 0..len / std::mem::size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&m, c);
+        }
+    }
+    if n == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    let bad = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
+    if m.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
+        return Err(bad("a keeper message was cut".into()));
+    }
+    if fds.len() > 1 {
+        return Err(bad(format!("{} descriptors on one message", fds.len())));
+    }
+    let msg: Message =
+        serde_json::from_slice(&buf[..n]).map_err(|e| bad(format!("keeper message: {e}")))?;
+    Ok(Some((msg, fds.pop())))
+}

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The GPU machine's check of a broker restart that keeps every lease (the keeper).
+#
+#   scripts/gpu-restart-check.sh run   # on the GPU machine (Python 3 + PyTorch, no Rust),
+#                                      # from the folder `scripts/gpu-all.sh build` makes
+#
+# What runs on the GPU (CUDA backend, a keeper beside the broker):
+#   1. a worker holds 10,000 leases of 2 MiB; the broker is SIGKILLed and started again;
+#      prints `restart to serving: N ms` (process start to its first answered call) and
+#      the status line (`keeper: took back 10000 leases ... in N ms`: reading the keeper
+#      and adopting); the worker prints `FIRST_CALL_MS` (its first call after the
+#      restart), `RESUMED kept=10000 lost=0`, `USAGE_OK` (held bytes exact), `DONE`
+#   2. a PyTorch training loop on gpubroker.torch keeps stepping through a broker SIGKILL
+#      + restart: `RESUMED`, `QUOTA_ENFORCED` (an allocation beyond the quota still
+#      fails after it), `TRAIN_OK`
+# It allocates and frees memory only; it never changes the card's settings.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/gpu-common.sh
+source scripts/gpu-common.sh
+OUT=$GPU_OUT
+
+# Starts the keeper on DIR/keeper.sock (KEEPER_PID).
+keeper_start() {
+    local dir=$1 _
+    "$OUT/gpu-broker" keeper --socket "$dir/keeper.sock" 2>"$dir/keeper.log" &
+    KEEPER_PID=$!
+    for _ in $(seq 100); do [[ -S $dir/keeper.sock ]] && return 0; sleep 0.05; done
+    cat "$dir/keeper.log"
+    return 1
+}
+
+# SIGKILLs the broker, starts it again on the same socket and state, and prints how long
+# it took to answer a call.
+restart_broker() {
+    local dir=$1
+    shift
+    kill -KILL "$BROKER_PID"
+    wait "$BROKER_PID" 2>/dev/null || true
+    local t0 t1
+    t0=$(date +%s%N)
+    gpu_start "$OUT" "$dir" "$@"
+    until "${CTL[@]}" devices >/dev/null 2>&1; do sleep 0.005; done
+    t1=$(date +%s%N)
+    echo "restart to serving: $(((t1 - t0) / 1000000)) ms"
+    "${CTL[@]}" status | sed -n 3p
+    grep "took back what the keeper held" "$dir/broker.log" | tail -1
+}
+
+# Waits until FILE has a line starting with WHAT (or PID exited).
+wait_line() {
+    local file=$1 what=$2 pid=$3 _
+    for _ in $(seq 3000); do
+        grep -q "^$what" "$file" && return 0
+        kill -0 "$pid" 2>/dev/null || { cat "$file"; return 1; }
+        sleep 0.1
+    done
+    cat "$file"
+    return 1
+}
+
+# Part 1: a worker holding N leases through a restart.
+hold_through() {
+    local dir=$1 token=$2 n=$3 log=$1/hold.log
+    GPU_BROKER_TOKEN=$token python3 "$OUT/gpu_restart_check.py" hold "$n" >"$log" 2>&1 &
+    local w=$!
+    wait_line "$log" HOLDING "$w" || return 1
+    cat "$log"
+    restart_broker "$dir" --keeper "$dir/keeper.sock" --headroom 4GiB
+    wait "$w" || { cat "$log"; return 1; }
+    cat "$log"
+    grep -q "^DONE" "$log"
+}
+
+# Part 2: training through a restart.
+train_through() {
+    local dir=$1 token=$2 log=$1/train.log
+    GPU_BROKER_TOKEN=$token python3 "$OUT/gpu_restart_check.py" train >"$log" 2>&1 &
+    local w=$!
+    wait_line "$log" "STEP 50" "$w" || return 1
+    restart_broker "$dir" --keeper "$dir/keeper.sock" --headroom 4GiB
+    wait "$w" || { cat "$log"; return 1; }
+    grep -E "^(RESUMED|QUOTA|TRAIN|STEP [0-9]*00 )" "$log"
+    grep -q "^TRAIN_OK" "$log"
+}
+
+run() {
+    local t0=$SECONDS dir
+    dir=$(mktemp -d)
+    gpu_python "$OUT" "$dir"
+    gpu_smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
+    keeper_start "$dir"
+    gpu_start "$OUT" "$dir" --keeper "$dir/keeper.sock" --headroom 4GiB
+    local holder trainer
+    holder=$(gpu_tenant holder --limit 32GiB)
+    trainer=$(gpu_tenant trainer --limit 4GiB)
+    echo "=== 1. 10,000 live leases through a broker SIGKILL + restart ==="
+    gpu_step hold-10000 hold_through "$dir" "$holder" "${GPU_RESTART_LEASES:-10000}"
+    echo "=== 2. PyTorch training through a broker SIGKILL + restart ==="
+    gpu_step train train_through "$dir" "$trainer"
+    "${CTL[@]}" status | head -3
+    gpu_stop "$dir" || GPU_FAILED+=(broker)
+    kill "$KEEPER_PID" 2>/dev/null || true
+    echo "=== in $((SECONDS - t0)) s ==="
+    gpu_result "restart check"
+}
+
+case ${1:-} in
+    run) run ;;
+    *) echo "usage: $0 run" >&2; exit 2 ;;
+esac

@@ -1,0 +1,267 @@
+//! A broker restart with a keeper (`gpu-broker keeper`, `--keeper`) loses no lease: a
+//! live worker's session and leases come back with the same ids, bytes and memory, its
+//! mapping stays valid, a call made during the outage goes through once the broker is
+//! back, quotas are exact; a worker that died while the broker was down has its memory
+//! reclaimed; SIGTERM leaves everything to the keeper too.
+
+use super::*;
+use futures::StreamExt;
+use gpu_broker_client::proto::v1 as pb;
+use gpu_broker_client::{Backoff, Client, SessionEvent};
+
+async fn held_bytes(b: &Broker, tenant: &str) -> (u64, u32) {
+    let t = b.admin().await.unwrap().get_quota(tenant).await.unwrap();
+    (t.usage.held_bytes, t.usage.lease_count)
+}
+
+async fn lease_ids(b: &Broker) -> Vec<String> {
+    let mut ids: Vec<String> = b
+        .admin()
+        .await
+        .unwrap()
+        .list_all_leases(None)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| l.lease_id)
+        .collect();
+    ids.sort();
+    ids
+}
+
+async fn next_resumed(events: &mut gpu_broker_client::SessionEvents) -> SessionEvent {
+    tokio::time::timeout(Duration::from_secs(15), async {
+        while let Some(e) = events.next().await {
+            if matches!(
+                e,
+                SessionEvent::Resumed { .. } | SessionEvent::Reconnected { .. }
+            ) {
+                return e;
+            }
+        }
+        panic!("the session closed")
+    })
+    .await
+    .expect("resumed within 15 s")
+}
+
+#[tokio::test]
+async fn a_live_workers_session_and_leases_survive_a_broker_sigkill() {
+    let keeper = Keeper::start().await.unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        capacity: "256MiB",
+        extra: keeper.flags(),
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("alpha", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let client = Client::connect(&b.uri(), token).await.unwrap();
+    let session = client
+        .session_builder("w")
+        .reconnect(Backoff::new(
+            Duration::from_millis(20),
+            Duration::from_millis(200),
+        ))
+        .await
+        .unwrap();
+    let mut events = session.events();
+    let a = session.lease(8 * MIB).await.unwrap();
+    let c = session.lease(4 * MIB).await.unwrap();
+    let mut mapping = a.map().unwrap();
+    mapping.as_mut_slice()[..5].copy_from_slice(b"hello");
+    let before = lease_ids(&b).await;
+    assert_eq!(held_bytes(&b, "alpha").await, (12 * MIB, 2));
+    assert!(
+        eventually(Duration::from_secs(5), || async { keeper.memfds() == 2 }).await,
+        "the keeper holds each lease's memory"
+    );
+
+    b.kill().unwrap();
+    // A call made while the broker is down waits, and goes through once it is back.
+    let during = {
+        let s = session.clone();
+        tokio::spawn(async move { s.lease(2 * MIB).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    b.spawn().unwrap();
+    let resumed = next_resumed(&mut events).await;
+    let SessionEvent::Resumed {
+        session_id,
+        mut kept_leases,
+        lost_leases,
+    } = resumed
+    else {
+        panic!("expected Resumed, got {resumed:?}\n{}", b.log_text())
+    };
+    assert_eq!(session_id, session.id());
+    kept_leases.sort();
+    let mut mine = vec![a.id().to_string(), c.id().to_string()];
+    mine.sort();
+    assert_eq!(kept_leases, mine);
+    assert!(lost_leases.is_empty());
+    assert!(!a.is_lost() && !c.is_lost());
+    let d = during
+        .await
+        .unwrap()
+        .expect("the call made during the outage");
+    assert_eq!(d.bytes(), 2 * MIB);
+    // Operators see what the start took back.
+    let status = b.ctl().arg("status").output().unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains("keeper: took back 2 leases (12.0 MiB) of 1 sessions, reclaimed 0 leases"),
+        "{text}"
+    );
+
+    // Same ids, same bytes, same tenant; the kept mapping still reaches the memory.
+    let mut after = lease_ids(&b).await;
+    after.retain(|l| l != d.id());
+    assert_eq!(after, before);
+    assert_eq!(held_bytes(&b, "alpha").await, (14 * MIB, 3));
+    mapping.as_mut_slice()[5..8].copy_from_slice(b"!!!");
+    drop(mapping);
+    let again = a.map().unwrap();
+    assert_eq!(&again.as_slice()[..8], b"hello!!!");
+    drop(again);
+    assert_eq!(
+        b.memfds().len(),
+        3,
+        "the broker holds the adopted blocks again"
+    );
+
+    // The quota is enforced over the adopted leases.
+    let over = session.lease(52 * MIB).await;
+    assert_eq!(code_of(&over), Some(Code::ResourceExhausted), "{over:?}");
+    a.release().await.unwrap();
+    assert_eq!(held_bytes(&b, "alpha").await, (6 * MIB, 2));
+    drop((c, d));
+    session.close();
+    drop(session);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            held_bytes(&b, "alpha").await == (0, 0)
+        })
+        .await
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || async { keeper.memfds() == 0 }).await,
+        "the keeper let go of every released block"
+    );
+    let log = b.log_text();
+    assert!(log.contains("took back what the keeper held"), "{log}");
+}
+
+#[tokio::test]
+async fn memory_of_a_worker_that_died_while_the_broker_was_down_is_reclaimed() {
+    let keeper = Keeper::start().await.unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        capacity: "256MiB",
+        extra: keeper.flags(),
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("beta", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let mut w = Proc::spawn(fault_cmd(
+        &b,
+        &token,
+        "hold",
+        &["--count", "2", "--mib", "8"],
+    ))
+    .unwrap();
+    events_until(&mut w, "holding", Duration::from_secs(10)).await;
+    assert_eq!(held_bytes(&b, "beta").await, (16 * MIB, 2));
+    assert!(eventually(Duration::from_secs(5), || async { keeper.memfds() == 2 }).await);
+    b.kill().unwrap();
+    w.kill().await.unwrap();
+    b.spawn().unwrap();
+    assert_eq!(held_bytes(&b, "beta").await, (0, 0));
+    assert!(lease_ids(&b).await.is_empty());
+    assert!(b.memfds().is_empty(), "no block left without an owner");
+    assert!(
+        eventually(Duration::from_secs(5), || async { keeper.memfds() == 0 }).await,
+        "the keeper dropped the dead worker's memory"
+    );
+    let log = b.log_text();
+    assert!(log.contains("leases_reclaimed=2"), "{log}");
+}
+
+#[tokio::test]
+async fn sigterm_leaves_sessions_to_the_keeper_and_a_resume_needs_the_secret() {
+    let keeper = Keeper::start().await.unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        capacity: "256MiB",
+        extra: keeper.flags(),
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("gamma", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let mut raw = raw::broker(&b.uri(), &token).await;
+    let mut stream = raw
+        .open_session(pb::OpenSessionRequest {
+            name: "raw".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(pb::SessionEvent {
+        event: Some(pb::session_event::Event::Opened(opened)),
+    }) = stream.message().await.unwrap()
+    else {
+        panic!("no opened event")
+    };
+    assert_eq!(opened.resume_secret.len(), 64);
+    let lease = raw
+        .acquire_lease(pb::AcquireLeaseRequest {
+            session_id: opened.session_id.clone(),
+            bytes: 4 * MIB,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease
+        .unwrap();
+    let status = b.stop(Duration::from_secs(5)).unwrap();
+    assert!(status.success(), "{status:?}");
+    drop(stream);
+    b.spawn().unwrap();
+    assert_eq!(held_bytes(&b, "gamma").await, (4 * MIB, 1));
+    let resume = |secret: &str, held: Vec<String>| pb::OpenSessionRequest {
+        name: "raw".into(),
+        resume_session_id: opened.session_id.clone(),
+        resume_secret: secret.to_string(),
+        held_lease_ids: held,
+    };
+    let wrong = raw
+        .open_session(resume(&"0".repeat(64), vec![lease.lease_id.clone()]))
+        .await;
+    assert_eq!(wrong.err().map(|s| s.code()), Some(Code::NotFound));
+    let mut stream = raw
+        .open_session(resume(&opened.resume_secret, vec![lease.lease_id.clone()]))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    let Some(pb::session_event::Event::Opened(again)) = first.event else {
+        panic!("{first:?}")
+    };
+    assert!(again.resumed);
+    assert_eq!(again.session_id, opened.session_id);
+    let second = stream.message().await.unwrap().unwrap();
+    let Some(pb::session_event::Event::Resumed(r)) = second.event else {
+        panic!("{second:?}")
+    };
+    assert_eq!(r.kept_lease_ids, vec![lease.lease_id.clone()]);
+    // Attached now: a second resume is refused.
+    let twice = raw
+        .open_session(resume(&opened.resume_secret, vec![]))
+        .await;
+    assert_eq!(twice.err().map(|s| s.code()), Some(Code::NotFound));
+    raw.release_lease(pb::ReleaseLeaseRequest {
+        lease_id: lease.lease_id.clone(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(held_bytes(&b, "gamma").await, (0, 0));
+}
