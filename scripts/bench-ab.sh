@@ -10,7 +10,8 @@
 # An ENTRY is a broker binary (measured with BENCH) or OTHER_BENCH::BROKER (measured with
 # that bench: a release's own client beside its broker, since the client's half of a lease
 # changes too). AB_BACKEND=cuda starts each broker with the CUDA backend for every run (the
-# GPU machine); the default is a started host-backend broker.
+# GPU machine); the default is a started host-backend broker. AB_JSON=0 leaves the runs'
+# JSON lines out of the output (they stay in OUT/runs.jsonl).
 #
 # ROUNDS (default 5) throughput runs of each entry (3 s window, 1 s warm-up), then ROUNDS
 # latency runs of each (2,000 pairs of 2 MiB, current-thread client; with AB_BREAKDOWN=1
@@ -79,5 +80,5 @@ if [[ ${AB_BREAKDOWN:-0} == 1 ]]; then
         done
     done
 fi
-cat "$log"
+[[ ${AB_JSON:-1} == 1 ]] && cat "$log"
 python3 "$(dirname "$0")/bench-ab-summary.py" "$log"

@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
-# Every GPU check from ONE folder of release binaries, for a closing run in few device calls.
+# The GPU harness: every GPU check from ONE folder of release binaries, in few device calls.
 #
 #   scripts/gpu-all.sh build [BEFORE]   # here (Rust, no GPU): everything into .gpu/all;
 #                                       # BEFORE (a commit or tag, or GPU_ALL_BEFORE_REF): the
 #                                       # previous release's broker and bench built beside it
 #   scripts/gpu-all.sh run [PARTS]      # on the GPU machine (no Rust); PARTS is a comma list
-#                                       # of fd,fd-ab,check,forge,shared,sleep,python,mps,host
-#                                       # (default: all of them, in that order)
+#                                       # (default: fd,fd-ab,check,forge,shared,sleep,python,mps,health,host)
+#   scripts/gpu-all.sh dry-run [PARTS]  # here, no GPU: the same parts on the host backend
+#                                       # with the debug binaries (GPU_ALL_BIN, default
+#                                       # target/debug), each GPU step checked, not run;
+#                                       # the test suite runs it (tests/e2e/gpu_harness.rs)
 #
-# The parts are the other scripts' runs, pointed at .gpu/all:
-#   fd      scripts/gpu-fd-check.sh run        conformance, GPU e2e, another uid in its own
-#                                              namespaces, Python recv_fds, fd-path benchmark
+# The parts (each script's header says what it checks):
+#   fd      scripts/gpu-fd-check.sh        conformance, GPU e2e, another uid in its own
+#                                          namespaces, Python recv_fds, fd-path benchmark
 #   fd-ab   the CUDA broker side by side, interleaved (scripts/bench-ab.sh, AB_BACKEND=cuda):
 #           A = the previous release (its bench and broker: build BEFORE), B = this build,
 #           C = this build's bench against the previous broker (the client's share apart);
 #           32-worker throughput, pooled latency (current-thread and default client), the
 #           breakdown of a pooled lease + map (health Check floor, RPC, ticket, import+map,
 #           raw cuMemCreate+map), medians and ratios to A; ROUNDS rounds (default 3)
-#   check   scripts/gpu-check.sh run 0         Python fd worker, lease benchmark, gpu-broker-bench
-#   forge   scripts/gpu-legacy-forge.sh run    why there are no legacy IPC handles
-#   shared  scripts/gpu-shared-check.sh run    shared CUDA imports across tenants
-#   sleep   scripts/gpu-sleep-check.sh run     sleep/wake (pinned vs pageable), PyTorch, reclaim
-#   python  scripts/gpu-python-check.sh run    PyTorch on fd leases
-#   mps     scripts/gpu-mps-check.sh run check,handoff   managed MPS and turn hand-off
+#   check   scripts/gpu-check.sh           Python fd worker, lease benchmark, gpu-broker-bench
+#   forge   scripts/gpu-legacy-forge.sh    why there are no legacy IPC handles
+#   shared  scripts/gpu-shared-check.sh    shared CUDA imports across tenants
+#   sleep   scripts/gpu-sleep-check.sh     sleep/wake (pinned vs pageable), PyTorch, reclaim
+#   python  scripts/gpu-python-check.sh    PyTorch on fd leases
+#   mps     scripts/gpu-mps-check.sh check,handoff   managed MPS and turn hand-off
+#   health  scripts/gpu-health-check.sh    device health, UUIDs and NVML readings
+#   pybench scripts/gpu-python-bench.sh    the PyTorch allocator against PyTorch's own,
+#                                          interleaved (not in the default parts: minutes)
 #   host    the host backend on the machine's idle cores (no GPU): scripts/bench-ab.sh of
 #           gpu-broker-before (if the build was given GPU_ALL_BEFORE=path of an older broker)
 #           against gpu-broker, then quota-writes side by side (acquire p50/p99 alone and
@@ -31,12 +37,18 @@
 #   ab      the host backend only, brokers side by side: gpu-broker-before (if given), gpu-broker,
 #           then every variant the build was given (GPU_ALL_VARIANTS="name=path ...": copied as
 #           gpu-broker-variant-NAME, an experiment's build to ablate one cost), ROUNDS rounds
+# A part fails when one of its steps does; the last line names the failed parts.
 # Carry .gpu/all (the build prints its size: at most 64 MiB). Nothing here changes the
 # card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_ALL_OUT:-.gpu/all}
 TARGET=${CARGO_TARGET_DIR:-target}
+ALL_PARTS=fd,fd-ab,check,forge,shared,sleep,python,mps,health,host
+# shellcheck source=scripts/gpu-common.sh
+source scripts/gpu-common.sh
+
+exe_of() { sed -n "s/.*\"name\":\"$1\".*\"executable\":\"\([^\"]*\)\".*/\1/p" | tail -n1; }
 
 # build_before REF: REF's broker and bench, built in a worktree of their own with this
 # target directory (its dependencies are mostly this build's), copied out before this
@@ -44,7 +56,7 @@ TARGET=${CARGO_TARGET_DIR:-target}
 build_before() {
     local ref=$1 wt target
     target=$(realpath -m "$TARGET")
-    wt=$(mktemp -d /tmp/gpu-all-before.XXXXXX)
+    wt=$(mktemp -d -t gpu-all-before.XXXXXX)
     git worktree add --detach "$wt" "$ref"
     (cd "$wt" && CARGO_TARGET_DIR=$target cargo build --release -p gpu-broker -p gpu-broker-tests --bins) \
         || { git worktree remove --force "$wt"; return 1; }
@@ -59,13 +71,20 @@ build_before() {
 build() {
     local before=${1:-${GPU_ALL_BEFORE_REF:-}}
     rm -f "$OUT/gpu-broker-bench-before" "$OUT/before.ref"
-    [[ -n $before ]] && build_before "$before"
-    GPU_BIN=$OUT scripts/gpu-fd-check.sh build
-    cargo build --release -p gpu-broker-examples --bin turn-gate
-    mkdir -p "$OUT/deps"
-    ln -f "$OUT/gpu-test" "$OUT/deps/gpu-test"
-    for b in gpu-broker-bench turn-gate; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
-    strip "$OUT"/gpu-broker-bench "$OUT"/turn-gate 2>/dev/null || true
+    if [[ -n $before ]]; then build_before "$before"; fi
+    cargo build --release -p gpu-broker -p gpu-brokerctl -p gpu-broker-tests \
+        -p gpu-broker-examples --bins
+    local t c e
+    t=$(cargo test --release -p gpu-broker-tests --test gpu --no-run --message-format=json 2>/dev/null | exe_of gpu)
+    c=$(cargo test --release -p gpu-broker --test cuda_conformance --no-run --message-format=json 2>/dev/null | exe_of cuda_conformance)
+    e=$(cargo build --release -p gpu-broker-client --features cuda --example cuda_fd_check --message-format=json 2>/dev/null | exe_of cuda_fd_check)
+    [[ -n "$t" && -n "$c" && -n "$e" ]] || { echo "cannot find the test executables" >&2; exit 1; }
+    gpu_stage "$OUT" release
+    cp -f "$t" "$OUT/gpu-test"
+    cp -f "$c" "$OUT/cuda_conformance"
+    cp -f "$e" "$OUT/cuda_fd_check"
+    strip "${GPU_BINS[@]/#/$OUT/}" "$OUT"/gpu-test "$OUT"/cuda_conformance "$OUT"/cuda_fd_check \
+        2>/dev/null || true
     rm -f "$OUT"/gpubroker-*.whl
     cp -f "$(scripts/build-wheel.sh)" "$OUT/"
     if [[ -n ${GPU_ALL_BEFORE:-} ]]; then
@@ -88,9 +107,6 @@ build() {
         tar czf "$OUT/extra-brokers.tgz" -C "$OUT" "${extra[@]}"
         (cd "$OUT" && rm -f "${extra[@]}")
     fi
-    cp -f scripts/bench-ab.sh scripts/bench-ab-summary.py "$OUT/"
-    cp -f scripts/gpu_python_check.py scripts/gpu_sleep_check.py scripts/gpu_mps_check.py \
-        examples/turn_step_worker.py "$OUT/"
     du -sh "$OUT"
 }
 
@@ -98,18 +114,20 @@ host_ab() {
     local dir=$OUT results brokers=("$OUT/gpu-broker") b
     [[ -x $dir/gpu-broker-before ]] && brokers=("$dir/gpu-broker-before" "$dir/gpu-broker")
     results=$(mktemp -d)
-    OUT=$results ROUNDS=${ROUNDS:-4} "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${brokers[@]}"
+    gpu_step bench-ab env OUT="$results" ROUNDS="${ROUNDS:-4}" \
+        "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${brokers[@]}"
     # Quota writes side by side: every broker with its admin loop on the workers' socket,
     # and gpu-broker also with it on its operators' socket (--admin-listen), interleaved.
     local ops also=()
-    ops=$(mktemp -d /tmp/ga-ops.XXXXXX)
+    ops=$(mktemp -d -t ga-ops.XXXXXX)
     for b in "${brokers[@]:1}"; do also+=(--also "$b"); done
     also+=(--also "$dir/gpu-broker --admin-listen $ops/admin.sock")
     echo "quota-writes: ${brokers[*]}, then gpu-broker on its operators' socket"
-    "$dir/gpu-broker-bench" --broker-bin "${brokers[0]}" --broker-log info quota-writes \
-        --writer process --op set,get --repeat "${QW_REPEAT:-12}" --duration 0.6s "${also[@]}" |
-        grep -v '^{'
+    gpu_step quota-writes "$dir/gpu-broker-bench" --broker-bin "${brokers[0]}" --broker-log info \
+        quota-writes --writer process --op set,get --repeat "${QW_REPEAT:-12}" --duration 0.6s \
+        "${also[@]}"
     rm -rf "$ops"
+    gpu_result host
 }
 
 # The previous release as bench-ab.sh takes it: with its own bench where it was built so.
@@ -131,9 +149,10 @@ fd_ab() {
         entries=("$dir/gpu-broker")
         echo "fd-ab: no previous release in the build (scripts/gpu-all.sh build BEFORE): this build alone"
     fi
-    nvidia-smi --query-gpu=index,name,memory.used,driver_version --format=csv || true
-    AB_BACKEND=cuda AB_BREAKDOWN=1 OUT=$(mktemp -d) ROUNDS=${ROUNDS:-3} \
-        "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${entries[@]}" | grep -v '^{'
+    gpu_smi --query-gpu=index,name,memory.used,driver_version --format=csv || true
+    gpu_step fd-ab env AB_BACKEND=cuda AB_BREAKDOWN=1 AB_JSON=0 OUT="$(mktemp -d)" ROUNDS="${ROUNDS:-3}" \
+        "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${entries[@]}"
+    gpu_result fd-ab
 }
 
 ab() {
@@ -143,35 +162,67 @@ ab() {
     for b in "$dir"/gpu-broker-variant-*; do [[ -x $b ]] && brokers+=("$b"); done
     echo "ab: ${brokers[*]} (labels A, B, ... in that order)"
     for b in "${brokers[@]}"; do echo "$(sha256sum "$b" | cut -c1-16) $b"; done
-    AB_BREAKDOWN=1 OUT=$(mktemp -d) ROUNDS=${ROUNDS:-7} "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${brokers[@]}"
+    gpu_step bench-ab env AB_BREAKDOWN=1 OUT="$(mktemp -d)" ROUNDS="${ROUNDS:-7}" \
+        "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${brokers[@]}"
+    gpu_result ab
+}
+
+# The script of a part and its arguments.
+part_command() {
+    case $1 in
+        fd) echo scripts/gpu-fd-check.sh run ;;
+        fd-ab) echo fd_ab ;;
+        check) echo scripts/gpu-check.sh run ;;
+        forge) echo scripts/gpu-legacy-forge.sh run ;;
+        shared) echo scripts/gpu-shared-check.sh run ;;
+        sleep) echo scripts/gpu-sleep-check.sh run ;;
+        python) echo scripts/gpu-python-check.sh run ;;
+        mps) echo scripts/gpu-mps-check.sh run check,handoff ;;
+        health) echo scripts/gpu-health-check.sh run ;;
+        pybench) echo scripts/gpu-python-bench.sh run ;;
+        host) echo host_ab ;;
+        ab) echo ab ;;
+        *) return 1 ;;
+    esac
 }
 
 run() {
     [[ -f $OUT/extra-brokers.tgz ]] && tar xzf "$OUT/extra-brokers.tgz" -C "$OUT"
-    local parts=${1:-fd,fd-ab,check,forge,shared,sleep,python,mps,host} t0=$SECONDS failed=()
-    local p
+    local parts=${1:-$ALL_PARTS} t0=$SECONDS failed=() p
+    # Every part is known before any runs.
+    for p in ${parts//,/ }; do
+        part_command "$p" >/dev/null || { echo "unknown part $p (parts: $ALL_PARTS,pybench,ab)" >&2; exit 2; }
+    done
     for p in ${parts//,/ }; do
         echo "################ $p ################"
-        case $p in
-            fd) GPU_BIN=$OUT scripts/gpu-fd-check.sh run ;;
-            fd-ab) fd_ab ;;
-            check) GPU_BIN=$OUT scripts/gpu-check.sh run 0 ;;
-            forge) GPU_BIN=$OUT scripts/gpu-legacy-forge.sh run ;;
-            shared) GPU_SHARED_OUT=$OUT scripts/gpu-shared-check.sh run ;;
-            sleep) GPU_SLEEP_OUT=$OUT scripts/gpu-sleep-check.sh run ;;
-            python) GPU_PYTHON_OUT=$OUT scripts/gpu-python-check.sh run ;;
-            mps) GPU_MPS_OUT=$OUT scripts/gpu-mps-check.sh run check,handoff ;;
-            host) host_ab ;;
-            ab) ab ;;
-            *) echo "unknown part $p" >&2; exit 2 ;;
-        esac || failed+=("$p")
+        # shellcheck disable=SC2046
+        (export GPU_OUT=$OUT; $(part_command "$p")) || failed+=("$p")
     done
     echo "################ parts failed: ${failed[*]:-none} (in $((SECONDS - t0)) s) ################"
     [[ ${#failed[@]} -eq 0 ]]
 }
 
+# The dry run's folder: the debug binaries and the scripts, and stand-ins for what only the
+# release build makes (the test executables; the wheel is not needed: no Python step runs).
+dry_run() {
+    export GPU_DRY_RUN=1
+    OUT=$(mktemp -d -t gpu-dry.XXXXXX)
+    # Every check's temporary folders go with it.
+    export TMPDIR=$OUT/tmp
+    mkdir "$TMPDIR"
+    local bins=${GPU_ALL_BIN:-$TARGET/debug} f
+    CARGO_TARGET_DIR=${bins%/*} gpu_stage "$OUT" "${bins##*/}"
+    for f in gpu-test cuda_conformance cuda_fd_check; do
+        printf '#!/bin/sh\necho "stand-in for %s (scripts/gpu-all.sh build makes it)"\n' "$f" >"$OUT/$f"
+        chmod +x "$OUT/$f"
+    done
+    trap 'rm -rf "$OUT"' EXIT
+    run "$@"
+}
+
 case ${1:-} in
     build) shift; build "$@" ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 build [BEFORE] | run [PARTS]" >&2; exit 2 ;;
+    dry-run) shift; dry_run "$@" ;;
+    *) echo "usage: $0 build [BEFORE] | run [PARTS] | dry-run [PARTS]" >&2; exit 2 ;;
 esac

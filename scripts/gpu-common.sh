@@ -1,59 +1,151 @@
-# Shared by the GPU check scripts (sourced, not run): building what the GPU machine needs,
-# and starting a CUDA broker there.
+# Shared by the GPU checks (sourced, not run; scripts/gpu-all.sh is the harness): what the
+# GPU machine is given, starting and stopping a broker there, tenants, and the steps.
 #
-#   gpu_build OUT FILE...        here (Rust): release gpu-broker, gpu-brokerctl, gpu-worker
-#                                (stripped) and the abi3 wheel into OUT, and the FILEs (the
-#                                check's own scripts); carry OUT to the GPU run
-#   gpu_python OUT DIR           there: unpacks OUT's wheel into DIR/py, onto PYTHONPATH
-#   gpu_start OUT DIR FLAGS...   there: starts `gpu-broker --backend cuda` on DIR/b.sock
-#                                with DIR/state and FLAGS; sets BROKER_PID, GPU_BROKER_ADDR
-#                                and the array CTL (gpu-brokerctl with the admin token)
-#   gpu_stop DIR                 stops it (its log's tail if it exits badly), then prints
-#                                the log's warnings
+#   GPU_OUT                      the folder of binaries and scripts (default .gpu/all, made
+#                                by `scripts/gpu-all.sh build`)
+#   gpu_stage OUT PROFILE        the binaries of target/PROFILE and the checks' own scripts
+#                                into OUT (the build's release ones, or the dry run's debug)
+#   gpu_python OUT DIR           unpacks OUT's wheel into DIR/py, onto PYTHONPATH
+#   gpu_smi ARGS...              nvidia-smi ARGS
+#   gpu_start OUT DIR FLAGS...   starts `gpu-broker --backend cuda` on DIR/b.sock with
+#                                DIR/state and FLAGS; sets BROKER_PID, GPU_BROKER_ADDR and
+#                                the array CTL (gpu-brokerctl with the admin token)
+#   gpu_stop DIR                 stops it; fails when it exits badly or the log has a CUDA
+#                                out-of-memory; prints the log's warnings
+#   gpu_tenant NAME FLAGS...     sets NAME's quota (FLAGS of `quota set`), prints its token
+#   gpu_step NAME CMD...         runs a step that needs the GPU; a failure prints
+#                                `STEP FAILED: NAME` and is counted, the check goes on
+#   gpu_result WHAT              the check's verdict: fails when a step failed
+#
+# GPU_DRY_RUN=1 (`scripts/gpu-all.sh dry-run`) runs a check without a GPU: the broker
+# starts on the host backend (--headroom dropped), nvidia-smi is not called, and each step
+# is checked instead of run (its program exists; a Python script parses); the rest (the
+# broker's flags, the CLI calls, the order, the verdicts) runs as on the GPU.
+# GPU_DRY_FAIL=NAME makes step NAME fail in a dry run (the harness's own test).
 # Nothing here changes the card's settings.
 
-gpu_build() {
-    local out=$1
-    shift
+GPU_OUT=${GPU_OUT:-.gpu/all}
+GPU_FAILED=()
+
+gpu_dry() { [[ ${GPU_DRY_RUN:-} == 1 ]]; }
+
+# The programs a check runs, by where they come from (gpu_stage copies them).
+GPU_BINS=(gpu-broker gpu-brokerctl gpu-worker gpu-broker-bench turn-gate)
+GPU_SCRIPTS=(scripts/gpu-common.sh scripts/bench-ab.sh scripts/bench-ab-summary.py
+    scripts/gpu_python_check.py scripts/gpu_python_fd_worker.py scripts/gpu_sleep_check.py
+    scripts/gpu_mps_check.py scripts/gpu_legacy_forge.py examples/turn_step_worker.py)
+
+gpu_stage() {
+    local out=$1 profile=$2 b
     local target=${CARGO_TARGET_DIR:-target}
+    # A dry run links what it runs in place (the debug binaries are large).
+    local put=(cp -f)
+    gpu_dry && put=(ln -sf) && target=$(realpath "$target")
     mkdir -p "$out"
-    rm -f "$out"/gpubroker-*.whl
-    cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl \
-        -p gpu-broker-tests --bin gpu-worker
-    # The wheel users install (scripts/build-wheel.sh; the release profile strips it).
-    cp -f "$(scripts/build-wheel.sh)" "$out/"
-    local b
-    for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "$target/release/$b" "$out/$b"; done
-    strip "$out"/gpu-broker "$out"/gpu-brokerctl "$out"/gpu-worker 2>/dev/null || true
-    [[ $# -eq 0 ]] || cp -f "$@" "$out/"
-    du -sh "$out"
+    for b in "${GPU_BINS[@]}"; do "${put[@]}" "$target/$profile/$b" "$out/$b"; done
+    "${put[@]}" "$(ls -t "$target/$profile"/build/gpu-broker-proto-*/out/gpubroker_descriptor.bin |
+        head -n1)" "$out/gpubroker_descriptor.bin"
+    cp -f "${GPU_SCRIPTS[@]}" "$out/"
 }
 
 gpu_python() {
     local out=$1 dir=$2
+    gpu_dry && return 0
     local wheel
     wheel=$(ls "$out"/gpubroker-*.whl | head -n1)
     python3 -m zipfile -e "$wheel" "$dir/py"
     export PYTHONPATH="$dir/py${PYTHONPATH:+:$PYTHONPATH}"
 }
 
+gpu_smi() {
+    if gpu_dry; then
+        echo "dry-run: nvidia-smi $*"
+        return 0
+    fi
+    nvidia-smi "$@"
+}
+
+# The card's memory in MiB (a dry run's host device: 16 GiB).
+gpu_total_mib() {
+    if gpu_dry; then echo 16384; else
+        nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1
+    fi
+}
+
 gpu_start() {
     local out=$1 dir=$2
     shift 2
-    "$out/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
-        --shutdown-grace 1s "$@" >"$dir/broker.log" 2>&1 &
+    local flags=(--backend cuda "$@")
+    if gpu_dry; then
+        flags=(--backend host --host-capacity 16GiB)
+        while (($#)); do
+            if [[ $1 == --headroom ]]; then shift 2; else flags+=("$1"); shift; fi
+        done
+    fi
+    "$out/gpu-broker" "${flags[@]}" --socket "$dir/b.sock" --state-dir "$dir/state" \
+        --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
     BROKER_PID=$!
     trap 'kill -TERM $BROKER_PID 2>/dev/null || true' EXIT
     local _
-    for _ in $(seq 100); do [[ -S "$dir/b.sock" ]] && break; sleep 0.1; done
+    for _ in $(seq 200); do
+        [[ -S "$dir/b.sock" && -f "$dir/state/admin.token" ]] && break
+        kill -0 "$BROKER_PID" 2>/dev/null || { cat "$dir/broker.log"; return 1; }
+        sleep 0.05
+    done
     CTL=("$out/gpu-brokerctl" --broker "unix://$dir/b.sock" --token-file "$dir/state/admin.token")
     export GPU_BROKER_ADDR="unix://$dir/b.sock"
 }
 
 gpu_stop() {
-    local dir=$1
+    local dir=$1 rc=0
     kill -TERM "$BROKER_PID"
-    wait "$BROKER_PID" || { echo "broker exit status $?"; tail -50 "$dir/broker.log"; }
+    wait "$BROKER_PID" || { rc=$?; echo "broker exit status $rc"; tail -50 "$dir/broker.log"; }
     trap - EXIT
+    if grep -q "OUT_OF_MEMORY" "$dir/broker.log"; then echo "CUDA OOM in the broker log"; rc=1; fi
     grep -E "WARN|ERROR" "$dir/broker.log" | tail -20 || true
+    return "$rc"
+}
+
+gpu_tenant() {
+    local name=$1
+    shift
+    "${CTL[@]}" quota set "$name" "$@" >/dev/null
+    "${CTL[@]}" tokens issue "$name" 2>/dev/null
+}
+
+# Whether CMD can run here: its program exists (after `env` and its assignments), and a
+# Python script given to python3 parses.
+gpu_runnable() {
+    while [[ $1 == env || $1 == *=* ]]; do shift; done
+    local prog=$1
+    if declare -F "$prog" >/dev/null; then return 0; fi
+    if [[ $prog == */* ]]; then [[ -x $prog ]] || { echo "no program $prog"; return 1; }; else
+        command -v "$prog" >/dev/null || { echo "no program $prog"; return 1; }
+    fi
+    if [[ $prog == python3 && ${2:-} == *.py ]]; then
+        python3 -c 'import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])' "$2"
+    fi
+}
+
+gpu_step() {
+    local name=$1
+    shift
+    if gpu_dry; then
+        if ! gpu_runnable "$@" || [[ ${GPU_DRY_FAIL:-} == "$name" ]]; then
+            echo "STEP FAILED: $name"
+            GPU_FAILED+=("$name")
+        else
+            echo "dry-run: $name: $*"
+        fi
+        return 0
+    fi
+    "$@" || { echo "STEP FAILED: $name"; GPU_FAILED+=("$name"); }
+}
+
+gpu_result() {
+    if ((${#GPU_FAILED[@]})); then
+        echo "=== $1: FAILED steps: ${GPU_FAILED[*]} ==="
+        return 1
+    fi
+    echo "=== $1: every step passed ==="
 }

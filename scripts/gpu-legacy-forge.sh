@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Why the broker has no legacy CUDA IPC handles, re-run on the GPU (docs/security.md).
 #
-#   scripts/gpu-legacy-forge.sh build   # here (Rust, no GPU): release binaries into .gpu/legacy
-#   scripts/gpu-legacy-forge.sh run     # on the GPU machine (no Rust): both parts below
+#   scripts/gpu-legacy-forge.sh run     # on the GPU machine, from the folder that
+#                                       # `scripts/gpu-all.sh build` makes (GPU_OUT,
+#                                       # default .gpu/all): both parts below
 #
 # (a) two raw exporter processes (scripts/gpu_legacy_forge.py raw): a holder of exporter B's
 #     legacy handles opens exporter A's memory by trying the 256 values of byte 48; prints
@@ -19,61 +20,59 @@
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${GPU_BIN:-.gpu/legacy}
-TARGET=${CARGO_TARGET_DIR:-target}
+# shellcheck source=scripts/gpu-common.sh
+source scripts/gpu-common.sh
+OUT=$GPU_OUT
 
-build() {
-    mkdir -p "$OUT"
-    cargo build --release -p gpu-broker -p gpu-broker-client -p gpu-broker-tests --bins
-    for b in gpu-broker gpu-brokerctl gpu-worker; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
-    cp -f "$(ls -t "$TARGET"/release/build/gpu-broker-proto-*/out/gpubroker_descriptor.bin | head -n1)" "$OUT/gpubroker_descriptor.bin"
-    strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/gpu-worker 2>/dev/null || true
-    du -sh "$OUT"
+# (b): tenant B's worker holds a lease written with 0xb7 while tenant A forges against it.
+forge_against_the_broker() {
+    "$OUT/gpu-worker" --broker "$GPU_BROKER_ADDR" --token "$tb" hold --bytes 67108864 \
+        --pattern b7 >"$dir/victim.out" 2>&1 &
+    local victim=$! ready rc=0 _
+    for _ in $(seq 200); do grep -q '^READY' "$dir/victim.out" && break; sleep 0.05; done
+    ready=$(grep '^READY' "$dir/victim.out") || { cat "$dir/victim.out"; return 1; }
+    echo "tenant B holds: $ready"
+    python3 "$OUT/gpu_legacy_forge.py" broker "$dir/b.sock" "$ta" "$BROKER_PID" \
+        "$OUT/gpubroker_descriptor.bin" "$(awk '{print $2}' <<<"$ready")" b7 || rc=$?
+    if "${CTL[@]}" --json leases list | grep -q cuda_ipc; then
+        echo "a legacy handle was listed"
+        rc=1
+    fi
+    "${CTL[@]}" leases list || true
+    if grep -q CHANGED "$dir/victim.out"; then
+        echo "tenant B's lease was written by someone else"
+        rc=1
+    fi
+    kill "$victim"
+    wait "$victim" 2>/dev/null || true
+    return "$rc"
 }
 
 run() {
     local t0=$SECONDS
-    nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version,compute_mode --format=csv || true
+    gpu_smi --query-gpu=index,name,memory.total,memory.used,driver_version,compute_mode --format=csv || true
     echo "=== (a) two raw exporter processes: does a per-tenant exporter stop forging? ==="
-    python3 scripts/gpu_legacy_forge.py raw
+    gpu_step raw-exporters python3 "$OUT/gpu_legacy_forge.py" raw
     echo "=== (b) the broker (its only mode): tenant A forges against tenant B's lease ==="
-    local dir; dir=$(mktemp -d /tmp/gpu-forge.XXXXXX)
-    if "$OUT/gpu-broker" --backend cuda --socket "$dir/x.sock" --state-dir "$dir/x" \
-        --legacy-ipc-handles >"$dir/refused.log" 2>&1; then
-        echo "the broker STARTED with --legacy-ipc-handles"; exit 1
+    dir=$(mktemp -d -t gpu-forge.XXXXXX)
+    local refused=0
+    timeout 20 "$OUT/gpu-broker" --backend host --socket "$dir/x.sock" --state-dir "$dir/x" \
+        --legacy-ipc-handles >"$dir/refused.log" 2>&1 || refused=$?
+    if [[ $refused == 0 || $refused == 124 ]]; then
+        echo "the broker STARTED with --legacy-ipc-handles"
+        GPU_FAILED+=(legacy-flag)
     fi
     echo "--legacy-ipc-handles: $(head -c 300 "$dir/refused.log")"
-    "$OUT/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
-        --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
-    local pid=$!
-    for _ in $(seq 200); do [[ -S "$dir/b.sock" ]] && break; sleep 0.05; done
-    local ctl=("$OUT/gpu-brokerctl" --broker "unix://$dir/b.sock" --token-file "$dir/state/admin.token")
-    "${ctl[@]}" quota set a --limit 16GiB >/dev/null
-    "${ctl[@]}" quota set b --limit 16GiB >/dev/null
-    local ta tb; ta=$("${ctl[@]}" tokens issue a 2>/dev/null); tb=$("${ctl[@]}" tokens issue b 2>/dev/null)
-    # Tenant B's worker: a 64 MiB lease written with 0xb7, held.
-    "$OUT/gpu-worker" --broker "unix://$dir/b.sock" --token "$tb" hold --bytes 67108864 --pattern b7 \
-        >"$dir/victim.out" 2>&1 &
-    local victim=$!
-    for _ in $(seq 200); do grep -q '^READY' "$dir/victim.out" && break; sleep 0.05; done
-    local ready; ready=$(grep '^READY' "$dir/victim.out") || { cat "$dir/victim.out"; exit 1; }
-    echo "tenant B holds: $ready"
-    local rc=0
-    python3 scripts/gpu_legacy_forge.py broker "$dir/b.sock" "$ta" "$pid" \
-        "$OUT/gpubroker_descriptor.bin" "$(awk '{print $2}' <<<"$ready")" b7 || rc=$?
-    if "${ctl[@]}" --json leases list | grep -q cuda_ipc; then
-        echo "a legacy handle was listed"; rc=1
-    fi
-    "${ctl[@]}" leases list || true
-    if grep -q CHANGED "$dir/victim.out"; then echo "tenant B's lease was written by someone else"; rc=1; fi
-    kill "$victim"; wait "$victim" 2>/dev/null || true
-    kill -TERM "$pid"; wait "$pid" || { echo "broker exit status $?"; cat "$dir/broker.log"; exit 1; }
-    [[ $rc == 0 ]] || exit "$rc"
-    echo "=== legacy forge check done in $((SECONDS - t0)) s ==="
+    gpu_start "$OUT" "$dir"
+    ta=$(gpu_tenant a --limit 16GiB)
+    tb=$(gpu_tenant b --limit 16GiB)
+    gpu_step forge-broker forge_against_the_broker
+    gpu_stop "$dir" || GPU_FAILED+=(broker)
+    echo "=== in $((SECONDS - t0)) s ==="
+    gpu_result "legacy forge check"
 }
 
-case "${1:-build}" in
-    build) build ;;
+case ${1:-} in
     run) run ;;
-    *) echo "usage: $0 build|run" >&2; exit 2 ;;
+    *) echo "usage: $0 run" >&2; exit 2 ;;
 esac

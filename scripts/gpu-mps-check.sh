@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU machine's check of managed MPS and compute turns, and their benchmark.
 #
-#   scripts/gpu-mps-check.sh build            # here (Rust): release binaries into .gpu/mps
 #   scripts/gpu-mps-check.sh run [PARTS] [ARGS]  # on the GPU machine (Python 3 + PyTorch, no
-#                                             # Rust, no network); PARTS: check,bench (both),
-#                                             # handoff; ARGS go to gpu_mps_check.py
+#                                             # Rust, no network), from the folder that
+#                                             # `scripts/gpu-all.sh build` makes (GPU_OUT,
+#                                             # default .gpu/all); PARTS: check,bench (both),
+#                                             # handoff, ordinal; ARGS go to gpu_mps_check.py
 #                                             # (--ks 4,8 --duration 6 --before DIR --repeat N)
 #
 # What runs on the GPU (scripts/gpu_mps_check.py does the work):
@@ -25,28 +26,20 @@
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${GPU_MPS_OUT:-.gpu/mps}
-TARGET=${CARGO_TARGET_DIR:-target}
-
-build() {
-    mkdir -p "$OUT"
-    cargo build --release -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl \
-        -p gpu-broker-examples --bin turn-gate -p gpu-broker-tests --bin gpu-worker
-    for b in gpu-broker gpu-brokerctl turn-gate gpu-worker; do cp -f "$TARGET/release/$b" "$OUT/$b"; done
-    strip "$OUT"/gpu-broker "$OUT"/gpu-brokerctl "$OUT"/turn-gate "$OUT"/gpu-worker 2>/dev/null || true
-    cp -f scripts/gpu-mps-check.sh scripts/gpu_mps_check.py examples/turn_step_worker.py "$OUT/"
-    du -sh "$OUT"
-}
+# shellcheck source=scripts/gpu-common.sh
+source scripts/gpu-common.sh
+OUT=$GPU_OUT
 
 run() {
-    nvidia-smi --query-gpu=index,name,memory.total,memory.used,compute_mode,driver_version --format=csv || true
+    gpu_smi --query-gpu=index,name,memory.total,memory.used,compute_mode,driver_version --format=csv || true
     local parts=${1:-check,bench}
     shift || true
-    PYTHONUNBUFFERED=1 python3 "$OUT/gpu_mps_check.py" --bin "$OUT" --parts "$parts" "$@"
+    gpu_step "mps $parts" env PYTHONUNBUFFERED=1 python3 "$OUT/gpu_mps_check.py" --bin "$OUT" \
+        --parts "$parts" "$@"
+    gpu_result "MPS check"
 }
 
-case "${1:-}" in
-build) build ;;
-run) shift; run "$@" ;;
-*) echo "usage: $0 build|run [check,bench]" >&2; exit 2 ;;
+case ${1:-} in
+    run) shift; run "$@" ;;
+    *) echo "usage: $0 run [check,bench]" >&2; exit 2 ;;
 esac

@@ -10,53 +10,42 @@
 # and with gpubroker.torch.reuse_stream_blocks()). Prints a summary: median steps/s per
 # mode and the median of the per-round ratios.
 #
-#   scripts/gpu-python-bench.sh build   # here: the release wheel (+ binaries) into $OUT
-#   scripts/gpu-python-bench.sh run     # on the GPU machine (PyTorch, no Rust)
+#   scripts/gpu-python-bench.sh run     # on the GPU machine (PyTorch, no Rust), from the
+#                                       # folder `scripts/gpu-all.sh build` makes (GPU_OUT,
+#                                       # default .gpu/all); part `pybench` of the harness
 #
 # Knobs: GPU_BENCH_ROUNDS (3), GPU_BENCH_STEPS (300), GPU_BENCH_MULTISTREAM (1; 0 skips
-# it), GPU_BENCH_ORDER (the modes of a round, default "native pool-native broker"),
-# GPU_PYTHON_OUT (.gpu/python).
+# it), GPU_BENCH_ORDER (the modes of a round, default "native pool-native broker").
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
-# From scripts/ (or a copy of this script run from the repository root, e.g. in $OUT).
-[[ $(basename "$(dirname "$0")") == scripts ]] && cd "$(dirname "$0")/.."
-OUT=${GPU_PYTHON_OUT:-.gpu/python}
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/gpu-common.sh
+source scripts/gpu-common.sh
+OUT=$GPU_OUT
 ROUNDS=${GPU_BENCH_ROUNDS:-3}
 STEPS=${GPU_BENCH_STEPS:-300}
 
-build() {
-    GPU_PYTHON_OUT=$OUT scripts/gpu-python-check.sh build
-    cp -f scripts/gpu-python-bench.sh "$OUT/"
-}
-
 run() {
     local t0=$SECONDS
-    local dir; dir=$(mktemp -d)
-    local wheel; wheel=$(ls "$OUT"/gpubroker-*.whl | head -n1)
-    python3 -m zipfile -e "$wheel" "$dir/py"
-    export PYTHONPATH="$dir/py${PYTHONPATH:+:$PYTHONPATH}"
-    local check=(python3 scripts/gpu_python_check.py)
-    [[ -f $OUT/gpu_python_check.py ]] && check=(python3 "$OUT/gpu_python_check.py")
-    nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version,clocks.sm,clocks.max.sm --format=csv || true
-    python3 -c 'import torch, gpubroker; print("torch", torch.__version__, "gpubroker", gpubroker.__version__)'
-    nproc; uptime
+    local dir
+    dir=$(mktemp -d)
+    gpu_python "$OUT" "$dir"
+    local check=(python3 "$OUT/gpu_python_check.py")
+    gpu_smi --query-gpu=index,name,memory.total,memory.used,driver_version,clocks.sm,clocks.max.sm --format=csv || true
+    gpu_step versions python3 -c 'import torch, gpubroker; print("torch", torch.__version__, "gpubroker", gpubroker.__version__)'
+    nproc
+    uptime
 
-    "$OUT/gpu-broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
-        --headroom "${GPU_PYTHON_HEADROOM:-124GiB}" --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
-    local pid=$!
-    trap 'kill -TERM $pid 2>/dev/null || true' EXIT
-    for _ in $(seq 100); do [[ -S "$dir/b.sock" ]] && break; sleep 0.1; done
-    local ctl=("$OUT/gpu-brokerctl" --broker "unix://$dir/b.sock" --token-file "$dir/state/admin.token")
-    export GPU_BROKER_ADDR="unix://$dir/b.sock"
-    "${ctl[@]}" quota set train --limit 12GiB >/dev/null
-    export GPU_BROKER_TOKEN; GPU_BROKER_TOKEN=$("${ctl[@]}" tokens issue train 2>/dev/null)
+    gpu_start "$OUT" "$dir" --headroom "${GPU_PYTHON_HEADROOM:-124GiB}"
+    export GPU_BROKER_TOKEN
+    GPU_BROKER_TOKEN=$(gpu_tenant train --limit 12GiB)
 
     : >"$dir/results"
     for r in $(seq "$ROUNDS"); do
         for mode in ${GPU_BENCH_ORDER:-native pool-native broker}; do
             echo "=== round $r: $mode ==="
-            "${check[@]}" train --mode "$mode" --steps "$STEPS" >"$dir/one" 2>&1 \
-                || echo "STEP FAILED: $mode round $r"
+            gpu_step "$mode round $r" "${check[@]}" train --mode "$mode" --steps "$STEPS" \
+                >"$dir/one" 2>&1
             cat "$dir/one" >>"$dir/results"
             grep '"step": "train"' "$dir/one" | cut -c1-400 || true
         done
@@ -64,11 +53,13 @@ run() {
 
     if [[ ${GPU_BENCH_MULTISTREAM:-1} != 0 ]]; then
         echo "=== multi-stream: record_stream on a side stream ==="
-        "${check[@]}" multistream --mode native --iters 40 | tee -a "$dir/results"
-        "${check[@]}" multistream --mode broker --iters 40 --every 0 | tee -a "$dir/results"
-        "${check[@]}" multistream --mode broker --iters 40 --every 1 | tee -a "$dir/results"
+        local every
+        gpu_step "multistream native" "${check[@]}" multistream --mode native --iters 40 >>"$dir/results"
+        for every in 0 1; do
+            gpu_step "multistream broker every=$every" "${check[@]}" multistream --mode broker \
+                --iters 40 --every "$every" >>"$dir/results"
+        done
     fi
-
     echo "=== summary ==="
     python3 - "$dir/results" <<'PY'
 import json, statistics, sys
@@ -98,14 +89,12 @@ for r in rows:
               f"last {r['reserved_last']}, max {r['reserved_max']}, leased {r.get('leased')}, "
               f"{r['iters_per_s']:.1f} it/s")
 PY
-    kill -TERM "$pid"; wait "$pid" || { echo "broker exit status $?"; tail -30 "$dir/broker.log"; }
-    trap - EXIT
-    grep -E "WARN|ERROR" "$dir/broker.log" | tail -10 || true
-    echo "=== done in $((SECONDS - t0)) s ==="
+    gpu_stop "$dir" || GPU_FAILED+=(broker)
+    echo "=== in $((SECONDS - t0)) s ==="
+    gpu_result "PyTorch allocator benchmark"
 }
 
 case ${1:-} in
-    build) build ;;
     run) run ;;
-    *) echo "usage: $0 build|run" >&2; exit 2 ;;
+    *) echo "usage: $0 run" >&2; exit 2 ;;
 esac

@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # The GPU machine's check and benchmark of sleep/wake.
 #
-#   scripts/gpu-sleep-check.sh build   # here (Rust): release binaries and the abi3 wheel
-#                                      # into .gpu/leases (carry that folder to the GPU run)
-#   scripts/gpu-sleep-check.sh run     # on the GPU machine (Python 3 + PyTorch, no Rust)
-#
-# GPU_SLEEP_OUT names another folder (e.g. .gpu/shared).
+#   scripts/gpu-sleep-check.sh run     # on the GPU machine (Python 3 + PyTorch, no Rust),
+#                                      # from the folder that `scripts/gpu-all.sh build`
+#                                      # makes (GPU_OUT, default .gpu/all)
 #
 # What runs on the GPU:
 #   1. gpu-worker sleep-bench: a 1 GiB VMM lease mapped at a reserved range (Resident);
@@ -21,56 +19,50 @@
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${GPU_SLEEP_OUT:-${GPU_LEASES_OUT:-.gpu/leases}}
 # shellcheck source=scripts/gpu-common.sh
 source scripts/gpu-common.sh
-
-build() {
-    gpu_build "$OUT" scripts/gpu-common.sh scripts/gpu-sleep-check.sh scripts/gpu_sleep_check.py
-}
+OUT=$GPU_OUT
 
 run() {
     local t0=$SECONDS
-    local dir; dir=$(mktemp -d)
+    local dir
+    dir=$(mktemp -d)
     gpu_python "$OUT" "$dir"
-    nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
+    gpu_smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
     gpu_start "$OUT" "$dir" --headroom 100GiB
-    "${CTL[@]}" quota set sleeper --limit 8GiB --host-limit 8GiB >/dev/null
-    "${CTL[@]}" quota set torch --limit 8GiB --host-limit 8GiB >/dev/null
     local sleeper torch
-    sleeper=$("${CTL[@]}" tokens issue sleeper 2>/dev/null)
-    torch=$("${CTL[@]}" tokens issue torch 2>/dev/null)
+    sleeper=$(gpu_tenant sleeper --limit 8GiB --host-limit 8GiB)
+    torch=$(gpu_tenant torch --limit 8GiB --host-limit 8GiB)
     "${CTL[@]}" devices
 
     echo "=== 1. sleep/wake of a 1 GiB VMM lease (Rust client, Resident): pinned and pageable staging ==="
-    "$OUT/gpu-worker" --broker "$GPU_BROKER_ADDR" --token "$sleeper" sleep-bench \
-        --bytes $((1 << 30)) --iters 5 || echo "STEP FAILED: sleep-bench"
+    gpu_step sleep-bench "$OUT/gpu-worker" --broker "$GPU_BROKER_ADDR" --token "$sleeper" \
+        sleep-bench --bytes $((1 << 30)) --iters 5
 
     echo "=== 2. PyTorch tensors across gpubroker.torch.sleep()/wake() ==="
-    GPU_BROKER_TOKEN=$torch python3 "$OUT/gpu_sleep_check.py" || echo "STEP FAILED: torch sleep/wake"
+    gpu_step torch-sleep env GPU_BROKER_TOKEN="$torch" python3 "$OUT/gpu_sleep_check.py"
 
     "${CTL[@]}" devices
-    gpu_stop "$dir"
+    gpu_stop "$dir" || GPU_FAILED+=(broker)
 
     echo "=== 3. gpubroker.torch sleeps by itself on a reclaim request ==="
-    local total; total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1)
-    local dir3; dir3=$(mktemp -d)
+    local total dir3
+    total=$(gpu_total_mib)
+    dir3=$(mktemp -d)
     gpu_start "$OUT" "$dir3" --headroom "$((total - 3072))MiB" --reclaim-deadline 30s
-    "${CTL[@]}" quota set low --limit 4GiB --host-limit 4GiB --priority 0 >/dev/null
-    "${CTL[@]}" quota set high --limit 4GiB --priority 10 >/dev/null
     local low high
-    low=$("${CTL[@]}" tokens issue low 2>/dev/null)
-    high=$("${CTL[@]}" tokens issue high 2>/dev/null)
+    low=$(gpu_tenant low --limit 4GiB --host-limit 4GiB --priority 0)
+    high=$(gpu_tenant high --limit 4GiB --priority 10)
     "${CTL[@]}" devices
-    GPU_SLEEP_CTL="${CTL[*]}" GPU_BROKER_TOKEN=$low python3 "$OUT/gpu_sleep_check.py" reclaim "$high" \
-        || echo "STEP FAILED: torch sleep on reclaim"
+    gpu_step torch-sleep-on-reclaim env GPU_SLEEP_CTL="${CTL[*]}" GPU_BROKER_TOKEN="$low" \
+        python3 "$OUT/gpu_sleep_check.py" reclaim "$high"
     "${CTL[@]}" devices
-    gpu_stop "$dir3"
-    echo "=== done in $((SECONDS - t0)) s ==="
+    gpu_stop "$dir3" || GPU_FAILED+=(broker)
+    echo "=== in $((SECONDS - t0)) s ==="
+    gpu_result "sleep check"
 }
 
 case ${1:-} in
-    build) build ;;
     run) run ;;
-    *) echo "usage: $0 build|run" >&2; exit 2 ;;
+    *) echo "usage: $0 run" >&2; exit 2 ;;
 esac

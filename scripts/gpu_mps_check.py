@@ -550,7 +550,7 @@ def main():
     ap.add_argument("--alloc", action="store_true")
     ap.add_argument("--target", type=int, default=0)
     ap.add_argument("--hold", type=float, default=0)
-    ap.add_argument("--bin", default=".gpu/mps")
+    ap.add_argument("--bin", default=".gpu/all")
     ap.add_argument("--parts", default="check,bench")
     ap.add_argument("--duration", type=float, default=6.0)
     ap.add_argument("--ks", default="2,4,8")

@@ -21,7 +21,7 @@ while (($#)); do
     esac
 done
 run cargo install --locked --path broker --root "$prefix"
-run cargo install --locked --path client --root "$prefix"
+run cargo install --locked --path client/ctl --root "$prefix"
 getent group gpu-broker >/dev/null 2>&1 || run groupadd --system gpu-broker
 run install -d -m 0755 /etc/gpu-broker
 if [[ ! -e /etc/gpu-broker/config.toml ]]; then

@@ -9,8 +9,8 @@
 #
 #   scripts/quota-write-cost.sh DIR [FLAGS...]
 #
-# DIR holds release builds of gpu-broker and gpu-broker-bench (`scripts/gpu-quota-writes.sh
-# build DIR`; BROKER=PATH measures another broker); FLAGS go to the broker; with OPS=1 the
+# DIR holds release builds of gpu-broker and gpu-broker-bench (e.g. the folder
+# `scripts/gpu-all.sh build` makes; BROKER=PATH measures another broker); FLAGS go to the broker; with OPS=1 the
 # broker gets an operators' socket (`--admin-listen`) and the admin loop runs there. Prints
 # one line per call and tool.
 set -euo pipefail

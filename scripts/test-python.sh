@@ -31,7 +31,7 @@ fi
 # The broker and the CLI the tests drive (debug, sharing the workspace's target/), then the
 # package itself: the release manylinux wheel scripts/build-wheel.sh builds, the one the
 # README tells users to install.
-cargo build --quiet -p gpu-broker --bin gpu-broker -p gpu-broker-client --bin gpu-brokerctl
+cargo build --quiet -p gpu-broker --bin gpu-broker -p gpu-brokerctl --bin gpu-brokerctl
 wheel=$(scripts/build-wheel.sh)
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall \
     --no-deps "$wheel"

@@ -10,6 +10,7 @@
 //! token may expire: past its expiry it is `UNAUTHENTICATED` with "expired" in the
 //! message. Which methods a scope reaches is decided per method in `gate.rs`.
 
+use crate::grpc_status::Reason;
 use dashmap::DashMap;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
@@ -170,13 +171,13 @@ pub enum AuthError {
 impl AuthError {
     /// The machine-readable reason (`ErrorInfo.reason`): an expired token and an unknown
     /// one are told apart without reading the message.
-    pub fn reason(&self) -> &'static str {
+    pub fn reason(&self) -> Reason {
         match self {
-            AuthError::Missing => "TOKEN_MISSING",
-            AuthError::Malformed => "TOKEN_MALFORMED",
-            AuthError::Unknown => "TOKEN_UNKNOWN",
-            AuthError::Expired { .. } => "TOKEN_EXPIRED",
-            AuthError::Scope { .. } => "SCOPE_DENIED",
+            AuthError::Missing => Reason::TokenMissing,
+            AuthError::Malformed => Reason::TokenMalformed,
+            AuthError::Unknown => Reason::TokenUnknown,
+            AuthError::Expired { .. } => Reason::TokenExpired,
+            AuthError::Scope { .. } => Reason::ScopeDenied,
         }
     }
 
@@ -213,7 +214,7 @@ pub fn malformed_header() -> Status {
     crate::grpc_status::status_with_reason(
         tonic::Code::Unauthenticated,
         "malformed authorization header".into(),
-        Some("TOKEN_MALFORMED"),
+        Some(Reason::TokenMalformed),
         vec![],
     )
 }
@@ -224,7 +225,7 @@ fn wrong_service(scope: Scope, why: &str) -> Status {
     crate::grpc_status::status_with_reason(
         tonic::Code::PermissionDenied,
         why.to_string(),
-        Some("SCOPE_DENIED"),
+        Some(Reason::ScopeDenied),
         vec![("scope", scope.as_str().into())],
     )
 }
@@ -578,6 +579,7 @@ pub(crate) mod tests {
             assert_eq!(s.message(), e.to_string());
             let info = s.get_details_error_info().expect("an ErrorInfo");
             assert_eq!(info.reason, reason);
+            assert_eq!(e.reason().code(), Some(code), "{e:?}");
             let want: std::collections::HashMap<String, String> = meta
                 .into_iter()
                 .map(|(k, v): (&str, &str)| (k.to_string(), v.to_string()))

@@ -105,9 +105,9 @@ fn running_tenants(
         Ok(tenants
             .into_iter()
             .map(|t| {
-                // Client type -> wire -> broker type: the two `From` pairs, no field copy.
+                // Client type -> wire -> broker type: no field copy of our own.
                 let wire = gpu_broker_client::proto::v1::Quota::from(t.quota);
-                (t.name, Quota::from(wire))
+                (t.name, gpu_broker::service::convert::quota_from_wire(wire))
             })
             .collect())
     })

@@ -6,6 +6,8 @@
 use crate::reclaim_policy::ReclaimPolicy;
 use std::time::Duration;
 
+pub use gpu_broker_core::defaults::*;
+
 /// `--reclaim-policy`: what happens to a holder that misses its reclaim deadline.
 pub const RECLAIM_POLICY: ReclaimPolicy = ReclaimPolicy::Cooperative;
 /// `--ticket-ttl`: how long a lease ticket stays valid.
@@ -31,15 +33,6 @@ pub const QUARANTINE_TIMEOUT: Duration = Duration::from_secs(300);
 pub const MAX_SESSIONS_PER_TENANT: usize = 1024;
 /// `--max-waiting-per-tenant`.
 pub const MAX_WAITING_PER_TENANT: usize = 1024;
-/// `--turn-quantum`: how long a compute turn may last while others wait.
-pub const TURN_QUANTUM: Duration = Duration::from_millis(100);
-/// `--turn-grace`: how long after a yield request a turn is taken.
-pub const TURN_GRACE: Duration = Duration::from_millis(100);
-/// `--turn-slots`: turn holders per device at once.
-pub const TURN_SLOTS: u32 = 1;
-/// `--turn-anticipation`: how long a tenant below its weighted share keeps the turn slot
-/// it gave back (zero: never).
-pub const TURN_ANTICIPATION: Duration = Duration::ZERO;
 /// `--process-stop-grace`: how long the processes left in an ended reservation's process
 /// group have between SIGTERM and SIGKILL.
 pub const PROCESS_STOP_GRACE: Duration = Duration::from_secs(10);

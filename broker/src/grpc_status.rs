@@ -5,16 +5,15 @@
 //! in the status details whose `reason` ([`reason`]) clients match on instead of the
 //! message text, with the numbers behind it ([`metadata`]). The refusals built outside
 //! [`BrokerError`] (rate limits, connection caps, token refusals) get their details here
-//! too ([`status_with_reason`], [`status_with_details`]). The reasons table is in
-//! `docs/protocol.md`.
+//! too ([`status_with_reason`], [`status_with_details`]). The reasons themselves, with
+//! their codes, are the proto crate's [`Reason`]; the table is in `docs/protocol.md`.
 
 use crate::error::{status_message, BrokerError, ErrorKind, Missing, Queue};
 use crate::tier::Tier;
 use std::collections::HashMap;
 use tonic::{Code, Status};
 
-/// The `ErrorInfo.domain` of every reason the broker sends.
-pub const ERROR_DOMAIN: &str = "gpu-broker";
+pub use gpu_broker_proto::reason::{Reason, ERROR_DOMAIN};
 
 /// Longest `ErrorInfo.metadata` value (a tenant name is at most 64 bytes; the rest are
 /// numbers and words): status details travel in a header, like the message.
@@ -35,61 +34,61 @@ pub fn code(e: &BrokerError) -> Code {
     }
 }
 
-/// The machine-readable reason (`ErrorInfo.reason`, upper snake case), `None` for the
-/// untyped variants. Each reason belongs to exactly one gRPC code.
-pub fn reason(e: &BrokerError) -> Option<&'static str> {
+/// The machine-readable reason (`ErrorInfo.reason`), `None` for the untyped variants.
+/// Each reason belongs to exactly one gRPC code ([`Reason::code`]).
+pub fn reason(e: &BrokerError) -> Option<Reason> {
     use BrokerError::*;
     Some(match e {
-        QuotaExceeded { .. } => "QUOTA_EXCEEDED",
-        DeviceQuotaExceeded { .. } => "DEVICE_QUOTA_EXCEEDED",
-        LeaseCountLimit { .. } => "LEASE_COUNT_LIMIT",
-        TooLarge { .. } => "REQUEST_TOO_LARGE",
-        NoCapacity { .. } => "CAPACITY_EXHAUSTED",
-        QueueFull { .. } => "QUEUE_FULL",
-        SessionLimit { .. } => "SESSION_LIMIT",
-        TurnBusy { .. } => "TURN_BUSY",
-        HostFallbackFailed { .. } => "HOST_FALLBACK_FAILED",
-        SharingLimit { .. } => "SHARING_LIMIT",
-        OutOfDescriptors { .. } => "OUT_OF_DESCRIPTORS",
-        ReservationExceeded { .. } => "RESERVATION_EXCEEDED",
-        WaitExpired { .. } => "WAIT_EXPIRED",
+        QuotaExceeded { .. } => Reason::QuotaExceeded,
+        DeviceQuotaExceeded { .. } => Reason::DeviceQuotaExceeded,
+        LeaseCountLimit { .. } => Reason::LeaseCountLimit,
+        TooLarge { .. } => Reason::RequestTooLarge,
+        NoCapacity { .. } => Reason::CapacityExhausted,
+        QueueFull { .. } => Reason::QueueFull,
+        SessionLimit { .. } => Reason::SessionLimit,
+        TurnBusy { .. } => Reason::TurnBusy,
+        HostFallbackFailed { .. } => Reason::HostFallbackFailed,
+        SharingLimit { .. } => Reason::SharingLimit,
+        OutOfDescriptors { .. } => Reason::OutOfDescriptors,
+        ReservationExceeded { .. } => Reason::ReservationExceeded,
+        WaitExpired { .. } => Reason::WaitExpired,
         NotFound(m) => match m {
-            Missing::Tenant(_) | Missing::TenantGone(_) => "TENANT_NOT_FOUND",
-            Missing::Session(_) => "SESSION_NOT_FOUND",
-            Missing::Lease(_) => "LEASE_NOT_FOUND",
-            Missing::Token => "TOKEN_NOT_FOUND",
-            Missing::Turn(_) => "TURN_NOT_FOUND",
-            Missing::SharedLease { .. } => "SHARED_LEASE_NOT_FOUND",
-            Missing::Import(_) => "IMPORT_NOT_FOUND",
-            Missing::Reservation(_) => "RESERVATION_NOT_FOUND",
+            Missing::Tenant(_) | Missing::TenantGone(_) => Reason::TenantNotFound,
+            Missing::Session(_) => Reason::SessionNotFound,
+            Missing::Lease(_) => Reason::LeaseNotFound,
+            Missing::Token => Reason::TokenNotFound,
+            Missing::Turn(_) => Reason::TurnNotFound,
+            Missing::SharedLease { .. } => Reason::SharedLeaseNotFound,
+            Missing::Import(_) => Reason::ImportNotFound,
+            Missing::Reservation(_) => Reason::ReservationNotFound,
         },
-        ShuttingDown => "SHUTTING_DOWN",
-        BrokerRestarted { .. } => "BROKER_RESTARTED",
-        NoDeviceOpen { .. } => "NO_DEVICE_OPEN",
+        ShuttingDown => Reason::ShuttingDown,
+        BrokerRestarted { .. } => Reason::BrokerRestarted,
+        NoDeviceOpen { .. } => Reason::NoDeviceOpen,
         DeviceClosed {
             unhealthy: true, ..
-        } => "DEVICE_UNHEALTHY",
-        DeviceClosed { .. } => "DEVICE_DRAINING",
-        TenantInUse { .. } => "TENANT_IN_USE",
-        TurnAlreadyHeld { .. } => "TURN_ALREADY_HELD",
-        LegacyHandlesRemoved => "LEGACY_HANDLES_REMOVED",
-        ReservationHeld { .. } => "RESERVATION_HELD",
-        SharedNameTaken { .. } => "SHARED_NAME_TAKEN",
-        AlreadyPublished { .. } => "ALREADY_PUBLISHED",
-        GuaranteesExceedCapacity { .. } => "GUARANTEES_EXCEED_CAPACITY",
-        MpsNotRunning { .. } => "MPS_NOT_RUNNING",
-        HostLeaseNotShareable { .. } => "HOST_LEASE_NOT_SHAREABLE",
-        SealFailed { .. } => "SEAL_FAILED",
-        NoHostTier => "NO_HOST_TIER",
-        NoTicketServer => "NO_TICKET_SERVER",
-        FdNeedsUnixSocket => "FD_NEEDS_UNIX_SOCKET",
-        FdHandlesNotAccepted => "FD_HANDLES_NOT_ACCEPTED",
-        NoAdminTokenFile => "NO_ADMIN_TOKEN_FILE",
-        UnknownDevice { .. } => "UNKNOWN_DEVICE",
-        WaitTooLong { .. } => "WAIT_TOO_LONG",
-        TooManyReaders { .. } => "TOO_MANY_READERS",
-        SessionOfAnotherUser => "SESSION_OF_ANOTHER_USER",
-        ProcessGroupRefused { .. } => "PROCESS_GROUP_REFUSED",
+        } => Reason::DeviceUnhealthy,
+        DeviceClosed { .. } => Reason::DeviceDraining,
+        TenantInUse { .. } => Reason::TenantInUse,
+        TurnAlreadyHeld { .. } => Reason::TurnAlreadyHeld,
+        LegacyHandlesRemoved => Reason::LegacyHandlesRemoved,
+        ReservationHeld { .. } => Reason::ReservationHeld,
+        SharedNameTaken { .. } => Reason::SharedNameTaken,
+        AlreadyPublished { .. } => Reason::AlreadyPublished,
+        GuaranteesExceedCapacity { .. } => Reason::GuaranteesExceedCapacity,
+        MpsNotRunning { .. } => Reason::MpsNotRunning,
+        HostLeaseNotShareable { .. } => Reason::HostLeaseNotShareable,
+        SealFailed { .. } => Reason::SealFailed,
+        NoHostTier => Reason::NoHostTier,
+        NoTicketServer => Reason::NoTicketServer,
+        FdNeedsUnixSocket => Reason::FdNeedsUnixSocket,
+        FdHandlesNotAccepted => Reason::FdHandlesNotAccepted,
+        NoAdminTokenFile => Reason::NoAdminTokenFile,
+        UnknownDevice { .. } => Reason::UnknownDevice,
+        WaitTooLong { .. } => Reason::WaitTooLong,
+        TooManyReaders { .. } => Reason::TooManyReaders,
+        SessionOfAnotherUser => Reason::SessionOfAnotherUser,
+        ProcessGroupRefused { .. } => Reason::ProcessGroupRefused,
         InvalidArgument(_)
         | FailedPrecondition(_)
         | Unavailable(_)
@@ -230,7 +229,7 @@ pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
         WaitExpired { waited_ms, cause } => {
             let mut v = vec![("waited_ms", s(waited_ms))];
             if let Some(r) = reason(cause) {
-                v.push(("cause", r.into()));
+                v.push(("cause", r.to_string()));
             }
             v.extend(metadata(cause));
             v
@@ -328,7 +327,7 @@ fn queue_name(queue: Queue) -> &'static str {
 pub fn status_with_reason(
     code: Code,
     message: String,
-    reason: Option<&str>,
+    reason: Option<Reason>,
     metadata: Vec<(&str, String)>,
 ) -> Status {
     status_with_details(code, message, reason, metadata, None)
@@ -338,7 +337,7 @@ pub fn status_with_reason(
 pub fn status_with_details(
     code: Code,
     message: String,
-    reason: Option<&str>,
+    reason: Option<Reason>,
     metadata: Vec<(&str, String)>,
     retry_after: Option<std::time::Duration>,
 ) -> Status {
@@ -360,17 +359,17 @@ pub fn status_with_details(
             (k.to_string(), v)
         })
         .collect();
-    let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata);
+    let mut details = ErrorDetails::with_error_info(reason.as_str(), ERROR_DOMAIN, metadata);
     if let Some(after) = retry_after {
         details.set_retry_info(Some(after));
     }
     Status::with_error_details(code, message, details)
 }
 
-impl From<BrokerError> for Status {
-    fn from(e: BrokerError) -> Self {
-        status_with_reason(code(&e), e.to_string(), reason(&e), metadata(&e))
-    }
+/// The status a refusal answers with: its code, message, reason and numbers. (A function,
+/// not `From`: the error is the core crate's, the status tonic's.)
+pub fn status(e: BrokerError) -> Status {
+    status_with_reason(code(&e), e.to_string(), reason(&e), metadata(&e))
 }
 
 #[cfg(test)]
@@ -389,7 +388,7 @@ mod tests {
             held: 6 << 20,
             limit: 8 << 20,
         };
-        let s = Status::from(e.clone());
+        let s = status(e.clone());
         assert_eq!(s.code(), Code::ResourceExhausted);
         assert_eq!(s.message(), e.to_string());
         assert!(s.message().contains("4194304"), "{}", s.message());
@@ -421,7 +420,7 @@ mod tests {
                 waiting: 0,
             }),
         };
-        let s = Status::from(e);
+        let s = status(e);
         assert_eq!(s.code(), Code::DeadlineExceeded);
         assert!(s
             .message()
@@ -509,15 +508,11 @@ mod tests {
         let mut seen = std::collections::HashMap::new();
         for e in all {
             let r = reason(&e).unwrap();
-            assert!(
-                r.bytes().all(|b| b.is_ascii_uppercase() || b == b'_'),
-                "{r}"
-            );
-            assert_eq!(*seen.entry(r).or_insert(code(&e)), code(&e), "{r}");
-            let s = Status::from(e.clone());
-            assert_eq!(s.get_details_error_info().unwrap().reason, r);
+            assert_eq!(*seen.entry(r.clone()).or_insert(code(&e)), code(&e), "{r}");
+            let s = status(e.clone());
+            assert_eq!(s.get_details_error_info().unwrap().reason, r.as_str());
         }
-        let plain = Status::from(BrokerError::InvalidArgument("bytes".into()));
+        let plain = status(BrokerError::InvalidArgument("bytes".into()));
         assert_eq!(plain.code(), Code::InvalidArgument);
         assert!(plain.get_details_error_info().is_none());
     }
@@ -676,7 +671,7 @@ mod tests {
             ),
         ];
         for (e, want_code, want_reason, want_meta) in cases {
-            let s = Status::from(e.clone());
+            let s = status(e.clone());
             assert_eq!(s.code(), want_code, "{e:?}");
             assert_eq!(s.message(), e.to_string());
             let info = s.get_details_error_info().expect("an ErrorInfo");
@@ -694,7 +689,7 @@ mod tests {
         let s = status_with_reason(
             Code::ResourceExhausted,
             "x".into(),
-            Some("R"),
+            Some(Reason::QuotaExceeded),
             vec![("k", "é".repeat(1000))],
         );
         let info = s.get_details_error_info().unwrap();
@@ -950,15 +945,20 @@ mod tests {
     #[test]
     fn every_error_becomes_its_code_message_and_reason() {
         for e in one_of_each() {
-            let s = Status::from(e.clone());
+            let s = status(e.clone());
             assert_eq!(s.code(), code(&e), "{e:?}");
             assert_eq!(s.message(), e.to_string(), "{e:?}");
             let info = s.get_details_error_info();
             assert_eq!(
                 info.map(|i| i.reason),
-                reason(&e).map(String::from),
+                reason(&e).map(|r| r.to_string()),
                 "{e:?}"
             );
+            // The reason is one of the list's, with the code the list gives it.
+            if let Some(r) = reason(&e) {
+                assert!(Reason::KNOWN.contains(&r), "{r}");
+                assert_eq!(r.code(), Some(code(&e)), "{e:?}");
+            }
         }
     }
 }

@@ -3,20 +3,24 @@
 //! admin service. See `docs/architecture.md` for the map; in one line:
 //! `service -> arbiter -> (ledger, pool -> device)`, events back through `session`.
 //!
-//! Where to look: quotas are enforced in [`ledger`]; admission, queues and reclaim in
-//! [`arbiter`]; the block cache and scrubbing in [`pool`]; hardware in [`device`].
+//! Where to look: the state machine (quotas, the queue policy, every byte's state) is the
+//! core crate, `gpu_broker_core`; admission, queues and reclaim as the daemon runs them in
+//! [`arbiter`]; scrubbing in [`pool`]'s callers; hardware in [`device`].
+//!
+//! The core's modules are re-exported below at their old paths (`crate::ledger`,
+//! `crate::lease`, ...), so the daemon's code names them as before; `defaults`, `device`,
+//! `fd_budget`, `process_group`, `sharing` and `units` are the daemon's own modules that
+//! re-export the core's part of them beside their OS part.
 
 pub mod admin_token;
 pub mod arbiter;
 pub mod audit;
 pub mod auth;
-pub mod availability;
 pub mod backend;
 pub mod bounds;
 pub mod config;
 pub mod defaults;
 pub mod device;
-pub mod error;
 pub mod faults;
 pub mod fd_budget;
 pub mod file_read;
@@ -25,27 +29,19 @@ pub mod gpu_processes;
 pub mod grpc_status;
 pub mod health;
 pub mod http_slots;
-pub mod id_map;
 pub mod info;
-pub mod lease;
-pub mod ledger;
 pub mod listener;
 pub mod lock_holds;
 pub mod metrics;
 pub mod mps;
-pub mod pool;
 pub mod process;
 pub mod process_group;
 pub mod process_metrics;
-pub mod quota;
 pub mod rate;
 pub mod read_pool;
 pub mod reclaim_policy;
-pub mod reservations;
-pub mod scheduler;
 pub mod server;
 pub mod service;
-pub mod session;
 pub mod sharing;
 pub mod status_http;
 pub mod status_page;
@@ -55,7 +51,10 @@ pub mod tenants_config;
 pub mod ticket_read;
 pub mod ticket_server;
 pub mod tickets;
-pub mod tier;
 pub mod tls;
 pub mod units;
-pub mod views;
+
+pub use gpu_broker_core::{
+    availability, error, id_map, lease, ledger, pool, quota, reservations, scheduler, session,
+    tier, views,
+};

@@ -725,7 +725,7 @@ where
                         format!(
                             "{max} calls to the unauthenticated services are open on this listener, the most allowed (--max-unauthenticated-streams)"
                         ),
-                        Some("STREAM_LIMIT"),
+                        Some(crate::grpc_status::Reason::StreamLimit),
                         vec![("open_streams", max.to_string())],
                     );
                     let resp = status.into_http::<RB>();

@@ -14,16 +14,7 @@
 
 use std::time::{Duration, Instant};
 
-/// A reservation's process group, as accepted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ProcessGroup {
-    pub pgid: u32,
-    /// Real uid of the processes that may be signalled.
-    pub uid: u32,
-    /// The leader's start time (clock ticks since boot): the kernel hands the number out
-    /// again only once the whole group is gone, and then to a process started later.
-    pub leader_start: u64,
-}
+pub use gpu_broker_core::process_group::ProcessGroup;
 
 /// Why a process group was not accepted.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

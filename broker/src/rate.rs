@@ -100,7 +100,7 @@ impl RateLimiter {
                 "tenant {tenant:?} exceeds its rate limit of {} calls/s (burst {}): retry in {ms} ms",
                 self.cfg.rate, self.cfg.burst
             ),
-            Some("RATE_LIMITED"),
+            Some(crate::grpc_status::Reason::RateLimited),
             vec![
                 ("tenant", tenant.to_string()),
                 ("rate_per_second", self.cfg.rate.to_string()),

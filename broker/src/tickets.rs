@@ -358,7 +358,7 @@ mod tests {
     #[test]
     fn a_redeemed_ticket_says_whom_its_mint_named() {
         let t = TicketTable::default();
-        let mark = LiveMark::new();
+        let mark = LiveMark::default();
         let own = t.mint(
             Uuid::new_v4(),
             ME,
@@ -385,7 +385,7 @@ mod tests {
     #[test]
     fn a_ticket_of_a_lease_that_left_the_table_delivers_nothing() {
         let t = TicketTable::default();
-        let mark = LiveMark::new();
+        let mark = LiveMark::default();
         let lease = Uuid::new_v4();
         let f = fd();
         let own = || Recipient::SessionProcess(mark.clone());

@@ -2,24 +2,7 @@
 //! flags write them, and wall-clock times as milliseconds since the Unix epoch (what the
 //! API carries).
 
-/// Rounds `bytes` up to a multiple of `granularity` (a power of two); `None` on overflow.
-pub fn round_up(bytes: u64, granularity: u64) -> Option<u64> {
-    debug_assert!(granularity.is_power_of_two());
-    bytes
-        .checked_add(granularity - 1)
-        .map(|b| b & !(granularity - 1))
-}
-
-/// `8589934592` -> `"8.0 GiB"`: sizes as operators read them, the same as the CLI
-/// prints them (one formatter: the client crate's).
-pub fn human(bytes: u64) -> String {
-    gpu_broker_client::units::format_bytes(bytes)
-}
-
-/// `8589934592` -> `"8.0 GiB (8589934592 bytes)"`: exact and readable in error messages.
-pub fn show(bytes: u64) -> String {
-    format!("{} ({bytes} bytes)", human(bytes))
-}
+pub use gpu_broker_core::units::{human, round_up, show};
 
 /// Parses `8GiB`, `512MiB`, `1.5GB`, `1048576B` (a bare number other than 0 is refused:
 /// the client crate's [`parse_bytes`](gpu_broker_client::units::parse_bytes), one parser

@@ -2,7 +2,7 @@
 //! machine, plus a cross-process check (the descriptor of a block exported by `CudaDevice`
 //! imported by the client crate's CUDA module in a child process) and a few timings. Without a CUDA driver
 //! or GPU each test prints `skipped: ...` and passes, so this runs everywhere;
-//! `scripts/gpu-conformance.sh` runs it on the GPU machine.
+//! `scripts/gpu-fd-check.sh` (part `fd` of `scripts/gpu-all.sh`) runs it on the GPU machine.
 
 use gpu_broker::device::cuda::{self, CudaDevice};
 use gpu_broker::device::{conformance, Device, Handle};
@@ -84,7 +84,7 @@ fn cuda_block_maps_in_another_process() {
     let Ok(child) = std::env::var("GPU_BROKER_CUDA_FD_CHILD") else {
         println!(
             "skipped: set GPU_BROKER_CUDA_FD_CHILD to the cuda_fd_check example binary \
-             (scripts/gpu-conformance.sh does)"
+             (scripts/gpu-fd-check.sh does)"
         );
         return;
     };

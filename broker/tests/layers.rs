@@ -1,171 +1,22 @@
-//! The broker's modules form layers where it matters: reads the crate's own sources and
-//! checks, through `crate::` paths in code (comments aside, test modules included), that
-//! the configuration is on no import circle and that nothing below the arbiter reaches up
-//! into it, the configuration, the services or the server; that the module graph has no
-//! import circle at all (a top-level file may not name a sibling through `super::`, the
-//! crate root, which the graph would not see); and that the arbiter's core (`arbiter/state/` and the records it
-//! owns) names no tokio and nothing of the metrics. A directory module (`arbiter/`, `device/`, `service/`, `mps/`)
-//! counts as one module. The graph is read by `gpu-broker-module-graph`
-//! (`tests/module-graph`), shared with the client's layer test. Also: the command line is
-//! named only by the configuration (and a component's flag group), the gRPC messages only
-//! by the services and the server; and the process holds no static state but the few
-//! listed with their reasons (metrics are fields of the component that counts); and tonic
-//! is named only by the transport modules, listed with their reasons (a refusal is a
-//! `BrokerError` everywhere else; `grpc_status.rs` makes it a status).
+//! Rules of the daemon's code that the compiler does not keep. The core's layering (no
+//! runtime, OS binding, RPC or metrics in `gpu-broker-core`, nothing of it reaching the
+//! shell) is its crate boundary now; what is checked here by reading the sources (comments
+//! aside) is what a crate boundary cannot say: the core's transitions read no clock and do
+//! no file or socket I/O through `std` (which the core may name); the state lock is taken
+//! only by `Arbiter::lock`, device memory freed only by the executors, effects pushed only
+//! by the core; the command line and the wire stay at the edge; no process-wide static but
+//! the listed ones; tonic is named only by the transport modules, listed with their reasons
+//! (a refusal is a `BrokerError` everywhere else; `grpc_status.rs` makes it a status).
 
-use gpu_broker_module_graph::{circle, files, module_graph, reach, uses, uses_super, Graph};
 use std::path::Path;
 
-/// Modules below the arbiter: the state it owns, the devices, the records and their rules.
-const BELOW_ARBITER: [&str; 27] = [
-    "units",
-    "reclaim_policy",
-    "tier",
-    "faults",
-    "audit",
-    "bounds",
-    "process",
-    "quota",
-    "error",
-    "grpc_status",
-    "device",
-    "pool",
-    "lease",
-    "ledger",
-    "session",
-    "sharing",
-    "availability",
-    "scheduler",
-    "views",
-    "defaults",
-    "backend",
-    "store",
-    "auth",
-    "rate",
-    "gate",
-    "metrics",
-    "tickets",
-];
-
-/// What those must never reach, directly or through other modules.
-const ABOVE: [&str; 4] = ["arbiter", "config", "service", "server"];
-
-/// Module -> the other crate modules it names (`lib.rs` and `main.rs`, the roots, aside).
-fn graph() -> Graph {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    module_graph(&src, &["lib", "main"], uses)
-}
-
-#[test]
-fn the_configuration_is_on_no_import_circle() {
-    let graph = graph();
-    let back = reach(&graph, "config");
-    if let Some(path) = back.get("config") {
-        panic!("config reaches itself: {path}");
-    }
-    // The check sees real dependencies (it would catch one going back).
-    assert!(graph["config"].contains("arbiter"));
-    assert!(back.contains_key("backend"), "config reaches the backend");
-}
-
-#[test]
-fn nothing_below_the_arbiter_reaches_up() {
-    let graph = graph();
-    for m in BELOW_ARBITER {
-        assert!(graph.contains_key(m), "no module {m}");
-        let reached = reach(&graph, m);
-        for up in ABOVE {
-            if let Some(path) = reached.get(up) {
-                panic!("{m} reaches {up}: {path}");
-            }
-        }
-    }
-    assert!(graph["arbiter"].contains("backend"));
-    assert!(reach(&graph, "arbiter").contains_key("ledger"));
-}
-
-#[test]
-fn the_module_graph_has_no_import_circle() {
-    let graph = graph();
-    if let Some(path) = circle(&graph) {
-        panic!("import circle: {path}");
-    }
-    // The check sees the imports that once closed circles, now one way: the arbiter holds
-    // the audit log, the fault source and the reservations' table; the health monitor
-    // drives the arbiter; errors name the tier; the ledger and the bounds return errors.
-    assert!(graph["arbiter"].contains("audit"));
-    assert!(graph["arbiter"].contains("faults"));
-    assert!(graph["arbiter"].contains("reservations"));
-    assert!(graph["health"].contains("arbiter"));
-    assert!(graph["error"].contains("tier"));
-    assert!(graph["ledger"].contains("error"));
-    assert!(graph["bounds"].contains("error"));
-    // The metrics, the tickets, the ticket server and the arbiter: one way only.
-    assert!(!reach(&graph, "metrics").contains_key("tickets"));
-    assert!(!reach(&graph, "tickets").contains_key("arbiter"));
-    assert!(reach(&graph, "arbiter").contains_key("metrics"));
-    assert!(reach(&graph, "ticket_server").contains_key("arbiter"));
-}
-
-#[test]
-fn a_top_level_module_names_its_siblings_through_crate_paths_only() {
-    // From a file of `src/`, `super::` is the crate root: `super::arbiter` is
-    // `crate::arbiter`, which the graph above (read from `crate::` paths) would not see.
-    let graph = graph();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut read = 0;
-    for m in graph.keys() {
-        let Ok(text) = std::fs::read_to_string(src.join(format!("{m}.rs"))) else {
-            continue;
-        };
-        read += 1;
-        let named: Vec<String> = uses_super(&text)
-            .into_iter()
-            .filter(|n| n != m && graph.contains_key(n))
-            .collect();
-        assert!(named.is_empty(), "{m}.rs names {named:?} through super::");
-    }
-    assert!(read >= 40, "only {read} top-level files read");
-}
-
-/// The arbiter's core and the records it owns (paths under `src/`; a directory: every file
-/// in it). They name no tokio type (the shell owns every channel and task: `effects.rs`,
-/// `outbox.rs`) and do not ask whether a process lives (`crate::process`, a `/proc` read:
-/// the shell looks before the lock or after it). The files' own test modules (from a line `#[cfg(test)]` on) may use a
-/// runtime to drive the whole arbiter, except in the cores' own directories
-/// ([`CORE_WITH_TESTS`]), whose tests drive the core directly. The compute-turn scheduler's
-/// core (`scheduler/`) is checked the same way; its shell is `arbiter/turns.rs`.
-const CORE: [&str; 11] = [
-    "arbiter/state",
-    "arbiter/queue.rs",
-    "arbiter/overtaking.rs",
-    "availability.rs",
-    "session.rs",
-    "lease.rs",
-    "ledger.rs",
-    "pool.rs",
-    "sharing.rs",
-    "reservations.rs",
-    "scheduler",
-];
-
-/// The core directories whose test modules are the core's too (no runtime there either).
-const CORE_WITH_TESTS: [&str; 2] = ["arbiter/state", "scheduler"];
-
-/// What the core's code must not name: no runtime, no look at process liveness, and
-/// nothing of the metrics (it counts by pushing `Effect::Count`; the shell bumps them).
-const NOT_IN_THE_CORE: [&str; 3] = ["tokio", "crate::process::", "crate::metrics"];
-
-/// What the arbiter's core (`arbiter/state/`) must not name either: it does no I/O (no
-/// system call, no file, no socket, no look at a memfd's seals: the shell gives it that
-/// look, `state::SealCheck`) and reads no clock (the shell gives it the hold's time,
+/// What the core's transitions (`broker/core/src/state/`) must not name: it does no I/O (no
+/// file, no socket; a system call or a look at a memfd's seals it cannot name, having no
+/// `libc`: the shell gives it that look, `state::SealCheck`) and reads no clock (the shell gives it the hold's time,
 /// `state::Clock`, when it takes the lock; a version-7 id is stamped with that time too).
 /// Its tests may make real descriptors to hand it, as the devices would, and read the
 /// clocks: its test files (`*tests.rs`) and test modules are not checked for these.
-const NO_IO_IN_THE_CORE: [&str; 10] = [
-    "libc::",
-    "sharing::seals_untouched",
-    "sharing::untouched",
+const NO_IO_IN_THE_CORE: [&str; 7] = [
     "std::fs",
     "std::net",
     "Instant::now",
@@ -174,17 +25,6 @@ const NO_IO_IN_THE_CORE: [&str; 10] = [
     "now_v7",
     "Timestamp::now",
 ];
-
-/// The first line of `source`'s code (comments and, with `tests_apart`, its test module
-/// aside) that names one of [`NOT_IN_THE_CORE`].
-fn names_forbidden(source: &str, tests_apart: bool) -> Option<String> {
-    source
-        .lines()
-        .take_while(|l| !(tests_apart && l.trim() == "#[cfg(test)]"))
-        .map(|l| l.split("//").next().unwrap_or(""))
-        .find(|code| NOT_IN_THE_CORE.iter().any(|w| code.contains(w)))
-        .map(str::to_string)
-}
 
 /// The lines of `source`'s code, comments aside, and with `tests_apart` every item marked
 /// `#[cfg(test)]` aside too (a `mod x;` line, or a block up to its closing brace), wherever
@@ -228,7 +68,7 @@ fn names_any(source: &str, tests_apart: bool, words: &[&str]) -> Option<String> 
 
 #[test]
 fn the_arbiters_core_does_no_io() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/arbiter/state");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("core/src/state");
     let mut checked = 0;
     for e in std::fs::read_dir(&dir).unwrap() {
         let f = e.unwrap().path();
@@ -246,8 +86,6 @@ fn the_arbiters_core_does_no_io() {
     assert!(checked >= 6, "only {checked} core files found");
     // The check sees I/O where it is.
     for code in [
-        "} => sharing::seals_untouched(fd),\n",
-        "let have = unsafe { libc::fcntl(fd.raw(), libc::F_GET_SEALS) };\n",
         "let f = std::fs::File::open(p)?;\n",
         "use std::net::TcpStream;\n",
         "created: SystemTime::now(),\n",
@@ -278,51 +116,6 @@ fn the_arbiters_core_does_no_io() {
             "{code}"
         );
     }
-}
-
-#[test]
-fn the_core_names_no_tokio_and_reads_no_liveness() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut checked = 0;
-    for path in CORE {
-        let p = src.join(path);
-        let files: Vec<std::path::PathBuf> = if p.is_dir() {
-            let mut v: Vec<_> = std::fs::read_dir(&p)
-                .unwrap()
-                .map(|e| e.unwrap().path())
-                .filter(|f| f.extension().is_some_and(|x| x == "rs"))
-                .collect();
-            v.sort();
-            v
-        } else {
-            vec![p]
-        };
-        for f in files {
-            let text =
-                std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("read {}: {e}", f.display()));
-            // Inside the cores' own directories the test modules are the core's too.
-            let tests_apart = !CORE_WITH_TESTS.contains(&path);
-            if let Some(line) = names_forbidden(&text, tests_apart) {
-                panic!(
-                    "{} names tokio, process liveness or the metrics: {line}",
-                    f.display()
-                );
-            }
-            checked += 1;
-        }
-    }
-    assert!(checked >= 15, "only {checked} core files found");
-    // The check sees tokio where it is.
-    assert!(names_forbidden("use tokio::sync::mpsc;\n", true).is_some());
-    assert!(names_forbidden("let a = crate::process::process_alive(p);\n", true).is_some());
-    assert!(names_forbidden("use crate::process_group::ProcessGroup;\n", true).is_none());
-    assert!(names_forbidden("use crate::metrics::Revocation;\n", true).is_some());
-    assert!(names_forbidden(
-        "// tokio\nfn f() {}\n#[cfg(test)]\nmod t { use tokio; }\n",
-        true
-    )
-    .is_none());
-    assert!(names_forbidden("#[cfg(test)]\nmod t { use tokio; }\n", false).is_some());
 }
 
 /// How the arbiter's state lock may be taken outside test code: only by `Arbiter::lock`
@@ -500,13 +293,21 @@ const CLI_FILES: [&str; 3] = ["config.rs", "check_config.rs", "main.rs"];
 /// where it should be).
 const WIRE_FILES: [&str; 4] = ["service/", "server.rs", "ticket_server.rs", "read_pool.rs"];
 
-/// Every `.rs` file under `src/`, as (path relative to `src/`, text).
+/// Every `.rs` file of the daemon (`src/`) and of the core (`core/src/`), as (path relative
+/// to `src/`, or `core/...`, and text).
 fn all_sources() -> Vec<(String, String)> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    files(&src)
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = root.join("src");
+    let core = root.join("core/src");
+    rust_files(&src)
         .into_iter()
-        .map(|(p, text)| {
-            let rel = p.strip_prefix(&src).unwrap().to_string_lossy().to_string();
+        .chain(rust_files(&core))
+        .map(|p| {
+            let rel = match p.strip_prefix(&src) {
+                Ok(rel) => rel.to_string_lossy().to_string(),
+                Err(_) => format!("core/{}", p.strip_prefix(&core).unwrap().to_string_lossy()),
+            };
+            let text = std::fs::read_to_string(&p).unwrap();
             (rel, text)
         })
         .collect()
@@ -587,7 +388,7 @@ fn the_command_line_and_the_wire_stay_at_the_edge() {
 /// these gone.
 const STATICS: [(&str, &str, &str); 2] = [
     (
-        "error.rs",
+        "core/error.rs",
         "STARTED",
         "when this process started: a session id older than that is another run's",
     ),

@@ -3,11 +3,9 @@
 //! no module among the connection, session, events, pump, reconnect, lease and turn
 //! modules reaches a module that reaches back to it; that the library's whole module
 //! graph (every file and directory of `src/`, a directory counting as one module) has no
-//! import circle; and that the CLI's modules (`src/ctl/`, part of the `gpu-brokerctl`
-//! binary, which name each other through `super::`) have none either. The library also
-//! names no `clap`: the command line is the binary's.
+//! import circle.
 
-use gpu_broker_module_graph::{circle, files, module_graph, reach, uses, uses_super, Graph};
+use gpu_broker_module_graph::{circle, module_graph, reach, uses, uses_super, Graph};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// The modules kept in layers, lowest first (each may use only those before it).
@@ -59,11 +57,10 @@ fn session_modules_use_only_lower_layers() {
     assert!(graph["reconnect"].contains("pump"));
 }
 
-/// The library's modules: every file and directory of `src/` but the crate root and the
-/// binary's (`bin/`, and `ctl/`, which the binary includes as its own module).
+/// The library's modules: every file and directory of `src/` but the crate root.
 fn library_graph() -> Graph {
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    module_graph(&src, &["lib", "bin", "ctl"], uses)
+    module_graph(&src, &["lib"], uses)
 }
 
 #[test]
@@ -94,38 +91,4 @@ fn the_library_module_graph_has_no_import_circle() {
             .collect();
         assert!(named.is_empty(), "{m}.rs names {named:?} through super::");
     }
-}
-
-#[test]
-fn the_cli_modules_have_no_import_circle() {
-    let ctl = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/ctl");
-    let graph = module_graph(&ctl, &["mod"], uses_super);
-    if let Some(path) = circle(&graph) {
-        panic!("import circle among the CLI's modules: {path}");
-    }
-    assert!(graph.len() >= 7, "only {} modules: {graph:?}", graph.len());
-    // The check sees real dependencies (`super::status`, `super::super::status` in tests).
-    assert!(graph["top"].contains("status"));
-    assert!(graph["leaks"].contains("status"));
-}
-
-#[test]
-fn the_library_names_no_command_line() {
-    // clap is the CLI's (`bin/`, `ctl/`); the library's types derive none of it.
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut cli_seen = 0;
-    for (path, text) in files(&src) {
-        let rel = path.strip_prefix(&src).unwrap();
-        let code_names_clap = text
-            .lines()
-            .map(|l| l.split("//").next().unwrap_or(""))
-            .any(|code| code.contains("clap"));
-        if rel.starts_with("bin") || rel.starts_with("ctl") {
-            cli_seen += usize::from(code_names_clap);
-        } else {
-            assert!(!code_names_clap, "{} names clap", rel.display());
-        }
-    }
-    // The check sees clap where it is.
-    assert!(cli_seen >= 1, "clap in no file of the CLI");
 }

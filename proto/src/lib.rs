@@ -1,8 +1,8 @@
 //! The gpu-broker gRPC API (`gpubroker.v1`): the `Broker` service for workers, the
 //! `Admin` service for operators, and the messages they share. Generated at build time
-//! from `proto/gpubroker/v1/*.proto`; nothing here is written by hand but this file. Also
-//! the bytes of the ticket socket's replies ([`ticket`]), shared by the broker's ticket
-//! server and the client that redeems tickets.
+//! from `proto/gpubroker/v1/*.proto`; nothing here is written by hand but this file and
+//! [`reason`]. Also what both sides must spell alike: the refusal reasons ([`reason`]) and
+//! the bytes of the ticket socket's replies ([`ticket`]).
 
 #![allow(clippy::all, missing_docs)]
 
@@ -21,6 +21,8 @@ pub mod paths {
 }
 
 pub use v1::*;
+
+pub mod reason;
 
 /// The ticket socket's replies: after a worker sends a lease ticket (the bytes of a
 /// `FdTicket`), the broker answers one data byte, with the lease's descriptor attached

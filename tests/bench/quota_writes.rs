@@ -32,7 +32,7 @@
 //! long they waited (`gpu_broker_state_lock_waits_total`), its holds over 100 us of CPU
 //! (`gpu_broker_state_lock_holds_total`), the broker's CPU and the writer's (process
 //! writer) during the arm, in cores. Where the state directory lies (disk or tmpfs) is the
-//! bench's `TMPDIR` (`scripts/gpu-quota-writes.sh` runs both).
+//! bench's `TMPDIR`.
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};

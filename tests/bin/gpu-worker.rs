@@ -1,4 +1,4 @@
-//! A worker process for the GPU tests and the GPU benchmark (`scripts/gpu-check.sh`). Each
+//! A worker process for the GPU tests and the GPU benchmark (`scripts/gpu-all.sh`). Each
 //! subcommand is one role: hold a lease and watch it, open another process's lease,
 //! check a reused block reads zeros, or time leases against raw driver allocations.
 

@@ -134,7 +134,7 @@ fn install_script_installs_both_binaries_the_group_and_the_unit() {
     assert!(out.status.success(), "{text}");
     for want in [
         "cargo install --locked --path broker",
-        "cargo install --locked --path client",
+        "cargo install --locked --path client/ctl ",
         "/etc/systemd/system/gpu-broker.service",
     ] {
         assert!(text.contains(want), "{want:?} in\n{text}");

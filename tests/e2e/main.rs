@@ -15,6 +15,7 @@ mod drain;
 mod errors;
 mod examples;
 mod fd_leases;
+mod gpu_harness;
 mod isolation;
 mod mps;
 mod observability;

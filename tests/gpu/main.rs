@@ -1,5 +1,5 @@
 //! End-to-end tests on a real GPU (`--backend cuda`). Where no CUDA driver or GPU is
-//! present (CI), each test prints why it is skipped and passes; `scripts/gpu-check.sh`
+//! present (CI), each test prints why it is skipped and passes; `scripts/gpu-fd-check.sh`
 //! runs them for real on the GPU machine.
 
 use gpu_broker_client::{AdminClient, QuotaSpec};

@@ -21,12 +21,13 @@ mod health;
 mod host_direct;
 pub mod listing;
 mod outbox;
-mod overtaking;
-pub mod queue;
+pub use gpu_broker_core::lease::RECLAIM_DEADLINE_MISSED;
+pub use gpu_broker_core::request::AcquireRequest;
+/// The wait queue's records and the state core, at their old paths (`gpu_broker_core`).
+pub use gpu_broker_core::{overtaking, queue, state};
 mod reservations;
 mod revocation;
 mod sharing;
-mod state;
 mod tasks;
 pub mod tokens;
 mod turns;
@@ -111,19 +112,6 @@ impl Default for ArbiterConfig {
             fd_reserve: crate::fd_budget::reserve_for(crate::fd_budget::default_max_connections()),
         }
     }
-}
-
-/// A request for memory, after the service layer checked its shape.
-#[derive(Clone, Debug)]
-pub struct AcquireRequest {
-    pub tenant: String,
-    pub session: Uuid,
-    pub bytes: u64,
-    pub device: Option<u32>,
-    pub wait: Duration,
-    pub label: String,
-    pub reclaimable: bool,
-    pub fallback_host: bool,
 }
 
 /// Memory the one executor frees on a device ([`Arbiter::free_on_device`]): an exported
@@ -221,9 +209,6 @@ pub struct Arbiter {
 /// Where the health monitor keeps its fault source.
 pub(crate) type HealthSourceSlot =
     parking_lot::Mutex<Option<Arc<parking_lot::Mutex<Box<dyn crate::faults::FaultSource>>>>>;
-
-/// The revocation reason of a holder that missed its reclaim deadline.
-pub const RECLAIM_DEADLINE_MISSED: &str = "reclaim deadline missed";
 
 /// Longest label accepted.
 pub const MAX_LABEL: usize = crate::bounds::MAX_TEXT_BYTES;

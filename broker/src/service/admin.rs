@@ -7,6 +7,7 @@ use crate::arbiter::tokens::TokenSpec;
 use crate::arbiter::Arbiter;
 use crate::audit::{AuditFilter, Who};
 use crate::bounds;
+use crate::grpc_status::status;
 use gpu_broker_proto::v1 as pb;
 use gpu_broker_proto::v1::admin_server::Admin;
 use std::sync::Arc;
@@ -32,10 +33,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::SetQuotaResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        bounds::tenant("tenant", &r.tenant)?;
-        let update = convert::quota_update(r.quota, r.patch)?;
+        bounds::tenant("tenant", &r.tenant).map_err(status)?;
+        let update = convert::quota_update(r.quota, r.patch).map_err(status)?;
         // Committed with its audit record, on the store writer.
-        let c = self.arb.change_quota_for(r.tenant, update, who).await?;
+        let c = self
+            .arb
+            .change_quota_for(r.tenant, update, who)
+            .await
+            .map_err(status)?;
         Ok(Response::new(pb::SetQuotaResponse {
             tenant: Some(convert::tenant(&c.tenant)),
             created: c.created,
@@ -47,8 +52,8 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::GetQuotaRequest>,
     ) -> Result<Response<pb::GetQuotaResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
-        let t = self.arb.get_tenant(&req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
+        let t = self.arb.get_tenant(&req.get_ref().tenant).map_err(status)?;
         Ok(Response::new(pb::GetQuotaResponse {
             tenant: Some(convert::tenant(&t)),
         }))
@@ -61,7 +66,8 @@ impl Admin for AdminService {
         let r = req.get_ref();
         let page = self
             .arb
-            .tenants_page(&r.page_token, page_size(r.page_size))?;
+            .tenants_page(&r.page_token, page_size(r.page_size))
+            .map_err(status)?;
         Ok(Response::new(pb::ListTenantsResponse {
             tenants: page.items.iter().map(convert::tenant).collect(),
             next_page_token: page.next.unwrap_or_default(),
@@ -72,12 +78,13 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::DeleteTenantRequest>,
     ) -> Result<Response<pb::DeleteTenantResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let who = Who::of(&req);
         // Committed with its audit record, on the store writer.
         self.arb
             .delete_tenant_for(req.into_inner().tenant, who)
-            .await?;
+            .await
+            .map_err(status)?;
         Ok(Response::new(pb::DeleteTenantResponse {}))
     }
 
@@ -87,17 +94,17 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::IssueTokenResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        bounds::tenant("tenant", &r.tenant)?;
-        bounds::check("description", &r.description, bounds::MAX_TEXT_BYTES)?;
+        bounds::tenant("tenant", &r.tenant).map_err(status)?;
+        bounds::check("description", &r.description, bounds::MAX_TEXT_BYTES).map_err(status)?;
         let spec = TokenSpec {
             tenant: filter(&r.tenant).map(str::to_string),
-            scope: convert::scope_from(r.scope)?,
+            scope: convert::scope_from(r.scope).map_err(status)?,
             ttl: r.ttl_ms.map(Duration::from_millis),
             name: r.name,
             description: r.description,
         };
         // Committed with its audit record, on the store writer.
-        let issued = self.arb.issue_for(spec, who).await?;
+        let issued = self.arb.issue_for(spec, who).await.map_err(status)?;
         let e = &issued.entry;
         Ok(Response::new(pb::IssueTokenResponse {
             token: issued.token.clone(),
@@ -115,8 +122,8 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::RevokeTokenResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        bounds::check("token", &r.token, bounds::MAX_TOKEN_BYTES)?;
-        bounds::check("token_id", &r.token_id, bounds::MAX_TOKEN_BYTES)?;
+        bounds::check("token", &r.token, bounds::MAX_TOKEN_BYTES).map_err(status)?;
+        bounds::check("token_id", &r.token_id, bounds::MAX_TOKEN_BYTES).map_err(status)?;
         let key = if r.token_id.is_empty() {
             r.token
         } else {
@@ -126,7 +133,7 @@ impl Admin for AdminService {
             return Err(Status::invalid_argument("token_id or token is required"));
         }
         // Committed with its audit record, on the store writer.
-        self.arb.revoke_token_for(key, who).await?;
+        self.arb.revoke_token_for(key, who).await.map_err(status)?;
         Ok(Response::new(pb::RevokeTokenResponse {}))
     }
 
@@ -134,9 +141,9 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListTokensRequest>,
     ) -> Result<Response<pb::ListTokensResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant)?;
+        self.arb.check_tenant_filter(tenant).map_err(status)?;
         let tokens = self.arb.list_tokens(tenant);
         Ok(Response::new(pb::ListTokensResponse {
             tokens: tokens
@@ -150,13 +157,14 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListAllLeasesRequest>,
     ) -> Result<Response<pb::ListAllLeasesResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant)?;
+        self.arb.check_tenant_filter(tenant).map_err(status)?;
         let r = req.get_ref();
         let page = self
             .arb
-            .leases_page(tenant, &r.page_token, page_size(r.page_size))?;
+            .leases_page(tenant, &r.page_token, page_size(r.page_size))
+            .map_err(status)?;
         Ok(Response::new(pb::ListAllLeasesResponse {
             leases: page
                 .items
@@ -173,14 +181,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::RevokeLeaseResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        let id = parse_id("lease_id", &r.lease_id)?;
-        bounds::check("reason", &r.reason, bounds::MAX_REASON_BYTES)?;
+        let id = parse_id("lease_id", &r.lease_id).map_err(status)?;
+        bounds::check("reason", &r.reason, bounds::MAX_REASON_BYTES).map_err(status)?;
         let reason = if r.reason.is_empty() {
             "revoked by an operator".to_string()
         } else {
             r.reason
         };
-        let lease = self.arb.revoke(id, &reason)?;
+        let lease = self.arb.revoke(id, &reason).map_err(status)?;
         self.arb.audit(
             &who,
             "lease.revoke",
@@ -199,13 +207,14 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
-        bounds::tenant("tenant", &req.get_ref().tenant)?;
+        bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant)?;
+        self.arb.check_tenant_filter(tenant).map_err(status)?;
         let r = req.get_ref();
         let page = self
             .arb
-            .sessions_page(tenant, &r.page_token, page_size(r.page_size))?;
+            .sessions_page(tenant, &r.page_token, page_size(r.page_size))
+            .map_err(status)?;
         Ok(Response::new(pb::ListSessionsResponse {
             sessions: page.items.iter().map(convert::session).collect(),
             next_page_token: page.next.unwrap_or_default(),
@@ -238,7 +247,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::RotateAdminTokenResponse>, Status> {
         let who = Who::of(&req);
         let grace = Duration::from_millis(req.get_ref().grace_ms);
-        let token = self.arb.rotate_admin_token(grace)?;
+        let token = self.arb.rotate_admin_token(grace).map_err(status)?;
         self.arb.audit(
             &who,
             "admin_token.rotate",
@@ -259,11 +268,14 @@ impl Admin for AdminService {
         req: Request<pb::ListAuditRequest>,
     ) -> Result<Response<pb::ListAuditResponse>, Status> {
         let r = req.into_inner();
-        let records = self.arb.list_audit(&AuditFilter {
-            since_unix_ms: r.since_unix_ms,
-            tenant: filter(&r.tenant).map(str::to_string),
-            limit: r.limit as usize,
-        })?;
+        let records = self
+            .arb
+            .list_audit(&AuditFilter {
+                since_unix_ms: r.since_unix_ms,
+                tenant: filter(&r.tenant).map(str::to_string),
+                limit: r.limit as usize,
+            })
+            .map_err(status)?;
         Ok(Response::new(pb::ListAuditResponse {
             entries: records.iter().map(convert::audit_entry).collect(),
         }))
@@ -276,11 +288,14 @@ impl Admin for AdminService {
         let who = Who::of(&req);
         let r = req.into_inner();
         let before = self.arb.drain_report();
-        let report = self.arb.start_drain(
-            r.device,
-            r.deadline_ms.map(Duration::from_millis),
-            &r.reason,
-        )?;
+        let report = self
+            .arb
+            .start_drain(
+                r.device,
+                r.deadline_ms.map(Duration::from_millis),
+                &r.reason,
+            )
+            .map_err(status)?;
         self.arb.audit(
             &who,
             "drain.start",
@@ -300,7 +315,7 @@ impl Admin for AdminService {
         let who = Who::of(&req);
         let device = req.get_ref().device;
         let before = self.arb.drain_report();
-        let report = self.arb.undrain(device)?;
+        let report = self.arb.undrain(device).map_err(status)?;
         self.arb.audit(
             &who,
             "drain.stop",
@@ -326,10 +341,9 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::AdminListSharedLeasesRequest>,
     ) -> Result<Response<pb::AdminListSharedLeasesResponse>, Status> {
-        Ok(Response::new(super::shared::list_all(
-            &self.arb,
-            req.get_ref(),
-        )?))
+        Ok(Response::new(
+            super::shared::list_all(&self.arb, req.get_ref()).map_err(status)?,
+        ))
     }
 
     async fn list_quarantined(
@@ -371,7 +385,8 @@ impl Admin for AdminService {
         let r = req.into_inner();
         let changed = self
             .arb
-            .set_device_health(r.device, r.healthy, &r.reason, &who)?;
+            .set_device_health(r.device, r.healthy, &r.reason, &who)
+            .map_err(status)?;
         self.arb.audits_written().await;
         Ok(Response::new(pb::SetDeviceHealthResponse { changed }))
     }

@@ -7,6 +7,7 @@ use super::handles;
 use crate::arbiter::{AcquireRequest, Arbiter};
 use crate::auth::tenant_of;
 use crate::error::BrokerError;
+use crate::grpc_status::status;
 use crate::session::Peer;
 use gpu_broker_proto::v1 as pb;
 use gpu_broker_proto::v1::broker_server::Broker;
@@ -89,7 +90,7 @@ impl BrokerService {
                 }
             }
         }
-        e.into()
+        status(e)
     }
 }
 
@@ -110,7 +111,8 @@ impl Broker for BrokerService {
         let name = req.into_inner().name;
         let (id, rx) = self
             .arb
-            .open_session_with_token(&tenant, &name, peer, token_id)?;
+            .open_session_with_token(&tenant, &name, peer, token_id)
+            .map_err(status)?;
         let opened = pb::SessionOpened {
             session_id: id.to_string(),
             tenant,
@@ -135,11 +137,11 @@ impl Broker for BrokerService {
         let caller = peer_of(&req);
         let token = bearer_of(&req);
         let r = req.into_inner();
-        let session = parse_id("session_id", &r.session_id)?;
-        let fallback = pb::Fallback::try_from(r.fallback).map_err(|_| {
-            BrokerError::InvalidArgument(format!("unknown fallback {}", r.fallback))
-        })?;
-        let accept = handles::parse_accept(&r.accept_handles)?;
+        let session = parse_id("session_id", &r.session_id).map_err(status)?;
+        let fallback = pb::Fallback::try_from(r.fallback)
+            .map_err(|_| BrokerError::InvalidArgument(format!("unknown fallback {}", r.fallback)))
+            .map_err(status)?;
+        let accept = handles::parse_accept(&r.accept_handles).map_err(status)?;
         let span = tracing::info_span!("acquire", %tenant, %session, bytes = r.bytes);
         let acquire = AcquireRequest {
             tenant,
@@ -152,10 +154,13 @@ impl Broker for BrokerService {
             fallback_host: fallback == pb::Fallback::Host,
         };
         // Bad values first (as before), then whether this caller can use what it would get.
-        self.arb.validate(&acquire)?;
-        let session_peer = self.arb.session_peer(&acquire.tenant, session)?;
-        handles::check_same_user(&session_peer, &caller)?;
-        handles::check_servable(&self.arb, accept, &caller)?;
+        self.arb.validate(&acquire).map_err(status)?;
+        let session_peer = self
+            .arb
+            .session_peer(&acquire.tenant, session)
+            .map_err(status)?;
+        handles::check_same_user(&session_peer, &caller).map_err(status)?;
+        handles::check_servable(&self.arb, accept, &caller).map_err(status)?;
         let lease = if r.host_tier {
             self.arb.acquire_host_tier(acquire).instrument(span).await
         } else {
@@ -168,7 +173,7 @@ impl Broker for BrokerService {
             Err(e) => {
                 // Checked before the grant; if it fails now nobody can map the lease.
                 let _ = self.arb.release(&lease.tenant, lease.id);
-                return Err(e.into());
+                return Err(status(e));
             }
         }
         Ok(Response::new(pb::AcquireLeaseResponse {
@@ -181,9 +186,9 @@ impl Broker for BrokerService {
         req: Request<pb::ReleaseLeaseRequest>,
     ) -> Result<Response<pb::ReleaseLeaseResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        let id = parse_id("lease_id", &req.get_ref().lease_id)?;
+        let id = parse_id("lease_id", &req.get_ref().lease_id).map_err(status)?;
         let _span = tracing::info_span!("release", %tenant, lease = %id).entered();
-        self.arb.release(&tenant, id)?;
+        self.arb.release(&tenant, id).map_err(status)?;
         Ok(Response::new(pb::ReleaseLeaseResponse {}))
     }
 
@@ -194,7 +199,10 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let r = req.get_ref();
         let size = crate::arbiter::listing::page_size(r.page_size);
-        let page = self.arb.leases_page(Some(&tenant), &r.page_token, size)?;
+        let page = self
+            .arb
+            .leases_page(Some(&tenant), &r.page_token, size)
+            .map_err(status)?;
         Ok(Response::new(pb::ListLeasesResponse {
             leases: page
                 .items
@@ -210,10 +218,10 @@ impl Broker for BrokerService {
         req: Request<pb::GetUsageRequest>,
     ) -> Result<Response<pb::GetUsageResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        let t = self.arb.usage(&tenant)?;
+        let t = self.arb.usage(&tenant).map_err(status)?;
         Ok(Response::new(pb::GetUsageResponse {
             tenant: t.name.clone(),
-            quota: Some(t.quota.clone().into()),
+            quota: Some(convert::quota_to_wire(t.quota.clone())),
             usage: Some(convert::usage(&t.usage, &t)),
         }))
     }
@@ -225,7 +233,7 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let token = bearer_of(&req);
         let r = req.into_inner();
-        let session = parse_id("session_id", &r.session_id)?;
+        let session = parse_id("session_id", &r.session_id).map_err(status)?;
         let span = tracing::info_span!("turn", %tenant, %session, device = r.device);
         let wait = Duration::from_millis(r.wait_ms.unwrap_or(0));
         let grant = self
@@ -248,8 +256,11 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::ReleaseTurnResponse>, Status> {
         let received = std::time::Instant::now();
         let tenant = tenant_of(&req)?;
-        let id = parse_id("turn_id", &req.get_ref().turn_id)?;
-        let end = self.arb.release_turn_received(&tenant, id, received)?;
+        let id = parse_id("turn_id", &req.get_ref().turn_id).map_err(status)?;
+        let end = self
+            .arb
+            .release_turn_received(&tenant, id, received)
+            .map_err(status)?;
         if end.handed_off {
             // The direct hand-off: the waiter's task was woken on this worker thread by
             // its grant, and tokio runs it next when this task yields, so the waiter's
@@ -269,15 +280,17 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::RenewLeaseTicketResponse>, Status> {
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
-        let id = parse_id("lease_id", &req.get_ref().lease_id)?;
+        let id = parse_id("lease_id", &req.get_ref().lease_id).map_err(status)?;
         let _span = tracing::info_span!("renew_ticket", %tenant, lease = %id).entered();
         // An import's id renews the import's (read-only) descriptor.
-        if let Some(fd) = super::shared::renew_import(&self.arb, &tenant, id, &caller)? {
+        if let Some(fd) =
+            super::shared::renew_import(&self.arb, &tenant, id, &caller).map_err(status)?
+        {
             return Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }));
         }
-        let (view, session) = self.arb.own_lease(&tenant, id)?;
-        handles::check_same_user(&session, &caller)?;
-        let fd = handles::fd_handle(&self.arb, &view, &caller, &session)?;
+        let (view, session) = self.arb.own_lease(&tenant, id).map_err(status)?;
+        handles::check_same_user(&session, &caller).map_err(status)?;
+        let fd = handles::fd_handle(&self.arb, &view, &caller, &session).map_err(status)?;
         Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }))
     }
 
@@ -286,8 +299,8 @@ impl Broker for BrokerService {
         req: Request<pb::KeepaliveRequest>,
     ) -> Result<Response<pb::KeepaliveResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        let id = parse_id("session_id", &req.get_ref().session_id)?;
-        self.arb.touch(&tenant, id)?;
+        let id = parse_id("session_id", &req.get_ref().session_id).map_err(status)?;
+        self.arb.touch(&tenant, id).map_err(status)?;
         Ok(Response::new(pb::KeepaliveResponse {}))
     }
 
@@ -303,11 +316,9 @@ impl Broker for BrokerService {
         req: Request<pb::PublishLeaseRequest>,
     ) -> Result<Response<pb::PublishLeaseResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        Ok(Response::new(super::shared::publish(
-            &self.arb,
-            &tenant,
-            req.get_ref(),
-        )?))
+        Ok(Response::new(
+            super::shared::publish(&self.arb, &tenant, req.get_ref()).map_err(status)?,
+        ))
     }
 
     async fn unpublish_lease(
@@ -315,11 +326,9 @@ impl Broker for BrokerService {
         req: Request<pb::UnpublishLeaseRequest>,
     ) -> Result<Response<pb::UnpublishLeaseResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        Ok(Response::new(super::shared::unpublish(
-            &self.arb,
-            &tenant,
-            req.get_ref(),
-        )?))
+        Ok(Response::new(
+            super::shared::unpublish(&self.arb, &tenant, req.get_ref()).map_err(status)?,
+        ))
     }
 
     async fn import_lease(
@@ -328,12 +337,9 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::ImportLeaseResponse>, Status> {
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
-        Ok(Response::new(super::shared::import(
-            &self.arb,
-            &tenant,
-            &caller,
-            req.get_ref(),
-        )?))
+        Ok(Response::new(
+            super::shared::import(&self.arb, &tenant, &caller, req.get_ref()).map_err(status)?,
+        ))
     }
 
     async fn release_import(
@@ -341,11 +347,9 @@ impl Broker for BrokerService {
         req: Request<pb::ReleaseImportRequest>,
     ) -> Result<Response<pb::ReleaseImportResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        Ok(Response::new(super::shared::release_import(
-            &self.arb,
-            &tenant,
-            req.get_ref(),
-        )?))
+        Ok(Response::new(
+            super::shared::release_import(&self.arb, &tenant, req.get_ref()).map_err(status)?,
+        ))
     }
 
     async fn list_shared_leases(
@@ -353,11 +357,9 @@ impl Broker for BrokerService {
         req: Request<pb::ListSharedLeasesRequest>,
     ) -> Result<Response<pb::ListSharedLeasesResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        Ok(Response::new(super::shared::list_visible(
-            &self.arb,
-            &tenant,
-            req.get_ref(),
-        )?))
+        Ok(Response::new(
+            super::shared::list_visible(&self.arb, &tenant, req.get_ref()).map_err(status)?,
+        ))
     }
 
     async fn reserve_process_memory(
@@ -367,9 +369,13 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
         let r = req.into_inner();
-        let session = parse_id("session_id", &r.session_id)?;
-        crate::bounds::check("label", &r.label, crate::arbiter::MAX_LABEL)?;
-        check_reservation_caller(&self.arb.session_peer(&tenant, session)?, &caller)?;
+        let session = parse_id("session_id", &r.session_id).map_err(status)?;
+        crate::bounds::check("label", &r.label, crate::arbiter::MAX_LABEL).map_err(status)?;
+        check_reservation_caller(
+            &self.arb.session_peer(&tenant, session).map_err(status)?,
+            &caller,
+        )
+        .map_err(status)?;
         let span = tracing::info_span!("reserve_process", %tenant, %session, bytes = r.bytes);
         let view = self
             .arb
@@ -383,7 +389,8 @@ impl Broker for BrokerService {
                 compute_percent: r.compute_percent,
             })
             .instrument(span)
-            .await?;
+            .await
+            .map_err(status)?;
         let mps = self.arb.mps().is_some().then(|| pb::MpsEnvironment {
             vars: view.env.iter().cloned().collect(),
         });
@@ -398,9 +405,13 @@ impl Broker for BrokerService {
         req: Request<pb::ReleaseProcessMemoryRequest>,
     ) -> Result<Response<pb::ReleaseProcessMemoryResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        let id = parse_id("reservation_id", &req.get_ref().reservation_id)?;
-        check_reservation_caller(&self.arb.reservation_peer(&tenant, id)?, &peer_of(&req))?;
-        self.arb.release_process(&tenant, id)?;
+        let id = parse_id("reservation_id", &req.get_ref().reservation_id).map_err(status)?;
+        check_reservation_caller(
+            &self.arb.reservation_peer(&tenant, id).map_err(status)?,
+            &peer_of(&req),
+        )
+        .map_err(status)?;
+        self.arb.release_process(&tenant, id).map_err(status)?;
         Ok(Response::new(pb::ReleaseProcessMemoryResponse {}))
     }
 
@@ -410,18 +421,23 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::SetProcessGroupResponse>, Status> {
         let tenant = tenant_of(&req)?;
         let r = req.get_ref();
-        let id = parse_id("reservation_id", &r.reservation_id)?;
+        let id = parse_id("reservation_id", &r.reservation_id).map_err(status)?;
         if r.pgid <= 1 {
-            return Err(BrokerError::InvalidArgument(format!(
+            return Err(status(BrokerError::InvalidArgument(format!(
                 "pgid {} is not a process group a program can lead",
                 r.pgid
-            ))
-            .into());
+            ))));
         }
         // The group's leader must then be of the caller's uid too (the arbiter checks it
         // against the session's): the broker signals only what the caller could.
-        check_reservation_caller(&self.arb.reservation_peer(&tenant, id)?, &peer_of(&req))?;
-        self.arb.set_process_group(&tenant, id, r.pgid)?;
+        check_reservation_caller(
+            &self.arb.reservation_peer(&tenant, id).map_err(status)?,
+            &peer_of(&req),
+        )
+        .map_err(status)?;
+        self.arb
+            .set_process_group(&tenant, id, r.pgid)
+            .map_err(status)?;
         Ok(Response::new(pb::SetProcessGroupResponse {}))
     }
 }

@@ -83,8 +83,8 @@ pub fn memory_kind(k: crate::device::MemoryKind) -> pb::MemoryKind {
 }
 
 /// The wire quota as the broker's [`Quota`] (field for field; checks come later).
-impl From<pb::Quota> for Quota {
-    fn from(q: pb::Quota) -> Self {
+pub fn quota_from_wire(q: pb::Quota) -> Quota {
+    {
         Quota {
             limit_bytes: q.limit_bytes,
             max_leases: q.max_leases,
@@ -98,8 +98,8 @@ impl From<pb::Quota> for Quota {
 }
 
 /// The broker's [`Quota`] as the wire quota.
-impl From<Quota> for pb::Quota {
-    fn from(q: Quota) -> Self {
+pub fn quota_to_wire(q: Quota) -> pb::Quota {
+    {
         pb::Quota {
             limit_bytes: q.limit_bytes,
             max_leases: q.max_leases,
@@ -113,8 +113,8 @@ impl From<Quota> for pb::Quota {
 }
 
 /// The wire patch as the broker's [`QuotaPatch`].
-impl From<pb::QuotaPatch> for QuotaPatch {
-    fn from(p: pb::QuotaPatch) -> Self {
+pub fn patch_from_wire(p: pb::QuotaPatch) -> QuotaPatch {
+    {
         QuotaPatch {
             limit_bytes: p.limit_bytes,
             max_leases: p.max_leases,
@@ -133,8 +133,8 @@ impl From<pb::QuotaPatch> for QuotaPatch {
 }
 
 /// The broker's [`QuotaPatch`] as the wire patch.
-impl From<QuotaPatch> for pb::QuotaPatch {
-    fn from(p: QuotaPatch) -> Self {
+pub fn patch_to_wire(p: QuotaPatch) -> pb::QuotaPatch {
+    {
         pb::QuotaPatch {
             limit_bytes: p.limit_bytes,
             max_leases: p.max_leases,
@@ -164,9 +164,9 @@ pub fn quota_update(
         (Some(_), Some(_)) => Err(BrokerError::InvalidArgument(
             "give either quota (replace) or patch (change some fields), not both".into(),
         )),
-        (Some(q), None) => Ok(QuotaUpdate::Replace(Quota::from(q))),
+        (Some(q), None) => Ok(QuotaUpdate::Replace(quota_from_wire(q))),
         (None, Some(p)) => {
-            let patch = QuotaPatch::from(p);
+            let patch = patch_from_wire(p);
             if patch.is_empty() {
                 return Err(BrokerError::InvalidArgument(
                     "the quota patch changes nothing: give at least one field".into(),
@@ -202,7 +202,7 @@ pub fn usage(u: &Usage, t: &TenantView) -> pb::Usage {
 pub fn tenant(t: &TenantView) -> pb::TenantInfo {
     pb::TenantInfo {
         name: t.name.clone(),
-        quota: Some(pb::Quota::from(t.quota.clone())),
+        quota: Some(quota_to_wire(t.quota.clone())),
         usage: Some(usage(&t.usage, t)),
         token_count: t.tokens,
     }

@@ -196,7 +196,7 @@ mod tests {
 
     #[test]
     fn only_a_caller_whose_pid_is_the_sessions_is_its_process() {
-        let mark = LiveMark::new();
+        let mark = LiveMark::default();
         let of = |c, s| recipient(&peer(c), &peer(s), &mark);
         assert_eq!(
             of(Some(7), Some(7)),

@@ -10,6 +10,15 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use std::collections::BTreeMap;
 
+/// Every reason the broker sends, with its code's name (`_native.REASON_CODES`): the list
+/// `gpubroker.errors.REASONS` is checked against.
+pub fn reason_codes() -> BTreeMap<&'static str, &'static str> {
+    gpu_broker_client::error::Reason::KNOWN
+        .iter()
+        .filter_map(|r| Some((r.as_str(), gpu_broker_client::error::code_name(r.code()?))))
+        .collect()
+}
+
 /// The `gpubroker.errors` class for a gRPC code.
 pub fn class_for(code: Code) -> &'static str {
     match code {

@@ -35,6 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch::_torch_wake, m)?)?;
     m.add_function(wrap_pyfunction!(torch::_torch_asleep, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("REASON_CODES", errors::reason_codes())?;
     m.add(
         "REQUIRED_API_REVISION",
         gpu_broker_client::REQUIRED_API_REVISION,

@@ -6,6 +6,8 @@ from .events import Event, ReclaimRequested
 
 __version__: str
 REQUIRED_API_REVISION: int
+#: Every reason the broker sends, with its gRPC code's name (from the Rust list).
+REASON_CODES: Dict[str, str]
 
 Shape = Union[int, Sequence[int], None]
 

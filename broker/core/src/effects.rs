@@ -1,0 +1,224 @@
+//! Effects: what a state transition asks the shell to do once it has decided. A transition
+//! (a method on [`State`](crate::state::State)) never frees device memory, kills a process,
+//! spawns a watcher, answers a waiter or tells a session itself: it pushes an [`Effect`]
+//! onto the core's effect list (private to `state/`: the shell pushes nothing itself). The
+//! shell's lock guard (`gpu_broker::arbiter`, `effects.rs`) takes them and runs them when
+//! it is dropped: device frees before the unlock, everything else after it.
+
+use crate::error::BrokerResult;
+use crate::lease::{LeaseView, Revocation};
+use crate::ledger::Tier;
+use crate::pool::Block;
+use crate::queue::{Granted, WaiterId};
+use crate::session::SessionEvent;
+use uuid::Uuid;
+
+/// One thing a transition asks the shell to do.
+#[derive(Debug)]
+pub enum Effect {
+    /// Free a block on device `device` (queued before the lock is released).
+    Free { device: u32, block: Block },
+    /// Free a host-fallback block (queued before the lock is released).
+    FreeHost { block: Block },
+    /// Kill the holder of a revoked lease (`--reclaim-policy terminate`).
+    Kill { pid: u32 },
+    /// Start a watcher (a task waiting for a process's exit or a timeout); the shell
+    /// keeps its cancellation handle under the key. Run before the lock is released, so
+    /// it is in place before any later transition can stop it.
+    Watch(Watch),
+    /// Stop the watcher of that key (if it still runs). Run before the lock is released.
+    Unwatch(Watch),
+    /// Answer a waiting `acquire` (by its id: the shell keeps the channel,
+    /// `outbox.rs`); a grant nobody receives is released at once.
+    Reply {
+        to: WaiterId,
+        result: BrokerResult<Granted>,
+    },
+    /// Tell a session something (its event stream, through its mailbox in `outbox.rs`).
+    Notify { session: Uuid, event: SessionEvent },
+    /// A session ended: its mailbox closes (after the events pushed before this).
+    Hangup { session: Uuid },
+    /// Processes that may map an ended lease's (or import's) memory, counted alive under
+    /// the lock without a look: after the unlock the shell reads `/proc` and hands those
+    /// certainly gone to `State::holders_checked` (a check that cannot decide is alive).
+    CheckGone {
+        of: crate::state::Holding,
+        pids: Vec<u32>,
+    },
+    /// A lease ended: its undelivered tickets go.
+    ForgetTickets { lease: Uuid },
+    /// A session ended: its compute turns and turn requests go.
+    EndTurns { session: Uuid },
+    /// A process reservation ended: stop what is left of its program's process group
+    /// (SIGTERM, SIGKILL after `process_stop_grace`).
+    StopGroup(crate::process_group::ProcessGroup),
+    /// Count something in the metrics.
+    Count(Counted),
+    /// Do a grant's device work (allocate, or scrub a reused block) on a task, then commit
+    /// it. Runs after the lock is released, so after the frees queued under it.
+    Materialize(Box<PendingGrant>),
+}
+
+/// What a watcher waits for, and its key: the state names what it waits on, the shell
+/// ([`Watchers`]) keeps the task's cancellation handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Watch {
+    /// Quarantined memory of an ended lease: lift it when `pid` exits, or free it after
+    /// the quarantine timeout when the pid is unknown.
+    Quarantine { lease: Uuid, pid: Option<u32> },
+    /// A shared block held for others (`sharing.rs`): process `pid` that may map it
+    /// exited, or (`None`) the quarantine timeout passed.
+    Held { lease: Uuid, pid: Option<u32> },
+    /// A lingering import: likewise.
+    Import { import: Uuid, pid: Option<u32> },
+    /// A session's peer process: the session ends when it exits.
+    Session { session: Uuid, pid: u32 },
+}
+
+impl Watch {
+    /// The process it waits on (`None`: a timeout).
+    pub fn pid(&self) -> Option<u32> {
+        match *self {
+            Watch::Quarantine { pid, .. } | Watch::Held { pid, .. } | Watch::Import { pid, .. } => {
+                pid
+            }
+            Watch::Session { pid, .. } => Some(pid),
+        }
+    }
+}
+
+/// A grant whose memory is reserved (ledger and pool) and needs device work.
+#[derive(Debug)]
+pub struct PendingGrant {
+    pub ask: crate::queue::Ask,
+    pub priority: i32,
+    /// The waiter its answer goes to.
+    pub to: WaiterId,
+    pub device: u32,
+    pub source: crate::pool::Source,
+}
+
+/// What a transition counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counted {
+    Granted(Tier),
+    Quarantined,
+    Revoked(Revocation),
+    ReclaimRequested,
+    CrossTenantFresh,
+}
+
+/// The effects a transition produced, in the order it produced them.
+#[derive(Debug, Default)]
+pub struct Effects(Vec<Effect>);
+
+impl Effects {
+    pub fn push(&mut self, e: Effect) {
+        self.0.push(e);
+    }
+    /// Free `block` on device `device`.
+    pub fn free(&mut self, device: u32, block: Block) {
+        self.0.push(Effect::Free { device, block });
+    }
+    /// Free a host-fallback block.
+    pub fn free_host(&mut self, block: Block) {
+        self.0.push(Effect::FreeHost { block });
+    }
+    /// Send `event` to session `session`'s stream.
+    pub fn notify(&mut self, session: Uuid, event: SessionEvent) {
+        self.0.push(Effect::Notify { session, event });
+    }
+    /// Answer a waiter with a lease (or why not).
+    pub fn reply(&mut self, to: WaiterId, result: BrokerResult<LeaseView>) {
+        self.0.push(Effect::Reply {
+            to,
+            result: result.map(Granted::Lease),
+        });
+    }
+    /// Answer a waiting process reservation (or why not).
+    pub fn reply_process(
+        &mut self,
+        to: WaiterId,
+        result: BrokerResult<crate::reservations::ReservationView>,
+    ) {
+        self.0.push(Effect::Reply {
+            to,
+            result: result.map(Granted::Process),
+        });
+    }
+    /// Start a watcher.
+    pub fn watch(&mut self, w: Watch) {
+        self.0.push(Effect::Watch(w));
+    }
+    /// Stop a watcher.
+    pub fn unwatch(&mut self, w: Watch) {
+        self.0.push(Effect::Unwatch(w));
+    }
+    /// Stop what is left of an ended reservation's process group.
+    pub fn stop_group(&mut self, g: crate::process_group::ProcessGroup) {
+        self.0.push(Effect::StopGroup(g));
+    }
+    /// Count something.
+    pub fn count(&mut self, what: Counted) {
+        self.0.push(Effect::Count(what));
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    /// Takes out the answer pushed for waiter `to`, if one is here; the other effects
+    /// stay, in order.
+    pub fn take_reply(&mut self, to: WaiterId) -> Option<BrokerResult<Granted>> {
+        let i = self
+            .0
+            .iter()
+            .position(|e| matches!(e, Effect::Reply { to: t, .. } if *t == to))?;
+        match self.0.remove(i) {
+            Effect::Reply { result, .. } => Some(result),
+            // Not reached (`position` found a reply there); put back rather than panic.
+            other => {
+                self.0.insert(i, other);
+                None
+            }
+        }
+    }
+    /// The effects, in order.
+    pub fn into_vec(self) -> Vec<Effect> {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::BrokerError;
+
+    #[test]
+    fn take_reply_takes_only_that_waiters_answer_and_keeps_the_rest_in_order() {
+        let mut fx = Effects::default();
+        fx.count(Counted::Quarantined);
+        fx.reply(1, Err(BrokerError::ShuttingDown));
+        fx.count(Counted::ReclaimRequested);
+        fx.reply(2, Err(BrokerError::NoHostTier));
+        assert!(
+            fx.take_reply(3).is_none(),
+            "no answer for a waiter not answered"
+        );
+        assert!(matches!(
+            fx.take_reply(2),
+            Some(Err(BrokerError::NoHostTier))
+        ));
+        assert!(fx.take_reply(2).is_none(), "taken once");
+        let rest = fx.into_vec();
+        assert!(matches!(
+            rest.as_slice(),
+            [
+                Effect::Count(Counted::Quarantined),
+                Effect::Reply {
+                    to: 1,
+                    result: Err(BrokerError::ShuttingDown)
+                },
+                Effect::Count(Counted::ReclaimRequested),
+            ]
+        ));
+    }
+}

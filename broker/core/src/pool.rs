@@ -1,0 +1,516 @@
+//! The pool: per-device memory accounting and the block cache. It rounds sizes up to the
+//! device's granularity, keeps freed blocks for reuse (a reused block costs no driver call),
+//! says when a block must be **scrubbed** (zeroed) because it last belonged to another
+//! tenant, and trims the cache (least recently used first) when a fresh allocation would
+//! otherwise not fit under the leasable limit. It never decides *who* gets memory (that is
+//! the arbiter) and never calls the device itself: it returns the blocks the caller must
+//! free or scrub on the device thread.
+//!
+//! Every byte of the device the broker allocated is in exactly one state:
+//! `leased + reserved + quarantined + cached` = what the broker holds on the device
+//! (counting queued frees as done: the device thread runs jobs in order).
+
+use crate::memory::{Allocation, Handle};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// One device allocation with its exported handle (for fd handles, the exported
+/// descriptor itself: a pooled block costs no export).
+#[derive(Debug)]
+pub struct Block {
+    pub alloc: Allocation,
+    pub handle: Handle,
+    /// Tenant whose bytes it may contain; `None` when known to be zero.
+    pub last_tenant: Option<String>,
+}
+
+impl Block {
+    pub fn bytes(&self) -> u64 {
+        self.alloc.bytes
+    }
+}
+
+/// Counters shown to operators.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub leasable: u64,
+    pub leased: u64,
+    pub reserved: u64,
+    pub quarantined: u64,
+    pub cached: u64,
+    /// Room kept for processes to allocate themselves (process reservations).
+    pub process_reserved: u64,
+    pub cached_blocks: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub scrubs: u64,
+    pub evictions: u64,
+}
+
+/// Accounting and cache of one device.
+#[derive(Debug)]
+pub struct Pool {
+    index: u32,
+    granularity: u64,
+    total: u64,
+    headroom: u64,
+    leasable: u64,
+    leased: u64,
+    reserved: u64,
+    quarantined: u64,
+    cached: u64,
+    /// Room of process reservations (`reservations.rs`): memory their processes allocate
+    /// themselves, counted as held so admissions and the outside-memory estimate leave it.
+    process_reserved: u64,
+    lease_count: u32,
+    next_seq: u64,
+    /// Cached blocks in least-recently-used order.
+    lru: BTreeMap<u64, Block>,
+    by_size: HashMap<u64, BTreeSet<u64>>,
+    by_size_tenant: HashMap<(u64, Option<String>), BTreeSet<u64>>,
+    hits: u64,
+    misses: u64,
+    scrubs: u64,
+    evictions: u64,
+}
+
+/// Where the memory of an admitted request comes from.
+#[derive(Debug)]
+pub enum Source {
+    /// A cached block; `scrub` when it last held another tenant's bytes.
+    Cached { block: Block, scrub: bool },
+    /// A fresh allocation, after freeing the `evicted` cached blocks.
+    Fresh { evicted: Vec<Block> },
+}
+
+impl Pool {
+    /// A pool over a device of `total` bytes of which `leasable` may be handed out.
+    pub fn new(index: u32, granularity: u64, total: u64, leasable: u64) -> Pool {
+        Pool {
+            index,
+            granularity,
+            total,
+            headroom: total.saturating_sub(leasable),
+            leasable,
+            leased: 0,
+            reserved: 0,
+            quarantined: 0,
+            cached: 0,
+            process_reserved: 0,
+            lease_count: 0,
+            next_seq: 0,
+            lru: BTreeMap::new(),
+            by_size: HashMap::new(),
+            by_size_tenant: HashMap::new(),
+            hits: 0,
+            misses: 0,
+            scrubs: 0,
+            evictions: 0,
+        }
+    }
+
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+    pub fn granularity(&self) -> u64 {
+        self.granularity
+    }
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+    pub fn headroom(&self) -> u64 {
+        self.headroom
+    }
+    pub fn leasable(&self) -> u64 {
+        self.leasable
+    }
+    pub fn lease_count(&self) -> u32 {
+        self.lease_count
+    }
+
+    /// Bytes promised to someone: leased, being allocated, quarantined, or kept for a
+    /// reserved process.
+    pub fn committed(&self) -> u64 {
+        self.leased + self.reserved + self.quarantined + self.process_reserved
+    }
+
+    /// Bytes the broker holds on the device (committed plus cached).
+    pub fn held_on_device(&self) -> u64 {
+        self.committed() + self.cached
+    }
+
+    /// Bytes that can still be promised (the cache can always be trimmed).
+    pub fn available(&self) -> u64 {
+        self.leasable.saturating_sub(self.committed())
+    }
+
+    /// Rounds a request up to the granularity; `None` on overflow.
+    pub fn round(&self, bytes: u64) -> Option<u64> {
+        crate::units::round_up(bytes, self.granularity)
+    }
+
+    /// Is there a cached block of exactly `bytes` (a grant from it needs no allocation)?
+    pub fn has_cached(&self, bytes: u64) -> bool {
+        self.by_size.get(&bytes).is_some_and(|s| !s.is_empty())
+    }
+
+    /// Admits `bytes` (caller checked `available() >= bytes`) and says where they come from.
+    pub fn reserve(&mut self, bytes: u64, tenant: &str) -> Source {
+        debug_assert!(self.available() >= bytes);
+        self.reserve_unchecked(bytes, tenant)
+    }
+
+    /// Admits `bytes` a process reservation just gave up for a lease of its process
+    /// (`unreserve_process` before): the pool's commitment stays what it was, so there is
+    /// no fit to check — a device whose leasable shrank below what it holds (memory used
+    /// outside the broker) stays over-committed by the same amount, never more.
+    pub fn reserve_drawn(&mut self, bytes: u64, tenant: &str) -> Source {
+        self.reserve_unchecked(bytes, tenant)
+    }
+
+    fn reserve_unchecked(&mut self, bytes: u64, tenant: &str) -> Source {
+        self.reserved += bytes;
+        if let Some(block) = self.take_cached(bytes, tenant) {
+            self.hits += 1;
+            let scrub = block.last_tenant.as_deref().is_some_and(|t| t != tenant);
+            if scrub {
+                self.scrubs += 1;
+            }
+            return Source::Cached { block, scrub };
+        }
+        self.misses += 1;
+        Source::Fresh {
+            evicted: self.evict_to_fit(),
+        }
+    }
+
+    /// The cached block `reserve` returned was not used (another tenant's, possibly still
+    /// mapped) and a fresh one is allocated instead: count it as a miss.
+    pub fn note_replaced(&mut self, scrubbed: bool) {
+        self.hits -= 1;
+        self.misses += 1;
+        if scrubbed {
+            self.scrubs -= 1;
+        }
+    }
+
+    /// Undoes `reserve` when the memory did not become a lease. `block` is the block that
+    /// was obtained (cached again), if any.
+    pub fn unreserve(&mut self, bytes: u64, block: Option<Block>) {
+        self.reserved -= bytes;
+        if let Some(b) = block {
+            self.put_cached(b);
+        }
+    }
+
+    /// A reservation became a lease.
+    pub fn commit(&mut self, bytes: u64) {
+        self.reserved -= bytes;
+        self.leased += bytes;
+        self.lease_count += 1;
+    }
+
+    /// A lease ended and its block is safe to reuse: cache it.
+    pub fn release_to_cache(&mut self, block: Block) {
+        self.leased -= block.bytes();
+        self.lease_count -= 1;
+        self.put_cached(block);
+    }
+
+    /// A lease ended and its block must be destroyed: the caller frees it on the device.
+    pub fn release_destroyed(&mut self, bytes: u64) {
+        self.leased -= bytes;
+        self.lease_count -= 1;
+    }
+
+    /// A lease ended but a live process may still map its block.
+    pub fn release_to_quarantine(&mut self, bytes: u64) {
+        self.leased -= bytes;
+        self.lease_count -= 1;
+        self.quarantined += bytes;
+    }
+
+    /// A quarantined block's holder is gone: cache the block.
+    pub fn unquarantine_to_cache(&mut self, block: Block) {
+        self.quarantined -= block.bytes();
+        self.put_cached(block);
+    }
+
+    /// A quarantined block is freed on the device.
+    pub fn unquarantine_destroyed(&mut self, bytes: u64) {
+        self.quarantined -= bytes;
+    }
+
+    /// Keeps `bytes` (caller checked `available() >= bytes`) for a reserved process.
+    /// Returns the cached blocks to free so the broker's holdings fit under the limit.
+    pub fn reserve_process(&mut self, bytes: u64) -> Vec<Block> {
+        debug_assert!(self.available() >= bytes);
+        self.process_reserved += bytes;
+        self.evict_to_fit()
+    }
+
+    /// Gives back `bytes` of process-reserved room (the reservation ended, or a lease of
+    /// the process draws them and they become a reservation of an allocation).
+    pub fn unreserve_process(&mut self, bytes: u64) {
+        self.process_reserved -= bytes;
+    }
+
+    /// Changes the leasable limit (processes outside the broker took or gave back memory).
+    /// Returns the cached blocks to free so the broker's holdings fit again.
+    pub fn set_leasable(&mut self, leasable: u64) -> Vec<Block> {
+        self.leasable = leasable;
+        self.evict_to_fit()
+    }
+
+    /// Sets the headroom shown to operators (the configured amount kept free).
+    pub fn set_headroom(&mut self, headroom: u64) {
+        self.headroom = headroom;
+    }
+
+    /// Evicts least recently used cached blocks until at least `bytes` are evicted (or the
+    /// cache is empty): memory to give back to the device for processes outside the broker.
+    pub fn evict_bytes(&mut self, bytes: u64) -> Vec<Block> {
+        let mut out = Vec::new();
+        let mut freed = 0;
+        while freed < bytes {
+            let Some(&seq) = self.lru.keys().next() else {
+                break;
+            };
+            if let Some(b) = self.remove_seq(seq) {
+                freed += b.bytes();
+                self.evictions += 1;
+                out.push(b);
+            }
+        }
+        out
+    }
+
+    /// The cached blocks (tests: what may be handed out again).
+    #[cfg(test)]
+    pub fn cached_blocks(&self) -> impl Iterator<Item = &Block> {
+        self.lru.values()
+    }
+
+    /// Removes every cached block (shutdown).
+    pub fn drain_cache(&mut self) -> Vec<Block> {
+        let seqs: Vec<u64> = self.lru.keys().copied().collect();
+        seqs.into_iter()
+            .filter_map(|s| self.remove_seq(s))
+            .collect()
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            leasable: self.leasable,
+            leased: self.leased,
+            reserved: self.reserved,
+            quarantined: self.quarantined,
+            cached: self.cached,
+            process_reserved: self.process_reserved,
+            cached_blocks: self.lru.len() as u64,
+            hits: self.hits,
+            misses: self.misses,
+            scrubs: self.scrubs,
+            evictions: self.evictions,
+        }
+    }
+
+    /// Evicts least recently used blocks until holdings fit under `leasable`.
+    fn evict_to_fit(&mut self) -> Vec<Block> {
+        let mut out = Vec::new();
+        while self.held_on_device() > self.leasable {
+            let Some(&seq) = self.lru.keys().next() else {
+                break;
+            };
+            if let Some(b) = self.remove_seq(seq) {
+                self.evictions += 1;
+                out.push(b);
+            }
+        }
+        out
+    }
+
+    fn put_cached(&mut self, block: Block) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let bytes = block.bytes();
+        self.cached += bytes;
+        self.by_size.entry(bytes).or_default().insert(seq);
+        self.by_size_tenant
+            .entry((bytes, block.last_tenant.clone()))
+            .or_default()
+            .insert(seq);
+        self.lru.insert(seq, block);
+    }
+
+    fn take_cached(&mut self, bytes: u64, tenant: &str) -> Option<Block> {
+        // Warmest block this tenant used last (no scrub), else a zeroed one, else any.
+        let pick = |m: &HashMap<(u64, Option<String>), BTreeSet<u64>>, t: Option<String>| {
+            m.get(&(bytes, t))
+                .and_then(|s| s.iter().next_back().copied())
+        };
+        let seq = pick(&self.by_size_tenant, Some(tenant.to_string()))
+            .or_else(|| pick(&self.by_size_tenant, None))
+            .or_else(|| {
+                self.by_size
+                    .get(&bytes)
+                    .and_then(|s| s.iter().next_back().copied())
+            })?;
+        self.remove_seq(seq)
+    }
+
+    fn remove_seq(&mut self, seq: u64) -> Option<Block> {
+        let block = self.lru.remove(&seq)?;
+        let bytes = block.bytes();
+        self.cached -= bytes;
+        if let Some(s) = self.by_size.get_mut(&bytes) {
+            s.remove(&seq);
+            if s.is_empty() {
+                self.by_size.remove(&bytes);
+            }
+        }
+        let key = (bytes, block.last_tenant.clone());
+        if let Some(s) = self.by_size_tenant.get_mut(&key) {
+            s.remove(&seq);
+            if s.is_empty() {
+                self.by_size_tenant.remove(&key);
+            }
+        }
+        Some(block)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn block(id: u64, bytes: u64, tenant: Option<&str>) -> Block {
+        Block {
+            alloc: Allocation {
+                id,
+                bytes,
+                addr: 0,
+                path: None,
+            },
+            handle: Handle::Fd {
+                kind: crate::memory::MemoryKind::HostMemfd,
+                fd: crate::memory::SharedFd::new(std::fs::File::open("/dev/null").unwrap().into()),
+                block_id: id,
+                size: bytes,
+            },
+            last_tenant: tenant.map(str::to_string),
+        }
+    }
+
+    fn lease_fresh(p: &mut Pool, id: u64, bytes: u64, tenant: &str) -> Block {
+        match p.reserve(bytes, tenant) {
+            Source::Fresh { .. } => {}
+            other => panic!("expected fresh, got {other:?}"),
+        }
+        p.commit(bytes);
+        block(id, bytes, Some(tenant))
+    }
+
+    #[test]
+    fn rounds_to_granularity() {
+        let p = Pool::new(0, 2 * MIB, 100 * MIB, 90 * MIB);
+        assert_eq!(p.round(1), Some(2 * MIB));
+        assert_eq!(p.round(3 * MIB), Some(4 * MIB));
+        assert_eq!(p.headroom(), 10 * MIB);
+    }
+
+    #[test]
+    fn reuse_same_tenant_needs_no_scrub_other_tenant_does() {
+        let mut p = Pool::new(0, 2 * MIB, 100 * MIB, 100 * MIB);
+        let b = lease_fresh(&mut p, 1, 4 * MIB, "a");
+        p.release_to_cache(b);
+        assert_eq!(p.stats().cached, 4 * MIB);
+        match p.reserve(4 * MIB, "a") {
+            Source::Cached { scrub, block } => {
+                assert!(!scrub);
+                p.commit(4 * MIB);
+                p.release_to_cache(block);
+            }
+            other => panic!("{other:?}"),
+        }
+        match p.reserve(4 * MIB, "b") {
+            Source::Cached { scrub, .. } => assert!(scrub),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(p.stats().scrubs, 1);
+    }
+
+    #[test]
+    fn prefers_own_block_over_another_tenants() {
+        let mut p = Pool::new(0, 2 * MIB, 100 * MIB, 100 * MIB);
+        let a = lease_fresh(&mut p, 1, 2 * MIB, "a");
+        let b = lease_fresh(&mut p, 2, 2 * MIB, "b");
+        p.release_to_cache(a);
+        p.release_to_cache(b);
+        match p.reserve(2 * MIB, "a") {
+            Source::Cached { block, scrub } => {
+                assert_eq!(block.alloc.id, 1);
+                assert!(!scrub);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn evicts_lru_blocks_when_a_fresh_allocation_needs_room() {
+        let mut p = Pool::new(0, 2 * MIB, 10 * MIB, 10 * MIB);
+        let b1 = lease_fresh(&mut p, 1, 4 * MIB, "a");
+        let b2 = lease_fresh(&mut p, 2, 4 * MIB, "a");
+        p.release_to_cache(b1);
+        p.release_to_cache(b2);
+        assert_eq!(p.available(), 10 * MIB);
+        match p.reserve(6 * MIB, "a") {
+            Source::Fresh { evicted } => {
+                // 8 cached + 6 new > 10: the oldest block goes first, one is enough.
+                assert_eq!(evicted.len(), 1);
+                assert_eq!(evicted[0].alloc.id, 1);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(p.held_on_device() <= p.leasable());
+    }
+
+    #[test]
+    fn quarantine_counts_until_released() {
+        let mut p = Pool::new(0, 2 * MIB, 10 * MIB, 10 * MIB);
+        let b = lease_fresh(&mut p, 1, 4 * MIB, "a");
+        p.release_to_quarantine(4 * MIB);
+        assert_eq!(p.available(), 6 * MIB);
+        p.unquarantine_to_cache(b);
+        assert_eq!(p.available(), 10 * MIB);
+        assert_eq!(p.stats().quarantined, 0);
+    }
+
+    #[test]
+    fn evict_bytes_takes_oldest_blocks_until_enough() {
+        let mut p = Pool::new(0, 2 * MIB, 100 * MIB, 100 * MIB);
+        let blocks: Vec<Block> = (1..=3)
+            .map(|id| lease_fresh(&mut p, id, 4 * MIB, "a"))
+            .collect();
+        for b in blocks {
+            p.release_to_cache(b);
+        }
+        let out = p.evict_bytes(6 * MIB);
+        assert_eq!(
+            out.iter().map(|b| b.alloc.id).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert_eq!(p.stats().cached, 4 * MIB);
+    }
+
+    #[test]
+    fn shrinking_leasable_trims_cache() {
+        let mut p = Pool::new(0, 2 * MIB, 10 * MIB, 10 * MIB);
+        let b = lease_fresh(&mut p, 1, 4 * MIB, "a");
+        p.release_to_cache(b);
+        let freed = p.set_leasable(2 * MIB);
+        assert_eq!(freed.len(), 1);
+        assert_eq!(p.stats().cached, 0);
+    }
+}

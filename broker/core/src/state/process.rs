@@ -1,0 +1,125 @@
+//! Process reservations (`crate::reservations` has the table and the shell's requests):
+//! the room a reserved process allocates within is charged to its tenant and counted as
+//! held on its device; a lease its process asks for is drawn from that room and goes
+//! back into it when it ends (unless it was quarantined).
+
+use super::State;
+use crate::error::{BrokerError, BrokerResult};
+use crate::queue::Ask;
+use crate::reservations::Reservation;
+use uuid::Uuid;
+
+impl State {
+    /// Grants a queued reservation of `ask` on device `d` (the queue found room and
+    /// quota): its room is charged to the tenant and kept on the device (cached blocks in
+    /// the way are freed). Returns its id; refused when its session is gone or already
+    /// holds one, or the tenant's quota does not allow it.
+    pub fn grant_process(&mut self, ask: &Ask, d: u32) -> BrokerResult<Uuid> {
+        let pid = match self.sessions.get(&ask.session) {
+            Some(s) if s.tenant == ask.tenant => s.peer.pid,
+            _ => return Err(crate::error::session_not_found(ask.session)),
+        };
+        if let Some(r) = self.reservations.of_session(ask.session).next() {
+            return Err(BrokerError::ReservationHeld {
+                session: ask.session,
+                reservation: r.id,
+            });
+        }
+        self.ledger.charge_process(&ask.tenant, d, ask.bytes)?;
+        for b in self.pools[d as usize].reserve_process(ask.bytes) {
+            self.fx.free(d, b);
+        }
+        let r = Reservation {
+            id: self.new_v7_id(),
+            tenant: ask.tenant.clone(),
+            session: ask.session,
+            device: d,
+            bytes: ask.bytes,
+            requested_bytes: ask.requested_bytes,
+            label: ask.label.clone(),
+            pid,
+            compute_percent: ask.process.as_ref().and_then(|p| p.compute_percent),
+            created: self.clock.wall,
+            drawn: 0,
+            lost: 0,
+            group: None,
+        };
+        let id = r.id;
+        self.reservations.by_id.insert(id, r);
+        Ok(id)
+    }
+
+    /// Names the process group of reservation `id`'s program (stopped when it ends).
+    pub fn set_process_group(&mut self, id: Uuid, g: crate::process_group::ProcessGroup) {
+        if let Some(r) = self.reservations.by_id.get_mut(&id) {
+            r.group = Some(g);
+        }
+    }
+
+    /// Ends one reservation: its room is uncharged (and what is left of its program's
+    /// process group stopped). Does not run the queue.
+    pub fn end_reservation(&mut self, id: Uuid) {
+        let Some(r) = self.reservations.by_id.remove(&id) else {
+            return;
+        };
+        let room = r.room();
+        self.ledger.uncharge_process(&r.tenant, r.device, room);
+        self.pools[r.device as usize].unreserve_process(room);
+        if let Some(g) = r.group {
+            self.fx.stop_group(g);
+        }
+        tracing::info!(reservation = %id, tenant = %r.tenant, session = %r.session, bytes = r.bytes, drawn = r.drawn, "process reservation ended");
+    }
+
+    /// A session ended: so do its reservations. Does not run the queue.
+    pub fn end_session_reservations(&mut self, session: Uuid) {
+        let ids: Vec<Uuid> = self
+            .reservations
+            .of_session(session)
+            .map(|r| r.id)
+            .collect();
+        for id in ids {
+            self.end_reservation(id);
+        }
+    }
+
+    /// Takes `bytes` out of reservation `rid`'s room for a lease of its process (the
+    /// caller checked that they fit): they leave the room in the ledger and the pool, to
+    /// be reserved as a grant.
+    pub fn draw(&mut self, rid: Uuid, tenant: &str, bytes: u64) {
+        let Some(r) = self.reservations.by_id.get_mut(&rid) else {
+            return;
+        };
+        r.drawn += bytes;
+        let d = r.device;
+        self.ledger.shift_process(tenant, d, bytes, false);
+        self.pools[d as usize].unreserve_process(bytes);
+    }
+
+    /// A drawn ask did not become a lease: its bytes (just given back to the pool and the
+    /// ledger) return to its reservation's room, if the reservation is still there.
+    pub fn undraw(&mut self, ask: &Ask) {
+        if let Some(rid) = ask.draw {
+            self.lease_left_reservation(rid, ask.bytes, true);
+        }
+    }
+
+    /// `bytes` drawn from reservation `rid` came back: into its room when `back` and the
+    /// device still has the room, else (quarantined) they stay out of it.
+    pub fn lease_left_reservation(&mut self, rid: Uuid, bytes: u64, back: bool) {
+        let Some(r) = self.reservations.by_id.get_mut(&rid) else {
+            return;
+        };
+        r.drawn = r.drawn.saturating_sub(bytes);
+        let d = r.device as usize;
+        let tenant = r.tenant.clone();
+        if back && self.pools[d].available() >= bytes {
+            self.ledger.shift_process(&tenant, d as u32, bytes, true);
+            for b in self.pools[d].reserve_process(bytes) {
+                self.fx.free(d as u32, b);
+            }
+        } else if let Some(r) = self.reservations.by_id.get_mut(&rid) {
+            r.lost += bytes;
+        }
+    }
+}

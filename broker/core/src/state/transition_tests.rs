@@ -1,0 +1,253 @@
+//! Unit tests of the core's transitions that the shell once did by hand: opening a session
+//! (and its refusals), a drain's end withdrawing what it asked, shutdown's start, and a
+//! grant's end after its device work. On the core alone (the queue tests' [`Core`]): no
+//! runtime, no arbiter, no device; what a transition decided is read from the state and
+//! the effects it pushed.
+
+use super::queue_tests::{quota, Core};
+use super::tests::ask;
+use crate::effects::{Effect, Watch};
+use crate::error::{BrokerError, Missing};
+use crate::lease::LeaseState;
+use crate::pool::Source;
+use crate::queue::Granted;
+use crate::session::{Peer, Session, SessionEvent};
+use std::time::{Duration, SystemTime};
+use uuid::Uuid;
+
+const MIB: u64 = 1 << 20;
+
+fn session(tenant: &str, pid: Option<u32>) -> Session {
+    let peer = Peer {
+        pid,
+        uid: None,
+        unix: pid.is_some(),
+    };
+    Session::new(Uuid::now_v7(), tenant, "", peer, None)
+}
+
+/// The core refuses a session of a tenant that does not exist or is being deleted, and one
+/// past the tenant's cap, changing nothing and pushing nothing; an accepted session of a
+/// known pid has its peer watched.
+#[test]
+fn a_session_is_refused_for_a_missing_or_closing_tenant_and_past_its_tenants_cap() {
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    c.st.set_quota("gone", quota(64 * MIB, 0)).unwrap();
+    let refused = c.st.open_session(session("nobody", Some(7)), 8);
+    assert_eq!(
+        refused,
+        Err(BrokerError::NotFound(Missing::TenantGone("nobody".into())))
+    );
+    c.st.close_tenant("gone").unwrap();
+    let refused = c.st.open_session(session("gone", Some(7)), 8);
+    assert_eq!(
+        refused,
+        Err(BrokerError::NotFound(Missing::TenantGone("gone".into())))
+    );
+    assert!(!c.st.has_effects());
+    assert_eq!(c.st.sessions().len(), 0);
+
+    let first = session("a", Some(7));
+    let id = first.id;
+    c.st.open_session(first, 2).unwrap();
+    assert!(
+        matches!(
+            c.st.take_effects().into_vec().as_slice(),
+            [Effect::Watch(Watch::Session { session, pid: 7 })] if *session == id
+        ),
+        "its peer is watched"
+    );
+    c.st.open_session(session("a", None), 2).unwrap();
+    assert!(!c.st.has_effects(), "no pid, no watcher");
+    let refused = c.st.open_session(session("a", Some(8)), 2);
+    assert_eq!(
+        refused,
+        Err(BrokerError::SessionLimit {
+            tenant: "a".into(),
+            open: 2
+        })
+    );
+    assert!(!c.st.has_effects());
+    assert_eq!(c.st.sessions().count_of("a"), 2);
+    // Its deletion failed: the tenant takes sessions again.
+    c.st.reopen_tenant("gone");
+    c.st.open_session(session("gone", None), 2).unwrap();
+    c.st.check_invariant().unwrap();
+}
+
+/// An undrain makes active again exactly the leases the drain asked that are still asked
+/// (not one asked by nobody, nor one that ended meanwhile), telling nobody.
+#[test]
+fn an_undrain_withdraws_only_what_the_drain_asked_that_is_still_asked() {
+    let mut c = Core::new(2, 64 * MIB);
+    let a = c.tenant("a", quota(64 * MIB, 0));
+    let asked = c.hold("a", a, 2 * MIB, 0, true);
+    let ended = c.hold("a", a, 2 * MIB, 0, true);
+    let other = c.hold("a", a, 2 * MIB, 1, true);
+    let due = c.t0 + Duration::from_secs(30);
+    let by_drain =
+        c.st.ask_drain_reclaim(&[0], due, SystemTime::now(), "firmware");
+    assert_eq!(by_drain.len(), 2);
+    c.st.end_lease(ended, super::Ending::Cache).unwrap();
+    c.st.take_effects();
+    let ids: Vec<Uuid> = by_drain.iter().map(|(_, id)| *id).chain([other]).collect();
+    assert_eq!(c.st.withdraw_drain_reclaim(&ids), 1);
+    assert_eq!(c.st.leases().get(&asked).unwrap().state, LeaseState::Active);
+    assert_eq!(c.st.leases().get(&other).unwrap().state, LeaseState::Active);
+    assert!(!c.st.has_effects(), "holders are not told");
+    // Withdrawn once: nothing is left to withdraw.
+    assert_eq!(c.st.withdraw_drain_reclaim(&ids), 0);
+    c.st.check_invariant().unwrap();
+}
+
+/// Shutdown's start tells every open session, with the grace it has, and refuses every
+/// waiting request; memory stays where it is.
+#[test]
+fn shutdown_tells_every_session_and_refuses_every_waiter() {
+    let mut c = Core::new(1, 64 * MIB);
+    let a = c.tenant("a", quota(64 * MIB, 0));
+    let b = c.tenant("b", quota(64 * MIB, 0));
+    let held = c.hold("a", a, 8 * MIB, 0, false);
+    let w1 = c.wait(ask("a", a, 60 * MIB, None), 0);
+    let w2 = c.wait(ask("b", b, 60 * MIB, None), 0);
+    let grace = Duration::from_secs(9);
+    c.st.begin_shutdown(grace);
+    let effects = c.st.take_effects().into_vec();
+    let mut told: Vec<Uuid> = Vec::new();
+    let mut refused = Vec::new();
+    for e in effects {
+        match e {
+            Effect::Notify {
+                session,
+                event: SessionEvent::ShuttingDown { grace: g, .. },
+            } if g == grace => told.push(session),
+            Effect::Reply {
+                to,
+                result: Err(BrokerError::ShuttingDown),
+            } => refused.push(to),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    told.sort();
+    refused.sort();
+    let mut want = vec![a, b];
+    want.sort();
+    assert_eq!(told, want);
+    assert_eq!(refused, vec![w1, w2]);
+    assert!(c.st.queue().is_empty());
+    assert!(c.st.leases().get(&held).is_some());
+    c.st.check_invariant().unwrap();
+}
+
+/// After its device work a grant is committed and its waiter answered with the lease; a
+/// failed device work, a session gone or a shutdown gives the reservation back (a reused
+/// block into the cache) and answers why; a grant given up before its device work gives
+/// its reserved block back to the cache.
+#[test]
+fn a_grant_after_its_device_work_is_committed_or_given_back_and_its_waiter_answered() {
+    let mut c = Core::new(1, 64 * MIB);
+    let a = c.tenant("a", quota(64 * MIB, 0));
+    let req = ask("a", a, 4 * MIB, Some(0));
+    let reply = |c: &mut Core| match c.st.take_effects().into_vec().as_slice() {
+        [.., Effect::Reply { to, result }] => (
+            *to,
+            result
+                .as_ref()
+                .map(|g| match g {
+                    Granted::Lease(v) => v.id,
+                    Granted::Process(_) => panic!("a process grant"),
+                })
+                .map_err(Clone::clone),
+        ),
+        other => panic!("no reply: {other:?}"),
+    };
+
+    // Made: committed, answered with the lease.
+    assert!(matches!(
+        c.st.reserve_grant(&req, 0).unwrap(),
+        Source::Fresh { .. }
+    ));
+    let block = c.block(4 * MIB);
+    c.st.finish_grant(&req, 0, 0, Ok(block), false, 11);
+    let (to, r) = reply(&mut c);
+    let lease = r.clone().unwrap();
+    assert_eq!(to, 11);
+    assert!(c.st.leases().get(&lease).is_some());
+    c.st.check_invariant().unwrap();
+
+    // The device work failed: nothing held for it, the waiter gets the error.
+    c.st.reserve_grant(&req, 0).unwrap();
+    let err = BrokerError::Internal("scrub failed".into());
+    c.st.finish_grant(&req, 0, 0, Err(err.clone()), false, 12);
+    assert_eq!(reply(&mut c), (12, Err(err)));
+    assert_eq!(c.st.pools()[0].stats().reserved, 0);
+    assert_eq!(c.st.ledger().get("a").unwrap().usage.reserved_bytes, 0);
+    c.st.check_invariant().unwrap();
+
+    // Made while the broker shuts down: the block goes to the cache.
+    c.st.reserve_grant(&req, 0).unwrap();
+    let block = c.block(4 * MIB);
+    c.st.finish_grant(&req, 0, 0, Ok(block), true, 13);
+    assert_eq!(reply(&mut c), (13, Err(BrokerError::ShuttingDown)));
+    assert_eq!(c.st.pools()[0].stats().cached, 4 * MIB);
+    c.st.check_invariant().unwrap();
+
+    // Given up before its device work (no runtime for it): the cached block it was to
+    // reuse goes back to the cache.
+    let Source::Cached { block, .. } = c.st.reserve_grant(&req, 0).unwrap() else {
+        panic!("the cached block is reused");
+    };
+    assert_eq!(c.st.pools()[0].stats().cached, 0);
+    let err = BrokerError::Internal("no runtime".into());
+    c.st.refuse_grant(&req, 0, Some(block), 14, err.clone());
+    assert_eq!(reply(&mut c), (14, Err(err)));
+    assert_eq!(c.st.pools()[0].stats().cached, 4 * MIB);
+    assert_eq!(c.st.pools()[0].stats().reserved, 0);
+    assert_eq!(c.st.leases().iter().count(), 1);
+    c.st.check_invariant().unwrap();
+}
+
+/// The core reads no clock: what it stamps carries the hold's time the shell gave it
+/// (`State::set_clock`): a lease's creation, when its memory was quarantined, a process
+/// reservation's creation and its version-7 id (in the order made, within one hold too).
+#[test]
+fn the_core_stamps_with_the_holds_clock() {
+    let mut c = Core::new(1, 64 * MIB);
+    let a = c.tenant("a", quota(64 * MIB, 0));
+    let b = c.tenant("b", quota(64 * MIB, 0));
+    let hold = super::Clock {
+        now: c.t0 + Duration::from_secs(90),
+        wall: SystemTime::UNIX_EPOCH + Duration::from_millis(1_700_000_000_123),
+    };
+    c.st.set_clock(hold);
+    assert_eq!(c.st.clock(), hold);
+    let l = c.hold("a", a, 2 * MIB, 0, false);
+    assert_eq!(c.st.leases().get(&l).unwrap().created, hold.wall);
+    c.st.end_lease(l, super::Ending::Quarantine { pid: Some(7) })
+        .unwrap();
+    assert_eq!(c.st.quarantine()[&l].since, hold.now);
+    let first =
+        c.st.grant_process(&ask("a", a, 2 * MIB, Some(0)), 0)
+            .unwrap();
+    let second =
+        c.st.grant_process(&ask("b", b, 2 * MIB, Some(0)), 0)
+            .unwrap();
+    for id in [first, second] {
+        let r = c.st.reservations().get(&id).unwrap();
+        assert_eq!(r.created, hold.wall);
+        let (secs, nanos) = id.get_timestamp().unwrap().to_unix();
+        assert_eq!((secs, nanos / 1_000_000), (1_700_000_000, 123));
+    }
+    assert!(first < second, "ids in the order they were made");
+    // The next hold's time stamps what it makes.
+    let later = super::Clock {
+        now: hold.now + Duration::from_secs(1),
+        wall: hold.wall + Duration::from_secs(1),
+    };
+    c.st.set_clock(later);
+    let l = c.hold("a", a, 2 * MIB, 0, false);
+    assert_eq!(c.st.leases().get(&l).unwrap().created, later.wall);
+    c.st.take_effects();
+    c.st.check_invariant().unwrap();
+}
