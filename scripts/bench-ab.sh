@@ -10,7 +10,8 @@
 # An ENTRY is a broker binary (measured with BENCH) or OTHER_BENCH::BROKER (measured with
 # that bench: a release's own client beside its broker, since the client's half of a lease
 # changes too). AB_BACKEND=cuda starts each broker with the CUDA backend for every run (the
-# GPU machine); the default is a started host-backend broker. AB_JSON=0 leaves the runs'
+# GPU machine), and there BROKER may carry flags after the binary ("B::gpu-broker --flag");
+# the default is a started host-backend broker. AB_JSON=0 leaves the runs'
 # JSON lines out of the output (they stay in OUT/runs.jsonl).
 #
 # ROUNDS (default 5) throughput runs of each entry (3 s window, 1 s warm-up), then ROUNDS
@@ -39,16 +40,17 @@ run() { # label tag entry args...
     b=$(bench_of "$entry")
     broker=$(broker_of "$entry")
     if [[ ${AB_BACKEND:-host} == cuda ]]; then
-        local dir pid
-        dir=$(mktemp -d /tmp/ab-cuda.XXXXXX)
-        GPU_BROKER_LOG=warn "$broker" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
+        local dir pid words
+        read -r -a words <<<"$broker"
+        dir=$(mktemp -d -t ab-cuda.XXXXXX)
+        GPU_BROKER_LOG=warn "${words[@]}" --backend cuda --socket "$dir/b.sock" --state-dir "$dir/state" \
             --shutdown-grace 1s >"$dir/broker.log" 2>&1 &
         pid=$!
         for _ in $(seq 400); do [[ -S $dir/b.sock && -s $dir/state/admin.token ]] && break; sleep 0.05; done
         "$b" --broker "unix://$dir/b.sock" --admin-token-file "$dir/state/admin.token" --json "$@" \
             2>>"$out/stderr-$label.txt" |
             grep '^{' | sed "s/^{/{\"broker\":\"$label\",\"tag\":\"$tag\",/" >>"$log" || true
-        kill -TERM "$pid"
+        kill -TERM "$pid" 2>/dev/null || true
         wait "$pid" || { echo "broker $label exited $?"; tail -5 "$dir/broker.log"; }
         rm -rf "$dir"
     else

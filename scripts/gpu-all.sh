@@ -16,7 +16,9 @@
 #                                          namespaces, Python recv_fds, fd-path benchmark
 #   fd-ab   the CUDA broker side by side, interleaved (scripts/bench-ab.sh, AB_BACKEND=cuda):
 #           A = the previous release (its bench and broker: build BEFORE), B = this build,
-#           C = this build's bench against the previous broker (the client's share apart);
+#           C = this build's bench against the previous broker (the client's share apart),
+#           D = the previous release serving legacy IPC handles (--legacy-ipc-handles: the
+#           path its closing run measured, before fd tickets were the only kind);
 #           32-worker throughput, pooled latency (current-thread and default client), the
 #           breakdown of a pooled lease + map (health Check floor, RPC, ticket, import+map,
 #           raw cuMemCreate+map), medians and ratios to A; ROUNDS rounds (default 3)
@@ -144,7 +146,10 @@ fd_ab() {
     local dir=$OUT entries=()
     if [[ -x $dir/gpu-broker-before ]]; then
         entries=("$(before_entry)" "$dir/gpu-broker" "$dir/gpu-broker-bench::$dir/gpu-broker-before")
-        echo "fd-ab: A = previous release $(cat "$dir/before.ref" 2>/dev/null || echo '(given as a binary)'), B = this build, C = this bench against A's broker"
+        # D only for a release that still has the flag.
+        "$dir/gpu-broker-before" --help 2>/dev/null | grep -q -- --legacy-ipc-handles &&
+            entries+=("$(before_entry) --legacy-ipc-handles")
+        echo "fd-ab: A = previous release $(cat "$dir/before.ref" 2>/dev/null || echo '(given as a binary)'), B = this build, C = this bench against A's broker, D (where it has the flag) = A serving legacy IPC handles"
     else
         entries=("$dir/gpu-broker")
         echo "fd-ab: no previous release in the build (scripts/gpu-all.sh build BEFORE): this build alone"
