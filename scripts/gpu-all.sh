@@ -5,7 +5,7 @@
 #                                       # BEFORE (a commit or tag, or GPU_ALL_BEFORE_REF): the
 #                                       # previous release's broker and bench built beside it
 #   scripts/gpu-all.sh run [PARTS]      # on the GPU machine (no Rust); PARTS is a comma list
-#                                       # (default: fd,fd-ab,check,forge,shared,sleep,python,mps,health,host)
+#                                       # (default: fd,fd-ab,check,forge,shared,sleep,python,serving,mps,health,host)
 #   scripts/gpu-all.sh dry-run [PARTS]  # here, no GPU: the same parts on the host backend
 #                                       # with the debug binaries (GPU_ALL_BIN, default
 #                                       # target/debug), each GPU step checked, not run;
@@ -27,6 +27,9 @@
 #   shared  scripts/gpu-shared-check.sh    shared CUDA imports across tenants
 #   sleep   scripts/gpu-sleep-check.sh     sleep/wake (pinned vs pageable), PyTorch, reclaim
 #   python  scripts/gpu-python-check.sh    PyTorch on fd leases
+#   serving scripts/gpu-serving-check.sh   inference servers on leases: quotas without stalls,
+#                                          side-stream blocks, CUDA graphs and a decode
+#                                          benchmark, torch.multiprocessing, torch_memory_saver
 #   mps     scripts/gpu-mps-check.sh check,handoff   managed MPS and turn hand-off
 #   health  scripts/gpu-health-check.sh    device health, UUIDs and NVML readings
 #   pybench scripts/gpu-python-bench.sh    the PyTorch allocator against PyTorch's own,
@@ -46,7 +49,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_ALL_OUT:-.gpu/all}
 TARGET=${CARGO_TARGET_DIR:-target}
-ALL_PARTS=fd,fd-ab,check,forge,shared,sleep,python,mps,health,host
+ALL_PARTS=fd,fd-ab,check,forge,shared,sleep,python,serving,mps,health,host
 # shellcheck source=scripts/gpu-common.sh
 source scripts/gpu-common.sh
 
@@ -89,6 +92,7 @@ build() {
         2>/dev/null || true
     rm -f "$OUT"/gpubroker-*.whl
     cp -f "$(scripts/build-wheel.sh)" "$OUT/"
+    scripts/gpu-serving-check.sh fetch-memory-saver "$OUT"
     if [[ -n ${GPU_ALL_BEFORE:-} ]]; then
         cp -f "$GPU_ALL_BEFORE" "$OUT/gpu-broker-before"
         strip "$OUT/gpu-broker-before" 2>/dev/null || true
@@ -182,6 +186,7 @@ part_command() {
         shared) echo scripts/gpu-shared-check.sh run ;;
         sleep) echo scripts/gpu-sleep-check.sh run ;;
         python) echo scripts/gpu-python-check.sh run ;;
+        serving) echo scripts/gpu-serving-check.sh run ;;
         mps) echo scripts/gpu-mps-check.sh run check,handoff ;;
         health) echo scripts/gpu-health-check.sh run ;;
         pybench) echo scripts/gpu-python-bench.sh run ;;

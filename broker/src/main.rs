@@ -324,9 +324,11 @@ async fn start_mps(cfg: &Config) -> Arc<gpu_broker::mps::Mps> {
         modes.clone(),
     )
     .await;
+    mps.set_context_overhead(cfg.mps.mps_context_overhead);
     let status = mps.status();
     tracing::info!(
         pipe = %pipe.display(),
+        context_overhead = cfg.mps.mps_context_overhead,
         compute_modes = ?modes,
         status = %status.summary(),
         "managed MPS"

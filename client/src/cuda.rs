@@ -128,6 +128,8 @@ enum Key {
     Vmm(u32, u64),
     /// A read-only import of a shared lease (never shared with a writable one).
     VmmReadOnly(u32, u64),
+    /// A read-write import of a shared lease (never shared either).
+    VmmImport(u32, u64),
 }
 
 /// One imported VMM block in this process.
@@ -241,6 +243,20 @@ pub fn map_vmm_read_only(
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     map_vmm_with(fd, device, bytes, size, Key::VmmReadOnly(device, id))
+}
+
+/// Like [`map_vmm_read_only`] with read and write access: how a process maps a lease its
+/// own tenant published for it (e.g. a CUDA tensor sent through `torch.multiprocessing`),
+/// where both sides write. A mapping of its own, never shared.
+pub fn map_vmm_import(
+    fd: std::os::fd::BorrowedFd<'_>,
+    device: u32,
+    bytes: u64,
+    size: u64,
+) -> Result<CudaMapping, CudaError> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    map_vmm_with(fd, device, bytes, size, Key::VmmImport(device, id))
 }
 
 fn map_vmm_with(
@@ -398,11 +414,11 @@ impl CudaMapping {
         self.device
     }
 
-    /// The block id of a VMM import (`None` for read-only imports of shared leases).
+    /// The block id of a VMM import (`None` for imports of shared leases).
     pub fn block_id(&self) -> Option<u64> {
         match self.key {
             Key::Vmm(_, b) => Some(b),
-            Key::VmmReadOnly(..) => None,
+            Key::VmmReadOnly(..) | Key::VmmImport(..) => None,
         }
     }
 

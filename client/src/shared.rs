@@ -309,6 +309,24 @@ impl SharedImport {
         .map_err(|e| ClientError::Cuda(e.to_string()))
     }
 
+    /// Maps CUDA VMM memory read-write (feature `cuda`): for a lease the importer's own
+    /// tenant published to be written by both sides (CUDA tensors shared between its
+    /// processes). Nothing in the broker enforces read-only for CUDA memory
+    /// (`docs/security.md`); this is the importer's choice. Drop it before releasing.
+    #[cfg(feature = "cuda")]
+    pub fn map_cuda_writable(&self) -> Result<crate::cuda::CudaMapping, ClientError> {
+        if self.fd_info.memory_kind != MemoryKind::CudaVmm {
+            return Err(ClientError::NotMappable);
+        }
+        crate::cuda::map_vmm_import(
+            self.fd.as_fd(),
+            crate::cuda::local_ordinal(self.shared.device, &self.shared.device_uuid),
+            self.shared.bytes,
+            self.fd_info.size,
+        )
+        .map_err(|e| ClientError::Cuda(e.to_string()))
+    }
+
     /// Lets go of the import now (unmap it first).
     pub async fn release(mut self) -> Result<(), ClientError> {
         self.released = true;

@@ -109,6 +109,58 @@ async fn the_broker_runs_its_mps_daemon_shows_it_and_quits_it_at_shutdown() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_under_mps_gets_and_is_charged_the_context_overhead_on_top() {
+    let mps_dir = tempfile::tempdir().unwrap();
+    let pipe = mps_dir.path().join("pipe");
+    let _guard = DaemonGuard(pipe.clone());
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec![
+            "--mps".into(),
+            "--mps-control".into(),
+            fake_control().display().to_string(),
+            "--mps-pipe-dir".into(),
+            pipe.display().to_string(),
+            "--mps-context-overhead".into(),
+            "32MiB".into(),
+        ],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b
+        .tenant("alice", gpu_broker_client::QuotaSpec::new(256 * MIB))
+        .await
+        .unwrap();
+    let client = gpu_broker_client::Client::connect(&b.uri(), token)
+        .await
+        .unwrap();
+    let session = client.session("ctx").await.unwrap();
+    // 64 MiB for the program: its pinned limit and its charge are 64 + 32 MiB.
+    let r = gpu_broker_client::ReservationRequest::new(&session, 64 * MIB)
+        .await
+        .unwrap();
+    assert_eq!(r.info().bytes, 96 * MIB, "{:?}", r.info());
+    let env = r.info().mps_env.clone().unwrap_or_default();
+    let limit = env
+        .iter()
+        .find(|(k, _)| k == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+        .map(|(_, v)| v.as_str());
+    assert_eq!(limit, Some("0=96M"), "{env:?}");
+    let u = session.usage().await.unwrap();
+    assert_eq!(
+        u.usage.process_reserved_bytes,
+        96 * MIB,
+        "charged with the overhead"
+    );
+    // 136 MiB more fits the quota without the overhead (64 + 136 <= 256) but not with
+    // it (96 + 168 > 256): the overhead is charged, not hidden.
+    let other = client.session("ctx2").await.unwrap();
+    let e = gpu_broker_client::ReservationRequest::new(&other, 136 * MIB)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code_name(), "RESOURCE_EXHAUSTED", "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_control_binary_the_broker_serves_and_reports_mps_down() {
     let b = Broker::start_with(BrokerOpts {
         extra: vec![

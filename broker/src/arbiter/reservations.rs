@@ -44,10 +44,21 @@ impl Arbiter {
                 )));
             }
         }
+        // Under managed MPS the client's CUDA context and libraries count against its
+        // pinned limit: the reservation (limit and charge) gets them on top, so the
+        // program can allocate what it asked for.
+        let overhead = if req.bytes == 0 {
+            0 // refused by `validate` as any empty request
+        } else {
+            self.mps().map_or(0, |m| m.context_overhead())
+        };
+        let bytes = req.bytes.checked_add(overhead).ok_or_else(|| {
+            BrokerError::InvalidArgument(format!("{} bytes is too large", req.bytes))
+        })?;
         let acquire = AcquireRequest {
             tenant: req.tenant.clone(),
             session: req.session,
-            bytes: req.bytes,
+            bytes,
             device: req.device,
             wait: req.wait,
             label: req.label.clone(),
@@ -56,7 +67,7 @@ impl Arbiter {
         };
         self.validate(&acquire)?;
         // Refuse at once what the environment cannot serve (the MPS daemon is down).
-        self.process_env(req.device.unwrap_or(0), req.bytes, &req)?;
+        self.process_env(req.device.unwrap_or(0), bytes, &req)?;
         let ask = ProcessAsk {
             compute_percent: req.compute_percent,
         };

@@ -54,6 +54,13 @@ pub struct MpsFlags {
     /// answer).
     #[arg(long, env = "GPU_BROKER_MPS_HEALTH_INTERVAL", default_value = crate::defaults::text(crate::defaults::MPS_HEALTH_INTERVAL), value_parser = crate::units::parse_duration)]
     pub mps_health_interval: Duration,
+
+    /// Device memory a client's CUDA context and libraries take out of its pinned limit
+    /// (measured on an H200, driver 580: 0.5-0.75 GiB): added to every reservation under
+    /// managed MPS, to its pinned limit and to what the tenant is charged, so the program
+    /// can allocate the memory it asked for.
+    #[arg(long, env = "GPU_BROKER_MPS_CONTEXT_OVERHEAD", default_value = "768MiB", value_parser = crate::units::parse)]
+    pub mps_context_overhead: u64,
 }
 
 impl MpsFlags {
@@ -99,6 +106,8 @@ impl MpsFlags {
 pub struct Mps {
     shared: Arc<supervisor::Shared>,
     devices: std::sync::atomic::AtomicU32,
+    /// Bytes added to every reservation for the client's context (`--mps-context-overhead`).
+    context_overhead: std::sync::atomic::AtomicU64,
     stop: CancellationToken,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -123,6 +132,7 @@ impl Mps {
         let mps = Arc::new(Mps {
             shared,
             devices: devices.into(),
+            context_overhead: 0.into(),
             stop,
             task: Mutex::new(Some(task)),
         });
@@ -142,6 +152,19 @@ impl Mps {
     pub fn set_device_count(&self, devices: u32) {
         self.devices
             .store(devices, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sets the bytes a client's CUDA context and libraries take out of its pinned limit;
+    /// every reservation gets them on top of what it asked for.
+    pub fn set_context_overhead(&self, bytes: u64) {
+        self.context_overhead
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// What [`Mps::set_context_overhead`] set (0 by default).
+    pub fn context_overhead(&self) -> u64 {
+        self.context_overhead
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The pipe directory clients connect through.

@@ -214,6 +214,28 @@ fn waiting_line(
     line
 }
 
+/// Under managed MPS, what the program's reservation means, said before it starts:
+/// `gpu-brokerctl run: 4.0 GiB for the program under managed MPS: its pinned limit is
+/// 4.8 GiB (768.0 MiB of it for its CUDA context and libraries); the tenant is charged
+/// 4.8 GiB`. `None` without MPS.
+fn mps_line(memory: u64, info: &gpu_broker_client::ReservationInfo) -> Option<String> {
+    use gpu_broker_client::units::format_bytes;
+    let env = info.mps_env.as_ref()?;
+    let (_, limit) = env
+        .iter()
+        .find(|(k, _)| k == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")?;
+    // `<ordinal>=<MiB>M`, as the broker writes it.
+    let mib: u64 = limit.split_once('=')?.1.strip_suffix('M')?.parse().ok()?;
+    let pinned = mib << 20;
+    Some(format!(
+        "gpu-brokerctl run: {} for the program under managed MPS: its pinned limit is {} ({} of it for its CUDA context and libraries); the tenant is charged {}",
+        format_bytes(memory),
+        format_bytes(pinned),
+        format_bytes(pinned.saturating_sub(memory)),
+        format_bytes(info.bytes),
+    ))
+}
+
 /// The program could not be started.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot run {program}: {source}")]
@@ -248,6 +270,9 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
     }
     let reservation = waiting_aloud(&client, request.send(), &args).await?;
     let info = reservation.info().clone();
+    if let Some(line) = mps_line(args.memory, &info) {
+        eprintln!("{line}");
+    }
 
     // The token goes to the program in a file only its user can read, removed when `run`
     // ends (`secrets` is dropped last).
@@ -508,3 +533,44 @@ def _gpu_broker_install():
 _gpu_broker_install()
 del _gpu_broker_install
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(env: Option<Vec<(String, String)>>) -> gpu_broker_client::ReservationInfo {
+        gpu_broker_client::ReservationInfo {
+            reservation_id: "r".into(),
+            session_id: "s".into(),
+            tenant: "t".into(),
+            device: 0,
+            device_uuid: "GPU-x".into(),
+            bytes: (4 << 30) + (768 << 20),
+            requested_bytes: (4 << 30) + (768 << 20),
+            drawn_bytes: 0,
+            pid: 1,
+            mps_env: env,
+        }
+    }
+
+    #[test]
+    fn under_mps_the_line_states_the_pinned_limit_the_context_share_and_the_charge() {
+        let env = vec![(
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".to_string(),
+            "0=4864M".to_string(),
+        )];
+        let line = mps_line(4 << 30, &info(Some(env))).unwrap();
+        assert!(line.contains("4.0 GiB for the program"), "{line}");
+        assert!(line.contains("pinned limit is 4.8 GiB"), "{line}");
+        assert!(
+            line.contains("768.0 MiB of it for its CUDA context"),
+            "{line}"
+        );
+        assert!(line.contains("charged 4.8 GiB"), "{line}");
+        assert_eq!(
+            mps_line(4 << 30, &info(None)),
+            None,
+            "nothing to say without MPS"
+        );
+    }
+}

@@ -8,7 +8,9 @@
 
 pub mod api;
 pub mod errors;
+pub mod regions;
 pub mod rt;
+pub mod share;
 pub mod sleep;
 pub mod torch;
 
@@ -34,6 +36,15 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch::_torch_sleep, m)?)?;
     m.add_function(wrap_pyfunction!(torch::_torch_wake, m)?)?;
     m.add_function(wrap_pyfunction!(torch::_torch_asleep, m)?)?;
+    m.add_function(wrap_pyfunction!(torch::_torch_set_stream_block_flush, m)?)?;
+    m.add_function(wrap_pyfunction!(regions::_regions_configure, m)?)?;
+    m.add_function(wrap_pyfunction!(regions::_region_enter, m)?)?;
+    m.add_function(wrap_pyfunction!(regions::_regions_pause, m)?)?;
+    m.add_function(wrap_pyfunction!(regions::_regions_resume, m)?)?;
+    m.add_function(wrap_pyfunction!(regions::_regions_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(share::_torch_share, m)?)?;
+    m.add_function(wrap_pyfunction!(share::_torch_import, m)?)?;
+    m.add_class::<share::ImportedSegment>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("REASON_CODES", errors::reason_codes())?;
     m.add(

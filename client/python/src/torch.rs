@@ -30,7 +30,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use gpu_broker_client::{
-    ClientError, Contents, LeaseHandle, MemoryKind, Resident, Session, SessionEvent,
+    ClientError, Contents, Lease, LeaseHandle, MemoryKind, Resident, Session, SessionEvent,
 };
 use gpubroker_suballoc::{Backend, Config, EventId, Granted, Refused, Stream, SubAllocator};
 
@@ -42,6 +42,8 @@ use crate::rt;
 /// sub-allocator knows it by its first lease's id. Boxed as the allocator's token.
 struct ResidentSegment {
     first_id: String,
+    /// The region tag whose allocator holds it (`None`: the process-wide allocator).
+    tag: Option<String>,
     resident: parking_lot::Mutex<Option<Resident>>,
 }
 
@@ -49,7 +51,7 @@ struct ResidentSegment {
 /// to (a wake gives a segment a new lease; reclaim requests name the new one).
 #[derive(Default)]
 struct Residents {
-    by_base: HashMap<u64, Arc<ResidentSegment>>,
+    by_base: std::collections::BTreeMap<u64, Arc<ResidentSegment>>,
     first_id: HashMap<String, String>,
 }
 
@@ -73,6 +75,8 @@ pub struct LeaseBackend {
     session: Session,
     handle: tokio::runtime::Handle,
     reclaimable: bool,
+    /// The region tag its segments belong to (`None`: the process-wide allocator).
+    tag: Option<String>,
     /// The broker's device UUIDs by index (`GetInfo`; empty from a broker that does not
     /// say): PyTorch's device numbers are this process's CUDA ordinals, which are the
     /// broker's indices only when both see the same devices in the same order.
@@ -80,6 +84,17 @@ pub struct LeaseBackend {
 }
 
 impl LeaseBackend {
+    /// The same session and devices, for the segments of region `tag`.
+    pub(crate) fn for_region(&self, tag: &str, reclaimable: bool) -> LeaseBackend {
+        LeaseBackend {
+            session: self.session.clone(),
+            handle: self.handle.clone(),
+            reclaimable,
+            tag: Some(tag.to_string()),
+            broker_uuids: self.broker_uuids.clone(),
+        }
+    }
+
     /// The broker device of this process's CUDA ordinal `device` (by UUID, else the same
     /// number).
     fn broker_device(&self, device: u32) -> u32 {
@@ -163,13 +178,17 @@ impl Backend for LeaseBackend {
         let session = self.session.clone();
         let reclaimable = self.reclaimable;
         let broker_device = self.broker_device(device);
+        let label = match &self.tag {
+            Some(tag) => format!("gpubroker.torch region {tag}"),
+            None => "gpubroker.torch".to_string(),
+        };
         let lease = self
             .handle
             .block_on(async move {
                 let mut request = session
                     .lease_request(bytes)
                     .device(broker_device)
-                    .label("gpubroker.torch")
+                    .label(label)
                     .reclaimable(reclaimable);
                 if let Some(w) = wait {
                     request = request.wait(w);
@@ -189,6 +208,7 @@ impl Backend for LeaseBackend {
         let base = r.addr();
         let seg = Arc::new(ResidentSegment {
             first_id: lease_id.clone(),
+            tag: self.tag.clone(),
             resident: parking_lot::Mutex::new(Some(r)),
         });
         let mut reg = residents().lock();
@@ -224,6 +244,12 @@ impl Backend for LeaseBackend {
     }
 
     fn record(&self, device: u32, stream: Stream) -> Result<EventId, String> {
+        if is_capturing(stream) {
+            // A block PyTorch gives back from a graph's pool while that graph is being
+            // captured: recording an event would add a node to the graph (and querying
+            // it is illegal); the captured work runs only at replay, after this.
+            return Ok(NO_EVENT);
+        }
         in_context(device, || {
             let mut ev: CUevent = std::ptr::null_mut();
             // SAFETY: valid out pointer; the device's context is current.
@@ -250,6 +276,9 @@ impl Backend for LeaseBackend {
     }
 
     fn query(&self, event: EventId) -> bool {
+        if event == NO_EVENT {
+            return true;
+        }
         // SAFETY: a live event recorded by `record`.
         in_context(event_device(event), || unsafe {
             sys::cuEventQuery(event as CUevent) != CUresult::CUDA_ERROR_NOT_READY
@@ -257,6 +286,9 @@ impl Backend for LeaseBackend {
     }
 
     fn synchronize(&self, event: EventId) {
+        if event == NO_EVENT {
+            return;
+        }
         // SAFETY: a live event recorded by `record`.
         in_context(event_device(event), || unsafe {
             sys::cuEventSynchronize(event as CUevent);
@@ -264,6 +296,9 @@ impl Backend for LeaseBackend {
     }
 
     fn destroy(&self, event: EventId) {
+        if event == NO_EVENT {
+            return;
+        }
         let device = event_devices().lock().remove(&event).unwrap_or(0);
         // SAFETY: a live event recorded by `record`, destroyed once (the allocator counts).
         in_context(device, || unsafe {
@@ -280,6 +315,113 @@ impl Backend for LeaseBackend {
 }
 
 static ALLOCATOR: OnceLock<SubAllocator<LeaseBackend>> = OnceLock::new();
+
+/// The event of a block freed on a stream under CUDA graph capture: none is recorded.
+const NO_EVENT: EventId = 0;
+
+/// True while `stream` is being captured into a CUDA graph.
+fn is_capturing(stream: Stream) -> bool {
+    if stream == 0 {
+        return false; // the legacy default stream cannot be captured
+    }
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: a live stream PyTorch handed us; valid out pointer.
+    let rc = unsafe { sys::cuStreamIsCapturing(stream as CUstream, &mut status) };
+    rc == CUresult::CUDA_SUCCESS
+        && status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+}
+
+/// Runs `f` with this thread in relaxed stream-capture mode when `stream` is being
+/// captured: taking and mapping a lease, and querying other streams' events, are
+/// "unsafe" calls a global-mode capture would otherwise refuse (PyTorch does the same
+/// around its own cudaMalloc during capture).
+fn capture_tolerant<T>(stream: Stream, f: impl FnOnce() -> T) -> T {
+    if !is_capturing(stream) {
+        return f();
+    }
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: valid in/out pointer; restored below.
+    let swapped =
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } == CUresult::CUDA_SUCCESS;
+    let out = f();
+    if swapped {
+        // SAFETY: puts back the mode the thread had.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    out
+}
+
+/// Blocks used on several streams (`record_stream`, NCCL) come back to PyTorch's pool
+/// only once no pool routing is active, which under `install()` is never: so a hook call
+/// (PyTorch missed its cache) asks the main thread, through a pending call, to run
+/// `gpubroker.torch`'s `_reuse_stream_blocks_soon`, at most once per interval.
+struct StreamBlockFlush {
+    callback: Py<PyAny>,
+    interval_ns: u64,
+}
+
+static FLUSH: OnceLock<StreamBlockFlush> = OnceLock::new();
+static FLUSH_QUEUED: AtomicBool = AtomicBool::new(false);
+static FLUSH_LAST_NS: AtomicU64 = AtomicU64::new(0);
+/// Pending calls queued (`memory_stats()["stream_block_flushes"]`).
+static FLUSHES: AtomicU64 = AtomicU64::new(0);
+
+fn monotonic_ns() -> u64 {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_nanos() as u64
+}
+
+fn schedule_stream_block_flush() {
+    let Some(flush) = FLUSH.get() else { return };
+    // 0: never flushed.
+    let now = monotonic_ns().max(1);
+    let last = FLUSH_LAST_NS.load(Ordering::Relaxed);
+    if (last != 0 && now.saturating_sub(last) < flush.interval_ns)
+        || FLUSH_QUEUED.swap(true, Ordering::SeqCst)
+    {
+        return;
+    }
+    FLUSH_LAST_NS.store(now, Ordering::Relaxed);
+    // SAFETY: Py_AddPendingCall may be called from any thread without the GIL.
+    if unsafe { pyo3::ffi::Py_AddPendingCall(Some(run_stream_block_flush), std::ptr::null_mut()) }
+        != 0
+    {
+        FLUSH_QUEUED.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The pending call: runs on the main thread with the GIL, between bytecodes.
+extern "C" fn run_stream_block_flush(_: *mut c_void) -> c_int {
+    FLUSH_QUEUED.store(false, Ordering::SeqCst);
+    let _ = std::panic::catch_unwind(|| {
+        if let Some(flush) = FLUSH.get() {
+            FLUSHES.fetch_add(1, Ordering::Relaxed);
+            Python::attach(|py| {
+                // Never raise into whatever the main thread was running.
+                if let Err(e) = flush.callback.call0(py) {
+                    tracing::debug!(error = %e, "gpubroker.torch: stream-block flush");
+                }
+            });
+        }
+    });
+    0
+}
+
+/// Registers the main-thread callback that returns multi-stream blocks to PyTorch's
+/// pool, run at most once per `interval_s` after a hook call.
+#[pyfunction]
+pub fn _torch_set_stream_block_flush(callback: Py<PyAny>, interval_s: f64) -> PyResult<()> {
+    let interval_ns = (interval_s.max(0.0) * 1e9) as u64;
+    FLUSH
+        .set(StreamBlockFlush {
+            callback,
+            interval_ns,
+        })
+        .map_err(|_| errors::local("FailedPrecondition", "the flush is already registered"))
+}
 
 /// PyTorch's alloc hook: `void* alloc(ssize_t size, int device, cudaStream_t stream)`.
 /// Null when the broker refused after waiting (PyTorch's caching allocator then raises
@@ -308,7 +450,18 @@ pub extern "C" fn gpubroker_torch_alloc(
             );
             return std::ptr::null_mut();
         }
-        match a.alloc(device, size, stream) {
+        schedule_stream_block_flush();
+        let region = crate::regions::current(a);
+        if region.as_ref().is_some_and(|r| r.is_paused()) {
+            tracing::warn!(
+                size,
+                device,
+                "gpubroker.torch: allocation in a paused region"
+            );
+            return std::ptr::null_mut();
+        }
+        let a = region.as_ref().map_or(a, |r| r.allocator());
+        match capture_tolerant(stream, || a.alloc(device, size, stream)) {
             Ok(ptr) => ptr as *mut c_void,
             Err(e) => {
                 tracing::warn!(size, device, error = %e, "gpubroker.torch: allocation failed");
@@ -325,12 +478,16 @@ pub extern "C" fn gpubroker_torch_free(
     ptr: *mut c_void,
     _size: usize,
     _device: c_int,
-    _stream: *mut c_void,
+    stream: *mut c_void,
 ) {
     let ptr = ptr as u64;
+    let stream = stream as usize;
     let _ = std::panic::catch_unwind(|| {
         if let Some(a) = ALLOCATOR.get() {
-            if let Err(e) = a.free(ptr) {
+            let freed = capture_tolerant(stream, || {
+                a.free(ptr).or_else(|e| crate::regions::free(ptr).ok_or(e))
+            });
+            if let Err(e) = freed {
                 tracing::error!(error = %e, "gpubroker.torch: free of an unknown pointer");
             }
         }
@@ -355,12 +512,16 @@ fn watch_events(session: &Session) -> std::io::Result<()> {
                     _ => continue,
                 };
                 for id in ids {
-                    if reclaim_sleeps(&event, &id) {
+                    if crate::regions::pause_on_reclaim(&event, &id) || reclaim_sleeps(&event, &id)
+                    {
                         continue;
                     }
                     // A woken segment's lease has a new id; the allocator knows the first.
                     let id = residents().lock().first_id.get(&id).cloned().unwrap_or(id);
-                    let outcome = a.reclaim(&id);
+                    let mut outcome = a.reclaim(&id);
+                    if outcome == gpubroker_suballoc::Reclaim::Unknown {
+                        outcome = crate::regions::reclaim(&id);
+                    }
                     tracing::info!(lease_id = id, ?outcome, "gpubroker.torch: reclaim");
                 }
             }
@@ -397,6 +558,89 @@ fn reclaim_sleeps(event: &SessionEvent, lease_id: &str) -> bool {
         }
     }
     true
+}
+
+/// The region tag of the resident segment whose current lease is `lease_id`, if any.
+pub(crate) fn tag_of_lease(lease_id: &str) -> Option<String> {
+    let reg = residents().lock();
+    let first = reg.first_id.get(lease_id)?;
+    reg.by_base
+        .values()
+        .find(|seg| &seg.first_id == first)
+        .and_then(|seg| seg.tag.clone())
+}
+
+/// Sleeps (`contents` saved or not) or wakes every resident segment of region `tag`;
+/// the bytes moved. A wake refused by the broker stops there (the rest stay asleep).
+pub(crate) fn set_region_awake(
+    tag: &str,
+    awake: bool,
+    contents: Contents,
+    wait: Option<Duration>,
+) -> Result<u64, ClientError> {
+    let segs: Vec<Arc<ResidentSegment>> = residents()
+        .lock()
+        .by_base
+        .values()
+        .filter(|seg| seg.tag.as_deref() == Some(tag))
+        .cloned()
+        .collect();
+    let handle = rt::handle();
+    let mut moved = 0;
+    for seg in segs {
+        let mut g = seg.resident.lock();
+        let Some(r) = g.as_mut() else { continue };
+        if r.is_awake() == awake {
+            continue;
+        }
+        if awake {
+            handle.block_on(r.wake(wait))?;
+            if let Some(id) = r.lease().map(|l| l.id().to_string()) {
+                residents().lock().first_id.insert(id, seg.first_id.clone());
+            }
+        } else {
+            // Work queued on any stream must finish before its memory goes.
+            // SAFETY: the device's primary context is current.
+            in_context(r.device(), || unsafe {
+                sys::cuCtxSynchronize();
+            });
+            let old = r.lease().map(|l| l.id().to_string());
+            handle.block_on(r.sleep(contents))?;
+            if let Some(old) = old.filter(|old| *old != seg.first_id) {
+                residents().lock().first_id.remove(&old);
+            }
+        }
+        moved += r.len();
+    }
+    Ok(moved)
+}
+
+/// Runs `f` with the lease (`None` while asleep) and base address of the segment that
+/// holds device address `ptr`; `None` when no segment does.
+pub(crate) fn segment_of<T>(ptr: u64, f: impl FnOnce(Option<&Lease>, u64) -> T) -> Option<T> {
+    let seg = {
+        let reg = residents().lock();
+        let (_, seg) = reg.by_base.range(..=ptr).next_back()?;
+        seg.clone()
+    };
+    let g = seg.resident.lock();
+    let r = g.as_ref()?;
+    if ptr >= r.addr() + r.len() {
+        return None;
+    }
+    Some(f(r.lease(), r.addr()))
+}
+
+impl LeaseBackend {
+    /// The tenant the segments are leased for.
+    pub(crate) fn tenant(&self) -> String {
+        self.session.tenant()
+    }
+}
+
+/// The process-wide allocator, once installed.
+pub(crate) fn installed_allocator() -> Option<&'static SubAllocator<LeaseBackend>> {
+    ALLOCATOR.get()
 }
 
 /// Puts every awake resident segment to sleep (allocations fail from now on); the
@@ -481,6 +725,7 @@ pub fn _torch_install(
         session,
         handle,
         reclaimable,
+        tag: None,
         broker_uuids,
     };
     ALLOCATOR
@@ -522,6 +767,7 @@ pub fn _torch_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("ooms", s.ooms)?;
     d.set_item("reclaimed_segments", s.reclaimed_segments)?;
     d.set_item("reclaim_sleeps", RECLAIM_SLEEPS.load(Ordering::SeqCst))?;
+    d.set_item("stream_block_flushes", FLUSHES.load(Ordering::Relaxed))?;
     Ok(d)
 }
 

@@ -409,20 +409,32 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
     assert out["calls"][:3] == ["allocator", "pool", "begin"], out["calls"]
     assert out["ptr"] is None
     s = out["stats"]
-    assert (s["allocs"], s["ooms"], s["waits"], s["segments"], s["leased_bytes"]) == (0, 1, 1, 0, 0), s
-    assert s["broker_acquires"] == 2, "a segment without waiting, then the exact size with the wait"
-    assert out["oom"] and "gpubroker" in out["oom"] and "FAILED_PRECONDITION" in out["oom"], out["oom"]
+    assert (s["allocs"], s["ooms"], s["waits"], s["segments"], s["leased_bytes"]) == (0, 1, 0, 0, 0), s
+    assert s["broker_acquires"] == 2, "a segment, then the exact size, neither waiting (not a full card)"
+    assert s["stream_block_flushes"] == 1, s
+    assert out["flush_calls"] == ["end", "torch_empty_cache", "begin", "release"], out["flush_calls"]
+    assert out["observers"] == 0, "no raising observer (cuDNN must see PyTorch's own error)"
+    assert out["oom"].startswith("CUDA out of memory. Tried to allocate 2.00 MiB.\ngpubroker"), out["oom"]
+    assert "FAILED_PRECONDITION" in out["oom"], out["oom"]
+    assert out["oom_plain"] == ["plain", None], "taken once"
     assert out["ptr_over_quota"] is None
     q = out["oom_quota"]
     assert q and q["reason"] == "QUOTA_EXCEEDED" and q["code"] == "RESOURCE_EXHAUSTED", q
     assert "RESOURCE_EXHAUSTED (QUOTA_EXCEEDED)" in q["text"] and str(64 << 20) in q["text"], q
-    assert "torch.multiprocessing" in out["mp"]
-    assert "CUDA graph" in out["graph"]
+    assert out["mp"][0] == "InvalidArgument" and "not in a segment" in out["mp"][1], out["mp"]
+    assert out["mp_import"] == ["NotFound", "SHARED_LEASE_NOT_FOUND"], out["mp_import"]
+    # Each pause's begin is balanced by a release (PyTorch takes a pool reference per begin).
+    assert out["graph_calls"] == ["pool", "end", "capture_begin", "begin", "release", "capture_end"], out["graph_calls"]
+    assert out["graph_pool_is_ours"] and out["graph_reroute"]
+    assert out["shared_calls"] == ["pool", "end", "begin_thread", "begin", "release"], out["shared_calls"]
+    assert out["shared_is_ours"]
+    assert out["memory_module_patched"], "use_mem_pool looks the name up in torch.cuda.memory"
+    assert out["graph_pool_deleted"], "the freed graph's pool went with empty_cache()"
     # A fresh pool; the routing pauses while the old pool is destroyed and PyTorch's cache
     # emptied (PyTorch asserts no routing is active then), and resumes on the new pool.
     assert out["empty_calls"] == [
-        "pool", "end", "release", "pool_deleted", "torch_empty_cache", "begin"], out["empty_calls"]
-    assert out["reuse_calls"] == ["end", "torch_empty_cache", "begin"], out["reuse_calls"]
+        "pool", "end", "release", "pool_deleted", "pool_deleted", "torch_empty_cache", "begin"], out["empty_calls"]
+    assert out["reuse_calls"] == ["end", "torch_empty_cache", "begin", "release"], out["reuse_calls"]
     assert out["reuse_same_pool"]
     assert out["released"] == 0
 
@@ -460,3 +472,39 @@ def test_per_device_caps_show_in_usage_and_refuse_past_the_cap(make_broker):
         assert u.device_committed_bytes == {0: 4 * MIB, 1: 2 * MIB}
         first.release()
         other.release()
+
+
+@pytest.mark.parametrize("package", ["old", "new"])
+def test_memory_saver_plugs_into_torch_memory_saver(broker, package):
+    """gpubroker.torch_memory_saver runs code written for torch_memory_saver: through
+    `register_hook_mode` where the package has it (new), else as the implementation its
+    singleton delegates to (0.0.10, old); regions set the tag the hooks allocate under
+    (restored on leaving, also around disable()), each region in a MemPool of its own,
+    pause/resume by tag (an unused tag pauses nothing)."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    token = broker.tenant("t", "64MiB")
+    child = subprocess.run(
+        [sys.executable, os.path.join(here, "memsaver_plumbing_child.py"), broker.address, token,
+         os.path.join(here, "fake_torch"), os.path.join(here, "fake_memory_saver", package)],
+        capture_output=True, text=True, timeout=120,
+    )
+    lines = [l for l in child.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, child.stdout + child.stderr
+    out = json.loads(lines[-1][7:])
+    if package == "old":
+        assert out["impl_is_ours"] is True
+    assert out["outside"] is None
+    assert out["inside"] == ["kv", True]
+    assert out["ptr"] is None, "the host backend's lease is not CUDA memory"
+    assert out["disabled"] is None and out["after_disable"] == ["kv", True]
+    assert out["after"] is None, "leaving the region closed it"
+    assert out["thread_pools"] and out["in_front"], out
+    assert out["tags"] == ["kv"]
+    assert out["pause_unknown"] == 0
+    assert out["pause_kv"] == 0 and out["paused"] == 1
+    assert out["resume_kv"] == 0 and out["resumed"] == 0
+    assert out["facade_paused"] == 1

@@ -27,43 +27,72 @@ out["hooks"] = allocator[2:]
 alloc = ctypes.CDLL(gpubroker._native.__file__).gpubroker_torch_alloc
 alloc.restype = ctypes.c_void_p
 alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+torch.calls.clear()
 out["ptr"] = alloc(2 << 20, 0, None)
+# The hook asked the main thread (a pending call, run between bytecodes) to return
+# multi-stream blocks: the routing paused around PyTorch's empty_cache.
+for _ in range(1000):
+    pass
+out["flush_calls"] = [c[0] for c in torch.calls]
 stats = gt.memory_stats()
-out["stats"] = {k: stats[k] for k in ("allocs", "ooms", "broker_acquires", "waits", "segments", "leased_bytes")}
-# The OOM observer PyTorch would call raises torch.OutOfMemoryError with the reason.
-observer = torch._observers[0]
-try:
-    observer(0, 2 << 20, 0, 0)
-    out["oom"] = None
-except torch.OutOfMemoryError as e:
-    out["oom"] = str(e)
-observer(0, 1, 0, 0)  # nothing new: PyTorch's own error stands (no exception here)
+out["stats"] = {k: stats[k] for k in ("allocs", "ooms", "broker_acquires", "waits", "segments", "leased_bytes", "stream_block_flushes")}
+# The error PyTorch raises when the hook returns null carries the broker's refusal (its
+# constructor appends it), once: a later error of PyTorch's own stays as it is.
+out["observers"] = len(torch._observers)
+e = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+out["oom"] = str(e)
+out["oom_plain"] = [str(torch.OutOfMemoryError("plain")), torch.OutOfMemoryError("plain").reason]
 # More than the tenant's quota: the broker refuses with its reason, which the OOM carries.
 out["ptr_over_quota"] = alloc(128 << 20, 0, None)
-try:
-    observer(0, 128 << 20, 0, 0)
-    out["oom_quota"] = None
-except torch.OutOfMemoryError as e:
-    out["oom_quota"] = {"text": str(e), "reason": e.reason, "cause": e.cause, "code": e.code}
+e = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB.")
+out["oom_quota"] = {"text": str(e), "reason": e.reason, "cause": e.cause, "code": e.code}
 
 # Refusals.
 from multiprocessing.reduction import ForkingPickler  # noqa: E402
 
+# torch.multiprocessing: a CUDA tensor travels as a publication of its segment's lease;
+# an address in no segment is refused, and a receiver's import of a publication that is
+# not there gets the broker's refusal.
 try:
     ForkingPickler.dumps(torch.Tensor(is_cuda=True))
     out["mp"] = "pickled"
-except RuntimeError as e:
-    out["mp"] = str(e)
+except gpubroker.BrokerError as e:
+    out["mp"] = [type(e).__name__, str(e)]
 try:
-    torch.cuda.CUDAGraph().capture_begin()
-    out["graph"] = "captured"
-except RuntimeError as e:
-    out["graph"] = str(e)
+    gt._rebuild_cuda_tensor(session.tenant, "gpubroker.torch/1/none", 0, 4096, "uint8", (4096,), (1,), 0, False)
+    out["mp_import"] = "imported"
+except gpubroker.BrokerError as e:
+    out["mp_import"] = [type(e).__name__, e.reason]
+# CUDA graphs: a capture with no pool gets a pool of the broker's allocator, and its
+# routing goes in front of the all-streams one (which steps out and back in behind it).
+main_pool = pool
+torch.calls.clear()
+g = torch.cuda.CUDAGraph()
+g.capture_begin()
+g.capture_end()
+out["graph_calls"] = [c[0] for c in torch.calls]
+graph_pool = [c for c in torch.calls if c[0] == "pool"][0][1]
+out["graph_pool_is_ours"] = ("capture_begin", graph_pool) in torch.calls
+reroute = [c for c in torch.calls if c[0] in ("end", "begin")]
+out["graph_reroute"] = reroute == [("end", 0, main_pool), ("begin", 0, main_pool)]
+# Shared pools (make_graphed_callables, torch.compile's CUDA-graph trees) are ours too,
+# and a thread's routing to one also goes in front.
+torch.calls.clear()
+shared = torch.cuda.graph_pool_handle()
+torch._C._cuda_beginAllocateCurrentThreadToPool(0, shared)
+out["shared_calls"] = [c[0] for c in torch.calls]
+out["memory_module_patched"] = (
+    torch.cuda.memory._cuda_beginAllocateCurrentThreadToPool is torch._C._cuda_beginAllocateCurrentThreadToPool
+)
+out["shared_is_ours"] = shared != (99, 0) and ("pool", shared) in torch.calls
+# A freed graph's pool goes with empty_cache(), while the routing pauses.
+del g
 
 # empty_cache: a fresh pool routed before the old one stops; PyTorch's cache emptied.
 torch.calls.clear()
 out["released"] = gt.empty_cache()
 out["empty_calls"] = [c[0] for c in torch.calls]
+out["graph_pool_deleted"] = ("pool_deleted", graph_pool) in torch.calls
 # reuse_stream_blocks: the routing pauses around PyTorch's empty_cache (which then
 # processes the deferred multi-stream blocks), on the same pool.
 torch.calls.clear()

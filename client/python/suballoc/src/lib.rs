@@ -12,10 +12,12 @@
 //!   was used on; it is handed to the same stream at once, to another stream only once
 //!   that event completed (or after waiting for it, before asking the broker for more);
 //! - **growth**: a miss takes a new segment of `Config::segment_bytes` (or the request
-//!   rounded up to the granularity) without waiting; when the tenant's quota or the card
-//!   is full it gives back its fully free segments and waits for an exact-size lease up to
-//!   `Config::wait` (the broker's queue); if that fails the allocation fails with the
-//!   broker's message (kept in [`SubAllocator::last_error`]);
+//!   rounded up to the granularity) without waiting; when that is refused it gives back
+//!   its fully free segments and asks for an exact-size lease, still without waiting.
+//!   Over the tenant's own quota it then fails at once (nothing comes by waiting); only
+//!   a full card waits for an exact-size lease up to `Config::wait` (the broker's
+//!   queue). A failure carries the broker's message (kept in
+//!   [`SubAllocator::last_error`]);
 //! - **reclaim**: a reclaim request (or revocation) for a segment with no live block
 //!   releases it at once; a segment still in use is drained: nothing new is placed in it
 //!   and it is released when its last block is freed. [`SubAllocator::empty_cache`]
@@ -317,26 +319,43 @@ impl<B: Backend> SubAllocator<B> {
         }
         // A new segment, without waiting.
         let seg = self.config.segment_bytes.max(exact);
-        match self.acquire_and_carve(device, seg, None, need, size, stream) {
+        let first = match self.acquire_and_carve(device, seg, None, need, size, stream) {
             Ok(ptr) => return Ok(ptr),
-            Err(r) => tracing::debug!(device, seg, refused = %r, "no segment without waiting"),
-        }
+            Err(r) => {
+                tracing::debug!(device, seg, refused = %r, "no segment without waiting");
+                r
+            }
+        };
         // A block another stream freed, once its work is done.
         if let Some(ptr) = self.carve(device, need, size, stream, true) {
             return Ok(ptr);
         }
-        // Give back what does not fit, then wait in the broker's queue for exactly this.
-        self.release_free_segments(Some(device));
-        self.state.lock().stats.waits += 1;
-        match self.acquire_and_carve(device, exact, Some(self.config.wait), need, size, stream) {
-            Ok(ptr) => Ok(ptr),
-            Err(refused) => {
-                self.state.lock().stats.ooms += 1;
-                let err = AllocError::Refused(refused);
-                *self.last_error.lock() = Some(err.clone());
-                Err(err)
+        // Give back what does not fit and ask for exactly this, still without waiting.
+        let released = self.release_free_segments(Some(device));
+        let refused = if released > 0 || exact < seg {
+            match self.acquire_and_carve(device, exact, None, need, size, stream) {
+                Ok(ptr) => return Ok(ptr),
+                Err(r) => r,
             }
-        }
+        } else {
+            first
+        };
+        // Over the tenant's own quota nothing can come by waiting: fail now. Only a full
+        // card (other tenants' memory) is worth the broker's queue.
+        let refused = if worth_waiting(&refused) {
+            self.state.lock().stats.waits += 1;
+            match self.acquire_and_carve(device, exact, Some(self.config.wait), need, size, stream)
+            {
+                Ok(ptr) => return Ok(ptr),
+                Err(r) => r,
+            }
+        } else {
+            refused
+        };
+        self.state.lock().stats.ooms += 1;
+        let err = AllocError::Refused(refused);
+        *self.last_error.lock() = Some(err.clone());
+        Err(err)
     }
 
     /// Frees a block `alloc` returned; `stream` is ignored (the block remembers the
@@ -724,6 +743,26 @@ impl<B: Backend> SubAllocator<B> {
             self.backend.release(token);
         }
     }
+}
+
+/// Refusals that name the tenant's own limits: its quota (overall or on the device), its
+/// lease count, or a size the card can never hold. No other tenant's release changes
+/// them, so waiting in the broker's queue would only stall the allocation.
+const OWN_LIMITS: [&str; 4] = [
+    "QUOTA_EXCEEDED",
+    "DEVICE_QUOTA_EXCEEDED",
+    "LEASE_COUNT_LIMIT",
+    "REQUEST_TOO_LARGE",
+];
+
+/// Whether a refusal given without waiting may turn into a grant by waiting in the
+/// broker's queue: a full card, or a refusal that names no reason (an older broker).
+pub fn worth_waiting(refused: &Refused) -> bool {
+    refused.code == "RESOURCE_EXHAUSTED"
+        && !refused
+            .reason
+            .as_deref()
+            .is_some_and(|r| OWN_LIMITS.contains(&r))
 }
 
 fn unref<B: Backend>(refs: &mut HashMap<EventId, u32>, backend: &B, ev: EventId) {

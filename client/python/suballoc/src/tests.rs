@@ -20,6 +20,9 @@ struct Fake {
 struct FakeState {
     quota: u64,
     held: u64,
+    /// The card's leasable bytes (0: no limit but the quota) and what other tenants hold.
+    card: u64,
+    others: u64,
     next_base: u64,
     next_lease: u64,
     acquires: Vec<(u64, Option<Duration>)>,
@@ -59,6 +62,12 @@ impl Fake {
         }
     }
 
+    /// Another tenant gives back `bytes` of the card.
+    fn others_release(&self, bytes: u64) {
+        self.inner.lock().others -= bytes;
+        self.freed.notify_all();
+    }
+
     fn live_events(&self) -> usize {
         self.inner.lock().events.len()
     }
@@ -74,18 +83,26 @@ impl Backend for Arc<Fake> {
         let mut st = self.inner.lock();
         st.acquires.push((bytes, wait));
         let deadline = wait.map(|w| Instant::now() + w);
-        while st.held + bytes > st.quota {
+        loop {
+            // The tenant's quota first, then the card (shared with `others`), as the broker.
+            let cause = if st.held + bytes > st.quota {
+                "QUOTA_EXCEEDED"
+            } else if st.card > 0 && st.held + st.others + bytes > st.card {
+                "CAPACITY_EXHAUSTED"
+            } else {
+                break;
+            };
             let refuse = |code: &str, st: &FakeState| Refused {
                 code: code.into(),
                 reason: Some(
                     if code == "DEADLINE_EXCEEDED" {
                         "WAIT_EXPIRED"
                     } else {
-                        "QUOTA_EXCEEDED"
+                        cause
                     }
                     .into(),
                 ),
-                cause: (code == "DEADLINE_EXCEEDED").then(|| "QUOTA_EXCEEDED".into()),
+                cause: (code == "DEADLINE_EXCEEDED").then(|| cause.into()),
                 message: format!(
                     "tenant would hold {} of {} bytes",
                     st.held + bytes,
@@ -95,7 +112,7 @@ impl Backend for Arc<Fake> {
             match deadline {
                 None => return Err(refuse("RESOURCE_EXHAUSTED", &st)),
                 Some(d) => {
-                    if self.freed.wait_until(&mut st, d).timed_out() && st.held + bytes > st.quota {
+                    if self.freed.wait_until(&mut st, d).timed_out() {
                         return Err(refuse("DEADLINE_EXCEEDED", &st));
                     }
                 }
@@ -319,25 +336,41 @@ fn large_requests_get_a_segment_of_their_own_rounded_to_the_granularity() {
     assert_eq!(fake.acquires(), 1);
 }
 
+/// An allocator whose tenant may hold `quota` on a card of `card` bytes, of which other
+/// tenants hold `others`.
+fn on_card(
+    quota: u64,
+    card: u64,
+    others: u64,
+    segment: u64,
+) -> (Arc<Fake>, SubAllocator<Arc<Fake>>) {
+    let (fake, a) = allocator(quota, segment);
+    {
+        let mut st = fake.inner.lock();
+        st.card = card;
+        st.others = others;
+    }
+    (fake, a)
+}
+
 #[test]
-fn when_the_quota_is_full_it_waits_in_the_broker_queue_and_gets_memory_freed_meanwhile() {
-    let (fake, a) = allocator(32 * MIB, 32 * MIB);
-    let a = Arc::new(a);
-    let held = a.alloc(0, 30 * MIB, S1).unwrap();
-    // Another thread (another tenant in real life) frees 100 ms later.
+fn when_the_card_is_full_it_waits_in_the_broker_queue_and_gets_memory_freed_meanwhile() {
+    // The tenant may hold 1 GiB, but other tenants fill the 64 MiB card but 32 MiB.
+    let (fake, a) = on_card(1 << 30, 64 * MIB, 32 * MIB, 32 * MIB);
+    let _held = a.alloc(0, 30 * MIB, S1).unwrap();
+    // Another tenant frees 100 ms later.
     let other = {
-        let a = a.clone();
+        let fake = fake.clone();
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
-            a.free(held).unwrap();
-            a.empty_cache()
+            fake.others_release(16 * MIB);
         })
     };
-    // Needs a fresh 8 MiB: the segment is busy; the quota is full, so it waits.
+    // Needs a fresh 8 MiB: the segment has 2 MiB left, the card none, so it waits.
     let t0 = Instant::now();
     let p = a.alloc(0, 8 * MIB, S2).unwrap();
     let waited = t0.elapsed();
-    assert_eq!(other.join().unwrap(), 32 * MIB);
+    other.join().unwrap();
     assert!(waited >= Duration::from_millis(80), "{waited:?}");
     let acquires = fake.inner.lock().acquires.clone();
     assert_eq!(
@@ -345,13 +378,88 @@ fn when_the_quota_is_full_it_waits_in_the_broker_queue_and_gets_memory_freed_mea
         Some(&(8 * MIB, Some(Duration::from_millis(200))))
     );
     assert_eq!(a.stats().waits, 1);
-    assert_eq!(a.stats().reserved_bytes, 8 * MIB);
+    assert_eq!(a.stats().reserved_bytes, 40 * MIB);
     a.free(p).unwrap();
 }
 
 #[test]
-fn out_of_memory_carries_the_brokers_reason() {
-    let (_fake, a) = allocator(16 * MIB, 16 * MIB);
+fn over_the_quota_it_fails_at_once_with_the_brokers_reason() {
+    let (fake, a) = allocator(16 * MIB, 16 * MIB);
+    let _held = a.alloc(0, 16 * MIB, S1).unwrap();
+    let t0 = Instant::now();
+    let err = a.alloc(0, 4 * MIB, S1).unwrap_err();
+    assert!(
+        t0.elapsed() < Duration::from_millis(100),
+        "nothing to wait for: {:?}",
+        t0.elapsed()
+    );
+    assert!(
+        fake.inner
+            .lock()
+            .acquires
+            .iter()
+            .all(|(_, wait)| wait.is_none()),
+        "never queued in the broker"
+    );
+    match &err {
+        AllocError::Refused(r) => {
+            assert_eq!(r.code, "RESOURCE_EXHAUSTED");
+            assert_eq!(r.reason.as_deref(), Some("QUOTA_EXCEEDED"));
+            assert!(r.message.contains("of 16777216 bytes"), "{}", r.message);
+        }
+        other => panic!("{other:?}"),
+    }
+    let s = a.stats();
+    assert_eq!((s.ooms, s.waits), (1, 0));
+    let last = a.last_error().unwrap();
+    assert!(
+        last.contains("RESOURCE_EXHAUSTED (QUOTA_EXCEEDED)") && last.contains("16777216"),
+        "{last}"
+    );
+    assert_eq!(a.take_last_error(), Some(err));
+    assert_eq!(a.take_last_error(), None, "taken once");
+}
+
+#[test]
+fn a_large_probe_over_the_quota_costs_no_wait_and_a_smaller_retry_fits() {
+    // cuDNN asks for a large workspace and retries smaller on an out-of-memory.
+    let (fake, a) = allocator(64 * MIB, 16 * MIB);
+    let _model = a.alloc(0, 40 * MIB, S1).unwrap();
+    let t0 = Instant::now();
+    assert!(a.alloc(0, 32 * MIB, S1).is_err(), "over the quota");
+    assert!(
+        t0.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        t0.elapsed()
+    );
+    let small = a.alloc(0, 8 * MIB, S1).unwrap();
+    assert!(fake
+        .inner
+        .lock()
+        .acquires
+        .iter()
+        .all(|(_, wait)| wait.is_none()));
+    assert_eq!(a.stats().waits, 0);
+    a.free(small).unwrap();
+}
+
+#[test]
+fn a_segment_over_the_quota_falls_back_to_an_exact_lease_without_waiting() {
+    // 8 MiB left of the quota: a 16 MiB segment is refused, the exact 4 MiB is not.
+    let (fake, a) = allocator(24 * MIB, 16 * MIB);
+    let _held = a.alloc(0, 16 * MIB, S1).unwrap();
+    let p = a.alloc(0, 4 * MIB, S1).unwrap();
+    assert_eq!(
+        fake.inner.lock().acquires[1..],
+        [(16 * MIB, None), (4 * MIB, None)]
+    );
+    assert_eq!(a.stats().waits, 0);
+    a.free(p).unwrap();
+}
+
+#[test]
+fn a_full_card_that_stays_full_fails_after_the_wait_with_its_cause() {
+    let (_fake, a) = on_card(1 << 30, 32 * MIB, 16 * MIB, 16 * MIB);
     let _held = a.alloc(0, 16 * MIB, S1).unwrap();
     let t0 = Instant::now();
     let err = a.alloc(0, 4 * MIB, S1).unwrap_err();
@@ -363,19 +471,38 @@ fn out_of_memory_carries_the_brokers_reason() {
         AllocError::Refused(r) => {
             assert_eq!(r.code, "DEADLINE_EXCEEDED");
             assert_eq!(r.reason.as_deref(), Some("WAIT_EXPIRED"));
-            assert!(r.message.contains("of 16777216 bytes"), "{}", r.message);
+            assert_eq!(r.cause.as_deref(), Some("CAPACITY_EXHAUSTED"));
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(a.stats().ooms, 1);
-    let last = a.last_error().unwrap();
+    assert_eq!((a.stats().ooms, a.stats().waits), (1, 1));
+    assert!(a
+        .last_error()
+        .unwrap()
+        .contains("DEADLINE_EXCEEDED (WAIT_EXPIRED, cause CAPACITY_EXHAUSTED)"));
+}
+
+#[test]
+fn only_refusals_other_tenants_can_lift_are_worth_waiting() {
+    let r = |code: &str, reason: Option<&str>| Refused {
+        code: code.into(),
+        reason: reason.map(Into::into),
+        cause: None,
+        message: String::new(),
+    };
+    assert!(worth_waiting(&r(
+        "RESOURCE_EXHAUSTED",
+        Some("CAPACITY_EXHAUSTED")
+    )));
     assert!(
-        last.contains("DEADLINE_EXCEEDED (WAIT_EXPIRED, cause QUOTA_EXCEEDED)")
-            && last.contains("16777216"),
-        "{last}"
+        worth_waiting(&r("RESOURCE_EXHAUSTED", None)),
+        "an older broker"
     );
-    assert_eq!(a.take_last_error(), Some(err));
-    assert_eq!(a.take_last_error(), None, "taken once");
+    for own in OWN_LIMITS {
+        assert!(!worth_waiting(&r("RESOURCE_EXHAUSTED", Some(own))), "{own}");
+    }
+    assert!(!worth_waiting(&r("UNAVAILABLE", None)));
+    assert!(!worth_waiting(&r("INTERNAL", None)), "a mapping error");
 }
 
 #[test]

@@ -19,11 +19,22 @@ class dtype:  # noqa: N801 - mirrors torch.dtype
 class Tensor:
     def __init__(self, is_cuda=False):
         self.is_cuda = is_cuda
+        self.requires_grad = False
+        self.is_leaf = True
+
+    def untyped_storage(self):
+        return UntypedStorage(self.is_cuda)
 
 
 class UntypedStorage:
     def __init__(self, is_cuda=False):
         self.is_cuda = is_cuda
+
+    def data_ptr(self):
+        return 0x7000_0000
+
+    def nbytes(self):
+        return 4096
 
 
 __version__ = "0.0-fake"
@@ -43,8 +54,17 @@ def _release(device, pool_id):
     calls.append(("release", device, pool_id))
 
 
+def _graph_pool_handle():
+    return (99, 0)
+
+
+def _begin_thread(device, pool_id):
+    calls.append(("begin_thread", device, pool_id))
+
+
 _C = types.SimpleNamespace(
     _cuda_beginAllocateToPool=_begin,
+    _cuda_beginAllocateCurrentThreadToPool=_begin_thread,
     _cuda_endAllocateToPool=_end,
     _cuda_releasePool=_release,
     _cuda_attach_out_of_memory_observer=_observers.append,
@@ -80,8 +100,12 @@ class _MemPool:
 
 
 class _CUDAGraph:
-    def capture_begin(self, *args, **kwargs):
-        calls.append(("captured",))
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        calls.append(("capture_begin", pool))
+
+    def capture_end(self):
+        calls.append(("capture_end",))
+
 
 
 @contextlib.contextmanager
@@ -93,6 +117,17 @@ def _empty_cache():
     calls.append(("torch_empty_cache",))
 
 
+@contextlib.contextmanager
+def _use_mem_pool(pool):
+    # As PyTorch's: the begin function from torch.cuda.memory's own globals.
+    cuda.memory._cuda_beginAllocateCurrentThreadToPool(0, pool.id)
+    try:
+        yield
+    finally:
+        _end(0, pool.id)
+        _release(0, pool.id)
+
+
 cuda = types.SimpleNamespace(
     is_available=lambda: True,
     device_count=lambda: 1,
@@ -102,8 +137,17 @@ cuda = types.SimpleNamespace(
     device=_device,
     MemPool=_MemPool,
     CUDAGraph=_CUDAGraph,
+    graph_pool_handle=_graph_pool_handle,
+    graphs=types.SimpleNamespace(graph_pool_handle=_graph_pool_handle),
+    current_device=lambda: 0,
+    is_current_stream_capturing=lambda: False,
     empty_cache=_empty_cache,
-    memory=types.SimpleNamespace(CUDAPluggableAllocator=_PluggableAllocator),
+    use_mem_pool=_use_mem_pool,
+    synchronize=lambda device=None: calls.append(("synchronize",)),
+    memory=types.SimpleNamespace(
+        CUDAPluggableAllocator=_PluggableAllocator,
+        _cuda_beginAllocateCurrentThreadToPool=_begin_thread,
+    ),
 )
 
 nn = types.SimpleNamespace(parameter=types.SimpleNamespace(Parameter=type("Parameter", (Tensor,), {})))
