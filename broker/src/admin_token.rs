@@ -1,5 +1,6 @@
 //! The admin token file: read it if present, otherwise generate a token into a new 0600
-//! file (the log prints its path, never the token).
+//! file (the log prints its path, never the token). A token read from a file must be one
+//! nobody can guess: the shipped manifests' placeholder and short tokens are refused.
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -18,6 +19,40 @@ pub enum AdminTokenError {
     Empty(PathBuf),
     #[error("{path}: mode {mode:o} lets others read the admin token; chmod 600 it")]
     TooOpen { path: PathBuf, mode: u32 },
+    #[error(
+        "{0}: the admin token is the example manifest's placeholder {PLACEHOLDER}: put a random \
+         token there (e.g. `head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'`)"
+    )]
+    Placeholder(PathBuf),
+    #[error(
+        "{path}: the admin token has {len} characters, fewer than {MIN_ADMIN_TOKEN_CHARS}: \
+         put a random token of at least {MIN_ADMIN_TOKEN_CHARS} there (e.g. `head -c 32 \
+         /dev/urandom | od -An -tx1 | tr -d ' \\n'`)"
+    )]
+    TooShort { path: PathBuf, len: usize },
+}
+
+/// The value the example Secret ships with, refused so that applying it unchanged cannot
+/// give a cluster a known admin token.
+pub const PLACEHOLDER: &str = "REPLACE-WITH-A-RANDOM-TOKEN";
+
+/// The shortest admin token accepted from a file: 128 bits as hex digits.
+pub const MIN_ADMIN_TOKEN_CHARS: usize = 32;
+
+/// Refuses a token that is the placeholder (or contains it) or shorter than
+/// [`MIN_ADMIN_TOKEN_CHARS`].
+fn check_guessable(path: &Path, token: &str) -> Result<(), AdminTokenError> {
+    if token.contains(PLACEHOLDER) {
+        return Err(AdminTokenError::Placeholder(path.to_path_buf()));
+    }
+    let len = token.chars().count();
+    if len < MIN_ADMIN_TOKEN_CHARS {
+        return Err(AdminTokenError::TooShort {
+            path: path.to_path_buf(),
+            len,
+        });
+    }
+    Ok(())
 }
 
 /// Reads the token at `path`, or creates one there.
@@ -39,6 +74,7 @@ pub fn load_or_create(path: &Path) -> Result<String, AdminTokenError> {
             if t.is_empty() {
                 return Err(AdminTokenError::Empty(path.to_path_buf()));
             }
+            check_guessable(path, &t)?;
             Ok(t)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -117,14 +153,40 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("admin.token");
         let old = load_or_create(&p).unwrap();
-        replace(&p, "gpb_new").unwrap();
-        assert_eq!(load_or_create(&p).unwrap(), "gpb_new");
-        assert_ne!(old, "gpb_new");
+        let new = format!("gpb_{}", "7".repeat(64));
+        replace(&p, &new).unwrap();
+        assert_eq!(load_or_create(&p).unwrap(), new);
+        assert_ne!(old, new);
         assert_eq!(
             std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
             0o600
         );
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn refuses_the_placeholder_and_short_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("admin.token");
+        let write = |text: &str| {
+            std::fs::write(&p, text).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o400)).unwrap();
+        };
+        write("REPLACE-WITH-A-RANDOM-TOKEN\n");
+        let e = load_or_create(&p).unwrap_err();
+        assert!(matches!(e, AdminTokenError::Placeholder(_)), "{e}");
+        assert!(e.to_string().contains("placeholder"), "{e}");
+        std::fs::remove_file(&p).unwrap();
+        write("hunter2-hunter2\n");
+        let e = load_or_create(&p).unwrap_err();
+        assert!(
+            matches!(e, AdminTokenError::TooShort { len: 15, .. }),
+            "{e}"
+        );
+        std::fs::remove_file(&p).unwrap();
+        let fine = "0123456789abcdef".repeat(2);
+        write(&fine);
+        assert_eq!(load_or_create(&p).unwrap(), fine);
     }
 
     #[test]

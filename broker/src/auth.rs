@@ -269,6 +269,8 @@ pub struct Authenticator {
     last_used: DashMap<[u8; 32], i64>,
     /// Where the admin token file lives (for rotation); `None` in tests.
     admin_file: parking_lot::Mutex<Option<std::path::PathBuf>>,
+    /// The declared tokens (`tokens_config`): in `tokens` too, never in the store.
+    declared: parking_lot::Mutex<std::collections::HashMap<[u8; 32], TokenEntry>>,
 }
 
 impl Authenticator {
@@ -281,7 +283,41 @@ impl Authenticator {
             tokens: DashMap::new(),
             last_used: DashMap::new(),
             admin_file: parking_lot::Mutex::new(None),
+            declared: parking_lot::Mutex::new(std::collections::HashMap::new()),
         }
+    }
+
+    /// Makes `entries` the declared tokens: those not accepted now are added (again, if a
+    /// tenant's deletion dropped them; a declared token keeps its first creation time), the
+    /// previously declared ones not among `entries` are dropped. Returns (added, dropped).
+    pub fn replace_declared(&self, entries: Vec<TokenEntry>) -> (Vec<TokenEntry>, Vec<TokenEntry>) {
+        let mut declared = self.declared.lock();
+        let mut added = Vec::new();
+        let mut next = std::collections::HashMap::new();
+        for mut e in entries {
+            if let Some(before) = declared.get(&e.hash) {
+                e.created_unix_ms = before.created_unix_ms;
+            }
+            let accepted = self.tokens.get(&e.hash).is_some_and(|t| *t == e);
+            if !accepted {
+                self.tokens.insert(e.hash, e.clone());
+                added.push(e.clone());
+            }
+            next.insert(e.hash, e);
+        }
+        let mut dropped = Vec::new();
+        for (h, _) in declared.iter().filter(|(h, _)| !next.contains_key(*h)) {
+            if let Some(e) = self.remove(h) {
+                dropped.push(e);
+            }
+        }
+        *declared = next;
+        (added, dropped)
+    }
+
+    /// Whether the token of `hash` is declared in the config file (not revocable by RPC).
+    pub fn is_declared(&self, hash: &[u8; 32]) -> bool {
+        self.declared.lock().contains_key(hash)
     }
 
     /// Remembers the admin token file, which [`Authenticator::rotate_admin`] rewrites.

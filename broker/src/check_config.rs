@@ -1,7 +1,8 @@
 //! `gpu-broker check-config FILE`: validates a config file the way the broker would read it
-//! (every setting, and the `[tenants.NAME]` tables with file, line and reason) and prints
-//! what applying it would change in the running broker (found through the file's own
-//! `socket` and admin token settings unless `--broker`/`--token-file` say otherwise).
+//! (every setting, and the `[tenants.NAME]` and `[tokens.NAME]` tables with file, line and
+//! reason) and prints what applying it would change in the running broker (found through
+//! the file's own `socket` and admin token settings unless `--broker`/`--token-file` say
+//! otherwise).
 //! Exit status: 0 valid, 2 invalid.
 
 use clap::Parser;
@@ -52,11 +53,34 @@ pub fn run(args: impl Iterator<Item = OsString>) -> i32 {
             return 2;
         }
     };
+    let tokens = match gpu_broker::tokens_config::load(
+        &args.file,
+        &gpu_broker::tenants_config::names(&declared),
+    ) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
     println!(
         "{}: valid ({} tenants declared)",
         args.file.display(),
         declared.len()
     );
+    for t in &tokens {
+        let whose = t
+            .tenant
+            .as_deref()
+            .map(|t| format!(" of {t}"))
+            .unwrap_or_default();
+        println!(
+            "  token {} ({}{whose}): id {}",
+            t.name,
+            t.scope,
+            gpu_broker::auth::token_id(&t.hash)
+        );
+    }
     let broker = args
         .broker
         .unwrap_or_else(|| format!("unix://{}", cfg.socket.display()));

@@ -235,6 +235,12 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_ADMIN_LISTEN")]
     pub admin_listen: Option<PathBuf>,
 
+    /// Serve the Admin service only on `--admin-listen`: the workers' `--socket` (and
+    /// `--listen`) answer Admin calls UNIMPLEMENTED, so a socket every worker pod mounts
+    /// offers no admin surface at all.
+    #[arg(long, env = "GPU_BROKER_ADMIN_LISTEN_ONLY", requires = "admin_listen")]
+    pub admin_listen_only: bool,
+
     /// Most calls a tenant may make in a burst above its rate.
     #[arg(long, env = "GPU_BROKER_TENANT_RPC_BURST", default_value_t = defaults::TENANT_RPC_BURST, value_parser = parse_rate)]
     pub tenant_rpc_burst: f64,
@@ -562,8 +568,9 @@ fn file_args(
         let line = line_of(&text, key.span().start);
         let key = key.into_inner();
         let at = |reason: String| err(format!("line {line}: {key}: {reason}"));
-        // `[tenants.NAME]` tables are declarative tenants (`tenants_config`), not flags.
-        if key == "tenants" {
+        // `[tenants.NAME]` and `[tokens.NAME]` tables are declarations (`tenants_config`,
+        // `tokens_config`), not flags.
+        if key == "tenants" || key == "tokens" {
             continue;
         }
         if let Some((_, _, why)) = REMOVED_SETTINGS.iter().find(|(k, _, _)| *k == key) {

@@ -60,7 +60,7 @@ pub fn reason(e: &BrokerError) -> Option<Reason> {
             Missing::Turn(_) => Reason::TurnNotFound,
             Missing::SharedLease { .. } => Reason::SharedLeaseNotFound,
             Missing::Import(_) => Reason::ImportNotFound,
-            Missing::Reservation(_) => Reason::ReservationNotFound,
+            Missing::Reservation(_) | Missing::Claim(_) => Reason::ReservationNotFound,
         },
         ShuttingDown => Reason::ShuttingDown,
         BrokerRestarted { .. } => Reason::BrokerRestarted,
@@ -245,6 +245,7 @@ pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
             }
             Missing::Import(id) => vec![("import_id", s(id))],
             Missing::Reservation(id) => vec![("reservation_id", s(id))],
+            Missing::Claim(uid) => vec![("claim", uid.clone())],
         },
         BrokerRestarted { session } => vec![("session_id", s(session))],
         ReservationHeld {

@@ -52,6 +52,7 @@ pub mod ticket_read;
 pub mod ticket_server;
 pub mod tickets;
 pub mod tls;
+pub mod tokens_config;
 pub mod units;
 
 pub use gpu_broker_core::{

@@ -139,6 +139,9 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     // Declarative tenants: applied before serving, then on SIGHUP and file changes.
     if let Some(path) = &cfg.config {
         let declared = gpu_broker::tenants_config::load(path)?;
+        // Its tokens too (one declaration for every node), read before anything applies.
+        let tokens =
+            gpu_broker::tokens_config::load(path, &gpu_broker::tenants_config::names(&declared))?;
         let n = declared.len();
         let a = arb.clone();
         // On the store writer, as every durable change.
@@ -146,6 +149,9 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
             .run_durable(move || Ok(gpu_broker::tenants_config::apply(&a, &declared, "start")))
             .await?;
         tracing::info!(path = %path.display(), tenants = n, changed = changes.len(), "config tenants applied");
+        // After the tenants they name.
+        let applied = gpu_broker::tokens_config::apply(&arb, &tokens, "start");
+        tracing::info!(path = %path.display(), tokens = tokens.len(), added = applied.added.len(), "config tokens applied");
         gpu_broker::tenants_config::spawn_watch(
             arb.clone(),
             path.clone(),
@@ -258,6 +264,7 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
             limits: cfg.limits.limits(),
             reads: reads.layer(),
             admin_unix,
+            admin_only_on_admin_unix: cfg.admin_listen_only,
         },
         shutdown,
         cfg.shutdown_grace,

@@ -4,7 +4,8 @@
 //! them the grace to release, then end them, free every block, and stop. The optional operators'
 //! socket (`--admin-listen`) serves `Admin` and health only, wholly on the operators'
 //! runtime (`read_pool.rs`): its connections, handlers and encoding never run on the
-//! runtime admission's calls run on.
+//! runtime admission's calls run on; with `--admin-listen-only` it is the only one that
+//! serves `Admin`.
 
 use crate::arbiter::Arbiter;
 use crate::auth::{admin_interceptor, tenant_interceptor};
@@ -68,6 +69,8 @@ pub struct Listeners {
     /// only, served on the operators' runtime (the main one without it), under the same
     /// connection caps as the other listeners.
     pub admin_unix: Option<UnixListener>,
+    /// Admin on `admin_unix` only: the other listeners leave it out (`--admin-listen-only`).
+    pub admin_only_on_admin_unix: bool,
 }
 
 /// Serves until `shutdown` is cancelled, then shuts down gracefully within `grace`.
@@ -145,12 +148,14 @@ pub async fn serve(
     let admin_router = server(crate::read_pool::ReadsLayer::default())
         .add_service(health.clone())
         .add_service(admin.clone());
+    // Without Admin (`--admin-listen-only`), an Admin call there is UNIMPLEMENTED.
+    let admin_elsewhere = listeners.admin_only_on_admin_unix && listeners.admin_unix.is_some();
     let routes = |mut b: tonic::transport::Server<_>| {
         b.add_service(health.clone())
             .add_service(reflection.clone())
             .add_service(reflection_v1alpha.clone())
             .add_service(broker.clone())
-            .add_service(admin.clone())
+            .add_optional_service((!admin_elsewhere).then(|| admin.clone()))
     };
     let router = routes(builder);
     let tcp_router = routes(tcp_builder);
@@ -487,6 +492,7 @@ mod tests {
             limits: crate::listener::Limits::default(),
             reads: crate::read_pool::ReadsLayer::default(),
             admin_unix: None,
+            admin_only_on_admin_unix: false,
         }
     }
 
@@ -624,6 +630,7 @@ mod tests {
                 limits: crate::listener::Limits::default(),
                 reads: pool.layer(),
                 admin_unix: Some(bind_unix(&ops_sock).await.unwrap()),
+                admin_only_on_admin_unix: false,
             }
         });
         main.spawn(serve(

@@ -8,7 +8,8 @@
 //! gave them) — and only tenants whose declared fields differ from the running ones are
 //! changed (each change is audited as `config.reload`). Tenants the file does not declare,
 //! or no longer declares, are left alone: a reload never deletes a tenant. An invalid file
-//! is refused whole, with file, line and reason, and the running state stays.
+//! is refused whole, with file, line and reason, and the running state stays. The same
+//! watch applies the file's `[tokens.NAME]` tables (`tokens_config`) after the tenants.
 
 use crate::arbiter::{Arbiter, QuotaUpdate};
 use crate::file_read::{
@@ -37,6 +38,14 @@ pub enum TenantsError {
         line: usize,
         reason: String,
     },
+    /// Its `[tokens.NAME]` tables (`tokens_config`), read by the same watch.
+    #[error(transparent)]
+    Tokens(#[from] crate::tokens_config::TokensError),
+}
+
+/// The names of `declared` (what a token's tenant is checked against).
+pub fn names(declared: &[DeclaredTenant]) -> Vec<String> {
+    declared.iter().map(|d| d.name.clone()).collect()
 }
 
 /// One `[tenants.NAME]` table.
@@ -363,14 +372,25 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
                 continue;
             }
             last = now;
-            match read.map_err(TenantsError::from).and_then(|b| parse_bytes(&path, &b)) {
-                Ok(declared) => {
-                    // On the store writer, in order with operators' changes.
+            let parsed = read.map_err(TenantsError::from).and_then(|b| {
+                let declared = parse_bytes(&path, &b)?;
+                let text = std::str::from_utf8(&b).unwrap_or_default();
+                let tokens = crate::tokens_config::parse(&path, text, &names(&declared))?;
+                Ok((declared, tokens))
+            });
+            match parsed {
+                Ok((declared, tokens)) => {
+                    // On the store writer, in order with operators' changes; the tokens
+                    // after the tenants they name.
                     let n = declared.len();
                     let a = arb.clone();
-                    match arb.run_durable(move || Ok(apply(&a, &declared, why))).await {
-                        Ok(changes) => {
-                            tracing::info!(path = %path.display(), why, tenants = n, changed = changes.len(), "config reloaded");
+                    let applied = arb.run_durable(move || {
+                        let changes = apply(&a, &declared, why);
+                        Ok((changes, crate::tokens_config::apply(&a, &tokens, why)))
+                    });
+                    match applied.await {
+                        Ok((changes, tokens)) => {
+                            tracing::info!(path = %path.display(), why, tenants = n, changed = changes.len(), tokens_added = tokens.added.len(), tokens_removed = tokens.removed.len(), "config reloaded");
                         }
                         Err(e) => tracing::error!(why, "config not reloaded: {e}"),
                     }

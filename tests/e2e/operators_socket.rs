@@ -283,3 +283,38 @@ fn an_operators_socket_that_is_the_main_socket_is_refused_at_start() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("of its own"), "{err}");
 }
+
+/// `--admin-listen-only`: the Admin service is on the operators' socket alone; on the
+/// workers' socket an Admin call, even with the admin token, is UNIMPLEMENTED while the
+/// Broker service works as before. Without `--admin-listen` the flag is refused.
+#[tokio::test]
+async fn admin_listen_only_leaves_admin_off_the_workers_socket() {
+    let (b, path) = broker_with_operators_socket(&["--admin-listen-only"]);
+    let ops = AdminClient::connect(&uri(&path), b.admin_token.clone())
+        .await
+        .unwrap();
+    ops.set_quota("t", QuotaSpec::new(8 * MIB)).await.unwrap();
+    let token = ops.issue_token("t", "test").await.unwrap().token;
+    let on_workers_socket = b.admin().await.unwrap();
+    let e = on_workers_socket
+        .list_tenants()
+        .await
+        .expect_err("no Admin service on the workers' socket");
+    assert_eq!(e.code(), Code::Unimplemented, "{e}");
+    let worker = Client::connect(&b.uri(), token).await.unwrap();
+    assert_eq!(worker.usage().await.unwrap().quota.limit_bytes, 8 * MIB);
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(bin("gpu-broker"))
+        .args(["--backend", "host", "--admin-listen-only", "--socket"])
+        .arg(dir.path().join("b.sock"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && text.contains("--admin-listen"),
+        "{text}"
+    );
+}

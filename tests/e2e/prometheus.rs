@@ -25,7 +25,11 @@ fn tool(name: &str) -> PathBuf {
 }
 
 /// One HTTP/1.1 GET: (status line, headers, body), de-chunked.
-async fn http_get(addr: &str, path: &str, headers: &[(&str, &str)]) -> (String, String, String) {
+pub(crate) async fn http_get(
+    addr: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> (String, String, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     for (k, v) in headers {

@@ -398,6 +398,8 @@ pub enum Missing {
     Import(Uuid),
     /// A process reservation (`ReleaseProcessMemory`).
     Reservation(Uuid),
+    /// A claim with no reservation and no token (`ReleaseClaim`), by its uid.
+    Claim(String),
 }
 
 impl fmt::Display for Missing {
@@ -415,6 +417,7 @@ impl fmt::Display for Missing {
             ),
             Missing::Import(id) => write!(f, "import {id} not found"),
             Missing::Reservation(id) => write!(f, "process reservation {id} not found"),
+            Missing::Claim(uid) => write!(f, "claim {uid:?} has no reservation or token"),
         }
     }
 }

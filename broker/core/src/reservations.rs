@@ -27,6 +27,12 @@
 //! * When the reservation ends, its remaining room is uncharged; leases drawn from it that
 //!   outlive it stay ordinary leases.
 //!
+//! * A **claim reservation** (a Kubernetes ResourceClaim the DRA driver prepared,
+//!   `arbiter/claims.rs`) is charged the same way but belongs to no session and covers no
+//!   process tree: it is bound to a worker token minted with it, and a lease asked for by a
+//!   session opened with that token is drawn from it. It ends when the claim is released
+//!   (`ReleaseClaim`), which also revokes the token.
+//!
 //! This module holds the records the arbiter's core owns (the requests, the reservations,
 //! their table); the arbiter's methods that reserve, release, list and draw from them are
 //! in `arbiter/reservations.rs`.
@@ -75,6 +81,16 @@ pub struct Reservation {
     pub lost: u64,
     /// The program's process group (`SetProcessGroup`), stopped when the reservation ends.
     pub group: Option<crate::process_group::ProcessGroup>,
+    /// The claim it stands for, when it is a claim reservation (no session, no process).
+    pub claim: Option<ClaimBinding>,
+}
+
+/// What binds a claim reservation: the claim's uid and the token whose sessions draw from
+/// it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimBinding {
+    pub uid: String,
+    pub token_id: String,
 }
 
 impl Reservation {
@@ -146,6 +162,20 @@ impl ReservationTable {
     pub fn of_session(&self, session: Uuid) -> impl Iterator<Item = &Reservation> {
         self.by_id.values().filter(move |r| r.session == session)
     }
+    /// The claim reservation of claim `uid`.
+    pub fn of_claim(&self, uid: &str) -> Option<&Reservation> {
+        self.by_id
+            .values()
+            .find(|r| r.claim.as_ref().is_some_and(|c| c.uid == uid))
+    }
+
+    /// The claim reservation bound to token `token_id`.
+    pub fn bound_to(&self, token_id: &str) -> Option<&Reservation> {
+        self.by_id
+            .values()
+            .find(|r| r.claim.as_ref().is_some_and(|c| c.token_id == token_id))
+    }
+
     /// The reservation of `tenant` on a device `keep` accepts whose root is a pid of
     /// `lineage` (the caller, its parent, ...), nearest first.
     pub fn covering(

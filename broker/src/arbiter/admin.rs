@@ -384,6 +384,13 @@ impl Arbiter {
             .auth
             .find(id_or_token)
             .ok_or(BrokerError::NotFound(crate::error::Missing::Token))?;
+        if self.auth.is_declared(&entry.hash) {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "token {} ({}) is declared in the config file: remove its [tokens.{}] table \
+                 there (the ConfigMap, for every node)",
+                entry.token_id, entry.name, entry.name
+            )));
+        }
         let rec = who.map(|who| {
             crate::audit::AuditRecord::now(
                 who,

@@ -14,6 +14,7 @@
 mod admin;
 mod admission;
 mod audit;
+pub mod claims;
 mod drain;
 mod effects;
 mod ending;
@@ -622,6 +623,8 @@ pub(crate) fn host_arbiter_with_store(
     Arbiter::new(slots, None, store, Arc::new(Authenticator::new("x")), cfg).unwrap()
 }
 
+#[cfg(test)]
+mod claims_tests;
 #[cfg(test)]
 mod descriptor_tests;
 #[cfg(test)]

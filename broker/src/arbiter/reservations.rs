@@ -93,7 +93,7 @@ impl Arbiter {
 
     /// The managed MPS daemon's variables for a reservation (`crate::mps`; nothing
     /// without `--mps`). `UNAVAILABLE` while the daemon is down.
-    fn process_env(
+    pub(super) fn process_env(
         &self,
         device: u32,
         bytes: u64,
@@ -199,10 +199,19 @@ impl Arbiter {
     /// request again with it). Read under the lock the offer holds, so a broker with no
     /// reservation takes the lock once per acquire.
     pub(crate) fn lineage_needed(&self, st: &State, req: &AcquireRequest) -> Option<u32> {
-        if st.reservations().is_empty() {
+        if st.reservations().is_empty() || Self::claim_of_session(st, req).is_some() {
             return None;
         }
         st.sessions().get(&req.session).and_then(|s| s.peer.pid)
+    }
+
+    /// The claim reservation bound to the token the request's session was opened with
+    /// (`arbiter/claims.rs`), of its tenant.
+    fn claim_of_session<'a>(st: &'a State, req: &AcquireRequest) -> Option<&'a Reservation> {
+        let token = st.sessions().get(&req.session)?.token_id.as_deref()?;
+        st.reservations()
+            .bound_to(token)
+            .filter(|r| r.tenant == req.tenant)
     }
 
     /// The pids a process tree is made of (`pid`, its parent, ...), read from `/proc`
@@ -221,19 +230,33 @@ impl Arbiter {
         req: &AcquireRequest,
         lineage: &[u32],
     ) -> BrokerResult<Option<Drawn>> {
-        if st.reservations().is_empty() || lineage.is_empty() {
+        if st.reservations().is_empty() {
             return Ok(None);
         }
-        // The lineage was read for the session's peer before the lock.
-        let peer = st.sessions().get(&req.session).and_then(|s| s.peer.pid);
-        if peer != lineage.first().copied() {
-            return Ok(None);
-        }
-        let Some(r) = st.reservations().covering(lineage, |r| {
-            r.tenant == req.tenant && req.device.is_none_or(|d| d == r.device)
-        }) else {
-            return Ok(None);
+        let r = match Self::claim_of_session(st, req) {
+            // A session of a claim's token draws from the claim's reservation only: a
+            // lease pinned to another device is refused below, not charged beside it.
+            Some(r) => r,
+            None => {
+                // The lineage was read for the session's peer before the lock.
+                let peer = st.sessions().get(&req.session).and_then(|s| s.peer.pid);
+                if lineage.is_empty() || peer != lineage.first().copied() {
+                    return Ok(None);
+                }
+                let Some(r) = st.reservations().covering(lineage, |r| {
+                    r.tenant == req.tenant && req.device.is_none_or(|d| d == r.device)
+                }) else {
+                    return Ok(None);
+                };
+                r
+            }
         };
+        if let Some(d) = req.device.filter(|&d| d != r.device) {
+            return Err(BrokerError::InvalidArgument(format!(
+                "this session's claim reserved device {}, not device {d}",
+                r.device
+            )));
+        }
         let (rid, d) = (r.id, r.device);
         let gran = st.pools()[d as usize].granularity();
         let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {

@@ -2,12 +2,14 @@
 //! Thin: the interceptor admitted only the admin; this converts and delegates.
 
 use super::convert::{self, filter, parse_id};
+use crate::arbiter::claims::ClaimRequest;
 use crate::arbiter::listing::page_size;
 use crate::arbiter::tokens::TokenSpec;
 use crate::arbiter::Arbiter;
 use crate::audit::{AuditFilter, Who};
 use crate::bounds;
 use crate::grpc_status::status;
+use crate::reservations::ClaimBinding;
 use gpu_broker_proto::v1 as pb;
 use gpu_broker_proto::v1::admin_server::Admin;
 use std::sync::Arc;
@@ -344,6 +346,68 @@ impl Admin for AdminService {
         Ok(Response::new(
             super::shared::list_all(&self.arb, req.get_ref()).map_err(status)?,
         ))
+    }
+
+    async fn reserve_claim(
+        &self,
+        req: Request<pb::ReserveClaimRequest>,
+    ) -> Result<Response<pb::ReserveClaimResponse>, Status> {
+        let who = Who::of(&req);
+        let r = req.into_inner();
+        bounds::tenant("tenant", &r.tenant).map_err(status)?;
+        bounds::check("claim", &r.claim, crate::arbiter::claims::MAX_CLAIM_UID).map_err(status)?;
+        bounds::check("label", &r.label, bounds::MAX_TEXT_BYTES).map_err(status)?;
+        let uid = r.claim.clone();
+        let g = self
+            .arb
+            .reserve_claim(
+                ClaimRequest {
+                    uid: r.claim,
+                    tenant: r.tenant,
+                    bytes: r.bytes,
+                    device: r.device,
+                    label: r.label,
+                },
+                who,
+            )
+            .await
+            .map_err(status)?;
+        let binding = ClaimBinding {
+            uid,
+            token_id: g.token_id.clone(),
+        };
+        Ok(Response::new(pb::ReserveClaimResponse {
+            reservation: Some(convert::claim(&binding, &g.reservation)),
+            token: g.token,
+            mps_env: g.reservation.env.iter().cloned().collect(),
+        }))
+    }
+
+    async fn release_claim(
+        &self,
+        req: Request<pb::ReleaseClaimRequest>,
+    ) -> Result<Response<pb::ReleaseClaimResponse>, Status> {
+        let who = Who::of(&req);
+        let r = req.into_inner();
+        bounds::check("claim", &r.claim, crate::arbiter::claims::MAX_CLAIM_UID).map_err(status)?;
+        if r.claim.is_empty() {
+            return Err(Status::invalid_argument("claim is required"));
+        }
+        self.arb
+            .release_claim(&r.claim, who)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::ReleaseClaimResponse {}))
+    }
+
+    async fn list_claims(
+        &self,
+        _req: Request<pb::ListClaimsRequest>,
+    ) -> Result<Response<pb::ListClaimsResponse>, Status> {
+        let claims = self.arb.list_claims();
+        Ok(Response::new(pb::ListClaimsResponse {
+            claims: claims.iter().map(|(c, r)| convert::claim(c, r)).collect(),
+        }))
     }
 
     async fn list_quarantined(

@@ -372,6 +372,25 @@ pub fn reservation(r: &crate::reservations::ReservationView) -> pb::ProcessReser
     }
 }
 
+/// A claim reservation (`Admin.ReserveClaim`, `ListClaims`).
+pub fn claim(
+    c: &crate::reservations::ClaimBinding,
+    r: &crate::reservations::ReservationView,
+) -> pb::ClaimReservation {
+    pb::ClaimReservation {
+        claim: c.uid.clone(),
+        reservation_id: r.id.to_string(),
+        tenant: r.tenant.clone(),
+        device: r.device,
+        device_uuid: r.device_uuid.clone(),
+        bytes: r.bytes,
+        drawn_bytes: r.drawn_bytes,
+        label: r.label.clone(),
+        created_unix_ms: r.created.map(unix_ms).unwrap_or(0),
+        token_id: c.token_id.clone(),
+    }
+}
+
 /// Who is behind an operator request, for the audit log: read from the request at the
 /// edge, so the audit records name no transport.
 impl crate::audit::Who {

@@ -43,6 +43,74 @@ impl State {
             drawn: 0,
             lost: 0,
             group: None,
+            claim: None,
+        };
+        let id = r.id;
+        self.reservations.by_id.insert(id, r);
+        Ok(id)
+    }
+
+    /// Grants a claim reservation of `bytes` (rounded) for `tenant` on device `d` at once,
+    /// bound to `claim` (no session, no process): refused, as a request that does not
+    /// wait, when the tenant's quota or the device's room (less other tenants' unused
+    /// guarantees) does not hold it. The caller checked that `d` is open.
+    pub fn grant_claim(
+        &mut self,
+        tenant: &str,
+        d: u32,
+        bytes: u64,
+        label: &str,
+        claim: crate::reservations::ClaimBinding,
+    ) -> BrokerResult<Uuid> {
+        if self.reservations.of_claim(&claim.uid).is_some() {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "claim {} already has a reservation",
+                claim.uid
+            )));
+        }
+        self.ledger.check_process_charge(tenant, bytes)?;
+        self.ledger.check_device(tenant, d, bytes)?;
+        let p = &self.pools[d as usize];
+        let guaranteed = self.ledger.others_unused_guarantees(tenant);
+        if p.available().saturating_sub(guaranteed) < bytes {
+            let (held, limit) = self
+                .ledger
+                .get(tenant)
+                .map(|t| (t.usage.committed_bytes(), t.quota.limit_bytes))
+                .unwrap_or((0, 0));
+            return Err(BrokerError::NoCapacity {
+                tenant: tenant.to_string(),
+                requested: bytes,
+                devices: vec![crate::error::DeviceRoom {
+                    device: d,
+                    free: p.available(),
+                    leasable: p.leasable(),
+                }],
+                guaranteed,
+                held,
+                limit,
+                waiting: self.queue.len(),
+            });
+        }
+        self.ledger.charge_process(tenant, d, bytes)?;
+        for b in self.pools[d as usize].reserve_process(bytes) {
+            self.fx.free(d, b);
+        }
+        let r = Reservation {
+            id: self.new_v7_id(),
+            tenant: tenant.to_string(),
+            session: Uuid::nil(),
+            device: d,
+            bytes,
+            requested_bytes: bytes,
+            label: label.to_string(),
+            pid: None,
+            compute_percent: None,
+            created: self.clock.wall,
+            drawn: 0,
+            lost: 0,
+            group: None,
+            claim: Some(claim),
         };
         let id = r.id;
         self.reservations.by_id.insert(id, r);

@@ -1,0 +1,231 @@
+//! Claim reservations: the memory a Kubernetes ResourceClaim was allocated, set aside at
+//! the broker for the claim's pod when the DRA driver (`broker/dra`) prepares it. A claim
+//! reservation is charged like a process reservation (`crate::reservations`) but belongs
+//! to no session: it is bound to a worker token minted with it, and leases of sessions
+//! opened with that token are drawn from it. Releasing the claim ends the reservation and
+//! revokes the token (which ends the sessions opened with it).
+
+use super::tokens::TokenSpec;
+use super::Arbiter;
+use crate::audit::Who;
+use crate::auth::Scope;
+use crate::error::{BrokerError, BrokerResult, Missing};
+use crate::reservations::{ClaimBinding, ReservationView, ReserveRequest};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Longest claim uid accepted (Kubernetes uids are 36 bytes).
+pub const MAX_CLAIM_UID: usize = 128;
+
+/// A claim to reserve for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// The ResourceClaim's uid: names the reservation and its token (`claim/<uid>`).
+    pub uid: String,
+    pub tenant: String,
+    pub bytes: u64,
+    pub device: u32,
+    /// Shown to operators (the driver sends `namespace/name`).
+    pub label: String,
+}
+
+/// A claim's reservation and the token bound to it (its secret shown only now).
+#[derive(Clone, Debug)]
+pub struct ClaimGrant {
+    pub reservation: ReservationView,
+    pub token: String,
+    pub token_id: String,
+}
+
+/// The name of a claim's token.
+pub fn claim_token_name(uid: &str) -> String {
+    format!("claim/{uid}")
+}
+
+impl Arbiter {
+    /// Reserves `req.bytes` on `req.device` for claim `req.uid` under its tenant, now or
+    /// never (a placement the scheduler made does not queue), and mints the worker token
+    /// bound to it. The token is durable before the reservation exists; a refused
+    /// reservation revokes it again. `FAILED_PRECONDITION` when the claim already has one.
+    pub async fn reserve_claim(
+        self: &Arc<Self>,
+        req: ClaimRequest,
+        who: Who,
+    ) -> BrokerResult<ClaimGrant> {
+        self.check_claim(&req)?;
+        let spec = TokenSpec {
+            tenant: Some(req.tenant.clone()),
+            scope: Scope::Worker,
+            ttl: None,
+            name: claim_token_name(&req.uid),
+            description: format!("ResourceClaim {}", req.label),
+        };
+        let issued = self.issue_for(spec, who.clone()).await?;
+        let token_id = issued.entry.token_id.clone();
+        match self.grant_claim(&req, &token_id) {
+            Ok(mut reservation) => {
+                match self.claim_env(&req, reservation.bytes) {
+                    Ok(env) => reservation.env = env,
+                    Err(e) => {
+                        self.undo_claim(&req.uid, &token_id, who).await;
+                        return Err(e);
+                    }
+                }
+                tracing::info!(claim = %req.uid, reservation = %reservation.id, tenant = %req.tenant, device = req.device, bytes = reservation.bytes, "claim reserved");
+                Ok(ClaimGrant {
+                    reservation,
+                    token: issued.token,
+                    token_id,
+                })
+            }
+            Err(e) => {
+                self.undo_claim(&req.uid, &token_id, who).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Revokes claim `uid`'s token (ending the sessions opened with it) and ends its
+    /// reservation. `NOT_FOUND` when the claim has neither.
+    pub async fn release_claim(self: &Arc<Self>, uid: &str, who: Who) -> BrokerResult<()> {
+        // The token first: its sessions end (their leases with them) before the room
+        // they drew from goes.
+        let name = claim_token_name(uid);
+        let tokens: Vec<String> = self
+            .list_tokens(None)
+            .into_iter()
+            .filter(|t| t.name == name)
+            .map(|t| t.token_id)
+            .collect();
+        for id in &tokens {
+            match self.revoke_token_for(id.clone(), who.clone()).await {
+                Ok(()) | Err(BrokerError::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let ended = {
+            let mut st = self.lock();
+            let found = st.reservations().of_claim(uid).map(|r| r.id);
+            if let Some(id) = found {
+                self.end_reservation(&mut st, id);
+                self.drain(&mut st);
+            }
+            found
+        };
+        if ended.is_none() && tokens.is_empty() {
+            return Err(BrokerError::NotFound(Missing::Claim(uid.to_string())));
+        }
+        tracing::info!(claim = %uid, reservation = ?ended, "claim released");
+        Ok(())
+    }
+
+    /// The claim reservations, oldest first.
+    pub fn list_claims(&self) -> Vec<(ClaimBinding, ReservationView)> {
+        let st = self.lock();
+        let mut v: Vec<(ClaimBinding, ReservationView)> = st
+            .reservations()
+            .iter()
+            .filter_map(|r| {
+                let c = r.claim.clone()?;
+                Some((c, r.view(self.device_uuid(r.device))))
+            })
+            .collect();
+        v.sort_by_key(|(_, r)| (r.created, r.id));
+        v
+    }
+
+    /// The request's values, the device's state and whether the claim is new.
+    fn check_claim(&self, req: &ClaimRequest) -> BrokerResult<()> {
+        if req.uid.is_empty() || req.uid.len() > MAX_CLAIM_UID {
+            return Err(BrokerError::InvalidArgument(format!(
+                "claim uid must be 1-{MAX_CLAIM_UID} bytes"
+            )));
+        }
+        if req.uid.chars().any(|c| c.is_control() || c.is_whitespace()) {
+            return Err(BrokerError::InvalidArgument(
+                "claim uid must not contain spaces or control characters".into(),
+            ));
+        }
+        self.validate(&super::AcquireRequest {
+            tenant: req.tenant.clone(),
+            session: uuid::Uuid::nil(),
+            bytes: req.bytes,
+            device: Some(req.device),
+            wait: Duration::ZERO,
+            label: req.label.clone(),
+            reclaimable: false,
+            fallback_host: false,
+        })?;
+        let st = self.lock();
+        if st.ledger().get(&req.tenant).is_none() {
+            return Err(BrokerError::tenant_not_found(&req.tenant));
+        }
+        if st.reservations().of_claim(&req.uid).is_some() {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "claim {} already has a reservation",
+                req.uid
+            )));
+        }
+        if let Some(e) = self.avail.read().refusal(Some(req.device)) {
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// The reservation itself, under the state lock (the device's state checked again).
+    fn grant_claim(&self, req: &ClaimRequest, token_id: &str) -> BrokerResult<ReservationView> {
+        let mut st = self.lock();
+        if let Some(e) = self.avail.read().refusal(Some(req.device)) {
+            return Err(e);
+        }
+        let gran = st.pools()[req.device as usize].granularity();
+        let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
+            BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
+        })?;
+        let binding = ClaimBinding {
+            uid: req.uid.clone(),
+            token_id: token_id.to_string(),
+        };
+        let id = st.grant_claim(&req.tenant, req.device, bytes, &req.label, binding)?;
+        let r = st
+            .reservations()
+            .get(&id)
+            .ok_or_else(|| BrokerError::Internal("a granted claim is gone".into()))?;
+        let mut view = r.view(self.device_uuid(r.device));
+        view.requested_bytes = req.bytes;
+        Ok(view)
+    }
+
+    /// The managed MPS daemon's variables for the claim's processes (none without
+    /// `--mps`): their pinned device memory limit is the reservation.
+    fn claim_env(&self, req: &ClaimRequest, bytes: u64) -> BrokerResult<Vec<(String, String)>> {
+        self.process_env(
+            req.device,
+            bytes,
+            &ReserveRequest {
+                tenant: req.tenant.clone(),
+                session: uuid::Uuid::nil(),
+                bytes,
+                device: Some(req.device),
+                wait: Duration::ZERO,
+                label: req.label.clone(),
+                compute_percent: None,
+            },
+        )
+    }
+
+    /// A claim that could not be reserved: its reservation (if made) ends and its token
+    /// is revoked, so nothing of it is left.
+    async fn undo_claim(self: &Arc<Self>, uid: &str, token_id: &str, who: Who) {
+        {
+            let mut st = self.lock();
+            if let Some(id) = st.reservations().of_claim(uid).map(|r| r.id) {
+                self.end_reservation(&mut st, id);
+                self.drain(&mut st);
+            }
+        }
+        if let Err(e) = self.revoke_token_for(token_id.to_string(), who).await {
+            tracing::error!(claim = %uid, token_id, error = %e, "revoking a refused claim's token");
+        }
+    }
+}
