@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU harness: every GPU check from ONE folder of release binaries, in few device calls.
 #
-#   scripts/gpu-all.sh build            # here (Rust, no GPU): everything into .gpu/all
+#   scripts/gpu-all.sh build [BEFORE]   # here (Rust, no GPU): everything into .gpu/all;
+#                                       # BEFORE (a commit or tag, or GPU_ALL_BEFORE_REF): the
+#                                       # previous release's broker and bench built beside it
 #   scripts/gpu-all.sh run [PARTS]      # on the GPU machine (no Rust); PARTS is a comma list
-#                                       # (default: fd,check,forge,shared,sleep,python,serving,mps,health,restart,host)
+#                                       # (default: fd,fd-ab,check,forge,shared,sleep,python,serving,mps,health,restart,host)
 #   scripts/gpu-all.sh dry-run [PARTS]  # here, no GPU: the same parts on the host backend
 #                                       # with the debug binaries (GPU_ALL_BIN, default
 #                                       # target/debug), each GPU step checked, not run;
@@ -12,6 +14,14 @@
 # The parts (each script's header says what it checks):
 #   fd      scripts/gpu-fd-check.sh        conformance, GPU e2e, another uid in its own
 #                                          namespaces, Python recv_fds, fd-path benchmark
+#   fd-ab   the CUDA broker side by side, interleaved (scripts/bench-ab.sh, AB_BACKEND=cuda):
+#           A = the previous release (its bench and broker: build BEFORE), B = this build,
+#           C = this build's bench against the previous broker (the client's share apart),
+#           D = the previous release serving legacy IPC handles (--legacy-ipc-handles: the
+#           path its closing run measured, before fd tickets were the only kind);
+#           32-worker throughput, pooled latency (current-thread and default client), the
+#           breakdown of a pooled lease + map (health Check floor, RPC, ticket, import+map,
+#           raw cuMemCreate+map), medians and ratios to A; ROUNDS rounds (default 3)
 #   check   scripts/gpu-check.sh           Python fd worker, lease benchmark, gpu-broker-bench
 #   forge   scripts/gpu-legacy-forge.sh    why there are no legacy IPC handles
 #   shared  scripts/gpu-shared-check.sh    shared CUDA imports across tenants
@@ -42,13 +52,34 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_ALL_OUT:-.gpu/all}
 TARGET=${CARGO_TARGET_DIR:-target}
-ALL_PARTS=fd,check,forge,shared,sleep,python,serving,mps,health,restart,host
+ALL_PARTS=fd,fd-ab,check,forge,shared,sleep,python,serving,mps,health,restart,host
 # shellcheck source=scripts/gpu-common.sh
 source scripts/gpu-common.sh
 
 exe_of() { sed -n "s/.*\"name\":\"$1\".*\"executable\":\"\([^\"]*\)\".*/\1/p" | tail -n1; }
 
+# build_before REF: REF's broker and bench, built in a worktree of their own with this
+# target directory (its dependencies are mostly this build's), copied out before this
+# build overwrites them.
+build_before() {
+    local ref=$1 wt target
+    target=$(realpath -m "$TARGET")
+    wt=$(mktemp -d -t gpu-all-before.XXXXXX)
+    git worktree add --detach "$wt" "$ref"
+    (cd "$wt" && CARGO_TARGET_DIR=$target cargo build --release -p gpu-broker -p gpu-broker-tests --bins) \
+        || { git worktree remove --force "$wt"; return 1; }
+    git worktree remove --force "$wt"
+    mkdir -p "$OUT"
+    cp -f "$target/release/gpu-broker" "$OUT/gpu-broker-before"
+    cp -f "$target/release/gpu-broker-bench" "$OUT/gpu-broker-bench-before"
+    strip "$OUT/gpu-broker-before" "$OUT/gpu-broker-bench-before" 2>/dev/null || true
+    git rev-parse --short "$ref^{commit}" >"$OUT/before.ref"
+}
+
 build() {
+    local before=${1:-${GPU_ALL_BEFORE_REF:-}}
+    rm -f "$OUT/gpu-broker-bench-before" "$OUT/before.ref"
+    if [[ -n $before ]]; then build_before "$before"; fi
     cargo build --release -p gpu-broker -p gpu-brokerctl -p gpu-broker-tests \
         -p gpu-broker-examples --bins
     local t c e
@@ -78,7 +109,7 @@ build() {
     # The extra brokers travel compressed (a third of their size: the carry holds 64 MiB);
     # run unpacks them.
     local extra=()
-    for v in "$OUT"/gpu-broker-before "$OUT"/gpu-broker-variant-*; do
+    for v in "$OUT"/gpu-broker-before "$OUT"/gpu-broker-bench-before "$OUT"/gpu-broker-variant-*; do
         [[ -f $v ]] && extra+=("${v##*/}")
     done
     if [[ ${#extra[@]} -gt 0 ]]; then
@@ -108,14 +139,42 @@ host_ab() {
     gpu_result host
 }
 
+# The previous release as bench-ab.sh takes it: with its own bench where it was built so.
+before_entry() {
+    local dir=$OUT
+    if [[ -x $dir/gpu-broker-bench-before ]]; then
+        echo "$dir/gpu-broker-bench-before::$dir/gpu-broker-before"
+    else
+        echo "$dir/gpu-broker-before"
+    fi
+}
+
+fd_ab() {
+    local dir=$OUT entries=()
+    if [[ -x $dir/gpu-broker-before ]]; then
+        entries=("$(before_entry)" "$dir/gpu-broker" "$dir/gpu-broker-bench::$dir/gpu-broker-before")
+        # D only for a release that still has the flag.
+        "$dir/gpu-broker-before" --help 2>/dev/null | grep -q -- --legacy-ipc-handles &&
+            entries+=("$(before_entry) --legacy-ipc-handles")
+        echo "fd-ab: A = previous release $(cat "$dir/before.ref" 2>/dev/null || echo '(given as a binary)'), B = this build, C = this bench against A's broker, D (where it has the flag) = A serving legacy IPC handles"
+    else
+        entries=("$dir/gpu-broker")
+        echo "fd-ab: no previous release in the build (scripts/gpu-all.sh build BEFORE): this build alone"
+    fi
+    gpu_smi --query-gpu=index,name,memory.used,driver_version --format=csv || true
+    gpu_step fd-ab env AB_BACKEND=cuda AB_BREAKDOWN=1 AB_JSON=0 OUT="$(mktemp -d)" ROUNDS="${ROUNDS:-3}" \
+        "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${entries[@]}"
+    gpu_result fd-ab
+}
+
 ab() {
     local dir=$OUT brokers=() b
-    [[ -x $dir/gpu-broker-before ]] && brokers+=("$dir/gpu-broker-before")
+    [[ -x $dir/gpu-broker-before ]] && brokers+=("$(before_entry)")
     brokers+=("$dir/gpu-broker")
     for b in "$dir"/gpu-broker-variant-*; do [[ -x $b ]] && brokers+=("$b"); done
     echo "ab: ${brokers[*]} (labels A, B, ... in that order)"
     for b in "${brokers[@]}"; do echo "$(sha256sum "$b" | cut -c1-16) $b"; done
-    gpu_step bench-ab env OUT="$(mktemp -d)" ROUNDS="${ROUNDS:-7}" \
+    gpu_step bench-ab env AB_BREAKDOWN=1 OUT="$(mktemp -d)" ROUNDS="${ROUNDS:-7}" \
         "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${brokers[@]}"
     gpu_result ab
 }
@@ -124,6 +183,7 @@ ab() {
 part_command() {
     case $1 in
         fd) echo scripts/gpu-fd-check.sh run ;;
+        fd-ab) echo fd_ab ;;
         check) echo scripts/gpu-check.sh run ;;
         forge) echo scripts/gpu-legacy-forge.sh run ;;
         shared) echo scripts/gpu-shared-check.sh run ;;
@@ -175,8 +235,8 @@ dry_run() {
 }
 
 case ${1:-} in
-    build) build ;;
+    build) shift; build "$@" ;;
     run) shift; run "$@" ;;
     dry-run) shift; dry_run "$@" ;;
-    *) echo "usage: $0 build | run [PARTS] | dry-run [PARTS]" >&2; exit 2 ;;
+    *) echo "usage: $0 build [BEFORE] | run [PARTS] | dry-run [PARTS]" >&2; exit 2 ;;
 esac

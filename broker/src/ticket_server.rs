@@ -7,18 +7,21 @@
 //! Who that is the kernel says of each process that wrote the ticket (`ticket_read.rs`),
 //! not only of the one that connected: a descriptor asked for over a connection its
 //! writer did not make (a child on its parent's socket) goes through that look too.
-//! Connections are capped in all and per peer uid; one over a cap is told "busy" and
-//! closed, its ticket untouched.
+//! A connection that was handed a descriptor stays open for the same process's next
+//! ticket (checked as the first was), until idle or until a connection is turned away at
+//! a limit. Connections are capped in all and per peer uid; one over a cap is told "busy"
+//! and closed, its ticket untouched.
 
 use crate::arbiter::Arbiter;
 use crate::device::SharedFd;
 use crate::tickets::{Redeemed, Refusal, TICKET_LEN};
-use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY};
+use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY, REFUSED_REPLY};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 /// Most ticket connections served at once.
@@ -31,6 +34,9 @@ const MAX_CONNECTIONS_PER_UID: usize = 32;
 const PRIVILEGED_RESERVE: usize = 16;
 /// A connection must send its ticket within this time.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a connection that was handed a descriptor waits for its next ticket: a worker
+/// leasing again soon keeps its connection; an idle one gives its slot back.
+const KEPT_IDLE: Duration = Duration::from_secs(1);
 /// Binds the ticket socket at `path` (replacing a stale file; refusing one a live process
 /// serves) with mode 0666: any local process may connect, only a ticket's holder gets an fd.
 pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
@@ -60,6 +66,9 @@ pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: Cancellation
         admin_reserve: PRIVILEGED_RESERVE,
         ..crate::listener::Limits::default()
     });
+    // Told when a connection is turned away at a limit: every kept connection waiting
+    // idle for its next ticket then closes, so kept connections never keep a process out.
+    let pressure = Arc::new(Notify::new());
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
@@ -84,18 +93,87 @@ pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: Cancellation
                 tracing::debug!(?uid, ?cap, "too many ticket connections; one told busy");
                 arb.metrics().ticket_refused("busy");
                 let _ = stream.try_write(&[BUSY_REPLY]);
+                pressure.notify_waiters();
                 continue;
             }
         };
         let arb = arb.clone();
+        let pressure = pressure.clone();
         tokio::spawn(async move {
-            serve_one(stream, cred, &arb).await;
+            serve_connection(stream, cred, &arb, &pressure).await;
             drop(permit);
         });
     }
 }
 
-async fn serve_one(stream: UnixStream, cred: Option<tokio::net::unix::UCred>, arb: &Arbiter) {
+/// Serves tickets on one connection: the first, then, for as long as each brought its
+/// descriptor, the next ones the same process sends (a kept connection: no connect per
+/// lease). Each ticket is checked as on a fresh connection (who wrote it, from the kernel).
+/// A kept connection closes when idle for [`KEPT_IDLE`], when a connection is turned
+/// away at a limit, or after any answer other than a descriptor.
+async fn serve_connection(
+    stream: UnixStream,
+    cred: Option<tokio::net::unix::UCred>,
+    arb: &Arbiter,
+    pressure: &Notify,
+) {
+    if !serve_one(&stream, cred, arb, false).await {
+        return;
+    }
+    loop {
+        let next = tokio::select! {
+            r = next_ticket_comes(&stream) => r,
+            _ = pressure.notified() => false,
+            _ = tokio::time::sleep(KEPT_IDLE) => false,
+        };
+        if !next || !serve_one(&stream, cred, arb, true).await {
+            return;
+        }
+    }
+}
+
+/// Waits until a kept connection has something to read (a byte, or its end): only then
+/// does the ticket's read timeout start.
+async fn next_ticket_comes(stream: &UnixStream) -> bool {
+    loop {
+        if stream.readable().await.is_err() {
+            return false;
+        }
+        let peeked = stream.try_io(tokio::io::Interest::READABLE, || {
+            let mut b = 0u8;
+            // SAFETY: a one-byte peek into a local on a valid socket.
+            let n = unsafe {
+                libc::recv(
+                    stream.as_raw_fd(),
+                    (&mut b as *mut u8).cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if n < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(())
+            }
+        });
+        match peeked {
+            Ok(()) => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Serves one ticket; true when its descriptor was sent. `kept`: not the connection's
+/// first ticket (a refusal is then said with [`REFUSED_REPLY`], so the client can tell it
+/// from a kept connection the broker let go; an end of the stream before any byte is the
+/// client closing, not a refusal).
+async fn serve_one(
+    stream: &UnixStream,
+    cred: Option<tokio::net::unix::UCred>,
+    arb: &Arbiter,
+    kept: bool,
+) -> bool {
     let table = arb.tickets();
     let uid = cred.map(|c| c.uid());
     let pid = cred
@@ -105,9 +183,12 @@ async fn serve_one(stream: UnixStream, cred: Option<tokio::net::unix::UCred>, ar
     let mut buf = [0u8; TICKET_LEN];
     let read = tokio::time::timeout(
         READ_TIMEOUT,
-        crate::ticket_read::read_exact_with_writers(&stream, &mut buf),
+        crate::ticket_read::read_exact_with_writers(stream, &mut buf),
     )
     .await;
+    if kept && matches!(&read, Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof) {
+        return false;
+    }
     let (result, writers) = match (read, uid) {
         // A writer the broker's pid namespace cannot see (pid 0) beside a connecting
         // process it can: nobody it could record would hold the descriptor.
@@ -136,28 +217,39 @@ async fn serve_one(stream: UnixStream, cred: Option<tokio::net::unix::UCred>, ar
             arb.metrics().ticket_refused("lease_gone");
             let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
             tracing::debug!(%lease, ?uid, ?pid, "ticket of a lease that just ended; closed");
+            false
         }
-        Ok(Redeemed { lease, fd, .. }) => match send_fd(&stream, &fd).await {
+        Ok(Redeemed { lease, fd, .. }) => match send_fd(stream, &fd).await {
             Ok(()) => {
                 arb.metrics().ticket_redeemed();
-                tracing::debug!(%lease, ?uid, ?pid, "lease fd delivered");
+                tracing::debug!(%lease, ?uid, ?pid, kept, "lease fd delivered");
+                true
             }
-            Err(e) => tracing::warn!(%lease, error = %e, "sending a lease fd failed"),
+            Err(e) => {
+                tracing::warn!(%lease, error = %e, "sending a lease fd failed");
+                false
+            }
         },
         // Only the ticket's rightful peer gets here (a foreign one is refused as unknown).
         Err(Refusal::LeaseEnded) => {
             arb.metrics().ticket_refused(Refusal::LeaseEnded.as_str());
             let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
             tracing::debug!(?uid, ?pid, "ticket of an ended lease; told so and closed");
+            false
         }
         Err(r) => {
             arb.metrics().ticket_refused(r.as_str());
+            if kept {
+                let _ = stream.try_write(&[REFUSED_REPLY]);
+            }
             tracing::warn!(
                 reason = r.as_str(),
                 ?uid,
                 ?pid,
+                kept,
                 "ticket refused; connection closed"
             );
+            false
         }
     }
 }
@@ -455,6 +547,259 @@ mod tests {
         );
         drop(reap);
         drop(told);
+        stop.cancel();
+    }
+
+    /// Sends `k` on `conn` (blocking) and reads the answer.
+    fn present_on(
+        conn: &std::os::unix::net::UnixStream,
+        k: &[u8],
+    ) -> gpu_broker_client::fd::Received {
+        use std::io::Write;
+        (&*conn).write_all(k).unwrap();
+        gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd()).unwrap()
+    }
+
+    /// A connection that brought a descriptor serves the same process's next ticket; each
+    /// ticket on it is checked as on a fresh connection: a foreign one (bound to another
+    /// pid) is refused (said with a byte, then closed) and stays valid for its rightful
+    /// peer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_connection_serves_the_next_ticket_and_refuses_a_foreign_one() {
+        use crate::arbiter::tests::req;
+        use crate::session::Peer;
+        use crate::tickets::{Binding, Recipient};
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving().await;
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let peer = Peer {
+            pid: Some(me),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx) = arb.open_session("a", "own", peer).unwrap();
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let crate::device::Handle::Fd { fd, .. } = &l.handle;
+        let mine = Binding { uid, pid: Some(me) };
+        let theirs = Binding {
+            uid,
+            pid: Some(other.id()),
+        };
+        let to = || Recipient::SessionProcess(l.live.clone());
+        let k1 = arb.tickets().mint(l.id, mine, fd.clone(), to());
+        let k2 = arb.tickets().mint(l.id, mine, fd.clone(), to());
+        let foreign = arb.tickets().mint(l.id, theirs, fd.clone(), to());
+        let path2 = path.clone();
+        let (first, second, refused, after) = tokio::task::spawn_blocking(move || {
+            let conn = std::os::unix::net::UnixStream::connect(&path2).unwrap();
+            let first = present_on(&conn, &k1);
+            let second = present_on(&conn, &k2);
+            let refused = present_on(&conn, &foreign);
+            let after = gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd()).unwrap();
+            (first, second, refused, after)
+        })
+        .await
+        .unwrap();
+        assert!(first.byte == FD_REPLY && first.fd.is_some());
+        assert!(
+            second.byte == FD_REPLY && second.fd.is_some(),
+            "kept: the next ticket served"
+        );
+        assert_eq!((refused.len, refused.byte), (1, REFUSED_REPLY));
+        assert!(
+            refused.fd.is_none(),
+            "a foreign ticket brought a descriptor"
+        );
+        assert_eq!(after.len, 0, "closed after the refusal");
+        // Still valid for the process it is bound to.
+        let r = arb
+            .tickets()
+            .redeem(&foreign, uid, Some(other.id()))
+            .unwrap();
+        assert_eq!(r.lease, l.id);
+        other.kill().unwrap();
+        other.wait().unwrap();
+        stop.cancel();
+    }
+
+    /// A forked child writing a ticket on its parent's kept connection (after the parent's
+    /// own ticket was served on it) is seen as itself and recorded before the descriptor
+    /// leaves, as on the connection's first ticket.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_child_on_its_parents_kept_connection_is_recorded() {
+        use crate::arbiter::tests::req;
+        use crate::session::Peer;
+        use crate::tickets::{Binding, Recipient};
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving().await;
+        let peer = Peer {
+            pid: Some(me),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx) = arb.open_session("a", "own", peer).unwrap();
+        let first = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let bound = Binding { uid, pid: Some(me) };
+        let fd_of = |v: &crate::lease::LeaseView| match &v.handle {
+            crate::device::Handle::Fd { fd, .. } => fd.clone(),
+        };
+        let k1 = arb.tickets().mint(
+            first.id,
+            bound,
+            fd_of(&first),
+            Recipient::SessionProcess(first.live.clone()),
+        );
+        let k = arb.tickets().mint(
+            l.id,
+            bound,
+            fd_of(&l),
+            Recipient::SessionProcess(l.live.clone()),
+        );
+        let path2 = path.clone();
+        let conn = tokio::task::spawn_blocking(move || {
+            let conn = std::os::unix::net::UnixStream::connect(&path2).unwrap();
+            let got = present_on(&conn, &k1);
+            assert!(got.byte == FD_REPLY && got.fd.is_some());
+            conn
+        })
+        .await
+        .unwrap();
+        let (mut said, told) = std::os::unix::net::UnixStream::pair().unwrap();
+        // SAFETY: the child calls only write, read and _exit (async-signal-safe).
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0);
+        if child == 0 {
+            let mut b = [0u8; 1];
+            // SAFETY: plain syscalls on inherited descriptors, then _exit.
+            unsafe {
+                libc::close(said.as_raw_fd());
+                libc::write(conn.as_raw_fd(), k.as_ptr().cast(), k.len());
+                let n = libc::read(conn.as_raw_fd(), b.as_mut_ptr().cast(), 1);
+                b[0] = u8::from(n == 1 && b[0] == FD_REPLY);
+                libc::write(told.as_raw_fd(), b.as_ptr().cast(), 1);
+                libc::read(told.as_raw_fd(), b.as_mut_ptr().cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        drop(conn);
+        struct Reap(libc::pid_t);
+        impl Drop for Reap {
+            fn drop(&mut self) {
+                // SAFETY: killing and reaping our own child.
+                unsafe {
+                    libc::kill(self.0, libc::SIGKILL);
+                    libc::waitpid(self.0, std::ptr::null_mut(), 0);
+                }
+            }
+        }
+        let reap = Reap(child);
+        let got = tokio::task::spawn_blocking(move || {
+            let mut b = [0u8; 1];
+            std::io::Read::read_exact(&mut said, &mut b).unwrap();
+            (said, b[0])
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            got.1, 1,
+            "the child got the descriptor on the kept connection"
+        );
+        arb.release("a", l.id).unwrap();
+        let q = arb.list_quarantined();
+        assert_eq!(q.len(), 1, "{q:?}");
+        assert_eq!(
+            (q[0].lease, q[0].holders.clone()),
+            (l.id, vec![child as u32])
+        );
+        drop(reap);
+        drop(told);
+        stop.cancel();
+    }
+
+    /// Kept connections waiting for their next ticket do not keep a process out: when a
+    /// connection is turned away at the per-uid limit, they close, and the newcomer's
+    /// retry gets in (well before their idle time would have closed them).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn kept_connections_give_way_when_a_connection_is_turned_away() {
+        use crate::arbiter::tests::req;
+        use crate::session::Peer;
+        use crate::tickets::{Binding, Recipient};
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving().await;
+        let peer = Peer {
+            pid: Some(me),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx) = arb.open_session("a", "own", peer).unwrap();
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let crate::device::Handle::Fd { fd, .. } = &l.handle;
+        let bound = Binding { uid, pid: Some(me) };
+        let (arb2, fd2, live) = (arb.clone(), fd.clone(), l.live.clone());
+        let id = l.id;
+        let mint = move || {
+            arb2.tickets().mint(
+                id,
+                bound,
+                fd2.clone(),
+                Recipient::SessionProcess(live.clone()),
+            )
+        };
+        // Every slot of this uid (the broker's own: the cap plus the reserve) held by a
+        // connection that was served and now waits for its next ticket (each ticket minted
+        // just before it is presented: a lease keeps a few unredeemed ones only).
+        let cap = MAX_CONNECTIONS_PER_UID + PRIVILEGED_RESERVE;
+        let path2 = path.clone();
+        let mint2 = mint.clone();
+        let held = tokio::task::spawn_blocking(move || {
+            (0..cap)
+                .map(|_| {
+                    let conn = std::os::unix::net::UnixStream::connect(&path2).unwrap();
+                    assert_eq!(present_on(&conn, &mint2()).byte, FD_REPLY);
+                    conn
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap();
+        let k = mint();
+        let t = std::time::Instant::now();
+        gpu_broker_client::fd::fetch(&path, &k, None).await.unwrap();
+        assert!(
+            t.elapsed() < KEPT_IDLE / 2,
+            "the newcomer waited {:?}",
+            t.elapsed()
+        );
+        let closed = held
+            .iter()
+            .filter(|c| {
+                c.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                matches!(gpu_broker_client::fd::recv_with_fd(c.as_raw_fd()), Ok(r) if r.len == 0)
+            })
+            .count();
+        assert_eq!(closed, cap, "every idle kept connection gave way");
         stop.cancel();
     }
 }

@@ -10,10 +10,16 @@
 //! another path) finds the same file name next to the socket it dialled: [`candidates`]
 //! tries the broker's path first, then that sibling.
 //!
+//! **Kept connections.** A connection that brought a descriptor is kept for this process's
+//! next ticket (`ticket_channel.rs`): the broker serves ticket after ticket on it, each
+//! checked as on a fresh connection, so a lease costs no connect, accept or close. Every
+//! step waits on the async runtime (no blocking system call), so concurrent fetches of one
+//! process do not wait for each other.
+//!
 //! Every descriptor received is close-on-exec and owned ([`OwnedFd`]): dropping it closes
 //! it, so nothing leaks on any error path.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::ErrorKind;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -21,7 +27,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY};
+use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY, REFUSED_REPLY};
 use gpu_broker_proto::v1 as pb;
 
 use crate::error::ClientError;
@@ -111,11 +117,12 @@ pub fn candidates(socket_path: &Path, dialled: Option<&Path>) -> Vec<PathBuf> {
     out
 }
 
-fn connect(socket_path: &Path, dialled: Option<&Path>) -> Result<UnixStream, ClientError> {
+/// Connects to the first of `places` that answers; returns the connection and its path.
+fn connect(places: &[PathBuf]) -> Result<(UnixStream, PathBuf), ClientError> {
     let mut last = None;
-    for p in candidates(socket_path, dialled) {
-        match UnixStream::connect(&p) {
-            Ok(s) => return Ok(s),
+    for p in places {
+        match UnixStream::connect(p) {
+            Ok(s) => return Ok((s, p.clone())),
             Err(e) => last = Some(format!("{}: {e}", p.display())),
         }
     }
@@ -128,10 +135,11 @@ fn connect(socket_path: &Path, dialled: Option<&Path>) -> Result<UnixStream, Cli
     )))
 }
 
-/// Redeems `ticket` at the ticket socket and returns the descriptor. Each presentation is
-/// a few tens of microseconds on a local broker; a broker at its connection limit answers
-/// "busy" without looking at the ticket, and the ticket is presented again after a pause
-/// (1 ms doubling to 50 ms, for up to 10 s), without blocking the async runtime meanwhile.
+/// Redeems `ticket` at the ticket socket and returns the descriptor, without blocking the
+/// async runtime: every step waits on the runtime. A connection this process kept from
+/// an earlier ticket is used first (`ticket_channel.rs`: one round trip, no connect);
+/// a broker at its connection limit answers "busy" without looking at the ticket, and the
+/// ticket is presented again after a pause (1 ms doubling to 50 ms, for up to 10 s).
 pub async fn fetch(
     socket_path: &Path,
     ticket: &[u8],
@@ -145,7 +153,14 @@ pub async fn fetch(
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     let mut pause = Duration::from_millis(1);
     loop {
-        if let Some(fd) = present(socket_path, ticket, dialled)? {
+        let presented = tokio::time::timeout_at(deadline, present(socket_path, ticket, dialled))
+            .await
+            .map_err(|_| {
+                ClientError::Unavailable(
+                    format!("the broker's ticket socket did not answer within {TIMEOUT:?}").into(),
+                )
+            })?;
+        if let Some(fd) = presented? {
             return Ok(fd);
         }
         if tokio::time::Instant::now() + pause > deadline {
@@ -158,37 +173,40 @@ pub async fn fetch(
     }
 }
 
-/// Presents `ticket` once: the descriptor, or `None` when the broker said "busy".
-fn present(
+/// Presents `ticket` once: the descriptor, or `None` when the broker said "busy". On a
+/// kept connection first; where the broker closed that one before looking at the ticket,
+/// on a fresh one.
+async fn present(
     socket_path: &Path,
     ticket: &[u8],
     dialled: Option<&Path>,
 ) -> Result<Option<OwnedFd>, ClientError> {
-    let mut s = connect(socket_path, dialled)?;
-    s.set_read_timeout(Some(TIMEOUT))?;
-    s.set_write_timeout(Some(TIMEOUT))?;
-    // A busy broker may answer and close before the ticket is written: read its answer
-    // all the same.
-    match s.write_all(ticket) {
-        Err(e) if !matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => {
-            return Err(e.into())
+    let places = candidates(socket_path, dialled);
+    for place in &places {
+        let Some(conn) = crate::ticket_channel::take(place) else {
+            continue;
+        };
+        match exchange(conn, ticket).await? {
+            (Received { len: 0, .. }, _) => crate::ticket_channel::closed_unused(place),
+            (got, conn) => return answer(got, conn, place),
         }
-        _ => {}
     }
-    let got = match recv_with_fd(s.as_raw_fd()) {
-        Err(e) if e.kind() == ErrorKind::ConnectionReset => Received {
-            len: 0,
-            byte: 0,
-            fd: None,
-        },
-        r => r?,
-    };
+    let (conn, place) = connect(&places)?;
+    let (got, conn) = exchange(conn, ticket).await?;
+    answer(got, conn, &place)
+}
+
+/// What the broker's answer means; a connection that brought a descriptor is kept.
+fn answer(got: Received, conn: UnixStream, place: &Path) -> Result<Option<OwnedFd>, ClientError> {
     match got {
         Received {
             len: 1,
             byte: FD_REPLY,
             fd: Some(fd),
-        } => Ok(Some(fd)),
+        } => {
+            crate::ticket_channel::give_back(place, conn);
+            Ok(Some(fd))
+        }
         Received {
             len: 1,
             byte: BUSY_REPLY,
@@ -205,19 +223,54 @@ fn present(
         )),
         Received {
             len: 0, fd: None, ..
+        }
+        | Received {
+            len: 1,
+            byte: REFUSED_REPLY,
+            fd: None,
         } => Err(ClientError::TicketRefused(
             "the broker closed the connection (wrong, used, expired or foreign ticket)".into(),
         )),
         Received { fd, .. } => {
             drop(fd);
-            // Drain whatever else came, so the error is about the protocol.
-            let mut rest = [0u8; 16];
-            let _ = s.read(&mut rest);
             Err(ClientError::Protocol(
                 "the ticket server sent no descriptor with its reply".into(),
             ))
         }
     }
+}
+
+/// Writes `ticket` on `conn` and receives the answer, waiting on the runtime. A broker
+/// that closed the connection (busy before the ticket was written, or a kept connection it
+/// let go) reads as an answer of no bytes, or its busy byte.
+async fn exchange(conn: UnixStream, ticket: &[u8]) -> Result<(Received, UnixStream), ClientError> {
+    use tokio::io::AsyncWriteExt;
+    conn.set_nonblocking(true)?;
+    let mut s = tokio::net::UnixStream::from_std(conn)?;
+    match s.write_all(ticket).await {
+        Err(e) if !matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => {
+            return Err(e.into())
+        }
+        _ => {}
+    }
+    let got = loop {
+        s.readable().await?;
+        match s.try_io(tokio::io::Interest::READABLE, || {
+            recv_with_fd(s.as_raw_fd())
+        }) {
+            Ok(got) => break got,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => {
+                break Received {
+                    len: 0,
+                    byte: 0,
+                    fd: None,
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    Ok((got, s.into_std()?))
 }
 
 /// What one `recvmsg` on a ticket connection brought.
@@ -290,6 +343,97 @@ pub fn recv_with_fd(sock: RawFd) -> std::io::Result<Received> {
 mod tests {
     use super::*;
     use crate::error::Code;
+    use std::io::{Read, Write};
+    use tokio::io::AsyncReadExt;
+
+    /// A fetch waits on the runtime, not in a system call: on a current-thread runtime, a
+    /// ticket server that is a task of that same runtime still gets to answer.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_fetch_lets_the_other_tasks_of_its_runtime_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut t = [0u8; 4];
+            s.read_exact(&mut t).await.unwrap();
+            let f = std::fs::File::open("/dev/null").unwrap();
+            s.writable().await.unwrap();
+            send_one(s.as_raw_fd(), f.as_raw_fd());
+        });
+        let got = tokio::time::timeout(Duration::from_secs(5), fetch(&path, b"good", None)).await;
+        let fd = got.expect("the fetch held the runtime").unwrap();
+        assert!(fd.as_raw_fd() >= 0);
+        server.await.unwrap();
+    }
+
+    /// The second ticket of this process goes over the connection that brought the
+    /// first descriptor: the server sees one connection, two tickets.
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_next_ticket_goes_over_the_kept_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut got = Vec::new();
+            for _ in 0..2 {
+                let mut t = [0u8; 4];
+                s.read_exact(&mut t).await.unwrap();
+                got.push(t);
+                let f = std::fs::File::open("/dev/null").unwrap();
+                s.writable().await.unwrap();
+                send_one(s.as_raw_fd(), f.as_raw_fd());
+            }
+            got
+        });
+        fetch(&path, b"one!", None).await.unwrap();
+        fetch(&path, b"two!", None).await.unwrap();
+        assert_eq!(server.await.unwrap(), [*b"one!", *b"two!"]);
+    }
+
+    /// A kept connection the broker let go (closed before reading the ticket) costs a
+    /// fresh connection, not an error; a refusal on a kept connection is a refusal, and
+    /// the ticket is not presented again.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_let_go_kept_connection_is_replaced_and_a_kept_refusal_is_final() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let server = tokio::spawn(async move {
+            let give = |s: &tokio::net::UnixStream| {
+                let f = std::fs::File::open("/dev/null").unwrap();
+                send_one(s.as_raw_fd(), f.as_raw_fd());
+            };
+            let mut t = [0u8; 4];
+            // First connection: a descriptor, then closed unread (the broker let it go).
+            let (mut s, _) = listener.accept().await.unwrap();
+            s.read_exact(&mut t).await.unwrap();
+            give(&s);
+            drop(s);
+            // Second: a descriptor; then its next ticket is refused.
+            let (mut s, _) = listener.accept().await.unwrap();
+            s.read_exact(&mut t).await.unwrap();
+            give(&s);
+            s.read_exact(&mut t).await.unwrap();
+            s.write_all(&[REFUSED_REPLY]).await.unwrap();
+            drop(s);
+            // No third presentation of the refused ticket.
+            tokio::time::timeout(Duration::from_millis(300), listener.accept())
+                .await
+                .is_err()
+        });
+        use tokio::io::AsyncWriteExt;
+        fetch(&path, b"one!", None).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        fetch(&path, b"two!", None).await.unwrap();
+        let e = fetch(&path, b"bad!", None).await.unwrap_err();
+        assert!(matches!(e, ClientError::TicketRefused(_)), "{e}");
+        assert!(
+            server.await.unwrap(),
+            "the refused ticket was presented again"
+        );
+    }
 
     #[test]
     fn candidates_try_the_brokers_path_then_the_sibling_of_the_dialled_socket() {

@@ -88,6 +88,7 @@ pub mod shared;
 pub mod sleep;
 pub mod table;
 pub mod tenant;
+mod ticket_channel;
 pub mod token;
 pub mod turn;
 pub mod units;

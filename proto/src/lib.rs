@@ -38,4 +38,9 @@ pub mod ticket {
     /// ticket's lease ended (reclaimed, revoked, released or its session ended) before it
     /// was redeemed.
     pub const LEASE_ENDED_REPLY: u8 = 0x02;
+    /// The one byte (with no descriptor) a refused ticket gets on a kept connection (one
+    /// that already brought a descriptor) before it is closed, so that the client tells a
+    /// refusal from a kept connection the broker let go. A connection's first ticket is
+    /// refused with the bare close, as before.
+    pub const REFUSED_REPLY: u8 = 0x03;
 }

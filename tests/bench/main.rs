@@ -8,6 +8,8 @@
 //!   sizes the pool has never seen), p50/p90/p99/max of each call separately;
 //! - `throughput`: W concurrent workers (tasks, or `--processes P` worker processes),
 //!   each with its own connection and session, doing acquire+release pairs for D seconds;
+//! - `breakdown`: a pooled lease + map in parts (RPC, ticket, map), beside the health
+//!   `Check` round trip and raw in-process memory + map of the same run;
 //! - `resident`: the broker's resident memory with 10,000 live leases;
 //! - `oversub`: 2x oversubscription with 3 priorities, guarantees, waits and cooperative
 //!   reclaim: per-priority time-to-grant, reclaim/revocation counts, utilization;
@@ -24,6 +26,7 @@
 mod abuse;
 mod admin_reads;
 mod big_waiter;
+mod breakdown;
 mod broker;
 mod cpu;
 mod latency;
@@ -94,6 +97,8 @@ enum Mode {
     Latency(latency::LatencyArgs),
     /// W concurrent workers doing acquire+release pairs for D seconds.
     Throughput(throughput::ThroughputArgs),
+    /// Where a pooled lease + map's time goes (RPC, ticket, map), beside its baselines.
+    Breakdown(breakdown::BreakdownArgs),
     /// Broker resident memory with many live leases.
     Resident(resident::ResidentArgs),
     /// Oversubscription with priorities, guarantees, waits and reclaim.
@@ -221,6 +226,7 @@ async fn run(cli: Cli) -> Result<()> {
     match cli.mode {
         Mode::Latency(a) => latency::run(&common, &a).await,
         Mode::Throughput(a) => throughput::run(&common, &a).await,
+        Mode::Breakdown(a) => breakdown::run(&common, &a).await,
         Mode::Resident(a) => resident::run(&common, &a).await,
         Mode::Oversub(a) => oversub::run(&common, &a).await,
         Mode::Abuse(a) => abuse::run(&common, &a).await,

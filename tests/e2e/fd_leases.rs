@@ -304,10 +304,14 @@ async fn no_descriptor_leaks_after_10000_acquire_map_release_cycles() {
         .skip(1)
         .map(|x| x.parse().unwrap())
         .collect();
-    assert!(n[1] <= n[0], "worker fds {} -> {}", n[0], n[1]);
+    // The client keeps a ticket connection per concurrent fetch (8 sessions: at most 8),
+    // and the broker keeps its end of each for up to a second: bounded, not a leak (a leak
+    // over 10,000 cycles is thousands).
+    let kept = 8;
+    assert!(n[1] <= n[0] + kept, "worker fds {} -> {}", n[0], n[1]);
     // (+2: a ticket connection the broker may not have finished closing yet.)
     assert!(
-        broker_after <= broker_before + 2,
+        broker_after <= broker_before + kept + 2,
         "broker fds {broker_before} -> {broker_after}"
     );
     assert!(

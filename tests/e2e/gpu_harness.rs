@@ -40,7 +40,8 @@ fn every_part_of_the_gpu_harness_runs_its_logic_without_a_gpu() {
     let (out, text) = dry_run(&[], &[]);
     assert!(out.status.success(), "{text}");
     for part in [
-        "fd", "check", "forge", "shared", "sleep", "python", "serving", "mps", "health", "host",
+        "fd", "fd-ab", "check", "forge", "shared", "sleep", "python", "serving", "mps", "health",
+        "restart", "host",
     ] {
         assert!(
             text.contains(&format!("################ {part} ################")),
