@@ -706,6 +706,29 @@ impl Admin for Fake {
             blocks: vec![],
         }))
     }
+    async fn reserve_claim(
+        &self,
+        req: Request<pb::ReserveClaimRequest>,
+    ) -> Result<Response<pb::ReserveClaimResponse>, Status> {
+        self.admin(&req)?;
+        Err(Status::unimplemented("the fake broker keeps no claims"))
+    }
+
+    async fn release_claim(
+        &self,
+        req: Request<pb::ReleaseClaimRequest>,
+    ) -> Result<Response<pb::ReleaseClaimResponse>, Status> {
+        self.admin(&req)?;
+        Err(Status::unimplemented("the fake broker keeps no claims"))
+    }
+
+    async fn list_claims(
+        &self,
+        req: Request<pb::ListClaimsRequest>,
+    ) -> Result<Response<pb::ListClaimsResponse>, Status> {
+        self.admin(&req)?;
+        Ok(Response::new(pb::ListClaimsResponse::default()))
+    }
 }
 
 pub struct Harness {
