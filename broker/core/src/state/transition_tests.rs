@@ -267,7 +267,9 @@ fn kept_sessions_and_leases_are_taken_back_beyond_a_shrunk_quota() {
     c.st.adopt_session(s).unwrap();
     assert!(matches!(
         c.st.take_effects().into_vec().as_slice(),
-        [Effect::Watch { watch: Watch::Session { pid: 7, .. } }]
+        [Effect::Watch {
+            watch: Watch::Session { pid: 7, .. }
+        }]
     ));
     let kept = |session| Adopted {
         id: Uuid::new_v4(),
