@@ -16,7 +16,12 @@ pub(crate) async fn get(addr: &str, path: &str) -> String {
 
 pub(crate) fn gauge(text: &str, name_and_labels: &str) -> Option<f64> {
     text.lines()
-        .find(|l| l.starts_with(name_and_labels))
+        // The name must end where the prefix does: `sessions` is not `sessions_resumed_total`.
+        .find(|l| {
+            l.strip_prefix(name_and_labels).is_some_and(|rest| {
+                name_and_labels.ends_with(['{', ',']) || rest.starts_with([' ', '{'])
+            })
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
