@@ -431,6 +431,12 @@ def test_torch_allocator_hooks_are_exported_and_inert_before_install():
         assert "PyTorch" in str(e.value)
 
 
+def test_imported_segments_can_be_weakly_referenced():
+    # torch.multiprocessing's receiving side keeps imports in a WeakValueDictionary: a
+    # type without a weak-reference slot fails there (TypeError) on the GPU.
+    assert gpubroker._native.ImportedSegment.__weakrefoffset__ != 0
+
+
 def test_torch_install_plumbing_with_a_stand_in_torch(broker):
     """gpubroker.torch's Python half against a recording stand-in for PyTorch (the real
     hooks; the host backend's leases cannot be mapped as CUDA memory, which exercises the
