@@ -137,6 +137,7 @@ impl Arbiter {
                 }
             }
         }
+        self.count_kept_memory_as_ours(&leases);
         let (taken, refused) = self.adopt_leases(leases, &adopted);
         for (r, why) in refused {
             tracing::info!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
@@ -201,6 +202,36 @@ impl Arbiter {
     /// batches: one job per device makes their blocks again, one lock hold adopts them.
     /// Those taken back (session, lease, bytes), and those not with why.
     #[allow(clippy::type_complexity)]
+    /// Kept CUDA memory was in use when the devices opened, so their leasable bytes and
+    /// the memory used outside the broker were read without it: it is the broker's (taken
+    /// back now, or freed once the keeper's and our copies close), so each device's
+    /// leasable amount grows by it and the outside measure stops counting it.
+    fn count_kept_memory_as_ours(&self, leases: &[(LeaseRecord, Option<std::os::fd::OwnedFd>)]) {
+        let mut kept = vec![0u64; self.devices.len()];
+        for (r, fd) in leases {
+            let Some(slot) = self.devices.get(r.device as usize) else {
+                continue;
+            };
+            if fd.is_some()
+                && r.tier == "device"
+                && slot.thread.desc().backend == crate::device::BackendKind::Cuda
+            {
+                kept[r.device as usize] = kept[r.device as usize].saturating_add(r.bytes);
+            }
+        }
+        let mut st = self.lock();
+        for (d, bytes) in kept.into_iter().enumerate() {
+            if bytes == 0 {
+                continue;
+            }
+            let slot = &self.devices[d];
+            slot.taken_back
+                .store(bytes, std::sync::atomic::Ordering::Relaxed);
+            let gran = st.pools()[d].granularity();
+            st.set_leasable(d as u32, slot.leasable_at_start() / gran * gran);
+        }
+    }
+
     fn adopt_leases(
         &self,
         leases: Vec<(LeaseRecord, Option<std::os::fd::OwnedFd>)>,
