@@ -25,7 +25,7 @@ enum Where {
 
 /// A place holding leases: a keeper process or a (fake) systemd's fd store.
 enum Held {
-    Keeper(Keeper),
+    Keeper(Box<Keeper>),
     FdStore(std::sync::Arc<FakeSystemd>),
 }
 
@@ -59,7 +59,7 @@ impl Case {
                 let mut opts = opts;
                 opts.extra.extend(keeper.flags());
                 let b = Broker::start_with(opts).unwrap();
-                (Held::Keeper(keeper), b)
+                (Held::Keeper(Box::new(keeper)), b)
             }
             Where::FdStore => {
                 let sd = FakeSystemd::start(1024).unwrap();

@@ -6,12 +6,13 @@
 //! child's own pid) — see [`crate::Broker::start_under`].
 
 use anyhow::{bail, Result};
+use parking_lot::Mutex;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What the fake manager holds and saw.
@@ -134,7 +135,7 @@ impl FakeSystemd {
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     match recv(&sock) {
-                        Ok((text, fds)) => seen.lock().unwrap().apply(text, fds),
+                        Ok((text, fds)) => seen.lock().apply(text, fds),
                         Err(e)
                             if matches!(
                                 e.kind(),
@@ -161,14 +162,14 @@ impl FakeSystemd {
     /// notify socket before it handles the process's exit).
     pub fn sync(&self) -> Result<()> {
         let mark = {
-            let mut m = self.marks.lock().unwrap();
+            let mut m = self.marks.lock();
             *m += 1;
             *m
         };
         let s = UnixDatagram::unbound()?;
         s.send_to(format!("X_SYNC={mark}\n").as_bytes(), &self.socket)?;
         let deadline = Instant::now() + Duration::from_secs(10);
-        while self.seen.lock().unwrap().synced < mark {
+        while self.seen.lock().synced < mark {
             if Instant::now() > deadline {
                 bail!("the fake systemd did not read its socket");
             }
@@ -180,14 +181,14 @@ impl FakeSystemd {
     /// The names in the store, in the order stored (after a [`FakeSystemd::sync`]).
     pub fn names(&self) -> Vec<String> {
         let _ = self.sync();
-        let seen = self.seen.lock().unwrap();
+        let seen = self.seen.lock();
         seen.store.iter().map(|(n, _)| n.clone()).collect()
     }
 
     /// How many lease memory objects (memfds of the broker's blocks) the store holds.
     pub fn memfds(&self) -> usize {
         let _ = self.sync();
-        let seen = self.seen.lock().unwrap();
+        let seen = self.seen.lock();
         seen.store
             .iter()
             .filter(|(_, fd)| {
@@ -200,7 +201,7 @@ impl FakeSystemd {
     /// Every message read so far.
     pub fn messages(&self) -> Vec<String> {
         let _ = self.sync();
-        self.seen.lock().unwrap().messages.clone()
+        self.seen.lock().messages.clone()
     }
 
     /// Copies of the stored descriptors (close-on-exec, numbered above 3 + their count so
@@ -208,7 +209,7 @@ impl FakeSystemd {
     /// their names.
     pub fn handed(&self) -> Result<Vec<(String, OwnedFd)>> {
         self.sync()?;
-        let seen = self.seen.lock().unwrap();
+        let seen = self.seen.lock();
         let floor = 3 + seen.store.len() as i32;
         seen.store
             .iter()

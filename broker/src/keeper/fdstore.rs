@@ -379,3 +379,142 @@ impl Place for FdStore {
         self.sent.load(Ordering::Relaxed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::os::fd::AsFd;
+
+    /// The messages systemd would read on its end of `sock`, with their descriptors.
+    fn read_all(sock: &UnixDatagram) -> Vec<(String, Option<OwnedFd>)> {
+        use sendfd::RecvWithFd;
+        sock.set_nonblocking(true).unwrap();
+        let mut out = Vec::new();
+        loop {
+            let mut buf = [0u8; 4096];
+            let mut fds = [-1; 2];
+            match sock.recv_with_fd(&mut buf, &mut fds) {
+                Ok((n, nfds)) => {
+                    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    // SAFETY: a descriptor just received, owned by nobody else.
+                    let fd = (nfds == 1).then(|| unsafe { OwnedFd::from_raw_fd(fds[0]) });
+                    out.push((text, fd));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return out,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    fn texts(m: &[(String, Option<OwnedFd>)]) -> Vec<String> {
+        m.iter().map(|(t, _)| t.replace('\n', " ")).collect()
+    }
+
+    fn memfd() -> OwnedFd {
+        crate::device::host::memfd("gpu-broker-test", 4096).unwrap()
+    }
+
+    /// At start the newest journal's records come back with their descriptors; its
+    /// records move to a new generation stored before the old ones leave, and a
+    /// descriptor without a record leaves the store. Afterwards a descriptor is stored
+    /// once, before its record, removed after it, and not beyond the store's size.
+    #[test]
+    fn the_store_hands_back_records_with_descriptors_and_is_kept_in_step() {
+        let mut old = Journal::create(2, &BTreeMap::new()).unwrap();
+        old.append(&Message::Put {
+            key: "lease/gone".into(),
+            record: json!({"v": 1}),
+        })
+        .unwrap();
+        let mut newest = Journal::create(3, &BTreeMap::new()).unwrap();
+        for key in ["lease/a", "lease/b", "session/s"] {
+            newest
+                .append(&Message::Put {
+                    key: key.into(),
+                    record: json!({"v": 1, "k": key}),
+                })
+                .unwrap();
+        }
+        newest
+            .append(&Message::Remove {
+                key: "lease/b".into(),
+            })
+            .unwrap();
+        let handed = vec![
+            (old.name(), old.fd().try_clone_to_owned().unwrap()),
+            (newest.name(), newest.fd().try_clone_to_owned().unwrap()),
+            ("lease/a".to_string(), memfd()),
+            ("lease/b".to_string(), memfd()),
+        ];
+        let (ours, systemd) = UnixDatagram::pair().unwrap();
+        let store = FdStore::open_on(ours, handed, Some(4)).unwrap();
+        assert_eq!(
+            *store.intake(),
+            Intake {
+                records: 2,
+                descriptors: 1,
+                orphans: 1,
+                unreadable: 0
+            }
+        );
+        let m = read_all(&systemd);
+        assert_eq!(
+            texts(&m),
+            [
+                "FDSTORE=1 FDNAME=records-4 FDPOLL=0 ",
+                "FDSTOREREMOVE=1 FDNAME=records-2 ",
+                "FDSTOREREMOVE=1 FDNAME=records-3 ",
+                "FDSTOREREMOVE=1 FDNAME=lease/b ",
+            ]
+        );
+        let journal = m[0].1.as_ref().unwrap().try_clone().unwrap();
+        let entries = store.dump().unwrap();
+        let got: Vec<(&str, bool)> = entries
+            .iter()
+            .map(|e| (e.key.as_str(), e.fd.is_some()))
+            .collect();
+        assert_eq!(got, [("lease/a", true), ("session/s", false)]);
+
+        let fd = memfd();
+        let r = json!({"v": 1});
+        store.put("lease/c".into(), r.clone(), Some(fd.as_fd()));
+        // Already in the store: only the record changes.
+        store.put("lease/a".into(), r.clone(), Some(fd.as_fd()));
+        store.remove("lease/a".into());
+        store.remove("session/s".into());
+        // Size 4: two lease descriptors and room for two journal generations.
+        store.put("lease/d".into(), r.clone(), Some(fd.as_fd()));
+        store.put("lease/e".into(), r.clone(), Some(fd.as_fd()));
+        let m = read_all(&systemd);
+        assert_eq!(
+            texts(&m),
+            [
+                "FDSTORE=1 FDNAME=lease/c FDPOLL=0 ",
+                "FDSTOREREMOVE=1 FDNAME=lease/a ",
+                "FDSTORE=1 FDNAME=lease/d FDPOLL=0 ",
+            ]
+        );
+        assert!(m[0].1.is_some() && m[1].1.is_none());
+        assert_eq!(store.stored(), 2);
+        let back = Journal::read(&journal).unwrap();
+        let keys: Vec<&str> = back.records.keys().map(|k| k.as_str()).collect();
+        assert_eq!(keys, ["lease/c", "lease/d", "lease/e"]);
+        assert!(!store.is_broken());
+
+        // systemd gone: the store counts as broken, the broker goes on.
+        drop(systemd);
+        store.remove("lease/c".into());
+        assert!(store.is_broken());
+    }
+
+    #[test]
+    fn fdnames_are_printable_ascii_without_colons() {
+        assert!(valid_fdname("lease/0193a0b2-0000-4000-8000-000000000002"));
+        assert!(valid_fdname("records-12"));
+        assert!(!valid_fdname("a:b"));
+        assert!(!valid_fdname("a b"));
+        assert!(!valid_fdname(""));
+        assert!(!valid_fdname(&"x".repeat(256)));
+    }
+}
