@@ -244,3 +244,35 @@ async fn keep_in_none_stores_nothing_and_lets_go_of_what_was_stored() {
     assert_eq!(b.memfds().len(), 1);
     assert_eq!(sd.memfds(), 0, "nothing stored with --keep-in none");
 }
+
+/// `SIGTERM` (`systemctl restart`, `systemctl stop`) ends nothing: the next start takes
+/// the session and its lease back from the store.
+#[tokio::test]
+async fn sigterm_leaves_the_leases_in_the_fd_store() {
+    let sd = FakeSystemd::start(64).unwrap();
+    let mut b = Broker::start_under(
+        sd.clone(),
+        BrokerOpts {
+            capacity: "256MiB",
+            ..BrokerOpts::default()
+        },
+    )
+    .unwrap();
+    let token = b.tenant("eps", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let client = Client::connect(&b.uri(), token).await.unwrap();
+    let session = client
+        .session_builder("w")
+        .reconnect(Backoff::new(
+            Duration::from_millis(20),
+            Duration::from_millis(200),
+        ))
+        .await
+        .unwrap();
+    let a = session.lease(4 * MIB).await.unwrap();
+    let status = b.stop(Duration::from_secs(5)).unwrap();
+    assert!(status.success(), "{status:?}");
+    assert_eq!(sd.memfds(), 1, "{:?}", sd.names());
+    b.spawn().unwrap();
+    assert_eq!(held_bytes(&b, "eps").await, (4 * MIB, 1));
+    assert_eq!(lease_ids(&b).await, [a.id().to_string()]);
+}

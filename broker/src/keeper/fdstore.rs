@@ -508,6 +508,48 @@ mod tests {
         assert!(store.is_broken());
     }
 
+    /// A journal grown well past what is live is rewritten: the new generation is stored
+    /// before the old one leaves, and holds what is live.
+    #[test]
+    fn a_grown_journal_moves_to_a_new_generation_in_the_store() {
+        let (ours, systemd) = UnixDatagram::pair().unwrap();
+        let store = FdStore::open_on(ours, Vec::new(), None).unwrap();
+        let fd = memfd();
+        let record = json!({"v": 1, "pad": "x".repeat(200)});
+        let mut seen = read_all(&systemd);
+        for i in 0..4000 {
+            store.put(format!("lease/{i}"), record.clone(), Some(fd.as_fd()));
+            if i > 0 {
+                store.remove(format!("lease/{}", i - 1));
+            }
+            // systemd reads as it goes.
+            if i % 50 == 0 {
+                seen.extend(read_all(&systemd));
+            }
+        }
+        seen.extend(read_all(&systemd));
+        assert!(!store.is_broken());
+        let journals: Vec<(String, Option<OwnedFd>)> = seen
+            .into_iter()
+            .filter(|(t, _)| t.contains("records-"))
+            .collect();
+        assert_eq!(
+            texts(&journals),
+            [
+                "FDSTORE=1 FDNAME=records-1 FDPOLL=0 ",
+                "FDSTORE=1 FDNAME=records-2 FDPOLL=0 ",
+                "FDSTOREREMOVE=1 FDNAME=records-1 ",
+            ]
+        );
+        let back = Journal::read(journals[1].1.as_ref().unwrap()).unwrap();
+        assert!(
+            back.records.len() == 1 || back.records.len() == 2,
+            "{}",
+            back.records.len()
+        );
+        assert!(back.records.contains_key("lease/3999"));
+    }
+
     #[test]
     fn fdnames_are_printable_ascii_without_colons() {
         assert!(valid_fdname("lease/0193a0b2-0000-4000-8000-000000000002"));
