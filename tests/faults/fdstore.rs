@@ -276,3 +276,30 @@ async fn sigterm_leaves_the_leases_in_the_fd_store() {
     assert_eq!(held_bytes(&b, "eps").await, (4 * MIB, 1));
     assert_eq!(lease_ids(&b).await, [a.id().to_string()]);
 }
+
+/// `--keep-in fdstore` outside systemd (no notify socket) stops the broker at start with
+/// why, before it serves anything; `--keep-in keeper` without a keeper too.
+#[test]
+fn a_forced_place_that_is_not_there_stops_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("b.sock");
+    for (place, why) in [
+        ("fdstore", "needs systemd's notify socket"),
+        ("keeper", "needs --keeper PATH"),
+    ] {
+        let out = Command::new(bin("gpu-broker"))
+            .args(["--backend", "host", "--socket"])
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(["--keep-in", place])
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("GPU_BROKER_KEEPER")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{place}: {err}");
+        assert!(err.contains(why), "{place}: {err}");
+        assert!(!socket.exists(), "it served nothing");
+    }
+}
