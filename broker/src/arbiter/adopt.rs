@@ -13,7 +13,7 @@ use super::effects::Keep;
 use super::{Arbiter, Ending};
 use crate::error::{BrokerError, BrokerResult};
 use crate::keeper::records::{self, Kept, LeaseRecord, SessionRecord};
-use crate::keeper::{KeeperError, KeeperLink};
+use crate::keeper::{KeeperError, Place};
 use crate::pool::Block;
 use crate::session::{Peer, Session, SessionEvent};
 use std::collections::HashSet;
@@ -98,11 +98,11 @@ impl Arbiter {
         self.keeper.get().is_some_and(|k| !k.is_broken())
     }
 
-    /// Takes back what the keeper at `link` holds (before serving), then sends it every
-    /// change from now on. See the module documentation.
+    /// Takes back what `link` holds (a keeper or systemd's fd store; before serving), then
+    /// sends it every change from now on. See the module documentation.
     pub fn adopt_from_keeper(
         self: &Arc<Self>,
-        link: KeeperLink,
+        link: impl Place + 'static,
     ) -> Result<RestartReport, KeeperError> {
         let t0 = Instant::now();
         let entries = link.dump()?;
@@ -152,6 +152,7 @@ impl Arbiter {
         }
         drop(waiting);
         // From here every change is kept: nothing else runs before serving.
+        let place = link.describe();
         let _ = self.keeper.set(Arc::new(link));
         self.lock().set_keeping(true);
         report.took = t0.elapsed();
@@ -168,6 +169,7 @@ impl Arbiter {
             bytes_adopted = report.bytes_adopted,
             unreadable = report.unreadable,
             took = ?report.took,
+            %place,
             "took back what the keeper held"
         );
         let _ = self.restart.set(report.clone());
