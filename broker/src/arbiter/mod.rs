@@ -186,7 +186,7 @@ pub struct Arbiter {
     /// (with it the daemon's status has them).
     compute_modes: std::sync::OnceLock<Vec<String>>,
     /// The keeper of sessions and leases across restarts (`adopt.rs`), once taken back.
-    keeper: std::sync::OnceLock<Arc<crate::keeper::KeeperLink>>,
+    keeper: std::sync::OnceLock<Arc<dyn crate::keeper::Place>>,
     /// What this start took back from the keeper.
     restart: std::sync::OnceLock<RestartReport>,
     /// Leases taken back from the keeper, by session, until the session is resumed (a

@@ -451,6 +451,7 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
         [sys.executable, os.path.join(here, "torch_plumbing_child.py"), broker.address, token,
          os.path.join(here, "fake_torch")],
         capture_output=True, text=True, timeout=120,
+        env={**os.environ, "GPU_BROKER_STREAM_RECORD_FLUSH": "8192"},
     )
     lines = [l for l in child.stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, child.stdout + child.stderr
@@ -487,6 +488,10 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
         "pool", "end", "release", "pool_deleted", "pool_deleted", "torch_empty_cache", "begin"], out["empty_calls"]
     assert out["reuse_calls"] == ["end", "torch_empty_cache", "begin", "release"], out["reuse_calls"]
     assert out["reuse_same_pool"]
+    # A record_stream under the threshold only records; the one that reaches it also
+    # returns the multi-stream blocks (the routing pauses around PyTorch's empty_cache).
+    assert out["record_first"] == ["record_stream"], out["record_first"]
+    assert out["record_second"] == ["record_stream", "end", "torch_empty_cache", "begin", "release"], out["record_second"]
     assert out["released"] == 0
 
 
