@@ -218,7 +218,9 @@ pub struct Arbiter {
     pub(crate) fds: Arc<crate::fd_budget::FdBudget>,
 }
 
-/// Where the health monitor keeps its fault source.
+/// Where the health monitor keeps its fault source. Lock order: this slot, then the
+/// source's own mutex, then nothing; neither is held while the state lock is taken (an
+/// operator's `SetDeviceHealth` resets the source, releases both, then marks the device).
 pub(crate) type HealthSourceSlot =
     parking_lot::Mutex<Option<Arc<parking_lot::Mutex<Box<dyn crate::faults::FaultSource>>>>>;
 
