@@ -382,6 +382,35 @@ async fn the_slice_publishes_the_brokers_leasable_memory_and_withdraws_a_drained
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slice_follows_the_brokers_leasable_memory_when_its_headroom_changes() -> Result<()> {
+    let mut n = node().await?;
+    let name = "node-a-gpu-broker.io";
+    let capacity = |s: &Value| -> Result<u64> {
+        let v = s["spec"]["devices"][0]["capacity"]["memory"]["value"]
+            .as_str()
+            .unwrap_or("0");
+        Ok(gpu_broker_dra::quantity::parse_bytes(v)?)
+    };
+    let s = n.api.wait_slice(name, |_| true).await?;
+    assert_eq!(capacity(&s)?, 1024 * MIB);
+    // A quarter of the GPU kept free from now on: the scheduler sees 768 MiB.
+    n.broker.stop(std::time::Duration::from_secs(10))?;
+    n.broker.set_flag("--headroom", "25%");
+    n.broker.spawn()?;
+    let s = n
+        .api
+        .wait_slice(name, |s| capacity(s).is_ok_and(|c| c != 1024 * MIB))
+        .await?;
+    assert_eq!(capacity(&s)?, 768 * MIB);
+    assert_eq!(s["spec"]["pool"]["generation"], 2);
+    assert_eq!(
+        s["spec"]["devices"][0]["capacity"]["memory"]["requestPolicy"]["validRange"]["max"],
+        "768Mi"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slice_print_prints_the_slice_it_would_publish() -> Result<()> {
     let n = node().await?;
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-broker-dra"))
