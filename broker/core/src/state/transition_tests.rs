@@ -284,7 +284,7 @@ fn a_kept_lease_of_a_claims_session_is_drawn_from_the_claim_again() {
     };
     let block = c.block(4 * MIB);
     c.st.adopt_lease(a.clone(), block).unwrap();
-    let u = c.st.ledger().get("a").unwrap().usage.clone();
+    let u = c.st.ledger().get("a").unwrap().usage;
     assert_eq!(
         (u.held_bytes, u.process_reserved_bytes),
         (4 * MIB, 12 * MIB),
@@ -294,7 +294,7 @@ fn a_kept_lease_of_a_claims_session_is_drawn_from_the_claim_again() {
     c.st.check_invariant().unwrap();
     c.st.end_lease(a.id, super::Ending::Cache).unwrap();
     c.st.take_effects();
-    let u = c.st.ledger().get("a").unwrap().usage.clone();
+    let u = c.st.ledger().get("a").unwrap().usage;
     assert_eq!((u.held_bytes, u.process_reserved_bytes), (0, 16 * MIB));
     c.st.check_invariant().unwrap();
 }
