@@ -92,8 +92,25 @@ impl CdiLayout {
         self.claims_dir.join(uid)
     }
 
+    /// A claim uid as a path component: Kubernetes uids are UUIDs; anything else (`/`,
+    /// `..`, an empty one) is refused before a path is made of it (root removes these).
+    fn checked(uid: &str) -> std::io::Result<&str> {
+        let ok = !uid.is_empty()
+            && uid.len() <= 64
+            && uid.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+        if ok {
+            Ok(uid)
+        } else {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("claim uid {uid:?} is not a Kubernetes uid (letters, digits, '-')"),
+            ))
+        }
+    }
+
     /// Writes claim `uid`'s token file and CDI spec; returns the CDI device id.
     pub fn write(&self, uid: &str, e: &ClaimEdits) -> std::io::Result<String> {
+        let uid = Self::checked(uid)?;
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -125,7 +142,9 @@ impl CdiLayout {
             env.push(format!("CUDA_VISIBLE_DEVICES={}", e.device_uuid));
         }
         let mut mounts = vec![
-            bind(&self.broker_socket_dir, CONTAINER_SOCKET_DIR, "rw"),
+            // Read-only: a socket connects through it, and no pod unlinks or replaces the
+            // broker's sockets on the host.
+            bind(&self.broker_socket_dir, CONTAINER_SOCKET_DIR, "ro"),
             bind(&dir, CONTAINER_CLAIM_DIR, "ro"),
         ];
         for (k, v) in &e.mps_env {
@@ -150,6 +169,7 @@ impl CdiLayout {
 
     /// Removes claim `uid`'s spec and token; what is already gone is fine.
     pub fn remove(&self, uid: &str) -> std::io::Result<()> {
+        let uid = Self::checked(uid)?;
         for r in [
             std::fs::remove_file(self.spec_path(uid)),
             std::fs::remove_dir_all(self.claim_dir(uid)),
@@ -239,6 +259,13 @@ mod tests {
             targets,
             ["/run/gpu-broker", "/run/gpu-broker-claim", "/run/mps"]
         );
+        // The broker's socket directory and the token are read-only in the container.
+        for m in &mounts[..2] {
+            assert!(
+                m["options"].as_array().unwrap().iter().any(|o| o == "ro"),
+                "{m}"
+            );
+        }
         let token = l.claim_dir("u1").join("token");
         assert_eq!(std::fs::read_to_string(&token).unwrap(), "secret");
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
@@ -269,6 +296,26 @@ mod tests {
             .args(args)
             .output()
             .unwrap()
+    }
+
+    #[test]
+    fn a_claim_uid_that_is_no_kubernetes_uid_makes_no_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::create_dir(&victim).unwrap();
+        let l = CdiLayout {
+            spec_dir: dir.path().join("cdi"),
+            claims_dir: dir.path().join("claims"),
+            broker_socket_dir: "/run/gpu-broker".into(),
+            broker_socket_name: "broker.sock".into(),
+            claim_group: None,
+        };
+        for uid in ["", "/", "..", "../victim", "a/b", &"a".repeat(65)] {
+            let e = l.remove(uid).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{uid:?}");
+        }
+        assert!(victim.exists());
+        l.remove("3f1c2b7e-9a4d-4e21-8c55-0b6f1d2e3a4b").unwrap();
     }
 
     #[test]

@@ -228,18 +228,28 @@ impl Arbiter {
 
     /// A claim that could not be reserved: its reservation (if made) ends and its token
     /// is revoked, so nothing of it is left.
-    async fn undo_claim(self: &Arc<Self>, uid: &str, token_id: &str, who: Who) {
-        {
+    pub(super) async fn undo_claim(self: &Arc<Self>, uid: &str, token_id: &str, who: Who) {
+        // Only the reservation this call made (bound to its token): a concurrent reserve
+        // of the same claim that won keeps its reservation and its stored record.
+        let mine = {
             let mut st = self.lock();
-            if let Some(id) = st.reservations().of_claim(uid).map(|r| r.id) {
+            let mine = st
+                .reservations()
+                .of_claim(uid)
+                .filter(|r| r.claim.as_ref().is_some_and(|c| c.token_id == token_id))
+                .map(|r| r.id);
+            if let Some(id) = mine {
                 self.end_reservation(&mut st, id);
             }
-        }
+            mine.is_some()
+        };
         if let Err(e) = self.revoke_token_for(token_id.to_string(), who).await {
             tracing::error!(claim = %uid, token_id, error = %e, "revoking a refused claim's token");
         }
-        if let Err(e) = self.forget_claim(uid).await {
-            tracing::error!(claim = %uid, error = %e, "forgetting a refused claim");
+        if mine {
+            if let Err(e) = self.forget_claim(uid).await {
+                tracing::error!(claim = %uid, error = %e, "forgetting a refused claim");
+            }
         }
     }
 

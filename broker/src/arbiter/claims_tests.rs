@@ -157,3 +157,24 @@ async fn a_claim_over_the_quota_or_the_room_is_refused_and_leaves_no_token() {
     }
     assert!(arb.list_tokens(None).is_empty());
 }
+
+/// A reserve that lost the race for a claim undoes only what it made: the winner's
+/// reservation and stored record stay.
+#[tokio::test]
+async fn a_refused_reserve_leaves_the_winners_claim_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let arb = stored_arbiter(dir.path());
+    arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let won = arb
+        .reserve_claim(claim("uid-1", "a", 8 * MIB), who())
+        .await
+        .unwrap();
+    // The loser's undo, with the token it minted.
+    arb.undo_claim("uid-1", "the-losers-token", who()).await;
+    let claims = arb.list_claims();
+    assert_eq!(claims.len(), 1, "{claims:?}");
+    assert_eq!(claims[0].0.token_id, won.token_id);
+    assert_eq!(claims[0].1.id, won.reservation.id);
+    let stored = arb.durable(|s| s.load_claims()).unwrap();
+    assert_eq!(stored.len(), 1, "the winner's record is kept");
+}
