@@ -64,11 +64,14 @@ impl Arbiter {
         };
         let name = k.name();
         self.crash.pass("before-keep", name);
-        match k {
+        let lost = match k {
             Keep::Session(r) => link.put(r.key(), to_json(&r), None),
             Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
             Keep::Lease(r, fd) => link.put(r.key(), to_json(&r), Some(fd.0.as_fd())),
             Keep::LeaseEnded(id) => link.remove(records::lease_key(&id)),
+        };
+        if lost {
+            self.metrics.count_keeper_lost();
         }
         self.crash.pass("after-keep", name);
     }
@@ -119,7 +122,7 @@ impl Arbiter {
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
-                    link.remove(e.key);
+                    let _ = link.remove(e.key);
                 }
             }
         }
@@ -133,7 +136,7 @@ impl Arbiter {
                 Err(why) => {
                     tracing::info!(session = %r.id, tenant = %r.tenant, pid = ?r.pid, why, "kept session not taken back");
                     report.sessions_reclaimed += 1;
-                    link.remove(r.key());
+                    let _ = link.remove(r.key());
                 }
             }
         }
@@ -141,7 +144,7 @@ impl Arbiter {
         for (r, why) in refused {
             tracing::info!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
             report.leases_reclaimed += 1;
-            link.remove(r.key());
+            let _ = link.remove(r.key());
         }
         let mut waiting = self.awaiting_resume.lock();
         for (session, lease, bytes) in taken {

@@ -35,6 +35,10 @@ pub enum Message {
     },
     /// Keeper to broker: the dump is complete.
     End { count: u64 },
+    /// Broker to keeper: the broker gave up on this keeper (a write missed its deadline)
+    /// and no longer tells it anything: drop every record and descriptor, which would
+    /// otherwise go stale (blocks freed since would stay allocated).
+    Forget,
 }
 
 fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
@@ -164,6 +168,20 @@ pub fn peer_uid(sock: &OwnedFd) -> io::Result<u32> {
 
 /// Sets how long a receive may wait (`None`: forever).
 pub fn set_receive_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io::Result<()> {
+    set_timeout(sock, libc::SO_RCVTIMEO, t)
+}
+
+/// Bounds how long a send may wait for room in the peer's queue (`None`: forever); past
+/// it the send fails with `WouldBlock` and sends nothing (a message goes whole or not).
+pub fn set_send_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io::Result<()> {
+    set_timeout(sock, libc::SO_SNDTIMEO, t)
+}
+
+fn set_timeout(
+    sock: &OwnedFd,
+    which: libc::c_int,
+    t: Option<std::time::Duration>,
+) -> io::Result<()> {
     let t = t.unwrap_or_default();
     let tv = libc::timeval {
         tv_sec: t.as_secs() as libc::time_t,
@@ -174,7 +192,7 @@ pub fn set_receive_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io
         libc::setsockopt(
             sock.as_raw_fd(),
             libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
+            which,
             (&tv as *const libc::timeval).cast(),
             std::mem::size_of::<libc::timeval>() as libc::socklen_t,
         )
