@@ -23,13 +23,7 @@ pub const DUMP_TIMEOUT: Duration = Duration::from_secs(10);
 /// keeper can stop the broker (the queue absorbs a few hundred changes before any wait).
 pub const WRITE_DEADLINE: Duration = Duration::from_secs(2);
 
-/// One record the keeper handed back, with its descriptor.
-#[derive(Debug)]
-pub struct Entry {
-    pub key: String,
-    pub record: serde_json::Value,
-    pub fd: Option<OwnedFd>,
-}
+pub use super::place::Entry;
 
 /// Why the keeper could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +40,8 @@ pub enum KeeperError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the systemd file-descriptor store cannot be used: {0}")]
+    FdStore(#[source] std::io::Error),
 }
 
 /// The connection to the keeper.
@@ -111,15 +107,14 @@ impl KeeperLink {
         Ok(out)
     }
 
-    /// Keeps `record` under `key`, with a copy of `fd` if given. True when this write
-    /// found the keeper lost (it is the first to: count it once).
-    pub fn put(&self, key: String, record: serde_json::Value, fd: Option<BorrowedFd<'_>>) -> bool {
-        self.send(&Message::Put { key, record }, fd)
+    /// Keeps `record` under `key`, with a copy of `fd` if given.
+    pub fn put(&self, key: String, record: serde_json::Value, fd: Option<BorrowedFd<'_>>) {
+        self.send(&Message::Put { key, record }, fd);
     }
 
-    /// Drops what is kept under `key`. True as for [`KeeperLink::put`].
-    pub fn remove(&self, key: String) -> bool {
-        self.send(&Message::Remove { key }, None)
+    /// Drops what is kept under `key`.
+    pub fn remove(&self, key: String) {
+        self.send(&Message::Remove { key }, None);
     }
 
     /// Has a write failed (the keeper is gone)?
@@ -132,26 +127,24 @@ impl KeeperLink {
         self.sent.load(Ordering::Relaxed)
     }
 
-    fn send(&self, msg: &Message, fd: Option<BorrowedFd<'_>>) -> bool {
+    fn send(&self, msg: &Message, fd: Option<BorrowedFd<'_>>) {
         if self.is_broken() {
-            return false;
+            return;
         }
         let sock = self.sock.lock();
         match wire::send(&sock, msg, fd) {
             Ok(()) => {
                 self.sent.fetch_add(1, Ordering::Relaxed);
-                false
             }
             Err(e) => {
                 if self.broken.swap(true, Ordering::Relaxed) {
-                    return false;
+                    return;
                 }
                 let stalled = e.kind() == std::io::ErrorKind::WouldBlock;
                 tracing::error!(keeper = %self.path.display(), error = %e, stalled, deadline = ?WRITE_DEADLINE, "the keeper is lost: leases are no longer kept, and none survives a broker restart");
                 if stalled {
                     forget_when_it_reads(&sock);
                 }
-                true
             }
         }
     }
@@ -173,5 +166,26 @@ fn forget_when_it_reads(sock: &OwnedFd) {
         });
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "cannot tell the lost keeper to forget");
+    }
+}
+
+impl super::place::Place for KeeperLink {
+    fn describe(&self) -> String {
+        format!("the keeper at {}", self.path.display())
+    }
+    fn dump(&self) -> Result<Vec<Entry>, KeeperError> {
+        KeeperLink::dump(self)
+    }
+    fn put(&self, key: String, record: serde_json::Value, fd: Option<BorrowedFd<'_>>) {
+        KeeperLink::put(self, key, record, fd)
+    }
+    fn remove(&self, key: String) {
+        KeeperLink::remove(self, key)
+    }
+    fn is_broken(&self) -> bool {
+        KeeperLink::is_broken(self)
+    }
+    fn sent(&self) -> u64 {
+        KeeperLink::sent(self)
     }
 }
