@@ -138,7 +138,10 @@ impl Arbiter {
             }
         }
         tracing::warn!(devices = ?targets, ?deadline, %reason, asked = asked.len(), "drain started");
-        Ok(self.drain_report_locked(&st))
+        let report = self.drain_report_locked(&st);
+        drop(st);
+        self.crash.pass("after", "drain");
+        Ok(report)
     }
 
     /// Reopens `device` (or every device) and withdraws the drain's pending reclaim
