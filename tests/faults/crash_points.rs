@@ -353,8 +353,14 @@ async fn reclaim_request() {
 async fn drain_its_reclaim_deadline_and_quarantine() {
     // A drain with a deadline asks the holder of a reclaimable lease to give it back; it
     // does not, so at the deadline the lease is revoked and, its process alive,
-    // quarantined.
-    for point in ["after:drain", "after:reclaim-revoke", "after:quarantine"] {
+    // quarantined. The drain is kept: the device stays closed after the restart.
+    for point in [
+        "before-keep:drain",
+        "after-keep:drain",
+        "after:drain",
+        "after:reclaim-revoke",
+        "after:quarantine",
+    ] {
         let mut c = Case::start(point, Where::Keeper).await;
         let s = c.session().await;
         let mut events = s.events();
@@ -372,28 +378,28 @@ async fn drain_its_reclaim_deadline_and_quarantine() {
             .await;
         c.restart_after_crash(point).await;
         resumed(point, &mut events).await;
-        let revoked = point != "after:drain";
+        let revoked = matches!(point, "after:reclaim-revoke" | "after:quarantine");
         let held: Vec<&Lease> = if revoked {
             vec![&keep]
         } else {
             vec![&keep, &r]
         };
         c.check(point, &held).await;
-        // The drain is not kept: the device takes leases again.
         let admin = c.b.admin().await.unwrap();
-        assert!(
-            admin
-                .drain_status()
-                .await
-                .unwrap()
-                .devices
-                .iter()
-                .all(|d| !d.draining),
-            "{point}"
-        );
-        s.lease(SIZE)
-            .await
-            .expect("the device takes leases after the restart");
+        let drain = admin.drain_status().await.unwrap();
+        let kept = point != "before-keep:drain";
+        assert_eq!(drain.devices[0].draining, kept, "{point}: {drain:?}");
+        if kept {
+            assert_eq!(drain.devices[0].reason, "test", "{point}");
+            let refused = s.lease_request(SIZE).device(0).send().await;
+            assert_eq!(
+                code_of(&refused),
+                Some(Code::FailedPrecondition),
+                "{point}: a drained device took a lease"
+            );
+            admin.undrain(Some(0)).await.unwrap();
+        }
+        s.lease(SIZE).await.expect("the device takes leases again");
     }
 }
 

@@ -51,6 +51,12 @@ fn secret_hash(secret: &str) -> String {
     hex::encode(Sha256::digest(secret.as_bytes()))
 }
 
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 fn from_unix_ms(ms: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
 }
@@ -75,6 +81,71 @@ impl Arbiter {
             self.metrics.count_keeper_lost();
         }
         self.crash.pass("after-keep", name);
+    }
+
+    /// Keeps device `device`'s drain (None: it ended), under the state lock like every
+    /// kept change, between the crash points `before-keep:drain` and `after-keep:drain`.
+    pub(crate) fn keep_drain(&self, device: u32, drain: Option<&crate::availability::Drain>) {
+        let Some(link) = self.keeper.get() else {
+            return;
+        };
+        self.crash.pass("before-keep", "drain");
+        let was_broken = link.is_broken();
+        match drain {
+            Some(d) => {
+                let r = records::DrainRecord {
+                    v: records::RECORD_VERSION,
+                    device,
+                    since_unix_ms: unix_ms(d.since),
+                    deadline_unix_ms: d.deadline.map(unix_ms),
+                    reason: d.reason.clone(),
+                };
+                link.put(r.key(), to_json(&r), None);
+            }
+            None => link.remove(records::drain_key(device)),
+        }
+        if !was_broken && link.is_broken() {
+            self.metrics.count_keeper_lost();
+        }
+        self.crash.pass("after-keep", "drain");
+    }
+
+    /// Drains the device of kept drain `r` again, as the previous broker had it: same
+    /// reason and start, the same deadline (wall clock) for its reclaimable holders, asked
+    /// again; a deadline that passed meanwhile gives them the usual reclaim deadline.
+    fn drain_again(self: &Arc<Self>, r: records::DrainRecord) {
+        if r.device as usize >= self.devices.len() {
+            tracing::warn!(
+                device = r.device,
+                "a kept drain names no device of this broker: dropped"
+            );
+            if let Some(link) = self.keeper.get() {
+                link.remove(r.key());
+            }
+            return;
+        }
+        let left = r.deadline_unix_ms.and_then(|ms| {
+            from_unix_ms(ms)
+                .duration_since(SystemTime::now())
+                .ok()
+                .filter(|d| !d.is_zero())
+        });
+        match self.start_drain(Some(r.device), left, &r.reason) {
+            Ok(_) => {
+                let st = self.lock();
+                let mut avail = self.avail.write();
+                if let Some(Some(d)) = avail.device_mut(r.device).map(|s| s.drain.as_mut()) {
+                    d.since = from_unix_ms(r.since_unix_ms);
+                    self.keep_drain(r.device, Some(d));
+                }
+                drop(avail);
+                drop(st);
+                tracing::warn!(device = r.device, reason = %r.reason, ?left, "kept drain taken back: the device stays closed");
+            }
+            Err(e) => {
+                tracing::warn!(device = r.device, error = %e, "a kept drain could not be taken back")
+            }
+        }
     }
 
     /// A crash point outside the keeper's writes (`crash_point.rs`).
@@ -116,10 +187,12 @@ impl Arbiter {
         };
         let mut sessions = Vec::new();
         let mut leases = Vec::new();
+        let mut drains = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
                 Ok(Kept::Lease(l)) => leases.push((l, e.fd)),
+                Ok(Kept::Drain(d)) => drains.push(d),
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
@@ -159,6 +232,9 @@ impl Arbiter {
         let place = link.describe();
         let _ = self.keeper.set(Arc::new(link));
         self.lock().set_keeping(true);
+        for d in drains {
+            self.drain_again(d);
+        }
         report.took = t0.elapsed();
         self.metrics.count_restart(
             (report.sessions_adopted, report.sessions_reclaimed),
