@@ -19,6 +19,41 @@ pub const SESSION_PREFIX: &str = "session/";
 pub const LEASE_PREFIX: &str = "lease/";
 /// The key prefix of drain records.
 pub const DRAIN_PREFIX: &str = "drain/";
+/// The key prefix of quarantine records.
+pub const QUARANTINE_PREFIX: &str = "quarantine/";
+
+/// The memory of an ended lease that a live process may still map (quarantined): it stays
+/// counted to its tenant until that process exits. Its block's descriptor travels with it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuarantineRecord {
+    pub v: u32,
+    /// The ended lease's id.
+    pub lease: String,
+    pub tenant: String,
+    pub device: u32,
+    pub bytes: u64,
+    pub block_id: u64,
+    /// `cuda-vmm` or `host-memfd`.
+    pub kind: String,
+    /// The process that may map it, and its start time (a reused pid is not it).
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub pid_start: Option<u64>,
+    /// Freed, never cached, when lifted.
+    #[serde(default)]
+    pub destroy: bool,
+}
+
+impl QuarantineRecord {
+    pub fn key(&self) -> String {
+        format!("{QUARANTINE_PREFIX}{}", self.lease)
+    }
+}
+
+/// The key of ended lease `id`'s quarantine record.
+pub fn quarantine_key(id: &uuid::Uuid) -> String {
+    format!("{QUARANTINE_PREFIX}{id}")
+}
 
 /// An open session: whose it is, which process holds it (and when that process started,
 /// so a reused pid is not taken for it), and the hash of its resume secret.
@@ -104,6 +139,7 @@ pub enum Kept {
     Session(SessionRecord),
     Lease(LeaseRecord),
     Drain(DrainRecord),
+    Quarantine(QuarantineRecord),
 }
 
 /// Why a kept record cannot be read.
@@ -216,6 +252,10 @@ pub fn parse(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> 
         serde_json::from_value(record)
             .map(Kept::Drain)
             .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(QUARANTINE_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Quarantine)
+            .map_err(|e| unreadable(e.to_string()))
     } else {
         Err(RecordError::UnknownKey {
             key: key.to_string(),
@@ -258,6 +298,20 @@ mod tests {
         assert_eq!((d.device, d.reason.as_str()), (1, "upgrade"));
         assert_eq!(d.key(), "drain/1");
         assert_eq!(serde_json::to_string(&d).unwrap(), drain);
+        let q = r#"{"v":1,"lease":"0193a0b2-0000-4000-8000-000000000003","tenant":"alpha","device":0,"bytes":8388608,"block_id":78,"kind":"host-memfd","pid":4242,"pid_start":123456,"destroy":false}"#;
+        let k = parse(
+            "quarantine/0193a0b2-0000-4000-8000-000000000003",
+            serde_json::from_str(q).unwrap(),
+        )
+        .unwrap();
+        let Kept::Quarantine(k) = k else {
+            panic!("{k:?}")
+        };
+        assert_eq!(
+            (k.pid, k.pid_start, k.block_id),
+            (Some(4242), Some(123456), 78)
+        );
+        assert_eq!(serde_json::to_string(&k).unwrap(), q);
     }
 
     /// A later version may add fields: this one reads what it knows and keeps going.
