@@ -3,8 +3,9 @@
 //! n-th time (1 unless given) it passes `<point>`, so a test can stop it between any two
 //! steps whose order matters for a restart. Points: `before-keep:<change>` and
 //! `after-keep:<change>` around each write to the keeper (`<change>`: `session`,
-//! `session-ended`, `lease`, `lease-ended`), and `after:<op>` once the state lock of an
-//! operation nothing else keeps was let go (`<op>`: `reclaim` (a request sent),
+//! `session-ended`, `lease`, `lease-ended`, `quarantine`, `quarantine-lifted`, `drain`),
+//! and `after:<op>` once an operation's state lock was let go (`<op>`: `reclaim` (a
+//! request sent),
 //! `reclaim-revoke` (its deadline passed), `quarantine`, `lift`, `publish`, `import`,
 //! `release-import`, `reserve`, `release-reservation`, `drain`). Unset, a pass costs one
 //! branch.

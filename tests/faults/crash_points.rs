@@ -8,9 +8,9 @@
 //! what nobody holds is gone. Operations: acquire (fresh and from the cache), release, revoke,
 //! session open and end, and (`after:<op>` once the operation's lock was let go) reclaim
 //! (request and forced revoke at its deadline, here a drain's), quarantine and its lift,
-//! publish/import/release-import, process reservation and its release, drain. What of those
-//! a restart keeps and what it lets go is docs/operations.md's list; the books agree
-//! either way.
+//! publish/import/release-import, process reservation and its release, drain. Drains and
+//! the quarantine of a live process are kept (checked here); what a restart lets go is
+//! docs/operations.md's list, and the books agree either way.
 
 use super::*;
 use futures::StreamExt;
