@@ -3,8 +3,12 @@
 //! n-th time (1 unless given) it passes `<point>`, so a test can stop it between any two
 //! steps whose order matters for a restart. Points: `before-keep:<change>` and
 //! `after-keep:<change>` around each write to the keeper (`<change>`: `session`,
-//! `session-ended`, `lease`, `lease-ended`), and `after-reply:acquire`,
-//! `after-reply:release` once a client was answered. Unset, a pass costs one branch.
+//! `session-ended`, `lease`, `lease-ended`, `quarantine`, `quarantine-lifted`, `drain`),
+//! and `after:<op>` once an operation's state lock was let go (`<op>`: `reclaim` (a
+//! request sent),
+//! `reclaim-revoke` (its deadline passed), `quarantine`, `lift`, `publish`, `import`,
+//! `release-import`, `reserve`, `release-reservation`, `drain`). Unset, a pass costs one
+//! branch.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

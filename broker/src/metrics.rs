@@ -87,6 +87,8 @@ pub struct Metrics {
     kept_leases: Family<OutcomeLabel, Counter>,
     kept_sessions: Family<OutcomeLabel, Counter>,
     sessions_resumed: Counter,
+    /// Keepers declared lost (gone, or a write past its deadline).
+    keeper_lost: Counter,
     /// Unix time (s) of the last failed store write, 0 if none; and of the last success.
     store_last_failure: AtomicU64,
     store_last_success: AtomicU64,
@@ -123,6 +125,7 @@ impl Metrics {
             kept_leases: Family::default(),
             kept_sessions: Family::default(),
             sessions_resumed: Counter::default(),
+            keeper_lost: Counter::default(),
             store_last_failure: AtomicU64::new(0),
             store_last_success: AtomicU64::new(0),
             started: SystemTime::now(),
@@ -190,6 +193,11 @@ impl Metrics {
     /// A worker resumed its session after a restart.
     pub fn count_resumed(&self) {
         self.sessions_resumed.inc();
+    }
+
+    /// The keeper was declared lost: leases are no longer kept.
+    pub fn count_keeper_lost(&self) {
+        self.keeper_lost.inc();
     }
 
     /// When this broker process started.
@@ -297,6 +305,11 @@ impl Metrics {
             "sessions_resumed",
             "Sessions their workers resumed after a broker restart",
             self.sessions_resumed.clone(),
+        );
+        reg.register(
+            "keeper_lost",
+            "Keepers declared lost (gone, or stalled past the write deadline): leases made since are not kept",
+            self.keeper_lost.clone(),
         );
         reg.register(
             "leases_granted",

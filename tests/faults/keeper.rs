@@ -156,8 +156,14 @@ async fn a_live_workers_session_and_leases_survive_a_broker_sigkill() {
         })
         .await
     );
+    // What this (live) process may still map is quarantined, and kept: the keeper
+    // holds exactly that.
+    let admin = b.admin().await.unwrap();
     assert!(
-        eventually(Duration::from_secs(5), || async { keeper.memfds() == 0 }).await,
+        eventually(Duration::from_secs(5), || async {
+            keeper.memfds() == admin.list_quarantined().await.unwrap().len()
+        })
+        .await,
         "the keeper let go of every released block"
     );
     let log = b.log_text();
@@ -277,6 +283,92 @@ async fn sigterm_leaves_sessions_to_the_keeper_and_a_resume_needs_the_secret() {
     .await
     .unwrap();
     assert_eq!(held_bytes(&b, "gamma").await, (0, 0));
+}
+
+/// `GET /metrics` of `b` (HTTP/1.0: read to the end).
+async fn metrics_text(b: &Broker) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(b.metrics_addr().await)
+        .await
+        .unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).await.unwrap();
+    text
+}
+
+/// Keeper writes are made under the state lock: a keeper stopped with SIGSTOP (its queue
+/// full) must not wedge the broker. Past the write deadline it is declared lost (logged,
+/// counted, `gpu-brokerctl status` says so), the broker keeps serving, and the keeper,
+/// once it runs again, drops what it held (it is stale: blocks freed since would stay).
+#[tokio::test]
+async fn a_stopped_keeper_is_declared_lost_and_the_broker_keeps_serving() {
+    let keeper = Keeper::start().await.unwrap();
+    let mut extra = keeper.flags();
+    extra.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
+    let b = Broker::start_with(BrokerOpts {
+        capacity: "256MiB",
+        extra,
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("delta", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let client = Client::connect(&b.uri(), token).await.unwrap();
+    let session = client.session("w").await.unwrap();
+    let held = session.lease(4 * MIB).await.unwrap();
+    assert!(eventually(Duration::from_secs(5), || async { keeper.memfds() == 1 }).await);
+
+    keeper.proc.signal(libc::SIGSTOP);
+    // Each acquire and release is a keeper write: enough of them fill its queue. Each
+    // must be answered within a few write deadlines, never wait forever.
+    let mut rounds = 0;
+    while !b.log_text().contains("the keeper is lost") && rounds < 5000 {
+        let round = tokio::time::timeout(Duration::from_secs(10), async {
+            let l = session.lease(MIB).await.unwrap();
+            l.release().await.unwrap();
+        })
+        .await;
+        assert!(
+            round.is_ok(),
+            "round {rounds} wedged behind the stopped keeper\n{}",
+            b.log_text()
+        );
+        rounds += 1;
+    }
+    assert!(
+        b.log_text().contains("the keeper is lost"),
+        "{rounds} rounds and the keeper was not declared lost\n{}",
+        b.log_text()
+    );
+    // The broker serves on, at full speed.
+    let t0 = Instant::now();
+    for _ in 0..50 {
+        session.lease(MIB).await.unwrap().release().await.unwrap();
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(held_bytes(&b, "delta").await, (4 * MIB, 1));
+    let status = b.ctl().arg("status").output().unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains("keeper LOST: leases are no longer kept"),
+        "{text}"
+    );
+    let metrics = metrics_text(&b).await;
+    assert!(
+        metrics.contains("gpu_broker_keeper_lost_total 1"),
+        "{metrics}"
+    );
+
+    // Running again, the keeper reads what was queued, then lets everything go.
+    keeper.proc.signal(libc::SIGCONT);
+    assert!(
+        eventually(Duration::from_secs(10), || async { keeper.memfds() == 0 }).await,
+        "the lost keeper still holds {} descriptors",
+        keeper.memfds()
+    );
+    drop(held);
 }
 
 /// The keeper holds every tenant's memory: it answers its own user only, not root (root in

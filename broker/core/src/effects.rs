@@ -90,6 +90,9 @@ pub enum Keep {
     /// A lease and a copy of its block's descriptor.
     Lease(crate::kept::LeaseRecord, crate::memory::SharedFd),
     LeaseEnded(Uuid),
+    /// An ended lease's memory, quarantined, and a copy of its block's descriptor.
+    Quarantine(crate::kept::QuarantineRecord, crate::memory::SharedFd),
+    QuarantineLifted(Uuid),
 }
 
 impl Keep {
@@ -100,6 +103,8 @@ impl Keep {
             Keep::SessionEnded(_) => "session-ended",
             Keep::Lease(..) => "lease",
             Keep::LeaseEnded(_) => "lease-ended",
+            Keep::Quarantine(..) => "quarantine",
+            Keep::QuarantineLifted(_) => "quarantine-lifted",
         }
     }
 }

@@ -1,7 +1,9 @@
 //! What a restarted broker needs to take back a session or a lease, as its keeper keeps it
 //! (the daemon's `keeper/`):
-//! versioned JSON records under the keys `session/<id>` and `lease/<id>` (a lease's record
-//! travels with its block's descriptor). A record carries its format version `v`; a newer
+//! versioned JSON records under the keys `session/<id>`, `lease/<id>` (a lease's record
+//! travels with its block's descriptor) and `drain/<device>` (a device being drained).
+//! A broker that knows no `drain/` record (before this one) drops it and reopens the
+//! device. A record carries its format version `v`; a newer
 //! broker reads every older version, and fields added later have defaults, so a record
 //! written by this version is read by the next (tested with a record of this version,
 //! `records_written_by_this_version_are_read_back`).
@@ -15,6 +17,43 @@ pub const RECORD_VERSION: u32 = 1;
 pub const SESSION_PREFIX: &str = "session/";
 /// The key prefix of lease records.
 pub const LEASE_PREFIX: &str = "lease/";
+/// The key prefix of drain records.
+pub const DRAIN_PREFIX: &str = "drain/";
+/// The key prefix of quarantine records.
+pub const QUARANTINE_PREFIX: &str = "quarantine/";
+
+/// The memory of an ended lease that a live process may still map (quarantined): it stays
+/// counted to its tenant until that process exits. Its block's descriptor travels with it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuarantineRecord {
+    pub v: u32,
+    /// The ended lease's id.
+    pub lease: String,
+    pub tenant: String,
+    pub device: u32,
+    pub bytes: u64,
+    pub block_id: u64,
+    /// `cuda-vmm` or `host-memfd`.
+    pub kind: String,
+    /// The process that may map it, and its start time (a reused pid is not it).
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub pid_start: Option<u64>,
+    /// Freed, never cached, when lifted.
+    #[serde(default)]
+    pub destroy: bool,
+}
+
+impl QuarantineRecord {
+    pub fn key(&self) -> String {
+        format!("{QUARANTINE_PREFIX}{}", self.lease)
+    }
+}
+
+/// The key of ended lease `id`'s quarantine record.
+pub fn quarantine_key(id: &uuid::Uuid) -> String {
+    format!("{QUARANTINE_PREFIX}{id}")
+}
 
 /// An open session: whose it is, which process holds it (and when that process started,
 /// so a reused pid is not taken for it), and the hash of its resume secret.
@@ -69,11 +108,38 @@ pub struct LeaseRecord {
     pub reservation: Option<String>,
 }
 
+/// A device an operator is draining: it stays closed to new leases across a restart.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainRecord {
+    pub v: u32,
+    pub device: u32,
+    #[serde(default)]
+    pub since_unix_ms: u64,
+    /// When its holders must have given reclaimable memory back (wall clock).
+    #[serde(default)]
+    pub deadline_unix_ms: Option<u64>,
+    #[serde(default)]
+    pub reason: String,
+}
+
+impl DrainRecord {
+    pub fn key(&self) -> String {
+        drain_key(self.device)
+    }
+}
+
+/// The key of device `device`'s drain record.
+pub fn drain_key(device: u32) -> String {
+    format!("{DRAIN_PREFIX}{device}")
+}
+
 /// A record read back from the keeper.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Kept {
     Session(SessionRecord),
     Lease(LeaseRecord),
+    Drain(DrainRecord),
+    Quarantine(QuarantineRecord),
 }
 
 /// Why a kept record cannot be read.
@@ -182,6 +248,14 @@ pub fn parse(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> 
         serde_json::from_value(record)
             .map(Kept::Lease)
             .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(DRAIN_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Drain)
+            .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(QUARANTINE_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Quarantine)
+            .map_err(|e| unreadable(e.to_string()))
     } else {
         Err(RecordError::UnknownKey {
             key: key.to_string(),
@@ -218,6 +292,26 @@ mod tests {
         let Kept::Lease(l) = l else { panic!("{l:?}") };
         assert_eq!((l.bytes, l.block_id, l.priority), (8 << 20, 77, 3));
         assert_eq!(serde_json::to_string(&l).unwrap(), lease);
+        let drain = r#"{"v":1,"device":1,"since_unix_ms":1764800000002,"deadline_unix_ms":1764800600002,"reason":"upgrade"}"#;
+        let d = parse("drain/1", serde_json::from_str(drain).unwrap()).unwrap();
+        let Kept::Drain(d) = d else { panic!("{d:?}") };
+        assert_eq!((d.device, d.reason.as_str()), (1, "upgrade"));
+        assert_eq!(d.key(), "drain/1");
+        assert_eq!(serde_json::to_string(&d).unwrap(), drain);
+        let q = r#"{"v":1,"lease":"0193a0b2-0000-4000-8000-000000000003","tenant":"alpha","device":0,"bytes":8388608,"block_id":78,"kind":"host-memfd","pid":4242,"pid_start":123456,"destroy":false}"#;
+        let k = parse(
+            "quarantine/0193a0b2-0000-4000-8000-000000000003",
+            serde_json::from_str(q).unwrap(),
+        )
+        .unwrap();
+        let Kept::Quarantine(k) = k else {
+            panic!("{k:?}")
+        };
+        assert_eq!(
+            (k.pid, k.pid_start, k.block_id),
+            (Some(4242), Some(123456), 78)
+        );
+        assert_eq!(serde_json::to_string(&k).unwrap(), q);
     }
 
     /// A later version may add fields: this one reads what it knows and keeps going.

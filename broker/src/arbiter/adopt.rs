@@ -51,6 +51,12 @@ fn secret_hash(secret: &str) -> String {
     hex::encode(Sha256::digest(secret.as_bytes()))
 }
 
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 fn from_unix_ms(ms: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
 }
@@ -64,13 +70,91 @@ impl Arbiter {
         };
         let name = k.name();
         self.crash.pass("before-keep", name);
+        let was_broken = link.is_broken();
         match k {
             Keep::Session(r) => link.put(r.key(), to_json(&r), None),
             Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
             Keep::Lease(r, fd) => link.put(r.key(), to_json(&r), Some(fd.0.as_fd())),
             Keep::LeaseEnded(id) => link.remove(records::lease_key(&id)),
+            Keep::Quarantine(mut r, fd) => {
+                // A session's end quarantines its leases after it left the table: its
+                // process's start time (so a reused pid is not taken for it) is read here.
+                if r.pid_start.is_none() {
+                    r.pid_start = r.pid.and_then(crate::process::start_ticks);
+                }
+                link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
+            }
+            Keep::QuarantineLifted(id) => link.remove(records::quarantine_key(&id)),
+        }
+        if !was_broken && link.is_broken() {
+            self.metrics.count_keeper_lost();
         }
         self.crash.pass("after-keep", name);
+    }
+
+    /// Keeps device `device`'s drain (None: it ended), under the state lock like every
+    /// kept change, between the crash points `before-keep:drain` and `after-keep:drain`.
+    pub(crate) fn keep_drain(&self, device: u32, drain: Option<&crate::availability::Drain>) {
+        let Some(link) = self.keeper.get() else {
+            return;
+        };
+        self.crash.pass("before-keep", "drain");
+        let was_broken = link.is_broken();
+        match drain {
+            Some(d) => {
+                let r = records::DrainRecord {
+                    v: records::RECORD_VERSION,
+                    device,
+                    since_unix_ms: unix_ms(d.since),
+                    deadline_unix_ms: d.deadline.map(unix_ms),
+                    reason: d.reason.clone(),
+                };
+                link.put(r.key(), to_json(&r), None);
+            }
+            None => link.remove(records::drain_key(device)),
+        }
+        if !was_broken && link.is_broken() {
+            self.metrics.count_keeper_lost();
+        }
+        self.crash.pass("after-keep", "drain");
+    }
+
+    /// Drains the device of kept drain `r` again, as the previous broker had it: same
+    /// reason and start, the same deadline (wall clock) for its reclaimable holders, asked
+    /// again; a deadline that passed meanwhile gives them the usual reclaim deadline.
+    fn drain_again(self: &Arc<Self>, r: records::DrainRecord) {
+        if r.device as usize >= self.devices.len() {
+            tracing::warn!(
+                device = r.device,
+                "a kept drain names no device of this broker: dropped"
+            );
+            if let Some(link) = self.keeper.get() {
+                link.remove(r.key());
+            }
+            return;
+        }
+        let left = r.deadline_unix_ms.and_then(|ms| {
+            from_unix_ms(ms)
+                .duration_since(SystemTime::now())
+                .ok()
+                .filter(|d| !d.is_zero())
+        });
+        match self.start_drain(Some(r.device), left, &r.reason) {
+            Ok(_) => {
+                let st = self.lock();
+                let mut avail = self.avail.write();
+                if let Some(Some(d)) = avail.device_mut(r.device).map(|s| s.drain.as_mut()) {
+                    d.since = from_unix_ms(r.since_unix_ms);
+                    self.keep_drain(r.device, Some(d));
+                }
+                drop(avail);
+                drop(st);
+                tracing::warn!(device = r.device, reason = %r.reason, ?left, "kept drain taken back: the device stays closed");
+            }
+            Err(e) => {
+                tracing::warn!(device = r.device, error = %e, "a kept drain could not be taken back")
+            }
+        }
     }
 
     /// A crash point outside the keeper's writes (`crash_point.rs`).
@@ -112,10 +196,14 @@ impl Arbiter {
         };
         let mut sessions = Vec::new();
         let mut leases = Vec::new();
+        let mut drains = Vec::new();
+        let mut quarantines = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
                 Ok(Kept::Lease(l)) => leases.push((l, e.fd)),
+                Ok(Kept::Drain(d)) => drains.push(d),
+                Ok(Kept::Quarantine(q)) => quarantines.push((q, e.fd)),
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
@@ -144,6 +232,12 @@ impl Arbiter {
             report.leases_reclaimed += 1;
             link.remove(r.key());
         }
+        for (q, fd) in quarantines {
+            if let Err(why) = self.adopt_quarantine(&q, fd) {
+                tracing::info!(lease = %q.lease, tenant = %q.tenant, bytes = q.bytes, pid = ?q.pid, why, "kept quarantine let go");
+                link.remove(q.key());
+            }
+        }
         let mut waiting = self.awaiting_resume.lock();
         for (session, lease, bytes) in taken {
             report.leases_adopted += 1;
@@ -155,6 +249,9 @@ impl Arbiter {
         let place = link.describe();
         let _ = self.keeper.set(Arc::new(link));
         self.lock().set_keeping(true);
+        for d in drains {
+            self.drain_again(d);
+        }
         report.took = t0.elapsed();
         self.metrics.count_restart(
             (report.sessions_adopted, report.sessions_reclaimed),
@@ -174,6 +271,74 @@ impl Arbiter {
         );
         let _ = self.restart.set(report.clone());
         Ok(report)
+    }
+
+    /// Takes back kept quarantine `r` while the process that may map its memory is the
+    /// one it was (same pid and start time): counted to its tenant again until it exits.
+    /// Otherwise its memory goes with the keeper's copy.
+    fn adopt_quarantine(
+        &self,
+        r: &records::QuarantineRecord,
+        fd: Option<std::os::fd::OwnedFd>,
+    ) -> Result<(), &'static str> {
+        let lease: Uuid = r.lease.parse().map_err(|_| "unreadable id")?;
+        let (Some(pid), Some(start)) = (r.pid, r.pid_start) else {
+            return Err("its process is unknown");
+        };
+        if crate::process::start_ticks(pid) != Some(start) {
+            return Err("its process is gone");
+        }
+        let fd = fd.ok_or("no descriptor came with it")?;
+        let Some(slot) = self.devices.get(r.device as usize) else {
+            return Err("no such device");
+        };
+        let kind_ok = matches!(
+            (slot.thread.desc().backend, r.kind.as_str()),
+            (crate::device::BackendKind::Host, "host-memfd")
+                | (crate::device::BackendKind::Cuda, "cuda-vmm")
+        );
+        if !kind_ok {
+            return Err("its memory is of another backend");
+        }
+        if self.fds.take(0).is_err() {
+            return Err("out of descriptors");
+        }
+        let (bytes, block_id) = (r.bytes, r.block_id);
+        let made = slot.thread.call_blocking(move |dev| {
+            let alloc = dev.adopt(fd, bytes, block_id)?;
+            let handle = dev.export(&alloc);
+            Ok::<_, crate::device::DeviceError>((alloc, handle))
+        });
+        let (alloc, handle) = match made {
+            Ok(Ok((alloc, Ok(handle)))) => (alloc, handle),
+            Ok(Ok((alloc, Err(_)))) => {
+                self.fds.give_back();
+                self.free_on_device(r.device, alloc);
+                return Err("the device refused its memory");
+            }
+            _ => {
+                self.fds.give_back();
+                return Err("the device refused its memory");
+            }
+        };
+        let block = Block {
+            alloc,
+            handle,
+            last_tenant: Some(r.tenant.clone()),
+        };
+        let a = super::state::AdoptedQuarantine {
+            lease,
+            tenant: r.tenant.clone(),
+            device: r.device,
+            pid: Some(pid),
+            destroy: r.destroy,
+        };
+        let refused = self.lock().adopt_quarantine(a, block);
+        if let Err((_, block)) = refused {
+            self.free_on_device(r.device, block);
+            return Err("its tenant is gone");
+        }
+        Ok(())
     }
 
     /// Opens kept session `r` again when its peer process is the one that opened it.

@@ -136,9 +136,18 @@ impl Arbiter {
                     drain.asked.insert(*id);
                 }
             }
+            // Kept under the state lock: a restart finds the device still draining.
+            for &d in &targets {
+                if let Some(Some(drain)) = avail.device(d).map(|s| s.drain.as_ref()) {
+                    self.keep_drain(d, Some(drain));
+                }
+            }
         }
         tracing::warn!(devices = ?targets, ?deadline, %reason, asked = asked.len(), "drain started");
-        Ok(self.drain_report_locked(&st))
+        let report = self.drain_report_locked(&st);
+        drop(st);
+        self.crash.pass("after", "drain");
+        Ok(report)
     }
 
     /// Reopens `device` (or every device) and withdraws the drain's pending reclaim
@@ -156,6 +165,9 @@ impl Arbiter {
                     }
                 }
             }
+        }
+        for &d in &targets {
+            self.keep_drain(d, None);
         }
         st.withdraw_drain_reclaim(&withdrawn);
         st.devices_changed();

@@ -434,11 +434,23 @@ impl Arbiter {
                     me.spawn_grant(*p);
                 }
             }
+            // Counted once the state lock is let go: the crash-point matrix stops here.
             Effect::Count { what: c, .. } => match c {
                 Counted::Granted(tier) => self.metrics.granted(tier),
-                Counted::Quarantined => self.metrics.quarantined(),
-                Counted::Revoked(why) => self.metrics.revoked(why),
-                Counted::ReclaimRequested => self.metrics.reclaim_requested(),
+                Counted::Quarantined => {
+                    self.metrics.quarantined();
+                    self.crash.pass("after", "quarantine");
+                }
+                Counted::Revoked(why) => {
+                    self.metrics.revoked(why);
+                    if why == crate::lease::Revocation::ReclaimDeadline {
+                        self.crash.pass("after", "reclaim-revoke");
+                    }
+                }
+                Counted::ReclaimRequested => {
+                    self.metrics.reclaim_requested();
+                    self.crash.pass("after", "reclaim");
+                }
                 Counted::CrossTenantFresh => self.metrics.cross_tenant_fresh(),
             },
         }

@@ -48,6 +48,7 @@ impl Arbiter {
     /// The holder of quarantined memory is gone: cache (or free) the block.
     pub(super) fn unquarantine(self: &Arc<Self>, id: Uuid, destroy: bool) {
         self.lock().lift_quarantine(id, destroy);
+        self.crash.pass("after", "lift");
     }
 
     /// Ends a session: its waiting requests fail, its leases end (cached if its process is

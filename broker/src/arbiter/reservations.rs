@@ -88,6 +88,7 @@ impl Arbiter {
             }
         }
         tracing::info!(reservation = %view.id, tenant = %view.tenant, session = %view.session, device = view.device, bytes = view.bytes, pid = ?view.pid, "process memory reserved");
+        self.crash.pass("after", "reserve");
         Ok(view)
     }
 
@@ -122,6 +123,8 @@ impl Arbiter {
             _ => return Err(BrokerError::NotFound(Missing::Reservation(id))),
         }
         self.end_reservation(&mut st, id);
+        drop(st);
+        self.crash.pass("after", "release-reservation");
         Ok(())
     }
 

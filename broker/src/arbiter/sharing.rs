@@ -206,7 +206,10 @@ impl Arbiter {
                 .ok_or_else(|| BrokerError::Internal("publication index out of step".into()))?,
         };
         tracing::info!(%lease, tenant, name, "lease published");
-        Ok(st.shared().pubs[&id].view(true))
+        let view = st.shared().pubs[&id].view(true);
+        drop(st);
+        self.crash.pass("after", "publish");
+        Ok(view)
     }
 
     /// Takes `name` of `tenant` away; live imports keep the memory.
@@ -285,6 +288,8 @@ impl Arbiter {
             size: p.size,
         };
         tracing::info!(import = %id, tenant, publisher, name, "shared lease imported");
+        drop(st);
+        self.crash.pass("after", "import");
         Ok(grant)
     }
 
@@ -300,6 +305,8 @@ impl Arbiter {
             _ => return Err(import_not_found(import)),
         }
         st.import_let_go(import, Ending::Cache);
+        drop(st);
+        self.crash.pass("after", "release-import");
         Ok(())
     }
 

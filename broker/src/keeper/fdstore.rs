@@ -11,7 +11,7 @@
 
 use super::journal::{self, Journal};
 use super::place::{Entry, Place};
-use super::records::LEASE_PREFIX;
+use super::records::{LEASE_PREFIX, QUARANTINE_PREFIX};
 use super::wire::Message;
 use super::KeeperError;
 use parking_lot::Mutex;
@@ -40,7 +40,9 @@ pub fn valid_fdname(name: &str) -> bool {
 
 /// Is `name` one of the names this broker stores under?
 fn is_ours(name: &str) -> bool {
-    journal::generation_of(name).is_some() || name.starts_with(LEASE_PREFIX)
+    journal::generation_of(name).is_some()
+        || name.starts_with(LEASE_PREFIX)
+        || name.starts_with(QUARANTINE_PREFIX)
 }
 
 /// The descriptors of ours systemd handed back at this start, with their names (others,

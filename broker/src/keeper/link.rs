@@ -1,8 +1,11 @@
 //! The broker's end of the keeper socket: it sends every change of a kept record in the
 //! order the state lock made them (a write is a `sendmsg` into the keeper's queue, made
 //! under the lock so no later change overtakes it), and at start reads back everything
-//! the keeper holds. A keeper that went away is logged once and counted; the broker keeps
-//! serving (its leases are then lost with its next restart, as without a keeper).
+//! the keeper holds. A keeper that went away, or that stalls (stopped, swapped out) so a
+//! write finds no room in its queue for [`WRITE_DEADLINE`], is declared lost: logged once,
+//! counted by the caller, and told to forget everything once it reads again; the broker
+//! keeps serving (its leases are then lost with its next restart, as without a keeper).
+//! So a stalled keeper holds the state lock for one deadline at most, never forever.
 
 use super::wire::{self, Message};
 use parking_lot::Mutex;
@@ -14,6 +17,11 @@ use std::time::Duration;
 /// How long a dump may take before the keeper counts as not answering (a keeper busy with
 /// another broker never answers).
 pub const DUMP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a write may wait for room in the keeper's queue before the keeper is
+/// declared lost. Writes are made under the state lock: this bounds how long a stalled
+/// keeper can stop the broker (the queue absorbs a few hundred changes before any wait).
+pub const WRITE_DEADLINE: Duration = Duration::from_secs(2);
 
 pub use super::place::Entry;
 
@@ -51,6 +59,12 @@ impl KeeperLink {
         let sock = wire::connect(path).map_err(|source| KeeperError::Connect {
             path: path.to_path_buf(),
             source,
+        })?;
+        wire::set_send_timeout(&sock, Some(WRITE_DEADLINE)).map_err(|source| {
+            KeeperError::Connect {
+                path: path.to_path_buf(),
+                source,
+            }
         })?;
         Ok(KeeperLink {
             path: path.to_path_buf(),
@@ -117,17 +131,41 @@ impl KeeperLink {
         if self.is_broken() {
             return;
         }
-        let r = wire::send(&self.sock.lock(), msg, fd);
-        match r {
+        let sock = self.sock.lock();
+        match wire::send(&sock, msg, fd) {
             Ok(()) => {
                 self.sent.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
-                if !self.broken.swap(true, Ordering::Relaxed) {
-                    tracing::error!(keeper = %self.path.display(), error = %e, "the keeper is gone: leases made from now on do not survive a broker restart");
+                if self.broken.swap(true, Ordering::Relaxed) {
+                    return;
+                }
+                let stalled = e.kind() == std::io::ErrorKind::WouldBlock;
+                tracing::error!(keeper = %self.path.display(), error = %e, stalled, deadline = ?WRITE_DEADLINE, "the keeper is lost: leases are no longer kept, and none survives a broker restart");
+                if stalled {
+                    forget_when_it_reads(&sock);
                 }
             }
         }
+    }
+}
+
+/// Tells a stalled keeper, once it reads again, to drop what it holds: what this broker
+/// changed since is not there, and the descriptors of blocks freed since would keep their
+/// memory. From a thread of its own that may wait as long as the keeper sleeps (or until
+/// this process ends); the broker never waits for it.
+fn forget_when_it_reads(sock: &OwnedFd) {
+    let Ok(sock) = sock.try_clone() else { return };
+    let spawned = std::thread::Builder::new()
+        .name("keeper-forget".into())
+        .spawn(move || {
+            let _ = wire::set_send_timeout(&sock, None);
+            if wire::send(&sock, &Message::Forget, None).is_ok() {
+                tracing::info!("the lost keeper read again and was told to forget");
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot tell the lost keeper to forget");
     }
 }
 

@@ -96,6 +96,13 @@ pub fn serve_connection(conn: &OwnedFd, kept: &mut Kept) -> io::Result<()> {
             Message::Remove { key } => {
                 kept.entries.remove(&key);
             }
+            Message::Forget => {
+                eprintln!(
+                    "gpu-broker keeper: the broker gave up on this keeper; dropping {} records",
+                    kept.len()
+                );
+                kept.entries.clear();
+            }
             Message::Dump => {
                 for (key, (record, fd)) in &kept.entries {
                     let entry = Message::Entry {

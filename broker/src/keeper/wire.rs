@@ -35,6 +35,10 @@ pub enum Message {
     },
     /// Keeper to broker: the dump is complete.
     End { count: u64 },
+    /// Broker to keeper: the broker gave up on this keeper (a write missed its deadline)
+    /// and no longer tells it anything: drop every record and descriptor, which would
+    /// otherwise go stale (blocks freed since would stay allocated).
+    Forget,
 }
 
 fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
@@ -167,7 +171,8 @@ pub fn set_receive_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io
     set_timeout(sock, libc::SO_RCVTIMEO, t)
 }
 
-/// Sets how long a send may wait for room (`None`: forever).
+/// Bounds how long a send may wait for room in the peer's queue (`None`: forever); past
+/// it the send fails with `WouldBlock` and sends nothing (a message goes whole or not).
 pub fn set_send_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io::Result<()> {
     set_timeout(sock, libc::SO_SNDTIMEO, t)
 }

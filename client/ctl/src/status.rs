@@ -57,7 +57,11 @@ impl Snapshot {
 pub fn start_line(info: &gpu_broker_client::BrokerInfo, now: SystemTime) -> String {
     let mut line = format!("started {} ago", format_age_at(info.started_unix_ms, now));
     match (&info.restart, info.keeper) {
-        (Some(r), _) => line.push_str(&format!(
+        // A start that read a keeper always reports: no keeper since means it was lost.
+        (Some(_), false) => {
+            line.push_str("  keeper LOST: leases are no longer kept (a restart loses them)")
+        }
+        (Some(r), true) => line.push_str(&format!(
             "  keeper: took back {} leases ({}) of {} sessions, reclaimed {} leases of {} gone sessions, in {} ms",
             r.leases_adopted,
             format_bytes(r.bytes_adopted),
@@ -544,8 +548,9 @@ pub(crate) mod tests {
             header[2].starts_with("started") && header[3].is_empty(),
             "{header:?}"
         );
-        s.info.as_mut().unwrap().restart = None;
         s.info.as_mut().unwrap().keeper = false;
+        assert!(render(&s, now()).contains("keeper LOST: leases are no longer kept"));
+        s.info.as_mut().unwrap().restart = None;
         assert!(render(&s, now()).contains("no keeper: a restart loses every lease"));
     }
 

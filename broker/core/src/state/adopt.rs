@@ -123,3 +123,93 @@ impl State {
         Ok(self.insert_lease_kept(lease))
     }
 }
+
+/// A kept quarantine to take back (from its record).
+#[derive(Clone, Debug)]
+pub struct AdoptedQuarantine {
+    /// The ended lease's id.
+    pub lease: Uuid,
+    pub tenant: String,
+    pub device: u32,
+    pub pid: Option<u32>,
+    pub destroy: bool,
+}
+
+impl State {
+    /// Pushes quarantine `id` (just made, of a lease of `session`) for the keeper: its
+    /// memory stays counted across a restart while its process lives.
+    pub(super) fn keep_quarantine(&mut self, id: Uuid, session: Uuid) {
+        if !self.keeping {
+            return;
+        }
+        let Some(q) = self.quarantine.get(&id) else {
+            return;
+        };
+        let crate::memory::Handle::Fd {
+            fd, block_id, kind, ..
+        } = &q.block.handle;
+        let pid_start = self
+            .sessions
+            .get(&session)
+            .filter(|s| s.peer.pid.is_some() && s.peer.pid == q.pid)
+            .and_then(|s| s.peer_start);
+        let record = crate::kept::QuarantineRecord {
+            v: crate::kept::RECORD_VERSION,
+            lease: id.to_string(),
+            tenant: q.tenant.clone(),
+            device: q.device,
+            bytes: q.block.bytes(),
+            block_id: *block_id,
+            kind: match kind {
+                crate::memory::MemoryKind::CudaVmm => "cuda-vmm",
+                crate::memory::MemoryKind::HostMemfd => "host-memfd",
+            }
+            .into(),
+            pid: q.pid,
+            pid_start,
+            destroy: q.destroy,
+        };
+        let fd = fd.clone();
+        self.keep(|| crate::effects::Keep::Quarantine(record, fd));
+    }
+
+    /// Takes back quarantined memory `a` on `block`: counted to its tenant and on its
+    /// device as quarantined again, lifted when its process exits (watched). Gives the
+    /// block back when its tenant or device is gone.
+    pub fn adopt_quarantine(
+        &mut self,
+        a: AdoptedQuarantine,
+        block: Block,
+    ) -> Result<(), (NotAdopted, Block)> {
+        if a.device as usize >= self.pools.len() {
+            return Err((NotAdopted::Device, block));
+        }
+        if self.ledger.get(&a.tenant).is_none() {
+            return Err((NotAdopted::Tenant, block));
+        }
+        if self.quarantine.contains_key(&a.lease) {
+            return Err((NotAdopted::Session, block));
+        }
+        let bytes = block.bytes();
+        let pool = &mut self.pools[a.device as usize];
+        pool.adopt(bytes);
+        pool.release_to_quarantine(bytes);
+        self.ledger.add_quarantine(&a.tenant, a.device, bytes);
+        self.quarantine.insert(
+            a.lease,
+            super::Quarantined {
+                tenant: a.tenant,
+                device: a.device,
+                block,
+                pid: a.pid,
+                since: self.clock.now,
+                destroy: a.destroy,
+            },
+        );
+        self.fx.watch(Watch::Quarantine {
+            lease: a.lease,
+            pid: a.pid,
+        });
+        Ok(())
+    }
+}

@@ -163,6 +163,7 @@ impl State {
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease: id, pid });
+                self.keep_quarantine(id, lease.session);
             }
         }
         if let Some(r) = lease.reservation {
@@ -185,6 +186,7 @@ impl State {
             lease: id,
             pid: q.pid,
         });
+        self.keep(|| crate::effects::Keep::QuarantineLifted(id));
         let bytes = q.block.bytes();
         self.ledger.remove_quarantine(&q.tenant, q.device, bytes);
         let destroy = destroy || q.destroy || !self.pristine(&q.block);

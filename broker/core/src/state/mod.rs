@@ -34,7 +34,7 @@ mod tests;
 #[cfg(test)]
 mod transition_tests;
 
-pub use adopt::Adopted;
+pub use adopt::{Adopted, AdoptedQuarantine};
 pub use end::{Ending, Revoke};
 pub use queue::{Enqueued, QueueEnv};
 pub use shared::{Holding, NewPublication, SealCheck};
