@@ -41,6 +41,18 @@ fn reclaim_policy_parser() -> impl clap::builder::TypedValueParser<Value = Recla
     .map(|v| ReclaimPolicy::from_name(&v).unwrap_or(defaults::RECLAIM_POLICY))
 }
 
+/// The `--keep-in` values (the keeper's [`crate::keeper::KeepIn`] knows nothing of clap).
+fn keep_in_parser() -> impl clap::builder::TypedValueParser<Value = crate::keeper::KeepIn> {
+    use crate::keeper::KeepIn;
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    PossibleValuesParser::new(
+        KeepIn::ALL
+            .iter()
+            .map(|(_, name, help)| PossibleValue::new(*name).help(*help)),
+    )
+    .map(|v| KeepIn::from_name(&v).unwrap_or_default())
+}
+
 fn parse_headroom(s: &str) -> Result<Headroom, String> {
     if let Some(p) = s.trim().strip_suffix('%') {
         let v: f64 = p
@@ -339,7 +351,7 @@ pub struct Config {
     /// Where leases wait across a broker restart: `auto` (the keeper when --keeper names
     /// one, else systemd's file-descriptor store when the unit has one), `keeper`,
     /// `fdstore`, or `none` (docs/operations.md).
-    #[arg(long, env = "GPU_BROKER_KEEP_IN", value_enum, default_value = "auto")]
+    #[arg(long, env = "GPU_BROKER_KEEP_IN", value_parser = keep_in_parser(), default_value = "auto")]
     pub keep_in: crate::keeper::KeepIn,
 }
 

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 /// The `--keep-in` setting.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KeepIn {
     /// The keeper when `--keeper` names one, else systemd's fd store when the unit has one.
     #[default]
@@ -18,6 +18,36 @@ pub enum KeepIn {
     Fdstore,
     /// Nothing: a restart ends every session and frees its memory.
     None,
+}
+
+impl KeepIn {
+    /// Every setting, with the name the flag and the config file take and what it means.
+    pub const ALL: [(KeepIn, &'static str, &'static str); 4] = [
+        (
+            KeepIn::Auto,
+            "auto",
+            "The keeper when --keeper names one, else systemd's fd store when the unit has one",
+        ),
+        (KeepIn::Keeper, "keeper", "The keeper process at --keeper"),
+        (
+            KeepIn::Fdstore,
+            "fdstore",
+            "systemd's file-descriptor store (FileDescriptorStoreMax= in the unit)",
+        ),
+        (
+            KeepIn::None,
+            "none",
+            "Nothing: a restart ends every session and frees its memory",
+        ),
+    ];
+
+    /// The setting named `name`.
+    pub fn from_name(name: &str) -> Option<KeepIn> {
+        Self::ALL
+            .iter()
+            .find(|(_, n, _)| *n == name)
+            .map(|(k, ..)| *k)
+    }
 }
 
 /// What the service manager told this process.
