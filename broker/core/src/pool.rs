@@ -21,11 +21,28 @@ pub struct Block {
     pub handle: Handle,
     /// Tenant whose bytes it may contain; `None` when known to be zero.
     pub last_tenant: Option<String>,
+    /// Processes its descriptor reached that may keep it past their lease's end (a
+    /// holder that released it): CUDA memory cannot be revoked, so its free is checked
+    /// (`state/stranded.rs`). At most [`Block::MAX_REACHED`], newest last.
+    pub reached: Vec<u32>,
 }
 
 impl Block {
+    /// How many processes a block remembers (a reused block's earlier holders are mostly
+    /// gone; the oldest is forgotten first).
+    pub const MAX_REACHED: usize = 16;
+
     pub fn bytes(&self) -> u64 {
         self.alloc.bytes
+    }
+
+    /// Process `pid` had its descriptor and may keep it after its lease ended.
+    pub fn reached(&mut self, pid: u32) {
+        self.reached.retain(|&p| p != pid);
+        if self.reached.len() >= Self::MAX_REACHED {
+            self.reached.remove(0);
+        }
+        self.reached.push(pid);
     }
 }
 
@@ -246,6 +263,14 @@ impl Pool {
         self.quarantined -= bytes;
     }
 
+    /// Memory the broker freed stayed on the device, kept by a process outside it
+    /// (`state/stranded.rs`): counted as quarantined until that process exits, so the
+    /// outside-memory estimate does not count it too. It may take the pool past its
+    /// leasable amount for a while, as memory outside the broker does.
+    pub fn strand(&mut self, bytes: u64) {
+        self.quarantined += bytes;
+    }
+
     /// Keeps `bytes` (caller checked `available() >= bytes`) for a reserved process.
     /// Returns the cached blocks to free so the broker's holdings fit under the limit.
     pub fn reserve_process(&mut self, bytes: u64) -> Vec<Block> {
@@ -406,6 +431,7 @@ mod tests {
                 size: bytes,
             },
             last_tenant: tenant.map(str::to_string),
+            reached: Vec::new(),
         }
     }
 

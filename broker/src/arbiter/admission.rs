@@ -363,6 +363,7 @@ impl Arbiter {
                 match r {
                     Ok(()) => Ok(Block {
                         last_tenant: None,
+                        reached: Vec::new(),
                         ..block
                     }),
                     Err(e) => {
@@ -540,6 +541,7 @@ fn fresh_block(
             alloc: a,
             handle,
             last_tenant: None,
+            reached: Vec::new(),
         }),
         Err(e) => Err((e, Some(a))),
     }

@@ -274,6 +274,7 @@ impl Arbiter {
                     alloc,
                     handle,
                     last_tenant: Some(r.tenant.clone()),
+                    reached: Vec::new(),
                 };
                 let a = super::state::Adopted {
                     id,

@@ -43,12 +43,14 @@ pub use sharing::ImportGrant;
 pub(crate) use state::{Ending, State};
 
 use crate::auth::Authenticator;
+use crate::device::free_check::Returned;
 use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
 pub(crate) use crate::error::{lease_not_found, session_not_found};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::pool::{Block, Pool};
+use crate::process::process_gone;
 use crate::session::{Peer, Session, SessionEvent};
 use crate::store::Store;
 use parking_lot::Mutex;
@@ -602,19 +604,72 @@ impl Arbiter {
             // A block's descriptor is counted until it closes (or the job is dropped).
             let counted = matches!(what, Unneeded::Block(_)).then(|| self.fds.adopt());
             let revoke = self.revokes();
+            // Processes outside the broker its descriptor reached may keep it (not at the
+            // shutdown: nobody is charged any more then).
+            let reached = match &what {
+                Unneeded::Block(b) if revoke && !b.reached.is_empty() => b
+                    .last_tenant
+                    .clone()
+                    .map(|tenant| (tenant, b.reached.clone())),
+                _ => None,
+            };
+            let report = self.stranded_reporter();
             let r = d.thread.submit(move |dev| {
                 let _counted = counted;
                 // A block's descriptor closes here, after the free, on the device thread.
-                let (alloc, _handle) = what.split();
+                let (alloc, handle) = what.split();
                 if revoke {
                     revoke_before_free(dev, &alloc, device);
                 }
-                if let Err(e) = dev.free(alloc) {
-                    tracing::error!(device, alloc = id, error = %e, "free failed");
+                let bytes = alloc.bytes;
+                let alive: Vec<u32> = reached
+                    .as_ref()
+                    .map(|(_, pids)| pids.iter().copied().filter(|&p| !process_gone(p)).collect())
+                    .unwrap_or_default();
+                if alive.is_empty() {
+                    if let Err(e) = dev.free(alloc) {
+                        tracing::error!(device, alloc = id, error = %e, "free failed");
+                    }
+                    drop(handle);
+                    return;
+                }
+                match dev.free_checked(alloc, handle) {
+                    Ok(Returned::No) => {
+                        let tenant = reached.map(|(t, _)| t).unwrap_or_default();
+                        report(device, tenant, bytes, alive);
+                    }
+                    Ok(Returned::Yes | Returned::Unknown) => {}
+                    Err(e) => tracing::error!(device, alloc = id, error = %e, "free failed"),
                 }
             });
             if let Err(e) = r {
                 tracing::error!(device, error = %e, "cannot queue free");
+            }
+        }
+    }
+}
+
+impl Arbiter {
+    /// What the device thread calls when a free did not give the memory back: the bytes
+    /// are charged again to the block's tenant (`State::stranded`), on the main runtime
+    /// (inline when there is none), never on the device thread under a lock it could wait
+    /// on.
+    fn stranded_reporter(&self) -> impl FnOnce(u32, String, u64, Vec<u32>) + Send + 'static {
+        let me = self.me.clone();
+        let rt = self.effects_runtime();
+        move |device, tenant, bytes, pids| {
+            let charge = move || {
+                let Some(arb) = me.upgrade() else { return };
+                let id = arb
+                    .lock()
+                    .stranded(&tenant, device, bytes, pids.iter().copied());
+                tracing::warn!(device, tenant, bytes, ?pids, charged = id.is_some(), "freed memory stayed on the device: a process that had its descriptor keeps it; charged to its tenant until that process exits");
+            };
+            match rt {
+                Some(rt) => {
+                    rt.spawn(async move { charge() });
+                }
+                None => charge(),
             }
         }
     }
@@ -675,5 +730,7 @@ pub(crate) mod durable_tests;
 mod lingering_tests;
 #[cfg(test)]
 mod store_fault_tests;
+#[cfg(test)]
+mod stranded_tests;
 #[cfg(test)]
 pub(crate) mod tests;
