@@ -363,7 +363,7 @@ impl Arbiter {
                 match r {
                     Ok(()) => Ok(Block {
                         last_tenant: None,
-                        reached: Vec::new(),
+                        reached: Default::default(),
                         ..block
                     }),
                     Err(e) => {
@@ -541,7 +541,7 @@ fn fresh_block(
             alloc: a,
             handle,
             last_tenant: None,
-            reached: Vec::new(),
+            reached: Default::default(),
         }),
         Err(e) => Err((e, Some(a))),
     }

@@ -274,7 +274,7 @@ impl Arbiter {
                     alloc,
                     handle,
                     last_tenant: Some(r.tenant.clone()),
-                    reached: Vec::new(),
+                    reached: Default::default(),
                 };
                 let a = super::state::Adopted {
                     id,

@@ -624,7 +624,13 @@ impl Arbiter {
                 let bytes = alloc.bytes;
                 let alive: Vec<u32> = reached
                     .as_ref()
-                    .map(|(_, pids)| pids.iter().copied().filter(|&p| !process_gone(p)).collect())
+                    .map(|(_, pids)| {
+                        pids.pids()
+                            .iter()
+                            .copied()
+                            .filter(|&p| !process_gone(p))
+                            .collect()
+                    })
                     .unwrap_or_default();
                 if alive.is_empty() {
                     if let Err(e) = dev.free(alloc) {

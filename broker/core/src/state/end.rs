@@ -136,7 +136,7 @@ impl State {
         // may keep its import, which no free of CUDA memory can take back.
         if matches!(ending, Ending::Cache | Ending::Destroy) {
             if let Some(pid) = self.sessions.get(&lease.session).and_then(|s| s.peer.pid) {
-                block.reached(pid);
+                block.reached.add(pid);
             }
         }
         // Importers of its publication, or other processes that fetched its descriptor,
