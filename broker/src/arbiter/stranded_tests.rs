@@ -22,6 +22,7 @@ fn keeping_arbiter(switch: &FaultSwitch) -> Arc<Arbiter> {
         initial_leasable: 64 * MIB,
         external_at_start: 0,
         headroom: 0,
+        taken_back: Default::default(),
     };
     let arb = Arbiter::new(
         vec![slot],
