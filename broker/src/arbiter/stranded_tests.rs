@@ -150,3 +150,39 @@ async fn a_free_whose_holders_are_gone_charges_nobody() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(held_by_a(&arb), 0);
 }
+
+/// An importer of its own tenant's publication releases its import and keeps it; the
+/// publisher releases the lease, whose block is freed: the memory stays, charged to the
+/// tenant until the importer exits.
+#[tokio::test]
+async fn an_import_kept_after_its_release_stays_charged_after_the_free() {
+    let switch = FaultSwitch::default();
+    let arb = keeping_arbiter(&switch);
+    let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
+    let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
+    arb.publish("a", l.id, "w", &[]).unwrap();
+    let (mut importer, peer) = live_process();
+    let (si, _rxi) = arb.open_session("a", "importer", peer).unwrap();
+    let import = arb.import("a", si, "a", "w").unwrap();
+    arb.release_import("a", import.id).unwrap();
+    drop(import);
+    switch.set(Faults {
+        keep_freed: true,
+        ..Faults::default()
+    });
+    arb.release("a", l.id).unwrap();
+    assert!(
+        until(|| held_by_a(&arb) == 16 * MIB).await,
+        "the kept import is charged to a, held {}",
+        held_by_a(&arb)
+    );
+    arb.lock().check_invariant().unwrap();
+    importer.kill().unwrap();
+    importer.wait().unwrap();
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "let go once the importer exited, held {}",
+        held_by_a(&arb)
+    );
+    std::mem::forget((_rxp, _rxi));
+}
