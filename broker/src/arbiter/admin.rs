@@ -501,7 +501,7 @@ impl Arbiter {
             let st = self.lock();
             let p = &st.pools()[i];
             let s = p.stats();
-            let held = p.held_on_device();
+            let held = p.held_on_device() + self.unverified_bytes(i);
             out.push(DeviceReport {
                 index: i as u32,
                 name: desc.name,

@@ -87,8 +87,10 @@ async fn memory_kept_after_its_free_stays_charged_to_its_tenant_until_the_holder
     {
         let st = arb.lock();
         st.check_invariant().unwrap();
-        // The device's books count it (so the outside-memory estimate does not).
+        // The device's books count it (so the outside-memory estimate does not), once:
+        // no longer as bytes whose charge is on its way.
         assert_eq!(st.pools()[0].stats().quarantined, 32 * MIB);
+        assert_eq!(arb.unverified_bytes(0), 0);
         assert_eq!(st.pools()[0].stats().leased, 48 * MIB);
     }
     // Counted against a's quota: 32 MiB more does not fit in its 64 MiB.
