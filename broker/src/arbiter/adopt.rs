@@ -203,7 +203,6 @@ impl Arbiter {
     /// Takes back the kept leases `leases` of the sessions taken back (`sessions`), in
     /// batches: one job per device makes their blocks again, one lock hold adopts them.
     /// Those taken back (session, lease, bytes), and those not with why.
-    #[allow(clippy::type_complexity)]
     /// Kept CUDA memory was in use when the devices opened, so their leasable bytes and
     /// the memory used outside the broker were read without it: it is the broker's (taken
     /// back now, or freed once the keeper's and our copies close), so each device's
@@ -234,6 +233,7 @@ impl Arbiter {
         }
     }
 
+    #[allow(clippy::type_complexity)]
     fn adopt_leases(
         &self,
         leases: Vec<(LeaseRecord, Option<std::os::fd::OwnedFd>)>,
@@ -387,6 +387,8 @@ impl Arbiter {
         peer: Peer,
         held: &[Uuid],
     ) -> BrokerResult<(mpsc::UnboundedReceiver<SessionEvent>, Vec<Uuid>, Vec<Uuid>)> {
+        // A closing broker reopens no mailbox (open_session refuses likewise).
+        self.check_not_shutting_down()?;
         let refused = || BrokerError::NotFound(crate::error::Missing::Session(id));
         let hash = secret_hash(secret);
         let (tx, rx) = mpsc::unbounded_channel();

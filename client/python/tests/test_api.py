@@ -431,6 +431,13 @@ def test_torch_allocator_hooks_are_exported_and_inert_before_install():
         assert "PyTorch" in str(e.value)
 
 
+def test_waits_past_what_a_duration_holds_are_refused_not_a_panic():
+    # Finite but past ~584 billion years: InvalidArgument, not a Rust panic.
+    with pytest.raises(gpubroker.InvalidArgument) as e:
+        gpubroker._native._regions_resume(None, 1e20)
+    assert "wait" in str(e.value)
+
+
 def test_imported_segments_can_be_weakly_referenced():
     # torch.multiprocessing's receiving side keeps imports in a WeakValueDictionary: a
     # type without a weak-reference slot fails there (TypeError) on the GPU.
