@@ -266,6 +266,15 @@ async fn memory_kept_after_release_stays_charged_until_its_holder_exits() {
         "the kept memory is charged to a: {}",
         charged_to_a().await
     );
+    let listed = admin.list_quarantined().await.unwrap();
+    assert!(
+        listed
+            .iter()
+            .any(|q| q.reason == gpu_broker_client::HoldReason::KeptAfterFree
+                && q.bytes == BYTES
+                && q.holder_pids == vec![keeper.child.id()]),
+        "listed as kept after its free by the worker: {listed:?}"
+    );
     // Counted once: as a's, not also as memory used outside the broker (the leasable
     // refresh runs every second).
     tokio::time::sleep(Duration::from_millis(2500)).await;

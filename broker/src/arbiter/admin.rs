@@ -449,6 +449,18 @@ impl Arbiter {
             .collect();
         // Blocks held for importers of shared leases and other processes (`sharing.rs`).
         v.extend(st.shared().held_views(now));
+        // Freed memory a process kept (`state/stranded.rs`).
+        v.extend(st.stranded_memory().map(|(id, s)| QuarantineView {
+            lease: *id,
+            tenant: s.tenant.clone(),
+            device: s.device,
+            bytes: s.bytes,
+            pid: s.pids.first().copied(),
+            since: now.1 - now.0.saturating_duration_since(s.since),
+            reason: crate::views::HoldReason::KeptAfterFree,
+            holders: s.pids.iter().copied().collect(),
+            publication: None,
+        }));
         v.sort_by_key(|q| q.since);
         v
     }

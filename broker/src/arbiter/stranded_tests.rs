@@ -93,6 +93,15 @@ async fn memory_kept_after_its_free_stays_charged_to_its_tenant_until_the_holder
         assert_eq!(arb.unverified_bytes(0), 0);
         assert_eq!(st.pools()[0].stats().leased, 48 * MIB);
     }
+    // Operators see why (`ListQuarantined`, `gpu-brokerctl leaks`).
+    let listed = arb.list_quarantined();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
+    assert_eq!(
+        (listed[0].tenant.as_str(), listed[0].bytes),
+        ("a", 32 * MIB)
+    );
+    assert_eq!(listed[0].holders, vec![worker.id()]);
     // Counted against a's quota: 32 MiB more does not fit in its 64 MiB.
     let (sa2, _rx) = arb.open_session("a", "again", Peer::default()).unwrap();
     let err = arb
@@ -114,6 +123,8 @@ async fn memory_kept_after_its_free_stays_charged_to_its_tenant_until_the_holder
     st.check_invariant().unwrap();
     assert_eq!(st.pools()[0].stats().quarantined, 0);
     assert_eq!(st.stranded_memory().count(), 0);
+    drop(st);
+    assert!(arb.list_quarantined().is_empty());
 }
 
 /// A free that gives the memory back (the worker unmapped) charges nobody.
