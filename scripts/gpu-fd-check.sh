@@ -10,8 +10,10 @@
 #      cross-process fd check (a child imports CudaDevice's descriptor), driver timings
 #   2. the GPU end-to-end tests (tests/gpu), on fd leases: two processes share a lease (the
 #      second with a ticket of its own), another tenant reads only zeros from FRESH memory,
-#      a block still mapped when its session ends is quarantined until its holder exits, a
-#      SIGKILLed worker's memory returns, capacity, NVML, host fallback
+#      a block still mapped when its session ends is quarantined until its holder exits,
+#      memory whose import a worker kept past its release stays charged to its tenant
+#      after the block is freed for another tenant, until the worker exits, a SIGKILLed
+#      worker's memory returns, capacity, NVML, host fallback
 #   3. a lease carries an fd handle of CUDA VMM memory, never a legacy handle (the broker
 #      has none: docs/security.md)
 #   4. a VMM lease acquired, imported and mapped by a worker of ANOTHER uid (nobody) in its

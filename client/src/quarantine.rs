@@ -22,6 +22,8 @@ pub enum HoldReason {
     Importers,
     /// Processes outside the lease's session fetched its descriptor.
     Recipients,
+    /// The broker freed it, but a process that had its descriptor keeps it on the device.
+    KeptAfterFree,
 }
 
 impl HoldReason {
@@ -32,6 +34,7 @@ impl HoldReason {
             HoldReason::Holder => "holder",
             HoldReason::Importers => "importers",
             HoldReason::Recipients => "fd recipients",
+            HoldReason::KeptAfterFree => "kept after free",
         }
     }
 }
@@ -68,6 +71,7 @@ impl From<pb::QuarantinedBlock> for QuarantinedBlock {
             Ok(pb::HoldReason::Holder) => HoldReason::Holder,
             Ok(pb::HoldReason::Importers) => HoldReason::Importers,
             Ok(pb::HoldReason::Recipients) => HoldReason::Recipients,
+            Ok(pb::HoldReason::KeptAfterFree) => HoldReason::KeptAfterFree,
             _ => HoldReason::Unspecified,
         };
         let mut holder_pids = q.holder_pids;

@@ -92,6 +92,17 @@ enum Cmd {
         #[arg(long, value_parser = parse_byte)]
         pattern: u8,
     },
+    /// Lease, map, fill with `pattern`, release the lease (unmapping first unless
+    /// `--keep`), print `RELEASED <handle-hex>`; with `--keep` also `STILL
+    /// <bytes-not-pattern>` from the mapping it kept past the release; hold until killed.
+    ReleaseAndStay {
+        #[arg(long)]
+        bytes: u64,
+        #[arg(long, value_parser = parse_byte)]
+        pattern: u8,
+        #[arg(long)]
+        keep: bool,
+    },
     /// Lease, read every byte; print `READ <handle-hex> <nonzero-bytes>`; release.
     ReadZeros {
         #[arg(long)]
@@ -365,6 +376,31 @@ async fn main() -> Result<()> {
             // The mapping outlives the session: the memory must stay this process's.
             tokio::time::sleep(Duration::from_millis(500)).await;
             say(format!("STILL {}", count_not(&m, lease.bytes(), pattern)?));
+            std::future::pending::<()>().await;
+        }
+        Cmd::ReleaseAndStay {
+            bytes,
+            pattern,
+            keep,
+        } => {
+            let lease = session.lease(bytes).await?;
+            let h = handle_id(lease.handle())?;
+            let bytes = lease.bytes();
+            let m = lease.map_cuda()?;
+            fill(&m, bytes, pattern)?;
+            let kept = if keep {
+                Some(m)
+            } else {
+                m.close()?;
+                None
+            };
+            lease.release().await?;
+            say(format!("RELEASED {h}"));
+            if let Some(m) = &kept {
+                // The import outlives the release: the memory stays this process's.
+                say(format!("STILL {}", count_not(m, bytes, pattern)?));
+            }
+            // Hold (the kept mapping too) until killed.
             std::future::pending::<()>().await;
         }
         Cmd::ReadZeros { bytes } => {

@@ -190,6 +190,117 @@ async fn a_still_mapped_block_is_quarantined_until_its_holder_exits() {
     assert_eq!(usage.quarantined_bytes, 0, "{usage:?}");
 }
 
+/// A worker that releases its lease but keeps its import (CUDA VMM memory cannot be
+/// revoked) keeps the memory after the broker frees the block for another tenant: the
+/// driver's free memory does not rise, and the bytes stay charged to the worker's tenant
+/// (not to "outside the broker") until it exits. A worker that unmapped before its
+/// release is charged nothing when its block goes.
+#[tokio::test]
+async fn memory_kept_after_release_stays_charged_until_its_holder_exits() {
+    if !gpu_or_skip("memory_kept_after_release_stays_charged_until_its_holder_exits") {
+        return;
+    }
+    const BYTES: u64 = 256 << 20;
+    let bytes = BYTES.to_string();
+    let (b, admin, token_a) = setup(&[]).await;
+    admin
+        .set_quota("b", QuotaSpec::new(64 * GIB))
+        .await
+        .unwrap();
+    let token_b = admin.issue_token("b", "gpu").await.unwrap().token;
+    let charged_to_a = || async { admin.get_quota("a").await.unwrap().usage.quarantined_bytes };
+    // b asks for the same size: a's cached block is freed, b gets fresh memory.
+    let evict_for_b = || {
+        let read = run(&b, &token_b, &["read-zeros", "--bytes", &bytes]);
+        assert_eq!(read[0], "READ", "{read:?}");
+    };
+    let cached = || async { admin.get_devices().await.unwrap()[0].cached_bytes };
+
+    // The control: unmapped before the release, alive when its block is freed.
+    let mut clean = Worker::spawn(
+        &b,
+        &token_a,
+        &["release-and-stay", "--bytes", &bytes, "--pattern", "5a"],
+    );
+    assert_eq!(clean.line()[0], "RELEASED");
+    assert_eq!(cached().await, BYTES, "the released block is cached");
+    evict_for_b();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        charged_to_a().await,
+        0,
+        "memory that came back is charged to nobody"
+    );
+    clean.kill();
+
+    // Kept past the release.
+    let mut keeper = Worker::spawn(
+        &b,
+        &token_a,
+        &[
+            "release-and-stay",
+            "--bytes",
+            &bytes,
+            "--pattern",
+            "a5",
+            "--keep",
+        ],
+    );
+    assert_eq!(keeper.line()[0], "RELEASED");
+    assert_eq!(
+        keeper.line(),
+        vec!["STILL", "0"],
+        "the import outlives the release"
+    );
+    assert_eq!(cached().await, BYTES);
+    // Let the leasable refresh settle with the worker's context in place.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let before = admin.get_devices().await.unwrap()[0].clone();
+    evict_for_b();
+    let held = eventually(Duration::from_secs(5), || async {
+        charged_to_a().await == BYTES
+    })
+    .await;
+    assert!(
+        held,
+        "the kept memory is charged to a: {}",
+        charged_to_a().await
+    );
+    let listed = admin.list_quarantined().await.unwrap();
+    assert!(
+        listed
+            .iter()
+            .any(|q| q.reason == gpu_broker_client::HoldReason::KeptAfterFree
+                && q.bytes == BYTES
+                && q.holder_pids == vec![keeper.child.id()]),
+        "listed as kept after its free by the worker: {listed:?}"
+    );
+    // Counted once: as a's, not also as memory used outside the broker (the leasable
+    // refresh runs every second).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let after = admin.get_devices().await.unwrap()[0].clone();
+    assert_eq!(after.quarantined_bytes, BYTES, "{after:?}");
+    assert!(
+        after.external_used_bytes < before.external_used_bytes + (64 << 20),
+        "counted as outside too: before {before:?}, after {after:?}"
+    );
+    assert!(
+        after.leasable_bytes + (64 << 20) > before.leasable_bytes,
+        "leasable shrank by the kept memory: before {before:?}, after {after:?}"
+    );
+    keeper.kill();
+    let gone = eventually(Duration::from_secs(10), || async {
+        charged_to_a().await == 0
+    })
+    .await;
+    assert!(
+        gone,
+        "let go once the holder exited: {}",
+        charged_to_a().await
+    );
+    assert_eq!(admin.get_devices().await.unwrap()[0].quarantined_bytes, 0);
+}
+
 fn card_free(device: u32) -> u64 {
     // nvidia-smi reports MiB; the driver's own view is what matters for OOM.
     let out = Command::new("nvidia-smi")

@@ -123,6 +123,9 @@ pub enum Watch {
     Import { import: Uuid, pid: Option<u32> },
     /// A session's peer process: the session ends when it exits.
     Session { session: Uuid, pid: u32 },
+    /// Memory freed by the broker that a process outside it kept (`state/stranded.rs`):
+    /// process `pid` that may hold it exited.
+    Stranded { id: Uuid, pid: u32 },
 }
 
 impl Watch {
@@ -132,7 +135,7 @@ impl Watch {
             Watch::Quarantine { pid, .. } | Watch::Held { pid, .. } | Watch::Import { pid, .. } => {
                 pid
             }
-            Watch::Session { pid, .. } => Some(pid),
+            Watch::Session { pid, .. } | Watch::Stranded { pid, .. } => Some(pid),
         }
     }
 }

@@ -279,6 +279,7 @@ mod tests {
                 size: 4096,
             },
             last_tenant: None,
+            reached: Default::default(),
         };
         let lease = Lease {
             id: Uuid::new_v4(),

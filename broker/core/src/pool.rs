@@ -21,11 +21,50 @@ pub struct Block {
     pub handle: Handle,
     /// Tenant whose bytes it may contain; `None` when known to be zero.
     pub last_tenant: Option<String>,
+    /// Processes its descriptor reached that may keep it past their lease's end (a
+    /// holder that released it): CUDA memory cannot be revoked, so its free is checked
+    /// (`state/stranded.rs`).
+    pub reached: Reached,
 }
 
 impl Block {
     pub fn bytes(&self) -> u64 {
         self.alloc.bytes
+    }
+}
+
+/// The processes a block's descriptor reached that may keep it past their lease's end, at
+/// most [`Reached::MAX`], newest last (a reused block's earlier holders are mostly gone;
+/// the oldest is forgotten first). Boxed, and nothing for a block no lease ended on, so a
+/// block stays small.
+#[derive(Clone, Debug, Default)]
+pub struct Reached(Option<Box<Pids>>);
+
+/// The pids behind [`Reached`]'s one thin pointer.
+#[derive(Clone, Debug, Default)]
+struct Pids(Vec<u32>);
+
+impl Reached {
+    /// How many processes a block remembers.
+    pub const MAX: usize = 64;
+
+    /// Process `pid` had the descriptor and may keep it after its lease ended.
+    pub fn add(&mut self, pid: u32) {
+        let pids = &mut self.0.get_or_insert_with(Box::default).0;
+        pids.retain(|&p| p != pid);
+        if pids.len() >= Self::MAX {
+            pids.remove(0);
+        }
+        pids.push(pid);
+    }
+
+    /// The processes, oldest first.
+    pub fn pids(&self) -> &[u32] {
+        self.0.as_deref().map_or(&[], |p| p.0.as_slice())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pids().is_empty()
     }
 }
 
@@ -246,6 +285,14 @@ impl Pool {
         self.quarantined -= bytes;
     }
 
+    /// Memory the broker freed stayed on the device, kept by a process outside it
+    /// (`state/stranded.rs`): counted as quarantined until that process exits, so the
+    /// outside-memory estimate does not count it too. It may take the pool past its
+    /// leasable amount for a while, as memory outside the broker does.
+    pub fn strand(&mut self, bytes: u64) {
+        self.quarantined += bytes;
+    }
+
     /// Keeps `bytes` (caller checked `available() >= bytes`) for a reserved process.
     /// Returns the cached blocks to free so the broker's holdings fit under the limit.
     pub fn reserve_process(&mut self, bytes: u64) -> Vec<Block> {
@@ -406,7 +453,24 @@ mod tests {
                 size: bytes,
             },
             last_tenant: tenant.map(str::to_string),
+            reached: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_block_remembers_the_newest_processes_it_reached_once_each() {
+        let mut r = Reached::default();
+        assert!(r.is_empty());
+        r.add(7);
+        r.add(8);
+        r.add(7);
+        assert_eq!(r.pids(), &[8, 7]);
+        for pid in 100..100 + Reached::MAX as u32 {
+            r.add(pid);
+        }
+        assert_eq!(r.pids().len(), Reached::MAX);
+        assert_eq!(r.pids()[0], 100, "the oldest went first");
+        assert_eq!(*r.pids().last().unwrap(), 99 + Reached::MAX as u32);
     }
 
     fn lease_fresh(p: &mut Pool, id: u64, bytes: u64, tenant: &str) -> Block {

@@ -87,6 +87,8 @@ pub enum HoldReason {
     Importers,
     /// Processes outside the lease's session fetched its descriptor.
     Recipients,
+    /// Freed, but a process that had its descriptor keeps it (`state/stranded.rs`).
+    KeptAfterFree,
 }
 
 /// A device as operators see it.

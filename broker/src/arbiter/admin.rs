@@ -451,6 +451,18 @@ impl Arbiter {
             .collect();
         // Blocks held for importers of shared leases and other processes (`sharing.rs`).
         v.extend(st.shared().held_views(now));
+        // Freed memory a process kept (`state/stranded.rs`).
+        v.extend(st.stranded_memory().map(|(id, s)| QuarantineView {
+            lease: *id,
+            tenant: s.tenant.clone(),
+            device: s.device,
+            bytes: s.bytes,
+            pid: s.pids.first().copied(),
+            since: now.1 - now.0.saturating_duration_since(s.since),
+            reason: crate::views::HoldReason::KeptAfterFree,
+            holders: s.pids.iter().copied().collect(),
+            publication: None,
+        }));
         v.sort_by_key(|q| q.since);
         v
     }
@@ -503,7 +515,7 @@ impl Arbiter {
             let st = self.lock();
             let p = &st.pools()[i];
             let s = p.stats();
-            let held = p.held_on_device();
+            let held = p.held_on_device() + self.unverified_bytes(i);
             out.push(DeviceReport {
                 index: i as u32,
                 name: desc.name,

@@ -363,6 +363,7 @@ impl Arbiter {
                 match r {
                     Ok(()) => Ok(Block {
                         last_tenant: None,
+                        reached: Default::default(),
                         ..block
                     }),
                     Err(e) => {
@@ -542,6 +543,7 @@ fn fresh_block(
             alloc: a,
             handle,
             last_tenant: None,
+            reached: Default::default(),
         }),
         Err(e) => Err((e, Some(a))),
     }

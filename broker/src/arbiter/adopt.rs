@@ -472,6 +472,7 @@ impl Arbiter {
                     alloc,
                     handle,
                     last_tenant: Some(r.tenant.clone()),
+                    reached: Default::default(),
                 };
                 let a = super::state::Adopted {
                     id,

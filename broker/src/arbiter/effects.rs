@@ -375,7 +375,9 @@ impl Arbiter {
             match w {
                 Watch::Session { session, .. } => self.end_session(session, "peer process exited"),
                 Watch::Quarantine { lease, pid } => self.unquarantine(lease, pid.is_none()),
-                Watch::Held { .. } | Watch::Import { .. } => shared.push(w),
+                Watch::Held { .. } | Watch::Import { .. } | Watch::Stranded { .. } => {
+                    shared.push(w)
+                }
             }
         }
         for chunk in shared.chunks(PER_HOLD) {
@@ -384,6 +386,7 @@ impl Arbiter {
                 match w {
                     Watch::Held { lease, pid } => st.held_waiter_gone(lease, pid),
                     Watch::Import { import, pid } => st.import_waiter_gone(import, pid),
+                    Watch::Stranded { id, pid } => st.stranded_holder_gone(id, pid),
                     Watch::Session { .. } | Watch::Quarantine { .. } => false,
                 };
             }

@@ -43,17 +43,19 @@ pub use sharing::ImportGrant;
 pub(crate) use state::{Ending, State};
 
 use crate::auth::Authenticator;
+use crate::device::free_check::Returned;
 use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
 pub(crate) use crate::error::{lease_not_found, session_not_found};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::pool::{Block, Pool};
+use crate::process::process_gone;
 use crate::session::{Peer, Session, SessionEvent};
 use crate::store::Store;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
@@ -196,6 +198,10 @@ pub struct Arbiter {
     crash: crate::crash_point::CrashPoint,
     /// This arbiter (effects that outlive a call hold it: watchers, late releases).
     me: std::sync::Weak<Arbiter>,
+    /// Per device, bytes freed whose return the device thread found missing and whose
+    /// charge (`State::stranded`) is on its way, or still being judged: the leasable
+    /// refresh counts them as the broker's, so they are never outside memory meanwhile.
+    unverified: Arc<[AtomicU64]>,
     /// Serializes durable operator changes (quotas, tenant deletion, tokens): each
     /// validates under the state lock, commits to the store with no state lock held, then
     /// applies under the state lock. Lock order: this, then the state.
@@ -294,8 +300,10 @@ impl Arbiter {
             reserved = cfg.fd_reserve,
             "descriptors for memory: the limit less the reserve"
         );
+        let unverified = devices.iter().map(|_| AtomicU64::new(0)).collect();
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
+            unverified,
             admin_writes: Mutex::new(()),
             store_writer: std::sync::OnceLock::new(),
             workers: workers::Workers::default(),
@@ -604,19 +612,101 @@ impl Arbiter {
             // A block's descriptor is counted until it closes (or the job is dropped).
             let counted = matches!(what, Unneeded::Block(_)).then(|| self.fds.adopt());
             let revoke = self.revokes();
+            // Processes outside the broker its descriptor reached may keep it (not at the
+            // shutdown: nobody is charged any more then).
+            let reached = match &what {
+                Unneeded::Block(b) if revoke && !b.reached.is_empty() => b
+                    .last_tenant
+                    .clone()
+                    .map(|tenant| (tenant, b.reached.clone())),
+                _ => None,
+            };
+            let report = reached.is_some().then(|| self.stranded_reporter());
+            let unverified = self.unverified.clone();
             let r = d.thread.submit(move |dev| {
                 let _counted = counted;
                 // A block's descriptor closes here, after the free, on the device thread.
-                let (alloc, _handle) = what.split();
+                let (alloc, handle) = what.split();
                 if revoke {
                     revoke_before_free(dev, &alloc, device);
                 }
-                if let Err(e) = dev.free(alloc) {
-                    tracing::error!(device, alloc = id, error = %e, "free failed");
+                let bytes = alloc.bytes;
+                let alive: Vec<u32> = reached
+                    .as_ref()
+                    .map(|(_, pids)| {
+                        pids.pids()
+                            .iter()
+                            .copied()
+                            .filter(|&p| !process_gone(p))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let (Some(report), false) = (report, alive.is_empty()) else {
+                    if let Err(e) = dev.free(alloc) {
+                        tracing::error!(device, alloc = id, error = %e, "free failed");
+                    }
+                    drop(handle);
+                    return;
+                };
+                let pending = &unverified[device as usize];
+                pending.fetch_add(bytes, Ordering::SeqCst);
+                match dev.free_checked(alloc, handle) {
+                    Ok(Returned::No) => {
+                        let tenant = reached.map(|(t, _)| t).unwrap_or_default();
+                        report(device, tenant, bytes, alive);
+                    }
+                    Ok(Returned::Yes | Returned::Unknown) => {
+                        pending.fetch_sub(bytes, Ordering::SeqCst);
+                    }
+                    Err(e) => {
+                        pending.fetch_sub(bytes, Ordering::SeqCst);
+                        tracing::error!(device, alloc = id, error = %e, "free failed");
+                    }
                 }
             });
             if let Err(e) = r {
                 tracing::error!(device, error = %e, "cannot queue free");
+            }
+        }
+    }
+}
+
+impl Arbiter {
+    /// Bytes freed on device `i` that stayed there and are not charged yet.
+    pub(crate) fn unverified_bytes(&self, i: usize) -> u64 {
+        self.unverified
+            .get(i)
+            .map_or(0, |b| b.load(Ordering::SeqCst))
+    }
+
+    /// What the device thread calls when a free did not give the memory back: the bytes
+    /// are charged again to the block's tenant (`State::stranded`), on the main runtime
+    /// (inline when there is none), never on the device thread under a lock it could wait
+    /// on.
+    fn stranded_reporter(&self) -> impl FnOnce(u32, String, u64, Vec<u32>) + Send + 'static {
+        let me = self.me.clone();
+        let rt = self.effects_runtime();
+        let unverified = self.unverified.clone();
+        move |device, tenant, bytes, pids| {
+            let charge = move || {
+                let pending = &unverified[device as usize];
+                let Some(arb) = me.upgrade() else {
+                    pending.fetch_sub(bytes, Ordering::SeqCst);
+                    return;
+                };
+                let mut st = arb.lock();
+                let id = st.stranded(&tenant, device, bytes, pids.iter().copied());
+                // In the same hold: the refresh sees the bytes as unverified or as the
+                // tenant's, never as both or neither.
+                pending.fetch_sub(bytes, Ordering::SeqCst);
+                drop(st);
+                tracing::warn!(device, tenant, bytes, ?pids, charged = id.is_some(), "freed memory stayed on the device: a process that had its descriptor keeps it; charged to its tenant until that process exits");
+            };
+            match rt {
+                Some(rt) => {
+                    rt.spawn(async move { charge() });
+                }
+                None => charge(),
             }
         }
     }
@@ -677,5 +767,7 @@ pub(crate) mod durable_tests;
 mod lingering_tests;
 #[cfg(test)]
 mod store_fault_tests;
+#[cfg(test)]
+mod stranded_tests;
 #[cfg(test)]
 pub(crate) mod tests;

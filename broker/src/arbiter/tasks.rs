@@ -139,7 +139,9 @@ impl Arbiter {
             };
             let mut st = self.lock();
             let pool = &st.pools()[i];
-            let held = pool.held_on_device();
+            // Memory a free left with a process outside the broker is the broker's while
+            // its charge is on its way (`Arbiter::free_on_device`).
+            let held = pool.held_on_device() + self.unverified_bytes(i);
             let external = info.total.saturating_sub(info.free).saturating_sub(held);
             // Ignore small drift (driver bookkeeping, the broker's own context growing):
             // the headroom covers it, and the leasable amount does not flap.

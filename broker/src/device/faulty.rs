@@ -2,8 +2,9 @@
 //! on command through its [`FaultSwitch`], fails health checks with a reason (as a GPU
 //! after an Xid or ECC error would), stops answering altogether (every call blocks until
 //! the switch is released, as a GPU that fell off the bus makes driver calls hang), or
-//! fails allocations. With no fault switched on it behaves exactly like the device it
-//! wraps and passes the conformance suite.
+//! fails allocations, or keeps freed memory on the device (as an importer keeps CUDA
+//! memory). With no fault switched on it behaves exactly like the device it wraps and
+//! passes the conformance suite.
 
 use super::{Allocation, Device, DeviceDesc, DeviceError, Handle, MemInfo};
 use parking_lot::Mutex;
@@ -21,6 +22,9 @@ pub struct Faults {
     pub fail_alloc: bool,
     /// Exports fail (after an allocation succeeded).
     pub fail_export: bool,
+    /// Freed memory stays on the device, as a CUDA block does while another process
+    /// holds its import: the free memory reported does not rise by it.
+    pub keep_freed: bool,
 }
 
 /// The remote control of a [`FaultyDevice`]; cheap to clone, usable from any thread.
@@ -49,11 +53,17 @@ impl FaultSwitch {
 pub struct FaultyDevice {
     inner: Box<dyn Device>,
     switch: FaultSwitch,
+    /// Freed bytes kept on the device (`Faults::keep_freed`).
+    kept: u64,
 }
 
 impl FaultyDevice {
     pub fn new(inner: Box<dyn Device>, switch: FaultSwitch) -> FaultyDevice {
-        FaultyDevice { inner, switch }
+        FaultyDevice {
+            inner,
+            switch,
+            kept: 0,
+        }
     }
 
     /// Blocks while the device is told to hang.
@@ -70,7 +80,11 @@ impl Device for FaultyDevice {
     }
     fn mem_info(&mut self) -> Result<MemInfo, DeviceError> {
         self.stall();
-        self.inner.mem_info()
+        let info = self.inner.mem_info()?;
+        Ok(MemInfo {
+            free: info.free.saturating_sub(self.kept),
+            ..info
+        })
     }
     fn fresh_is_zeroed(&self) -> bool {
         self.inner.fresh_is_zeroed()
@@ -87,7 +101,12 @@ impl Device for FaultyDevice {
     }
     fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError> {
         self.stall();
-        self.inner.free(alloc)
+        let bytes = alloc.bytes;
+        self.inner.free(alloc)?;
+        if self.switch.get().keep_freed {
+            self.kept += bytes;
+        }
+        Ok(())
     }
     fn revoke(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
         self.stall();
@@ -168,5 +187,24 @@ mod tests {
         switch.heal();
         let a = dev.alloc(2 << 20).unwrap();
         dev.free(a).unwrap();
+    }
+
+    #[test]
+    fn memory_kept_on_free_does_not_come_back_and_a_plain_free_does() {
+        use crate::device::free_check::Returned;
+        let switch = FaultSwitch::default();
+        let mut dev = FaultyDevice::new(
+            Box::new(HostDevice::new(0, 16 << 20).unwrap()),
+            switch.clone(),
+        );
+        let a = dev.alloc(4 << 20).unwrap();
+        assert_eq!(dev.free_checked(a, None).unwrap(), Returned::Yes);
+        switch.set(Faults {
+            keep_freed: true,
+            ..Default::default()
+        });
+        let a = dev.alloc(4 << 20).unwrap();
+        assert_eq!(dev.free_checked(a, None).unwrap(), Returned::No);
+        assert_eq!(dev.mem_info().unwrap().free, 12 << 20);
     }
 }

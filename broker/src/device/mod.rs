@@ -11,6 +11,7 @@
 pub mod conformance;
 pub mod cuda;
 pub mod faulty;
+pub mod free_check;
 pub mod host;
 pub mod shm_owner;
 pub mod thread;
@@ -89,6 +90,16 @@ pub trait Device: Send {
     fn alloc(&mut self, bytes: u64) -> Result<Allocation, DeviceError>;
     /// Frees an allocation. Callers guarantee no other process still maps it.
     fn free(&mut self, alloc: Allocation) -> Result<(), DeviceError>;
+    /// Frees an allocation whose descriptor reached processes that may keep it, closes
+    /// the broker's own descriptor (`handle`) and says whether the memory came back to the
+    /// device ([`free_check`]). The default reads [`Device::mem_info`] around the free.
+    fn free_checked(
+        &mut self,
+        alloc: Allocation,
+        handle: Option<Handle>,
+    ) -> Result<free_check::Returned, DeviceError> {
+        free_check::free_measured(self, alloc, handle)
+    }
     /// Takes the allocation's memory back from every process that may still map it, where
     /// the device can (a memfd is truncated); before a free of memory that left its
     /// tenant. The default does nothing: the driver offers no such revocation for CUDA

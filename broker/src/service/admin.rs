@@ -429,6 +429,7 @@ impl Admin for AdminService {
                     crate::views::HoldReason::Holder => pb::HoldReason::Holder,
                     crate::views::HoldReason::Importers => pb::HoldReason::Importers,
                     crate::views::HoldReason::Recipients => pb::HoldReason::Recipients,
+                    crate::views::HoldReason::KeptAfterFree => pb::HoldReason::KeptAfterFree,
                 } as i32,
                 holder_pids: q.holders.clone(),
                 publication_id: q.publication.map(|p| p.0.to_string()).unwrap_or_default(),

@@ -132,6 +132,13 @@ impl State {
         }
         self.ledger.uncharge(&tenant, d, bytes);
         block.last_tenant = Some(tenant.clone());
+        // Its holder let go by word only (a release, a revocation it survived or not): it
+        // may keep its import, which no free of CUDA memory can take back.
+        if matches!(ending, Ending::Cache | Ending::Destroy) {
+            if let Some(pid) = self.sessions.get(&lease.session).and_then(|s| s.peer.pid) {
+                block.reached.add(pid);
+            }
+        }
         // Importers of its publication, or other processes that fetched its descriptor,
         // may keep the block (`shared.rs`).
         let Some((block, ending, destroy)) =
@@ -267,6 +274,7 @@ impl State {
             self.free_held(id);
         }
         self.forget_all_shared();
+        self.forget_stranded();
         for i in 0..self.pools.len() {
             for b in self.pools[i].take_cache() {
                 self.fx.free(i as u32, b);

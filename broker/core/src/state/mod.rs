@@ -14,7 +14,8 @@
 //! `end.rs` (end a lease into the cache, a free or quarantine; lift a quarantine; a
 //! session's end; free everything at shutdown), `shared.rs` (publish, unpublish, import,
 //! recipients of descriptors; blocks held for importers and fd recipients, and the look at
-//! processes counted alive), `process.rs` (process reservations: grant, end, draw a lease from one,
+//! processes counted alive), `stranded.rs` (freed memory a process outside the broker
+//! kept, charged to its tenant until that process exits), `process.rs` (process reservations: grant, end, draw a lease from one,
 //! give it back), `devices.rs` (a drain's reclaim requests and their withdrawal, telling
 //! holders of an unhealthy device), `queue.rs` (the queue policy: queue a request, one pass deciding what
 //! fits where, the whole queue run, refusing what can never fit, reclaim requests), and here:
@@ -29,6 +30,7 @@ mod queue;
 #[cfg(test)]
 mod queue_tests;
 mod shared;
+mod stranded;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -38,6 +40,7 @@ pub use adopt::{Adopted, AdoptedQuarantine};
 pub use end::{Ending, Revoke};
 pub use queue::{Enqueued, QueueEnv};
 pub use shared::{Holding, NewPublication, SealCheck};
+pub use stranded::Stranded;
 
 use crate::effects::{Effects, Watch};
 use crate::error::{BrokerError, BrokerResult, Missing};
@@ -99,6 +102,8 @@ pub struct State {
     sessions: SessionTable,
     queue: WaitQueue,
     quarantine: IdMap<Uuid, Quarantined>,
+    /// Memory freed on a device that processes outside the broker kept (`stranded.rs`).
+    stranded: IdMap<Uuid, Stranded>,
     seq: u64,
     /// Shared read-only leases and the blocks held for their importers (`sharing.rs`).
     shared: SharedTable,
@@ -145,6 +150,7 @@ impl State {
             sessions: SessionTable::default(),
             queue: WaitQueue::default(),
             quarantine: IdMap::default(),
+            stranded: IdMap::default(),
             seq: 0,
             shared: SharedTable::default(),
             unchecked: IdMap::default(),
@@ -482,6 +488,11 @@ impl State {
                     .held
                     .values()
                     .map(|h| (h.tenant.as_str(), h.device, h.block.bytes())),
+            )
+            .chain(
+                self.stranded
+                    .values()
+                    .map(|s| (s.tenant.as_str(), s.device, s.bytes)),
             );
         for (tenant, device, bytes) in quarantined {
             by_tenant.entry(tenant).or_default().quarantined += bytes;

@@ -602,6 +602,7 @@ fn a_cached_memfd_found_sealed_is_freed_not_handed_out() {
             size: bytes,
         },
         last_tenant: None,
+        reached: Default::default(),
     };
     let req = ask("a", a, bytes, Some(0));
     assert!(matches!(

@@ -479,9 +479,44 @@ impl State {
         }
     }
 
+    /// An import's process let go by word only and may keep its import of the block
+    /// after the block's free (`stranded.rs`): the block remembers it. Only an importer of
+    /// the publisher's own tenant, since memory kept is charged to the block's tenant;
+    /// another tenant's importer that keeps it stays outside the books.
+    fn import_reached(&mut self, import: Uuid) {
+        let Some(p) = self
+            .shared
+            .by_import
+            .get(&import)
+            .and_then(|id| self.shared.pubs.get(id))
+        else {
+            return;
+        };
+        let Some(pid) = p
+            .imports
+            .get(&import)
+            .filter(|i| i.tenant == p.publisher)
+            .and_then(|i| i.pid)
+        else {
+            return;
+        };
+        let (lease, live) = (p.lease, p.lease_live);
+        let block = if live {
+            self.leases.get_mut(&lease).map(|l| &mut l.block)
+        } else {
+            self.shared.held.get_mut(&lease).map(|h| &mut h.block)
+        };
+        if let Some(b) = block {
+            b.reached.add(pid);
+        }
+    }
+
     /// An import's holder let go (`ending` says whether its process may still map it).
     /// Processes that may map it count as alive; the shell looks at them after the unlock.
     pub fn import_let_go(&mut self, import: Uuid, ending: Ending) {
+        if matches!(ending, Ending::Cache | Ending::Destroy) {
+            self.import_reached(import);
+        }
         self.wake_queue();
         self.fx.push(Effect::ForgetTickets { lease: import });
         let recipients = self.shared.recipients.remove(&import).unwrap_or_default();

@@ -353,6 +353,7 @@ pub(super) fn fake_block(id: u64, bytes: u64) -> Block {
             size: bytes,
         },
         last_tenant: None,
+        reached: Default::default(),
     }
 }
 

@@ -372,3 +372,68 @@ fn kept_sessions_and_leases_are_taken_back_beyond_a_shrunk_quota() {
     assert_eq!(c.st.pools()[0].stats().cached, 0);
     c.st.check_invariant().unwrap();
 }
+
+/// A lease released while its process lives leaves its block remembering that process, and
+/// the block's free carries it; memory the shell then finds kept after that free is charged
+/// to the block's tenant as quarantined, watched per process, until every one has exited.
+/// Nothing is counted for no process or an unknown tenant.
+#[test]
+fn memory_kept_after_its_free_is_charged_to_its_tenant_until_its_holders_exit() {
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    let s = session("a", Some(7));
+    let sid = s.id;
+    c.st.open_session(s, 8).unwrap();
+    let l = c.hold("a", sid, 32 * MIB, 0, false);
+    c.st.end_lease(l, super::Ending::Cache).unwrap();
+    c.st.take_effects();
+    // The device shrinks: the cached block is freed, with the process it reached.
+    c.st.set_leasable(0, 0);
+    let fx = c.st.take_effects().into_vec();
+    let freed: Vec<_> = fx
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Free { block, .. } => Some(block),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(freed.len(), 1, "{fx:?}");
+    assert_eq!(freed[0].reached.pids(), &[7]);
+    assert_eq!(freed[0].last_tenant.as_deref(), Some("a"));
+    c.st.set_leasable(0, 64 * MIB);
+    c.st.take_effects();
+
+    let id = c.st.stranded("a", 0, 32 * MIB, [7, 9]).unwrap();
+    let watched: Vec<u32> =
+        c.st.take_effects()
+            .into_vec()
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Watch {
+                    watch: Watch::Stranded { id: i, pid },
+                } if i == id => Some(pid),
+                _ => None,
+            })
+            .collect();
+    assert_eq!(watched, vec![7, 9]);
+    let held = |c: &Core| c.st.ledger().get("a").unwrap().usage.quarantined_bytes;
+    assert_eq!(held(&c), 32 * MIB);
+    assert_eq!(c.st.pools()[0].stats().quarantined, 32 * MIB);
+    c.st.check_invariant().unwrap();
+    assert!(!c.st.stranded_holder_gone(id, 7), "9 may still keep it");
+    assert_eq!(held(&c), 32 * MIB);
+    assert!(c.st.stranded_holder_gone(id, 9));
+    assert_eq!(held(&c), 0);
+    assert_eq!(c.st.pools()[0].stats().quarantined, 0);
+    assert!(!c.st.stranded_holder_gone(id, 9), "once");
+    c.st.check_invariant().unwrap();
+
+    assert!(c.st.stranded("nobody", 0, 2 * MIB, [7]).is_none());
+    assert!(c.st.stranded("a", 0, 2 * MIB, []).is_none());
+    assert!(
+        c.st.stranded("a", 5, 2 * MIB, [7]).is_none(),
+        "no such device"
+    );
+    assert_eq!(held(&c), 0);
+    c.st.check_invariant().unwrap();
+}
