@@ -17,7 +17,9 @@
 //! processes counted alive), `process.rs` (process reservations: grant, end, draw a lease from one,
 //! give it back), `devices.rs` (a drain's reclaim requests and their withdrawal, telling
 //! holders of an unhealthy device), `queue.rs` (the queue policy: queue a request, one pass deciding what
-//! fits where, the whole queue run, refusing what can never fit, reclaim requests), and here:
+//! fits where, the whole queue run, refusing what can never fit, reclaim requests), `retained.rs`
+//! (a released block its process keeps mapped: held for the tenant, granted to that
+//! process again without a ticket, let go when told), and here:
 //! opening a session, leasable and headroom changes, quota changes.
 
 mod adopt;
@@ -28,6 +30,9 @@ mod process;
 mod queue;
 #[cfg(test)]
 mod queue_tests;
+mod retained;
+#[cfg(test)]
+mod retained_tests;
 mod shared;
 #[cfg(test)]
 mod tests;
@@ -65,6 +70,11 @@ pub struct Quarantined {
     /// Freed, never cached, when lifted: the block was published (or its memfd sealed
     /// for a publish), so others may hold its descriptor.
     pub destroy: bool,
+    /// Retained mapped by its holder's process on purpose (`retained.rs`): this session
+    /// (of that process) is granted it again with no ticket.
+    pub retained_by: Option<Uuid>,
+    /// Its process was asked to let go of it (`SessionEvent::DropRetained`, once).
+    pub asked_back: bool,
 }
 
 /// The time of the lock hold a transition runs in, on the monotonic and the wall clock:
