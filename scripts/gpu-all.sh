@@ -4,6 +4,7 @@
 #   scripts/gpu-all.sh build [BEFORE]   # here (Rust, no GPU): everything into .gpu/all;
 #                                       # BEFORE (a commit or tag, or GPU_ALL_BEFORE_REF): the
 #                                       # previous release's broker and bench built beside it
+#                                       # (or GPU_ALL_BEFORE, GPU_ALL_BEFORE_BENCH: binaries built earlier)
 #   scripts/gpu-all.sh run [PARTS]      # on the GPU machine (no Rust); PARTS is a comma list
 #                                       # (default: fd,fd-ab,check,forge,shared,sleep,python,serving,mps,health,restart,host)
 #   scripts/gpu-all.sh dry-run [PARTS]  # here, no GPU: the same parts on the host backend
@@ -99,6 +100,11 @@ build() {
     if [[ -n ${GPU_ALL_BEFORE:-} ]]; then
         cp -f "$GPU_ALL_BEFORE" "$OUT/gpu-broker-before"
         strip "$OUT/gpu-broker-before" 2>/dev/null || true
+    fi
+    # Its bench too, where the previous release was built apart (build-before).
+    if [[ -n ${GPU_ALL_BEFORE_BENCH:-} ]]; then
+        cp -f "$GPU_ALL_BEFORE_BENCH" "$OUT/gpu-broker-bench-before"
+        strip "$OUT/gpu-broker-bench-before" 2>/dev/null || true
     fi
     rm -f "$OUT"/gpu-broker-variant-* "$OUT/extra-brokers.tgz"
     local v

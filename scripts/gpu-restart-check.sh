@@ -10,6 +10,7 @@
 #      the status line (`keeper: took back 10000 leases ... in N ms`: reading the keeper
 #      and adopting); the worker prints `FIRST_CALL_MS` (its first call after the
 #      restart), `RESUMED kept=10000 lost=0`, `USAGE_OK` (held bytes exact), `DONE`
+#      and the card's leasable bytes are what they were before the kill
 #   2. a PyTorch training loop on gpubroker.torch keeps stepping through a broker SIGKILL
 #      + restart: `RESUMED`, `QUOTA_ENFORCED` (an allocation beyond the quota still
 #      fails after it), `TRAIN_OK`
@@ -30,11 +31,22 @@ keeper_start() {
     return 1
 }
 
+# The first device's leasable bytes, as the broker reports them.
+leasable() {
+    "${CTL[@]}" --json devices | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+d = d[0] if isinstance(d, list) else d.get("devices", [d])[0]
+print(d["leasable_bytes"])'
+}
+
 # SIGKILLs the broker, starts it again on the same socket and state, and prints how long
-# it took to answer a call.
+# it took to answer a call; fails when the restarted broker leases less of the card (the
+# kept memory counted as used by others).
 restart_broker() {
-    local dir=$1
+    local dir=$1 before after
     shift
+    before=$(leasable)
     kill -KILL "$BROKER_PID"
     wait "$BROKER_PID" 2>/dev/null || true
     local t0 t1
@@ -45,6 +57,10 @@ restart_broker() {
     echo "restart to serving: $(((t1 - t0) / 1000000)) ms"
     "${CTL[@]}" status | sed -n 3p
     grep "took back what the keeper held" "$dir/broker.log" | tail -1
+    after=$(leasable)
+    echo "leasable before / after the restart: $before / $after bytes"
+    # Contexts that come and go move it by less than 1 GiB.
+    ((after + 1073741824 >= before))
 }
 
 # Waits until FILE has a line starting with WHAT (or PID exited).
@@ -66,10 +82,11 @@ hold_through() {
     local w=$!
     wait_line "$log" HOLDING "$w" || return 1
     cat "$log"
-    restart_broker "$dir" --keeper "$dir/keeper.sock" --headroom 4GiB
+    local same=0
+    restart_broker "$dir" --keeper "$dir/keeper.sock" --headroom 4GiB || same=1
     wait "$w" || { cat "$log"; return 1; }
     cat "$log"
-    grep -q "^DONE" "$log"
+    grep -q "^DONE" "$log" && return "$same"
 }
 
 # Part 2: training through a restart.
@@ -78,10 +95,11 @@ train_through() {
     GPU_BROKER_TOKEN=$token python3 "$OUT/gpu_restart_check.py" train >"$log" 2>&1 &
     local w=$!
     wait_line "$log" "STEP 50" "$w" || return 1
-    restart_broker "$dir" --keeper "$dir/keeper.sock" --headroom 4GiB
+    local same=0
+    restart_broker "$dir" --keeper "$dir/keeper.sock" --headroom 4GiB || same=1
     wait "$w" || { cat "$log"; return 1; }
     grep -E "^(RESUMED|QUOTA|TRAIN|STEP [0-9]*00 )" "$log"
-    grep -q "^TRAIN_OK" "$log"
+    grep -q "^TRAIN_OK" "$log" && return "$same"
 }
 
 run() {

@@ -228,6 +228,7 @@ def graph(args):
         out.update(hook_frees_after_free=freed["frees"] - pre_free["frees"],
                    allocated_after_free=freed["allocated_bytes"], held_after_free=_held())
         # torch.compile with CUDA graphs (CUDA-graph trees).
+        routings = _count_routings(torch)
         try:
             cm = torch.compile(model, mode="reduce-overhead")
             for _ in range(4):
@@ -237,6 +238,9 @@ def graph(args):
         except Exception as e:  # noqa: BLE001 - reported
             out["compiled_matches"] = False
             out["compile_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            out["compile_diagnosis"] = _diagnose_pools(torch, str(e))
+        out["torch"] = torch.__version__
+        out["routings_during_compile"] = dict(routings)
     out["ok"] = (out["hook_allocs_at_capture"] > 0
                  and out["allocated_captured"] >= out["allocated_before"] + 128 * MIB
                  and out["replay_matches_eager"] and out["hook_allocs_during_50_replays"] == 0
@@ -347,7 +351,7 @@ def memsaver(args):
     leasable, leased = _card(os.environ["GPU_SERVING_CTL"])
     out["card_free_before"] = leasable - leased
     if args.cmd == "memsaver-reclaim":
-        nbytes = leasable - leased + 256 * MIB
+        nbytes = max(leasable - leased, 0) + 256 * MIB
         hs = gpubroker.connect(os.environ["GPU_BROKER_ADDR"], args.high_token).session("high")
         t0 = time.perf_counter()
         lease = hs.lease(nbytes, wait=60)
@@ -362,7 +366,7 @@ def memsaver(args):
         held_kv = s.usage().held_bytes
         # Another tenant is granted what was given back: more than the card had free.
         other = gpubroker.connect(os.environ["GPU_BROKER_ADDR"], args.high_token).session("other")
-        lease = other.lease(leasable - leased + 256 * MIB)
+        lease = other.lease(max(leasable - leased, 0) + 256 * MIB)
         out["other_granted"] = lease.nbytes
         lease.release()
         other.close()
@@ -388,6 +392,43 @@ def memsaver(args):
         paused_ok = paused_ok and any(out["paused_by_reclaim"].values())
     out["ok"] = paused_ok and same and w_ok and y_ok and kv_ok and held2 >= held0 - 64 * MIB
     result(**out)
+
+
+def _count_routings(torch):
+    """Counts the pool routings begun from here on (by PyTorch's function name): what
+    torch.compile's CUDA-graph trees call, for a failure's report."""
+    counts = {}
+    for name in ("_cuda_beginAllocateToPool", "_cuda_beginAllocateCurrentThreadToPool",
+                 "_cuda_beginAllocateCurrentStreamToPool", "_cuda_endAllocateToPool",
+                 "_cuda_endAllocateCurrentStreamToPool", "_cuda_releasePool"):
+        inner = getattr(torch._C, name, None)
+        if inner is None:
+            continue
+
+        def counted(*a, _inner=inner, _name=name):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _inner(*a)
+
+        setattr(torch._C, name, counted)
+    return counts
+
+
+def _diagnose_pools(torch, text):
+    """For each address the error names: the pool of the segment holding it."""
+    import re
+
+    found = {}
+    try:
+        snapshot = torch.cuda.memory_snapshot()
+    except Exception as e:  # noqa: BLE001 - reported
+        return f"no snapshot: {e}"
+    for ptr in {int(m) for m in re.findall(r"\b(\d{8,})\b", text)}:
+        for seg in snapshot:
+            if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                found[ptr] = {"pool": list(seg.get("segment_pool_id", ())),
+                              "segment": seg["address"], "size": seg["total_size"]}
+    pools = sorted({tuple(seg.get("segment_pool_id", ())) for seg in snapshot})
+    return {"ptrs": found, "pools": [list(p) for p in pools]}
 
 
 # ---------------------------------------------------------------- torch.multiprocessing

@@ -7,6 +7,7 @@ use crate::device::cuda::{self, CudaDevice};
 use crate::device::host::HostDevice;
 use crate::device::thread::DeviceThread;
 use crate::device::{Device, DeviceError};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Which device backend to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +46,22 @@ pub struct DeviceSlot {
     pub external_at_start: u64,
     /// Memory kept free on the device (configured headroom).
     pub headroom: u64,
+    /// Bytes of kept leases a start took back from the keeper (CUDA): in use when
+    /// `initial_leasable` and `external_at_start` were read, yet the broker's, not others'.
+    pub taken_back: AtomicU64,
+}
+
+impl DeviceSlot {
+    /// Leasable bytes at start, the memory taken back from the keeper included.
+    pub fn leasable_at_start(&self) -> u64 {
+        self.initial_leasable + self.taken_back.load(Ordering::Relaxed)
+    }
+
+    /// Memory others used at start, without what the broker took back.
+    pub fn external_at_start(&self) -> u64 {
+        self.external_at_start
+            .saturating_sub(self.taken_back.load(Ordering::Relaxed))
+    }
 }
 
 /// What the backend needs to know.
@@ -187,6 +204,7 @@ fn slot(thread: DeviceThread, headroom: Headroom) -> Result<DeviceSlot, BackendE
         headroom,
         initial_leasable: leasable,
         external_at_start: info.total - info.free,
+        taken_back: AtomicU64::new(0),
         thread,
     })
 }

@@ -335,6 +335,12 @@ pub struct Config {
     /// still alive, and SIGTERM leaves them to the keeper (docs/operations.md).
     #[arg(long, env = "GPU_BROKER_KEEPER")]
     pub keeper: Option<PathBuf>,
+
+    /// Where leases wait across a broker restart: `auto` (the keeper when --keeper names
+    /// one, else systemd's file-descriptor store when the unit has one), `keeper`,
+    /// `fdstore`, or `none` (docs/operations.md).
+    #[arg(long, env = "GPU_BROKER_KEEP_IN", value_enum, default_value = "auto")]
+    pub keep_in: crate::keeper::KeepIn,
 }
 
 /// Settings the broker no longer has, each with why it was removed. Naming one (flag,

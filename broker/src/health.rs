@@ -246,6 +246,7 @@ mod tests {
                     thread,
                     initial_leasable: 64 * MIB,
                     external_at_start: 0,
+                    taken_back: Default::default(),
                     headroom: 0,
                 }
             })

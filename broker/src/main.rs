@@ -24,6 +24,8 @@ fn main() -> anyhow::Result<()> {
         return run_keeper();
     }
     let cfg = Config::load().unwrap_or_else(|e| e.exit());
+    // Before any thread: what systemd's fd store handed back becomes ours (close-on-exec).
+    let handed_back = gpu_broker::keeper::fdstore::take_handed_back();
     init_logging(cfg.log_json);
     join_own_mps(&cfg);
     // Admin calls, listings, the operators' socket and the metrics listener run on their own runtime
@@ -34,7 +36,7 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?
-        .block_on(run(cfg, &reads))
+        .block_on(run(cfg, &reads, handed_back))
 }
 
 /// `gpu-broker keeper --socket PATH`: the process that holds lease descriptors and
@@ -76,7 +78,11 @@ fn init_logging(json: bool) {
     }
 }
 
-async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Result<()> {
+async fn run(
+    cfg: Config,
+    reads: &gpu_broker::read_pool::ReadPool,
+    handed_back: Vec<(String, std::os::fd::OwnedFd)>,
+) -> anyhow::Result<()> {
     // The TCP listener's TLS first: a missing or bad certificate fails before anything
     // else is opened.
     let mut tcp_tls = None;
@@ -132,11 +138,29 @@ async fn run(cfg: Config, reads: &gpu_broker::read_pool::ReadPool) -> anyhow::Re
     let arb = Arbiter::new(devices, host_tier, Some(store), auth, cfg.arbiter())
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading state")?;
-    if let Some(path) = &cfg.keeper {
-        // Before anything is served: what the previous broker left is taken back first.
-        let link = connect_keeper(path)?;
-        arb.adopt_from_keeper(link)
-            .with_context(|| format!("taking back what the keeper at {} holds", path.display()))?;
+    // Before anything is served: what the previous broker left is taken back first.
+    use gpu_broker::keeper::{choose, fdstore, Choice, FdStore, SystemdEnv};
+    let systemd = SystemdEnv::from_env();
+    match choose(
+        cfg.keep_in,
+        cfg.keeper.as_deref(),
+        &systemd,
+        !handed_back.is_empty(),
+    )? {
+        Choice::Keeper(path) => {
+            fdstore::let_go(handed_back);
+            let link = connect_keeper(&path)?;
+            arb.adopt_from_keeper(link).with_context(|| {
+                format!("taking back what the keeper at {} holds", path.display())
+            })?;
+        }
+        Choice::FdStore => {
+            let store = FdStore::open(handed_back, systemd.fdstore_max)
+                .context("opening systemd's file-descriptor store")?;
+            arb.adopt_from_keeper(store)
+                .context("taking back what systemd's file-descriptor store holds")?;
+        }
+        Choice::Nothing => fdstore::let_go(handed_back),
     }
     if let Some(mps) = mps.clone() {
         mps.set_device_count(arb.device_count() as u32);

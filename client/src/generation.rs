@@ -211,7 +211,7 @@ mod tests {
             broker_version: "v".into(),
             keepalive_timeout: None,
             peer_pid: 1,
-            resume_secret: String::new(),
+            resume_secret: Default::default(),
         }
     }
 

@@ -25,14 +25,35 @@ pub(crate) struct Opened {
     /// The caller's pid as the broker saw it (0 over TCP).
     pub(crate) peer_pid: u32,
     /// What resumes this session after a broker restart (empty: it cannot be resumed).
-    pub(crate) resume_secret: String,
+    pub(crate) resume_secret: ResumeSecret,
+}
+
+/// A session's resume secret: sent back to resume, never printed (`{:?}` shows whether
+/// there is one, not what it is).
+#[derive(Clone, PartialEq, Eq, Default)]
+pub(crate) struct ResumeSecret(pub(crate) String);
+
+impl ResumeSecret {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for ResumeSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_empty() {
+            "none"
+        } else {
+            "<redacted>"
+        })
+    }
 }
 
 /// A request to resume a session after a broker restart.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ResumeAsk {
     pub(crate) session_id: String,
-    pub(crate) secret: String,
+    pub(crate) secret: ResumeSecret,
     /// The leases held on it through `Lease` objects.
     pub(crate) held: Vec<String>,
 }
@@ -66,7 +87,7 @@ pub(crate) async fn open_stream(
         .open_session(pb::OpenSessionRequest {
             name: name.to_string(),
             resume_session_id: resume.map(|r| r.session_id.clone()).unwrap_or_default(),
-            resume_secret: resume.map(|r| r.secret.clone()).unwrap_or_default(),
+            resume_secret: resume.map(|r| r.secret.0.clone()).unwrap_or_default(),
             held_lease_ids: resume.map(|r| r.held.clone()).unwrap_or_default(),
         })
         .await?
@@ -131,7 +152,25 @@ pub(crate) async fn open_stream(
         tenant: opened.tenant,
         broker_version: opened.broker_version,
         peer_pid: opened.peer_pid,
-        resume_secret: opened.resume_secret,
+        resume_secret: ResumeSecret(opened.resume_secret),
     };
     Ok((stream, opened, resumed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resume_secret_is_never_printed() {
+        let ask = ResumeAsk {
+            session_id: "s".into(),
+            secret: ResumeSecret("hunter2-secret".into()),
+            held: vec![],
+        };
+        let shown = format!("{ask:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("<redacted>"), "{shown}");
+        assert_eq!(format!("{:?}", ResumeSecret::default()), "none");
+    }
 }

@@ -334,6 +334,27 @@ fn the_systemd_unit_raises_the_descriptor_limit_above_the_connection_cap() {
     assert!(limit >= 2 * 4096, "LimitNOFILE={limit}");
 }
 
+/// The systemd unit gives the broker a file-descriptor store that outlives a stop, large
+/// enough for a lease per descriptor the broker may hold, and leaves the broker's
+/// `keep-in = "auto"` to use it (docs/operations.md, "Restarts that keep every lease").
+#[test]
+fn the_systemd_unit_keeps_leases_in_its_file_descriptor_store() {
+    let unit = std::fs::read_to_string(root().join("deploy/gpu-broker.service")).unwrap();
+    let value = |key: &str| {
+        unit.lines()
+            .find_map(|l| l.trim().strip_prefix(key)?.strip_prefix('='))
+            .unwrap_or_else(|| panic!("deploy/gpu-broker.service sets {key}"))
+            .trim()
+            .to_string()
+    };
+    let max: u64 = value("FileDescriptorStoreMax").parse().unwrap();
+    let nofile: u64 = value("LimitNOFILE").parse().unwrap();
+    assert!(max >= nofile, "FileDescriptorStoreMax={max}");
+    assert_eq!(value("FileDescriptorStorePreserve"), "yes");
+    let config = std::fs::read_to_string(root().join("deploy/config.toml")).unwrap();
+    assert!(config.contains("\nkeep-in = \"auto\"\n"));
+}
+
 /// The YAML documents of `file` (under `deploy/kubernetes`), parsed by PyYAML from the
 /// venv `scripts/test-deps.sh` makes (the one kubernetes-validate runs in).
 fn yaml_docs(file: &str) -> Vec<serde_json::Value> {

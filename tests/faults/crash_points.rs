@@ -1,4 +1,5 @@
-//! The crash-point matrix: a broker with a keeper is SIGKILLed at each step of each
+//! The crash-point matrix: a broker with a keeper (and again with systemd's fd store, a
+//! fake manager of `tests/support/systemd.rs`) is SIGKILLed at each step of each
 //! state-changing operation whose order matters for a restart (before and after each
 //! write to the keeper: `GPU_BROKER_CRASH_AT`, `broker/src/crash_point.rs`), restarted,
 //! and then the books must agree everywhere: the leases the live worker holds are exactly
@@ -15,24 +16,57 @@ use gpu_broker_client::{Backoff, Client, Lease, Session, SessionEvent};
 
 const SIZE: u64 = 8 * MIB;
 
+/// Where the broker keeps its leases: the matrix runs against each.
+#[derive(Clone, Copy, Debug)]
+enum Where {
+    Keeper,
+    FdStore,
+}
+
+/// A place holding leases: a keeper process or a (fake) systemd's fd store.
+enum Held {
+    Keeper(Box<Keeper>),
+    FdStore(std::sync::Arc<FakeSystemd>),
+}
+
+impl Held {
+    /// How many lease memory objects it holds.
+    fn memfds(&self) -> usize {
+        match self {
+            Held::Keeper(k) => k.memfds(),
+            Held::FdStore(sd) => sd.memfds(),
+        }
+    }
+}
+
 struct Case {
-    keeper: Keeper,
+    keeper: Held,
     b: Broker,
     token: String,
 }
 
 impl Case {
-    /// A keeper and a broker that dies at `point`.
-    async fn start(point: &str) -> Case {
-        let keeper = Keeper::start().await.unwrap();
-        let mut extra = keeper.flags();
-        extra.extend(["--keepalive-timeout".into(), "2s".into()]);
-        let mut b = Broker::start_with(BrokerOpts {
+    /// A keeper (or a systemd fd store) and a broker that dies at `point`.
+    async fn start(point: &str, place: Where) -> Case {
+        let opts = BrokerOpts {
             capacity: "256MiB",
-            extra,
+            extra: vec!["--keepalive-timeout".into(), "2s".into()],
             ..BrokerOpts::default()
-        })
-        .unwrap();
+        };
+        let (keeper, mut b) = match place {
+            Where::Keeper => {
+                let keeper = Keeper::start().await.unwrap();
+                let mut opts = opts;
+                opts.extra.extend(keeper.flags());
+                let b = Broker::start_with(opts).unwrap();
+                (Held::Keeper(Box::new(keeper)), b)
+            }
+            Where::FdStore => {
+                let sd = FakeSystemd::start(1024).unwrap();
+                let b = Broker::start_under(sd.clone(), opts).unwrap();
+                (Held::FdStore(sd), b)
+            }
+        };
         let token = b.tenant("t", QuotaSpec::new(128 * MIB)).await.unwrap();
         // The crash point is armed from the next start: restart once with it.
         b.kill().unwrap();
@@ -133,6 +167,15 @@ async fn resumed_or_closed(events: &mut gpu_broker_client::SessionEvents) -> Ses
 
 #[tokio::test]
 async fn acquire_fresh_and_from_the_cache() {
+    acquire(Where::Keeper).await
+}
+
+#[tokio::test]
+async fn acquire_fresh_and_from_the_cache_in_the_fd_store() {
+    acquire(Where::FdStore).await
+}
+
+async fn acquire(place: Where) {
     for (point, n) in [
         ("before-keep:lease", 1),
         ("after-keep:lease", 1),
@@ -140,7 +183,7 @@ async fn acquire_fresh_and_from_the_cache() {
         ("after-keep:lease", 2),
     ] {
         let point = format!("{point}#{n}");
-        let mut c = Case::start(&point).await;
+        let mut c = Case::start(&point, place).await;
         let s = c.session().await;
         let mut events = s.events();
         let mut held = Vec::new();
@@ -164,9 +207,18 @@ async fn acquire_fresh_and_from_the_cache() {
 
 #[tokio::test]
 async fn release_and_revoke() {
+    release(Where::Keeper).await
+}
+
+#[tokio::test]
+async fn release_and_revoke_in_the_fd_store() {
+    release(Where::FdStore).await
+}
+
+async fn release(place: Where) {
     for point in ["before-keep:lease-ended", "after-keep:lease-ended"] {
         for revoke in [false, true] {
-            let mut c = Case::start(point).await;
+            let mut c = Case::start(point, place).await;
             let s = c.session().await;
             let mut events = s.events();
             let a = s.lease(SIZE).await.unwrap();
@@ -209,6 +261,15 @@ async fn release_and_revoke() {
 
 #[tokio::test]
 async fn session_open_and_end() {
+    session_start_end(Where::Keeper).await
+}
+
+#[tokio::test]
+async fn session_open_and_end_in_the_fd_store() {
+    session_start_end(Where::FdStore).await
+}
+
+async fn session_start_end(place: Where) {
     // Ending a session: its leases' ends, then its own.
     for point in [
         "before-keep:lease-ended",
@@ -217,7 +278,7 @@ async fn session_open_and_end() {
         "after-keep:session-ended",
         "after-keep:session",
     ] {
-        let mut c = Case::start(point).await;
+        let mut c = Case::start(point, place).await;
         if point == "after-keep:session" {
             // The worker never learnt of the session (its open failed): the kept one is
             // taken back, never resumed, and ends with the keepalive timeout.

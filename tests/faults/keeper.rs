@@ -266,3 +266,64 @@ async fn sigterm_leaves_sessions_to_the_keeper_and_a_resume_needs_the_secret() {
     .unwrap();
     assert_eq!(held_bytes(&b, "gamma").await, (0, 0));
 }
+
+/// The keeper holds every tenant's memory: it answers its own user only, not root (root in
+/// a container is not the host's broker). A keeper of uid 65534 closes root's connection
+/// without a word; its socket's missing directory is made 0700.
+#[tokio::test]
+async fn the_keeper_answers_only_its_own_user() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(dir.path(), Some(65534), Some(65534)).unwrap();
+    let socket = dir.path().join("kept").join("keeper.sock");
+    let mut cmd = Command::new(bin("gpu-broker"));
+    cmd.arg("keeper")
+        .arg("--socket")
+        .arg(&socket)
+        .uid(65534)
+        .gid(65534);
+    let mut keeper = Proc::spawn(cmd).unwrap();
+    keeper
+        .line_starting(
+            "stderr: gpu-broker keeper: listening",
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    let mode = std::fs::metadata(socket.parent().unwrap())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700, "the socket's directory: {mode:o}");
+    // Root (this test) asks for the dump: the connection closes with nothing sent.
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import socket, sys\n\
+             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n\
+             s.settimeout(10)\n\
+             s.connect(sys.argv[1])\n\
+             try:\n\
+             \x20   s.send(b'{\"op\":\"dump\"}')\n\
+             \x20   print('closed' if s.recv(65536) == b'' else 'answered')\n\
+             except (BrokenPipeError, ConnectionResetError):\n\
+             \x20   print('closed')",
+        )
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "closed",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    keeper
+        .line_starting(
+            "stderr: gpu-broker keeper: refused a connection of uid Ok(0)",
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+}

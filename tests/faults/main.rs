@@ -8,6 +8,7 @@ mod capacity;
 mod crash_points;
 mod durability;
 mod fallback;
+mod fdstore;
 mod guarantees;
 mod keeper;
 mod kept_mappings;

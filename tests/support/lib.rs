@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod systemd;
+pub use systemd::FakeSystemd;
+
 /// Directory of the workspace's built binaries (`target/debug` or `target/release`).
 pub fn bin_dir() -> PathBuf {
     // Test executables live in target/<profile>/deps/.
@@ -44,6 +47,8 @@ pub struct Broker {
     wrapper: Vec<String>,
     /// Environment of the next [`Broker::spawn`] (e.g. a crash point).
     pub env: Vec<(String, String)>,
+    /// The service manager it runs under, if any ([`Broker::start_under`]).
+    pub systemd: Option<std::sync::Arc<FakeSystemd>>,
 }
 
 /// Options for starting a broker.
@@ -93,6 +98,14 @@ impl Broker {
         Broker::start_args(host, opts.extra)
     }
 
+    /// Starts a host-backend broker as a unit of `systemd` (its notify socket and
+    /// file-descriptor store): every (re)start gets the store's descriptors back.
+    pub fn start_under(systemd: std::sync::Arc<FakeSystemd>, opts: BrokerOpts) -> Result<Broker> {
+        let host = opts.host_args();
+        let extra = opts.extra;
+        Broker::start_args_under(Vec::new(), host, move |_| extra, Some(systemd))
+    }
+
     /// Starts a broker on the real GPUs (`--backend cuda`) with `extra` flags.
     pub fn start_cuda(extra: Vec<String>) -> Result<Broker> {
         Broker::start_args(vec!["--backend".into(), "cuda".into()], extra)
@@ -132,6 +145,15 @@ impl Broker {
         backend: Vec<String>,
         extra: impl FnOnce(&Path) -> Vec<String>,
     ) -> Result<Broker> {
+        Broker::start_args_under(wrapper, backend, extra, None)
+    }
+
+    fn start_args_under(
+        wrapper: Vec<String>,
+        backend: Vec<String>,
+        extra: impl FnOnce(&Path) -> Vec<String>,
+        systemd: Option<std::sync::Arc<FakeSystemd>>,
+    ) -> Result<Broker> {
         let dir = tempfile::Builder::new().prefix("gpb-test-").tempdir()?;
         let extra = extra(dir.path());
         let shm_dir = PathBuf::from("/dev/shm").join(
@@ -166,6 +188,7 @@ impl Broker {
             args,
             wrapper,
             env: Vec::new(),
+            systemd,
             dir,
         };
         b.spawn()?;
@@ -178,22 +201,33 @@ impl Broker {
             .create(true)
             .append(true)
             .open(&self.log)?;
-        let mut cmd = match self.wrapper.split_first() {
-            Some((prog, rest)) => {
-                let mut c = Command::new(prog);
-                c.args(rest).arg(bin("gpu-broker"));
+        // Copies of the store's descriptors, open until the child has them.
+        let mut _handed = Vec::new();
+        let mut cmd = match (&self.systemd, self.wrapper.split_first()) {
+            (Some(sd), _) => {
+                let (c, h) = sd.prepare(&bin("gpu-broker"), &self.args)?;
+                _handed = h;
                 c
             }
-            None => Command::new(bin("gpu-broker")),
+            (None, Some((prog, rest))) => {
+                let mut c = Command::new(prog);
+                c.args(rest).arg(bin("gpu-broker")).args(&self.args);
+                c
+            }
+            (None, None) => {
+                let mut c = Command::new(bin("gpu-broker"));
+                c.args(&self.args);
+                c
+            }
         };
         let child = cmd
-            .args(&self.args)
             .env("GPU_BROKER_LOG", "info")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .context("spawning gpu-broker")?;
+        drop(_handed);
         let child = self.child.insert(child);
         let log = self.log.clone();
         wait_until_serving(child, &self.socket, Duration::from_secs(20), || {
@@ -203,6 +237,11 @@ impl Broker {
             .trim()
             .to_string();
         Ok(())
+    }
+
+    /// The flags of the next [`Broker::spawn`].
+    pub fn args_mut(&mut self) -> &mut Vec<String> {
+        &mut self.args
     }
 
     pub fn uri(&self) -> String {

@@ -447,7 +447,9 @@ pub enum ErrorKind {
 }
 
 impl BrokerError {
-    /// What kind of failure this is.
+    /// What kind of failure this is, said once per variant: the gRPC code
+    /// (`grpc_status::code`) and the metrics' refusal label (`metrics::refusal_reason`)
+    /// are both read from it.
     pub fn kind(&self) -> ErrorKind {
         use BrokerError::*;
         match self {

@@ -473,6 +473,8 @@ impl Arbiter {
         self.lock().commit_host(req, bytes, made)
     }
 
+    /// Queues a free of host-fallback memory on the host tier's thread: the one place it is
+    /// freed (reached through `Effect::FreeHost`, and by a host grant whose device work failed).
     pub(crate) fn free_host(&self, what: impl Into<super::Unneeded>) {
         if let Some(h) = &self.host_tier {
             let what = what.into();

@@ -13,7 +13,7 @@ use super::effects::Keep;
 use super::{Arbiter, Ending};
 use crate::error::{BrokerError, BrokerResult};
 use crate::keeper::records::{self, Kept, LeaseRecord, SessionRecord};
-use crate::keeper::{KeeperError, KeeperLink};
+use crate::keeper::{KeeperError, Place};
 use crate::pool::Block;
 use crate::session::{Peer, Session, SessionEvent};
 use std::collections::HashSet;
@@ -98,11 +98,11 @@ impl Arbiter {
         self.keeper.get().is_some_and(|k| !k.is_broken())
     }
 
-    /// Takes back what the keeper at `link` holds (before serving), then sends it every
-    /// change from now on. See the module documentation.
+    /// Takes back what `link` holds (a keeper or systemd's fd store; before serving), then
+    /// sends it every change from now on. See the module documentation.
     pub fn adopt_from_keeper(
         self: &Arc<Self>,
-        link: KeeperLink,
+        link: impl Place + 'static,
     ) -> Result<RestartReport, KeeperError> {
         let t0 = Instant::now();
         let entries = link.dump()?;
@@ -137,6 +137,7 @@ impl Arbiter {
                 }
             }
         }
+        self.count_kept_memory_as_ours(&leases);
         let (taken, refused) = self.adopt_leases(leases, &adopted);
         for (r, why) in refused {
             tracing::info!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
@@ -151,6 +152,7 @@ impl Arbiter {
         }
         drop(waiting);
         // From here every change is kept: nothing else runs before serving.
+        let place = link.describe();
         let _ = self.keeper.set(Arc::new(link));
         self.lock().set_keeping(true);
         report.took = t0.elapsed();
@@ -167,6 +169,7 @@ impl Arbiter {
             bytes_adopted = report.bytes_adopted,
             unreadable = report.unreadable,
             took = ?report.took,
+            %place,
             "took back what the keeper held"
         );
         let _ = self.restart.set(report.clone());
@@ -200,6 +203,36 @@ impl Arbiter {
     /// Takes back the kept leases `leases` of the sessions taken back (`sessions`), in
     /// batches: one job per device makes their blocks again, one lock hold adopts them.
     /// Those taken back (session, lease, bytes), and those not with why.
+    /// Kept CUDA memory was in use when the devices opened, so their leasable bytes and
+    /// the memory used outside the broker were read without it: it is the broker's (taken
+    /// back now, or freed once the keeper's and our copies close), so each device's
+    /// leasable amount grows by it and the outside measure stops counting it.
+    fn count_kept_memory_as_ours(&self, leases: &[(LeaseRecord, Option<std::os::fd::OwnedFd>)]) {
+        let mut kept = vec![0u64; self.devices.len()];
+        for (r, fd) in leases {
+            let Some(slot) = self.devices.get(r.device as usize) else {
+                continue;
+            };
+            if fd.is_some()
+                && r.tier == "device"
+                && slot.thread.desc().backend == crate::device::BackendKind::Cuda
+            {
+                kept[r.device as usize] = kept[r.device as usize].saturating_add(r.bytes);
+            }
+        }
+        let mut st = self.lock();
+        for (d, bytes) in kept.into_iter().enumerate() {
+            if bytes == 0 {
+                continue;
+            }
+            let slot = &self.devices[d];
+            slot.taken_back
+                .store(bytes, std::sync::atomic::Ordering::Relaxed);
+            let gran = st.pools()[d].granularity();
+            st.set_leasable(d as u32, slot.leasable_at_start() / gran * gran);
+        }
+    }
+
     #[allow(clippy::type_complexity)]
     fn adopt_leases(
         &self,
@@ -353,6 +386,8 @@ impl Arbiter {
         peer: Peer,
         held: &[Uuid],
     ) -> BrokerResult<(mpsc::UnboundedReceiver<SessionEvent>, Vec<Uuid>, Vec<Uuid>)> {
+        // A closing broker reopens no mailbox (open_session refuses likewise).
+        self.check_not_shutting_down()?;
         let refused = || BrokerError::NotFound(crate::error::Missing::Session(id));
         let hash = secret_hash(secret);
         let (tx, rx) = mpsc::unbounded_channel();

@@ -187,7 +187,7 @@ pub struct Arbiter {
     /// (with it the daemon's status has them).
     compute_modes: std::sync::OnceLock<Vec<String>>,
     /// The keeper of sessions and leases across restarts (`adopt.rs`), once taken back.
-    keeper: std::sync::OnceLock<Arc<crate::keeper::KeeperLink>>,
+    keeper: std::sync::OnceLock<Arc<dyn crate::keeper::Place>>,
     /// What this start took back from the keeper.
     restart: std::sync::OnceLock<RestartReport>,
     /// Leases taken back from the keeper, by session, until the session is resumed (a
@@ -219,7 +219,9 @@ pub struct Arbiter {
     pub(crate) fds: Arc<crate::fd_budget::FdBudget>,
 }
 
-/// Where the health monitor keeps its fault source.
+/// Where the health monitor keeps its fault source. Lock order: this slot, then the
+/// source's own mutex, then nothing; neither is held while the state lock is taken (an
+/// operator's `SetDeviceHealth` resets the source, releases both, then marks the device).
 pub(crate) type HealthSourceSlot =
     parking_lot::Mutex<Option<Arc<parking_lot::Mutex<Box<dyn crate::faults::FaultSource>>>>>;
 

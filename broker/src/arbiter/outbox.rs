@@ -1,5 +1,5 @@
 //! The outbox: the shell's ends of the channels the core's messages travel on, so the core
-//! (`arbiter/state/`) holds no tokio types. The core names a session by its id; here each
+//! (`gpu_broker_core::state`) holds no tokio types. The core names a session by its id; here each
 //! open session's event channel (its **mailbox**) is kept by that id. A transition asks for
 //! an event with `Effect::Notify { session, .. }` and for the channel's end with
 //! `Effect::Hangup`; the lock guard (`effects.rs`) resolves both while the state lock is

@@ -143,12 +143,12 @@ impl Arbiter {
             let external = info.total.saturating_sub(info.free).saturating_sub(held);
             // Ignore small drift (driver bookkeeping, the broker's own context growing):
             // the headroom covers it, and the leasable amount does not flap.
-            let mut grown = external.saturating_sub(slot.external_at_start);
+            let mut grown = external.saturating_sub(slot.external_at_start());
             if grown < outside_noise(info.total) {
                 grown = 0;
             }
             let gran = pool.granularity();
-            let leasable = slot.initial_leasable.saturating_sub(grown) / gran * gran;
+            let leasable = slot.leasable_at_start().saturating_sub(grown) / gran * gran;
             if leasable != pool.leasable() {
                 tracing::warn!(
                     device = i,

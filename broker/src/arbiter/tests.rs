@@ -639,6 +639,7 @@ fn fake_cuda_fixture(
         thread,
         initial_leasable: 56 * MIB,
         external_at_start: 0,
+        taken_back: Default::default(),
         headroom: 8 * MIB,
     };
     let arb = Arbiter::new(
@@ -1568,6 +1569,7 @@ async fn a_fresh_block_whose_export_failed_is_freed_on_the_device() {
         thread: thread.clone(),
         initial_leasable: 64 * MIB,
         external_at_start: 0,
+        taken_back: Default::default(),
         headroom: 0,
     };
     let arb = Arbiter::new(

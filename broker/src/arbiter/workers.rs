@@ -20,6 +20,8 @@ use tokio_util::sync::CancellationToken;
 /// The running workers.
 #[derive(Debug, Default)]
 pub struct Workers {
+    /// A leaf lock, taken with no other lock held (to add a worker, list them, or take
+    /// them all for the join) and released before any wait.
     running: Mutex<Vec<(&'static str, JoinHandle<()>)>>,
 }
 

@@ -219,6 +219,14 @@ impl Device for HostDevice {
     }
 
     fn adopt(&mut self, fd: OwnedFd, bytes: u64, block_id: u64) -> Result<Allocation, DeviceError> {
+        // A restart with a smaller capacity: what does not fit is not taken back.
+        let free = self.desc.total_bytes - self.allocated;
+        if bytes > free {
+            return Err(DeviceError::OutOfMemory {
+                requested: bytes,
+                free,
+            });
+        }
         let id = self.next_id;
         self.next_id += 1;
         self.allocated += bytes;

@@ -2,6 +2,10 @@
 //! calling thread and tokio moves tasks between threads, so every call on a device goes
 //! through this thread, fed by a channel; async callers await a oneshot reply and never
 //! block on the driver.
+//!
+//! Jobs run in the order they were queued: the lock guard (`arbiter/effects.rs`) queues a
+//! free before it releases the state lock, so the free reaches the device ahead of any
+//! allocation admitted after it.
 
 use super::{Device, DeviceDesc, DeviceError};
 use std::sync::mpsc;

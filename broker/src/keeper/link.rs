@@ -15,13 +15,7 @@ use std::time::Duration;
 /// another broker never answers).
 pub const DUMP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// One record the keeper handed back, with its descriptor.
-#[derive(Debug)]
-pub struct Entry {
-    pub key: String,
-    pub record: serde_json::Value,
-    pub fd: Option<OwnedFd>,
-}
+pub use super::place::Entry;
 
 /// Why the keeper could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +32,8 @@ pub enum KeeperError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the systemd file-descriptor store cannot be used: {0}")]
+    FdStore(#[source] std::io::Error),
 }
 
 /// The connection to the keeper.
@@ -132,5 +128,26 @@ impl KeeperLink {
                 }
             }
         }
+    }
+}
+
+impl super::place::Place for KeeperLink {
+    fn describe(&self) -> String {
+        format!("the keeper at {}", self.path.display())
+    }
+    fn dump(&self) -> Result<Vec<Entry>, KeeperError> {
+        KeeperLink::dump(self)
+    }
+    fn put(&self, key: String, record: serde_json::Value, fd: Option<BorrowedFd<'_>>) {
+        KeeperLink::put(self, key, record, fd)
+    }
+    fn remove(&self, key: String) {
+        KeeperLink::remove(self, key)
+    }
+    fn is_broken(&self) -> bool {
+        KeeperLink::is_broken(self)
+    }
+    fn sent(&self) -> u64 {
+        KeeperLink::sent(self)
     }
 }

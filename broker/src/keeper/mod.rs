@@ -1,17 +1,26 @@
 //! The keeper: where a broker's lease descriptors and the records of its sessions and
-//! leases wait across a broker restart. A keeper process (`gpu-broker keeper`, [`serve`])
-//! holds a copy of every leased block's descriptor (so the memory outlives the broker)
-//! with the lease's record; the broker ([`link`]) sends each change as the state lock makes
-//! it and, when it starts again, reads everything back and adopts the leases of holders
-//! still alive (`arbiter/adopt.rs`). [`wire`] is the socket and its messages, [`records`]
-//! the versioned records.
+//! leases wait across a broker restart. [`place`] is the seam; two places implement it: a
+//! keeper process (`gpu-broker keeper`, [`serve`]; the broker's end [`link`]) and systemd's
+//! file-descriptor store ([`fdstore`], its records in a memfd [`journal`]); [`choose`]
+//! picks one. Either holds a copy of every leased block's descriptor (so the memory
+//! outlives the broker) with the lease's record; the broker writes each change as the
+//! state lock makes it and, when it starts again, reads everything back and adopts the
+//! leases of holders still alive (`arbiter/adopt.rs`). [`wire`] is the keeper's socket and
+//! its messages, [`records`] the versioned records.
 
+pub mod choose;
+pub mod fdstore;
+pub mod journal;
 pub mod link;
+pub mod place;
 pub mod serve;
 pub use gpu_broker_core::kept as records;
 pub mod wire;
 
-pub use link::{Entry, KeeperError, KeeperLink};
+pub use choose::{choose, Choice, KeepIn, SystemdEnv};
+pub use fdstore::FdStore;
+pub use link::{KeeperError, KeeperLink};
+pub use place::{Entry, Place};
 pub use records::{Kept, LeaseRecord, SessionRecord, RECORD_VERSION};
 
 #[cfg(test)]

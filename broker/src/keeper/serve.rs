@@ -30,8 +30,24 @@ impl Kept {
     }
 }
 
-/// Listens at `path` and serves brokers until the process is killed.
+/// How long the keeper waits for a broker to take a message of the dump: a peer that
+/// stops reading cannot keep the next broker from the keeper.
+const SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Listens at `path` and serves brokers until the process is killed. The socket's
+/// directory is created 0700 when missing: it must be one no worker can reach (a
+/// container that mounts the broker's socket directory must not see the keeper's).
 pub fn run(path: &Path) -> io::Result<()> {
+    if let Some(dir) = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty() && !d.exists())
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+    }
     let listener = wire::bind(path)?;
     // Descriptors of other processes' memory live here: keep other processes of this
     // user from taking them through /proc/<pid>/fd.
@@ -45,12 +61,18 @@ pub fn run(path: &Path) -> io::Result<()> {
     let me = unsafe { libc::getuid() };
     loop {
         let conn = wire::accept(&listener)?;
+        // Only the keeper's own user (the broker runs as it): root in a container that
+        // could reach the socket is not trusted with every tenant's memory.
         match wire::peer_uid(&conn) {
-            Ok(uid) if uid == me || uid == 0 => {}
+            Ok(uid) if uid == me => {}
             other => {
                 eprintln!("gpu-broker keeper: refused a connection of uid {other:?}");
                 continue;
             }
+        }
+        if let Err(e) = wire::set_send_timeout(&conn, Some(SEND_TIMEOUT)) {
+            eprintln!("gpu-broker keeper: connection refused: {e}");
+            continue;
         }
         match serve_connection(&conn, &mut kept) {
             Ok(()) => eprintln!(

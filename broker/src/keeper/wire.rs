@@ -164,6 +164,19 @@ pub fn peer_uid(sock: &OwnedFd) -> io::Result<u32> {
 
 /// Sets how long a receive may wait (`None`: forever).
 pub fn set_receive_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io::Result<()> {
+    set_timeout(sock, libc::SO_RCVTIMEO, t)
+}
+
+/// Sets how long a send may wait for room (`None`: forever).
+pub fn set_send_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io::Result<()> {
+    set_timeout(sock, libc::SO_SNDTIMEO, t)
+}
+
+fn set_timeout(
+    sock: &OwnedFd,
+    which: libc::c_int,
+    t: Option<std::time::Duration>,
+) -> io::Result<()> {
     let t = t.unwrap_or_default();
     let tv = libc::timeval {
         tv_sec: t.as_secs() as libc::time_t,
@@ -174,7 +187,7 @@ pub fn set_receive_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io
         libc::setsockopt(
             sock.as_raw_fd(),
             libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
+            which,
             (&tv as *const libc::timeval).cast(),
             std::mem::size_of::<libc::timeval>() as libc::socklen_t,
         )

@@ -166,17 +166,6 @@ impl PySession {
     }
 }
 
-fn seconds(name: &str, value: f64) -> PyResult<Duration> {
-    if !value.is_finite() || value < 0.0 {
-        return Err(errors::local(
-            "InvalidArgument",
-            &format!("{name} must be a non-negative number of seconds, got {value}"),
-        ));
-    }
-    Duration::try_from_secs_f64(value)
-        .map_err(|e| errors::local("InvalidArgument", &format!("{name} = {value}: {e}")))
-}
-
 #[pymethods]
 impl PySession {
     /// Acquires `nbytes` of memory (rounded up to the broker's granularity). `device`:
@@ -197,7 +186,7 @@ impl PySession {
         fallback_host: bool,
     ) -> PyResult<PyLease> {
         let session = self.session()?;
-        let wait = wait.map(|w| seconds("wait", w)).transpose()?;
+        let wait = wait.map(|w| rt::seconds("wait", w)).transpose()?;
         let granted = rt::wait(
             py,
             async move {
@@ -870,7 +859,7 @@ impl EventStream {
     /// The next event, or None when `timeout` seconds pass first (or the stream ended).
     #[pyo3(signature = (timeout = None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
-        let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        let timeout = timeout.map(|t| rt::seconds("timeout", t)).transpose()?;
         self.next_event(py, timeout)
     }
 }

@@ -9,7 +9,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use parking_lot::{Mutex, RwLock};
 use pyo3::prelude::*;
@@ -195,15 +194,7 @@ pub fn _regions_pause(py: Python<'_>, tag: Option<String>) -> PyResult<u64> {
 #[pyo3(signature = (tag = None, wait_s = None))]
 pub fn _regions_resume(py: Python<'_>, tag: Option<String>, wait_s: Option<f64>) -> PyResult<u64> {
     rt::check_process()?;
-    let wait = match wait_s {
-        Some(w) if !w.is_finite() || w < 0.0 => {
-            return Err(errors::local(
-                "InvalidArgument",
-                &format!("wait must be a non-negative number of seconds, got {w}"),
-            ))
-        }
-        w => w.map(Duration::from_secs_f64),
-    };
+    let wait = wait_s.map(|w| rt::seconds("wait", w)).transpose()?;
     let chosen = selected(tag.as_deref());
     py.detach(|| {
         let mut woke = 0;

@@ -101,3 +101,16 @@ where
         }
     }
 }
+
+/// Seconds given from Python as a `Duration`: a non-negative number one holds
+/// (`InvalidArgument` otherwise: NaN, negative, infinite, or past ~584 billion years).
+pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
+    if !value.is_finite() || value < 0.0 {
+        return Err(errors::local(
+            "InvalidArgument",
+            &format!("{name} must be a non-negative number of seconds, got {value}"),
+        ));
+    }
+    Duration::try_from_secs_f64(value)
+        .map_err(|e| errors::local("InvalidArgument", &format!("{name} = {value}: {e}")))
+}

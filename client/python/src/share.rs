@@ -65,7 +65,7 @@ pub fn _torch_share(py: Python<'_>, ptr: u64) -> PyResult<(String, String, u64)>
 /// A publication of this tenant imported and mapped read-write in this process: `ptr`,
 /// `nbytes`, `device` (what `__cuda_array_interface__` views need). Unmapped and the
 /// import released when the last view is gone.
-#[pyclass(name = "ImportedSegment", module = "gpubroker._native")]
+#[pyclass(weakref, name = "ImportedSegment", module = "gpubroker._native")]
 pub struct ImportedSegment {
     #[pyo3(get)]
     ptr: u64,

@@ -314,16 +314,7 @@ impl PyResident {
     /// `Session.lease` (the same exceptions); stays asleep then. Waking twice does nothing.
     #[pyo3(signature = (wait = None))]
     fn wake(&self, py: Python<'_>, wait: Option<f64>) -> PyResult<()> {
-        let wait = match wait {
-            Some(w) if !w.is_finite() || w < 0.0 => {
-                return Err(errors::local(
-                    "InvalidArgument",
-                    &format!("wait must be a non-negative number of seconds, got {w}"),
-                ))
-            }
-            Some(w) => Some(Duration::from_secs_f64(w)),
-            None => None,
-        };
+        let wait = wait.map(|w| rt::seconds("wait", w)).transpose()?;
         let mut r = self.take()?;
         let out = rt::block_on(py, async move {
             let res = r.wake(wait).await;

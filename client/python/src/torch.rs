@@ -691,16 +691,11 @@ pub fn _torch_install(
             "gpubroker.torch is already installed in this process",
         ));
     }
-    if !wait_s.is_finite() || wait_s < 0.0 {
-        return Err(errors::local(
-            "InvalidArgument",
-            &format!("wait must be a non-negative number of seconds, got {wait_s}"),
-        ));
-    }
+    let wait = rt::seconds("wait", wait_s)?;
     let session = session.client_session()?;
     let config = Config {
         segment_bytes: segment_bytes.max(2 << 20),
-        wait: Duration::from_secs_f64(wait_s),
+        wait,
         ..Config::default()
     };
     // `Some(save)`: sleep on reclaim requests (the segments must be reclaimable for the
@@ -830,16 +825,7 @@ pub fn _torch_sleep(py: Python<'_>, save: bool) -> PyResult<u64> {
 pub fn _torch_wake(py: Python<'_>, wait_s: Option<f64>) -> PyResult<u64> {
     allocator()?;
     rt::check_process()?;
-    let wait = match wait_s {
-        Some(w) if !w.is_finite() || w < 0.0 => {
-            return Err(errors::local(
-                "InvalidArgument",
-                &format!("wait must be a non-negative number of seconds, got {w}"),
-            ))
-        }
-        Some(w) => Some(Duration::from_secs_f64(w)),
-        None => None,
-    };
+    let wait = wait_s.map(|w| rt::seconds("wait", w)).transpose()?;
     let segs: Vec<Arc<ResidentSegment>> = residents().lock().by_base.values().cloned().collect();
     let handle = rt::handle();
     let woke = py

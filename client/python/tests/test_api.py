@@ -431,6 +431,19 @@ def test_torch_allocator_hooks_are_exported_and_inert_before_install():
         assert "PyTorch" in str(e.value)
 
 
+def test_waits_past_what_a_duration_holds_are_refused_not_a_panic():
+    # Finite but past ~584 billion years: InvalidArgument, not a Rust panic.
+    with pytest.raises(gpubroker.InvalidArgument) as e:
+        gpubroker._native._regions_resume(None, 1e20)
+    assert "wait" in str(e.value)
+
+
+def test_imported_segments_can_be_weakly_referenced():
+    # torch.multiprocessing's receiving side keeps imports in a WeakValueDictionary: a
+    # type without a weak-reference slot fails there (TypeError) on the GPU.
+    assert gpubroker._native.ImportedSegment.__weakrefoffset__ != 0
+
+
 def test_torch_install_plumbing_with_a_stand_in_torch(broker):
     """gpubroker.torch's Python half against a recording stand-in for PyTorch (the real
     hooks; the host backend's leases cannot be mapped as CUDA memory, which exercises the
@@ -445,6 +458,7 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
         [sys.executable, os.path.join(here, "torch_plumbing_child.py"), broker.address, token,
          os.path.join(here, "fake_torch")],
         capture_output=True, text=True, timeout=120,
+        env={**os.environ, "GPU_BROKER_STREAM_RECORD_FLUSH": "8192"},
     )
     lines = [l for l in child.stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, child.stdout + child.stderr
@@ -481,6 +495,10 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
         "pool", "end", "release", "pool_deleted", "pool_deleted", "torch_empty_cache", "begin"], out["empty_calls"]
     assert out["reuse_calls"] == ["end", "torch_empty_cache", "begin", "release"], out["reuse_calls"]
     assert out["reuse_same_pool"]
+    # A record_stream under the threshold only records; the one that reaches it also
+    # returns the multi-stream blocks (the routing pauses around PyTorch's empty_cache).
+    assert out["record_first"] == ["record_stream"], out["record_first"]
+    assert out["record_second"] == ["record_stream", "end", "torch_empty_cache", "begin", "release"], out["record_second"]
     assert out["released"] == 0
 
 

@@ -99,4 +99,12 @@ torch.calls.clear()
 gt.reuse_stream_blocks()
 out["reuse_calls"] = [c[0] for c in torch.calls]
 out["reuse_same_pool"] = len({c[2] for c in torch.calls if c[0] in ("end", "begin")}) == 1
+# Tensor.record_stream returns multi-stream blocks once enough bytes were recorded
+# (GPU_BROKER_STREAM_RECORD_FLUSH, 8 KiB here: two 4 KiB tensors), before a miss grows the pool.
+torch.calls.clear()
+torch.Tensor(is_cuda=True).record_stream("side")
+out["record_first"] = [c[0] for c in torch.calls]
+torch.calls.clear()
+torch.Tensor(is_cuda=True).record_stream("side")
+out["record_second"] = [c[0] for c in torch.calls]
 print("RESULT " + json.dumps(out))

@@ -82,6 +82,10 @@ impl State {
             return Err((NotAdopted::Tenant, block));
         }
         self.pools[a.device as usize].adopt(bytes);
+        // Who else got its descriptor before the restart (importers of a publication, other
+        // processes) is not kept: such a block is freed when the lease ends, never cached
+        // for its tenant's next lease, so nobody who may still map it sees later bytes.
+        self.sealing.insert(a.id);
         let seq = self.next_seq();
         let lease = Lease {
             id: a.id,

@@ -311,13 +311,17 @@ fn kept_sessions_and_leases_are_taken_back_beyond_a_shrunk_quota() {
     assert!(matches!(r, Err((NotAdopted::Device, _))));
     c.st.check_invariant().unwrap();
 
-    // Its end is kept like any other lease's.
+    // Its end is kept like any other lease's, and its block is freed, not cached: who
+    // else got its descriptor before the restart is not known.
     c.st.end_lease(a.id, super::Ending::Cache).unwrap();
-    assert!(c
-        .st
-        .take_effects()
-        .into_vec()
+    let fx = c.st.take_effects().into_vec();
+    assert!(fx
         .iter()
         .any(|e| matches!(e, Effect::Keep { change: crate::effects::Keep::LeaseEnded(id) } if *id == a.id)));
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Free { .. })),
+        "{fx:?}"
+    );
+    assert_eq!(c.st.pools()[0].stats().cached, 0);
     c.st.check_invariant().unwrap();
 }

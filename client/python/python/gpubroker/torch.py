@@ -79,6 +79,8 @@ class _State:
         self.dead_graph_pools: List[Tuple[int, int]] = []
         # Captures under way in this process (no pause of the routing during one).
         self.capturing = 0
+        # Bytes of tensors recorded on other streams since the last return of such blocks.
+        self.recorded_bytes = 0
 
 
 def _env_number(name: str, default: float) -> float:
@@ -207,6 +209,9 @@ def install(
         # from growing.
         _native._torch_set_stream_block_flush(
             _reuse_stream_blocks_soon, _env_number("GPU_BROKER_STREAM_FLUSH", 0.0)
+        )
+        _route_record_stream(
+            torch, state, int(_env_number("GPU_BROKER_STREAM_RECORD_FLUSH", float(64 << 20)))
         )
         _state = state
         atexit.register(_stop_routing)
@@ -509,6 +514,30 @@ def _release_dead_graph_pools(torch: Any, state: _State) -> None:
         gone.append(state.graph_pools.pop(pid))
     state.dead_graph_pools[:] = keep
     gone.clear()
+
+
+def _route_record_stream(torch: Any, state: _State, every: int) -> None:
+    """`Tensor.record_stream` also returns multi-stream blocks once `every` bytes were
+    recorded since the last return (0: never). The hook's flush alone comes after a
+    miss, when PyTorch has already grown its pool by a segment: a loop that frees a
+    side-stream block per step then grows it by one segment per flush, without bound.
+    Recording from C++ (NCCL) does not pass here: the hook's flush covers it."""
+    original = getattr(torch.Tensor, "record_stream", None)
+    if original is None or every <= 0:
+        return
+
+    def record_stream(self: Any, stream: Any) -> Any:
+        result = original(self, stream)
+        try:
+            state.recorded_bytes += int(self.untyped_storage().nbytes())
+        except Exception:  # noqa: BLE001 - a tensor without storage: nothing to count
+            return result
+        if state.recorded_bytes >= every:
+            state.recorded_bytes = 0
+            _reuse_stream_blocks_soon()
+        return result
+
+    torch.Tensor.record_stream = record_stream
 
 
 def _reuse_stream_blocks_soon() -> None:

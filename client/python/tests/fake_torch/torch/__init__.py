@@ -25,6 +25,9 @@ class Tensor:
     def untyped_storage(self):
         return UntypedStorage(self.is_cuda)
 
+    def record_stream(self, stream):
+        calls.append(("record_stream", stream))
+
 
 class UntypedStorage:
     def __init__(self, is_cuda=False):
