@@ -67,7 +67,7 @@ fn a_retained_block_stays_its_tenants_and_goes_back_only_to_its_own_process() {
             Effect::Watch { watch: Watch::Quarantine { lease: l, pid: Some(7) } } if *l == lease)),
         "its process is watched: {effects:?}"
     );
-    let usage = c.st.ledger().get("a").unwrap().usage.clone();
+    let usage = c.st.ledger().get("a").unwrap().usage;
     assert_eq!((usage.held_bytes, usage.quarantined_bytes), (0, 16 * MIB));
     let pool = c.st.pools()[0].stats();
     assert_eq!((pool.cached, pool.quarantined), (0, 16 * MIB));
@@ -96,7 +96,7 @@ fn a_retained_block_stays_its_tenants_and_goes_back_only_to_its_own_process() {
             .expect("granted");
     assert_eq!(block_id(&view.handle), block);
     assert_eq!((view.bytes, view.requested_bytes), (16 * MIB, 15 * MIB));
-    let usage = c.st.ledger().get("a").unwrap().usage.clone();
+    let usage = c.st.ledger().get("a").unwrap().usage;
     assert_eq!(
         (usage.held_bytes, usage.quarantined_bytes, usage.lease_count),
         (16 * MIB, 0, 1)
