@@ -425,10 +425,11 @@ impl Session {
                     SessionEvent::DropRetained { lease_id } => {
                         cache.take_ended(lease_id).into_iter().collect()
                     }
-                    // The broker session (and what it held) is gone, or this one ends.
-                    SessionEvent::Reconnected { .. } | SessionEvent::Closed { .. } => {
-                        cache.take_all()
-                    }
+                    // The broker session is gone, or restarted (a restart keeps leases, not
+                    // retained blocks), or this one ends.
+                    SessionEvent::Reconnected { .. }
+                    | SessionEvent::Resumed { .. }
+                    | SessionEvent::Closed { .. } => cache.take_all(),
                     _ => continue,
                 };
                 for e in gone {
