@@ -35,6 +35,21 @@ impl Arbiter {
         Err(lease_not_found(id))
     }
 
+    /// The peer of `session` (of `tenant`, else `NOT_FOUND`) and whether its process
+    /// retains any block: an acquire asks [`Arbiter::acquire_retained`] only then, so the
+    /// ordinary path takes the state lock no more often than before.
+    pub fn session_peer_retaining(
+        &self,
+        tenant: &str,
+        session: Uuid,
+    ) -> BrokerResult<(crate::session::Peer, bool)> {
+        let st = self.lock();
+        match st.sessions().get(&session) {
+            Some(s) if s.tenant == tenant => Ok((s.peer, st.retains(session))),
+            _ => Err(crate::arbiter::session_not_found(session)),
+        }
+    }
+
     /// A lease for `req` made of a block process `caller` retained, when it has one that
     /// fits the request (`State::grant_retained`); `None`: the request takes the ordinary
     /// path.

@@ -195,9 +195,9 @@ impl Broker for BrokerService {
         };
         // Bad values first (as before), then whether this caller can use what it would get.
         self.arb.validate(&acquire).map_err(status)?;
-        let session_peer = self
+        let (session_peer, retains) = self
             .arb
-            .session_peer(&acquire.tenant, session)
+            .session_peer_retaining(&acquire.tenant, session)
             .map_err(status)?;
         handles::check_same_user(&session_peer, &caller).map_err(status)?;
         handles::check_servable(&self.arb, accept, &caller).map_err(status)?;
@@ -206,7 +206,7 @@ impl Broker for BrokerService {
         let own = caller
             .pid
             .filter(|&p| p != 0 && Some(p) == session_peer.pid);
-        if !r.host_tier {
+        if retains && !r.host_tier {
             if let Some(lease) = self.arb.acquire_retained(&acquire, own) {
                 let mut reply = convert::lease_on(&lease, &self.arb);
                 reply.handle = Some(pb::lease::Handle::Fd(handles::retained_handle(

@@ -191,6 +191,9 @@ impl State {
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease: id, pid });
+                if let Some(session) = retained_by {
+                    self.retained.entry(session).or_default().insert(id);
+                }
             }
         }
         if let Some(r) = lease.reservation {
@@ -208,6 +211,9 @@ impl State {
         let Some(q) = self.quarantine.remove(&id) else {
             return false;
         };
+        if let Some(session) = q.retained_by {
+            self.unindex_retained(session, id);
+        }
         self.wake_queue();
         self.fx.unwatch(Watch::Quarantine {
             lease: id,

@@ -109,6 +109,9 @@ pub struct State {
     sessions: SessionTable,
     queue: WaitQueue,
     quarantine: IdMap<Uuid, Quarantined>,
+    /// The quarantined blocks each session's process retained (`retained.rs`), by the
+    /// session: a lease request finds its own without a scan, one that has none at once.
+    retained: IdMap<Uuid, crate::id_map::IdSet<Uuid>>,
     seq: u64,
     /// Shared read-only leases and the blocks held for their importers (`sharing.rs`).
     shared: SharedTable,
@@ -155,6 +158,7 @@ impl State {
             sessions: SessionTable::default(),
             queue: WaitQueue::default(),
             quarantine: IdMap::default(),
+            retained: IdMap::default(),
             seq: 0,
             shared: SharedTable::default(),
             unchecked: IdMap::default(),
@@ -480,6 +484,19 @@ impl State {
             let t = by_tenant.entry(t.as_str()).or_default();
             t.host += bytes;
             t.host_leases += count;
+        }
+        // The retained index lists exactly the quarantined blocks retained, by session.
+        let indexed: usize = self.retained.values().map(|ids| ids.len()).sum();
+        let retained = self.quarantine.values().filter(|q| q.retained_by.is_some());
+        if indexed != retained.count()
+            || self.retained.iter().any(|(s, ids)| {
+                ids.is_empty()
+                    || ids
+                        .iter()
+                        .any(|id| self.quarantine.get(id).and_then(|q| q.retained_by) != Some(*s))
+            })
+        {
+            return Err("the retained index disagrees with the quarantine".into());
         }
         // Quarantined: ended leases a live process may map, and blocks of ended shared
         // leases held for their importers (`sharing.rs`).

@@ -71,18 +71,20 @@ impl State {
         }
         let candidates = self.candidates(avail, req.device);
         let id = self
-            .quarantine
+            .retained
+            .get(&req.session)?
             .iter()
-            .find(|(_, q)| {
-                q.retained_by == Some(req.session)
-                    && !q.destroy
-                    && candidates.contains(&q.device)
-                    && crate::units::round_up(
-                        req.bytes,
-                        self.pools[q.device as usize].granularity(),
-                    ) == Some(q.block.bytes())
-            })
-            .map(|(id, _)| *id)?;
+            .copied()
+            .find(|id| {
+                self.quarantine.get(id).is_some_and(|q| {
+                    !q.destroy
+                        && candidates.contains(&q.device)
+                        && crate::units::round_up(
+                            req.bytes,
+                            self.pools[q.device as usize].granularity(),
+                        ) == Some(q.block.bytes())
+                })
+            })?;
         let q = self.quarantine.get(&id)?;
         // Its holder sealed it (it may): the tenant's lease must be memory it can write.
         if !self.pristine(&q.block) {
@@ -97,6 +99,7 @@ impl State {
             return None;
         }
         let q = self.quarantine.remove(&id)?;
+        self.unindex_retained(req.session, id);
         self.fx.unwatch(Watch::Quarantine {
             lease: id,
             pid: q.pid,
@@ -129,6 +132,21 @@ impl State {
         };
         tracing::debug!(lease = %lease.id, retained = %id, tenant = %req.tenant, device = d, bytes, "retained block leased again");
         Some(self.insert_lease(lease))
+    }
+
+    /// Does `session`'s process retain any block? (No lease request of it needs a look.)
+    pub fn retains(&self, session: Uuid) -> bool {
+        self.retained.contains_key(&session)
+    }
+
+    /// Block `id` retained for `session` left the quarantine.
+    pub(super) fn unindex_retained(&mut self, session: Uuid, id: Uuid) {
+        if let Some(ids) = self.retained.get_mut(&session) {
+            ids.remove(&id);
+            if ids.is_empty() {
+                self.retained.remove(&session);
+            }
+        }
     }
 
     /// The process that retained the block of ended lease `id` (of `tenant`) let go of
