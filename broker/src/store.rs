@@ -1,5 +1,5 @@
-//! Durable broker state: tenants (quotas, priorities, guarantees) and API tokens (only
-//! their hashes) in one embedded, transactional [`redb`] database file,
+//! Durable broker state: tenants (quotas, priorities, guarantees), API tokens (only
+//! their hashes) and Kubernetes claims' reservations in one embedded, transactional [`redb`] database file,
 //! `<state dir>/state.redb`.
 //!
 //! The store owns the file and its format, nothing else: the ledger loads everything at
@@ -7,14 +7,15 @@
 //! `delete_*` methods, each of which is its own write transaction, committed with fsync
 //! before it returns.
 //!
-//! Layout (schema version [`SCHEMA_VERSION`]): three tables keyed by `&str`, whose values
-//! are JSON documents:
+//! Layout (schema version [`SCHEMA_VERSION`]): tables keyed by `&str`, whose values are
+//! JSON documents (`claims` is made by the first claim: a file without it has none):
 //!
 //! | table     | key        | value                          |
 //! | --------- | ---------- | ------------------------------ |
 //! | `meta`    | `"schema"` | the schema version, JSON `1`   |
 //! | `tenants` | name       | [`TenantRecord`]               |
 //! | `tokens`  | token_id   | [`TokenRecord`]                |
+//! | `claims`  | claim uid  | [`ClaimRecord`]                |
 //!
 //! Safety of the operator's data comes first:
 //! * a new file is built and committed under a temporary name and only then linked into
@@ -54,6 +55,7 @@ pub const SCHEMA_VERSION: u64 = 1;
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const TENANTS: TableDefinition<&str, &[u8]> = TableDefinition::new("tenants");
 const TOKENS: TableDefinition<&str, &[u8]> = TableDefinition::new("tokens");
+const CLAIMS: TableDefinition<&str, &[u8]> = TableDefinition::new("claims");
 const SCHEMA_KEY: &str = "schema";
 
 /// redb page cache for this (small) file.
@@ -72,6 +74,26 @@ pub struct TenantRecord {
 /// An API token, as persisted (only the hash of the secret): the authenticator's own
 /// record, [`crate::auth::TokenEntry`], in its serde form.
 pub type TokenRecord = crate::auth::TokenEntry;
+
+/// A Kubernetes claim's reservation, as persisted: a restarted broker takes it again
+/// with the same id, so the claim's pod keeps its room and its token keeps drawing from it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ClaimRecord {
+    /// The ResourceClaim's uid (the key).
+    pub uid: String,
+    pub reservation_id: String,
+    pub tenant: String,
+    pub device: u32,
+    /// The device's UUID when reserved: a restart that finds another device at that
+    /// index does not take the reservation again.
+    pub device_uuid: String,
+    /// Rounded to the device's granularity.
+    pub bytes: u64,
+    pub label: String,
+    /// The worker token bound to it (a record whose token is gone is stale).
+    pub token_id: String,
+    pub created_unix_ms: u64,
+}
 
 /// Errors of the state store. Every variant names the file or directory concerned.
 #[derive(Debug, thiserror::Error)]
@@ -345,6 +367,56 @@ impl Store {
             also(&txn).map_err(|e| db_err(&self.path, "write with token deletion", e))?;
         }
         if existed || also.is_some() {
+            self.commit(txn)?;
+        } else {
+            txn.abort()
+                .map_err(|e| db_err(&self.path, "abort write transaction", e))?;
+        }
+        Ok(existed)
+    }
+
+    /// Every claim reservation, sorted by uid (none in a file without the table).
+    pub fn load_claims(&self) -> Result<Vec<ClaimRecord>, StoreError> {
+        no_panic(&self.path, "loading claims", || {
+            let txn = self.begin_read()?;
+            let table = match txn.open_table(CLAIMS) {
+                Ok(t) => t,
+                Err(TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+                Err(e) => return Err(db_err(&self.path, "open table claims", e)),
+            };
+            read_all(&self.path, &table, "claim", |c: &ClaimRecord| &c.uid)
+        })
+    }
+
+    /// Inserts or replaces the claim `c.uid`; durable before returning.
+    pub fn put_claim(&self, c: &ClaimRecord) -> Result<(), StoreError> {
+        self.check_key("claim uid", &c.uid)?;
+        let bytes = self.encode(&format!("claim '{}'", c.uid), c)?;
+        let txn = self.begin_write()?;
+        {
+            let mut table = txn
+                .open_table(CLAIMS)
+                .map_err(|e| db_err(&self.path, "open table claims", e))?;
+            table
+                .insert(c.uid.as_str(), bytes.as_slice())
+                .map_err(|e| db_err(&self.path, "write claim", e))?;
+        }
+        self.commit(txn)
+    }
+
+    /// Deletes one claim. Ok(false) if absent.
+    pub fn delete_claim(&self, uid: &str) -> Result<bool, StoreError> {
+        let txn = self.begin_write()?;
+        let existed = {
+            let mut table = txn
+                .open_table(CLAIMS)
+                .map_err(|e| db_err(&self.path, "open table claims", e))?;
+            let removed = table
+                .remove(uid)
+                .map_err(|e| db_err(&self.path, "delete claim", e))?;
+            removed.is_some()
+        };
+        if existed {
             self.commit(txn)?;
         } else {
             txn.abort()
@@ -1046,6 +1118,31 @@ mod tests {
             scope: crate::auth::Scope::Worker,
             expires_unix_ms: Some(1_864_460_800_000),
         }
+    }
+
+    #[test]
+    fn claims_round_trip_and_a_file_without_their_table_has_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.load_claims().unwrap(), Vec::new(), "no table yet");
+        let c = ClaimRecord {
+            uid: "uid-1".into(),
+            reservation_id: uuid::Uuid::nil().to_string(),
+            tenant: "a".into(),
+            device: 0,
+            device_uuid: "GPU-0".into(),
+            bytes: 2 << 20,
+            label: "ns/c".into(),
+            token_id: "t1".into(),
+            created_unix_ms: 7,
+        };
+        s.put_claim(&c).unwrap();
+        drop(s);
+        let s = Store::open(dir.path()).unwrap();
+        assert_eq!(s.load_claims().unwrap(), vec![c]);
+        assert!(s.delete_claim("uid-1").unwrap());
+        assert!(!s.delete_claim("uid-1").unwrap());
+        assert_eq!(s.load_claims().unwrap(), Vec::new());
     }
 
     #[test]

@@ -14,6 +14,19 @@ async fn held_bytes(b: &Broker, tenant: &str) -> (u64, u32) {
     (t.usage.held_bytes, t.usage.lease_count)
 }
 
+/// A tenant's held and claim/process-reserved bytes.
+async fn usage(b: &Broker, tenant: &str) -> (u64, u64) {
+    let u = b
+        .admin()
+        .await
+        .unwrap()
+        .get_quota(tenant)
+        .await
+        .unwrap()
+        .usage;
+    (u.held_bytes, u.process_reserved_bytes)
+}
+
 async fn lease_ids(b: &Broker) -> Vec<String> {
     let mut ids: Vec<String> = b
         .admin()
@@ -326,4 +339,74 @@ async fn the_keeper_answers_only_its_own_user() {
         )
         .await
         .unwrap();
+}
+
+/// A claim's pod keeps its lease across a broker SIGKILL: the claim's reservation comes
+/// back from the store and the kept lease of the claim's session is drawn from it again,
+/// so the tenant is charged the claim's bytes once (not the claim and the lease beside it).
+#[tokio::test]
+async fn a_claims_kept_lease_is_drawn_from_the_restored_claim_after_a_sigkill() {
+    let keeper = Keeper::start().await.unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        capacity: "256MiB",
+        extra: keeper.flags(),
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    b.tenant("alpha", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let granted = b
+        .admin()
+        .await
+        .unwrap()
+        .raw()
+        .reserve_claim(pb::ReserveClaimRequest {
+            claim: "uid-k".into(),
+            tenant: "alpha".into(),
+            bytes: 32 * MIB,
+            device: 0,
+            label: "ns/c".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let client = Client::connect(&b.uri(), granted.token).await.unwrap();
+    let session = client
+        .session_builder("pod")
+        .reconnect(Backoff::new(
+            Duration::from_millis(20),
+            Duration::from_millis(200),
+        ))
+        .await
+        .unwrap();
+    let mut events = session.events();
+    let lease = session.lease(8 * MIB).await.unwrap();
+    assert_eq!(usage(&b, "alpha").await, (8 * MIB, 24 * MIB));
+    assert!(eventually(Duration::from_secs(5), || async { keeper.memfds() == 1 }).await);
+
+    b.kill().unwrap();
+    b.spawn().unwrap();
+    let resumed = next_resumed(&mut events).await;
+    assert!(
+        matches!(&resumed, SessionEvent::Resumed { kept_leases, .. } if kept_leases.len() == 1),
+        "{resumed:?}\n{}",
+        b.log_text()
+    );
+    assert_eq!(
+        usage(&b, "alpha").await,
+        (8 * MIB, 24 * MIB),
+        "charged once"
+    );
+    // Released, the lease's bytes go back into the claim, and the claim's to the tenant.
+    lease.release().await.unwrap();
+    assert_eq!(usage(&b, "alpha").await, (0, 32 * MIB));
+    drop(session);
+    let admin = b.admin().await.unwrap();
+    admin
+        .raw()
+        .release_claim(pb::ReleaseClaimRequest {
+            claim: "uid-k".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(usage(&b, "alpha").await, (0, 0));
 }

@@ -339,6 +339,15 @@ impl Broker {
         }
     }
 
+    /// Gives `flag` the value `value` from the next [`Broker::spawn`] on (replaced where
+    /// the broker was started with it, added otherwise).
+    pub fn set_flag(&mut self, flag: &str, value: &str) {
+        match self.args.iter().position(|a| a == flag) {
+            Some(i) if i + 1 < self.args.len() => self.args[i + 1] = value.to_string(),
+            _ => self.args.extend([flag.to_string(), value.to_string()]),
+        }
+    }
+
     /// SIGKILL and reap.
     pub fn kill(&mut self) -> Result<()> {
         if let Some(mut c) = self.child.take() {

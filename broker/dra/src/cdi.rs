@@ -29,6 +29,9 @@ pub struct CdiLayout {
     pub broker_socket_dir: PathBuf,
     /// The broker socket's file name in it.
     pub broker_socket_name: String,
+    /// The group that may read claims' tokens (the workers' group, as for the broker's
+    /// sockets); `None`: the driver's own.
+    pub claim_group: Option<u32>,
 }
 
 /// What a claim's container gets.
@@ -98,11 +101,18 @@ impl CdiLayout {
         let dir = self.claim_dir(uid);
         std::fs::DirBuilder::new()
             .recursive(true)
-            .mode(0o755)
+            .mode(0o750)
             .create(&dir)?;
-        // Readable by the container's user, whoever it is; the 0700 parent keeps the
-        // node's other users out.
-        write_atomic(&dir.join("token"), e.token.as_bytes(), 0o444)?;
+        // The container sees this directory (not its 0700 parent): only its group's
+        // members (the pod's `supplementalGroups`) may enter it and read the token.
+        std::os::unix::fs::chown(&dir, None, self.claim_group)?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o750))?;
+        write_atomic(
+            &dir.join("token"),
+            e.token.as_bytes(),
+            0o440,
+            self.claim_group,
+        )?;
         let socket = format!("unix://{CONTAINER_SOCKET_DIR}/{}", self.broker_socket_name);
         let mut env = vec![
             format!("GPU_BROKER_ADDR={socket}"),
@@ -134,7 +144,7 @@ impl CdiLayout {
         };
         std::fs::create_dir_all(&self.spec_dir)?;
         let body = serde_json::to_vec_pretty(&spec).expect("a CDI spec serializes");
-        write_atomic(&self.spec_path(uid), &body, 0o644)?;
+        write_atomic(&self.spec_path(uid), &body, 0o644, None)?;
         Ok(device_id(uid))
     }
 
@@ -161,8 +171,8 @@ fn bind(host: &Path, container: &str, mode: &str) -> Mount {
     }
 }
 
-/// Writes `path` whole (temporary file, sync, rename) with `mode`.
-fn write_atomic(path: &Path, body: &[u8], mode: u32) -> std::io::Result<()> {
+/// Writes `path` whole (temporary file, sync, rename) with `mode` (and `group`).
+fn write_atomic(path: &Path, body: &[u8], mode: u32, group: Option<u32>) -> std::io::Result<()> {
     let tmp = path.with_extension("tmp");
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -171,6 +181,7 @@ fn write_atomic(path: &Path, body: &[u8], mode: u32) -> std::io::Result<()> {
         .mode(mode)
         .open(&tmp)?;
     f.write_all(body)?;
+    std::os::unix::fs::fchown(&f, None, group)?;
     f.set_permissions(std::fs::Permissions::from_mode(mode))?;
     f.sync_all()?;
     std::fs::rename(&tmp, path)
@@ -188,6 +199,7 @@ mod tests {
             claims_dir: dir.path().join("claims"),
             broker_socket_dir: "/run/gpu-broker".into(),
             broker_socket_name: "broker.sock".into(),
+            claim_group: None,
         };
         let e = ClaimEdits {
             token: "secret".into(),
@@ -230,10 +242,66 @@ mod tests {
         let token = l.claim_dir("u1").join("token");
         assert_eq!(std::fs::read_to_string(&token).unwrap(), "secret");
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode(&token), 0o444);
+        assert_eq!(mode(&token), 0o440);
+        assert_eq!(mode(&l.claim_dir("u1")), 0o750);
         assert_eq!(mode(&l.claims_dir), 0o700);
         l.remove("u1").unwrap();
         assert!(!l.spec_path("u1").exists() && !l.claim_dir("u1").exists());
         l.remove("u1").unwrap();
+    }
+
+    /// `cat` of the token as `uid` with `groups`, through the claim's directory alone (an
+    /// inherited descriptor of it, as the container's mount of it: the 0700 parent is not
+    /// in the way, the directory's and the token's own modes are).
+    fn read_token_as(dir: &Path, uid: u32, groups: &str) -> std::process::Output {
+        let id = uid.to_string();
+        let mut args = vec!["--reuid", &id, "--regid", &id];
+        if groups.is_empty() {
+            args.push("--clear-groups");
+        } else {
+            args.extend(["--groups", groups]);
+        }
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(r#"exec 3<"$1"; shift; exec setpriv "$@" cat /proc/self/fd/3/token"#)
+            .arg("sh")
+            .arg(dir)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_claims_token_is_readable_by_a_non_root_worker_of_the_claim_group_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = CdiLayout {
+            spec_dir: dir.path().join("cdi"),
+            claims_dir: dir.path().join("claims"),
+            broker_socket_dir: "/run/gpu-broker".into(),
+            broker_socket_name: "broker.sock".into(),
+            claim_group: Some(2000),
+        };
+        let e = ClaimEdits {
+            token: "secret".into(),
+            ..Default::default()
+        };
+        l.write("u1", &e).unwrap();
+        let claim = l.claim_dir("u1");
+        let gid = |p: &Path| std::os::unix::fs::MetadataExt::gid(&std::fs::metadata(p).unwrap());
+        assert_eq!((gid(&claim), gid(&claim.join("token"))), (2000, 2000));
+        let worker = read_token_as(&claim, 65534, "2000");
+        assert!(
+            worker.status.success(),
+            "uid 65534 in group 2000: {}",
+            String::from_utf8_lossy(&worker.stderr)
+        );
+        assert_eq!(worker.stdout, b"secret");
+        for (uid, groups) in [(65534, ""), (65533, "65533")] {
+            let other = read_token_as(&claim, uid, groups);
+            assert!(
+                !other.status.success() && other.stdout.is_empty(),
+                "uid {uid} (groups {groups:?}) read the token"
+            );
+        }
     }
 }

@@ -12,8 +12,9 @@
 //! Unprepare: the reservation ends and its token is revoked at the broker, the CDI spec
 //! and token file are removed, the entry goes. An unknown claim is done already.
 //!
-//! A broker restart loses its claim reservations (memory) but not their tokens:
-//! [`Driver::reserve_lost`] reserves each prepared claim again and rewrites its token file
+//! A restarted broker takes its claim reservations and their tokens back from its store;
+//! one it does not hold any more (its state lost, released by an operator, no longer
+//! fitting) is reserved again by [`Driver::reserve_lost`], which rewrites the token file
 //! in place.
 //!
 //! What a claim cannot get (over its tenant's quota, no room, not allocated here) is an
@@ -186,8 +187,8 @@ impl Driver {
         cleaned
     }
 
-    /// Reserves again at the broker every prepared claim it no longer holds (it
-    /// restarted: its claim reservations are memory, their tokens durable): the old token
+    /// Reserves again at the broker every prepared claim it no longer holds (its state
+    /// lost, released behind the driver's back, not taken again at a restart): the old token
     /// is revoked, a new one written over the claim's token file (the container's mount
     /// sees it) and the CDI spec rewritten. Returns the uids reserved again.
     pub async fn reserve_lost(&self) -> Vec<String> {

@@ -88,6 +88,11 @@ struct RunArgs {
     /// The workers' socket's file name in that directory.
     #[arg(long, default_value = "broker.sock")]
     broker_socket_name: String,
+    /// The group that may read claims' token files (mode 0440, directory 0750): a
+    /// non-root worker lists it in its pod's `supplementalGroups`, as for the broker's
+    /// sockets. Without it, the driver's own group.
+    #[arg(long, value_name = "GID")]
+    claim_group: Option<u32>,
     /// Charge NAMESPACE's claims to TENANT (repeatable); unmapped namespaces are their
     /// own tenants.
     #[arg(long = "tenant", value_name = "NAMESPACE=TENANT")]
@@ -100,7 +105,7 @@ struct RunArgs {
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     slice_interval: Duration,
     /// How often prepared claims whose ResourceClaim is gone are cleaned up, and claims
-    /// the broker lost (it restarted) reserved again.
+    /// the broker no longer holds reserved again.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     cleanup_interval: Duration,
     /// Do not publish the ResourceSlice (another process does).
@@ -177,6 +182,7 @@ async fn run(a: RunArgs) -> Result<()> {
         claims_dir: a.state_dir.join("claims"),
         broker_socket_dir: a.broker_socket_dir.clone(),
         broker_socket_name: a.broker_socket_name.clone(),
+        claim_group: a.claim_group,
     };
     let cfg = DriverConfig {
         driver_name: DRIVER_NAME.to_string(),

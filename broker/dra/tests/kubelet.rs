@@ -382,6 +382,35 @@ async fn the_slice_publishes_the_brokers_leasable_memory_and_withdraws_a_drained
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slice_follows_the_brokers_leasable_memory_when_its_headroom_changes() -> Result<()> {
+    let mut n = node().await?;
+    let name = "node-a-gpu-broker.io";
+    let capacity = |s: &Value| -> Result<u64> {
+        let v = s["spec"]["devices"][0]["capacity"]["memory"]["value"]
+            .as_str()
+            .unwrap_or("0");
+        Ok(gpu_broker_dra::quantity::parse_bytes(v)?)
+    };
+    let s = n.api.wait_slice(name, |_| true).await?;
+    assert_eq!(capacity(&s)?, 1024 * MIB);
+    // A quarter of the GPU kept free from now on: the scheduler sees 768 MiB.
+    n.broker.stop(std::time::Duration::from_secs(10))?;
+    n.broker.set_flag("--headroom", "25%");
+    n.broker.spawn()?;
+    let s = n
+        .api
+        .wait_slice(name, |s| capacity(s).is_ok_and(|c| c != 1024 * MIB))
+        .await?;
+    assert_eq!(capacity(&s)?, 768 * MIB);
+    assert_eq!(s["spec"]["pool"]["generation"], 2);
+    assert_eq!(
+        s["spec"]["devices"][0]["capacity"]["memory"]["requestPolicy"]["validRange"]["max"],
+        "768Mi"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slice_print_prints_the_slice_it_would_publish() -> Result<()> {
     let n = node().await?;
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-broker-dra"))
@@ -434,7 +463,7 @@ async fn slice_print_prints_the_slice_it_would_publish() -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_the_broker_lost_in_a_restart_is_reserved_again() -> Result<()> {
+async fn a_claim_survives_a_broker_killed_and_restarted() -> Result<()> {
     let mut n = node().await?;
     let k = Kubelet::register(&n.plugin).await?;
     n.api.add_claim(NS, "c", "uid-r", "gpu-0", "96Mi");
@@ -442,9 +471,60 @@ async fn a_claim_the_broker_lost_in_a_restart_is_reserved_again() -> Result<()> 
         k.prepare(&[(NS, "c", "uid-r")]).await?.claims["uid-r"].error,
         ""
     );
-    let old_token = std::fs::read_to_string(n.plugin.token_file("uid-r"))?;
-    n.broker.stop(std::time::Duration::from_secs(10))?;
+    let token = std::fs::read_to_string(n.plugin.token_file("uid-r"))?;
+    let before = n.admin.list_claims().await?;
+    n.broker.kill()?;
     n.broker.spawn()?;
+    // At once, before the plugin's next look: the reservation, its id and its token.
+    let after = n.admin.list_claims().await?;
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_eq!(after[0].claim, "uid-r");
+    let key = |c: &gpu_broker_proto::v1::ClaimReservation| {
+        (c.reservation_id.clone(), c.bytes, c.token_id.clone())
+    };
+    assert_eq!(key(&after[0]), key(&before[0]));
+    assert_eq!(n.reserved().await?, 96 * MIB);
+    let worker = Client::connect(&n.broker.uri(), token.clone()).await?;
+    let session = worker.session("pod").await?;
+    let lease = session.lease(32 * MIB).await?;
+    let u = n.broker.admin().await?.get_quota(NS).await?.usage;
+    assert_eq!(
+        (u.held_bytes, u.process_reserved_bytes),
+        (32 * MIB, 64 * MIB),
+        "drawn from the restored reservation"
+    );
+    drop(lease);
+    // The plugin found nothing lost: the same token, nothing reserved again.
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    assert_eq!(
+        std::fs::read_to_string(n.plugin.token_file("uid-r"))?,
+        token
+    );
+    assert_eq!(n.tokens().await?, ["claim/uid-r"]);
+    // Released after the restart, the claim's bytes are free, and stay free after another.
+    assert!(n.admin.release_claim("uid-r").await?);
+    assert_eq!(n.reserved().await?, 0);
+    assert_eq!(n.tokens().await?, Vec::<String>::new());
+    n.plugin.kill();
+    n.broker.kill()?;
+    n.broker.spawn()?;
+    assert_eq!(n.claims().await?, Vec::<String>::new());
+    assert_eq!(n.reserved().await?, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_broker_no_longer_holds_is_reserved_again() -> Result<()> {
+    let n = node().await?;
+    let k = Kubelet::register(&n.plugin).await?;
+    n.api.add_claim(NS, "c", "uid-r", "gpu-0", "96Mi");
+    assert_eq!(
+        k.prepare(&[(NS, "c", "uid-r")]).await?.claims["uid-r"].error,
+        ""
+    );
+    let old_token = std::fs::read_to_string(n.plugin.token_file("uid-r"))?;
+    // Gone at the broker behind the plugin's back (its state lost, an operator's release).
+    assert!(n.admin.release_claim("uid-r").await?);
     // The plugin notices and reserves the claim again, with a new token in the same file.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while n.claims().await.unwrap_or_default() != ["uid-r"] {

@@ -71,7 +71,7 @@ pub(super) fn store_err(e: StoreError) -> BrokerError {
 }
 
 impl Arbiter {
-    /// Loads tenants and token hashes from the store (start-up).
+    /// Loads tenants, token hashes and claim reservations from the store (start-up).
     pub(crate) fn load_store(&self) -> BrokerResult<()> {
         let Some(store) = &self.store else {
             return Ok(());
@@ -84,7 +84,9 @@ impl Arbiter {
         for t in tokens {
             self.auth.add(t);
         }
-        tracing::info!(tenants = tenants.len(), "state loaded");
+        drop(st);
+        let claims = self.restore_claims(store)?;
+        tracing::info!(tenants = tenants.len(), claims, "state loaded");
         Ok(())
     }
 

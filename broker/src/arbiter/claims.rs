@@ -3,7 +3,9 @@
 //! reservation is charged like a process reservation (`crate::reservations`) but belongs
 //! to no session: it is bound to a worker token minted with it, and leases of sessions
 //! opened with that token are drawn from it. Releasing the claim ends the reservation and
-//! revokes the token (which ends the sessions opened with it).
+//! revokes the token (which ends the sessions opened with it). Each claim reservation is
+//! kept in the store (`store::ClaimRecord`) while it lasts: a restarted broker takes it
+//! again at start ([`Arbiter::restore_claims`]), before anything is served.
 
 use super::tokens::TokenSpec;
 use super::Arbiter;
@@ -11,8 +13,9 @@ use crate::audit::Who;
 use crate::auth::Scope;
 use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::reservations::{ClaimBinding, ReservationView, ReserveRequest};
+use crate::store::ClaimRecord;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 /// Longest claim uid accepted (Kubernetes uids are 36 bytes).
 pub const MAX_CLAIM_UID: usize = 128;
@@ -71,6 +74,15 @@ impl Arbiter {
                         return Err(e);
                     }
                 }
+                let record = claim_record(&req, &reservation, &token_id);
+                let me = self.clone();
+                let kept = self
+                    .run_durable(move || me.durable(|s| s.put_claim(&record)))
+                    .await;
+                if let Err(e) = kept {
+                    self.undo_claim(&req.uid, &token_id, who).await;
+                    return Err(e);
+                }
                 tracing::info!(claim = %req.uid, reservation = %reservation.id, tenant = %req.tenant, device = req.device, bytes = reservation.bytes, "claim reserved");
                 Ok(ClaimGrant {
                     reservation,
@@ -111,7 +123,8 @@ impl Arbiter {
             }
             found
         };
-        if ended.is_none() && tokens.is_empty() {
+        let kept = self.forget_claim(uid).await?;
+        if ended.is_none() && tokens.is_empty() && !kept {
             return Err(BrokerError::NotFound(Missing::Claim(uid.to_string())));
         }
         tracing::info!(claim = %uid, reservation = ?ended, "claim released");
@@ -225,5 +238,81 @@ impl Arbiter {
         if let Err(e) = self.revoke_token_for(token_id.to_string(), who).await {
             tracing::error!(claim = %uid, token_id, error = %e, "revoking a refused claim's token");
         }
+        if let Err(e) = self.forget_claim(uid).await {
+            tracing::error!(claim = %uid, error = %e, "forgetting a refused claim");
+        }
+    }
+
+    /// Deletes claim `uid`'s record from the store; whether there was one.
+    async fn forget_claim(self: &Arc<Self>, uid: &str) -> BrokerResult<bool> {
+        let me = self.clone();
+        let uid = uid.to_string();
+        self.run_durable(move || me.durable(|s| s.delete_claim(&uid)))
+            .await
+    }
+
+    /// Takes the stored claim reservations again (start, after the tenants and tokens):
+    /// each with its id, bytes and token. A record whose token is gone (revoked, its tenant
+    /// deleted) is stale and deleted; one that does not fit any more (its device changed,
+    /// its quota shrank) is logged and left for the driver, whose next `ReserveClaim`
+    /// reports why on the claim.
+    pub(super) fn restore_claims(&self, store: &crate::store::Store) -> BrokerResult<usize> {
+        let records = store.load_claims().map_err(super::admin::store_err)?;
+        let live = self.auth.live_token_ids();
+        let mut restored = 0;
+        for c in records {
+            if !live.contains(&c.token_id) {
+                tracing::info!(claim = %c.uid, token_id = %c.token_id, "stored claim's token is gone: claim forgotten");
+                store
+                    .delete_claim(&c.uid)
+                    .map_err(super::admin::store_err)?;
+                continue;
+            }
+            match self.restore_claim(&c) {
+                Ok(()) => restored += 1,
+                Err(e) => {
+                    tracing::error!(claim = %c.uid, tenant = %c.tenant, device = c.device, bytes = c.bytes, error = %e, "a stored claim reservation was not taken again")
+                }
+            }
+        }
+        Ok(restored)
+    }
+
+    fn restore_claim(&self, c: &ClaimRecord) -> BrokerResult<()> {
+        let id = uuid::Uuid::parse_str(&c.reservation_id)
+            .map_err(|e| BrokerError::Internal(format!("reservation id: {e}")))?;
+        if (c.device as usize) < self.devices.len() && self.device_uuid(c.device) != c.device_uuid {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "device {} is now {}, not {}",
+                c.device,
+                self.device_uuid(c.device),
+                c.device_uuid
+            )));
+        }
+        let created = SystemTime::UNIX_EPOCH + Duration::from_millis(c.created_unix_ms);
+        let binding = ClaimBinding {
+            uid: c.uid.clone(),
+            token_id: c.token_id.clone(),
+        };
+        let mut st = self.lock();
+        st.restore_claim(id, created, &c.tenant, c.device, c.bytes, &c.label, binding)?;
+        tracing::info!(claim = %c.uid, reservation = %id, tenant = %c.tenant, device = c.device, bytes = c.bytes, "claim reservation taken again");
+        Ok(())
+    }
+}
+
+/// The store's record of a granted claim.
+fn claim_record(req: &ClaimRequest, r: &ReservationView, token_id: &str) -> ClaimRecord {
+    ClaimRecord {
+        uid: req.uid.clone(),
+        reservation_id: r.id.to_string(),
+        tenant: req.tenant.clone(),
+        device: r.device,
+        device_uuid: r.device_uuid.clone(),
+        bytes: r.bytes,
+        label: req.label.clone(),
+        token_id: token_id.to_string(),
+        created_unix_ms: crate::units::unix_ms(r.created.unwrap_or_else(SystemTime::now)).max(0)
+            as u64,
     }
 }

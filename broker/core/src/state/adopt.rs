@@ -1,7 +1,8 @@
 //! Adoption: a restarted broker takes back what the keeper held for it. A session whose
 //! peer process still lives opens again (waiting for its worker to resume it), and each of
 //! its leases comes back with the same id, bytes, tenant and memory, charged to its tenant
-//! and counted on its device. Nothing is pushed for the keeper: it holds them already.
+//! and counted on its device (a claim session's drawn from the claim's reservation again).
+//! Nothing is pushed for the keeper: it holds them already.
 
 use super::State;
 use crate::effects::Watch;
@@ -78,7 +79,22 @@ impl State {
             return Err((NotAdopted::Device, block));
         }
         let bytes = block.bytes();
+        // A lease of a claim's session was drawn from the claim's reservation (restored
+        // from the store before adoption): drawn from it again, not charged beside it.
+        let drawn = self
+            .sessions
+            .get(&a.session)
+            .and_then(|s| s.token_id.as_deref())
+            .and_then(|t| self.reservations.bound_to(t))
+            .filter(|r| r.tenant == a.tenant && r.device == a.device && r.room() >= bytes)
+            .map(|r| r.id);
+        if let Some(rid) = drawn {
+            self.draw(rid, &a.tenant, bytes);
+        }
         if self.ledger.adopt(&a.tenant, a.device, bytes).is_err() {
+            if let Some(rid) = drawn {
+                self.lease_left_reservation(rid, bytes, true);
+            }
             return Err((NotAdopted::Tenant, block));
         }
         self.pools[a.device as usize].adopt(bytes);
@@ -101,7 +117,7 @@ impl State {
             priority: a.priority,
             seq,
             block,
-            reservation: None,
+            reservation: drawn,
             live: LiveMark::default(),
         };
         Ok(self.insert_lease_kept(lease))

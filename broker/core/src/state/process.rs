@@ -62,6 +62,49 @@ impl State {
         label: &str,
         claim: crate::reservations::ClaimBinding,
     ) -> BrokerResult<Uuid> {
+        let id = self.new_v7_id();
+        let created = self.clock.wall;
+        self.charge_claim(id, created, tenant, d, bytes, label, claim)
+    }
+
+    /// A claim reservation a previous broker granted (and the shell kept in its store),
+    /// taken again at start with its id and creation time: checked and charged as
+    /// [`State::grant_claim`] checks and charges a new one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn restore_claim(
+        &mut self,
+        id: Uuid,
+        created: std::time::SystemTime,
+        tenant: &str,
+        d: u32,
+        bytes: u64,
+        label: &str,
+        claim: crate::reservations::ClaimBinding,
+    ) -> BrokerResult<Uuid> {
+        if self.reservations.by_id.contains_key(&id) {
+            return Err(BrokerError::FailedPrecondition(format!(
+                "reservation {id} already exists"
+            )));
+        }
+        if d as usize >= self.pools.len() {
+            return Err(BrokerError::InvalidArgument(format!(
+                "device {d} does not exist"
+            )));
+        }
+        self.charge_claim(id, created, tenant, d, bytes, label, claim)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn charge_claim(
+        &mut self,
+        id: Uuid,
+        created: std::time::SystemTime,
+        tenant: &str,
+        d: u32,
+        bytes: u64,
+        label: &str,
+        claim: crate::reservations::ClaimBinding,
+    ) -> BrokerResult<Uuid> {
         if self.reservations.of_claim(&claim.uid).is_some() {
             return Err(BrokerError::FailedPrecondition(format!(
                 "claim {} already has a reservation",
@@ -97,7 +140,7 @@ impl State {
             self.fx.free(d, b);
         }
         let r = Reservation {
-            id: self.new_v7_id(),
+            id,
             tenant: tenant.to_string(),
             session: Uuid::nil(),
             device: d,
@@ -106,13 +149,12 @@ impl State {
             label: label.to_string(),
             pid: None,
             compute_percent: None,
-            created: self.clock.wall,
+            created,
             drawn: 0,
             lost: 0,
             group: None,
             claim: Some(claim),
         };
-        let id = r.id;
         self.reservations.by_id.insert(id, r);
         Ok(id)
     }

@@ -252,6 +252,53 @@ fn the_core_stamps_with_the_holds_clock() {
     c.st.check_invariant().unwrap();
 }
 
+/// A kept lease of a claim's session (its token bound to the claim's reservation, taken
+/// again from the store before adoption) is drawn from that reservation again: the
+/// tenant is charged the claim's bytes once, and the lease's end gives them back to it.
+#[test]
+fn a_kept_lease_of_a_claims_session_is_drawn_from_the_claim_again() {
+    use super::adopt::Adopted;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(32 * MIB, 0)).unwrap();
+    c.st.set_keeping(true);
+    let binding = crate::reservations::ClaimBinding {
+        uid: "uid-1".into(),
+        token_id: "tok".into(),
+    };
+    let rid = c.st.grant_claim("a", 0, 16 * MIB, "ns/c", binding).unwrap();
+    let mut s = session("a", Some(7));
+    s.token_id = Some("tok".into());
+    let sid = s.id;
+    c.st.adopt_session(s).unwrap();
+    c.st.take_effects();
+    let a = Adopted {
+        id: Uuid::new_v4(),
+        tenant: "a".into(),
+        session: sid,
+        device: 0,
+        requested_bytes: 4 * MIB,
+        label: "kv".into(),
+        reclaimable: false,
+        created: SystemTime::UNIX_EPOCH,
+        priority: 0,
+    };
+    let block = c.block(4 * MIB);
+    c.st.adopt_lease(a.clone(), block).unwrap();
+    let u = c.st.ledger().get("a").unwrap().usage;
+    assert_eq!(
+        (u.held_bytes, u.process_reserved_bytes),
+        (4 * MIB, 12 * MIB),
+        "drawn from the claim, not charged beside it"
+    );
+    assert_eq!(c.st.reservations().get(&rid).unwrap().drawn, 4 * MIB);
+    c.st.check_invariant().unwrap();
+    c.st.end_lease(a.id, super::Ending::Cache).unwrap();
+    c.st.take_effects();
+    let u = c.st.ledger().get("a").unwrap().usage;
+    assert_eq!((u.held_bytes, u.process_reserved_bytes), (0, 16 * MIB));
+    c.st.check_invariant().unwrap();
+}
+
 /// A restarted broker takes back a kept session and its lease: the same id and bytes,
 /// charged to its tenant beyond a quota that shrank meanwhile, counted on its device,
 /// its peer watched, and nothing pushed for the keeper (it holds them already); a lease of
