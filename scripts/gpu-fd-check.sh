@@ -22,7 +22,9 @@
 #      (scripts/gpu_python_fd_worker.py), a Rust process opening the same lease
 #   6. benchmark, one run: lease + map for fresh, pooled and cross-tenant-pooled leases of
 #      2 MiB, 64 MiB, 1 GiB on the fd path, against raw in-process cuMemCreate + reserve +
-#      map + set access
+#      map + set access; and pooled with the block retained mapped (Session::retain_mappings:
+#      one RPC, no ticket, no import, no map): the retained_lease_map_us column and its
+#      ratio to raw
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."

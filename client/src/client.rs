@@ -140,6 +140,7 @@ impl Client {
         self.raw()
             .release_lease(pb::ReleaseLeaseRequest {
                 lease_id: lease_id.to_string(),
+                retain_mapping: false,
             })
             .await?;
         Ok(())

@@ -43,6 +43,14 @@ pub enum SessionEvent {
         /// Why (e.g. a higher-priority tenant is waiting).
         reason: String,
     },
+    /// The broker wants back a block this process retained mapped when it released
+    /// ended lease `lease_id` (`ReleaseLeaseRequest.retain_mapping`): unmap it, close its
+    /// descriptor, then confirm with a release of that id. Until then it stays counted to
+    /// the tenant.
+    DropRetained {
+        /// The ended lease whose block was retained.
+        lease_id: String,
+    },
     /// The lease is gone; its memory stays quarantined until the mapping is closed.
     LeaseRevoked {
         /// The revoked lease.
@@ -169,6 +177,9 @@ impl SessionEvent {
                 device: d.device,
                 uuid: d.uuid,
                 reason: d.reason,
+            }),
+            Event::DropRetained(d) => Some(SessionEvent::DropRetained {
+                lease_id: d.lease_id,
             }),
             Event::Opened(_) | Event::Heartbeat(_) | Event::Resumed(_) => None,
         }

@@ -74,6 +74,9 @@ pub struct FdInfo {
     pub size: u64,
     /// How long the ticket was valid for when issued.
     pub ticket_ttl_ms: u64,
+    /// This process retained the block when it released an earlier lease of it: no
+    /// ticket came, its descriptor and mapping are reused (`crate::retained`).
+    pub retained: bool,
 }
 
 impl std::fmt::Debug for FdInfo {
@@ -97,6 +100,7 @@ impl From<pb::FdHandle> for FdInfo {
             block_id: h.block_id,
             size: h.size,
             ticket_ttl_ms: h.ticket_ttl_ms,
+            retained: h.retained,
         }
     }
 }

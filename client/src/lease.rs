@@ -38,6 +38,9 @@ pub struct Lease {
     released: bool,
     /// The descriptor of an fd lease (closed when the lease goes).
     fd: Option<OwnedFd>,
+    /// The lease's own mapping ([`Lease::mapped`]), kept with the descriptor when the
+    /// block is retained (`retained.rs`).
+    kept: Option<crate::retained::Kept>,
 }
 
 impl fmt::Debug for Lease {
@@ -59,6 +62,34 @@ impl Lease {
             generation,
             released: false,
             fd: None,
+            kept: None,
+        }
+    }
+
+    /// The lease's own host mapping of its memory (a memfd fd lease), made on the first
+    /// call and kept while the lease lives; a lease granted from a block this process
+    /// retained ([`Session::retain_mappings`]) has it already. Unmapped when the lease is
+    /// released (or kept with the block when retained).
+    pub fn mapped(&mut self) -> Result<&mut HostMapping<'static>, ClientError> {
+        if !matches!(self.kept, Some(crate::retained::Kept::Host(_))) {
+            self.kept = Some(crate::retained::Kept::Host(self.map_unbound()?));
+        }
+        match &mut self.kept {
+            Some(crate::retained::Kept::Host(m)) => Ok(m),
+            _ => Err(ClientError::NotMappable),
+        }
+    }
+
+    /// The lease's own CUDA mapping (feature `cuda`), made on the first call and kept
+    /// while the lease lives, as [`Lease::mapped`] keeps a host one.
+    #[cfg(feature = "cuda")]
+    pub fn mapped_cuda(&mut self) -> Result<&crate::cuda::CudaMapping, ClientError> {
+        if !matches!(self.kept, Some(crate::retained::Kept::Cuda(_))) {
+            self.kept = Some(crate::retained::Kept::Cuda(self.map_cuda()?));
+        }
+        match &self.kept {
+            Some(crate::retained::Kept::Cuda(m)) => Ok(m),
+            _ => Err(ClientError::NotMappable),
         }
     }
 
@@ -230,20 +261,53 @@ impl Lease {
         }
         let client = self.session.client();
         let id = &self.info.lease_id;
+        let retain = self.session.retained().enabled()
+            && self.fd.is_some()
+            && self.info.tier == Tier::Device;
+        if !retain {
+            // Unmapped before the broker hears of it (a release promises it).
+            self.kept = None;
+        }
         let mut tries = 0;
         let r = self
             .session
             .through_outage(&self.generation, || {
                 tries += 1;
-                client.release_lease(id)
+                let request = pb::ReleaseLeaseRequest {
+                    lease_id: id.clone(),
+                    retain_mapping: retain,
+                };
+                async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
             })
             .await;
+        let r = r.map(|reply| {
+            if reply.retained {
+                self.retain();
+            }
+        });
+        self.kept = None;
         match r {
             // Tried again after an outage: the restarted broker ended it already (it was
             // no longer named when the session resumed).
             Err(e) if tries > 1 && e.code() == crate::error::Code::NotFound => Ok(()),
             r => r,
         }
+    }
+
+    /// The broker holds the released block for this process: its descriptor and mapping
+    /// go to the session's cache (letting go of what is then over its bound).
+    fn retain(&mut self) {
+        let (Some(fd), LeaseHandle::Fd(i)) = (self.fd.take(), &self.info.handle) else {
+            return;
+        };
+        let over = self.session.retained().put(crate::retained::Entry {
+            ended: self.info.lease_id.clone(),
+            block_id: i.block_id,
+            bytes: self.info.bytes,
+            fd,
+            mapping: self.kept.take(),
+        });
+        self.session.let_go(over);
     }
 
     /// Stops tracking the lease without releasing it: the broker keeps it until it is
@@ -429,6 +493,23 @@ impl<'s> LeaseRequest<'s> {
         }
         let mut lease = Lease::new(info, self.session.clone(), generation.clone());
         if let LeaseHandle::Fd(i) = &lease.info.handle {
+            if i.retained {
+                // A block this process retained: its descriptor and mapping are here.
+                if let Some(e) = self.session.retained().take_block(i.block_id) {
+                    lease.fd = Some(e.fd);
+                    lease.kept = e.mapping;
+                    return Ok(lease);
+                }
+                // Let go meanwhile (past the bound): fetch a descriptor as for any lease.
+                match client.lease_fd(&lease.info.lease_id).await {
+                    Ok((_, fd)) => lease.fd = Some(fd),
+                    Err(e) => {
+                        let _ = lease.release().await;
+                        return Err(e);
+                    }
+                }
+                return Ok(lease);
+            }
             let dialled = self.session.client().dialled_socket();
             match crate::fd::fetch(&i.socket_path, &i.ticket, dialled).await {
                 Ok(fd) => lease.fd = Some(fd),

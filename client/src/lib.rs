@@ -82,6 +82,7 @@ mod pump;
 pub mod quarantine;
 pub mod reconnect;
 pub mod reservation;
+mod retained;
 pub mod session;
 pub mod session_info;
 pub mod shared;

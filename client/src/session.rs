@@ -53,6 +53,8 @@ struct SessionInner {
     reconnect: Option<ReconnectPolicy>,
     task: AbortHandle,
     runtime: Handle,
+    /// Blocks this process retained mapped (`retained.rs`; off unless asked).
+    retained: Arc<crate::retained::RetainedCache>,
 }
 
 impl Drop for SessionInner {
@@ -185,6 +187,7 @@ impl Session {
                 reconnect,
                 task: task.abort_handle(),
                 runtime,
+                retained: Arc::default(),
             }),
         })
     }
@@ -401,6 +404,70 @@ impl Session {
         self.inner.runtime.spawn(future)
     }
 
+    /// Keeps the descriptors and mappings of released leases in this process, up to
+    /// `bytes` in all (0, the default: off): a lease released after this asks the broker
+    /// to hold its block for the tenant, and the next lease of that size is that block,
+    /// granted with no ticket and mapped already ([`crate::Lease::mapped`]). Retained
+    /// blocks stay counted to the tenant until let go: past the bound (oldest first),
+    /// when the broker asks ([`SessionEvent::DropRetained`], answered by a listener this
+    /// starts), or when the process exits. A lowered bound lets go at once.
+    pub fn retain_mappings(&self, bytes: u64) {
+        let (over, start) = self.inner.retained.set_bound(bytes);
+        self.let_go(over);
+        if !start {
+            return;
+        }
+        let (cache, client) = (self.inner.retained.clone(), self.inner.client.clone());
+        let mut events = self.events();
+        self.spawn(async move {
+            while let Some(event) = events.next().await {
+                let gone = match &event {
+                    SessionEvent::DropRetained { lease_id } => {
+                        cache.take_ended(lease_id).into_iter().collect()
+                    }
+                    // The broker session is gone, or restarted (a restart keeps leases, not
+                    // retained blocks), or this one ends.
+                    SessionEvent::Reconnected { .. }
+                    | SessionEvent::Resumed { .. }
+                    | SessionEvent::Closed { .. } => cache.take_all(),
+                    _ => continue,
+                };
+                for e in gone {
+                    confirm_let_go(&client, e).await;
+                }
+            }
+        });
+    }
+
+    /// Bytes of blocks this process retains now ([`Session::retain_mappings`]).
+    pub fn retained_bytes(&self) -> u64 {
+        self.inner.retained.held()
+    }
+
+    /// Lets go of every block this process retains (each confirmed to the broker).
+    pub async fn drop_retained(&self) {
+        for e in self.inner.retained.take_all() {
+            confirm_let_go(&self.inner.client, e).await;
+        }
+    }
+
+    pub(crate) fn retained(&self) -> &crate::retained::RetainedCache {
+        &self.inner.retained
+    }
+
+    /// Unmaps and closes `entries`, then confirms each to the broker in the background.
+    pub(crate) fn let_go(&self, entries: Vec<crate::retained::Entry>) {
+        if entries.is_empty() {
+            return;
+        }
+        let client = self.inner.client.clone();
+        self.spawn(async move {
+            for e in entries {
+                confirm_let_go(&client, e).await;
+            }
+        });
+    }
+
     /// Runs `future` on the runtime the session was opened on.
     pub(crate) fn spawn<F>(&self, future: F)
     where
@@ -423,5 +490,15 @@ impl Client {
     /// reconnection: `client.session_builder("w").reconnect(Backoff::default()).await`.
     pub fn session_builder(&self, name: impl Into<String>) -> SessionBuilder {
         SessionBuilder::new(self.clone(), name.into())
+    }
+}
+
+/// Unmaps and closes a retained block, then tells the broker (a release of its ended
+/// lease id), after which the broker may hand the memory on.
+async fn confirm_let_go(client: &Client, e: crate::retained::Entry) {
+    let ended = e.ended.clone();
+    drop(e);
+    if let Err(err) = client.release_lease(&ended).await {
+        tracing::debug!(lease_id = ended, error = %err, "letting go of a retained block failed");
     }
 }

@@ -17,7 +17,10 @@
 //! others in the same run (`--rounds` alternates them): `library` (the client crate: a
 //! kept connection, every step on the async runtime), `fresh` (a new connection per
 //! ticket, on the runtime), `blocking` (a new connection per ticket with blocking system
-//! calls on the runtime's thread: the client crate before it kept connections).
+//! calls on the runtime's thread: the client crate before it kept connections),
+//! `retained` (the release keeps the mapping, `retain_mapping`: the next lease of the
+//! size is the same block, granted with no ticket, and the worker reuses its descriptor
+//! and mapping; a lease granted without it fetches as `library` does).
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -49,8 +52,12 @@ pub struct BreakdownArgs {
     /// Unmeasured loops before the window.
     #[arg(long, value_parser = parse_duration, default_value = "500ms")]
     pub warmup: Duration,
-    /// Ways to redeem the ticket, comma-separated: library, fresh, blocking.
-    #[arg(long, value_delimiter = ',', default_value = "library,fresh,blocking")]
+    /// Ways to redeem the ticket, comma-separated: library, fresh, blocking, retained.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "library,fresh,blocking,retained"
+    )]
     pub tickets: Vec<TicketWay>,
     /// Rounds: every configuration once per round, in turn; histograms merged.
     #[arg(long, default_value_t = 2)]
@@ -72,6 +79,9 @@ pub enum TicketWay {
     Fresh,
     /// A new connection per ticket, blocking system calls on the runtime's thread.
     Blocking,
+    /// Released with `retain_mapping`: the next lease reuses this process's descriptor
+    /// and mapping of the block (no ticket, no map).
+    Retained,
 }
 
 impl TicketWay {
@@ -80,6 +90,7 @@ impl TicketWay {
             TicketWay::Library => "library",
             TicketWay::Fresh => "fresh",
             TicketWay::Blocking => "blocking",
+            TicketWay::Retained => "retained",
         }
     }
 }
@@ -291,6 +302,9 @@ async fn worker(
     let dialled = gpu_broker_client::connect::unix_path(uri);
     let mut raw = client.raw();
     let mut parts = Parts::default();
+    // `retained`: block id -> (the ended lease it was retained under, descriptor, mapping).
+    let mut kept: std::collections::HashMap<u64, (String, OwnedFd, Mapped)> =
+        std::collections::HashMap::new();
     tokio::time::sleep_until(start.into()).await;
     loop {
         let now = Instant::now();
@@ -321,20 +335,52 @@ async fn worker(
             bail!("the lease carries no fd handle");
         };
         let socket = std::path::Path::new(&h.socket_path);
-        let fd = match way {
-            TicketWay::Library => {
-                gpu_broker_client::fd::fetch(socket, &h.ticket, dialled.as_deref()).await?
-            }
-            TicketWay::Fresh => fresh_async(socket, &h.ticket).await?,
-            TicketWay::Blocking => fresh_blocking(socket, &h.ticket)?,
+        let reused = if h.retained {
+            let (_, fd, mapped) = kept
+                .remove(&h.block_id)
+                .context("a retained grant of a block this worker does not hold")?;
+            Some((fd, mapped))
+        } else {
+            None
         };
-        let t3 = Instant::now();
-        let mapped = map(&fd, cuda, &lease, &h)?;
+        let (fd, t3, mapped) = match reused {
+            Some((fd, mapped)) => {
+                let t = Instant::now();
+                (fd, t, mapped)
+            }
+            None => {
+                let fd = match way {
+                    TicketWay::Library | TicketWay::Retained => {
+                        gpu_broker_client::fd::fetch(socket, &h.ticket, dialled.as_deref()).await?
+                    }
+                    TicketWay::Fresh => fresh_async(socket, &h.ticket).await?,
+                    TicketWay::Blocking => fresh_blocking(socket, &h.ticket)?,
+                };
+                let t3 = Instant::now();
+                let mapped = map(&fd, cuda, &lease, &h)?;
+                (fd, t3, mapped)
+            }
+        };
         let t4 = Instant::now();
-        drop(mapped);
-        drop(fd);
-        let t5 = Instant::now();
-        client.release_lease(&lease.lease_id).await?;
+        let t5;
+        if way == TicketWay::Retained {
+            t5 = Instant::now();
+            let reply = raw
+                .release_lease(pb::ReleaseLeaseRequest {
+                    lease_id: lease.lease_id.clone(),
+                    retain_mapping: true,
+                })
+                .await?
+                .into_inner();
+            if reply.retained {
+                kept.insert(h.block_id, (lease.lease_id.clone(), fd, mapped));
+            }
+        } else {
+            drop(mapped);
+            drop(fd);
+            t5 = Instant::now();
+            client.release_lease(&lease.lease_id).await?;
+        }
         let t6 = Instant::now();
         if measured {
             parts.check.record(t1 - t0);
@@ -345,6 +391,12 @@ async fn worker(
             parts.release.record(t6 - t5);
             parts.loops += 1;
         }
+    }
+    // Let go of what this worker retained (confirmed), then close.
+    for (ended, fd, mapped) in kept.into_values() {
+        drop(mapped);
+        drop(fd);
+        client.release_lease(&ended).await?;
     }
     session.close();
     Ok(parts)

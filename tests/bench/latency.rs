@@ -52,6 +52,10 @@ pub struct LatencyArgs {
     /// Two tenants alternate: every acquire finds the other tenant's released block.
     #[arg(long)]
     pub cross_tenant: bool,
+    /// Pooled, with the client crate retaining released blocks mapped
+    /// (`Session::retain_mappings`): an acquire is then one RPC, no ticket.
+    #[arg(long, conflicts_with_all = ["fresh", "cross_tenant"])]
+    pub retain: bool,
     /// Capacity of a started (host) broker. Host blocks are sparse memfds: no RAM used.
     #[arg(long, default_value = "32TiB")]
     pub host_capacity: String,
@@ -89,8 +93,14 @@ pub async fn run(common: &Common, a: &LatencyArgs) -> Result<()> {
     } else {
         None
     };
+    if a.retain {
+        let most = a.sizes.iter().map(|s| s.div_ceil(gran) * gran).max();
+        session.retain_mappings(most.unwrap_or(0));
+    }
     let kind = if a.fresh {
         "fresh"
+    } else if a.retain {
+        "pooled, retained"
     } else if a.cross_tenant {
         "cross-tenant"
     } else {

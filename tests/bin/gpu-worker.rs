@@ -613,8 +613,11 @@ async fn bench_map(
     // (~100 ms), which is not what a lease costs.
     let _context = gpu_broker::device::cuda::CudaDevice::open(0)?;
     say(format!(
-        "{label}: size_bytes raw_vmm_map_us fresh_lease_map_us pooled_lease_map_us cross_tenant_lease_map_us release_unmap_us"
+        "{label}: size_bytes raw_vmm_map_us fresh_lease_map_us pooled_lease_map_us cross_tenant_lease_map_us release_unmap_us retained_lease_map_us retained_over_raw"
     ));
+    // Pooled with the block retained mapped (`Session::retain_mappings`): the lease is
+    // one RPC, the descriptor and mapping this process kept are reused.
+    let kept = a.client().session(format!("{label}-retained")).await?;
     let timed = |s: &gpu_broker_client::Session, bytes: u64| {
         let s = s.clone();
         async move {
@@ -649,12 +652,28 @@ async fn bench_map(
             let who = if k % 2 == 0 { b } else { a };
             cross.push(timed(who, s).await?.0);
         }
+        kept.retain_mappings(s.saturating_mul(2));
+        let mut retained = vec![];
+        for k in 0..=iters {
+            let start = Instant::now();
+            let mut l = kept.lease(s).await?;
+            l.mapped_cuda()?;
+            let took = start.elapsed().as_secs_f64() * 1e6;
+            l.release().await?;
+            // The first one maps the block it then retains.
+            if k > 0 {
+                retained.push(took);
+            }
+        }
+        kept.drop_retained().await;
+        let r = median(&mut retained);
         say(format!(
-            "{label}: {s} {raw:.1} {:.1} {:.1} {:.1} {:.1}",
+            "{label}: {s} {raw:.1} {:.1} {:.1} {:.1} {:.1} {r:.1} {:.2}",
             median(&mut fresh),
             median(&mut pooled),
             median(&mut cross),
-            median(&mut rel)
+            median(&mut rel),
+            r / raw.max(1e-9)
         ));
     }
     Ok(())

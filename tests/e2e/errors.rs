@@ -128,6 +128,7 @@ async fn invalid_argument_for_malformed_requests() {
         status_of(
             raw.release_lease(pb::ReleaseLeaseRequest {
                 lease_id: bad.into(),
+                ..Default::default()
             })
             .await,
             ia,

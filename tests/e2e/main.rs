@@ -26,6 +26,7 @@ mod prometheus;
 mod quota;
 mod readme;
 mod reload;
+mod retained;
 mod run;
 mod scrub;
 mod shared;

@@ -238,6 +238,7 @@ async fn huge_strings_are_refused_by_name_not_echoed() {
     let r = w
         .release_lease(pb::ReleaseLeaseRequest {
             lease_id: big.clone(),
+            ..Default::default()
         })
         .await;
     assert_bounded(r, "lease_id", "ReleaseLease lease_id");

@@ -279,6 +279,7 @@ async fn sigterm_leaves_sessions_to_the_keeper_and_a_resume_needs_the_secret() {
     assert_eq!(twice.err().map(|s| s.code()), Some(Code::NotFound));
     raw.release_lease(pb::ReleaseLeaseRequest {
         lease_id: lease.lease_id.clone(),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -225,7 +225,10 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
         ("empty lease id", String::new(), Code::InvalidArgument),
     ] {
         let s = a
-            .release_lease(pb::ReleaseLeaseRequest { lease_id: id })
+            .release_lease(pb::ReleaseLeaseRequest {
+                lease_id: id,
+                ..Default::default()
+            })
             .await
             .expect_err(what);
         assert_eq!(s.code(), want, "{what}: {s:?}");
@@ -233,6 +236,7 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
     let s = bo
         .release_lease(pb::ReleaseLeaseRequest {
             lease_id: mine.lease_id.clone(),
+            ..Default::default()
         })
         .await
         .expect_err("another tenant's lease");
@@ -449,6 +453,7 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
     assert_eq!(t.usage.waiting_requests, 0);
     a.release_lease(pb::ReleaseLeaseRequest {
         lease_id: mine.lease_id,
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -465,6 +470,7 @@ async fn malformed_requests_get_precise_statuses_and_the_broker_survives() {
     assert_eq!(fresh.bytes, 128 * MIB);
     a.release_lease(pb::ReleaseLeaseRequest {
         lease_id: fresh.lease_id,
+        ..Default::default()
     })
     .await
     .unwrap();

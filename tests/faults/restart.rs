@@ -109,6 +109,7 @@ async fn after_a_broker_restart_old_sessions_fail_and_new_ones_work() {
     let rel = raw
         .release_lease(pb::ReleaseLeaseRequest {
             lease_id: lease.lease_id.clone(),
+            ..Default::default()
         })
         .await;
     let rel_code = rel.as_ref().err().map(|s| s.code());
@@ -164,6 +165,7 @@ async fn after_a_broker_restart_old_sessions_fail_and_new_ones_work() {
     l2.release().await.unwrap();
     raw.release_lease(pb::ReleaseLeaseRequest {
         lease_id: l.lease_id,
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -293,6 +293,14 @@ impl Pool {
         self.quarantined += bytes;
     }
 
+    /// A block its holder's process retained mapped is leased to it again (no fit to
+    /// check: its bytes were held all along).
+    pub fn unquarantine_to_lease(&mut self, bytes: u64) {
+        self.quarantined -= bytes;
+        self.leased += bytes;
+        self.lease_count += 1;
+    }
+
     /// Keeps `bytes` (caller checked `available() >= bytes`) for a reserved process.
     /// Returns the cached blocks to free so the broker's holdings fit under the limit.
     pub fn reserve_process(&mut self, bytes: u64) -> Vec<Block> {

@@ -50,6 +50,11 @@ pub enum SessionEvent {
         device: u32,
         reason: String,
     },
+    /// The broker wants back a block this session's process retained mapped (ended lease
+    /// `lease_id`, `state/retained.rs`): it unmaps it and confirms with `ReleaseLease`.
+    DropRetained {
+        lease_id: Uuid,
+    },
     /// A device the session holds leases on was marked unhealthy.
     DeviceUnhealthy {
         device: u32,

@@ -325,6 +325,8 @@ impl Arbiter {
             alloc,
             handle,
             last_tenant: Some(r.tenant.clone()),
+            // Freed only once the quarantine's process exited: nobody left to check for.
+            reached: Default::default(),
         };
         let a = super::state::AdoptedQuarantine {
             lease,

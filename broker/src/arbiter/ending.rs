@@ -17,9 +17,13 @@ impl Arbiter {
     /// The holder gives a lease back (it promises it closed every mapping).
     pub fn release(self: &Arc<Self>, tenant: &str, lease: Uuid) -> BrokerResult<()> {
         let mut st = self.lock();
-        match st.leases().get(&lease) {
-            Some(l) if l.tenant == tenant => {}
-            _ => return Err(lease_not_found(lease)),
+        let ours = st.leases().get(&lease).is_some_and(|l| l.tenant == tenant);
+        if !ours {
+            // A block its process retained (`retained.rs`), now let go.
+            return match st.drop_retained(tenant, lease) {
+                true => Ok(()),
+                false => Err(lease_not_found(lease)),
+            };
         }
         self.end_lease(&mut st, lease, Ending::Cache);
         tracing::debug!(%lease, tenant, "lease released");

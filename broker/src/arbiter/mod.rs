@@ -28,6 +28,7 @@ pub use gpu_broker_core::request::AcquireRequest;
 /// The wait queue's records and the state core, at their old paths (`gpu_broker_core`).
 pub use gpu_broker_core::{overtaking, queue, state};
 mod reservations;
+mod retained;
 mod revocation;
 mod sharing;
 mod tasks;

@@ -195,12 +195,28 @@ impl Broker for BrokerService {
         };
         // Bad values first (as before), then whether this caller can use what it would get.
         self.arb.validate(&acquire).map_err(status)?;
-        let session_peer = self
+        let (session_peer, retains) = self
             .arb
-            .session_peer(&acquire.tenant, session)
+            .session_peer_retaining(&acquire.tenant, session)
             .map_err(status)?;
         handles::check_same_user(&session_peer, &caller).map_err(status)?;
         handles::check_servable(&self.arb, accept, &caller).map_err(status)?;
+        // The session's own process may have retained a block of this size: one lock
+        // hold, no ticket (its descriptor and mapping are still in that process).
+        let own = caller
+            .pid
+            .filter(|&p| p != 0 && Some(p) == session_peer.pid);
+        if retains && !r.host_tier {
+            if let Some(lease) = self.arb.acquire_retained(&acquire, own) {
+                let mut reply = convert::lease_on(&lease, &self.arb);
+                reply.handle = Some(pb::lease::Handle::Fd(handles::retained_handle(
+                    &self.arb, &lease,
+                )));
+                return Ok(Response::new(pb::AcquireLeaseResponse {
+                    lease: Some(reply),
+                }));
+            }
+        }
         let lease = if r.host_tier {
             self.arb.acquire_host_tier(acquire).instrument(span).await
         } else {
@@ -226,10 +242,20 @@ impl Broker for BrokerService {
         req: Request<pb::ReleaseLeaseRequest>,
     ) -> Result<Response<pb::ReleaseLeaseResponse>, Status> {
         let tenant = tenant_of(&req)?;
+        let caller = peer_of(&req);
         let id = parse_id("lease_id", &req.get_ref().lease_id).map_err(status)?;
         let _span = tracing::info_span!("release", %tenant, lease = %id).entered();
-        self.arb.release(&tenant, id).map_err(status)?;
-        Ok(Response::new(pb::ReleaseLeaseResponse {}))
+        let retained = if req.get_ref().retain_mapping {
+            // Only a Unix-socket caller's pid is the kernel's.
+            let pid = caller.pid.filter(|_| caller.unix);
+            self.arb
+                .release_retaining(&tenant, id, pid)
+                .map_err(status)?
+        } else {
+            self.arb.release(&tenant, id).map_err(status)?;
+            false
+        };
+        Ok(Response::new(pb::ReleaseLeaseResponse { retained }))
     }
 
     async fn list_leases(

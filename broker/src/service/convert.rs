@@ -60,6 +60,7 @@ pub fn lease(v: &LeaseView) -> pb::Lease {
                 block_id: *block_id,
                 size: *size,
                 ticket_ttl_ms: 0,
+                retained: false,
             }),
         }),
         device_uuid: String::new(),

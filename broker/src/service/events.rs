@@ -110,6 +110,9 @@ fn to_proto(e: SessionEvent) -> pb::SessionEvent {
             device,
             reason,
         }),
+        SessionEvent::DropRetained { lease_id } => Event::DropRetained(pb::DropRetained {
+            lease_id: lease_id.to_string(),
+        }),
         SessionEvent::DeviceUnhealthy {
             device,
             uuid,

@@ -179,7 +179,30 @@ fn fd_handle_to(
         block_id: mem.block_id,
         size: mem.size,
         ticket_ttl_ms: u64::try_from(tickets.ttl().as_millis()).unwrap_or(u64::MAX),
+        retained: false,
     })
+}
+
+/// The reply's `FdHandle` for a lease made of a block its caller retained mapped
+/// (`arbiter/retained.rs`): the caller is the process that has the descriptor, so no
+/// ticket is minted; it reuses its import and mapping of `block_id`.
+pub fn retained_handle(arb: &Arbiter, view: &LeaseView) -> pb::FdHandle {
+    let crate::device::Handle::Fd {
+        kind,
+        block_id,
+        size,
+        ..
+    } = &view.handle;
+    let socket = arb.tickets().socket().unwrap_or_default();
+    pb::FdHandle {
+        socket_path: socket.to_string_lossy().into_owned(),
+        ticket: Vec::new(),
+        memory_kind: super::convert::memory_kind(*kind) as i32,
+        block_id: *block_id,
+        size: *size,
+        ticket_ttl_ms: 0,
+        retained: true,
+    }
 }
 
 #[cfg(test)]

@@ -223,7 +223,7 @@ impl Broker for Fake {
         let mut st = self.state.lock();
         st.releases.push(id.clone());
         match st.leases.remove(&id) {
-            Some(_) => Ok(Response::new(pb::ReleaseLeaseResponse {})),
+            Some(_) => Ok(Response::new(pb::ReleaseLeaseResponse::default())),
             None => Err(Status::not_found(format!("no lease {id}"))),
         }
     }

@@ -204,6 +204,10 @@ impl State {
                 pid: a.pid,
                 since: self.clock.now,
                 destroy: a.destroy,
+                // Its process's client let go of its retained blocks on the resume:
+                // taken back as a plain quarantine until that process exits.
+                retained_by: None,
+                asked_back: false,
             },
         );
         self.fx.watch(Watch::Quarantine {

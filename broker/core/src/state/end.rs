@@ -46,6 +46,26 @@ pub enum Ending {
     Destroy,
     /// A live process may map it: hold it until `pid` exits (or a timeout if unknown).
     Quarantine { pid: Option<u32> },
+    /// Its holder's process keeps it mapped on purpose (`retained.rs`): held for the
+    /// tenant as a quarantine is, until `pid` exits or says it let go, and granted again
+    /// to `session` without a ticket.
+    Retained { pid: u32, session: Uuid },
+}
+
+impl Ending {
+    /// The process a quarantine of this ending waits for (`None`: none, or unknown).
+    pub fn holder(self) -> Option<u32> {
+        match self {
+            Ending::Quarantine { pid } => pid,
+            Ending::Retained { pid, .. } => Some(pid),
+            Ending::Cache | Ending::Destroy => None,
+        }
+    }
+
+    /// Is the block held for a process that may map it (quarantined or retained)?
+    pub fn held(self) -> bool {
+        matches!(self, Ending::Quarantine { .. } | Ending::Retained { .. })
+    }
 }
 
 impl State {
@@ -154,8 +174,14 @@ impl State {
                 pool.release_destroyed(bytes);
                 self.fx.free(d, block);
             }
-            Ending::Quarantine { pid } => {
-                self.fx.count(Counted::Quarantined);
+            Ending::Quarantine { .. } | Ending::Retained { .. } => {
+                let (pid, retained_by) = match ending {
+                    Ending::Retained { pid, session } => (Some(pid), Some(session)),
+                    _ => (ending.holder(), None),
+                };
+                if retained_by.is_none() {
+                    self.fx.count(Counted::Quarantined);
+                }
                 pool.release_to_quarantine(bytes);
                 self.ledger.add_quarantine(&tenant, d, bytes);
                 self.quarantine.insert(
@@ -167,14 +193,19 @@ impl State {
                         pid,
                         since: self.clock.now,
                         destroy,
+                        retained_by,
+                        asked_back: false,
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease: id, pid });
                 self.keep_quarantine(id, lease.session);
+                if let Some(session) = retained_by {
+                    self.retained.entry(session).or_default().insert(id);
+                }
             }
         }
         if let Some(r) = lease.reservation {
-            let back = !matches!(ending, Ending::Quarantine { .. });
+            let back = !ending.held();
             self.lease_left_reservation(r, bytes, back);
         }
         Some(view)
@@ -188,6 +219,9 @@ impl State {
         let Some(q) = self.quarantine.remove(&id) else {
             return false;
         };
+        if let Some(session) = q.retained_by {
+            self.unindex_retained(session, id);
+        }
         self.wake_queue();
         self.fx.unwatch(Watch::Quarantine {
             lease: id,

@@ -18,7 +18,9 @@
 //! kept, charged to its tenant until that process exits), `process.rs` (process reservations: grant, end, draw a lease from one,
 //! give it back), `devices.rs` (a drain's reclaim requests and their withdrawal, telling
 //! holders of an unhealthy device), `queue.rs` (the queue policy: queue a request, one pass deciding what
-//! fits where, the whole queue run, refusing what can never fit, reclaim requests), and here:
+//! fits where, the whole queue run, refusing what can never fit, reclaim requests), `retained.rs`
+//! (a released block its process keeps mapped: held for the tenant, granted to that
+//! process again without a ticket, let go when told), and here:
 //! opening a session, leasable and headroom changes, quota changes.
 
 mod adopt;
@@ -29,6 +31,9 @@ mod process;
 mod queue;
 #[cfg(test)]
 mod queue_tests;
+mod retained;
+#[cfg(test)]
+mod retained_tests;
 mod shared;
 mod stranded;
 #[cfg(test)]
@@ -68,6 +73,11 @@ pub struct Quarantined {
     /// Freed, never cached, when lifted: the block was published (or its memfd sealed
     /// for a publish), so others may hold its descriptor.
     pub destroy: bool,
+    /// Retained mapped by its holder's process on purpose (`retained.rs`): this session
+    /// (of that process) is granted it again with no ticket.
+    pub retained_by: Option<Uuid>,
+    /// Its process was asked to let go of it (`SessionEvent::DropRetained`, once).
+    pub asked_back: bool,
 }
 
 /// The time of the lock hold a transition runs in, on the monotonic and the wall clock:
@@ -104,6 +114,9 @@ pub struct State {
     quarantine: IdMap<Uuid, Quarantined>,
     /// Memory freed on a device that processes outside the broker kept (`stranded.rs`).
     stranded: IdMap<Uuid, Stranded>,
+    /// The quarantined blocks each session's process retained (`retained.rs`), by the
+    /// session: a lease request finds its own without a scan, one that has none at once.
+    retained: IdMap<Uuid, crate::id_map::IdSet<Uuid>>,
     seq: u64,
     /// Shared read-only leases and the blocks held for their importers (`sharing.rs`).
     shared: SharedTable,
@@ -151,6 +164,7 @@ impl State {
             queue: WaitQueue::default(),
             quarantine: IdMap::default(),
             stranded: IdMap::default(),
+            retained: IdMap::default(),
             seq: 0,
             shared: SharedTable::default(),
             unchecked: IdMap::default(),
@@ -476,6 +490,19 @@ impl State {
             let t = by_tenant.entry(t.as_str()).or_default();
             t.host += bytes;
             t.host_leases += count;
+        }
+        // The retained index lists exactly the quarantined blocks retained, by session.
+        let indexed: usize = self.retained.values().map(|ids| ids.len()).sum();
+        let retained = self.quarantine.values().filter(|q| q.retained_by.is_some());
+        if indexed != retained.count()
+            || self.retained.iter().any(|(s, ids)| {
+                ids.is_empty()
+                    || ids
+                        .iter()
+                        .any(|id| self.quarantine.get(id).and_then(|q| q.retained_by) != Some(*s))
+            })
+        {
+            return Err("the retained index disagrees with the quarantine".into());
         }
         // Quarantined: ended leases a live process may map, and blocks of ended shared
         // leases held for their importers (`sharing.rs`).

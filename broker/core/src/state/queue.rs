@@ -288,7 +288,12 @@ impl State {
                 .and_then(|(id, d)| self.queue.remove(id).map(|w| (w, d)))
             {
                 Some((w, d)) => self.grant_waiter(w.id, w.ask, w.priority, d, env.shutting_down),
-                None => return,
+                None => {
+                    // Requests wait for memory: blocks that processes retained mapped
+                    // (`retained.rs`) are wanted back on the devices they wait for.
+                    self.ask_retained_back_for_waiters();
+                    return;
+                }
             }
         }
     }

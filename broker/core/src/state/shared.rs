@@ -395,16 +395,10 @@ impl State {
         self.pools[device as usize].release_to_quarantine(bytes);
         self.ledger.add_quarantine(tenant, device, bytes);
         let mut waiters = Waiters::default();
-        let holder = match ending {
-            Ending::Quarantine { pid } => pid,
-            _ => None,
-        };
+        let holder = ending.holder();
         match ending {
-            Ending::Quarantine { pid: Some(p) } => {
-                waiters.pids.insert(p);
-            }
             Ending::Quarantine { pid: None } => waiters.timeout = true,
-            Ending::Cache | Ending::Destroy => {}
+            e => waiters.pids.extend(e.holder()),
         }
         waiters.pids.extend(recipients.iter().copied());
         for &pid in &waiters.pids {
@@ -708,7 +702,8 @@ impl State {
                 pool.unquarantine_destroyed(bytes);
                 self.fx.free(h.device, h.block);
             }
-            Ending::Quarantine { pid } => {
+            Ending::Quarantine { .. } | Ending::Retained { .. } => {
+                let pid = ending.holder();
                 // Its bytes stay quarantined, now in the lease's own quarantine.
                 self.fx.count(Counted::Quarantined);
                 self.quarantine.insert(
@@ -720,12 +715,14 @@ impl State {
                         pid,
                         since: h.since,
                         destroy: h.destroy,
+                        retained_by: None,
+                        asked_back: false,
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease, pid });
             }
         }
-        let back = !matches!(ending, Ending::Quarantine { .. });
+        let back = !ending.held();
         if let Some(r) = parked.reservation {
             self.lease_left_reservation(r, bytes, back);
         }

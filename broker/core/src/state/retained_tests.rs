@@ -1,0 +1,194 @@
+//! Unit tests of retained blocks (`retained.rs`) on the core alone: a block released with
+//! its mapping kept stays its tenant's (counted, watched until its process exits), is
+//! granted again only to the session's own process, never reaches another tenant before
+//! that process confirms it let go, and that process is asked when others wait.
+
+use super::queue_tests::{quota, Core};
+use super::tests::ask;
+use crate::effects::{Effect, Watch};
+use crate::memory::Handle;
+use crate::request::AcquireRequest;
+use crate::session::{Peer, Session, SessionEvent};
+use std::time::Duration;
+use uuid::Uuid;
+
+const MIB: u64 = 1 << 20;
+
+/// Opens a session of `tenant` whose peer process is `pid`.
+fn session_of(c: &mut Core, tenant: &str, pid: u32) -> Uuid {
+    let id = Uuid::now_v7();
+    let peer = Peer {
+        pid: Some(pid),
+        uid: Some(1000),
+        unix: true,
+    };
+    c.st.open_session(Session::new(id, tenant, "", peer, None), usize::MAX)
+        .unwrap();
+    c.st.take_effects();
+    id
+}
+
+fn request(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
+    AcquireRequest {
+        tenant: tenant.into(),
+        session,
+        bytes,
+        device: None,
+        wait: Duration::ZERO,
+        label: String::new(),
+        reclaimable: false,
+        fallback_host: false,
+    }
+}
+
+fn block_id(h: &Handle) -> u64 {
+    let Handle::Fd { block_id, .. } = h;
+    *block_id
+}
+
+/// Released with its mapping kept, a block stays counted to its tenant (quarantined, not
+/// cached) and its process is watched; it is granted again only to that session's own
+/// process, only for its size, as the same block; another process's release is a plain
+/// one.
+#[test]
+fn a_retained_block_stays_its_tenants_and_goes_back_only_to_its_own_process() {
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    c.st.set_quota("b", quota(64 * MIB, 0)).unwrap();
+    let s = session_of(&mut c, "a", 7);
+    let lease = c.hold("a", s, 16 * MIB, 0, false);
+    let block = block_id(&c.st.leases().get(&lease).unwrap().block.handle);
+
+    assert_eq!(c.st.release_retained("b", lease, 7), None, "not b's lease");
+    assert_eq!(c.st.release_retained("a", lease, 7), Some(true));
+    let effects = c.st.take_effects().into_vec();
+    assert!(
+        effects.iter().any(|e| matches!(e,
+            Effect::Watch { watch: Watch::Quarantine { lease: l, pid: Some(7) } } if *l == lease)),
+        "its process is watched: {effects:?}"
+    );
+    let usage = c.st.ledger().get("a").unwrap().usage;
+    assert_eq!((usage.held_bytes, usage.quarantined_bytes), (0, 16 * MIB));
+    let pool = c.st.pools()[0].stats();
+    assert_eq!((pool.cached, pool.quarantined), (0, 16 * MIB));
+    c.st.check_invariant().unwrap();
+
+    // Another process (a child using the session), another tenant, another size: no.
+    let avail = c.avail.clone();
+    assert!(c
+        .st
+        .grant_retained(&request("a", s, 16 * MIB), 8, &avail)
+        .is_none());
+    let other = session_of(&mut c, "b", 7);
+    assert!(c
+        .st
+        .grant_retained(&request("b", other, 16 * MIB), 7, &avail)
+        .is_none());
+    assert!(c
+        .st
+        .grant_retained(&request("a", s, 8 * MIB), 7, &avail)
+        .is_none());
+    assert!(!c.st.has_effects());
+
+    // Its own process, a size that rounds to the block's: the same block, as a lease.
+    let view =
+        c.st.grant_retained(&request("a", s, 15 * MIB), 7, &avail)
+            .expect("granted");
+    assert_eq!(block_id(&view.handle), block);
+    assert_eq!((view.bytes, view.requested_bytes), (16 * MIB, 15 * MIB));
+    let usage = c.st.ledger().get("a").unwrap().usage;
+    assert_eq!(
+        (usage.held_bytes, usage.quarantined_bytes, usage.lease_count),
+        (16 * MIB, 0, 1)
+    );
+    let effects = c.st.take_effects().into_vec();
+    assert!(
+        effects.iter().any(|e| matches!(e,
+            Effect::Unwatch { watch: Watch::Quarantine { lease: l, .. } } if *l == lease)),
+        "no longer watched: {effects:?}"
+    );
+    c.st.check_invariant().unwrap();
+
+    // A release by a process that is not the session's is a plain one: cached.
+    assert_eq!(c.st.release_retained("a", view.id, 8), Some(false));
+    let pool = c.st.pools()[0].stats();
+    assert_eq!((pool.cached, pool.quarantined), (16 * MIB, 0));
+    c.st.check_invariant().unwrap();
+}
+
+/// Another tenant waiting for the memory of a retained block: the process is asked to let
+/// go (once), the block stays out of reach until it confirms (another tenant cannot
+/// confirm for it), and then the waiter gets fresh memory, never the block.
+#[test]
+fn another_tenant_never_gets_a_retained_block_and_its_process_is_asked_for_it() {
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    c.st.set_quota("b", quota(64 * MIB, 0)).unwrap();
+    let s = session_of(&mut c, "a", 7);
+    let lease = c.hold("a", s, 48 * MIB, 0, false);
+    let block = block_id(&c.st.leases().get(&lease).unwrap().block.handle);
+    assert_eq!(c.st.release_retained("a", lease, 7), Some(true));
+    c.st.take_effects();
+    let b = session_of(&mut c, "b", 9);
+
+    let waiter = c.wait(ask("b", b, 32 * MIB, None), 0);
+    let effects = c.run(0);
+    let asked: Vec<_> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Notify {
+                session,
+                event: SessionEvent::DropRetained { lease_id },
+            } => Some((*session, *lease_id)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(asked, vec![(s, lease)], "its process is asked: {effects:?}");
+    assert!(
+        !effects
+            .iter()
+            .any(|e| matches!(e, Effect::Reply { .. } | Effect::Materialize { .. })),
+        "nothing granted while it is retained"
+    );
+    assert!(
+        !c.run(1).iter().any(|e| matches!(e, Effect::Notify { .. })),
+        "asked once"
+    );
+
+    assert!(!c.st.drop_retained("b", lease), "only its tenant confirms");
+    assert!(c.st.drop_retained("a", lease));
+    assert!(!c.st.drop_retained("a", lease), "once");
+    let effects = c.run(2);
+    let freed: Vec<u64> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Free { block, .. } => Some(block_id(&block.handle)),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        effects.iter().any(|e| matches!(e,
+            Effect::Materialize { grant } if grant.to == waiter)),
+        "the waiter gets fresh memory: {effects:?}"
+    );
+    assert_eq!(
+        freed,
+        vec![block],
+        "the retained block is freed, not handed on"
+    );
+}
+
+/// A lease whose descriptor went to another process, or that was drawn for a published
+/// or sealed block, is never retained: its release is a plain one.
+#[test]
+fn a_lease_another_process_fetched_is_not_retained() {
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    let s = session_of(&mut c, "a", 7);
+    let lease = c.hold("a", s, 16 * MIB, 0, false);
+    c.st.add_recipient(lease, 8);
+    c.st.take_effects();
+    assert_eq!(c.st.release_retained("a", lease, 7), Some(false));
+    assert!(c.st.quarantine().values().all(|q| q.retained_by.is_none()));
+    c.st.check_invariant().unwrap();
+}

@@ -1,0 +1,75 @@
+//! The shell of retained blocks (`gpu_broker_core::state`'s `retained.rs`): a release
+//! whose process keeps its mapping, a lease request answered with such a block (one lock
+//! hold, no queue, no device work, no ticket), and the confirmation that it let go.
+
+use super::AcquireRequest;
+use super::Arbiter;
+use crate::error::{lease_not_found, BrokerResult};
+use crate::lease::LeaseView;
+use std::sync::Arc;
+use std::time::Instant;
+use uuid::Uuid;
+
+impl Arbiter {
+    /// Releases lease `id` of `tenant` for process `caller` (the kernel's pid of the
+    /// caller), retaining its block mapped for that process when it is the session's own
+    /// and the memory was never shared. Ok(true): retained; Ok(false): released into the
+    /// cache. An id that names a block this tenant retained is that block let go (false).
+    pub fn release_retaining(
+        self: &Arc<Self>,
+        tenant: &str,
+        id: Uuid,
+        caller: Option<u32>,
+    ) -> BrokerResult<bool> {
+        let Some(pid) = caller.filter(|&p| p != 0) else {
+            return self.release(tenant, id).map(|()| false);
+        };
+        let mut st = self.lock();
+        if let Some(retained) = st.release_retained(tenant, id, pid) {
+            tracing::debug!(lease = %id, tenant, retained, "lease released");
+            return Ok(retained);
+        }
+        if st.drop_retained(tenant, id) {
+            return Ok(false);
+        }
+        Err(lease_not_found(id))
+    }
+
+    /// The peer of `session` (of `tenant`, else `NOT_FOUND`) and whether its process
+    /// retains any block: an acquire asks [`Arbiter::acquire_retained`] only then, so the
+    /// ordinary path takes the state lock no more often than before.
+    pub fn session_peer_retaining(
+        &self,
+        tenant: &str,
+        session: Uuid,
+    ) -> BrokerResult<(crate::session::Peer, bool)> {
+        let st = self.lock();
+        match st.sessions().get(&session) {
+            Some(s) if s.tenant == tenant => Ok((s.peer, st.retains(session))),
+            _ => Err(crate::arbiter::session_not_found(session)),
+        }
+    }
+
+    /// A lease for `req` made of a block process `caller` retained, when it has one that
+    /// fits the request (`State::grant_retained`); `None`: the request takes the ordinary
+    /// path.
+    pub fn acquire_retained(
+        self: &Arc<Self>,
+        req: &AcquireRequest,
+        caller: Option<u32>,
+    ) -> Option<LeaseView> {
+        let pid = caller.filter(|&p| p != 0)?;
+        if self.check_not_shutting_down().is_err() {
+            return None;
+        }
+        let started = Instant::now();
+        let view = {
+            let mut st = self.lock();
+            let avail = self.avail.read();
+            st.grant_retained(req, pid, &avail)
+        }?;
+        self.metrics
+            .acquired(&Ok::<_, crate::error::BrokerError>(()), started.elapsed());
+        Some(view)
+    }
+}

@@ -1,0 +1,99 @@
+//! Retained blocks through the client crate on the host backend: a released lease's block
+//! kept mapped by its process comes back to that process with no ticket and its mapping
+//! in place, stays counted to its tenant while retained, and goes to nobody else before
+//! the process let go (which it does when the broker asks for it).
+
+use gpu_broker_client::{Client, LeaseHandle, QuotaSpec};
+use gpu_broker_tests::*;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_block_comes_back_mapped_with_no_ticket_and_stays_counted() {
+    let b = Broker::start().unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    s.retain_mappings(32 * MIB);
+
+    let mut first = s.lease(16 * MIB).await.unwrap();
+    let LeaseHandle::Fd(info) = first.handle().clone() else {
+        panic!("{:?}", first.handle())
+    };
+    assert!(!info.retained, "a fresh block comes with a ticket");
+    let m = first.mapped().unwrap();
+    m.fill(0x5a);
+    let ptr = m.as_ptr();
+    first.release().await.unwrap();
+    assert_eq!(s.retained_bytes(), 16 * MIB);
+    let u = s.usage().await.unwrap().usage;
+    assert_eq!(
+        (u.held_bytes, u.quarantined_bytes),
+        (0, 16 * MIB),
+        "a retained block stays counted to its tenant"
+    );
+
+    let mut again = s.lease(16 * MIB).await.unwrap();
+    let LeaseHandle::Fd(i) = again.handle().clone() else {
+        panic!()
+    };
+    assert!(
+        i.retained && i.ticket.is_empty(),
+        "granted as the block held: {i:?}"
+    );
+    assert_eq!(i.block_id, info.block_id);
+    assert_eq!(s.retained_bytes(), 0);
+    let m = again.mapped().unwrap();
+    assert_eq!(m.as_ptr(), ptr, "the same mapping, not a new one");
+    assert!(m.iter().all(|&x| x == 0x5a));
+    // Another size is not it.
+    let other = s.lease(8 * MIB).await.unwrap();
+    let LeaseHandle::Fd(o) = other.handle().clone() else {
+        panic!()
+    };
+    assert!(!o.retained);
+    other.release().await.unwrap();
+    again.release().await.unwrap();
+
+    // Let go: confirmed, the memory is the cache's again and counts to nobody.
+    s.drop_retained().await;
+    let u = s.usage().await.unwrap().usage;
+    assert_eq!((u.held_bytes, u.quarantined_bytes), (0, 0));
+}
+
+/// Another tenant waits for memory a retained block holds: the broker asks the process,
+/// its session lets go, and the waiter is granted (fresh memory: another tenant's block is
+/// never handed on). Without the ask the waiter would time out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_of_another_tenant_gets_the_memory_once_the_retaining_process_lets_go() {
+    let b = Broker::start_with(BrokerOpts {
+        capacity: "64MiB",
+        ..Default::default()
+    })
+    .unwrap();
+    let ta = b.tenant("alice", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let tb = b.tenant("bob", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let a = Client::connect(&b.uri(), ta).await.unwrap();
+    let sa = a.session("a").await.unwrap();
+    sa.retain_mappings(64 * MIB);
+    let mut l = sa.lease(48 * MIB).await.unwrap();
+    l.mapped().unwrap().fill(1);
+    l.release().await.unwrap();
+    assert_eq!(sa.retained_bytes(), 48 * MIB);
+
+    let bc = Client::connect(&b.uri(), tb).await.unwrap();
+    let sb = bc.session("b").await.unwrap();
+    let mut got = sb
+        .lease_request(32 * MIB)
+        .wait(Duration::from_secs(10))
+        .send()
+        .await
+        .expect("granted once alice's process let go");
+    assert!(
+        got.mapped().unwrap().iter().all(|&x| x == 0),
+        "fresh memory"
+    );
+    assert_eq!(sa.retained_bytes(), 0);
+    let u = sa.usage().await.unwrap().usage;
+    assert_eq!(u.quarantined_bytes, 0);
+    got.release().await.unwrap();
+}
