@@ -216,9 +216,14 @@ impl State {
     /// when its memfd is no longer pristine. False when it was not quarantined; else the
     /// queue runs after the hold.
     pub fn lift_quarantine(&mut self, id: Uuid, destroy: bool) -> bool {
-        let Some(q) = self.quarantine.remove(&id) else {
+        let Some(mut q) = self.quarantine.remove(&id) else {
             return false;
         };
+        // Lifted while its process may live (a retained block let go by word, a timeout):
+        // a later free checks that the memory came back.
+        if let Some(pid) = q.pid {
+            q.block.reached.add(pid);
+        }
         if let Some(session) = q.retained_by {
             self.unindex_retained(session, id);
         }

@@ -176,6 +176,16 @@ fn another_tenant_never_gets_a_retained_block_and_its_process_is_asked_for_it() 
         vec![block],
         "the retained block is freed, not handed on"
     );
+    // Its process let go by word only: the free checks that the memory came back.
+    let reached: Vec<u32> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Free { block, .. } => Some(block.reached.pids().to_vec()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(!reached.is_empty(), "{effects:?}");
 }
 
 /// A lease whose descriptor went to another process, or that was drawn for a published
