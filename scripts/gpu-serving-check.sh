@@ -16,6 +16,8 @@
 #       work and wait nothing
 #   1b. multistream: blocks used on a side stream (record_stream) are reused with nobody
 #       calling reuse_stream_blocks(): PyTorch's reserved memory stays bounded
+#   2a. routing: an allocation of a thread routed to a pool of ours (as torch.compile's
+#       CUDA-graph trees warm up) lands in that pool, not in the all-streams one
 #   2.  graph: torch.cuda.graph of a decode step on leases (the graph's pool served by the
 #       hooks, replays allocate nothing, a second graph shares the pool, freeing them gives
 #       the memory back) and torch.compile(mode="reduce-overhead")
@@ -92,6 +94,7 @@ run() {
     echo "=== 1b. side-stream blocks reused with nobody calling reuse_stream_blocks() ==="
     want multistream && gpu_step multistream env GPU_BROKER_TOKEN="$serve" "${check[@]}" multistream --iters 60
     echo "=== 2. CUDA graphs on leases; torch.compile reduce-overhead ==="
+    want routing && gpu_step routing env GPU_BROKER_TOKEN="$serve" "${check[@]}" routing
     want graph && gpu_step graph env GPU_BROKER_TOKEN="$serve" "${check[@]}" graph
     echo "=== 2b. captured decode loop, PyTorch's allocator vs broker leases, interleaved ==="
     want bench && gpu_step bench env GPU_BROKER_TOKEN="$serve" "${check[@]}" bench \

@@ -394,6 +394,44 @@ def memsaver(args):
     result(**out)
 
 
+def routing(args):
+    """Where an allocation lands when a thread routes to a pool of ours (as torch.compile's
+    CUDA-graph trees' warm-up does): the pool of the segment holding it."""
+    import gpubroker.torch as gt
+
+    gt.install()
+    import torch
+    from torch._inductor import cudagraph_trees as trees
+
+    def pool_of(t):
+        ptr = t.untyped_storage().data_ptr()
+        for seg in torch.cuda.memory_snapshot():
+            if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                return list(seg.get("segment_pool_id", ()))
+        return None
+
+    out = {"step": "routing", "torch": torch.__version__,
+           "begin_thread": getattr(torch._C._cuda_beginAllocateCurrentThreadToPool, "__name__", "?"),
+           "main_pools": {d: list(p.id) for d, p in gt._state.pools.items()}}
+    pool = torch.cuda.graph_pool_handle()
+    out["graph_pool"] = list(pool)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), torch.device(0):
+        torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool)
+        big = torch.empty(32 << 20, device="cuda", dtype=torch.uint8)
+        small = torch.empty(4096, device="cuda", dtype=torch.uint8)
+        torch._C._cuda_endAllocateToPool(0, pool)
+        torch._C._cuda_releasePool(0, pool)
+    out["thread_big"], out["thread_small"] = pool_of(big), pool_of(small)
+    with trees._use_cuda_memory_pool_manager(0, pool, s):
+        managed = torch.empty(48 << 20, device="cuda", dtype=torch.uint8)
+    out["manager"] = pool_of(managed)
+    plain = torch.empty(16 << 20, device="cuda", dtype=torch.uint8)
+    out["plain"] = pool_of(plain)
+    out["ok"] = out["thread_big"] == out["manager"] == list(pool) and out["plain"] != list(pool)
+    result(**out)
+
+
 def _count_routings(torch):
     """Counts the pool routings begun from here on (by PyTorch's function name): what
     torch.compile's CUDA-graph trees call, for a failure's report."""
@@ -482,7 +520,8 @@ def main():
     p.add_argument("--high-token")
     args = p.parse_args()
     {"quota": quota, "multistream": multistream, "graph": graph, "decode": decode,
-     "bench": bench, "memsaver": memsaver, "memsaver-reclaim": memsaver, "mp": mp}[args.cmd](args)
+     "bench": bench, "memsaver": memsaver, "memsaver-reclaim": memsaver, "mp": mp,
+     "routing": routing}[args.cmd](args)
     sys.exit(1 if FAILED else 0)
 
 

@@ -525,9 +525,12 @@ async fn a_claim_the_broker_no_longer_holds_is_reserved_again() -> Result<()> {
     let old_token = std::fs::read_to_string(n.plugin.token_file("uid-r"))?;
     // Gone at the broker behind the plugin's back (its state lost, an operator's release).
     assert!(n.admin.release_claim("uid-r").await?);
-    // The plugin notices and reserves the claim again, with a new token in the same file.
+    // The plugin notices and reserves the claim again, with a new token in the same file
+    // (written after the reserve: wait for both).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while n.claims().await.unwrap_or_default() != ["uid-r"] {
+    while n.claims().await.unwrap_or_default() != ["uid-r"]
+        || !matches!(std::fs::read_to_string(n.plugin.token_file("uid-r")), Ok(t) if t != old_token)
+    {
         assert!(
             std::time::Instant::now() < deadline,
             "never reserved again: {}",
