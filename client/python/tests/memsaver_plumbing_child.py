@@ -41,14 +41,19 @@ with tms.region(tag="kv", enable_cpu_backup=True):
     out["after_disable"] = _native._region_enter("kv", True)
 out["after"] = _native._region_enter(None)
 out["outside"] = outside
-# Each region's pool routing (use_mem_pool, through torch.cuda.memory's own name) goes in
-# front of the all-streams routing: a pool per tag, another for disable().
+# Each region's pool routing (use_mem_pool, through torch.cuda.memory's own names): a
+# pool per tag, another for disable(); the all-streams routing steps aside before the
+# first begins and comes back once the last (nested) one ended.
 main_pool = gt._state.pools[0].id
 threads = [c[2] for c in torch.calls if c[0] == "begin_thread"]
 out["thread_pools"] = len(threads) == 2 and len(set(threads)) == 2 and main_pool not in threads
-out["in_front"] = all(
-    torch.calls[i - 1] == ("end", 0, main_pool)
-    for i, c in enumerate(torch.calls) if c[0] == "begin_thread"
+begun = [i for i, c in enumerate(torch.calls) if c[0] == "begin_thread"]
+aside = [i for i, c in enumerate(torch.calls) if c == ("end", 0, main_pool)]
+back = [i for i, c in enumerate(torch.calls) if c == ("begin", 0, main_pool)]
+others_ended = [i for i, c in enumerate(torch.calls) if c[0] == "end" and c[2] != main_pool]
+out["in_front"] = (
+    bool(begun) and aside == [begun[0] - 1] and len(back) == 1 and len(others_ended) == 2
+    and back[0] > max(others_ended)
 )
 out["tags"] = sorted(impl.stats())
 out["pause_unknown"] = impl.pause("never-used")

@@ -483,9 +483,12 @@ def test_torch_install_plumbing_with_a_stand_in_torch(broker):
     assert out["mp"][0] == "InvalidArgument" and "not in a segment" in out["mp"][1], out["mp"]
     assert out["mp_import"] == ["NotFound", "SHARED_LEASE_NOT_FOUND"], out["mp_import"]
     # Each pause's begin is balanced by a release (PyTorch takes a pool reference per begin).
-    assert out["graph_calls"] == ["pool", "end", "capture_begin", "begin", "release", "capture_end"], out["graph_calls"]
+    # Ours steps aside for the capture (which routing wins differs between PyTorch
+    # releases) and comes back when it ends.
+    assert out["graph_calls"] == ["pool", "end", "capture_begin", "capture_end", "begin", "release"], out["graph_calls"]
     assert out["graph_pool_is_ours"] and out["graph_reroute"]
-    assert out["shared_calls"] == ["pool", "end", "begin_thread", "begin", "release"], out["shared_calls"]
+    assert out["shared_calls_begun"] == ["pool", "end", "begin_thread"], out["shared_calls_begun"]
+    assert out["shared_calls"] == ["pool", "end", "begin_thread", "end", "begin", "release"], out["shared_calls"]
     assert out["shared_is_ours"]
     assert out["memory_module_patched"], "use_mem_pool looks the name up in torch.cuda.memory"
     assert out["graph_pool_deleted"], "the freed graph's pool went with empty_cache()"

@@ -80,6 +80,9 @@ out["graph_reroute"] = reroute == [("end", 0, main_pool), ("begin", 0, main_pool
 torch.calls.clear()
 shared = torch.cuda.graph_pool_handle()
 torch._C._cuda_beginAllocateCurrentThreadToPool(0, shared)
+out["shared_calls_begun"] = [c[0] for c in torch.calls]
+# Its end puts ours back.
+torch._C._cuda_endAllocateToPool(0, shared)
 out["shared_calls"] = [c[0] for c in torch.calls]
 out["memory_module_patched"] = (
     torch.cuda.memory._cuda_beginAllocateCurrentThreadToPool is torch._C._cuda_beginAllocateCurrentThreadToPool

@@ -79,6 +79,8 @@ class _State:
         self.dead_graph_pools: List[Tuple[int, int]] = []
         # Captures under way in this process (no pause of the routing during one).
         self.capturing = 0
+        # Per device: routings of others (captures, pools) under way, ours stepped aside.
+        self.aside: Dict[int, int] = {}
         # Bytes of tensors recorded on other streams since the last return of such blocks.
         self.recorded_bytes = 0
 
@@ -396,17 +398,34 @@ def _rebuild_cuda_storage(tenant: str, name: str, offset: int, nbytes: int) -> A
 
 
 def _in_front(state: _State, device: int, begin: Callable[[], Any]) -> Any:
-    """Runs `begin` (a capture's or a pool's routing) so that it precedes the all-streams
-    routing of `device`: PyTorch serves an allocation from the first routing whose filter
-    accepts its stream, and ours accepts every stream, so it steps out and back in
-    behind the new one. The caller holds `_lock`."""
+    """Runs `begin` (a capture's or a pool's routing) with the all-streams routing of
+    `device` stepped aside until that routing ends (`_step_back`): which of two routings
+    serves an allocation differs between PyTorch releases (2.11: not the newer), and a
+    capture's allocations must come from its own pool (else eager tensors reuse blocks
+    its replays write). Meanwhile other threads allocate from PyTorch's default pool.
+    The caller holds `_lock`."""
     pool = state.pools.get(device)
     if pool is None:
         return begin()
-    state.end(device, pool.id)
+    if state.aside.get(device, 0) == 0:
+        state.end(device, pool.id)
+    state.aside[device] = state.aside.get(device, 0) + 1
     try:
         return begin()
-    finally:
+    except BaseException:
+        _step_back(state, device)
+        raise
+
+
+def _step_back(state: _State, device: int) -> None:
+    """A routing begun by `_in_front` ended: the last one to end resumes ours. The caller
+    holds `_lock`."""
+    left = state.aside.get(device, 0) - 1
+    if left < 0:
+        return
+    state.aside[device] = left
+    pool = state.pools.get(device)
+    if left == 0 and pool is not None:
         _resume_routing(state, device, pool)
 
 
@@ -460,6 +479,7 @@ def _route_graphs(torch: Any, state: _State) -> None:
             finally:
                 with _lock:
                     state.capturing -= 1
+                    _step_back(state, torch.cuda.current_device())
 
         graph_cls.capture_begin = capture_begin
         graph_cls.capture_end = capture_end
@@ -496,6 +516,26 @@ def _route_graphs(torch: Any, state: _State) -> None:
         for module in (getattr(torch.cuda, "memory", None), graphs):
             if module is not None and getattr(module, name, None) is original:
                 setattr(module, name, begin_in_front)
+    # Their ends put ours back (once the last routing of others on the device ended).
+    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):
+        original = getattr(torch._C, name, None)
+        if original is None:
+            continue
+
+        def end_and_step_back(device: Any, *rest: Any, _original: Any = original) -> Any:
+            index = getattr(device, "index", device)
+            if index is None:
+                index = torch.cuda.current_device()
+            with _lock:
+                try:
+                    return _original(device, *rest)
+                finally:
+                    _step_back(state, int(index))
+
+        setattr(torch._C, name, end_and_step_back)
+        for module in (getattr(torch.cuda, "memory", None), graphs):
+            if module is not None and getattr(module, name, None) is original:
+                setattr(module, name, end_and_step_back)
 
 
 def _release_dead_graph_pools(torch: Any, state: _State) -> None:
@@ -544,7 +584,9 @@ def _reuse_stream_blocks_soon() -> None:
     """The hook's pending call (main thread, between bytecodes): returns multi-stream
     blocks to PyTorch's pool unless a capture is under way or the routing is busy."""
     state = _state
-    if state is None or state.capturing or not _lock.acquire(blocking=False):
+    if state is None or state.capturing or any(state.aside.values()):
+        return
+    if not _lock.acquire(blocking=False):
         return
     try:
         import torch
@@ -560,7 +602,10 @@ def _reuse_stream_blocks_soon() -> None:
 
 def _flush_stream_blocks(torch: Any, state: _State) -> None:
     """With `_lock` held: pauses the routing so PyTorch records the deferred end-of-use
-    events of multi-stream blocks, waits for them and puts the blocks back."""
+    events of multi-stream blocks, waits for them and puts the blocks back (not while a
+    routing of others is under way: ours is aside until it ends)."""
+    if any(state.aside.values()):
+        return
     for d, pool in state.pools.items():
         state.end(d, pool.id)
     try:
@@ -579,6 +624,10 @@ def empty_cache() -> int:
     import torch
 
     with _lock:
+        if any(state.aside.values()):
+            # A capture or another pool's routing is under way: ours is aside until it
+            # ends, and PyTorch empties no pool meanwhile.
+            return 0
         old_pools = dict(state.pools)
         for d in old_pools:
             # PyTorch empties a pool (MemPool's destructor does) only while no pool routing

@@ -127,7 +127,7 @@ def _use_mem_pool(pool):
     try:
         yield
     finally:
-        _end(0, pool.id)
+        cuda.memory._cuda_endAllocateToPool(0, pool.id)
         _release(0, pool.id)
 
 
@@ -150,6 +150,7 @@ cuda = types.SimpleNamespace(
     memory=types.SimpleNamespace(
         CUDAPluggableAllocator=_PluggableAllocator,
         _cuda_beginAllocateCurrentThreadToPool=_begin_thread,
+        _cuda_endAllocateToPool=_end,
     ),
 )
 
