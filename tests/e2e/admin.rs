@@ -44,6 +44,18 @@ async fn quotas_tenants_and_tokens() {
     // Tokens: issued once, listed without the secret, counted.
     let t1 = admin.issue_token("team-a", "trainer").await.unwrap();
     let t2 = admin.issue_token("team-a", "server").await.unwrap();
+    // Names of claims' tokens are not an operator's to take (they bind a pod to its claim).
+    let e = admin
+        .issue_token_with(
+            Some("team-a"),
+            &gpu_broker_client::TokenOptions {
+                name: "claim/uid-x".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
     assert_eq!(t1.tenant, "team-a");
     assert_ne!(t1.token, t2.token);
     assert!(!t1.token_id.is_empty() && !t1.token.contains(&t1.token_id));

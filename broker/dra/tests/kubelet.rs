@@ -152,6 +152,12 @@ async fn the_kubelet_registers_prepares_twice_and_unprepares_a_claim() -> Result
         format!("{e}").contains("reservation"),
         "beyond the claim: {e}"
     );
+    // Nor a process reservation beside the claim's.
+    let e = gpu_broker_client::ReservationRequest::new(&session, 30 * MIB)
+        .send()
+        .await
+        .unwrap_err();
+    assert!(format!("{e}").contains("cannot reserve a process"), "{e}");
     drop(lease);
 
     // Prepared again (kubelet restarted): the same answer, nothing reserved twice; v1beta1 too.

@@ -132,6 +132,11 @@ impl Arbiter {
     }
 
     /// The claim reservations, oldest first.
+    /// Whether claim `uid` has its reservation here.
+    pub fn claim_is_held(&self, uid: &str) -> bool {
+        self.lock().reservations().of_claim(uid).is_some()
+    }
+
     pub fn list_claims(&self) -> Vec<(ClaimBinding, ReservationView)> {
         let st = self.lock();
         let mut v: Vec<(ClaimBinding, ReservationView)> = st

@@ -98,6 +98,12 @@ impl Admin for AdminService {
         let r = req.into_inner();
         bounds::tenant("tenant", &r.tenant).map_err(status)?;
         bounds::check("description", &r.description, bounds::MAX_TEXT_BYTES).map_err(status)?;
+        if r.name.starts_with("claim/") {
+            // Claims' tokens are minted with their reservation (ReserveClaim) and bound by it.
+            return Err(status(crate::error::BrokerError::InvalidArgument(
+                "token names starting with claim/ belong to ResourceClaims (ReserveClaim)".into(),
+            )));
+        }
         let spec = TokenSpec {
             tenant: filter(&r.tenant).map(str::to_string),
             scope: convert::scope_from(r.scope).map_err(status)?,

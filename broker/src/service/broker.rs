@@ -46,6 +46,12 @@ pub fn heartbeat_period(keepalive_timeout: Duration) -> Duration {
 /// user only: its end stops that group, with the broker's rights (often root). Unlike a
 /// lease request, a caller whose uid is unknown (TCP) may not act for a session whose uid
 /// is known, as nothing it is sent would otherwise stop it.
+/// The claim whose token made `req` (`claim/<uid>`, minted with the claim's reservation).
+fn claim_of<T>(req: &Request<T>) -> Option<String> {
+    let p = req.extensions().get::<crate::auth::Principal>()?;
+    p.name.strip_prefix("claim/").map(str::to_string)
+}
+
 fn check_reservation_caller(session: &Peer, caller: &Peer) -> Result<(), BrokerError> {
     match (session.uid, caller.uid) {
         (Some(s), Some(c)) if s == c => Ok(()),
@@ -173,6 +179,15 @@ impl Broker for BrokerService {
         &self,
         req: Request<pb::AcquireLeaseRequest>,
     ) -> Result<Response<pb::AcquireLeaseResponse>, Status> {
+        if let Some(uid) = claim_of(&req) {
+            // Without its reservation a claim's lease would be an ordinary one, on any
+            // device, beside what the scheduler placed.
+            if !self.arb.claim_is_held(&uid) {
+                return Err(status(BrokerError::FailedPrecondition(format!(
+                    "claim {uid} has no reservation at this broker (its driver reserves it again)"
+                ))));
+            }
+        }
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
         let token = bearer_of(&req);
@@ -432,6 +447,12 @@ impl Broker for BrokerService {
         &self,
         req: Request<pb::ReserveProcessMemoryRequest>,
     ) -> Result<Response<pb::ReserveProcessMemoryResponse>, Status> {
+        if let Some(uid) = claim_of(&req) {
+            // The scheduler placed the claim's bytes, not more: its pod leases from them.
+            return Err(status(BrokerError::FailedPrecondition(format!(
+                "the token of claim {uid} leases from the claim's reservation; it cannot reserve a process"
+            ))));
+        }
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
         let r = req.into_inner();
