@@ -10,9 +10,9 @@
 //! Recording is a wall-clock read (the vDSO's, no system call) and one or two relaxed
 //! atomic adds per hold (`arbiter/effects.rs`, when the guard is dropped). The thread's
 //! CPU clock is a system call (the vDSO does not serve it), and a hold's CPU time needs a
-//! reading at every take (four system calls a pooled acquire and release): side by side
-//! that was up to ~5% of the broker's CPU a lease (`docs/benchmarks.md`), so it is
-//! counted only when asked for ([`LockHolds::new`]; the `clock="cpu"` series is absent
+//! reading at every take (four system calls a pooled acquire and release): measured side
+//! by side it cost up to ~5% of the broker's CPU a lease, so it is counted only when
+//! asked for ([`LockHolds::new`]; the `clock="cpu"` series is absent
 //! otherwise). Then the closing read is made only for holds longer than 100 us by the
 //! wall clock: a thread cannot use more CPU time than the wall time that passed, so a
 //! shorter hold is under every CPU threshold above zero as well
