@@ -225,7 +225,19 @@ impl Arbiter {
                 }
             }
         }
-        self.count_kept_memory_as_ours(&leases);
+        // Kept device memory, leases' and quarantines' alike (with their descriptors).
+        let kept = leases
+            .iter()
+            .filter(|(r, fd)| fd.is_some() && r.tier == "device")
+            .map(|(r, _)| (r.device, r.bytes))
+            .chain(
+                quarantines
+                    .iter()
+                    .filter(|(_, fd)| fd.is_some())
+                    .map(|(q, _)| (q.device, q.bytes)),
+            )
+            .collect::<Vec<_>>();
+        self.count_kept_memory_as_ours(&kept);
         let (taken, refused) = self.adopt_leases(leases, &adopted);
         for (r, why) in refused {
             tracing::info!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
@@ -374,17 +386,14 @@ impl Arbiter {
     /// the memory used outside the broker were read without it: it is the broker's (taken
     /// back now, or freed once the keeper's and our copies close), so each device's
     /// leasable amount grows by it and the outside measure stops counting it.
-    fn count_kept_memory_as_ours(&self, leases: &[(LeaseRecord, Option<std::os::fd::OwnedFd>)]) {
+    fn count_kept_memory_as_ours(&self, kept_blocks: &[(u32, u64)]) {
         let mut kept = vec![0u64; self.devices.len()];
-        for (r, fd) in leases {
-            let Some(slot) = self.devices.get(r.device as usize) else {
+        for &(d, bytes) in kept_blocks {
+            let Some(slot) = self.devices.get(d as usize) else {
                 continue;
             };
-            if fd.is_some()
-                && r.tier == "device"
-                && slot.thread.desc().backend == crate::device::BackendKind::Cuda
-            {
-                kept[r.device as usize] = kept[r.device as usize].saturating_add(r.bytes);
+            if slot.thread.desc().backend == crate::device::BackendKind::Cuda {
+                kept[d as usize] = kept[d as usize].saturating_add(bytes);
             }
         }
         let mut st = self.lock();

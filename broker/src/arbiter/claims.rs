@@ -45,6 +45,12 @@ pub fn claim_token_name(uid: &str) -> String {
     format!("claim/{uid}")
 }
 
+/// The claim uid a token of this name is bound to (the inverse of [`claim_token_name`]):
+/// such names are ReserveClaim's alone.
+pub fn claim_of_token_name(name: &str) -> Option<&str> {
+    name.strip_prefix("claim/")
+}
+
 impl Arbiter {
     /// Reserves `req.bytes` on `req.device` for claim `req.uid` under its tenant, now or
     /// never (a placement the scheduler made does not queue), and mints the worker token

@@ -98,7 +98,7 @@ impl Admin for AdminService {
         let r = req.into_inner();
         bounds::tenant("tenant", &r.tenant).map_err(status)?;
         bounds::check("description", &r.description, bounds::MAX_TEXT_BYTES).map_err(status)?;
-        if r.name.starts_with("claim/") {
+        if crate::arbiter::claims::claim_of_token_name(&r.name).is_some() {
             // Claims' tokens are minted with their reservation (ReserveClaim) and bound by it.
             return Err(status(crate::error::BrokerError::InvalidArgument(
                 "token names starting with claim/ belong to ResourceClaims (ReserveClaim)".into(),

@@ -49,7 +49,7 @@ pub fn heartbeat_period(keepalive_timeout: Duration) -> Duration {
 /// The claim whose token made `req` (`claim/<uid>`, minted with the claim's reservation).
 fn claim_of<T>(req: &Request<T>) -> Option<String> {
     let p = req.extensions().get::<crate::auth::Principal>()?;
-    p.name.strip_prefix("claim/").map(str::to_string)
+    crate::arbiter::claims::claim_of_token_name(&p.name).map(str::to_string)
 }
 
 fn check_reservation_caller(session: &Peer, caller: &Peer) -> Result<(), BrokerError> {
