@@ -306,7 +306,7 @@ impl Arbiter {
     }
 
     /// Runs `Effect::Materialize`: the device work of a grant on a task of the main
-    /// runtime ([`Arbiter::effects_runtime`], whichever runtime ran the queue), then the
+    /// runtime ([`Lifecycle::effects_runtime`](super::Lifecycle::effects_runtime), whichever runtime ran the queue), then the
     /// grant is committed (or rolled back) under the lock and the caller answered.
     pub(super) fn spawn_grant(self: &Arc<Self>, p: PendingGrant) {
         let arb = self.clone();
@@ -317,7 +317,7 @@ impl Arbiter {
             device: d,
             source,
         } = p;
-        let Some(rt) = self.effects_runtime() else {
+        let Some(rt) = self.lifecycle.effects_runtime() else {
             // No runtime to do the device work on: the reservation is rolled back.
             tracing::error!(device = d, tenant = %ask.tenant, "no runtime for a grant's device work");
             let mut st = self.lock();

@@ -238,10 +238,10 @@ impl Admin for AdminService {
         for d in &mut devices {
             d.turn_holders = self.arb.turn_holders(d.index);
         }
-        if let Some(mps) = self.arb.mps() {
+        if let Some(mps) = self.arb.lifecycle().mps() {
             super::mps_report::fill(&mps.status(), &mut devices);
         } else {
-            let modes = self.arb.compute_modes();
+            let modes = self.arb.lifecycle().compute_modes();
             for d in &mut devices {
                 d.compute_mode = modes.get(d.index as usize).cloned().unwrap_or_default();
             }

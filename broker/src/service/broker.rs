@@ -478,9 +478,14 @@ impl Broker for BrokerService {
             .instrument(span)
             .await
             .map_err(status)?;
-        let mps = self.arb.mps().is_some().then(|| pb::MpsEnvironment {
-            vars: view.env.iter().cloned().collect(),
-        });
+        let mps = self
+            .arb
+            .lifecycle()
+            .mps()
+            .is_some()
+            .then(|| pb::MpsEnvironment {
+                vars: view.env.iter().cloned().collect(),
+            });
         Ok(Response::new(pb::ReserveProcessMemoryResponse {
             reservation: Some(convert::reservation(&view)),
             mps,
