@@ -169,7 +169,7 @@ impl Arbiter {
                 "claim uid must not contain spaces or control characters".into(),
             ));
         }
-        self.validate(&super::AcquireRequest {
+        self.validate(super::AcquireRequest {
             tenant: req.tenant.clone(),
             session: uuid::Uuid::nil(),
             bytes: req.bytes,

@@ -26,7 +26,7 @@ mod lifecycle;
 pub mod listing;
 mod outbox;
 pub use gpu_broker_core::lease::RECLAIM_DEADLINE_MISSED;
-pub use gpu_broker_core::request::AcquireRequest;
+pub use gpu_broker_core::request::{AcquireRequest, ValidRequest};
 /// The wait queue's records and the state core, at their old paths (`gpu_broker_core`).
 pub use gpu_broker_core::{overtaking, queue, state};
 mod reservations;

@@ -65,7 +65,7 @@ impl Arbiter {
             reclaimable: false,
             fallback_host: false,
         };
-        self.validate(&acquire)?;
+        let acquire = self.validate(acquire)?;
         // Refuse at once what the environment cannot serve (the MPS daemon is down).
         self.process_env(req.device.unwrap_or(0), bytes, &req)?;
         let ask = ProcessAsk {

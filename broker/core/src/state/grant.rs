@@ -11,7 +11,7 @@ use crate::lease::{Lease, LeaseState, LeaseView};
 use crate::ledger::Tier;
 use crate::pool::{Block, Source};
 use crate::queue::{Ask, WaiterId};
-use crate::request::AcquireRequest;
+use crate::request::ValidRequest;
 
 /// Why a reserved grant could not become a lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,7 +163,7 @@ impl State {
     /// or is uncharged (and the block freed when its session is gone).
     pub fn commit_host(
         &mut self,
-        ask: &AcquireRequest,
+        ask: &ValidRequest,
         bytes: u64,
         made: BrokerResult<Block>,
     ) -> BrokerResult<LeaseView> {
