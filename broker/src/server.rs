@@ -269,7 +269,7 @@ pub async fn serve(
         tracing::error!(error = %e, "a listener failed; shutting down");
     }
 
-    tracing::info!(grace = ?grace, sessions = arb.session_count(), "shutting down: draining sessions");
+    tracing::info!(grace = ?grace, sessions = arb.session_count(), "shutting down: ending sessions");
     health_reporter
         .set_not_serving::<BrokerServer<BrokerService>>()
         .await;

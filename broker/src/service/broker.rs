@@ -31,7 +31,8 @@ impl BrokerService {
     }
 }
 
-/// Heartbeats come often enough that an open, drained stream keeps its session alive.
+/// Heartbeats come often enough that an open stream its client reads keeps its session
+/// alive.
 pub fn heartbeat_period(keepalive_timeout: Duration) -> Duration {
     if keepalive_timeout.is_zero() {
         HEARTBEAT

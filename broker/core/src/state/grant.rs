@@ -64,7 +64,7 @@ impl State {
     }
 
     /// Turns a reserved grant into a lease of its session, holding `block`; or, when its
-    /// session is gone or the broker drains, gives the reservation back (the block into
+    /// session is gone or the broker shuts down, gives the reservation back (the block into
     /// the cache) and says why.
     pub fn commit_grant(
         &mut self,
