@@ -13,7 +13,7 @@
 # `RESULT {json}` with "ok"):
 #   1a. quota: an allocation over the tenant's quota fails at once with QUOTA_EXCEEDED
 #       (GPU_BROKER_WAIT=30 is not waited); cuDNN benchmark convolutions near the quota
-#       work and wait nothing
+#       work and wait nothing; tensors fill >= 99% of the quota (memory-limit accuracy)
 #   1b. multistream: blocks used on a side stream (record_stream) are reused with nobody
 #       calling reuse_stream_blocks(): PyTorch's reserved memory stays bounded
 #   2a. routing: an allocation of a thread routed to a pool of ours (as torch.compile's

@@ -3,7 +3,8 @@
 
 Subcommands (each prints one `RESULT {json}` line with an `ok` verdict):
   quota        an allocation over the tenant's quota fails at once (GPU_BROKER_WAIT=30 is
-               not waited) with the broker's reason; cuDNN convolutions with benchmark
+               not waited) with the broker's reason; tensors fill >= 99% of the quota
+               (memory-limit accuracy); cuDNN convolutions with benchmark
                mode near the quota cost no wait either
   multistream  blocks used on a side stream (record_stream), nobody calling
                reuse_stream_blocks(): PyTorch's reserved memory stays bounded
@@ -85,10 +86,27 @@ def quota(args):
         conv_error = f"{type(e).__name__}: {str(e)[:300]}"
     conv_s = time.perf_counter() - t0
     st = gt.memory_stats()
+    del conv, x
+    gt.empty_cache()
+    # GPU-Virt-Bench's memory-limit accuracy for leases: what tensors can really take of
+    # the quota (64 MiB, then 2 MiB at a time, until the broker refuses), after cuDNN's cached
+    # blocks went back (PyTorch does not empty a private pool by itself on an OOM).
+    filled, fill = limit - 512 * MIB, []
+    for chunk in (64 * MIB, 2 * MIB):
+        while True:
+            try:
+                fill.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+                filled += chunk
+            except torch.OutOfMemoryError:
+                break
+    accuracy = filled / limit
+    del fill
+    gt.empty_cache()
     del keep
     ok = (refused is not None and refused["reason"] == "QUOTA_EXCEEDED" and over_s < 2.0
-          and conv_error is None and conv_s < 10.0 and st["waits"] == 0)
+          and conv_error is None and conv_s < 10.0 and st["waits"] == 0 and accuracy >= 0.99)
     result(step="quota", limit=limit, over_quota_s=round(over_s, 3), refused=refused,
+           allocatable_bytes=filled, accuracy=round(accuracy, 4),
            cudnn_benchmark_s=round(conv_s, 3), cudnn_error=conv_error, waits=st["waits"],
            ooms=st["ooms"], ok=ok)
 

@@ -149,8 +149,9 @@ async fn run(
     // Before anything is served: what the previous broker left is taken back first.
     match kept {
         Kept::Keeper(dump) => {
-            let dumped = dump
-                .join()
+            // Waited for off the runtime.
+            let dumped = tokio::task::spawn_blocking(move || dump.join())
+                .await?
                 .map_err(|_| anyhow::anyhow!("reading the keeper's records panicked"))??;
             gpu_broker::startup::step("wait for the keeper's dump");
             arb.adopt_dumped(dumped);
@@ -164,7 +165,7 @@ async fn run(
     gpu_broker::startup::skip();
     if let Some(mps) = mps.clone() {
         mps.set_device_count(arb.device_count() as u32);
-        arb.set_mps(mps);
+        arb.lifecycle().set_mps(mps);
     } else if arb.backend_is_cuda() {
         use gpu_broker::mps::compute_mode;
         let modes = compute_mode::read(&device_indices(&cfg));
@@ -174,13 +175,13 @@ async fn run(
                 "a device is in the ExclusiveProcess compute mode: the broker's context is the only one it admits, so workers cannot map leases there; run with --mps (docs/mps.md)"
             );
         }
-        arb.set_compute_modes(modes);
+        arb.lifecycle().set_compute_modes(modes);
     }
     gpu_broker::startup::step("compute modes");
     let shutdown = CancellationToken::new();
     // The TLS certificate is read again on SIGHUP and when its files change.
     if let Some(server) = &tcp_tls {
-        arb.spawn_worker(
+        arb.lifecycle().spawn_worker(
             "tls-reload",
             shutdown.clone(),
             gpu_broker::tls::reload_loop(
@@ -397,7 +398,8 @@ fn read_kept(
 }
 
 /// Connects to the keeper at `path`, waiting up to 10 s for it to listen (a keeper
-/// started alongside the broker, a sidecar container).
+/// started alongside the broker, a sidecar container). On the keeper's reader thread,
+/// off the runtime.
 fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
@@ -487,17 +489,18 @@ fn spawn_hup_without_config(arb: &Arbiter, stop: CancellationToken) {
         tracing::warn!("SIGHUP handler not installed");
         return;
     };
-    arb.spawn_worker("sighup", stop.clone(), async move {
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                r = hup.recv() => {
-                    if r.is_none() {
-                        return;
+    arb.lifecycle()
+        .spawn_worker("sighup", stop.clone(), async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    r = hup.recv() => {
+                        if r.is_none() {
+                            return;
+                        }
+                        tracing::info!("SIGHUP: nothing to reload (no --config file)");
                     }
-                    tracing::info!("SIGHUP: nothing to reload (no --config file)");
                 }
             }
-        }
-    });
+        });
 }
