@@ -236,9 +236,12 @@ pub async fn run(common: &Common, a: &RestartArgs) -> Result<()> {
         );
     }
     table.print();
+    // The broker first (SIGTERM leaves everything to the keeper), then the keeper: nothing
+    // is left behind, and the broker never sees its keeper go.
+    drop(target);
+    drop(keeper);
     drop(held);
     session.close();
-    drop(keeper);
     Ok(())
 }
 
