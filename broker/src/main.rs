@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 mod check_config;
 
 fn main() -> anyhow::Result<()> {
-    gpu_broker::startup::begin();
+    let clock = gpu_broker::startup::StartClock::begin();
     if std::env::args_os()
         .nth(1)
         .is_some_and(|a| a == "check-config")
@@ -37,7 +37,7 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the tokio runtime")?
-        .block_on(run(cfg, &reads, handed_back))
+        .block_on(run(cfg, &reads, handed_back, clock))
 }
 
 /// `gpu-broker keeper --socket PATH`: the process that holds lease descriptors and
@@ -83,6 +83,7 @@ async fn run(
     cfg: Config,
     reads: &gpu_broker::read_pool::ReadPool,
     handed_back: Vec<(String, std::os::fd::OwnedFd)>,
+    mut clock: gpu_broker::startup::StartClock,
 ) -> anyhow::Result<()> {
     // The TCP listener's TLS first: a missing or bad certificate fails before anything
     // else is opened.
@@ -109,7 +110,7 @@ async fn run(
     tracing::info!(nofile, "descriptor limit");
     let store = Store::open(&cfg.state_dir)
         .with_context(|| format!("opening the state in {}", cfg.state_dir.display()))?;
-    gpu_broker::startup::step("open store");
+    clock.step("open store");
     let admin_token =
         gpu_broker::admin_token::load_or_create(&cfg.admin_token_path()).context("admin token")?;
     let auth = Arc::new(Authenticator::new(&admin_token));
@@ -130,7 +131,7 @@ async fn run(
     // What the previous broker left is read while the devices open (creating a CUDA
     // context takes a while): the keeper's dump on a thread of its own.
     let kept = read_kept(&cfg, handed_back)?;
-    gpu_broker::nvml_warm::start(cfg.backend);
+    let _nvml = gpu_broker::nvml_warm::start(cfg.backend);
     // Managed MPS starts before the devices open: in the ExclusiveProcess compute mode the
     // broker's own context must be an MPS client (docs/mps.md).
     let mps = if cfg.mps.mps {
@@ -139,13 +140,13 @@ async fn run(
         None
     };
     let devices = open_devices(&spec).context("opening devices")?;
-    gpu_broker::startup::step("open devices");
+    clock.step("open devices");
     let host_tier =
         open_host_tier(cfg.host_fallback_capacity).context("opening the host fallback tier")?;
     let arb = Arbiter::new(devices, host_tier, Some(store), auth, cfg.arbiter())
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading state")?;
-    gpu_broker::startup::step("load state");
+    clock.step("load state");
     // Before anything is served: what the previous broker left is taken back first.
     match kept {
         Kept::Keeper(dump) => {
@@ -153,16 +154,17 @@ async fn run(
             let dumped = tokio::task::spawn_blocking(move || dump.join())
                 .await?
                 .map_err(|_| anyhow::anyhow!("reading the keeper's records panicked"))??;
-            gpu_broker::startup::step("wait for the keeper's dump");
-            arb.adopt_dumped(dumped);
+            clock.step("wait for the keeper's dump");
+            arb.adopt_dumped(dumped, clock.steps());
         }
         Kept::FdStore(store) => {
-            arb.adopt_from_keeper(store)
+            let dumped = gpu_broker::keeper::place::dump(store)
                 .context("taking back what systemd's file-descriptor store holds")?;
+            arb.adopt_dumped(dumped, clock.steps());
         }
         Kept::Nothing => {}
     }
-    gpu_broker::startup::skip();
+    clock.skip();
     if let Some(mps) = mps.clone() {
         mps.set_device_count(arb.device_count() as u32);
         arb.lifecycle().set_mps(mps);
@@ -177,7 +179,7 @@ async fn run(
         }
         arb.lifecycle().set_compute_modes(modes);
     }
-    gpu_broker::startup::step("compute modes");
+    clock.step("compute modes");
     let shutdown = CancellationToken::new();
     // The TLS certificate is read again on SIGHUP and when its files change.
     if let Some(server) = &tcp_tls {
@@ -249,7 +251,7 @@ async fn run(
         arb.clone(),
         tickets_stop.clone(),
     ));
-    gpu_broker::startup::step("tenants and sockets");
+    clock.step("tenants and sockets");
     let tcp = match cfg.listen {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
@@ -280,7 +282,7 @@ async fn run(
             cfg.limits.limits(),
         );
     }
-    gpu_broker::startup::step("listeners");
+    clock.step("listeners");
     let mut nvml_faults: Option<Box<dyn gpu_broker::faults::FaultSource>> = None;
     if arb.backend_is_cuda() {
         let uuids: Vec<String> = (0..arb.device_count() as u32)
@@ -307,8 +309,8 @@ async fn run(
         shutdown.clone(),
         gpu_broker::server::stop_signal(),
     );
-    gpu_broker::startup::step("monitors");
-    arb.restart_steps_to_serving(gpu_broker::startup::steps());
+    clock.step("monitors");
+    arb.restart_steps_to_serving(clock.steps());
     // systemd (Type=notify): every socket is bound, so every connection from here on is
     // answered. Without NOTIFY_SOCKET this does nothing.
     if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {

@@ -369,21 +369,23 @@ impl Arbiter {
         link: impl Place + 'static,
     ) -> Result<RestartReport, KeeperError> {
         let dumped = crate::keeper::place::dump(link)?;
-        Ok(self.adopt_dumped(dumped))
+        Ok(self.adopt_dumped(dumped, Vec::new()))
     }
 
     /// Takes back what a place handed back (its dump, made by [`crate::keeper::place::dump`]
     /// while the devices opened, or just now), then sends it every change from now on.
+    /// `before`: the start's steps before this (`startup.rs`), first in the report.
     pub fn adopt_dumped<P: Place + 'static>(
         self: &Arc<Self>,
         dumped: crate::keeper::place::Dumped<P>,
+        before: Vec<Phase>,
     ) -> RestartReport {
         let crate::keeper::place::Dumped {
             place: link,
             entries,
             took: dump_took,
         } = dumped;
-        let mut laps = Laps::new(crate::startup::steps());
+        let mut laps = Laps::new(before);
         laps.push("keeper dump", dump_took);
         let t0 = Instant::now()
             .checked_sub(dump_took)
