@@ -164,7 +164,7 @@ async fn run(
     }
     if let Some(mps) = mps.clone() {
         mps.set_device_count(arb.device_count() as u32);
-        arb.set_mps(mps);
+        arb.lifecycle().set_mps(mps);
     } else if arb.backend_is_cuda() {
         use gpu_broker::mps::compute_mode;
         let modes = compute_mode::read(&device_indices(&cfg));
@@ -174,12 +174,12 @@ async fn run(
                 "a device is in the ExclusiveProcess compute mode: the broker's context is the only one it admits, so workers cannot map leases there; run with --mps (docs/mps.md)"
             );
         }
-        arb.set_compute_modes(modes);
+        arb.lifecycle().set_compute_modes(modes);
     }
     let shutdown = CancellationToken::new();
     // The TLS certificate is read again on SIGHUP and when its files change.
     if let Some(server) = &tcp_tls {
-        arb.spawn_worker(
+        arb.lifecycle().spawn_worker(
             "tls-reload",
             shutdown.clone(),
             gpu_broker::tls::reload_loop(
@@ -433,17 +433,18 @@ fn spawn_hup_without_config(arb: &Arbiter, stop: CancellationToken) {
         tracing::warn!("SIGHUP handler not installed");
         return;
     };
-    arb.spawn_worker("sighup", stop.clone(), async move {
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                r = hup.recv() => {
-                    if r.is_none() {
-                        return;
+    arb.lifecycle()
+        .spawn_worker("sighup", stop.clone(), async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    r = hup.recv() => {
+                        if r.is_none() {
+                            return;
+                        }
+                        tracing::info!("SIGHUP: nothing to reload (no --config file)");
                     }
-                    tracing::info!("SIGHUP: nothing to reload (no --config file)");
                 }
             }
-        }
-    });
+        });
 }
