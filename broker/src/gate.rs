@@ -35,6 +35,9 @@ pub const READ_METHODS: &[&str] = &[
     "/gpubroker.v1.Admin/GetInfo",
     "/gpubroker.v1.Broker/GetInfo",
     "/gpubroker.v1.Admin/ListSharedLeases",
+    // Claims' tenants, bytes, devices and labels: no more than the leases and sessions
+    // listed above show (no token, only its public id).
+    "/gpubroker.v1.Admin/ListClaims",
 ];
 
 /// Paths that need a token: the broker's own services.

@@ -149,7 +149,7 @@ async fn run(
     )? {
         Choice::Keeper(path) => {
             fdstore::let_go(handed_back);
-            let link = connect_keeper(&path)?;
+            let link = connect_keeper(&path).await?;
             arb.adopt_from_keeper(link).with_context(|| {
                 format!("taking back what the keeper at {} holds", path.display())
             })?;
@@ -339,16 +339,22 @@ async fn run(
 }
 
 /// Connects to the keeper at `path`, waiting up to 10 s for it to listen (a keeper
-/// started alongside the broker, a sidecar container).
-fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
+/// started alongside the broker, a sidecar container); the blocking connect runs off the
+/// runtime.
+async fn connect_keeper(
+    path: &std::path::Path,
+) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        match gpu_broker::keeper::KeeperLink::connect(path) {
+        let p = path.to_path_buf();
+        match tokio::task::spawn_blocking(move || gpu_broker::keeper::KeeperLink::connect(&p))
+            .await?
+        {
             Ok(l) => return Ok(l),
             Err(e) if std::time::Instant::now() > deadline => {
                 return Err(e).context("no keeper (start `gpu-broker keeper --socket PATH` first)")
             }
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
         }
     }
 }

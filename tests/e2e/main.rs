@@ -4,6 +4,7 @@
 //! shared-memory directory. One module per theme.
 
 mod admin;
+mod claims;
 mod cli;
 mod crash;
 mod data;

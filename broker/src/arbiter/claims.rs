@@ -40,15 +40,18 @@ pub struct ClaimGrant {
     pub token_id: String,
 }
 
+/// What the names of claims' tokens start with (no other token's may).
+pub const CLAIM_TOKEN_PREFIX: &str = "claim/";
+
 /// The name of a claim's token.
 pub fn claim_token_name(uid: &str) -> String {
-    format!("claim/{uid}")
+    format!("{CLAIM_TOKEN_PREFIX}{uid}")
 }
 
 /// The claim uid a token of this name is bound to (the inverse of [`claim_token_name`]):
 /// such names are ReserveClaim's alone.
 pub fn claim_of_token_name(name: &str) -> Option<&str> {
-    name.strip_prefix("claim/")
+    name.strip_prefix(CLAIM_TOKEN_PREFIX)
 }
 
 impl Arbiter {

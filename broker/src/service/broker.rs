@@ -184,9 +184,7 @@ impl Broker for BrokerService {
             // Without its reservation a claim's lease would be an ordinary one, on any
             // device, beside what the scheduler placed.
             if !self.arb.claim_is_held(&uid) {
-                return Err(status(BrokerError::FailedPrecondition(format!(
-                    "claim {uid} has no reservation at this broker (its driver reserves it again)"
-                ))));
+                return Err(status(BrokerError::ClaimNotReserved { claim: uid }));
             }
         }
         let tenant = tenant_of(&req)?;
@@ -450,9 +448,7 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::ReserveProcessMemoryResponse>, Status> {
         if let Some(uid) = claim_of(&req) {
             // The scheduler placed the claim's bytes, not more: its pod leases from them.
-            return Err(status(BrokerError::FailedPrecondition(format!(
-                "the token of claim {uid} leases from the claim's reservation; it cannot reserve a process"
-            ))));
+            return Err(status(BrokerError::ClaimTokenCannotReserve { claim: uid }));
         }
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use anyhow::{bail, Context, Result};
-use gpu_broker_dra::pb::{dra_v1, dra_v1beta1, registration as reg};
+use gpu_broker_dra::pb::{dra_v1, dra_v1beta1, health_v1, health_v1alpha1, registration as reg};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
@@ -331,6 +331,9 @@ pub struct Kubelet {
     pub info: reg::PluginInfo,
     pub v1: dra_v1::dra_plugin_client::DraPluginClient<Channel>,
     pub v1beta1: dra_v1beta1::dra_plugin_client::DraPluginClient<Channel>,
+    pub health: health_v1::dra_resource_health_client::DraResourceHealthClient<Channel>,
+    pub health_v1alpha1:
+        health_v1alpha1::dra_resource_health_client::DraResourceHealthClient<Channel>,
 }
 
 impl Kubelet {
@@ -365,7 +368,10 @@ impl Kubelet {
         Ok(Kubelet {
             info,
             v1: dra_v1::dra_plugin_client::DraPluginClient::new(ch.clone()),
-            v1beta1: dra_v1beta1::dra_plugin_client::DraPluginClient::new(ch),
+            v1beta1: dra_v1beta1::dra_plugin_client::DraPluginClient::new(ch.clone()),
+            health: health_v1::dra_resource_health_client::DraResourceHealthClient::new(ch.clone()),
+            health_v1alpha1:
+                health_v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(ch),
         })
     }
 

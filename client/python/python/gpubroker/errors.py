@@ -290,10 +290,16 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "FD_NEEDS_UNIX_SOCKET": FailedPrecondition,
     "FD_HANDLES_NOT_ACCEPTED": FailedPrecondition,
     "NO_ADMIN_TOKEN_FILE": FailedPrecondition,
+    # A ResourceClaim's token leasing while its claim has no reservation at the broker
+    # (retry shortly), or asking for a process reservation (it leases from its claim).
+    "CLAIM_NOT_RESERVED": FailedPrecondition,
+    "CLAIM_TOKEN_CANNOT_RESERVE": FailedPrecondition,
     # A device index past the last, a wait past --max-wait, too many reader tenants.
     "UNKNOWN_DEVICE": InvalidArgument,
     "WAIT_TOO_LONG": InvalidArgument,
     "TOO_MANY_READERS": InvalidArgument,
+    # A token name starting with claim/ (ReserveClaim's alone).
+    "TOKEN_NAME_RESERVED": InvalidArgument,
     # Tokens: none sent, not `Bearer <token>`, unknown or revoked, expired; a scope that
     # does not reach the call.
     "TOKEN_MISSING": Unauthenticated,
