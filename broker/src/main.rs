@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 mod check_config;
 
 fn main() -> anyhow::Result<()> {
+    gpu_broker::startup::begin();
     if std::env::args_os()
         .nth(1)
         .is_some_and(|a| a == "check-config")
@@ -108,6 +109,7 @@ async fn run(
     tracing::info!(nofile, "descriptor limit");
     let store = Store::open(&cfg.state_dir)
         .with_context(|| format!("opening the state in {}", cfg.state_dir.display()))?;
+    gpu_broker::startup::step("open store");
     let admin_token =
         gpu_broker::admin_token::load_or_create(&cfg.admin_token_path()).context("admin token")?;
     let auth = Arc::new(Authenticator::new(&admin_token));
@@ -125,6 +127,10 @@ async fn run(
                 .into_owned(),
         ),
     };
+    // What the previous broker left is read while the devices open (creating a CUDA
+    // context takes a while): the keeper's dump on a thread of its own.
+    let kept = read_kept(&cfg, handed_back)?;
+    gpu_broker::nvml_warm::start(cfg.backend);
     // Managed MPS starts before the devices open: in the ExclusiveProcess compute mode the
     // broker's own context must be an MPS client (docs/mps.md).
     let mps = if cfg.mps.mps {
@@ -133,35 +139,30 @@ async fn run(
         None
     };
     let devices = open_devices(&spec).context("opening devices")?;
+    gpu_broker::startup::step("open devices");
     let host_tier =
         open_host_tier(cfg.host_fallback_capacity).context("opening the host fallback tier")?;
     let arb = Arbiter::new(devices, host_tier, Some(store), auth, cfg.arbiter())
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading state")?;
+    gpu_broker::startup::step("load state");
     // Before anything is served: what the previous broker left is taken back first.
-    use gpu_broker::keeper::{choose, fdstore, Choice, FdStore, SystemdEnv};
-    let systemd = SystemdEnv::from_env();
-    match choose(
-        cfg.keep_in,
-        cfg.keeper.as_deref(),
-        &systemd,
-        !handed_back.is_empty(),
-    )? {
-        Choice::Keeper(path) => {
-            fdstore::let_go(handed_back);
-            let link = connect_keeper(&path).await?;
-            arb.adopt_from_keeper(link).with_context(|| {
-                format!("taking back what the keeper at {} holds", path.display())
-            })?;
+    match kept {
+        Kept::Keeper(dump) => {
+            // Waited for off the runtime.
+            let dumped = tokio::task::spawn_blocking(move || dump.join())
+                .await?
+                .map_err(|_| anyhow::anyhow!("reading the keeper's records panicked"))??;
+            gpu_broker::startup::step("wait for the keeper's dump");
+            arb.adopt_dumped(dumped);
         }
-        Choice::FdStore => {
-            let store = FdStore::open(handed_back, systemd.fdstore_max)
-                .context("opening systemd's file-descriptor store")?;
+        Kept::FdStore(store) => {
             arb.adopt_from_keeper(store)
                 .context("taking back what systemd's file-descriptor store holds")?;
         }
-        Choice::Nothing => fdstore::let_go(handed_back),
+        Kept::Nothing => {}
     }
+    gpu_broker::startup::skip();
     if let Some(mps) = mps.clone() {
         mps.set_device_count(arb.device_count() as u32);
         arb.lifecycle().set_mps(mps);
@@ -176,6 +177,7 @@ async fn run(
         }
         arb.lifecycle().set_compute_modes(modes);
     }
+    gpu_broker::startup::step("compute modes");
     let shutdown = CancellationToken::new();
     // The TLS certificate is read again on SIGHUP and when its files change.
     if let Some(server) = &tcp_tls {
@@ -247,6 +249,7 @@ async fn run(
         arb.clone(),
         tickets_stop.clone(),
     ));
+    gpu_broker::startup::step("tenants and sockets");
     let tcp = match cfg.listen {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
@@ -277,6 +280,7 @@ async fn run(
             cfg.limits.limits(),
         );
     }
+    gpu_broker::startup::step("listeners");
     let mut nvml_faults: Option<Box<dyn gpu_broker::faults::FaultSource>> = None;
     if arb.backend_is_cuda() {
         let uuids: Vec<String> = (0..arb.device_count() as u32)
@@ -303,6 +307,8 @@ async fn run(
         shutdown.clone(),
         gpu_broker::server::stop_signal(),
     );
+    gpu_broker::startup::step("monitors");
+    arb.restart_steps_to_serving(gpu_broker::startup::steps());
     // systemd (Type=notify): every socket is bound, so every connection from here on is
     // answered. Without NOTIFY_SOCKET this does nothing.
     if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
@@ -338,21 +344,71 @@ async fn run(
     Ok(())
 }
 
+/// Where the previous broker's records and descriptors are, read back as far as can be
+/// before the devices open.
+enum Kept {
+    /// The keeper's dump, read on a thread of its own.
+    Keeper(
+        std::thread::JoinHandle<
+            anyhow::Result<gpu_broker::keeper::place::Dumped<gpu_broker::keeper::KeeperLink>>,
+        >,
+    ),
+    FdStore(gpu_broker::keeper::FdStore),
+    Nothing,
+}
+
+/// Picks where kept things wait ([`gpu_broker::keeper::choose`]) and starts reading them
+/// back: a keeper's dump starts on a thread of its own now.
+fn read_kept(
+    cfg: &Config,
+    handed_back: Vec<(String, std::os::fd::OwnedFd)>,
+) -> anyhow::Result<Kept> {
+    use gpu_broker::keeper::{choose, fdstore, place, Choice, FdStore, SystemdEnv};
+    let systemd = SystemdEnv::from_env();
+    Ok(
+        match choose(
+            cfg.keep_in,
+            cfg.keeper.as_deref(),
+            &systemd,
+            !handed_back.is_empty(),
+        )? {
+            Choice::Keeper(path) => {
+                fdstore::let_go(handed_back);
+                let dump = std::thread::Builder::new()
+                    .name("keeper-dump".into())
+                    .spawn(move || {
+                        let link = connect_keeper(&path)?;
+                        place::dump(link).with_context(|| {
+                            format!("taking back what the keeper at {} holds", path.display())
+                        })
+                    })
+                    .context("starting the keeper's reader")?;
+                Kept::Keeper(dump)
+            }
+            Choice::FdStore => Kept::FdStore(
+                FdStore::open(handed_back, systemd.fdstore_max)
+                    .context("opening systemd's file-descriptor store")?,
+            ),
+            Choice::Nothing => {
+                fdstore::let_go(handed_back);
+                Kept::Nothing
+            }
+        },
+    )
+}
+
 /// Connects to the keeper at `path`, waiting up to 10 s for it to listen (a keeper
-/// started alongside the broker, a sidecar container); the blocking connect runs off the
-/// runtime.
-async fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
+/// started alongside the broker, a sidecar container). On the keeper's reader thread,
+/// off the runtime.
+fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        let p = path.to_path_buf();
-        match tokio::task::spawn_blocking(move || gpu_broker::keeper::KeeperLink::connect(&p))
-            .await?
-        {
+        match gpu_broker::keeper::KeeperLink::connect(path) {
             Ok(l) => return Ok(l),
             Err(e) if std::time::Instant::now() > deadline => {
                 return Err(e).context("no keeper (start `gpu-broker keeper --socket PATH` first)")
             }
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
         }
     }
 }

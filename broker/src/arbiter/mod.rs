@@ -40,7 +40,7 @@ mod workers;
 
 pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
-pub use adopt::RestartReport;
+pub use adopt::{Phase, RestartReport};
 pub use drain::{DeviceDrain, DrainReport};
 pub use lifecycle::Lifecycle;
 pub use sharing::ImportGrant;
@@ -190,7 +190,7 @@ pub struct Arbiter {
     /// The keeper of sessions and leases across restarts (`adopt.rs`), once taken back.
     keeper: std::sync::OnceLock<Arc<dyn crate::keeper::Place>>,
     /// What this start took back from the keeper.
-    restart: std::sync::OnceLock<RestartReport>,
+    restart: Mutex<Option<RestartReport>>,
     /// Leases taken back from the keeper, by session, until the session is resumed (a
     /// resume ends those its worker does not name, and no lease granted since).
     awaiting_resume: Mutex<HashMap<Uuid, Vec<Uuid>>>,
@@ -278,7 +278,7 @@ impl Arbiter {
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
             keeper: std::sync::OnceLock::new(),
-            restart: std::sync::OnceLock::new(),
+            restart: Mutex::default(),
             awaiting_resume: Mutex::default(),
             crash: crate::crash_point::CrashPoint::from_env(),
             scheduler,
@@ -755,6 +755,8 @@ pub(crate) fn host_arbiter_with_store(
     Arbiter::new(slots, None, store, Arc::new(Authenticator::new("x")), cfg).unwrap()
 }
 
+#[cfg(test)]
+mod adopt_tests;
 #[cfg(test)]
 mod claims_tests;
 #[cfg(test)]
