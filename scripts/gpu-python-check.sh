@@ -80,6 +80,12 @@ run() {
         --nbytes $((64 << 20)) --iters 200
     gpu_step rust-latency "$OUT/gpu-worker" --broker "$GPU_BROKER_ADDR" --token "$bench" bench \
         --sizes 64MiB --iters 200
+
+    echo "=== 6. gpubroker.torch segments retained across empty_cache(), then not ==="
+    gpu_step torch-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" retain \
+        --nbytes $((64 << 20)) --retain $((64 << 20)) --iters 100
+    gpu_step torch-not-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" retain \
+        --nbytes $((64 << 20)) --retain 0 --iters 100
     "${CTL[@]}" devices
     gpu_stop "$dir" || GPU_FAILED+=(broker)
     echo "=== 2b. PyTorch's own allocator again (brackets step 3 against clock drift) ==="

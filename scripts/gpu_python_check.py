@@ -14,6 +14,10 @@ Subcommands (each prints one `RESULT {json}` line; `all` runs them and checks):
   latency     pooled lease() + release() latency from Python
   multistream blocks used on a side stream (record_stream): reserved memory with and
               without gpubroker.torch.reuse_stream_blocks()
+  retain      gpubroker.torch with retained segments (install(retain=...), --retain 0:
+              off): a tensor of a segment's size made, freed and empty_cache()d in a loop;
+              with retain each new segment is the released one (same address, bytes kept,
+              memory_stats()["retained_acquires"]), and letting go leaves nothing counted
 
 `train --mode pool-native` runs the broker mode's pool routing over PyTorch's own
 cudaMalloc, to tell the routing's cost from the leases' (scripts/gpu-python-bench.sh).
@@ -351,6 +355,44 @@ def latency(args):
            release_median_us=statistics.median(release))
 
 
+# ---------------------------------------------------------------- retain
+def retain(args):
+    import gpubroker
+    import gpubroker.torch as gt
+    import torch
+
+    s = gpubroker.connect().session("py-retain")
+    gt.install(s, segment_size=args.nbytes, retain=args.retain)
+    dev = torch.device("cuda")
+    took, ptrs, kept = [], [], True
+    for i in range(args.iters + 1):
+        t0 = time.perf_counter()
+        x = torch.empty(args.nbytes, dtype=torch.uint8, device=dev)
+        took.append((time.perf_counter() - t0) * 1e6)
+        ptrs.append(x.data_ptr())
+        if i > 0 and args.retain:
+            kept = kept and int(x[-1].item()) == (i - 1) % 256
+        x[-1] = i % 256
+        torch.cuda.synchronize()
+        del x
+        gt.empty_cache()
+    st = gt.memory_stats()
+    retained_before = s.retained_nbytes
+    s.drop_retained()
+    u = s.usage()
+    on = args.retain > 0
+    ok = (u.held_bytes == 0 and u.quarantined_bytes == 0 and s.retained_nbytes == 0
+          and (not on or (st["retained_acquires"] == args.iters and len(set(ptrs)) == 1
+                          and kept and retained_before == args.nbytes)))
+    result(step="retain", retain=args.retain, nbytes=args.nbytes, ok=ok,
+           first_us=round(took[0], 1), again_median_us=round(statistics.median(took[1:]), 1),
+           again_p90_us=round(sorted(took[1:])[int(0.9 * args.iters)], 1),
+           retained_acquires=st["retained_acquires"], broker_acquires=st["broker_acquires"],
+           distinct_addresses=len(set(ptrs)), bytes_kept=kept,
+           left_held=u.held_bytes, left_quarantined=u.quarantined_bytes)
+    sys.exit(0 if ok else 1)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("cmd")
@@ -364,9 +406,10 @@ def main():
     p.add_argument("--ready-file")
     p.add_argument("--hold-until")
     p.add_argument("--every", type=int, default=0)
+    p.add_argument("--retain", type=int, default=64 * MIB)
     args = p.parse_args()
     {"roundtrip": roundtrip, "roundtrip-cupy": roundtrip_cupy, "train": train, "hog": hog,
-     "latency": latency, "multistream": multistream}[args.cmd](args)
+     "latency": latency, "multistream": multistream, "retain": retain}[args.cmd](args)
 
 
 if __name__ == "__main__":

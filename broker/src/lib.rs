@@ -50,6 +50,7 @@ pub mod status_page;
 pub mod store;
 pub mod store_writer;
 pub mod tenants_config;
+pub mod ticket_pressure;
 pub mod ticket_read;
 pub mod ticket_server;
 pub mod tickets;

@@ -149,7 +149,7 @@ async fn run(
     )? {
         Choice::Keeper(path) => {
             fdstore::let_go(handed_back);
-            let link = connect_keeper(&path)?;
+            let link = connect_keeper(&path).await?;
             arb.adopt_from_keeper(link).with_context(|| {
                 format!("taking back what the keeper at {} holds", path.display())
             })?;
@@ -164,7 +164,7 @@ async fn run(
     }
     if let Some(mps) = mps.clone() {
         mps.set_device_count(arb.device_count() as u32);
-        arb.set_mps(mps);
+        arb.lifecycle().set_mps(mps);
     } else if arb.backend_is_cuda() {
         use gpu_broker::mps::compute_mode;
         let modes = compute_mode::read(&device_indices(&cfg));
@@ -174,12 +174,12 @@ async fn run(
                 "a device is in the ExclusiveProcess compute mode: the broker's context is the only one it admits, so workers cannot map leases there; run with --mps (docs/mps.md)"
             );
         }
-        arb.set_compute_modes(modes);
+        arb.lifecycle().set_compute_modes(modes);
     }
     let shutdown = CancellationToken::new();
     // The TLS certificate is read again on SIGHUP and when its files change.
     if let Some(server) = &tcp_tls {
-        arb.spawn_worker(
+        arb.lifecycle().spawn_worker(
             "tls-reload",
             shutdown.clone(),
             gpu_broker::tls::reload_loop(
@@ -358,16 +358,22 @@ async fn run(
 }
 
 /// Connects to the keeper at `path`, waiting up to 10 s for it to listen (a keeper
-/// started alongside the broker, a sidecar container).
-fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
+/// started alongside the broker, a sidecar container); the blocking connect runs off the
+/// runtime.
+async fn connect_keeper(
+    path: &std::path::Path,
+) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        match gpu_broker::keeper::KeeperLink::connect(path) {
+        let p = path.to_path_buf();
+        match tokio::task::spawn_blocking(move || gpu_broker::keeper::KeeperLink::connect(&p))
+            .await?
+        {
             Ok(l) => return Ok(l),
             Err(e) if std::time::Instant::now() > deadline => {
                 return Err(e).context("no keeper (start `gpu-broker keeper --socket PATH` first)")
             }
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
         }
     }
 }
@@ -448,17 +454,18 @@ fn spawn_hup_without_config(arb: &Arbiter, stop: CancellationToken) {
         tracing::warn!("SIGHUP handler not installed");
         return;
     };
-    arb.spawn_worker("sighup", stop.clone(), async move {
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                r = hup.recv() => {
-                    if r.is_none() {
-                        return;
+    arb.lifecycle()
+        .spawn_worker("sighup", stop.clone(), async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    r = hup.recv() => {
+                        if r.is_none() {
+                            return;
+                        }
+                        tracing::info!("SIGHUP: nothing to reload (no --config file)");
                     }
-                    tracing::info!("SIGHUP: nothing to reload (no --config file)");
                 }
             }
-        }
-    });
+        });
 }

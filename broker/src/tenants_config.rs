@@ -395,7 +395,7 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
 /// blocking thread, bounded and only if it is a regular file (`crate::file_read`): a file
 /// replaced by a FIFO, a device or a huge file is refused (logged once per change) and the
 /// running state stays, like an invalid file's. The stop is seen only between reloads: a
-/// reload handed to the store writer is waited for, so [`Arbiter::join_workers`] returns
+/// reload handed to the store writer is waited for, so [`Lifecycle::join`](crate::arbiter::Lifecycle::join) returns
 /// with it applied whole (and the store writer stops after it); one asked for after the
 /// writer stopped is refused whole (`ShuttingDown`, nothing applied).
 pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: CancellationToken) {
@@ -405,7 +405,7 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
     // first runs is a change it sees. (Read here on the caller's thread: at start, once.)
     let mut last = Seen::of(read_regular(&path, MAX_WATCHED_FILE_BYTES));
     let me = arb.clone();
-    me.spawn_worker_to_end("tenants-config-watch", async move {
+    me.lifecycle().spawn_worker_to_end("tenants-config-watch", async move {
         loop {
             let why = tokio::select! {
                 _ = stop.cancelled() => return,
@@ -692,7 +692,9 @@ mod tests {
             ("a", "a")
         );
         assert_eq!(records[1].before, records[0].after);
-        arb.join_workers(std::time::Duration::from_secs(5)).await;
+        arb.lifecycle()
+            .join(std::time::Duration::from_secs(5))
+            .await;
         drop(arb);
         let (tenants, durable) = crate::arbiter::durable_tests::reopened(dir.path());
         assert_eq!(tenants, vec![("a".to_string(), 16 << 20)]);
@@ -790,8 +792,15 @@ mod tests {
         for pair in records.windows(2) {
             assert_eq!(pair[1].before, pair[0].after, "{pair:?}");
         }
-        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
-        assert!(arb.worker_names().is_empty(), "the watch has ended");
+        assert!(arb
+            .lifecycle()
+            .join(Duration::from_secs(5))
+            .await
+            .is_empty());
+        assert!(
+            arb.lifecycle().worker_names().is_empty(),
+            "the watch has ended"
+        );
         drop(arb);
         let (tenants, durable) = crate::arbiter::durable_tests::reopened(dir.path());
         assert_eq!(tenants, vec![("a".to_string(), 48 << 20)]);
@@ -816,7 +825,11 @@ mod tests {
         }
         assert_eq!(limit(), 32 << 20, "the edit is reloaded");
         stop.cancel();
-        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+        assert!(arb
+            .lifecycle()
+            .join(Duration::from_secs(5))
+            .await
+            .is_empty());
     }
 
     /// A reload handed to the store writer when the stop comes is applied whole before the
@@ -831,7 +844,7 @@ mod tests {
         };
         std::fs::write(&file, two("16MiB")).unwrap();
         let (_, stop) = start_watching(&arb, &file).await;
-        assert_eq!(arb.worker_names(), vec!["tenants-config-watch"]);
+        assert_eq!(arb.lifecycle().worker_names(), vec!["tenants-config-watch"]);
         // The store writer is held busy, so the next reload waits in its queue.
         let (release, held) = std::sync::mpsc::channel::<()>();
         let (started, running) = tokio::sync::oneshot::channel::<()>();
@@ -862,7 +875,7 @@ mod tests {
         stop.cancel();
         let join = tokio::spawn({
             let arb = arb.clone();
-            async move { arb.join_workers(Duration::from_secs(10)).await }
+            async move { arb.lifecycle().join(Duration::from_secs(10)).await }
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(
@@ -876,7 +889,7 @@ mod tests {
         assert!(join.await.unwrap().is_empty(), "every worker ended in time");
         blocker.await.unwrap().unwrap();
         assert_eq!(limits(&arb), [32 << 20; 2], "the reload applied whole");
-        assert!(arb.worker_names().is_empty());
+        assert!(arb.lifecycle().worker_names().is_empty());
         // The watch has ended and the writer stopped: a later edit changes nothing.
         std::fs::write(&file, two("48MiB")).unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;

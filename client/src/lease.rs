@@ -249,8 +249,43 @@ impl Lease {
     }
 
     /// Gives the memory back now. Close every mapping of it first. A lease whose broker
-    /// session was lost fails with [`ClientError::LeaseLost`] and sends nothing.
-    pub async fn release(mut self) -> Result<(), ClientError> {
+    /// session was lost fails with [`ClientError::LeaseLost`] and sends nothing. When the
+    /// session retains mappings ([`Session::retain_mappings`]) the broker may hold the
+    /// block for this process, its descriptor and the lease's own mapping kept here.
+    pub async fn release(self) -> Result<(), ClientError> {
+        self.release_with(true).await
+    }
+
+    /// [`Lease::release`], never retaining the block (its memory is given back for
+    /// others, e.g. a sleep or a reclaim).
+    pub async fn release_unretained(self) -> Result<(), ClientError> {
+        self.release_with(false).await
+    }
+
+    /// Hands the lease the range a [`crate::Resident`] mapped it at: kept with the block
+    /// when it is retained, else unmapped before the release.
+    pub(crate) fn keep_range(&mut self, range: crate::address_range::Range) {
+        self.kept = Some(crate::retained::Kept::Range(range));
+    }
+
+    /// The mapped range a retained block came back with, if any.
+    pub(crate) fn take_range(&mut self) -> Option<crate::address_range::Range> {
+        match self.kept.take() {
+            Some(crate::retained::Kept::Range(r)) => Some(r),
+            other => {
+                self.kept = other;
+                None
+            }
+        }
+    }
+
+    /// Closes the lease's own mapping, if any ([`Lease::mapped`], or one a retained block
+    /// came back with).
+    pub(crate) fn drop_mapping(&mut self) {
+        self.kept = None;
+    }
+
+    async fn release_with(mut self, allow_retain: bool) -> Result<(), ClientError> {
         self.released = true;
         if !self
             .session
@@ -261,7 +296,8 @@ impl Lease {
         }
         let client = self.session.client();
         let id = &self.info.lease_id;
-        let retain = self.session.retained().enabled()
+        let retain = allow_retain
+            && self.session.retained().enabled()
             && self.fd.is_some()
             && self.info.tier == Tier::Device;
         if !retain {
@@ -324,6 +360,8 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        // Its own mapping closes before the broker can hear of the release.
+        self.kept = None;
         if self.released {
             return;
         }

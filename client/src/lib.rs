@@ -59,6 +59,7 @@
 //! # Ok(()) }
 //! ```
 
+mod address_range;
 pub mod admin;
 pub mod audit;
 pub mod client;

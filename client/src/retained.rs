@@ -22,6 +22,8 @@ pub(crate) enum Kept {
     Host(HostMapping<'static>),
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::CudaMapping),
+    /// A [`crate::Resident`]'s address range, mapped.
+    Range(crate::address_range::Range),
 }
 
 /// One retained block.

@@ -28,28 +28,18 @@
 //! gets the lease revoked, as for any holder). Only reclaimable leases are ever asked.
 
 use std::fmt;
-#[cfg(feature = "cuda")]
-use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 
+use crate::address_range::Range;
+pub use crate::address_range::Staging;
 use crate::error::ClientError;
 use crate::fd::MemoryKind;
 use crate::lease::{Lease, LeaseHandle};
 use crate::session::Session;
-
-/// A reserved address range of this process.
-enum Range {
-    Host {
-        addr: usize,
-        len: usize,
-    },
-    #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::VaRange),
-}
 
 /// What a sleep does with the contents.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -62,33 +52,11 @@ pub enum Contents {
     Save,
 }
 
-/// How a CUDA resident's contents travel to and from its host-tier lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Staging {
-    /// The host lease's mapping is page-locked (`cuMemHostRegister`) for each copy, so the
-    /// DMA goes straight into it; a registration that fails falls back to
-    /// [`Staging::Pageable`].
-    #[default]
-    Pinned,
-    /// A plain copy to and from pageable memory (the driver stages it through a buffer
-    /// of its own).
-    Pageable,
-}
-
-impl Staging {
-    /// `GPU_BROKER_SLEEP_STAGING` (`pinned` or `pageable`; anything else: the default).
-    fn from_env() -> Staging {
-        match std::env::var("GPU_BROKER_SLEEP_STAGING").as_deref() {
-            Ok("pageable") => Staging::Pageable,
-            _ => Staging::Pinned,
-        }
-    }
-}
-
 /// A lease mapped at addresses that survive sleep and wake.
 pub struct Resident {
     session: Session,
-    range: Range,
+    /// `None` only once [`Resident::release`] handed it to the lease it releases.
+    range: Option<Range>,
     requested: u64,
     bytes: u64,
     device: u32,
@@ -114,167 +82,11 @@ impl fmt::Debug for Resident {
     }
 }
 
-fn os_err(what: &str) -> ClientError {
-    let e = std::io::Error::last_os_error();
-    ClientError::Io(std::io::Error::new(e.kind(), format!("{what}: {e}")))
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_err(e: impl fmt::Display) -> ClientError {
-    ClientError::Cuda(e.to_string())
-}
-
-impl Range {
-    fn reserve_host(len: u64) -> Result<Range, ClientError> {
-        let n = usize::try_from(len)
-            .map_err(|_| ClientError::Protocol(format!("{len} bytes do not fit this process")))?;
-        // SAFETY: a fresh anonymous reservation; the result is checked.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                n,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(os_err("reserving an address range"));
-        }
-        Ok(Range::Host {
-            addr: p as usize,
-            len: n,
-        })
-    }
-
-    fn addr(&self) -> u64 {
-        match self {
-            Range::Host { addr, .. } => *addr as u64,
-            #[cfg(feature = "cuda")]
-            Range::Cuda(r) => r.device_ptr(),
-        }
-    }
-
-    /// Maps `lease`'s memory over the range.
-    fn map(&mut self, lease: &Lease) -> Result<(), ClientError> {
-        let fd = lease
-            .fd()
-            .ok_or_else(|| ClientError::Protocol("an fd lease without its descriptor".into()))?;
-        match self {
-            Range::Host { addr, len } => {
-                use std::os::fd::AsRawFd;
-                // SAFETY: replaces our own reservation (or mapping) of `len` bytes at `addr`
-                // with the lease's memfd, which is at least `len` bytes (its lease size).
-                let p = unsafe {
-                    libc::mmap(
-                        *addr as *mut libc::c_void,
-                        *len,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_SHARED | libc::MAP_FIXED,
-                        fd.as_raw_fd(),
-                        0,
-                    )
-                };
-                if p == libc::MAP_FAILED {
-                    return Err(os_err("mapping a lease at its kept address"));
-                }
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Range::Cuda(r) => r.map(fd.as_fd()).map_err(cuda_err),
-        }
-    }
-
-    /// Unmaps the memory, keeping the range reserved.
-    fn unmap(&mut self) -> Result<(), ClientError> {
-        match self {
-            Range::Host { addr, len } => {
-                // SAFETY: replaces our own mapping at `addr` with a fresh reservation.
-                let p = unsafe {
-                    libc::mmap(
-                        *addr as *mut libc::c_void,
-                        *len,
-                        libc::PROT_NONE,
-                        libc::MAP_PRIVATE
-                            | libc::MAP_ANONYMOUS
-                            | libc::MAP_NORESERVE
-                            | libc::MAP_FIXED,
-                        -1,
-                        0,
-                    )
-                };
-                if p == libc::MAP_FAILED {
-                    return Err(os_err("unmapping a sleeping lease"));
-                }
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Range::Cuda(r) => r.unmap().map_err(cuda_err),
-        }
-    }
-
-    /// Copies the mapped memory into `dst`.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    fn save(&self, dst: &mut [u8], staging: Staging) -> Result<(), ClientError> {
-        match self {
-            Range::Host { addr, len } => {
-                // SAFETY: `len` mapped, readable bytes at `addr`; `dst` is as long (checked
-                // by the caller) and another mapping.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(*addr as *const u8, dst.as_mut_ptr(), *len)
-                };
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Range::Cuda(r) => {
-                if staging == Staging::Pinned {
-                    match r.copy_to_host_pinned(dst) {
-                        Ok(()) => return Ok(()),
-                        Err(e) => {
-                            tracing::debug!(error = %e, "pinned staging failed; copying pageable")
-                        }
-                    }
-                }
-                r.copy_to_host(dst).map_err(cuda_err)
-            }
-        }
-    }
-
-    /// Copies `src` into the mapped memory.
-    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    fn restore(&self, src: &[u8], staging: Staging) -> Result<(), ClientError> {
-        match self {
-            Range::Host { addr, len } => {
-                // SAFETY: `len` mapped, writable bytes at `addr`; `src` is as long.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), *addr as *mut u8, *len) };
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Range::Cuda(r) => {
-                if staging == Staging::Pinned {
-                    match r.copy_from_host_pinned(src) {
-                        Ok(()) => return Ok(()),
-                        Err(e) => {
-                            tracing::debug!(error = %e, "pinned staging failed; copying pageable")
-                        }
-                    }
-                }
-                r.copy_from_host(src).map_err(cuda_err)
-            }
-        }
-    }
-}
-
-impl Drop for Range {
-    fn drop(&mut self) {
-        // A CUDA range frees itself (`VaRange`'s drop).
-        #[allow(irrefutable_let_patterns)]
-        if let Range::Host { addr, len } = self {
-            // SAFETY: our own range (mapped or reserved), unmapped once.
-            unsafe { libc::munmap(*addr as *mut libc::c_void, *len) };
-        }
-    }
+/// The descriptor of fd lease `lease`.
+fn lease_fd(lease: &Lease) -> Result<std::os::fd::BorrowedFd<'_>, ClientError> {
+    lease
+        .fd()
+        .ok_or_else(|| ClientError::Protocol("an fd lease without its descriptor".into()))
 }
 
 impl Resident {
@@ -285,7 +97,14 @@ impl Resident {
             LeaseHandle::Fd(i) => i.memory_kind,
             _ => return Err(ClientError::NotMappable),
         };
+        let mut lease = lease;
         let bytes = lease.bytes();
+        // A block this process retained comes back mapped at the range it had.
+        if let Some(range) = lease.take_range().filter(|r| r.len() == bytes) {
+            return Ok(Resident::around(lease, range));
+        }
+        // A mapping of its own the lease may carry is not needed: the range maps it.
+        lease.drop_mapping();
         let mut range = match kind {
             MemoryKind::HostMemfd => Range::reserve_host(bytes)?,
             #[cfg(feature = "cuda")]
@@ -294,16 +113,21 @@ impl Resident {
                     crate::cuda::local_ordinal(lease.device(), lease.device_uuid()),
                     bytes,
                 )
-                .map_err(cuda_err)?,
+                .map_err(crate::address_range::cuda_err)?,
             ),
             _ => return Err(ClientError::NotMappable),
         };
-        range.map(&lease)?;
-        Ok(Resident {
+        range.map(lease_fd(&lease)?)?;
+        Ok(Resident::around(lease, range))
+    }
+
+    /// `lease` mapped over `range`.
+    fn around(lease: Lease, range: Range) -> Resident {
+        Resident {
             session: lease.session().clone(),
-            range,
+            range: Some(range),
             requested: lease.requested_bytes(),
-            bytes,
+            bytes: lease.bytes(),
             device: lease.device(),
             label: lease.label().to_string(),
             reclaimable: lease.info().reclaimable,
@@ -311,7 +135,14 @@ impl Resident {
             lease: Some(lease),
             saved: None,
             staging: Staging::from_env(),
-        })
+        }
+    }
+
+    /// The range (there until [`Resident::release`] hands it on).
+    fn range(&mut self) -> Result<&mut Range, ClientError> {
+        self.range
+            .as_mut()
+            .ok_or_else(|| ClientError::Protocol("the resident's range was handed on".into()))
     }
 
     /// How contents are copied for CUDA memory (default [`Staging::Pinned`], or
@@ -332,7 +163,7 @@ impl Resident {
 
     /// Start of the range (a host pointer for host memory, a `CUdeviceptr` for CUDA).
     pub fn addr(&self) -> u64 {
-        self.range.addr()
+        self.range.as_ref().map_or(0, Range::addr)
     }
 
     /// Length of the range (the lease's granted size).
@@ -369,7 +200,7 @@ impl Resident {
     pub fn as_slice(&self) -> Option<&[u8]> {
         match (&self.range, &self.lease) {
             // SAFETY: `len` mapped readable bytes while awake; borrowed from `self`.
-            (Range::Host { addr, len }, Some(_)) => {
+            (Some(Range::Host { addr, len }), Some(_)) => {
                 Some(unsafe { std::slice::from_raw_parts(*addr as *const u8, *len) })
             }
             _ => None,
@@ -380,7 +211,7 @@ impl Resident {
     pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
         match (&self.range, &self.lease) {
             // SAFETY: `len` mapped writable bytes while awake; borrowed mutably from `self`.
-            (Range::Host { addr, len }, Some(_)) => {
+            (Some(Range::Host { addr, len }), Some(_)) => {
                 Some(unsafe { std::slice::from_raw_parts_mut(*addr as *mut u8, *len) })
             }
             _ => None,
@@ -410,15 +241,17 @@ impl Resident {
                 let dst = m.get_mut(..self.bytes as usize).ok_or_else(|| {
                     ClientError::Protocol("the host lease is smaller than the lease".into())
                 })?;
-                self.range.save(dst, self.staging)?;
+                let staging = self.staging;
+                self.range()?.save(dst, staging)?;
                 drop(m);
                 Some(host)
             }
         };
-        self.range.unmap()?;
+        self.range()?.unmap()?;
         self.saved = saved;
         if let Some(lease) = self.lease.take() {
-            lease.release().await?;
+            // Asleep means given back: never retained.
+            lease.release_unretained().await?;
         }
         Ok(())
     }
@@ -450,13 +283,20 @@ impl Resident {
                 self.bytes
             )));
         }
-        self.range.map(&lease)?;
+        // A block retained by this process comes mapped at a range of its own: the
+        // resident's range maps it again instead.
+        let mut lease = lease;
+        lease.drop_mapping();
+        self.range()?.map(lease_fd(&lease)?)?;
         if let Some(saved) = &self.saved {
             let m = saved.map()?;
             let src = m.get(..self.bytes as usize).ok_or_else(|| {
                 ClientError::Protocol("the saved host lease is smaller than the range".into())
             })?;
-            self.range.restore(src, self.staging)?;
+            let (staging, range) = (self.staging, self.range.as_ref());
+            range
+                .ok_or_else(|| ClientError::Protocol("the resident's range was handed on".into()))?
+                .restore(src, staging)?;
         }
         self.lease = Some(lease);
         if let Some(saved) = self.saved.take() {
@@ -469,21 +309,41 @@ impl Resident {
 impl Resident {
     /// Host memory (`true`: [`Resident::addr`] is a host pointer) or CUDA memory.
     pub fn is_host(&self) -> bool {
-        matches!(self.range, Range::Host { .. })
+        matches!(self.range, Some(Range::Host { .. }))
     }
 
     /// Unmaps, frees the range and gives everything back now (the lease if awake, the
     /// saved contents if asleep); dropping does the same with the releases in the
-    /// background.
-    pub async fn release(mut self) -> Result<(), ClientError> {
-        if self.lease.is_some() {
-            self.range.unmap()?;
-        }
+    /// background. When the session retains mappings ([`Session::retain_mappings`]) an
+    /// awake resident's range stays mapped with its block: a [`Resident::new`] of the
+    /// next lease granted from that block is at the same address, mapped already.
+    pub async fn release(self) -> Result<(), ClientError> {
+        self.release_with(true).await
+    }
+
+    /// [`Resident::release`], never retaining the block (memory the broker asked back).
+    pub async fn release_unretained(self) -> Result<(), ClientError> {
+        self.release_with(false).await
+    }
+
+    async fn release_with(mut self, retain: bool) -> Result<(), ClientError> {
         let lease = self.lease.take();
         let saved = self.saved.take();
+        let range = self.range.take();
         drop(self);
-        if let Some(l) = lease {
-            l.release().await?;
+        if let Some(mut l) = lease {
+            match range {
+                // The lease unmaps it before the broker hears of the release, unless the
+                // broker retains the block for this process.
+                Some(range) if retain => l.keep_range(range),
+                Some(mut range) => range.unmap()?,
+                None => {}
+            }
+            if retain {
+                l.release().await?;
+            } else {
+                l.release_unretained().await?;
+            }
         }
         if let Some(s) = saved {
             s.release().await?;
@@ -497,7 +357,7 @@ impl Drop for Resident {
         // Unmap before the lease goes (it is released in the background when dropped);
         // the range itself is freed when `range` drops.
         if self.lease.is_some() {
-            if let Err(e) = self.range.unmap() {
+            if let Some(Err(e)) = self.range.as_mut().map(Range::unmap) {
                 tracing::warn!(error = %e, "unmapping a resident lease failed");
             }
         }

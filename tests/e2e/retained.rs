@@ -3,7 +3,7 @@
 //! in place, stays counted to its tenant while retained, and goes to nobody else before
 //! the process let go (which it does when the broker asks for it).
 
-use gpu_broker_client::{Client, LeaseHandle, QuotaSpec};
+use gpu_broker_client::{Client, Contents, LeaseHandle, QuotaSpec, Resident};
 use gpu_broker_tests::*;
 use std::time::Duration;
 
@@ -96,4 +96,59 @@ async fn a_waiter_of_another_tenant_gets_the_memory_once_the_retaining_process_l
     let u = sa.usage().await.unwrap().usage;
     assert_eq!(u.quarantined_bytes, 0);
     got.release().await.unwrap();
+}
+
+/// A `Resident` released while its session retains mappings keeps its range mapped with
+/// the block: the next resident of a lease granted from that block is at the same address
+/// with the bytes in place (nothing reserved or mapped again). A sleep gives its memory
+/// back: never retained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_resident_keeps_its_range_for_the_next_lease_of_its_block_but_a_sleep_retains_nothing(
+) {
+    let b = Broker::start().unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    s.retain_mappings(32 * MIB);
+
+    let mut r = Resident::new(s.lease(16 * MIB).await.unwrap()).unwrap();
+    r.as_mut_slice().unwrap().fill(0x3c);
+    let addr = r.addr();
+    r.release().await.unwrap();
+    assert_eq!(s.retained_bytes(), 16 * MIB);
+    // Were the range unmapped, a new mapping of its size would likely land on it, and the
+    // next resident elsewhere.
+    // SAFETY: a fresh anonymous mapping, unmapped below.
+    let other = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            (16 * MIB) as usize,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(other, libc::MAP_FAILED);
+    assert_ne!(other as u64, addr, "the retained range is still mapped");
+
+    let lease = s.lease(16 * MIB).await.unwrap();
+    assert!(matches!(lease.handle(), LeaseHandle::Fd(i) if i.retained));
+    let mut r = Resident::new(lease).unwrap();
+    assert_eq!(r.addr(), addr, "the same range, mapped already");
+    assert!(r.as_slice().unwrap().iter().all(|&x| x == 0x3c));
+    // SAFETY: the mapping made above, unmapped once.
+    unsafe { libc::munmap(other, (16 * MIB) as usize) };
+
+    // Asleep: nothing held, nothing retained.
+    r.sleep(Contents::Discard).await.unwrap();
+    assert_eq!(s.retained_bytes(), 0);
+    let u = s.usage().await.unwrap().usage;
+    assert_eq!((u.held_bytes, u.quarantined_bytes), (0, 0));
+    r.wake(None).await.unwrap();
+    assert_eq!(r.addr(), addr);
+    r.release_unretained().await.unwrap();
+    assert_eq!(s.retained_bytes(), 0);
+    let u = s.usage().await.unwrap().usage;
+    assert_eq!((u.held_bytes, u.quarantined_bytes), (0, 0));
 }

@@ -12,7 +12,7 @@ use super::Arbiter;
 use crate::audit::Who;
 use crate::auth::Scope;
 use crate::error::{BrokerError, BrokerResult, Missing};
-use crate::reservations::{ClaimBinding, ReservationView, ReserveRequest};
+use crate::reservations::{ClaimAsk, ClaimBinding, ReservationView, ReserveRequest};
 use crate::store::ClaimRecord;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -172,7 +172,7 @@ impl Arbiter {
                 "claim uid must not contain spaces or control characters".into(),
             ));
         }
-        self.validate(&super::AcquireRequest {
+        self.validate(super::AcquireRequest {
             tenant: req.tenant.clone(),
             session: uuid::Uuid::nil(),
             bytes: req.bytes,
@@ -208,11 +208,16 @@ impl Arbiter {
         let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
             BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
         })?;
-        let binding = ClaimBinding {
-            uid: req.uid.clone(),
-            token_id: token_id.to_string(),
-        };
-        let id = st.grant_claim(&req.tenant, req.device, bytes, &req.label, binding)?;
+        let id = st.grant_claim(ClaimAsk {
+            tenant: req.tenant.clone(),
+            device: req.device,
+            bytes,
+            label: req.label.clone(),
+            binding: ClaimBinding {
+                uid: req.uid.clone(),
+                token_id: token_id.to_string(),
+            },
+        })?;
         let r = st
             .reservations()
             .get(&id)
@@ -314,12 +319,18 @@ impl Arbiter {
             )));
         }
         let created = SystemTime::UNIX_EPOCH + Duration::from_millis(c.created_unix_ms);
-        let binding = ClaimBinding {
-            uid: c.uid.clone(),
-            token_id: c.token_id.clone(),
+        let ask = ClaimAsk {
+            tenant: c.tenant.clone(),
+            device: c.device,
+            bytes: c.bytes,
+            label: c.label.clone(),
+            binding: ClaimBinding {
+                uid: c.uid.clone(),
+                token_id: c.token_id.clone(),
+            },
         };
         let mut st = self.lock();
-        st.restore_claim(id, created, &c.tenant, c.device, c.bytes, &c.label, binding)?;
+        st.restore_claim(id, created, ask)?;
         tracing::info!(claim = %c.uid, reservation = %id, tenant = %c.tenant, device = c.device, bytes = c.bytes, "claim reservation taken again");
         Ok(())
     }

@@ -313,11 +313,11 @@ impl Arbiter {
 
     /// Runs `Effect::Watch`: joins the key to its process's watcher, or spawns one (a
     /// task with a pidfd; for a timeout, a timer task) on the main runtime
-    /// ([`Arbiter::effects_runtime`]: not on the operators' one when an operator's call
+    /// ([`Lifecycle::effects_runtime`](super::Lifecycle::effects_runtime): not on the operators' one when an operator's call
     /// asked for it). When it fires it runs the transitions its keys name.
     fn start_watch(&self, w: Watch) {
         let Some(me) = self.me.upgrade() else { return };
-        let Some(rt) = self.effects_runtime() else {
+        let Some(rt) = self.lifecycle.effects_runtime() else {
             return;
         };
         let me = std::sync::Arc::downgrade(&me);
@@ -425,7 +425,7 @@ impl Arbiter {
             Effect::EndTurns { session, .. } => self.end_turns(session),
             Effect::StopGroup { group: g, .. } => {
                 let grace = self.cfg.process_stop_grace;
-                match self.effects_runtime() {
+                match self.lifecycle.effects_runtime() {
                     Some(rt) => {
                         rt.spawn(crate::process_group::stop(g, grace));
                     }

@@ -154,9 +154,7 @@ impl Arbiter {
             )));
         }
         if healthy {
-            if let Some(s) = self.health_source.lock().as_ref() {
-                s.lock().reset(index);
-            }
+            self.lifecycle.reset_fault_source(index);
             self.mark_healthy(index, true, who)
         } else {
             let reason = if reason.is_empty() {

@@ -6,8 +6,9 @@
 //! scrub, free) runs on the device threads, outside the lock, on memory already reserved.
 //!
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
-//! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (background
-//! loops: keepalive reaper, reclaim deadlines, leasable refresh); `audit`, `health`,
+//! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (the
+//! arbiter's loops: keepalive reaper, reclaim deadlines, leasable refresh), run by
+//! [`Lifecycle`] (`lifecycle`: workers, runtime, store writer, MPS); `audit`, `health`,
 //! `reservations` and `sharing` are the arbiter's side of the audit log, device health,
 //! process reservations and shared leases (the records they work on live below it).
 
@@ -21,10 +22,11 @@ mod effects;
 mod ending;
 mod health;
 mod host_direct;
+mod lifecycle;
 pub mod listing;
 mod outbox;
 pub use gpu_broker_core::lease::RECLAIM_DEADLINE_MISSED;
-pub use gpu_broker_core::request::AcquireRequest;
+pub use gpu_broker_core::request::{AcquireRequest, ValidRequest};
 /// The wait queue's records and the state core, at their old paths (`gpu_broker_core`).
 pub use gpu_broker_core::{overtaking, queue, state};
 mod reservations;
@@ -40,6 +42,7 @@ pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
 pub use adopt::RestartReport;
 pub use drain::{DeviceDrain, DrainReport};
+pub use lifecycle::Lifecycle;
 pub use sharing::ImportGrant;
 pub(crate) use state::{Ending, State};
 
@@ -181,13 +184,9 @@ pub struct Arbiter {
     pub(crate) avail: parking_lot::RwLock<crate::availability::Availability>,
     /// What the broker did (counters, histograms), for `/metrics`.
     pub(crate) metrics: crate::metrics::Metrics,
-    /// NVML faults, once the health monitor runs (operators' resets reach it).
-    pub(crate) health_source: HealthSourceSlot,
-    /// The managed MPS daemon (`--mps`), set once at start.
-    mps: std::sync::OnceLock<Arc<crate::mps::Mps>>,
-    /// Each device's compute mode (NVML) read at start, for a CUDA broker without `--mps`
-    /// (with it the daemon's status has them).
-    compute_modes: std::sync::OnceLock<Vec<String>>,
+    /// The background machinery: workers, the main runtime, the store writer, MPS, the
+    /// fault source (`lifecycle.rs`).
+    lifecycle: Lifecycle,
     /// The keeper of sessions and leases across restarts (`adopt.rs`), once taken back.
     keeper: std::sync::OnceLock<Arc<dyn crate::keeper::Place>>,
     /// What this start took back from the keeper.
@@ -207,15 +206,6 @@ pub struct Arbiter {
     /// validates under the state lock, commits to the store with no state lock held, then
     /// applies under the state lock. Lock order: this, then the state.
     admin_writes: Mutex<()>,
-    /// The thread that runs operators' quota changes (`store_writer.rs`), started on
-    /// first use; stopped by [`Arbiter::join_workers`] or when the arbiter is dropped.
-    store_writer: std::sync::OnceLock<crate::store_writer::StoreWriter>,
-    /// Background workers (`workers.rs`).
-    workers: workers::Workers,
-    /// The main runtime, learnt where the background work starts
-    /// ([`Arbiter::spawn_background`]): effects' tasks (grants, watchers) run there,
-    /// whichever runtime the transition that asked for them ran on.
-    main_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
@@ -225,38 +215,13 @@ pub struct Arbiter {
     pub(crate) fds: Arc<crate::fd_budget::FdBudget>,
 }
 
-/// Where the health monitor keeps its fault source. Lock order: this slot, then the
-/// source's own mutex, then nothing; neither is held while the state lock is taken (an
-/// operator's `SetDeviceHealth` resets the source, releases both, then marks the device).
-pub(crate) type HealthSourceSlot =
-    parking_lot::Mutex<Option<Arc<parking_lot::Mutex<Box<dyn crate::faults::FaultSource>>>>>;
-
 /// Longest label accepted.
 pub const MAX_LABEL: usize = crate::bounds::MAX_TEXT_BYTES;
 
 impl Arbiter {
-    /// The managed MPS daemon, when the broker runs one (`--mps`).
-    pub fn mps(&self) -> Option<&Arc<crate::mps::Mps>> {
-        self.mps.get()
-    }
-
-    /// Each device's compute mode, by index: the MPS daemon's record with `--mps`, else
-    /// what was read at start (none on the host backend).
-    pub fn compute_modes(&self) -> Vec<String> {
-        match self.mps() {
-            Some(m) => m.status().compute_modes,
-            None => self.compute_modes.get().cloned().unwrap_or_default(),
-        }
-    }
-
-    /// Records the devices' compute modes read at start (once).
-    pub fn set_compute_modes(&self, modes: Vec<String>) {
-        let _ = self.compute_modes.set(modes);
-    }
-
-    /// Hands the arbiter the managed MPS daemon (once; later calls are ignored).
-    pub fn set_mps(&self, mps: Arc<crate::mps::Mps>) {
-        let _ = self.mps.set(mps);
+    /// The broker's background machinery (workers, store writer, MPS, fault source).
+    pub fn lifecycle(&self) -> &Lifecycle {
+        &self.lifecycle
     }
 
     /// An arbiter over `devices`; tenants and tokens are loaded from `store` if given.
@@ -306,17 +271,12 @@ impl Arbiter {
             me: me.clone(),
             unverified,
             admin_writes: Mutex::new(()),
-            store_writer: std::sync::OnceLock::new(),
-            workers: workers::Workers::default(),
-            main_runtime: std::sync::OnceLock::new(),
+            lifecycle: Lifecycle::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
             fds,
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
-            health_source: parking_lot::Mutex::new(None),
-            mps: std::sync::OnceLock::new(),
-            compute_modes: std::sync::OnceLock::new(),
             keeper: std::sync::OnceLock::new(),
             restart: std::sync::OnceLock::new(),
             awaiting_resume: Mutex::default(),
@@ -686,7 +646,7 @@ impl Arbiter {
     /// on.
     fn stranded_reporter(&self) -> impl FnOnce(u32, String, u64, Vec<u32>) + Send + 'static {
         let me = self.me.clone();
-        let rt = self.effects_runtime();
+        let rt = self.lifecycle.effects_runtime();
         let unverified = self.unverified.clone();
         move |device, tenant, bytes, pids| {
             let charge = move || {

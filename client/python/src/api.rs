@@ -19,9 +19,9 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use gpu_broker_client::cuda::{CudaMapping, HostRegistration};
+use gpu_broker_client::cuda::HostRegistration;
 use gpu_broker_client::{
-    Backoff, Client, HostMapping, Lease, LeaseInfo, Session, SessionEvent, SessionEvents, Usage,
+    Backoff, Client, Lease, LeaseInfo, Session, SessionEvent, SessionEvents, Usage,
 };
 
 use crate::errors::{self, IntoPyResult};
@@ -249,6 +249,37 @@ impl PySession {
         Ok(())
     }
 
+    /// Keeps the memory and mappings of leases released from now on in this process, up
+    /// to `nbytes` in all (0: off, the default): the broker holds each released block for
+    /// this process, and the next lease of its size is that block, granted with no ticket
+    /// and mapped already (`Lease.retained`). Retained blocks stay counted to the tenant
+    /// until let go: past the bound (oldest first), when the broker asks for them because
+    /// others wait (answered on the package's runtime, no GIL needed), on
+    /// `drop_retained()`, or when the process exits. A lowered bound lets go at once.
+    fn retain_mappings(&self, nbytes: u64) -> PyResult<()> {
+        rt::check_process()?;
+        // The listener it may start runs on the session's runtime (the package's).
+        self.session()?.retain_mappings(nbytes);
+        Ok(())
+    }
+
+    /// Bytes of released blocks this process retains now (`retain_mappings`).
+    #[getter]
+    fn retained_nbytes(&self) -> u64 {
+        self.inner.lock().as_ref().map_or(0, |s| s.retained_bytes())
+    }
+
+    /// Lets go of every block this process retains (each confirmed to the broker, which
+    /// may then hand the memory on).
+    fn drop_retained(&self, py: Python<'_>) -> PyResult<()> {
+        let session = self.session()?;
+        rt::block_on(py, async move {
+            session.drop_retained().await;
+            Ok::<(), gpu_broker_client::ClientError>(())
+        })?
+        .py()
+    }
+
     /// The tenant's quota and live usage.
     fn usage(&self, py: Python<'_>) -> PyResult<PyUsage> {
         let session = self.session()?;
@@ -328,30 +359,27 @@ impl PySession {
     }
 }
 
-/// A lease and the mappings made of it; views hold it alive through [`Memory`]. Fields
-/// drop in order: registration, mappings, then the lease (whose drop releases it in the
-/// background when it was not released explicitly).
+/// A lease and the CUDA registration of its host mapping; views hold it alive through
+/// [`Memory`]. The mappings are the lease's own (`Lease::mapped`, `Lease::mapped_cuda`):
+/// closed when it is released, or kept with the block when the session retains it
+/// (`retain_mappings`). Fields drop in order: the registration, then the lease (whose drop
+/// closes its mapping and releases it in the background when it was not released).
 struct LeaseCore {
     registration: Mutex<Option<HostRegistration<'static>>>,
-    host: Mutex<Option<HostMapping<'static>>>,
-    cuda: Mutex<Option<CudaMapping>>,
     lease: Mutex<Option<Lease>>,
 }
 
 impl Drop for LeaseCore {
     fn drop(&mut self) {
         drop_here(self.registration.lock().take());
-        drop_here(self.cuda.lock().take());
-        drop_here(self.host.lock().take());
         drop_here(self.lease.lock().take());
     }
 }
 
 impl LeaseCore {
+    /// Drops what borrows the lease's mapping (before the lease is released or taken).
     fn unmap(&self) {
         drop(self.registration.lock().take());
-        drop(self.cuda.lock().take());
-        drop(self.host.lock().take());
     }
 }
 
@@ -371,8 +399,6 @@ impl PyLease {
             session_id: lease.session_id().to_string(),
             core: Mutex::new(Some(Arc::new(LeaseCore {
                 registration: Mutex::new(None),
-                host: Mutex::new(None),
-                cuda: Mutex::new(None),
                 lease: Mutex::new(Some(lease)),
             }))),
         }
@@ -424,34 +450,26 @@ impl PyLease {
         lease.ok_or_else(|| errors::local("FailedPrecondition", "lease released"))
     }
 
-    /// Maps the lease as host memory through the client crate (`Lease::map_unbound`: a
-    /// memfd fd lease or a legacy shared-memory file) on first use.
-    fn host_ptr(&self, core: &LeaseCore) -> PyResult<u64> {
-        let mut host = core.host.lock();
-        if host.is_none() {
-            let lease = core.lease.lock();
-            let Some(lease) = lease.as_ref() else {
-                return Err(errors::local("FailedPrecondition", "lease released"));
-            };
-            let mapping = match lease.map_unbound() {
-                Ok(m) => m,
-                Err(gpu_broker_client::ClientError::NotMappable) => {
-                    return Err(errors::local(
-                        "FailedPrecondition",
-                        &format!(
-                            "lease {} is device memory ({} handle): use as_torch() or as_cupy()",
-                            self.info.lease_id,
-                            self.info.handle.kind()
-                        ),
-                    ))
-                }
-                Err(e) => return Err(errors::to_py(e)),
-            };
-            // The core keeps both and drops the mapping first (field order; `unmap` before
-            // the lease is taken for release), as `map_unbound` requires.
-            *host = Some(mapping);
+    /// The lease's own host mapping (a memfd fd lease or a legacy shared-memory file:
+    /// `Lease::mapped`, made on first use, or kept from a retained block) as `(address,
+    /// length)`.
+    fn host_mapping(&self, core: &LeaseCore) -> PyResult<(u64, usize)> {
+        let mut lease = core.lease.lock();
+        let Some(lease) = lease.as_mut() else {
+            return Err(errors::local("FailedPrecondition", "lease released"));
+        };
+        match lease.mapped() {
+            Ok(m) => Ok((m.as_ptr() as u64, m.len())),
+            Err(gpu_broker_client::ClientError::NotMappable) => Err(errors::local(
+                "FailedPrecondition",
+                &format!(
+                    "lease {} is device memory ({} handle): use as_torch() or as_cupy()",
+                    self.info.lease_id,
+                    self.info.handle.kind()
+                ),
+            )),
+            Err(e) => Err(errors::to_py(e)),
         }
-        Ok(host.as_ref().map_or(0, |m| m.as_ptr() as u64))
     }
 
     /// `"host"` when the lease maps as host memory, `"device"` when it is CUDA memory.
@@ -461,7 +479,7 @@ impl PyLease {
             .lock()
             .as_ref()
             .is_some_and(|l| l.is_host_mappable());
-        if mappable || core.host.lock().is_some() {
+        if mappable {
             "host"
         } else {
             "device"
@@ -541,6 +559,13 @@ impl PyLease {
             .as_ref()
             .and_then(|c| c.lease.lock().as_ref().map(|l| l.is_lost()))
             .unwrap_or(false)
+    }
+
+    /// True when granted from a block this process retained (`Session.retain_mappings`):
+    /// no ticket came, and its mapping is the one the released lease had.
+    #[getter]
+    fn retained(&self) -> bool {
+        matches!(&self.info.handle, gpu_broker_client::LeaseHandle::Fd(i) if i.retained)
     }
 
     /// Gives the memory back now. Raises `FailedPrecondition` while arrays or tensors
@@ -630,7 +655,7 @@ impl PyLease {
     fn _host_memory(&self) -> PyResult<Memory> {
         let core = self.core()?;
         self.lost_check(&core)?;
-        let ptr = self.host_ptr(&core)?;
+        let (ptr, _) = self.host_mapping(&core)?;
         Ok(Memory {
             core,
             ptr,
@@ -652,19 +677,15 @@ impl PyLease {
             gpu_broker_client::cuda::local_ordinal(self.info.device, &self.info.device_uuid);
         let ptr = match self.kind_of(&core) {
             "host" => {
-                self.host_ptr(&core)?;
+                let (addr, len) = self.host_mapping(&core)?;
                 let mut reg = core.registration.lock();
                 if reg.is_none() {
-                    let mut host = core.host.lock();
-                    let Some(mapping) = host.as_mut() else {
-                        return Err(errors::local("BrokerError", "host mapping vanished"));
-                    };
-                    let slice: &mut [u8] = mapping.as_mut_slice();
-                    // SAFETY: the registration is stored next to the mapping in the same
-                    // core and dropped before it (field order, `unmap`), so the borrowed
-                    // memory outlives the registration; the mapping's address never moves.
+                    // SAFETY: the registration is stored next to the lease owning the
+                    // mapping in the same core and dropped before it (field order,
+                    // `unmap`), so the borrowed memory outlives the registration; the
+                    // mapping's address never moves while the lease keeps it.
                     let slice: &'static mut [u8] =
-                        unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr(), slice.len()) };
+                        unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
                     let made = py.detach(|| gpu_broker_client::cuda::register_host(slice, device));
                     *reg =
                         Some(made.map_err(|e| {
@@ -674,21 +695,18 @@ impl PyLease {
                 reg.as_ref().map_or(0, |r| r.device_ptr())
             }
             _ => {
-                let mut cuda = core.cuda.lock();
-                if cuda.is_none() {
-                    let lease = core.lease.lock();
-                    let Some(lease) = lease.as_ref() else {
-                        return Err(errors::local("FailedPrecondition", "lease released"));
-                    };
-                    let mapped = py.detach(|| lease.map_cuda());
-                    *cuda = Some(mapped.map_err(|e| match e {
-                        gpu_broker_client::ClientError::Cuda(m) => {
-                            errors::local("FailedPrecondition", &format!("CUDA: {m}"))
-                        }
-                        other => errors::to_py(other),
-                    })?);
-                }
-                cuda.as_ref().map_or(0, |m| m.device_ptr())
+                let mut lease = core.lease.lock();
+                let Some(lease) = lease.as_mut() else {
+                    return Err(errors::local("FailedPrecondition", "lease released"));
+                };
+                // The lease's own mapping, made on first use (or kept from a retained block).
+                let mapped = py.detach(|| lease.mapped_cuda().map(|m| m.device_ptr()));
+                mapped.map_err(|e| match e {
+                    gpu_broker_client::ClientError::Cuda(m) => {
+                        errors::local("FailedPrecondition", &format!("CUDA: {m}"))
+                    }
+                    other => errors::to_py(other),
+                })?
             }
         };
         Ok(Memory {

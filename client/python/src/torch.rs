@@ -7,6 +7,13 @@
 //! (`cuEventRecord`/`cuEventQuery`). Reclaim requests and revocations are handled on a
 //! Rust thread reading the session's events: no GIL, no Python callback.
 //!
+//! **Retained segments.** With `install(retain=...)` the session retains mappings: a free
+//! segment released (`empty_cache`) keeps its range mapped, held for this process, and the
+//! next segment of its size is that block at that address ([`Resident::new`] takes the
+//! range back): one RPC. The client crate's listener lets them go when the broker asks; a
+//! refused acquire lets them go and asks once more; segments the broker asked back are
+//! released unretained.
+//!
 //! **Sleep and wake.** A segment of CUDA VMM memory is a [`Resident`] (the client crate's:
 //! its own reserved address range), so [`_torch_sleep`] can give every segment's memory
 //! back (contents optionally saved to host-tier leases) and [`_torch_wake`] get it again at
@@ -69,6 +76,16 @@ static ASLEEP: AtomicBool = AtomicBool::new(false);
 static SLEEP_ON_RECLAIM: AtomicU8 = AtomicU8::new(0);
 /// Sleeps reclaim requests triggered.
 static RECLAIM_SLEEPS: AtomicU64 = AtomicU64::new(0);
+/// Segments granted from a block this process retained (`install(retain=...)`): one RPC,
+/// mapped already at the address the released segment had.
+static RETAINED_ACQUIRES: AtomicU64 = AtomicU64::new(0);
+
+/// First lease ids of segments the broker asked back (a reclaim request, a revocation):
+/// released without being retained, even when that waits for a drain to finish.
+fn asked_back() -> &'static parking_lot::Mutex<std::collections::HashSet<String>> {
+    static S: OnceLock<parking_lot::Mutex<std::collections::HashSet<String>>> = OnceLock::new();
+    S.get_or_init(Default::default)
+}
 
 /// Segments are leases of one session; events and contexts through the driver API.
 pub struct LeaseBackend {
@@ -185,17 +202,32 @@ impl Backend for LeaseBackend {
         let lease = self
             .handle
             .block_on(async move {
-                let mut request = session
-                    .lease_request(bytes)
-                    .device(broker_device)
-                    .label(label)
-                    .reclaimable(reclaimable);
-                if let Some(w) = wait {
-                    request = request.wait(w);
+                let ask = || {
+                    let mut request = session
+                        .lease_request(bytes)
+                        .device(broker_device)
+                        .label(label.clone())
+                        .reclaimable(reclaimable);
+                    if let Some(w) = wait {
+                        request = request.wait(w);
+                    }
+                    request.send()
+                };
+                match ask().await {
+                    // Segments this process retains count to the tenant: let them go and
+                    // ask once more (a waiting request has had them asked back already).
+                    Err(e) if session.retained_bytes() > 0 => {
+                        tracing::debug!(error = %e, "gpubroker.torch: letting retained segments go");
+                        session.drop_retained().await;
+                        ask().await
+                    }
+                    r => r,
                 }
-                request.send().await
             })
             .map_err(refused)?;
+        if matches!(lease.handle(), LeaseHandle::Fd(i) if i.retained) {
+            RETAINED_ACQUIRES.fetch_add(1, Ordering::Relaxed);
+        }
         let vmm =
             matches!(lease.handle(), LeaseHandle::Fd(i) if i.memory_kind == MemoryKind::CudaVmm);
         if !vmm {
@@ -235,9 +267,17 @@ impl Backend for LeaseBackend {
             }
             reg.first_id.retain(|_, first| *first != seg.first_id);
         }
+        let asked_back = asked_back().lock().remove(&seg.first_id);
         if let Some(r) = r {
-            // Revoked or lost leases are already gone.
-            if let Err(e) = self.handle.block_on(r.release()) {
+            // Revoked or lost leases are already gone. A free segment is retained mapped
+            // when the session retains (`install(retain=...)`), unless the broker asked
+            // for it.
+            let released = if asked_back {
+                self.handle.block_on(r.release_unretained())
+            } else {
+                self.handle.block_on(r.release())
+            };
+            if let Err(e) = released {
                 tracing::debug!(lease_id = seg.first_id, error = %e, "segment release");
             }
         }
@@ -519,9 +559,13 @@ fn watch_events(session: &Session) -> std::io::Result<()> {
                     }
                     // A woken segment's lease has a new id; the allocator knows the first.
                     let id = residents().lock().first_id.get(&id).cloned().unwrap_or(id);
+                    asked_back().lock().insert(id.clone());
                     let mut outcome = a.reclaim(&id);
                     if outcome == gpubroker_suballoc::Reclaim::Unknown {
                         outcome = crate::regions::reclaim(&id);
+                    }
+                    if outcome == gpubroker_suballoc::Reclaim::Unknown {
+                        asked_back().lock().remove(&id);
                     }
                     tracing::info!(lease_id = id, ?outcome, "gpubroker.torch: reclaim");
                 }
@@ -648,6 +692,10 @@ pub(crate) fn installed_allocator() -> Option<&'static SubAllocator<LeaseBackend
 /// device bytes given back.
 fn sleep_all(contents: Contents, handle: &tokio::runtime::Handle) -> Result<u64, ClientError> {
     ASLEEP.store(true, Ordering::SeqCst);
+    // Asleep holds no device memory: segments retained mapped go too.
+    if let Some(a) = ALLOCATOR.get() {
+        handle.block_on(a.backend().session.drop_retained());
+    }
     let segs: Vec<Arc<ResidentSegment>> = residents().lock().by_base.values().cloned().collect();
     let mut given = 0;
     for seg in segs {
@@ -675,7 +723,7 @@ fn sleep_all(contents: Contents, handle: &tokio::runtime::Handle) -> Result<u64,
 
 /// Sets up the allocator on `session` (once per process).
 #[pyfunction]
-#[pyo3(signature = (session, segment_bytes, wait_s, reclaimable, sleep_on_reclaim = None))]
+#[pyo3(signature = (session, segment_bytes, wait_s, reclaimable, sleep_on_reclaim = None, retain_bytes = 0))]
 pub fn _torch_install(
     py: Python<'_>,
     session: &PySession,
@@ -683,6 +731,7 @@ pub fn _torch_install(
     wait_s: f64,
     reclaimable: bool,
     sleep_on_reclaim: Option<bool>,
+    retain_bytes: u64,
 ) -> PyResult<()> {
     rt::check_process()?;
     if ALLOCATOR.get().is_some() {
@@ -717,6 +766,11 @@ pub fn _torch_install(
         .detach(|| handle.block_on(client.broker_info()))
         .map(|i| i.device_uuids)
         .unwrap_or_default();
+    if retain_bytes > 0 {
+        // Free segments released (`empty_cache`) stay mapped, held for this process: the
+        // next segment of a size released is one RPC, at the address it had.
+        session.retain_mappings(retain_bytes);
+    }
     let backend = LeaseBackend {
         session,
         handle,
@@ -763,6 +817,10 @@ pub fn _torch_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("ooms", s.ooms)?;
     d.set_item("reclaimed_segments", s.reclaimed_segments)?;
     d.set_item("reclaim_sleeps", RECLAIM_SLEEPS.load(Ordering::SeqCst))?;
+    d.set_item(
+        "retained_acquires",
+        RETAINED_ACQUIRES.load(Ordering::Relaxed),
+    )?;
     d.set_item("stream_block_flushes", FLUSHES.load(Ordering::Relaxed))?;
     Ok(d)
 }

@@ -302,7 +302,7 @@ impl State {
     pub fn queue_mut(&mut self) -> &mut WaitQueue {
         &mut self.queue
     }
-    /// Mark a lease's reclaim state (asked back, deadline passed, drained).
+    /// Mark a lease's reclaim state (active, or asked back by a deadline).
     fn set_lease_state(&mut self, id: &Uuid, state: LeaseState) -> bool {
         match self.leases.get_mut(id) {
             Some(l) => {

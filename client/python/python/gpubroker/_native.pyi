@@ -56,6 +56,12 @@ class Session:
         """A new iterator over the session's events (ends after ``Closed``)."""
     def on_reclaim(self, callback: Callable[[ReclaimRequested], Any]) -> None:
         """Calls ``callback`` on a background thread for every ``ReclaimRequested``."""
+    def retain_mappings(self, nbytes: int) -> None:
+        """Keeps released leases' blocks mapped in this process, up to ``nbytes`` (0: off)."""
+    @property
+    def retained_nbytes(self) -> int: ...
+    def drop_retained(self) -> None:
+        """Lets go of every retained block."""
     def usage(self) -> Usage: ...
     def close(self) -> None:
         """Ends the session; the broker takes back its leases."""
@@ -88,6 +94,9 @@ class Lease:
     def released(self) -> bool: ...
     @property
     def lost(self) -> bool: ...
+    @property
+    def retained(self) -> bool:
+        """Granted from a block this process retained (no ticket; mapped already)."""
     def release(self) -> None:
         """Gives the memory back now (raises FailedPrecondition while views live)."""
     def release_when_unused(self) -> bool:

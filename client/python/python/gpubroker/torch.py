@@ -117,6 +117,7 @@ def install(
     oom_reason: bool = True,
     sleep_on_reclaim: bool = False,
     save_on_reclaim: bool = True,
+    retain: Optional[int] = None,
 ) -> Any:
     """Routes every CUDA allocation of this process through broker leases.
 
@@ -144,6 +145,13 @@ def install(
             requests: a kernel that runs on a tensor after the sleep faults.
         save_on_reclaim: with ``sleep_on_reclaim``, keep the contents (host-tier
             leases) or not.
+        retain: bytes of released free segments (:func:`empty_cache`) kept mapped in
+            this process, held for it by the broker (``Session.retain_mappings``): the next
+            segment of a released size is that block again, one call to the broker and no
+            import, at the address it had. They stay counted to the tenant until let go:
+            when the broker asks (others wait), when a segment is refused (they are let
+            go and it is asked again), on :func:`sleep`, or ``session().drop_retained()``.
+            Default ``$GPU_BROKER_TORCH_RETAIN`` or one segment; 0 turns it off.
 
     Returns:
         The session.
@@ -169,6 +177,8 @@ def install(
             wait = _env_number("GPU_BROKER_WAIT", 60.0)
         if segment_size is None:
             segment_size = int(_env_number("GPU_BROKER_TORCH_SEGMENT", float(1 << 30)))
+        if retain is None:
+            retain = int(_env_number("GPU_BROKER_TORCH_RETAIN", float(segment_size)))
         devs: List[int] = (
             list(range(torch.cuda.device_count())) if devices is None else [int(d) for d in devices]
         )
@@ -190,6 +200,7 @@ def install(
             float(wait),
             bool(reclaimable),
             bool(save_on_reclaim) if sleep_on_reclaim else None,
+            max(0, int(retain)),
         )
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
             _native.__file__, "gpubroker_torch_alloc", "gpubroker_torch_free"
