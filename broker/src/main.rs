@@ -360,9 +360,7 @@ async fn run(
 /// Connects to the keeper at `path`, waiting up to 10 s for it to listen (a keeper
 /// started alongside the broker, a sidecar container); the blocking connect runs off the
 /// runtime.
-async fn connect_keeper(
-    path: &std::path::Path,
-) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
+async fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         let p = path.to_path_buf();

@@ -14,6 +14,7 @@
 
 use crate::arbiter::Arbiter;
 use crate::device::SharedFd;
+use crate::ticket_pressure::Pressure;
 use crate::tickets::{Redeemed, Refusal, TICKET_LEN};
 use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY, REFUSED_REPLY};
 use std::os::fd::{AsRawFd, RawFd};
@@ -21,7 +22,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{UnixListener, UnixStream};
-use crate::ticket_pressure::Pressure;
 use tokio_util::sync::CancellationToken;
 
 /// Most ticket connections served at once.
@@ -854,7 +854,11 @@ mod tests {
         // SAFETY: a zeroed sockaddr_un is valid; the path fits (a tempdir's).
         let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
         addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-        for (d, s) in addr.sun_path.iter_mut().zip(path.as_os_str().as_encoded_bytes()) {
+        for (d, s) in addr
+            .sun_path
+            .iter_mut()
+            .zip(path.as_os_str().as_encoded_bytes())
+        {
             *d = *s as libc::c_char;
         }
         let (mut said, told) = std::os::unix::net::UnixStream::pair().unwrap();

@@ -400,12 +400,19 @@ mod tests {
         let (listener, queued) = unsafe {
             let mut addr: libc::sockaddr_un = std::mem::zeroed();
             addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-            for (d, s) in addr.sun_path.iter_mut().zip(path.as_os_str().as_encoded_bytes()) {
+            for (d, s) in addr
+                .sun_path
+                .iter_mut()
+                .zip(path.as_os_str().as_encoded_bytes())
+            {
                 *d = *s as libc::c_char;
             }
             let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
             let l = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
-            assert_eq!(libc::bind(l, (&addr as *const libc::sockaddr_un).cast(), len), 0);
+            assert_eq!(
+                libc::bind(l, (&addr as *const libc::sockaddr_un).cast(), len),
+                0
+            );
             assert_eq!(libc::listen(l, 0), 0);
             let l = OwnedFd::from_raw_fd(l);
             // Connections nobody accepts, until the queue is full.
@@ -413,7 +420,12 @@ mod tests {
             loop {
                 let c = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK, 0);
                 let c = OwnedFd::from_raw_fd(c);
-                if libc::connect(c.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
+                if libc::connect(
+                    c.as_raw_fd(),
+                    (&addr as *const libc::sockaddr_un).cast(),
+                    len,
+                ) != 0
+                {
                     break;
                 }
                 queued.push(c);

@@ -210,7 +210,10 @@ mod tests {
         };
         done_tx.send(()).unwrap();
         holder.join().unwrap();
-        assert!(exited, "the child hung on the lock its parent's thread held");
+        assert!(
+            exited,
+            "the child hung on the lock its parent's thread held"
+        );
         assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
     }
 }

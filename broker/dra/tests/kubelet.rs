@@ -313,10 +313,11 @@ async fn a_claim_deleted_from_the_api_server_is_cleaned_up() -> Result<()> {
         ""
     );
     assert_eq!(n.claims().await?, ["uid-c"]);
-    // Deleted without an unprepare (the kubelet missed it): the cleaner notices.
+    // Deleted without an unprepare (the kubelet missed it): the cleaner notices, ends the
+    // claim at the broker, then removes its spec (wait for both).
     n.api.remove_claim(NS, "c");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while !n.claims().await?.is_empty() {
+    while !n.claims().await?.is_empty() || n.plugin.cdi_spec("uid-c").exists() {
         assert!(
             std::time::Instant::now() < deadline,
             "never cleaned: {}",
