@@ -10,7 +10,8 @@
 //! refuses) loses the broker too, its sessions ending on the next sweep. A refusal is
 //! remembered as long, so bad tokens cost one API call per cache time. While the API server
 //! does not answer, a token it accepted before keeps working and a new one is
-//! `UNAVAILABLE`. The token's `exp` is read without checking its signature (the API
+//! `UNAVAILABLE`, as is one past the reviews under way at once (64) or whose review takes
+//! longer than 10 s. The token's `exp` is read without checking its signature (the API
 //! server checks it): only to refuse an expired token without a call and to end the
 //! acceptance when the token expires.
 
@@ -25,6 +26,11 @@ use std::time::{Duration, Instant, SystemTime};
 const MAX_TOKEN_BYTES: usize = 16 << 10;
 /// Remembered reviews past which the stale ones are dropped.
 const MAX_REMEMBERED: usize = 10_000;
+/// Reviews under way at once: more (a flood of made-up tokens) are `UNAVAILABLE` at once
+/// rather than passed on to the API server.
+const MAX_IN_FLIGHT: usize = 64;
+/// The longest a call waits for the API server's answer.
+const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Asks the API server about ServiceAccount tokens, and remembers its answers briefly.
 pub struct TokenReviewer {
@@ -35,6 +41,7 @@ pub struct TokenReviewer {
     accepted: DashMap<[u8; 32], Instant>,
     /// Token hash -> when it was refused, and why.
     refused: DashMap<[u8; 32], (Instant, AuthError)>,
+    in_flight: tokio::sync::Semaphore,
 }
 
 /// Whether `token` may be a ServiceAccount token (a JWT: three base64url parts, the
@@ -76,6 +83,7 @@ impl TokenReviewer {
             cache,
             accepted: DashMap::new(),
             refused: DashMap::new(),
+            in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
         }
     }
 
@@ -115,7 +123,18 @@ impl TokenReviewer {
             },
             ..Default::default()
         };
-        let status = match self.api.create(&PostParams::default(), &review).await {
+        let asked = match self.in_flight.try_acquire() {
+            Ok(_permit) => {
+                let pp = PostParams::default();
+                let call = self.api.create(&pp, &review);
+                match tokio::time::timeout(REVIEW_TIMEOUT, call).await {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!("no answer within {REVIEW_TIMEOUT:?}")),
+                }
+            }
+            Err(_) => Err(format!("{MAX_IN_FLIGHT} reviews are under way already")),
+        };
+        let status = match asked {
             Ok(r) => r.status.unwrap_or_default(),
             Err(e) => {
                 tracing::warn!(error = %e, "TokenReview failed");
@@ -125,7 +144,7 @@ impl TokenReviewer {
                         return Ok(p);
                     }
                 }
-                return Err(AuthError::ReviewUnavailable { why: e.to_string() });
+                return Err(AuthError::ReviewUnavailable { why: e });
             }
         };
         if !status.authenticated.unwrap_or(false) {

@@ -287,3 +287,41 @@ async fn an_api_server_that_does_not_answer_is_unavailable_for_new_tokens() {
     let c = Client::connect(&b.uri(), worker).await.unwrap();
     c.session("w").await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_that_hangs_holds_a_call_ten_seconds_at_most() {
+    // Accepts connections and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let b = broker(
+        dir.path(),
+        &[
+            "--token-review-audience",
+            AUDIENCE,
+            "--token-review-apiserver",
+            &url,
+        ],
+    );
+    // One call (a session's opening would try again: UNAVAILABLE is an outage to it).
+    let c = Client::connect(&b.uri(), token(LIVE, "pod")).await.unwrap();
+    let started = std::time::Instant::now();
+    let e = c.usage().await.unwrap_err();
+    assert_eq!(
+        (e.code(), e.reason()),
+        (Code::Unavailable, Some(&Reason::TokenReviewUnavailable)),
+        "{e}"
+    );
+    assert!(e.to_string().contains("no answer within"), "{e}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(9) && waited < Duration::from_secs(15),
+        "{waited:?}"
+    );
+}
