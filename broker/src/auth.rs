@@ -298,6 +298,9 @@ pub struct Authenticator {
     /// worker tokens of their namespace's tenant until their own expiry; never stored,
     /// never listed.
     reviewed: DashMap<[u8; 32], TokenEntry>,
+    /// When expired reviewed tokens were last dropped (projected tokens rotate: each pod
+    /// brings a new one every hour or so).
+    reviewed_pruned: parking_lot::Mutex<std::time::Instant>,
     /// Namespace -> tenant (the config file's `namespaces`).
     namespaces: parking_lot::RwLock<std::collections::HashMap<String, String>>,
     /// Asks the API server about ServiceAccount tokens (`--token-review-audience`).
@@ -316,6 +319,7 @@ impl Authenticator {
             admin_file: parking_lot::Mutex::new(None),
             declared: parking_lot::Mutex::new(std::collections::HashMap::new()),
             reviewed: DashMap::new(),
+            reviewed_pruned: parking_lot::Mutex::new(std::time::Instant::now()),
             namespaces: parking_lot::RwLock::new(std::collections::HashMap::new()),
             reviewer: std::sync::OnceLock::new(),
         }
@@ -350,6 +354,15 @@ impl Authenticator {
     /// [`Authenticator::forget_reviewed`].
     pub fn add_reviewed(&self, entry: TokenEntry) {
         self.reviewed.insert(entry.hash, entry);
+        // At most once a minute, the expired ones go (their sessions are swept already).
+        let mut pruned = self.reviewed_pruned.lock();
+        if pruned.elapsed() >= std::time::Duration::from_secs(60) {
+            *pruned = std::time::Instant::now();
+            drop(pruned);
+            let now = crate::units::unix_ms(std::time::SystemTime::now());
+            self.reviewed
+                .retain(|_, e| e.expires_unix_ms.is_none_or(|exp| now < exp));
+        }
     }
 
     /// Stops accepting a reviewed token (the API server refused it since): its sessions
@@ -733,6 +746,47 @@ pub(crate) mod tests {
 
     /// An authenticator with the admin token `admin-secret` and a worker token of
     /// tenant `t1` (returned).
+    #[test]
+    fn reviewed_serviceaccount_tokens_act_until_their_expiry_and_expired_ones_are_dropped() {
+        let a = Authenticator::new("admin-secret");
+        let now = crate::units::unix_ms(std::time::SystemTime::now());
+        let reviewed = |token: &str, exp: i64| TokenEntry {
+            token_id: token_id(&hash_token(token)),
+            tenant: "training".into(),
+            hash: hash_token(token),
+            description: String::new(),
+            created_unix_ms: now,
+            name: "serviceaccount:training/w".into(),
+            scope: Scope::Worker,
+            expires_unix_ms: Some(exp),
+        };
+        a.add_reviewed(reviewed("old", now - 1));
+        assert!(matches!(
+            a.authenticate("old"),
+            Err(AuthError::Expired { .. })
+        ));
+        a.add_reviewed(reviewed("live", now + 60_000));
+        let p = a.authenticate("live").unwrap();
+        assert_eq!(
+            (p.scope, p.tenant.as_deref()),
+            (Scope::Worker, Some("training"))
+        );
+        assert!(a.live_token_ids().contains(&p.token_id));
+        assert!(
+            a.is_reviewed(&hash_token("old")),
+            "kept until the next prune"
+        );
+        // A minute later, the next accepted token drops the expired ones.
+        *a.reviewed_pruned.lock() = std::time::Instant::now() - std::time::Duration::from_secs(61);
+        a.add_reviewed(reviewed("new", now + 60_000));
+        assert!(!a.is_reviewed(&hash_token("old")));
+        assert!(matches!(a.authenticate("old"), Err(AuthError::Unknown)));
+        assert!(a.authenticate("live").is_ok() && a.authenticate("new").is_ok());
+        // Refused since: no longer accepted.
+        a.forget_reviewed(&hash_token("live"));
+        assert!(matches!(a.authenticate("live"), Err(AuthError::Unknown)));
+    }
+
     pub(crate) fn auth_with_tenant() -> (Arc<Authenticator>, String) {
         let a = Arc::new(Authenticator::new("admin-secret"));
         let (tok, hash) = generate_token();
