@@ -474,3 +474,22 @@ fn the_transport_is_named_only_at_the_edge() {
     assert!(names_the_transport("// tonic\n/// a `tonic::Status`\n").is_none());
     assert!(names_the_transport("/// a monotonic clock\nlet monotonic = 1;\n").is_none());
 }
+
+/// Where a thread may be put to sleep outside tests: the device threads (`device/`), which
+/// are made for blocking work. Anywhere else the code may run on a runtime thread, which
+/// a sleep would hold from every other task: `tokio::time::sleep` there.
+const BLOCKING_SLEEP_FILES: [&str; 1] = ["device/"];
+
+#[test]
+fn no_thread_sleeps_where_a_runtime_may_run_it() {
+    for (rel, text) in all_sources() {
+        if rel.ends_with("tests.rs") || BLOCKING_SLEEP_FILES.iter().any(|f| rel.starts_with(f)) {
+            continue;
+        }
+        let found = names_any(&text, true, &["thread::sleep("]);
+        assert!(
+            found.is_none(),
+            "{rel} puts a thread to sleep (use tokio::time::sleep, or spawn_blocking): {found:?}"
+        );
+    }
+}

@@ -479,6 +479,7 @@ impl Arbiter {
                 // A block's file closes here, after the free.
                 let (alloc, _handle) = what.split();
                 if revoke {
+                    // Host-tier memfds refuse every seal: the truncation always holds.
                     super::revoke_before_free(dev, &alloc, u32::MAX);
                 }
                 if let Err(e) = dev.free(alloc) {
