@@ -58,6 +58,7 @@ pub mod ticket_read;
 pub mod ticket_server;
 pub mod tickets;
 pub mod tls;
+pub mod token_review;
 pub mod tokens_config;
 pub mod units;
 
