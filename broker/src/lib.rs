@@ -34,6 +34,7 @@ pub mod info;
 pub mod keeper;
 pub mod listener;
 pub mod lock_holds;
+pub mod memfd_holders;
 pub mod metrics;
 pub mod mps;
 pub mod nvml_warm;
@@ -57,6 +58,7 @@ pub mod ticket_read;
 pub mod ticket_server;
 pub mod tickets;
 pub mod tls;
+pub mod token_review;
 pub mod tokens_config;
 pub mod units;
 

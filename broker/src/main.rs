@@ -200,6 +200,8 @@ async fn run(
         let tokens =
             gpu_broker::tokens_config::load(path, &gpu_broker::tenants_config::names(&declared))?;
         let n = declared.len();
+        arb.authenticator()
+            .set_namespace_tenants(gpu_broker::tenants_config::namespace_tenants(&declared));
         let a = arb.clone();
         // On the store writer, as every durable change.
         let changes = arb
@@ -218,6 +220,23 @@ async fn run(
     } else {
         // SIGHUP's default action ends the process: handle it even with nothing to reload.
         spawn_hup_without_config(&arb, shutdown.clone());
+    }
+    // Kubernetes ServiceAccount tokens, when asked for: before serving.
+    if let Some(audience) = &cfg.token_review_audience {
+        let kube = match &cfg.token_review_apiserver {
+            Some(url) => kube::Config::new(url.parse().context("--token-review-apiserver")?),
+            None => kube::Config::infer()
+                .await
+                .context("--token-review-audience: finding the API server")?,
+        };
+        let client = kube::Client::try_from(kube).context("the API server's client")?;
+        arb.authenticator()
+            .set_reviewer(Arc::new(gpu_broker::token_review::TokenReviewer::new(
+                client,
+                audience,
+                cfg.token_review_cache,
+            )));
+        tracing::info!(audience, cache = ?cfg.token_review_cache, "accepting Kubernetes ServiceAccount tokens (TokenReview)");
     }
 
     // The operators' socket first: once the main socket answers, both do.

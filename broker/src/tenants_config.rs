@@ -1,7 +1,9 @@
 //! Declarative tenants: the `[tenants.NAME]` tables of the config file (keys named like
 //! `gpu-brokerctl quota set`'s options: `limit`, `max-leases`, `priority`, `guaranteed`,
 //! `host-limit`, `turn-weight`), applied at start, on SIGHUP and when the file changes
-//! (polled, so a Kubernetes ConfigMap's symlink swap is seen like an edit).
+//! (polled, so a Kubernetes ConfigMap's symlink swap is seen like an edit). A table's
+//! `namespaces` lists the Kubernetes namespaces whose ServiceAccount tokens act as the
+//! tenant (`token_review.rs`); a namespace belongs to one tenant at most.
 //!
 //! How the file and the admin RPCs combine: the file is authoritative for the fields it
 //! declares — each apply sets them (a patch: undeclared fields keep whatever `quota set`
@@ -53,6 +55,16 @@ pub fn names(declared: &[DeclaredTenant]) -> Vec<String> {
 pub struct DeclaredTenant {
     pub name: String,
     pub patch: QuotaPatch,
+    /// Kubernetes namespaces whose ServiceAccount tokens act as this tenant.
+    pub namespaces: Vec<String>,
+}
+
+/// Namespace -> tenant, from the tables' `namespaces`.
+pub fn namespace_tenants(declared: &[DeclaredTenant]) -> std::collections::HashMap<String, String> {
+    declared
+        .iter()
+        .flat_map(|d| d.namespaces.iter().map(|ns| (ns.clone(), d.name.clone())))
+        .collect()
 }
 
 #[derive(Deserialize)]
@@ -74,6 +86,8 @@ struct TenantTable {
     /// Per-device caps by device index (`{ 0 = "8GiB", 1 = "4GiB" }`): when given, the
     /// whole set (caps not listed are removed).
     device_limits: Option<BTreeMap<toml::Spanned<String>, toml::Spanned<Size>>>,
+    /// Kubernetes namespaces whose ServiceAccount tokens act as this tenant.
+    namespaces: Option<Vec<toml::Spanned<String>>>,
 }
 
 #[derive(Deserialize)]
@@ -98,6 +112,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<DeclaredTenant>, TenantsErro
         invalid(at, e.message().to_string())
     })?;
     let mut out = Vec::new();
+    let mut namespace_owner: BTreeMap<String, String> = BTreeMap::new();
     for (name, table) in file.tenants {
         let at = name.span().start;
         crate::ledger::validate_tenant_name(name.get_ref())
@@ -161,12 +176,49 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<DeclaredTenant>, TenantsErro
                 ));
             }
         }
+        let mut namespaces = Vec::new();
+        for ns in t.namespaces.into_iter().flatten() {
+            let at = ns.span().start;
+            let ns = ns.into_inner();
+            if !is_namespace_name(&ns) {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "tenants.{}.namespaces: {ns:?} is not a Kubernetes namespace name",
+                        name.get_ref()
+                    ),
+                ));
+            }
+            if let Some(other) = namespace_owner.insert(ns.clone(), name.get_ref().clone()) {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "tenants.{}.namespaces: {ns:?} is tenant {other:?}'s already (a namespace has one tenant)",
+                        name.get_ref()
+                    ),
+                ));
+            }
+            namespaces.push(ns);
+        }
         out.push(DeclaredTenant {
             name: name.into_inner(),
             patch,
+            namespaces,
         });
     }
     Ok(out)
+}
+
+/// A namespace name as Kubernetes allows it (an RFC 1123 label: at most 63 lowercase
+/// letters, digits and '-', starting and ending with a letter or digit).
+fn is_namespace_name(ns: &str) -> bool {
+    let b = ns.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
 }
 
 /// Reads and parses `path` (a regular file of at most 1 MiB: `crate::file_read`).
@@ -383,6 +435,8 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
                     // On the store writer, in order with operators' changes; the tokens
                     // after the tenants they name.
                     let n = declared.len();
+                    arb.authenticator()
+                        .set_namespace_tenants(namespace_tenants(&declared));
                     let a = arb.clone();
                     let applied = arb.run_durable(move || {
                         let changes = apply(&a, &declared, why);
@@ -448,6 +502,25 @@ mod tests {
         assert!(parse(Path::new("c.toml"), "socket = \"/x\"\n")
             .unwrap()
             .is_empty());
+    }
+
+    #[test]
+    fn namespaces_name_their_tenant_once() {
+        let text = "[tenants.a]\nlimit = \"1GiB\"\nnamespaces = [\"team-a\", \"team-a-eval\"]\n\n[tenants.b]\nlimit = \"1GiB\"\n";
+        let t = parse(Path::new("c.toml"), text).unwrap();
+        let map = namespace_tenants(&t);
+        assert_eq!(map.len(), 2);
+        assert_eq!(map["team-a"], "a");
+        assert_eq!(map["team-a-eval"], "a");
+        for (bad, why) in [
+            ("namespaces = [\"Team\"]", "not a Kubernetes namespace name"),
+            ("namespaces = [\"-x\"]", "not a Kubernetes namespace name"),
+            ("namespaces = [\"team-a\"]", "is tenant \"a\"'s already"),
+        ] {
+            let text = format!("[tenants.a]\nlimit = \"1GiB\"\nnamespaces = [\"team-a\"]\n\n[tenants.c]\nlimit = \"1GiB\"\n{bad}\n");
+            let e = parse(Path::new("c.toml"), &text).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("c.toml:7"), "{e}");
+        }
     }
 
     #[test]

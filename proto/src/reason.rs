@@ -171,6 +171,13 @@ reasons! {
     TokenUnknown = "TOKEN_UNKNOWN" in Unauthenticated,
     /// The token is past its expiry: issue a new one.
     TokenExpired = "TOKEN_EXPIRED" in Unauthenticated,
+    /// A Kubernetes ServiceAccount token the API server's TokenReview
+    /// did not accept (invalid, expired, another audience).
+    ServiceAccountRefused = "SERVICE_ACCOUNT_REFUSED" in Unauthenticated,
+    /// A ServiceAccount token of a namespace no tenant lists.
+    NamespaceHasNoTenant = "NAMESPACE_HAS_NO_TENANT" in Unauthenticated,
+    /// The API server could not be asked about a ServiceAccount token.
+    TokenReviewUnavailable = "TOKEN_REVIEW_UNAVAILABLE" in Unavailable,
     /// The token's scope does not reach this call.
     ScopeDenied = "SCOPE_DENIED" in PermissionDenied,
     /// The session belongs to another user.

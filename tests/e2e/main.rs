@@ -36,6 +36,7 @@ mod sleep;
 mod smoke;
 mod status_page;
 mod tls;
+mod token_review;
 mod trust;
 mod turns;
 mod waiting;

@@ -313,10 +313,11 @@ async fn a_claim_deleted_from_the_api_server_is_cleaned_up() -> Result<()> {
         ""
     );
     assert_eq!(n.claims().await?, ["uid-c"]);
-    // Deleted without an unprepare (the kubelet missed it): the cleaner notices.
+    // Deleted without an unprepare (the kubelet missed it): the cleaner notices, ends the
+    // claim at the broker, then removes its spec (wait for both).
     n.api.remove_claim(NS, "c");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while !n.claims().await?.is_empty() {
+    while !n.claims().await?.is_empty() || n.plugin.cdi_spec("uid-c").exists() {
         assert!(
             std::time::Instant::now() < deadline,
             "never cleaned: {}",
@@ -668,5 +669,33 @@ async fn the_kubelet_watches_a_drained_or_unhealthy_gpu_turn_unhealthy_and_back(
         message.starts_with("the broker does not answer"),
         "{message}"
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_stopped_ends_the_health_streams_and_exits() -> Result<()> {
+    use futures::StreamExt;
+    use gpu_broker_dra::pb::health_v1::{HealthStatus, NodeWatchResourcesRequest};
+    let mut n = node().await?;
+    let k = Kubelet::register(&n.plugin).await?;
+    let mut stream = k
+        .health
+        .clone()
+        .node_watch_resources(NodeWatchResourcesRequest {})
+        .await?
+        .into_inner();
+    health_of_gpu0(&mut stream, HealthStatus::Healthy as i32).await?;
+    // The kubelet keeps its stream open; SIGTERM still stops the plugin at once.
+    let took = n.plugin.terminate(std::time::Duration::from_secs(10));
+    assert!(
+        took.is_some_and(|t| t < std::time::Duration::from_secs(5)),
+        "took {took:?}: {}",
+        n.plugin.log_text()
+    );
+    let end = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while let Some(Ok(_)) = stream.next().await {}
+    })
+    .await;
+    assert!(end.is_ok(), "the stream never ended");
     Ok(())
 }

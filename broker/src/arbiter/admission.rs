@@ -210,7 +210,7 @@ impl Arbiter {
             };
             if let Some(drawn) = self.draw_from_reservation(&mut st, req, lineage)? {
                 let id = st.next_waiter_id();
-                let rx = self.outbox.register_reply(id);
+                let rx = self.outbox.register_reply(&st, id);
                 let bytes = drawn.ask.bytes;
                 let shutting_down = self.is_shutting_down();
                 st.grant_waiter(id, drawn.ask, drawn.priority, drawn.device, shutting_down);
@@ -238,7 +238,7 @@ impl Arbiter {
             Enqueued::Waiting { id, queued: false } if lease => match st.take_reply(id) {
                 Some(answer) => Offered::Answered(answer),
                 None => Offered::Waiting {
-                    rx: self.outbox.register_reply(id),
+                    rx: self.outbox.register_reply(&st, id),
                     id,
                     bytes,
                     queued: false,
@@ -247,7 +247,7 @@ impl Arbiter {
             // The channel is in place before the lock is released, so before any answer
             // the queue pushed for it runs.
             Enqueued::Waiting { id, queued } => Offered::Waiting {
-                rx: self.outbox.register_reply(id),
+                rx: self.outbox.register_reply(&st, id),
                 id,
                 bytes,
                 queued,
@@ -479,6 +479,7 @@ impl Arbiter {
                 // A block's file closes here, after the free.
                 let (alloc, _handle) = what.split();
                 if revoke {
+                    // Host-tier memfds refuse every seal: the truncation always holds.
                     super::revoke_before_free(dev, &alloc, u32::MAX);
                 }
                 if let Err(e) = dev.free(alloc) {

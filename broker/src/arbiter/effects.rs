@@ -202,6 +202,21 @@ impl<'a> Locked<'a> {
         }
     }
 
+    /// Changes which devices admit new leases (a drain, a health mark) in this hold: when
+    /// `change` changed something (`Some`), the queue runs before the unlock
+    /// (`State::devices_changed`): a reopened device may fit waiters, and those no open
+    /// device can serve any more are refused.
+    pub(crate) fn change_devices<R>(
+        &mut self,
+        change: impl FnOnce(&mut crate::availability::Availability) -> Option<R>,
+    ) -> Option<R> {
+        let changed = change(&mut self.arb.avail.write());
+        if changed.is_some() {
+            self.devices_changed();
+        }
+        changed
+    }
+
     fn release(&self, st: MutexGuard<'a, State>) {
         if self.fair {
             MutexGuard::unlock_fair(st);

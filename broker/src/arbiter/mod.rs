@@ -588,9 +588,7 @@ impl Arbiter {
                 let _counted = counted;
                 // A block's descriptor closes here, after the free, on the device thread.
                 let (alloc, handle) = what.split();
-                if revoke {
-                    revoke_before_free(dev, &alloc, device);
-                }
+                let revoked = !revoke || revoke_before_free(dev, &alloc, device);
                 let bytes = alloc.bytes;
                 let alive: Vec<u32> = reached
                     .as_ref()
@@ -602,19 +600,52 @@ impl Arbiter {
                             .collect()
                     })
                     .unwrap_or_default();
-                let (Some(report), false) = (report, alive.is_empty()) else {
-                    if let Err(e) = dev.free(alloc) {
-                        tracing::error!(device, alloc = id, error = %e, "free failed");
-                    }
-                    drop(handle);
-                    return;
+                // Who answers for memory kept: the block's tenant, or another tenant's
+                // importer when only such importers could keep it.
+                let answering = |keepers: &[u32]| {
+                    reached
+                        .as_ref()
+                        .map(|(own, r)| r.answers_for(keepers, own))
+                        .unwrap_or_default()
                 };
                 let pending = &unverified[device as usize];
+                let report = report.filter(|_| !alive.is_empty());
+                // A memfd that could not be revoked (sealed against shrinking): the
+                // processes that still map it or hold its descriptor say who kept it.
+                let memfd = handle
+                    .as_ref()
+                    .filter(|_| !revoked && report.is_some())
+                    .and_then(|h| dev.held_as_file(h));
+                let report = match (report, memfd) {
+                    (Some(report), None) => report,
+                    (report, memfd) => {
+                        if memfd.is_some() {
+                            pending.fetch_add(bytes, Ordering::SeqCst);
+                        }
+                        let freed = dev.free(alloc);
+                        drop(handle);
+                        if let Err(e) = &freed {
+                            tracing::error!(device, alloc = id, error = %e, "free failed");
+                        }
+                        let (Some(report), Some(file)) = (report, memfd) else {
+                            return;
+                        };
+                        let keepers = match freed {
+                            Ok(()) => crate::memfd_holders::holding(file, &alive),
+                            Err(_) => Vec::new(),
+                        };
+                        if keepers.is_empty() {
+                            pending.fetch_sub(bytes, Ordering::SeqCst);
+                        } else {
+                            report(device, answering(&keepers), bytes, keepers);
+                        }
+                        return;
+                    }
+                };
                 pending.fetch_add(bytes, Ordering::SeqCst);
                 match dev.free_checked(alloc, handle) {
                     Ok(Returned::No) => {
-                        let tenant = reached.map(|(t, _)| t).unwrap_or_default();
-                        report(device, tenant, bytes, alive);
+                        report(device, answering(&alive), bytes, alive);
                     }
                     Ok(Returned::Yes | Returned::Unknown) => {
                         pending.fetch_sub(bytes, Ordering::SeqCst);
@@ -641,7 +672,8 @@ impl Arbiter {
     }
 
     /// What the device thread calls when a free did not give the memory back: the bytes
-    /// are charged again to the block's tenant (`State::stranded`), on the main runtime
+    /// are charged again to the tenant that answers for them (the block's, or another
+    /// tenant's importer: `Reached::answers_for`) (`State::stranded`), on the main runtime
     /// (inline when there is none), never on the device thread under a lock it could wait
     /// on.
     fn stranded_reporter(&self) -> impl FnOnce(u32, String, u64, Vec<u32>) + Send + 'static {
@@ -682,12 +714,17 @@ pub(crate) fn revoke_before_free(
     dev: &mut dyn crate::device::Device,
     alloc: &crate::device::Allocation,
     device: u32,
-) {
-    if let Err(e) = dev.revoke(alloc) {
-        // A published memfd (sealed against shrinking for its importers) or one its holder
-        // so sealed: a mapping kept of it keeps its pages, outside the books.
-        // The usual case is a once-published memfd, freed with nobody mapping it: no alarm.
-        tracing::debug!(device, alloc = alloc.id, error = %e, "memory could not be revoked before its free (sealed against shrinking); a process that kept it mapped keeps it");
+) -> bool {
+    match dev.revoke(alloc) {
+        Ok(()) => true,
+        Err(e) => {
+            // A published memfd (sealed against shrinking for its importers) or one its
+            // holder so sealed: a mapping kept of it keeps its pages (the free then looks
+            // for who keeps it). The usual case is a once-published memfd, freed with
+            // nobody mapping it: no alarm.
+            tracing::debug!(device, alloc = alloc.id, error = %e, "memory could not be revoked before its free (sealed against shrinking); a process that kept it mapped keeps it");
+            false
+        }
     }
 }
 

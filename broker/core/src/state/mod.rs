@@ -252,8 +252,9 @@ impl State {
     }
 
     /// Which devices admit grants changed (a drain began or ended, a device's health mark:
-    /// the shell keeps which admit): waiters may fit, or no device can serve them any more
-    /// (the queue refuses those), so the queue runs after the hold.
+    /// the shell keeps which admit, and its lock guard calls this when it changes them):
+    /// waiters may fit, or no device can serve them any more (the queue refuses those), so
+    /// the queue runs after the hold.
     pub fn devices_changed(&mut self) {
         self.wake_queue();
     }

@@ -285,6 +285,22 @@ impl Plugin {
         }
     }
 
+    /// SIGTERM, then how long it took to exit (`None`: not within `within`; then killed).
+    pub fn terminate(&mut self, within: Duration) -> Option<Duration> {
+        let mut c = self.child.take()?;
+        let started = Instant::now();
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        while started.elapsed() < within {
+            if let Ok(Some(_)) = c.try_wait() {
+                return Some(started.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        None
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

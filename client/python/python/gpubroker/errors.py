@@ -306,6 +306,11 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "TOKEN_MALFORMED": Unauthenticated,
     "TOKEN_UNKNOWN": Unauthenticated,
     "TOKEN_EXPIRED": TokenExpired,
+    # Kubernetes ServiceAccount tokens: refused by the API server's TokenReview, of a
+    # namespace no tenant lists; the API server not answering (retry).
+    "SERVICE_ACCOUNT_REFUSED": Unauthenticated,
+    "NAMESPACE_HAS_NO_TENANT": Unauthenticated,
+    "TOKEN_REVIEW_UNAVAILABLE": Unavailable,
     "SCOPE_DENIED": PermissionDenied,
     # A session of another user named; a process group not the reserved process's.
     "SESSION_OF_ANOTHER_USER": PermissionDenied,
