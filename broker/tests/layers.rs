@@ -317,21 +317,11 @@ fn the_command_line_and_the_wire_stay_at_the_edge() {
 /// by the arbiter and passed in), so two arbiters in one process (the tests) share nothing;
 /// a new static (a global counter, a registry) fails the test below, and so does one of
 /// these gone.
-const STATICS: [(&str, &str, &str); 4] = [
+const STATICS: [(&str, &str, &str); 2] = [
     (
         "core/error.rs",
         "STARTED",
         "when this process started: a session id older than that is another run's",
-    ),
-    (
-        "nvml_warm.rs",
-        "HELD",
-        "NVML initialised once for the daemon's life, so each later user finds it loaded",
-    ),
-    (
-        "startup.rs",
-        "CLOCK",
-        "the daemon's start, timed from main's first line up to serving (one per process)",
     ),
     (
         "device/cuda.rs",
