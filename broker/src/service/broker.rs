@@ -197,7 +197,7 @@ impl Broker for BrokerService {
             .map_err(|_| BrokerError::InvalidArgument(format!("unknown fallback {}", r.fallback)))
             .map_err(status)?;
         let accept = handles::parse_accept(&r.accept_handles).map_err(status)?;
-        let span = tracing::info_span!("acquire", %tenant, %session, bytes = r.bytes);
+        let span = tracing::debug_span!("acquire", %tenant, %session, bytes = r.bytes);
         let acquire = AcquireRequest {
             tenant,
             session,
@@ -259,7 +259,7 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
         let id = parse_id("lease_id", &req.get_ref().lease_id).map_err(status)?;
-        let _span = tracing::info_span!("release", %tenant, lease = %id).entered();
+        let _span = tracing::debug_span!("release", %tenant, lease = %id).entered();
         let retained = if req.get_ref().retain_mapping {
             // Only a Unix-socket caller's pid is the kernel's.
             let pid = caller.pid.filter(|_| caller.unix);
