@@ -6,9 +6,11 @@
 #
 # What runs on the GPU (CUDA backend, a keeper beside the broker):
 #   1. a worker holds 10,000 leases of 2 MiB; the broker is SIGKILLed and started again;
-#      prints `restart to serving: N ms` (process start to its first answered call) and
+#      prints `restart to serving: N ms` (process start to its first answered call),
 #      the status line (`keeper: took back 10000 leases ... in N ms`: reading the keeper
-#      and adopting); the worker prints `FIRST_CALL_MS` (its first call after the
+#      and adopting) and the one under it (`restart phases: open store N ms, open devices
+#      N ms, ..., keeper dump N ms, parse, sessions, device 0 take-back, adopt under the
+#      lock, ..., to serving N ms`: where the start's time went); the worker prints `FIRST_CALL_MS` (its first call after the
 #      restart), `RESUMED kept=10000 lost=0`, `USAGE_OK` (held bytes exact), `DONE`
 #      and the card's leasable bytes are what they were before the kill
 #   2. a PyTorch training loop on gpubroker.torch keeps stepping through a broker SIGKILL
@@ -55,8 +57,9 @@ restart_broker() {
     until "${CTL[@]}" devices >/dev/null 2>&1; do sleep 0.005; done
     t1=$(date +%s%N)
     echo "restart to serving: $(((t1 - t0) / 1000000)) ms"
-    "${CTL[@]}" status | sed -n 3p
-    grep "took back what the keeper held" "$dir/broker.log" | tail -1
+    # The start line and the phases under it (up to the header's blank line).
+    "${CTL[@]}" status | sed -n '3,/^$/p'
+    grep -E "took back what the keeper held|serving after a restart" "$dir/broker.log" | tail -2
     after=$(leasable)
     echo "leasable before / after the restart: $before / $after bytes"
     # Contexts that come and go move it by less than 1 GiB.

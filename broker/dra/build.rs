@@ -7,6 +7,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/pluginregistration/v1/api.proto",
         "proto/dra/v1/api.proto",
         "proto/dra/v1beta1/api.proto",
+        "proto/dra-health/v1/api.proto",
+        "proto/dra-health/v1alpha1/api.proto",
     ];
     for f in &files {
         println!("cargo:rerun-if-changed={f}");

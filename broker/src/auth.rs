@@ -166,6 +166,18 @@ pub enum AuthError {
     },
     #[error("a {scope} token may not do this: {what}")]
     Scope { scope: Scope, what: String },
+    /// A Kubernetes ServiceAccount token the API server's TokenReview did not accept
+    /// (`why`: what it said: invalid, expired, of another audience, ...).
+    #[error("the Kubernetes API server refused this ServiceAccount token: {why}")]
+    ServiceAccountRefused { why: String },
+    /// A ServiceAccount token of a namespace that no tenant lists.
+    #[error(
+        "ServiceAccount {account:?} is of namespace {namespace:?}, which no tenant's `namespaces` lists (the config file's [tenants.NAME] tables)"
+    )]
+    NoTenantForNamespace { namespace: String, account: String },
+    /// The API server could not be asked about a ServiceAccount token.
+    #[error("the Kubernetes API server could not review this ServiceAccount token: {why}; retry")]
+    ReviewUnavailable { why: String },
 }
 
 impl AuthError {
@@ -178,6 +190,9 @@ impl AuthError {
             AuthError::Unknown => Reason::TokenUnknown,
             AuthError::Expired { .. } => Reason::TokenExpired,
             AuthError::Scope { .. } => Reason::ScopeDenied,
+            AuthError::ServiceAccountRefused { .. } => Reason::ServiceAccountRefused,
+            AuthError::NoTenantForNamespace { .. } => Reason::NamespaceHasNoTenant,
+            AuthError::ReviewUnavailable { .. } => Reason::TokenReviewUnavailable,
         }
     }
 
@@ -193,7 +208,14 @@ impl AuthError {
                 ("expired_at_ms", expired_at.to_string()),
             ],
             AuthError::Scope { scope, .. } => vec![("scope", scope.as_str().into())],
-            AuthError::Missing | AuthError::Malformed | AuthError::Unknown => vec![],
+            AuthError::NoTenantForNamespace { namespace, .. } => {
+                vec![("namespace", namespace.clone())]
+            }
+            AuthError::Missing
+            | AuthError::Malformed
+            | AuthError::Unknown
+            | AuthError::ServiceAccountRefused { .. }
+            | AuthError::ReviewUnavailable { .. } => vec![],
         }
     }
 }
@@ -202,6 +224,7 @@ impl From<AuthError> for Status {
     fn from(e: AuthError) -> Status {
         let code = match e {
             AuthError::Scope { .. } => tonic::Code::PermissionDenied,
+            AuthError::ReviewUnavailable { .. } => tonic::Code::Unavailable,
             _ => tonic::Code::Unauthenticated,
         };
         crate::grpc_status::status_with_reason(code, e.to_string(), Some(e.reason()), e.metadata())
@@ -271,6 +294,17 @@ pub struct Authenticator {
     admin_file: parking_lot::Mutex<Option<std::path::PathBuf>>,
     /// The declared tokens (`tokens_config`): in `tokens` too, never in the store.
     declared: parking_lot::Mutex<std::collections::HashMap<[u8; 32], TokenEntry>>,
+    /// Kubernetes ServiceAccount tokens the API server accepted (`token_review.rs`), as
+    /// worker tokens of their namespace's tenant until their own expiry; never stored,
+    /// never listed.
+    reviewed: DashMap<[u8; 32], TokenEntry>,
+    /// When expired reviewed tokens were last dropped (projected tokens rotate: each pod
+    /// brings a new one every hour or so).
+    reviewed_pruned: parking_lot::Mutex<std::time::Instant>,
+    /// Namespace -> tenant (the config file's `namespaces`).
+    namespaces: parking_lot::RwLock<std::collections::HashMap<String, String>>,
+    /// Asks the API server about ServiceAccount tokens (`--token-review-audience`).
+    reviewer: std::sync::OnceLock<Arc<crate::token_review::TokenReviewer>>,
 }
 
 impl Authenticator {
@@ -284,7 +318,57 @@ impl Authenticator {
             last_used: DashMap::new(),
             admin_file: parking_lot::Mutex::new(None),
             declared: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            reviewed: DashMap::new(),
+            reviewed_pruned: parking_lot::Mutex::new(std::time::Instant::now()),
+            namespaces: parking_lot::RwLock::new(std::collections::HashMap::new()),
+            reviewer: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Accepts Kubernetes ServiceAccount tokens from now on, reviewed by `reviewer`.
+    pub fn set_reviewer(&self, reviewer: Arc<crate::token_review::TokenReviewer>) {
+        let _ = self.reviewer.set(reviewer);
+    }
+
+    /// The ServiceAccount tokens' reviewer, when they are accepted.
+    pub fn reviewer(&self) -> Option<&Arc<crate::token_review::TokenReviewer>> {
+        self.reviewer.get()
+    }
+
+    /// Whether the token of `hash` is a reviewed ServiceAccount token.
+    pub fn is_reviewed(&self, hash: &[u8; 32]) -> bool {
+        self.reviewed.contains_key(hash)
+    }
+
+    /// Makes `map` (namespace -> tenant) the namespaces' tenants.
+    pub fn set_namespace_tenants(&self, map: std::collections::HashMap<String, String>) {
+        *self.namespaces.write() = map;
+    }
+
+    /// The tenant whose ServiceAccount tokens of `namespace` act as, if one lists it.
+    pub fn tenant_of_namespace(&self, namespace: &str) -> Option<String> {
+        self.namespaces.read().get(namespace).cloned()
+    }
+
+    /// Accepts a reviewed ServiceAccount token (`entry`) until its expiry or
+    /// [`Authenticator::forget_reviewed`].
+    pub fn add_reviewed(&self, entry: TokenEntry) {
+        self.reviewed.insert(entry.hash, entry);
+        // At most once a minute, the expired ones go (their sessions are swept already).
+        let mut pruned = self.reviewed_pruned.lock();
+        if pruned.elapsed() >= std::time::Duration::from_secs(60) {
+            *pruned = std::time::Instant::now();
+            drop(pruned);
+            let now = crate::units::unix_ms(std::time::SystemTime::now());
+            self.reviewed
+                .retain(|_, e| e.expires_unix_ms.is_none_or(|exp| now < exp));
+        }
+    }
+
+    /// Stops accepting a reviewed token (the API server refused it since): its sessions
+    /// end on the next sweep.
+    pub fn forget_reviewed(&self, hash: &[u8; 32]) {
+        self.reviewed.remove(hash);
     }
 
     /// Makes `entries` the declared tokens: those not accepted now are added (again, if a
@@ -359,7 +443,10 @@ impl Authenticator {
                 tenant: None,
             });
         }
-        let e = self.tokens.get(&h).ok_or(AuthError::Unknown)?;
+        let e = match self.tokens.get(&h) {
+            Some(e) => e,
+            None => self.reviewed.get(&h).ok_or(AuthError::Unknown)?,
+        };
         let now = crate::units::unix_ms(std::time::SystemTime::now());
         if let Some(exp) = e.expires_unix_ms {
             if now >= exp {
@@ -419,6 +506,7 @@ impl Authenticator {
         let mut live: std::collections::HashSet<String> = self
             .tokens
             .iter()
+            .chain(self.reviewed.iter())
             .filter(|e| e.expires_unix_ms.is_none_or(|exp| now < exp))
             .map(|e| e.token_id.clone())
             .collect();
@@ -445,6 +533,7 @@ impl Authenticator {
 
     /// Drops every token of `tenant`.
     pub fn remove_tenant(&self, tenant: &str) {
+        self.reviewed.retain(|_, e| e.tenant != tenant);
         let last_used = &self.last_used;
         self.tokens.retain(|h, e| {
             let keep = e.tenant != tenant;
@@ -657,6 +746,47 @@ pub(crate) mod tests {
 
     /// An authenticator with the admin token `admin-secret` and a worker token of
     /// tenant `t1` (returned).
+    #[test]
+    fn reviewed_serviceaccount_tokens_act_until_their_expiry_and_expired_ones_are_dropped() {
+        let a = Authenticator::new("admin-secret");
+        let now = crate::units::unix_ms(std::time::SystemTime::now());
+        let reviewed = |token: &str, exp: i64| TokenEntry {
+            token_id: token_id(&hash_token(token)),
+            tenant: "training".into(),
+            hash: hash_token(token),
+            description: String::new(),
+            created_unix_ms: now,
+            name: "serviceaccount:training/w".into(),
+            scope: Scope::Worker,
+            expires_unix_ms: Some(exp),
+        };
+        a.add_reviewed(reviewed("old", now - 1));
+        assert!(matches!(
+            a.authenticate("old"),
+            Err(AuthError::Expired { .. })
+        ));
+        a.add_reviewed(reviewed("live", now + 60_000));
+        let p = a.authenticate("live").unwrap();
+        assert_eq!(
+            (p.scope, p.tenant.as_deref()),
+            (Scope::Worker, Some("training"))
+        );
+        assert!(a.live_token_ids().contains(&p.token_id));
+        assert!(
+            a.is_reviewed(&hash_token("old")),
+            "kept until the next prune"
+        );
+        // A minute later, the next accepted token drops the expired ones.
+        *a.reviewed_pruned.lock() = std::time::Instant::now() - std::time::Duration::from_secs(61);
+        a.add_reviewed(reviewed("new", now + 60_000));
+        assert!(!a.is_reviewed(&hash_token("old")));
+        assert!(matches!(a.authenticate("old"), Err(AuthError::Unknown)));
+        assert!(a.authenticate("live").is_ok() && a.authenticate("new").is_ok());
+        // Refused since: no longer accepted.
+        a.forget_reviewed(&hash_token("live"));
+        assert!(matches!(a.authenticate("live"), Err(AuthError::Unknown)));
+    }
+
     pub(crate) fn auth_with_tenant() -> (Arc<Authenticator>, String) {
         let a = Arc::new(Authenticator::new("admin-secret"));
         let (tok, hash) = generate_token();

@@ -162,19 +162,28 @@ fn open_cuda(wanted: Option<&[u32]>) -> Result<Vec<DeviceThread>, BackendError> 
         Some(w) => w.to_vec(),
         None => (0..count).collect(),
     };
-    ordinals
-        .into_iter()
-        .map(|ordinal| {
-            if ordinal >= count {
-                return Err(BackendError::NoSuchDevice(ordinal, count));
-            }
-            DeviceThread::spawn(format!("device-cuda-{ordinal}"), move || {
+    if let Some(&ordinal) = ordinals.iter().find(|&&o| o >= count) {
+        return Err(BackendError::NoSuchDevice(ordinal, count));
+    }
+    // Every device opens at once (its context on its own thread), then each is waited for.
+    let opening = ordinals
+        .iter()
+        .map(|&ordinal| {
+            let started = DeviceThread::start(format!("device-cuda-{ordinal}"), move || {
                 Ok(Box::new(CudaDevice::open(ordinal)?) as Box<dyn Device>)
-            })
-            .map_err(|source| BackendError::Open {
-                index: ordinal,
-                source,
-            })
+            });
+            (ordinal, started)
+        })
+        .collect::<Vec<_>>();
+    opening
+        .into_iter()
+        .map(|(ordinal, started)| {
+            started
+                .and_then(|o| o.ready())
+                .map_err(|source| BackendError::Open {
+                    index: ordinal,
+                    source,
+                })
         })
         .collect()
 }

@@ -253,6 +253,26 @@ pub struct Config {
     #[arg(long, env = "GPU_BROKER_ADMIN_LISTEN_ONLY", requires = "admin_listen")]
     pub admin_listen_only: bool,
 
+    /// Accept Kubernetes ServiceAccount tokens for this audience from workers: checked with
+    /// the API server's TokenReview, acting as their namespace's tenant (the config file's
+    /// `namespaces`, docs/kubernetes.md). Off without it.
+    #[arg(long, env = "GPU_BROKER_TOKEN_REVIEW_AUDIENCE", requires = "config")]
+    pub token_review_audience: Option<String>,
+
+    /// The API server asked about ServiceAccount tokens (`https://...`); without it, the
+    /// pod's own ServiceAccount in the cluster (or the kubeconfig).
+    #[arg(
+        long,
+        env = "GPU_BROKER_TOKEN_REVIEW_APISERVER",
+        requires = "token_review_audience"
+    )]
+    pub token_review_apiserver: Option<String>,
+
+    /// How long the API server's answer about a ServiceAccount token is trusted (a
+    /// refusal too): the next call after it asks again.
+    #[arg(long, env = "GPU_BROKER_TOKEN_REVIEW_CACHE", default_value = defaults::text(defaults::TOKEN_REVIEW_CACHE), value_parser = parse_duration)]
+    pub token_review_cache: Duration,
+
     /// Most calls a tenant may make in a burst above its rate.
     #[arg(long, env = "GPU_BROKER_TENANT_RPC_BURST", default_value_t = defaults::TENANT_RPC_BURST, value_parser = parse_rate)]
     pub tenant_rpc_burst: f64,

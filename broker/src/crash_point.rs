@@ -15,6 +15,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// The environment variable naming the crash point.
 pub const CRASH_AT_ENV: &str = "GPU_BROKER_CRASH_AT";
 
+/// Whether this build honours [`CRASH_AT_ENV`] (a release build does not, unless built
+/// with the `crash-points` feature).
+pub const HONOURED: bool = cfg!(any(debug_assertions, feature = "crash-points"));
+
 /// Where this broker dies, if anywhere.
 #[derive(Debug, Default)]
 pub struct CrashPoint {
@@ -37,9 +41,20 @@ impl CrashPoint {
         }
     }
 
-    /// From the environment ([`CRASH_AT_ENV`]).
+    /// From the environment ([`CRASH_AT_ENV`]), where this build honours it.
     pub fn from_env() -> CrashPoint {
-        CrashPoint::parse(std::env::var(CRASH_AT_ENV).ok().as_deref())
+        CrashPoint::for_build(std::env::var(CRASH_AT_ENV).ok().as_deref(), HONOURED)
+    }
+
+    /// From `spec` when `honoured`; else none (a set variable is logged as ignored).
+    fn for_build(spec: Option<&str>, honoured: bool) -> CrashPoint {
+        if honoured {
+            return CrashPoint::parse(spec);
+        }
+        if spec.is_some_and(|s| !s.is_empty()) {
+            tracing::warn!("{CRASH_AT_ENV} is set and ignored: this build has no crash points");
+        }
+        CrashPoint::default()
     }
 
     /// Passing `point` (`kind:what`): dies here when it is the one, the n-th time.
@@ -85,5 +100,20 @@ mod tests {
         // Other points pass without dying (this test process is still here).
         p.pass("before-keep", "lease");
         p.pass("after-keep", "lease-ended");
+    }
+
+    /// A production build never dies at a crash point, whatever its environment says.
+    #[test]
+    fn a_build_without_crash_points_ignores_the_variable() {
+        let p = CrashPoint::for_build(Some("after-keep:lease"), false);
+        assert_eq!(p.armed_for("after-keep", "lease"), None);
+        // Passing it does not kill this test process.
+        p.pass("after-keep", "lease");
+        let p = CrashPoint::for_build(Some("after-keep:lease"), true);
+        assert_eq!(p.armed_for("after-keep", "lease"), Some(1));
+        assert_eq!(
+            HONOURED,
+            cfg!(debug_assertions) || cfg!(feature = "crash-points")
+        );
     }
 }

@@ -25,6 +25,9 @@ pub const LOCK_HOLD_CPU_CLOCK: bool = false;
 
 /// `--reclaim-deadline`: time a holder has to release a lease after a reclaim request.
 pub const RECLAIM_DEADLINE: Duration = Duration::from_secs(5);
+/// `--token-review-cache`: how long the API server's answer about a ServiceAccount token
+/// is trusted.
+pub const TOKEN_REVIEW_CACHE: Duration = Duration::from_secs(30);
 /// `--keepalive-timeout`: a quiet session ends after this.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(30);
 /// `--quarantine-timeout`: quarantined memory of a holder with unknown pid is freed after this.
@@ -79,6 +82,7 @@ mod tests {
     fn durations_read_back_as_themselves() {
         for d in [
             RECLAIM_DEADLINE,
+            TOKEN_REVIEW_CACHE,
             KEEPALIVE_TIMEOUT,
             QUARANTINE_TIMEOUT,
             TURN_QUANTUM,

@@ -20,7 +20,7 @@ pub trait FaultSource: Send {
     /// An operator cleared device `index`: forget what was seen so far.
     fn reset(&mut self, index: u32);
     /// The broker stops: end what the source runs on its own (NVML's Xid event thread)
-    /// and wait for it. Called once, by `Arbiter::join_workers`; nothing by default.
+    /// and wait for it. Called once, by `Lifecycle::join`; nothing by default.
     fn stop(&mut self) {}
 }
 

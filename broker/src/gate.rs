@@ -9,6 +9,10 @@
 //!
 //! It also applies the per-tenant call rate limit (`rate.rs`).
 //!
+//! A Kubernetes ServiceAccount token (when the broker accepts them, `token_review.rs`) that
+//! is new or whose review is older than the cache time is reviewed by the API server
+//! before the call is handed on: that one call waits for the answer.
+//!
 //! It is a tower layer (`tonic::transport::Server::layer`) because it needs the method
 //! path, which tonic interceptors do not see.
 
@@ -35,6 +39,9 @@ pub const READ_METHODS: &[&str] = &[
     "/gpubroker.v1.Admin/GetInfo",
     "/gpubroker.v1.Broker/GetInfo",
     "/gpubroker.v1.Admin/ListSharedLeases",
+    // Claims' tenants, bytes, devices and labels: no more than the leases and sessions
+    // listed above show (no token, only its public id).
+    "/gpubroker.v1.Admin/ListClaims",
 ];
 
 /// Paths that need a token: the broker's own services.
@@ -112,38 +119,71 @@ pub struct Gate<S> {
     limits: Option<Arc<crate::rate::RateLimiter>>,
 }
 
+/// What the gate made of a request.
+enum Admission {
+    /// Admitted (its principal in its extensions), or needing no token.
+    Admitted,
+    /// A ServiceAccount token the API server must be asked about first.
+    Review(String),
+}
+
 impl<S> Gate<S> {
     /// Resolves and checks a request; on success its principal is in its extensions.
-    fn admit<B>(&self, req: &mut http::Request<B>) -> Result<(), tonic::Status> {
+    fn admit<B>(&self, req: &mut http::Request<B>) -> Result<Admission, tonic::Status> {
         let path = req.uri().path();
         if !path.starts_with(GUARDED_PREFIX) {
-            return Ok(());
+            return Ok(Admission::Admitted);
         }
         let value = match req.headers().get("authorization") {
             None => None,
             Some(v) => Some(v.to_str().map_err(|_| crate::auth::malformed_header())?),
         };
-        let principal = self.auth.authenticate(bearer(value)?)?;
-        check_scope(&principal, path)?;
-        if let (Some(limits), Some(tenant)) = (&self.limits, &principal.tenant) {
-            if principal.scope != Scope::Admin {
-                if let Err(wait) = limits.take(tenant, std::time::Instant::now()) {
-                    return Err(limits.refusal(tenant, wait));
+        let token = bearer(value)?;
+        let known = self.auth.authenticate(token);
+        if let Some(reviewer) = self.auth.reviewer() {
+            let review = match &known {
+                Err(AuthError::Unknown) => crate::token_review::looks_like_jwt(token),
+                Ok(_) => {
+                    let h = crate::auth::hash_token(token);
+                    self.auth.is_reviewed(&h) && !reviewer.fresh(&h)
                 }
+                Err(_) => false,
+            };
+            if review {
+                return Ok(Admission::Review(token.to_string()));
             }
         }
-        req.extensions_mut().insert(principal);
-        Ok(())
+        admit_principal(&self.limits, req, known?)?;
+        Ok(Admission::Admitted)
     }
+}
+
+/// Checks `principal`'s scope and rate on `req`, then puts it into its extensions.
+fn admit_principal<B>(
+    limits: &Option<Arc<crate::rate::RateLimiter>>,
+    req: &mut http::Request<B>,
+    principal: Principal,
+) -> Result<(), tonic::Status> {
+    check_scope(&principal, req.uri().path())?;
+    if let (Some(limits), Some(tenant)) = (limits, &principal.tenant) {
+        if principal.scope != Scope::Admin {
+            if let Err(wait) = limits.take(tenant, std::time::Instant::now()) {
+                return Err(limits.refusal(tenant, wait));
+            }
+        }
+    }
+    req.extensions_mut().insert(principal);
+    Ok(())
 }
 
 type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
 impl<S, B, RB> tower::Service<http::Request<B>> for Gate<S>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<RB>>,
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
+    B: Send + 'static,
     RB: Default + Send + 'static,
 {
     type Response = http::Response<RB>;
@@ -156,7 +196,29 @@ where
 
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         match self.admit(&mut req) {
-            Ok(()) => Box::pin(self.inner.call(req)),
+            Ok(Admission::Admitted) => Box::pin(self.inner.call(req)),
+            Ok(Admission::Review(token)) => {
+                // The service made ready is the one called; a clone stays for the next call.
+                let ready = self.inner.clone();
+                let mut inner = std::mem::replace(&mut self.inner, ready);
+                let (auth, limits) = (self.auth.clone(), self.limits.clone());
+                Box::pin(async move {
+                    let reviewed = match auth.reviewer() {
+                        Some(r) => r.review(&auth, &token).await,
+                        None => Err(AuthError::Unknown),
+                    };
+                    let admitted = reviewed
+                        .map_err(tonic::Status::from)
+                        .and_then(|p| admit_principal(&limits, &mut req, p));
+                    match admitted {
+                        Ok(()) => inner.call(req).await,
+                        Err(status) => {
+                            tracing::debug!(path = %req.uri().path(), code = ?status.code(), message = status.message(), "refused at the gate");
+                            Ok(status.into_http())
+                        }
+                    }
+                })
+            }
             Err(status) => {
                 tracing::debug!(path = %req.uri().path(), code = ?status.code(), message = status.message(), "refused at the gate");
                 Box::pin(std::future::ready(Ok(status.into_http())))

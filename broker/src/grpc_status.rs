@@ -84,6 +84,9 @@ pub fn reason(e: &BrokerError) -> Option<Reason> {
         FdNeedsUnixSocket => Reason::FdNeedsUnixSocket,
         FdHandlesNotAccepted => Reason::FdHandlesNotAccepted,
         NoAdminTokenFile => Reason::NoAdminTokenFile,
+        ClaimNotReserved { .. } => Reason::ClaimNotReserved,
+        ClaimTokenCannotReserve { .. } => Reason::ClaimTokenCannotReserve,
+        TokenNameReserved { .. } => Reason::TokenNameReserved,
         UnknownDevice { .. } => Reason::UnknownDevice,
         WaitTooLong { .. } => Reason::WaitTooLong,
         TooManyReaders { .. } => Reason::TooManyReaders,
@@ -297,6 +300,10 @@ pub fn metadata(e: &BrokerError) -> Vec<(&'static str, String)> {
             vec![("readers", s(readers)), ("max_readers", s(max))]
         }
         ProcessGroupRefused { pgid, .. } => vec![("pgid", s(pgid))],
+        ClaimNotReserved { claim } | ClaimTokenCannotReserve { claim } => {
+            vec![("claim", claim.clone())]
+        }
+        TokenNameReserved { prefix } => vec![("prefix", (*prefix).into())],
         ShuttingDown
         | SessionOfAnotherUser
         | NoHostTier
@@ -837,6 +844,9 @@ mod tests {
                 max_ms: 1,
             },
             TooManyReaders { readers: 2, max: 1 },
+            ClaimNotReserved { claim: "u".into() },
+            ClaimTokenCannotReserve { claim: "u".into() },
+            TokenNameReserved { prefix: "claim/" },
             SessionOfAnotherUser,
             ProcessGroupRefused {
                 pgid: 7,
@@ -900,13 +910,16 @@ mod tests {
             SessionOfAnotherUser => 41,
             ProcessGroupRefused { .. } => 42,
             OutOfDescriptors { .. } => 43,
+            ClaimNotReserved { .. } => 44,
+            ClaimTokenCannotReserve { .. } => 45,
+            TokenNameReserved { .. } => 46,
         }
     }
 
     #[test]
     fn one_of_each_holds_every_variant() {
         let seen: std::collections::BTreeSet<usize> = one_of_each().iter().map(variant).collect();
-        assert_eq!(seen, (0..=43).collect());
+        assert_eq!(seen, (0..=46).collect());
     }
 
     #[test]

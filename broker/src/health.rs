@@ -52,7 +52,7 @@ impl Default for HealthConfig {
 
 impl Arbiter {
     /// Runs the health monitor until `stop`, as the named worker `health-monitor` (joined
-    /// by [`Arbiter::join_workers`]): every `cfg.interval`, each device's health check
+    /// by [`Lifecycle::join`](crate::arbiter::Lifecycle::join)): every `cfg.interval`, each device's health check
     /// (with `cfg.timeout`) and `source`'s faults. False when `cfg` turns it off.
     pub fn spawn_health_monitor(
         self: &Arc<Self>,
@@ -65,72 +65,73 @@ impl Arbiter {
         }
         let me = self.clone();
         let source = source.map(|s| Arc::new(Mutex::new(s)));
-        *self.health_source.lock() = source.clone();
+        self.lifecycle().set_fault_source(source.clone());
         // Marks are synchronous: stopping at an await leaves none half-made.
-        self.spawn_worker("health-monitor", stop.clone(), async move {
-            let n = me.devices.len();
-            let busy: Vec<Arc<AtomicBool>> =
-                (0..n).map(|_| Arc::new(AtomicBool::new(false))).collect();
-            let mut since: Vec<Option<Instant>> = vec![None; n];
-            let system = Who::system("health monitor");
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(cfg.interval) => {}
-                }
-                let nvml = match &source {
-                    Some(s) => {
-                        let s = s.clone();
-                        tokio::task::spawn_blocking(move || s.lock().poll())
-                            .await
-                            .unwrap_or_default()
+        self.lifecycle()
+            .spawn_worker("health-monitor", stop.clone(), async move {
+                let n = me.devices.len();
+                let busy: Vec<Arc<AtomicBool>> =
+                    (0..n).map(|_| Arc::new(AtomicBool::new(false))).collect();
+                let mut since: Vec<Option<Instant>> = vec![None; n];
+                let system = Who::system("health monitor");
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(cfg.interval) => {}
                     }
-                    None => HashMap::new(),
-                };
-                for i in 0..n {
-                    let d = i as u32;
-                    let problem = if busy[i].load(Ordering::SeqCst) {
-                        // The previous check has not come back.
-                        match since[i] {
-                            Some(t) if t.elapsed() >= cfg.timeout => Some(format!(
-                                "stopped answering: no reply to a health check for {} s",
-                                t.elapsed().as_secs()
-                            )),
-                            _ => continue,
+                    let nvml = match &source {
+                        Some(s) => {
+                            let s = s.clone();
+                            tokio::task::spawn_blocking(move || s.lock().poll())
+                                .await
+                                .unwrap_or_default()
                         }
-                    } else {
-                        busy[i].store(true, Ordering::SeqCst);
-                        since[i] = Some(Instant::now());
-                        let flag = busy[i].clone();
-                        let call = me.devices[i].thread.call(move |dev| {
-                            let r = dev.health();
-                            flag.store(false, Ordering::SeqCst);
-                            r
-                        });
-                        match tokio::time::timeout(cfg.timeout, call).await {
-                            Ok(Ok(Ok(()))) => {
-                                since[i] = None;
-                                None
+                        None => HashMap::new(),
+                    };
+                    for i in 0..n {
+                        let d = i as u32;
+                        let problem = if busy[i].load(Ordering::SeqCst) {
+                            // The previous check has not come back.
+                            match since[i] {
+                                Some(t) if t.elapsed() >= cfg.timeout => Some(format!(
+                                    "stopped answering: no reply to a health check for {} s",
+                                    t.elapsed().as_secs()
+                                )),
+                                _ => continue,
                             }
-                            Ok(Ok(Err(e))) => Some(format!("health check failed: {e}")),
-                            Ok(Err(e)) => Some(format!("health check failed: {e}")),
-                            Err(_) => Some(format!(
-                                "stopped answering: no reply to a health check within {} s",
-                                cfg.timeout.as_secs()
-                            )),
+                        } else {
+                            busy[i].store(true, Ordering::SeqCst);
+                            since[i] = Some(Instant::now());
+                            let flag = busy[i].clone();
+                            let call = me.devices[i].thread.call(move |dev| {
+                                let r = dev.health();
+                                flag.store(false, Ordering::SeqCst);
+                                r
+                            });
+                            match tokio::time::timeout(cfg.timeout, call).await {
+                                Ok(Ok(Ok(()))) => {
+                                    since[i] = None;
+                                    None
+                                }
+                                Ok(Ok(Err(e))) => Some(format!("health check failed: {e}")),
+                                Ok(Err(e)) => Some(format!("health check failed: {e}")),
+                                Err(_) => Some(format!(
+                                    "stopped answering: no reply to a health check within {} s",
+                                    cfg.timeout.as_secs()
+                                )),
+                            }
+                        };
+                        let problem = problem.or_else(|| nvml.get(&d).cloned());
+                        let r = match problem {
+                            Some(reason) => me.mark_unhealthy(d, &reason, false, &system),
+                            None => me.mark_healthy(d, false, &system),
+                        };
+                        if let Err(e) = r {
+                            tracing::error!(device = d, error = %e, "health monitor");
                         }
-                    };
-                    let problem = problem.or_else(|| nvml.get(&d).cloned());
-                    let r = match problem {
-                        Some(reason) => me.mark_unhealthy(d, &reason, false, &system),
-                        None => me.mark_healthy(d, false, &system),
-                    };
-                    if let Err(e) = r {
-                        tracing::error!(device = d, error = %e, "health monitor");
                     }
                 }
-            }
-        });
+            });
         true
     }
 }
@@ -313,9 +314,13 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(stops.load(Ordering::SeqCst), 0, "running until the stop");
         stop.cancel();
-        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+        assert!(arb
+            .lifecycle()
+            .join(Duration::from_secs(5))
+            .await
+            .is_empty());
         assert_eq!(stops.load(Ordering::SeqCst), 1);
-        arb.join_workers(Duration::from_secs(5)).await;
+        arb.lifecycle().join(Duration::from_secs(5)).await;
         assert_eq!(stops.load(Ordering::SeqCst), 1, "stopped once");
     }
 
@@ -357,13 +362,16 @@ mod tests {
             None,
             stop.clone(),
         ));
-        assert!(arb.worker_names().is_empty(), "a zero interval: no monitor");
+        assert!(
+            arb.lifecycle().worker_names().is_empty(),
+            "a zero interval: no monitor"
+        );
         assert!(arb.spawn_health_monitor(
             cfg,
             Some(Box::new(Fake(nvml.clone(), resets.clone()))),
             stop.clone(),
         ));
-        assert_eq!(arb.worker_names(), vec!["health-monitor"]);
+        assert_eq!(arb.lifecycle().worker_names(), vec!["health-monitor"]);
 
         // A failing health check: closed, the holder is told.
         sw[1].unhealthy("injected Xid 79");
@@ -454,8 +462,12 @@ mod tests {
         assert!(log.iter().filter(|r| r.action == "device.health").count() >= 8);
         stop.cancel();
         // The shutdown path waits for the monitor: it has ended when the join returns.
-        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
-        assert!(arb.worker_names().is_empty());
+        assert!(arb
+            .lifecycle()
+            .join(Duration::from_secs(5))
+            .await
+            .is_empty());
+        assert!(arb.lifecycle().worker_names().is_empty());
     }
 
     #[test]

@@ -64,7 +64,7 @@ impl Arbiter {
                 .collect(),
             started: self.metrics().started(),
             keeper: self.keeps_leases(),
-            restart: self.restart_report().cloned(),
+            restart: self.restart_report(),
         }
     }
 }

@@ -61,11 +61,10 @@ struct HiddenDir(std::path::PathBuf);
 
 impl HiddenDir {
     /// Makes `.bind-<random>` in `dir`, mode 0700 from its creation.
-    fn create(dir: &std::path::Path) -> io::Result<HiddenDir> {
-        use std::os::unix::fs::DirBuilderExt;
+    async fn create(dir: &std::path::Path) -> io::Result<HiddenDir> {
         let name = uuid::Uuid::new_v4().simple().to_string();
         let p = dir.join(format!(".bind-{}", &name[..12]));
-        std::fs::DirBuilder::new().mode(0o700).create(&p)?;
+        tokio::fs::DirBuilder::new().mode(0o700).create(&p).await?;
         Ok(HiddenDir(p))
     }
     fn socket(&self) -> std::path::PathBuf {
@@ -87,22 +86,24 @@ async fn bind_unix_observed(
     mode: u32,
     just_bound: impl FnOnce(&std::path::Path),
 ) -> Result<UnixListener, BindError> {
+    // The file system is asked off the runtime (tokio::fs): a slow or hung directory
+    // holds no runtime thread.
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     let err = |source| BindError::Io {
         path: path.to_path_buf(),
         source,
     };
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(err)?;
+        tokio::fs::create_dir_all(dir).await.map_err(err)?;
     }
-    match std::fs::symlink_metadata(path) {
+    match tokio::fs::symlink_metadata(path).await {
         Ok(meta) if !meta.file_type().is_socket() => {
             return Err(BindError::NotASocket(path.to_path_buf()));
         }
         Ok(_) => match UnixStream::connect(path).await {
             Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
                 tracing::info!(path = %path.display(), "removing stale socket file");
-                std::fs::remove_file(path).map_err(err)?;
+                tokio::fs::remove_file(path).await.map_err(err)?;
             }
             _ => return Err(BindError::InUse(path.to_path_buf())),
         },
@@ -113,16 +114,18 @@ async fn bind_unix_observed(
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
     };
-    let hidden = HiddenDir::create(dir).map_err(err)?;
+    let hidden = HiddenDir::create(dir).await.map_err(err)?;
     let bound = hidden.socket();
     let l = UnixListener::bind(&bound).map_err(err)?;
     just_bound(&bound);
-    std::fs::set_permissions(&bound, std::fs::Permissions::from_mode(mode)).map_err(err)?;
+    tokio::fs::set_permissions(&bound, std::fs::Permissions::from_mode(mode))
+        .await
+        .map_err(err)?;
     // A link, not a rename: a name taken since the look above is not replaced.
-    match std::fs::hard_link(&bound, path) {
+    match tokio::fs::hard_link(&bound, path).await {
         Ok(()) => Ok(l),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-            match std::fs::symlink_metadata(path) {
+            match tokio::fs::symlink_metadata(path).await {
                 Ok(m) if !m.file_type().is_socket() => {
                     Err(BindError::NotASocket(path.to_path_buf()))
                 }

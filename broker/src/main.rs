@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 mod check_config;
 
 fn main() -> anyhow::Result<()> {
+    gpu_broker::startup::begin();
     if std::env::args_os()
         .nth(1)
         .is_some_and(|a| a == "check-config")
@@ -108,6 +109,7 @@ async fn run(
     tracing::info!(nofile, "descriptor limit");
     let store = Store::open(&cfg.state_dir)
         .with_context(|| format!("opening the state in {}", cfg.state_dir.display()))?;
+    gpu_broker::startup::step("open store");
     let admin_token =
         gpu_broker::admin_token::load_or_create(&cfg.admin_token_path()).context("admin token")?;
     let auth = Arc::new(Authenticator::new(&admin_token));
@@ -125,6 +127,10 @@ async fn run(
                 .into_owned(),
         ),
     };
+    // What the previous broker left is read while the devices open (creating a CUDA
+    // context takes a while): the keeper's dump on a thread of its own.
+    let kept = read_kept(&cfg, handed_back)?;
+    gpu_broker::nvml_warm::start(cfg.backend);
     // Managed MPS starts before the devices open: in the ExclusiveProcess compute mode the
     // broker's own context must be an MPS client (docs/mps.md).
     let mps = if cfg.mps.mps {
@@ -133,38 +139,33 @@ async fn run(
         None
     };
     let devices = open_devices(&spec).context("opening devices")?;
+    gpu_broker::startup::step("open devices");
     let host_tier =
         open_host_tier(cfg.host_fallback_capacity).context("opening the host fallback tier")?;
     let arb = Arbiter::new(devices, host_tier, Some(store), auth, cfg.arbiter())
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading state")?;
+    gpu_broker::startup::step("load state");
     // Before anything is served: what the previous broker left is taken back first.
-    use gpu_broker::keeper::{choose, fdstore, Choice, FdStore, SystemdEnv};
-    let systemd = SystemdEnv::from_env();
-    match choose(
-        cfg.keep_in,
-        cfg.keeper.as_deref(),
-        &systemd,
-        !handed_back.is_empty(),
-    )? {
-        Choice::Keeper(path) => {
-            fdstore::let_go(handed_back);
-            let link = connect_keeper(&path)?;
-            arb.adopt_from_keeper(link).with_context(|| {
-                format!("taking back what the keeper at {} holds", path.display())
-            })?;
+    match kept {
+        Kept::Keeper(dump) => {
+            // Waited for off the runtime.
+            let dumped = tokio::task::spawn_blocking(move || dump.join())
+                .await?
+                .map_err(|_| anyhow::anyhow!("reading the keeper's records panicked"))??;
+            gpu_broker::startup::step("wait for the keeper's dump");
+            arb.adopt_dumped(dumped);
         }
-        Choice::FdStore => {
-            let store = FdStore::open(handed_back, systemd.fdstore_max)
-                .context("opening systemd's file-descriptor store")?;
+        Kept::FdStore(store) => {
             arb.adopt_from_keeper(store)
                 .context("taking back what systemd's file-descriptor store holds")?;
         }
-        Choice::Nothing => fdstore::let_go(handed_back),
+        Kept::Nothing => {}
     }
+    gpu_broker::startup::skip();
     if let Some(mps) = mps.clone() {
         mps.set_device_count(arb.device_count() as u32);
-        arb.set_mps(mps);
+        arb.lifecycle().set_mps(mps);
     } else if arb.backend_is_cuda() {
         use gpu_broker::mps::compute_mode;
         let modes = compute_mode::read(&device_indices(&cfg));
@@ -174,12 +175,13 @@ async fn run(
                 "a device is in the ExclusiveProcess compute mode: the broker's context is the only one it admits, so workers cannot map leases there; run with --mps (docs/mps.md)"
             );
         }
-        arb.set_compute_modes(modes);
+        arb.lifecycle().set_compute_modes(modes);
     }
+    gpu_broker::startup::step("compute modes");
     let shutdown = CancellationToken::new();
     // The TLS certificate is read again on SIGHUP and when its files change.
     if let Some(server) = &tcp_tls {
-        arb.spawn_worker(
+        arb.lifecycle().spawn_worker(
             "tls-reload",
             shutdown.clone(),
             gpu_broker::tls::reload_loop(
@@ -196,6 +198,8 @@ async fn run(
         let tokens =
             gpu_broker::tokens_config::load(path, &gpu_broker::tenants_config::names(&declared))?;
         let n = declared.len();
+        arb.authenticator()
+            .set_namespace_tenants(gpu_broker::tenants_config::namespace_tenants(&declared));
         let a = arb.clone();
         // On the store writer, as every durable change.
         let changes = arb
@@ -214,6 +218,23 @@ async fn run(
     } else {
         // SIGHUP's default action ends the process: handle it even with nothing to reload.
         spawn_hup_without_config(&arb, shutdown.clone());
+    }
+    // Kubernetes ServiceAccount tokens, when asked for: before serving.
+    if let Some(audience) = &cfg.token_review_audience {
+        let kube = match &cfg.token_review_apiserver {
+            Some(url) => kube::Config::new(url.parse().context("--token-review-apiserver")?),
+            None => kube::Config::infer()
+                .await
+                .context("--token-review-audience: finding the API server")?,
+        };
+        let client = kube::Client::try_from(kube).context("the API server's client")?;
+        arb.authenticator()
+            .set_reviewer(Arc::new(gpu_broker::token_review::TokenReviewer::new(
+                client,
+                audience,
+                cfg.token_review_cache,
+            )));
+        tracing::info!(audience, cache = ?cfg.token_review_cache, "accepting Kubernetes ServiceAccount tokens (TokenReview)");
     }
 
     // The operators' socket first: once the main socket answers, both do.
@@ -247,6 +268,7 @@ async fn run(
         arb.clone(),
         tickets_stop.clone(),
     ));
+    gpu_broker::startup::step("tenants and sockets");
     let tcp = match cfg.listen {
         Some(addr) => {
             let l = tokio::net::TcpListener::bind(addr)
@@ -277,6 +299,7 @@ async fn run(
             cfg.limits.limits(),
         );
     }
+    gpu_broker::startup::step("listeners");
     let mut nvml_faults: Option<Box<dyn gpu_broker::faults::FaultSource>> = None;
     if arb.backend_is_cuda() {
         let uuids: Vec<String> = (0..arb.device_count() as u32)
@@ -303,6 +326,8 @@ async fn run(
         shutdown.clone(),
         gpu_broker::server::stop_signal(),
     );
+    gpu_broker::startup::step("monitors");
+    arb.restart_steps_to_serving(gpu_broker::startup::steps());
     // systemd (Type=notify): every socket is bound, so every connection from here on is
     // answered. Without NOTIFY_SOCKET this does nothing.
     if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
@@ -338,8 +363,62 @@ async fn run(
     Ok(())
 }
 
+/// Where the previous broker's records and descriptors are, read back as far as can be
+/// before the devices open.
+enum Kept {
+    /// The keeper's dump, read on a thread of its own.
+    Keeper(
+        std::thread::JoinHandle<
+            anyhow::Result<gpu_broker::keeper::place::Dumped<gpu_broker::keeper::KeeperLink>>,
+        >,
+    ),
+    FdStore(gpu_broker::keeper::FdStore),
+    Nothing,
+}
+
+/// Picks where kept things wait ([`gpu_broker::keeper::choose`]) and starts reading them
+/// back: a keeper's dump starts on a thread of its own now.
+fn read_kept(
+    cfg: &Config,
+    handed_back: Vec<(String, std::os::fd::OwnedFd)>,
+) -> anyhow::Result<Kept> {
+    use gpu_broker::keeper::{choose, fdstore, place, Choice, FdStore, SystemdEnv};
+    let systemd = SystemdEnv::from_env();
+    Ok(
+        match choose(
+            cfg.keep_in,
+            cfg.keeper.as_deref(),
+            &systemd,
+            !handed_back.is_empty(),
+        )? {
+            Choice::Keeper(path) => {
+                fdstore::let_go(handed_back);
+                let dump = std::thread::Builder::new()
+                    .name("keeper-dump".into())
+                    .spawn(move || {
+                        let link = connect_keeper(&path)?;
+                        place::dump(link).with_context(|| {
+                            format!("taking back what the keeper at {} holds", path.display())
+                        })
+                    })
+                    .context("starting the keeper's reader")?;
+                Kept::Keeper(dump)
+            }
+            Choice::FdStore => Kept::FdStore(
+                FdStore::open(handed_back, systemd.fdstore_max)
+                    .context("opening systemd's file-descriptor store")?,
+            ),
+            Choice::Nothing => {
+                fdstore::let_go(handed_back);
+                Kept::Nothing
+            }
+        },
+    )
+}
+
 /// Connects to the keeper at `path`, waiting up to 10 s for it to listen (a keeper
-/// started alongside the broker, a sidecar container).
+/// started alongside the broker, a sidecar container). On the keeper's reader thread,
+/// off the runtime.
 fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
@@ -429,17 +508,18 @@ fn spawn_hup_without_config(arb: &Arbiter, stop: CancellationToken) {
         tracing::warn!("SIGHUP handler not installed");
         return;
     };
-    arb.spawn_worker("sighup", stop.clone(), async move {
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                r = hup.recv() => {
-                    if r.is_none() {
-                        return;
+    arb.lifecycle()
+        .spawn_worker("sighup", stop.clone(), async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    r = hup.recv() => {
+                        if r.is_none() {
+                            return;
+                        }
+                        tracing::info!("SIGHUP: nothing to reload (no --config file)");
                     }
-                    tracing::info!("SIGHUP: nothing to reload (no --config file)");
                 }
             }
-        }
-    });
+        });
 }

@@ -167,32 +167,33 @@ pub async fn serve(
     // admin changes fail then. Probed every 2 s until a write commits again.
     if let Some(mut writable) = arb.store.as_ref().map(|s| s.writable()) {
         let (reporter, me, stop) = (health_reporter.clone(), arb.clone(), bg_stop.clone());
-        arb.spawn_worker("admin-writable-health", bg_stop.clone(), async move {
-            loop {
-                let ok = *writable.borrow_and_update();
-                if ok {
-                    reporter.set_serving::<AdminServer<AdminService>>().await;
-                } else {
-                    reporter
-                        .set_not_serving::<AdminServer<AdminService>>()
-                        .await;
-                }
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    r = writable.changed() => if r.is_err() { return },
-                    _ = tokio::time::sleep(Duration::from_secs(2)), if !ok => {
-                        let a = me.clone();
-                        let _ = tokio::task::spawn_blocking(move || {
-                            a.store.as_ref().map(|s| s.probe())
-                        })
-                        .await;
+        arb.lifecycle()
+            .spawn_worker("admin-writable-health", bg_stop.clone(), async move {
+                loop {
+                    let ok = *writable.borrow_and_update();
+                    if ok {
+                        reporter.set_serving::<AdminServer<AdminService>>().await;
+                    } else {
+                        reporter
+                            .set_not_serving::<AdminServer<AdminService>>()
+                            .await;
+                    }
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        r = writable.changed() => if r.is_err() { return },
+                        _ = tokio::time::sleep(Duration::from_secs(2)), if !ok => {
+                            let a = me.clone();
+                            let _ = tokio::task::spawn_blocking(move || {
+                                a.store.as_ref().map(|s| s.probe())
+                            })
+                            .await;
+                        }
                     }
                 }
-            }
-        });
+            });
     }
     // Device health and drains in gRPC health (health.rs).
-    arb.spawn_worker(
+    arb.lifecycle().spawn_worker(
         "grpc-health",
         shutdown.clone(),
         crate::health::report_grpc_health(arb.clone(), health_reporter.clone(), shutdown.clone()),
@@ -269,7 +270,7 @@ pub async fn serve(
         tracing::error!(error = %e, "a listener failed; shutting down");
     }
 
-    tracing::info!(grace = ?grace, sessions = arb.session_count(), "shutting down: draining sessions");
+    tracing::info!(grace = ?grace, sessions = arb.session_count(), "shutting down: ending sessions");
     health_reporter
         .set_not_serving::<BrokerServer<BrokerService>>()
         .await;
@@ -284,7 +285,7 @@ pub async fn serve(
         .await
         .map_err(|e| std::io::Error::other(e.to_string()))?;
     bg_stop.cancel();
-    let stuck = arb.join_workers(Duration::from_secs(3)).await;
+    let stuck = arb.lifecycle().join(Duration::from_secs(3)).await;
     if !stuck.is_empty() {
         tracing::warn!(workers = ?stuck, "background workers did not stop in time");
     }
@@ -299,7 +300,7 @@ pub async fn serve(
 
 /// Serves the metrics listener on `listener` (see [`serve_metrics_with`]) as the named
 /// worker `metrics-http` on runtime `rt` (the operators' runtime; else the caller's),
-/// until `stop` is cancelled; [`Arbiter::join_workers`] waits for its accept loop to end.
+/// until `stop` is cancelled; [`Lifecycle::join`](crate::arbiter::Lifecycle::join) waits for its accept loop to end.
 pub fn spawn_metrics(
     arb: &Arc<Arbiter>,
     rt: Option<tokio::runtime::Handle>,
@@ -310,16 +311,17 @@ pub fn spawn_metrics(
 ) {
     let rt = rt.unwrap_or_else(tokio::runtime::Handle::current);
     let a = arb.clone();
-    arb.spawn_worker_to_end_on(&rt, "metrics-http", async move {
-        // Registered with the runtime it is served on.
-        let served = match TcpListener::from_std(listener) {
-            Ok(l) => serve_metrics_with(a, l, stop, access, limits).await,
-            Err(e) => Err(e.into()),
-        };
-        if let Err(e) = served {
-            tracing::error!(error = %e, "the metrics listener failed");
-        }
-    });
+    arb.lifecycle()
+        .spawn_worker_to_end_on(&rt, "metrics-http", async move {
+            // Registered with the runtime it is served on.
+            let served = match TcpListener::from_std(listener) {
+                Ok(l) => serve_metrics_with(a, l, stop, access, limits).await,
+                Err(e) => Err(e.into()),
+            };
+            if let Err(e) = served {
+                tracing::error!(error = %e, "the metrics listener failed");
+            }
+        });
 }
 
 /// Starts the named worker `signal-wait`: when `signal` resolves (SIGTERM or SIGINT, see
@@ -332,20 +334,21 @@ pub fn spawn_signal_wait(
 ) {
     let s = shutdown.clone();
     let me = arb.me();
-    arb.spawn_worker("signal-wait", shutdown, async move {
-        signal.await;
-        tracing::info!("signal received");
-        if me.upgrade().is_some_and(|a| a.keeps_leases()) {
-            // A keeper holds every session and lease as they are now: leave them to it
-            // for the next broker (an upgrade, `systemctl restart`), ending nothing. The
-            // sockets' files stay; the next broker replaces them.
-            tracing::info!("leaving sessions and leases to the keeper for the next broker");
-            std::process::exit(0);
-        }
-        // systemd: the stop has begun (sessions get their grace; no-op without systemd).
-        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
-        s.cancel();
-    });
+    arb.lifecycle()
+        .spawn_worker("signal-wait", shutdown, async move {
+            signal.await;
+            tracing::info!("signal received");
+            if me.upgrade().is_some_and(|a| a.keeps_leases()) {
+                // A keeper holds every session and lease as they are now: leave them to it
+                // for the next broker (an upgrade, `systemctl restart`), ending nothing. The
+                // sockets' files stay; the next broker replaces them.
+                tracing::info!("leaving sessions and leases to the keeper for the next broker");
+                std::process::exit(0);
+            }
+            // systemd: the stop has begun (sessions get their grace; no-op without systemd).
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+            s.cancel();
+        });
 }
 
 /// Resolves on the first SIGTERM or SIGINT (never, when their handlers cannot be
@@ -532,7 +535,7 @@ mod tests {
             "ticker",
         ];
         let named = || {
-            let mut n = arb.worker_names();
+            let mut n = arb.lifecycle().worker_names();
             n.sort();
             n
         };
@@ -547,7 +550,11 @@ mod tests {
             .expect("serve returns after a stop")
             .unwrap()
             .unwrap();
-        assert!(arb.worker_names().is_empty(), "{:?}", arb.worker_names());
+        assert!(
+            arb.lifecycle().worker_names().is_empty(),
+            "{:?}",
+            arb.lifecycle().worker_names()
+        );
     }
 
     /// The metrics listener and the wait for a stop signal are named workers too: a
@@ -582,7 +589,7 @@ mod tests {
             shutdown.clone(),
             Duration::from_millis(50),
         ));
-        let named = |n: &str| arb.worker_names().contains(&n);
+        let named = |n: &str| arb.lifecycle().worker_names().contains(&n);
         let t = std::time::Instant::now();
         while !(named("metrics-http") && named("signal-wait") && named("ticker"))
             && t.elapsed() < Duration::from_secs(10)
@@ -592,7 +599,7 @@ mod tests {
         assert!(
             named("metrics-http") && named("signal-wait"),
             "{:?}",
-            arb.worker_names()
+            arb.lifecycle().worker_names()
         );
         tokio::net::TcpStream::connect(addr)
             .await
@@ -605,7 +612,11 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(shutdown.is_cancelled(), "the signal started the shutdown");
-        assert!(arb.worker_names().is_empty(), "{:?}", arb.worker_names());
+        assert!(
+            arb.lifecycle().worker_names().is_empty(),
+            "{:?}",
+            arb.lifecycle().worker_names()
+        );
         assert!(
             tokio::net::TcpStream::connect(addr).await.is_err(),
             "the metrics listener is closed once joined"

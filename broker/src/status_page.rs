@@ -139,7 +139,7 @@ pub async fn render(arb: &Arbiter) -> String {
     let leases = arb.list_all_leases(None);
     let quarantined = arb.list_quarantined();
     let reservations = arb.list_reservations(None);
-    let mps = arb.mps().map(|m| m.status());
+    let mps = arb.lifecycle().mps().map(|m| m.status());
     let waiting: u32 = tenants.iter().map(|t| t.waiting).sum();
     let mut out = String::new();
     let _ = write!(
@@ -175,7 +175,7 @@ pub async fn render(arb: &Arbiter) -> String {
         );
     }
     out.push_str("</table>");
-    let modes = arb.compute_modes();
+    let modes = arb.lifecycle().compute_modes();
     if mps.is_none() && !modes.is_empty() {
         let _ = write!(
             out,

@@ -1,7 +1,9 @@
 //! Declarative tenants: the `[tenants.NAME]` tables of the config file (keys named like
 //! `gpu-brokerctl quota set`'s options: `limit`, `max-leases`, `priority`, `guaranteed`,
 //! `host-limit`, `turn-weight`), applied at start, on SIGHUP and when the file changes
-//! (polled, so a Kubernetes ConfigMap's symlink swap is seen like an edit).
+//! (polled, so a Kubernetes ConfigMap's symlink swap is seen like an edit). A table's
+//! `namespaces` lists the Kubernetes namespaces whose ServiceAccount tokens act as the
+//! tenant (`token_review.rs`); a namespace belongs to one tenant at most.
 //!
 //! How the file and the admin RPCs combine: the file is authoritative for the fields it
 //! declares — each apply sets them (a patch: undeclared fields keep whatever `quota set`
@@ -53,6 +55,16 @@ pub fn names(declared: &[DeclaredTenant]) -> Vec<String> {
 pub struct DeclaredTenant {
     pub name: String,
     pub patch: QuotaPatch,
+    /// Kubernetes namespaces whose ServiceAccount tokens act as this tenant.
+    pub namespaces: Vec<String>,
+}
+
+/// Namespace -> tenant, from the tables' `namespaces`.
+pub fn namespace_tenants(declared: &[DeclaredTenant]) -> std::collections::HashMap<String, String> {
+    declared
+        .iter()
+        .flat_map(|d| d.namespaces.iter().map(|ns| (ns.clone(), d.name.clone())))
+        .collect()
 }
 
 #[derive(Deserialize)]
@@ -74,6 +86,8 @@ struct TenantTable {
     /// Per-device caps by device index (`{ 0 = "8GiB", 1 = "4GiB" }`): when given, the
     /// whole set (caps not listed are removed).
     device_limits: Option<BTreeMap<toml::Spanned<String>, toml::Spanned<Size>>>,
+    /// Kubernetes namespaces whose ServiceAccount tokens act as this tenant.
+    namespaces: Option<Vec<toml::Spanned<String>>>,
 }
 
 #[derive(Deserialize)]
@@ -98,6 +112,7 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<DeclaredTenant>, TenantsErro
         invalid(at, e.message().to_string())
     })?;
     let mut out = Vec::new();
+    let mut namespace_owner: BTreeMap<String, String> = BTreeMap::new();
     for (name, table) in file.tenants {
         let at = name.span().start;
         crate::ledger::validate_tenant_name(name.get_ref())
@@ -161,12 +176,49 @@ pub fn parse(path: &Path, text: &str) -> Result<Vec<DeclaredTenant>, TenantsErro
                 ));
             }
         }
+        let mut namespaces = Vec::new();
+        for ns in t.namespaces.into_iter().flatten() {
+            let at = ns.span().start;
+            let ns = ns.into_inner();
+            if !is_namespace_name(&ns) {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "tenants.{}.namespaces: {ns:?} is not a Kubernetes namespace name",
+                        name.get_ref()
+                    ),
+                ));
+            }
+            if let Some(other) = namespace_owner.insert(ns.clone(), name.get_ref().clone()) {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "tenants.{}.namespaces: {ns:?} is tenant {other:?}'s already (a namespace has one tenant)",
+                        name.get_ref()
+                    ),
+                ));
+            }
+            namespaces.push(ns);
+        }
         out.push(DeclaredTenant {
             name: name.into_inner(),
             patch,
+            namespaces,
         });
     }
     Ok(out)
+}
+
+/// A namespace name as Kubernetes allows it (an RFC 1123 label: at most 63 lowercase
+/// letters, digits and '-', starting and ending with a letter or digit).
+fn is_namespace_name(ns: &str) -> bool {
+    let b = ns.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
 }
 
 /// Reads and parses `path` (a regular file of at most 1 MiB: `crate::file_read`).
@@ -343,7 +395,7 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
 /// blocking thread, bounded and only if it is a regular file (`crate::file_read`): a file
 /// replaced by a FIFO, a device or a huge file is refused (logged once per change) and the
 /// running state stays, like an invalid file's. The stop is seen only between reloads: a
-/// reload handed to the store writer is waited for, so [`Arbiter::join_workers`] returns
+/// reload handed to the store writer is waited for, so [`Lifecycle::join`](crate::arbiter::Lifecycle::join) returns
 /// with it applied whole (and the store writer stops after it); one asked for after the
 /// writer stopped is refused whole (`ShuttingDown`, nothing applied).
 pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: CancellationToken) {
@@ -353,7 +405,7 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
     // first runs is a change it sees. (Read here on the caller's thread: at start, once.)
     let mut last = Seen::of(read_regular(&path, MAX_WATCHED_FILE_BYTES));
     let me = arb.clone();
-    me.spawn_worker_to_end("tenants-config-watch", async move {
+    me.lifecycle().spawn_worker_to_end("tenants-config-watch", async move {
         loop {
             let why = tokio::select! {
                 _ = stop.cancelled() => return,
@@ -383,6 +435,8 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
                     // On the store writer, in order with operators' changes; the tokens
                     // after the tenants they name.
                     let n = declared.len();
+                    arb.authenticator()
+                        .set_namespace_tenants(namespace_tenants(&declared));
                     let a = arb.clone();
                     let applied = arb.run_durable(move || {
                         let changes = apply(&a, &declared, why);
@@ -448,6 +502,25 @@ mod tests {
         assert!(parse(Path::new("c.toml"), "socket = \"/x\"\n")
             .unwrap()
             .is_empty());
+    }
+
+    #[test]
+    fn namespaces_name_their_tenant_once() {
+        let text = "[tenants.a]\nlimit = \"1GiB\"\nnamespaces = [\"team-a\", \"team-a-eval\"]\n\n[tenants.b]\nlimit = \"1GiB\"\n";
+        let t = parse(Path::new("c.toml"), text).unwrap();
+        let map = namespace_tenants(&t);
+        assert_eq!(map.len(), 2);
+        assert_eq!(map["team-a"], "a");
+        assert_eq!(map["team-a-eval"], "a");
+        for (bad, why) in [
+            ("namespaces = [\"Team\"]", "not a Kubernetes namespace name"),
+            ("namespaces = [\"-x\"]", "not a Kubernetes namespace name"),
+            ("namespaces = [\"team-a\"]", "is tenant \"a\"'s already"),
+        ] {
+            let text = format!("[tenants.a]\nlimit = \"1GiB\"\nnamespaces = [\"team-a\"]\n\n[tenants.c]\nlimit = \"1GiB\"\n{bad}\n");
+            let e = parse(Path::new("c.toml"), &text).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("c.toml:7"), "{e}");
+        }
     }
 
     #[test]
@@ -619,7 +692,9 @@ mod tests {
             ("a", "a")
         );
         assert_eq!(records[1].before, records[0].after);
-        arb.join_workers(std::time::Duration::from_secs(5)).await;
+        arb.lifecycle()
+            .join(std::time::Duration::from_secs(5))
+            .await;
         drop(arb);
         let (tenants, durable) = crate::arbiter::durable_tests::reopened(dir.path());
         assert_eq!(tenants, vec![("a".to_string(), 16 << 20)]);
@@ -717,8 +792,15 @@ mod tests {
         for pair in records.windows(2) {
             assert_eq!(pair[1].before, pair[0].after, "{pair:?}");
         }
-        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
-        assert!(arb.worker_names().is_empty(), "the watch has ended");
+        assert!(arb
+            .lifecycle()
+            .join(Duration::from_secs(5))
+            .await
+            .is_empty());
+        assert!(
+            arb.lifecycle().worker_names().is_empty(),
+            "the watch has ended"
+        );
         drop(arb);
         let (tenants, durable) = crate::arbiter::durable_tests::reopened(dir.path());
         assert_eq!(tenants, vec![("a".to_string(), 48 << 20)]);
@@ -743,7 +825,11 @@ mod tests {
         }
         assert_eq!(limit(), 32 << 20, "the edit is reloaded");
         stop.cancel();
-        assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+        assert!(arb
+            .lifecycle()
+            .join(Duration::from_secs(5))
+            .await
+            .is_empty());
     }
 
     /// A reload handed to the store writer when the stop comes is applied whole before the
@@ -758,7 +844,7 @@ mod tests {
         };
         std::fs::write(&file, two("16MiB")).unwrap();
         let (_, stop) = start_watching(&arb, &file).await;
-        assert_eq!(arb.worker_names(), vec!["tenants-config-watch"]);
+        assert_eq!(arb.lifecycle().worker_names(), vec!["tenants-config-watch"]);
         // The store writer is held busy, so the next reload waits in its queue.
         let (release, held) = std::sync::mpsc::channel::<()>();
         let (started, running) = tokio::sync::oneshot::channel::<()>();
@@ -789,7 +875,7 @@ mod tests {
         stop.cancel();
         let join = tokio::spawn({
             let arb = arb.clone();
-            async move { arb.join_workers(Duration::from_secs(10)).await }
+            async move { arb.lifecycle().join(Duration::from_secs(10)).await }
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(
@@ -803,7 +889,7 @@ mod tests {
         assert!(join.await.unwrap().is_empty(), "every worker ended in time");
         blocker.await.unwrap().unwrap();
         assert_eq!(limits(&arb), [32 << 20; 2], "the reload applied whole");
-        assert!(arb.worker_names().is_empty());
+        assert!(arb.lifecycle().worker_names().is_empty());
         // The watch has ended and the writer stopped: a later edit changes nothing.
         std::fs::write(&file, two("48MiB")).unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -9,11 +9,12 @@
 //! writer did not make (a child on its parent's socket) goes through that look too.
 //! A connection that was handed a descriptor stays open for the same process's next
 //! ticket (checked as the first was), until idle or until a connection is turned away at
-//! a limit. Connections are capped in all and per peer uid; one over a cap is told "busy"
+//! a limit its slot counts under (`ticket_pressure.rs`). Connections are capped in all and per peer uid; one over a cap is told "busy"
 //! and closed, its ticket untouched.
 
 use crate::arbiter::Arbiter;
 use crate::device::SharedFd;
+use crate::ticket_pressure::Pressure;
 use crate::tickets::{Redeemed, Refusal, TICKET_LEN};
 use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY, REFUSED_REPLY};
 use std::os::fd::{AsRawFd, RawFd};
@@ -21,7 +22,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 /// Most ticket connections served at once.
@@ -66,9 +66,10 @@ pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: Cancellation
         admin_reserve: PRIVILEGED_RESERVE,
         ..crate::listener::Limits::default()
     });
-    // Told when a connection is turned away at a limit: every kept connection waiting
-    // idle for its next ticket then closes, so kept connections never keep a process out.
-    let pressure = Arc::new(Notify::new());
+    // Told when a connection is turned away at a limit: the kept connections waiting idle
+    // for their next ticket in the slots it lacked close, so they never keep a process
+    // out (`ticket_pressure.rs`: a uid at its own cap moves only its own).
+    let pressure = Arc::new(Pressure::default());
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
@@ -93,7 +94,7 @@ pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: Cancellation
                 tracing::debug!(?uid, ?cap, "too many ticket connections; one told busy");
                 arb.metrics().ticket_refused("busy");
                 let _ = stream.try_write(&[BUSY_REPLY]);
-                pressure.notify_waiters();
+                pressure.turned_away(uid, cap);
                 continue;
             }
         };
@@ -110,20 +111,21 @@ pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: Cancellation
 /// descriptor, the next ones the same process sends (a kept connection: no connect per
 /// lease). Each ticket is checked as on a fresh connection (who wrote it, from the kernel).
 /// A kept connection closes when idle for [`KEPT_IDLE`], when a connection is turned
-/// away at a limit, or after any answer other than a descriptor.
+/// away at a limit its slot counts under, or after any answer other than a descriptor.
 async fn serve_connection(
     stream: UnixStream,
     cred: Option<tokio::net::unix::UCred>,
     arb: &Arbiter,
-    pressure: &Notify,
+    pressure: &Arc<Pressure>,
 ) {
     if !serve_one(&stream, cred, arb, false).await {
         return;
     }
+    let kept = pressure.keep(cred.map(|c| c.uid()));
     loop {
         let next = tokio::select! {
             r = next_ticket_comes(&stream) => r,
-            _ = pressure.notified() => false,
+            _ = kept.give_way() => false,
             _ = tokio::time::sleep(KEPT_IDLE) => false,
         };
         if !next || !serve_one(&stream, cred, arb, true).await {
@@ -800,6 +802,119 @@ mod tests {
             })
             .count();
         assert_eq!(closed, cap, "every idle kept connection gave way");
+        stop.cancel();
+    }
+
+    /// A uid turned away at its own cap closes only its own kept connections: any local
+    /// user can reach its cap at will, and must not make every other worker's kept
+    /// connection close (each next ticket would pay a connect). Needs root (the other
+    /// uid is `nobody`'s); skipped otherwise.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_uid_at_its_cap_does_not_close_other_uids_kept_connections() {
+        use crate::arbiter::tests::req;
+        use crate::session::Peer;
+        use crate::tickets::{Binding, Recipient};
+        use std::os::unix::fs::PermissionsExt;
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: needs root to connect as another uid");
+            return;
+        }
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving().await;
+        std::fs::set_permissions(_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let peer = Peer {
+            pid: Some(me),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx) = arb.open_session("a", "own", peer).unwrap();
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let crate::device::Handle::Fd { fd, .. } = &l.handle;
+        let bound = Binding { uid, pid: Some(me) };
+        let to = || Recipient::SessionProcess(l.live.clone());
+        let k1 = arb.tickets().mint(l.id, bound, fd.clone(), to());
+        let k2 = arb.tickets().mint(l.id, bound, fd.clone(), to());
+        let path2 = path.clone();
+        let conn = tokio::task::spawn_blocking(move || {
+            let conn = std::os::unix::net::UnixStream::connect(&path2).unwrap();
+            assert_eq!(present_on(&conn, &k1).byte, FD_REPLY);
+            conn
+        })
+        .await
+        .unwrap();
+
+        // `nobody` takes every slot of its uid and one more, which is told "busy".
+        // SAFETY: a zeroed sockaddr_un is valid; the path fits (a tempdir's).
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (d, s) in addr
+            .sun_path
+            .iter_mut()
+            .zip(path.as_os_str().as_encoded_bytes())
+        {
+            *d = *s as libc::c_char;
+        }
+        let (mut said, told) = std::os::unix::net::UnixStream::pair().unwrap();
+        // SAFETY: the child calls only async-signal-safe functions, then _exit.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0);
+        if child == 0 {
+            // SAFETY: plain syscalls, then _exit.
+            unsafe {
+                let mut ok = libc::setgid(65534) == 0 && libc::setuid(65534) == 0;
+                let mut last = -1;
+                for _ in 0..=MAX_CONNECTIONS_PER_UID {
+                    last = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+                    ok &= libc::connect(last, (&addr as *const libc::sockaddr_un).cast(), len) == 0;
+                }
+                let mut b = [0u8; 1];
+                ok &= libc::read(last, b.as_mut_ptr().cast(), 1) == 1 && b[0] == BUSY_REPLY;
+                b[0] = u8::from(ok);
+                libc::write(told.as_raw_fd(), b.as_ptr().cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        struct Reap(libc::pid_t);
+        impl Drop for Reap {
+            fn drop(&mut self) {
+                // SAFETY: killing and reaping our own child.
+                unsafe {
+                    libc::kill(self.0, libc::SIGKILL);
+                    libc::waitpid(self.0, std::ptr::null_mut(), 0);
+                }
+            }
+        }
+        let reap = Reap(child);
+        let (said, got) = tokio::task::spawn_blocking(move || {
+            let mut b = [0u8; 1];
+            std::io::Read::read_exact(&mut said, &mut b).unwrap();
+            (said, b[0])
+        })
+        .await
+        .unwrap();
+        assert_eq!(got, 1, "nobody's connection past its cap was told busy");
+        // Well inside the kept connection's idle time: it still serves this process.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let served = tokio::task::spawn_blocking(move || {
+            std::io::Write::write_all(&mut &conn, &k2).is_ok()
+                && gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd())
+                    .is_ok_and(|r| r.byte == FD_REPLY && r.fd.is_some())
+        })
+        .await
+        .unwrap();
+        assert!(
+            served,
+            "another uid at its cap closed this process's kept connection"
+        );
+        drop((reap, said, told));
         stop.cancel();
     }
 }

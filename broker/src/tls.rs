@@ -200,7 +200,7 @@ pub fn tcp_security(
 /// Reloads `server`'s certificate on SIGHUP and whenever the certificate or key file
 /// changes (checked every `poll`; reads follow symlinks, so a Secret's `..data` swap
 /// counts), until `stop`: the loop, for the broker to run as its named worker `tls-reload`
-/// (`Arbiter::spawn_worker`). SIGHUP is registered before returning.
+/// (`Lifecycle::spawn_worker`). SIGHUP is registered before returning.
 pub fn reload_loop(
     server: Arc<TlsServer>,
     poll: Duration,

@@ -317,11 +317,21 @@ fn the_command_line_and_the_wire_stay_at_the_edge() {
 /// by the arbiter and passed in), so two arbiters in one process (the tests) share nothing;
 /// a new static (a global counter, a registry) fails the test below, and so does one of
 /// these gone.
-const STATICS: [(&str, &str, &str); 2] = [
+const STATICS: [(&str, &str, &str); 4] = [
     (
         "core/error.rs",
         "STARTED",
         "when this process started: a session id older than that is another run's",
+    ),
+    (
+        "nvml_warm.rs",
+        "HELD",
+        "NVML initialised once for the daemon's life, so each later user finds it loaded",
+    ),
+    (
+        "startup.rs",
+        "CLOCK",
+        "the daemon's start, timed from main's first line up to serving (one per process)",
     ),
     (
         "device/cuda.rs",
@@ -473,4 +483,30 @@ fn the_transport_is_named_only_at_the_edge() {
     assert!(names_the_transport("    reporter: tonic_health::server::HealthReporter,\n").is_some());
     assert!(names_the_transport("// tonic\n/// a `tonic::Status`\n").is_none());
     assert!(names_the_transport("/// a monotonic clock\nlet monotonic = 1;\n").is_none());
+}
+
+/// Where a thread may be put to sleep outside tests, and why no runtime thread is held
+/// there. Anywhere else the code may run on a runtime thread, which a sleep would hold
+/// from every other task: `tokio::time::sleep` there.
+const BLOCKING_SLEEP_FILES: [(&str, &str); 2] = [
+    ("device/", "the device threads are made for blocking work"),
+    (
+        "main.rs",
+        "the keeper's reader thread waits for the keeper to listen, before anything serves",
+    ),
+];
+
+#[test]
+fn no_thread_sleeps_where_a_runtime_may_run_it() {
+    for (rel, text) in all_sources() {
+        if rel.ends_with("tests.rs") || BLOCKING_SLEEP_FILES.iter().any(|(f, _)| rel.starts_with(f))
+        {
+            continue;
+        }
+        let found = names_any(&text, true, &["thread::sleep("]);
+        assert!(
+            found.is_none(),
+            "{rel} puts a thread to sleep (use tokio::time::sleep, or spawn_blocking): {found:?}"
+        );
+    }
 }

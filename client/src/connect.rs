@@ -205,7 +205,16 @@ pub async fn connect_channel_with(
     uri: &str,
     opts: &ConnectOptions,
 ) -> Result<Channel, ClientError> {
-    let channel = endpoint_with(uri, opts)?.connect().await.map_err(|e| {
+    // A TLS address reads its certificate files: off the runtime.
+    let endpoint = if opts == &ConnectOptions::default() {
+        endpoint_with(uri, opts)?
+    } else {
+        let (u, o) = (uri.to_string(), opts.clone());
+        tokio::task::spawn_blocking(move || endpoint_with(&u, &o))
+            .await
+            .map_err(|e| ClientError::Transport(format!("reading the TLS files: {e}")))??
+    };
+    let channel = endpoint.connect().await.map_err(|e| {
         // The top-level error only says "transport error"; the cause is in its sources.
         let cause = std::error::Error::source(&e)
             .map(crate::error::error_chain)

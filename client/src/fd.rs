@@ -121,14 +121,29 @@ pub fn candidates(socket_path: &Path, dialled: Option<&Path>) -> Vec<PathBuf> {
     out
 }
 
-/// Connects to the first of `places` that answers; returns the connection and its path.
-fn connect(places: &[PathBuf]) -> Result<(UnixStream, PathBuf), ClientError> {
+/// What connecting to the ticket socket found.
+enum Connected {
+    /// A connection, and the path that answered.
+    To(UnixStream, PathBuf),
+    /// The socket's queue of connections not yet accepted is full: busy, as when the
+    /// broker says so.
+    Busy,
+}
+
+/// Connects to the first of `places` that answers, on the runtime: a blocking connect
+/// would hold a runtime thread while the broker's accept queue is full.
+async fn connect(places: &[PathBuf]) -> Result<Connected, ClientError> {
     let mut last = None;
+    let mut busy = false;
     for p in places {
-        match UnixStream::connect(p) {
-            Ok(s) => return Ok((s, p.clone())),
+        match tokio::net::UnixStream::connect(p).await {
+            Ok(s) => return Ok(Connected::To(s.into_std()?, p.clone())),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => busy = true,
             Err(e) => last = Some(format!("{}: {e}", p.display())),
         }
+    }
+    if busy {
+        return Ok(Connected::Busy);
     }
     Err(ClientError::Io(std::io::Error::new(
         std::io::ErrorKind::NotFound,
@@ -177,7 +192,8 @@ pub async fn fetch(
     }
 }
 
-/// Presents `ticket` once: the descriptor, or `None` when the broker said "busy". On a
+/// Presents `ticket` once: the descriptor, or `None` when the broker said "busy" (or its
+/// socket's accept queue was full). On a
 /// kept connection first; where the broker closed that one before looking at the ticket,
 /// on a fresh one.
 async fn present(
@@ -195,7 +211,9 @@ async fn present(
             (got, conn) => return answer(got, conn, place),
         }
     }
-    let (conn, place) = connect(&places)?;
+    let Connected::To(conn, place) = connect(&places).await? else {
+        return Ok(None);
+    };
     let (got, conn) = exchange(conn, ticket).await?;
     answer(got, conn, &place)
 }
@@ -369,6 +387,69 @@ mod tests {
         let fd = got.expect("the fetch held the runtime").unwrap();
         assert!(fd.as_raw_fd() >= 0);
         server.await.unwrap();
+    }
+
+    /// A ticket socket whose accept queue is full (a broker too busy to accept) holds no
+    /// runtime thread: the fetch waits on the runtime as for a "busy" answer, and the
+    /// runtime's timers still run.
+    #[test]
+    fn a_full_accept_queue_does_not_hold_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("full.sock");
+        // SAFETY: plain socket calls on descriptors this test owns; the path fits.
+        let (listener, queued) = unsafe {
+            let mut addr: libc::sockaddr_un = std::mem::zeroed();
+            addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+            for (d, s) in addr
+                .sun_path
+                .iter_mut()
+                .zip(path.as_os_str().as_encoded_bytes())
+            {
+                *d = *s as libc::c_char;
+            }
+            let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+            let l = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            assert_eq!(
+                libc::bind(l, (&addr as *const libc::sockaddr_un).cast(), len),
+                0
+            );
+            assert_eq!(libc::listen(l, 0), 0);
+            let l = OwnedFd::from_raw_fd(l);
+            // Connections nobody accepts, until the queue is full.
+            let mut queued = Vec::new();
+            loop {
+                let c = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK, 0);
+                let c = OwnedFd::from_raw_fd(c);
+                if libc::connect(
+                    c.as_raw_fd(),
+                    (&addr as *const libc::sockaddr_un).cast(),
+                    len,
+                ) != 0
+                {
+                    break;
+                }
+                queued.push(c);
+                assert!(queued.len() < 10_000, "the queue never filled");
+            }
+            (l, queued)
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = path.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let r = rt.block_on(async {
+                tokio::time::timeout(Duration::from_millis(300), fetch(&p, b"good", None)).await
+            });
+            let _ = tx.send(r.is_err());
+        });
+        let timed_out = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the fetch held its runtime's thread in connect");
+        assert!(timed_out, "the fetch should still be waiting for room");
+        drop((listener, queued));
     }
 
     /// The second ticket of this process goes over the connection that brought the

@@ -46,6 +46,9 @@ pub struct RestartInfo {
     pub bytes_adopted: u64,
     /// From reading the keeper to the last lease taken back.
     pub took_ms: u64,
+    /// Where the start's time went, step by step (name, microseconds), from the
+    /// process's start to serving; some steps overlap (the broker's `RestartPhase`).
+    pub phases: Vec<(String, u64)>,
 }
 
 impl From<pb::GetInfoResponse> for BrokerInfo {
@@ -66,6 +69,7 @@ impl From<pb::GetInfoResponse> for BrokerInfo {
                 leases_reclaimed: x.leases_reclaimed,
                 bytes_adopted: x.bytes_adopted,
                 took_ms: x.took_ms,
+                phases: x.phases.into_iter().map(|p| (p.name, p.micros)).collect(),
             }),
         }
     }

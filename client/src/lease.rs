@@ -301,8 +301,11 @@ impl Lease {
             && self.fd.is_some()
             && self.info.tier == Tier::Device;
         if !retain {
-            // Unmapped before the broker hears of it (a release promises it).
+            // Unmapped and closed before the broker hears of it (a release promises it: a
+            // mapping or descriptor still here when the broker frees the block is memory
+            // this process kept, and charged so).
             self.kept = None;
+            self.fd = None;
         }
         let mut tries = 0;
         let r = self

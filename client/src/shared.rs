@@ -221,7 +221,7 @@ impl Session {
             id: reply.import_id,
             shared,
             fd_info,
-            fd,
+            fd: Some(fd),
             session: self.clone(),
             released: false,
         })
@@ -233,7 +233,8 @@ pub struct SharedImport {
     id: String,
     shared: SharedLeaseInfo,
     fd_info: FdInfo,
-    fd: OwnedFd,
+    /// Closed only by [`SharedImport::release`], before it tells the broker.
+    fd: Option<OwnedFd>,
     session: Session,
     released: bool,
 }
@@ -271,7 +272,10 @@ impl SharedImport {
 
     /// The read-only descriptor (valid while the import lives; do not close it).
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+        self.fd
+            .as_ref()
+            .expect("open until the import is released")
+            .as_fd()
     }
 
     /// Maps host memory (a memfd) read-only, `MAP_SHARED`: it sees the publisher's
@@ -286,7 +290,7 @@ impl SharedImport {
         // SAFETY: a memfd the broker sized to at least `bytes` and sealed against
         // shrinking, mapped read-only; other processes' writes are the module's aliasing
         // rule (shared memory).
-        let map = unsafe { memmap2::MmapOptions::new().len(len).map(&self.fd)? };
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map(&self.fd())? };
         Ok(ReadOnlyMapping {
             map,
             _import: std::marker::PhantomData,
@@ -301,7 +305,7 @@ impl SharedImport {
             return Err(ClientError::NotMappable);
         }
         crate::cuda::map_vmm_read_only(
-            self.fd.as_fd(),
+            self.fd(),
             crate::cuda::local_ordinal(self.shared.device, &self.shared.device_uuid),
             self.shared.bytes,
             self.fd_info.size,
@@ -319,7 +323,7 @@ impl SharedImport {
             return Err(ClientError::NotMappable);
         }
         crate::cuda::map_vmm_import(
-            self.fd.as_fd(),
+            self.fd(),
             crate::cuda::local_ordinal(self.shared.device, &self.shared.device_uuid),
             self.shared.bytes,
             self.fd_info.size,
@@ -330,6 +334,9 @@ impl SharedImport {
     /// Lets go of the import now (unmap it first).
     pub async fn release(mut self) -> Result<(), ClientError> {
         self.released = true;
+        // Closed before the broker hears of it (a release promises it: a descriptor still
+        // here when the broker frees the block is memory this process kept, and charged so).
+        self.fd = None;
         self.session.client().release_import(&self.id).await
     }
 

@@ -6,7 +6,8 @@
 //! A connection is used by one fetch at a time (taken from here, given back after its
 //! descriptor arrived), so concurrent fetches never share one. Connections are kept only
 //! for the process that opened them: a forked child never writes on, or reads the replies
-//! of, its parent's connections (it drops its copies and opens its own). One idle longer
+//! of, its parent's connections, nor waits on their lock (which a parent thread may have
+//! held at the fork): it opens its own. One idle longer
 //! than [`MAX_IDLE_AGE`] is closed rather than used (the broker closes its end after an
 //! idle time of its own). A kept connection the broker closed (at its connection limit,
 //! or an older broker that serves one ticket a connection) costs next to nothing: the
@@ -16,6 +17,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::{Duration, Instant};
 
 /// Most idle connections kept per ticket socket.
@@ -37,22 +39,41 @@ struct Socket {
 /// The kept connections and the process they belong to.
 struct Kept {
     owner: u32,
-    sockets: HashMap<PathBuf, Socket>,
+    sockets: Mutex<HashMap<PathBuf, Socket>>,
 }
 
-static KEPT: Mutex<Option<Kept>> = Mutex::new(None);
+/// This process's [`Kept`]. A forked child finds its parent's here, owned by another pid:
+/// it leaves it alone (its lock may be held by a parent thread that does not exist in the
+/// child, so nobody would unlock it) and puts a fresh one of its own in its place. The
+/// parent's copy is leaked in the child: its descriptors stay open there until an exec
+/// closes them (close-on-exec), never used.
+static KEPT: AtomicPtr<Kept> = AtomicPtr::new(std::ptr::null_mut());
 
-/// Runs `f` on this process's sockets; a child's inherited copies are dropped first.
-fn with<R>(f: impl FnOnce(&mut HashMap<PathBuf, Socket>) -> R) -> R {
+/// This process's kept connections (made on first use, and again after a fork).
+fn mine() -> &'static Kept {
     let me = std::process::id();
-    let mut kept = KEPT.lock();
-    if kept.as_ref().is_none_or(|k| k.owner != me) {
-        *kept = Some(Kept {
+    loop {
+        let cur = KEPT.load(Ordering::Acquire);
+        // SAFETY: a published `Kept` is never freed (see `KEPT`).
+        if let Some(k) = unsafe { cur.as_ref() }.filter(|k| k.owner == me) {
+            return k;
+        }
+        let fresh = Box::into_raw(Box::new(Kept {
             owner: me,
-            sockets: HashMap::new(),
-        });
+            sockets: Mutex::default(),
+        }));
+        match KEPT.compare_exchange(cur, fresh, Ordering::AcqRel, Ordering::Acquire) {
+            // SAFETY: just published, never freed from now on.
+            Ok(_) => return unsafe { &*fresh },
+            // SAFETY: `fresh` was never published: still ours alone.
+            Err(_) => drop(unsafe { Box::from_raw(fresh) }),
+        }
     }
-    f(&mut kept.as_mut().expect("set just above").sockets)
+}
+
+/// Runs `f` on this process's sockets, under their lock (never a parent's: see `KEPT`).
+fn with<R>(f: impl FnOnce(&mut HashMap<PathBuf, Socket>) -> R) -> R {
+    f(&mut mine().sockets.lock())
 }
 
 /// An idle connection to `socket`, if one young enough is kept.
@@ -142,5 +163,57 @@ mod tests {
         );
         let mine = take(&path).expect("the parent still has it");
         assert!(mine.as_raw_fd() >= 0);
+    }
+
+    /// A child forked while another thread of its parent held the kept connections'
+    /// lock (that thread does not exist in the child, so nobody would ever unlock it)
+    /// still fetches: it never waits on its parent's lock.
+    #[test]
+    fn a_child_forked_while_the_lock_is_held_does_not_wait_on_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.sock");
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            with(|_| {
+                held_tx.send(()).unwrap();
+                let _ = done_rx.recv_timeout(std::time::Duration::from_secs(10));
+            })
+        });
+        held_rx.recv().unwrap();
+        // SAFETY: the child only looks at the kept connections and exits.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0);
+        if child == 0 {
+            let (a, _b) = UnixStream::pair().unwrap();
+            give_back(&path, a);
+            let got = take(&path).is_some();
+            // SAFETY: leaving the child at once.
+            unsafe { libc::_exit(if got { 0 } else { 2 }) };
+        }
+        let mut status = 0;
+        let start = Instant::now();
+        let exited = loop {
+            // SAFETY: waiting for our own child, without blocking.
+            if unsafe { libc::waitpid(child, &mut status, libc::WNOHANG) } == child {
+                break true;
+            }
+            if start.elapsed() > Duration::from_secs(5) {
+                // SAFETY: killing and reaping our own child.
+                unsafe {
+                    libc::kill(child, libc::SIGKILL);
+                    libc::waitpid(child, &mut status, 0);
+                }
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        done_tx.send(()).unwrap();
+        holder.join().unwrap();
+        assert!(
+            exited,
+            "the child hung on the lock its parent's thread held"
+        );
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
     }
 }

@@ -148,12 +148,21 @@ reasons! {
     FdHandlesNotAccepted = "FD_HANDLES_NOT_ACCEPTED" in FailedPrecondition,
     /// The broker has no admin token file to rotate.
     NoAdminTokenFile = "NO_ADMIN_TOKEN_FILE" in FailedPrecondition,
+    /// A claim's token leases while the broker holds no reservation
+    /// for the claim (its DRA driver reserves it again).
+    ClaimNotReserved = "CLAIM_NOT_RESERVED" in FailedPrecondition,
+    /// A claim's token asks for a process reservation: it leases
+    /// from its claim's reservation only.
+    ClaimTokenCannotReserve = "CLAIM_TOKEN_CANNOT_RESERVE" in FailedPrecondition,
     /// No such device index.
     UnknownDevice = "UNKNOWN_DEVICE" in InvalidArgument,
     /// The wait asked for is longer than the broker's `--max-wait`.
     WaitTooLong = "WAIT_TOO_LONG" in InvalidArgument,
     /// A publish names more reader tenants than allowed.
     TooManyReaders = "TOO_MANY_READERS" in InvalidArgument,
+    /// A token name starting with `claim/`: those are minted by
+    /// `ReserveClaim` alone.
+    TokenNameReserved = "TOKEN_NAME_RESERVED" in InvalidArgument,
     /// No `authorization` header.
     TokenMissing = "TOKEN_MISSING" in Unauthenticated,
     /// The header is not `Bearer <token>`.
@@ -162,6 +171,13 @@ reasons! {
     TokenUnknown = "TOKEN_UNKNOWN" in Unauthenticated,
     /// The token is past its expiry: issue a new one.
     TokenExpired = "TOKEN_EXPIRED" in Unauthenticated,
+    /// A Kubernetes ServiceAccount token the API server's TokenReview
+    /// did not accept (invalid, expired, another audience).
+    ServiceAccountRefused = "SERVICE_ACCOUNT_REFUSED" in Unauthenticated,
+    /// A ServiceAccount token of a namespace no tenant lists.
+    NamespaceHasNoTenant = "NAMESPACE_HAS_NO_TENANT" in Unauthenticated,
+    /// The API server could not be asked about a ServiceAccount token.
+    TokenReviewUnavailable = "TOKEN_REVIEW_UNAVAILABLE" in Unavailable,
     /// The token's scope does not reach this call.
     ScopeDenied = "SCOPE_DENIED" in PermissionDenied,
     /// The session belongs to another user.

@@ -58,9 +58,36 @@ pub struct Spawned {
     _dir: tempfile::TempDir,
     pub shm_dir: PathBuf,
     pub log: PathBuf,
+    /// How it was started (to start it again).
+    command: (PathBuf, Vec<String>, Vec<(String, String)>, String),
 }
 
 impl Spawned {
+    /// SIGKILLs the broker and starts it again with the same flags, state and sockets
+    /// (its log appended to); the new process's id and when it was started.
+    pub fn kill_and_start_again(&mut self) -> Result<(u32, Instant)> {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let (bin, args, env, log_level) = &self.command;
+        let log_file = std::fs::OpenOptions::new().append(true).open(&self.log)?;
+        let t0 = Instant::now();
+        let child = Command::new(bin)
+            .args(args)
+            .env("GPU_BROKER_LOG", log_level)
+            .env("NO_COLOR", "1")
+            .envs(env.iter().cloned())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .with_context(|| format!("starting {} again", bin.display()))?;
+        let pid = child.id();
+        self.child = Some(child);
+        Ok((pid, t0))
+    }
+
     /// Host memory objects (memfds) the running broker holds open.
     pub fn memfds(&self) -> usize {
         self.child
@@ -200,7 +227,7 @@ impl Target {
             .args(&args)
             .env("GPU_BROKER_LOG", &opts.log)
             .env("NO_COLOR", "1")
-            .envs(env)
+            .envs(env.iter().cloned())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file)
@@ -212,6 +239,7 @@ impl Target {
             _dir: dir,
             shm_dir,
             log,
+            command: (opts.bin.clone(), args, env, opts.log.clone()),
         };
         let Spawned { child, log, .. } = &mut spawned;
         let child = child.as_mut().expect("just started");

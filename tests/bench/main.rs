@@ -11,6 +11,8 @@
 //! - `breakdown`: a pooled lease + map in parts (RPC, ticket, map), beside the health
 //!   `Check` round trip and raw in-process memory + map of the same run;
 //! - `resident`: the broker's resident memory with 10,000 live leases;
+//! - `restart`: a broker SIGKILL and start with 10,000 live leases kept by a keeper: time
+//!   to the first answer and the broker's breakdown of its start;
 //! - `oversub`: 2x oversubscription with 3 priorities, guarantees, waits and cooperative
 //!   reclaim: per-priority time-to-grant, reclaim/revocation counts, utilization;
 //! - `quota-writes`: pooled acquire p50/p99 alone and while an admin client sets quotas
@@ -34,6 +36,7 @@ mod oversub;
 mod quota_writes;
 mod report;
 mod resident;
+mod restart;
 mod stats;
 mod throughput;
 mod turns;
@@ -101,6 +104,8 @@ enum Mode {
     Breakdown(breakdown::BreakdownArgs),
     /// Broker resident memory with many live leases.
     Resident(resident::ResidentArgs),
+    /// A broker SIGKILL and start with many live leases kept by a keeper.
+    Restart(restart::RestartArgs),
     /// Oversubscription with priorities, guarantees, waits and reclaim.
     Oversub(oversub::OversubArgs),
     /// Faults and abuse: session cycles, held connections and streams, listings at scale.
@@ -228,6 +233,7 @@ async fn run(cli: Cli) -> Result<()> {
         Mode::Throughput(a) => throughput::run(&common, &a).await,
         Mode::Breakdown(a) => breakdown::run(&common, &a).await,
         Mode::Resident(a) => resident::run(&common, &a).await,
+        Mode::Restart(a) => restart::run(&common, &a).await,
         Mode::Oversub(a) => oversub::run(&common, &a).await,
         Mode::Abuse(a) => abuse::run(&common, &a).await,
         Mode::QuotaWrites(a) => quota_writes::run(&common, &a).await,

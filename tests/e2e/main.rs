@@ -4,6 +4,7 @@
 //! shared-memory directory. One module per theme.
 
 mod admin;
+mod claims;
 mod cli;
 mod crash;
 mod data;
@@ -35,6 +36,7 @@ mod sleep;
 mod smoke;
 mod status_page;
 mod tls;
+mod token_review;
 mod trust;
 mod turns;
 mod waiting;

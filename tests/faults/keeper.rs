@@ -125,6 +125,21 @@ async fn a_live_workers_session_and_leases_survive_a_broker_sigkill() {
         text.contains("keeper: took back 2 leases (12.0 MiB) of 1 sessions, reclaimed 0 leases"),
         "{text}"
     );
+    // And where the start's time went, from the process's start to serving.
+    // (Wrapped to the screen: up to the header's blank line.)
+    let phases: String = text
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("restart phases:"))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    for step in [
+        "open devices",
+        "keeper dump",
+        "device 0 take-back",
+        "monitors",
+    ] {
+        assert!(phases.contains(step), "{step} in {phases}");
+    }
 
     // Same ids, same bytes, same tenant; the kept mapping still reaches the memory.
     let mut after = lease_ids(&b).await;
@@ -168,6 +183,7 @@ async fn a_live_workers_session_and_leases_survive_a_broker_sigkill() {
     );
     let log = b.log_text();
     assert!(log.contains("took back what the keeper held"), "{log}");
+    assert!(log.contains("serving after a restart"), "{log}");
 }
 
 #[tokio::test]

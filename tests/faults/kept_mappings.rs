@@ -23,8 +23,9 @@ impl Kept {
     /// Keeps `lease`'s memory: dups its descriptor, maps it shared and writes every page.
     fn of(lease: &Lease) -> Kept {
         let fd = lease.fd().expect("an fd lease").as_raw_fd();
-        // SAFETY: dup of a valid descriptor.
-        let dup = unsafe { libc::dup(fd) };
+        // SAFETY: dup of a valid descriptor; close-on-exec, so that a broker another test
+        // spawns meanwhile does not inherit it (and count it as its own memfd).
+        let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
         assert!(dup >= 0, "dup: {}", std::io::Error::last_os_error());
         // SAFETY: a fresh descriptor nobody else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(dup) };

@@ -245,6 +245,18 @@ pub enum BrokerError {
     /// The admin token cannot be rotated: the broker reads it from no file.
     #[error("this broker has no admin token file to rotate; issue an admin-scope token instead")]
     NoAdminTokenFile,
+    /// A claim's token leases while the broker holds no reservation for the claim: its
+    /// lease would be an ordinary one, on any device, beside what the scheduler placed.
+    #[error(
+        "claim {claim} has no reservation at this broker (its driver reserves it again); retry shortly"
+    )]
+    ClaimNotReserved { claim: String },
+    /// A claim's token asks for a process reservation: the scheduler placed the claim's
+    /// bytes, not more, and its pod leases from them.
+    #[error(
+        "the token of claim {claim} leases from the claim's reservation; it cannot reserve a process"
+    )]
+    ClaimTokenCannotReserve { claim: String },
 
     // ---- INVALID_ARGUMENT
     /// A quota change would make the tenants' guarantees add up to more than the node can
@@ -272,6 +284,10 @@ pub enum BrokerError {
     /// A publish names more reader tenants than allowed.
     #[error("{readers} reader tenants, the most allowed is {max}")]
     TooManyReaders { readers: usize, max: usize },
+    /// A token name that only the broker gives (`claim/`: claims' tokens, minted with
+    /// their reservation by `ReserveClaim`).
+    #[error("token names starting with {prefix} belong to ResourceClaims (ReserveClaim)")]
+    TokenNameReserved { prefix: &'static str },
 
     // ---- PERMISSION_DENIED
     /// The session a call names belongs to another user (its uid is not the caller's):
@@ -487,11 +503,14 @@ impl BrokerError {
             | FdNeedsUnixSocket
             | FdHandlesNotAccepted
             | NoAdminTokenFile
+            | ClaimNotReserved { .. }
+            | ClaimTokenCannotReserve { .. }
             | FailedPrecondition(_) => ErrorKind::Precondition,
             GuaranteesExceedCapacity { .. }
             | UnknownDevice { .. }
             | WaitTooLong { .. }
             | TooManyReaders { .. }
+            | TokenNameReserved { .. }
             | InvalidArgument(_) => ErrorKind::Invalid,
             SessionOfAnotherUser | ProcessGroupRefused { .. } | PermissionDenied(_) => {
                 ErrorKind::Denied

@@ -6,7 +6,8 @@
 //! device. A record carries its format version `v`; a newer
 //! broker reads every older version, and fields added later have defaults, so a record
 //! written by this version is read by the next (tested with a record of this version,
-//! `records_written_by_this_version_are_read_back`).
+//! `records_written_by_this_version_are_read_back`). A record names its device by UUID
+//! (`device_uuid`, since the index of a GPU can change across a restart) and by index.
 
 use serde::{Deserialize, Serialize};
 
@@ -42,6 +43,11 @@ pub struct QuarantineRecord {
     /// Freed, never cached, when lifted.
     #[serde(default)]
     pub destroy: bool,
+    /// The device's UUID (`GPU-...`, `HOST-...`): a restarted broker finds the device by
+    /// it, whatever its index is now, and lets the memory go when no device has it.
+    /// Records without one (written before it) go by `device`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_uuid: Option<String>,
 }
 
 impl QuarantineRecord {
@@ -106,6 +112,11 @@ pub struct LeaseRecord {
     /// The process reservation its bytes were drawn from.
     #[serde(default)]
     pub reservation: Option<String>,
+    /// The device's UUID (`GPU-...`, `HOST-...`): a restarted broker finds the device by
+    /// it, whatever its index is now, and lets the memory go when no device has it.
+    /// Records without one (written before it) go by `device`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_uuid: Option<String>,
 }
 
 /// A device an operator is draining: it stays closed to new leases across a restart.
@@ -120,6 +131,11 @@ pub struct DrainRecord {
     pub deadline_unix_ms: Option<u64>,
     #[serde(default)]
     pub reason: String,
+    /// The device's UUID (`GPU-...`, `HOST-...`): a restarted broker finds the device by
+    /// it, whatever its index is now, and lets the memory go when no device has it.
+    /// Records without one (written before it) go by `device`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_uuid: Option<String>,
 }
 
 impl DrainRecord {
@@ -216,6 +232,8 @@ impl From<&crate::lease::Lease> for LeaseRecord {
             }
             .into(),
             reservation: l.reservation.map(|r| r.to_string()),
+            // The shell knows the devices' UUIDs: it fills this in.
+            device_uuid: None,
         }
     }
 }
@@ -291,7 +309,22 @@ mod tests {
         .unwrap();
         let Kept::Lease(l) = l else { panic!("{l:?}") };
         assert_eq!((l.bytes, l.block_id, l.priority), (8 << 20, 77, 3));
+        assert_eq!(l.device_uuid, None, "a record before UUIDs goes by index");
         assert_eq!(serde_json::to_string(&l).unwrap(), lease);
+        // This version's: the device's UUID too.
+        let with_uuid = lease.replace(
+            r#""reservation":null}"#,
+            r#""reservation":null,"device_uuid":"GPU-4f1d0c2a-0000-0000-0000-000000000001"}"#,
+        );
+        let Kept::Lease(l) = parse(&l.key(), serde_json::from_str(&with_uuid).unwrap()).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            l.device_uuid.as_deref(),
+            Some("GPU-4f1d0c2a-0000-0000-0000-000000000001")
+        );
+        assert_eq!(serde_json::to_string(&l).unwrap(), with_uuid);
         let drain = r#"{"v":1,"device":1,"since_unix_ms":1764800000002,"deadline_unix_ms":1764800600002,"reason":"upgrade"}"#;
         let d = parse("drain/1", serde_json::from_str(drain).unwrap()).unwrap();
         let Kept::Drain(d) = d else { panic!("{d:?}") };

@@ -35,36 +35,84 @@ impl Block {
 
 /// The processes a block's descriptor reached that may keep it past their lease's end, at
 /// most [`Reached::MAX`], newest last (a reused block's earlier holders are mostly gone;
-/// the oldest is forgotten first). Boxed, and nothing for a block no lease ended on, so a
-/// block stays small.
+/// the oldest is forgotten first), each with its tenant when that is not the block's own
+/// (another tenant's importer of a publication). Boxed, and nothing for a block no lease
+/// ended on, so a block stays small.
 #[derive(Clone, Debug, Default)]
 pub struct Reached(Option<Box<Pids>>);
 
-/// The pids behind [`Reached`]'s one thin pointer.
+/// The pids behind [`Reached`]'s one thin pointer, and beside each the tenant of a
+/// process of another tenant than the block's (`None`: the block's own).
 #[derive(Clone, Debug, Default)]
-struct Pids(Vec<u32>);
+struct Pids {
+    pids: Vec<u32>,
+    tenants: Vec<Option<Box<str>>>,
+}
 
 impl Reached {
     /// How many processes a block remembers.
     pub const MAX: usize = 64;
 
-    /// Process `pid` had the descriptor and may keep it after its lease ended.
+    /// Process `pid` of the block's own tenant had the descriptor and may keep it after
+    /// its lease ended.
     pub fn add(&mut self, pid: u32) {
-        let pids = &mut self.0.get_or_insert_with(Box::default).0;
-        pids.retain(|&p| p != pid);
-        if pids.len() >= Self::MAX {
-            pids.remove(0);
+        self.add_with(pid, None);
+    }
+
+    /// Process `pid` of tenant `tenant`, not the block's, had the descriptor (an importer
+    /// of its publication) and may keep it after it let go.
+    pub fn add_of(&mut self, pid: u32, tenant: &str) {
+        self.add_with(pid, Some(tenant.into()));
+    }
+
+    fn add_with(&mut self, pid: u32, tenant: Option<Box<str>>) {
+        let p = self.0.get_or_insert_with(Box::default);
+        if let Some(i) = p.pids.iter().position(|&q| q == pid) {
+            p.pids.remove(i);
+            p.tenants.remove(i);
         }
-        pids.push(pid);
+        if p.pids.len() >= Self::MAX {
+            p.pids.remove(0);
+            p.tenants.remove(0);
+        }
+        p.pids.push(pid);
+        p.tenants.push(tenant);
     }
 
     /// The processes, oldest first.
     pub fn pids(&self) -> &[u32] {
-        self.0.as_deref().map_or(&[], |p| p.0.as_slice())
+        self.0.as_deref().map_or(&[], |p| p.pids.as_slice())
     }
 
     pub fn is_empty(&self) -> bool {
         self.pids().is_empty()
+    }
+
+    /// Who answers for the block's memory kept, after its free, by some of `keepers`
+    /// (live processes it reached): the block's tenant `own` when one of them is its own
+    /// (or unknown here); else the tenant of the newest of them, another tenant's
+    /// importer, which kept what it was lent. The driver cannot say which process kept
+    /// CUDA memory, so a process of the block's tenant, which could have, is answered for
+    /// first: an importer is charged only when none of the publisher's could hold it.
+    pub fn answers_for(&self, keepers: &[u32], own: &str) -> String {
+        let Some(p) = self.0.as_deref() else {
+            return own.to_string();
+        };
+        let mut other = None;
+        for &k in keepers {
+            match p.pids.iter().position(|&q| q == k) {
+                Some(i) => match &p.tenants[i] {
+                    Some(t) => {
+                        if other.is_none_or(|(j, _)| j < i) {
+                            other = Some((i, t));
+                        }
+                    }
+                    None => return own.to_string(),
+                },
+                None => return own.to_string(),
+            }
+        }
+        other.map_or_else(|| own.to_string(), |(_, t)| t.to_string())
     }
 }
 
@@ -479,6 +527,26 @@ mod tests {
         assert_eq!(r.pids().len(), Reached::MAX);
         assert_eq!(r.pids()[0], 100, "the oldest went first");
         assert_eq!(*r.pids().last().unwrap(), 99 + Reached::MAX as u32);
+    }
+
+    #[test]
+    fn memory_kept_is_answered_for_by_the_blocks_tenant_unless_only_importers_could_keep_it() {
+        let mut r = Reached::default();
+        r.add(1);
+        r.add_of(2, "b");
+        r.add_of(3, "c");
+        // Only another tenant's importers alive: the newest one's tenant.
+        assert_eq!(r.answers_for(&[2], "a"), "b");
+        assert_eq!(r.answers_for(&[3, 2], "a"), "c");
+        // One of the block's own processes could have kept it: its tenant.
+        assert_eq!(r.answers_for(&[2, 1], "a"), "a");
+        // A process this block does not know of, or none: its tenant.
+        assert_eq!(r.answers_for(&[9], "a"), "a");
+        assert_eq!(Reached::default().answers_for(&[2], "a"), "a");
+        // Re-added as its own tenant's: no longer another's.
+        r.add(2);
+        assert_eq!(r.answers_for(&[2], "a"), "a");
+        assert_eq!(r.pids(), &[1, 3, 2]);
     }
 
     fn lease_fresh(p: &mut Pool, id: u64, bytes: u64, tenant: &str) -> Block {

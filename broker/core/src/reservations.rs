@@ -85,6 +85,17 @@ pub struct Reservation {
     pub claim: Option<ClaimBinding>,
 }
 
+/// A claim reservation asked for: `bytes` (rounded to the device's granularity) for
+/// `tenant` on `device`, bound to `binding`.
+#[derive(Clone, Debug)]
+pub struct ClaimAsk {
+    pub tenant: String,
+    pub device: u32,
+    pub bytes: u64,
+    pub label: String,
+    pub binding: ClaimBinding,
+}
+
 /// What binds a claim reservation: the claim's uid and the token whose sessions draw from
 /// it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -85,7 +85,12 @@ impl Driver {
         layout: CdiLayout,
         file: CheckpointFile,
     ) -> Result<Driver, CheckpointError> {
-        let mut ck = file.load()?;
+        let mut ck = {
+            let reading = file.clone();
+            on_blocking_thread(move || reading.load())
+                .await
+                .map_err(|e| file_work_stopped(&file, e))??
+        };
         let boot = boot_id();
         let driver = Driver {
             cfg,
@@ -112,7 +117,12 @@ impl Driver {
                 Err(e) => tracing::warn!(claim = %uid, error = %e, "rolling back a claim at start"),
             }
         }
-        driver.file.save(&ck)?;
+        {
+            let (file, saved) = (driver.file.clone(), ck.clone());
+            on_blocking_thread(move || file.save(&saved))
+                .await
+                .map_err(|e| file_work_stopped(&driver.file, e))??;
+        }
         *driver.state.lock().await = ck;
         Ok(driver)
     }
@@ -232,7 +242,7 @@ impl Driver {
                         entry.reservation_id = reservation_id;
                         entry.device = Some(device);
                     }
-                    if let Err(err) = self.save(&ck) {
+                    if let Err(err) = self.save(&ck).await {
                         tracing::error!(claim = %uid, error = %err, "recording a claim reserved again");
                     }
                     tracing::info!(claim = %uid, bytes = e.bytes, "claim reserved again at the broker");
@@ -266,7 +276,7 @@ impl Driver {
                 // A prepare that did not finish: undo what it did, then start again.
                 self.roll_back(&c.uid).await?;
                 ck.claims.remove(&c.uid);
-                self.save(ck)?;
+                self.save(ck).await?;
             }
             None => {}
         }
@@ -289,7 +299,7 @@ impl Driver {
                 bytes: a.bytes,
             },
         );
-        self.save(ck)?;
+        self.save(ck).await?;
         match self.reserve(c, &a).await {
             Ok((reservation_id, device)) => {
                 ck.claims.insert(
@@ -304,14 +314,14 @@ impl Driver {
                         bytes: a.bytes,
                     },
                 );
-                self.save(ck)?;
+                self.save(ck).await?;
                 tracing::info!(claim = %c.uid, namespace = %c.namespace, name = %c.name, device = %a.device, bytes = a.bytes, "claim prepared");
                 Ok(device)
             }
             Err(e) => {
                 if self.roll_back(&c.uid).await.is_ok() {
                     ck.claims.remove(&c.uid);
-                    self.save(ck)?;
+                    self.save(ck).await?;
                 }
                 Err(e)
             }
@@ -354,9 +364,9 @@ impl Driver {
             device_uuid: res.device_uuid.clone(),
             mps_env,
         };
-        let mut cdi_ids = vec![self
-            .layout
-            .write(&c.uid, &edits)
+        let (layout, uid) = (self.layout.clone(), c.uid.clone());
+        let mut cdi_ids = vec![on_blocking_thread(move || layout.write(&uid, &edits))
+            .await?
             .map_err(|e| format!("writing the claim's CDI spec: {e}"))?];
         if let Some(kind) = &self.cfg.gpu_cdi_kind {
             if !res.device_uuid.starts_with("HOST-") {
@@ -380,7 +390,7 @@ impl Driver {
         // nothing behind at the broker either.
         self.roll_back(uid).await?;
         if ck.claims.remove(uid).is_some() {
-            self.save(ck)?;
+            self.save(ck).await?;
             tracing::info!(claim = %uid, "claim unprepared");
         }
         Ok(())
@@ -396,12 +406,34 @@ impl Driver {
                 s.message()
             )
         })?;
-        self.layout
-            .remove(uid)
+        let (layout, owned) = (self.layout.clone(), uid.to_string());
+        on_blocking_thread(move || layout.remove(&owned))
+            .await?
             .map_err(|e| format!("removing claim {uid}'s CDI spec: {e}"))
     }
 
-    fn save(&self, ck: &Checkpoint) -> Result<(), String> {
-        self.file.save(ck).map_err(|e| e.to_string())
+    async fn save(&self, ck: &Checkpoint) -> Result<(), String> {
+        let (file, ck) = (self.file.clone(), ck.clone());
+        on_blocking_thread(move || file.save(&ck))
+            .await?
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Runs file work that syncs to disk (the checkpoint, a claim's token file and CDI spec)
+/// on tokio's blocking threads: an fsync can take long, and would hold up the runtime's
+/// workers meanwhile (the kubelet's other calls, the health stream, the publisher).
+async fn on_blocking_thread<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| format!("file work stopped: {e}"))
+}
+
+fn file_work_stopped(file: &CheckpointFile, why: String) -> CheckpointError {
+    CheckpointError::Io {
+        path: file.path().to_path_buf(),
+        source: std::io::Error::other(why),
     }
 }

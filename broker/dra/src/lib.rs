@@ -2,7 +2,8 @@
 //! service over gRPC), never inside it.
 //!
 //! * `plugin.rs` serves the kubelet's plugin API on Unix sockets: registration
-//!   (`pluginregistration.Registration`) and the DRA node service (v1 and v1beta1).
+//!   (`pluginregistration.Registration`), the DRA node service (v1 and v1beta1) and the
+//!   devices' health (`health.rs`, `DRAResourceHealth`).
 //! * `driver.rs` prepares and unprepares claims: the allocated ResourceClaim (read from the
 //!   API server) becomes a claim reservation at the broker with a token bound to it, handed
 //!   to the container through a CDI spec (`cdi.rs`); each step is recorded in the
@@ -17,6 +18,7 @@ pub mod broker;
 pub mod cdi;
 pub mod checkpoint;
 pub mod driver;
+pub mod health;
 pub mod plugin;
 pub mod publisher;
 pub mod quantity;
@@ -39,5 +41,13 @@ pub mod pb {
     /// The DRA node service, v1beta1 (kubelet 1.32-1.33); the same messages.
     pub mod dra_v1beta1 {
         tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+    }
+    /// The device-health service `DRAResourceHealth`, v1 (kubelet 1.37+).
+    pub mod health_v1 {
+        tonic::include_proto!("v1");
+    }
+    /// The device-health service, v1alpha1 (kubelet 1.34-1.36); the same messages.
+    pub mod health_v1alpha1 {
+        tonic::include_proto!("v1alpha1");
     }
 }

@@ -1,5 +1,5 @@
 //! `gpu-broker-dra`: the DRA driver beside a node's broker. `run` serves the kubelet
-//! plugin and publishes the node's ResourceSlice; `slice --print` prints the slice it
+//! plugin (with the devices' health) and publishes the node's ResourceSlice; `slice --print` prints the slice it
 //! would publish.
 
 use anyhow::{bail, Context, Result};
@@ -8,6 +8,7 @@ use gpu_broker_dra::broker::Broker;
 use gpu_broker_dra::cdi::CdiLayout;
 use gpu_broker_dra::checkpoint::CheckpointFile;
 use gpu_broker_dra::driver::{Driver, DriverConfig, TenantMap};
+use gpu_broker_dra::health::{watch_devices, HealthService};
 use gpu_broker_dra::plugin::{serve, Sockets};
 use gpu_broker_dra::publisher::Publisher;
 use gpu_broker_dra::DRIVER_NAME;
@@ -101,7 +102,8 @@ struct RunArgs {
     /// `<kind>=<GPU uuid>` (NVIDIA's container toolkit: nvidia.com/gpu); "" for none.
     #[arg(long, default_value = "nvidia.com/gpu")]
     gpu_cdi_kind: String,
-    /// How often the slice is brought in line with the broker.
+    /// How often the broker's devices are read: the slice brought in line with them, and
+    /// their health sent to the kubelet.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     slice_interval: Duration,
     /// How often prepared claims whose ResourceClaim is gone are cleaned up, and claims
@@ -196,9 +198,17 @@ async fn run(a: RunArgs) -> Result<()> {
         registry_dir: a.registry_dir.clone(),
         plugins_dir: a.plugins_dir.clone(),
     };
-    let (_registered, served) = serve(driver.clone(), DRIVER_NAME, &sockets, stop.clone())?;
+    let (health_tx, health_rx) = tokio::sync::watch::channel(None);
+    let health = HealthService::new(&a.common.node, health_rx, a.slice_interval, stop.clone());
+    let (_registered, served) = serve(driver.clone(), health, DRIVER_NAME, &sockets, stop.clone())?;
     tracing::info!(registration = %sockets.registration(DRIVER_NAME).display(), dra = %sockets.dra(DRIVER_NAME).display(), "serving the kubelet plugin");
     let mut tasks = vec![served];
+    tasks.push(tokio::spawn(watch_devices(
+        broker.clone(),
+        health_tx,
+        a.slice_interval,
+        stop.clone(),
+    )));
     if !a.no_publish {
         let p = Publisher::new(kube.clone(), broker.clone(), DRIVER_NAME, &a.common.node);
         tasks.push(tokio::spawn(p.run(a.slice_interval, stop.clone())));

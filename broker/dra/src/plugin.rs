@@ -1,12 +1,16 @@
 //! The kubelet plugin API on Unix sockets: `pluginregistration.Registration` on
 //! `<registry>/<driver>-reg.sock` (the kubelet's plugin watcher finds it there, asks
 //! `GetInfo` and reports with `NotifyRegistrationStatus`), and the DRA node service, v1 and
-//! v1beta1, on `<plugins>/<driver>/dra.sock` (the endpoint `GetInfo` names). The services
-//! are thin: claims go to [`Driver`].
+//! v1beta1, with the devices' health (`DRAResourceHealth`, v1 and v1alpha1, listed in the
+//! supported versions as the kubelet expects) on `<plugins>/<driver>/dra.sock` (the endpoint
+//! `GetInfo` names). The services are thin: claims go to [`Driver`], health to
+//! [`HealthService`].
 
 use crate::checkpoint::PreparedDevice;
 use crate::driver::{ClaimRef, Driver};
+use crate::health::{self, HealthService};
 use crate::pb::{dra_v1 as v1, dra_v1beta1 as v1beta1, registration as reg};
+use crate::pb::{health_v1, health_v1alpha1};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::net::UnixListener;
@@ -15,8 +19,14 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-/// The versions of the DRA service offered (the kubelet picks the highest it knows).
-pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+/// The versions of the DRA service offered (the kubelet picks the highest it knows), then
+/// those of the health service (likewise; a kubelet that knows none ignores them).
+pub const SUPPORTED_VERSIONS: [&str; 4] = [
+    "v1.DRAPlugin",
+    "v1beta1.DRAPlugin",
+    health::SERVICES[0],
+    health::SERVICES[1],
+];
 /// The plugin type of a DRA driver.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";
 
@@ -183,6 +193,7 @@ fn bind(path: &Path) -> std::io::Result<UnixListener> {
 /// that ends when both servers have stopped (their sockets removed).
 pub fn serve(
     driver: Arc<Driver>,
+    health: HealthService,
     driver_name: &str,
     sockets: &Sockets,
     stop: CancellationToken,
@@ -204,6 +215,12 @@ pub fn serve(
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(
             DraService { driver },
         ))
+        .add_service(
+            health_v1::dra_resource_health_server::DraResourceHealthServer::new(health.clone()),
+        )
+        .add_service(
+            health_v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(health),
+        )
         .serve_with_incoming_shutdown(UnixListenerStream::new(dra), stop.clone().cancelled_owned());
     let reg_server = tonic::transport::Server::builder()
         .add_service(reg::registration_server::RegistrationServer::new(

@@ -93,7 +93,12 @@ async fn the_kubelet_registers_prepares_twice_and_unprepares_a_claim() -> Result
     assert_eq!(k.info.name, DRIVER);
     assert_eq!(
         k.info.supported_versions,
-        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1.DRAResourceHealth",
+            "v1alpha1.DRAResourceHealth"
+        ]
     );
     assert!(
         k.info.endpoint.ends_with("plugins/gpu-broker.io/dra.sock"),
@@ -308,10 +313,11 @@ async fn a_claim_deleted_from_the_api_server_is_cleaned_up() -> Result<()> {
         ""
     );
     assert_eq!(n.claims().await?, ["uid-c"]);
-    // Deleted without an unprepare (the kubelet missed it): the cleaner notices.
+    // Deleted without an unprepare (the kubelet missed it): the cleaner notices, ends the
+    // claim at the broker, then removes its spec (wait for both).
     n.api.remove_claim(NS, "c");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while !n.claims().await?.is_empty() {
+    while !n.claims().await?.is_empty() || n.plugin.cdi_spec("uid-c").exists() {
         assert!(
             std::time::Instant::now() < deadline,
             "never cleaned: {}",
@@ -576,5 +582,120 @@ async fn concurrent_prepares_of_one_claim_reserve_it_once() -> Result<()> {
     assert_eq!(n.claims().await?, ["uid-c"]);
     assert_eq!(n.tokens().await?, ["claim/uid-c"]);
     assert_eq!(n.reserved().await?, 64 * MIB);
+    Ok(())
+}
+
+/// The next message of a health stream whose device `gpu-0` is `want`: (health, message).
+async fn health_of_gpu0<S>(stream: &mut S, want: i32) -> Result<(i32, String, i64)>
+where
+    S: futures::Stream<
+            Item = Result<gpu_broker_dra::pb::health_v1::NodeWatchResourcesResponse, tonic::Status>,
+        > + Unpin,
+{
+    use futures::StreamExt;
+    let deadline = std::time::Duration::from_secs(20);
+    tokio::time::timeout(deadline, async {
+        loop {
+            let Some(m) = stream.next().await else {
+                anyhow::bail!("the health stream ended");
+            };
+            let m = m?;
+            anyhow::ensure!(m.devices.len() == 1, "one device: {m:?}");
+            let d = &m.devices[0];
+            let id = d.device.clone().unwrap_or_default();
+            anyhow::ensure!(
+                (id.pool_name.as_str(), id.device_name.as_str()) == ("node-a", "gpu-0"),
+                "{id:?}"
+            );
+            if d.health == want {
+                return Ok((d.health, d.message.clone(), d.health_check_timeout_seconds));
+            }
+        }
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("gpu-0 never became {want}"))?
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kubelet_watches_a_drained_or_unhealthy_gpu_turn_unhealthy_and_back() -> Result<()> {
+    use gpu_broker_dra::pb::health_v1::{HealthStatus, NodeWatchResourcesRequest};
+    use gpu_broker_dra::pb::health_v1alpha1 as alpha;
+    let n = node().await?;
+    let k = Kubelet::register(&n.plugin).await?;
+    let mut v1 = k
+        .health
+        .clone()
+        .node_watch_resources(NodeWatchResourcesRequest {})
+        .await?
+        .into_inner();
+    let (_, message, timeout) = health_of_gpu0(&mut v1, HealthStatus::Healthy as i32).await?;
+    assert_eq!(message, "");
+    assert!(timeout >= 30, "{timeout}");
+    // Drained by an operator: unhealthy with the drain's reason, and healthy when undrained.
+    let admin = n.broker.admin().await?;
+    admin.drain(Some(0), None, "maintenance").await?;
+    let (_, message, _) = health_of_gpu0(&mut v1, HealthStatus::Unhealthy as i32).await?;
+    assert_eq!(message, "draining: maintenance");
+    admin.undrain(Some(0)).await?;
+    health_of_gpu0(&mut v1, HealthStatus::Healthy as i32).await?;
+    // Marked unhealthy: the kubelet's v1alpha1 stream (kubelets before 1.37) says so too.
+    let mut old = k
+        .health_v1alpha1
+        .clone()
+        .node_watch_resources(alpha::NodeWatchResourcesRequest {})
+        .await?
+        .into_inner();
+    admin.set_device_health(0, false, "Xid 79").await?;
+    let (_, message, _) = health_of_gpu0(&mut v1, HealthStatus::Unhealthy as i32).await?;
+    assert_eq!(message, "unhealthy: Xid 79");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        use futures::StreamExt;
+        let m = old.next().await.expect("the v1alpha1 stream ended")?;
+        if m.devices[0].health == alpha::HealthStatus::Unhealthy as i32 {
+            assert_eq!(m.devices[0].message, "unhealthy: Xid 79");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "v1alpha1 never unhealthy"
+        );
+    }
+    // The broker gone: its devices' health is unknown, not healthy.
+    let mut n = n;
+    n.broker.kill()?;
+    let (_, message, _) = health_of_gpu0(&mut v1, HealthStatus::Unknown as i32).await?;
+    assert!(
+        message.starts_with("the broker does not answer"),
+        "{message}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_stopped_ends_the_health_streams_and_exits() -> Result<()> {
+    use futures::StreamExt;
+    use gpu_broker_dra::pb::health_v1::{HealthStatus, NodeWatchResourcesRequest};
+    let mut n = node().await?;
+    let k = Kubelet::register(&n.plugin).await?;
+    let mut stream = k
+        .health
+        .clone()
+        .node_watch_resources(NodeWatchResourcesRequest {})
+        .await?
+        .into_inner();
+    health_of_gpu0(&mut stream, HealthStatus::Healthy as i32).await?;
+    // The kubelet keeps its stream open; SIGTERM still stops the plugin at once.
+    let took = n.plugin.terminate(std::time::Duration::from_secs(10));
+    assert!(
+        took.is_some_and(|t| t < std::time::Duration::from_secs(5)),
+        "took {took:?}: {}",
+        n.plugin.log_text()
+    );
+    let end = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while let Some(Ok(_)) = stream.next().await {}
+    })
+    .await;
+    assert!(end.is_ok(), "the stream never ended");
     Ok(())
 }

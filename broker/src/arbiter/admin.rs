@@ -164,7 +164,8 @@ impl Arbiter {
         if self.store.is_none() {
             return change();
         }
-        self.store_writer()?
+        self.lifecycle
+            .store_writer()?
             .run(change)
             .await
             .map_err(|e| match e {
@@ -173,28 +174,6 @@ impl Arbiter {
                     BrokerError::Internal(format!("a durable change panicked: {why}"))
                 }
             })?
-    }
-
-    /// The store writer, started on first use (inside the caller's runtime).
-    pub(super) fn store_writer(&self) -> BrokerResult<&crate::store_writer::StoreWriter> {
-        if let Some(w) = self.store_writer.get() {
-            return Ok(w);
-        }
-        let w = crate::store_writer::StoreWriter::start("store-writer")
-            .map_err(|e| BrokerError::Internal(format!("starting the store writer: {e}")))?;
-        // Another caller may have started one meanwhile: theirs is kept.
-        let _ = self.store_writer.set(w);
-        Ok(self.store_writer.get().expect("just set"))
-    }
-
-    /// Stops the store writer (shutdown): the changes already handed to it finish first;
-    /// later ones are refused as the broker shutting down (also when none came before:
-    /// a stopped writer takes the empty slot, so none starts after).
-    pub fn stop_store_writer(&self) {
-        let w = self
-            .store_writer
-            .get_or_init(crate::store_writer::StoreWriter::stopped);
-        off_the_runtime(|| w.stop());
     }
 
     /// [`Arbiter::change_quota`]; with `(who, action, target)`, its audit record

@@ -13,12 +13,9 @@ use super::{session_not_found, AcquireRequest, Arbiter, State, MAX_LABEL};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::pool::{Block, Source};
-use crate::units::show;
+use gpu_broker_core::request::{RequestBounds, ValidRequest};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// Largest single request accepted at all (1 PiB): anything above is malformed.
-pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
 
 /// A request offered to the queue, seen from the caller.
 enum Offered {
@@ -73,10 +70,22 @@ impl Drop for WaiterGuard {
 }
 
 impl Arbiter {
+    /// Checks `req`'s values ([`Arbiter::validate`]), then [`Arbiter::acquire_validated`].
+    pub async fn acquire(self: &Arc<Self>, req: AcquireRequest) -> BrokerResult<LeaseView> {
+        match self.validate(req) {
+            Ok(req) => self.acquire_validated(req).await,
+            Err(e) => {
+                let refused = Err(e);
+                self.metrics.acquired(&refused, std::time::Duration::ZERO);
+                refused
+            }
+        }
+    }
+
     /// Grants a lease now, after waiting up to `req.wait`, or fails with the reason.
     /// Counted in the metrics: latency by outcome, refusals by reason, time to grant of
     /// requests that waited.
-    pub async fn acquire(self: &Arc<Self>, req: AcquireRequest) -> BrokerResult<LeaseView> {
+    pub async fn acquire_validated(self: &Arc<Self>, req: ValidRequest) -> BrokerResult<LeaseView> {
         let started = Instant::now();
         let mut waited = false;
         let r = self
@@ -99,12 +108,11 @@ impl Arbiter {
     /// its grant.
     pub(crate) async fn acquire_untimed(
         self: &Arc<Self>,
-        req: AcquireRequest,
+        req: ValidRequest,
         process: Option<crate::reservations::ProcessAsk>,
         waited: &mut bool,
     ) -> BrokerResult<Granted> {
         self.check_not_shutting_down()?;
-        self.validate(&req)?;
         let mut queued = self.enqueue(&req, process, None)?;
         if let Offered::NeedsLineage(pid) = queued {
             // Whose process tree the caller is in, read from /proc outside the state lock.
@@ -174,7 +182,7 @@ impl Arbiter {
     /// exists, the answer is `NeedsLineage` and nothing is queued.
     fn enqueue(
         self: &Arc<Self>,
-        req: &AcquireRequest,
+        req: &ValidRequest,
         process: Option<crate::reservations::ProcessAsk>,
         lineage: Option<&[u32]>,
     ) -> BrokerResult<Offered> {
@@ -202,7 +210,7 @@ impl Arbiter {
             };
             if let Some(drawn) = self.draw_from_reservation(&mut st, req, lineage)? {
                 let id = st.next_waiter_id();
-                let rx = self.outbox.register_reply(id);
+                let rx = self.outbox.register_reply(&st, id);
                 let bytes = drawn.ask.bytes;
                 let shutting_down = self.is_shutting_down();
                 st.grant_waiter(id, drawn.ask, drawn.priority, drawn.device, shutting_down);
@@ -230,7 +238,7 @@ impl Arbiter {
             Enqueued::Waiting { id, queued: false } if lease => match st.take_reply(id) {
                 Some(answer) => Offered::Answered(answer),
                 None => Offered::Waiting {
-                    rx: self.outbox.register_reply(id),
+                    rx: self.outbox.register_reply(&st, id),
                     id,
                     bytes,
                     queued: false,
@@ -239,7 +247,7 @@ impl Arbiter {
             // The channel is in place before the lock is released, so before any answer
             // the queue pushed for it runs.
             Enqueued::Waiting { id, queued } => Offered::Waiting {
-                rx: self.outbox.register_reply(id),
+                rx: self.outbox.register_reply(&st, id),
                 id,
                 bytes,
                 queued,
@@ -248,30 +256,15 @@ impl Arbiter {
         })
     }
 
-    /// Checks a request's values (sizes, device, wait, label) without looking at state.
-    pub fn validate(&self, req: &AcquireRequest) -> BrokerResult<()> {
-        if req.bytes == 0 {
-            return Err(BrokerError::InvalidArgument("bytes must be > 0".into()));
-        }
-        if req.bytes > MAX_REQUEST_BYTES {
-            return Err(BrokerError::InvalidArgument(format!(
-                "bytes {} is absurd (more than {})",
-                req.bytes,
-                show(MAX_REQUEST_BYTES)
-            )));
-        }
-        if let Some(d) = req.device {
-            self.check_device_index(d)?;
-        }
-        if req.wait > self.cfg.max_wait {
-            return Err(BrokerError::wait_too_long(req.wait, self.cfg.max_wait));
-        }
-        if req.label.len() > MAX_LABEL {
-            return Err(BrokerError::InvalidArgument(format!(
-                "label longer than {MAX_LABEL} bytes"
-            )));
-        }
-        Ok(())
+    /// Checks a request's values (sizes, device, wait, label) against this broker's
+    /// devices and settings, without looking at state: once per request, where it enters;
+    /// every path after takes the [`ValidRequest`].
+    pub fn validate(&self, req: AcquireRequest) -> BrokerResult<ValidRequest> {
+        req.validate(&RequestBounds {
+            devices: self.devices.len(),
+            max_wait: self.cfg.max_wait,
+            max_label: MAX_LABEL,
+        })
     }
 
     /// What the core's queue policy reads from outside the state, at the hold's time
@@ -306,7 +299,7 @@ impl Arbiter {
     }
 
     /// Runs `Effect::Materialize`: the device work of a grant on a task of the main
-    /// runtime ([`Arbiter::effects_runtime`], whichever runtime ran the queue), then the
+    /// runtime ([`Lifecycle::effects_runtime`](super::Lifecycle::effects_runtime), whichever runtime ran the queue), then the
     /// grant is committed (or rolled back) under the lock and the caller answered.
     pub(super) fn spawn_grant(self: &Arc<Self>, p: PendingGrant) {
         let arb = self.clone();
@@ -317,7 +310,7 @@ impl Arbiter {
             device: d,
             source,
         } = p;
-        let Some(rt) = self.effects_runtime() else {
+        let Some(rt) = self.lifecycle.effects_runtime() else {
             // No runtime to do the device work on: the reservation is rolled back.
             tracing::error!(device = d, tenant = %ask.tenant, "no runtime for a grant's device work");
             let mut st = self.lock();
@@ -426,7 +419,7 @@ impl Arbiter {
 
     async fn fallback_or(
         self: &Arc<Self>,
-        req: &AcquireRequest,
+        req: &ValidRequest,
         bytes: u64,
         err: BrokerError,
     ) -> BrokerResult<Granted> {
@@ -440,7 +433,7 @@ impl Arbiter {
     /// Grants host shared memory instead of device memory, under the host limit.
     pub(crate) async fn acquire_host(
         self: &Arc<Self>,
-        req: &AcquireRequest,
+        req: &ValidRequest,
         bytes: u64,
     ) -> BrokerResult<LeaseView> {
         let Some(host) = self.host_tier.clone() else {
@@ -486,6 +479,7 @@ impl Arbiter {
                 // A block's file closes here, after the free.
                 let (alloc, _handle) = what.split();
                 if revoke {
+                    // Host-tier memfds refuse every seal: the truncation always holds.
                     super::revoke_before_free(dev, &alloc, u32::MAX);
                 }
                 if let Err(e) = dev.free(alloc) {

@@ -16,8 +16,8 @@ use crate::keeper::records::{self, Kept, LeaseRecord, SessionRecord};
 use crate::keeper::{KeeperError, Place};
 use crate::pool::Block;
 use crate::session::{Peer, Session, SessionEvent};
-use std::collections::HashSet;
-use std::os::fd::AsFd;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
@@ -35,8 +35,155 @@ pub struct RestartReport {
     pub bytes_adopted: u64,
     /// Records this broker could not read (dropped).
     pub unreadable: usize,
-    /// From the keeper's answer to the last lease taken back.
+    /// From asking the keeper for its records to the last lease taken back.
     pub took: Duration,
+    /// Where the start's time went, step by step: from the process's start (opening the
+    /// store, the devices, loading the state), the adoption's steps, then the steps up to
+    /// serving. The keeper's dump runs while the devices open, and the devices take their
+    /// blocks back at once (`device N take-back`, inside `take-back`): those overlap.
+    pub phases: Vec<Phase>,
+}
+
+/// One step of a start and how long it took.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Phase {
+    pub name: String,
+    pub took: Duration,
+}
+
+impl RestartReport {
+    /// The phases in a line: `open devices 310 ms, keeper dump 120 ms, ...`.
+    pub fn phases_line(&self) -> String {
+        self.phases
+            .iter()
+            .map(|p| format!("{} {}", p.name, ms(p.took)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// Milliseconds with one decimal below 10 ms (`0.4 ms`, `12 ms`).
+fn ms(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1000.0;
+    if ms < 10.0 {
+        format!("{ms:.1} ms")
+    } else {
+        format!("{ms:.0} ms")
+    }
+}
+
+/// Times a restart's steps one after the other.
+struct Laps {
+    last: Instant,
+    phases: Vec<Phase>,
+}
+
+impl Laps {
+    /// Starting now, after the steps `before` (the process's start, timed by `main`).
+    fn new(before: Vec<Phase>) -> Laps {
+        Laps {
+            last: Instant::now(),
+            phases: before,
+        }
+    }
+
+    /// The step that ends now, named `name`.
+    fn lap(&mut self, name: &str) {
+        let now = Instant::now();
+        self.push(name, now - self.last);
+        self.last = now;
+    }
+
+    /// A step timed elsewhere (the dump, a device's job).
+    fn push(&mut self, name: impl Into<String>, took: Duration) {
+        self.phases.push(Phase {
+            name: name.into(),
+            took,
+        });
+    }
+}
+
+/// Whether the processes named by kept records still live: each pid's start time read
+/// once (`/proc/<pid>/stat`), however many records name it.
+#[derive(Default)]
+struct Liveness(HashMap<u32, Option<u64>>);
+
+impl Liveness {
+    /// Is process `pid` the one that started at `start` (not a reused pid)?
+    fn is(&mut self, pid: u32, start: u64) -> bool {
+        *self
+            .0
+            .entry(pid)
+            .or_insert_with(|| crate::process::start_ticks(pid))
+            == Some(start)
+    }
+}
+
+/// Records not taken back, counted by kind and reason: logged as one line each (a
+/// restart after a crash may reclaim thousands).
+#[derive(Default)]
+struct Tally(BTreeMap<(&'static str, &'static str), (usize, u64)>);
+
+impl Tally {
+    fn add(&mut self, what: &'static str, why: &'static str, bytes: u64) {
+        let e = self.0.entry((what, why)).or_default();
+        e.0 += 1;
+        e.1 += bytes;
+    }
+
+    fn log(&self) {
+        for ((what, why), (count, bytes)) in &self.0 {
+            tracing::info!(count, bytes, why, "{what}");
+        }
+    }
+}
+
+/// A kept block to make again on its device from its descriptor.
+struct KeptBlock {
+    device: u32,
+    fd: OwnedFd,
+    bytes: u64,
+    block_id: u64,
+}
+
+impl KeptBlock {
+    fn new(device: u32, fd: OwnedFd, bytes: u64, block_id: u64) -> KeptBlock {
+        KeptBlock {
+            device,
+            fd,
+            bytes,
+            block_id,
+        }
+    }
+}
+
+/// What [`Arbiter::adopt_blocks`] took back (session, lease, bytes) and what it did not.
+#[derive(Default)]
+struct TakenBack {
+    leases: Vec<(Uuid, Uuid, u64)>,
+    leases_refused: Vec<(LeaseRecord, &'static str)>,
+    quarantines_refused: Vec<(records::QuarantineRecord, &'static str)>,
+}
+
+/// Kept session `r` as a session again, when its peer process is the one that opened it.
+fn session_of(r: &SessionRecord, alive: &mut Liveness) -> Result<Session, &'static str> {
+    let id: Uuid = r.id.parse().map_err(|_| "unreadable id")?;
+    let (Some(pid), Some(start)) = (r.pid, r.pid_start) else {
+        return Err("its process is unknown (not a Unix socket peer)");
+    };
+    if !alive.is(pid, start) {
+        return Err("its process is gone");
+    }
+    let peer = Peer {
+        pid: r.pid,
+        uid: r.uid,
+        unix: r.unix,
+    };
+    let mut s = Session::new(id, &r.tenant, &r.name, peer, r.token_id.clone());
+    s.opened = from_unix_ms(r.opened_unix_ms);
+    s.resume_hash = r.resume_hash.clone();
+    s.peer_start = r.pid_start;
+    Ok(s)
 }
 
 /// A session's resume secret and its hash (what is kept).
@@ -74,7 +221,10 @@ impl Arbiter {
         match k {
             Keep::Session(r) => link.put(r.key(), to_json(&r), None),
             Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
-            Keep::Lease(r, fd) => link.put(r.key(), to_json(&r), Some(fd.0.as_fd())),
+            Keep::Lease(mut r, fd) => {
+                r.device_uuid = self.uuid_of(r.device);
+                link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
+            }
             Keep::LeaseEnded(id) => link.remove(records::lease_key(&id)),
             Keep::Quarantine(mut r, fd) => {
                 // A session's end quarantines its leases after it left the table: its
@@ -82,6 +232,7 @@ impl Arbiter {
                 if r.pid_start.is_none() {
                     r.pid_start = r.pid.and_then(crate::process::start_ticks);
                 }
+                r.device_uuid = self.uuid_of(r.device);
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
             Keep::QuarantineLifted(id) => link.remove(records::quarantine_key(&id)),
@@ -108,6 +259,7 @@ impl Arbiter {
                     since_unix_ms: unix_ms(d.since),
                     deadline_unix_ms: d.deadline.map(unix_ms),
                     reason: d.reason.clone(),
+                    device_uuid: self.uuid_of(device),
                 };
                 link.put(r.key(), to_json(&r), None);
             }
@@ -122,17 +274,23 @@ impl Arbiter {
     /// Drains the device of kept drain `r` again, as the previous broker had it: same
     /// reason and start, the same deadline (wall clock) for its reclaimable holders, asked
     /// again; a deadline that passed meanwhile gives them the usual reclaim deadline.
-    fn drain_again(self: &Arc<Self>, r: records::DrainRecord) {
-        if r.device as usize >= self.devices.len() {
-            tracing::warn!(
-                device = r.device,
-                "a kept drain names no device of this broker: dropped"
-            );
+    fn drain_again(self: &Arc<Self>, mut r: records::DrainRecord) {
+        let device = self.device_of(r.device, r.device_uuid.as_deref());
+        if device != Some(r.device) {
+            // Kept again under its device's index now (below), or dropped.
             if let Some(link) = self.keeper.get() {
                 link.remove(r.key());
             }
-            return;
         }
+        let Some(device) = device else {
+            tracing::warn!(
+                device = r.device,
+                uuid = ?r.device_uuid,
+                "a kept drain names no device of this broker: dropped"
+            );
+            return;
+        };
+        r.device = device;
         let left = r.deadline_unix_ms.and_then(|ms| {
             from_unix_ms(ms)
                 .duration_since(SystemTime::now())
@@ -157,14 +315,36 @@ impl Arbiter {
         }
     }
 
+    /// The index now of the device kept memory or a drain of device `index` (as its record
+    /// says) belongs to: the device of UUID `uuid`, wherever it is; without one (a record
+    /// of an earlier version), the device at `index`. None: this broker has no such device.
+    fn device_of(&self, index: u32, uuid: Option<&str>) -> Option<u32> {
+        match uuid {
+            Some(u) => self
+                .devices
+                .iter()
+                .position(|d| d.thread.desc().uuid == u)
+                .map(|i| i as u32),
+            None => ((index as usize) < self.devices.len()).then_some(index),
+        }
+    }
+
+    /// Device `index`'s UUID, as records keep it (None when it has none).
+    fn uuid_of(&self, index: u32) -> Option<String> {
+        self.devices
+            .get(index as usize)
+            .map(|d| d.thread.desc().uuid.clone())
+            .filter(|u| !u.is_empty())
+    }
+
     /// A crash point outside the keeper's writes (`crash_point.rs`).
     pub fn crash_point(&self, kind: &str, what: &str) {
         self.crash.pass(kind, what);
     }
 
     /// What this start took back from the keeper (None without a keeper).
-    pub fn restart_report(&self) -> Option<&RestartReport> {
-        self.restart.get()
+    pub fn restart_report(&self) -> Option<RestartReport> {
+        self.restart.lock().clone()
     }
 
     /// Session `id` ended: nothing of it awaits a resume any more.
@@ -188,16 +368,34 @@ impl Arbiter {
         self: &Arc<Self>,
         link: impl Place + 'static,
     ) -> Result<RestartReport, KeeperError> {
-        let t0 = Instant::now();
-        let entries = link.dump()?;
+        let dumped = crate::keeper::place::dump(link)?;
+        Ok(self.adopt_dumped(dumped))
+    }
+
+    /// Takes back what a place handed back (its dump, made by [`crate::keeper::place::dump`]
+    /// while the devices opened, or just now), then sends it every change from now on.
+    pub fn adopt_dumped<P: Place + 'static>(
+        self: &Arc<Self>,
+        dumped: crate::keeper::place::Dumped<P>,
+    ) -> RestartReport {
+        let crate::keeper::place::Dumped {
+            place: link,
+            entries,
+            took: dump_took,
+        } = dumped;
+        let mut laps = Laps::new(crate::startup::steps());
+        laps.push("keeper dump", dump_took);
+        let t0 = Instant::now()
+            .checked_sub(dump_took)
+            .unwrap_or_else(Instant::now);
         let mut report = RestartReport {
             kept_records: entries.len(),
             ..RestartReport::default()
         };
         let mut sessions = Vec::new();
-        let mut leases = Vec::new();
+        let mut leases: Vec<(LeaseRecord, Option<OwnedFd>)> = Vec::new();
         let mut drains = Vec::new();
-        let mut quarantines = Vec::new();
+        let mut quarantines: Vec<(records::QuarantineRecord, Option<OwnedFd>)> = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
@@ -211,20 +409,45 @@ impl Arbiter {
                 }
             }
         }
-        let mut adopted = HashSet::new();
-        for r in sessions {
-            match self.adopt_session(&r) {
-                Ok(id) => {
-                    adopted.insert(id);
-                    report.sessions_adopted += 1;
+        // Memory and drains go to the device that has their UUID now, wherever it is.
+        let mut device_gone = Vec::new();
+        leases.retain_mut(
+            |(r, _)| match self.device_of(r.device, r.device_uuid.as_deref()) {
+                Some(d) => {
+                    r.device = d;
+                    true
                 }
-                Err(why) => {
-                    tracing::info!(session = %r.id, tenant = %r.tenant, pid = ?r.pid, why, "kept session not taken back");
-                    report.sessions_reclaimed += 1;
-                    link.remove(r.key());
+                None => {
+                    device_gone.push(r.clone());
+                    false
                 }
-            }
+            },
+        );
+        let mut quarantine_device_gone = Vec::new();
+        quarantines.retain_mut(
+            |(q, _)| match self.device_of(q.device, q.device_uuid.as_deref()) {
+                Some(d) => {
+                    q.device = d;
+                    true
+                }
+                None => {
+                    quarantine_device_gone.push(q.clone());
+                    false
+                }
+            },
+        );
+        laps.lap("parse");
+        let mut alive = Liveness::default();
+        let (adopted, refused_sessions) = self.adopt_sessions(sessions, &mut alive);
+        report.sessions_adopted = adopted.len();
+        let mut tally = Tally::default();
+        for (r, why) in refused_sessions {
+            tracing::debug!(session = %r.id, tenant = %r.tenant, pid = ?r.pid, why, "kept session not taken back");
+            tally.add("kept sessions not taken back", why, 0);
+            report.sessions_reclaimed += 1;
+            link.remove(r.key());
         }
+        laps.lap("sessions");
         // Kept device memory, leases' and quarantines' alike (with their descriptors).
         let kept = leases
             .iter()
@@ -238,20 +461,29 @@ impl Arbiter {
             )
             .collect::<Vec<_>>();
         self.count_kept_memory_as_ours(&kept);
-        let (taken, refused) = self.adopt_leases(leases, &adopted);
-        for (r, why) in refused {
-            tracing::info!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
+        let mut taken = self.adopt_blocks(leases, quarantines, &adopted, &mut alive, &mut laps);
+        taken
+            .leases_refused
+            .extend(device_gone.into_iter().map(|r| (r, "its device is gone")));
+        taken.quarantines_refused.extend(
+            quarantine_device_gone
+                .into_iter()
+                .map(|q| (q, "its device is gone")),
+        );
+        for (r, why) in taken.leases_refused {
+            tracing::debug!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
+            tally.add("kept leases reclaimed", why, r.bytes);
             report.leases_reclaimed += 1;
             link.remove(r.key());
         }
-        for (q, fd) in quarantines {
-            if let Err(why) = self.adopt_quarantine(&q, fd) {
-                tracing::info!(lease = %q.lease, tenant = %q.tenant, bytes = q.bytes, pid = ?q.pid, why, "kept quarantine let go");
-                link.remove(q.key());
-            }
+        for (q, why) in taken.quarantines_refused {
+            tracing::debug!(lease = %q.lease, tenant = %q.tenant, bytes = q.bytes, pid = ?q.pid, why, "kept quarantine let go");
+            tally.add("kept quarantines let go", why, q.bytes);
+            link.remove(q.key());
         }
+        tally.log();
         let mut waiting = self.awaiting_resume.lock();
-        for (session, lease, bytes) in taken {
+        for (session, lease, bytes) in taken.leases {
             report.leases_adopted += 1;
             report.bytes_adopted += bytes;
             waiting.entry(session).or_default().push(lease);
@@ -261,10 +493,13 @@ impl Arbiter {
         let place = link.describe();
         let _ = self.keeper.set(Arc::new(link));
         self.lock().set_keeping(true);
+        laps.lap("keeper re-armed");
         for d in drains {
             self.drain_again(d);
         }
+        laps.lap("drains");
         report.took = t0.elapsed();
+        report.phases = laps.phases;
         self.metrics.count_restart(
             (report.sessions_adopted, report.sessions_reclaimed),
             (report.leases_adopted, report.leases_reclaimed),
@@ -278,110 +513,55 @@ impl Arbiter {
             bytes_adopted = report.bytes_adopted,
             unreadable = report.unreadable,
             took = ?report.took,
+            phases = %report.phases_line(),
             %place,
             "took back what the keeper held"
         );
-        let _ = self.restart.set(report.clone());
-        Ok(report)
+        *self.restart.lock() = Some(report.clone());
+        report
     }
 
-    /// Takes back kept quarantine `r` while the process that may map its memory is the
-    /// one it was (same pid and start time): counted to its tenant again until it exits.
-    /// Otherwise its memory goes with the keeper's copy.
-    fn adopt_quarantine(
+    /// The start's steps after the adoption, up to serving (`main` times them): added to
+    /// the restart's report, so it covers the whole start.
+    pub fn restart_steps_to_serving(&self, steps: Vec<Phase>) {
+        let mut r = self.restart.lock();
+        let Some(r) = r.as_mut() else {
+            return;
+        };
+        r.phases.extend(steps);
+        tracing::info!(phases = %r.phases_line(), "serving after a restart");
+    }
+
+    /// Opens the kept sessions `records` again whose peer process is the one that opened
+    /// them (one lock hold for all): their ids, and those not taken back with why.
+    fn adopt_sessions(
         &self,
-        r: &records::QuarantineRecord,
-        fd: Option<std::os::fd::OwnedFd>,
-    ) -> Result<(), &'static str> {
-        let lease: Uuid = r.lease.parse().map_err(|_| "unreadable id")?;
-        let (Some(pid), Some(start)) = (r.pid, r.pid_start) else {
-            return Err("its process is unknown");
-        };
-        if crate::process::start_ticks(pid) != Some(start) {
-            return Err("its process is gone");
-        }
-        let fd = fd.ok_or("no descriptor came with it")?;
-        let Some(slot) = self.devices.get(r.device as usize) else {
-            return Err("no such device");
-        };
-        let kind_ok = matches!(
-            (slot.thread.desc().backend, r.kind.as_str()),
-            (crate::device::BackendKind::Host, "host-memfd")
-                | (crate::device::BackendKind::Cuda, "cuda-vmm")
-        );
-        if !kind_ok {
-            return Err("its memory is of another backend");
-        }
-        if self.fds.take(0).is_err() {
-            return Err("out of descriptors");
-        }
-        let (bytes, block_id) = (r.bytes, r.block_id);
-        let made = slot.thread.call_blocking(move |dev| {
-            let alloc = dev.adopt(fd, bytes, block_id)?;
-            let handle = dev.export(&alloc);
-            Ok::<_, crate::device::DeviceError>((alloc, handle))
-        });
-        let (alloc, handle) = match made {
-            Ok(Ok((alloc, Ok(handle)))) => (alloc, handle),
-            Ok(Ok((alloc, Err(_)))) => {
-                self.fds.give_back();
-                self.free_on_device(r.device, alloc);
-                return Err("the device refused its memory");
+        records: Vec<SessionRecord>,
+        alive: &mut Liveness,
+    ) -> (HashSet<Uuid>, Vec<(SessionRecord, &'static str)>) {
+        let mut refused = Vec::new();
+        let mut opened = Vec::new();
+        for r in records {
+            match session_of(&r, alive) {
+                Ok(s) => opened.push((r, s)),
+                Err(why) => refused.push((r, why)),
             }
-            _ => {
-                self.fds.give_back();
-                return Err("the device refused its memory");
-            }
-        };
-        let block = Block {
-            alloc,
-            handle,
-            last_tenant: Some(r.tenant.clone()),
-            // Freed only once the quarantine's process exited: nobody left to check for.
-            reached: Default::default(),
-        };
-        let a = super::state::AdoptedQuarantine {
-            lease,
-            tenant: r.tenant.clone(),
-            device: r.device,
-            pid: Some(pid),
-            destroy: r.destroy,
-        };
-        let refused = self.lock().adopt_quarantine(a, block);
-        if let Err((_, block)) = refused {
-            self.free_on_device(r.device, block);
-            return Err("its tenant is gone");
         }
-        Ok(())
+        let mut adopted = HashSet::with_capacity(opened.len());
+        let mut st = self.lock();
+        for (r, s) in opened {
+            let id = s.id;
+            match st.adopt_session(s) {
+                Ok(()) => {
+                    adopted.insert(id);
+                }
+                Err(_) => refused.push((r, "its tenant is gone")),
+            }
+        }
+        drop(st);
+        (adopted, refused)
     }
 
-    /// Opens kept session `r` again when its peer process is the one that opened it.
-    fn adopt_session(&self, r: &SessionRecord) -> Result<Uuid, &'static str> {
-        let id: Uuid = r.id.parse().map_err(|_| "unreadable id")?;
-        let (Some(pid), Some(start)) = (r.pid, r.pid_start) else {
-            return Err("its process is unknown (not a Unix socket peer)");
-        };
-        if crate::process::start_ticks(pid) != Some(start) {
-            return Err("its process is gone");
-        }
-        let peer = Peer {
-            pid: r.pid,
-            uid: r.uid,
-            unix: r.unix,
-        };
-        let mut s = Session::new(id, &r.tenant, &r.name, peer, r.token_id.clone());
-        s.opened = from_unix_ms(r.opened_unix_ms);
-        s.resume_hash = r.resume_hash.clone();
-        s.peer_start = r.pid_start;
-        self.lock()
-            .adopt_session(s)
-            .map_err(|_| "its tenant is gone")?;
-        Ok(id)
-    }
-
-    /// Takes back the kept leases `leases` of the sessions taken back (`sessions`), in
-    /// batches: one job per device makes their blocks again, one lock hold adopts them.
-    /// Those taken back (session, lease, bytes), and those not with why.
     /// Kept CUDA memory was in use when the devices opened, so their leasable bytes and
     /// the memory used outside the broker were read without it: it is the broker's (taken
     /// back now, or freed once the keeper's and our copies close), so each device's
@@ -409,108 +589,194 @@ impl Arbiter {
         }
     }
 
-    #[allow(clippy::type_complexity)]
-    fn adopt_leases(
+    /// Takes back the kept leases `leases` of the sessions taken back (`sessions`) and the
+    /// kept quarantines `quarantines` whose process lives: their blocks made again by one
+    /// job per device (all devices at once, [`Arbiter::take_back_blocks`]), then adopted
+    /// in one lock hold. What was not taken back is returned with why.
+    fn adopt_blocks(
         &self,
-        leases: Vec<(LeaseRecord, Option<std::os::fd::OwnedFd>)>,
+        leases: Vec<(LeaseRecord, Option<OwnedFd>)>,
+        quarantines: Vec<(records::QuarantineRecord, Option<OwnedFd>)>,
         sessions: &HashSet<Uuid>,
-    ) -> (Vec<(Uuid, Uuid, u64)>, Vec<(LeaseRecord, &'static str)>) {
-        let mut refused = Vec::new();
-        // Per device: the records and their descriptors that may be taken back.
-        let mut by_device: Vec<Vec<(LeaseRecord, Uuid, Uuid, std::os::fd::OwnedFd)>> =
-            (0..self.devices.len()).map(|_| Vec::new()).collect();
+        alive: &mut Liveness,
+        laps: &mut Laps,
+    ) -> TakenBack {
+        let mut out = TakenBack::default();
+        let mut blocks = Vec::new();
+        let mut lease_ids = Vec::new();
         for (r, fd) in leases {
             match self.adoptable(&r, fd, sessions) {
-                Ok((id, session, fd)) => by_device[r.device as usize].push((r, id, session, fd)),
-                Err(why) => refused.push((r, why)),
+                Ok((id, session, fd)) => {
+                    blocks.push(KeptBlock::new(r.device, fd, r.bytes, r.block_id));
+                    lease_ids.push((r, id, session));
+                }
+                Err(why) => out.leases_refused.push((r, why)),
             }
         }
-        let mut made = Vec::new();
-        for (d, batch) in by_device.into_iter().enumerate() {
-            if batch.is_empty() {
-                continue;
-            }
-            let (records, fds): (Vec<_>, Vec<_>) = batch
-                .into_iter()
-                .map(|(r, id, session, fd)| {
-                    let what = r_bytes_id(&r);
-                    ((r, id, session), (fd, what))
-                })
-                .unzip();
-            let blocks = self.devices[d].thread.call_blocking(move |dev| {
-                fds.into_iter()
-                    .map(|(fd, (bytes, block_id))| {
-                        let alloc = dev.adopt(fd, bytes, block_id)?;
-                        let handle = dev.export(&alloc);
-                        Ok::<_, crate::device::DeviceError>((alloc, handle))
-                    })
-                    .collect::<Vec<_>>()
-            });
-            let blocks = match blocks {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::warn!(device = d, error = %e, "kept memory could not be taken back");
-                    for (r, ..) in records {
-                        self.fds.give_back();
-                        refused.push((r, "the device refused its memory"));
-                    }
-                    continue;
+        let mut quarantine_ids = Vec::new();
+        for (q, fd) in quarantines {
+            match self.adoptable_quarantine(&q, fd, alive) {
+                Ok((lease, pid, fd)) => {
+                    blocks.push(KeptBlock::new(q.device, fd, q.bytes, q.block_id));
+                    quarantine_ids.push((q, lease, pid));
                 }
-            };
-            for ((r, id, session), block) in records.into_iter().zip(blocks) {
-                match block {
-                    Ok((alloc, Ok(handle))) => made.push((r, id, session, alloc, handle)),
-                    Ok((alloc, Err(e))) => {
-                        self.fds.give_back();
-                        self.free_on_device(r.device, alloc);
-                        tracing::warn!(lease = %r.id, error = %e, "kept memory could not be exported again");
-                        refused.push((r, "the device refused its memory"));
-                    }
-                    Err(e) => {
-                        self.fds.give_back();
-                        tracing::warn!(lease = %r.id, error = %e, "kept memory could not be taken back");
-                        refused.push((r, "the device refused its memory"));
-                    }
-                }
+                Err(why) => out.quarantines_refused.push((q, why)),
             }
         }
-        let mut taken = Vec::with_capacity(made.len());
+        laps.lap("liveness and descriptor checks");
+        let (made, device_times) = self.take_back_blocks(blocks);
+        for (d, took) in device_times {
+            laps.push(format!("device {d} take-back"), took);
+        }
+        laps.lap("take-back");
+        let mut made = made.into_iter();
         let mut unneeded = Vec::new();
-        {
-            let mut st = self.lock();
-            for (r, id, session, alloc, handle) in made {
-                let block = Block {
-                    alloc,
-                    handle,
-                    last_tenant: Some(r.tenant.clone()),
-                    reached: Default::default(),
-                };
-                let a = super::state::Adopted {
-                    id,
-                    tenant: r.tenant.clone(),
-                    session,
-                    device: r.device,
-                    requested_bytes: r.requested_bytes,
-                    label: r.label.clone(),
-                    reclaimable: r.reclaimable,
-                    created: from_unix_ms(r.created_unix_ms),
-                    priority: r.priority,
-                };
-                match st.adopt_lease(a, block) {
-                    Ok(_) => taken.push((session, id, r.bytes)),
-                    Err((why, block)) => {
-                        tracing::debug!(?why, "kept lease not taken back");
-                        unneeded.push((r.device, block));
-                        refused.push((r, "its session or tenant is gone"));
-                    }
+        let mut st = self.lock();
+        for (r, id, session) in lease_ids {
+            let Some(Some((alloc, handle))) = made.next() else {
+                out.leases_refused
+                    .push((r, "the device refused its memory"));
+                continue;
+            };
+            let block = Block {
+                alloc,
+                handle,
+                last_tenant: Some(r.tenant.clone()),
+                reached: Default::default(),
+            };
+            let a = super::state::Adopted {
+                id,
+                tenant: r.tenant.clone(),
+                session,
+                device: r.device,
+                requested_bytes: r.requested_bytes,
+                label: r.label.clone(),
+                reclaimable: r.reclaimable,
+                created: from_unix_ms(r.created_unix_ms),
+                priority: r.priority,
+            };
+            match st.adopt_lease(a, block) {
+                Ok(_) => out.leases.push((session, id, r.bytes)),
+                Err((why, block)) => {
+                    tracing::debug!(?why, "kept lease not taken back");
+                    unneeded.push((r.device, block));
+                    out.leases_refused
+                        .push((r, "its session or tenant is gone"));
                 }
             }
         }
+        for (q, lease, pid) in quarantine_ids {
+            let Some(Some((alloc, handle))) = made.next() else {
+                out.quarantines_refused
+                    .push((q, "the device refused its memory"));
+                continue;
+            };
+            let block = Block {
+                alloc,
+                handle,
+                last_tenant: Some(q.tenant.clone()),
+                // Freed only once the quarantine's process exited: nobody left to check for.
+                reached: Default::default(),
+            };
+            let a = super::state::AdoptedQuarantine {
+                lease,
+                tenant: q.tenant.clone(),
+                device: q.device,
+                pid: Some(pid),
+                destroy: q.destroy,
+            };
+            if let Err((_, block)) = st.adopt_quarantine(a, block) {
+                unneeded.push((q.device, block));
+                out.quarantines_refused.push((q, "its tenant is gone"));
+            }
+        }
+        drop(st);
         // Nobody counted maps them: their holders' sessions are gone.
         for (d, block) in unneeded {
             self.free_on_device(d, block);
         }
-        (taken, refused)
+        laps.lap("adopt under the lock");
+        out
+    }
+
+    /// Makes the kept blocks `blocks` again from their descriptors: one job per device,
+    /// queued on every device thread before any is waited for (so the devices work at
+    /// once). Each block's allocation and handle, or None (its descriptor given back to
+    /// the budget, what was made of it freed), in order; and each device's job time.
+    #[allow(clippy::type_complexity)]
+    fn take_back_blocks(
+        &self,
+        blocks: Vec<KeptBlock>,
+    ) -> (
+        Vec<Option<(crate::device::Allocation, crate::device::Handle)>>,
+        Vec<(u32, Duration)>,
+    ) {
+        let n = blocks.len();
+        let mut per_device: Vec<Vec<(usize, KeptBlock)>> =
+            (0..self.devices.len()).map(|_| Vec::new()).collect();
+        for (i, b) in blocks.into_iter().enumerate() {
+            // `adoptable` checked the device.
+            per_device[b.device as usize].push((i, b));
+        }
+        let mut queued = Vec::new();
+        for (d, batch) in per_device.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            let (order, batch): (Vec<usize>, Vec<KeptBlock>) = batch.into_iter().unzip();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let submitted = self.devices[d].thread.submit(move |dev| {
+                let t = Instant::now();
+                let made = batch
+                    .into_iter()
+                    .map(|b| {
+                        let alloc = dev.adopt(b.fd, b.bytes, b.block_id)?;
+                        let handle = dev.export(&alloc);
+                        Ok::<_, crate::device::DeviceError>((alloc, handle))
+                    })
+                    .collect::<Vec<_>>();
+                let _ = tx.send((made, t.elapsed()));
+            });
+            queued.push((d as u32, order, submitted.ok().map(|()| rx)));
+        }
+        let mut out: Vec<Option<_>> = (0..n).map(|_| None).collect();
+        let mut times = Vec::new();
+        for (d, order, rx) in queued {
+            let Some((made, took)) = rx.and_then(|rx| rx.recv().ok()) else {
+                tracing::warn!(
+                    device = d,
+                    blocks = order.len(),
+                    "kept memory could not be taken back: the device thread is gone"
+                );
+                for _ in &order {
+                    self.fds.give_back();
+                }
+                continue;
+            };
+            times.push((d, took));
+            let mut refused = 0usize;
+            let mut first_error = None;
+            for (i, m) in order.into_iter().zip(made) {
+                match m {
+                    Ok((alloc, Ok(handle))) => out[i] = Some((alloc, handle)),
+                    Ok((alloc, Err(e))) => {
+                        self.fds.give_back();
+                        self.free_on_device(d, alloc);
+                        refused += 1;
+                        first_error.get_or_insert(e);
+                    }
+                    Err(e) => {
+                        self.fds.give_back();
+                        refused += 1;
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+            if let Some(e) = first_error {
+                tracing::warn!(device = d, blocks = refused, error = %e, "kept memory could not be taken back");
+            }
+        }
+        (out, times)
     }
 
     /// Whether kept lease `r` can be taken back: its ids and descriptor (counted against
@@ -518,9 +784,9 @@ impl Arbiter {
     fn adoptable(
         &self,
         r: &LeaseRecord,
-        fd: Option<std::os::fd::OwnedFd>,
+        fd: Option<OwnedFd>,
         sessions: &HashSet<Uuid>,
-    ) -> Result<(Uuid, Uuid, std::os::fd::OwnedFd), &'static str> {
+    ) -> Result<(Uuid, Uuid, OwnedFd), &'static str> {
         let (Ok(id), Ok(session)) = (r.id.parse::<Uuid>(), r.session.parse::<Uuid>()) else {
             return Err("unreadable id");
         };
@@ -531,11 +797,40 @@ impl Arbiter {
         if r.tier != "device" {
             return Err("host-tier leases are not taken back");
         }
-        let Some(slot) = self.devices.get(r.device as usize) else {
+        self.block_fits(r.device, &r.kind)?;
+        Ok((id, session, fd))
+    }
+
+    /// Whether kept quarantine `r` can be taken back: while the process that may map its
+    /// memory is the one it was (same pid and start time) it stays counted to its tenant
+    /// until that process exits; otherwise its memory goes with the keeper's copy. Its
+    /// lease id, pid and descriptor (counted against the budget), or why not.
+    fn adoptable_quarantine(
+        &self,
+        r: &records::QuarantineRecord,
+        fd: Option<OwnedFd>,
+        alive: &mut Liveness,
+    ) -> Result<(Uuid, u32, OwnedFd), &'static str> {
+        let lease: Uuid = r.lease.parse().map_err(|_| "unreadable id")?;
+        let (Some(pid), Some(start)) = (r.pid, r.pid_start) else {
+            return Err("its process is unknown");
+        };
+        if !alive.is(pid, start) {
+            return Err("its process is gone");
+        }
+        let fd = fd.ok_or("no descriptor came with it")?;
+        self.block_fits(r.device, &r.kind)?;
+        Ok((lease, pid, fd))
+    }
+
+    /// Whether memory of `kind` kept on `device` can be taken back by this broker's
+    /// device of that index; if so its descriptor is counted against the budget.
+    fn block_fits(&self, device: u32, kind: &str) -> Result<(), &'static str> {
+        let Some(slot) = self.devices.get(device as usize) else {
             return Err("no such device");
         };
         let kind_ok = matches!(
-            (slot.thread.desc().backend, r.kind.as_str()),
+            (slot.thread.desc().backend, kind),
             (crate::device::BackendKind::Host, "host-memfd")
                 | (crate::device::BackendKind::Cuda, "cuda-vmm")
         );
@@ -545,7 +840,7 @@ impl Arbiter {
         if self.fds.take(0).is_err() {
             return Err("out of descriptors");
         }
-        Ok((id, session, fd))
+        Ok(())
     }
 
     /// Attaches the caller's stream to `id`, a session taken back from the keeper: only
@@ -604,11 +899,6 @@ impl Arbiter {
         self.metrics.count_resumed();
         Ok((rx, kept, ended.into_iter().chain(gone).collect()))
     }
-}
-
-/// A record's bytes and block id (what the device needs to take its memory back).
-fn r_bytes_id(r: &LeaseRecord) -> (u64, u64) {
-    (r.bytes, r.block_id)
 }
 
 fn to_json<T: serde::Serialize>(r: &T) -> serde_json::Value {

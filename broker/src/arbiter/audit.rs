@@ -34,7 +34,7 @@ impl Arbiter {
             return self.write_audit(rec);
         }
         let handed = self.me.upgrade().is_some_and(|me| {
-            self.store_writer().is_ok_and(|w| {
+            self.lifecycle.store_writer().is_ok_and(|w| {
                 let rec = rec.clone();
                 w.submit(move || me.write_audit(rec)).is_ok()
             })

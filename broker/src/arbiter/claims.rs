@@ -12,7 +12,7 @@ use super::Arbiter;
 use crate::audit::Who;
 use crate::auth::Scope;
 use crate::error::{BrokerError, BrokerResult, Missing};
-use crate::reservations::{ClaimBinding, ReservationView, ReserveRequest};
+use crate::reservations::{ClaimAsk, ClaimBinding, ReservationView, ReserveRequest};
 use crate::store::ClaimRecord;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -40,15 +40,18 @@ pub struct ClaimGrant {
     pub token_id: String,
 }
 
+/// What the names of claims' tokens start with (no other token's may).
+pub const CLAIM_TOKEN_PREFIX: &str = "claim/";
+
 /// The name of a claim's token.
 pub fn claim_token_name(uid: &str) -> String {
-    format!("claim/{uid}")
+    format!("{CLAIM_TOKEN_PREFIX}{uid}")
 }
 
 /// The claim uid a token of this name is bound to (the inverse of [`claim_token_name`]):
 /// such names are ReserveClaim's alone.
 pub fn claim_of_token_name(name: &str) -> Option<&str> {
-    name.strip_prefix("claim/")
+    name.strip_prefix(CLAIM_TOKEN_PREFIX)
 }
 
 impl Arbiter {
@@ -169,7 +172,7 @@ impl Arbiter {
                 "claim uid must not contain spaces or control characters".into(),
             ));
         }
-        self.validate(&super::AcquireRequest {
+        self.validate(super::AcquireRequest {
             tenant: req.tenant.clone(),
             session: uuid::Uuid::nil(),
             bytes: req.bytes,
@@ -205,11 +208,16 @@ impl Arbiter {
         let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
             BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
         })?;
-        let binding = ClaimBinding {
-            uid: req.uid.clone(),
-            token_id: token_id.to_string(),
-        };
-        let id = st.grant_claim(&req.tenant, req.device, bytes, &req.label, binding)?;
+        let id = st.grant_claim(ClaimAsk {
+            tenant: req.tenant.clone(),
+            device: req.device,
+            bytes,
+            label: req.label.clone(),
+            binding: ClaimBinding {
+                uid: req.uid.clone(),
+                token_id: token_id.to_string(),
+            },
+        })?;
         let r = st
             .reservations()
             .get(&id)
@@ -311,12 +319,18 @@ impl Arbiter {
             )));
         }
         let created = SystemTime::UNIX_EPOCH + Duration::from_millis(c.created_unix_ms);
-        let binding = ClaimBinding {
-            uid: c.uid.clone(),
-            token_id: c.token_id.clone(),
+        let ask = ClaimAsk {
+            tenant: c.tenant.clone(),
+            device: c.device,
+            bytes: c.bytes,
+            label: c.label.clone(),
+            binding: ClaimBinding {
+                uid: c.uid.clone(),
+                token_id: c.token_id.clone(),
+            },
         };
         let mut st = self.lock();
-        st.restore_claim(id, created, &c.tenant, c.device, c.bytes, &c.label, binding)?;
+        st.restore_claim(id, created, ask)?;
         tracing::info!(claim = %c.uid, reservation = %id, tenant = %c.tenant, device = c.device, bytes = c.bytes, "claim reservation taken again");
         Ok(())
     }

@@ -106,8 +106,7 @@ impl Arbiter {
         let clock = st.clock();
         let now = clock.wall;
         let deadline_wall = deadline.map(|d| now + d);
-        {
-            let mut avail = self.avail.write();
+        st.change_devices(|avail| {
             for &d in &targets {
                 if let Some(s) = avail.device_mut(d) {
                     let asked = s.drain.take().map(|x| x.asked).unwrap_or_default();
@@ -119,10 +118,10 @@ impl Arbiter {
                     });
                 }
             }
-        }
+            Some(())
+        });
         // Waiters no open device can serve any more are refused now (pinned:
         // `FAILED_PRECONDITION`; unpinned: `UNAVAILABLE`), before the reclaim requests.
-        st.devices_changed();
         st.settle();
         // Ask holders of reclaimable leases there to release by the deadline (or the
         // usual reclaim deadline).
@@ -155,22 +154,21 @@ impl Arbiter {
     pub fn undrain(self: &Arc<Self>, device: Option<u32>) -> BrokerResult<DrainReport> {
         let targets = self.drain_targets(device)?;
         let mut st = self.lock();
-        let mut withdrawn: HashSet<uuid::Uuid> = HashSet::new();
-        {
-            let mut avail = self.avail.write();
-            for &d in &targets {
-                if let Some(s) = avail.device_mut(d) {
-                    if let Some(drain) = s.drain.take() {
+        let withdrawn = st
+            .change_devices(|avail| {
+                let mut withdrawn: HashSet<uuid::Uuid> = HashSet::new();
+                for &d in &targets {
+                    if let Some(drain) = avail.device_mut(d).and_then(|s| s.drain.take()) {
                         withdrawn.extend(drain.asked);
                     }
                 }
-            }
-        }
+                Some(withdrawn)
+            })
+            .unwrap_or_default();
         for &d in &targets {
             self.keep_drain(d, None);
         }
         st.withdraw_drain_reclaim(&withdrawn);
-        st.devices_changed();
         tracing::warn!(devices = ?targets, withdrawn = withdrawn.len(), "drain ended");
         // The report shows what the queue granted on the reopened devices.
         st.settle();

@@ -51,7 +51,10 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
         .unwrap();
     assert!(c.created);
     assert_eq!(c.tenant.quota.limit_bytes, 64 * MIB);
-    assert!(arb.store_writer.get().is_some(), "ran on the store writer");
+    assert!(
+        arb.lifecycle().has_store_writer(),
+        "ran on the store writer"
+    );
     // A patch: only the field given changes; the record has the quota before and after.
     let patch = QuotaPatch {
         max_leases: Some(3),
@@ -91,7 +94,7 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
     );
     assert!(arb.get_tenant("g").is_err());
     assert_eq!(arb.list_audit(&AuditFilter::default()).unwrap().len(), 2);
-    arb.join_workers(Duration::from_secs(5)).await;
+    arb.lifecycle().join(Duration::from_secs(5)).await;
     drop(arb);
     let (tenants, records) = reopened(dir.path());
     assert_eq!(tenants, vec![("a".to_string(), 64 * MIB)]);
@@ -142,7 +145,7 @@ async fn concurrent_changes_leave_memory_store_and_audit_agreeing() {
         assert_eq!(mine.last().unwrap().after, Some(q.to_json()));
         in_memory.push((name, q.limit_bytes));
     }
-    arb.join_workers(Duration::from_secs(5)).await;
+    arb.lifecycle().join(Duration::from_secs(5)).await;
     drop(arb);
     let (tenants, durable) = reopened(dir.path());
     assert_eq!(tenants, in_memory, "the store agrees with memory");
@@ -161,7 +164,11 @@ async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
     arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
         .await
         .unwrap();
-    assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+    assert!(arb
+        .lifecycle()
+        .join(Duration::from_secs(5))
+        .await
+        .is_empty());
     let e = arb
         .change_quota_for("a".into(), Replace(quota(16 * MIB)), who())
         .await
@@ -179,7 +186,11 @@ async fn a_change_after_shutdown_is_refused_though_none_came_before() {
     // No change started the writer before the workers were joined: none starts after.
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+    assert!(arb
+        .lifecycle()
+        .join(Duration::from_secs(5))
+        .await
+        .is_empty());
     let e = arb
         .change_quota_for("a".into(), Replace(quota(16 * MIB)), who())
         .await
@@ -209,7 +220,11 @@ async fn a_change_whose_caller_went_away_is_committed_and_applied_both() {
         waited += 1;
     }
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 8 * MIB);
-    assert!(arb.join_workers(Duration::from_secs(5)).await.is_empty());
+    assert!(arb
+        .lifecycle()
+        .join(Duration::from_secs(5))
+        .await
+        .is_empty());
     let records = arb.list_audit(&AuditFilter::default()).unwrap();
     drop(arb);
     let (tenants, durable) = reopened(dir.path());
@@ -283,7 +298,7 @@ async fn a_deletion_racing_a_quota_change_is_recorded_in_the_stores_order() {
         set.await.unwrap();
         delete.await.unwrap();
         let records = arb.list_audit(&AuditFilter::default()).unwrap();
-        arb.join_workers(Duration::from_secs(5)).await;
+        arb.lifecycle().join(Duration::from_secs(5)).await;
         drop(arb);
         let (tenants, durable) = reopened(dir.path());
         assert_eq!(durable, records, "every record durable");
@@ -326,7 +341,7 @@ async fn a_refused_deletion_commits_no_record() {
         .unwrap_err();
     assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
     assert!(arb.list_audit(&AuditFilter::default()).unwrap().is_empty());
-    arb.join_workers(Duration::from_secs(5)).await;
+    arb.lifecycle().join(Duration::from_secs(5)).await;
     drop(arb);
     assert_eq!(reopened(dir.path()).1, vec![]);
 }
@@ -363,7 +378,7 @@ async fn tokens_issued_and_revoked_commit_with_their_records_on_the_writer() {
     assert_eq!(records[1].target, issued.entry.token_id);
     assert_eq!(records[3].before, Some(json), "the token as it was");
     assert_eq!(records[3].tenant, "a");
-    arb.join_workers(Duration::from_secs(5)).await;
+    arb.lifecycle().join(Duration::from_secs(5)).await;
     drop(arb);
     let store = Store::open(dir.path()).unwrap();
     let (_, tokens) = store.load().unwrap();
@@ -393,7 +408,7 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
     arb.audits_written().await;
     let records = arb.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(actions(&records), ["quota.set", "drain.start"]);
-    arb.join_workers(Duration::from_secs(5)).await;
+    arb.lifecycle().join(Duration::from_secs(5)).await;
     // After shutdown a record is still written (in place).
     arb.audit(&who(), "drain.stop", "", "node", None, None);
     arb.audits_written().await;

@@ -202,6 +202,21 @@ impl<'a> Locked<'a> {
         }
     }
 
+    /// Changes which devices admit new leases (a drain, a health mark) in this hold: when
+    /// `change` changed something (`Some`), the queue runs before the unlock
+    /// (`State::devices_changed`): a reopened device may fit waiters, and those no open
+    /// device can serve any more are refused.
+    pub(crate) fn change_devices<R>(
+        &mut self,
+        change: impl FnOnce(&mut crate::availability::Availability) -> Option<R>,
+    ) -> Option<R> {
+        let changed = change(&mut self.arb.avail.write());
+        if changed.is_some() {
+            self.devices_changed();
+        }
+        changed
+    }
+
     fn release(&self, st: MutexGuard<'a, State>) {
         if self.fair {
             MutexGuard::unlock_fair(st);
@@ -313,11 +328,11 @@ impl Arbiter {
 
     /// Runs `Effect::Watch`: joins the key to its process's watcher, or spawns one (a
     /// task with a pidfd; for a timeout, a timer task) on the main runtime
-    /// ([`Arbiter::effects_runtime`]: not on the operators' one when an operator's call
+    /// ([`Lifecycle::effects_runtime`](super::Lifecycle::effects_runtime): not on the operators' one when an operator's call
     /// asked for it). When it fires it runs the transitions its keys name.
     fn start_watch(&self, w: Watch) {
         let Some(me) = self.me.upgrade() else { return };
-        let Some(rt) = self.effects_runtime() else {
+        let Some(rt) = self.lifecycle.effects_runtime() else {
             return;
         };
         let me = std::sync::Arc::downgrade(&me);
@@ -425,7 +440,7 @@ impl Arbiter {
             Effect::EndTurns { session, .. } => self.end_turns(session),
             Effect::StopGroup { group: g, .. } => {
                 let grace = self.cfg.process_stop_grace;
-                match self.effects_runtime() {
+                match self.lifecycle.effects_runtime() {
                     Some(rt) => {
                         rt.spawn(crate::process_group::stop(g, grace));
                     }

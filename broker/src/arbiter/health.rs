@@ -25,16 +25,13 @@ impl Arbiter {
         let uuid = self.device_uuid(index);
         let holders = {
             let mut st = self.lock();
-            {
-                let mut avail = self.avail.write();
-                let Some(s) = avail.device_mut(index) else {
-                    return Ok(false);
-                };
+            let marked = st.change_devices(|avail| {
+                let s = avail.device_mut(index)?;
                 match &mut s.fault {
                     Some(f) => {
                         // An operator's mark outranks the monitor's; same reason: nothing new.
                         if f.reason == reason && f.by_operator == by_operator {
-                            return Ok(false);
+                            return None;
                         }
                         f.reason = reason.to_string();
                         f.by_operator |= by_operator;
@@ -47,9 +44,12 @@ impl Arbiter {
                         })
                     }
                 }
+                Some(())
+            });
+            if marked.is_none() {
+                return Ok(false);
             }
             // Waiters no open device can serve any more are refused now.
-            st.devices_changed();
             st.settle();
             st.tell_device_unhealthy(index, &uuid, reason)
         };
@@ -74,25 +74,20 @@ impl Arbiter {
         who: &Who,
     ) -> BrokerResult<bool> {
         self.check_device_index(index)?;
-        let before = {
-            let mut st = self.lock();
-            let before = {
-                let mut avail = self.avail.write();
-                let Some(s) = avail.device_mut(index) else {
-                    return Ok(false);
-                };
-                match &s.fault {
-                    None => return Ok(false),
-                    Some(f) if f.by_operator && !by_operator => return Ok(false),
-                    Some(f) => {
-                        let r = f.reason.clone();
-                        s.fault = None;
-                        r
-                    }
+        let cleared = self.lock().change_devices(|avail| {
+            let s = avail.device_mut(index)?;
+            match &s.fault {
+                None => None,
+                Some(f) if f.by_operator && !by_operator => None,
+                Some(f) => {
+                    let r = f.reason.clone();
+                    s.fault = None;
+                    Some(r)
                 }
-            };
-            st.devices_changed();
-            before
+            }
+        });
+        let Some(before) = cleared else {
+            return Ok(false);
         };
         tracing::warn!(device = index, by_operator, was = %before, "device healthy again: admitting");
         self.audit(
@@ -154,9 +149,7 @@ impl Arbiter {
             )));
         }
         if healthy {
-            if let Some(s) = self.health_source.lock().as_ref() {
-                s.lock().reset(index);
-            }
+            self.lifecycle.reset_fault_source(index);
             self.mark_healthy(index, true, who)
         } else {
             let reason = if reason.is_empty() {

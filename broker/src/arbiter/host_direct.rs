@@ -3,19 +3,15 @@
 //! sleep/wake). The grant is the host tier's, under the tenant's host limit, like a
 //! fallback lease; it never waits (host memory is not queued).
 
-use super::{AcquireRequest, Arbiter};
+use super::{Arbiter, ValidRequest};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use std::sync::Arc;
 
 impl Arbiter {
     /// Grants `req.bytes` of host memory (rounded up to the host tier's granularity).
-    pub async fn acquire_host_tier(
-        self: &Arc<Self>,
-        req: AcquireRequest,
-    ) -> BrokerResult<LeaseView> {
+    pub async fn acquire_host_tier(self: &Arc<Self>, req: ValidRequest) -> BrokerResult<LeaseView> {
         self.check_not_shutting_down()?;
-        self.validate(&req)?;
         let Some(host) = &self.host_tier else {
             return Err(BrokerError::NoHostTier);
         };

@@ -6,8 +6,9 @@
 //! scrub, free) runs on the device threads, outside the lock, on memory already reserved.
 //!
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
-//! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (background
-//! loops: keepalive reaper, reclaim deadlines, leasable refresh); `audit`, `health`,
+//! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (the
+//! arbiter's loops: keepalive reaper, reclaim deadlines, leasable refresh), run by
+//! [`Lifecycle`] (`lifecycle`: workers, runtime, store writer, MPS); `audit`, `health`,
 //! `reservations` and `sharing` are the arbiter's side of the audit log, device health,
 //! process reservations and shared leases (the records they work on live below it).
 
@@ -21,10 +22,11 @@ mod effects;
 mod ending;
 mod health;
 mod host_direct;
+mod lifecycle;
 pub mod listing;
 mod outbox;
 pub use gpu_broker_core::lease::RECLAIM_DEADLINE_MISSED;
-pub use gpu_broker_core::request::AcquireRequest;
+pub use gpu_broker_core::request::{AcquireRequest, ValidRequest};
 /// The wait queue's records and the state core, at their old paths (`gpu_broker_core`).
 pub use gpu_broker_core::{overtaking, queue, state};
 mod reservations;
@@ -38,8 +40,9 @@ mod workers;
 
 pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
-pub use adopt::RestartReport;
+pub use adopt::{Phase, RestartReport};
 pub use drain::{DeviceDrain, DrainReport};
+pub use lifecycle::Lifecycle;
 pub use sharing::ImportGrant;
 pub(crate) use state::{Ending, State};
 
@@ -181,17 +184,13 @@ pub struct Arbiter {
     pub(crate) avail: parking_lot::RwLock<crate::availability::Availability>,
     /// What the broker did (counters, histograms), for `/metrics`.
     pub(crate) metrics: crate::metrics::Metrics,
-    /// NVML faults, once the health monitor runs (operators' resets reach it).
-    pub(crate) health_source: HealthSourceSlot,
-    /// The managed MPS daemon (`--mps`), set once at start.
-    mps: std::sync::OnceLock<Arc<crate::mps::Mps>>,
-    /// Each device's compute mode (NVML) read at start, for a CUDA broker without `--mps`
-    /// (with it the daemon's status has them).
-    compute_modes: std::sync::OnceLock<Vec<String>>,
+    /// The background machinery: workers, the main runtime, the store writer, MPS, the
+    /// fault source (`lifecycle.rs`).
+    lifecycle: Lifecycle,
     /// The keeper of sessions and leases across restarts (`adopt.rs`), once taken back.
     keeper: std::sync::OnceLock<Arc<dyn crate::keeper::Place>>,
     /// What this start took back from the keeper.
-    restart: std::sync::OnceLock<RestartReport>,
+    restart: Mutex<Option<RestartReport>>,
     /// Leases taken back from the keeper, by session, until the session is resumed (a
     /// resume ends those its worker does not name, and no lease granted since).
     awaiting_resume: Mutex<HashMap<Uuid, Vec<Uuid>>>,
@@ -207,15 +206,6 @@ pub struct Arbiter {
     /// validates under the state lock, commits to the store with no state lock held, then
     /// applies under the state lock. Lock order: this, then the state.
     admin_writes: Mutex<()>,
-    /// The thread that runs operators' quota changes (`store_writer.rs`), started on
-    /// first use; stopped by [`Arbiter::join_workers`] or when the arbiter is dropped.
-    store_writer: std::sync::OnceLock<crate::store_writer::StoreWriter>,
-    /// Background workers (`workers.rs`).
-    workers: workers::Workers,
-    /// The main runtime, learnt where the background work starts
-    /// ([`Arbiter::spawn_background`]): effects' tasks (grants, watchers) run there,
-    /// whichever runtime the transition that asked for them ran on.
-    main_runtime: std::sync::OnceLock<tokio::runtime::Handle>,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
@@ -225,38 +215,13 @@ pub struct Arbiter {
     pub(crate) fds: Arc<crate::fd_budget::FdBudget>,
 }
 
-/// Where the health monitor keeps its fault source. Lock order: this slot, then the
-/// source's own mutex, then nothing; neither is held while the state lock is taken (an
-/// operator's `SetDeviceHealth` resets the source, releases both, then marks the device).
-pub(crate) type HealthSourceSlot =
-    parking_lot::Mutex<Option<Arc<parking_lot::Mutex<Box<dyn crate::faults::FaultSource>>>>>;
-
 /// Longest label accepted.
 pub const MAX_LABEL: usize = crate::bounds::MAX_TEXT_BYTES;
 
 impl Arbiter {
-    /// The managed MPS daemon, when the broker runs one (`--mps`).
-    pub fn mps(&self) -> Option<&Arc<crate::mps::Mps>> {
-        self.mps.get()
-    }
-
-    /// Each device's compute mode, by index: the MPS daemon's record with `--mps`, else
-    /// what was read at start (none on the host backend).
-    pub fn compute_modes(&self) -> Vec<String> {
-        match self.mps() {
-            Some(m) => m.status().compute_modes,
-            None => self.compute_modes.get().cloned().unwrap_or_default(),
-        }
-    }
-
-    /// Records the devices' compute modes read at start (once).
-    pub fn set_compute_modes(&self, modes: Vec<String>) {
-        let _ = self.compute_modes.set(modes);
-    }
-
-    /// Hands the arbiter the managed MPS daemon (once; later calls are ignored).
-    pub fn set_mps(&self, mps: Arc<crate::mps::Mps>) {
-        let _ = self.mps.set(mps);
+    /// The broker's background machinery (workers, store writer, MPS, fault source).
+    pub fn lifecycle(&self) -> &Lifecycle {
+        &self.lifecycle
     }
 
     /// An arbiter over `devices`; tenants and tokens are loaded from `store` if given.
@@ -306,19 +271,14 @@ impl Arbiter {
             me: me.clone(),
             unverified,
             admin_writes: Mutex::new(()),
-            store_writer: std::sync::OnceLock::new(),
-            workers: workers::Workers::default(),
-            main_runtime: std::sync::OnceLock::new(),
+            lifecycle: Lifecycle::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
             fds,
             audit_log,
             avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
-            health_source: parking_lot::Mutex::new(None),
-            mps: std::sync::OnceLock::new(),
-            compute_modes: std::sync::OnceLock::new(),
             keeper: std::sync::OnceLock::new(),
-            restart: std::sync::OnceLock::new(),
+            restart: Mutex::default(),
             awaiting_resume: Mutex::default(),
             crash: crate::crash_point::CrashPoint::from_env(),
             scheduler,
@@ -628,9 +588,7 @@ impl Arbiter {
                 let _counted = counted;
                 // A block's descriptor closes here, after the free, on the device thread.
                 let (alloc, handle) = what.split();
-                if revoke {
-                    revoke_before_free(dev, &alloc, device);
-                }
+                let revoked = !revoke || revoke_before_free(dev, &alloc, device);
                 let bytes = alloc.bytes;
                 let alive: Vec<u32> = reached
                     .as_ref()
@@ -642,19 +600,52 @@ impl Arbiter {
                             .collect()
                     })
                     .unwrap_or_default();
-                let (Some(report), false) = (report, alive.is_empty()) else {
-                    if let Err(e) = dev.free(alloc) {
-                        tracing::error!(device, alloc = id, error = %e, "free failed");
-                    }
-                    drop(handle);
-                    return;
+                // Who answers for memory kept: the block's tenant, or another tenant's
+                // importer when only such importers could keep it.
+                let answering = |keepers: &[u32]| {
+                    reached
+                        .as_ref()
+                        .map(|(own, r)| r.answers_for(keepers, own))
+                        .unwrap_or_default()
                 };
                 let pending = &unverified[device as usize];
+                let report = report.filter(|_| !alive.is_empty());
+                // A memfd that could not be revoked (sealed against shrinking): the
+                // processes that still map it or hold its descriptor say who kept it.
+                let memfd = handle
+                    .as_ref()
+                    .filter(|_| !revoked && report.is_some())
+                    .and_then(|h| dev.held_as_file(h));
+                let report = match (report, memfd) {
+                    (Some(report), None) => report,
+                    (report, memfd) => {
+                        if memfd.is_some() {
+                            pending.fetch_add(bytes, Ordering::SeqCst);
+                        }
+                        let freed = dev.free(alloc);
+                        drop(handle);
+                        if let Err(e) = &freed {
+                            tracing::error!(device, alloc = id, error = %e, "free failed");
+                        }
+                        let (Some(report), Some(file)) = (report, memfd) else {
+                            return;
+                        };
+                        let keepers = match freed {
+                            Ok(()) => crate::memfd_holders::holding(file, &alive),
+                            Err(_) => Vec::new(),
+                        };
+                        if keepers.is_empty() {
+                            pending.fetch_sub(bytes, Ordering::SeqCst);
+                        } else {
+                            report(device, answering(&keepers), bytes, keepers);
+                        }
+                        return;
+                    }
+                };
                 pending.fetch_add(bytes, Ordering::SeqCst);
                 match dev.free_checked(alloc, handle) {
                     Ok(Returned::No) => {
-                        let tenant = reached.map(|(t, _)| t).unwrap_or_default();
-                        report(device, tenant, bytes, alive);
+                        report(device, answering(&alive), bytes, alive);
                     }
                     Ok(Returned::Yes | Returned::Unknown) => {
                         pending.fetch_sub(bytes, Ordering::SeqCst);
@@ -681,12 +672,13 @@ impl Arbiter {
     }
 
     /// What the device thread calls when a free did not give the memory back: the bytes
-    /// are charged again to the block's tenant (`State::stranded`), on the main runtime
+    /// are charged again to the tenant that answers for them (the block's, or another
+    /// tenant's importer: `Reached::answers_for`) (`State::stranded`), on the main runtime
     /// (inline when there is none), never on the device thread under a lock it could wait
     /// on.
     fn stranded_reporter(&self) -> impl FnOnce(u32, String, u64, Vec<u32>) + Send + 'static {
         let me = self.me.clone();
-        let rt = self.effects_runtime();
+        let rt = self.lifecycle.effects_runtime();
         let unverified = self.unverified.clone();
         move |device, tenant, bytes, pids| {
             let charge = move || {
@@ -722,12 +714,17 @@ pub(crate) fn revoke_before_free(
     dev: &mut dyn crate::device::Device,
     alloc: &crate::device::Allocation,
     device: u32,
-) {
-    if let Err(e) = dev.revoke(alloc) {
-        // A published memfd (sealed against shrinking for its importers) or one its holder
-        // so sealed: a mapping kept of it keeps its pages, outside the books.
-        // The usual case is a once-published memfd, freed with nobody mapping it: no alarm.
-        tracing::debug!(device, alloc = alloc.id, error = %e, "memory could not be revoked before its free (sealed against shrinking); a process that kept it mapped keeps it");
+) -> bool {
+    match dev.revoke(alloc) {
+        Ok(()) => true,
+        Err(e) => {
+            // A published memfd (sealed against shrinking for its importers) or one its
+            // holder so sealed: a mapping kept of it keeps its pages (the free then looks
+            // for who keeps it). The usual case is a once-published memfd, freed with
+            // nobody mapping it: no alarm.
+            tracing::debug!(device, alloc = alloc.id, error = %e, "memory could not be revoked before its free (sealed against shrinking); a process that kept it mapped keeps it");
+            false
+        }
     }
 }
 
@@ -758,6 +755,8 @@ pub(crate) fn host_arbiter_with_store(
     Arbiter::new(slots, None, store, Arc::new(Authenticator::new("x")), cfg).unwrap()
 }
 
+#[cfg(test)]
+mod adopt_tests;
 #[cfg(test)]
 mod claims_tests;
 #[cfg(test)]

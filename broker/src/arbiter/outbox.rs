@@ -7,9 +7,10 @@
 //! sends after the lock is released.
 //!
 //! Waiting requests' **reply channels** are kept here too, by the waiter id the core knows
-//! them by (`queue::WaiterId`). A channel is registered under the state lock, in the same
-//! hold that queued the request, so it is in place before any `Effect::Reply` for it can
-//! run (they run after the lock is released). `Effect::Reply` takes it out and answers; an
+//! them by (`queue::WaiterId`). A channel is registered under the state lock (its guard is
+//! an argument of [`Outbox::register_reply`]), in the same hold that queued the request, so
+//! it is in place before any `Effect::Reply` for it can run (they run after the lock is
+//! released). `Effect::Reply` takes it out and answers; an
 //! id with no channel (its future was dropped: `WaiterGuard` forgot it) or a closed one
 //! means the caller is gone, and the shell gives back whatever was granted.
 //!
@@ -127,8 +128,14 @@ impl Outbox {
         self.mailboxes.lock().len()
     }
 
-    /// A reply channel for waiter `id`; its receiver is the acquiring future's.
-    pub fn register_reply(&self, id: WaiterId) -> oneshot::Receiver<Answer> {
+    /// A reply channel for waiter `id`; its receiver is the acquiring future's. Made only
+    /// under the state lock (`_held`), in the hold that queued the waiter, so it is in place
+    /// before any `Effect::Reply` for it runs.
+    pub fn register_reply(
+        &self,
+        _held: &super::effects::Locked<'_>,
+        id: WaiterId,
+    ) -> oneshot::Receiver<Answer> {
         self.replies.register(id)
     }
 
@@ -216,7 +223,7 @@ mod tests {
     #[test]
     fn an_answer_reaches_its_receiver_once() {
         let r = Outbox::default();
-        let mut rx = r.register_reply(7);
+        let mut rx = r.replies.register(7);
         assert!(r.reply(7, Err(BrokerError::ShuttingDown)).is_none());
         assert!(matches!(rx.try_recv(), Ok(Err(BrokerError::ShuttingDown))));
         // Taken out: a second answer has nobody to go to.
@@ -227,10 +234,10 @@ mod tests {
     #[test]
     fn an_answer_for_a_gone_caller_comes_back() {
         let r = Outbox::default();
-        let rx = r.register_reply(1);
+        let rx = r.replies.register(1);
         drop(rx);
         assert!(r.reply(1, Err(BrokerError::ShuttingDown)).is_some());
-        let _rx = r.register_reply(2);
+        let _rx = r.replies.register(2);
         r.forget_reply(2);
         assert!(r.reply(2, Err(BrokerError::ShuttingDown)).is_some());
         assert!(r.reply(3, Err(BrokerError::ShuttingDown)).is_some());

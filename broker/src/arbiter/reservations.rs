@@ -50,7 +50,7 @@ impl Arbiter {
         let overhead = if req.bytes == 0 {
             0 // refused by `validate` as any empty request
         } else {
-            self.mps().map_or(0, |m| m.context_overhead())
+            self.lifecycle.mps().map_or(0, |m| m.context_overhead())
         };
         let bytes = req.bytes.checked_add(overhead).ok_or_else(|| {
             BrokerError::InvalidArgument(format!("{} bytes is too large", req.bytes))
@@ -65,7 +65,7 @@ impl Arbiter {
             reclaimable: false,
             fallback_host: false,
         };
-        self.validate(&acquire)?;
+        let acquire = self.validate(acquire)?;
         // Refuse at once what the environment cannot serve (the MPS daemon is down).
         self.process_env(req.device.unwrap_or(0), bytes, &req)?;
         let ask = ProcessAsk {
@@ -100,7 +100,7 @@ impl Arbiter {
         bytes: u64,
         req: &ReserveRequest,
     ) -> BrokerResult<Vec<(String, String)>> {
-        let Some(mps) = self.mps() else {
+        let Some(mps) = self.lifecycle.mps() else {
             return Ok(Vec::new());
         };
         let (weight, max_weight) = {

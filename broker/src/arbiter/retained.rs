@@ -2,8 +2,8 @@
 //! whose process keeps its mapping, a lease request answered with such a block (one lock
 //! hold, no queue, no device work, no ticket), and the confirmation that it let go.
 
-use super::AcquireRequest;
 use super::Arbiter;
+use super::ValidRequest;
 use crate::error::{lease_not_found, BrokerResult};
 use crate::lease::LeaseView;
 use std::sync::Arc;
@@ -55,7 +55,7 @@ impl Arbiter {
     /// path.
     pub fn acquire_retained(
         self: &Arc<Self>,
-        req: &AcquireRequest,
+        req: &ValidRequest,
         caller: Option<u32>,
     ) -> Option<LeaseView> {
         let pid = caller.filter(|&p| p != 0)?;

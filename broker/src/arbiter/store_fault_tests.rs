@@ -151,7 +151,7 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
     assert_eq!(failures(&arb).await, 5);
 
     // What is durable is exactly what succeeded.
-    arb.join_workers(Duration::from_secs(5)).await;
+    arb.lifecycle().join(Duration::from_secs(5)).await;
     drop(arb);
     let (tenants, durable) = reopened(dir.path());
     assert_eq!(tenants, vec![("a".to_string(), 32 * MIB)]);

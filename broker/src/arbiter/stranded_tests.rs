@@ -199,3 +199,181 @@ async fn an_import_kept_after_its_release_stays_charged_after_the_free() {
     );
     std::mem::forget((_rxp, _rxi));
 }
+
+/// Tenant `t`'s quarantined bytes.
+fn held_by(arb: &Arbiter, t: &str) -> u64 {
+    arb.get_tenant(t).unwrap().usage.quarantined_bytes
+}
+
+/// Another tenant's importer releases its import and keeps it; the publisher, none of
+/// whose processes is alive to have kept it, releases the lease and the block is freed:
+/// the memory stays, charged to the importer's tenant (it kept what it was lent) until
+/// the importer exits. It used to be counted nowhere.
+#[tokio::test]
+async fn another_tenants_import_kept_after_its_release_is_charged_to_that_tenant() {
+    let switch = FaultSwitch::default();
+    let arb = keeping_arbiter(&switch);
+    let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
+    let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
+    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    let (mut importer, peer) = live_process();
+    let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
+    let import = arb.import("b", si, "a", "w").unwrap();
+    arb.release_import("b", import.id).unwrap();
+    drop(import);
+    switch.set(Faults {
+        keep_freed: true,
+        ..Faults::default()
+    });
+    arb.release("a", l.id).unwrap();
+    assert!(
+        until(|| held_by(&arb, "b") == 16 * MIB).await,
+        "the kept import is charged to b, held {}",
+        held_by(&arb, "b")
+    );
+    assert_eq!(held_by_a(&arb), 0, "the publisher kept nothing");
+    let listed = arb.list_quarantined();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(
+        (listed[0].tenant.as_str(), listed[0].holders.clone()),
+        ("b", vec![importer.id()])
+    );
+    arb.lock().check_invariant().unwrap();
+    importer.kill().unwrap();
+    importer.wait().unwrap();
+    assert!(
+        until(|| held_by(&arb, "b") == 0).await,
+        "let go once the importer exited, held {}",
+        held_by(&arb, "b")
+    );
+    std::mem::forget((_rxp, _rxi));
+}
+
+/// The same with a live process of the publisher's that released the lease: it could
+/// have kept the memory as well (the driver cannot say who did), and the publisher, who
+/// chose its readers, answers for it.
+#[tokio::test]
+async fn memory_kept_while_the_publishers_process_lives_is_the_publishers() {
+    let switch = FaultSwitch::default();
+    let arb = keeping_arbiter(&switch);
+    let (mut publisher, ppeer) = live_process();
+    let (sp, _rxp) = arb.open_session("a", "publisher", ppeer).unwrap();
+    let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
+    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    let (mut importer, peer) = live_process();
+    let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
+    let import = arb.import("b", si, "a", "w").unwrap();
+    arb.release_import("b", import.id).unwrap();
+    drop(import);
+    switch.set(Faults {
+        keep_freed: true,
+        ..Faults::default()
+    });
+    arb.release("a", l.id).unwrap();
+    assert!(
+        until(|| held_by_a(&arb) == 16 * MIB).await,
+        "charged to the publisher, held {}",
+        held_by_a(&arb)
+    );
+    assert_eq!(held_by(&arb, "b"), 0);
+    for p in [&mut publisher, &mut importer] {
+        p.kill().unwrap();
+        p.wait().unwrap();
+    }
+    assert!(until(|| held_by_a(&arb) == 0).await);
+    std::mem::forget((_rxp, _rxi));
+}
+
+/// Host backend: this process (the session's own) maps a 32 MiB lease, seals its memfd
+/// against shrinking (so no free can truncate it: the broker's revocation), keeps the
+/// mapping or not as `keep` says, and releases; tenant `b` then needs 48 MiB, which
+/// frees the cached block. Returns the arbiter, a's quarantined bytes once the free is
+/// done, and the mapping (unmapped by the caller).
+async fn sealed_then_evicted(keep: bool) -> (Arc<Arbiter>, u64, Option<(usize, usize)>) {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("a", quota(64 * MIB)).unwrap();
+    arb.set_quota("b", quota(64 * MIB)).unwrap();
+    let peer = Peer {
+        pid: Some(std::process::id()),
+        // SAFETY: getuid cannot fail.
+        uid: Some(unsafe { libc::getuid() }),
+        unix: true,
+    };
+    let (sa, rxa) = arb.open_session("a", "sealer", peer).unwrap();
+    let l = arb.acquire(req("a", sa, 32 * MIB)).await.unwrap();
+    let crate::device::Handle::Fd { fd, .. } = &l.handle;
+    let len = (32 * MIB) as usize;
+    // SAFETY: a shared mapping of the lease's memfd, written once; the caller unmaps it.
+    let at = unsafe {
+        let at = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.raw(),
+            0,
+        );
+        assert_ne!(at, libc::MAP_FAILED);
+        at.cast::<u8>().write(7);
+        assert_eq!(
+            libc::fcntl(fd.raw(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK),
+            0
+        );
+        at
+    };
+    let mapping = if keep {
+        Some((at as usize, len))
+    } else {
+        // SAFETY: unmapping what was mapped above.
+        unsafe { libc::munmap(at, len) };
+        None
+    };
+    arb.release("a", l.id).unwrap();
+    drop(l);
+    let (sb, rxb) = arb.open_session("b", "other", Peer::default()).unwrap();
+    arb.acquire(req("b", sb, 48 * MIB)).await.unwrap();
+    // The free was queued before b's allocation: a call after it sees it done.
+    arb.devices[0].thread.call(|_| ()).await.unwrap();
+    let held = if keep {
+        until(|| held_by_a(&arb) > 0).await;
+        held_by_a(&arb)
+    } else {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        held_by_a(&arb)
+    };
+    std::mem::forget((rxa, rxb));
+    (arb, held, mapping)
+}
+
+/// A memfd its holder sealed against shrinking cannot be revoked at its free; the holder
+/// that kept it mapped shows so in `/proc/PID/maps`: the memory is charged to its tenant
+/// (`HOLD_REASON_KEPT_AFTER_FREE`, this process named) until that process exits. It used
+/// to stay with the holder outside the books.
+#[tokio::test]
+async fn a_sealed_memfd_kept_mapped_after_its_free_stays_charged() {
+    let (arb, held, mapping) = sealed_then_evicted(true).await;
+    assert_eq!(held, 32 * MIB, "the kept mapping is charged to a");
+    let listed = arb.list_quarantined();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
+    assert_eq!(listed[0].holders, vec![std::process::id()]);
+    arb.lock().check_invariant().unwrap();
+    let (at, len) = mapping.unwrap();
+    // SAFETY: the mapping made by `sealed_then_evicted`: its pages are still there.
+    unsafe {
+        assert_eq!(
+            *(at as *const u8),
+            7,
+            "not revoked: the holder still reads it"
+        );
+        libc::munmap(at as *mut libc::c_void, len);
+    }
+}
+
+/// The same memfd let go of (unmapped, no descriptor) before its free: nobody is charged.
+#[tokio::test]
+async fn a_sealed_memfd_let_go_before_its_free_is_not_charged() {
+    let (arb, held, _) = sealed_then_evicted(false).await;
+    assert_eq!(held, 0);
+    assert_eq!(arb.lock().stranded_memory().count(), 0);
+}

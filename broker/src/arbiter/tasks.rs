@@ -17,80 +17,38 @@ fn outside_noise(total: u64) -> u64 {
 
 impl Arbiter {
     /// Starts the background workers (`workers.rs`); they end when `stop` is cancelled
-    /// ([`Arbiter::join_workers`] waits for them).
+    /// ([`Lifecycle::join`](super::Lifecycle::join) waits for them).
     pub fn spawn_background(self: &Arc<Self>, stop: CancellationToken) {
-        // This is the main runtime: what effects spawn (a grant's device work, a watcher)
-        // runs here from now on, also when an operator's call on the operators' runtime
-        // (or the store writer) is what let a waiter in.
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let _ = self.main_runtime.set(rt);
-        }
-        // The store writer starts here, inside the main runtime (what its changes spawn,
-        // grants and watchers, runs there), not in whichever runtime asks first.
-        if let Err(e) = self.store_writer() {
-            tracing::error!("{e}");
-        }
+        // This is the main runtime: effects' tasks and the store writer's changes run
+        // here from now on, not in whichever runtime asks first.
+        self.lifecycle.enter_main_runtime();
         let me = self.clone();
-        self.workers.spawn("ticker", stop.clone(), async move {
-            // Fine enough for compute-turn quanta of tens of milliseconds.
-            let mut tick = tokio::time::interval(Duration::from_millis(20));
-            let mut last_reap = Instant::now();
-            loop {
-                tick.tick().await;
-                me.tick_turns();
-                me.enforce_reclaim_deadlines();
-                if last_reap.elapsed() >= Duration::from_millis(500) {
-                    last_reap = Instant::now();
-                    me.reap_idle_sessions();
-                    me.end_sessions_of_lapsed_tokens();
-                    me.rearm_reclaim(me.cfg.reclaim_deadline * 2);
+        self.lifecycle
+            .spawn_worker("ticker", stop.clone(), async move {
+                // Fine enough for compute-turn quanta of tens of milliseconds.
+                let mut tick = tokio::time::interval(Duration::from_millis(20));
+                let mut last_reap = Instant::now();
+                loop {
+                    tick.tick().await;
+                    me.tick_turns();
+                    me.enforce_reclaim_deadlines();
+                    if last_reap.elapsed() >= Duration::from_millis(500) {
+                        last_reap = Instant::now();
+                        me.reap_idle_sessions();
+                        me.end_sessions_of_lapsed_tokens();
+                        me.rearm_reclaim(me.cfg.reclaim_deadline * 2);
+                    }
                 }
-            }
-        });
+            });
         let me = self.clone();
-        self.workers.spawn("leasable-refresh", stop, async move {
-            let mut tick = tokio::time::interval(me.cfg.refresh_interval);
-            loop {
-                tick.tick().await;
-                me.refresh_leasable().await;
-            }
-        });
-    }
-
-    /// Waits (up to `within`) for the background workers to end after their stop token
-    /// was cancelled; returns the names of any that did not (they are aborted). Then the
-    /// health monitor's fault source stops what it runs (`FaultSource::stop`: NVML's Xid
-    /// event thread, joined), and the store writer stops, once the changes handed to it
-    /// are done.
-    pub async fn join_workers(&self, within: Duration) -> Vec<&'static str> {
-        let stuck = self.workers.join(within).await;
-        self.stop_fault_source().await;
-        self.stop_store_writer();
-        stuck
-    }
-
-    /// The health monitor's fault source (NVML's) ends what it runs on its own (the Xid
-    /// event thread) and is waited for, off the runtime; the slot is left empty.
-    async fn stop_fault_source(&self) {
-        // The slot's lock is released before the source's is taken (the lock order).
-        let source = self.health_source.lock().take();
-        if let Some(s) = source {
-            let _ = tokio::task::spawn_blocking(move || s.lock().stop()).await;
-        }
-    }
-
-    /// Where effects' tasks run: the main runtime once [`Arbiter::spawn_background`] ran
-    /// on it, else the caller's (an arbiter driven alone, in tests); None outside any.
-    pub(crate) fn effects_runtime(&self) -> Option<tokio::runtime::Handle> {
-        self.main_runtime
-            .get()
-            .cloned()
-            .or_else(|| tokio::runtime::Handle::try_current().ok())
-    }
-
-    /// Names of the background workers running now.
-    pub fn worker_names(&self) -> Vec<&'static str> {
-        self.workers.names()
+        self.lifecycle
+            .spawn_worker("leasable-refresh", stop, async move {
+                let mut tick = tokio::time::interval(me.cfg.refresh_interval);
+                loop {
+                    tick.tick().await;
+                    me.refresh_leasable().await;
+                }
+            });
     }
 
     /// Every 2 s, attributes per-process GPU memory (NVML) to sessions and reports
@@ -103,15 +61,16 @@ impl Arbiter {
     ) {
         let me = self.clone();
         let monitor = Arc::new(monitor);
-        self.workers.spawn("gpu-process-watch", stop, async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(2)).await;
-                let m = monitor.clone();
-                if let Ok(usage) = tokio::task::spawn_blocking(move || m.usage_by_pid()).await {
-                    me.apply_process_usage(&usage, allowance);
+        self.lifecycle
+            .spawn_worker("gpu-process-watch", stop, async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    let m = monitor.clone();
+                    if let Ok(usage) = tokio::task::spawn_blocking(move || m.usage_by_pid()).await {
+                        me.apply_process_usage(&usage, allowance);
+                    }
                 }
-            }
-        });
+            });
     }
 
     /// Ends sessions idle for longer than the keepalive timeout.

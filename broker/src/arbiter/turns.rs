@@ -165,7 +165,7 @@ impl Arbiter {
     /// `TurnEffect::WakeAt`: a kept slot's window ends at `at`; if its session has not
     /// asked again by then, the slot goes to the next waiter then (not at the next tick).
     fn wake_turns_at(&self, at: Instant) {
-        let Some(rt) = self.effects_runtime() else {
+        let Some(rt) = self.lifecycle.effects_runtime() else {
             return; // no runtime (tests of the core): the tick expires it
         };
         let me = self.me.clone();

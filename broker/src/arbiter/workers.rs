@@ -1,8 +1,8 @@
 //! The broker's background workers, by name. The arbiter's own: `ticker` (compute-turn
 //! quanta, reclaim deadlines, the keepalive reaper, reclaim re-arming), `leasable-refresh`
 //! (memory used outside the broker) and `gpu-process-watch` (NVML memory per session).
-//! Registered by the broker's other loops through [`Arbiter::spawn_worker`] and
-//! [`Arbiter::spawn_worker_to_end`]: `health-monitor` and `grpc-health` (`health.rs`),
+//! Registered by the broker's other loops through the arbiter's [`super::Lifecycle`]
+//! (`spawn_worker`, `spawn_worker_to_end`): `health-monitor` and `grpc-health` (`health.rs`),
 //! `tenants-config-watch` (`tenants_config.rs`), `admin-writable-health` (`server.rs`),
 //! `tls-reload` (`tls.rs`), `metrics-http` (the metrics listener, on the operators'
 //! runtime) and `signal-wait` (SIGTERM/SIGINT start the shutdown; both `server.rs`) and
@@ -10,7 +10,6 @@
 //! waits for them to end (the shutdown path, before the store writer stops) and names any
 //! that did not.
 
-use super::Arbiter;
 use parking_lot::Mutex;
 use std::future::Future;
 use std::time::Duration;
@@ -96,41 +95,6 @@ impl Workers {
             }
         }
         stuck
-    }
-}
-
-impl Arbiter {
-    /// Starts `work` as one of the broker's named workers: dropped at its next await once
-    /// `stop` is cancelled, and waited for by [`Arbiter::join_workers`].
-    pub fn spawn_worker(
-        &self,
-        name: &'static str,
-        stop: CancellationToken,
-        work: impl Future<Output = ()> + Send + 'static,
-    ) {
-        self.workers.spawn(name, stop, work);
-    }
-
-    /// Starts `work` as a named worker that ends by itself once its stop token is
-    /// cancelled (it checks the token where stopping leaves nothing half-done);
-    /// [`Arbiter::join_workers`] waits for it before the store writer stops.
-    pub fn spawn_worker_to_end(
-        &self,
-        name: &'static str,
-        work: impl Future<Output = ()> + Send + 'static,
-    ) {
-        self.workers.spawn_to_end(name, work);
-    }
-
-    /// [`Arbiter::spawn_worker_to_end`] on runtime `rt`: a worker served on the
-    /// operators' runtime, joined with the others.
-    pub fn spawn_worker_to_end_on(
-        &self,
-        rt: &tokio::runtime::Handle,
-        name: &'static str,
-        work: impl Future<Output = ()> + Send + 'static,
-    ) {
-        self.workers.spawn_to_end_on(rt, name, work);
     }
 }
 

@@ -125,16 +125,29 @@ fn check(call: &'static str, rc: CUresult) -> Result<(), DeviceError> {
 /// A live allocation as this device recorded it.
 #[derive(Clone, Debug)]
 struct Live {
+    /// The address handed out in its `Allocation` (0 for kept memory: see `mapping`).
     ptr: CUdeviceptr,
     bytes: u64,
-    /// Its VMM handle and exported descriptor.
+    /// Where it is mapped in the broker and its VMM handle. Memory taken back from a
+    /// previous broker ([`Device::adopt`]) is imported and mapped only when the broker
+    /// first touches it (a scrub, read or write; a kept block is freed when its lease
+    /// ends, never reused, so mostly never): importing and mapping each of thousands of
+    /// kept blocks (~100 us each) would hold up a restart's serving.
+    mapping: Option<Mapping>,
+    /// Its exported descriptor.
     vmm: Vmm,
+}
+
+/// An allocation's mapping in the broker's address space.
+#[derive(Clone, Copy, Debug)]
+struct Mapping {
+    ptr: CUdeviceptr,
+    handle: sys::CUmemGenericAllocationHandle,
 }
 
 /// The VMM side of an allocation.
 #[derive(Clone, Debug)]
 struct Vmm {
-    handle: sys::CUmemGenericAllocationHandle,
     fd: SharedFd,
     block_id: u64,
 }
@@ -283,9 +296,9 @@ impl CudaDevice {
         prop
     }
 
-    /// Creates VMM memory of `size` bytes, maps it here, exports it: (pointer, VMM part).
+    /// Creates VMM memory of `size` bytes, maps it here, exports it: (mapping, VMM part).
     /// Undoes what it did on failure. Context current.
-    fn vmm_alloc(&mut self, size: usize) -> Result<(CUdeviceptr, Vmm), DeviceError> {
+    fn vmm_alloc(&mut self, size: usize) -> Result<(Mapping, Vmm), DeviceError> {
         let prop = self.vmm_prop();
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out pointer and properties; `size` is a multiple of the granularity
@@ -362,9 +375,8 @@ impl CudaDevice {
             libc::fcntl(raw, libc::F_SETFD, libc::FD_CLOEXEC);
         }
         Ok((
-            ptr,
+            Mapping { ptr, handle },
             Vmm {
-                handle,
                 fd: SharedFd::new(fd),
                 block_id: new_block_id(),
             },
@@ -429,15 +441,35 @@ impl CudaDevice {
         Ok((ptr, handle))
     }
 
-    /// Unmaps and releases VMM memory (the physical memory stays while importers hold it).
+    /// Unmaps and releases VMM memory (the physical memory stays while importers hold it;
+    /// kept memory never mapped here has nothing to undo: its descriptor closes).
     fn vmm_free(&self, live: &Live) -> Result<(), DeviceError> {
+        let Some(m) = live.mapping else {
+            return Ok(());
+        };
         let size = usize::try_from(live.bytes).map_err(|_| DeviceError::InvalidSize(live.bytes))?;
         // SAFETY: the broker's own mapping of a live VMM allocation, undone once.
         unsafe {
-            check("cuMemUnmap", sys::cuMemUnmap(live.ptr, size))?;
-            check("cuMemAddressFree", sys::cuMemAddressFree(live.ptr, size))?;
-            check("cuMemRelease", sys::cuMemRelease(live.vmm.handle))
+            check("cuMemUnmap", sys::cuMemUnmap(m.ptr, size))?;
+            check("cuMemAddressFree", sys::cuMemAddressFree(m.ptr, size))?;
+            check("cuMemRelease", sys::cuMemRelease(m.handle))
         }
+    }
+
+    /// Where `alloc` is mapped in the broker, importing and mapping kept memory the first
+    /// time (see [`Live::mapping`]). Makes the context current.
+    fn mapped(&mut self, alloc: &Allocation) -> Result<CUdeviceptr, DeviceError> {
+        let live = self.lookup(alloc)?;
+        self.make_current()?;
+        if let Some(m) = live.mapping {
+            return Ok(m.ptr);
+        }
+        let size = usize::try_from(live.bytes).map_err(|_| DeviceError::InvalidSize(live.bytes))?;
+        let (ptr, handle) = self.vmm_import(&live.vmm.fd.0, size)?;
+        if let Some(l) = self.live.get_mut(&alloc.id) {
+            l.mapping = Some(Mapping { ptr, handle });
+        }
+        Ok(ptr)
     }
 
     /// Number of allocations this device currently holds.
@@ -472,6 +504,16 @@ impl CudaDevice {
             0
         }
     }
+}
+
+/// Is `fd` a character device (one `fstat`)?
+fn is_char_device(fd: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: an all-zero stat is valid; fstat writes it for a valid descriptor.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid descriptor and out pointer.
+    let rc = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
+    rc == 0 && st.st_mode & libc::S_IFMT == libc::S_IFCHR
 }
 
 /// The driver's 16 UUID bytes as `nvidia-smi` prints them (`GPU-xxxxxxxx-xxxx-...`).
@@ -526,14 +568,22 @@ impl Device for CudaDevice {
                 free: self.free_bytes(),
             });
         }
-        let (ptr, vmm) = self.vmm_alloc(size)?;
+        let (mapping, vmm) = self.vmm_alloc(size)?;
         let id = self.next_id;
         self.next_id += 1;
-        self.live.insert(id, Live { ptr, bytes, vmm });
+        self.live.insert(
+            id,
+            Live {
+                ptr: mapping.ptr,
+                bytes,
+                mapping: Some(mapping),
+                vmm,
+            },
+        );
         Ok(Allocation {
             id,
             bytes,
-            addr: ptr,
+            addr: mapping.ptr,
             path: None,
         })
     }
@@ -553,18 +603,27 @@ impl Device for CudaDevice {
         bytes: u64,
         block_id: u64,
     ) -> Result<Allocation, DeviceError> {
-        let size = usize::try_from(bytes).map_err(|_| DeviceError::InvalidSize(bytes))?;
-        self.make_current()?;
-        let (ptr, handle) = self.vmm_import(&fd, size)?;
+        usize::try_from(bytes).map_err(|_| DeviceError::InvalidSize(bytes))?;
+        if bytes == 0 || !bytes.is_multiple_of(self.desc.granularity) {
+            return Err(DeviceError::InvalidSize(bytes));
+        }
+        // An exported VMM descriptor is one of the driver's character devices
+        // (`/dev/nvidiactl`): anything else is not this backend's memory. The driver itself
+        // reads it only when the broker first touches the memory (`mapped`).
+        if !is_char_device(&fd) {
+            return Err(DeviceError::Unavailable(
+                "a kept descriptor is not CUDA memory".into(),
+            ));
+        }
         let id = self.next_id;
         self.next_id += 1;
         self.live.insert(
             id,
             Live {
-                ptr,
+                ptr: 0,
                 bytes,
+                mapping: None,
                 vmm: Vmm {
-                    handle,
                     fd: SharedFd::new(fd),
                     block_id,
                 },
@@ -573,7 +632,7 @@ impl Device for CudaDevice {
         Ok(Allocation {
             id,
             bytes,
-            addr: ptr,
+            addr: 0,
             path: None,
         })
     }
@@ -590,12 +649,12 @@ impl Device for CudaDevice {
     }
 
     fn scrub(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
-        let live = self.lookup(alloc)?;
-        self.make_current()?;
-        let size = usize::try_from(live.bytes).map_err(|_| DeviceError::InvalidSize(live.bytes))?;
+        let ptr = self.mapped(alloc)?;
+        let size =
+            usize::try_from(alloc.bytes).map_err(|_| DeviceError::InvalidSize(alloc.bytes))?;
         // SAFETY: the whole range is the live allocation; the stream belongs to this context.
         check("cuMemsetD8Async", unsafe {
-            sys::cuMemsetD8Async(live.ptr, 0, size, self.stream)
+            sys::cuMemsetD8Async(ptr, 0, size, self.stream)
         })?;
         // The block must be zero before anyone else can see it.
         // SAFETY: our own stream.
@@ -611,33 +670,27 @@ impl Device for CudaDevice {
         len: usize,
     ) -> Result<Vec<u8>, DeviceError> {
         check_range(alloc, offset, len as u64)?;
-        let live = self.lookup(alloc)?;
-        self.make_current()?;
+        let ptr = self.mapped(alloc)?;
         let mut buf = vec![0u8; len];
         if len == 0 {
             return Ok(buf);
         }
         // SAFETY: [offset, offset+len) lies inside the live allocation; `buf` has `len` bytes.
         check("cuMemcpyDtoH", unsafe {
-            sys::cuMemcpyDtoH_v2(buf.as_mut_ptr() as *mut c_void, at(live.ptr, offset), len)
+            sys::cuMemcpyDtoH_v2(buf.as_mut_ptr() as *mut c_void, at(ptr, offset), len)
         })?;
         Ok(buf)
     }
 
     fn write(&mut self, alloc: &Allocation, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
         check_range(alloc, offset, data.len() as u64)?;
-        let live = self.lookup(alloc)?;
-        self.make_current()?;
+        let ptr = self.mapped(alloc)?;
         if data.is_empty() {
             return Ok(());
         }
         // SAFETY: [offset, offset+len) lies inside the live allocation; `data` is readable.
         check("cuMemcpyHtoD", unsafe {
-            sys::cuMemcpyHtoD_v2(
-                at(live.ptr, offset),
-                data.as_ptr() as *const c_void,
-                data.len(),
-            )
+            sys::cuMemcpyHtoD_v2(at(ptr, offset), data.as_ptr() as *const c_void, data.len())
         })?;
         // VMM memory has no SYNC_MEMOPS: wait for the copy here.
         // SAFETY: context current.

@@ -245,6 +245,11 @@ impl Device for HostDevice {
         })
     }
 
+    fn held_as_file(&self, handle: &Handle) -> Option<crate::memfd_holders::FileId> {
+        let Handle::Fd { fd, .. } = handle;
+        crate::memfd_holders::FileId::of(&*fd.0).ok()
+    }
+
     fn revoke(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {
         let fd = self.live(alloc)?.fd.raw();
         // Truncated to nothing: every mapping and descriptor of it, wherever a holder

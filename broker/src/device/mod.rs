@@ -100,6 +100,13 @@ pub trait Device: Send {
     ) -> Result<free_check::Returned, DeviceError> {
         free_check::free_measured(self, alloc, handle)
     }
+    /// The file a process that keeps this memory shows in `/proc` (a memfd: mapped or
+    /// held as a descriptor), so that a free the device could not revoke can find who
+    /// kept it (`memfd_holders.rs`). `None` (the default) for memory that shows as no
+    /// file of its own (CUDA: [`Device::free_checked`] asks the driver instead).
+    fn held_as_file(&self, _handle: &Handle) -> Option<crate::memfd_holders::FileId> {
+        None
+    }
     /// Takes the allocation's memory back from every process that may still map it, where
     /// the device can (a memfd is truncated); before a free of memory that left its
     /// tenant. The default does nothing: the driver offers no such revocation for CUDA

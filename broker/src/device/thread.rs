@@ -13,6 +13,23 @@ use tokio::sync::oneshot;
 
 type Job = Box<dyn FnOnce(&mut dyn Device) + Send>;
 
+/// A device thread whose device is opening ([`DeviceThread::start`]).
+pub struct Opening {
+    ready: mpsc::Receiver<Result<DeviceDesc, DeviceError>>,
+    jobs: mpsc::Sender<Job>,
+}
+
+impl Opening {
+    /// Waits until the device opened: its handle, or why it could not open.
+    pub fn ready(self) -> Result<DeviceThread, DeviceError> {
+        let desc = self.ready.recv().map_err(|_| DeviceError::ThreadGone)??;
+        Ok(DeviceThread {
+            desc,
+            jobs: self.jobs,
+        })
+    }
+}
+
 /// A cheap, cloneable handle to a device living on its own thread.
 #[derive(Clone)]
 pub struct DeviceThread {
@@ -24,6 +41,16 @@ impl DeviceThread {
     /// Starts a thread, builds the device on it with `open` (so a CUDA context is created
     /// and made current on that thread), and returns a handle once the device is ready.
     pub fn spawn<F>(name: String, open: F) -> Result<DeviceThread, DeviceError>
+    where
+        F: FnOnce() -> Result<Box<dyn Device>, DeviceError> + Send + 'static,
+    {
+        Self::start(name, open)?.ready()
+    }
+
+    /// [`DeviceThread::spawn`] without waiting for the device to open: several devices
+    /// open at once (a CUDA context takes a while each), each waited for with
+    /// [`Opening::ready`]. An `Opening` dropped unwaited lets its device go once open.
+    pub fn start<F>(name: String, open: F) -> Result<Opening, DeviceError>
     where
         F: FnOnce() -> Result<Box<dyn Device>, DeviceError> + Send + 'static,
     {
@@ -49,9 +76,8 @@ impl DeviceThread {
                 drop(device);
             })
             .map_err(|e| DeviceError::Unavailable(format!("cannot start device thread: {e}")))?;
-        let desc = ready_rx.recv().map_err(|_| DeviceError::ThreadGone)??;
-        Ok(DeviceThread {
-            desc,
+        Ok(Opening {
+            ready: ready_rx,
             jobs: jobs_tx,
         })
     }
@@ -102,5 +128,40 @@ impl DeviceThread {
         self.jobs
             .send(Box::new(f))
             .map_err(|_| DeviceError::ThreadGone)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Devices started with `start` open at once: each one's open waits until the other's
+    /// has begun (serial opening would never get there).
+    #[test]
+    fn devices_started_together_open_at_once() {
+        let (a_tx, a_rx) = mpsc::channel::<()>();
+        let (b_tx, b_rx) = mpsc::channel::<()>();
+        let open = |index: u32, mine: mpsc::Sender<()>, theirs: mpsc::Receiver<()>| {
+            move || {
+                mine.send(()).unwrap();
+                theirs
+                    .recv_timeout(Duration::from_secs(20))
+                    .map_err(|_| DeviceError::Unavailable("opened one after the other".into()))?;
+                Ok(
+                    Box::new(super::super::host::HostDevice::new(index, 4 << 20)?)
+                        as Box<dyn Device>,
+                )
+            }
+        };
+        let a = DeviceThread::start("test-a".into(), open(0, a_tx, b_rx)).unwrap();
+        let b = DeviceThread::start("test-b".into(), open(1, b_tx, a_rx)).unwrap();
+        let (a, b) = (a.ready().unwrap(), b.ready().unwrap());
+        assert_eq!((a.desc().index, b.desc().index), (0, 1));
+        let free = b
+            .call_blocking(|d| d.mem_info().map(|m| m.free))
+            .unwrap()
+            .unwrap();
+        assert_eq!(free, 4 << 20);
     }
 }

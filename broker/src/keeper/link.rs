@@ -82,12 +82,40 @@ impl KeeperLink {
         };
         let sock = self.sock.lock();
         wire::set_receive_timeout(&sock, Some(DUMP_TIMEOUT)).map_err(err)?;
-        wire::send(&sock, &Message::Dump, None).map_err(err)?;
+        // In batches: a keeper of an earlier version answers entry by entry.
+        let ask = Message::Dump {
+            batch: Some(wire::MAX_BATCH as u32),
+        };
+        wire::send(&sock, &ask, None).map_err(err)?;
         let mut out = Vec::new();
+        let mut buf = Vec::new();
+        let bad = |why: String| err(std::io::Error::new(std::io::ErrorKind::InvalidData, why));
         loop {
-            match wire::recv(&sock).map_err(err)? {
-                Some((Message::Entry { key, record, .. }, fd)) => {
-                    out.push(Entry { key, record, fd })
+            match wire::recv_many(&sock, &mut buf).map_err(err)? {
+                Some((Message::Entry { key, record, .. }, mut fds)) => {
+                    if fds.len() > 1 {
+                        return Err(bad(format!("{} descriptors on one entry", fds.len())));
+                    }
+                    out.push(Entry {
+                        key,
+                        record,
+                        fd: fds.pop(),
+                    })
+                }
+                Some((Message::Entries { entries }, fds)) => {
+                    let wanted = entries.iter().filter(|e| e.has_fd).count();
+                    if wanted != fds.len() {
+                        return Err(bad(format!(
+                            "{} descriptors for {wanted} records that have one",
+                            fds.len()
+                        )));
+                    }
+                    let mut fds = fds.into_iter();
+                    out.extend(entries.into_iter().map(|e| Entry {
+                        fd: if e.has_fd { fds.next() } else { None },
+                        key: e.key,
+                        record: e.record,
+                    }));
                 }
                 Some((Message::End { count }, _)) if count as usize == out.len() => break,
                 Some((other, _)) => {

@@ -96,6 +96,166 @@ mod tests {
 
     use std::os::unix::fs::FileExt;
 
+    /// A memfd holding `text` at its start.
+    fn memfd_with(text: &str) -> std::os::fd::OwnedFd {
+        let fd = crate::device::host::memfd("keeper-test", 4096).unwrap();
+        std::fs::File::from(fd.try_clone().unwrap())
+            .write_all_at(text.as_bytes(), 0)
+            .unwrap();
+        fd
+    }
+
+    fn text_of(fd: &std::os::fd::OwnedFd, len: usize) -> String {
+        let mut buf = vec![0u8; len];
+        std::fs::File::from(fd.try_clone().unwrap())
+            .read_exact_at(&mut buf, 0)
+            .unwrap();
+        String::from_utf8(buf).unwrap()
+    }
+
+    /// A dump of more records than one message holds comes back in batches, each record
+    /// with its own descriptor (records without one between them), in key order.
+    #[test]
+    fn a_large_dump_comes_back_in_batches_with_every_descriptor_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keeper.sock");
+        let listener = wire::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let mut kept = serve::Kept::default();
+            for _ in 0..2 {
+                let conn = wire::accept(&listener).unwrap();
+                serve::serve_connection(&conn, &mut kept).unwrap();
+            }
+        });
+        let n = 3 * wire::MAX_BATCH + 17;
+        {
+            let link = KeeperLink::connect(&path).unwrap();
+            for i in 0..n {
+                let key = format!("lease/{i:05}");
+                // A long label: fewer records fit in one message than MAX_BATCH.
+                let record = serde_json::json!({"v": 1, "i": i, "label": "x".repeat(300)});
+                if i % 3 == 0 {
+                    link.put(key, record, None);
+                } else {
+                    let fd = memfd_with(&format!("{i:05}"));
+                    link.put(key, record, Some(fd.as_fd()));
+                }
+            }
+        }
+        let link = KeeperLink::connect(&path).unwrap();
+        let entries = link.dump().unwrap();
+        assert_eq!(entries.len(), n);
+        for (i, e) in entries.iter().enumerate() {
+            assert_eq!(e.key, format!("lease/{i:05}"));
+            assert_eq!(e.record["i"], i);
+            match &e.fd {
+                None => assert_eq!(i % 3, 0, "record {i} lost its descriptor"),
+                Some(fd) => assert_eq!(text_of(fd, 5), format!("{i:05}"), "record {i}"),
+            }
+        }
+        drop(link);
+        server.join().unwrap();
+    }
+
+    /// A keeper of an earlier version knows no batches: it reads the batched dump request
+    /// as a plain dump (the request as an earlier `Message` reads it) and answers entry by
+    /// entry, which the broker takes as well; a broker of an earlier version asks without
+    /// `batch` and gets entry by entry from this keeper.
+    #[test]
+    fn dumps_work_between_this_version_and_the_one_before_batches() {
+        #[derive(serde::Deserialize, PartialEq, Debug)]
+        #[serde(tag = "op", rename_all = "kebab-case")]
+        enum Earlier {
+            Dump,
+        }
+        let asked = serde_json::to_vec(&wire::Message::Dump {
+            batch: Some(wire::MAX_BATCH as u32),
+        })
+        .unwrap();
+        assert_eq!(
+            serde_json::from_slice::<Earlier>(&asked).unwrap(),
+            Earlier::Dump
+        );
+        assert_eq!(
+            serde_json::from_slice::<wire::Message>(br#"{"op":"dump"}"#).unwrap(),
+            wire::Message::Dump { batch: None }
+        );
+
+        // An earlier keeper: one entry per message, whatever the request says.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keeper.sock");
+        let listener = wire::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let conn = wire::accept(&listener).unwrap();
+            let (msg, _) = wire::recv(&conn).unwrap().unwrap();
+            assert!(matches!(msg, wire::Message::Dump { .. }), "{msg:?}");
+            for i in 0..3 {
+                let fd = memfd_with(&format!("{i}"));
+                let entry = wire::Message::Entry {
+                    key: format!("lease/{i}"),
+                    record: serde_json::json!({"v": 1}),
+                    has_fd: true,
+                };
+                wire::send(&conn, &entry, Some(fd.as_fd())).unwrap();
+            }
+            wire::send(&conn, &wire::Message::End { count: 3 }, None).unwrap();
+            // Until the broker has read everything.
+            let _ = wire::recv(&conn);
+        });
+        let link = KeeperLink::connect(&path).unwrap();
+        let entries = link.dump().unwrap();
+        let got: Vec<(String, String)> = entries
+            .iter()
+            .map(|e| (e.key.clone(), text_of(e.fd.as_ref().unwrap(), 1)))
+            .collect();
+        assert_eq!(
+            got,
+            [("lease/0", "0"), ("lease/1", "1"), ("lease/2", "2")]
+                .map(|(k, t)| (k.to_string(), t.to_string()))
+        );
+        drop(link);
+        server.join().unwrap();
+
+        // An earlier broker's plain dump from this keeper: entry by entry.
+        let path = dir.path().join("keeper2.sock");
+        let listener = wire::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let mut kept = serve::Kept::default();
+            for _ in 0..2 {
+                let conn = wire::accept(&listener).unwrap();
+                serve::serve_connection(&conn, &mut kept).unwrap();
+            }
+        });
+        let link = KeeperLink::connect(&path).unwrap();
+        let fd = memfd_with("a");
+        link.put(
+            "lease/a".into(),
+            serde_json::json!({"v": 1}),
+            Some(fd.as_fd()),
+        );
+        link.put("session/s".into(), serde_json::json!({"v": 1}), None);
+        drop(link);
+        let sock = wire::connect(&path).unwrap();
+        wire::send(&sock, &wire::Message::Dump { batch: None }, None).unwrap();
+        let mut got = Vec::new();
+        loop {
+            match wire::recv(&sock).unwrap().unwrap() {
+                (wire::Message::Entry { key, has_fd, .. }, fd) => {
+                    assert_eq!(has_fd, fd.is_some());
+                    got.push(key);
+                }
+                (wire::Message::End { count }, _) => {
+                    assert_eq!(count, 2);
+                    break;
+                }
+                (other, _) => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(got, ["lease/a", "session/s"]);
+        drop(sock);
+        server.join().unwrap();
+    }
+
     /// A message that is not the protocol's ends the connection with an error; a
     /// second keeper on a live socket is refused.
     #[test]

@@ -34,3 +34,22 @@ pub trait Place: Send + Sync {
     /// Writes made so far.
     fn sent(&self) -> u64;
 }
+
+/// What a place handed back at start, with the place and how long it took: made apart
+/// from the adoption so it can run while the devices open (`main.rs`).
+pub struct Dumped<P> {
+    pub place: P,
+    pub entries: Vec<Entry>,
+    pub took: std::time::Duration,
+}
+
+/// Reads back everything `place` keeps ([`Place::dump`]), timed.
+pub fn dump<P: Place>(place: P) -> Result<Dumped<P>, super::KeeperError> {
+    let t = std::time::Instant::now();
+    let entries = place.dump()?;
+    Ok(Dumped {
+        place,
+        entries,
+        took: t.elapsed(),
+    })
+}

@@ -87,7 +87,8 @@ pub fn run(path: &Path) -> io::Result<()> {
 
 /// Serves one broker until it goes away.
 pub fn serve_connection(conn: &OwnedFd, kept: &mut Kept) -> io::Result<()> {
-    while let Some((msg, fd)) = wire::recv(conn)? {
+    let mut buf = Vec::new();
+    while let Some((msg, fd)) = wire::recv_into(conn, &mut buf)? {
         match msg {
             Message::Put { key, record } => {
                 // The copy it replaces (if any) closes here.
@@ -103,7 +104,7 @@ pub fn serve_connection(conn: &OwnedFd, kept: &mut Kept) -> io::Result<()> {
                 );
                 kept.entries.clear();
             }
-            Message::Dump => {
+            Message::Dump { batch: None } => {
                 for (key, (record, fd)) in &kept.entries {
                     let entry = Message::Entry {
                         key: key.clone(),
@@ -120,7 +121,26 @@ pub fn serve_connection(conn: &OwnedFd, kept: &mut Kept) -> io::Result<()> {
                     None,
                 )?;
             }
-            Message::Entry { .. } | Message::End { .. } => {
+            Message::Dump { batch: Some(most) } => {
+                let mut batch = wire::BatchWriter::new(conn, most as usize);
+                for (key, (record, fd)) in &kept.entries {
+                    let entry = wire::BatchEntry {
+                        key: key.clone(),
+                        record: record.clone(),
+                        has_fd: fd.is_some(),
+                    };
+                    batch.add(&entry, fd.as_ref().map(|f| f.as_fd()))?;
+                }
+                batch.flush()?;
+                wire::send(
+                    conn,
+                    &Message::End {
+                        count: kept.entries.len() as u64,
+                    },
+                    None,
+                )?;
+            }
+            Message::Entry { .. } | Message::Entries { .. } | Message::End { .. } => {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     "a broker sent a keeper's message",

@@ -1,6 +1,6 @@
 //! The keeper's socket: a Unix `SOCK_SEQPACKET` socket (message boundaries kept, each
-//! message with at most one descriptor attached in `SCM_RIGHTS`), and the JSON messages
-//! that cross it. A message written before its writer dies is still read by the peer
+//! message with at most one descriptor attached in `SCM_RIGHTS`, but for a dump's
+//! [`Message::Entries`], up to [`MAX_BATCH`]), and the JSON messages that cross it. A message written before its writer dies is still read by the peer
 //! (the kernel queues it at the receiver), so what the broker wrote before a SIGKILL
 //! reaches the keeper.
 
@@ -11,6 +11,18 @@ use std::path::Path;
 
 /// The largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 << 10;
+
+/// The most entries (and descriptors: the kernel passes at most 253 per message) in one
+/// [`Message::Entries`].
+pub const MAX_BATCH: usize = 250;
+
+/// One record of a dump's [`Message::Entries`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BatchEntry {
+    pub key: String,
+    pub record: serde_json::Value,
+    pub has_fd: bool,
+}
 
 /// One message between the broker and the keeper.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -24,15 +36,24 @@ pub enum Message {
     },
     /// Broker to keeper: drop what is kept under `key` (its descriptor closes).
     Remove { key: String },
-    /// Broker to keeper: send everything kept ([`Message::Entry`] each, then
-    /// [`Message::End`]); the keeper keeps its own copies.
-    Dump,
+    /// Broker to keeper: send everything kept ([`Message::Entry`] each, or with `batch`
+    /// [`Message::Entries`] of up to that many, then [`Message::End`]); the keeper keeps
+    /// its own copies. A keeper that knows no `batch` (an earlier version) reads this as
+    /// a plain dump and answers entry by entry.
+    Dump {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        batch: Option<u32>,
+    },
     /// Keeper to broker: one kept record (its descriptor attached, if it has one).
     Entry {
         key: String,
         record: serde_json::Value,
         has_fd: bool,
     },
+    /// Keeper to broker: kept records, the descriptors of those with `has_fd` attached
+    /// in their order (a dump asked for with `batch`: thousands of records cross in a few
+    /// dozen messages instead of one each).
+    Entries { entries: Vec<BatchEntry> },
     /// Keeper to broker: the dump is complete.
     End { count: u64 },
     /// Broker to keeper: the broker gave up on this keeper (a write missed its deadline)
@@ -206,6 +227,18 @@ fn set_timeout(
 /// Sends `msg` with `fd` attached (if any), whole or not at all.
 pub fn send(sock: &OwnedFd, msg: &Message, fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
     let payload = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
+    send_raw(sock, &payload, &fds)
+}
+
+/// Sends the JSON message `payload` with `fds` attached (at most [`MAX_BATCH`]).
+pub fn send_raw(sock: &OwnedFd, payload: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    if fds.len() > MAX_BATCH {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} descriptors on one keeper message", fds.len()),
+        ));
+    }
     if payload.len() > MAX_MESSAGE {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -216,23 +249,27 @@ pub fn send(sock: &OwnedFd, msg: &Message, fd: Option<BorrowedFd<'_>>) -> io::Re
         iov_base: payload.as_ptr() as *mut libc::c_void,
         iov_len: payload.len(),
     };
+    let fds_len = std::mem::size_of_val(fds) as u32;
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(fds_len) } as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
     // SAFETY: a zeroed msghdr; every pointer set below outlives the sendmsg call.
     let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
     m.msg_iov = &mut iov;
     m.msg_iovlen = 1;
-    if let Some(fd) = fd {
+    if !fds.is_empty() {
         m.msg_control = control.as_mut_ptr().cast();
         m.msg_controllen = space as _;
-        // SAFETY: the control buffer has room for one header with one fd.
+        // SAFETY: the control buffer has room for one header with `fds.len()` fds.
         unsafe {
             let c = libc::CMSG_FIRSTHDR(&m);
             (*c).cmsg_level = libc::SOL_SOCKET;
             (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd.as_raw_fd());
+            (*c).cmsg_len = libc::CMSG_LEN(fds_len) as _;
+            let data = libc::CMSG_DATA(c).cast::<RawFd>();
+            for (i, fd) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+            }
         }
     }
     loop {
@@ -256,14 +293,43 @@ pub fn send(sock: &OwnedFd, msg: &Message, fd: Option<BorrowedFd<'_>>) -> io::Re
 /// connection. A message that does not parse, or was cut, is an `InvalidData` error
 /// (its descriptors are closed).
 pub fn recv(sock: &OwnedFd) -> io::Result<Option<(Message, Option<OwnedFd>)>> {
-    let mut buf = vec![0u8; MAX_MESSAGE];
+    recv_into(sock, &mut Vec::new())
+}
+
+/// [`recv`] into `buf`, which is kept for the next message (a dump of thousands of
+/// messages allocates and zeroes the largest message's room once, not each time).
+pub fn recv_into(
+    sock: &OwnedFd,
+    buf: &mut Vec<u8>,
+) -> io::Result<Option<(Message, Option<OwnedFd>)>> {
+    match recv_many(sock, buf)? {
+        None => Ok(None),
+        Some((msg, mut fds)) => {
+            if fds.len() > 1 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{} descriptors on one message", fds.len()),
+                ));
+            }
+            Ok(Some((msg, fds.pop())))
+        }
+    }
+}
+
+/// [`recv_into`] of a message that may carry up to [`MAX_BATCH`] descriptors (a dump's
+/// [`Message::Entries`]), in the order they were attached.
+pub fn recv_many(sock: &OwnedFd, buf: &mut Vec<u8>) -> io::Result<Option<(Message, Vec<OwnedFd>)>> {
+    buf.resize(MAX_MESSAGE, 0);
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    // Room for a few descriptors: more than one is refused, but all are closed.
+    // Room for a batch's descriptors (the kernel passes at most 253): more than the
+    // message may carry are refused by the caller, but all are closed.
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
+    let space =
+        unsafe { libc::CMSG_SPACE((MAX_BATCH + 8) as u32 * std::mem::size_of::<RawFd>() as u32) }
+            as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
     // SAFETY: a zeroed msghdr; every pointer set below outlives the recvmsg call.
     let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -305,10 +371,72 @@ pub fn recv(sock: &OwnedFd) -> io::Result<Option<(Message, Option<OwnedFd>)>> {
     if m.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
         return Err(bad("a keeper message was cut".into()));
     }
-    if fds.len() > 1 {
+    if fds.len() > MAX_BATCH {
         return Err(bad(format!("{} descriptors on one message", fds.len())));
     }
     let msg: Message =
         serde_json::from_slice(&buf[..n]).map_err(|e| bad(format!("keeper message: {e}")))?;
-    Ok(Some((msg, fds.pop())))
+    Ok(Some((msg, fds)))
+}
+
+/// Builds a dump's [`Message::Entries`] messages: entries are added until the next would
+/// not fit in [`MAX_MESSAGE`] or [`MAX_BATCH`] is reached; then the message is sent.
+pub struct BatchWriter<'a> {
+    sock: &'a OwnedFd,
+    most: usize,
+    /// The message so far: `{"op":"entries","entries":[e1,e2`.
+    payload: Vec<u8>,
+    count: usize,
+    fds: Vec<BorrowedFd<'a>>,
+}
+
+const BATCH_HEAD: &[u8] = br#"{"op":"entries","entries":["#;
+const BATCH_TAIL: &[u8] = b"]}";
+
+impl<'a> BatchWriter<'a> {
+    /// Batches of at most `most` entries (at most [`MAX_BATCH`]).
+    pub fn new(sock: &'a OwnedFd, most: usize) -> BatchWriter<'a> {
+        BatchWriter {
+            sock,
+            most: most.clamp(1, MAX_BATCH),
+            payload: BATCH_HEAD.to_vec(),
+            count: 0,
+            fds: Vec::new(),
+        }
+    }
+
+    /// Adds one record (sending the batch before it when it would not fit).
+    pub fn add(&mut self, entry: &BatchEntry, fd: Option<BorrowedFd<'a>>) -> io::Result<()> {
+        let e = serde_json::to_vec(entry).map_err(io::Error::other)?;
+        if BATCH_HEAD.len() + e.len() + BATCH_TAIL.len() > MAX_MESSAGE {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a kept record of {} bytes", e.len()),
+            ));
+        }
+        let room = self.payload.len() + 1 + e.len() + BATCH_TAIL.len();
+        if self.count == self.most || room > MAX_MESSAGE {
+            self.flush()?;
+        }
+        if self.count > 0 {
+            self.payload.push(b',');
+        }
+        self.payload.extend_from_slice(&e);
+        self.fds.extend(fd);
+        self.count += 1;
+        Ok(())
+    }
+
+    /// Sends what is batched (nothing when empty).
+    pub fn flush(&mut self) -> io::Result<()> {
+        if self.count == 0 {
+            return Ok(());
+        }
+        self.payload.extend_from_slice(BATCH_TAIL);
+        send_raw(self.sock, &self.payload, &self.fds)?;
+        self.payload.truncate(BATCH_HEAD.len());
+        self.fds.clear();
+        self.count = 0;
+        Ok(())
+    }
 }

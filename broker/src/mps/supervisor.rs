@@ -87,7 +87,11 @@ impl Shared {
     /// Starts a daemon (unless one of ours answers already) and waits until it answers.
     async fn start(&self) -> Result<(), String> {
         for dir in [&self.control.pipe_dir, &self.control.log_dir] {
-            make_private_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            let d = dir.clone();
+            tokio::task::spawn_blocking(move || make_private_dir(&d))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("{}: {e}", dir.display()))?;
         }
         if let Ok((pid, servers, clients)) = self.probe().await {
             tracing::info!(

@@ -100,9 +100,9 @@ impl Admin for AdminService {
         bounds::check("description", &r.description, bounds::MAX_TEXT_BYTES).map_err(status)?;
         if crate::arbiter::claims::claim_of_token_name(&r.name).is_some() {
             // Claims' tokens are minted with their reservation (ReserveClaim) and bound by it.
-            return Err(status(crate::error::BrokerError::InvalidArgument(
-                "token names starting with claim/ belong to ResourceClaims (ReserveClaim)".into(),
-            )));
+            return Err(status(crate::error::BrokerError::TokenNameReserved {
+                prefix: crate::arbiter::claims::CLAIM_TOKEN_PREFIX,
+            }));
         }
         let spec = TokenSpec {
             tenant: filter(&r.tenant).map(str::to_string),
@@ -238,10 +238,10 @@ impl Admin for AdminService {
         for d in &mut devices {
             d.turn_holders = self.arb.turn_holders(d.index);
         }
-        if let Some(mps) = self.arb.mps() {
+        if let Some(mps) = self.arb.lifecycle().mps() {
             super::mps_report::fill(&mps.status(), &mut devices);
         } else {
-            let modes = self.arb.compute_modes();
+            let modes = self.arb.lifecycle().compute_modes();
             for d in &mut devices {
                 d.compute_mode = modes.get(d.index as usize).cloned().unwrap_or_default();
             }
@@ -255,7 +255,12 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::RotateAdminTokenResponse>, Status> {
         let who = Who::of(&req);
         let grace = Duration::from_millis(req.get_ref().grace_ms);
-        let token = self.arb.rotate_admin_token(grace).map_err(status)?;
+        // It writes and syncs the token file: off the runtime.
+        let arb = self.arb.clone();
+        let token = tokio::task::spawn_blocking(move || arb.rotate_admin_token(grace))
+            .await
+            .map_err(|e| Status::internal(format!("rotating the admin token: {e}")))?
+            .map_err(status)?;
         self.arb.audit(
             &who,
             "admin_token.rotate",

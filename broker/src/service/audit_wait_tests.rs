@@ -176,7 +176,7 @@ async fn admin_calls_without_a_store_change_answer_once_their_audit_record_is_du
             "device.health"
         ]
     );
-    arb.join_workers(Duration::from_secs(5)).await;
+    arb.lifecycle().join(Duration::from_secs(5)).await;
     drop(svc);
     drop(arb);
     assert_eq!(reopened(dir.path()).1, written);

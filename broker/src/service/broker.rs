@@ -31,7 +31,8 @@ impl BrokerService {
     }
 }
 
-/// Heartbeats come often enough that an open, drained stream keeps its session alive.
+/// Heartbeats come often enough that an open stream its client reads keeps its session
+/// alive.
 pub fn heartbeat_period(keepalive_timeout: Duration) -> Duration {
     if keepalive_timeout.is_zero() {
         HEARTBEAT
@@ -183,9 +184,7 @@ impl Broker for BrokerService {
             // Without its reservation a claim's lease would be an ordinary one, on any
             // device, beside what the scheduler placed.
             if !self.arb.claim_is_held(&uid) {
-                return Err(status(BrokerError::FailedPrecondition(format!(
-                    "claim {uid} has no reservation at this broker (its driver reserves it again)"
-                ))));
+                return Err(status(BrokerError::ClaimNotReserved { claim: uid }));
             }
         }
         let tenant = tenant_of(&req)?;
@@ -198,7 +197,7 @@ impl Broker for BrokerService {
             .map_err(status)?;
         let accept = handles::parse_accept(&r.accept_handles).map_err(status)?;
         let span = tracing::debug_span!("acquire", %tenant, %session, bytes = r.bytes);
-        let acquire = AcquireRequest {
+        let asked = AcquireRequest {
             tenant,
             session,
             bytes: r.bytes,
@@ -209,7 +208,7 @@ impl Broker for BrokerService {
             fallback_host: fallback == pb::Fallback::Host,
         };
         // Bad values first (as before), then whether this caller can use what it would get.
-        self.arb.validate(&acquire).map_err(status)?;
+        let acquire = self.arb.validate(asked).map_err(status)?;
         let (session_peer, retains) = self
             .arb
             .session_peer_retaining(&acquire.tenant, session)
@@ -235,7 +234,7 @@ impl Broker for BrokerService {
         let lease = if r.host_tier {
             self.arb.acquire_host_tier(acquire).instrument(span).await
         } else {
-            self.arb.acquire(acquire).instrument(span).await
+            self.arb.acquire_validated(acquire).instrument(span).await
         }
         .map_err(|e| self.waited(e, session, token.as_deref()))?;
         let mut reply = convert::lease_on(&lease, &self.arb);
@@ -449,9 +448,7 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::ReserveProcessMemoryResponse>, Status> {
         if let Some(uid) = claim_of(&req) {
             // The scheduler placed the claim's bytes, not more: its pod leases from them.
-            return Err(status(BrokerError::FailedPrecondition(format!(
-                "the token of claim {uid} leases from the claim's reservation; it cannot reserve a process"
-            ))));
+            return Err(status(BrokerError::ClaimTokenCannotReserve { claim: uid }));
         }
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
@@ -478,9 +475,14 @@ impl Broker for BrokerService {
             .instrument(span)
             .await
             .map_err(status)?;
-        let mps = self.arb.mps().is_some().then(|| pb::MpsEnvironment {
-            vars: view.env.iter().cloned().collect(),
-        });
+        let mps = self
+            .arb
+            .lifecycle()
+            .mps()
+            .is_some()
+            .then(|| pb::MpsEnvironment {
+                vars: view.env.iter().cloned().collect(),
+            });
         Ok(Response::new(pb::ReserveProcessMemoryResponse {
             reservation: Some(convert::reservation(&view)),
             mps,

@@ -363,6 +363,14 @@ pub fn info(i: &crate::info::BrokerInfo) -> pb::GetInfoResponse {
             leases_reclaimed: r.leases_reclaimed as u32,
             bytes_adopted: r.bytes_adopted,
             took_ms: r.took.as_millis() as u64,
+            phases: r
+                .phases
+                .iter()
+                .map(|p| pb::RestartPhase {
+                    name: p.name.clone(),
+                    micros: p.took.as_micros() as u64,
+                })
+                .collect(),
         }),
     }
 }

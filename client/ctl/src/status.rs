@@ -76,6 +76,21 @@ pub fn start_line(info: &gpu_broker_client::BrokerInfo, now: SystemTime) -> Stri
     line
 }
 
+/// Where a restart's time went, as parts of a line: `restart phases:`, then each step
+/// with its time (`open devices 310 ms`).
+pub fn restart_phases(r: &gpu_broker_client::RestartInfo) -> Vec<String> {
+    std::iter::once("restart phases:".to_string())
+        .chain(r.phases.iter().map(|(name, us)| {
+            let ms = *us as f64 / 1000.0;
+            if ms < 10.0 {
+                format!("{name} {ms:.1} ms")
+            } else {
+                format!("{name} {ms:.0} ms")
+            }
+        }))
+        .collect()
+}
+
 /// Width of a device's usage bar, in characters.
 const BAR: usize = 40;
 
@@ -170,6 +185,9 @@ pub fn render_fit(s: &Snapshot, now: SystemTime, width: usize) -> String {
         // Above the blank line that ends the header.
         out.pop();
         push_wrapped(&mut out, "", &[start_line(info, now)], width);
+        if let Some(r) = info.restart.as_ref().filter(|r| !r.phases.is_empty()) {
+            push_wrapped(&mut out, "  ", &restart_phases(r), width);
+        }
         out.push('\n');
     }
 
@@ -535,6 +553,10 @@ pub(crate) mod tests {
                 leases_reclaimed: 3,
                 bytes_adopted: 5 << 30,
                 took_ms: 12,
+                phases: vec![
+                    ("open devices".into(), 310_400),
+                    ("keeper dump".into(), 2_500),
+                ],
             }),
             ..Default::default()
         });
@@ -543,10 +565,14 @@ pub(crate) mod tests {
             text.contains("started 1m30s ago  keeper: took back 5 leases (5.0 GiB) of 2 sessions, reclaimed 3 leases of 1 gone sessions, in 12 ms"),
             "{text}"
         );
-        let header: Vec<&str> = text.lines().take(4).collect();
+        let header: Vec<&str> = text.lines().take(5).collect();
         assert!(
-            header[2].starts_with("started") && header[3].is_empty(),
+            header[2].starts_with("started") && header[4].is_empty(),
             "{header:?}"
+        );
+        assert_eq!(
+            header[3],
+            "  restart phases:  open devices 310 ms  keeper dump 2.5 ms"
         );
         s.info.as_mut().unwrap().keeper = false;
         assert!(render(&s, now()).contains("keeper LOST: leases are no longer kept"));

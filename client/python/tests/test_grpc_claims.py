@@ -1,13 +1,16 @@
 """The claim calls of the Admin service (`ReserveClaim`, `ReleaseClaim`, `ListClaims`: the
 DRA driver's) as a plain grpc-core client sees them, with stubs generated from
 proto/gpubroker/v1 at test time: what a claim gets, every refusal's code and
-`google.rpc.ErrorInfo` reason, and a claim that outlives a broker killed with SIGKILL."""
+`google.rpc.ErrorInfo` reason (a claim's token that reaches beyond its claim included), and
+a claim that outlives a broker killed with SIGKILL."""
 
 from __future__ import annotations
 
 import signal
 
 import grpc
+from google.rpc import error_details_pb2  # comes with grpcio-status
+from grpc_status import rpc_status
 
 from test_grpc_refusals import assert_refused, bearer, channel_to, pb, refused  # noqa: F401
 
@@ -114,6 +117,9 @@ def test_claim_refusals_reach_grpcio_with_their_code_and_reason(pb, broker):
             timeout=10,
         ).token
         assert_refused(refused_reserve(token=read), grpc.StatusCode.PERMISSION_DENIED, "SCOPE_DENIED")
+        # ...though it lists them, as it lists leases and sessions.
+        listed = admin.ListClaims(pb.admin.ListClaimsRequest(), metadata=bearer(read), timeout=10)
+        assert [c.claim for c in listed.claims] == ["uid-2"]
         err = refused(
             admin.ReleaseClaim, pb.admin.ReleaseClaimRequest(claim="uid-2"), metadata=bearer(read)
         )
@@ -148,3 +154,65 @@ def test_a_claim_outlives_a_broker_killed_with_sigkill(pb, broker):
         assert session
         admin.ReleaseClaim(pb.admin.ReleaseClaimRequest(claim="uid-k"), metadata=md, timeout=10)
         assert reserved_bytes(pb, admin, md) == 0
+
+
+def error_info(err: grpc.RpcError):
+    """The ErrorInfo of a refusal (reason and metadata)."""
+    for detail in rpc_status.from_call(err).details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    raise AssertionError(f"no ErrorInfo: {err.details()}")
+
+
+def test_a_claims_token_beyond_its_claim_is_refused_with_its_reason(pb, broker):
+    broker.tenant("t", "128MiB")
+    with channel_to(broker.address) as channel:
+        admin = pb.admin_grpc.AdminStub(channel)
+        md = bearer(broker.admin_token)
+        got = reserve(pb, admin, md, "uid-1", size=64 * MIB)
+        # No operator's token may take a claim's name.
+        err = refused(
+            admin.IssueToken,
+            pb.admin.IssueTokenRequest(tenant="t", name="claim/uid-1"),
+            metadata=md,
+        )
+        assert_refused(err, grpc.StatusCode.INVALID_ARGUMENT, "TOKEN_NAME_RESERVED")
+        assert error_info(err).metadata["prefix"] == "claim/"
+        # The claim's token reserves no process: it leases from its claim.
+        events, session = open_session(pb, channel, got.token)
+        try:
+            b = pb.broker_grpc.BrokerStub(channel)
+            err = refused(
+                b.ReserveProcessMemory,
+                pb.broker.ReserveProcessMemoryRequest(session_id=session, bytes=8 * MIB),
+                metadata=bearer(got.token),
+            )
+            assert_refused(err, grpc.StatusCode.FAILED_PRECONDITION, "CLAIM_TOKEN_CANNOT_RESERVE")
+            assert error_info(err).metadata["claim"] == "uid-1"
+        finally:
+            events.cancel()
+        # The quota lowered under the claim, then a restart: the claim is not taken again.
+        broker.ctl("quota", "set", "t", "--limit", "32MiB")
+    broker.stop(signal.SIGKILL)
+    broker.start()
+    with channel_to(broker.address) as channel:
+        admin = pb.admin_grpc.AdminStub(channel)
+        md = bearer(broker.admin_token)
+        assert admin.ListClaims(pb.admin.ListClaimsRequest(), metadata=md, timeout=10).claims == []
+        # Its token still authenticates; its leases wait for the driver to reserve it again.
+        events, session = open_session(pb, channel, got.token)
+        try:
+            b = pb.broker_grpc.BrokerStub(channel)
+            err = refused(
+                b.AcquireLease,
+                pb.broker.AcquireLeaseRequest(
+                    session_id=session, bytes=MIB, accept_handles=[pb.common.HANDLE_KIND_FD]
+                ),
+                metadata=bearer(got.token),
+            )
+            assert_refused(err, grpc.StatusCode.FAILED_PRECONDITION, "CLAIM_NOT_RESERVED")
+            assert error_info(err).metadata["claim"] == "uid-1"
+        finally:
+            events.cancel()

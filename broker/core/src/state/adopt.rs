@@ -168,6 +168,7 @@ impl State {
             pid: q.pid,
             pid_start,
             destroy: q.destroy,
+            device_uuid: None,
         };
         let fd = fd.clone();
         self.keep(|| crate::effects::Keep::Quarantine(record, fd));

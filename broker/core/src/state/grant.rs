@@ -11,7 +11,7 @@ use crate::lease::{Lease, LeaseState, LeaseView};
 use crate::ledger::Tier;
 use crate::pool::{Block, Source};
 use crate::queue::{Ask, WaiterId};
-use crate::request::AcquireRequest;
+use crate::request::ValidRequest;
 
 /// Why a reserved grant could not become a lease.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,7 +64,7 @@ impl State {
     }
 
     /// Turns a reserved grant into a lease of its session, holding `block`; or, when its
-    /// session is gone or the broker drains, gives the reservation back (the block into
+    /// session is gone or the broker shuts down, gives the reservation back (the block into
     /// the cache) and says why.
     pub fn commit_grant(
         &mut self,
@@ -163,7 +163,7 @@ impl State {
     /// or is uncharged (and the block freed when its session is gone).
     pub fn commit_host(
         &mut self,
-        ask: &AcquireRequest,
+        ask: &ValidRequest,
         bytes: u64,
         made: BrokerResult<Block>,
     ) -> BrokerResult<LeaseView> {

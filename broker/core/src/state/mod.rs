@@ -252,8 +252,9 @@ impl State {
     }
 
     /// Which devices admit grants changed (a drain began or ended, a device's health mark:
-    /// the shell keeps which admit): waiters may fit, or no device can serve them any more
-    /// (the queue refuses those), so the queue runs after the hold.
+    /// the shell keeps which admit, and its lock guard calls this when it changes them):
+    /// waiters may fit, or no device can serve them any more (the queue refuses those), so
+    /// the queue runs after the hold.
     pub fn devices_changed(&mut self) {
         self.wake_queue();
     }
@@ -302,7 +303,7 @@ impl State {
     pub fn queue_mut(&mut self) -> &mut WaitQueue {
         &mut self.queue
     }
-    /// Mark a lease's reclaim state (asked back, deadline passed, drained).
+    /// Mark a lease's reclaim state (active, or asked back by a deadline).
     fn set_lease_state(&mut self, id: &Uuid, state: LeaseState) -> bool {
         match self.leases.get_mut(id) {
             Some(l) => {

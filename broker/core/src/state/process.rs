@@ -6,7 +6,8 @@
 use super::State;
 use crate::error::{BrokerError, BrokerResult};
 use crate::queue::Ask;
-use crate::reservations::Reservation;
+use crate::reservations::{ClaimAsk, Reservation};
+use std::time::SystemTime;
 use uuid::Uuid;
 
 impl State {
@@ -25,10 +26,7 @@ impl State {
                 reservation: r.id,
             });
         }
-        self.ledger.charge_process(&ask.tenant, d, ask.bytes)?;
-        for b in self.pools[d as usize].reserve_process(ask.bytes) {
-            self.fx.free(d, b);
-        }
+        self.hold_room(&ask.tenant, d, ask.bytes)?;
         let r = Reservation {
             id: self.new_v7_id(),
             tenant: ask.tenant.clone(),
@@ -50,79 +48,75 @@ impl State {
         Ok(id)
     }
 
-    /// Grants a claim reservation of `bytes` (rounded) for `tenant` on device `d` at once,
-    /// bound to `claim` (no session, no process): refused, as a request that does not
-    /// wait, when the tenant's quota or the device's room (less other tenants' unused
-    /// guarantees) does not hold it. The caller checked that `d` is open.
-    pub fn grant_claim(
-        &mut self,
-        tenant: &str,
-        d: u32,
-        bytes: u64,
-        label: &str,
-        claim: crate::reservations::ClaimBinding,
-    ) -> BrokerResult<Uuid> {
+    /// Charges `bytes` of room to `tenant` and keeps them on device `d` (cached blocks in
+    /// the way are freed): what every reservation holds, before it is recorded.
+    fn hold_room(&mut self, tenant: &str, d: u32, bytes: u64) -> BrokerResult<()> {
+        self.ledger.charge_process(tenant, d, bytes)?;
+        for b in self.pools[d as usize].reserve_process(bytes) {
+            self.fx.free(d, b);
+        }
+        Ok(())
+    }
+
+    /// Grants claim reservation `ask` at once (no session, no process): refused, as a
+    /// request that does not wait, when the tenant's quota or the device's room (less
+    /// other tenants' unused guarantees) does not hold it. The caller checked that its
+    /// device is open.
+    pub fn grant_claim(&mut self, ask: ClaimAsk) -> BrokerResult<Uuid> {
         let id = self.new_v7_id();
         let created = self.clock.wall;
-        self.charge_claim(id, created, tenant, d, bytes, label, claim)
+        self.charge_claim(id, created, ask)
     }
 
     /// A claim reservation a previous broker granted (and the shell kept in its store),
     /// taken again at start with its id and creation time: checked and charged as
     /// [`State::grant_claim`] checks and charges a new one.
-    #[allow(clippy::too_many_arguments)]
     pub fn restore_claim(
         &mut self,
         id: Uuid,
-        created: std::time::SystemTime,
-        tenant: &str,
-        d: u32,
-        bytes: u64,
-        label: &str,
-        claim: crate::reservations::ClaimBinding,
+        created: SystemTime,
+        ask: ClaimAsk,
     ) -> BrokerResult<Uuid> {
         if self.reservations.by_id.contains_key(&id) {
             return Err(BrokerError::FailedPrecondition(format!(
                 "reservation {id} already exists"
             )));
         }
-        if d as usize >= self.pools.len() {
+        if ask.device as usize >= self.pools.len() {
             return Err(BrokerError::InvalidArgument(format!(
-                "device {d} does not exist"
+                "device {} does not exist",
+                ask.device
             )));
         }
-        self.charge_claim(id, created, tenant, d, bytes, label, claim)
+        self.charge_claim(id, created, ask)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn charge_claim(
-        &mut self,
-        id: Uuid,
-        created: std::time::SystemTime,
-        tenant: &str,
-        d: u32,
-        bytes: u64,
-        label: &str,
-        claim: crate::reservations::ClaimBinding,
-    ) -> BrokerResult<Uuid> {
-        if self.reservations.of_claim(&claim.uid).is_some() {
+    fn charge_claim(&mut self, id: Uuid, created: SystemTime, ask: ClaimAsk) -> BrokerResult<Uuid> {
+        let ClaimAsk {
+            tenant,
+            device: d,
+            bytes,
+            label,
+            binding,
+        } = ask;
+        if self.reservations.of_claim(&binding.uid).is_some() {
             return Err(BrokerError::FailedPrecondition(format!(
                 "claim {} already has a reservation",
-                claim.uid
+                binding.uid
             )));
         }
-        self.ledger.check_process_charge(tenant, bytes)?;
-        self.ledger.check_device(tenant, d, bytes)?;
+        self.ledger.check_process_charge(&tenant, bytes)?;
+        self.ledger.check_device(&tenant, d, bytes)?;
         let p = &self.pools[d as usize];
-        let guaranteed = self.ledger.others_unused_guarantees(tenant);
+        let guaranteed = self.ledger.others_unused_guarantees(&tenant);
         if p.available().saturating_sub(guaranteed) < bytes {
             let (held, limit) = self
                 .ledger
-                .get(tenant)
+                .get(&tenant)
                 .map(|t| (t.usage.committed_bytes(), t.quota.limit_bytes))
                 .unwrap_or((0, 0));
             return Err(BrokerError::NoCapacity {
-                tenant: tenant.to_string(),
+                tenant,
                 requested: bytes,
                 devices: vec![crate::error::DeviceRoom {
                     device: d,
@@ -135,25 +129,22 @@ impl State {
                 waiting: self.queue.len(),
             });
         }
-        self.ledger.charge_process(tenant, d, bytes)?;
-        for b in self.pools[d as usize].reserve_process(bytes) {
-            self.fx.free(d, b);
-        }
+        self.hold_room(&tenant, d, bytes)?;
         let r = Reservation {
             id,
-            tenant: tenant.to_string(),
+            tenant,
             session: Uuid::nil(),
             device: d,
             bytes,
             requested_bytes: bytes,
-            label: label.to_string(),
+            label,
             pid: None,
             compute_percent: None,
             created,
             drawn: 0,
             lost: 0,
             group: None,
-            claim: Some(claim),
+            claim: Some(binding),
         };
         self.reservations.by_id.insert(id, r);
         Ok(id)

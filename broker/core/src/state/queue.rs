@@ -26,7 +26,7 @@ use crate::lease::LeaseState;
 use crate::ledger::Tier;
 use crate::pool::Source;
 use crate::queue::{Ask, Waiter, WaiterId};
-use crate::request::AcquireRequest;
+use crate::request::ValidRequest;
 use crate::reservations::ProcessAsk;
 use crate::session::SessionEvent;
 use std::collections::{HashMap, HashSet};
@@ -144,7 +144,7 @@ impl State {
     /// outcome.
     pub fn offer(
         &mut self,
-        req: &AcquireRequest,
+        req: &ValidRequest,
         process: Option<ProcessAsk>,
         max_waiting: usize,
         env: &QueueEnv,

@@ -541,35 +541,37 @@ fn an_offer_is_rounded_to_the_largest_granularity_and_refused_at_once_when_it_ne
         Clock::read(),
     );
     let a = c.tenant("a", quota(128 * MIB, 0));
-    let req = |bytes: u64, device: Option<u32>| crate::request::AcquireRequest {
-        tenant: "a".into(),
-        session: a,
-        bytes,
-        device,
-        wait: Duration::ZERO,
-        label: String::new(),
-        reclaimable: false,
-        fallback_host: false,
+    let req = |tenant: &str, bytes: u64, device: Option<u32>| {
+        crate::request::AcquireRequest {
+            tenant: tenant.into(),
+            session: a,
+            bytes,
+            device,
+            wait: Duration::ZERO,
+            label: String::new(),
+            reclaimable: false,
+            fallback_host: false,
+        }
+        .checked()
     };
     let st = &mut c.st;
     let env = env(&c.avail, c.t0);
     // Either device: the larger granularity (8 MiB); pinned to device 0: its own (2 MiB).
     for (device, want) in [(None, 8 * MIB), (Some(0), 4 * MIB)] {
-        let got = st.offer(&req(3 * MIB, device), None, 4, &env).unwrap();
+        let got = st.offer(&req("a", 3 * MIB, device), None, 4, &env).unwrap();
         assert!(
             matches!(got, (b, Enqueued::Waiting { queued: false, .. }) if b == want),
             "{got:?}"
         );
     }
     // Larger than any device leases: refused, no wait needed, nothing queued.
-    let got = st.offer(&req(80 * MIB, None), None, 4, &env).unwrap();
+    let got = st.offer(&req("a", 80 * MIB, None), None, 4, &env).unwrap();
     assert!(
         matches!(&got, (b, Enqueued::Refused(BrokerError::TooLarge { leasable, .. }))
             if *b == 80 * MIB && *leasable == 64 * MIB),
         "{got:?}"
     );
-    let mut other = req(2 * MIB, None);
-    other.tenant = "nobody".into();
+    let other = req("nobody", 2 * MIB, None);
     assert!(matches!(
         st.offer(&other, None, 4, &env),
         Err(BrokerError::NotFound(_))

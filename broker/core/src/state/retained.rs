@@ -14,7 +14,7 @@ use crate::availability::Availability;
 use crate::effects::{Counted, Watch};
 use crate::lease::{Lease, LeaseState, LeaseView};
 use crate::ledger::Tier;
-use crate::request::AcquireRequest;
+use crate::request::ValidRequest;
 use crate::session::SessionEvent;
 use uuid::Uuid;
 
@@ -58,7 +58,7 @@ impl State {
     /// refuse another lease now (the request then takes the ordinary path).
     pub fn grant_retained(
         &mut self,
-        req: &AcquireRequest,
+        req: &ValidRequest,
         caller: u32,
         avail: &Availability,
     ) -> Option<LeaseView> {

@@ -7,7 +7,7 @@ use super::queue_tests::{quota, Core};
 use super::tests::ask;
 use crate::effects::{Effect, Watch};
 use crate::memory::Handle;
-use crate::request::AcquireRequest;
+use crate::request::{AcquireRequest, ValidRequest};
 use crate::session::{Peer, Session, SessionEvent};
 use std::time::Duration;
 use uuid::Uuid;
@@ -28,7 +28,7 @@ fn session_of(c: &mut Core, tenant: &str, pid: u32) -> Uuid {
     id
 }
 
-fn request(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
+fn request(tenant: &str, session: Uuid, bytes: u64) -> ValidRequest {
     AcquireRequest {
         tenant: tenant.into(),
         session,
@@ -39,6 +39,7 @@ fn request(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
         reclaimable: false,
         fallback_host: false,
     }
+    .checked()
 }
 
 fn block_id(h: &Handle) -> u64 {

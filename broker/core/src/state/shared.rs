@@ -474,9 +474,9 @@ impl State {
     }
 
     /// An import's process let go by word only and may keep its import of the block
-    /// after the block's free (`stranded.rs`): the block remembers it. Only an importer of
-    /// the publisher's own tenant, since memory kept is charged to the block's tenant;
-    /// another tenant's importer that keeps it stays outside the books.
+    /// after the block's free (`stranded.rs`): the block remembers it, with its tenant
+    /// when that is not the publisher's (memory kept by another tenant's importer alone
+    /// is charged to that tenant: `Reached::answers_for`).
     fn import_reached(&mut self, import: Uuid) {
         let Some(p) = self
             .shared
@@ -486,11 +486,10 @@ impl State {
         else {
             return;
         };
-        let Some(pid) = p
+        let Some((pid, tenant)) = p
             .imports
             .get(&import)
-            .filter(|i| i.tenant == p.publisher)
-            .and_then(|i| i.pid)
+            .and_then(|i| Some((i.pid?, (i.tenant != p.publisher).then(|| i.tenant.clone()))))
         else {
             return;
         };
@@ -501,7 +500,10 @@ impl State {
             self.shared.held.get_mut(&lease).map(|h| &mut h.block)
         };
         if let Some(b) = block {
-            b.reached.add(pid);
+            match tenant {
+                Some(t) => b.reached.add_of(pid, &t),
+                None => b.reached.add(pid),
+            }
         }
     }
 

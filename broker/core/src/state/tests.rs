@@ -740,7 +740,8 @@ impl Harness {
                     label: String::new(),
                     reclaimable: false,
                     fallback_host: true,
-                };
+                }
+                .checked();
                 let r = self.st.commit_host(&req, bytes, block);
                 assert_eq!(r.is_ok(), made);
                 if made {
@@ -966,7 +967,8 @@ impl Harness {
                     label: String::new(),
                     reclaimable,
                     fallback_host: false,
-                };
+                }
+                .checked();
                 let leasable = |d: u32| self.st.pools()[d as usize].leasable();
                 let never = match device {
                     Some(d) => bytes > leasable(d),

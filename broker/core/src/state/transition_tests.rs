@@ -261,11 +261,17 @@ fn a_kept_lease_of_a_claims_session_is_drawn_from_the_claim_again() {
     let mut c = Core::new(1, 64 * MIB);
     c.st.set_quota("a", quota(32 * MIB, 0)).unwrap();
     c.st.set_keeping(true);
-    let binding = crate::reservations::ClaimBinding {
-        uid: "uid-1".into(),
-        token_id: "tok".into(),
+    let ask = crate::reservations::ClaimAsk {
+        tenant: "a".into(),
+        device: 0,
+        bytes: 16 * MIB,
+        label: "ns/c".into(),
+        binding: crate::reservations::ClaimBinding {
+            uid: "uid-1".into(),
+            token_id: "tok".into(),
+        },
     };
-    let rid = c.st.grant_claim("a", 0, 16 * MIB, "ns/c", binding).unwrap();
+    let rid = c.st.grant_claim(ask).unwrap();
     let mut s = session("a", Some(7));
     s.token_id = Some("tok".into());
     let sid = s.id;

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use anyhow::{bail, Context, Result};
-use gpu_broker_dra::pb::{dra_v1, dra_v1beta1, registration as reg};
+use gpu_broker_dra::pb::{dra_v1, dra_v1beta1, health_v1, health_v1alpha1, registration as reg};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
@@ -285,6 +285,22 @@ impl Plugin {
         }
     }
 
+    /// SIGTERM, then how long it took to exit (`None`: not within `within`; then killed).
+    pub fn terminate(&mut self, within: Duration) -> Option<Duration> {
+        let mut c = self.child.take()?;
+        let started = Instant::now();
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        while started.elapsed() < within {
+            if let Ok(Some(_)) = c.try_wait() {
+                return Some(started.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        None
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -331,6 +347,9 @@ pub struct Kubelet {
     pub info: reg::PluginInfo,
     pub v1: dra_v1::dra_plugin_client::DraPluginClient<Channel>,
     pub v1beta1: dra_v1beta1::dra_plugin_client::DraPluginClient<Channel>,
+    pub health: health_v1::dra_resource_health_client::DraResourceHealthClient<Channel>,
+    pub health_v1alpha1:
+        health_v1alpha1::dra_resource_health_client::DraResourceHealthClient<Channel>,
 }
 
 impl Kubelet {
@@ -365,7 +384,10 @@ impl Kubelet {
         Ok(Kubelet {
             info,
             v1: dra_v1::dra_plugin_client::DraPluginClient::new(ch.clone()),
-            v1beta1: dra_v1beta1::dra_plugin_client::DraPluginClient::new(ch),
+            v1beta1: dra_v1beta1::dra_plugin_client::DraPluginClient::new(ch.clone()),
+            health: health_v1::dra_resource_health_client::DraResourceHealthClient::new(ch.clone()),
+            health_v1alpha1:
+                health_v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(ch),
         })
     }
 

@@ -290,16 +290,27 @@ REASONS: Dict[str, Type[BrokerError]] = {
     "FD_NEEDS_UNIX_SOCKET": FailedPrecondition,
     "FD_HANDLES_NOT_ACCEPTED": FailedPrecondition,
     "NO_ADMIN_TOKEN_FILE": FailedPrecondition,
+    # A ResourceClaim's token leasing while its claim has no reservation at the broker
+    # (retry shortly), or asking for a process reservation (it leases from its claim).
+    "CLAIM_NOT_RESERVED": FailedPrecondition,
+    "CLAIM_TOKEN_CANNOT_RESERVE": FailedPrecondition,
     # A device index past the last, a wait past --max-wait, too many reader tenants.
     "UNKNOWN_DEVICE": InvalidArgument,
     "WAIT_TOO_LONG": InvalidArgument,
     "TOO_MANY_READERS": InvalidArgument,
+    # A token name starting with claim/ (ReserveClaim's alone).
+    "TOKEN_NAME_RESERVED": InvalidArgument,
     # Tokens: none sent, not `Bearer <token>`, unknown or revoked, expired; a scope that
     # does not reach the call.
     "TOKEN_MISSING": Unauthenticated,
     "TOKEN_MALFORMED": Unauthenticated,
     "TOKEN_UNKNOWN": Unauthenticated,
     "TOKEN_EXPIRED": TokenExpired,
+    # Kubernetes ServiceAccount tokens: refused by the API server's TokenReview, of a
+    # namespace no tenant lists; the API server not answering (retry).
+    "SERVICE_ACCOUNT_REFUSED": Unauthenticated,
+    "NAMESPACE_HAS_NO_TENANT": Unauthenticated,
+    "TOKEN_REVIEW_UNAVAILABLE": Unavailable,
     "SCOPE_DENIED": PermissionDenied,
     # A session of another user named; a process group not the reserved process's.
     "SESSION_OF_ANOTHER_USER": PermissionDenied,

@@ -1,0 +1,199 @@
+//! Unit tests of a restart's adoption against an in-process arbiter over simulated
+//! devices and a place that keeps its records in memory: kept memory goes to the device
+//! of its UUID wherever that is now, a record without a UUID (an earlier version's) to
+//! the device of its index, and memory whose device is gone is let go, never given to
+//! another device; the report says where the start's time went.
+
+use super::*;
+use crate::keeper::records::{LeaseRecord, QuarantineRecord, SessionRecord, RECORD_VERSION};
+use crate::keeper::{Entry, KeeperError, Place};
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+const MIB: u64 = 1 << 20;
+
+/// A place whose records live in memory; what the broker removes or puts is noted.
+#[derive(Default)]
+struct MemPlace {
+    entries: parking_lot::Mutex<Vec<Entry>>,
+    removed: Arc<parking_lot::Mutex<Vec<String>>>,
+}
+
+impl Place for MemPlace {
+    fn describe(&self) -> String {
+        "memory".into()
+    }
+    fn dump(&self) -> Result<Vec<Entry>, KeeperError> {
+        Ok(std::mem::take(&mut *self.entries.lock()))
+    }
+    fn put(&self, _key: String, _record: serde_json::Value, _fd: Option<BorrowedFd<'_>>) {}
+    fn remove(&self, key: String) {
+        self.removed.lock().push(key);
+    }
+    fn is_broken(&self) -> bool {
+        false
+    }
+    fn sent(&self) -> u64 {
+        0
+    }
+}
+
+fn memfd(bytes: u64) -> OwnedFd {
+    crate::device::host::memfd("gpu-broker-adopt-test", bytes).unwrap()
+}
+
+/// This process's session of `tenant`, as a previous broker kept it.
+fn session_record(id: Uuid, tenant: &str) -> SessionRecord {
+    let pid = std::process::id();
+    SessionRecord {
+        v: RECORD_VERSION,
+        id: id.to_string(),
+        tenant: tenant.into(),
+        name: "w".into(),
+        pid: Some(pid),
+        uid: None,
+        unix: true,
+        pid_start: crate::process::start_ticks(pid),
+        token_id: None,
+        resume_hash: None,
+        opened_unix_ms: 0,
+    }
+}
+
+fn lease_record(session: Uuid, tenant: &str, device: u32, uuid: Option<&str>) -> LeaseRecord {
+    LeaseRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        tenant: tenant.into(),
+        session: session.to_string(),
+        device,
+        tier: "device".into(),
+        bytes: 2 * MIB,
+        requested_bytes: 2 * MIB,
+        label: String::new(),
+        reclaimable: false,
+        created_unix_ms: 0,
+        priority: 0,
+        block_id: rand::random(),
+        kind: "host-memfd".into(),
+        reservation: None,
+        device_uuid: uuid.map(str::to_string),
+    }
+}
+
+fn entry<T: serde::Serialize>(key: String, r: &T, fd: Option<OwnedFd>) -> Entry {
+    Entry {
+        key,
+        record: serde_json::to_value(r).unwrap(),
+        fd,
+    }
+}
+
+/// Kept leases land on the device of their UUID (a reordered device too), a record
+/// without one on the device of its index, and a lease or quarantine whose device is gone
+/// is let go (its record removed) instead of being counted on another device.
+#[test]
+fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
+    let arb = host_arbiter(64 * MIB, 2, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let (uuid0, uuid1) = (arb.device_uuid(0), arb.device_uuid(1));
+    assert_ne!(uuid0, uuid1);
+    let session = Uuid::new_v4();
+    // Kept when device 1 was index 0 (the GPUs were reordered since).
+    let moved = lease_record(session, "alpha", 0, Some(&uuid1));
+    // Written by a broker before UUIDs: by index.
+    let old = lease_record(session, "alpha", 0, None);
+    // Its device is no longer in this broker, though index 1 exists.
+    let gone = lease_record(
+        session,
+        "alpha",
+        1,
+        Some("HOST-00000000-0000-0000-0000-000000000000"),
+    );
+    let pid = std::process::id();
+    let gone_quarantine = QuarantineRecord {
+        v: RECORD_VERSION,
+        lease: Uuid::new_v4().to_string(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id: 7,
+        kind: "host-memfd".into(),
+        pid: Some(pid),
+        pid_start: crate::process::start_ticks(pid),
+        destroy: false,
+        device_uuid: Some("HOST-00000000-0000-0000-0000-000000000001".into()),
+    };
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(moved.key(), &moved, Some(memfd(2 * MIB))),
+        entry(old.key(), &old, Some(memfd(2 * MIB))),
+        entry(gone.key(), &gone, Some(memfd(2 * MIB))),
+        entry(
+            gone_quarantine.key(),
+            &gone_quarantine,
+            Some(memfd(2 * MIB)),
+        ),
+    ];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!((report.leases_adopted, report.leases_reclaimed), (2, 1));
+    let device_of = |id: &str| {
+        arb.list_all_leases(None)
+            .into_iter()
+            .find(|l| l.id.to_string() == id)
+            .map(|l| l.device)
+    };
+    assert_eq!(device_of(&moved.id), Some(1), "found by its UUID");
+    assert_eq!(device_of(&old.id), Some(0), "found by its index");
+    assert_eq!(device_of(&gone.id), None, "not given to another device");
+    let mut removed = removed.lock().clone();
+    removed.sort();
+    let mut expected = vec![gone.key(), gone_quarantine.key()];
+    expected.sort();
+    assert_eq!(removed, expected, "the memory of a gone device is let go");
+    assert_eq!(arb.get_tenant("alpha").unwrap().usage.held_bytes, 4 * MIB);
+    assert!(arb.list_quarantined().is_empty());
+}
+
+/// The report names each step of the adoption in order, with the device's own step.
+#[test]
+fn the_report_breaks_the_adoption_down() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let session = Uuid::new_v4();
+    let lease = lease_record(session, "alpha", 0, Some(&arb.device_uuid(0)));
+    let place = MemPlace::default();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(memfd(2 * MIB))),
+    ];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    let names: Vec<&str> = report.phases.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "keeper dump",
+            "parse",
+            "sessions",
+            "liveness and descriptor checks",
+            "device 0 take-back",
+            "take-back",
+            "adopt under the lock",
+            "keeper re-armed",
+            "drains"
+        ]
+    );
+    assert!(report.phases_line().starts_with("keeper dump "));
+    assert_eq!(arb.restart_report().unwrap().phases, report.phases);
+}
