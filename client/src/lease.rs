@@ -319,12 +319,15 @@ impl Lease {
                 async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
             })
             .await;
-        let r = r.map(|reply| {
-            if reply.retained {
-                self.retain();
-            }
-        });
+        // What the retained block pushes over the bound is let go before this returns: a
+        // lease asked for next is not refused for memory this process no longer keeps.
+        let over = match &r {
+            Ok(reply) if reply.retained => self.retain(),
+            _ => Vec::new(),
+        };
         self.kept = None;
+        self.session.let_go_now(over).await;
+        let r = r.map(drop);
         match r {
             // Tried again after an outage: the restarted broker ended it already (it was
             // no longer named when the session resumed).
@@ -334,19 +337,18 @@ impl Lease {
     }
 
     /// The broker holds the released block for this process: its descriptor and mapping
-    /// go to the session's cache (letting go of what is then over its bound).
-    fn retain(&mut self) {
+    /// go to the session's cache; returns what is then over its bound, to let go.
+    fn retain(&mut self) -> Vec<crate::retained::Entry> {
         let (Some(fd), LeaseHandle::Fd(i)) = (self.fd.take(), &self.info.handle) else {
-            return;
+            return Vec::new();
         };
-        let over = self.session.retained().put(crate::retained::Entry {
+        self.session.retained().put(crate::retained::Entry {
             ended: self.info.lease_id.clone(),
             block_id: i.block_id,
             bytes: self.info.bytes,
             fd,
             mapping: self.kept.take(),
-        });
-        self.session.let_go(over);
+        })
     }
 
     /// Stops tracking the lease without releasing it: the broker keeps it until it is
