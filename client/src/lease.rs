@@ -319,12 +319,30 @@ impl Lease {
                 async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
             })
             .await;
+        let declined = matches!(&r, Ok(reply) if reply.declined);
         let r = r.map(|reply| {
             if reply.retained {
                 self.retain();
             }
         });
         self.kept = None;
+        self.fd = None;
+        if declined {
+            // Still ours: released now that the mapping and descriptor are gone.
+            let request = pb::ReleaseLeaseRequest {
+                lease_id: self.info.lease_id.clone(),
+                retain_mapping: false,
+            };
+            let client = self.session.client();
+            let r = self
+                .session
+                .through_outage(&self.generation, || {
+                    let request = request.clone();
+                    async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
+                })
+                .await;
+            return r.map(|_| ());
+        }
         match r {
             // Tried again after an outage: the restarted broker ended it already (it was
             // no longer named when the session resumed).
@@ -363,8 +381,9 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        // Its own mapping closes before the broker can hear of the release.
+        // Its own mapping and descriptor close before the broker can hear of the release.
         self.kept = None;
+        self.fd = None;
         if self.released {
             return;
         }
