@@ -319,6 +319,7 @@ impl Lease {
                 async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
             })
             .await;
+        let declined = matches!(&r, Ok(reply) if reply.declined);
         // What the retained block pushes over the bound is let go before this returns: a
         // lease asked for next is not refused for memory this process no longer keeps.
         let over = match &r {
@@ -326,8 +327,25 @@ impl Lease {
             _ => Vec::new(),
         };
         self.kept = None;
+        self.fd = None;
         self.session.let_go_now(over).await;
         let r = r.map(drop);
+        if declined {
+            // Still ours: released now that the mapping and descriptor are gone.
+            let request = pb::ReleaseLeaseRequest {
+                lease_id: self.info.lease_id.clone(),
+                retain_mapping: false,
+            };
+            let client = self.session.client();
+            let r = self
+                .session
+                .through_outage(&self.generation, || {
+                    let request = request.clone();
+                    async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
+                })
+                .await;
+            return r.map(|_| ());
+        }
         match r {
             // Tried again after an outage: the restarted broker ended it already (it was
             // no longer named when the session resumed).
@@ -365,8 +383,9 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        // Its own mapping closes before the broker can hear of the release.
+        // Its own mapping and descriptor close before the broker can hear of the release.
         self.kept = None;
+        self.fd = None;
         if self.released {
             return;
         }
