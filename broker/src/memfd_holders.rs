@@ -39,35 +39,92 @@ impl FileId {
     }
 }
 
+/// How long one process's entries may be read: a holder with a huge descriptor table or
+/// address space could otherwise hold the device thread for seconds at each free. A
+/// process not read through by then counts as holding (its tenant keeps the charge).
+const READ_DEADLINE: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Those of `pids` that map `file` or hold a descriptor of it. A process gone, or one
-/// whose `/proc` entries cannot be read, does not hold it as far as anyone can tell.
+/// whose `/proc` entries cannot be read, does not hold it as far as anyone can tell (a
+/// warning says when the broker cannot read them: the check is then blind).
 pub fn holding(file: FileId, pids: &[u32]) -> Vec<u32> {
     pids.iter()
         .copied()
-        .filter(|&pid| maps(file, pid) || has_fd(file, pid))
+        .filter(|&pid| {
+            let until = std::time::Instant::now() + READ_DEADLINE;
+            !matches!(maps(file, pid, until), Held::No)
+                || !matches!(has_fd(file, pid, until), Held::No)
+        })
         .collect()
 }
 
-/// Does `pid` map `file`?
-fn maps(file: FileId, pid: u32) -> bool {
-    let Ok(p) = procfs::process::Process::new(pid as i32) else {
-        return false;
-    };
-    let Ok(maps) = p.maps() else { return false };
-    maps.into_iter().any(|m| file.is_mapping(m.dev, m.inode))
+/// What a process's entries say of a file.
+enum Held {
+    No,
+    Yes,
+    /// Not read through before the deadline.
+    Unknown,
 }
 
-/// Does `pid` hold a descriptor of `file`?
-fn has_fd(file: FileId, pid: u32) -> bool {
-    let Ok(p) = procfs::process::Process::new(pid as i32) else {
-        return false;
+/// What a `/proc` read gave, or none (the process gone, or its entries unreadable: said,
+/// since the check is then blind).
+fn readable<T>(pid: u32, read: procfs::ProcResult<T>) -> Option<T> {
+    match read {
+        Ok(t) => Some(t),
+        Err(procfs::ProcError::PermissionDenied(_)) => {
+            tracing::warn!(pid, "cannot read the process's /proc entries (the broker needs CAP_SYS_PTRACE): a memfd it keeps is not seen");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// Does `pid` map `file`?
+fn maps(file: FileId, pid: u32, until: std::time::Instant) -> Held {
+    let p = procfs::process::Process::new(pid as i32);
+    let Some(maps) = readable(pid, p.and_then(|p| p.maps())) else {
+        return Held::No;
     };
-    let Ok(fds) = p.fd() else { return false };
-    fds.flatten().any(|f| {
+    for m in maps {
+        if file.is_mapping(m.dev, m.inode) {
+            return Held::Yes;
+        }
+        if std::time::Instant::now() > until {
+            return Held::Unknown;
+        }
+    }
+    Held::No
+}
+
+/// Does `pid` hold a descriptor of `file`? Only memfds are looked at (by `fstat` through
+/// the link): a `stat` of any other target would ask its filesystem, which a holder can
+/// make hang (FUSE, a dead NFS server).
+fn has_fd(file: FileId, pid: u32, until: std::time::Instant) -> Held {
+    use procfs::process::FDTarget;
+    let p = procfs::process::Process::new(pid as i32);
+    let Some(fds) = readable(pid, p.and_then(|p| p.fd())) else {
+        return Held::No;
+    };
+    for f in fds.flatten() {
+        if std::time::Instant::now() > until {
+            return Held::Unknown;
+        }
+        let memfd = match &f.target {
+            FDTarget::Path(path) => path.as_os_str().as_encoded_bytes().starts_with(b"/memfd:"),
+            FDTarget::MemFD(_) => true,
+            _ => false,
+        };
+        if !memfd {
+            continue;
+        }
         use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(format!("/proc/{pid}/fd/{}", f.fd))
+        if std::fs::metadata(format!("/proc/{pid}/fd/{}", f.fd))
             .is_ok_and(|m| m.dev() == file.dev && m.ino() == file.ino)
-    })
+        {
+            return Held::Yes;
+        }
+    }
+    Held::No
 }
 
 #[cfg(test)]

@@ -319,12 +319,33 @@ impl Lease {
                 async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
             })
             .await;
-        let r = r.map(|reply| {
-            if reply.retained {
-                self.retain();
-            }
-        });
+        let declined = matches!(&r, Ok(reply) if reply.declined);
+        // What the retained block pushes over the bound is let go before this returns: a
+        // lease asked for next is not refused for memory this process no longer keeps.
+        let over = match &r {
+            Ok(reply) if reply.retained => self.retain(),
+            _ => Vec::new(),
+        };
         self.kept = None;
+        self.fd = None;
+        self.session.let_go_now(over).await;
+        let r = r.map(drop);
+        if declined {
+            // Still ours: released now that the mapping and descriptor are gone.
+            let request = pb::ReleaseLeaseRequest {
+                lease_id: self.info.lease_id.clone(),
+                retain_mapping: false,
+            };
+            let client = self.session.client();
+            let r = self
+                .session
+                .through_outage(&self.generation, || {
+                    let request = request.clone();
+                    async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
+                })
+                .await;
+            return r.map(|_| ());
+        }
         match r {
             // Tried again after an outage: the restarted broker ended it already (it was
             // no longer named when the session resumed).
@@ -334,19 +355,18 @@ impl Lease {
     }
 
     /// The broker holds the released block for this process: its descriptor and mapping
-    /// go to the session's cache (letting go of what is then over its bound).
-    fn retain(&mut self) {
+    /// go to the session's cache; returns what is then over its bound, to let go.
+    fn retain(&mut self) -> Vec<crate::retained::Entry> {
         let (Some(fd), LeaseHandle::Fd(i)) = (self.fd.take(), &self.info.handle) else {
-            return;
+            return Vec::new();
         };
-        let over = self.session.retained().put(crate::retained::Entry {
+        self.session.retained().put(crate::retained::Entry {
             ended: self.info.lease_id.clone(),
             block_id: i.block_id,
             bytes: self.info.bytes,
             fd,
             mapping: self.kept.take(),
-        });
-        self.session.let_go(over);
+        })
     }
 
     /// Stops tracking the lease without releasing it: the broker keeps it until it is
@@ -363,8 +383,9 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        // Its own mapping closes before the broker can hear of the release.
+        // Its own mapping and descriptor close before the broker can hear of the release.
         self.kept = None;
+        self.fd = None;
         if self.released {
             return;
         }

@@ -6,7 +6,7 @@
 //!
 //! The cache is bounded in bytes: past its bound the oldest blocks are let go (unmapped,
 //! closed, then confirmed with a release of their ended lease id, after which the broker
-//! may hand the memory on). The broker asks for one back when others wait
+//! may hand the memory on; a release that went over the bound returns once confirmed). The broker asks for one back when others wait
 //! ([`crate::SessionEvent::DropRetained`]): the session's listener lets it go the same
 //! way. A retained block stays counted to the tenant until it is let go.
 

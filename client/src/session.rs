@@ -455,6 +455,13 @@ impl Session {
         &self.inner.retained
     }
 
+    /// Unmaps and closes `entries` and confirms each to the broker, before returning.
+    pub(crate) async fn let_go_now(&self, entries: Vec<crate::retained::Entry>) {
+        for e in entries {
+            confirm_let_go(&self.inner.client, e).await;
+        }
+    }
+
     /// Unmaps and closes `entries`, then confirms each to the broker in the background.
     pub(crate) fn let_go(&self, entries: Vec<crate::retained::Entry>) {
         if entries.is_empty() {

@@ -233,7 +233,7 @@ pub struct SharedImport {
     id: String,
     shared: SharedLeaseInfo,
     fd_info: FdInfo,
-    /// Closed only by [`SharedImport::release`], before it tells the broker.
+    /// Closed by [`SharedImport::release`] or the drop, before either tells the broker.
     fd: Option<OwnedFd>,
     session: Session,
     released: bool,
@@ -350,6 +350,8 @@ impl SharedImport {
 
 impl Drop for SharedImport {
     fn drop(&mut self) {
+        // The descriptor closes before the broker can hear of the release.
+        self.fd = None;
         if self.released {
             return;
         }

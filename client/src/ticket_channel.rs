@@ -43,10 +43,10 @@ struct Kept {
 }
 
 /// This process's [`Kept`]. A forked child finds its parent's here, owned by another pid:
-/// it leaves it alone (its lock may be held by a parent thread that does not exist in the
-/// child, so nobody would unlock it) and puts a fresh one of its own in its place. The
-/// parent's copy is leaked in the child: its descriptors stay open there until an exec
-/// closes them (close-on-exec), never used.
+/// it closes the parent's connections where it can take their lock (one held by a parent
+/// thread, which does not exist in the child, would never be unlocked: then they stay open
+/// until an exec closes them) and puts a fresh one of its own in its place. The parent's
+/// `Kept` itself is leaked in the child, never used.
 static KEPT: AtomicPtr<Kept> = AtomicPtr::new(std::ptr::null_mut());
 
 /// This process's kept connections (made on first use, and again after a fork).
@@ -55,8 +55,12 @@ fn mine() -> &'static Kept {
     loop {
         let cur = KEPT.load(Ordering::Acquire);
         // SAFETY: a published `Kept` is never freed (see `KEPT`).
-        if let Some(k) = unsafe { cur.as_ref() }.filter(|k| k.owner == me) {
+        let found = unsafe { cur.as_ref() };
+        if let Some(k) = found.filter(|k| k.owner == me) {
             return k;
+        }
+        if let Some(mut parents) = found.and_then(|k| k.sockets.try_lock()) {
+            parents.clear();
         }
         let fresh = Box::into_raw(Box::new(Kept {
             owner: me,

@@ -152,3 +152,56 @@ async fn a_released_resident_keeps_its_range_for_the_next_lease_of_its_block_but
     let u = s.usage().await.unwrap().usage;
     assert_eq!((u.held_bytes, u.quarantined_bytes), (0, 0));
 }
+
+/// A release whose retained block pushes the cache over its bound lets the oldest go, and
+/// the broker has heard of it when the release returns: the next request of the tenant is
+/// not refused for memory this process no longer keeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_let_go_past_the_bound_is_confirmed_before_the_release_returns() {
+    let b = Broker::start().unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(32 * MIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    s.retain_mappings(16 * MIB);
+    let first = s.lease(16 * MIB).await.unwrap();
+    let second = s.lease(8 * MIB).await.unwrap();
+    first.release().await.unwrap();
+    second.release().await.unwrap();
+    assert_eq!(s.retained_bytes(), 8 * MIB, "the oldest went");
+    let u = s.usage().await.unwrap().usage;
+    assert_eq!(
+        u.quarantined_bytes,
+        8 * MIB,
+        "and the broker knows it already"
+    );
+    // The tenant's whole quota but what is retained: granted at once.
+    let big = s.lease(24 * MIB).await.unwrap();
+    big.release().await.unwrap();
+}
+
+/// A release asking to retain memory the broker will not retain (here a published lease)
+/// is declined with nothing released; the client then unmaps, closes and releases it
+/// plainly, so the lease ends all the same and nothing stays held, retained, or charged
+/// as memory this process kept after its free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declined_retain_is_released_plainly_after_the_mapping_is_gone() {
+    let b = Broker::start().unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    s.retain_mappings(32 * MIB);
+    let mut lease = s.lease(16 * MIB).await.unwrap();
+    lease.mapped().unwrap().fill(1);
+    lease.publish("weights", &[]).await.unwrap();
+    lease.release().await.unwrap();
+    assert_eq!(s.retained_bytes(), 0, "published memory is never retained");
+    // Time for the device thread to free the sealed block and look for its holders (it
+    // found this process mapping it when the broker released under the mapping).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let u = s.usage().await.unwrap().usage;
+    assert_eq!(
+        (u.held_bytes, u.quarantined_bytes, u.lease_count),
+        (0, 0, 0),
+        "released after the decline"
+    );
+}

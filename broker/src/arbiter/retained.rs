@@ -10,27 +10,48 @@ use std::sync::Arc;
 use std::time::Instant;
 use uuid::Uuid;
 
+/// What a release asking to retain its mapping did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retaining {
+    /// The block is held for the caller's process, mapped.
+    Retained,
+    /// Nothing: the lease is still the caller's, to unmap and release plainly.
+    Declined,
+    /// The id named a block this tenant retained: let go into the cache.
+    LetGo,
+}
+
 impl Arbiter {
     /// Releases lease `id` of `tenant` for process `caller` (the kernel's pid of the
     /// caller), retaining its block mapped for that process when it is the session's own
-    /// and the memory was never shared. Ok(true): retained; Ok(false): released into the
-    /// cache. An id that names a block this tenant retained is that block let go (false).
+    /// and the memory was never shared. A release that cannot be retained (another process,
+    /// a pid unknown, memory shared or drawn from a reservation) is declined and changes
+    /// nothing: the caller still maps the block and releases it plainly once it let go. An
+    /// id that names a block this tenant retained is that block let go.
     pub fn release_retaining(
         self: &Arc<Self>,
         tenant: &str,
         id: Uuid,
         caller: Option<u32>,
-    ) -> BrokerResult<bool> {
-        let Some(pid) = caller.filter(|&p| p != 0) else {
-            return self.release(tenant, id).map(|()| false);
-        };
+    ) -> BrokerResult<Retaining> {
         let mut st = self.lock();
+        let Some(pid) = caller.filter(|&p| p != 0) else {
+            return match st.has_lease(tenant, id) {
+                true => Ok(Retaining::Declined),
+                false if st.drop_retained(tenant, id) => Ok(Retaining::LetGo),
+                false => Err(lease_not_found(id)),
+            };
+        };
         if let Some(retained) = st.release_retained(tenant, id, pid) {
-            tracing::debug!(lease = %id, tenant, retained, "lease released");
-            return Ok(retained);
+            tracing::debug!(lease = %id, tenant, retained, "retaining release");
+            return Ok(if retained {
+                Retaining::Retained
+            } else {
+                Retaining::Declined
+            });
         }
         if st.drop_retained(tenant, id) {
-            return Ok(false);
+            return Ok(Retaining::LetGo);
         }
         Err(lease_not_found(id))
     }

@@ -196,7 +196,7 @@ impl Broker for BrokerService {
             .map_err(|_| BrokerError::InvalidArgument(format!("unknown fallback {}", r.fallback)))
             .map_err(status)?;
         let accept = handles::parse_accept(&r.accept_handles).map_err(status)?;
-        let span = tracing::info_span!("acquire", %tenant, %session, bytes = r.bytes);
+        let span = tracing::debug_span!("acquire", %tenant, %session, bytes = r.bytes);
         let asked = AcquireRequest {
             tenant,
             session,
@@ -258,8 +258,8 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
         let id = parse_id("lease_id", &req.get_ref().lease_id).map_err(status)?;
-        let _span = tracing::info_span!("release", %tenant, lease = %id).entered();
-        let retained = if req.get_ref().retain_mapping {
+        let _span = tracing::debug_span!("release", %tenant, lease = %id).entered();
+        let answer = if req.get_ref().retain_mapping {
             // Only a Unix-socket caller's pid is the kernel's.
             let pid = caller.pid.filter(|_| caller.unix);
             self.arb
@@ -267,9 +267,12 @@ impl Broker for BrokerService {
                 .map_err(status)?
         } else {
             self.arb.release(&tenant, id).map_err(status)?;
-            false
+            crate::arbiter::Retaining::LetGo
         };
-        Ok(Response::new(pb::ReleaseLeaseResponse { retained }))
+        Ok(Response::new(pb::ReleaseLeaseResponse {
+            retained: answer == crate::arbiter::Retaining::Retained,
+            declined: answer == crate::arbiter::Retaining::Declined,
+        }))
     }
 
     async fn list_leases(

@@ -214,9 +214,10 @@ impl Backend for LeaseBackend {
                     request.send()
                 };
                 match ask().await {
-                    // Segments this process retains count to the tenant: let them go and
-                    // ask once more (a waiting request has had them asked back already).
-                    Err(e) if session.retained_bytes() > 0 => {
+                    // Segments this process retains count to the tenant: on a refusal for
+                    // room, let them go and ask once more (not after a wait ran out: a
+                    // waiting request has had them asked back already).
+                    Err(e) if session.retained_bytes() > 0 && wants_room(&e) => {
                         tracing::debug!(error = %e, "gpubroker.torch: letting retained segments go");
                         session.drop_retained().await;
                         ask().await
@@ -912,4 +913,14 @@ pub fn _torch_wake(py: Python<'_>, wait_s: Option<f64>) -> PyResult<u64> {
 #[pyfunction]
 pub fn _torch_asleep() -> bool {
     ASLEEP.load(Ordering::SeqCst)
+}
+
+/// Whether `e` refused a lease for room (the tenant's or a device's limit, or the card):
+/// what letting retained segments go can give.
+fn wants_room(e: &ClientError) -> bool {
+    use gpu_broker_client::error::Reason;
+    matches!(
+        e.reason(),
+        Some(Reason::QuotaExceeded | Reason::DeviceQuotaExceeded | Reason::CapacityExhausted)
+    )
 }

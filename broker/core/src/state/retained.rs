@@ -19,11 +19,17 @@ use crate::session::SessionEvent;
 use uuid::Uuid;
 
 impl State {
-    /// Releases lease `id` of `tenant`, asked by process `caller`: retained mapped when
+    /// Whether `tenant` holds lease `id`.
+    pub fn has_lease(&self, tenant: &str, id: Uuid) -> bool {
+        self.leases.get(&id).is_some_and(|l| l.tenant == tenant)
+    }
+
+    /// Releases lease `id` of `tenant`, asked by process `caller`, retained mapped: when
     /// `caller` is its session's own process and the block was never shared (not
     /// published, sealed, or fetched by another process, not drawn from a process
-    /// reservation, device memory), else released into the cache as `ReleaseLease` does.
-    /// `None` when `tenant` has no such lease; else whether it was retained.
+    /// reservation, device memory). Otherwise nothing changes (`Some(false)`): the caller
+    /// still maps the block, so releasing it now could let it be freed under that mapping;
+    /// it unmaps and releases plainly. `None` when `tenant` has no such lease.
     pub fn release_retained(&mut self, tenant: &str, id: Uuid, caller: u32) -> Option<bool> {
         let l = self.leases.get(&id).filter(|l| l.tenant == tenant)?;
         let session = l.session;
@@ -38,17 +44,17 @@ impl State {
                 .recipients
                 .get(&id)
                 .is_some_and(|r| !r.is_empty());
-        let retain = own && !shared && l.tier == Tier::Device && l.reservation.is_none();
-        let ending = if retain {
+        if !(own && !shared && l.tier == Tier::Device && l.reservation.is_none()) {
+            return Some(false);
+        }
+        self.end_lease(
+            id,
             Ending::Retained {
                 pid: caller,
                 session,
-            }
-        } else {
-            Ending::Cache
-        };
-        self.end_lease(id, ending)?;
-        Some(retain)
+            },
+        )?;
+        Some(true)
     }
 
     /// A lease for `req`, asked by process `caller`, made of a block that process retained

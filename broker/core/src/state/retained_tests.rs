@@ -110,10 +110,14 @@ fn a_retained_block_stays_its_tenants_and_goes_back_only_to_its_own_process() {
     );
     c.st.check_invariant().unwrap();
 
-    // A release by a process that is not the session's is a plain one: cached.
+    // A retaining release by a process that is not the session's is declined and changes
+    // nothing (the caller maps the block until it releases plainly).
     assert_eq!(c.st.release_retained("a", view.id, 8), Some(false));
     let pool = c.st.pools()[0].stats();
-    assert_eq!((pool.cached, pool.quarantined), (16 * MIB, 0));
+    assert_eq!(
+        (pool.leased, pool.cached, pool.quarantined),
+        (16 * MIB, 0, 0)
+    );
     c.st.check_invariant().unwrap();
 }
 
@@ -190,7 +194,8 @@ fn another_tenant_never_gets_a_retained_block_and_its_process_is_asked_for_it() 
 }
 
 /// A lease whose descriptor went to another process, or that was drawn for a published
-/// or sealed block, is never retained: its release is a plain one.
+/// or sealed block, is never retained: a retaining release of it is declined and leaves
+/// it leased (the caller then unmaps and releases it plainly).
 #[test]
 fn a_lease_another_process_fetched_is_not_retained() {
     let mut c = Core::new(1, 64 * MIB);
@@ -201,5 +206,6 @@ fn a_lease_another_process_fetched_is_not_retained() {
     c.st.take_effects();
     assert_eq!(c.st.release_retained("a", lease, 7), Some(false));
     assert!(c.st.quarantine().values().all(|q| q.retained_by.is_none()));
+    assert_eq!(c.st.pools()[0].stats().leased, 16 * MIB, "still leased");
     c.st.check_invariant().unwrap();
 }
