@@ -141,6 +141,7 @@ impl Client {
             .release_lease(pb::ReleaseLeaseRequest {
                 lease_id: lease_id.to_string(),
                 retain_mapping: false,
+                may_decline: false,
             })
             .await?;
         Ok(())

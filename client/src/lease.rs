@@ -315,6 +315,7 @@ impl Lease {
                 let request = pb::ReleaseLeaseRequest {
                     lease_id: id.clone(),
                     retain_mapping: retain,
+                    may_decline: true,
                 };
                 async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
             })
@@ -335,6 +336,7 @@ impl Lease {
             let request = pb::ReleaseLeaseRequest {
                 lease_id: self.info.lease_id.clone(),
                 retain_mapping: false,
+                may_decline: false,
             };
             let client = self.session.client();
             let r = self
@@ -344,7 +346,11 @@ impl Lease {
                     async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
                 })
                 .await;
-            return r.map(|_| ());
+            return match r {
+                // Ended meanwhile (a restart between the two calls ended it): gone, as asked.
+                Err(e) if e.code() == crate::error::Code::NotFound => Ok(()),
+                r => r.map(drop),
+            };
         }
         match r {
             // Tried again after an outage: the restarted broker ended it already (it was

@@ -369,6 +369,7 @@ async fn worker(
                 .release_lease(pb::ReleaseLeaseRequest {
                     lease_id: lease.lease_id.clone(),
                     retain_mapping: true,
+                    may_decline: false,
                 })
                 .await?
                 .into_inner();

@@ -205,3 +205,45 @@ async fn a_declined_retain_is_released_plainly_after_the_mapping_is_gone() {
         "released after the decline"
     );
 }
+
+/// At the wire: a retaining release of published memory from a client that handles
+/// declines is declined with the lease still the caller's; from one that does not
+/// (`may_decline` unset, as clients before declines send) it is a plain release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retaining_release_is_declined_only_for_a_client_that_handles_it() {
+    use gpu_broker_client::proto as pb;
+    let b = Broker::start().unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    for may_decline in [true, false] {
+        let lease = s.lease(16 * MIB).await.unwrap();
+        lease
+            .publish(&format!("w-{may_decline}"), &[])
+            .await
+            .unwrap();
+        let id = lease.detach().lease_id;
+        let reply = c
+            .raw()
+            .release_lease(pb::ReleaseLeaseRequest {
+                lease_id: id.clone(),
+                retain_mapping: true,
+                may_decline,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!reply.retained);
+        assert_eq!(reply.declined, may_decline);
+        let u = s.usage().await.unwrap().usage;
+        assert_eq!(
+            u.lease_count,
+            u32::from(may_decline),
+            "declined: still leased"
+        );
+        if may_decline {
+            c.release_lease(&id).await.unwrap();
+        }
+        assert_eq!(s.usage().await.unwrap().usage.lease_count, 0);
+    }
+}

@@ -26,28 +26,34 @@ impl Arbiter {
     /// caller), retaining its block mapped for that process when it is the session's own
     /// and the memory was never shared. A release that cannot be retained (another process,
     /// a pid unknown, memory shared or drawn from a reservation) is declined and changes
-    /// nothing: the caller still maps the block and releases it plainly once it let go. An
-    /// id that names a block this tenant retained is that block let go.
+    /// nothing when the caller `may_decline` (it still maps the block and releases it
+    /// plainly once it let go); else it is a plain release. An id that names a block this
+    /// tenant retained is that block let go.
     pub fn release_retaining(
         self: &Arc<Self>,
         tenant: &str,
         id: Uuid,
         caller: Option<u32>,
+        may_decline: bool,
     ) -> BrokerResult<Retaining> {
-        let mut st = self.lock();
         let Some(pid) = caller.filter(|&p| p != 0) else {
+            if !may_decline {
+                return self.release(tenant, id).map(|()| Retaining::LetGo);
+            }
+            let mut st = self.lock();
             return match st.has_lease(tenant, id) {
                 true => Ok(Retaining::Declined),
                 false if st.drop_retained(tenant, id) => Ok(Retaining::LetGo),
                 false => Err(lease_not_found(id)),
             };
         };
-        if let Some(retained) = st.release_retained(tenant, id, pid) {
+        let mut st = self.lock();
+        if let Some(retained) = st.release_retained(tenant, id, pid, may_decline) {
             tracing::debug!(lease = %id, tenant, retained, "retaining release");
-            return Ok(if retained {
-                Retaining::Retained
-            } else {
-                Retaining::Declined
+            return Ok(match (retained, may_decline) {
+                (true, _) => Retaining::Retained,
+                (false, true) => Retaining::Declined,
+                (false, false) => Retaining::LetGo,
             });
         }
         if st.drop_retained(tenant, id) {

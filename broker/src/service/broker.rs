@@ -263,7 +263,7 @@ impl Broker for BrokerService {
             // Only a Unix-socket caller's pid is the kernel's.
             let pid = caller.pid.filter(|_| caller.unix);
             self.arb
-                .release_retaining(&tenant, id, pid)
+                .release_retaining(&tenant, id, pid, req.get_ref().may_decline)
                 .map_err(status)?
         } else {
             self.arb.release(&tenant, id).map_err(status)?;

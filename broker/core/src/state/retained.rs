@@ -27,10 +27,18 @@ impl State {
     /// Releases lease `id` of `tenant`, asked by process `caller`, retained mapped: when
     /// `caller` is its session's own process and the block was never shared (not
     /// published, sealed, or fetched by another process, not drawn from a process
-    /// reservation, device memory). Otherwise nothing changes (`Some(false)`): the caller
-    /// still maps the block, so releasing it now could let it be freed under that mapping;
-    /// it unmaps and releases plainly. `None` when `tenant` has no such lease.
-    pub fn release_retained(&mut self, tenant: &str, id: Uuid, caller: u32) -> Option<bool> {
+    /// reservation, device memory). Otherwise, when the caller `may_decline`, nothing
+    /// changes (`Some(false)`): the caller still maps the block, so releasing it now could
+    /// let it be freed under that mapping; it unmaps and releases plainly. A caller that
+    /// cannot be told so (a client older than declines) gets a plain release into the
+    /// cache. `None` when `tenant` has no such lease.
+    pub fn release_retained(
+        &mut self,
+        tenant: &str,
+        id: Uuid,
+        caller: u32,
+        may_decline: bool,
+    ) -> Option<bool> {
         let l = self.leases.get(&id).filter(|l| l.tenant == tenant)?;
         let session = l.session;
         let own = self
@@ -45,6 +53,9 @@ impl State {
                 .get(&id)
                 .is_some_and(|r| !r.is_empty());
         if !(own && !shared && l.tier == Tier::Device && l.reservation.is_none()) {
+            if !may_decline {
+                self.end_lease(id, Ending::Cache)?;
+            }
             return Some(false);
         }
         self.end_lease(

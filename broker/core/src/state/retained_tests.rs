@@ -60,8 +60,12 @@ fn a_retained_block_stays_its_tenants_and_goes_back_only_to_its_own_process() {
     let lease = c.hold("a", s, 16 * MIB, 0, false);
     let block = block_id(&c.st.leases().get(&lease).unwrap().block.handle);
 
-    assert_eq!(c.st.release_retained("b", lease, 7), None, "not b's lease");
-    assert_eq!(c.st.release_retained("a", lease, 7), Some(true));
+    assert_eq!(
+        c.st.release_retained("b", lease, 7, true),
+        None,
+        "not b's lease"
+    );
+    assert_eq!(c.st.release_retained("a", lease, 7, true), Some(true));
     let effects = c.st.take_effects().into_vec();
     assert!(
         effects.iter().any(|e| matches!(e,
@@ -112,7 +116,7 @@ fn a_retained_block_stays_its_tenants_and_goes_back_only_to_its_own_process() {
 
     // A retaining release by a process that is not the session's is declined and changes
     // nothing (the caller maps the block until it releases plainly).
-    assert_eq!(c.st.release_retained("a", view.id, 8), Some(false));
+    assert_eq!(c.st.release_retained("a", view.id, 8, true), Some(false));
     let pool = c.st.pools()[0].stats();
     assert_eq!(
         (pool.leased, pool.cached, pool.quarantined),
@@ -132,7 +136,7 @@ fn another_tenant_never_gets_a_retained_block_and_its_process_is_asked_for_it() 
     let s = session_of(&mut c, "a", 7);
     let lease = c.hold("a", s, 48 * MIB, 0, false);
     let block = block_id(&c.st.leases().get(&lease).unwrap().block.handle);
-    assert_eq!(c.st.release_retained("a", lease, 7), Some(true));
+    assert_eq!(c.st.release_retained("a", lease, 7, true), Some(true));
     c.st.take_effects();
     let b = session_of(&mut c, "b", 9);
 
@@ -204,8 +208,14 @@ fn a_lease_another_process_fetched_is_not_retained() {
     let lease = c.hold("a", s, 16 * MIB, 0, false);
     c.st.add_recipient(lease, 8);
     c.st.take_effects();
-    assert_eq!(c.st.release_retained("a", lease, 7), Some(false));
+    assert_eq!(c.st.release_retained("a", lease, 7, true), Some(false));
     assert!(c.st.quarantine().values().all(|q| q.retained_by.is_none()));
     assert_eq!(c.st.pools()[0].stats().leased, 16 * MIB, "still leased");
+    c.st.check_invariant().unwrap();
+    // A client that cannot be told of a decline (older than declines) gets what it
+    // expects: a plain release into the cache.
+    assert_eq!(c.st.release_retained("a", lease, 7, false), Some(false));
+    let pool = c.st.pools()[0].stats();
+    assert_eq!((pool.leased, pool.cached), (0, 16 * MIB));
     c.st.check_invariant().unwrap();
 }
