@@ -275,13 +275,9 @@ impl Arbiter {
     /// reason and start, the same deadline (wall clock) for its reclaimable holders, asked
     /// again; a deadline that passed meanwhile gives them the usual reclaim deadline.
     fn drain_again(self: &Arc<Self>, mut r: records::DrainRecord) {
+        // A drain whose device moved had its old key removed by the caller; it is kept
+        // again under its device's index now (below), or dropped.
         let device = self.device_of(r.device, r.device_uuid.as_deref());
-        if device != Some(r.device) {
-            // Kept again under its device's index now (below), or dropped.
-            if let Some(link) = self.keeper.get() {
-                link.remove(r.key());
-            }
-        }
         let Some(device) = device else {
             tracing::warn!(
                 device = r.device,
@@ -496,6 +492,15 @@ impl Arbiter {
         let _ = self.keeper.set(Arc::new(link));
         self.lock().set_keeping(true);
         laps.lap("keeper re-armed");
+        // Every moved drain's old key goes first: two drained devices that swapped indexes
+        // would otherwise each remove the key the other just wrote.
+        for d in &drains {
+            if self.device_of(d.device, d.device_uuid.as_deref()) != Some(d.device) {
+                if let Some(link) = self.keeper.get() {
+                    link.remove(d.key());
+                }
+            }
+        }
         for d in drains {
             self.drain_again(d);
         }

@@ -5,7 +5,9 @@
 //! another device; the report says where the start's time went.
 
 use super::*;
-use crate::keeper::records::{LeaseRecord, QuarantineRecord, SessionRecord, RECORD_VERSION};
+use crate::keeper::records::{
+    DrainRecord, LeaseRecord, QuarantineRecord, SessionRecord, RECORD_VERSION,
+};
 use crate::keeper::{Entry, KeeperError, Place};
 use std::os::fd::{BorrowedFd, OwnedFd};
 
@@ -16,6 +18,8 @@ const MIB: u64 = 1 << 20;
 struct MemPlace {
     entries: parking_lot::Mutex<Vec<Entry>>,
     removed: Arc<parking_lot::Mutex<Vec<String>>>,
+    /// The keys put and not removed since.
+    kept: Arc<parking_lot::Mutex<std::collections::BTreeSet<String>>>,
 }
 
 impl Place for MemPlace {
@@ -25,8 +29,11 @@ impl Place for MemPlace {
     fn dump(&self) -> Result<Vec<Entry>, KeeperError> {
         Ok(std::mem::take(&mut *self.entries.lock()))
     }
-    fn put(&self, _key: String, _record: serde_json::Value, _fd: Option<BorrowedFd<'_>>) {}
+    fn put(&self, key: String, _record: serde_json::Value, _fd: Option<BorrowedFd<'_>>) {
+        self.kept.lock().insert(key);
+    }
     fn remove(&self, key: String) {
+        self.kept.lock().remove(&key);
         self.removed.lock().push(key);
     }
     fn is_broken(&self) -> bool {
@@ -196,4 +203,40 @@ fn the_report_breaks_the_adoption_down() {
     );
     assert!(report.phases_line().starts_with("keeper dump "));
     assert_eq!(arb.restart_report().unwrap().phases, report.phases);
+}
+
+/// Two drained devices that swapped indexes since the drains were kept: both stay drained
+/// and both drains stay kept (each under its device's index now), so the next restart
+/// finds both again.
+#[test]
+fn drains_of_devices_that_swapped_indexes_are_both_kept() {
+    let arb = host_arbiter(64 * MIB, 2, ArbiterConfig::default());
+    let (uuid0, uuid1) = (arb.device_uuid(0), arb.device_uuid(1));
+    let drain = |device: u32, uuid: &str| DrainRecord {
+        v: RECORD_VERSION,
+        device,
+        since_unix_ms: 0,
+        deadline_unix_ms: None,
+        reason: format!("maintenance of {uuid}"),
+        device_uuid: Some(uuid.to_string()),
+    };
+    // Kept when device 1 was index 0 and device 0 was index 1.
+    let (a, b) = (drain(0, &uuid1), drain(1, &uuid0));
+    let place = MemPlace::default();
+    let kept = place.kept.clone();
+    *place.entries.lock() = vec![entry(a.key(), &a, None), entry(b.key(), &b, None)];
+    arb.adopt_from_keeper(place).unwrap();
+    let avail = arb.avail.read();
+    for d in 0..2 {
+        assert!(
+            avail.device(d).is_some_and(|s| s.drain.is_some()),
+            "device {d} drained again"
+        );
+    }
+    drop(avail);
+    let kept = kept.lock().clone();
+    assert!(
+        kept.contains(&a.key()) && kept.contains(&b.key()),
+        "both drains kept: {kept:?}"
+    );
 }
