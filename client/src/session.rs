@@ -457,9 +457,18 @@ impl Session {
 
     /// Unmaps and closes `entries` and confirms each to the broker, before returning.
     pub(crate) async fn let_go_now(&self, entries: Vec<crate::retained::Entry>) {
-        for e in entries {
-            confirm_let_go(&self.inner.client, e).await;
+        if entries.is_empty() {
+            return;
         }
+        // On a task of its own: a caller that stops waiting (a timeout, a `select!`) does
+        // not stop the confirmations, which the broker needs to give the memory to others.
+        let client = self.inner.client.clone();
+        let confirming = self.inner.runtime.spawn(async move {
+            for e in entries {
+                confirm_let_go(&client, e).await;
+            }
+        });
+        let _ = confirming.await;
     }
 
     /// Unmaps and closes `entries`, then confirms each to the broker in the background.
