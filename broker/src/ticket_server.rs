@@ -323,6 +323,18 @@ mod tests {
     use super::*;
     use tokio::io::AsyncReadExt;
 
+    /// A forked child, killed and reaped however the test ends.
+    struct Reap(libc::pid_t);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            // SAFETY: killing and reaping our own child.
+            unsafe {
+                libc::kill(self.0, libc::SIGKILL);
+                libc::waitpid(self.0, std::ptr::null_mut(), 0);
+            }
+        }
+    }
+
     #[tokio::test]
     async fn one_uid_cannot_take_every_ticket_connection() {
         let dir = tempfile::tempdir().unwrap();
@@ -520,17 +532,6 @@ mod tests {
             }
         }
         drop(conn);
-        // Killed and reaped however the test ends.
-        struct Reap(libc::pid_t);
-        impl Drop for Reap {
-            fn drop(&mut self) {
-                // SAFETY: killing and reaping our own child.
-                unsafe {
-                    libc::kill(self.0, libc::SIGKILL);
-                    libc::waitpid(self.0, std::ptr::null_mut(), 0);
-                }
-            }
-        }
         let reap = Reap(child);
         let got = tokio::task::spawn_blocking(move || {
             let mut b = [0u8; 1];
@@ -700,16 +701,6 @@ mod tests {
             }
         }
         drop(conn);
-        struct Reap(libc::pid_t);
-        impl Drop for Reap {
-            fn drop(&mut self) {
-                // SAFETY: killing and reaping our own child.
-                unsafe {
-                    libc::kill(self.0, libc::SIGKILL);
-                    libc::waitpid(self.0, std::ptr::null_mut(), 0);
-                }
-            }
-        }
         let reap = Reap(child);
         let got = tokio::task::spawn_blocking(move || {
             let mut b = [0u8; 1];
@@ -880,16 +871,6 @@ mod tests {
                 b[0] = u8::from(ok);
                 libc::write(told.as_raw_fd(), b.as_ptr().cast(), 1);
                 libc::_exit(0);
-            }
-        }
-        struct Reap(libc::pid_t);
-        impl Drop for Reap {
-            fn drop(&mut self) {
-                // SAFETY: killing and reaping our own child.
-                unsafe {
-                    libc::kill(self.0, libc::SIGKILL);
-                    libc::waitpid(self.0, std::ptr::null_mut(), 0);
-                }
             }
         }
         let reap = Reap(child);

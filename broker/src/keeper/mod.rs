@@ -35,15 +35,7 @@ mod tests {
     fn a_keeper_keeps_records_and_descriptors_across_connections() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keeper.sock");
-        let listener = wire::bind(&path).unwrap();
-        let server = std::thread::spawn(move || {
-            let mut kept = serve::Kept::default();
-            for _ in 0..2 {
-                let conn = wire::accept(&listener).unwrap();
-                serve::serve_connection(&conn, &mut kept).unwrap();
-            }
-            (kept.len(), kept.descriptors())
-        });
+        let server = keeper_serving(&path, 2);
         let memfd = crate::device::host::memfd("keeper-test", 4096).unwrap();
         std::fs::File::from(memfd.try_clone().unwrap())
             .write_all_at(b"kept", 0)
@@ -91,10 +83,28 @@ mod tests {
         );
         drop(entries);
         drop(link);
-        assert_eq!(server.join().unwrap(), (2, 1));
+        let kept = server.join().unwrap();
+        assert_eq!((kept.len(), kept.descriptors()), (2, 1));
     }
 
     use std::os::unix::fs::FileExt;
+
+    /// A keeper on `path` serving `connections` brokers one after the other, on a thread;
+    /// what it kept when the last one went.
+    fn keeper_serving(
+        path: &std::path::Path,
+        connections: usize,
+    ) -> std::thread::JoinHandle<serve::Kept> {
+        let listener = wire::bind(path).unwrap();
+        std::thread::spawn(move || {
+            let mut kept = serve::Kept::default();
+            for _ in 0..connections {
+                let conn = wire::accept(&listener).unwrap();
+                serve::serve_connection(&conn, &mut kept).unwrap();
+            }
+            kept
+        })
+    }
 
     /// A memfd holding `text` at its start.
     fn memfd_with(text: &str) -> std::os::fd::OwnedFd {
@@ -119,14 +129,7 @@ mod tests {
     fn a_large_dump_comes_back_in_batches_with_every_descriptor_in_place() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("keeper.sock");
-        let listener = wire::bind(&path).unwrap();
-        let server = std::thread::spawn(move || {
-            let mut kept = serve::Kept::default();
-            for _ in 0..2 {
-                let conn = wire::accept(&listener).unwrap();
-                serve::serve_connection(&conn, &mut kept).unwrap();
-            }
-        });
+        let server = keeper_serving(&path, 2);
         let n = 3 * wire::MAX_BATCH + 17;
         {
             let link = KeeperLink::connect(&path).unwrap();
@@ -218,14 +221,7 @@ mod tests {
 
         // An earlier broker's plain dump from this keeper: entry by entry.
         let path = dir.path().join("keeper2.sock");
-        let listener = wire::bind(&path).unwrap();
-        let server = std::thread::spawn(move || {
-            let mut kept = serve::Kept::default();
-            for _ in 0..2 {
-                let conn = wire::accept(&listener).unwrap();
-                serve::serve_connection(&conn, &mut kept).unwrap();
-            }
-        });
+        let server = keeper_serving(&path, 2);
         let link = KeeperLink::connect(&path).unwrap();
         let fd = memfd_with("a");
         link.put(
