@@ -8,9 +8,9 @@
 //! what nobody holds is gone. Operations: acquire (fresh and from the cache), release, revoke,
 //! session open and end, and (`after:<op>` once the operation's lock was let go) reclaim
 //! (request and forced revoke at its deadline, here a drain's), quarantine and its lift,
-//! publish/import/release-import, process reservation and its release, drain. Drains and
-//! the quarantine of a live process are kept (checked here); what a restart lets go is
-//! docs/operations.md's list, and the books agree either way.
+//! publish/import/release-import, process reservation and its release, drain. Drains, the
+//! quarantine of a live process, publications and imports are kept (checked here); what a
+//! restart lets go is docs/operations.md's list, and the books agree either way.
 
 use super::*;
 use futures::StreamExt;
@@ -120,6 +120,12 @@ impl Case {
 
     /// Everything agrees with the worker holding exactly `held`.
     async fn check(&self, point: &str, held: &[&Lease]) {
+        self.check_with(point, held, 0).await
+    }
+
+    /// [`Case::check`], the broker holding `extra` descriptors more (a publication's
+    /// read-only reopen of its memfd).
+    async fn check_with(&self, point: &str, held: &[&Lease], extra: u64) {
         let mut want: Vec<String> = held.iter().map(|l| l.id().to_string()).collect();
         want.sort();
         let bytes: u64 = held.iter().map(|l| l.bytes()).sum();
@@ -148,7 +154,7 @@ impl Case {
                 && u.held_bytes == bytes
                 && u.lease_count as usize == want.len()
                 && kept == want.len() + quarantined
-                && own == want.len() as u64 + cached;
+                && own == want.len() as u64 + cached + extra;
             let last = format!(
                 "leases {ids:?} (want {want:?}), held {} in {} (want {bytes}), keeper {kept}, broker {own} with {cached} cached or quarantined",
                 u.held_bytes, u.lease_count
@@ -484,29 +490,123 @@ async fn publish_import_and_release_import() {
     if skipped() {
         return;
     }
-    for point in ["after:publish", "after:import", "after:release-import"] {
-        let mut c = Case::start(point, Where::Keeper).await;
+    shared(Where::Keeper).await
+}
+
+#[tokio::test]
+async fn publish_import_and_release_import_in_the_fd_store() {
+    if skipped() {
+        return;
+    }
+    shared(Where::FdStore).await
+}
+
+/// A publication of a kept lease and the imports whose descriptor reached the worker are
+/// kept: after the restart the name is still published (a new import reads the same
+/// memory), the import the worker held is still its own (the publisher's released block
+/// is held for it, counted to the tenant, until it lets go), and an import or release
+/// the crash cut is neither lost nor doubled.
+async fn shared(place: Where) {
+    // (point, stage cut: 0 publish, 1 a second import, 2 that import's release)
+    for (point, stage) in [
+        ("before-keep:publication", 0),
+        ("after-keep:publication", 0),
+        ("after:publish", 0),
+        ("before-keep:import#2", 1),
+        ("after-keep:import#2", 1),
+        ("after:import#2", 1),
+        ("before-keep:import-ended", 2),
+        ("after-keep:import-ended", 2),
+        ("after:release-import", 2),
+    ] {
+        let mut c = Case::start(point, place).await;
         let s = c.session().await;
         let mut events = s.events();
         let p = s.lease(SIZE).await.unwrap();
-        // Each call up to the one the crash cuts (its answer is lost, not its effect).
-        async {
-            p.publish("shared", &[]).await?;
-            if point != "after:publish" {
+        p.map().unwrap().as_mut_slice()[0] = 7;
+        let held = if stage == 0 {
+            // Cut by the crash (its answer is lost, not its effect).
+            let _ = p.publish("shared", &[]).await;
+            None
+        } else {
+            p.publish("shared", &[]).await.unwrap();
+            Some(s.import("t", "shared").await.unwrap())
+        };
+        let call = (stage > 0).then(|| {
+            let s = s.clone();
+            tokio::spawn(async move {
                 let i = s.import("t", "shared").await?;
-                if point == "after:release-import" {
-                    s.client().release_import(i.id()).await?;
+                if stage == 2 {
+                    i.release().await?;
+                } else {
+                    i.detach();
                 }
-            }
-            Ok::<_, gpu_broker_client::ClientError>(())
-        }
-        .await
-        .expect_err("the crash cut the last call");
+                Ok::<_, gpu_broker_client::ClientError>(())
+            })
+        });
         c.restart_after_crash(point).await;
         resumed(point, &mut events).await;
-        c.check(point, &[&p]).await;
-        // The publisher's block, once released, is never handed out sealed read-only.
+        let call = match call {
+            Some(call) => Some(call.await.unwrap()),
+            None => None,
+        };
+        let published = point != "before-keep:publication";
+        match stage {
+            // The descriptor never reached the worker: the import is not its own.
+            1 => assert!(call.unwrap().is_err(), "{point}: the import was cut"),
+            // The release waited out the restart and went through.
+            2 => call.unwrap().expect("the release across the crash"),
+            _ => {}
+        }
+        c.check_with(point, &[&p], u64::from(published)).await;
+        let admin = c.b.admin().await.unwrap();
+        let listed = admin.list_shared(Some("t")).await.unwrap();
+        let want_imports: Vec<String> = held.iter().map(|i| i.id().to_string()).collect();
+        if published {
+            assert_eq!(listed.len(), 1, "{point}: {listed:?}");
+            assert_eq!(listed[0].name, "shared", "{point}");
+            let imports: Vec<String> = listed[0]
+                .imports
+                .iter()
+                .map(|i| i.import_id.clone())
+                .collect();
+            assert_eq!(
+                imports, want_imports,
+                "{point}: the worker's imports, no other"
+            );
+            // A new importer finds the name and the same memory.
+            let again = s.import("t", "shared").await.expect("imported again");
+            assert_eq!(again.map().unwrap()[0], 7, "{point}");
+            again.release().await.unwrap();
+        } else {
+            assert!(listed.is_empty(), "{point}: {listed:?}");
+            assert!(s.import("t", "shared").await.is_err(), "{point}");
+        }
+        // The publisher lets go: the block is held for the import that outlived the
+        // restart, counted to the tenant, until it lets go too.
         p.release().await.unwrap();
+        let quarantined = || async {
+            c.b.admin()
+                .await
+                .unwrap()
+                .get_quota("t")
+                .await
+                .unwrap()
+                .usage
+                .quarantined_bytes
+        };
+        if let Some(i) = held {
+            assert_eq!(quarantined().await, SIZE, "{point}: held for the importer");
+            i.release().await.unwrap();
+        }
+        assert!(
+            eventually(Duration::from_secs(5), || async {
+                quarantined().await == 0
+            })
+            .await,
+            "{point}: nothing held once every importer let go"
+        );
+        // The publisher's block, once released, is never handed out sealed read-only.
         let again = s.lease(SIZE).await.unwrap();
         let mut m = again.map().expect("a writable mapping of the next lease");
         m.as_mut_slice()[0] = 1;

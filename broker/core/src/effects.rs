@@ -93,6 +93,12 @@ pub enum Keep {
     /// An ended lease's memory, quarantined, and a copy of its block's descriptor.
     Quarantine(crate::kept::QuarantineRecord, crate::memory::SharedFd),
     QuarantineLifted(Uuid),
+    /// A publication (new, renamed or unpublished); its lease's record has the memory.
+    Publication(crate::kept::PublicationRecord),
+    PublicationEnded(Uuid),
+    /// An import whose descriptor reached a process.
+    Import(crate::kept::ImportRecord),
+    ImportEnded(Uuid),
 }
 
 impl Keep {
@@ -105,6 +111,10 @@ impl Keep {
             Keep::LeaseEnded(_) => "lease-ended",
             Keep::Quarantine(..) => "quarantine",
             Keep::QuarantineLifted(_) => "quarantine-lifted",
+            Keep::Publication(_) => "publication",
+            Keep::PublicationEnded(_) => "publication-ended",
+            Keep::Import(_) => "import",
+            Keep::ImportEnded(_) => "import-ended",
         }
     }
 }

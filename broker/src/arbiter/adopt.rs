@@ -236,6 +236,10 @@ impl Arbiter {
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
             Keep::QuarantineLifted(id) => link.remove(records::quarantine_key(&id)),
+            Keep::Publication(r) => link.put(r.key(), to_json(&r), None),
+            Keep::PublicationEnded(id) => link.remove(records::publication_key(&id)),
+            Keep::Import(r) => link.put(r.key(), to_json(&r), None),
+            Keep::ImportEnded(id) => link.remove(records::import_key(&id)),
         }
         if !was_broken && link.is_broken() {
             self.metrics.count_keeper_lost();
@@ -394,12 +398,16 @@ impl Arbiter {
         let mut leases: Vec<(LeaseRecord, Option<OwnedFd>)> = Vec::new();
         let mut drains = Vec::new();
         let mut quarantines: Vec<(records::QuarantineRecord, Option<OwnedFd>)> = Vec::new();
+        let mut publications = Vec::new();
+        let mut imports = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
                 Ok(Kept::Lease(l)) => leases.push((l, e.fd)),
                 Ok(Kept::Drain(d)) => drains.push(d),
                 Ok(Kept::Quarantine(q)) => quarantines.push((q, e.fd)),
+                Ok(Kept::Publication(p)) => publications.push(p),
+                Ok(Kept::Import(i)) => imports.push(i),
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
@@ -479,6 +487,11 @@ impl Arbiter {
             tally.add("kept quarantines let go", why, q.bytes);
             link.remove(q.key());
         }
+        for (key, why) in self.adopt_shared(publications, imports) {
+            tally.add("kept publications and imports not taken back", why, 0);
+            link.remove(key);
+        }
+        laps.lap("shared leases");
         tally.log();
         let mut waiting = self.awaiting_resume.lock();
         for (session, lease, bytes) in taken.leases {

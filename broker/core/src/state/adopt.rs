@@ -37,6 +37,8 @@ pub enum NotAdopted {
     Device,
     /// Its tenant no longer exists.
     Tenant,
+    /// An import's publication was not taken back (or no longer lets its tenant read it).
+    Publication,
 }
 
 impl State {

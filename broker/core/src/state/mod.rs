@@ -20,10 +20,12 @@
 //! holders of an unhealthy device), `queue.rs` (the queue policy: queue a request, one pass deciding what
 //! fits where, the whole queue run, refusing what can never fit, reclaim requests), `retained.rs`
 //! (a released block its process keeps mapped: held for the tenant, granted to that
-//! process again without a ticket, let go when told), and here:
+//! process again without a ticket, let go when told), `adopt.rs` and `adopt_shared.rs`
+//! (a restart's take-back of kept sessions, leases, quarantines, publications, imports), and here:
 //! opening a session, leasable and headroom changes, quota changes.
 
 mod adopt;
+mod adopt_shared;
 mod devices;
 mod end;
 mod grant;
@@ -41,7 +43,8 @@ mod tests;
 #[cfg(test)]
 mod transition_tests;
 
-pub use adopt::{Adopted, AdoptedQuarantine};
+pub use adopt::{Adopted, AdoptedQuarantine, NotAdopted};
+pub use adopt_shared::AdoptedImport;
 pub use end::{Ending, Revoke};
 pub use queue::{Enqueued, QueueEnv};
 pub use shared::{Holding, NewPublication, SealCheck};

@@ -443,3 +443,124 @@ fn memory_kept_after_its_free_is_charged_to_its_tenant_until_its_holders_exit() 
     assert_eq!(held(&c), 0);
     c.st.check_invariant().unwrap();
 }
+
+/// A restart takes back a kept publication of a lease it took back (same id and name,
+/// importable again) and a kept import of a session it took back, pushing nothing for the
+/// keeper; an import of a session or publication not taken back is refused. The books are
+/// as before the restart: when the publisher's lease ends, its block is held for the
+/// import (counted to the publisher as quarantined) and the publication's record goes;
+/// the import's release ends its record and frees the block.
+#[test]
+fn kept_publications_and_imports_are_taken_back_with_their_lease_and_session() {
+    use super::adopt::{Adopted, NotAdopted};
+    use super::adopt_shared::AdoptedImport;
+    use crate::effects::Keep;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    c.st.set_quota("b", quota(64 * MIB, 0)).unwrap();
+    c.st.set_keeping(true);
+    let (sa, sb) = (session("a", Some(7)), session("b", Some(8)));
+    let (sa_id, sb_id) = (sa.id, sb.id);
+    c.st.adopt_session(sa).unwrap();
+    c.st.adopt_session(sb).unwrap();
+    let lease = Uuid::new_v4();
+    let block = c.block(12 * MIB);
+    let crate::memory::Handle::Fd { fd, .. } = &block.handle;
+    let fd = fd.clone();
+    let a = Adopted {
+        id: lease,
+        tenant: "a".into(),
+        session: sa_id,
+        device: 0,
+        requested_bytes: 12 * MIB,
+        label: String::new(),
+        reclaimable: false,
+        created: SystemTime::UNIX_EPOCH,
+        priority: 0,
+    };
+    c.st.adopt_lease(a, block).unwrap();
+    c.st.take_effects();
+    let publication = Uuid::new_v4();
+    let published_at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_764_800_000);
+    let new = |lease| super::NewPublication {
+        lease,
+        publisher: "a".into(),
+        name: String::new(),
+        readers: ["b".to_string()].into_iter().collect(),
+        published_at,
+        fd: fd.clone(),
+        enforced: true,
+        fd_counted: None,
+    };
+    c.st.adopt_publication(publication, Some("w".into()), new(lease))
+        .unwrap();
+    // Once only: the lease has its publication.
+    assert!(matches!(
+        c.st.adopt_publication(Uuid::new_v4(), Some("x".into()), new(lease)),
+        Err(NotAdopted::Session)
+    ));
+    let p =
+        c.st.shared()
+            .visible("a", "w", "b")
+            .expect("importable again");
+    assert_eq!((p.id, p.published_at), (publication, published_at));
+    let import = AdoptedImport {
+        id: Uuid::new_v4(),
+        publication,
+        tenant: "b".into(),
+        session: sb_id,
+        pid: Some(8),
+        created: SystemTime::UNIX_EPOCH,
+    };
+    c.st.adopt_import(import.clone()).unwrap();
+    let gone_session = AdoptedImport {
+        id: Uuid::new_v4(),
+        session: Uuid::now_v7(),
+        ..import.clone()
+    };
+    assert!(matches!(
+        c.st.adopt_import(gone_session),
+        Err(NotAdopted::Session)
+    ));
+    let gone_publication = AdoptedImport {
+        id: Uuid::new_v4(),
+        publication: Uuid::new_v4(),
+        ..import.clone()
+    };
+    assert!(matches!(
+        c.st.adopt_import(gone_publication),
+        Err(NotAdopted::Publication)
+    ));
+    assert!(!c.st.has_effects(), "nothing for the keeper: it holds them");
+    assert_eq!(c.st.shared().imports_of_session(sb_id), vec![import.id]);
+    c.st.check_invariant().unwrap();
+
+    c.st.end_lease(lease, super::Ending::Cache).unwrap();
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Keep { change: Keep::PublicationEnded(id) } if *id == publication)),
+        "{fx:?}"
+    );
+    let u = &c.st.ledger().get("a").unwrap().usage;
+    assert_eq!(
+        (u.held_bytes, u.quarantined_bytes),
+        (0, 12 * MIB),
+        "held for the importer"
+    );
+    c.st.check_invariant().unwrap();
+
+    c.st.import_let_go(import.id, super::Ending::Cache);
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter().any(
+            |e| matches!(e, Effect::Keep { change: Keep::ImportEnded(id) } if *id == import.id)
+        ),
+        "{fx:?}"
+    );
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Free { .. })),
+        "{fx:?}"
+    );
+    assert_eq!(c.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
+    c.st.check_invariant().unwrap();
+}
