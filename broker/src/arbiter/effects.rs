@@ -152,6 +152,24 @@ impl Watchers {
     }
 }
 
+/// Which devices admit new leases (drain, health). Anyone reads it; only
+/// [`Locked::change_devices`] writes it (the field is private to this module), so every
+/// change is made under the state lock and the queue runs after one that changed what fits.
+pub(crate) struct DeviceAvailability(parking_lot::RwLock<crate::availability::Availability>);
+
+impl DeviceAvailability {
+    pub fn new(devices: usize) -> Self {
+        DeviceAvailability(parking_lot::RwLock::new(
+            crate::availability::Availability::new(devices),
+        ))
+    }
+
+    /// A read of it: under the state lock (admission, the queue run) or alone (reports).
+    pub fn read(&self) -> parking_lot::RwLockReadGuard<'_, crate::availability::Availability> {
+        self.0.read()
+    }
+}
+
 /// What the lock guard runs once the lock is released: an effect, or an event whose
 /// mailbox it found under the lock.
 enum After {
@@ -202,15 +220,16 @@ impl<'a> Locked<'a> {
         }
     }
 
-    /// Changes which devices admit new leases (a drain, a health mark) in this hold: when
-    /// `change` changed something (`Some`), the queue runs before the unlock
-    /// (`State::devices_changed`): a reopened device may fit waiters, and those no open
-    /// device can serve any more are refused.
+    /// Changes which devices admit new leases (a drain, a health mark) in this hold, the
+    /// one way to write them: when `change` changed what admits (`Some`), the queue runs
+    /// before the unlock (`State::devices_changed`): a reopened device may fit waiters,
+    /// and those no open device can serve any more are refused. `None`: nothing that
+    /// admits changed (a drain's bookkeeping: whom it asked, since when).
     pub(crate) fn change_devices<R>(
         &mut self,
         change: impl FnOnce(&mut crate::availability::Availability) -> Option<R>,
     ) -> Option<R> {
-        let changed = change(&mut self.arb.avail.write());
+        let changed = change(&mut self.arb.avail.0.write());
         if changed.is_some() {
             self.devices_changed();
         }

@@ -181,8 +181,9 @@ pub struct Arbiter {
     exiting: AtomicBool,
     /// Operator changes, durable in the store (`audit.rs`).
     pub(crate) audit_log: crate::audit::AuditLog,
-    /// Which devices admit new leases (drain, health); changed under the state lock.
-    pub(crate) avail: parking_lot::RwLock<crate::availability::Availability>,
+    /// Which devices admit new leases (drain, health); changed only through
+    /// `Locked::change_devices`.
+    pub(crate) avail: effects::DeviceAvailability,
     /// What the broker did (counters, histograms), for `/metrics`.
     pub(crate) metrics: crate::metrics::Metrics,
     /// The background machinery: workers, the main runtime, the store writer, MPS, the
@@ -277,7 +278,7 @@ impl Arbiter {
             outbox: outbox::Outbox::default(),
             fds,
             audit_log,
-            avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
+            avail: effects::DeviceAvailability::new(devices.len()),
             keeper: std::sync::OnceLock::new(),
             restart: Mutex::default(),
             awaiting_resume: Mutex::default(),
@@ -434,7 +435,7 @@ impl Arbiter {
             st.open_session(s, self.cfg.max_sessions_per_tenant)?;
             // Its mailbox is in place in the hold that opened it, so before any
             // transition can tell it something (effects run when the guard drops).
-            self.outbox.open(id, tx);
+            self.outbox.open(&st, id, tx);
         }
         tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
         Ok((id, rx, secret))
