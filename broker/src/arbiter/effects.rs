@@ -16,7 +16,10 @@
 //!    clean-up, counters.
 //!
 //! [`Arbiter::execute`] is the one executor: every device free of the broker goes through
-//! it (`Effect::Free`, `Effect::FreeHost`).
+//! it (`Effect::Free`, `Effect::FreeHost`). The state's mutex ([`StateLock`]) and the
+//! devices' availability ([`DeviceAvailability`]) are private to this module, so the
+//! compiler keeps [`Arbiter::lock`] the one take and [`Locked::change_devices`] the one
+//! write.
 
 use super::queue::{Granted, WaiterId};
 use super::{Arbiter, State};
@@ -149,6 +152,29 @@ impl Watchers {
     /// the descriptor budget).
     pub fn processes(&self) -> usize {
         self.0.lock().procs.len()
+    }
+}
+
+/// The core behind its one lock. Its mutex is private to this module: outside tests the
+/// only take is [`Arbiter::lock`], whose guard checks the invariant, runs the effects and
+/// times the hold.
+pub(crate) struct StateLock(parking_lot::Mutex<State>);
+
+impl StateLock {
+    pub fn new(st: State) -> Self {
+        StateLock(parking_lot::Mutex::new(st))
+    }
+
+    /// A raw take, for tests that read the state without running its effects.
+    #[cfg(test)]
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.0.lock()
+    }
+
+    /// A raw try, for tests that check the lock is free.
+    #[cfg(test)]
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, State>> {
+        self.0.try_lock()
     }
 }
 
@@ -323,9 +349,9 @@ impl Arbiter {
         let holds = &self.metrics.lock_holds;
         let cpu_since = holds.cpu_clock().then(crate::lock_holds::thread_cpu_now);
         // A take that finds the lock held is timed (`lock_holds.rs`); a free one is not.
-        let st = self.state.try_lock().unwrap_or_else(|| {
+        let st = self.state.0.try_lock().unwrap_or_else(|| {
             let t0 = std::time::Instant::now();
-            let st = self.state.lock();
+            let st = self.state.0.lock();
             self.metrics.lock_holds.record_wait(t0.elapsed());
             st
         });

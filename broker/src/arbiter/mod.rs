@@ -162,9 +162,8 @@ impl From<crate::device::Allocation> for Unneeded {
 /// The admission authority of one broker.
 pub struct Arbiter {
     /// The core behind its one lock: taken only by `Arbiter::lock` (`effects.rs`), whose
-    /// guard checks the invariant, runs the effects and times the hold (checked by
-    /// `broker/tests/layers.rs`; tests may read it directly).
-    state: Mutex<State>,
+    /// guard checks the invariant, runs the effects and times the hold.
+    state: effects::StateLock,
     pub(crate) devices: Vec<DeviceSlot>,
     pub(crate) host_tier: Option<DeviceThread>,
     pub(crate) store: Option<Store>,
@@ -284,7 +283,7 @@ impl Arbiter {
             awaiting_resume: Mutex::default(),
             crash: crate::crash_point::CrashPoint::from_env(),
             scheduler,
-            state: Mutex::new(st),
+            state: effects::StateLock::new(st),
             devices,
             host_tier,
             store,
