@@ -351,6 +351,12 @@ fn the_systemd_unit_keeps_leases_in_its_file_descriptor_store() {
     let nofile: u64 = value("LimitNOFILE").parse().unwrap();
     assert!(max >= nofile, "FileDescriptorStoreMax={max}");
     assert_eq!(value("FileDescriptorStorePreserve"), "yes");
+    // What `keep-in = "auto"` reads: systemd before 254 does not set it.
+    assert!(
+        unit.lines()
+            .any(|l| l.trim() == format!("Environment=FDSTORE={max}")),
+        "the unit tells an older systemd's broker its store's size"
+    );
     let config = std::fs::read_to_string(root().join("deploy/config.toml")).unwrap();
     assert!(config.contains("\nkeep-in = \"auto\"\n"));
 }
