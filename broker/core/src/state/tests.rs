@@ -374,6 +374,9 @@ impl Harness {
             let q = Quota {
                 limit_bytes: LIMIT,
                 host_limit_bytes: HOST_LIMIT,
+                // The last tenant outranks the others: its waiting requests ask their
+                // reclaimable leases back (the queue's reclaim).
+                priority: i32::from(t == TENANTS[2]),
                 ..Quota::default()
             };
             st.set_quota(t, q).unwrap();
