@@ -1,9 +1,9 @@
 //! The lock guard and the effect executor. A transition of the core (a method on `State`,
 //! `gpu_broker_core::state`) pushes what the shell must do as an [`Effect`] (the vocabulary
 //! is the core's, `gpu_broker_core::effects`) onto its effect list, private to the core
-//! (the shell pushes nothing itself, checked by `broker/tests/layers.rs`). The lock guard
-//! ([`Locked`], from `Arbiter::lock`) takes them (`State::take_effects`) and runs them when
-//! it is dropped:
+//! (outside its tests the shell cannot build one: every variant is `non_exhaustive`). The
+//! lock guard ([`Locked`], from `Arbiter::lock`) takes them (`State::take_effects`) and
+//! runs them when it is dropped:
 //!
 //! 1. the byte-state invariant is checked (debug builds: `State::check_invariant`);
 //! 2. device frees are queued on their device threads (a channel send, never a driver call)
