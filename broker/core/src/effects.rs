@@ -99,6 +99,9 @@ pub enum Keep {
     /// An import whose descriptor reached a process.
     Import(crate::kept::ImportRecord),
     ImportEnded(Uuid),
+    /// A session's process reservation (granted, its group named, its room changed).
+    Reservation(crate::kept::ReservationRecord),
+    ReservationEnded(Uuid),
 }
 
 impl Keep {
@@ -115,6 +118,8 @@ impl Keep {
             Keep::PublicationEnded(_) => "publication-ended",
             Keep::Import(_) => "import",
             Keep::ImportEnded(_) => "import-ended",
+            Keep::Reservation(_) => "reservation",
+            Keep::ReservationEnded(_) => "reservation-ended",
         }
     }
 }

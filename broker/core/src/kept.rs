@@ -3,7 +3,8 @@
 //! versioned JSON records under the keys `session/<id>`, `lease/<id>` (a lease's record
 //! travels with its block's descriptor), `drain/<device>` (a device being drained),
 //! `quarantine/<lease>`, `publication/<id>` and `import/<id>` (a shared lease's
-//! publication and its imports: no descriptor, the publisher's lease has it).
+//! publication and its imports: no descriptor, the publisher's lease has it), and
+//! `reservation/<id>` (a session's process reservation).
 //! A broker that knows a key's kind not (an earlier version) drops that record: a drain
 //! ends, a publication and its imports are forgotten, and it serves on. A record carries its format version `v`; a newer
 //! broker reads every older version, and fields added later have defaults, so a record
@@ -82,6 +83,85 @@ impl ImportRecord {
 /// The key of import `id`'s record.
 pub fn import_key(id: &uuid::Uuid) -> String {
     format!("{IMPORT_PREFIX}{id}")
+}
+
+/// The key prefix of process reservation records.
+pub const RESERVATION_PREFIX: &str = "reservation/";
+
+/// A session's process reservation (not a claim's: the store keeps those): taken back
+/// with its session, the same id and room, its drawn leases drawn from it again.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservationRecord {
+    pub v: u32,
+    pub id: String,
+    pub tenant: String,
+    pub session: String,
+    pub device: u32,
+    /// Rounded size (what the tenant is charged, drawn leases included).
+    pub bytes: u64,
+    #[serde(default)]
+    pub requested_bytes: u64,
+    #[serde(default)]
+    pub label: String,
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub compute_percent: Option<u32>,
+    #[serde(default)]
+    pub created_unix_ms: u64,
+    /// Bytes of drawn leases that ended quarantined: no longer its room.
+    #[serde(default)]
+    pub lost: u64,
+    /// Its program's process group, stopped when it ends.
+    #[serde(default)]
+    pub group: Option<GroupRecord>,
+    /// The device's UUID, as in [`LeaseRecord::device_uuid`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_uuid: Option<String>,
+}
+
+/// A reservation's process group (`crate::process_group::ProcessGroup`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRecord {
+    pub pgid: u32,
+    pub uid: u32,
+    pub leader_start: u64,
+}
+
+impl ReservationRecord {
+    pub fn key(&self) -> String {
+        format!("{RESERVATION_PREFIX}{}", self.id)
+    }
+}
+
+/// The key of reservation `id`'s record.
+pub fn reservation_key(id: &uuid::Uuid) -> String {
+    format!("{RESERVATION_PREFIX}{id}")
+}
+
+impl From<&crate::reservations::Reservation> for ReservationRecord {
+    fn from(r: &crate::reservations::Reservation) -> Self {
+        ReservationRecord {
+            v: RECORD_VERSION,
+            id: r.id.to_string(),
+            tenant: r.tenant.clone(),
+            session: r.session.to_string(),
+            device: r.device,
+            bytes: r.bytes,
+            requested_bytes: r.requested_bytes,
+            label: r.label.clone(),
+            pid: r.pid,
+            compute_percent: r.compute_percent,
+            created_unix_ms: unix_ms(r.created),
+            lost: r.lost,
+            group: r.group.map(|g| GroupRecord {
+                pgid: g.pgid,
+                uid: g.uid,
+                leader_start: g.leader_start,
+            }),
+            // The shell knows the devices' UUIDs: it fills this in.
+            device_uuid: None,
+        }
+    }
 }
 
 /// The memory of an ended lease that a live process may still map (quarantined): it stays
@@ -219,6 +299,7 @@ pub enum Kept {
     Quarantine(QuarantineRecord),
     Publication(PublicationRecord),
     Import(ImportRecord),
+    Reservation(ReservationRecord),
 }
 
 /// Why a kept record cannot be read.
@@ -345,6 +426,10 @@ pub fn parse(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> 
         serde_json::from_value(record)
             .map(Kept::Import)
             .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(RESERVATION_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Reservation)
+            .map_err(|e| unreadable(e.to_string()))
     } else {
         Err(RecordError::UnknownKey {
             key: key.to_string(),
@@ -440,6 +525,19 @@ mod tests {
         assert_eq!((r.tenant.as_str(), r.pid), ("beta", Some(4343)));
         assert_eq!(r.key(), "import/0193a0b2-0000-4000-8000-000000000005");
         assert_eq!(serde_json::to_string(&r).unwrap(), i);
+        let res = r#"{"v":1,"id":"0193a0b2-0000-7000-8000-000000000007","tenant":"alpha","session":"0193a0b2-0000-7000-8000-000000000001","device":0,"bytes":16777216,"requested_bytes":16000000,"label":"run","pid":4242,"compute_percent":50,"created_unix_ms":1764800000005,"lost":2097152,"group":{"pgid":4250,"uid":1000,"leader_start":123460},"device_uuid":"GPU-4f1d0c2a-0000-0000-0000-000000000001"}"#;
+        let Kept::Reservation(r) = parse(
+            "reservation/0193a0b2-0000-7000-8000-000000000007",
+            serde_json::from_str(res).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (r.bytes, r.lost, r.group.map(|g| g.pgid)),
+            (16 << 20, 2 << 20, Some(4250))
+        );
+        assert_eq!(serde_json::to_string(&r).unwrap(), res);
     }
 
     /// A later version may add fields: this one reads what it knows and keeps going.

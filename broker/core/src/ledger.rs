@@ -530,6 +530,16 @@ impl Ledger {
         Ok(())
     }
 
+    /// A kept process reservation taken back at a restart: charged `bytes` (its room)
+    /// unchecked, beyond the quota if that shrank meanwhile (its process runs).
+    pub fn adopt_process(&mut self, name: &str, device: u32, bytes: u64) -> BrokerResult<()> {
+        let t = self.get_mut(name)?;
+        t.usage.process_reserved_bytes += bytes;
+        t.usage.process_reservations += 1;
+        Self::add_device_bytes(t, device, bytes);
+        Ok(())
+    }
+
     /// A process reservation on `device` ended with `bytes` still charged to it.
     pub fn uncharge_process(&mut self, name: &str, device: u32, bytes: u64) {
         if let Ok(t) = self.get_mut(name) {

@@ -240,6 +240,11 @@ impl Arbiter {
             Keep::PublicationEnded(id) => link.remove(records::publication_key(&id)),
             Keep::Import(r) => link.put(r.key(), to_json(&r), None),
             Keep::ImportEnded(id) => link.remove(records::import_key(&id)),
+            Keep::Reservation(mut r) => {
+                r.device_uuid = self.uuid_of(r.device);
+                link.put(r.key(), to_json(&r), None)
+            }
+            Keep::ReservationEnded(id) => link.remove(records::reservation_key(&id)),
         }
         if !was_broken && link.is_broken() {
             self.metrics.count_keeper_lost();
@@ -400,6 +405,7 @@ impl Arbiter {
         let mut quarantines: Vec<(records::QuarantineRecord, Option<OwnedFd>)> = Vec::new();
         let mut publications = Vec::new();
         let mut imports = Vec::new();
+        let mut reservations = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
@@ -408,6 +414,7 @@ impl Arbiter {
                 Ok(Kept::Quarantine(q)) => quarantines.push((q, e.fd)),
                 Ok(Kept::Publication(p)) => publications.push(p),
                 Ok(Kept::Import(i)) => imports.push(i),
+                Ok(Kept::Reservation(r)) => reservations.push(r),
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
@@ -442,6 +449,19 @@ impl Arbiter {
                 }
             },
         );
+        let mut reservation_device_gone = Vec::new();
+        reservations.retain_mut(
+            |r| match self.device_of(r.device, r.device_uuid.as_deref()) {
+                Some(d) => {
+                    r.device = d;
+                    true
+                }
+                None => {
+                    reservation_device_gone.push(r.key());
+                    false
+                }
+            },
+        );
         laps.lap("parse");
         let mut alive = Liveness::default();
         let (adopted, refused_sessions) = self.adopt_sessions(sessions, &mut alive);
@@ -452,6 +472,15 @@ impl Arbiter {
             tally.add("kept sessions not taken back", why, 0);
             report.sessions_reclaimed += 1;
             link.remove(r.key());
+        }
+        // Before the leases: a lease drawn from one is drawn from it again.
+        for (r, why) in self.adopt_reservations(reservations) {
+            tally.add("kept reservations not taken back", why, r.bytes);
+            link.remove(r.key());
+        }
+        for key in reservation_device_gone {
+            tally.add("kept reservations not taken back", "its device is gone", 0);
+            link.remove(key);
         }
         laps.lap("sessions");
         // Kept device memory, leases' and quarantines' alike (with their descriptors).
@@ -674,6 +703,7 @@ impl Arbiter {
                 reclaimable: r.reclaimable,
                 created: from_unix_ms(r.created_unix_ms),
                 priority: r.priority,
+                reservation: r.reservation.as_deref().and_then(|s| s.parse().ok()),
             };
             match st.adopt_lease(a, block) {
                 Ok(_) => out.leases.push((session, id, r.bytes)),

@@ -15,6 +15,7 @@
 mod admin;
 mod admission;
 mod adopt;
+mod adopt_process;
 mod adopt_shared;
 mod audit;
 pub mod claims;

@@ -26,6 +26,8 @@ pub struct Adopted {
     pub reclaimable: bool,
     pub created: SystemTime,
     pub priority: i32,
+    /// The process reservation it was drawn from (taken back before it), if any.
+    pub reservation: Option<Uuid>,
 }
 
 /// Why a kept lease was not taken back (its block is handed back to be let go).
@@ -83,11 +85,14 @@ impl State {
         let bytes = block.bytes();
         // A lease of a claim's session was drawn from the claim's reservation (restored
         // from the store before adoption): drawn from it again, not charged beside it.
+        // Likewise a lease its process drew from the session's process reservation (taken
+        // back before its leases).
         let drawn = self
             .sessions
             .get(&a.session)
             .and_then(|s| s.token_id.as_deref())
             .and_then(|t| self.reservations.bound_to(t))
+            .or_else(|| a.reservation.and_then(|r| self.reservations.get(&r)))
             .filter(|r| r.tenant == a.tenant && r.device == a.device && r.room() >= bytes)
             .map(|r| r.id);
         if let Some(rid) = drawn {

@@ -287,6 +287,7 @@ fn a_kept_lease_of_a_claims_session_is_drawn_from_the_claim_again() {
         reclaimable: false,
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
+        reservation: None,
     };
     let block = c.block(4 * MIB);
     c.st.adopt_lease(a.clone(), block).unwrap();
@@ -334,6 +335,7 @@ fn kept_sessions_and_leases_are_taken_back_beyond_a_shrunk_quota() {
         reclaimable: false,
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
+        reservation: None,
     };
     let a = kept(sid);
     let block = c.block(12 * MIB);
@@ -477,6 +479,7 @@ fn kept_publications_and_imports_are_taken_back_with_their_lease_and_session() {
         reclaimable: false,
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
+        reservation: None,
     };
     c.st.adopt_lease(a, block).unwrap();
     c.st.take_effects();
@@ -562,5 +565,87 @@ fn kept_publications_and_imports_are_taken_back_with_their_lease_and_session() {
         "{fx:?}"
     );
     assert_eq!(c.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
+    c.st.check_invariant().unwrap();
+}
+
+/// A restart takes back a kept process reservation of a session it took back: its room
+/// (less what drawn leases lost to quarantine) charged again, beyond a shrunk quota; a kept
+/// lease drawn from it is drawn from it again, and its bytes go back into the room when it
+/// ends; its end is kept. A reservation of a session not taken back is refused.
+#[test]
+fn a_kept_reservation_is_taken_back_with_its_session_and_its_drawn_leases() {
+    use super::adopt::{Adopted, NotAdopted};
+    use crate::reservations::Reservation;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(8 * MIB, 0)).unwrap();
+    c.st.set_keeping(true);
+    let s = session("a", Some(7));
+    let sid = s.id;
+    c.st.adopt_session(s).unwrap();
+    let kept = |session| Reservation {
+        id: Uuid::now_v7(),
+        tenant: "a".into(),
+        session,
+        device: 0,
+        bytes: 16 * MIB,
+        requested_bytes: 16 * MIB,
+        label: "run".into(),
+        pid: Some(7),
+        compute_percent: None,
+        created: SystemTime::UNIX_EPOCH,
+        drawn: 0,
+        lost: 2 * MIB,
+        group: None,
+        claim: None,
+    };
+    assert!(matches!(
+        c.st.adopt_reservation(kept(Uuid::now_v7())),
+        Err(NotAdopted::Session)
+    ));
+    let r = kept(sid);
+    let rid = r.id;
+    c.st.adopt_reservation(r).unwrap();
+    assert!(matches!(
+        c.st.adopt_reservation(kept(sid)),
+        Err(NotAdopted::Session)
+    ));
+    let usage = |c: &Core| {
+        let u = &c.st.ledger().get("a").unwrap().usage;
+        (u.process_reserved_bytes, u.held_bytes)
+    };
+    assert_eq!(usage(&c), (14 * MIB, 0), "beyond its 8 MiB quota");
+    let lease = Uuid::new_v4();
+    let block = c.block(4 * MIB);
+    let a = Adopted {
+        id: lease,
+        tenant: "a".into(),
+        session: sid,
+        device: 0,
+        requested_bytes: 4 * MIB,
+        label: String::new(),
+        reclaimable: false,
+        created: SystemTime::UNIX_EPOCH,
+        priority: 0,
+        reservation: Some(rid),
+    };
+    c.st.adopt_lease(a, block).unwrap();
+    assert_eq!(usage(&c), (10 * MIB, 4 * MIB), "drawn from it again");
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        !fx.iter().any(|e| matches!(e, Effect::Keep { .. })),
+        "nothing for the keeper, it holds them: {fx:?}"
+    );
+    c.st.check_invariant().unwrap();
+
+    c.st.end_lease(lease, super::Ending::Cache).unwrap();
+    assert_eq!(usage(&c), (14 * MIB, 0), "its bytes back in the room");
+    c.st.take_effects();
+    c.st.end_reservation(rid);
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Keep { change: crate::effects::Keep::ReservationEnded(id) } if *id == rid)),
+        "{fx:?}"
+    );
+    assert_eq!(usage(&c), (0, 0));
     c.st.check_invariant().unwrap();
 }
