@@ -60,11 +60,17 @@ struct Case {
 impl Case {
     /// A keeper (or a systemd fd store) and a broker that dies at `point`.
     async fn start(point: &str, place: Where) -> Case {
-        let opts = BrokerOpts {
+        Case::start_with(point, place, &[]).await
+    }
+
+    /// [`Case::start`], the broker given `flags` too.
+    async fn start_with(point: &str, place: Where, flags: &[&str]) -> Case {
+        let mut opts = BrokerOpts {
             capacity: "256MiB",
             extra: vec!["--keepalive-timeout".into(), "2s".into()],
             ..BrokerOpts::default()
         };
+        opts.extra.extend(flags.iter().map(|f| f.to_string()));
         let (keeper, mut b) = match place {
             Where::Keeper => {
                 let keeper = Keeper::start().await.unwrap();
@@ -358,35 +364,85 @@ async fn reclaim_request() {
         return;
     }
     // A higher-priority tenant's request that fits only with memory back asks the
-    // holder of a reclaimable lease to give it back.
-    let point = "after:reclaim";
-    let mut c = Case::start(point, Where::Keeper).await;
-    let hi = c.b.tenant("hi", quota(256 * MIB, 0, 10)).await.unwrap();
-    let s = c.session().await;
-    let mut events = s.events();
-    let keep = s.lease(SIZE).await.unwrap();
-    let r = s
-        .lease_request(120 * MIB)
-        .reclaimable(true)
-        .send()
-        .await
-        .unwrap();
-    let hs = Client::connect(&c.b.uri(), hi)
-        .await
-        .unwrap()
-        .session("hi")
-        .await
-        .unwrap();
-    // Cut by the crash.
-    let _ = hs
-        .lease_request(136 * MIB)
-        .wait(Duration::from_secs(5))
-        .send()
+    // holder of a reclaimable lease to give it back by a deadline (3 s here). The request
+    // is kept: after the restart the lease is still asked back by the same wall-clock
+    // deadline, and revoked at it.
+    for point in [
+        "before-keep:reclaim-asked",
+        "after-keep:reclaim-asked",
+        "after:reclaim",
+    ] {
+        let mut c = Case::start_with(point, Where::Keeper, &["--reclaim-deadline", "3s"]).await;
+        let hi = c.b.tenant("hi", quota(256 * MIB, 0, 10)).await.unwrap();
+        let s = c.session().await;
+        let mut events = s.events();
+        let keep = s.lease(SIZE).await.unwrap();
+        let r = s
+            .lease_request(120 * MIB)
+            .reclaimable(true)
+            .send()
+            .await
+            .unwrap();
+        let hs = Client::connect(&c.b.uri(), hi)
+            .await
+            .unwrap()
+            .session("hi")
+            .await
+            .unwrap();
+        // Cut by the crash.
+        let _ = hs
+            .lease_request(136 * MIB)
+            .wait(Duration::from_secs(5))
+            .send()
+            .await;
+        let cut = std::time::SystemTime::now();
+        c.restart_after_crash(point).await;
+        resumed(point, &mut events).await;
+        let admin = c.b.admin().await.unwrap();
+        let deadline = admin
+            .list_all_leases(Some("t"))
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|l| l.lease_id == r.id())
+            .and_then(|l| l.reclaim_deadline_unix_ms);
+        if point == "before-keep:reclaim-asked" {
+            // The request died with the broker: the lease comes back active.
+            assert_eq!(deadline, None, "{point}");
+            c.check(point, &[&keep, &r]).await;
+            continue;
+        }
+        // The deadline asked before the crash, not a new one from the restart.
+        let latest = cut + Duration::from_secs(3);
+        let latest = latest
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64;
+        let deadline = deadline.unwrap_or_else(|| panic!("{point}: the reclaim request is kept"));
+        assert!(
+            deadline <= latest,
+            "{point}: deadline {deadline} after {latest}"
+        );
+        // At it, the lease is revoked (nobody waits for it any more: the request stands),
+        // its memory quarantined while this process may map it.
+        let revoked = eventually(Duration::from_secs(8), || async {
+            let ids: Vec<String> = admin
+                .list_all_leases(Some("t"))
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|l| l.lease_id)
+                .collect();
+            let u = admin.get_quota("t").await.unwrap().usage;
+            ids == [keep.id()] && u.held_bytes == SIZE && u.quarantined_bytes == 120 * MIB
+        })
         .await;
-    c.restart_after_crash(point).await;
-    resumed(point, &mut events).await;
-    // The request is not kept: the lease comes back active, still its holder's.
-    c.check(point, &[&keep, &r]).await;
+        assert!(
+            revoked,
+            "{point}: revoked at its deadline\n{}",
+            c.b.log_text()
+        );
+    }
 }
 
 #[tokio::test]

@@ -102,6 +102,9 @@ pub enum Keep {
     /// A session's process reservation (granted, its group named, its room changed).
     Reservation(crate::kept::ReservationRecord),
     ReservationEnded(Uuid),
+    /// A lease's holder was asked for it back by a deadline (wall clock).
+    Reclaim(crate::kept::ReclaimRecord),
+    ReclaimEnded(Uuid),
 }
 
 impl Keep {
@@ -120,6 +123,8 @@ impl Keep {
             Keep::ImportEnded(_) => "import-ended",
             Keep::Reservation(_) => "reservation",
             Keep::ReservationEnded(_) => "reservation-ended",
+            Keep::Reclaim(_) => "reclaim-asked",
+            Keep::ReclaimEnded(_) => "reclaim-ended",
         }
     }
 }

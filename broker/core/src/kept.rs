@@ -4,7 +4,8 @@
 //! travels with its block's descriptor), `drain/<device>` (a device being drained),
 //! `quarantine/<lease>`, `publication/<id>` and `import/<id>` (a shared lease's
 //! publication and its imports: no descriptor, the publisher's lease has it), and
-//! `reservation/<id>` (a session's process reservation).
+//! `reservation/<id>` (a session's process reservation), and `reclaim/<lease>` (a lease's
+//! holder asked for it back, by a deadline).
 //! A broker that knows a key's kind not (an earlier version) drops that record: a drain
 //! ends, a publication and its imports are forgotten, and it serves on. A record carries its format version `v`; a newer
 //! broker reads every older version, and fields added later have defaults, so a record
@@ -83,6 +84,29 @@ impl ImportRecord {
 /// The key of import `id`'s record.
 pub fn import_key(id: &uuid::Uuid) -> String {
     format!("{IMPORT_PREFIX}{id}")
+}
+
+/// The key prefix of reclaim request records.
+pub const RECLAIM_PREFIX: &str = "reclaim/";
+
+/// A reclaim request of a lease: its holder must give it back by the deadline (wall
+/// clock), or it is revoked; a restarted broker asks by the same deadline.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReclaimRecord {
+    pub v: u32,
+    pub lease: String,
+    pub deadline_unix_ms: u64,
+}
+
+impl ReclaimRecord {
+    pub fn key(&self) -> String {
+        format!("{RECLAIM_PREFIX}{}", self.lease)
+    }
+}
+
+/// The key of lease `id`'s reclaim record.
+pub fn reclaim_key(id: &uuid::Uuid) -> String {
+    format!("{RECLAIM_PREFIX}{id}")
 }
 
 /// The key prefix of process reservation records.
@@ -300,6 +324,7 @@ pub enum Kept {
     Publication(PublicationRecord),
     Import(ImportRecord),
     Reservation(ReservationRecord),
+    Reclaim(ReclaimRecord),
 }
 
 /// Why a kept record cannot be read.
@@ -430,6 +455,10 @@ pub fn parse(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> 
         serde_json::from_value(record)
             .map(Kept::Reservation)
             .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(RECLAIM_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Reclaim)
+            .map_err(|e| unreadable(e.to_string()))
     } else {
         Err(RecordError::UnknownKey {
             key: key.to_string(),
@@ -538,6 +567,16 @@ mod tests {
             (16 << 20, 2 << 20, Some(4250))
         );
         assert_eq!(serde_json::to_string(&r).unwrap(), res);
+        let rc = r#"{"v":1,"lease":"0193a0b2-0000-4000-8000-000000000002","deadline_unix_ms":1764800030000}"#;
+        let Kept::Reclaim(r) = parse(
+            "reclaim/0193a0b2-0000-4000-8000-000000000002",
+            serde_json::from_str(rc).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(r.deadline_unix_ms, 1_764_800_030_000);
+        assert_eq!(serde_json::to_string(&r).unwrap(), rc);
     }
 
     /// A later version may add fields: this one reads what it knows and keeps going.

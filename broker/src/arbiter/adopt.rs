@@ -245,6 +245,8 @@ impl Arbiter {
                 link.put(r.key(), to_json(&r), None)
             }
             Keep::ReservationEnded(id) => link.remove(records::reservation_key(&id)),
+            Keep::Reclaim(r) => link.put(r.key(), to_json(&r), None),
+            Keep::ReclaimEnded(id) => link.remove(records::reclaim_key(&id)),
         }
         if !was_broken && link.is_broken() {
             self.metrics.count_keeper_lost();
@@ -406,6 +408,7 @@ impl Arbiter {
         let mut publications = Vec::new();
         let mut imports = Vec::new();
         let mut reservations = Vec::new();
+        let mut reclaims = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
@@ -415,6 +418,7 @@ impl Arbiter {
                 Ok(Kept::Publication(p)) => publications.push(p),
                 Ok(Kept::Import(i)) => imports.push(i),
                 Ok(Kept::Reservation(r)) => reservations.push(r),
+                Ok(Kept::Reclaim(r)) => reclaims.push(r),
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
@@ -521,6 +525,7 @@ impl Arbiter {
             link.remove(key);
         }
         laps.lap("shared leases");
+
         tally.log();
         let mut waiting = self.awaiting_resume.lock();
         for (session, lease, bytes) in taken.leases {
@@ -547,6 +552,22 @@ impl Arbiter {
             self.drain_again(d);
         }
         laps.lap("drains");
+        // After the drains: a lease a drain asks back again keeps the drain's deadline.
+        let mut dropped = 0;
+        for r in reclaims {
+            if !self.ask_again(&r) {
+                dropped += 1;
+                if let Some(link) = self.keeper.get() {
+                    link.remove(r.key());
+                }
+            }
+        }
+        if dropped > 0 {
+            tracing::info!(
+                count = dropped,
+                "kept reclaim requests of leases not taken back dropped"
+            );
+        }
         report.took = t0.elapsed();
         report.phases = laps.phases;
         self.metrics.count_restart(
@@ -568,6 +589,20 @@ impl Arbiter {
         );
         *self.restart.lock() = Some(report.clone());
         report
+    }
+
+    /// Asks the holder of the lease of kept reclaim request `r` again, by the same
+    /// deadline (one that passed during the outage: the usual reclaim deadline from now).
+    /// False when that lease was not taken back.
+    fn ask_again(&self, r: &records::ReclaimRecord) -> bool {
+        let Ok(lease) = r.lease.parse::<Uuid>() else {
+            return false;
+        };
+        let now = SystemTime::now();
+        let deadline = Some(from_unix_ms(r.deadline_unix_ms))
+            .filter(|d| *d > now)
+            .unwrap_or(now + self.cfg.reclaim_deadline);
+        self.lock().adopt_reclaim(lease, deadline)
     }
 
     /// The start's steps after the adoption, up to serving (`main` times them): added to

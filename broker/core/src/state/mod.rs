@@ -308,13 +308,58 @@ impl State {
     }
     /// Mark a lease's reclaim state (active, or asked back by a deadline).
     fn set_lease_state(&mut self, id: &Uuid, state: LeaseState) -> bool {
-        match self.leases.get_mut(id) {
-            Some(l) => {
-                l.state = state;
-                true
+        let Some(l) = self.leases.get_mut(id) else {
+            return false;
+        };
+        let was = std::mem::replace(&mut l.state, state);
+        // A reclaim request's deadline is kept: a restart asks by the same one.
+        match (was, state) {
+            (_, LeaseState::ReclaimRequested { deadline_wall, .. }) if was != state => {
+                let record = crate::kept::ReclaimRecord {
+                    v: crate::kept::RECORD_VERSION,
+                    lease: id.to_string(),
+                    deadline_unix_ms: crate::kept::unix_ms(deadline_wall),
+                };
+                self.keep(|| crate::effects::Keep::Reclaim(record));
             }
-            None => false,
+            (LeaseState::ReclaimRequested { .. }, LeaseState::Active) => {
+                self.keep(|| crate::effects::Keep::ReclaimEnded(*id));
+            }
+            _ => {}
         }
+        true
+    }
+
+    /// Asks the holder of lease `id` (just taken back at a restart) for it back again by
+    /// `deadline_wall`, as the previous broker had asked (kept again, when keeping). False
+    /// when there is no such lease; one asked already (by a drain taken back) is left as
+    /// it is.
+    pub fn adopt_reclaim(&mut self, id: Uuid, deadline_wall: std::time::SystemTime) -> bool {
+        let left = deadline_wall
+            .duration_since(self.clock.wall)
+            .unwrap_or_default();
+        let state = LeaseState::ReclaimRequested {
+            deadline: self.clock.now + left,
+            deadline_wall,
+        };
+        let Some(l) = self.leases.get(&id) else {
+            return false;
+        };
+        if matches!(l.state, LeaseState::ReclaimRequested { .. }) {
+            return true;
+        }
+        let (session, bytes) = (l.session, l.bytes());
+        self.set_lease_state(&id, state);
+        self.fx.notify(
+            session,
+            crate::session::SessionEvent::ReclaimRequested {
+                lease_id: id,
+                bytes,
+                deadline: deadline_wall,
+                reason: "asked again after a broker restart".into(),
+            },
+        );
+        true
     }
     /// Mark what NVML says of a session's GPU use; false when there is no such session.
     /// (Its activity is marked through `Session::last_seen`, shared, with no lock.)

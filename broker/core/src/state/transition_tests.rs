@@ -649,3 +649,63 @@ fn a_kept_reservation_is_taken_back_with_its_session_and_its_drawn_leases() {
     assert_eq!(usage(&c), (0, 0));
     c.st.check_invariant().unwrap();
 }
+
+/// A reclaim request is kept with its wall-clock deadline, and its end (the lease ended)
+/// too; a restart asks the holder of a lease it took back again by that deadline (its
+/// monotonic deadline the time left from the hold's clock), telling its session.
+#[test]
+fn a_kept_reclaim_request_asks_again_by_the_same_deadline() {
+    use super::adopt::Adopted;
+    use crate::effects::Keep;
+    use crate::lease::LeaseState;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    let s = session("a", Some(7));
+    let sid = s.id;
+    c.st.adopt_session(s).unwrap();
+    let lease = Uuid::new_v4();
+    let block = c.block(4 * MIB);
+    let a = Adopted {
+        id: lease,
+        tenant: "a".into(),
+        session: sid,
+        device: 0,
+        requested_bytes: 4 * MIB,
+        label: String::new(),
+        reclaimable: true,
+        created: SystemTime::UNIX_EPOCH,
+        priority: 0,
+        reservation: None,
+    };
+    c.st.adopt_lease(a, block).unwrap();
+    c.st.take_effects();
+    assert!(!c.st.adopt_reclaim(Uuid::new_v4(), SystemTime::now()));
+    let clock = c.st.clock();
+    let due = clock.wall + Duration::from_secs(20);
+    assert!(c.st.adopt_reclaim(lease, due));
+    assert_eq!(
+        c.st.leases().get(&lease).unwrap().state,
+        LeaseState::ReclaimRequested {
+            deadline: clock.now + Duration::from_secs(20),
+            deadline_wall: due,
+        }
+    );
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Notify { event: SessionEvent::ReclaimRequested { deadline, .. }, .. } if *deadline == due)),
+        "{fx:?}"
+    );
+    assert!(
+        !fx.iter().any(|e| matches!(e, Effect::Keep { .. })),
+        "not keeping yet: {fx:?}"
+    );
+    c.st.set_keeping(true);
+    c.st.end_lease(lease, super::Ending::Cache).unwrap();
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter()
+            .any(|e| matches!(e, Effect::Keep { change: Keep::ReclaimEnded(id) } if *id == lease)),
+        "{fx:?}"
+    );
+    c.st.check_invariant().unwrap();
+}
