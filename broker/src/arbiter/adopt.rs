@@ -218,6 +218,15 @@ impl Arbiter {
         let name = k.name();
         self.crash.pass("before-keep", name);
         let was_broken = link.is_broken();
+        self.write_kept(&**link, k);
+        if !was_broken && link.is_broken() {
+            self.metrics.count_keeper_lost();
+        }
+        self.crash.pass("after-keep", name);
+    }
+
+    /// Writes change `k` to `link` (under the state lock).
+    pub(super) fn write_kept(&self, link: &dyn Place, k: Keep) {
         match k {
             Keep::Session(r) => link.put(r.key(), to_json(&r), None),
             Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
@@ -237,10 +246,6 @@ impl Arbiter {
             }
             Keep::QuarantineLifted(id) => link.remove(records::quarantine_key(&id)),
         }
-        if !was_broken && link.is_broken() {
-            self.metrics.count_keeper_lost();
-        }
-        self.crash.pass("after-keep", name);
     }
 
     /// Keeps device `device`'s drain (None: it ended), under the state lock like every
@@ -251,6 +256,20 @@ impl Arbiter {
         };
         self.crash.pass("before-keep", "drain");
         let was_broken = link.is_broken();
+        self.write_drain(&**link, device, drain);
+        if !was_broken && link.is_broken() {
+            self.metrics.count_keeper_lost();
+        }
+        self.crash.pass("after-keep", "drain");
+    }
+
+    /// Writes device `device`'s drain (None: it ended) to `link` (under the state lock).
+    pub(super) fn write_drain(
+        &self,
+        link: &dyn Place,
+        device: u32,
+        drain: Option<&crate::availability::Drain>,
+    ) {
         match drain {
             Some(d) => {
                 let r = records::DrainRecord {
@@ -265,10 +284,6 @@ impl Arbiter {
             }
             None => link.remove(records::drain_key(device)),
         }
-        if !was_broken && link.is_broken() {
-            self.metrics.count_keeper_lost();
-        }
-        self.crash.pass("after-keep", "drain");
     }
 
     /// Drains the device of kept drain `r` again, as the previous broker had it: same
@@ -489,8 +504,12 @@ impl Arbiter {
         drop(waiting);
         // From here every change is kept: nothing else runs before serving.
         let place = link.describe();
+        let comes_back = link.as_keeper().is_some();
         let _ = self.keeper.set(Arc::new(link));
         self.lock().set_keeping(true);
+        if comes_back {
+            self.spawn_relink();
+        }
         laps.lap("keeper re-armed");
         // Every moved drain's old key goes first: two drained devices that swapped indexes
         // would otherwise each remove the key the other just wrote.

@@ -145,33 +145,14 @@ impl State {
         let Some(q) = self.quarantine.get(&id) else {
             return;
         };
-        let crate::memory::Handle::Fd {
-            fd, block_id, kind, ..
-        } = &q.block.handle;
         let pid_start = self
             .sessions
             .get(&session)
             .filter(|s| s.peer.pid.is_some() && s.peer.pid == q.pid)
             .and_then(|s| s.peer_start);
-        let record = crate::kept::QuarantineRecord {
-            v: crate::kept::RECORD_VERSION,
-            lease: id.to_string(),
-            tenant: q.tenant.clone(),
-            device: q.device,
-            bytes: q.block.bytes(),
-            block_id: *block_id,
-            kind: match kind {
-                crate::memory::MemoryKind::CudaVmm => "cuda-vmm",
-                crate::memory::MemoryKind::HostMemfd => "host-memfd",
-            }
-            .into(),
-            pid: q.pid,
-            pid_start,
-            destroy: q.destroy,
-            device_uuid: None,
-        };
-        let fd = fd.clone();
-        self.keep(|| crate::effects::Keep::Quarantine(record, fd));
+        if let Some(k) = self.quarantine_kept(id, pid_start) {
+            self.keep(|| k);
+        }
     }
 
     /// Takes back quarantined memory `a` on `block`: counted to its tenant and on its
