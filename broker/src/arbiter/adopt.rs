@@ -140,6 +140,7 @@ impl Tally {
 
 /// A kept block to make again on its device from its descriptor.
 struct KeptBlock {
+    /// Its device's index, or the host tier's slot after them ([`Arbiter::host_slot`]).
     device: u32,
     fd: OwnedFd,
     bytes: u64,
@@ -231,7 +232,9 @@ impl Arbiter {
             Keep::Session(r) => link.put(r.key(), to_json(&r), None),
             Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
             Keep::Lease(mut r, fd) => {
-                r.device_uuid = self.uuid_of(r.device);
+                if r.tier == "device" {
+                    r.device_uuid = self.uuid_of(r.device);
+                }
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
             Keep::LeaseEnded(id) => link.remove(records::lease_key(&id)),
@@ -424,8 +427,13 @@ impl Arbiter {
         }
         // Memory and drains go to the device that has their UUID now, wherever it is.
         let mut device_gone = Vec::new();
-        leases.retain_mut(
-            |(r, _)| match self.device_of(r.device, r.device_uuid.as_deref()) {
+        leases.retain_mut(|(r, _)| {
+            // The host tier is no device: its leases go to this broker's host tier.
+            let device = match r.tier.as_str() {
+                "host" => Some(r.device),
+                _ => self.device_of(r.device, r.device_uuid.as_deref()),
+            };
+            match device {
                 Some(d) => {
                     r.device = d;
                     true
@@ -434,8 +442,8 @@ impl Arbiter {
                     device_gone.push(r.clone());
                     false
                 }
-            },
-        );
+            }
+        });
         let mut quarantine_device_gone = Vec::new();
         quarantines.retain_mut(
             |(q, _)| match self.device_of(q.device, q.device_uuid.as_deref()) {
@@ -633,7 +641,11 @@ impl Arbiter {
         for (r, fd) in leases {
             match self.adoptable(&r, fd, sessions) {
                 Ok((id, session, fd)) => {
-                    blocks.push(KeptBlock::new(r.device, fd, r.bytes, r.block_id));
+                    let slot = match r.tier.as_str() {
+                        "host" => self.host_slot(),
+                        _ => r.device,
+                    };
+                    blocks.push(KeptBlock::new(slot, fd, r.bytes, r.block_id));
                     lease_ids.push((r, id, session));
                 }
                 Err(why) => out.leases_refused.push((r, why)),
@@ -652,7 +664,10 @@ impl Arbiter {
         laps.lap("liveness and descriptor checks");
         let (made, device_times) = self.take_back_blocks(blocks);
         for (d, took) in device_times {
-            laps.push(format!("device {d} take-back"), took);
+            match d == self.host_slot() {
+                true => laps.push("host tier take-back", took),
+                false => laps.push(format!("device {d} take-back"), took),
+            }
         }
         laps.lap("take-back");
         let mut made = made.into_iter();
@@ -681,11 +696,15 @@ impl Arbiter {
                 created: from_unix_ms(r.created_unix_ms),
                 priority: r.priority,
             };
-            match st.adopt_lease(a, block) {
+            let (slot, adopted) = match r.tier.as_str() {
+                "host" => (self.host_slot(), st.adopt_host_lease(a, block)),
+                _ => (r.device, st.adopt_lease(a, block)),
+            };
+            match adopted {
                 Ok(_) => out.leases.push((session, id, r.bytes)),
                 Err((why, block)) => {
                     tracing::debug!(?why, "kept lease not taken back");
-                    unneeded.push((r.device, block));
+                    unneeded.push((slot, block));
                     out.leases_refused
                         .push((r, "its session or tenant is gone"));
                 }
@@ -719,7 +738,7 @@ impl Arbiter {
         drop(st);
         // Nobody counted maps them: their holders' sessions are gone.
         for (d, block) in unneeded {
-            self.free_on_device(d, block);
+            self.free_in_slot(d, block);
         }
         laps.lap("adopt under the lock");
         out
@@ -738,8 +757,9 @@ impl Arbiter {
         Vec<(u32, Duration)>,
     ) {
         let n = blocks.len();
+        // One slot per device, and the host tier's after them.
         let mut per_device: Vec<Vec<(usize, KeptBlock)>> =
-            (0..self.devices.len()).map(|_| Vec::new()).collect();
+            (0..=self.devices.len()).map(|_| Vec::new()).collect();
         for (i, b) in blocks.into_iter().enumerate() {
             // `adoptable` checked the device.
             per_device[b.device as usize].push((i, b));
@@ -751,7 +771,12 @@ impl Arbiter {
             }
             let (order, batch): (Vec<usize>, Vec<KeptBlock>) = batch.into_iter().unzip();
             let (tx, rx) = std::sync::mpsc::channel();
-            let submitted = self.devices[d].thread.submit(move |dev| {
+            let thread = match self.devices.get(d) {
+                Some(slot) => Some(&slot.thread),
+                None => self.host_tier.as_ref(),
+            };
+            let Some(thread) = thread else { continue };
+            let submitted = thread.submit(move |dev| {
                 let t = Instant::now();
                 let made = batch
                     .into_iter()
@@ -787,7 +812,7 @@ impl Arbiter {
                     Ok((alloc, Ok(handle))) => out[i] = Some((alloc, handle)),
                     Ok((alloc, Err(e))) => {
                         self.fds.give_back();
-                        self.free_on_device(d, alloc);
+                        self.free_in_slot(d, alloc);
                         refused += 1;
                         first_error.get_or_insert(e);
                     }
@@ -820,10 +845,11 @@ impl Arbiter {
             return Err("its session was not taken back");
         }
         let fd = fd.ok_or("no descriptor came with it")?;
-        if r.tier != "device" {
-            return Err("host-tier leases are not taken back");
+        match r.tier.as_str() {
+            "device" => self.block_fits(r.device, &r.kind)?,
+            "host" => self.host_block_fits(&r.kind)?,
+            _ => return Err("its tier is unknown"),
         }
-        self.block_fits(r.device, &r.kind)?;
         Ok((id, session, fd))
     }
 
@@ -847,6 +873,35 @@ impl Arbiter {
         let fd = fd.ok_or("no descriptor came with it")?;
         self.block_fits(r.device, &r.kind)?;
         Ok((lease, pid, fd))
+    }
+
+    /// Whether host-tier memory of `kind` can be taken back by this broker's host tier;
+    /// if so its descriptor is counted against the budget.
+    fn host_block_fits(&self, kind: &str) -> Result<(), &'static str> {
+        if self.host_tier.is_none() {
+            return Err("this broker has no host tier");
+        }
+        if kind != "host-memfd" {
+            return Err("its memory is of another backend");
+        }
+        if self.fds.take(0).is_err() {
+            return Err("out of descriptors");
+        }
+        Ok(())
+    }
+
+    /// The host tier's slot among the devices' when kept blocks are taken back: after
+    /// them.
+    fn host_slot(&self) -> u32 {
+        self.devices.len() as u32
+    }
+
+    /// Frees `what`, made in slot `slot` (a device, or the host tier's).
+    fn free_in_slot(&self, slot: u32, what: impl Into<super::Unneeded>) {
+        match slot == self.host_slot() {
+            true => self.free_host(what),
+            false => self.free_on_device(slot, what),
+        }
     }
 
     /// Whether memory of `kind` kept on `device` can be taken back by this broker's

@@ -33,7 +33,7 @@ pub struct Adopted {
 pub enum NotAdopted {
     /// Its session was not taken back (its holder died meanwhile), or is another tenant's.
     Session,
-    /// No such device in this broker, or a host-tier lease (not taken back).
+    /// No such device in this broker.
     Device,
     /// Its tenant no longer exists.
     Tenant,
@@ -118,6 +118,47 @@ impl State {
             seq,
             block,
             reservation: drawn,
+            live: LiveMark::default(),
+        };
+        Ok(self.insert_lease_kept(lease))
+    }
+}
+
+impl State {
+    /// Takes back host-tier lease `a` on `block` (its memfd, made again by the host
+    /// tier): charged to its tenant's host bytes beyond a limit that shrank meanwhile.
+    /// Gives the block back when its session is gone or its tenant is.
+    pub fn adopt_host_lease(
+        &mut self,
+        a: Adopted,
+        block: Block,
+    ) -> Result<LeaseView, (NotAdopted, Block)> {
+        let ok = self
+            .sessions
+            .get(&a.session)
+            .is_some_and(|s| s.tenant == a.tenant);
+        if !ok {
+            return Err((NotAdopted::Session, block));
+        }
+        if self.ledger.adopt_host(&a.tenant, block.bytes()).is_err() {
+            return Err((NotAdopted::Tenant, block));
+        }
+        let seq = self.next_seq();
+        let lease = Lease {
+            id: a.id,
+            tenant: a.tenant,
+            session: a.session,
+            device: 0,
+            tier: Tier::Host,
+            requested_bytes: a.requested_bytes,
+            label: a.label,
+            reclaimable: a.reclaimable,
+            created: a.created,
+            state: LeaseState::Active,
+            priority: a.priority,
+            seq,
+            block,
+            reservation: None,
             live: LiveMark::default(),
         };
         Ok(self.insert_lease_kept(lease))
