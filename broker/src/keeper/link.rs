@@ -147,10 +147,10 @@ impl KeeperLink {
     }
 
     /// Waits up to `wait` for the keeper to close its end of the connection (it died, or
-    /// was restarted); true when it did (then call [`KeeperLink::lose_closed`]).
+    /// was restarted); true when it did (then call [`KeeperLink::lose_closed`]). False at
+    /// once when there is no connection.
     pub fn watch(&self, wait: Duration) -> bool {
         let Some(conn) = self.sock.lock().as_ref().and_then(|s| s.try_clone().ok()) else {
-            std::thread::sleep(wait);
             return false;
         };
         let mut pfd = libc::pollfd {
