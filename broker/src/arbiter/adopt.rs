@@ -35,7 +35,10 @@ pub struct RestartReport {
     pub bytes_adopted: u64,
     /// Records this broker could not read (dropped).
     pub unreadable: usize,
-    /// From asking the keeper for its records to the last lease taken back.
+    /// The start's wall time up to the last lease taken back and the kept drains: from
+    /// the process's start when `main` timed the steps before the adoption, else from
+    /// asking the keeper for its records. Steps that ran beside others (the keeper's dump
+    /// while the devices opened, each device's take-back) are not added again.
     pub took: Duration,
     /// Where the start's time went, step by step: from the process's start (opening the
     /// store, the devices, loading the state), the adoption's steps, then the steps up to
@@ -72,17 +75,21 @@ fn ms(d: Duration) -> String {
     }
 }
 
-/// Times a restart's steps one after the other.
+/// Times a restart's steps one after the other, and the wall time they cover.
 struct Laps {
     last: Instant,
     phases: Vec<Phase>,
+    /// The steps one after the other so far: those before, and each lap.
+    wall: Duration,
 }
 
 impl Laps {
-    /// Starting now, after the steps `before` (the process's start, timed by `main`).
+    /// Starting now, after the steps `before` (the process's start, timed by `main`: one
+    /// after the other).
     fn new(before: Vec<Phase>) -> Laps {
         Laps {
             last: Instant::now(),
+            wall: before.iter().map(|p| p.took).sum(),
             phases: before,
         }
     }
@@ -90,11 +97,14 @@ impl Laps {
     /// The step that ends now, named `name`.
     fn lap(&mut self, name: &str) {
         let now = Instant::now();
-        self.push(name, now - self.last);
+        let took = now - self.last;
+        self.push(name, took);
+        self.wall += took;
         self.last = now;
     }
 
-    /// A step timed elsewhere (the dump, a device's job).
+    /// A step timed elsewhere that ran beside the others (the dump while the devices
+    /// opened, a device's job): shown, not added to the wall time.
     fn push(&mut self, name: impl Into<String>, took: Duration) {
         self.phases.push(Phase {
             name: name.into(),
@@ -399,11 +409,14 @@ impl Arbiter {
             entries,
             took: dump_took,
         } = dumped;
+        // The dump ran beside the steps before (the devices opening); without them, it
+        // was this start's first step.
+        let dump_first = before.is_empty();
         let mut laps = Laps::new(before);
         laps.push("keeper dump", dump_took);
-        let t0 = Instant::now()
-            .checked_sub(dump_took)
-            .unwrap_or_else(Instant::now);
+        if dump_first {
+            laps.wall += dump_took;
+        }
         let mut report = RestartReport {
             kept_records: entries.len(),
             ..RestartReport::default()
@@ -532,7 +545,7 @@ impl Arbiter {
             self.drain_again(d);
         }
         laps.lap("drains");
-        report.took = t0.elapsed();
+        report.took = laps.wall;
         report.phases = laps.phases;
         self.metrics.count_restart(
             (report.sessions_adopted, report.sessions_reclaimed),
