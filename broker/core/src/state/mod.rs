@@ -29,6 +29,7 @@ mod adopt_shared;
 mod devices;
 mod end;
 mod grant;
+mod kept_now;
 mod process;
 mod queue;
 #[cfg(test)]
@@ -315,11 +316,7 @@ impl State {
         // A reclaim request's deadline is kept: a restart asks by the same one.
         match (was, state) {
             (_, LeaseState::ReclaimRequested { deadline_wall, .. }) if was != state => {
-                let record = crate::kept::ReclaimRecord {
-                    v: crate::kept::RECORD_VERSION,
-                    lease: id.to_string(),
-                    deadline_unix_ms: crate::kept::unix_ms(deadline_wall),
-                };
+                let record = reclaim_record(*id, deadline_wall);
                 self.keep(|| crate::effects::Keep::Reclaim(record));
             }
             (LeaseState::ReclaimRequested { .. }, LeaseState::Active) => {
@@ -661,5 +658,14 @@ impl State {
             }
         }
         Ok(())
+    }
+}
+
+/// The record of a reclaim request of lease `id` due at `deadline_wall`.
+pub(crate) fn reclaim_record(id: Uuid, deadline_wall: SystemTime) -> crate::kept::ReclaimRecord {
+    crate::kept::ReclaimRecord {
+        v: crate::kept::RECORD_VERSION,
+        lease: id.to_string(),
+        deadline_unix_ms: crate::kept::unix_ms(deadline_wall),
     }
 }

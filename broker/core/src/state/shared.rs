@@ -222,10 +222,15 @@ impl State {
     /// Pushes publication `id` for the keeper while its lease lives (a publication of
     /// an ended lease is not kept: its memory is held here only).
     fn keep_publication(&mut self, id: Uuid) {
-        let Some(p) = self.shared.pubs.get(&id).filter(|p| p.lease_live) else {
-            return;
-        };
-        let record = crate::kept::PublicationRecord {
+        if let Some(record) = self.publication_record(id) {
+            self.keep(|| crate::effects::Keep::Publication(record));
+        }
+    }
+
+    /// Publication `id`'s record, while its lease lives.
+    pub(super) fn publication_record(&self, id: Uuid) -> Option<crate::kept::PublicationRecord> {
+        let p = self.shared.pubs.get(&id).filter(|p| p.lease_live)?;
+        Some(crate::kept::PublicationRecord {
             v: crate::kept::RECORD_VERSION,
             id: id.to_string(),
             lease: p.lease.to_string(),
@@ -233,8 +238,7 @@ impl State {
             name: p.name.clone(),
             readers: p.readers.iter().cloned().collect(),
             published_unix_ms: crate::kept::unix_ms(p.published_at),
-        };
-        self.keep(|| crate::effects::Keep::Publication(record));
+        })
     }
 
     /// Import `import`'s descriptor is about to reach a process: from now on it is kept
@@ -251,15 +255,7 @@ impl State {
         if i.kept || i.lingering.is_some() || !self.keeping {
             return;
         }
-        let record = crate::kept::ImportRecord {
-            v: crate::kept::RECORD_VERSION,
-            id: import.to_string(),
-            publication: publication.to_string(),
-            tenant: i.tenant.clone(),
-            session: i.session.to_string(),
-            pid: i.pid,
-            created_unix_ms: crate::kept::unix_ms(i.created),
-        };
+        let record = import_record(publication, i);
         if let Some(i) = self
             .shared
             .pubs
@@ -900,6 +896,19 @@ impl State {
                 .remove_quarantine(&h.tenant, h.device, h.block.bytes());
             self.fx.free(h.device, h.block);
         }
+    }
+}
+
+/// Import `i`'s record (of publication `publication`).
+pub(super) fn import_record(publication: Uuid, i: &Import) -> crate::kept::ImportRecord {
+    crate::kept::ImportRecord {
+        v: crate::kept::RECORD_VERSION,
+        id: i.id.to_string(),
+        publication: publication.to_string(),
+        tenant: i.tenant.clone(),
+        session: i.session.to_string(),
+        pid: i.pid,
+        created_unix_ms: crate::kept::unix_ms(i.created),
     }
 }
 
