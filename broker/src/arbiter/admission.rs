@@ -26,9 +26,6 @@ enum Offered {
         /// Still in the queue after the first pass (it did not fit at once).
         queued: bool,
     },
-    /// Answered in the hold that offered it (a pooled grant, or an error found by the
-    /// queue's first pass): no reply channel was made.
-    Answered(BrokerResult<Granted>),
     Refused {
         bytes: u64,
         err: BrokerError,
@@ -129,7 +126,6 @@ impl Arbiter {
                 *waited = queued;
                 (rx, id, bytes)
             }
-            Offered::Answered(answer) => return answer,
             Offered::Refused { bytes, err } => return self.fallback_or(&req, bytes, err).await,
             Offered::NeedsLineage(_) => {
                 return Err(BrokerError::Internal(
@@ -224,28 +220,15 @@ impl Arbiter {
         } else {
             self.check_process_ask(&st, req)?;
         }
-        // A process reservation's answer gets its device's UUID from the shell's reply
-        // (`Effect::Reply`): only a lease's answer is taken out of the hold.
-        let lease = process.is_none();
         let (bytes, offered) = {
             let avail = self.avail.read();
             let env = self.queue_env(&avail, st.clock());
             st.offer(req, process, self.cfg.max_waiting_per_tenant, &env)?
         };
         Ok(match offered {
-            // Answered in this hold (a pooled block of its own tenant): the answer goes
-            // back from here, no channel needed.
-            Enqueued::Waiting { id, queued: false } if lease => match st.take_reply(id) {
-                Some(answer) => Offered::Answered(answer),
-                None => Offered::Waiting {
-                    rx: self.outbox.register_reply(&st, id),
-                    id,
-                    bytes,
-                    queued: false,
-                },
-            },
-            // The channel is in place before the lock is released, so before any answer
-            // the queue pushed for it runs.
+            // Every answer, a grant made in this hold too, goes through the reply channel:
+            // it is in place before the lock is released, so before any answer the queue
+            // pushed for it runs.
             Enqueued::Waiting { id, queued } => Offered::Waiting {
                 rx: self.outbox.register_reply(&st, id),
                 id,
