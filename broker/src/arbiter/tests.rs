@@ -1004,13 +1004,16 @@ async fn session_events_go_through_the_outbox_and_its_end_closes_the_stream() {
     );
     assert_eq!(f.arb.outbox.len(), 1);
     // The other session heard nothing, and an event to the ended one reaches nobody.
-    f.arb.execute(effects::Effect::Notify {
-        session: s,
-        event: SessionEvent::ShuttingDown {
-            reason: "late".into(),
-            grace: Duration::ZERO,
-        },
-    });
+    f.arb
+        .lock()
+        .fx_behind_the_back()
+        .push_for_test(effects::Effect::Notify {
+            session: s,
+            event: SessionEvent::ShuttingDown {
+                reason: "late".into(),
+                grace: Duration::ZERO,
+            },
+        });
     assert_eq!(
         other_rx.try_recv(),
         Err(tokio::sync::mpsc::error::TryRecvError::Empty)

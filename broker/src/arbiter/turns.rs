@@ -1,10 +1,11 @@
 //! Compute turns through the arbiter: the thin shell around the scheduler's core
 //! ([`crate::scheduler::Turns`]). It checks the session, locks the core, calls one
-//! transition, takes its effects, unlocks, and then carries them out: a waiter's answer
-//! goes to its reply channel (kept in the outbox, `outbox.rs`, registered in the hold that
-//! queued the request), a session's event to its mailbox, a kept slot's window gets a
-//! timer. A grant nobody receives (the caller went away just as it was answered) is given
-//! back to the core, which hands the slot on. It waits for a grant with a deadline and
+//! transition, takes its effects, unlocks, and then has them carried out by the turn
+//! effect executor (`Arbiter::execute_turns`, `effects.rs`): a waiter's answer goes to its
+//! reply channel (kept in the outbox, `outbox.rs`, registered in the hold that queued the
+//! request), a session's event to its mailbox, a kept slot's window gets a timer. A grant
+//! nobody receives (the caller went away just as it was answered) is given back to the
+//! core, which hands the slot on. It waits for a grant with a deadline and
 //! never leaves a turn held by a caller that went away. The hand-off histogram lives here.
 
 use super::{session_not_found, Arbiter};
@@ -14,7 +15,6 @@ use crate::scheduler::{
 };
 use parking_lot::Mutex;
 use prometheus_client::metrics::histogram::Histogram;
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::oneshot;
@@ -138,13 +138,16 @@ impl Arbiter {
         let delivered = if fx.is_empty() {
             0
         } else {
-            self.deliver_turns(fx)
+            self.execute_turns(fx)
         };
         (r, delivered)
     }
 
     /// One hold of the turn core's lock: `f`, the invariant (debug builds), the effects.
-    fn turn_hold<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, Vec<TurnEffect>) {
+    pub(super) fn turn_hold<R>(
+        &self,
+        f: impl FnOnce(&mut TurnsHeld<'_>) -> R,
+    ) -> (R, Vec<TurnEffect>) {
         let mut core = TurnsHeld(self.scheduler.core.lock());
         let r = f(&mut core);
         #[cfg(debug_assertions)]
@@ -152,48 +155,6 @@ impl Arbiter {
             panic!("turn invariant broken: {e}");
         }
         (r, core.take_effects())
-    }
-
-    /// Carries out turn effects, with no lock held. A grant whose waiter is gone goes back
-    /// to the core (and what that decides is carried out in turn). Returns how many grants
-    /// reached their waiters.
-    fn deliver_turns(&self, fx: Vec<TurnEffect>) -> u32 {
-        let mut todo: VecDeque<TurnEffect> = fx.into();
-        let mut delivered = 0;
-        while let Some(e) = todo.pop_front() {
-            match e {
-                TurnEffect::Reply { to, result } => {
-                    let ok = result.is_ok();
-                    match self.outbox.reply_turn(to, result) {
-                        None => delivered += u32::from(ok),
-                        Some(Ok(grant)) => {
-                            tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
-                            let (_, more) = self.turn_hold(|t| t.give_back(&grant, Instant::now()));
-                            todo.extend(more);
-                        }
-                        Some(Err(_)) => {} // a refusal for nobody
-                    }
-                }
-                TurnEffect::Notify { session, event } => self.outbox.send(&session, event),
-                TurnEffect::WakeAt(at) => self.wake_turns_at(at),
-            }
-        }
-        delivered
-    }
-
-    /// `TurnEffect::WakeAt`: a kept slot's window ends at `at`; if its session has not
-    /// asked again by then, the slot goes to the next waiter then (not at the next tick).
-    fn wake_turns_at(&self, at: Instant) {
-        let Some(rt) = self.lifecycle.effects_runtime() else {
-            return; // no runtime (tests of the core): the tick expires it
-        };
-        let me = self.me.clone();
-        rt.spawn(async move {
-            tokio::time::sleep_until(at.into()).await;
-            if let Some(arb) = me.upgrade() {
-                arb.turns(|t| t.expire_kept(Instant::now()));
-            }
-        });
     }
 
     /// A grant its caller never received: the turn goes back, its slot to the next.
@@ -243,7 +204,7 @@ impl Arbiter {
             })
         };
         if !fx.is_empty() {
-            self.deliver_turns(fx);
+            self.execute_turns(fx);
         }
         let (waiter, rx) = queued?;
         let mut guard = TurnWait {
