@@ -72,7 +72,7 @@ pub(super) fn store_err(e: StoreError) -> BrokerError {
 
 impl Arbiter {
     /// Loads tenants, token hashes and claim reservations from the store (start-up).
-    pub(crate) fn load_store(&self) -> BrokerResult<()> {
+    pub(super) fn load_store(&self) -> BrokerResult<()> {
         let Some(store) = &self.store else {
             return Ok(());
         };
@@ -128,7 +128,7 @@ impl Arbiter {
 
     /// Creates a tenant or changes its quota: replaced whole, or patched (only the fields
     /// given change, read and written under one lock so racing patches both apply).
-    pub fn change_quota(
+    pub(super) fn change_quota(
         self: &Arc<Self>,
         name: &str,
         update: QuotaUpdate,
@@ -140,7 +140,7 @@ impl Arbiter {
     /// of its own, so no runtime worker blocks in the commit or is handed off for it),
     /// with its audit record (`quota.set`, by `who`) committed in the same transaction as
     /// the quota. Answers once both are durable and the change applied.
-    pub async fn change_quota_for(
+    pub(crate) async fn change_quota_for(
         self: &Arc<Self>,
         name: String,
         update: QuotaUpdate,
@@ -239,7 +239,7 @@ impl Arbiter {
 
     /// Fails with `NOT_FOUND` when a tenant filter names no tenant (an operator's typo
     /// must not look like "nothing there").
-    pub fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
+    pub(crate) fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
         match tenant {
             Some(name) if self.lock().ledger().get(name).is_none() => {
                 Err(BrokerError::tenant_not_found(name))
@@ -248,7 +248,7 @@ impl Arbiter {
         }
     }
 
-    pub fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
+    pub(crate) fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
         let view = {
             let st = self.lock();
             let t = st
@@ -266,13 +266,14 @@ impl Arbiter {
     }
 
     /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
-    pub fn delete_tenant(self: &Arc<Self>, name: &str) -> BrokerResult<()> {
+    #[cfg(test)]
+    pub(super) fn delete_tenant(self: &Arc<Self>, name: &str) -> BrokerResult<()> {
         self.delete_tenant_recorded(name, None)
     }
 
     /// [`Arbiter::delete_tenant`] for an operator's RPC: on the store writer, with its
     /// audit record (`tenant.delete`, by `who`, the quota before) in the same commit.
-    pub async fn delete_tenant_for(
+    pub(crate) async fn delete_tenant_for(
         self: &Arc<Self>,
         name: String,
         who: crate::audit::Who,
@@ -328,7 +329,12 @@ impl Arbiter {
 
     /// Issues a new worker token for a tenant; returns (token, token_id) — the token only
     /// now. (See [`Arbiter::issue`] for scopes, names and expiry.)
-    pub fn issue_token(&self, tenant: &str, description: &str) -> BrokerResult<(String, String)> {
+    #[cfg(test)]
+    pub(super) fn issue_token(
+        &self,
+        tenant: &str,
+        description: &str,
+    ) -> BrokerResult<(String, String)> {
         let t = self.issue(super::tokens::TokenSpec {
             tenant: Some(tenant.to_string()),
             description: description.to_string(),
@@ -338,13 +344,14 @@ impl Arbiter {
     }
 
     /// Revokes a token given its id or the token itself.
-    pub fn revoke_token(&self, id_or_token: &str) -> BrokerResult<()> {
+    #[cfg(test)]
+    pub(super) fn revoke_token(&self, id_or_token: &str) -> BrokerResult<()> {
         self.revoke_token_recorded(id_or_token, None)
     }
 
     /// [`Arbiter::revoke_token`] for an operator's RPC: on the store writer, with its
     /// audit record (`token.revoke`, by `who`, the token before) in the same commit.
-    pub async fn revoke_token_for(
+    pub(crate) async fn revoke_token_for(
         self: &Arc<Self>,
         id_or_token: String,
         who: crate::audit::Who,
@@ -393,7 +400,7 @@ impl Arbiter {
         Ok(())
     }
 
-    pub fn list_tokens(&self, tenant: Option<&str>) -> Vec<TokenEntry> {
+    pub(crate) fn list_tokens(&self, tenant: Option<&str>) -> Vec<TokenEntry> {
         self.auth.list(tenant)
     }
 
@@ -404,13 +411,14 @@ impl Arbiter {
     }
 
     /// Every session (of `tenant`, or all) by id, page by page.
-    pub fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
+    #[cfg(test)]
+    pub(super) fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
         Self::all_pages(|t| self.sessions_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE))
     }
 
     /// Every quarantined block (memory a live process may still map), oldest first: the
     /// quarantine's and the blocks held for shared-lease importers and other processes.
-    pub fn list_quarantined(&self) -> Vec<QuarantineView> {
+    pub(crate) fn list_quarantined(&self) -> Vec<QuarantineView> {
         let st = self.lock();
         let now = (std::time::Instant::now(), SystemTime::now());
         let mut v: Vec<QuarantineView> = st
@@ -447,7 +455,7 @@ impl Arbiter {
     }
 
     /// The caller's tenant: quota and usage.
-    pub fn usage(&self, tenant: &str) -> BrokerResult<TenantView> {
+    pub(crate) fn usage(&self, tenant: &str) -> BrokerResult<TenantView> {
         self.get_tenant(tenant)
     }
 
@@ -460,7 +468,7 @@ impl Arbiter {
     }
 
     /// The `/metrics` text: the arbiter's counters and gauges from snapshots of its state.
-    pub async fn metrics_text(&self, format: crate::metrics::Format) -> String {
+    pub(crate) async fn metrics_text(&self, format: crate::metrics::Format) -> String {
         let devices = self.devices().await;
         let tenants = self.list_tenants();
         let sessions = self.session_count();

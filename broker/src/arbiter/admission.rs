@@ -82,7 +82,10 @@ impl Arbiter {
     /// Grants a lease now, after waiting up to `req.wait`, or fails with the reason.
     /// Counted in the metrics: latency by outcome, refusals by reason, time to grant of
     /// requests that waited.
-    pub async fn acquire_validated(self: &Arc<Self>, req: ValidRequest) -> BrokerResult<LeaseView> {
+    pub(crate) async fn acquire_validated(
+        self: &Arc<Self>,
+        req: ValidRequest,
+    ) -> BrokerResult<LeaseView> {
         let started = Instant::now();
         let mut waited = false;
         let r = self
@@ -103,7 +106,7 @@ impl Arbiter {
 
     /// Queues a lease request (`process` None) or a process reservation and waits for
     /// its grant.
-    pub(crate) async fn acquire_untimed(
+    pub(super) async fn acquire_untimed(
         self: &Arc<Self>,
         req: ValidRequest,
         process: Option<crate::reservations::ProcessAsk>,
@@ -242,7 +245,7 @@ impl Arbiter {
     /// Checks a request's values (sizes, device, wait, label) against this broker's
     /// devices and settings, without looking at state: once per request, where it enters;
     /// every path after takes the [`ValidRequest`].
-    pub fn validate(&self, req: AcquireRequest) -> BrokerResult<ValidRequest> {
+    pub(crate) fn validate(&self, req: AcquireRequest) -> BrokerResult<ValidRequest> {
         req.validate(&RequestBounds {
             devices: self.devices.len(),
             max_wait: self.cfg.max_wait,
@@ -414,7 +417,7 @@ impl Arbiter {
     }
 
     /// Grants host shared memory instead of device memory, under the host limit.
-    pub(crate) async fn acquire_host(
+    pub(super) async fn acquire_host(
         self: &Arc<Self>,
         req: &ValidRequest,
         bytes: u64,
@@ -452,7 +455,7 @@ impl Arbiter {
 
     /// Queues a free of host-fallback memory on the host tier's thread: the one place it is
     /// freed (reached through `Effect::FreeHost`, and by a host grant whose device work failed).
-    pub(crate) fn free_host(&self, what: impl Into<super::Unneeded>) {
+    pub(super) fn free_host(&self, what: impl Into<super::Unneeded>) {
         if let Some(h) = &self.host_tier {
             let what = what.into();
             let counted = matches!(what, super::Unneeded::Block(_)).then(|| self.fds.adopt());

@@ -19,7 +19,7 @@ impl Arbiter {
     /// written is logged as an error; the change itself stands. Call it with no arbiter
     /// lock held (neither the state lock nor `admin_writes`): with the writer's queue full
     /// it waits for room, and the writer's jobs take those locks.
-    pub fn audit(
+    pub(crate) fn audit(
         &self,
         who: &Who,
         action: &str,
@@ -46,7 +46,7 @@ impl Arbiter {
     }
 
     /// Returns once every audit record handed over before has been written.
-    pub async fn audits_written(&self) {
+    pub(crate) async fn audits_written(&self) {
         if self.store.is_some() {
             let _ = self.run_durable(|| Ok(())).await;
         }
@@ -97,7 +97,7 @@ impl Arbiter {
     }
 
     /// Recorded changes, oldest first.
-    pub fn list_audit(&self, filter: &AuditFilter) -> BrokerResult<Vec<AuditRecord>> {
+    pub(crate) fn list_audit(&self, filter: &AuditFilter) -> BrokerResult<Vec<AuditRecord>> {
         self.audit_log
             .list(self.store.as_ref(), filter)
             .map_err(|e| BrokerError::Internal(format!("audit log: {e}")))

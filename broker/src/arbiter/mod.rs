@@ -299,12 +299,12 @@ impl Arbiter {
     }
 
     /// The broker's counters and histograms.
-    pub fn metrics(&self) -> &crate::metrics::Metrics {
+    pub(crate) fn metrics(&self) -> &crate::metrics::Metrics {
         &self.metrics
     }
 
     /// The arbiter's configuration.
-    pub fn config(&self) -> &ArbiterConfig {
+    pub(crate) fn config(&self) -> &ArbiterConfig {
         &self.cfg
     }
 
@@ -314,7 +314,7 @@ impl Arbiter {
     }
 
     /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
-    pub fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
+    pub(crate) fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
         match self.lock().sessions().get(&session) {
             Some(s) if s.tenant == tenant => Ok(s.peer),
             _ => Err(session_not_found(session)),
@@ -323,7 +323,7 @@ impl Arbiter {
 
     /// The peer of the session a process reservation of `tenant` belongs to (`NOT_FOUND`
     /// otherwise).
-    pub fn reservation_peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
+    pub(crate) fn reservation_peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
         let st = self.lock();
         match st.reservations().get(&id) {
             Some(r) if r.tenant == tenant => Ok(st
@@ -338,7 +338,7 @@ impl Arbiter {
     }
 
     /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
-    pub fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
+    pub(crate) fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
         let st = self.lock();
         match st.leases().get(&lease) {
             Some(l) if l.tenant == tenant => {
@@ -359,7 +359,7 @@ impl Arbiter {
     }
 
     /// Is the broker shutting down?
-    pub fn is_shutting_down(&self) -> bool {
+    pub(crate) fn is_shutting_down(&self) -> bool {
         self.shutting_down.load(Ordering::SeqCst)
     }
 
@@ -390,7 +390,7 @@ impl Arbiter {
 
     /// Opens a session on behalf of the token `token_id` (the caller's): the session ends
     /// when that token is revoked or expires.
-    pub fn open_session_with_token(
+    fn open_session_with_token(
         self: &Arc<Self>,
         tenant: &str,
         name: &str,
@@ -405,7 +405,7 @@ impl Arbiter {
     /// a broker restart (`adopt.rs`; empty without a keeper, which alone keeps sessions
     /// across restarts, and for a peer with no pid, which cannot resume).
     #[allow(clippy::type_complexity)]
-    pub fn open_resumable(
+    pub(crate) fn open_resumable(
         self: &Arc<Self>,
         tenant: &str,
         name: &str,
@@ -441,7 +441,7 @@ impl Arbiter {
     }
 
     /// Marks a session active (keepalive).
-    pub fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
+    pub(crate) fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
         let st = self.lock();
         match st.sessions().get(&session) {
             Some(s) if s.tenant == tenant => {
@@ -454,7 +454,7 @@ impl Arbiter {
 
     /// Attributes per-process GPU memory (NVML) to sessions by peer pid, and reports a
     /// worker whose memory beyond its leases exceeds `allowance` (its own `cudaMalloc`).
-    pub fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
+    fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
         let covered = self.covered_usage(usage);
         let mut st = self.lock();
         let (sessions, leases, reservations) = (st.sessions(), st.leases(), st.reservations());
@@ -508,15 +508,8 @@ impl Arbiter {
         }
     }
 
-    /// Marks a session active (its stream delivered an event).
-    pub fn touch_session(&self, session: Uuid) {
-        if let Some(s) = self.lock().sessions().get(&session) {
-            s.last_seen.touch();
-        }
-    }
-
     /// A session's activity mark, for its event stream to touch without the state lock.
-    pub fn session_activity(&self, session: Uuid) -> Option<Arc<crate::session::Activity>> {
+    pub(crate) fn session_activity(&self, session: Uuid) -> Option<Arc<crate::session::Activity>> {
         self.lock()
             .sessions()
             .get(&session)
@@ -524,12 +517,13 @@ impl Arbiter {
     }
 
     /// The caller's own leases, in the order they were granted (every page).
-    pub fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
+    #[cfg(test)]
+    pub(crate) fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
         Self::all_pages(|t| self.leases_page(Some(tenant), t, listing::MAX_PAGE_SIZE))
     }
 
     /// Begins shutdown: refuse new work, tell every session.
-    pub fn begin_shutdown(&self, grace: Duration) {
+    pub(crate) fn begin_shutdown(&self, grace: Duration) {
         self.shutting_down.store(true, Ordering::SeqCst);
         self.lock().begin_shutdown(grace);
     }
@@ -560,14 +554,14 @@ impl Arbiter {
     }
 
     /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
-    pub(crate) fn revokes(&self) -> bool {
+    fn revokes(&self) -> bool {
         !self.exiting.load(Ordering::SeqCst)
     }
 
     /// Queues a free of `what` on its device thread: the one place device memory is freed
     /// (reached through `Effect::Free`, and by the grant path when device work failed: a
     /// block whose scrub failed, an allocation whose zeroing or export failed).
-    pub(crate) fn free_on_device(&self, device: u32, what: impl Into<Unneeded>) {
+    fn free_on_device(&self, device: u32, what: impl Into<Unneeded>) {
         if let Some(d) = self.devices.get(device as usize) {
             let what = what.into();
             let id = what.alloc_id();
@@ -666,7 +660,7 @@ impl Arbiter {
 
 impl Arbiter {
     /// Bytes freed on device `i` that stayed there and are not charged yet.
-    pub(crate) fn unverified_bytes(&self, i: usize) -> u64 {
+    fn unverified_bytes(&self, i: usize) -> u64 {
         self.unverified
             .get(i)
             .map_or(0, |b| b.load(Ordering::SeqCst))

@@ -133,7 +133,7 @@ impl Drop for TurnWait {
 impl Arbiter {
     /// Locks the turn core, runs `f` on it, unlocks, then carries out the effects `f`
     /// pushed. Returns what `f` returned and how many grants reached their waiters.
-    pub(crate) fn turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
+    pub(super) fn turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
         let (r, fx) = self.turn_hold(f);
         let delivered = if fx.is_empty() {
             0
@@ -164,7 +164,7 @@ impl Arbiter {
     }
 
     /// Grants the compute turn on `device` now, after waiting up to `wait`, or says why not.
-    pub async fn acquire_turn(
+    pub(crate) async fn acquire_turn(
         self: &Arc<Self>,
         tenant: &str,
         session: Uuid,
@@ -258,14 +258,15 @@ impl Arbiter {
     }
 
     /// The holder gives its compute turn back.
-    pub fn release_turn(&self, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
+    #[cfg(test)]
+    fn release_turn(&self, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
         self.release_turn_received(tenant, turn_id, Instant::now())
     }
 
     /// The holder gives its compute turn back; its `ReleaseTurn` arrived at `received`
     /// (the start of the hand-off to the next waiter). `handed_off` says whether the slot's
     /// grant reached a waiter (the caller may let that waiter's task run first).
-    pub fn release_turn_received(
+    pub(crate) fn release_turn_received(
         &self,
         tenant: &str,
         turn_id: Uuid,
@@ -278,28 +279,28 @@ impl Arbiter {
     }
 
     /// A session ended (`Effect::EndTurns`): its turn requests are answered, its turns end.
-    pub(crate) fn end_turns(&self, session: Uuid) {
+    pub(super) fn end_turns(&self, session: Uuid) {
         self.turns(|t| t.end_session(session, Instant::now()));
     }
 
     /// A tenant was deleted (its sessions ended first): its compute-turn counters go.
-    pub(crate) fn forget_turns(&self, tenant: &str) {
+    pub(super) fn forget_turns(&self, tenant: &str) {
         self.turns(|t| t.forget_tenant(tenant));
     }
 
     /// The ticker's compute-turn step: kept slots past their window, yield requests past
     /// the quantum, turns taken past quantum + grace.
-    pub(crate) fn tick_turns(&self) {
+    pub(super) fn tick_turns(&self) {
         self.turns(|t| t.tick(Instant::now(), SystemTime::now()));
     }
 
     /// A turn grant is being sent: its hand-off time, if a release freed its slot.
-    pub fn observe_turn_handoff(&self, grant: &TurnGrant) {
+    pub(crate) fn observe_turn_handoff(&self, grant: &TurnGrant) {
         self.scheduler.observe_handoff(grant);
     }
 
     /// Holders of compute turns on `device` now.
-    pub fn turn_holders(&self, device: u32) -> u32 {
+    pub(crate) fn turn_holders(&self, device: u32) -> u32 {
         self.scheduler.holders(device)
     }
 }
