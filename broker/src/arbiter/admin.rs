@@ -3,7 +3,6 @@
 //! before the RPC returns.
 
 use super::{Arbiter, State};
-use crate::auth::TokenEntry;
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant};
@@ -41,15 +40,6 @@ impl Arbiter {
 }
 
 impl Arbiter {
-    /// Holds off other durable operator changes (see `Arbiter::admin_writes`). Waiting
-    /// for it does not hold up the worker thread's other tasks.
-    pub(super) fn admin_writes(&self) -> parking_lot::MutexGuard<'_, ()> {
-        match self.admin_writes.try_lock() {
-            Some(g) => g,
-            None => off_the_runtime(|| self.admin_writes.lock()),
-        }
-    }
-
     /// Commits a durable change (a redb transaction, fsync included), counted in the
     /// metrics. Callers hold no state lock; on a multi-threaded runtime the commit runs in
     /// `block_in_place`, so the worker thread's other tasks move elsewhere meanwhile.
@@ -57,7 +47,7 @@ impl Arbiter {
         &self,
         write: impl FnOnce(&crate::store::Store) -> Result<T, StoreError>,
     ) -> BrokerResult<T> {
-        let Some(store) = &self.store else {
+        let Some(store) = self.durable.store() else {
             return Ok(T::default());
         };
         off_the_runtime(|| write(store))
@@ -73,7 +63,7 @@ pub(super) fn store_err(e: StoreError) -> BrokerError {
 impl Arbiter {
     /// Loads tenants, token hashes and claim reservations from the store (start-up).
     pub(super) fn load_store(&self) -> BrokerResult<()> {
-        let Some(store) = &self.store else {
+        let Some(store) = self.durable.store() else {
             return Ok(());
         };
         let (tenants, tokens) = store.load().map_err(store_err)?;
@@ -161,7 +151,7 @@ impl Arbiter {
         &self,
         change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
     ) -> BrokerResult<T> {
-        if self.store.is_none() {
+        if self.durable.store().is_none() {
             return change();
         }
         self.lifecycle
@@ -186,7 +176,7 @@ impl Arbiter {
         who: Option<(&crate::audit::Who, &str, &str)>,
     ) -> BrokerResult<QuotaChange> {
         validate_tenant_name(name)?;
-        let _writes = self.admin_writes();
+        let _writes = self.durable.writes();
         let st = self.lock();
         let before = st.ledger().get(name).map(|t| t.quota.to_json());
         let quota = match update {
@@ -205,7 +195,7 @@ impl Arbiter {
         }
         drop(st);
         // Committed first, with no state lock held (acquires and heartbeats go on); then
-        // applied. Other durable changes wait for `admin_writes`, so nothing changes this
+        // applied. Other durable changes wait for `Durable::writes`, so nothing changes this
         // tenant's quota in between.
         let record = TenantRecord {
             name: name.to_string(),
@@ -289,7 +279,7 @@ impl Arbiter {
         name: &str,
         who: Option<&crate::audit::Who>,
     ) -> BrokerResult<()> {
-        let _writes = self.admin_writes();
+        let _writes = self.durable.writes();
         // Check and close the tenant (it takes no new charge), commit the deletion to the
         // store with no state lock held, then apply it (or reopen the tenant). What it was
         // is read under the same locks.
@@ -367,7 +357,7 @@ impl Arbiter {
         id_or_token: &str,
         who: Option<&crate::audit::Who>,
     ) -> BrokerResult<()> {
-        let _writes = self.admin_writes();
+        let _writes = self.durable.writes();
         let entry = self
             .auth
             .find(id_or_token)
@@ -398,10 +388,6 @@ impl Arbiter {
             me.end_sessions_of_token(&entry.token_id, "the session's token was revoked");
         }
         Ok(())
-    }
-
-    pub(crate) fn list_tokens(&self, tenant: Option<&str>) -> Vec<TokenEntry> {
-        self.auth.list(tenant)
     }
 
     /// Every lease (of one tenant if given), oldest first.

@@ -113,7 +113,8 @@ impl Arbiter {
         // they drew from goes.
         let name = claim_token_name(uid);
         let tokens: Vec<String> = self
-            .list_tokens(None)
+            .auth
+            .list(None)
             .into_iter()
             .filter(|t| t.name == name)
             .map(|t| t.token_id)

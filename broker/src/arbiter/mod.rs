@@ -166,20 +166,17 @@ pub struct Arbiter {
     state: effects::StateLock,
     pub(crate) devices: Vec<DeviceSlot>,
     pub(crate) host_tier: Option<DeviceThread>,
-    pub(crate) store: Option<Store>,
     pub(crate) auth: Arc<Authenticator>,
     pub(crate) cfg: ArbiterConfig,
     /// Compute turns (time-slicing); separate from memory, with its own lock.
     pub(crate) scheduler: turns::Scheduler,
     /// Tickets that deliver fd leases (served by `ticket_server::serve`).
     pub(crate) tickets: Arc<crate::tickets::TicketTable>,
-    shutting_down: AtomicBool,
-    /// Set once the shutdown frees everything: those frees leave kept mappings alone (a
-    /// worker may still read its memory after the broker is gone); every free before
-    /// revokes (`Device::revoke`), so memory that left its tenant is held by nobody.
-    exiting: AtomicBool,
-    /// Operator changes, durable in the store (`audit.rs`).
-    pub(crate) audit_log: crate::audit::AuditLog,
+    /// Whether the broker is shutting down, and whether it is freeing everything on exit.
+    shutdown: Shutdown,
+    /// The state store, the audit log and the lock that keeps durable operator changes
+    /// one at a time (`audit.rs`).
+    pub(crate) durable: audit::Durable,
     /// Which devices admit new leases (drain, health); changed only through
     /// `Locked::change_devices`.
     pub(crate) avail: effects::DeviceAvailability,
@@ -203,10 +200,6 @@ pub struct Arbiter {
     /// charge (`State::stranded`) is on its way, or still being judged: the leasable
     /// refresh counts them as the broker's, so they are never outside memory meanwhile.
     unverified: Arc<[AtomicU64]>,
-    /// Serializes durable operator changes (quotas, tenant deletion, tokens): each
-    /// validates under the state lock, commits to the store with no state lock held, then
-    /// applies under the state lock. Lock order: this, then the state.
-    admin_writes: Mutex<()>,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
@@ -214,6 +207,17 @@ pub struct Arbiter {
     /// The descriptors held for memory, against the limit less the reserve
     /// (`fd_budget.rs`): counted where a block is made and freed, and for a publication.
     pub(crate) fds: Arc<crate::fd_budget::FdBudget>,
+}
+
+/// The broker's shutdown, as two marks: begun (new work is refused) and exiting (set once
+/// the shutdown frees everything).
+#[derive(Default)]
+struct Shutdown {
+    begun: AtomicBool,
+    /// The shutdown's frees leave kept mappings alone (a worker may still read its memory
+    /// after the broker is gone); every free before revokes (`Device::revoke`), so memory
+    /// that left its tenant is held by nobody.
+    exiting: AtomicBool,
 }
 
 /// Longest label accepted.
@@ -271,12 +275,11 @@ impl Arbiter {
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             unverified,
-            admin_writes: Mutex::new(()),
             lifecycle: Lifecycle::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
             fds,
-            audit_log,
+            durable: audit::Durable::new(store, audit_log),
             avail: effects::DeviceAvailability::new(devices.len()),
             keeper: std::sync::OnceLock::new(),
             restart: Mutex::default(),
@@ -286,12 +289,10 @@ impl Arbiter {
             state: effects::StateLock::new(st),
             devices,
             host_tier,
-            store,
             auth,
             cfg,
             tickets: Arc::default(),
-            shutting_down: AtomicBool::new(false),
-            exiting: AtomicBool::new(false),
+            shutdown: Shutdown::default(),
             metrics,
         });
         arb.load_store()?;
@@ -360,7 +361,7 @@ impl Arbiter {
 
     /// Is the broker shutting down?
     pub(crate) fn is_shutting_down(&self) -> bool {
-        self.shutting_down.load(Ordering::SeqCst)
+        self.shutdown.begun.load(Ordering::SeqCst)
     }
 
     fn check_not_shutting_down(&self) -> BrokerResult<()> {
@@ -524,7 +525,7 @@ impl Arbiter {
 
     /// Begins shutdown: refuse new work, tell every session.
     pub(crate) fn begin_shutdown(&self, grace: Duration) {
-        self.shutting_down.store(true, Ordering::SeqCst);
+        self.shutdown.begun.store(true, Ordering::SeqCst);
         self.lock().begin_shutdown(grace);
     }
 
@@ -535,8 +536,8 @@ impl Arbiter {
 
     /// Ends every session and frees every block on the devices. Blocks until done.
     pub fn shutdown_release_all(self: &Arc<Self>) {
-        self.shutting_down.store(true, Ordering::SeqCst);
-        self.exiting.store(true, Ordering::SeqCst);
+        self.shutdown.begun.store(true, Ordering::SeqCst);
+        self.shutdown.exiting.store(true, Ordering::SeqCst);
         let ids = self.lock().sessions().ids();
         for id in ids {
             self.end_session_with(id, "broker shut down", Ending::Destroy);
@@ -555,7 +556,7 @@ impl Arbiter {
 
     /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
     fn revokes(&self) -> bool {
-        !self.exiting.load(Ordering::SeqCst)
+        !self.shutdown.exiting.load(Ordering::SeqCst)
     }
 
     /// Queues a free of `what` on its device thread: the one place device memory is freed

@@ -94,9 +94,9 @@ impl Arbiter {
             }
             Some(ttl) => Some(crate::units::unix_ms(SystemTime::now() + ttl)),
         };
-        // `admin_writes` orders this against tenant deletion (a token never outlives its
+        // `Durable::writes` orders this against tenant deletion (a token never outlives its
         // tenant); the store commit runs with no state lock held.
-        let _writes = self.admin_writes();
+        let _writes = self.durable.writes();
         if let Some(t) = &tenant {
             let st = self.lock();
             if st.ledger().get(t).is_none() || st.ledger().is_closing(t) {

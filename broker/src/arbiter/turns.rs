@@ -298,11 +298,6 @@ impl Arbiter {
     pub(crate) fn observe_turn_handoff(&self, grant: &TurnGrant) {
         self.scheduler.observe_handoff(grant);
     }
-
-    /// Holders of compute turns on `device` now.
-    pub(crate) fn turn_holders(&self, device: u32) -> u32 {
-        self.scheduler.holders(device)
-    }
 }
 
 #[cfg(test)]
