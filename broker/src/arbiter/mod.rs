@@ -8,9 +8,11 @@
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
 //! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (the
 //! arbiter's loops: keepalive reaper, reclaim deadlines, leasable refresh), run by
-//! [`Lifecycle`] (`lifecycle`: workers, runtime, store writer, MPS); `audit`, `health`,
-//! `reservations` and `sharing` are the arbiter's side of the audit log, device health,
-//! process reservations and shared leases (the records they work on live below it).
+//! [`Lifecycle`] (`lifecycle`: workers, runtime, store writer, MPS); `audit` (the store,
+//! the audit log and the lock of durable changes: `Durable`), `health`, `reservations`
+//! and `sharing` are the arbiter's side of the store, device health, process reservations
+//! and shared leases (the records they work on live below it). `effects` is the lock
+//! guard and the one effect executor.
 
 mod admin;
 mod admission;
