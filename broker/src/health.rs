@@ -458,7 +458,7 @@ mod tests {
             Err(BrokerError::UnknownDevice { device: 9, .. })
         ));
         // Every verdict is in the audit log.
-        let log = arb.list_audit(&Default::default()).unwrap();
+        let log = arb.durable.list_audit(&Default::default()).unwrap();
         assert!(log.iter().filter(|r| r.action == "device.health").count() >= 8);
         stop.cancel();
         // The shutdown path waits for the monitor: it has ended when the join returns.

@@ -165,7 +165,7 @@ pub async fn serve(
     arb.spawn_background(bg_stop.clone());
     // The Admin service is NOT_SERVING while the state store is unwritable (a full disk):
     // admin changes fail then. Probed every 2 s until a write commits again.
-    if let Some(mut writable) = arb.store.as_ref().map(|s| s.writable()) {
+    if let Some(mut writable) = arb.durable.store().map(|s| s.writable()) {
         let (reporter, me, stop) = (health_reporter.clone(), arb.clone(), bg_stop.clone());
         arb.lifecycle()
             .spawn_worker("admin-writable-health", bg_stop.clone(), async move {
@@ -184,7 +184,7 @@ pub async fn serve(
                         _ = tokio::time::sleep(Duration::from_secs(2)), if !ok => {
                             let a = me.clone();
                             let _ = tokio::task::spawn_blocking(move || {
-                                a.store.as_ref().map(|s| s.probe())
+                                a.durable.store().map(|s| s.probe())
                             })
                             .await;
                         }

@@ -677,6 +677,7 @@ mod tests {
             .unwrap();
         assert_eq!(changes.len(), 1);
         let records = arb
+            .durable
             .list_audit(&crate::audit::AuditFilter::default())
             .unwrap();
         assert_eq!(
@@ -773,7 +774,7 @@ mod tests {
             "the next edit was not applied"
         );
         stop.cancel();
-        let records = arb.list_audit(&AuditFilter::default()).unwrap();
+        let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
         let seen: Vec<(&str, &Who)> = records
             .iter()
             .map(|r| (r.action.as_str(), &r.who))

@@ -243,64 +243,8 @@ impl Effects {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-    /// Takes out the answer pushed for waiter `to`, if one is here; the other effects
-    /// stay, in order.
-    pub fn take_reply(&mut self, to: WaiterId) -> Option<BrokerResult<Granted>> {
-        let i = self
-            .0
-            .iter()
-            .position(|e| matches!(e, Effect::Reply { to: t, .. } if *t == to))?;
-        match self.0.remove(i) {
-            Effect::Reply { result, .. } => Some(result),
-            // Not reached (`position` found a reply there); put back rather than panic.
-            other => {
-                self.0.insert(i, other);
-                None
-            }
-        }
-    }
     /// The effects, in order.
     pub fn into_vec(self) -> Vec<Effect> {
         self.0
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::error::BrokerError;
-
-    #[test]
-    fn take_reply_takes_only_that_waiters_answer_and_keeps_the_rest_in_order() {
-        let mut fx = Effects::default();
-        fx.count(Counted::Quarantined);
-        fx.reply(1, Err(BrokerError::ShuttingDown));
-        fx.count(Counted::ReclaimRequested);
-        fx.reply(2, Err(BrokerError::NoHostTier));
-        assert!(
-            fx.take_reply(3).is_none(),
-            "no answer for a waiter not answered"
-        );
-        assert!(matches!(
-            fx.take_reply(2),
-            Some(Err(BrokerError::NoHostTier))
-        ));
-        assert!(fx.take_reply(2).is_none(), "taken once");
-        let rest = fx.into_vec();
-        assert!(matches!(
-            rest.as_slice(),
-            [
-                Effect::Count {
-                    what: Counted::Quarantined
-                },
-                Effect::Reply {
-                    to: 1,
-                    result: Err(BrokerError::ShuttingDown)
-                },
-                Effect::Count {
-                    what: Counted::ReclaimRequested
-                },
-            ]
-        ));
     }
 }

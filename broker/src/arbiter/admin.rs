@@ -3,7 +3,6 @@
 //! before the RPC returns.
 
 use super::{Arbiter, State};
-use crate::auth::TokenEntry;
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant};
@@ -41,15 +40,6 @@ impl Arbiter {
 }
 
 impl Arbiter {
-    /// Holds off other durable operator changes (see `Arbiter::admin_writes`). Waiting
-    /// for it does not hold up the worker thread's other tasks.
-    pub(super) fn admin_writes(&self) -> parking_lot::MutexGuard<'_, ()> {
-        match self.admin_writes.try_lock() {
-            Some(g) => g,
-            None => off_the_runtime(|| self.admin_writes.lock()),
-        }
-    }
-
     /// Commits a durable change (a redb transaction, fsync included), counted in the
     /// metrics. Callers hold no state lock; on a multi-threaded runtime the commit runs in
     /// `block_in_place`, so the worker thread's other tasks move elsewhere meanwhile.
@@ -57,7 +47,7 @@ impl Arbiter {
         &self,
         write: impl FnOnce(&crate::store::Store) -> Result<T, StoreError>,
     ) -> BrokerResult<T> {
-        let Some(store) = &self.store else {
+        let Some(store) = self.durable.store() else {
             return Ok(T::default());
         };
         off_the_runtime(|| write(store))
@@ -72,8 +62,8 @@ pub(super) fn store_err(e: StoreError) -> BrokerError {
 
 impl Arbiter {
     /// Loads tenants, token hashes and claim reservations from the store (start-up).
-    pub(crate) fn load_store(&self) -> BrokerResult<()> {
-        let Some(store) = &self.store else {
+    pub(super) fn load_store(&self) -> BrokerResult<()> {
+        let Some(store) = self.durable.store() else {
             return Ok(());
         };
         let (tenants, tokens) = store.load().map_err(store_err)?;
@@ -128,7 +118,7 @@ impl Arbiter {
 
     /// Creates a tenant or changes its quota: replaced whole, or patched (only the fields
     /// given change, read and written under one lock so racing patches both apply).
-    pub fn change_quota(
+    pub(super) fn change_quota(
         self: &Arc<Self>,
         name: &str,
         update: QuotaUpdate,
@@ -140,7 +130,7 @@ impl Arbiter {
     /// of its own, so no runtime worker blocks in the commit or is handed off for it),
     /// with its audit record (`quota.set`, by `who`) committed in the same transaction as
     /// the quota. Answers once both are durable and the change applied.
-    pub async fn change_quota_for(
+    pub(crate) async fn change_quota_for(
         self: &Arc<Self>,
         name: String,
         update: QuotaUpdate,
@@ -161,7 +151,7 @@ impl Arbiter {
         &self,
         change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
     ) -> BrokerResult<T> {
-        if self.store.is_none() {
+        if self.durable.store().is_none() {
             return change();
         }
         self.lifecycle
@@ -186,7 +176,7 @@ impl Arbiter {
         who: Option<(&crate::audit::Who, &str, &str)>,
     ) -> BrokerResult<QuotaChange> {
         validate_tenant_name(name)?;
-        let _writes = self.admin_writes();
+        let _writes = self.durable.writes();
         let st = self.lock();
         let before = st.ledger().get(name).map(|t| t.quota.to_json());
         let quota = match update {
@@ -205,7 +195,7 @@ impl Arbiter {
         }
         drop(st);
         // Committed first, with no state lock held (acquires and heartbeats go on); then
-        // applied. Other durable changes wait for `admin_writes`, so nothing changes this
+        // applied. Other durable changes wait for `Durable::writes`, so nothing changes this
         // tenant's quota in between.
         let record = TenantRecord {
             name: name.to_string(),
@@ -239,7 +229,7 @@ impl Arbiter {
 
     /// Fails with `NOT_FOUND` when a tenant filter names no tenant (an operator's typo
     /// must not look like "nothing there").
-    pub fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
+    pub(crate) fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
         match tenant {
             Some(name) if self.lock().ledger().get(name).is_none() => {
                 Err(BrokerError::tenant_not_found(name))
@@ -248,7 +238,7 @@ impl Arbiter {
         }
     }
 
-    pub fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
+    pub(crate) fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
         let view = {
             let st = self.lock();
             let t = st
@@ -266,13 +256,14 @@ impl Arbiter {
     }
 
     /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
-    pub fn delete_tenant(self: &Arc<Self>, name: &str) -> BrokerResult<()> {
+    #[cfg(test)]
+    pub(super) fn delete_tenant(self: &Arc<Self>, name: &str) -> BrokerResult<()> {
         self.delete_tenant_recorded(name, None)
     }
 
     /// [`Arbiter::delete_tenant`] for an operator's RPC: on the store writer, with its
     /// audit record (`tenant.delete`, by `who`, the quota before) in the same commit.
-    pub async fn delete_tenant_for(
+    pub(crate) async fn delete_tenant_for(
         self: &Arc<Self>,
         name: String,
         who: crate::audit::Who,
@@ -288,7 +279,7 @@ impl Arbiter {
         name: &str,
         who: Option<&crate::audit::Who>,
     ) -> BrokerResult<()> {
-        let _writes = self.admin_writes();
+        let _writes = self.durable.writes();
         // Check and close the tenant (it takes no new charge), commit the deletion to the
         // store with no state lock held, then apply it (or reopen the tenant). What it was
         // is read under the same locks.
@@ -328,7 +319,12 @@ impl Arbiter {
 
     /// Issues a new worker token for a tenant; returns (token, token_id) — the token only
     /// now. (See [`Arbiter::issue`] for scopes, names and expiry.)
-    pub fn issue_token(&self, tenant: &str, description: &str) -> BrokerResult<(String, String)> {
+    #[cfg(test)]
+    pub(super) fn issue_token(
+        &self,
+        tenant: &str,
+        description: &str,
+    ) -> BrokerResult<(String, String)> {
         let t = self.issue(super::tokens::TokenSpec {
             tenant: Some(tenant.to_string()),
             description: description.to_string(),
@@ -338,13 +334,14 @@ impl Arbiter {
     }
 
     /// Revokes a token given its id or the token itself.
-    pub fn revoke_token(&self, id_or_token: &str) -> BrokerResult<()> {
+    #[cfg(test)]
+    pub(super) fn revoke_token(&self, id_or_token: &str) -> BrokerResult<()> {
         self.revoke_token_recorded(id_or_token, None)
     }
 
     /// [`Arbiter::revoke_token`] for an operator's RPC: on the store writer, with its
     /// audit record (`token.revoke`, by `who`, the token before) in the same commit.
-    pub async fn revoke_token_for(
+    pub(crate) async fn revoke_token_for(
         self: &Arc<Self>,
         id_or_token: String,
         who: crate::audit::Who,
@@ -360,7 +357,7 @@ impl Arbiter {
         id_or_token: &str,
         who: Option<&crate::audit::Who>,
     ) -> BrokerResult<()> {
-        let _writes = self.admin_writes();
+        let _writes = self.durable.writes();
         let entry = self
             .auth
             .find(id_or_token)
@@ -393,10 +390,6 @@ impl Arbiter {
         Ok(())
     }
 
-    pub fn list_tokens(&self, tenant: Option<&str>) -> Vec<TokenEntry> {
-        self.auth.list(tenant)
-    }
-
     /// Every lease (of one tenant if given), oldest first.
     /// Every lease (of `tenant`, or all) in the order granted, page by page.
     pub fn list_all_leases(&self, tenant: Option<&str>) -> Vec<LeaseView> {
@@ -404,13 +397,14 @@ impl Arbiter {
     }
 
     /// Every session (of `tenant`, or all) by id, page by page.
-    pub fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
+    #[cfg(test)]
+    pub(super) fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
         Self::all_pages(|t| self.sessions_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE))
     }
 
     /// Every quarantined block (memory a live process may still map), oldest first: the
     /// quarantine's and the blocks held for shared-lease importers and other processes.
-    pub fn list_quarantined(&self) -> Vec<QuarantineView> {
+    pub(crate) fn list_quarantined(&self) -> Vec<QuarantineView> {
         let st = self.lock();
         let now = (std::time::Instant::now(), SystemTime::now());
         let mut v: Vec<QuarantineView> = st
@@ -447,7 +441,7 @@ impl Arbiter {
     }
 
     /// The caller's tenant: quota and usage.
-    pub fn usage(&self, tenant: &str) -> BrokerResult<TenantView> {
+    pub(crate) fn usage(&self, tenant: &str) -> BrokerResult<TenantView> {
         self.get_tenant(tenant)
     }
 
@@ -460,7 +454,7 @@ impl Arbiter {
     }
 
     /// The `/metrics` text: the arbiter's counters and gauges from snapshots of its state.
-    pub async fn metrics_text(&self, format: crate::metrics::Format) -> String {
+    pub(crate) async fn metrics_text(&self, format: crate::metrics::Format) -> String {
         let devices = self.devices().await;
         let tenants = self.list_tenants();
         let sessions = self.session_count();

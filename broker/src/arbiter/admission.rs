@@ -26,9 +26,6 @@ enum Offered {
         /// Still in the queue after the first pass (it did not fit at once).
         queued: bool,
     },
-    /// Answered in the hold that offered it (a pooled grant, or an error found by the
-    /// queue's first pass): no reply channel was made.
-    Answered(BrokerResult<Granted>),
     Refused {
         bytes: u64,
         err: BrokerError,
@@ -85,7 +82,10 @@ impl Arbiter {
     /// Grants a lease now, after waiting up to `req.wait`, or fails with the reason.
     /// Counted in the metrics: latency by outcome, refusals by reason, time to grant of
     /// requests that waited.
-    pub async fn acquire_validated(self: &Arc<Self>, req: ValidRequest) -> BrokerResult<LeaseView> {
+    pub(crate) async fn acquire_validated(
+        self: &Arc<Self>,
+        req: ValidRequest,
+    ) -> BrokerResult<LeaseView> {
         let started = Instant::now();
         let mut waited = false;
         let r = self
@@ -106,7 +106,7 @@ impl Arbiter {
 
     /// Queues a lease request (`process` None) or a process reservation and waits for
     /// its grant.
-    pub(crate) async fn acquire_untimed(
+    pub(super) async fn acquire_untimed(
         self: &Arc<Self>,
         req: ValidRequest,
         process: Option<crate::reservations::ProcessAsk>,
@@ -129,7 +129,6 @@ impl Arbiter {
                 *waited = queued;
                 (rx, id, bytes)
             }
-            Offered::Answered(answer) => return answer,
             Offered::Refused { bytes, err } => return self.fallback_or(&req, bytes, err).await,
             Offered::NeedsLineage(_) => {
                 return Err(BrokerError::Internal(
@@ -224,28 +223,15 @@ impl Arbiter {
         } else {
             self.check_process_ask(&st, req)?;
         }
-        // A process reservation's answer gets its device's UUID from the shell's reply
-        // (`Effect::Reply`): only a lease's answer is taken out of the hold.
-        let lease = process.is_none();
         let (bytes, offered) = {
             let avail = self.avail.read();
             let env = self.queue_env(&avail, st.clock());
             st.offer(req, process, self.cfg.max_waiting_per_tenant, &env)?
         };
         Ok(match offered {
-            // Answered in this hold (a pooled block of its own tenant): the answer goes
-            // back from here, no channel needed.
-            Enqueued::Waiting { id, queued: false } if lease => match st.take_reply(id) {
-                Some(answer) => Offered::Answered(answer),
-                None => Offered::Waiting {
-                    rx: self.outbox.register_reply(&st, id),
-                    id,
-                    bytes,
-                    queued: false,
-                },
-            },
-            // The channel is in place before the lock is released, so before any answer
-            // the queue pushed for it runs.
+            // Every answer, a grant made in this hold too, goes through the reply channel:
+            // it is in place before the lock is released, so before any answer the queue
+            // pushed for it runs.
             Enqueued::Waiting { id, queued } => Offered::Waiting {
                 rx: self.outbox.register_reply(&st, id),
                 id,
@@ -259,7 +245,7 @@ impl Arbiter {
     /// Checks a request's values (sizes, device, wait, label) against this broker's
     /// devices and settings, without looking at state: once per request, where it enters;
     /// every path after takes the [`ValidRequest`].
-    pub fn validate(&self, req: AcquireRequest) -> BrokerResult<ValidRequest> {
+    pub(crate) fn validate(&self, req: AcquireRequest) -> BrokerResult<ValidRequest> {
         req.validate(&RequestBounds {
             devices: self.devices.len(),
             max_wait: self.cfg.max_wait,
@@ -431,7 +417,7 @@ impl Arbiter {
     }
 
     /// Grants host shared memory instead of device memory, under the host limit.
-    pub(crate) async fn acquire_host(
+    pub(super) async fn acquire_host(
         self: &Arc<Self>,
         req: &ValidRequest,
         bytes: u64,
@@ -469,7 +455,7 @@ impl Arbiter {
 
     /// Queues a free of host-fallback memory on the host tier's thread: the one place it is
     /// freed (reached through `Effect::FreeHost`, and by a host grant whose device work failed).
-    pub(crate) fn free_host(&self, what: impl Into<super::Unneeded>) {
+    pub(super) fn free_host(&self, what: impl Into<super::Unneeded>) {
         if let Some(h) = &self.host_tier {
             let what = what.into();
             let counted = matches!(what, super::Unneeded::Block(_)).then(|| self.fds.adopt());

@@ -1,7 +1,7 @@
 //! A broker restart that loses no lease: the shell's side of the keeper (`keeper/`).
 //! Every session's and lease's start and end reaches the keeper as the lock guard runs the
 //! transition's `Effect::Keep` ([`Arbiter::keep`], under the lock, before any reply). At
-//! start, [`Arbiter::adopt_from_keeper`] reads back what the keeper holds and takes back
+//! start, [`Arbiter::adopt_dumped`] reads what the keeper held (its dump) and takes back
 //! the sessions whose peer process still lives (same pid and start time) with their
 //! leases (same id, bytes, tenant, memory: the kept descriptor becomes the block again);
 //! what belonged to processes that died meanwhile is dropped, so its memory goes. A worker
@@ -13,7 +13,7 @@ use super::effects::Keep;
 use super::{Arbiter, Ending};
 use crate::error::{BrokerError, BrokerResult};
 use crate::keeper::records::{self, Kept, LeaseRecord, SessionRecord};
-use crate::keeper::{KeeperError, Place};
+use crate::keeper::Place;
 use crate::pool::Block;
 use crate::session::{Peer, Session, SessionEvent};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -222,7 +222,7 @@ fn from_unix_ms(ms: u64) -> SystemTime {
 impl Arbiter {
     /// Runs `Effect::Keep`: tells the keeper (if there is one), between the crash points
     /// of that change.
-    pub(crate) fn keep(&self, k: Keep) {
+    pub(super) fn keep(&self, k: Keep) {
         let Some(link) = self.keeper.get() else {
             return;
         };
@@ -274,7 +274,7 @@ impl Arbiter {
 
     /// Keeps device `device`'s drain (None: it ended), under the state lock like every
     /// kept change, between the crash points `before-keep:drain` and `after-keep:drain`.
-    pub(crate) fn keep_drain(&self, device: u32, drain: Option<&crate::availability::Drain>) {
+    pub(super) fn keep_drain(&self, device: u32, drain: Option<&crate::availability::Drain>) {
         let Some(link) = self.keeper.get() else {
             return;
         };
@@ -372,18 +372,13 @@ impl Arbiter {
             .filter(|u| !u.is_empty())
     }
 
-    /// A crash point outside the keeper's writes (`crash_point.rs`).
-    pub fn crash_point(&self, kind: &str, what: &str) {
-        self.crash.pass(kind, what);
-    }
-
     /// What this start took back from the keeper (None without a keeper).
-    pub fn restart_report(&self) -> Option<RestartReport> {
+    pub(crate) fn restart_report(&self) -> Option<RestartReport> {
         self.restart.lock().clone()
     }
 
     /// Session `id` ended: nothing of it awaits a resume any more.
-    pub(crate) fn forget_resume(&self, id: &Uuid) {
+    pub(super) fn forget_resume(&self, id: &Uuid) {
         self.awaiting_resume.lock().remove(id);
     }
 
@@ -393,16 +388,17 @@ impl Arbiter {
     }
 
     /// Is a keeper holding this broker's leases?
-    pub fn keeps_leases(&self) -> bool {
+    pub(crate) fn keeps_leases(&self) -> bool {
         self.keeper.get().is_some_and(|k| !k.is_broken())
     }
 
     /// Takes back what `link` holds (a keeper or systemd's fd store; before serving), then
     /// sends it every change from now on. See the module documentation.
-    pub fn adopt_from_keeper(
+    #[cfg(test)]
+    pub(super) fn adopt_from_keeper(
         self: &Arc<Self>,
         link: impl Place + 'static,
-    ) -> Result<RestartReport, KeeperError> {
+    ) -> Result<RestartReport, crate::keeper::KeeperError> {
         let dumped = crate::keeper::place::dump(link)?;
         Ok(self.adopt_dumped(dumped, Vec::new()))
     }
@@ -1022,7 +1018,7 @@ impl Arbiter {
     /// events, the leases kept, and those gone: ended now, or named but no longer there
     /// (ended before the restart: their end reached the keeper, not the worker).
     #[allow(clippy::type_complexity)]
-    pub fn resume_session(
+    pub(crate) fn resume_session(
         self: &Arc<Self>,
         tenant: &str,
         id: Uuid,

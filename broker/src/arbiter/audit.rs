@@ -1,60 +1,53 @@
-//! The arbiter's side of the audit log (`crate::audit` has the records and the log):
-//! [`Arbiter::audit`] records an operator change durably and as a structured log line;
-//! [`Arbiter::durable_recorded`] commits a store change and its record as one;
-//! [`Arbiter::list_audit`] reads them back. Every record is written on the store writer
+//! The arbiter's side of the store and the audit log (`crate::audit` has the records and
+//! the log): [`Durable`] owns both and the lock that keeps durable operator changes one at
+//! a time; [`Arbiter::audit`] records an operator change durably and as a structured log
+//! line; [`Arbiter::durable_recorded`] commits a store change and its record as one;
+//! [`Durable::list_audit`] reads them back. Every record is written on the store writer
 //! (`store_writer.rs`), in the order of the store's own commits, so the log's order is
 //! the store's and no runtime worker waits for an fsync or for the log.
-
 use super::Arbiter;
 use crate::audit::{AuditFilter, AuditRecord, Who};
 use crate::error::{BrokerError, BrokerResult};
 use crate::store::{AlsoWrite, Store, StoreError};
 use crate::store_writer::off_the_runtime;
 
-impl Arbiter {
-    /// Records an operator change that has no store change of its own (a drain, a lease
-    /// revoked, a device's health): handed to the store writer, behind the durable
-    /// changes asked for before it, and written (and logged) there; await
-    /// [`Arbiter::audits_written`] before answering the operator. A record that cannot be
-    /// written is logged as an error; the change itself stands. Call it with no arbiter
-    /// lock held (neither the state lock nor `admin_writes`): with the writer's queue full
-    /// it waits for room, and the writer's jobs take those locks.
-    pub fn audit(
-        &self,
-        who: &Who,
-        action: &str,
-        tenant: &str,
-        target: &str,
-        before: Option<serde_json::Value>,
-        after: Option<serde_json::Value>,
-    ) {
-        let rec = AuditRecord::now(who, action, tenant, target, before, after);
-        if self.store.is_none() {
-            // Kept in memory: nothing to wait for.
-            return self.write_audit(rec);
-        }
-        let handed = self.me.upgrade().is_some_and(|me| {
-            self.lifecycle.store_writer().is_ok_and(|w| {
-                let rec = rec.clone();
-                w.submit(move || me.write_audit(rec)).is_ok()
-            })
-        });
-        if !handed {
-            // The writer has stopped (shutdown), or the arbiter is going away: written here.
-            off_the_runtime(|| self.write_audit(rec));
+/// The state store (None: nothing is durable, records are kept in memory), the audit log
+/// in it, and the lock that keeps durable operator changes one at a time.
+pub(crate) struct Durable {
+    store: Option<Store>,
+    log: crate::audit::AuditLog,
+    /// Serializes durable operator changes (quotas, tenant deletion, tokens): each
+    /// validates under the state lock, commits to the store with no state lock held, then
+    /// applies under the state lock. Lock order: this, then the state.
+    writes: parking_lot::Mutex<()>,
+}
+
+impl Durable {
+    pub fn new(store: Option<Store>, log: crate::audit::AuditLog) -> Self {
+        Durable {
+            store,
+            log,
+            writes: parking_lot::Mutex::new(()),
         }
     }
 
-    /// Returns once every audit record handed over before has been written.
-    pub async fn audits_written(&self) {
-        if self.store.is_some() {
-            let _ = self.run_durable(|| Ok(())).await;
+    /// The state store, if the broker has one.
+    pub fn store(&self) -> Option<&Store> {
+        self.store.as_ref()
+    }
+
+    /// Holds off other durable operator changes. Waiting for it does not hold up the
+    /// worker thread's other tasks.
+    pub fn writes(&self) -> parking_lot::MutexGuard<'_, ()> {
+        match self.writes.try_lock() {
+            Some(g) => g,
+            None => off_the_runtime(|| self.writes.lock()),
         }
     }
 
     fn write_audit(&self, rec: AuditRecord) {
         let (action, tenant, target) = (rec.action.clone(), rec.tenant.clone(), rec.target.clone());
-        match self.audit_log.append(self.store.as_ref(), rec) {
+        match self.log.append(self.store(), rec) {
             Ok(r) => crate::audit::logged(&r),
             Err(e) => tracing::error!(
                 target: "gpu_broker::audit",
@@ -64,6 +57,55 @@ impl Arbiter {
                 error = %e,
                 "AUDIT RECORD NOT WRITTEN"
             ),
+        }
+    }
+
+    /// Recorded changes, oldest first.
+    pub fn list_audit(&self, filter: &AuditFilter) -> BrokerResult<Vec<AuditRecord>> {
+        self.log
+            .list(self.store(), filter)
+            .map_err(|e| BrokerError::Internal(format!("audit log: {e}")))
+    }
+}
+
+impl Arbiter {
+    /// Records an operator change that has no store change of its own (a drain, a lease
+    /// revoked, a device's health): handed to the store writer, behind the durable
+    /// changes asked for before it, and written (and logged) there; await
+    /// [`Arbiter::audits_written`] before answering the operator. A record that cannot be
+    /// written is logged as an error; the change itself stands. Call it with no arbiter
+    /// lock held (neither the state lock nor `Durable::writes`): with the writer's queue full
+    /// it waits for room, and the writer's jobs take those locks.
+    pub(crate) fn audit(
+        &self,
+        who: &Who,
+        action: &str,
+        tenant: &str,
+        target: &str,
+        before: Option<serde_json::Value>,
+        after: Option<serde_json::Value>,
+    ) {
+        let rec = AuditRecord::now(who, action, tenant, target, before, after);
+        if self.durable.store().is_none() {
+            // Kept in memory: nothing to wait for.
+            return self.durable.write_audit(rec);
+        }
+        let handed = self.me.upgrade().is_some_and(|me| {
+            self.lifecycle.store_writer().is_ok_and(|w| {
+                let rec = rec.clone();
+                w.submit(move || me.durable.write_audit(rec)).is_ok()
+            })
+        });
+        if !handed {
+            // The writer has stopped (shutdown), or the arbiter is going away: written here.
+            off_the_runtime(|| self.durable.write_audit(rec));
+        }
+    }
+
+    /// Returns once every audit record handed over before has been written.
+    pub(crate) async fn audits_written(&self) {
+        if self.durable.store().is_some() {
+            let _ = self.run_durable(|| Ok(())).await;
         }
     }
 
@@ -80,9 +122,10 @@ impl Arbiter {
         let Some(rec) = rec else {
             return self.durable(|store| write(store, None));
         };
-        let store = self.store.as_ref();
+        let store = self.durable.store();
         let (out, rec) = off_the_runtime(|| {
-            self.audit_log
+            self.durable
+                .log
                 .append_with(store, rec, |audit| match (store, audit) {
                     (Some(s), Some(audit)) => write(s, Some(audit)),
                     _ => Ok(T::default()),
@@ -94,12 +137,5 @@ impl Arbiter {
         }
         crate::audit::logged(&rec);
         Ok(out)
-    }
-
-    /// Recorded changes, oldest first.
-    pub fn list_audit(&self, filter: &AuditFilter) -> BrokerResult<Vec<AuditRecord>> {
-        self.audit_log
-            .list(self.store.as_ref(), filter)
-            .map_err(|e| BrokerError::Internal(format!("audit log: {e}")))
     }
 }

@@ -59,7 +59,7 @@ impl Arbiter {
     /// never (a placement the scheduler made does not queue), and mints the worker token
     /// bound to it. The token is durable before the reservation exists; a refused
     /// reservation revokes it again. `FAILED_PRECONDITION` when the claim already has one.
-    pub async fn reserve_claim(
+    pub(crate) async fn reserve_claim(
         self: &Arc<Self>,
         req: ClaimRequest,
         who: Who,
@@ -108,12 +108,13 @@ impl Arbiter {
 
     /// Revokes claim `uid`'s token (ending the sessions opened with it) and ends its
     /// reservation. `NOT_FOUND` when the claim has neither.
-    pub async fn release_claim(self: &Arc<Self>, uid: &str, who: Who) -> BrokerResult<()> {
+    pub(crate) async fn release_claim(self: &Arc<Self>, uid: &str, who: Who) -> BrokerResult<()> {
         // The token first: its sessions end (their leases with them) before the room
         // they drew from goes.
         let name = claim_token_name(uid);
         let tokens: Vec<String> = self
-            .list_tokens(None)
+            .auth
+            .list(None)
             .into_iter()
             .filter(|t| t.name == name)
             .map(|t| t.token_id)
@@ -142,11 +143,11 @@ impl Arbiter {
 
     /// The claim reservations, oldest first.
     /// Whether claim `uid` has its reservation here.
-    pub fn claim_is_held(&self, uid: &str) -> bool {
+    pub(crate) fn claim_is_held(&self, uid: &str) -> bool {
         self.lock().reservations().of_claim(uid).is_some()
     }
 
-    pub fn list_claims(&self) -> Vec<(ClaimBinding, ReservationView)> {
+    pub(crate) fn list_claims(&self) -> Vec<(ClaimBinding, ReservationView)> {
         let st = self.lock();
         let mut v: Vec<(ClaimBinding, ReservationView)> = st
             .reservations()

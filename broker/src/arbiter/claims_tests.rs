@@ -63,7 +63,7 @@ async fn a_claim_is_reserved_with_a_bound_token_and_its_sessions_draw_from_it() 
         ),
         (256 * MIB, 1, 0)
     );
-    let tokens = arb.list_tokens(Some("a"));
+    let tokens = arb.auth.list(Some("a"));
     assert_eq!(tokens.len(), 1);
     assert_eq!(tokens[0].name, claim_token_name("uid-1"));
     assert_eq!(tokens[0].token_id, g.token_id);
@@ -95,12 +95,12 @@ async fn a_claim_is_reserved_with_a_bound_token_and_its_sessions_draw_from_it() 
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::FailedPrecondition(_)), "{e:?}");
-    assert_eq!(arb.list_tokens(Some("a")).len(), 1);
+    assert_eq!(arb.auth.list(Some("a")).len(), 1);
     // Released: the room is uncharged, the token revoked, its sessions ended.
     arb.release_claim("uid-1", who()).await.unwrap();
     let u = usage(&arb, "a");
     assert_eq!((u.process_reserved_bytes, u.process_reservations), (0, 0));
-    assert!(arb.list_tokens(Some("a")).is_empty());
+    assert!(arb.auth.list(Some("a")).is_empty());
     assert!(arb.list_claims().is_empty());
     assert!(matches!(
         arb.acquire(req("a", s, MIB)).await.unwrap_err(),
@@ -126,7 +126,7 @@ async fn a_claim_over_the_quota_or_the_room_is_refused_and_leaves_no_token() {
         .unwrap_err();
     assert!(matches!(e, BrokerError::QuotaExceeded { .. }), "{e:?}");
     assert_eq!(e.kind(), ErrorKind::Exhausted);
-    assert!(arb.list_tokens(Some("a")).is_empty(), "its token revoked");
+    assert!(arb.auth.list(Some("a")).is_empty(), "its token revoked");
     assert_eq!(usage(&arb, "a"), crate::ledger::Usage::default());
     // The device's room: b holds most of it.
     arb.set_quota("b", quota(1024 * MIB)).unwrap();
@@ -137,7 +137,7 @@ async fn a_claim_over_the_quota_or_the_room_is_refused_and_leaves_no_token() {
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::NoCapacity { .. }), "{e:?}");
-    assert!(arb.list_tokens(Some("a")).is_empty());
+    assert!(arb.auth.list(Some("a")).is_empty());
     // Bad values are invalid arguments; an unknown tenant is not found.
     for (c, want) in [
         (claim("", "a", MIB), ErrorKind::Invalid),
@@ -155,7 +155,7 @@ async fn a_claim_over_the_quota_or_the_room_is_refused_and_leaves_no_token() {
         let e = arb.reserve_claim(c, who()).await.unwrap_err();
         assert_eq!(e.kind(), want);
     }
-    assert!(arb.list_tokens(None).is_empty());
+    assert!(arb.auth.list(None).is_empty());
 }
 
 /// A reserve that lost the race for a claim undoes only what it made: the winner's

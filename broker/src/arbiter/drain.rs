@@ -76,7 +76,7 @@ impl Arbiter {
 
     /// Starts draining `device` (or every device): see the module doc. Draining a device
     /// that already drains updates its deadline and reason.
-    pub fn start_drain(
+    pub(crate) fn start_drain(
         self: &Arc<Self>,
         device: Option<u32>,
         deadline: Option<Duration>,
@@ -152,7 +152,7 @@ impl Arbiter {
 
     /// Reopens `device` (or every device) and withdraws the drain's pending reclaim
     /// requests. An unhealthy device stays closed.
-    pub fn undrain(self: &Arc<Self>, device: Option<u32>) -> BrokerResult<DrainReport> {
+    pub(crate) fn undrain(self: &Arc<Self>, device: Option<u32>) -> BrokerResult<DrainReport> {
         let targets = self.drain_targets(device)?;
         let mut st = self.lock();
         let withdrawn = st
@@ -177,7 +177,7 @@ impl Arbiter {
     }
 
     /// Progress of every device.
-    pub fn drain_report(&self) -> DrainReport {
+    pub(crate) fn drain_report(&self) -> DrainReport {
         let st = self.lock();
         self.drain_report_locked(&st)
     }

@@ -69,7 +69,7 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
         (c.tenant.quota.limit_bytes, c.tenant.quota.max_leases),
         (64 * MIB, 3)
     );
-    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(records.len(), 2);
     assert_eq!(records[0].action, "quota.set");
     assert_eq!(records[0].tenant, "a");
@@ -93,7 +93,13 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
         "{e:?}"
     );
     assert!(arb.get_tenant("g").is_err());
-    assert_eq!(arb.list_audit(&AuditFilter::default()).unwrap().len(), 2);
+    assert_eq!(
+        arb.durable
+            .list_audit(&AuditFilter::default())
+            .unwrap()
+            .len(),
+        2
+    );
     arb.lifecycle().join(Duration::from_secs(5)).await;
     drop(arb);
     let (tenants, records) = reopened(dir.path());
@@ -123,7 +129,7 @@ async fn concurrent_changes_leave_memory_store_and_audit_agreeing() {
     for c in changes {
         c.await.unwrap().unwrap();
     }
-    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(records.len(), 40);
     let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
     assert_eq!(
@@ -175,7 +181,13 @@ async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
         .unwrap_err();
     assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 8 * MIB);
-    assert_eq!(arb.list_audit(&AuditFilter::default()).unwrap().len(), 1);
+    assert_eq!(
+        arb.durable
+            .list_audit(&AuditFilter::default())
+            .unwrap()
+            .len(),
+        1
+    );
     // The synchronous path (configuration reloads, start-up) still works.
     arb.change_quota("a", Replace(quota(32 * MIB))).unwrap();
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
@@ -197,7 +209,11 @@ async fn a_change_after_shutdown_is_refused_though_none_came_before() {
         .unwrap_err();
     assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
     assert!(arb.get_tenant("a").is_err(), "nothing applied");
-    assert!(arb.list_audit(&AuditFilter::default()).unwrap().is_empty());
+    assert!(arb
+        .durable
+        .list_audit(&AuditFilter::default())
+        .unwrap()
+        .is_empty());
     drop(arb);
     assert_eq!(reopened(dir.path()).0, vec![], "nothing committed");
 }
@@ -208,7 +224,7 @@ async fn a_change_whose_caller_went_away_is_committed_and_applied_both() {
     // the change still runs whole, so memory and the store agree.
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    let writes = arb.admin_writes();
+    let writes = arb.durable.writes();
     // Polled once (the change is handed over, and waits for `writes`), then dropped.
     let asked = arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who());
     assert!(futures::FutureExt::now_or_never(asked).is_none());
@@ -225,7 +241,7 @@ async fn a_change_whose_caller_went_away_is_committed_and_applied_both() {
         .join(Duration::from_secs(5))
         .await
         .is_empty());
-    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     drop(arb);
     let (tenants, durable) = reopened(dir.path());
     assert_eq!(tenants, vec![("a".to_string(), 8 * MIB)]);
@@ -283,7 +299,7 @@ async fn a_deletion_racing_a_quota_change_is_recorded_in_the_stores_order() {
         arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
             .await
             .unwrap();
-        let writes = arb.admin_writes();
+        let writes = arb.durable.writes();
         let mut set = Box::pin(arb.change_quota_for("a".into(), Replace(quota(16 * MIB)), who()));
         let mut delete = Box::pin(arb.delete_tenant_for("a".into(), who()));
         // Each polled once: handed to the writer in this order (both wait for `writes`).
@@ -297,7 +313,7 @@ async fn a_deletion_racing_a_quota_change_is_recorded_in_the_stores_order() {
         drop(writes);
         set.await.unwrap();
         delete.await.unwrap();
-        let records = arb.list_audit(&AuditFilter::default()).unwrap();
+        let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
         arb.lifecycle().join(Duration::from_secs(5)).await;
         drop(arb);
         let (tenants, durable) = reopened(dir.path());
@@ -340,7 +356,11 @@ async fn a_refused_deletion_commits_no_record() {
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
-    assert!(arb.list_audit(&AuditFilter::default()).unwrap().is_empty());
+    assert!(arb
+        .durable
+        .list_audit(&AuditFilter::default())
+        .unwrap()
+        .is_empty());
     arb.lifecycle().join(Duration::from_secs(5)).await;
     drop(arb);
     assert_eq!(reopened(dir.path()).1, vec![]);
@@ -368,7 +388,7 @@ async fn tokens_issued_and_revoked_commit_with_their_records_on_the_writer() {
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
-    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(
         actions(&records),
         ["quota.set", "token.issue", "token.issue", "token.revoke"]
@@ -395,24 +415,27 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
     // asks neither commits nor waits for the log.
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    let writes = arb.admin_writes();
+    let writes = arb.durable.writes();
     let mut set = Box::pin(arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who()));
     assert!(futures::FutureExt::now_or_never(&mut set).is_none());
     arb.audit(&who(), "drain.start", "", "node", None, None);
     assert!(
-        arb.list_audit(&AuditFilter::default()).unwrap().is_empty(),
+        arb.durable
+            .list_audit(&AuditFilter::default())
+            .unwrap()
+            .is_empty(),
         "not written in place"
     );
     drop(writes);
     set.await.unwrap();
     arb.audits_written().await;
-    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(actions(&records), ["quota.set", "drain.start"]);
     arb.lifecycle().join(Duration::from_secs(5)).await;
     // After shutdown a record is still written (in place).
     arb.audit(&who(), "drain.stop", "", "node", None, None);
     arb.audits_written().await;
-    let records = arb.list_audit(&AuditFilter::default()).unwrap();
+    let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(
         actions(&records),
         ["quota.set", "drain.start", "drain.stop"]

@@ -5,30 +5,31 @@
 //! lock guard ([`Locked`], from `Arbiter::lock`) takes them (`State::take_effects`) and
 //! runs them when it is dropped:
 //!
-//! 1. the byte-state invariant is checked (debug builds: `State::check_invariant`);
-//! 2. device frees are queued on their device threads (a channel send, never a driver call)
-//!    *before* the lock is released, so a free always reaches the device ahead of any
-//!    allocation admitted after it (the device thread runs jobs in order); session events
-//!    find their mailbox and ended sessions' mailboxes close (`outbox.rs`), so an event
-//!    decided before a session's end reaches its stream;
+//! 1. the queue runs if a transition of the hold asked for it, then the byte-state
+//!    invariant is checked (debug builds: `State::check_invariant`);
+//! 2. [`Arbiter::execute`], the one effect executor, takes each effect in order with the
+//!    lock still held: device frees are queued on their device threads (a channel send,
+//!    never a driver call), so a free always reaches the device ahead of any allocation
+//!    admitted after it (the device thread runs jobs in order); session events find their
+//!    mailbox and ended sessions' mailboxes close (`outbox.rs`), so an event decided before
+//!    a session's end reaches its stream; watchers and the keeper's records change;
 //! 3. the lock is released;
-//! 4. everything else runs: kills, watchers, replies, session events, ticket and turn
-//!    clean-up, counters.
+//! 4. what `execute` left for after the unlock runs: replies, events, kills, grants'
+//!    device work, ticket and turn clean-up, counters, then the `/proc` looks.
 //!
-//! [`Arbiter::execute`] is the one executor: every device free of the broker goes through
-//! it (`Effect::Free`, `Effect::FreeHost`). The state's mutex ([`StateLock`]) and the
-//! devices' availability ([`DeviceAvailability`]) are private to this module, so the
-//! compiler keeps [`Arbiter::lock`] the one take and [`Locked::change_devices`] the one
-//! write.
+//! Every device free of the broker goes through `execute` (`Effect::Free`,
+//! `Effect::FreeHost`). The turn core's effects ([`TurnEffect`]) have their executor here
+//! too, [`Arbiter::execute_turns`]. The state's mutex ([`StateLock`]) and the devices'
+//! availability ([`DeviceAvailability`]) are private to this module, so the compiler keeps
+//! [`Arbiter::lock`] the one take and [`Locked::change_devices`] the one write.
 
 use super::queue::{Granted, WaiterId};
 use super::{Arbiter, State};
 use crate::error::BrokerResult;
-use crate::session::SessionEvent;
+use crate::scheduler::TurnEffect;
 use parking_lot::MutexGuard;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use tokio::sync::mpsc;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 pub use gpu_broker_core::effects::{Counted, Effect, Keep, PendingGrant, Watch};
@@ -196,11 +197,17 @@ impl DeviceAvailability {
     }
 }
 
-/// What the lock guard runs once the lock is released: an effect, or an event whose
-/// mailbox it found under the lock.
-enum After {
-    Run(Effect),
-    Deliver(mpsc::UnboundedSender<SessionEvent>, SessionEvent),
+/// What the executor left for after the unlock: the later steps of the hold's effects, in
+/// their order, then the `/proc` looks of every `Effect::CheckGone` together.
+struct AfterUnlock<'a> {
+    steps: Vec<Box<dyn FnOnce() + 'a>>,
+    looks: Vec<(super::state::Holding, Vec<u32>)>,
+}
+
+impl<'a> AfterUnlock<'a> {
+    fn then(&mut self, step: impl FnOnce() + 'a) {
+        self.steps.push(Box::new(step));
+    }
 }
 
 /// The state lock, held: derefs to [`State`]. Dropping it checks the invariant, releases
@@ -302,38 +309,21 @@ impl Drop for Locked<'_> {
             return;
         }
         let effects = st.take_effects().into_vec();
-        let mut later = Vec::with_capacity(effects.len());
-        let mut looks = Vec::new();
+        let mut after = AfterUnlock {
+            steps: Vec::with_capacity(effects.len()),
+            looks: Vec::new(),
+        };
         for e in effects {
-            match e {
-                Effect::Free { device, block, .. } => self.arb.free_on_device(device, block),
-                Effect::FreeHost { block, .. } => self.arb.free_host(block),
-                Effect::Watch { watch: w, .. } => self.arb.start_watch(w),
-                Effect::Unwatch { watch: w, .. } => self.arb.watchers.stop(&w),
-                Effect::Notify { session, event, .. } => {
-                    if let Some(to) = self.arb.outbox.sender(&session) {
-                        later.push(After::Deliver(to, event));
-                    }
-                }
-                Effect::Hangup { session, .. } => self.arb.outbox.close(&session),
-                Effect::CheckGone { of, pids, .. } => looks.push((of, pids)),
-                Effect::Keep { change, .. } => self.arb.keep(change),
-                other => later.push(After::Run(other)),
-            }
+            self.arb.execute(e, &mut after);
         }
         self.release(st);
         self.record_hold();
-        for e in later {
-            match e {
-                After::Run(e) => self.arb.execute(e),
-                After::Deliver(to, event) => {
-                    let _ = to.send(event);
-                }
-            }
+        for step in after.steps {
+            step();
         }
         // Last, all together: each process looked at once.
-        if !looks.is_empty() {
-            self.arb.check_gone(looks);
+        if !after.looks.is_empty() {
+            self.arb.check_gone(after.looks);
         }
     }
 }
@@ -453,14 +443,36 @@ impl Arbiter {
         }
     }
 
-    /// Runs one effect, with no lock held (device frees come here too when they are not
-    /// queued under the lock).
-    pub(crate) fn execute(&self, e: Effect) {
+    /// The one effect executor: what each effect does. The lock guard calls it for every
+    /// effect of its hold, in order, with the lock still held: an effect whose order with
+    /// the state matters runs at once (a device free reaches its thread ahead of any
+    /// allocation admitted after it; a session's mailbox is found before a `Hangup` of the
+    /// same hold closes it; watchers and the keeper's records change with the state); the
+    /// rest is left in `after`, run once the lock is released.
+    fn execute<'a>(&'a self, e: Effect, after: &mut AfterUnlock<'a>) {
         match e {
             Effect::Free { device, block, .. } => self.free_on_device(device, block),
             Effect::FreeHost { block, .. } => self.free_host(block),
             Effect::Keep { change, .. } => self.keep(change),
-            Effect::Kill { pid, .. } => {
+            Effect::Watch { watch: w, .. } => self.start_watch(w),
+            Effect::Unwatch { watch: w, .. } => self.watchers.stop(&w),
+            Effect::Hangup { session, .. } => self.outbox.close(&session),
+            Effect::Notify { session, event, .. } => {
+                if let Some(to) = self.outbox.sender(&session) {
+                    after.then(move || {
+                        let _ = to.send(event);
+                    });
+                }
+            }
+            Effect::CheckGone { of, pids, .. } => after.looks.push((of, pids)),
+            Effect::Reply { to, mut result, .. } => after.then(move || {
+                // The core leaves a reservation's device UUID to the shell.
+                if let Ok(Granted::Process(v)) = &mut result {
+                    v.device_uuid = self.device_uuid(v.device);
+                }
+                self.answer(to, result)
+            }),
+            Effect::Kill { pid, .. } => after.then(move || {
                 if pid != std::process::id() {
                     tracing::warn!(pid, "terminating the holder of a revoked lease");
                     // SAFETY: plain syscall on a pid the kernel told us holds the session.
@@ -468,22 +480,12 @@ impl Arbiter {
                         libc::kill(pid as libc::pid_t, libc::SIGKILL);
                     }
                 }
+            }),
+            Effect::ForgetTickets { lease, .. } => {
+                after.then(move || self.tickets.forget_lease(lease))
             }
-            Effect::Watch { watch: w, .. } => self.start_watch(w),
-            Effect::Unwatch { watch: w, .. } => self.watchers.stop(&w),
-            Effect::Reply { to, mut result, .. } => {
-                // The core leaves a reservation's device UUID to the shell.
-                if let Ok(Granted::Process(v)) = &mut result {
-                    v.device_uuid = self.device_uuid(v.device);
-                }
-                self.answer(to, result)
-            }
-            Effect::Notify { session, event, .. } => self.outbox.send(&session, event),
-            Effect::Hangup { session, .. } => self.outbox.close(&session),
-            Effect::CheckGone { of, pids, .. } => self.check_gone(vec![(of, pids)]),
-            Effect::ForgetTickets { lease, .. } => self.tickets.forget_lease(lease),
-            Effect::EndTurns { session, .. } => self.end_turns(session),
-            Effect::StopGroup { group: g, .. } => {
+            Effect::EndTurns { session, .. } => after.then(move || self.end_turns(session)),
+            Effect::StopGroup { group: g, .. } => after.then(move || {
                 let grace = self.cfg.process_stop_grace;
                 match self.lifecycle.effects_runtime() {
                     Some(rt) => {
@@ -491,14 +493,14 @@ impl Arbiter {
                     }
                     None => tracing::warn!(pgid = g.pgid, "no runtime to stop a process group"),
                 }
-            }
-            Effect::Materialize { grant: p, .. } => {
+            }),
+            Effect::Materialize { grant: p, .. } => after.then(move || {
                 if let Some(me) = self.me.upgrade() {
                     me.spawn_grant(*p);
                 }
-            }
+            }),
             // Counted once the state lock is let go: the crash-point matrix stops here.
-            Effect::Count { what: c, .. } => match c {
+            Effect::Count { what: c, .. } => after.then(move || match c {
                 Counted::Granted(tier) => self.metrics.granted(tier),
                 Counted::Quarantined => {
                     self.metrics.quarantined();
@@ -515,8 +517,52 @@ impl Arbiter {
                     self.crash.pass("after", "reclaim");
                 }
                 Counted::CrossTenantFresh => self.metrics.cross_tenant_fresh(),
-            },
+            }),
         }
+    }
+
+    /// The turn core's effect executor (`turns.rs` calls it after the scheduler's lock is
+    /// released, and after the state lock when both were held). A grant whose waiter is
+    /// gone goes back to the core (and what that decides is carried out in turn). Returns
+    /// how many grants reached their waiters.
+    pub(super) fn execute_turns(&self, fx: Vec<TurnEffect>) -> u32 {
+        let mut todo: std::collections::VecDeque<TurnEffect> = fx.into();
+        let mut delivered = 0;
+        while let Some(e) = todo.pop_front() {
+            match e {
+                TurnEffect::Reply { to, result } => {
+                    let ok = result.is_ok();
+                    match self.outbox.reply_turn(to, result) {
+                        None => delivered += u32::from(ok),
+                        Some(Ok(grant)) => {
+                            tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
+                            let (_, more) =
+                                self.turn_hold(|t| t.give_back(&grant, std::time::Instant::now()));
+                            todo.extend(more);
+                        }
+                        Some(Err(_)) => {} // a refusal for nobody
+                    }
+                }
+                TurnEffect::Notify { session, event } => self.outbox.send(&session, event),
+                TurnEffect::WakeAt(at) => self.wake_turns_at(at),
+            }
+        }
+        delivered
+    }
+
+    /// `TurnEffect::WakeAt`: a kept slot's window ends at `at`; if its session has not
+    /// asked again by then, the slot goes to the next waiter then (not at the next tick).
+    fn wake_turns_at(&self, at: std::time::Instant) {
+        let Some(rt) = self.lifecycle.effects_runtime() else {
+            return; // no runtime (tests of the core): the tick expires it
+        };
+        let me = self.me.clone();
+        rt.spawn(async move {
+            tokio::time::sleep_until(at.into()).await;
+            if let Some(arb) = me.upgrade() {
+                arb.turns(|t| t.expire_kept(std::time::Instant::now()));
+            }
+        });
     }
 
     /// Runs the `Effect::CheckGone`s of one hold together: each process is looked at once

@@ -40,7 +40,7 @@ impl Arbiter {
     /// Ends a lease; returns its view. The queue runs after the hold. Processes
     /// outside the session that fetched its descriptor are looked at after the unlock
     /// (`Effect::CheckGone`): no `/proc` read under the lock.
-    pub(crate) fn end_lease(
+    pub(super) fn end_lease(
         self: &Arc<Self>,
         st: &mut State,
         id: Uuid,
@@ -61,7 +61,7 @@ impl Arbiter {
         self.end_session_inner(id, reason, None);
     }
 
-    pub(crate) fn end_session_with(self: &Arc<Self>, id: Uuid, reason: &str, ending: Ending) {
+    pub(super) fn end_session_with(self: &Arc<Self>, id: Uuid, reason: &str, ending: Ending) {
         self.end_session_inner(id, reason, Some(ending));
     }
 
@@ -84,7 +84,7 @@ impl Arbiter {
 
     /// Takes a lease away for `why`: the holder's process is looked at before the lock,
     /// then one transition (`State::revoke`) does the rest.
-    pub(crate) fn revoke_for(self: &Arc<Self>, id: Uuid, why: &Revoke) -> BrokerResult<LeaseView> {
+    fn revoke_for(self: &Arc<Self>, id: Uuid, why: &Revoke) -> BrokerResult<LeaseView> {
         let gone = self.peer_gone(|st| {
             let l = st.leases().get(&id)?;
             st.sessions().get(&l.session).map(|s| s.peer)
@@ -99,7 +99,7 @@ impl Arbiter {
     }
 
     /// Revokes leases whose reclaim deadline passed. Returns how many.
-    pub(crate) fn enforce_reclaim_deadlines(self: &Arc<Self>) -> usize {
+    pub(super) fn enforce_reclaim_deadlines(self: &Arc<Self>) -> usize {
         let late: Vec<Uuid> = {
             let st = self.lock();
             let now = st.clock().now;
@@ -116,7 +116,7 @@ impl Arbiter {
     }
 
     /// Re-arms reclaim for waiters whose earlier request was not enough.
-    pub(crate) fn rearm_reclaim(self: &Arc<Self>, older_than: Duration) {
+    pub(super) fn rearm_reclaim(self: &Arc<Self>, older_than: Duration) {
         let mut st = self.lock();
         let now = st.clock().now;
         st.rearm_reclaim(older_than, now);

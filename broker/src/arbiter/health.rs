@@ -14,7 +14,7 @@ use std::time::SystemTime;
 impl Arbiter {
     /// Marks device `index` unhealthy for `reason`: see the module doc. Returns false if
     /// it already was.
-    pub fn mark_unhealthy(
+    pub(crate) fn mark_unhealthy(
         self: &Arc<Self>,
         index: u32,
         reason: &str,
@@ -67,7 +67,7 @@ impl Arbiter {
 
     /// Marks device `index` healthy again. The monitor cannot clear an operator's mark
     /// (`by_operator` false); an operator clears anything. Returns false if it was healthy.
-    pub fn mark_healthy(
+    pub(crate) fn mark_healthy(
         self: &Arc<Self>,
         index: u32,
         by_operator: bool,
@@ -115,7 +115,8 @@ impl Arbiter {
     }
 
     /// Is device `index` healthy (not marked unhealthy)?
-    pub fn device_healthy(&self, index: u32) -> bool {
+    #[cfg(test)]
+    pub(crate) fn device_healthy(&self, index: u32) -> bool {
         self.avail
             .read()
             .device(index)
@@ -123,7 +124,8 @@ impl Arbiter {
     }
 
     /// Devices marked unhealthy, with the reason.
-    pub fn unhealthy_devices(&self) -> Vec<(u32, String)> {
+    #[cfg(test)]
+    pub(crate) fn unhealthy_devices(&self) -> Vec<(u32, String)> {
         let avail = self.avail.read();
         (0..avail.len() as u32)
             .filter_map(|d| {
@@ -135,7 +137,7 @@ impl Arbiter {
     }
 
     /// An operator's verdict on device `index` (`SetDeviceHealth`).
-    pub fn set_device_health(
+    pub(crate) fn set_device_health(
         self: &Arc<Self>,
         index: u32,
         healthy: bool,

@@ -10,7 +10,10 @@ use std::sync::Arc;
 
 impl Arbiter {
     /// Grants `req.bytes` of host memory (rounded up to the host tier's granularity).
-    pub async fn acquire_host_tier(self: &Arc<Self>, req: ValidRequest) -> BrokerResult<LeaseView> {
+    pub(crate) async fn acquire_host_tier(
+        self: &Arc<Self>,
+        req: ValidRequest,
+    ) -> BrokerResult<LeaseView> {
         self.check_not_shutting_down()?;
         let Some(host) = &self.host_tier else {
             return Err(BrokerError::NoHostTier);

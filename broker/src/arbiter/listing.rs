@@ -86,7 +86,7 @@ impl SharedViewer<'_> {
 
 impl Arbiter {
     /// Tenants by name, after `token`.
-    pub fn tenants_page(&self, token: &str, size: usize) -> BrokerResult<Page<TenantView>> {
+    pub(crate) fn tenants_page(&self, token: &str, size: usize) -> BrokerResult<Page<TenantView>> {
         bounds::check("page_token", token, bounds::MAX_TENANT_BYTES)?;
         let size = size.max(1);
         let mut views: Vec<TenantView> = Vec::new();
@@ -170,7 +170,7 @@ impl Arbiter {
     }
 
     /// Leases (of `tenant`, or all) in the order they were granted, after `token`.
-    pub fn leases_page(
+    pub(crate) fn leases_page(
         &self,
         tenant: Option<&str>,
         token: &str,
@@ -208,7 +208,7 @@ impl Arbiter {
     }
 
     /// Sessions (of `tenant`, or all) by id (the order they were opened), after `token`.
-    pub fn sessions_page(
+    pub(crate) fn sessions_page(
         &self,
         tenant: Option<&str>,
         token: &str,
@@ -262,7 +262,7 @@ impl Arbiter {
 
     /// Shared leases `viewer` may see, in the order they were first published, after
     /// `token`.
-    pub fn shared_page(
+    pub(crate) fn shared_page(
         &self,
         viewer: SharedViewer<'_>,
         token: &str,
@@ -299,7 +299,7 @@ impl Arbiter {
     }
 
     /// Walks every page of a listing (each page under its own short lock hold).
-    pub(crate) fn all_pages<T>(mut page: impl FnMut(&str) -> BrokerResult<Page<T>>) -> Vec<T> {
+    pub(super) fn all_pages<T>(mut page: impl FnMut(&str) -> BrokerResult<Page<T>>) -> Vec<T> {
         let mut out = Vec::new();
         let mut token = String::new();
         loop {

@@ -8,9 +8,11 @@
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
 //! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (the
 //! arbiter's loops: keepalive reaper, reclaim deadlines, leasable refresh), run by
-//! [`Lifecycle`] (`lifecycle`: workers, runtime, store writer, MPS); `audit`, `health`,
-//! `reservations` and `sharing` are the arbiter's side of the audit log, device health,
-//! process reservations and shared leases (the records they work on live below it).
+//! [`Lifecycle`] (`lifecycle`: workers, runtime, store writer, MPS); `audit` (the store,
+//! the audit log and the lock of durable changes: `Durable`), `health`, `reservations`
+//! and `sharing` are the arbiter's side of the store, device health, process reservations
+//! and shared leases (the records they work on live below it). `effects` is the lock
+//! guard and the one effect executor.
 
 mod admin;
 mod admission;
@@ -169,20 +171,17 @@ pub struct Arbiter {
     state: effects::StateLock,
     pub(crate) devices: Vec<DeviceSlot>,
     pub(crate) host_tier: Option<DeviceThread>,
-    pub(crate) store: Option<Store>,
     pub(crate) auth: Arc<Authenticator>,
     pub(crate) cfg: ArbiterConfig,
     /// Compute turns (time-slicing); separate from memory, with its own lock.
     pub(crate) scheduler: turns::Scheduler,
     /// Tickets that deliver fd leases (served by `ticket_server::serve`).
     pub(crate) tickets: Arc<crate::tickets::TicketTable>,
-    shutting_down: AtomicBool,
-    /// Set once the shutdown frees everything: those frees leave kept mappings alone (a
-    /// worker may still read its memory after the broker is gone); every free before
-    /// revokes (`Device::revoke`), so memory that left its tenant is held by nobody.
-    exiting: AtomicBool,
-    /// Operator changes, durable in the store (`audit.rs`).
-    pub(crate) audit_log: crate::audit::AuditLog,
+    /// Whether the broker is shutting down, and whether it is freeing everything on exit.
+    shutdown: Shutdown,
+    /// The state store, the audit log and the lock that keeps durable operator changes
+    /// one at a time (`audit.rs`).
+    pub(crate) durable: audit::Durable,
     /// Which devices admit new leases (drain, health); changed only through
     /// `Locked::change_devices`.
     pub(crate) avail: effects::DeviceAvailability,
@@ -206,10 +205,6 @@ pub struct Arbiter {
     /// charge (`State::stranded`) is on its way, or still being judged: the leasable
     /// refresh counts them as the broker's, so they are never outside memory meanwhile.
     unverified: Arc<[AtomicU64]>,
-    /// Serializes durable operator changes (quotas, tenant deletion, tokens): each
-    /// validates under the state lock, commits to the store with no state lock held, then
-    /// applies under the state lock. Lock order: this, then the state.
-    admin_writes: Mutex<()>,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
@@ -217,6 +212,17 @@ pub struct Arbiter {
     /// The descriptors held for memory, against the limit less the reserve
     /// (`fd_budget.rs`): counted where a block is made and freed, and for a publication.
     pub(crate) fds: Arc<crate::fd_budget::FdBudget>,
+}
+
+/// The broker's shutdown, as two marks: begun (new work is refused) and exiting (set once
+/// the shutdown frees everything).
+#[derive(Default)]
+struct Shutdown {
+    begun: AtomicBool,
+    /// The shutdown's frees leave kept mappings alone (a worker may still read its memory
+    /// after the broker is gone); every free before revokes (`Device::revoke`), so memory
+    /// that left its tenant is held by nobody.
+    exiting: AtomicBool,
 }
 
 /// Longest label accepted.
@@ -274,12 +280,11 @@ impl Arbiter {
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             unverified,
-            admin_writes: Mutex::new(()),
             lifecycle: Lifecycle::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
             fds,
-            audit_log,
+            durable: audit::Durable::new(store, audit_log),
             avail: effects::DeviceAvailability::new(devices.len()),
             keeper: std::sync::OnceLock::new(),
             restart: Mutex::default(),
@@ -289,12 +294,10 @@ impl Arbiter {
             state: effects::StateLock::new(st),
             devices,
             host_tier,
-            store,
             auth,
             cfg,
             tickets: Arc::default(),
-            shutting_down: AtomicBool::new(false),
-            exiting: AtomicBool::new(false),
+            shutdown: Shutdown::default(),
             metrics,
         });
         arb.load_store()?;
@@ -302,12 +305,12 @@ impl Arbiter {
     }
 
     /// The broker's counters and histograms.
-    pub fn metrics(&self) -> &crate::metrics::Metrics {
+    pub(crate) fn metrics(&self) -> &crate::metrics::Metrics {
         &self.metrics
     }
 
     /// The arbiter's configuration.
-    pub fn config(&self) -> &ArbiterConfig {
+    pub(crate) fn config(&self) -> &ArbiterConfig {
         &self.cfg
     }
 
@@ -317,7 +320,7 @@ impl Arbiter {
     }
 
     /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
-    pub fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
+    pub(crate) fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
         match self.lock().sessions().get(&session) {
             Some(s) if s.tenant == tenant => Ok(s.peer),
             _ => Err(session_not_found(session)),
@@ -326,7 +329,7 @@ impl Arbiter {
 
     /// The peer of the session a process reservation of `tenant` belongs to (`NOT_FOUND`
     /// otherwise).
-    pub fn reservation_peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
+    pub(crate) fn reservation_peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
         let st = self.lock();
         match st.reservations().get(&id) {
             Some(r) if r.tenant == tenant => Ok(st
@@ -341,7 +344,7 @@ impl Arbiter {
     }
 
     /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
-    pub fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
+    pub(crate) fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
         let st = self.lock();
         match st.leases().get(&lease) {
             Some(l) if l.tenant == tenant => {
@@ -362,8 +365,8 @@ impl Arbiter {
     }
 
     /// Is the broker shutting down?
-    pub fn is_shutting_down(&self) -> bool {
-        self.shutting_down.load(Ordering::SeqCst)
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        self.shutdown.begun.load(Ordering::SeqCst)
     }
 
     fn check_not_shutting_down(&self) -> BrokerResult<()> {
@@ -393,7 +396,7 @@ impl Arbiter {
 
     /// Opens a session on behalf of the token `token_id` (the caller's): the session ends
     /// when that token is revoked or expires.
-    pub fn open_session_with_token(
+    fn open_session_with_token(
         self: &Arc<Self>,
         tenant: &str,
         name: &str,
@@ -408,7 +411,7 @@ impl Arbiter {
     /// a broker restart (`adopt.rs`; empty without a keeper, which alone keeps sessions
     /// across restarts, and for a peer with no pid, which cannot resume).
     #[allow(clippy::type_complexity)]
-    pub fn open_resumable(
+    pub(crate) fn open_resumable(
         self: &Arc<Self>,
         tenant: &str,
         name: &str,
@@ -444,7 +447,7 @@ impl Arbiter {
     }
 
     /// Marks a session active (keepalive).
-    pub fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
+    pub(crate) fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
         let st = self.lock();
         match st.sessions().get(&session) {
             Some(s) if s.tenant == tenant => {
@@ -457,7 +460,7 @@ impl Arbiter {
 
     /// Attributes per-process GPU memory (NVML) to sessions by peer pid, and reports a
     /// worker whose memory beyond its leases exceeds `allowance` (its own `cudaMalloc`).
-    pub fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
+    fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
         let covered = self.covered_usage(usage);
         let mut st = self.lock();
         let (sessions, leases, reservations) = (st.sessions(), st.leases(), st.reservations());
@@ -511,15 +514,8 @@ impl Arbiter {
         }
     }
 
-    /// Marks a session active (its stream delivered an event).
-    pub fn touch_session(&self, session: Uuid) {
-        if let Some(s) = self.lock().sessions().get(&session) {
-            s.last_seen.touch();
-        }
-    }
-
     /// A session's activity mark, for its event stream to touch without the state lock.
-    pub fn session_activity(&self, session: Uuid) -> Option<Arc<crate::session::Activity>> {
+    pub(crate) fn session_activity(&self, session: Uuid) -> Option<Arc<crate::session::Activity>> {
         self.lock()
             .sessions()
             .get(&session)
@@ -527,13 +523,14 @@ impl Arbiter {
     }
 
     /// The caller's own leases, in the order they were granted (every page).
-    pub fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
+    #[cfg(test)]
+    pub(crate) fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
         Self::all_pages(|t| self.leases_page(Some(tenant), t, listing::MAX_PAGE_SIZE))
     }
 
     /// Begins shutdown: refuse new work, tell every session.
-    pub fn begin_shutdown(&self, grace: Duration) {
-        self.shutting_down.store(true, Ordering::SeqCst);
+    pub(crate) fn begin_shutdown(&self, grace: Duration) {
+        self.shutdown.begun.store(true, Ordering::SeqCst);
         self.lock().begin_shutdown(grace);
     }
 
@@ -544,8 +541,8 @@ impl Arbiter {
 
     /// Ends every session and frees every block on the devices. Blocks until done.
     pub fn shutdown_release_all(self: &Arc<Self>) {
-        self.shutting_down.store(true, Ordering::SeqCst);
-        self.exiting.store(true, Ordering::SeqCst);
+        self.shutdown.begun.store(true, Ordering::SeqCst);
+        self.shutdown.exiting.store(true, Ordering::SeqCst);
         let ids = self.lock().sessions().ids();
         for id in ids {
             self.end_session_with(id, "broker shut down", Ending::Destroy);
@@ -563,14 +560,14 @@ impl Arbiter {
     }
 
     /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
-    pub(crate) fn revokes(&self) -> bool {
-        !self.exiting.load(Ordering::SeqCst)
+    fn revokes(&self) -> bool {
+        !self.shutdown.exiting.load(Ordering::SeqCst)
     }
 
     /// Queues a free of `what` on its device thread: the one place device memory is freed
     /// (reached through `Effect::Free`, and by the grant path when device work failed: a
     /// block whose scrub failed, an allocation whose zeroing or export failed).
-    pub(crate) fn free_on_device(&self, device: u32, what: impl Into<Unneeded>) {
+    fn free_on_device(&self, device: u32, what: impl Into<Unneeded>) {
         if let Some(d) = self.devices.get(device as usize) {
             let what = what.into();
             let id = what.alloc_id();
@@ -669,7 +666,7 @@ impl Arbiter {
 
 impl Arbiter {
     /// Bytes freed on device `i` that stayed there and are not charged yet.
-    pub(crate) fn unverified_bytes(&self, i: usize) -> u64 {
+    fn unverified_bytes(&self, i: usize) -> u64 {
         self.unverified
             .get(i)
             .map_or(0, |b| b.load(Ordering::SeqCst))

@@ -33,7 +33,7 @@ impl Arbiter {
     /// Reserves device memory for the session's process: now, after waiting up to
     /// `req.wait` in the lease queue, or fails with the reason (the statuses of a lease
     /// request). The reply carries the environment managed MPS wants the process to have.
-    pub async fn reserve_process(
+    pub(crate) async fn reserve_process(
         self: &Arc<Self>,
         req: ReserveRequest,
     ) -> BrokerResult<ReservationView> {
@@ -116,7 +116,7 @@ impl Arbiter {
     }
 
     /// Ends a reservation of `tenant` early (its session keeps going).
-    pub fn release_process(self: &Arc<Self>, tenant: &str, id: Uuid) -> BrokerResult<()> {
+    pub(crate) fn release_process(self: &Arc<Self>, tenant: &str, id: Uuid) -> BrokerResult<()> {
         let mut st = self.lock();
         match st.reservations().get(&id) {
             Some(r) if r.tenant == tenant => {}
@@ -131,7 +131,7 @@ impl Arbiter {
     /// Names the process group of a reservation's program (its leader `pgid` must be a
     /// child of the session's process, of its uid, leading its group): when the
     /// reservation ends, what is left of the group is stopped.
-    pub fn set_process_group(&self, tenant: &str, id: Uuid, pgid: u32) -> BrokerResult<()> {
+    pub(crate) fn set_process_group(&self, tenant: &str, id: Uuid, pgid: u32) -> BrokerResult<()> {
         let root = |st: &State| {
             st.reservations()
                 .get(&id)
@@ -162,7 +162,7 @@ impl Arbiter {
     }
 
     /// The reservations of `tenant` (all tenants: None), oldest first.
-    pub fn list_reservations(&self, tenant: Option<&str>) -> Vec<ReservationView> {
+    pub(crate) fn list_reservations(&self, tenant: Option<&str>) -> Vec<ReservationView> {
         let st = self.lock();
         let mut v: Vec<ReservationView> = st
             .reservations()
@@ -180,7 +180,7 @@ impl Arbiter {
 
     /// Refuses a reservation the session cannot have: one per session (it stands for
     /// the session's one process).
-    pub(crate) fn check_process_ask(&self, st: &State, req: &AcquireRequest) -> BrokerResult<()> {
+    pub(super) fn check_process_ask(&self, st: &State, req: &AcquireRequest) -> BrokerResult<()> {
         if let Some(r) = st.reservations().of_session(req.session).next() {
             return Err(BrokerError::ReservationHeld {
                 session: req.session,
@@ -191,7 +191,7 @@ impl Arbiter {
     }
 
     /// Ends one reservation: its room is uncharged (the queue runs after the hold).
-    pub(crate) fn end_reservation(&self, st: &mut State, id: Uuid) {
+    pub(super) fn end_reservation(&self, st: &mut State, id: Uuid) {
         st.end_reservation(id);
     }
 
@@ -200,7 +200,7 @@ impl Arbiter {
     /// caller then reads the peer's lineage from `/proc` outside the lock and offers the
     /// request again with it). Read under the lock the offer holds, so a broker with no
     /// reservation takes the lock once per acquire.
-    pub(crate) fn lineage_needed(&self, st: &State, req: &AcquireRequest) -> Option<u32> {
+    pub(super) fn lineage_needed(&self, st: &State, req: &AcquireRequest) -> Option<u32> {
         if st.reservations().is_empty() || Self::claim_of_session(st, req).is_some() {
             return None;
         }
@@ -218,7 +218,7 @@ impl Arbiter {
 
     /// The pids a process tree is made of (`pid`, its parent, ...), read from `/proc`
     /// outside the state lock.
-    pub(crate) fn caller_lineage(pid: u32) -> Vec<u32> {
+    pub(super) fn caller_lineage(pid: u32) -> Vec<u32> {
         lineage(pid).collect()
     }
 
@@ -226,7 +226,7 @@ impl Arbiter {
     /// its tenant covers, on that reservation's device, takes its bytes out of the
     /// reservation's room and returns the ask to grant at once. `RESERVATION_EXCEEDED`
     /// when it does not fit in the room.
-    pub(crate) fn draw_from_reservation(
+    pub(super) fn draw_from_reservation(
         &self,
         st: &mut State,
         req: &AcquireRequest,
@@ -298,7 +298,7 @@ impl Arbiter {
 
     /// Which GPU processes (pid -> bytes, NVML) lie in a reservation's process tree, and
     /// how much each tree uses. Reads `/proc` outside the state lock.
-    pub(crate) fn covered_usage(&self, usage: &HashMap<u32, u64>) -> Covered {
+    pub(super) fn covered_usage(&self, usage: &HashMap<u32, u64>) -> Covered {
         let roots: HashMap<u32, Uuid> = {
             let st = self.lock();
             st.reservations()

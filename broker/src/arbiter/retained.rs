@@ -29,7 +29,7 @@ impl Arbiter {
     /// nothing when the caller `may_decline` (it still maps the block and releases it
     /// plainly once it let go); else it is a plain release. An id that names a block this
     /// tenant retained is that block let go.
-    pub fn release_retaining(
+    pub(crate) fn release_retaining(
         self: &Arc<Self>,
         tenant: &str,
         id: Uuid,
@@ -65,7 +65,7 @@ impl Arbiter {
     /// The peer of `session` (of `tenant`, else `NOT_FOUND`) and whether its process
     /// retains any block: an acquire asks [`Arbiter::acquire_retained`] only then, so the
     /// ordinary path takes the state lock no more often than before.
-    pub fn session_peer_retaining(
+    pub(crate) fn session_peer_retaining(
         &self,
         tenant: &str,
         session: Uuid,
@@ -80,7 +80,7 @@ impl Arbiter {
     /// A lease for `req` made of a block process `caller` retained, when it has one that
     /// fits the request (`State::grant_retained`); `None`: the request takes the ordinary
     /// path.
-    pub fn acquire_retained(
+    pub(crate) fn acquire_retained(
         self: &Arc<Self>,
         req: &ValidRequest,
         caller: Option<u32>,

@@ -29,7 +29,7 @@ impl Arbiter {
 
     /// Ends the sessions whose token no longer authenticates (expired, or removed by a
     /// path other than `revoke_token`). Returns how many.
-    pub(crate) fn end_sessions_of_lapsed_tokens(self: &Arc<Self>) -> usize {
+    pub(super) fn end_sessions_of_lapsed_tokens(self: &Arc<Self>) -> usize {
         let live = self.auth.live_token_ids();
         let ids: Vec<Uuid> = self
             .lock()

@@ -10,7 +10,6 @@
 //! importers or other processes that may map it); the table's indexes are checked with the
 //! invariant.
 
-use super::listing::SharedViewer;
 use super::state::NewPublication;
 use super::Ending;
 use super::{lease_not_found, session_not_found, Arbiter, State};
@@ -133,7 +132,7 @@ fn publish_again(
 
 impl Arbiter {
     /// Publishes `lease` of `tenant` under `name` for `readers` (empty: the tenant's own).
-    pub fn publish(
+    pub(crate) fn publish(
         &self,
         tenant: &str,
         lease: Uuid,
@@ -213,7 +212,11 @@ impl Arbiter {
     }
 
     /// Takes `name` of `tenant` away; live imports keep the memory.
-    pub fn unpublish(self: &Arc<Self>, tenant: &str, name: &str) -> BrokerResult<SharedView> {
+    pub(crate) fn unpublish(
+        self: &Arc<Self>,
+        tenant: &str,
+        name: &str,
+    ) -> BrokerResult<SharedView> {
         check_name(name)?;
         let mut st = self.lock();
         let id = st
@@ -233,7 +236,7 @@ impl Arbiter {
     }
 
     /// Imports `publisher`'s `name` into `session` of `tenant`.
-    pub fn import(
+    pub(crate) fn import(
         &self,
         tenant: &str,
         session: Uuid,
@@ -294,7 +297,7 @@ impl Arbiter {
     }
 
     /// The holder lets go of an import (it promises it unmapped it).
-    pub fn release_import(self: &Arc<Self>, tenant: &str, import: Uuid) -> BrokerResult<()> {
+    pub(crate) fn release_import(self: &Arc<Self>, tenant: &str, import: Uuid) -> BrokerResult<()> {
         let mut st = self.lock();
         match st
             .shared()
@@ -311,7 +314,11 @@ impl Arbiter {
     }
 
     /// A live import of `tenant` (for a renewed ticket) with its session's peer.
-    pub fn own_import(&self, tenant: &str, import: Uuid) -> BrokerResult<(ImportGrant, Peer)> {
+    pub(crate) fn own_import(
+        &self,
+        tenant: &str,
+        import: Uuid,
+    ) -> BrokerResult<(ImportGrant, Peer)> {
         let st = self.lock();
         let p = st
             .shared()
@@ -339,24 +346,13 @@ impl Arbiter {
         ))
     }
 
-    /// Publications a worker of `tenant` sees: its own (with importers) and those
-    /// published for it, oldest first, page by page.
-    pub fn shared_visible_to(&self, tenant: &str) -> Vec<SharedView> {
-        Self::all_pages(|t| {
-            self.shared_page(
-                SharedViewer::Tenant(tenant),
-                t,
-                super::listing::DEFAULT_PAGE_SIZE,
-            )
-        })
-    }
-
     /// Every listed publication (of `publisher` only, if given), with importers, oldest
     /// first, page by page.
-    pub fn list_shared(&self, publisher: Option<&str>) -> Vec<SharedView> {
+    #[cfg(test)]
+    pub(super) fn list_shared(&self, publisher: Option<&str>) -> Vec<SharedView> {
         Self::all_pages(|t| {
             self.shared_page(
-                SharedViewer::Operator(publisher),
+                super::listing::SharedViewer::Operator(publisher),
                 t,
                 super::listing::DEFAULT_PAGE_SIZE,
             )
@@ -367,7 +363,7 @@ impl Arbiter {
     /// `pid`: a process other than the holder's session process is tracked first, so memory
     /// it may map stays counted until it exits, even if the holder lets go the moment the
     /// descriptor arrives. Returns false (deliver nothing) when the lease or import is gone.
-    pub fn fd_delivering(&self, id: Uuid, pid: Option<u32>) -> bool {
+    pub(crate) fn fd_delivering(&self, id: Uuid, pid: Option<u32>) -> bool {
         let mut st = self.lock();
         let session = match st.leases().get(&id) {
             Some(l) => Some(l.session),

@@ -47,7 +47,10 @@ async fn failures(arb: &Arbiter) -> u64 {
 }
 
 fn records(arb: &Arbiter) -> usize {
-    arb.list_audit(&AuditFilter::default()).unwrap().len()
+    arb.durable
+        .list_audit(&AuditFilter::default())
+        .unwrap()
+        .len()
 }
 
 /// The refusal an operator gets for a failed commit: `Internal` (INTERNAL on the wire,
@@ -63,7 +66,7 @@ fn assert_store_failure(e: BrokerError) {
 }
 
 fn writable(arb: &Arbiter) -> bool {
-    *arb.store.as_ref().unwrap().writable().borrow()
+    *arb.durable.store().unwrap().writable().borrow()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,7 +78,7 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
         .unwrap();
     let kept = arb.issue_for(worker_token("a"), who()).await.unwrap();
     assert_eq!((records(&arb), failures(&arb).await), (2, 0));
-    let store = arb.store.as_ref().unwrap();
+    let store = arb.durable.store().unwrap();
     store.fail_commits(true);
 
     // A quota change of a tenant, and a new tenant.
@@ -113,12 +116,12 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
         .await
         .expect("a tenant whose deletion failed takes charges again");
     arb.release("a", lease.id).unwrap();
-    assert_eq!(arb.list_tokens(Some("a")).len(), 1, "its token stayed");
+    assert_eq!(arb.auth.list(Some("a")).len(), 1, "its token stayed");
 
     // Token changes: none issued, none revoked.
     let e = arb.issue_for(worker_token("a"), who()).await.unwrap_err();
     assert_store_failure(e);
-    assert_eq!(arb.list_tokens(Some("a")).len(), 1, "no token issued");
+    assert_eq!(arb.auth.list(Some("a")).len(), 1, "no token issued");
     let e = arb
         .revoke_token_for(kept.entry.token_id.clone(), who())
         .await
@@ -137,7 +140,7 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
         .unwrap();
     assert!(writable(&arb));
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
-    let log = arb.list_audit(&AuditFilter::default()).unwrap();
+    let log = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(log.len(), 3);
     assert_eq!(log[2].seq, log[1].seq + 1, "no sequence number was used up");
     assert_eq!(
@@ -162,5 +165,5 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
     );
     let arb = stored_arbiter(dir.path());
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
-    assert!(arb.list_tokens(Some("a")).is_empty());
+    assert!(arb.auth.list(Some("a")).is_empty());
 }

@@ -18,7 +18,7 @@ fn outside_noise(total: u64) -> u64 {
 impl Arbiter {
     /// Starts the background workers (`workers.rs`); they end when `stop` is cancelled
     /// ([`Lifecycle::join`](super::Lifecycle::join) waits for them).
-    pub fn spawn_background(self: &Arc<Self>, stop: CancellationToken) {
+    pub(crate) fn spawn_background(self: &Arc<Self>, stop: CancellationToken) {
         // This is the main runtime: effects' tasks and the store writer's changes run
         // here from now on, not in whichever runtime asks first.
         self.lifecycle.enter_main_runtime();
@@ -74,7 +74,7 @@ impl Arbiter {
     }
 
     /// Ends sessions idle for longer than the keepalive timeout.
-    pub(crate) fn reap_idle_sessions(self: &Arc<Self>) {
+    fn reap_idle_sessions(self: &Arc<Self>) {
         let timeout = self.cfg.keepalive_timeout;
         if timeout.is_zero() {
             return;
@@ -87,7 +87,7 @@ impl Arbiter {
 
     /// Re-reads each device's free memory. Memory used outside the broker beyond what
     /// was used at start shrinks the leasable amount (and trims the cache to fit).
-    pub(crate) async fn refresh_leasable(self: &Arc<Self>) {
+    pub(super) async fn refresh_leasable(self: &Arc<Self>) {
         for (i, slot) in self.devices.iter().enumerate() {
             // Nothing outside the broker uses a simulated device.
             if slot.thread.desc().backend == crate::device::BackendKind::Host {

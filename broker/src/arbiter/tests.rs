@@ -134,11 +134,11 @@ async fn a_pooled_acquire_and_release_take_the_state_lock_once_each() {
     assert_eq!(holds() - before, 2, "one take for its release");
 }
 
-/// A request granted in the hold that offered it (a pooled block of its own tenant) is
-/// answered from that hold, with no reply channel; one whose grant needs device work, or
-/// that waits, gets a channel and its answer through it.
+/// Every answer goes through the one reply path: a request granted in the hold that
+/// offered it (a pooled block of its own tenant) gets a reply channel as one whose grant
+/// needs device work or that waits does, and none is left behind once answered.
 #[tokio::test]
-async fn only_a_request_not_granted_at_once_gets_a_reply_channel() {
+async fn every_grant_is_answered_through_its_reply_channel() {
     let f = fixture(16 * MIB, 1, ArbiterConfig::default());
     let s = f.tenant("a", quota(16 * MIB));
     let channels = || f.arb.outbox.replies_registered();
@@ -148,7 +148,16 @@ async fn only_a_request_not_granted_at_once_gets_a_reply_channel() {
     f.arb.release("a", warm.id).unwrap();
     // The same size again: the tenant's cached block, granted in the offering hold.
     let pooled = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    assert_eq!(channels(), 1, "a pooled grant needs no channel");
+    assert_eq!(
+        channels(),
+        2,
+        "a pooled grant is answered through a channel too"
+    );
+    assert_eq!(
+        f.arb.outbox.replies_len(),
+        0,
+        "its channel went with the answer"
+    );
     assert_eq!(pooled.bytes, 4 * MIB);
     assert_eq!(f.arb.metrics.granted_total(), 2, "both grants are counted");
     // A request that waits for memory held by the pooled lease gets a channel, and its
@@ -162,7 +171,7 @@ async fn only_a_request_not_granted_at_once_gets_a_reply_channel() {
     while f.arb.lock().queue().is_empty() {
         tokio::task::yield_now().await;
     }
-    assert_eq!(channels(), 2, "a waiting request has a channel");
+    assert_eq!(channels(), 3, "a waiting request has a channel");
     f.arb.release("a", pooled.id).unwrap();
     let big = waiting.await.unwrap().unwrap();
     assert_eq!(big.bytes, 16 * MIB);
@@ -995,13 +1004,16 @@ async fn session_events_go_through_the_outbox_and_its_end_closes_the_stream() {
     );
     assert_eq!(f.arb.outbox.len(), 1);
     // The other session heard nothing, and an event to the ended one reaches nobody.
-    f.arb.execute(effects::Effect::Notify {
-        session: s,
-        event: SessionEvent::ShuttingDown {
-            reason: "late".into(),
-            grace: Duration::ZERO,
-        },
-    });
+    f.arb
+        .lock()
+        .fx_behind_the_back()
+        .push_for_test(effects::Effect::Notify {
+            session: s,
+            event: SessionEvent::ShuttingDown {
+                reason: "late".into(),
+                grace: Duration::ZERO,
+            },
+        });
     assert_eq!(
         other_rx.try_recv(),
         Err(tokio::sync::mpsc::error::TryRecvError::Empty)

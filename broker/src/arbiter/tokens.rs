@@ -35,13 +35,14 @@ pub struct IssuedToken {
 
 impl Arbiter {
     /// Issues a token. Durable before it is returned.
-    pub fn issue(&self, spec: TokenSpec) -> BrokerResult<IssuedToken> {
+    #[cfg(test)]
+    pub(super) fn issue(&self, spec: TokenSpec) -> BrokerResult<IssuedToken> {
         self.issue_recorded(spec, None)
     }
 
     /// [`Arbiter::issue`] for an operator's RPC: on the store writer, with its audit
     /// record (`token.issue`, by `who`) in the same commit as the token.
-    pub async fn issue_for(
+    pub(crate) async fn issue_for(
         self: &std::sync::Arc<Self>,
         spec: TokenSpec,
         who: crate::audit::Who,
@@ -93,9 +94,9 @@ impl Arbiter {
             }
             Some(ttl) => Some(crate::units::unix_ms(SystemTime::now() + ttl)),
         };
-        // `admin_writes` orders this against tenant deletion (a token never outlives its
+        // `Durable::writes` orders this against tenant deletion (a token never outlives its
         // tenant); the store commit runs with no state lock held.
-        let _writes = self.admin_writes();
+        let _writes = self.durable.writes();
         if let Some(t) = &tenant {
             let st = self.lock();
             if st.ledger().get(t).is_none() || st.ledger().is_closing(t) {
@@ -138,7 +139,7 @@ impl Arbiter {
 
     /// Replaces the admin token file's token with a new one (written 0600, atomically);
     /// the old one keeps working for `grace`. Returns the new token.
-    pub fn rotate_admin_token(&self, grace: Duration) -> BrokerResult<String> {
+    pub(crate) fn rotate_admin_token(&self, grace: Duration) -> BrokerResult<String> {
         if grace > MAX_ROTATION_GRACE {
             return Err(BrokerError::InvalidArgument(format!(
                 "grace is limited to {} hours",

@@ -1,10 +1,11 @@
 //! Compute turns through the arbiter: the thin shell around the scheduler's core
 //! ([`crate::scheduler::Turns`]). It checks the session, locks the core, calls one
-//! transition, takes its effects, unlocks, and then carries them out: a waiter's answer
-//! goes to its reply channel (kept in the outbox, `outbox.rs`, registered in the hold that
-//! queued the request), a session's event to its mailbox, a kept slot's window gets a
-//! timer. A grant nobody receives (the caller went away just as it was answered) is given
-//! back to the core, which hands the slot on. It waits for a grant with a deadline and
+//! transition, takes its effects, unlocks, and then has them carried out by the turn
+//! effect executor (`Arbiter::execute_turns`, `effects.rs`): a waiter's answer goes to its
+//! reply channel (kept in the outbox, `outbox.rs`, registered in the hold that queued the
+//! request), a session's event to its mailbox, a kept slot's window gets a timer. A grant
+//! nobody receives (the caller went away just as it was answered) is given back to the
+//! core, which hands the slot on. It waits for a grant with a deadline and
 //! never leaves a turn held by a caller that went away. The hand-off histogram lives here.
 
 use super::{session_not_found, Arbiter};
@@ -14,7 +15,6 @@ use crate::scheduler::{
 };
 use parking_lot::Mutex;
 use prometheus_client::metrics::histogram::Histogram;
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::oneshot;
@@ -133,18 +133,21 @@ impl Drop for TurnWait {
 impl Arbiter {
     /// Locks the turn core, runs `f` on it, unlocks, then carries out the effects `f`
     /// pushed. Returns what `f` returned and how many grants reached their waiters.
-    pub(crate) fn turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
+    pub(super) fn turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
         let (r, fx) = self.turn_hold(f);
         let delivered = if fx.is_empty() {
             0
         } else {
-            self.deliver_turns(fx)
+            self.execute_turns(fx)
         };
         (r, delivered)
     }
 
     /// One hold of the turn core's lock: `f`, the invariant (debug builds), the effects.
-    fn turn_hold<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, Vec<TurnEffect>) {
+    pub(super) fn turn_hold<R>(
+        &self,
+        f: impl FnOnce(&mut TurnsHeld<'_>) -> R,
+    ) -> (R, Vec<TurnEffect>) {
         let mut core = TurnsHeld(self.scheduler.core.lock());
         let r = f(&mut core);
         #[cfg(debug_assertions)]
@@ -154,48 +157,6 @@ impl Arbiter {
         (r, core.take_effects())
     }
 
-    /// Carries out turn effects, with no lock held. A grant whose waiter is gone goes back
-    /// to the core (and what that decides is carried out in turn). Returns how many grants
-    /// reached their waiters.
-    fn deliver_turns(&self, fx: Vec<TurnEffect>) -> u32 {
-        let mut todo: VecDeque<TurnEffect> = fx.into();
-        let mut delivered = 0;
-        while let Some(e) = todo.pop_front() {
-            match e {
-                TurnEffect::Reply { to, result } => {
-                    let ok = result.is_ok();
-                    match self.outbox.reply_turn(to, result) {
-                        None => delivered += u32::from(ok),
-                        Some(Ok(grant)) => {
-                            tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
-                            let (_, more) = self.turn_hold(|t| t.give_back(&grant, Instant::now()));
-                            todo.extend(more);
-                        }
-                        Some(Err(_)) => {} // a refusal for nobody
-                    }
-                }
-                TurnEffect::Notify { session, event } => self.outbox.send(&session, event),
-                TurnEffect::WakeAt(at) => self.wake_turns_at(at),
-            }
-        }
-        delivered
-    }
-
-    /// `TurnEffect::WakeAt`: a kept slot's window ends at `at`; if its session has not
-    /// asked again by then, the slot goes to the next waiter then (not at the next tick).
-    fn wake_turns_at(&self, at: Instant) {
-        let Some(rt) = self.lifecycle.effects_runtime() else {
-            return; // no runtime (tests of the core): the tick expires it
-        };
-        let me = self.me.clone();
-        rt.spawn(async move {
-            tokio::time::sleep_until(at.into()).await;
-            if let Some(arb) = me.upgrade() {
-                arb.turns(|t| t.expire_kept(Instant::now()));
-            }
-        });
-    }
-
     /// A grant its caller never received: the turn goes back, its slot to the next.
     fn give_back_turn(&self, grant: TurnGrant) {
         tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
@@ -203,7 +164,7 @@ impl Arbiter {
     }
 
     /// Grants the compute turn on `device` now, after waiting up to `wait`, or says why not.
-    pub async fn acquire_turn(
+    pub(crate) async fn acquire_turn(
         self: &Arc<Self>,
         tenant: &str,
         session: Uuid,
@@ -243,7 +204,7 @@ impl Arbiter {
             })
         };
         if !fx.is_empty() {
-            self.deliver_turns(fx);
+            self.execute_turns(fx);
         }
         let (waiter, rx) = queued?;
         let mut guard = TurnWait {
@@ -297,14 +258,15 @@ impl Arbiter {
     }
 
     /// The holder gives its compute turn back.
-    pub fn release_turn(&self, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
+    #[cfg(test)]
+    fn release_turn(&self, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
         self.release_turn_received(tenant, turn_id, Instant::now())
     }
 
     /// The holder gives its compute turn back; its `ReleaseTurn` arrived at `received`
     /// (the start of the hand-off to the next waiter). `handed_off` says whether the slot's
     /// grant reached a waiter (the caller may let that waiter's task run first).
-    pub fn release_turn_received(
+    pub(crate) fn release_turn_received(
         &self,
         tenant: &str,
         turn_id: Uuid,
@@ -317,29 +279,24 @@ impl Arbiter {
     }
 
     /// A session ended (`Effect::EndTurns`): its turn requests are answered, its turns end.
-    pub(crate) fn end_turns(&self, session: Uuid) {
+    pub(super) fn end_turns(&self, session: Uuid) {
         self.turns(|t| t.end_session(session, Instant::now()));
     }
 
     /// A tenant was deleted (its sessions ended first): its compute-turn counters go.
-    pub(crate) fn forget_turns(&self, tenant: &str) {
+    pub(super) fn forget_turns(&self, tenant: &str) {
         self.turns(|t| t.forget_tenant(tenant));
     }
 
     /// The ticker's compute-turn step: kept slots past their window, yield requests past
     /// the quantum, turns taken past quantum + grace.
-    pub(crate) fn tick_turns(&self) {
+    pub(super) fn tick_turns(&self) {
         self.turns(|t| t.tick(Instant::now(), SystemTime::now()));
     }
 
     /// A turn grant is being sent: its hand-off time, if a release freed its slot.
-    pub fn observe_turn_handoff(&self, grant: &TurnGrant) {
+    pub(crate) fn observe_turn_handoff(&self, grant: &TurnGrant) {
         self.scheduler.observe_handoff(grant);
-    }
-
-    /// Holders of compute turns on `device` now.
-    pub fn turn_holders(&self, device: u32) -> u32 {
-        self.scheduler.holders(device)
     }
 }
 

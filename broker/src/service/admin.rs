@@ -152,7 +152,7 @@ impl Admin for AdminService {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
         self.arb.check_tenant_filter(tenant).map_err(status)?;
-        let tokens = self.arb.list_tokens(tenant);
+        let tokens = self.arb.authenticator().list(tenant);
         Ok(Response::new(pb::ListTokensResponse {
             tokens: tokens
                 .iter()
@@ -236,7 +236,7 @@ impl Admin for AdminService {
         let devices = self.arb.devices().await;
         let mut devices: Vec<pb::DeviceInfo> = devices.iter().map(convert::device).collect();
         for d in &mut devices {
-            d.turn_holders = self.arb.turn_holders(d.index);
+            d.turn_holders = self.arb.scheduler.holders(d.index);
         }
         if let Some(mps) = self.arb.lifecycle().mps() {
             super::mps_report::fill(&mps.status(), &mut devices);
@@ -283,6 +283,7 @@ impl Admin for AdminService {
         let r = req.into_inner();
         let records = self
             .arb
+            .durable
             .list_audit(&AuditFilter {
                 since_unix_ms: r.since_unix_ms,
                 tenant: filter(&r.tenant).map(str::to_string),

@@ -20,7 +20,7 @@ const MIB: u64 = 1 << 20;
 
 /// The audit log, oldest first.
 fn records(arb: &Arbiter) -> Vec<AuditRecord> {
-    arb.list_audit(&AuditFilter::default()).unwrap()
+    arb.durable.list_audit(&AuditFilter::default()).unwrap()
 }
 
 /// Runs `call` while the store writer is busy with a change asked for before it: the

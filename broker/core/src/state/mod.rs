@@ -277,15 +277,6 @@ impl State {
     pub fn take_effects(&mut self) -> Effects {
         std::mem::take(&mut self.fx)
     }
-    /// The answer this hold pushed for waiter `to`, taken out (`Effect::Reply`): the
-    /// shell hands a request granted in the hold that offered it to its caller directly,
-    /// with no reply channel. None when the waiter was not answered in this hold.
-    pub fn take_reply(
-        &mut self,
-        to: crate::queue::WaiterId,
-    ) -> Option<BrokerResult<crate::queue::Granted>> {
-        self.fx.take_reply(to)
-    }
     /// Pushes effects skipping the transitions: only for shell tests of how the lock
     /// guard runs what was pushed.
     #[cfg(any(test, feature = "testing"))]
