@@ -102,9 +102,9 @@ pub fn take(places: &[PathBuf], lease: &LeaseKey) -> Option<OwnedFd> {
         let Some(ch) = sockets.get_mut(place) else {
             continue;
         };
-        ch.read_all();
-        if let Some((fd, _)) = ch.waiting.remove(lease) {
-            found = Some(fd);
+        found = ch.waiting.remove(lease).map(|(fd, _)| fd);
+        found = found.or_else(|| ch.read_until(Some(lease)));
+        if found.is_some() {
             break;
         }
     }
@@ -179,13 +179,26 @@ impl Channels {
 }
 
 impl Channel {
-    /// Reads every descriptor waiting on the connection (never waits); closes those no
-    /// lease took in time. The connection is dropped when the broker closed it or sent
-    /// something else than a descriptor message.
+    /// Reads every descriptor waiting on the connection (never waits); see
+    /// [`Channel::read_until`].
     fn read_all(&mut self) {
+        self.read_until(None);
+    }
+
+    /// Reads the descriptors waiting on the connection (never waits) until `lease`'s (if
+    /// one is named), which it returns (the rest stay for a later read: one system call when the first is
+    /// it); keeps the others for their leases and closes those no lease took in time. The
+    /// connection is dropped when the broker closed it or sent something else than a
+    /// descriptor message.
+    fn read_until(&mut self, lease: Option<&LeaseKey>) -> Option<OwnedFd> {
+        let mut found = None;
         if let Some(conn) = &self.conn {
             loop {
                 match recv_pushed(conn.as_raw_fd()) {
+                    Ok(Some((key, fd))) if Some(&key) == lease => {
+                        found = Some(fd);
+                        break;
+                    }
                     Ok(Some((key, fd))) => {
                         self.waiting.insert(key, (fd, Instant::now()));
                     }
@@ -202,6 +215,7 @@ impl Channel {
             self.waiting
                 .retain(|_, (_, at)| now.duration_since(*at) < UNCLAIMED_FOR);
         }
+        found
     }
 }
 
