@@ -11,7 +11,8 @@
 //!
 //! Descriptors come in order, possibly for other leases of this process than the one
 //! looked for (grants of other threads): each is kept here by lease id until its lease
-//! takes it; one not taken within [`UNCLAIMED_FOR`] (its acquire was abandoned) is closed.
+//! takes it; one not taken within [`UNCLAIMED_FOR`] (its acquire was abandoned) is closed
+//! by the next read of the channel after that.
 //! Like kept ticket connections (`ticket_channel.rs`), a channel belongs to the process
 //! that opened it: a forked child never reads its parent's (the descriptors on it are the
 //! parent's), nor waits on its lock; it opens its own.
