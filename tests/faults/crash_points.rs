@@ -62,7 +62,12 @@ impl Case {
     async fn start(point: &str, place: Where) -> Case {
         let opts = BrokerOpts {
             capacity: "256MiB",
-            extra: vec!["--keepalive-timeout".into(), "2s".into()],
+            extra: vec![
+                "--keepalive-timeout".into(),
+                "2s".into(),
+                "--host-fallback-capacity".into(),
+                "64MiB".into(),
+            ],
             ..BrokerOpts::default()
         };
         let (keeper, mut b) = match place {
@@ -79,7 +84,11 @@ impl Case {
                 (Held::FdStore(sd), b)
             }
         };
-        let token = b.tenant("t", QuotaSpec::new(128 * MIB)).await.unwrap();
+        let quota = QuotaSpec {
+            host_limit_bytes: 32 * MIB,
+            ..QuotaSpec::new(128 * MIB)
+        };
+        let token = b.tenant("t", quota).await.unwrap();
         // The crash point is armed from the next start: restart once with it.
         b.kill().unwrap();
         b.env = vec![("GPU_BROKER_CRASH_AT".into(), point.into())];
@@ -122,7 +131,10 @@ impl Case {
     async fn check(&self, point: &str, held: &[&Lease]) {
         let mut want: Vec<String> = held.iter().map(|l| l.id().to_string()).collect();
         want.sort();
-        let bytes: u64 = held.iter().map(|l| l.bytes()).sum();
+        let on_host = |l: &&&Lease| l.tier() == gpu_broker_client::Tier::Host;
+        let bytes: u64 = held.iter().filter(|l| !on_host(l)).map(|l| l.bytes()).sum();
+        let on_device = held.iter().filter(|l| !on_host(l)).count();
+        let host_bytes: u64 = held.iter().filter(on_host).map(|l| l.bytes()).sum();
         let deadline = Instant::now() + Duration::from_secs(8);
         let (ok, last) = loop {
             let admin = self.b.admin().await.unwrap();
@@ -146,12 +158,13 @@ impl Case {
             let own = self.b.memfds().len() as u64;
             let ok = ids == want
                 && u.held_bytes == bytes
-                && u.lease_count as usize == want.len()
+                && u.lease_count as usize == on_device
+                && u.host_held_bytes == host_bytes
                 && kept == want.len() + quarantined
                 && own == want.len() as u64 + cached;
             let last = format!(
-                "leases {ids:?} (want {want:?}), held {} in {} (want {bytes}), keeper {kept}, broker {own} with {cached} cached or quarantined",
-                u.held_bytes, u.lease_count
+                "leases {ids:?} (want {want:?}), held {} in {} (want {bytes}), host {} (want {host_bytes}), keeper {kept}, broker {own} with {cached} cached or quarantined",
+                u.held_bytes, u.lease_count, u.host_held_bytes
             );
             if ok || Instant::now() > deadline {
                 break (ok, last);
@@ -223,6 +236,70 @@ async fn acquire(place: Where) {
         // The call made across the crash went through exactly once.
         held.push(call.await.unwrap().expect("the acquire across the crash"));
         c.check(&point, &held.iter().collect::<Vec<_>>()).await;
+    }
+}
+
+#[tokio::test]
+async fn host_tier_acquire_and_release() {
+    if skipped() {
+        return;
+    }
+    host_tier(Where::Keeper).await
+}
+
+#[tokio::test]
+async fn host_tier_acquire_and_release_in_the_fd_store() {
+    if skipped() {
+        return;
+    }
+    host_tier(Where::FdStore).await
+}
+
+/// A host-tier lease of `s`, its first bytes `text`.
+async fn host_lease_with(s: &Session, text: &[u8]) -> Lease {
+    let l = s.lease_request(SIZE).host_tier(true).send().await.unwrap();
+    l.map().unwrap().as_mut_slice()[..text.len()].copy_from_slice(text);
+    l
+}
+
+/// Host-tier leases are kept as device leases are: a crash at each step of a host-tier
+/// acquire and release keeps the live worker's host leases (same ids, bytes, tenant and
+/// memory: what it wrote is there), charged to its host bytes exactly.
+async fn host_tier(place: Where) {
+    for point in [
+        "before-keep:lease#2",
+        "after-keep:lease#2",
+        "before-keep:lease-ended",
+        "after-keep:lease-ended",
+    ] {
+        let mut c = Case::start(point, place).await;
+        let s = c.session().await;
+        let mut events = s.events();
+        let kept = host_lease_with(&s, b"kept").await;
+        let call = if point.ends_with("lease#2") {
+            let s = s.clone();
+            tokio::spawn(async move { Some(s.lease_request(SIZE).host_tier(true).send().await) })
+        } else {
+            let gone = host_lease_with(&s, b"gone").await;
+            tokio::spawn(async move {
+                gone.release().await.expect("the release across the crash");
+                None
+            })
+        };
+        c.restart_after_crash(point).await;
+        let e = resumed_or_closed(&mut events).await;
+        let SessionEvent::Resumed { lost_leases, .. } = &e else {
+            panic!("{point}: {e:?}")
+        };
+        assert!(lost_leases.is_empty(), "{point}: {e:?}");
+        let mut held = vec![&kept];
+        let made = call
+            .await
+            .unwrap()
+            .map(|r| r.expect("the acquire across the crash"));
+        held.extend(made.as_ref());
+        c.check(point, &held).await;
+        assert_eq!(&kept.map().unwrap().as_slice()[..4], b"kept", "{point}");
     }
 }
 

@@ -456,6 +456,15 @@ impl Ledger {
         Ok(())
     }
 
+    /// Charges a host-tier lease a restarted broker took back: no limit check, as
+    /// [`Ledger::adopt`].
+    pub fn adopt_host(&mut self, name: &str, bytes: u64) -> BrokerResult<()> {
+        let u = &mut self.get_mut(name)?.usage;
+        u.host_held_bytes += bytes;
+        u.host_lease_count += 1;
+        Ok(())
+    }
+
     /// A device lease on `device` ended.
     pub fn uncharge(&mut self, name: &str, device: u32, bytes: u64) {
         if let Ok(t) = self.get_mut(name) {

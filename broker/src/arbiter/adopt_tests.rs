@@ -205,6 +205,64 @@ fn the_report_breaks_the_adoption_down() {
     assert_eq!(arb.restart_report().unwrap().phases, report.phases);
 }
 
+/// The report's total is the start's wall time: the steps before the adoption and the
+/// adoption's own, not the keeper's dump again when it ran while the devices opened; a
+/// dump read just before the adoption is its first step.
+#[test]
+fn the_reports_total_is_wall_time_with_the_dump_counted_once() {
+    use crate::keeper::place::Dumped;
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let session = Uuid::new_v4();
+    let lease = lease_record(session, "alpha", 0, Some(&arb.device_uuid(0)));
+    let place = MemPlace::default();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(memfd(2 * MIB))),
+    ];
+    let dumped = crate::keeper::place::dump(place).unwrap();
+    // Read while the devices opened (200 ms), itself 300 ms.
+    let dumped = Dumped {
+        took: Duration::from_millis(300),
+        ..dumped
+    };
+    let opened = Phase {
+        name: "open devices".into(),
+        took: Duration::from_millis(200),
+    };
+    let t = Instant::now();
+    let report = arb.adopt_dumped(dumped, vec![opened]);
+    let adoption = t.elapsed();
+    assert_eq!(report.leases_adopted, 1);
+    assert!(
+        report.took >= Duration::from_millis(200)
+            && report.took <= Duration::from_millis(200) + adoption,
+        "{:?} for 200 ms of steps before and {adoption:?} of adoption",
+        report.took
+    );
+
+    // Without steps before, the dump was the first step.
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    let dumped = Dumped {
+        took: Duration::from_millis(300),
+        ..crate::keeper::place::dump(MemPlace::default()).unwrap()
+    };
+    let t = Instant::now();
+    let report = arb.adopt_dumped(dumped, Vec::new());
+    let adoption = t.elapsed();
+    assert!(
+        report.took >= Duration::from_millis(300)
+            && report.took <= Duration::from_millis(300) + adoption,
+        "{:?}",
+        report.took
+    );
+}
+
 /// Two drained devices that swapped indexes since the drains were kept: both stay drained
 /// and both drains stay kept (each under its device's index now), so the next restart
 /// finds both again.

@@ -29,6 +29,7 @@ pub use gpu_broker_core::lease::RECLAIM_DEADLINE_MISSED;
 pub use gpu_broker_core::request::{AcquireRequest, ValidRequest};
 /// The wait queue's records and the state core, at their old paths (`gpu_broker_core`).
 pub use gpu_broker_core::{overtaking, queue, state};
+mod relink;
 mod reservations;
 mod retained;
 mod revocation;

@@ -27,6 +27,7 @@ mod adopt;
 mod devices;
 mod end;
 mod grant;
+mod kept_now;
 mod process;
 mod queue;
 #[cfg(test)]
