@@ -22,7 +22,9 @@
 #           path its closing run measured, before fd tickets were the only kind);
 #           32-worker throughput, pooled latency (current-thread and default client), the
 #           breakdown of a pooled lease + map (health Check floor, RPC, ticket, import+map,
-#           raw cuMemCreate+map), medians and ratios to A; ROUNDS rounds (default 3)
+#           raw cuMemCreate+map), medians and ratios to A; ROUNDS rounds (default 3);
+#           then system calls per pooled pair of A and B, broker and client apart
+#           (scripts/bench-syscalls.sh, where strace is installed)
 #   check   scripts/gpu-check.sh           Python fd worker, lease benchmark, gpu-broker-bench
 #   forge   scripts/gpu-legacy-forge.sh    why there are no legacy IPC handles
 #   shared  scripts/gpu-shared-check.sh    shared CUDA imports across tenants
@@ -168,6 +170,13 @@ fd_ab() {
     gpu_smi --query-gpu=index,name,memory.used,driver_version --format=csv || true
     gpu_step fd-ab env AB_BACKEND=cuda AB_BREAKDOWN=1 AB_JSON=0 OUT="$(mktemp -d)" ROUNDS="${ROUNDS:-3}" \
         "$dir/bench-ab.sh" "$dir/gpu-broker-bench" "${entries[@]}"
+    # System calls per pooled pair, broker and client apart, of A and B (where strace is).
+    if command -v strace >/dev/null || gpu_dry; then
+        gpu_step fd-ab-syscalls env AB_BACKEND=cuda "$dir/bench-syscalls.sh" "$dir/gpu-broker-bench" \
+            "${entries[@]:0:2}"
+    else
+        echo "fd-ab: no strace on this machine: system calls per pair not counted"
+    fi
     gpu_result fd-ab
 }
 

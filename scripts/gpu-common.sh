@@ -32,6 +32,7 @@ gpu_dry() { [[ ${GPU_DRY_RUN:-} == 1 ]]; }
 # The programs a check runs, by where they come from (gpu_stage copies them).
 GPU_BINS=(gpu-broker gpu-brokerctl gpu-worker gpu-broker-bench turn-gate)
 GPU_SCRIPTS=(scripts/gpu-common.sh scripts/bench-ab.sh scripts/bench-ab-summary.py
+    scripts/bench-syscalls.sh
     scripts/gpu_python_check.py scripts/gpu_python_fd_worker.py scripts/gpu_sleep_check.py
     scripts/gpu_serving_check.py scripts/gpu_restart_check.py
     scripts/gpu_mps_check.py scripts/gpu_legacy_forge.py examples/turn_step_worker.py)

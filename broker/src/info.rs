@@ -26,6 +26,7 @@ pub const FEATURES: &[&str] = &[
     "process-groups",
     "paged-listings",
     "error-reasons",
+    "descriptor-channels",
 ];
 
 /// What `GetInfo` reports.

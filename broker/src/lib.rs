@@ -21,6 +21,7 @@ pub mod bounds;
 pub mod config;
 pub mod crash_point;
 pub mod defaults;
+pub mod descriptor_channels;
 pub mod device;
 pub mod faults;
 pub mod fd_budget;

@@ -81,6 +81,7 @@ pub struct Metrics {
     grant_wait_seconds: Histogram,
     store_write_failures: Counter,
     tickets_redeemed: Counter,
+    descriptors_pushed: Counter,
     ticket_refusals: Family<ReasonLabel, Counter>,
     cross_tenant_fresh: Counter,
     /// Leases and sessions a start found with the keeper, by outcome (adopted, reclaimed).
@@ -122,6 +123,7 @@ impl Metrics {
             grant_wait_seconds: latency_histogram(),
             store_write_failures: Counter::default(),
             tickets_redeemed: Counter::default(),
+            descriptors_pushed: Counter::default(),
             ticket_refusals: Family::default(),
             cross_tenant_fresh: Counter::default(),
             kept_leases: Family::default(),
@@ -161,6 +163,11 @@ impl Metrics {
     /// The ticket server delivered a lease's descriptor.
     pub fn ticket_redeemed(&self) {
         self.tickets_redeemed.inc();
+    }
+
+    /// A grant's descriptor was sent on its process's descriptor channel (no ticket).
+    pub fn descriptor_pushed(&self) {
+        self.descriptors_pushed.inc();
     }
 
     /// The ticket server refused a ticket (a [`TicketRefusal`] label, or `busy` and
@@ -288,6 +295,11 @@ impl Metrics {
             "tickets_redeemed",
             "Lease file descriptors delivered by the ticket server",
             self.tickets_redeemed.clone(),
+        );
+        reg.register(
+            "descriptors_pushed",
+            "Lease file descriptors sent with the grant on the worker's descriptor channel",
+            self.descriptors_pushed.clone(),
         );
         reg.register(
             "ticket_refusals",

@@ -11,12 +11,21 @@
 //! ticket (checked as the first was), until idle or until a connection is turned away at
 //! a limit its slot counts under (`ticket_pressure.rs`). Connections are capped in all and per peer uid; one over a cap is told "busy"
 //! and closed, its ticket untouched.
+//! A connection whose first bytes are `CHANNEL_HELLO` becomes its process's descriptor
+//! channel (`descriptor_channels.rs`: the grant sends the lease's descriptor on it, keyed
+//! by the lease id), if the process that connected wrote them itself; it closes when idle
+//! for [`CHANNEL_IDLE`], when it gives way as a kept connection does, or when the worker
+//! writes anything on it.
 
 use crate::arbiter::Arbiter;
+use crate::descriptor_channels::{DescriptorChannels, NotSent, Owner};
 use crate::device::SharedFd;
 use crate::ticket_pressure::Pressure;
 use crate::tickets::{Redeemed, Refusal, TICKET_LEN};
-use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY, REFUSED_REPLY};
+use gpu_broker_proto::ticket::{
+    BUSY_REPLY, CHANNEL_HELLO, CHANNEL_OPEN_REPLY, FD_REPLY, LEASE_ENDED_REPLY, PUSHED_FD,
+    PUSHED_LEN, REFUSED_REPLY,
+};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::Arc;
@@ -37,6 +46,9 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a connection that was handed a descriptor waits for its next ticket: a worker
 /// leasing again soon keeps its connection; an idle one gives its slot back.
 const KEPT_IDLE: Duration = Duration::from_secs(1);
+/// How long a descriptor channel stays open with nothing sent on it: a process leasing
+/// now and then keeps it; an idle one gives its slot back (it opens another when it leases).
+const CHANNEL_IDLE: Duration = Duration::from_secs(30);
 /// Binds the ticket socket at `path` (replacing a stale file; refusing one a live process
 /// serves) with mode 0666: any local process may connect, only a ticket's holder gets an fd.
 pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
@@ -118,8 +130,12 @@ async fn serve_connection(
     arb: &Arbiter,
     pressure: &Arc<Pressure>,
 ) {
-    if !serve_one(&stream, cred, arb, false).await {
-        return;
+    match serve_one(&stream, cred, arb, false).await {
+        Served::Fd => {}
+        Served::Nothing => return,
+        Served::ChannelAsked(writers) => {
+            return serve_channel(stream, cred, &writers, arb, pressure).await
+        }
     }
     let kept = pressure.keep(cred.map(|c| c.uid()));
     loop {
@@ -128,7 +144,7 @@ async fn serve_connection(
             _ = kept.give_way() => false,
             _ = tokio::time::sleep(KEPT_IDLE) => false,
         };
-        if !next || !serve_one(&stream, cred, arb, true).await {
+        if !next || serve_one(&stream, cred, arb, true).await != Served::Fd {
             return;
         }
     }
@@ -166,16 +182,26 @@ async fn next_ticket_comes(stream: &UnixStream) -> bool {
     }
 }
 
-/// Serves one ticket; true when its descriptor was sent. `kept`: not the connection's
-/// first ticket (a refusal is then said with [`REFUSED_REPLY`], so the client can tell it
-/// from a kept connection the broker let go; an end of the stream before any byte is the
-/// client closing, not a refusal).
+/// What one ticket's turn on a connection came to.
+#[derive(Debug, PartialEq, Eq)]
+enum Served {
+    /// Its descriptor was sent.
+    Fd,
+    /// Refused, or the connection ended: it closes.
+    Nothing,
+    /// The connection's first bytes asked for a descriptor channel; who wrote them.
+    ChannelAsked(Vec<u32>),
+}
+
+/// Serves one ticket. `kept`: not the connection's first ticket (a refusal is then said
+/// with [`REFUSED_REPLY`], so the client can tell it from a kept connection the broker let
+/// go; an end of the stream before any byte is the client closing, not a refusal).
 async fn serve_one(
     stream: &UnixStream,
     cred: Option<tokio::net::unix::UCred>,
     arb: &Arbiter,
     kept: bool,
-) -> bool {
+) -> Served {
     let table = arb.tickets();
     let uid = cred.map(|c| c.uid());
     let pid = cred
@@ -189,7 +215,12 @@ async fn serve_one(
     )
     .await;
     if kept && matches!(&read, Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof) {
-        return false;
+        return Served::Nothing;
+    }
+    if !kept && buf == CHANNEL_HELLO {
+        if let Ok(Ok(w)) = read {
+            return Served::ChannelAsked(w.writers);
+        }
     }
     let (result, writers) = match (read, uid) {
         // A writer the broker's pid namespace cannot see (pid 0) beside a connecting
@@ -219,17 +250,17 @@ async fn serve_one(
             arb.metrics().ticket_refused("lease_gone");
             let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
             tracing::debug!(%lease, ?uid, ?pid, "ticket of a lease that just ended; closed");
-            false
+            Served::Nothing
         }
         Ok(Redeemed { lease, fd, .. }) => match send_fd(stream, &fd).await {
             Ok(()) => {
                 arb.metrics().ticket_redeemed();
                 tracing::debug!(%lease, ?uid, ?pid, kept, "lease fd delivered");
-                true
+                Served::Fd
             }
             Err(e) => {
                 tracing::warn!(%lease, error = %e, "sending a lease fd failed");
-                false
+                Served::Nothing
             }
         },
         // Only the ticket's rightful peer gets here (a foreign one is refused as unknown).
@@ -237,7 +268,7 @@ async fn serve_one(
             arb.metrics().ticket_refused(Refusal::LeaseEnded.as_str());
             let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
             tracing::debug!(?uid, ?pid, "ticket of an ended lease; told so and closed");
-            false
+            Served::Nothing
         }
         Err(r) => {
             arb.metrics().ticket_refused(r.as_str());
@@ -251,9 +282,83 @@ async fn serve_one(
                 kept,
                 "ticket refused; connection closed"
             );
-            false
+            Served::Nothing
         }
     }
+}
+
+/// Makes `stream` the descriptor channel of the process that connected it, when that
+/// process wrote the request itself (`writers`: no other process shares the channel's
+/// name) and its start time is known; else closes it (as an unknown ticket's first
+/// connection is). Then waits until the channel closes (see the module's doc).
+async fn serve_channel(
+    stream: UnixStream,
+    cred: Option<tokio::net::unix::UCred>,
+    writers: &[u32],
+    arb: &Arbiter,
+    pressure: &Arc<Pressure>,
+) {
+    let uid = cred.map(|c| c.uid());
+    let pid = cred
+        .and_then(|c| c.pid())
+        .and_then(|p| u32::try_from(p).ok())
+        .filter(|&p| p != 0);
+    let owner = match (pid, uid) {
+        (Some(p), Some(u)) if writers == [p] => {
+            crate::descriptor_channels::owner_of(stream.as_raw_fd(), p, u)
+        }
+        _ => None,
+    };
+    let Some(owner) = owner else {
+        arb.metrics().ticket_refused(Refusal::Foreign.as_str());
+        tracing::warn!(
+            ?uid,
+            ?pid,
+            ?writers,
+            "descriptor channel refused; connection closed"
+        );
+        return;
+    };
+    let channels = arb.tickets().channels();
+    let ch = channels.open(owner, stream);
+    // Open before the worker hears so: it asks for descriptors on it from then on.
+    if !matches!(ch.stream().try_write(&[CHANNEL_OPEN_REPLY]), Ok(1)) {
+        channels.close(&ch);
+        return;
+    }
+    tracing::debug!(pid = owner.pid, uid = owner.uid, "descriptor channel open");
+    let kept = pressure.keep(uid);
+    loop {
+        let idle_until = tokio::time::Instant::from_std(ch.last_sent() + CHANNEL_IDLE);
+        tokio::select! {
+            _ = ch.ended() => break,
+            // The worker sends nothing on a channel: a byte or its end closes it.
+            _ = next_ticket_comes(ch.stream()) => break,
+            _ = kept.give_way() => break,
+            _ = tokio::time::sleep_until(idle_until) => {
+                if ch.last_sent().elapsed() >= CHANNEL_IDLE {
+                    break;
+                }
+            }
+        }
+    }
+    channels.close(&ch);
+    tracing::debug!(pid = owner.pid, "descriptor channel closed");
+}
+
+/// Sends lease `lease`'s descriptor `fd` on the descriptor channel of `to` (the lease's
+/// session's own process), unless it has none or too many unread
+/// (`descriptor_channels.rs`): then the grant mints a ticket instead.
+pub fn push(
+    channels: &DescriptorChannels,
+    to: Owner,
+    lease: uuid::Uuid,
+    fd: RawFd,
+) -> Result<(), NotSent> {
+    let mut msg = [0u8; PUSHED_LEN];
+    msg[0] = PUSHED_FD;
+    msg[1..].copy_from_slice(lease.as_bytes());
+    channels.send(to, &msg, fd)
 }
 
 /// Asks the arbiter before `r`'s descriptor leaves, where it must (a recipient that may be
@@ -284,38 +389,7 @@ async fn send_fd(stream: &UnixStream, fd: &SharedFd) -> std::io::Result<()> {
 
 /// `sendmsg` of the byte [`FD_REPLY`] with one descriptor attached.
 pub fn send_with_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
-    let mut byte = [FD_REPLY];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: zeroed msghdr is a valid starting point; every pointer set below outlives
-    // the sendmsg call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: the control buffer has room for one header with one fd (CMSG_SPACE).
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
-    }
-    // SAFETY: a valid socket and message.
-    let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
-    if n == 1 {
-        Ok(())
-    } else if n < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Err(std::io::Error::other("short sendmsg"))
-    }
+    crate::descriptor_channels::send_with_fd(sock, &[FD_REPLY], fd, 0)
 }
 
 #[cfg(test)]
@@ -561,6 +635,228 @@ mod tests {
         use std::io::Write;
         (&*conn).write_all(k).unwrap();
         gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd()).unwrap()
+    }
+
+    /// Opens this process's descriptor channel on `path` (blocking): the broker's answer
+    /// byte, and the connection.
+    fn open_channel(path: &std::path::Path) -> (u8, std::os::unix::net::UnixStream) {
+        use std::io::{Read, Write};
+        let mut conn = std::os::unix::net::UnixStream::connect(path).unwrap();
+        conn.write_all(&CHANNEL_HELLO).unwrap();
+        let mut b = [0u8; 1];
+        let n = conn.read(&mut b).unwrap();
+        (if n == 1 { b[0] } else { 0xff }, conn)
+    }
+
+    /// One message waiting on a channel, without waiting: its lease id and descriptor.
+    fn pushed_on(
+        conn: &std::os::unix::net::UnixStream,
+    ) -> Option<(uuid::Uuid, std::os::fd::OwnedFd)> {
+        use std::io::Read;
+        conn.set_nonblocking(true).unwrap();
+        let got = gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd()).ok()?;
+        assert_eq!((got.len, got.byte), (1, PUSHED_FD));
+        let mut id = [0u8; PUSHED_LEN - 1];
+        conn.set_nonblocking(false).unwrap();
+        (&*conn).read_exact(&mut id).unwrap();
+        Some((
+            uuid::Uuid::from_bytes(id),
+            got.fd.expect("a message without its descriptor"),
+        ))
+    }
+
+    /// The inode of a descriptor (to tell which memory it is).
+    fn inode(fd: std::os::fd::RawFd) -> u64 {
+        // SAFETY: fstat into a zeroed local.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::fstat(fd, &mut st) }, 0);
+        st.st_ino
+    }
+
+    /// A grant's descriptor goes on a descriptor channel only when the caller is the
+    /// lease's session's own process and the channel is that process's (pid, uid and start
+    /// time): never for another process's session, another caller, another uid or a
+    /// process of another start time (a reused pid), nor for a lease that ended.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grant_sends_its_descriptor_only_on_its_own_process_channel() {
+        use crate::arbiter::tests::req;
+        use crate::descriptor_channels::Owner;
+        use crate::service::handles::pushed_handle;
+        use crate::session::Peer;
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving().await;
+        let path2 = path.clone();
+        let (said, conn) = tokio::task::spawn_blocking(move || open_channel(&path2))
+            .await
+            .unwrap();
+        assert_eq!(said, CHANNEL_OPEN_REPLY);
+        assert_eq!(arb.tickets().channels().len(), 1);
+        let mut other = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let peer = |pid| Peer {
+            pid: Some(pid),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx1) = arb.open_session("a", "own", peer(me)).unwrap();
+        let (theirs, _rx2) = arb.open_session("a", "theirs", peer(other.id())).unwrap();
+        let own_s = arb.session_peer_retaining("a", own).unwrap();
+        let theirs_s = arb.session_peer_retaining("a", theirs).unwrap();
+        let start = crate::process::start_ticks(me).unwrap();
+        assert_eq!(own_s.start, Some(start));
+
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        // Another caller on this process's session (a child, another process of the user).
+        assert!(pushed_handle(&arb, &l, &peer(other.id()), &own_s).is_none());
+        // This process calling on another process's session.
+        let t = arb.acquire(req("a", theirs, 4 << 20)).await.unwrap();
+        assert!(pushed_handle(&arb, &t, &peer(me), &theirs_s).is_none());
+        assert!(pushed_handle(&arb, &t, &peer(other.id()), &theirs_s).is_none());
+        // A session opened by a process of this pid that started at another time.
+        let reused = crate::arbiter::SessionPeer {
+            start: Some(start + 1),
+            ..own_s
+        };
+        assert!(pushed_handle(&arb, &l, &peer(me), &reused).is_none());
+        // Another uid (as if a process of another user had this pid).
+        let foreign = Owner {
+            pid: me,
+            uid: uid + 1,
+            start,
+        };
+        let crate::device::Handle::Fd { fd, .. } = &l.handle;
+        assert_eq!(
+            push(arb.tickets().channels(), foreign, l.id, fd.raw()),
+            Err(NotSent::NoChannel)
+        );
+        assert!(
+            pushed_on(&conn).is_none(),
+            "a descriptor went to a channel not its process's"
+        );
+
+        // The session's own process, on its own channel: sent, keyed by the lease id.
+        let h = pushed_handle(&arb, &l, &peer(me), &own_s).expect("not sent");
+        assert!(h.pushed && h.ticket.is_empty());
+        assert_eq!(
+            arb.tickets().outstanding(),
+            0,
+            "a ticket was minted beside it"
+        );
+        let (id, got) = pushed_on(&conn).expect("nothing on the channel");
+        assert_eq!(id, l.id);
+        assert_eq!(inode(got.as_raw_fd()), inode(fd.raw()));
+        // A lease that ended sends nothing.
+        let ended = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        arb.release("a", ended.id).unwrap();
+        assert!(pushed_handle(&arb, &ended, &peer(me), &own_s).is_none());
+        assert!(pushed_on(&conn).is_none());
+        other.kill().unwrap();
+        other.wait().unwrap();
+        stop.cancel();
+    }
+
+    /// At most `MAX_UNREAD` descriptors wait unread on a channel: past it nothing is sent
+    /// (the grant mints a ticket); reading one makes room for one. A channel its process
+    /// closed is forgotten, with what it left unread.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn unread_descriptors_on_a_channel_are_bounded() {
+        use crate::arbiter::tests::req;
+        use crate::descriptor_channels::{Owner, MAX_UNREAD};
+        use crate::session::Peer;
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving().await;
+        let path2 = path.clone();
+        let (said, conn) = tokio::task::spawn_blocking(move || open_channel(&path2))
+            .await
+            .unwrap();
+        assert_eq!(said, CHANNEL_OPEN_REPLY);
+        let peer = Peer {
+            pid: Some(me),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx) = arb.open_session("a", "own", peer).unwrap();
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let crate::device::Handle::Fd { fd, .. } = &l.handle;
+        let to = Owner {
+            pid: me,
+            uid,
+            start: crate::process::start_ticks(me).unwrap(),
+        };
+        let channels = arb.tickets().channels();
+        for i in 0..MAX_UNREAD {
+            assert_eq!(push(channels, to, l.id, fd.raw()), Ok(()), "push {i}");
+        }
+        assert_eq!(push(channels, to, l.id, fd.raw()), Err(NotSent::Full));
+        assert!(pushed_on(&conn).is_some());
+        assert_eq!(
+            push(channels, to, l.id, fd.raw()),
+            Ok(()),
+            "room after a read"
+        );
+        assert_eq!(push(channels, to, l.id, fd.raw()), Err(NotSent::Full));
+        drop(conn);
+        let t = std::time::Instant::now();
+        while !channels.is_empty() && t.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(channels.is_empty(), "a closed channel is still open");
+        assert_eq!(push(channels, to, l.id, fd.raw()), Err(NotSent::NoChannel));
+        stop.cancel();
+    }
+
+    /// A channel is its writer's: asked for by a process other than the one that connected
+    /// (a child on its parent's connection), it is refused and the connection closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_channel_asked_for_by_another_process_on_the_connection_is_refused() {
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            ..
+        } = serving().await;
+        let conn = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        // SAFETY: the child calls only write and _exit (async-signal-safe).
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0);
+        if child == 0 {
+            // SAFETY: a plain syscall on an inherited descriptor, then _exit.
+            unsafe {
+                libc::write(
+                    conn.as_raw_fd(),
+                    CHANNEL_HELLO.as_ptr().cast(),
+                    CHANNEL_HELLO.len(),
+                );
+                libc::_exit(0);
+            }
+        }
+        let reap = Reap(child);
+        let got = tokio::task::spawn_blocking(move || {
+            conn.set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd()).unwrap()
+        })
+        .await
+        .unwrap();
+        assert_eq!(got.len, 0, "answered {:#x}", got.byte);
+        assert!(arb.tickets().channels().is_empty());
+        drop(reap);
+        stop.cancel();
     }
 
     /// A connection that brought a descriptor serves the same process's next ticket; each

@@ -12,6 +12,7 @@
 //! instead of a bare refusal; any other peer still learns nothing. The wire protocol is in
 //! `docs/protocol.md`.
 
+use crate::descriptor_channels::DescriptorChannels;
 use crate::device::SharedFd;
 use crate::id_map::IdMap;
 use crate::lease::LiveMark;
@@ -117,11 +118,13 @@ struct Inner {
     purge_visits: usize,
 }
 
-/// Every unredeemed ticket, and where the ticket server listens.
+/// Every unredeemed ticket, where the ticket server listens, and the descriptor channels
+/// it keeps open (descriptors sent with the grant, no ticket).
 pub struct TicketTable {
     inner: Mutex<Inner>,
     ttl: Mutex<Duration>,
     socket: Mutex<Option<PathBuf>>,
+    channels: DescriptorChannels,
 }
 
 impl Default for TicketTable {
@@ -130,11 +133,17 @@ impl Default for TicketTable {
             inner: Mutex::new(Inner::default()),
             ttl: Mutex::new(crate::defaults::TICKET_TTL),
             socket: Mutex::new(None),
+            channels: DescriptorChannels::default(),
         }
     }
 }
 
 impl TicketTable {
+    /// The workers' descriptor channels (`descriptor_channels.rs`).
+    pub fn channels(&self) -> &DescriptorChannels {
+        &self.channels
+    }
+
     /// Sets the TTL of tickets minted from now on.
     pub fn set_ttl(&self, ttl: Duration) {
         *self.ttl.lock() = ttl.max(Duration::from_millis(1));

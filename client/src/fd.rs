@@ -77,6 +77,9 @@ pub struct FdInfo {
     /// This process retained the block when it released an earlier lease of it: no
     /// ticket came, its descriptor and mapping are reused (`crate::retained`).
     pub retained: bool,
+    /// The descriptor came with the grant on this process's descriptor channel
+    /// (`crate::descriptor_channel`): no ticket came.
+    pub pushed: bool,
 }
 
 impl std::fmt::Debug for FdInfo {
@@ -101,6 +104,7 @@ impl From<pb::FdHandle> for FdInfo {
             size: h.size,
             ticket_ttl_ms: h.ticket_ttl_ms,
             retained: h.retained,
+            pushed: h.pushed,
         }
     }
 }

@@ -516,6 +516,7 @@ impl<'s> LeaseRequest<'s> {
             },
             accept_handles: self.accept.iter().map(|k| *k as i32).collect(),
             host_tier: self.host_tier,
+            push_descriptor: false,
         }
     }
 
@@ -538,6 +539,8 @@ impl<'s> LeaseRequest<'s> {
             ));
         }
         request.session_id = session_id.to_string();
+        // With a descriptor channel open, the descriptor may come with the grant.
+        request.push_descriptor = crate::descriptor_channel::wanted();
         let client = self.session.client();
         let response = self
             .session
@@ -579,6 +582,29 @@ impl<'s> LeaseRequest<'s> {
                 return Ok(lease);
             }
             let dialled = self.session.client().dialled_socket();
+            let places = crate::fd::candidates(&i.socket_path, dialled);
+            if i.pushed {
+                // Sent before the reply: already on this process's descriptor channel.
+                let key = uuid::Uuid::parse_str(&lease.info.lease_id)
+                    .map(|u| *u.as_bytes())
+                    .unwrap_or_default();
+                let fd = match crate::descriptor_channel::take(&places, &key) {
+                    Some(fd) => Ok(fd),
+                    // Not there (the channel was lost): a descriptor with a new ticket.
+                    None => client
+                        .lease_fd(&lease.info.lease_id)
+                        .await
+                        .map(|(_, fd)| fd),
+                };
+                match fd {
+                    Ok(fd) => lease.fd = Some(fd),
+                    Err(e) => {
+                        let _ = lease.release().await;
+                        return Err(e);
+                    }
+                }
+                return Ok(lease);
+            }
             match crate::fd::fetch(&i.socket_path, &i.ticket, dialled).await {
                 Ok(fd) => lease.fd = Some(fd),
                 Err(e) => {
@@ -587,6 +613,8 @@ impl<'s> LeaseRequest<'s> {
                     return Err(e);
                 }
             }
+            // The next grants' descriptors may come with them.
+            crate::descriptor_channel::ensure_open(&places).await;
             if let LeaseHandle::Fd(i) = &mut lease.info.handle {
                 i.ticket.clear();
             }

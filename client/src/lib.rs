@@ -66,6 +66,7 @@ pub mod client;
 pub mod connect;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod descriptor_channel;
 pub mod device;
 pub mod drain;
 pub mod error;

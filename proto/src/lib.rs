@@ -43,4 +43,19 @@ pub mod ticket {
     /// refusal from a kept connection the broker let go. A connection's first ticket is
     /// refused with the bare close, as before.
     pub const REFUSED_REPLY: u8 = 0x03;
+
+    /// Sent instead of a ticket as a connection's first 32 bytes: this process asks for
+    /// the connection to be its **descriptor channel**, where the broker sends the
+    /// descriptors of the leases it grants this process (`AcquireLeaseRequest.push_descriptor`).
+    /// No ticket is these bytes (tickets are random); an older broker takes them for an
+    /// unknown ticket and closes the connection.
+    pub const CHANNEL_HELLO: [u8; 32] = *b"gpu-broker descriptor channel v1";
+    /// The one byte a broker answers [`CHANNEL_HELLO`] with when the connection is this
+    /// process's descriptor channel from now on (any other answer: it is not).
+    pub const CHANNEL_OPEN_REPLY: u8 = 0x04;
+    /// The first byte of a descriptor sent on a descriptor channel: it carries the
+    /// descriptor (`SCM_RIGHTS`) and is followed by the 16 bytes of the lease's id.
+    pub const PUSHED_FD: u8 = 0x05;
+    /// Length of one message on a descriptor channel: [`PUSHED_FD`] and the lease id.
+    pub const PUSHED_LEN: usize = 17;
 }

@@ -52,11 +52,12 @@ pub struct BreakdownArgs {
     /// Unmeasured loops before the window.
     #[arg(long, value_parser = parse_duration, default_value = "500ms")]
     pub warmup: Duration,
-    /// Ways to redeem the ticket, comma-separated: library, fresh, blocking, retained.
+    /// Ways to redeem the ticket, comma-separated: library, fresh, blocking, retained,
+    /// pushed.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "library,fresh,blocking,retained"
+        default_value = "library,fresh,blocking,retained,pushed"
     )]
     pub tickets: Vec<TicketWay>,
     /// Rounds: every configuration once per round, in turn; histograms merged.
@@ -82,6 +83,9 @@ pub enum TicketWay {
     /// Released with `retain_mapping`: the next lease reuses this process's descriptor
     /// and mapping of the block (no ticket, no map).
     Retained,
+    /// No ticket: the descriptor comes with the grant on this process's descriptor channel
+    /// (`push_descriptor`; the first lease, before the channel is open, fetches a ticket).
+    Pushed,
 }
 
 impl TicketWay {
@@ -91,6 +95,7 @@ impl TicketWay {
             TicketWay::Fresh => "fresh",
             TicketWay::Blocking => "blocking",
             TicketWay::Retained => "retained",
+            TicketWay::Pushed => "pushed",
         }
     }
 }
@@ -325,6 +330,8 @@ async fn worker(
                 session_id: session.id(),
                 bytes: size,
                 accept_handles: vec![pb::HandleKind::Fd as i32],
+                push_descriptor: way == TicketWay::Pushed
+                    && gpu_broker_client::descriptor_channel::wanted(),
                 ..Default::default()
             })
             .await?
@@ -349,7 +356,20 @@ async fn worker(
                 (fd, t, mapped)
             }
             None => {
+                let places = gpu_broker_client::fd::candidates(socket, dialled.as_deref());
                 let fd = match way {
+                    TicketWay::Pushed if h.pushed => {
+                        let key = *uuid::Uuid::parse_str(&lease.lease_id)?.as_bytes();
+                        gpu_broker_client::descriptor_channel::take(&places, &key)
+                            .context("a pushed descriptor not on the channel")?
+                    }
+                    TicketWay::Pushed => {
+                        let fd =
+                            gpu_broker_client::fd::fetch(socket, &h.ticket, dialled.as_deref())
+                                .await?;
+                        gpu_broker_client::descriptor_channel::ensure_open(&places).await;
+                        fd
+                    }
                     TicketWay::Library | TicketWay::Retained => {
                         gpu_broker_client::fd::fetch(socket, &h.ticket, dialled.as_deref()).await?
                     }

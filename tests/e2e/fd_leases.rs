@@ -152,8 +152,11 @@ async fn every_ticket_misuse_is_refused_counted_and_leaves_the_lease_alone() {
     assert_eq!(metric(&b, &refused("expired")).await, 1.0);
     assert_eq!(metric(&b, &refused("foreign_peer")).await, 1.0);
     assert_eq!(metric(&b, &refused("malformed")).await, 1.0);
-    // Redeemed: the three grants (the client fetched at once), and the three good tickets.
-    assert_eq!(metric(&b, "gpu_broker_tickets_redeemed_total").await, 6.0);
+    // Delivered: the three grants (the first with its ticket, the next two sent with the
+    // grant on the client's descriptor channel, opened after the first), and the three good
+    // tickets.
+    assert_eq!(metric(&b, "gpu_broker_tickets_redeemed_total").await, 4.0);
+    assert_eq!(metric(&b, "gpu_broker_descriptors_pushed_total").await, 2.0);
     assert_eq!(b.log_text().matches("ticket refused").count(), 6);
 
     // The lease is as it was: listed, mapped, its bytes intact.
@@ -271,6 +274,59 @@ async fn handle_kinds_are_negotiated() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+}
+
+/// After a worker's first lease (its descriptor fetched with a ticket), the descriptors of
+/// its next leases come with their grants on its descriptor channel: no ticket is minted or
+/// redeemed, and each descriptor is its own lease's memory, also for grants made at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_leases_come_with_their_descriptors_and_no_ticket() {
+    use std::os::fd::AsRawFd;
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--metrics-listen".into(), "127.0.0.1:0".into()],
+        ..Default::default()
+    })
+    .unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(GIB)).await.unwrap();
+    let c = Client::connect(&b.uri(), token).await.unwrap();
+    let s = c.session("w").await.unwrap();
+    let first = s.lease(4 * MIB).await.unwrap();
+    let pushed = |l: &gpu_broker_client::Lease| match l.handle() {
+        LeaseHandle::Fd(i) => i.pushed,
+        h => panic!("{h:?}"),
+    };
+    assert!(
+        !pushed(&first),
+        "the first lease's descriptor came with a ticket"
+    );
+    let leases: Vec<_> = futures::future::join_all((0..8).map(|_| s.lease(4 * MIB)))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let inode = |l: &gpu_broker_client::Lease| {
+        // SAFETY: fstat into a zeroed local.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        assert_eq!(
+            unsafe { libc::fstat(l.fd().unwrap().as_raw_fd(), &mut st) },
+            0
+        );
+        st.st_ino
+    };
+    let mut seen = std::collections::HashSet::from([inode(&first)]);
+    for (i, l) in leases.iter().enumerate() {
+        assert!(pushed(l), "lease {i} came with a ticket");
+        assert!(
+            seen.insert(inode(l)),
+            "lease {i} got another lease's memory"
+        );
+        l.map().unwrap().fill(i as u8);
+    }
+    for (i, l) in leases.iter().enumerate() {
+        assert!(l.map().unwrap().as_slice().iter().all(|&x| x == i as u8));
+    }
+    assert_eq!(metric(&b, "gpu_broker_tickets_redeemed_total").await, 1.0);
+    assert_eq!(metric(&b, "gpu_broker_descriptors_pushed_total").await, 8.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -48,7 +48,7 @@ pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionV
 pub use adopt::{Phase, RestartReport};
 pub use drain::{DeviceDrain, DrainReport};
 pub use lifecycle::Lifecycle;
-pub use retained::Retaining;
+pub use retained::{Retaining, SessionPeer};
 pub use sharing::ImportGrant;
 pub(crate) use state::{Ending, State};
 

@@ -21,6 +21,16 @@ pub enum Retaining {
     LetGo,
 }
 
+/// A session's process as an acquire needs it ([`Arbiter::session_peer_retaining`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionPeer {
+    pub peer: crate::session::Peer,
+    /// When the peer process started (`process::start_ticks`, read when the session opened).
+    pub start: Option<u64>,
+    /// It retains a block.
+    pub retains: bool,
+}
+
 impl Arbiter {
     /// Releases lease `id` of `tenant` for process `caller` (the kernel's pid of the
     /// caller), retaining its block mapped for that process when it is the session's own
@@ -62,17 +72,18 @@ impl Arbiter {
         Err(lease_not_found(id))
     }
 
-    /// The peer of `session` (of `tenant`, else `NOT_FOUND`) and whether its process
-    /// retains any block: an acquire asks [`Arbiter::acquire_retained`] only then, so the
-    /// ordinary path takes the state lock no more often than before.
-    pub(crate) fn session_peer_retaining(
-        &self,
-        tenant: &str,
-        session: Uuid,
-    ) -> BrokerResult<(crate::session::Peer, bool)> {
+    /// The peer of `session` (of `tenant`, else `NOT_FOUND`), when its process started, and
+    /// whether that process retains any block: an acquire asks
+    /// [`Arbiter::acquire_retained`] only then, so the ordinary path takes the state lock no
+    /// more often than before.
+    pub(crate) fn session_peer_retaining(&self, tenant: &str, session: Uuid) -> BrokerResult<SessionPeer> {
         let st = self.lock();
         match st.sessions().get(&session) {
-            Some(s) if s.tenant == tenant => Ok((s.peer, st.retains(session))),
+            Some(s) if s.tenant == tenant => Ok(SessionPeer {
+                peer: s.peer,
+                start: s.peer_start,
+                retains: st.retains(session),
+            }),
             _ => Err(crate::arbiter::session_not_found(session)),
         }
     }

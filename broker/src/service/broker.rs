@@ -209,10 +209,11 @@ impl Broker for BrokerService {
         };
         // Bad values first (as before), then whether this caller can use what it would get.
         let acquire = self.arb.validate(asked).map_err(status)?;
-        let (session_peer, retains) = self
+        let session_of = self
             .arb
             .session_peer_retaining(&acquire.tenant, session)
             .map_err(status)?;
+        let (session_peer, retains) = (session_of.peer, session_of.retains);
         handles::check_same_user(&session_peer, &caller).map_err(status)?;
         handles::check_servable(&self.arb, accept, &caller).map_err(status)?;
         // The session's own process may have retained a block of this size: one lock
@@ -238,6 +239,17 @@ impl Broker for BrokerService {
         }
         .map_err(|e| self.waited(e, session, token.as_deref()))?;
         let mut reply = convert::lease_on(&lease, &self.arb);
+        // The descriptor with the grant, on the process's descriptor channel, when it asks.
+        let pushed = r
+            .push_descriptor
+            .then(|| handles::pushed_handle(&self.arb, &lease, &caller, &session_of))
+            .flatten();
+        if let Some(fd) = pushed {
+            reply.handle = Some(pb::lease::Handle::Fd(fd));
+            return Ok(Response::new(pb::AcquireLeaseResponse {
+                lease: Some(reply),
+            }));
+        }
         match handles::fd_handle(&self.arb, &lease, &caller, &session_peer) {
             Ok(fd) => reply.handle = Some(pb::lease::Handle::Fd(fd)),
             Err(e) => {

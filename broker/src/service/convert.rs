@@ -61,6 +61,7 @@ pub fn lease(v: &LeaseView) -> pb::Lease {
                 size: *size,
                 ticket_ttl_ms: 0,
                 retained: false,
+                pushed: false,
             }),
         }),
         device_uuid: String::new(),

@@ -180,6 +180,53 @@ fn fd_handle_to(
         size: mem.size,
         ticket_ttl_ms: u64::try_from(tickets.ttl().as_millis()).unwrap_or(u64::MAX),
         retained: false,
+        pushed: false,
+    })
+}
+
+/// The reply's `FdHandle` for a lease whose descriptor was just sent on its process's
+/// descriptor channel (`descriptor_channels.rs`): only when `caller` is the lease's
+/// session's own process (its pid) and that process's channel is open (pid, uid and
+/// start time all the session's). No ticket is minted. `None`: nothing was sent (no such
+/// channel, too many unread on it, the lease already ended): mint a ticket as before.
+pub fn pushed_handle(
+    arb: &Arbiter,
+    view: &LeaseView,
+    caller: &Peer,
+    session: &crate::arbiter::SessionPeer,
+) -> Option<pb::FdHandle> {
+    let socket = arb.tickets().socket()?;
+    let pid = caller.pid.filter(|&p| p != 0 && caller.unix)?;
+    let uid = caller.uid?;
+    if session.peer.pid != Some(pid) || session.peer.uid != Some(uid) {
+        return None;
+    }
+    let to = crate::descriptor_channels::Owner {
+        pid,
+        uid,
+        start: session.start?,
+    };
+    // An ended lease's descriptor goes nowhere (a ticket for it would be a tombstone).
+    if !view.live.is_live() {
+        return None;
+    }
+    let crate::device::Handle::Fd {
+        kind,
+        fd,
+        block_id,
+        size,
+    } = &view.handle;
+    crate::ticket_server::push(arb.tickets().channels(), to, view.id, fd.raw()).ok()?;
+    arb.metrics().descriptor_pushed();
+    Some(pb::FdHandle {
+        socket_path: socket.to_string_lossy().into_owned(),
+        ticket: Vec::new(),
+        memory_kind: super::convert::memory_kind(*kind) as i32,
+        block_id: *block_id,
+        size: *size,
+        ticket_ttl_ms: 0,
+        retained: false,
+        pushed: true,
     })
 }
 
@@ -202,6 +249,7 @@ pub fn retained_handle(arb: &Arbiter, view: &LeaseView) -> pb::FdHandle {
         size: *size,
         ticket_ttl_ms: 0,
         retained: true,
+        pushed: false,
     }
 }
 
