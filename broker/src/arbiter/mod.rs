@@ -22,6 +22,7 @@ mod effects;
 mod ending;
 mod health;
 mod host_direct;
+mod kept_looks;
 mod lifecycle;
 pub mod listing;
 mod outbox;
@@ -54,6 +55,7 @@ use crate::device::BackendKind;
 pub(crate) use crate::error::{lease_not_found, session_not_found};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
+use crate::memfd_holders::MemFile;
 use crate::pool::{Block, Pool};
 use crate::process::process_gone;
 use crate::session::{Peer, Session, SessionEvent};
@@ -101,6 +103,9 @@ pub struct ArbiterConfig {
     /// Descriptors kept for connections and operators: a new block that would eat into
     /// them is refused (`fd_budget.rs`; the limit is read when the arbiter starts).
     pub fd_reserve: usize,
+    /// First look again at a kept memfd's charge after this (then with backoff:
+    /// `kept_looks.rs`).
+    pub kept_memory_look: Duration,
 }
 
 impl Default for ArbiterConfig {
@@ -120,6 +125,7 @@ impl Default for ArbiterConfig {
             overtake_age: crate::defaults::OVERTAKE_AGE,
             lock_hold_cpu_clock: crate::defaults::LOCK_HOLD_CPU_CLOCK,
             fd_reserve: crate::fd_budget::reserve_for(crate::fd_budget::default_max_connections()),
+            kept_memory_look: crate::defaults::KEPT_MEMORY_LOOK,
         }
     }
 }
@@ -203,6 +209,8 @@ pub struct Arbiter {
     /// charge (`State::stranded`) is on its way, or still being judged: the leasable
     /// refresh counts them as the broker's, so they are never outside memory meanwhile.
     unverified: Arc<[AtomicU64]>,
+    /// Kept memfds looked at again until let go (`kept_looks.rs`).
+    kept_looks: kept_looks::KeptLooks,
     /// Serializes durable operator changes (quotas, tenant deletion, tokens): each
     /// validates under the state lock, commits to the store with no state lock held, then
     /// applies under the state lock. Lock order: this, then the state.
@@ -271,6 +279,7 @@ impl Arbiter {
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             unverified,
+            kept_looks: Default::default(),
             admin_writes: Mutex::new(()),
             lifecycle: Lifecycle::default(),
             watchers: effects::Watchers::default(),
@@ -584,6 +593,7 @@ impl Arbiter {
                 _ => None,
             };
             let report = reached.is_some().then(|| self.stranded_reporter());
+            let prober = reached.as_ref().and_then(|_| self.kept_looks.prober());
             let unverified = self.unverified.clone();
             let r = d.thread.submit(move |dev| {
                 let _counted = counted;
@@ -610,50 +620,58 @@ impl Arbiter {
                         .unwrap_or_default()
                 };
                 let pending = &unverified[device as usize];
-                let report = report.filter(|_| !alive.is_empty());
-                // A memfd that could not be revoked (sealed against shrinking): the
-                // processes that still map it or hold its descriptor say who kept it.
+                // A memfd that could not be revoked (sealed against shrinking): the kernel
+                // says whether anyone still holds it, the recorded processes who.
                 let memfd = handle
                     .as_ref()
                     .filter(|_| !revoked && report.is_some())
                     .and_then(|h| dev.held_as_file(h));
-                let report = match (report, memfd) {
-                    (Some(report), None) => report,
-                    (report, memfd) => {
-                        if memfd.is_some() {
-                            pending.fetch_add(bytes, Ordering::SeqCst);
+                match (report, memfd) {
+                    (Some(report), Some(file)) => {
+                        pending.fetch_add(bytes, Ordering::SeqCst);
+                        let freed = dev.free(alloc);
+                        drop(handle);
+                        if let Err(e) = &freed {
+                            pending.fetch_sub(bytes, Ordering::SeqCst);
+                            tracing::error!(device, alloc = id, error = %e, "free failed");
+                            return;
                         }
+                        match crate::device::free_check::memfd_kept(
+                            &file,
+                            &alive,
+                            prober.as_deref(),
+                        ) {
+                            Some(kept) => {
+                                let tenant = answering(&kept.answering);
+                                let looks = (file, kept.by_handle);
+                                report(device, tenant, bytes, kept.pids, Some(looks));
+                            }
+                            None => {
+                                pending.fetch_sub(bytes, Ordering::SeqCst);
+                            }
+                        }
+                    }
+                    (Some(report), None) if !alive.is_empty() => {
+                        pending.fetch_add(bytes, Ordering::SeqCst);
+                        match dev.free_checked(alloc, handle) {
+                            Ok(Returned::No) => {
+                                report(device, answering(&alive), bytes, alive, None);
+                            }
+                            Ok(Returned::Yes | Returned::Unknown) => {
+                                pending.fetch_sub(bytes, Ordering::SeqCst);
+                            }
+                            Err(e) => {
+                                pending.fetch_sub(bytes, Ordering::SeqCst);
+                                tracing::error!(device, alloc = id, error = %e, "free failed");
+                            }
+                        }
+                    }
+                    _ => {
                         let freed = dev.free(alloc);
                         drop(handle);
                         if let Err(e) = &freed {
                             tracing::error!(device, alloc = id, error = %e, "free failed");
                         }
-                        let (Some(report), Some(file)) = (report, memfd) else {
-                            return;
-                        };
-                        let keepers = match freed {
-                            Ok(()) => crate::memfd_holders::holding(file, &alive),
-                            Err(_) => Vec::new(),
-                        };
-                        if keepers.is_empty() {
-                            pending.fetch_sub(bytes, Ordering::SeqCst);
-                        } else {
-                            report(device, answering(&keepers), bytes, keepers);
-                        }
-                        return;
-                    }
-                };
-                pending.fetch_add(bytes, Ordering::SeqCst);
-                match dev.free_checked(alloc, handle) {
-                    Ok(Returned::No) => {
-                        report(device, answering(&alive), bytes, alive);
-                    }
-                    Ok(Returned::Yes | Returned::Unknown) => {
-                        pending.fetch_sub(bytes, Ordering::SeqCst);
-                    }
-                    Err(e) => {
-                        pending.fetch_sub(bytes, Ordering::SeqCst);
-                        tracing::error!(device, alloc = id, error = %e, "free failed");
                     }
                 }
             });
@@ -677,11 +695,13 @@ impl Arbiter {
     /// tenant's importer: `Reached::answers_for`) (`State::stranded`), on the main runtime
     /// (inline when there is none), never on the device thread under a lock it could wait
     /// on.
-    fn stranded_reporter(&self) -> impl FnOnce(u32, String, u64, Vec<u32>) + Send + 'static {
+    fn stranded_reporter(
+        &self,
+    ) -> impl FnOnce(u32, String, u64, Vec<u32>, Option<(MemFile, bool)>) + Send + 'static {
         let me = self.me.clone();
         let rt = self.lifecycle.effects_runtime();
         let unverified = self.unverified.clone();
-        move |device, tenant, bytes, pids| {
+        move |device, tenant, bytes, pids, memfd| {
             let charge = move || {
                 let pending = &unverified[device as usize];
                 let Some(arb) = me.upgrade() else {
@@ -689,12 +709,26 @@ impl Arbiter {
                     return;
                 };
                 let mut st = arb.lock();
-                let id = st.stranded(&tenant, device, bytes, pids.iter().copied());
+                let by_handle = memfd.as_ref().is_some_and(|(_, by_handle)| *by_handle);
+                let id = if by_handle {
+                    st.stranded_unwatched(&tenant, device, bytes, pids.iter().copied())
+                } else {
+                    st.stranded(&tenant, device, bytes, pids.iter().copied())
+                };
                 // In the same hold: the refresh sees the bytes as unverified or as the
                 // tenant's, never as both or neither.
                 pending.fetch_sub(bytes, Ordering::SeqCst);
                 drop(st);
-                tracing::warn!(device, tenant, bytes, ?pids, charged = id.is_some(), "freed memory stayed on the device: a process that had its descriptor keeps it; charged to its tenant until that process exits");
+                tracing::warn!(device, tenant, bytes, ?pids, charged = id.is_some(), "freed memory stayed on the device: a process that had its descriptor keeps it; charged to its tenant until it lets go");
+                // A memfd: looked at again, its charge lifted once let go.
+                if let (Some(id), Some((file, by_handle))) = (id, memfd) {
+                    arb.look_again(kept_looks::KeptFile {
+                        id,
+                        file,
+                        pids,
+                        by_handle,
+                    });
+                }
             };
             match rt {
                 Some(rt) => {
