@@ -106,22 +106,20 @@ build() {
         cp -f "$GPU_ALL_BEFORE_BENCH" "$OUT/gpu-broker-bench-before"
         strip "$OUT/gpu-broker-bench-before" 2>/dev/null || true
     fi
-    rm -f "$OUT"/gpu-broker-variant-* "$OUT/extra-brokers.tgz"
+    rm -f "$OUT"/gpu-broker-variant-* "$OUT/extra-brokers.tgz" "$OUT/binaries.tgz"
     local v
     for v in ${GPU_ALL_VARIANTS:-}; do
         cp -f "${v#*=}" "$OUT/gpu-broker-variant-${v%%=*}"
         strip "$OUT/gpu-broker-variant-${v%%=*}" 2>/dev/null || true
     done
-    # The extra brokers travel compressed (a third of their size: the carry holds 64 MiB);
-    # run unpacks them.
-    local extra=()
-    for v in "$OUT"/gpu-broker-before "$OUT"/gpu-broker-bench-before "$OUT"/gpu-broker-variant-*; do
-        [[ -f $v ]] && extra+=("${v##*/}")
+    # Every executable travels compressed (about a third of its size: a device call carries
+    # 64 MiB); run unpacks them.
+    local bins=()
+    for v in "$OUT"/*; do
+        [[ -f $v && -x $v ]] && head -c 4 "$v" | grep -q ELF && bins+=("${v##*/}")
     done
-    if [[ ${#extra[@]} -gt 0 ]]; then
-        tar czf "$OUT/extra-brokers.tgz" -C "$OUT" "${extra[@]}"
-        (cd "$OUT" && rm -f "${extra[@]}")
-    fi
+    tar czf "$OUT/binaries.tgz" -C "$OUT" "${bins[@]}"
+    (cd "$OUT" && rm -f "${bins[@]}")
     du -sh "$OUT"
 }
 
@@ -207,7 +205,7 @@ part_command() {
 }
 
 run() {
-    [[ -f $OUT/extra-brokers.tgz ]] && tar xzf "$OUT/extra-brokers.tgz" -C "$OUT"
+    [[ -f $OUT/binaries.tgz ]] && tar xzf "$OUT/binaries.tgz" -C "$OUT"
     local parts=${1:-$ALL_PARTS} t0=$SECONDS failed=() p
     # Every part is known before any runs.
     for p in ${parts//,/ }; do

@@ -7,7 +7,8 @@
 //!   exit 2 on failure), optionally checks their initial bytes and fills them with a
 //!   pattern, prints `READY`, then holds them until killed. Session events are reported as
 //!   `EVENT revoked <lease_id>`, `EVENT reclaim <lease_id>`, `EVENT shutting_down
-//!   <grace_ms>`, `EVENT closed`. Commands on stdin, one per line: `check <byte>` (every
+//!   <grace_ms>`, `EVENT closed`; with `--reconnect` the session rides through a broker
+//!   restart (`EVENT resumed kept=<ids,> lost=<ids,>`). Commands on stdin, one per line: `check <byte>` (every
 //!   byte of every lease; answers `CHECK ok` or `CHECK bad <index> <got>`), `fill <byte>`
 //!   (`FILLED`), `release` (`RELEASED`), `publish <name> [<tenant>...]` (the first lease:
 //!   `PUBLISHED`), `exit`. End of stdin also exits, so a worker never
@@ -44,7 +45,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use futures::StreamExt;
 use gpu_broker_client::units::parse_bytes;
-use gpu_broker_client::{Client, HostMapping, Lease, LeaseHandle, SessionEvent};
+use gpu_broker_client::{Backoff, Client, HostMapping, Lease, LeaseHandle, SessionEvent};
 use std::path::PathBuf;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -95,6 +96,9 @@ enum Cmd {
         /// Session name.
         #[arg(long, default_value = "e2e-worker")]
         name: String,
+        /// Ride through a broker restart: resume the session (`EVENT resumed ...`).
+        #[arg(long)]
+        reconnect: bool,
     },
     /// Map a lease of the tenant (by id) and check or summarize its bytes.
     Read {
@@ -415,9 +419,17 @@ async fn run(cli: Cli) -> Result<u8> {
             wait_ms,
             label,
             name,
+            reconnect,
         } => {
             let client = Client::connect(&cli.broker, cli.token).await?;
-            let session = client.session(name).await?;
+            let mut builder = client.session_builder(name);
+            if reconnect {
+                builder = builder.reconnect(Backoff::new(
+                    Duration::from_millis(20),
+                    Duration::from_millis(200),
+                ));
+            }
+            let session = builder.await?;
             let mut events = session.events();
             say(format!("SESSION {} {}", session.id(), session.peer_pid()));
             let mut leases: Vec<Lease> = Vec::new();
@@ -521,6 +533,15 @@ fn event_line(ev: &SessionEvent) -> String {
             format!("EVENT shutting_down {}", grace.as_millis())
         }
         SessionEvent::Closed { .. } => "EVENT closed".into(),
+        SessionEvent::Resumed {
+            kept_leases,
+            lost_leases,
+            ..
+        } => format!(
+            "EVENT resumed kept={} lost={}",
+            kept_leases.join(","),
+            lost_leases.join(",")
+        ),
         other => format!("EVENT other {other:?}"),
     }
 }

@@ -351,6 +351,12 @@ fn the_systemd_unit_keeps_leases_in_its_file_descriptor_store() {
     let nofile: u64 = value("LimitNOFILE").parse().unwrap();
     assert!(max >= nofile, "FileDescriptorStoreMax={max}");
     assert_eq!(value("FileDescriptorStorePreserve"), "yes");
+    // What `keep-in = "auto"` reads: systemd before 254 does not set it.
+    assert!(
+        unit.lines()
+            .any(|l| l.trim() == format!("Environment=FDSTORE={max}")),
+        "the unit tells an older systemd's broker its store's size"
+    );
     let config = std::fs::read_to_string(root().join("deploy/config.toml")).unwrap();
     assert!(config.contains("\nkeep-in = \"auto\"\n"));
 }
@@ -591,6 +597,31 @@ fn operators_and_the_driver_reach_admin_and_workers_do_not() {
         worker["spec"]["resourceClaims"][0]["resourceClaimTemplateName"],
         template["metadata"]["name"]
     );
+}
+
+/// The broker pod runs as its own ServiceAccount, bound to `system:auth-delegator` and to
+/// nothing else, so `token-review-audience` works as shipped: its TokenReviews are allowed.
+#[test]
+fn the_broker_may_review_tokens_and_nothing_more() {
+    let ds = doc("daemonset.yaml", "DaemonSet");
+    let pod = &ds["spec"]["template"]["spec"];
+    let account = doc("rbac.yaml", "ServiceAccount");
+    assert_eq!(pod["serviceAccountName"], account["metadata"]["name"]);
+    assert_eq!(
+        account["metadata"]["namespace"],
+        ds["metadata"]["namespace"]
+    );
+    let binding = doc("rbac.yaml", "ClusterRoleBinding");
+    assert_eq!(binding["roleRef"]["kind"], "ClusterRole");
+    assert_eq!(binding["roleRef"]["name"], "system:auth-delegator");
+    let subjects = binding["subjects"].as_array().unwrap();
+    assert_eq!(subjects.len(), 1, "{subjects:?}");
+    assert_eq!(subjects[0]["kind"], "ServiceAccount");
+    assert_eq!(subjects[0]["name"], account["metadata"]["name"]);
+    assert_eq!(subjects[0]["namespace"], account["metadata"]["namespace"]);
+    // No Role or ClusterRole of the broker's own: it is granted nothing else.
+    let text = std::fs::read_to_string(root().join("deploy/kubernetes/rbac.yaml")).unwrap();
+    assert!(!text.contains("\nkind: ClusterRole\n") && !text.contains("\nkind: Role\n"));
 }
 
 /// What `kubectl exec <broker pod> -- gpu-brokerctl tenants list` does, here: a broker

@@ -17,6 +17,7 @@ mod load;
 mod malformed;
 mod reclaim;
 mod restart;
+mod systemd_unit;
 
 pub use gpu_broker_tests::*;
 
