@@ -697,7 +697,7 @@ impl Arbiter {
     /// on.
     fn stranded_reporter(
         &self,
-    ) -> impl FnOnce(u32, String, u64, Vec<u32>, Option<(MemFile, bool)>) + Send + 'static {
+    ) -> impl FnOnce(u32, String, u64, Vec<u32>, LookAgain) + Send + 'static {
         let me = self.me.clone();
         let rt = self.lifecycle.effects_runtime();
         let unverified = self.unverified.clone();
@@ -739,6 +739,10 @@ impl Arbiter {
         }
     }
 }
+
+/// A kept memfd to look at again, and whether the kernel says when it is let go
+/// (`kept_looks.rs`); `None` for memory that cannot be looked at (CUDA).
+type LookAgain = Option<(MemFile, bool)>;
 
 /// Takes memory about to be freed back from whoever may still map it (a memfd is
 /// truncated). Only the broker's frees of memory that nobody it counts may map come here,
