@@ -627,30 +627,6 @@ impl Arbiter {
                     .filter(|_| !revoked && report.is_some())
                     .and_then(|h| dev.held_as_file(h));
                 match (report, memfd) {
-                    (Some(report), Some(file)) => {
-                        pending.fetch_add(bytes, Ordering::SeqCst);
-                        let freed = dev.free(alloc);
-                        drop(handle);
-                        if let Err(e) = &freed {
-                            pending.fetch_sub(bytes, Ordering::SeqCst);
-                            tracing::error!(device, alloc = id, error = %e, "free failed");
-                            return;
-                        }
-                        match crate::device::free_check::memfd_kept(
-                            &file,
-                            &alive,
-                            prober.as_deref(),
-                        ) {
-                            Some(kept) => {
-                                let tenant = answering(&kept.answering);
-                                let looks = (file, kept.by_handle);
-                                report(device, tenant, bytes, kept.pids, Some(looks));
-                            }
-                            None => {
-                                pending.fetch_sub(bytes, Ordering::SeqCst);
-                            }
-                        }
-                    }
                     (Some(report), None) if !alive.is_empty() => {
                         pending.fetch_add(bytes, Ordering::SeqCst);
                         match dev.free_checked(alloc, handle) {
@@ -666,11 +642,30 @@ impl Arbiter {
                             }
                         }
                     }
-                    _ => {
+                    (report, memfd) => {
+                        if memfd.is_some() {
+                            pending.fetch_add(bytes, Ordering::SeqCst);
+                        }
                         let freed = dev.free(alloc);
                         drop(handle);
                         if let Err(e) = &freed {
                             tracing::error!(device, alloc = id, error = %e, "free failed");
+                        }
+                        let (Some(report), Some(file)) = (report, memfd) else {
+                            return;
+                        };
+                        let kept = freed.ok().and_then(|()| {
+                            crate::device::free_check::memfd_kept(&file, &alive, prober.as_deref())
+                        });
+                        match kept {
+                            Some(kept) => {
+                                let tenant = answering(&kept.answering);
+                                let looks = (file, kept.by_handle);
+                                report(device, tenant, bytes, kept.pids, Some(looks));
+                            }
+                            None => {
+                                pending.fetch_sub(bytes, Ordering::SeqCst);
+                            }
                         }
                     }
                 }
