@@ -93,7 +93,8 @@ pub enum Alive {
 }
 
 /// Asks the kernel whether memory files live. Holds one empty memfd of its own, which
-/// names the filesystem every memfd lives on (the mount a handle is opened on).
+/// names the filesystem every memfd lives on (the mount a handle is opened on); not named
+/// `gpu-broker-*` as the memory objects are: it holds no memory.
 #[derive(Debug)]
 pub struct Prober {
     mount: OwnedFd,
@@ -102,7 +103,7 @@ pub struct Prober {
 impl Prober {
     pub fn new() -> std::io::Result<Prober> {
         // SAFETY: memfd_create with a static name; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"gpu-broker-probe".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(c"kept-memory-probe".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }

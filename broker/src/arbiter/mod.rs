@@ -593,7 +593,13 @@ impl Arbiter {
                 _ => None,
             };
             let report = reached.is_some().then(|| self.stranded_reporter());
-            let prober = reached.as_ref().and_then(|_| self.kept_looks.prober());
+            // Made with the first memfd a process may keep (never for CUDA memory).
+            let memfd_block = matches!(&what, Unneeded::Block(b)
+                if matches!(b.handle, crate::device::Handle::Fd { kind: crate::device::MemoryKind::HostMemfd, .. }));
+            let prober = reached
+                .as_ref()
+                .filter(|_| memfd_block)
+                .and_then(|_| self.kept_looks.prober());
             let unverified = self.unverified.clone();
             let r = d.thread.submit(move |dev| {
                 let _counted = counted;
