@@ -17,8 +17,9 @@
 //!   enforced here), [`pool`] (a device's bytes and its block cache), [`lease`],
 //!   [`session`], [`reservations`] (process reservations), [`sharing`] (publications and
 //!   imports), [`availability`] (which devices admit grants), [`fd_budget`] (descriptors
-//!   held against the limit), [`process_group`], [`views`] (snapshots operators read).
-//! - The queue: [`kept`] (the records a broker's keeper holds across its restarts); [`queue`] (waiters and their order of service), [`overtaking`] (when a
+//!   held against the limit), [`process_group`], [`views`] (snapshots operators read),
+//!   [`kept`] (the records a broker's keeper holds across its restarts).
+//! - The queue: [`queue`] (waiters and their order of service), [`overtaking`] (when a
 //!   blocked head may be overtaken).
 //! - The core: [`state`] (the transitions and the byte-state invariant) and [`effects`]
 //!   (what they ask of the shell); [`scheduler`] (compute turns, a core of its own).

@@ -295,14 +295,14 @@ impl Arbiter {
         });
         match self.start_drain(Some(r.device), left, &r.reason) {
             Ok(_) => {
-                let st = self.lock();
-                let mut avail = self.avail.write();
-                if let Some(Some(d)) = avail.device_mut(r.device).map(|s| s.drain.as_mut()) {
-                    d.since = from_unix_ms(r.since_unix_ms);
-                    self.keep_drain(r.device, Some(d));
-                }
-                drop(avail);
-                drop(st);
+                // Bookkeeping only (the start it had): which devices admit is unchanged.
+                self.lock().change_devices(|avail| {
+                    if let Some(Some(d)) = avail.device_mut(r.device).map(|s| s.drain.as_mut()) {
+                        d.since = from_unix_ms(r.since_unix_ms);
+                        self.keep_drain(r.device, Some(d));
+                    }
+                    None::<()>
+                });
                 tracing::warn!(device = r.device, reason = %r.reason, ?left, "kept drain taken back: the device stays closed");
             }
             Err(e) => {
@@ -896,7 +896,7 @@ impl Arbiter {
             .filter(|l| !s.leases().contains(l))
             .copied()
             .collect();
-        self.outbox.open(id, tx);
+        self.outbox.open(&st, id, tx);
         for l in &ended {
             // Never handed to the worker (it does not know it): nobody maps it.
             st.end_lease(*l, Ending::Cache);

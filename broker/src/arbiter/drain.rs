@@ -128,8 +128,8 @@ impl Arbiter {
         let grace = deadline.unwrap_or(self.cfg.reclaim_deadline);
         let (due, due_wall) = (clock.now + grace, now + grace);
         let asked = st.ask_drain_reclaim(&targets, due, due_wall, &reason);
-        {
-            let mut avail = self.avail.write();
+        // Bookkeeping only: which devices admit is as above.
+        st.change_devices(|avail| {
             for (d, id) in &asked {
                 if let Some(Some(drain)) = avail.device_mut(*d).map(|s| s.drain.as_mut()) {
                     drain.asked.insert(*id);
@@ -141,7 +141,8 @@ impl Arbiter {
                     self.keep_drain(d, Some(drain));
                 }
             }
-        }
+            None::<()>
+        });
         tracing::warn!(devices = ?targets, ?deadline, %reason, asked = asked.len(), "drain started");
         let report = self.drain_report_locked(&st);
         drop(st);

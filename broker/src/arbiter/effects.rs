@@ -1,9 +1,9 @@
 //! The lock guard and the effect executor. A transition of the core (a method on `State`,
 //! `gpu_broker_core::state`) pushes what the shell must do as an [`Effect`] (the vocabulary
 //! is the core's, `gpu_broker_core::effects`) onto its effect list, private to the core
-//! (the shell pushes nothing itself, checked by `broker/tests/layers.rs`). The lock guard
-//! ([`Locked`], from `Arbiter::lock`) takes them (`State::take_effects`) and runs them when
-//! it is dropped:
+//! (outside its tests the shell cannot build one: every variant is `non_exhaustive`). The
+//! lock guard ([`Locked`], from `Arbiter::lock`) takes them (`State::take_effects`) and
+//! runs them when it is dropped:
 //!
 //! 1. the byte-state invariant is checked (debug builds: `State::check_invariant`);
 //! 2. device frees are queued on their device threads (a channel send, never a driver call)
@@ -16,7 +16,10 @@
 //!    clean-up, counters.
 //!
 //! [`Arbiter::execute`] is the one executor: every device free of the broker goes through
-//! it (`Effect::Free`, `Effect::FreeHost`).
+//! it (`Effect::Free`, `Effect::FreeHost`). The state's mutex ([`StateLock`]) and the
+//! devices' availability ([`DeviceAvailability`]) are private to this module, so the
+//! compiler keeps [`Arbiter::lock`] the one take and [`Locked::change_devices`] the one
+//! write.
 
 use super::queue::{Granted, WaiterId};
 use super::{Arbiter, State};
@@ -152,6 +155,47 @@ impl Watchers {
     }
 }
 
+/// The core behind its one lock. Its mutex is private to this module: outside tests the
+/// only take is [`Arbiter::lock`], whose guard checks the invariant, runs the effects and
+/// times the hold.
+pub(crate) struct StateLock(parking_lot::Mutex<State>);
+
+impl StateLock {
+    pub fn new(st: State) -> Self {
+        StateLock(parking_lot::Mutex::new(st))
+    }
+
+    /// A raw take, for tests that read the state without running its effects.
+    #[cfg(test)]
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.0.lock()
+    }
+
+    /// A raw try, for tests that check the lock is free.
+    #[cfg(test)]
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, State>> {
+        self.0.try_lock()
+    }
+}
+
+/// Which devices admit new leases (drain, health). Anyone reads it; only
+/// [`Locked::change_devices`] writes it (the field is private to this module), so every
+/// change is made under the state lock and the queue runs after one that changed what fits.
+pub(crate) struct DeviceAvailability(parking_lot::RwLock<crate::availability::Availability>);
+
+impl DeviceAvailability {
+    pub fn new(devices: usize) -> Self {
+        DeviceAvailability(parking_lot::RwLock::new(
+            crate::availability::Availability::new(devices),
+        ))
+    }
+
+    /// A read of it: under the state lock (admission, the queue run) or alone (reports).
+    pub fn read(&self) -> parking_lot::RwLockReadGuard<'_, crate::availability::Availability> {
+        self.0.read()
+    }
+}
+
 /// What the lock guard runs once the lock is released: an effect, or an event whose
 /// mailbox it found under the lock.
 enum After {
@@ -202,15 +246,16 @@ impl<'a> Locked<'a> {
         }
     }
 
-    /// Changes which devices admit new leases (a drain, a health mark) in this hold: when
-    /// `change` changed something (`Some`), the queue runs before the unlock
-    /// (`State::devices_changed`): a reopened device may fit waiters, and those no open
-    /// device can serve any more are refused.
+    /// Changes which devices admit new leases (a drain, a health mark) in this hold, the
+    /// one way to write them: when `change` changed what admits (`Some`), the queue runs
+    /// before the unlock (`State::devices_changed`): a reopened device may fit waiters,
+    /// and those no open device can serve any more are refused. `None`: nothing that
+    /// admits changed (a drain's bookkeeping: whom it asked, since when).
     pub(crate) fn change_devices<R>(
         &mut self,
         change: impl FnOnce(&mut crate::availability::Availability) -> Option<R>,
     ) -> Option<R> {
-        let changed = change(&mut self.arb.avail.write());
+        let changed = change(&mut self.arb.avail.0.write());
         if changed.is_some() {
             self.devices_changed();
         }
@@ -304,9 +349,9 @@ impl Arbiter {
         let holds = &self.metrics.lock_holds;
         let cpu_since = holds.cpu_clock().then(crate::lock_holds::thread_cpu_now);
         // A take that finds the lock held is timed (`lock_holds.rs`); a free one is not.
-        let st = self.state.try_lock().unwrap_or_else(|| {
+        let st = self.state.0.try_lock().unwrap_or_else(|| {
             let t0 = std::time::Instant::now();
-            let st = self.state.lock();
+            let st = self.state.0.lock();
             self.metrics.lock_holds.record_wait(t0.elapsed());
             st
         });

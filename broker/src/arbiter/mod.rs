@@ -168,9 +168,8 @@ impl From<crate::device::Allocation> for Unneeded {
 /// The admission authority of one broker.
 pub struct Arbiter {
     /// The core behind its one lock: taken only by `Arbiter::lock` (`effects.rs`), whose
-    /// guard checks the invariant, runs the effects and times the hold (checked by
-    /// `broker/tests/layers.rs`; tests may read it directly).
-    state: Mutex<State>,
+    /// guard checks the invariant, runs the effects and times the hold.
+    state: effects::StateLock,
     pub(crate) devices: Vec<DeviceSlot>,
     pub(crate) host_tier: Option<DeviceThread>,
     pub(crate) store: Option<Store>,
@@ -187,8 +186,9 @@ pub struct Arbiter {
     exiting: AtomicBool,
     /// Operator changes, durable in the store (`audit.rs`).
     pub(crate) audit_log: crate::audit::AuditLog,
-    /// Which devices admit new leases (drain, health); changed under the state lock.
-    pub(crate) avail: parking_lot::RwLock<crate::availability::Availability>,
+    /// Which devices admit new leases (drain, health); changed only through
+    /// `Locked::change_devices`.
+    pub(crate) avail: effects::DeviceAvailability,
     /// What the broker did (counters, histograms), for `/metrics`.
     pub(crate) metrics: crate::metrics::Metrics,
     /// The background machinery: workers, the main runtime, the store writer, MPS, the
@@ -286,13 +286,13 @@ impl Arbiter {
             outbox: outbox::Outbox::default(),
             fds,
             audit_log,
-            avail: parking_lot::RwLock::new(crate::availability::Availability::new(devices.len())),
+            avail: effects::DeviceAvailability::new(devices.len()),
             keeper: std::sync::OnceLock::new(),
             restart: Mutex::default(),
             awaiting_resume: Mutex::default(),
             crash: crate::crash_point::CrashPoint::from_env(),
             scheduler,
-            state: Mutex::new(st),
+            state: effects::StateLock::new(st),
             devices,
             host_tier,
             store,
@@ -443,7 +443,7 @@ impl Arbiter {
             st.open_session(s, self.cfg.max_sessions_per_tenant)?;
             // Its mailbox is in place in the hold that opened it, so before any
             // transition can tell it something (effects run when the guard drops).
-            self.outbox.open(id, tx);
+            self.outbox.open(&st, id, tx);
         }
         tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
         Ok((id, rx, secret))

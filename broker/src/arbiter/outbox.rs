@@ -1,6 +1,8 @@
 //! The outbox: the shell's ends of the channels the core's messages travel on, so the core
 //! (`gpu_broker_core::state`) holds no tokio types. The core names a session by its id; here each
-//! open session's event channel (its **mailbox**) is kept by that id. A transition asks for
+//! open session's event channel (its **mailbox**) is kept by that id, opened under the state
+//! lock (its guard is an argument of [`Outbox::open`]) in the hold that opened the session,
+//! so no event for it can run before its mailbox is there. A transition asks for
 //! an event with `Effect::Notify { session, .. }` and for the channel's end with
 //! `Effect::Hangup`; the lock guard (`effects.rs`) resolves both while the state lock is
 //! still held, so an event decided before a session ended always reaches its stream, and
@@ -15,7 +17,8 @@
 //! means the caller is gone, and the shell gives back whatever was granted.
 //!
 //! Waiting compute-turn requests' reply channels likewise (by the turn core's waiter id,
-//! `scheduler::TurnWaiterId`): registered under the scheduler's lock in the hold that
+//! `scheduler::TurnWaiterId`): registered under the scheduler's lock (its guard,
+//! `turns::TurnsHeld`, is an argument of [`Outbox::register_turn_reply`]) in the hold that
 //! queued the request, taken out by the delivery of its `TurnEffect::Reply`
 //! (`arbiter/turns.rs`) after that lock is released.
 //!
@@ -96,8 +99,15 @@ impl<A> Replies<A> {
 }
 
 impl Outbox {
-    /// Session `id` opens: its events go to `tx`.
-    pub fn open(&self, id: Uuid, tx: UnboundedSender<SessionEvent>) {
+    /// Session `id` opens: its events go to `tx`. Only under the state lock (`_held`), in
+    /// the hold that opened (or resumed) the session, so its mailbox is in place before
+    /// any transition can tell it something.
+    pub fn open(
+        &self,
+        _held: &super::effects::Locked<'_>,
+        id: Uuid,
+        tx: UnboundedSender<SessionEvent>,
+    ) {
         self.mailboxes.lock().insert(id, tx);
     }
 
@@ -165,7 +175,13 @@ impl Outbox {
     }
 
     /// A reply channel for turn waiter `id`; its receiver is the `AcquireTurn` future's.
-    pub fn register_turn_reply(&self, id: TurnWaiterId) -> oneshot::Receiver<TurnAnswer> {
+    /// Made only under the turn core's lock (`_held`), in the hold that queued the waiter,
+    /// so it is in place before the delivery of its `TurnEffect::Reply`.
+    pub fn register_turn_reply(
+        &self,
+        _held: &super::turns::TurnsHeld<'_>,
+        id: TurnWaiterId,
+    ) -> oneshot::Receiver<TurnAnswer> {
         self.turn_replies.register(id)
     }
 
@@ -198,7 +214,7 @@ mod tests {
         let o = Outbox::default();
         let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        o.open(a, tx);
+        o.mailboxes.lock().insert(a, tx);
         let e = |reason: &str| SessionEvent::ShuttingDown {
             reason: reason.into(),
             grace: std::time::Duration::ZERO,

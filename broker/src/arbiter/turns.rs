@@ -77,6 +77,25 @@ impl Scheduler {
     }
 }
 
+/// The turn core's lock, held: derefs to [`Turns`]. A turn request's reply channel is made
+/// only with one ([`super::outbox::Outbox::register_turn_reply`] takes it), so the channel
+/// is in place in the hold that queued the request, before any delivery of its answer
+/// (deliveries run after the unlock).
+pub(crate) struct TurnsHeld<'a>(parking_lot::MutexGuard<'a, Turns>);
+
+impl std::ops::Deref for TurnsHeld<'_> {
+    type Target = Turns;
+    fn deref(&self) -> &Turns {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for TurnsHeld<'_> {
+    fn deref_mut(&mut self) -> &mut Turns {
+        &mut self.0
+    }
+}
+
 /// Cancels a turn request whose caller went away; a grant that arrived (or is arriving)
 /// for nobody is given back at once.
 struct TurnWait {
@@ -114,7 +133,7 @@ impl Drop for TurnWait {
 impl Arbiter {
     /// Locks the turn core, runs `f` on it, unlocks, then carries out the effects `f`
     /// pushed. Returns what `f` returned and how many grants reached their waiters.
-    pub(crate) fn turns<R>(&self, f: impl FnOnce(&mut Turns) -> R) -> (R, u32) {
+    pub(crate) fn turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
         let (r, fx) = self.turn_hold(f);
         let delivered = if fx.is_empty() {
             0
@@ -125,8 +144,8 @@ impl Arbiter {
     }
 
     /// One hold of the turn core's lock: `f`, the invariant (debug builds), the effects.
-    fn turn_hold<R>(&self, f: impl FnOnce(&mut Turns) -> R) -> (R, Vec<TurnEffect>) {
-        let mut core = self.scheduler.core.lock();
+    fn turn_hold<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, Vec<TurnEffect>) {
+        let mut core = TurnsHeld(self.scheduler.core.lock());
         let r = f(&mut core);
         #[cfg(debug_assertions)]
         if let Err(e) = core.check_invariant() {
@@ -220,7 +239,7 @@ impl Arbiter {
             self.turn_hold(|t| {
                 let id = t.request(device, who, max_waiting, Instant::now())?;
                 // In the hold that queued it: in place before any answer is delivered.
-                Ok::<_, BrokerError>((id, self.outbox.register_turn_reply(id)))
+                Ok::<_, BrokerError>((id, self.outbox.register_turn_reply(t, id)))
             })
         };
         if !fx.is_empty() {
@@ -423,7 +442,7 @@ mod tests {
         };
         let ((), _) = arb.turns(|t| {
             let id = t.request(0, who, usize::MAX, Instant::now()).unwrap();
-            drop(arb.outbox.register_turn_reply(id));
+            drop(arb.outbox.register_turn_reply(t, id));
         });
         let wc = tokio::spawn({
             let arb = arb.clone();
@@ -617,7 +636,7 @@ mod tests {
         let ask = |w: Requester| {
             arb.turns(|t| {
                 let id = t.request(0, w, usize::MAX, Instant::now()).unwrap();
-                (id, arb.outbox.register_turn_reply(id))
+                (id, arb.outbox.register_turn_reply(t, id))
             })
             .0
         };

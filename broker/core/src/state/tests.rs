@@ -330,6 +330,8 @@ struct Harness {
     never_cached: BTreeSet<u64>,
     /// Each tenant's device limit (an operator may change it).
     limits: BTreeMap<&'static str, u64>,
+    /// What the transitions counted so far (`Effect::Count`), in order.
+    counted: Vec<Counted>,
 }
 
 fn fake_fd() -> SharedFd {
@@ -372,6 +374,9 @@ impl Harness {
             let q = Quota {
                 limit_bytes: LIMIT,
                 host_limit_bytes: HOST_LIMIT,
+                // The last tenant outranks the others: its waiting requests ask their
+                // reclaimable leases back (the queue's reclaim).
+                priority: i32::from(t == TENANTS[2]),
                 ..Quota::default()
             };
             st.set_quota(t, q).unwrap();
@@ -392,6 +397,7 @@ impl Harness {
             waiting: BTreeMap::new(),
             never_cached: BTreeSet::new(),
             limits: TENANTS.iter().map(|t| (*t, LIMIT)).collect(),
+            counted: Vec::new(),
         }
     }
 
@@ -446,6 +452,7 @@ impl Harness {
                     Effect::CheckGone { of, pids } => looks.push((of, pids)),
                     Effect::Reply { to, result } => self.answered(to, result),
                     Effect::Materialize { grant: p } => self.materialize(*p),
+                    Effect::Count { what } => self.counted.push(what),
                     _ => {}
                 }
             }
@@ -2293,42 +2300,143 @@ fn small_ops() -> Vec<Op> {
     ops
 }
 
+/// What `op` did to `h` (run on it here, and checked), named as the exhaustive check's
+/// doc names its transitions: the op's own name when it found something to act on, and
+/// "reclaim" when the queue asked memory back for a waiter in it (not a drain's asking).
+fn did(h: &mut Harness, op: &Op) -> Vec<&'static str> {
+    let leases = h.leases().len();
+    let asked = h.waiting.len() + h.pending.len();
+    let sessions = h.sessions().len();
+    let counted = h.counted.len();
+    let limits = h.limits.clone();
+    let draining = h.avail.draining();
+    let quarantined = h.st.quarantine().len();
+    let now = h.now;
+    h.run(op);
+    h.check();
+    let newly = |h: &Harness, what: fn(&Counted) -> bool| h.counted[counted..].iter().any(what);
+    let acted = match op {
+        Op::Queue { .. } => h.waiting.len() + h.pending.len() > asked,
+        Op::Commit { .. } => h.leases().len() > leases,
+        Op::End { .. } => h.leases().len() < leases,
+        Op::EndSession { .. } => h.sessions().len() < sessions,
+        Op::Revoke { .. } => newly(h, |c| matches!(c, Counted::Revoked(_))),
+        Op::RunQueue { .. } => h.now > now,
+        Op::SetLimit { .. } => h.limits != limits,
+        Op::Drain { .. } => h.avail.draining().len() > draining.len(),
+        Op::Undrain { .. } => h.avail.draining().len() < draining.len(),
+        Op::Lift { .. } => h.st.quarantine().len() < quarantined,
+        _ => false,
+    };
+    let name = match op {
+        Op::Queue { .. } | Op::Commit { .. } => "acquire",
+        Op::End { .. } => "release",
+        Op::EndSession { .. } => "session end",
+        Op::Revoke { .. } => "revoke",
+        Op::RunQueue { .. } => "time passes",
+        Op::SetLimit { .. } => "quota change",
+        Op::Drain { .. } => "drain",
+        Op::Undrain { .. } => "undrain",
+        Op::Lift { .. } => "quarantine lifted",
+        _ => "other",
+    };
+    let reclaimed =
+        !matches!(op, Op::Drain { .. }) && newly(h, |c| matches!(c, Counted::ReclaimRequested));
+    [(acted, name), (reclaimed, "reclaim")]
+        .into_iter()
+        .filter_map(|(yes, name)| yes.then_some(name))
+        .collect()
+}
+
 /// Every sequence of up to three of [`small_ops`] (after both tenants open a session
-/// each), walked depth by depth: each state is checked against the model and by the
+/// each, and again once each holds a lease), walked depth by depth: each state is checked against the model and by the
 /// byte-state invariant, and each sequence then ends everything and finds nothing left.
-/// The random test above goes deeper; this one misses no short sequence.
+/// The random test above goes deeper; this one misses no short sequence. Each transition
+/// of [`small_ops`] must act in some sequence (a reclaim asked, a lease revoked, ...), so
+/// the walk cannot pass by reaching none of them.
 #[test]
 fn every_short_sequence_of_transitions_keeps_every_byte_in_one_state() {
     const DEPTH: usize = 3;
     let alphabet = small_ops();
-    let opening: Vec<Op> = (0..2)
+    let open: Vec<Op> = (0..2)
         .map(|tenant| Op::Open {
             tenant,
             pid: Some(tenant),
         })
         .collect();
-    let mut level: Vec<Vec<usize>> = vec![Vec::new()];
+    // Two starts: nothing held yet, and each tenant holding a lease (tenant 0 most of
+    // device 0, tenant 1 of the higher priority), so a reclaim or a quarantine is a step
+    // or two away, not four.
+    let holding = |session: usize, units: u64, device: u32| {
+        [
+            Op::Queue {
+                session,
+                units,
+                device: Some(device),
+                reclaimable: true,
+            },
+            Op::Commit { pending: 0 },
+        ]
+    };
+    let held: Vec<Op> = open
+        .iter()
+        .cloned()
+        .chain(holding(0, 5, 0))
+        .chain(holding(1, 3, 1))
+        .collect();
     let mut walked = 0;
-    for _ in 0..DEPTH {
-        let mut next = Vec::with_capacity(level.len() * alphabet.len());
-        for seq in &level {
-            for i in 0..alphabet.len() {
-                let mut longer = seq.clone();
-                longer.push(i);
-                let ops: Vec<Op> = opening
-                    .iter()
-                    .cloned()
-                    .chain(longer.iter().map(|&k| alphabet[k].clone()))
-                    .collect();
-                if let Err(e) = run_to_the_end(&ops) {
-                    panic!("{ops:?}: {e}");
+    let mut acted = BTreeSet::new();
+    for (opening, outranks) in [(&open, false), (&held, true)] {
+        let mut level: Vec<Vec<usize>> = vec![Vec::new()];
+        for _ in 0..DEPTH {
+            let mut next = Vec::with_capacity(level.len() * alphabet.len());
+            for seq in &level {
+                for i in 0..alphabet.len() {
+                    let mut longer = seq.clone();
+                    longer.push(i);
+                    let mut h = Harness::new();
+                    for op in opening {
+                        h.run(op);
+                        h.check();
+                    }
+                    if outranks {
+                        // Tenant 1 outranks tenant 0: its waiting request may ask tenant
+                        // 0's reclaimable lease back.
+                        let q = Quota {
+                            limit_bytes: LIMIT,
+                            host_limit_bytes: HOST_LIMIT,
+                            priority: 1,
+                            ..Quota::default()
+                        };
+                        h.st.set_quota(TENANTS[1], q).unwrap();
+                    }
+                    for &k in &longer {
+                        acted.extend(did(&mut h, &alphabet[k]));
+                    }
+                    if let Err(e) = run_to_the_end_from(h) {
+                        let ops: Vec<&Op> = longer.iter().map(|&k| &alphabet[k]).collect();
+                        panic!("{opening:?} then {ops:?}: {e}");
+                    }
+                    walked += 1;
+                    next.push(longer);
                 }
-                walked += 1;
-                next.push(longer);
             }
+            level = next;
         }
-        level = next;
     }
     let n = alphabet.len();
-    assert_eq!(walked, n + n * n + n * n * n);
+    assert_eq!(walked, 2 * (n + n * n + n * n * n));
+    let every = [
+        "acquire",
+        "release",
+        "session end",
+        "revoke",
+        "time passes",
+        "reclaim",
+        "quota change",
+        "drain",
+        "undrain",
+        "quarantine lifted",
+    ];
+    assert_eq!(acted, BTreeSet::from(every), "transitions that acted");
 }
