@@ -5,8 +5,9 @@
 //! of it any more (`memfd_holders.rs`); a process not read through is looked at again.
 //! CUDA memory cannot be asked after its free: its charge waits for its holders' exits.
 //!
-//! One task per arbiter, started with the first record and idle (waiting on its channel)
-//! while there is none. Each record is looked at after [`Arbiter::config`]'s
+//! One task per arbiter, started with the first record, idle (waiting on its channel)
+//! while there is none, and ended when the arbiter goes (it holds it weakly, like the
+//! watchers). Each record is looked at after [`Arbiter::config`]'s
 //! `kept_memory_look`, then at doubling intervals up to [`MAX_BACKOFF`] times that while
 //! it is still kept; at most [`PER_ROUND`] records a round, on a blocking thread (never a
 //! runtime's worker: a holder scan may take 50 ms a process).
