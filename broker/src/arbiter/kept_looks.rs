@@ -177,3 +177,60 @@ fn look(file: &MemFile, pids: &[u32], by_handle: bool, prober: Option<&Prober>) 
         .collect();
     Found::Kept { let_go }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    fn let_go(found: Found) -> Option<Vec<u32>> {
+        match found {
+            Found::Released => None,
+            Found::Kept { let_go } => Some(let_go),
+        }
+    }
+
+    /// Where the kernel may not be asked (no prober, or a record the free could not ask
+    /// about), each named process is looked at: one that still maps the memfd is kept, one
+    /// that let go is named as such. Asked, the kernel's "gone" releases the record.
+    #[test]
+    fn a_look_names_the_processes_that_let_go_and_the_kernel_releases() {
+        let me = std::process::id();
+        // SAFETY: memfd_create with a static name; checked below.
+        let fd = unsafe { libc::memfd_create(c"look-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate and a shared mapping of our own memfd, unmapped below.
+        let at = unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), 1 << 16), 0);
+            libc::mmap(
+                std::ptr::null_mut(),
+                1 << 16,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(at, libc::MAP_FAILED);
+        let file = MemFile::of(&fd).unwrap();
+        drop(fd);
+        let prober = Prober::new().unwrap();
+        let may_ask = prober.alive(file.handle.as_ref().unwrap()) == Alive::Yes;
+        assert_eq!(let_go(look(&file, &[me], false, None)), Some(vec![]));
+        assert_eq!(
+            let_go(look(&file, &[me], true, Some(&prober))),
+            Some(vec![])
+        );
+        // SAFETY: unmapping what was mapped above.
+        unsafe { libc::munmap(at, 1 << 16) };
+        assert_eq!(
+            let_go(look(&file, &[me, u32::MAX], false, None)),
+            Some(vec![me, u32::MAX])
+        );
+        if may_ask {
+            assert_eq!(let_go(look(&file, &[me], true, Some(&prober))), None);
+        }
+    }
+}
