@@ -29,13 +29,25 @@ const MAX_BACKOFF: u32 = 64;
 /// A kept memfd's charge, to be looked at again.
 #[derive(Debug)]
 pub(crate) struct KeptFile {
-    /// The stranded record (`State::stranded`).
-    pub id: Uuid,
+    /// The stranded record (`State::stranded`); `None` until it is charged.
+    pub id: Option<Uuid>,
+    /// Bytes not charged yet (held by nobody the broker recorded): charged at the first
+    /// look that finds the file still alive, let go at one that finds it gone.
+    pub unverified: Option<Unverified>,
     pub file: MemFile,
     /// The processes named as keeping it.
     pub pids: Vec<u32>,
     /// The kernel says whether the file lives: the record is unwatched, let go only here.
     pub by_handle: bool,
+}
+
+/// Memory kept by nobody the broker recorded, not charged yet: counted in the arbiter's
+/// unverified bytes meanwhile.
+#[derive(Debug)]
+pub(crate) struct Unverified {
+    pub tenant: String,
+    pub device: u32,
+    pub bytes: u64,
 }
 
 /// The arbiter's end of the looks: where records go, and the kernel's prober.
@@ -70,8 +82,9 @@ enum Found {
 
 impl Arbiter {
     /// Looks at `kept` again from now on, until its charge goes. Needs a runtime (the
-    /// charge is made on one); without it the record waits for its holders' exits.
-    pub(crate) fn look_again(&self, kept: KeptFile) {
+    /// charge is made on one); without it nothing looks (false: a charged record then
+    /// waits for its holders' exits).
+    pub(crate) fn look_again(&self, kept: KeptFile) -> bool {
         let tx = self.kept_looks.to_task.get_or_init(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             match tokio::runtime::Handle::try_current() {
@@ -84,7 +97,7 @@ impl Arbiter {
             }
             tx
         });
-        let _ = tx.send(kept);
+        tx.send(kept).is_ok()
     }
 }
 
@@ -129,7 +142,26 @@ async fn looks(me: Weak<Arbiter>, mut rx: mpsc::UnboundedReceiver<KeptFile>, fir
                 };
                 let mut st = arb.lock();
                 for (mut w, found) in round.into_iter().zip(found) {
-                    let id = w.kept.id;
+                    if let Some(u) = w.kept.unverified.take() {
+                        // In the same hold as the charge: never both or neither.
+                        let pending = &arb.unverified[u.device as usize];
+                        let id = match found {
+                            Found::Released => None,
+                            Found::Kept { .. } => st.stranded_unwatched(&u.tenant, u.device, u.bytes, []),
+                        };
+                        pending.fetch_sub(u.bytes, std::sync::atomic::Ordering::SeqCst);
+                        if id.is_some() {
+                            tracing::warn!(device = u.device, tenant = u.tenant, bytes = u.bytes, "freed memory stayed on the device: a process the broker never saw keeps it; charged to its tenant until it lets go");
+                        }
+                        w.kept.id = id;
+                        if id.is_none() {
+                            continue;
+                        }
+                        w.next = Instant::now() + w.every;
+                        waiting.push(w);
+                        continue;
+                    }
+                    let Some(id) = w.kept.id else { continue };
                     let changed = match found {
                         Found::Released => {
                             st.stranded_released(id);

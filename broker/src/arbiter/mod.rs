@@ -709,8 +709,29 @@ impl Arbiter {
                     pending.fetch_sub(bytes, Ordering::SeqCst);
                     return;
                 };
-                let mut st = arb.lock();
                 let by_handle = memfd.as_ref().is_some_and(|(_, by_handle)| *by_handle);
+                // A memfd the kernel says lives, held by nobody the broker recorded: maybe a
+                // copy of its own still closing (a keeper's, an undelivered ticket's). It is
+                // charged at the first look if it still lives then (`kept_looks.rs`); until
+                // then its bytes stay unverified: the broker's, never outside memory.
+                if let (true, true, Some((file, _))) = (by_handle, pids.is_empty(), &memfd) {
+                    let deferred = arb.look_again(kept_looks::KeptFile {
+                        id: None,
+                        unverified: Some(kept_looks::Unverified {
+                            tenant: tenant.clone(),
+                            device,
+                            bytes,
+                        }),
+                        file: file.clone(),
+                        pids: Vec::new(),
+                        by_handle,
+                    });
+                    // No looks (no runtime): charged at once.
+                    if deferred {
+                        return;
+                    }
+                }
+                let mut st = arb.lock();
                 let id = if by_handle {
                     st.stranded_unwatched(&tenant, device, bytes, pids.iter().copied())
                 } else {
@@ -723,8 +744,9 @@ impl Arbiter {
                 tracing::warn!(device, tenant, bytes, ?pids, charged = id.is_some(), "freed memory stayed on the device: a process that had its descriptor keeps it; charged to its tenant until it lets go");
                 // A memfd: looked at again, its charge lifted once let go.
                 if let (Some(id), Some((file, by_handle))) = (id, memfd) {
-                    arb.look_again(kept_looks::KeptFile {
-                        id,
+                    let _ = arb.look_again(kept_looks::KeptFile {
+                        id: Some(id),
+                        unverified: None,
                         file,
                         pids,
                         by_handle,
