@@ -16,6 +16,10 @@
 #   2. a PyTorch training loop on gpubroker.torch keeps stepping through a broker SIGKILL
 #      + restart: `RESUMED`, `QUOTA_ENFORCED` (an allocation beyond the quota still
 #      fails after it), `TRAIN_OK`
+#   3. the keeper SIGKILLed and started again under the running broker (a worker holding
+#      1,000 leases): the broker logs `the keeper is back` (it gave the new keeper every
+#      CUDA descriptor again); then a broker SIGKILL + restart keeps them all:
+#      `RESUMED kept=1000 lost=0`, `USAGE_OK`, `DONE`
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -105,6 +109,35 @@ train_through() {
     grep -q "^TRAIN_OK" "$log" && return "$same"
 }
 
+# Counts the broker log's lines saying a lost keeper was filled again.
+keeper_backs() {
+    grep -c "the keeper is back" "$1/broker.log" || true
+}
+
+# Part 3: the keeper killed and started again under the broker, then a broker restart.
+keeper_swap_through() {
+    local dir=$1 token=$2 n=$3 log=$1/swap.log backs _
+    GPU_BROKER_TOKEN=$token python3 "$OUT/gpu_restart_check.py" hold "$n" >"$log" 2>&1 &
+    local w=$!
+    wait_line "$log" HOLDING "$w" || return 1
+    cat "$log"
+    backs=$(keeper_backs "$dir")
+    kill -KILL "$KEEPER_PID"
+    wait "$KEEPER_PID" 2>/dev/null || true
+    keeper_start "$dir"
+    for _ in $(seq 300); do
+        (($(keeper_backs "$dir") > backs)) && break
+        sleep 0.1
+    done
+    grep -E "the keeper is (lost|back)" "$dir/broker.log" | tail -2
+    (($(keeper_backs "$dir") > backs)) || { echo "the broker did not fill the new keeper"; return 1; }
+    local same=0
+    restart_broker "$dir" --keeper "$dir/keeper.sock" --headroom 4GiB || same=1
+    wait "$w" || { cat "$log"; return 1; }
+    cat "$log"
+    grep -q "^DONE" "$log" && return "$same"
+}
+
 run() {
     local t0=$SECONDS dir
     dir=$(mktemp -d)
@@ -119,6 +152,8 @@ run() {
     gpu_step hold-10000 hold_through "$dir" "$holder" "${GPU_RESTART_LEASES:-10000}"
     echo "=== 2. PyTorch training through a broker SIGKILL + restart ==="
     gpu_step train train_through "$dir" "$trainer"
+    echo "=== 3. the keeper restarted under the broker, then a broker SIGKILL + restart ==="
+    gpu_step keeper-swap keeper_swap_through "$dir" "$holder" "${GPU_RESTART_SWAP_LEASES:-1000}"
     "${CTL[@]}" status | head -3
     gpu_stop "$dir" || GPU_FAILED+=(broker)
     kill "$KEEPER_PID" 2>/dev/null || true

@@ -3,7 +3,9 @@
 //! n-th time (1 unless given) it passes `<point>`, so a test can stop it between any two
 //! steps whose order matters for a restart. Points: `before-keep:<change>` and
 //! `after-keep:<change>` around each write to the keeper (`<change>`: `session`,
-//! `session-ended`, `lease`, `lease-ended`, `quarantine`, `quarantine-lifted`, `drain`),
+//! `session-ended`, `lease`, `lease-ended`, `quarantine`, `quarantine-lifted`, `drain`,
+//! `publication`, `publication-ended`, `import`, `import-ended`, `reservation`,
+//! `reservation-ended`, `reclaim-asked`, `reclaim-ended`),
 //! and `after:<op>` once an operation's state lock was let go (`<op>`: `reclaim` (a
 //! request sent),
 //! `reclaim-revoke` (its deadline passed), `quarantine`, `lift`, `publish`, `import`,

@@ -89,6 +89,8 @@ pub struct Metrics {
     sessions_resumed: Counter,
     /// Keepers declared lost (gone, or a write past its deadline).
     keeper_lost: Counter,
+    /// Lost keepers reconnected to and filled again.
+    keeper_relinked: Counter,
     /// Unix time (s) of the last failed store write, 0 if none; and of the last success.
     store_last_failure: AtomicU64,
     store_last_success: AtomicU64,
@@ -126,6 +128,7 @@ impl Metrics {
             kept_sessions: Family::default(),
             sessions_resumed: Counter::default(),
             keeper_lost: Counter::default(),
+            keeper_relinked: Counter::default(),
             store_last_failure: AtomicU64::new(0),
             store_last_success: AtomicU64::new(0),
             started: SystemTime::now(),
@@ -198,6 +201,11 @@ impl Metrics {
     /// The keeper was declared lost: leases are no longer kept.
     pub fn count_keeper_lost(&self) {
         self.keeper_lost.inc();
+    }
+
+    /// A lost keeper was reconnected to and filled again: leases are kept again.
+    pub fn count_keeper_relinked(&self) {
+        self.keeper_relinked.inc();
     }
 
     /// When this broker process started.
@@ -310,6 +318,11 @@ impl Metrics {
             "keeper_lost",
             "Keepers declared lost (gone, or stalled past the write deadline): leases made since are not kept",
             self.keeper_lost.clone(),
+        );
+        reg.register(
+            "keeper_relinked",
+            "Lost keepers reconnected to (a new one on the socket, or a stalled one reading again), told to forget and given every live record again",
+            self.keeper_relinked.clone(),
         );
         reg.register(
             "leases_granted",

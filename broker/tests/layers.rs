@@ -443,8 +443,12 @@ fn the_transport_is_named_only_at_the_edge() {
 /// Where a thread may be put to sleep outside tests, and why no runtime thread is held
 /// there. Anywhere else the code may run on a runtime thread, which a sleep would hold
 /// from every other task: `tokio::time::sleep` there.
-const BLOCKING_SLEEP_FILES: [(&str, &str); 2] = [
+const BLOCKING_SLEEP_FILES: [(&str, &str); 3] = [
     ("device/", "the device threads are made for blocking work"),
+    (
+        "arbiter/relink.rs",
+        "the keeper-relink thread is its own: it waits between reconnects",
+    ),
     (
         "main.rs",
         "the keeper's reader thread waits for the keeper to listen, before anything serves",

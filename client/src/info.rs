@@ -44,7 +44,8 @@ pub struct RestartInfo {
     pub leases_adopted: u32,
     pub leases_reclaimed: u32,
     pub bytes_adopted: u64,
-    /// From reading the keeper to the last lease taken back.
+    /// The start's wall time, from the process's start to the last lease taken back
+    /// (steps that overlap counted once).
     pub took_ms: u64,
     /// Where the start's time went, step by step (name, microseconds), from the
     /// process's start to serving; some steps overlap (the broker's `RestartPhase`).

@@ -189,6 +189,7 @@ impl Session {
     /// Imports `publisher`'s shared lease `name` (published for your tenant) and fetches
     /// its read-only descriptor. `NotFound` when there is none for you.
     pub async fn import(&self, publisher: &str, name: &str) -> Result<SharedImport, ClientError> {
+        let generation = self.generations().current();
         let reply = self
             .client()
             .raw()
@@ -213,7 +214,11 @@ impl Session {
         let fd = match fetched {
             Ok(fd) => fd,
             Err(e) => {
-                let _ = self.client().release_import(&reply.import_id).await;
+                // A broker that died while handing the descriptor over may have kept the
+                // import: it is let go once the restarted broker answers.
+                let _ = self
+                    .release_import_through_outage(&generation, &reply.import_id)
+                    .await;
                 return Err(e);
             }
         };
@@ -223,8 +228,42 @@ impl Session {
             fd_info,
             fd: Some(fd),
             session: self.clone(),
+            generation,
             released: false,
         })
+    }
+
+    /// Lets go of import `id`, waiting out a broker outage (`Session::through_outage`: a
+    /// restart with a keeper keeps the import, so the release goes through once the broker
+    /// is back). `NOT_FOUND` after a retry is success: the restarted broker kept its end,
+    /// or never kept it.
+    async fn release_import_through_outage(
+        &self,
+        on: &crate::generation::Generation,
+        id: &str,
+    ) -> Result<(), ClientError> {
+        let mut tries = 0;
+        let r = self
+            .through_outage(on, || {
+                tries += 1;
+                let client = self.client().clone();
+                let id = id.to_string();
+                async move {
+                    match client.release_import(&id).await {
+                        // A call on a connection the broker's death cut may end
+                        // `CANCELLED`: an outage like the others.
+                        Err(e) if e.code() == crate::error::Code::Cancelled => {
+                            Err(ClientError::Unavailable(e.message().to_string().into()))
+                        }
+                        r => r,
+                    }
+                }
+            })
+            .await;
+        match r {
+            Err(e) if tries > 1 && e.code() == crate::error::Code::NotFound => Ok(()),
+            r => r,
+        }
     }
 }
 
@@ -236,6 +275,9 @@ pub struct SharedImport {
     /// Closed by [`SharedImport::release`] or the drop, before either tells the broker.
     fd: Option<OwnedFd>,
     session: Session,
+    /// The session's generation it was imported in (a release waits out an outage while
+    /// that generation lives).
+    generation: std::sync::Arc<crate::generation::Generation>,
     released: bool,
 }
 
@@ -337,7 +379,9 @@ impl SharedImport {
         // Closed before the broker hears of it (a release promises it: a descriptor still
         // here when the broker frees the block is memory this process kept, and charged so).
         self.fd = None;
-        self.session.client().release_import(&self.id).await
+        self.session
+            .release_import_through_outage(&self.generation, &self.id)
+            .await
     }
 
     /// Stops tracking it without releasing: the broker keeps it until released by id or
@@ -355,14 +399,16 @@ impl Drop for SharedImport {
         if self.released {
             return;
         }
-        let client = self.session.client().clone();
         let session = self.session.clone();
+        let generation = self.generation.clone();
         let id = std::mem::take(&mut self.id);
         self.session.spawn(async move {
-            if let Err(e) = client.release_import(&id).await {
+            if let Err(e) = session
+                .release_import_through_outage(&generation, &id)
+                .await
+            {
                 tracing::debug!(import = id, error = %e, "release of a dropped import failed");
             }
-            drop(session);
         });
     }
 }

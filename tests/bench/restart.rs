@@ -214,7 +214,7 @@ pub async fn run(common: &Common, a: &RestartArgs) -> Result<()> {
             .collect(),
     );
     table.row(
-        std::iter::once("adoption (broker's took)".to_string())
+        std::iter::once("start to leases taken back (broker's took)".to_string())
             .chain(runs.iter().map(|m| m.took_ms.to_string()))
             .collect(),
     );

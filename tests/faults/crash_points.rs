@@ -8,9 +8,9 @@
 //! what nobody holds is gone. Operations: acquire (fresh and from the cache), release, revoke,
 //! session open and end, and (`after:<op>` once the operation's lock was let go) reclaim
 //! (request and forced revoke at its deadline, here a drain's), quarantine and its lift,
-//! publish/import/release-import, process reservation and its release, drain. Drains and
-//! the quarantine of a live process are kept (checked here); what a restart lets go is
-//! docs/operations.md's list, and the books agree either way.
+//! publish/import/release-import, process reservation and its release, drain. Drains, the
+//! quarantine of a live process, publications and imports are kept (checked here); what a
+//! restart lets go is docs/operations.md's list, and the books agree either way.
 
 use super::*;
 use futures::StreamExt;
@@ -60,11 +60,22 @@ struct Case {
 impl Case {
     /// A keeper (or a systemd fd store) and a broker that dies at `point`.
     async fn start(point: &str, place: Where) -> Case {
-        let opts = BrokerOpts {
+        Case::start_with(point, place, &[]).await
+    }
+
+    /// [`Case::start`], the broker given `flags` too.
+    async fn start_with(point: &str, place: Where, flags: &[&str]) -> Case {
+        let mut opts = BrokerOpts {
             capacity: "256MiB",
-            extra: vec!["--keepalive-timeout".into(), "2s".into()],
+            extra: vec![
+                "--keepalive-timeout".into(),
+                "2s".into(),
+                "--host-fallback-capacity".into(),
+                "64MiB".into(),
+            ],
             ..BrokerOpts::default()
         };
+        opts.extra.extend(flags.iter().map(|f| f.to_string()));
         let (keeper, mut b) = match place {
             Where::Keeper => {
                 let keeper = Keeper::start().await.unwrap();
@@ -79,7 +90,11 @@ impl Case {
                 (Held::FdStore(sd), b)
             }
         };
-        let token = b.tenant("t", QuotaSpec::new(128 * MIB)).await.unwrap();
+        let quota = QuotaSpec {
+            host_limit_bytes: 32 * MIB,
+            ..QuotaSpec::new(128 * MIB)
+        };
+        let token = b.tenant("t", quota).await.unwrap();
         // The crash point is armed from the next start: restart once with it.
         b.kill().unwrap();
         b.env = vec![("GPU_BROKER_CRASH_AT".into(), point.into())];
@@ -120,9 +135,18 @@ impl Case {
 
     /// Everything agrees with the worker holding exactly `held`.
     async fn check(&self, point: &str, held: &[&Lease]) {
+        self.check_with(point, held, 0).await
+    }
+
+    /// [`Case::check`], the broker holding `extra` descriptors more (a publication's
+    /// read-only reopen of its memfd).
+    async fn check_with(&self, point: &str, held: &[&Lease], extra: u64) {
         let mut want: Vec<String> = held.iter().map(|l| l.id().to_string()).collect();
         want.sort();
-        let bytes: u64 = held.iter().map(|l| l.bytes()).sum();
+        let on_host = |l: &&&Lease| l.tier() == gpu_broker_client::Tier::Host;
+        let bytes: u64 = held.iter().filter(|l| !on_host(l)).map(|l| l.bytes()).sum();
+        let on_device = held.iter().filter(|l| !on_host(l)).count();
+        let host_bytes: u64 = held.iter().filter(on_host).map(|l| l.bytes()).sum();
         let deadline = Instant::now() + Duration::from_secs(8);
         let (ok, last) = loop {
             let admin = self.b.admin().await.unwrap();
@@ -146,12 +170,13 @@ impl Case {
             let own = self.b.memfds().len() as u64;
             let ok = ids == want
                 && u.held_bytes == bytes
-                && u.lease_count as usize == want.len()
+                && u.lease_count as usize == on_device
+                && u.host_held_bytes == host_bytes
                 && kept == want.len() + quarantined
-                && own == want.len() as u64 + cached;
+                && own == want.len() as u64 + cached + extra;
             let last = format!(
-                "leases {ids:?} (want {want:?}), held {} in {} (want {bytes}), keeper {kept}, broker {own} with {cached} cached or quarantined",
-                u.held_bytes, u.lease_count
+                "leases {ids:?} (want {want:?}), held {} in {} (want {bytes}), host {} (want {host_bytes}), keeper {kept}, broker {own} with {cached} cached or quarantined",
+                u.held_bytes, u.lease_count, u.host_held_bytes
             );
             if ok || Instant::now() > deadline {
                 break (ok, last);
@@ -223,6 +248,70 @@ async fn acquire(place: Where) {
         // The call made across the crash went through exactly once.
         held.push(call.await.unwrap().expect("the acquire across the crash"));
         c.check(&point, &held.iter().collect::<Vec<_>>()).await;
+    }
+}
+
+#[tokio::test]
+async fn host_tier_acquire_and_release() {
+    if skipped() {
+        return;
+    }
+    host_tier(Where::Keeper).await
+}
+
+#[tokio::test]
+async fn host_tier_acquire_and_release_in_the_fd_store() {
+    if skipped() {
+        return;
+    }
+    host_tier(Where::FdStore).await
+}
+
+/// A host-tier lease of `s`, its first bytes `text`.
+async fn host_lease_with(s: &Session, text: &[u8]) -> Lease {
+    let l = s.lease_request(SIZE).host_tier(true).send().await.unwrap();
+    l.map().unwrap().as_mut_slice()[..text.len()].copy_from_slice(text);
+    l
+}
+
+/// Host-tier leases are kept as device leases are: a crash at each step of a host-tier
+/// acquire and release keeps the live worker's host leases (same ids, bytes, tenant and
+/// memory: what it wrote is there), charged to its host bytes exactly.
+async fn host_tier(place: Where) {
+    for point in [
+        "before-keep:lease#2",
+        "after-keep:lease#2",
+        "before-keep:lease-ended",
+        "after-keep:lease-ended",
+    ] {
+        let mut c = Case::start(point, place).await;
+        let s = c.session().await;
+        let mut events = s.events();
+        let kept = host_lease_with(&s, b"kept").await;
+        let call = if point.ends_with("lease#2") {
+            let s = s.clone();
+            tokio::spawn(async move { Some(s.lease_request(SIZE).host_tier(true).send().await) })
+        } else {
+            let gone = host_lease_with(&s, b"gone").await;
+            tokio::spawn(async move {
+                gone.release().await.expect("the release across the crash");
+                None
+            })
+        };
+        c.restart_after_crash(point).await;
+        let e = resumed_or_closed(&mut events).await;
+        let SessionEvent::Resumed { lost_leases, .. } = &e else {
+            panic!("{point}: {e:?}")
+        };
+        assert!(lost_leases.is_empty(), "{point}: {e:?}");
+        let mut held = vec![&kept];
+        let made = call
+            .await
+            .unwrap()
+            .map(|r| r.expect("the acquire across the crash"));
+        held.extend(made.as_ref());
+        c.check(point, &held).await;
+        assert_eq!(&kept.map().unwrap().as_slice()[..4], b"kept", "{point}");
     }
 }
 
@@ -352,35 +441,85 @@ async fn reclaim_request() {
         return;
     }
     // A higher-priority tenant's request that fits only with memory back asks the
-    // holder of a reclaimable lease to give it back.
-    let point = "after:reclaim";
-    let mut c = Case::start(point, Where::Keeper).await;
-    let hi = c.b.tenant("hi", quota(256 * MIB, 0, 10)).await.unwrap();
-    let s = c.session().await;
-    let mut events = s.events();
-    let keep = s.lease(SIZE).await.unwrap();
-    let r = s
-        .lease_request(120 * MIB)
-        .reclaimable(true)
-        .send()
-        .await
-        .unwrap();
-    let hs = Client::connect(&c.b.uri(), hi)
-        .await
-        .unwrap()
-        .session("hi")
-        .await
-        .unwrap();
-    // Cut by the crash.
-    let _ = hs
-        .lease_request(136 * MIB)
-        .wait(Duration::from_secs(5))
-        .send()
+    // holder of a reclaimable lease to give it back by a deadline (3 s here). The request
+    // is kept: after the restart the lease is still asked back by the same wall-clock
+    // deadline, and revoked at it.
+    for point in [
+        "before-keep:reclaim-asked",
+        "after-keep:reclaim-asked",
+        "after:reclaim",
+    ] {
+        let mut c = Case::start_with(point, Where::Keeper, &["--reclaim-deadline", "3s"]).await;
+        let hi = c.b.tenant("hi", quota(256 * MIB, 0, 10)).await.unwrap();
+        let s = c.session().await;
+        let mut events = s.events();
+        let keep = s.lease(SIZE).await.unwrap();
+        let r = s
+            .lease_request(120 * MIB)
+            .reclaimable(true)
+            .send()
+            .await
+            .unwrap();
+        let hs = Client::connect(&c.b.uri(), hi)
+            .await
+            .unwrap()
+            .session("hi")
+            .await
+            .unwrap();
+        // Cut by the crash.
+        let _ = hs
+            .lease_request(136 * MIB)
+            .wait(Duration::from_secs(5))
+            .send()
+            .await;
+        let cut = std::time::SystemTime::now();
+        c.restart_after_crash(point).await;
+        resumed(point, &mut events).await;
+        let admin = c.b.admin().await.unwrap();
+        let deadline = admin
+            .list_all_leases(Some("t"))
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|l| l.lease_id == r.id())
+            .and_then(|l| l.reclaim_deadline_unix_ms);
+        if point == "before-keep:reclaim-asked" {
+            // The request died with the broker: the lease comes back active.
+            assert_eq!(deadline, None, "{point}");
+            c.check(point, &[&keep, &r]).await;
+            continue;
+        }
+        // The deadline asked before the crash, not a new one from the restart.
+        let latest = cut + Duration::from_secs(3);
+        let latest = latest
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64;
+        let deadline = deadline.unwrap_or_else(|| panic!("{point}: the reclaim request is kept"));
+        assert!(
+            deadline <= latest,
+            "{point}: deadline {deadline} after {latest}"
+        );
+        // At it, the lease is revoked (nobody waits for it any more: the request stands),
+        // its memory quarantined while this process may map it.
+        let revoked = eventually(Duration::from_secs(8), || async {
+            let ids: Vec<String> = admin
+                .list_all_leases(Some("t"))
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|l| l.lease_id)
+                .collect();
+            let u = admin.get_quota("t").await.unwrap().usage;
+            ids == [keep.id()] && u.held_bytes == SIZE && u.quarantined_bytes == 120 * MIB
+        })
         .await;
-    c.restart_after_crash(point).await;
-    resumed(point, &mut events).await;
-    // The request is not kept: the lease comes back active, still its holder's.
-    c.check(point, &[&keep, &r]).await;
+        assert!(
+            revoked,
+            "{point}: revoked at its deadline\n{}",
+            c.b.log_text()
+        );
+    }
 }
 
 #[tokio::test]
@@ -484,29 +623,128 @@ async fn publish_import_and_release_import() {
     if skipped() {
         return;
     }
-    for point in ["after:publish", "after:import", "after:release-import"] {
-        let mut c = Case::start(point, Where::Keeper).await;
+    shared(Where::Keeper).await
+}
+
+#[tokio::test]
+async fn publish_import_and_release_import_in_the_fd_store() {
+    if skipped() {
+        return;
+    }
+    shared(Where::FdStore).await
+}
+
+/// A publication of a kept lease and the imports whose descriptor reached the worker are
+/// kept: after the restart the name is still published (a new import reads the same
+/// memory), the import the worker held is still its own (the publisher's released block
+/// is held for it, counted to the tenant, until it lets go), and an import or release
+/// the crash cut is neither lost nor doubled.
+async fn shared(place: Where) {
+    // (point, stage cut: 0 publish, 1 a second import, 2 that import's release)
+    for (point, stage) in [
+        ("before-keep:publication", 0),
+        ("after-keep:publication", 0),
+        ("after:publish", 0),
+        ("before-keep:import#2", 1),
+        ("after-keep:import#2", 1),
+        ("after:import#2", 1),
+        ("before-keep:import-ended", 2),
+        ("after-keep:import-ended", 2),
+        ("after:release-import", 2),
+    ] {
+        let mut c = Case::start(point, place).await;
         let s = c.session().await;
         let mut events = s.events();
         let p = s.lease(SIZE).await.unwrap();
-        // Each call up to the one the crash cuts (its answer is lost, not its effect).
-        async {
-            p.publish("shared", &[]).await?;
-            if point != "after:publish" {
+        p.map().unwrap().as_mut_slice()[0] = 7;
+        let held = if stage == 0 {
+            // Cut by the crash (its answer is lost, not its effect).
+            let _ = p.publish("shared", &[]).await;
+            None
+        } else {
+            p.publish("shared", &[]).await.unwrap();
+            Some(s.import("t", "shared").await.unwrap())
+        };
+        let call = (stage > 0).then(|| {
+            let s = s.clone();
+            tokio::spawn(async move {
                 let i = s.import("t", "shared").await?;
-                if point == "after:release-import" {
-                    s.client().release_import(i.id()).await?;
+                if stage == 2 {
+                    i.release().await?;
+                } else {
+                    i.detach();
                 }
-            }
-            Ok::<_, gpu_broker_client::ClientError>(())
-        }
-        .await
-        .expect_err("the crash cut the last call");
+                Ok::<_, gpu_broker_client::ClientError>(())
+            })
+        });
         c.restart_after_crash(point).await;
         resumed(point, &mut events).await;
-        c.check(point, &[&p]).await;
-        // The publisher's block, once released, is never handed out sealed read-only.
+        let call = match call {
+            Some(call) => Some(call.await.unwrap()),
+            None => None,
+        };
+        let published = point != "before-keep:publication";
+        match stage {
+            // The descriptor never reached the worker: the import is not its own.
+            1 => assert!(call.unwrap().is_err(), "{point}: the import was cut"),
+            // The release waited out the restart and went through.
+            2 => call.unwrap().expect("the release across the crash"),
+            _ => {}
+        }
+        c.check_with(point, &[&p], u64::from(published)).await;
+        let admin = c.b.admin().await.unwrap();
+        let listed = admin.list_shared(Some("t")).await.unwrap();
+        let want_imports: Vec<String> = held.iter().map(|i| i.id().to_string()).collect();
+        if published {
+            assert_eq!(listed.len(), 1, "{point}: {listed:?}");
+            assert_eq!(listed[0].name, "shared", "{point}");
+            let imports: Vec<String> = listed[0]
+                .imports
+                .iter()
+                .map(|i| i.import_id.clone())
+                .collect();
+            assert_eq!(
+                imports, want_imports,
+                "{point}: the worker's imports, no other"
+            );
+            // A new importer finds the name and the same memory.
+            let again = s.import("t", "shared").await.expect("imported again");
+            assert_eq!(again.map().unwrap()[0], 7, "{point}");
+            again.release().await.unwrap();
+        } else {
+            assert!(listed.is_empty(), "{point}: {listed:?}");
+            assert!(s.import("t", "shared").await.is_err(), "{point}");
+        }
+        // The publisher lets go: the block is held for the import that outlived the
+        // restart, counted to the tenant, until it lets go too.
         p.release().await.unwrap();
+        let quarantined = || async {
+            c.b.admin()
+                .await
+                .unwrap()
+                .get_quota("t")
+                .await
+                .unwrap()
+                .usage
+                .quarantined_bytes
+        };
+        if let Some(i) = held {
+            assert_eq!(quarantined().await, SIZE, "{point}: held for the importer");
+            i.release().await.unwrap();
+        }
+        // The fake fd store lives in this process, which is also the importer: a free
+        // that overtakes its removal of the block finds this process holding the sealed
+        // memfd, and charges it until this process exits (no real systemd does).
+        if matches!(place, Where::Keeper) {
+            assert!(
+                eventually(Duration::from_secs(5), || async {
+                    quarantined().await == 0
+                })
+                .await,
+                "{point}: nothing held once every importer let go"
+            );
+        }
+        // The publisher's block, once released, is never handed out sealed read-only.
         let again = s.lease(SIZE).await.unwrap();
         let mut m = again.map().expect("a writable mapping of the next lease");
         m.as_mut_slice()[0] = 1;
@@ -518,29 +756,89 @@ async fn process_reservation_and_its_release() {
     if skipped() {
         return;
     }
-    for point in ["after:reserve", "after:release-reservation"] {
+    // A session's process reservation is kept with its session: after the restart it
+    // holds the same room (what a lease of its process drew from it stays drawn, and goes
+    // back into it when released), or is gone if its end was kept.
+    for (point, release) in [
+        ("before-keep:reservation", false),
+        ("after-keep:reservation", false),
+        ("after:reserve", false),
+        ("before-keep:reservation-ended", true),
+        ("after-keep:reservation-ended", true),
+        ("after:release-reservation", true),
+    ] {
         let mut c = Case::start(point, Where::Keeper).await;
         let s = c.session().await;
         let mut events = s.events();
         let keep = s.lease(SIZE).await.unwrap();
-        let call = {
+        let mut granted = None;
+        let mut drawn = None;
+        let call = if release {
+            let r = gpu_broker_client::ReservationRequest::new(&s, 3 * SIZE)
+                .send()
+                .await
+                .unwrap();
+            granted = Some(r.info().reservation_id.clone());
+            // This process's own lease: drawn from its reservation.
+            drawn = Some(s.lease(SIZE).await.unwrap());
+            tokio::spawn(async move { r.release().await.map(drop) })
+        } else {
             let s = s.clone();
-            let release = point == "after:release-reservation";
             tokio::spawn(async move {
-                let r = gpu_broker_client::ReservationRequest::new(&s, 2 * SIZE)
+                gpu_broker_client::ReservationRequest::new(&s, 3 * SIZE)
                     .send()
-                    .await?;
-                if release {
-                    r.release().await?;
-                }
-                Ok::<_, gpu_broker_client::ClientError>(())
+                    .await
+                    .map(drop)
             })
         };
         c.restart_after_crash(point).await;
         resumed(point, &mut events).await;
+        // Cut by the crash, or answered: what counts is the books after.
         let _ = call.await.unwrap();
+        let kept = matches!(
+            point,
+            "after-keep:reservation" | "after:reserve" | "before-keep:reservation-ended"
+        );
+        let mut held = vec![&keep];
+        held.extend(drawn.as_ref());
+        c.check(point, &held).await;
+        let room = 3 * SIZE - drawn.as_ref().map_or(0, |d| d.bytes());
+        let reserved = || async {
+            let admin = c.b.admin().await.unwrap();
+            let dev = admin.get_devices().await.unwrap()[0].process_reserved_bytes;
+            let t = admin
+                .get_quota("t")
+                .await
+                .unwrap()
+                .usage
+                .process_reserved_bytes;
+            (dev, t)
+        };
+        let want = if kept { room } else { 0 };
+        assert_eq!(reserved().await, (want, want), "{point}");
+        let again = gpu_broker_client::ReservationRequest::new(&s, SIZE)
+            .send()
+            .await;
+        if kept {
+            // The same reservation: a second one is refused, naming it.
+            let e = again.expect_err("one reservation per session");
+            let named = e
+                .refusal()
+                .and_then(|r| r.metadata.get("reservation_id").cloned());
+            assert!(named.is_some(), "{point}: {e}");
+            if let Some(id) = &granted {
+                assert_eq!(named.as_ref(), Some(id), "{point}: same id");
+            }
+        } else {
+            let r = again.expect("the session may reserve again");
+            r.release().await.unwrap();
+        }
+        if let Some(d) = drawn {
+            // Its bytes go back into the room of a reservation taken back.
+            d.release().await.unwrap();
+            let want = if kept { 3 * SIZE } else { 0 };
+            assert_eq!(reserved().await, (want, want), "{point}: drawn bytes back");
+        }
         c.check(point, &[&keep]).await;
-        let dev = &c.b.admin().await.unwrap().get_devices().await.unwrap()[0];
-        assert_eq!(dev.process_reserved_bytes, 0, "{point}: not kept");
     }
 }

@@ -316,16 +316,59 @@ async fn metrics_text(b: &Broker) -> String {
     text
 }
 
+/// A session of `client` that resumes after a broker restart.
+async fn resuming_session(client: &Client) -> gpu_broker_client::Session {
+    client
+        .session_builder("w")
+        .reconnect(Backoff::new(
+            Duration::from_millis(20),
+            Duration::from_millis(200),
+        ))
+        .await
+        .unwrap()
+}
+
+/// SIGKILLs the broker and starts it again; the session's `Resumed` event must keep
+/// exactly `held` (and lose nothing), and its tenant holds exactly their bytes.
+async fn restart_keeps(
+    b: &mut Broker,
+    events: &mut gpu_broker_client::SessionEvents,
+    tenant: &str,
+    held: &[&gpu_broker_client::Lease],
+) {
+    b.kill().unwrap();
+    b.spawn().unwrap();
+    let resumed = next_resumed(events).await;
+    let SessionEvent::Resumed {
+        mut kept_leases,
+        lost_leases,
+        ..
+    } = resumed
+    else {
+        panic!("expected Resumed, got {resumed:?}\n{}", b.log_text())
+    };
+    kept_leases.sort();
+    let mut want: Vec<String> = held.iter().map(|l| l.id().to_string()).collect();
+    want.sort();
+    assert_eq!(kept_leases, want, "{}", b.log_text());
+    assert!(lost_leases.is_empty(), "{lost_leases:?}");
+    assert_eq!(lease_ids(b).await, want);
+    let bytes = held.iter().map(|l| l.bytes()).sum::<u64>();
+    assert_eq!(held_bytes(b, tenant).await, (bytes, held.len() as u32));
+}
+
 /// Keeper writes are made under the state lock: a keeper stopped with SIGSTOP (its queue
 /// full) must not wedge the broker. Past the write deadline it is declared lost (logged,
-/// counted, `gpu-brokerctl status` says so), the broker keeps serving, and the keeper,
-/// once it runs again, drops what it held (it is stale: blocks freed since would stay).
+/// counted, `gpu-brokerctl status` says so) and the broker keeps serving. Once the keeper
+/// runs again it drops what it held (stale: blocks freed since would stay), the broker
+/// reconnects and gives it every live record again, so a broker SIGKILL after that loses
+/// no lease.
 #[tokio::test]
-async fn a_stopped_keeper_is_declared_lost_and_the_broker_keeps_serving() {
+async fn a_stopped_keeper_is_declared_lost_then_filled_again_once_it_reads() {
     let keeper = Keeper::start().await.unwrap();
     let mut extra = keeper.flags();
     extra.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
-    let b = Broker::start_with(BrokerOpts {
+    let mut b = Broker::start_with(BrokerOpts {
         capacity: "256MiB",
         extra,
         ..BrokerOpts::default()
@@ -333,7 +376,8 @@ async fn a_stopped_keeper_is_declared_lost_and_the_broker_keeps_serving() {
     .unwrap();
     let token = b.tenant("delta", QuotaSpec::new(64 * MIB)).await.unwrap();
     let client = Client::connect(&b.uri(), token).await.unwrap();
-    let session = client.session("w").await.unwrap();
+    let session = resuming_session(&client).await;
+    let mut events = session.events();
     let held = session.lease(4 * MIB).await.unwrap();
     assert!(eventually(Duration::from_secs(5), || async { keeper.memfds() == 1 }).await);
 
@@ -359,13 +403,15 @@ async fn a_stopped_keeper_is_declared_lost_and_the_broker_keeps_serving() {
         "{rounds} rounds and the keeper was not declared lost\n{}",
         b.log_text()
     );
-    // The broker serves on, at full speed.
+    // The broker serves on, at full speed; a lease made while the keeper is lost is
+    // kept once it is back.
     let t0 = Instant::now();
     for _ in 0..50 {
         session.lease(MIB).await.unwrap().release().await.unwrap();
     }
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
-    assert_eq!(held_bytes(&b, "delta").await, (4 * MIB, 1));
+    let during = session.lease(2 * MIB).await.unwrap();
+    assert_eq!(held_bytes(&b, "delta").await, (6 * MIB, 2));
     let status = b.ctl().arg("status").output().unwrap();
     let text = String::from_utf8_lossy(&status.stdout);
     assert!(
@@ -378,14 +424,86 @@ async fn a_stopped_keeper_is_declared_lost_and_the_broker_keeps_serving() {
         "{metrics}"
     );
 
-    // Running again, the keeper reads what was queued, then lets everything go.
+    // Running again, the keeper reads what was queued and lets it go; the broker
+    // reconnects and gives it exactly the live leases.
     keeper.proc.signal(libc::SIGCONT);
     assert!(
-        eventually(Duration::from_secs(10), || async { keeper.memfds() == 0 }).await,
-        "the lost keeper still holds {} descriptors",
+        eventually(Duration::from_secs(30), || async {
+            b.log_text().contains("the keeper is back")
+        })
+        .await,
+        "{}",
+        b.log_text()
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || async { keeper.memfds() == 2 }).await,
+        "the keeper holds {} descriptors, not the 2 live leases'",
         keeper.memfds()
     );
-    drop(held);
+    let status = b.ctl().arg("status").output().unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(!text.contains("keeper LOST"), "{text}");
+    let metrics = metrics_text(&b).await;
+    assert!(
+        metrics.contains("gpu_broker_keeper_relinked_total 1"),
+        "{metrics}"
+    );
+    restart_keeps(&mut b, &mut events, "delta", &[&held, &during]).await;
+}
+
+/// A keeper killed and started again under a running broker: the broker sees its end
+/// close, declares it lost, reconnects to the new keeper and gives it every live session
+/// and lease (changes after that are kept as usual); a broker SIGKILL then loses nothing:
+/// every lease of the live worker is kept (same ids, bytes, memory), the books exact.
+#[tokio::test]
+async fn a_keeper_restarted_under_the_broker_is_filled_again_and_a_broker_sigkill_loses_nothing() {
+    let mut keeper = Keeper::start().await.unwrap();
+    let mut extra = keeper.flags();
+    extra.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
+    let mut b = Broker::start_with(BrokerOpts {
+        capacity: "256MiB",
+        extra,
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("eps", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let client = Client::connect(&b.uri(), token).await.unwrap();
+    let session = resuming_session(&client).await;
+    let mut events = session.events();
+    let a = session.lease(8 * MIB).await.unwrap();
+    let c = session.lease(4 * MIB).await.unwrap();
+    let mut mapping = a.map().unwrap();
+    mapping.as_mut_slice()[..5].copy_from_slice(b"hello");
+    assert!(eventually(Duration::from_secs(5), || async { keeper.memfds() == 2 }).await);
+
+    keeper.restart().await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async { keeper.memfds() == 2 }).await,
+        "the new keeper holds {} descriptors\n{}",
+        keeper.memfds(),
+        b.log_text()
+    );
+    let log = b.log_text();
+    assert!(log.contains("the keeper is lost"), "{log}");
+    assert!(log.contains("the keeper is back"), "{log}");
+    let metrics = metrics_text(&b).await;
+    assert!(
+        metrics.contains("gpu_broker_keeper_lost_total 1")
+            && metrics.contains("gpu_broker_keeper_relinked_total 1"),
+        "{metrics}"
+    );
+    // Kept as usual from here: a release and a new lease reach the new keeper.
+    c.release().await.unwrap();
+    let d = session.lease(2 * MIB).await.unwrap();
+    assert!(eventually(Duration::from_secs(5), || async { keeper.memfds() == 2 }).await);
+
+    restart_keeps(&mut b, &mut events, "eps", &[&a, &d]).await;
+    mapping.as_mut_slice()[5..8].copy_from_slice(b"!!!");
+    drop(mapping);
+    assert_eq!(&a.map().unwrap().as_slice()[..8], b"hello!!!");
+    // The quota is enforced over the kept leases.
+    let over = session.lease(56 * MIB).await;
+    assert_eq!(code_of(&over), Some(Code::ResourceExhausted), "{over:?}");
 }
 
 /// The keeper holds every tenant's memory: it answers its own user only, not root (root in

@@ -402,19 +402,34 @@ impl Keeper {
     pub async fn start() -> Result<Keeper> {
         let dir = tempfile::Builder::new().prefix("gpb-keeper-").tempdir()?;
         let socket = dir.path().join("keeper.sock");
+        let proc = Self::listening_on(&socket).await?;
+        Ok(Keeper {
+            proc,
+            socket,
+            _dir: dir,
+        })
+    }
+
+    /// A keeper process listening on `socket`.
+    async fn listening_on(socket: &Path) -> Result<Proc> {
         let mut cmd = Command::new(bin("gpu-broker"));
-        cmd.arg("keeper").arg("--socket").arg(&socket);
+        cmd.arg("keeper").arg("--socket").arg(socket);
         let mut proc = Proc::spawn(cmd)?;
         proc.line_starting(
             "stderr: gpu-broker keeper: listening",
             Duration::from_secs(10),
         )
         .await?;
-        Ok(Keeper {
-            proc,
-            socket,
-            _dir: dir,
-        })
+        Ok(proc)
+    }
+
+    /// SIGKILLs this keeper (what it held goes with it) and starts a new, empty one on
+    /// the same socket.
+    pub async fn restart(&mut self) -> Result<()> {
+        self.proc.kill().await?;
+        self.proc.wait(Duration::from_secs(10)).await?;
+        self.proc = Self::listening_on(&self.socket).await?;
+        Ok(())
     }
 
     /// The broker flags that use it.

@@ -93,6 +93,18 @@ pub enum Keep {
     /// An ended lease's memory, quarantined, and a copy of its block's descriptor.
     Quarantine(crate::kept::QuarantineRecord, crate::memory::SharedFd),
     QuarantineLifted(Uuid),
+    /// A publication (new, renamed or unpublished); its lease's record has the memory.
+    Publication(crate::kept::PublicationRecord),
+    PublicationEnded(Uuid),
+    /// An import whose descriptor reached a process.
+    Import(crate::kept::ImportRecord),
+    ImportEnded(Uuid),
+    /// A session's process reservation (granted, its group named, its room changed).
+    Reservation(crate::kept::ReservationRecord),
+    ReservationEnded(Uuid),
+    /// A lease's holder was asked for it back by a deadline (wall clock).
+    Reclaim(crate::kept::ReclaimRecord),
+    ReclaimEnded(Uuid),
 }
 
 impl Keep {
@@ -105,6 +117,14 @@ impl Keep {
             Keep::LeaseEnded(_) => "lease-ended",
             Keep::Quarantine(..) => "quarantine",
             Keep::QuarantineLifted(_) => "quarantine-lifted",
+            Keep::Publication(_) => "publication",
+            Keep::PublicationEnded(_) => "publication-ended",
+            Keep::Import(_) => "import",
+            Keep::ImportEnded(_) => "import-ended",
+            Keep::Reservation(_) => "reservation",
+            Keep::ReservationEnded(_) => "reservation-ended",
+            Keep::Reclaim(_) => "reclaim-asked",
+            Keep::ReclaimEnded(_) => "reclaim-ended",
         }
     }
 }

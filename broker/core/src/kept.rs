@@ -1,9 +1,13 @@
 //! What a restarted broker needs to take back a session or a lease, as its keeper keeps it
 //! (the daemon's `keeper/`):
 //! versioned JSON records under the keys `session/<id>`, `lease/<id>` (a lease's record
-//! travels with its block's descriptor) and `drain/<device>` (a device being drained).
-//! A broker that knows no `drain/` record (before this one) drops it and reopens the
-//! device. A record carries its format version `v`; a newer
+//! travels with its block's descriptor), `drain/<device>` (a device being drained),
+//! `quarantine/<lease>`, `publication/<id>` and `import/<id>` (a shared lease's
+//! publication and its imports: no descriptor, the publisher's lease has it), and
+//! `reservation/<id>` (a session's process reservation), and `reclaim/<lease>` (a lease's
+//! holder asked for it back, by a deadline).
+//! A broker that knows a key's kind not (an earlier version) drops that record: a drain
+//! ends, a publication and its imports are forgotten, and it serves on. A record carries its format version `v`; a newer
 //! broker reads every older version, and fields added later have defaults, so a record
 //! written by this version is read by the next (tested with a record of this version,
 //! `records_written_by_this_version_are_read_back`). A record names its device by UUID
@@ -22,6 +26,167 @@ pub const LEASE_PREFIX: &str = "lease/";
 pub const DRAIN_PREFIX: &str = "drain/";
 /// The key prefix of quarantine records.
 pub const QUARANTINE_PREFIX: &str = "quarantine/";
+
+/// The key prefix of publication records.
+pub const PUBLICATION_PREFIX: &str = "publication/";
+/// The key prefix of import records.
+pub const IMPORT_PREFIX: &str = "import/";
+
+/// A live lease published for importers (or unpublished while imports hold it): taken
+/// back with the same id and name when its lease is. Its descriptor for importers is
+/// made again from the lease's block.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublicationRecord {
+    pub v: u32,
+    pub id: String,
+    /// The publisher's live lease.
+    pub lease: String,
+    pub publisher: String,
+    /// None once unpublished (kept while imported).
+    pub name: Option<String>,
+    #[serde(default)]
+    pub readers: Vec<String>,
+    #[serde(default)]
+    pub published_unix_ms: u64,
+}
+
+impl PublicationRecord {
+    pub fn key(&self) -> String {
+        format!("{PUBLICATION_PREFIX}{}", self.id)
+    }
+}
+
+/// The key of publication `id`'s record.
+pub fn publication_key(id: &uuid::Uuid) -> String {
+    format!("{PUBLICATION_PREFIX}{id}")
+}
+
+/// An import of a publication by a session, kept once its descriptor reached a process:
+/// taken back while that session is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImportRecord {
+    pub v: u32,
+    pub id: String,
+    pub publication: String,
+    pub tenant: String,
+    pub session: String,
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub created_unix_ms: u64,
+}
+
+impl ImportRecord {
+    pub fn key(&self) -> String {
+        format!("{IMPORT_PREFIX}{}", self.id)
+    }
+}
+
+/// The key of import `id`'s record.
+pub fn import_key(id: &uuid::Uuid) -> String {
+    format!("{IMPORT_PREFIX}{id}")
+}
+
+/// The key prefix of reclaim request records.
+pub const RECLAIM_PREFIX: &str = "reclaim/";
+
+/// A reclaim request of a lease: its holder must give it back by the deadline (wall
+/// clock), or it is revoked; a restarted broker asks by the same deadline.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReclaimRecord {
+    pub v: u32,
+    pub lease: String,
+    pub deadline_unix_ms: u64,
+}
+
+impl ReclaimRecord {
+    pub fn key(&self) -> String {
+        format!("{RECLAIM_PREFIX}{}", self.lease)
+    }
+}
+
+/// The key of lease `id`'s reclaim record.
+pub fn reclaim_key(id: &uuid::Uuid) -> String {
+    format!("{RECLAIM_PREFIX}{id}")
+}
+
+/// The key prefix of process reservation records.
+pub const RESERVATION_PREFIX: &str = "reservation/";
+
+/// A session's process reservation (not a claim's: the store keeps those): taken back
+/// with its session, the same id and room, its drawn leases drawn from it again.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservationRecord {
+    pub v: u32,
+    pub id: String,
+    pub tenant: String,
+    pub session: String,
+    pub device: u32,
+    /// Rounded size (what the tenant is charged, drawn leases included).
+    pub bytes: u64,
+    #[serde(default)]
+    pub requested_bytes: u64,
+    #[serde(default)]
+    pub label: String,
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub compute_percent: Option<u32>,
+    #[serde(default)]
+    pub created_unix_ms: u64,
+    /// Bytes of drawn leases that ended quarantined: no longer its room.
+    #[serde(default)]
+    pub lost: u64,
+    /// Its program's process group, stopped when it ends.
+    #[serde(default)]
+    pub group: Option<GroupRecord>,
+    /// The device's UUID, as in [`LeaseRecord::device_uuid`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_uuid: Option<String>,
+}
+
+/// A reservation's process group (`crate::process_group::ProcessGroup`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRecord {
+    pub pgid: u32,
+    pub uid: u32,
+    pub leader_start: u64,
+}
+
+impl ReservationRecord {
+    pub fn key(&self) -> String {
+        format!("{RESERVATION_PREFIX}{}", self.id)
+    }
+}
+
+/// The key of reservation `id`'s record.
+pub fn reservation_key(id: &uuid::Uuid) -> String {
+    format!("{RESERVATION_PREFIX}{id}")
+}
+
+impl From<&crate::reservations::Reservation> for ReservationRecord {
+    fn from(r: &crate::reservations::Reservation) -> Self {
+        ReservationRecord {
+            v: RECORD_VERSION,
+            id: r.id.to_string(),
+            tenant: r.tenant.clone(),
+            session: r.session.to_string(),
+            device: r.device,
+            bytes: r.bytes,
+            requested_bytes: r.requested_bytes,
+            label: r.label.clone(),
+            pid: r.pid,
+            compute_percent: r.compute_percent,
+            created_unix_ms: unix_ms(r.created),
+            lost: r.lost,
+            group: r.group.map(|g| GroupRecord {
+                pgid: g.pgid,
+                uid: g.uid,
+                leader_start: g.leader_start,
+            }),
+            // The shell knows the devices' UUIDs: it fills this in.
+            device_uuid: None,
+        }
+    }
+}
 
 /// The memory of an ended lease that a live process may still map (quarantined): it stays
 /// counted to its tenant until that process exits. Its block's descriptor travels with it.
@@ -156,6 +321,10 @@ pub enum Kept {
     Lease(LeaseRecord),
     Drain(DrainRecord),
     Quarantine(QuarantineRecord),
+    Publication(PublicationRecord),
+    Import(ImportRecord),
+    Reservation(ReservationRecord),
+    Reclaim(ReclaimRecord),
 }
 
 /// Why a kept record cannot be read.
@@ -179,7 +348,7 @@ impl LeaseRecord {
     }
 }
 
-fn unix_ms(t: std::time::SystemTime) -> u64 {
+pub fn unix_ms(t: std::time::SystemTime) -> u64 {
     t.duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
@@ -274,6 +443,22 @@ pub fn parse(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> 
         serde_json::from_value(record)
             .map(Kept::Quarantine)
             .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(PUBLICATION_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Publication)
+            .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(IMPORT_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Import)
+            .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(RESERVATION_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Reservation)
+            .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(RECLAIM_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Reclaim)
+            .map_err(|e| unreadable(e.to_string()))
     } else {
         Err(RecordError::UnknownKey {
             key: key.to_string(),
@@ -345,6 +530,53 @@ mod tests {
             (Some(4242), Some(123456), 78)
         );
         assert_eq!(serde_json::to_string(&k).unwrap(), q);
+        let p = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-000000000004","lease":"0193a0b2-0000-4000-8000-000000000002","publisher":"alpha","name":"weights","readers":["beta"],"published_unix_ms":1764800000003}"#;
+        let Kept::Publication(r) = parse(
+            "publication/0193a0b2-0000-4000-8000-000000000004",
+            serde_json::from_str(p).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (r.name.as_deref(), r.readers.as_slice()),
+            (Some("weights"), &["beta".to_string()][..])
+        );
+        assert_eq!(serde_json::to_string(&r).unwrap(), p);
+        let i = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-000000000005","publication":"0193a0b2-0000-4000-8000-000000000004","tenant":"beta","session":"0193a0b2-0000-7000-8000-000000000006","pid":4343,"created_unix_ms":1764800000004}"#;
+        let Kept::Import(r) = parse(
+            "import/0193a0b2-0000-4000-8000-000000000005",
+            serde_json::from_str(i).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!((r.tenant.as_str(), r.pid), ("beta", Some(4343)));
+        assert_eq!(r.key(), "import/0193a0b2-0000-4000-8000-000000000005");
+        assert_eq!(serde_json::to_string(&r).unwrap(), i);
+        let res = r#"{"v":1,"id":"0193a0b2-0000-7000-8000-000000000007","tenant":"alpha","session":"0193a0b2-0000-7000-8000-000000000001","device":0,"bytes":16777216,"requested_bytes":16000000,"label":"run","pid":4242,"compute_percent":50,"created_unix_ms":1764800000005,"lost":2097152,"group":{"pgid":4250,"uid":1000,"leader_start":123460},"device_uuid":"GPU-4f1d0c2a-0000-0000-0000-000000000001"}"#;
+        let Kept::Reservation(r) = parse(
+            "reservation/0193a0b2-0000-7000-8000-000000000007",
+            serde_json::from_str(res).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (r.bytes, r.lost, r.group.map(|g| g.pgid)),
+            (16 << 20, 2 << 20, Some(4250))
+        );
+        assert_eq!(serde_json::to_string(&r).unwrap(), res);
+        let rc = r#"{"v":1,"lease":"0193a0b2-0000-4000-8000-000000000002","deadline_unix_ms":1764800030000}"#;
+        let Kept::Reclaim(r) = parse(
+            "reclaim/0193a0b2-0000-4000-8000-000000000002",
+            serde_json::from_str(rc).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(r.deadline_unix_ms, 1_764_800_030_000);
+        assert_eq!(serde_json::to_string(&r).unwrap(), rc);
     }
 
     /// A later version may add fields: this one reads what it knows and keeps going.

@@ -456,6 +456,15 @@ impl Ledger {
         Ok(())
     }
 
+    /// Charges a host-tier lease a restarted broker took back: no limit check, as
+    /// [`Ledger::adopt`].
+    pub fn adopt_host(&mut self, name: &str, bytes: u64) -> BrokerResult<()> {
+        let u = &mut self.get_mut(name)?.usage;
+        u.host_held_bytes += bytes;
+        u.host_lease_count += 1;
+        Ok(())
+    }
+
     /// A device lease on `device` ended.
     pub fn uncharge(&mut self, name: &str, device: u32, bytes: u64) {
         if let Ok(t) = self.get_mut(name) {
@@ -523,6 +532,16 @@ impl Ledger {
     pub fn charge_process(&mut self, name: &str, device: u32, bytes: u64) -> BrokerResult<()> {
         self.check_process_charge(name, bytes)?;
         self.check_device(name, device, bytes)?;
+        let t = self.get_mut(name)?;
+        t.usage.process_reserved_bytes += bytes;
+        t.usage.process_reservations += 1;
+        Self::add_device_bytes(t, device, bytes);
+        Ok(())
+    }
+
+    /// A kept process reservation taken back at a restart: charged `bytes` (its room)
+    /// unchecked, beyond the quota if that shrank meanwhile (its process runs).
+    pub fn adopt_process(&mut self, name: &str, device: u32, bytes: u64) -> BrokerResult<()> {
         let t = self.get_mut(name)?;
         t.usage.process_reserved_bytes += bytes;
         t.usage.process_reservations += 1;

@@ -357,6 +357,12 @@ impl Pool {
         self.evict_to_fit()
     }
 
+    /// A kept process reservation's room taken back at a restart (no check, like
+    /// [`Pool::adopt`]: the process runs).
+    pub fn adopt_process(&mut self, bytes: u64) {
+        self.process_reserved += bytes;
+    }
+
     /// Gives back `bytes` of process-reserved room (the reservation ended, or a lease of
     /// the process draws them and they become a reservation of an allocation).
     pub fn unreserve_process(&mut self, bytes: u64) {

@@ -74,6 +74,9 @@ pub struct Import {
     /// Set once its holder let go (released, or its session ended) while processes that
     /// may map it live: the import ends when they are gone.
     pub lingering: Option<Waiters>,
+    /// Its record is with the keeper (once its descriptor reached a process, until its
+    /// holder lets go).
+    pub kept: bool,
 }
 
 /// A published lease.

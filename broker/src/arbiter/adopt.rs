@@ -35,7 +35,10 @@ pub struct RestartReport {
     pub bytes_adopted: u64,
     /// Records this broker could not read (dropped).
     pub unreadable: usize,
-    /// From asking the keeper for its records to the last lease taken back.
+    /// The start's wall time up to the last lease taken back and the kept drains: from
+    /// the process's start when `main` timed the steps before the adoption, else from
+    /// asking the keeper for its records. Steps that ran beside others (the keeper's dump
+    /// while the devices opened, each device's take-back) are not added again.
     pub took: Duration,
     /// Where the start's time went, step by step: from the process's start (opening the
     /// store, the devices, loading the state), the adoption's steps, then the steps up to
@@ -72,17 +75,21 @@ fn ms(d: Duration) -> String {
     }
 }
 
-/// Times a restart's steps one after the other.
+/// Times a restart's steps one after the other, and the wall time they cover.
 struct Laps {
     last: Instant,
     phases: Vec<Phase>,
+    /// The steps one after the other so far: those before, and each lap.
+    wall: Duration,
 }
 
 impl Laps {
-    /// Starting now, after the steps `before` (the process's start, timed by `main`).
+    /// Starting now, after the steps `before` (the process's start, timed by `main`: one
+    /// after the other).
     fn new(before: Vec<Phase>) -> Laps {
         Laps {
             last: Instant::now(),
+            wall: before.iter().map(|p| p.took).sum(),
             phases: before,
         }
     }
@@ -90,11 +97,14 @@ impl Laps {
     /// The step that ends now, named `name`.
     fn lap(&mut self, name: &str) {
         let now = Instant::now();
-        self.push(name, now - self.last);
+        let took = now - self.last;
+        self.push(name, took);
+        self.wall += took;
         self.last = now;
     }
 
-    /// A step timed elsewhere (the dump, a device's job).
+    /// A step timed elsewhere that ran beside the others (the dump while the devices
+    /// opened, a device's job): shown, not added to the wall time.
     fn push(&mut self, name: impl Into<String>, took: Duration) {
         self.phases.push(Phase {
             name: name.into(),
@@ -140,6 +150,7 @@ impl Tally {
 
 /// A kept block to make again on its device from its descriptor.
 struct KeptBlock {
+    /// Its device's index, or the host tier's slot after them ([`Arbiter::host_slot`]).
     device: u32,
     fd: OwnedFd,
     bytes: u64,
@@ -218,11 +229,22 @@ impl Arbiter {
         let name = k.name();
         self.crash.pass("before-keep", name);
         let was_broken = link.is_broken();
+        self.write_kept(&**link, k);
+        if !was_broken && link.is_broken() {
+            self.metrics.count_keeper_lost();
+        }
+        self.crash.pass("after-keep", name);
+    }
+
+    /// Writes change `k` to `link` (under the state lock).
+    pub(super) fn write_kept(&self, link: &dyn Place, k: Keep) {
         match k {
             Keep::Session(r) => link.put(r.key(), to_json(&r), None),
             Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
             Keep::Lease(mut r, fd) => {
-                r.device_uuid = self.uuid_of(r.device);
+                if r.tier == "device" {
+                    r.device_uuid = self.uuid_of(r.device);
+                }
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
             Keep::LeaseEnded(id) => link.remove(records::lease_key(&id)),
@@ -236,11 +258,18 @@ impl Arbiter {
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
             Keep::QuarantineLifted(id) => link.remove(records::quarantine_key(&id)),
+            Keep::Publication(r) => link.put(r.key(), to_json(&r), None),
+            Keep::PublicationEnded(id) => link.remove(records::publication_key(&id)),
+            Keep::Import(r) => link.put(r.key(), to_json(&r), None),
+            Keep::ImportEnded(id) => link.remove(records::import_key(&id)),
+            Keep::Reservation(mut r) => {
+                r.device_uuid = self.uuid_of(r.device);
+                link.put(r.key(), to_json(&r), None)
+            }
+            Keep::ReservationEnded(id) => link.remove(records::reservation_key(&id)),
+            Keep::Reclaim(r) => link.put(r.key(), to_json(&r), None),
+            Keep::ReclaimEnded(id) => link.remove(records::reclaim_key(&id)),
         }
-        if !was_broken && link.is_broken() {
-            self.metrics.count_keeper_lost();
-        }
-        self.crash.pass("after-keep", name);
     }
 
     /// Keeps device `device`'s drain (None: it ended), under the state lock like every
@@ -251,6 +280,20 @@ impl Arbiter {
         };
         self.crash.pass("before-keep", "drain");
         let was_broken = link.is_broken();
+        self.write_drain(&**link, device, drain);
+        if !was_broken && link.is_broken() {
+            self.metrics.count_keeper_lost();
+        }
+        self.crash.pass("after-keep", "drain");
+    }
+
+    /// Writes device `device`'s drain (None: it ended) to `link` (under the state lock).
+    pub(super) fn write_drain(
+        &self,
+        link: &dyn Place,
+        device: u32,
+        drain: Option<&crate::availability::Drain>,
+    ) {
         match drain {
             Some(d) => {
                 let r = records::DrainRecord {
@@ -265,10 +308,6 @@ impl Arbiter {
             }
             None => link.remove(records::drain_key(device)),
         }
-        if !was_broken && link.is_broken() {
-            self.metrics.count_keeper_lost();
-        }
-        self.crash.pass("after-keep", "drain");
     }
 
     /// Drains the device of kept drain `r` again, as the previous broker had it: same
@@ -381,11 +420,14 @@ impl Arbiter {
             entries,
             took: dump_took,
         } = dumped;
+        // The dump ran beside the steps before (the devices opening); without them, it
+        // was this start's first step.
+        let dump_first = before.is_empty();
         let mut laps = Laps::new(before);
         laps.push("keeper dump", dump_took);
-        let t0 = Instant::now()
-            .checked_sub(dump_took)
-            .unwrap_or_else(Instant::now);
+        if dump_first {
+            laps.wall += dump_took;
+        }
         let mut report = RestartReport {
             kept_records: entries.len(),
             ..RestartReport::default()
@@ -394,12 +436,20 @@ impl Arbiter {
         let mut leases: Vec<(LeaseRecord, Option<OwnedFd>)> = Vec::new();
         let mut drains = Vec::new();
         let mut quarantines: Vec<(records::QuarantineRecord, Option<OwnedFd>)> = Vec::new();
+        let mut publications = Vec::new();
+        let mut imports = Vec::new();
+        let mut reservations = Vec::new();
+        let mut reclaims = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
                 Ok(Kept::Lease(l)) => leases.push((l, e.fd)),
                 Ok(Kept::Drain(d)) => drains.push(d),
                 Ok(Kept::Quarantine(q)) => quarantines.push((q, e.fd)),
+                Ok(Kept::Publication(p)) => publications.push(p),
+                Ok(Kept::Import(i)) => imports.push(i),
+                Ok(Kept::Reservation(r)) => reservations.push(r),
+                Ok(Kept::Reclaim(r)) => reclaims.push(r),
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
@@ -409,8 +459,13 @@ impl Arbiter {
         }
         // Memory and drains go to the device that has their UUID now, wherever it is.
         let mut device_gone = Vec::new();
-        leases.retain_mut(
-            |(r, _)| match self.device_of(r.device, r.device_uuid.as_deref()) {
+        leases.retain_mut(|(r, _)| {
+            // The host tier is no device: its leases go to this broker's host tier.
+            let device = match r.tier.as_str() {
+                "host" => Some(r.device),
+                _ => self.device_of(r.device, r.device_uuid.as_deref()),
+            };
+            match device {
                 Some(d) => {
                     r.device = d;
                     true
@@ -419,8 +474,8 @@ impl Arbiter {
                     device_gone.push(r.clone());
                     false
                 }
-            },
-        );
+            }
+        });
         let mut quarantine_device_gone = Vec::new();
         quarantines.retain_mut(
             |(q, _)| match self.device_of(q.device, q.device_uuid.as_deref()) {
@@ -430,6 +485,19 @@ impl Arbiter {
                 }
                 None => {
                     quarantine_device_gone.push(q.clone());
+                    false
+                }
+            },
+        );
+        let mut reservation_device_gone = Vec::new();
+        reservations.retain_mut(
+            |r| match self.device_of(r.device, r.device_uuid.as_deref()) {
+                Some(d) => {
+                    r.device = d;
+                    true
+                }
+                None => {
+                    reservation_device_gone.push(r.key());
                     false
                 }
             },
@@ -444,6 +512,15 @@ impl Arbiter {
             tally.add("kept sessions not taken back", why, 0);
             report.sessions_reclaimed += 1;
             link.remove(r.key());
+        }
+        // Before the leases: a lease drawn from one is drawn from it again.
+        for (r, why) in self.adopt_reservations(reservations) {
+            tally.add("kept reservations not taken back", why, r.bytes);
+            link.remove(r.key());
+        }
+        for key in reservation_device_gone {
+            tally.add("kept reservations not taken back", "its device is gone", 0);
+            link.remove(key);
         }
         laps.lap("sessions");
         // Kept device memory, leases' and quarantines' alike (with their descriptors).
@@ -479,6 +556,12 @@ impl Arbiter {
             tally.add("kept quarantines let go", why, q.bytes);
             link.remove(q.key());
         }
+        for (key, why) in self.adopt_shared(publications, imports) {
+            tally.add("kept publications and imports not taken back", why, 0);
+            link.remove(key);
+        }
+        laps.lap("shared leases");
+
         tally.log();
         let mut waiting = self.awaiting_resume.lock();
         for (session, lease, bytes) in taken.leases {
@@ -489,8 +572,12 @@ impl Arbiter {
         drop(waiting);
         // From here every change is kept: nothing else runs before serving.
         let place = link.describe();
+        let comes_back = link.as_keeper().is_some();
         let _ = self.keeper.set(Arc::new(link));
         self.lock().set_keeping(true);
+        if comes_back {
+            self.spawn_relink();
+        }
         laps.lap("keeper re-armed");
         // Every moved drain's old key goes first: two drained devices that swapped indexes
         // would otherwise each remove the key the other just wrote.
@@ -505,7 +592,23 @@ impl Arbiter {
             self.drain_again(d);
         }
         laps.lap("drains");
-        report.took = t0.elapsed();
+        // After the drains: a lease a drain asks back again keeps the drain's deadline.
+        let mut dropped = 0;
+        for r in reclaims {
+            if !self.ask_again(&r) {
+                dropped += 1;
+                if let Some(link) = self.keeper.get() {
+                    link.remove(r.key());
+                }
+            }
+        }
+        if dropped > 0 {
+            tracing::info!(
+                count = dropped,
+                "kept reclaim requests of leases not taken back dropped"
+            );
+        }
+        report.took = laps.wall;
         report.phases = laps.phases;
         self.metrics.count_restart(
             (report.sessions_adopted, report.sessions_reclaimed),
@@ -526,6 +629,20 @@ impl Arbiter {
         );
         *self.restart.lock() = Some(report.clone());
         report
+    }
+
+    /// Asks the holder of the lease of kept reclaim request `r` again, by the same
+    /// deadline (one that passed during the outage: the usual reclaim deadline from now).
+    /// False when that lease was not taken back.
+    fn ask_again(&self, r: &records::ReclaimRecord) -> bool {
+        let Ok(lease) = r.lease.parse::<Uuid>() else {
+            return false;
+        };
+        let now = SystemTime::now();
+        let deadline = Some(from_unix_ms(r.deadline_unix_ms))
+            .filter(|d| *d > now)
+            .unwrap_or(now + self.cfg.reclaim_deadline);
+        self.lock().adopt_reclaim(lease, deadline)
     }
 
     /// The start's steps after the adoption, up to serving (`main` times them): added to
@@ -614,7 +731,11 @@ impl Arbiter {
         for (r, fd) in leases {
             match self.adoptable(&r, fd, sessions) {
                 Ok((id, session, fd)) => {
-                    blocks.push(KeptBlock::new(r.device, fd, r.bytes, r.block_id));
+                    let slot = match r.tier.as_str() {
+                        "host" => self.host_slot(),
+                        _ => r.device,
+                    };
+                    blocks.push(KeptBlock::new(slot, fd, r.bytes, r.block_id));
                     lease_ids.push((r, id, session));
                 }
                 Err(why) => out.leases_refused.push((r, why)),
@@ -633,7 +754,10 @@ impl Arbiter {
         laps.lap("liveness and descriptor checks");
         let (made, device_times) = self.take_back_blocks(blocks);
         for (d, took) in device_times {
-            laps.push(format!("device {d} take-back"), took);
+            match d == self.host_slot() {
+                true => laps.push("host tier take-back", took),
+                false => laps.push(format!("device {d} take-back"), took),
+            }
         }
         laps.lap("take-back");
         let mut made = made.into_iter();
@@ -661,12 +785,17 @@ impl Arbiter {
                 reclaimable: r.reclaimable,
                 created: from_unix_ms(r.created_unix_ms),
                 priority: r.priority,
+                reservation: r.reservation.as_deref().and_then(|s| s.parse().ok()),
             };
-            match st.adopt_lease(a, block) {
+            let (slot, adopted) = match r.tier.as_str() {
+                "host" => (self.host_slot(), st.adopt_host_lease(a, block)),
+                _ => (r.device, st.adopt_lease(a, block)),
+            };
+            match adopted {
                 Ok(_) => out.leases.push((session, id, r.bytes)),
                 Err((why, block)) => {
                     tracing::debug!(?why, "kept lease not taken back");
-                    unneeded.push((r.device, block));
+                    unneeded.push((slot, block));
                     out.leases_refused
                         .push((r, "its session or tenant is gone"));
                 }
@@ -700,7 +829,7 @@ impl Arbiter {
         drop(st);
         // Nobody counted maps them: their holders' sessions are gone.
         for (d, block) in unneeded {
-            self.free_on_device(d, block);
+            self.free_in_slot(d, block);
         }
         laps.lap("adopt under the lock");
         out
@@ -719,8 +848,9 @@ impl Arbiter {
         Vec<(u32, Duration)>,
     ) {
         let n = blocks.len();
+        // One slot per device, and the host tier's after them.
         let mut per_device: Vec<Vec<(usize, KeptBlock)>> =
-            (0..self.devices.len()).map(|_| Vec::new()).collect();
+            (0..=self.devices.len()).map(|_| Vec::new()).collect();
         for (i, b) in blocks.into_iter().enumerate() {
             // `adoptable` checked the device.
             per_device[b.device as usize].push((i, b));
@@ -732,7 +862,12 @@ impl Arbiter {
             }
             let (order, batch): (Vec<usize>, Vec<KeptBlock>) = batch.into_iter().unzip();
             let (tx, rx) = std::sync::mpsc::channel();
-            let submitted = self.devices[d].thread.submit(move |dev| {
+            let thread = match self.devices.get(d) {
+                Some(slot) => Some(&slot.thread),
+                None => self.host_tier.as_ref(),
+            };
+            let Some(thread) = thread else { continue };
+            let submitted = thread.submit(move |dev| {
                 let t = Instant::now();
                 let made = batch
                     .into_iter()
@@ -768,7 +903,7 @@ impl Arbiter {
                     Ok((alloc, Ok(handle))) => out[i] = Some((alloc, handle)),
                     Ok((alloc, Err(e))) => {
                         self.fds.give_back();
-                        self.free_on_device(d, alloc);
+                        self.free_in_slot(d, alloc);
                         refused += 1;
                         first_error.get_or_insert(e);
                     }
@@ -801,10 +936,11 @@ impl Arbiter {
             return Err("its session was not taken back");
         }
         let fd = fd.ok_or("no descriptor came with it")?;
-        if r.tier != "device" {
-            return Err("host-tier leases are not taken back");
+        match r.tier.as_str() {
+            "device" => self.block_fits(r.device, &r.kind)?,
+            "host" => self.host_block_fits(&r.kind)?,
+            _ => return Err("its tier is unknown"),
         }
-        self.block_fits(r.device, &r.kind)?;
         Ok((id, session, fd))
     }
 
@@ -828,6 +964,35 @@ impl Arbiter {
         let fd = fd.ok_or("no descriptor came with it")?;
         self.block_fits(r.device, &r.kind)?;
         Ok((lease, pid, fd))
+    }
+
+    /// Whether host-tier memory of `kind` can be taken back by this broker's host tier;
+    /// if so its descriptor is counted against the budget.
+    fn host_block_fits(&self, kind: &str) -> Result<(), &'static str> {
+        if self.host_tier.is_none() {
+            return Err("this broker has no host tier");
+        }
+        if kind != "host-memfd" {
+            return Err("its memory is of another backend");
+        }
+        if self.fds.take(0).is_err() {
+            return Err("out of descriptors");
+        }
+        Ok(())
+    }
+
+    /// The host tier's slot among the devices' when kept blocks are taken back: after
+    /// them.
+    fn host_slot(&self) -> u32 {
+        self.devices.len() as u32
+    }
+
+    /// Frees `what`, made in slot `slot` (a device, or the host tier's).
+    fn free_in_slot(&self, slot: u32, what: impl Into<super::Unneeded>) {
+        match slot == self.host_slot() {
+            true => self.free_host(what),
+            false => self.free_on_device(slot, what),
+        }
     }
 
     /// Whether memory of `kind` kept on `device` can be taken back by this broker's

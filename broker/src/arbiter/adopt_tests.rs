@@ -6,7 +6,8 @@
 
 use super::*;
 use crate::keeper::records::{
-    DrainRecord, LeaseRecord, QuarantineRecord, SessionRecord, RECORD_VERSION,
+    DrainRecord, ImportRecord, LeaseRecord, PublicationRecord, QuarantineRecord, SessionRecord,
+    RECORD_VERSION,
 };
 use crate::keeper::{Entry, KeeperError, Place};
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -197,12 +198,71 @@ fn the_report_breaks_the_adoption_down() {
             "device 0 take-back",
             "take-back",
             "adopt under the lock",
+            "shared leases",
             "keeper re-armed",
             "drains"
         ]
     );
     assert!(report.phases_line().starts_with("keeper dump "));
     assert_eq!(arb.restart_report().unwrap().phases, report.phases);
+}
+
+/// The report's total is the start's wall time: the steps before the adoption and the
+/// adoption's own, not the keeper's dump again when it ran while the devices opened; a
+/// dump read just before the adoption is its first step.
+#[test]
+fn the_reports_total_is_wall_time_with_the_dump_counted_once() {
+    use crate::keeper::place::Dumped;
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let session = Uuid::new_v4();
+    let lease = lease_record(session, "alpha", 0, Some(&arb.device_uuid(0)));
+    let place = MemPlace::default();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(memfd(2 * MIB))),
+    ];
+    let dumped = crate::keeper::place::dump(place).unwrap();
+    // Read while the devices opened (200 ms), itself 300 ms.
+    let dumped = Dumped {
+        took: Duration::from_millis(300),
+        ..dumped
+    };
+    let opened = Phase {
+        name: "open devices".into(),
+        took: Duration::from_millis(200),
+    };
+    let t = Instant::now();
+    let report = arb.adopt_dumped(dumped, vec![opened]);
+    let adoption = t.elapsed();
+    assert_eq!(report.leases_adopted, 1);
+    assert!(
+        report.took >= Duration::from_millis(200)
+            && report.took <= Duration::from_millis(200) + adoption,
+        "{:?} for 200 ms of steps before and {adoption:?} of adoption",
+        report.took
+    );
+
+    // Without steps before, the dump was the first step.
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    let dumped = Dumped {
+        took: Duration::from_millis(300),
+        ..crate::keeper::place::dump(MemPlace::default()).unwrap()
+    };
+    let t = Instant::now();
+    let report = arb.adopt_dumped(dumped, Vec::new());
+    let adoption = t.elapsed();
+    assert!(
+        report.took >= Duration::from_millis(300)
+            && report.took <= Duration::from_millis(300) + adoption,
+        "{:?}",
+        report.took
+    );
 }
 
 /// Two drained devices that swapped indexes since the drains were kept: both stay drained
@@ -239,4 +299,75 @@ fn drains_of_devices_that_swapped_indexes_are_both_kept() {
         kept.contains(&a.key()) && kept.contains(&b.key()),
         "both drains kept: {kept:?}"
     );
+}
+
+/// A kept publication of a lease taken back is published again (same id and name, a
+/// read-only reopen of its sealed memfd for importers) with its kept import of a session
+/// taken back; a publication of a lease not taken back and an import of a session not taken
+/// back are let go (their records removed).
+#[test]
+fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let session = Uuid::new_v4();
+    let lease = lease_record(session, "alpha", 0, Some(&arb.device_uuid(0)));
+    let fd = memfd(2 * MIB);
+    crate::sharing::seal_read_only(&crate::device::SharedFd::new(fd.try_clone().unwrap())).unwrap();
+    let publication = |lease: &str, name: &str| PublicationRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        lease: lease.into(),
+        publisher: "alpha".into(),
+        name: Some(name.into()),
+        readers: vec![],
+        published_unix_ms: 1_764_800_000_000,
+    };
+    let kept_pub = publication(&lease.id, "w");
+    let orphan_pub = publication(&Uuid::new_v4().to_string(), "gone");
+    let import = |session: Uuid| ImportRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        publication: kept_pub.id.clone(),
+        tenant: "alpha".into(),
+        session: session.to_string(),
+        pid: Some(std::process::id()),
+        created_unix_ms: 0,
+    };
+    let kept_import = import(session);
+    let orphan_import = import(Uuid::new_v4());
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(fd)),
+        entry(kept_pub.key(), &kept_pub, None),
+        entry(orphan_pub.key(), &orphan_pub, None),
+        entry(kept_import.key(), &kept_import, None),
+        entry(orphan_import.key(), &orphan_import, None),
+    ];
+    arb.adopt_from_keeper(place).unwrap();
+    let shared = arb.list_shared(Some("alpha"));
+    assert_eq!(shared.len(), 1, "{shared:?}");
+    let p = &shared[0];
+    assert_eq!(
+        (p.id.to_string(), p.name.as_deref(), p.enforced),
+        (kept_pub.id.clone(), Some("w"), true)
+    );
+    let imports: Vec<String> = p.imports.iter().map(|i| i.id.to_string()).collect();
+    assert_eq!(imports, std::slice::from_ref(&kept_import.id));
+    let mut removed = removed.lock().clone();
+    removed.sort();
+    let mut expected = vec![orphan_pub.key(), orphan_import.key()];
+    expected.sort();
+    assert_eq!(removed, expected);
+    // A new import finds the name again.
+    let st = arb.lock();
+    let pid = st.shared().visible("alpha", "w", "alpha").map(|p| p.id);
+    drop(st);
+    assert_eq!(pid.map(|p| p.to_string()), Some(kept_pub.id.clone()));
 }

@@ -15,6 +15,8 @@
 mod admin;
 mod admission;
 mod adopt;
+mod adopt_process;
+mod adopt_shared;
 mod audit;
 pub mod claims;
 mod drain;
@@ -30,6 +32,7 @@ pub use gpu_broker_core::lease::RECLAIM_DEADLINE_MISSED;
 pub use gpu_broker_core::request::{AcquireRequest, ValidRequest};
 /// The wait queue's records and the state core, at their old paths (`gpu_broker_core`).
 pub use gpu_broker_core::{overtaking, queue, state};
+mod relink;
 mod reservations;
 mod retained;
 mod revocation;

@@ -381,6 +381,8 @@ impl Arbiter {
                 .map(|i| i.session),
         };
         let Some(session) = session else { return false };
+        // An import is kept once its descriptor leaves the broker (before it does).
+        st.import_delivered(id);
         let Some(pid) = pid else { return true };
         if st.sessions().get(&session).and_then(|s| s.peer.pid) == Some(pid) {
             return true;

@@ -160,6 +160,9 @@ pub struct CudaDevice {
     stream: CUstream,
     next_id: u64,
     live: HashMap<u64, Live>,
+    /// The device number of the driver's control device (`/dev/nvidiactl`), which every
+    /// exported VMM descriptor is: a kept descriptor must be one (read once, at open).
+    control_rdev: Option<u64>,
 }
 
 // SAFETY: the context and stream are opaque driver handles that are valid on any thread once
@@ -227,6 +230,7 @@ impl CudaDevice {
             },
             dev,
             ctx,
+            control_rdev: control_device(),
             stream: std::ptr::null_mut(),
             next_id: 1,
             live: HashMap::new(),
@@ -506,14 +510,32 @@ impl CudaDevice {
     }
 }
 
-/// Is `fd` a character device (one `fstat`)?
-fn is_char_device(fd: &std::os::fd::OwnedFd) -> bool {
+/// The driver's control device's number (`/dev/nvidiactl`, a character device); None
+/// when there is none.
+fn control_device() -> Option<u64> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    std::fs::metadata("/dev/nvidiactl")
+        .ok()
+        .filter(|m| m.file_type().is_char_device())
+        .map(|m| m.rdev())
+}
+
+/// `fd`'s mode and device number (one `fstat`); None when it cannot be read.
+fn mode_and_rdev(fd: &std::os::fd::OwnedFd) -> Option<(u32, u64)> {
     use std::os::fd::AsRawFd;
     // SAFETY: an all-zero stat is valid; fstat writes it for a valid descriptor.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: a valid descriptor and out pointer.
     let rc = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
-    rc == 0 && st.st_mode & libc::S_IFMT == libc::S_IFCHR
+    (rc == 0).then_some((st.st_mode, st.st_rdev))
+}
+
+/// Is a descriptor of `mode` and device number `rdev` the driver's control device, whose
+/// number is `control` (what an exported VMM descriptor is)? A character device of
+/// another number (a buggy keeper's wrong descriptor), anything not a character device,
+/// or no control device to compare with: no.
+fn is_driver_descriptor(mode: u32, rdev: u64, control: Option<u64>) -> bool {
+    mode & libc::S_IFMT == libc::S_IFCHR && control == Some(rdev)
 }
 
 /// The driver's 16 UUID bytes as `nvidia-smi` prints them (`GPU-xxxxxxxx-xxxx-...`).
@@ -607,10 +629,12 @@ impl Device for CudaDevice {
         if bytes == 0 || !bytes.is_multiple_of(self.desc.granularity) {
             return Err(DeviceError::InvalidSize(bytes));
         }
-        // An exported VMM descriptor is one of the driver's character devices
-        // (`/dev/nvidiactl`): anything else is not this backend's memory. The driver itself
-        // reads it only when the broker first touches the memory (`mapped`).
-        if !is_char_device(&fd) {
+        // An exported VMM descriptor is the driver's control device (`/dev/nvidiactl`):
+        // anything else is not this backend's memory, and its record is reclaimed. The
+        // driver itself reads it only when the broker first touches the memory (`mapped`).
+        let driver = mode_and_rdev(&fd)
+            .is_some_and(|(mode, rdev)| is_driver_descriptor(mode, rdev, self.control_rdev));
+        if !driver {
             return Err(DeviceError::Unavailable(
                 "a kept descriptor is not CUDA memory".into(),
             ));
@@ -746,6 +770,39 @@ mod tests {
                 CudaDevice::open(0),
                 Err(DeviceError::Unavailable(_))
             ));
+        }
+    }
+
+    /// A kept descriptor is taken back only when it is a character device of the
+    /// control device's number: another character device (`/dev/null`), a memfd, or no
+    /// control device to compare with are refused.
+    #[test]
+    fn only_the_drivers_control_device_is_taken_back() {
+        use std::os::unix::fs::MetadataExt;
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let null_rdev = null.metadata().unwrap().rdev();
+        let null: std::os::fd::OwnedFd = null.into();
+        let (mode, rdev) = mode_and_rdev(&null).unwrap();
+        assert_eq!(rdev, null_rdev);
+        assert!(is_driver_descriptor(mode, rdev, Some(null_rdev)));
+        // /dev/nvidiactl is character device 195:255.
+        let nvidiactl = libc::makedev(195, 255);
+        assert!(!is_driver_descriptor(mode, rdev, Some(nvidiactl)));
+        assert!(!is_driver_descriptor(mode, rdev, None));
+        assert!(is_driver_descriptor(
+            libc::S_IFCHR | 0o666,
+            nvidiactl,
+            Some(nvidiactl)
+        ));
+        let memfd = crate::device::host::memfd("cuda-check-test", 4096).unwrap();
+        let (mode, rdev) = mode_and_rdev(&memfd).unwrap();
+        assert!(
+            !is_driver_descriptor(mode, rdev, Some(rdev)),
+            "not a character device"
+        );
+        // On a machine without the driver there is nothing to compare with.
+        if !std::path::Path::new("/dev/nvidiactl").exists() {
+            assert_eq!(control_device(), None);
         }
     }
 

@@ -5,8 +5,10 @@
 //! picks one. Either holds a copy of every leased block's descriptor (so the memory
 //! outlives the broker) with the lease's record; the broker writes each change as the
 //! state lock makes it and, when it starts again, reads everything back and adopts the
-//! leases of holders still alive (`arbiter/adopt.rs`). [`wire`] is the keeper's socket and
-//! its messages, [`records`] the versioned records.
+//! leases of holders still alive (`arbiter/adopt.rs`). A keeper process lost while the
+//! broker runs is reconnected to and filled again with everything live ([`link`],
+//! `arbiter/relink.rs`). [`wire`] is the keeper's socket and its messages, [`records`]
+//! the versioned records.
 
 pub mod choose;
 pub mod fdstore;
@@ -250,6 +252,62 @@ mod tests {
         assert_eq!(got, ["lease/a", "session/s"]);
         drop(sock);
         server.join().unwrap();
+    }
+
+    /// A link whose keeper closed its end sees it and is declared lost once; it then
+    /// reconnects to the next keeper on the socket, which is told to forget what it held
+    /// (here an earlier broker's stale lease) before anything is written again, and the
+    /// writes after `resume` reach it.
+    #[test]
+    fn a_lost_link_reconnects_to_the_next_keeper_and_empties_it_first() {
+        use std::time::Duration;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keeper.sock");
+        let listener = wire::bind(&path).unwrap();
+        let link = KeeperLink::connect(&path).unwrap();
+        let conn = wire::accept(&listener).unwrap();
+        assert!(
+            !link.watch(Duration::from_millis(10)),
+            "the keeper is there"
+        );
+        // The keeper dies.
+        drop((conn, listener));
+        assert!(link.watch(Duration::from_secs(5)));
+        assert!(link.lose_closed());
+        assert!(!link.lose_closed(), "declared lost once");
+        assert!(link.is_broken());
+        assert!(!link.resume(), "nothing to resume before a reconnect");
+        link.put("lease/while-lost".into(), serde_json::json!({"v": 1}), None);
+
+        // The next keeper, holding what an earlier broker left.
+        let server = keeper_serving(&path, 3);
+        {
+            let stale = KeeperLink::connect(&path).unwrap();
+            let fd = memfd_with("stale");
+            stale.put(
+                "lease/stale".into(),
+                serde_json::json!({"v": 1}),
+                Some(fd.as_fd()),
+            );
+        }
+        link.reconnect().unwrap();
+        assert!(link.resume());
+        assert!(!link.is_broken());
+        let fd = memfd_with("live");
+        link.put(
+            "lease/live".into(),
+            serde_json::json!({"v": 1}),
+            Some(fd.as_fd()),
+        );
+        drop(link);
+        let reader = KeeperLink::connect(&path).unwrap();
+        let entries = reader.dump().unwrap();
+        let keys: Vec<&str> = entries.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(keys, ["lease/live"]);
+        assert_eq!(text_of(entries[0].fd.as_ref().unwrap(), 4), "live");
+        drop((entries, reader));
+        let kept = server.join().unwrap();
+        assert_eq!((kept.len(), kept.descriptors()), (1, 1));
     }
 
     /// A message that is not the protocol's ends the connection with an error; a

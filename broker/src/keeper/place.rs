@@ -33,6 +33,11 @@ pub trait Place: Send + Sync {
     fn is_broken(&self) -> bool;
     /// Writes made so far.
     fn sent(&self) -> u64;
+    /// The keeper process's link, when this place is one: a lost keeper can come back
+    /// and be filled again (`arbiter/relink.rs`); systemd's store cannot.
+    fn as_keeper(&self) -> Option<&super::KeeperLink> {
+        None
+    }
 }
 
 /// What a place handed back at start, with the place and how long it took: made apart

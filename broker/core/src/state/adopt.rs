@@ -26,6 +26,8 @@ pub struct Adopted {
     pub reclaimable: bool,
     pub created: SystemTime,
     pub priority: i32,
+    /// The process reservation it was drawn from (taken back before it), if any.
+    pub reservation: Option<Uuid>,
 }
 
 /// Why a kept lease was not taken back (its block is handed back to be let go).
@@ -33,10 +35,12 @@ pub struct Adopted {
 pub enum NotAdopted {
     /// Its session was not taken back (its holder died meanwhile), or is another tenant's.
     Session,
-    /// No such device in this broker, or a host-tier lease (not taken back).
+    /// No such device in this broker.
     Device,
     /// Its tenant no longer exists.
     Tenant,
+    /// An import's publication was not taken back (or no longer lets its tenant read it).
+    Publication,
 }
 
 impl State {
@@ -81,11 +85,14 @@ impl State {
         let bytes = block.bytes();
         // A lease of a claim's session was drawn from the claim's reservation (restored
         // from the store before adoption): drawn from it again, not charged beside it.
+        // Likewise a lease its process drew from the session's process reservation (taken
+        // back before its leases).
         let drawn = self
             .sessions
             .get(&a.session)
             .and_then(|s| s.token_id.as_deref())
             .and_then(|t| self.reservations.bound_to(t))
+            .or_else(|| a.reservation.and_then(|r| self.reservations.get(&r)))
             .filter(|r| r.tenant == a.tenant && r.device == a.device && r.room() >= bytes)
             .map(|r| r.id);
         if let Some(rid) = drawn {
@@ -124,6 +131,47 @@ impl State {
     }
 }
 
+impl State {
+    /// Takes back host-tier lease `a` on `block` (its memfd, made again by the host
+    /// tier): charged to its tenant's host bytes beyond a limit that shrank meanwhile.
+    /// Gives the block back when its session is gone or its tenant is.
+    pub fn adopt_host_lease(
+        &mut self,
+        a: Adopted,
+        block: Block,
+    ) -> Result<LeaseView, (NotAdopted, Block)> {
+        let ok = self
+            .sessions
+            .get(&a.session)
+            .is_some_and(|s| s.tenant == a.tenant);
+        if !ok {
+            return Err((NotAdopted::Session, block));
+        }
+        if self.ledger.adopt_host(&a.tenant, block.bytes()).is_err() {
+            return Err((NotAdopted::Tenant, block));
+        }
+        let seq = self.next_seq();
+        let lease = Lease {
+            id: a.id,
+            tenant: a.tenant,
+            session: a.session,
+            device: 0,
+            tier: Tier::Host,
+            requested_bytes: a.requested_bytes,
+            label: a.label,
+            reclaimable: a.reclaimable,
+            created: a.created,
+            state: LeaseState::Active,
+            priority: a.priority,
+            seq,
+            block,
+            reservation: None,
+            live: LiveMark::default(),
+        };
+        Ok(self.insert_lease_kept(lease))
+    }
+}
+
 /// A kept quarantine to take back (from its record).
 #[derive(Clone, Debug)]
 pub struct AdoptedQuarantine {
@@ -145,33 +193,14 @@ impl State {
         let Some(q) = self.quarantine.get(&id) else {
             return;
         };
-        let crate::memory::Handle::Fd {
-            fd, block_id, kind, ..
-        } = &q.block.handle;
         let pid_start = self
             .sessions
             .get(&session)
             .filter(|s| s.peer.pid.is_some() && s.peer.pid == q.pid)
             .and_then(|s| s.peer_start);
-        let record = crate::kept::QuarantineRecord {
-            v: crate::kept::RECORD_VERSION,
-            lease: id.to_string(),
-            tenant: q.tenant.clone(),
-            device: q.device,
-            bytes: q.block.bytes(),
-            block_id: *block_id,
-            kind: match kind {
-                crate::memory::MemoryKind::CudaVmm => "cuda-vmm",
-                crate::memory::MemoryKind::HostMemfd => "host-memfd",
-            }
-            .into(),
-            pid: q.pid,
-            pid_start,
-            destroy: q.destroy,
-            device_uuid: None,
-        };
-        let fd = fd.clone();
-        self.keep(|| crate::effects::Keep::Quarantine(record, fd));
+        if let Some(k) = self.quarantine_kept(id, pid_start) {
+            self.keep(|| k);
+        }
     }
 
     /// Takes back quarantined memory `a` on `block`: counted to its tenant and on its

@@ -5,7 +5,7 @@
 
 use super::{Quarantined, State};
 use crate::effects::{Counted, Effect, Watch};
-use crate::lease::{LeaseView, Revocation};
+use crate::lease::{LeaseState, LeaseView, Revocation};
 use crate::ledger::Tier;
 use crate::session::{Peer, Session, SessionEvent};
 use std::time::Duration;
@@ -132,6 +132,9 @@ impl State {
         let lease = self.leases.remove(&id)?;
         self.wake_queue();
         self.keep(|| crate::effects::Keep::LeaseEnded(id));
+        if matches!(lease.state, LeaseState::ReclaimRequested { .. }) {
+            self.keep(|| crate::effects::Keep::ReclaimEnded(id));
+        }
         self.fx.push(Effect::ForgetTickets { lease: id });
         let view = self.view(&lease);
         if let Some(s) = self.sessions.get_mut(&lease.session) {

@@ -20,13 +20,16 @@
 //! holders of an unhealthy device), `queue.rs` (the queue policy: queue a request, one pass deciding what
 //! fits where, the whole queue run, refusing what can never fit, reclaim requests), `retained.rs`
 //! (a released block its process keeps mapped: held for the tenant, granted to that
-//! process again without a ticket, let go when told), and here:
+//! process again without a ticket, let go when told), `adopt.rs` and `adopt_shared.rs`
+//! (a restart's take-back of kept sessions, leases, quarantines, publications, imports), and here:
 //! opening a session, leasable and headroom changes, quota changes.
 
 mod adopt;
+mod adopt_shared;
 mod devices;
 mod end;
 mod grant;
+mod kept_now;
 mod process;
 mod queue;
 #[cfg(test)]
@@ -41,7 +44,8 @@ mod tests;
 #[cfg(test)]
 mod transition_tests;
 
-pub use adopt::{Adopted, AdoptedQuarantine};
+pub use adopt::{Adopted, AdoptedQuarantine, NotAdopted};
+pub use adopt_shared::AdoptedImport;
 pub use end::{Ending, Revoke};
 pub use queue::{Enqueued, QueueEnv};
 pub use shared::{Holding, NewPublication, SealCheck};
@@ -305,13 +309,54 @@ impl State {
     }
     /// Mark a lease's reclaim state (active, or asked back by a deadline).
     fn set_lease_state(&mut self, id: &Uuid, state: LeaseState) -> bool {
-        match self.leases.get_mut(id) {
-            Some(l) => {
-                l.state = state;
-                true
+        let Some(l) = self.leases.get_mut(id) else {
+            return false;
+        };
+        let was = std::mem::replace(&mut l.state, state);
+        // A reclaim request's deadline is kept: a restart asks by the same one.
+        match (was, state) {
+            (_, LeaseState::ReclaimRequested { deadline_wall, .. }) if was != state => {
+                let record = reclaim_record(*id, deadline_wall);
+                self.keep(|| crate::effects::Keep::Reclaim(record));
             }
-            None => false,
+            (LeaseState::ReclaimRequested { .. }, LeaseState::Active) => {
+                self.keep(|| crate::effects::Keep::ReclaimEnded(*id));
+            }
+            _ => {}
         }
+        true
+    }
+
+    /// Asks the holder of lease `id` (just taken back at a restart) for it back again by
+    /// `deadline_wall`, as the previous broker had asked (kept again, when keeping). False
+    /// when there is no such lease; one asked already (by a drain taken back) is left as
+    /// it is.
+    pub fn adopt_reclaim(&mut self, id: Uuid, deadline_wall: std::time::SystemTime) -> bool {
+        let left = deadline_wall
+            .duration_since(self.clock.wall)
+            .unwrap_or_default();
+        let state = LeaseState::ReclaimRequested {
+            deadline: self.clock.now + left,
+            deadline_wall,
+        };
+        let Some(l) = self.leases.get(&id) else {
+            return false;
+        };
+        if matches!(l.state, LeaseState::ReclaimRequested { .. }) {
+            return true;
+        }
+        let (session, bytes) = (l.session, l.bytes());
+        self.set_lease_state(&id, state);
+        self.fx.notify(
+            session,
+            crate::session::SessionEvent::ReclaimRequested {
+                lease_id: id,
+                bytes,
+                deadline: deadline_wall,
+                reason: "asked again after a broker restart".into(),
+            },
+        );
+        true
     }
     /// Mark what NVML says of a session's GPU use; false when there is no such session.
     /// (Its activity is marked through `Session::last_seen`, shared, with no lock.)
@@ -613,5 +658,14 @@ impl State {
             }
         }
         Ok(())
+    }
+}
+
+/// The record of a reclaim request of lease `id` due at `deadline_wall`.
+pub(crate) fn reclaim_record(id: Uuid, deadline_wall: SystemTime) -> crate::kept::ReclaimRecord {
+    crate::kept::ReclaimRecord {
+        v: crate::kept::RECORD_VERSION,
+        lease: id.to_string(),
+        deadline_unix_ms: crate::kept::unix_ms(deadline_wall),
     }
 }

@@ -45,7 +45,54 @@ impl State {
         };
         let id = r.id;
         self.reservations.by_id.insert(id, r);
+        self.keep_reservation(id);
         Ok(id)
+    }
+
+    /// Pushes session reservation `id` for the keeper (a claim's is the store's).
+    fn keep_reservation(&mut self, id: Uuid) {
+        let Some(r) = self
+            .reservations
+            .by_id
+            .get(&id)
+            .filter(|r| r.claim.is_none())
+        else {
+            return;
+        };
+        let record = crate::kept::ReservationRecord::from(r);
+        self.keep(|| crate::effects::Keep::Reservation(record));
+    }
+
+    /// Takes back kept reservation `r` of a session taken back (same id, tenant, device
+    /// and room; charged beyond its quota if that shrank meanwhile: its process runs).
+    /// Its drawn leases are taken back after it and drawn from it again
+    /// ([`State::adopt_lease`]). Refused when its session was not taken back or holds
+    /// one, or its tenant or device is gone.
+    pub fn adopt_reservation(
+        &mut self,
+        mut r: Reservation,
+    ) -> Result<(), super::adopt::NotAdopted> {
+        use super::adopt::NotAdopted;
+        let ok = self
+            .sessions
+            .get(&r.session)
+            .is_some_and(|s| s.tenant == r.tenant);
+        if !ok || self.reservations.of_session(r.session).next().is_some() {
+            return Err(NotAdopted::Session);
+        }
+        if r.device as usize >= self.pools.len() || self.reservations.by_id.contains_key(&r.id) {
+            return Err(NotAdopted::Device);
+        }
+        r.drawn = 0;
+        r.lost = r.lost.min(r.bytes);
+        r.claim = None;
+        let room = r.room();
+        self.ledger
+            .adopt_process(&r.tenant, r.device, room)
+            .map_err(|_| NotAdopted::Tenant)?;
+        self.pools[r.device as usize].adopt_process(room);
+        self.reservations.by_id.insert(r.id, r);
+        Ok(())
     }
 
     /// Charges `bytes` of room to `tenant` and keeps them on device `d` (cached blocks in
@@ -155,6 +202,7 @@ impl State {
         if let Some(r) = self.reservations.by_id.get_mut(&id) {
             r.group = Some(g);
         }
+        self.keep_reservation(id);
     }
 
     /// Ends one reservation: its room is uncharged (and what is left of its program's
@@ -169,6 +217,9 @@ impl State {
         self.pools[r.device as usize].unreserve_process(room);
         if let Some(g) = r.group {
             self.fx.stop_group(g);
+        }
+        if r.claim.is_none() {
+            self.keep(|| crate::effects::Keep::ReservationEnded(id));
         }
         tracing::info!(reservation = %id, tenant = %r.tenant, session = %r.session, bytes = r.bytes, drawn = r.drawn, "process reservation ended");
     }
@@ -222,6 +273,8 @@ impl State {
             }
         } else if let Some(r) = self.reservations.by_id.get_mut(&rid) {
             r.lost += bytes;
+            // Its room shrank for good: a restart must not give it back.
+            self.keep_reservation(rid);
         }
     }
 }

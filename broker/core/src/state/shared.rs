@@ -115,8 +115,28 @@ impl State {
     /// publisher's, already has a publication, or the name is taken). The lease's memory
     /// stays charged once, to its tenant.
     pub fn publish(&mut self, new: NewPublication) -> Option<Uuid> {
-        let key = (new.publisher.clone(), new.name.clone());
-        if self.shared.by_lease.contains_key(&new.lease) || self.shared.by_name.contains_key(&key) {
+        let name = Some(new.name.clone());
+        let id = self.insert_publication(Uuid::new_v4(), new, name)?;
+        self.keep_publication(id);
+        Some(id)
+    }
+
+    /// Adds publication `id` of live lease `new.lease` under `name` (None: unpublished);
+    /// `None`, nothing changed, when the lease is not live or not the publisher's, it has
+    /// a publication, the id is taken or the name is.
+    pub(super) fn insert_publication(
+        &mut self,
+        id: Uuid,
+        new: NewPublication,
+        name: Option<String>,
+    ) -> Option<Uuid> {
+        let key = name.clone().map(|n| (new.publisher.clone(), n));
+        if self.shared.by_lease.contains_key(&new.lease)
+            || self.shared.pubs.contains_key(&id)
+            || key
+                .as_ref()
+                .is_some_and(|k| self.shared.by_name.contains_key(k))
+        {
             return None;
         }
         let l = self
@@ -130,9 +150,10 @@ impl State {
             ..
         } = &l.block.handle;
         let (kind, block_id, size, device, bytes) = (*kind, *block_id, *size, l.device, l.bytes());
-        let id = Uuid::new_v4();
         let seq = self.shared.next_seq();
-        self.shared.by_name.insert(key, id);
+        if let Some(key) = key {
+            self.shared.by_name.insert(key, id);
+        }
         self.shared.by_lease.insert(new.lease, id);
         self.shared.pubs.insert(
             id,
@@ -140,7 +161,7 @@ impl State {
                 id,
                 seq,
                 publisher: new.publisher,
-                name: Some(new.name),
+                name,
                 lease: new.lease,
                 lease_live: true,
                 device,
@@ -180,6 +201,7 @@ impl State {
         p.readers = readers;
         p.published_at = now;
         self.shared.by_name.insert(key, id);
+        self.keep_publication(id);
         true
     }
 
@@ -193,7 +215,56 @@ impl State {
         if let Some(p) = self.shared.pubs.get_mut(&id) {
             p.name = None;
         }
+        self.keep_publication(id);
         Some(id)
+    }
+
+    /// Pushes publication `id` for the keeper while its lease lives (a publication of
+    /// an ended lease is not kept: its memory is held here only).
+    fn keep_publication(&mut self, id: Uuid) {
+        if let Some(record) = self.publication_record(id) {
+            self.keep(|| crate::effects::Keep::Publication(record));
+        }
+    }
+
+    /// Publication `id`'s record, while its lease lives.
+    pub(super) fn publication_record(&self, id: Uuid) -> Option<crate::kept::PublicationRecord> {
+        let p = self.shared.pubs.get(&id).filter(|p| p.lease_live)?;
+        Some(crate::kept::PublicationRecord {
+            v: crate::kept::RECORD_VERSION,
+            id: id.to_string(),
+            lease: p.lease.to_string(),
+            publisher: p.publisher.clone(),
+            name: p.name.clone(),
+            readers: p.readers.iter().cloned().collect(),
+            published_unix_ms: crate::kept::unix_ms(p.published_at),
+        })
+    }
+
+    /// Import `import`'s descriptor is about to reach a process: from now on it is kept
+    /// (once), so a restarted broker takes it back with its session. An import whose
+    /// descriptor never left the broker is nobody's mapping: not kept.
+    pub fn import_delivered(&mut self, import: Uuid) {
+        let Some(p) = self.shared.of_import(&import) else {
+            return;
+        };
+        let publication = p.id;
+        let Some(i) = p.imports.get(&import) else {
+            return;
+        };
+        if i.kept || i.lingering.is_some() || !self.keeping {
+            return;
+        }
+        let record = import_record(publication, i);
+        if let Some(i) = self
+            .shared
+            .pubs
+            .get_mut(&publication)
+            .and_then(|p| p.imports.get_mut(&import))
+        {
+            i.kept = true;
+        }
+        self.keep(|| crate::effects::Keep::Import(record));
     }
 
     /// Session `session` of `tenant` (process `pid`) imports publication `publication`
@@ -221,6 +292,7 @@ impl State {
             pid,
             created: self.clock.wall,
             lingering: None,
+            kept: false,
         };
         self.shared.add_import(publication, import).then_some(id)
     }
@@ -369,6 +441,7 @@ impl State {
         }
         let mut imported = false;
         if let Some(pid) = publication {
+            self.keep(|| crate::effects::Keep::PublicationEnded(pid));
             if let Some(p) = self.shared.pubs.get_mut(&pid) {
                 p.lease_live = false;
                 imported = !p.imports.is_empty();
@@ -515,6 +588,19 @@ impl State {
         }
         self.wake_queue();
         self.fx.push(Effect::ForgetTickets { lease: import });
+        if let Some(i) = self
+            .shared
+            .by_import
+            .get(&import)
+            .and_then(|p| self.shared.pubs.get_mut(p))
+            .and_then(|p| p.imports.get_mut(&import))
+            .filter(|i| i.kept)
+        {
+            // Its holder let go: a restarted broker has nothing of it to take back (a
+            // lingering import is not kept).
+            i.kept = false;
+            self.keep(|| crate::effects::Keep::ImportEnded(import));
+        }
         let recipients = self.shared.recipients.remove(&import).unwrap_or_default();
         let mut waiters = Waiters::default();
         if let Ending::Quarantine { pid } = ending {
@@ -810,6 +896,19 @@ impl State {
                 .remove_quarantine(&h.tenant, h.device, h.block.bytes());
             self.fx.free(h.device, h.block);
         }
+    }
+}
+
+/// Import `i`'s record (of publication `publication`).
+pub(super) fn import_record(publication: Uuid, i: &Import) -> crate::kept::ImportRecord {
+    crate::kept::ImportRecord {
+        v: crate::kept::RECORD_VERSION,
+        id: i.id.to_string(),
+        publication: publication.to_string(),
+        tenant: i.tenant.clone(),
+        session: i.session.to_string(),
+        pid: i.pid,
+        created_unix_ms: crate::kept::unix_ms(i.created),
     }
 }
 

@@ -287,6 +287,7 @@ fn a_kept_lease_of_a_claims_session_is_drawn_from_the_claim_again() {
         reclaimable: false,
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
+        reservation: None,
     };
     let block = c.block(4 * MIB);
     c.st.adopt_lease(a.clone(), block).unwrap();
@@ -334,6 +335,7 @@ fn kept_sessions_and_leases_are_taken_back_beyond_a_shrunk_quota() {
         reclaimable: false,
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
+        reservation: None,
     };
     let a = kept(sid);
     let block = c.block(12 * MIB);
@@ -441,6 +443,270 @@ fn memory_kept_after_its_free_is_charged_to_its_tenant_until_its_holders_exit() 
         "no such device"
     );
     assert_eq!(held(&c), 0);
+    c.st.check_invariant().unwrap();
+}
+
+/// A restart takes back a kept publication of a lease it took back (same id and name,
+/// importable again) and a kept import of a session it took back, pushing nothing for the
+/// keeper; an import of a session or publication not taken back is refused. The books are
+/// as before the restart: when the publisher's lease ends, its block is held for the
+/// import (counted to the publisher as quarantined) and the publication's record goes;
+/// the import's release ends its record and frees the block.
+#[test]
+fn kept_publications_and_imports_are_taken_back_with_their_lease_and_session() {
+    use super::adopt::{Adopted, NotAdopted};
+    use super::adopt_shared::AdoptedImport;
+    use crate::effects::Keep;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    c.st.set_quota("b", quota(64 * MIB, 0)).unwrap();
+    c.st.set_keeping(true);
+    let (sa, sb) = (session("a", Some(7)), session("b", Some(8)));
+    let (sa_id, sb_id) = (sa.id, sb.id);
+    c.st.adopt_session(sa).unwrap();
+    c.st.adopt_session(sb).unwrap();
+    let lease = Uuid::new_v4();
+    let block = c.block(12 * MIB);
+    let crate::memory::Handle::Fd { fd, .. } = &block.handle;
+    let fd = fd.clone();
+    let a = Adopted {
+        id: lease,
+        tenant: "a".into(),
+        session: sa_id,
+        device: 0,
+        requested_bytes: 12 * MIB,
+        label: String::new(),
+        reclaimable: false,
+        created: SystemTime::UNIX_EPOCH,
+        priority: 0,
+        reservation: None,
+    };
+    c.st.adopt_lease(a, block).unwrap();
+    c.st.take_effects();
+    let publication = Uuid::new_v4();
+    let published_at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_764_800_000);
+    let new = |lease| super::NewPublication {
+        lease,
+        publisher: "a".into(),
+        name: String::new(),
+        readers: ["b".to_string()].into_iter().collect(),
+        published_at,
+        fd: fd.clone(),
+        enforced: true,
+        fd_counted: None,
+    };
+    c.st.adopt_publication(publication, Some("w".into()), new(lease))
+        .unwrap();
+    // Once only: the lease has its publication.
+    assert!(matches!(
+        c.st.adopt_publication(Uuid::new_v4(), Some("x".into()), new(lease)),
+        Err(NotAdopted::Session)
+    ));
+    let p =
+        c.st.shared()
+            .visible("a", "w", "b")
+            .expect("importable again");
+    assert_eq!((p.id, p.published_at), (publication, published_at));
+    let import = AdoptedImport {
+        id: Uuid::new_v4(),
+        publication,
+        tenant: "b".into(),
+        session: sb_id,
+        pid: Some(8),
+        created: SystemTime::UNIX_EPOCH,
+    };
+    c.st.adopt_import(import.clone()).unwrap();
+    let gone_session = AdoptedImport {
+        id: Uuid::new_v4(),
+        session: Uuid::now_v7(),
+        ..import.clone()
+    };
+    assert!(matches!(
+        c.st.adopt_import(gone_session),
+        Err(NotAdopted::Session)
+    ));
+    let gone_publication = AdoptedImport {
+        id: Uuid::new_v4(),
+        publication: Uuid::new_v4(),
+        ..import.clone()
+    };
+    assert!(matches!(
+        c.st.adopt_import(gone_publication),
+        Err(NotAdopted::Publication)
+    ));
+    assert!(!c.st.has_effects(), "nothing for the keeper: it holds them");
+    assert_eq!(c.st.shared().imports_of_session(sb_id), vec![import.id]);
+    c.st.check_invariant().unwrap();
+
+    c.st.end_lease(lease, super::Ending::Cache).unwrap();
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Keep { change: Keep::PublicationEnded(id) } if *id == publication)),
+        "{fx:?}"
+    );
+    let u = &c.st.ledger().get("a").unwrap().usage;
+    assert_eq!(
+        (u.held_bytes, u.quarantined_bytes),
+        (0, 12 * MIB),
+        "held for the importer"
+    );
+    c.st.check_invariant().unwrap();
+
+    c.st.import_let_go(import.id, super::Ending::Cache);
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter().any(
+            |e| matches!(e, Effect::Keep { change: Keep::ImportEnded(id) } if *id == import.id)
+        ),
+        "{fx:?}"
+    );
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Free { .. })),
+        "{fx:?}"
+    );
+    assert_eq!(c.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
+    c.st.check_invariant().unwrap();
+}
+
+/// A restart takes back a kept process reservation of a session it took back: its room
+/// (less what drawn leases lost to quarantine) charged again, beyond a shrunk quota; a kept
+/// lease drawn from it is drawn from it again, and its bytes go back into the room when it
+/// ends; its end is kept. A reservation of a session not taken back is refused.
+#[test]
+fn a_kept_reservation_is_taken_back_with_its_session_and_its_drawn_leases() {
+    use super::adopt::{Adopted, NotAdopted};
+    use crate::reservations::Reservation;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(8 * MIB, 0)).unwrap();
+    c.st.set_keeping(true);
+    let s = session("a", Some(7));
+    let sid = s.id;
+    c.st.adopt_session(s).unwrap();
+    let kept = |session| Reservation {
+        id: Uuid::now_v7(),
+        tenant: "a".into(),
+        session,
+        device: 0,
+        bytes: 16 * MIB,
+        requested_bytes: 16 * MIB,
+        label: "run".into(),
+        pid: Some(7),
+        compute_percent: None,
+        created: SystemTime::UNIX_EPOCH,
+        drawn: 0,
+        lost: 2 * MIB,
+        group: None,
+        claim: None,
+    };
+    assert!(matches!(
+        c.st.adopt_reservation(kept(Uuid::now_v7())),
+        Err(NotAdopted::Session)
+    ));
+    let r = kept(sid);
+    let rid = r.id;
+    c.st.adopt_reservation(r).unwrap();
+    assert!(matches!(
+        c.st.adopt_reservation(kept(sid)),
+        Err(NotAdopted::Session)
+    ));
+    let usage = |c: &Core| {
+        let u = &c.st.ledger().get("a").unwrap().usage;
+        (u.process_reserved_bytes, u.held_bytes)
+    };
+    assert_eq!(usage(&c), (14 * MIB, 0), "beyond its 8 MiB quota");
+    let lease = Uuid::new_v4();
+    let block = c.block(4 * MIB);
+    let a = Adopted {
+        id: lease,
+        tenant: "a".into(),
+        session: sid,
+        device: 0,
+        requested_bytes: 4 * MIB,
+        label: String::new(),
+        reclaimable: false,
+        created: SystemTime::UNIX_EPOCH,
+        priority: 0,
+        reservation: Some(rid),
+    };
+    c.st.adopt_lease(a, block).unwrap();
+    assert_eq!(usage(&c), (10 * MIB, 4 * MIB), "drawn from it again");
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        !fx.iter().any(|e| matches!(e, Effect::Keep { .. })),
+        "nothing for the keeper, it holds them: {fx:?}"
+    );
+    c.st.check_invariant().unwrap();
+
+    c.st.end_lease(lease, super::Ending::Cache).unwrap();
+    assert_eq!(usage(&c), (14 * MIB, 0), "its bytes back in the room");
+    c.st.take_effects();
+    c.st.end_reservation(rid);
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Keep { change: crate::effects::Keep::ReservationEnded(id) } if *id == rid)),
+        "{fx:?}"
+    );
+    assert_eq!(usage(&c), (0, 0));
+    c.st.check_invariant().unwrap();
+}
+
+/// A reclaim request is kept with its wall-clock deadline, and its end (the lease ended)
+/// too; a restart asks the holder of a lease it took back again by that deadline (its
+/// monotonic deadline the time left from the hold's clock), telling its session.
+#[test]
+fn a_kept_reclaim_request_asks_again_by_the_same_deadline() {
+    use super::adopt::Adopted;
+    use crate::effects::Keep;
+    use crate::lease::LeaseState;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    let s = session("a", Some(7));
+    let sid = s.id;
+    c.st.adopt_session(s).unwrap();
+    let lease = Uuid::new_v4();
+    let block = c.block(4 * MIB);
+    let a = Adopted {
+        id: lease,
+        tenant: "a".into(),
+        session: sid,
+        device: 0,
+        requested_bytes: 4 * MIB,
+        label: String::new(),
+        reclaimable: true,
+        created: SystemTime::UNIX_EPOCH,
+        priority: 0,
+        reservation: None,
+    };
+    c.st.adopt_lease(a, block).unwrap();
+    c.st.take_effects();
+    assert!(!c.st.adopt_reclaim(Uuid::new_v4(), SystemTime::now()));
+    let clock = c.st.clock();
+    let due = clock.wall + Duration::from_secs(20);
+    assert!(c.st.adopt_reclaim(lease, due));
+    assert_eq!(
+        c.st.leases().get(&lease).unwrap().state,
+        LeaseState::ReclaimRequested {
+            deadline: clock.now + Duration::from_secs(20),
+            deadline_wall: due,
+        }
+    );
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Notify { event: SessionEvent::ReclaimRequested { deadline, .. }, .. } if *deadline == due)),
+        "{fx:?}"
+    );
+    assert!(
+        !fx.iter().any(|e| matches!(e, Effect::Keep { .. })),
+        "not keeping yet: {fx:?}"
+    );
+    c.st.set_keeping(true);
+    c.st.end_lease(lease, super::Ending::Cache).unwrap();
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        fx.iter()
+            .any(|e| matches!(e, Effect::Keep { change: Keep::ReclaimEnded(id) } if *id == lease)),
+        "{fx:?}"
+    );
     c.st.check_invariant().unwrap();
 }
 

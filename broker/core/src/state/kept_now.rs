@@ -1,0 +1,272 @@
+//! Everything a keeper holds for this state, as it is now: what a keeper that comes back
+//! after it was lost (`keeper/link.rs`) is sent again, under the lock, so it holds exactly
+//! what a keeper connected since the start would hold. Each kind of record pushed as an
+//! `Effect::Keep` must be made here too (tested: `what_is_kept_now_is_what_the_changes_kept`).
+
+use super::State;
+use crate::effects::Keep;
+use crate::kept::QuarantineRecord;
+use uuid::Uuid;
+
+impl State {
+    /// A keep change for every live session, lease and quarantine (sessions first, so a
+    /// keeper read back mid-way never holds a lease without its session).
+    pub fn kept_now(&self) -> Vec<Keep> {
+        let mut out =
+            Vec::with_capacity(self.sessions.len() + self.leases.len() + self.quarantine.len());
+        out.extend(self.sessions.iter().map(|s| Keep::Session(s.into())));
+        out.extend(self.leases.iter().map(|l| {
+            let crate::memory::Handle::Fd { fd, .. } = &l.block.handle;
+            Keep::Lease(l.into(), fd.clone())
+        }));
+        out.extend(
+            self.quarantine
+                .keys()
+                .filter_map(|id| self.quarantine_kept(*id, self.quarantine_pid_start(*id))),
+        );
+        // After their leases and sessions: publications, the imports kept, session
+        // reservations, reclaim requests.
+        out.extend(
+            self.shared
+                .pubs
+                .keys()
+                .filter_map(|id| self.publication_record(*id))
+                .map(Keep::Publication),
+        );
+        for p in self.shared.pubs.values().filter(|p| p.lease_live) {
+            out.extend(
+                p.imports
+                    .values()
+                    .filter(|i| i.kept)
+                    .map(|i| Keep::Import(super::shared::import_record(p.id, i))),
+            );
+        }
+        out.extend(
+            self.reservations
+                .iter()
+                .filter(|r| r.claim.is_none())
+                .map(|r| Keep::Reservation(r.into())),
+        );
+        out.extend(self.leases.iter().filter_map(|l| match l.state {
+            crate::lease::LeaseState::ReclaimRequested { deadline_wall, .. } => {
+                Some(Keep::Reclaim(super::reclaim_record(l.id, deadline_wall)))
+            }
+            crate::lease::LeaseState::Active => None,
+        }));
+        out
+    }
+
+    /// The start time of the process of quarantine `id`, when a session of that process
+    /// is still open (else the shell reads it).
+    fn quarantine_pid_start(&self, id: Uuid) -> Option<u64> {
+        let pid = self.quarantine.get(&id)?.pid?;
+        self.sessions
+            .iter()
+            .find(|s| s.peer.pid == Some(pid))
+            .and_then(|s| s.peer_start)
+    }
+
+    /// Quarantine `id`'s record and its block's descriptor; `pid_start`: when its process
+    /// started, if known.
+    pub(super) fn quarantine_kept(&self, id: Uuid, pid_start: Option<u64>) -> Option<Keep> {
+        let q = self.quarantine.get(&id)?;
+        let crate::memory::Handle::Fd {
+            fd, block_id, kind, ..
+        } = &q.block.handle;
+        let record = QuarantineRecord {
+            v: crate::kept::RECORD_VERSION,
+            lease: id.to_string(),
+            tenant: q.tenant.clone(),
+            device: q.device,
+            bytes: q.block.bytes(),
+            block_id: *block_id,
+            kind: match kind {
+                crate::memory::MemoryKind::CudaVmm => "cuda-vmm",
+                crate::memory::MemoryKind::HostMemfd => "host-memfd",
+            }
+            .into(),
+            pid: q.pid,
+            pid_start,
+            destroy: q.destroy,
+            device_uuid: None,
+        };
+        Some(Keep::Quarantine(record, fd.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::queue_tests::{quota, Core};
+    use super::super::tests::ask;
+    use super::super::Ending;
+    use crate::effects::{Effect, Keep};
+    use crate::kept;
+    use crate::pool::Source;
+    use crate::session::{Peer, Session};
+    use std::collections::BTreeMap;
+    use uuid::Uuid;
+
+    const MIB: u64 = 1 << 20;
+
+    /// What a keeper holds: records by key.
+    type Mirror = BTreeMap<String, serde_json::Value>;
+
+    /// Applies `changes` as a keeper does. No wildcard: a new kind of record must be
+    /// handled here, and by `kept_now`.
+    fn apply(kept: &mut Mirror, changes: impl IntoIterator<Item = Keep>) {
+        for k in changes {
+            match k {
+                Keep::Session(r) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::SessionEnded(id) => {
+                    kept.remove(&kept::session_key(&id));
+                }
+                Keep::Lease(r, _) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::LeaseEnded(id) => {
+                    kept.remove(&kept::lease_key(&id));
+                }
+                Keep::Quarantine(r, _) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::QuarantineLifted(id) => {
+                    kept.remove(&kept::quarantine_key(&id));
+                }
+                Keep::Publication(r) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::PublicationEnded(id) => {
+                    kept.remove(&kept::publication_key(&id));
+                }
+                Keep::Import(r) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::ImportEnded(id) => {
+                    kept.remove(&kept::import_key(&id));
+                }
+                Keep::Reservation(r) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::ReservationEnded(id) => {
+                    kept.remove(&kept::reservation_key(&id));
+                }
+                Keep::Reclaim(r) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::ReclaimEnded(id) => {
+                    kept.remove(&kept::reclaim_key(&id));
+                }
+            }
+        }
+    }
+
+    fn keeps(effects: Vec<Effect>) -> Vec<Keep> {
+        effects
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Keep { change } => Some(change),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn open(c: &mut Core, tenant: &str, pid: u32) -> Uuid {
+        let mut s = Session::new(
+            Uuid::now_v7(),
+            tenant,
+            "w",
+            Peer {
+                pid: Some(pid),
+                uid: Some(1000),
+                unix: true,
+            },
+            None,
+        );
+        s.peer_start = Some(1000 + u64::from(pid));
+        let id = s.id;
+        c.st.open_session(s, 16).unwrap();
+        id
+    }
+
+    fn grant(c: &mut Core, tenant: &str, session: Uuid, bytes: u64) -> Uuid {
+        let a = ask(tenant, session, bytes, Some(0));
+        let block = match c.st.reserve_grant(&a, 0).unwrap() {
+            Source::Cached { block, .. } => block,
+            Source::Fresh { .. } => c.block(bytes),
+        };
+        c.st.commit_grant(&a, 0, 0, block, false).unwrap().id
+    }
+
+    /// Sessions, leases (fresh and from the cache), quarantines and their lifts, a
+    /// session's end: a keeper that applied every change holds exactly what `kept_now`
+    /// makes at the end, record for record.
+    #[test]
+    fn what_is_kept_now_is_what_the_changes_kept() {
+        let mut c = Core::new(1, 64 * MIB);
+        c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+        c.st.set_quota("b", quota(64 * MIB, 0)).unwrap();
+        c.st.set_keeping(true);
+        let mut mirror = Mirror::new();
+        let s1 = open(&mut c, "a", 7);
+        let s2 = open(&mut c, "b", 8);
+        let s3 = open(&mut c, "a", 9);
+        let l1 = grant(&mut c, "a", s1, 4 * MIB);
+        let l2 = grant(&mut c, "a", s1, 2 * MIB);
+        let _l3 = grant(&mut c, "b", s2, 8 * MIB);
+        let l4 = grant(&mut c, "a", s3, 2 * MIB);
+        c.st.end_lease(l1, Ending::Quarantine { pid: Some(7) });
+        c.st.end_lease(l2, Ending::Cache);
+        // From the cache.
+        let l5 = grant(&mut c, "a", s3, 2 * MIB);
+        c.st.end_lease(l4, Ending::Quarantine { pid: Some(9) });
+        c.st.lift_quarantine(l4, false);
+        c.st.end_session(s2, None, true);
+        // A publication, an import whose descriptor left (kept) and one whose did not, a
+        // process reservation, a reclaim request.
+        let fd = {
+            let crate::memory::Handle::Fd { fd, .. } =
+                &c.st.leases().get(&l5).unwrap().block.handle;
+            fd.clone()
+        };
+        let wall = c.st.clock().wall;
+        let p =
+            c.st.publish(super::super::NewPublication {
+                lease: l5,
+                publisher: "a".into(),
+                name: "w".into(),
+                readers: Default::default(),
+                published_at: wall,
+                fd,
+                enforced: false,
+                fd_counted: None,
+            })
+            .unwrap();
+        let i = c.st.import(p, "a", s1, Some(7)).unwrap();
+        c.st.import_delivered(i);
+        c.st.import(p, "a", s3, Some(9)).unwrap();
+        let mut r = ask("a", s3, 4 * MIB, Some(0));
+        r.process = Some(Default::default());
+        c.st.grant_process(&r, 0).unwrap();
+        assert!(c
+            .st
+            .adopt_reclaim(l5, wall + std::time::Duration::from_secs(30)));
+        apply(&mut mirror, keeps(c.st.take_effects().into_vec()));
+        c.st.check_invariant().unwrap();
+        assert!(
+            mirror
+                .keys()
+                .any(|k| k.starts_with(kept::QUARANTINE_PREFIX)),
+            "{mirror:?}"
+        );
+        let mut now = Mirror::new();
+        apply(&mut now, c.st.kept_now());
+        assert_eq!(now, mirror);
+        assert_eq!(
+            now.len(),
+            2 + 1 + 1 + 4,
+            "two sessions, a lease, a quarantine, a publication, an import, a reservation, a reclaim request"
+        );
+    }
+}

@@ -1,0 +1,56 @@
+//! A restart's take-back of process reservations (after the sessions, before their
+//! leases, so a lease drawn from one is drawn from it again): a kept reservation of a
+//! session taken back comes back with the same id, device and room, charged to its tenant
+//! as before; one whose session was not taken back (its process died meanwhile) leaves
+//! the keeper, and its bytes are no one's. The core's side is
+//! `State::adopt_reservation` (`core/src/state/process.rs`).
+
+use super::Arbiter;
+use crate::keeper::records::ReservationRecord;
+use crate::reservations::Reservation;
+use std::time::{Duration, SystemTime};
+use uuid::Uuid;
+
+impl Arbiter {
+    /// Takes back the kept reservations `records` (their devices already found by UUID)
+    /// in one lock hold; returns those not taken back, with why.
+    pub(super) fn adopt_reservations(
+        &self,
+        records: Vec<ReservationRecord>,
+    ) -> Vec<(ReservationRecord, &'static str)> {
+        let mut refused = Vec::new();
+        let mut st = self.lock();
+        for rec in records {
+            let (Ok(id), Ok(session)) = (rec.id.parse::<Uuid>(), rec.session.parse::<Uuid>())
+            else {
+                refused.push((rec, "unreadable id"));
+                continue;
+            };
+            let r = Reservation {
+                id,
+                tenant: rec.tenant.clone(),
+                session,
+                device: rec.device,
+                bytes: rec.bytes,
+                requested_bytes: rec.requested_bytes,
+                label: rec.label.clone(),
+                pid: rec.pid,
+                compute_percent: rec.compute_percent,
+                created: SystemTime::UNIX_EPOCH + Duration::from_millis(rec.created_unix_ms),
+                drawn: 0,
+                lost: rec.lost,
+                group: rec.group.map(|g| crate::process_group::ProcessGroup {
+                    pgid: g.pgid,
+                    uid: g.uid,
+                    leader_start: g.leader_start,
+                }),
+                claim: None,
+            };
+            if let Err(why) = st.adopt_reservation(r) {
+                tracing::debug!(reservation = %rec.id, session = %rec.session, ?why, "kept reservation not taken back");
+                refused.push((rec, "its session, tenant or device is gone"));
+            }
+        }
+        refused
+    }
+}
