@@ -35,6 +35,7 @@ pub mod info;
 pub mod keeper;
 pub mod listener;
 pub mod lock_holds;
+pub mod memfd_alive;
 pub mod memfd_holders;
 pub mod metrics;
 pub mod mps;

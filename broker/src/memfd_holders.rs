@@ -39,26 +39,59 @@ impl FileId {
     }
 }
 
+/// A memory file as the broker looks for it after letting go of it: its id, which
+/// processes' entries show, and its handle, by which the kernel says whether anyone at
+/// all still holds it (`memfd_alive.rs`; `None` where the filesystem gives none).
+#[derive(Clone, Debug)]
+pub struct MemFile {
+    pub id: FileId,
+    pub handle: Option<crate::memfd_alive::FileHandle>,
+}
+
+impl MemFile {
+    /// The file `fd` is open on.
+    pub fn of(fd: impl AsFd) -> std::io::Result<MemFile> {
+        Ok(MemFile {
+            id: FileId::of(fd.as_fd())?,
+            handle: crate::memfd_alive::FileHandle::of(fd),
+        })
+    }
+}
+
 /// How long one process's entries may be read: a holder with a huge descriptor table or
 /// address space could otherwise hold the device thread for seconds at each free. A
 /// process not read through by then counts as holding (its tenant keeps the charge).
 const READ_DEADLINE: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// Those of `pids` that map `file` or hold a descriptor of it. A process gone, or one
-/// whose `/proc` entries cannot be read, does not hold it as far as anyone can tell (a
-/// warning says when the broker cannot read them: the check is then blind).
-pub fn holding(file: FileId, pids: &[u32]) -> Vec<u32> {
-    pids.iter()
-        .copied()
-        .filter(|&pid| {
-            let until = std::time::Instant::now() + READ_DEADLINE;
-            !matches!(maps(file, pid, until), Held::No)
-                || !matches!(has_fd(file, pid, until), Held::No)
-        })
-        .collect()
+/// What a look at some processes found of a file.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Holders {
+    /// Those that map it or hold a descriptor of it.
+    pub holding: Vec<u32>,
+    /// Those not read through (past [`READ_DEADLINE`] or [`MAX_MAPS_BYTES`]): they may
+    /// hold it; looked at again later.
+    pub unknown: Vec<u32>,
+}
+
+/// Which of `pids` map `file` or hold a descriptor of it, and which could not be read
+/// through. A process gone, or one whose `/proc` entries cannot be read, does not hold
+/// it as far as anyone can tell (a warning says when the broker cannot read them: the
+/// check is then blind).
+pub fn holding(file: FileId, pids: &[u32]) -> Holders {
+    let mut found = Holders::default();
+    for &pid in pids {
+        let until = std::time::Instant::now() + READ_DEADLINE;
+        match (maps(file, pid, until), has_fd(file, pid, until)) {
+            (Held::Yes, _) | (_, Held::Yes) => found.holding.push(pid),
+            (Held::Unknown, _) | (_, Held::Unknown) => found.unknown.push(pid),
+            (Held::No, Held::No) => {}
+        }
+    }
+    found
 }
 
 /// What a process's entries say of a file.
+#[derive(Debug, PartialEq, Eq)]
 enum Held {
     No,
     Yes,
@@ -72,28 +105,99 @@ fn readable<T>(pid: u32, read: procfs::ProcResult<T>) -> Option<T> {
     match read {
         Ok(t) => Some(t),
         Err(procfs::ProcError::PermissionDenied(_)) => {
-            tracing::warn!(pid, "cannot read the process's /proc entries (the broker needs CAP_SYS_PTRACE): a memfd it keeps is not seen");
+            warn_blind(pid);
             None
         }
         Err(_) => None,
     }
 }
 
+/// Most bytes of a process's `/proc/PID/maps` read (about 200,000 mappings): the kernel
+/// makes the text as it is read, so a process with millions of mappings could otherwise
+/// hold the reader for seconds and its memory for the text. One not read through by then
+/// counts as unknown (holding; looked at again later).
+const MAX_MAPS_BYTES: usize = 16 << 20;
+
 /// Does `pid` map `file`?
 fn maps(file: FileId, pid: u32, until: std::time::Instant) -> Held {
-    let p = procfs::process::Process::new(pid as i32);
-    let Some(maps) = readable(pid, p.and_then(|p| p.maps())) else {
-        return Held::No;
-    };
-    for m in maps {
-        if file.is_mapping(m.dev, m.inode) {
-            return Held::Yes;
-        }
-        if std::time::Instant::now() > until {
-            return Held::Unknown;
+    let opened = std::fs::File::open(format!("/proc/{pid}/maps"));
+    if let Err(e) = &opened {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            warn_blind(pid);
         }
     }
-    Held::No
+    let Ok(source) = opened else {
+        return Held::No;
+    };
+    maps_in(file, source, until, MAX_MAPS_BYTES)
+}
+
+/// Does the `/proc/PID/maps` text `source` show a mapping of `file`? Read a chunk at a
+/// time (the kernel makes one chunk per read), at most `max_bytes` and until `until`:
+/// past either the answer is unknown. A read error is "no" (the process went away).
+fn maps_in(
+    file: FileId,
+    mut source: impl std::io::Read,
+    until: std::time::Instant,
+    max_bytes: usize,
+) -> Held {
+    const CHUNK: usize = 64 << 10;
+    let mut buf = vec![0u8; CHUNK];
+    // Bytes of a line cut by the chunk's end, kept for the next chunk.
+    let mut carried = 0;
+    // Inside a line longer than a chunk (a path of thousands of bytes: not a memfd's,
+    // whose name is short), skipped to its end.
+    let mut skipping = false;
+    let mut read = 0usize;
+    loop {
+        if read >= max_bytes || std::time::Instant::now() > until {
+            return Held::Unknown;
+        }
+        let n = match source.read(&mut buf[carried..]) {
+            Ok(0) => return Held::No,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return Held::No,
+        };
+        read += n;
+        let filled = carried + n;
+        let mut start = 0;
+        while let Some(end) = buf[start..filled].iter().position(|&b| b == b'\n') {
+            let line = &buf[start..start + end];
+            start += end + 1;
+            if std::mem::take(&mut skipping) {
+                continue;
+            }
+            if maps_line(line).is_some_and(|(dev, ino)| file.is_mapping(dev, ino)) {
+                return Held::Yes;
+            }
+        }
+        if start == 0 && filled == buf.len() {
+            skipping = true;
+            carried = 0;
+        } else {
+            buf.copy_within(start..filled, 0);
+            carried = filled - start;
+        }
+    }
+}
+
+/// The device `(major, minor)` and inode of a `/proc/PID/maps` line
+/// (`start-end perms offset MM:mm inode [path]`, device numbers in hex).
+fn maps_line(line: &[u8]) -> Option<((i32, i32), u64)> {
+    let mut fields = line.split(|&b| b == b' ').filter(|f| !f.is_empty()).skip(3);
+    let dev = std::str::from_utf8(fields.next()?).ok()?;
+    let ino = std::str::from_utf8(fields.next()?).ok()?;
+    let (major, minor) = dev.split_once(':')?;
+    let dev = (
+        i32::from_str_radix(major, 16).ok()?,
+        i32::from_str_radix(minor, 16).ok()?,
+    );
+    Some((dev, ino.parse().ok()?))
+}
+
+fn warn_blind(pid: u32) {
+    tracing::warn!(pid, "cannot read the process's /proc entries (the broker needs CAP_SYS_PTRACE): a memfd it keeps is not seen");
 }
 
 /// Does `pid` hold a descriptor of `file`? Only memfds are looked at (by `fstat` through
@@ -150,7 +254,8 @@ mod tests {
         let me = std::process::id();
         let fd = memfd();
         let file = FileId::of(&fd).unwrap();
-        assert_eq!(holding(file, &[me]), vec![me], "a descriptor");
+        let held = |pids: &[u32]| holding(file, pids).holding;
+        assert_eq!(held(&[me]), vec![me], "a descriptor");
         // SAFETY: a shared mapping of our own memfd, unmapped below.
         let at = unsafe {
             libc::mmap(
@@ -164,12 +269,93 @@ mod tests {
         };
         assert_ne!(at, libc::MAP_FAILED);
         drop(fd);
-        assert_eq!(holding(file, &[me]), vec![me], "a mapping alone");
+        assert_eq!(held(&[me]), vec![me], "a mapping alone");
         // SAFETY: unmapping what was mapped above.
         unsafe { libc::munmap(at, 1 << 16) };
-        assert!(holding(file, &[me]).is_empty(), "let go of");
+        assert_eq!(holding(file, &[me]), Holders::default(), "let go of");
         // Another file is not this one; a pid that names no process holds nothing.
         let other = memfd();
-        assert!(holding(FileId::of(&other).unwrap(), &[u32::MAX]).is_empty());
+        assert_eq!(
+            holding(FileId::of(&other).unwrap(), &[u32::MAX]),
+            Holders::default()
+        );
+    }
+
+    /// A maps text that never ends (a process with millions of mappings).
+    struct Endless(&'static [u8], usize);
+    impl std::io::Read for Endless {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let mut n = 0;
+            while n < buf.len() {
+                buf[n] = self.0[self.1 % self.0.len()];
+                self.1 += 1;
+                n += 1;
+            }
+            Ok(n)
+        }
+    }
+
+    const FILE: FileId = FileId {
+        dev: (0x1 << 8) | 0x2f,
+        ino: 4242,
+    };
+    const LINE: &[u8] =
+        b"7f0000000000-7f0000200000 rw-s 00000000 00:01 99 /memfd:other (deleted)\n";
+    const HIT: &[u8] =
+        b"7f0000200000-7f0000400000 rw-s 00000000 01:2f 4242   /memfd:lease (deleted)\n";
+
+    fn far() -> std::time::Instant {
+        std::time::Instant::now() + std::time::Duration::from_secs(60)
+    }
+
+    /// A mapping of the file is found wherever its line falls against the reads' chunks;
+    /// other files' lines are not it.
+    #[test]
+    fn a_maps_text_is_read_line_by_line_across_chunks() {
+        let mut text = LINE.repeat(2000);
+        text.extend_from_slice(HIT);
+        text.extend_from_slice(&LINE.repeat(10));
+        assert_eq!(maps_in(FILE, &text[..], far(), usize::MAX), Held::Yes);
+        let miss = LINE.repeat(3000);
+        assert_eq!(maps_in(FILE, &miss[..], far(), usize::MAX), Held::No);
+        assert_eq!(maps_line(HIT), Some(((1, 0x2f), 4242)));
+    }
+
+    /// The read of a process's maps is bounded: a text that never ends is given up after
+    /// the byte bound (or the deadline) and answers "unknown", not "no" and not never.
+    #[test]
+    fn an_endless_maps_text_is_unknown_after_the_bound() {
+        let started = std::time::Instant::now();
+        assert_eq!(
+            maps_in(FILE, Endless(LINE, 0), far(), 4 << 20),
+            Held::Unknown
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+        // The deadline bounds it too.
+        assert_eq!(
+            maps_in(
+                FILE,
+                Endless(LINE, 0),
+                std::time::Instant::now(),
+                usize::MAX
+            ),
+            Held::Unknown
+        );
+        // The shipped bound is what the kernel makes for some 200,000 mappings.
+        assert!(MAX_MAPS_BYTES / LINE.len() > 150_000);
+    }
+
+    /// A line longer than a read's chunk (a long path) is skipped to its end: its tail
+    /// cannot pass for a mapping of the file.
+    #[test]
+    fn the_tail_of_an_overlong_line_is_not_read_as_a_mapping() {
+        let mut text = b"7f0000000000-7f0000200000 r--p 00000000 08:01 5 /".to_vec();
+        text.extend_from_slice(&vec![b'a'; 70_000]);
+        // What would match, were it a line of its own.
+        text.extend_from_slice(b" x x x 01:2f 4242\n");
+        text.extend_from_slice(LINE);
+        assert_eq!(maps_in(FILE, &text[..], far(), usize::MAX), Held::No);
+        text.extend_from_slice(HIT);
+        assert_eq!(maps_in(FILE, &text[..], far(), usize::MAX), Held::Yes);
     }
 }

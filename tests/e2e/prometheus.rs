@@ -370,3 +370,63 @@ async fn the_dashboard_and_alerts_use_only_exported_metrics() {
         );
     }
 }
+
+/// What `docs/security.md` says any local user reads by default, and how it is closed:
+/// with no token wanted, a request with no token reads `/metrics` (tenant names) and
+/// `/status` (tenant names and lease labels); with `--metrics-require-token` both answer
+/// 401 to it, while `/healthz` and `/readyz` stay open for probes.
+#[tokio::test]
+async fn a_tokenless_reader_sees_tenants_and_labels_by_default_and_only_probes_with_a_token_wanted()
+{
+    for wanted in [false, true] {
+        let b = metered_broker(if wanted {
+            &["--metrics-require-token"]
+        } else {
+            &[]
+        });
+        let token = b
+            .tenant(
+                "tenant-secret-name",
+                gpu_broker_client::QuotaSpec::new(MIB * 64),
+            )
+            .await
+            .unwrap();
+        let c = gpu_broker_client::Client::connect(&b.uri(), token)
+            .await
+            .unwrap();
+        let s = c.session("w").await.unwrap();
+        let _l = s
+            .lease_request(2 * MIB)
+            .label("label-secret")
+            .send()
+            .await
+            .unwrap();
+        let addr = b.metrics_addr().await;
+        let (status, _, body) = http_get(&addr, "/metrics", &[]).await;
+        if wanted {
+            assert!(status.contains("401"), "{status}");
+            assert!(!body.contains("tenant-secret-name"), "{body}");
+        } else {
+            assert!(status.contains("200"), "{status}");
+            assert!(body.contains("tenant-secret-name"), "{body}");
+        }
+        let (status, _, body) = http_get(&addr, "/status", &[]).await;
+        if wanted {
+            assert!(status.contains("401"), "{status}");
+            assert!(!body.contains("label-secret"), "{body}");
+        } else {
+            assert!(status.contains("200"), "{status}");
+            assert!(
+                body.contains("tenant-secret-name") && body.contains("label-secret"),
+                "{body}"
+            );
+        }
+        for probe in ["/healthz", "/readyz"] {
+            let (status, _, _) = http_get(&addr, probe, &[]).await;
+            assert!(
+                status.contains("200"),
+                "{probe} with wanted={wanted}: {status}"
+            );
+        }
+    }
+}

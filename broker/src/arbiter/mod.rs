@@ -26,6 +26,7 @@ mod effects;
 mod ending;
 mod health;
 mod host_direct;
+mod kept_looks;
 mod lifecycle;
 pub mod listing;
 mod outbox;
@@ -59,6 +60,7 @@ use crate::device::BackendKind;
 pub(crate) use crate::error::{lease_not_found, session_not_found};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
+use crate::memfd_holders::MemFile;
 use crate::pool::{Block, Pool};
 use crate::process::process_gone;
 use crate::session::{Peer, Session, SessionEvent};
@@ -106,6 +108,9 @@ pub struct ArbiterConfig {
     /// Descriptors kept for connections and operators: a new block that would eat into
     /// them is refused (`fd_budget.rs`; the limit is read when the arbiter starts).
     pub fd_reserve: usize,
+    /// First look again at a kept memfd's charge after this (then with backoff:
+    /// `kept_looks.rs`).
+    pub kept_memory_look: Duration,
 }
 
 impl Default for ArbiterConfig {
@@ -125,6 +130,7 @@ impl Default for ArbiterConfig {
             overtake_age: crate::defaults::OVERTAKE_AGE,
             lock_hold_cpu_clock: crate::defaults::LOCK_HOLD_CPU_CLOCK,
             fd_reserve: crate::fd_budget::reserve_for(crate::fd_budget::default_max_connections()),
+            kept_memory_look: crate::defaults::KEPT_MEMORY_LOOK,
         }
     }
 }
@@ -205,6 +211,8 @@ pub struct Arbiter {
     /// charge (`State::stranded`) is on its way, or still being judged: the leasable
     /// refresh counts them as the broker's, so they are never outside memory meanwhile.
     unverified: Arc<[AtomicU64]>,
+    /// Kept memfds looked at again until let go (`kept_looks.rs`).
+    kept_looks: kept_looks::KeptLooks,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
@@ -280,6 +288,7 @@ impl Arbiter {
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             unverified,
+            kept_looks: Default::default(),
             lifecycle: Lifecycle::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
@@ -584,6 +593,13 @@ impl Arbiter {
                 _ => None,
             };
             let report = reached.is_some().then(|| self.stranded_reporter());
+            // Made with the first memfd a process may keep (never for CUDA memory).
+            let memfd_block = matches!(&what, Unneeded::Block(b)
+                if matches!(b.handle, crate::device::Handle::Fd { kind: crate::device::MemoryKind::HostMemfd, .. }));
+            let prober = reached
+                .as_ref()
+                .filter(|_| memfd_block)
+                .and_then(|_| self.kept_looks.prober());
             let unverified = self.unverified.clone();
             let r = d.thread.submit(move |dev| {
                 let _counted = counted;
@@ -610,15 +626,28 @@ impl Arbiter {
                         .unwrap_or_default()
                 };
                 let pending = &unverified[device as usize];
-                let report = report.filter(|_| !alive.is_empty());
-                // A memfd that could not be revoked (sealed against shrinking): the
-                // processes that still map it or hold its descriptor say who kept it.
+                // A memfd that could not be revoked (sealed against shrinking): the kernel
+                // says whether anyone still holds it, the recorded processes who.
                 let memfd = handle
                     .as_ref()
                     .filter(|_| !revoked && report.is_some())
                     .and_then(|h| dev.held_as_file(h));
-                let report = match (report, memfd) {
-                    (Some(report), None) => report,
+                match (report, memfd) {
+                    (Some(report), None) if !alive.is_empty() => {
+                        pending.fetch_add(bytes, Ordering::SeqCst);
+                        match dev.free_checked(alloc, handle) {
+                            Ok(Returned::No) => {
+                                report(device, answering(&alive), bytes, alive, None);
+                            }
+                            Ok(Returned::Yes | Returned::Unknown) => {
+                                pending.fetch_sub(bytes, Ordering::SeqCst);
+                            }
+                            Err(e) => {
+                                pending.fetch_sub(bytes, Ordering::SeqCst);
+                                tracing::error!(device, alloc = id, error = %e, "free failed");
+                            }
+                        }
+                    }
                     (report, memfd) => {
                         if memfd.is_some() {
                             pending.fetch_add(bytes, Ordering::SeqCst);
@@ -631,29 +660,19 @@ impl Arbiter {
                         let (Some(report), Some(file)) = (report, memfd) else {
                             return;
                         };
-                        let keepers = match freed {
-                            Ok(()) => crate::memfd_holders::holding(file, &alive),
-                            Err(_) => Vec::new(),
-                        };
-                        if keepers.is_empty() {
-                            pending.fetch_sub(bytes, Ordering::SeqCst);
-                        } else {
-                            report(device, answering(&keepers), bytes, keepers);
+                        let kept = freed.ok().and_then(|()| {
+                            crate::device::free_check::memfd_kept(&file, &alive, prober.as_deref())
+                        });
+                        match kept {
+                            Some(kept) => {
+                                let tenant = answering(&kept.answering);
+                                let looks = (file, kept.by_handle);
+                                report(device, tenant, bytes, kept.pids, Some(looks));
+                            }
+                            None => {
+                                pending.fetch_sub(bytes, Ordering::SeqCst);
+                            }
                         }
-                        return;
-                    }
-                };
-                pending.fetch_add(bytes, Ordering::SeqCst);
-                match dev.free_checked(alloc, handle) {
-                    Ok(Returned::No) => {
-                        report(device, answering(&alive), bytes, alive);
-                    }
-                    Ok(Returned::Yes | Returned::Unknown) => {
-                        pending.fetch_sub(bytes, Ordering::SeqCst);
-                    }
-                    Err(e) => {
-                        pending.fetch_sub(bytes, Ordering::SeqCst);
-                        tracing::error!(device, alloc = id, error = %e, "free failed");
                     }
                 }
             });
@@ -677,24 +696,62 @@ impl Arbiter {
     /// tenant's importer: `Reached::answers_for`) (`State::stranded`), on the main runtime
     /// (inline when there is none), never on the device thread under a lock it could wait
     /// on.
-    fn stranded_reporter(&self) -> impl FnOnce(u32, String, u64, Vec<u32>) + Send + 'static {
+    fn stranded_reporter(
+        &self,
+    ) -> impl FnOnce(u32, String, u64, Vec<u32>, LookAgain) + Send + 'static {
         let me = self.me.clone();
         let rt = self.lifecycle.effects_runtime();
         let unverified = self.unverified.clone();
-        move |device, tenant, bytes, pids| {
+        move |device, tenant, bytes, pids, memfd| {
             let charge = move || {
                 let pending = &unverified[device as usize];
                 let Some(arb) = me.upgrade() else {
                     pending.fetch_sub(bytes, Ordering::SeqCst);
                     return;
                 };
+                let by_handle = memfd.as_ref().is_some_and(|(_, by_handle)| *by_handle);
+                // A memfd the kernel says lives, held by nobody the broker recorded: maybe a
+                // copy of its own still closing (a keeper's, an undelivered ticket's). It is
+                // charged at the first look if it still lives then (`kept_looks.rs`); until
+                // then its bytes stay unverified: the broker's, never outside memory.
+                if let (true, true, Some((file, _))) = (by_handle, pids.is_empty(), &memfd) {
+                    let deferred = arb.look_again(kept_looks::KeptFile {
+                        id: None,
+                        unverified: Some(kept_looks::Unverified {
+                            tenant: tenant.clone(),
+                            device,
+                            bytes,
+                        }),
+                        file: file.clone(),
+                        pids: Vec::new(),
+                        by_handle,
+                    });
+                    // No looks (no runtime): charged at once.
+                    if deferred {
+                        return;
+                    }
+                }
                 let mut st = arb.lock();
-                let id = st.stranded(&tenant, device, bytes, pids.iter().copied());
+                let id = if by_handle {
+                    st.stranded_unwatched(&tenant, device, bytes, pids.iter().copied())
+                } else {
+                    st.stranded(&tenant, device, bytes, pids.iter().copied())
+                };
                 // In the same hold: the refresh sees the bytes as unverified or as the
                 // tenant's, never as both or neither.
                 pending.fetch_sub(bytes, Ordering::SeqCst);
                 drop(st);
-                tracing::warn!(device, tenant, bytes, ?pids, charged = id.is_some(), "freed memory stayed on the device: a process that had its descriptor keeps it; charged to its tenant until that process exits");
+                tracing::warn!(device, tenant, bytes, ?pids, charged = id.is_some(), "freed memory stayed on the device: a process that had its descriptor keeps it; charged to its tenant until it lets go");
+                // A memfd: looked at again, its charge lifted once let go.
+                if let (Some(id), Some((file, by_handle))) = (id, memfd) {
+                    let _ = arb.look_again(kept_looks::KeptFile {
+                        id: Some(id),
+                        unverified: None,
+                        file,
+                        pids,
+                        by_handle,
+                    });
+                }
             };
             match rt {
                 Some(rt) => {
@@ -705,6 +762,10 @@ impl Arbiter {
         }
     }
 }
+
+/// A kept memfd to look at again, and whether the kernel says when it is let go
+/// (`kept_looks.rs`); `None` for memory that cannot be looked at (CUDA).
+type LookAgain = Option<(MemFile, bool)>;
 
 /// Takes memory about to be freed back from whoever may still map it (a memfd is
 /// truncated). Only the broker's frees of memory that nobody it counts may map come here,

@@ -284,20 +284,47 @@ async fn memory_kept_while_the_publishers_process_lives_is_the_publishers() {
     std::mem::forget((_rxp, _rxi));
 }
 
-/// Host backend: this process (the session's own) maps a 32 MiB lease, seals its memfd
-/// against shrinking (so no free can truncate it: the broker's revocation), keeps the
-/// mapping or not as `keep` says, and releases; tenant `b` then needs 48 MiB, which
-/// frees the cached block. Returns the arbiter, a's quarantined bytes once the free is
-/// done, and the mapping (unmapped by the caller).
-async fn sealed_then_evicted(keep: bool) -> (Arc<Arbiter>, u64, Option<(usize, usize)>) {
-    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+/// Host backend: this process maps a 32 MiB lease of `peer`'s session (this process's
+/// own when `None`: then the session's process is this one), seals its memfd against
+/// shrinking (so no free can truncate it: the broker's revocation), keeps the mapping or
+/// not as `keep` says, and releases; the session's process then exits when it is
+/// another (`peer`); tenant `b` then needs 48 MiB, which frees the cached block. Returns
+/// the arbiter, a's quarantined bytes once the free is done, and the mapping (unmapped
+/// by the caller). Kept memfds are looked at again every 20 ms.
+async fn sealed_then_evicted_with(
+    keep: bool,
+    peer: Option<(std::process::Child, Peer)>,
+) -> (Arc<Arbiter>, u64, Option<(usize, usize)>) {
+    sealed_then_evicted_looking(keep, peer, Duration::from_millis(20), true).await
+}
+
+/// [`sealed_then_evicted_with`], kept memfds looked at again every `look`, waiting for
+/// the charge of a kept mapping when `wait` says so.
+async fn sealed_then_evicted_looking(
+    keep: bool,
+    peer: Option<(std::process::Child, Peer)>,
+    look: Duration,
+    wait: bool,
+) -> (Arc<Arbiter>, u64, Option<(usize, usize)>) {
+    let arb = host_arbiter(
+        64 * MIB,
+        1,
+        ArbiterConfig {
+            kept_memory_look: look,
+            ..ArbiterConfig::default()
+        },
+    );
     arb.set_quota("a", quota(64 * MIB)).unwrap();
     arb.set_quota("b", quota(64 * MIB)).unwrap();
-    let peer = Peer {
+    let me = Peer {
         pid: Some(std::process::id()),
         // SAFETY: getuid cannot fail.
         uid: Some(unsafe { libc::getuid() }),
         unix: true,
+    };
+    let (mut other, peer) = match peer {
+        Some((child, peer)) => (Some(child), peer),
+        None => (None, me),
     };
     let (sa, rxa) = arb.open_session("a", "sealer", peer).unwrap();
     let l = arb.acquire(req("a", sa, 32 * MIB)).await.unwrap();
@@ -330,11 +357,15 @@ async fn sealed_then_evicted(keep: bool) -> (Arc<Arbiter>, u64, Option<(usize, u
     };
     arb.release("a", l.id).unwrap();
     drop(l);
+    if let Some(child) = &mut other {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
     let (sb, rxb) = arb.open_session("b", "other", Peer::default()).unwrap();
     arb.acquire(req("b", sb, 48 * MIB)).await.unwrap();
     // The free was queued before b's allocation: a call after it sees it done.
     arb.devices[0].thread.call(|_| ()).await.unwrap();
-    let held = if keep {
+    let held = if keep && wait {
         until(|| held_by_a(&arb) > 0).await;
         held_by_a(&arb)
     } else {
@@ -343,6 +374,17 @@ async fn sealed_then_evicted(keep: bool) -> (Arc<Arbiter>, u64, Option<(usize, u
     };
     std::mem::forget((rxa, rxb));
     (arb, held, mapping)
+}
+
+/// [`sealed_then_evicted_with`] by the session's own process (this one).
+async fn sealed_then_evicted(keep: bool) -> (Arc<Arbiter>, u64, Option<(usize, usize)>) {
+    sealed_then_evicted_with(keep, None).await
+}
+
+/// Unmaps a mapping `sealed_then_evicted` returned.
+fn unmap((at, len): (usize, usize)) {
+    // SAFETY: a mapping made by `sealed_then_evicted_with`, unmapped once.
+    unsafe { libc::munmap(at as *mut libc::c_void, len) };
 }
 
 /// A memfd its holder sealed against shrinking cannot be revoked at its free; the holder
@@ -366,8 +408,8 @@ async fn a_sealed_memfd_kept_mapped_after_its_free_stays_charged() {
             7,
             "not revoked: the holder still reads it"
         );
-        libc::munmap(at as *mut libc::c_void, len);
     }
+    unmap((at, len));
 }
 
 /// The same memfd let go of (unmapped, no descriptor) before its free: nobody is charged.
@@ -376,4 +418,92 @@ async fn a_sealed_memfd_let_go_before_its_free_is_not_charged() {
     let (arb, held, _) = sealed_then_evicted(false).await;
     assert_eq!(held, 0);
     assert_eq!(arb.lock().stranded_memory().count(), 0);
+}
+
+/// A holder that lets go of a sealed memfd after its free (unmaps, no descriptor left)
+/// while it lives on: the broker looks again and lifts the charge within its look period.
+/// One that keeps it stays charged across many looks. The charge used to last until the
+/// holder exited.
+#[tokio::test]
+async fn a_sealed_memfd_let_go_after_its_free_is_no_longer_charged() {
+    let (arb, held, mapping) = sealed_then_evicted(true).await;
+    assert_eq!(held, 32 * MIB);
+    // Ten looks' worth (20 ms each, doubling): still kept, still charged.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(held_by_a(&arb), 32 * MIB, "kept: still charged");
+    unmap(mapping.unwrap());
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "let go of: the charge is lifted while its holder lives, held {}",
+        held_by_a(&arb)
+    );
+    let st = arb.lock();
+    st.check_invariant().unwrap();
+    assert_eq!(st.stranded_memory().count(), 0);
+    assert_eq!(st.pools()[0].stats().quarantined, 0);
+}
+
+/// The session's process released a sealed memfd and exited; a process the broker never
+/// recorded (here this one: a child that read the descriptor off its parent's
+/// connection is another) keeps it mapped. The kernel says the file still lives: the
+/// memory stays charged to the block's tenant, naming nobody, until it is let go. It used
+/// to be charged to nobody (only recorded processes were looked at, and none lived).
+#[tokio::test]
+async fn a_sealed_memfd_kept_by_a_process_the_broker_never_saw_stays_charged() {
+    let (arb, held, mapping) = sealed_then_evicted_with(true, Some(live_process())).await;
+    if held == 0 && unsafe { libc::geteuid() } != 0 {
+        // Without CAP_DAC_READ_SEARCH the kernel cannot be asked: documented as not found.
+        unmap(mapping.unwrap());
+        return;
+    }
+    assert_eq!(
+        held,
+        32 * MIB,
+        "kept by an unrecorded process: charged to a"
+    );
+    let listed = arb.list_quarantined();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
+    assert!(listed[0].holders.is_empty(), "{listed:?}");
+    arb.lock().check_invariant().unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(held_by_a(&arb), 32 * MIB, "still kept, still charged");
+    unmap(mapping.unwrap());
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "lifted once let go, held {}",
+        held_by_a(&arb)
+    );
+    arb.lock().check_invariant().unwrap();
+}
+
+/// A sealed memfd that nobody the broker recorded holds, but whose file still lives at
+/// its free (here this process's mapping, let go of at once: like a copy of its own the
+/// broker is still closing, a keeper's or an undelivered ticket's), is not charged at the
+/// free: it stays the broker's, unverified, until the first look, which finds it gone and
+/// charges nobody. Charged at the free, the tenant would have been refused for bytes
+/// nobody kept until that look.
+#[tokio::test]
+async fn a_memfd_let_go_before_the_first_look_charges_nobody() {
+    let (arb, held, mapping) = sealed_then_evicted_looking(
+        true,
+        Some(live_process()),
+        Duration::from_millis(300),
+        false,
+    )
+    .await;
+    assert_eq!(held, 0, "not charged at the free");
+    assert!(arb.unverified_bytes(0) > 0 || unsafe { libc::geteuid() } != 0);
+    unmap(mapping.unwrap());
+    for _ in 0..60 {
+        assert_eq!(held_by_a(&arb), 0, "never charged");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        until(|| arb.unverified_bytes(0) == 0).await,
+        "the look let it go"
+    );
+    assert_eq!(held_by_a(&arb), 0);
+    assert_eq!(arb.lock().stranded_memory().count(), 0);
+    arb.lock().check_invariant().unwrap();
 }

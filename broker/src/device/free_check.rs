@@ -68,6 +68,81 @@ pub fn free_measured(
     Ok(Returned::No)
 }
 
+/// Who kept a memfd freed unrevoked (sealed against shrinking).
+#[derive(Debug, PartialEq, Eq)]
+pub struct KeptMemfd {
+    /// The processes that answer for it: those found keeping it, or, when none was read
+    /// through, those that could not be (none: a process the broker never saw).
+    pub answering: Vec<u32>,
+    /// Every process found keeping it or not read through: named, and looked at again.
+    pub pids: Vec<u32>,
+    /// The kernel says whether the file lives (`memfd_alive.rs`): that, not the named
+    /// processes' exits, says when it is let go.
+    pub by_handle: bool,
+}
+
+/// After the free of a memfd that could not be revoked, and the broker's own descriptor
+/// closed: does anyone keep it, and who answers? Asks the kernel whether the file lives
+/// (anyone at all, recorded or not: a child that read its parent's descriptor), then
+/// looks at the live processes the broker recorded (`recorded`) for whom to charge.
+/// `None`: nobody keeps it (or, the kernel not asked, none of `recorded` does).
+pub fn memfd_kept(
+    file: &crate::memfd_holders::MemFile,
+    recorded: &[u32],
+    prober: Option<&crate::memfd_alive::Prober>,
+) -> Option<KeptMemfd> {
+    use crate::memfd_alive::Alive;
+    let ask = || match (file.handle.as_ref(), prober) {
+        (Some(h), Some(p)) => p.alive(h),
+        _ => Alive::Unknown,
+    };
+    let mut alive = ask();
+    if alive == Alive::No {
+        return None;
+    }
+    let found = crate::memfd_holders::holding(file.id, recorded);
+    let nobody_named = found.holding.is_empty() && found.unknown.is_empty();
+    // A copy of the descriptor the broker is closing (an undelivered ticket's) may hold
+    // the file for a moment.
+    let mut i = 0;
+    while alive == Alive::Yes && nobody_named && i < REREADS {
+        std::thread::sleep(REREAD_EVERY);
+        alive = ask();
+        i += 1;
+    }
+    kept_by(alive, found)
+}
+
+/// Who answers for a memfd kept, from the kernel's word (`alive`) and the look at the
+/// recorded processes (`found`). A process is charged on a look that did not finish only
+/// when no look finished on a keeper: the tenant of a process found keeping it answers
+/// first, and one not read through is looked at again (`arbiter/kept_looks.rs`).
+fn kept_by(
+    alive: crate::memfd_alive::Alive,
+    found: crate::memfd_holders::Holders,
+) -> Option<KeptMemfd> {
+    use crate::memfd_alive::Alive;
+    let nobody_named = found.holding.is_empty() && found.unknown.is_empty();
+    let by_handle = match alive {
+        Alive::No => return None,
+        Alive::Yes => true,
+        Alive::Unknown if nobody_named => return None,
+        Alive::Unknown => false,
+    };
+    let answering = if found.holding.is_empty() {
+        found.unknown.clone()
+    } else {
+        found.holding.clone()
+    };
+    let mut pids = found.holding;
+    pids.extend(found.unknown);
+    Some(KeptMemfd {
+        answering,
+        pids,
+        by_handle,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,5 +164,33 @@ mod tests {
         assert!(came_back(0, 2 * MIB, 2 * MIB));
         assert!(came_back(0, MIB, 2 * MIB));
         assert!(!came_back(0, MIB - 1, 2 * MIB));
+    }
+
+    /// Who answers for a kept memfd: a process whose look did not finish is charged only
+    /// when no process was found keeping it, and is named (looked at again) either way;
+    /// the kernel's "still held" with nobody found charges the block's tenant (a process
+    /// the broker never saw: `answering` empty); its "gone" charges nobody.
+    #[test]
+    fn an_unfinished_look_answers_only_when_no_keeper_was_found() {
+        use crate::memfd_alive::Alive;
+        use crate::memfd_holders::Holders;
+        let found = |holding: &[u32], unknown: &[u32]| Holders {
+            holding: holding.to_vec(),
+            unknown: unknown.to_vec(),
+        };
+        let k = kept_by(Alive::Yes, found(&[2], &[1])).unwrap();
+        assert_eq!(
+            (k.answering, k.pids, k.by_handle),
+            (vec![2], vec![2, 1], true)
+        );
+        let k = kept_by(Alive::Unknown, found(&[], &[1])).unwrap();
+        assert_eq!(
+            (k.answering, k.pids, k.by_handle),
+            (vec![1], vec![1], false)
+        );
+        let k = kept_by(Alive::Yes, found(&[], &[])).unwrap();
+        assert_eq!((k.answering, k.pids, k.by_handle), (vec![], vec![], true));
+        assert_eq!(kept_by(Alive::No, found(&[2], &[1])), None);
+        assert_eq!(kept_by(Alive::Unknown, found(&[], &[])), None);
     }
 }

@@ -245,9 +245,9 @@ impl Device for HostDevice {
         })
     }
 
-    fn held_as_file(&self, handle: &Handle) -> Option<crate::memfd_holders::FileId> {
+    fn held_as_file(&self, handle: &Handle) -> Option<crate::memfd_holders::MemFile> {
         let Handle::Fd { fd, .. } = handle;
-        crate::memfd_holders::FileId::of(&*fd.0).ok()
+        crate::memfd_holders::MemFile::of(&*fd.0).ok()
     }
 
     fn revoke(&mut self, alloc: &Allocation) -> Result<(), DeviceError> {

@@ -104,7 +104,7 @@ pub trait Device: Send {
     /// held as a descriptor), so that a free the device could not revoke can find who
     /// kept it (`memfd_holders.rs`). `None` (the default) for memory that shows as no
     /// file of its own (CUDA: [`Device::free_checked`] asks the driver instead).
-    fn held_as_file(&self, _handle: &Handle) -> Option<crate::memfd_holders::FileId> {
+    fn held_as_file(&self, _handle: &Handle) -> Option<crate::memfd_holders::MemFile> {
         None
     }
     /// Takes the allocation's memory back from every process that may still map it, where

@@ -5,7 +5,12 @@
 //! it is charged again to the block's tenant, as quarantined bytes, until every process
 //! that may keep it has exited (`Watch::Stranded`), so a tenant cannot keep memory past
 //! its quota by releasing and keeping, and the outside-memory estimate (device used less
-//! what the broker holds) does not count it a second time.
+//! what the broker holds) does not count it a second time. Where the shell can tell that
+//! memory was let go while its processes live (a memfd: it looks again, with backoff), it
+//! says so ([`State::stranded_let_go`], [`State::stranded_released`]); memory whose every
+//! holder it can tell apart from the processes it names (a memfd the kernel says is
+//! still held, by whomever) is not watched at all ([`State::stranded_unwatched`]): only
+//! the shell's look lets it go.
 
 use super::State;
 use crate::effects::Watch;
@@ -19,8 +24,11 @@ pub struct Stranded {
     pub tenant: String,
     pub device: u32,
     pub bytes: u64,
-    /// The processes that may keep it, each watched; it is let go when none is left.
+    /// The processes that may keep it. Watched: it is let go when none is left;
+    /// unwatched: the ones found keeping it, named for operators (it is let go only when
+    /// the shell says nobody holds it).
     pub pids: BTreeSet<u32>,
+    pub watched: bool,
     pub since: Instant,
 }
 
@@ -38,7 +46,36 @@ impl State {
         pids: impl IntoIterator<Item = u32>,
     ) -> Option<Uuid> {
         let pids: BTreeSet<u32> = pids.into_iter().collect();
-        if pids.is_empty() || bytes == 0 || self.ledger.get(tenant).is_none() {
+        if pids.is_empty() {
+            return None;
+        }
+        self.strand(tenant, device, bytes, pids, true)
+    }
+
+    /// A free of `bytes` on `device` did not give the memory back and the shell can tell
+    /// when it is let go, whoever keeps it (a memfd the kernel says still lives): charged
+    /// to `tenant` as quarantined, `pids` named as those found keeping it (none: a process
+    /// the broker never saw), until [`State::stranded_released`]. No process is watched:
+    /// one the broker never saw may outlive them.
+    pub fn stranded_unwatched(
+        &mut self,
+        tenant: &str,
+        device: u32,
+        bytes: u64,
+        pids: impl IntoIterator<Item = u32>,
+    ) -> Option<Uuid> {
+        self.strand(tenant, device, bytes, pids.into_iter().collect(), false)
+    }
+
+    fn strand(
+        &mut self,
+        tenant: &str,
+        device: u32,
+        bytes: u64,
+        pids: BTreeSet<u32>,
+        watched: bool,
+    ) -> Option<Uuid> {
+        if bytes == 0 || self.ledger.get(tenant).is_none() {
             return None;
         }
         let pool = self.pools.get_mut(device as usize)?;
@@ -48,8 +85,10 @@ impl State {
         self.set_leasable(device, leasable);
         self.ledger.add_quarantine(tenant, device, bytes);
         let id = Uuid::new_v4();
-        for &pid in &pids {
-            self.fx.watch(Watch::Stranded { id, pid });
+        if watched {
+            for &pid in &pids {
+                self.fx.watch(Watch::Stranded { id, pid });
+            }
         }
         self.stranded.insert(
             id,
@@ -58,10 +97,50 @@ impl State {
                 device,
                 bytes,
                 pids,
+                watched,
                 since: self.clock.now,
             },
         );
         Some(id)
+    }
+
+    /// The shell looked: process `pid`, alive, no longer keeps stranded memory `id`. Of
+    /// watched memory its watch goes and the last such lets it go (as an exit would); of
+    /// unwatched memory it is no longer named. True when the memory was let go.
+    pub fn stranded_let_go(&mut self, id: Uuid, pid: u32) -> bool {
+        let Some(s) = self.stranded.get_mut(&id) else {
+            return false;
+        };
+        if !s.pids.contains(&pid) {
+            return false;
+        }
+        if !s.watched {
+            s.pids.remove(&pid);
+            return false;
+        }
+        self.fx.unwatch(Watch::Stranded { id, pid });
+        self.stranded_holder_gone(id, pid)
+    }
+
+    /// The shell looked: nobody holds stranded memory `id` any more (the kernel says the
+    /// memfd is gone). It is let go, its watches with it. False when it was not stranded.
+    pub fn stranded_released(&mut self, id: Uuid) -> bool {
+        let Some(s) = self.stranded.remove(&id) else {
+            return false;
+        };
+        if s.watched {
+            for &pid in &s.pids {
+                self.fx.unwatch(Watch::Stranded { id, pid });
+            }
+        }
+        self.unstrand(&s);
+        tracing::info!(tenant = %s.tenant, device = s.device, bytes = s.bytes, held_for = ?self.clock.now.saturating_duration_since(s.since), "memory kept outside the broker let go");
+        true
+    }
+
+    /// Is memory `id` still stranded (the shell's looks stop when not)?
+    pub fn is_stranded(&self, id: Uuid) -> bool {
+        self.stranded.contains_key(&id)
     }
 
     /// Process `pid` that may keep stranded memory `id` exited; the last one lets it go
@@ -71,7 +150,7 @@ impl State {
             return false;
         };
         s.pids.remove(&pid);
-        if !s.pids.is_empty() {
+        if !s.pids.is_empty() || !s.watched {
             return false;
         }
         let Some(s) = self.stranded.remove(&id) else {
@@ -92,8 +171,10 @@ impl State {
         let all: Vec<Uuid> = self.stranded.keys().copied().collect();
         for id in all {
             if let Some(s) = self.stranded.remove(&id) {
-                for &pid in &s.pids {
-                    self.fx.unwatch(Watch::Stranded { id, pid });
+                if s.watched {
+                    for &pid in &s.pids {
+                        self.fx.unwatch(Watch::Stranded { id, pid });
+                    }
                 }
                 self.unstrand(&s);
             }

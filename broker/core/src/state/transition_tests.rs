@@ -709,3 +709,72 @@ fn a_kept_reclaim_request_asks_again_by_the_same_deadline() {
     );
     c.st.check_invariant().unwrap();
 }
+
+/// Stranded memory the shell looked at again: a watched holder seen letting go while
+/// alive loses its watch, and the last one lets the memory go; unwatched memory (a
+/// memfd the kernel says lives, whoever holds it) is charged with no watch, even with
+/// nobody named, and let go only when the shell says nobody holds it.
+#[test]
+fn stranded_memory_is_let_go_when_the_shell_sees_it_let_go() {
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    c.st.take_effects();
+    let held = |c: &Core| c.st.ledger().get("a").unwrap().usage.quarantined_bytes;
+    let watches = |c: &mut Core| -> Vec<Effect> {
+        c.st.take_effects()
+            .into_vec()
+            .into_iter()
+            .filter(|e| matches!(e, Effect::Watch { .. } | Effect::Unwatch { .. }))
+            .collect()
+    };
+
+    let id = c.st.stranded("a", 0, 8 * MIB, [7, 9]).unwrap();
+    watches(&mut c);
+    assert!(!c.st.stranded_let_go(id, 7), "9 may still keep it");
+    assert!(
+        matches!(
+            watches(&mut c)[..],
+            [Effect::Unwatch {
+                watch: Watch::Stranded { pid: 7, .. }
+            }]
+        ),
+        "7's watch goes"
+    );
+    assert!(!c.st.stranded_let_go(id, 7), "once");
+    assert_eq!(held(&c), 8 * MIB);
+    assert!(c.st.stranded_let_go(id, 9));
+    assert!(matches!(
+        watches(&mut c)[..],
+        [Effect::Unwatch {
+            watch: Watch::Stranded { pid: 9, .. }
+        }]
+    ));
+    assert_eq!(held(&c), 0);
+    assert!(!c.st.is_stranded(id));
+    c.st.check_invariant().unwrap();
+
+    let id =
+        c.st.stranded_unwatched("a", 0, 8 * MIB, [])
+            .expect("nobody named");
+    assert!(watches(&mut c).is_empty(), "nothing to watch");
+    assert_eq!(held(&c), 8 * MIB);
+    let named = c.st.stranded_unwatched("a", 0, 4 * MIB, [7]).unwrap();
+    assert!(watches(&mut c).is_empty());
+    assert!(
+        !c.st.stranded_let_go(named, 7),
+        "no longer named, still held"
+    );
+    assert!(
+        !c.st.stranded_holder_gone(named, 7),
+        "an exit does not let it go"
+    );
+    assert_eq!(held(&c), 12 * MIB);
+    c.st.check_invariant().unwrap();
+    assert!(c.st.stranded_released(id));
+    assert!(!c.st.stranded_released(id), "once");
+    assert!(c.st.stranded_released(named));
+    assert!(watches(&mut c).is_empty());
+    assert_eq!(held(&c), 0);
+    assert_eq!(c.st.pools()[0].stats().quarantined, 0);
+    c.st.check_invariant().unwrap();
+}
