@@ -76,7 +76,11 @@ impl Arbiter {
     /// whether that process retains any block: an acquire asks
     /// [`Arbiter::acquire_retained`] only then, so the ordinary path takes the state lock no
     /// more often than before.
-    pub(crate) fn session_peer_retaining(&self, tenant: &str, session: Uuid) -> BrokerResult<SessionPeer> {
+    pub(crate) fn session_peer_retaining(
+        &self,
+        tenant: &str,
+        session: Uuid,
+    ) -> BrokerResult<SessionPeer> {
         let st = self.lock();
         match st.sessions().get(&session) {
             Some(s) if s.tenant == tenant => Ok(SessionPeer {
