@@ -92,8 +92,16 @@ pub struct DescriptorChannels {
 }
 
 impl DescriptorChannels {
-    /// Makes `stream` the channel of `owner`: an earlier channel of the same pid is let go.
-    pub fn open(&self, owner: Owner, stream: tokio::net::UnixStream) -> Arc<Channel> {
+    /// Makes `stream` the channel of `owner` (an earlier channel of the same pid is let go)
+    /// and writes `answer` on it first: no descriptor can be sent on it before the answer,
+    /// which the worker would read as the answer. `None` when the answer could not be
+    /// written (the channel is forgotten again).
+    pub fn open(
+        &self,
+        owner: Owner,
+        stream: tokio::net::UnixStream,
+        answer: u8,
+    ) -> Option<Arc<Channel>> {
         let ch = Arc::new(Channel {
             owner,
             stream,
@@ -101,10 +109,17 @@ impl DescriptorChannels {
             last_sent: Mutex::new(Instant::now()),
             ended: CancellationToken::new(),
         });
+        let sending = ch.sending.lock();
         if let Some(old) = self.by_pid.lock().insert(owner.pid, ch.clone()) {
             old.ended.cancel();
         }
-        ch
+        let answered = matches!(ch.stream.try_write(&[answer]), Ok(1));
+        drop(sending);
+        if !answered {
+            self.close(&ch);
+            return None;
+        }
+        Some(ch)
     }
 
     /// Forgets `ch` (its serving task ended), unless a newer channel replaced it.

@@ -157,7 +157,9 @@ fn maps_in(
             Ok(0) => return Held::No,
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => return Held::No,
+            // The process is gone; any other error says nothing about what it maps.
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Held::No,
+            Err(_) => return Held::Unknown,
         };
         read += n;
         let filled = carried + n;

@@ -320,12 +320,11 @@ async fn serve_channel(
         return;
     };
     let channels = arb.tickets().channels();
-    let ch = channels.open(owner, stream);
-    // Open before the worker hears so: it asks for descriptors on it from then on.
-    if !matches!(ch.stream().try_write(&[CHANNEL_OPEN_REPLY]), Ok(1)) {
-        channels.close(&ch);
+    // Open before the worker hears so (it asks for descriptors on it from then on), the
+    // answer written before any descriptor can be.
+    let Some(ch) = channels.open(owner, stream, CHANNEL_OPEN_REPLY) else {
         return;
-    }
+    };
     tracing::debug!(pid = owner.pid, uid = owner.uid, "descriptor channel open");
     let kept = pressure.keep(uid);
     loop {

@@ -17,7 +17,9 @@
 //! that opened it: a forked child never reads its parent's (the descriptors on it are the
 //! parent's), nor waits on its lock; it opens its own.
 
-use gpu_broker_proto::ticket::{CHANNEL_HELLO, CHANNEL_OPEN_REPLY, PUSHED_FD, PUSHED_LEN};
+use gpu_broker_proto::ticket::{
+    BUSY_REPLY, CHANNEL_HELLO, CHANNEL_OPEN_REPLY, PUSHED_FD, PUSHED_LEN,
+};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -165,6 +167,10 @@ async fn open(places: &[PathBuf]) -> std::io::Result<Option<UnixStream>> {
             let conn = s.into_std()?;
             conn.set_nonblocking(true)?;
             return Ok(Some(conn));
+        }
+        // Busy (at a connection limit) is not a refusal: the next ticket asks again.
+        if n == 1 && b[0] == BUSY_REPLY {
+            return Err(std::io::ErrorKind::WouldBlock.into());
         }
         return Ok(None);
     }
@@ -370,6 +376,40 @@ mod tests {
         let sockets = mine().sockets.lock();
         let ch = &sockets[&place];
         assert!(ch.conn.is_none() && ch.refused_until.is_some());
+    }
+
+    /// A broker at its connection limit answers "busy": not a refusal, so the next lease
+    /// asks for a channel again (an older broker's refusal would keep tickets for a while).
+    #[test]
+    fn a_busy_broker_is_asked_again_at_the_next_lease() {
+        use std::io::{Read, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let place = dir.path().join("busy.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&place).unwrap();
+        let asked = std::thread::spawn(move || {
+            let mut hellos = 0;
+            for _ in 0..2 {
+                let (mut s, _) = listener.accept().unwrap();
+                let mut b = [0u8; 32];
+                s.read_exact(&mut b).unwrap();
+                assert_eq!(b, CHANNEL_HELLO);
+                s.write_all(&[BUSY_REPLY]).unwrap();
+                hellos += 1;
+            }
+            hellos
+        });
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(ensure_open(std::slice::from_ref(&place)));
+        {
+            let sockets = mine().sockets.lock();
+            let ch = &sockets[&place];
+            assert!(ch.conn.is_none() && ch.refused_until.is_none());
+        }
+        rt.block_on(ensure_open(std::slice::from_ref(&place)));
+        assert_eq!(asked.join().unwrap(), 2, "asked again after a busy answer");
     }
 
     /// A forked child never reads its parent's channel: the descriptors on it are the
