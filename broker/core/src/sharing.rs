@@ -138,6 +138,8 @@ pub struct Held {
     pub destroy: bool,
     /// The lease's own process when its session ended while it lives (it may map it too).
     pub holder: Option<u32>,
+    /// When `holder` started (its session's record, taken when the lease ended).
+    pub holder_start: Option<u64>,
 }
 
 /// Processes outside a lease's (or import's) session that redeemed a ticket of it.

@@ -249,11 +249,8 @@ impl Arbiter {
             }
             Keep::LeaseEnded(id) => link.remove(records::lease_key(&id)),
             Keep::Quarantine(mut r, fd) => {
-                // A session's end quarantines its leases after it left the table: its
-                // process's start time (so a reused pid is not taken for it) is read here.
-                if r.pid_start.is_none() {
-                    r.pid_start = r.pid.and_then(crate::process::start_ticks);
-                }
+                // Its process's start time came from the core (taken when the quarantine
+                // was made): read here, it could be a later process's that reused the pid.
                 r.device_uuid = self.uuid_of(r.device);
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
@@ -815,6 +812,7 @@ impl Arbiter {
                 tenant: q.tenant.clone(),
                 device: q.device,
                 pid: Some(pid),
+                pid_start: q.pid_start,
                 destroy: q.destroy,
             };
             if let Err((_, block)) = st.adopt_quarantine(a, block) {

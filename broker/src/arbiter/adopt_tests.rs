@@ -371,3 +371,47 @@ fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
     drop(st);
     assert_eq!(pid.map(|p| p.to_string()), Some(kept_pub.id.clone()));
 }
+
+/// A kept quarantine is taken back only while its process is the one that started when
+/// the quarantine was made: the same pid with another start time (a reused pid) is not
+/// its holder, and its memory is let go.
+#[test]
+fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let pid = std::process::id();
+    let start = crate::process::start_ticks(pid).unwrap();
+    let quarantine = |pid_start: u64| QuarantineRecord {
+        v: RECORD_VERSION,
+        lease: Uuid::new_v4().to_string(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id: rand::random(),
+        kind: "host-memfd".into(),
+        pid: Some(pid),
+        pid_start: Some(pid_start),
+        destroy: false,
+        device_uuid: Some(arb.device_uuid(0)),
+    };
+    let (same, reused) = (quarantine(start), quarantine(start + 1));
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![
+        entry(same.key(), &same, Some(memfd(2 * MIB))),
+        entry(reused.key(), &reused, Some(memfd(2 * MIB))),
+    ];
+    arb.adopt_from_keeper(place).unwrap();
+    let held: Vec<String> = arb
+        .list_quarantined()
+        .into_iter()
+        .map(|q| q.lease.to_string())
+        .collect();
+    assert_eq!(held, [same.lease.clone()]);
+    assert_eq!(*removed.lock(), [reused.key()]);
+    assert_eq!(
+        arb.get_tenant("alpha").unwrap().usage.quarantined_bytes,
+        2 * MIB
+    );
+}

@@ -164,9 +164,16 @@ impl State {
         }
         // Importers of its publication, or other processes that fetched its descriptor,
         // may keep the block (`shared.rs`).
-        let Some((block, ending, destroy)) =
-            self.shared_lease_ended(id, &tenant, d, block, ending, lease.reservation)
-        else {
+        let holder_start = self.start_of(lease.session, ending.holder());
+        let Some((block, ending, destroy)) = self.shared_lease_ended(
+            id,
+            &tenant,
+            d,
+            block,
+            ending,
+            holder_start,
+            lease.reservation,
+        ) else {
             // Held for others (its reservation's bytes settled there).
             return Some(view);
         };
@@ -194,6 +201,7 @@ impl State {
                         device: d,
                         block,
                         pid,
+                        pid_start: holder_start.filter(|_| pid == ending.holder()),
                         since: self.clock.now,
                         destroy,
                         retained_by,
@@ -201,7 +209,7 @@ impl State {
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease: id, pid });
-                self.keep_quarantine(id, lease.session);
+                self.keep_quarantine(id);
                 if let Some(session) = retained_by {
                     self.retained.entry(session).or_default().insert(id);
                 }
@@ -262,6 +270,7 @@ impl State {
         gone: bool,
     ) -> Option<(Session, u64)> {
         let session = self.sessions.remove(&id)?;
+        self.ending_session = Some((id, session.peer.pid, session.peer_start));
         self.wake_queue();
         for w in self.queue.remove_session(id) {
             self.fx
@@ -281,6 +290,7 @@ impl State {
             self.end_lease(*lease, e);
         }
         self.shared_session_ended(id, &session.peer, gone);
+        self.ending_session = None;
         self.end_session_reservations(id);
         self.keep(|| crate::effects::Keep::SessionEnded(id));
         // Last: events pushed above still reach the session's stream.

@@ -22,7 +22,7 @@ impl State {
         out.extend(
             self.quarantine
                 .keys()
-                .filter_map(|id| self.quarantine_kept(*id, self.quarantine_pid_start(*id))),
+                .filter_map(|id| self.quarantine_kept(*id)),
         );
         // After their leases and sessions: publications, the imports kept, session
         // reservations, reclaim requests.
@@ -56,19 +56,10 @@ impl State {
         out
     }
 
-    /// The start time of the process of quarantine `id`, when a session of that process
-    /// is still open (else the shell reads it).
-    fn quarantine_pid_start(&self, id: Uuid) -> Option<u64> {
-        let pid = self.quarantine.get(&id)?.pid?;
-        self.sessions
-            .iter()
-            .find(|s| s.peer.pid == Some(pid))
-            .and_then(|s| s.peer_start)
-    }
-
-    /// Quarantine `id`'s record and its block's descriptor; `pid_start`: when its process
-    /// started, if known.
-    pub(super) fn quarantine_kept(&self, id: Uuid, pid_start: Option<u64>) -> Option<Keep> {
+    /// Quarantine `id`'s record and its block's descriptor, with the start time of its
+    /// process as it was when the quarantine was made (never read again later: the pid
+    /// may be another process's by then).
+    pub(super) fn quarantine_kept(&self, id: Uuid) -> Option<Keep> {
         let q = self.quarantine.get(&id)?;
         let crate::memory::Handle::Fd {
             fd, block_id, kind, ..
@@ -86,7 +77,7 @@ impl State {
             }
             .into(),
             pid: q.pid,
-            pid_start,
+            pid_start: q.pid_start,
             destroy: q.destroy,
             device_uuid: None,
         };
@@ -268,5 +259,52 @@ mod tests {
             2 + 1 + 1 + 4,
             "two sessions, a lease, a quarantine, a publication, an import, a reservation, a reclaim request"
         );
+    }
+
+    /// A quarantine keeps the start time its process had when it was made (its session's
+    /// record): the push at the session's end and a relinked keeper's refill both carry
+    /// it, so neither leaves it to a later look at `/proc`, where a reused pid would be
+    /// taken for the holder.
+    #[test]
+    fn a_quarantine_keeps_its_process_start_from_when_it_was_made() {
+        let mut c = Core::new(1, 64 * MIB);
+        c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+        c.st.set_keeping(true);
+        let s = open(&mut c, "a", 7);
+        let l = grant(&mut c, "a", s, 4 * MIB);
+        let revoked = grant(&mut c, "a", s, 4 * MIB);
+        // Revoked while its session lives, then the session ends with its process alive.
+        c.st.end_lease(revoked, Ending::Quarantine { pid: Some(7) });
+        c.st.end_session(s, None, false);
+        let pushed: Vec<kept::QuarantineRecord> = keeps(c.st.take_effects().into_vec())
+            .into_iter()
+            .filter_map(|k| match k {
+                Keep::Quarantine(r, _) => Some(r),
+                _ => None,
+            })
+            .collect();
+        let starts = |rs: &[kept::QuarantineRecord]| {
+            let mut v: Vec<(String, Option<u32>, Option<u64>)> = rs
+                .iter()
+                .map(|r| (r.lease.clone(), r.pid, r.pid_start))
+                .collect();
+            v.sort();
+            v
+        };
+        let mut want = vec![
+            (l.to_string(), Some(7), Some(1007)),
+            (revoked.to_string(), Some(7), Some(1007)),
+        ];
+        want.sort();
+        assert_eq!(starts(&pushed), want, "pushed as they were made");
+        let refilled: Vec<kept::QuarantineRecord> =
+            c.st.kept_now()
+                .into_iter()
+                .filter_map(|k| match k {
+                    Keep::Quarantine(r, _) => Some(r),
+                    _ => None,
+                })
+                .collect();
+        assert_eq!(starts(&refilled), want, "a relinked keeper gets the same");
     }
 }

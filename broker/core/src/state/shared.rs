@@ -421,6 +421,7 @@ impl State {
         device: u32,
         block: Block,
         ending: Ending,
+        holder_start: Option<u64>,
         reservation: Option<Uuid>,
     ) -> Option<(Block, Ending, bool)> {
         let publication = self.shared.by_lease.get(&lease).copied();
@@ -516,6 +517,7 @@ impl State {
                 waiters,
                 destroy,
                 holder,
+                holder_start,
             },
         );
         if !imported {
@@ -801,6 +803,7 @@ impl State {
                         device: h.device,
                         block: h.block,
                         pid,
+                        pid_start: h.holder_start.filter(|_| pid == h.holder),
                         since: h.since,
                         destroy: h.destroy,
                         retained_by: None,
@@ -808,6 +811,7 @@ impl State {
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease, pid });
+                self.keep_quarantine(lease);
             }
         }
         let back = !ending.held();
