@@ -11,7 +11,7 @@
 
 use super::journal::{self, Journal};
 use super::place::{Entry, Place};
-use super::records::{LEASE_PREFIX, QUARANTINE_PREFIX};
+use super::records::{HELD_PREFIX, LEASE_PREFIX, QUARANTINE_PREFIX};
 use super::wire::Message;
 use super::KeeperError;
 use parking_lot::Mutex;
@@ -43,6 +43,7 @@ fn is_ours(name: &str) -> bool {
     journal::generation_of(name).is_some()
         || name.starts_with(LEASE_PREFIX)
         || name.starts_with(QUARANTINE_PREFIX)
+        || name.starts_with(HELD_PREFIX)
 }
 
 /// The descriptors of ours systemd handed back at this start, with their names (others,

@@ -211,7 +211,9 @@ impl State {
         if self.ledger.get(&a.tenant).is_none() {
             return Err((NotAdopted::Tenant, block));
         }
-        if self.quarantine.contains_key(&a.lease) {
+        // Its lease taken back: its end (kept after the quarantine) never reached the
+        // keeper, so the lease wins.
+        if self.quarantine.contains_key(&a.lease) || self.leases.get(&a.lease).is_some() {
             return Err((NotAdopted::Session, block));
         }
         let bytes = block.bytes();

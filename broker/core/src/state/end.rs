@@ -131,10 +131,9 @@ impl State {
     pub fn end_lease(&mut self, id: Uuid, ending: Ending) -> Option<LeaseView> {
         let lease = self.leases.remove(&id)?;
         self.wake_queue();
-        self.keep(|| crate::effects::Keep::LeaseEnded(id));
-        if matches!(lease.state, LeaseState::ReclaimRequested { .. }) {
-            self.keep(|| crate::effects::Keep::ReclaimEnded(id));
-        }
+        // Its end is kept after what keeps its memory (a quarantine, a held block), so a
+        // crash between leaves the memory with the keeper: the lease wins at a restart.
+        let reclaim = matches!(lease.state, LeaseState::ReclaimRequested { .. });
         self.fx.push(Effect::ForgetTickets { lease: id });
         let view = self.view(&lease);
         if let Some(s) = self.sessions.get_mut(&lease.session) {
@@ -149,6 +148,7 @@ impl State {
             self.shared.recipients.remove(&id);
             self.sealing.remove(&id);
             self.ledger.uncharge_host(&tenant, bytes);
+            self.keep_lease_ended(id, reclaim);
             // Host fallback files are never reused: a surviving mapping reaches nobody.
             self.fx.free_host(block);
             return Some(view);
@@ -165,15 +165,17 @@ impl State {
         // Importers of its publication, or other processes that fetched its descriptor,
         // may keep the block (`shared.rs`).
         let holder_start = self.start_of(lease.session, ending.holder());
-        let Some((block, ending, destroy)) = self.shared_lease_ended(
+        let ended = super::shared::EndedLease {
             id,
-            &tenant,
-            d,
-            block,
+            tenant: tenant.clone(),
+            device: d,
             ending,
             holder_start,
-            lease.reservation,
-        ) else {
+            reservation: lease.reservation,
+            reclaim,
+        };
+        let Some((block, ending, destroy, publication)) = self.shared_lease_ended(ended, block)
+        else {
             // Held for others (its reservation's bytes settled there).
             return Some(view);
         };
@@ -215,11 +217,23 @@ impl State {
                 }
             }
         }
+        self.keep_lease_ended(id, reclaim);
+        if let Some(p) = publication {
+            self.keep(|| crate::effects::Keep::PublicationEnded(p));
+        }
         if let Some(r) = lease.reservation {
             let back = !ending.held();
             self.lease_left_reservation(r, bytes, back);
         }
         Some(view)
+    }
+
+    /// Keeps the end of lease `id` (and of its reclaim request when it had one).
+    pub(super) fn keep_lease_ended(&mut self, id: Uuid, reclaim: bool) {
+        self.keep(|| crate::effects::Keep::LeaseEnded(id));
+        if reclaim {
+            self.keep(|| crate::effects::Keep::ReclaimEnded(id));
+        }
     }
 
     /// The holder of quarantined memory is gone (`destroy`: or the timeout passed): the

@@ -45,7 +45,7 @@ mod tests;
 mod transition_tests;
 
 pub use adopt::{Adopted, AdoptedQuarantine, NotAdopted};
-pub use adopt_shared::AdoptedImport;
+pub use adopt_shared::{AdoptedHeld, AdoptedHeldPublication, AdoptedImport, AdoptedLingering};
 pub use end::{Ending, Revoke};
 pub use queue::{Enqueued, QueueEnv};
 pub use shared::{Holding, NewPublication, SealCheck};
