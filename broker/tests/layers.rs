@@ -173,11 +173,18 @@ fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
 const CLI_FILES: [&str; 3] = ["config.rs", "check_config.rs", "main.rs"];
 
 /// Where the generated gRPC types may be named: the services and the server (the edge that
-/// converts records to messages and back), the ticket server (the ticket socket's reply
-/// bytes, shared with the client, are defined beside the messages), and the read pool
+/// converts records to messages and back), a lease reply's handle (`fd/handles.rs`), the
+/// ticket server (the ticket socket's reply bytes, shared with the client, are defined
+/// beside the messages), and the read pool
 /// (its test takes the services' method paths from the proto, to check each is served
 /// where it should be).
-const WIRE_FILES: [&str; 4] = ["service/", "server.rs", "ticket_server.rs", "read_pool.rs"];
+const WIRE_FILES: [&str; 5] = [
+    "service/",
+    "server.rs",
+    "fd/handles.rs",
+    "fd/ticket_server.rs",
+    "read_pool.rs",
+];
 
 /// Every `.rs` file of the daemon (`src/`) and of the core (`core/src/`), as (path relative
 /// to `src/`, or `core/...`, and text).
