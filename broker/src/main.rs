@@ -421,6 +421,10 @@ fn read_kept(
 /// Connects to the keeper at `path`, waiting up to 10 s for it to listen (a keeper
 /// started alongside the broker, a sidecar container). On the keeper's reader thread,
 /// off the runtime.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the keeper's reader thread waits for the keeper to listen, before anything serves"
+)]
 fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {

@@ -635,7 +635,9 @@ impl Arbiter {
                 match (report, memfd) {
                     (Some(report), None) if !alive.is_empty() => {
                         pending.fetch_add(bytes, Ordering::SeqCst);
-                        match dev.free_checked(alloc, handle) {
+                        #[allow(clippy::disallowed_methods, reason = "the executor")]
+                        let freed = dev.free_checked(alloc, handle);
+                        match freed {
                             Ok(Returned::No) => {
                                 report(device, answering(&alive), bytes, alive, None);
                             }
@@ -652,6 +654,7 @@ impl Arbiter {
                         if memfd.is_some() {
                             pending.fetch_add(bytes, Ordering::SeqCst);
                         }
+                        #[allow(clippy::disallowed_methods, reason = "the executor")]
                         let freed = dev.free(alloc);
                         drop(handle);
                         if let Err(e) = &freed {
