@@ -786,6 +786,29 @@ impl Arbiter {
         let mut out = TakenBack::default();
         let mut blocks = Vec::new();
         let mut lease_ids = Vec::new();
+        // A lease whose quarantine or held block was kept ended: their records are written
+        // before the lease's end is, so a crash between leaves both, and the end wins (in
+        // systemd's fd store the descriptor has moved to it already).
+        let ended: HashSet<&str> = quarantines
+            .iter()
+            .filter(|(_, fd)| fd.is_some())
+            .map(|(q, _)| q.lease.as_str())
+            .chain(
+                helds
+                    .iter()
+                    .filter(|(_, fd)| fd.is_some())
+                    .map(|(h, _)| h.lease.as_str()),
+            )
+            .collect();
+        let (leases, ended_leases): (Vec<_>, Vec<_>) = leases
+            .into_iter()
+            .partition(|(r, _)| !ended.contains(r.id.as_str()));
+        drop(ended);
+        out.leases_refused.extend(
+            ended_leases
+                .into_iter()
+                .map(|(r, _)| (r, "its end was kept")),
+        );
         for (r, fd) in leases {
             match self.adoptable(&r, fd, sessions) {
                 Ok((id, session, fd)) => {
@@ -799,16 +822,8 @@ impl Arbiter {
                 Err(why) => out.leases_refused.push((r, why)),
             }
         }
-        // A lease taken back wins over its own quarantine or held block: their records
-        // are written before the lease's end, so a crash between leaves both.
-        let live: HashSet<Uuid> = lease_ids.iter().map(|(_, id, _)| *id).collect();
         let mut quarantine_ids = Vec::new();
         for (q, fd) in quarantines {
-            if q.lease.parse().is_ok_and(|l| live.contains(&l)) {
-                out.quarantines_refused
-                    .push((q, "its lease was taken back"));
-                continue;
-            }
             match self.adoptable_quarantine(&q, fd, alive) {
                 Ok((lease, pid, fd)) => {
                     blocks.push(KeptBlock::new(q.device, fd, q.bytes, q.block_id));
@@ -819,10 +834,6 @@ impl Arbiter {
         }
         let mut held_ids = Vec::new();
         for (h, fd) in helds {
-            if h.lease.parse().is_ok_and(|l| live.contains(&l)) {
-                out.held_refused.push((h, "its lease was taken back"));
-                continue;
-            }
             match self.adoptable_held(&h, fd, alive) {
                 Ok((a, fd)) => {
                     blocks.push(KeptBlock::new(h.device, fd, h.bytes, h.block_id));

@@ -211,8 +211,7 @@ impl State {
         if self.ledger.get(&a.tenant).is_none() {
             return Err((NotAdopted::Tenant, block));
         }
-        // Its lease taken back: its end (kept after the quarantine) never reached the
-        // keeper, so the lease wins.
+        // Never beside a live lease of that id (the shell takes back one of them).
         if self.quarantine.contains_key(&a.lease) || self.leases.get(&a.lease).is_some() {
             return Err((NotAdopted::Session, block));
         }

@@ -122,8 +122,8 @@ impl State {
     /// quarantined again, watched for its processes; its publication and imports come
     /// next ([`State::adopt_held_publication`], [`State::adopt_lingering`],
     /// [`State::adopt_import`]), then [`State::settle_adopted_held`] lets it go if nobody
-    /// holds it. Gives the block back when its tenant or device is gone, or its lease was
-    /// taken back (its end was not kept: the lease wins).
+    /// holds it. Gives the block back when its tenant or device is gone, or a lease of
+    /// that id is live (the shell takes back one of them).
     pub fn adopt_held(&mut self, a: AdoptedHeld, block: Block) -> Result<(), (NotAdopted, Block)> {
         if a.device as usize >= self.pools.len() {
             return Err((NotAdopted::Device, block));

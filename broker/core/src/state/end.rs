@@ -132,7 +132,8 @@ impl State {
         let lease = self.leases.remove(&id)?;
         self.wake_queue();
         // Its end is kept after what keeps its memory (a quarantine, a held block), so a
-        // crash between leaves the memory with the keeper: the lease wins at a restart.
+        // crash between leaves the memory with the keeper: a restart takes back the
+        // quarantine or held block, not the lease.
         let reclaim = matches!(lease.state, LeaseState::ReclaimRequested { .. });
         self.fx.push(Effect::ForgetTickets { lease: id });
         let view = self.view(&lease);

@@ -816,7 +816,7 @@ fn kept_held_blocks_and_lingering_imports_are_taken_back() {
     c.st.adopt_held(held(lease), block).unwrap();
     let b = c.block(4 * MIB);
     c.st.adopt_held(held(idle), b).unwrap();
-    // A lease taken back wins over its own held record.
+    // Never beside a live lease of its id.
     let live = Uuid::new_v4();
     let b = c.block(4 * MIB);
     c.st.adopt_lease(
