@@ -408,7 +408,7 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
         .into_iter()
         .map(|q| q.lease.to_string())
         .collect();
-    assert_eq!(held, [same.lease.clone()]);
+    assert_eq!(held, std::slice::from_ref(&same.lease));
     assert_eq!(*removed.lock(), [reused.key()]);
     assert_eq!(
         arb.get_tenant("alpha").unwrap().usage.quarantined_bytes,
