@@ -883,7 +883,8 @@ async fn imports_of(b: &Broker) -> usize {
 }
 
 async fn held_and_lingering(place: Where) {
-    // (point, stage cut: 1 the publisher's release, 2 the importer's session end)
+    // (point, stage cut: 1 the publisher's release, 2 the importer's session end, its
+    // process killed during the outage, 3 the same, its process alive after the restart)
     for (point, stage) in [
         ("before-keep:held", 1),
         ("after-keep:held", 1),
@@ -893,6 +894,10 @@ async fn held_and_lingering(place: Where) {
         ("after-keep:lingering", 2),
         ("after-keep:import-ended", 2),
         ("after-keep:session-ended", 2),
+        ("before-keep:lingering", 3),
+        ("after-keep:lingering", 3),
+        ("after-keep:import-ended", 3),
+        ("after-keep:session-ended", 3),
     ] {
         let mut c = Case::start(point, place).await;
         let s = c.session().await;
@@ -929,16 +934,20 @@ async fn held_and_lingering(place: Where) {
             );
             w.send("close").await.unwrap();
             events_until(&mut w, "session-closed", Duration::from_secs(10)).await;
-            // The importer dies during the outage: its import is let go at the restart.
             c.crashed(point).await;
-            w.kill().await.unwrap();
+            if stage == 2 {
+                // The importer dies during the outage: its import is let go at the restart.
+                w.kill().await.unwrap();
+            }
             c.b.kill().unwrap();
             c.b.spawn().unwrap();
             resumed(point, &mut events).await;
         }
         // Held for the importers, counted to the publisher: one block more in the keeper
         // and in the broker, with its publication's read-only reopen.
-        let want_imports = if stage == 1 { 2 } else { 1 };
+        // Stage 3's importer lives: its import lingers (kept, or its session was kept and
+        // nobody resumes it).
+        let want_imports = if stage == 2 { 1 } else { 2 };
         assert!(
             eventually(Duration::from_secs(8), || async {
                 imports_of(&c.b).await == want_imports
@@ -959,9 +968,9 @@ async fn held_and_lingering(place: Where) {
             7,
             "{point}: the import maps the same memory"
         );
-        if stage == 1 {
-            // The other importer dies: its import (lingering once its session was not
-            // resumed) ends; this process's still holds the block.
+        if stage != 2 {
+            // The other importer dies: its import (lingering once its session ended or was
+            // not resumed) ends; this process's still holds the block.
             w.kill().await.unwrap();
             assert!(
                 eventually(Duration::from_secs(8), || async {
