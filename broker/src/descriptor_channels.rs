@@ -15,7 +15,9 @@
 //!   when a send would block, nothing is sent and the grant mints a ticket as before. A
 //!   descriptor sent and never read is closed by the kernel when the connection closes.
 //!
-//! One channel per pid: a newer one of the same pid replaces (and closes) the older.
+//! One channel per pid: a newer one of the same pid replaces (and closes) the older. At
+//! most [`MAX_CHANNELS`] are open, [`MAX_CHANNELS_PER_UID`] of one uid: slots of their own,
+//! beside the ticket connections' (the ticket server counts them).
 
 use crate::id_map::IdMap;
 use parking_lot::Mutex;
@@ -28,6 +30,16 @@ use tokio_util::sync::CancellationToken;
 /// worker thread of a process to have a grant in flight; bounds what a process that never
 /// reads can make the broker leave in the kernel's buffers.
 pub const MAX_UNREAD: usize = 32;
+
+/// Most descriptor channels open at once. Channels have their own slots, not the ticket
+/// connections': a worker process keeps one for as long as it leases, so they must neither
+/// take the slots of tickets being redeemed nor give way to them. Their descriptors are
+/// part of the broker's reserve (`fd_budget.rs`). Enforced by the ticket server.
+pub const MAX_CHANNELS: usize = 256;
+/// Most descriptor channels of one peer uid (workers of one service user: many processes);
+/// half the total, so one user cannot take every channel. A process beyond it is answered
+/// "busy" and keeps redeeming tickets.
+pub const MAX_CHANNELS_PER_UID: usize = 128;
 
 /// The process a channel belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
