@@ -31,7 +31,7 @@ use gpu_broker_proto::ticket::{
     BUSY_REPLY, CHANNEL_HELLO, CHANNEL_OPEN_REPLY, FD_REPLY, LEASE_ENDED_REPLY, PUSHED_FD,
     PUSHED_LEN, REFUSED_REPLY,
 };
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -390,7 +390,7 @@ pub fn push(
     channels: &DescriptorChannels,
     to: Owner,
     lease: uuid::Uuid,
-    fd: RawFd,
+    fd: BorrowedFd<'_>,
 ) -> Result<(), NotSent> {
     let mut msg = [0u8; PUSHED_LEN];
     msg[0] = PUSHED_FD;
@@ -415,7 +415,7 @@ async fn send_fd(stream: &UnixStream, fd: &SharedFd) -> std::io::Result<()> {
     loop {
         stream.writable().await?;
         match stream.try_io(tokio::io::Interest::WRITABLE, || {
-            send_with_fd(stream.as_raw_fd(), fd.raw())
+            send_with_fd(stream.as_fd(), fd.0.as_fd())
         }) {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
@@ -425,8 +425,9 @@ async fn send_fd(stream: &UnixStream, fd: &SharedFd) -> std::io::Result<()> {
 }
 
 /// `sendmsg` of the byte [`FD_REPLY`] with one descriptor attached.
-pub fn send_with_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
-    crate::descriptor_channels::send_with_fd(sock, &[FD_REPLY], fd, 0)
+pub fn send_with_fd(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+    let flags = rustix::net::SendFlags::empty();
+    crate::descriptor_channels::send_with_fd(sock, &[FD_REPLY], fd, flags)
 }
 
 #[cfg(test)]
@@ -782,7 +783,7 @@ mod tests {
         };
         let crate::device::Handle::Fd { fd, .. } = &l.handle;
         assert_eq!(
-            push(arb.tickets().channels(), foreign, l.id, fd.raw()),
+            push(arb.tickets().channels(), foreign, l.id, fd.0.as_fd()),
             Err(NotSent::NoChannel)
         );
         assert!(
@@ -847,23 +848,26 @@ mod tests {
         };
         let channels = arb.tickets().channels();
         for i in 0..MAX_UNREAD {
-            assert_eq!(push(channels, to, l.id, fd.raw()), Ok(()), "push {i}");
+            assert_eq!(push(channels, to, l.id, fd.0.as_fd()), Ok(()), "push {i}");
         }
-        assert_eq!(push(channels, to, l.id, fd.raw()), Err(NotSent::Full));
+        assert_eq!(push(channels, to, l.id, fd.0.as_fd()), Err(NotSent::Full));
         assert!(pushed_on(&conn).is_some());
         assert_eq!(
-            push(channels, to, l.id, fd.raw()),
+            push(channels, to, l.id, fd.0.as_fd()),
             Ok(()),
             "room after a read"
         );
-        assert_eq!(push(channels, to, l.id, fd.raw()), Err(NotSent::Full));
+        assert_eq!(push(channels, to, l.id, fd.0.as_fd()), Err(NotSent::Full));
         drop(conn);
         let t = std::time::Instant::now();
         while !channels.is_empty() && t.elapsed() < Duration::from_secs(5) {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert!(channels.is_empty(), "a closed channel is still open");
-        assert_eq!(push(channels, to, l.id, fd.raw()), Err(NotSent::NoChannel));
+        assert_eq!(
+            push(channels, to, l.id, fd.0.as_fd()),
+            Err(NotSent::NoChannel)
+        );
         stop.cancel();
     }
 

@@ -301,31 +301,14 @@ mod tests {
         msg[0] = PUSHED_FD;
         msg[1..].copy_from_slice(key);
         let null = std::fs::File::open("/dev/null").unwrap();
-        let mut iov = libc::iovec {
-            iov_base: msg.as_mut_ptr().cast(),
-            iov_len: msg.len(),
-        };
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-        let mut control = vec![0u8; space];
-        // SAFETY: zeroed msghdr; the pointers outlive the call.
-        let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-        hdr.msg_iov = &mut iov;
-        hdr.msg_iovlen = 1;
-        hdr.msg_control = control.as_mut_ptr().cast();
-        hdr.msg_controllen = space as _;
-        // SAFETY: room for one header with one fd.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&hdr);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), null.as_raw_fd());
-            assert_eq!(
-                libc::sendmsg(sock.as_raw_fd(), &hdr, 0),
-                PUSHED_LEN as isize
-            );
-        }
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds = [std::os::fd::AsFd::as_fd(&null)];
+        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        let iov = [std::io::IoSlice::new(&msg)];
+        let sent = rustix::net::sendmsg(sock, &iov, &mut control, SendFlags::empty());
+        assert_eq!(sent.unwrap(), PUSHED_LEN);
     }
 
     fn install(place: &Path, conn: UnixStream) {
