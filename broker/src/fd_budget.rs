@@ -19,8 +19,8 @@ pub use gpu_broker_core::fd_budget::{FdBudget, FdHeld};
 
 /// Descriptors kept beyond the connections: the listeners, the state file, the metrics
 /// (64) and ticket (272) connections, the runtime's and the drivers' own (512), and the
-/// workers' descriptor channels (`descriptor_channels::MAX_CHANNELS`).
-pub const RESERVE_BEYOND_CONNECTIONS: usize = 512 + crate::descriptor_channels::MAX_CHANNELS;
+/// workers' descriptor channels (`fd::descriptor_channels::MAX_CHANNELS`).
+pub const RESERVE_BEYOND_CONNECTIONS: usize = 512 + crate::fd::descriptor_channels::MAX_CHANNELS;
 
 /// The reserve to keep with `max_connections` connections allowed: those and
 /// [`RESERVE_BEYOND_CONNECTIONS`], but never more than half the limit (a broker under a
