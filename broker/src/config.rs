@@ -770,7 +770,10 @@ mod tests {
         assert_eq!(got.reclaim_policy, ReclaimPolicy::Cooperative);
         assert_eq!(got.rate, want.rate);
         assert_eq!(got.rate, crate::rate::RateConfig::default());
-        assert_eq!(c.ticket_ttl, crate::tickets::TicketTable::default().ttl());
+        assert_eq!(
+            c.ticket_ttl,
+            crate::fd::tickets::TicketTable::default().ttl()
+        );
         assert_eq!(c.shutdown_grace, defaults::SHUTDOWN_GRACE);
     }
 

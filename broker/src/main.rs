@@ -258,14 +258,14 @@ async fn run(
         libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
     }
     let ticket_path = cfg.ticket_socket_path();
-    let tickets = gpu_broker::ticket_server::bind(&ticket_path)
+    let tickets = gpu_broker::fd::ticket_server::bind(&ticket_path)
         .await
         .with_context(|| format!("binding the ticket socket {}", ticket_path.display()))?;
     arb.tickets().set_ttl(cfg.ticket_ttl);
     arb.tickets().set_socket(&ticket_path);
     tracing::info!(socket = %ticket_path.display(), "serving lease tickets");
     let tickets_stop = CancellationToken::new();
-    let ticket_serving = tokio::spawn(gpu_broker::ticket_server::serve(
+    let ticket_serving = tokio::spawn(gpu_broker::fd::ticket_server::serve(
         tickets,
         arb.clone(),
         tickets_stop.clone(),
@@ -426,6 +426,10 @@ fn read_kept(
 /// Connects to the keeper at `path`, waiting up to 10 s for it to listen (a keeper
 /// started alongside the broker, a sidecar container). On the keeper's reader thread,
 /// off the runtime.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the keeper's reader thread waits for the keeper to listen, before anything serves"
+)]
 fn connect_keeper(path: &std::path::Path) -> anyhow::Result<gpu_broker::keeper::KeeperLink> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {

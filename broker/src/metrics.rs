@@ -401,7 +401,7 @@ impl Metrics {
     }
 }
 
-/// Why the ticket server refused a ticket (`tickets.rs`; the `reason` label of
+/// Why the ticket server refused a ticket (`fd/tickets.rs`; the `reason` label of
 /// `ticket_refusals`). Kept here, below the ticket server, so the metrics import nothing
 /// above them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -64,9 +64,9 @@ pub struct Lease {
 }
 
 /// Whether a lease is still in the table, readable without the arbiter's lock: a ticket
-/// for the lease's session's own process carries it (`tickets.rs`), so the ticket server
-/// delivers that process's descriptor without taking the lock, and a ticket minted or
-/// redeemed after the lease ended still delivers nothing. Cleared only by
+/// for the lease's session's own process carries it (the daemon's `fd/tickets.rs`), so the
+/// ticket server delivers that process's descriptor without taking the lock, and a ticket
+/// minted or redeemed after the lease ended still delivers nothing. Cleared only by
 /// `LeaseTable::remove`, under the lock; a clone shares the one flag.
 #[derive(Clone, Debug)]
 pub struct LiveMark(Arc<AtomicBool>);

@@ -182,7 +182,7 @@ pub struct Arbiter {
     /// Compute turns (time-slicing); separate from memory, with its own lock.
     pub(crate) scheduler: turns::Scheduler,
     /// Tickets that deliver fd leases (served by `ticket_server::serve`).
-    pub(crate) tickets: Arc<crate::tickets::TicketTable>,
+    pub(crate) tickets: Arc<crate::fd::tickets::TicketTable>,
     /// Whether the broker is shutting down, and whether it is freeing everything on exit.
     shutdown: Shutdown,
     /// The state store, the audit log and the lock that keeps durable operator changes
@@ -328,7 +328,7 @@ impl Arbiter {
     }
 
     /// The lease tickets (the ticket server redeems them).
-    pub fn tickets(&self) -> &Arc<crate::tickets::TicketTable> {
+    pub fn tickets(&self) -> &Arc<crate::fd::tickets::TicketTable> {
         &self.tickets
     }
 
@@ -664,7 +664,9 @@ impl Arbiter {
                     // handed the memory to may live.
                     (Some(report), None) if !alive.is_empty() || finder.is_some() => {
                         pending.fetch_add(bytes, Ordering::SeqCst);
-                        match dev.free_checked(alloc, handle) {
+                        #[allow(clippy::disallowed_methods, reason = "the executor")]
+                        let freed = dev.free_checked(alloc, handle);
+                        match freed {
                             Ok(Returned::No) => {
                                 let recorded = reached.as_ref().map_or(&[][..], |(_, r)| r.pids());
                                 let (found, recheck) = match finder {
@@ -699,6 +701,7 @@ impl Arbiter {
                         if memfd.is_some() {
                             pending.fetch_add(bytes, Ordering::SeqCst);
                         }
+                        #[allow(clippy::disallowed_methods, reason = "the executor")]
                         let freed = dev.free(alloc);
                         drop(handle);
                         if let Err(e) = &freed {

@@ -85,6 +85,10 @@ fn relink_loop(me: Weak<Arbiter>) {
             }
             continue;
         }
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "the keeper-relink thread is its own: it waits between reconnects"
+        )]
         std::thread::sleep(backoff);
         if me.strong_count() == 0 {
             return;

@@ -3,10 +3,10 @@
 
 use super::convert::{self, parse_id};
 use super::events::EventStream;
-use super::handles;
 use crate::arbiter::{AcquireRequest, Arbiter};
 use crate::auth::tenant_of;
 use crate::error::BrokerError;
+use crate::fd::handles;
 use crate::grpc_status::status;
 use crate::session::Peer;
 use gpu_broker_proto::v1 as pb;

@@ -7,7 +7,6 @@ pub mod admin;
 pub mod broker;
 pub mod convert;
 mod events;
-pub mod handles;
 mod mps_report;
 pub mod shared;
 

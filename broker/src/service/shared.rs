@@ -4,10 +4,10 @@
 //! through the ticket socket like a lease's (`handles::fd_handle_of`).
 
 use super::convert::{self, parse_id};
-use super::handles;
 use crate::arbiter::listing::{self, SharedViewer};
 use crate::arbiter::{Arbiter, ImportGrant};
 use crate::error::BrokerError;
+use crate::fd::handles;
 use crate::session::Peer;
 use crate::sharing::SharedView;
 use gpu_broker_proto::v1 as pb;

@@ -1,5 +1,5 @@
-//! A crate's module graph read from its sources, for the layer tests of the broker and the
-//! client (`broker/tests/layers.rs`, `client/tests/layers.rs`): which sibling modules each
+//! A crate's module graph read from its sources, for the client's layer test
+//! (`client/tests/layers.rs`): which sibling modules each
 //! module's code names (through `crate::` or `super::` paths, comments aside, test modules
 //! and macro arguments included; a directory module counts as one, with all its files),
 //! what a module reaches through others, and the first import circle if there is one. The

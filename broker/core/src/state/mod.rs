@@ -24,6 +24,9 @@
 //! (a restart's take-back of kept sessions, leases, quarantines, publications, imports), and here:
 //! opening a session, leasable and headroom changes, quota changes.
 
+// No clock, no file or socket (`clippy.toml` lists them); the tests may read clocks.
+#![cfg_attr(not(test), deny(clippy::disallowed_methods, clippy::disallowed_types))]
+
 mod adopt;
 mod adopt_shared;
 mod devices;

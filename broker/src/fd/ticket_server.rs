@@ -18,10 +18,10 @@
 //! writes anything on it.
 
 use crate::arbiter::Arbiter;
-use crate::descriptor_channels::{DescriptorChannels, NotSent, Owner};
 use crate::device::SharedFd;
-use crate::ticket_pressure::Pressure;
-use crate::tickets::{Redeemed, Refusal, TICKET_LEN};
+use crate::fd::descriptor_channels::{DescriptorChannels, NotSent, Owner};
+use crate::fd::ticket_pressure::Pressure;
+use crate::fd::tickets::{Redeemed, Refusal, TICKET_LEN};
 use gpu_broker_proto::ticket::{
     BUSY_REPLY, CHANNEL_HELLO, CHANNEL_OPEN_REPLY, FD_REPLY, LEASE_ENDED_REPLY, PUSHED_FD,
     PUSHED_LEN, REFUSED_REPLY,
@@ -66,7 +66,7 @@ pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
             }
         })?;
     // Every accepted connection inherits it: the kernel names each writer of a ticket.
-    crate::ticket_read::pass_credentials(listener.as_raw_fd())?;
+    crate::fd::ticket_read::pass_credentials(listener.as_raw_fd())?;
     Ok(listener)
 }
 
@@ -211,7 +211,7 @@ async fn serve_one(
     let mut buf = [0u8; TICKET_LEN];
     let read = tokio::time::timeout(
         READ_TIMEOUT,
-        crate::ticket_read::read_exact_with_writers(stream, &mut buf),
+        crate::fd::ticket_read::read_exact_with_writers(stream, &mut buf),
     )
     .await;
     if kept && matches!(&read, Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof) {
@@ -305,7 +305,7 @@ async fn serve_channel(
         .filter(|&p| p != 0);
     let owner = match (pid, uid) {
         (Some(p), Some(u)) if writers == [p] => {
-            crate::descriptor_channels::owner_of(stream.as_raw_fd(), p, u)
+            crate::fd::descriptor_channels::owner_of(stream.as_raw_fd(), p, u)
         }
         _ => None,
     };
@@ -388,7 +388,7 @@ async fn send_fd(stream: &UnixStream, fd: &SharedFd) -> std::io::Result<()> {
 
 /// `sendmsg` of the byte [`FD_REPLY`] with one descriptor attached.
 pub fn send_with_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
-    crate::descriptor_channels::send_with_fd(sock, &[FD_REPLY], fd, 0)
+    crate::fd::descriptor_channels::send_with_fd(sock, &[FD_REPLY], fd, 0)
 }
 
 #[cfg(test)]
@@ -493,8 +493,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn only_a_process_outside_the_session_is_recorded_and_an_ended_lease_sends_nothing() {
         use crate::arbiter::tests::req;
+        use crate::fd::tickets::{Binding, Recipient};
         use crate::session::Peer;
-        use crate::tickets::{Binding, Recipient};
         use gpu_broker_client::{fd::fetch, ClientError};
         let Serving {
             _dir,
@@ -561,8 +561,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_child_on_its_parents_ticket_connection_is_recorded() {
         use crate::arbiter::tests::req;
+        use crate::fd::tickets::{Binding, Recipient};
         use crate::session::Peer;
-        use crate::tickets::{Binding, Recipient};
         let Serving {
             _dir,
             path,
@@ -679,8 +679,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_grant_sends_its_descriptor_only_on_its_own_process_channel() {
         use crate::arbiter::tests::req;
-        use crate::descriptor_channels::Owner;
-        use crate::service::handles::pushed_handle;
+        use crate::fd::descriptor_channels::Owner;
+        use crate::fd::handles::pushed_handle;
         use crate::session::Peer;
         let Serving {
             _dir,
@@ -768,7 +768,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn unread_descriptors_on_a_channel_are_bounded() {
         use crate::arbiter::tests::req;
-        use crate::descriptor_channels::{Owner, MAX_UNREAD};
+        use crate::fd::descriptor_channels::{Owner, MAX_UNREAD};
         use crate::session::Peer;
         let Serving {
             _dir,
@@ -865,8 +865,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_kept_connection_serves_the_next_ticket_and_refuses_a_foreign_one() {
         use crate::arbiter::tests::req;
+        use crate::fd::tickets::{Binding, Recipient};
         use crate::session::Peer;
-        use crate::tickets::{Binding, Recipient};
         let Serving {
             _dir,
             path,
@@ -935,8 +935,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_child_on_its_parents_kept_connection_is_recorded() {
         use crate::arbiter::tests::req;
+        use crate::fd::tickets::{Binding, Recipient};
         use crate::session::Peer;
-        use crate::tickets::{Binding, Recipient};
         let Serving {
             _dir,
             path,
@@ -1026,8 +1026,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn kept_connections_give_way_when_a_connection_is_turned_away() {
         use crate::arbiter::tests::req;
+        use crate::fd::tickets::{Binding, Recipient};
         use crate::session::Peer;
-        use crate::tickets::{Binding, Recipient};
         let Serving {
             _dir,
             path,
@@ -1098,8 +1098,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_uid_at_its_cap_does_not_close_other_uids_kept_connections() {
         use crate::arbiter::tests::req;
+        use crate::fd::tickets::{Binding, Recipient};
         use crate::session::Peer;
-        use crate::tickets::{Binding, Recipient};
         use std::os::unix::fs::PermissionsExt;
         // SAFETY: geteuid cannot fail.
         if unsafe { libc::geteuid() } != 0 {

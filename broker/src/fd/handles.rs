@@ -12,9 +12,9 @@
 
 use crate::arbiter::Arbiter;
 use crate::error::BrokerError;
+use crate::fd::tickets::{Binding, Recipient};
 use crate::lease::{LeaseView, LiveMark};
 use crate::session::Peer;
-use crate::tickets::{Binding, Recipient};
 use gpu_broker_proto::v1 as pb;
 
 /// The kinds a request accepts.
@@ -175,7 +175,7 @@ fn fd_handle_to(
     Ok(pb::FdHandle {
         socket_path: socket.to_string_lossy().into_owned(),
         ticket: ticket.to_vec(),
-        memory_kind: super::convert::memory_kind(mem.kind) as i32,
+        memory_kind: crate::service::convert::memory_kind(mem.kind) as i32,
         block_id: mem.block_id,
         size: mem.size,
         ticket_ttl_ms: u64::try_from(tickets.ttl().as_millis()).unwrap_or(u64::MAX),
@@ -201,7 +201,7 @@ pub fn pushed_handle(
     if session.peer.pid != Some(pid) || session.peer.uid != Some(uid) {
         return None;
     }
-    let to = crate::descriptor_channels::Owner {
+    let to = crate::fd::descriptor_channels::Owner {
         pid,
         uid,
         start: session.start?,
@@ -216,12 +216,12 @@ pub fn pushed_handle(
         block_id,
         size,
     } = &view.handle;
-    crate::ticket_server::push(arb.tickets().channels(), to, view.id, fd.raw()).ok()?;
+    crate::fd::ticket_server::push(arb.tickets().channels(), to, view.id, fd.raw()).ok()?;
     arb.metrics().descriptor_pushed();
     Some(pb::FdHandle {
         socket_path: socket.to_string_lossy().into_owned(),
         ticket: Vec::new(),
-        memory_kind: super::convert::memory_kind(*kind) as i32,
+        memory_kind: crate::service::convert::memory_kind(*kind) as i32,
         block_id: *block_id,
         size: *size,
         ticket_ttl_ms: 0,
@@ -244,7 +244,7 @@ pub fn retained_handle(arb: &Arbiter, view: &LeaseView) -> pb::FdHandle {
     pb::FdHandle {
         socket_path: socket.to_string_lossy().into_owned(),
         ticket: Vec::new(),
-        memory_kind: super::convert::memory_kind(*kind) as i32,
+        memory_kind: crate::service::convert::memory_kind(*kind) as i32,
         block_id: *block_id,
         size: *size,
         ticket_ttl_ms: 0,
@@ -317,7 +317,7 @@ mod tests {
         let late = fd_handle(&arb, &ended, &me, &session).unwrap();
         assert_eq!(
             arb.tickets().redeem(&late.ticket, uid, pid).unwrap_err(),
-            crate::tickets::Refusal::LeaseEnded
+            crate::fd::tickets::Refusal::LeaseEnded
         );
         // Another process of the user goes through the arbiter's look.
         let child = Peer { pid: Some(1), ..me };

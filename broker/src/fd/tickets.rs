@@ -12,8 +12,8 @@
 //! instead of a bare refusal; any other peer still learns nothing. The wire protocol is in
 //! `docs/protocol.md`.
 
-use crate::descriptor_channels::DescriptorChannels;
 use crate::device::SharedFd;
+use crate::fd::descriptor_channels::DescriptorChannels;
 use crate::id_map::IdMap;
 use crate::lease::LiveMark;
 use parking_lot::Mutex;
