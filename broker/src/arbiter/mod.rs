@@ -395,6 +395,16 @@ impl Arbiter {
     /// recorded ones (`kept_holders.rs`). Set once, before sessions open; false when set
     /// already.
     pub fn find_kept_holders_with(&self, finder: crate::kept_holders::HolderFinder) -> bool {
+        // Sessions taken back from a keeper opened before: their peers are remembered now.
+        let peers: Vec<u32> = self
+            .lock()
+            .sessions()
+            .iter()
+            .filter_map(|s| s.peer.pid)
+            .collect();
+        for pid in peers {
+            finder.remember(pid);
+        }
         self.kept_holders.set(Arc::new(finder)).is_ok()
     }
 
