@@ -1249,6 +1249,8 @@ impl KeptCase<'_> {
             }
         }
         let child = child.context("the worker named no child")?;
+        // Whatever fails below, the child does not outlive the check with the memory.
+        let _reap = KillOnDrop(child);
         check(
             mapped.as_deref() == Some("0"),
             format!("the child (pid {child}) mapped the worker's lease with its own context and read every byte ({mapped:?})"),
@@ -1338,6 +1340,16 @@ impl KeptCase<'_> {
             ),
         );
         Ok(failed)
+    }
+}
+
+/// Kills process `.0` when dropped (a `kept-check` child, not this process's own).
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: a process this check started; gone already is harmless (ESRCH).
+        unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
     }
 }
 
