@@ -686,3 +686,44 @@ async fn processes_sharing_only_the_brokers_places_are_not_charged() {
     assert_eq!(arb.unverified_bytes(0), 0);
     kill_pid(child);
 }
+
+/// Another tenant's importer handed its import to a child and exited before the
+/// publisher's lease was freed: the child found near it is charged to the importer's
+/// tenant (the one that kept what it was lent), not to the publisher's.
+#[tokio::test]
+async fn a_child_of_another_tenants_importer_is_charged_to_that_tenant() {
+    let switch = FaultSwitch::default();
+    let on_device = Arc::new(OnDevice::default());
+    let arb = keeping_arbiter_finding(&switch, &on_device);
+    let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
+    let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
+    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    let (mut importer, child, peer) = worker_with_child();
+    on_device.0.lock().push(child);
+    let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
+    let import = arb.import("b", si, "a", "w").unwrap();
+    arb.release_import("b", import.id).unwrap();
+    drop(import);
+    importer.kill().unwrap();
+    importer.wait().unwrap();
+    switch.set(Faults {
+        keep_freed: true,
+        ..Faults::default()
+    });
+    arb.release("a", l.id).unwrap();
+    assert!(
+        until(|| held_by(&arb, "b") == 16 * MIB).await,
+        "the child's import is charged to b, held {}",
+        held_by(&arb, "b")
+    );
+    assert_eq!(held_by_a(&arb), 0, "the publisher kept nothing");
+    assert_eq!(arb.list_quarantined()[0].holders, vec![child]);
+    kill_pid(child);
+    assert!(
+        until(|| held_by(&arb, "b") == 0).await,
+        "let go once the child exited, held {}",
+        held_by(&arb, "b")
+    );
+    arb.lock().check_invariant().unwrap();
+    std::mem::forget((_rxp, _rxi));
+}
