@@ -1262,22 +1262,39 @@ impl KeptCase<'_> {
         );
         let mut evicting = None;
         if let Some(session) = evictor {
-            let d = self
-                .admin
-                .get_devices()
-                .await?
-                .into_iter()
-                .find(|d| d.index == 0)
-                .context("no device 0")?;
-            let room = d
-                .leasable_bytes
-                .saturating_sub(d.leased_bytes + d.quarantined_bytes + d.process_reserved_bytes);
-            say(format!(
-                "EVICT another tenant leases {} MiB of device 0 (cached {} MiB)",
-                room >> 20,
-                d.cached_bytes >> 20
-            ));
-            evicting = Some(session.lease_request(room).device(0).send().await?);
+            // The leasable refresh follows the contexts that came and went first; a lease
+            // of all the room left then needs the cached block's too. A refresh between
+            // the reading and the lease may shrink the room: read again and retry.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            for attempt in 1..=5 {
+                let d = self
+                    .admin
+                    .get_devices()
+                    .await?
+                    .into_iter()
+                    .find(|d| d.index == 0)
+                    .context("no device 0")?;
+                let room = d
+                    .leasable_bytes
+                    .saturating_sub(d.leased_bytes + d.quarantined_bytes + d.process_reserved_bytes)
+                    .saturating_sub(64 << 20);
+                say(format!(
+                    "EVICT another tenant leases {} MiB of device 0 (cached {} MiB)",
+                    room >> 20,
+                    d.cached_bytes >> 20
+                ));
+                match session.lease_request(room).device(0).send().await {
+                    Ok(l) => {
+                        evicting = Some(l);
+                        break;
+                    }
+                    Err(e) if attempt < 5 => {
+                        say(format!("EVICT refused ({e}); again"));
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
         }
         let charged = self.charged_within(granted, 10).await?;
         check(
