@@ -1,6 +1,7 @@
 //! Memory a process kept after the broker freed it (CUDA VMM memory, which no free can
 //! revoke; here a device that keeps freed memory on command): charged to its tenant until
-//! that process exits, then let go.
+//! that process exits, then let go; with a finder (`kept_holders.rs`, its lister given
+//! here), until the processes near it that it may have handed the memory to exit too.
 
 use super::tests::{live_process, quota, req};
 use super::*;
