@@ -162,17 +162,22 @@ impl HolderFinder {
         }
     }
 
-    /// Process `pid`'s place: read now when it lives (and is the process remembered, if
-    /// any), else as remembered.
-    fn place_of(&self, pid: u32) -> Option<Place> {
+    /// Process `pid`'s places: as read now when it lives, and as remembered when that was
+    /// another process of the pid (either may be the one the block reached).
+    fn places_of(&self, pid: u32) -> Vec<Place> {
         let known = self.places.lock().by_pid.get(&pid).cloned();
-        match Place::read(pid) {
-            Some(now) if known.as_ref().is_none_or(|k| k.start == now.start) => {
-                self.keep(now.clone());
-                Some(now)
+        let now = Place::read(pid);
+        let mut out = Vec::new();
+        if let Some(k) = known {
+            if now.as_ref().is_none_or(|n| n.start != k.start) {
+                out.push(k);
             }
-            _ => known,
         }
+        if let Some(n) = now {
+            self.keep(n.clone());
+            out.push(n);
+        }
+        out
     }
 
     /// After a free on device `uuid` that did not give the memory back: the processes with
@@ -180,7 +185,7 @@ impl HolderFinder {
     /// near one of the `recorded` processes (or descended from a live one). Returns them
     /// and the places to look near again ([`HolderFinder::watch`]).
     pub fn find(&self, uuid: &str, recorded: &[u32], named: &[u32]) -> (Vec<Found>, Vec<Place>) {
-        let mut places: Vec<Place> = recorded.iter().filter_map(|&p| self.place_of(p)).collect();
+        let mut places: Vec<Place> = recorded.iter().flat_map(|&p| self.places_of(p)).collect();
         let found = self.near(uuid, &places, named, &HashSet::new());
         places.extend(found.iter().filter_map(|f| Place::read(f.pid)));
         (found, places)
