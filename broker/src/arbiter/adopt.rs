@@ -295,6 +295,11 @@ impl Arbiter {
             Keep::HeldLetGo(id) => link.remove(records::held_key(&id)),
             Keep::Lingering(r) => link.put(r.key(), to_json(&r), None),
             Keep::LingeringEnded(id) => link.remove(records::lingering_key(&id)),
+            Keep::Stranded(mut r) => {
+                r.device_uuid = self.uuid_of(r.device);
+                link.put(r.key(), to_json(&r), None)
+            }
+            Keep::StrandedLifted(id) => link.remove(records::stranded_key(&id)),
         }
     }
 
@@ -391,7 +396,7 @@ impl Arbiter {
     }
 
     /// Device `index`'s UUID, as records keep it (None when it has none).
-    fn uuid_of(&self, index: u32) -> Option<String> {
+    pub(super) fn uuid_of(&self, index: u32) -> Option<String> {
         self.devices
             .get(index as usize)
             .map(|d| d.thread.desc().uuid.clone())
@@ -464,6 +469,7 @@ impl Arbiter {
         let mut reclaims = Vec::new();
         let mut helds: KeptWithFd<records::HeldRecord> = Vec::new();
         let mut lingerings = Vec::new();
+        let mut strandeds = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
@@ -476,6 +482,7 @@ impl Arbiter {
                 Ok(Kept::Reclaim(r)) => reclaims.push(r),
                 Ok(Kept::Held(h)) => helds.push((h, e.fd)),
                 Ok(Kept::Lingering(l)) => lingerings.push(l),
+                Ok(Kept::Stranded(s)) => strandeds.push(s),
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
@@ -524,6 +531,19 @@ impl Arbiter {
                 }
                 None => {
                     held_device_gone.push(h.clone());
+                    false
+                }
+            },
+        );
+        let mut stranded_device_gone = Vec::new();
+        strandeds.retain_mut(
+            |s| match self.device_of(s.device, s.device_uuid.as_deref()) {
+                Some(d) => {
+                    s.device = d;
+                    true
+                }
+                None => {
+                    stranded_device_gone.push(s.clone());
                     false
                 }
             },
@@ -618,6 +638,22 @@ impl Arbiter {
             link.remove(key);
         }
         laps.lap("shared leases");
+        let mut stranded = self.adopt_stranded(strandeds, &mut alive);
+        stranded.lifted.extend(
+            stranded_device_gone
+                .into_iter()
+                .map(|s| (s, "its device is gone")),
+        );
+        for (s, why) in std::mem::take(&mut stranded.lifted) {
+            tracing::debug!(id = %s.id, tenant = %s.tenant, bytes = s.bytes, why, "kept charge of memory kept outside the broker lifted");
+            tally.add(
+                "kept charges of memory kept outside the broker lifted",
+                why,
+                s.bytes,
+            );
+            link.remove(s.key());
+        }
+        laps.lap("stranded memory");
 
         tally.log();
         let mut waiting = self.awaiting_resume.lock();
