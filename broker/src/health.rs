@@ -165,7 +165,7 @@ pub async fn report_grpc_health(
         }
         let open: Vec<bool> = {
             let avail = arb.avail.read();
-            (0..arb.device_count() as u32)
+            (0..arb.devices().len() as u32)
                 .map(|d| avail.admits(d))
                 .collect()
         };
@@ -385,7 +385,7 @@ mod tests {
             } => {
                 assert_eq!(device, 1);
                 assert!(reason.contains("injected Xid 79"), "{reason}");
-                assert_eq!(uuid, arb.device_uuid(1));
+                assert_eq!(uuid, arb.devices().uuid(1));
             }
             other => panic!("{other:?}"),
         }
@@ -396,7 +396,7 @@ mod tests {
         );
         let elsewhere = arb.acquire(ask(s, None, 2 * MIB)).await.unwrap();
         assert_eq!(elsewhere.device, 0);
-        let report = arb.devices().await;
+        let report = arb.device_reports().await;
         assert!(report[1].fault.as_deref().unwrap().contains("Xid 79"));
         let text = arb
             .metrics_text(crate::metrics::Format::PrometheusText)

@@ -52,16 +52,16 @@ impl Arbiter {
         BrokerInfo {
             version: env!("CARGO_PKG_VERSION"),
             api_revision: API_REVISION,
-            backend: if self.backend_is_cuda() {
+            backend: if self.devices.any_cuda() {
                 "cuda"
             } else {
                 "host"
             }
             .to_string(),
-            device_count: self.device_count() as u32,
+            device_count: self.devices.len() as u32,
             features: FEATURES.to_vec(),
-            device_uuids: (0..self.device_count() as u32)
-                .map(|i| self.device_uuid(i))
+            device_uuids: (0..self.devices.len() as u32)
+                .map(|i| self.devices.uuid(i))
                 .collect(),
             started: self.metrics().started(),
             keeper: self.keeps_leases(),

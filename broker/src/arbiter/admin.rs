@@ -445,17 +445,9 @@ impl Arbiter {
         self.get_tenant(tenant)
     }
 
-    /// The UUID of device `index` ("" for an index the broker does not serve).
-    pub fn device_uuid(&self, index: u32) -> String {
-        self.devices
-            .get(index as usize)
-            .map(|d| d.thread.desc().uuid.clone())
-            .unwrap_or_default()
-    }
-
     /// The `/metrics` text: the arbiter's counters and gauges from snapshots of its state.
     pub(crate) async fn metrics_text(&self, format: crate::metrics::Format) -> String {
-        let devices = self.devices().await;
+        let devices = self.device_reports().await;
         let tenants = self.list_tenants();
         let sessions = self.session_count();
         crate::metrics::render(
@@ -469,7 +461,7 @@ impl Arbiter {
     }
 
     /// Every device with its memory picture. Reads each device's free memory.
-    pub async fn devices(&self) -> Vec<DeviceReport> {
+    pub async fn device_reports(&self) -> Vec<DeviceReport> {
         let mut out = Vec::new();
         for (i, slot) in self.devices.iter().enumerate() {
             let desc = slot.thread.desc().clone();

@@ -243,7 +243,7 @@ impl Arbiter {
             Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
             Keep::Lease(mut r, fd) => {
                 if r.tier == "device" {
-                    r.device_uuid = self.uuid_of(r.device);
+                    r.device_uuid = self.devices.recorded_uuid(r.device);
                 }
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
@@ -254,7 +254,7 @@ impl Arbiter {
                 if r.pid_start.is_none() {
                     r.pid_start = r.pid.and_then(crate::process::start_ticks);
                 }
-                r.device_uuid = self.uuid_of(r.device);
+                r.device_uuid = self.devices.recorded_uuid(r.device);
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
             Keep::QuarantineLifted(id) => link.remove(records::quarantine_key(&id)),
@@ -263,7 +263,7 @@ impl Arbiter {
             Keep::Import(r) => link.put(r.key(), to_json(&r), None),
             Keep::ImportEnded(id) => link.remove(records::import_key(&id)),
             Keep::Reservation(mut r) => {
-                r.device_uuid = self.uuid_of(r.device);
+                r.device_uuid = self.devices.recorded_uuid(r.device);
                 link.put(r.key(), to_json(&r), None)
             }
             Keep::ReservationEnded(id) => link.remove(records::reservation_key(&id)),
@@ -302,7 +302,7 @@ impl Arbiter {
                     since_unix_ms: unix_ms(d.since),
                     deadline_unix_ms: d.deadline.map(unix_ms),
                     reason: d.reason.clone(),
-                    device_uuid: self.uuid_of(device),
+                    device_uuid: self.devices.recorded_uuid(device),
                 };
                 link.put(r.key(), to_json(&r), None);
             }
@@ -316,7 +316,7 @@ impl Arbiter {
     fn drain_again(self: &Arc<Self>, mut r: records::DrainRecord) {
         // A drain whose device moved had its old key removed by the caller; it is kept
         // again under its device's index now (below), or dropped.
-        let device = self.device_of(r.device, r.device_uuid.as_deref());
+        let device = self.devices.named_by(r.device, r.device_uuid.as_deref());
         let Some(device) = device else {
             tracing::warn!(
                 device = r.device,
@@ -348,28 +348,6 @@ impl Arbiter {
                 tracing::warn!(device = r.device, error = %e, "a kept drain could not be taken back")
             }
         }
-    }
-
-    /// The index now of the device kept memory or a drain of device `index` (as its record
-    /// says) belongs to: the device of UUID `uuid`, wherever it is; without one (a record
-    /// of an earlier version), the device at `index`. None: this broker has no such device.
-    fn device_of(&self, index: u32, uuid: Option<&str>) -> Option<u32> {
-        match uuid {
-            Some(u) => self
-                .devices
-                .iter()
-                .position(|d| d.thread.desc().uuid == u)
-                .map(|i| i as u32),
-            None => ((index as usize) < self.devices.len()).then_some(index),
-        }
-    }
-
-    /// Device `index`'s UUID, as records keep it (None when it has none).
-    fn uuid_of(&self, index: u32) -> Option<String> {
-        self.devices
-            .get(index as usize)
-            .map(|d| d.thread.desc().uuid.clone())
-            .filter(|u| !u.is_empty())
     }
 
     /// What this start took back from the keeper (None without a keeper).
@@ -459,7 +437,7 @@ impl Arbiter {
             // The host tier is no device: its leases go to this broker's host tier.
             let device = match r.tier.as_str() {
                 "host" => Some(r.device),
-                _ => self.device_of(r.device, r.device_uuid.as_deref()),
+                _ => self.devices.named_by(r.device, r.device_uuid.as_deref()),
             };
             match device {
                 Some(d) => {
@@ -473,8 +451,8 @@ impl Arbiter {
             }
         });
         let mut quarantine_device_gone = Vec::new();
-        quarantines.retain_mut(
-            |(q, _)| match self.device_of(q.device, q.device_uuid.as_deref()) {
+        quarantines.retain_mut(|(q, _)| {
+            match self.devices.named_by(q.device, q.device_uuid.as_deref()) {
                 Some(d) => {
                     q.device = d;
                     true
@@ -483,11 +461,11 @@ impl Arbiter {
                     quarantine_device_gone.push(q.clone());
                     false
                 }
-            },
-        );
+            }
+        });
         let mut reservation_device_gone = Vec::new();
-        reservations.retain_mut(
-            |r| match self.device_of(r.device, r.device_uuid.as_deref()) {
+        reservations.retain_mut(|r| {
+            match self.devices.named_by(r.device, r.device_uuid.as_deref()) {
                 Some(d) => {
                     r.device = d;
                     true
@@ -496,8 +474,8 @@ impl Arbiter {
                     reservation_device_gone.push(r.key());
                     false
                 }
-            },
-        );
+            }
+        });
         laps.lap("parse");
         let mut alive = Liveness::default();
         let (adopted, refused_sessions) = self.adopt_sessions(sessions, &mut alive);
@@ -578,7 +556,7 @@ impl Arbiter {
         // Every moved drain's old key goes first: two drained devices that swapped indexes
         // would otherwise each remove the key the other just wrote.
         for d in &drains {
-            if self.device_of(d.device, d.device_uuid.as_deref()) != Some(d.device) {
+            if self.devices.named_by(d.device, d.device_uuid.as_deref()) != Some(d.device) {
                 if let Some(link) = self.keeper.get() {
                     link.remove(d.key());
                 }

@@ -154,7 +154,7 @@ impl Arbiter {
             .iter()
             .filter_map(|r| {
                 let c = r.claim.clone()?;
-                Some((c, r.view(self.device_uuid(r.device))))
+                Some((c, r.view(self.devices.uuid(r.device))))
             })
             .collect();
         v.sort_by_key(|(_, r)| (r.created, r.id));
@@ -223,7 +223,7 @@ impl Arbiter {
             .reservations()
             .get(&id)
             .ok_or_else(|| BrokerError::Internal("a granted claim is gone".into()))?;
-        let mut view = r.view(self.device_uuid(r.device));
+        let mut view = r.view(self.devices.uuid(r.device));
         view.requested_bytes = req.bytes;
         Ok(view)
     }
@@ -311,11 +311,12 @@ impl Arbiter {
     fn restore_claim(&self, c: &ClaimRecord) -> BrokerResult<()> {
         let id = uuid::Uuid::parse_str(&c.reservation_id)
             .map_err(|e| BrokerError::Internal(format!("reservation id: {e}")))?;
-        if (c.device as usize) < self.devices.len() && self.device_uuid(c.device) != c.device_uuid {
+        if (c.device as usize) < self.devices.len() && self.devices.uuid(c.device) != c.device_uuid
+        {
             return Err(BrokerError::FailedPrecondition(format!(
                 "device {} is now {}, not {}",
                 c.device,
-                self.device_uuid(c.device),
+                self.devices.uuid(c.device),
                 c.device_uuid
             )));
         }

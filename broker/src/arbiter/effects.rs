@@ -468,7 +468,7 @@ impl Arbiter {
             Effect::Reply { to, mut result, .. } => after.then(move || {
                 // The core leaves a reservation's device UUID to the shell.
                 if let Ok(Granted::Process(v)) = &mut result {
-                    v.device_uuid = self.device_uuid(v.device);
+                    v.device_uuid = self.devices.uuid(v.device);
                 }
                 self.answer(to, result)
             }),

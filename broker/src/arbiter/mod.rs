@@ -175,7 +175,7 @@ pub struct Arbiter {
     /// The core behind its one lock: taken only by `Arbiter::lock` (`effects.rs`), whose
     /// guard checks the invariant, runs the effects and times the hold.
     state: effects::StateLock,
-    pub(crate) devices: Vec<DeviceSlot>,
+    pub(crate) devices: crate::backend::Devices,
     pub(crate) host_tier: Option<DeviceThread>,
     pub(crate) auth: Arc<Authenticator>,
     pub(crate) cfg: ArbiterConfig,
@@ -301,7 +301,7 @@ impl Arbiter {
             crash: crate::crash_point::CrashPoint::from_env(),
             scheduler,
             state: effects::StateLock::new(st),
-            devices,
+            devices: devices.into(),
             host_tier,
             auth,
             cfg,
@@ -321,6 +321,11 @@ impl Arbiter {
     /// The arbiter's configuration.
     pub(crate) fn config(&self) -> &ArbiterConfig {
         &self.cfg
+    }
+
+    /// The broker's devices (slots, indexes, UUIDs).
+    pub fn devices(&self) -> &crate::backend::Devices {
+        &self.devices
     }
 
     /// The lease tickets (the ticket server redeems them).
@@ -384,13 +389,6 @@ impl Arbiter {
         } else {
             Ok(())
         }
-    }
-
-    /// Does the broker serve real GPUs?
-    pub fn backend_is_cuda(&self) -> bool {
-        self.devices
-            .iter()
-            .any(|d| d.thread.desc().backend == BackendKind::Cuda)
     }
 
     /// Opens a session for `tenant`; returns its id and the event receiver.
@@ -560,7 +558,7 @@ impl Arbiter {
         st.free_everything();
         drop(st);
         // Wait for the device threads to finish the frees queued above.
-        for d in &self.devices {
+        for d in self.devices.iter() {
             let _ = d.thread.call_blocking(|_| ());
         }
         if let Some(h) = &self.host_tier {

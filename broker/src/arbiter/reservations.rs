@@ -175,7 +175,7 @@ impl Arbiter {
     }
 
     fn reservation_view(&self, r: &Reservation) -> ReservationView {
-        r.view(self.device_uuid(r.device))
+        r.view(self.devices.uuid(r.device))
     }
 
     /// Refuses a reservation the session cannot have: one per session (it stands for

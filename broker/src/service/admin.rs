@@ -233,7 +233,7 @@ impl Admin for AdminService {
         &self,
         _req: Request<pb::GetDevicesRequest>,
     ) -> Result<Response<pb::GetDevicesResponse>, Status> {
-        let devices = self.arb.devices().await;
+        let devices = self.arb.device_reports().await;
         let mut devices: Vec<pb::DeviceInfo> = devices.iter().map(convert::device).collect();
         for d in &mut devices {
             d.turn_holders = self.arb.scheduler.holders(d.index);
