@@ -98,14 +98,6 @@ impl Arbiter {
         v
     }
 
-    /// Total leasable bytes of every device.
-    fn leasable_total(st: &State) -> u64 {
-        st.pools()
-            .iter()
-            .map(|p| p.leasable())
-            .fold(0, u64::saturating_add)
-    }
-
     /// Creates or updates a tenant's quota. Returns the tenant and whether it was created.
     pub fn set_quota(
         self: &Arc<Self>,
@@ -186,7 +178,7 @@ impl Arbiter {
         Ledger::validate_quota(&quota)?;
         quota.validate_devices(self.devices.len())?;
         let guarantees = st.ledger().guarantees_with(name, quota.guaranteed_bytes);
-        let leasable = Self::leasable_total(&st);
+        let leasable = leasable_total(&st);
         if guarantees > leasable {
             return Err(BrokerError::GuaranteesExceedCapacity {
                 guarantees,
@@ -252,7 +244,7 @@ impl Arbiter {
 
     /// Every tenant by name, page by page (short lock holds: `listing.rs`).
     pub fn list_tenants(&self) -> Vec<TenantView> {
-        Self::all_pages(|t| self.tenants_page(t, super::listing::DEFAULT_PAGE_SIZE))
+        super::listing::all_pages(|t| self.tenants_page(t, super::listing::DEFAULT_PAGE_SIZE))
     }
 
     /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
@@ -393,13 +385,17 @@ impl Arbiter {
     /// Every lease (of one tenant if given), oldest first.
     /// Every lease (of `tenant`, or all) in the order granted, page by page.
     pub fn list_all_leases(&self, tenant: Option<&str>) -> Vec<LeaseView> {
-        Self::all_pages(|t| self.leases_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE))
+        super::listing::all_pages(|t| {
+            self.leases_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE)
+        })
     }
 
     /// Every session (of `tenant`, or all) by id, page by page.
     #[cfg(test)]
     pub(super) fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
-        Self::all_pages(|t| self.sessions_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE))
+        super::listing::all_pages(|t| {
+            self.sessions_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE)
+        })
     }
 
     /// Every quarantined block (memory a live process may still map), oldest first: the
@@ -511,4 +507,12 @@ impl Arbiter {
         }
         out
     }
+}
+
+/// Total leasable bytes of every device.
+fn leasable_total(st: &State) -> u64 {
+    st.pools()
+        .iter()
+        .map(|p| p.leasable())
+        .fold(0, u64::saturating_add)
 }

@@ -112,11 +112,11 @@ impl Arbiter {
         process: Option<crate::reservations::ProcessAsk>,
         waited: &mut bool,
     ) -> BrokerResult<Granted> {
-        self.check_not_shutting_down()?;
+        self.shutdown.refuse_new_work()?;
         let mut queued = self.enqueue(&req, process, None)?;
         if let Offered::NeedsLineage(pid) = queued {
             // Whose process tree the caller is in, read from /proc outside the state lock.
-            let lineage = Self::caller_lineage(pid);
+            let lineage = super::reservations::caller_lineage(pid);
             queued = self.enqueue(&req, None, Some(&lineage))?;
         }
         let (rx, id, bytes) = match queued {
@@ -459,7 +459,7 @@ impl Arbiter {
         if let Some(h) = &self.host_tier {
             let what = what.into();
             let counted = matches!(what, super::Unneeded::Block(_)).then(|| self.fds.adopt());
-            let revoke = self.revokes();
+            let revoke = self.shutdown.revokes();
             let _ = h.submit(move |dev| {
                 let _counted = counted;
                 // A block's file closes here, after the free.

@@ -1005,7 +1005,7 @@ impl Arbiter {
         held: &[Uuid],
     ) -> BrokerResult<(mpsc::UnboundedReceiver<SessionEvent>, Vec<Uuid>, Vec<Uuid>)> {
         // A closing broker reopens no mailbox (open_session refuses likewise).
-        self.check_not_shutting_down()?;
+        self.shutdown.refuse_new_work()?;
         let refused = || BrokerError::NotFound(crate::error::Missing::Session(id));
         let hash = secret_hash(secret);
         let (tx, rx) = mpsc::unbounded_channel();

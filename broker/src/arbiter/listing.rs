@@ -297,23 +297,23 @@ impl Arbiter {
         drop(st);
         Ok(Page { items, next })
     }
+}
 
-    /// Walks every page of a listing (each page under its own short lock hold).
-    pub(super) fn all_pages<T>(mut page: impl FnMut(&str) -> BrokerResult<Page<T>>) -> Vec<T> {
-        let mut out = Vec::new();
-        let mut token = String::new();
-        loop {
-            match page(&token) {
-                Ok(p) => {
-                    out.extend(p.items);
-                    match p.next {
-                        Some(t) => token = t,
-                        None => return out,
-                    }
+/// Walks every page of a listing (each page under its own short lock hold).
+pub(super) fn all_pages<T>(mut page: impl FnMut(&str) -> BrokerResult<Page<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    let mut token = String::new();
+    loop {
+        match page(&token) {
+            Ok(p) => {
+                out.extend(p.items);
+                match p.next {
+                    Some(t) => token = t,
+                    None => return out,
                 }
-                // Our own tokens are always valid; nothing else can fail here.
-                Err(_) => return out,
             }
+            // Our own tokens are always valid; nothing else can fail here.
+            Err(_) => return out,
         }
     }
 }

@@ -233,6 +233,37 @@ struct Shutdown {
     exiting: AtomicBool,
 }
 
+impl Shutdown {
+    /// Has the shutdown begun?
+    fn begun(&self) -> bool {
+        self.begun.load(Ordering::SeqCst)
+    }
+
+    /// `SHUTTING_DOWN` once the shutdown began: new work is refused.
+    fn refuse_new_work(&self) -> BrokerResult<()> {
+        match self.begun() {
+            true => Err(BrokerError::ShuttingDown),
+            false => Ok(()),
+        }
+    }
+
+    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
+    fn revokes(&self) -> bool {
+        !self.exiting.load(Ordering::SeqCst)
+    }
+
+    /// Refuses new work from now on.
+    fn begin(&self) {
+        self.begun.store(true, Ordering::SeqCst);
+    }
+
+    /// The shutdown frees everything now: its frees leave kept mappings alone.
+    fn begin_exit(&self) {
+        self.begin();
+        self.exiting.store(true, Ordering::SeqCst);
+    }
+}
+
 /// Longest label accepted.
 pub const MAX_LABEL: usize = crate::bounds::MAX_TEXT_BYTES;
 
@@ -380,15 +411,7 @@ impl Arbiter {
 
     /// Is the broker shutting down?
     pub(crate) fn is_shutting_down(&self) -> bool {
-        self.shutdown.begun.load(Ordering::SeqCst)
-    }
-
-    fn check_not_shutting_down(&self) -> BrokerResult<()> {
-        if self.is_shutting_down() {
-            Err(BrokerError::ShuttingDown)
-        } else {
-            Ok(())
-        }
+        self.shutdown.begun()
     }
 
     /// Opens a session for `tenant`; returns its id and the event receiver.
@@ -425,7 +448,7 @@ impl Arbiter {
         peer: Peer,
         token_id: Option<String>,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>, String)> {
-        self.check_not_shutting_down()?;
+        self.shutdown.refuse_new_work()?;
         crate::bounds::check("session name", name, MAX_LABEL)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let id = Uuid::now_v7();
@@ -532,12 +555,12 @@ impl Arbiter {
     /// The caller's own leases, in the order they were granted (every page).
     #[cfg(test)]
     pub(crate) fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
-        Self::all_pages(|t| self.leases_page(Some(tenant), t, listing::MAX_PAGE_SIZE))
+        listing::all_pages(|t| self.leases_page(Some(tenant), t, listing::MAX_PAGE_SIZE))
     }
 
     /// Begins shutdown: refuse new work, tell every session.
     pub(crate) fn begin_shutdown(&self, grace: Duration) {
-        self.shutdown.begun.store(true, Ordering::SeqCst);
+        self.shutdown.begin();
         self.lock().begin_shutdown(grace);
     }
 
@@ -548,8 +571,7 @@ impl Arbiter {
 
     /// Ends every session and frees every block on the devices. Blocks until done.
     pub fn shutdown_release_all(self: &Arc<Self>) {
-        self.shutdown.begun.store(true, Ordering::SeqCst);
-        self.shutdown.exiting.store(true, Ordering::SeqCst);
+        self.shutdown.begin_exit();
         let ids = self.lock().sessions().ids();
         for id in ids {
             self.end_session_with(id, "broker shut down", Ending::Destroy);
@@ -566,11 +588,6 @@ impl Arbiter {
         }
     }
 
-    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
-    fn revokes(&self) -> bool {
-        !self.shutdown.exiting.load(Ordering::SeqCst)
-    }
-
     /// Queues a free of `what` on its device thread: the one place device memory is freed
     /// (reached through `Effect::Free`, and by the grant path when device work failed: a
     /// block whose scrub failed, an allocation whose zeroing or export failed).
@@ -580,7 +597,7 @@ impl Arbiter {
             let id = what.alloc_id();
             // A block's descriptor is counted until it closes (or the job is dropped).
             let counted = matches!(what, Unneeded::Block(_)).then(|| self.fds.adopt());
-            let revoke = self.revokes();
+            let revoke = self.shutdown.revokes();
             // Processes outside the broker its descriptor reached may keep it (not at the
             // shutdown: nobody is charged any more then).
             let reached = match &what {

@@ -201,25 +201,10 @@ impl Arbiter {
     /// request again with it). Read under the lock the offer holds, so a broker with no
     /// reservation takes the lock once per acquire.
     pub(super) fn lineage_needed(&self, st: &State, req: &AcquireRequest) -> Option<u32> {
-        if st.reservations().is_empty() || Self::claim_of_session(st, req).is_some() {
+        if st.reservations().is_empty() || claim_of_session(st, req).is_some() {
             return None;
         }
         st.sessions().get(&req.session).and_then(|s| s.peer.pid)
-    }
-
-    /// The claim reservation bound to the token the request's session was opened with
-    /// (`arbiter/claims.rs`), of its tenant.
-    fn claim_of_session<'a>(st: &'a State, req: &AcquireRequest) -> Option<&'a Reservation> {
-        let token = st.sessions().get(&req.session)?.token_id.as_deref()?;
-        st.reservations()
-            .bound_to(token)
-            .filter(|r| r.tenant == req.tenant)
-    }
-
-    /// The pids a process tree is made of (`pid`, its parent, ...), read from `/proc`
-    /// outside the state lock.
-    pub(super) fn caller_lineage(pid: u32) -> Vec<u32> {
-        lineage(pid).collect()
     }
 
     /// If `req` comes from a process (`lineage`: it and its ancestors) a reservation of
@@ -235,7 +220,7 @@ impl Arbiter {
         if st.reservations().is_empty() {
             return Ok(None);
         }
-        let r = match Self::claim_of_session(st, req) {
+        let r = match claim_of_session(st, req) {
             // A session of a claim's token draws from the claim's reservation only: a
             // lease pinned to another device is refused below, not charged beside it.
             Some(r) => r,
@@ -321,6 +306,21 @@ impl Arbiter {
         }
         out
     }
+}
+
+/// The pids a process tree is made of (`pid`, its parent, ...), read from `/proc`
+/// outside the state lock.
+pub(super) fn caller_lineage(pid: u32) -> Vec<u32> {
+    lineage(pid).collect()
+}
+
+/// The claim reservation bound to the token the request's session was opened with
+/// (`arbiter/claims.rs`), of its tenant.
+fn claim_of_session<'a>(st: &'a State, req: &AcquireRequest) -> Option<&'a Reservation> {
+    let token = st.sessions().get(&req.session)?.token_id.as_deref()?;
+    st.reservations()
+        .bound_to(token)
+        .filter(|r| r.tenant == req.tenant)
 }
 
 #[cfg(test)]

@@ -171,7 +171,7 @@ impl Arbiter {
         device: u32,
         wait: Duration,
     ) -> BrokerResult<TurnGrant> {
-        self.check_not_shutting_down()?;
+        self.shutdown.refuse_new_work()?;
         if wait > self.cfg.max_wait {
             return Err(BrokerError::wait_too_long(wait, self.cfg.max_wait));
         }
