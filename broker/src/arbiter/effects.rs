@@ -536,8 +536,9 @@ impl Arbiter {
                         None => delivered += u32::from(ok),
                         Some(Ok(grant)) => {
                             tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
-                            let (_, more) =
-                                self.turn_hold(|t| t.give_back(&grant, std::time::Instant::now()));
+                            let (_, more) = self
+                                .scheduler
+                                .hold(|t| t.give_back(&grant, std::time::Instant::now()));
                             todo.extend(more);
                         }
                         Some(Err(_)) => {} // a refusal for nobody

@@ -52,6 +52,17 @@ impl Scheduler {
         }
     }
 
+    /// One hold of the turn core's lock: `f`, the invariant (debug builds), the effects.
+    pub(super) fn hold<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, Vec<TurnEffect>) {
+        let mut core = TurnsHeld(self.core.lock());
+        let r = f(&mut core);
+        #[cfg(debug_assertions)]
+        if let Err(e) = core.check_invariant() {
+            panic!("turn invariant broken: {e}");
+        }
+        (r, core.take_effects())
+    }
+
     /// Registers the hand-off histogram (`turn_handoff_seconds`).
     pub fn register_metrics(&self, reg: &mut prometheus_client::registry::Registry) {
         reg.register(
@@ -134,27 +145,13 @@ impl Arbiter {
     /// Locks the turn core, runs `f` on it, unlocks, then carries out the effects `f`
     /// pushed. Returns what `f` returned and how many grants reached their waiters.
     pub(super) fn turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
-        let (r, fx) = self.turn_hold(f);
+        let (r, fx) = self.scheduler.hold(f);
         let delivered = if fx.is_empty() {
             0
         } else {
             self.execute_turns(fx)
         };
         (r, delivered)
-    }
-
-    /// One hold of the turn core's lock: `f`, the invariant (debug builds), the effects.
-    pub(super) fn turn_hold<R>(
-        &self,
-        f: impl FnOnce(&mut TurnsHeld<'_>) -> R,
-    ) -> (R, Vec<TurnEffect>) {
-        let mut core = TurnsHeld(self.scheduler.core.lock());
-        let r = f(&mut core);
-        #[cfg(debug_assertions)]
-        if let Err(e) = core.check_invariant() {
-            panic!("turn invariant broken: {e}");
-        }
-        (r, core.take_effects())
     }
 
     /// A grant its caller never received: the turn goes back, its slot to the next.
@@ -197,7 +194,7 @@ impl Arbiter {
                 session,
                 weight,
             };
-            self.turn_hold(|t| {
+            self.scheduler.hold(|t| {
                 let id = t.request(device, who, max_waiting, Instant::now())?;
                 // In the hold that queued it: in place before any answer is delivered.
                 Ok::<_, BrokerError>((id, self.outbox.register_turn_reply(t, id)))
@@ -293,11 +290,6 @@ impl Arbiter {
     pub(super) fn tick_turns(&self) {
         self.turns(|t| t.tick(Instant::now(), SystemTime::now()));
     }
-
-    /// A turn grant is being sent: its hand-off time, if a release freed its slot.
-    pub(crate) fn observe_turn_handoff(&self, grant: &TurnGrant) {
-        self.scheduler.observe_handoff(grant);
-    }
 }
 
 #[cfg(test)]
@@ -353,7 +345,7 @@ mod tests {
         let (b, _eb) = session(&arb, "b");
         let (c, _ec) = session(&arb, "c");
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
-        arb.observe_turn_handoff(&ga); // not a hand-off: not counted
+        arb.scheduler.observe_handoff(&ga); // not a hand-off: not counted
         let wb = tokio::spawn({
             let arb = arb.clone();
             async move { arb.acquire_turn("b", b, 0, Duration::from_secs(10)).await }
@@ -365,7 +357,7 @@ mod tests {
         assert!(end.handed_off);
         let gb = wb.await.unwrap().unwrap();
         assert!(gb.handoff_from.is_some());
-        arb.observe_turn_handoff(&gb);
+        arb.scheduler.observe_handoff(&gb);
         // A waiter whose caller left is no hand-off: its request leaves with it.
         let wc = tokio::spawn({
             let arb = arb.clone();

@@ -257,10 +257,12 @@ impl Admin for AdminService {
         let grace = Duration::from_millis(req.get_ref().grace_ms);
         // It writes and syncs the token file: off the runtime.
         let arb = self.arb.clone();
-        let token = tokio::task::spawn_blocking(move || arb.rotate_admin_token(grace))
-            .await
-            .map_err(|e| Status::internal(format!("rotating the admin token: {e}")))?
-            .map_err(status)?;
+        let token = tokio::task::spawn_blocking(move || {
+            crate::admin_token::rotate(arb.authenticator(), grace)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("rotating the admin token: {e}")))?
+        .map_err(status)?;
         self.arb.audit(
             &who,
             "admin_token.rotate",

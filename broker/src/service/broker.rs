@@ -337,7 +337,7 @@ impl Broker for BrokerService {
             .instrument(span)
             .await
             .map_err(|e| self.waited(e, session, token.as_deref()))?;
-        self.arb.observe_turn_handoff(&grant);
+        self.arb.scheduler.observe_handoff(&grant);
         Ok(Response::new(pb::AcquireTurnResponse {
             turn_id: grant.turn_id.to_string(),
             device: grant.device,
