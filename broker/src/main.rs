@@ -317,7 +317,7 @@ async fn run(
             nvml_faults = Some(Box::new(f));
         }
     }
-    arb.spawn_health_monitor(cfg.health(), nvml_faults, shutdown.clone());
+    gpu_broker::health::spawn_monitor(&arb, cfg.health(), nvml_faults, shutdown.clone());
     if arb.devices().any_cuda() {
         if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {
             arb.spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());

@@ -474,6 +474,8 @@ impl Admin for AdminService {
         &self,
         _req: Request<pb::GetInfoRequest>,
     ) -> Result<Response<pb::GetInfoResponse>, Status> {
-        Ok(Response::new(convert::info(&self.arb.info())))
+        Ok(Response::new(convert::info(&crate::info::BrokerInfo::of(
+            &self.arb,
+        ))))
     }
 }

@@ -403,7 +403,9 @@ impl Broker for BrokerService {
         &self,
         _req: Request<pb::GetInfoRequest>,
     ) -> Result<Response<pb::GetInfoResponse>, Status> {
-        Ok(Response::new(convert::info(&self.arb.info())))
+        Ok(Response::new(convert::info(&crate::info::BrokerInfo::of(
+            &self.arb,
+        ))))
     }
 
     async fn publish_lease(
