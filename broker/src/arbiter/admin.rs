@@ -43,7 +43,7 @@ impl Arbiter {
     /// Commits a durable change (a redb transaction, fsync included), counted in the
     /// metrics. Callers hold no state lock; on a multi-threaded runtime the commit runs in
     /// `block_in_place`, so the worker thread's other tasks move elsewhere meanwhile.
-    pub(super) fn durable<T: Default>(
+    pub(super) fn commit_to_store<T: Default>(
         &self,
         write: impl FnOnce(&crate::store::Store) -> Result<T, StoreError>,
     ) -> BrokerResult<T> {

@@ -120,7 +120,7 @@ impl Arbiter {
         write: impl FnOnce(&Store, Option<AlsoWrite<'_>>) -> Result<T, StoreError>,
     ) -> BrokerResult<T> {
         let Some(rec) = rec else {
-            return self.durable(|store| write(store, None));
+            return self.commit_to_store(|store| write(store, None));
         };
         let store = self.durable.store();
         let (out, rec) = off_the_runtime(|| {

@@ -86,7 +86,7 @@ impl Arbiter {
                 let record = claim_record(&req, &reservation, &token_id);
                 let me = self.clone();
                 let kept = self
-                    .run_durable(move || me.durable(|s| s.put_claim(&record)))
+                    .run_durable(move || me.commit_to_store(|s| s.put_claim(&record)))
                     .await;
                 if let Err(e) = kept {
                     self.undo_claim(&req.uid, &token_id, who).await;
@@ -277,7 +277,7 @@ impl Arbiter {
     async fn forget_claim(self: &Arc<Self>, uid: &str) -> BrokerResult<bool> {
         let me = self.clone();
         let uid = uid.to_string();
-        self.run_durable(move || me.durable(|s| s.delete_claim(&uid)))
+        self.run_durable(move || me.commit_to_store(|s| s.delete_claim(&uid)))
             .await
     }
 

@@ -561,7 +561,7 @@ impl Arbiter {
         rt.spawn(async move {
             tokio::time::sleep_until(at.into()).await;
             if let Some(arb) = me.upgrade() {
-                arb.turns(|t| t.expire_kept(std::time::Instant::now()));
+                arb.with_turns(|t| t.expire_kept(std::time::Instant::now()));
             }
         });
     }
@@ -600,7 +600,7 @@ impl Arbiter {
     fn answer(&self, to: WaiterId, result: BrokerResult<Granted>) {
         if let Some(Ok(g)) = self.outbox.reply(to, result) {
             if let Some(me) = self.me.upgrade() {
-                me.give_back(g);
+                me.give_back_grant(g);
             }
         }
     }
@@ -609,7 +609,7 @@ impl Arbiter {
 impl Arbiter {
     /// Ends a grant its caller never received (it went away before or just as the answer
     /// arrived): a lease is released as by its holder, a reservation ended. Locks the state.
-    pub(super) fn give_back(self: &Arc<Self>, granted: Granted) {
+    pub(super) fn give_back_grant(self: &Arc<Self>, granted: Granted) {
         let mut st = self.lock();
         match granted {
             Granted::Lease(view) => {

@@ -124,7 +124,7 @@ impl Drop for TurnWait {
         // answer was decided: a turn granted to it is given back in the same hold, before
         // the drop returns (a delivery on its way then finds it given back already, in
         // `rx` or with no channel to send to, and its own give-back does nothing).
-        let (cancelled, _) = self.arb.turns(|t| {
+        let (cancelled, _) = self.arb.with_turns(|t| {
             let cancelled = t.cancel(self.device, self.waiter);
             if !cancelled {
                 t.give_back_unreceived(self.device, self.waiter, Instant::now());
@@ -144,7 +144,7 @@ impl Drop for TurnWait {
 impl Arbiter {
     /// Locks the turn core, runs `f` on it, unlocks, then carries out the effects `f`
     /// pushed. Returns what `f` returned and how many grants reached their waiters.
-    pub(super) fn turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
+    pub(super) fn with_turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
         let (r, fx) = self.scheduler.hold(f);
         let delivered = if fx.is_empty() {
             0
@@ -157,7 +157,7 @@ impl Arbiter {
     /// A grant its caller never received: the turn goes back, its slot to the next.
     fn give_back_turn(&self, grant: TurnGrant) {
         tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
-        self.turns(|t| t.give_back(&grant, Instant::now()));
+        self.with_turns(|t| t.give_back(&grant, Instant::now()));
     }
 
     /// Grants the compute turn on `device` now, after waiting up to `wait`, or says why not.
@@ -226,7 +226,7 @@ impl Arbiter {
         let result = match outcome {
             Some(r) => r,
             None => {
-                let (cancelled, _) = self.turns(|t| t.cancel(device, waiter));
+                let (cancelled, _) = self.with_turns(|t| t.cancel(device, waiter));
                 if cancelled {
                     self.outbox.forget_turn_reply(waiter);
                     let (holder, waiting) = self.scheduler.device_state(device);
@@ -269,7 +269,8 @@ impl Arbiter {
         turn_id: Uuid,
         received: Instant,
     ) -> BrokerResult<TurnEnd> {
-        let (end, delivered) = self.turns(|t| t.release(tenant, turn_id, received, Instant::now()));
+        let (end, delivered) =
+            self.with_turns(|t| t.release(tenant, turn_id, received, Instant::now()));
         let mut end = end?;
         end.handed_off = delivered > 0;
         Ok(end)
@@ -277,18 +278,18 @@ impl Arbiter {
 
     /// A session ended (`Effect::EndTurns`): its turn requests are answered, its turns end.
     pub(super) fn end_turns(&self, session: Uuid) {
-        self.turns(|t| t.end_session(session, Instant::now()));
+        self.with_turns(|t| t.end_session(session, Instant::now()));
     }
 
     /// A tenant was deleted (its sessions ended first): its compute-turn counters go.
     pub(super) fn forget_turns(&self, tenant: &str) {
-        self.turns(|t| t.forget_tenant(tenant));
+        self.with_turns(|t| t.forget_tenant(tenant));
     }
 
     /// The ticker's compute-turn step: kept slots past their window, yield requests past
     /// the quantum, turns taken past quantum + grace.
     pub(super) fn tick_turns(&self) {
-        self.turns(|t| t.tick(Instant::now(), SystemTime::now()));
+        self.with_turns(|t| t.tick(Instant::now(), SystemTime::now()));
     }
 }
 
@@ -389,7 +390,7 @@ mod tests {
             session: Uuid::now_v7(),
             weight: 1,
         };
-        let ((), _) = arb.turns(|t| {
+        let ((), _) = arb.with_turns(|t| {
             let id = t.request(0, who, usize::MAX, Instant::now()).unwrap();
             drop(arb.outbox.register_turn_reply(t, id));
         });
@@ -583,7 +584,7 @@ mod tests {
             weight: 1,
         };
         let ask = |w: Requester| {
-            arb.turns(|t| {
+            arb.with_turns(|t| {
                 let id = t.request(0, w, usize::MAX, Instant::now()).unwrap();
                 (id, arb.outbox.register_turn_reply(t, id))
             })
