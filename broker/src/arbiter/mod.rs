@@ -421,25 +421,15 @@ impl Arbiter {
         name: &str,
         peer: Peer,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
-        self.open_session_with_token(tenant, name, peer, None)
-    }
-
-    /// Opens a session on behalf of the token `token_id` (the caller's): the session ends
-    /// when that token is revoked or expires.
-    fn open_session_with_token(
-        self: &Arc<Self>,
-        tenant: &str,
-        name: &str,
-        peer: Peer,
-        token_id: Option<String>,
-    ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
-        self.open_resumable(tenant, name, peer, token_id)
+        self.open_resumable(tenant, name, peer, None)
             .map(|(id, rx, _)| (id, rx))
     }
 
-    /// [`Arbiter::open_session_with_token`], and the secret that resumes the session after
-    /// a broker restart (`adopt.rs`; empty without a keeper, which alone keeps sessions
-    /// across restarts, and for a peer with no pid, which cannot resume).
+    /// Opens a session on behalf of the token `token_id` (the caller's: the session ends
+    /// when that token is revoked or expires); returns its id, its event receiver and the
+    /// secret that resumes the session after a broker restart (`adopt.rs`; empty without a
+    /// keeper, which alone keeps sessions across restarts, and for a peer with no pid,
+    /// which cannot resume).
     #[allow(clippy::type_complexity)]
     pub(crate) fn open_resumable(
         self: &Arc<Self>,
