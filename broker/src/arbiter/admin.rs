@@ -80,18 +80,7 @@ impl Arbiter {
         Ok(())
     }
 
-    /// A tenant's view from the state (under its lock); its token count and compute-turn
-    /// usage come from their own tables after the lock is released ([`Self::finish_view`]).
-    fn tenant_view(&self, st: &State, t: &Tenant) -> TenantView {
-        let waiting = st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32;
-        let mut v = TenantView::of(t, st.sessions().count_of(&t.name) as u32, waiting);
-        if waiting > 0 {
-            v.queue_position = st.queue().position_of(&t.name, st.ledger());
-        }
-        v
-    }
-
-    /// Fills in what [`Self::tenant_view`] leaves out, with no state lock held.
+    /// Fills in what [`tenant_view`] leaves out, with no state lock held.
     fn finish_view(&self, mut v: TenantView) -> TenantView {
         v.tokens = self.auth.count(&v.name) as u32;
         v.turns = self.scheduler.usage(&v.name);
@@ -210,7 +199,7 @@ impl Arbiter {
         for w in &warnings {
             tracing::warn!(tenant = name, "{w}");
         }
-        let view = self.tenant_view(&st, t);
+        let view = tenant_view(&st, t);
         drop(st);
         Ok(QuotaChange {
             tenant: self.finish_view(view),
@@ -237,7 +226,7 @@ impl Arbiter {
                 .ledger()
                 .get(name)
                 .ok_or_else(|| BrokerError::tenant_not_found(name))?;
-            self.tenant_view(&st, t)
+            tenant_view(&st, t)
         };
         Ok(self.finish_view(view))
     }
@@ -507,6 +496,17 @@ impl Arbiter {
         }
         out
     }
+}
+
+/// A tenant's view from the state (under its lock); its token count and compute-turn
+/// usage come from their own tables after the lock is released ([`Arbiter::finish_view`]).
+fn tenant_view(st: &State, t: &Tenant) -> TenantView {
+    let waiting = st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32;
+    let mut v = TenantView::of(t, st.sessions().count_of(&t.name) as u32, waiting);
+    if waiting > 0 {
+        v.queue_position = st.queue().position_of(&t.name, st.ledger());
+    }
+    v
 }
 
 /// Total leasable bytes of every device.

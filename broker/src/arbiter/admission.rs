@@ -202,12 +202,13 @@ impl Arbiter {
         if process.is_none() {
             let lineage = match lineage {
                 Some(l) => l,
-                None => match self.lineage_needed(&st, req) {
+                None => match super::reservations::lineage_needed(&st, req) {
                     Some(pid) => return Ok(Offered::NeedsLineage(pid)),
                     None => &[],
                 },
             };
-            if let Some(drawn) = self.draw_from_reservation(&mut st, req, lineage)? {
+            if let Some(drawn) = super::reservations::draw_from_reservation(&mut st, req, lineage)?
+            {
                 let id = st.next_waiter_id();
                 let rx = self.outbox.register_reply(&st, id);
                 let bytes = drawn.ask.bytes;
@@ -221,7 +222,7 @@ impl Arbiter {
                 });
             }
         } else {
-            self.check_process_ask(&st, req)?;
+            super::reservations::check_process_ask(&st, req)?;
         }
         let (bytes, offered) = {
             let avail = self.avail.read();

@@ -129,7 +129,7 @@ impl Arbiter {
             let mut st = self.lock();
             let found = st.reservations().of_claim(uid).map(|r| r.id);
             if let Some(id) = found {
-                self.end_reservation(&mut st, id);
+                st.end_reservation(id);
             }
             found
         };
@@ -259,7 +259,7 @@ impl Arbiter {
                 .filter(|r| r.claim.as_ref().is_some_and(|c| c.token_id == token_id))
                 .map(|r| r.id);
             if let Some(id) = mine {
-                self.end_reservation(&mut st, id);
+                st.end_reservation(id);
             }
             mine.is_some()
         };

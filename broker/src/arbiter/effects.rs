@@ -614,11 +614,11 @@ impl Arbiter {
         match granted {
             Granted::Lease(view) => {
                 tracing::debug!(lease = %view.id, "caller gone before it received the grant; releasing");
-                self.end_lease(&mut st, view.id, super::Ending::Cache);
+                st.end_lease(view.id, super::Ending::Cache);
             }
             Granted::Process(view) => {
                 tracing::debug!(reservation = %view.id, "caller gone before it received the reservation; ending it");
-                self.end_reservation(&mut st, view.id);
+                st.end_reservation(view.id);
             }
         }
     }

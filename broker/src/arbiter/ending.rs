@@ -25,7 +25,7 @@ impl Arbiter {
                 false => Err(lease_not_found(lease)),
             };
         }
-        self.end_lease(&mut st, lease, Ending::Cache);
+        st.end_lease(lease, Ending::Cache);
         tracing::debug!(%lease, tenant, "lease released");
         Ok(())
     }
@@ -35,18 +35,6 @@ impl Arbiter {
     fn peer_gone(&self, find: impl FnOnce(&State) -> Option<Peer>) -> bool {
         let pid = find(&self.lock()).and_then(|p| p.pid);
         pid.is_some_and(process_gone)
-    }
-
-    /// Ends a lease; returns its view. The queue runs after the hold. Processes
-    /// outside the session that fetched its descriptor are looked at after the unlock
-    /// (`Effect::CheckGone`): no `/proc` read under the lock.
-    pub(super) fn end_lease(
-        self: &Arc<Self>,
-        st: &mut State,
-        id: Uuid,
-        ending: Ending,
-    ) -> Option<LeaseView> {
-        st.end_lease(id, ending)
     }
 
     /// The holder of quarantined memory is gone: cache (or free) the block.
