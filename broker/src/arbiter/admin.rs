@@ -219,6 +219,7 @@ impl Arbiter {
         }
     }
 
+    /// Tenant `name`: its quota and usage.
     pub(crate) fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
         let view = {
             let st = self.lock();
@@ -423,11 +424,6 @@ impl Arbiter {
         }));
         v.sort_by_key(|q| q.since);
         v
-    }
-
-    /// The caller's tenant: quota and usage.
-    pub(crate) fn usage(&self, tenant: &str) -> BrokerResult<TenantView> {
-        self.get_tenant(tenant)
     }
 
     /// The `/metrics` text: the arbiter's counters and gauges from snapshots of its state.

@@ -46,14 +46,17 @@ impl Arbiter {
     /// Ends a session: its waiting requests fail, its leases end (cached if its process is
     /// gone, otherwise quarantined or destroyed).
     pub fn end_session(self: &Arc<Self>, id: Uuid, reason: &str) {
-        self.end_session_inner(id, reason, None);
+        self.end_session_with(id, reason, None);
     }
 
-    pub(super) fn end_session_with(self: &Arc<Self>, id: Uuid, reason: &str, ending: Ending) {
-        self.end_session_inner(id, reason, Some(ending));
-    }
-
-    fn end_session_inner(self: &Arc<Self>, id: Uuid, reason: &str, forced: Option<Ending>) {
+    /// Ends a session, its leases ending by `forced` when given (the shutdown destroys
+    /// them) instead of by whether its process is gone.
+    pub(super) fn end_session_with(
+        self: &Arc<Self>,
+        id: Uuid,
+        reason: &str,
+        forced: Option<Ending>,
+    ) {
         let gone = forced.is_none() && self.peer_gone(|st| st.sessions().get(&id).map(|s| s.peer));
         let mut st = self.lock();
         let Some((session, bytes)) = st.end_session(id, forced, gone) else {

@@ -564,7 +564,7 @@ impl Arbiter {
         self.shutdown.begin_exit();
         let ids = self.lock().sessions().ids();
         for id in ids {
-            self.end_session_with(id, "broker shut down", Ending::Destroy);
+            self.end_session_with(id, "broker shut down", Some(Ending::Destroy));
         }
         let mut st = self.lock();
         st.free_everything();

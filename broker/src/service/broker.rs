@@ -313,7 +313,7 @@ impl Broker for BrokerService {
         req: Request<pb::GetUsageRequest>,
     ) -> Result<Response<pb::GetUsageResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        let t = self.arb.usage(&tenant).map_err(status)?;
+        let t = self.arb.get_tenant(&tenant).map_err(status)?;
         Ok(Response::new(pb::GetUsageResponse {
             tenant: t.name.clone(),
             quota: Some(convert::quota_to_wire(t.quota.clone())),
