@@ -1,13 +1,12 @@
 //! Operator operations: quotas, tenants, tokens, and the views `Admin` and `GetUsage`
-//! return. Every change is committed to the store before it takes effect in memory, and
-//! before the RPC returns.
+//! return. Every change is committed to the store (`audit.rs`) before it takes effect in
+//! memory, and before the RPC returns.
 
 use super::{Arbiter, State};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant};
-use crate::store::{StoreError, TenantRecord};
-use crate::store_writer::off_the_runtime;
+use crate::store::TenantRecord;
 pub use crate::views::{DeviceReport, QuarantineView, SessionView, TenantView};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -31,55 +30,6 @@ pub struct QuotaChange {
 }
 
 impl Arbiter {
-    /// A store write failed: counted (the store-unwritable alert watches it), then the
-    /// error the caller returns.
-    pub(super) fn store_failed(&self, e: StoreError) -> BrokerError {
-        self.metrics.store_write(false);
-        store_err(e)
-    }
-}
-
-impl Arbiter {
-    /// Commits a durable change (a redb transaction, fsync included), counted in the
-    /// metrics. Callers hold no state lock; on a multi-threaded runtime the commit runs in
-    /// `block_in_place`, so the worker thread's other tasks move elsewhere meanwhile.
-    pub(super) fn commit_to_store<T: Default>(
-        &self,
-        write: impl FnOnce(&crate::store::Store) -> Result<T, StoreError>,
-    ) -> BrokerResult<T> {
-        let Some(store) = self.durable.store() else {
-            return Ok(T::default());
-        };
-        off_the_runtime(|| write(store))
-            .inspect(|_| self.metrics.store_write(true))
-            .map_err(|e| self.store_failed(e))
-    }
-}
-
-pub(super) fn store_err(e: StoreError) -> BrokerError {
-    BrokerError::Internal(format!("state store: {e}"))
-}
-
-impl Arbiter {
-    /// Loads tenants, token hashes and claim reservations from the store (start-up).
-    pub(super) fn load_store(&self) -> BrokerResult<()> {
-        let Some(store) = self.durable.store() else {
-            return Ok(());
-        };
-        let (tenants, tokens) = store.load().map_err(store_err)?;
-        let mut st = self.lock();
-        for t in &tenants {
-            st.set_quota(&t.name, t.quota.clone())?;
-        }
-        for t in tokens {
-            self.auth.add(t);
-        }
-        drop(st);
-        let claims = self.restore_claims(store)?;
-        tracing::info!(tenants = tenants.len(), claims, "state loaded");
-        Ok(())
-    }
-
     /// Fills in what [`tenant_view`] leaves out, with no state lock held.
     fn finish_view(&self, mut v: TenantView) -> TenantView {
         v.tokens = self.auth.count(&v.name) as u32;
@@ -122,29 +72,6 @@ impl Arbiter {
             me.change_quota_recorded(&name, update, Some((&who, "quota.set", "")))
         })
         .await
-    }
-
-    /// Runs `change` on the store writer (started on first use, inside the caller's
-    /// runtime), after the durable changes asked for before it: the arbiter's own
-    /// operator changes and those made outside it (a configuration reload). Without a
-    /// store it runs here: nothing is committed.
-    pub async fn run_durable<T: Send + 'static>(
-        &self,
-        change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
-    ) -> BrokerResult<T> {
-        if self.durable.store().is_none() {
-            return change();
-        }
-        self.lifecycle
-            .store_writer()?
-            .run(change)
-            .await
-            .map_err(|e| match e {
-                crate::store_writer::WriterError::Stopped => BrokerError::ShuttingDown,
-                crate::store_writer::WriterError::Panicked(why) => {
-                    BrokerError::Internal(format!("a durable change panicked: {why}"))
-                }
-            })?
     }
 
     /// [`Arbiter::change_quota`]; with `(who, action, target)`, its audit record

@@ -287,7 +287,7 @@ impl Arbiter {
     /// its quota shrank) is logged and left for the driver, whose next `ReserveClaim`
     /// reports why on the claim.
     pub(super) fn restore_claims(&self, store: &crate::store::Store) -> BrokerResult<usize> {
-        let records = store.load_claims().map_err(super::admin::store_err)?;
+        let records = store.load_claims().map_err(super::audit::store_err)?;
         let live = self.auth.live_token_ids();
         let mut restored = 0;
         for c in records {
@@ -295,7 +295,7 @@ impl Arbiter {
                 tracing::info!(claim = %c.uid, token_id = %c.token_id, "stored claim's token is gone: claim forgotten");
                 store
                     .delete_claim(&c.uid)
-                    .map_err(super::admin::store_err)?;
+                    .map_err(super::audit::store_err)?;
                 continue;
             }
             match self.restore_claim(&c) {
