@@ -4,7 +4,6 @@
 
 use super::{Arbiter, State};
 use crate::error::{BrokerError, BrokerResult};
-use crate::lease::LeaseView;
 use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant};
 use crate::store::TenantRecord;
 pub use crate::views::{DeviceReport, QuarantineView, SessionView, TenantView};
@@ -159,11 +158,6 @@ impl Arbiter {
         Ok(self.finish_view(view))
     }
 
-    /// Every tenant by name, page by page (short lock holds: `listing.rs`).
-    pub fn list_tenants(&self) -> Vec<TenantView> {
-        super::listing::all_pages(|t| self.tenants_page(t, super::listing::DEFAULT_PAGE_SIZE))
-    }
-
     /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
     #[cfg(test)]
     pub(super) fn delete_tenant(self: &Arc<Self>, name: &str) -> BrokerResult<()> {
@@ -297,22 +291,6 @@ impl Arbiter {
             me.end_sessions_of_token(&entry.token_id, "the session's token was revoked");
         }
         Ok(())
-    }
-
-    /// Every lease (of one tenant if given), oldest first.
-    /// Every lease (of `tenant`, or all) in the order granted, page by page.
-    pub fn list_all_leases(&self, tenant: Option<&str>) -> Vec<LeaseView> {
-        super::listing::all_pages(|t| {
-            self.leases_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE)
-        })
-    }
-
-    /// Every session (of `tenant`, or all) by id, page by page.
-    #[cfg(test)]
-    pub(super) fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
-        super::listing::all_pages(|t| {
-            self.sessions_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE)
-        })
     }
 
     /// Every quarantined block (memory a live process may still map), oldest first: the
