@@ -27,7 +27,8 @@
 #           (scripts/bench-syscalls.sh, where strace is installed)
 #   check   scripts/gpu-check.sh           Python fd worker, lease benchmark, gpu-broker-bench
 #   forge   scripts/gpu-legacy-forge.sh    why there are no legacy IPC handles
-#   shared  scripts/gpu-shared-check.sh    shared CUDA imports across tenants
+#   shared  scripts/gpu-shared-check.sh    shared CUDA imports across tenants; memory a worker
+#                                          handed to a child stays charged until the child exits
 #   sleep   scripts/gpu-sleep-check.sh     sleep/wake (pinned vs pageable), PyTorch, reclaim
 #   python  scripts/gpu-python-check.sh    PyTorch on fd leases
 #   serving scripts/gpu-serving-check.sh   inference servers on leases: quotas without stalls,

@@ -1,7 +1,8 @@
 //! GPU memory per process, read through NVML (libnvidia-ml, loaded at run time; absent
 //! on machines without an NVIDIA driver). The broker uses it to attribute GPU memory to
 //! sessions by their peer pid and to report a worker that allocates GPU memory beyond its
-//! leases with its own `cudaMalloc` (more than its CUDA context needs).
+//! leases with its own `cudaMalloc` (more than its CUDA context needs), and to list who
+//! may keep memory a free left on a device (`kept_holders.rs`).
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::Nvml;
@@ -19,6 +20,19 @@ impl ProcessMonitor {
             Ok(nvml) => Some(ProcessMonitor { nvml }),
             Err(e) => {
                 tracing::info!(error = %e, "NVML not available: no per-process GPU memory attribution");
+                None
+            }
+        }
+    }
+
+    /// The processes with a compute context on the device of UUID `uuid` (who may hold
+    /// its memory: `kept_holders.rs`); `None` when NVML cannot say.
+    pub fn compute_pids(&self, uuid: &str) -> Option<Vec<u32>> {
+        let dev = self.nvml.device_by_uuid(uuid).ok()?;
+        match dev.running_compute_processes() {
+            Ok(procs) => Some(procs.into_iter().map(|p| p.pid).collect()),
+            Err(e) => {
+                tracing::debug!(uuid, error = %e, "NVML process list failed");
                 None
             }
         }

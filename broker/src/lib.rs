@@ -37,6 +37,7 @@ pub mod health;
 pub mod http_slots;
 pub mod info;
 pub mod keeper;
+pub mod kept_holders;
 pub mod listener;
 pub mod lock_holds;
 pub mod memfd_alive;

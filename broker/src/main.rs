@@ -320,6 +320,11 @@ async fn run(
     gpu_broker::health::spawn_monitor(&arb, cfg.health(), nvml_faults, shutdown.clone());
     if arb.devices().any_cuda() {
         if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {
+            let monitor = std::sync::Arc::new(monitor);
+            // Before anything is served: holders are remembered from the first session.
+            arb.find_kept_holders_with(gpu_broker::kept_holders::HolderFinder::new(
+                monitor.clone(),
+            ));
             arb.spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());
         }
     }

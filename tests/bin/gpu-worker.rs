@@ -172,6 +172,49 @@ enum Cmd {
         #[arg(long)]
         expect: u8,
     },
+    /// Memory a worker handed to a child the broker never saw stays charged to its tenant
+    /// after the worker released it and exited, until the child exits: a worker
+    /// (`kept-parent`, a process of the token's tenant, as `--child-uid` where given)
+    /// sends its lease's descriptor to its child (`kept-child`) over `SCM_RIGHTS`; the
+    /// child maps it with a context of its own; the worker releases and exits. Once with
+    /// the lease published (freed at the release, the worker alive), once cached and then
+    /// evicted by `--token-b`'s tenant after the worker exited (only with `--child-uid`:
+    /// found by the uid it shares with the worker). Prints one line per fact and
+    /// `KEPTCHECK ok`.
+    KeptCheck {
+        #[arg(long, default_value_t = 256 << 20)]
+        bytes: u64,
+        /// Another tenant's token, whose lease evicts the cached block.
+        #[arg(long)]
+        token_b: String,
+        /// The admin token's file (device sizes, quarantined blocks).
+        #[arg(long)]
+        admin_token_file: String,
+        /// Run the worker and its child as this uid (needs root).
+        #[arg(long)]
+        child_uid: Option<u32>,
+    },
+    /// The worker of `kept-check`: leases `--bytes` on device 0, fills it, publishes it
+    /// where `--publish` says, starts `kept-child` and sends it the descriptor over
+    /// `SCM_RIGHTS`, waits for its mapping, releases (`PARENT RELEASED <bytes>`), exits.
+    KeptParent {
+        #[arg(long)]
+        bytes: u64,
+        #[arg(long)]
+        publish: bool,
+    },
+    /// The child of `kept-parent`: receives the descriptor on fd 3, maps it (a CUDA
+    /// context of its own), closes the descriptor, counts bytes other than `--expect`
+    /// (`CHILD MAPPED <bad>`), again once its parent has exited (`CHILD READ-AFTER-PARENT
+    /// <bad>`), then holds the mapping until killed.
+    KeptChild {
+        #[arg(long)]
+        bytes: u64,
+        #[arg(long)]
+        size: u64,
+        #[arg(long, value_parser = parse_byte)]
+        expect: u8,
+    },
     /// Time AcquireLease (fresh and pooled) against in-process cuMemCreate + fd export.
     Bench {
         #[arg(long, default_value = "2MiB,64MiB,1GiB")]
@@ -312,6 +355,14 @@ async fn main() -> Result<()> {
         loop {
             std::thread::park();
         }
+    }
+    if let Cmd::KeptChild {
+        bytes,
+        size,
+        expect,
+    } = &cli.cmd
+    {
+        return kept_child(*bytes, *size, *expect);
     }
     let token = match (cli.token.is_empty(), std::env::var("GPU_BROKER_TOKEN_FILE")) {
         (true, Ok(f)) => std::fs::read_to_string(&f)
@@ -506,6 +557,27 @@ async fn main() -> Result<()> {
             name,
             expect,
         } => shared_import(&session, &publisher, &name, expect).await?,
+        Cmd::KeptCheck {
+            bytes,
+            token_b,
+            admin_token_file,
+            child_uid,
+        } => {
+            let admin_token = std::fs::read_to_string(&admin_token_file)
+                .with_context(|| format!("reading {admin_token_file}"))?;
+            kept_check(
+                &cli.broker,
+                &cli.token,
+                &client,
+                bytes,
+                &token_b,
+                admin_token.trim(),
+                child_uid,
+            )
+            .await?
+        }
+        Cmd::KeptParent { bytes, publish } => kept_parent(&session, bytes, publish).await?,
+        Cmd::KeptChild { .. } => unreachable!("handled before connecting"),
         Cmd::Selftest { bytes } => {
             let lease = session.lease(bytes).await?;
             let memory = match lease.handle() {
@@ -1048,4 +1120,339 @@ async fn shared_import(
         }
     }
     Ok(())
+}
+
+/// What `kept-parent` fills its lease with.
+const KEPT_PATTERN: u8 = 0x3c;
+
+/// One case of `kept-check`: the worker's lease handed to its child, released, the worker
+/// gone; the tenant charged until the child exits, then not; the card's memory back.
+struct KeptCase<'a> {
+    broker: &'a str,
+    token: &'a str,
+    client: &'a Client,
+    admin: &'a gpu_broker_client::AdminClient,
+    bytes: u64,
+    child_uid: Option<u32>,
+}
+
+async fn kept_check(
+    broker: &str,
+    token: &str,
+    client: &Client,
+    bytes: u64,
+    token_b: &str,
+    admin_token: &str,
+    child_uid: Option<u32>,
+) -> Result<()> {
+    let admin = gpu_broker_client::AdminClient::connect(broker, admin_token.to_string()).await?;
+    let case = KeptCase {
+        broker,
+        token,
+        client,
+        admin: &admin,
+        bytes,
+        child_uid,
+    };
+    let mut failed = Vec::new();
+    say("=== a published lease, freed at its release while its worker lives ===".into());
+    failed.extend(case.run(None).await?);
+    if child_uid.is_some() {
+        say("=== a cached lease, evicted by another tenant after its worker exited ===".into());
+        let evictor = Client::connect(broker, token_b.to_string()).await?;
+        let session = evictor.session("gpu-kept-evictor").await?;
+        failed.extend(case.run(Some(&session)).await?);
+    } else {
+        say("SKIP the evicted case: it needs --child-uid (root), the worker of a uid the broker does not share".into());
+    }
+    if failed.is_empty() {
+        say("KEPTCHECK ok".into());
+        Ok(())
+    } else {
+        bail!("{} kept-memory checks failed: {failed:?}", failed.len())
+    }
+}
+
+impl KeptCase<'_> {
+    /// What the tenant is charged on the device: held and quarantined bytes.
+    async fn charged(&self) -> Result<u64> {
+        let u = self.client.usage().await?;
+        Ok(u.usage.held_bytes + u.usage.quarantined_bytes)
+    }
+
+    /// Waits up to `secs` for the charge to be `want`; returns the last reading.
+    async fn charged_within(&self, want: u64, secs: u64) -> Result<u64> {
+        let t = Instant::now();
+        loop {
+            let c = self.charged().await?;
+            if c == want || t.elapsed() > Duration::from_secs(secs) {
+                return Ok(c);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Runs the case: freed at the release (`evictor` none: the lease is published), or
+    /// cached and evicted by `evictor`'s lease after the worker exited. Returns the
+    /// failed checks.
+    async fn run(&self, evictor: Option<&gpu_broker_client::Session>) -> Result<Vec<String>> {
+        use tokio::io::AsyncBufReadExt;
+        let mut failed = Vec::new();
+        let mut check = |ok: bool, what: String| {
+            say(format!(
+                "{} {what}",
+                if ok { "CHECK ok" } else { "CHECK FAILED" }
+            ));
+            if !ok {
+                failed.push(what);
+            }
+        };
+        let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
+        if let Some(uid) = self.child_uid {
+            cmd.args(["--as-uid", &uid.to_string()]);
+        }
+        cmd.args([
+            "--broker",
+            self.broker,
+            "--token",
+            self.token,
+            "kept-parent",
+        ])
+        .args(["--bytes", &self.bytes.to_string()]);
+        if evictor.is_none() {
+            cmd.arg("--publish");
+        }
+        let mut parent = cmd
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn()?;
+        // The child writes here too: the pipe outlives the worker.
+        let mut lines =
+            tokio::io::BufReader::new(parent.stdout.take().context("worker stdout")?).lines();
+        let mut next_line = async || -> Result<String> {
+            let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+                .await
+                .context("the worker and its child said nothing for 60 s")??
+                .context("the worker's output ended")?;
+            say(format!("  {line}"));
+            Ok(line)
+        };
+        let (mut child, mut granted, mut mapped) = (None, 0u64, None);
+        while granted == 0 {
+            let line = next_line().await?;
+            let mut w = line.split_whitespace();
+            match (w.next(), w.next(), w.next()) {
+                (Some("PARENT"), Some("CHILD"), Some(pid)) => child = pid.parse::<u32>().ok(),
+                (Some("CHILD"), Some("MAPPED"), Some(bad)) => mapped = Some(bad.to_string()),
+                (Some("PARENT"), Some("RELEASED"), Some(b)) => granted = b.parse()?,
+                _ => {}
+            }
+        }
+        let child = child.context("the worker named no child")?;
+        // Whatever fails below, the child does not outlive the check with the memory.
+        let _reap = KillOnDrop(child);
+        check(
+            mapped.as_deref() == Some("0"),
+            format!("the child (pid {child}) mapped the worker's lease with its own context and read every byte ({mapped:?})"),
+        );
+        let status = tokio::time::timeout(Duration::from_secs(30), parent.wait()).await??;
+        check(
+            status.success(),
+            format!("the worker released and exited ({status})"),
+        );
+        let mut evicting = None;
+        if let Some(session) = evictor {
+            // The leasable refresh follows the contexts that came and went first; a lease
+            // of all the room left then needs the cached block's too. A refresh between
+            // the reading and the lease may shrink the room: read again and retry.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            for attempt in 1..=5 {
+                let d = self
+                    .admin
+                    .get_devices()
+                    .await?
+                    .into_iter()
+                    .find(|d| d.index == 0)
+                    .context("no device 0")?;
+                let room = d
+                    .leasable_bytes
+                    .saturating_sub(d.leased_bytes + d.quarantined_bytes + d.process_reserved_bytes)
+                    .saturating_sub(64 << 20);
+                say(format!(
+                    "EVICT another tenant leases {} MiB of device 0 (cached {} MiB)",
+                    room >> 20,
+                    d.cached_bytes >> 20
+                ));
+                match session.lease_request(room).device(0).send().await {
+                    Ok(l) => {
+                        evicting = Some(l);
+                        break;
+                    }
+                    Err(e) if attempt < 5 => {
+                        say(format!("EVICT refused ({e}); again"));
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        let charged = self.charged_within(granted, 10).await?;
+        check(
+            charged == granted,
+            format!("after the worker exited its tenant is charged {charged} of {granted} bytes (the child maps them)"),
+        );
+        let read = next_line().await?;
+        check(
+            read == "CHILD READ-AFTER-PARENT 0",
+            format!("the child still reads every byte after the worker exited ({read})"),
+        );
+        if let Ok(out) = std::process::Command::new("nvidia-smi")
+            .args([
+                "--query-compute-apps=pid,used_memory",
+                "--format=csv,noheader",
+            ])
+            .output()
+        {
+            for l in String::from_utf8_lossy(&out.stdout).lines() {
+                say(format!("NVML {l}"));
+            }
+        }
+        for q in self.admin.list_quarantined().await? {
+            say(format!(
+                "QUARANTINED tenant={} bytes={} reason={:?} holders={:?}",
+                q.tenant, q.bytes, q.reason, q.holder_pids
+            ));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let charged = self.charged().await?;
+        check(
+            charged == granted,
+            format!("2 s later still charged {charged} of {granted} bytes"),
+        );
+        if let Some(l) = evicting {
+            l.release().await?;
+        }
+        let free_held = free_bytes(0)?;
+        // SAFETY: a process this check started (through its worker).
+        unsafe { libc::kill(child as i32, libc::SIGKILL) };
+        let charged = self.charged_within(0, 10).await?;
+        check(
+            charged == 0,
+            format!("once the child exited nothing is charged ({charged})"),
+        );
+        let t = Instant::now();
+        let mut free_after = free_bytes(0)?;
+        while free_after < free_held + granted - (64 << 20) && t.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            free_after = free_bytes(0)?;
+        }
+        check(
+            free_after + (64 << 20) >= free_held + granted,
+            format!(
+                "the child's exit gave the card its {} MiB back ({} MiB free before, {} MiB after)",
+                granted >> 20,
+                free_held >> 20,
+                free_after >> 20
+            ),
+        );
+        Ok(failed)
+    }
+}
+
+/// Kills process `.0` when dropped (a `kept-check` child, not this process's own).
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: a process this check started; gone already is harmless (ESRCH).
+        unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+    }
+}
+
+async fn kept_parent(
+    session: &gpu_broker_client::Session,
+    bytes: u64,
+    publish: bool,
+) -> Result<()> {
+    use sendfd::SendWithFd;
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let lease = session.lease_request(bytes).device(0).send().await?;
+    let LeaseHandle::Fd(info) = lease.handle() else {
+        bail!("not an fd lease: {:?}", lease.handle());
+    };
+    let size = info.size;
+    let m = lease.map_cuda()?;
+    fill(&m, lease.bytes(), KEPT_PATTERN)?;
+    m.close()?;
+    if publish {
+        // A published block is never cached: its release frees it.
+        lease.publish("gpu-kept-check", &[]).await?;
+    }
+    let (mine, theirs) = std::os::unix::net::UnixStream::pair()?;
+    let theirs_fd = theirs.as_raw_fd();
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args(["kept-child", "--bytes", &lease.bytes().to_string()])
+        .args(["--size", &size.to_string()])
+        .args(["--expect", &format!("{KEPT_PATTERN:x}")]);
+    // SAFETY: only dup2 between fork and exec; it leaves the new fd 3 without CLOEXEC.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(theirs_fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn()?;
+    drop(theirs);
+    say(format!("PARENT CHILD {}", child.id()));
+    let fd = lease.fd().context("the lease has no descriptor")?;
+    mine.send_with_fd(b"f", &[fd.as_raw_fd()])?;
+    mine.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut ack = [0u8; 1];
+    (&mine)
+        .read_exact(&mut ack)
+        .context("the child did not map the lease")?;
+    let granted = lease.bytes();
+    lease.release().await?;
+    say(format!("PARENT RELEASED {granted}"));
+    // Not waited for: it outlives this process.
+    std::mem::forget(child);
+    Ok(())
+}
+
+fn kept_child(bytes: u64, size: u64, expect: u8) -> Result<()> {
+    use sendfd::RecvWithFd;
+    use std::io::Write;
+    use std::os::fd::{AsFd, FromRawFd};
+    // SAFETY: fd 3 is the socket `kept-parent` left open for this process, owned here.
+    let sock = unsafe { std::os::unix::net::UnixStream::from_raw_fd(3) };
+    let (mut buf, mut fds) = ([0u8; 1], [-1; 1]);
+    let (_, n) = sock.recv_with_fd(&mut buf, &mut fds)?;
+    if n != 1 {
+        bail!("no descriptor received");
+    }
+    // SAFETY: a descriptor just received, owned by nobody else.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fds[0]) };
+    let m = gpu_broker_client::cuda::map_vmm_import(fd.as_fd(), 0, bytes, size)?;
+    // The mapping alone keeps the memory from here on.
+    drop(fd);
+    say(format!("CHILD MAPPED {}", count_not(&m, bytes, expect)?));
+    (&sock).write_all(b"m")?;
+    // SAFETY: getppid has no preconditions.
+    let parent = unsafe { libc::getppid() };
+    // SAFETY: as above.
+    while unsafe { libc::getppid() } == parent {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    say(format!(
+        "CHILD READ-AFTER-PARENT {}",
+        count_not(&m, bytes, expect)?
+    ));
+    loop {
+        std::thread::park();
+    }
 }

@@ -430,16 +430,59 @@ impl Arbiter {
                 }
             }
         }
+        let finder = self.kept_holders().cloned();
+        let mut look_again = Vec::new();
         for chunk in shared.chunks(PER_HOLD) {
             let mut st = self.lock();
             for &w in chunk {
                 match w {
                     Watch::Held { lease, pid } => st.held_waiter_gone(lease, pid),
                     Watch::Import { import, pid } => st.import_waiter_gone(import, pid),
-                    Watch::Stranded { id, pid } => st.stranded_holder_gone(id, pid),
+                    Watch::Stranded { id, pid } => {
+                        let gone = st.stranded_holder_gone(id, pid);
+                        if let Some(f) = &finder {
+                            f.exited(id, pid);
+                            if st.stranded_awaits_recheck(id) {
+                                look_again.push(id);
+                            }
+                        }
+                        gone
+                    }
                     Watch::Session { .. } | Watch::Quarantine { .. } => false,
                 };
             }
+        }
+        for id in look_again {
+            self.look_again_for_holders(id);
+        }
+    }
+
+    /// Every named process of stranded memory `id` exited: looks (NVML, `/proc`: off the
+    /// runtime) for processes near them that may keep it still, named and watched in
+    /// turn; none found lets it go (`kept_holders.rs`).
+    fn look_again_for_holders(&self, id: uuid::Uuid) {
+        let Some(finder) = self.kept_holders().cloned() else {
+            return;
+        };
+        let me = self.me.clone();
+        let look = move || {
+            let found = finder.look_again(id);
+            let Some(arb) = me.upgrade() else { return };
+            let mut st = arb.lock();
+            st.stranded_rechecked(id, found.iter().copied());
+            if !st.is_stranded(id) {
+                finder.forget(id);
+            }
+            drop(st);
+            if !found.is_empty() {
+                tracing::info!(%id, ?found, "memory kept after its free: its named processes exited, processes near them with a context on the device may keep it; still charged");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn_blocking(look);
+            }
+            Err(_) => look(),
         }
     }
 

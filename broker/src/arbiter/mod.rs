@@ -213,6 +213,9 @@ pub struct Arbiter {
     unverified: Arc<[AtomicU64]>,
     /// Kept memfds looked at again until let go (`kept_looks.rs`).
     kept_looks: kept_looks::KeptLooks,
+    /// Who else may keep CUDA memory a free left on the card (`kept_holders.rs`; NVML):
+    /// set once at start where there is a lister.
+    kept_holders: std::sync::OnceLock<Arc<crate::kept_holders::HolderFinder>>,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
@@ -320,6 +323,7 @@ impl Arbiter {
             me: me.clone(),
             unverified,
             kept_looks: Default::default(),
+            kept_holders: std::sync::OnceLock::new(),
             lifecycle: Lifecycle::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
@@ -414,6 +418,29 @@ impl Arbiter {
         self.shutdown.begun()
     }
 
+    /// Memory a free left on a device is charged until every process near its recorded
+    /// holders with a context there (`finder`'s lister: NVML) has exited, not only the
+    /// recorded ones (`kept_holders.rs`). Set once, before sessions open; false when set
+    /// already.
+    pub fn find_kept_holders_with(&self, finder: crate::kept_holders::HolderFinder) -> bool {
+        // Sessions taken back from a keeper opened before: their peers are remembered now.
+        let peers: Vec<u32> = self
+            .lock()
+            .sessions()
+            .iter()
+            .filter_map(|s| s.peer.pid)
+            .collect();
+        for pid in peers {
+            finder.remember(pid);
+        }
+        self.kept_holders.set(Arc::new(finder)).is_ok()
+    }
+
+    /// The finder of processes that may keep freed memory, where there is one.
+    pub(crate) fn kept_holders(&self) -> Option<&Arc<crate::kept_holders::HolderFinder>> {
+        self.kept_holders.get()
+    }
+
     /// Opens a session for `tenant`; returns its id and the event receiver.
     pub fn open_session(
         self: &Arc<Self>,
@@ -445,6 +472,10 @@ impl Arbiter {
         // Read before the lock: the peer's start time (/proc), so a restarted broker
         // tells it from another process of the same pid.
         let peer_start = peer.pid.and_then(crate::process::start_ticks);
+        // Where it runs, for memory it may hand on (`kept_holders.rs`).
+        if let (Some(f), Some(pid)) = (self.kept_holders(), peer.pid) {
+            f.remember(pid);
+        }
         let (secret, hash) = match peer_start.filter(|_| self.keeps_leases()) {
             Some(_) => {
                 let (s, h) = adopt::new_resume_secret();
@@ -606,6 +637,12 @@ impl Arbiter {
                 .filter(|_| memfd_block)
                 .and_then(|_| self.kept_looks.prober());
             let unverified = self.unverified.clone();
+            // Who else may keep memory the free check finds kept (`kept_holders.rs`; set
+            // on CUDA nodes, where a free is checked so), with the device to ask.
+            let finder = reached
+                .as_ref()
+                .and_then(|_| self.kept_holders().cloned())
+                .map(|f| (f, d.thread.desc().uuid.clone()));
             let r = d.thread.submit(move |dev| {
                 let _counted = counted;
                 // A block's descriptor closes here, after the free, on the device thread.
@@ -638,13 +675,33 @@ impl Arbiter {
                     .filter(|_| !revoked && report.is_some())
                     .and_then(|h| dev.held_as_file(h));
                 match (report, memfd) {
-                    (Some(report), None) if !alive.is_empty() => {
+                    // With a finder, even when every recorded process is gone: one it
+                    // handed the memory to may live.
+                    (Some(report), None) if !alive.is_empty() || finder.is_some() => {
                         pending.fetch_add(bytes, Ordering::SeqCst);
                         #[allow(clippy::disallowed_methods, reason = "the executor")]
                         let freed = dev.free_checked(alloc, handle);
                         match freed {
                             Ok(Returned::No) => {
-                                report(device, answering(&alive), bytes, alive, None);
+                                let recorded = reached.as_ref().map_or(&[][..], |(_, r)| r.pids());
+                                let (found, recheck) = match finder {
+                                    Some((f, uuid)) => {
+                                        let (found, places) = f.find(&uuid, recorded, &alive);
+                                        (found, Some((f, uuid, places)))
+                                    }
+                                    None => (Vec::new(), None),
+                                };
+                                // A process found answers as the recorded one it is near.
+                                let mut keepers = alive.clone();
+                                keepers.extend(found.iter().map(|f| f.near));
+                                let mut pids = alive;
+                                pids.extend(found.iter().map(|f| f.pid));
+                                if pids.is_empty() {
+                                    pending.fetch_sub(bytes, Ordering::SeqCst);
+                                    tracing::warn!(device, bytes, "freed memory stayed on the device, kept by no process the broker can name: outside the books");
+                                } else {
+                                    report(device, answering(&keepers), bytes, pids, Kept::Cuda(recheck));
+                                }
                             }
                             Ok(Returned::Yes | Returned::Unknown) => {
                                 pending.fetch_sub(bytes, Ordering::SeqCst);
@@ -675,7 +732,7 @@ impl Arbiter {
                             Some(kept) => {
                                 let tenant = answering(&kept.answering);
                                 let looks = (file, kept.by_handle);
-                                report(device, tenant, bytes, kept.pids, Some(looks));
+                                report(device, tenant, bytes, kept.pids, Kept::Memfd(looks));
                             }
                             None => {
                                 pending.fetch_sub(bytes, Ordering::SeqCst);
@@ -704,13 +761,15 @@ impl Arbiter {
     /// tenant's importer: `Reached::answers_for`) (`State::stranded`), on the main runtime
     /// (inline when there is none), never on the device thread under a lock it could wait
     /// on.
-    fn stranded_reporter(
-        &self,
-    ) -> impl FnOnce(u32, String, u64, Vec<u32>, LookAgain) + Send + 'static {
+    fn stranded_reporter(&self) -> impl FnOnce(u32, String, u64, Vec<u32>, Kept) + Send + 'static {
         let me = self.me.clone();
         let rt = self.lifecycle.effects_runtime();
         let unverified = self.unverified.clone();
-        move |device, tenant, bytes, pids, memfd| {
+        move |device, tenant, bytes, pids, kept| {
+            let (memfd, recheck) = match kept {
+                Kept::Memfd(looks) => (Some(looks), None),
+                Kept::Cuda(recheck) => (None, recheck),
+            };
             let charge = move || {
                 let pending = &unverified[device as usize];
                 let Some(arb) = me.upgrade() else {
@@ -742,6 +801,14 @@ impl Arbiter {
                 let mut st = arb.lock();
                 let id = if by_handle {
                     st.stranded_unwatched(&tenant, device, bytes, pids.iter().copied())
+                } else if let Some((finder, uuid, places)) = recheck {
+                    // Processes near its holders are looked for again when the last
+                    // named one exits: watched before any exit can be seen.
+                    let id = st.stranded_rechecking(&tenant, device, bytes, pids.iter().copied());
+                    if let Some(id) = id {
+                        finder.watch(id, &uuid, places);
+                    }
+                    id
                 } else {
                     st.stranded(&tenant, device, bytes, pids.iter().copied())
                 };
@@ -771,9 +838,22 @@ impl Arbiter {
     }
 }
 
-/// A kept memfd to look at again, and whether the kernel says when it is let go
-/// (`kept_looks.rs`); `None` for memory that cannot be looked at (CUDA).
-type LookAgain = Option<(MemFile, bool)>;
+/// What a free found kept, as the reporter takes it.
+enum Kept {
+    /// A memfd to look at again, and whether the kernel says when it is let go
+    /// (`kept_looks.rs`).
+    Memfd((MemFile, bool)),
+    /// CUDA memory, which cannot be looked at; with a finder, where to look for its
+    /// holders again when the last named one exits (`kept_holders.rs`).
+    Cuda(Option<Recheck>),
+}
+
+/// The finder, the device's UUID and the places to look near.
+type Recheck = (
+    Arc<crate::kept_holders::HolderFinder>,
+    String,
+    Vec<crate::kept_holders::Place>,
+);
 
 /// Takes memory about to be freed back from whoever may still map it (a memfd is
 /// truncated). Only the broker's frees of memory that nobody it counts may map come here,

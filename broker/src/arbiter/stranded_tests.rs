@@ -1,6 +1,7 @@
 //! Memory a process kept after the broker freed it (CUDA VMM memory, which no free can
 //! revoke; here a device that keeps freed memory on command): charged to its tenant until
-//! that process exits, then let go.
+//! that process exits, then let go; with a finder (`kept_holders.rs`, its lister given
+//! here), until the processes near it that it may have handed the memory to exit too.
 
 use super::tests::{live_process, quota, req};
 use super::*;
@@ -506,4 +507,224 @@ async fn a_memfd_let_go_before_the_first_look_charges_nobody() {
     assert_eq!(held_by_a(&arb), 0);
     assert_eq!(arb.lock().stranded_memory().count(), 0);
     arb.lock().check_invariant().unwrap();
+}
+
+/// Lists the processes a test says have a context on the device (NVML's place).
+#[derive(Default)]
+struct OnDevice(parking_lot::Mutex<Vec<u32>>);
+
+impl crate::kept_holders::ContextLister for OnDevice {
+    fn processes_on(&self, _uuid: &str) -> Option<Vec<u32>> {
+        Some(self.0.lock().clone())
+    }
+}
+
+/// [`keeping_arbiter`] whose free checks look for holders the broker never recorded
+/// among the processes `on_device` lists, nothing excluded (in a test every process
+/// shares the broker's cgroup, namespace and uid, which a real broker excludes).
+fn keeping_arbiter_finding(switch: &FaultSwitch, on_device: &Arc<OnDevice>) -> Arc<Arbiter> {
+    let arb = keeping_arbiter(switch);
+    assert!(
+        arb.find_kept_holders_with(crate::kept_holders::HolderFinder::with_own(
+            on_device.clone(),
+            crate::kept_holders::Place::nowhere(),
+        ))
+    );
+    arb
+}
+
+/// A worker (`sh`) with a child (`sleep`) it could hand its descriptor to; returns the
+/// worker, the child's pid and the worker as a session's peer.
+fn worker_with_child() -> (std::process::Child, u32, Peer) {
+    let mut sh = std::process::Command::new("sh")
+        .args(["-c", "sleep 60 & echo $!; wait"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(sh.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let child = line.trim().parse().unwrap();
+    let peer = Peer {
+        pid: Some(sh.id()),
+        uid: None,
+        unix: true,
+    };
+    (sh, child, peer)
+}
+
+fn kill_pid(pid: u32) {
+    // SAFETY: a process this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+}
+
+/// Tenant `a`'s worker, which handed its lease's descriptor to a child the broker never
+/// saw (listed on the device by `on_device`), releases it; tenant `b` then evicts the
+/// cached block, whose memory stays on the device (the child maps it).
+/// `worker_exits_first`: the worker exits before the free. Returns both pids.
+async fn handed_to_a_child(
+    arb: &Arc<Arbiter>,
+    on_device: &OnDevice,
+    worker_exits_first: bool,
+) -> (u32, u32) {
+    let (mut worker, child, peer) = worker_with_child();
+    on_device.0.lock().push(child);
+    let (sa, rxa) = arb.open_session("a", "parent", peer).unwrap();
+    let l = arb.acquire(req("a", sa, 32 * MIB)).await.unwrap();
+    arb.release("a", l.id).unwrap();
+    let parent = worker.id();
+    if worker_exits_first {
+        worker.kill().unwrap();
+        worker.wait().unwrap();
+    }
+    let (sb, rxb) = arb.open_session("b", "other", Peer::default()).unwrap();
+    arb.acquire(req("b", sb, 48 * MIB)).await.unwrap();
+    std::mem::forget((rxa, rxb, worker));
+    (parent, child)
+}
+
+/// The worker lives at the free and exits after it, while its child (which NVML lists
+/// on the device) still maps the memory: the charge stays with `a` until the child exits
+/// too. It used to go with the worker, leaving the child's memory outside the books.
+#[tokio::test]
+async fn memory_handed_to_a_child_stays_charged_after_the_recorded_holder_exits() {
+    let switch = FaultSwitch::default();
+    let on_device = Arc::new(OnDevice::default());
+    let arb = keeping_arbiter_finding(&switch, &on_device);
+    switch.set(Faults {
+        keep_freed: true,
+        ..Faults::default()
+    });
+    let (parent, child) = handed_to_a_child(&arb, &on_device, false).await;
+    assert!(
+        until(|| held_by_a(&arb) == 32 * MIB).await,
+        "the kept 32 MiB are charged to a, held {}",
+        held_by_a(&arb)
+    );
+    kill_pid(parent);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        held_by_a(&arb),
+        32 * MIB,
+        "the child still maps it: charged to a after the worker exited"
+    );
+    let listed = arb.list_quarantined();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].holders, vec![child], "the child is named");
+    kill_pid(child);
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "let go once the child exited too, held {}",
+        held_by_a(&arb)
+    );
+    let st = arb.lock();
+    st.check_invariant().unwrap();
+    assert_eq!(st.stranded_memory().count(), 0);
+    drop(st);
+    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+}
+
+/// The worker exited before its block was freed (its place was remembered when its
+/// session opened): the free is still checked, the child near it found and charged to
+/// `a`; a process the child handed it on to (near it too, listed after the free) keeps
+/// the charge when the child exits, until it exits as well. Such memory used to be
+/// outside the books from the start.
+#[tokio::test]
+async fn memory_handed_on_after_its_worker_exited_stays_charged_until_the_last_near_process_exits()
+{
+    let switch = FaultSwitch::default();
+    let on_device = Arc::new(OnDevice::default());
+    let arb = keeping_arbiter_finding(&switch, &on_device);
+    switch.set(Faults {
+        keep_freed: true,
+        ..Faults::default()
+    });
+    let (_parent, child) = handed_to_a_child(&arb, &on_device, true).await;
+    assert!(
+        until(|| held_by_a(&arb) == 32 * MIB).await,
+        "the child's 32 MiB are charged to a, held {}",
+        held_by_a(&arb)
+    );
+    assert_eq!(arb.list_quarantined()[0].holders, vec![child]);
+    // The child hands it on to another process, which maps it.
+    let (mut next, _) = live_process();
+    on_device.0.lock().push(next.id());
+    kill_pid(child);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(held_by_a(&arb), 32 * MIB, "the next process may keep it");
+    assert_eq!(arb.list_quarantined()[0].holders, vec![next.id()]);
+    next.kill().unwrap();
+    next.wait().unwrap();
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "let go once nobody near is left, held {}",
+        held_by_a(&arb)
+    );
+    arb.lock().check_invariant().unwrap();
+    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+}
+
+/// Processes that share only the broker's own places (its cgroup, namespace, uid) and
+/// descend from no live holder are not taken for a holder's: a real broker's finder
+/// names none of them, and memory only they keep stays outside the books.
+#[tokio::test]
+async fn processes_sharing_only_the_brokers_places_are_not_charged() {
+    let switch = FaultSwitch::default();
+    let on_device = Arc::new(OnDevice::default());
+    let arb = keeping_arbiter(&switch);
+    assert!(arb.find_kept_holders_with(crate::kept_holders::HolderFinder::new(on_device.clone())));
+    switch.set(Faults {
+        keep_freed: true,
+        ..Faults::default()
+    });
+    let (_parent, child) = handed_to_a_child(&arb, &on_device, true).await;
+    arb.devices[0].thread.call(|_| ()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(held_by_a(&arb), 0);
+    assert_eq!(arb.unverified_bytes(0), 0);
+    kill_pid(child);
+}
+
+/// Another tenant's importer handed its import to a child and exited before the
+/// publisher's lease was freed: the child found near it is charged to the importer's
+/// tenant (the one that kept what it was lent), not to the publisher's.
+#[tokio::test]
+async fn a_child_of_another_tenants_importer_is_charged_to_that_tenant() {
+    let switch = FaultSwitch::default();
+    let on_device = Arc::new(OnDevice::default());
+    let arb = keeping_arbiter_finding(&switch, &on_device);
+    let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
+    let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
+    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    let (mut importer, child, peer) = worker_with_child();
+    on_device.0.lock().push(child);
+    let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
+    let import = arb.import("b", si, "a", "w").unwrap();
+    arb.release_import("b", import.id).unwrap();
+    drop(import);
+    importer.kill().unwrap();
+    importer.wait().unwrap();
+    switch.set(Faults {
+        keep_freed: true,
+        ..Faults::default()
+    });
+    arb.release("a", l.id).unwrap();
+    assert!(
+        until(|| held_by(&arb, "b") == 16 * MIB).await,
+        "the child's import is charged to b, held {}",
+        held_by(&arb, "b")
+    );
+    assert_eq!(held_by_a(&arb), 0, "the publisher kept nothing");
+    assert_eq!(arb.list_quarantined()[0].holders, vec![child]);
+    kill_pid(child);
+    assert!(
+        until(|| held_by(&arb, "b") == 0).await,
+        "let go once the child exited, held {}",
+        held_by(&arb, "b")
+    );
+    arb.lock().check_invariant().unwrap();
+    std::mem::forget((_rxp, _rxi));
 }

@@ -55,12 +55,11 @@ impl Arbiter {
     /// workers that allocate beyond `allowance` on their own; ends when `stop` is cancelled.
     pub fn spawn_process_watch(
         self: &Arc<Self>,
-        monitor: crate::gpu_processes::ProcessMonitor,
+        monitor: Arc<crate::gpu_processes::ProcessMonitor>,
         allowance: u64,
         stop: CancellationToken,
     ) {
         let me = self.clone();
-        let monitor = Arc::new(monitor);
         self.lifecycle
             .spawn_worker("gpu-process-watch", stop, async move {
                 loop {

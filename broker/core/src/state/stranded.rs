@@ -11,6 +11,12 @@
 //! holder it can tell apart from the processes it names (a memfd the kernel says is
 //! still held, by whomever) is not watched at all ([`State::stranded_unwatched`]): only
 //! the shell's look lets it go.
+//!
+//! CUDA memory may also be kept by a process the broker never recorded (a child that read
+//! its parent's descriptor, a process it was sent to): the shell then names, beside the
+//! recorded processes, those near them with a context on the device
+//! (`kept_holders.rs`), and asks again when the last named one exits
+//! ([`State::stranded_rechecking`]): the charge goes only once no such process is left.
 
 use super::State;
 use crate::effects::Watch;
@@ -29,6 +35,9 @@ pub struct Stranded {
     /// the shell says nobody holds it).
     pub pids: BTreeSet<u32>,
     pub watched: bool,
+    /// When its last watched process exits the shell looks for others that may keep it
+    /// ([`State::stranded_rechecked`]) before it is let go.
+    pub recheck: bool,
     pub since: Instant,
 }
 
@@ -49,7 +58,24 @@ impl State {
         if pids.is_empty() {
             return None;
         }
-        self.strand(tenant, device, bytes, pids, true)
+        self.strand(tenant, device, bytes, pids, true, false)
+    }
+
+    /// [`State::stranded`], for memory that processes the broker never recorded may keep
+    /// too: when the last of `pids` exits it is not let go but waits for the shell's look
+    /// ([`State::stranded_awaits_recheck`], then [`State::stranded_rechecked`]).
+    pub fn stranded_rechecking(
+        &mut self,
+        tenant: &str,
+        device: u32,
+        bytes: u64,
+        pids: impl IntoIterator<Item = u32>,
+    ) -> Option<Uuid> {
+        let pids: BTreeSet<u32> = pids.into_iter().collect();
+        if pids.is_empty() {
+            return None;
+        }
+        self.strand(tenant, device, bytes, pids, true, true)
     }
 
     /// A free of `bytes` on `device` did not give the memory back and the shell can tell
@@ -64,7 +90,14 @@ impl State {
         bytes: u64,
         pids: impl IntoIterator<Item = u32>,
     ) -> Option<Uuid> {
-        self.strand(tenant, device, bytes, pids.into_iter().collect(), false)
+        self.strand(
+            tenant,
+            device,
+            bytes,
+            pids.into_iter().collect(),
+            false,
+            false,
+        )
     }
 
     fn strand(
@@ -74,6 +107,7 @@ impl State {
         bytes: u64,
         pids: BTreeSet<u32>,
         watched: bool,
+        recheck: bool,
     ) -> Option<Uuid> {
         if bytes == 0 || self.ledger.get(tenant).is_none() {
             return None;
@@ -98,6 +132,7 @@ impl State {
                 bytes,
                 pids,
                 watched,
+                recheck,
                 since: self.clock.now,
             },
         );
@@ -144,15 +179,48 @@ impl State {
     }
 
     /// Process `pid` that may keep stranded memory `id` exited; the last one lets it go
-    /// (the queue runs after the hold). True when that was the last.
+    /// (the queue runs after the hold), unless the shell is to look for others first
+    /// ([`State::stranded_rechecking`]). True when it was let go.
     pub fn stranded_holder_gone(&mut self, id: Uuid, pid: u32) -> bool {
         let Some(s) = self.stranded.get_mut(&id) else {
             return false;
         };
         s.pids.remove(&pid);
-        if !s.pids.is_empty() || !s.watched {
+        if !s.pids.is_empty() || !s.watched || s.recheck {
             return false;
         }
+        self.let_go_stranded(id)
+    }
+
+    /// Has every named process of stranded memory `id` exited while processes the broker
+    /// never recorded may keep it (the shell looks: [`State::stranded_rechecked`])?
+    pub fn stranded_awaits_recheck(&self, id: Uuid) -> bool {
+        self.stranded
+            .get(&id)
+            .is_some_and(|s| s.watched && s.recheck && s.pids.is_empty())
+    }
+
+    /// The shell looked for processes that may keep stranded memory `id` once its named
+    /// ones had exited and found `pids`: they are named and watched in turn; none lets it
+    /// go (the queue runs after the hold). True when it was let go.
+    pub fn stranded_rechecked(&mut self, id: Uuid, pids: impl IntoIterator<Item = u32>) -> bool {
+        if !self.stranded_awaits_recheck(id) {
+            return false;
+        }
+        let Some(s) = self.stranded.get_mut(&id) else {
+            return false;
+        };
+        let named: Vec<u32> = pids.into_iter().filter(|&p| s.pids.insert(p)).collect();
+        if named.is_empty() {
+            return self.let_go_stranded(id);
+        }
+        for pid in named {
+            self.fx.watch(Watch::Stranded { id, pid });
+        }
+        false
+    }
+
+    fn let_go_stranded(&mut self, id: Uuid) -> bool {
         let Some(s) = self.stranded.remove(&id) else {
             return false;
         };

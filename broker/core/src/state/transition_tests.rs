@@ -778,3 +778,54 @@ fn stranded_memory_is_let_go_when_the_shell_sees_it_let_go() {
     assert_eq!(c.st.pools()[0].stats().quarantined, 0);
     c.st.check_invariant().unwrap();
 }
+
+/// Memory processes the broker never recorded may keep: when its last named process
+/// exits it stays charged until the shell has looked; the processes that look finds are
+/// named and watched in turn, and a look that finds none lets it go.
+#[test]
+fn stranded_memory_with_unrecorded_holders_waits_for_the_shells_look() {
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    c.st.take_effects();
+    let held = |c: &Core| c.st.ledger().get("a").unwrap().usage.quarantined_bytes;
+    let watched = |c: &mut Core| -> Vec<u32> {
+        c.st.take_effects()
+            .into_vec()
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Watch {
+                    watch: Watch::Stranded { pid, .. },
+                } => Some(pid),
+                _ => None,
+            })
+            .collect()
+    };
+
+    assert!(c.st.stranded_rechecking("a", 0, 8 * MIB, []).is_none());
+    let id = c.st.stranded_rechecking("a", 0, 8 * MIB, [7, 9]).unwrap();
+    assert_eq!(watched(&mut c), vec![7, 9]);
+    assert!(!c.st.stranded_rechecked(id, [11]), "7 and 9 still named");
+    assert!(!c.st.stranded_holder_gone(id, 7));
+    assert!(!c.st.stranded_awaits_recheck(id));
+    assert!(
+        !c.st.stranded_holder_gone(id, 9),
+        "not let go by the last exit"
+    );
+    assert!(c.st.stranded_awaits_recheck(id));
+    assert_eq!(held(&c), 8 * MIB);
+    c.st.check_invariant().unwrap();
+
+    // The look finds 11 (a child of 7's): named, watched.
+    assert!(!c.st.stranded_rechecked(id, [11]));
+    assert_eq!(watched(&mut c), vec![11]);
+    assert!(!c.st.stranded_awaits_recheck(id));
+    assert!(!c.st.stranded_holder_gone(id, 11));
+    assert_eq!(held(&c), 8 * MIB);
+    // The next look finds nobody: let go.
+    assert!(c.st.stranded_rechecked(id, []));
+    assert!(!c.st.is_stranded(id));
+    assert!(!c.st.stranded_rechecked(id, []), "once");
+    assert_eq!(held(&c), 0);
+    assert_eq!(c.st.pools()[0].stats().quarantined, 0);
+    c.st.check_invariant().unwrap();
+}
