@@ -6,7 +6,8 @@
 //!
 //! Opened after a descriptor came with a ticket (the reply names the socket): the
 //! connection's first bytes are `CHANNEL_HELLO`, answered `CHANNEL_OPEN_REPLY`; an older
-//! broker closes it, and is not asked again for [`REFUSED_FOR`]. The broker closes an
+//! broker closes it, and is not asked again for [`REFUSED_FOR`]; a busy one (at a limit)
+//! for [`BUSY_FOR`]. The broker closes an
 //! idle channel; that is seen at the next read, and the next ticket opens another.
 //!
 //! Descriptors come in order, possibly for other leases of this process than the one
@@ -30,6 +31,10 @@ use std::time::{Duration, Instant};
 
 /// A broker that refused a channel (an older one) is asked again after this long.
 pub const REFUSED_FOR: Duration = Duration::from_secs(60);
+/// A broker that answered "busy" (at a connection limit, or every channel slot of this
+/// uid taken) is asked again after this long: soon, but not at every lease, which would
+/// pay a connect each while the slots stay taken.
+pub const BUSY_FOR: Duration = Duration::from_secs(1);
 /// A descriptor no lease took within this long is closed.
 pub const UNCLAIMED_FOR: Duration = Duration::from_secs(10);
 /// How long opening a channel may wait for the broker's answer.
@@ -141,6 +146,9 @@ pub async fn ensure_open(places: &[PathBuf]) {
         Ok(Ok(Some(conn))) => ch.conn = Some(conn),
         // Refused (an older broker) or not answered: tickets, and not again for a while.
         Ok(Ok(None)) | Err(_) => ch.refused_until = Some(Instant::now() + REFUSED_FOR),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            ch.refused_until = Some(Instant::now() + BUSY_FOR)
+        }
         // Not reached (the socket moved): the next ticket tries again.
         Ok(Err(_)) => {}
     }
@@ -168,7 +176,7 @@ async fn open(places: &[PathBuf]) -> std::io::Result<Option<UnixStream>> {
             conn.set_nonblocking(true)?;
             return Ok(Some(conn));
         }
-        // Busy (at a connection limit) is not a refusal: the next ticket asks again.
+        // Busy (at a limit) is not a refusal: asked again after [`BUSY_FOR`].
         if n == 1 && b[0] == BUSY_REPLY {
             return Err(std::io::ErrorKind::WouldBlock.into());
         }
@@ -293,31 +301,14 @@ mod tests {
         msg[0] = PUSHED_FD;
         msg[1..].copy_from_slice(key);
         let null = std::fs::File::open("/dev/null").unwrap();
-        let mut iov = libc::iovec {
-            iov_base: msg.as_mut_ptr().cast(),
-            iov_len: msg.len(),
-        };
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-        let mut control = vec![0u8; space];
-        // SAFETY: zeroed msghdr; the pointers outlive the call.
-        let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-        hdr.msg_iov = &mut iov;
-        hdr.msg_iovlen = 1;
-        hdr.msg_control = control.as_mut_ptr().cast();
-        hdr.msg_controllen = space as _;
-        // SAFETY: room for one header with one fd.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&hdr);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), null.as_raw_fd());
-            assert_eq!(
-                libc::sendmsg(sock.as_raw_fd(), &hdr, 0),
-                PUSHED_LEN as isize
-            );
-        }
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds = [std::os::fd::AsFd::as_fd(&null)];
+        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        let iov = [std::io::IoSlice::new(&msg)];
+        let sent = rustix::net::sendmsg(sock, &iov, &mut control, SendFlags::empty());
+        assert_eq!(sent.unwrap(), PUSHED_LEN);
     }
 
     fn install(place: &Path, conn: UnixStream) {
@@ -378,10 +369,11 @@ mod tests {
         assert!(ch.conn.is_none() && ch.refused_until.is_some());
     }
 
-    /// A broker at its connection limit answers "busy": not a refusal, so the next lease
-    /// asks for a channel again (an older broker's refusal would keep tickets for a while).
+    /// A broker at a limit answers "busy": not a refusal, so a lease asks for a channel
+    /// again after [`BUSY_FOR`] (an older broker's refusal keeps tickets for a minute), but
+    /// not at once (each lease would pay a connect while the slots stay taken).
     #[test]
-    fn a_busy_broker_is_asked_again_at_the_next_lease() {
+    fn a_busy_broker_is_asked_again_soon_but_not_at_every_lease() {
         use std::io::{Read, Write};
         let dir = tempfile::tempdir().unwrap();
         let place = dir.path().join("busy.sock");
@@ -402,14 +394,25 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
+        let asked_at = Instant::now();
         rt.block_on(ensure_open(std::slice::from_ref(&place)));
         {
             let sockets = mine().sockets.lock();
             let ch = &sockets[&place];
-            assert!(ch.conn.is_none() && ch.refused_until.is_none());
+            let until = ch.refused_until.expect("asked again at the next lease");
+            assert!(ch.conn.is_none() && until <= Instant::now() + BUSY_FOR);
+            assert!(until >= asked_at + BUSY_FOR);
         }
+        // Not asked at the next lease (the listener would count a second hello)...
+        rt.block_on(ensure_open(std::slice::from_ref(&place)));
+        // ...but once the pause is over.
+        mine().sockets.lock().get_mut(&place).unwrap().refused_until = Some(Instant::now());
         rt.block_on(ensure_open(std::slice::from_ref(&place)));
         assert_eq!(asked.join().unwrap(), 2, "asked again after a busy answer");
+        let sockets = mine().sockets.lock();
+        assert!(sockets[&place]
+            .refused_until
+            .is_some_and(|t| t > Instant::now()));
     }
 
     /// A forked child never reads its parent's channel: the descriptors on it are the

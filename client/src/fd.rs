@@ -385,7 +385,7 @@ mod tests {
             s.read_exact(&mut t).await.unwrap();
             let f = std::fs::File::open("/dev/null").unwrap();
             s.writable().await.unwrap();
-            send_one(s.as_raw_fd(), f.as_raw_fd());
+            send_one(&s, &f);
         });
         let got = tokio::time::timeout(Duration::from_secs(5), fetch(&path, b"good", None)).await;
         let fd = got.expect("the fetch held the runtime").unwrap();
@@ -472,7 +472,7 @@ mod tests {
                 got.push(t);
                 let f = std::fs::File::open("/dev/null").unwrap();
                 s.writable().await.unwrap();
-                send_one(s.as_raw_fd(), f.as_raw_fd());
+                send_one(&s, &f);
             }
             got
         });
@@ -492,7 +492,7 @@ mod tests {
         let server = tokio::spawn(async move {
             let give = |s: &tokio::net::UnixStream| {
                 let f = std::fs::File::open("/dev/null").unwrap();
-                send_one(s.as_raw_fd(), f.as_raw_fd());
+                send_one(s, &f);
             };
             let mut t = [0u8; 4];
             // First connection: a descriptor, then closed unread (the broker let it go).
@@ -563,7 +563,7 @@ mod tests {
                 s.read_exact(&mut t).unwrap();
                 if answer == "give" {
                     let f = std::fs::File::open("/dev/null").unwrap();
-                    send_one(s.as_raw_fd(), f.as_raw_fd());
+                    send_one(&s, &f);
                 }
                 if answer == "ended" {
                     s.write_all(&[LEASE_ENDED_REPLY]).unwrap();
@@ -585,27 +585,15 @@ mod tests {
         assert!(matches!(e, ClientError::FailedPrecondition(_)), "{e}");
     }
 
-    fn send_one(sock: RawFd, fd: RawFd) {
-        let mut byte = [1u8];
-        let mut iov = libc::iovec {
-            iov_base: byte.as_mut_ptr().cast(),
-            iov_len: 1,
-        };
-        // SAFETY: as in the broker's sender: one header, one fd, buffers outlive the call.
-        unsafe {
-            let space = libc::CMSG_SPACE(4) as usize;
-            let mut control = vec![0u8; space];
-            let mut msg: libc::msghdr = std::mem::zeroed();
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            msg.msg_control = control.as_mut_ptr().cast();
-            msg.msg_controllen = space as _;
-            let cmsg = libc::CMSG_FIRSTHDR(&msg);
-            (*cmsg).cmsg_level = libc::SOL_SOCKET;
-            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-            (*cmsg).cmsg_len = libc::CMSG_LEN(4) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
-            assert_eq!(libc::sendmsg(sock, &msg, 0), 1);
-        }
+    /// Sends one byte with `fd` attached, as the broker's ticket server does.
+    fn send_one(sock: impl std::os::fd::AsFd, fd: impl std::os::fd::AsFd) {
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds = [fd.as_fd()];
+        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        let iov = [std::io::IoSlice::new(&[1u8])];
+        let sent = rustix::net::sendmsg(sock, &iov, &mut control, SendFlags::empty());
+        assert_eq!(sent.unwrap(), 1);
     }
 }

@@ -15,11 +15,14 @@
 //!   when a send would block, nothing is sent and the grant mints a ticket as before. A
 //!   descriptor sent and never read is closed by the kernel when the connection closes.
 //!
-//! One channel per pid: a newer one of the same pid replaces (and closes) the older.
+//! One channel per pid: a newer one of the same pid replaces (and closes) the older. At
+//! most [`MAX_CHANNELS`] are open, [`MAX_CHANNELS_PER_UID`] of one uid: slots of their own,
+//! beside the ticket connections' (the ticket server counts them).
 
 use crate::id_map::IdMap;
 use parking_lot::Mutex;
-use std::os::fd::{AsRawFd, RawFd};
+use rustix::net::SendFlags;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -28,6 +31,16 @@ use tokio_util::sync::CancellationToken;
 /// worker thread of a process to have a grant in flight; bounds what a process that never
 /// reads can make the broker leave in the kernel's buffers.
 pub const MAX_UNREAD: usize = 32;
+
+/// Most descriptor channels open at once. Channels have their own slots, not the ticket
+/// connections': a worker process keeps one for as long as it leases, so they must neither
+/// take the slots of tickets being redeemed nor give way to them. Their descriptors are
+/// part of the broker's reserve (`fd_budget.rs`). Enforced by the ticket server.
+pub const MAX_CHANNELS: usize = 256;
+/// Most descriptor channels of one peer uid (workers of one service user: many processes);
+/// half the total, so one user cannot take every channel. A process beyond it is answered
+/// "busy" and keeps redeeming tickets.
+pub const MAX_CHANNELS_PER_UID: usize = 128;
 
 /// The process a channel belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,7 +158,7 @@ impl DescriptorChannels {
 
     /// Sends `msg` with descriptor `fd` on the channel of `to` (its pid, uid and start
     /// time all match), unless [`MAX_UNREAD`] messages wait unread on it.
-    pub fn send(&self, to: Owner, msg: &[u8], fd: RawFd) -> Result<(), NotSent> {
+    pub fn send(&self, to: Owner, msg: &[u8], fd: BorrowedFd<'_>) -> Result<(), NotSent> {
         let ch = self
             .by_pid
             .lock()
@@ -156,13 +169,12 @@ impl DescriptorChannels {
         let Some(unit) = self.unit_of(msg.len()) else {
             return Err(NotSent::NoChannel);
         };
-        let sock = ch.stream.as_raw_fd();
         let _one = ch.sending.lock();
-        let queued = unread_bytes(sock).map_err(|_| NotSent::Closed)?;
+        let queued = unread_bytes(ch.stream.as_raw_fd()).map_err(|_| NotSent::Closed)?;
         if queued.div_ceil(unit) >= MAX_UNREAD {
             return Err(NotSent::Full);
         }
-        match send_with_fd(sock, msg, fd, libc::MSG_DONTWAIT) {
+        match send_with_fd(ch.stream.as_fd(), msg, fd, SendFlags::DONTWAIT) {
             Ok(()) => {
                 *ch.last_sent.lock() = Instant::now();
                 Ok(())
@@ -262,45 +274,33 @@ fn measure_unit(len: usize) -> Option<usize> {
     crate::fd::ticket_read::pass_credentials(a.as_raw_fd()).ok()?;
     let null = std::fs::File::open("/dev/null").ok()?;
     send_with_fd(
-        a.as_raw_fd(),
+        a.as_fd(),
         &vec![0u8; len],
-        null.as_raw_fd(),
-        libc::MSG_DONTWAIT,
+        null.as_fd(),
+        SendFlags::DONTWAIT,
     )
     .ok()?;
     unread_bytes(a.as_raw_fd()).ok().filter(|&u| u > 0)
 }
 
-/// `sendmsg` of `msg` with one descriptor attached (all of it, or an error).
-pub fn send_with_fd(sock: RawFd, msg: &[u8], fd: RawFd, flags: libc::c_int) -> std::io::Result<()> {
-    let mut iov = libc::iovec {
-        iov_base: msg.as_ptr() as *mut libc::c_void,
-        iov_len: msg.len(),
-    };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = [0u8; 64];
-    let control = &mut control[..space];
-    // SAFETY: zeroed msghdr is a valid starting point; every pointer set below outlives
-    // the sendmsg call (the kernel only reads `iov_base`).
-    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-    hdr.msg_iov = &mut iov;
-    hdr.msg_iovlen = 1;
-    hdr.msg_control = control.as_mut_ptr().cast();
-    hdr.msg_controllen = space as _;
-    // SAFETY: the control buffer has room for one header with one fd (CMSG_SPACE).
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&hdr);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+/// `sendmsg` of `msg` with one descriptor attached (all of it, or an error), never
+/// raising `SIGPIPE` (`flags` and `MSG_NOSIGNAL`).
+pub fn send_with_fd(
+    sock: BorrowedFd<'_>,
+    msg: &[u8],
+    fd: BorrowedFd<'_>,
+    flags: SendFlags,
+) -> std::io::Result<()> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage};
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let fds = [fd];
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(std::io::Error::other("no room for a descriptor"));
     }
-    // SAFETY: a valid socket and message.
-    let n = unsafe { libc::sendmsg(sock, &hdr, flags | libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        Err(std::io::Error::last_os_error())
-    } else if n as usize == msg.len() {
+    let iov = [std::io::IoSlice::new(msg)];
+    let n = rustix::net::sendmsg(sock, &iov, &mut control, flags | SendFlags::NOSIGNAL)?;
+    if n == msg.len() {
         Ok(())
     } else {
         Err(std::io::Error::other("short sendmsg"))

@@ -216,7 +216,8 @@ pub fn pushed_handle(
         block_id,
         size,
     } = &view.handle;
-    crate::fd::ticket_server::push(arb.tickets().channels(), to, view.id, fd.raw()).ok()?;
+    let sent = std::os::fd::AsFd::as_fd(&*fd.0);
+    crate::fd::ticket_server::push(arb.tickets().channels(), to, view.id, sent).ok()?;
     arb.metrics().descriptor_pushed();
     Some(pb::FdHandle {
         socket_path: socket.to_string_lossy().into_owned(),

@@ -14,19 +14,24 @@
 //! A connection whose first bytes are `CHANNEL_HELLO` becomes its process's descriptor
 //! channel (`descriptor_channels.rs`: the grant sends the lease's descriptor on it, keyed
 //! by the lease id), if the process that connected wrote them itself; it closes when idle
-//! for [`CHANNEL_IDLE`], when it gives way as a kept connection does, or when the worker
-//! writes anything on it.
+//! for [`CHANNEL_IDLE`] or when the worker writes anything on it. Channels have their own
+//! caps ([`MAX_CHANNELS`], [`MAX_CHANNELS_PER_UID`]), not the ticket connections' (their
+//! slot is given back when the connection becomes a channel), and never give way to a
+//! ticket connection turned away; one over a channel cap is told "busy" and closed.
 
 use crate::arbiter::Arbiter;
 use crate::device::SharedFd;
-use crate::fd::descriptor_channels::{DescriptorChannels, NotSent, Owner};
+use crate::fd::descriptor_channels::{
+    DescriptorChannels, NotSent, Owner, MAX_CHANNELS, MAX_CHANNELS_PER_UID,
+};
 use crate::fd::ticket_pressure::Pressure;
 use crate::fd::tickets::{Redeemed, Refusal, TICKET_LEN};
+use crate::listener::{ConnPermit, ConnTracker};
 use gpu_broker_proto::ticket::{
     BUSY_REPLY, CHANNEL_HELLO, CHANNEL_OPEN_REPLY, FD_REPLY, LEASE_ENDED_REPLY, PUSHED_FD,
     PUSHED_LEN, REFUSED_REPLY,
 };
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,11 +77,29 @@ pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
 
 /// Serves the tickets of `arb` on `listener` until `stop` is cancelled.
 pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: CancellationToken) {
-    let conns = crate::listener::ConnTracker::new(crate::listener::Limits {
+    serve_with_channels(listener, arb, stop, MAX_CHANNELS, MAX_CHANNELS_PER_UID).await
+}
+
+/// [`serve`], with at most `channels` descriptor channels open, `channels_per_uid` of one uid.
+async fn serve_with_channels(
+    listener: UnixListener,
+    arb: Arc<Arbiter>,
+    stop: CancellationToken,
+    channels: usize,
+    channels_per_uid: usize,
+) {
+    use crate::listener::{ConnTracker, Limits};
+    let conns = ConnTracker::new(Limits {
         max_connections: MAX_CONNECTIONS,
         max_connections_per_uid: MAX_CONNECTIONS_PER_UID,
         admin_reserve: PRIVILEGED_RESERVE,
-        ..crate::listener::Limits::default()
+        ..Limits::default()
+    });
+    let channel_slots = ConnTracker::new(Limits {
+        max_connections: channels,
+        max_connections_per_uid: channels_per_uid,
+        admin_reserve: 0,
+        ..Limits::default()
     });
     // Told when a connection is turned away at a limit: the kept connections waiting idle
     // for their next ticket in the slots it lacked close, so they never keep a process
@@ -112,9 +135,9 @@ pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: Cancellation
         };
         let arb = arb.clone();
         let pressure = pressure.clone();
+        let channel_slots = channel_slots.clone();
         tokio::spawn(async move {
-            serve_connection(stream, cred, &arb, &pressure).await;
-            drop(permit);
+            serve_connection(stream, cred, permit, &arb, &pressure, &channel_slots).await;
         });
     }
 }
@@ -124,17 +147,20 @@ pub async fn serve(listener: UnixListener, arb: Arc<Arbiter>, stop: Cancellation
 /// lease). Each ticket is checked as on a fresh connection (who wrote it, from the kernel).
 /// A kept connection closes when idle for [`KEPT_IDLE`], when a connection is turned
 /// away at a limit its slot counts under, or after any answer other than a descriptor.
+/// `permit`: its ticket connection slot, held until it closes or becomes a channel.
 async fn serve_connection(
     stream: UnixStream,
     cred: Option<tokio::net::unix::UCred>,
+    permit: ConnPermit,
     arb: &Arbiter,
     pressure: &Arc<Pressure>,
+    channel_slots: &Arc<ConnTracker>,
 ) {
     match serve_one(&stream, cred, arb, false).await {
         Served::Fd => {}
         Served::Nothing => return,
         Served::ChannelAsked(writers) => {
-            return serve_channel(stream, cred, &writers, arb, pressure).await
+            return serve_channel(stream, cred, &writers, arb, permit, channel_slots).await
         }
     }
     let kept = pressure.keep(cred.map(|c| c.uid()));
@@ -290,13 +316,16 @@ async fn serve_one(
 /// Makes `stream` the descriptor channel of the process that connected it, when that
 /// process wrote the request itself (`writers`: no other process shares the channel's
 /// name) and its start time is known; else closes it (as an unknown ticket's first
-/// connection is). Then waits until the channel closes (see the module's doc).
+/// connection is). A channel takes a slot of its own (`channel_slots`) and gives back its
+/// ticket connection slot (`permit`); none free: answered "busy" and closed (the process
+/// keeps redeeming tickets). Then waits until the channel closes (see the module's doc).
 async fn serve_channel(
     stream: UnixStream,
     cred: Option<tokio::net::unix::UCred>,
     writers: &[u32],
     arb: &Arbiter,
-    pressure: &Arc<Pressure>,
+    permit: ConnPermit,
+    channel_slots: &Arc<ConnTracker>,
 ) {
     let uid = cred.map(|c| c.uid());
     let pid = cred
@@ -319,6 +348,16 @@ async fn serve_channel(
         );
         return;
     };
+    let slot = match channel_slots.admit(uid) {
+        Ok(slot) => slot,
+        Err(cap) => {
+            tracing::debug!(?uid, ?cap, "too many descriptor channels; one told busy");
+            arb.metrics().ticket_refused("busy");
+            let _ = stream.try_write(&[BUSY_REPLY]);
+            return;
+        }
+    };
+    drop(permit);
     let channels = arb.tickets().channels();
     // Open before the worker hears so (it asks for descriptors on it from then on), the
     // answer written before any descriptor can be.
@@ -326,14 +365,12 @@ async fn serve_channel(
         return;
     };
     tracing::debug!(pid = owner.pid, uid = owner.uid, "descriptor channel open");
-    let kept = pressure.keep(uid);
     loop {
         let idle_until = tokio::time::Instant::from_std(ch.last_sent() + CHANNEL_IDLE);
         tokio::select! {
             _ = ch.ended() => break,
             // The worker sends nothing on a channel: a byte or its end closes it.
             _ = next_ticket_comes(ch.stream()) => break,
-            _ = kept.give_way() => break,
             _ = tokio::time::sleep_until(idle_until) => {
                 if ch.last_sent().elapsed() >= CHANNEL_IDLE {
                     break;
@@ -342,6 +379,7 @@ async fn serve_channel(
         }
     }
     channels.close(&ch);
+    drop(slot);
     tracing::debug!(pid = owner.pid, "descriptor channel closed");
 }
 
@@ -352,7 +390,7 @@ pub fn push(
     channels: &DescriptorChannels,
     to: Owner,
     lease: uuid::Uuid,
-    fd: RawFd,
+    fd: BorrowedFd<'_>,
 ) -> Result<(), NotSent> {
     let mut msg = [0u8; PUSHED_LEN];
     msg[0] = PUSHED_FD;
@@ -377,7 +415,7 @@ async fn send_fd(stream: &UnixStream, fd: &SharedFd) -> std::io::Result<()> {
     loop {
         stream.writable().await?;
         match stream.try_io(tokio::io::Interest::WRITABLE, || {
-            send_with_fd(stream.as_raw_fd(), fd.raw())
+            send_with_fd(stream.as_fd(), fd.0.as_fd())
         }) {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
@@ -387,8 +425,9 @@ async fn send_fd(stream: &UnixStream, fd: &SharedFd) -> std::io::Result<()> {
 }
 
 /// `sendmsg` of the byte [`FD_REPLY`] with one descriptor attached.
-pub fn send_with_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
-    crate::fd::descriptor_channels::send_with_fd(sock, &[FD_REPLY], fd, 0)
+pub fn send_with_fd(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+    let flags = rustix::net::SendFlags::empty();
+    crate::fd::descriptor_channels::send_with_fd(sock, &[FD_REPLY], fd, flags)
 }
 
 #[cfg(test)]
@@ -463,6 +502,11 @@ mod tests {
     }
 
     async fn serving() -> Serving {
+        serving_with_channels(MAX_CHANNELS, MAX_CHANNELS_PER_UID).await
+    }
+
+    /// [`serving`], with at most `channels` descriptor channels, `per_uid` of one uid.
+    async fn serving_with_channels(channels: usize, per_uid: usize) -> Serving {
         let _dir = tempfile::tempdir().unwrap();
         let path = _dir.path().join("t.sock");
         let listener = bind(&path).await.unwrap();
@@ -472,7 +516,13 @@ mod tests {
         arb.set_quota("a", crate::arbiter::tests::quota(64 << 20))
             .unwrap();
         let stop = CancellationToken::new();
-        tokio::spawn(serve(listener, arb.clone(), stop.clone()));
+        tokio::spawn(serve_with_channels(
+            listener,
+            arb.clone(),
+            stop.clone(),
+            channels,
+            per_uid,
+        ));
         // SAFETY: getuid cannot fail.
         let uid = unsafe { libc::getuid() };
         Serving {
@@ -733,7 +783,7 @@ mod tests {
         };
         let crate::device::Handle::Fd { fd, .. } = &l.handle;
         assert_eq!(
-            push(arb.tickets().channels(), foreign, l.id, fd.raw()),
+            push(arb.tickets().channels(), foreign, l.id, fd.0.as_fd()),
             Err(NotSent::NoChannel)
         );
         assert!(
@@ -798,23 +848,26 @@ mod tests {
         };
         let channels = arb.tickets().channels();
         for i in 0..MAX_UNREAD {
-            assert_eq!(push(channels, to, l.id, fd.raw()), Ok(()), "push {i}");
+            assert_eq!(push(channels, to, l.id, fd.0.as_fd()), Ok(()), "push {i}");
         }
-        assert_eq!(push(channels, to, l.id, fd.raw()), Err(NotSent::Full));
+        assert_eq!(push(channels, to, l.id, fd.0.as_fd()), Err(NotSent::Full));
         assert!(pushed_on(&conn).is_some());
         assert_eq!(
-            push(channels, to, l.id, fd.raw()),
+            push(channels, to, l.id, fd.0.as_fd()),
             Ok(()),
             "room after a read"
         );
-        assert_eq!(push(channels, to, l.id, fd.raw()), Err(NotSent::Full));
+        assert_eq!(push(channels, to, l.id, fd.0.as_fd()), Err(NotSent::Full));
         drop(conn);
         let t = std::time::Instant::now();
         while !channels.is_empty() && t.elapsed() < Duration::from_secs(5) {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert!(channels.is_empty(), "a closed channel is still open");
-        assert_eq!(push(channels, to, l.id, fd.raw()), Err(NotSent::NoChannel));
+        assert_eq!(
+            push(channels, to, l.id, fd.0.as_fd()),
+            Err(NotSent::NoChannel)
+        );
         stop.cancel();
     }
 
@@ -1191,6 +1244,213 @@ mod tests {
             "another uid at its cap closed this process's kept connection"
         );
         drop((reap, said, told));
+        stop.cancel();
+    }
+
+    /// `n` forked processes of this uid, each with its descriptor channel open on `path`
+    /// (asked for and answered): the answers, in the order they came, and the children
+    /// (each holds its channel until killed, or until `hold` is dropped).
+    struct ChannelHolders {
+        answers: Vec<u8>,
+        children: Vec<Reap>,
+        _hold: std::os::unix::net::UnixStream,
+    }
+
+    fn fork_channel_holders(path: &std::path::Path, n: usize) -> ChannelHolders {
+        use std::io::Read;
+        // SAFETY: a zeroed sockaddr_un is valid; the path fits (a tempdir's).
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (d, s) in addr
+            .sun_path
+            .iter_mut()
+            .zip(path.as_os_str().as_encoded_bytes())
+        {
+            *d = *s as libc::c_char;
+        }
+        let (mut said, told) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut children = Vec::new();
+        for _ in 0..n {
+            // SAFETY: the child calls only async-signal-safe functions, then _exit.
+            let child = unsafe { libc::fork() };
+            assert!(child >= 0);
+            if child == 0 {
+                // SAFETY: plain syscalls, then _exit.
+                unsafe {
+                    libc::close(said.as_raw_fd());
+                    let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                    let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+                    let mut b = [0xffu8; 1];
+                    if libc::connect(s, (&addr as *const libc::sockaddr_un).cast(), len) == 0
+                        && libc::write(s, CHANNEL_HELLO.as_ptr().cast(), CHANNEL_HELLO.len())
+                            == CHANNEL_HELLO.len() as isize
+                        && libc::read(s, b.as_mut_ptr().cast(), 1) != 1
+                    {
+                        b[0] = 0xff;
+                    }
+                    libc::write(told.as_raw_fd(), b.as_ptr().cast(), 1);
+                    // Holds the channel until the parent lets go.
+                    libc::read(told.as_raw_fd(), b.as_mut_ptr().cast(), 1);
+                    libc::_exit(0);
+                }
+            }
+            children.push(Reap(child));
+        }
+        drop(told);
+        let mut answers = vec![0u8; n];
+        said.read_exact(&mut answers).unwrap();
+        ChannelHolders {
+            answers,
+            children,
+            _hold: said,
+        }
+    }
+
+    /// Waits (up to 10 s) until `arb` has `n` descriptor channels open.
+    async fn channels_become(arb: &Arbiter, n: usize) -> usize {
+        for _ in 0..1000 {
+            if arb.tickets().channels().len() == n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        arb.tickets().channels().len()
+    }
+
+    /// Descriptor channels have their own slots: 40 worker processes of one uid keep
+    /// theirs open while that uid's ticket connections take every ticket slot, and a
+    /// ticket connection turned away at the uid's cap closes none of them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn forty_processes_channels_of_one_uid_take_no_ticket_slot_and_never_give_way() {
+        use crate::arbiter::tests::req;
+        use crate::fd::tickets::{Binding, Recipient};
+        use crate::session::Peer;
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving().await;
+        let path2 = path.clone();
+        let holders = tokio::task::spawn_blocking(move || fork_channel_holders(&path2, 40))
+            .await
+            .unwrap();
+        assert!(
+            holders.answers.iter().all(|&b| b == CHANNEL_OPEN_REPLY),
+            "{:?}",
+            holders.answers
+        );
+        assert_eq!(arb.tickets().channels().len(), 40);
+
+        let peer = Peer {
+            pid: Some(me),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx) = arb.open_session("a", "own", peer).unwrap();
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let crate::device::Handle::Fd { fd, .. } = &l.handle;
+        let bound = Binding { uid, pid: Some(me) };
+        let (arb2, fd2, live, id) = (arb.clone(), fd.clone(), l.live.clone(), l.id);
+        let mint = move || {
+            arb2.tickets().mint(
+                id,
+                bound,
+                fd2.clone(),
+                Recipient::SessionProcess(live.clone()),
+            )
+        };
+        // Every ticket slot of this uid (the cap and the reserve) served, and kept.
+        let cap = MAX_CONNECTIONS_PER_UID + PRIVILEGED_RESERVE;
+        let path2 = path.clone();
+        let (answers, _kept, past) = tokio::task::spawn_blocking(move || {
+            let kept: Vec<_> = (0..cap)
+                .map(|_| std::os::unix::net::UnixStream::connect(&path2).unwrap())
+                .collect();
+            let answers: Vec<u8> = kept.iter().map(|c| present_on(c, &mint()).byte).collect();
+            // One more: turned away at the uid's cap.
+            let past = std::os::unix::net::UnixStream::connect(&path2).unwrap();
+            let past = gpu_broker_client::fd::recv_with_fd(past.as_raw_fd()).unwrap();
+            (answers, kept, past.byte)
+        })
+        .await
+        .unwrap();
+        assert!(
+            answers.iter().all(|&b| b == FD_REPLY),
+            "ticket slots taken by channels: {answers:?}"
+        );
+        assert_eq!(past, BUSY_REPLY);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            arb.tickets().channels().len(),
+            40,
+            "channels gave way to a ticket connection"
+        );
+        drop(holders);
+        assert_eq!(channels_become(&arb, 0).await, 0, "closed channels stayed");
+        stop.cancel();
+    }
+
+    /// Past the channel budget (here 2 of one uid) a process is told "busy" and redeems
+    /// its tickets as before; a channel that closes gives its slot back (nothing leaks),
+    /// and the next process gets one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_process_past_the_channel_budget_is_told_busy_and_keeps_its_tickets() {
+        use crate::arbiter::tests::req;
+        use crate::fd::tickets::{Binding, Recipient};
+        use crate::session::Peer;
+        let Serving {
+            _dir,
+            path,
+            arb,
+            stop,
+            uid,
+            me,
+        } = serving_with_channels(4, 2).await;
+        let path2 = path.clone();
+        let mut holders = tokio::task::spawn_blocking(move || fork_channel_holders(&path2, 2))
+            .await
+            .unwrap();
+        assert_eq!(holders.answers, [CHANNEL_OPEN_REPLY; 2]);
+        let path2 = path.clone();
+        let (said, conn) = tokio::task::spawn_blocking(move || open_channel(&path2))
+            .await
+            .unwrap();
+        assert_eq!(said, BUSY_REPLY, "a third channel of one uid");
+        let mut b = [0u8; 1];
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        assert_eq!(std::io::Read::read(&mut &conn, &mut b).unwrap(), 0);
+        assert_eq!(arb.tickets().channels().len(), 2);
+
+        // Its descriptors come with tickets.
+        let peer = Peer {
+            pid: Some(me),
+            uid: Some(uid),
+            unix: true,
+        };
+        let (own, _rx) = arb.open_session("a", "own", peer).unwrap();
+        let l = arb.acquire(req("a", own, 4 << 20)).await.unwrap();
+        let crate::device::Handle::Fd { fd, .. } = &l.handle;
+        let k = arb.tickets().mint(
+            l.id,
+            Binding { uid, pid: Some(me) },
+            fd.clone(),
+            Recipient::SessionProcess(l.live.clone()),
+        );
+        gpu_broker_client::fd::fetch(&path, &k, None).await.unwrap();
+
+        // One holder ends: its slot comes back, and this process gets a channel.
+        drop(holders.children.pop());
+        assert_eq!(channels_become(&arb, 1).await, 1);
+        let path2 = path.clone();
+        let (said, _mine) = tokio::task::spawn_blocking(move || open_channel(&path2))
+            .await
+            .unwrap();
+        assert_eq!(said, CHANNEL_OPEN_REPLY);
+        assert_eq!(arb.tickets().channels().len(), 2);
         stop.cancel();
     }
 }
