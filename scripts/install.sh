@@ -28,6 +28,8 @@ if [[ ! -e /etc/gpu-broker/config.toml ]]; then
     run install -m 0644 deploy/config.toml /etc/gpu-broker/config.toml
 fi
 run install -m 0644 deploy/gpu-broker.service /etc/systemd/system/gpu-broker.service
+# Managed MPS's daemon in its own unit (enable it with mps-external-daemon: docs/mps.md).
+run install -m 0644 deploy/gpu-broker-mps.service /etc/systemd/system/gpu-broker-mps.service
 if [[ "$prefix" != /usr/local ]]; then
     run sed -i "s|/usr/local/bin/gpu-broker|$prefix/bin/gpu-broker|" /etc/systemd/system/gpu-broker.service
 fi

@@ -5,7 +5,8 @@
 //! `after-keep:<change>` around each write to the keeper (`<change>`: `session`,
 //! `session-ended`, `lease`, `lease-ended`, `quarantine`, `quarantine-lifted`, `drain`,
 //! `publication`, `publication-ended`, `import`, `import-ended`, `reservation`,
-//! `reservation-ended`, `reclaim-asked`, `reclaim-ended`),
+//! `reservation-ended`, `reclaim-asked`, `reclaim-ended`, `held`, `held-let-go`,
+//! `lingering`, `lingering-ended`),
 //! and `after:<op>` once an operation's state lock was let go (`<op>`: `reclaim` (a
 //! request sent),
 //! `reclaim-revoke` (its deadline passed), `quarantine`, `lift`, `publish`, `import`,

@@ -11,6 +11,9 @@
 //!   revoked); optionally honour reclaims. Commands on stdin: `exit` (leave at once
 //!   without releasing anything or closing the session), `release-all`; end of stdin
 //!   also exits at once.
+//! * `import`: import a publication, map it and report its first byte; `close` on stdin
+//!   ends the session while the mapping (and the descriptor) stay in this process;
+//!   `exit` or the end of stdin exits at once.
 //! * `idle-raw`: open a session with raw gRPC calls (no automatic keepalive), acquire one
 //!   lease, keep the stream open and report when the broker ends it; exits on stdin's end.
 
@@ -37,7 +40,20 @@ struct Cli {
 enum Mode {
     Load(LoadArgs),
     Hold(HoldArgs),
+    Import(ImportArgs),
     IdleRaw(IdleArgs),
+}
+
+#[derive(Args)]
+struct ImportArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The publishing tenant.
+    #[arg(long)]
+    publisher: String,
+    /// The publication's name.
+    #[arg(long)]
+    name: String,
 }
 
 #[derive(Args)]
@@ -145,6 +161,7 @@ async fn main() {
     let r = match cli.mode {
         Mode::Load(a) => load(a).await,
         Mode::Hold(a) => hold(a).await,
+        Mode::Import(a) => import(a).await,
         Mode::IdleRaw(a) => idle_raw(a).await,
     };
     if let Err(e) = r {
@@ -281,6 +298,34 @@ async fn load(a: LoadArgs) -> Result<()> {
     );
     session.close();
     Ok(())
+}
+
+async fn import(a: ImportArgs) -> Result<()> {
+    let client = Client::connect(&a.common.uri, a.common.token.clone()).await?;
+    let session = client
+        .session(format!("import-{}", std::process::id()))
+        .await?;
+    let import = session.import(&a.publisher, &a.name).await?;
+    let first = {
+        let m = import.map()?;
+        m[0]
+    };
+    emit(json!({"ev": "imported", "id": import.id(), "byte": first, "pid": std::process::id()}));
+    // Kept mapped and never released: only this process's exit lets the broker know it
+    // no longer maps the memory.
+    let mapping = import.map()?;
+    let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = stdin.next_line().await? {
+        match line.trim() {
+            "close" => {
+                session.close();
+                emit(json!({"ev": "session-closed", "byte": mapping[0]}));
+            }
+            "exit" => break,
+            _ => {}
+        }
+    }
+    std::process::exit(0);
 }
 
 async fn hold(a: HoldArgs) -> Result<()> {

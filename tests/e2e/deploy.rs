@@ -149,6 +149,7 @@ fn install_script_installs_both_binaries_the_group_and_the_unit() {
         "cargo install --locked --path broker",
         "cargo install --locked --path client/ctl ",
         "/etc/systemd/system/gpu-broker.service",
+        "/etc/systemd/system/gpu-broker-mps.service",
     ] {
         assert!(text.contains(want), "{want:?} in\n{text}");
     }

@@ -168,11 +168,16 @@ impl Drop for Worker {
 /// `dir` (outside /tmp: the unit has PrivateTmp=), the host backend, the fd store as the
 /// place that keeps leases, a quick restart, and no group to create.
 fn drop_in(dir: &Path, shm: &Path) -> String {
+    drop_in_with(dir, shm, "")
+}
+
+/// [`drop_in`], the broker given the flags `extra` too.
+fn drop_in_with(dir: &Path, shm: &Path, extra: &str) -> String {
     let d = dir.display();
     format!(
         "[Unit]\nDefaultDependencies=no\n[Service]\nExecStart=\nExecStart={bin} --backend host --host-capacity 256MiB \
          --host-devices 1 --headroom 0% --socket {d}/broker.sock --state-dir {d}/state \
-         --host-shm-dir {shm} --shutdown-grace 1s\n\
+         --host-shm-dir {shm} --shutdown-grace 1s {extra}\n\
          Group=\nRestartSec=100ms\nProtectHome=no\nReadWritePaths={d} /dev/shm\n\
          StandardOutput=append:{d}/broker.log\nStandardError=inherit\n",
         bin = bin("gpu-broker").display(),
@@ -399,4 +404,122 @@ fn ids_of(line: &str) -> Vec<String> {
         .map(|s| s.trim().trim_matches('"').to_string())
         .filter(|s| !s.is_empty())
         .collect()
+}
+
+const MPS_UNIT: &str = "gpu-broker-mps.service";
+
+/// The drop-in that points the shipped MPS unit at the fake control binary, its pipe and
+/// log directories in `dir`, no default dependencies and no group to create.
+fn mps_drop_in(dir: &Path) -> String {
+    let d = dir.display();
+    format!(
+        "[Unit]\nDefaultDependencies=no\n[Service]\nExecStart=\nExecStart={fake} -f\nExecStop=\n\
+         Environment=CUDA_MPS_PIPE_DIRECTORY={d}/mps\nEnvironment=CUDA_MPS_LOG_DIRECTORY={d}/mps-log\n\
+         LogsDirectory=\nGroup=\n",
+        fake = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../broker/src/mps/fake-control.sh")
+            .display(),
+    )
+}
+
+/// Managed MPS under the shipped units: the control daemon runs in
+/// `deploy/gpu-broker-mps.service` and the broker (`--mps-external-daemon`) adopts it, so a
+/// broker SIGKILL, `systemctl restart` and `systemctl stop` end the broker's cgroup but not
+/// the daemon (same process, never asked to quit), and each new broker adopts it again.
+#[tokio::test]
+async fn the_mps_daemon_in_its_own_unit_outlives_broker_restarts() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 || !Path::new(SYSTEMD).exists() {
+        eprintln!("skipped: needs root and {SYSTEMD}");
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("gpb-systemd-mps-")
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap();
+    let shm = PathBuf::from("/dev/shm").join(dir.path().file_name().unwrap());
+    let log = dir.path().join("broker.log");
+    let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let commands = || std::fs::read_to_string(dir.path().join("commands.log")).unwrap_or_default();
+    let sd = Manager::boot();
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    sd.install(
+        UNIT,
+        &std::fs::read_to_string(deploy.join("gpu-broker.service")).unwrap(),
+    );
+    let mps = format!(
+        "--mps --mps-external-daemon --mps-control {} --mps-pipe-dir {d}/mps \
+         --mps-log-dir {d}/mps-log --mps-health-interval 100ms",
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../broker/src/mps/fake-control.sh")
+            .display(),
+        d = dir.path().display()
+    );
+    sd.install(
+        &format!("{UNIT}.d/test.conf"),
+        &drop_in_with(dir.path(), &shm, &mps),
+    );
+    sd.install(
+        MPS_UNIT,
+        &std::fs::read_to_string(deploy.join(MPS_UNIT)).unwrap(),
+    );
+    sd.install(&format!("{MPS_UNIT}.d/test.conf"), &mps_drop_in(dir.path()));
+    assert!(sd.ctl(&["daemon-reload"]).status.success());
+    let show_mps = |name: &str| {
+        let out = sd.ctl(&["show", MPS_UNIT, "-p", name, "--value"]);
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    assert!(sd.ctl(&["start", MPS_UNIT]).status.success());
+    let start = sd.ctl(&["start", UNIT]);
+    assert!(
+        start.status.success(),
+        "systemctl start: {}\n{}",
+        String::from_utf8_lossy(&start.stderr),
+        log_text()
+    );
+    let daemon = show_mps("MainPID");
+    assert_ne!(daemon, "0", "the MPS unit runs its daemon");
+    let adopted = |n: usize| {
+        let log_text = &log_text;
+        async move {
+            eventually(Duration::from_secs(15), || async {
+                log_text()
+                    .matches("the external MPS control daemon answers: adopted")
+                    .count()
+                    >= n
+            })
+            .await
+        }
+    };
+    assert!(adopted(1).await, "{}", log_text());
+
+    // A crash, an explicit restart and a stop of the broker: its cgroup ends each time,
+    // the daemon's unit does not.
+    assert!(sd
+        .ctl(&["kill", "--kill-who=main", "-s", "SIGKILL", UNIT])
+        .status
+        .success());
+    assert!(adopted(2).await, "adopted after the crash\n{}", log_text());
+    assert!(sd.ctl(&["restart", UNIT]).status.success());
+    assert!(
+        adopted(3).await,
+        "adopted after the restart\n{}",
+        log_text()
+    );
+    assert!(sd.ctl(&["stop", UNIT]).status.success());
+    assert_eq!(show_mps("ActiveState"), "active");
+    assert_eq!(show_mps("MainPID"), daemon, "the same daemon throughout");
+    assert_eq!(show_mps("NRestarts"), "0");
+    let sent = commands();
+    assert!(
+        !sent.contains(" -d ") && !sent.contains("cmd quit"),
+        "the broker neither started nor quit a daemon:\n{sent}"
+    );
+    assert!(sd.ctl(&["start", UNIT]).status.success());
+    assert!(adopted(4).await, "adopted after the stop\n{}", log_text());
+    eprintln!("the MPS daemon (pid {daemon} in the namespace) outlived a broker SIGKILL, restart and stop");
+    assert!(sd.ctl(&["stop", UNIT]).status.success());
+    assert!(sd.ctl(&["stop", MPS_UNIT]).status.success());
+    drop(sd);
+    let _ = std::fs::remove_dir_all(&shm);
 }

@@ -105,6 +105,12 @@ pub enum Keep {
     /// A lease's holder was asked for it back by a deadline (wall clock).
     Reclaim(crate::kept::ReclaimRecord),
     ReclaimEnded(Uuid),
+    /// An ended lease's block held for its importers, and a copy of its descriptor.
+    Held(crate::kept::HeldRecord, crate::memory::SharedFd),
+    HeldLetGo(Uuid),
+    /// An import let go while processes that may map it live.
+    Lingering(crate::kept::LingeringRecord),
+    LingeringEnded(Uuid),
 }
 
 impl Keep {
@@ -125,6 +131,10 @@ impl Keep {
             Keep::ReservationEnded(_) => "reservation-ended",
             Keep::Reclaim(_) => "reclaim-asked",
             Keep::ReclaimEnded(_) => "reclaim-ended",
+            Keep::Held(..) => "held",
+            Keep::HeldLetGo(_) => "held-let-go",
+            Keep::Lingering(_) => "lingering",
+            Keep::LingeringEnded(_) => "lingering-ended",
         }
     }
 }

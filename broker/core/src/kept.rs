@@ -3,7 +3,10 @@
 //! versioned JSON records under the keys `session/<id>`, `lease/<id>` (a lease's record
 //! travels with its block's descriptor), `drain/<device>` (a device being drained),
 //! `quarantine/<lease>`, `publication/<id>` and `import/<id>` (a shared lease's
-//! publication and its imports: no descriptor, the publisher's lease has it), and
+//! publication and its imports: no descriptor, the publisher's lease has it),
+//! `held/<lease>` (an ended lease's block held for its importers, with its publication;
+//! its descriptor travels with it), `lingering/<import>` (an import let go while its
+//! process may still map the memory), and
 //! `reservation/<id>` (a session's process reservation), and `reclaim/<lease>` (a lease's
 //! holder asked for it back, by a deadline).
 //! A broker that knows a key's kind not (an earlier version) drops that record: a drain
@@ -84,6 +87,103 @@ impl ImportRecord {
 /// The key of import `id`'s record.
 pub fn import_key(id: &uuid::Uuid) -> String {
     format!("{IMPORT_PREFIX}{id}")
+}
+
+/// The key prefix of held block records.
+pub const HELD_PREFIX: &str = "held/";
+/// The key prefix of lingering import records.
+pub const LINGERING_PREFIX: &str = "lingering/";
+
+/// A process that may still map memory, and when it started (a reused pid is not it;
+/// None: unknown, then it counts as that process while the pid lives).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessRecord {
+    pub pid: u32,
+    #[serde(default)]
+    pub start: Option<u64>,
+}
+
+/// The publication of an ended lease, kept while imports hold its block: importers of
+/// it find it by id (its name went with the lease).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldPublicationRecord {
+    pub id: String,
+    #[serde(default)]
+    pub readers: Vec<String>,
+    #[serde(default)]
+    pub published_unix_ms: u64,
+}
+
+/// The block of an ended lease held while its importers (and the processes in
+/// `waiters`) may map it: counted to its tenant as quarantined bytes until they all let
+/// go, then freed. Its descriptor travels with it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldRecord {
+    pub v: u32,
+    /// The ended lease's id.
+    pub lease: String,
+    pub tenant: String,
+    pub device: u32,
+    pub bytes: u64,
+    pub block_id: u64,
+    /// `cuda-vmm` or `host-memfd`.
+    pub kind: String,
+    /// The publication whose imports hold it.
+    #[serde(default)]
+    pub publication: Option<HeldPublicationRecord>,
+    /// Other processes that may map it (the lease's own, ones that fetched its
+    /// descriptor).
+    #[serde(default)]
+    pub waiters: Vec<ProcessRecord>,
+    /// Held for a holder of unknown pid until the quarantine timeout.
+    #[serde(default)]
+    pub timeout: bool,
+    /// Freed, never cached, when let go.
+    #[serde(default)]
+    pub destroy: bool,
+    /// As in [`LeaseRecord::device_uuid`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_uuid: Option<String>,
+}
+
+impl HeldRecord {
+    pub fn key(&self) -> String {
+        format!("{HELD_PREFIX}{}", self.lease)
+    }
+}
+
+/// The key of ended lease `id`'s held block record.
+pub fn held_key(id: &uuid::Uuid) -> String {
+    format!("{HELD_PREFIX}{id}")
+}
+
+/// An import whose holder let go (its session ended) while processes that may map the
+/// memory live: it ends when they are gone. Its publication's memory is kept by the
+/// publisher's lease or held block.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LingeringRecord {
+    pub v: u32,
+    pub id: String,
+    pub publication: String,
+    pub tenant: String,
+    pub session: String,
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub created_unix_ms: u64,
+    pub waiters: Vec<ProcessRecord>,
+    #[serde(default)]
+    pub timeout: bool,
+}
+
+impl LingeringRecord {
+    pub fn key(&self) -> String {
+        format!("{LINGERING_PREFIX}{}", self.id)
+    }
+}
+
+/// The key of import `id`'s lingering record.
+pub fn lingering_key(id: &uuid::Uuid) -> String {
+    format!("{LINGERING_PREFIX}{id}")
 }
 
 /// The key prefix of reclaim request records.
@@ -325,6 +425,8 @@ pub enum Kept {
     Import(ImportRecord),
     Reservation(ReservationRecord),
     Reclaim(ReclaimRecord),
+    Held(HeldRecord),
+    Lingering(LingeringRecord),
 }
 
 /// Why a kept record cannot be read.
@@ -459,6 +561,14 @@ pub fn parse(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> 
         serde_json::from_value(record)
             .map(Kept::Reclaim)
             .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(HELD_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Held)
+            .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(LINGERING_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Lingering)
+            .map_err(|e| unreadable(e.to_string()))
     } else {
         Err(RecordError::UnknownKey {
             key: key.to_string(),
@@ -577,6 +687,45 @@ mod tests {
         };
         assert_eq!(r.deadline_unix_ms, 1_764_800_030_000);
         assert_eq!(serde_json::to_string(&r).unwrap(), rc);
+        let held = r#"{"v":1,"lease":"0193a0b2-0000-4000-8000-000000000008","tenant":"alpha","device":0,"bytes":8388608,"block_id":79,"kind":"cuda-vmm","publication":{"id":"0193a0b2-0000-4000-8000-000000000004","readers":["beta"],"published_unix_ms":1764800000003},"waiters":[{"pid":4242,"start":123456}],"timeout":false,"destroy":true,"device_uuid":"GPU-4f1d0c2a-0000-0000-0000-000000000001"}"#;
+        let Kept::Held(r) = parse(
+            "held/0193a0b2-0000-4000-8000-000000000008",
+            serde_json::from_str(held).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (
+                r.publication.as_ref().map(|p| p.readers.as_slice()),
+                r.waiters.as_slice(),
+                r.destroy
+            ),
+            (
+                Some(&["beta".to_string()][..]),
+                &[ProcessRecord {
+                    pid: 4242,
+                    start: Some(123456)
+                }][..],
+                true
+            )
+        );
+        assert_eq!(r.key(), "held/0193a0b2-0000-4000-8000-000000000008");
+        assert_eq!(serde_json::to_string(&r).unwrap(), held);
+        let lingering = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-000000000009","publication":"0193a0b2-0000-4000-8000-000000000004","tenant":"beta","session":"0193a0b2-0000-7000-8000-000000000006","pid":4343,"created_unix_ms":1764800000004,"waiters":[{"pid":4343,"start":123999}],"timeout":false}"#;
+        let Kept::Lingering(r) = parse(
+            "lingering/0193a0b2-0000-4000-8000-000000000009",
+            serde_json::from_str(lingering).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (r.tenant.as_str(), r.waiters[0].start),
+            ("beta", Some(123999))
+        );
+        assert_eq!(r.key(), "lingering/0193a0b2-0000-4000-8000-000000000009");
+        assert_eq!(serde_json::to_string(&r).unwrap(), lingering);
     }
 
     /// A later version may add fields: this one reads what it knows and keeps going.

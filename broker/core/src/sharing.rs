@@ -70,12 +70,14 @@ pub struct Import {
     pub session: Uuid,
     /// The importing process (when the kernel showed it).
     pub pid: Option<u32>,
+    /// When `pid` started (its session's record): a kept lingering import names it.
+    pub pid_start: Option<u64>,
     pub created: SystemTime,
     /// Set once its holder let go (released, or its session ended) while processes that
     /// may map it live: the import ends when they are gone.
     pub lingering: Option<Waiters>,
-    /// Its record is with the keeper (once its descriptor reached a process, until its
-    /// holder lets go).
+    /// Its record is with the keeper (once its descriptor reached a process, until it
+    /// ended: an `import/` record while its holder has it, a `lingering/` one after).
     pub kept: bool,
 }
 
@@ -138,6 +140,11 @@ pub struct Held {
     pub destroy: bool,
     /// The lease's own process when its session ended while it lives (it may map it too).
     pub holder: Option<u32>,
+    /// When `holder` started (its session's record, taken when the lease ended).
+    pub holder_start: Option<u64>,
+    /// Its record (and a copy of its descriptor) is with the keeper: held for importers
+    /// when its lease ended, until it is let go.
+    pub kept: bool,
 }
 
 /// Processes outside a lease's (or import's) session that redeemed a ticket of it.

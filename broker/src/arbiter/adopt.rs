@@ -116,16 +116,32 @@ impl Laps {
 /// Whether the processes named by kept records still live: each pid's start time read
 /// once (`/proc/<pid>/stat`), however many records name it.
 #[derive(Default)]
-struct Liveness(HashMap<u32, Option<u64>>);
+pub(super) struct Liveness(HashMap<u32, Option<u64>>);
 
 impl Liveness {
     /// Is process `pid` the one that started at `start` (not a reused pid)?
-    fn is(&mut self, pid: u32, start: u64) -> bool {
+    pub(super) fn is(&mut self, pid: u32, start: u64) -> bool {
+        self.start_of(pid) == Some(start)
+    }
+
+    /// When process `pid` started (None: gone).
+    fn start_of(&mut self, pid: u32) -> Option<u64> {
         *self
             .0
             .entry(pid)
             .or_insert_with(|| crate::process::start_ticks(pid))
-            == Some(start)
+    }
+
+    /// Those of `kept` still alive: the same start time where the record has one, else
+    /// a process of that pid (a reused pid then counts: held longer, never shorter).
+    pub(super) fn alive(&mut self, kept: &[records::ProcessRecord]) -> Vec<(u32, Option<u64>)> {
+        kept.iter()
+            .filter(|p| match p.start {
+                Some(start) => self.is(p.pid, start),
+                None => self.start_of(p.pid).is_some(),
+            })
+            .map(|p| (p.pid, p.start))
+            .collect()
     }
 }
 
@@ -174,7 +190,13 @@ struct TakenBack {
     leases: Vec<(Uuid, Uuid, u64)>,
     leases_refused: Vec<(LeaseRecord, &'static str)>,
     quarantines_refused: Vec<(records::QuarantineRecord, &'static str)>,
+    /// Held blocks taken back (their publications and imports come next).
+    held: Vec<records::HeldRecord>,
+    held_refused: Vec<(records::HeldRecord, &'static str)>,
 }
+
+/// Kept memory of one block: a lease's, a quarantine's, or a held block's.
+type KeptWithFd<R> = Vec<(R, Option<OwnedFd>)>;
 
 /// Kept session `r` as a session again, when its peer process is the one that opened it.
 fn session_of(r: &SessionRecord, alive: &mut Liveness) -> Result<Session, &'static str> {
@@ -249,11 +271,8 @@ impl Arbiter {
             }
             Keep::LeaseEnded(id) => link.remove(records::lease_key(&id)),
             Keep::Quarantine(mut r, fd) => {
-                // A session's end quarantines its leases after it left the table: its
-                // process's start time (so a reused pid is not taken for it) is read here.
-                if r.pid_start.is_none() {
-                    r.pid_start = r.pid.and_then(crate::process::start_ticks);
-                }
+                // Its process's start time came from the core (taken when the quarantine
+                // was made): read here, it could be a later process's that reused the pid.
                 r.device_uuid = self.uuid_of(r.device);
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
@@ -269,6 +288,13 @@ impl Arbiter {
             Keep::ReservationEnded(id) => link.remove(records::reservation_key(&id)),
             Keep::Reclaim(r) => link.put(r.key(), to_json(&r), None),
             Keep::ReclaimEnded(id) => link.remove(records::reclaim_key(&id)),
+            Keep::Held(mut r, fd) => {
+                r.device_uuid = self.uuid_of(r.device);
+                link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
+            }
+            Keep::HeldLetGo(id) => link.remove(records::held_key(&id)),
+            Keep::Lingering(r) => link.put(r.key(), to_json(&r), None),
+            Keep::LingeringEnded(id) => link.remove(records::lingering_key(&id)),
         }
     }
 
@@ -436,6 +462,8 @@ impl Arbiter {
         let mut imports = Vec::new();
         let mut reservations = Vec::new();
         let mut reclaims = Vec::new();
+        let mut helds: KeptWithFd<records::HeldRecord> = Vec::new();
+        let mut lingerings = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
@@ -446,6 +474,8 @@ impl Arbiter {
                 Ok(Kept::Import(i)) => imports.push(i),
                 Ok(Kept::Reservation(r)) => reservations.push(r),
                 Ok(Kept::Reclaim(r)) => reclaims.push(r),
+                Ok(Kept::Held(h)) => helds.push((h, e.fd)),
+                Ok(Kept::Lingering(l)) => lingerings.push(l),
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
@@ -481,6 +511,19 @@ impl Arbiter {
                 }
                 None => {
                     quarantine_device_gone.push(q.clone());
+                    false
+                }
+            },
+        );
+        let mut held_device_gone = Vec::new();
+        helds.retain_mut(
+            |(h, _)| match self.device_of(h.device, h.device_uuid.as_deref()) {
+                Some(d) => {
+                    h.device = d;
+                    true
+                }
+                None => {
+                    held_device_gone.push(h.clone());
                     false
                 }
             },
@@ -530,9 +573,26 @@ impl Arbiter {
                     .filter(|(_, fd)| fd.is_some())
                     .map(|(q, _)| (q.device, q.bytes)),
             )
+            .chain(
+                helds
+                    .iter()
+                    .filter(|(_, fd)| fd.is_some())
+                    .map(|(h, _)| (h.device, h.bytes)),
+            )
             .collect::<Vec<_>>();
         self.count_kept_memory_as_ours(&kept);
-        let mut taken = self.adopt_blocks(leases, quarantines, &adopted, &mut alive, &mut laps);
+        let mut taken =
+            self.adopt_blocks(leases, quarantines, helds, &adopted, &mut alive, &mut laps);
+        taken.held_refused.extend(
+            held_device_gone
+                .into_iter()
+                .map(|h| (h, "its device is gone")),
+        );
+        for (h, why) in std::mem::take(&mut taken.held_refused) {
+            tracing::debug!(lease = %h.lease, tenant = %h.tenant, bytes = h.bytes, why, "kept held block let go");
+            tally.add("kept blocks held for importers let go", why, h.bytes);
+            link.remove(h.key());
+        }
         taken
             .leases_refused
             .extend(device_gone.into_iter().map(|r| (r, "its device is gone")));
@@ -552,7 +612,8 @@ impl Arbiter {
             tally.add("kept quarantines let go", why, q.bytes);
             link.remove(q.key());
         }
-        for (key, why) in self.adopt_shared(publications, imports) {
+        let held = std::mem::take(&mut taken.held);
+        for (key, why) in self.adopt_shared(publications, held, lingerings, imports, &mut alive) {
             tally.add("kept publications and imports not taken back", why, 0);
             link.remove(key);
         }
@@ -715,8 +776,9 @@ impl Arbiter {
     /// in one lock hold. What was not taken back is returned with why.
     fn adopt_blocks(
         &self,
-        leases: Vec<(LeaseRecord, Option<OwnedFd>)>,
-        quarantines: Vec<(records::QuarantineRecord, Option<OwnedFd>)>,
+        leases: KeptWithFd<LeaseRecord>,
+        quarantines: KeptWithFd<records::QuarantineRecord>,
+        helds: KeptWithFd<records::HeldRecord>,
         sessions: &HashSet<Uuid>,
         alive: &mut Liveness,
         laps: &mut Laps,
@@ -724,6 +786,29 @@ impl Arbiter {
         let mut out = TakenBack::default();
         let mut blocks = Vec::new();
         let mut lease_ids = Vec::new();
+        // A lease whose quarantine or held block was kept ended: their records are written
+        // before the lease's end is, so a crash between leaves both, and the end wins (in
+        // systemd's fd store the descriptor has moved to it already).
+        let ended: HashSet<&str> = quarantines
+            .iter()
+            .filter(|(_, fd)| fd.is_some())
+            .map(|(q, _)| q.lease.as_str())
+            .chain(
+                helds
+                    .iter()
+                    .filter(|(_, fd)| fd.is_some())
+                    .map(|(h, _)| h.lease.as_str()),
+            )
+            .collect();
+        let (leases, ended_leases): (Vec<_>, Vec<_>) = leases
+            .into_iter()
+            .partition(|(r, _)| !ended.contains(r.id.as_str()));
+        drop(ended);
+        out.leases_refused.extend(
+            ended_leases
+                .into_iter()
+                .map(|(r, _)| (r, "its end was kept")),
+        );
         for (r, fd) in leases {
             match self.adoptable(&r, fd, sessions) {
                 Ok((id, session, fd)) => {
@@ -745,6 +830,16 @@ impl Arbiter {
                     quarantine_ids.push((q, lease, pid));
                 }
                 Err(why) => out.quarantines_refused.push((q, why)),
+            }
+        }
+        let mut held_ids = Vec::new();
+        for (h, fd) in helds {
+            match self.adoptable_held(&h, fd, alive) {
+                Ok((a, fd)) => {
+                    blocks.push(KeptBlock::new(h.device, fd, h.bytes, h.block_id));
+                    held_ids.push((h, a));
+                }
+                Err(why) => out.held_refused.push((h, why)),
             }
         }
         laps.lap("liveness and descriptor checks");
@@ -815,11 +910,32 @@ impl Arbiter {
                 tenant: q.tenant.clone(),
                 device: q.device,
                 pid: Some(pid),
+                pid_start: q.pid_start,
                 destroy: q.destroy,
             };
             if let Err((_, block)) = st.adopt_quarantine(a, block) {
                 unneeded.push((q.device, block));
                 out.quarantines_refused.push((q, "its tenant is gone"));
+            }
+        }
+        for (h, a) in held_ids {
+            let Some(Some((alloc, handle))) = made.next() else {
+                out.held_refused.push((h, "the device refused its memory"));
+                continue;
+            };
+            let block = Block {
+                alloc,
+                handle,
+                last_tenant: Some(h.tenant.clone()),
+                // Freed once every importer let go: nobody left to check for.
+                reached: Default::default(),
+            };
+            match st.adopt_held(a, block) {
+                Ok(()) => out.held.push(h),
+                Err((_, block)) => {
+                    unneeded.push((h.device, block));
+                    out.held_refused.push((h, "its tenant is gone"));
+                }
             }
         }
         drop(st);
@@ -960,6 +1076,31 @@ impl Arbiter {
         let fd = fd.ok_or("no descriptor came with it")?;
         self.block_fits(r.device, &r.kind)?;
         Ok((lease, pid, fd))
+    }
+
+    /// Whether kept held block `r` can be taken back: what of it the core takes (its
+    /// processes still alive) and its descriptor (counted against the budget), or why
+    /// not. Its importers are looked at later: a block none of them holds is let go then.
+    fn adoptable_held(
+        &self,
+        r: &records::HeldRecord,
+        fd: Option<OwnedFd>,
+        alive: &mut Liveness,
+    ) -> Result<(super::state::AdoptedHeld, OwnedFd), &'static str> {
+        let lease: Uuid = r.lease.parse().map_err(|_| "unreadable id")?;
+        let fd = fd.ok_or("no descriptor came with it")?;
+        self.block_fits(r.device, &r.kind)?;
+        Ok((
+            super::state::AdoptedHeld {
+                lease,
+                tenant: r.tenant.clone(),
+                device: r.device,
+                waiters: alive.alive(&r.waiters).into_iter().collect(),
+                timeout: r.timeout,
+                destroy: r.destroy,
+            },
+            fd,
+        ))
     }
 
     /// Whether host-tier memory of `kind` can be taken back by this broker's host tier;

@@ -6,8 +6,8 @@
 
 use super::*;
 use crate::keeper::records::{
-    DrainRecord, ImportRecord, LeaseRecord, PublicationRecord, QuarantineRecord, SessionRecord,
-    RECORD_VERSION,
+    DrainRecord, HeldPublicationRecord, HeldRecord, ImportRecord, LeaseRecord, LingeringRecord,
+    ProcessRecord, PublicationRecord, QuarantineRecord, SessionRecord, RECORD_VERSION,
 };
 use crate::keeper::{Entry, KeeperError, Place};
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -370,4 +370,172 @@ fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
     let pid = st.shared().visible("alpha", "w", "alpha").map(|p| p.id);
     drop(st);
     assert_eq!(pid.map(|p| p.to_string()), Some(kept_pub.id.clone()));
+}
+
+/// A kept quarantine is taken back only while its process is the one that started when
+/// the quarantine was made: the same pid with another start time (a reused pid) is not
+/// its holder, and its memory is let go.
+#[test]
+fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let pid = std::process::id();
+    let start = crate::process::start_ticks(pid).unwrap();
+    let quarantine = |pid_start: u64| QuarantineRecord {
+        v: RECORD_VERSION,
+        lease: Uuid::new_v4().to_string(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id: rand::random(),
+        kind: "host-memfd".into(),
+        pid: Some(pid),
+        pid_start: Some(pid_start),
+        destroy: false,
+        device_uuid: Some(arb.device_uuid(0)),
+    };
+    let (same, reused) = (quarantine(start), quarantine(start + 1));
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![
+        entry(same.key(), &same, Some(memfd(2 * MIB))),
+        entry(reused.key(), &reused, Some(memfd(2 * MIB))),
+    ];
+    arb.adopt_from_keeper(place).unwrap();
+    let held: Vec<String> = arb
+        .list_quarantined()
+        .into_iter()
+        .map(|q| q.lease.to_string())
+        .collect();
+    assert_eq!(held, std::slice::from_ref(&same.lease));
+    assert_eq!(*removed.lock(), [reused.key()]);
+    assert_eq!(
+        arb.get_tenant("alpha").unwrap().usage.quarantined_bytes,
+        2 * MIB
+    );
+}
+
+/// A kept block held for importers comes back counted to its publisher as quarantined,
+/// with its publication (by id, unpublished, a read-only reopen of its sealed memfd),
+/// the kept import of a session taken back and the lingering import whose process lives
+/// (same pid and start time); a lingering import whose pid started at another time, and a
+/// held block no import was taken back for, are let go (records removed, memory freed).
+/// When the last importer lets go, the block goes and its record with it.
+#[test]
+fn kept_held_blocks_come_back_with_their_importers() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    for t in ["alpha", "beta"] {
+        arb.set_quota(t, super::tests::quota(64 * MIB)).unwrap();
+    }
+    let pid = std::process::id();
+    let start = crate::process::start_ticks(pid).unwrap();
+    let session = Uuid::new_v4();
+    let publication = Uuid::new_v4().to_string();
+    let held = |lease: Uuid, publication: Option<&str>| HeldRecord {
+        v: RECORD_VERSION,
+        lease: lease.to_string(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id: rand::random(),
+        kind: "host-memfd".into(),
+        publication: publication.map(|id| HeldPublicationRecord {
+            id: id.into(),
+            readers: vec!["beta".into()],
+            published_unix_ms: 1_764_800_000_000,
+        }),
+        waiters: vec![],
+        timeout: false,
+        destroy: true,
+        device_uuid: Some(arb.device_uuid(0)),
+    };
+    let (lease, idle) = (Uuid::new_v4(), Uuid::new_v4());
+    let kept_held = held(lease, Some(&publication));
+    let idle_held = held(idle, Some(&Uuid::new_v4().to_string()));
+    let sealed = || {
+        let fd = memfd(2 * MIB);
+        crate::sharing::seal_read_only(&crate::device::SharedFd::new(fd.try_clone().unwrap()))
+            .unwrap();
+        fd
+    };
+    let import = ImportRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        publication: publication.clone(),
+        tenant: "beta".into(),
+        session: session.to_string(),
+        pid: Some(pid),
+        created_unix_ms: 0,
+    };
+    let lingering = |start: u64| LingeringRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        publication: publication.clone(),
+        tenant: "beta".into(),
+        session: Uuid::new_v4().to_string(),
+        pid: Some(pid),
+        created_unix_ms: 0,
+        waiters: vec![ProcessRecord {
+            pid,
+            start: Some(start),
+        }],
+        timeout: false,
+    };
+    let (live, reused) = (lingering(start), lingering(start + 1));
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "beta"),
+            None,
+        ),
+        entry(kept_held.key(), &kept_held, Some(sealed())),
+        entry(idle_held.key(), &idle_held, Some(sealed())),
+        entry(import.key(), &import, None),
+        entry(live.key(), &live, None),
+        entry(reused.key(), &reused, None),
+    ];
+    arb.adopt_from_keeper(place).unwrap();
+    let usage = |t: &str| arb.get_tenant(t).unwrap().usage;
+    assert_eq!(
+        (
+            usage("alpha").quarantined_bytes,
+            usage("beta").quarantined_bytes
+        ),
+        (2 * MIB, 0),
+        "held for its importers, counted to the publisher"
+    );
+    let shared = arb.list_shared(Some("alpha"));
+    assert_eq!(shared.len(), 1, "{shared:?}");
+    let p = &shared[0];
+    assert_eq!(
+        (p.id.to_string(), p.name.as_deref(), p.lease, p.enforced),
+        (publication.clone(), None, None, true)
+    );
+    let mut imports: Vec<(String, bool)> = p
+        .imports
+        .iter()
+        .map(|i| (i.id.to_string(), i.lingering))
+        .collect();
+    imports.sort();
+    let mut want = vec![(import.id.clone(), false), (live.id.clone(), true)];
+    want.sort();
+    assert_eq!(imports, want);
+    let mut gone = removed.lock().clone();
+    gone.sort();
+    let mut want = vec![reused.key(), idle_held.key()];
+    want.sort();
+    assert_eq!(gone, want);
+    arb.lock().check_invariant().unwrap();
+
+    // The importers let go: the block is freed and uncharged, its record removed.
+    let (import_id, live_id) = (import.id.parse().unwrap(), live.id.parse().unwrap());
+    arb.lock().import_waiter_gone(live_id, Some(pid));
+    arb.lock().import_let_go(import_id, Ending::Cache);
+    assert_eq!(usage("alpha").quarantined_bytes, 0);
+    assert!(arb.list_shared(Some("alpha")).is_empty());
+    assert!(removed.lock().contains(&kept_held.key()));
+    arb.lock().check_invariant().unwrap();
 }

@@ -11,7 +11,7 @@
 
 use super::journal::{self, Journal};
 use super::place::{Entry, Place};
-use super::records::{LEASE_PREFIX, QUARANTINE_PREFIX};
+use super::records::{HELD_PREFIX, LEASE_PREFIX, QUARANTINE_PREFIX};
 use super::wire::Message;
 use super::KeeperError;
 use parking_lot::Mutex;
@@ -43,6 +43,7 @@ fn is_ours(name: &str) -> bool {
     journal::generation_of(name).is_some()
         || name.starts_with(LEASE_PREFIX)
         || name.starts_with(QUARANTINE_PREFIX)
+        || name.starts_with(HELD_PREFIX)
 }
 
 /// The descriptors of ours systemd handed back at this start, with their names (others,
@@ -61,6 +62,24 @@ pub fn take_handed_back() -> Vec<(String, OwnedFd)> {
             Vec::new()
         }
     }
+}
+
+/// An ended lease's memory kept under `key` (its quarantine or held block) is the same
+/// descriptor its lease was stored with, and systemd stores a descriptor once, under its
+/// first name: the lease's name leaves the store first, so the descriptor is stored under
+/// the new one (the lease's record, whose removal follows, then has none).
+fn moved_from_its_lease(inner: &mut Inner, key: &str) -> io::Result<()> {
+    let id = key
+        .strip_prefix(QUARANTINE_PREFIX)
+        .or_else(|| key.strip_prefix(HELD_PREFIX));
+    let Some(id) = id else {
+        return Ok(());
+    };
+    let lease = format!("{LEASE_PREFIX}{id}");
+    if inner.stored.remove(&lease) {
+        unstore(&inner.sock, &lease)?;
+    }
+    Ok(())
 }
 
 fn connect_notify_socket() -> io::Result<UnixDatagram> {
@@ -338,6 +357,7 @@ impl Place for FdStore {
         let mut inner = self.inner.lock();
         let r = (|| {
             if let Some(fd) = fd {
+                moved_from_its_lease(&mut inner, &key)?;
                 self.store_lease(&mut inner, &key, fd)?;
             }
             inner.journal.append(&Message::Put { key, record })?;

@@ -45,6 +45,10 @@ pub struct Control {
     pub visible_devices: Option<String>,
     /// Deadline of each call.
     pub timeout: Duration,
+    /// The daemon is started and stopped by someone else (its own systemd unit,
+    /// `deploy/gpu-broker-mps.service`), so that it outlives the broker's restarts: the
+    /// broker only adopts it, never starts or quits it.
+    pub external: bool,
 }
 
 /// Longest answer read from one command (a client list of a busy server fits easily).

@@ -50,6 +50,13 @@ pub struct MpsFlags {
     #[arg(long, env = "GPU_BROKER_MPS_LOG_DIR")]
     pub mps_log_dir: Option<PathBuf>,
 
+    /// The MPS control daemon runs in its own unit (`deploy/gpu-broker-mps.service`, same
+    /// pipe directory), so that a broker restart or stop leaves it and its servers to the
+    /// reserved processes: the broker adopts it and waits for it, and never starts or
+    /// quits it (docs/mps.md).
+    #[arg(long, env = "GPU_BROKER_MPS_EXTERNAL_DAEMON")]
+    pub mps_external_daemon: bool,
+
     /// How often the MPS daemon is checked (and restarted, with backoff, when it does not
     /// answer).
     #[arg(long, env = "GPU_BROKER_MPS_HEALTH_INTERVAL", default_value = crate::defaults::text(crate::defaults::MPS_HEALTH_INTERVAL), value_parser = crate::units::parse_duration)]
@@ -90,6 +97,7 @@ impl MpsFlags {
                     .join(",")
             }),
             timeout: Duration::from_secs(5),
+            external: self.mps_external_daemon,
         }
     }
 
@@ -200,7 +208,8 @@ impl Mps {
         ))
     }
 
-    /// Stops supervising and stops the daemon (`quit`; killed if it stays). Idempotent.
+    /// Stops supervising and stops the daemon (`quit`; killed if it stays), unless it is
+    /// an external one (left running). Idempotent.
     pub async fn shutdown(&self) {
         self.stop.cancel();
         let task = self.task.lock().take();

@@ -2,7 +2,8 @@
 //! still answers in our pipe directory, after a broker restart), checks every interval
 //! that it answers, records its servers and clients, starts it again with exponential
 //! backoff when it stops answering, and at shutdown sends `quit` and makes sure the
-//! daemon is gone. The state it records is what [`super::Mps`] shows and admits by.
+//! daemon is gone. An external daemon (`--mps-external-daemon`, its own systemd unit) is
+//! only adopted and watched: never started, restarted or quit. The state it records is what [`super::Mps`] shows and admits by.
 
 use super::control::{parse_pids, Control};
 use super::status::{MpsState, MpsStatus};
@@ -84,8 +85,20 @@ impl Shared {
         s.clients = clients;
     }
 
-    /// Starts a daemon (unless one of ours answers already) and waits until it answers.
+    /// Starts a daemon (unless one of ours answers already) and waits until it answers;
+    /// an external one is only looked for.
     async fn start(&self) -> Result<(), String> {
+        if self.control.external {
+            let (pid, servers, clients) = self.probe().await.map_err(|e| {
+                format!(
+                    "no MPS control daemon answers in {} (its own unit starts it: systemctl status gpu-broker-mps): {e}",
+                    self.control.pipe_dir.display()
+                )
+            })?;
+            tracing::info!(?pid, "the external MPS control daemon answers: adopted");
+            self.record(pid, servers, clients);
+            return Ok(());
+        }
         for dir in [&self.control.pipe_dir, &self.control.log_dir] {
             let d = dir.clone();
             tokio::task::spawn_blocking(move || make_private_dir(&d))
@@ -126,6 +139,12 @@ impl Shared {
     /// Sends `quit` and waits (up to the start timeout) for the daemon to go; kills it if
     /// it stays.
     pub(crate) async fn quit(&self) {
+        if self.control.external {
+            // Its own unit's: it serves the reserved processes on after the broker.
+            tracing::info!("the external MPS control daemon is left running");
+            self.set(MpsState::Stopped, None);
+            return;
+        }
         let pid = self.control.daemon_pid();
         match self.control.send("quit").await {
             Ok(_) => tracing::info!(?pid, "MPS control daemon: quit sent"),

@@ -34,6 +34,7 @@ impl Fixture {
             log_dir: self.dir.path().join("log"),
             visible_devices: Some("0,1".into()),
             timeout: Duration::from_secs(5),
+            external: false,
         }
     }
 
@@ -250,4 +251,53 @@ async fn a_missing_control_binary_is_down_with_the_reason() {
     ));
     mps.shutdown().await;
     assert_eq!(mps.status().state, MpsState::Stopped);
+}
+
+/// An external daemon (its own unit's, started in the foreground) is adopted, waited for
+/// while it does not answer (reservations refused meanwhile), never started by the broker
+/// and left running at its shutdown: a broker restart keeps it and its servers.
+#[tokio::test]
+async fn an_external_daemon_is_adopted_waited_for_and_left_running() {
+    let fx = Fixture::new();
+    let control = control::Control {
+        external: true,
+        ..fx.control()
+    };
+    let t = Timings {
+        start_timeout: Duration::from_millis(300),
+        ..fast()
+    };
+    let mps = Mps::start(control.clone(), t, 2, vec!["Default".into(); 2]).await;
+    assert_eq!(mps.status().state, MpsState::Down, "none answers yet");
+    assert!(
+        mps.status().last_error.contains("gpu-broker-mps"),
+        "{:?}",
+        mps.status()
+    );
+    assert!(mps.client_env(0, 1 << 30, 100).is_err());
+    // Its unit starts it.
+    let mut unit = std::process::Command::new(&control.binary)
+        .arg("-f")
+        .env("CUDA_MPS_PIPE_DIRECTORY", &control.pipe_dir)
+        .spawn()
+        .unwrap();
+    until("running", || mps.status().state == MpsState::Running).await;
+    let pid = mps.status().daemon_pid.unwrap();
+    assert_eq!(pid, unit.id());
+    mps.shutdown().await;
+    assert_eq!(fx.commands("quit"), 0, "{:?}", fx.lines());
+    assert!(
+        fx.starts().is_empty(),
+        "the broker started none: {:?}",
+        fx.lines()
+    );
+    assert!(alive(pid), "left running for its clients");
+    // The next broker adopts it.
+    let next = Mps::start(control, t, 2, vec!["Default".into(); 2]).await;
+    assert_eq!(next.status().state, MpsState::Running);
+    assert_eq!(next.status().daemon_pid, Some(pid));
+    next.shutdown().await;
+    assert!(alive(pid));
+    unit.kill().unwrap();
+    unit.wait().unwrap();
 }

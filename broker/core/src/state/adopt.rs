@@ -180,25 +180,19 @@ pub struct AdoptedQuarantine {
     pub tenant: String,
     pub device: u32,
     pub pid: Option<u32>,
+    /// When `pid` started (the record's, checked against the process by the shell).
+    pub pid_start: Option<u64>,
     pub destroy: bool,
 }
 
 impl State {
-    /// Pushes quarantine `id` (just made, of a lease of `session`) for the keeper: its
-    /// memory stays counted across a restart while its process lives.
-    pub(super) fn keep_quarantine(&mut self, id: Uuid, session: Uuid) {
+    /// Pushes quarantine `id` (just made) for the keeper: its memory stays counted across
+    /// a restart while its process lives.
+    pub(super) fn keep_quarantine(&mut self, id: Uuid) {
         if !self.keeping {
             return;
         }
-        let Some(q) = self.quarantine.get(&id) else {
-            return;
-        };
-        let pid_start = self
-            .sessions
-            .get(&session)
-            .filter(|s| s.peer.pid.is_some() && s.peer.pid == q.pid)
-            .and_then(|s| s.peer_start);
-        if let Some(k) = self.quarantine_kept(id, pid_start) {
+        if let Some(k) = self.quarantine_kept(id) {
             self.keep(|| k);
         }
     }
@@ -217,7 +211,8 @@ impl State {
         if self.ledger.get(&a.tenant).is_none() {
             return Err((NotAdopted::Tenant, block));
         }
-        if self.quarantine.contains_key(&a.lease) {
+        // Never beside a live lease of that id (the shell takes back one of them).
+        if self.quarantine.contains_key(&a.lease) || self.leases.get(&a.lease).is_some() {
             return Err((NotAdopted::Session, block));
         }
         let bytes = block.bytes();
@@ -232,6 +227,7 @@ impl State {
                 device: a.device,
                 block,
                 pid: a.pid,
+                pid_start: a.pid_start,
                 since: self.clock.now,
                 destroy: a.destroy,
                 // Its process's client let go of its retained blocks on the resume:

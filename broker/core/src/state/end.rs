@@ -131,10 +131,10 @@ impl State {
     pub fn end_lease(&mut self, id: Uuid, ending: Ending) -> Option<LeaseView> {
         let lease = self.leases.remove(&id)?;
         self.wake_queue();
-        self.keep(|| crate::effects::Keep::LeaseEnded(id));
-        if matches!(lease.state, LeaseState::ReclaimRequested { .. }) {
-            self.keep(|| crate::effects::Keep::ReclaimEnded(id));
-        }
+        // Its end is kept after what keeps its memory (a quarantine, a held block), so a
+        // crash between leaves the memory with the keeper: a restart takes back the
+        // quarantine or held block, not the lease.
+        let reclaim = matches!(lease.state, LeaseState::ReclaimRequested { .. });
         self.fx.push(Effect::ForgetTickets { lease: id });
         let view = self.view(&lease);
         if let Some(s) = self.sessions.get_mut(&lease.session) {
@@ -149,6 +149,7 @@ impl State {
             self.shared.recipients.remove(&id);
             self.sealing.remove(&id);
             self.ledger.uncharge_host(&tenant, bytes);
+            self.keep_lease_ended(id, reclaim);
             // Host fallback files are never reused: a surviving mapping reaches nobody.
             self.fx.free_host(block);
             return Some(view);
@@ -164,8 +165,17 @@ impl State {
         }
         // Importers of its publication, or other processes that fetched its descriptor,
         // may keep the block (`shared.rs`).
-        let Some((block, ending, destroy)) =
-            self.shared_lease_ended(id, &tenant, d, block, ending, lease.reservation)
+        let holder_start = self.start_of(lease.session, ending.holder());
+        let ended = super::shared::EndedLease {
+            id,
+            tenant: tenant.clone(),
+            device: d,
+            ending,
+            holder_start,
+            reservation: lease.reservation,
+            reclaim,
+        };
+        let Some((block, ending, destroy, publication)) = self.shared_lease_ended(ended, block)
         else {
             // Held for others (its reservation's bytes settled there).
             return Some(view);
@@ -194,6 +204,7 @@ impl State {
                         device: d,
                         block,
                         pid,
+                        pid_start: holder_start.filter(|_| pid == ending.holder()),
                         since: self.clock.now,
                         destroy,
                         retained_by,
@@ -201,17 +212,29 @@ impl State {
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease: id, pid });
-                self.keep_quarantine(id, lease.session);
+                self.keep_quarantine(id);
                 if let Some(session) = retained_by {
                     self.retained.entry(session).or_default().insert(id);
                 }
             }
+        }
+        self.keep_lease_ended(id, reclaim);
+        if let Some(p) = publication {
+            self.keep(|| crate::effects::Keep::PublicationEnded(p));
         }
         if let Some(r) = lease.reservation {
             let back = !ending.held();
             self.lease_left_reservation(r, bytes, back);
         }
         Some(view)
+    }
+
+    /// Keeps the end of lease `id` (and of its reclaim request when it had one).
+    pub(super) fn keep_lease_ended(&mut self, id: Uuid, reclaim: bool) {
+        self.keep(|| crate::effects::Keep::LeaseEnded(id));
+        if reclaim {
+            self.keep(|| crate::effects::Keep::ReclaimEnded(id));
+        }
     }
 
     /// The holder of quarantined memory is gone (`destroy`: or the timeout passed): the
@@ -262,6 +285,7 @@ impl State {
         gone: bool,
     ) -> Option<(Session, u64)> {
         let session = self.sessions.remove(&id)?;
+        self.ending_session = Some((id, session.peer.pid, session.peer_start));
         self.wake_queue();
         for w in self.queue.remove_session(id) {
             self.fx
@@ -281,6 +305,7 @@ impl State {
             self.end_lease(*lease, e);
         }
         self.shared_session_ended(id, &session.peer, gone);
+        self.ending_session = None;
         self.end_session_reservations(id);
         self.keep(|| crate::effects::Keep::SessionEnded(id));
         // Last: events pushed above still reach the session's stream.

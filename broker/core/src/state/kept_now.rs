@@ -22,10 +22,11 @@ impl State {
         out.extend(
             self.quarantine
                 .keys()
-                .filter_map(|id| self.quarantine_kept(*id, self.quarantine_pid_start(*id))),
+                .filter_map(|id| self.quarantine_kept(*id)),
         );
-        // After their leases and sessions: publications, the imports kept, session
-        // reservations, reclaim requests.
+        // After their leases and sessions: publications, blocks held for importers (with
+        // their publications), the imports kept (held by their session, or lingering),
+        // session reservations, reclaim requests.
         out.extend(
             self.shared
                 .pubs
@@ -33,13 +34,22 @@ impl State {
                 .filter_map(|id| self.publication_record(*id))
                 .map(Keep::Publication),
         );
-        for p in self.shared.pubs.values().filter(|p| p.lease_live) {
-            out.extend(
-                p.imports
-                    .values()
-                    .filter(|i| i.kept)
-                    .map(|i| Keep::Import(super::shared::import_record(p.id, i))),
-            );
+        out.extend(
+            self.shared
+                .held
+                .keys()
+                .filter_map(|lease| self.held_kept(*lease)),
+        );
+        for p in self.shared.pubs.values() {
+            for i in p.imports.values().filter(|i| i.kept) {
+                out.push(match i.lingering {
+                    None => Keep::Import(super::shared::import_record(p.id, i)),
+                    Some(_) => match self.lingering_kept(i.id) {
+                        Some(r) => Keep::Lingering(r),
+                        None => continue,
+                    },
+                });
+            }
         }
         out.extend(
             self.reservations
@@ -56,19 +66,10 @@ impl State {
         out
     }
 
-    /// The start time of the process of quarantine `id`, when a session of that process
-    /// is still open (else the shell reads it).
-    fn quarantine_pid_start(&self, id: Uuid) -> Option<u64> {
-        let pid = self.quarantine.get(&id)?.pid?;
-        self.sessions
-            .iter()
-            .find(|s| s.peer.pid == Some(pid))
-            .and_then(|s| s.peer_start)
-    }
-
-    /// Quarantine `id`'s record and its block's descriptor; `pid_start`: when its process
-    /// started, if known.
-    pub(super) fn quarantine_kept(&self, id: Uuid, pid_start: Option<u64>) -> Option<Keep> {
+    /// Quarantine `id`'s record and its block's descriptor, with the start time of its
+    /// process as it was when the quarantine was made (never read again later: the pid
+    /// may be another process's by then).
+    pub(super) fn quarantine_kept(&self, id: Uuid) -> Option<Keep> {
         let q = self.quarantine.get(&id)?;
         let crate::memory::Handle::Fd {
             fd, block_id, kind, ..
@@ -86,7 +87,7 @@ impl State {
             }
             .into(),
             pid: q.pid,
-            pid_start,
+            pid_start: q.pid_start,
             destroy: q.destroy,
             device_uuid: None,
         };
@@ -157,6 +158,18 @@ mod tests {
                 }
                 Keep::ReclaimEnded(id) => {
                     kept.remove(&kept::reclaim_key(&id));
+                }
+                Keep::Held(r, _) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::HeldLetGo(id) => {
+                    kept.remove(&kept::held_key(&id));
+                }
+                Keep::Lingering(r) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::LingeringEnded(id) => {
+                    kept.remove(&kept::lingering_key(&id));
                 }
             }
         }
@@ -268,5 +281,149 @@ mod tests {
             2 + 1 + 1 + 4,
             "two sessions, a lease, a quarantine, a publication, an import, a reservation, a reclaim request"
         );
+    }
+
+    /// A quarantine keeps the start time its process had when it was made (its session's
+    /// record): the push at the session's end and a relinked keeper's refill both carry
+    /// it, so neither leaves it to a later look at `/proc`, where a reused pid would be
+    /// taken for the holder.
+    #[test]
+    fn a_quarantine_keeps_its_process_start_from_when_it_was_made() {
+        let mut c = Core::new(1, 64 * MIB);
+        c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+        c.st.set_keeping(true);
+        let s = open(&mut c, "a", 7);
+        let l = grant(&mut c, "a", s, 4 * MIB);
+        let revoked = grant(&mut c, "a", s, 4 * MIB);
+        // Revoked while its session lives, then the session ends with its process alive.
+        c.st.end_lease(revoked, Ending::Quarantine { pid: Some(7) });
+        c.st.end_session(s, None, false);
+        let pushed: Vec<kept::QuarantineRecord> = keeps(c.st.take_effects().into_vec())
+            .into_iter()
+            .filter_map(|k| match k {
+                Keep::Quarantine(r, _) => Some(r),
+                _ => None,
+            })
+            .collect();
+        let starts = |rs: &[kept::QuarantineRecord]| {
+            let mut v: Vec<(String, Option<u32>, Option<u64>)> = rs
+                .iter()
+                .map(|r| (r.lease.clone(), r.pid, r.pid_start))
+                .collect();
+            v.sort();
+            v
+        };
+        let mut want = vec![
+            (l.to_string(), Some(7), Some(1007)),
+            (revoked.to_string(), Some(7), Some(1007)),
+        ];
+        want.sort();
+        assert_eq!(starts(&pushed), want, "pushed as they were made");
+        let refilled: Vec<kept::QuarantineRecord> =
+            c.st.kept_now()
+                .into_iter()
+                .filter_map(|k| match k {
+                    Keep::Quarantine(r, _) => Some(r),
+                    _ => None,
+                })
+                .collect();
+        assert_eq!(starts(&refilled), want, "a relinked keeper gets the same");
+    }
+
+    /// A published lease ends while imported: its block is held for the importers and
+    /// kept (`held/`, with its publication and a copy of its descriptor) before the lease's
+    /// end is; an importer's session ends while its process lives: its import lingers and
+    /// is kept (`lingering/`, the process's start from its session) before its `import/`
+    /// record goes. A keeper that applied every change holds what `kept_now` makes at
+    /// each step, and nothing of them once the last importer let go.
+    #[test]
+    fn held_blocks_and_lingering_imports_are_kept_until_let_go() {
+        let mut c = Core::new(1, 64 * MIB);
+        c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+        c.st.set_quota("b", quota(64 * MIB, 0)).unwrap();
+        c.st.set_keeping(true);
+        let mut mirror = Mirror::new();
+        let s1 = open(&mut c, "a", 7);
+        let s2 = open(&mut c, "b", 8);
+        let s3 = open(&mut c, "b", 9);
+        let l1 = grant(&mut c, "a", s1, 4 * MIB);
+        let fd = {
+            let crate::memory::Handle::Fd { fd, .. } =
+                &c.st.leases().get(&l1).unwrap().block.handle;
+            fd.clone()
+        };
+        let wall = c.st.clock().wall;
+        let p =
+            c.st.publish(super::super::NewPublication {
+                lease: l1,
+                publisher: "a".into(),
+                name: "w".into(),
+                readers: ["b".to_string()].into_iter().collect(),
+                published_at: wall,
+                fd,
+                enforced: false,
+                fd_counted: None,
+            })
+            .unwrap();
+        let i2 = c.st.import(p, "b", s2, Some(8)).unwrap();
+        c.st.import_delivered(i2);
+        let i3 = c.st.import(p, "b", s3, Some(9)).unwrap();
+        c.st.import_delivered(i3);
+        apply(&mut mirror, keeps(c.st.take_effects().into_vec()));
+
+        // The publisher lets go: held for the importers, kept before the lease's end.
+        c.st.end_lease(l1, Ending::Cache);
+        let changes = keeps(c.st.take_effects().into_vec());
+        let names: Vec<&str> = changes.iter().map(|k| k.name()).collect();
+        assert_eq!(names, ["held", "lease-ended", "publication-ended"]);
+        apply(&mut mirror, changes);
+        let held = &mirror[&kept::held_key(&l1)];
+        assert_eq!(held["publication"]["id"], p.to_string());
+        assert_eq!(held["publication"]["readers"][0], "b");
+        assert_eq!(held["bytes"], 4 * MIB);
+        let mut now = Mirror::new();
+        apply(&mut now, c.st.kept_now());
+        assert_eq!(now, mirror);
+        c.st.check_invariant().unwrap();
+
+        // An importer's session ends while its process lives: the import lingers, kept.
+        c.st.end_session(s2, None, false);
+        let changes = keeps(c.st.take_effects().into_vec());
+        let names: Vec<&str> = changes.iter().map(|k| k.name()).collect();
+        assert_eq!(names, ["lingering", "import-ended", "session-ended"]);
+        apply(&mut mirror, changes);
+        let l = &mirror[&kept::lingering_key(&i2)];
+        assert_eq!(l["waiters"], serde_json::json!([{"pid": 8, "start": 1008}]));
+        let mut now = Mirror::new();
+        apply(&mut now, c.st.kept_now());
+        assert_eq!(now, mirror);
+
+        // Its process exits, then the other importer's session ends with its process:
+        // everything is let go, and the keeper holds none of it.
+        c.st.import_waiter_gone(i2, Some(8));
+        c.st.end_session(s3, None, true);
+        let changes = keeps(c.st.take_effects().into_vec());
+        let names: Vec<&str> = changes.iter().map(|k| k.name()).collect();
+        assert_eq!(
+            names,
+            [
+                "lingering-ended",
+                "import-ended",
+                "held-let-go",
+                "session-ended"
+            ]
+        );
+        apply(&mut mirror, changes);
+        assert!(
+            !mirror.keys().any(|k| k.starts_with(kept::HELD_PREFIX)
+                || k.starts_with(kept::LINGERING_PREFIX)
+                || k.starts_with(kept::IMPORT_PREFIX)),
+            "{mirror:?}"
+        );
+        let mut now = Mirror::new();
+        apply(&mut now, c.st.kept_now());
+        assert_eq!(now, mirror);
+        assert_eq!(c.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
+        c.st.check_invariant().unwrap();
     }
 }

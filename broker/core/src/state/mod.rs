@@ -48,7 +48,7 @@ mod tests;
 mod transition_tests;
 
 pub use adopt::{Adopted, AdoptedQuarantine, NotAdopted};
-pub use adopt_shared::AdoptedImport;
+pub use adopt_shared::{AdoptedHeld, AdoptedHeldPublication, AdoptedImport, AdoptedLingering};
 pub use end::{Ending, Revoke};
 pub use queue::{Enqueued, QueueEnv};
 pub use shared::{Holding, NewPublication, SealCheck};
@@ -76,6 +76,10 @@ pub struct Quarantined {
     pub device: u32,
     pub block: Block,
     pub pid: Option<u32>,
+    /// When `pid` started (its session's peer start, taken when the quarantine was made):
+    /// a restarted or relinked keeper's record carries it, so a later reuse of the pid is
+    /// never taken for the holder.
+    pub pid_start: Option<u64>,
     pub since: Instant,
     /// Freed, never cached, when lifted: the block was published (or its memfd sealed
     /// for a publish), so others may hold its descriptor.
@@ -155,6 +159,9 @@ pub struct State {
     /// A keeper holds sessions and leases across restarts: their changes are pushed as
     /// `Effect::Keep`.
     keeping: bool,
+    /// The session `end_session` is ending (it left the table first), its peer pid and
+    /// that process's start time: what its leases' quarantines record.
+    ending_session: Option<(Uuid, Option<u32>, Option<u64>)>,
 }
 
 impl State {
@@ -184,6 +191,7 @@ impl State {
             clock,
             ids: uuid::ContextV7::new(),
             keeping: false,
+            ending_session: None,
         }
     }
 
@@ -196,6 +204,19 @@ impl State {
     fn keep(&mut self, k: impl FnOnce() -> crate::effects::Keep) {
         if self.keeping {
             self.fx.push(crate::effects::Effect::Keep { change: k() });
+        }
+    }
+
+    /// When process `pid` of session `session` started, as the session recorded it (an
+    /// open session, or the one being ended); None for another pid or an unknown start.
+    fn start_of(&self, session: Uuid, pid: Option<u32>) -> Option<u64> {
+        let pid = pid?;
+        match self.sessions.get(&session) {
+            Some(s) => s.peer_start.filter(|_| s.peer.pid == Some(pid)),
+            None => self
+                .ending_session
+                .filter(|(id, p, _)| *id == session && *p == Some(pid))
+                .and_then(|(_, _, start)| start),
         }
     }
 

@@ -42,6 +42,29 @@ pub struct NewPublication {
     pub fd_counted: Option<crate::fd_budget::FdHeld>,
 }
 
+/// A lease that just ended, as [`State::shared_lease_ended`] reads it.
+#[derive(Debug)]
+pub(super) struct EndedLease {
+    pub id: Uuid,
+    pub tenant: String,
+    pub device: u32,
+    pub ending: Ending,
+    /// When the process that may map it (`ending.holder()`) started, if known.
+    pub holder_start: Option<u64>,
+    /// The process reservation it was drawn from.
+    pub reservation: Option<Uuid>,
+    /// Its holder had been asked for it back (its reclaim record goes with it).
+    pub reclaim: bool,
+}
+
+/// A memory kind as records name it.
+pub(super) fn kind_name(kind: MemoryKind) -> &'static str {
+    match kind {
+        MemoryKind::CudaVmm => "cuda-vmm",
+        MemoryKind::HostMemfd => "host-memfd",
+    }
+}
+
 /// What processes counted alive without a look may map: an ended lease's held block, or a
 /// lingering import (`Effect::CheckGone`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -290,6 +313,7 @@ impl State {
             tenant: tenant.to_string(),
             session,
             pid,
+            pid_start: self.start_of(session, pid),
             created: self.clock.wall,
             lingering: None,
             kept: false,
@@ -410,19 +434,27 @@ impl State {
     }
 
     /// Hook of [`State::end_lease`] (after the lease left the table and its charge became
-    /// free): returns the block, how it ends and whether it must never be cached (it was
-    /// published or sealed: a quarantine of it frees it), or `None` when it is held here because
-    /// importers or other processes may still map it (then this settles the bytes drawn
-    /// from `reservation`, now or once its recipients were looked at).
-    pub fn shared_lease_ended(
+    /// free): returns the block, how it ends, whether it must never be cached (it was
+    /// published or sealed: a quarantine of it frees it) and the publication that ended
+    /// with it (the caller keeps its end after the lease's), or `None` when it is held
+    /// here because importers or other processes may still map it (then this settles the
+    /// bytes drawn from its reservation, now or once its recipients were looked at, and
+    /// keeps the lease's end: a block held for importers is kept before it, so its
+    /// descriptor never leaves the keeper meanwhile).
+    pub(super) fn shared_lease_ended(
         &mut self,
-        lease: Uuid,
-        tenant: &str,
-        device: u32,
+        e: EndedLease,
         block: Block,
-        ending: Ending,
-        reservation: Option<Uuid>,
-    ) -> Option<(Block, Ending, bool)> {
+    ) -> Option<(Block, Ending, bool, Option<Uuid>)> {
+        let EndedLease {
+            id: lease,
+            ref tenant,
+            device,
+            ending,
+            holder_start,
+            reservation,
+            reclaim,
+        } = e;
         let publication = self.shared.by_lease.get(&lease).copied();
         // A publish sealing it (with no lock held) may not have published it yet.
         let sealed = self.sealing.remove(&lease);
@@ -437,11 +469,10 @@ impl State {
                 Ending::Cache if sealed => Ending::Destroy,
                 e => e,
             };
-            return Some((block, ending, sealed));
+            return Some((block, ending, sealed, None));
         }
         let mut imported = false;
         if let Some(pid) = publication {
-            self.keep(|| crate::effects::Keep::PublicationEnded(pid));
             if let Some(p) = self.shared.pubs.get_mut(&pid) {
                 p.lease_live = false;
                 imported = !p.imports.is_empty();
@@ -462,7 +493,7 @@ impl State {
                 Ending::Cache if destroy => Ending::Destroy,
                 e => e,
             };
-            return Some((block, ending, never_cached));
+            return Some((block, ending, never_cached, publication));
         }
         let bytes = block.bytes();
         self.pools[device as usize].release_to_quarantine(bytes);
@@ -516,14 +547,90 @@ impl State {
                 waiters,
                 destroy,
                 holder,
+                holder_start,
+                // Held for importers: kept (below) while the keeper is.
+                kept: imported && self.keeping,
             },
         );
-        if !imported {
-            if let Some(pid) = publication {
+        if imported {
+            if let Some(k) = self.held_kept(lease) {
+                self.keep(|| k);
+            }
+        }
+        self.keep_lease_ended(lease, reclaim);
+        if let Some(pid) = publication {
+            // Its record goes: a held block's record carries it now.
+            self.keep(|| crate::effects::Keep::PublicationEnded(pid));
+            if !imported {
                 self.forget_publication(pid);
             }
         }
         None
+    }
+
+    /// Held block `lease`'s record and a copy of its descriptor (while it is kept).
+    pub(super) fn held_kept(&self, lease: Uuid) -> Option<crate::effects::Keep> {
+        use crate::kept::{HeldPublicationRecord, HeldRecord, ProcessRecord};
+        let h = self.shared.held.get(&lease).filter(|h| h.kept)?;
+        let Handle::Fd {
+            fd, block_id, kind, ..
+        } = &h.block.handle;
+        let publication = h
+            .publication
+            .and_then(|id| self.shared.pubs.get(&id))
+            .map(|p| HeldPublicationRecord {
+                id: p.id.to_string(),
+                readers: p.readers.iter().cloned().collect(),
+                published_unix_ms: crate::kept::unix_ms(p.published_at),
+            });
+        let record = HeldRecord {
+            v: crate::kept::RECORD_VERSION,
+            lease: lease.to_string(),
+            tenant: h.tenant.clone(),
+            device: h.device,
+            bytes: h.block.bytes(),
+            block_id: *block_id,
+            kind: kind_name(*kind).into(),
+            publication,
+            waiters: h
+                .waiters
+                .pids
+                .iter()
+                .map(|&pid| ProcessRecord {
+                    pid,
+                    start: h.holder_start.filter(|_| Some(pid) == h.holder),
+                })
+                .collect(),
+            timeout: h.waiters.timeout,
+            destroy: h.destroy,
+            device_uuid: None,
+        };
+        Some(crate::effects::Keep::Held(record, fd.clone()))
+    }
+
+    /// Lingering import `import`'s record (while it is kept).
+    pub(super) fn lingering_kept(&self, import: Uuid) -> Option<crate::kept::LingeringRecord> {
+        let p = self.shared.of_import(&import)?;
+        let i = p.imports.get(&import).filter(|i| i.kept)?;
+        let w = i.lingering.as_ref()?;
+        Some(crate::kept::LingeringRecord {
+            v: crate::kept::RECORD_VERSION,
+            id: import.to_string(),
+            publication: p.id.to_string(),
+            tenant: i.tenant.clone(),
+            session: i.session.to_string(),
+            pid: i.pid,
+            created_unix_ms: crate::kept::unix_ms(i.created),
+            waiters: w
+                .pids
+                .iter()
+                .map(|&pid| crate::kept::ProcessRecord {
+                    pid,
+                    start: i.pid_start.filter(|_| Some(pid) == i.pid),
+                })
+                .collect(),
+            timeout: w.timeout,
+        })
     }
 
     /// Hook of `end_session`: the session's imports end (lingering while its process, or
@@ -588,19 +695,6 @@ impl State {
         }
         self.wake_queue();
         self.fx.push(Effect::ForgetTickets { lease: import });
-        if let Some(i) = self
-            .shared
-            .by_import
-            .get(&import)
-            .and_then(|p| self.shared.pubs.get_mut(p))
-            .and_then(|p| p.imports.get_mut(&import))
-            .filter(|i| i.kept)
-        {
-            // Its holder let go: a restarted broker has nothing of it to take back (a
-            // lingering import is not kept).
-            i.kept = false;
-            self.keep(|| crate::effects::Keep::ImportEnded(import));
-        }
         let recipients = self.shared.recipients.remove(&import).unwrap_or_default();
         let mut waiters = Waiters::default();
         if let Ending::Quarantine { pid } = ending {
@@ -612,7 +706,28 @@ impl State {
             }
         }
         waiters.pids.extend(recipients);
-        if waiters.is_empty() {
+        let lingers = !waiters.is_empty();
+        if let Some(i) = self
+            .shared
+            .by_import
+            .get(&import)
+            .and_then(|p| self.shared.pubs.get_mut(p))
+            .and_then(|p| p.imports.get_mut(&import))
+            .filter(|i| i.kept && i.lingering.is_none())
+        {
+            // Its holder let go: kept on as lingering while processes may map it (written
+            // before the import's record goes, so a crash between keeps one of them).
+            if lingers {
+                i.lingering = Some(waiters.clone());
+                if let Some(r) = self.lingering_kept(import) {
+                    self.keep(|| crate::effects::Keep::Lingering(r));
+                }
+            } else {
+                i.kept = false;
+            }
+            self.keep(|| crate::effects::Keep::ImportEnded(import));
+        }
+        if !lingers {
             self.end_import(import);
             return;
         }
@@ -654,7 +769,13 @@ impl State {
         let Some(pid) = self.shared.by_import.get(&import).copied() else {
             return;
         };
-        self.shared.remove_import(import);
+        if self
+            .shared
+            .remove_import(import)
+            .is_some_and(|i| i.kept && i.lingering.is_some())
+        {
+            self.keep(|| crate::effects::Keep::LingeringEnded(import));
+        }
         let Some(p) = self.shared.pubs.get_mut(&pid) else {
             return;
         };
@@ -680,12 +801,17 @@ impl State {
                 if let Some(w) = &import.lingering {
                     unwatch_import(&mut self.fx, i, w);
                 }
+                match (import.kept, import.lingering.is_some()) {
+                    (true, true) => self.keep(|| crate::effects::Keep::LingeringEnded(i)),
+                    (true, false) => self.keep(|| crate::effects::Keep::ImportEnded(i)),
+                    _ => {}
+                }
             }
         }
     }
 
     /// Frees (or caches) a held block once nobody may map it.
-    fn maybe_lift(&mut self, lease: Uuid) -> bool {
+    pub(super) fn maybe_lift(&mut self, lease: Uuid) -> bool {
         let done = self
             .shared
             .held
@@ -697,6 +823,9 @@ impl State {
         let Some(h) = self.shared.held.remove(&lease) else {
             return false;
         };
+        if h.kept {
+            self.keep(|| crate::effects::Keep::HeldLetGo(lease));
+        }
         let bytes = h.block.bytes();
         // Parked, and its recipients' watchers were quicker than the look: the bytes are
         // back (below), so are those drawn from a reservation.
@@ -773,6 +902,9 @@ impl State {
         let Some(h) = self.shared.held.remove(&lease) else {
             return false;
         };
+        if h.kept {
+            self.keep(|| crate::effects::Keep::HeldLetGo(lease));
+        }
         // Its own process (or the timeout) no longer waits here, but in its quarantine.
         unwatch_held(&mut self.fx, lease, &h.waiters);
         let ending = match parked.ending {
@@ -801,6 +933,7 @@ impl State {
                         device: h.device,
                         block: h.block,
                         pid,
+                        pid_start: h.holder_start.filter(|_| pid == h.holder),
                         since: h.since,
                         destroy: h.destroy,
                         retained_by: None,
@@ -808,6 +941,7 @@ impl State {
                     },
                 );
                 self.fx.watch(Watch::Quarantine { lease, pid });
+                self.keep_quarantine(lease);
             }
         }
         let back = !ending.held();
@@ -889,6 +1023,9 @@ impl State {
     /// Shutdown: a held block is freed, whoever may still map it.
     pub fn free_held(&mut self, lease: Uuid) {
         if let Some(h) = self.shared.held.remove(&lease) {
+            if h.kept {
+                self.keep(|| crate::effects::Keep::HeldLetGo(lease));
+            }
             self.unchecked.remove(&lease);
             unwatch_held(&mut self.fx, lease, &h.waiters);
             self.pools[h.device as usize].unquarantine_destroyed(h.block.bytes());

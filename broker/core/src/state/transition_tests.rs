@@ -779,6 +779,134 @@ fn stranded_memory_is_let_go_when_the_shell_sees_it_let_go() {
     c.st.check_invariant().unwrap();
 }
 
+/// A restart takes back a block held for importers (counted to the publisher as
+/// quarantined again), its publication (by id, unpublished), a lingering import whose
+/// process lives and an import of a session taken back (never beside a live lease of its
+/// id); a held block nobody imports any more is let go at once. Afterwards the books go on as before the restart: the
+/// block is freed, uncharged, and its record ends, when the last importer lets go.
+#[test]
+fn kept_held_blocks_and_lingering_imports_are_taken_back() {
+    use super::adopt::Adopted;
+    use super::adopt_shared::{
+        AdoptedHeld, AdoptedHeldPublication, AdoptedImport, AdoptedLingering,
+    };
+    use crate::effects::Keep;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    c.st.set_quota("b", quota(64 * MIB, 0)).unwrap();
+    let sb = session("b", Some(9));
+    let sb_id = sb.id;
+    c.st.adopt_session(sb).unwrap();
+    let sa = session("a", Some(7));
+    let sa_id = sa.id;
+    c.st.adopt_session(sa).unwrap();
+    let held = |lease| AdoptedHeld {
+        lease,
+        tenant: "a".into(),
+        device: 0,
+        waiters: Default::default(),
+        timeout: false,
+        destroy: true,
+    };
+    let (lease, idle) = (Uuid::new_v4(), Uuid::new_v4());
+    let block = c.block(4 * MIB);
+    let crate::memory::Handle::Fd { fd, .. } = &block.handle;
+    let fd = fd.clone();
+    c.st.adopt_held(held(lease), block).unwrap();
+    let b = c.block(4 * MIB);
+    c.st.adopt_held(held(idle), b).unwrap();
+    // Never beside a live lease of its id.
+    let live = Uuid::new_v4();
+    let b = c.block(4 * MIB);
+    c.st.adopt_lease(
+        Adopted {
+            id: live,
+            tenant: "a".into(),
+            session: sa_id,
+            device: 0,
+            requested_bytes: 4 * MIB,
+            label: String::new(),
+            reclaimable: false,
+            created: SystemTime::UNIX_EPOCH,
+            priority: 0,
+            reservation: None,
+        },
+        b,
+    )
+    .unwrap();
+    let b = c.block(4 * MIB);
+    assert!(c.st.adopt_held(held(live), b).is_err());
+    let publication = Uuid::new_v4();
+    c.st.adopt_held_publication(
+        lease,
+        AdoptedHeldPublication {
+            id: publication,
+            readers: ["b".to_string()].into_iter().collect(),
+            published_at: SystemTime::UNIX_EPOCH,
+            fd,
+            enforced: false,
+            fd_counted: None,
+        },
+    )
+    .unwrap();
+    let import = |session| AdoptedImport {
+        id: Uuid::new_v4(),
+        publication,
+        tenant: "b".into(),
+        session,
+        pid: Some(8),
+        created: SystemTime::UNIX_EPOCH,
+    };
+    let lingering = import(Uuid::now_v7());
+    c.st.adopt_lingering(AdoptedLingering {
+        import: lingering.clone(),
+        pid_start: Some(1234),
+        waiters: [8].into_iter().collect(),
+        timeout: false,
+    })
+    .unwrap();
+    let live_import = AdoptedImport {
+        pid: Some(9),
+        ..import(sb_id)
+    };
+    c.st.adopt_import(live_import.clone()).unwrap();
+    assert_eq!(c.st.settle_adopted_held(), vec![idle], "nobody imports it");
+    let fx = c.st.take_effects().into_vec();
+    assert!(
+        !fx.iter().any(|e| matches!(e, Effect::Keep { .. })),
+        "{fx:?}"
+    );
+    assert!(
+        fx.iter().any(|e| matches!(e, Effect::Free { .. })),
+        "{fx:?}"
+    );
+    assert_eq!(
+        c.st.ledger().get("a").unwrap().usage.quarantined_bytes,
+        4 * MIB
+    );
+    c.st.check_invariant().unwrap();
+
+    c.st.set_keeping(true);
+    c.st.import_waiter_gone(lingering.id, Some(8));
+    c.st.import_let_go(live_import.id, super::Ending::Cache);
+    let fx = c.st.take_effects().into_vec();
+    let kept: Vec<&str> = fx
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Keep { change } => Some(change.name()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(kept, ["lingering-ended", "import-ended", "held-let-go"]);
+    assert!(
+        fx.iter()
+            .any(|e| matches!(e, Effect::Keep { change: Keep::HeldLetGo(l) } if *l == lease)),
+        "{fx:?}"
+    );
+    assert_eq!(c.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
+    c.st.check_invariant().unwrap();
+}
+
 /// Memory processes the broker never recorded may keep: when its last named process
 /// exits it stays charged until the shell has looked; the processes that look finds are
 /// named and watched in turn, and a look that finds none lets it go.
