@@ -452,30 +452,34 @@ impl Arbiter {
                 };
             }
         }
-        for id in look_again {
-            self.look_again_for_holders(id);
-        }
+        self.look_again_for_holders(look_again);
     }
 
-    /// Every named process of stranded memory `id` exited: looks (NVML, `/proc`: off the
+    /// Every named process of stranded memory `ids` exited: looks (NVML, `/proc`: off the
     /// runtime) for processes near them that may keep it still, named and watched in
-    /// turn; none found lets it go (`kept_holders.rs`).
-    fn look_again_for_holders(&self, id: uuid::Uuid) {
+    /// turn; none found lets it go (`kept_holders.rs`). One after another on one blocking
+    /// thread: one exit may end the names of a tenant's every kept block.
+    fn look_again_for_holders(&self, ids: Vec<uuid::Uuid>) {
+        if ids.is_empty() {
+            return;
+        }
         let Some(finder) = self.kept_holders().cloned() else {
             return;
         };
         let me = self.me.clone();
         let look = move || {
-            let found = finder.look_again(id);
-            let Some(arb) = me.upgrade() else { return };
-            let mut st = arb.lock();
-            st.stranded_rechecked(id, found.iter().copied());
-            if !st.is_stranded(id) {
-                finder.forget(id);
-            }
-            drop(st);
-            if !found.is_empty() {
-                tracing::info!(%id, ?found, "memory kept after its free: its named processes exited, processes near them with a context on the device may keep it; still charged");
+            for id in ids {
+                let found = finder.look_again(id);
+                let Some(arb) = me.upgrade() else { return };
+                let mut st = arb.lock();
+                st.stranded_rechecked(id, found.iter().copied());
+                if !st.is_stranded(id) {
+                    finder.forget(id);
+                }
+                drop(st);
+                if !found.is_empty() {
+                    tracing::info!(%id, ?found, "memory kept after its free: its named processes exited, processes near them with a context on the device may keep it; still charged");
+                }
             }
         };
         match tokio::runtime::Handle::try_current() {

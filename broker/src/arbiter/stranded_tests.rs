@@ -728,3 +728,58 @@ async fn a_child_of_another_tenants_importer_is_charged_to_that_tenant() {
     arb.lock().check_invariant().unwrap();
     std::mem::forget((_rxp, _rxi));
 }
+
+/// Counts how many lists run at once; each takes a while (NVML on a busy node).
+#[derive(Default)]
+struct SlowLister {
+    running: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+}
+
+impl crate::kept_holders::ContextLister for SlowLister {
+    fn processes_on(&self, _uuid: &str) -> Option<Vec<u32>> {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(30));
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        Some(Vec::new())
+    }
+}
+
+/// One process named by many blocks' kept memory exits: the looks for processes near it
+/// run one after another on one blocking thread, not one thread each (a tenant's one
+/// exit must not occupy the blocking pool with NVML and `/proc` work); every block is let
+/// go.
+#[tokio::test]
+async fn one_exit_ending_many_blocks_names_looks_for_them_on_one_thread() {
+    let switch = FaultSwitch::default();
+    let lister = Arc::new(SlowLister::default());
+    let arb = keeping_arbiter(&switch);
+    let finder = crate::kept_holders::HolderFinder::with_own(
+        lister.clone(),
+        crate::kept_holders::Place::nowhere(),
+    );
+    assert!(arb.find_kept_holders_with(finder));
+    let (mut holder, _) = live_process();
+    let place = crate::kept_holders::Place::read(holder.id()).unwrap();
+    for _ in 0..8 {
+        let id = arb
+            .lock()
+            .stranded_rechecking("a", 0, MIB, [holder.id()])
+            .unwrap();
+        arb.kept_holders()
+            .unwrap()
+            .watch(id, "GPU-x", vec![place.clone()]);
+    }
+    assert_eq!(held_by_a(&arb), 8 * MIB);
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "every block let go, held {}",
+        held_by_a(&arb)
+    );
+    assert_eq!(lister.most.load(Ordering::SeqCst), 1, "looks ran at once");
+    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    arb.lock().check_invariant().unwrap();
+}
