@@ -140,9 +140,12 @@ impl HolderFinder {
         }
     }
 
-    /// Remembers live process `pid`'s place (read from `/proc` unless already known).
+    /// Remembers live process `pid`'s place (read from `/proc` unless known for this very
+    /// process: a place remembered for an earlier process of the pid is replaced, or the
+    /// later one's would be lost once it exits).
     pub fn remember(&self, pid: u32) {
-        if self.places.lock().by_pid.contains_key(&pid) {
+        let known = self.places.lock().by_pid.get(&pid).map(|p| p.start);
+        if known.is_some_and(|start| start.is_some() && start == crate::process::start_ticks(pid)) {
             return;
         }
         if let Some(p) = Place::read(pid) {
@@ -152,8 +155,14 @@ impl HolderFinder {
 
     fn keep(&self, p: Place) {
         let mut r = self.places.lock();
-        if r.by_pid.insert(p.pid, p.clone()).is_none() {
-            r.order.push_back(p.pid);
+        match r.by_pid.insert(p.pid, p.clone()) {
+            None => r.order.push_back(p.pid),
+            // Another process of the pid: the newest seen, forgotten last.
+            Some(old) if old.start != p.start => {
+                r.order.retain(|&q| q != p.pid);
+                r.order.push_back(p.pid);
+            }
+            Some(_) => {}
         }
         while r.order.len() > REMEMBERED {
             if let Some(old) = r.order.pop_front() {
@@ -388,5 +397,43 @@ mod tests {
         unsafe { libc::kill(grandchild as i32, libc::SIGKILL) };
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    /// A pid remembered for an earlier process and now run by a later one that the
+    /// broker sees (its session opens) is remembered as the later one: when that one
+    /// exits before its block is freed, the processes near it are still found.
+    #[test]
+    fn a_reused_pid_is_remembered_as_its_newest_process() {
+        let mut worker = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let mut near = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let finder = HolderFinder::with_own(Arc::new(Listed(vec![near.id()])), Place::nowhere());
+        // An earlier process of the worker's pid, elsewhere, remembered long ago.
+        finder.keep(Place {
+            pid: worker.id(),
+            start: Some(1),
+            uid: None,
+            cgroup: Some("0::/elsewhere".into()),
+            pid_ns: None,
+        });
+        finder.remember(worker.id());
+        worker.kill().unwrap();
+        worker.wait().unwrap();
+        let (found, _) = finder.find("GPU-x", &[worker.id()], &[]);
+        assert_eq!(
+            found,
+            vec![Found {
+                pid: near.id(),
+                near: worker.id()
+            }],
+            "the process of the worker's cgroup is found near the worker as it was"
+        );
+        near.kill().unwrap();
+        near.wait().unwrap();
     }
 }

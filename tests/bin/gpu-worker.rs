@@ -1237,20 +1237,22 @@ impl KeptCase<'_> {
             say(format!("  {line}"));
             Ok(line)
         };
-        let (mut child, mut granted, mut mapped) = (None, 0u64, None);
+        // Whatever fails from the moment it is named, the child does not outlive the
+        // check with the memory (a worker that fails after the hand-off leaves it mapped).
+        let (mut reap, mut granted, mut mapped) = (None, 0u64, None);
         while granted == 0 {
             let line = next_line().await?;
             let mut w = line.split_whitespace();
             match (w.next(), w.next(), w.next()) {
-                (Some("PARENT"), Some("CHILD"), Some(pid)) => child = pid.parse::<u32>().ok(),
+                (Some("PARENT"), Some("CHILD"), Some(pid)) => {
+                    reap = pid.parse::<u32>().ok().map(KillOnDrop)
+                }
                 (Some("CHILD"), Some("MAPPED"), Some(bad)) => mapped = Some(bad.to_string()),
                 (Some("PARENT"), Some("RELEASED"), Some(b)) => granted = b.parse()?,
                 _ => {}
             }
         }
-        let child = child.context("the worker named no child")?;
-        // Whatever fails below, the child does not outlive the check with the memory.
-        let _reap = KillOnDrop(child);
+        let child = reap.as_ref().context("the worker named no child")?.0;
         check(
             mapped.as_deref() == Some("0"),
             format!("the child (pid {child}) mapped the worker's lease with its own context and read every byte ({mapped:?})"),
@@ -1452,7 +1454,14 @@ fn kept_child(bytes: u64, size: u64, expect: u8) -> Result<()> {
         "CHILD READ-AFTER-PARENT {}",
         count_not(&m, bytes, expect)?
     ));
-    loop {
-        std::thread::park();
-    }
+    // Holds the mapping until killed, or until nobody reads its output any more: the
+    // check that would kill it is gone (killed itself), and the card gets the memory back.
+    let mut out = libc::pollfd {
+        fd: libc::STDOUT_FILENO,
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd; POLLERR (a pipe's reader gone) and POLLHUP need no events.
+    while unsafe { libc::poll(&mut out, 1, -1) } < 0 || out.revents == 0 {}
+    Ok(())
 }

@@ -66,7 +66,7 @@ impl Arbiter {
             .map(|(id, s)| (*id, s.device, s.pids.iter().copied().collect()))
             .collect();
         for (id, device, pids) in rechecked {
-            let Some(uuid) = self.uuid_of(device) else {
+            let Some(uuid) = self.devices.recorded_uuid(device) else {
                 continue;
             };
             let places = pids

@@ -452,35 +452,39 @@ impl Arbiter {
                 };
             }
         }
-        for id in look_again {
-            self.look_again_for_holders(id);
-        }
+        self.look_again_for_holders(look_again);
     }
 
-    /// Every named process of stranded memory `id` exited: looks (NVML, `/proc`: off the
+    /// Every named process of stranded memory `ids` exited: looks (NVML, `/proc`: off the
     /// runtime) for processes near them that may keep it still, named and watched in
-    /// turn; none found lets it go (`kept_holders.rs`).
-    fn look_again_for_holders(&self, id: uuid::Uuid) {
+    /// turn; none found lets it go (`kept_holders.rs`). One after another on one blocking
+    /// thread: one exit may end the names of a tenant's every kept block.
+    fn look_again_for_holders(&self, ids: Vec<uuid::Uuid>) {
+        if ids.is_empty() {
+            return;
+        }
         let Some(finder) = self.kept_holders().cloned() else {
             return;
         };
         let me = self.me.clone();
         let look = move || {
-            let found = finder.look_again(id);
-            let starts: Vec<(u32, u64)> = found
-                .iter()
-                .filter_map(|&p| crate::process::start_ticks(p).map(|s| (p, s)))
-                .collect();
-            let Some(arb) = me.upgrade() else { return };
-            let mut st = arb.lock();
-            st.stranded_rechecked(id, found.iter().copied());
-            st.stranded_holders_started(id, None, starts);
-            if !st.is_stranded(id) {
-                finder.forget(id);
-            }
-            drop(st);
-            if !found.is_empty() {
-                tracing::info!(%id, ?found, "memory kept after its free: its named processes exited, processes near them with a context on the device may keep it; still charged");
+            for id in ids {
+                let found = finder.look_again(id);
+                let starts: Vec<(u32, u64)> = found
+                    .iter()
+                    .filter_map(|&p| crate::process::start_ticks(p).map(|s| (p, s)))
+                    .collect();
+                let Some(arb) = me.upgrade() else { return };
+                let mut st = arb.lock();
+                st.stranded_rechecked(id, found.iter().copied());
+                st.stranded_holders_started(id, None, starts);
+                if !st.is_stranded(id) {
+                    finder.forget(id);
+                }
+                drop(st);
+                if !found.is_empty() {
+                    tracing::info!(%id, ?found, "memory kept after its free: its named processes exited, processes near them with a context on the device may keep it; still charged");
+                }
             }
         };
         match tokio::runtime::Handle::try_current() {
@@ -516,7 +520,7 @@ impl Arbiter {
             Effect::Reply { to, mut result, .. } => after.then(move || {
                 // The core leaves a reservation's device UUID to the shell.
                 if let Ok(Granted::Process(v)) = &mut result {
-                    v.device_uuid = self.device_uuid(v.device);
+                    v.device_uuid = self.devices.uuid(v.device);
                 }
                 self.answer(to, result)
             }),
@@ -584,8 +588,9 @@ impl Arbiter {
                         None => delivered += u32::from(ok),
                         Some(Ok(grant)) => {
                             tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
-                            let (_, more) =
-                                self.turn_hold(|t| t.give_back(&grant, std::time::Instant::now()));
+                            let (_, more) = self
+                                .scheduler
+                                .hold(|t| t.give_back(&grant, std::time::Instant::now()));
                             todo.extend(more);
                         }
                         Some(Err(_)) => {} // a refusal for nobody
@@ -608,7 +613,7 @@ impl Arbiter {
         rt.spawn(async move {
             tokio::time::sleep_until(at.into()).await;
             if let Some(arb) = me.upgrade() {
-                arb.turns(|t| t.expire_kept(std::time::Instant::now()));
+                arb.with_turns(|t| t.expire_kept(std::time::Instant::now()));
             }
         });
     }
@@ -647,7 +652,7 @@ impl Arbiter {
     fn answer(&self, to: WaiterId, result: BrokerResult<Granted>) {
         if let Some(Ok(g)) = self.outbox.reply(to, result) {
             if let Some(me) = self.me.upgrade() {
-                me.give_back(g);
+                me.give_back_grant(g);
             }
         }
     }
@@ -656,16 +661,16 @@ impl Arbiter {
 impl Arbiter {
     /// Ends a grant its caller never received (it went away before or just as the answer
     /// arrived): a lease is released as by its holder, a reservation ended. Locks the state.
-    pub(super) fn give_back(self: &Arc<Self>, granted: Granted) {
+    pub(super) fn give_back_grant(self: &Arc<Self>, granted: Granted) {
         let mut st = self.lock();
         match granted {
             Granted::Lease(view) => {
                 tracing::debug!(lease = %view.id, "caller gone before it received the grant; releasing");
-                self.end_lease(&mut st, view.id, super::Ending::Cache);
+                st.end_lease(view.id, super::Ending::Cache);
             }
             Granted::Process(view) => {
                 tracing::debug!(reservation = %view.id, "caller gone before it received the reservation; ending it");
-                self.end_reservation(&mut st, view.id);
+                st.end_reservation(view.id);
             }
         }
     }

@@ -729,6 +729,61 @@ async fn a_child_of_another_tenants_importer_is_charged_to_that_tenant() {
     std::mem::forget((_rxp, _rxi));
 }
 
+/// Counts how many lists run at once; each takes a while (NVML on a busy node).
+#[derive(Default)]
+struct SlowLister {
+    running: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+}
+
+impl crate::kept_holders::ContextLister for SlowLister {
+    fn processes_on(&self, _uuid: &str) -> Option<Vec<u32>> {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(30));
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        Some(Vec::new())
+    }
+}
+
+/// One process named by many blocks' kept memory exits: the looks for processes near it
+/// run one after another on one blocking thread, not one thread each (a tenant's one
+/// exit must not occupy the blocking pool with NVML and `/proc` work); every block is let
+/// go.
+#[tokio::test]
+async fn one_exit_ending_many_blocks_names_looks_for_them_on_one_thread() {
+    let switch = FaultSwitch::default();
+    let lister = Arc::new(SlowLister::default());
+    let arb = keeping_arbiter(&switch);
+    let finder = crate::kept_holders::HolderFinder::with_own(
+        lister.clone(),
+        crate::kept_holders::Place::nowhere(),
+    );
+    assert!(arb.find_kept_holders_with(finder));
+    let (mut holder, _) = live_process();
+    let place = crate::kept_holders::Place::read(holder.id()).unwrap();
+    for _ in 0..8 {
+        let id = arb
+            .lock()
+            .stranded_rechecking("a", 0, MIB, [holder.id()])
+            .unwrap();
+        arb.kept_holders()
+            .unwrap()
+            .watch(id, "GPU-x", vec![place.clone()]);
+    }
+    assert_eq!(held_by_a(&arb), 8 * MIB);
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "every block let go, held {}",
+        held_by_a(&arb)
+    );
+    assert_eq!(lister.most.load(Ordering::SeqCst), 1, "looks ran at once");
+    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    arb.lock().check_invariant().unwrap();
+}
+
 /// Memory kept after its free survives a broker restart: its charge is kept
 /// (`stranded/<id>`, naming the worker by pid and start time), a restarted broker reading
 /// that record charges it again to the same tenant and lifts it when the worker exits; a
@@ -767,10 +822,10 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
     // A restarted broker (a fresh arbiter over the same device) takes the charge back;
     // a record naming the worker's pid with another start is another process's: lifted.
     let restarted = keeping_arbiter(&FaultSwitch::default());
-    assert_eq!(record["device_uuid"], arb.device_uuid(0));
+    assert_eq!(record["device_uuid"], arb.devices.uuid(0));
     // The same device (simulated ones get a new UUID each).
     let mut record = record;
-    record["device_uuid"] = restarted.device_uuid(0).into();
+    record["device_uuid"] = restarted.devices.uuid(0).into();
     let mut reused: crate::keeper::records::StrandedRecord =
         serde_json::from_value(record.clone()).unwrap();
     reused.id = uuid::Uuid::new_v4().to_string();
