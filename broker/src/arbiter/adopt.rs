@@ -33,6 +33,18 @@ pub struct RestartReport {
     pub leases_adopted: usize,
     pub leases_reclaimed: usize,
     pub bytes_adopted: u64,
+    /// Blocks of ended leases held for importers: taken back, and let go (no importer
+    /// came back).
+    pub held_adopted: usize,
+    pub held_let_go: usize,
+    /// Imports let go while processes that may map them live: taken back, and ended.
+    pub lingering_adopted: usize,
+    pub lingering_ended: usize,
+    /// Charges of memory kept outside the broker after its free: charged again (and
+    /// their bytes), and lifted (no holder lives).
+    pub stranded_adopted: usize,
+    pub stranded_bytes: u64,
+    pub stranded_lifted: usize,
     /// Records this broker could not read (dropped).
     pub unreadable: usize,
     /// The start's wall time up to the last lease taken back and the kept drains: from
@@ -589,6 +601,7 @@ impl Arbiter {
         for (h, why) in std::mem::take(&mut taken.held_refused) {
             tracing::debug!(lease = %h.lease, tenant = %h.tenant, bytes = h.bytes, why, "kept held block let go");
             tally.add("kept blocks held for importers let go", why, h.bytes);
+            report.held_let_go += 1;
             link.remove(h.key());
         }
         taken
@@ -611,12 +624,23 @@ impl Arbiter {
             link.remove(q.key());
         }
         let held = std::mem::take(&mut taken.held);
+        report.held_adopted = held.len();
+        report.lingering_adopted = lingerings.len();
         for (key, why) in self.adopt_shared(publications, held, lingerings, imports, &mut alive) {
+            if key.starts_with(records::HELD_PREFIX) {
+                report.held_adopted -= 1;
+                report.held_let_go += 1;
+            } else if key.starts_with(records::LINGERING_PREFIX) {
+                report.lingering_adopted -= 1;
+                report.lingering_ended += 1;
+            }
             tally.add("kept publications and imports not taken back", why, 0);
             link.remove(key);
         }
         laps.lap("shared leases");
         let mut stranded = self.adopt_stranded(strandeds, &mut alive);
+        report.stranded_adopted = stranded.adopted;
+        report.stranded_bytes = stranded.bytes;
         stranded.lifted.extend(
             stranded_device_gone
                 .into_iter()
@@ -629,6 +653,7 @@ impl Arbiter {
                 why,
                 s.bytes,
             );
+            report.stranded_lifted += 1;
             link.remove(s.key());
         }
         laps.lap("stranded memory");
@@ -685,6 +710,11 @@ impl Arbiter {
             (report.sessions_adopted, report.sessions_reclaimed),
             (report.leases_adopted, report.leases_reclaimed),
         );
+        self.metrics.count_restart_kept(
+            (report.held_adopted, report.held_let_go),
+            (report.lingering_adopted, report.lingering_ended),
+            (report.stranded_adopted, report.stranded_lifted),
+        );
         tracing::info!(
             records = report.kept_records,
             sessions_adopted = report.sessions_adopted,
@@ -692,6 +722,9 @@ impl Arbiter {
             leases_adopted = report.leases_adopted,
             leases_reclaimed = report.leases_reclaimed,
             bytes_adopted = report.bytes_adopted,
+            held_adopted = report.held_adopted,
+            lingering_adopted = report.lingering_adopted,
+            stranded_adopted = report.stranded_adopted,
             unreadable = report.unreadable,
             took = ?report.took,
             phases = %report.phases_line(),

@@ -503,7 +503,17 @@ fn kept_held_blocks_come_back_with_their_importers() {
         entry(live.key(), &live, None),
         entry(reused.key(), &reused, None),
     ];
-    arb.adopt_from_keeper(place).unwrap();
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!(
+        (
+            report.held_adopted,
+            report.held_let_go,
+            report.lingering_adopted,
+            report.lingering_ended
+        ),
+        (1, 1, 1, 1),
+        "the report counts held blocks and lingering imports taken back and let go"
+    );
     let usage = |t: &str| arb.get_tenant(t).unwrap().usage;
     assert_eq!(
         (

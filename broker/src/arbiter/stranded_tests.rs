@@ -843,6 +843,24 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
     let report = restarted.adopt_from_keeper(place).unwrap();
     assert_eq!(report.unreadable, 0);
     assert_eq!(
+        (
+            report.stranded_adopted,
+            report.stranded_bytes,
+            report.stranded_lifted
+        ),
+        (1, 32 * MIB, 1),
+        "the report counts what was charged again and lifted"
+    );
+    let metrics = restarted
+        .metrics_text(crate::metrics::Format::PrometheusText)
+        .await;
+    for line in [
+        "gpu_broker_restart_kept_stranded_total{outcome=\"adopted\"} 1",
+        "gpu_broker_restart_kept_stranded_total{outcome=\"let_go\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
+    assert_eq!(
         held_by_a(&restarted),
         32 * MIB,
         "charged again to a; lifted: {:?}",
