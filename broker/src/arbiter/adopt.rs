@@ -572,7 +572,17 @@ impl Arbiter {
             link.remove(key);
         }
         laps.lap("sessions");
-        // Kept device memory, leases' and quarantines' alike (with their descriptors).
+        // Memory kept outside the broker whose holders live: charged again below.
+        let mut stranded_lifted = Vec::new();
+        let mut stranded_ready = Vec::new();
+        for r in strandeds {
+            match super::adopt_stranded::adoptable(&r, &mut alive) {
+                Ok(a) => stranded_ready.push((r, a)),
+                Err(why) => stranded_lifted.push((r, why)),
+            }
+        }
+        // Kept device memory, leases' and quarantines' alike (with their descriptors), and
+        // what processes keep of it outside the broker (charged again, so the broker's).
         let kept = leases
             .iter()
             .filter(|(r, fd)| fd.is_some() && r.tier == "device")
@@ -589,6 +599,7 @@ impl Arbiter {
                     .filter(|(_, fd)| fd.is_some())
                     .map(|(h, _)| (h.device, h.bytes)),
             )
+            .chain(stranded_ready.iter().map(|(r, _)| (r.device, r.bytes)))
             .collect::<Vec<_>>();
         self.count_kept_memory_as_ours(&kept);
         let mut taken =
@@ -638,7 +649,8 @@ impl Arbiter {
             link.remove(key);
         }
         laps.lap("shared leases");
-        let mut stranded = self.adopt_stranded(strandeds, &mut alive);
+        let mut stranded = self.adopt_stranded(stranded_ready);
+        stranded.lifted.extend(stranded_lifted);
         report.stranded_adopted = stranded.adopted;
         report.stranded_bytes = stranded.bytes;
         stranded.lifted.extend(

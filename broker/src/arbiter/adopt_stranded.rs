@@ -24,21 +24,14 @@ pub(super) struct StrandedTakenBack {
 }
 
 impl Arbiter {
-    /// Charges kept stranded memory `records` (their devices already this broker's
-    /// indexes) again, in one lock hold; what was not taken back is lifted.
+    /// Charges kept stranded memory `ready` (their devices already this broker's
+    /// indexes, their holders found alive: [`adoptable`]) again, in one lock hold; what
+    /// was not taken back is lifted.
     pub(super) fn adopt_stranded(
         &self,
-        records: Vec<StrandedRecord>,
-        alive: &mut Liveness,
+        ready: Vec<(StrandedRecord, AdoptedStranded)>,
     ) -> StrandedTakenBack {
         let mut out = StrandedTakenBack::default();
-        let mut ready = Vec::new();
-        for r in records {
-            match adoptable(&r, alive) {
-                Ok(a) => ready.push((r, a)),
-                Err(why) => out.lifted.push((r, why)),
-            }
-        }
         if ready.is_empty() {
             return out;
         }
@@ -79,7 +72,10 @@ impl Arbiter {
 }
 
 /// Kept stranded record `r` as the core takes it back, or why it is lifted.
-fn adoptable(r: &StrandedRecord, alive: &mut Liveness) -> Result<AdoptedStranded, &'static str> {
+pub(super) fn adoptable(
+    r: &StrandedRecord,
+    alive: &mut Liveness,
+) -> Result<AdoptedStranded, &'static str> {
     let id: Uuid = r.id.parse().map_err(|_| "unreadable id")?;
     let holders: std::collections::BTreeMap<u32, Option<u64>> =
         alive.alive(&r.holders).into_iter().collect();
