@@ -31,9 +31,11 @@ pub trait ContextLister: Send + Sync {
 /// unseen. `None` fields were unreadable and match nothing.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Place {
+    /// The process whose place it is.
     pub pid: u32,
     /// Start time (`/proc/PID/stat`): tells the process from a later one of its pid.
     pub start: Option<u64>,
+    /// Its real uid (`/proc/PID/status`).
     pub uid: Option<u32>,
     /// `/proc/PID/cgroup` as read.
     pub cgroup: Option<String>,
@@ -78,15 +80,32 @@ impl Place {
         Place::default()
     }
 
-    /// Does `self` share with `other` a place that `own` (the broker's) does not?
-    pub fn near(&self, other: &Place, own: &Place) -> bool {
+    /// The closest place `self` shares with `other` that `own` (the broker's) does not.
+    pub fn shared_with(&self, other: &Place, own: &Place) -> Option<Tie> {
         fn same<T: PartialEq>(a: &Option<T>, b: &Option<T>, own: &Option<T>) -> bool {
             a.is_some() && a == b && a != own
         }
-        same(&self.cgroup, &other.cgroup, &own.cgroup)
-            || same(&self.pid_ns, &other.pid_ns, &own.pid_ns)
-            || (self.uid != Some(0) && same(&self.uid, &other.uid, &own.uid))
+        if same(&self.pid_ns, &other.pid_ns, &own.pid_ns) {
+            Some(Tie::PidNamespace)
+        } else if same(&self.cgroup, &other.cgroup, &own.cgroup) {
+            Some(Tie::Cgroup)
+        } else if self.uid != Some(0) && same(&self.uid, &other.uid, &own.uid) {
+            Some(Tie::Uid)
+        } else {
+            None
+        }
     }
+}
+
+/// How a process found is tied to a recorded holder, closest first: where several
+/// holders (of several tenants) are near it, the closest answers for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Tie {
+    /// It descends from the holder, still alive.
+    Descendant,
+    PidNamespace,
+    Cgroup,
+    Uid,
 }
 
 /// A process found that may keep the memory, and the recorded holder it is near (whose
@@ -97,12 +116,22 @@ pub struct Found {
     pub near: u32,
 }
 
+/// What [`HolderFinder::find`] found.
+#[derive(Debug)]
+pub struct Finding {
+    /// The processes that may keep the memory.
+    pub found: Vec<Found>,
+    /// The places to look near when the last of them exits ([`HolderFinder::watch`]).
+    pub places: Vec<Arc<Place>>,
+}
+
 /// Stranded memory being watched: where to look again when its last process exits.
 #[derive(Debug)]
 struct Watched {
     uuid: String,
-    /// The recorded holders' places and those of the processes found near them.
-    places: Vec<Place>,
+    /// The recorded holders' places and those of the processes found near them, shared
+    /// with every other block watched near them.
+    places: Vec<Arc<Place>>,
     /// Processes seen exiting: not named again (NVML may list one a moment after).
     gone: HashSet<u32>,
 }
@@ -118,7 +147,7 @@ pub struct HolderFinder {
 
 #[derive(Default)]
 struct Remembered {
-    by_pid: HashMap<u32, Place>,
+    by_pid: HashMap<u32, Arc<Place>>,
     order: VecDeque<u32>,
 }
 
@@ -149,11 +178,11 @@ impl HolderFinder {
             return;
         }
         if let Some(p) = Place::read(pid) {
-            self.keep(p);
+            self.keep(Arc::new(p));
         }
     }
 
-    fn keep(&self, p: Place) {
+    fn keep(&self, p: Arc<Place>) {
         let mut r = self.places.lock();
         match r.by_pid.insert(p.pid, p.clone()) {
             None => r.order.push_back(p.pid),
@@ -173,34 +202,59 @@ impl HolderFinder {
 
     /// Process `pid`'s places: as read now when it lives, and as remembered when that was
     /// another process of the pid (either may be the one the block reached).
-    fn places_of(&self, pid: u32) -> Vec<Place> {
+    fn places_of(&self, pid: u32) -> Vec<Arc<Place>> {
         let known = self.places.lock().by_pid.get(&pid).cloned();
         let now = Place::read(pid);
         let mut out = Vec::new();
-        if let Some(k) = known {
-            if now.as_ref().is_none_or(|n| n.start != k.start) {
-                out.push(k);
+        match (known, now) {
+            // The very process remembered, where it was: its one shared place.
+            (Some(k), Some(n)) if *k == n => out.push(k),
+            (known, now) => {
+                if let Some(k) = known {
+                    if now.as_ref().is_none_or(|n| n.start != k.start) {
+                        out.push(k);
+                    }
+                }
+                if let Some(n) = now {
+                    let n = Arc::new(n);
+                    self.keep(n.clone());
+                    out.push(n);
+                }
             }
-        }
-        if let Some(n) = now {
-            self.keep(n.clone());
-            out.push(n);
         }
         out
     }
 
-    /// After a free on device `uuid` that did not give the memory back: the processes with
-    /// a context there, alive, not in `named` (already charged for) and not the broker,
-    /// near one of the `recorded` processes (or descended from a live one). Returns them
-    /// and the places to look near again ([`HolderFinder::watch`]).
-    pub fn find(&self, uuid: &str, recorded: &[u32], named: &[u32]) -> (Vec<Found>, Vec<Place>) {
-        let mut places: Vec<Place> = recorded.iter().flat_map(|&p| self.places_of(p)).collect();
-        let found = self.near(uuid, &places, named, &HashSet::new());
-        places.extend(found.iter().filter_map(|f| Place::read(f.pid)));
-        (found, places)
+    /// Live process `pid`'s place, shared with the one remembered when it is the same
+    /// process (a block watched near it costs a pointer, not a copy).
+    fn live_place(&self, pid: u32) -> Option<Arc<Place>> {
+        self.places_of(pid)
+            .pop()
+            .filter(|p| p.start == crate::process::start_ticks(pid))
     }
 
-    fn near(&self, uuid: &str, places: &[Place], named: &[u32], gone: &HashSet<u32>) -> Vec<Found> {
+    /// After a free on device `uuid` that did not give the memory back: the processes with
+    /// a context there, alive, not in `named` (already charged for) and not the broker,
+    /// near one of the `recorded` processes (or descended from a live one), each as the
+    /// one it is closest to ([`Tie`]), and the places to look near again
+    /// ([`HolderFinder::watch`]).
+    pub fn find(&self, uuid: &str, recorded: &[u32], named: &[u32]) -> Finding {
+        let mut places: Vec<Arc<Place>> =
+            recorded.iter().flat_map(|&p| self.places_of(p)).collect();
+        let found = self.on_device_near(uuid, &places, named, &HashSet::new());
+        places.extend(found.iter().filter_map(|f| self.live_place(f.pid)));
+        Finding { found, places }
+    }
+
+    /// The processes with a context on device `uuid` near one of `places`, but for the
+    /// broker, those `named` and those `gone`.
+    fn on_device_near(
+        &self,
+        uuid: &str,
+        places: &[Arc<Place>],
+        named: &[u32],
+        gone: &HashSet<u32>,
+    ) -> Vec<Found> {
         if places.is_empty() {
             return Vec::new();
         }
@@ -221,12 +275,24 @@ impl HolderFinder {
             };
             // Its ancestors, of which a recorded one still alive (same start) hands down.
             let lineage: Vec<u32> = crate::process::lineage(pid).skip(1).collect();
-            let near = places.iter().find(|h| {
-                place.near(h, &self.own)
-                    || (lineage.contains(&h.pid)
-                        && h.start.is_some()
-                        && crate::process::start_ticks(h.pid) == h.start)
-            });
+            let descends = |h: &Place| {
+                lineage.contains(&h.pid)
+                    && h.start.is_some()
+                    && crate::process::start_ticks(h.pid) == h.start
+            };
+            // The closest holder answers; of holders as close, the first recorded.
+            let near = places
+                .iter()
+                .filter_map(|h| {
+                    let tie = if descends(h) {
+                        Some(Tie::Descendant)
+                    } else {
+                        place.shared_with(h, &self.own)
+                    };
+                    tie.map(|t| (t, h))
+                })
+                .min_by_key(|(t, _)| *t)
+                .map(|(_, h)| h);
             if let Some(h) = near {
                 found.push(Found { pid, near: h.pid });
             }
@@ -236,7 +302,7 @@ impl HolderFinder {
 
     /// Watches stranded memory `id` on device `uuid`: near `places` when its last process
     /// exits ([`HolderFinder::look_again`]).
-    pub fn watch(&self, id: uuid::Uuid, uuid: &str, places: Vec<Place>) {
+    pub fn watch(&self, id: uuid::Uuid, uuid: &str, places: Vec<Arc<Place>>) {
         self.watched.lock().insert(
             id,
             Watched {
@@ -267,14 +333,14 @@ impl HolderFinder {
             return Vec::new();
         };
         let found: Vec<u32> = self
-            .near(&uuid, &places, &[], &gone)
+            .on_device_near(&uuid, &places, &[], &gone)
             .into_iter()
             .map(|f| f.pid)
             .collect();
         if found.is_empty() {
             self.forget(id);
         } else {
-            let more: Vec<Place> = found.iter().filter_map(|&p| Place::read(p)).collect();
+            let more: Vec<Arc<Place>> = found.iter().filter_map(|&p| self.live_place(p)).collect();
             if let Some(w) = self.watched.lock().get_mut(&id) {
                 for p in more {
                     if !w.places.contains(&p) {
@@ -324,22 +390,45 @@ mod tests {
         let own = place(1, 0, "0::/system.slice/gpu-broker.service", 100);
         let holder = place(10, 1000, "0::/kubepods/pod-a/c1", 200);
         // Its container's cgroup, its pid namespace, its uid: each alone is near.
-        assert!(place(11, 2000, "0::/kubepods/pod-a/c1", 300).near(&holder, &own));
-        assert!(place(12, 2000, "0::/x", 200).near(&holder, &own));
-        assert!(place(13, 1000, "0::/x", 300).near(&holder, &own));
+        let tie = |p: Place| p.shared_with(&holder, &own);
+        assert_eq!(
+            tie(place(11, 2000, "0::/kubepods/pod-a/c1", 300)),
+            Some(Tie::Cgroup)
+        );
+        assert_eq!(tie(place(12, 2000, "0::/x", 200)), Some(Tie::PidNamespace));
+        assert_eq!(tie(place(13, 1000, "0::/x", 300)), Some(Tie::Uid));
+        // Of several places shared, the closest.
+        assert_eq!(
+            tie(place(15, 1000, "0::/kubepods/pod-a/c1", 200)),
+            Some(Tie::PidNamespace)
+        );
+        assert_eq!(
+            tie(place(16, 1000, "0::/kubepods/pod-a/c1", 300)),
+            Some(Tie::Cgroup)
+        );
         // Another tenant's pod, another uid, the host's namespace: not near.
-        assert!(!place(14, 2000, "0::/kubepods/pod-b/c1", 300).near(&holder, &own));
+        assert!(place(14, 2000, "0::/kubepods/pod-b/c1", 300)
+            .shared_with(&holder, &own)
+            .is_none());
         // What the broker shares binds nobody.
         let host = place(20, 0, "0::/system.slice/gpu-broker.service", 100);
-        assert!(!place(21, 0, "0::/system.slice/gpu-broker.service", 100).near(&host, &own));
+        assert!(place(21, 0, "0::/system.slice/gpu-broker.service", 100)
+            .shared_with(&host, &own)
+            .is_none());
         // uid 0 alone binds nobody, even where the broker runs as another uid.
         let own_user = place(1, 999, "0::/b", 100);
         let root = place(30, 0, "0::/r1", 100);
-        assert!(!place(31, 0, "0::/r2", 100).near(&root, &own_user));
+        assert!(place(31, 0, "0::/r2", 100)
+            .shared_with(&root, &own_user)
+            .is_none());
         // Unread fields match nothing.
-        assert!(!Place::nowhere().near(&Place::nowhere(), &own_user));
+        assert!(Place::nowhere()
+            .shared_with(&Place::nowhere(), &own_user)
+            .is_none());
         // With nothing excluded (tests), a same cgroup is near.
-        assert!(place(40, 0, "0::/t", 100).near(&place(41, 0, "0::/t", 100), &Place::nowhere()));
+        assert!(place(40, 0, "0::/t", 100)
+            .shared_with(&place(41, 0, "0::/t", 100), &Place::nowhere())
+            .is_some());
     }
 
     /// This process's place reads back; a gone pid has none.
@@ -379,7 +468,7 @@ mod tests {
         let grandchild: u32 = line.trim().parse().unwrap();
         let me = std::process::id();
         let finder = HolderFinder::new(Arc::new(Listed(vec![me, grandchild])));
-        let (found, places) = finder.find("GPU-x", &[child.id()], &[child.id()]);
+        let Finding { found, places } = finder.find("GPU-x", &[child.id()], &[child.id()]);
         assert_eq!(
             found,
             vec![Found {
@@ -390,9 +479,9 @@ mod tests {
         assert_eq!(places.len(), 2);
         assert!(finder
             .find("GPU-x", &[child.id()], &[grandchild])
-            .0
+            .found
             .is_empty());
-        assert!(finder.find("GPU-x", &[], &[]).0.is_empty());
+        assert!(finder.find("GPU-x", &[], &[]).found.is_empty());
         // SAFETY: a pid this test started.
         unsafe { libc::kill(grandchild as i32, libc::SIGKILL) };
         child.kill().unwrap();
@@ -414,17 +503,17 @@ mod tests {
             .unwrap();
         let finder = HolderFinder::with_own(Arc::new(Listed(vec![near.id()])), Place::nowhere());
         // An earlier process of the worker's pid, elsewhere, remembered long ago.
-        finder.keep(Place {
+        finder.keep(Arc::new(Place {
             pid: worker.id(),
             start: Some(1),
             uid: None,
             cgroup: Some("0::/elsewhere".into()),
             pid_ns: None,
-        });
+        }));
         finder.remember(worker.id());
         worker.kill().unwrap();
         worker.wait().unwrap();
-        let (found, _) = finder.find("GPU-x", &[worker.id()], &[]);
+        let found = finder.find("GPU-x", &[worker.id()], &[]).found;
         assert_eq!(
             found,
             vec![Found {
@@ -435,5 +524,66 @@ mod tests {
         );
         near.kill().unwrap();
         near.wait().unwrap();
+    }
+
+    /// A process near several recorded holders answers as the closest, whatever their
+    /// order: an importer's child is its importer's, not that of the publisher recorded
+    /// first in the importer's cgroup (tenants sharing a uid or a cgroup).
+    #[test]
+    fn the_closest_holder_answers_not_the_first_recorded() {
+        let mut importer = std::process::Command::new("sh")
+            .args(["-c", "sleep 60 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(importer.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let child: u32 = line.trim().parse().unwrap();
+        let finder = HolderFinder::with_own(Arc::new(Listed(vec![child])), Place::nowhere());
+        // The publisher, gone, recorded first: it ran in the child's cgroup.
+        let publisher = u32::MAX - 3;
+        finder.keep(Arc::new(Place {
+            pid: publisher,
+            start: Some(1),
+            uid: None,
+            cgroup: Place::read(child).unwrap().cgroup,
+            pid_ns: None,
+        }));
+        let found = finder
+            .find("GPU-x", &[publisher, importer.id()], &[importer.id()])
+            .found;
+        assert_eq!(
+            found,
+            vec![Found {
+                pid: child,
+                near: importer.id()
+            }]
+        );
+        // SAFETY: a pid this test started.
+        unsafe { libc::kill(child as i32, libc::SIGKILL) };
+        importer.kill().unwrap();
+        importer.wait().unwrap();
+    }
+
+    /// Blocks watched near the same holders share their places: one per process, not a
+    /// copy per block.
+    #[test]
+    fn blocks_watched_near_one_holder_share_its_place() {
+        let mut holder = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let finder = HolderFinder::with_own(Arc::new(Listed(vec![])), Place::nowhere());
+        finder.remember(holder.id());
+        let a = finder.find("GPU-x", &[holder.id()], &[holder.id()]).places;
+        let b = finder.find("GPU-x", &[holder.id()], &[holder.id()]).places;
+        assert_eq!((a.len(), b.len()), (1, 1));
+        assert!(Arc::ptr_eq(&a[0], &b[0]));
+        holder.kill().unwrap();
+        holder.wait().unwrap();
     }
 }

@@ -761,7 +761,7 @@ async fn one_exit_ending_many_blocks_names_looks_for_them_on_one_thread() {
     );
     assert!(arb.find_kept_holders_with(finder));
     let (mut holder, _) = live_process();
-    let place = crate::kept_holders::Place::read(holder.id()).unwrap();
+    let place = Arc::new(crate::kept_holders::Place::read(holder.id()).unwrap());
     for _ in 0..8 {
         let id = arb
             .lock()
