@@ -42,6 +42,7 @@ pub mod lease;
 pub mod ledger;
 pub mod memory;
 pub mod overtaking;
+pub mod place;
 pub mod pool;
 pub mod process_group;
 pub mod queue;

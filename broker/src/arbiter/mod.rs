@@ -395,16 +395,22 @@ impl Arbiter {
     /// recorded ones (`kept_holders.rs`). Set once, before sessions open; false when set
     /// already.
     pub fn find_kept_holders_with(&self, finder: crate::kept_holders::HolderFinder) -> bool {
-        // Sessions taken back from a keeper opened before: their peers are remembered now.
-        let peers: Vec<u32> = self
+        // Sessions taken back from a keeper opened before: their peers' places are read now.
+        let peers: Vec<(Uuid, u32)> = self
             .lock()
             .sessions()
             .iter()
-            .filter_map(|s| s.peer.pid)
+            .filter_map(|s| Some((s.id, s.peer.pid?)))
             .collect();
-        for pid in peers {
-            finder.remember(pid);
+        let places: Vec<_> = peers
+            .into_iter()
+            .filter_map(|(id, pid)| Some((id, finder.place(pid)?)))
+            .collect();
+        let mut st = self.lock();
+        for (id, place) in places {
+            st.place_peer(id, place);
         }
+        drop(st);
         self.kept_holders.set(Arc::new(finder)).is_ok()
     }
 
@@ -461,10 +467,11 @@ impl Arbiter {
         // Read before the lock: the peer's start time (/proc), so a restarted broker
         // tells it from another process of the same pid.
         let peer_start = peer.pid.and_then(crate::process::start_ticks);
-        // Where it runs, for memory it may hand on (`kept_holders.rs`).
-        if let (Some(f), Some(pid)) = (self.kept_holders(), peer.pid) {
-            f.remember(pid);
-        }
+        // Where it runs, kept with the blocks it may hand on (`kept_holders.rs`).
+        let place = self
+            .kept_holders()
+            .zip(peer.pid)
+            .and_then(|(f, pid)| f.place(pid));
         let (secret, hash) = match peer_start.filter(|_| self.keeps_leases()) {
             Some(_) => {
                 let (s, h) = adopt::new_resume_secret();
@@ -477,6 +484,7 @@ impl Arbiter {
             let mut s = Session::new(id, tenant, name, peer, token_id);
             s.resume_hash = hash;
             s.peer_start = peer_start;
+            s.place = place;
             st.open_session(s, self.cfg.max_sessions_per_tenant)?;
             // Its mailbox is in place in the hold that opened it, so before any
             // transition can tell it something (effects run when the guard drops).
@@ -678,14 +686,13 @@ impl Arbiter {
                         let freed = dev.free_checked(alloc, handle);
                         match freed {
                             Ok(Returned::No) => {
-                                let recorded = reached.as_ref().map_or(&[][..], |(_, r)| r.pids());
-                                let (found, recheck) = match finder {
-                                    Some((finder, uuid)) => {
+                                let (found, recheck) = match (finder, &reached) {
+                                    (Some((finder, uuid)), Some((_, recorded))) => {
                                         let crate::kept_holders::Finding { found, places } =
                                             finder.find(&uuid, recorded, &alive);
                                         (found, Some(Recheck { finder, uuid, places }))
                                     }
-                                    None => (Vec::new(), None),
+                                    _ => (Vec::new(), None),
                                 };
                                 // A process found answers as the recorded one it is near.
                                 let mut keepers = alive.clone();
