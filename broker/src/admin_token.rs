@@ -96,6 +96,32 @@ pub fn load_or_create(path: &Path) -> Result<String, AdminTokenError> {
     }
 }
 
+/// Longest grace for the old admin token after a rotation.
+pub const MAX_ROTATION_GRACE: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
+
+/// Replaces the admin token file's token with a new one (written 0600, atomically); the
+/// old one keeps working for `grace` (`auth` accepts both meanwhile). Returns the new
+/// token. Writes and syncs the file: call it off the runtime.
+pub fn rotate(
+    auth: &crate::auth::Authenticator,
+    grace: std::time::Duration,
+) -> Result<String, crate::error::BrokerError> {
+    use crate::error::BrokerError;
+    if grace > MAX_ROTATION_GRACE {
+        return Err(BrokerError::InvalidArgument(format!(
+            "grace is limited to {} hours",
+            MAX_ROTATION_GRACE.as_secs() / 3600
+        )));
+    }
+    let path = auth.admin_file().ok_or(BrokerError::NoAdminTokenFile)?;
+    let (token, _) = crate::auth::generate_token();
+    replace(&path, &token)
+        .map_err(|e| BrokerError::Internal(format!("writing the new admin token: {e}")))?;
+    auth.rotate_admin(&token, grace);
+    tracing::warn!(path = %path.display(), grace = ?grace, "admin token rotated");
+    Ok(token)
+}
+
 /// Atomically replaces the token at `path` with `token` (a new 0600 file renamed over
 /// it, fsynced), so a reader sees the old token or the new one, never a partial file.
 pub fn replace(path: &Path, token: &str) -> Result<(), AdminTokenError> {

@@ -64,6 +64,74 @@ impl DeviceSlot {
     }
 }
 
+/// The broker's devices, in index order: a device's index is its place here.
+pub struct Devices(Vec<DeviceSlot>);
+
+impl From<Vec<DeviceSlot>> for Devices {
+    fn from(slots: Vec<DeviceSlot>) -> Self {
+        Devices(slots)
+    }
+}
+
+impl std::ops::Deref for Devices {
+    type Target = [DeviceSlot];
+    fn deref(&self) -> &[DeviceSlot] {
+        &self.0
+    }
+}
+
+impl Devices {
+    /// `UNKNOWN_DEVICE` unless `index` names a device.
+    pub fn check_index(&self, index: u32) -> Result<(), crate::error::BrokerError> {
+        if index as usize >= self.len() {
+            return Err(crate::error::BrokerError::unknown_device(index, self.len()));
+        }
+        Ok(())
+    }
+
+    /// Device `index`, or every device when `None`.
+    pub fn one_or_all(&self, index: Option<u32>) -> Result<Vec<u32>, crate::error::BrokerError> {
+        match index {
+            Some(d) => {
+                self.check_index(d)?;
+                Ok(vec![d])
+            }
+            None => Ok((0..self.len() as u32).collect()),
+        }
+    }
+
+    /// Device `index`'s UUID (empty when there is no such device).
+    pub fn uuid(&self, index: u32) -> String {
+        self.get(index as usize)
+            .map(|d| d.thread.desc().uuid.clone())
+            .unwrap_or_default()
+    }
+
+    /// Device `index`'s UUID as records keep it (None when it has none).
+    pub fn recorded_uuid(&self, index: u32) -> Option<String> {
+        Some(self.uuid(index)).filter(|u| !u.is_empty())
+    }
+
+    /// The index now of the device a record of device `index` (kept memory, a drain)
+    /// belongs to: the device of UUID `uuid`, wherever it is; without one (a record of an
+    /// earlier version), the device at `index`. None: this broker has no such device.
+    pub fn named_by(&self, index: u32, uuid: Option<&str>) -> Option<u32> {
+        match uuid {
+            Some(u) => self
+                .iter()
+                .position(|d| d.thread.desc().uuid == u)
+                .map(|i| i as u32),
+            None => ((index as usize) < self.len()).then_some(index),
+        }
+    }
+
+    /// Whether any device is a CUDA GPU (not the host simulation).
+    pub fn any_cuda(&self) -> bool {
+        self.iter()
+            .any(|d| d.thread.desc().backend == crate::device::BackendKind::Cuda)
+    }
+}
+
 /// What the backend needs to know.
 #[derive(Clone, Debug)]
 pub struct BackendSpec {

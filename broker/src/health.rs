@@ -50,90 +50,88 @@ impl Default for HealthConfig {
     }
 }
 
-impl Arbiter {
-    /// Runs the health monitor until `stop`, as the named worker `health-monitor` (joined
-    /// by [`Lifecycle::join`](crate::arbiter::Lifecycle::join)): every `cfg.interval`, each device's health check
-    /// (with `cfg.timeout`) and `source`'s faults. False when `cfg` turns it off.
-    pub fn spawn_health_monitor(
-        self: &Arc<Self>,
-        cfg: HealthConfig,
-        source: Option<Box<dyn FaultSource>>,
-        stop: CancellationToken,
-    ) -> bool {
-        if cfg.interval.is_zero() {
-            return false;
-        }
-        let me = self.clone();
-        let source = source.map(|s| Arc::new(Mutex::new(s)));
-        self.lifecycle().set_fault_source(source.clone());
-        // Marks are synchronous: stopping at an await leaves none half-made.
-        self.lifecycle()
-            .spawn_worker("health-monitor", stop.clone(), async move {
-                let n = me.devices.len();
-                let busy: Vec<Arc<AtomicBool>> =
-                    (0..n).map(|_| Arc::new(AtomicBool::new(false))).collect();
-                let mut since: Vec<Option<Instant>> = vec![None; n];
-                let system = Who::system("health monitor");
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(cfg.interval) => {}
+/// Runs the health monitor until `stop`, as the named worker `health-monitor` (joined
+/// by [`Lifecycle::join`](crate::arbiter::Lifecycle::join)): every `cfg.interval`, each device's health check
+/// (with `cfg.timeout`) and `source`'s faults. False when `cfg` turns it off.
+pub fn spawn_monitor(
+    arb: &Arc<Arbiter>,
+    cfg: HealthConfig,
+    source: Option<Box<dyn FaultSource>>,
+    stop: CancellationToken,
+) -> bool {
+    if cfg.interval.is_zero() {
+        return false;
+    }
+    let me = arb.clone();
+    let source = source.map(|s| Arc::new(Mutex::new(s)));
+    arb.lifecycle().set_fault_source(source.clone());
+    // Marks are synchronous: stopping at an await leaves none half-made.
+    arb.lifecycle()
+        .spawn_worker("health-monitor", stop.clone(), async move {
+            let n = me.devices.len();
+            let busy: Vec<Arc<AtomicBool>> =
+                (0..n).map(|_| Arc::new(AtomicBool::new(false))).collect();
+            let mut since: Vec<Option<Instant>> = vec![None; n];
+            let system = Who::system("health monitor");
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(cfg.interval) => {}
+                }
+                let nvml = match &source {
+                    Some(s) => {
+                        let s = s.clone();
+                        tokio::task::spawn_blocking(move || s.lock().poll())
+                            .await
+                            .unwrap_or_default()
                     }
-                    let nvml = match &source {
-                        Some(s) => {
-                            let s = s.clone();
-                            tokio::task::spawn_blocking(move || s.lock().poll())
-                                .await
-                                .unwrap_or_default()
+                    None => HashMap::new(),
+                };
+                for i in 0..n {
+                    let d = i as u32;
+                    let problem = if busy[i].load(Ordering::SeqCst) {
+                        // The previous check has not come back.
+                        match since[i] {
+                            Some(t) if t.elapsed() >= cfg.timeout => Some(format!(
+                                "stopped answering: no reply to a health check for {} s",
+                                t.elapsed().as_secs()
+                            )),
+                            _ => continue,
                         }
-                        None => HashMap::new(),
+                    } else {
+                        busy[i].store(true, Ordering::SeqCst);
+                        since[i] = Some(Instant::now());
+                        let flag = busy[i].clone();
+                        let call = me.devices[i].thread.call(move |dev| {
+                            let r = dev.health();
+                            flag.store(false, Ordering::SeqCst);
+                            r
+                        });
+                        match tokio::time::timeout(cfg.timeout, call).await {
+                            Ok(Ok(Ok(()))) => {
+                                since[i] = None;
+                                None
+                            }
+                            Ok(Ok(Err(e))) => Some(format!("health check failed: {e}")),
+                            Ok(Err(e)) => Some(format!("health check failed: {e}")),
+                            Err(_) => Some(format!(
+                                "stopped answering: no reply to a health check within {} s",
+                                cfg.timeout.as_secs()
+                            )),
+                        }
                     };
-                    for i in 0..n {
-                        let d = i as u32;
-                        let problem = if busy[i].load(Ordering::SeqCst) {
-                            // The previous check has not come back.
-                            match since[i] {
-                                Some(t) if t.elapsed() >= cfg.timeout => Some(format!(
-                                    "stopped answering: no reply to a health check for {} s",
-                                    t.elapsed().as_secs()
-                                )),
-                                _ => continue,
-                            }
-                        } else {
-                            busy[i].store(true, Ordering::SeqCst);
-                            since[i] = Some(Instant::now());
-                            let flag = busy[i].clone();
-                            let call = me.devices[i].thread.call(move |dev| {
-                                let r = dev.health();
-                                flag.store(false, Ordering::SeqCst);
-                                r
-                            });
-                            match tokio::time::timeout(cfg.timeout, call).await {
-                                Ok(Ok(Ok(()))) => {
-                                    since[i] = None;
-                                    None
-                                }
-                                Ok(Ok(Err(e))) => Some(format!("health check failed: {e}")),
-                                Ok(Err(e)) => Some(format!("health check failed: {e}")),
-                                Err(_) => Some(format!(
-                                    "stopped answering: no reply to a health check within {} s",
-                                    cfg.timeout.as_secs()
-                                )),
-                            }
-                        };
-                        let problem = problem.or_else(|| nvml.get(&d).cloned());
-                        let r = match problem {
-                            Some(reason) => me.mark_unhealthy(d, &reason, false, &system),
-                            None => me.mark_healthy(d, false, &system),
-                        };
-                        if let Err(e) = r {
-                            tracing::error!(device = d, error = %e, "health monitor");
-                        }
+                    let problem = problem.or_else(|| nvml.get(&d).cloned());
+                    let r = match problem {
+                        Some(reason) => me.mark_unhealthy(d, &reason, false, &system),
+                        None => me.mark_healthy(d, false, &system),
+                    };
+                    if let Err(e) = r {
+                        tracing::error!(device = d, error = %e, "health monitor");
                     }
                 }
-            });
-        true
-    }
+            }
+        });
+    true
 }
 
 /// Name under which gRPC health reports device `index` (SERVING: admits new leases).
@@ -165,7 +163,7 @@ pub async fn report_grpc_health(
         }
         let open: Vec<bool> = {
             let avail = arb.avail.read();
-            (0..arb.device_count() as u32)
+            (0..arb.devices().len() as u32)
                 .map(|d| avail.admits(d))
                 .collect()
         };
@@ -310,7 +308,12 @@ mod tests {
             interval: Duration::from_millis(10),
             timeout: Duration::from_millis(200),
         };
-        assert!(arb.spawn_health_monitor(cfg, Some(Box::new(Runs(stops.clone()))), stop.clone()));
+        assert!(spawn_monitor(
+            &arb,
+            cfg,
+            Some(Box::new(Runs(stops.clone()))),
+            stop.clone()
+        ));
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(stops.load(Ordering::SeqCst), 0, "running until the stop");
         stop.cancel();
@@ -354,7 +357,8 @@ mod tests {
             interval: Duration::from_millis(20),
             timeout: Duration::from_millis(200),
         };
-        assert!(!arb.spawn_health_monitor(
+        assert!(!spawn_monitor(
+            &arb,
             HealthConfig {
                 interval: Duration::ZERO,
                 ..cfg
@@ -366,7 +370,8 @@ mod tests {
             arb.lifecycle().worker_names().is_empty(),
             "a zero interval: no monitor"
         );
-        assert!(arb.spawn_health_monitor(
+        assert!(spawn_monitor(
+            &arb,
             cfg,
             Some(Box::new(Fake(nvml.clone(), resets.clone()))),
             stop.clone(),
@@ -385,7 +390,7 @@ mod tests {
             } => {
                 assert_eq!(device, 1);
                 assert!(reason.contains("injected Xid 79"), "{reason}");
-                assert_eq!(uuid, arb.device_uuid(1));
+                assert_eq!(uuid, arb.devices().uuid(1));
             }
             other => panic!("{other:?}"),
         }
@@ -396,7 +401,7 @@ mod tests {
         );
         let elsewhere = arb.acquire(ask(s, None, 2 * MIB)).await.unwrap();
         assert_eq!(elsewhere.device, 0);
-        let report = arb.devices().await;
+        let report = arb.device_reports().await;
         assert!(report[1].fault.as_deref().unwrap().contains("Xid 79"));
         let text = arb
             .metrics_text(crate::metrics::Format::PrometheusText)

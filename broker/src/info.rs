@@ -46,26 +46,26 @@ pub struct BrokerInfo {
     pub restart: Option<crate::arbiter::RestartReport>,
 }
 
-impl Arbiter {
-    /// This broker's [`BrokerInfo`].
-    pub fn info(&self) -> BrokerInfo {
+impl BrokerInfo {
+    /// Broker `arb`'s info.
+    pub fn of(arb: &Arbiter) -> BrokerInfo {
         BrokerInfo {
             version: env!("CARGO_PKG_VERSION"),
             api_revision: API_REVISION,
-            backend: if self.backend_is_cuda() {
+            backend: if arb.devices.any_cuda() {
                 "cuda"
             } else {
                 "host"
             }
             .to_string(),
-            device_count: self.device_count() as u32,
+            device_count: arb.devices.len() as u32,
             features: FEATURES.to_vec(),
-            device_uuids: (0..self.device_count() as u32)
-                .map(|i| self.device_uuid(i))
+            device_uuids: (0..arb.devices.len() as u32)
+                .map(|i| arb.devices.uuid(i))
                 .collect(),
-            started: self.metrics().started(),
-            keeper: self.keeps_leases(),
-            restart: self.restart_report(),
+            started: arb.metrics().started(),
+            keeper: arb.keeps_leases(),
+            restart: arb.restart_report(),
         }
     }
 }

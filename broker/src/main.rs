@@ -166,9 +166,9 @@ async fn run(
     }
     clock.skip();
     if let Some(mps) = mps.clone() {
-        mps.set_device_count(arb.device_count() as u32);
+        mps.set_device_count(arb.devices().len() as u32);
         arb.lifecycle().set_mps(mps);
-    } else if arb.backend_is_cuda() {
+    } else if arb.devices().any_cuda() {
         use gpu_broker::mps::compute_mode;
         let modes = compute_mode::read(&device_indices(&cfg));
         if compute_mode::broker_must_join(&modes) {
@@ -303,9 +303,9 @@ async fn run(
     }
     clock.step("listeners");
     let mut nvml_faults: Option<Box<dyn gpu_broker::faults::FaultSource>> = None;
-    if arb.backend_is_cuda() {
-        let uuids: Vec<String> = (0..arb.device_count() as u32)
-            .map(|d| arb.device_uuid(d))
+    if arb.devices().any_cuda() {
+        let uuids: Vec<String> = (0..arb.devices().len() as u32)
+            .map(|d| arb.devices().uuid(d))
             .collect();
         if let Some(why) = gpu_broker::health::mig_refusal(&uuids) {
             anyhow::bail!("{why}");
@@ -317,8 +317,8 @@ async fn run(
             nvml_faults = Some(Box::new(f));
         }
     }
-    arb.spawn_health_monitor(cfg.health(), nvml_faults, shutdown.clone());
-    if arb.backend_is_cuda() {
+    gpu_broker::health::spawn_monitor(&arb, cfg.health(), nvml_faults, shutdown.clone());
+    if arb.devices().any_cuda() {
         if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {
             let monitor = std::sync::Arc::new(monitor);
             // Before anything is served: holders' places are read from the first session.

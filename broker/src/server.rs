@@ -516,7 +516,8 @@ mod tests {
         let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
         let shutdown = CancellationToken::new();
         let listeners = workers_socket_only(dir.path()).await;
-        assert!(arb.spawn_health_monitor(
+        assert!(crate::health::spawn_monitor(
+            &arb,
             crate::health::HealthConfig::default(),
             None,
             shutdown.clone()

@@ -134,7 +134,7 @@ fn state_cell(d: &DeviceReport) -> String {
 /// The page for the broker's state now.
 pub async fn render(arb: &Arbiter) -> String {
     let now = SystemTime::now();
-    let devices = arb.devices().await;
+    let devices = arb.device_reports().await;
     let tenants = arb.list_tenants();
     let leases = arb.list_all_leases(None);
     let quarantined = arb.list_quarantined();

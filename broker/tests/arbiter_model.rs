@@ -304,7 +304,7 @@ impl Harness {
             ArbiterConfig::default(),
         )
         .expect("arbiter");
-        let reports = rt.block_on(arb.devices());
+        let reports = rt.block_on(arb.device_reports());
         let devices = reports
             .iter()
             .map(|r| MDevice {
@@ -582,7 +582,7 @@ impl Harness {
         want.sort();
         assert_eq!(listed, want, "lease table");
         let arb = self.arb.clone();
-        let reports = self.rt.block_on(async move { arb.devices().await });
+        let reports = self.rt.block_on(async move { arb.device_reports().await });
         // `devices()` ran a job on every device thread after every free queued so far:
         // the device's allocations are now exactly the broker's holdings.
         for (d, r) in reports.iter().enumerate() {
@@ -653,7 +653,7 @@ impl Harness {
             );
         }
         let arb = self.arb.clone();
-        let reports = self.rt.block_on(async move { arb.devices().await });
+        let reports = self.rt.block_on(async move { arb.device_reports().await });
         for r in &reports {
             assert_eq!(
                 (r.leased, r.quarantined, r.cached, r.lease_count),

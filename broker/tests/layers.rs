@@ -8,7 +8,7 @@
 //! can forbid: the command line and the wire stay at the edge; the process holds no
 //! static but the listed ones; tonic is named only by the transport modules, listed with
 //! their reasons (a refusal is a `BrokerError` everywhere else; `grpc_status.rs` makes it
-//! a status).
+//! a status). A last test checks that clippy's lists still name the rules it keeps.
 
 use std::path::Path;
 
@@ -309,4 +309,71 @@ fn the_transport_is_named_only_at_the_edge() {
     assert!(names_the_transport("    reporter: tonic_health::server::HealthReporter,\n").is_some());
     assert!(names_the_transport("// tonic\n/// a `tonic::Status`\n").is_none());
     assert!(names_the_transport("/// a monotonic clock\nlet monotonic = 1;\n").is_none());
+}
+
+/// The paths `file`'s `key` list names (a `clippy.toml`'s `disallowed-methods` or
+/// `disallowed-types`).
+fn clippy_listed(file: &str, key: &str) -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let table: toml::Table = text.parse().unwrap_or_else(|e| panic!("{file}: {e}"));
+    table
+        .get(key)
+        .and_then(|v| v.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.get("path").and_then(|p| p.as_str()).map(String::from))
+        .collect()
+}
+
+// The rules clippy keeps hold only while their lists name them and the transitions deny the
+// lints: an emptied list or a dropped deny would let them go unnoticed.
+#[test]
+fn the_rules_clippy_keeps_are_listed() {
+    let daemon = clippy_listed("clippy.toml", "disallowed-methods");
+    for path in [
+        "gpu_broker::device::Device::free",
+        "gpu_broker::device::Device::free_checked",
+        "std::thread::sleep",
+    ] {
+        assert!(
+            daemon.iter().any(|p| p == path),
+            "broker/clippy.toml lost {path}"
+        );
+    }
+    let core_methods = clippy_listed("core/clippy.toml", "disallowed-methods");
+    for path in [
+        "std::time::Instant::now",
+        "std::time::Instant::elapsed",
+        "std::time::SystemTime::now",
+        "uuid::Uuid::now_v7",
+        "std::fs::read",
+        "std::fs::write",
+    ] {
+        assert!(
+            core_methods.iter().any(|p| p == path),
+            "core/clippy.toml lost {path}"
+        );
+    }
+    let core_types = clippy_listed("core/clippy.toml", "disallowed-types");
+    for path in [
+        "std::fs::File",
+        "std::net::TcpStream",
+        "std::os::unix::net::UnixStream",
+    ] {
+        assert!(
+            core_types.iter().any(|p| p == path),
+            "core/clippy.toml lost {path}"
+        );
+    }
+    let state = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("core/src/state/mod.rs"),
+    )
+    .unwrap();
+    assert!(
+        state.contains(
+            "#![cfg_attr(not(test), deny(clippy::disallowed_methods, clippy::disallowed_types))]"
+        ),
+        "the core's transitions no longer deny clippy's list"
+    );
 }

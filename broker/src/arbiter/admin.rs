@@ -1,13 +1,11 @@
 //! Operator operations: quotas, tenants, tokens, and the views `Admin` and `GetUsage`
-//! return. Every change is committed to the store before it takes effect in memory, and
-//! before the RPC returns.
+//! return. Every change is committed to the store (`audit.rs`) before it takes effect in
+//! memory, and before the RPC returns.
 
 use super::{Arbiter, State};
 use crate::error::{BrokerError, BrokerResult};
-use crate::lease::LeaseView;
 use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant};
-use crate::store::{StoreError, TenantRecord};
-use crate::store_writer::off_the_runtime;
+use crate::store::TenantRecord;
 pub use crate::views::{DeviceReport, QuarantineView, SessionView, TenantView};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -31,79 +29,11 @@ pub struct QuotaChange {
 }
 
 impl Arbiter {
-    /// A store write failed: counted (the store-unwritable alert watches it), then the
-    /// error the caller returns.
-    pub(super) fn store_failed(&self, e: StoreError) -> BrokerError {
-        self.metrics.store_write(false);
-        store_err(e)
-    }
-}
-
-impl Arbiter {
-    /// Commits a durable change (a redb transaction, fsync included), counted in the
-    /// metrics. Callers hold no state lock; on a multi-threaded runtime the commit runs in
-    /// `block_in_place`, so the worker thread's other tasks move elsewhere meanwhile.
-    pub(super) fn durable<T: Default>(
-        &self,
-        write: impl FnOnce(&crate::store::Store) -> Result<T, StoreError>,
-    ) -> BrokerResult<T> {
-        let Some(store) = self.durable.store() else {
-            return Ok(T::default());
-        };
-        off_the_runtime(|| write(store))
-            .inspect(|_| self.metrics.store_write(true))
-            .map_err(|e| self.store_failed(e))
-    }
-}
-
-pub(super) fn store_err(e: StoreError) -> BrokerError {
-    BrokerError::Internal(format!("state store: {e}"))
-}
-
-impl Arbiter {
-    /// Loads tenants, token hashes and claim reservations from the store (start-up).
-    pub(super) fn load_store(&self) -> BrokerResult<()> {
-        let Some(store) = self.durable.store() else {
-            return Ok(());
-        };
-        let (tenants, tokens) = store.load().map_err(store_err)?;
-        let mut st = self.lock();
-        for t in &tenants {
-            st.set_quota(&t.name, t.quota.clone())?;
-        }
-        for t in tokens {
-            self.auth.add(t);
-        }
-        drop(st);
-        let claims = self.restore_claims(store)?;
-        tracing::info!(tenants = tenants.len(), claims, "state loaded");
-        Ok(())
-    }
-
-    /// A tenant's view from the state (under its lock); its token count and compute-turn
-    /// usage come from their own tables after the lock is released ([`Self::finish_view`]).
-    fn tenant_view(&self, st: &State, t: &Tenant) -> TenantView {
-        let waiting = st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32;
-        let mut v = TenantView::of(t, st.sessions().count_of(&t.name) as u32, waiting);
-        if waiting > 0 {
-            v.queue_position = st.queue().position_of(&t.name, st.ledger());
-        }
-        v
-    }
-
-    /// Fills in what [`Self::tenant_view`] leaves out, with no state lock held.
+    /// Fills in what [`tenant_view`] leaves out, with no state lock held.
     fn finish_view(&self, mut v: TenantView) -> TenantView {
         v.tokens = self.auth.count(&v.name) as u32;
         v.turns = self.scheduler.usage(&v.name);
         v
-    }
-
-    /// Total leasable bytes of every device.
-    fn leasable_total(st: &State) -> u64 {
-        st.pools()
-            .iter()
-            .map(|p| p.leasable())
-            .fold(0, u64::saturating_add)
     }
 
     /// Creates or updates a tenant's quota. Returns the tenant and whether it was created.
@@ -143,29 +73,6 @@ impl Arbiter {
         .await
     }
 
-    /// Runs `change` on the store writer (started on first use, inside the caller's
-    /// runtime), after the durable changes asked for before it: the arbiter's own
-    /// operator changes and those made outside it (a configuration reload). Without a
-    /// store it runs here: nothing is committed.
-    pub async fn run_durable<T: Send + 'static>(
-        &self,
-        change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
-    ) -> BrokerResult<T> {
-        if self.durable.store().is_none() {
-            return change();
-        }
-        self.lifecycle
-            .store_writer()?
-            .run(change)
-            .await
-            .map_err(|e| match e {
-                crate::store_writer::WriterError::Stopped => BrokerError::ShuttingDown,
-                crate::store_writer::WriterError::Panicked(why) => {
-                    BrokerError::Internal(format!("a durable change panicked: {why}"))
-                }
-            })?
-    }
-
     /// [`Arbiter::change_quota`]; with `(who, action, target)`, its audit record
     /// (`action` on `target`, the quota before, read under the same locks, and after) is
     /// committed in the same transaction as the quota, and logged.
@@ -186,7 +93,7 @@ impl Arbiter {
         Ledger::validate_quota(&quota)?;
         quota.validate_devices(self.devices.len())?;
         let guarantees = st.ledger().guarantees_with(name, quota.guaranteed_bytes);
-        let leasable = Self::leasable_total(&st);
+        let leasable = leasable_total(&st);
         if guarantees > leasable {
             return Err(BrokerError::GuaranteesExceedCapacity {
                 guarantees,
@@ -218,7 +125,7 @@ impl Arbiter {
         for w in &warnings {
             tracing::warn!(tenant = name, "{w}");
         }
-        let view = self.tenant_view(&st, t);
+        let view = tenant_view(&st, t);
         drop(st);
         Ok(QuotaChange {
             tenant: self.finish_view(view),
@@ -238,6 +145,7 @@ impl Arbiter {
         }
     }
 
+    /// Tenant `name`: its quota and usage.
     pub(crate) fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
         let view = {
             let st = self.lock();
@@ -245,14 +153,9 @@ impl Arbiter {
                 .ledger()
                 .get(name)
                 .ok_or_else(|| BrokerError::tenant_not_found(name))?;
-            self.tenant_view(&st, t)
+            tenant_view(&st, t)
         };
         Ok(self.finish_view(view))
-    }
-
-    /// Every tenant by name, page by page (short lock holds: `listing.rs`).
-    pub fn list_tenants(&self) -> Vec<TenantView> {
-        Self::all_pages(|t| self.tenants_page(t, super::listing::DEFAULT_PAGE_SIZE))
     }
 
     /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
@@ -390,18 +293,6 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Every lease (of one tenant if given), oldest first.
-    /// Every lease (of `tenant`, or all) in the order granted, page by page.
-    pub fn list_all_leases(&self, tenant: Option<&str>) -> Vec<LeaseView> {
-        Self::all_pages(|t| self.leases_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE))
-    }
-
-    /// Every session (of `tenant`, or all) by id, page by page.
-    #[cfg(test)]
-    pub(super) fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
-        Self::all_pages(|t| self.sessions_page(tenant, t, super::listing::DEFAULT_PAGE_SIZE))
-    }
-
     /// Every quarantined block (memory a live process may still map), oldest first: the
     /// quarantine's and the blocks held for shared-lease importers and other processes.
     pub(crate) fn list_quarantined(&self) -> Vec<QuarantineView> {
@@ -440,22 +331,9 @@ impl Arbiter {
         v
     }
 
-    /// The caller's tenant: quota and usage.
-    pub(crate) fn usage(&self, tenant: &str) -> BrokerResult<TenantView> {
-        self.get_tenant(tenant)
-    }
-
-    /// The UUID of device `index` ("" for an index the broker does not serve).
-    pub fn device_uuid(&self, index: u32) -> String {
-        self.devices
-            .get(index as usize)
-            .map(|d| d.thread.desc().uuid.clone())
-            .unwrap_or_default()
-    }
-
     /// The `/metrics` text: the arbiter's counters and gauges from snapshots of its state.
     pub(crate) async fn metrics_text(&self, format: crate::metrics::Format) -> String {
-        let devices = self.devices().await;
+        let devices = self.device_reports().await;
         let tenants = self.list_tenants();
         let sessions = self.session_count();
         crate::metrics::render(
@@ -469,7 +347,7 @@ impl Arbiter {
     }
 
     /// Every device with its memory picture. Reads each device's free memory.
-    pub async fn devices(&self) -> Vec<DeviceReport> {
+    pub async fn device_reports(&self) -> Vec<DeviceReport> {
         let mut out = Vec::new();
         for (i, slot) in self.devices.iter().enumerate() {
             let desc = slot.thread.desc().clone();
@@ -519,4 +397,23 @@ impl Arbiter {
         }
         out
     }
+}
+
+/// A tenant's view from the state (under its lock); its token count and compute-turn
+/// usage come from their own tables after the lock is released ([`Arbiter::finish_view`]).
+fn tenant_view(st: &State, t: &Tenant) -> TenantView {
+    let waiting = st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32;
+    let mut v = TenantView::of(t, st.sessions().count_of(&t.name) as u32, waiting);
+    if waiting > 0 {
+        v.queue_position = st.queue().position_of(&t.name, st.ledger());
+    }
+    v
+}
+
+/// Total leasable bytes of every device.
+fn leasable_total(st: &State) -> u64 {
+    st.pools()
+        .iter()
+        .map(|p| p.leasable())
+        .fold(0, u64::saturating_add)
 }

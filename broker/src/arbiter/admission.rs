@@ -61,7 +61,7 @@ impl Drop for WaiterGuard {
             st.abandon(self.id);
         }
         if let Some(Ok(granted)) = unreceived {
-            self.arb.give_back(granted);
+            self.arb.give_back_grant(granted);
         }
     }
 }
@@ -112,11 +112,11 @@ impl Arbiter {
         process: Option<crate::reservations::ProcessAsk>,
         waited: &mut bool,
     ) -> BrokerResult<Granted> {
-        self.check_not_shutting_down()?;
+        self.shutdown.refuse_new_work()?;
         let mut queued = self.enqueue(&req, process, None)?;
         if let Offered::NeedsLineage(pid) = queued {
             // Whose process tree the caller is in, read from /proc outside the state lock.
-            let lineage = Self::caller_lineage(pid);
+            let lineage = super::reservations::caller_lineage(pid);
             queued = self.enqueue(&req, None, Some(&lineage))?;
         }
         let (rx, id, bytes) = match queued {
@@ -202,12 +202,13 @@ impl Arbiter {
         if process.is_none() {
             let lineage = match lineage {
                 Some(l) => l,
-                None => match self.lineage_needed(&st, req) {
+                None => match super::reservations::lineage_needed(&st, req) {
                     Some(pid) => return Ok(Offered::NeedsLineage(pid)),
                     None => &[],
                 },
             };
-            if let Some(drawn) = self.draw_from_reservation(&mut st, req, lineage)? {
+            if let Some(drawn) = super::reservations::draw_from_reservation(&mut st, req, lineage)?
+            {
                 let id = st.next_waiter_id();
                 let rx = self.outbox.register_reply(&st, id);
                 let bytes = drawn.ask.bytes;
@@ -221,7 +222,7 @@ impl Arbiter {
                 });
             }
         } else {
-            self.check_process_ask(&st, req)?;
+            super::reservations::check_process_ask(&st, req)?;
         }
         let (bytes, offered) = {
             let avail = self.avail.read();
@@ -459,7 +460,7 @@ impl Arbiter {
         if let Some(h) = &self.host_tier {
             let what = what.into();
             let counted = matches!(what, super::Unneeded::Block(_)).then(|| self.fds.adopt());
-            let revoke = self.revokes();
+            let revoke = self.shutdown.revokes();
             let _ = h.submit(move |dev| {
                 let _counted = counted;
                 // A block's file closes here, after the free.

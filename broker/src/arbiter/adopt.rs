@@ -265,7 +265,7 @@ impl Arbiter {
             Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
             Keep::Lease(mut r, fd) => {
                 if r.tier == "device" {
-                    r.device_uuid = self.uuid_of(r.device);
+                    r.device_uuid = self.devices.recorded_uuid(r.device);
                 }
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
@@ -273,7 +273,7 @@ impl Arbiter {
             Keep::Quarantine(mut r, fd) => {
                 // Its process's start time came from the core (taken when the quarantine
                 // was made): read here, it could be a later process's that reused the pid.
-                r.device_uuid = self.uuid_of(r.device);
+                r.device_uuid = self.devices.recorded_uuid(r.device);
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
             Keep::QuarantineLifted(id) => link.remove(records::quarantine_key(&id)),
@@ -282,14 +282,14 @@ impl Arbiter {
             Keep::Import(r) => link.put(r.key(), to_json(&r), None),
             Keep::ImportEnded(id) => link.remove(records::import_key(&id)),
             Keep::Reservation(mut r) => {
-                r.device_uuid = self.uuid_of(r.device);
+                r.device_uuid = self.devices.recorded_uuid(r.device);
                 link.put(r.key(), to_json(&r), None)
             }
             Keep::ReservationEnded(id) => link.remove(records::reservation_key(&id)),
             Keep::Reclaim(r) => link.put(r.key(), to_json(&r), None),
             Keep::ReclaimEnded(id) => link.remove(records::reclaim_key(&id)),
             Keep::Held(mut r, fd) => {
-                r.device_uuid = self.uuid_of(r.device);
+                r.device_uuid = self.devices.recorded_uuid(r.device);
                 link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
             }
             Keep::HeldLetGo(id) => link.remove(records::held_key(&id)),
@@ -328,7 +328,7 @@ impl Arbiter {
                     since_unix_ms: unix_ms(d.since),
                     deadline_unix_ms: d.deadline.map(unix_ms),
                     reason: d.reason.clone(),
-                    device_uuid: self.uuid_of(device),
+                    device_uuid: self.devices.recorded_uuid(device),
                 };
                 link.put(r.key(), to_json(&r), None);
             }
@@ -342,7 +342,7 @@ impl Arbiter {
     fn drain_again(self: &Arc<Self>, mut r: records::DrainRecord) {
         // A drain whose device moved had its old key removed by the caller; it is kept
         // again under its device's index now (below), or dropped.
-        let device = self.device_of(r.device, r.device_uuid.as_deref());
+        let device = self.devices.named_by(r.device, r.device_uuid.as_deref());
         let Some(device) = device else {
             tracing::warn!(
                 device = r.device,
@@ -374,28 +374,6 @@ impl Arbiter {
                 tracing::warn!(device = r.device, error = %e, "a kept drain could not be taken back")
             }
         }
-    }
-
-    /// The index now of the device kept memory or a drain of device `index` (as its record
-    /// says) belongs to: the device of UUID `uuid`, wherever it is; without one (a record
-    /// of an earlier version), the device at `index`. None: this broker has no such device.
-    fn device_of(&self, index: u32, uuid: Option<&str>) -> Option<u32> {
-        match uuid {
-            Some(u) => self
-                .devices
-                .iter()
-                .position(|d| d.thread.desc().uuid == u)
-                .map(|i| i as u32),
-            None => ((index as usize) < self.devices.len()).then_some(index),
-        }
-    }
-
-    /// Device `index`'s UUID, as records keep it (None when it has none).
-    fn uuid_of(&self, index: u32) -> Option<String> {
-        self.devices
-            .get(index as usize)
-            .map(|d| d.thread.desc().uuid.clone())
-            .filter(|u| !u.is_empty())
     }
 
     /// What this start took back from the keeper (None without a keeper).
@@ -489,7 +467,7 @@ impl Arbiter {
             // The host tier is no device: its leases go to this broker's host tier.
             let device = match r.tier.as_str() {
                 "host" => Some(r.device),
-                _ => self.device_of(r.device, r.device_uuid.as_deref()),
+                _ => self.devices.named_by(r.device, r.device_uuid.as_deref()),
             };
             match device {
                 Some(d) => {
@@ -503,8 +481,8 @@ impl Arbiter {
             }
         });
         let mut quarantine_device_gone = Vec::new();
-        quarantines.retain_mut(
-            |(q, _)| match self.device_of(q.device, q.device_uuid.as_deref()) {
+        quarantines.retain_mut(|(q, _)| {
+            match self.devices.named_by(q.device, q.device_uuid.as_deref()) {
                 Some(d) => {
                     q.device = d;
                     true
@@ -513,11 +491,11 @@ impl Arbiter {
                     quarantine_device_gone.push(q.clone());
                     false
                 }
-            },
-        );
+            }
+        });
         let mut held_device_gone = Vec::new();
-        helds.retain_mut(
-            |(h, _)| match self.device_of(h.device, h.device_uuid.as_deref()) {
+        helds.retain_mut(|(h, _)| {
+            match self.devices.named_by(h.device, h.device_uuid.as_deref()) {
                 Some(d) => {
                     h.device = d;
                     true
@@ -526,11 +504,11 @@ impl Arbiter {
                     held_device_gone.push(h.clone());
                     false
                 }
-            },
-        );
+            }
+        });
         let mut reservation_device_gone = Vec::new();
-        reservations.retain_mut(
-            |r| match self.device_of(r.device, r.device_uuid.as_deref()) {
+        reservations.retain_mut(|r| {
+            match self.devices.named_by(r.device, r.device_uuid.as_deref()) {
                 Some(d) => {
                     r.device = d;
                     true
@@ -539,8 +517,8 @@ impl Arbiter {
                     reservation_device_gone.push(r.key());
                     false
                 }
-            },
-        );
+            }
+        });
         laps.lap("parse");
         let mut alive = Liveness::default();
         let (adopted, refused_sessions) = self.adopt_sessions(sessions, &mut alive);
@@ -639,7 +617,7 @@ impl Arbiter {
         // Every moved drain's old key goes first: two drained devices that swapped indexes
         // would otherwise each remove the key the other just wrote.
         for d in &drains {
-            if self.device_of(d.device, d.device_uuid.as_deref()) != Some(d.device) {
+            if self.devices.named_by(d.device, d.device_uuid.as_deref()) != Some(d.device) {
                 if let Some(link) = self.keeper.get() {
                     link.remove(d.key());
                 }
@@ -1168,7 +1146,7 @@ impl Arbiter {
         held: &[Uuid],
     ) -> BrokerResult<(mpsc::UnboundedReceiver<SessionEvent>, Vec<Uuid>, Vec<Uuid>)> {
         // A closing broker reopens no mailbox (open_session refuses likewise).
-        self.check_not_shutting_down()?;
+        self.shutdown.refuse_new_work()?;
         let refused = || BrokerError::NotFound(crate::error::Missing::Session(id));
         let hash = secret_hash(secret);
         let (tx, rx) = mpsc::unbounded_channel();

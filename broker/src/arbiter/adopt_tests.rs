@@ -104,7 +104,7 @@ fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
     let arb = host_arbiter(64 * MIB, 2, ArbiterConfig::default());
     arb.set_quota("alpha", super::tests::quota(64 * MIB))
         .unwrap();
-    let (uuid0, uuid1) = (arb.device_uuid(0), arb.device_uuid(1));
+    let (uuid0, uuid1) = (arb.devices.uuid(0), arb.devices.uuid(1));
     assert_ne!(uuid0, uuid1);
     let session = Uuid::new_v4();
     // Kept when device 1 was index 0 (the GPUs were reordered since).
@@ -176,7 +176,7 @@ fn the_report_breaks_the_adoption_down() {
     arb.set_quota("alpha", super::tests::quota(64 * MIB))
         .unwrap();
     let session = Uuid::new_v4();
-    let lease = lease_record(session, "alpha", 0, Some(&arb.device_uuid(0)));
+    let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
     let place = MemPlace::default();
     *place.entries.lock() = vec![
         entry(
@@ -217,7 +217,7 @@ fn the_reports_total_is_wall_time_with_the_dump_counted_once() {
     arb.set_quota("alpha", super::tests::quota(64 * MIB))
         .unwrap();
     let session = Uuid::new_v4();
-    let lease = lease_record(session, "alpha", 0, Some(&arb.device_uuid(0)));
+    let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
     let place = MemPlace::default();
     *place.entries.lock() = vec![
         entry(
@@ -271,7 +271,7 @@ fn the_reports_total_is_wall_time_with_the_dump_counted_once() {
 #[test]
 fn drains_of_devices_that_swapped_indexes_are_both_kept() {
     let arb = host_arbiter(64 * MIB, 2, ArbiterConfig::default());
-    let (uuid0, uuid1) = (arb.device_uuid(0), arb.device_uuid(1));
+    let (uuid0, uuid1) = (arb.devices.uuid(0), arb.devices.uuid(1));
     let drain = |device: u32, uuid: &str| DrainRecord {
         v: RECORD_VERSION,
         device,
@@ -311,7 +311,7 @@ fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
     arb.set_quota("alpha", super::tests::quota(64 * MIB))
         .unwrap();
     let session = Uuid::new_v4();
-    let lease = lease_record(session, "alpha", 0, Some(&arb.device_uuid(0)));
+    let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
     let fd = memfd(2 * MIB);
     crate::sharing::seal_read_only(&crate::device::SharedFd::new(fd.try_clone().unwrap())).unwrap();
     let publication = |lease: &str, name: &str| PublicationRecord {
@@ -393,7 +393,7 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
         pid: Some(pid),
         pid_start: Some(pid_start),
         destroy: false,
-        device_uuid: Some(arb.device_uuid(0)),
+        device_uuid: Some(arb.devices.uuid(0)),
     };
     let (same, reused) = (quarantine(start), quarantine(start + 1));
     let place = MemPlace::default();
@@ -448,7 +448,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
         waiters: vec![],
         timeout: false,
         destroy: true,
-        device_uuid: Some(arb.device_uuid(0)),
+        device_uuid: Some(arb.devices.uuid(0)),
     };
     let (lease, idle) = (Uuid::new_v4(), Uuid::new_v4());
     let kept_held = held(lease, Some(&publication));

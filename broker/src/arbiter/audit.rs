@@ -1,8 +1,10 @@
 //! The arbiter's side of the store and the audit log (`crate::audit` has the records and
 //! the log): [`Durable`] owns both and the lock that keeps durable operator changes one at
 //! a time; [`Arbiter::audit`] records an operator change durably and as a structured log
-//! line; [`Arbiter::durable_recorded`] commits a store change and its record as one;
-//! [`Durable::list_audit`] reads them back. Every record is written on the store writer
+//! line; [`Arbiter::durable_recorded`] commits a store change and its record as one,
+//! [`Arbiter::commit_to_store`] one without a record, [`Arbiter::run_durable`] runs a
+//! change on the store writer; [`Arbiter::load_store`] reads tenants and tokens at start;
+//! [`Durable::list_audit`] reads the records back. Every record is written on the store writer
 //! (`store_writer.rs`), in the order of the store's own commits, so the log's order is
 //! the store's and no runtime worker waits for an fsync or for the log.
 use super::Arbiter;
@@ -120,7 +122,7 @@ impl Arbiter {
         write: impl FnOnce(&Store, Option<AlsoWrite<'_>>) -> Result<T, StoreError>,
     ) -> BrokerResult<T> {
         let Some(rec) = rec else {
-            return self.durable(|store| write(store, None));
+            return self.commit_to_store(|store| write(store, None));
         };
         let store = self.durable.store();
         let (out, rec) = off_the_runtime(|| {
@@ -138,4 +140,75 @@ impl Arbiter {
         crate::audit::logged(&rec);
         Ok(out)
     }
+}
+
+impl Arbiter {
+    /// A store write failed: counted (the store-unwritable alert watches it), then the
+    /// error the caller returns.
+    pub(super) fn store_failed(&self, e: StoreError) -> BrokerError {
+        self.metrics.store_write(false);
+        store_err(e)
+    }
+
+    /// Commits a durable change (a redb transaction, fsync included), counted in the
+    /// metrics. Callers hold no state lock; on a multi-threaded runtime the commit runs in
+    /// `block_in_place`, so the worker thread's other tasks move elsewhere meanwhile.
+    pub(super) fn commit_to_store<T: Default>(
+        &self,
+        write: impl FnOnce(&crate::store::Store) -> Result<T, StoreError>,
+    ) -> BrokerResult<T> {
+        let Some(store) = self.durable.store() else {
+            return Ok(T::default());
+        };
+        off_the_runtime(|| write(store))
+            .inspect(|_| self.metrics.store_write(true))
+            .map_err(|e| self.store_failed(e))
+    }
+
+    /// Loads tenants, token hashes and claim reservations from the store (start-up).
+    pub(super) fn load_store(&self) -> BrokerResult<()> {
+        let Some(store) = self.durable.store() else {
+            return Ok(());
+        };
+        let (tenants, tokens) = store.load().map_err(store_err)?;
+        let mut st = self.lock();
+        for t in &tenants {
+            st.set_quota(&t.name, t.quota.clone())?;
+        }
+        for t in tokens {
+            self.auth.add(t);
+        }
+        drop(st);
+        let claims = self.restore_claims(store)?;
+        tracing::info!(tenants = tenants.len(), claims, "state loaded");
+        Ok(())
+    }
+
+    /// Runs `change` on the store writer (started on first use, inside the caller's
+    /// runtime), after the durable changes asked for before it: the arbiter's own
+    /// operator changes and those made outside it (a configuration reload). Without a
+    /// store it runs here: nothing is committed.
+    pub async fn run_durable<T: Send + 'static>(
+        &self,
+        change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
+    ) -> BrokerResult<T> {
+        if self.durable.store().is_none() {
+            return change();
+        }
+        self.lifecycle
+            .store_writer()?
+            .run(change)
+            .await
+            .map_err(|e| match e {
+                crate::store_writer::WriterError::Stopped => BrokerError::ShuttingDown,
+                crate::store_writer::WriterError::Panicked(why) => {
+                    BrokerError::Internal(format!("a durable change panicked: {why}"))
+                }
+            })?
+    }
+}
+
+/// A store error as the caller's answer.
+pub(super) fn store_err(e: StoreError) -> BrokerError {
+    BrokerError::Internal(format!("state store: {e}"))
 }

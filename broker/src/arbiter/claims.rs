@@ -86,7 +86,7 @@ impl Arbiter {
                 let record = claim_record(&req, &reservation, &token_id);
                 let me = self.clone();
                 let kept = self
-                    .run_durable(move || me.durable(|s| s.put_claim(&record)))
+                    .run_durable(move || me.commit_to_store(|s| s.put_claim(&record)))
                     .await;
                 if let Err(e) = kept {
                     self.undo_claim(&req.uid, &token_id, who).await;
@@ -129,7 +129,7 @@ impl Arbiter {
             let mut st = self.lock();
             let found = st.reservations().of_claim(uid).map(|r| r.id);
             if let Some(id) = found {
-                self.end_reservation(&mut st, id);
+                st.end_reservation(id);
             }
             found
         };
@@ -154,7 +154,7 @@ impl Arbiter {
             .iter()
             .filter_map(|r| {
                 let c = r.claim.clone()?;
-                Some((c, r.view(self.device_uuid(r.device))))
+                Some((c, r.view(self.devices.uuid(r.device))))
             })
             .collect();
         v.sort_by_key(|(_, r)| (r.created, r.id));
@@ -223,7 +223,7 @@ impl Arbiter {
             .reservations()
             .get(&id)
             .ok_or_else(|| BrokerError::Internal("a granted claim is gone".into()))?;
-        let mut view = r.view(self.device_uuid(r.device));
+        let mut view = r.view(self.devices.uuid(r.device));
         view.requested_bytes = req.bytes;
         Ok(view)
     }
@@ -259,7 +259,7 @@ impl Arbiter {
                 .filter(|r| r.claim.as_ref().is_some_and(|c| c.token_id == token_id))
                 .map(|r| r.id);
             if let Some(id) = mine {
-                self.end_reservation(&mut st, id);
+                st.end_reservation(id);
             }
             mine.is_some()
         };
@@ -277,7 +277,7 @@ impl Arbiter {
     async fn forget_claim(self: &Arc<Self>, uid: &str) -> BrokerResult<bool> {
         let me = self.clone();
         let uid = uid.to_string();
-        self.run_durable(move || me.durable(|s| s.delete_claim(&uid)))
+        self.run_durable(move || me.commit_to_store(|s| s.delete_claim(&uid)))
             .await
     }
 
@@ -287,7 +287,7 @@ impl Arbiter {
     /// its quota shrank) is logged and left for the driver, whose next `ReserveClaim`
     /// reports why on the claim.
     pub(super) fn restore_claims(&self, store: &crate::store::Store) -> BrokerResult<usize> {
-        let records = store.load_claims().map_err(super::admin::store_err)?;
+        let records = store.load_claims().map_err(super::audit::store_err)?;
         let live = self.auth.live_token_ids();
         let mut restored = 0;
         for c in records {
@@ -295,7 +295,7 @@ impl Arbiter {
                 tracing::info!(claim = %c.uid, token_id = %c.token_id, "stored claim's token is gone: claim forgotten");
                 store
                     .delete_claim(&c.uid)
-                    .map_err(super::admin::store_err)?;
+                    .map_err(super::audit::store_err)?;
                 continue;
             }
             match self.restore_claim(&c) {
@@ -311,11 +311,12 @@ impl Arbiter {
     fn restore_claim(&self, c: &ClaimRecord) -> BrokerResult<()> {
         let id = uuid::Uuid::parse_str(&c.reservation_id)
             .map_err(|e| BrokerError::Internal(format!("reservation id: {e}")))?;
-        if (c.device as usize) < self.devices.len() && self.device_uuid(c.device) != c.device_uuid {
+        if (c.device as usize) < self.devices.len() && self.devices.uuid(c.device) != c.device_uuid
+        {
             return Err(BrokerError::FailedPrecondition(format!(
                 "device {} is now {}, not {}",
                 c.device,
-                self.device_uuid(c.device),
+                self.devices.uuid(c.device),
                 c.device_uuid
             )));
         }

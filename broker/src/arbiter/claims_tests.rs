@@ -33,7 +33,8 @@ fn session_of(arb: &Arc<Arbiter>, tenant: &str, token_id: Option<String>) -> Uui
         unix: true,
     };
     let (id, rx) = arb
-        .open_session_with_token(tenant, "w", peer, token_id)
+        .open_resumable(tenant, "w", peer, token_id)
+        .map(|(id, rx, _)| (id, rx))
         .unwrap();
     std::mem::forget(rx);
     id
@@ -175,6 +176,6 @@ async fn a_refused_reserve_leaves_the_winners_claim_alone() {
     assert_eq!(claims.len(), 1, "{claims:?}");
     assert_eq!(claims[0].0.token_id, won.token_id);
     assert_eq!(claims[0].1.id, won.reservation.id);
-    let stored = arb.durable(|s| s.load_claims()).unwrap();
+    let stored = arb.commit_to_store(|s| s.load_claims()).unwrap();
     assert_eq!(stored.len(), 1, "the winner's record is kept");
 }

@@ -69,7 +69,7 @@ async fn blocks_past_the_budget_are_refused_and_a_cached_block_makes_room() {
     arb.release("a", l.id).unwrap();
     let lb = arb.acquire(req("b", sb, 2 * MIB)).await.unwrap();
     assert_eq!(arb.fds.held(), 4);
-    assert_eq!(arb.devices().await[0].cached, 0);
+    assert_eq!(arb.device_reports().await[0].cached, 0);
     // b's own cached block comes back with no new descriptor.
     arb.release("b", lb.id).unwrap();
     arb.acquire(req("b", sb, 2 * MIB)).await.unwrap();

@@ -64,16 +64,6 @@ impl DrainReport {
 }
 
 impl Arbiter {
-    fn drain_targets(&self, device: Option<u32>) -> BrokerResult<Vec<u32>> {
-        match device {
-            Some(d) => {
-                self.check_device_index(d)?;
-                Ok(vec![d])
-            }
-            None => Ok((0..self.devices.len() as u32).collect()),
-        }
-    }
-
     /// Starts draining `device` (or every device): see the module doc. Draining a device
     /// that already drains updates its deadline and reason.
     pub(crate) fn start_drain(
@@ -82,7 +72,7 @@ impl Arbiter {
         deadline: Option<Duration>,
         reason: &str,
     ) -> BrokerResult<DrainReport> {
-        let targets = self.drain_targets(device)?;
+        let targets = self.devices.one_or_all(device)?;
         if let Some(d) = deadline {
             if d.is_zero() || d > MAX_DRAIN_DEADLINE {
                 return Err(BrokerError::InvalidArgument(format!(
@@ -153,7 +143,7 @@ impl Arbiter {
     /// Reopens `device` (or every device) and withdraws the drain's pending reclaim
     /// requests. An unhealthy device stays closed.
     pub(crate) fn undrain(self: &Arc<Self>, device: Option<u32>) -> BrokerResult<DrainReport> {
-        let targets = self.drain_targets(device)?;
+        let targets = self.devices.one_or_all(device)?;
         let mut st = self.lock();
         let withdrawn = st
             .change_devices(|avail| {
@@ -194,7 +184,7 @@ impl Arbiter {
                     .collect();
                 DeviceDrain {
                     index: d,
-                    uuid: self.device_uuid(d),
+                    uuid: self.devices.uuid(d),
                     draining: drain.is_some(),
                     since: drain.as_ref().map(|x| x.since),
                     deadline: drain.as_ref().and_then(|x| x.deadline),

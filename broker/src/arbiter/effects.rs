@@ -515,7 +515,7 @@ impl Arbiter {
             Effect::Reply { to, mut result, .. } => after.then(move || {
                 // The core leaves a reservation's device UUID to the shell.
                 if let Ok(Granted::Process(v)) = &mut result {
-                    v.device_uuid = self.device_uuid(v.device);
+                    v.device_uuid = self.devices.uuid(v.device);
                 }
                 self.answer(to, result)
             }),
@@ -583,8 +583,9 @@ impl Arbiter {
                         None => delivered += u32::from(ok),
                         Some(Ok(grant)) => {
                             tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
-                            let (_, more) =
-                                self.turn_hold(|t| t.give_back(&grant, std::time::Instant::now()));
+                            let (_, more) = self
+                                .scheduler
+                                .hold(|t| t.give_back(&grant, std::time::Instant::now()));
                             todo.extend(more);
                         }
                         Some(Err(_)) => {} // a refusal for nobody
@@ -607,7 +608,7 @@ impl Arbiter {
         rt.spawn(async move {
             tokio::time::sleep_until(at.into()).await;
             if let Some(arb) = me.upgrade() {
-                arb.turns(|t| t.expire_kept(std::time::Instant::now()));
+                arb.with_turns(|t| t.expire_kept(std::time::Instant::now()));
             }
         });
     }
@@ -646,7 +647,7 @@ impl Arbiter {
     fn answer(&self, to: WaiterId, result: BrokerResult<Granted>) {
         if let Some(Ok(g)) = self.outbox.reply(to, result) {
             if let Some(me) = self.me.upgrade() {
-                me.give_back(g);
+                me.give_back_grant(g);
             }
         }
     }
@@ -655,16 +656,16 @@ impl Arbiter {
 impl Arbiter {
     /// Ends a grant its caller never received (it went away before or just as the answer
     /// arrived): a lease is released as by its holder, a reservation ended. Locks the state.
-    pub(super) fn give_back(self: &Arc<Self>, granted: Granted) {
+    pub(super) fn give_back_grant(self: &Arc<Self>, granted: Granted) {
         let mut st = self.lock();
         match granted {
             Granted::Lease(view) => {
                 tracing::debug!(lease = %view.id, "caller gone before it received the grant; releasing");
-                self.end_lease(&mut st, view.id, super::Ending::Cache);
+                st.end_lease(view.id, super::Ending::Cache);
             }
             Granted::Process(view) => {
                 tracing::debug!(reservation = %view.id, "caller gone before it received the reservation; ending it");
-                self.end_reservation(&mut st, view.id);
+                st.end_reservation(view.id);
             }
         }
     }

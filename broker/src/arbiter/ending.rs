@@ -25,7 +25,7 @@ impl Arbiter {
                 false => Err(lease_not_found(lease)),
             };
         }
-        self.end_lease(&mut st, lease, Ending::Cache);
+        st.end_lease(lease, Ending::Cache);
         tracing::debug!(%lease, tenant, "lease released");
         Ok(())
     }
@@ -37,18 +37,6 @@ impl Arbiter {
         pid.is_some_and(process_gone)
     }
 
-    /// Ends a lease; returns its view. The queue runs after the hold. Processes
-    /// outside the session that fetched its descriptor are looked at after the unlock
-    /// (`Effect::CheckGone`): no `/proc` read under the lock.
-    pub(super) fn end_lease(
-        self: &Arc<Self>,
-        st: &mut State,
-        id: Uuid,
-        ending: Ending,
-    ) -> Option<LeaseView> {
-        st.end_lease(id, ending)
-    }
-
     /// The holder of quarantined memory is gone: cache (or free) the block.
     pub(super) fn unquarantine(self: &Arc<Self>, id: Uuid, destroy: bool) {
         self.lock().lift_quarantine(id, destroy);
@@ -58,14 +46,17 @@ impl Arbiter {
     /// Ends a session: its waiting requests fail, its leases end (cached if its process is
     /// gone, otherwise quarantined or destroyed).
     pub fn end_session(self: &Arc<Self>, id: Uuid, reason: &str) {
-        self.end_session_inner(id, reason, None);
+        self.end_session_with(id, reason, None);
     }
 
-    pub(super) fn end_session_with(self: &Arc<Self>, id: Uuid, reason: &str, ending: Ending) {
-        self.end_session_inner(id, reason, Some(ending));
-    }
-
-    fn end_session_inner(self: &Arc<Self>, id: Uuid, reason: &str, forced: Option<Ending>) {
+    /// Ends a session, its leases ending by `forced` when given (the shutdown destroys
+    /// them) instead of by whether its process is gone.
+    pub(super) fn end_session_with(
+        self: &Arc<Self>,
+        id: Uuid,
+        reason: &str,
+        forced: Option<Ending>,
+    ) {
         let gone = forced.is_none() && self.peer_gone(|st| st.sessions().get(&id).map(|s| s.peer));
         let mut st = self.lock();
         let Some((session, bytes)) = st.end_session(id, forced, gone) else {

@@ -21,8 +21,8 @@ impl Arbiter {
         by_operator: bool,
         who: &Who,
     ) -> BrokerResult<bool> {
-        self.check_device_index(index)?;
-        let uuid = self.device_uuid(index);
+        self.devices.check_index(index)?;
+        let uuid = self.devices.uuid(index);
         let holders = {
             let mut st = self.lock();
             let marked = st.change_devices(|avail| {
@@ -73,7 +73,7 @@ impl Arbiter {
         by_operator: bool,
         who: &Who,
     ) -> BrokerResult<bool> {
-        self.check_device_index(index)?;
+        self.devices.check_index(index)?;
         let cleared = self.lock().change_devices(|avail| {
             let s = avail.device_mut(index)?;
             match &s.fault {
@@ -99,19 +99,6 @@ impl Arbiter {
             Some(serde_json::json!({"healthy": true})),
         );
         Ok(true)
-    }
-
-    /// `index` names one of this broker's devices (else `InvalidArgument`).
-    pub(super) fn check_device_index(&self, index: u32) -> BrokerResult<()> {
-        if index as usize >= self.devices.len() {
-            return Err(BrokerError::unknown_device(index, self.devices.len()));
-        }
-        Ok(())
-    }
-
-    /// How many devices the broker serves.
-    pub fn device_count(&self) -> usize {
-        self.devices.len()
     }
 
     /// Is device `index` healthy (not marked unhealthy)?

@@ -14,7 +14,7 @@ impl Arbiter {
         self: &Arc<Self>,
         req: ValidRequest,
     ) -> BrokerResult<LeaseView> {
-        self.check_not_shutting_down()?;
+        self.shutdown.refuse_new_work()?;
         let Some(host) = &self.host_tier else {
             return Err(BrokerError::NoHostTier);
         };

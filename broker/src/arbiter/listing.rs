@@ -85,6 +85,22 @@ impl SharedViewer<'_> {
 }
 
 impl Arbiter {
+    /// Every tenant by name, page by page.
+    pub fn list_tenants(&self) -> Vec<TenantView> {
+        all_pages(|t| self.tenants_page(t, DEFAULT_PAGE_SIZE))
+    }
+
+    /// Every lease (of `tenant`, or all) in the order granted, page by page.
+    pub fn list_all_leases(&self, tenant: Option<&str>) -> Vec<LeaseView> {
+        all_pages(|t| self.leases_page(tenant, t, DEFAULT_PAGE_SIZE))
+    }
+
+    /// Every session (of `tenant`, or all) by id, page by page.
+    #[cfg(test)]
+    pub(super) fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
+        all_pages(|t| self.sessions_page(tenant, t, DEFAULT_PAGE_SIZE))
+    }
+
     /// Tenants by name, after `token`.
     pub(crate) fn tenants_page(&self, token: &str, size: usize) -> BrokerResult<Page<TenantView>> {
         bounds::check("page_token", token, bounds::MAX_TENANT_BYTES)?;
@@ -297,23 +313,23 @@ impl Arbiter {
         drop(st);
         Ok(Page { items, next })
     }
+}
 
-    /// Walks every page of a listing (each page under its own short lock hold).
-    pub(super) fn all_pages<T>(mut page: impl FnMut(&str) -> BrokerResult<Page<T>>) -> Vec<T> {
-        let mut out = Vec::new();
-        let mut token = String::new();
-        loop {
-            match page(&token) {
-                Ok(p) => {
-                    out.extend(p.items);
-                    match p.next {
-                        Some(t) => token = t,
-                        None => return out,
-                    }
+/// Walks every page of a listing (each page under its own short lock hold).
+pub(super) fn all_pages<T>(mut page: impl FnMut(&str) -> BrokerResult<Page<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    let mut token = String::new();
+    loop {
+        match page(&token) {
+            Ok(p) => {
+                out.extend(p.items);
+                match p.next {
+                    Some(t) => token = t,
+                    None => return out,
                 }
-                // Our own tokens are always valid; nothing else can fail here.
-                Err(_) => return out,
             }
+            // Our own tokens are always valid; nothing else can fail here.
+            Err(_) => return out,
         }
     }
 }

@@ -175,7 +175,7 @@ pub struct Arbiter {
     /// The core behind its one lock: taken only by `Arbiter::lock` (`effects.rs`), whose
     /// guard checks the invariant, runs the effects and times the hold.
     state: effects::StateLock,
-    pub(crate) devices: Vec<DeviceSlot>,
+    pub(crate) devices: crate::backend::Devices,
     pub(crate) host_tier: Option<DeviceThread>,
     pub(crate) auth: Arc<Authenticator>,
     pub(crate) cfg: ArbiterConfig,
@@ -234,6 +234,37 @@ struct Shutdown {
     /// after the broker is gone); every free before revokes (`Device::revoke`), so memory
     /// that left its tenant is held by nobody.
     exiting: AtomicBool,
+}
+
+impl Shutdown {
+    /// Has the shutdown begun?
+    fn begun(&self) -> bool {
+        self.begun.load(Ordering::SeqCst)
+    }
+
+    /// `SHUTTING_DOWN` once the shutdown began: new work is refused.
+    fn refuse_new_work(&self) -> BrokerResult<()> {
+        match self.begun() {
+            true => Err(BrokerError::ShuttingDown),
+            false => Ok(()),
+        }
+    }
+
+    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
+    fn revokes(&self) -> bool {
+        !self.exiting.load(Ordering::SeqCst)
+    }
+
+    /// Refuses new work from now on.
+    fn begin(&self) {
+        self.begun.store(true, Ordering::SeqCst);
+    }
+
+    /// The shutdown frees everything now: its frees leave kept mappings alone.
+    fn begin_exit(&self) {
+        self.begin();
+        self.exiting.store(true, Ordering::SeqCst);
+    }
 }
 
 /// Longest label accepted.
@@ -305,7 +336,7 @@ impl Arbiter {
             crash: crate::crash_point::CrashPoint::from_env(),
             scheduler,
             state: effects::StateLock::new(st),
-            devices,
+            devices: devices.into(),
             host_tier,
             auth,
             cfg,
@@ -325,6 +356,11 @@ impl Arbiter {
     /// The arbiter's configuration.
     pub(crate) fn config(&self) -> &ArbiterConfig {
         &self.cfg
+    }
+
+    /// The broker's devices (slots, indexes, UUIDs).
+    pub fn devices(&self) -> &crate::backend::Devices {
+        &self.devices
     }
 
     /// The lease tickets (the ticket server redeems them).
@@ -379,15 +415,7 @@ impl Arbiter {
 
     /// Is the broker shutting down?
     pub(crate) fn is_shutting_down(&self) -> bool {
-        self.shutdown.begun.load(Ordering::SeqCst)
-    }
-
-    fn check_not_shutting_down(&self) -> BrokerResult<()> {
-        if self.is_shutting_down() {
-            Err(BrokerError::ShuttingDown)
-        } else {
-            Ok(())
-        }
+        self.shutdown.begun()
     }
 
     /// Memory a free left on a device is charged until every process near its recorded
@@ -419,13 +447,6 @@ impl Arbiter {
         self.kept_holders.get()
     }
 
-    /// Does the broker serve real GPUs?
-    pub fn backend_is_cuda(&self) -> bool {
-        self.devices
-            .iter()
-            .any(|d| d.thread.desc().backend == BackendKind::Cuda)
-    }
-
     /// Opens a session for `tenant`; returns its id and the event receiver.
     pub fn open_session(
         self: &Arc<Self>,
@@ -433,25 +454,15 @@ impl Arbiter {
         name: &str,
         peer: Peer,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
-        self.open_session_with_token(tenant, name, peer, None)
-    }
-
-    /// Opens a session on behalf of the token `token_id` (the caller's): the session ends
-    /// when that token is revoked or expires.
-    fn open_session_with_token(
-        self: &Arc<Self>,
-        tenant: &str,
-        name: &str,
-        peer: Peer,
-        token_id: Option<String>,
-    ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
-        self.open_resumable(tenant, name, peer, token_id)
+        self.open_resumable(tenant, name, peer, None)
             .map(|(id, rx, _)| (id, rx))
     }
 
-    /// [`Arbiter::open_session_with_token`], and the secret that resumes the session after
-    /// a broker restart (`adopt.rs`; empty without a keeper, which alone keeps sessions
-    /// across restarts, and for a peer with no pid, which cannot resume).
+    /// Opens a session on behalf of the token `token_id` (the caller's: the session ends
+    /// when that token is revoked or expires); returns its id, its event receiver and the
+    /// secret that resumes the session after a broker restart (`adopt.rs`; empty without a
+    /// keeper, which alone keeps sessions across restarts, and for a peer with no pid,
+    /// which cannot resume).
     #[allow(clippy::type_complexity)]
     pub(crate) fn open_resumable(
         self: &Arc<Self>,
@@ -460,7 +471,7 @@ impl Arbiter {
         peer: Peer,
         token_id: Option<String>,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>, String)> {
-        self.check_not_shutting_down()?;
+        self.shutdown.refuse_new_work()?;
         crate::bounds::check("session name", name, MAX_LABEL)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let id = Uuid::now_v7();
@@ -573,12 +584,12 @@ impl Arbiter {
     /// The caller's own leases, in the order they were granted (every page).
     #[cfg(test)]
     pub(crate) fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
-        Self::all_pages(|t| self.leases_page(Some(tenant), t, listing::MAX_PAGE_SIZE))
+        listing::all_pages(|t| self.leases_page(Some(tenant), t, listing::MAX_PAGE_SIZE))
     }
 
     /// Begins shutdown: refuse new work, tell every session.
     pub(crate) fn begin_shutdown(&self, grace: Duration) {
-        self.shutdown.begun.store(true, Ordering::SeqCst);
+        self.shutdown.begin();
         self.lock().begin_shutdown(grace);
     }
 
@@ -589,27 +600,21 @@ impl Arbiter {
 
     /// Ends every session and frees every block on the devices. Blocks until done.
     pub fn shutdown_release_all(self: &Arc<Self>) {
-        self.shutdown.begun.store(true, Ordering::SeqCst);
-        self.shutdown.exiting.store(true, Ordering::SeqCst);
+        self.shutdown.begin_exit();
         let ids = self.lock().sessions().ids();
         for id in ids {
-            self.end_session_with(id, "broker shut down", Ending::Destroy);
+            self.end_session_with(id, "broker shut down", Some(Ending::Destroy));
         }
         let mut st = self.lock();
         st.free_everything();
         drop(st);
         // Wait for the device threads to finish the frees queued above.
-        for d in &self.devices {
+        for d in self.devices.iter() {
             let _ = d.thread.call_blocking(|_| ());
         }
         if let Some(h) = &self.host_tier {
             let _ = h.call_blocking(|_| ());
         }
-    }
-
-    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
-    fn revokes(&self) -> bool {
-        !self.shutdown.exiting.load(Ordering::SeqCst)
     }
 
     /// Queues a free of `what` on its device thread: the one place device memory is freed
@@ -621,7 +626,7 @@ impl Arbiter {
             let id = what.alloc_id();
             // A block's descriptor is counted until it closes (or the job is dropped).
             let counted = matches!(what, Unneeded::Block(_)).then(|| self.fds.adopt());
-            let revoke = self.revokes();
+            let revoke = self.shutdown.revokes();
             // Processes outside the broker its descriptor reached may keep it (not at the
             // shutdown: nobody is charged any more then).
             let reached = match &what {

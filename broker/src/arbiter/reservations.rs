@@ -122,7 +122,7 @@ impl Arbiter {
             Some(r) if r.tenant == tenant => {}
             _ => return Err(BrokerError::NotFound(Missing::Reservation(id))),
         }
-        self.end_reservation(&mut st, id);
+        st.end_reservation(id);
         drop(st);
         self.crash.pass("after", "release-reservation");
         Ok(())
@@ -175,125 +175,7 @@ impl Arbiter {
     }
 
     fn reservation_view(&self, r: &Reservation) -> ReservationView {
-        r.view(self.device_uuid(r.device))
-    }
-
-    /// Refuses a reservation the session cannot have: one per session (it stands for
-    /// the session's one process).
-    pub(super) fn check_process_ask(&self, st: &State, req: &AcquireRequest) -> BrokerResult<()> {
-        if let Some(r) = st.reservations().of_session(req.session).next() {
-            return Err(BrokerError::ReservationHeld {
-                session: req.session,
-                reservation: r.id,
-            });
-        }
-        Ok(())
-    }
-
-    /// Ends one reservation: its room is uncharged (the queue runs after the hold).
-    pub(super) fn end_reservation(&self, st: &mut State, id: Uuid) {
-        st.end_reservation(id);
-    }
-
-    /// Whether a lease request must be looked at against the process reservations first:
-    /// the pid of its session's peer when a reservation exists and the peer is known (the
-    /// caller then reads the peer's lineage from `/proc` outside the lock and offers the
-    /// request again with it). Read under the lock the offer holds, so a broker with no
-    /// reservation takes the lock once per acquire.
-    pub(super) fn lineage_needed(&self, st: &State, req: &AcquireRequest) -> Option<u32> {
-        if st.reservations().is_empty() || Self::claim_of_session(st, req).is_some() {
-            return None;
-        }
-        st.sessions().get(&req.session).and_then(|s| s.peer.pid)
-    }
-
-    /// The claim reservation bound to the token the request's session was opened with
-    /// (`arbiter/claims.rs`), of its tenant.
-    fn claim_of_session<'a>(st: &'a State, req: &AcquireRequest) -> Option<&'a Reservation> {
-        let token = st.sessions().get(&req.session)?.token_id.as_deref()?;
-        st.reservations()
-            .bound_to(token)
-            .filter(|r| r.tenant == req.tenant)
-    }
-
-    /// The pids a process tree is made of (`pid`, its parent, ...), read from `/proc`
-    /// outside the state lock.
-    pub(super) fn caller_lineage(pid: u32) -> Vec<u32> {
-        lineage(pid).collect()
-    }
-
-    /// If `req` comes from a process (`lineage`: it and its ancestors) a reservation of
-    /// its tenant covers, on that reservation's device, takes its bytes out of the
-    /// reservation's room and returns the ask to grant at once. `RESERVATION_EXCEEDED`
-    /// when it does not fit in the room.
-    pub(super) fn draw_from_reservation(
-        &self,
-        st: &mut State,
-        req: &AcquireRequest,
-        lineage: &[u32],
-    ) -> BrokerResult<Option<Drawn>> {
-        if st.reservations().is_empty() {
-            return Ok(None);
-        }
-        let r = match Self::claim_of_session(st, req) {
-            // A session of a claim's token draws from the claim's reservation only: a
-            // lease pinned to another device is refused below, not charged beside it.
-            Some(r) => r,
-            None => {
-                // The lineage was read for the session's peer before the lock.
-                let peer = st.sessions().get(&req.session).and_then(|s| s.peer.pid);
-                if lineage.is_empty() || peer != lineage.first().copied() {
-                    return Ok(None);
-                }
-                let Some(r) = st.reservations().covering(lineage, |r| {
-                    r.tenant == req.tenant && req.device.is_none_or(|d| d == r.device)
-                }) else {
-                    return Ok(None);
-                };
-                r
-            }
-        };
-        if let Some(d) = req.device.filter(|&d| d != r.device) {
-            return Err(BrokerError::InvalidArgument(format!(
-                "this session's claim reserved device {}, not device {d}",
-                r.device
-            )));
-        }
-        let (rid, d) = (r.id, r.device);
-        let gran = st.pools()[d as usize].granularity();
-        let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
-            BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
-        })?;
-        if bytes > r.room() {
-            return Err(BrokerError::ReservationExceeded {
-                reservation: rid,
-                pid: r.pid.unwrap_or(0),
-                requested: bytes,
-                reserved: r.bytes,
-                drawn: r.drawn + r.lost,
-            });
-        }
-        let priority = st
-            .ledger()
-            .get(&req.tenant)
-            .map(|t| t.quota.priority)
-            .unwrap_or(0);
-        st.draw(rid, &req.tenant, bytes);
-        Ok(Some(Drawn {
-            ask: Ask {
-                tenant: req.tenant.clone(),
-                session: req.session,
-                bytes,
-                requested_bytes: req.bytes,
-                device: Some(d),
-                label: req.label.clone(),
-                reclaimable: req.reclaimable,
-                process: None,
-                draw: Some(rid),
-            },
-            priority,
-            device: d,
-        }))
+        r.view(self.devices.uuid(r.device))
     }
 
     /// Which GPU processes (pid -> bytes, NVML) lie in a reservation's process tree, and
@@ -321,6 +203,117 @@ impl Arbiter {
         }
         out
     }
+}
+
+/// If `req` comes from a process (`lineage`: it and its ancestors) a reservation of
+/// its tenant covers, on that reservation's device, takes its bytes out of the
+/// reservation's room and returns the ask to grant at once. `RESERVATION_EXCEEDED`
+/// when it does not fit in the room.
+pub(super) fn draw_from_reservation(
+    st: &mut State,
+    req: &AcquireRequest,
+    lineage: &[u32],
+) -> BrokerResult<Option<Drawn>> {
+    if st.reservations().is_empty() {
+        return Ok(None);
+    }
+    let r = match claim_of_session(st, req) {
+        // A session of a claim's token draws from the claim's reservation only: a
+        // lease pinned to another device is refused below, not charged beside it.
+        Some(r) => r,
+        None => {
+            // The lineage was read for the session's peer before the lock.
+            let peer = st.sessions().get(&req.session).and_then(|s| s.peer.pid);
+            if lineage.is_empty() || peer != lineage.first().copied() {
+                return Ok(None);
+            }
+            let Some(r) = st.reservations().covering(lineage, |r| {
+                r.tenant == req.tenant && req.device.is_none_or(|d| d == r.device)
+            }) else {
+                return Ok(None);
+            };
+            r
+        }
+    };
+    if let Some(d) = req.device.filter(|&d| d != r.device) {
+        return Err(BrokerError::InvalidArgument(format!(
+            "this session's claim reserved device {}, not device {d}",
+            r.device
+        )));
+    }
+    let (rid, d) = (r.id, r.device);
+    let gran = st.pools()[d as usize].granularity();
+    let bytes = crate::units::round_up(req.bytes, gran)
+        .ok_or_else(|| BrokerError::InvalidArgument(format!("size {} is too large", req.bytes)))?;
+    if bytes > r.room() {
+        return Err(BrokerError::ReservationExceeded {
+            reservation: rid,
+            pid: r.pid.unwrap_or(0),
+            requested: bytes,
+            reserved: r.bytes,
+            drawn: r.drawn + r.lost,
+        });
+    }
+    let priority = st
+        .ledger()
+        .get(&req.tenant)
+        .map(|t| t.quota.priority)
+        .unwrap_or(0);
+    st.draw(rid, &req.tenant, bytes);
+    Ok(Some(Drawn {
+        ask: Ask {
+            tenant: req.tenant.clone(),
+            session: req.session,
+            bytes,
+            requested_bytes: req.bytes,
+            device: Some(d),
+            label: req.label.clone(),
+            reclaimable: req.reclaimable,
+            process: None,
+            draw: Some(rid),
+        },
+        priority,
+        device: d,
+    }))
+}
+
+/// Whether a lease request must be looked at against the process reservations first:
+/// the pid of its session's peer when a reservation exists and the peer is known (the
+/// caller then reads the peer's lineage from `/proc` outside the lock and offers the
+/// request again with it). Read under the lock the offer holds, so a broker with no
+/// reservation takes the lock once per acquire.
+pub(super) fn lineage_needed(st: &State, req: &AcquireRequest) -> Option<u32> {
+    if st.reservations().is_empty() || claim_of_session(st, req).is_some() {
+        return None;
+    }
+    st.sessions().get(&req.session).and_then(|s| s.peer.pid)
+}
+
+/// Refuses a reservation the session cannot have: one per session (it stands for
+/// the session's one process).
+pub(super) fn check_process_ask(st: &State, req: &AcquireRequest) -> BrokerResult<()> {
+    if let Some(r) = st.reservations().of_session(req.session).next() {
+        return Err(BrokerError::ReservationHeld {
+            session: req.session,
+            reservation: r.id,
+        });
+    }
+    Ok(())
+}
+
+/// The pids a process tree is made of (`pid`, its parent, ...), read from `/proc`
+/// outside the state lock.
+pub(super) fn caller_lineage(pid: u32) -> Vec<u32> {
+    lineage(pid).collect()
+}
+
+/// The claim reservation bound to the token the request's session was opened with
+/// (`arbiter/claims.rs`), of its tenant.
+fn claim_of_session<'a>(st: &'a State, req: &AcquireRequest) -> Option<&'a Reservation> {
+    let token = st.sessions().get(&req.session)?.token_id.as_deref()?;
+    st.reservations()
+        .bound_to(token)
+        .filter(|r| r.tenant == req.tenant)
 }
 
 #[cfg(test)]

@@ -101,7 +101,7 @@ impl Arbiter {
         caller: Option<u32>,
     ) -> Option<LeaseView> {
         let pid = caller.filter(|&p| p != 0)?;
-        if self.check_not_shutting_down().is_err() {
+        if self.shutdown.refuse_new_work().is_err() {
             return None;
         }
         let started = Instant::now();

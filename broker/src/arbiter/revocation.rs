@@ -86,7 +86,8 @@ mod tests {
         let arb = arbiter();
         let (t1, t2) = (worker_token(&arb, None), worker_token(&arb, None));
         let open = |t: &str| {
-            arb.open_session_with_token("a", "s", Peer::default(), Some(t.to_string()))
+            arb.open_resumable("a", "s", Peer::default(), Some(t.to_string()))
+                .map(|(id, rx, _)| (id, rx))
                 .unwrap()
         };
         let (s1, mut rx1) = open(&t1);
@@ -114,10 +115,12 @@ mod tests {
         let short = worker_token(&arb, Some(Duration::from_millis(1)));
         let long = worker_token(&arb, Some(Duration::from_secs(3600)));
         let (s_short, _a) = arb
-            .open_session_with_token("a", "s", Peer::default(), Some(short))
+            .open_resumable("a", "s", Peer::default(), Some(short))
+            .map(|(id, rx, _)| (id, rx))
             .unwrap();
         let (s_long, _b) = arb
-            .open_session_with_token("a", "s", Peer::default(), Some(long))
+            .open_resumable("a", "s", Peer::default(), Some(long))
+            .map(|(id, rx, _)| (id, rx))
             .unwrap();
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(arb.end_sessions_of_lapsed_tokens(), 1);

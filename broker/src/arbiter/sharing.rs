@@ -350,7 +350,7 @@ impl Arbiter {
     /// first, page by page.
     #[cfg(test)]
     pub(super) fn list_shared(&self, publisher: Option<&str>) -> Vec<SharedView> {
-        Self::all_pages(|t| {
+        super::listing::all_pages(|t| {
             self.shared_page(
                 super::listing::SharedViewer::Operator(publisher),
                 t,

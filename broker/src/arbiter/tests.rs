@@ -264,7 +264,7 @@ async fn waiter_is_granted_when_memory_is_released() {
         arb.acquire(r).await
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(f.arb.devices().await[0].waiting, 1);
+    assert_eq!(f.arb.device_reports().await[0].waiting, 1);
     f.arb.release("a", l1.id).unwrap();
     let l2 = waiting.await.unwrap().unwrap();
     assert_eq!(l2.bytes, 4 * MIB);
@@ -287,7 +287,11 @@ async fn losing_a_wait_is_deadline_exceeded_with_numbers() {
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(f.arb.devices().await[0].waiting, 0, "waiter left the queue");
+    assert_eq!(
+        f.arb.device_reports().await[0].waiting,
+        0,
+        "waiter left the queue"
+    );
     let r = req("a", s, 2 * MIB);
     assert!(matches!(
         f.arb.acquire(r).await,
@@ -425,7 +429,7 @@ async fn session_of_an_exited_process_returns_memory_to_the_pool() {
         "session did not end on process exit"
     );
     assert_eq!(f.held("a"), 0);
-    let d = &f.arb.devices().await[0];
+    let d = &f.arb.device_reports().await[0];
     assert_eq!((d.leased, d.cached, d.quarantined), (0, 8 * MIB, 0));
 }
 
@@ -445,7 +449,7 @@ async fn revoked_lease_of_a_live_process_is_quarantined() {
         events.recv().await,
         Some(SessionEvent::LeaseRevoked { .. })
     ));
-    let d = &f.arb.devices().await[0];
+    let d = &f.arb.device_reports().await[0];
     assert_eq!((d.leased, d.quarantined), (0, 4 * MIB));
     assert_eq!(
         f.arb.get_tenant("a").unwrap().usage.quarantined_bytes,
@@ -673,7 +677,7 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     // hand out only 56 - 40 = 16 MiB, which its cached block still fits in.
     outside.store(40 * MIB, std::sync::atomic::Ordering::SeqCst);
     arb.refresh_leasable().await;
-    let dev = &arb.devices().await[0];
+    let dev = &arb.device_reports().await[0];
     assert_eq!(
         (dev.leasable, dev.cached, dev.external_used),
         (16 * MIB, 16 * MIB, 40 * MIB),
@@ -688,13 +692,13 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     outside.store(44 * MIB, std::sync::atomic::Ordering::SeqCst);
     arb.refresh_leasable().await;
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let dev = &arb.devices().await[0];
+    let dev = &arb.device_reports().await[0];
     assert_eq!((dev.leasable, dev.cached), (12 * MIB, 0), "{dev:?}");
     assert_eq!(dev.free, 20 * MIB, "the block was freed on the device");
     // They give it all back: leasable grows again.
     outside.store(0, std::sync::atomic::Ordering::SeqCst);
     arb.refresh_leasable().await;
-    assert_eq!(arb.devices().await[0].leasable, 56 * MIB);
+    assert_eq!(arb.device_reports().await[0].leasable, 56 * MIB);
     arb.acquire(req("a", s, 40 * MIB)).await.unwrap();
 }
 
@@ -716,7 +720,7 @@ async fn the_background_refresh_follows_outside_memory_both_ways() {
         outside.store(taken, std::sync::atomic::Ordering::SeqCst);
         let mut got = 0;
         for _ in 0..100 {
-            got = arb.devices().await[0].leasable;
+            got = arb.device_reports().await[0].leasable;
             if got == want {
                 break;
             }
@@ -752,7 +756,7 @@ async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(f.arb.devices().await[0].waiting, 2);
+    assert_eq!(f.arb.device_reports().await[0].waiting, 2);
     let mut r = req("a", s, 2 * MIB);
     r.wait = Duration::from_secs(2);
     match f.arb.acquire(r).await {
@@ -1074,7 +1078,7 @@ async fn racing_publishes_leave_one_publication_per_name_and_per_lease() {
 
 /// Device 0's quarantined and cached bytes.
 async fn quarantined_and_cached(f: &Fixture) -> (u64, u64) {
-    let d = &f.arb.devices().await[0];
+    let d = &f.arb.device_reports().await[0];
     (d.quarantined, d.cached)
 }
 
@@ -1146,7 +1150,7 @@ async fn watchers_are_kept_by_the_shell_and_stopped_with_what_they_watch() {
     // It ends while the process lives: the session's watcher stops, the quarantine's starts.
     f.arb.end_session(s, "test");
     assert_eq!(f.arb.watchers.len(), 1);
-    assert_eq!(f.arb.devices().await[0].quarantined, 4 * MIB);
+    assert_eq!(f.arb.device_reports().await[0].quarantined, 4 * MIB);
     // A session closed at once leaves no watcher behind.
     let (s2, _e2) = f.arb.open_session("a", "w2", peer).unwrap();
     assert_eq!(f.arb.watchers.len(), 2);
@@ -1162,7 +1166,7 @@ async fn watchers_are_kept_by_the_shell_and_stopped_with_what_they_watch() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(f.arb.watchers.len(), 0);
-    let d = &f.arb.devices().await[0];
+    let d = &f.arb.device_reports().await[0];
     assert_eq!((d.quarantined, d.cached), (0, 4 * MIB));
 }
 

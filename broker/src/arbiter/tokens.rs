@@ -1,7 +1,6 @@
 //! Token lifecycle: issuing tokens of a scope (worker, read, admin) with an optional
-//! time to live and a name, and rotating the admin token file without downtime (the old
-//! token keeps working for a grace period). Every token is durable (store) before it is
-//! usable, and only its hash is kept.
+//! time to live and a name. Every token is durable (store) before it is usable, and only
+//! its hash is kept. The admin token file's rotation is `admin_token::rotate`.
 
 use super::Arbiter;
 use crate::auth::{generate_token, token_id, Scope, TokenEntry};
@@ -10,9 +9,6 @@ use std::time::{Duration, SystemTime};
 
 /// Longest time to live a token may be given (10 years): longer is a typo.
 pub const MAX_TOKEN_TTL: Duration = Duration::from_secs(10 * 366 * 24 * 3600);
-
-/// Longest grace for the old admin token after a rotation.
-pub const MAX_ROTATION_GRACE: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// What to issue.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -135,26 +131,5 @@ impl Arbiter {
             "token issued"
         );
         Ok(IssuedToken { token, entry })
-    }
-
-    /// Replaces the admin token file's token with a new one (written 0600, atomically);
-    /// the old one keeps working for `grace`. Returns the new token.
-    pub(crate) fn rotate_admin_token(&self, grace: Duration) -> BrokerResult<String> {
-        if grace > MAX_ROTATION_GRACE {
-            return Err(BrokerError::InvalidArgument(format!(
-                "grace is limited to {} hours",
-                MAX_ROTATION_GRACE.as_secs() / 3600
-            )));
-        }
-        let path = self
-            .auth
-            .admin_file()
-            .ok_or(BrokerError::NoAdminTokenFile)?;
-        let (token, _) = generate_token();
-        crate::admin_token::replace(&path, &token)
-            .map_err(|e| BrokerError::Internal(format!("writing the new admin token: {e}")))?;
-        self.auth.rotate_admin(&token, grace);
-        tracing::warn!(path = %path.display(), grace = ?grace, "admin token rotated");
-        Ok(token)
     }
 }

@@ -52,6 +52,17 @@ impl Scheduler {
         }
     }
 
+    /// One hold of the turn core's lock: `f`, the invariant (debug builds), the effects.
+    pub(super) fn hold<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, Vec<TurnEffect>) {
+        let mut core = TurnsHeld(self.core.lock());
+        let r = f(&mut core);
+        #[cfg(debug_assertions)]
+        if let Err(e) = core.check_invariant() {
+            panic!("turn invariant broken: {e}");
+        }
+        (r, core.take_effects())
+    }
+
     /// Registers the hand-off histogram (`turn_handoff_seconds`).
     pub fn register_metrics(&self, reg: &mut prometheus_client::registry::Registry) {
         reg.register(
@@ -113,7 +124,7 @@ impl Drop for TurnWait {
         // answer was decided: a turn granted to it is given back in the same hold, before
         // the drop returns (a delivery on its way then finds it given back already, in
         // `rx` or with no channel to send to, and its own give-back does nothing).
-        let (cancelled, _) = self.arb.turns(|t| {
+        let (cancelled, _) = self.arb.with_turns(|t| {
             let cancelled = t.cancel(self.device, self.waiter);
             if !cancelled {
                 t.give_back_unreceived(self.device, self.waiter, Instant::now());
@@ -133,8 +144,8 @@ impl Drop for TurnWait {
 impl Arbiter {
     /// Locks the turn core, runs `f` on it, unlocks, then carries out the effects `f`
     /// pushed. Returns what `f` returned and how many grants reached their waiters.
-    pub(super) fn turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
-        let (r, fx) = self.turn_hold(f);
+    pub(super) fn with_turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
+        let (r, fx) = self.scheduler.hold(f);
         let delivered = if fx.is_empty() {
             0
         } else {
@@ -143,24 +154,10 @@ impl Arbiter {
         (r, delivered)
     }
 
-    /// One hold of the turn core's lock: `f`, the invariant (debug builds), the effects.
-    pub(super) fn turn_hold<R>(
-        &self,
-        f: impl FnOnce(&mut TurnsHeld<'_>) -> R,
-    ) -> (R, Vec<TurnEffect>) {
-        let mut core = TurnsHeld(self.scheduler.core.lock());
-        let r = f(&mut core);
-        #[cfg(debug_assertions)]
-        if let Err(e) = core.check_invariant() {
-            panic!("turn invariant broken: {e}");
-        }
-        (r, core.take_effects())
-    }
-
     /// A grant its caller never received: the turn goes back, its slot to the next.
     fn give_back_turn(&self, grant: TurnGrant) {
         tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
-        self.turns(|t| t.give_back(&grant, Instant::now()));
+        self.with_turns(|t| t.give_back(&grant, Instant::now()));
     }
 
     /// Grants the compute turn on `device` now, after waiting up to `wait`, or says why not.
@@ -171,7 +168,7 @@ impl Arbiter {
         device: u32,
         wait: Duration,
     ) -> BrokerResult<TurnGrant> {
-        self.check_not_shutting_down()?;
+        self.shutdown.refuse_new_work()?;
         if wait > self.cfg.max_wait {
             return Err(BrokerError::wait_too_long(wait, self.cfg.max_wait));
         }
@@ -197,7 +194,7 @@ impl Arbiter {
                 session,
                 weight,
             };
-            self.turn_hold(|t| {
+            self.scheduler.hold(|t| {
                 let id = t.request(device, who, max_waiting, Instant::now())?;
                 // In the hold that queued it: in place before any answer is delivered.
                 Ok::<_, BrokerError>((id, self.outbox.register_turn_reply(t, id)))
@@ -229,7 +226,7 @@ impl Arbiter {
         let result = match outcome {
             Some(r) => r,
             None => {
-                let (cancelled, _) = self.turns(|t| t.cancel(device, waiter));
+                let (cancelled, _) = self.with_turns(|t| t.cancel(device, waiter));
                 if cancelled {
                     self.outbox.forget_turn_reply(waiter);
                     let (holder, waiting) = self.scheduler.device_state(device);
@@ -272,7 +269,8 @@ impl Arbiter {
         turn_id: Uuid,
         received: Instant,
     ) -> BrokerResult<TurnEnd> {
-        let (end, delivered) = self.turns(|t| t.release(tenant, turn_id, received, Instant::now()));
+        let (end, delivered) =
+            self.with_turns(|t| t.release(tenant, turn_id, received, Instant::now()));
         let mut end = end?;
         end.handed_off = delivered > 0;
         Ok(end)
@@ -280,23 +278,18 @@ impl Arbiter {
 
     /// A session ended (`Effect::EndTurns`): its turn requests are answered, its turns end.
     pub(super) fn end_turns(&self, session: Uuid) {
-        self.turns(|t| t.end_session(session, Instant::now()));
+        self.with_turns(|t| t.end_session(session, Instant::now()));
     }
 
     /// A tenant was deleted (its sessions ended first): its compute-turn counters go.
     pub(super) fn forget_turns(&self, tenant: &str) {
-        self.turns(|t| t.forget_tenant(tenant));
+        self.with_turns(|t| t.forget_tenant(tenant));
     }
 
     /// The ticker's compute-turn step: kept slots past their window, yield requests past
     /// the quantum, turns taken past quantum + grace.
     pub(super) fn tick_turns(&self) {
-        self.turns(|t| t.tick(Instant::now(), SystemTime::now()));
-    }
-
-    /// A turn grant is being sent: its hand-off time, if a release freed its slot.
-    pub(crate) fn observe_turn_handoff(&self, grant: &TurnGrant) {
-        self.scheduler.observe_handoff(grant);
+        self.with_turns(|t| t.tick(Instant::now(), SystemTime::now()));
     }
 }
 
@@ -353,7 +346,7 @@ mod tests {
         let (b, _eb) = session(&arb, "b");
         let (c, _ec) = session(&arb, "c");
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
-        arb.observe_turn_handoff(&ga); // not a hand-off: not counted
+        arb.scheduler.observe_handoff(&ga); // not a hand-off: not counted
         let wb = tokio::spawn({
             let arb = arb.clone();
             async move { arb.acquire_turn("b", b, 0, Duration::from_secs(10)).await }
@@ -365,7 +358,7 @@ mod tests {
         assert!(end.handed_off);
         let gb = wb.await.unwrap().unwrap();
         assert!(gb.handoff_from.is_some());
-        arb.observe_turn_handoff(&gb);
+        arb.scheduler.observe_handoff(&gb);
         // A waiter whose caller left is no hand-off: its request leaves with it.
         let wc = tokio::spawn({
             let arb = arb.clone();
@@ -397,7 +390,7 @@ mod tests {
             session: Uuid::now_v7(),
             weight: 1,
         };
-        let ((), _) = arb.turns(|t| {
+        let ((), _) = arb.with_turns(|t| {
             let id = t.request(0, who, usize::MAX, Instant::now()).unwrap();
             drop(arb.outbox.register_turn_reply(t, id));
         });
@@ -591,7 +584,7 @@ mod tests {
             weight: 1,
         };
         let ask = |w: Requester| {
-            arb.turns(|t| {
+            arb.with_turns(|t| {
                 let id = t.request(0, w, usize::MAX, Instant::now()).unwrap();
                 (id, arb.outbox.register_turn_reply(t, id))
             })

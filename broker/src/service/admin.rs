@@ -233,7 +233,7 @@ impl Admin for AdminService {
         &self,
         _req: Request<pb::GetDevicesRequest>,
     ) -> Result<Response<pb::GetDevicesResponse>, Status> {
-        let devices = self.arb.devices().await;
+        let devices = self.arb.device_reports().await;
         let mut devices: Vec<pb::DeviceInfo> = devices.iter().map(convert::device).collect();
         for d in &mut devices {
             d.turn_holders = self.arb.scheduler.holders(d.index);
@@ -257,10 +257,12 @@ impl Admin for AdminService {
         let grace = Duration::from_millis(req.get_ref().grace_ms);
         // It writes and syncs the token file: off the runtime.
         let arb = self.arb.clone();
-        let token = tokio::task::spawn_blocking(move || arb.rotate_admin_token(grace))
-            .await
-            .map_err(|e| Status::internal(format!("rotating the admin token: {e}")))?
-            .map_err(status)?;
+        let token = tokio::task::spawn_blocking(move || {
+            crate::admin_token::rotate(arb.authenticator(), grace)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("rotating the admin token: {e}")))?
+        .map_err(status)?;
         self.arb.audit(
             &who,
             "admin_token.rotate",
@@ -472,6 +474,8 @@ impl Admin for AdminService {
         &self,
         _req: Request<pb::GetInfoRequest>,
     ) -> Result<Response<pb::GetInfoResponse>, Status> {
-        Ok(Response::new(convert::info(&self.arb.info())))
+        Ok(Response::new(convert::info(&crate::info::BrokerInfo::of(
+            &self.arb,
+        ))))
     }
 }

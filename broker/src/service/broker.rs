@@ -313,7 +313,7 @@ impl Broker for BrokerService {
         req: Request<pb::GetUsageRequest>,
     ) -> Result<Response<pb::GetUsageResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        let t = self.arb.usage(&tenant).map_err(status)?;
+        let t = self.arb.get_tenant(&tenant).map_err(status)?;
         Ok(Response::new(pb::GetUsageResponse {
             tenant: t.name.clone(),
             quota: Some(convert::quota_to_wire(t.quota.clone())),
@@ -337,7 +337,7 @@ impl Broker for BrokerService {
             .instrument(span)
             .await
             .map_err(|e| self.waited(e, session, token.as_deref()))?;
-        self.arb.observe_turn_handoff(&grant);
+        self.arb.scheduler.observe_handoff(&grant);
         Ok(Response::new(pb::AcquireTurnResponse {
             turn_id: grant.turn_id.to_string(),
             device: grant.device,
@@ -403,7 +403,9 @@ impl Broker for BrokerService {
         &self,
         _req: Request<pb::GetInfoRequest>,
     ) -> Result<Response<pb::GetInfoResponse>, Status> {
-        Ok(Response::new(convert::info(&self.arb.info())))
+        Ok(Response::new(convert::info(&crate::info::BrokerInfo::of(
+            &self.arb,
+        ))))
     }
 
     async fn publish_lease(

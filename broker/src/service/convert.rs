@@ -72,7 +72,7 @@ pub fn lease(v: &LeaseView) -> pb::Lease {
 pub fn lease_on(v: &LeaseView, arb: &crate::arbiter::Arbiter) -> pb::Lease {
     let mut l = lease(v);
     if v.tier == Tier::Device {
-        l.device_uuid = arb.device_uuid(v.device);
+        l.device_uuid = arb.devices().uuid(v.device);
     }
     l
 }

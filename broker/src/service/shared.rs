@@ -21,7 +21,7 @@ pub fn shared(v: &SharedView, arb: &Arbiter) -> pb::SharedLease {
         name: v.name.clone().unwrap_or_default(),
         lease_id: v.lease.map(|l| l.to_string()).unwrap_or_default(),
         device: v.device,
-        device_uuid: arb.device_uuid(v.device),
+        device_uuid: arb.devices().uuid(v.device),
         bytes: v.bytes,
         memory_kind: convert::memory_kind(v.kind) as i32,
         tenants: v.readers.clone(),
