@@ -17,7 +17,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Weak};
 
-pub use gpu_broker_core::place::{Place, Tie};
+pub use gpu_broker_core::process_place::{Place, Tie};
 
 /// Lists the processes with a context on a device: NVML on a GPU node; tests give their
 /// own (the host backend has none).

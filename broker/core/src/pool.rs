@@ -11,7 +11,7 @@
 //! (counting queued frees as done: the device thread runs jobs in order).
 
 use crate::memory::{Allocation, Handle};
-use crate::place::Place;
+use crate::process_place::Place;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -37,7 +37,7 @@ impl Block {
 
 /// The processes a block's descriptor reached that may keep it past their lease's end, at
 /// most [`Reached::MAX`], newest last (a reused block's earlier holders are mostly gone;
-/// the oldest is forgotten first), each with where it ran (`place.rs`: kept with the
+/// the oldest is forgotten first), each with where it ran (`process_place.rs`: kept with the
 /// block, so no other process's doing can make it forgotten before the block's free) and
 /// with its tenant when that is not the block's own (another tenant's importer of a
 /// publication). Boxed, and nothing for a block no lease ended on, so a block stays small.

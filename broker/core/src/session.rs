@@ -89,8 +89,8 @@ pub struct Session {
     /// take another process of the same pid for it.
     pub peer_start: Option<u64>,
     /// Where its peer process runs (read by the shell when it opened): kept with the
-    /// blocks the process may keep (`place.rs`).
-    pub place: Option<Arc<crate::place::Place>>,
+    /// blocks the process may keep (`process_place.rs`).
+    pub place: Option<Arc<crate::process_place::Place>>,
 }
 
 impl Session {

@@ -76,7 +76,7 @@ struct EndingSession {
     id: Uuid,
     pid: Option<u32>,
     start: Option<u64>,
-    place: Option<Arc<crate::place::Place>>,
+    place: Option<Arc<crate::process_place::Place>>,
 }
 
 /// Memory of an ended lease that a live process may still map.
@@ -91,7 +91,7 @@ pub struct Quarantined {
     /// never taken for the holder.
     pub pid_start: Option<u64>,
     /// Where `pid` runs (its session's record): the block keeps it when lifted.
-    pub place: Option<Arc<crate::place::Place>>,
+    pub place: Option<Arc<crate::process_place::Place>>,
     pub since: Instant,
     /// Freed, never cached, when lifted: the block was published (or its memfd sealed
     /// for a publish), so others may hold its descriptor.
@@ -234,7 +234,11 @@ impl State {
     }
 
     /// Where process `pid` runs, when it is session `session`'s peer (or the ending one's).
-    fn place_of(&self, session: Uuid, pid: Option<u32>) -> Option<Arc<crate::place::Place>> {
+    fn place_of(
+        &self,
+        session: Uuid,
+        pid: Option<u32>,
+    ) -> Option<Arc<crate::process_place::Place>> {
         let pid = pid?;
         match self.sessions.get(&session) {
             Some(s) => s.place.clone().filter(|_| s.peer.pid == Some(pid)),
@@ -284,7 +288,7 @@ impl State {
 
     /// Session `id`'s peer runs at `place` (read by the shell for a session it took back
     /// after a restart, which came without one).
-    pub fn place_peer(&mut self, id: Uuid, place: Arc<crate::place::Place>) {
+    pub fn place_peer(&mut self, id: Uuid, place: Arc<crate::process_place::Place>) {
         if let Some(s) = self.sessions.get_mut(&id) {
             if s.peer.pid == Some(place.pid) && s.place.is_none() {
                 s.place = Some(place);

@@ -52,7 +52,7 @@ pub(super) struct EndedLease {
     /// When the process that may map it (`ending.holder()`) started, if known.
     pub holder_start: Option<u64>,
     /// Where that process runs, if known.
-    pub holder_place: Option<std::sync::Arc<crate::place::Place>>,
+    pub holder_place: Option<std::sync::Arc<crate::process_place::Place>>,
     /// The process reservation it was drawn from.
     pub reservation: Option<Uuid>,
     /// Its holder had been asked for it back (its reclaim record goes with it).
