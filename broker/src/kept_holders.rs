@@ -9,15 +9,15 @@
 //! uid 0, would take in every process on a node). The charge stays until they have all
 //! exited, asked again when the last one does.
 //!
-//! A holder's place is read when it is first seen (its session opens, a descriptor goes
-//! to it) and remembered, bounded, so that processes near one that exited before its
-//! block was freed are still found.
+//! A holder's place is read when its session opens ([`HolderFinder::place`]) and kept by
+//! the core with the records of that process, then with the block its descriptor reached
+//! (`pool::Reached`): processes near one that exited before its block was freed are still
+//! found, however many other processes came and went meanwhile.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Weak};
 
-/// How many processes' places are remembered (the oldest is forgotten first).
-const REMEMBERED: usize = 4096;
+pub use gpu_broker_core::process_place::{Place, Tie};
 
 /// Lists the processes with a context on a device: NVML on a GPU node; tests give their
 /// own (the host backend has none).
@@ -27,66 +27,35 @@ pub trait ContextLister: Send + Sync {
     fn processes_on(&self, uuid: &str) -> Option<Vec<u32>>;
 }
 
-/// Where a process runs: what tells which other processes it could share memory with
-/// unseen. `None` fields were unreadable and match nothing.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Place {
-    pub pid: u32,
-    /// Start time (`/proc/PID/stat`): tells the process from a later one of its pid.
-    pub start: Option<u64>,
-    pub uid: Option<u32>,
-    /// `/proc/PID/cgroup` as read.
-    pub cgroup: Option<String>,
-    /// The pid namespace's inode (`/proc/PID/ns/pid`).
-    pub pid_ns: Option<u64>,
-}
-
-impl Place {
-    /// Reads live process `pid`'s place; `None` when it is gone.
-    pub fn read(pid: u32) -> Option<Place> {
-        let start = Some(crate::process::start_ticks(pid)?);
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok();
-        let uid = status.as_deref().and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
+/// Reads live process `pid`'s place; `None` when it is gone.
+pub fn read_place(pid: u32) -> Option<Place> {
+    let start = Some(crate::process::start_ticks(pid)?);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok();
+    let uid = status.as_deref().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    });
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .ok()
+        .map(|c| c.trim().to_string())
+        .filter(|c| !c.is_empty());
+    let pid_ns = std::fs::read_link(format!("/proc/{pid}/ns/pid"))
+        .ok()
+        .and_then(|l| {
+            let l = l.to_string_lossy().into_owned();
+            l.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
         });
-        let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
-            .ok()
-            .map(|c| c.trim().to_string())
-            .filter(|c| !c.is_empty());
-        let pid_ns = std::fs::read_link(format!("/proc/{pid}/ns/pid"))
-            .ok()
-            .and_then(|l| {
-                let l = l.to_string_lossy().into_owned();
-                l.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
-            });
-        Some(Place {
-            pid,
-            start,
-            uid,
-            cgroup,
-            pid_ns,
-        })
-    }
-
-    /// A place that shares nothing: as the broker's own, it excludes no place (tests).
-    pub fn nowhere() -> Place {
-        Place::default()
-    }
-
-    /// Does `self` share with `other` a place that `own` (the broker's) does not?
-    pub fn near(&self, other: &Place, own: &Place) -> bool {
-        fn same<T: PartialEq>(a: &Option<T>, b: &Option<T>, own: &Option<T>) -> bool {
-            a.is_some() && a == b && a != own
-        }
-        same(&self.cgroup, &other.cgroup, &own.cgroup)
-            || same(&self.pid_ns, &other.pid_ns, &own.pid_ns)
-            || (self.uid != Some(0) && same(&self.uid, &other.uid, &own.uid))
-    }
+    Some(Place {
+        pid,
+        start,
+        uid,
+        cgroup,
+        pid_ns,
+    })
 }
 
 /// A process found that may keep the memory, and the recorded holder it is near (whose
@@ -97,12 +66,22 @@ pub struct Found {
     pub near: u32,
 }
 
+/// What [`HolderFinder::find`] found.
+#[derive(Debug)]
+pub struct Finding {
+    /// The processes that may keep the memory.
+    pub found: Vec<Found>,
+    /// The places to look near when the last of them exits ([`HolderFinder::watch`]).
+    pub places: Vec<Arc<Place>>,
+}
+
 /// Stranded memory being watched: where to look again when its last process exits.
 #[derive(Debug)]
 struct Watched {
     uuid: String,
-    /// The recorded holders' places and those of the processes found near them.
-    places: Vec<Place>,
+    /// The recorded holders' places and those of the processes found near them, shared
+    /// with every other block watched near them.
+    places: Vec<Arc<Place>>,
     /// Processes seen exiting: not named again (NVML may list one a moment after).
     gone: HashSet<u32>,
 }
@@ -112,21 +91,24 @@ pub struct HolderFinder {
     lister: Arc<dyn ContextLister>,
     own: Place,
     me: u32,
-    places: parking_lot::Mutex<Remembered>,
+    /// The places handed out, by pid, so that blocks watched near one process share one
+    /// copy: a cache only (entries no block holds any more are swept).
+    shared: parking_lot::Mutex<Shared>,
     watched: parking_lot::Mutex<HashMap<uuid::Uuid, Watched>>,
 }
 
 #[derive(Default)]
-struct Remembered {
-    by_pid: HashMap<u32, Place>,
-    order: VecDeque<u32>,
+struct Shared {
+    by_pid: HashMap<u32, Weak<Place>>,
+    /// Its size after the last sweep: swept again when it doubled.
+    swept: usize,
 }
 
 impl HolderFinder {
     /// A finder that excludes the broker's own places.
     pub fn new(lister: Arc<dyn ContextLister>) -> HolderFinder {
         let me = std::process::id();
-        HolderFinder::with_own(lister, Place::read(me).unwrap_or_default())
+        HolderFinder::with_own(lister, read_place(me).unwrap_or_default())
     }
 
     /// A finder that excludes the places of `own` (tests: [`Place::nowhere`]).
@@ -135,72 +117,76 @@ impl HolderFinder {
             lister,
             own,
             me: std::process::id(),
-            places: Default::default(),
+            shared: Default::default(),
             watched: Default::default(),
         }
     }
 
-    /// Remembers live process `pid`'s place (read from `/proc` unless known for this very
-    /// process: a place remembered for an earlier process of the pid is replaced, or the
-    /// later one's would be lost once it exits).
-    pub fn remember(&self, pid: u32) {
-        let known = self.places.lock().by_pid.get(&pid).map(|p| p.start);
-        if known.is_some_and(|start| start.is_some() && start == crate::process::start_ticks(pid)) {
-            return;
-        }
-        if let Some(p) = Place::read(pid) {
-            self.keep(p);
-        }
+    /// Where live process `pid` runs (`/proc`), to keep with its records; `None` when
+    /// it is gone.
+    pub fn place(&self, pid: u32) -> Option<Arc<Place>> {
+        read_place(pid).map(|p| self.share(p))
     }
 
-    fn keep(&self, p: Place) {
-        let mut r = self.places.lock();
-        match r.by_pid.insert(p.pid, p.clone()) {
-            None => r.order.push_back(p.pid),
-            // Another process of the pid: the newest seen, forgotten last.
-            Some(old) if old.start != p.start => {
-                r.order.retain(|&q| q != p.pid);
-                r.order.push_back(p.pid);
-            }
-            Some(_) => {}
-        }
-        while r.order.len() > REMEMBERED {
-            if let Some(old) = r.order.pop_front() {
-                r.by_pid.remove(&old);
+    /// `p`, as the one copy handed out for its process when that is the same.
+    fn share(&self, p: Place) -> Arc<Place> {
+        let mut s = self.shared.lock();
+        if let Some(known) = s.by_pid.get(&p.pid).and_then(Weak::upgrade) {
+            if *known == p {
+                return known;
             }
         }
+        let p = Arc::new(p);
+        s.by_pid.insert(p.pid, Arc::downgrade(&p));
+        if s.by_pid.len() > 2 * s.swept.max(64) {
+            s.by_pid.retain(|_, w| w.strong_count() > 0);
+            s.swept = s.by_pid.len();
+        }
+        p
     }
 
-    /// Process `pid`'s places: as read now when it lives, and as remembered when that was
-    /// another process of the pid (either may be the one the block reached).
-    fn places_of(&self, pid: u32) -> Vec<Place> {
-        let known = self.places.lock().by_pid.get(&pid).cloned();
-        let now = Place::read(pid);
+    /// Process `pid`'s places: `known` (kept with the block) and as read now when it
+    /// lives and is another process of the pid or has moved (either may be the one the
+    /// block reached).
+    fn places_of(&self, pid: u32, known: Option<&Arc<Place>>) -> Vec<Arc<Place>> {
+        let now = read_place(pid);
         let mut out = Vec::new();
-        if let Some(k) = known {
-            if now.as_ref().is_none_or(|n| n.start != k.start) {
-                out.push(k);
+        match (known, now) {
+            (Some(k), Some(n)) if **k == n => out.push(k.clone()),
+            (known, now) => {
+                out.extend(known.cloned());
+                out.extend(now.map(|n| self.share(n)));
             }
-        }
-        if let Some(n) = now {
-            self.keep(n.clone());
-            out.push(n);
         }
         out
     }
 
     /// After a free on device `uuid` that did not give the memory back: the processes with
     /// a context there, alive, not in `named` (already charged for) and not the broker,
-    /// near one of the `recorded` processes (or descended from a live one). Returns them
-    /// and the places to look near again ([`HolderFinder::watch`]).
-    pub fn find(&self, uuid: &str, recorded: &[u32], named: &[u32]) -> (Vec<Found>, Vec<Place>) {
-        let mut places: Vec<Place> = recorded.iter().flat_map(|&p| self.places_of(p)).collect();
-        let found = self.near(uuid, &places, named, &HashSet::new());
-        places.extend(found.iter().filter_map(|f| Place::read(f.pid)));
-        (found, places)
+    /// near one of the processes the block `reached` (or descended from a live one), each
+    /// as the one it is closest to ([`Tie`]), and the places to look near again
+    /// ([`HolderFinder::watch`]).
+    pub fn find(&self, uuid: &str, reached: &crate::pool::Reached, named: &[u32]) -> Finding {
+        let mut places: Vec<Arc<Place>> = reached
+            .pids()
+            .iter()
+            .zip(reached.places())
+            .flat_map(|(&pid, known)| self.places_of(pid, known.as_ref()))
+            .collect();
+        let found = self.on_device_near(uuid, &places, named, &HashSet::new());
+        places.extend(found.iter().filter_map(|f| self.place(f.pid)));
+        Finding { found, places }
     }
 
-    fn near(&self, uuid: &str, places: &[Place], named: &[u32], gone: &HashSet<u32>) -> Vec<Found> {
+    /// The processes with a context on device `uuid` near one of `places`, but for the
+    /// broker, those `named` and those `gone`.
+    fn on_device_near(
+        &self,
+        uuid: &str,
+        places: &[Arc<Place>],
+        named: &[u32],
+        gone: &HashSet<u32>,
+    ) -> Vec<Found> {
         if places.is_empty() {
             return Vec::new();
         }
@@ -216,17 +202,29 @@ impl HolderFinder {
             {
                 continue;
             }
-            let Some(place) = Place::read(pid) else {
+            let Some(place) = read_place(pid) else {
                 continue;
             };
             // Its ancestors, of which a recorded one still alive (same start) hands down.
             let lineage: Vec<u32> = crate::process::lineage(pid).skip(1).collect();
-            let near = places.iter().find(|h| {
-                place.near(h, &self.own)
-                    || (lineage.contains(&h.pid)
-                        && h.start.is_some()
-                        && crate::process::start_ticks(h.pid) == h.start)
-            });
+            let descends = |h: &Place| {
+                lineage.contains(&h.pid)
+                    && h.start.is_some()
+                    && crate::process::start_ticks(h.pid) == h.start
+            };
+            // The closest holder answers; of holders as close, the first recorded.
+            let near = places
+                .iter()
+                .filter_map(|h| {
+                    let tie = if descends(h) {
+                        Some(Tie::Descendant)
+                    } else {
+                        place.shared_with(h, &self.own)
+                    };
+                    tie.map(|t| (t, h))
+                })
+                .min_by_key(|(t, _)| *t)
+                .map(|(_, h)| h);
             if let Some(h) = near {
                 found.push(Found { pid, near: h.pid });
             }
@@ -236,7 +234,7 @@ impl HolderFinder {
 
     /// Watches stranded memory `id` on device `uuid`: near `places` when its last process
     /// exits ([`HolderFinder::look_again`]).
-    pub fn watch(&self, id: uuid::Uuid, uuid: &str, places: Vec<Place>) {
+    pub fn watch(&self, id: uuid::Uuid, uuid: &str, places: Vec<Arc<Place>>) {
         self.watched.lock().insert(
             id,
             Watched {
@@ -267,14 +265,14 @@ impl HolderFinder {
             return Vec::new();
         };
         let found: Vec<u32> = self
-            .near(&uuid, &places, &[], &gone)
+            .on_device_near(&uuid, &places, &[], &gone)
             .into_iter()
             .map(|f| f.pid)
             .collect();
         if found.is_empty() {
             self.forget(id);
         } else {
-            let more: Vec<Place> = found.iter().filter_map(|&p| Place::read(p)).collect();
+            let more: Vec<Arc<Place>> = found.iter().filter_map(|&p| self.place(p)).collect();
             if let Some(w) = self.watched.lock().get_mut(&id) {
                 for p in more {
                     if !w.places.contains(&p) {
@@ -324,33 +322,65 @@ mod tests {
         let own = place(1, 0, "0::/system.slice/gpu-broker.service", 100);
         let holder = place(10, 1000, "0::/kubepods/pod-a/c1", 200);
         // Its container's cgroup, its pid namespace, its uid: each alone is near.
-        assert!(place(11, 2000, "0::/kubepods/pod-a/c1", 300).near(&holder, &own));
-        assert!(place(12, 2000, "0::/x", 200).near(&holder, &own));
-        assert!(place(13, 1000, "0::/x", 300).near(&holder, &own));
+        let tie = |p: Place| p.shared_with(&holder, &own);
+        assert_eq!(
+            tie(place(11, 2000, "0::/kubepods/pod-a/c1", 300)),
+            Some(Tie::Cgroup)
+        );
+        assert_eq!(tie(place(12, 2000, "0::/x", 200)), Some(Tie::PidNamespace));
+        assert_eq!(tie(place(13, 1000, "0::/x", 300)), Some(Tie::Uid));
+        // Of several places shared, the closest.
+        assert_eq!(
+            tie(place(15, 1000, "0::/kubepods/pod-a/c1", 200)),
+            Some(Tie::PidNamespace)
+        );
+        assert_eq!(
+            tie(place(16, 1000, "0::/kubepods/pod-a/c1", 300)),
+            Some(Tie::Cgroup)
+        );
         // Another tenant's pod, another uid, the host's namespace: not near.
-        assert!(!place(14, 2000, "0::/kubepods/pod-b/c1", 300).near(&holder, &own));
+        assert!(place(14, 2000, "0::/kubepods/pod-b/c1", 300)
+            .shared_with(&holder, &own)
+            .is_none());
         // What the broker shares binds nobody.
         let host = place(20, 0, "0::/system.slice/gpu-broker.service", 100);
-        assert!(!place(21, 0, "0::/system.slice/gpu-broker.service", 100).near(&host, &own));
+        assert!(place(21, 0, "0::/system.slice/gpu-broker.service", 100)
+            .shared_with(&host, &own)
+            .is_none());
         // uid 0 alone binds nobody, even where the broker runs as another uid.
         let own_user = place(1, 999, "0::/b", 100);
         let root = place(30, 0, "0::/r1", 100);
-        assert!(!place(31, 0, "0::/r2", 100).near(&root, &own_user));
+        assert!(place(31, 0, "0::/r2", 100)
+            .shared_with(&root, &own_user)
+            .is_none());
         // Unread fields match nothing.
-        assert!(!Place::nowhere().near(&Place::nowhere(), &own_user));
+        assert!(Place::nowhere()
+            .shared_with(&Place::nowhere(), &own_user)
+            .is_none());
         // With nothing excluded (tests), a same cgroup is near.
-        assert!(place(40, 0, "0::/t", 100).near(&place(41, 0, "0::/t", 100), &Place::nowhere()));
+        assert!(place(40, 0, "0::/t", 100)
+            .shared_with(&place(41, 0, "0::/t", 100), &Place::nowhere())
+            .is_some());
     }
 
     /// This process's place reads back; a gone pid has none.
     #[test]
     fn a_live_process_has_a_place_and_a_gone_one_none() {
-        let me = Place::read(std::process::id()).unwrap();
+        let me = read_place(std::process::id()).unwrap();
         assert!(me.start.is_some());
         // SAFETY: getuid cannot fail.
         assert_eq!(me.uid, Some(unsafe { libc::getuid() }));
         assert!(me.pid_ns.is_some());
-        assert_eq!(Place::read(u32::MAX - 1), None);
+        assert_eq!(read_place(u32::MAX - 1), None);
+    }
+
+    /// A block's record of the processes it reached, with the places given.
+    fn reached(of: &[(u32, Option<Arc<Place>>)]) -> crate::pool::Reached {
+        let mut r = crate::pool::Reached::default();
+        for (pid, place) in of {
+            r.add(*pid, place.clone());
+        }
+        r
     }
 
     struct Listed(Vec<u32>);
@@ -379,7 +409,8 @@ mod tests {
         let grandchild: u32 = line.trim().parse().unwrap();
         let me = std::process::id();
         let finder = HolderFinder::new(Arc::new(Listed(vec![me, grandchild])));
-        let (found, places) = finder.find("GPU-x", &[child.id()], &[child.id()]);
+        let block = reached(&[(child.id(), None)]);
+        let Finding { found, places } = finder.find("GPU-x", &block, &[child.id()]);
         assert_eq!(
             found,
             vec![Found {
@@ -388,22 +419,20 @@ mod tests {
             }]
         );
         assert_eq!(places.len(), 2);
-        assert!(finder
-            .find("GPU-x", &[child.id()], &[grandchild])
-            .0
-            .is_empty());
-        assert!(finder.find("GPU-x", &[], &[]).0.is_empty());
+        assert!(finder.find("GPU-x", &block, &[grandchild]).found.is_empty());
+        assert!(finder.find("GPU-x", &reached(&[]), &[]).found.is_empty());
         // SAFETY: a pid this test started.
         unsafe { libc::kill(grandchild as i32, libc::SIGKILL) };
         child.kill().unwrap();
         child.wait().unwrap();
     }
 
-    /// A pid remembered for an earlier process and now run by a later one that the
-    /// broker sees (its session opens) is remembered as the later one: when that one
-    /// exits before its block is freed, the processes near it are still found.
+    /// A holder that exited before its block was freed: the block kept its place (read
+    /// when its session opened), so the process of its cgroup is still found near it,
+    /// whatever else the broker saw meanwhile. (Places used to be remembered in one list
+    /// of the newest 4,096 processes, which other processes could flush.)
     #[test]
-    fn a_reused_pid_is_remembered_as_its_newest_process() {
+    fn a_block_keeps_the_place_of_a_holder_that_exited() {
         let mut worker = std::process::Command::new("sleep")
             .arg("60")
             .spawn()
@@ -413,18 +442,10 @@ mod tests {
             .spawn()
             .unwrap();
         let finder = HolderFinder::with_own(Arc::new(Listed(vec![near.id()])), Place::nowhere());
-        // An earlier process of the worker's pid, elsewhere, remembered long ago.
-        finder.keep(Place {
-            pid: worker.id(),
-            start: Some(1),
-            uid: None,
-            cgroup: Some("0::/elsewhere".into()),
-            pid_ns: None,
-        });
-        finder.remember(worker.id());
+        let block = reached(&[(worker.id(), finder.place(worker.id()))]);
         worker.kill().unwrap();
         worker.wait().unwrap();
-        let (found, _) = finder.find("GPU-x", &[worker.id()], &[]);
+        let found = finder.find("GPU-x", &block, &[]).found;
         assert_eq!(
             found,
             vec![Found {
@@ -435,5 +456,68 @@ mod tests {
         );
         near.kill().unwrap();
         near.wait().unwrap();
+    }
+
+    /// A process near several recorded holders answers as the closest, whatever their
+    /// order: an importer's child is its importer's, not that of the publisher recorded
+    /// first in the importer's cgroup (tenants sharing a uid or a cgroup).
+    #[test]
+    fn the_closest_holder_answers_not_the_first_recorded() {
+        let mut importer = std::process::Command::new("sh")
+            .args(["-c", "sleep 60 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(importer.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let child: u32 = line.trim().parse().unwrap();
+        let finder = HolderFinder::with_own(Arc::new(Listed(vec![child])), Place::nowhere());
+        // The publisher, gone, recorded first: it ran in the child's cgroup.
+        let publisher = u32::MAX - 3;
+        let publisher_place = Arc::new(Place {
+            pid: publisher,
+            start: Some(1),
+            uid: None,
+            cgroup: read_place(child).unwrap().cgroup,
+            pid_ns: None,
+        });
+        let block = reached(&[(publisher, Some(publisher_place)), (importer.id(), None)]);
+        let found = finder.find("GPU-x", &block, &[importer.id()]).found;
+        assert_eq!(
+            found,
+            vec![Found {
+                pid: child,
+                near: importer.id()
+            }]
+        );
+        // SAFETY: a pid this test started.
+        unsafe { libc::kill(child as i32, libc::SIGKILL) };
+        importer.kill().unwrap();
+        importer.wait().unwrap();
+    }
+
+    /// Blocks watched near the same holders share their places: one per process, not a
+    /// copy per block.
+    #[test]
+    fn blocks_watched_near_one_holder_share_its_place() {
+        let mut holder = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let finder = HolderFinder::with_own(Arc::new(Listed(vec![])), Place::nowhere());
+        let place = finder.place(holder.id()).unwrap();
+        let block = reached(&[(holder.id(), Some(place.clone()))]);
+        let a = finder.find("GPU-x", &block, &[holder.id()]).places;
+        let b = finder.find("GPU-x", &block, &[holder.id()]).places;
+        assert_eq!((a.len(), b.len()), (1, 1));
+        assert!(Arc::ptr_eq(&a[0], &place) && Arc::ptr_eq(&b[0], &place));
+        // A process read again shares the copy handed out while a block holds it.
+        assert!(Arc::ptr_eq(&finder.place(holder.id()).unwrap(), &place));
+        holder.kill().unwrap();
+        holder.wait().unwrap();
     }
 }

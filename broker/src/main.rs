@@ -321,7 +321,7 @@ async fn run(
     if arb.devices().any_cuda() {
         if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {
             let monitor = std::sync::Arc::new(monitor);
-            // Before anything is served: holders are remembered from the first session.
+            // Before anything is served: holders' places are read from the first session.
             arb.find_kept_holders_with(gpu_broker::kept_holders::HolderFinder::new(
                 monitor.clone(),
             ));

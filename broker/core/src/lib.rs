@@ -44,6 +44,7 @@ pub mod memory;
 pub mod overtaking;
 pub mod pool;
 pub mod process_group;
+pub mod process_place;
 pub mod queue;
 pub mod quota;
 pub mod request;

@@ -11,7 +11,9 @@
 //! (counting queued frees as done: the device thread runs jobs in order).
 
 use crate::memory::{Allocation, Handle};
+use crate::process_place::Place;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 /// One device allocation with its exported handle (for fd handles, the exported
 /// descriptor itself: a pooled block costs no export).
@@ -35,9 +37,10 @@ impl Block {
 
 /// The processes a block's descriptor reached that may keep it past their lease's end, at
 /// most [`Reached::MAX`], newest last (a reused block's earlier holders are mostly gone;
-/// the oldest is forgotten first), each with its tenant when that is not the block's own
-/// (another tenant's importer of a publication). Boxed, and nothing for a block no lease
-/// ended on, so a block stays small.
+/// the oldest is forgotten first), each with where it ran (`process_place.rs`: kept with the
+/// block, so no other process's doing can make it forgotten before the block's free) and
+/// with its tenant when that is not the block's own (another tenant's importer of a
+/// publication). Boxed, and nothing for a block no lease ended on, so a block stays small.
 #[derive(Clone, Debug, Default)]
 pub struct Reached(Option<Box<Pids>>);
 
@@ -47,41 +50,51 @@ pub struct Reached(Option<Box<Pids>>);
 struct Pids {
     pids: Vec<u32>,
     tenants: Vec<Option<Box<str>>>,
+    /// Shared with the records of the process (its session's, other blocks').
+    places: Vec<Option<Arc<Place>>>,
 }
 
 impl Reached {
     /// How many processes a block remembers.
     pub const MAX: usize = 64;
 
-    /// Process `pid` of the block's own tenant had the descriptor and may keep it after
-    /// its lease ended.
-    pub fn add(&mut self, pid: u32) {
-        self.add_with(pid, None);
+    /// Process `pid` of the block's own tenant, running at `place` (when known), had the
+    /// descriptor and may keep it after its lease ended.
+    pub fn add(&mut self, pid: u32, place: Option<Arc<Place>>) {
+        self.add_with(pid, None, place);
     }
 
     /// Process `pid` of tenant `tenant`, not the block's, had the descriptor (an importer
     /// of its publication) and may keep it after it let go.
-    pub fn add_of(&mut self, pid: u32, tenant: &str) {
-        self.add_with(pid, Some(tenant.into()));
+    pub fn add_of(&mut self, pid: u32, tenant: &str, place: Option<Arc<Place>>) {
+        self.add_with(pid, Some(tenant.into()), place);
     }
 
-    fn add_with(&mut self, pid: u32, tenant: Option<Box<str>>) {
+    fn add_with(&mut self, pid: u32, tenant: Option<Box<str>>, place: Option<Arc<Place>>) {
         let p = self.0.get_or_insert_with(Box::default);
         if let Some(i) = p.pids.iter().position(|&q| q == pid) {
             p.pids.remove(i);
             p.tenants.remove(i);
+            p.places.remove(i);
         }
         if p.pids.len() >= Self::MAX {
             p.pids.remove(0);
             p.tenants.remove(0);
+            p.places.remove(0);
         }
         p.pids.push(pid);
         p.tenants.push(tenant);
+        p.places.push(place);
     }
 
     /// The processes, oldest first.
     pub fn pids(&self) -> &[u32] {
         self.0.as_deref().map_or(&[], |p| p.pids.as_slice())
+    }
+
+    /// Where each of [`Reached::pids`] ran, when known.
+    pub fn places(&self) -> &[Option<Arc<Place>>] {
+        self.0.as_deref().map_or(&[], |p| p.places.as_slice())
     }
 
     pub fn is_empty(&self) -> bool {
@@ -523,24 +536,34 @@ mod tests {
     fn a_block_remembers_the_newest_processes_it_reached_once_each() {
         let mut r = Reached::default();
         assert!(r.is_empty());
-        r.add(7);
-        r.add(8);
-        r.add(7);
+        r.add(7, None);
+        r.add(8, None);
+        r.add(7, None);
         assert_eq!(r.pids(), &[8, 7]);
         for pid in 100..100 + Reached::MAX as u32 {
-            r.add(pid);
+            r.add(pid, None);
         }
         assert_eq!(r.pids().len(), Reached::MAX);
         assert_eq!(r.pids()[0], 100, "the oldest went first");
         assert_eq!(*r.pids().last().unwrap(), 99 + Reached::MAX as u32);
+        // Each process's place stays beside it.
+        let place = Arc::new(Place {
+            pid: 5,
+            ..Place::default()
+        });
+        r.add(5, Some(place.clone()));
+        r.add(6, None);
+        let at = r.pids().iter().position(|&p| p == 5).unwrap();
+        assert!(Arc::ptr_eq(r.places()[at].as_ref().unwrap(), &place));
+        assert_eq!(r.places().len(), Reached::MAX);
     }
 
     #[test]
     fn memory_kept_is_answered_for_by_the_blocks_tenant_unless_only_importers_could_keep_it() {
         let mut r = Reached::default();
-        r.add(1);
-        r.add_of(2, "b");
-        r.add_of(3, "c");
+        r.add(1, None);
+        r.add_of(2, "b", None);
+        r.add_of(3, "c", None);
         // Only another tenant's importers alive: the newest one's tenant.
         assert_eq!(r.answers_for(&[2], "a"), "b");
         assert_eq!(r.answers_for(&[3, 2], "a"), "c");
@@ -550,7 +573,7 @@ mod tests {
         assert_eq!(r.answers_for(&[9], "a"), "a");
         assert_eq!(Reached::default().answers_for(&[2], "a"), "a");
         // Re-added as its own tenant's: no longer another's.
-        r.add(2);
+        r.add(2, None);
         assert_eq!(r.answers_for(&[2], "a"), "a");
         assert_eq!(r.pids(), &[1, 3, 2]);
     }

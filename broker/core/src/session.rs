@@ -88,6 +88,9 @@ pub struct Session {
     /// When its peer process started (`/proc/<pid>/stat`), so a restarted broker does not
     /// take another process of the same pid for it.
     pub peer_start: Option<u64>,
+    /// Where its peer process runs (read by the shell when it opened): kept with the
+    /// blocks the process may keep (`process_place.rs`).
+    pub place: Option<Arc<crate::process_place::Place>>,
 }
 
 impl Session {
@@ -105,6 +108,7 @@ impl Session {
             token_id,
             resume_hash: None,
             peer_start: None,
+            place: None,
         }
     }
     /// The leases it holds.

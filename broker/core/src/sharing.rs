@@ -72,6 +72,8 @@ pub struct Import {
     pub pid: Option<u32>,
     /// When `pid` started (its session's record): a kept lingering import names it.
     pub pid_start: Option<u64>,
+    /// Where `pid` runs (its session's record): the block keeps it once it lets go.
+    pub place: Option<std::sync::Arc<crate::process_place::Place>>,
     pub created: SystemTime,
     /// Set once its holder let go (released, or its session ended) while processes that
     /// may map it live: the import ends when they are gone.
@@ -142,6 +144,8 @@ pub struct Held {
     pub holder: Option<u32>,
     /// When `holder` started (its session's record, taken when the lease ended).
     pub holder_start: Option<u64>,
+    /// Where `holder` runs (its session's record): the block keeps it when lifted.
+    pub holder_place: Option<std::sync::Arc<crate::process_place::Place>>,
     /// Its record (and a copy of its descriptor) is with the keeper: held for importers
     /// when its lease ended, until it is let go.
     pub kept: bool,

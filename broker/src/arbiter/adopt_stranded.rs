@@ -62,10 +62,7 @@ impl Arbiter {
             let Some(uuid) = self.devices.recorded_uuid(device) else {
                 continue;
             };
-            let places = pids
-                .into_iter()
-                .filter_map(crate::kept_holders::Place::read)
-                .collect();
+            let places = pids.into_iter().filter_map(|p| finder.place(p)).collect();
             finder.watch(id, &uuid, places);
         }
     }

@@ -424,16 +424,22 @@ impl Arbiter {
     /// recorded ones (`kept_holders.rs`). Set once, before sessions open; false when set
     /// already.
     pub fn find_kept_holders_with(&self, finder: crate::kept_holders::HolderFinder) -> bool {
-        // Sessions taken back from a keeper opened before: their peers are remembered now.
-        let peers: Vec<u32> = self
+        // Sessions taken back from a keeper opened before: their peers' places are read now.
+        let peers: Vec<(Uuid, u32)> = self
             .lock()
             .sessions()
             .iter()
-            .filter_map(|s| s.peer.pid)
+            .filter_map(|s| Some((s.id, s.peer.pid?)))
             .collect();
-        for pid in peers {
-            finder.remember(pid);
+        let places: Vec<_> = peers
+            .into_iter()
+            .filter_map(|(id, pid)| Some((id, finder.place(pid)?)))
+            .collect();
+        let mut st = self.lock();
+        for (id, place) in places {
+            st.place_peer(id, place);
         }
+        drop(st);
         // Memory kept outside the broker taken back: looked for near its holders too.
         self.watch_adopted_stranded(&finder);
         self.kept_holders.set(Arc::new(finder)).is_ok()
@@ -475,10 +481,11 @@ impl Arbiter {
         // Read before the lock: the peer's start time (/proc), so a restarted broker
         // tells it from another process of the same pid.
         let peer_start = peer.pid.and_then(crate::process::start_ticks);
-        // Where it runs, for memory it may hand on (`kept_holders.rs`).
-        if let (Some(f), Some(pid)) = (self.kept_holders(), peer.pid) {
-            f.remember(pid);
-        }
+        // Where it runs, kept with the blocks it may hand on (`kept_holders.rs`).
+        let place = self
+            .kept_holders()
+            .zip(peer.pid)
+            .and_then(|(f, pid)| f.place(pid));
         let (secret, hash) = match peer_start.filter(|_| self.keeps_leases()) {
             Some(_) => {
                 let (s, h) = adopt::new_resume_secret();
@@ -491,6 +498,7 @@ impl Arbiter {
             let mut s = Session::new(id, tenant, name, peer, token_id);
             s.resume_hash = hash;
             s.peer_start = peer_start;
+            s.place = place;
             st.open_session(s, self.cfg.max_sessions_per_tenant)?;
             // Its mailbox is in place in the hold that opened it, so before any
             // transition can tell it something (effects run when the guard drops).
@@ -692,13 +700,13 @@ impl Arbiter {
                         let freed = dev.free_checked(alloc, handle);
                         match freed {
                             Ok(Returned::No) => {
-                                let recorded = reached.as_ref().map_or(&[][..], |(_, r)| r.pids());
-                                let (found, recheck) = match finder {
-                                    Some((f, uuid)) => {
-                                        let (found, places) = f.find(&uuid, recorded, &alive);
-                                        (found, Some((f, uuid, places)))
+                                let (found, recheck) = match (finder, &reached) {
+                                    (Some((finder, uuid)), Some((_, recorded))) => {
+                                        let crate::kept_holders::Finding { found, places } =
+                                            finder.find(&uuid, recorded, &alive);
+                                        (found, Some(Recheck { finder, uuid, places }))
                                     }
-                                    None => (Vec::new(), None),
+                                    _ => (Vec::new(), None),
                                 };
                                 // A process found answers as the recorded one it is near.
                                 let mut keepers = alive.clone();
@@ -740,7 +748,10 @@ impl Arbiter {
                         match kept {
                             Some(kept) => {
                                 let tenant = answering(&kept.answering);
-                                let looks = (file, kept.by_handle);
+                                let looks = MemfdKept {
+                                    file,
+                                    by_handle: kept.by_handle,
+                                };
                                 report(device, tenant, bytes, kept.pids, Kept::Memfd(looks));
                             }
                             None => {
@@ -793,12 +804,14 @@ impl Arbiter {
                     pending.fetch_sub(bytes, Ordering::SeqCst);
                     return;
                 };
-                let by_handle = memfd.as_ref().is_some_and(|(_, by_handle)| *by_handle);
+                let by_handle = memfd.as_ref().is_some_and(|m| m.by_handle);
                 // A memfd the kernel says lives, held by nobody the broker recorded: maybe a
                 // copy of its own still closing (a keeper's, an undelivered ticket's). It is
                 // charged at the first look if it still lives then (`kept_looks.rs`); until
                 // then its bytes stay unverified: the broker's, never outside memory.
-                if let (true, true, Some((file, _))) = (by_handle, pids.is_empty(), &memfd) {
+                if let (true, true, Some(MemfdKept { file, .. })) =
+                    (by_handle, pids.is_empty(), &memfd)
+                {
                     let deferred = arb.look_again(kept_looks::KeptFile {
                         id: None,
                         unverified: Some(kept_looks::Unverified {
@@ -818,7 +831,12 @@ impl Arbiter {
                 let mut st = arb.lock();
                 let id = if by_handle {
                     st.stranded_unwatched(&tenant, device, bytes, pids.iter().copied())
-                } else if let Some((finder, uuid, places)) = recheck {
+                } else if let Some(Recheck {
+                    finder,
+                    uuid,
+                    places,
+                }) = recheck
+                {
                     // Processes near its holders are looked for again when the last
                     // named one exits: watched before any exit can be seen.
                     let id = st.stranded_rechecking(&tenant, device, bytes, pids.iter().copied());
@@ -838,7 +856,7 @@ impl Arbiter {
                 drop(st);
                 tracing::warn!(device, tenant, bytes, ?pids, charged = id.is_some(), "freed memory stayed on the device: a process that had its descriptor keeps it; charged to its tenant until it lets go");
                 // A memfd: looked at again, its charge lifted once let go.
-                if let (Some(id), Some((file, by_handle))) = (id, memfd) {
+                if let (Some(id), Some(MemfdKept { file, by_handle })) = (id, memfd) {
                     let _ = arb.look_again(kept_looks::KeptFile {
                         id: Some(id),
                         unverified: None,
@@ -860,20 +878,28 @@ impl Arbiter {
 
 /// What a free found kept, as the reporter takes it.
 enum Kept {
-    /// A memfd to look at again, and whether the kernel says when it is let go
-    /// (`kept_looks.rs`).
-    Memfd((MemFile, bool)),
+    /// A memfd to look at again (`kept_looks.rs`).
+    Memfd(MemfdKept),
     /// CUDA memory, which cannot be looked at; with a finder, where to look for its
     /// holders again when the last named one exits (`kept_holders.rs`).
     Cuda(Option<Recheck>),
 }
 
-/// The finder, the device's UUID and the places to look near.
-type Recheck = (
-    Arc<crate::kept_holders::HolderFinder>,
-    String,
-    Vec<crate::kept_holders::Place>,
-);
+/// A memfd a free found kept.
+struct MemfdKept {
+    file: MemFile,
+    /// Does the kernel say when it is let go (`kept_looks.rs`)?
+    by_handle: bool,
+}
+
+/// Where to look for the holders of CUDA memory kept again.
+struct Recheck {
+    finder: Arc<crate::kept_holders::HolderFinder>,
+    /// The device's UUID.
+    uuid: String,
+    /// The places to look near, shared with other blocks'.
+    places: Vec<Arc<crate::kept_holders::Place>>,
+}
 
 /// Takes memory about to be freed back from whoever may still map it (a memfd is
 /// truncated). Only the broker's frees of memory that nobody it counts may map come here,

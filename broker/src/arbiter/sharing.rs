@@ -364,10 +364,6 @@ impl Arbiter {
     /// it may map stays counted until it exits, even if the holder lets go the moment the
     /// descriptor arrives. Returns false (deliver nothing) when the lease or import is gone.
     pub(crate) fn fd_delivering(&self, id: Uuid, pid: Option<u32>) -> bool {
-        // Where it runs, for memory it may hand on (`kept_holders.rs`): read before the lock.
-        if let (Some(f), Some(pid)) = (self.kept_holders(), pid) {
-            f.remember(pid);
-        }
         let mut st = self.lock();
         let session = match st.leases().get(&id) {
             Some(l) => Some(l.session),

@@ -228,6 +228,7 @@ impl State {
                 block,
                 pid: a.pid,
                 pid_start: a.pid_start,
+                place: None,
                 since: self.clock.now,
                 destroy: a.destroy,
                 // Its process's client let go of its retained blocks on the resume:

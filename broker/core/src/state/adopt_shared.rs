@@ -107,6 +107,7 @@ impl State {
             session: a.session,
             pid: a.pid,
             pid_start: self.start_of(a.session, a.pid),
+            place: self.place_of(a.session, a.pid),
             created: a.created,
             lingering: None,
             kept: true,
@@ -171,6 +172,7 @@ impl State {
                 destroy: a.destroy,
                 holder: holder.map(|h| h.0),
                 holder_start: holder.map(|h| h.1),
+                holder_place: None,
                 kept: true,
             },
         );
@@ -260,6 +262,7 @@ impl State {
             session: i.session,
             pid: i.pid,
             pid_start: a.pid_start,
+            place: None,
             created: i.created,
             lingering: Some(Waiters {
                 pids: a.waiters,

@@ -159,8 +159,10 @@ impl State {
         // Its holder let go by word only (a release, a revocation it survived or not): it
         // may keep its import, which no free of CUDA memory can take back.
         if matches!(ending, Ending::Cache | Ending::Destroy) {
-            if let Some(pid) = self.sessions.get(&lease.session).and_then(|s| s.peer.pid) {
-                block.reached.add(pid);
+            if let Some(s) = self.sessions.get(&lease.session) {
+                if let Some(pid) = s.peer.pid {
+                    block.reached.add(pid, s.place.clone());
+                }
             }
         }
         // Importers of its publication, or other processes that fetched its descriptor,
@@ -172,6 +174,7 @@ impl State {
             device: d,
             ending,
             holder_start,
+            holder_place: self.place_of(lease.session, ending.holder()),
             reservation: lease.reservation,
             reclaim,
         };
@@ -205,6 +208,9 @@ impl State {
                         block,
                         pid,
                         pid_start: holder_start.filter(|_| pid == ending.holder()),
+                        place: self
+                            .place_of(lease.session, pid)
+                            .filter(|_| pid == ending.holder()),
                         since: self.clock.now,
                         destroy,
                         retained_by,
@@ -248,7 +254,7 @@ impl State {
         // Lifted while its process may live (a retained block let go by word, a timeout):
         // a later free checks that the memory came back.
         if let Some(pid) = q.pid {
-            q.block.reached.add(pid);
+            q.block.reached.add(pid, q.place.clone());
         }
         if let Some(session) = q.retained_by {
             self.unindex_retained(session, id);
@@ -285,7 +291,12 @@ impl State {
         gone: bool,
     ) -> Option<(Session, u64)> {
         let session = self.sessions.remove(&id)?;
-        self.ending_session = Some((id, session.peer.pid, session.peer_start));
+        self.ending_session = Some(super::EndingSession {
+            id,
+            pid: session.peer.pid,
+            start: session.peer_start,
+            place: session.place.clone(),
+        });
         self.wake_queue();
         for w in self.queue.remove_session(id) {
             self.fx

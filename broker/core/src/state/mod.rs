@@ -66,8 +66,18 @@ use crate::reservations::ReservationTable;
 use crate::session::{Session, SessionTable};
 use crate::sharing::SharedTable;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 use uuid::Uuid;
+
+/// The session being ended, as it was: its leases end after it left the table.
+#[derive(Debug)]
+struct EndingSession {
+    id: Uuid,
+    pid: Option<u32>,
+    start: Option<u64>,
+    place: Option<Arc<crate::process_place::Place>>,
+}
 
 /// Memory of an ended lease that a live process may still map.
 #[derive(Debug)]
@@ -80,6 +90,8 @@ pub struct Quarantined {
     /// a restarted or relinked keeper's record carries it, so a later reuse of the pid is
     /// never taken for the holder.
     pub pid_start: Option<u64>,
+    /// Where `pid` runs (its session's record): the block keeps it when lifted.
+    pub place: Option<Arc<crate::process_place::Place>>,
     pub since: Instant,
     /// Freed, never cached, when lifted: the block was published (or its memfd sealed
     /// for a publish), so others may hold its descriptor.
@@ -161,7 +173,7 @@ pub struct State {
     keeping: bool,
     /// The session `end_session` is ending (it left the table first), its peer pid and
     /// that process's start time: what its leases' quarantines record.
-    ending_session: Option<(Uuid, Option<u32>, Option<u64>)>,
+    ending_session: Option<EndingSession>,
 }
 
 impl State {
@@ -215,8 +227,26 @@ impl State {
             Some(s) => s.peer_start.filter(|_| s.peer.pid == Some(pid)),
             None => self
                 .ending_session
-                .filter(|(id, p, _)| *id == session && *p == Some(pid))
-                .and_then(|(_, _, start)| start),
+                .as_ref()
+                .filter(|e| e.id == session && e.pid == Some(pid))
+                .and_then(|e| e.start),
+        }
+    }
+
+    /// Where process `pid` runs, when it is session `session`'s peer (or the ending one's).
+    fn place_of(
+        &self,
+        session: Uuid,
+        pid: Option<u32>,
+    ) -> Option<Arc<crate::process_place::Place>> {
+        let pid = pid?;
+        match self.sessions.get(&session) {
+            Some(s) => s.place.clone().filter(|_| s.peer.pid == Some(pid)),
+            None => self
+                .ending_session
+                .as_ref()
+                .filter(|e| e.id == session && e.pid == Some(pid))
+                .and_then(|e| e.place.clone()),
         }
     }
 
@@ -254,6 +284,16 @@ impl State {
     }
     pub fn sessions(&self) -> &SessionTable {
         &self.sessions
+    }
+
+    /// Session `id`'s peer runs at `place` (read by the shell for a session it took back
+    /// after a restart, which came without one).
+    pub fn place_peer(&mut self, id: Uuid, place: Arc<crate::process_place::Place>) {
+        if let Some(s) = self.sessions.get_mut(&id) {
+            if s.peer.pid == Some(place.pid) && s.place.is_none() {
+                s.place = Some(place);
+            }
+        }
     }
     pub fn queue(&self) -> &WaitQueue {
         &self.queue

@@ -51,6 +51,8 @@ pub(super) struct EndedLease {
     pub ending: Ending,
     /// When the process that may map it (`ending.holder()`) started, if known.
     pub holder_start: Option<u64>,
+    /// Where that process runs, if known.
+    pub holder_place: Option<std::sync::Arc<crate::process_place::Place>>,
     /// The process reservation it was drawn from.
     pub reservation: Option<Uuid>,
     /// Its holder had been asked for it back (its reclaim record goes with it).
@@ -314,6 +316,7 @@ impl State {
             session,
             pid,
             pid_start: self.start_of(session, pid),
+            place: self.place_of(session, pid),
             created: self.clock.wall,
             lingering: None,
             kept: false,
@@ -452,6 +455,7 @@ impl State {
             device,
             ending,
             holder_start,
+            holder_place,
             reservation,
             reclaim,
         } = e;
@@ -548,6 +552,7 @@ impl State {
                 destroy,
                 holder,
                 holder_start,
+                holder_place,
                 // Held for importers: kept (below) while the keeper is.
                 kept: imported && self.keeping,
             },
@@ -666,11 +671,10 @@ impl State {
         else {
             return;
         };
-        let Some((pid, tenant)) = p
-            .imports
-            .get(&import)
-            .and_then(|i| Some((i.pid?, (i.tenant != p.publisher).then(|| i.tenant.clone()))))
-        else {
+        let Some((pid, tenant, place)) = p.imports.get(&import).and_then(|i| {
+            let tenant = (i.tenant != p.publisher).then(|| i.tenant.clone());
+            Some((i.pid?, tenant, i.place.clone()))
+        }) else {
             return;
         };
         let (lease, live) = (p.lease, p.lease_live);
@@ -681,8 +685,8 @@ impl State {
         };
         if let Some(b) = block {
             match tenant {
-                Some(t) => b.reached.add_of(pid, &t),
-                None => b.reached.add(pid),
+                Some(t) => b.reached.add_of(pid, &t, place),
+                None => b.reached.add(pid, place),
             }
         }
     }
@@ -934,6 +938,7 @@ impl State {
                         block: h.block,
                         pid,
                         pid_start: h.holder_start.filter(|_| pid == h.holder),
+                        place: h.holder_place.filter(|_| pid == h.holder),
                         since: h.since,
                         destroy: h.destroy,
                         retained_by: None,
