@@ -8,6 +8,7 @@
 //! unknown and the broker falls back to looking at the processes it recorded
 //! (`memfd_holders.rs`).
 
+use gpu_broker_core::kept::FileHandleRecord;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 
 /// Longest file handle asked for (tmpfs's is 12 bytes).
@@ -41,6 +42,22 @@ impl FileHandle {
         }
         let (handle_type, bytes) = buf.parts();
         Some(FileHandle { handle_type, bytes })
+    }
+
+    /// As a record keeps it (a restarted broker asks the kernel with it again).
+    pub fn record(&self) -> FileHandleRecord {
+        FileHandleRecord {
+            handle_type: self.handle_type,
+            bytes: self.bytes.clone(),
+        }
+    }
+
+    /// The handle a record kept; `None` for one no filesystem gives (empty, too long).
+    pub fn from_record(r: &FileHandleRecord) -> Option<FileHandle> {
+        (!r.bytes.is_empty() && r.bytes.len() <= MAX_HANDLE_BYTES).then(|| FileHandle {
+            handle_type: r.handle_type,
+            bytes: r.bytes.clone(),
+        })
     }
 }
 
@@ -93,8 +110,9 @@ pub enum Alive {
 }
 
 /// Asks the kernel whether memory files live. Holds one empty memfd of its own, which
-/// names the filesystem every memfd lives on (the mount a handle is opened on); not named
-/// `gpu-broker-*` as the memory objects are: it holds no memory.
+/// names the filesystem every memfd lives on (the kernel's one internal shm mount, so any
+/// process's memfd, a previous broker's too, is opened on it); not named `gpu-broker-*`
+/// as the memory objects are: it holds no memory.
 #[derive(Debug)]
 pub struct Prober {
     mount: OwnedFd,
@@ -116,6 +134,15 @@ impl Prober {
     /// Does the file of `handle` still live? Opening it by handle (a path-only open, closed
     /// at once) succeeds only while some process holds it.
     pub fn alive(&self, handle: &FileHandle) -> Alive {
+        match self.open(handle) {
+            Ok(_) => Alive::Yes,
+            Err(alive) => alive,
+        }
+    }
+
+    /// The file of `handle`, opened path-only while it lives (a holder while open: the
+    /// caller closes it at once); else what the kernel said.
+    pub fn open(&self, handle: &FileHandle) -> Result<OwnedFd, Alive> {
         let mut buf = Header::of(handle);
         // SAFETY: a file_handle header and its bytes, as name_to_handle_at made them.
         let fd = unsafe {
@@ -126,13 +153,12 @@ impl Prober {
             )
         };
         if fd >= 0 {
-            // SAFETY: a fresh descriptor we own, closed here.
-            drop(unsafe { OwnedFd::from_raw_fd(fd) });
-            return Alive::Yes;
+            // SAFETY: a fresh descriptor we own.
+            return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
         }
         match std::io::Error::last_os_error().raw_os_error() {
-            Some(libc::ESTALE) => Alive::No,
-            _ => Alive::Unknown,
+            Some(libc::ESTALE) => Err(Alive::No),
+            _ => Err(Alive::Unknown),
         }
     }
 }

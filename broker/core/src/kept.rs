@@ -219,6 +219,18 @@ pub struct StrandedRecord {
     /// As in [`LeaseRecord::device_uuid`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_uuid: Option<String>,
+    /// A memfd's file handle, by which a restarted broker asks the kernel whether anyone
+    /// (named or not) still holds the file; it holds nothing open. Absent: its holders'
+    /// exits lift it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_handle: Option<FileHandleRecord>,
+}
+
+/// A file handle as `name_to_handle_at` gives it: its type and opaque bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileHandleRecord {
+    pub handle_type: i32,
+    pub bytes: Vec<u8>,
 }
 
 impl StrandedRecord {
@@ -791,6 +803,23 @@ mod tests {
         );
         assert_eq!(r.key(), "stranded/0193a0b2-0000-4000-8000-00000000000a");
         assert_eq!(serde_json::to_string(&r).unwrap(), stranded);
+        assert_eq!(r.file_handle, None, "an older record has no file handle");
+        let memfd = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-00000000000b","tenant":"alpha","device":0,"bytes":8388608,"kind":"host-memfd","holders":[{"pid":4446,"start":124001}],"watched":false,"recheck":false,"stranded_unix_ms":1764800000006,"device_uuid":"HOST-0","file_handle":{"handle_type":1,"bytes":[1,2,3,4,5,6,7,8,9,10,11,12]}}"#;
+        let Kept::Stranded(r) = parse(
+            "stranded/0193a0b2-0000-4000-8000-00000000000b",
+            serde_json::from_str(memfd).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            r.file_handle,
+            Some(FileHandleRecord {
+                handle_type: 1,
+                bytes: (1..=12).collect()
+            })
+        );
+        assert_eq!(serde_json::to_string(&r).unwrap(), memfd);
     }
 
     /// A later version may add fields: this one reads what it knows and keeps going.

@@ -7,10 +7,13 @@
 //! at again: its charge waits for its named holders' exits, CUDA memory's as before.
 
 use super::adopt::Liveness;
+use super::kept_looks::KeptFile;
 use super::state::AdoptedStranded;
 use super::Arbiter;
 use crate::device::MemoryKind;
 use crate::keeper::records::StrandedRecord;
+use crate::memfd_alive::{Alive, FileHandle, Prober};
+use crate::memfd_holders::{FileId, MemFile};
 use std::time::{Duration, UNIX_EPOCH};
 use uuid::Uuid;
 
@@ -35,8 +38,32 @@ impl Arbiter {
         if ready.is_empty() {
             return out;
         }
+        let prober = self.kept_looks.prober();
+        let mut asked = Vec::with_capacity(ready.len());
+        for (r, mut a) in ready {
+            match file_now(&r, prober.as_deref()) {
+                FileNow::Gone => {
+                    out.lifted
+                        .push((r, "the kernel says nobody holds its file any more"));
+                    continue;
+                }
+                FileNow::Alive(file) => {
+                    // Looked at by the kernel's word (a look before the charge finds
+                    // nothing and ends): its holders are named, not watched.
+                    a.watched = !self.look_again(KeptFile {
+                        id: Some(a.id),
+                        unverified: None,
+                        file,
+                        pids: a.holders.keys().copied().collect(),
+                        by_handle: true,
+                    });
+                }
+                FileNow::Unknown => {}
+            }
+            asked.push((r, a));
+        }
         let mut st = self.lock();
-        for (r, a) in ready {
+        for (r, a) in asked {
             match st.adopt_stranded(a) {
                 Ok(()) => {
                     out.adopted += 1;
@@ -93,5 +120,38 @@ pub(super) fn adoptable(
         recheck: r.recheck,
         kind,
         stranded_at: UNIX_EPOCH + Duration::from_millis(r.stranded_unix_ms),
+        file_handle: r.file_handle.clone(),
+        watched: true,
     })
+}
+
+/// What the kernel says now of a kept memfd's file.
+enum FileNow {
+    /// Held by someone: looked at again by its handle.
+    Alive(MemFile),
+    /// Nobody holds it: its memory went back.
+    Gone,
+    /// No handle kept, or the broker may not ask: its holders' exits lift it.
+    Unknown,
+}
+
+fn file_now(r: &StrandedRecord, prober: Option<&Prober>) -> FileNow {
+    let (Some(handle), Some(prober)) = (
+        r.file_handle.as_ref().and_then(FileHandle::from_record),
+        prober,
+    ) else {
+        return FileNow::Unknown;
+    };
+    match prober.open(&handle) {
+        // The path-only descriptor closes here: it only names the file for the looks.
+        Ok(fd) => match FileId::of(&fd) {
+            Ok(id) => FileNow::Alive(MemFile {
+                id,
+                handle: Some(handle),
+            }),
+            Err(_) => FileNow::Unknown,
+        },
+        Err(Alive::No) => FileNow::Gone,
+        Err(_) => FileNow::Unknown,
+    }
 }

@@ -477,7 +477,7 @@ impl Arbiter {
                 let Some(arb) = me.upgrade() else { return };
                 let mut st = arb.lock();
                 st.stranded_rechecked(id, found.iter().copied());
-                st.stranded_holders_started(id, None, starts);
+                st.stranded_holders_started(id, None, None, starts);
                 if !st.is_stranded(id) {
                     finder.forget(id);
                 }

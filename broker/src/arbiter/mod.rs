@@ -848,7 +848,12 @@ impl Arbiter {
                     st.stranded(&tenant, device, bytes, pids.iter().copied())
                 };
                 if let Some(id) = id {
-                    st.stranded_holders_started(id, kind, starts);
+                    // Its file handle (a memfd's) lets a restarted broker ask the kernel.
+                    let handle = memfd
+                        .as_ref()
+                        .and_then(|m| m.file.handle.as_ref())
+                        .map(|h| h.record());
+                    st.stranded_holders_started(id, kind, handle, starts);
                 }
                 // In the same hold: the refresh sees the bytes as unverified or as the
                 // tenant's, never as both or neither.

@@ -979,3 +979,82 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
     assert_eq!(st.pools()[0].stats().quarantined, 0);
     assert_eq!(st.stranded_memory().count(), 0);
 }
+
+/// A kept memfd's record keeps its file handle: a restarted broker asks the kernel by it,
+/// so the charge stays after its named holder exited while a process it never named
+/// (here this test's) still holds the file, and lifts once nobody does.
+#[tokio::test]
+async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file() {
+    use super::adopt_tests::{entry, MemPlace};
+    use crate::keeper::records::{ProcessRecord, StrandedRecord};
+    use crate::memfd_alive::{Alive, FileHandle, Prober};
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: memfd_create with a static name; checked below.
+    let fd = unsafe { libc::memfd_create(c"kept-across".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let handle = FileHandle::of(&fd).expect("memfds have handles");
+    if Prober::new().unwrap().alive(&handle) == Alive::Unknown {
+        eprintln!("skipped: the kernel may not be asked (no CAP_DAC_READ_SEARCH)");
+        return;
+    }
+    let (mut worker, _) = live_process();
+    let restarted = host_arbiter(
+        64 * MIB,
+        1,
+        ArbiterConfig {
+            kept_memory_look: Duration::from_millis(20),
+            ..ArbiterConfig::default()
+        },
+    );
+    restarted.set_quota("a", quota(64 * MIB)).unwrap();
+    let record = StrandedRecord {
+        v: crate::keeper::RECORD_VERSION,
+        id: uuid::Uuid::new_v4().to_string(),
+        tenant: "a".into(),
+        device: 0,
+        bytes: 32 * MIB,
+        kind: Some("host-memfd".into()),
+        holders: vec![ProcessRecord {
+            pid: worker.id(),
+            start: crate::process::start_ticks(worker.id()),
+        }],
+        watched: false,
+        recheck: false,
+        stranded_unix_ms: 0,
+        device_uuid: Some(restarted.devices.uuid(0)),
+        file_handle: Some(handle.record()),
+    };
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![entry(record.key(), &record, None)];
+    let report = restarted.adopt_from_keeper(place).unwrap();
+    assert_eq!((report.stranded_adopted, report.stranded_lifted), (1, 0));
+    assert_eq!(held_by_a(&restarted), 32 * MIB);
+
+    // The named holder exits; the file lives on with this process: still charged.
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        held_by_a(&restarted),
+        32 * MIB,
+        "still charged while the file lives; lifted: {:?}",
+        removed.lock()
+    );
+    assert!(removed.lock().is_empty(), "{:?}", removed.lock());
+
+    // Nobody holds it any more: lifted, its record gone.
+    drop(fd);
+    assert!(
+        until(|| held_by_a(&restarted) == 0).await,
+        "lifted once let go, held {}",
+        held_by_a(&restarted)
+    );
+    assert!(until(|| removed.lock().contains(&record.key())).await);
+    let st = restarted.lock();
+    st.check_invariant().unwrap();
+    assert_eq!(st.pools()[0].stats().quarantined, 0);
+    assert_eq!(st.stranded_memory().count(), 0);
+}

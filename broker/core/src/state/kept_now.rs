@@ -454,7 +454,16 @@ mod tests {
         c.st.set_keeping(true);
         let mut mirror = Mirror::new();
         let id = c.st.stranded("a", 0, 4 * MIB, [7, 8]).unwrap();
-        c.st.stranded_holders_started(id, Some(MemoryKind::HostMemfd), [(7, 1007), (8, 1008)]);
+        let handle = kept::FileHandleRecord {
+            handle_type: 1,
+            bytes: vec![9; 12],
+        };
+        c.st.stranded_holders_started(
+            id,
+            Some(MemoryKind::HostMemfd),
+            Some(handle.clone()),
+            [(7, 1007), (8, 1008)],
+        );
         let changes = keeps(c.st.take_effects().into_vec());
         let names: Vec<&str> = changes.iter().map(|k| k.name()).collect();
         assert_eq!(names, ["stranded", "stranded"]);
@@ -466,6 +475,10 @@ mod tests {
         assert_eq!(
             r["holders"],
             serde_json::json!([{"pid": 7, "start": 1007}, {"pid": 8, "start": 1008}])
+        );
+        assert_eq!(
+            r["file_handle"],
+            serde_json::json!({"handle_type": 1, "bytes": vec![9; 12]})
         );
         let mut now = Mirror::new();
         apply(&mut now, c.st.kept_now());
@@ -501,7 +514,11 @@ mod tests {
             kind: Some(MemoryKind::HostMemfd),
             stranded_at: std::time::UNIX_EPOCH
                 + std::time::Duration::from_millis(r.stranded_unix_ms),
+            file_handle: r.file_handle.clone(),
+            watched: true,
         };
+        assert_eq!(r.file_handle, Some(handle));
+        let adopted_again = adopted.clone();
         d.st.adopt_stranded(adopted.clone()).unwrap();
         assert_eq!(
             d.st.ledger().get("a").unwrap().usage.quarantined_bytes,
@@ -528,6 +545,29 @@ mod tests {
         assert_eq!(names, ["stranded-lifted"]);
         assert_eq!(d.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
         d.st.check_invariant().unwrap();
+
+        // Taken back unwatched (the shell asks the kernel by its file handle): its
+        // holder's exit leaves it charged; only the shell's word lifts it.
+        let mut e = Core::new(1, 64 * MIB);
+        e.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+        e.st.adopt_stranded(AdoptedStranded {
+            watched: false,
+            ..adopted_again
+        })
+        .unwrap();
+        let fx = e.st.take_effects().into_vec();
+        assert!(
+            !fx.iter().any(|e| matches!(e, Effect::Watch { .. })),
+            "{fx:?}"
+        );
+        assert!(!e.st.stranded_holder_gone(id, 8));
+        assert_eq!(
+            e.st.ledger().get("a").unwrap().usage.quarantined_bytes,
+            4 * MIB
+        );
+        assert!(e.st.stranded_released(id));
+        assert_eq!(e.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
+        e.st.check_invariant().unwrap();
 
         // The first state's last holder exits too: lifted, the keeper holds nothing.
         assert!(c.st.stranded_holder_gone(id, 8));

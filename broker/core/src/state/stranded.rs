@@ -25,7 +25,7 @@
 
 use super::State;
 use crate::effects::{Keep, Watch};
-use crate::kept::{ProcessRecord, StrandedRecord};
+use crate::kept::{FileHandleRecord, ProcessRecord, StrandedRecord};
 use crate::memory::MemoryKind;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Instant, SystemTime};
@@ -52,6 +52,8 @@ pub struct Stranded {
     pub starts: BTreeMap<u32, u64>,
     /// Its memory's kind, where the shell said.
     pub kind: Option<MemoryKind>,
+    /// Its memfd's file handle, where the shell gave one (kept in its record).
+    pub file_handle: Option<FileHandleRecord>,
 }
 
 /// Stranded memory to take back at a restart (from its record): its processes are those
@@ -68,6 +70,11 @@ pub struct AdoptedStranded {
     pub kind: Option<MemoryKind>,
     /// When it was stranded (its record's time).
     pub stranded_at: SystemTime,
+    /// Its memfd's file handle, from its record.
+    pub file_handle: Option<FileHandleRecord>,
+    /// Its holders are watched, their exits lifting it; false: the shell asks the kernel
+    /// whether its file lives (by `file_handle`) and says when it is let go.
+    pub watched: bool,
 }
 
 impl State {
@@ -166,6 +173,7 @@ impl State {
                 since_wall: self.clock.wall,
                 starts: BTreeMap::new(),
                 kind: None,
+                file_handle: None,
             },
         );
         self.keep_stranded(id);
@@ -173,18 +181,21 @@ impl State {
     }
 
     /// The shell read when the processes of stranded memory `id` started (`starts`), and
-    /// its memory's kind where it knows it: its record names them, so a restarted broker
-    /// takes no reused pid for one of them.
+    /// its memory's kind and its memfd's file handle where it knows them: its record
+    /// names them, so a restarted broker takes no reused pid for one of them and can ask
+    /// the kernel about the file.
     pub fn stranded_holders_started(
         &mut self,
         id: Uuid,
         kind: Option<MemoryKind>,
+        file_handle: Option<FileHandleRecord>,
         starts: impl IntoIterator<Item = (u32, u64)>,
     ) {
         let Some(s) = self.stranded.get_mut(&id) else {
             return;
         };
         s.kind = kind.or(s.kind);
+        s.file_handle = file_handle.or(s.file_handle.take());
         for (pid, start) in starts {
             if s.pids.contains(&pid) {
                 s.starts.insert(pid, start);
@@ -215,6 +226,7 @@ impl State {
             recheck: s.recheck,
             stranded_unix_ms: crate::kept::unix_ms(s.since_wall),
             device_uuid: None,
+            file_handle: s.file_handle.clone(),
         })
     }
 
@@ -225,9 +237,10 @@ impl State {
     }
 
     /// Takes back stranded memory `a` at a restart: charged again to its tenant as
-    /// quarantined, its living processes watched (a memfd's file is no longer looked at:
-    /// no copy of it was kept). Nothing is pushed for the keeper: it holds the record.
-    /// Refused when no process lives, or its tenant or device is gone.
+    /// quarantined, its living processes watched, or, unwatched, named while the shell
+    /// asks the kernel about its memfd by its file handle (no copy of the memory was
+    /// kept). Nothing is pushed for the keeper: it holds the record. Refused when no
+    /// process lives, or its tenant or device is gone.
     pub fn adopt_stranded(&mut self, a: AdoptedStranded) -> Result<(), super::NotAdopted> {
         if a.device as usize >= self.pools.len() {
             return Err(super::NotAdopted::Device);
@@ -243,8 +256,10 @@ impl State {
         let leasable = pool.leasable();
         self.set_leasable(a.device, leasable);
         self.ledger.add_quarantine(&a.tenant, a.device, a.bytes);
-        for &pid in a.holders.keys() {
-            self.fx.watch(Watch::Stranded { id: a.id, pid });
+        if a.watched {
+            for &pid in a.holders.keys() {
+                self.fx.watch(Watch::Stranded { id: a.id, pid });
+            }
         }
         self.stranded.insert(
             a.id,
@@ -253,7 +268,7 @@ impl State {
                 device: a.device,
                 bytes: a.bytes,
                 pids: a.holders.keys().copied().collect(),
-                watched: true,
+                watched: a.watched,
                 recheck: a.recheck,
                 since: self.clock.now,
                 since_wall: a.stranded_at,
@@ -263,6 +278,7 @@ impl State {
                     .filter_map(|(&p, s)| s.map(|s| (p, s)))
                     .collect(),
                 kind: a.kind,
+                file_handle: a.file_handle,
             },
         );
         Ok(())
