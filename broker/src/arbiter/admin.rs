@@ -215,7 +215,7 @@ impl Arbiter {
         }
         // After its sessions ended (their turns are booked): a tenant created again under
         // the name must not inherit the counters.
-        self.forget_turns(name);
+        self.with_turns(|t| t.forget_tenant(name));
         tracing::info!(tenant = name, "tenant deleted");
         Ok(())
     }
