@@ -12,6 +12,7 @@ use crate::audit::{AuditFilter, AuditRecord, Who};
 use crate::error::{BrokerError, BrokerResult};
 use crate::store::{AlsoWrite, Store, StoreError};
 use crate::store_writer::off_the_runtime;
+use std::sync::Arc;
 
 /// The state store (None: nothing is durable, records are kept in memory), the audit log
 /// in it, and the lock that keeps durable operator changes one at a time.
@@ -105,9 +106,9 @@ impl Arbiter {
     }
 
     /// Returns once every audit record handed over before has been written.
-    pub(crate) async fn audits_written(&self) {
+    pub(crate) async fn audits_written(self: &Arc<Self>) {
         if self.durable.store().is_some() {
-            let _ = self.run_durable(|| Ok(())).await;
+            let _ = self.run_durable(|_| Ok(())).await;
         }
     }
 
@@ -189,15 +190,16 @@ impl Arbiter {
     /// operator changes and those made outside it (a configuration reload). Without a
     /// store it runs here: nothing is committed.
     pub async fn run_durable<T: Send + 'static>(
-        &self,
-        change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
+        self: &Arc<Self>,
+        change: impl FnOnce(&Arc<Arbiter>) -> BrokerResult<T> + Send + 'static,
     ) -> BrokerResult<T> {
         if self.durable.store().is_none() {
-            return change();
+            return change(self);
         }
+        let me = self.clone();
         self.lifecycle
             .store_writer()?
-            .run(change)
+            .run(move || change(&me))
             .await
             .map_err(|e| match e {
                 crate::store_writer::WriterError::Stopped => BrokerError::ShuttingDown,

@@ -72,7 +72,10 @@ impl Arbiter {
             name: claim_token_name(&req.uid),
             description: format!("ResourceClaim {}", req.label),
         };
-        let issued = self.issue_for(spec, who.clone()).await?;
+        let by = who.clone();
+        let issued = self
+            .run_durable(move |arb| arb.issue(spec, Some(&by)))
+            .await?;
         let token_id = issued.entry.token_id.clone();
         match self.grant_claim(&req, &token_id) {
             Ok(mut reservation) => {
@@ -84,9 +87,8 @@ impl Arbiter {
                     }
                 }
                 let record = claim_record(&req, &reservation, &token_id);
-                let me = self.clone();
                 let kept = self
-                    .run_durable(move || me.commit_to_store(|s| s.put_claim(&record)))
+                    .run_durable(move |arb| arb.commit_to_store(|s| s.put_claim(&record)))
                     .await;
                 if let Err(e) = kept {
                     self.undo_claim(&req.uid, &token_id, who).await;
@@ -120,7 +122,11 @@ impl Arbiter {
             .map(|t| t.token_id)
             .collect();
         for id in &tokens {
-            match self.revoke_token_for(id.clone(), who.clone()).await {
+            let (id, by) = (id.clone(), who.clone());
+            match self
+                .run_durable(move |arb| arb.revoke_token(&id, Some(&by)))
+                .await
+            {
                 Ok(()) | Err(BrokerError::NotFound(_)) => {}
                 Err(e) => return Err(e),
             }
@@ -263,7 +269,11 @@ impl Arbiter {
             }
             mine.is_some()
         };
-        if let Err(e) = self.revoke_token_for(token_id.to_string(), who).await {
+        let id = token_id.to_string();
+        if let Err(e) = self
+            .run_durable(move |arb| arb.revoke_token(&id, Some(&who)))
+            .await
+        {
             tracing::error!(claim = %uid, token_id, error = %e, "revoking a refused claim's token");
         }
         if mine {
@@ -275,9 +285,8 @@ impl Arbiter {
 
     /// Deletes claim `uid`'s record from the store; whether there was one.
     async fn forget_claim(self: &Arc<Self>, uid: &str) -> BrokerResult<bool> {
-        let me = self.clone();
         let uid = uid.to_string();
-        self.run_durable(move || me.commit_to_store(|s| s.delete_claim(&uid)))
+        self.run_durable(move |arb| arb.commit_to_store(|s| s.delete_claim(&uid)))
             .await
     }
 

@@ -928,7 +928,7 @@ async fn a_tenant_being_deleted_takes_no_new_charge_or_session() {
     // A tenant holding memory cannot start closing.
     assert!(f.arb.lock().close_tenant("a").is_err());
     f.arb.release("a", l.id).unwrap();
-    f.arb.delete_tenant("a").unwrap();
+    f.arb.delete_tenant("a", None).unwrap();
     assert!(f.arb.get_tenant("a").is_err());
 }
 

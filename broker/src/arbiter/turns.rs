@@ -270,9 +270,9 @@ impl Arbiter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::SystemTime;
     use crate::ledger::Quota;
     use crate::session::{Peer, SessionEvent};
+    use std::time::SystemTime;
 
     fn arbiter(turns: TurnConfig) -> Arc<Arbiter> {
         super::super::host_arbiter(
@@ -605,7 +605,7 @@ mod tests {
         // forgotten with the rest.
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
         assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
-        arb.delete_tenant("a").unwrap();
+        arb.delete_tenant("a", None).unwrap();
         assert_eq!(arb.scheduler.holders(0), 0, "its session's turn ended");
         assert!(release_turn(&arb, "a", ga.turn_id).is_err());
         assert_eq!(arb.scheduler.usage("a"), TurnUsage::default());
