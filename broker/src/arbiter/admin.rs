@@ -179,23 +179,6 @@ impl Arbiter {
         Ok(())
     }
 
-    /// Issues a new worker token for a tenant; returns (token, token_id) — the token only
-    /// now. (See [`Arbiter::issue`] for scopes, names and expiry.)
-    #[cfg(test)]
-    pub(super) fn issue_token(
-        &self,
-        tenant: &str,
-        description: &str,
-    ) -> BrokerResult<(String, String)> {
-        let spec = super::tokens::TokenSpec {
-            tenant: Some(tenant.to_string()),
-            description: description.to_string(),
-            ..Default::default()
-        };
-        let t = self.issue(spec, None)?;
-        Ok((t.token, t.entry.token_id))
-    }
-
     /// Revokes a token given its id or the token itself. With `who`, its audit record
     /// (`token.revoke`, the token before) is committed with it.
     pub(crate) fn revoke_token(
