@@ -134,7 +134,7 @@ impl Arbiter {
                     _ => Ok(T::default()),
                 })
         })
-        .map_err(|e| self.store_failed(e))?;
+        .map_err(|e| store_write_failed(&self.metrics, e))?;
         if store.is_some() {
             self.metrics.store_write(true);
         }
@@ -144,13 +144,6 @@ impl Arbiter {
 }
 
 impl Arbiter {
-    /// A store write failed: counted (the store-unwritable alert watches it), then the
-    /// error the caller returns.
-    pub(super) fn store_failed(&self, e: StoreError) -> BrokerError {
-        self.metrics.store_write(false);
-        store_err(e)
-    }
-
     /// Commits a durable change (a redb transaction, fsync included), counted in the
     /// metrics. Callers hold no state lock; on a multi-threaded runtime the commit runs in
     /// `block_in_place`, so the worker thread's other tasks move elsewhere meanwhile.
@@ -163,7 +156,7 @@ impl Arbiter {
         };
         off_the_runtime(|| write(store))
             .inspect(|_| self.metrics.store_write(true))
-            .map_err(|e| self.store_failed(e))
+            .map_err(|e| store_write_failed(&self.metrics, e))
     }
 
     /// Loads tenants, token hashes and claim reservations from the store (start-up).
@@ -213,4 +206,11 @@ impl Arbiter {
 /// A store error as the caller's answer.
 pub(super) fn store_err(e: StoreError) -> BrokerError {
     BrokerError::Internal(format!("state store: {e}"))
+}
+
+/// A store write failed: counted (the store-unwritable alert watches it), then the error
+/// the caller returns.
+fn store_write_failed(metrics: &crate::metrics::Metrics, e: StoreError) -> BrokerError {
+    metrics.store_write(false);
+    store_err(e)
 }

@@ -79,7 +79,10 @@ impl Arbiter {
         let token_id = issued.entry.token_id.clone();
         match self.grant_claim(&req, &token_id) {
             Ok(mut reservation) => {
-                match self.claim_env(&req, reservation.bytes) {
+                // The managed MPS daemon's variables for the claim's processes (none
+                // without `--mps`): their pinned device memory limit is the reservation.
+                let ask = process_ask(&req, reservation.bytes);
+                match self.process_env(req.device, reservation.bytes, &ask) {
                     Ok(env) => reservation.env = env,
                     Err(e) => {
                         self.undo_claim(&req.uid, &token_id, who).await;
@@ -147,12 +150,12 @@ impl Arbiter {
         Ok(())
     }
 
-    /// The claim reservations, oldest first.
     /// Whether claim `uid` has its reservation here.
     pub(crate) fn claim_is_held(&self, uid: &str) -> bool {
         self.lock().reservations().of_claim(uid).is_some()
     }
 
+    /// The claim reservations, oldest first.
     pub(crate) fn list_claims(&self) -> Vec<(ClaimBinding, ReservationView)> {
         let st = self.lock();
         let mut v: Vec<(ClaimBinding, ReservationView)> = st
@@ -232,24 +235,6 @@ impl Arbiter {
         let mut view = r.view(self.devices.uuid(r.device));
         view.requested_bytes = req.bytes;
         Ok(view)
-    }
-
-    /// The managed MPS daemon's variables for the claim's processes (none without
-    /// `--mps`): their pinned device memory limit is the reservation.
-    fn claim_env(&self, req: &ClaimRequest, bytes: u64) -> BrokerResult<Vec<(String, String)>> {
-        self.process_env(
-            req.device,
-            bytes,
-            &ReserveRequest {
-                tenant: req.tenant.clone(),
-                session: uuid::Uuid::nil(),
-                bytes,
-                device: Some(req.device),
-                wait: Duration::ZERO,
-                label: req.label.clone(),
-                compute_percent: None,
-            },
-        )
     }
 
     /// A claim that could not be reserved: its reservation (if made) ends and its token
@@ -344,6 +329,19 @@ impl Arbiter {
         st.restore_claim(id, created, ask)?;
         tracing::info!(claim = %c.uid, reservation = %id, tenant = %c.tenant, device = c.device, bytes = c.bytes, "claim reservation taken again");
         Ok(())
+    }
+}
+
+/// The claim as a process reservation's request, for the MPS daemon's variables.
+fn process_ask(req: &ClaimRequest, bytes: u64) -> ReserveRequest {
+    ReserveRequest {
+        tenant: req.tenant.clone(),
+        session: uuid::Uuid::nil(),
+        bytes,
+        device: Some(req.device),
+        wait: Duration::ZERO,
+        label: req.label.clone(),
+        compute_percent: None,
     }
 }
 
