@@ -449,7 +449,9 @@ async fn revoked_lease_of_a_live_process_is_quarantined() {
     };
     let (s, mut events) = f.arb.open_session("a", "x", me).unwrap();
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    f.arb.revoke(l.id, "test").unwrap();
+    f.arb
+        .revoke(l.id, &state::Revoke::Operator("test".into()))
+        .unwrap();
     assert!(matches!(
         events.recv().await,
         Some(SessionEvent::LeaseRevoked { .. })
@@ -950,7 +952,9 @@ async fn effects_run_after_the_lock_is_released() {
     };
     let (s, mut rx) = f.arb.open_session("a", "t", me).unwrap();
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    f.arb.revoke(l.id, "operator test").unwrap();
+    f.arb
+        .revoke(l.id, &state::Revoke::Operator("operator test".into()))
+        .unwrap();
     match rx.try_recv() {
         Ok(SessionEvent::LeaseRevoked { lease_id, .. }) => assert_eq!(lease_id, l.id),
         other => panic!("expected LeaseRevoked, got {other:?}"),
@@ -1460,7 +1464,9 @@ async fn a_published_lease_revoked_is_freed_not_cached_when_its_process_exits() 
     // keep the sealed memfd alive past its free, and the kernel says so: charged as kept).
     let lease = l.id;
     drop((i, l));
-    f.arb.revoke(lease, "test").unwrap();
+    f.arb
+        .revoke(lease, &state::Revoke::Operator("test".into()))
+        .unwrap();
     assert_eq!(quarantined_and_cached(&f).await, (4 * MIB, 0));
     child.kill().unwrap();
     child.wait().unwrap();

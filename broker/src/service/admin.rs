@@ -206,14 +206,15 @@ impl Admin for AdminService {
         } else {
             r.reason
         };
-        let lease = self.arb.revoke(id, &reason).map_err(status)?;
+        let why = crate::arbiter::state::Revoke::Operator(reason);
+        let lease = self.arb.revoke(id, &why).map_err(status)?;
         self.arb.audit(
             &who,
             "lease.revoke",
             &lease.tenant,
             &lease.id.to_string(),
             Some(serde_json::json!({"bytes": lease.bytes, "device": lease.device, "session": lease.session.to_string()})),
-            Some(serde_json::json!({"state": "revoked", "reason": reason})),
+            Some(serde_json::json!({"state": "revoked", "reason": why.reason()})),
         );
         self.arb.audits_written().await;
         Ok(Response::new(pb::RevokeLeaseResponse {
