@@ -6,7 +6,7 @@
 //! `session-ended`, `lease`, `lease-ended`, `quarantine`, `quarantine-lifted`, `drain`,
 //! `publication`, `publication-ended`, `import`, `import-ended`, `reservation`,
 //! `reservation-ended`, `reclaim-asked`, `reclaim-ended`, `held`, `held-let-go`,
-//! `lingering`, `lingering-ended`),
+//! `lingering`, `lingering-ended`, `stranded`, `stranded-lifted`),
 //! and `after:<op>` once an operation's state lock was let go (`<op>`: `reclaim` (a
 //! request sent),
 //! `reclaim-revoke` (its deadline passed), `quarantine`, `lift`, `publish`, `import`,

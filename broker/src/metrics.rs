@@ -87,6 +87,11 @@ pub struct Metrics {
     /// Leases and sessions a start found with the keeper, by outcome (adopted, reclaimed).
     kept_leases: Family<OutcomeLabel, Counter>,
     kept_sessions: Family<OutcomeLabel, Counter>,
+    /// Blocks held for importers, lingering imports and charges of memory kept outside
+    /// the broker a start found with the keeper, by outcome (adopted, let_go).
+    kept_held: Family<OutcomeLabel, Counter>,
+    kept_lingering: Family<OutcomeLabel, Counter>,
+    kept_stranded: Family<OutcomeLabel, Counter>,
     sessions_resumed: Counter,
     /// Keepers declared lost (gone, or a write past its deadline).
     keeper_lost: Counter,
@@ -128,6 +133,9 @@ impl Metrics {
             cross_tenant_fresh: Counter::default(),
             kept_leases: Family::default(),
             kept_sessions: Family::default(),
+            kept_held: Family::default(),
+            kept_lingering: Family::default(),
+            kept_stranded: Family::default(),
             sessions_resumed: Counter::default(),
             keeper_lost: Counter::default(),
             keeper_relinked: Counter::default(),
@@ -150,6 +158,11 @@ impl Metrics {
         for outcome in ["adopted", "reclaimed"] {
             let _ = m.kept_leases.get_or_create(&OutcomeLabel { outcome });
             let _ = m.kept_sessions.get_or_create(&OutcomeLabel { outcome });
+        }
+        for outcome in ["adopted", "let_go"] {
+            for f in [&m.kept_held, &m.kept_lingering, &m.kept_stranded] {
+                let _ = f.get_or_create(&OutcomeLabel { outcome });
+            }
         }
         for outcome in ["granted", "refused"] {
             let _ = m.acquire_seconds.get_or_create(&OutcomeLabel { outcome });
@@ -182,6 +195,28 @@ impl Metrics {
     /// process may still map.
     pub fn cross_tenant_fresh(&self) {
         self.cross_tenant_fresh.inc();
+    }
+
+    /// A start took back `adopted` and let go `let_go` of the kept (blocks held for
+    /// importers, lingering imports, charges of memory kept outside the broker).
+    pub fn count_restart_kept(
+        &self,
+        held: (usize, usize),
+        lingering: (usize, usize),
+        stranded: (usize, usize),
+    ) {
+        for (family, (adopted, let_go)) in [
+            (&self.kept_held, held),
+            (&self.kept_lingering, lingering),
+            (&self.kept_stranded, stranded),
+        ] {
+            family
+                .get_or_create(&OutcomeLabel { outcome: "adopted" })
+                .inc_by(adopted as u64);
+            family
+                .get_or_create(&OutcomeLabel { outcome: "let_go" })
+                .inc_by(let_go as u64);
+        }
     }
 
     /// A start took back `adopted` and let go `reclaimed` of the kept (sessions, leases).
@@ -320,6 +355,21 @@ impl Metrics {
             "restart_kept_sessions",
             "Sessions a broker start found with the keeper: adopted (live holder) or reclaimed",
             self.kept_sessions.clone(),
+        );
+        reg.register(
+            "restart_kept_held_blocks",
+            "Blocks held for importers a broker start found with the keeper: adopted (an importer lives) or let_go",
+            self.kept_held.clone(),
+        );
+        reg.register(
+            "restart_kept_lingering_imports",
+            "Lingering imports a broker start found with the keeper: adopted (a process that may map it lives) or let_go",
+            self.kept_lingering.clone(),
+        );
+        reg.register(
+            "restart_kept_stranded",
+            "Charges of memory kept outside the broker a broker start found with the keeper: adopted (a holder lives) or let_go",
+            self.kept_stranded.clone(),
         );
         reg.register(
             "sessions_resumed",

@@ -44,6 +44,17 @@ pub struct RestartInfo {
     pub leases_adopted: u32,
     pub leases_reclaimed: u32,
     pub bytes_adopted: u64,
+    /// Blocks of ended leases held for importers: taken back, and let go.
+    pub held_adopted: u32,
+    pub held_let_go: u32,
+    /// Imports let go while processes that may map them live: taken back, and ended.
+    pub lingering_adopted: u32,
+    pub lingering_ended: u32,
+    /// Charges of memory kept outside the broker after its free: charged again (and
+    /// their bytes), and lifted (no holder lives).
+    pub stranded_adopted: u32,
+    pub stranded_bytes: u64,
+    pub stranded_lifted: u32,
     /// The start's wall time, from the process's start to the last lease taken back
     /// (steps that overlap counted once).
     pub took_ms: u64,
@@ -69,6 +80,13 @@ impl From<pb::GetInfoResponse> for BrokerInfo {
                 leases_adopted: x.leases_adopted,
                 leases_reclaimed: x.leases_reclaimed,
                 bytes_adopted: x.bytes_adopted,
+                held_adopted: x.held_adopted,
+                held_let_go: x.held_let_go,
+                lingering_adopted: x.lingering_adopted,
+                lingering_ended: x.lingering_ended,
+                stranded_adopted: x.stranded_adopted,
+                stranded_bytes: x.stranded_bytes,
+                stranded_lifted: x.stranded_lifted,
                 took_ms: x.took_ms,
                 phases: x.phases.into_iter().map(|p| (p.name, p.micros)).collect(),
             }),

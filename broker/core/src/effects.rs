@@ -111,6 +111,9 @@ pub enum Keep {
     /// An import let go while processes that may map it live.
     Lingering(crate::kept::LingeringRecord),
     LingeringEnded(Uuid),
+    /// Memory a free left with processes outside the broker, charged until they exit.
+    Stranded(crate::kept::StrandedRecord),
+    StrandedLifted(Uuid),
 }
 
 impl Keep {
@@ -135,6 +138,8 @@ impl Keep {
             Keep::HeldLetGo(_) => "held-let-go",
             Keep::Lingering(_) => "lingering",
             Keep::LingeringEnded(_) => "lingering-ended",
+            Keep::Stranded(_) => "stranded",
+            Keep::StrandedLifted(_) => "stranded-lifted",
         }
     }
 }

@@ -6,7 +6,9 @@
 //! publication and its imports: no descriptor, the publisher's lease has it),
 //! `held/<lease>` (an ended lease's block held for its importers, with its publication;
 //! its descriptor travels with it), `lingering/<import>` (an import let go while its
-//! process may still map the memory), and
+//! process may still map the memory), `stranded/<id>` (memory a free left on its device,
+//! held by processes outside the broker and charged to a tenant until they exit: no
+//! descriptor, the processes hold it), and
 //! `reservation/<id>` (a session's process reservation), and `reclaim/<lease>` (a lease's
 //! holder asked for it back, by a deadline).
 //! A broker that knows a key's kind not (an earlier version) drops that record: a drain
@@ -184,6 +186,50 @@ impl LingeringRecord {
 /// The key of import `id`'s lingering record.
 pub fn lingering_key(id: &uuid::Uuid) -> String {
     format!("{LINGERING_PREFIX}{id}")
+}
+
+/// The key prefix of stranded memory records.
+pub const STRANDED_PREFIX: &str = "stranded/";
+
+/// Memory a free left on its device because processes outside the broker keep it,
+/// charged to `tenant` as quarantined until they exit. No descriptor travels with it: the
+/// memory is theirs, and a copy here would keep it alive after they let go.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StrandedRecord {
+    pub v: u32,
+    pub id: String,
+    pub tenant: String,
+    pub device: u32,
+    pub bytes: u64,
+    /// `cuda-vmm` or `host-memfd`, when the shell said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// The processes that may keep it, with their start times where known (a reused pid
+    /// is not one of them).
+    pub holders: Vec<ProcessRecord>,
+    /// Let go when its holders are gone (false: only when the kernel says nobody holds
+    /// the file; a restarted broker then watches the named holders that live).
+    #[serde(default)]
+    pub watched: bool,
+    /// Processes near its holders are looked for when the last one exits (CUDA).
+    #[serde(default)]
+    pub recheck: bool,
+    #[serde(default)]
+    pub stranded_unix_ms: u64,
+    /// As in [`LeaseRecord::device_uuid`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_uuid: Option<String>,
+}
+
+impl StrandedRecord {
+    pub fn key(&self) -> String {
+        format!("{STRANDED_PREFIX}{}", self.id)
+    }
+}
+
+/// The key of stranded memory `id`'s record.
+pub fn stranded_key(id: &uuid::Uuid) -> String {
+    format!("{STRANDED_PREFIX}{id}")
 }
 
 /// The key prefix of reclaim request records.
@@ -427,6 +473,7 @@ pub enum Kept {
     Reclaim(ReclaimRecord),
     Held(HeldRecord),
     Lingering(LingeringRecord),
+    Stranded(StrandedRecord),
 }
 
 /// Why a kept record cannot be read.
@@ -568,6 +615,10 @@ pub fn parse(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> 
     } else if key.starts_with(LINGERING_PREFIX) {
         serde_json::from_value(record)
             .map(Kept::Lingering)
+            .map_err(|e| unreadable(e.to_string()))
+    } else if key.starts_with(STRANDED_PREFIX) {
+        serde_json::from_value(record)
+            .map(Kept::Stranded)
             .map_err(|e| unreadable(e.to_string()))
     } else {
         Err(RecordError::UnknownKey {
@@ -726,6 +777,20 @@ mod tests {
         );
         assert_eq!(r.key(), "lingering/0193a0b2-0000-4000-8000-000000000009");
         assert_eq!(serde_json::to_string(&r).unwrap(), lingering);
+        let stranded = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-00000000000a","tenant":"alpha","device":0,"bytes":8388608,"kind":"cuda-vmm","holders":[{"pid":4444,"start":124000},{"pid":4445,"start":null}],"watched":true,"recheck":true,"stranded_unix_ms":1764800000005,"device_uuid":"GPU-4f1d0c2a-0000-0000-0000-000000000001"}"#;
+        let Kept::Stranded(r) = parse(
+            "stranded/0193a0b2-0000-4000-8000-00000000000a",
+            serde_json::from_str(stranded).unwrap(),
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            (r.tenant.as_str(), r.bytes, r.holders[0].start, r.recheck),
+            ("alpha", 8 * 1024 * 1024, Some(124000), true)
+        );
+        assert_eq!(r.key(), "stranded/0193a0b2-0000-4000-8000-00000000000a");
+        assert_eq!(serde_json::to_string(&r).unwrap(), stranded);
     }
 
     /// A later version may add fields: this one reads what it knows and keeps going.

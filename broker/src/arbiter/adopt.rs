@@ -33,6 +33,18 @@ pub struct RestartReport {
     pub leases_adopted: usize,
     pub leases_reclaimed: usize,
     pub bytes_adopted: u64,
+    /// Blocks of ended leases held for importers: taken back, and let go (no importer
+    /// came back).
+    pub held_adopted: usize,
+    pub held_let_go: usize,
+    /// Imports let go while processes that may map them live: taken back, and ended.
+    pub lingering_adopted: usize,
+    pub lingering_ended: usize,
+    /// Charges of memory kept outside the broker after its free: charged again (and
+    /// their bytes), and lifted (no holder lives).
+    pub stranded_adopted: usize,
+    pub stranded_bytes: u64,
+    pub stranded_lifted: usize,
     /// Records this broker could not read (dropped).
     pub unreadable: usize,
     /// The start's wall time up to the last lease taken back and the kept drains: from
@@ -295,6 +307,11 @@ impl Arbiter {
             Keep::HeldLetGo(id) => link.remove(records::held_key(&id)),
             Keep::Lingering(r) => link.put(r.key(), to_json(&r), None),
             Keep::LingeringEnded(id) => link.remove(records::lingering_key(&id)),
+            Keep::Stranded(mut r) => {
+                r.device_uuid = self.devices.recorded_uuid(r.device);
+                link.put(r.key(), to_json(&r), None)
+            }
+            Keep::StrandedLifted(id) => link.remove(records::stranded_key(&id)),
         }
     }
 
@@ -442,6 +459,7 @@ impl Arbiter {
         let mut reclaims = Vec::new();
         let mut helds: KeptWithFd<records::HeldRecord> = Vec::new();
         let mut lingerings = Vec::new();
+        let mut strandeds = Vec::new();
         for e in entries {
             match records::parse(&e.key, e.record) {
                 Ok(Kept::Session(s)) => sessions.push(s),
@@ -454,6 +472,7 @@ impl Arbiter {
                 Ok(Kept::Reclaim(r)) => reclaims.push(r),
                 Ok(Kept::Held(h)) => helds.push((h, e.fd)),
                 Ok(Kept::Lingering(l)) => lingerings.push(l),
+                Ok(Kept::Stranded(s)) => strandeds.push(s),
                 Err(err) => {
                     tracing::warn!(error = %err, "dropping a kept record");
                     report.unreadable += 1;
@@ -506,6 +525,19 @@ impl Arbiter {
                 }
             }
         });
+        let mut stranded_device_gone = Vec::new();
+        strandeds.retain_mut(
+            |s| match self.devices.named_by(s.device, s.device_uuid.as_deref()) {
+                Some(d) => {
+                    s.device = d;
+                    true
+                }
+                None => {
+                    stranded_device_gone.push(s.clone());
+                    false
+                }
+            },
+        );
         let mut reservation_device_gone = Vec::new();
         reservations.retain_mut(|r| {
             match self.devices.named_by(r.device, r.device_uuid.as_deref()) {
@@ -540,7 +572,17 @@ impl Arbiter {
             link.remove(key);
         }
         laps.lap("sessions");
-        // Kept device memory, leases' and quarantines' alike (with their descriptors).
+        // Memory kept outside the broker whose holders live: charged again below.
+        let mut stranded_lifted = Vec::new();
+        let mut stranded_ready = Vec::new();
+        for r in strandeds {
+            match super::adopt_stranded::adoptable(&r, &mut alive) {
+                Ok(a) => stranded_ready.push((r, a)),
+                Err(why) => stranded_lifted.push((r, why)),
+            }
+        }
+        // Kept device memory, leases' and quarantines' alike (with their descriptors), and
+        // what processes keep of it outside the broker (charged again, so the broker's).
         let kept = leases
             .iter()
             .filter(|(r, fd)| fd.is_some() && r.tier == "device")
@@ -557,6 +599,7 @@ impl Arbiter {
                     .filter(|(_, fd)| fd.is_some())
                     .map(|(h, _)| (h.device, h.bytes)),
             )
+            .chain(stranded_ready.iter().map(|(r, _)| (r.device, r.bytes)))
             .collect::<Vec<_>>();
         self.count_kept_memory_as_ours(&kept);
         let mut taken =
@@ -569,6 +612,7 @@ impl Arbiter {
         for (h, why) in std::mem::take(&mut taken.held_refused) {
             tracing::debug!(lease = %h.lease, tenant = %h.tenant, bytes = h.bytes, why, "kept held block let go");
             tally.add("kept blocks held for importers let go", why, h.bytes);
+            report.held_let_go += 1;
             link.remove(h.key());
         }
         taken
@@ -591,11 +635,40 @@ impl Arbiter {
             link.remove(q.key());
         }
         let held = std::mem::take(&mut taken.held);
+        report.held_adopted = held.len();
+        report.lingering_adopted = lingerings.len();
         for (key, why) in self.adopt_shared(publications, held, lingerings, imports, &mut alive) {
+            if key.starts_with(records::HELD_PREFIX) {
+                report.held_adopted -= 1;
+                report.held_let_go += 1;
+            } else if key.starts_with(records::LINGERING_PREFIX) {
+                report.lingering_adopted -= 1;
+                report.lingering_ended += 1;
+            }
             tally.add("kept publications and imports not taken back", why, 0);
             link.remove(key);
         }
         laps.lap("shared leases");
+        let mut stranded = self.adopt_stranded(stranded_ready);
+        stranded.lifted.extend(stranded_lifted);
+        report.stranded_adopted = stranded.adopted;
+        report.stranded_bytes = stranded.bytes;
+        stranded.lifted.extend(
+            stranded_device_gone
+                .into_iter()
+                .map(|s| (s, "its device is gone")),
+        );
+        for (s, why) in std::mem::take(&mut stranded.lifted) {
+            tracing::debug!(id = %s.id, tenant = %s.tenant, bytes = s.bytes, why, "kept charge of memory kept outside the broker lifted");
+            tally.add(
+                "kept charges of memory kept outside the broker lifted",
+                why,
+                s.bytes,
+            );
+            report.stranded_lifted += 1;
+            link.remove(s.key());
+        }
+        laps.lap("stranded memory");
 
         tally.log();
         let mut waiting = self.awaiting_resume.lock();
@@ -649,6 +722,11 @@ impl Arbiter {
             (report.sessions_adopted, report.sessions_reclaimed),
             (report.leases_adopted, report.leases_reclaimed),
         );
+        self.metrics.count_restart_kept(
+            (report.held_adopted, report.held_let_go),
+            (report.lingering_adopted, report.lingering_ended),
+            (report.stranded_adopted, report.stranded_lifted),
+        );
         tracing::info!(
             records = report.kept_records,
             sessions_adopted = report.sessions_adopted,
@@ -656,6 +734,9 @@ impl Arbiter {
             leases_adopted = report.leases_adopted,
             leases_reclaimed = report.leases_reclaimed,
             bytes_adopted = report.bytes_adopted,
+            held_adopted = report.held_adopted,
+            lingering_adopted = report.lingering_adopted,
+            stranded_adopted = report.stranded_adopted,
             unreadable = report.unreadable,
             took = ?report.took,
             phases = %report.phases_line(),

@@ -16,11 +16,14 @@ const MIB: u64 = 1 << 20;
 
 /// A place whose records live in memory; what the broker removes or puts is noted.
 #[derive(Default)]
-struct MemPlace {
-    entries: parking_lot::Mutex<Vec<Entry>>,
-    removed: Arc<parking_lot::Mutex<Vec<String>>>,
+pub(super) struct MemPlace {
+    pub(super) entries: parking_lot::Mutex<Vec<Entry>>,
+    pub(super) removed: Arc<parking_lot::Mutex<Vec<String>>>,
     /// The keys put and not removed since.
-    kept: Arc<parking_lot::Mutex<std::collections::BTreeSet<String>>>,
+    pub(super) kept: Arc<parking_lot::Mutex<std::collections::BTreeSet<String>>>,
+    /// The records put and not removed since, by key.
+    pub(super) records:
+        Arc<parking_lot::Mutex<std::collections::BTreeMap<String, serde_json::Value>>>,
 }
 
 impl Place for MemPlace {
@@ -30,10 +33,12 @@ impl Place for MemPlace {
     fn dump(&self) -> Result<Vec<Entry>, KeeperError> {
         Ok(std::mem::take(&mut *self.entries.lock()))
     }
-    fn put(&self, key: String, _record: serde_json::Value, _fd: Option<BorrowedFd<'_>>) {
+    fn put(&self, key: String, record: serde_json::Value, _fd: Option<BorrowedFd<'_>>) {
+        self.records.lock().insert(key.clone(), record);
         self.kept.lock().insert(key);
     }
     fn remove(&self, key: String) {
+        self.records.lock().remove(&key);
         self.kept.lock().remove(&key);
         self.removed.lock().push(key);
     }
@@ -88,7 +93,7 @@ fn lease_record(session: Uuid, tenant: &str, device: u32, uuid: Option<&str>) ->
     }
 }
 
-fn entry<T: serde::Serialize>(key: String, r: &T, fd: Option<OwnedFd>) -> Entry {
+pub(super) fn entry<T: serde::Serialize>(key: String, r: &T, fd: Option<OwnedFd>) -> Entry {
     Entry {
         key,
         record: serde_json::to_value(r).unwrap(),
@@ -199,6 +204,7 @@ fn the_report_breaks_the_adoption_down() {
             "take-back",
             "adopt under the lock",
             "shared leases",
+            "stranded memory",
             "keeper re-armed",
             "drains"
         ]
@@ -497,7 +503,17 @@ fn kept_held_blocks_come_back_with_their_importers() {
         entry(live.key(), &live, None),
         entry(reused.key(), &reused, None),
     ];
-    arb.adopt_from_keeper(place).unwrap();
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!(
+        (
+            report.held_adopted,
+            report.held_let_go,
+            report.lingering_adopted,
+            report.lingering_ended
+        ),
+        (1, 1, 1, 1),
+        "the report counts held blocks and lingering imports taken back and let go"
+    );
     let usage = |t: &str| arb.get_tenant(t).unwrap().usage;
     assert_eq!(
         (

@@ -470,9 +470,14 @@ impl Arbiter {
         let look = move || {
             for id in ids {
                 let found = finder.look_again(id);
+                let starts: Vec<(u32, u64)> = found
+                    .iter()
+                    .filter_map(|&p| crate::process::start_ticks(p).map(|s| (p, s)))
+                    .collect();
                 let Some(arb) = me.upgrade() else { return };
                 let mut st = arb.lock();
                 st.stranded_rechecked(id, found.iter().copied());
+                st.stranded_holders_started(id, None, starts);
                 if !st.is_stranded(id) {
                     finder.forget(id);
                 }

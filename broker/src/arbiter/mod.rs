@@ -19,6 +19,7 @@ mod admission;
 mod adopt;
 mod adopt_process;
 mod adopt_shared;
+mod adopt_stranded;
 mod audit;
 pub mod claims;
 mod drain;
@@ -439,6 +440,8 @@ impl Arbiter {
             st.place_peer(id, place);
         }
         drop(st);
+        // Memory kept outside the broker taken back: looked for near its holders too.
+        self.watch_adopted_stranded(&finder);
         self.kept_holders.set(Arc::new(finder)).is_ok()
     }
 
@@ -630,10 +633,16 @@ impl Arbiter {
                     .map(|tenant| (tenant, b.reached.clone())),
                 _ => None,
             };
-            let report = reached.is_some().then(|| self.stranded_reporter());
+            let kind = match &what {
+                Unneeded::Block(b) => {
+                    let crate::device::Handle::Fd { kind, .. } = b.handle;
+                    Some(kind)
+                }
+                _ => None,
+            };
+            let report = reached.is_some().then(|| self.stranded_reporter(kind));
             // Made with the first memfd a process may keep (never for CUDA memory).
-            let memfd_block = matches!(&what, Unneeded::Block(b)
-                if matches!(b.handle, crate::device::Handle::Fd { kind: crate::device::MemoryKind::HostMemfd, .. }));
+            let memfd_block = kind == Some(crate::device::MemoryKind::HostMemfd);
             let prober = reached
                 .as_ref()
                 .filter(|_| memfd_block)
@@ -766,7 +775,10 @@ impl Arbiter {
     /// tenant's importer: `Reached::answers_for`) (`State::stranded`), on the main runtime
     /// (inline when there is none), never on the device thread under a lock it could wait
     /// on.
-    fn stranded_reporter(&self) -> impl FnOnce(u32, String, u64, Vec<u32>, Kept) + Send + 'static {
+    fn stranded_reporter(
+        &self,
+        kind: Option<crate::device::MemoryKind>,
+    ) -> impl FnOnce(u32, String, u64, Vec<u32>, Kept) + Send + 'static {
         let me = self.me.clone();
         let rt = self.lifecycle.effects_runtime();
         let unverified = self.unverified.clone();
@@ -776,6 +788,11 @@ impl Arbiter {
                 Kept::Cuda(recheck) => (None, recheck),
             };
             let charge = move || {
+                // Its record names its processes by start too: a reused pid is not one.
+                let starts: Vec<(u32, u64)> = pids
+                    .iter()
+                    .filter_map(|&p| crate::process::start_ticks(p).map(|s| (p, s)))
+                    .collect();
                 let pending = &unverified[device as usize];
                 let Some(arb) = me.upgrade() else {
                     pending.fetch_sub(bytes, Ordering::SeqCst);
@@ -824,6 +841,9 @@ impl Arbiter {
                 } else {
                     st.stranded(&tenant, device, bytes, pids.iter().copied())
                 };
+                if let Some(id) = id {
+                    st.stranded_holders_started(id, kind, starts);
+                }
                 // In the same hold: the refresh sees the bytes as unverified or as the
                 // tenant's, never as both or neither.
                 pending.fetch_sub(bytes, Ordering::SeqCst);

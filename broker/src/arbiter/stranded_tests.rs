@@ -851,3 +851,131 @@ async fn other_processes_seen_meanwhile_never_make_a_dead_holders_place_forgotte
     );
     arb.lock().check_invariant().unwrap();
 }
+
+/// Memory kept after its free survives a broker restart: its charge is kept
+/// (`stranded/<id>`, naming the worker by pid and start time), a restarted broker reading
+/// that record charges it again to the same tenant and lifts it when the worker exits; a
+/// record whose holder is gone (here: the pid with another start time) is lifted at once.
+#[tokio::test]
+async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_holder_exits() {
+    use super::adopt_tests::{entry, MemPlace};
+    let switch = FaultSwitch::default();
+    let arb = keeping_arbiter(&switch);
+    let place = MemPlace::default();
+    let records = place.records.clone();
+    arb.adopt_from_keeper(place).unwrap();
+    switch.set(Faults {
+        keep_freed: true,
+        ..Faults::default()
+    });
+    let mut worker = release_then_evict(&arb).await;
+    assert!(until(|| held_by_a(&arb) == 32 * MIB).await);
+    let kept: Vec<(String, serde_json::Value)> = records
+        .lock()
+        .iter()
+        .filter(|(k, _)| k.starts_with(crate::keeper::records::STRANDED_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let (key, record) = kept[0].clone();
+    assert_eq!(record["tenant"], "a");
+    assert_eq!(record["bytes"], 32 * MIB);
+    assert_eq!(record["kind"], "host-memfd");
+    let start = crate::process::start_ticks(worker.id()).unwrap();
+    assert_eq!(
+        record["holders"],
+        serde_json::json!([{"pid": worker.id(), "start": start}])
+    );
+
+    // A restarted broker (a fresh arbiter over the same device) takes the charge back;
+    // a record naming the worker's pid with another start is another process's: lifted.
+    let restarted = keeping_arbiter(&FaultSwitch::default());
+    assert_eq!(record["device_uuid"], arb.devices.uuid(0));
+    // The same device (simulated ones get a new UUID each).
+    let mut record = record;
+    record["device_uuid"] = restarted.devices.uuid(0).into();
+    let mut reused: crate::keeper::records::StrandedRecord =
+        serde_json::from_value(record.clone()).unwrap();
+    reused.id = uuid::Uuid::new_v4().to_string();
+    reused.holders[0].start = Some(start + 1);
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![
+        crate::keeper::Entry {
+            key: key.clone(),
+            record: record.clone(),
+            fd: None,
+        },
+        entry(reused.key(), &reused, None),
+    ];
+    let report = restarted.adopt_from_keeper(place).unwrap();
+    assert_eq!(report.unreadable, 0);
+    assert_eq!(
+        (
+            report.stranded_adopted,
+            report.stranded_bytes,
+            report.stranded_lifted
+        ),
+        (1, 32 * MIB, 1),
+        "the report counts what was charged again and lifted"
+    );
+    let metrics = restarted
+        .metrics_text(crate::metrics::Format::PrometheusText)
+        .await;
+    for line in [
+        "gpu_broker_restart_kept_stranded_total{outcome=\"adopted\"} 1",
+        "gpu_broker_restart_kept_stranded_total{outcome=\"let_go\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
+    assert_eq!(
+        held_by_a(&restarted),
+        32 * MIB,
+        "charged again to a; lifted: {:?}",
+        removed.lock()
+    );
+    assert_eq!(
+        removed.lock().clone(),
+        vec![reused.key()],
+        "the reused pid's is lifted"
+    );
+    {
+        let st = restarted.lock();
+        st.check_invariant().unwrap();
+        assert_eq!(st.pools()[0].stats().quarantined, 32 * MIB);
+    }
+    let listed = restarted.list_quarantined();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
+    assert_eq!(listed[0].holders, vec![worker.id()]);
+    // Counted against a's quota after the restart too.
+    let (sa, _rx) = restarted
+        .open_session("a", "again", Peer::default())
+        .unwrap();
+    let err = restarted
+        .acquire(req("a", sa, 48 * MIB))
+        .await
+        .expect_err("a is charged for what it kept");
+    assert!(
+        matches!(err, BrokerError::QuotaExceeded { held, .. } if held == 32 * MIB),
+        "{err}"
+    );
+
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    assert!(
+        until(|| held_by_a(&restarted) == 0).await,
+        "let go once the holder exited, held {}",
+        held_by_a(&restarted)
+    );
+    assert!(
+        removed.lock().contains(&key),
+        "its record leaves the keeper"
+    );
+    assert!(until(|| held_by_a(&arb) == 0).await);
+    assert!(!records.lock().contains_key(&key), "{:?}", records.lock());
+    let st = restarted.lock();
+    st.check_invariant().unwrap();
+    assert_eq!(st.pools()[0].stats().quarantined, 0);
+    assert_eq!(st.stranded_memory().count(), 0);
+}

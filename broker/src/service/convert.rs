@@ -363,6 +363,13 @@ pub fn info(i: &crate::info::BrokerInfo) -> pb::GetInfoResponse {
             leases_adopted: r.leases_adopted as u32,
             leases_reclaimed: r.leases_reclaimed as u32,
             bytes_adopted: r.bytes_adopted,
+            held_adopted: r.held_adopted as u32,
+            held_let_go: r.held_let_go as u32,
+            lingering_adopted: r.lingering_adopted as u32,
+            lingering_ended: r.lingering_ended as u32,
+            stranded_adopted: r.stranded_adopted as u32,
+            stranded_bytes: r.stranded_bytes,
+            stranded_lifted: r.stranded_lifted as u32,
             took_ms: r.took.as_millis() as u64,
             phases: r
                 .phases

@@ -61,19 +61,49 @@ pub fn start_line(info: &gpu_broker_client::BrokerInfo, now: SystemTime) -> Stri
         (Some(_), false) => {
             line.push_str("  keeper LOST: leases are no longer kept (a restart loses them)")
         }
-        (Some(r), true) => line.push_str(&format!(
-            "  keeper: took back {} leases ({}) of {} sessions, reclaimed {} leases of {} gone sessions, in {} ms",
-            r.leases_adopted,
-            format_bytes(r.bytes_adopted),
-            r.sessions_adopted,
-            r.leases_reclaimed,
-            r.sessions_reclaimed,
-            r.took_ms
-        )),
+        (Some(r), true) => {
+            line.push_str(&format!(
+                "  keeper: took back {} leases ({}) of {} sessions, reclaimed {} leases of {} gone sessions, in {} ms",
+                r.leases_adopted,
+                format_bytes(r.bytes_adopted),
+                r.sessions_adopted,
+                r.leases_reclaimed,
+                r.sessions_reclaimed,
+                r.took_ms
+            ));
+            line.push_str(&kept_memory_parts(r));
+        }
         (None, true) => line.push_str("  keeper: on"),
         (None, false) => line.push_str("  no keeper: a restart loses every lease"),
     }
     line
+}
+
+/// What else a start took back (said only when it found any): blocks held for
+/// importers, lingering imports, charges of memory kept outside the broker.
+fn kept_memory_parts(r: &gpu_broker_client::RestartInfo) -> String {
+    let mut out = String::new();
+    if r.held_adopted + r.held_let_go > 0 {
+        out.push_str(&format!(
+            "; {} blocks held for importers (let go {})",
+            r.held_adopted, r.held_let_go
+        ));
+    }
+    if r.lingering_adopted + r.lingering_ended > 0 {
+        out.push_str(&format!(
+            "; {} lingering imports (ended {})",
+            r.lingering_adopted, r.lingering_ended
+        ));
+    }
+    if r.stranded_adopted + r.stranded_lifted > 0 {
+        out.push_str(&format!(
+            "; {} charges of memory kept outside the broker ({}, lifted {})",
+            r.stranded_adopted,
+            format_bytes(r.stranded_bytes),
+            r.stranded_lifted
+        ));
+    }
+    out
 }
 
 /// Where a restart's time went, as parts of a line: `restart phases:`, then each step
@@ -557,6 +587,7 @@ pub(crate) mod tests {
                     ("open devices".into(), 310_400),
                     ("keeper dump".into(), 2_500),
                 ],
+                ..Default::default()
             }),
             ..Default::default()
         });
@@ -574,6 +605,17 @@ pub(crate) mod tests {
             header[3],
             "  restart phases:  open devices 310 ms  keeper dump 2.5 ms"
         );
+        {
+            let r = s.info.as_mut().unwrap().restart.as_mut().unwrap();
+            (r.held_adopted, r.held_let_go) = (1, 2);
+            (r.stranded_adopted, r.stranded_bytes, r.stranded_lifted) = (3, 96 << 20, 1);
+        }
+        let text = render(&s, now());
+        assert!(
+            text.contains("in 12 ms; 1 blocks held for importers (let go 2); 3 charges of memory kept outside the broker (96.0 MiB, lifted 1)"),
+            "{text}"
+        );
+        assert!(!text.contains("lingering"), "{text}");
         s.info.as_mut().unwrap().keeper = false;
         assert!(render(&s, now()).contains("keeper LOST: leases are no longer kept"));
         s.info.as_mut().unwrap().restart = None;

@@ -51,6 +51,13 @@ impl State {
                 });
             }
         }
+        // Freed memory processes outside the broker keep, charged to a tenant.
+        out.extend(
+            self.stranded
+                .keys()
+                .filter_map(|id| self.stranded_record(*id))
+                .map(Keep::Stranded),
+        );
         out.extend(
             self.reservations
                 .iter()
@@ -170,6 +177,12 @@ mod tests {
                 }
                 Keep::LingeringEnded(id) => {
                     kept.remove(&kept::lingering_key(&id));
+                }
+                Keep::Stranded(r) => {
+                    kept.insert(r.key(), serde_json::to_value(&r).unwrap());
+                }
+                Keep::StrandedLifted(id) => {
+                    kept.remove(&kept::stranded_key(&id));
                 }
             }
         }
@@ -424,6 +437,102 @@ mod tests {
         apply(&mut now, c.st.kept_now());
         assert_eq!(now, mirror);
         assert_eq!(c.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
+        c.st.check_invariant().unwrap();
+    }
+    /// Memory a free left with processes outside the broker is kept while charged
+    /// (`stranded/`, its holders' start times as the shell read them), changed as its
+    /// holders exit, gone when lifted; a keeper that applied every change holds what
+    /// `kept_now` makes at each step. The record read back is taken back by a restarted
+    /// state: charged to the same tenant, watched, and lifted when its last holder exits.
+    #[test]
+    fn stranded_memory_is_kept_until_lifted_and_taken_back() {
+        use super::super::stranded::AdoptedStranded;
+        use crate::effects::Watch;
+        use crate::memory::MemoryKind;
+        let mut c = Core::new(1, 64 * MIB);
+        c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+        c.st.set_keeping(true);
+        let mut mirror = Mirror::new();
+        let id = c.st.stranded("a", 0, 4 * MIB, [7, 8]).unwrap();
+        c.st.stranded_holders_started(id, Some(MemoryKind::HostMemfd), [(7, 1007), (8, 1008)]);
+        let changes = keeps(c.st.take_effects().into_vec());
+        let names: Vec<&str> = changes.iter().map(|k| k.name()).collect();
+        assert_eq!(names, ["stranded", "stranded"]);
+        apply(&mut mirror, changes);
+        let r = &mirror[&kept::stranded_key(&id)];
+        assert_eq!(r["tenant"], "a");
+        assert_eq!(r["bytes"], 4 * MIB);
+        assert_eq!(r["kind"], "host-memfd");
+        assert_eq!(
+            r["holders"],
+            serde_json::json!([{"pid": 7, "start": 1007}, {"pid": 8, "start": 1008}])
+        );
+        let mut now = Mirror::new();
+        apply(&mut now, c.st.kept_now());
+        assert_eq!(now, mirror);
+
+        // One holder exits: the record names the other only.
+        assert!(!c.st.stranded_holder_gone(id, 7));
+        apply(&mut mirror, keeps(c.st.take_effects().into_vec()));
+        assert_eq!(
+            mirror[&kept::stranded_key(&id)]["holders"],
+            serde_json::json!([{"pid": 8, "start": 1008}])
+        );
+        let mut now = Mirror::new();
+        apply(&mut now, c.st.kept_now());
+        assert_eq!(now, mirror);
+
+        // A restarted state reads the record back and charges it again.
+        let Ok(kept::Kept::Stranded(r)) = kept::parse(
+            &kept::stranded_key(&id),
+            mirror[&kept::stranded_key(&id)].clone(),
+        ) else {
+            panic!("{mirror:?}")
+        };
+        let mut d = Core::new(1, 64 * MIB);
+        d.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+        let adopted = AdoptedStranded {
+            id: r.id.parse().unwrap(),
+            tenant: r.tenant.clone(),
+            device: r.device,
+            bytes: r.bytes,
+            holders: r.holders.iter().map(|p| (p.pid, p.start)).collect(),
+            recheck: r.recheck,
+            kind: Some(MemoryKind::HostMemfd),
+            stranded_at: std::time::UNIX_EPOCH
+                + std::time::Duration::from_millis(r.stranded_unix_ms),
+        };
+        d.st.adopt_stranded(adopted.clone()).unwrap();
+        assert_eq!(
+            d.st.ledger().get("a").unwrap().usage.quarantined_bytes,
+            4 * MIB
+        );
+        let fx = d.st.take_effects().into_vec();
+        assert!(
+            fx.iter().any(|e| matches!(e, Effect::Watch { watch: Watch::Stranded { id: i, pid: 8 } } if *i == id)),
+            "{fx:?}"
+        );
+        assert!(
+            !fx.iter().any(|e| matches!(e, Effect::Keep { .. })),
+            "{fx:?}"
+        );
+        assert!(d.st.adopt_stranded(adopted).is_err(), "taken back once");
+        let mut again = Mirror::new();
+        d.st.set_keeping(true);
+        apply(&mut again, d.st.kept_now());
+        assert_eq!(again, mirror, "a relinked keeper gets the same record");
+        d.st.check_invariant().unwrap();
+        assert!(d.st.stranded_holder_gone(id, 8));
+        let changes = keeps(d.st.take_effects().into_vec());
+        let names: Vec<&str> = changes.iter().map(|k| k.name()).collect();
+        assert_eq!(names, ["stranded-lifted"]);
+        assert_eq!(d.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
+        d.st.check_invariant().unwrap();
+
+        // The first state's last holder exits too: lifted, the keeper holds nothing.
+        assert!(c.st.stranded_holder_gone(id, 8));
+        apply(&mut mirror, keeps(c.st.take_effects().into_vec()));
+        assert!(mirror.is_empty(), "{mirror:?}");
         c.st.check_invariant().unwrap();
     }
 }

@@ -52,7 +52,7 @@ pub use adopt_shared::{AdoptedHeld, AdoptedHeldPublication, AdoptedImport, Adopt
 pub use end::{Ending, Revoke};
 pub use queue::{Enqueued, QueueEnv};
 pub use shared::{Holding, NewPublication, SealCheck};
-pub use stranded::Stranded;
+pub use stranded::{AdoptedStranded, Stranded};
 
 use crate::effects::{Effects, Watch};
 use crate::error::{BrokerError, BrokerResult, Missing};

@@ -17,11 +17,18 @@
 //! recorded processes, those near them with a context on the device
 //! (`kept_holders.rs`), and asks again when the last named one exits
 //! ([`State::stranded_rechecking`]): the charge goes only once no such process is left.
+//!
+//! Each charge is kept (`stranded/<id>`, with its processes' start times where the shell
+//! gave them: [`State::stranded_holders_started`]) until it is lifted, so a restarted
+//! broker charges it again while one of those processes lives
+//! ([`State::adopt_stranded`]).
 
 use super::State;
-use crate::effects::Watch;
-use std::collections::BTreeSet;
-use std::time::Instant;
+use crate::effects::{Keep, Watch};
+use crate::kept::{ProcessRecord, StrandedRecord};
+use crate::memory::MemoryKind;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Instant, SystemTime};
 use uuid::Uuid;
 
 /// Memory freed on a device and kept there by processes outside the broker.
@@ -39,6 +46,28 @@ pub struct Stranded {
     /// ([`State::stranded_rechecked`]) before it is let go.
     pub recheck: bool,
     pub since: Instant,
+    /// When it was stranded (wall clock, for its record).
+    pub since_wall: SystemTime,
+    /// When its processes started, where the shell said (its record names them so).
+    pub starts: BTreeMap<u32, u64>,
+    /// Its memory's kind, where the shell said.
+    pub kind: Option<MemoryKind>,
+}
+
+/// Stranded memory to take back at a restart (from its record): its processes are those
+/// still alive (the shell looked).
+#[derive(Clone, Debug)]
+pub struct AdoptedStranded {
+    pub id: Uuid,
+    pub tenant: String,
+    pub device: u32,
+    pub bytes: u64,
+    /// Processes that may keep it, with their start times when known.
+    pub holders: BTreeMap<u32, Option<u64>>,
+    pub recheck: bool,
+    pub kind: Option<MemoryKind>,
+    /// When it was stranded (its record's time).
+    pub stranded_at: SystemTime,
 }
 
 impl State {
@@ -134,9 +163,109 @@ impl State {
                 watched,
                 recheck,
                 since: self.clock.now,
+                since_wall: self.clock.wall,
+                starts: BTreeMap::new(),
+                kind: None,
             },
         );
+        self.keep_stranded(id);
         Some(id)
+    }
+
+    /// The shell read when the processes of stranded memory `id` started (`starts`), and
+    /// its memory's kind where it knows it: its record names them, so a restarted broker
+    /// takes no reused pid for one of them.
+    pub fn stranded_holders_started(
+        &mut self,
+        id: Uuid,
+        kind: Option<MemoryKind>,
+        starts: impl IntoIterator<Item = (u32, u64)>,
+    ) {
+        let Some(s) = self.stranded.get_mut(&id) else {
+            return;
+        };
+        s.kind = kind.or(s.kind);
+        for (pid, start) in starts {
+            if s.pids.contains(&pid) {
+                s.starts.insert(pid, start);
+            }
+        }
+        self.keep_stranded(id);
+    }
+
+    /// Stranded memory `id`'s record (while it is charged).
+    pub(super) fn stranded_record(&self, id: Uuid) -> Option<StrandedRecord> {
+        let s = self.stranded.get(&id)?;
+        Some(StrandedRecord {
+            v: crate::kept::RECORD_VERSION,
+            id: id.to_string(),
+            tenant: s.tenant.clone(),
+            device: s.device,
+            bytes: s.bytes,
+            kind: s.kind.map(|k| super::shared::kind_name(k).to_string()),
+            holders: s
+                .pids
+                .iter()
+                .map(|&pid| ProcessRecord {
+                    pid,
+                    start: s.starts.get(&pid).copied(),
+                })
+                .collect(),
+            watched: s.watched,
+            recheck: s.recheck,
+            stranded_unix_ms: crate::kept::unix_ms(s.since_wall),
+            device_uuid: None,
+        })
+    }
+
+    fn keep_stranded(&mut self, id: Uuid) {
+        if let Some(r) = self.stranded_record(id) {
+            self.keep(|| Keep::Stranded(r));
+        }
+    }
+
+    /// Takes back stranded memory `a` at a restart: charged again to its tenant as
+    /// quarantined, its living processes watched (a memfd's file is no longer looked at:
+    /// no copy of it was kept). Nothing is pushed for the keeper: it holds the record.
+    /// Refused when no process lives, or its tenant or device is gone.
+    pub fn adopt_stranded(&mut self, a: AdoptedStranded) -> Result<(), super::NotAdopted> {
+        if a.device as usize >= self.pools.len() {
+            return Err(super::NotAdopted::Device);
+        }
+        if a.bytes == 0 || self.ledger.get(&a.tenant).is_none() {
+            return Err(super::NotAdopted::Tenant);
+        }
+        if a.holders.is_empty() || self.stranded.contains_key(&a.id) {
+            return Err(super::NotAdopted::Session);
+        }
+        let pool = &mut self.pools[a.device as usize];
+        pool.strand(a.bytes);
+        let leasable = pool.leasable();
+        self.set_leasable(a.device, leasable);
+        self.ledger.add_quarantine(&a.tenant, a.device, a.bytes);
+        for &pid in a.holders.keys() {
+            self.fx.watch(Watch::Stranded { id: a.id, pid });
+        }
+        self.stranded.insert(
+            a.id,
+            Stranded {
+                tenant: a.tenant,
+                device: a.device,
+                bytes: a.bytes,
+                pids: a.holders.keys().copied().collect(),
+                watched: true,
+                recheck: a.recheck,
+                since: self.clock.now,
+                since_wall: a.stranded_at,
+                starts: a
+                    .holders
+                    .iter()
+                    .filter_map(|(&p, s)| s.map(|s| (p, s)))
+                    .collect(),
+                kind: a.kind,
+            },
+        );
+        Ok(())
     }
 
     /// The shell looked: process `pid`, alive, no longer keeps stranded memory `id`. Of
@@ -151,6 +280,7 @@ impl State {
         }
         if !s.watched {
             s.pids.remove(&pid);
+            self.keep_stranded(id);
             return false;
         }
         self.fx.unwatch(Watch::Stranded { id, pid });
@@ -169,6 +299,7 @@ impl State {
             }
         }
         self.unstrand(&s);
+        self.keep(|| Keep::StrandedLifted(id));
         tracing::info!(tenant = %s.tenant, device = s.device, bytes = s.bytes, held_for = ?self.clock.now.saturating_duration_since(s.since), "memory kept outside the broker let go");
         true
     }
@@ -185,8 +316,11 @@ impl State {
         let Some(s) = self.stranded.get_mut(&id) else {
             return false;
         };
-        s.pids.remove(&pid);
+        let removed = s.pids.remove(&pid);
         if !s.pids.is_empty() || !s.watched || s.recheck {
+            if removed {
+                self.keep_stranded(id);
+            }
             return false;
         }
         self.let_go_stranded(id)
@@ -217,6 +351,7 @@ impl State {
         for pid in named {
             self.fx.watch(Watch::Stranded { id, pid });
         }
+        self.keep_stranded(id);
         false
     }
 
@@ -225,6 +360,7 @@ impl State {
             return false;
         };
         self.unstrand(&s);
+        self.keep(|| Keep::StrandedLifted(id));
         tracing::info!(tenant = %s.tenant, device = s.device, bytes = s.bytes, held_for = ?self.clock.now.saturating_duration_since(s.since), "memory kept outside the broker let go");
         true
     }

@@ -1,0 +1,97 @@
+//! Adoption of stranded memory: a restarted broker charges memory a free left with
+//! processes outside it (`core/src/state/stranded.rs`) again to the same tenant while one
+//! of the processes its record names lives (same pid and start time; a pid recorded
+//! without one counts while it lives), and lifts it at once when none does. No copy of
+//! the memory was kept (a keeper's descriptor would keep it alive after its holders let
+//! go, and the kernel's look would count it as a holder), so a memfd's file is not looked
+//! at again: its charge waits for its named holders' exits, CUDA memory's as before.
+
+use super::adopt::Liveness;
+use super::state::AdoptedStranded;
+use super::Arbiter;
+use crate::device::MemoryKind;
+use crate::keeper::records::StrandedRecord;
+use std::time::{Duration, UNIX_EPOCH};
+use uuid::Uuid;
+
+/// What a start took back of stranded memory.
+#[derive(Debug, Default)]
+pub(super) struct StrandedTakenBack {
+    pub adopted: usize,
+    pub bytes: u64,
+    /// Lifted at once (their records leave the keeper), with why.
+    pub lifted: Vec<(StrandedRecord, &'static str)>,
+}
+
+impl Arbiter {
+    /// Charges kept stranded memory `ready` (their devices already this broker's
+    /// indexes, their holders found alive: [`adoptable`]) again, in one lock hold; what
+    /// was not taken back is lifted.
+    pub(super) fn adopt_stranded(
+        &self,
+        ready: Vec<(StrandedRecord, AdoptedStranded)>,
+    ) -> StrandedTakenBack {
+        let mut out = StrandedTakenBack::default();
+        if ready.is_empty() {
+            return out;
+        }
+        let mut st = self.lock();
+        for (r, a) in ready {
+            match st.adopt_stranded(a) {
+                Ok(()) => {
+                    out.adopted += 1;
+                    out.bytes += r.bytes;
+                }
+                Err(_) => out.lifted.push((r, "its tenant or device is gone")),
+            }
+        }
+        out
+    }
+
+    /// A finder of kept memory's holders set after the start: stranded memory taken back
+    /// that looks for processes near its holders when they exit is watched by it, near
+    /// where its living holders are now.
+    pub(super) fn watch_adopted_stranded(&self, finder: &crate::kept_holders::HolderFinder) {
+        let rechecked: Vec<(Uuid, u32, Vec<u32>)> = self
+            .lock()
+            .stranded_memory()
+            .filter(|(_, s)| s.recheck && s.watched)
+            .map(|(id, s)| (*id, s.device, s.pids.iter().copied().collect()))
+            .collect();
+        for (id, device, pids) in rechecked {
+            let Some(uuid) = self.devices.recorded_uuid(device) else {
+                continue;
+            };
+            let places = pids.into_iter().filter_map(|p| finder.place(p)).collect();
+            finder.watch(id, &uuid, places);
+        }
+    }
+}
+
+/// Kept stranded record `r` as the core takes it back, or why it is lifted.
+pub(super) fn adoptable(
+    r: &StrandedRecord,
+    alive: &mut Liveness,
+) -> Result<AdoptedStranded, &'static str> {
+    let id: Uuid = r.id.parse().map_err(|_| "unreadable id")?;
+    let holders: std::collections::BTreeMap<u32, Option<u64>> =
+        alive.alive(&r.holders).into_iter().collect();
+    if holders.is_empty() {
+        return Err("none of its holders lives");
+    }
+    let kind = match r.kind.as_deref() {
+        Some("cuda-vmm") => Some(MemoryKind::CudaVmm),
+        Some("host-memfd") => Some(MemoryKind::HostMemfd),
+        _ => None,
+    };
+    Ok(AdoptedStranded {
+        id,
+        tenant: r.tenant.clone(),
+        device: r.device,
+        bytes: r.bytes,
+        holders,
+        recheck: r.recheck,
+        kind,
+        stranded_at: UNIX_EPOCH + Duration::from_millis(r.stranded_unix_ms),
+    })
+}
