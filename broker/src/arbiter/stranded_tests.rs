@@ -401,6 +401,12 @@ async fn a_sealed_memfd_kept_mapped_after_its_free_stays_charged() {
     assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
     assert_eq!(listed[0].holders, vec![std::process::id()]);
     arb.lock().check_invariant().unwrap();
+    assert!(
+        arb.lock()
+            .stranded_memory()
+            .all(|(_, s)| s.file_handle.is_some()),
+        "its record keeps the memfd's file handle (a restarted broker asks by it)"
+    );
     let (at, len) = mapping.unwrap();
     // SAFETY: the mapping made by `sealed_then_evicted`: its pages are still there.
     unsafe {
@@ -1026,12 +1032,30 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
         device_uuid: Some(restarted.devices.uuid(0)),
         file_handle: Some(handle.record()),
     };
+    // Another, whose file nobody holds any more (its named holder lives): lifted at
+    // the start.
+    // SAFETY: memfd_create with a static name; checked below.
+    let gone = unsafe { libc::memfd_create(c"kept-gone".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(gone >= 0);
+    // SAFETY: a fresh descriptor we own, closed at once.
+    let gone = unsafe { OwnedFd::from_raw_fd(gone) };
+    let gone_handle = FileHandle::of(&gone).unwrap();
+    drop(gone);
+    let let_go = StrandedRecord {
+        id: uuid::Uuid::new_v4().to_string(),
+        file_handle: Some(gone_handle.record()),
+        ..record.clone()
+    };
     let place = MemPlace::default();
     let removed = place.removed.clone();
-    *place.entries.lock() = vec![entry(record.key(), &record, None)];
+    *place.entries.lock() = vec![
+        entry(record.key(), &record, None),
+        entry(let_go.key(), &let_go, None),
+    ];
     let report = restarted.adopt_from_keeper(place).unwrap();
-    assert_eq!((report.stranded_adopted, report.stranded_lifted), (1, 0));
+    assert_eq!((report.stranded_adopted, report.stranded_lifted), (1, 1));
     assert_eq!(held_by_a(&restarted), 32 * MIB);
+    assert_eq!(removed.lock().clone(), vec![let_go.key()]);
 
     // The named holder exits; the file lives on with this process: still charged.
     worker.kill().unwrap();
@@ -1043,7 +1067,7 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
         "still charged while the file lives; lifted: {:?}",
         removed.lock()
     );
-    assert!(removed.lock().is_empty(), "{:?}", removed.lock());
+    assert_eq!(removed.lock().clone(), vec![let_go.key()]);
 
     // Nobody holds it any more: lifted, its record gone.
     drop(fd);
