@@ -979,3 +979,51 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
     assert_eq!(st.pools()[0].stats().quarantined, 0);
     assert_eq!(st.stranded_memory().count(), 0);
 }
+
+/// A kept charge that was to be looked at again near its holders (`recheck`, CUDA) taken
+/// back by a broker that has no finder (NVML gone since, or a holder exiting before the
+/// finder is set): nobody can look, so its last holder's exit lifts it, as it would
+/// memory never looked at near its holders; else its tenant stays charged forever.
+#[tokio::test]
+async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder() {
+    use super::adopt_tests::{entry, MemPlace};
+    let arb = keeping_arbiter(&FaultSwitch::default());
+    let (mut worker, _) = live_process();
+    let r = crate::keeper::records::StrandedRecord {
+        v: 1,
+        id: uuid::Uuid::new_v4().to_string(),
+        tenant: "a".into(),
+        device: 0,
+        bytes: 8 * MIB,
+        kind: Some("cuda-vmm".into()),
+        holders: vec![crate::keeper::records::ProcessRecord {
+            pid: worker.id(),
+            start: crate::process::start_ticks(worker.id()),
+        }],
+        watched: true,
+        recheck: true,
+        stranded_unix_ms: 1,
+        device_uuid: Some(arb.devices.uuid(0)),
+    };
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![entry(r.key(), &r, None)];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!(report.stranded_adopted, 1);
+    assert_eq!(held_by_a(&arb), 8 * MIB);
+    assert!(arb.kept_holders().is_none());
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "lifted once its holder exited, held {}",
+        held_by_a(&arb)
+    );
+    assert!(
+        removed.lock().contains(&r.key()),
+        "its record leaves the keeper"
+    );
+    let st = arb.lock();
+    st.check_invariant().unwrap();
+    assert_eq!(st.stranded_memory().count(), 0);
+}
