@@ -581,6 +581,9 @@ impl Arbiter {
                 Err(why) => stranded_lifted.push((r, why)),
             }
         }
+        // Charged again before the count below: only a charge taken back is the broker's
+        // (one whose tenant is gone stays outside memory).
+        let mut stranded = self.adopt_stranded(stranded_ready);
         // Kept device memory, leases' and quarantines' alike (with their descriptors), and
         // what processes keep of it outside the broker (charged again, so the broker's).
         let kept = leases
@@ -599,7 +602,7 @@ impl Arbiter {
                     .filter(|(_, fd)| fd.is_some())
                     .map(|(h, _)| (h.device, h.bytes)),
             )
-            .chain(stranded_ready.iter().map(|(r, _)| (r.device, r.bytes)))
+            .chain(stranded.charged.iter().copied())
             .collect::<Vec<_>>();
         self.count_kept_memory_as_ours(&kept);
         let mut taken =
@@ -649,7 +652,6 @@ impl Arbiter {
             link.remove(key);
         }
         laps.lap("shared leases");
-        let mut stranded = self.adopt_stranded(stranded_ready);
         stranded.lifted.extend(stranded_lifted);
         report.stranded_adopted = stranded.adopted;
         report.stranded_bytes = stranded.bytes;

@@ -19,6 +19,8 @@ use uuid::Uuid;
 pub(super) struct StrandedTakenBack {
     pub adopted: usize,
     pub bytes: u64,
+    /// The device and bytes of each charge taken back (the broker's memory from now).
+    pub charged: Vec<(u32, u64)>,
     /// Lifted at once (their records leave the keeper), with why.
     pub lifted: Vec<(StrandedRecord, &'static str)>,
 }
@@ -41,6 +43,7 @@ impl Arbiter {
                 Ok(()) => {
                     out.adopted += 1;
                     out.bytes += r.bytes;
+                    out.charged.push((r.device, r.bytes));
                 }
                 Err(_) => out.lifted.push((r, "its tenant or device is gone")),
             }
