@@ -7,7 +7,7 @@
 //! at again: its charge waits for its named holders' exits, CUDA memory's as before.
 
 use super::adopt::Liveness;
-use super::state::AdoptedStranded;
+use super::state::{AdoptedStranded, NotAdopted};
 use super::Arbiter;
 use crate::device::MemoryKind;
 use crate::keeper::records::StrandedRecord;
@@ -45,7 +45,11 @@ impl Arbiter {
                     out.bytes += r.bytes;
                     out.charged.push((r.device, r.bytes));
                 }
-                Err(_) => out.lifted.push((r, "its tenant or device is gone")),
+                Err(NotAdopted::Device) => out
+                    .lifted
+                    .push((r, "its device is gone, or it is larger than its device")),
+                Err(NotAdopted::Tenant) => out.lifted.push((r, "its tenant is gone")),
+                Err(_) => out.lifted.push((r, "no holder, or taken back already")),
             }
         }
         out
