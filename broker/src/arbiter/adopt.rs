@@ -581,11 +581,29 @@ impl Arbiter {
                 Err(why) => stranded_lifted.push((r, why)),
             }
         }
+        // Charged again before the count below: only a charge taken back is the broker's
+        // (one whose tenant is gone stays outside memory).
+        let mut stranded = self.adopt_stranded(stranded_ready);
         // Kept device memory, leases' and quarantines' alike (with their descriptors), and
         // what processes keep of it outside the broker (charged again, so the broker's).
+        // A lease whose quarantine or held block has its descriptor too (a crash between
+        // their writes) is one block: counted once, with the record that keeps it.
+        let taken_over: HashSet<&str> = quarantines
+            .iter()
+            .filter(|(_, fd)| fd.is_some())
+            .map(|(q, _)| q.lease.as_str())
+            .chain(
+                helds
+                    .iter()
+                    .filter(|(_, fd)| fd.is_some())
+                    .map(|(h, _)| h.lease.as_str()),
+            )
+            .collect();
         let kept = leases
             .iter()
-            .filter(|(r, fd)| fd.is_some() && r.tier == "device")
+            .filter(|(r, fd)| {
+                fd.is_some() && r.tier == "device" && !taken_over.contains(r.id.as_str())
+            })
             .map(|(r, _)| (r.device, r.bytes))
             .chain(
                 quarantines
@@ -599,8 +617,9 @@ impl Arbiter {
                     .filter(|(_, fd)| fd.is_some())
                     .map(|(h, _)| (h.device, h.bytes)),
             )
-            .chain(stranded_ready.iter().map(|(r, _)| (r.device, r.bytes)))
+            .chain(stranded.charged.iter().copied())
             .collect::<Vec<_>>();
+        drop(taken_over);
         self.count_kept_memory_as_ours(&kept);
         let mut taken =
             self.adopt_blocks(leases, quarantines, helds, &adopted, &mut alive, &mut laps);
@@ -649,7 +668,6 @@ impl Arbiter {
             link.remove(key);
         }
         laps.lap("shared leases");
-        let mut stranded = self.adopt_stranded(stranded_ready);
         stranded.lifted.extend(stranded_lifted);
         report.stranded_adopted = stranded.adopted;
         report.stranded_bytes = stranded.bytes;

@@ -3,12 +3,15 @@
 //! of the processes its record names lives (same pid and start time; a pid recorded
 //! without one counts while it lives), and lifts it at once when none does. No copy of
 //! the memory was kept (a keeper's descriptor would keep it alive after its holders let
-//! go, and the kernel's look would count it as a holder), so a memfd's file is not looked
-//! at again: its charge waits for its named holders' exits, CUDA memory's as before.
+//! go, and the kernel's look would count it as a holder); a memfd's record keeps its file
+//! handle instead, by which the kernel is asked again (`kept_looks.rs`): charged while
+//! anyone, named or not, holds the file, lifted once nobody does. Without the handle or
+//! the right to ask (CAP_DAC_READ_SEARCH) its charge waits for its named holders' exits,
+//! CUDA memory's as before.
 
 use super::adopt::Liveness;
 use super::kept_looks::KeptFile;
-use super::state::AdoptedStranded;
+use super::state::{AdoptedStranded, NotAdopted};
 use super::Arbiter;
 use crate::device::MemoryKind;
 use crate::keeper::records::StrandedRecord;
@@ -22,6 +25,8 @@ use uuid::Uuid;
 pub(super) struct StrandedTakenBack {
     pub adopted: usize,
     pub bytes: u64,
+    /// The device and bytes of each charge taken back (the broker's memory from now).
+    pub charged: Vec<(u32, u64)>,
     /// Lifted at once (their records leave the keeper), with why.
     pub lifted: Vec<(StrandedRecord, &'static str)>,
 }
@@ -68,8 +73,13 @@ impl Arbiter {
                 Ok(()) => {
                     out.adopted += 1;
                     out.bytes += r.bytes;
+                    out.charged.push((r.device, r.bytes));
                 }
-                Err(_) => out.lifted.push((r, "its tenant or device is gone")),
+                Err(NotAdopted::Device) => out
+                    .lifted
+                    .push((r, "its device is gone, or it is larger than its device")),
+                Err(NotAdopted::Tenant) => out.lifted.push((r, "its tenant is gone")),
+                Err(_) => out.lifted.push((r, "no holder, or taken back already")),
             }
         }
         out

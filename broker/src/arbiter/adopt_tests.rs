@@ -555,3 +555,42 @@ fn kept_held_blocks_come_back_with_their_importers() {
     assert!(removed.lock().contains(&kept_held.key()));
     arb.lock().check_invariant().unwrap();
 }
+
+/// A crash between a quarantine's record and its lease's end leaves both records, with
+/// one block (the same descriptor): the block is counted once as the broker's device
+/// memory at the start, not once per record (else the broker promises bytes the card
+/// does not have).
+#[tokio::test]
+async fn a_block_kept_under_its_lease_and_its_quarantine_is_counted_once() {
+    let (arb, _outside, _dir) = super::tests::fake_cuda_fixture(ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let pid = std::process::id();
+    let lease = lease_record(Uuid::new_v4(), "alpha", 0, Some(&arb.devices.uuid(0)));
+    let quarantine = QuarantineRecord {
+        v: RECORD_VERSION,
+        lease: lease.id.clone(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id: lease.block_id,
+        kind: "host-memfd".into(),
+        pid: Some(pid),
+        pid_start: crate::process::start_ticks(pid),
+        destroy: false,
+        device_uuid: Some(arb.devices.uuid(0)),
+    };
+    let fd = memfd(2 * MIB);
+    let place = MemPlace::default();
+    *place.entries.lock() = vec![
+        entry(lease.key(), &lease, Some(fd.try_clone().unwrap())),
+        entry(quarantine.key(), &quarantine, Some(fd)),
+    ];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!(report.leases_reclaimed, 1, "its end was kept");
+    assert_eq!(
+        arb.lock().pools()[0].leasable(),
+        56 * MIB + 2 * MIB,
+        "the block is the broker's once"
+    );
+}

@@ -442,9 +442,15 @@ impl Arbiter {
                         let gone = st.stranded_holder_gone(id, pid);
                         if let Some(f) = &finder {
                             f.exited(id, pid);
-                            if st.stranded_awaits_recheck(id) {
-                                look_again.push(id);
+                        }
+                        match (&finder, st.stranded_awaits_recheck(id)) {
+                            (Some(_), true) => look_again.push(id),
+                            // Nobody can look (a charge taken back by a broker without
+                            // NVML): let go as memory never looked at near its holders.
+                            (None, true) => {
+                                st.stranded_rechecked(id, std::iter::empty());
                             }
+                            (_, false) => {}
                         }
                         gone
                     }

@@ -787,12 +787,13 @@ impl Arbiter {
                 Kept::Memfd(looks) => (Some(looks), None),
                 Kept::Cuda(recheck) => (None, recheck),
             };
+            // Its record names its processes by start too: a reused pid is not one. Read
+            // here, on the free's thread, not on a runtime thread.
+            let starts: Vec<(u32, u64)> = pids
+                .iter()
+                .filter_map(|&p| crate::process::start_ticks(p).map(|s| (p, s)))
+                .collect();
             let charge = move || {
-                // Its record names its processes by start too: a reused pid is not one.
-                let starts: Vec<(u32, u64)> = pids
-                    .iter()
-                    .filter_map(|&p| crate::process::start_ticks(p).map(|s| (p, s)))
-                    .collect();
                 let pending = &unverified[device as usize];
                 let Some(arb) = me.upgrade() else {
                     pending.fetch_sub(bytes, Ordering::SeqCst);

@@ -1082,3 +1082,96 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
     assert_eq!(st.pools()[0].stats().quarantined, 0);
     assert_eq!(st.stranded_memory().count(), 0);
 }
+
+/// A kept charge that was to be looked at again near its holders (`recheck`, CUDA) taken
+/// back by a broker that has no finder (NVML gone since, or a holder exiting before the
+/// finder is set): nobody can look, so its last holder's exit lifts it, as it would
+/// memory never looked at near its holders; else its tenant stays charged forever.
+#[tokio::test]
+async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder() {
+    use super::adopt_tests::{entry, MemPlace};
+    let arb = keeping_arbiter(&FaultSwitch::default());
+    let (mut worker, _) = live_process();
+    let r = crate::keeper::records::StrandedRecord {
+        v: 1,
+        id: uuid::Uuid::new_v4().to_string(),
+        tenant: "a".into(),
+        device: 0,
+        bytes: 8 * MIB,
+        kind: Some("cuda-vmm".into()),
+        holders: vec![crate::keeper::records::ProcessRecord {
+            pid: worker.id(),
+            start: crate::process::start_ticks(worker.id()),
+        }],
+        watched: true,
+        recheck: true,
+        stranded_unix_ms: 1,
+        device_uuid: Some(arb.devices.uuid(0)),
+        file_handle: None,
+    };
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![entry(r.key(), &r, None)];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!(report.stranded_adopted, 1);
+    assert_eq!(held_by_a(&arb), 8 * MIB);
+    assert!(arb.kept_holders().is_none());
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "lifted once its holder exited, held {}",
+        held_by_a(&arb)
+    );
+    assert!(
+        removed.lock().contains(&r.key()),
+        "its record leaves the keeper"
+    );
+    let st = arb.lock();
+    st.check_invariant().unwrap();
+    assert_eq!(st.stranded_memory().count(), 0);
+}
+
+/// A kept charge on a CUDA device is counted as the broker's device memory at the start
+/// only when it is charged again: one whose tenant is gone is lifted, and the memory its
+/// holder keeps stays outside memory, not leasable (else the broker would promise bytes
+/// the card does not have).
+#[tokio::test]
+async fn a_kept_charge_not_taken_back_is_not_counted_as_the_brokers_memory() {
+    use super::adopt_tests::{entry, MemPlace};
+    let (arb, _outside, _dir) = super::tests::fake_cuda_fixture(ArbiterConfig::default());
+    arb.set_quota("a", quota(64 * MIB)).unwrap();
+    let (mut worker, _) = live_process();
+    let record = |tenant: &str, bytes: u64| crate::keeper::records::StrandedRecord {
+        v: 1,
+        id: uuid::Uuid::new_v4().to_string(),
+        tenant: tenant.into(),
+        device: 0,
+        bytes,
+        kind: Some("cuda-vmm".into()),
+        holders: vec![crate::keeper::records::ProcessRecord {
+            pid: worker.id(),
+            start: crate::process::start_ticks(worker.id()),
+        }],
+        watched: true,
+        recheck: false,
+        stranded_unix_ms: 1,
+        device_uuid: Some(arb.devices.uuid(0)),
+        file_handle: None,
+    };
+    let (kept, gone) = (record("a", 4 * MIB), record("nobody", 8 * MIB));
+    let place = MemPlace::default();
+    *place.entries.lock() = vec![
+        entry(kept.key(), &kept, None),
+        entry(gone.key(), &gone, None),
+    ];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!((report.stranded_adopted, report.stranded_lifted), (1, 1));
+    assert_eq!(
+        arb.lock().pools()[0].leasable(),
+        56 * MIB + 4 * MIB,
+        "only the charge taken back is the broker's"
+    );
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+}

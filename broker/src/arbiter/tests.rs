@@ -630,7 +630,7 @@ fn outside_fixture(
 }
 
 /// Like `outside_fixture`.
-fn fake_cuda_fixture(
+pub(super) fn fake_cuda_fixture(
     cfg: ArbiterConfig,
 ) -> (
     Arc<Arbiter>,

@@ -575,4 +575,35 @@ mod tests {
         assert!(mirror.is_empty(), "{mirror:?}");
         c.st.check_invariant().unwrap();
     }
+
+    /// A kept charge larger than its device (a damaged record: no free leaves more on a
+    /// device than it has) is not taken back: charging it would wrap the tenant's and the
+    /// device's counts, or leave the tenant unable to lease until a holder exits.
+    #[test]
+    fn a_kept_charge_larger_than_its_device_is_not_taken_back() {
+        use super::super::stranded::AdoptedStranded;
+        let mut d = Core::new(1, 64 * MIB);
+        d.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+        let charge = |bytes: u64| AdoptedStranded {
+            id: Uuid::new_v4(),
+            tenant: "a".into(),
+            device: 0,
+            bytes,
+            holders: [(7, Some(1007))].into_iter().collect(),
+            recheck: false,
+            kind: None,
+            stranded_at: std::time::UNIX_EPOCH,
+            file_handle: None,
+            watched: true,
+        };
+        assert!(d.st.adopt_stranded(charge(u64::MAX)).is_err());
+        assert!(d.st.adopt_stranded(charge(64 * MIB + 1)).is_err());
+        assert_eq!(d.st.ledger().get("a").unwrap().usage.quarantined_bytes, 0);
+        d.st.adopt_stranded(charge(64 * MIB)).unwrap();
+        assert_eq!(
+            d.st.ledger().get("a").unwrap().usage.quarantined_bytes,
+            64 * MIB
+        );
+        d.st.check_invariant().unwrap();
+    }
 }

@@ -240,9 +240,13 @@ impl State {
     /// quarantined, its living processes watched, or, unwatched, named while the shell
     /// asks the kernel about its memfd by its file handle (no copy of the memory was
     /// kept). Nothing is pushed for the keeper: it holds the record. Refused when no
-    /// process lives, or its tenant or device is gone.
+    /// process lives, its tenant or device is gone, or it is larger than its device (a
+    /// damaged record: charging it would wrap the counts).
     pub fn adopt_stranded(&mut self, a: AdoptedStranded) -> Result<(), super::NotAdopted> {
-        if a.device as usize >= self.pools.len() {
+        let Some(pool) = self.pools.get(a.device as usize) else {
+            return Err(super::NotAdopted::Device);
+        };
+        if a.bytes > pool.total() {
             return Err(super::NotAdopted::Device);
         }
         if a.bytes == 0 || self.ledger.get(&a.tenant).is_none() {
