@@ -65,6 +65,10 @@ impl Arbiter {
                 }
                 FileNow::Unknown => {}
             }
+            if a.watched && a.holders.is_empty() {
+                out.lifted.push((r, "none of its holders lives"));
+                continue;
+            }
             asked.push((r, a));
         }
         let mut st = self.lock();
@@ -113,7 +117,8 @@ pub(super) fn adoptable(
     let id: Uuid = r.id.parse().map_err(|_| "unreadable id")?;
     let holders: std::collections::BTreeMap<u32, Option<u64>> =
         alive.alive(&r.holders).into_iter().collect();
-    if holders.is_empty() {
+    // A memfd's file may be held by processes never named: the kernel says (below).
+    if holders.is_empty() && r.file_handle.is_none() {
         return Err("none of its holders lives");
     }
     let kind = match r.kind.as_deref() {

@@ -154,9 +154,10 @@ async fn looks(me: Weak<Arbiter>, mut rx: mpsc::UnboundedReceiver<KeptFile>, fir
                             tracing::warn!(device = u.device, tenant = u.tenant, bytes = u.bytes, "freed memory stayed on the device: a process the broker never saw keeps it; charged to its tenant until it lets go");
                         }
                         w.kept.id = id;
-                        if id.is_none() {
-                            continue;
-                        }
+                        let Some(id) = id else { continue };
+                        // Its record keeps the file's handle: a restarted broker asks by it.
+                        let handle = w.kept.file.handle.as_ref().map(|h| h.record());
+                        st.stranded_holders_started(id, Some(crate::device::MemoryKind::HostMemfd), handle, []);
                         w.next = Instant::now() + w.every;
                         waiting.push(w);
                         continue;

@@ -473,6 +473,12 @@ async fn a_sealed_memfd_kept_by_a_process_the_broker_never_saw_stays_charged() {
     assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
     assert!(listed[0].holders.is_empty(), "{listed:?}");
     arb.lock().check_invariant().unwrap();
+    assert!(
+        arb.lock()
+            .stranded_memory()
+            .all(|(_, s)| s.file_handle.is_some()),
+        "its record keeps the file handle: a restarted broker asks the kernel by it"
+    );
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(held_by_a(&arb), 32 * MIB, "still kept, still charged");
     unmap(mapping.unwrap());
@@ -1046,15 +1052,24 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
         file_handle: Some(gone_handle.record()),
         ..record.clone()
     };
+    // One charged for a process the broker never named (none recorded): the file's
+    // life alone keeps it.
+    let unnamed = StrandedRecord {
+        id: uuid::Uuid::new_v4().to_string(),
+        bytes: 8 * MIB,
+        holders: Vec::new(),
+        ..record.clone()
+    };
     let place = MemPlace::default();
     let removed = place.removed.clone();
     *place.entries.lock() = vec![
         entry(record.key(), &record, None),
         entry(let_go.key(), &let_go, None),
+        entry(unnamed.key(), &unnamed, None),
     ];
     let report = restarted.adopt_from_keeper(place).unwrap();
-    assert_eq!((report.stranded_adopted, report.stranded_lifted), (1, 1));
-    assert_eq!(held_by_a(&restarted), 32 * MIB);
+    assert_eq!((report.stranded_adopted, report.stranded_lifted), (2, 1));
+    assert_eq!(held_by_a(&restarted), 40 * MIB);
     assert_eq!(removed.lock().clone(), vec![let_go.key()]);
 
     // The named holder exits; the file lives on with this process: still charged.
@@ -1063,7 +1078,7 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         held_by_a(&restarted),
-        32 * MIB,
+        40 * MIB,
         "still charged while the file lives; lifted: {:?}",
         removed.lock()
     );
@@ -1077,6 +1092,7 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
         held_by_a(&restarted)
     );
     assert!(until(|| removed.lock().contains(&record.key())).await);
+    assert!(until(|| removed.lock().contains(&unnamed.key())).await);
     let st = restarted.lock();
     st.check_invariant().unwrap();
     assert_eq!(st.pools()[0].stats().quarantined, 0);

@@ -240,7 +240,7 @@ impl State {
     /// quarantined, its living processes watched, or, unwatched, named while the shell
     /// asks the kernel about its memfd by its file handle (no copy of the memory was
     /// kept). Nothing is pushed for the keeper: it holds the record. Refused when no
-    /// process lives, its tenant or device is gone, or it is larger than its device (a
+    /// process lives (watched), its tenant or device is gone, or it is larger than its device (a
     /// damaged record: charging it would wrap the counts).
     pub fn adopt_stranded(&mut self, a: AdoptedStranded) -> Result<(), super::NotAdopted> {
         let Some(pool) = self.pools.get(a.device as usize) else {
@@ -252,7 +252,7 @@ impl State {
         if a.bytes == 0 || self.ledger.get(&a.tenant).is_none() {
             return Err(super::NotAdopted::Tenant);
         }
-        if a.holders.is_empty() || self.stranded.contains_key(&a.id) {
+        if (a.watched && a.holders.is_empty()) || self.stranded.contains_key(&a.id) {
             return Err(super::NotAdopted::Session);
         }
         let pool = &mut self.pools[a.device as usize];
