@@ -227,6 +227,21 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
+    /// Is device `index` healthy (not marked unhealthy)?
+    fn is_healthy(arb: &Arbiter, index: u32) -> bool {
+        arb.avail
+            .read()
+            .device(index)
+            .is_some_and(|s| s.fault.is_none())
+    }
+
+    /// Why device `index` was marked unhealthy ("" when it is healthy).
+    fn unhealthy_reason(arb: &Arbiter, index: u32) -> String {
+        let avail = arb.avail.read();
+        let fault = avail.device(index).and_then(|s| s.fault.as_ref());
+        fault.map(|f| f.reason.clone()).unwrap_or_default()
+    }
+
     /// Two 64 MiB fault-injecting devices.
     fn fixture() -> (Arc<Arbiter>, Vec<FaultSwitch>, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
@@ -380,7 +395,7 @@ mod tests {
 
         // A failing health check: closed, the holder is told.
         sw[1].unhealthy("injected Xid 79");
-        until("device 1 unhealthy", || !arb.device_healthy(1)).await;
+        until("device 1 unhealthy", || !is_healthy(&arb, 1)).await;
         let ev = events.recv().await.unwrap();
         match ev {
             SessionEvent::DeviceUnhealthy {
@@ -425,39 +440,42 @@ mod tests {
         );
         assert!(report[0].fault.is_none());
         // The lease there stays its holder's.
-        assert!(arb.list_leases("a").iter().any(|l| l.id == on1.id));
+        assert!(arb
+            .list_all_leases(Some("a"))
+            .iter()
+            .any(|l| l.id == on1.id));
 
         // Healthy again: reopened by the monitor.
         sw[1].heal();
-        until("device 1 healthy", || arb.device_healthy(1)).await;
+        until("device 1 healthy", || is_healthy(&arb, 1)).await;
         arb.acquire(ask(s, Some(1), 2 * MIB)).await.unwrap();
 
         // A device that stops answering: unhealthy after the timeout, back when it answers.
         sw[0].hang(true);
-        until("device 0 silent", || !arb.device_healthy(0)).await;
-        assert!(arb.unhealthy_devices()[0].1.contains("stopped answering"));
+        until("device 0 silent", || !is_healthy(&arb, 0)).await;
+        assert!(unhealthy_reason(&arb, 0).contains("stopped answering"));
         sw[0].hang(false);
-        until("device 0 answering", || arb.device_healthy(0)).await;
+        until("device 0 answering", || is_healthy(&arb, 0)).await;
 
         // An NVML fault (sticky in its source) closes it until an operator clears it,
         // which resets the source.
         nvml.lock().insert(0, "Xid 48 (double-bit ECC)".to_string());
-        until("device 0 NVML fault", || !arb.device_healthy(0)).await;
+        until("device 0 NVML fault", || !is_healthy(&arb, 0)).await;
         let op = Who::system("test operator");
         assert!(arb.set_device_health(0, true, "", &op).unwrap());
         assert_eq!(*resets.lock(), vec![0]);
-        until("device 0 cleared", || arb.device_healthy(0)).await;
+        until("device 0 cleared", || is_healthy(&arb, 0)).await;
 
         // An operator's mark holds against a passing check; only an operator clears it.
         assert!(arb.set_device_health(0, false, "bad fan", &op).unwrap());
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(
-            !arb.device_healthy(0),
+            !is_healthy(&arb, 0),
             "the monitor must not clear an operator's mark"
         );
         assert!(!arb.set_device_health(0, false, "bad fan", &op).unwrap());
         assert!(arb.set_device_health(0, true, "", &op).unwrap());
-        assert!(arb.device_healthy(0));
+        assert!(is_healthy(&arb, 0));
         assert!(matches!(
             arb.set_device_health(9, true, "", &op),
             Err(BrokerError::UnknownDevice { device: 9, .. })

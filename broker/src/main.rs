@@ -202,10 +202,9 @@ async fn run(
         let n = declared.len();
         arb.authenticator()
             .set_namespace_tenants(gpu_broker::tenants_config::namespace_tenants(&declared));
-        let a = arb.clone();
         // On the store writer, as every durable change.
         let changes = arb
-            .run_durable(move || Ok(gpu_broker::tenants_config::apply(&a, &declared, "start")))
+            .run_durable(move |a| Ok(gpu_broker::tenants_config::apply(a, &declared, "start")))
             .await?;
         tracing::info!(path = %path.display(), tenants = n, changed = changes.len(), "config tenants applied");
         // After the tenants they name.

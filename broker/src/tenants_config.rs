@@ -373,7 +373,7 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
         }
         // Each change is committed with its audit record (`config.reload`, on the tenant).
         let who = crate::audit::Who::system(why);
-        match arb.change_quota_recorded(
+        match arb.change_quota(
             &d.name,
             QuotaUpdate::Patch(d.patch.clone()),
             Some((&who, "config.reload", &d.name)),
@@ -437,10 +437,9 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
                     let n = declared.len();
                     arb.authenticator()
                         .set_namespace_tenants(namespace_tenants(&declared));
-                    let a = arb.clone();
-                    let applied = arb.run_durable(move || {
-                        let changes = apply(&a, &declared, why);
-                        Ok((changes, crate::tokens_config::apply(&a, &tokens, why)))
+                    let applied = arb.run_durable(move |a| {
+                        let changes = apply(a, &declared, why);
+                        Ok((changes, crate::tokens_config::apply(a, &tokens, why)))
                     });
                     match applied.await {
                         Ok((changes, tokens)) => {
@@ -484,6 +483,7 @@ impl Seen {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arbiter::durable_tests::change_quota_for;
 
     const FILE: &str = "socket = \"/run/x.sock\"\n\n[tenants.training]\nlimit = \"64GiB\"\nguaranteed = \"16GiB\"\npriority = 1\n\n[tenants.inference]\nlimit = \"1GiB\"\nmax-leases = 8\n";
 
@@ -655,7 +655,8 @@ mod tests {
     async fn a_config_reload_commits_each_change_with_its_record() {
         let dir = tempfile::tempdir().unwrap();
         let arb = crate::arbiter::durable_tests::stored_arbiter(dir.path());
-        arb.change_quota_for(
+        change_quota_for(
+            &arb,
             "a".into(),
             QuotaUpdate::Replace(Quota {
                 limit_bytes: 8 << 20,
@@ -670,9 +671,8 @@ mod tests {
             "[tenants.a]\nlimit = \"16MiB\"\n",
         )
         .unwrap();
-        let a = arb.clone();
         let changes = arb
-            .run_durable(move || Ok(apply(&a, &declared, "SIGHUP")))
+            .run_durable(move |a| Ok(apply(a, &declared, "SIGHUP")))
             .await
             .unwrap();
         assert_eq!(changes.len(), 1);
@@ -717,9 +717,8 @@ mod tests {
     /// 20 ms) until the returned token is cancelled.
     async fn start_watching(arb: &Arc<Arbiter>, file: &Path) -> (Vec<Change>, CancellationToken) {
         let declared = load(file).unwrap();
-        let a = arb.clone();
         let at_start = arb
-            .run_durable(move || Ok(apply(&a, &declared, "start")))
+            .run_durable(move |a| Ok(apply(a, &declared, "start")))
             .await
             .unwrap();
         let stop = CancellationToken::new();
@@ -742,7 +741,8 @@ mod tests {
         let (at_start, stop) = start_watching(&arb, &file).await;
         assert_eq!(at_start.len(), 1);
         // An operator changes the declared field and an undeclared one.
-        arb.change_quota_for(
+        change_quota_for(
+            &arb,
             "a".into(),
             QuotaUpdate::Patch(QuotaPatch {
                 limit_bytes: Some(8 << 20),
@@ -852,7 +852,7 @@ mod tests {
         let blocker = tokio::spawn({
             let arb = arb.clone();
             async move {
-                arb.run_durable(move || {
+                arb.run_durable(move |_| {
                     let _ = started.send(());
                     let _ = held.recv();
                     Ok(())
@@ -895,9 +895,8 @@ mod tests {
         std::fs::write(&file, two("48MiB")).unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(limits(&arb), [32 << 20; 2]);
-        let a = arb.clone();
         let refused = arb
-            .run_durable(move || Ok(apply(&a, &load(&file).unwrap(), "late")))
+            .run_durable(move |a| Ok(apply(a, &load(&file).unwrap(), "late")))
             .await;
         assert!(
             matches!(refused, Err(crate::error::BrokerError::ShuttingDown)),

@@ -510,7 +510,12 @@ impl Harness {
                 let arb = self.arb.clone();
                 let view = self
                     .rt
-                    .block_on(async move { arb.revoke(l.id, "model revoke") })
+                    .block_on(async move {
+                        arb.revoke(
+                            l.id,
+                            &gpu_broker::arbiter::state::Revoke::Operator("model revoke".into()),
+                        )
+                    })
                     .expect("revoke a live lease");
                 assert_eq!(view.id, l.id);
                 assert_eq!(view.bytes, l.bytes);

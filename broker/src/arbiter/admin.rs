@@ -42,41 +42,17 @@ impl Arbiter {
         name: &str,
         quota: Quota,
     ) -> BrokerResult<(TenantView, bool)> {
-        let c = self.change_quota(name, QuotaUpdate::Replace(quota))?;
+        let c = self.change_quota(name, QuotaUpdate::Replace(quota), None)?;
         Ok((c.tenant, c.created))
     }
 
     /// Creates a tenant or changes its quota: replaced whole, or patched (only the fields
-    /// given change, read and written under one lock so racing patches both apply).
-    pub(super) fn change_quota(
-        self: &Arc<Self>,
-        name: &str,
-        update: QuotaUpdate,
-    ) -> BrokerResult<QuotaChange> {
-        self.change_quota_recorded(name, update, None)
-    }
-
-    /// [`Arbiter::change_quota`] for an operator's RPC: run on the store writer (a thread
-    /// of its own, so no runtime worker blocks in the commit or is handed off for it),
-    /// with its audit record (`quota.set`, by `who`) committed in the same transaction as
-    /// the quota. Answers once both are durable and the change applied.
-    pub(crate) async fn change_quota_for(
-        self: &Arc<Self>,
-        name: String,
-        update: QuotaUpdate,
-        who: crate::audit::Who,
-    ) -> BrokerResult<QuotaChange> {
-        let me = self.clone();
-        self.run_durable(move || {
-            me.change_quota_recorded(&name, update, Some((&who, "quota.set", "")))
-        })
-        .await
-    }
-
-    /// [`Arbiter::change_quota`]; with `(who, action, target)`, its audit record
-    /// (`action` on `target`, the quota before, read under the same locks, and after) is
-    /// committed in the same transaction as the quota, and logged.
-    pub(crate) fn change_quota_recorded(
+    /// given change, read and written under one lock so racing patches both apply). With
+    /// `(who, action, target)`, its audit record (`action` on `target`, the quota before,
+    /// read under the same locks, and after) is committed in the same transaction as the
+    /// quota, and logged. An operator's change runs on the store writer
+    /// ([`Arbiter::run_durable`]) and answers once both are durable and the change applied.
+    pub(crate) fn change_quota(
         self: &Arc<Self>,
         name: &str,
         update: QuotaUpdate,
@@ -158,26 +134,9 @@ impl Arbiter {
         Ok(self.finish_view(view))
     }
 
-    /// Deletes a tenant that holds nothing; its tokens go too and its sessions end.
-    #[cfg(test)]
-    pub(super) fn delete_tenant(self: &Arc<Self>, name: &str) -> BrokerResult<()> {
-        self.delete_tenant_recorded(name, None)
-    }
-
-    /// [`Arbiter::delete_tenant`] for an operator's RPC: on the store writer, with its
-    /// audit record (`tenant.delete`, by `who`, the quota before) in the same commit.
-    pub(crate) async fn delete_tenant_for(
-        self: &Arc<Self>,
-        name: String,
-        who: crate::audit::Who,
-    ) -> BrokerResult<()> {
-        let me = self.clone();
-        self.run_durable(move || me.delete_tenant_recorded(&name, Some(&who)))
-            .await
-    }
-
-    /// [`Arbiter::delete_tenant`]; with `who`, its audit record committed with it.
-    fn delete_tenant_recorded(
+    /// Deletes a tenant that holds nothing; its tokens go too and its sessions end. With
+    /// `who`, its audit record (`tenant.delete`, the quota before) is committed with it.
+    pub(crate) fn delete_tenant(
         self: &Arc<Self>,
         name: &str,
         who: Option<&crate::audit::Who>,
@@ -215,47 +174,14 @@ impl Arbiter {
         }
         // After its sessions ended (their turns are booked): a tenant created again under
         // the name must not inherit the counters.
-        self.forget_turns(name);
+        self.with_turns(|t| t.forget_tenant(name));
         tracing::info!(tenant = name, "tenant deleted");
         Ok(())
     }
 
-    /// Issues a new worker token for a tenant; returns (token, token_id) — the token only
-    /// now. (See [`Arbiter::issue`] for scopes, names and expiry.)
-    #[cfg(test)]
-    pub(super) fn issue_token(
-        &self,
-        tenant: &str,
-        description: &str,
-    ) -> BrokerResult<(String, String)> {
-        let t = self.issue(super::tokens::TokenSpec {
-            tenant: Some(tenant.to_string()),
-            description: description.to_string(),
-            ..Default::default()
-        })?;
-        Ok((t.token, t.entry.token_id))
-    }
-
-    /// Revokes a token given its id or the token itself.
-    #[cfg(test)]
-    pub(super) fn revoke_token(&self, id_or_token: &str) -> BrokerResult<()> {
-        self.revoke_token_recorded(id_or_token, None)
-    }
-
-    /// [`Arbiter::revoke_token`] for an operator's RPC: on the store writer, with its
-    /// audit record (`token.revoke`, by `who`, the token before) in the same commit.
-    pub(crate) async fn revoke_token_for(
-        self: &Arc<Self>,
-        id_or_token: String,
-        who: crate::audit::Who,
-    ) -> BrokerResult<()> {
-        let me = self.clone();
-        self.run_durable(move || me.revoke_token_recorded(&id_or_token, Some(&who)))
-            .await
-    }
-
-    /// [`Arbiter::revoke_token`]; with `who`, its audit record committed with it.
-    fn revoke_token_recorded(
+    /// Revokes a token given its id or the token itself. With `who`, its audit record
+    /// (`token.revoke`, the token before) is committed with it.
+    pub(crate) fn revoke_token(
         &self,
         id_or_token: &str,
         who: Option<&crate::audit::Who>,

@@ -12,6 +12,7 @@ use crate::audit::{AuditFilter, AuditRecord, Who};
 use crate::error::{BrokerError, BrokerResult};
 use crate::store::{AlsoWrite, Store, StoreError};
 use crate::store_writer::off_the_runtime;
+use std::sync::Arc;
 
 /// The state store (None: nothing is durable, records are kept in memory), the audit log
 /// in it, and the lock that keeps durable operator changes one at a time.
@@ -105,9 +106,9 @@ impl Arbiter {
     }
 
     /// Returns once every audit record handed over before has been written.
-    pub(crate) async fn audits_written(&self) {
+    pub(crate) async fn audits_written(self: &Arc<Self>) {
         if self.durable.store().is_some() {
-            let _ = self.run_durable(|| Ok(())).await;
+            let _ = self.run_durable(|_| Ok(())).await;
         }
     }
 
@@ -133,7 +134,7 @@ impl Arbiter {
                     _ => Ok(T::default()),
                 })
         })
-        .map_err(|e| self.store_failed(e))?;
+        .map_err(|e| store_write_failed(&self.metrics, e))?;
         if store.is_some() {
             self.metrics.store_write(true);
         }
@@ -143,13 +144,6 @@ impl Arbiter {
 }
 
 impl Arbiter {
-    /// A store write failed: counted (the store-unwritable alert watches it), then the
-    /// error the caller returns.
-    pub(super) fn store_failed(&self, e: StoreError) -> BrokerError {
-        self.metrics.store_write(false);
-        store_err(e)
-    }
-
     /// Commits a durable change (a redb transaction, fsync included), counted in the
     /// metrics. Callers hold no state lock; on a multi-threaded runtime the commit runs in
     /// `block_in_place`, so the worker thread's other tasks move elsewhere meanwhile.
@@ -162,7 +156,7 @@ impl Arbiter {
         };
         off_the_runtime(|| write(store))
             .inspect(|_| self.metrics.store_write(true))
-            .map_err(|e| self.store_failed(e))
+            .map_err(|e| store_write_failed(&self.metrics, e))
     }
 
     /// Loads tenants, token hashes and claim reservations from the store (start-up).
@@ -189,15 +183,16 @@ impl Arbiter {
     /// operator changes and those made outside it (a configuration reload). Without a
     /// store it runs here: nothing is committed.
     pub async fn run_durable<T: Send + 'static>(
-        &self,
-        change: impl FnOnce() -> BrokerResult<T> + Send + 'static,
+        self: &Arc<Self>,
+        change: impl FnOnce(&Arc<Arbiter>) -> BrokerResult<T> + Send + 'static,
     ) -> BrokerResult<T> {
         if self.durable.store().is_none() {
-            return change();
+            return change(self);
         }
+        let me = self.clone();
         self.lifecycle
             .store_writer()?
-            .run(change)
+            .run(move || change(&me))
             .await
             .map_err(|e| match e {
                 crate::store_writer::WriterError::Stopped => BrokerError::ShuttingDown,
@@ -211,4 +206,11 @@ impl Arbiter {
 /// A store error as the caller's answer.
 pub(super) fn store_err(e: StoreError) -> BrokerError {
     BrokerError::Internal(format!("state store: {e}"))
+}
+
+/// A store write failed: counted (the store-unwritable alert watches it), then the error
+/// the caller returns.
+fn store_write_failed(metrics: &crate::metrics::Metrics, e: StoreError) -> BrokerError {
+    metrics.store_write(false);
+    store_err(e)
 }

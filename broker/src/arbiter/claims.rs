@@ -72,11 +72,17 @@ impl Arbiter {
             name: claim_token_name(&req.uid),
             description: format!("ResourceClaim {}", req.label),
         };
-        let issued = self.issue_for(spec, who.clone()).await?;
+        let by = who.clone();
+        let issued = self
+            .run_durable(move |arb| arb.issue(spec, Some(&by)))
+            .await?;
         let token_id = issued.entry.token_id.clone();
         match self.grant_claim(&req, &token_id) {
             Ok(mut reservation) => {
-                match self.claim_env(&req, reservation.bytes) {
+                // The managed MPS daemon's variables for the claim's processes (none
+                // without `--mps`): their pinned device memory limit is the reservation.
+                let ask = process_ask(&req, reservation.bytes);
+                match self.process_env(req.device, reservation.bytes, &ask) {
                     Ok(env) => reservation.env = env,
                     Err(e) => {
                         self.undo_claim(&req.uid, &token_id, who).await;
@@ -84,9 +90,8 @@ impl Arbiter {
                     }
                 }
                 let record = claim_record(&req, &reservation, &token_id);
-                let me = self.clone();
                 let kept = self
-                    .run_durable(move || me.commit_to_store(|s| s.put_claim(&record)))
+                    .run_durable(move |arb| arb.commit_to_store(|s| s.put_claim(&record)))
                     .await;
                 if let Err(e) = kept {
                     self.undo_claim(&req.uid, &token_id, who).await;
@@ -120,7 +125,11 @@ impl Arbiter {
             .map(|t| t.token_id)
             .collect();
         for id in &tokens {
-            match self.revoke_token_for(id.clone(), who.clone()).await {
+            let (id, by) = (id.clone(), who.clone());
+            match self
+                .run_durable(move |arb| arb.revoke_token(&id, Some(&by)))
+                .await
+            {
                 Ok(()) | Err(BrokerError::NotFound(_)) => {}
                 Err(e) => return Err(e),
             }
@@ -141,12 +150,12 @@ impl Arbiter {
         Ok(())
     }
 
-    /// The claim reservations, oldest first.
     /// Whether claim `uid` has its reservation here.
     pub(crate) fn claim_is_held(&self, uid: &str) -> bool {
         self.lock().reservations().of_claim(uid).is_some()
     }
 
+    /// The claim reservations, oldest first.
     pub(crate) fn list_claims(&self) -> Vec<(ClaimBinding, ReservationView)> {
         let st = self.lock();
         let mut v: Vec<(ClaimBinding, ReservationView)> = st
@@ -228,24 +237,6 @@ impl Arbiter {
         Ok(view)
     }
 
-    /// The managed MPS daemon's variables for the claim's processes (none without
-    /// `--mps`): their pinned device memory limit is the reservation.
-    fn claim_env(&self, req: &ClaimRequest, bytes: u64) -> BrokerResult<Vec<(String, String)>> {
-        self.process_env(
-            req.device,
-            bytes,
-            &ReserveRequest {
-                tenant: req.tenant.clone(),
-                session: uuid::Uuid::nil(),
-                bytes,
-                device: Some(req.device),
-                wait: Duration::ZERO,
-                label: req.label.clone(),
-                compute_percent: None,
-            },
-        )
-    }
-
     /// A claim that could not be reserved: its reservation (if made) ends and its token
     /// is revoked, so nothing of it is left.
     pub(super) async fn undo_claim(self: &Arc<Self>, uid: &str, token_id: &str, who: Who) {
@@ -263,7 +254,11 @@ impl Arbiter {
             }
             mine.is_some()
         };
-        if let Err(e) = self.revoke_token_for(token_id.to_string(), who).await {
+        let id = token_id.to_string();
+        if let Err(e) = self
+            .run_durable(move |arb| arb.revoke_token(&id, Some(&who)))
+            .await
+        {
             tracing::error!(claim = %uid, token_id, error = %e, "revoking a refused claim's token");
         }
         if mine {
@@ -275,9 +270,8 @@ impl Arbiter {
 
     /// Deletes claim `uid`'s record from the store; whether there was one.
     async fn forget_claim(self: &Arc<Self>, uid: &str) -> BrokerResult<bool> {
-        let me = self.clone();
         let uid = uid.to_string();
-        self.run_durable(move || me.commit_to_store(|s| s.delete_claim(&uid)))
+        self.run_durable(move |arb| arb.commit_to_store(|s| s.delete_claim(&uid)))
             .await
     }
 
@@ -335,6 +329,19 @@ impl Arbiter {
         st.restore_claim(id, created, ask)?;
         tracing::info!(claim = %c.uid, reservation = %id, tenant = %c.tenant, device = c.device, bytes = c.bytes, "claim reservation taken again");
         Ok(())
+    }
+}
+
+/// The claim as a process reservation's request, for the MPS daemon's variables.
+fn process_ask(req: &ClaimRequest, bytes: u64) -> ReserveRequest {
+    ReserveRequest {
+        tenant: req.tenant.clone(),
+        session: uuid::Uuid::nil(),
+        bytes,
+        device: Some(req.device),
+        wait: Duration::ZERO,
+        label: req.label.clone(),
+        compute_percent: None,
     }
 }
 

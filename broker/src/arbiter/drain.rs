@@ -7,7 +7,8 @@
 //! withdraws the drain's reclaim requests that are still pending.
 
 use super::{Arbiter, State};
-use crate::availability::Drain;
+use crate::availability::{Availability, Drain};
+use crate::backend::Devices;
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseState;
 use crate::ledger::Tier;
@@ -60,6 +61,38 @@ impl DrainReport {
                 .iter()
                 .filter(|d| d.draining)
                 .all(DeviceDrain::is_empty)
+    }
+
+    /// Every device's progress, read from the state (under its lock), the devices'
+    /// admission states and their identities.
+    pub(super) fn of(st: &State, avail: &Availability, devices: &Devices) -> DrainReport {
+        let progress = (0..devices.len() as u32)
+            .map(|d| {
+                let drain = avail.device(d).and_then(|s| s.drain.clone());
+                let on: Vec<_> = st
+                    .leases()
+                    .iter()
+                    .filter(|l| l.tier == Tier::Device && l.device == d)
+                    .collect();
+                DeviceDrain {
+                    index: d,
+                    uuid: devices.uuid(d),
+                    draining: drain.is_some(),
+                    since: drain.as_ref().map(|x| x.since),
+                    deadline: drain.as_ref().and_then(|x| x.deadline),
+                    reason: drain.map(|x| x.reason).unwrap_or_default(),
+                    leases: on.len() as u32,
+                    bytes: on.iter().map(|l| l.bytes()).sum(),
+                    reclaim_requested: on
+                        .iter()
+                        .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }))
+                        .count() as u32,
+                    not_reclaimable: on.iter().filter(|l| !l.reclaimable).count() as u32,
+                    quarantined_bytes: st.pools()[d as usize].stats().quarantined,
+                }
+            })
+            .collect();
+        DrainReport { devices: progress }
     }
 }
 
@@ -134,7 +167,7 @@ impl Arbiter {
             None::<()>
         });
         tracing::warn!(devices = ?targets, ?deadline, %reason, asked = asked.len(), "drain started");
-        let report = self.drain_report_locked(&st);
+        let report = DrainReport::of(&st, &self.avail.read(), &self.devices);
         drop(st);
         self.crash.pass("after", "drain");
         Ok(report)
@@ -163,43 +196,12 @@ impl Arbiter {
         tracing::warn!(devices = ?targets, withdrawn = withdrawn.len(), "drain ended");
         // The report shows what the queue granted on the reopened devices.
         st.settle();
-        Ok(self.drain_report_locked(&st))
+        Ok(DrainReport::of(&st, &self.avail.read(), &self.devices))
     }
 
     /// Progress of every device.
     pub(crate) fn drain_report(&self) -> DrainReport {
         let st = self.lock();
-        self.drain_report_locked(&st)
-    }
-
-    fn drain_report_locked(&self, st: &State) -> DrainReport {
-        let avail = self.avail.read();
-        let devices = (0..self.devices.len() as u32)
-            .map(|d| {
-                let drain = avail.device(d).and_then(|s| s.drain.clone());
-                let on: Vec<_> = st
-                    .leases()
-                    .iter()
-                    .filter(|l| l.tier == Tier::Device && l.device == d)
-                    .collect();
-                DeviceDrain {
-                    index: d,
-                    uuid: self.devices.uuid(d),
-                    draining: drain.is_some(),
-                    since: drain.as_ref().map(|x| x.since),
-                    deadline: drain.as_ref().and_then(|x| x.deadline),
-                    reason: drain.map(|x| x.reason).unwrap_or_default(),
-                    leases: on.len() as u32,
-                    bytes: on.iter().map(|l| l.bytes()).sum(),
-                    reclaim_requested: on
-                        .iter()
-                        .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { .. }))
-                        .count() as u32,
-                    not_reclaimable: on.iter().filter(|l| !l.reclaimable).count() as u32,
-                    quarantined_bytes: st.pools()[d as usize].stats().quarantined,
-                }
-            })
-            .collect();
-        DrainReport { devices }
+        DrainReport::of(&st, &self.avail.read(), &self.devices)
     }
 }

@@ -5,6 +5,7 @@
 
 use super::admin::QuotaUpdate::{self, Replace};
 use super::tests::{quota, req};
+use super::tokens::{IssuedToken, TokenSpec};
 use super::*;
 use crate::audit::{AuditFilter, AuditLog, Who};
 use crate::ledger::{Quota, QuotaPatch};
@@ -45,8 +46,7 @@ pub(crate) fn reopened(
 async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    let c = arb
-        .change_quota_for("a".into(), Replace(quota(64 * MIB)), who())
+    let c = change_quota_for(&arb, "a".into(), Replace(quota(64 * MIB)), who())
         .await
         .unwrap();
     assert!(c.created);
@@ -60,8 +60,7 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
         max_leases: Some(3),
         ..QuotaPatch::default()
     };
-    let c = arb
-        .change_quota_for("a".into(), QuotaUpdate::Patch(patch), who())
+    let c = change_quota_for(&arb, "a".into(), QuotaUpdate::Patch(patch), who())
         .await
         .unwrap();
     assert!(!c.created);
@@ -79,13 +78,11 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
     assert_eq!(records[1].after, Some(c.tenant.quota.to_json()));
     assert_eq!(records[1].seq, records[0].seq + 1);
     // A refused change commits nothing: no tenant, no record.
-    let e = arb
-        .change_quota_for("bad name".into(), Replace(quota(MIB)), who())
+    let e = change_quota_for(&arb, "bad name".into(), Replace(quota(MIB)), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::InvalidArgument(_)), "{e:?}");
-    let e = arb
-        .change_quota_for("g".into(), guaranteed(2048 * MIB), who())
+    let e = change_quota_for(&arb, "g".into(), guaranteed(2048 * MIB), who())
         .await
         .unwrap_err();
     assert!(
@@ -122,8 +119,13 @@ async fn concurrent_changes_leave_memory_store_and_audit_agreeing() {
     for i in 0..40u64 {
         let arb = arb.clone();
         changes.push(tokio::spawn(async move {
-            arb.change_quota_for(format!("t{}", i % 4), Replace(quota((i + 1) * MIB)), who())
-                .await
+            change_quota_for(
+                &arb,
+                format!("t{}", i % 4),
+                Replace(quota((i + 1) * MIB)),
+                who(),
+            )
+            .await
         }));
     }
     for c in changes {
@@ -167,7 +169,7 @@ async fn concurrent_changes_leave_memory_store_and_audit_agreeing() {
 async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
+    change_quota_for(&arb, "a".into(), Replace(quota(8 * MIB)), who())
         .await
         .unwrap();
     assert!(arb
@@ -175,8 +177,7 @@ async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
         .join(Duration::from_secs(5))
         .await
         .is_empty());
-    let e = arb
-        .change_quota_for("a".into(), Replace(quota(16 * MIB)), who())
+    let e = change_quota_for(&arb, "a".into(), Replace(quota(16 * MIB)), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
@@ -189,7 +190,8 @@ async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
         1
     );
     // The synchronous path (configuration reloads, start-up) still works.
-    arb.change_quota("a", Replace(quota(32 * MIB))).unwrap();
+    arb.change_quota("a", Replace(quota(32 * MIB)), None)
+        .unwrap();
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
 }
 
@@ -203,8 +205,7 @@ async fn a_change_after_shutdown_is_refused_though_none_came_before() {
         .join(Duration::from_secs(5))
         .await
         .is_empty());
-    let e = arb
-        .change_quota_for("a".into(), Replace(quota(16 * MIB)), who())
+    let e = change_quota_for(&arb, "a".into(), Replace(quota(16 * MIB)), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
@@ -226,7 +227,7 @@ async fn a_change_whose_caller_went_away_is_committed_and_applied_both() {
     let arb = stored_arbiter(dir.path());
     let writes = arb.durable.writes();
     // Polled once (the change is handed over, and waits for `writes`), then dropped.
-    let asked = arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who());
+    let asked = change_quota_for(&arb, "a".into(), Replace(quota(8 * MIB)), who());
     assert!(futures::FutureExt::now_or_never(asked).is_none());
     drop(writes);
     let mut waited = 0;
@@ -253,7 +254,7 @@ async fn a_raised_quota_on_the_writer_lets_a_waiter_in() {
     // The queue run after a change spawns the grant's task from the writer thread.
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
+    change_quota_for(&arb, "a".into(), Replace(quota(8 * MIB)), who())
         .await
         .unwrap();
     let (s, _rx) = arb.open_session("a", "w", Peer::default()).unwrap();
@@ -271,7 +272,7 @@ async fn a_raised_quota_on_the_writer_lets_a_waiter_in() {
     while arb.get_tenant("a").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    arb.change_quota_for("a".into(), Replace(quota(16 * MIB)), who())
+    change_quota_for(&arb, "a".into(), Replace(quota(16 * MIB)), who())
         .await
         .unwrap();
     let l = tokio::time::timeout(Duration::from_secs(10), waiter)
@@ -296,12 +297,17 @@ async fn a_deletion_racing_a_quota_change_is_recorded_in_the_stores_order() {
     for delete_first in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let arb = stored_arbiter(dir.path());
-        arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
+        change_quota_for(&arb, "a".into(), Replace(quota(8 * MIB)), who())
             .await
             .unwrap();
         let writes = arb.durable.writes();
-        let mut set = Box::pin(arb.change_quota_for("a".into(), Replace(quota(16 * MIB)), who()));
-        let mut delete = Box::pin(arb.delete_tenant_for("a".into(), who()));
+        let mut set = Box::pin(change_quota_for(
+            &arb,
+            "a".into(),
+            Replace(quota(16 * MIB)),
+            who(),
+        ));
+        let mut delete = Box::pin(delete_tenant_for(&arb, "a".into(), who()));
         // Each polled once: handed to the writer in this order (both wait for `writes`).
         if delete_first {
             assert!(futures::FutureExt::now_or_never(&mut delete).is_none());
@@ -351,8 +357,7 @@ async fn a_deletion_racing_a_quota_change_is_recorded_in_the_stores_order() {
 async fn a_refused_deletion_commits_no_record() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    let e = arb
-        .delete_tenant_for("nobody".into(), who())
+    let e = delete_tenant_for(&arb, "nobody".into(), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
@@ -370,21 +375,20 @@ async fn a_refused_deletion_commits_no_record() {
 async fn tokens_issued_and_revoked_commit_with_their_records_on_the_writer() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who())
+    change_quota_for(&arb, "a".into(), Replace(quota(8 * MIB)), who())
         .await
         .unwrap();
-    let spec = super::tokens::TokenSpec {
+    let spec = TokenSpec {
         tenant: Some("a".into()),
         name: "ci".into(),
         ..Default::default()
     };
-    let issued = arb.issue_for(spec.clone(), who()).await.unwrap();
-    let kept = arb.issue_for(spec, who()).await.unwrap();
-    arb.revoke_token_for(issued.entry.token_id.clone(), who())
+    let issued = issue_for(&arb, spec.clone(), who()).await.unwrap();
+    let kept = issue_for(&arb, spec, who()).await.unwrap();
+    revoke_token_for(&arb, issued.entry.token_id.clone(), who())
         .await
         .unwrap();
-    let e = arb
-        .revoke_token_for(issued.entry.token_id.clone(), who())
+    let e = revoke_token_for(&arb, issued.entry.token_id.clone(), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
@@ -416,7 +420,12 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
     let writes = arb.durable.writes();
-    let mut set = Box::pin(arb.change_quota_for("a".into(), Replace(quota(8 * MIB)), who()));
+    let mut set = Box::pin(change_quota_for(
+        &arb,
+        "a".into(),
+        Replace(quota(8 * MIB)),
+        who(),
+    ));
     assert!(futures::FutureExt::now_or_never(&mut set).is_none());
     arb.audit(&who(), "drain.start", "", "node", None, None);
     assert!(
@@ -442,4 +451,39 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
     );
     drop(arb);
     assert_eq!(reopened(dir.path()).1, records, "every record durable");
+}
+
+/// The operator's RPCs as the admin service makes them: on the store writer, with their
+/// audit records (`quota.set`, `tenant.delete`, `token.issue`, `token.revoke`).
+pub(crate) async fn change_quota_for(
+    arb: &Arc<Arbiter>,
+    name: String,
+    update: QuotaUpdate,
+    who: Who,
+) -> BrokerResult<QuotaChange> {
+    arb.run_durable(move |arb| arb.change_quota(&name, update, Some((&who, "quota.set", ""))))
+        .await
+}
+
+pub(crate) async fn delete_tenant_for(
+    arb: &Arc<Arbiter>,
+    name: String,
+    who: Who,
+) -> BrokerResult<()> {
+    arb.run_durable(move |arb| arb.delete_tenant(&name, Some(&who)))
+        .await
+}
+
+pub(crate) async fn issue_for(
+    arb: &Arc<Arbiter>,
+    spec: TokenSpec,
+    who: Who,
+) -> BrokerResult<IssuedToken> {
+    arb.run_durable(move |arb| arb.issue(spec, Some(&who)))
+        .await
+}
+
+pub(crate) async fn revoke_token_for(arb: &Arc<Arbiter>, id: String, who: Who) -> BrokerResult<()> {
+    arb.run_durable(move |arb| arb.revoke_token(&id, Some(&who)))
+        .await
 }

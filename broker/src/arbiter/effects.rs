@@ -536,7 +536,10 @@ impl Arbiter {
             Effect::ForgetTickets { lease, .. } => {
                 after.then(move || self.tickets.forget_lease(lease))
             }
-            Effect::EndTurns { session, .. } => after.then(move || self.end_turns(session)),
+            Effect::EndTurns { session, .. } => after.then(move || {
+                // Its turn requests are answered, its turns end.
+                self.with_turns(|t| t.end_session(session, std::time::Instant::now()));
+            }),
             Effect::StopGroup { group: g, .. } => after.then(move || {
                 let grace = self.cfg.process_stop_grace;
                 match self.lifecycle.effects_runtime() {

@@ -66,16 +66,12 @@ impl Arbiter {
         tracing::info!(session = %id, tenant = %session.tenant, reason, leases = session.leases().len(), bytes, "session ended");
     }
 
-    /// Takes a lease away at an operator's word (`reason`: what its holder is told). The
-    /// holder is told; its memory is quarantined until its process lets go, or with the
-    /// `terminate` policy the process is killed first.
-    pub fn revoke(self: &Arc<Self>, id: Uuid, reason: &str) -> BrokerResult<LeaseView> {
-        self.revoke_for(id, &Revoke::Operator(reason.to_string()))
-    }
-
-    /// Takes a lease away for `why`: the holder's process is looked at before the lock,
-    /// then one transition (`State::revoke`) does the rest.
-    fn revoke_for(self: &Arc<Self>, id: Uuid, why: &Revoke) -> BrokerResult<LeaseView> {
+    /// Takes a lease away for `why` (an operator's word, with what its holder is told, or
+    /// a missed reclaim deadline). The holder is told; its memory is quarantined until its
+    /// process lets go, or with the `terminate` policy the process is killed first. The
+    /// holder's process is looked at before the lock, then one transition
+    /// (`State::revoke`) does the rest.
+    pub fn revoke(self: &Arc<Self>, id: Uuid, why: &Revoke) -> BrokerResult<LeaseView> {
         let gone = self.peer_gone(|st| {
             let l = st.leases().get(&id)?;
             st.sessions().get(&l.session).map(|s| s.peer)
@@ -101,7 +97,7 @@ impl Arbiter {
                 .collect()
         };
         for id in &late {
-            let _ = self.revoke_for(*id, &Revoke::ReclaimDeadline);
+            let _ = self.revoke(*id, &Revoke::ReclaimDeadline);
         }
         late.len()
     }

@@ -101,28 +101,6 @@ impl Arbiter {
         Ok(true)
     }
 
-    /// Is device `index` healthy (not marked unhealthy)?
-    #[cfg(test)]
-    pub(crate) fn device_healthy(&self, index: u32) -> bool {
-        self.avail
-            .read()
-            .device(index)
-            .is_some_and(|s| s.fault.is_none())
-    }
-
-    /// Devices marked unhealthy, with the reason.
-    #[cfg(test)]
-    pub(crate) fn unhealthy_devices(&self) -> Vec<(u32, String)> {
-        let avail = self.avail.read();
-        (0..avail.len() as u32)
-            .filter_map(|d| {
-                avail
-                    .device(d)
-                    .and_then(|s| s.fault.as_ref().map(|f| (d, f.reason.clone())))
-            })
-            .collect()
-    }
-
     /// An operator's verdict on device `index` (`SetDeviceHealth`).
     pub(crate) fn set_device_health(
         self: &Arc<Self>,

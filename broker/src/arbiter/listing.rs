@@ -95,12 +95,6 @@ impl Arbiter {
         all_pages(|t| self.leases_page(tenant, t, DEFAULT_PAGE_SIZE))
     }
 
-    /// Every session (of `tenant`, or all) by id, page by page.
-    #[cfg(test)]
-    pub(super) fn list_sessions(&self, tenant: Option<&str>) -> Vec<SessionView> {
-        all_pages(|t| self.sessions_page(tenant, t, DEFAULT_PAGE_SIZE))
-    }
-
     /// Tenants by name, after `token`.
     pub(crate) fn tenants_page(&self, token: &str, size: usize) -> BrokerResult<Page<TenantView>> {
         bounds::check("page_token", token, bounds::MAX_TENANT_BYTES)?;

@@ -584,12 +584,6 @@ impl Arbiter {
             .map(|s| s.last_seen.clone())
     }
 
-    /// The caller's own leases, in the order they were granted (every page).
-    #[cfg(test)]
-    pub(crate) fn list_leases(&self, tenant: &str) -> Vec<LeaseView> {
-        listing::all_pages(|t| self.leases_page(Some(tenant), t, listing::MAX_PAGE_SIZE))
-    }
-
     /// Begins shutdown: refuse new work, tell every session.
     pub(crate) fn begin_shutdown(&self, grace: Duration) {
         self.shutdown.begin();

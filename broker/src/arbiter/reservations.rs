@@ -168,14 +168,10 @@ impl Arbiter {
             .reservations()
             .iter()
             .filter(|r| tenant.is_none_or(|t| r.tenant == t))
-            .map(|r| self.reservation_view(r))
+            .map(|r| r.view(self.devices.uuid(r.device)))
             .collect();
         v.sort_by_key(|r| (r.created, r.id));
         v
-    }
-
-    fn reservation_view(&self, r: &Reservation) -> ReservationView {
-        r.view(self.devices.uuid(r.device))
     }
 
     /// Which GPU processes (pid -> bytes, NVML) lie in a reservation's process tree, and

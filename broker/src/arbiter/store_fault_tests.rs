@@ -6,7 +6,9 @@
 //! a broker started on the store sees exactly the changes that succeeded.
 
 use super::admin::QuotaUpdate;
-use super::durable_tests::{reopened, stored_arbiter};
+use super::durable_tests::{
+    change_quota_for, delete_tenant_for, issue_for, reopened, revoke_token_for, stored_arbiter,
+};
 use super::tokens::TokenSpec;
 use super::*;
 use crate::audit::{AuditFilter, Who};
@@ -73,24 +75,22 @@ fn writable(arb: &Arbiter) -> bool {
 async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
     let dir = tempfile::tempdir().unwrap();
     let arb = stored_arbiter(dir.path());
-    arb.change_quota_for("a".into(), limit(64 * MIB), who())
+    change_quota_for(&arb, "a".into(), limit(64 * MIB), who())
         .await
         .unwrap();
-    let kept = arb.issue_for(worker_token("a"), who()).await.unwrap();
+    let kept = issue_for(&arb, worker_token("a"), who()).await.unwrap();
     assert_eq!((records(&arb), failures(&arb).await), (2, 0));
     let store = arb.durable.store().unwrap();
     store.fail_commits(true);
 
     // A quota change of a tenant, and a new tenant.
-    let e = arb
-        .change_quota_for("a".into(), limit(128 * MIB), who())
+    let e = change_quota_for(&arb, "a".into(), limit(128 * MIB), who())
         .await
         .unwrap_err();
     assert_store_failure(e);
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 64 * MIB);
     assert!(!writable(&arb), "the store reads unwritable");
-    let e = arb
-        .change_quota_for("b".into(), limit(MIB), who())
+    let e = change_quota_for(&arb, "b".into(), limit(MIB), who())
         .await
         .unwrap_err();
     assert_store_failure(e);
@@ -98,7 +98,9 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
     assert_eq!((records(&arb), failures(&arb).await), (2, 2));
 
     // A deletion: the tenant stays, reopened (it takes charges again).
-    let e = arb.delete_tenant_for("a".into(), who()).await.unwrap_err();
+    let e = delete_tenant_for(&arb, "a".into(), who())
+        .await
+        .unwrap_err();
     assert_store_failure(e);
     assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 64 * MIB);
     let (session, _events) = arb.open_session("a", "t", Default::default()).unwrap();
@@ -119,11 +121,10 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
     assert_eq!(arb.auth.list(Some("a")).len(), 1, "its token stayed");
 
     // Token changes: none issued, none revoked.
-    let e = arb.issue_for(worker_token("a"), who()).await.unwrap_err();
+    let e = issue_for(&arb, worker_token("a"), who()).await.unwrap_err();
     assert_store_failure(e);
     assert_eq!(arb.auth.list(Some("a")).len(), 1, "no token issued");
-    let e = arb
-        .revoke_token_for(kept.entry.token_id.clone(), who())
+    let e = revoke_token_for(&arb, kept.entry.token_id.clone(), who())
         .await
         .unwrap_err();
     assert_store_failure(e);
@@ -135,7 +136,7 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
 
     // The store works again: the next change reopens it and commits, with its record.
     store.fail_commits(false);
-    arb.change_quota_for("a".into(), limit(32 * MIB), who())
+    change_quota_for(&arb, "a".into(), limit(32 * MIB), who())
         .await
         .unwrap();
     assert!(writable(&arb));
@@ -147,7 +148,7 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
         log[2].before, log[0].after,
         "the quota before was the committed one"
     );
-    arb.revoke_token_for(kept.entry.token_id.clone(), who())
+    revoke_token_for(&arb, kept.entry.token_id.clone(), who())
         .await
         .unwrap();
     assert!(arb.auth.find(&kept.token).is_none());

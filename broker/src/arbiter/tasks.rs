@@ -30,7 +30,9 @@ impl Arbiter {
                 let mut last_reap = Instant::now();
                 loop {
                     tick.tick().await;
-                    me.tick_turns();
+                    // Kept slots past their window, yield requests past the quantum,
+                    // turns taken past quantum + grace.
+                    me.with_turns(|t| t.tick(Instant::now(), std::time::SystemTime::now()));
                     me.enforce_reclaim_deadlines();
                     if last_reap.elapsed() >= Duration::from_millis(500) {
                         last_reap = Instant::now();

@@ -25,6 +25,11 @@ pub(crate) fn quota(limit: u64) -> Quota {
     }
 }
 
+/// Every open session by id, page by page.
+fn sessions(arb: &Arbiter) -> Vec<SessionView> {
+    listing::all_pages(|t| arb.sessions_page(None, t, listing::DEFAULT_PAGE_SIZE))
+}
+
 pub(crate) fn req(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
     AcquireRequest {
         tenant: tenant.into(),
@@ -402,7 +407,7 @@ async fn higher_priority_waiter_triggers_reclaim_of_lowest_newest() {
     // Only as much as needed: the older lease was left alone.
     assert!(f
         .arb
-        .list_leases("low")
+        .list_all_leases(Some("low"))
         .iter()
         .any(|l| l.id == old.id && l.reclaim_deadline.is_none()));
 }
@@ -444,7 +449,9 @@ async fn revoked_lease_of_a_live_process_is_quarantined() {
     };
     let (s, mut events) = f.arb.open_session("a", "x", me).unwrap();
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    f.arb.revoke(l.id, "test").unwrap();
+    f.arb
+        .revoke(l.id, &state::Revoke::Operator("test".into()))
+        .unwrap();
     assert!(matches!(
         events.recv().await,
         Some(SessionEvent::LeaseRevoked { .. })
@@ -510,15 +517,15 @@ async fn process_memory_beyond_leases_is_reported() {
     f.arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
     let usage = std::collections::HashMap::from([(pid, 3 * MIB)]);
     f.arb.apply_process_usage(&usage, 4 * MIB);
-    let g = f.arb.list_sessions(None)[0].gpu.unwrap();
+    let g = sessions(&f.arb)[0].gpu.unwrap();
     assert_eq!((g.used, g.own, g.over), (3 * MIB, 3 * MIB, false));
     let usage = std::collections::HashMap::from([(pid, 20 * MIB)]);
     f.arb.apply_process_usage(&usage, 4 * MIB);
-    let g = f.arb.list_sessions(None)[0].gpu.unwrap();
+    let g = sessions(&f.arb)[0].gpu.unwrap();
     assert_eq!((g.own, g.over), (20 * MIB, true));
     // A session whose process NVML does not list uses nothing of its own.
     f.arb.apply_process_usage(&Default::default(), 4 * MIB);
-    assert!(!f.arb.list_sessions(None)[0].gpu.unwrap().over);
+    assert!(!sessions(&f.arb)[0].gpu.unwrap().over);
 }
 
 #[tokio::test]
@@ -928,7 +935,7 @@ async fn a_tenant_being_deleted_takes_no_new_charge_or_session() {
     // A tenant holding memory cannot start closing.
     assert!(f.arb.lock().close_tenant("a").is_err());
     f.arb.release("a", l.id).unwrap();
-    f.arb.delete_tenant("a").unwrap();
+    f.arb.delete_tenant("a", None).unwrap();
     assert!(f.arb.get_tenant("a").is_err());
 }
 
@@ -945,7 +952,9 @@ async fn effects_run_after_the_lock_is_released() {
     };
     let (s, mut rx) = f.arb.open_session("a", "t", me).unwrap();
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    f.arb.revoke(l.id, "operator test").unwrap();
+    f.arb
+        .revoke(l.id, &state::Revoke::Operator("operator test".into()))
+        .unwrap();
     match rx.try_recv() {
         Ok(SessionEvent::LeaseRevoked { lease_id, .. }) => assert_eq!(lease_id, l.id),
         other => panic!("expected LeaseRevoked, got {other:?}"),
@@ -1221,7 +1230,7 @@ async fn lease_pages_follow_the_indexes_across_chunks_and_releases() {
         }
     }
     assert_eq!(walked, kept);
-    assert_eq!(f.arb.list_leases("a").len(), a.len());
+    assert_eq!(f.arb.list_all_leases(Some("a")).len(), a.len());
     assert!(f
         .arb
         .leases_page(Some("nobody"), "", 10)
@@ -1240,7 +1249,11 @@ async fn tenant_pages_span_chunks_in_name_order() {
         f.arb.set_quota(&format!("t{i:04}"), quota(MIB)).unwrap();
     }
     f.tenant("t0600", quota(MIB));
-    f.arb.issue_token("t0601", "x").unwrap();
+    let spec = super::tokens::TokenSpec {
+        tenant: Some("t0601".into()),
+        ..Default::default()
+    };
+    f.arb.issue(spec, None).unwrap();
     let p = f.arb.tenants_page("", 610).unwrap();
     assert_eq!(p.items.len(), 610);
     assert_eq!(p.next.as_deref(), Some("t0609"));
@@ -1451,7 +1464,9 @@ async fn a_published_lease_revoked_is_freed_not_cached_when_its_process_exits() 
     // keep the sealed memfd alive past its free, and the kernel says so: charged as kept).
     let lease = l.id;
     drop((i, l));
-    f.arb.revoke(lease, "test").unwrap();
+    f.arb
+        .revoke(lease, &state::Revoke::Operator("test".into()))
+        .unwrap();
     assert_eq!(quarantined_and_cached(&f).await, (4 * MIB, 0));
     child.kill().unwrap();
     child.wait().unwrap();

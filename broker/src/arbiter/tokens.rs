@@ -30,26 +30,9 @@ pub struct IssuedToken {
 }
 
 impl Arbiter {
-    /// Issues a token. Durable before it is returned.
-    #[cfg(test)]
-    pub(super) fn issue(&self, spec: TokenSpec) -> BrokerResult<IssuedToken> {
-        self.issue_recorded(spec, None)
-    }
-
-    /// [`Arbiter::issue`] for an operator's RPC: on the store writer, with its audit
-    /// record (`token.issue`, by `who`) in the same commit as the token.
-    pub(crate) async fn issue_for(
-        self: &std::sync::Arc<Self>,
-        spec: TokenSpec,
-        who: crate::audit::Who,
-    ) -> BrokerResult<IssuedToken> {
-        let me = self.clone();
-        self.run_durable(move || me.issue_recorded(spec, Some(&who)))
-            .await
-    }
-
-    /// [`Arbiter::issue`]; with `who`, its audit record committed with the token.
-    fn issue_recorded(
+    /// Issues a token, durable before it is returned. With `who`, its audit record
+    /// (`token.issue`) is committed with the token.
+    pub(crate) fn issue(
         &self,
         spec: TokenSpec,
         who: Option<&crate::audit::Who>,

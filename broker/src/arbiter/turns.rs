@@ -16,7 +16,7 @@ use crate::scheduler::{
 use parking_lot::Mutex;
 use prometheus_client::metrics::histogram::Histogram;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
@@ -135,7 +135,9 @@ impl Drop for TurnWait {
         if !cancelled {
             rx.close();
             if let Ok(Ok(grant)) = rx.try_recv() {
-                self.arb.give_back_turn(grant);
+                // The turn goes back, its slot to the next.
+                tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
+                self.arb.with_turns(|t| t.give_back(&grant, Instant::now()));
             }
         }
     }
@@ -152,12 +154,6 @@ impl Arbiter {
             self.execute_turns(fx)
         };
         (r, delivered)
-    }
-
-    /// A grant its caller never received: the turn goes back, its slot to the next.
-    fn give_back_turn(&self, grant: TurnGrant) {
-        tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
-        self.with_turns(|t| t.give_back(&grant, Instant::now()));
     }
 
     /// Grants the compute turn on `device` now, after waiting up to `wait`, or says why not.
@@ -254,12 +250,6 @@ impl Arbiter {
         result
     }
 
-    /// The holder gives its compute turn back.
-    #[cfg(test)]
-    fn release_turn(&self, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
-        self.release_turn_received(tenant, turn_id, Instant::now())
-    }
-
     /// The holder gives its compute turn back; its `ReleaseTurn` arrived at `received`
     /// (the start of the hand-off to the next waiter). `handed_off` says whether the slot's
     /// grant reached a waiter (the caller may let that waiter's task run first).
@@ -275,22 +265,6 @@ impl Arbiter {
         end.handed_off = delivered > 0;
         Ok(end)
     }
-
-    /// A session ended (`Effect::EndTurns`): its turn requests are answered, its turns end.
-    pub(super) fn end_turns(&self, session: Uuid) {
-        self.with_turns(|t| t.end_session(session, Instant::now()));
-    }
-
-    /// A tenant was deleted (its sessions ended first): its compute-turn counters go.
-    pub(super) fn forget_turns(&self, tenant: &str) {
-        self.with_turns(|t| t.forget_tenant(tenant));
-    }
-
-    /// The ticker's compute-turn step: kept slots past their window, yield requests past
-    /// the quantum, turns taken past quantum + grace.
-    pub(super) fn tick_turns(&self) {
-        self.with_turns(|t| t.tick(Instant::now(), SystemTime::now()));
-    }
 }
 
 #[cfg(test)]
@@ -298,6 +272,7 @@ mod tests {
     use super::*;
     use crate::ledger::Quota;
     use crate::session::{Peer, SessionEvent};
+    use std::time::SystemTime;
 
     fn arbiter(turns: TurnConfig) -> Arc<Arbiter> {
         super::super::host_arbiter(
@@ -326,6 +301,11 @@ mod tests {
     ) -> (Uuid, tokio::sync::mpsc::UnboundedReceiver<SessionEvent>) {
         arb.set_quota(tenant, Quota::default()).unwrap();
         arb.open_session(tenant, "t", Peer::default()).unwrap()
+    }
+
+    /// The holder gives its compute turn back, received now.
+    fn release_turn(arb: &Arbiter, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
+        arb.release_turn_received(tenant, turn_id, Instant::now())
     }
 
     /// Waits (a bounded number of yields) until `n` requests wait on device 0.
@@ -368,7 +348,7 @@ mod tests {
         wc.abort();
         assert!(wc.await.unwrap_err().is_cancelled());
         assert_eq!(arb.scheduler.device_state(0), (Some("b".into()), 0));
-        assert!(!arb.release_turn("b", gb.turn_id).unwrap().handed_off);
+        assert!(!release_turn(&arb, "b", gb.turn_id).unwrap().handed_off);
         assert_eq!(arb.outbox.turn_replies_len(), 0);
         let mut reg = prometheus_client::registry::Registry::default();
         arb.scheduler.register_metrics(&mut reg);
@@ -423,12 +403,12 @@ mod tests {
             async move { arb.acquire_turn("b", b, 0, Duration::from_secs(10)).await }
         });
         waiting(&arb, 1).await;
-        arb.tick_turns();
+        arb.with_turns(|t| t.tick(Instant::now(), SystemTime::now()));
         match ea.try_recv() {
             Ok(SessionEvent::YieldRequested { turn_id, .. }) => assert_eq!(turn_id, ga.turn_id),
             other => panic!("{other:?}"),
         }
-        arb.tick_turns();
+        arb.with_turns(|t| t.tick(Instant::now(), SystemTime::now()));
         match ea.try_recv() {
             Ok(SessionEvent::TurnRevoked { turn_id, .. }) => assert_eq!(turn_id, ga.turn_id),
             other => panic!("{other:?}"),
@@ -436,7 +416,7 @@ mod tests {
         let gb = wb.await.unwrap().unwrap();
         assert_eq!(gb.handoff_from, None, "taken, not handed off");
         assert!(matches!(
-            arb.release_turn("a", ga.turn_id),
+            release_turn(&arb, "a", ga.turn_id),
             Err(BrokerError::NotFound(_))
         ));
     }
@@ -494,7 +474,7 @@ mod tests {
             "both slots are held: the third waits"
         );
         for (tenant, id) in &held {
-            arb.release_turn(tenant, *id).expect("still held");
+            release_turn(&arb, tenant, *id).expect("still held");
         }
         let (mut got, mut dropped) = (2u32, 1u32);
         let mut tasks = Vec::new();
@@ -526,7 +506,7 @@ mod tests {
                     };
                     got += 1;
                     tokio::task::yield_now().await;
-                    arb.release_turn(&tenant, grant.turn_id)
+                    release_turn(&arb, &tenant, grant.turn_id)
                         .expect("a received turn is the caller's until released");
                 }
                 (got, dropped)
@@ -607,7 +587,7 @@ mod tests {
         let (_, mut rd) = ask(who("d"));
         assert!(arb.outbox.forget_turn_reply(c));
         let tb = rb.try_recv().unwrap().unwrap();
-        let end = arb.release_turn("b", tb.turn_id).unwrap();
+        let end = release_turn(&arb, "b", tb.turn_id).unwrap();
         assert!(end.handed_off, "d got it, past c");
         assert!(rd.try_recv().unwrap().is_ok());
         assert_eq!(arb.scheduler.device_state(0), (Some("d".into()), 0));
@@ -620,21 +600,21 @@ mod tests {
         let arb = arbiter(slots(10_000));
         let (a, _ea) = session(&arb, "a");
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
-        arb.release_turn("a", ga.turn_id).unwrap();
+        release_turn(&arb, "a", ga.turn_id).unwrap();
         // A turn still held when the tenant goes is booked as its session ends, then
         // forgotten with the rest.
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
         assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
-        arb.delete_tenant("a").unwrap();
+        arb.delete_tenant("a", None).unwrap();
         assert_eq!(arb.scheduler.holders(0), 0, "its session's turn ended");
-        assert!(arb.release_turn("a", ga.turn_id).is_err());
+        assert!(release_turn(&arb, "a", ga.turn_id).is_err());
         assert_eq!(arb.scheduler.usage("a"), TurnUsage::default());
         assert_eq!(arb.scheduler.core.lock().tenants_counted(), 0);
         // Created again under the name: it starts with no usage.
         let (a, _ea) = session(&arb, "a");
         assert_eq!(arb.get_tenant("a").unwrap().turns, TurnUsage::default());
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
-        arb.release_turn("a", ga.turn_id).unwrap();
+        release_turn(&arb, "a", ga.turn_id).unwrap();
         assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
     }
 
@@ -653,7 +633,7 @@ mod tests {
         // b has used the device for a while; a has used nothing: a is owed.
         let gb = arb.acquire_turn("b", b, 0, Duration::ZERO).await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
-        arb.release_turn("b", gb.turn_id).unwrap();
+        release_turn(&arb, "b", gb.turn_id).unwrap();
         let ask_b = |arb: &Arc<Arbiter>| {
             let arb = arb.clone();
             tokio::spawn(async move { arb.acquire_turn("b", b, 0, Duration::from_secs(30)).await })
@@ -663,7 +643,7 @@ mod tests {
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
         let wb = ask_b(&arb);
         waiting(&arb, 1).await;
-        let end = arb.release_turn("a", ga.turn_id).unwrap();
+        let end = release_turn(&arb, "a", ga.turn_id).unwrap();
         let until = end.kept_until.expect("a is owed: its slot is kept");
         assert!(!end.handed_off);
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await;
@@ -671,12 +651,12 @@ mod tests {
             let ga = ga.expect("the kept slot is a's in its window");
             assert_eq!(arb.scheduler.device_state(0), (Some("a".into()), 1));
             // Round two: a gives it back again and does not ask: the timer hands it on.
-            let end = arb.release_turn("a", ga.turn_id).unwrap();
+            let end = release_turn(&arb, "a", ga.turn_id).unwrap();
             assert!(end.kept_until.is_some(), "a is still owed");
         } else if let Ok(ga) = ga {
             // A loaded machine ran past the window before the ask: a got the slot as the
             // tenant owed most; it gives it back (kept once more, for the timer to end).
-            arb.release_turn("a", ga.turn_id).unwrap();
+            release_turn(&arb, "a", ga.turn_id).unwrap();
         }
         let gb = tokio::time::timeout(Duration::from_secs(20), wb)
             .await
@@ -685,7 +665,7 @@ mod tests {
             .unwrap();
         assert!(Instant::now() >= until, "not before a's window ended");
         assert_eq!(arb.scheduler.device_state(0), (Some("b".into()), 0));
-        arb.release_turn("b", gb.turn_id).unwrap();
+        release_turn(&arb, "b", gb.turn_id).unwrap();
         assert_eq!(arb.scheduler.holders(0), 0);
         assert_eq!(arb.outbox.turn_replies_len(), 0);
     }

@@ -2,7 +2,9 @@
 //! [`Place`]). Each lease's block descriptor goes to the store under the lease's key as its
 //! FDNAME (`FDSTORE=1`, `FDNAME=lease/<id>`, `FDPOLL=0`, the descriptor in `SCM_RIGHTS` on
 //! the notify socket) and leaves it when the lease ends (`FDSTOREREMOVE=1`); the records
-//! are a memfd journal in the store too ([`super::journal`]). A descriptor is stored before
+//! are a memfd journal in the store too ([`super::journal`]). A lease's block keeps its
+//! lease's name when its quarantine or held-for-importers record takes it over
+//! ([`descriptor_name`]). A descriptor is stored before
 //! its record is written, and a record removed before its descriptor, so a record always
 //! has its descriptor; a descriptor left without a record by a SIGKILL is let go at the
 //! next start. systemd hands everything back at the next start (`LISTEN_FDS`,
@@ -17,7 +19,8 @@ use super::KeeperError;
 use parking_lot::Mutex;
 use sd_notify::NotifyState;
 use sendfd::SendWithFd;
-use std::collections::{BTreeMap, HashSet};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixDatagram;
@@ -64,22 +67,18 @@ pub fn take_handed_back() -> Vec<(String, OwnedFd)> {
     }
 }
 
-/// An ended lease's memory kept under `key` (its quarantine or held block) is the same
-/// descriptor its lease was stored with, and systemd stores a descriptor once, under its
-/// first name: the lease's name leaves the store first, so the descriptor is stored under
-/// the new one (the lease's record, whose removal follows, then has none).
-fn moved_from_its_lease(inner: &mut Inner, key: &str) -> io::Result<()> {
-    let id = key
+/// The name `key`'s descriptor is stored under. An ended lease's memory kept under its
+/// quarantine's or held block's key is the descriptor its lease was stored with, and
+/// systemd stores a descriptor once, under its first name: it keeps the lease's name (a
+/// rename would be a removal then a store, and a crash between would lose it).
+fn descriptor_name(key: &str) -> Cow<'_, str> {
+    match key
         .strip_prefix(QUARANTINE_PREFIX)
-        .or_else(|| key.strip_prefix(HELD_PREFIX));
-    let Some(id) = id else {
-        return Ok(());
-    };
-    let lease = format!("{LEASE_PREFIX}{id}");
-    if inner.stored.remove(&lease) {
-        unstore(&inner.sock, &lease)?;
+        .or_else(|| key.strip_prefix(HELD_PREFIX))
+    {
+        Some(id) => Cow::Owned(format!("{LEASE_PREFIX}{id}")),
+        None => Cow::Borrowed(key),
     }
-    Ok(())
 }
 
 fn connect_notify_socket() -> io::Result<UnixDatagram> {
@@ -190,8 +189,9 @@ pub struct FdStore {
 struct Inner {
     sock: UnixDatagram,
     journal: Journal,
-    /// Names of the lease descriptors in the store.
-    stored: HashSet<String>,
+    /// Names of the lease descriptors in the store, with the keys whose descriptor each is
+    /// (a lease's, then its quarantine's or held block's): it leaves with the last.
+    stored: HashMap<String, BTreeSet<String>>,
     /// What the store handed back, until [`Place::dump`] takes it.
     entries: Vec<Entry>,
     full_warned: bool,
@@ -248,17 +248,27 @@ impl FdStore {
         for (_, name, _) in &journals {
             unstore(&sock, name).map_err(KeeperError::FdStore)?;
         }
-        let mut stored = HashSet::new();
+        let mut stored: HashMap<String, BTreeSet<String>> = HashMap::new();
         let mut entries = Vec::with_capacity(back.records.len());
         for (key, record) in back.records {
-            let fd = fds.remove(&key);
-            if fd.is_some() {
-                stored.insert(key.clone());
+            // Under its own name (a store an earlier version wrote) or its lease's.
+            let name = [key.clone(), descriptor_name(&key).into_owned()]
+                .into_iter()
+                .find(|n| fds.contains_key(n));
+            let fd = name.as_ref().and_then(|n| match fds[n].try_clone() {
+                Ok(fd) => Some(fd),
+                Err(e) => {
+                    tracing::error!(key, error = %e, "a kept descriptor cannot be copied: its lease is let go");
+                    None
+                }
+            });
+            if let (Some(name), Some(_)) = (name, &fd) {
+                stored.entry(name).or_default().insert(key.clone());
                 intake.descriptors += 1;
             }
             entries.push(Entry { key, record, fd });
         }
-        for name in fds.keys() {
+        for name in fds.keys().filter(|n| !stored.contains_key(*n)) {
             unstore(&sock, name).map_err(KeeperError::FdStore)?;
             intake.orphans += 1;
         }
@@ -302,12 +312,14 @@ impl FdStore {
         }
     }
 
-    /// Stores `fd` under `key` unless it is there already or the store is full.
+    /// Stores `fd` for `key` unless its name is there already or the store is full.
     fn store_lease(&self, inner: &mut Inner, key: &str, fd: BorrowedFd<'_>) -> io::Result<()> {
-        if inner.stored.contains(key) {
+        let name = descriptor_name(key);
+        if let Some(keys) = inner.stored.get_mut(name.as_ref()) {
+            keys.insert(key.to_string());
             return Ok(());
         }
-        if !valid_fdname(key) {
+        if !valid_fdname(&name) {
             tracing::warn!(
                 key,
                 "not a valid FDNAME: this lease does not survive a restart"
@@ -325,8 +337,10 @@ impl FdStore {
             }
             return Ok(());
         }
-        store(&inner.sock, key, fd)?;
-        inner.stored.insert(key.to_string());
+        store(&inner.sock, &name, fd)?;
+        inner
+            .stored
+            .insert(name.into_owned(), BTreeSet::from([key.to_string()]));
         Ok(())
     }
 
@@ -357,7 +371,6 @@ impl Place for FdStore {
         let mut inner = self.inner.lock();
         let r = (|| {
             if let Some(fd) = fd {
-                moved_from_its_lease(&mut inner, &key)?;
                 self.store_lease(&mut inner, &key, fd)?;
             }
             inner.journal.append(&Message::Put { key, record })?;
@@ -380,8 +393,17 @@ impl Place for FdStore {
             inner
                 .journal
                 .append(&Message::Remove { key: key.clone() })?;
-            if inner.stored.remove(&key) {
-                unstore(&inner.sock, &key)?;
+            // Under its lease's name, or its own where an earlier version stored it.
+            let name = [descriptor_name(&key).into_owned(), key.clone()]
+                .into_iter()
+                .find(|n| inner.stored.get(n).is_some_and(|keys| keys.contains(&key)));
+            if let Some(name) = name {
+                let keys = inner.stored.get_mut(&name).expect("found above");
+                keys.remove(&key);
+                if keys.is_empty() {
+                    inner.stored.remove(&name);
+                    unstore(&inner.sock, &name)?;
+                }
             }
             self.compact_if_due(&mut inner)
         })();
@@ -570,6 +592,70 @@ mod tests {
             back.records.len()
         );
         assert!(back.records.contains_key("lease/3999"));
+    }
+
+    /// A quarantine or held block taking over its lease's descriptor keeps the lease's name
+    /// (no removal and store a crash could fall between): the name leaves with the last
+    /// record that has it, and a restart hands the descriptor to that record, also when an
+    /// earlier version stored it under the record's own name.
+    #[test]
+    fn a_quarantine_keeps_its_leases_descriptor_name_until_lifted() {
+        let (ours, systemd) = UnixDatagram::pair().unwrap();
+        let store = FdStore::open_on(ours, Vec::new(), None).unwrap();
+        let fd = memfd();
+        let r = json!({"v": 1});
+        store.put("lease/a".into(), r.clone(), Some(fd.as_fd()));
+        store.put("quarantine/a".into(), r.clone(), Some(fd.as_fd()));
+        store.remove("lease/a".into());
+        store.put("held/b".into(), r.clone(), Some(fd.as_fd()));
+        let m = read_all(&systemd);
+        let sent = texts(&m);
+        let journal = m[0].1.as_ref().unwrap().try_clone().unwrap();
+        assert_eq!(
+            sent[1..],
+            [
+                "FDSTORE=1 FDNAME=lease/a FDPOLL=0 ",
+                "FDSTORE=1 FDNAME=lease/b FDPOLL=0 ",
+            ],
+            "nothing removed while the quarantine has the descriptor"
+        );
+        assert_eq!(store.stored(), 2);
+
+        // A restart: the quarantine gets the descriptor stored under its lease's name, the
+        // held block one an earlier version stored under the record's own name.
+        let handed = vec![
+            ("records-1".to_string(), journal),
+            ("lease/a".to_string(), memfd()),
+            ("held/b".to_string(), memfd()),
+        ];
+        let (ours, systemd) = UnixDatagram::pair().unwrap();
+        let store = FdStore::open_on(ours, handed, None).unwrap();
+        assert_eq!(store.intake().descriptors, 2);
+        assert_eq!(store.intake().orphans, 0);
+        let got: Vec<(String, bool)> = store
+            .dump()
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.key, e.fd.is_some()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("held/b".to_string(), true),
+                ("quarantine/a".to_string(), true)
+            ]
+        );
+        read_all(&systemd);
+        store.remove("quarantine/a".into());
+        store.remove("held/b".into());
+        assert_eq!(
+            texts(&read_all(&systemd)),
+            [
+                "FDSTOREREMOVE=1 FDNAME=lease/a ",
+                "FDSTOREREMOVE=1 FDNAME=held/b ",
+            ]
+        );
+        assert_eq!(store.stored(), 0);
     }
 
     #[test]

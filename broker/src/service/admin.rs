@@ -40,7 +40,9 @@ impl Admin for AdminService {
         // Committed with its audit record, on the store writer.
         let c = self
             .arb
-            .change_quota_for(r.tenant, update, who)
+            .run_durable(move |arb| {
+                arb.change_quota(&r.tenant, update, Some((&who, "quota.set", "")))
+            })
             .await
             .map_err(status)?;
         Ok(Response::new(pb::SetQuotaResponse {
@@ -83,8 +85,9 @@ impl Admin for AdminService {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let who = Who::of(&req);
         // Committed with its audit record, on the store writer.
+        let name = req.into_inner().tenant;
         self.arb
-            .delete_tenant_for(req.into_inner().tenant, who)
+            .run_durable(move |arb| arb.delete_tenant(&name, Some(&who)))
             .await
             .map_err(status)?;
         Ok(Response::new(pb::DeleteTenantResponse {}))
@@ -112,7 +115,11 @@ impl Admin for AdminService {
             description: r.description,
         };
         // Committed with its audit record, on the store writer.
-        let issued = self.arb.issue_for(spec, who).await.map_err(status)?;
+        let issued = self
+            .arb
+            .run_durable(move |arb| arb.issue(spec, Some(&who)))
+            .await
+            .map_err(status)?;
         let e = &issued.entry;
         Ok(Response::new(pb::IssueTokenResponse {
             token: issued.token.clone(),
@@ -141,7 +148,10 @@ impl Admin for AdminService {
             return Err(Status::invalid_argument("token_id or token is required"));
         }
         // Committed with its audit record, on the store writer.
-        self.arb.revoke_token_for(key, who).await.map_err(status)?;
+        self.arb
+            .run_durable(move |arb| arb.revoke_token(&key, Some(&who)))
+            .await
+            .map_err(status)?;
         Ok(Response::new(pb::RevokeTokenResponse {}))
     }
 
@@ -196,14 +206,15 @@ impl Admin for AdminService {
         } else {
             r.reason
         };
-        let lease = self.arb.revoke(id, &reason).map_err(status)?;
+        let why = crate::arbiter::state::Revoke::Operator(reason);
+        let lease = self.arb.revoke(id, &why).map_err(status)?;
         self.arb.audit(
             &who,
             "lease.revoke",
             &lease.tenant,
             &lease.id.to_string(),
             Some(serde_json::json!({"bytes": lease.bytes, "device": lease.device, "session": lease.session.to_string()})),
-            Some(serde_json::json!({"state": "revoked", "reason": reason})),
+            Some(serde_json::json!({"state": "revoked", "reason": why.reason()})),
         );
         self.arb.audits_written().await;
         Ok(Response::new(pb::RevokeLeaseResponse {

@@ -4,7 +4,7 @@
 //! written. Each test holds the writer busy with a change asked for first: the call must
 //! not answer meanwhile, and its record is there to read the moment it does.
 
-use crate::arbiter::durable_tests::{reopened, stored_arbiter};
+use crate::arbiter::durable_tests::{change_quota_for, reopened, stored_arbiter};
 use crate::arbiter::tests::{quota, req};
 use crate::arbiter::{Arbiter, QuotaUpdate};
 use crate::audit::{AuditFilter, AuditRecord, Who};
@@ -35,7 +35,7 @@ where
     let (busy, is_busy) = tokio::sync::oneshot::channel::<()>();
     let a = arb.clone();
     let first = tokio::spawn(async move {
-        a.run_durable(move || {
+        a.run_durable(move |_| {
             let _ = busy.send(());
             let _ = held.recv_timeout(Duration::from_secs(30));
             Ok(())
@@ -74,7 +74,8 @@ async fn admin_calls_without_a_store_change_answer_once_their_audit_record_is_du
     arb.authenticator()
         .set_admin_file(&dir.path().join("admin.token"));
     let svc = AdminService::new(arb.clone());
-    arb.change_quota_for(
+    change_quota_for(
+        &arb,
         "a".into(),
         QuotaUpdate::Replace(quota(64 * MIB)),
         Who::system("test"),

@@ -190,7 +190,11 @@ fn a_grant_with_no_runtime_to_run_on_is_rolled_back_and_answered() {
     let rt = crate::read_pool::main_runtime_of_one_worker();
     let (held, answer) = one_holds_all_one_waits(&arb, &rt);
     assert!(tokio::runtime::Handle::try_current().is_err());
-    arb.revoke(held.id, "test").unwrap();
+    arb.revoke(
+        held.id,
+        &crate::arbiter::state::Revoke::Operator("test".into()),
+    )
+    .unwrap();
     let e = answer.recv_timeout(BOUNDED).unwrap().unwrap_err();
     assert!(
         matches!(&e, crate::error::BrokerError::Internal(m) if m.contains("no runtime")),
