@@ -655,8 +655,16 @@ async fn memory_kept_after_its_free_stays_charged_across_a_broker_sigkill() {
         ..BrokerOpts::default()
     })
     .unwrap();
+    stranded_charge_survives_a_sigkill(&mut b).await;
+}
+
+/// A broker with a place to keep records (and `--metrics-listen`): a `fault-worker
+/// strand` of alpha's keeps 16 MiB after their free; the charge is there, is there again
+/// with the same tenant and bytes after a SIGKILL and restart (report, status, metrics),
+/// goes once the worker exits, and the next restart takes nothing back.
+pub(crate) async fn stranded_charge_survives_a_sigkill(b: &mut Broker) {
     let token = b.tenant("alpha", QuotaSpec::new(64 * MIB)).await.unwrap();
-    let mut worker = Proc::spawn(fault_cmd(&b, &token, "strand", &["--mib", "16"])).unwrap();
+    let mut worker = Proc::spawn(fault_cmd(b, &token, "strand", &["--mib", "16"])).unwrap();
     let pid = event(&mut worker, "stranded", Duration::from_secs(20)).await["pid"]
         .as_u64()
         .unwrap() as u32;
@@ -670,15 +678,15 @@ async fn memory_kept_after_its_free_stays_charged_across_a_broker_sigkill() {
         16 * MIB,
     );
     eventually(Duration::from_secs(10), || async {
-        charges(&b).await == kept
+        charges(b).await == kept
     })
     .await;
-    assert_eq!(charges(&b).await, kept, "charged as kept after its free");
+    assert_eq!(charges(b).await, kept, "charged as kept after its free");
 
     b.kill().unwrap();
     b.spawn().unwrap();
     assert_eq!(
-        charges(&b).await,
+        charges(b).await,
         kept,
         "charged again after the restart\n{}",
         b.log_text()
@@ -689,7 +697,7 @@ async fn memory_kept_after_its_free_stays_charged_across_a_broker_sigkill() {
         text.contains("1 charges of memory kept outside the broker (16.0 MiB, lifted 0)"),
         "{text}"
     );
-    let metrics = latest_metrics_text(&b).await;
+    let metrics = latest_metrics_text(b).await;
     assert!(
         metrics.contains("gpu_broker_restart_kept_stranded_total{outcome=\"adopted\"} 1"),
         "{metrics}"
@@ -701,10 +709,10 @@ async fn memory_kept_after_its_free_stays_charged_across_a_broker_sigkill() {
     worker.wait(Duration::from_secs(10)).await.unwrap();
     let none = (Vec::new(), 0);
     eventually(Duration::from_secs(15), || async {
-        charges(&b).await == none
+        charges(b).await == none
     })
     .await;
-    assert_eq!(charges(&b).await, none, "lifted once the worker exited");
+    assert_eq!(charges(b).await, none, "lifted once the worker exited");
     b.kill().unwrap();
     b.spawn().unwrap();
     let status = b.ctl().arg("status").output().unwrap();
@@ -713,8 +721,8 @@ async fn memory_kept_after_its_free_stays_charged_across_a_broker_sigkill() {
         !text.contains("charges of memory kept outside the broker"),
         "the next restart takes nothing back: {text}"
     );
-    assert_eq!(charges(&b).await, none);
-    assert_broker_alive(&b);
+    assert_eq!(charges(b).await, none);
+    assert_broker_alive(b);
 }
 
 /// Each charge `b` lists (tenant, bytes, reason, holders), and the bytes charged to alpha.
