@@ -14,6 +14,11 @@
 //! * `import`: import a publication, map it and report its first byte; `close` on stdin
 //!   ends the session while the mapping (and the descriptor) stay in this process;
 //!   `exit` or the end of stdin exits at once.
+//! * `strand`: acquire one lease, keep a descriptor of it and a written shared mapping,
+//!   seal the memfd against shrinking (so the broker's free cannot revoke it), release
+//!   the lease, take and release another (whose grant frees the sealed block, found in
+//!   the tenant's cache) and keep the memory: the broker charges it to the tenant as kept after its
+//!   free. Exits on `exit` or stdin's end (only then does the memory go).
 //! * `idle-raw`: open a session with raw gRPC calls (no automatic keepalive), acquire one
 //!   lease, keep the stream open and report when the broker ends it; exits on stdin's end.
 
@@ -42,6 +47,15 @@ enum Mode {
     Hold(HoldArgs),
     Import(ImportArgs),
     IdleRaw(IdleArgs),
+    Strand(StrandArgs),
+}
+
+#[derive(Args)]
+struct StrandArgs {
+    #[command(flatten)]
+    common: Common,
+    #[arg(long)]
+    mib: u64,
 }
 
 #[derive(Args)]
@@ -163,6 +177,7 @@ async fn main() {
         Mode::Hold(a) => hold(a).await,
         Mode::Import(a) => import(a).await,
         Mode::IdleRaw(a) => idle_raw(a).await,
+        Mode::Strand(a) => strand(a).await,
     };
     if let Err(e) = r {
         emit(json!({"ev": "error", "error": format!("{e:#}")}));
@@ -450,5 +465,59 @@ async fn idle_raw(a: IdleArgs) -> Result<()> {
     emit(json!({"ev": "stream_end", "how": ended, "after_ms": t0.elapsed().as_millis() as u64}));
     let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     while let Ok(Some(_)) = stdin.next_line().await {}
+    std::process::exit(0);
+}
+
+async fn strand(a: StrandArgs) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let client = Client::connect(&a.common.uri, a.common.token.clone()).await?;
+    let session = client
+        .session(format!("strand-{}", std::process::id()))
+        .await?;
+    let lease = session.lease(a.mib * MIB).await?;
+    let id = lease.id().to_string();
+    let fd = lease
+        .fd()
+        .ok_or_else(|| anyhow!("not a memfd lease"))?
+        .as_raw_fd();
+    let len = lease.bytes() as usize;
+    // SAFETY: a duplicate of the lease's valid descriptor, kept (never closed) on purpose.
+    let kept = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if kept < 0 {
+        return Err(std::io::Error::last_os_error()).context("dup");
+    }
+    // SAFETY: a shared mapping of `len` bytes of a valid memfd, never unmapped on purpose.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            kept,
+            0,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error()).context("mmap");
+    }
+    // SAFETY: `addr` maps `len` writable bytes.
+    unsafe { std::ptr::write_bytes(addr.cast::<u8>(), 0x5a, len) };
+    // A seal against shrinking: the broker's free cannot truncate the memfd away.
+    // SAFETY: fcntl on our own descriptor.
+    if unsafe { libc::fcntl(kept, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("seal");
+    }
+    lease.release().await?;
+    // The released block waits in the tenant's cache; the next lease finds it sealed and
+    // has the broker free it, which is what strands it.
+    session.lease(a.mib * MIB).await?.release().await?;
+    emit(json!({"ev": "stranded", "id": id, "bytes": len, "pid": std::process::id()}));
+    let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    while let Ok(Some(line)) = stdin.next_line().await {
+        if line.trim() == "exit" {
+            break;
+        }
+    }
+    drop(session);
     std::process::exit(0);
 }

@@ -305,3 +305,20 @@ fn a_forced_place_that_is_not_there_stops_the_start() {
         assert!(!socket.exists(), "it served nothing");
     }
 }
+
+/// The same with no keeper: the charge of memory a worker keeps after its free is kept in
+/// the fd store's records across a SIGKILL, and leaves them once the worker exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_kept_after_its_free_stays_charged_across_a_sigkill_with_the_fd_store() {
+    let sd = FakeSystemd::start(64).unwrap();
+    let mut b = Broker::start_under(
+        sd.clone(),
+        BrokerOpts {
+            capacity: "256MiB",
+            extra: vec!["--metrics-listen".into(), "127.0.0.1:0".into()],
+            ..BrokerOpts::default()
+        },
+    )
+    .unwrap();
+    super::keeper::stranded_charge_survives_a_sigkill(&mut b).await;
+}

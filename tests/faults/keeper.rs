@@ -636,3 +636,128 @@ async fn a_claims_kept_lease_is_drawn_from_the_restored_claim_after_a_sigkill() 
         .unwrap();
     assert_eq!(usage(&b, "alpha").await, (0, 0));
 }
+
+/// Memory a worker keeps after its free (`fault-worker strand`: a lease's memfd sealed
+/// against shrinking, mapped, then released) is charged to its tenant as kept after its
+/// free, and that charge survives a broker SIGKILL: the keeper holds its record, the
+/// restarted broker charges the same tenant the same bytes again (the start's report and
+/// metrics count it) and lifts it once the worker exits, removing the record, so the next
+/// restart takes nothing back. Without the record the restart would give the tenant back
+/// memory the worker still holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_kept_after_its_free_stays_charged_across_a_broker_sigkill() {
+    let keeper = Keeper::start().await.unwrap();
+    let mut extra = keeper.flags();
+    extra.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
+    let mut b = Broker::start_with(BrokerOpts {
+        capacity: "256MiB",
+        extra,
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    stranded_charge_survives_a_sigkill(&mut b).await;
+}
+
+/// A broker with a place to keep records (and `--metrics-listen`): a `fault-worker
+/// strand` of alpha's keeps 16 MiB after their free; the charge is there, is there again
+/// with the same tenant and bytes after a SIGKILL and restart (report, status, metrics),
+/// goes once the worker exits, and the next restart takes nothing back.
+pub(crate) async fn stranded_charge_survives_a_sigkill(b: &mut Broker) {
+    let token = b.tenant("alpha", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let mut worker = Proc::spawn(fault_cmd(b, &token, "strand", &["--mib", "16"])).unwrap();
+    let pid = event(&mut worker, "stranded", Duration::from_secs(20)).await["pid"]
+        .as_u64()
+        .unwrap() as u32;
+    let kept = (
+        vec![(
+            "alpha".to_string(),
+            16 * MIB,
+            gpu_broker_client::HoldReason::KeptAfterFree,
+            vec![pid],
+        )],
+        16 * MIB,
+    );
+    eventually(Duration::from_secs(10), || async {
+        charges(b).await == kept
+    })
+    .await;
+    assert_eq!(charges(b).await, kept, "charged as kept after its free");
+
+    b.kill().unwrap();
+    b.spawn().unwrap();
+    assert_eq!(
+        charges(b).await,
+        kept,
+        "charged again after the restart\n{}",
+        b.log_text()
+    );
+    let status = b.ctl().arg("status").output().unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains("1 charges of memory kept outside the broker (16.0 MiB, lifted 0)"),
+        "{text}"
+    );
+    let metrics = latest_metrics_text(b).await;
+    assert!(
+        metrics.contains("gpu_broker_restart_kept_stranded_total{outcome=\"adopted\"} 1"),
+        "{metrics}"
+    );
+    assert!(alive(pid), "the worker still holds its memory");
+
+    // The worker exits: the charge is lifted and its record leaves the keeper.
+    worker.kill().await.unwrap();
+    worker.wait(Duration::from_secs(10)).await.unwrap();
+    let none = (Vec::new(), 0);
+    eventually(Duration::from_secs(15), || async {
+        charges(b).await == none
+    })
+    .await;
+    assert_eq!(charges(b).await, none, "lifted once the worker exited");
+    b.kill().unwrap();
+    b.spawn().unwrap();
+    let status = b.ctl().arg("status").output().unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        !text.contains("charges of memory kept outside the broker"),
+        "the next restart takes nothing back: {text}"
+    );
+    assert_eq!(charges(b).await, none);
+    assert_broker_alive(b);
+}
+
+/// Each charge `b` lists (tenant, bytes, reason, holders), and the bytes charged to alpha.
+async fn charges(
+    b: &Broker,
+) -> (
+    Vec<(String, u64, gpu_broker_client::HoldReason, Vec<u32>)>,
+    u64,
+) {
+    let admin = b.admin().await.unwrap();
+    let listed = admin
+        .list_quarantined()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|q| (q.tenant, q.bytes, q.reason, q.holder_pids))
+        .collect();
+    (
+        listed,
+        tenant(&admin, "alpha").await.usage.quarantined_bytes,
+    )
+}
+
+/// `GET /metrics` of `b`'s latest start (the log keeps each start's listener address;
+/// `metrics_text` reads the first).
+async fn latest_metrics_text(b: &Broker) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let log = b.log_text();
+    let start = log.rfind("gpu_broker: descriptor limit").unwrap_or(0);
+    let addr = logged_metrics_addr(&log[start..]).expect("this start's metrics address");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).await.unwrap();
+    text
+}
