@@ -125,6 +125,29 @@ impl Devices {
         }
     }
 
+    /// Kept records of `items` renumbered to the index now of the device each belongs to
+    /// ([`Devices::named_by`]; `at` says where a record keeps its index and UUID), and
+    /// apart, those of a device this broker no longer has.
+    pub fn renumber<T>(
+        &self,
+        items: Vec<T>,
+        at: impl Fn(&mut T) -> (&mut u32, Option<&str>),
+    ) -> (Vec<T>, Vec<T>) {
+        let mut here = Vec::with_capacity(items.len());
+        let mut gone = Vec::new();
+        for mut item in items {
+            let (index, uuid) = at(&mut item);
+            match self.named_by(*index, uuid) {
+                Some(now) => {
+                    *index = now;
+                    here.push(item);
+                }
+                None => gone.push(item),
+            }
+        }
+        (here, gone)
+    }
+
     /// Whether any device is a CUDA GPU (not the host simulation).
     pub fn any_cuda(&self) -> bool {
         self.iter()

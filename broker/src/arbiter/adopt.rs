@@ -499,58 +499,18 @@ impl Arbiter {
                 }
             }
         });
-        let mut quarantine_device_gone = Vec::new();
-        quarantines.retain_mut(|(q, _)| {
-            match self.devices.named_by(q.device, q.device_uuid.as_deref()) {
-                Some(d) => {
-                    q.device = d;
-                    true
-                }
-                None => {
-                    quarantine_device_gone.push(q.clone());
-                    false
-                }
-            }
+        let (quarantines, quarantine_device_gone) = self.devices.renumber(quarantines, |(q, _)| {
+            (&mut q.device, q.device_uuid.as_deref())
         });
-        let mut held_device_gone = Vec::new();
-        helds.retain_mut(|(h, _)| {
-            match self.devices.named_by(h.device, h.device_uuid.as_deref()) {
-                Some(d) => {
-                    h.device = d;
-                    true
-                }
-                None => {
-                    held_device_gone.push(h.clone());
-                    false
-                }
-            }
-        });
-        let mut stranded_device_gone = Vec::new();
-        strandeds.retain_mut(
-            |s| match self.devices.named_by(s.device, s.device_uuid.as_deref()) {
-                Some(d) => {
-                    s.device = d;
-                    true
-                }
-                None => {
-                    stranded_device_gone.push(s.clone());
-                    false
-                }
-            },
-        );
-        let mut reservation_device_gone = Vec::new();
-        reservations.retain_mut(|r| {
-            match self.devices.named_by(r.device, r.device_uuid.as_deref()) {
-                Some(d) => {
-                    r.device = d;
-                    true
-                }
-                None => {
-                    reservation_device_gone.push(r.key());
-                    false
-                }
-            }
-        });
+        let (helds, held_device_gone) = self
+            .devices
+            .renumber(helds, |(h, _)| (&mut h.device, h.device_uuid.as_deref()));
+        let (strandeds, stranded_device_gone) = self
+            .devices
+            .renumber(strandeds, |s| (&mut s.device, s.device_uuid.as_deref()));
+        let (reservations, reservation_device_gone) = self
+            .devices
+            .renumber(reservations, |r| (&mut r.device, r.device_uuid.as_deref()));
         laps.lap("parse");
         let mut alive = Liveness::default();
         let (adopted, refused_sessions) = self.adopt_sessions(sessions, &mut alive);
@@ -567,9 +527,9 @@ impl Arbiter {
             tally.add("kept reservations not taken back", why, r.bytes);
             link.remove(r.key());
         }
-        for key in reservation_device_gone {
+        for r in reservation_device_gone {
             tally.add("kept reservations not taken back", "its device is gone", 0);
-            link.remove(key);
+            link.remove(r.key());
         }
         laps.lap("sessions");
         // Memory kept outside the broker whose holders live: charged again below.
@@ -626,7 +586,7 @@ impl Arbiter {
         taken.held_refused.extend(
             held_device_gone
                 .into_iter()
-                .map(|h| (h, "its device is gone")),
+                .map(|(h, _)| (h, "its device is gone")),
         );
         for (h, why) in std::mem::take(&mut taken.held_refused) {
             tracing::debug!(lease = %h.lease, tenant = %h.tenant, bytes = h.bytes, why, "kept held block let go");
@@ -640,7 +600,7 @@ impl Arbiter {
         taken.quarantines_refused.extend(
             quarantine_device_gone
                 .into_iter()
-                .map(|q| (q, "its device is gone")),
+                .map(|(q, _)| (q, "its device is gone")),
         );
         for (r, why) in taken.leases_refused {
             tracing::debug!(lease = %r.id, session = %r.session, tenant = %r.tenant, bytes = r.bytes, why, "kept lease reclaimed");
