@@ -416,9 +416,10 @@ mod tests {
         );
         let elsewhere = arb.acquire(ask(s, None, 2 * MIB)).await.unwrap();
         assert_eq!(elsewhere.device, 0);
-        let report = arb.device_reports().await;
+        let report = arb.views().device_reports().await;
         assert!(report[1].fault.as_deref().unwrap().contains("Xid 79"));
         let text = arb
+            .views()
             .metrics_text(crate::metrics::Format::PrometheusText)
             .await;
         let healthy: Vec<&str> = text
@@ -440,10 +441,7 @@ mod tests {
         );
         assert!(report[0].fault.is_none());
         // The lease there stays its holder's.
-        assert!(arb
-            .list_all_leases(Some("a"))
-            .iter()
-            .any(|l| l.id == on1.id));
+        assert!(arb.views().leases(Some("a")).iter().any(|l| l.id == on1.id));
 
         // Healthy again: reopened by the monitor.
         sw[1].heal();

@@ -362,7 +362,8 @@ pub fn describe_change(c: &Change) -> String {
 /// skipped; the others still apply.
 pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<Change> {
     let running: BTreeMap<String, Quota> = arb
-        .list_tenants()
+        .views()
+        .tenants()
         .into_iter()
         .map(|t| (t.name, t.quota))
         .collect();
@@ -705,7 +706,7 @@ mod tests {
     /// Waits (bounded: a failure detector, not a speed limit) until `a`'s quota is `limit`.
     async fn limit_becomes(arb: &Arbiter, limit: u64) -> bool {
         for _ in 0..500 {
-            if arb.get_tenant("a").map(|t| t.quota.limit_bytes) == Ok(limit) {
+            if arb.views().tenant("a").map(|t| t.quota.limit_bytes) == Ok(limit) {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -760,14 +761,14 @@ mod tests {
             "the edit was not applied"
         );
         assert_eq!(
-            arb.get_tenant("a").unwrap().quota.max_leases,
+            arb.views().tenant("a").unwrap().quota.max_leases,
             5,
             "undeclared: kept"
         );
         // An invalid edit changes nothing; the next valid one applies.
         std::fs::write(&file, "[tenants.a]\nlimit = \"lots\"\n").unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 << 20);
+        assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 32 << 20);
         std::fs::write(&file, "[tenants.a]\nlimit = \"48MiB\"\n").unwrap();
         assert!(
             limit_becomes(&arb, 48 << 20).await,
@@ -819,7 +820,7 @@ mod tests {
         let (_, stop) = start_watching(&arb, &file).await;
         // A current-thread runtime: the watch's task has not run yet.
         std::fs::write(&file, "[tenants.a]\nlimit = \"32MiB\"\n").unwrap();
-        let limit = || arb.get_tenant("a").unwrap().quota.limit_bytes;
+        let limit = || arb.views().tenant("a").unwrap().quota.limit_bytes;
         let t = std::time::Instant::now();
         while limit() != 32 << 20 && t.elapsed() < Duration::from_secs(10) {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -884,7 +885,7 @@ mod tests {
             "the join waits for the reload in flight"
         );
         let limits =
-            |arb: &Arbiter| ["a", "b"].map(|t| arb.get_tenant(t).unwrap().quota.limit_bytes);
+            |arb: &Arbiter| ["a", "b"].map(|t| arb.views().tenant(t).unwrap().quota.limit_bytes);
         assert_eq!(limits(&arb), [16 << 20; 2], "nothing applied yet");
         release.send(()).unwrap();
         assert!(join.await.unwrap().is_empty(), "every worker ended in time");

@@ -1,5 +1,4 @@
-//! Operator operations: quotas, tenants, tokens, and the views `Admin` and `GetUsage`
-//! return. Every change is committed to the store (`audit.rs`) before it takes effect in
+//! Operator operations: quotas, tenants, tokens (their views: `listing.rs`). Every change is committed to the store (`audit.rs`) before it takes effect in
 //! memory, and before the RPC returns.
 
 use super::{Arbiter, State};
@@ -29,13 +28,6 @@ pub struct QuotaChange {
 }
 
 impl Arbiter {
-    /// Fills in what [`tenant_view`] leaves out, with no state lock held.
-    fn finish_view(&self, mut v: TenantView) -> TenantView {
-        v.tokens = self.auth.count(&v.name) as u32;
-        v.turns = self.scheduler.usage(&v.name);
-        v
-    }
-
     /// Creates or updates a tenant's quota. Returns the tenant and whether it was created.
     pub fn set_quota(
         self: &Arc<Self>,
@@ -104,34 +96,10 @@ impl Arbiter {
         let view = tenant_view(&st, t);
         drop(st);
         Ok(QuotaChange {
-            tenant: self.finish_view(view),
+            tenant: self.views().finish_tenant(view),
             created,
             warnings,
         })
-    }
-
-    /// Fails with `NOT_FOUND` when a tenant filter names no tenant (an operator's typo
-    /// must not look like "nothing there").
-    pub(crate) fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
-        match tenant {
-            Some(name) if self.lock().ledger().get(name).is_none() => {
-                Err(BrokerError::tenant_not_found(name))
-            }
-            _ => Ok(()),
-        }
-    }
-
-    /// Tenant `name`: its quota and usage.
-    pub(crate) fn get_tenant(&self, name: &str) -> BrokerResult<TenantView> {
-        let view = {
-            let st = self.lock();
-            let t = st
-                .ledger()
-                .get(name)
-                .ok_or_else(|| BrokerError::tenant_not_found(name))?;
-            tenant_view(&st, t)
-        };
-        Ok(self.finish_view(view))
     }
 
     /// Deletes a tenant that holds nothing; its tokens go too and its sessions end. With
@@ -256,78 +224,11 @@ impl Arbiter {
         v.sort_by_key(|q| q.since);
         v
     }
-
-    /// The `/metrics` text: the arbiter's counters and gauges from snapshots of its state.
-    pub(crate) async fn metrics_text(&self, format: crate::metrics::Format) -> String {
-        let devices = self.device_reports().await;
-        let tenants = self.list_tenants();
-        let sessions = self.session_count();
-        crate::metrics::render(
-            &self.metrics,
-            |reg| self.scheduler.register_metrics(reg),
-            &devices,
-            &tenants,
-            sessions,
-            format,
-        )
-    }
-
-    /// Every device with its memory picture. Reads each device's free memory.
-    pub async fn device_reports(&self) -> Vec<DeviceReport> {
-        let mut out = Vec::new();
-        for (i, slot) in self.devices.iter().enumerate() {
-            let desc = slot.thread.desc().clone();
-            let info = slot.thread.call(|d| d.mem_info()).await;
-            let free = match info {
-                Ok(Ok(m)) => m.free,
-                _ => 0,
-            };
-            let (turn_holder, turns_waiting) = self.scheduler.device_state(i as u32);
-            let avail = self
-                .avail
-                .read()
-                .device(i as u32)
-                .cloned()
-                .unwrap_or_default();
-            let st = self.lock();
-            let p = &st.pools()[i];
-            let s = p.stats();
-            let held = p.held_on_device() + self.unverified_bytes(i);
-            out.push(DeviceReport {
-                index: i as u32,
-                name: desc.name,
-                uuid: desc.uuid,
-                model: desc.model,
-                backend: desc.backend.to_string(),
-                total: desc.total_bytes,
-                free,
-                leasable: s.leasable,
-                leased: s.leased,
-                cached: s.cached,
-                headroom: p.headroom(),
-                quarantined: s.quarantined,
-                process_reserved: s.process_reserved,
-                external_used: desc.total_bytes.saturating_sub(free).saturating_sub(held),
-                granularity: desc.granularity,
-                lease_count: p.lease_count(),
-                waiting: st
-                    .queue()
-                    .iter()
-                    .filter(|w| w.ask.device.is_none_or(|d| d == i as u32))
-                    .count() as u32,
-                turn_holder,
-                turns_waiting,
-                drain_reason: avail.drain.map(|d| d.reason),
-                fault: avail.fault.map(|f| f.reason),
-            });
-        }
-        out
-    }
 }
 
 /// A tenant's view from the state (under its lock); its token count and compute-turn
-/// usage come from their own tables after the lock is released ([`Arbiter::finish_view`]).
-fn tenant_view(st: &State, t: &Tenant) -> TenantView {
+/// usage come from their own tables after the lock is released ([`super::listing::Views::finish_tenant`]).
+pub(super) fn tenant_view(st: &State, t: &Tenant) -> TenantView {
     let waiting = st.queue().iter().filter(|w| w.ask.tenant == t.name).count() as u32;
     let mut v = TenantView::of(t, st.sessions().count_of(&t.name) as u32, waiting);
     if waiting > 0 {

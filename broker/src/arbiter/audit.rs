@@ -160,7 +160,7 @@ impl Arbiter {
     }
 
     /// Loads tenants, token hashes and claim reservations from the store (start-up).
-    pub(super) fn load_store(&self) -> BrokerResult<()> {
+    pub(super) fn load_store(self: &Arc<Self>) -> BrokerResult<()> {
         let Some(store) = self.durable.store() else {
             return Ok(());
         };
@@ -173,7 +173,7 @@ impl Arbiter {
             self.auth.add(t);
         }
         drop(st);
-        let claims = self.restore_claims(store)?;
+        let claims = self.claims().restore_all(store)?;
         tracing::info!(tenants = tenants.len(), claims, "state loaded");
         Ok(())
     }

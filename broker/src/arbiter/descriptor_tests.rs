@@ -62,14 +62,14 @@ async fn blocks_past_the_budget_are_refused_and_a_cached_block_makes_room() {
         4
     );
     // Refused before anything was charged or allocated.
-    assert_eq!(arb.get_tenant("b").unwrap().usage.held_bytes, 0);
+    assert_eq!(arb.views().tenant("b").unwrap().usage.held_bytes, 0);
     assert_eq!(arb.fds.held(), 4);
     // One of a's lets go (cached, its descriptor kept): freed for b's fresh block.
     let l = held.pop().unwrap();
     arb.release("a", l.id).unwrap();
     let lb = arb.acquire(req("b", sb, 2 * MIB)).await.unwrap();
     assert_eq!(arb.fds.held(), 4);
-    assert_eq!(arb.device_reports().await[0].cached, 0);
+    assert_eq!(arb.views().device_reports().await[0].cached, 0);
     // b's own cached block comes back with no new descriptor.
     arb.release("b", lb.id).unwrap();
     arb.acquire(req("b", sb, 2 * MIB)).await.unwrap();

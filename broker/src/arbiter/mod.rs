@@ -277,6 +277,16 @@ impl Arbiter {
         &self.lifecycle
     }
 
+    /// The operators' read-only views (`listing.rs`).
+    pub fn views(&self) -> listing::Views<'_> {
+        listing::Views { arb: self }
+    }
+
+    /// The Kubernetes claims' reservations (`claims.rs`).
+    pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
+        claims::Claims { arb: self }
+    }
+
     /// An arbiter over `devices`; tenants and tokens are loaded from `store` if given.
     pub fn new(
         devices: Vec<DeviceSlot>,
@@ -588,11 +598,6 @@ impl Arbiter {
     pub(crate) fn begin_shutdown(&self, grace: Duration) {
         self.shutdown.begin();
         self.lock().begin_shutdown(grace);
-    }
-
-    /// Number of open sessions.
-    pub fn session_count(&self) -> usize {
-        self.lock().sessions().len()
     }
 
     /// Ends every session and frees every block on the devices. Blocks until done.

@@ -359,7 +359,7 @@ mod tests {
     }
 
     fn usage(arb: &Arbiter, t: &str) -> crate::ledger::Usage {
-        arb.get_tenant(t).unwrap().usage
+        arb.views().tenant(t).unwrap().usage
     }
 
     /// Every byte is in one place: tenants' charges add up to the pool's promises, and

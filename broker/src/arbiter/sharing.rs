@@ -346,19 +346,6 @@ impl Arbiter {
         ))
     }
 
-    /// Every listed publication (of `publisher` only, if given), with importers, oldest
-    /// first, page by page.
-    #[cfg(test)]
-    pub(super) fn list_shared(&self, publisher: Option<&str>) -> Vec<SharedView> {
-        super::listing::all_pages(|t| {
-            self.shared_page(
-                super::listing::SharedViewer::Operator(publisher),
-                t,
-                super::listing::DEFAULT_PAGE_SIZE,
-            )
-        })
-    }
-
     /// The ticket server is about to deliver the descriptor of lease or import `id` to
     /// `pid`: a process other than the holder's session process is tracked first, so memory
     /// it may map stays counted until it exits, even if the holder lets go the moment the

@@ -40,7 +40,7 @@ fn keeping_arbiter(switch: &FaultSwitch) -> Arc<Arbiter> {
 
 /// Tenant `a`'s quarantined bytes (what `GetUsage` shows it holds beyond its leases).
 fn held_by_a(arb: &Arbiter) -> u64 {
-    arb.get_tenant("a").unwrap().usage.quarantined_bytes
+    arb.views().tenant("a").unwrap().usage.quarantined_bytes
 }
 
 /// Waits (up to 5 s) for `done`.
@@ -203,7 +203,7 @@ async fn an_import_kept_after_its_release_stays_charged_after_the_free() {
 
 /// Tenant `t`'s quarantined bytes.
 fn held_by(arb: &Arbiter, t: &str) -> u64 {
-    arb.get_tenant(t).unwrap().usage.quarantined_bytes
+    arb.views().tenant(t).unwrap().usage.quarantined_bytes
 }
 
 /// Another tenant's importer releases its import and keeps it; the publisher, none of
@@ -932,6 +932,7 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
         "the report counts what was charged again and lifted"
     );
     let metrics = restarted
+        .views()
         .metrics_text(crate::metrics::Format::PrometheusText)
         .await;
     for line in [

@@ -27,7 +27,10 @@ pub(crate) fn quota(limit: u64) -> Quota {
 
 /// Every open session by id, page by page.
 fn sessions(arb: &Arbiter) -> Vec<SessionView> {
-    listing::all_pages(|t| arb.sessions_page(None, t, listing::DEFAULT_PAGE_SIZE))
+    listing::all_pages(|t| {
+        arb.views()
+            .sessions_page(None, t, listing::DEFAULT_PAGE_SIZE)
+    })
 }
 
 pub(crate) fn req(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
@@ -51,7 +54,7 @@ impl Fixture {
         id
     }
     fn held(&self, name: &str) -> u64 {
-        self.arb.get_tenant(name).unwrap().usage.held_bytes
+        self.arb.views().tenant(name).unwrap().usage.held_bytes
     }
 }
 
@@ -269,7 +272,7 @@ async fn waiter_is_granted_when_memory_is_released() {
         arb.acquire(r).await
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(f.arb.device_reports().await[0].waiting, 1);
+    assert_eq!(f.arb.views().device_reports().await[0].waiting, 1);
     f.arb.release("a", l1.id).unwrap();
     let l2 = waiting.await.unwrap().unwrap();
     assert_eq!(l2.bytes, 4 * MIB);
@@ -293,7 +296,7 @@ async fn losing_a_wait_is_deadline_exceeded_with_numbers() {
         other => panic!("{other:?}"),
     }
     assert_eq!(
-        f.arb.device_reports().await[0].waiting,
+        f.arb.views().device_reports().await[0].waiting,
         0,
         "waiter left the queue"
     );
@@ -407,7 +410,8 @@ async fn higher_priority_waiter_triggers_reclaim_of_lowest_newest() {
     // Only as much as needed: the older lease was left alone.
     assert!(f
         .arb
-        .list_all_leases(Some("low"))
+        .views()
+        .leases(Some("low"))
         .iter()
         .any(|l| l.id == old.id && l.reclaim_deadline.is_none()));
 }
@@ -423,18 +427,18 @@ async fn session_of_an_exited_process_returns_memory_to_the_pool() {
     child.wait().unwrap();
     // The pid watcher ends the session on its own.
     for _ in 0..100 {
-        if f.arb.session_count() == 0 {
+        if f.arb.views().session_count() == 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(
-        f.arb.session_count(),
+        f.arb.views().session_count(),
         0,
         "session did not end on process exit"
     );
     assert_eq!(f.held("a"), 0);
-    let d = &f.arb.device_reports().await[0];
+    let d = &f.arb.views().device_reports().await[0];
     assert_eq!((d.leased, d.cached, d.quarantined), (0, 8 * MIB, 0));
 }
 
@@ -456,10 +460,10 @@ async fn revoked_lease_of_a_live_process_is_quarantined() {
         events.recv().await,
         Some(SessionEvent::LeaseRevoked { .. })
     ));
-    let d = &f.arb.device_reports().await[0];
+    let d = &f.arb.views().device_reports().await[0];
     assert_eq!((d.leased, d.quarantined), (0, 4 * MIB));
     assert_eq!(
-        f.arb.get_tenant("a").unwrap().usage.quarantined_bytes,
+        f.arb.views().tenant("a").unwrap().usage.quarantined_bytes,
         4 * MIB
     );
     // Quarantined memory is not available to anyone.
@@ -684,7 +688,7 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     // hand out only 56 - 40 = 16 MiB, which its cached block still fits in.
     outside.store(40 * MIB, std::sync::atomic::Ordering::SeqCst);
     arb.refresh_leasable().await;
-    let dev = &arb.device_reports().await[0];
+    let dev = &arb.views().device_reports().await[0];
     assert_eq!(
         (dev.leasable, dev.cached, dev.external_used),
         (16 * MIB, 16 * MIB, 40 * MIB),
@@ -699,13 +703,13 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     outside.store(44 * MIB, std::sync::atomic::Ordering::SeqCst);
     arb.refresh_leasable().await;
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let dev = &arb.device_reports().await[0];
+    let dev = &arb.views().device_reports().await[0];
     assert_eq!((dev.leasable, dev.cached), (12 * MIB, 0), "{dev:?}");
     assert_eq!(dev.free, 20 * MIB, "the block was freed on the device");
     // They give it all back: leasable grows again.
     outside.store(0, std::sync::atomic::Ordering::SeqCst);
     arb.refresh_leasable().await;
-    assert_eq!(arb.device_reports().await[0].leasable, 56 * MIB);
+    assert_eq!(arb.views().device_reports().await[0].leasable, 56 * MIB);
     arb.acquire(req("a", s, 40 * MIB)).await.unwrap();
 }
 
@@ -727,7 +731,7 @@ async fn the_background_refresh_follows_outside_memory_both_ways() {
         outside.store(taken, std::sync::atomic::Ordering::SeqCst);
         let mut got = 0;
         for _ in 0..100 {
-            got = arb.device_reports().await[0].leasable;
+            got = arb.views().device_reports().await[0].leasable;
             if got == want {
                 break;
             }
@@ -763,7 +767,7 @@ async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(f.arb.device_reports().await[0].waiting, 2);
+    assert_eq!(f.arb.views().device_reports().await[0].waiting, 2);
     let mut r = req("a", s, 2 * MIB);
     r.wait = Duration::from_secs(2);
     match f.arb.acquire(r).await {
@@ -834,7 +838,7 @@ async fn a_blocked_big_request_is_overtaken_only_while_younger_than_the_overtake
             arb.acquire(r).await
         })
     };
-    while f.arb.get_tenant("big").unwrap().waiting == 0 {
+    while f.arb.views().tenant("big").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // Young: 32 MiB free, and every small request that fits is granted (no count limit).
@@ -853,10 +857,13 @@ async fn a_blocked_big_request_is_overtaken_only_while_younger_than_the_overtake
             let mut r = req("small", ss, 8 * MIB);
             r.wait = Duration::from_secs(60);
             let l = arb.acquire(r).await;
-            (l, arb.get_tenant("big").map(|t| t.usage.committed_bytes()))
+            (
+                l,
+                arb.views().tenant("big").map(|t| t.usage.committed_bytes()),
+            )
         })
     };
-    while f.arb.get_tenant("small").unwrap().waiting == 0 {
+    while f.arb.views().tenant("small").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     f.arb.release("holder", held.id).unwrap();
@@ -880,7 +887,7 @@ async fn a_blocked_big_request_is_overtaken_only_while_younger_than_the_overtake
 async fn with_a_zero_overtake_age_a_blocked_request_is_never_overtaken() {
     let (f, held, _, bs, ss) = zero_age_fixture().await;
     let big = spawn_acquire(&f.arb, "big", bs, 48 * MIB, Duration::from_secs(60));
-    while f.arb.get_tenant("big").unwrap().waiting == 0 {
+    while f.arb.views().tenant("big").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(small_grants(&f, "small", ss, 4).await, 0);
@@ -936,7 +943,7 @@ async fn a_tenant_being_deleted_takes_no_new_charge_or_session() {
     assert!(f.arb.lock().close_tenant("a").is_err());
     f.arb.release("a", l.id).unwrap();
     f.arb.delete_tenant("a", None).unwrap();
-    assert!(f.arb.get_tenant("a").is_err());
+    assert!(f.arb.views().tenant("a").is_err());
 }
 
 #[tokio::test]
@@ -1077,7 +1084,7 @@ async fn racing_publishes_leave_one_publication_per_name_and_per_lease() {
     // The sixth lease, five names.
     let one_lease = (0..5).map(|i| (leases[5], format!("n{i}"))).collect();
     assert_eq!(race(one_lease), 1);
-    let shared = f.arb.list_shared(None);
+    let shared = f.arb.views().shared(None);
     assert_eq!(shared.len(), 2, "{shared:?}");
     assert_eq!(
         shared.iter().filter(|p| p.lease == Some(leases[5])).count(),
@@ -1087,7 +1094,7 @@ async fn racing_publishes_leave_one_publication_per_name_and_per_lease() {
 
 /// Device 0's quarantined and cached bytes.
 async fn quarantined_and_cached(f: &Fixture) -> (u64, u64) {
-    let d = &f.arb.device_reports().await[0];
+    let d = &f.arb.views().device_reports().await[0];
     (d.quarantined, d.cached)
 }
 
@@ -1159,7 +1166,7 @@ async fn watchers_are_kept_by_the_shell_and_stopped_with_what_they_watch() {
     // It ends while the process lives: the session's watcher stops, the quarantine's starts.
     f.arb.end_session(s, "test");
     assert_eq!(f.arb.watchers.len(), 1);
-    assert_eq!(f.arb.device_reports().await[0].quarantined, 4 * MIB);
+    assert_eq!(f.arb.views().device_reports().await[0].quarantined, 4 * MIB);
     // A session closed at once leaves no watcher behind.
     let (s2, _e2) = f.arb.open_session("a", "w2", peer).unwrap();
     assert_eq!(f.arb.watchers.len(), 2);
@@ -1175,7 +1182,7 @@ async fn watchers_are_kept_by_the_shell_and_stopped_with_what_they_watch() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(f.arb.watchers.len(), 0);
-    let d = &f.arb.device_reports().await[0];
+    let d = &f.arb.views().device_reports().await[0];
     assert_eq!((d.quarantined, d.cached), (0, 4 * MIB));
 }
 
@@ -1198,10 +1205,11 @@ async fn lease_pages_follow_the_indexes_across_chunks_and_releases() {
         v.push(f.arb.acquire(req(t, s, 2 * MIB)).await.unwrap().id);
     }
     // One page of 650 spans two chunks of the state lock.
-    let p = f.arb.leases_page(None, "", 650).unwrap();
+    let p = f.arb.views().leases_page(None, "", 650).unwrap();
     assert_eq!(p.items.len(), 650);
     let rest = f
         .arb
+        .views()
         .leases_page(None, p.next.as_deref().unwrap(), 650)
         .unwrap();
     assert_eq!(rest.items.len(), 50);
@@ -1221,7 +1229,7 @@ async fn lease_pages_follow_the_indexes_across_chunks_and_releases() {
     let mut walked = Vec::new();
     let mut token = String::new();
     loop {
-        let p = f.arb.leases_page(Some("b"), &token, 7).unwrap();
+        let p = f.arb.views().leases_page(Some("b"), &token, 7).unwrap();
         assert!(p.items.iter().all(|l| l.tenant == "b"));
         walked.extend(p.items.iter().map(|l| l.id));
         match p.next {
@@ -1230,9 +1238,10 @@ async fn lease_pages_follow_the_indexes_across_chunks_and_releases() {
         }
     }
     assert_eq!(walked, kept);
-    assert_eq!(f.arb.list_all_leases(Some("a")).len(), a.len());
+    assert_eq!(f.arb.views().leases(Some("a")).len(), a.len());
     assert!(f
         .arb
+        .views()
         .leases_page(Some("nobody"), "", 10)
         .unwrap()
         .items
@@ -1254,10 +1263,10 @@ async fn tenant_pages_span_chunks_in_name_order() {
         ..Default::default()
     };
     f.arb.issue(spec, None).unwrap();
-    let p = f.arb.tenants_page("", 610).unwrap();
+    let p = f.arb.views().tenants_page("", 610).unwrap();
     assert_eq!(p.items.len(), 610);
     assert_eq!(p.next.as_deref(), Some("t0609"));
-    let rest = f.arb.tenants_page("t0609", 610).unwrap();
+    let rest = f.arb.views().tenants_page("t0609", 610).unwrap();
     let names: Vec<String> = p
         .items
         .iter()
@@ -1309,7 +1318,7 @@ async fn zero_age_fixture() -> (Fixture, LeaseView, Uuid, Uuid, Uuid) {
 
 /// Waits until `tenant` has `n` requests in the queue.
 async fn until_waiting(f: &Fixture, tenant: &str, n: u32) {
-    while f.arb.get_tenant(tenant).unwrap().waiting != n {
+    while f.arb.views().tenant(tenant).unwrap().waiting != n {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -1326,7 +1335,7 @@ async fn a_waiting_request_larger_than_what_is_leasable_now_is_refused_at_once()
     let (sb, _rb) = arb.open_session("b", "w", Peer::default()).unwrap();
     let _held = arb.acquire(req("a", sa, 32 * MIB)).await.unwrap();
     let waiting = spawn_acquire(&arb, "b", sb, 30 * MIB, Duration::from_secs(60));
-    while arb.get_tenant("b").unwrap().waiting == 0 {
+    while arb.views().tenant("b").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // Another process takes 30 MiB: 26 MiB leasable, less than the 30 MiB asked for.
@@ -1344,7 +1353,7 @@ async fn a_waiting_request_larger_than_what_is_leasable_now_is_refused_at_once()
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(arb.get_tenant("b").unwrap().waiting, 0);
+    assert_eq!(arb.views().tenant("b").unwrap().waiting, 0);
 }
 
 /// Likewise when the tenant's limit is lowered below the request, and when the only
@@ -1408,12 +1417,12 @@ async fn a_blocking_head_whose_wait_ran_out_lets_the_others_in_at_once() {
     let small = loop {
         // Queued behind the big one (on a machine so slow that the big one's wait ran out
         // first, the small one is granted at once and the test proves nothing, but passes).
-        if f.arb.get_tenant("big").unwrap().waiting == 1 || big.is_finished() {
+        if f.arb.views().tenant("big").unwrap().waiting == 1 || big.is_finished() {
             break spawn_acquire(&f.arb, "small", ss, 8 * MIB, Duration::from_secs(60));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    while f.arb.get_tenant("small").unwrap().waiting == 0 && !small.is_finished() {
+    while f.arb.views().tenant("small").unwrap().waiting == 0 && !small.is_finished() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert!(matches!(
@@ -1480,7 +1489,10 @@ async fn a_published_lease_revoked_is_freed_not_cached_when_its_process_exits() 
     // Nobody kept the freed memfd: nothing is charged once the free's look is done.
     f.arb.devices[0].thread.call(|_| ()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(f.arb.get_tenant("a").unwrap().usage.quarantined_bytes, 0);
+    assert_eq!(
+        f.arb.views().tenant("a").unwrap().usage.quarantined_bytes,
+        0
+    );
 }
 
 /// A lingering import (its holder let go while a process that fetched its descriptor may
@@ -1584,7 +1596,7 @@ async fn a_host_fallback_lease_given_to_another_process_leaves_no_recipient_behi
         assert!(st.shared().recipients.is_empty());
         st.check_invariant().unwrap();
     }
-    assert_eq!(arb.get_tenant("a").unwrap().usage.host_held_bytes, 0);
+    assert_eq!(arb.views().tenant("a").unwrap().usage.host_held_bytes, 0);
     other.kill().unwrap();
     other.wait().unwrap();
 }

@@ -604,7 +604,7 @@ mod tests {
         // A turn still held when the tenant goes is booked as its session ends, then
         // forgotten with the rest.
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
-        assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
+        assert_eq!(arb.views().tenant("a").unwrap().turns.turns, 1);
         arb.delete_tenant("a", None).unwrap();
         assert_eq!(arb.scheduler.holders(0), 0, "its session's turn ended");
         assert!(release_turn(&arb, "a", ga.turn_id).is_err());
@@ -612,10 +612,10 @@ mod tests {
         assert_eq!(arb.scheduler.core.lock().tenants_counted(), 0);
         // Created again under the name: it starts with no usage.
         let (a, _ea) = session(&arb, "a");
-        assert_eq!(arb.get_tenant("a").unwrap().turns, TurnUsage::default());
+        assert_eq!(arb.views().tenant("a").unwrap().turns, TurnUsage::default());
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
         release_turn(&arb, "a", ga.turn_id).unwrap();
-        assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
+        assert_eq!(arb.views().tenant("a").unwrap().turns.turns, 1);
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -57,7 +57,11 @@ impl Admin for AdminService {
         req: Request<pb::GetQuotaRequest>,
     ) -> Result<Response<pb::GetQuotaResponse>, Status> {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
-        let t = self.arb.get_tenant(&req.get_ref().tenant).map_err(status)?;
+        let t = self
+            .arb
+            .views()
+            .tenant(&req.get_ref().tenant)
+            .map_err(status)?;
         Ok(Response::new(pb::GetQuotaResponse {
             tenant: Some(convert::tenant(&t)),
         }))
@@ -70,6 +74,7 @@ impl Admin for AdminService {
         let r = req.get_ref();
         let page = self
             .arb
+            .views()
             .tenants_page(&r.page_token, page_size(r.page_size))
             .map_err(status)?;
         Ok(Response::new(pb::ListTenantsResponse {
@@ -161,7 +166,10 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ListTokensResponse>, Status> {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant).map_err(status)?;
+        self.arb
+            .views()
+            .check_tenant_filter(tenant)
+            .map_err(status)?;
         let tokens = self.arb.authenticator().list(tenant);
         Ok(Response::new(pb::ListTokensResponse {
             tokens: tokens
@@ -177,10 +185,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ListAllLeasesResponse>, Status> {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant).map_err(status)?;
+        self.arb
+            .views()
+            .check_tenant_filter(tenant)
+            .map_err(status)?;
         let r = req.get_ref();
         let page = self
             .arb
+            .views()
             .leases_page(tenant, &r.page_token, page_size(r.page_size))
             .map_err(status)?;
         Ok(Response::new(pb::ListAllLeasesResponse {
@@ -228,10 +240,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant).map_err(status)?;
+        self.arb
+            .views()
+            .check_tenant_filter(tenant)
+            .map_err(status)?;
         let r = req.get_ref();
         let page = self
             .arb
+            .views()
             .sessions_page(tenant, &r.page_token, page_size(r.page_size))
             .map_err(status)?;
         Ok(Response::new(pb::ListSessionsResponse {
@@ -244,7 +260,7 @@ impl Admin for AdminService {
         &self,
         _req: Request<pb::GetDevicesRequest>,
     ) -> Result<Response<pb::GetDevicesResponse>, Status> {
-        let devices = self.arb.device_reports().await;
+        let devices = self.arb.views().device_reports().await;
         let mut devices: Vec<pb::DeviceInfo> = devices.iter().map(convert::device).collect();
         for d in &mut devices {
             d.turn_holders = self.arb.scheduler.holders(d.index);
@@ -385,7 +401,8 @@ impl Admin for AdminService {
         let uid = r.claim.clone();
         let g = self
             .arb
-            .reserve_claim(
+            .claims()
+            .reserve(
                 ClaimRequest {
                     uid: r.claim,
                     tenant: r.tenant,
@@ -419,7 +436,8 @@ impl Admin for AdminService {
             return Err(Status::invalid_argument("claim is required"));
         }
         self.arb
-            .release_claim(&r.claim, who)
+            .claims()
+            .release(&r.claim, who)
             .await
             .map_err(status)?;
         Ok(Response::new(pb::ReleaseClaimResponse {}))
@@ -429,7 +447,7 @@ impl Admin for AdminService {
         &self,
         _req: Request<pb::ListClaimsRequest>,
     ) -> Result<Response<pb::ListClaimsResponse>, Status> {
-        let claims = self.arb.list_claims();
+        let claims = self.arb.claims().list();
         Ok(Response::new(pb::ListClaimsResponse {
             claims: claims.iter().map(|(c, r)| convert::claim(c, r)).collect(),
         }))

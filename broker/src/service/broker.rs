@@ -183,7 +183,7 @@ impl Broker for BrokerService {
         if let Some(uid) = claim_of(&req) {
             // Without its reservation a claim's lease would be an ordinary one, on any
             // device, beside what the scheduler placed.
-            if !self.arb.claim_is_held(&uid) {
+            if !self.arb.claims().is_held(&uid) {
                 return Err(status(BrokerError::ClaimNotReserved { claim: uid }));
             }
         }
@@ -296,6 +296,7 @@ impl Broker for BrokerService {
         let size = crate::arbiter::listing::page_size(r.page_size);
         let page = self
             .arb
+            .views()
             .leases_page(Some(&tenant), &r.page_token, size)
             .map_err(status)?;
         Ok(Response::new(pb::ListLeasesResponse {
@@ -313,7 +314,7 @@ impl Broker for BrokerService {
         req: Request<pb::GetUsageRequest>,
     ) -> Result<Response<pb::GetUsageResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        let t = self.arb.get_tenant(&tenant).map_err(status)?;
+        let t = self.arb.views().tenant(&tenant).map_err(status)?;
         Ok(Response::new(pb::GetUsageResponse {
             tenant: t.name.clone(),
             quota: Some(convert::quota_to_wire(t.quota.clone())),

@@ -120,7 +120,7 @@ pub fn list_visible(
     tenant: &str,
     r: &pb::ListSharedLeasesRequest,
 ) -> Result<pb::ListSharedLeasesResponse, BrokerError> {
-    let page = arb.shared_page(
+    let page = arb.views().shared_page(
         SharedViewer::Tenant(tenant),
         &r.page_token,
         listing::page_size(r.page_size),
@@ -136,7 +136,7 @@ pub fn list_all(
     arb: &Arbiter,
     r: &pb::AdminListSharedLeasesRequest,
 ) -> Result<pb::AdminListSharedLeasesResponse, BrokerError> {
-    let page = arb.shared_page(
+    let page = arb.views().shared_page(
         SharedViewer::Operator(convert::filter(&r.tenant)),
         &r.page_token,
         listing::page_size(r.page_size),
