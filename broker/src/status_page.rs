@@ -138,7 +138,7 @@ pub async fn render(arb: &Arbiter) -> String {
     let tenants = arb.views().tenants();
     let leases = arb.views().leases(None);
     let quarantined = arb.list_quarantined();
-    let reservations = arb.list_reservations(None);
+    let reservations = arb.views().reservations(None);
     let mps = arb.lifecycle().mps().map(|m| m.status());
     let waiting: u32 = tenants.iter().map(|t| t.waiting).sum();
     let mut out = String::new();

@@ -88,7 +88,11 @@ impl Claims<'_> {
                 // The managed MPS daemon's variables for the claim's processes (none
                 // without `--mps`): their pinned device memory limit is the reservation.
                 let ask = process_ask(&req, reservation.bytes);
-                match self.arb.process_env(req.device, reservation.bytes, &ask) {
+                match self
+                    .arb
+                    .reservations()
+                    .env(req.device, reservation.bytes, &ask)
+                {
                     Ok(env) => reservation.env = env,
                     Err(e) => {
                         self.undo(&req.uid, &token_id, who).await;

@@ -427,6 +427,22 @@ impl Views<'_> {
     pub fn session_count(&self) -> usize {
         self.arb.lock().sessions().len()
     }
+
+    /// The reservations of `tenant` (all tenants: None), oldest first.
+    pub(crate) fn reservations(
+        &self,
+        tenant: Option<&str>,
+    ) -> Vec<crate::reservations::ReservationView> {
+        let st = self.arb.lock();
+        let mut v: Vec<crate::reservations::ReservationView> = st
+            .reservations()
+            .iter()
+            .filter(|r| tenant.is_none_or(|t| r.tenant == t))
+            .map(|r| r.view(self.arb.devices.uuid(r.device)))
+            .collect();
+        v.sort_by_key(|r| (r.created, r.id));
+        v
+    }
 }
 
 /// Walks every page of a listing (each page under its own short lock hold).

@@ -282,6 +282,11 @@ impl Arbiter {
         listing::Views { arb: self }
     }
 
+    /// The process reservations (`reservations.rs`).
+    pub(crate) fn reservations(self: &Arc<Self>) -> reservations::Reservations<'_> {
+        reservations::Reservations { arb: self }
+    }
+
     /// The Kubernetes claims' reservations (`claims.rs`).
     pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
         claims::Claims { arb: self }
@@ -532,8 +537,8 @@ impl Arbiter {
 
     /// Attributes per-process GPU memory (NVML) to sessions by peer pid, and reports a
     /// worker whose memory beyond its leases exceeds `allowance` (its own `cudaMalloc`).
-    fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
-        let covered = self.covered_usage(usage);
+    fn apply_process_usage(self: &Arc<Self>, usage: &HashMap<u32, u64>, allowance: u64) {
+        let covered = self.reservations().covered_usage(usage);
         let mut st = self.lock();
         let (sessions, leases, reservations) = (st.sessions(), st.leases(), st.reservations());
         let mut seen = Vec::new();

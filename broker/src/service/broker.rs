@@ -481,7 +481,8 @@ impl Broker for BrokerService {
         let span = tracing::info_span!("reserve_process", %tenant, %session, bytes = r.bytes);
         let view = self
             .arb
-            .reserve_process(crate::reservations::ReserveRequest {
+            .reservations()
+            .reserve(crate::reservations::ReserveRequest {
                 tenant,
                 session,
                 bytes: r.bytes,
@@ -518,7 +519,10 @@ impl Broker for BrokerService {
             &peer_of(&req),
         )
         .map_err(status)?;
-        self.arb.release_process(&tenant, id).map_err(status)?;
+        self.arb
+            .reservations()
+            .release(&tenant, id)
+            .map_err(status)?;
         Ok(Response::new(pb::ReleaseProcessMemoryResponse {}))
     }
 
@@ -543,6 +547,7 @@ impl Broker for BrokerService {
         )
         .map_err(status)?;
         self.arb
+            .reservations()
             .set_process_group(&tenant, id, r.pgid)
             .map_err(status)?;
         Ok(Response::new(pb::SetProcessGroupResponse {}))
