@@ -204,7 +204,8 @@ async fn run(
             .set_namespace_tenants(gpu_broker::tenants_config::namespace_tenants(&declared));
         // On the store writer, as every durable change.
         let changes = arb
-            .run_durable(move |a| Ok(gpu_broker::tenants_config::apply(a, &declared, "start")))
+            .changes()
+            .run(move |a| Ok(gpu_broker::tenants_config::apply(a, &declared, "start")))
             .await?;
         tracing::info!(path = %path.display(), tenants = n, changed = changes.len(), "config tenants applied");
         // After the tenants they name.

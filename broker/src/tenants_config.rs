@@ -374,7 +374,7 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
         }
         // Each change is committed with its audit record (`config.reload`, on the tenant).
         let who = crate::audit::Who::system(why);
-        match arb.change_quota(
+        match arb.changes().change_quota(
             &d.name,
             QuotaUpdate::Patch(d.patch.clone()),
             Some((&who, "config.reload", &d.name)),
@@ -438,7 +438,7 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
                     let n = declared.len();
                     arb.authenticator()
                         .set_namespace_tenants(namespace_tenants(&declared));
-                    let applied = arb.run_durable(move |a| {
+                    let applied = arb.changes().run(move |a| {
                         let changes = apply(a, &declared, why);
                         Ok((changes, crate::tokens_config::apply(a, &tokens, why)))
                     });
@@ -673,7 +673,8 @@ mod tests {
         )
         .unwrap();
         let changes = arb
-            .run_durable(move |a| Ok(apply(a, &declared, "SIGHUP")))
+            .changes()
+            .run(move |a| Ok(apply(a, &declared, "SIGHUP")))
             .await
             .unwrap();
         assert_eq!(changes.len(), 1);
@@ -719,7 +720,8 @@ mod tests {
     async fn start_watching(arb: &Arc<Arbiter>, file: &Path) -> (Vec<Change>, CancellationToken) {
         let declared = load(file).unwrap();
         let at_start = arb
-            .run_durable(move |a| Ok(apply(a, &declared, "start")))
+            .changes()
+            .run(move |a| Ok(apply(a, &declared, "start")))
             .await
             .unwrap();
         let stop = CancellationToken::new();
@@ -853,12 +855,13 @@ mod tests {
         let blocker = tokio::spawn({
             let arb = arb.clone();
             async move {
-                arb.run_durable(move |_| {
-                    let _ = started.send(());
-                    let _ = held.recv();
-                    Ok(())
-                })
-                .await
+                arb.changes()
+                    .run(move |_| {
+                        let _ = started.send(());
+                        let _ = held.recv();
+                        Ok(())
+                    })
+                    .await
             }
         });
         running.await.unwrap();
@@ -897,7 +900,8 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(limits(&arb), [32 << 20; 2]);
         let refused = arb
-            .run_durable(move |a| Ok(apply(a, &load(&file).unwrap(), "late")))
+            .changes()
+            .run(move |a| Ok(apply(a, &load(&file).unwrap(), "late")))
             .await;
         assert!(
             matches!(refused, Err(crate::error::BrokerError::ShuttingDown)),

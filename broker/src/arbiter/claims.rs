@@ -80,7 +80,8 @@ impl Claims<'_> {
         let by = who.clone();
         let issued = self
             .arb
-            .run_durable(move |arb| arb.issue(spec, Some(&by)))
+            .changes()
+            .run(move |arb| arb.changes().issue_token(spec, Some(&by)))
             .await?;
         let token_id = issued.entry.token_id.clone();
         match self.grant(&req, &token_id) {
@@ -102,7 +103,8 @@ impl Claims<'_> {
                 let record = claim_record(&req, &reservation, &token_id);
                 let kept = self
                     .arb
-                    .run_durable(move |arb| arb.commit_to_store(|s| s.put_claim(&record)))
+                    .changes()
+                    .run(move |arb| arb.changes().commit(|s| s.put_claim(&record)))
                     .await;
                 if let Err(e) = kept {
                     self.undo(&req.uid, &token_id, who).await;
@@ -140,7 +142,8 @@ impl Claims<'_> {
             let (id, by) = (id.clone(), who.clone());
             match self
                 .arb
-                .run_durable(move |arb| arb.revoke_token(&id, Some(&by)))
+                .changes()
+                .run(move |arb| arb.changes().revoke_token(&id, Some(&by)))
                 .await
             {
                 Ok(()) | Err(BrokerError::NotFound(_)) => {}
@@ -270,7 +273,8 @@ impl Claims<'_> {
         let id = token_id.to_string();
         if let Err(e) = self
             .arb
-            .run_durable(move |arb| arb.revoke_token(&id, Some(&who)))
+            .changes()
+            .run(move |arb| arb.changes().revoke_token(&id, Some(&who)))
             .await
         {
             tracing::error!(claim = %uid, token_id, error = %e, "revoking a refused claim's token");
@@ -286,7 +290,8 @@ impl Claims<'_> {
     async fn forget(&self, uid: &str) -> BrokerResult<bool> {
         let uid = uid.to_string();
         self.arb
-            .run_durable(move |arb| arb.commit_to_store(|s| s.delete_claim(&uid)))
+            .changes()
+            .run(move |arb| arb.changes().commit(|s| s.delete_claim(&uid)))
             .await
     }
 

@@ -181,6 +181,6 @@ async fn a_refused_reserve_leaves_the_winners_claim_alone() {
     assert_eq!(claims.len(), 1, "{claims:?}");
     assert_eq!(claims[0].0.token_id, won.token_id);
     assert_eq!(claims[0].1.id, won.reservation.id);
-    let stored = arb.commit_to_store(|s| s.load_claims()).unwrap();
+    let stored = arb.changes().commit(|s| s.load_claims()).unwrap();
     assert_eq!(stored.len(), 1, "the winner's record is kept");
 }

@@ -190,7 +190,8 @@ async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
         1
     );
     // The synchronous path (configuration reloads, start-up) still works.
-    arb.change_quota("a", Replace(quota(32 * MIB)), None)
+    arb.changes()
+        .change_quota("a", Replace(quota(32 * MIB)), None)
         .unwrap();
     assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
 }
@@ -427,7 +428,8 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
         who(),
     ));
     assert!(futures::FutureExt::now_or_never(&mut set).is_none());
-    arb.audit(&who(), "drain.start", "", "node", None, None);
+    arb.changes()
+        .audit(&who(), "drain.start", "", "node", None, None);
     assert!(
         arb.durable
             .list_audit(&AuditFilter::default())
@@ -437,13 +439,14 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
     );
     drop(writes);
     set.await.unwrap();
-    arb.audits_written().await;
+    arb.changes().audits_written().await;
     let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(actions(&records), ["quota.set", "drain.start"]);
     arb.lifecycle().join(Duration::from_secs(5)).await;
     // After shutdown a record is still written (in place).
-    arb.audit(&who(), "drain.stop", "", "node", None, None);
-    arb.audits_written().await;
+    arb.changes()
+        .audit(&who(), "drain.stop", "", "node", None, None);
+    arb.changes().audits_written().await;
     let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(
         actions(&records),
@@ -461,7 +464,11 @@ pub(crate) async fn change_quota_for(
     update: QuotaUpdate,
     who: Who,
 ) -> BrokerResult<QuotaChange> {
-    arb.run_durable(move |arb| arb.change_quota(&name, update, Some((&who, "quota.set", ""))))
+    arb.changes()
+        .run(move |arb| {
+            arb.changes()
+                .change_quota(&name, update, Some((&who, "quota.set", "")))
+        })
         .await
 }
 
@@ -470,7 +477,8 @@ pub(crate) async fn delete_tenant_for(
     name: String,
     who: Who,
 ) -> BrokerResult<()> {
-    arb.run_durable(move |arb| arb.delete_tenant(&name, Some(&who)))
+    arb.changes()
+        .run(move |arb| arb.changes().delete_tenant(&name, Some(&who)))
         .await
 }
 
@@ -479,11 +487,13 @@ pub(crate) async fn issue_for(
     spec: TokenSpec,
     who: Who,
 ) -> BrokerResult<IssuedToken> {
-    arb.run_durable(move |arb| arb.issue(spec, Some(&who)))
+    arb.changes()
+        .run(move |arb| arb.changes().issue_token(spec, Some(&who)))
         .await
 }
 
 pub(crate) async fn revoke_token_for(arb: &Arc<Arbiter>, id: String, who: Who) -> BrokerResult<()> {
-    arb.run_durable(move |arb| arb.revoke_token(&id, Some(&who)))
+    arb.changes()
+        .run(move |arb| arb.changes().revoke_token(&id, Some(&who)))
         .await
 }

@@ -54,7 +54,7 @@ impl Arbiter {
             st.tell_device_unhealthy(index, &uuid, reason)
         };
         tracing::error!(device = index, %uuid, reason, by_operator, sessions_told = holders, "DEVICE UNHEALTHY: no new leases on it");
-        self.audit(
+        self.changes().audit(
             who,
             "device.health",
             "",
@@ -90,7 +90,7 @@ impl Arbiter {
             return Ok(false);
         };
         tracing::warn!(device = index, by_operator, was = %before, "device healthy again: admitting");
-        self.audit(
+        self.changes().audit(
             who,
             "device.health",
             "",

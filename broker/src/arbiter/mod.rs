@@ -48,6 +48,7 @@ mod workers;
 pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
 pub use adopt::{Phase, RestartReport};
+pub use audit::Changes;
 pub use drain::{DeviceDrain, DrainReport};
 pub use lifecycle::Lifecycle;
 pub use retained::{Retaining, SessionPeer};
@@ -287,6 +288,11 @@ impl Arbiter {
         reservations::Reservations { arb: self }
     }
 
+    /// The durable operator changes: quotas, tenants, tokens, audit records (`audit.rs`).
+    pub fn changes(self: &Arc<Self>) -> Changes<'_> {
+        Changes { arb: self }
+    }
+
     /// The Kubernetes claims' reservations (`claims.rs`).
     pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
         claims::Claims { arb: self }
@@ -360,7 +366,7 @@ impl Arbiter {
             shutdown: Shutdown::default(),
             metrics,
         });
-        arb.load_store()?;
+        arb.changes().load()?;
         Ok(arb)
     }
 

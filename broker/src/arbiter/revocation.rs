@@ -69,19 +69,20 @@ mod tests {
     }
 
     fn worker_token(arb: &Arc<Arbiter>, ttl: Option<Duration>) -> String {
-        arb.issue(
-            TokenSpec {
-                tenant: Some("a".into()),
-                scope: Scope::Worker,
-                ttl,
-                name: "w".into(),
-                description: String::new(),
-            },
-            None,
-        )
-        .unwrap()
-        .entry
-        .token_id
+        arb.changes()
+            .issue_token(
+                TokenSpec {
+                    tenant: Some("a".into()),
+                    scope: Scope::Worker,
+                    ttl,
+                    name: "w".into(),
+                    description: String::new(),
+                },
+                None,
+            )
+            .unwrap()
+            .entry
+            .token_id
     }
 
     #[test]
@@ -97,7 +98,7 @@ mod tests {
         let (s1b, _rx1b) = open(&t1);
         let (s2, mut rx2) = open(&t2);
         let (untracked, _rx3) = arb.open_session("a", "s", Peer::default()).unwrap();
-        arb.revoke_token(&t1, None).unwrap();
+        arb.changes().revoke_token(&t1, None).unwrap();
         let live = arb.lock().sessions().ids();
         assert!(!live.contains(&s1) && !live.contains(&s1b), "{live:?}");
         assert!(live.contains(&s2) && live.contains(&untracked), "{live:?}");

@@ -942,7 +942,7 @@ async fn a_tenant_being_deleted_takes_no_new_charge_or_session() {
     // A tenant holding memory cannot start closing.
     assert!(f.arb.lock().close_tenant("a").is_err());
     f.arb.release("a", l.id).unwrap();
-    f.arb.delete_tenant("a", None).unwrap();
+    f.arb.changes().delete_tenant("a", None).unwrap();
     assert!(f.arb.views().tenant("a").is_err());
 }
 
@@ -1262,7 +1262,7 @@ async fn tenant_pages_span_chunks_in_name_order() {
         tenant: Some("t0601".into()),
         ..Default::default()
     };
-    f.arb.issue(spec, None).unwrap();
+    f.arb.changes().issue_token(spec, None).unwrap();
     let p = f.arb.views().tenants_page("", 610).unwrap();
     assert_eq!(p.items.len(), 610);
     assert_eq!(p.next.as_deref(), Some("t0609"));

@@ -605,7 +605,7 @@ mod tests {
         // forgotten with the rest.
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
         assert_eq!(arb.views().tenant("a").unwrap().turns.turns, 1);
-        arb.delete_tenant("a", None).unwrap();
+        arb.changes().delete_tenant("a", None).unwrap();
         assert_eq!(arb.scheduler.holders(0), 0, "its session's turn ended");
         assert!(release_turn(&arb, "a", ga.turn_id).is_err());
         assert_eq!(arb.scheduler.usage("a"), TurnUsage::default());

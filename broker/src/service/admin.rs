@@ -40,8 +40,10 @@ impl Admin for AdminService {
         // Committed with its audit record, on the store writer.
         let c = self
             .arb
-            .run_durable(move |arb| {
-                arb.change_quota(&r.tenant, update, Some((&who, "quota.set", "")))
+            .changes()
+            .run(move |arb| {
+                arb.changes()
+                    .change_quota(&r.tenant, update, Some((&who, "quota.set", "")))
             })
             .await
             .map_err(status)?;
@@ -92,7 +94,8 @@ impl Admin for AdminService {
         // Committed with its audit record, on the store writer.
         let name = req.into_inner().tenant;
         self.arb
-            .run_durable(move |arb| arb.delete_tenant(&name, Some(&who)))
+            .changes()
+            .run(move |arb| arb.changes().delete_tenant(&name, Some(&who)))
             .await
             .map_err(status)?;
         Ok(Response::new(pb::DeleteTenantResponse {}))
@@ -122,7 +125,8 @@ impl Admin for AdminService {
         // Committed with its audit record, on the store writer.
         let issued = self
             .arb
-            .run_durable(move |arb| arb.issue(spec, Some(&who)))
+            .changes()
+            .run(move |arb| arb.changes().issue_token(spec, Some(&who)))
             .await
             .map_err(status)?;
         let e = &issued.entry;
@@ -154,7 +158,8 @@ impl Admin for AdminService {
         }
         // Committed with its audit record, on the store writer.
         self.arb
-            .run_durable(move |arb| arb.revoke_token(&key, Some(&who)))
+            .changes()
+            .run(move |arb| arb.changes().revoke_token(&key, Some(&who)))
             .await
             .map_err(status)?;
         Ok(Response::new(pb::RevokeTokenResponse {}))
@@ -220,7 +225,7 @@ impl Admin for AdminService {
         };
         let why = crate::arbiter::state::Revoke::Operator(reason);
         let lease = self.arb.revoke(id, &why).map_err(status)?;
-        self.arb.audit(
+        self.arb.changes().audit(
             &who,
             "lease.revoke",
             &lease.tenant,
@@ -228,7 +233,7 @@ impl Admin for AdminService {
             Some(serde_json::json!({"bytes": lease.bytes, "device": lease.device, "session": lease.session.to_string()})),
             Some(serde_json::json!({"state": "revoked", "reason": why.reason()})),
         );
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(pb::RevokeLeaseResponse {
             lease: Some(convert::lease_on(&lease, &self.arb)),
         }))
@@ -290,7 +295,7 @@ impl Admin for AdminService {
         .await
         .map_err(|e| Status::internal(format!("rotating the admin token: {e}")))?
         .map_err(status)?;
-        self.arb.audit(
+        self.arb.changes().audit(
             &who,
             "admin_token.rotate",
             "",
@@ -298,7 +303,7 @@ impl Admin for AdminService {
             None,
             Some(serde_json::json!({"old_token_grace_ms": req.get_ref().grace_ms})),
         );
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(pb::RotateAdminTokenResponse {
             token,
             old_valid_until_unix_ms: convert::unix_ms(SystemTime::now() + grace),
@@ -339,7 +344,7 @@ impl Admin for AdminService {
                 &r.reason,
             )
             .map_err(status)?;
-        self.arb.audit(
+        self.arb.changes().audit(
             &who,
             "drain.start",
             "",
@@ -347,7 +352,7 @@ impl Admin for AdminService {
             Some(serde_json::json!({"draining": before.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
             Some(serde_json::json!({"draining": report.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>(), "deadline_ms": r.deadline_ms, "reason": r.reason})),
         );
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(convert::drain_report(&report)))
     }
 
@@ -359,7 +364,7 @@ impl Admin for AdminService {
         let device = req.get_ref().device;
         let before = self.arb.drain_report();
         let report = self.arb.undrain(device).map_err(status)?;
-        self.arb.audit(
+        self.arb.changes().audit(
             &who,
             "drain.stop",
             "",
@@ -367,7 +372,7 @@ impl Admin for AdminService {
             Some(serde_json::json!({"draining": before.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
             Some(serde_json::json!({"draining": report.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
         );
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(convert::drain_report(&report)))
     }
 
@@ -495,7 +500,7 @@ impl Admin for AdminService {
             .arb
             .set_device_health(r.device, r.healthy, &r.reason, &who)
             .map_err(status)?;
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(pb::SetDeviceHealthResponse { changed }))
     }
 
