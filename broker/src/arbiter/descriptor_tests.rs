@@ -84,10 +84,10 @@ async fn a_published_memfd_counts_its_reopen_until_its_publication_goes() {
     for _ in 0..3 {
         held.push(arb.acquire(req("a", sa, 2 * MIB)).await.unwrap());
     }
-    arb.publish("a", held[0].id, "w0", &[]).unwrap();
+    arb.sharing().publish("a", held[0].id, "w0", &[]).unwrap();
     assert_eq!(arb.fds.held(), 4, "three blocks and one reopen");
     assert_eq!(
-        out_of_descriptors(arb.publish("a", held[1].id, "w1", &[])),
+        out_of_descriptors(arb.sharing().publish("a", held[1].id, "w1", &[])),
         4
     );
     assert_eq!(
@@ -98,6 +98,6 @@ async fn a_published_memfd_counts_its_reopen_until_its_publication_goes() {
     // cached) is freed.
     arb.release("a", held[0].id).unwrap();
     assert_eq!(counted(&arb, 2).await, 2);
-    arb.publish("a", held[1].id, "w1", &[]).unwrap();
+    arb.sharing().publish("a", held[1].id, "w1", &[]).unwrap();
     assert_eq!(arb.fds.held(), 3);
 }

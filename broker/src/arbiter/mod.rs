@@ -293,6 +293,11 @@ impl Arbiter {
         Changes { arb: self }
     }
 
+    /// The shared read-only leases: publish, import, let go (`sharing.rs`).
+    pub(crate) fn sharing(&self) -> sharing::Sharing<'_> {
+        sharing::Sharing { arb: self }
+    }
+
     /// The Kubernetes claims' reservations (`claims.rs`).
     pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
         claims::Claims { arb: self }

@@ -174,11 +174,11 @@ async fn an_import_kept_after_its_release_stays_charged_after_the_free() {
     let arb = keeping_arbiter(&switch);
     let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
     let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
-    arb.publish("a", l.id, "w", &[]).unwrap();
+    arb.sharing().publish("a", l.id, "w", &[]).unwrap();
     let (mut importer, peer) = live_process();
     let (si, _rxi) = arb.open_session("a", "importer", peer).unwrap();
-    let import = arb.import("a", si, "a", "w").unwrap();
-    arb.release_import("a", import.id).unwrap();
+    let import = arb.sharing().import("a", si, "a", "w").unwrap();
+    arb.sharing().release_import("a", import.id).unwrap();
     drop(import);
     switch.set(Faults {
         keep_freed: true,
@@ -216,11 +216,13 @@ async fn another_tenants_import_kept_after_its_release_is_charged_to_that_tenant
     let arb = keeping_arbiter(&switch);
     let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
     let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
-    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    arb.sharing()
+        .publish("a", l.id, "w", &["b".to_string()])
+        .unwrap();
     let (mut importer, peer) = live_process();
     let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
-    let import = arb.import("b", si, "a", "w").unwrap();
-    arb.release_import("b", import.id).unwrap();
+    let import = arb.sharing().import("b", si, "a", "w").unwrap();
+    arb.sharing().release_import("b", import.id).unwrap();
     drop(import);
     switch.set(Faults {
         keep_freed: true,
@@ -260,11 +262,13 @@ async fn memory_kept_while_the_publishers_process_lives_is_the_publishers() {
     let (mut publisher, ppeer) = live_process();
     let (sp, _rxp) = arb.open_session("a", "publisher", ppeer).unwrap();
     let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
-    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    arb.sharing()
+        .publish("a", l.id, "w", &["b".to_string()])
+        .unwrap();
     let (mut importer, peer) = live_process();
     let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
-    let import = arb.import("b", si, "a", "w").unwrap();
-    arb.release_import("b", import.id).unwrap();
+    let import = arb.sharing().import("b", si, "a", "w").unwrap();
+    arb.sharing().release_import("b", import.id).unwrap();
     drop(import);
     switch.set(Faults {
         keep_freed: true,
@@ -710,12 +714,14 @@ async fn a_child_of_another_tenants_importer_is_charged_to_that_tenant() {
     let arb = keeping_arbiter_finding(&switch, &on_device);
     let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
     let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
-    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    arb.sharing()
+        .publish("a", l.id, "w", &["b".to_string()])
+        .unwrap();
     let (mut importer, child, peer) = worker_with_child();
     on_device.0.lock().push(child);
     let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
-    let import = arb.import("b", si, "a", "w").unwrap();
-    arb.release_import("b", import.id).unwrap();
+    let import = arb.sharing().import("b", si, "a", "w").unwrap();
+    arb.sharing().release_import("b", import.id).unwrap();
     drop(import);
     importer.kill().unwrap();
     importer.wait().unwrap();

@@ -1058,7 +1058,7 @@ async fn racing_publishes_leave_one_publication_per_name_and_per_lease() {
             .into_iter()
             .map(|(l, name)| {
                 let arb = f.arb.clone();
-                std::thread::spawn(move || arb.publish("a", l, &name, &[]))
+                std::thread::spawn(move || arb.sharing().publish("a", l, &name, &[]))
             })
             .collect();
         let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
@@ -1466,9 +1466,12 @@ async fn a_published_lease_revoked_is_freed_not_cached_when_its_process_exits() 
     let (mut child, peer) = live_process();
     let (s, _rx) = f.arb.open_session("a", "t", peer).unwrap();
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    f.arb.publish("a", l.id, "weights", &["b".into()]).unwrap();
-    let i = f.arb.import("b", b, "a", "weights").unwrap();
-    f.arb.release_import("b", i.id).unwrap();
+    f.arb
+        .sharing()
+        .publish("a", l.id, "weights", &["b".into()])
+        .unwrap();
+    let i = f.arb.sharing().import("b", b, "a", "weights").unwrap();
+    f.arb.sharing().release_import("b", i.id).unwrap();
     // The publisher's and the importer's descriptors close (this process's copies would
     // keep the sealed memfd alive past its free, and the kernel says so: charged as kept).
     let lease = l.id;
@@ -1507,16 +1510,17 @@ async fn a_lingering_import_delivers_its_descriptor_to_nobody_else() {
     let (sb, _rb) = f.arb.open_session("b", "t", Peer::default()).unwrap();
     let l = f.arb.acquire(req("a", sa, 4 * MIB)).await.unwrap();
     f.arb
+        .sharing()
         .publish("a", l.id, "weights", &["b".to_string()])
         .unwrap();
-    let import = f.arb.import("b", sb, "a", "weights").unwrap();
+    let import = f.arb.sharing().import("b", sb, "a", "weights").unwrap();
     let mut live = std::process::Command::new("sleep")
         .arg("30")
         .spawn()
         .unwrap();
     // Another process of the reader fetched the import's descriptor, then the reader lets go.
     assert!(f.arb.fd_delivering(import.id, Some(live.id())));
-    f.arb.release_import("b", import.id).unwrap();
+    f.arb.sharing().release_import("b", import.id).unwrap();
     // The import lingers for that process; a second fetch (a ticket already being redeemed)
     // gets nothing.
     assert!(!f.arb.fd_delivering(import.id, Some(std::process::id())));
