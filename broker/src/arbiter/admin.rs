@@ -225,7 +225,8 @@ impl super::Changes<'_> {
         self.arb.auth.remove(&entry.hash);
         tracing::info!(tenant = %entry.tenant, token_id = %entry.token_id, "token revoked");
         if let Some(me) = self.arb.me.upgrade() {
-            me.end_sessions_of_token(&entry.token_id, "the session's token was revoked");
+            me.sessions()
+                .end_of_token(&entry.token_id, "the session's token was revoked");
         }
         Ok(())
     }

@@ -33,7 +33,8 @@ fn session_of(arb: &Arc<Arbiter>, tenant: &str, token_id: Option<String>) -> Uui
         unix: true,
     };
     let (id, rx) = arb
-        .open_resumable(tenant, "w", peer, token_id)
+        .sessions()
+        .open(tenant, "w", peer, token_id)
         .map(|(id, rx, _)| (id, rx))
         .unwrap();
     std::mem::forget(rx);

@@ -39,6 +39,7 @@ mod relink;
 mod reservations;
 mod retained;
 mod revocation;
+mod sessions;
 mod sharing;
 mod tasks;
 pub mod tokens;
@@ -61,11 +62,10 @@ use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
 pub(crate) use crate::error::{lease_not_found, session_not_found};
 use crate::error::{BrokerError, BrokerResult};
-use crate::lease::LeaseView;
 use crate::memfd_holders::MemFile;
 use crate::pool::{Block, Pool};
 use crate::process::process_gone;
-use crate::session::{Peer, Session, SessionEvent};
+use crate::session::{Peer, SessionEvent};
 use crate::store::Store;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -298,6 +298,11 @@ impl Arbiter {
         sharing::Sharing { arb: self }
     }
 
+    /// The sessions: open, keep alive, end by token, their GPU use (`sessions.rs`).
+    pub(crate) fn sessions(self: &Arc<Self>) -> sessions::Sessions<'_> {
+        sessions::Sessions { arb: self }
+    }
+
     /// The Kubernetes claims' reservations (`claims.rs`).
     pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
         claims::Claims { arb: self }
@@ -403,38 +408,6 @@ impl Arbiter {
         }
     }
 
-    /// The peer of the session a process reservation of `tenant` belongs to (`NOT_FOUND`
-    /// otherwise).
-    pub(crate) fn reservation_peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
-        let st = self.lock();
-        match st.reservations().get(&id) {
-            Some(r) if r.tenant == tenant => Ok(st
-                .sessions()
-                .get(&r.session)
-                .map(|s| s.peer)
-                .unwrap_or_default()),
-            _ => Err(BrokerError::NotFound(crate::error::Missing::Reservation(
-                id,
-            ))),
-        }
-    }
-
-    /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
-    pub(crate) fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
-        let st = self.lock();
-        match st.leases().get(&lease) {
-            Some(l) if l.tenant == tenant => {
-                let peer = st
-                    .sessions()
-                    .get(&l.session)
-                    .map(|s| s.peer)
-                    .unwrap_or_default();
-                Ok((st.view(l), peer))
-            }
-            _ => Err(lease_not_found(lease)),
-        }
-    }
-
     /// The authenticator shared with the service layer.
     pub fn authenticator(&self) -> &Arc<Authenticator> {
         &self.auth
@@ -483,131 +456,9 @@ impl Arbiter {
         name: &str,
         peer: Peer,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
-        self.open_resumable(tenant, name, peer, None)
+        self.sessions()
+            .open(tenant, name, peer, None)
             .map(|(id, rx, _)| (id, rx))
-    }
-
-    /// Opens a session on behalf of the token `token_id` (the caller's: the session ends
-    /// when that token is revoked or expires); returns its id, its event receiver and the
-    /// secret that resumes the session after a broker restart (`adopt.rs`; empty without a
-    /// keeper, which alone keeps sessions across restarts, and for a peer with no pid,
-    /// which cannot resume).
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn open_resumable(
-        self: &Arc<Self>,
-        tenant: &str,
-        name: &str,
-        peer: Peer,
-        token_id: Option<String>,
-    ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>, String)> {
-        self.shutdown.refuse_new_work()?;
-        crate::bounds::check("session name", name, MAX_LABEL)?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let id = Uuid::now_v7();
-        // Read before the lock: the peer's start time (/proc), so a restarted broker
-        // tells it from another process of the same pid.
-        let peer_start = peer.pid.and_then(crate::process::start_ticks);
-        // Where it runs, kept with the blocks it may hand on (`kept_holders.rs`).
-        let place = self
-            .kept_holders()
-            .zip(peer.pid)
-            .and_then(|(f, pid)| f.place(pid));
-        let (secret, hash) = match peer_start.filter(|_| self.keeps_leases()) {
-            Some(_) => {
-                let (s, h) = adopt::new_resume_secret();
-                (s, Some(h))
-            }
-            None => (String::new(), None),
-        };
-        {
-            let mut st = self.lock();
-            let mut s = Session::new(id, tenant, name, peer, token_id);
-            s.resume_hash = hash;
-            s.peer_start = peer_start;
-            s.place = place;
-            st.open_session(s, self.cfg.max_sessions_per_tenant)?;
-            // Its mailbox is in place in the hold that opened it, so before any
-            // transition can tell it something (effects run when the guard drops).
-            self.outbox.open(&st, id, tx);
-        }
-        tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
-        Ok((id, rx, secret))
-    }
-
-    /// Marks a session active (keepalive).
-    pub(crate) fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
-        let st = self.lock();
-        match st.sessions().get(&session) {
-            Some(s) if s.tenant == tenant => {
-                s.last_seen.touch();
-                Ok(())
-            }
-            _ => Err(session_not_found(session)),
-        }
-    }
-
-    /// Attributes per-process GPU memory (NVML) to sessions by peer pid, and reports a
-    /// worker whose memory beyond its leases exceeds `allowance` (its own `cudaMalloc`).
-    fn apply_process_usage(self: &Arc<Self>, usage: &HashMap<u32, u64>, allowance: u64) {
-        let covered = self.reservations().covered_usage(usage);
-        let mut st = self.lock();
-        let (sessions, leases, reservations) = (st.sessions(), st.leases(), st.reservations());
-        let mut seen = Vec::new();
-        for s in sessions.iter() {
-            let Some(pid) = s.peer.pid else { continue };
-            let used = usage.get(&pid).copied().unwrap_or(0);
-            // NVML attributes memory to the process that allocated it: memory a worker
-            // maps through an IPC handle is the broker's, not the worker's (measured on
-            // an H200, driver 580). So all of `used` is the worker's own: its CUDA
-            // context plus whatever it allocated itself.
-            let mut own = used;
-            let mut used = used;
-            let mut allowance = allowance;
-            // A process a reservation covers allocates within it: its tree's memory is
-            // over only beyond the reservation's room (`reservations.rs`). The session
-            // holding the reservation shows the whole tree's memory.
-            if let Some(r) = covered.by_pid.get(&pid).and_then(|r| reservations.get(r)) {
-                let tree = covered.tree_used.get(&r.id).copied().unwrap_or(0);
-                allowance = allowance.saturating_add(r.room());
-                if r.session == s.id {
-                    used = tree;
-                }
-                own = tree;
-            }
-            let held: u64 = s
-                .leases()
-                .iter()
-                .filter_map(|l| leases.get(l))
-                .filter(|l| l.tier == crate::ledger::Tier::Device)
-                .map(|l| l.bytes())
-                .sum();
-            let over = own > allowance;
-            let was_over = s.gpu.is_some_and(|g| g.over);
-            if over && !was_over {
-                tracing::warn!(
-                    session = %s.id,
-                    tenant = %s.tenant,
-                    pid,
-                    used,
-                    leased = held,
-                    own,
-                    allowance,
-                    "worker uses GPU memory beyond its leases (its own allocations)"
-                );
-            }
-            seen.push((s.id, crate::session::GpuUse { used, own, over }));
-        }
-        for (id, gpu) in seen {
-            st.set_session_gpu(&id, gpu);
-        }
-    }
-
-    /// A session's activity mark, for its event stream to touch without the state lock.
-    pub(crate) fn session_activity(&self, session: Uuid) -> Option<Arc<crate::session::Activity>> {
-        self.lock()
-            .sessions()
-            .get(&session)
-            .map(|s| s.last_seen.clone())
     }
 
     /// Begins shutdown: refuse new work, tell every session.

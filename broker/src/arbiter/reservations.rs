@@ -632,7 +632,7 @@ mod tests {
                 .map(|g| (g.used, g.over))
         };
         let usage: HashMap<u32, u64> = [(me, 600 * MIB)].into();
-        arb.apply_process_usage(&usage, 100 * MIB);
+        arb.sessions().apply_process_usage(&usage, 100 * MIB);
         assert_eq!(
             over(&arb, child),
             Some((600 * MIB, false)),
@@ -644,12 +644,12 @@ mod tests {
             "the tree's memory"
         );
         let usage: HashMap<u32, u64> = [(me, 700 * MIB)].into();
-        arb.apply_process_usage(&usage, 100 * MIB);
+        arb.sessions().apply_process_usage(&usage, 100 * MIB);
         assert_eq!(over(&arb, child), Some((700 * MIB, true)), "beyond it");
         // Without a reservation the allowance alone counts.
         arb.end_session(owner, "test");
         let usage: HashMap<u32, u64> = [(me, 200 * MIB)].into();
-        arb.apply_process_usage(&usage, 100 * MIB);
+        arb.sessions().apply_process_usage(&usage, 100 * MIB);
         assert_eq!(over(&arb, child), Some((200 * MIB, true)));
     }
 

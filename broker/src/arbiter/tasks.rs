@@ -37,7 +37,7 @@ impl Arbiter {
                     if last_reap.elapsed() >= Duration::from_millis(500) {
                         last_reap = Instant::now();
                         me.reap_idle_sessions();
-                        me.end_sessions_of_lapsed_tokens();
+                        me.sessions().end_of_lapsed_tokens();
                         me.rearm_reclaim(me.cfg.reclaim_deadline * 2);
                     }
                 }
@@ -68,7 +68,7 @@ impl Arbiter {
                     tokio::time::sleep(Duration::from_secs(2)).await;
                     let m = monitor.clone();
                     if let Ok(usage) = tokio::task::spawn_blocking(move || m.usage_by_pid()).await {
-                        me.apply_process_usage(&usage, allowance);
+                        me.sessions().apply_process_usage(&usage, allowance);
                     }
                 }
             });

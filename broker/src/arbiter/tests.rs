@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::device::Handle;
+use crate::lease::LeaseView;
 use crate::ledger::Quota;
 
 const MIB: u64 = 1 << 20;
@@ -520,15 +521,17 @@ async fn process_memory_beyond_leases_is_reported() {
     let (s, _events) = f.arb.open_session("a", "w", peer).unwrap();
     f.arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
     let usage = std::collections::HashMap::from([(pid, 3 * MIB)]);
-    f.arb.apply_process_usage(&usage, 4 * MIB);
+    f.arb.sessions().apply_process_usage(&usage, 4 * MIB);
     let g = sessions(&f.arb)[0].gpu.unwrap();
     assert_eq!((g.used, g.own, g.over), (3 * MIB, 3 * MIB, false));
     let usage = std::collections::HashMap::from([(pid, 20 * MIB)]);
-    f.arb.apply_process_usage(&usage, 4 * MIB);
+    f.arb.sessions().apply_process_usage(&usage, 4 * MIB);
     let g = sessions(&f.arb)[0].gpu.unwrap();
     assert_eq!((g.own, g.over), (20 * MIB, true));
     // A session whose process NVML does not list uses nothing of its own.
-    f.arb.apply_process_usage(&Default::default(), 4 * MIB);
+    f.arb
+        .sessions()
+        .apply_process_usage(&Default::default(), 4 * MIB);
     assert!(!sessions(&f.arb)[0].gpu.unwrap().over);
 }
 

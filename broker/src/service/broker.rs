@@ -156,7 +156,8 @@ impl Broker for BrokerService {
         }
         let (id, rx, secret) = self
             .arb
-            .open_resumable(&tenant, &r.name, peer, token_id)
+            .sessions()
+            .open(&tenant, &r.name, peer, token_id)
             .map_err(status)?;
         let opened = pb::SessionOpened {
             session_id: id.to_string(),
@@ -384,7 +385,7 @@ impl Broker for BrokerService {
         {
             return Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }));
         }
-        let (view, session) = self.arb.own_lease(&tenant, id).map_err(status)?;
+        let (view, session) = self.arb.sessions().own_lease(&tenant, id).map_err(status)?;
         handles::check_same_user(&session, &caller).map_err(status)?;
         let fd = handles::fd_handle(&self.arb, &view, &caller, &session).map_err(status)?;
         Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }))
@@ -396,7 +397,7 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::KeepaliveResponse>, Status> {
         let tenant = tenant_of(&req)?;
         let id = parse_id("session_id", &req.get_ref().session_id).map_err(status)?;
-        self.arb.touch(&tenant, id).map_err(status)?;
+        self.arb.sessions().touch(&tenant, id).map_err(status)?;
         Ok(Response::new(pb::KeepaliveResponse {}))
     }
 
@@ -515,7 +516,11 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let id = parse_id("reservation_id", &req.get_ref().reservation_id).map_err(status)?;
         check_reservation_caller(
-            &self.arb.reservation_peer(&tenant, id).map_err(status)?,
+            &self
+                .arb
+                .sessions()
+                .reservation_peer(&tenant, id)
+                .map_err(status)?,
             &peer_of(&req),
         )
         .map_err(status)?;
@@ -542,7 +547,11 @@ impl Broker for BrokerService {
         // The group's leader must then be of the caller's uid too (the arbiter checks it
         // against the session's): the broker signals only what the caller could.
         check_reservation_caller(
-            &self.arb.reservation_peer(&tenant, id).map_err(status)?,
+            &self
+                .arb
+                .sessions()
+                .reservation_peer(&tenant, id)
+                .map_err(status)?,
             &peer_of(&req),
         )
         .map_err(status)?;
