@@ -325,7 +325,8 @@ async fn run(
             arb.find_kept_holders_with(gpu_broker::kept_holders::HolderFinder::new(
                 monitor.clone(),
             ));
-            arb.spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());
+            arb.tasks()
+                .spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());
         }
     }
     gpu_broker::server::spawn_signal_wait(

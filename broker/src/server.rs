@@ -162,7 +162,7 @@ pub async fn serve(
     let tcp_router = routes(tcp_builder);
 
     let bg_stop = CancellationToken::new();
-    arb.spawn_background(bg_stop.clone());
+    arb.tasks().start(bg_stop.clone());
     // The Admin service is NOT_SERVING while the state store is unwritable (a full disk):
     // admin changes fail then. Probed every 2 s until a write commits again.
     if let Some(mut writable) = arb.durable.store().map(|s| s.writable()) {

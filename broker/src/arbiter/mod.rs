@@ -41,7 +41,7 @@ mod retained;
 mod revocation;
 mod sessions;
 mod sharing;
-mod tasks;
+pub mod tasks;
 pub mod tokens;
 mod turns;
 mod workers;
@@ -301,6 +301,12 @@ impl Arbiter {
     /// The sessions: open, keep alive, end by token, their GPU use (`sessions.rs`).
     pub(crate) fn sessions(self: &Arc<Self>) -> sessions::Sessions<'_> {
         sessions::Sessions { arb: self }
+    }
+
+    /// The background loops: keepalive reaper, reclaim deadlines, leasable refresh, NVML
+    /// process watch (`tasks.rs`).
+    pub fn tasks(self: &Arc<Self>) -> tasks::Tasks<'_> {
+        tasks::Tasks { arb: self }
     }
 
     /// The Kubernetes claims' reservations (`claims.rs`).

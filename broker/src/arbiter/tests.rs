@@ -690,7 +690,7 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     // Another process takes 40 MiB: 8 MiB stay free (= headroom), the broker may now
     // hand out only 56 - 40 = 16 MiB, which its cached block still fits in.
     outside.store(40 * MIB, std::sync::atomic::Ordering::SeqCst);
-    arb.refresh_leasable().await;
+    arb.tasks().refresh_leasable().await;
     let dev = &arb.views().device_reports().await[0];
     assert_eq!(
         (dev.leasable, dev.cached, dev.external_used),
@@ -704,14 +704,14 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     ));
     // It takes 4 MiB more, eating into the headroom: the unused cached block goes back.
     outside.store(44 * MIB, std::sync::atomic::Ordering::SeqCst);
-    arb.refresh_leasable().await;
+    arb.tasks().refresh_leasable().await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     let dev = &arb.views().device_reports().await[0];
     assert_eq!((dev.leasable, dev.cached), (12 * MIB, 0), "{dev:?}");
     assert_eq!(dev.free, 20 * MIB, "the block was freed on the device");
     // They give it all back: leasable grows again.
     outside.store(0, std::sync::atomic::Ordering::SeqCst);
-    arb.refresh_leasable().await;
+    arb.tasks().refresh_leasable().await;
     assert_eq!(arb.views().device_reports().await[0].leasable, 56 * MIB);
     arb.acquire(req("a", s, 40 * MIB)).await.unwrap();
 }
@@ -724,7 +724,7 @@ async fn the_background_refresh_follows_outside_memory_both_ways() {
     };
     let (arb, outside, _dir) = outside_fixture(cfg);
     let stop = tokio_util::sync::CancellationToken::new();
-    arb.spawn_background(stop.clone());
+    arb.tasks().start(stop.clone());
     for (taken, want) in [
         (20 * MIB, 36 * MIB),
         (0, 56 * MIB),
@@ -1343,7 +1343,7 @@ async fn a_waiting_request_larger_than_what_is_leasable_now_is_refused_at_once()
     }
     // Another process takes 30 MiB: 26 MiB leasable, less than the 30 MiB asked for.
     outside.store(30 * MIB, std::sync::atomic::Ordering::SeqCst);
-    arb.refresh_leasable().await;
+    arb.tasks().refresh_leasable().await;
     let got = tokio::time::timeout(Duration::from_secs(10), waiting)
         .await
         .expect("refused at once, not after its wait")

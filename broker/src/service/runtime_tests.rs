@@ -34,7 +34,7 @@ impl Runtimes {
         let stop = tokio_util::sync::CancellationToken::new();
         let a = arb.clone();
         let s = stop.clone();
-        main.block_on(async move { a.spawn_background(s) });
+        main.block_on(async move { a.tasks().start(s) });
         Runtimes {
             main,
             ops: crate::read_pool::ReadPool::start(1).unwrap(),
