@@ -309,6 +309,11 @@ impl Arbiter {
         tasks::Tasks { arb: self }
     }
 
+    /// Device health: marked by the health monitor or an operator (`health.rs`).
+    pub(crate) fn device_health(self: &Arc<Self>) -> health::DeviceHealth<'_> {
+        health::DeviceHealth { arb: self }
+    }
+
     /// The Kubernetes claims' reservations (`claims.rs`).
     pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
         claims::Claims { arb: self }

@@ -498,7 +498,8 @@ impl Admin for AdminService {
         let r = req.into_inner();
         let changed = self
             .arb
-            .set_device_health(r.device, r.healthy, &r.reason, &who)
+            .device_health()
+            .set(r.device, r.healthy, &r.reason, &who)
             .map_err(status)?;
         self.arb.changes().audits_written().await;
         Ok(Response::new(pb::SetDeviceHealthResponse { changed }))
