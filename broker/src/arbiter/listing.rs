@@ -384,7 +384,7 @@ impl Views<'_> {
             let st = self.arb.lock();
             let p = &st.pools()[i];
             let s = p.stats();
-            let held = p.held_on_device() + self.arb.unverified_bytes(i);
+            let held = p.held_on_device() + self.arb.unverified.of(i);
             out.push(DeviceReport {
                 index: i as u32,
                 name: desc.name,

@@ -212,7 +212,7 @@ pub struct Arbiter {
     /// Per device, bytes freed whose return the device thread found missing and whose
     /// charge (`State::stranded`) is on its way, or still being judged: the leasable
     /// refresh counts them as the broker's, so they are never outside memory meanwhile.
-    unverified: Arc<[AtomicU64]>,
+    unverified: UnverifiedBytes,
     /// Kept memfds looked at again until let go (`kept_looks.rs`).
     kept_looks: kept_looks::KeptLooks,
     /// Who else may keep CUDA memory a free left on the card (`kept_holders.rs`; NVML):
@@ -361,7 +361,7 @@ impl Arbiter {
             reserved = cfg.fd_reserve,
             "descriptors for memory: the limit less the reserve"
         );
-        let unverified = devices.iter().map(|_| AtomicU64::new(0)).collect();
+        let unverified = UnverifiedBytes(devices.iter().map(|_| AtomicU64::new(0)).collect());
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             unverified,
@@ -646,13 +646,6 @@ impl Arbiter {
 }
 
 impl Arbiter {
-    /// Bytes freed on device `i` that stayed there and are not charged yet.
-    fn unverified_bytes(&self, i: usize) -> u64 {
-        self.unverified
-            .get(i)
-            .map_or(0, |b| b.load(Ordering::SeqCst))
-    }
-
     /// What the device thread calls when a free did not give the memory back: the bytes
     /// are charged again to the tenant that answers for them (the block's, or another
     /// tenant's importer: `Reached::answers_for`) (`State::stranded`), on the main runtime
@@ -756,6 +749,25 @@ impl Arbiter {
                 None => charge(),
             }
         }
+    }
+}
+
+/// Per device, bytes a free left on the device whose charge is on its way or still being
+/// judged (`Arbiter::unverified`): shared with the device threads' frees and their reporters.
+#[derive(Clone)]
+struct UnverifiedBytes(Arc<[AtomicU64]>);
+
+impl UnverifiedBytes {
+    /// Bytes freed on device `i` that stayed there and are not charged yet.
+    fn of(&self, i: usize) -> u64 {
+        self.0.get(i).map_or(0, |b| b.load(Ordering::SeqCst))
+    }
+}
+
+impl std::ops::Deref for UnverifiedBytes {
+    type Target = [AtomicU64];
+    fn deref(&self) -> &[AtomicU64] {
+        &self.0
     }
 }
 

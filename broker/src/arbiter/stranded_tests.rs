@@ -91,7 +91,7 @@ async fn memory_kept_after_its_free_stays_charged_to_its_tenant_until_the_holder
         // The device's books count it (so the outside-memory estimate does not), once:
         // no longer as bytes whose charge is on its way.
         assert_eq!(st.pools()[0].stats().quarantined, 32 * MIB);
-        assert_eq!(arb.unverified_bytes(0), 0);
+        assert_eq!(arb.unverified.of(0), 0);
         assert_eq!(st.pools()[0].stats().leased, 48 * MIB);
     }
     // Operators see why (`ListQuarantined`, `gpu-brokerctl leaks`).
@@ -510,14 +510,14 @@ async fn a_memfd_let_go_before_the_first_look_charges_nobody() {
     )
     .await;
     assert_eq!(held, 0, "not charged at the free");
-    assert!(arb.unverified_bytes(0) > 0 || unsafe { libc::geteuid() } != 0);
+    assert!(arb.unverified.of(0) > 0 || unsafe { libc::geteuid() } != 0);
     unmap(mapping.unwrap());
     for _ in 0..60 {
         assert_eq!(held_by_a(&arb), 0, "never charged");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(
-        until(|| arb.unverified_bytes(0) == 0).await,
+        until(|| arb.unverified.of(0) == 0).await,
         "the look let it go"
     );
     assert_eq!(held_by_a(&arb), 0);
@@ -700,7 +700,7 @@ async fn processes_sharing_only_the_brokers_places_are_not_charged() {
     arb.devices[0].thread.call(|_| ()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(held_by_a(&arb), 0);
-    assert_eq!(arb.unverified_bytes(0), 0);
+    assert_eq!(arb.unverified.of(0), 0);
     kill_pid(child);
 }
 

@@ -113,7 +113,7 @@ impl Tasks<'_> {
             let pool = &st.pools()[i];
             // Memory a free left with a process outside the broker is the broker's while
             // its charge is on its way (`Arbiter::free_on_device`).
-            let held = pool.held_on_device() + self.arb.unverified_bytes(i);
+            let held = pool.held_on_device() + self.arb.unverified.of(i);
             let external = info.total.saturating_sub(info.free).saturating_sub(held);
             // Ignore small drift (driver bookkeeping, the broker's own context growing):
             // the headroom covers it, and the leasable amount does not flap.
