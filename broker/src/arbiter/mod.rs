@@ -314,6 +314,11 @@ impl Arbiter {
         health::DeviceHealth { arb: self }
     }
 
+    /// The one effect executor (`effects.rs`).
+    pub(crate) fn executor(&self) -> effects::Executor<'_> {
+        effects::Executor { arb: self }
+    }
+
     /// The Kubernetes claims' reservations (`claims.rs`).
     pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
         claims::Claims { arb: self }

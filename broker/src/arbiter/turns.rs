@@ -1,7 +1,7 @@
 //! Compute turns through the arbiter: the thin shell around the scheduler's core
 //! ([`crate::scheduler::Turns`]). It checks the session, locks the core, calls one
 //! transition, takes its effects, unlocks, and then has them carried out by the turn
-//! effect executor (`Arbiter::execute_turns`, `effects.rs`): a waiter's answer goes to its
+//! effect executor (`Executor::execute_turns`, `effects.rs`): a waiter's answer goes to its
 //! reply channel (kept in the outbox, `outbox.rs`, registered in the hold that queued the
 //! request), a session's event to its mailbox, a kept slot's window gets a timer. A grant
 //! nobody receives (the caller went away just as it was answered) is given back to the
@@ -151,7 +151,7 @@ impl Arbiter {
         let delivered = if fx.is_empty() {
             0
         } else {
-            self.execute_turns(fx)
+            self.executor().execute_turns(fx)
         };
         (r, delivered)
     }
@@ -197,7 +197,7 @@ impl Arbiter {
             })
         };
         if !fx.is_empty() {
-            self.execute_turns(fx);
+            self.executor().execute_turns(fx);
         }
         let (waiter, rx) = queued?;
         let mut guard = TurnWait {
