@@ -6,13 +6,14 @@
 //! scrub, free) runs on the device threads, outside the lock, on memory already reserved.
 //!
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
-//! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (the
-//! arbiter's loops: keepalive reaper, reclaim deadlines, leasable refresh), run by
-//! [`Lifecycle`] (`lifecycle`: workers, runtime, store writer, MPS); `audit` (the store,
-//! the audit log and the lock of durable changes: `Durable`), `health`, `reservations`
-//! and `sharing` are the arbiter's side of the store, device health, process reservations
-//! and shared leases (the records they work on live below it). `effects` is the lock
-//! guard and the one effect executor.
+//! (releases, quarantine, revocation), `drain`, `adopt*` (a restart). Each feature beyond
+//! those is a type reached by one accessor: `listing` ([`listing::Views`]: operators'
+//! read-only views), `audit` + `admin` + `tokens` ([`Changes`]: durable operator changes;
+//! `Durable` owns the store, the audit log and their lock), `sessions`, `reservations`,
+//! [`claims`], `sharing`, `health` (device health), `tasks` (the loops: keepalive reaper,
+//! reclaim deadlines, leasable refresh), run by [`Lifecycle`] (`lifecycle`: workers,
+//! runtime, store writer, MPS); `effects` is the lock guard and the one effect executor
+//! (`Executor`). The records they work on live below it (the core).
 
 mod admin;
 mod admission;
