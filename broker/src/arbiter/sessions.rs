@@ -2,8 +2,8 @@
 //! after a restart), keep alive, find a caller's own lease or reservation with its
 //! session's peer, and what NVML says each session's processes use. [`Sessions`] (reached
 //! by [`Arbiter::sessions`]) keeps no fields: the sessions live in the state, their
-//! mailboxes in the outbox. Ending them is `ending.rs`; ending those of a token,
-//! `revocation.rs`.
+//! mailboxes in the outbox. Ending one is `ending.rs`; ending those of a revoked or
+//! lapsed token, `revocation.rs` (on [`Sessions`] too).
 
 use super::{adopt, lease_not_found, session_not_found, Arbiter, MAX_LABEL};
 use crate::error::{BrokerError, BrokerResult};
