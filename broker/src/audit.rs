@@ -9,7 +9,7 @@
 //! ones arrive), so the table stays bounded. Without a store (tests) records are kept in
 //! memory under the same bound.
 //!
-//! Other modules record through `Arbiter::audit` (`arbiter/audit.rs`); `Who::system`
+//! Other modules record through `Changes::audit` (`arbiter/audit.rs`, `Arbiter::changes`); `Who::system`
 //! names changes nobody asked for over the API (a signal-triggered reload, the health
 //! monitor).
 

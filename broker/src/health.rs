@@ -122,8 +122,10 @@ pub fn spawn_monitor(
                     };
                     let problem = problem.or_else(|| nvml.get(&d).cloned());
                     let r = match problem {
-                        Some(reason) => me.mark_unhealthy(d, &reason, false, &system),
-                        None => me.mark_healthy(d, false, &system),
+                        Some(reason) => me
+                            .device_health()
+                            .mark_unhealthy(d, &reason, false, &system),
+                        None => me.device_health().mark_healthy(d, false, &system),
                     };
                     if let Err(e) = r {
                         tracing::error!(device = d, error = %e, "health monitor");
@@ -416,9 +418,10 @@ mod tests {
         );
         let elsewhere = arb.acquire(ask(s, None, 2 * MIB)).await.unwrap();
         assert_eq!(elsewhere.device, 0);
-        let report = arb.device_reports().await;
+        let report = arb.views().device_reports().await;
         assert!(report[1].fault.as_deref().unwrap().contains("Xid 79"));
         let text = arb
+            .views()
             .metrics_text(crate::metrics::Format::PrometheusText)
             .await;
         let healthy: Vec<&str> = text
@@ -440,10 +443,7 @@ mod tests {
         );
         assert!(report[0].fault.is_none());
         // The lease there stays its holder's.
-        assert!(arb
-            .list_all_leases(Some("a"))
-            .iter()
-            .any(|l| l.id == on1.id));
+        assert!(arb.views().leases(Some("a")).iter().any(|l| l.id == on1.id));
 
         // Healthy again: reopened by the monitor.
         sw[1].heal();
@@ -462,22 +462,22 @@ mod tests {
         nvml.lock().insert(0, "Xid 48 (double-bit ECC)".to_string());
         until("device 0 NVML fault", || !is_healthy(&arb, 0)).await;
         let op = Who::system("test operator");
-        assert!(arb.set_device_health(0, true, "", &op).unwrap());
+        assert!(arb.device_health().set(0, true, "", &op).unwrap());
         assert_eq!(*resets.lock(), vec![0]);
         until("device 0 cleared", || is_healthy(&arb, 0)).await;
 
         // An operator's mark holds against a passing check; only an operator clears it.
-        assert!(arb.set_device_health(0, false, "bad fan", &op).unwrap());
+        assert!(arb.device_health().set(0, false, "bad fan", &op).unwrap());
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(
             !is_healthy(&arb, 0),
             "the monitor must not clear an operator's mark"
         );
-        assert!(!arb.set_device_health(0, false, "bad fan", &op).unwrap());
-        assert!(arb.set_device_health(0, true, "", &op).unwrap());
+        assert!(!arb.device_health().set(0, false, "bad fan", &op).unwrap());
+        assert!(arb.device_health().set(0, true, "", &op).unwrap());
         assert!(is_healthy(&arb, 0));
         assert!(matches!(
-            arb.set_device_health(9, true, "", &op),
+            arb.device_health().set(9, true, "", &op),
             Err(BrokerError::UnknownDevice { device: 9, .. })
         ));
         // Every verdict is in the audit log.

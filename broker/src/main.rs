@@ -204,7 +204,8 @@ async fn run(
             .set_namespace_tenants(gpu_broker::tenants_config::namespace_tenants(&declared));
         // On the store writer, as every durable change.
         let changes = arb
-            .run_durable(move |a| Ok(gpu_broker::tenants_config::apply(a, &declared, "start")))
+            .changes()
+            .run(move |a| Ok(gpu_broker::tenants_config::apply(a, &declared, "start")))
             .await?;
         tracing::info!(path = %path.display(), tenants = n, changed = changes.len(), "config tenants applied");
         // After the tenants they name.
@@ -324,7 +325,8 @@ async fn run(
             arb.find_kept_holders_with(gpu_broker::kept_holders::HolderFinder::new(
                 monitor.clone(),
             ));
-            arb.spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());
+            arb.tasks()
+                .spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());
         }
     }
     gpu_broker::server::spawn_signal_wait(

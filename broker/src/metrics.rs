@@ -5,7 +5,7 @@
 //! (`views.rs`: devices labelled by index, UUID and model; tenants; sessions; build info)
 //! and encodes everything as OpenMetrics text, or as the Prometheus 0.0.4 text format for
 //! scrapers that do not ask for OpenMetrics ([`Format`]). This module does not know the
-//! arbiter: `Arbiter::metrics_text` takes the snapshots and calls [`render`]. The HTTP side
+//! arbiter: `Views::metrics_text` (`arbiter/listing.rs`) takes the snapshots and calls [`render`]. The HTTP side
 //! is `status_http`.
 
 use crate::error::BrokerError;

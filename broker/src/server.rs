@@ -162,7 +162,7 @@ pub async fn serve(
     let tcp_router = routes(tcp_builder);
 
     let bg_stop = CancellationToken::new();
-    arb.spawn_background(bg_stop.clone());
+    arb.tasks().start(bg_stop.clone());
     // The Admin service is NOT_SERVING while the state store is unwritable (a full disk):
     // admin changes fail then. Probed every 2 s until a write commits again.
     if let Some(mut writable) = arb.durable.store().map(|s| s.writable()) {
@@ -270,13 +270,13 @@ pub async fn serve(
         tracing::error!(error = %e, "a listener failed; shutting down");
     }
 
-    tracing::info!(grace = ?grace, sessions = arb.session_count(), "shutting down: ending sessions");
+    tracing::info!(grace = ?grace, sessions = arb.views().session_count(), "shutting down: ending sessions");
     health_reporter
         .set_not_serving::<BrokerServer<BrokerService>>()
         .await;
     arb.begin_shutdown(grace);
     let deadline = Instant::now() + grace;
-    while arb.session_count() > 0 && Instant::now() < deadline {
+    while arb.views().session_count() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // End what is left (their streams close) and free every block.
@@ -718,7 +718,7 @@ mod tests {
             })
             .expect("the open connection is served")
             .unwrap();
-        assert_eq!(arb.get_tenant("t").unwrap().quota.limit_bytes, 16 << 20);
+        assert_eq!(arb.views().tenant("t").unwrap().quota.limit_bytes, 16 << 20);
         assert!(
             !ran.load(std::sync::atomic::Ordering::SeqCst),
             "the main runtime ran nothing meanwhile: it was stalled throughout"

@@ -97,7 +97,7 @@ pub async fn respond<B>(
                     .get(hyper::header::ACCEPT)
                     .and_then(|v| v.to_str().ok()),
             );
-            let body = arb.metrics_text(format).await;
+            let body = arb.views().metrics_text(format).await;
             let mut r = Response::new(Full::new(Bytes::from(body)));
             r.headers_mut().insert(
                 hyper::header::CONTENT_TYPE,

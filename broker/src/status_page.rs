@@ -134,11 +134,11 @@ fn state_cell(d: &DeviceReport) -> String {
 /// The page for the broker's state now.
 pub async fn render(arb: &Arbiter) -> String {
     let now = SystemTime::now();
-    let devices = arb.device_reports().await;
-    let tenants = arb.list_tenants();
-    let leases = arb.list_all_leases(None);
+    let devices = arb.views().device_reports().await;
+    let tenants = arb.views().tenants();
+    let leases = arb.views().leases(None);
     let quarantined = arb.list_quarantined();
-    let reservations = arb.list_reservations(None);
+    let reservations = arb.views().reservations(None);
     let mps = arb.lifecycle().mps().map(|m| m.status());
     let waiting: u32 = tenants.iter().map(|t| t.waiting).sum();
     let mut out = String::new();
@@ -149,7 +149,7 @@ pub async fn render(arb: &Arbiter) -> String {
          <h1>gpu-broker</h1><p id=\"summary\">{} devices · {} tenants · {} sessions · {} leases · {} waiting · refreshes every {REFRESH_SECS} s</p>",
         devices.len(),
         tenants.len(),
-        arb.session_count(),
+        arb.views().session_count(),
         leases.len(),
         waiting
     );

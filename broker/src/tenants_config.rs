@@ -362,7 +362,8 @@ pub fn describe_change(c: &Change) -> String {
 /// skipped; the others still apply.
 pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<Change> {
     let running: BTreeMap<String, Quota> = arb
-        .list_tenants()
+        .views()
+        .tenants()
         .into_iter()
         .map(|t| (t.name, t.quota))
         .collect();
@@ -373,7 +374,7 @@ pub fn apply(arb: &Arc<Arbiter>, declared: &[DeclaredTenant], why: &str) -> Vec<
         }
         // Each change is committed with its audit record (`config.reload`, on the tenant).
         let who = crate::audit::Who::system(why);
-        match arb.change_quota(
+        match arb.changes().change_quota(
             &d.name,
             QuotaUpdate::Patch(d.patch.clone()),
             Some((&who, "config.reload", &d.name)),
@@ -437,7 +438,7 @@ pub fn spawn_watch(arb: Arc<Arbiter>, path: PathBuf, poll: Duration, stop: Cance
                     let n = declared.len();
                     arb.authenticator()
                         .set_namespace_tenants(namespace_tenants(&declared));
-                    let applied = arb.run_durable(move |a| {
+                    let applied = arb.changes().run(move |a| {
                         let changes = apply(a, &declared, why);
                         Ok((changes, crate::tokens_config::apply(a, &tokens, why)))
                     });
@@ -672,7 +673,8 @@ mod tests {
         )
         .unwrap();
         let changes = arb
-            .run_durable(move |a| Ok(apply(a, &declared, "SIGHUP")))
+            .changes()
+            .run(move |a| Ok(apply(a, &declared, "SIGHUP")))
             .await
             .unwrap();
         assert_eq!(changes.len(), 1);
@@ -705,7 +707,7 @@ mod tests {
     /// Waits (bounded: a failure detector, not a speed limit) until `a`'s quota is `limit`.
     async fn limit_becomes(arb: &Arbiter, limit: u64) -> bool {
         for _ in 0..500 {
-            if arb.get_tenant("a").map(|t| t.quota.limit_bytes) == Ok(limit) {
+            if arb.views().tenant("a").map(|t| t.quota.limit_bytes) == Ok(limit) {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -718,7 +720,8 @@ mod tests {
     async fn start_watching(arb: &Arc<Arbiter>, file: &Path) -> (Vec<Change>, CancellationToken) {
         let declared = load(file).unwrap();
         let at_start = arb
-            .run_durable(move |a| Ok(apply(a, &declared, "start")))
+            .changes()
+            .run(move |a| Ok(apply(a, &declared, "start")))
             .await
             .unwrap();
         let stop = CancellationToken::new();
@@ -760,14 +763,14 @@ mod tests {
             "the edit was not applied"
         );
         assert_eq!(
-            arb.get_tenant("a").unwrap().quota.max_leases,
+            arb.views().tenant("a").unwrap().quota.max_leases,
             5,
             "undeclared: kept"
         );
         // An invalid edit changes nothing; the next valid one applies.
         std::fs::write(&file, "[tenants.a]\nlimit = \"lots\"\n").unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 << 20);
+        assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 32 << 20);
         std::fs::write(&file, "[tenants.a]\nlimit = \"48MiB\"\n").unwrap();
         assert!(
             limit_becomes(&arb, 48 << 20).await,
@@ -819,7 +822,7 @@ mod tests {
         let (_, stop) = start_watching(&arb, &file).await;
         // A current-thread runtime: the watch's task has not run yet.
         std::fs::write(&file, "[tenants.a]\nlimit = \"32MiB\"\n").unwrap();
-        let limit = || arb.get_tenant("a").unwrap().quota.limit_bytes;
+        let limit = || arb.views().tenant("a").unwrap().quota.limit_bytes;
         let t = std::time::Instant::now();
         while limit() != 32 << 20 && t.elapsed() < Duration::from_secs(10) {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -852,12 +855,13 @@ mod tests {
         let blocker = tokio::spawn({
             let arb = arb.clone();
             async move {
-                arb.run_durable(move |_| {
-                    let _ = started.send(());
-                    let _ = held.recv();
-                    Ok(())
-                })
-                .await
+                arb.changes()
+                    .run(move |_| {
+                        let _ = started.send(());
+                        let _ = held.recv();
+                        Ok(())
+                    })
+                    .await
             }
         });
         running.await.unwrap();
@@ -884,7 +888,7 @@ mod tests {
             "the join waits for the reload in flight"
         );
         let limits =
-            |arb: &Arbiter| ["a", "b"].map(|t| arb.get_tenant(t).unwrap().quota.limit_bytes);
+            |arb: &Arbiter| ["a", "b"].map(|t| arb.views().tenant(t).unwrap().quota.limit_bytes);
         assert_eq!(limits(&arb), [16 << 20; 2], "nothing applied yet");
         release.send(()).unwrap();
         assert!(join.await.unwrap().is_empty(), "every worker ended in time");
@@ -896,7 +900,8 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(limits(&arb), [32 << 20; 2]);
         let refused = arb
-            .run_durable(move |a| Ok(apply(a, &load(&file).unwrap(), "late")))
+            .changes()
+            .run(move |a| Ok(apply(a, &load(&file).unwrap(), "late")))
             .await;
         assert!(
             matches!(refused, Err(crate::error::BrokerError::ShuttingDown)),

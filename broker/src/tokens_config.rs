@@ -200,7 +200,8 @@ pub fn apply(arb: &Arc<Arbiter>, tokens: &[DeclaredToken], why: &str) -> TokenCh
     }
     for e in &removed {
         tracing::warn!(why, token_id = %e.token_id, name = %e.name, "config: token no longer declared: refused from now on");
-        arb.end_sessions_of_token(&e.token_id, "the session's token is no longer declared");
+        arb.sessions()
+            .end_of_token(&e.token_id, "the session's token is no longer declared");
     }
     TokenChanges {
         added: added.into_iter().map(|e| e.name).collect(),

@@ -304,7 +304,7 @@ impl Harness {
             ArbiterConfig::default(),
         )
         .expect("arbiter");
-        let reports = rt.block_on(arb.device_reports());
+        let reports = rt.block_on(arb.views().device_reports());
         let devices = reports
             .iter()
             .map(|r| MDevice {
@@ -537,7 +537,7 @@ impl Harness {
     /// Compares every counter the arbiter shows with the model.
     fn check(&self) {
         let m = &self.model;
-        let tenants = self.arb.list_tenants();
+        let tenants = self.arb.views().tenants();
         assert_eq!(tenants.len(), TENANTS.len());
         for (i, name) in TENANTS.iter().enumerate() {
             let t = tenants
@@ -577,7 +577,8 @@ impl Harness {
         }
         let mut listed: Vec<(Uuid, u64, u32)> = self
             .arb
-            .list_all_leases(None)
+            .views()
+            .leases(None)
             .iter()
             .map(|l| (l.id, l.bytes, l.device))
             .collect();
@@ -587,7 +588,9 @@ impl Harness {
         want.sort();
         assert_eq!(listed, want, "lease table");
         let arb = self.arb.clone();
-        let reports = self.rt.block_on(async move { arb.device_reports().await });
+        let reports = self
+            .rt
+            .block_on(async move { arb.views().device_reports().await });
         // `devices()` ran a job on every device thread after every free queued so far:
         // the device's allocations are now exactly the broker's holdings.
         for (d, r) in reports.iter().enumerate() {
@@ -635,7 +638,7 @@ impl Harness {
             self.model.end_lease(0, true);
         }
         self.check();
-        for t in self.arb.list_tenants() {
+        for t in self.arb.views().tenants() {
             assert_eq!(t.usage.held_bytes, 0);
             assert_eq!(t.usage.lease_count, 0);
         }
@@ -645,11 +648,11 @@ impl Harness {
             }
         }
         self.check();
-        assert_eq!(self.arb.session_count(), 0);
+        assert_eq!(self.arb.views().session_count(), 0);
         // Quarantined memory stays until its holder (this process) is gone; shutdown
         // frees it with everything cached.
         self.arb.shutdown_release_all();
-        for t in self.arb.list_tenants() {
+        for t in self.arb.views().tenants() {
             assert_eq!(
                 t.usage,
                 gpu_broker::ledger::Usage::default(),
@@ -658,7 +661,9 @@ impl Harness {
             );
         }
         let arb = self.arb.clone();
-        let reports = self.rt.block_on(async move { arb.device_reports().await });
+        let reports = self
+            .rt
+            .block_on(async move { arb.views().device_reports().await });
         for r in &reports {
             assert_eq!(
                 (r.leased, r.quarantined, r.cached, r.lease_count),

@@ -61,7 +61,7 @@ impl Drop for WaiterGuard {
             st.abandon(self.id);
         }
         if let Some(Ok(granted)) = unreceived {
-            self.arb.give_back_grant(granted);
+            self.arb.executor().give_back_grant(granted);
         }
     }
 }

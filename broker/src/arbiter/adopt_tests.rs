@@ -157,7 +157,8 @@ fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
     let report = arb.adopt_from_keeper(place).unwrap();
     assert_eq!((report.leases_adopted, report.leases_reclaimed), (2, 1));
     let device_of = |id: &str| {
-        arb.list_all_leases(None)
+        arb.views()
+            .leases(None)
             .into_iter()
             .find(|l| l.id.to_string() == id)
             .map(|l| l.device)
@@ -170,7 +171,10 @@ fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
     let mut expected = vec![gone.key(), gone_quarantine.key()];
     expected.sort();
     assert_eq!(removed, expected, "the memory of a gone device is let go");
-    assert_eq!(arb.get_tenant("alpha").unwrap().usage.held_bytes, 4 * MIB);
+    assert_eq!(
+        arb.views().tenant("alpha").unwrap().usage.held_bytes,
+        4 * MIB
+    );
     assert!(arb.list_quarantined().is_empty());
 }
 
@@ -357,7 +361,7 @@ fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
         entry(orphan_import.key(), &orphan_import, None),
     ];
     arb.adopt_from_keeper(place).unwrap();
-    let shared = arb.list_shared(Some("alpha"));
+    let shared = arb.views().shared(Some("alpha"));
     assert_eq!(shared.len(), 1, "{shared:?}");
     let p = &shared[0];
     assert_eq!(
@@ -417,7 +421,7 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
     assert_eq!(held, std::slice::from_ref(&same.lease));
     assert_eq!(*removed.lock(), [reused.key()]);
     assert_eq!(
-        arb.get_tenant("alpha").unwrap().usage.quarantined_bytes,
+        arb.views().tenant("alpha").unwrap().usage.quarantined_bytes,
         2 * MIB
     );
 }
@@ -514,7 +518,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
         (1, 1, 1, 1),
         "the report counts held blocks and lingering imports taken back and let go"
     );
-    let usage = |t: &str| arb.get_tenant(t).unwrap().usage;
+    let usage = |t: &str| arb.views().tenant(t).unwrap().usage;
     assert_eq!(
         (
             usage("alpha").quarantined_bytes,
@@ -523,7 +527,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
         (2 * MIB, 0),
         "held for its importers, counted to the publisher"
     );
-    let shared = arb.list_shared(Some("alpha"));
+    let shared = arb.views().shared(Some("alpha"));
     assert_eq!(shared.len(), 1, "{shared:?}");
     let p = &shared[0];
     assert_eq!(
@@ -551,7 +555,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
     arb.lock().import_waiter_gone(live_id, Some(pid));
     arb.lock().import_let_go(import_id, Ending::Cache);
     assert_eq!(usage("alpha").quarantined_bytes, 0);
-    assert!(arb.list_shared(Some("alpha")).is_empty());
+    assert!(arb.views().shared(Some("alpha")).is_empty());
     assert!(removed.lock().contains(&kept_held.key()));
     arb.lock().check_invariant().unwrap();
 }

@@ -5,7 +5,11 @@
 //! opened with that token are drawn from it. Releasing the claim ends the reservation and
 //! revokes the token (which ends the sessions opened with it). Each claim reservation is
 //! kept in the store (`store::ClaimRecord`) while it lasts: a restarted broker takes it
-//! again at start ([`Arbiter::restore_claims`]), before anything is served.
+//! again at start ([`Claims::restore_all`]), before anything is served.
+//!
+//! [`Claims`] (reached by [`Arbiter::claims`]) owns the claims' operations: reserve,
+//! release, list, restore; it keeps no fields of its own (a claim reservation lives with
+//! the other reservations in the state, its token with the others).
 
 use super::tokens::TokenSpec;
 use super::Arbiter;
@@ -54,17 +58,18 @@ pub fn claim_of_token_name(name: &str) -> Option<&str> {
     name.strip_prefix(CLAIM_TOKEN_PREFIX)
 }
 
-impl Arbiter {
+/// The Kubernetes claims' reservations of one arbiter ([`Arbiter::claims`]).
+pub struct Claims<'a> {
+    pub(super) arb: &'a Arc<Arbiter>,
+}
+
+impl Claims<'_> {
     /// Reserves `req.bytes` on `req.device` for claim `req.uid` under its tenant, now or
     /// never (a placement the scheduler made does not queue), and mints the worker token
     /// bound to it. The token is durable before the reservation exists; a refused
     /// reservation revokes it again. `FAILED_PRECONDITION` when the claim already has one.
-    pub(crate) async fn reserve_claim(
-        self: &Arc<Self>,
-        req: ClaimRequest,
-        who: Who,
-    ) -> BrokerResult<ClaimGrant> {
-        self.check_claim(&req)?;
+    pub(crate) async fn reserve(&self, req: ClaimRequest, who: Who) -> BrokerResult<ClaimGrant> {
+        self.check(&req)?;
         let spec = TokenSpec {
             tenant: Some(req.tenant.clone()),
             scope: Scope::Worker,
@@ -74,27 +79,35 @@ impl Arbiter {
         };
         let by = who.clone();
         let issued = self
-            .run_durable(move |arb| arb.issue(spec, Some(&by)))
+            .arb
+            .changes()
+            .run(move |arb| arb.changes().issue_token(spec, Some(&by)))
             .await?;
         let token_id = issued.entry.token_id.clone();
-        match self.grant_claim(&req, &token_id) {
+        match self.grant(&req, &token_id) {
             Ok(mut reservation) => {
                 // The managed MPS daemon's variables for the claim's processes (none
                 // without `--mps`): their pinned device memory limit is the reservation.
                 let ask = process_ask(&req, reservation.bytes);
-                match self.process_env(req.device, reservation.bytes, &ask) {
+                match self
+                    .arb
+                    .reservations()
+                    .env(req.device, reservation.bytes, &ask)
+                {
                     Ok(env) => reservation.env = env,
                     Err(e) => {
-                        self.undo_claim(&req.uid, &token_id, who).await;
+                        self.undo(&req.uid, &token_id, who).await;
                         return Err(e);
                     }
                 }
                 let record = claim_record(&req, &reservation, &token_id);
                 let kept = self
-                    .run_durable(move |arb| arb.commit_to_store(|s| s.put_claim(&record)))
+                    .arb
+                    .changes()
+                    .run(move |arb| arb.changes().commit(|s| s.put_claim(&record)))
                     .await;
                 if let Err(e) = kept {
-                    self.undo_claim(&req.uid, &token_id, who).await;
+                    self.undo(&req.uid, &token_id, who).await;
                     return Err(e);
                 }
                 tracing::info!(claim = %req.uid, reservation = %reservation.id, tenant = %req.tenant, device = req.device, bytes = reservation.bytes, "claim reserved");
@@ -105,7 +118,7 @@ impl Arbiter {
                 })
             }
             Err(e) => {
-                self.undo_claim(&req.uid, &token_id, who).await;
+                self.undo(&req.uid, &token_id, who).await;
                 Err(e)
             }
         }
@@ -113,11 +126,12 @@ impl Arbiter {
 
     /// Revokes claim `uid`'s token (ending the sessions opened with it) and ends its
     /// reservation. `NOT_FOUND` when the claim has neither.
-    pub(crate) async fn release_claim(self: &Arc<Self>, uid: &str, who: Who) -> BrokerResult<()> {
+    pub(crate) async fn release(&self, uid: &str, who: Who) -> BrokerResult<()> {
         // The token first: its sessions end (their leases with them) before the room
         // they drew from goes.
         let name = claim_token_name(uid);
         let tokens: Vec<String> = self
+            .arb
             .auth
             .list(None)
             .into_iter()
@@ -127,7 +141,9 @@ impl Arbiter {
         for id in &tokens {
             let (id, by) = (id.clone(), who.clone());
             match self
-                .run_durable(move |arb| arb.revoke_token(&id, Some(&by)))
+                .arb
+                .changes()
+                .run(move |arb| arb.changes().revoke_token(&id, Some(&by)))
                 .await
             {
                 Ok(()) | Err(BrokerError::NotFound(_)) => {}
@@ -135,14 +151,14 @@ impl Arbiter {
             }
         }
         let ended = {
-            let mut st = self.lock();
+            let mut st = self.arb.lock();
             let found = st.reservations().of_claim(uid).map(|r| r.id);
             if let Some(id) = found {
                 st.end_reservation(id);
             }
             found
         };
-        let kept = self.forget_claim(uid).await?;
+        let kept = self.forget(uid).await?;
         if ended.is_none() && tokens.is_empty() && !kept {
             return Err(BrokerError::NotFound(Missing::Claim(uid.to_string())));
         }
@@ -151,19 +167,19 @@ impl Arbiter {
     }
 
     /// Whether claim `uid` has its reservation here.
-    pub(crate) fn claim_is_held(&self, uid: &str) -> bool {
-        self.lock().reservations().of_claim(uid).is_some()
+    pub(crate) fn is_held(&self, uid: &str) -> bool {
+        self.arb.lock().reservations().of_claim(uid).is_some()
     }
 
     /// The claim reservations, oldest first.
-    pub(crate) fn list_claims(&self) -> Vec<(ClaimBinding, ReservationView)> {
-        let st = self.lock();
+    pub(crate) fn list(&self) -> Vec<(ClaimBinding, ReservationView)> {
+        let st = self.arb.lock();
         let mut v: Vec<(ClaimBinding, ReservationView)> = st
             .reservations()
             .iter()
             .filter_map(|r| {
                 let c = r.claim.clone()?;
-                Some((c, r.view(self.devices.uuid(r.device))))
+                Some((c, r.view(self.arb.devices.uuid(r.device))))
             })
             .collect();
         v.sort_by_key(|(_, r)| (r.created, r.id));
@@ -171,7 +187,7 @@ impl Arbiter {
     }
 
     /// The request's values, the device's state and whether the claim is new.
-    fn check_claim(&self, req: &ClaimRequest) -> BrokerResult<()> {
+    fn check(&self, req: &ClaimRequest) -> BrokerResult<()> {
         if req.uid.is_empty() || req.uid.len() > MAX_CLAIM_UID {
             return Err(BrokerError::InvalidArgument(format!(
                 "claim uid must be 1-{MAX_CLAIM_UID} bytes"
@@ -182,7 +198,7 @@ impl Arbiter {
                 "claim uid must not contain spaces or control characters".into(),
             ));
         }
-        self.validate(super::AcquireRequest {
+        self.arb.validate(super::AcquireRequest {
             tenant: req.tenant.clone(),
             session: uuid::Uuid::nil(),
             bytes: req.bytes,
@@ -192,7 +208,7 @@ impl Arbiter {
             reclaimable: false,
             fallback_host: false,
         })?;
-        let st = self.lock();
+        let st = self.arb.lock();
         if st.ledger().get(&req.tenant).is_none() {
             return Err(BrokerError::tenant_not_found(&req.tenant));
         }
@@ -202,16 +218,16 @@ impl Arbiter {
                 req.uid
             )));
         }
-        if let Some(e) = self.avail.read().refusal(Some(req.device)) {
+        if let Some(e) = self.arb.avail.read().refusal(Some(req.device)) {
             return Err(e);
         }
         Ok(())
     }
 
     /// The reservation itself, under the state lock (the device's state checked again).
-    fn grant_claim(&self, req: &ClaimRequest, token_id: &str) -> BrokerResult<ReservationView> {
-        let mut st = self.lock();
-        if let Some(e) = self.avail.read().refusal(Some(req.device)) {
+    fn grant(&self, req: &ClaimRequest, token_id: &str) -> BrokerResult<ReservationView> {
+        let mut st = self.arb.lock();
+        if let Some(e) = self.arb.avail.read().refusal(Some(req.device)) {
             return Err(e);
         }
         let gran = st.pools()[req.device as usize].granularity();
@@ -232,18 +248,18 @@ impl Arbiter {
             .reservations()
             .get(&id)
             .ok_or_else(|| BrokerError::Internal("a granted claim is gone".into()))?;
-        let mut view = r.view(self.devices.uuid(r.device));
+        let mut view = r.view(self.arb.devices.uuid(r.device));
         view.requested_bytes = req.bytes;
         Ok(view)
     }
 
     /// A claim that could not be reserved: its reservation (if made) ends and its token
     /// is revoked, so nothing of it is left.
-    pub(super) async fn undo_claim(self: &Arc<Self>, uid: &str, token_id: &str, who: Who) {
+    pub(super) async fn undo(&self, uid: &str, token_id: &str, who: Who) {
         // Only the reservation this call made (bound to its token): a concurrent reserve
         // of the same claim that won keeps its reservation and its stored record.
         let mine = {
-            let mut st = self.lock();
+            let mut st = self.arb.lock();
             let mine = st
                 .reservations()
                 .of_claim(uid)
@@ -256,22 +272,26 @@ impl Arbiter {
         };
         let id = token_id.to_string();
         if let Err(e) = self
-            .run_durable(move |arb| arb.revoke_token(&id, Some(&who)))
+            .arb
+            .changes()
+            .run(move |arb| arb.changes().revoke_token(&id, Some(&who)))
             .await
         {
             tracing::error!(claim = %uid, token_id, error = %e, "revoking a refused claim's token");
         }
         if mine {
-            if let Err(e) = self.forget_claim(uid).await {
+            if let Err(e) = self.forget(uid).await {
                 tracing::error!(claim = %uid, error = %e, "forgetting a refused claim");
             }
         }
     }
 
     /// Deletes claim `uid`'s record from the store; whether there was one.
-    async fn forget_claim(self: &Arc<Self>, uid: &str) -> BrokerResult<bool> {
+    async fn forget(&self, uid: &str) -> BrokerResult<bool> {
         let uid = uid.to_string();
-        self.run_durable(move |arb| arb.commit_to_store(|s| s.delete_claim(&uid)))
+        self.arb
+            .changes()
+            .run(move |arb| arb.changes().commit(|s| s.delete_claim(&uid)))
             .await
     }
 
@@ -280,9 +300,9 @@ impl Arbiter {
     /// deleted) is stale and deleted; one that does not fit any more (its device changed,
     /// its quota shrank) is logged and left for the driver, whose next `ReserveClaim`
     /// reports why on the claim.
-    pub(super) fn restore_claims(&self, store: &crate::store::Store) -> BrokerResult<usize> {
+    pub(super) fn restore_all(&self, store: &crate::store::Store) -> BrokerResult<usize> {
         let records = store.load_claims().map_err(super::audit::store_err)?;
-        let live = self.auth.live_token_ids();
+        let live = self.arb.auth.live_token_ids();
         let mut restored = 0;
         for c in records {
             if !live.contains(&c.token_id) {
@@ -292,7 +312,7 @@ impl Arbiter {
                     .map_err(super::audit::store_err)?;
                 continue;
             }
-            match self.restore_claim(&c) {
+            match self.restore(&c) {
                 Ok(()) => restored += 1,
                 Err(e) => {
                     tracing::error!(claim = %c.uid, tenant = %c.tenant, device = c.device, bytes = c.bytes, error = %e, "a stored claim reservation was not taken again")
@@ -302,15 +322,16 @@ impl Arbiter {
         Ok(restored)
     }
 
-    fn restore_claim(&self, c: &ClaimRecord) -> BrokerResult<()> {
+    fn restore(&self, c: &ClaimRecord) -> BrokerResult<()> {
         let id = uuid::Uuid::parse_str(&c.reservation_id)
             .map_err(|e| BrokerError::Internal(format!("reservation id: {e}")))?;
-        if (c.device as usize) < self.devices.len() && self.devices.uuid(c.device) != c.device_uuid
+        if (c.device as usize) < self.arb.devices.len()
+            && self.arb.devices.uuid(c.device) != c.device_uuid
         {
             return Err(BrokerError::FailedPrecondition(format!(
                 "device {} is now {}, not {}",
                 c.device,
-                self.devices.uuid(c.device),
+                self.arb.devices.uuid(c.device),
                 c.device_uuid
             )));
         }
@@ -325,7 +346,7 @@ impl Arbiter {
                 token_id: c.token_id.clone(),
             },
         };
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         st.restore_claim(id, created, ask)?;
         tracing::info!(claim = %c.uid, reservation = %id, tenant = %c.tenant, device = c.device, bytes = c.bytes, "claim reservation taken again");
         Ok(())

@@ -33,7 +33,8 @@ fn session_of(arb: &Arc<Arbiter>, tenant: &str, token_id: Option<String>) -> Uui
         unix: true,
     };
     let (id, rx) = arb
-        .open_resumable(tenant, "w", peer, token_id)
+        .sessions()
+        .open(tenant, "w", peer, token_id)
         .map(|(id, rx, _)| (id, rx))
         .unwrap();
     std::mem::forget(rx);
@@ -41,7 +42,7 @@ fn session_of(arb: &Arc<Arbiter>, tenant: &str, token_id: Option<String>) -> Uui
 }
 
 fn usage(arb: &Arbiter, t: &str) -> crate::ledger::Usage {
-    arb.get_tenant(t).unwrap().usage
+    arb.views().tenant(t).unwrap().usage
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,7 +51,8 @@ async fn a_claim_is_reserved_with_a_bound_token_and_its_sessions_draw_from_it() 
     let arb = stored_arbiter(dir.path());
     arb.set_quota("a", quota(600 * MIB)).unwrap();
     let g = arb
-        .reserve_claim(claim("uid-1", "a", 255 * MIB), who())
+        .claims()
+        .reserve(claim("uid-1", "a", 255 * MIB), who())
         .await
         .unwrap();
     assert_eq!(g.reservation.bytes, 256 * MIB, "rounded to the granularity");
@@ -68,7 +70,7 @@ async fn a_claim_is_reserved_with_a_bound_token_and_its_sessions_draw_from_it() 
     assert_eq!(tokens.len(), 1);
     assert_eq!(tokens[0].name, claim_token_name("uid-1"));
     assert_eq!(tokens[0].token_id, g.token_id);
-    assert_eq!(arb.list_claims().len(), 1);
+    assert_eq!(arb.claims().list().len(), 1);
     // A session of the claim's token draws from it: the tenant's total stays the claim.
     let s = session_of(&arb, "a", Some(g.token_id.clone()));
     let l = arb.acquire(req("a", s, 100 * MIB)).await.unwrap();
@@ -92,23 +94,24 @@ async fn a_claim_is_reserved_with_a_bound_token_and_its_sessions_draw_from_it() 
     assert_eq!(usage(&arb, "a").process_reserved_bytes, 256 * MIB);
     // The same claim again: refused, nothing changes.
     let e = arb
-        .reserve_claim(claim("uid-1", "a", 8 * MIB), who())
+        .claims()
+        .reserve(claim("uid-1", "a", 8 * MIB), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::FailedPrecondition(_)), "{e:?}");
     assert_eq!(arb.auth.list(Some("a")).len(), 1);
     // Released: the room is uncharged, the token revoked, its sessions ended.
-    arb.release_claim("uid-1", who()).await.unwrap();
+    arb.claims().release("uid-1", who()).await.unwrap();
     let u = usage(&arb, "a");
     assert_eq!((u.process_reserved_bytes, u.process_reservations), (0, 0));
     assert!(arb.auth.list(Some("a")).is_empty());
-    assert!(arb.list_claims().is_empty());
+    assert!(arb.claims().list().is_empty());
     assert!(matches!(
         arb.acquire(req("a", s, MIB)).await.unwrap_err(),
         BrokerError::NotFound(_)
     ));
     // Unknown now: NOT_FOUND.
-    let e = arb.release_claim("uid-1", who()).await.unwrap_err();
+    let e = arb.claims().release("uid-1", who()).await.unwrap_err();
     assert!(
         matches!(&e, BrokerError::NotFound(crate::error::Missing::Claim(u)) if u == "uid-1"),
         "{e:?}"
@@ -122,7 +125,8 @@ async fn a_claim_over_the_quota_or_the_room_is_refused_and_leaves_no_token() {
     let arb = stored_arbiter(dir.path());
     arb.set_quota("a", quota(512 * MIB)).unwrap();
     let e = arb
-        .reserve_claim(claim("big", "a", 600 * MIB), who())
+        .claims()
+        .reserve(claim("big", "a", 600 * MIB), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::QuotaExceeded { .. }), "{e:?}");
@@ -134,7 +138,8 @@ async fn a_claim_over_the_quota_or_the_room_is_refused_and_leaves_no_token() {
     let sb = session_of(&arb, "b", None);
     arb.acquire(req("b", sb, 900 * MIB)).await.unwrap();
     let e = arb
-        .reserve_claim(claim("room", "a", 200 * MIB), who())
+        .claims()
+        .reserve(claim("room", "a", 200 * MIB), who())
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::NoCapacity { .. }), "{e:?}");
@@ -153,7 +158,7 @@ async fn a_claim_over_the_quota_or_the_room_is_refused_and_leaves_no_token() {
             ErrorKind::Invalid,
         ),
     ] {
-        let e = arb.reserve_claim(c, who()).await.unwrap_err();
+        let e = arb.claims().reserve(c, who()).await.unwrap_err();
         assert_eq!(e.kind(), want);
     }
     assert!(arb.auth.list(None).is_empty());
@@ -167,15 +172,16 @@ async fn a_refused_reserve_leaves_the_winners_claim_alone() {
     let arb = stored_arbiter(dir.path());
     arb.set_quota("a", quota(64 * MIB)).unwrap();
     let won = arb
-        .reserve_claim(claim("uid-1", "a", 8 * MIB), who())
+        .claims()
+        .reserve(claim("uid-1", "a", 8 * MIB), who())
         .await
         .unwrap();
     // The loser's undo, with the token it minted.
-    arb.undo_claim("uid-1", "the-losers-token", who()).await;
-    let claims = arb.list_claims();
+    arb.claims().undo("uid-1", "the-losers-token", who()).await;
+    let claims = arb.claims().list();
     assert_eq!(claims.len(), 1, "{claims:?}");
     assert_eq!(claims[0].0.token_id, won.token_id);
     assert_eq!(claims[0].1.id, won.reservation.id);
-    let stored = arb.commit_to_store(|s| s.load_claims()).unwrap();
+    let stored = arb.changes().commit(|s| s.load_claims()).unwrap();
     assert_eq!(stored.len(), 1, "the winner's record is kept");
 }

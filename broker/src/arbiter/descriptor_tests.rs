@@ -62,14 +62,14 @@ async fn blocks_past_the_budget_are_refused_and_a_cached_block_makes_room() {
         4
     );
     // Refused before anything was charged or allocated.
-    assert_eq!(arb.get_tenant("b").unwrap().usage.held_bytes, 0);
+    assert_eq!(arb.views().tenant("b").unwrap().usage.held_bytes, 0);
     assert_eq!(arb.fds.held(), 4);
     // One of a's lets go (cached, its descriptor kept): freed for b's fresh block.
     let l = held.pop().unwrap();
     arb.release("a", l.id).unwrap();
     let lb = arb.acquire(req("b", sb, 2 * MIB)).await.unwrap();
     assert_eq!(arb.fds.held(), 4);
-    assert_eq!(arb.device_reports().await[0].cached, 0);
+    assert_eq!(arb.views().device_reports().await[0].cached, 0);
     // b's own cached block comes back with no new descriptor.
     arb.release("b", lb.id).unwrap();
     arb.acquire(req("b", sb, 2 * MIB)).await.unwrap();
@@ -84,10 +84,10 @@ async fn a_published_memfd_counts_its_reopen_until_its_publication_goes() {
     for _ in 0..3 {
         held.push(arb.acquire(req("a", sa, 2 * MIB)).await.unwrap());
     }
-    arb.publish("a", held[0].id, "w0", &[]).unwrap();
+    arb.sharing().publish("a", held[0].id, "w0", &[]).unwrap();
     assert_eq!(arb.fds.held(), 4, "three blocks and one reopen");
     assert_eq!(
-        out_of_descriptors(arb.publish("a", held[1].id, "w1", &[])),
+        out_of_descriptors(arb.sharing().publish("a", held[1].id, "w1", &[])),
         4
     );
     assert_eq!(
@@ -98,6 +98,6 @@ async fn a_published_memfd_counts_its_reopen_until_its_publication_goes() {
     // cached) is freed.
     arb.release("a", held[0].id).unwrap();
     assert_eq!(counted(&arb, 2).await, 2);
-    arb.publish("a", held[1].id, "w1", &[]).unwrap();
+    arb.sharing().publish("a", held[1].id, "w1", &[]).unwrap();
     assert_eq!(arb.fds.held(), 3);
 }

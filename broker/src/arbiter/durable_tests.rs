@@ -89,7 +89,7 @@ async fn a_quota_change_and_its_audit_record_commit_together_on_the_writer() {
         matches!(e, BrokerError::GuaranteesExceedCapacity { .. }),
         "{e:?}"
     );
-    assert!(arb.get_tenant("g").is_err());
+    assert!(arb.views().tenant("g").is_err());
     assert_eq!(
         arb.durable
             .list_audit(&AuditFilter::default())
@@ -149,7 +149,7 @@ async fn concurrent_changes_leave_memory_store_and_audit_agreeing() {
         for w in mine.windows(2) {
             assert_eq!(w[1].before, w[0].after, "{name}");
         }
-        let q = arb.get_tenant(&name).unwrap().quota;
+        let q = arb.views().tenant(&name).unwrap().quota;
         assert_eq!(mine.last().unwrap().after, Some(q.to_json()));
         in_memory.push((name, q.limit_bytes));
     }
@@ -161,7 +161,7 @@ async fn concurrent_changes_leave_memory_store_and_audit_agreeing() {
     // And a broker started on it again loads the same.
     let arb = stored_arbiter(dir.path());
     for (name, bytes) in &in_memory {
-        assert_eq!(arb.get_tenant(name).unwrap().quota.limit_bytes, *bytes);
+        assert_eq!(arb.views().tenant(name).unwrap().quota.limit_bytes, *bytes);
     }
 }
 
@@ -181,7 +181,7 @@ async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
-    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 8 * MIB);
+    assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 8 * MIB);
     assert_eq!(
         arb.durable
             .list_audit(&AuditFilter::default())
@@ -190,9 +190,10 @@ async fn after_the_writer_stops_a_change_is_refused_and_nothing_changes() {
         1
     );
     // The synchronous path (configuration reloads, start-up) still works.
-    arb.change_quota("a", Replace(quota(32 * MIB)), None)
+    arb.changes()
+        .change_quota("a", Replace(quota(32 * MIB)), None)
         .unwrap();
-    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
+    assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -209,7 +210,7 @@ async fn a_change_after_shutdown_is_refused_though_none_came_before() {
         .await
         .unwrap_err();
     assert!(matches!(e, BrokerError::ShuttingDown), "{e:?}");
-    assert!(arb.get_tenant("a").is_err(), "nothing applied");
+    assert!(arb.views().tenant("a").is_err(), "nothing applied");
     assert!(arb
         .durable
         .list_audit(&AuditFilter::default())
@@ -231,12 +232,12 @@ async fn a_change_whose_caller_went_away_is_committed_and_applied_both() {
     assert!(futures::FutureExt::now_or_never(asked).is_none());
     drop(writes);
     let mut waited = 0;
-    while arb.get_tenant("a").is_err() {
+    while arb.views().tenant("a").is_err() {
         assert!(waited < 1000, "the change was not applied");
         tokio::time::sleep(Duration::from_millis(10)).await;
         waited += 1;
     }
-    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 8 * MIB);
+    assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 8 * MIB);
     assert!(arb
         .lifecycle()
         .join(Duration::from_secs(5))
@@ -269,7 +270,7 @@ async fn a_raised_quota_on_the_writer_lets_a_waiter_in() {
             .await
         })
     };
-    while arb.get_tenant("a").unwrap().waiting == 0 {
+    while arb.views().tenant("a").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     change_quota_for(&arb, "a".into(), Replace(quota(16 * MIB)), who())
@@ -427,7 +428,8 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
         who(),
     ));
     assert!(futures::FutureExt::now_or_never(&mut set).is_none());
-    arb.audit(&who(), "drain.start", "", "node", None, None);
+    arb.changes()
+        .audit(&who(), "drain.start", "", "node", None, None);
     assert!(
         arb.durable
             .list_audit(&AuditFilter::default())
@@ -437,13 +439,14 @@ async fn an_audit_only_record_is_written_on_the_writer_in_the_order_asked() {
     );
     drop(writes);
     set.await.unwrap();
-    arb.audits_written().await;
+    arb.changes().audits_written().await;
     let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(actions(&records), ["quota.set", "drain.start"]);
     arb.lifecycle().join(Duration::from_secs(5)).await;
     // After shutdown a record is still written (in place).
-    arb.audit(&who(), "drain.stop", "", "node", None, None);
-    arb.audits_written().await;
+    arb.changes()
+        .audit(&who(), "drain.stop", "", "node", None, None);
+    arb.changes().audits_written().await;
     let records = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(
         actions(&records),
@@ -461,7 +464,11 @@ pub(crate) async fn change_quota_for(
     update: QuotaUpdate,
     who: Who,
 ) -> BrokerResult<QuotaChange> {
-    arb.run_durable(move |arb| arb.change_quota(&name, update, Some((&who, "quota.set", ""))))
+    arb.changes()
+        .run(move |arb| {
+            arb.changes()
+                .change_quota(&name, update, Some((&who, "quota.set", "")))
+        })
         .await
 }
 
@@ -470,7 +477,8 @@ pub(crate) async fn delete_tenant_for(
     name: String,
     who: Who,
 ) -> BrokerResult<()> {
-    arb.run_durable(move |arb| arb.delete_tenant(&name, Some(&who)))
+    arb.changes()
+        .run(move |arb| arb.changes().delete_tenant(&name, Some(&who)))
         .await
 }
 
@@ -479,11 +487,13 @@ pub(crate) async fn issue_for(
     spec: TokenSpec,
     who: Who,
 ) -> BrokerResult<IssuedToken> {
-    arb.run_durable(move |arb| arb.issue(spec, Some(&who)))
+    arb.changes()
+        .run(move |arb| arb.changes().issue_token(spec, Some(&who)))
         .await
 }
 
 pub(crate) async fn revoke_token_for(arb: &Arc<Arbiter>, id: String, who: Who) -> BrokerResult<()> {
-    arb.run_durable(move |arb| arb.revoke_token(&id, Some(&who)))
+    arb.changes()
+        .run(move |arb| arb.changes().revoke_token(&id, Some(&who)))
         .await
 }

@@ -7,9 +7,9 @@
 //!
 //! 1. the queue runs if a transition of the hold asked for it, then the byte-state
 //!    invariant is checked (debug builds: `State::check_invariant`);
-//! 2. [`Arbiter::execute`], the one effect executor, takes each effect in order with the
-//!    lock still held: device frees are queued on their device threads (a channel send,
-//!    never a driver call), so a free always reaches the device ahead of any allocation
+//! 2. [`Executor::execute`], the one effect executor ([`Arbiter::executor`]), takes each
+//!    effect in order with the lock still held: device frees are queued on their device
+//!    threads (a channel send, never a driver call), so a free always reaches the device ahead of any allocation
 //!    admitted after it (the device thread runs jobs in order); session events find their
 //!    mailbox and ended sessions' mailboxes close (`outbox.rs`), so an event decided before
 //!    a session's end reaches its stream; watchers and the keeper's records change;
@@ -19,7 +19,7 @@
 //!
 //! Every device free of the broker goes through `execute` (`Effect::Free`,
 //! `Effect::FreeHost`). The turn core's effects ([`TurnEffect`]) have their executor here
-//! too, [`Arbiter::execute_turns`]. The state's mutex ([`StateLock`]) and the devices'
+//! too, [`Executor::execute_turns`]. The state's mutex ([`StateLock`]) and the devices'
 //! availability ([`DeviceAvailability`]) are private to this module, so the compiler keeps
 //! [`Arbiter::lock`] the one take and [`Locked::change_devices`] the one write.
 
@@ -314,7 +314,7 @@ impl Drop for Locked<'_> {
             looks: Vec::new(),
         };
         for e in effects {
-            self.arb.execute(e, &mut after);
+            self.arb.executor().execute(e, &mut after);
         }
         self.release(st);
         self.record_hold();
@@ -323,7 +323,7 @@ impl Drop for Locked<'_> {
         }
         // Last, all together: each process looked at once.
         if !after.looks.is_empty() {
-            self.arb.check_gone(after.looks);
+            self.arb.executor().check_gone(after.looks);
         }
     }
 }
@@ -360,26 +360,39 @@ impl Arbiter {
             fair: false,
         }
     }
+}
 
+/// The one effect executor of an arbiter ([`Arbiter::executor`]): carries out the core's
+/// effects ([`Effect`], from the lock guard) and the turn core's ([`TurnEffect`]), and
+/// the watchers they start. It keeps no fields: what it drives (watchers, outbox, device
+/// threads) is the arbiter's, shared with the rest of the shell.
+#[derive(Clone, Copy)]
+pub(crate) struct Executor<'a> {
+    pub(super) arb: &'a Arbiter,
+}
+
+impl<'a> Executor<'a> {
     /// Runs `Effect::Watch`: joins the key to its process's watcher, or spawns one (a
     /// task with a pidfd; for a timeout, a timer task) on the main runtime
     /// ([`Lifecycle::effects_runtime`](super::Lifecycle::effects_runtime): not on the operators' one when an operator's call
     /// asked for it). When it fires it runs the transitions its keys name.
-    fn start_watch(&self, w: Watch) {
-        let Some(me) = self.me.upgrade() else { return };
-        let Some(rt) = self.lifecycle.effects_runtime() else {
+    fn start_watch(self, w: Watch) {
+        let Some(me) = self.arb.me.upgrade() else {
+            return;
+        };
+        let Some(rt) = self.arb.lifecycle.effects_runtime() else {
             return;
         };
         let me = std::sync::Arc::downgrade(&me);
         match w.pid() {
             Some(pid) => {
                 let start = crate::process::start_ticks(pid);
-                let (new, earlier) = self.watchers.join(w, pid, start);
+                let (new, earlier) = self.arb.watchers.join(w, pid, start);
                 if !earlier.is_empty() {
                     let me = me.clone();
                     rt.spawn(async move {
                         if let Some(arb) = me.upgrade() {
-                            arb.watches_fired(earlier);
+                            watches_fired(&arb, earlier);
                         }
                     });
                 }
@@ -392,87 +405,39 @@ impl Arbiter {
                     }
                     if let Some(arb) = me.upgrade() {
                         let keys = arb.watchers.exited(pid, generation);
-                        arb.watches_fired(keys);
+                        watches_fired(&arb, keys);
                     }
                 });
             }
             None => {
                 let stop = CancellationToken::new();
-                self.watchers.insert_timer(w, stop.clone().drop_guard());
-                let timeout = self.cfg.quarantine_timeout;
+                self.arb.watchers.insert_timer(w, stop.clone().drop_guard());
+                let timeout = self.arb.cfg.quarantine_timeout;
                 rt.spawn(async move {
                     tokio::select! {
                         _ = tokio::time::sleep(timeout) => {}
                         _ = stop.cancelled() => return,
                     }
                     if let Some(arb) = me.upgrade() {
-                        arb.watches_fired(vec![w]);
+                        watches_fired(&arb, vec![w]);
                     }
                 });
             }
         }
     }
 
-    /// Watchers fired (a process exited, or a timeout passed): the transitions their keys
-    /// stand for. A session ends through `end_session` (it looks at its process first), a
-    /// quarantine is lifted in a hold of its own; shared blocks' and imports' waiters go a
-    /// chunk per hold, so a process behind thousands of lingering imports costs a few
-    /// holds, none of them long.
-    fn watches_fired(self: &std::sync::Arc<Self>, keys: Vec<Watch>) {
-        const PER_HOLD: usize = 256;
-        let mut shared = Vec::new();
-        for w in keys {
-            match w {
-                Watch::Session { session, .. } => self.end_session(session, "peer process exited"),
-                Watch::Quarantine { lease, pid } => self.unquarantine(lease, pid.is_none()),
-                Watch::Held { .. } | Watch::Import { .. } | Watch::Stranded { .. } => {
-                    shared.push(w)
-                }
-            }
-        }
-        let finder = self.kept_holders().cloned();
-        let mut look_again = Vec::new();
-        for chunk in shared.chunks(PER_HOLD) {
-            let mut st = self.lock();
-            for &w in chunk {
-                match w {
-                    Watch::Held { lease, pid } => st.held_waiter_gone(lease, pid),
-                    Watch::Import { import, pid } => st.import_waiter_gone(import, pid),
-                    Watch::Stranded { id, pid } => {
-                        let gone = st.stranded_holder_gone(id, pid);
-                        if let Some(f) = &finder {
-                            f.exited(id, pid);
-                        }
-                        match (&finder, st.stranded_awaits_recheck(id)) {
-                            (Some(_), true) => look_again.push(id),
-                            // Nobody can look (a charge taken back by a broker without
-                            // NVML): let go as memory never looked at near its holders.
-                            (None, true) => {
-                                st.stranded_rechecked(id, std::iter::empty());
-                            }
-                            (_, false) => {}
-                        }
-                        gone
-                    }
-                    Watch::Session { .. } | Watch::Quarantine { .. } => false,
-                };
-            }
-        }
-        self.look_again_for_holders(look_again);
-    }
-
     /// Every named process of stranded memory `ids` exited: looks (NVML, `/proc`: off the
     /// runtime) for processes near them that may keep it still, named and watched in
     /// turn; none found lets it go (`kept_holders.rs`). One after another on one blocking
     /// thread: one exit may end the names of a tenant's every kept block.
-    fn look_again_for_holders(&self, ids: Vec<uuid::Uuid>) {
+    fn look_again_for_holders(self, ids: Vec<uuid::Uuid>) {
         if ids.is_empty() {
             return;
         }
-        let Some(finder) = self.kept_holders().cloned() else {
+        let Some(finder) = self.arb.kept_holders().cloned() else {
             return;
         };
-        let me = self.me.clone();
+        let me = self.arb.me.clone();
         let look = move || {
             for id in ids {
                 let found = finder.look_again(id);
@@ -507,16 +472,16 @@ impl Arbiter {
     /// allocation admitted after it; a session's mailbox is found before a `Hangup` of the
     /// same hold closes it; watchers and the keeper's records change with the state); the
     /// rest is left in `after`, run once the lock is released.
-    fn execute<'a>(&'a self, e: Effect, after: &mut AfterUnlock<'a>) {
+    fn execute(self, e: Effect, after: &mut AfterUnlock<'a>) {
         match e {
-            Effect::Free { device, block, .. } => self.free_on_device(device, block),
-            Effect::FreeHost { block, .. } => self.free_host(block),
-            Effect::Keep { change, .. } => self.keep(change),
+            Effect::Free { device, block, .. } => self.arb.free_on_device(device, block),
+            Effect::FreeHost { block, .. } => self.arb.free_host(block),
+            Effect::Keep { change, .. } => self.arb.keep(change),
             Effect::Watch { watch: w, .. } => self.start_watch(w),
-            Effect::Unwatch { watch: w, .. } => self.watchers.stop(&w),
-            Effect::Hangup { session, .. } => self.outbox.close(&session),
+            Effect::Unwatch { watch: w, .. } => self.arb.watchers.stop(&w),
+            Effect::Hangup { session, .. } => self.arb.outbox.close(&session),
             Effect::Notify { session, event, .. } => {
-                if let Some(to) = self.outbox.sender(&session) {
+                if let Some(to) = self.arb.outbox.sender(&session) {
                     after.then(move || {
                         let _ = to.send(event);
                     });
@@ -526,7 +491,7 @@ impl Arbiter {
             Effect::Reply { to, mut result, .. } => after.then(move || {
                 // The core leaves a reservation's device UUID to the shell.
                 if let Ok(Granted::Process(v)) = &mut result {
-                    v.device_uuid = self.devices.uuid(v.device);
+                    v.device_uuid = self.arb.devices.uuid(v.device);
                 }
                 self.answer(to, result)
             }),
@@ -540,15 +505,16 @@ impl Arbiter {
                 }
             }),
             Effect::ForgetTickets { lease, .. } => {
-                after.then(move || self.tickets.forget_lease(lease))
+                after.then(move || self.arb.tickets.forget_lease(lease))
             }
             Effect::EndTurns { session, .. } => after.then(move || {
                 // Its turn requests are answered, its turns end.
-                self.with_turns(|t| t.end_session(session, std::time::Instant::now()));
+                self.arb
+                    .with_turns(|t| t.end_session(session, std::time::Instant::now()));
             }),
             Effect::StopGroup { group: g, .. } => after.then(move || {
-                let grace = self.cfg.process_stop_grace;
-                match self.lifecycle.effects_runtime() {
+                let grace = self.arb.cfg.process_stop_grace;
+                match self.arb.lifecycle.effects_runtime() {
                     Some(rt) => {
                         rt.spawn(crate::process_group::stop(g, grace));
                     }
@@ -556,28 +522,28 @@ impl Arbiter {
                 }
             }),
             Effect::Materialize { grant: p, .. } => after.then(move || {
-                if let Some(me) = self.me.upgrade() {
+                if let Some(me) = self.arb.me.upgrade() {
                     me.spawn_grant(*p);
                 }
             }),
             // Counted once the state lock is let go: the crash-point matrix stops here.
             Effect::Count { what: c, .. } => after.then(move || match c {
-                Counted::Granted(tier) => self.metrics.granted(tier),
+                Counted::Granted(tier) => self.arb.metrics.granted(tier),
                 Counted::Quarantined => {
-                    self.metrics.quarantined();
-                    self.crash.pass("after", "quarantine");
+                    self.arb.metrics.quarantined();
+                    self.arb.crash.pass("after", "quarantine");
                 }
                 Counted::Revoked(why) => {
-                    self.metrics.revoked(why);
+                    self.arb.metrics.revoked(why);
                     if why == crate::lease::Revocation::ReclaimDeadline {
-                        self.crash.pass("after", "reclaim-revoke");
+                        self.arb.crash.pass("after", "reclaim-revoke");
                     }
                 }
                 Counted::ReclaimRequested => {
-                    self.metrics.reclaim_requested();
-                    self.crash.pass("after", "reclaim");
+                    self.arb.metrics.reclaim_requested();
+                    self.arb.crash.pass("after", "reclaim");
                 }
-                Counted::CrossTenantFresh => self.metrics.cross_tenant_fresh(),
+                Counted::CrossTenantFresh => self.arb.metrics.cross_tenant_fresh(),
             }),
         }
     }
@@ -586,18 +552,19 @@ impl Arbiter {
     /// released, and after the state lock when both were held). A grant whose waiter is
     /// gone goes back to the core (and what that decides is carried out in turn). Returns
     /// how many grants reached their waiters.
-    pub(super) fn execute_turns(&self, fx: Vec<TurnEffect>) -> u32 {
+    pub(super) fn execute_turns(self, fx: Vec<TurnEffect>) -> u32 {
         let mut todo: std::collections::VecDeque<TurnEffect> = fx.into();
         let mut delivered = 0;
         while let Some(e) = todo.pop_front() {
             match e {
                 TurnEffect::Reply { to, result } => {
                     let ok = result.is_ok();
-                    match self.outbox.reply_turn(to, result) {
+                    match self.arb.outbox.reply_turn(to, result) {
                         None => delivered += u32::from(ok),
                         Some(Ok(grant)) => {
                             tracing::debug!(turn = %grant.turn_id, "caller gone before it received the turn; giving it back");
                             let (_, more) = self
+                                .arb
                                 .scheduler
                                 .hold(|t| t.give_back(&grant, std::time::Instant::now()));
                             todo.extend(more);
@@ -605,7 +572,7 @@ impl Arbiter {
                         Some(Err(_)) => {} // a refusal for nobody
                     }
                 }
-                TurnEffect::Notify { session, event } => self.outbox.send(&session, event),
+                TurnEffect::Notify { session, event } => self.arb.outbox.send(&session, event),
                 TurnEffect::WakeAt(at) => self.wake_turns_at(at),
             }
         }
@@ -614,11 +581,11 @@ impl Arbiter {
 
     /// `TurnEffect::WakeAt`: a kept slot's window ends at `at`; if its session has not
     /// asked again by then, the slot goes to the next waiter then (not at the next tick).
-    fn wake_turns_at(&self, at: std::time::Instant) {
-        let Some(rt) = self.lifecycle.effects_runtime() else {
+    fn wake_turns_at(self, at: std::time::Instant) {
+        let Some(rt) = self.arb.lifecycle.effects_runtime() else {
             return; // no runtime (tests of the core): the tick expires it
         };
-        let me = self.me.clone();
+        let me = self.arb.me.clone();
         rt.spawn(async move {
             tokio::time::sleep_until(at.into()).await;
             if let Some(arb) = me.upgrade() {
@@ -630,7 +597,7 @@ impl Arbiter {
     /// Runs the `Effect::CheckGone`s of one hold together: each process is looked at once
     /// (a session that ends with a thousand imports names its process a thousand times),
     /// then the state learns which are gone, a chunk of looks per lock hold.
-    fn check_gone(&self, looks: Vec<(super::state::Holding, Vec<u32>)>) {
+    fn check_gone(self, looks: Vec<(super::state::Holding, Vec<u32>)>) {
         const PER_HOLD: usize = 256;
         let mut seen: HashMap<u32, bool> = HashMap::new();
         let looks: Vec<_> = looks
@@ -647,7 +614,9 @@ impl Arbiter {
                 (of, gone)
             })
             .collect();
-        let Some(me) = self.me.upgrade() else { return };
+        let Some(me) = self.arb.me.upgrade() else {
+            return;
+        };
         for chunk in looks.chunks(PER_HOLD) {
             let mut st = me.lock();
             for (of, gone) in chunk {
@@ -658,20 +627,18 @@ impl Arbiter {
 
     /// Runs `Effect::Reply`: the answer goes to the waiter's channel; a grant nobody
     /// receives (the caller went away) is given back at once.
-    fn answer(&self, to: WaiterId, result: BrokerResult<Granted>) {
-        if let Some(Ok(g)) = self.outbox.reply(to, result) {
-            if let Some(me) = self.me.upgrade() {
-                me.give_back_grant(g);
+    fn answer(self, to: WaiterId, result: BrokerResult<Granted>) {
+        if let Some(Ok(g)) = self.arb.outbox.reply(to, result) {
+            if let Some(me) = self.arb.me.upgrade() {
+                me.executor().give_back_grant(g);
             }
         }
     }
-}
 
-impl Arbiter {
     /// Ends a grant its caller never received (it went away before or just as the answer
     /// arrived): a lease is released as by its holder, a reservation ended. Locks the state.
-    pub(super) fn give_back_grant(self: &Arc<Self>, granted: Granted) {
-        let mut st = self.lock();
+    pub(super) fn give_back_grant(self, granted: Granted) {
+        let mut st = self.arb.lock();
         match granted {
             Granted::Lease(view) => {
                 tracing::debug!(lease = %view.id, "caller gone before it received the grant; releasing");
@@ -683,6 +650,52 @@ impl Arbiter {
             }
         }
     }
+}
+
+/// Watchers fired (a process exited, or a timeout passed): the transitions their keys
+/// stand for. A session ends through `end_session` (it looks at its process first), a
+/// quarantine is lifted in a hold of its own; shared blocks' and imports' waiters go a
+/// chunk per hold, so a process behind thousands of lingering imports costs a few
+/// holds, none of them long.
+fn watches_fired(arb: &Arc<Arbiter>, keys: Vec<Watch>) {
+    const PER_HOLD: usize = 256;
+    let mut shared = Vec::new();
+    for w in keys {
+        match w {
+            Watch::Session { session, .. } => arb.end_session(session, "peer process exited"),
+            Watch::Quarantine { lease, pid } => arb.unquarantine(lease, pid.is_none()),
+            Watch::Held { .. } | Watch::Import { .. } | Watch::Stranded { .. } => shared.push(w),
+        }
+    }
+    let finder = arb.kept_holders().cloned();
+    let mut look_again = Vec::new();
+    for chunk in shared.chunks(PER_HOLD) {
+        let mut st = arb.lock();
+        for &w in chunk {
+            match w {
+                Watch::Held { lease, pid } => st.held_waiter_gone(lease, pid),
+                Watch::Import { import, pid } => st.import_waiter_gone(import, pid),
+                Watch::Stranded { id, pid } => {
+                    let gone = st.stranded_holder_gone(id, pid);
+                    if let Some(f) = &finder {
+                        f.exited(id, pid);
+                    }
+                    match (&finder, st.stranded_awaits_recheck(id)) {
+                        (Some(_), true) => look_again.push(id),
+                        // Nobody can look (a charge taken back by a broker without
+                        // NVML): let go as memory never looked at near its holders.
+                        (None, true) => {
+                            st.stranded_rechecked(id, std::iter::empty());
+                        }
+                        (_, false) => {}
+                    }
+                    gone
+                }
+                Watch::Session { .. } | Watch::Quarantine { .. } => false,
+            };
+        }
+    }
+    arb.executor().look_again_for_holders(look_again);
 }
 
 #[cfg(test)]

@@ -6,11 +6,10 @@
 use super::state::Revoke;
 use super::{lease_not_found, Arbiter, Ending, ReclaimPolicy, State};
 use crate::error::BrokerResult;
-use crate::lease::{LeaseState, LeaseView};
+use crate::lease::LeaseView;
 use crate::process::process_gone;
 use crate::session::Peer;
 use std::sync::Arc;
-use std::time::Duration;
 use uuid::Uuid;
 
 impl Arbiter {
@@ -83,29 +82,5 @@ impl Arbiter {
             .ok_or_else(|| lease_not_found(id))?;
         tracing::warn!(lease = %id, reason = why.reason(), ?ending, "lease revoked");
         Ok(view)
-    }
-
-    /// Revokes leases whose reclaim deadline passed. Returns how many.
-    pub(super) fn enforce_reclaim_deadlines(self: &Arc<Self>) -> usize {
-        let late: Vec<Uuid> = {
-            let st = self.lock();
-            let now = st.clock().now;
-            st.leases()
-                .iter()
-                .filter(|l| matches!(l.state, LeaseState::ReclaimRequested { deadline, .. } if deadline <= now))
-                .map(|l| l.id)
-                .collect()
-        };
-        for id in &late {
-            let _ = self.revoke(*id, &Revoke::ReclaimDeadline);
-        }
-        late.len()
-    }
-
-    /// Re-arms reclaim for waiters whose earlier request was not enough.
-    pub(super) fn rearm_reclaim(self: &Arc<Self>, older_than: Duration) {
-        let mut st = self.lock();
-        let now = st.clock().now;
-        st.rearm_reclaim(older_than, now);
     }
 }

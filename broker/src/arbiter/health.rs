@@ -2,7 +2,8 @@
 //! `crate::availability` the per-device record): mark a device unhealthy (its waiters
 //! that can go nowhere else are told why, its holders get `DeviceUnhealthy`) or healthy
 //! again (the queue runs), an operator's verdict (`SetDeviceHealth`, which also resets
-//! the fault source's memory of the device), and which devices are healthy.
+//! the fault source's memory of the device), and which devices are healthy: [`DeviceHealth`],
+//! reached by [`Arbiter::device_health`].
 
 use super::Arbiter;
 use crate::audit::Who;
@@ -11,20 +12,26 @@ use crate::error::{BrokerError, BrokerResult};
 use std::sync::Arc;
 use std::time::SystemTime;
 
-impl Arbiter {
+/// The device health of one arbiter ([`Arbiter::device_health`]); the per-device record it
+/// changes is the arbiter's availability (`effects.rs`), shared with drains.
+pub struct DeviceHealth<'a> {
+    pub(super) arb: &'a Arc<Arbiter>,
+}
+
+impl DeviceHealth<'_> {
     /// Marks device `index` unhealthy for `reason`: see the module doc. Returns false if
     /// it already was.
     pub(crate) fn mark_unhealthy(
-        self: &Arc<Self>,
+        &self,
         index: u32,
         reason: &str,
         by_operator: bool,
         who: &Who,
     ) -> BrokerResult<bool> {
-        self.devices.check_index(index)?;
-        let uuid = self.devices.uuid(index);
+        self.arb.devices.check_index(index)?;
+        let uuid = self.arb.devices.uuid(index);
         let holders = {
-            let mut st = self.lock();
+            let mut st = self.arb.lock();
             let marked = st.change_devices(|avail| {
                 let s = avail.device_mut(index)?;
                 match &mut s.fault {
@@ -54,7 +61,7 @@ impl Arbiter {
             st.tell_device_unhealthy(index, &uuid, reason)
         };
         tracing::error!(device = index, %uuid, reason, by_operator, sessions_told = holders, "DEVICE UNHEALTHY: no new leases on it");
-        self.audit(
+        self.arb.changes().audit(
             who,
             "device.health",
             "",
@@ -68,13 +75,13 @@ impl Arbiter {
     /// Marks device `index` healthy again. The monitor cannot clear an operator's mark
     /// (`by_operator` false); an operator clears anything. Returns false if it was healthy.
     pub(crate) fn mark_healthy(
-        self: &Arc<Self>,
+        &self,
         index: u32,
         by_operator: bool,
         who: &Who,
     ) -> BrokerResult<bool> {
-        self.devices.check_index(index)?;
-        let cleared = self.lock().change_devices(|avail| {
+        self.arb.devices.check_index(index)?;
+        let cleared = self.arb.lock().change_devices(|avail| {
             let s = avail.device_mut(index)?;
             match &s.fault {
                 None => None,
@@ -90,7 +97,7 @@ impl Arbiter {
             return Ok(false);
         };
         tracing::warn!(device = index, by_operator, was = %before, "device healthy again: admitting");
-        self.audit(
+        self.arb.changes().audit(
             who,
             "device.health",
             "",
@@ -102,8 +109,8 @@ impl Arbiter {
     }
 
     /// An operator's verdict on device `index` (`SetDeviceHealth`).
-    pub(crate) fn set_device_health(
-        self: &Arc<Self>,
+    pub(crate) fn set(
+        &self,
         index: u32,
         healthy: bool,
         reason: &str,
@@ -116,7 +123,7 @@ impl Arbiter {
             )));
         }
         if healthy {
-            self.lifecycle.reset_fault_source(index);
+            self.arb.lifecycle.reset_fault_source(index);
             self.mark_healthy(index, true, who)
         } else {
             let reason = if reason.is_empty() {

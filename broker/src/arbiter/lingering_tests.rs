@@ -28,7 +28,7 @@ async fn publish(arb: &Arc<Arbiter>, tenant: &str, n: usize, readers: &[String])
     for k in 0..n {
         let l = arb.acquire(req(tenant, s, 2 * MIB)).await.unwrap();
         let name = format!("w{k}");
-        arb.publish(tenant, l.id, &name, readers).unwrap();
+        arb.sharing().publish(tenant, l.id, &name, readers).unwrap();
         names.push(name);
     }
     names
@@ -74,7 +74,9 @@ async fn lingering_imports_of_one_process_share_one_watcher() {
         let (s, rx) = arb.open_session("a", "reader", peer).unwrap();
         std::mem::forget(rx);
         for k in 0..64 {
-            arb.import("a", s, "a", &names[k % names.len()]).unwrap();
+            arb.sharing()
+                .import("a", s, "a", &names[k % names.len()])
+                .unwrap();
         }
         sessions.push(s);
     }
@@ -124,7 +126,9 @@ async fn the_tenant_cap_counts_lingering_imports() {
     }
     for k in 0..CAP {
         let s = sessions[k / 1024];
-        arb.import("b", s, "a", &names[k % names.len()]).unwrap();
+        arb.sharing()
+            .import("b", s, "a", &names[k % names.len()])
+            .unwrap();
     }
     for s in sessions {
         arb.end_session(s, "test");
@@ -132,7 +136,7 @@ async fn the_tenant_cap_counts_lingering_imports() {
     assert_eq!(imports_of(&arb, "b"), (0, CAP));
     let (s, rx) = arb.open_session("b", "late", Peer::default()).unwrap();
     std::mem::forget(rx);
-    match arb.import("b", s, "a", &names[0]) {
+    match arb.sharing().import("b", s, "a", &names[0]) {
         Err(BrokerError::SharingLimit { what, max }) => {
             assert_eq!((what.name(), max), ("imports_per_tenant", CAP));
         }
@@ -140,11 +144,11 @@ async fn the_tenant_cap_counts_lingering_imports() {
     }
     let (sc, rx) = arb.open_session("c", "other", Peer::default()).unwrap();
     std::mem::forget(rx);
-    arb.import("c", sc, "a", &names[0]).unwrap();
+    arb.sharing().import("c", sc, "a", &names[0]).unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
     until(|| imports_of(&arb, "b") == (0, 0)).await;
-    arb.import("b", s, "a", &names[0]).unwrap();
+    arb.sharing().import("b", s, "a", &names[0]).unwrap();
 }
 
 /// The index of a session's live imports gives what a scan of every import gives, through
@@ -172,7 +176,10 @@ async fn the_session_index_answers_as_a_scan_of_every_import() {
     let mut imports = Vec::new();
     for k in 0..40 {
         let (t, s) = sessions[k % sessions.len()];
-        imports.push((t, arb.import(t, s, "a", &names[k % 3]).unwrap().id));
+        imports.push((
+            t,
+            arb.sharing().import(t, s, "a", &names[k % 3]).unwrap().id,
+        ));
     }
     let agree = |arb: &Arbiter| {
         let st = arb.lock();
@@ -193,7 +200,7 @@ async fn the_session_index_answers_as_a_scan_of_every_import() {
     };
     agree(&arb);
     for &(t, i) in imports.iter().step_by(3) {
-        arb.release_import(t, i).unwrap();
+        arb.sharing().release_import(t, i).unwrap();
     }
     agree(&arb);
     arb.end_session(sessions[0].1, "test");

@@ -1,4 +1,4 @@
-//! Paginated listings (tenants, leases, sessions, shared leases). Each page is built under one short hold
+//! The operators' views: paginated listings (tenants, leases, sessions, shared leases). Each page is built under one short hold
 //! of the state lock — only what the page needs is copied, and per-tenant token counts and
 //! compute-turn usage are read after the lock is released — so a listing never stalls
 //! admission for long, however many tenants or leases there are. Tenants come from the
@@ -6,11 +6,14 @@
 //! per tenant), so a page costs what it holds, not the size of the table. Page tokens are
 //! opaque to clients: the last key of the page (tenant name, lease sequence number,
 //! session id, publication sequence number).
-//! The whole-list methods (`list_tenants`, `list_all_leases`, ...) walk the pages.
+//! The whole-list methods (`tenants`, `leases`, ...) walk the pages. [`Views`] (reached by
+//! [`Arbiter::views`]) owns every read-only view operators get: these listings, a tenant,
+//! the devices' reports, the `/metrics` text; it keeps no fields (it reads the state).
 //! Chunks release the lock fairly (`Locked::unlock_fair`): a take waiting behind one chunk
 //! gets the lock before the listing takes it for the next.
 
-use super::{Arbiter, SessionView, TenantView};
+use super::admin::tenant_view;
+use super::{Arbiter, DeviceReport, SessionView, TenantView};
 use crate::bounds;
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
@@ -84,14 +87,20 @@ impl SharedViewer<'_> {
     }
 }
 
-impl Arbiter {
+/// The operators' read-only views of one arbiter ([`Arbiter::views`]): listings page by
+/// page, a tenant, the devices, the `/metrics` text.
+pub struct Views<'a> {
+    pub(super) arb: &'a Arbiter,
+}
+
+impl Views<'_> {
     /// Every tenant by name, page by page.
-    pub fn list_tenants(&self) -> Vec<TenantView> {
+    pub fn tenants(&self) -> Vec<TenantView> {
         all_pages(|t| self.tenants_page(t, DEFAULT_PAGE_SIZE))
     }
 
     /// Every lease (of `tenant`, or all) in the order granted, page by page.
-    pub fn list_all_leases(&self, tenant: Option<&str>) -> Vec<LeaseView> {
+    pub fn leases(&self, tenant: Option<&str>) -> Vec<LeaseView> {
         all_pages(|t| self.leases_page(tenant, t, DEFAULT_PAGE_SIZE))
     }
 
@@ -118,7 +127,7 @@ impl Arbiter {
     /// Up to `want` tenants after `after` ("": from the first) under one hold of the state
     /// lock, and whether more follow.
     fn tenants_chunk(&self, after: &str, want: usize) -> (Vec<TenantView>, bool) {
-        let st = self.lock();
+        let st = self.arb.lock();
         let mut it = st
             .ledger()
             .tenants_after((!after.is_empty()).then_some(after));
@@ -166,10 +175,10 @@ impl Arbiter {
     /// Token counts (the authenticator's own table) and turns, outside the state lock;
     /// the page's next token.
     fn finish_tenants(&self, mut views: Vec<TenantView>, more: bool) -> Page<TenantView> {
-        let tokens = self.auth.counts();
+        let tokens = self.arb.auth.counts();
         for v in &mut views {
             v.tokens = tokens.get(&v.name).copied().unwrap_or(0);
-            v.turns = self.scheduler.usage(&v.name);
+            v.turns = self.arb.scheduler.usage(&v.name);
         }
         let next = if more {
             views.last().map(|v| v.name.clone())
@@ -198,7 +207,7 @@ impl Arbiter {
         loop {
             let want = (size - items.len()).min(HOLD_CHUNK);
             let (chunk, more) = {
-                let st = self.lock();
+                let st = self.arb.lock();
                 let (page, more) = st.leases().page_after(tenant, cursor, want);
                 let chunk: Vec<(u64, LeaseView)> =
                     page.iter().map(|l| (l.seq, st.view(l))).collect();
@@ -231,7 +240,7 @@ impl Arbiter {
             Uuid::parse_str(token).map_err(|_| bad_token())?
         };
         let size = size.max(1);
-        let st = self.lock();
+        let st = self.arb.lock();
         let keyed: Vec<(Uuid, &crate::session::Session)> = st
             .sessions()
             .iter()
@@ -285,7 +294,7 @@ impl Arbiter {
             token.parse().map_err(|_| bad_token())?
         };
         let size = size.max(1);
-        let st = self.lock();
+        let st = self.arb.lock();
         let keyed: Vec<(u64, &crate::sharing::Publication)> = st
             .shared()
             .pubs
@@ -306,6 +315,133 @@ impl Arbiter {
         drop(page);
         drop(st);
         Ok(Page { items, next })
+    }
+
+    /// Fills in what [`tenant_view`] leaves out, with no state lock held.
+    pub(super) fn finish_tenant(&self, mut v: TenantView) -> TenantView {
+        v.tokens = self.arb.auth.count(&v.name) as u32;
+        v.turns = self.arb.scheduler.usage(&v.name);
+        v
+    }
+
+    /// Fails with `NOT_FOUND` when a tenant filter names no tenant (an operator's typo
+    /// must not look like "nothing there").
+    pub(crate) fn check_tenant_filter(&self, tenant: Option<&str>) -> BrokerResult<()> {
+        match tenant {
+            Some(name) if self.arb.lock().ledger().get(name).is_none() => {
+                Err(BrokerError::tenant_not_found(name))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Tenant `name`: its quota and usage.
+    pub fn tenant(&self, name: &str) -> BrokerResult<TenantView> {
+        let view = {
+            let st = self.arb.lock();
+            let t = st
+                .ledger()
+                .get(name)
+                .ok_or_else(|| BrokerError::tenant_not_found(name))?;
+            tenant_view(&st, t)
+        };
+        Ok(self.finish_tenant(view))
+    }
+
+    /// The `/metrics` text: the arbiter's counters and gauges from snapshots of its state.
+    pub async fn metrics_text(&self, format: crate::metrics::Format) -> String {
+        let devices = self.device_reports().await;
+        let tenants = self.tenants();
+        let sessions = self.session_count();
+        crate::metrics::render(
+            &self.arb.metrics,
+            |reg| self.arb.scheduler.register_metrics(reg),
+            &devices,
+            &tenants,
+            sessions,
+            format,
+        )
+    }
+
+    /// Every device with its memory picture. Reads each device's free memory.
+    pub async fn device_reports(&self) -> Vec<DeviceReport> {
+        let mut out = Vec::new();
+        for (i, slot) in self.arb.devices.iter().enumerate() {
+            let desc = slot.thread.desc().clone();
+            let info = slot.thread.call(|d| d.mem_info()).await;
+            let free = match info {
+                Ok(Ok(m)) => m.free,
+                _ => 0,
+            };
+            let (turn_holder, turns_waiting) = self.arb.scheduler.device_state(i as u32);
+            let avail = self
+                .arb
+                .avail
+                .read()
+                .device(i as u32)
+                .cloned()
+                .unwrap_or_default();
+            let st = self.arb.lock();
+            let p = &st.pools()[i];
+            let s = p.stats();
+            let held = p.held_on_device() + self.arb.unverified.of(i);
+            out.push(DeviceReport {
+                index: i as u32,
+                name: desc.name,
+                uuid: desc.uuid,
+                model: desc.model,
+                backend: desc.backend.to_string(),
+                total: desc.total_bytes,
+                free,
+                leasable: s.leasable,
+                leased: s.leased,
+                cached: s.cached,
+                headroom: p.headroom(),
+                quarantined: s.quarantined,
+                process_reserved: s.process_reserved,
+                external_used: desc.total_bytes.saturating_sub(free).saturating_sub(held),
+                granularity: desc.granularity,
+                lease_count: p.lease_count(),
+                waiting: st
+                    .queue()
+                    .iter()
+                    .filter(|w| w.ask.device.is_none_or(|d| d == i as u32))
+                    .count() as u32,
+                turn_holder,
+                turns_waiting,
+                drain_reason: avail.drain.map(|d| d.reason),
+                fault: avail.fault.map(|f| f.reason),
+            });
+        }
+        out
+    }
+
+    /// Every listed publication (of `publisher` only, if given), with importers, oldest
+    /// first, page by page.
+    #[cfg(test)]
+    pub(crate) fn shared(&self, publisher: Option<&str>) -> Vec<crate::sharing::SharedView> {
+        all_pages(|t| self.shared_page(SharedViewer::Operator(publisher), t, DEFAULT_PAGE_SIZE))
+    }
+
+    /// Number of open sessions.
+    pub fn session_count(&self) -> usize {
+        self.arb.lock().sessions().len()
+    }
+
+    /// The reservations of `tenant` (all tenants: None), oldest first.
+    pub(crate) fn reservations(
+        &self,
+        tenant: Option<&str>,
+    ) -> Vec<crate::reservations::ReservationView> {
+        let st = self.arb.lock();
+        let mut v: Vec<crate::reservations::ReservationView> = st
+            .reservations()
+            .iter()
+            .filter(|r| tenant.is_none_or(|t| r.tenant == t))
+            .map(|r| r.view(self.arb.devices.uuid(r.device)))
+            .collect();
+        v.sort_by_key(|r| (r.created, r.id));
+        v
     }
 }
 

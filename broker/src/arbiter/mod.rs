@@ -6,13 +6,14 @@
 //! scrub, free) runs on the device threads, outside the lock, on memory already reserved.
 //!
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
-//! (releases, quarantine, revocation), `admin` (operator operations), `tasks` (the
-//! arbiter's loops: keepalive reaper, reclaim deadlines, leasable refresh), run by
-//! [`Lifecycle`] (`lifecycle`: workers, runtime, store writer, MPS); `audit` (the store,
-//! the audit log and the lock of durable changes: `Durable`), `health`, `reservations`
-//! and `sharing` are the arbiter's side of the store, device health, process reservations
-//! and shared leases (the records they work on live below it). `effects` is the lock
-//! guard and the one effect executor.
+//! (releases, quarantine, revocation), `drain`, `adopt*` (a restart). Each feature beyond
+//! those is a type reached by one accessor: `listing` ([`listing::Views`]: operators'
+//! read-only views), `audit` + `admin` + `tokens` ([`Changes`]: durable operator changes;
+//! `Durable` owns the store, the audit log and their lock), `sessions`, `reservations`,
+//! [`claims`], `sharing`, `health` (device health), `tasks` (the loops: keepalive reaper,
+//! reclaim deadlines, leasable refresh), run by [`Lifecycle`] (`lifecycle`: workers,
+//! runtime, store writer, MPS); `effects` is the lock guard and the one effect executor
+//! (`Executor`). The records they work on live below it (the core).
 
 mod admin;
 mod admission;
@@ -39,8 +40,9 @@ mod relink;
 mod reservations;
 mod retained;
 mod revocation;
+mod sessions;
 mod sharing;
-mod tasks;
+pub mod tasks;
 pub mod tokens;
 mod turns;
 mod workers;
@@ -48,6 +50,7 @@ mod workers;
 pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
 pub use adopt::{Phase, RestartReport};
+pub use audit::Changes;
 pub use drain::{DeviceDrain, DrainReport};
 pub use lifecycle::Lifecycle;
 pub use retained::{Retaining, SessionPeer};
@@ -60,11 +63,10 @@ use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
 pub(crate) use crate::error::{lease_not_found, session_not_found};
 use crate::error::{BrokerError, BrokerResult};
-use crate::lease::LeaseView;
 use crate::memfd_holders::MemFile;
 use crate::pool::{Block, Pool};
 use crate::process::process_gone;
-use crate::session::{Peer, Session, SessionEvent};
+use crate::session::{Peer, SessionEvent};
 use crate::store::Store;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -211,7 +213,7 @@ pub struct Arbiter {
     /// Per device, bytes freed whose return the device thread found missing and whose
     /// charge (`State::stranded`) is on its way, or still being judged: the leasable
     /// refresh counts them as the broker's, so they are never outside memory meanwhile.
-    unverified: Arc<[AtomicU64]>,
+    unverified: UnverifiedBytes,
     /// Kept memfds looked at again until let go (`kept_looks.rs`).
     kept_looks: kept_looks::KeptLooks,
     /// Who else may keep CUDA memory a free left on the card (`kept_holders.rs`; NVML):
@@ -277,6 +279,52 @@ impl Arbiter {
         &self.lifecycle
     }
 
+    /// The operators' read-only views (`listing.rs`).
+    pub fn views(&self) -> listing::Views<'_> {
+        listing::Views { arb: self }
+    }
+
+    /// The process reservations (`reservations.rs`).
+    pub(crate) fn reservations(self: &Arc<Self>) -> reservations::Reservations<'_> {
+        reservations::Reservations { arb: self }
+    }
+
+    /// The durable operator changes: quotas, tenants, tokens, audit records (`audit.rs`).
+    pub fn changes(self: &Arc<Self>) -> Changes<'_> {
+        Changes { arb: self }
+    }
+
+    /// The shared read-only leases: publish, import, let go (`sharing.rs`).
+    pub(crate) fn sharing(&self) -> sharing::Sharing<'_> {
+        sharing::Sharing { arb: self }
+    }
+
+    /// The sessions: open, keep alive, end by token, their GPU use (`sessions.rs`).
+    pub(crate) fn sessions(self: &Arc<Self>) -> sessions::Sessions<'_> {
+        sessions::Sessions { arb: self }
+    }
+
+    /// The background loops: keepalive reaper, reclaim deadlines, leasable refresh, NVML
+    /// process watch (`tasks.rs`).
+    pub fn tasks(self: &Arc<Self>) -> tasks::Tasks<'_> {
+        tasks::Tasks { arb: self }
+    }
+
+    /// Device health: marked by the health monitor or an operator (`health.rs`).
+    pub(crate) fn device_health(self: &Arc<Self>) -> health::DeviceHealth<'_> {
+        health::DeviceHealth { arb: self }
+    }
+
+    /// The one effect executor (`effects.rs`).
+    pub(crate) fn executor(&self) -> effects::Executor<'_> {
+        effects::Executor { arb: self }
+    }
+
+    /// The Kubernetes claims' reservations (`claims.rs`).
+    pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
+        claims::Claims { arb: self }
+    }
+
     /// An arbiter over `devices`; tenants and tokens are loaded from `store` if given.
     pub fn new(
         devices: Vec<DeviceSlot>,
@@ -319,7 +367,7 @@ impl Arbiter {
             reserved = cfg.fd_reserve,
             "descriptors for memory: the limit less the reserve"
         );
-        let unverified = devices.iter().map(|_| AtomicU64::new(0)).collect();
+        let unverified = UnverifiedBytes(devices.iter().map(|_| AtomicU64::new(0)).collect());
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             unverified,
@@ -345,7 +393,7 @@ impl Arbiter {
             shutdown: Shutdown::default(),
             metrics,
         });
-        arb.load_store()?;
+        arb.changes().load()?;
         Ok(arb)
     }
 
@@ -374,38 +422,6 @@ impl Arbiter {
         match self.lock().sessions().get(&session) {
             Some(s) if s.tenant == tenant => Ok(s.peer),
             _ => Err(session_not_found(session)),
-        }
-    }
-
-    /// The peer of the session a process reservation of `tenant` belongs to (`NOT_FOUND`
-    /// otherwise).
-    pub(crate) fn reservation_peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
-        let st = self.lock();
-        match st.reservations().get(&id) {
-            Some(r) if r.tenant == tenant => Ok(st
-                .sessions()
-                .get(&r.session)
-                .map(|s| s.peer)
-                .unwrap_or_default()),
-            _ => Err(BrokerError::NotFound(crate::error::Missing::Reservation(
-                id,
-            ))),
-        }
-    }
-
-    /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
-    pub(crate) fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
-        let st = self.lock();
-        match st.leases().get(&lease) {
-            Some(l) if l.tenant == tenant => {
-                let peer = st
-                    .sessions()
-                    .get(&l.session)
-                    .map(|s| s.peer)
-                    .unwrap_or_default();
-                Ok((st.view(l), peer))
-            }
-            _ => Err(lease_not_found(lease)),
         }
     }
 
@@ -457,142 +473,15 @@ impl Arbiter {
         name: &str,
         peer: Peer,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>)> {
-        self.open_resumable(tenant, name, peer, None)
+        self.sessions()
+            .open(tenant, name, peer, None)
             .map(|(id, rx, _)| (id, rx))
-    }
-
-    /// Opens a session on behalf of the token `token_id` (the caller's: the session ends
-    /// when that token is revoked or expires); returns its id, its event receiver and the
-    /// secret that resumes the session after a broker restart (`adopt.rs`; empty without a
-    /// keeper, which alone keeps sessions across restarts, and for a peer with no pid,
-    /// which cannot resume).
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn open_resumable(
-        self: &Arc<Self>,
-        tenant: &str,
-        name: &str,
-        peer: Peer,
-        token_id: Option<String>,
-    ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>, String)> {
-        self.shutdown.refuse_new_work()?;
-        crate::bounds::check("session name", name, MAX_LABEL)?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let id = Uuid::now_v7();
-        // Read before the lock: the peer's start time (/proc), so a restarted broker
-        // tells it from another process of the same pid.
-        let peer_start = peer.pid.and_then(crate::process::start_ticks);
-        // Where it runs, kept with the blocks it may hand on (`kept_holders.rs`).
-        let place = self
-            .kept_holders()
-            .zip(peer.pid)
-            .and_then(|(f, pid)| f.place(pid));
-        let (secret, hash) = match peer_start.filter(|_| self.keeps_leases()) {
-            Some(_) => {
-                let (s, h) = adopt::new_resume_secret();
-                (s, Some(h))
-            }
-            None => (String::new(), None),
-        };
-        {
-            let mut st = self.lock();
-            let mut s = Session::new(id, tenant, name, peer, token_id);
-            s.resume_hash = hash;
-            s.peer_start = peer_start;
-            s.place = place;
-            st.open_session(s, self.cfg.max_sessions_per_tenant)?;
-            // Its mailbox is in place in the hold that opened it, so before any
-            // transition can tell it something (effects run when the guard drops).
-            self.outbox.open(&st, id, tx);
-        }
-        tracing::info!(session = %id, tenant, name, pid = ?peer.pid, "session opened");
-        Ok((id, rx, secret))
-    }
-
-    /// Marks a session active (keepalive).
-    pub(crate) fn touch(&self, tenant: &str, session: Uuid) -> BrokerResult<()> {
-        let st = self.lock();
-        match st.sessions().get(&session) {
-            Some(s) if s.tenant == tenant => {
-                s.last_seen.touch();
-                Ok(())
-            }
-            _ => Err(session_not_found(session)),
-        }
-    }
-
-    /// Attributes per-process GPU memory (NVML) to sessions by peer pid, and reports a
-    /// worker whose memory beyond its leases exceeds `allowance` (its own `cudaMalloc`).
-    fn apply_process_usage(&self, usage: &HashMap<u32, u64>, allowance: u64) {
-        let covered = self.covered_usage(usage);
-        let mut st = self.lock();
-        let (sessions, leases, reservations) = (st.sessions(), st.leases(), st.reservations());
-        let mut seen = Vec::new();
-        for s in sessions.iter() {
-            let Some(pid) = s.peer.pid else { continue };
-            let used = usage.get(&pid).copied().unwrap_or(0);
-            // NVML attributes memory to the process that allocated it: memory a worker
-            // maps through an IPC handle is the broker's, not the worker's (measured on
-            // an H200, driver 580). So all of `used` is the worker's own: its CUDA
-            // context plus whatever it allocated itself.
-            let mut own = used;
-            let mut used = used;
-            let mut allowance = allowance;
-            // A process a reservation covers allocates within it: its tree's memory is
-            // over only beyond the reservation's room (`reservations.rs`). The session
-            // holding the reservation shows the whole tree's memory.
-            if let Some(r) = covered.by_pid.get(&pid).and_then(|r| reservations.get(r)) {
-                let tree = covered.tree_used.get(&r.id).copied().unwrap_or(0);
-                allowance = allowance.saturating_add(r.room());
-                if r.session == s.id {
-                    used = tree;
-                }
-                own = tree;
-            }
-            let held: u64 = s
-                .leases()
-                .iter()
-                .filter_map(|l| leases.get(l))
-                .filter(|l| l.tier == crate::ledger::Tier::Device)
-                .map(|l| l.bytes())
-                .sum();
-            let over = own > allowance;
-            let was_over = s.gpu.is_some_and(|g| g.over);
-            if over && !was_over {
-                tracing::warn!(
-                    session = %s.id,
-                    tenant = %s.tenant,
-                    pid,
-                    used,
-                    leased = held,
-                    own,
-                    allowance,
-                    "worker uses GPU memory beyond its leases (its own allocations)"
-                );
-            }
-            seen.push((s.id, crate::session::GpuUse { used, own, over }));
-        }
-        for (id, gpu) in seen {
-            st.set_session_gpu(&id, gpu);
-        }
-    }
-
-    /// A session's activity mark, for its event stream to touch without the state lock.
-    pub(crate) fn session_activity(&self, session: Uuid) -> Option<Arc<crate::session::Activity>> {
-        self.lock()
-            .sessions()
-            .get(&session)
-            .map(|s| s.last_seen.clone())
     }
 
     /// Begins shutdown: refuse new work, tell every session.
     pub(crate) fn begin_shutdown(&self, grace: Duration) {
         self.shutdown.begin();
         self.lock().begin_shutdown(grace);
-    }
-
-    /// Number of open sessions.
-    pub fn session_count(&self) -> usize {
-        self.lock().sessions().len()
     }
 
     /// Ends every session and frees every block on the devices. Blocks until done.
@@ -763,13 +652,6 @@ impl Arbiter {
 }
 
 impl Arbiter {
-    /// Bytes freed on device `i` that stayed there and are not charged yet.
-    fn unverified_bytes(&self, i: usize) -> u64 {
-        self.unverified
-            .get(i)
-            .map_or(0, |b| b.load(Ordering::SeqCst))
-    }
-
     /// What the device thread calls when a free did not give the memory back: the bytes
     /// are charged again to the tenant that answers for them (the block's, or another
     /// tenant's importer: `Reached::answers_for`) (`State::stranded`), on the main runtime
@@ -873,6 +755,25 @@ impl Arbiter {
                 None => charge(),
             }
         }
+    }
+}
+
+/// Per device, bytes a free left on the device whose charge is on its way or still being
+/// judged (`Arbiter::unverified`): shared with the device threads' frees and their reporters.
+#[derive(Clone)]
+struct UnverifiedBytes(Arc<[AtomicU64]>);
+
+impl UnverifiedBytes {
+    /// Bytes freed on device `i` that stayed there and are not charged yet.
+    fn of(&self, i: usize) -> u64 {
+        self.0.get(i).map_or(0, |b| b.load(Ordering::SeqCst))
+    }
+}
+
+impl std::ops::Deref for UnverifiedBytes {
+    type Target = [AtomicU64];
+    fn deref(&self) -> &[AtomicU64] {
+        &self.0
     }
 }
 

@@ -20,7 +20,7 @@
 //! `scheduler::TurnWaiterId`): registered under the scheduler's lock (its guard,
 //! `turns::TurnsHeld`, is an argument of [`Outbox::register_turn_reply`]) in the hold that
 //! queued the request, taken out by the delivery of its `TurnEffect::Reply`
-//! (`Arbiter::execute_turns`, `effects.rs`) after that lock is released.
+//! (`Executor::execute_turns`, `effects.rs`) after that lock is released.
 //!
 //! Leaf locks (one per table): taken under the state lock (or the scheduler's) or without
 //! it, never holding another.

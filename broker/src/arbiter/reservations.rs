@@ -1,7 +1,7 @@
 //! The arbiter's side of process reservations (`crate::reservations` has the records,
 //! the table and how a reservation is charged): reserve (validated, queued like a lease
 //! request, then given the managed MPS daemon's environment), release, name the program's
-//! process group, list; and the hooks admission and the outside-memory look call: the
+//! process group ([`Reservations`], reached by [`Arbiter::reservations`]); and the hooks admission and the outside-memory look call: the
 //! caller's process lineage (read from `/proc` outside the state lock), drawing a lease from
 //! the reservation that covers its process, and which GPU processes a reservation covers.
 
@@ -29,14 +29,17 @@ pub(crate) struct Covered {
     pub tree_used: HashMap<Uuid, u64>,
 }
 
-impl Arbiter {
+/// The process reservations of one arbiter ([`Arbiter::reservations`]); it keeps no fields
+/// (the reservations live in the state, charged there like leases).
+pub struct Reservations<'a> {
+    pub(super) arb: &'a Arc<Arbiter>,
+}
+
+impl Reservations<'_> {
     /// Reserves device memory for the session's process: now, after waiting up to
     /// `req.wait` in the lease queue, or fails with the reason (the statuses of a lease
     /// request). The reply carries the environment managed MPS wants the process to have.
-    pub(crate) async fn reserve_process(
-        self: &Arc<Self>,
-        req: ReserveRequest,
-    ) -> BrokerResult<ReservationView> {
+    pub(crate) async fn reserve(&self, req: ReserveRequest) -> BrokerResult<ReservationView> {
         if let Some(p) = req.compute_percent {
             if !(1..=100).contains(&p) {
                 return Err(BrokerError::InvalidArgument(format!(
@@ -50,7 +53,7 @@ impl Arbiter {
         let overhead = if req.bytes == 0 {
             0 // refused by `validate` as any empty request
         } else {
-            self.lifecycle.mps().map_or(0, |m| m.context_overhead())
+            self.arb.lifecycle.mps().map_or(0, |m| m.context_overhead())
         };
         let bytes = req.bytes.checked_add(overhead).ok_or_else(|| {
             BrokerError::InvalidArgument(format!("{} bytes is too large", req.bytes))
@@ -65,14 +68,15 @@ impl Arbiter {
             reclaimable: false,
             fallback_host: false,
         };
-        let acquire = self.validate(acquire)?;
+        let acquire = self.arb.validate(acquire)?;
         // Refuse at once what the environment cannot serve (the MPS daemon is down).
-        self.process_env(req.device.unwrap_or(0), bytes, &req)?;
+        self.env(req.device.unwrap_or(0), bytes, &req)?;
         let ask = ProcessAsk {
             compute_percent: req.compute_percent,
         };
         let mut waited = false;
         let granted = self
+            .arb
             .acquire_untimed(acquire, Some(ask), &mut waited)
             .await?;
         let Granted::Process(mut view) = granted else {
@@ -80,31 +84,31 @@ impl Arbiter {
                 "a process reservation was granted a lease".into(),
             ));
         };
-        match self.process_env(view.device, view.bytes, &req) {
+        match self.env(view.device, view.bytes, &req) {
             Ok(env) => view.env = env,
             Err(e) => {
-                let _ = self.release_process(&req.tenant, view.id);
+                let _ = self.release(&req.tenant, view.id);
                 return Err(e);
             }
         }
         tracing::info!(reservation = %view.id, tenant = %view.tenant, session = %view.session, device = view.device, bytes = view.bytes, pid = ?view.pid, "process memory reserved");
-        self.crash.pass("after", "reserve");
+        self.arb.crash.pass("after", "reserve");
         Ok(view)
     }
 
     /// The managed MPS daemon's variables for a reservation (`crate::mps`; nothing
     /// without `--mps`). `UNAVAILABLE` while the daemon is down.
-    pub(super) fn process_env(
+    pub(super) fn env(
         &self,
         device: u32,
         bytes: u64,
         req: &ReserveRequest,
     ) -> BrokerResult<Vec<(String, String)>> {
-        let Some(mps) = self.lifecycle.mps() else {
+        let Some(mps) = self.arb.lifecycle.mps() else {
             return Ok(Vec::new());
         };
         let (weight, max_weight) = {
-            let st = self.lock();
+            let st = self.arb.lock();
             let w = |t: &crate::ledger::Tenant| t.quota.turn_weight.max(1);
             (
                 st.ledger().get(&req.tenant).map(w).unwrap_or(1),
@@ -116,15 +120,15 @@ impl Arbiter {
     }
 
     /// Ends a reservation of `tenant` early (its session keeps going).
-    pub(crate) fn release_process(self: &Arc<Self>, tenant: &str, id: Uuid) -> BrokerResult<()> {
-        let mut st = self.lock();
+    pub(crate) fn release(&self, tenant: &str, id: Uuid) -> BrokerResult<()> {
+        let mut st = self.arb.lock();
         match st.reservations().get(&id) {
             Some(r) if r.tenant == tenant => {}
             _ => return Err(BrokerError::NotFound(Missing::Reservation(id))),
         }
         st.end_reservation(id);
         drop(st);
-        self.crash.pass("after", "release-reservation");
+        self.arb.crash.pass("after", "release-reservation");
         Ok(())
     }
 
@@ -144,7 +148,7 @@ impl Arbiter {
                 })
                 .ok_or(BrokerError::NotFound(Missing::Reservation(id)))
         };
-        let (pid, uid) = root(&self.lock())?;
+        let (pid, uid) = root(&self.arb.lock())?;
         // `/proc` is read with no lock held.
         let g = crate::process_group::verify(pgid, pid, uid).map_err(|e| {
             BrokerError::ProcessGroupRefused {
@@ -152,7 +156,7 @@ impl Arbiter {
                 why: e.to_string(),
             }
         })?;
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         if root(&st)? != (pid, uid) {
             return Err(BrokerError::NotFound(Missing::Reservation(id)));
         }
@@ -161,24 +165,11 @@ impl Arbiter {
         Ok(())
     }
 
-    /// The reservations of `tenant` (all tenants: None), oldest first.
-    pub(crate) fn list_reservations(&self, tenant: Option<&str>) -> Vec<ReservationView> {
-        let st = self.lock();
-        let mut v: Vec<ReservationView> = st
-            .reservations()
-            .iter()
-            .filter(|r| tenant.is_none_or(|t| r.tenant == t))
-            .map(|r| r.view(self.devices.uuid(r.device)))
-            .collect();
-        v.sort_by_key(|r| (r.created, r.id));
-        v
-    }
-
     /// Which GPU processes (pid -> bytes, NVML) lie in a reservation's process tree, and
     /// how much each tree uses. Reads `/proc` outside the state lock.
     pub(super) fn covered_usage(&self, usage: &HashMap<u32, u64>) -> Covered {
         let roots: HashMap<u32, Uuid> = {
-            let st = self.lock();
+            let st = self.arb.lock();
             st.reservations()
                 .iter()
                 .filter_map(|r| r.pid.map(|p| (p, r.id)))
@@ -359,7 +350,7 @@ mod tests {
     }
 
     fn usage(arb: &Arbiter, t: &str) -> crate::ledger::Usage {
-        arb.get_tenant(t).unwrap().usage
+        arb.views().tenant(t).unwrap().usage
     }
 
     /// Every byte is in one place: tenants' charges add up to the pool's promises, and
@@ -402,7 +393,8 @@ mod tests {
         arb.set_quota("b", quota(1024 * MIB, 0)).unwrap();
         let sa = session(&arb, "a", None);
         let r = arb
-            .reserve_process(reserve("a", sa, 300 * MIB, Duration::ZERO))
+            .reservations()
+            .reserve(reserve("a", sa, 300 * MIB, Duration::ZERO))
             .await
             .unwrap();
         assert_eq!((r.bytes, r.device, r.drawn_bytes), (300 * MIB, 0, 0));
@@ -416,13 +408,15 @@ mod tests {
         // The quota counts it: 300 + 300 > 512 (with a wait it would wait, as a lease).
         let sa2 = session(&arb, "a", None);
         let e = arb
-            .reserve_process(reserve("a", sa2, 300 * MIB, Duration::ZERO))
+            .reservations()
+            .reserve(reserve("a", sa2, 300 * MIB, Duration::ZERO))
             .await
             .unwrap_err();
         assert!(matches!(e, BrokerError::QuotaExceeded { .. }), "{e:?}");
         // One per session.
         let e = arb
-            .reserve_process(reserve("a", sa, 2 * MIB, Duration::ZERO))
+            .reservations()
+            .reserve(reserve("a", sa, 2 * MIB, Duration::ZERO))
             .await
             .unwrap_err();
         assert!(
@@ -438,7 +432,8 @@ mod tests {
         let waiting = {
             let arb = arb.clone();
             tokio::spawn(async move {
-                arb.reserve_process(reserve("b", sb2, 200 * MIB, Duration::from_secs(10)))
+                arb.reservations()
+                    .reserve(reserve("b", sb2, 200 * MIB, Duration::from_secs(10)))
                     .await
             })
         };
@@ -455,9 +450,9 @@ mod tests {
         assert_eq!(usage(&arb, "a").process_reservations, 0);
         check_books(&arb, &[("a", 512 * MIB), ("b", 1024 * MIB)]);
         arb.release("b", big.id).unwrap();
-        arb.release_process("b", rb.id).unwrap();
+        arb.reservations().release("b", rb.id).unwrap();
         assert!(matches!(
-            arb.release_process("b", rb.id),
+            arb.reservations().release("b", rb.id),
             Err(BrokerError::NotFound(_))
         ));
         check_books(&arb, &[("a", 512 * MIB), ("b", 1024 * MIB)]);
@@ -471,16 +466,19 @@ mod tests {
         arb.set_quota("g", quota(512 * MIB, 400 * MIB)).unwrap();
         let sa = session(&arb, "a", None);
         let e = arb
-            .reserve_process(reserve("a", sa, 700 * MIB, Duration::ZERO))
+            .reservations()
+            .reserve(reserve("a", sa, 700 * MIB, Duration::ZERO))
             .await
             .unwrap_err();
         assert!(matches!(e, BrokerError::NoCapacity { .. }), "{e:?}");
-        arb.reserve_process(reserve("a", sa, 624 * MIB, Duration::ZERO))
+        arb.reservations()
+            .reserve(reserve("a", sa, 624 * MIB, Duration::ZERO))
             .await
             .unwrap();
         // g's guarantee is still there for it, as a reservation too.
         let sg = session(&arb, "g", None);
-        arb.reserve_process(reserve("g", sg, 400 * MIB, Duration::ZERO))
+        arb.reservations()
+            .reserve(reserve("g", sg, 400 * MIB, Duration::ZERO))
             .await
             .unwrap();
         check_books(&arb, &[("a", 1024 * MIB), ("g", 512 * MIB)]);
@@ -494,14 +492,16 @@ mod tests {
         arb.set_quota("a", q).unwrap();
         let s = session(&arb, "a", None);
         let e = arb
-            .reserve_process(reserve("a", s, 200 * MIB, Duration::from_secs(5)))
+            .reservations()
+            .reserve(reserve("a", s, 200 * MIB, Duration::from_secs(5)))
             .await
             .unwrap_err();
         assert!(
             matches!(e, BrokerError::DeviceQuotaExceeded { .. }),
             "{e:?}"
         );
-        arb.reserve_process(reserve("a", s, 64 * MIB, Duration::ZERO))
+        arb.reservations()
+            .reserve(reserve("a", s, 64 * MIB, Duration::ZERO))
             .await
             .unwrap();
         assert_eq!(arb.state.lock().ledger().device_committed("a", 0), 64 * MIB);
@@ -530,7 +530,7 @@ mod tests {
             let mut r = reserve("a", s, bytes, Duration::ZERO);
             r.device = device;
             r.compute_percent = pct;
-            let e = arb.reserve_process(r).await.unwrap_err();
+            let e = arb.reservations().reserve(r).await.unwrap_err();
             match device {
                 Some(7) => assert!(
                     matches!(e, BrokerError::UnknownDevice { device: 7, .. }),
@@ -540,7 +540,8 @@ mod tests {
             }
         }
         let e = arb
-            .reserve_process(reserve("a", Uuid::now_v7(), MIB, Duration::ZERO))
+            .reservations()
+            .reserve(reserve("a", Uuid::now_v7(), MIB, Duration::ZERO))
             .await
             .unwrap_err();
         assert!(matches!(e, BrokerError::NotFound(_)), "{e:?}");
@@ -557,7 +558,8 @@ mod tests {
         let me = std::process::id();
         let owner = session(&arb, "a", Some(me));
         let r = arb
-            .reserve_process(reserve("a", owner, 512 * MIB, Duration::ZERO))
+            .reservations()
+            .reserve(reserve("a", owner, 512 * MIB, Duration::ZERO))
             .await
             .unwrap();
         // Another session of the same process (a worker library inside the program).
@@ -569,7 +571,10 @@ mod tests {
             (128 * MIB, 384 * MIB)
         );
         assert_eq!(u.committed_bytes(), 512 * MIB, "drawn, not charged twice");
-        assert_eq!(arb.list_reservations(Some("a"))[0].drawn_bytes, 128 * MIB);
+        assert_eq!(
+            arb.views().reservations(Some("a"))[0].drawn_bytes,
+            128 * MIB
+        );
         check_books(&arb, &[("a", 600 * MIB)]);
         // Beyond the room: refused, though the quota would have allowed 88 MiB more.
         let e = arb.acquire(req("a", worker, 400 * MIB)).await.unwrap_err();
@@ -590,7 +595,7 @@ mod tests {
         check_books(&arb, &[("a", 600 * MIB)]);
         // A drawn lease outliving the reservation stays an ordinary lease.
         let l = arb.acquire(req("a", worker, 64 * MIB)).await.unwrap();
-        arb.release_process("a", r.id).unwrap();
+        arb.reservations().release("a", r.id).unwrap();
         let u = usage(&arb, "a");
         assert_eq!(
             (
@@ -613,7 +618,8 @@ mod tests {
         let parent = crate::process::parent_of(me).expect("the test has a parent");
         // The reservation is the parent's (as `run`'s is); this process is its child.
         let owner = session(&arb, "a", Some(parent));
-        arb.reserve_process(reserve("a", owner, 512 * MIB, Duration::ZERO))
+        arb.reservations()
+            .reserve(reserve("a", owner, 512 * MIB, Duration::ZERO))
             .await
             .unwrap();
         let child = session(&arb, "a", Some(me));
@@ -626,7 +632,7 @@ mod tests {
                 .map(|g| (g.used, g.over))
         };
         let usage: HashMap<u32, u64> = [(me, 600 * MIB)].into();
-        arb.apply_process_usage(&usage, 100 * MIB);
+        arb.sessions().apply_process_usage(&usage, 100 * MIB);
         assert_eq!(
             over(&arb, child),
             Some((600 * MIB, false)),
@@ -638,12 +644,12 @@ mod tests {
             "the tree's memory"
         );
         let usage: HashMap<u32, u64> = [(me, 700 * MIB)].into();
-        arb.apply_process_usage(&usage, 100 * MIB);
+        arb.sessions().apply_process_usage(&usage, 100 * MIB);
         assert_eq!(over(&arb, child), Some((700 * MIB, true)), "beyond it");
         // Without a reservation the allowance alone counts.
         arb.end_session(owner, "test");
         let usage: HashMap<u32, u64> = [(me, 200 * MIB)].into();
-        arb.apply_process_usage(&usage, 100 * MIB);
+        arb.sessions().apply_process_usage(&usage, 100 * MIB);
         assert_eq!(over(&arb, child), Some((200 * MIB, true)));
     }
 
@@ -671,7 +677,7 @@ mod tests {
                 let s = session(&arb, t, Some(me));
                 let bytes = (16 + (i * 37) % 200) * MIB;
                 let wait = Duration::from_millis(if i % 2 == 0 { 0 } else { 200 });
-                let r = arb.reserve_process(reserve(t, s, bytes, wait)).await;
+                let r = arb.reservations().reserve(reserve(t, s, bytes, wait)).await;
                 let mut granted = 0;
                 if r.is_ok() {
                     granted = 1;
@@ -681,7 +687,7 @@ mod tests {
                 tokio::task::yield_now().await;
                 if i % 4 == 0 {
                     if let Ok(r) = &r {
-                        let _ = arb.release_process(t, r.id);
+                        let _ = arb.reservations().release(t, r.id);
                     }
                 }
                 arb.end_session(s, "test");

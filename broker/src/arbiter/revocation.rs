@@ -4,14 +4,14 @@
 //! (quarantined while the peer may still map them), and its event stream closes, so a
 //! reconnecting worker meets `UNAUTHENTICATED`.
 
-use super::Arbiter;
-use std::sync::Arc;
+use super::sessions::Sessions;
 use uuid::Uuid;
 
-impl Arbiter {
+impl Sessions<'_> {
     /// Ends every session opened with `token_id`. Returns how many.
-    pub(crate) fn end_sessions_of_token(self: &Arc<Self>, token_id: &str, reason: &str) -> usize {
+    pub(crate) fn end_of_token(&self, token_id: &str, reason: &str) -> usize {
         let ids: Vec<Uuid> = self
+            .arb
             .lock()
             .sessions()
             .iter()
@@ -19,7 +19,7 @@ impl Arbiter {
             .map(|s| s.id)
             .collect();
         for id in &ids {
-            self.end_session(*id, reason);
+            self.arb.end_session(*id, reason);
         }
         if !ids.is_empty() {
             tracing::warn!(token_id, sessions = ids.len(), reason, "sessions ended");
@@ -29,9 +29,10 @@ impl Arbiter {
 
     /// Ends the sessions whose token no longer authenticates (expired, or removed by a
     /// path other than `revoke_token`). Returns how many.
-    pub(super) fn end_sessions_of_lapsed_tokens(self: &Arc<Self>) -> usize {
-        let live = self.auth.live_token_ids();
+    pub(super) fn end_of_lapsed_tokens(&self) -> usize {
+        let live = self.arb.auth.live_token_ids();
         let ids: Vec<Uuid> = self
+            .arb
             .lock()
             .sessions()
             .iter()
@@ -39,7 +40,7 @@ impl Arbiter {
             .map(|s| s.id)
             .collect();
         for id in &ids {
-            self.end_session(*id, "the session's token expired");
+            self.arb.end_session(*id, "the session's token expired");
         }
         ids.len()
     }
@@ -69,19 +70,20 @@ mod tests {
     }
 
     fn worker_token(arb: &Arc<Arbiter>, ttl: Option<Duration>) -> String {
-        arb.issue(
-            TokenSpec {
-                tenant: Some("a".into()),
-                scope: Scope::Worker,
-                ttl,
-                name: "w".into(),
-                description: String::new(),
-            },
-            None,
-        )
-        .unwrap()
-        .entry
-        .token_id
+        arb.changes()
+            .issue_token(
+                TokenSpec {
+                    tenant: Some("a".into()),
+                    scope: Scope::Worker,
+                    ttl,
+                    name: "w".into(),
+                    description: String::new(),
+                },
+                None,
+            )
+            .unwrap()
+            .entry
+            .token_id
     }
 
     #[test]
@@ -89,7 +91,8 @@ mod tests {
         let arb = arbiter();
         let (t1, t2) = (worker_token(&arb, None), worker_token(&arb, None));
         let open = |t: &str| {
-            arb.open_resumable("a", "s", Peer::default(), Some(t.to_string()))
+            arb.sessions()
+                .open("a", "s", Peer::default(), Some(t.to_string()))
                 .map(|(id, rx, _)| (id, rx))
                 .unwrap()
         };
@@ -97,7 +100,7 @@ mod tests {
         let (s1b, _rx1b) = open(&t1);
         let (s2, mut rx2) = open(&t2);
         let (untracked, _rx3) = arb.open_session("a", "s", Peer::default()).unwrap();
-        arb.revoke_token(&t1, None).unwrap();
+        arb.changes().revoke_token(&t1, None).unwrap();
         let live = arb.lock().sessions().ids();
         assert!(!live.contains(&s1) && !live.contains(&s1b), "{live:?}");
         assert!(live.contains(&s2) && live.contains(&untracked), "{live:?}");
@@ -118,17 +121,19 @@ mod tests {
         let short = worker_token(&arb, Some(Duration::from_millis(1)));
         let long = worker_token(&arb, Some(Duration::from_secs(3600)));
         let (s_short, _a) = arb
-            .open_resumable("a", "s", Peer::default(), Some(short))
+            .sessions()
+            .open("a", "s", Peer::default(), Some(short))
             .map(|(id, rx, _)| (id, rx))
             .unwrap();
         let (s_long, _b) = arb
-            .open_resumable("a", "s", Peer::default(), Some(long))
+            .sessions()
+            .open("a", "s", Peer::default(), Some(long))
             .map(|(id, rx, _)| (id, rx))
             .unwrap();
         std::thread::sleep(Duration::from_millis(5));
-        assert_eq!(arb.end_sessions_of_lapsed_tokens(), 1);
+        assert_eq!(arb.sessions().end_of_lapsed_tokens(), 1);
         let live = arb.lock().sessions().ids();
         assert_eq!(live, vec![s_long], "{s_short} should have ended");
-        assert_eq!(arb.end_sessions_of_lapsed_tokens(), 0);
+        assert_eq!(arb.sessions().end_of_lapsed_tokens(), 0);
     }
 }

@@ -1,5 +1,6 @@
 //! The arbiter's side of shared read-only leases (`crate::sharing` has the table and the
-//! rules): publish, unpublish, import, release an import, list; and the hook the ticket
+//! rules): publish, unpublish, import, release an import ([`Sharing`], reached by
+//! [`Arbiter::sharing`]; the listing is a view: `listing.rs`); and the hook the ticket
 //! server calls ([`Arbiter::fd_delivering`]); the lease and session endings' hooks are the
 //! core's (`State::shared_lease_ended`, `State::shared_session_ended`). The shell
 //! validates (names, readers, limits, who may see what), seals a memfd for its importers
@@ -22,7 +23,6 @@ use crate::sharing::{
     MAX_PUBLICATIONS_PER_TENANT, MAX_READERS,
 };
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use uuid::Uuid;
 
 /// What an importer needs to fetch its descriptor.
@@ -130,7 +130,13 @@ fn publish_again(
     Ok(st.shared().pubs[&id].view(true))
 }
 
-impl Arbiter {
+/// The shared read-only leases of one arbiter ([`Arbiter::sharing`]); it keeps no fields
+/// (the publications live in the state, `state/shared.rs`).
+pub struct Sharing<'a> {
+    pub(super) arb: &'a Arbiter,
+}
+
+impl Sharing<'_> {
     /// Publishes `lease` of `tenant` under `name` for `readers` (empty: the tenant's own).
     pub(crate) fn publish(
         &self,
@@ -157,14 +163,14 @@ impl Arbiter {
         let mut set: BTreeSet<String> = readers.iter().cloned().collect();
         set.remove(tenant);
         let (kind, fd, size, fd_counted) = {
-            let mut st = self.lock();
+            let mut st = self.arb.lock();
             match publishable(&st, tenant, lease, name)? {
                 Publishable::Again(id) => return publish_again(&mut st, id, lease, name, set),
                 Publishable::New { kind, fd, size } => {
                     // A memfd's importers get a reopen of it: one descriptor more.
                     let mut counted = None;
                     if kind == MemoryKind::HostMemfd {
-                        counted = Some(self.fds.take_held(self.watchers.processes())?);
+                        counted = Some(self.arb.fds.take_held(self.arb.watchers.processes())?);
                         // Marked before the seal: if the lease ends meanwhile, its
                         // block is freed, never cached sealed.
                         st.mark_sealing(lease);
@@ -186,7 +192,7 @@ impl Arbiter {
                 lease,
                 cause: e.to_string(),
             })?;
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         // Again: the lock was let go meanwhile.
         let now = st.clock().wall;
         let id = match publishable(&st, tenant, lease, name)? {
@@ -207,18 +213,14 @@ impl Arbiter {
         tracing::info!(%lease, tenant, name, "lease published");
         let view = st.shared().pubs[&id].view(true);
         drop(st);
-        self.crash.pass("after", "publish");
+        self.arb.crash.pass("after", "publish");
         Ok(view)
     }
 
     /// Takes `name` of `tenant` away; live imports keep the memory.
-    pub(crate) fn unpublish(
-        self: &Arc<Self>,
-        tenant: &str,
-        name: &str,
-    ) -> BrokerResult<SharedView> {
+    pub(crate) fn unpublish(&self, tenant: &str, name: &str) -> BrokerResult<SharedView> {
         check_name(name)?;
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         let id = st
             .unpublish(tenant, name)
             .ok_or_else(|| not_visible(tenant, name))?;
@@ -245,7 +247,7 @@ impl Arbiter {
     ) -> BrokerResult<ImportGrant> {
         check_name(name)?;
         crate::bounds::check("publisher", publisher, crate::bounds::MAX_TEXT_BYTES)?;
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         let pid = match st.sessions().get(&session) {
             Some(s) if s.tenant == tenant => {
                 s.last_seen.touch();
@@ -292,13 +294,13 @@ impl Arbiter {
         };
         tracing::info!(import = %id, tenant, publisher, name, "shared lease imported");
         drop(st);
-        self.crash.pass("after", "import");
+        self.arb.crash.pass("after", "import");
         Ok(grant)
     }
 
     /// The holder lets go of an import (it promises it unmapped it).
-    pub(crate) fn release_import(self: &Arc<Self>, tenant: &str, import: Uuid) -> BrokerResult<()> {
-        let mut st = self.lock();
+    pub(crate) fn release_import(&self, tenant: &str, import: Uuid) -> BrokerResult<()> {
+        let mut st = self.arb.lock();
         match st
             .shared()
             .of_import(&import)
@@ -309,7 +311,7 @@ impl Arbiter {
         }
         st.import_let_go(import, Ending::Cache);
         drop(st);
-        self.crash.pass("after", "release-import");
+        self.arb.crash.pass("after", "release-import");
         Ok(())
     }
 
@@ -319,7 +321,7 @@ impl Arbiter {
         tenant: &str,
         import: Uuid,
     ) -> BrokerResult<(ImportGrant, Peer)> {
-        let st = self.lock();
+        let st = self.arb.lock();
         let p = st
             .shared()
             .of_import(&import)
@@ -345,20 +347,9 @@ impl Arbiter {
             peer,
         ))
     }
+}
 
-    /// Every listed publication (of `publisher` only, if given), with importers, oldest
-    /// first, page by page.
-    #[cfg(test)]
-    pub(super) fn list_shared(&self, publisher: Option<&str>) -> Vec<SharedView> {
-        super::listing::all_pages(|t| {
-            self.shared_page(
-                super::listing::SharedViewer::Operator(publisher),
-                t,
-                super::listing::DEFAULT_PAGE_SIZE,
-            )
-        })
-    }
-
+impl Arbiter {
     /// The ticket server is about to deliver the descriptor of lease or import `id` to
     /// `pid`: a process other than the holder's session process is tracked first, so memory
     /// it may map stays counted until it exits, even if the holder lets go the moment the

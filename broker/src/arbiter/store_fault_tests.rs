@@ -38,6 +38,7 @@ fn worker_token(tenant: &str) -> TokenSpec {
 /// `gpu_broker_store_write_failures_total` as `/metrics` shows it.
 async fn failures(arb: &Arbiter) -> u64 {
     let text = arb
+        .views()
         .metrics_text(crate::metrics::Format::PrometheusText)
         .await;
     text.lines()
@@ -88,13 +89,13 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
         .await
         .unwrap_err();
     assert_store_failure(e);
-    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 64 * MIB);
+    assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 64 * MIB);
     assert!(!writable(&arb), "the store reads unwritable");
     let e = change_quota_for(&arb, "b".into(), limit(MIB), who())
         .await
         .unwrap_err();
     assert_store_failure(e);
-    assert!(arb.get_tenant("b").is_err(), "no tenant was created");
+    assert!(arb.views().tenant("b").is_err(), "no tenant was created");
     assert_eq!((records(&arb), failures(&arb).await), (2, 2));
 
     // A deletion: the tenant stays, reopened (it takes charges again).
@@ -102,7 +103,7 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
         .await
         .unwrap_err();
     assert_store_failure(e);
-    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 64 * MIB);
+    assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 64 * MIB);
     let (session, _events) = arb.open_session("a", "t", Default::default()).unwrap();
     let lease = arb
         .acquire(AcquireRequest {
@@ -140,7 +141,7 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
         .await
         .unwrap();
     assert!(writable(&arb));
-    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
+    assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
     let log = arb.durable.list_audit(&AuditFilter::default()).unwrap();
     assert_eq!(log.len(), 3);
     assert_eq!(log[2].seq, log[1].seq + 1, "no sequence number was used up");
@@ -165,6 +166,6 @@ async fn a_failed_commit_changes_nothing_records_nothing_and_is_counted() {
         ["quota.set", "token.issue", "quota.set", "token.revoke"]
     );
     let arb = stored_arbiter(dir.path());
-    assert_eq!(arb.get_tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
+    assert_eq!(arb.views().tenant("a").unwrap().quota.limit_bytes, 32 * MIB);
     assert!(arb.auth.list(Some("a")).is_empty());
 }

@@ -40,7 +40,7 @@ fn keeping_arbiter(switch: &FaultSwitch) -> Arc<Arbiter> {
 
 /// Tenant `a`'s quarantined bytes (what `GetUsage` shows it holds beyond its leases).
 fn held_by_a(arb: &Arbiter) -> u64 {
-    arb.get_tenant("a").unwrap().usage.quarantined_bytes
+    arb.views().tenant("a").unwrap().usage.quarantined_bytes
 }
 
 /// Waits (up to 5 s) for `done`.
@@ -91,7 +91,7 @@ async fn memory_kept_after_its_free_stays_charged_to_its_tenant_until_the_holder
         // The device's books count it (so the outside-memory estimate does not), once:
         // no longer as bytes whose charge is on its way.
         assert_eq!(st.pools()[0].stats().quarantined, 32 * MIB);
-        assert_eq!(arb.unverified_bytes(0), 0);
+        assert_eq!(arb.unverified.of(0), 0);
         assert_eq!(st.pools()[0].stats().leased, 48 * MIB);
     }
     // Operators see why (`ListQuarantined`, `gpu-brokerctl leaks`).
@@ -174,11 +174,11 @@ async fn an_import_kept_after_its_release_stays_charged_after_the_free() {
     let arb = keeping_arbiter(&switch);
     let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
     let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
-    arb.publish("a", l.id, "w", &[]).unwrap();
+    arb.sharing().publish("a", l.id, "w", &[]).unwrap();
     let (mut importer, peer) = live_process();
     let (si, _rxi) = arb.open_session("a", "importer", peer).unwrap();
-    let import = arb.import("a", si, "a", "w").unwrap();
-    arb.release_import("a", import.id).unwrap();
+    let import = arb.sharing().import("a", si, "a", "w").unwrap();
+    arb.sharing().release_import("a", import.id).unwrap();
     drop(import);
     switch.set(Faults {
         keep_freed: true,
@@ -203,7 +203,7 @@ async fn an_import_kept_after_its_release_stays_charged_after_the_free() {
 
 /// Tenant `t`'s quarantined bytes.
 fn held_by(arb: &Arbiter, t: &str) -> u64 {
-    arb.get_tenant(t).unwrap().usage.quarantined_bytes
+    arb.views().tenant(t).unwrap().usage.quarantined_bytes
 }
 
 /// Another tenant's importer releases its import and keeps it; the publisher, none of
@@ -216,11 +216,13 @@ async fn another_tenants_import_kept_after_its_release_is_charged_to_that_tenant
     let arb = keeping_arbiter(&switch);
     let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
     let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
-    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    arb.sharing()
+        .publish("a", l.id, "w", &["b".to_string()])
+        .unwrap();
     let (mut importer, peer) = live_process();
     let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
-    let import = arb.import("b", si, "a", "w").unwrap();
-    arb.release_import("b", import.id).unwrap();
+    let import = arb.sharing().import("b", si, "a", "w").unwrap();
+    arb.sharing().release_import("b", import.id).unwrap();
     drop(import);
     switch.set(Faults {
         keep_freed: true,
@@ -260,11 +262,13 @@ async fn memory_kept_while_the_publishers_process_lives_is_the_publishers() {
     let (mut publisher, ppeer) = live_process();
     let (sp, _rxp) = arb.open_session("a", "publisher", ppeer).unwrap();
     let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
-    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    arb.sharing()
+        .publish("a", l.id, "w", &["b".to_string()])
+        .unwrap();
     let (mut importer, peer) = live_process();
     let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
-    let import = arb.import("b", si, "a", "w").unwrap();
-    arb.release_import("b", import.id).unwrap();
+    let import = arb.sharing().import("b", si, "a", "w").unwrap();
+    arb.sharing().release_import("b", import.id).unwrap();
     drop(import);
     switch.set(Faults {
         keep_freed: true,
@@ -506,14 +510,14 @@ async fn a_memfd_let_go_before_the_first_look_charges_nobody() {
     )
     .await;
     assert_eq!(held, 0, "not charged at the free");
-    assert!(arb.unverified_bytes(0) > 0 || unsafe { libc::geteuid() } != 0);
+    assert!(arb.unverified.of(0) > 0 || unsafe { libc::geteuid() } != 0);
     unmap(mapping.unwrap());
     for _ in 0..60 {
         assert_eq!(held_by_a(&arb), 0, "never charged");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(
-        until(|| arb.unverified_bytes(0) == 0).await,
+        until(|| arb.unverified.of(0) == 0).await,
         "the look let it go"
     );
     assert_eq!(held_by_a(&arb), 0);
@@ -696,7 +700,7 @@ async fn processes_sharing_only_the_brokers_places_are_not_charged() {
     arb.devices[0].thread.call(|_| ()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(held_by_a(&arb), 0);
-    assert_eq!(arb.unverified_bytes(0), 0);
+    assert_eq!(arb.unverified.of(0), 0);
     kill_pid(child);
 }
 
@@ -710,12 +714,14 @@ async fn a_child_of_another_tenants_importer_is_charged_to_that_tenant() {
     let arb = keeping_arbiter_finding(&switch, &on_device);
     let (sp, _rxp) = arb.open_session("a", "publisher", Peer::default()).unwrap();
     let l = arb.acquire(req("a", sp, 16 * MIB)).await.unwrap();
-    arb.publish("a", l.id, "w", &["b".to_string()]).unwrap();
+    arb.sharing()
+        .publish("a", l.id, "w", &["b".to_string()])
+        .unwrap();
     let (mut importer, child, peer) = worker_with_child();
     on_device.0.lock().push(child);
     let (si, _rxi) = arb.open_session("b", "importer", peer).unwrap();
-    let import = arb.import("b", si, "a", "w").unwrap();
-    arb.release_import("b", import.id).unwrap();
+    let import = arb.sharing().import("b", si, "a", "w").unwrap();
+    arb.sharing().release_import("b", import.id).unwrap();
     drop(import);
     importer.kill().unwrap();
     importer.wait().unwrap();
@@ -932,6 +938,7 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
         "the report counts what was charged again and lifted"
     );
     let metrics = restarted
+        .views()
         .metrics_text(crate::metrics::Format::PrometheusText)
         .await;
     for line in [

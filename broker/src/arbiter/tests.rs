@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::device::Handle;
+use crate::lease::LeaseView;
 use crate::ledger::Quota;
 
 const MIB: u64 = 1 << 20;
@@ -27,7 +28,10 @@ pub(crate) fn quota(limit: u64) -> Quota {
 
 /// Every open session by id, page by page.
 fn sessions(arb: &Arbiter) -> Vec<SessionView> {
-    listing::all_pages(|t| arb.sessions_page(None, t, listing::DEFAULT_PAGE_SIZE))
+    listing::all_pages(|t| {
+        arb.views()
+            .sessions_page(None, t, listing::DEFAULT_PAGE_SIZE)
+    })
 }
 
 pub(crate) fn req(tenant: &str, session: Uuid, bytes: u64) -> AcquireRequest {
@@ -51,7 +55,7 @@ impl Fixture {
         id
     }
     fn held(&self, name: &str) -> u64 {
-        self.arb.get_tenant(name).unwrap().usage.held_bytes
+        self.arb.views().tenant(name).unwrap().usage.held_bytes
     }
 }
 
@@ -269,7 +273,7 @@ async fn waiter_is_granted_when_memory_is_released() {
         arb.acquire(r).await
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(f.arb.device_reports().await[0].waiting, 1);
+    assert_eq!(f.arb.views().device_reports().await[0].waiting, 1);
     f.arb.release("a", l1.id).unwrap();
     let l2 = waiting.await.unwrap().unwrap();
     assert_eq!(l2.bytes, 4 * MIB);
@@ -293,7 +297,7 @@ async fn losing_a_wait_is_deadline_exceeded_with_numbers() {
         other => panic!("{other:?}"),
     }
     assert_eq!(
-        f.arb.device_reports().await[0].waiting,
+        f.arb.views().device_reports().await[0].waiting,
         0,
         "waiter left the queue"
     );
@@ -407,7 +411,8 @@ async fn higher_priority_waiter_triggers_reclaim_of_lowest_newest() {
     // Only as much as needed: the older lease was left alone.
     assert!(f
         .arb
-        .list_all_leases(Some("low"))
+        .views()
+        .leases(Some("low"))
         .iter()
         .any(|l| l.id == old.id && l.reclaim_deadline.is_none()));
 }
@@ -423,18 +428,18 @@ async fn session_of_an_exited_process_returns_memory_to_the_pool() {
     child.wait().unwrap();
     // The pid watcher ends the session on its own.
     for _ in 0..100 {
-        if f.arb.session_count() == 0 {
+        if f.arb.views().session_count() == 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(
-        f.arb.session_count(),
+        f.arb.views().session_count(),
         0,
         "session did not end on process exit"
     );
     assert_eq!(f.held("a"), 0);
-    let d = &f.arb.device_reports().await[0];
+    let d = &f.arb.views().device_reports().await[0];
     assert_eq!((d.leased, d.cached, d.quarantined), (0, 8 * MIB, 0));
 }
 
@@ -456,10 +461,10 @@ async fn revoked_lease_of_a_live_process_is_quarantined() {
         events.recv().await,
         Some(SessionEvent::LeaseRevoked { .. })
     ));
-    let d = &f.arb.device_reports().await[0];
+    let d = &f.arb.views().device_reports().await[0];
     assert_eq!((d.leased, d.quarantined), (0, 4 * MIB));
     assert_eq!(
-        f.arb.get_tenant("a").unwrap().usage.quarantined_bytes,
+        f.arb.views().tenant("a").unwrap().usage.quarantined_bytes,
         4 * MIB
     );
     // Quarantined memory is not available to anyone.
@@ -516,15 +521,17 @@ async fn process_memory_beyond_leases_is_reported() {
     let (s, _events) = f.arb.open_session("a", "w", peer).unwrap();
     f.arb.acquire(req("a", s, 8 * MIB)).await.unwrap();
     let usage = std::collections::HashMap::from([(pid, 3 * MIB)]);
-    f.arb.apply_process_usage(&usage, 4 * MIB);
+    f.arb.sessions().apply_process_usage(&usage, 4 * MIB);
     let g = sessions(&f.arb)[0].gpu.unwrap();
     assert_eq!((g.used, g.own, g.over), (3 * MIB, 3 * MIB, false));
     let usage = std::collections::HashMap::from([(pid, 20 * MIB)]);
-    f.arb.apply_process_usage(&usage, 4 * MIB);
+    f.arb.sessions().apply_process_usage(&usage, 4 * MIB);
     let g = sessions(&f.arb)[0].gpu.unwrap();
     assert_eq!((g.own, g.over), (20 * MIB, true));
     // A session whose process NVML does not list uses nothing of its own.
-    f.arb.apply_process_usage(&Default::default(), 4 * MIB);
+    f.arb
+        .sessions()
+        .apply_process_usage(&Default::default(), 4 * MIB);
     assert!(!sessions(&f.arb)[0].gpu.unwrap().over);
 }
 
@@ -683,8 +690,8 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     // Another process takes 40 MiB: 8 MiB stay free (= headroom), the broker may now
     // hand out only 56 - 40 = 16 MiB, which its cached block still fits in.
     outside.store(40 * MIB, std::sync::atomic::Ordering::SeqCst);
-    arb.refresh_leasable().await;
-    let dev = &arb.device_reports().await[0];
+    arb.tasks().refresh_leasable().await;
+    let dev = &arb.views().device_reports().await[0];
     assert_eq!(
         (dev.leasable, dev.cached, dev.external_used),
         (16 * MIB, 16 * MIB, 40 * MIB),
@@ -697,15 +704,15 @@ async fn memory_taken_outside_the_broker_shrinks_leasable_and_trims_the_cache() 
     ));
     // It takes 4 MiB more, eating into the headroom: the unused cached block goes back.
     outside.store(44 * MIB, std::sync::atomic::Ordering::SeqCst);
-    arb.refresh_leasable().await;
+    arb.tasks().refresh_leasable().await;
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let dev = &arb.device_reports().await[0];
+    let dev = &arb.views().device_reports().await[0];
     assert_eq!((dev.leasable, dev.cached), (12 * MIB, 0), "{dev:?}");
     assert_eq!(dev.free, 20 * MIB, "the block was freed on the device");
     // They give it all back: leasable grows again.
     outside.store(0, std::sync::atomic::Ordering::SeqCst);
-    arb.refresh_leasable().await;
-    assert_eq!(arb.device_reports().await[0].leasable, 56 * MIB);
+    arb.tasks().refresh_leasable().await;
+    assert_eq!(arb.views().device_reports().await[0].leasable, 56 * MIB);
     arb.acquire(req("a", s, 40 * MIB)).await.unwrap();
 }
 
@@ -717,7 +724,7 @@ async fn the_background_refresh_follows_outside_memory_both_ways() {
     };
     let (arb, outside, _dir) = outside_fixture(cfg);
     let stop = tokio_util::sync::CancellationToken::new();
-    arb.spawn_background(stop.clone());
+    arb.tasks().start(stop.clone());
     for (taken, want) in [
         (20 * MIB, 36 * MIB),
         (0, 56 * MIB),
@@ -727,7 +734,7 @@ async fn the_background_refresh_follows_outside_memory_both_ways() {
         outside.store(taken, std::sync::atomic::Ordering::SeqCst);
         let mut got = 0;
         for _ in 0..100 {
-            got = arb.device_reports().await[0].leasable;
+            got = arb.views().device_reports().await[0].leasable;
             if got == want {
                 break;
             }
@@ -763,7 +770,7 @@ async fn a_runaway_tenant_cannot_open_unbounded_sessions_or_waiters() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(f.arb.device_reports().await[0].waiting, 2);
+    assert_eq!(f.arb.views().device_reports().await[0].waiting, 2);
     let mut r = req("a", s, 2 * MIB);
     r.wait = Duration::from_secs(2);
     match f.arb.acquire(r).await {
@@ -834,7 +841,7 @@ async fn a_blocked_big_request_is_overtaken_only_while_younger_than_the_overtake
             arb.acquire(r).await
         })
     };
-    while f.arb.get_tenant("big").unwrap().waiting == 0 {
+    while f.arb.views().tenant("big").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // Young: 32 MiB free, and every small request that fits is granted (no count limit).
@@ -853,10 +860,13 @@ async fn a_blocked_big_request_is_overtaken_only_while_younger_than_the_overtake
             let mut r = req("small", ss, 8 * MIB);
             r.wait = Duration::from_secs(60);
             let l = arb.acquire(r).await;
-            (l, arb.get_tenant("big").map(|t| t.usage.committed_bytes()))
+            (
+                l,
+                arb.views().tenant("big").map(|t| t.usage.committed_bytes()),
+            )
         })
     };
-    while f.arb.get_tenant("small").unwrap().waiting == 0 {
+    while f.arb.views().tenant("small").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     f.arb.release("holder", held.id).unwrap();
@@ -880,7 +890,7 @@ async fn a_blocked_big_request_is_overtaken_only_while_younger_than_the_overtake
 async fn with_a_zero_overtake_age_a_blocked_request_is_never_overtaken() {
     let (f, held, _, bs, ss) = zero_age_fixture().await;
     let big = spawn_acquire(&f.arb, "big", bs, 48 * MIB, Duration::from_secs(60));
-    while f.arb.get_tenant("big").unwrap().waiting == 0 {
+    while f.arb.views().tenant("big").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(small_grants(&f, "small", ss, 4).await, 0);
@@ -935,8 +945,8 @@ async fn a_tenant_being_deleted_takes_no_new_charge_or_session() {
     // A tenant holding memory cannot start closing.
     assert!(f.arb.lock().close_tenant("a").is_err());
     f.arb.release("a", l.id).unwrap();
-    f.arb.delete_tenant("a", None).unwrap();
-    assert!(f.arb.get_tenant("a").is_err());
+    f.arb.changes().delete_tenant("a", None).unwrap();
+    assert!(f.arb.views().tenant("a").is_err());
 }
 
 #[tokio::test]
@@ -1051,7 +1061,7 @@ async fn racing_publishes_leave_one_publication_per_name_and_per_lease() {
             .into_iter()
             .map(|(l, name)| {
                 let arb = f.arb.clone();
-                std::thread::spawn(move || arb.publish("a", l, &name, &[]))
+                std::thread::spawn(move || arb.sharing().publish("a", l, &name, &[]))
             })
             .collect();
         let results: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
@@ -1077,7 +1087,7 @@ async fn racing_publishes_leave_one_publication_per_name_and_per_lease() {
     // The sixth lease, five names.
     let one_lease = (0..5).map(|i| (leases[5], format!("n{i}"))).collect();
     assert_eq!(race(one_lease), 1);
-    let shared = f.arb.list_shared(None);
+    let shared = f.arb.views().shared(None);
     assert_eq!(shared.len(), 2, "{shared:?}");
     assert_eq!(
         shared.iter().filter(|p| p.lease == Some(leases[5])).count(),
@@ -1087,7 +1097,7 @@ async fn racing_publishes_leave_one_publication_per_name_and_per_lease() {
 
 /// Device 0's quarantined and cached bytes.
 async fn quarantined_and_cached(f: &Fixture) -> (u64, u64) {
-    let d = &f.arb.device_reports().await[0];
+    let d = &f.arb.views().device_reports().await[0];
     (d.quarantined, d.cached)
 }
 
@@ -1159,7 +1169,7 @@ async fn watchers_are_kept_by_the_shell_and_stopped_with_what_they_watch() {
     // It ends while the process lives: the session's watcher stops, the quarantine's starts.
     f.arb.end_session(s, "test");
     assert_eq!(f.arb.watchers.len(), 1);
-    assert_eq!(f.arb.device_reports().await[0].quarantined, 4 * MIB);
+    assert_eq!(f.arb.views().device_reports().await[0].quarantined, 4 * MIB);
     // A session closed at once leaves no watcher behind.
     let (s2, _e2) = f.arb.open_session("a", "w2", peer).unwrap();
     assert_eq!(f.arb.watchers.len(), 2);
@@ -1175,7 +1185,7 @@ async fn watchers_are_kept_by_the_shell_and_stopped_with_what_they_watch() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(f.arb.watchers.len(), 0);
-    let d = &f.arb.device_reports().await[0];
+    let d = &f.arb.views().device_reports().await[0];
     assert_eq!((d.quarantined, d.cached), (0, 4 * MIB));
 }
 
@@ -1198,10 +1208,11 @@ async fn lease_pages_follow_the_indexes_across_chunks_and_releases() {
         v.push(f.arb.acquire(req(t, s, 2 * MIB)).await.unwrap().id);
     }
     // One page of 650 spans two chunks of the state lock.
-    let p = f.arb.leases_page(None, "", 650).unwrap();
+    let p = f.arb.views().leases_page(None, "", 650).unwrap();
     assert_eq!(p.items.len(), 650);
     let rest = f
         .arb
+        .views()
         .leases_page(None, p.next.as_deref().unwrap(), 650)
         .unwrap();
     assert_eq!(rest.items.len(), 50);
@@ -1221,7 +1232,7 @@ async fn lease_pages_follow_the_indexes_across_chunks_and_releases() {
     let mut walked = Vec::new();
     let mut token = String::new();
     loop {
-        let p = f.arb.leases_page(Some("b"), &token, 7).unwrap();
+        let p = f.arb.views().leases_page(Some("b"), &token, 7).unwrap();
         assert!(p.items.iter().all(|l| l.tenant == "b"));
         walked.extend(p.items.iter().map(|l| l.id));
         match p.next {
@@ -1230,9 +1241,10 @@ async fn lease_pages_follow_the_indexes_across_chunks_and_releases() {
         }
     }
     assert_eq!(walked, kept);
-    assert_eq!(f.arb.list_all_leases(Some("a")).len(), a.len());
+    assert_eq!(f.arb.views().leases(Some("a")).len(), a.len());
     assert!(f
         .arb
+        .views()
         .leases_page(Some("nobody"), "", 10)
         .unwrap()
         .items
@@ -1253,11 +1265,11 @@ async fn tenant_pages_span_chunks_in_name_order() {
         tenant: Some("t0601".into()),
         ..Default::default()
     };
-    f.arb.issue(spec, None).unwrap();
-    let p = f.arb.tenants_page("", 610).unwrap();
+    f.arb.changes().issue_token(spec, None).unwrap();
+    let p = f.arb.views().tenants_page("", 610).unwrap();
     assert_eq!(p.items.len(), 610);
     assert_eq!(p.next.as_deref(), Some("t0609"));
-    let rest = f.arb.tenants_page("t0609", 610).unwrap();
+    let rest = f.arb.views().tenants_page("t0609", 610).unwrap();
     let names: Vec<String> = p
         .items
         .iter()
@@ -1309,7 +1321,7 @@ async fn zero_age_fixture() -> (Fixture, LeaseView, Uuid, Uuid, Uuid) {
 
 /// Waits until `tenant` has `n` requests in the queue.
 async fn until_waiting(f: &Fixture, tenant: &str, n: u32) {
-    while f.arb.get_tenant(tenant).unwrap().waiting != n {
+    while f.arb.views().tenant(tenant).unwrap().waiting != n {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -1326,12 +1338,12 @@ async fn a_waiting_request_larger_than_what_is_leasable_now_is_refused_at_once()
     let (sb, _rb) = arb.open_session("b", "w", Peer::default()).unwrap();
     let _held = arb.acquire(req("a", sa, 32 * MIB)).await.unwrap();
     let waiting = spawn_acquire(&arb, "b", sb, 30 * MIB, Duration::from_secs(60));
-    while arb.get_tenant("b").unwrap().waiting == 0 {
+    while arb.views().tenant("b").unwrap().waiting == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // Another process takes 30 MiB: 26 MiB leasable, less than the 30 MiB asked for.
     outside.store(30 * MIB, std::sync::atomic::Ordering::SeqCst);
-    arb.refresh_leasable().await;
+    arb.tasks().refresh_leasable().await;
     let got = tokio::time::timeout(Duration::from_secs(10), waiting)
         .await
         .expect("refused at once, not after its wait")
@@ -1344,7 +1356,7 @@ async fn a_waiting_request_larger_than_what_is_leasable_now_is_refused_at_once()
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(arb.get_tenant("b").unwrap().waiting, 0);
+    assert_eq!(arb.views().tenant("b").unwrap().waiting, 0);
 }
 
 /// Likewise when the tenant's limit is lowered below the request, and when the only
@@ -1408,12 +1420,12 @@ async fn a_blocking_head_whose_wait_ran_out_lets_the_others_in_at_once() {
     let small = loop {
         // Queued behind the big one (on a machine so slow that the big one's wait ran out
         // first, the small one is granted at once and the test proves nothing, but passes).
-        if f.arb.get_tenant("big").unwrap().waiting == 1 || big.is_finished() {
+        if f.arb.views().tenant("big").unwrap().waiting == 1 || big.is_finished() {
             break spawn_acquire(&f.arb, "small", ss, 8 * MIB, Duration::from_secs(60));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    while f.arb.get_tenant("small").unwrap().waiting == 0 && !small.is_finished() {
+    while f.arb.views().tenant("small").unwrap().waiting == 0 && !small.is_finished() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert!(matches!(
@@ -1457,9 +1469,12 @@ async fn a_published_lease_revoked_is_freed_not_cached_when_its_process_exits() 
     let (mut child, peer) = live_process();
     let (s, _rx) = f.arb.open_session("a", "t", peer).unwrap();
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    f.arb.publish("a", l.id, "weights", &["b".into()]).unwrap();
-    let i = f.arb.import("b", b, "a", "weights").unwrap();
-    f.arb.release_import("b", i.id).unwrap();
+    f.arb
+        .sharing()
+        .publish("a", l.id, "weights", &["b".into()])
+        .unwrap();
+    let i = f.arb.sharing().import("b", b, "a", "weights").unwrap();
+    f.arb.sharing().release_import("b", i.id).unwrap();
     // The publisher's and the importer's descriptors close (this process's copies would
     // keep the sealed memfd alive past its free, and the kernel says so: charged as kept).
     let lease = l.id;
@@ -1480,7 +1495,10 @@ async fn a_published_lease_revoked_is_freed_not_cached_when_its_process_exits() 
     // Nobody kept the freed memfd: nothing is charged once the free's look is done.
     f.arb.devices[0].thread.call(|_| ()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(f.arb.get_tenant("a").unwrap().usage.quarantined_bytes, 0);
+    assert_eq!(
+        f.arb.views().tenant("a").unwrap().usage.quarantined_bytes,
+        0
+    );
 }
 
 /// A lingering import (its holder let go while a process that fetched its descriptor may
@@ -1495,16 +1513,17 @@ async fn a_lingering_import_delivers_its_descriptor_to_nobody_else() {
     let (sb, _rb) = f.arb.open_session("b", "t", Peer::default()).unwrap();
     let l = f.arb.acquire(req("a", sa, 4 * MIB)).await.unwrap();
     f.arb
+        .sharing()
         .publish("a", l.id, "weights", &["b".to_string()])
         .unwrap();
-    let import = f.arb.import("b", sb, "a", "weights").unwrap();
+    let import = f.arb.sharing().import("b", sb, "a", "weights").unwrap();
     let mut live = std::process::Command::new("sleep")
         .arg("30")
         .spawn()
         .unwrap();
     // Another process of the reader fetched the import's descriptor, then the reader lets go.
     assert!(f.arb.fd_delivering(import.id, Some(live.id())));
-    f.arb.release_import("b", import.id).unwrap();
+    f.arb.sharing().release_import("b", import.id).unwrap();
     // The import lingers for that process; a second fetch (a ticket already being redeemed)
     // gets nothing.
     assert!(!f.arb.fd_delivering(import.id, Some(std::process::id())));
@@ -1584,7 +1603,7 @@ async fn a_host_fallback_lease_given_to_another_process_leaves_no_recipient_behi
         assert!(st.shared().recipients.is_empty());
         st.check_invariant().unwrap();
     }
-    assert_eq!(arb.get_tenant("a").unwrap().usage.host_held_bytes, 0);
+    assert_eq!(arb.views().tenant("a").unwrap().usage.host_held_bytes, 0);
     other.kill().unwrap();
     other.wait().unwrap();
 }

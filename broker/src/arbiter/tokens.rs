@@ -2,7 +2,6 @@
 //! time to live and a name. Every token is durable (store) before it is usable, and only
 //! its hash is kept. The admin token file's rotation is `admin_token::rotate`.
 
-use super::Arbiter;
 use crate::auth::{generate_token, token_id, Scope, TokenEntry};
 use crate::error::{BrokerError, BrokerResult};
 use std::time::{Duration, SystemTime};
@@ -29,10 +28,10 @@ pub struct IssuedToken {
     pub entry: TokenEntry,
 }
 
-impl Arbiter {
+impl super::Changes<'_> {
     /// Issues a token, durable before it is returned. With `who`, its audit record
     /// (`token.issue`) is committed with the token.
-    pub(crate) fn issue(
+    pub(crate) fn issue_token(
         &self,
         spec: TokenSpec,
         who: Option<&crate::audit::Who>,
@@ -75,9 +74,9 @@ impl Arbiter {
         };
         // `Durable::writes` orders this against tenant deletion (a token never outlives its
         // tenant); the store commit runs with no state lock held.
-        let _writes = self.durable.writes();
+        let _writes = self.arb.durable.writes();
         if let Some(t) = &tenant {
-            let st = self.lock();
+            let st = self.arb.lock();
             if st.ledger().get(t).is_none() || st.ledger().is_closing(t) {
                 return Err(BrokerError::tenant_not_found(t));
             }
@@ -103,8 +102,8 @@ impl Arbiter {
                 Some(crate::audit::token_json(&entry)),
             )
         });
-        self.durable_recorded(rec, |store, audit| store.put_token_with(&entry, audit))?;
-        self.auth.add(entry.clone());
+        self.commit_recorded(rec, |store, audit| store.put_token_with(&entry, audit))?;
+        self.arb.auth.add(entry.clone());
         tracing::info!(
             tenant = %entry.tenant,
             token_id = %entry.token_id,

@@ -1,7 +1,7 @@
 //! Compute turns through the arbiter: the thin shell around the scheduler's core
 //! ([`crate::scheduler::Turns`]). It checks the session, locks the core, calls one
 //! transition, takes its effects, unlocks, and then has them carried out by the turn
-//! effect executor (`Arbiter::execute_turns`, `effects.rs`): a waiter's answer goes to its
+//! effect executor (`Executor::execute_turns`, `effects.rs`): a waiter's answer goes to its
 //! reply channel (kept in the outbox, `outbox.rs`, registered in the hold that queued the
 //! request), a session's event to its mailbox, a kept slot's window gets a timer. A grant
 //! nobody receives (the caller went away just as it was answered) is given back to the
@@ -151,7 +151,7 @@ impl Arbiter {
         let delivered = if fx.is_empty() {
             0
         } else {
-            self.execute_turns(fx)
+            self.executor().execute_turns(fx)
         };
         (r, delivered)
     }
@@ -197,7 +197,7 @@ impl Arbiter {
             })
         };
         if !fx.is_empty() {
-            self.execute_turns(fx);
+            self.executor().execute_turns(fx);
         }
         let (waiter, rx) = queued?;
         let mut guard = TurnWait {
@@ -604,18 +604,18 @@ mod tests {
         // A turn still held when the tenant goes is booked as its session ends, then
         // forgotten with the rest.
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
-        assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
-        arb.delete_tenant("a", None).unwrap();
+        assert_eq!(arb.views().tenant("a").unwrap().turns.turns, 1);
+        arb.changes().delete_tenant("a", None).unwrap();
         assert_eq!(arb.scheduler.holders(0), 0, "its session's turn ended");
         assert!(release_turn(&arb, "a", ga.turn_id).is_err());
         assert_eq!(arb.scheduler.usage("a"), TurnUsage::default());
         assert_eq!(arb.scheduler.core.lock().tenants_counted(), 0);
         // Created again under the name: it starts with no usage.
         let (a, _ea) = session(&arb, "a");
-        assert_eq!(arb.get_tenant("a").unwrap().turns, TurnUsage::default());
+        assert_eq!(arb.views().tenant("a").unwrap().turns, TurnUsage::default());
         let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
         release_turn(&arb, "a", ga.turn_id).unwrap();
-        assert_eq!(arb.get_tenant("a").unwrap().turns.turns, 1);
+        assert_eq!(arb.views().tenant("a").unwrap().turns.turns, 1);
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -40,8 +40,10 @@ impl Admin for AdminService {
         // Committed with its audit record, on the store writer.
         let c = self
             .arb
-            .run_durable(move |arb| {
-                arb.change_quota(&r.tenant, update, Some((&who, "quota.set", "")))
+            .changes()
+            .run(move |arb| {
+                arb.changes()
+                    .change_quota(&r.tenant, update, Some((&who, "quota.set", "")))
             })
             .await
             .map_err(status)?;
@@ -57,7 +59,11 @@ impl Admin for AdminService {
         req: Request<pb::GetQuotaRequest>,
     ) -> Result<Response<pb::GetQuotaResponse>, Status> {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
-        let t = self.arb.get_tenant(&req.get_ref().tenant).map_err(status)?;
+        let t = self
+            .arb
+            .views()
+            .tenant(&req.get_ref().tenant)
+            .map_err(status)?;
         Ok(Response::new(pb::GetQuotaResponse {
             tenant: Some(convert::tenant(&t)),
         }))
@@ -70,6 +76,7 @@ impl Admin for AdminService {
         let r = req.get_ref();
         let page = self
             .arb
+            .views()
             .tenants_page(&r.page_token, page_size(r.page_size))
             .map_err(status)?;
         Ok(Response::new(pb::ListTenantsResponse {
@@ -87,7 +94,8 @@ impl Admin for AdminService {
         // Committed with its audit record, on the store writer.
         let name = req.into_inner().tenant;
         self.arb
-            .run_durable(move |arb| arb.delete_tenant(&name, Some(&who)))
+            .changes()
+            .run(move |arb| arb.changes().delete_tenant(&name, Some(&who)))
             .await
             .map_err(status)?;
         Ok(Response::new(pb::DeleteTenantResponse {}))
@@ -117,7 +125,8 @@ impl Admin for AdminService {
         // Committed with its audit record, on the store writer.
         let issued = self
             .arb
-            .run_durable(move |arb| arb.issue(spec, Some(&who)))
+            .changes()
+            .run(move |arb| arb.changes().issue_token(spec, Some(&who)))
             .await
             .map_err(status)?;
         let e = &issued.entry;
@@ -149,7 +158,8 @@ impl Admin for AdminService {
         }
         // Committed with its audit record, on the store writer.
         self.arb
-            .run_durable(move |arb| arb.revoke_token(&key, Some(&who)))
+            .changes()
+            .run(move |arb| arb.changes().revoke_token(&key, Some(&who)))
             .await
             .map_err(status)?;
         Ok(Response::new(pb::RevokeTokenResponse {}))
@@ -161,7 +171,10 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ListTokensResponse>, Status> {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant).map_err(status)?;
+        self.arb
+            .views()
+            .check_tenant_filter(tenant)
+            .map_err(status)?;
         let tokens = self.arb.authenticator().list(tenant);
         Ok(Response::new(pb::ListTokensResponse {
             tokens: tokens
@@ -177,10 +190,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ListAllLeasesResponse>, Status> {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant).map_err(status)?;
+        self.arb
+            .views()
+            .check_tenant_filter(tenant)
+            .map_err(status)?;
         let r = req.get_ref();
         let page = self
             .arb
+            .views()
             .leases_page(tenant, &r.page_token, page_size(r.page_size))
             .map_err(status)?;
         Ok(Response::new(pb::ListAllLeasesResponse {
@@ -208,7 +225,7 @@ impl Admin for AdminService {
         };
         let why = crate::arbiter::state::Revoke::Operator(reason);
         let lease = self.arb.revoke(id, &why).map_err(status)?;
-        self.arb.audit(
+        self.arb.changes().audit(
             &who,
             "lease.revoke",
             &lease.tenant,
@@ -216,7 +233,7 @@ impl Admin for AdminService {
             Some(serde_json::json!({"bytes": lease.bytes, "device": lease.device, "session": lease.session.to_string()})),
             Some(serde_json::json!({"state": "revoked", "reason": why.reason()})),
         );
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(pb::RevokeLeaseResponse {
             lease: Some(convert::lease_on(&lease, &self.arb)),
         }))
@@ -228,10 +245,14 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
         bounds::tenant("tenant", &req.get_ref().tenant).map_err(status)?;
         let tenant = filter(&req.get_ref().tenant);
-        self.arb.check_tenant_filter(tenant).map_err(status)?;
+        self.arb
+            .views()
+            .check_tenant_filter(tenant)
+            .map_err(status)?;
         let r = req.get_ref();
         let page = self
             .arb
+            .views()
             .sessions_page(tenant, &r.page_token, page_size(r.page_size))
             .map_err(status)?;
         Ok(Response::new(pb::ListSessionsResponse {
@@ -244,7 +265,7 @@ impl Admin for AdminService {
         &self,
         _req: Request<pb::GetDevicesRequest>,
     ) -> Result<Response<pb::GetDevicesResponse>, Status> {
-        let devices = self.arb.device_reports().await;
+        let devices = self.arb.views().device_reports().await;
         let mut devices: Vec<pb::DeviceInfo> = devices.iter().map(convert::device).collect();
         for d in &mut devices {
             d.turn_holders = self.arb.scheduler.holders(d.index);
@@ -274,7 +295,7 @@ impl Admin for AdminService {
         .await
         .map_err(|e| Status::internal(format!("rotating the admin token: {e}")))?
         .map_err(status)?;
-        self.arb.audit(
+        self.arb.changes().audit(
             &who,
             "admin_token.rotate",
             "",
@@ -282,7 +303,7 @@ impl Admin for AdminService {
             None,
             Some(serde_json::json!({"old_token_grace_ms": req.get_ref().grace_ms})),
         );
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(pb::RotateAdminTokenResponse {
             token,
             old_valid_until_unix_ms: convert::unix_ms(SystemTime::now() + grace),
@@ -323,7 +344,7 @@ impl Admin for AdminService {
                 &r.reason,
             )
             .map_err(status)?;
-        self.arb.audit(
+        self.arb.changes().audit(
             &who,
             "drain.start",
             "",
@@ -331,7 +352,7 @@ impl Admin for AdminService {
             Some(serde_json::json!({"draining": before.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
             Some(serde_json::json!({"draining": report.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>(), "deadline_ms": r.deadline_ms, "reason": r.reason})),
         );
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(convert::drain_report(&report)))
     }
 
@@ -343,7 +364,7 @@ impl Admin for AdminService {
         let device = req.get_ref().device;
         let before = self.arb.drain_report();
         let report = self.arb.undrain(device).map_err(status)?;
-        self.arb.audit(
+        self.arb.changes().audit(
             &who,
             "drain.stop",
             "",
@@ -351,7 +372,7 @@ impl Admin for AdminService {
             Some(serde_json::json!({"draining": before.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
             Some(serde_json::json!({"draining": report.devices.iter().filter(|d| d.draining).map(|d| d.index).collect::<Vec<_>>()})),
         );
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(convert::drain_report(&report)))
     }
 
@@ -385,7 +406,8 @@ impl Admin for AdminService {
         let uid = r.claim.clone();
         let g = self
             .arb
-            .reserve_claim(
+            .claims()
+            .reserve(
                 ClaimRequest {
                     uid: r.claim,
                     tenant: r.tenant,
@@ -419,7 +441,8 @@ impl Admin for AdminService {
             return Err(Status::invalid_argument("claim is required"));
         }
         self.arb
-            .release_claim(&r.claim, who)
+            .claims()
+            .release(&r.claim, who)
             .await
             .map_err(status)?;
         Ok(Response::new(pb::ReleaseClaimResponse {}))
@@ -429,7 +452,7 @@ impl Admin for AdminService {
         &self,
         _req: Request<pb::ListClaimsRequest>,
     ) -> Result<Response<pb::ListClaimsResponse>, Status> {
-        let claims = self.arb.list_claims();
+        let claims = self.arb.claims().list();
         Ok(Response::new(pb::ListClaimsResponse {
             claims: claims.iter().map(|(c, r)| convert::claim(c, r)).collect(),
         }))
@@ -475,9 +498,10 @@ impl Admin for AdminService {
         let r = req.into_inner();
         let changed = self
             .arb
-            .set_device_health(r.device, r.healthy, &r.reason, &who)
+            .device_health()
+            .set(r.device, r.healthy, &r.reason, &who)
             .map_err(status)?;
-        self.arb.audits_written().await;
+        self.arb.changes().audits_written().await;
         Ok(Response::new(pb::SetDeviceHealthResponse { changed }))
     }
 

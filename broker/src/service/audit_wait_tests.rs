@@ -35,12 +35,13 @@ where
     let (busy, is_busy) = tokio::sync::oneshot::channel::<()>();
     let a = arb.clone();
     let first = tokio::spawn(async move {
-        a.run_durable(move |_| {
-            let _ = busy.send(());
-            let _ = held.recv_timeout(Duration::from_secs(30));
-            Ok(())
-        })
-        .await
+        a.changes()
+            .run(move |_| {
+                let _ = busy.send(());
+                let _ = held.recv_timeout(Duration::from_secs(30));
+                Ok(())
+            })
+            .await
     });
     is_busy.await.unwrap();
     let mut call = Box::pin(call);

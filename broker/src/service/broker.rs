@@ -156,7 +156,8 @@ impl Broker for BrokerService {
         }
         let (id, rx, secret) = self
             .arb
-            .open_resumable(&tenant, &r.name, peer, token_id)
+            .sessions()
+            .open(&tenant, &r.name, peer, token_id)
             .map_err(status)?;
         let opened = pb::SessionOpened {
             session_id: id.to_string(),
@@ -183,7 +184,7 @@ impl Broker for BrokerService {
         if let Some(uid) = claim_of(&req) {
             // Without its reservation a claim's lease would be an ordinary one, on any
             // device, beside what the scheduler placed.
-            if !self.arb.claim_is_held(&uid) {
+            if !self.arb.claims().is_held(&uid) {
                 return Err(status(BrokerError::ClaimNotReserved { claim: uid }));
             }
         }
@@ -296,6 +297,7 @@ impl Broker for BrokerService {
         let size = crate::arbiter::listing::page_size(r.page_size);
         let page = self
             .arb
+            .views()
             .leases_page(Some(&tenant), &r.page_token, size)
             .map_err(status)?;
         Ok(Response::new(pb::ListLeasesResponse {
@@ -313,7 +315,7 @@ impl Broker for BrokerService {
         req: Request<pb::GetUsageRequest>,
     ) -> Result<Response<pb::GetUsageResponse>, Status> {
         let tenant = tenant_of(&req)?;
-        let t = self.arb.get_tenant(&tenant).map_err(status)?;
+        let t = self.arb.views().tenant(&tenant).map_err(status)?;
         Ok(Response::new(pb::GetUsageResponse {
             tenant: t.name.clone(),
             quota: Some(convert::quota_to_wire(t.quota.clone())),
@@ -383,7 +385,7 @@ impl Broker for BrokerService {
         {
             return Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }));
         }
-        let (view, session) = self.arb.own_lease(&tenant, id).map_err(status)?;
+        let (view, session) = self.arb.sessions().own_lease(&tenant, id).map_err(status)?;
         handles::check_same_user(&session, &caller).map_err(status)?;
         let fd = handles::fd_handle(&self.arb, &view, &caller, &session).map_err(status)?;
         Ok(Response::new(pb::RenewLeaseTicketResponse { fd: Some(fd) }))
@@ -395,7 +397,7 @@ impl Broker for BrokerService {
     ) -> Result<Response<pb::KeepaliveResponse>, Status> {
         let tenant = tenant_of(&req)?;
         let id = parse_id("session_id", &req.get_ref().session_id).map_err(status)?;
-        self.arb.touch(&tenant, id).map_err(status)?;
+        self.arb.sessions().touch(&tenant, id).map_err(status)?;
         Ok(Response::new(pb::KeepaliveResponse {}))
     }
 
@@ -480,7 +482,8 @@ impl Broker for BrokerService {
         let span = tracing::info_span!("reserve_process", %tenant, %session, bytes = r.bytes);
         let view = self
             .arb
-            .reserve_process(crate::reservations::ReserveRequest {
+            .reservations()
+            .reserve(crate::reservations::ReserveRequest {
                 tenant,
                 session,
                 bytes: r.bytes,
@@ -513,11 +516,18 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let id = parse_id("reservation_id", &req.get_ref().reservation_id).map_err(status)?;
         check_reservation_caller(
-            &self.arb.reservation_peer(&tenant, id).map_err(status)?,
+            &self
+                .arb
+                .sessions()
+                .reservation_peer(&tenant, id)
+                .map_err(status)?,
             &peer_of(&req),
         )
         .map_err(status)?;
-        self.arb.release_process(&tenant, id).map_err(status)?;
+        self.arb
+            .reservations()
+            .release(&tenant, id)
+            .map_err(status)?;
         Ok(Response::new(pb::ReleaseProcessMemoryResponse {}))
     }
 
@@ -537,11 +547,16 @@ impl Broker for BrokerService {
         // The group's leader must then be of the caller's uid too (the arbiter checks it
         // against the session's): the broker signals only what the caller could.
         check_reservation_caller(
-            &self.arb.reservation_peer(&tenant, id).map_err(status)?,
+            &self
+                .arb
+                .sessions()
+                .reservation_peer(&tenant, id)
+                .map_err(status)?,
             &peer_of(&req),
         )
         .map_err(status)?;
         self.arb
+            .reservations()
             .set_process_group(&tenant, id, r.pgid)
             .map_err(status)?;
         Ok(Response::new(pb::SetProcessGroupResponse {}))

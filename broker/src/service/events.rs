@@ -50,7 +50,7 @@ impl EventStream {
         let mut hb = tokio::time::interval(heartbeat);
         hb.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         EventStream {
-            activity: arb.session_activity(id),
+            activity: arb.sessions().activity(id),
             first: Some(pb::SessionEvent {
                 event: Some(pb::session_event::Event::Opened(opened)),
             }),

@@ -34,7 +34,7 @@ impl Runtimes {
         let stop = tokio_util::sync::CancellationToken::new();
         let a = arb.clone();
         let s = stop.clone();
-        main.block_on(async move { a.spawn_background(s) });
+        main.block_on(async move { a.tasks().start(s) });
         Runtimes {
             main,
             ops: crate::read_pool::ReadPool::start(1).unwrap(),
@@ -133,7 +133,7 @@ fn a_waiter_let_in_by_an_operators_revoke_is_granted_on_the_main_runtime() {
         .expect("the grant's device work ran on the main runtime, not the stalled one")
         .unwrap();
     assert_eq!((lease.tenant.as_str(), lease.bytes), ("b", 32 * MIB));
-    assert_eq!(arb.get_tenant("b").unwrap().usage.held_bytes, 32 * MIB);
+    assert_eq!(arb.views().tenant("b").unwrap().usage.held_bytes, 32 * MIB);
     release.send(()).unwrap();
 }
 
@@ -178,7 +178,7 @@ fn a_quarantine_watcher_started_by_an_operators_revoke_runs_on_the_main_runtime(
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert_eq!(arb.get_tenant("a").unwrap().usage.held_bytes, 0);
+    assert_eq!(arb.views().tenant("a").unwrap().usage.held_bytes, 0);
     release.send(()).unwrap();
 }
 
@@ -201,7 +201,7 @@ fn a_grant_with_no_runtime_to_run_on_is_rolled_back_and_answered() {
         "{e:?}"
     );
     // The reservation was given back: nothing held, the whole device grantable again.
-    assert_eq!(arb.get_tenant("b").unwrap().usage.held_bytes, 0);
+    assert_eq!(arb.views().tenant("b").unwrap().usage.held_bytes, 0);
     let (sb, _eb) = arb.open_session("b", "t", Peer::default()).unwrap();
     let a = arb.clone();
     let lease = rt

@@ -51,7 +51,7 @@ pub fn publish(
     r: &pb::PublishLeaseRequest,
 ) -> Result<pb::PublishLeaseResponse, BrokerError> {
     let lease = parse_id("lease_id", &r.lease_id)?;
-    let v = arb.publish(tenant, lease, &r.name, &r.tenants)?;
+    let v = arb.sharing().publish(tenant, lease, &r.name, &r.tenants)?;
     Ok(pb::PublishLeaseResponse {
         shared: Some(shared(&v, arb)),
     })
@@ -63,7 +63,7 @@ pub fn unpublish(
     tenant: &str,
     r: &pb::UnpublishLeaseRequest,
 ) -> Result<pb::UnpublishLeaseResponse, BrokerError> {
-    let v = arb.unpublish(tenant, &r.name)?;
+    let v = arb.sharing().unpublish(tenant, &r.name)?;
     Ok(pb::UnpublishLeaseResponse {
         shared: Some(shared(&v, arb)),
     })
@@ -88,11 +88,13 @@ pub fn import(
     let session = parse_id("session_id", &r.session_id)?;
     handles::check_same_user(&arb.session_peer(tenant, session)?, caller)?;
     handles::check_fd_receivable(arb, caller)?;
-    let g = arb.import(tenant, session, &r.publisher, &r.name)?;
+    let g = arb
+        .sharing()
+        .import(tenant, session, &r.publisher, &r.name)?;
     let fd = match import_fd(arb, &g, caller) {
         Ok(fd) => fd,
         Err(e) => {
-            let _ = arb.release_import(tenant, g.id);
+            let _ = arb.sharing().release_import(tenant, g.id);
             return Err(e);
         }
     };
@@ -110,7 +112,7 @@ pub fn release_import(
     r: &pb::ReleaseImportRequest,
 ) -> Result<pb::ReleaseImportResponse, BrokerError> {
     let id = parse_id("import_id", &r.import_id)?;
-    arb.release_import(tenant, id)?;
+    arb.sharing().release_import(tenant, id)?;
     Ok(pb::ReleaseImportResponse {})
 }
 
@@ -120,7 +122,7 @@ pub fn list_visible(
     tenant: &str,
     r: &pb::ListSharedLeasesRequest,
 ) -> Result<pb::ListSharedLeasesResponse, BrokerError> {
-    let page = arb.shared_page(
+    let page = arb.views().shared_page(
         SharedViewer::Tenant(tenant),
         &r.page_token,
         listing::page_size(r.page_size),
@@ -136,7 +138,7 @@ pub fn list_all(
     arb: &Arbiter,
     r: &pb::AdminListSharedLeasesRequest,
 ) -> Result<pb::AdminListSharedLeasesResponse, BrokerError> {
-    let page = arb.shared_page(
+    let page = arb.views().shared_page(
         SharedViewer::Operator(convert::filter(&r.tenant)),
         &r.page_token,
         listing::page_size(r.page_size),
@@ -154,7 +156,7 @@ pub fn renew_import(
     id: uuid::Uuid,
     caller: &Peer,
 ) -> Result<Option<pb::FdHandle>, BrokerError> {
-    match arb.own_import(tenant, id) {
+    match arb.sharing().own_import(tenant, id) {
         Ok((g, session)) => {
             handles::check_same_user(&session, caller)?;
             Ok(Some(import_fd(arb, &g, caller)?))

@@ -1309,7 +1309,7 @@ impl Harness {
         }
     }
 
-    /// A device found unhealthy (`Arbiter::mark_unhealthy`): it closes (already unhealthy:
+    /// A device found unhealthy (`DeviceHealth::mark_unhealthy`): it closes (already unhealthy:
     /// nothing new), the queue refuses what can now go nowhere, then one transition tells
     /// every session holding a device lease there, each once, and does nothing else.
     fn unhealthy(&mut self, device: u32) {
