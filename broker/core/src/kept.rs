@@ -137,6 +137,11 @@ pub struct HeldRecord {
     /// descriptor).
     #[serde(default)]
     pub waiters: Vec<ProcessRecord>,
+    /// Those of `waiters` outside the lease's session that fetched its descriptor, with
+    /// their start times (in `waiters` without one, as earlier versions read them): a
+    /// recipient whose pid another process took since is not waited for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recipients: Vec<ProcessRecord>,
     /// Held for a holder of unknown pid until the quarantine timeout.
     #[serde(default)]
     pub timeout: bool,
@@ -440,6 +445,11 @@ pub struct LeaseRecord {
     /// Records without one (written before it) go by `device`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_uuid: Option<String>,
+    /// Processes outside its session that fetched its descriptor (a renewed ticket), with
+    /// their start times, at most [`crate::pool::Reached::MAX`]: when the lease ends its
+    /// memory is held for those still alive, a restart or not.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recipients: Vec<ProcessRecord>,
 }
 
 /// A device an operator is draining: it stays closed to new leases across a restart.
@@ -564,6 +574,8 @@ impl From<&crate::lease::Lease> for LeaseRecord {
             reservation: l.reservation.map(|r| r.to_string()),
             // The shell knows the devices' UUIDs: it fills this in.
             device_uuid: None,
+            // The state knows them (`State::lease_record`).
+            recipients: Vec::new(),
         }
     }
 }
@@ -683,6 +695,34 @@ mod tests {
             Some("GPU-4f1d0c2a-0000-0000-0000-000000000001")
         );
         assert_eq!(serde_json::to_string(&l).unwrap(), with_uuid);
+        assert!(
+            l.recipients.is_empty(),
+            "an older record names no recipients"
+        );
+        // And the processes outside its session that fetched its descriptor.
+        let with_recipients = with_uuid.replace(
+            r#"0001"}"#,
+            r#"0001","recipients":[{"pid":4343,"start":123999},{"pid":0,"start":null}]}"#,
+        );
+        let Kept::Lease(l) =
+            parse(&l.key(), serde_json::from_str(&with_recipients).unwrap()).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            l.recipients,
+            [
+                ProcessRecord {
+                    pid: 4343,
+                    start: Some(123999)
+                },
+                ProcessRecord {
+                    pid: 0,
+                    start: None
+                }
+            ]
+        );
+        assert_eq!(serde_json::to_string(&l).unwrap(), with_recipients);
         let drain = r#"{"v":1,"device":1,"since_unix_ms":1764800000002,"deadline_unix_ms":1764800600002,"reason":"upgrade"}"#;
         let d = parse("drain/1", serde_json::from_str(drain).unwrap()).unwrap();
         let Kept::Drain(d) = d else { panic!("{d:?}") };
@@ -775,6 +815,23 @@ mod tests {
         );
         assert_eq!(r.key(), "held/0193a0b2-0000-4000-8000-000000000008");
         assert_eq!(serde_json::to_string(&r).unwrap(), held);
+        assert!(r.recipients.is_empty());
+        // Held for a recipient of its descriptor too, its start time beside it.
+        let held_for_recipient = held.replace(
+            r#""timeout":false"#,
+            r#""recipients":[{"pid":4343,"start":123999}],"timeout":false"#,
+        );
+        let held_for_recipient = held_for_recipient.replace(
+            r#""waiters":[{"pid":4242,"start":123456}]"#,
+            r#""waiters":[{"pid":4242,"start":123456},{"pid":4343,"start":null}]"#,
+        );
+        let Kept::Held(r) =
+            parse(&r.key(), serde_json::from_str(&held_for_recipient).unwrap()).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!((r.waiters.len(), r.recipients[0].start), (2, Some(123999)));
+        assert_eq!(serde_json::to_string(&r).unwrap(), held_for_recipient);
         let lingering = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-000000000009","publication":"0193a0b2-0000-4000-8000-000000000004","tenant":"beta","session":"0193a0b2-0000-7000-8000-000000000006","pid":4343,"created_unix_ms":1764800000004,"waiters":[{"pid":4343,"start":123999}],"timeout":false}"#;
         let Kept::Lingering(r) = parse(
             "lingering/0193a0b2-0000-4000-8000-000000000009",

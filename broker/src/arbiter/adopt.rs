@@ -144,6 +144,19 @@ impl Liveness {
             .or_insert_with(|| crate::process::start_ticks(pid))
     }
 
+    /// Those of a lease's recorded recipients `kept` still alive ([`Liveness::alive`]),
+    /// and pid 0 (a process of another pid namespace: undecidable, so counted alive, as
+    /// before the restart).
+    pub(super) fn recipients(
+        &mut self,
+        kept: &[records::ProcessRecord],
+    ) -> std::collections::BTreeMap<u32, Option<u64>> {
+        let undecided = kept.iter().filter(|p| p.pid == 0).map(|p| (0, p.start));
+        let mut out: std::collections::BTreeMap<_, _> = undecided.collect();
+        out.extend(self.alive(kept));
+        out
+    }
+
     /// Those of `kept` still alive: the same start time where the record has one, else
     /// a process of that pid (a reused pid then counts: held longer, never shorter).
     pub(super) fn alive(&mut self, kept: &[records::ProcessRecord]) -> Vec<(u32, Option<u64>)> {
@@ -854,7 +867,9 @@ impl Arbiter {
                         _ => r.device,
                     };
                     blocks.push(KeptBlock::new(slot, fd, r.bytes, r.block_id));
-                    lease_ids.push((r, id, session));
+                    // Read here, with no lock held: which of them still live.
+                    let recipients = alive.recipients(&r.recipients);
+                    lease_ids.push((r, id, session, recipients));
                 }
                 Err(why) => out.leases_refused.push((r, why)),
             }
@@ -871,6 +886,13 @@ impl Arbiter {
         }
         let mut held_ids = Vec::new();
         for (h, fd) in helds {
+            // A held block whose quarantine was kept too (a crash between the quarantine's
+            // record and the held block's let-go) is that quarantine's: one block, made
+            // once (freeing a second copy would revoke the memory under the first).
+            if quarantine_ids.iter().any(|(q, _, _)| q.lease == h.lease) {
+                out.held_refused.push((h, "its quarantine was kept"));
+                continue;
+            }
             match self.adoptable_held(&h, fd, alive) {
                 Ok((a, fd)) => {
                     blocks.push(KeptBlock::new(h.device, fd, h.bytes, h.block_id));
@@ -891,7 +913,7 @@ impl Arbiter {
         let mut made = made.into_iter();
         let mut unneeded = Vec::new();
         let mut st = self.lock();
-        for (r, id, session) in lease_ids {
+        for (r, id, session, recipients) in lease_ids {
             let Some(Some((alloc, handle))) = made.next() else {
                 out.leases_refused
                     .push((r, "the device refused its memory"));
@@ -914,6 +936,7 @@ impl Arbiter {
                 created: from_unix_ms(r.created_unix_ms),
                 priority: r.priority,
                 reservation: r.reservation.as_deref().and_then(|s| s.parse().ok()),
+                recipients,
             };
             let (slot, adopted) = match r.tier.as_str() {
                 "host" => (self.host_slot(), st.adopt_host_lease(a, block)),
@@ -1127,12 +1150,25 @@ impl Arbiter {
         let lease: Uuid = r.lease.parse().map_err(|_| "unreadable id")?;
         let fd = fd.ok_or("no descriptor came with it")?;
         self.block_fits(r.device, &r.kind)?;
+        // Processes outside its lease's session that fetched its descriptor are named
+        // with their start times apart: one whose pid a later process took is not waited
+        // for.
+        let recipients = alive.recipients(&r.recipients);
+        let recorded: HashSet<u32> = r.recipients.iter().map(|p| p.pid).collect();
         Ok((
             super::state::AdoptedHeld {
                 lease,
                 tenant: r.tenant.clone(),
                 device: r.device,
-                waiters: alive.alive(&r.waiters).into_iter().collect(),
+                waiters: alive
+                    .alive(&r.waiters)
+                    .into_iter()
+                    .filter(|(p, _)| !recorded.contains(p) || recipients.contains_key(p))
+                    .collect(),
+                recipient_starts: recipients
+                    .into_iter()
+                    .filter_map(|(p, s)| Some((p, s?)))
+                    .collect(),
                 timeout: r.timeout,
                 destroy: r.destroy,
             },

@@ -28,6 +28,9 @@ pub struct AdoptedHeld {
     pub device: u32,
     /// Processes that may still map it, with their start times when known.
     pub waiters: BTreeMap<u32, Option<u64>>,
+    /// Those of `waiters` outside its lease's session that fetched its descriptor, by
+    /// the start times their record gave.
+    pub recipient_starts: BTreeMap<u32, u64>,
     pub timeout: bool,
     pub destroy: bool,
 }
@@ -155,8 +158,12 @@ impl State {
                 pid: None,
             });
         }
-        // One known start is the lease's own process's (the others' are not recorded).
-        let holder = a.waiters.iter().find_map(|(&p, s)| s.map(|s| (p, s)));
+        // One known start is the lease's own process's (recipients' are kept apart).
+        let holder = a
+            .waiters
+            .iter()
+            .filter(|(p, _)| !a.recipient_starts.contains_key(p))
+            .find_map(|(&p, s)| s.map(|s| (p, s)));
         self.shared.held.insert(
             a.lease,
             Held {
@@ -173,6 +180,7 @@ impl State {
                 holder: holder.map(|h| h.0),
                 holder_start: holder.map(|h| h.1),
                 holder_place: None,
+                recipient_starts: a.recipient_starts,
                 kept: true,
             },
         );

@@ -15,10 +15,7 @@ impl State {
         let mut out =
             Vec::with_capacity(self.sessions.len() + self.leases.len() + self.quarantine.len());
         out.extend(self.sessions.iter().map(|s| Keep::Session(s.into())));
-        out.extend(self.leases.iter().map(|l| {
-            let crate::memory::Handle::Fd { fd, .. } = &l.block.handle;
-            Keep::Lease(l.into(), fd.clone())
-        }));
+        out.extend(self.leases.iter().map(|l| self.lease_kept(l)));
         out.extend(
             self.quarantine
                 .keys()

@@ -327,12 +327,33 @@ impl State {
     /// A lease's (or an import's) descriptor went to `pid`, a process outside its session:
     /// it may map the memory until it exits (counted when the lease or import ends).
     /// False when there is no such live lease or import.
-    pub fn add_recipient(&mut self, id: Uuid, pid: u32) -> bool {
+    pub fn add_recipient(&mut self, id: Uuid, pid: u32, start: Option<u64>) -> bool {
         if self.leases.get(&id).is_none() && !self.shared.by_import.contains_key(&id) {
             return false;
         }
-        self.shared.recipients.entry(id).or_default().insert(pid);
+        let set = self.shared.recipients.entry(id).or_default();
+        let changed = set.insert(pid, start) != Some(start);
+        // A live lease's record names them (up to a bound), so a restarted broker holds
+        // its memory for them too: rewritten only when what it names changes.
+        if changed && set.len() <= crate::pool::Reached::MAX && self.keeping {
+            if let Some(k) = self.leases.get(&id).map(|l| self.lease_kept(l)) {
+                self.keep(|| k);
+            }
+        }
         true
+    }
+
+    /// The processes outside live lease `id`'s session that fetched its descriptor, as
+    /// its record names them (at most [`crate::pool::Reached::MAX`]).
+    pub(super) fn recipients_record(&self, id: Uuid) -> Vec<crate::kept::ProcessRecord> {
+        self.shared
+            .recipients
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .take(crate::pool::Reached::MAX)
+            .map(|(&pid, &start)| crate::kept::ProcessRecord { pid, start })
+            .collect()
     }
 
     /// The shared table's indexes agree with it and with the leases and sessions (part of
@@ -463,7 +484,8 @@ impl State {
         // A publish sealing it (with no lock held) may not have published it yet.
         let sealed = self.sealing.remove(&lease);
         // Every recipient counts as alive: the shell looks after the unlock.
-        let recipients: BTreeSet<u32> = self.shared.recipients.remove(&lease).unwrap_or_default();
+        let recipient_starts = self.shared.recipients.remove(&lease).unwrap_or_default();
+        let recipients: BTreeSet<u32> = recipient_starts.keys().copied().collect();
         if publication.is_none() && recipients.is_empty() {
             // A memfd its holder sealed (it may do so) is not looked at here: it can seal
             // it through a descriptor it kept after the release too, so the one look that
@@ -553,14 +575,17 @@ impl State {
                 holder,
                 holder_start,
                 holder_place,
-                // Held for importers: kept (below) while the keeper is.
-                kept: imported && self.keeping,
+                recipient_starts: recipient_starts
+                    .into_iter()
+                    .filter_map(|(p, s)| Some((p, s?)))
+                    .collect(),
+                // Kept (below) while the keeper is: held for importers, or for processes
+                // that fetched its descriptor, a restart holds it for them too.
+                kept: self.keeping,
             },
         );
-        if imported {
-            if let Some(k) = self.held_kept(lease) {
-                self.keep(|| k);
-            }
+        if let Some(k) = self.held_kept(lease) {
+            self.keep(|| k);
         }
         self.keep_lease_ended(lease, reclaim);
         if let Some(pid) = publication {
@@ -604,6 +629,19 @@ impl State {
                 .map(|&pid| ProcessRecord {
                     pid,
                     start: h.holder_start.filter(|_| Some(pid) == h.holder),
+                })
+                .collect(),
+            recipients: h
+                .waiters
+                .pids
+                .iter()
+                .filter(|&&pid| Some(pid) != h.holder)
+                .filter_map(|&pid| {
+                    let start = *h.recipient_starts.get(&pid)?;
+                    Some(ProcessRecord {
+                        pid,
+                        start: Some(start),
+                    })
                 })
                 .collect(),
             timeout: h.waiters.timeout,
@@ -709,7 +747,7 @@ impl State {
                 None => waiters.timeout = true,
             }
         }
-        waiters.pids.extend(recipients);
+        waiters.pids.extend(recipients.into_keys());
         let lingers = !waiters.is_empty();
         if let Some(i) = self
             .shared
@@ -906,9 +944,9 @@ impl State {
         let Some(h) = self.shared.held.remove(&lease) else {
             return false;
         };
-        if h.kept {
-            self.keep(|| crate::effects::Keep::HeldLetGo(lease));
-        }
+        // Its record goes after its quarantine's is kept (below): a crash between leaves
+        // both, and a restart takes back the quarantine.
+        let kept = h.kept;
         // Its own process (or the timeout) no longer waits here, but in its quarantine.
         unwatch_held(&mut self.fx, lease, &h.waiters);
         let ending = match parked.ending {
@@ -948,6 +986,9 @@ impl State {
                 self.fx.watch(Watch::Quarantine { lease, pid });
                 self.keep_quarantine(lease);
             }
+        }
+        if kept {
+            self.keep(|| crate::effects::Keep::HeldLetGo(lease));
         }
         let back = !ending.held();
         if let Some(r) = parked.reservation {

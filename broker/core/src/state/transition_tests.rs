@@ -288,6 +288,7 @@ fn a_kept_lease_of_a_claims_session_is_drawn_from_the_claim_again() {
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
         reservation: None,
+        recipients: Default::default(),
     };
     let block = c.block(4 * MIB);
     c.st.adopt_lease(a.clone(), block).unwrap();
@@ -336,6 +337,7 @@ fn kept_sessions_and_leases_are_taken_back_beyond_a_shrunk_quota() {
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
         reservation: None,
+        recipients: Default::default(),
     };
     let a = kept(sid);
     let block = c.block(12 * MIB);
@@ -480,6 +482,7 @@ fn kept_publications_and_imports_are_taken_back_with_their_lease_and_session() {
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
         reservation: None,
+        recipients: Default::default(),
     };
     c.st.adopt_lease(a, block).unwrap();
     c.st.take_effects();
@@ -627,6 +630,7 @@ fn a_kept_reservation_is_taken_back_with_its_session_and_its_drawn_leases() {
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
         reservation: Some(rid),
+        recipients: Default::default(),
     };
     c.st.adopt_lease(a, block).unwrap();
     assert_eq!(usage(&c), (10 * MIB, 4 * MIB), "drawn from it again");
@@ -676,6 +680,7 @@ fn a_kept_reclaim_request_asks_again_by_the_same_deadline() {
         created: SystemTime::UNIX_EPOCH,
         priority: 0,
         reservation: None,
+        recipients: Default::default(),
     };
     c.st.adopt_lease(a, block).unwrap();
     c.st.take_effects();
@@ -805,6 +810,7 @@ fn kept_held_blocks_and_lingering_imports_are_taken_back() {
         tenant: "a".into(),
         device: 0,
         waiters: Default::default(),
+        recipient_starts: Default::default(),
         timeout: false,
         destroy: true,
     };
@@ -830,6 +836,7 @@ fn kept_held_blocks_and_lingering_imports_are_taken_back() {
             created: SystemTime::UNIX_EPOCH,
             priority: 0,
             reservation: None,
+            recipients: Default::default(),
         },
         b,
     )
