@@ -90,6 +90,7 @@ fn lease_record(session: Uuid, tenant: &str, device: u32, uuid: Option<&str>) ->
         kind: "host-memfd".into(),
         reservation: None,
         device_uuid: uuid.map(str::to_string),
+        recipients: Vec::new(),
     }
 }
 
@@ -452,6 +453,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
             published_unix_ms: 1_764_800_000_000,
         }),
         waiters: vec![],
+        recipients: vec![],
         timeout: false,
         destroy: true,
         device_uuid: Some(arb.devices.uuid(0)),
@@ -593,4 +595,97 @@ async fn a_block_kept_under_its_lease_and_its_quarantine_is_counted_once() {
         56 * MIB + 2 * MIB,
         "the block is the broker's once"
     );
+}
+
+/// A kept lease names the processes outside its session that fetched its descriptor: a
+/// restarted broker holds its memory for those that live with the start time recorded
+/// (not for a later process of a recorded pid) when the lease ends, charged to its tenant
+/// and kept (a held record with their start times), until they exit. A recipient of the
+/// restarted broker is named in the lease's record again at once.
+#[tokio::test]
+async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let sleeper = || {
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap()
+    };
+    let (mut live, mut later) = (sleeper(), sleeper());
+    let start_of = |c: &std::process::Child| crate::process::start_ticks(c.id()).unwrap();
+    let session = Uuid::new_v4();
+    let mut lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
+    lease.recipients = vec![
+        ProcessRecord {
+            pid: live.id(),
+            start: Some(start_of(&live)),
+        },
+        // Its pid was another process's when the record was written.
+        ProcessRecord {
+            pid: later.id(),
+            start: Some(start_of(&later) + 1),
+        },
+    ];
+    let place = MemPlace::default();
+    let records = place.records.clone();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(memfd(2 * MIB))),
+    ];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!(report.leases_adopted, 1);
+    let id: Uuid = lease.id.parse().unwrap();
+    // The later process fetches the descriptor now: the record names it, as it is.
+    assert!(arb.fd_delivering(id, Some(later.id())));
+    let named = |key: &str| -> Vec<(u64, Option<u64>)> {
+        let r = records.lock().get(key).cloned().unwrap_or_default();
+        let list = r
+            .get("recipients")
+            .and_then(|l| l.as_array().cloned())
+            .unwrap_or_default();
+        list.iter()
+            .map(|p| (p["pid"].as_u64().unwrap(), p["start"].as_u64()))
+            .collect()
+    };
+    let mut want = vec![
+        (u64::from(live.id()), Some(start_of(&live))),
+        (u64::from(later.id()), Some(start_of(&later))),
+    ];
+    want.sort();
+    assert_eq!(named(&lease.key()), want);
+
+    arb.release("alpha", id).unwrap();
+    let q = arb.list_quarantined();
+    assert_eq!(q.len(), 1, "{q:?}");
+    let mut holders = vec![live.id(), later.id()];
+    holders.sort();
+    assert_eq!(
+        (q[0].lease, q[0].bytes, &q[0].holders),
+        (id, 2 * MIB, &holders)
+    );
+    assert_eq!(
+        arb.get_tenant("alpha").unwrap().usage.quarantined_bytes,
+        2 * MIB
+    );
+    assert_eq!(named(&format!("held/{id}")), want, "the held block is kept");
+    assert!(!records.lock().contains_key(&lease.key()));
+
+    for c in [&mut live, &mut later] {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !arb.list_quarantined().is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(arb.list_quarantined().is_empty(), "let go once they exited");
+    assert_eq!(arb.get_tenant("alpha").unwrap().usage.quarantined_bytes, 0);
+    assert!(!records.lock().contains_key(&format!("held/{id}")));
+    arb.lock().check_invariant().unwrap();
 }
