@@ -105,6 +105,18 @@ pub struct ProcessRecord {
     pub start: Option<u64>,
 }
 
+/// A process a block's descriptor reached that may keep it past its lease's end
+/// (`pool::Reached`): its start time where known (a reused pid is not it) and, for another
+/// tenant's importer, that tenant (which answers for memory only it kept).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReachedRecord {
+    pub pid: u32,
+    #[serde(default)]
+    pub start: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+}
+
 /// The publication of an ended lease, kept while imports hold its block: importers of
 /// it find it by id (its name went with the lease).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -142,6 +154,10 @@ pub struct HeldRecord {
     /// recipient whose pid another process took since is not waited for.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recipients: Vec<ProcessRecord>,
+    /// The processes its block's descriptor reached that may keep it past their lease's
+    /// end (`pool::Reached`): a free after a restart checks for them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reached: Vec<ReachedRecord>,
     /// Held for a holder of unknown pid until the quarantine timeout.
     #[serde(default)]
     pub timeout: bool,
@@ -376,6 +392,10 @@ pub struct QuarantineRecord {
     /// Records without one (written before it) go by `device`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_uuid: Option<String>,
+    /// The processes its block's descriptor reached that may keep it past their lease's
+    /// end (`pool::Reached`): a free after a restart checks for them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reached: Vec<ReachedRecord>,
 }
 
 impl QuarantineRecord {
@@ -450,6 +470,10 @@ pub struct LeaseRecord {
     /// memory is held for those still alive, a restart or not.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recipients: Vec<ProcessRecord>,
+    /// The processes its block's descriptor reached that may keep it past their lease's
+    /// end (`pool::Reached`): a free after a restart checks for them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reached: Vec<ReachedRecord>,
 }
 
 /// A device an operator is draining: it stays closed to new leases across a restart.
@@ -574,8 +598,9 @@ impl From<&crate::lease::Lease> for LeaseRecord {
             reservation: l.reservation.map(|r| r.to_string()),
             // The shell knows the devices' UUIDs: it fills this in.
             device_uuid: None,
-            // The state knows them (`State::lease_record`).
+            // The state knows them (`State::lease_kept`).
             recipients: Vec::new(),
+            reached: l.block.reached.records(),
         }
     }
 }
@@ -743,6 +768,36 @@ mod tests {
             (Some(4242), Some(123456), 78)
         );
         assert_eq!(serde_json::to_string(&k).unwrap(), q);
+        assert!(
+            k.reached.is_empty(),
+            "an older record names nobody it reached"
+        );
+        // With the processes its block reached: one of another tenant (an importer).
+        let with_reached = q.replace(
+            r#""destroy":false}"#,
+            r#""destroy":false,"reached":[{"pid":4000,"start":120000},{"pid":4343,"start":null,"tenant":"beta"}]}"#,
+        );
+        let Kept::Quarantine(k) =
+            parse(&k.key(), serde_json::from_str(&with_reached).unwrap()).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            k.reached,
+            [
+                ReachedRecord {
+                    pid: 4000,
+                    start: Some(120000),
+                    tenant: None
+                },
+                ReachedRecord {
+                    pid: 4343,
+                    start: None,
+                    tenant: Some("beta".into())
+                }
+            ]
+        );
+        assert_eq!(serde_json::to_string(&k).unwrap(), with_reached);
         let p = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-000000000004","lease":"0193a0b2-0000-4000-8000-000000000002","publisher":"alpha","name":"weights","readers":["beta"],"published_unix_ms":1764800000003}"#;
         let Kept::Publication(r) = parse(
             "publication/0193a0b2-0000-4000-8000-000000000004",

@@ -170,6 +170,30 @@ impl Liveness {
     }
 }
 
+/// The processes of `kept` (those a block's descriptor reached, as its record names
+/// them) that still live, each with where it runs now (`/proc`, read with no lock held),
+/// so that its free checks for them as before the restart.
+fn reached_again(kept: &[records::ReachedRecord], alive: &mut Liveness) -> crate::pool::Reached {
+    let mut out = crate::pool::Reached::default();
+    for k in kept {
+        let p = records::ProcessRecord {
+            pid: k.pid,
+            start: k.start,
+        };
+        if alive.alive(std::slice::from_ref(&p)).is_empty() {
+            continue;
+        }
+        let place = crate::kept_holders::read_place(k.pid)
+            .filter(|now| k.start.is_none_or(|s| now.start == Some(s)))
+            .map(Arc::new);
+        match &k.tenant {
+            Some(t) => out.add_of(k.pid, t, place),
+            None => out.add(k.pid, place),
+        };
+    }
+    out
+}
+
 /// Records not taken back, counted by kind and reason: logged as one line each (a
 /// restart after a crash may reclaim thousands).
 #[derive(Default)]
@@ -869,7 +893,8 @@ impl Arbiter {
                     blocks.push(KeptBlock::new(slot, fd, r.bytes, r.block_id));
                     // Read here, with no lock held: which of them still live.
                     let recipients = alive.recipients(&r.recipients);
-                    lease_ids.push((r, id, session, recipients));
+                    let reached = reached_again(&r.reached, alive);
+                    lease_ids.push((r, id, session, recipients, reached));
                 }
                 Err(why) => out.leases_refused.push((r, why)),
             }
@@ -879,7 +904,8 @@ impl Arbiter {
             match self.adoptable_quarantine(&q, fd, alive) {
                 Ok((lease, pid, fd)) => {
                     blocks.push(KeptBlock::new(q.device, fd, q.bytes, q.block_id));
-                    quarantine_ids.push((q, lease, pid));
+                    let reached = reached_again(&q.reached, alive);
+                    quarantine_ids.push((q, lease, pid, reached));
                 }
                 Err(why) => out.quarantines_refused.push((q, why)),
             }
@@ -889,14 +915,15 @@ impl Arbiter {
             // A held block whose quarantine was kept too (a crash between the quarantine's
             // record and the held block's let-go) is that quarantine's: one block, made
             // once (freeing a second copy would revoke the memory under the first).
-            if quarantine_ids.iter().any(|(q, _, _)| q.lease == h.lease) {
+            if quarantine_ids.iter().any(|(q, ..)| q.lease == h.lease) {
                 out.held_refused.push((h, "its quarantine was kept"));
                 continue;
             }
             match self.adoptable_held(&h, fd, alive) {
                 Ok((a, fd)) => {
                     blocks.push(KeptBlock::new(h.device, fd, h.bytes, h.block_id));
-                    held_ids.push((h, a));
+                    let reached = reached_again(&h.reached, alive);
+                    held_ids.push((h, a, reached));
                 }
                 Err(why) => out.held_refused.push((h, why)),
             }
@@ -913,7 +940,7 @@ impl Arbiter {
         let mut made = made.into_iter();
         let mut unneeded = Vec::new();
         let mut st = self.lock();
-        for (r, id, session, recipients) in lease_ids {
+        for (r, id, session, recipients, reached) in lease_ids {
             let Some(Some((alloc, handle))) = made.next() else {
                 out.leases_refused
                     .push((r, "the device refused its memory"));
@@ -923,7 +950,7 @@ impl Arbiter {
                 alloc,
                 handle,
                 last_tenant: Some(r.tenant.clone()),
-                reached: Default::default(),
+                reached,
             };
             let a = super::state::Adopted {
                 id,
@@ -952,7 +979,7 @@ impl Arbiter {
                 }
             }
         }
-        for (q, lease, pid) in quarantine_ids {
+        for (q, lease, pid, reached) in quarantine_ids {
             let Some(Some((alloc, handle))) = made.next() else {
                 out.quarantines_refused
                     .push((q, "the device refused its memory"));
@@ -962,8 +989,9 @@ impl Arbiter {
                 alloc,
                 handle,
                 last_tenant: Some(q.tenant.clone()),
-                // Freed only once the quarantine's process exited: nobody left to check for.
-                reached: Default::default(),
+                // Its process is added when the quarantine lifts; earlier ones that live
+                // may keep it too.
+                reached,
             };
             let a = super::state::AdoptedQuarantine {
                 lease,
@@ -978,7 +1006,7 @@ impl Arbiter {
                 out.quarantines_refused.push((q, "its tenant is gone"));
             }
         }
-        for (h, a) in held_ids {
+        for (h, a, reached) in held_ids {
             let Some(Some((alloc, handle))) = made.next() else {
                 out.held_refused.push((h, "the device refused its memory"));
                 continue;
@@ -987,8 +1015,9 @@ impl Arbiter {
                 alloc,
                 handle,
                 last_tenant: Some(h.tenant.clone()),
-                // Freed once every importer let go: nobody left to check for.
-                reached: Default::default(),
+                // Freed once every importer let go; processes it reached before that
+                // live may keep it.
+                reached,
             };
             match st.adopt_held(a, block) {
                 Ok(()) => out.held.push(h),

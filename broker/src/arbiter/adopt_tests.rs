@@ -90,6 +90,7 @@ fn lease_record(session: Uuid, tenant: &str, device: u32, uuid: Option<&str>) ->
         kind: "host-memfd".into(),
         reservation: None,
         device_uuid: uuid.map(str::to_string),
+        reached: vec![],
         recipients: Vec::new(),
     }
 }
@@ -137,6 +138,7 @@ fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
         pid_start: crate::process::start_ticks(pid),
         destroy: false,
         device_uuid: Some("HOST-00000000-0000-0000-0000-000000000001".into()),
+        reached: vec![],
     };
     let place = MemPlace::default();
     let removed = place.removed.clone();
@@ -401,6 +403,7 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
         pid_start: Some(pid_start),
         destroy: false,
         device_uuid: Some(arb.devices.uuid(0)),
+        reached: vec![],
     };
     let (same, reused) = (quarantine(start), quarantine(start + 1));
     let place = MemPlace::default();
@@ -457,6 +460,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
         timeout: false,
         destroy: true,
         device_uuid: Some(arb.devices.uuid(0)),
+        reached: vec![],
     };
     let (lease, idle) = (Uuid::new_v4(), Uuid::new_v4());
     let kept_held = held(lease, Some(&publication));
@@ -581,6 +585,7 @@ async fn a_block_kept_under_its_lease_and_its_quarantine_is_counted_once() {
         pid_start: crate::process::start_ticks(pid),
         destroy: false,
         device_uuid: Some(arb.devices.uuid(0)),
+        reached: vec![],
     };
     let fd = memfd(2 * MIB);
     let place = MemPlace::default();
@@ -688,4 +693,95 @@ async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
     assert_eq!(arb.get_tenant("alpha").unwrap().usage.quarantined_bytes, 0);
     assert!(!records.lock().contains_key(&format!("held/{id}")));
     arb.lock().check_invariant().unwrap();
+}
+
+/// The processes a kept block's descriptor reached (a lease's, a quarantine's) come back
+/// with it while they live with the start time recorded, each with its tenant and where
+/// it runs now: a free after the restart checks for them (and charges the tenant that
+/// answers) as one before it would. A later process of a recorded pid is not one of them.
+#[test]
+fn a_kept_blocks_reached_processes_that_live_come_back_with_their_places() {
+    use crate::keeper::records::ReachedRecord;
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    for t in ["alpha", "beta"] {
+        arb.set_quota(t, super::tests::quota(64 * MIB)).unwrap();
+    }
+    let sleeper = || {
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap()
+    };
+    let mut kids = [sleeper(), sleeper(), sleeper()];
+    let [own, importer, later] = [0, 1, 2].map(|i| kids[i].id());
+    let start = |pid: u32| crate::process::start_ticks(pid).unwrap();
+    let reached = vec![
+        ReachedRecord {
+            pid: own,
+            start: Some(start(own)),
+            tenant: None,
+        },
+        ReachedRecord {
+            pid: later,
+            start: Some(start(later) + 1),
+            tenant: None,
+        },
+        ReachedRecord {
+            pid: importer,
+            start: Some(start(importer)),
+            tenant: Some("beta".into()),
+        },
+    ];
+    let session = Uuid::new_v4();
+    let mut lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
+    lease.reached = reached.clone();
+    let pid = std::process::id();
+    let quarantine = QuarantineRecord {
+        v: RECORD_VERSION,
+        lease: Uuid::new_v4().to_string(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id: rand::random(),
+        kind: "host-memfd".into(),
+        pid: Some(pid),
+        pid_start: crate::process::start_ticks(pid),
+        destroy: false,
+        device_uuid: Some(arb.devices.uuid(0)),
+        reached,
+    };
+    let place = MemPlace::default();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(memfd(2 * MIB))),
+        entry(quarantine.key(), &quarantine, Some(memfd(2 * MIB))),
+    ];
+    arb.adopt_from_keeper(place).unwrap();
+    let st = arb.lock();
+    let lease_id: Uuid = lease.id.parse().unwrap();
+    let quarantined: Uuid = quarantine.lease.parse().unwrap();
+    for r in [
+        &st.leases().get(&lease_id).unwrap().block.reached,
+        &st.quarantine().get(&quarantined).unwrap().block.reached,
+    ] {
+        assert_eq!(r.pids(), [own, importer]);
+        let starts: Vec<Option<u64>> = r
+            .places()
+            .iter()
+            .map(|p| p.as_ref().and_then(|p| p.start))
+            .collect();
+        assert_eq!(starts, [Some(start(own)), Some(start(importer))]);
+        // Kept by the importer alone: its tenant answers.
+        assert_eq!(r.answers_for(&[importer], "alpha"), "beta");
+        assert_eq!(r.answers_for(&[own], "alpha"), "alpha");
+    }
+    drop(st);
+    for k in &mut kids {
+        k.kill().unwrap();
+        k.wait().unwrap();
+    }
 }

@@ -94,6 +94,7 @@ impl State {
             pid_start: q.pid_start,
             destroy: q.destroy,
             device_uuid: None,
+            reached: q.block.reached.records(),
         };
         Some(Keep::Quarantine(record, fd.clone()))
     }
@@ -418,6 +419,8 @@ mod tests {
             names,
             [
                 "lingering-ended",
+                // Its importer's process is gone, but the block names it until its free.
+                "held",
                 "import-ended",
                 "held-let-go",
                 "session-ended"

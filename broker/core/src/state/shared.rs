@@ -644,6 +644,7 @@ impl State {
                     })
                 })
                 .collect(),
+            reached: h.block.reached.records(),
             timeout: h.waiters.timeout,
             destroy: h.destroy,
             device_uuid: None,
@@ -721,10 +722,19 @@ impl State {
         } else {
             self.shared.held.get_mut(&lease).map(|h| &mut h.block)
         };
-        if let Some(b) = block {
-            match tenant {
-                Some(t) => b.reached.add_of(pid, &t, place),
-                None => b.reached.add(pid, place),
+        let Some(b) = block else { return };
+        let new = match tenant {
+            Some(t) => b.reached.add_of(pid, &t, place),
+            None => b.reached.add(pid, place),
+        };
+        // The block's record names it from now, so a free after a restart checks for it.
+        if new && self.keeping {
+            let k = match live {
+                true => self.leases.get(&lease).map(|l| self.lease_kept(l)),
+                false => self.held_kept(lease),
+            };
+            if let Some(k) = k {
+                self.keep(|| k);
             }
         }
     }
