@@ -4,7 +4,9 @@
 //! start, [`Arbiter::adopt_dumped`] reads what the keeper held (its dump) and takes back
 //! the sessions whose peer process still lives (same pid and start time) with their
 //! leases (same id, bytes, tenant, memory: the kept descriptor becomes the block again);
-//! what belonged to processes that died meanwhile is dropped, so its memory goes. A worker
+//! what belonged to processes that died meanwhile is dropped, so its memory goes. The
+//! processes a kept block reached, and a lease's recipients outside its session, come back
+//! with it while they live (read from `/proc` before the lock: [`Liveness`]). A worker
 //! then resumes its session with its secret from the same process
 //! ([`Arbiter::resume_session`]); a session nobody resumes ends with the keepalive timeout
 //! or its process.
