@@ -797,7 +797,7 @@ async fn a_renewed_ticket_recipient_keeps_the_lease_charged_after_a_broker_sigki
     b.spawn().unwrap();
     let resumed = next_resumed(&mut events).await;
     assert!(
-        matches!(&resumed, SessionEvent::Resumed { kept_leases, .. } if kept_leases == &[id.clone()]),
+        matches!(&resumed, SessionEvent::Resumed { kept_leases, .. } if kept_leases == std::slice::from_ref(&id)),
         "{resumed:?}\n{}",
         b.log_text()
     );
