@@ -78,6 +78,10 @@ pub struct ImportRecord {
     pub pid: Option<u32>,
     #[serde(default)]
     pub created_unix_ms: u64,
+    /// Processes outside its session that fetched its descriptor, as
+    /// [`LeaseRecord::recipients`]: it lingers for those still alive when it is let go.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recipients: Vec<ProcessRecord>,
 }
 
 impl ImportRecord {
@@ -822,6 +826,18 @@ mod tests {
         assert_eq!((r.tenant.as_str(), r.pid), ("beta", Some(4343)));
         assert_eq!(r.key(), "import/0193a0b2-0000-4000-8000-000000000005");
         assert_eq!(serde_json::to_string(&r).unwrap(), i);
+        assert!(r.recipients.is_empty());
+        let with_recipients = i.replace(
+            r#"004}"#,
+            r#"004,"recipients":[{"pid":4444,"start":124000}]}"#,
+        );
+        let Kept::Import(r) =
+            parse(&r.key(), serde_json::from_str(&with_recipients).unwrap()).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(r.recipients[0].start, Some(124000));
+        assert_eq!(serde_json::to_string(&r).unwrap(), with_recipients);
         let res = r#"{"v":1,"id":"0193a0b2-0000-7000-8000-000000000007","tenant":"alpha","session":"0193a0b2-0000-7000-8000-000000000001","device":0,"bytes":16777216,"requested_bytes":16000000,"label":"run","pid":4242,"compute_percent":50,"created_unix_ms":1764800000005,"lost":2097152,"group":{"pgid":4250,"uid":1000,"leader_start":123460},"device_uuid":"GPU-4f1d0c2a-0000-0000-0000-000000000001"}"#;
         let Kept::Reservation(r) = parse(
             "reservation/0193a0b2-0000-7000-8000-000000000007",

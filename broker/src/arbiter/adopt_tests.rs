@@ -342,6 +342,7 @@ fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
         session: session.to_string(),
         pid: Some(std::process::id()),
         created_unix_ms: 0,
+        recipients: vec![],
     };
     let kept_import = import(session);
     let orphan_import = import(Uuid::new_v4());
@@ -479,6 +480,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
         session: session.to_string(),
         pid: Some(pid),
         created_unix_ms: 0,
+        recipients: vec![],
     };
     let lingering = |start: u64| LingeringRecord {
         v: RECORD_VERSION,
@@ -784,4 +786,99 @@ fn a_kept_blocks_reached_processes_that_live_come_back_with_their_places() {
         k.kill().unwrap();
         k.wait().unwrap();
     }
+}
+
+/// A kept import names the processes outside its session that fetched its descriptor: a
+/// restarted broker lets the import linger for the one that lives (same start time) when
+/// its holder lets go, kept as lingering, until that process is gone.
+#[test]
+fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let child_pid = child.id();
+    let session = Uuid::new_v4();
+    let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
+    let fd = memfd(2 * MIB);
+    crate::sharing::seal_read_only(&crate::device::SharedFd::new(fd.try_clone().unwrap())).unwrap();
+    let publication = PublicationRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        lease: lease.id.clone(),
+        publisher: "alpha".into(),
+        name: Some("w".into()),
+        readers: vec![],
+        published_unix_ms: 1_764_800_000_000,
+    };
+    let import = ImportRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        publication: publication.id.clone(),
+        tenant: "alpha".into(),
+        session: session.to_string(),
+        pid: Some(std::process::id()),
+        created_unix_ms: 0,
+        recipients: vec![ProcessRecord {
+            pid: child_pid,
+            start: crate::process::start_ticks(child_pid),
+        }],
+    };
+    let place = MemPlace::default();
+    let records = place.records.clone();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(fd)),
+        entry(publication.key(), &publication, None),
+        entry(import.key(), &import, None),
+    ];
+    arb.adopt_from_keeper(place).unwrap();
+    let id: Uuid = import.id.parse().unwrap();
+    // Another process fetches it now: the import's record names it at once.
+    let mut other = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    assert!(arb.fd_delivering(id, Some(other.id())));
+    let named: Vec<u64> = records.lock()[&import.key()]["recipients"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect();
+    let mut want = vec![u64::from(child_pid), u64::from(other.id())];
+    want.sort();
+    assert_eq!(named, want);
+    other.kill().unwrap();
+    other.wait().unwrap();
+    arb.lock().import_let_go(id, Ending::Cache);
+    let lingering = |arb: &Arbiter| -> Vec<bool> {
+        arb.list_shared(Some("alpha"))
+            .iter()
+            .flat_map(|p| p.imports.iter().map(|i| i.lingering))
+            .collect()
+    };
+    assert_eq!(lingering(&arb), [true], "lingers for the recipient");
+    let kept = records.lock()[&format!("lingering/{id}")].clone();
+    let waiting: Vec<u64> = kept["waiters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect();
+    assert!(waiting.contains(&u64::from(child_pid)), "{kept}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for pid in [child_pid, other.id()] {
+        arb.lock().import_waiter_gone(id, Some(pid));
+    }
+    assert!(lingering(&arb).is_empty(), "ended once they were gone");
+    arb.lock().check_invariant().unwrap();
 }

@@ -65,6 +65,9 @@ pub struct AdoptedImport {
     pub session: Uuid,
     pub pid: Option<u32>,
     pub created: SystemTime,
+    /// Processes outside its session that fetched its descriptor and still live (the
+    /// shell looked): it lingers for them when it is let go.
+    pub recipients: BTreeMap<u32, Option<u64>>,
 }
 
 impl State {
@@ -116,6 +119,9 @@ impl State {
             kept: true,
         };
         if self.shared.add_import(a.publication, import) {
+            if !a.recipients.is_empty() {
+                self.shared.recipients.insert(a.id, a.recipients);
+            }
             Ok(())
         } else {
             Err(NotAdopted::Publication)

@@ -40,7 +40,7 @@ impl State {
         for p in self.shared.pubs.values() {
             for i in p.imports.values().filter(|i| i.kept) {
                 out.push(match i.lingering {
-                    None => Keep::Import(super::shared::import_record(p.id, i)),
+                    None => Keep::Import(self.import_record(p.id, i)),
                     Some(_) => match self.lingering_kept(i.id) {
                         Some(r) => Keep::Lingering(r),
                         None => continue,

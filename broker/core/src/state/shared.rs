@@ -280,7 +280,7 @@ impl State {
         if i.kept || i.lingering.is_some() || !self.keeping {
             return;
         }
-        let record = import_record(publication, i);
+        let record = self.import_record(publication, i);
         if let Some(i) = self
             .shared
             .pubs
@@ -336,7 +336,18 @@ impl State {
         // A live lease's record names them (up to a bound), so a restarted broker holds
         // its memory for them too: rewritten only when what it names changes.
         if changed && set.len() <= crate::pool::Reached::MAX && self.keeping {
-            if let Some(k) = self.leases.get(&id).map(|l| self.lease_kept(l)) {
+            let k = match self.leases.get(&id) {
+                Some(l) => Some(self.lease_kept(l)),
+                // A kept import's (a lingering one's names them among its waiters).
+                None => self.shared.of_import(&id).and_then(|p| {
+                    let i = p
+                        .imports
+                        .get(&id)
+                        .filter(|i| i.kept && i.lingering.is_none())?;
+                    Some(crate::effects::Keep::Import(self.import_record(p.id, i)))
+                }),
+            };
+            if let Some(k) = k {
                 self.keep(|| k);
             }
         }
@@ -1093,15 +1104,20 @@ impl State {
 }
 
 /// Import `i`'s record (of publication `publication`).
-pub(super) fn import_record(publication: Uuid, i: &Import) -> crate::kept::ImportRecord {
-    crate::kept::ImportRecord {
-        v: crate::kept::RECORD_VERSION,
-        id: i.id.to_string(),
-        publication: publication.to_string(),
-        tenant: i.tenant.clone(),
-        session: i.session.to_string(),
-        pid: i.pid,
-        created_unix_ms: crate::kept::unix_ms(i.created),
+impl State {
+    /// Import `i` of `publication`'s record, with the processes outside its session that
+    /// fetched its descriptor.
+    pub(super) fn import_record(&self, publication: Uuid, i: &Import) -> crate::kept::ImportRecord {
+        crate::kept::ImportRecord {
+            v: crate::kept::RECORD_VERSION,
+            id: i.id.to_string(),
+            publication: publication.to_string(),
+            tenant: i.tenant.clone(),
+            session: i.session.to_string(),
+            pid: i.pid,
+            created_unix_ms: crate::kept::unix_ms(i.created),
+            recipients: self.recipients_record(i.id),
+        }
     }
 }
 

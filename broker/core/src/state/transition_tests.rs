@@ -517,6 +517,7 @@ fn kept_publications_and_imports_are_taken_back_with_their_lease_and_session() {
         session: sb_id,
         pid: Some(8),
         created: SystemTime::UNIX_EPOCH,
+        recipients: Default::default(),
     };
     c.st.adopt_import(import.clone()).unwrap();
     let gone_session = AdoptedImport {
@@ -863,6 +864,7 @@ fn kept_held_blocks_and_lingering_imports_are_taken_back() {
         session,
         pid: Some(8),
         created: SystemTime::UNIX_EPOCH,
+        recipients: Default::default(),
     };
     let lingering = import(Uuid::now_v7());
     c.st.adopt_lingering(AdoptedLingering {
