@@ -4,8 +4,9 @@
 //! travels with its block's descriptor), `drain/<device>` (a device being drained),
 //! `quarantine/<lease>`, `publication/<id>` and `import/<id>` (a shared lease's
 //! publication and its imports: no descriptor, the publisher's lease has it),
-//! `held/<lease>` (an ended lease's block held for its importers, with its publication;
-//! its descriptor travels with it), `lingering/<import>` (an import let go while its
+//! `held/<lease>` (an ended lease's block held for its importers, with its publication,
+//! or for processes outside its session that fetched its descriptor; its descriptor
+//! travels with it), `lingering/<import>` (an import let go while its
 //! process may still map the memory), `stranded/<id>` (memory a free left on its device,
 //! held by processes outside the broker and charged to a tenant until they exit: no
 //! descriptor, the processes hold it), and
