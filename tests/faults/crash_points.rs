@@ -9,7 +9,8 @@
 //! session open and end, and (`after:<op>` once the operation's lock was let go) reclaim
 //! (request and forced revoke at its deadline, here a drain's), quarantine and its lift,
 //! publish/import/release-import, a publisher's release while imported and an importer's
-//! session end while its process lives, process reservation and its release, drain.
+//! session end while its process lives, a renewed-ticket recipient's fetch and its lease's
+//! release while it maps the memory, process reservation and its release, drain.
 //! Drains, the quarantine of a live process, publications, imports, blocks held for
 //! importers and lingering imports are kept (checked here); what a restart lets go is
 //! docs/operations.md's list, and the books agree either way.
