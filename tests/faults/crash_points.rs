@@ -9,7 +9,8 @@
 //! session open and end, and (`after:<op>` once the operation's lock was let go) reclaim
 //! (request and forced revoke at its deadline, here a drain's), quarantine and its lift,
 //! publish/import/release-import, a publisher's release while imported and an importer's
-//! session end while its process lives, process reservation and its release, drain.
+//! session end while its process lives, a renewed-ticket recipient's fetch and its lease's
+//! release while it maps the memory, process reservation and its release, drain.
 //! Drains, the quarantine of a live process, publications, imports, blocks held for
 //! importers and lingering imports are kept (checked here); what a restart lets go is
 //! docs/operations.md's list, and the books agree either way.
@@ -998,5 +999,87 @@ async fn held_and_lingering(place: Where) {
             );
             c.check(point, &[&keep]).await;
         }
+    }
+}
+
+#[tokio::test]
+async fn a_recipient_fetches_and_the_lease_ends_while_it_maps_it() {
+    if skipped() {
+        return;
+    }
+    recipient(Where::Keeper).await
+}
+
+#[tokio::test]
+async fn a_recipient_fetches_and_the_lease_ends_while_it_maps_it_in_the_fd_store() {
+    if skipped() {
+        return;
+    }
+    recipient(Where::FdStore).await
+}
+
+/// A process outside the lease's session fetches its descriptor with a renewed ticket
+/// (`e2e-worker read --hold`) and maps it; a crash where the lease's record comes to name
+/// it (before the descriptor leaves: the fetch fails, the process exits) or at each step
+/// of the lease's release while it maps the memory. After the restart the books agree;
+/// memory a live recipient maps is held, charged to the tenant, and goes (uncharged, out
+/// of the keeper) once it exits.
+async fn recipient(place: Where) {
+    for point in [
+        "after-keep:lease#2",
+        "before-keep:held",
+        "after-keep:held",
+        "after-keep:lease-ended",
+    ] {
+        let mut c = Case::start(point, place).await;
+        let s = c.session().await;
+        let mut events = s.events();
+        let l = s.lease(SIZE).await.unwrap();
+        let id = l.id().to_string();
+        let mut child = Proc::spawn(worker_cmd(
+            &c.b,
+            &c.token,
+            &["read", "--lease", &id, "--hold"],
+        ))
+        .unwrap();
+        let fetch_cut = point == "after-keep:lease#2";
+        if fetch_cut {
+            c.restart_after_crash(point).await;
+            resumed(point, &mut events).await;
+            let _ = child.wait(Duration::from_secs(10)).await;
+            l.release().await.unwrap();
+        } else {
+            child
+                .line_starting("SUM ", Duration::from_secs(10))
+                .await
+                .unwrap();
+            let release = tokio::spawn(async move { l.release().await });
+            c.restart_after_crash(point).await;
+            resumed(point, &mut events).await;
+            release
+                .await
+                .unwrap()
+                .expect("the release across the crash");
+            assert!(
+                eventually(Duration::from_secs(8), || async {
+                    quarantined_of(&c.b).await == SIZE
+                })
+                .await,
+                "{point}: held for the recipient\n{}",
+                c.b.log_text()
+            );
+            c.check(point, &[]).await;
+            child.signal(libc::SIGKILL);
+            let _ = child.wait(Duration::from_secs(10)).await;
+        }
+        assert!(
+            eventually(Duration::from_secs(8), || async {
+                quarantined_of(&c.b).await == 0
+            })
+            .await,
+            "{point}: let go once the recipient exited\n{}",
+            c.b.log_text()
+        );
+        c.check(point, &[]).await;
     }
 }

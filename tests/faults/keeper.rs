@@ -761,3 +761,132 @@ async fn latest_metrics_text(b: &Broker) -> String {
     s.read_to_string(&mut text).await.unwrap();
     text
 }
+
+/// A process outside the lease's session that fetched its descriptor (`e2e-worker read
+/// --hold`: a renewed ticket) and maps it: the lease's record names it, so after a broker
+/// SIGKILL and restart the lease's release still holds the memory for it, charged to the
+/// tenant (listed, quarantined bytes) until it exits; then the charge goes. Without it in
+/// the record the restarted broker frees (revokes) the memory at the release and the
+/// tenant is charged nothing while that process may keep it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewed_ticket_recipient_keeps_the_lease_charged_after_a_broker_sigkill() {
+    use gpu_broker_client::HoldReason;
+    let keeper = Keeper::start().await.unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        capacity: "256MiB",
+        extra: keeper.flags(),
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("alpha", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let client = Client::connect(&b.uri(), token.clone()).await.unwrap();
+    let session = resuming_session(&client).await;
+    let mut events = session.events();
+    let lease = session.lease(2 * MIB).await.unwrap();
+    lease.map().unwrap().fill(0x44);
+    let id = lease.id().to_string();
+    let mut child =
+        Proc::spawn(worker_cmd(&b, &token, &["read", "--lease", &id, "--hold"])).unwrap();
+    let sum = child
+        .line_starting("SUM ", Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert!(sum.ends_with("0x44"), "{sum}");
+
+    b.kill().unwrap();
+    b.spawn().unwrap();
+    let resumed = next_resumed(&mut events).await;
+    assert!(
+        matches!(&resumed, SessionEvent::Resumed { kept_leases, .. } if kept_leases == std::slice::from_ref(&id)),
+        "{resumed:?}\n{}",
+        b.log_text()
+    );
+    lease.release().await.unwrap();
+    let held = (
+        vec![(
+            "alpha".to_string(),
+            2 * MIB,
+            HoldReason::Recipients,
+            vec![child.pid],
+        )],
+        2 * MIB,
+    );
+    assert_eq!(
+        charges(&b).await,
+        held,
+        "held for the recipient after the restart\n{}",
+        b.log_text()
+    );
+    assert!(alive(child.pid), "the recipient still maps the memory");
+
+    child.signal(libc::SIGKILL);
+    let _ = child.wait(Duration::from_secs(10)).await;
+    let none = (Vec::new(), 0);
+    eventually(Duration::from_secs(15), || async {
+        charges(&b).await == none
+    })
+    .await;
+    assert_eq!(charges(&b).await, none, "let go once the recipient exited");
+    assert_broker_alive(&b);
+}
+
+/// The same recipient, but the lease is released before the SIGKILL: the block held for
+/// it is kept, so the restarted broker charges it again until that process exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_held_for_a_renewed_ticket_recipient_stays_charged_across_a_broker_sigkill() {
+    use gpu_broker_client::HoldReason;
+    let keeper = Keeper::start().await.unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        capacity: "256MiB",
+        extra: keeper.flags(),
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("alpha", QuotaSpec::new(64 * MIB)).await.unwrap();
+    let client = Client::connect(&b.uri(), token.clone()).await.unwrap();
+    let session = resuming_session(&client).await;
+    let lease = session.lease(2 * MIB).await.unwrap();
+    let id = lease.id().to_string();
+    let mut child =
+        Proc::spawn(worker_cmd(&b, &token, &["read", "--lease", &id, "--hold"])).unwrap();
+    child
+        .line_starting("SUM ", Duration::from_secs(20))
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+    let held = (
+        vec![(
+            "alpha".to_string(),
+            2 * MIB,
+            HoldReason::Recipients,
+            vec![child.pid],
+        )],
+        2 * MIB,
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            charges(&b).await == held
+        })
+        .await,
+        "held for the recipient: {:?}",
+        charges(&b).await
+    );
+
+    b.kill().unwrap();
+    b.spawn().unwrap();
+    assert_eq!(
+        charges(&b).await,
+        held,
+        "held again after the restart\n{}",
+        b.log_text()
+    );
+    child.signal(libc::SIGKILL);
+    let _ = child.wait(Duration::from_secs(10)).await;
+    let none = (Vec::new(), 0);
+    eventually(Duration::from_secs(15), || async {
+        charges(&b).await == none
+    })
+    .await;
+    assert_eq!(charges(&b).await, none, "let go once the recipient exited");
+    assert_broker_alive(&b);
+}

@@ -4,8 +4,9 @@
 //! travels with its block's descriptor), `drain/<device>` (a device being drained),
 //! `quarantine/<lease>`, `publication/<id>` and `import/<id>` (a shared lease's
 //! publication and its imports: no descriptor, the publisher's lease has it),
-//! `held/<lease>` (an ended lease's block held for its importers, with its publication;
-//! its descriptor travels with it), `lingering/<import>` (an import let go while its
+//! `held/<lease>` (an ended lease's block held for its importers, with its publication,
+//! or for processes outside its session that fetched its descriptor; its descriptor
+//! travels with it), `lingering/<import>` (an import let go while its
 //! process may still map the memory), `stranded/<id>` (memory a free left on its device,
 //! held by processes outside the broker and charged to a tenant until they exit: no
 //! descriptor, the processes hold it), and
@@ -78,6 +79,10 @@ pub struct ImportRecord {
     pub pid: Option<u32>,
     #[serde(default)]
     pub created_unix_ms: u64,
+    /// Processes outside its session that fetched its descriptor, as
+    /// [`LeaseRecord::recipients`]: it lingers for those still alive when it is let go.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recipients: Vec<ProcessRecord>,
 }
 
 impl ImportRecord {
@@ -103,6 +108,18 @@ pub struct ProcessRecord {
     pub pid: u32,
     #[serde(default)]
     pub start: Option<u64>,
+}
+
+/// A process a block's descriptor reached that may keep it past its lease's end
+/// (`pool::Reached`): its start time where known (a reused pid is not it) and, for another
+/// tenant's importer, that tenant (which answers for memory only it kept).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReachedRecord {
+    pub pid: u32,
+    #[serde(default)]
+    pub start: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// The publication of an ended lease, kept while imports hold its block: importers of
@@ -137,6 +154,15 @@ pub struct HeldRecord {
     /// descriptor).
     #[serde(default)]
     pub waiters: Vec<ProcessRecord>,
+    /// Those of `waiters` outside the lease's session that fetched its descriptor, with
+    /// their start times (in `waiters` without one, as earlier versions read them): a
+    /// recipient whose pid another process took since is not waited for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recipients: Vec<ProcessRecord>,
+    /// The processes its block's descriptor reached that may keep it past their lease's
+    /// end (`pool::Reached`): a free after a restart checks for them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reached: Vec<ReachedRecord>,
     /// Held for a holder of unknown pid until the quarantine timeout.
     #[serde(default)]
     pub timeout: bool,
@@ -371,6 +397,10 @@ pub struct QuarantineRecord {
     /// Records without one (written before it) go by `device`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_uuid: Option<String>,
+    /// The processes its block's descriptor reached that may keep it past their lease's
+    /// end (`pool::Reached`): a free after a restart checks for them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reached: Vec<ReachedRecord>,
 }
 
 impl QuarantineRecord {
@@ -440,6 +470,15 @@ pub struct LeaseRecord {
     /// Records without one (written before it) go by `device`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_uuid: Option<String>,
+    /// Processes outside its session that fetched its descriptor (a renewed ticket), with
+    /// their start times, at most [`crate::pool::Reached::MAX`]: when the lease ends its
+    /// memory is held for those still alive, a restart or not.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recipients: Vec<ProcessRecord>,
+    /// The processes its block's descriptor reached that may keep it past their lease's
+    /// end (`pool::Reached`): a free after a restart checks for them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reached: Vec<ReachedRecord>,
 }
 
 /// A device an operator is draining: it stays closed to new leases across a restart.
@@ -564,6 +603,9 @@ impl From<&crate::lease::Lease> for LeaseRecord {
             reservation: l.reservation.map(|r| r.to_string()),
             // The shell knows the devices' UUIDs: it fills this in.
             device_uuid: None,
+            // The state knows them (`State::lease_kept`).
+            recipients: Vec::new(),
+            reached: l.block.reached.records(),
         }
     }
 }
@@ -683,6 +725,34 @@ mod tests {
             Some("GPU-4f1d0c2a-0000-0000-0000-000000000001")
         );
         assert_eq!(serde_json::to_string(&l).unwrap(), with_uuid);
+        assert!(
+            l.recipients.is_empty(),
+            "an older record names no recipients"
+        );
+        // And the processes outside its session that fetched its descriptor.
+        let with_recipients = with_uuid.replace(
+            r#"0001"}"#,
+            r#"0001","recipients":[{"pid":4343,"start":123999},{"pid":0,"start":null}]}"#,
+        );
+        let Kept::Lease(l) =
+            parse(&l.key(), serde_json::from_str(&with_recipients).unwrap()).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            l.recipients,
+            [
+                ProcessRecord {
+                    pid: 4343,
+                    start: Some(123999)
+                },
+                ProcessRecord {
+                    pid: 0,
+                    start: None
+                }
+            ]
+        );
+        assert_eq!(serde_json::to_string(&l).unwrap(), with_recipients);
         let drain = r#"{"v":1,"device":1,"since_unix_ms":1764800000002,"deadline_unix_ms":1764800600002,"reason":"upgrade"}"#;
         let d = parse("drain/1", serde_json::from_str(drain).unwrap()).unwrap();
         let Kept::Drain(d) = d else { panic!("{d:?}") };
@@ -703,6 +773,36 @@ mod tests {
             (Some(4242), Some(123456), 78)
         );
         assert_eq!(serde_json::to_string(&k).unwrap(), q);
+        assert!(
+            k.reached.is_empty(),
+            "an older record names nobody it reached"
+        );
+        // With the processes its block reached: one of another tenant (an importer).
+        let with_reached = q.replace(
+            r#""destroy":false}"#,
+            r#""destroy":false,"reached":[{"pid":4000,"start":120000},{"pid":4343,"start":null,"tenant":"beta"}]}"#,
+        );
+        let Kept::Quarantine(k) =
+            parse(&k.key(), serde_json::from_str(&with_reached).unwrap()).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            k.reached,
+            [
+                ReachedRecord {
+                    pid: 4000,
+                    start: Some(120000),
+                    tenant: None
+                },
+                ReachedRecord {
+                    pid: 4343,
+                    start: None,
+                    tenant: Some("beta".into())
+                }
+            ]
+        );
+        assert_eq!(serde_json::to_string(&k).unwrap(), with_reached);
         let p = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-000000000004","lease":"0193a0b2-0000-4000-8000-000000000002","publisher":"alpha","name":"weights","readers":["beta"],"published_unix_ms":1764800000003}"#;
         let Kept::Publication(r) = parse(
             "publication/0193a0b2-0000-4000-8000-000000000004",
@@ -727,6 +827,18 @@ mod tests {
         assert_eq!((r.tenant.as_str(), r.pid), ("beta", Some(4343)));
         assert_eq!(r.key(), "import/0193a0b2-0000-4000-8000-000000000005");
         assert_eq!(serde_json::to_string(&r).unwrap(), i);
+        assert!(r.recipients.is_empty());
+        let with_recipients = i.replace(
+            r#"004}"#,
+            r#"004,"recipients":[{"pid":4444,"start":124000}]}"#,
+        );
+        let Kept::Import(r) =
+            parse(&r.key(), serde_json::from_str(&with_recipients).unwrap()).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(r.recipients[0].start, Some(124000));
+        assert_eq!(serde_json::to_string(&r).unwrap(), with_recipients);
         let res = r#"{"v":1,"id":"0193a0b2-0000-7000-8000-000000000007","tenant":"alpha","session":"0193a0b2-0000-7000-8000-000000000001","device":0,"bytes":16777216,"requested_bytes":16000000,"label":"run","pid":4242,"compute_percent":50,"created_unix_ms":1764800000005,"lost":2097152,"group":{"pgid":4250,"uid":1000,"leader_start":123460},"device_uuid":"GPU-4f1d0c2a-0000-0000-0000-000000000001"}"#;
         let Kept::Reservation(r) = parse(
             "reservation/0193a0b2-0000-7000-8000-000000000007",
@@ -775,6 +887,23 @@ mod tests {
         );
         assert_eq!(r.key(), "held/0193a0b2-0000-4000-8000-000000000008");
         assert_eq!(serde_json::to_string(&r).unwrap(), held);
+        assert!(r.recipients.is_empty());
+        // Held for a recipient of its descriptor too, its start time beside it.
+        let held_for_recipient = held.replace(
+            r#""timeout":false"#,
+            r#""recipients":[{"pid":4343,"start":123999}],"timeout":false"#,
+        );
+        let held_for_recipient = held_for_recipient.replace(
+            r#""waiters":[{"pid":4242,"start":123456}]"#,
+            r#""waiters":[{"pid":4242,"start":123456},{"pid":4343,"start":null}]"#,
+        );
+        let Kept::Held(r) =
+            parse(&r.key(), serde_json::from_str(&held_for_recipient).unwrap()).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!((r.waiters.len(), r.recipients[0].start), (2, Some(123999)));
+        assert_eq!(serde_json::to_string(&r).unwrap(), held_for_recipient);
         let lingering = r#"{"v":1,"id":"0193a0b2-0000-4000-8000-000000000009","publication":"0193a0b2-0000-4000-8000-000000000004","tenant":"beta","session":"0193a0b2-0000-7000-8000-000000000006","pid":4343,"created_unix_ms":1764800000004,"waiters":[{"pid":4343,"start":123999}],"timeout":false}"#;
         let Kept::Lingering(r) = parse(
             "lingering/0193a0b2-0000-4000-8000-000000000009",

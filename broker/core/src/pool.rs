@@ -60,19 +60,22 @@ impl Reached {
 
     /// Process `pid` of the block's own tenant, running at `place` (when known), had the
     /// descriptor and may keep it after its lease ended.
-    pub fn add(&mut self, pid: u32, place: Option<Arc<Place>>) {
-        self.add_with(pid, None, place);
+    pub fn add(&mut self, pid: u32, place: Option<Arc<Place>>) -> bool {
+        self.add_with(pid, None, place)
     }
 
     /// Process `pid` of tenant `tenant`, not the block's, had the descriptor (an importer
     /// of its publication) and may keep it after it let go.
-    pub fn add_of(&mut self, pid: u32, tenant: &str, place: Option<Arc<Place>>) {
-        self.add_with(pid, Some(tenant.into()), place);
+    pub fn add_of(&mut self, pid: u32, tenant: &str, place: Option<Arc<Place>>) -> bool {
+        self.add_with(pid, Some(tenant.into()), place)
     }
 
-    fn add_with(&mut self, pid: u32, tenant: Option<Box<str>>, place: Option<Arc<Place>>) {
+    /// True when it names a process it did not (a new pid, or one of another tenant).
+    fn add_with(&mut self, pid: u32, tenant: Option<Box<str>>, place: Option<Arc<Place>>) -> bool {
         let p = self.0.get_or_insert_with(Box::default);
+        let mut new = true;
         if let Some(i) = p.pids.iter().position(|&q| q == pid) {
+            new = p.tenants[i] != tenant;
             p.pids.remove(i);
             p.tenants.remove(i);
             p.places.remove(i);
@@ -85,6 +88,25 @@ impl Reached {
         p.pids.push(pid);
         p.tenants.push(tenant);
         p.places.push(place);
+        new
+    }
+
+    /// Its processes as kept records name them, oldest first (a start time from the
+    /// process's place, where known).
+    pub fn records(&self) -> Vec<crate::kept::ReachedRecord> {
+        let Some(p) = self.0.as_deref() else {
+            return Vec::new();
+        };
+        p.pids
+            .iter()
+            .zip(&p.tenants)
+            .zip(&p.places)
+            .map(|((&pid, tenant), place)| crate::kept::ReachedRecord {
+                pid,
+                start: place.as_ref().and_then(|p| p.start),
+                tenant: tenant.as_deref().map(str::to_string),
+            })
+            .collect()
     }
 
     /// The processes, oldest first.
@@ -536,9 +558,9 @@ mod tests {
     fn a_block_remembers_the_newest_processes_it_reached_once_each() {
         let mut r = Reached::default();
         assert!(r.is_empty());
-        r.add(7, None);
-        r.add(8, None);
-        r.add(7, None);
+        assert!(r.add(7, None));
+        assert!(r.add(8, None));
+        assert!(!r.add(7, None), "named already: its record need not change");
         assert_eq!(r.pids(), &[8, 7]);
         for pid in 100..100 + Reached::MAX as u32 {
             r.add(pid, None);
@@ -556,6 +578,31 @@ mod tests {
         let at = r.pids().iter().position(|&p| p == 5).unwrap();
         assert!(Arc::ptr_eq(r.places()[at].as_ref().unwrap(), &place));
         assert_eq!(r.places().len(), Reached::MAX);
+    }
+
+    /// What a kept record names of it: each process in order, its start time from its
+    /// place, its tenant where that is not the block's.
+    #[test]
+    fn a_blocks_reached_processes_are_recorded_with_start_and_tenant() {
+        let mut r = Reached::default();
+        assert!(r.records().is_empty());
+        let place = Arc::new(Place {
+            pid: 7,
+            start: Some(1234),
+            ..Place::default()
+        });
+        r.add(7, Some(place));
+        assert!(r.add_of(9, "b", None));
+        assert!(r.add_of(9, "c", None), "another tenant's now");
+        let rec = |pid, start, tenant: Option<&str>| crate::kept::ReachedRecord {
+            pid,
+            start,
+            tenant: tenant.map(str::to_string),
+        };
+        assert_eq!(
+            r.records(),
+            [rec(7, Some(1234), None), rec(9, None, Some("c"))]
+        );
     }
 
     #[test]

@@ -146,13 +146,17 @@ pub struct Held {
     pub holder_start: Option<u64>,
     /// Where `holder` runs (its session's record): the block keeps it when lifted.
     pub holder_place: Option<std::sync::Arc<crate::process_place::Place>>,
-    /// Its record (and a copy of its descriptor) is with the keeper: held for importers
-    /// when its lease ended, until it is let go.
+    /// When each of the waiters outside the lease's session that fetched its descriptor
+    /// started, where known (kept with its record).
+    pub recipient_starts: BTreeMap<u32, u64>,
+    /// Its record (and a copy of its descriptor) is with the keeper: from its lease's end
+    /// until it is let go.
     pub kept: bool,
 }
 
-/// Processes outside a lease's (or import's) session that redeemed a ticket of it.
-pub type Recipients = HashMap<Uuid, BTreeSet<u32>>;
+/// Processes outside a lease's (or import's) session that redeemed a ticket of it, each
+/// with its start time when the shell could read it (a later process of the pid is not it).
+pub type Recipients = HashMap<Uuid, BTreeMap<u32, Option<u64>>>;
 
 /// Every publication, import and held block (lives in the arbiter's state).
 #[derive(Debug, Default)]

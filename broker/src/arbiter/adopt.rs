@@ -4,7 +4,9 @@
 //! start, [`Arbiter::adopt_dumped`] reads what the keeper held (its dump) and takes back
 //! the sessions whose peer process still lives (same pid and start time) with their
 //! leases (same id, bytes, tenant, memory: the kept descriptor becomes the block again);
-//! what belonged to processes that died meanwhile is dropped, so its memory goes. A worker
+//! what belonged to processes that died meanwhile is dropped, so its memory goes. The
+//! processes a kept block reached, and a lease's recipients outside its session, come back
+//! with it while they live (read from `/proc` before the lock: [`Liveness`]). A worker
 //! then resumes its session with its secret from the same process
 //! ([`Arbiter::resume_session`]); a session nobody resumes ends with the keepalive timeout
 //! or its process.
@@ -144,6 +146,19 @@ impl Liveness {
             .or_insert_with(|| crate::process::start_ticks(pid))
     }
 
+    /// Those of a lease's recorded recipients `kept` still alive ([`Liveness::alive`]),
+    /// and pid 0 (a process of another pid namespace: undecidable, so counted alive, as
+    /// before the restart).
+    pub(super) fn recipients(
+        &mut self,
+        kept: &[records::ProcessRecord],
+    ) -> std::collections::BTreeMap<u32, Option<u64>> {
+        let undecided = kept.iter().filter(|p| p.pid == 0).map(|p| (0, p.start));
+        let mut out: std::collections::BTreeMap<_, _> = undecided.collect();
+        out.extend(self.alive(kept));
+        out
+    }
+
     /// Those of `kept` still alive: the same start time where the record has one, else
     /// a process of that pid (a reused pid then counts: held longer, never shorter).
     pub(super) fn alive(&mut self, kept: &[records::ProcessRecord]) -> Vec<(u32, Option<u64>)> {
@@ -155,6 +170,30 @@ impl Liveness {
             .map(|p| (p.pid, p.start))
             .collect()
     }
+}
+
+/// The processes of `kept` (those a block's descriptor reached, as its record names
+/// them) that still live, each with where it runs now (`/proc`, read with no lock held),
+/// so that its free checks for them as before the restart.
+fn reached_again(kept: &[records::ReachedRecord], alive: &mut Liveness) -> crate::pool::Reached {
+    let mut out = crate::pool::Reached::default();
+    for k in kept {
+        let p = records::ProcessRecord {
+            pid: k.pid,
+            start: k.start,
+        };
+        if alive.alive(std::slice::from_ref(&p)).is_empty() {
+            continue;
+        }
+        let place = crate::kept_holders::read_place(k.pid)
+            .filter(|now| k.start.is_none_or(|s| now.start == Some(s)))
+            .map(Arc::new);
+        match &k.tenant {
+            Some(t) => out.add_of(k.pid, t, place),
+            None => out.add(k.pid, place),
+        };
+    }
+    out
 }
 
 /// Records not taken back, counted by kind and reason: logged as one line each (a
@@ -854,7 +893,10 @@ impl Arbiter {
                         _ => r.device,
                     };
                     blocks.push(KeptBlock::new(slot, fd, r.bytes, r.block_id));
-                    lease_ids.push((r, id, session));
+                    // Read here, with no lock held: which of them still live.
+                    let recipients = alive.recipients(&r.recipients);
+                    let reached = reached_again(&r.reached, alive);
+                    lease_ids.push((r, id, session, recipients, reached));
                 }
                 Err(why) => out.leases_refused.push((r, why)),
             }
@@ -864,17 +906,26 @@ impl Arbiter {
             match self.adoptable_quarantine(&q, fd, alive) {
                 Ok((lease, pid, fd)) => {
                     blocks.push(KeptBlock::new(q.device, fd, q.bytes, q.block_id));
-                    quarantine_ids.push((q, lease, pid));
+                    let reached = reached_again(&q.reached, alive);
+                    quarantine_ids.push((q, lease, pid, reached));
                 }
                 Err(why) => out.quarantines_refused.push((q, why)),
             }
         }
         let mut held_ids = Vec::new();
         for (h, fd) in helds {
+            // A held block whose quarantine was kept too (a crash between the quarantine's
+            // record and the held block's let-go) is that quarantine's: one block, made
+            // once (freeing a second copy would revoke the memory under the first).
+            if quarantine_ids.iter().any(|(q, ..)| q.lease == h.lease) {
+                out.held_refused.push((h, "its quarantine was kept"));
+                continue;
+            }
             match self.adoptable_held(&h, fd, alive) {
                 Ok((a, fd)) => {
                     blocks.push(KeptBlock::new(h.device, fd, h.bytes, h.block_id));
-                    held_ids.push((h, a));
+                    let reached = reached_again(&h.reached, alive);
+                    held_ids.push((h, a, reached));
                 }
                 Err(why) => out.held_refused.push((h, why)),
             }
@@ -891,7 +942,7 @@ impl Arbiter {
         let mut made = made.into_iter();
         let mut unneeded = Vec::new();
         let mut st = self.lock();
-        for (r, id, session) in lease_ids {
+        for (r, id, session, recipients, reached) in lease_ids {
             let Some(Some((alloc, handle))) = made.next() else {
                 out.leases_refused
                     .push((r, "the device refused its memory"));
@@ -901,7 +952,7 @@ impl Arbiter {
                 alloc,
                 handle,
                 last_tenant: Some(r.tenant.clone()),
-                reached: Default::default(),
+                reached,
             };
             let a = super::state::Adopted {
                 id,
@@ -914,6 +965,7 @@ impl Arbiter {
                 created: from_unix_ms(r.created_unix_ms),
                 priority: r.priority,
                 reservation: r.reservation.as_deref().and_then(|s| s.parse().ok()),
+                recipients,
             };
             let (slot, adopted) = match r.tier.as_str() {
                 "host" => (self.host_slot(), st.adopt_host_lease(a, block)),
@@ -929,7 +981,7 @@ impl Arbiter {
                 }
             }
         }
-        for (q, lease, pid) in quarantine_ids {
+        for (q, lease, pid, reached) in quarantine_ids {
             let Some(Some((alloc, handle))) = made.next() else {
                 out.quarantines_refused
                     .push((q, "the device refused its memory"));
@@ -939,8 +991,9 @@ impl Arbiter {
                 alloc,
                 handle,
                 last_tenant: Some(q.tenant.clone()),
-                // Freed only once the quarantine's process exited: nobody left to check for.
-                reached: Default::default(),
+                // Its process is added when the quarantine lifts; earlier ones that live
+                // may keep it too.
+                reached,
             };
             let a = super::state::AdoptedQuarantine {
                 lease,
@@ -955,7 +1008,7 @@ impl Arbiter {
                 out.quarantines_refused.push((q, "its tenant is gone"));
             }
         }
-        for (h, a) in held_ids {
+        for (h, a, reached) in held_ids {
             let Some(Some((alloc, handle))) = made.next() else {
                 out.held_refused.push((h, "the device refused its memory"));
                 continue;
@@ -964,8 +1017,9 @@ impl Arbiter {
                 alloc,
                 handle,
                 last_tenant: Some(h.tenant.clone()),
-                // Freed once every importer let go: nobody left to check for.
-                reached: Default::default(),
+                // Freed once every importer let go; processes it reached before that
+                // live may keep it.
+                reached,
             };
             match st.adopt_held(a, block) {
                 Ok(()) => out.held.push(h),
@@ -1127,12 +1181,25 @@ impl Arbiter {
         let lease: Uuid = r.lease.parse().map_err(|_| "unreadable id")?;
         let fd = fd.ok_or("no descriptor came with it")?;
         self.block_fits(r.device, &r.kind)?;
+        // Processes outside its lease's session that fetched its descriptor are named
+        // with their start times apart: one whose pid a later process took is not waited
+        // for.
+        let recipients = alive.recipients(&r.recipients);
+        let recorded: HashSet<u32> = r.recipients.iter().map(|p| p.pid).collect();
         Ok((
             super::state::AdoptedHeld {
                 lease,
                 tenant: r.tenant.clone(),
                 device: r.device,
-                waiters: alive.alive(&r.waiters).into_iter().collect(),
+                waiters: alive
+                    .alive(&r.waiters)
+                    .into_iter()
+                    .filter(|(p, _)| !recorded.contains(p) || recipients.contains_key(p))
+                    .collect(),
+                recipient_starts: recipients
+                    .into_iter()
+                    .filter_map(|(p, s)| Some((p, s?)))
+                    .collect(),
                 timeout: r.timeout,
                 destroy: r.destroy,
             },

@@ -58,6 +58,14 @@ impl Arbiter {
                 Err(why) => refused.push((r.key(), why)),
             }
         }
+        // Read before the lock: which of their recipients still live.
+        let imports: Vec<_> = imports
+            .into_iter()
+            .map(|r| {
+                let recipients = alive.recipients(&r.recipients);
+                (r, recipients)
+            })
+            .collect();
         let mut st = self.lock();
         for (lease, p) in held_pubs {
             if st.adopt_held_publication(lease, p).is_err() {
@@ -75,7 +83,7 @@ impl Arbiter {
                 ));
             }
         }
-        for r in imports {
+        for (r, recipients) in imports {
             let parsed = (
                 r.id.parse::<Uuid>(),
                 r.publication.parse::<Uuid>(),
@@ -92,6 +100,7 @@ impl Arbiter {
                 session,
                 pid: r.pid,
                 created: from_unix_ms(r.created_unix_ms),
+                recipients,
             };
             if let Err(why) = st.adopt_import(a) {
                 tracing::debug!(import = %r.id, tenant = %r.tenant, ?why, "kept import not taken back");
@@ -216,6 +225,8 @@ fn lingering_of(
             session,
             pid: r.pid,
             created: from_unix_ms(r.created_unix_ms),
+            // A lingering import's are among its waiters.
+            recipients: Default::default(),
         },
         pid_start,
         waiters: waiters.into_iter().map(|(p, _)| p).collect(),

@@ -90,6 +90,8 @@ fn lease_record(session: Uuid, tenant: &str, device: u32, uuid: Option<&str>) ->
         kind: "host-memfd".into(),
         reservation: None,
         device_uuid: uuid.map(str::to_string),
+        reached: vec![],
+        recipients: Vec::new(),
     }
 }
 
@@ -136,6 +138,7 @@ fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
         pid_start: crate::process::start_ticks(pid),
         destroy: false,
         device_uuid: Some("HOST-00000000-0000-0000-0000-000000000001".into()),
+        reached: vec![],
     };
     let place = MemPlace::default();
     let removed = place.removed.clone();
@@ -343,6 +346,7 @@ fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
         session: session.to_string(),
         pid: Some(std::process::id()),
         created_unix_ms: 0,
+        recipients: vec![],
     };
     let kept_import = import(session);
     let orphan_import = import(Uuid::new_v4());
@@ -404,6 +408,7 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
         pid_start: Some(pid_start),
         destroy: false,
         device_uuid: Some(arb.devices.uuid(0)),
+        reached: vec![],
     };
     let (same, reused) = (quarantine(start), quarantine(start + 1));
     let place = MemPlace::default();
@@ -456,9 +461,11 @@ fn kept_held_blocks_come_back_with_their_importers() {
             published_unix_ms: 1_764_800_000_000,
         }),
         waiters: vec![],
+        recipients: vec![],
         timeout: false,
         destroy: true,
         device_uuid: Some(arb.devices.uuid(0)),
+        reached: vec![],
     };
     let (lease, idle) = (Uuid::new_v4(), Uuid::new_v4());
     let kept_held = held(lease, Some(&publication));
@@ -477,6 +484,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
         session: session.to_string(),
         pid: Some(pid),
         created_unix_ms: 0,
+        recipients: vec![],
     };
     let lingering = |start: u64| LingeringRecord {
         v: RECORD_VERSION,
@@ -583,6 +591,7 @@ async fn a_block_kept_under_its_lease_and_its_quarantine_is_counted_once() {
         pid_start: crate::process::start_ticks(pid),
         destroy: false,
         device_uuid: Some(arb.devices.uuid(0)),
+        reached: vec![],
     };
     let fd = memfd(2 * MIB);
     let place = MemPlace::default();
@@ -597,4 +606,283 @@ async fn a_block_kept_under_its_lease_and_its_quarantine_is_counted_once() {
         56 * MIB + 2 * MIB,
         "the block is the broker's once"
     );
+}
+
+/// A kept lease names the processes outside its session that fetched its descriptor: a
+/// restarted broker holds its memory for those that live with the start time recorded
+/// (not for a later process of a recorded pid) when the lease ends, charged to its tenant
+/// and kept (a held record with their start times), until they exit. A recipient of the
+/// restarted broker is named in the lease's record again at once.
+#[tokio::test]
+async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let sleeper = || {
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap()
+    };
+    let (mut live, mut later) = (sleeper(), sleeper());
+    let start_of = |c: &std::process::Child| crate::process::start_ticks(c.id()).unwrap();
+    let session = Uuid::new_v4();
+    let mut lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
+    lease.recipients = vec![
+        ProcessRecord {
+            pid: live.id(),
+            start: Some(start_of(&live)),
+        },
+        // Its pid was another process's when the record was written.
+        ProcessRecord {
+            pid: later.id(),
+            start: Some(start_of(&later) + 1),
+        },
+    ];
+    let place = MemPlace::default();
+    let records = place.records.clone();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(memfd(2 * MIB))),
+    ];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!(report.leases_adopted, 1);
+    let id: Uuid = lease.id.parse().unwrap();
+    // The later process fetches the descriptor now: the record names it, as it is.
+    assert!(arb.fd_delivering(id, Some(later.id())));
+    let named = |key: &str| -> Vec<(u64, Option<u64>)> {
+        let r = records.lock().get(key).cloned().unwrap_or_default();
+        let list = r
+            .get("recipients")
+            .and_then(|l| l.as_array().cloned())
+            .unwrap_or_default();
+        list.iter()
+            .map(|p| (p["pid"].as_u64().unwrap(), p["start"].as_u64()))
+            .collect()
+    };
+    let mut want = vec![
+        (u64::from(live.id()), Some(start_of(&live))),
+        (u64::from(later.id()), Some(start_of(&later))),
+    ];
+    want.sort();
+    assert_eq!(named(&lease.key()), want);
+
+    arb.release("alpha", id).unwrap();
+    let q = arb.list_quarantined();
+    assert_eq!(q.len(), 1, "{q:?}");
+    let mut holders = vec![live.id(), later.id()];
+    holders.sort();
+    assert_eq!(
+        (q[0].lease, q[0].bytes, &q[0].holders),
+        (id, 2 * MIB, &holders)
+    );
+    assert_eq!(
+        arb.get_tenant("alpha").unwrap().usage.quarantined_bytes,
+        2 * MIB
+    );
+    assert_eq!(named(&format!("held/{id}")), want, "the held block is kept");
+    assert!(!records.lock().contains_key(&lease.key()));
+
+    for c in [&mut live, &mut later] {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !arb.list_quarantined().is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(arb.list_quarantined().is_empty(), "let go once they exited");
+    assert_eq!(arb.get_tenant("alpha").unwrap().usage.quarantined_bytes, 0);
+    assert!(!records.lock().contains_key(&format!("held/{id}")));
+    arb.lock().check_invariant().unwrap();
+}
+
+/// The processes a kept block's descriptor reached (a lease's, a quarantine's) come back
+/// with it while they live with the start time recorded, each with its tenant and where
+/// it runs now: a free after the restart checks for them (and charges the tenant that
+/// answers) as one before it would. A later process of a recorded pid is not one of them.
+#[test]
+fn a_kept_blocks_reached_processes_that_live_come_back_with_their_places() {
+    use crate::keeper::records::ReachedRecord;
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    for t in ["alpha", "beta"] {
+        arb.set_quota(t, super::tests::quota(64 * MIB)).unwrap();
+    }
+    let sleeper = || {
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap()
+    };
+    let mut kids = [sleeper(), sleeper(), sleeper()];
+    let [own, importer, later] = [0, 1, 2].map(|i| kids[i].id());
+    let start = |pid: u32| crate::process::start_ticks(pid).unwrap();
+    let reached = vec![
+        ReachedRecord {
+            pid: own,
+            start: Some(start(own)),
+            tenant: None,
+        },
+        ReachedRecord {
+            pid: later,
+            start: Some(start(later) + 1),
+            tenant: None,
+        },
+        ReachedRecord {
+            pid: importer,
+            start: Some(start(importer)),
+            tenant: Some("beta".into()),
+        },
+    ];
+    let session = Uuid::new_v4();
+    let mut lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
+    lease.reached = reached.clone();
+    let pid = std::process::id();
+    let quarantine = QuarantineRecord {
+        v: RECORD_VERSION,
+        lease: Uuid::new_v4().to_string(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id: rand::random(),
+        kind: "host-memfd".into(),
+        pid: Some(pid),
+        pid_start: crate::process::start_ticks(pid),
+        destroy: false,
+        device_uuid: Some(arb.devices.uuid(0)),
+        reached,
+    };
+    let place = MemPlace::default();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(memfd(2 * MIB))),
+        entry(quarantine.key(), &quarantine, Some(memfd(2 * MIB))),
+    ];
+    arb.adopt_from_keeper(place).unwrap();
+    let st = arb.lock();
+    let lease_id: Uuid = lease.id.parse().unwrap();
+    let quarantined: Uuid = quarantine.lease.parse().unwrap();
+    for r in [
+        &st.leases().get(&lease_id).unwrap().block.reached,
+        &st.quarantine().get(&quarantined).unwrap().block.reached,
+    ] {
+        assert_eq!(r.pids(), [own, importer]);
+        let starts: Vec<Option<u64>> = r
+            .places()
+            .iter()
+            .map(|p| p.as_ref().and_then(|p| p.start))
+            .collect();
+        assert_eq!(starts, [Some(start(own)), Some(start(importer))]);
+        // Kept by the importer alone: its tenant answers.
+        assert_eq!(r.answers_for(&[importer], "alpha"), "beta");
+        assert_eq!(r.answers_for(&[own], "alpha"), "alpha");
+    }
+    drop(st);
+    for k in &mut kids {
+        k.kill().unwrap();
+        k.wait().unwrap();
+    }
+}
+
+/// A kept import names the processes outside its session that fetched its descriptor: a
+/// restarted broker lets the import linger for the one that lives (same start time) when
+/// its holder lets go, kept as lingering, until that process is gone.
+#[test]
+fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let child_pid = child.id();
+    let session = Uuid::new_v4();
+    let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
+    let fd = memfd(2 * MIB);
+    crate::sharing::seal_read_only(&crate::device::SharedFd::new(fd.try_clone().unwrap())).unwrap();
+    let publication = PublicationRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        lease: lease.id.clone(),
+        publisher: "alpha".into(),
+        name: Some("w".into()),
+        readers: vec![],
+        published_unix_ms: 1_764_800_000_000,
+    };
+    let import = ImportRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        publication: publication.id.clone(),
+        tenant: "alpha".into(),
+        session: session.to_string(),
+        pid: Some(std::process::id()),
+        created_unix_ms: 0,
+        recipients: vec![ProcessRecord {
+            pid: child_pid,
+            start: crate::process::start_ticks(child_pid),
+        }],
+    };
+    let place = MemPlace::default();
+    let records = place.records.clone();
+    *place.entries.lock() = vec![
+        entry(
+            format!("session/{session}"),
+            &session_record(session, "alpha"),
+            None,
+        ),
+        entry(lease.key(), &lease, Some(fd)),
+        entry(publication.key(), &publication, None),
+        entry(import.key(), &import, None),
+    ];
+    arb.adopt_from_keeper(place).unwrap();
+    let id: Uuid = import.id.parse().unwrap();
+    // Another process fetches it now: the import's record names it at once.
+    let mut other = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    assert!(arb.fd_delivering(id, Some(other.id())));
+    let named: Vec<u64> = records.lock()[&import.key()]["recipients"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect();
+    let mut want = vec![u64::from(child_pid), u64::from(other.id())];
+    want.sort();
+    assert_eq!(named, want);
+    other.kill().unwrap();
+    other.wait().unwrap();
+    arb.lock().import_let_go(id, Ending::Cache);
+    let lingering = |arb: &Arbiter| -> Vec<bool> {
+        arb.list_shared(Some("alpha"))
+            .iter()
+            .flat_map(|p| p.imports.iter().map(|i| i.lingering))
+            .collect()
+    };
+    assert_eq!(lingering(&arb), [true], "lingers for the recipient");
+    let kept = records.lock()[&format!("lingering/{id}")].clone();
+    let waiting: Vec<u64> = kept["waiters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect();
+    assert!(waiting.contains(&u64::from(child_pid)), "{kept}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    for pid in [child_pid, other.id()] {
+        arb.lock().import_waiter_gone(id, Some(pid));
+    }
+    assert!(lingering(&arb).is_empty(), "ended once they were gone");
+    arb.lock().check_invariant().unwrap();
 }

@@ -356,26 +356,40 @@ impl Arbiter {
     /// descriptor arrives. Returns false (deliver nothing) when the lease or import is gone.
     pub(crate) fn fd_delivering(&self, id: Uuid, pid: Option<u32>) -> bool {
         let mut st = self.lock();
-        let session = match st.leases().get(&id) {
-            Some(l) => Some(l.session),
-            // A lingering import (its holder let go; memory held for processes that may
-            // still map it) delivers nothing more: a new recipient would not be waited for.
-            None => st
-                .shared()
-                .of_import(&id)
-                .and_then(|p| p.imports.get(&id))
-                .filter(|i| i.lingering.is_none())
-                .map(|i| i.session),
+        let Some(session) = delivering_session(&st, id) else {
+            return false;
         };
-        let Some(session) = session else { return false };
         // An import is kept once its descriptor leaves the broker (before it does).
         st.import_delivered(id);
         let Some(pid) = pid else { return true };
         if st.sessions().get(&session).and_then(|s| s.peer.pid) == Some(pid) {
             return true;
         }
+        drop(st);
+        // Read with no lock held: its start time, kept with the lease's record so that a
+        // restarted broker tells it from a later process of the pid.
+        let start = crate::process::start_ticks(pid);
         tracing::debug!(%id, pid, "a lease descriptor goes to a process outside its session");
-        st.add_recipient(id, pid);
-        true
+        let mut st = self.lock();
+        // Ended (or let go) meanwhile: nothing is delivered.
+        if delivering_session(&st, id) != Some(session) {
+            return false;
+        }
+        st.add_recipient(id, pid, start)
+    }
+}
+
+/// The session of live lease or import `id` whose descriptor may go out: none for a
+/// lingering import (its holder let go; memory held for processes that may still map
+/// it), which delivers nothing more: a new recipient would not be waited for.
+fn delivering_session(st: &State, id: Uuid) -> Option<Uuid> {
+    match st.leases().get(&id) {
+        Some(l) => Some(l.session),
+        None => st
+            .shared()
+            .of_import(&id)
+            .and_then(|p| p.imports.get(&id))
+            .filter(|i| i.lingering.is_none())
+            .map(|i| i.session),
     }
 }

@@ -28,6 +28,9 @@ pub struct Adopted {
     pub priority: i32,
     /// The process reservation it was drawn from (taken back before it), if any.
     pub reservation: Option<Uuid>,
+    /// Processes outside its session that fetched its descriptor and still live (the
+    /// shell looked), with their start times: its memory is held for them when it ends.
+    pub recipients: std::collections::BTreeMap<u32, Option<u64>>,
 }
 
 /// Why a kept lease was not taken back (its block is handed back to be let go).
@@ -105,10 +108,14 @@ impl State {
             return Err((NotAdopted::Tenant, block));
         }
         self.pools[a.device as usize].adopt(bytes);
-        // Who else got its descriptor before the restart (importers of a publication, other
-        // processes) is not kept: such a block is freed when the lease ends, never cached
-        // for its tenant's next lease, so nobody who may still map it sees later bytes.
+        // Who else got its descriptor before the restart is not all kept (importers that
+        // let go, processes past the record's bound): such a block is freed when the lease
+        // ends, never cached for its tenant's next lease, so nobody who may still map it
+        // sees later bytes. Those its record names and that live hold it when it ends.
         self.sealing.insert(a.id);
+        if !a.recipients.is_empty() {
+            self.shared.recipients.insert(a.id, a.recipients);
+        }
         let seq = self.next_seq();
         let lease = Lease {
             id: a.id,

@@ -28,6 +28,9 @@ pub struct AdoptedHeld {
     pub device: u32,
     /// Processes that may still map it, with their start times when known.
     pub waiters: BTreeMap<u32, Option<u64>>,
+    /// Those of `waiters` outside its lease's session that fetched its descriptor, by
+    /// the start times their record gave.
+    pub recipient_starts: BTreeMap<u32, u64>,
     pub timeout: bool,
     pub destroy: bool,
 }
@@ -62,6 +65,9 @@ pub struct AdoptedImport {
     pub session: Uuid,
     pub pid: Option<u32>,
     pub created: SystemTime,
+    /// Processes outside its session that fetched its descriptor and still live (the
+    /// shell looked): it lingers for them when it is let go.
+    pub recipients: BTreeMap<u32, Option<u64>>,
 }
 
 impl State {
@@ -113,6 +119,9 @@ impl State {
             kept: true,
         };
         if self.shared.add_import(a.publication, import) {
+            if !a.recipients.is_empty() {
+                self.shared.recipients.insert(a.id, a.recipients);
+            }
             Ok(())
         } else {
             Err(NotAdopted::Publication)
@@ -155,8 +164,12 @@ impl State {
                 pid: None,
             });
         }
-        // One known start is the lease's own process's (the others' are not recorded).
-        let holder = a.waiters.iter().find_map(|(&p, s)| s.map(|s| (p, s)));
+        // One known start is the lease's own process's (recipients' are kept apart).
+        let holder = a
+            .waiters
+            .iter()
+            .filter(|(p, _)| !a.recipient_starts.contains_key(p))
+            .find_map(|(&p, s)| s.map(|s| (p, s)));
         self.shared.held.insert(
             a.lease,
             Held {
@@ -173,6 +186,7 @@ impl State {
                 holder: holder.map(|h| h.0),
                 holder_start: holder.map(|h| h.1),
                 holder_place: None,
+                recipient_starts: a.recipient_starts,
                 kept: true,
             },
         );

@@ -15,10 +15,7 @@ impl State {
         let mut out =
             Vec::with_capacity(self.sessions.len() + self.leases.len() + self.quarantine.len());
         out.extend(self.sessions.iter().map(|s| Keep::Session(s.into())));
-        out.extend(self.leases.iter().map(|l| {
-            let crate::memory::Handle::Fd { fd, .. } = &l.block.handle;
-            Keep::Lease(l.into(), fd.clone())
-        }));
+        out.extend(self.leases.iter().map(|l| self.lease_kept(l)));
         out.extend(
             self.quarantine
                 .keys()
@@ -43,7 +40,7 @@ impl State {
         for p in self.shared.pubs.values() {
             for i in p.imports.values().filter(|i| i.kept) {
                 out.push(match i.lingering {
-                    None => Keep::Import(super::shared::import_record(p.id, i)),
+                    None => Keep::Import(self.import_record(p.id, i)),
                     Some(_) => match self.lingering_kept(i.id) {
                         Some(r) => Keep::Lingering(r),
                         None => continue,
@@ -97,6 +94,7 @@ impl State {
             pid_start: q.pid_start,
             destroy: q.destroy,
             device_uuid: None,
+            reached: q.block.reached.records(),
         };
         Some(Keep::Quarantine(record, fd.clone()))
     }
@@ -421,6 +419,8 @@ mod tests {
             names,
             [
                 "lingering-ended",
+                // Its importer's process is gone, but the block names it until its free.
+                "held",
                 "import-ended",
                 "held-let-go",
                 "session-ended"

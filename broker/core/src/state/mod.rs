@@ -499,11 +499,20 @@ impl State {
 
     /// Adds a lease to the table and its session (the caller charged it).
     fn insert_lease(&mut self, lease: Lease) -> LeaseView {
-        self.keep(|| {
-            let crate::memory::Handle::Fd { fd, .. } = &lease.block.handle;
-            crate::effects::Keep::Lease((&lease).into(), fd.clone())
-        });
+        if self.keeping {
+            let k = self.lease_kept(&lease);
+            self.keep(|| k);
+        }
         self.insert_lease_kept(lease)
+    }
+
+    /// Lease `l`'s record, with the processes outside its session that fetched its
+    /// descriptor, and a copy of its descriptor.
+    fn lease_kept(&self, l: &Lease) -> crate::effects::Keep {
+        let crate::memory::Handle::Fd { fd, .. } = &l.block.handle;
+        let mut r: crate::kept::LeaseRecord = l.into();
+        r.recipients = self.recipients_record(l.id);
+        crate::effects::Keep::Lease(r, fd.clone())
     }
 
     /// Adds a lease the keeper already holds (adopted at start).

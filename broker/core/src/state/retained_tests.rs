@@ -206,7 +206,7 @@ fn a_lease_another_process_fetched_is_not_retained() {
     c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
     let s = session_of(&mut c, "a", 7);
     let lease = c.hold("a", s, 16 * MIB, 0, false);
-    c.st.add_recipient(lease, 8);
+    c.st.add_recipient(lease, 8, None);
     c.st.take_effects();
     assert_eq!(c.st.release_retained("a", lease, 7, true), Some(false));
     assert!(c.st.quarantine().values().all(|q| q.retained_by.is_none()));

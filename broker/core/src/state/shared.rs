@@ -280,7 +280,7 @@ impl State {
         if i.kept || i.lingering.is_some() || !self.keeping {
             return;
         }
-        let record = import_record(publication, i);
+        let record = self.import_record(publication, i);
         if let Some(i) = self
             .shared
             .pubs
@@ -327,12 +327,44 @@ impl State {
     /// A lease's (or an import's) descriptor went to `pid`, a process outside its session:
     /// it may map the memory until it exits (counted when the lease or import ends).
     /// False when there is no such live lease or import.
-    pub fn add_recipient(&mut self, id: Uuid, pid: u32) -> bool {
+    pub fn add_recipient(&mut self, id: Uuid, pid: u32, start: Option<u64>) -> bool {
         if self.leases.get(&id).is_none() && !self.shared.by_import.contains_key(&id) {
             return false;
         }
-        self.shared.recipients.entry(id).or_default().insert(pid);
+        let set = self.shared.recipients.entry(id).or_default();
+        let changed = set.insert(pid, start) != Some(start);
+        // A live lease's record names them (up to a bound), so a restarted broker holds
+        // its memory for them too: rewritten only when what it names changes.
+        if changed && set.len() <= crate::pool::Reached::MAX && self.keeping {
+            let k = match self.leases.get(&id) {
+                Some(l) => Some(self.lease_kept(l)),
+                // A kept import's (a lingering one's names them among its waiters).
+                None => self.shared.of_import(&id).and_then(|p| {
+                    let i = p
+                        .imports
+                        .get(&id)
+                        .filter(|i| i.kept && i.lingering.is_none())?;
+                    Some(crate::effects::Keep::Import(self.import_record(p.id, i)))
+                }),
+            };
+            if let Some(k) = k {
+                self.keep(|| k);
+            }
+        }
         true
+    }
+
+    /// The processes outside live lease `id`'s session that fetched its descriptor, as
+    /// its record names them (at most [`crate::pool::Reached::MAX`]).
+    pub(super) fn recipients_record(&self, id: Uuid) -> Vec<crate::kept::ProcessRecord> {
+        self.shared
+            .recipients
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .take(crate::pool::Reached::MAX)
+            .map(|(&pid, &start)| crate::kept::ProcessRecord { pid, start })
+            .collect()
     }
 
     /// The shared table's indexes agree with it and with the leases and sessions (part of
@@ -463,7 +495,8 @@ impl State {
         // A publish sealing it (with no lock held) may not have published it yet.
         let sealed = self.sealing.remove(&lease);
         // Every recipient counts as alive: the shell looks after the unlock.
-        let recipients: BTreeSet<u32> = self.shared.recipients.remove(&lease).unwrap_or_default();
+        let recipient_starts = self.shared.recipients.remove(&lease).unwrap_or_default();
+        let recipients: BTreeSet<u32> = recipient_starts.keys().copied().collect();
         if publication.is_none() && recipients.is_empty() {
             // A memfd its holder sealed (it may do so) is not looked at here: it can seal
             // it through a descriptor it kept after the release too, so the one look that
@@ -553,14 +586,17 @@ impl State {
                 holder,
                 holder_start,
                 holder_place,
-                // Held for importers: kept (below) while the keeper is.
-                kept: imported && self.keeping,
+                recipient_starts: recipient_starts
+                    .into_iter()
+                    .filter_map(|(p, s)| Some((p, s?)))
+                    .collect(),
+                // Kept (below) while the keeper is: held for importers, or for processes
+                // that fetched its descriptor, a restart holds it for them too.
+                kept: self.keeping,
             },
         );
-        if imported {
-            if let Some(k) = self.held_kept(lease) {
-                self.keep(|| k);
-            }
+        if let Some(k) = self.held_kept(lease) {
+            self.keep(|| k);
         }
         self.keep_lease_ended(lease, reclaim);
         if let Some(pid) = publication {
@@ -606,6 +642,20 @@ impl State {
                     start: h.holder_start.filter(|_| Some(pid) == h.holder),
                 })
                 .collect(),
+            recipients: h
+                .waiters
+                .pids
+                .iter()
+                .filter(|&&pid| Some(pid) != h.holder)
+                .filter_map(|&pid| {
+                    let start = *h.recipient_starts.get(&pid)?;
+                    Some(ProcessRecord {
+                        pid,
+                        start: Some(start),
+                    })
+                })
+                .collect(),
+            reached: h.block.reached.records(),
             timeout: h.waiters.timeout,
             destroy: h.destroy,
             device_uuid: None,
@@ -683,10 +733,19 @@ impl State {
         } else {
             self.shared.held.get_mut(&lease).map(|h| &mut h.block)
         };
-        if let Some(b) = block {
-            match tenant {
-                Some(t) => b.reached.add_of(pid, &t, place),
-                None => b.reached.add(pid, place),
+        let Some(b) = block else { return };
+        let new = match tenant {
+            Some(t) => b.reached.add_of(pid, &t, place),
+            None => b.reached.add(pid, place),
+        };
+        // The block's record names it from now, so a free after a restart checks for it.
+        if new && self.keeping {
+            let k = match live {
+                true => self.leases.get(&lease).map(|l| self.lease_kept(l)),
+                false => self.held_kept(lease),
+            };
+            if let Some(k) = k {
+                self.keep(|| k);
             }
         }
     }
@@ -709,7 +768,7 @@ impl State {
                 None => waiters.timeout = true,
             }
         }
-        waiters.pids.extend(recipients);
+        waiters.pids.extend(recipients.into_keys());
         let lingers = !waiters.is_empty();
         if let Some(i) = self
             .shared
@@ -906,9 +965,9 @@ impl State {
         let Some(h) = self.shared.held.remove(&lease) else {
             return false;
         };
-        if h.kept {
-            self.keep(|| crate::effects::Keep::HeldLetGo(lease));
-        }
+        // Its record goes after its quarantine's is kept (below): a crash between leaves
+        // both, and a restart takes back the quarantine.
+        let kept = h.kept;
         // Its own process (or the timeout) no longer waits here, but in its quarantine.
         unwatch_held(&mut self.fx, lease, &h.waiters);
         let ending = match parked.ending {
@@ -948,6 +1007,9 @@ impl State {
                 self.fx.watch(Watch::Quarantine { lease, pid });
                 self.keep_quarantine(lease);
             }
+        }
+        if kept {
+            self.keep(|| crate::effects::Keep::HeldLetGo(lease));
         }
         let back = !ending.held();
         if let Some(r) = parked.reservation {
@@ -1042,15 +1104,20 @@ impl State {
 }
 
 /// Import `i`'s record (of publication `publication`).
-pub(super) fn import_record(publication: Uuid, i: &Import) -> crate::kept::ImportRecord {
-    crate::kept::ImportRecord {
-        v: crate::kept::RECORD_VERSION,
-        id: i.id.to_string(),
-        publication: publication.to_string(),
-        tenant: i.tenant.clone(),
-        session: i.session.to_string(),
-        pid: i.pid,
-        created_unix_ms: crate::kept::unix_ms(i.created),
+impl State {
+    /// Import `i` of `publication`'s record, with the processes outside its session that
+    /// fetched its descriptor.
+    pub(super) fn import_record(&self, publication: Uuid, i: &Import) -> crate::kept::ImportRecord {
+        crate::kept::ImportRecord {
+            v: crate::kept::RECORD_VERSION,
+            id: i.id.to_string(),
+            publication: publication.to_string(),
+            tenant: i.tenant.clone(),
+            session: i.session.to_string(),
+            pid: i.pid,
+            created_unix_ms: crate::kept::unix_ms(i.created),
+            recipients: self.recipients_record(i.id),
+        }
     }
 }
 

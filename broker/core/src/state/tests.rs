@@ -768,7 +768,7 @@ impl Harness {
                     return;
                 };
                 self.running.insert(OTHERS[other]);
-                assert!(self.st.add_recipient(id, OTHERS[other]));
+                assert!(self.st.add_recipient(id, OTHERS[other], None));
             }
             Op::Exits { which } => {
                 let mut held: Vec<Uuid> = self.st.shared().held.keys().copied().collect();
@@ -1702,7 +1702,7 @@ fn a_lease_held_for_recipients_ends_as_it_was_ending_once_they_are_found_gone() 
         .find(|l| h.st.leases().get(l).unwrap().reservation.is_some())
         .unwrap();
     h.running.insert(OTHERS[0]);
-    h.st.add_recipient(drawn, OTHERS[0]);
+    h.st.add_recipient(drawn, OTHERS[0], None);
     h.running.remove(&OTHERS[0]);
     let room = h.st.reservations().iter().next().unwrap().room();
     h.end_lease(drawn, Ending::Cache);
