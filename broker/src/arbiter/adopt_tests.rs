@@ -681,7 +681,7 @@ async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
         (id, 2 * MIB, &holders)
     );
     assert_eq!(
-        arb.get_tenant("alpha").unwrap().usage.quarantined_bytes,
+        arb.views().tenant("alpha").unwrap().usage.quarantined_bytes,
         2 * MIB
     );
     assert_eq!(named(&format!("held/{id}")), want, "the held block is kept");
@@ -696,7 +696,10 @@ async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(arb.list_quarantined().is_empty(), "let go once they exited");
-    assert_eq!(arb.get_tenant("alpha").unwrap().usage.quarantined_bytes, 0);
+    assert_eq!(
+        arb.views().tenant("alpha").unwrap().usage.quarantined_bytes,
+        0
+    );
     assert!(!records.lock().contains_key(&format!("held/{id}")));
     arb.lock().check_invariant().unwrap();
 }
@@ -864,7 +867,8 @@ fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
     other.wait().unwrap();
     arb.lock().import_let_go(id, Ending::Cache);
     let lingering = |arb: &Arbiter| -> Vec<bool> {
-        arb.list_shared(Some("alpha"))
+        arb.views()
+            .shared(Some("alpha"))
             .iter()
             .flat_map(|p| p.imports.iter().map(|i| i.lingering))
             .collect()
