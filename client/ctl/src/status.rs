@@ -79,13 +79,13 @@ pub fn start_line(info: &gpu_broker_client::BrokerInfo, now: SystemTime) -> Stri
     line
 }
 
-/// What else a start took back (said only when it found any): blocks held for
-/// importers, lingering imports, charges of memory kept outside the broker.
+/// What else a start took back (said only when it found any): blocks held for other
+/// processes (importers, fd recipients), lingering imports, charges of memory kept outside the broker.
 fn kept_memory_parts(r: &gpu_broker_client::RestartInfo) -> String {
     let mut out = String::new();
     if r.held_adopted + r.held_let_go > 0 {
         out.push_str(&format!(
-            "; {} blocks held for importers (let go {})",
+            "; {} blocks held for other processes (let go {})",
             r.held_adopted, r.held_let_go
         ));
     }
@@ -612,7 +612,7 @@ pub(crate) mod tests {
         }
         let text = render(&s, now());
         assert!(
-            text.contains("in 12 ms; 1 blocks held for importers (let go 2); 3 charges of memory kept outside the broker (96.0 MiB, lifted 1)"),
+            text.contains("in 12 ms; 1 blocks held for other processes (let go 2); 3 charges of memory kept outside the broker (96.0 MiB, lifted 1)"),
             "{text}"
         );
         assert!(!text.contains("lingering"), "{text}");
