@@ -127,7 +127,7 @@ async fn serve_with_channels(
             Ok(p) => p,
             Err(cap) => {
                 tracing::debug!(?uid, ?cap, "too many ticket connections; one told busy");
-                arb.metrics().ticket_refused("busy");
+                arb.metrics().ticket_refused(crate::metrics::TICKET_BUSY);
                 let _ = stream.try_write(&[BUSY_REPLY]);
                 pressure.turned_away(uid, cap);
                 continue;
@@ -352,7 +352,7 @@ async fn serve_channel(
         Ok(slot) => slot,
         Err(cap) => {
             tracing::debug!(?uid, ?cap, "too many descriptor channels; one told busy");
-            arb.metrics().ticket_refused("busy");
+            arb.metrics().ticket_refused(crate::metrics::CHANNEL_BUSY);
             let _ = stream.try_write(&[BUSY_REPLY]);
             return;
         }
@@ -1424,6 +1424,16 @@ mod tests {
             .unwrap();
         assert_eq!(std::io::Read::read(&mut &conn, &mut b).unwrap(), 0);
         assert_eq!(arb.tickets().channels().len(), 2);
+        // Counted as a busy channel, not as a busy ticket connection.
+        let text = arb
+            .metrics_text(crate::metrics::Format::PrometheusText)
+            .await;
+        for line in [
+            "gpu_broker_ticket_refusals_total{reason=\"channel_busy\"} 1",
+            "gpu_broker_ticket_refusals_total{reason=\"busy\"} 0",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
 
         // Its descriptors come with tickets.
         let peer = Peer {
