@@ -505,7 +505,7 @@ mod tests {
             rustix::net::sendmsg(&a, &iov, &mut control, SendFlags::empty()).unwrap();
         }
         drop(w);
-        let e = recv(&b).err().expect("a cut message is refused");
+        let e = recv(&b).expect_err("a cut message is refused");
         assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
         assert!(writers_closed(&r), "the descriptor that came is closed");
         // Too many descriptors for one message are refused before anything is sent.
