@@ -147,6 +147,16 @@ async fn run(
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("loading state")?;
     clock.step("load state");
+    // Before the take-back: a kept charge whose holder exits right after it is looked for
+    // near that holder (`kept_holders.rs`), and sessions taken back get their peers' places.
+    let process_monitor = match arb.devices().any_cuda() {
+        true => gpu_broker::gpu_processes::ProcessMonitor::open().map(Arc::new),
+        false => None,
+    };
+    if let Some(monitor) = &process_monitor {
+        arb.find_kept_holders_with(gpu_broker::kept_holders::HolderFinder::new(monitor.clone()));
+        clock.step("process monitor");
+    }
     // Before anything is served: what the previous broker left is taken back first.
     match kept {
         Kept::Keeper(dump) => {
@@ -318,16 +328,9 @@ async fn run(
         }
     }
     gpu_broker::health::spawn_monitor(&arb, cfg.health(), nvml_faults, shutdown.clone());
-    if arb.devices().any_cuda() {
-        if let Some(monitor) = gpu_broker::gpu_processes::ProcessMonitor::open() {
-            let monitor = std::sync::Arc::new(monitor);
-            // Before anything is served: holders' places are read from the first session.
-            arb.find_kept_holders_with(gpu_broker::kept_holders::HolderFinder::new(
-                monitor.clone(),
-            ));
-            arb.tasks()
-                .spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());
-        }
+    if let Some(monitor) = process_monitor {
+        arb.tasks()
+            .spawn_process_watch(monitor, cfg.own_alloc_allowance, shutdown.clone());
     }
     gpu_broker::server::spawn_signal_wait(
         &arb,

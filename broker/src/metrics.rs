@@ -167,7 +167,12 @@ impl Metrics {
         for outcome in ["granted", "refused"] {
             let _ = m.acquire_seconds.get_or_create(&OutcomeLabel { outcome });
         }
-        for reason in TicketRefusal::ALL.map(TicketRefusal::as_str) {
+        let busy = [TICKET_BUSY, CHANNEL_BUSY];
+        for reason in TicketRefusal::ALL
+            .map(TicketRefusal::as_str)
+            .into_iter()
+            .chain(busy)
+        {
             let _ = m.ticket_refusals.get_or_create(&ReasonLabel { reason });
         }
         m
@@ -183,8 +188,8 @@ impl Metrics {
         self.descriptors_pushed.inc();
     }
 
-    /// The ticket server refused a ticket (a [`TicketRefusal`] label, or `busy` and
-    /// `lease_gone`).
+    /// The ticket server refused a ticket (a [`TicketRefusal`] label, [`TICKET_BUSY`],
+    /// [`CHANNEL_BUSY`] or `lease_gone`).
     pub fn ticket_refused(&self, reason: &'static str) {
         self.ticket_refusals
             .get_or_create(&ReasonLabel { reason })
@@ -450,6 +455,13 @@ impl Metrics {
         );
     }
 }
+
+/// The `reason` of `ticket_refusals` when a ticket connection is turned away at a
+/// connection limit ("busy": its ticket untouched).
+pub const TICKET_BUSY: &str = "busy";
+/// The `reason` of `ticket_refusals` when a descriptor channel is refused at a channel
+/// limit ("busy": the process keeps redeeming tickets).
+pub const CHANNEL_BUSY: &str = "channel_busy";
 
 /// Why the ticket server refused a ticket (`fd/tickets.rs`; the `reason` label of
 /// `ticket_refusals`). Kept here, below the ticket server, so the metrics import nothing

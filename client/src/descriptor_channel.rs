@@ -22,8 +22,9 @@ use gpu_broker_proto::ticket::{
     BUSY_REPLY, CHANNEL_HELLO, CHANNEL_OPEN_REPLY, PUSHED_FD, PUSHED_LEN,
 };
 use parking_lot::Mutex;
+use rustix::net::RecvFlags;
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
@@ -209,7 +210,7 @@ impl Channel {
         let mut found = None;
         if let Some(conn) = &self.conn {
             loop {
-                match recv_pushed(conn.as_raw_fd()) {
+                match recv_pushed(conn.as_fd()) {
                     Ok(Some((key, fd))) if Some(&key) == lease => {
                         found = Some(fd);
                         break;
@@ -237,52 +238,13 @@ impl Channel {
 /// One descriptor message off a channel, without waiting: `Ok(None)` when the broker
 /// closed it or sent something else (any descriptors that came are closed);
 /// `WouldBlock` when nothing waits.
-fn recv_pushed(sock: RawFd) -> std::io::Result<Option<(LeaseKey, OwnedFd)>> {
+fn recv_pushed(sock: BorrowedFd<'_>) -> std::io::Result<Option<(LeaseKey, OwnedFd)>> {
     let mut data = [0u8; PUSHED_LEN];
-    let mut iov = libc::iovec {
-        iov_base: data.as_mut_ptr().cast(),
-        iov_len: data.len(),
+    let (n, mut fds) = match crate::fd::recv_fds(sock, &mut data, RecvFlags::DONTWAIT) {
+        Ok(got) => got,
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => return Ok(None),
+        Err(e) => return Err(e),
     };
-    // Room for a few descriptors, so extras are received (and closed) rather than lost.
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<RawFd>()) as u32) } as usize;
-    let mut control = [0u8; 128];
-    let control = &mut control[..space];
-    // SAFETY: zeroed msghdr, then every pointer set outlives the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    let n = loop {
-        // SAFETY: valid socket and message buffers.
-        let n =
-            unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    };
-    let mut fds = Vec::new();
-    // SAFETY: walking the control messages the kernel filled in, within msg_controllen.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
-                    / std::mem::size_of::<RawFd>();
-                for i in 0..count {
-                    let fd = std::ptr::read_unaligned(data.add(i));
-                    fds.push(OwnedFd::from_raw_fd(fd));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
     if n != PUSHED_LEN || data[0] != PUSHED_FD || fds.len() != 1 {
         return Ok(None);
     }

@@ -20,7 +20,8 @@
 //! it, so nothing leaks on any error path.
 
 use std::io::ErrorKind;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -29,6 +30,7 @@ use serde::Serialize;
 
 use gpu_broker_proto::ticket::{BUSY_REPLY, FD_REPLY, LEASE_ENDED_REPLY, REFUSED_REPLY};
 use gpu_broker_proto::v1 as pb;
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
 
 use crate::error::ClientError;
 
@@ -281,9 +283,7 @@ async fn exchange(conn: UnixStream, ticket: &[u8]) -> Result<(Received, UnixStre
     }
     let got = loop {
         s.readable().await?;
-        match s.try_io(tokio::io::Interest::READABLE, || {
-            recv_with_fd(s.as_raw_fd())
-        }) {
+        match s.try_io(tokio::io::Interest::READABLE, || recv_with_fd(s.as_fd())) {
             Ok(got) => break got,
             Err(e) if e.kind() == ErrorKind::WouldBlock => continue,
             Err(e) if e.kind() == ErrorKind::ConnectionReset => {
@@ -310,59 +310,58 @@ pub struct Received {
 }
 
 /// `recvmsg` of up to one byte and one descriptor (`MSG_CMSG_CLOEXEC`). Any extra
-/// descriptors are closed.
-pub fn recv_with_fd(sock: RawFd) -> std::io::Result<Received> {
+/// descriptors are closed; an answer whose descriptors the kernel cut fails
+/// (`InvalidData`), the ones that arrived closed.
+pub fn recv_with_fd(sock: BorrowedFd<'_>) -> std::io::Result<Received> {
     let mut byte = [0u8; 1];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // Room for a few descriptors, so extras are received (and closed) rather than lost.
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<RawFd>()) as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: zeroed msghdr, then every pointer set outlives the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    let n = loop {
-        // SAFETY: valid socket and message buffers.
-        let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    };
-    let mut first = None;
-    // SAFETY: walking the control messages the kernel filled in, within msg_controllen.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                let header = libc::CMSG_LEN(0) as usize;
-                let count = ((*cmsg).cmsg_len as usize - header) / std::mem::size_of::<RawFd>();
-                for i in 0..count {
-                    let fd = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i)));
-                    if first.is_none() {
-                        first = Some(fd);
-                    }
-                    // Extra descriptors drop (close) here.
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
+    let (len, mut fds) = recv_fds(sock, &mut byte, RecvFlags::empty())?;
+    // Extra descriptors drop (close) here.
+    let first = (!fds.is_empty()).then(|| fds.swap_remove(0));
     Ok(Received {
-        len: n,
+        len,
         byte: byte[0],
         fd: first,
     })
+}
+
+/// One `recvmsg` into `buf` with room for a few descriptors (so extras are received and
+/// closed rather than left in flight), close-on-exec, retried when interrupted: the bytes
+/// read and the descriptors that came, in order. Descriptors cut by the kernel (more than
+/// the room) fail it with `InvalidData`, those that arrived closed.
+pub(crate) fn recv_fds(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+    flags: RecvFlags,
+) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = loop {
+        let mut iov = [std::io::IoSliceMut::new(buf)];
+        match rustix::net::recvmsg(
+            sock,
+            &mut iov,
+            &mut control,
+            flags | RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(got) => break got,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let fds: Vec<OwnedFd> = control
+        .drain()
+        .flat_map(|m| match m {
+            RecvAncillaryMessage::ScmRights(fds) => fds.collect(),
+            _ => Vec::new(),
+        })
+        .collect();
+    if got.flags.contains(ReturnFlags::CTRUNC) {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            format!("descriptors cut off a message ({} arrived)", fds.len()),
+        ));
+    }
+    Ok((got.bytes, fds))
 }
 
 #[cfg(test)]
@@ -370,6 +369,7 @@ mod tests {
     use super::*;
     use crate::error::Code;
     use std::io::{Read, Write};
+    use std::os::fd::{AsRawFd, FromRawFd};
     use tokio::io::AsyncReadExt;
 
     /// A fetch waits on the runtime, not in a system call: on a current-thread runtime, a
@@ -583,6 +583,39 @@ mod tests {
         server.join().unwrap();
         let e = fetch(&path, b"", None).await.unwrap_err();
         assert!(matches!(e, ClientError::FailedPrecondition(_)), "{e}");
+    }
+
+    /// An answer with more descriptors than there is room for (the kernel cut them, which
+    /// no broker sends) fails, and the descriptors that did arrive are closed: the only
+    /// write end of a pipe sent 16 times is closed everywhere once the receive returns.
+    #[test]
+    fn an_answer_whose_descriptors_were_cut_fails_and_closes_what_arrived() {
+        let (mine, broker) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut ends = [0; 2];
+        // SAFETY: pipe2 into a two-element array; checked below.
+        let rc = unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        assert_eq!(rc, 0);
+        // SAFETY: fresh descriptors this test owns.
+        let (r, w) = unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) };
+        {
+            use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+            let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(16))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            let fds = [std::os::fd::AsFd::as_fd(&w); 16];
+            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+            let iov = [std::io::IoSlice::new(&[FD_REPLY])];
+            let sent = rustix::net::sendmsg(&broker, &iov, &mut control, SendFlags::empty());
+            assert_eq!(sent.unwrap(), 1);
+        }
+        drop(w);
+        let e = recv_with_fd(mine.as_fd())
+            .err()
+            .expect("a cut answer fails");
+        assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
+        let mut b = [0u8; 1];
+        // SAFETY: a read into a one-byte buffer from a descriptor this test owns.
+        let n = unsafe { libc::read(r.as_raw_fd(), b.as_mut_ptr().cast(), 1) };
+        assert_eq!(n, 0, "a write end that arrived is still open");
     }
 
     /// Sends one byte with `fd` attached, as the broker's ticket server does.

@@ -29,7 +29,7 @@ use gpu_broker_client::{Client, QuotaSpec};
 use gpu_broker_proto::ticket::BUSY_REPLY;
 use gpu_broker_proto::v1 as pb;
 use serde_json::json;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 use tonic_health::pb::health_client::HealthClient;
 
@@ -433,7 +433,7 @@ async fn fresh_async(socket: &std::path::Path, ticket: &[u8]) -> Result<OwnedFd>
         let got = loop {
             s.readable().await?;
             match s.try_io(tokio::io::Interest::READABLE, || {
-                gpu_broker_client::fd::recv_with_fd(s.as_raw_fd())
+                gpu_broker_client::fd::recv_with_fd(s.as_fd())
             }) {
                 Ok(got) => break got,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
@@ -465,7 +465,7 @@ fn fresh_blocking(socket: &std::path::Path, ticket: &[u8]) -> Result<OwnedFd> {
         let mut s = std::os::unix::net::UnixStream::connect(socket)?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
         let _ = s.write_all(ticket);
-        match gpu_broker_client::fd::recv_with_fd(s.as_raw_fd())? {
+        match gpu_broker_client::fd::recv_with_fd(s.as_fd())? {
             r if r.len == 1 && r.byte == BUSY_REPLY => std::thread::sleep(Duration::from_millis(1)),
             r => {
                 return r.fd.with_context(|| {

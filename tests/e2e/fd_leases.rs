@@ -39,8 +39,8 @@ fn present(socket: &str, bytes: &[u8]) -> (usize, bool) {
         // Say we are done: a short ticket must be refused, not waited for.
         s.shutdown(std::net::Shutdown::Write).unwrap();
     }
-    use std::os::fd::AsRawFd;
-    let got = gpu_broker_client::fd::recv_with_fd(s.as_raw_fd()).unwrap();
+    use std::os::fd::AsFd;
+    let got = gpu_broker_client::fd::recv_with_fd(s.as_fd()).unwrap();
     let mut rest = Vec::new();
     let _ = s.read_to_end(&mut rest);
     (got.len + rest.len(), got.fd.is_some())

@@ -302,7 +302,7 @@ async fn sigterm_leaves_sessions_to_the_keeper_and_a_resume_needs_the_secret() {
     assert_eq!(held_bytes(&b, "gamma").await, (0, 0));
 }
 
-/// `GET /metrics` of `b` (HTTP/1.0: read to the end).
+/// `GET /metrics` of `b`'s latest start (HTTP/1.0: read to the end).
 async fn metrics_text(b: &Broker) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(b.metrics_addr().await)
@@ -697,7 +697,7 @@ pub(crate) async fn stranded_charge_survives_a_sigkill(b: &mut Broker) {
         text.contains("1 charges of memory kept outside the broker (16.0 MiB, lifted 0)"),
         "{text}"
     );
-    let metrics = latest_metrics_text(b).await;
+    let metrics = metrics_text(b).await;
     assert!(
         metrics.contains("gpu_broker_restart_kept_stranded_total{outcome=\"adopted\"} 1"),
         "{metrics}"
@@ -744,22 +744,6 @@ async fn charges(
         listed,
         tenant(&admin, "alpha").await.usage.quarantined_bytes,
     )
-}
-
-/// `GET /metrics` of `b`'s latest start (the log keeps each start's listener address;
-/// `metrics_text` reads the first).
-async fn latest_metrics_text(b: &Broker) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let log = b.log_text();
-    let start = log.rfind("gpu_broker: descriptor limit").unwrap_or(0);
-    let addr = logged_metrics_addr(&log[start..]).expect("this start's metrics address");
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).await.unwrap();
-    text
 }
 
 /// A process outside the lease's session that fetched its descriptor (`e2e-worker read

@@ -49,6 +49,8 @@ pub struct Broker {
     pub env: Vec<(String, String)>,
     /// The service manager it runs under, if any ([`Broker::start_under`]).
     pub systemd: Option<std::sync::Arc<FakeSystemd>>,
+    /// Where the latest start's lines begin in `log` (each start appends to it).
+    log_from: usize,
 }
 
 /// Options for starting a broker.
@@ -190,6 +192,7 @@ impl Broker {
             env: Vec::new(),
             systemd,
             dir,
+            log_from: 0,
         };
         b.spawn()?;
         Ok(b)
@@ -201,6 +204,7 @@ impl Broker {
             .create(true)
             .append(true)
             .open(&self.log)?;
+        self.log_from = log.metadata()?.len() as usize;
         // Copies of the store's descriptors, open until the child has them.
         let mut _handed = Vec::new();
         let mut cmd = match (&self.systemd, self.wrapper.split_first()) {
@@ -275,11 +279,13 @@ impl Broker {
     }
 
     /// The address of the metrics listener (`--metrics-listen 127.0.0.1:0`), as the broker
-    /// logged it (waited for, up to 5 s).
+    /// logged it at its latest start (waited for, up to 5 s: an earlier start's listener
+    /// is gone).
     pub async fn metrics_addr(&self) -> String {
         let mut addr = None;
         let found = eventually(Duration::from_secs(5), || {
-            addr = logged_metrics_addr(&self.log_text());
+            let log = self.log_text();
+            addr = logged_metrics_addr(log.get(self.log_from..).unwrap_or_default());
             let ok = addr.is_some();
             async move { ok }
         })
@@ -507,9 +513,10 @@ pub fn wait_until_serving(
 }
 
 /// The address the metrics listener logged it serves on (`metrics at /metrics ...
-/// addr=HOST:PORT`), in a broker's log text.
+/// addr=HOST:PORT`), in a broker's log text: the last one logged (of its latest start).
 pub fn logged_metrics_addr(log: &str) -> Option<String> {
     log.lines()
+        .rev()
         .find(|l| l.contains("metrics at /metrics"))
         .and_then(|l| l.split("addr=").nth(1))
         .and_then(|a| a.split_whitespace().next())
@@ -893,4 +900,20 @@ pub async fn revoked_while_waiting<T: std::fmt::Debug>(
         Some(&gpu_broker_client::error::Reason::TokenUnknown),
         "{e}"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A log of two starts (a restart appends to the same file) gives the latest start's
+    /// metrics address: the first start's listener is gone.
+    #[test]
+    fn the_metrics_address_is_the_latest_starts() {
+        let log = "INFO gpu_broker: metrics at /metrics addr=127.0.0.1:4001 require_token=false\n\
+                   INFO gpu_broker: stopped\n\
+                   INFO gpu_broker: metrics at /metrics addr=127.0.0.1:4002 require_token=false\n";
+        assert_eq!(logged_metrics_addr(log).as_deref(), Some("127.0.0.1:4002"));
+        assert_eq!(logged_metrics_addr("INFO gpu_broker: serving\n"), None);
+    }
 }

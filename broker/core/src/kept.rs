@@ -527,6 +527,25 @@ pub enum Kept {
     Stranded(StrandedRecord),
 }
 
+impl Kept {
+    /// The key this record is kept under, as its own fields give it.
+    pub fn key(&self) -> String {
+        match self {
+            Kept::Session(r) => r.key(),
+            Kept::Lease(r) => r.key(),
+            Kept::Drain(r) => r.key(),
+            Kept::Quarantine(r) => r.key(),
+            Kept::Publication(r) => r.key(),
+            Kept::Import(r) => r.key(),
+            Kept::Reservation(r) => r.key(),
+            Kept::Reclaim(r) => r.key(),
+            Kept::Held(r) => r.key(),
+            Kept::Lingering(r) => r.key(),
+            Kept::Stranded(r) => r.key(),
+        }
+    }
+}
+
 /// Why a kept record cannot be read.
 #[derive(Debug, thiserror::Error)]
 pub enum RecordError {
@@ -620,8 +639,23 @@ pub fn lease_key(id: &uuid::Uuid) -> String {
     format!("{LEASE_PREFIX}{id}")
 }
 
-/// Reads the record kept under `key`.
+/// Reads the record kept under `key`. A record whose own fields name another key is
+/// damaged and refused: every later removal goes by the key its fields give, which would
+/// leave the one it was read under in the keeper for good.
 pub fn parse(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> {
+    let kept = parse_any(key, record)?;
+    let own = kept.key();
+    if own != key {
+        return Err(RecordError::Unreadable {
+            key: key.to_string(),
+            why: format!("its fields name the key {own:?}"),
+        });
+    }
+    Ok(kept)
+}
+
+/// [`parse`], whatever key the record's fields name.
+fn parse_any(key: &str, record: serde_json::Value) -> Result<Kept, RecordError> {
     let unreadable = |why: String| RecordError::Unreadable {
         key: key.to_string(),
         why,
@@ -970,5 +1004,29 @@ mod tests {
             parse("lease/x", serde_json::json!({"v": 1, "id": "x"})),
             Err(RecordError::Unreadable { .. })
         ));
+    }
+
+    /// A record kept under a key its fields do not give is damaged: refused, naming the
+    /// key it was read under (the one to remove).
+    #[test]
+    fn a_record_under_another_records_key_is_refused() {
+        let session = serde_json::json!({"v": 1, "id": "a", "tenant": "t", "name": "n",
+            "pid": null, "uid": null, "pid_start": null, "resume_hash": null});
+        assert!(matches!(
+            parse("session/a", session.clone()),
+            Ok(Kept::Session(_))
+        ));
+        let err = parse("session/b", session).unwrap_err();
+        assert!(
+            matches!(&err, RecordError::Unreadable { key, .. } if key == "session/b"),
+            "{err}"
+        );
+        assert!(err.to_string().contains("session/a"), "{err}");
+        let drain = serde_json::json!({"v": 1, "device": 2});
+        assert!(matches!(
+            parse("drain/2", drain.clone()),
+            Ok(Kept::Drain(_))
+        ));
+        assert!(parse("drain/3", drain).is_err());
     }
 }

@@ -800,7 +800,15 @@ impl Arbiter {
         let mut opened = Vec::new();
         for r in records {
             match session_of(&r, alive) {
-                Ok(s) => opened.push((r, s)),
+                Ok(mut s) => {
+                    // Where its peer runs, as a session opened now has it (set before the
+                    // take-back by `main`).
+                    s.place = self
+                        .kept_holders()
+                        .zip(s.peer.pid)
+                        .and_then(|(f, p)| f.place(p));
+                    opened.push((r, s))
+                }
                 Err(why) => refused.push((r, why)),
             }
         }

@@ -71,9 +71,25 @@ impl Arbiter {
             }
             asked.push((r, a));
         }
+        // Watched by the finder before the hold that starts its holders' watches: a holder
+        // exiting right after is looked for near, never lifted unlooked.
+        let finder = self.kept_holders();
+        if let Some(f) = finder {
+            for (r, a) in asked.iter().filter(|(_, a)| a.recheck && a.watched) {
+                if let Some(uuid) = self.devices.recorded_uuid(r.device) {
+                    let places = a.holders.keys().filter_map(|&p| f.place(p)).collect();
+                    f.watch(a.id, &uuid, places);
+                }
+            }
+        }
         let mut st = self.lock();
         for (r, a) in asked {
-            match st.adopt_stranded(a) {
+            let id = a.id;
+            let adopted = st.adopt_stranded(a);
+            if let (Err(_), Some(f)) = (&adopted, finder) {
+                f.forget(id);
+            }
+            match adopted {
                 Ok(()) => {
                     out.adopted += 1;
                     out.bytes += r.bytes;

@@ -890,3 +890,140 @@ fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
     assert!(lingering(&arb).is_empty(), "ended once they were gone");
     arb.lock().check_invariant().unwrap();
 }
+
+/// A place whose records outlive a start (as a keeper's do): each start reads them all
+/// again, and what the broker removes is gone from the next.
+#[derive(Clone, Default)]
+struct LastingPlace(Arc<parking_lot::Mutex<std::collections::BTreeMap<String, serde_json::Value>>>);
+
+impl Place for LastingPlace {
+    fn describe(&self) -> String {
+        "lasting memory".into()
+    }
+    fn dump(&self) -> Result<Vec<Entry>, KeeperError> {
+        Ok(self
+            .0
+            .lock()
+            .iter()
+            .map(|(key, record)| Entry {
+                key: key.clone(),
+                record: record.clone(),
+                fd: None,
+            })
+            .collect())
+    }
+    fn put(&self, key: String, record: serde_json::Value, _fd: Option<BorrowedFd<'_>>) {
+        self.0.lock().insert(key, record);
+    }
+    fn remove(&self, key: String) {
+        self.0.lock().remove(&key);
+    }
+    fn is_broken(&self) -> bool {
+        false
+    }
+    fn sent(&self) -> u64 {
+        0
+    }
+}
+
+/// A damaged record kept under a key that names another record than its own (of every
+/// kind) is refused at the start and removed by the key it was read under, so the next
+/// start does not read it again. Removals used to go by a key rebuilt from the record,
+/// which left it in the keeper for good.
+#[test]
+fn a_record_kept_under_another_records_key_is_refused_once_and_gone_at_the_next_start() {
+    let id = || Uuid::new_v4().to_string();
+    let (lease, publication, session) = (id(), id(), id());
+    let mib2 = 2 * MIB;
+    // Each record, and the key its own fields give it.
+    let records = [
+        (
+            format!("session/{session}"),
+            serde_json::json!({"v": 1, "id": session, "tenant": "gone", "name": "w",
+                "pid": null, "uid": null, "pid_start": null, "resume_hash": null}),
+        ),
+        (
+            format!("lease/{lease}"),
+            serde_json::to_value(LeaseRecord {
+                id: lease.clone(),
+                ..lease_record(Uuid::new_v4(), "alpha", 0, None)
+            })
+            .unwrap(),
+        ),
+        (
+            "drain/0".to_string(),
+            serde_json::json!({"v": 1, "device": 0, "reason": "damaged"}),
+        ),
+        (
+            format!("quarantine/{lease}"),
+            serde_json::json!({"v": 1, "lease": lease, "tenant": "alpha", "device": 0,
+                "bytes": mib2, "block_id": 1, "kind": "host-memfd", "pid": null}),
+        ),
+        (
+            format!("publication/{publication}"),
+            serde_json::json!({"v": 1, "id": publication, "lease": lease,
+                "publisher": "alpha", "name": "w"}),
+        ),
+        (
+            format!("import/{lease}"),
+            serde_json::json!({"v": 1, "id": lease, "publication": publication,
+                "tenant": "alpha", "session": session, "pid": null}),
+        ),
+        (
+            format!("reservation/{lease}"),
+            serde_json::json!({"v": 1, "id": lease, "tenant": "alpha", "session": session,
+                "device": 0, "bytes": mib2, "pid": null}),
+        ),
+        (
+            format!("reclaim/{lease}"),
+            serde_json::json!({"v": 1, "lease": lease, "deadline_unix_ms": 0}),
+        ),
+        (
+            format!("held/{lease}"),
+            serde_json::json!({"v": 1, "lease": lease, "tenant": "alpha", "device": 0,
+                "bytes": mib2, "block_id": 1, "kind": "host-memfd"}),
+        ),
+        (
+            format!("lingering/{lease}"),
+            serde_json::json!({"v": 1, "id": lease, "publication": publication,
+                "tenant": "alpha", "session": session, "pid": null, "waiters": []}),
+        ),
+        (
+            format!("stranded/{lease}"),
+            serde_json::json!({"v": 1, "id": lease, "tenant": "alpha", "device": 0,
+                "bytes": mib2, "holders": []}),
+        ),
+    ];
+    let place = LastingPlace::default();
+    let mut damaged = Vec::new();
+    for (own_key, record) in records {
+        // Readable under its own key: only the key it is kept under is wrong.
+        assert!(
+            crate::keeper::records::parse(&own_key, record.clone()).is_ok(),
+            "{own_key}"
+        );
+        let (prefix, _) = own_key.split_once('/').unwrap();
+        let key = match prefix {
+            "drain" => "drain/1".to_string(),
+            _ => format!("{prefix}/{}", Uuid::new_v4()),
+        };
+        place.put(key.clone(), record, None);
+        damaged.push(key);
+    }
+    let arb = host_arbiter(64 * MIB, 2, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let report = arb.adopt_from_keeper(place.clone()).unwrap();
+    assert_eq!(report.kept_records, damaged.len());
+    let left: Vec<String> = place.0.lock().keys().cloned().collect();
+    assert!(left.is_empty(), "still kept after the start: {left:?}");
+    assert!(arb
+        .avail
+        .read()
+        .device(0)
+        .is_some_and(|s| s.drain.is_none()));
+
+    let again = host_arbiter(64 * MIB, 2, ArbiterConfig::default());
+    let report = again.adopt_from_keeper(place).unwrap();
+    assert_eq!(report.kept_records, 0, "read again at the next start");
+}

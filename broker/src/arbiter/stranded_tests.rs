@@ -1155,6 +1155,84 @@ async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder()
     assert_eq!(st.stranded_memory().count(), 0);
 }
 
+/// The start sets the finder before it takes kept charges back (`main`): a charge to be
+/// looked at again near its holders (`recheck`) whose holder exits right after the
+/// take-back is looked for near it, and stays while a process near it (its child, on the
+/// device) lives; a session taken back has its peer's place read. Charges taken back
+/// before the finder was set were lifted at such an exit without a look.
+#[tokio::test]
+async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its_holder() {
+    use super::adopt_tests::{entry, MemPlace};
+    let on_device = Arc::new(OnDevice::default());
+    let arb = keeping_arbiter_finding(&FaultSwitch::default(), &on_device);
+    let (mut worker, child, _) = worker_with_child();
+    on_device.0.lock().push(child);
+    let r = crate::keeper::records::StrandedRecord {
+        v: 1,
+        id: uuid::Uuid::new_v4().to_string(),
+        tenant: "a".into(),
+        device: 0,
+        bytes: 8 * MIB,
+        kind: Some("cuda-vmm".into()),
+        holders: vec![crate::keeper::records::ProcessRecord {
+            pid: worker.id(),
+            start: crate::process::start_ticks(worker.id()),
+        }],
+        watched: true,
+        recheck: true,
+        stranded_unix_ms: 1,
+        device_uuid: Some(arb.devices.uuid(0)),
+        file_handle: None,
+    };
+    let session = uuid::Uuid::new_v4();
+    let me = std::process::id();
+    let s = crate::keeper::records::SessionRecord {
+        v: 1,
+        id: session.to_string(),
+        tenant: "a".into(),
+        name: "w".into(),
+        pid: Some(me),
+        uid: None,
+        unix: true,
+        pid_start: crate::process::start_ticks(me),
+        token_id: None,
+        resume_hash: None,
+        opened_unix_ms: 0,
+    };
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![entry(r.key(), &r, None), entry(s.key(), &s, None)];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!((report.stranded_adopted, report.sessions_adopted), (1, 1));
+    assert_eq!(arb.kept_holders().unwrap().watching(), 1);
+    assert!(
+        arb.lock()
+            .sessions()
+            .get(&session)
+            .is_some_and(|s| s.place.is_some()),
+        "the session taken back has its peer's place"
+    );
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        held_by_a(&arb),
+        8 * MIB,
+        "its holder's child may keep it; lifted: {:?}",
+        removed.lock()
+    );
+    assert_eq!(arb.list_quarantined()[0].holders, vec![child]);
+    kill_pid(child);
+    assert!(
+        until(|| held_by_a(&arb) == 0).await,
+        "lifted once the child exited too, held {}",
+        held_by_a(&arb)
+    );
+    assert!(removed.lock().contains(&r.key()));
+    arb.lock().check_invariant().unwrap();
+    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+}
+
 /// A kept charge on a CUDA device is counted as the broker's device memory at the start
 /// only when it is charged again: one whose tenant is gone is lifted, and the memory its
 /// holder keeps stays outside memory, not leasable (else the broker would promise bytes

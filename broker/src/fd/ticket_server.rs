@@ -127,7 +127,7 @@ async fn serve_with_channels(
             Ok(p) => p,
             Err(cap) => {
                 tracing::debug!(?uid, ?cap, "too many ticket connections; one told busy");
-                arb.metrics().ticket_refused("busy");
+                arb.metrics().ticket_refused(crate::metrics::TICKET_BUSY);
                 let _ = stream.try_write(&[BUSY_REPLY]);
                 pressure.turned_away(uid, cap);
                 continue;
@@ -352,7 +352,7 @@ async fn serve_channel(
         Ok(slot) => slot,
         Err(cap) => {
             tracing::debug!(?uid, ?cap, "too many descriptor channels; one told busy");
-            arb.metrics().ticket_refused("busy");
+            arb.metrics().ticket_refused(crate::metrics::CHANNEL_BUSY);
             let _ = stream.try_write(&[BUSY_REPLY]);
             return;
         }
@@ -683,7 +683,7 @@ mod tests {
     ) -> gpu_broker_client::fd::Received {
         use std::io::Write;
         (&*conn).write_all(k).unwrap();
-        gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd()).unwrap()
+        gpu_broker_client::fd::recv_with_fd(conn.as_fd()).unwrap()
     }
 
     /// Opens this process's descriptor channel on `path` (blocking): the broker's answer
@@ -703,7 +703,7 @@ mod tests {
     ) -> Option<(uuid::Uuid, std::os::fd::OwnedFd)> {
         use std::io::Read;
         conn.set_nonblocking(true).unwrap();
-        let got = gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd()).ok()?;
+        let got = gpu_broker_client::fd::recv_with_fd(conn.as_fd()).ok()?;
         assert_eq!((got.len, got.byte), (1, PUSHED_FD));
         let mut id = [0u8; PUSHED_LEN - 1];
         conn.set_nonblocking(false).unwrap();
@@ -901,7 +901,7 @@ mod tests {
         let got = tokio::task::spawn_blocking(move || {
             conn.set_read_timeout(Some(Duration::from_secs(10)))
                 .unwrap();
-            gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd()).unwrap()
+            gpu_broker_client::fd::recv_with_fd(conn.as_fd()).unwrap()
         })
         .await
         .unwrap();
@@ -955,7 +955,7 @@ mod tests {
             let first = present_on(&conn, &k1);
             let second = present_on(&conn, &k2);
             let refused = present_on(&conn, &foreign);
-            let after = gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd()).unwrap();
+            let after = gpu_broker_client::fd::recv_with_fd(conn.as_fd()).unwrap();
             (first, second, refused, after)
         })
         .await
@@ -1137,7 +1137,7 @@ mod tests {
             .iter()
             .filter(|c| {
                 c.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-                matches!(gpu_broker_client::fd::recv_with_fd(c.as_raw_fd()), Ok(r) if r.len == 0)
+                matches!(gpu_broker_client::fd::recv_with_fd(c.as_fd()), Ok(r) if r.len == 0)
             })
             .count();
         assert_eq!(closed, cap, "every idle kept connection gave way");
@@ -1234,7 +1234,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         let served = tokio::task::spawn_blocking(move || {
             std::io::Write::write_all(&mut &conn, &k2).is_ok()
-                && gpu_broker_client::fd::recv_with_fd(conn.as_raw_fd())
+                && gpu_broker_client::fd::recv_with_fd(conn.as_fd())
                     .is_ok_and(|r| r.byte == FD_REPLY && r.fd.is_some())
         })
         .await
@@ -1372,7 +1372,7 @@ mod tests {
             let answers: Vec<u8> = kept.iter().map(|c| present_on(c, &mint()).byte).collect();
             // One more: turned away at the uid's cap.
             let past = std::os::unix::net::UnixStream::connect(&path2).unwrap();
-            let past = gpu_broker_client::fd::recv_with_fd(past.as_raw_fd()).unwrap();
+            let past = gpu_broker_client::fd::recv_with_fd(past.as_fd()).unwrap();
             (answers, kept, past.byte)
         })
         .await
@@ -1424,6 +1424,17 @@ mod tests {
             .unwrap();
         assert_eq!(std::io::Read::read(&mut &conn, &mut b).unwrap(), 0);
         assert_eq!(arb.tickets().channels().len(), 2);
+        // Counted as a busy channel, not as a busy ticket connection.
+        let text = arb
+            .views()
+            .metrics_text(crate::metrics::Format::PrometheusText)
+            .await;
+        for line in [
+            "gpu_broker_ticket_refusals_total{reason=\"channel_busy\"} 1",
+            "gpu_broker_ticket_refusals_total{reason=\"busy\"} 0",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
 
         // Its descriptors come with tickets.
         let peer = Peer {

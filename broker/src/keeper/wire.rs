@@ -4,9 +4,14 @@
 //! (the kernel queues it at the receiver), so what the broker wrote before a SIGKILL
 //! reaches the keeper.
 
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
 use serde::{Deserialize, Serialize};
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::Path;
 
 /// The largest message either side sends or accepts.
@@ -245,46 +250,29 @@ pub fn send_raw(sock: &OwnedFd, payload: &[u8], fds: &[BorrowedFd<'_>]) -> io::R
             format!("keeper message of {} bytes", payload.len()),
         ));
     }
-    let mut iov = libc::iovec {
-        iov_base: payload.as_ptr() as *mut libc::c_void,
-        iov_len: payload.len(),
+    // A kept change (one descriptor at most, written under the state lock) allocates
+    // nothing; a dump's batch does.
+    let mut one = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut many;
+    let space: &mut [MaybeUninit<u8>] = if fds.len() <= 1 {
+        &mut one
+    } else {
+        many = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len()))];
+        &mut many
     };
-    let fds_len = std::mem::size_of_val(fds) as u32;
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(fds_len) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: a zeroed msghdr; every pointer set below outlives the sendmsg call.
-    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
-    m.msg_iov = &mut iov;
-    m.msg_iovlen = 1;
-    if !fds.is_empty() {
-        m.msg_control = control.as_mut_ptr().cast();
-        m.msg_controllen = space as _;
-        // SAFETY: the control buffer has room for one header with `fds.len()` fds.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&m);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(fds_len) as _;
-            let data = libc::CMSG_DATA(c).cast::<RawFd>();
-            for (i, fd) in fds.iter().enumerate() {
-                std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
-            }
-        }
+    let mut control = SendAncillaryBuffer::new(space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::other(
+            "no room for a keeper message's descriptors",
+        ));
     }
+    let iov = [io::IoSlice::new(payload)];
     loop {
-        // SAFETY: a valid socket and message.
-        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &m, libc::MSG_NOSIGNAL) };
-        if n >= 0 {
-            return if n as usize == payload.len() {
-                Ok(())
-            } else {
-                Err(io::Error::other("short keeper message"))
-            };
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match rustix::net::sendmsg(sock, &iov, &mut control, SendFlags::NOSIGNAL) {
+            Ok(n) if n == payload.len() => return Ok(()),
+            Ok(_) => return Err(io::Error::other("short keeper message")),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
 }
@@ -320,55 +308,35 @@ pub fn recv_into(
 /// [`Message::Entries`]), in the order they were attached.
 pub fn recv_many(sock: &OwnedFd, buf: &mut Vec<u8>) -> io::Result<Option<(Message, Vec<OwnedFd>)>> {
     buf.resize(MAX_MESSAGE, 0);
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
     // Room for a batch's descriptors (the kernel passes at most 253): more than the
-    // message may carry are refused by the caller, but all are closed.
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space =
-        unsafe { libc::CMSG_SPACE((MAX_BATCH + 8) as u32 * std::mem::size_of::<RawFd>() as u32) }
-            as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    // SAFETY: a zeroed msghdr; every pointer set below outlives the recvmsg call.
-    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
-    m.msg_iov = &mut iov;
-    m.msg_iovlen = 1;
-    m.msg_control = control.as_mut_ptr().cast();
-    m.msg_controllen = space as _;
-    let n = loop {
-        // SAFETY: a valid socket and message buffers.
-        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut m, libc::MSG_CMSG_CLOEXEC) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+    // message may carry are refused below, but all are closed.
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_BATCH + 8))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = loop {
+        let mut iov = [io::IoSliceMut::new(buf)];
+        match rustix::net::recvmsg(sock, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC) {
+            Ok(got) => break got,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     };
-    let mut fds = Vec::new();
-    // SAFETY: walking the control messages the kernel wrote into `control`.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&m);
-        while !c.is_null() {
-            if ((*c).cmsg_level, (*c).cmsg_type) == (libc::SOL_SOCKET, libc::SCM_RIGHTS) {
-                let data = libc::CMSG_DATA(c);
-                let len = (*c).cmsg_len as usize - (data as usize - c as usize);
-                for i in 0..len / std::mem::size_of::<RawFd>() {
-                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
-                    fds.push(OwnedFd::from_raw_fd(fd));
-                }
-            }
-            c = libc::CMSG_NXTHDR(&m, c);
-        }
-    }
+    let n = got.bytes;
+    let fds: Vec<OwnedFd> = control
+        .drain()
+        .flat_map(|m| match m {
+            RecvAncillaryMessage::ScmRights(fds) => fds.collect(),
+            _ => Vec::new(),
+        })
+        .collect();
     if n == 0 && fds.is_empty() {
         return Ok(None);
     }
     let bad = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
-    if m.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
+    // Dropping `fds` on the way out closes what arrived.
+    if got
+        .flags
+        .intersects(ReturnFlags::TRUNC | ReturnFlags::CTRUNC)
+    {
         return Err(bad("a keeper message was cut".into()));
     }
     if fds.len() > MAX_BATCH {
@@ -438,5 +406,111 @@ impl<'a> BatchWriter<'a> {
         self.fds.clear();
         self.count = 0;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    /// A connected pair of the keeper's kind of socket.
+    fn pair() -> (OwnedFd, OwnedFd) {
+        let mut ends = [0; 2];
+        // SAFETY: socketpair into a two-element array; checked below.
+        let rc = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+                0,
+                ends.as_mut_ptr(),
+            )
+        };
+        assert_eq!(rc, 0);
+        // SAFETY: fresh descriptors this test owns.
+        unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) }
+    }
+
+    /// A pipe's ends, close-on-exec and without waits.
+    fn pipe() -> (OwnedFd, OwnedFd) {
+        let mut ends = [0; 2];
+        // SAFETY: pipe2 into a two-element array; checked below.
+        let rc = unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        assert_eq!(rc, 0);
+        // SAFETY: fresh descriptors this test owns.
+        unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) }
+    }
+
+    /// Whether every write end of `r`'s pipe is closed (a read sees its end).
+    fn writers_closed(r: &OwnedFd) -> bool {
+        let mut b = [0u8; 1];
+        // SAFETY: a read into a one-byte buffer from a descriptor the test owns.
+        (unsafe { libc::read(r.as_raw_fd(), b.as_mut_ptr().cast(), 1) }) == 0
+    }
+
+    /// A message and its descriptors cross whole, in order, each close-on-exec.
+    #[test]
+    fn a_batch_crosses_with_its_descriptors_in_order() {
+        let (a, b) = pair();
+        let pipes: Vec<(OwnedFd, OwnedFd)> = (0..3).map(|_| pipe()).collect();
+        let mut w = BatchWriter::new(&a, MAX_BATCH);
+        for (i, (_, wr)) in pipes.iter().enumerate() {
+            let e = BatchEntry {
+                key: format!("lease/{i}"),
+                record: serde_json::json!({"v": 1}),
+                has_fd: true,
+            };
+            w.add(&e, Some(wr.as_fd())).unwrap();
+        }
+        w.flush().unwrap();
+        let (msg, fds) = recv_many(&b, &mut Vec::new()).unwrap().unwrap();
+        let Message::Entries { entries } = msg else {
+            panic!("{msg:?}")
+        };
+        assert_eq!(entries.len(), 3);
+        assert_eq!(fds.len(), 3);
+        for (i, fd) in fds.iter().enumerate() {
+            // SAFETY: fcntl on a descriptor the test owns.
+            let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
+            assert!(flags & libc::FD_CLOEXEC != 0, "close-on-exec");
+            // Written on the received end, read on pipe i's.
+            // SAFETY: a one-byte write from a live buffer.
+            assert_eq!(
+                unsafe { libc::write(fd.as_raw_fd(), [i as u8].as_ptr().cast(), 1) },
+                1
+            );
+            let mut b = [0u8; 1];
+            // SAFETY: a one-byte read into a live buffer.
+            let n = unsafe { libc::read(pipes[i].0.as_raw_fd(), b.as_mut_ptr().cast(), 1) };
+            assert_eq!((n, b[0]), (1, i as u8), "descriptor {i} in its place");
+        }
+        drop(a);
+        assert!(recv(&b).unwrap().is_none(), "the end of the connection");
+    }
+
+    /// A message longer than [`MAX_MESSAGE`] is cut by the receive: refused, and the
+    /// descriptor that came with it closed.
+    #[test]
+    fn a_cut_message_is_refused_and_its_descriptor_closed() {
+        let (a, b) = pair();
+        let (r, w) = pipe();
+        let long = vec![b' '; MAX_MESSAGE + 1];
+        {
+            use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+            let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            let fds = [w.as_fd()];
+            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+            let iov = [io::IoSlice::new(&long)];
+            rustix::net::sendmsg(&a, &iov, &mut control, SendFlags::empty()).unwrap();
+        }
+        drop(w);
+        let e = recv(&b).expect_err("a cut message is refused");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        assert!(writers_closed(&r), "the descriptor that came is closed");
+        // Too many descriptors for one message are refused before anything is sent.
+        let fds = vec![r.as_fd(); MAX_BATCH + 1];
+        let e = send_raw(&a, b"{}", &fds).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
     }
 }
