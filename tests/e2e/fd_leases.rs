@@ -125,7 +125,6 @@ async fn every_ticket_misuse_is_refused_counted_and_leaves_the_lease_alone() {
     assert_eq!(present(&socket, &h2.ticket), (1, false));
     assert_eq!(present(&socket, &h2.ticket), (0, false));
     // ...and the client reports it as such, not as a refused ticket.
-    let h3 = ticket(&c, lease.id()).await;
     let revoked = s.lease(2 * MIB).await.unwrap();
     let h4 = ticket(&c, revoked.id()).await;
     b.admin()
@@ -143,6 +142,9 @@ async fn every_ticket_misuse_is_refused_counted_and_leaves_the_lease_alone() {
     );
     assert_eq!(e.code_name(), "NOT_FOUND");
     assert!(e.to_string().contains("lease ended"), "{e}");
+    // The lease that was not revoked still gives its descriptor (a ticket minted now: this
+    // broker's TTL is shorter than the steps above take on a loaded machine).
+    let h3 = ticket(&c, lease.id()).await;
     assert_eq!(present(&socket, &h3.ticket), (1, true));
 
     // Counted by reason, and logged.
@@ -351,7 +353,7 @@ async fn no_descriptor_leaks_after_10000_acquire_map_release_cycles() {
     };
     w.send("go").await.unwrap();
     let fds = w
-        .line_starting("FDS ", Duration::from_secs(120))
+        .line_starting("FDS ", Duration::from_secs(300))
         .await
         .unwrap();
     let broker_after = others(b.open_fds().unwrap());

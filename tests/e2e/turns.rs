@@ -173,7 +173,18 @@ async fn turn_requests_get_precise_statuses() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_waiter_whose_token_is_revoked_is_refused_for_its_token() {
     use gpu_broker_client::{Client, QuotaSpec};
-    let b = Broker::start_with(BrokerOpts::default()).unwrap();
+    // The holder keeps its turn for the whole test: a loaded machine must not hand it to
+    // the waiter (quantum + grace) before the revocation.
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec![
+            "--turn-quantum".into(),
+            "60s".into(),
+            "--turn-grace".into(),
+            "60s".into(),
+        ],
+        ..BrokerOpts::default()
+    })
+    .unwrap();
     let a = b.client("a", 64 * MIB).await.unwrap();
     let sa = a.session("a").await.unwrap();
     let _turn = sa.turn(0).await.unwrap();
