@@ -1,0 +1,301 @@
+//! One HTTP/2 connection shared by its callers, and who drives it. hyper's connection
+//! future and the futures it spawns (the h2 connection, each call's body pipe and
+//! response) are kept here instead of on the runtime: a caller waiting for its response
+//! polls them itself, one caller at a time (the others queue and are served by its
+//! polls), so a reply wakes the thread that waits for it and no other. While no caller
+//! waits, a background task drives them, so that server stream events, PINGs and SETTINGS
+//! are still read. Every waker registered inside the connection is the link's own, which
+//! forwards to whoever drives now: handing the connection on needs no re-registration.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use futures::task::AtomicWaker;
+use parking_lot::Mutex;
+
+/// Polls of one drive before it yields to the runtime (a connection kept busy by a fast
+/// peer must not starve the driver's own task).
+const ROUNDS: usize = 32;
+
+/// hyper's connection future, boxed (the link does not depend on the stream type).
+pub(crate) type Conn = Pin<Box<dyn Future<Output = hyper::Result<()>> + Send>>;
+
+/// The waker routing and spawn queue shared by the connection's futures and hyper's
+/// executor.
+pub(crate) struct Hub {
+    /// Futures hyper spawned that no drive has picked up yet.
+    spawned: Mutex<Vec<BoxFuture<'static, ()>>>,
+    /// The current driver's waker: every wake inside the connection ends here.
+    driver: AtomicWaker,
+    /// Set by every wake, cleared when a drive round starts: work is waiting.
+    woken: AtomicBool,
+    /// A drive is polling: a wake only sets `woken` (the drive loops on it), no thread.
+    in_drive: AtomicBool,
+}
+
+impl Hub {
+    pub(crate) fn new() -> Arc<Hub> {
+        Arc::new(Hub {
+            spawned: Mutex::new(Vec::new()),
+            driver: AtomicWaker::new(),
+            woken: AtomicBool::new(false),
+            in_drive: AtomicBool::new(false),
+        })
+    }
+}
+
+impl Wake for Hub {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, SeqCst);
+        if !self.in_drive.load(SeqCst) {
+            self.driver.wake();
+        }
+    }
+}
+
+/// hyper's executor for the connection: queues futures for the drivers, spawns nothing.
+#[derive(Clone)]
+pub(crate) struct Exec(pub(crate) Arc<Hub>);
+
+impl<F: Future<Output = ()> + Send + 'static> hyper::rt::Executor<F> for Exec {
+    fn execute(&self, fut: F) {
+        self.0.spawned.lock().push(Box::pin(fut));
+        self.0.wake_by_ref();
+    }
+}
+
+/// Who polls the connection now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Driver {
+    /// The background task (nobody waits).
+    Background,
+    /// A caller waiting for its response headers; the others queue behind it.
+    Caller(u64),
+    /// A response body, for the length of one poll (it may not be polled again soon).
+    Body,
+}
+
+struct Roles {
+    driver: Driver,
+    /// Callers waiting for the connection, first come first served.
+    waiting: VecDeque<(u64, Waker)>,
+    /// The background task's waker, once it has run.
+    background: Option<Waker>,
+}
+
+/// The connection and its futures.
+struct Parts {
+    /// hyper's connection future; `None` once it ended.
+    conn: Option<Conn>,
+    tasks: FuturesUnordered<BoxFuture<'static, ()>>,
+}
+
+/// One HTTP/2 connection and its drivers.
+pub(crate) struct Link {
+    hub: Arc<Hub>,
+    /// `hub` as a waker: the context every future of the connection is polled with.
+    waker: Waker,
+    parts: Mutex<Parts>,
+    roles: Mutex<Roles>,
+    next_id: AtomicU64,
+    /// The connection and every future it spawned have finished.
+    ended: AtomicBool,
+}
+
+impl Link {
+    pub(crate) fn new(hub: Arc<Hub>, conn: Conn) -> Arc<Link> {
+        Arc::new(Link {
+            waker: Waker::from(hub.clone()),
+            hub,
+            parts: Mutex::new(Parts {
+                conn: Some(conn),
+                tasks: FuturesUnordered::new(),
+            }),
+            roles: Mutex::new(Roles {
+                driver: Driver::Background,
+                waiting: VecDeque::new(),
+                background: None,
+            }),
+            next_id: AtomicU64::new(0),
+            ended: AtomicBool::new(false),
+        })
+    }
+
+    /// Has the connection ended (closed by either side, or broken)?
+    pub(crate) fn ended(&self) -> bool {
+        self.ended.load(SeqCst)
+    }
+
+    /// A new caller's id.
+    pub(crate) fn caller(&self) -> u64 {
+        self.next_id.fetch_add(1, SeqCst)
+    }
+
+    /// Caller `id` becomes the driver unless another caller is (then it queues, woken
+    /// with `waker` when the connection is handed to it). Returns whether it drives.
+    pub(crate) fn take(&self, id: u64, waker: &Waker) -> bool {
+        let mut r = self.roles.lock();
+        match r.driver {
+            Driver::Caller(d) if d != id => {
+                match r.waiting.iter_mut().find(|(i, _)| *i == id) {
+                    Some((_, w)) => {
+                        if !w.will_wake(waker) {
+                            *w = waker.clone();
+                        }
+                    }
+                    None => r.waiting.push_back((id, waker.clone())),
+                }
+                false
+            }
+            _ => {
+                r.driver = Driver::Caller(id);
+                // Registered under the lock: wakes follow the order of the hand-overs.
+                self.hub.driver.register(waker);
+                true
+            }
+        }
+    }
+
+    /// Caller `id` is done (answered, failed or dropped): leaves the queue, or hands the
+    /// connection on if it drives.
+    pub(crate) fn leave(&self, id: u64) {
+        let mut r = self.roles.lock();
+        if r.driver == Driver::Caller(id) {
+            self.hand_on(&mut r);
+        } else if !r.waiting.is_empty() {
+            r.waiting.retain(|(i, _)| *i != id);
+        }
+    }
+
+    /// To the next waiting caller, else to the background task (woken only if work is
+    /// waiting: its waker is registered everywhere a wake would come from).
+    fn hand_on(&self, r: &mut Roles) {
+        if let Some((next, waker)) = r.waiting.pop_front() {
+            r.driver = Driver::Caller(next);
+            self.hub.driver.register(&waker);
+            waker.wake();
+            return;
+        }
+        r.driver = Driver::Background;
+        if let Some(bg) = &r.background {
+            self.hub.driver.register(bg);
+            if self.hub.woken.load(SeqCst) || self.ended() {
+                bg.wake_by_ref();
+            }
+        }
+    }
+
+    /// A response body waiting for frames drives the connection for this one poll if
+    /// nobody else does (the next reply usually came in the same read as the headers).
+    pub(crate) fn drive_if_idle(&self, waker: &Waker) {
+        {
+            let mut r = self.roles.lock();
+            if r.driver != Driver::Background {
+                return;
+            }
+            r.driver = Driver::Body;
+            self.hub.driver.register(waker);
+        }
+        self.drive(|| ());
+        let mut r = self.roles.lock();
+        if r.driver == Driver::Body {
+            self.hand_on(&mut r);
+        }
+    }
+
+    /// Polls the connection and its futures until nothing is left to do now; `first` runs
+    /// inside the drive (a wake it causes wakes no thread). Returns whether the
+    /// connection has ended.
+    pub(crate) fn drive(&self, first: impl FnOnce()) -> bool {
+        let mut parts = self.parts.lock();
+        let mut cx = Context::from_waker(&self.waker);
+        self.hub.in_drive.store(true, SeqCst);
+        first();
+        let mut rounds = 0;
+        loop {
+            self.hub.woken.store(false, SeqCst);
+            if let Some(conn) = parts.conn.as_mut() {
+                if let Poll::Ready(r) = conn.as_mut().poll(&mut cx) {
+                    if let Err(e) = r {
+                        tracing::debug!("broker connection ended: {e}");
+                    }
+                    parts.conn = None;
+                }
+            }
+            let spawned = std::mem::take(&mut *self.hub.spawned.lock());
+            parts.tasks.extend(spawned);
+            while let Poll::Ready(Some(())) = parts.tasks.poll_next_unpin(&mut cx) {}
+            if !self.hub.woken.load(SeqCst) {
+                self.hub.in_drive.store(false, SeqCst);
+                // A wake between the check and the store found `in_drive` still set.
+                if !self.hub.woken.load(SeqCst) {
+                    break;
+                }
+                self.hub.in_drive.store(true, SeqCst);
+            }
+            rounds += 1;
+            if rounds == ROUNDS {
+                self.hub.in_drive.store(false, SeqCst);
+                // Still busy: let the driver's task yield and come back.
+                self.hub.woken.store(true, SeqCst);
+                self.hub.driver.wake();
+                break;
+            }
+        }
+        let ended =
+            parts.conn.is_none() && parts.tasks.is_empty() && self.hub.spawned.lock().is_empty();
+        if ended {
+            self.ended.store(true, SeqCst);
+        }
+        ended
+    }
+
+    /// The background driver: drives while no caller does, ends with the connection.
+    pub(crate) async fn background(self: Arc<Link>) {
+        futures::future::poll_fn(|cx| {
+            {
+                let mut r = self.roles.lock();
+                if !r
+                    .background
+                    .as_ref()
+                    .is_some_and(|w| w.will_wake(cx.waker()))
+                {
+                    r.background = Some(cx.waker().clone());
+                }
+                if r.driver != Driver::Background {
+                    return if self.ended() {
+                        Poll::Ready(())
+                    } else {
+                        Poll::Pending
+                    };
+                }
+                self.hub.driver.register(cx.waker());
+            }
+            if self.drive(|| ()) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
+        tracing::debug!("broker connection closed");
+    }
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("ended", &self.ended())
+            .finish_non_exhaustive()
+    }
+}
