@@ -195,18 +195,24 @@ impl Link {
         }
     }
 
-    /// A response body waiting for frames drives the connection for this one poll if
-    /// nobody else does (the next reply usually came in the same read as the headers).
-    pub(crate) fn drive_if_idle(&self, waker: &Waker) {
+    /// A response body drives the connection once if nobody else does: while it waits
+    /// for frames (`waker`: its own, for what this drive leaves waiting; the next frames
+    /// usually came in the same read as the headers), or when it is dropped (`first`:
+    /// the drop, whose wake to the connection then needs no background thread).
+    pub(crate) fn drive_if_idle(&self, waker: Option<&Waker>, first: impl FnOnce()) {
         {
             let mut r = self.roles.lock();
             if r.driver != Driver::Background {
+                drop(r);
+                first();
                 return;
             }
             r.driver = Driver::Body;
-            self.hub.driver.register(waker);
+            if let Some(waker) = waker {
+                self.hub.driver.register(waker);
+            }
         }
-        self.drive(|| ());
+        self.drive(first);
         let mut r = self.roles.lock();
         if r.driver == Driver::Body {
             self.hand_on(&mut r);

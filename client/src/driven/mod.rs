@@ -154,7 +154,12 @@ impl tower::Service<http::Request<Body>> for Driven {
                 done: false,
             };
             let response = call.await.map_err(status_of)?;
-            Ok(response.map(|body| Body::new(DrivenBody { inner: body, link })))
+            Ok(response.map(|body| {
+                Body::new(DrivenBody {
+                    inner: Some(body),
+                    link,
+                })
+            }))
         })
     }
 }
@@ -251,10 +256,28 @@ impl Drop for Call {
 }
 
 /// A response body that drives the connection while it waits for frames and nobody else
-/// drives.
+/// drives, and when it is dropped (h2 wakes the connection to forget the stream).
 struct DrivenBody {
-    inner: Incoming,
+    /// `None` once dropped.
+    inner: Option<Incoming>,
     link: Arc<Link>,
+}
+
+impl DrivenBody {
+    fn inner(&mut self) -> Pin<&mut Incoming> {
+        Pin::new(
+            self.inner
+                .as_mut()
+                .expect("a body is polled only before it is dropped"),
+        )
+    }
+}
+
+impl Drop for DrivenBody {
+    fn drop(&mut self) {
+        let inner = self.inner.take();
+        self.link.drive_if_idle(None, move || drop(inner));
+    }
 }
 
 impl http_body::Body for DrivenBody {
@@ -265,18 +288,20 @@ impl http_body::Body for DrivenBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
-        if let Poll::Ready(frame) = Pin::new(&mut self.inner).poll_frame(cx) {
+        if let Poll::Ready(frame) = self.inner().poll_frame(cx) {
             return Poll::Ready(frame);
         }
-        self.link.drive_if_idle(cx.waker());
-        Pin::new(&mut self.inner).poll_frame(cx)
+        self.link.drive_if_idle(Some(cx.waker()), || ());
+        self.inner().poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.as_ref().is_none_or(|b| b.is_end_stream())
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
+        self.inner
+            .as_ref()
+            .map_or_else(|| http_body::SizeHint::with_exact(0), |b| b.size_hint())
     }
 }
