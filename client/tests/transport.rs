@@ -104,7 +104,8 @@ async fn callers_dropped_mid_call_leave_the_connection_working() {
     let h = start(0).await;
     let client = driven_client(&h.uri).await;
     h.fake.state.lock().usage_delay = Some(Duration::from_millis(300));
-    // The first drives the connection, the others queue behind it; it is dropped.
+    // The first drives the connection (alone when it started), the others are answered
+    // by its polls; it is dropped.
     let first = {
         let c = client.clone();
         tokio::spawn(async move { c.usage().await })

@@ -1,13 +1,13 @@
 //! One HTTP/2 connection shared by its callers, and who drives it. hyper's connection
 //! future and the futures it spawns (the h2 connection, each call's body pipe and
-//! response) are kept here instead of on the runtime: a caller waiting for its response
-//! polls them itself, one caller at a time (the others queue and are served by its
-//! polls), so a reply wakes the thread that waits for it and no other. While no caller
-//! waits, a background task drives them, so that server stream events, PINGs and SETTINGS
-//! are still read. Every waker registered inside the connection is the link's own, which
-//! forwards to whoever drives now: handing the connection on needs no re-registration.
+//! response) are kept here instead of on the runtime. A caller alone on the connection
+//! polls them itself while it waits for its response, so the reply wakes the thread that
+//! waits for it and no other; with several calls in flight, or none, a background task
+//! drives them (one task serving every call, as tonic's connection task; it also reads
+//! server stream events, PINGs and SETTINGS while nobody calls). Every waker registered
+//! inside the connection is the link's own, which forwards to whoever drives now: handing
+//! the connection over needs no re-registration.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
@@ -77,9 +77,9 @@ impl<F: Future<Output = ()> + Send + 'static> hyper::rt::Executor<F> for Exec {
 /// Who polls the connection now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Driver {
-    /// The background task (nobody waits).
+    /// The background task.
     Background,
-    /// A caller waiting for its response headers; the others queue behind it.
+    /// The one caller in flight, while it waits for its response headers.
     Caller(u64),
     /// A response body, for the length of one poll (it may not be polled again soon).
     Body,
@@ -87,8 +87,8 @@ enum Driver {
 
 struct Roles {
     driver: Driver,
-    /// Callers waiting for the connection, first come first served.
-    waiting: VecDeque<(u64, Waker)>,
+    /// Calls in flight (made and not yet answered or dropped).
+    calls: usize,
     /// The background task's waker, once it has run.
     background: Option<Waker>,
 }
@@ -123,7 +123,7 @@ impl Link {
             }),
             roles: Mutex::new(Roles {
                 driver: Driver::Background,
-                waiting: VecDeque::new(),
+                calls: 0,
                 background: None,
             }),
             next_id: AtomicU64::new(0),
@@ -136,56 +136,42 @@ impl Link {
         self.ended.load(SeqCst)
     }
 
-    /// A new caller's id.
+    /// A new call in flight: its id.
     pub(crate) fn caller(&self) -> u64 {
+        self.roles.lock().calls += 1;
         self.next_id.fetch_add(1, SeqCst)
     }
 
-    /// Caller `id` becomes the driver unless another caller is (then it queues, woken
-    /// with `waker` when the connection is handed to it). Returns whether it drives.
+    /// Call `id` drives the connection if it already does, or if it is the only call in
+    /// flight and no other caller drives (`waker`: where the connection's wakes go then).
+    /// Returns whether it drives; if not, the driver's polls answer it.
     pub(crate) fn take(&self, id: u64, waker: &Waker) -> bool {
         let mut r = self.roles.lock();
-        match r.driver {
-            Driver::Caller(d) if d != id => {
-                match r.waiting.iter_mut().find(|(i, _)| *i == id) {
-                    Some((_, w)) => {
-                        if !w.will_wake(waker) {
-                            *w = waker.clone();
-                        }
-                    }
-                    None => r.waiting.push_back((id, waker.clone())),
-                }
-                false
-            }
-            _ => {
-                r.driver = Driver::Caller(id);
-                // Registered under the lock: wakes follow the order of the hand-overs.
-                self.hub.driver.register(waker);
-                true
-            }
+        let drives = match r.driver {
+            Driver::Caller(d) => d == id,
+            Driver::Background | Driver::Body => r.calls == 1,
+        };
+        if drives {
+            r.driver = Driver::Caller(id);
+            // Registered under the lock: wakes follow the order of the hand-overs.
+            self.hub.driver.register(waker);
         }
+        drives
     }
 
-    /// Caller `id` is done (answered, failed or dropped): leaves the queue, or hands the
-    /// connection on if it drives.
+    /// Call `id` is done (answered, failed or dropped); if it drives, the background
+    /// task takes over.
     pub(crate) fn leave(&self, id: u64) {
         let mut r = self.roles.lock();
+        r.calls -= 1;
         if r.driver == Driver::Caller(id) {
-            self.hand_on(&mut r);
-        } else if !r.waiting.is_empty() {
-            r.waiting.retain(|(i, _)| *i != id);
+            self.to_background(&mut r);
         }
     }
 
-    /// To the next waiting caller, else to the background task (woken only if work is
-    /// waiting: its waker is registered everywhere a wake would come from).
-    fn hand_on(&self, r: &mut Roles) {
-        if let Some((next, waker)) = r.waiting.pop_front() {
-            r.driver = Driver::Caller(next);
-            self.hub.driver.register(&waker);
-            waker.wake();
-            return;
-        }
+    /// Hands the connection to the background task, woken only if work is waiting (or the
+    /// connection ended): its waker is registered everywhere a wake would come from.
+    fn to_background(&self, r: &mut Roles) {
         r.driver = Driver::Background;
         if let Some(bg) = &r.background {
             self.hub.driver.register(bg);
@@ -215,7 +201,7 @@ impl Link {
         self.drive(first);
         let mut r = self.roles.lock();
         if r.driver == Driver::Body {
-            self.hand_on(&mut r);
+            self.to_background(&mut r);
         }
     }
 

@@ -1,7 +1,7 @@
 //! The caller-driven transport: a `tower::Service` for tonic's generated clients over one
-//! hyper HTTP/2 connection (Unix socket or plain TCP) that the waiting caller polls
-//! itself (`link.rs`), instead of tonic's channel, where one call crosses three tasks
-//! (request queue, connection, body) and wakes other threads on the way. Dials on first
+//! hyper HTTP/2 connection (Unix socket or plain TCP) that a caller alone on it polls
+//! itself while it waits (`link.rs`), instead of tonic's channel, where one call crosses
+//! three tasks (request queue, connection, body) and wakes other threads on the way. Dials on first
 //! use and again after the connection ended, as tonic's channel does; a failed dial or a
 //! connection lost mid-call is `UNAVAILABLE` ("transport error").
 
@@ -183,8 +183,8 @@ fn status_of(e: hyper::Error) -> StdError {
 
 type Responding = Pin<Box<dyn Future<Output = hyper::Result<http::Response<Incoming>>> + Send>>;
 
-/// One call waiting for its response headers, driving the connection while it waits
-/// unless another caller does.
+/// One call waiting for its response headers, driving the connection while it waits if it
+/// is the only call in flight.
 struct Call {
     link: Arc<Link>,
     id: u64,
