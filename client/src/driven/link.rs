@@ -17,7 +17,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use futures::task::AtomicWaker;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 /// Polls of one drive before it yields to the runtime (a connection kept busy by a fast
 /// peer must not starve the driver's own task).
@@ -181,24 +181,29 @@ impl Link {
         }
     }
 
-    /// A response body drives the connection once if nobody else does: while it waits
-    /// for frames (`waker`: its own, for what this drive leaves waiting; the next frames
-    /// usually came in the same read as the headers), or when it is dropped (`first`:
-    /// the drop, whose wake to the connection then needs no background thread).
+    /// A response body drives the connection once if no call is in flight and nothing else
+    /// drives: while it waits for frames (`waker`: its own, for what this drive leaves
+    /// waiting; the next frames usually came in the same read as the headers), or when it
+    /// is dropped (`first`: the drop, whose wake to the connection then needs no
+    /// background thread). With calls in flight the background task drives for them all.
     pub(crate) fn drive_if_idle(&self, waker: Option<&Waker>, first: impl FnOnce()) {
-        {
+        let parts = {
             let mut r = self.roles.lock();
-            if r.driver != Driver::Background {
+            let parts = (r.driver == Driver::Background && r.calls == 0)
+                .then(|| self.parts.try_lock())
+                .flatten();
+            let Some(parts) = parts else {
                 drop(r);
                 first();
                 return;
-            }
+            };
             r.driver = Driver::Body;
             if let Some(waker) = waker {
                 self.hub.driver.register(waker);
             }
-        }
-        self.drive(first);
+            parts
+        };
+        self.drive_locked(parts, first);
         let mut r = self.roles.lock();
         if r.driver == Driver::Body {
             self.to_background(&mut r);
@@ -209,7 +214,10 @@ impl Link {
     /// inside the drive (a wake it causes wakes no thread). Returns whether the
     /// connection has ended.
     pub(crate) fn drive(&self, first: impl FnOnce()) -> bool {
-        let mut parts = self.parts.lock();
+        self.drive_locked(self.parts.lock(), first)
+    }
+
+    fn drive_locked(&self, mut parts: MutexGuard<'_, Parts>, first: impl FnOnce()) -> bool {
         let mut cx = Context::from_waker(&self.waker);
         self.hub.in_drive.store(true, SeqCst);
         first();
