@@ -392,6 +392,25 @@ mod tests {
         assert_eq!(p("http://127.0.0.1:1"), None);
     }
 
+    #[test]
+    fn driven_targets_are_unix_sockets_and_plain_tcp() {
+        let t = |s: &str| driven_target(s).unwrap_or_else(|e| panic!("{s}: {e}"));
+        assert_eq!(
+            t("unix:///run/b.sock"),
+            Some(Target::Unix("/run/b.sock".into()))
+        );
+        assert_eq!(t("/run/b.sock"), Some(Target::Unix("/run/b.sock".into())));
+        assert_eq!(
+            t("http://127.0.0.1:7070"),
+            Some(Target::Tcp("127.0.0.1:7070".into()))
+        );
+        assert_eq!(t("node1:7070"), Some(Target::Tcp("node1:7070".into())));
+        assert_eq!(t("http://node1"), Some(Target::Tcp("node1:80".into())));
+        // TLS stays on tonic's channel.
+        assert_eq!(t("https://node1:7070"), None);
+        assert!(driven_target("ftp://x").is_err());
+    }
+
     #[tokio::test]
     async fn endpoints_build() {
         assert!(endpoint("unix:///tmp/x.sock").is_ok());

@@ -239,6 +239,24 @@ async fn a_broker_gone_and_back_gets_a_new_connection() {
         .unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_tcp_addresses_are_caller_driven_too() {
+    let h = start(0).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = tonic::transport::Server::builder()
+        .add_service(pb::broker_server::BrokerServer::new(h.fake.clone()))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+    tokio::spawn(server);
+    for uri in [
+        format!("http://127.0.0.1:{port}"),
+        format!("127.0.0.1:{port}"),
+    ] {
+        let client = driven_client(&uri).await;
+        usage_ok(&client).await;
+    }
+}
+
 #[tokio::test]
 async fn no_broker_is_a_transport_error_then_unavailable_calls() {
     let dir = tempfile::tempdir().unwrap();
