@@ -185,6 +185,44 @@ fn session_events_arrive_while_no_call_is_in_flight() {
     }
 }
 
+/// A call kept but not polled (its owner awaits something else, as `gpu-brokerctl run`
+/// does while it prints its progress) after it started driving the connection holds up
+/// neither session events nor other calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driving_call_left_unpolled_holds_nothing_up() {
+    let h = start(0).await;
+    let client = driven_client(&h.uri).await;
+    let session = client.session("patient").await.unwrap();
+    let mut events = session.events();
+    h.fake.state.lock().usage_delay = Some(Duration::from_millis(300));
+    let slow = client.usage();
+    tokio::pin!(slow);
+    // Alone in flight, its first poll sends it and makes it the connection's driver.
+    assert!(futures::poll!(&mut slow).is_pending());
+    h.fake.state.lock().usage_delay = None;
+
+    h.fake.push(
+        &session.id(),
+        pb::session_event::Event::ReclaimRequested(pb::ReclaimRequested {
+            lease_id: "l-1".into(),
+            bytes: 1 << 20,
+            deadline_unix_ms: 10_000,
+            reason: "priority".into(),
+        }),
+    );
+    let ev = tokio::time::timeout(LONG, events.next())
+        .await
+        .expect("an event held up by a call nobody polls")
+        .unwrap();
+    assert!(
+        matches!(ev, SessionEvent::ReclaimRequested { .. }),
+        "{ev:?}"
+    );
+    usage_ok(&client).await;
+    let usage = tokio::time::timeout(LONG, slow).await.unwrap().unwrap();
+    assert_eq!(usage.tenant, "team-a");
+}
+
 /// Serves the fake on `path` until `stop` fires (then a graceful shutdown: GOAWAY).
 fn serve(fake: &Fake, path: &Path) -> tokio::sync::oneshot::Sender<()> {
     let _ = std::fs::remove_file(path);

@@ -23,6 +23,9 @@ use parking_lot::{Mutex, MutexGuard};
 /// peer must not starve the driver's own task).
 const ROUNDS: usize = 32;
 
+/// How often the background task checks on a driving caller.
+const WATCH: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// hyper's connection future, boxed (the link does not depend on the stream type).
 pub(crate) type Conn = Pin<Box<dyn Future<Output = hyper::Result<()>> + Send>>;
 
@@ -89,6 +92,8 @@ struct Roles {
     driver: Driver,
     /// Calls in flight (made and not yet answered or dropped).
     calls: usize,
+    /// The background task ticks (`Link::watch`).
+    watching: bool,
     /// The background task's waker, once it has run.
     background: Option<Waker>,
 }
@@ -108,6 +113,8 @@ pub(crate) struct Link {
     parts: Mutex<Parts>,
     roles: Mutex<Roles>,
     next_id: AtomicU64,
+    /// Drives so far (the background task's watch on a driving caller).
+    drives: AtomicU64,
     /// The connection and every future it spawned have finished.
     ended: AtomicBool,
 }
@@ -124,9 +131,11 @@ impl Link {
             roles: Mutex::new(Roles {
                 driver: Driver::Background,
                 calls: 0,
+                watching: false,
                 background: None,
             }),
             next_id: AtomicU64::new(0),
+            drives: AtomicU64::new(0),
             ended: AtomicBool::new(false),
         })
     }
@@ -143,15 +152,28 @@ impl Link {
     }
 
     /// Call `id` drives the connection if it already does, or if it is the only call in
-    /// flight and no other caller drives (`waker`: where the connection's wakes go then).
-    /// Returns whether it drives; if not, the driver's polls answer it.
+    /// flight (`waker`: where the connection's wakes go then). Returns whether it drives;
+    /// if not, the background task's polls answer it.
     pub(crate) fn take(&self, id: u64, waker: &Waker) -> bool {
         let mut r = self.roles.lock();
         let drives = match r.driver {
-            Driver::Caller(d) => d == id,
+            Driver::Caller(d) if d == id => true,
+            Driver::Caller(_) => {
+                // Several calls now: the background task serves them all (the driving
+                // caller's owner may be awaiting this call, not polling its own).
+                self.to_background(&mut r);
+                false
+            }
             Driver::Background | Driver::Body => r.calls == 1,
         };
         if drives {
+            if !r.watching {
+                // The first call after a quiet spell starts the background task's watch.
+                r.watching = true;
+                if let Some(bg) = &r.background {
+                    bg.wake_by_ref();
+                }
+            }
             r.driver = Driver::Caller(id);
             // Registered under the lock: wakes follow the order of the hand-overs.
             self.hub.driver.register(waker);
@@ -218,6 +240,7 @@ impl Link {
     }
 
     fn drive_locked(&self, mut parts: MutexGuard<'_, Parts>, first: impl FnOnce()) -> bool {
+        self.drives.fetch_add(1, SeqCst);
         let mut cx = Context::from_waker(&self.waker);
         self.hub.in_drive.store(true, SeqCst);
         first();
@@ -262,6 +285,8 @@ impl Link {
 
     /// The background driver: drives while no caller does, ends with the connection.
     pub(crate) async fn background(self: Arc<Link>) {
+        // While calls come: a timer, and the drive and call counts at its last tick.
+        let mut watch: Option<(Pin<Box<tokio::time::Sleep>>, u64, u64)> = None;
         futures::future::poll_fn(|cx| {
             {
                 let mut r = self.roles.lock();
@@ -272,12 +297,17 @@ impl Link {
                 {
                     r.background = Some(cx.waker().clone());
                 }
+                if self.ended() {
+                    return Poll::Ready(());
+                }
+                if r.watching {
+                    self.watch(&mut r, &mut watch, cx);
+                }
+                if !r.watching {
+                    watch = None;
+                }
                 if r.driver != Driver::Background {
-                    return if self.ended() {
-                        Poll::Ready(())
-                    } else {
-                        Poll::Pending
-                    };
+                    return Poll::Pending;
                 }
                 self.hub.driver.register(cx.waker());
             }
@@ -289,6 +319,37 @@ impl Link {
         })
         .await;
         tracing::debug!("broker connection closed");
+    }
+
+    /// The background task's tick while calls come: a caller's future kept but not polled
+    /// (its owner awaits something else) would hold the connection up, so a caller that
+    /// let work wait a whole tick with no drive loses the connection to the background
+    /// task; a tick with no call in flight and none started ends the watch.
+    fn watch(
+        &self,
+        r: &mut Roles,
+        watch: &mut Option<(Pin<Box<tokio::time::Sleep>>, u64, u64)>,
+        cx: &mut Context<'_>,
+    ) {
+        let (tick, seen_drives, seen_calls) = watch.get_or_insert_with(|| {
+            let tick = Box::pin(tokio::time::sleep(WATCH));
+            (tick, u64::MAX, u64::MAX)
+        });
+        while tick.as_mut().poll(cx).is_ready() {
+            tick.as_mut().reset(tokio::time::Instant::now() + WATCH);
+            let drives = self.drives.load(SeqCst);
+            let started = self.next_id.load(SeqCst);
+            let stalled = self.hub.woken.load(SeqCst) && *seen_drives == drives;
+            if r.driver != Driver::Background && stalled {
+                tracing::debug!("the caller driving the broker connection is not polled");
+                r.driver = Driver::Background;
+            }
+            if r.calls == 0 && *seen_calls == started {
+                r.watching = false;
+                return;
+            }
+            (*seen_drives, *seen_calls) = (drives, started);
+        }
     }
 }
 
