@@ -37,8 +37,7 @@ impl AdminClient {
         uri: &str,
         admin_token: impl Into<String>,
     ) -> Result<AdminClient, ClientError> {
-        let channel = connect::connect_channel(uri).await?;
-        AdminClient::from_channel(channel, admin_token)
+        AdminClient::connect_with(uri, admin_token, &connect::ConnectOptions::from_env()).await
     }
 
     /// [`AdminClient::connect`] with explicit TLS options (CA file, client certificate).
@@ -47,18 +46,26 @@ impl AdminClient {
         admin_token: impl Into<String>,
         opts: &connect::ConnectOptions,
     ) -> Result<AdminClient, ClientError> {
-        let channel = connect::connect_channel_with(uri, opts).await?;
-        AdminClient::from_channel(channel, admin_token)
+        let transport = connect::connect_transport_with(uri, opts).await?;
+        AdminClient::from_transport(transport, admin_token)
     }
 
-    /// Uses an existing channel (custom transports, tests).
+    /// Uses an existing tonic channel (custom transports, tests).
     pub fn from_channel(
         channel: Channel,
         admin_token: impl Into<String>,
     ) -> Result<AdminClient, ClientError> {
+        AdminClient::from_transport(channel, admin_token)
+    }
+
+    /// Uses an existing transport ([`connect::connect_transport_with`], or a channel).
+    pub fn from_transport(
+        transport: impl Into<connect::Transport>,
+        admin_token: impl Into<String>,
+    ) -> Result<AdminClient, ClientError> {
         let token = admin_token.into();
         Ok(AdminClient {
-            admin: RawAdminClient::new(connect::authenticated(channel, &token)?),
+            admin: RawAdminClient::new(connect::authenticated(transport, &token)?),
         })
     }
 

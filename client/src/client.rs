@@ -37,8 +37,8 @@ impl Client {
         token: impl Into<String>,
         opts: &connect::ConnectOptions,
     ) -> Result<Client, ClientError> {
-        let channel = connect::connect_channel_with(uri, opts).await?;
-        let c = Client::from_channel(channel, token)?.dialled(uri);
+        let transport = connect::connect_transport_with(uri, opts).await?;
+        let c = Client::from_transport(transport, token)?.dialled(uri);
         if let Some(w) = crate::info::version_warning(&c.broker_info().await) {
             tracing::warn!("{w}");
         }
@@ -90,14 +90,22 @@ impl Client {
     /// Like [`Client::connect`] but dials on first use (a missing broker then shows up
     /// as `Unavailable` on the first call).
     pub fn connect_lazy(uri: &str, token: impl Into<String>) -> Result<Client, ClientError> {
-        Ok(Client::from_channel(connect::connect_channel_lazy(uri)?, token)?.dialled(uri))
+        Ok(Client::from_transport(connect::connect_transport_lazy(uri)?, token)?.dialled(uri))
     }
 
-    /// Uses an existing channel (custom transports, tests).
+    /// Uses an existing tonic channel (custom transports, tests).
     pub fn from_channel(channel: Channel, token: impl Into<String>) -> Result<Client, ClientError> {
+        Client::from_transport(channel, token)
+    }
+
+    /// Uses an existing transport ([`connect::connect_transport_with`], or a channel).
+    pub fn from_transport(
+        transport: impl Into<connect::Transport>,
+        token: impl Into<String>,
+    ) -> Result<Client, ClientError> {
         let token = token.into();
         Ok(Client {
-            broker: BrokerClient::new(connect::authenticated(channel, &token)?),
+            broker: BrokerClient::new(connect::authenticated(transport, &token)?),
             dialled: None,
         })
     }

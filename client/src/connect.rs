@@ -5,19 +5,139 @@
 //! (taken as `http://`), and `https://host:port` (TLS, rustls: the broker's certificate
 //! must be signed by the CA of [`ConnectOptions::ca_file`]; with a client certificate for
 //! brokers that require one). Channels reconnect on their own after a broken connection.
+//! [`Transport`] is what the clients use: for Unix and plain TCP addresses the
+//! caller-driven connection of `driven/` (its waiting caller polls the connection: no
+//! thread hand-offs per call), for `https://` tonic's channel;
+//! `GPU_BROKER_CLIENT_TRANSPORT=channel` picks tonic's channel for every address.
 
 use std::path::{Path, PathBuf};
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use tonic::body::Body;
+use tonic::codegen::{http, StdError};
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Interceptor;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
+use crate::driven::{Driven, Target};
 use crate::error::ClientError;
 
-/// A channel whose requests all carry the bearer token.
-pub type AuthChannel = InterceptedService<Channel, AuthInterceptor>;
+/// A transport whose requests all carry the bearer token.
+pub type AuthChannel = InterceptedService<Transport, AuthInterceptor>;
+
+/// The environment variable choosing the transport: `driven` (the default) or `channel`.
+pub const TRANSPORT_ENV: &str = "GPU_BROKER_CLIENT_TRANSPORT";
+
+/// How the clients reach the broker: tonic's [`Channel`] or the caller-driven connection
+/// (see the module docs). Cheap to clone (clones share one connection).
+#[derive(Clone, Debug)]
+pub struct Transport(Kind);
+
+#[derive(Clone, Debug)]
+enum Kind {
+    Channel(Channel),
+    Driven(Driven),
+}
+
+impl Transport {
+    /// Is this the caller-driven connection (not tonic's channel)?
+    pub fn is_caller_driven(&self) -> bool {
+        matches!(self.0, Kind::Driven(_))
+    }
+}
+
+impl From<Channel> for Transport {
+    fn from(channel: Channel) -> Self {
+        Transport(Kind::Channel(channel))
+    }
+}
+
+impl tower::Service<http::Request<Body>> for Transport {
+    type Response = http::Response<Body>;
+    type Error = StdError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        match &mut self.0 {
+            Kind::Channel(c) => c.poll_ready(cx).map_err(Into::into),
+            Kind::Driven(d) => d.poll_ready(cx),
+        }
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        match &mut self.0 {
+            Kind::Channel(c) => {
+                let call = c.call(req);
+                Box::pin(async move { call.await.map_err(Into::into) })
+            }
+            Kind::Driven(d) => d.call(req),
+        }
+    }
+}
+
+/// Which transport [`connect_transport_with`] makes for addresses that allow both.
+fn driven_wanted() -> Result<bool, ClientError> {
+    match std::env::var(TRANSPORT_ENV).as_deref().map(str::trim) {
+        Err(_) | Ok("") | Ok("driven") => Ok(true),
+        Ok("channel") => Ok(false),
+        Ok(other) => Err(ClientError::InvalidArgument(
+            format!("{TRANSPORT_ENV}={other:?}: expected \"driven\" or \"channel\"").into(),
+        )),
+    }
+}
+
+/// Where the caller-driven transport dials for a broker address; `None` for `https://`.
+fn driven_target(uri: &str) -> Result<Option<Target>, ClientError> {
+    let normalized = normalize(uri)?;
+    if let Some(path) = unix_path(&normalized) {
+        return Ok(Some(Target::Unix(path)));
+    }
+    if !normalized.starts_with("http://") {
+        return Ok(None);
+    }
+    let parsed: http::Uri = normalized.parse().map_err(|e| {
+        ClientError::InvalidArgument(format!("bad broker address {uri:?}: {e}").into())
+    })?;
+    let authority = parsed.authority().ok_or_else(|| {
+        ClientError::InvalidArgument(format!("broker address {uri:?} names no host").into())
+    })?;
+    let port = authority.port_u16().unwrap_or(80);
+    Ok(Some(Target::Tcp(format!("{}:{port}", authority.host()))))
+}
+
+/// Dials the broker now with the transport the address and [`TRANSPORT_ENV`] call for;
+/// fails with `Transport` when nothing answers.
+pub async fn connect_transport_with(
+    uri: &str,
+    opts: &ConnectOptions,
+) -> Result<Transport, ClientError> {
+    match driven_target(uri)? {
+        Some(target) if driven_wanted()? => {
+            let driven = Driven::lazy(target, CONNECT_TIMEOUT);
+            driven.connect().await.map_err(|status| {
+                ClientError::Transport(format!("cannot connect to {uri}: {}", status.message()))
+            })?;
+            Ok(Transport(Kind::Driven(driven)))
+        }
+        _ => Ok(connect_channel_with(uri, opts).await?.into()),
+    }
+}
+
+/// A transport that dials on first use (errors then surface as `Unavailable`).
+pub fn connect_transport_lazy(uri: &str) -> Result<Transport, ClientError> {
+    match driven_target(uri)? {
+        Some(target) if driven_wanted()? => Ok(Transport(Kind::Driven(Driven::lazy(
+            target,
+            CONNECT_TIMEOUT,
+        )))),
+        _ => Ok(connect_channel_lazy(uri)?.into()),
+    }
+}
 
 /// How long dialing the broker may take before `connect` gives up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -229,10 +349,13 @@ pub fn connect_channel_lazy(uri: &str) -> Result<Channel, ClientError> {
     Ok(endpoint(uri)?.connect_lazy())
 }
 
-/// Wraps a channel with the bearer-token interceptor.
-pub fn authenticated(channel: Channel, token: &str) -> Result<AuthChannel, ClientError> {
+/// Wraps a transport (or a tonic channel) with the bearer-token interceptor.
+pub fn authenticated(
+    transport: impl Into<Transport>,
+    token: &str,
+) -> Result<AuthChannel, ClientError> {
     Ok(InterceptedService::new(
-        channel,
+        transport.into(),
         AuthInterceptor::new(token)?,
     ))
 }
@@ -267,6 +390,25 @@ mod tests {
         assert_eq!(p("/run/b.sock").as_deref(), Some("/run/b.sock"));
         assert_eq!(p("unix:/run/b.sock").as_deref(), Some("/run/b.sock"));
         assert_eq!(p("http://127.0.0.1:1"), None);
+    }
+
+    #[test]
+    fn driven_targets_are_unix_sockets_and_plain_tcp() {
+        let t = |s: &str| driven_target(s).unwrap_or_else(|e| panic!("{s}: {e}"));
+        assert_eq!(
+            t("unix:///run/b.sock"),
+            Some(Target::Unix("/run/b.sock".into()))
+        );
+        assert_eq!(t("/run/b.sock"), Some(Target::Unix("/run/b.sock".into())));
+        assert_eq!(
+            t("http://127.0.0.1:7070"),
+            Some(Target::Tcp("127.0.0.1:7070".into()))
+        );
+        assert_eq!(t("node1:7070"), Some(Target::Tcp("node1:7070".into())));
+        assert_eq!(t("http://node1"), Some(Target::Tcp("node1:80".into())));
+        // TLS stays on tonic's channel.
+        assert_eq!(t("https://node1:7070"), None);
+        assert!(driven_target("ftp://x").is_err());
     }
 
     #[tokio::test]

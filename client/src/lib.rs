@@ -69,6 +69,7 @@ pub mod cuda;
 pub mod descriptor_channel;
 pub mod device;
 pub mod drain;
+mod driven;
 pub mod error;
 pub mod events;
 pub mod fd;

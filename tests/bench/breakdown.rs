@@ -298,11 +298,15 @@ async fn worker(
     from: Instant,
     until: Instant,
 ) -> Result<Parts> {
-    // One channel for both services: the floor is measured on the connection the lease
-    // calls use.
-    let channel = gpu_broker_client::connect::connect_channel(uri).await?;
-    let mut health = HealthClient::new(channel.clone());
-    let client = Client::from_channel(channel, token)?;
+    // One connection for both services: the floor is measured on the connection the lease
+    // calls use (the client's transport: `GPU_BROKER_CLIENT_TRANSPORT` picks it).
+    let transport = gpu_broker_client::connect::connect_transport_with(
+        uri,
+        &gpu_broker_client::ConnectOptions::from_env(),
+    )
+    .await?;
+    let mut health = HealthClient::new(transport.clone());
+    let client = Client::from_transport(transport, token)?;
     let session = client.session(format!("bench-breakdown-{index}")).await?;
     let dialled = gpu_broker_client::connect::unix_path(uri);
     let mut raw = client.raw();

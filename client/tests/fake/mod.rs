@@ -43,6 +43,8 @@ pub struct State {
     pub refuse_sessions: Option<Code>,
     /// Sessions whose keepalives get `NOT_FOUND`.
     pub forgotten: Vec<String>,
+    /// How long `GetUsage` takes to answer (a call in flight for the transport tests).
+    pub usage_delay: Option<Duration>,
 }
 
 #[derive(Clone)]
@@ -252,6 +254,10 @@ impl Broker for Fake {
         req: Request<pb::GetUsageRequest>,
     ) -> Result<Response<pb::GetUsageResponse>, Status> {
         let tenant = self.tenant(&req)?;
+        let delay = self.state.lock().usage_delay;
+        if let Some(delay) = delay {
+            tokio::time::sleep(delay).await;
+        }
         let st = self.state.lock();
         let held = st.leases.values().map(|l| l.bytes).sum();
         Ok(Response::new(pb::GetUsageResponse {
