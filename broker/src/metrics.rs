@@ -167,7 +167,7 @@ impl Metrics {
         for outcome in ["granted", "refused"] {
             let _ = m.acquire_seconds.get_or_create(&OutcomeLabel { outcome });
         }
-        let busy = [TICKET_BUSY, CHANNEL_BUSY];
+        let busy = [TICKET_BUSY, CHANNEL_BUSY, TOO_MANY_RECIPIENTS];
         for reason in TicketRefusal::ALL
             .map(TicketRefusal::as_str)
             .into_iter()
@@ -189,7 +189,7 @@ impl Metrics {
     }
 
     /// The ticket server refused a ticket (a [`TicketRefusal`] label, [`TICKET_BUSY`],
-    /// [`CHANNEL_BUSY`] or `lease_gone`).
+    /// [`CHANNEL_BUSY`], [`TOO_MANY_RECIPIENTS`] or `lease_gone`).
     pub fn ticket_refused(&self, reason: &'static str) {
         self.ticket_refusals
             .get_or_create(&ReasonLabel { reason })
@@ -462,6 +462,9 @@ pub const TICKET_BUSY: &str = "busy";
 /// The `reason` of `ticket_refusals` when a descriptor channel is refused at a channel
 /// limit ("busy": the process keeps redeeming tickets).
 pub const CHANNEL_BUSY: &str = "channel_busy";
+/// The `reason` of `ticket_refusals` when a lease's (or an import's) descriptor already
+/// reached as many processes outside its session as its record names.
+pub const TOO_MANY_RECIPIENTS: &str = "too_many_recipients";
 
 /// Why the ticket server refused a ticket (`fd/tickets.rs`; the `reason` label of
 /// `ticket_refusals`). Kept here, below the ticket server, so the metrics import nothing

@@ -1199,8 +1199,10 @@ impl Arbiter {
                 lease,
                 tenant: r.tenant.clone(),
                 device: r.device,
+                // A process in another pid namespace (pid 0) cannot be looked at: waited
+                // for, as before the restart.
                 waiters: alive
-                    .alive(&r.waiters)
+                    .recipients(&r.waiters)
                     .into_iter()
                     .filter(|(p, _)| !recorded.contains(p) || recipients.contains_key(p))
                     .collect(),

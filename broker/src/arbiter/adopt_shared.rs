@@ -212,10 +212,11 @@ fn lingering_of(
     let (Ok(id), Ok(publication), Ok(session)) = parsed else {
         return Err("unreadable id");
     };
-    let waiters = alive.alive(&r.waiters);
+    // Pid 0 (a process in another pid namespace) is waited for, as before the restart.
+    let waiters = alive.recipients(&r.waiters);
     let pid_start = waiters
         .iter()
-        .find(|(p, _)| Some(*p) == r.pid)
+        .find(|(p, _)| Some(**p) == r.pid)
         .and_then(|(_, s)| *s);
     let a = AdoptedLingering {
         import: AdoptedImport {

@@ -568,6 +568,46 @@ fn kept_held_blocks_come_back_with_their_importers() {
     arb.lock().check_invariant().unwrap();
 }
 
+/// A block held for a process the broker could not see into (pid 0: another pid
+/// namespace) comes back held for it, as it was before the restart: nothing can tell it
+/// has exited, so its memory stays charged rather than freed under it.
+#[test]
+fn a_block_held_for_a_process_in_another_pid_namespace_comes_back_held() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let held = HeldRecord {
+        v: RECORD_VERSION,
+        lease: Uuid::new_v4().to_string(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id: rand::random(),
+        kind: "host-memfd".into(),
+        publication: None,
+        waiters: vec![ProcessRecord {
+            pid: 0,
+            start: None,
+        }],
+        recipients: vec![],
+        timeout: false,
+        destroy: true,
+        device_uuid: Some(arb.devices.uuid(0)),
+        reached: vec![],
+    };
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![entry(held.key(), &held, Some(memfd(2 * MIB)))];
+    let report = arb.adopt_from_keeper(place).unwrap();
+    assert_eq!((report.held_adopted, report.held_let_go), (1, 0));
+    assert_eq!(
+        arb.views().tenant("alpha").unwrap().usage.quarantined_bytes,
+        2 * MIB
+    );
+    assert!(removed.lock().is_empty(), "{:?}", removed.lock());
+    arb.lock().check_invariant().unwrap();
+}
+
 /// A crash between a quarantine's record and its lease's end leaves both records, with
 /// one block (the same descriptor): the block is counted once as the broker's device
 /// memory at the start, not once per record (else the broker promises bytes the card
@@ -653,7 +693,10 @@ async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
     assert_eq!(report.leases_adopted, 1);
     let id: Uuid = lease.id.parse().unwrap();
     // The later process fetches the descriptor now: the record names it, as it is.
-    assert!(arb.fd_delivering(id, Some(later.id())));
+    assert_eq!(
+        arb.fd_delivering(id, Some(later.id())),
+        crate::arbiter::Recipient::Added
+    );
     let named = |key: &str| -> Vec<(u64, Option<u64>)> {
         let r = records.lock().get(key).cloned().unwrap_or_default();
         let list = r
@@ -853,7 +896,10 @@ fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
         .arg("30")
         .spawn()
         .unwrap();
-    assert!(arb.fd_delivering(id, Some(other.id())));
+    assert_eq!(
+        arb.fd_delivering(id, Some(other.id())),
+        crate::arbiter::Recipient::Added
+    );
     let named: Vec<u64> = records.lock()[&import.key()]["recipients"]
         .as_array()
         .unwrap()

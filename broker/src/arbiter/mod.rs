@@ -55,6 +55,7 @@ pub use drain::{DeviceDrain, DrainReport};
 pub use lifecycle::Lifecycle;
 pub use retained::{Retaining, SessionPeer};
 pub use sharing::ImportGrant;
+pub use state::Recipient;
 pub(crate) use state::{Ending, State};
 
 use crate::auth::Authenticator;

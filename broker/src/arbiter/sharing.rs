@@ -11,7 +11,7 @@
 //! importers or other processes that may map it); the table's indexes are checked with the
 //! invariant.
 
-use super::state::NewPublication;
+use super::state::{NewPublication, Recipient};
 use super::Ending;
 use super::{lease_not_found, session_not_found, Arbiter, State};
 use crate::device::{Handle, MemoryKind, SharedFd};
@@ -353,17 +353,20 @@ impl Arbiter {
     /// The ticket server is about to deliver the descriptor of lease or import `id` to
     /// `pid`: a process other than the holder's session process is tracked first, so memory
     /// it may map stays counted until it exits, even if the holder lets go the moment the
-    /// descriptor arrives. Returns false (deliver nothing) when the lease or import is gone.
-    pub(crate) fn fd_delivering(&self, id: Uuid, pid: Option<u32>) -> bool {
+    /// descriptor arrives. Anything but [`Recipient::Added`]: deliver nothing (the lease or
+    /// import is gone, or as many other processes as a record names have it).
+    pub(crate) fn fd_delivering(&self, id: Uuid, pid: Option<u32>) -> Recipient {
         let mut st = self.lock();
         let Some(session) = delivering_session(&st, id) else {
-            return false;
+            return Recipient::Gone;
         };
         // An import is kept once its descriptor leaves the broker (before it does).
         st.import_delivered(id);
-        let Some(pid) = pid else { return true };
+        let Some(pid) = pid else {
+            return Recipient::Added;
+        };
         if st.sessions().get(&session).and_then(|s| s.peer.pid) == Some(pid) {
-            return true;
+            return Recipient::Added;
         }
         drop(st);
         // Read with no lock held: its start time, kept with the lease's record so that a
@@ -373,7 +376,7 @@ impl Arbiter {
         let mut st = self.lock();
         // Ended (or let go) meanwhile: nothing is delivered.
         if delivering_session(&st, id) != Some(session) {
-            return false;
+            return Recipient::Gone;
         }
         st.add_recipient(id, pid, start)
     }

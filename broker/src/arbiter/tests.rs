@@ -1118,7 +1118,10 @@ async fn fd_recipients_are_looked_at_after_the_unlock_and_undecided_counts_alive
         .unwrap();
     // Only a recipient that exited: cached as if nobody else had it.
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    assert!(f.arb.fd_delivering(l.id, Some(dead.id())));
+    assert_eq!(
+        f.arb.fd_delivering(l.id, Some(dead.id())),
+        crate::arbiter::Recipient::Added
+    );
     f.arb.release("a", l.id).unwrap();
     // Before anything awaits (a watcher could run then): the look already let it go.
     assert!(f.arb.list_quarantined().is_empty());
@@ -1126,8 +1129,14 @@ async fn fd_recipients_are_looked_at_after_the_unlock_and_undecided_counts_alive
     assert_eq!(f.arb.lock().unlooked(), 0);
     // The exited one and a live one: held for the live one only.
     let l = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    assert!(f.arb.fd_delivering(l.id, Some(dead.id())));
-    assert!(f.arb.fd_delivering(l.id, Some(live.id())));
+    assert_eq!(
+        f.arb.fd_delivering(l.id, Some(dead.id())),
+        crate::arbiter::Recipient::Added
+    );
+    assert_eq!(
+        f.arb.fd_delivering(l.id, Some(live.id())),
+        crate::arbiter::Recipient::Added
+    );
     f.arb.release("a", l.id).unwrap();
     let q = f.arb.list_quarantined();
     assert_eq!(q.len(), 1, "{q:?}");
@@ -1136,7 +1145,10 @@ async fn fd_recipients_are_looked_at_after_the_unlock_and_undecided_counts_alive
     assert_eq!(quarantined_and_cached(&f).await, (4 * MIB, 0));
     // An undecidable pid keeps memory held too.
     let l0 = f.arb.acquire(req("a", s, 4 * MIB)).await.unwrap();
-    assert!(f.arb.fd_delivering(l0.id, Some(0)));
+    assert_eq!(
+        f.arb.fd_delivering(l0.id, Some(0)),
+        crate::arbiter::Recipient::Added
+    );
     f.arb.release("a", l0.id).unwrap();
     assert_eq!(quarantined_and_cached(&f).await, (8 * MIB, 0));
     assert_eq!(f.arb.lock().unlooked(), 0);
@@ -1522,12 +1534,21 @@ async fn a_lingering_import_delivers_its_descriptor_to_nobody_else() {
         .spawn()
         .unwrap();
     // Another process of the reader fetched the import's descriptor, then the reader lets go.
-    assert!(f.arb.fd_delivering(import.id, Some(live.id())));
+    assert_eq!(
+        f.arb.fd_delivering(import.id, Some(live.id())),
+        crate::arbiter::Recipient::Added
+    );
     f.arb.sharing().release_import("b", import.id).unwrap();
     // The import lingers for that process; a second fetch (a ticket already being redeemed)
     // gets nothing.
-    assert!(!f.arb.fd_delivering(import.id, Some(std::process::id())));
-    assert!(!f.arb.fd_delivering(import.id, None));
+    assert_eq!(
+        f.arb.fd_delivering(import.id, Some(std::process::id())),
+        crate::arbiter::Recipient::Gone
+    );
+    assert_eq!(
+        f.arb.fd_delivering(import.id, None),
+        crate::arbiter::Recipient::Gone
+    );
     live.kill().unwrap();
     live.wait().unwrap();
 }
@@ -1596,7 +1617,10 @@ async fn a_host_fallback_lease_given_to_another_process_leaves_no_recipient_behi
         .arg("30")
         .spawn()
         .unwrap();
-    assert!(arb.fd_delivering(l.id, Some(other.id())));
+    assert_eq!(
+        arb.fd_delivering(l.id, Some(other.id())),
+        crate::arbiter::Recipient::Added
+    );
     arb.release("a", l.id).unwrap();
     {
         let st = arb.lock();

@@ -19,7 +19,7 @@
 //! slot is given back when the connection becomes a channel), and never give way to a
 //! ticket connection turned away; one over a channel cap is told "busy" and closed.
 
-use crate::arbiter::Arbiter;
+use crate::arbiter::{Arbiter, Recipient};
 use crate::device::SharedFd;
 use crate::fd::descriptor_channels::{
     DescriptorChannels, NotSent, Owner, MAX_CHANNELS, MAX_CHANNELS_PER_UID,
@@ -27,6 +27,7 @@ use crate::fd::descriptor_channels::{
 use crate::fd::ticket_pressure::Pressure;
 use crate::fd::tickets::{Redeemed, Refusal, TICKET_LEN};
 use crate::listener::{ConnPermit, ConnTracker};
+use crate::metrics::TOO_MANY_RECIPIENTS;
 use gpu_broker_proto::ticket::{
     BUSY_REPLY, CHANNEL_HELLO, CHANNEL_OPEN_REPLY, FD_REPLY, LEASE_ENDED_REPLY, PUSHED_FD,
     PUSHED_LEN, REFUSED_REPLY,
@@ -271,21 +272,33 @@ async fn serve_one(
         // once for it), so its delivery does not take the arbiter's lock: the table
         // refused its ticket if the lease already left the lease table, and a lease that
         // ends from here on is the same race as one ending while the descriptor is in flight.
-        Ok(r) if !delivering(arb, &r, pid, &strangers) => {
-            let lease = r.lease;
-            arb.metrics().ticket_refused("lease_gone");
-            let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
-            tracing::debug!(%lease, ?uid, ?pid, "ticket of a lease that just ended; closed");
-            Served::Nothing
-        }
-        Ok(Redeemed { lease, fd, .. }) => match send_fd(stream, &fd).await {
-            Ok(()) => {
-                arb.metrics().ticket_redeemed();
-                tracing::debug!(%lease, ?uid, ?pid, kept, "lease fd delivered");
-                Served::Fd
+        Ok(r) => match delivering(arb, &r, pid, &strangers) {
+            Recipient::Added => match send_fd(stream, &r.fd).await {
+                Ok(()) => {
+                    arb.metrics().ticket_redeemed();
+                    tracing::debug!(lease = %r.lease, ?uid, ?pid, kept, "lease fd delivered");
+                    Served::Fd
+                }
+                Err(e) => {
+                    tracing::warn!(lease = %r.lease, error = %e, "sending a lease fd failed");
+                    Served::Nothing
+                }
+            },
+            Recipient::Gone => {
+                let lease = r.lease;
+                arb.metrics().ticket_refused("lease_gone");
+                let _ = stream.try_write(&[LEASE_ENDED_REPLY]);
+                tracing::debug!(%lease, ?uid, ?pid, "ticket of a lease that just ended; closed");
+                Served::Nothing
             }
-            Err(e) => {
-                tracing::warn!(%lease, error = %e, "sending a lease fd failed");
+            // Its record names every process that has the memory: past the bound none more.
+            Recipient::Full => {
+                let lease = r.lease;
+                arb.metrics().ticket_refused(TOO_MANY_RECIPIENTS);
+                if kept {
+                    let _ = stream.try_write(&[REFUSED_REPLY]);
+                }
+                tracing::warn!(%lease, ?uid, ?pid, "a lease descriptor already reached as many other processes as allowed; refused");
                 Served::Nothing
             }
         },
@@ -399,15 +412,21 @@ pub fn push(
 }
 
 /// Asks the arbiter before `r`'s descriptor leaves, where it must (a recipient that may be
-/// outside the session, or a writer other than the connecting process `pid`): false when
-/// the lease ended meanwhile.
-fn delivering(arb: &Arbiter, r: &Redeemed, pid: Option<u32>, strangers: &[u32]) -> bool {
-    if r.to.needs_arbiter() && !arb.fd_delivering(r.lease, pid) {
-        return false;
+/// outside the session, or a writer other than the connecting process `pid`): anything
+/// but [`Recipient::Added`] when it may not (the lease ended meanwhile, or too many other
+/// processes have it).
+fn delivering(arb: &Arbiter, r: &Redeemed, pid: Option<u32>, strangers: &[u32]) -> Recipient {
+    if r.to.needs_arbiter() {
+        let first = arb.fd_delivering(r.lease, pid);
+        if first != Recipient::Added {
+            return first;
+        }
     }
     strangers
         .iter()
-        .all(|&w| arb.fd_delivering(r.lease, Some(w)))
+        .map(|&w| arb.fd_delivering(r.lease, Some(w)))
+        .find(|d| *d != Recipient::Added)
+        .unwrap_or(Recipient::Added)
 }
 
 /// Sends one byte with `fd` in `SCM_RIGHTS`.

@@ -116,6 +116,9 @@ impl Dialer {
             .map_err(|_| "no tokio runtime to drive the connection on".to_string())?;
         let io = self.target.dial().await.map_err(|e| e.to_string())?;
         let hub = Hub::new();
+        // Callers drive the connection on whatever thread polls them: no keep-alive or
+        // adaptive window is set, so hyper makes no timer there (one would need a tokio
+        // context in every caller).
         let (sender, conn) = hyper::client::conn::http2::Builder::new(Exec(hub.clone()))
             .timer(hyper_util::rt::TokioTimer::new())
             .handshake(hyper_util::rt::TokioIo::new(io))

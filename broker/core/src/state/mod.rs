@@ -51,7 +51,7 @@ pub use adopt::{Adopted, AdoptedQuarantine, NotAdopted};
 pub use adopt_shared::{AdoptedHeld, AdoptedHeldPublication, AdoptedImport, AdoptedLingering};
 pub use end::{Ending, Revoke};
 pub use queue::{Enqueued, QueueEnv};
-pub use shared::{Holding, NewPublication, SealCheck};
+pub use shared::{Holding, NewPublication, Recipient, SealCheck};
 pub use stranded::{AdoptedStranded, Stranded};
 
 use crate::effects::{Effects, Watch};

@@ -120,6 +120,17 @@ impl std::fmt::Debug for SealCheck {
     }
 }
 
+/// What [`State::add_recipient`] made of a descriptor going to another process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recipient {
+    /// Recorded (or recorded already): the descriptor may go.
+    Added,
+    /// The lease or import ended (or was let go): nothing may go.
+    Gone,
+    /// It reached as many other processes as a record names: nothing may go.
+    Full,
+}
+
 impl State {
     /// Does the block carry only the seals it was made with (host memory: asks the
     /// [`SealCheck`] the shell gave), so it may be cached for its tenant's next lease?
@@ -326,16 +337,21 @@ impl State {
 
     /// A lease's (or an import's) descriptor went to `pid`, a process outside its session:
     /// it may map the memory until it exits (counted when the lease or import ends).
-    /// False when there is no such live lease or import.
-    pub fn add_recipient(&mut self, id: Uuid, pid: u32, start: Option<u64>) -> bool {
+    /// [`Recipient::Gone`] when there is no such live lease or import;
+    /// [`Recipient::Full`] when [`crate::pool::Reached::MAX`] other processes have it
+    /// already (every record names them all, and a record stays bounded).
+    pub fn add_recipient(&mut self, id: Uuid, pid: u32, start: Option<u64>) -> Recipient {
         if self.leases.get(&id).is_none() && !self.shared.by_import.contains_key(&id) {
-            return false;
+            return Recipient::Gone;
         }
         let set = self.shared.recipients.entry(id).or_default();
+        if !set.contains_key(&pid) && set.len() >= crate::pool::Reached::MAX {
+            return Recipient::Full;
+        }
         let changed = set.insert(pid, start) != Some(start);
-        // A live lease's record names them (up to a bound), so a restarted broker holds
-        // its memory for them too: rewritten only when what it names changes.
-        if changed && set.len() <= crate::pool::Reached::MAX && self.keeping {
+        // A live lease's record names them, so a restarted broker holds its memory for
+        // them too: rewritten only when what it names changes.
+        if changed && self.keeping {
             let k = match self.leases.get(&id) {
                 Some(l) => Some(self.lease_kept(l)),
                 // A kept import's (a lingering one's names them among its waiters).
@@ -351,7 +367,7 @@ impl State {
                 self.keep(|| k);
             }
         }
-        true
+        Recipient::Added
     }
 
     /// The processes outside live lease `id`'s session that fetched its descriptor, as

@@ -768,7 +768,10 @@ impl Harness {
                     return;
                 };
                 self.running.insert(OTHERS[other]);
-                assert!(self.st.add_recipient(id, OTHERS[other], None));
+                assert_eq!(
+                    self.st.add_recipient(id, OTHERS[other], None),
+                    super::Recipient::Added
+                );
             }
             Op::Exits { which } => {
                 let mut held: Vec<Uuid> = self.st.shared().held.keys().copied().collect();
@@ -2242,6 +2245,45 @@ fn a_host_lease_given_to_another_process_leaves_no_recipient_behind() {
     assert!(h.st.shared().recipients.is_empty());
     assert!(h.st.shared().held.is_empty() && h.st.quarantine().is_empty());
     run_to_the_end_from(h).unwrap();
+}
+
+/// A lease's descriptor goes to at most `Reached::MAX` processes outside its session, so
+/// every record names all of them and stays bounded: the next one is refused, one already
+/// named is not, and a lease that ends is held for exactly those.
+#[test]
+fn a_lease_reaches_at_most_a_records_worth_of_other_processes() {
+    let mut h = Harness::new();
+    for op in [
+        Op::Open {
+            tenant: 0,
+            pid: Some(0),
+        },
+        Op::Host {
+            session: 0,
+            units: 1,
+            made: true,
+        },
+    ] {
+        h.run(&op);
+        h.check();
+    }
+    let id = h.leases()[0];
+    let max = crate::pool::Reached::MAX as u32;
+    for pid in 0..max {
+        assert_eq!(
+            h.st.add_recipient(id, 10_000 + pid, Some(7)),
+            Recipient::Added
+        );
+    }
+    assert_eq!(h.st.add_recipient(id, 20_000, Some(7)), Recipient::Full);
+    assert_eq!(h.st.add_recipient(id, 10_000, Some(7)), Recipient::Added);
+    assert_eq!(h.st.shared().recipients[&id].len(), max as usize);
+    assert!(!h.st.shared().recipients[&id].contains_key(&20_000));
+    assert_eq!(
+        h.st.add_recipient(uuid::Uuid::new_v4(), 20_000, None),
+        Recipient::Gone
+    );
+    h.check();
 }
 
 /// The transitions of the exhaustive check, over two tenants (each with a session) and two
