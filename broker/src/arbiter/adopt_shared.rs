@@ -230,7 +230,7 @@ fn lingering_of(
             recipients: Default::default(),
         },
         pid_start,
-        waiters: waiters.into_iter().map(|(p, _)| p).collect(),
+        waiters: waiters.into_keys().collect(),
         timeout: r.timeout,
     };
     Ok(a)
