@@ -70,12 +70,14 @@ impl Reached {
         self.add_with(pid, Some(tenant.into()), place)
     }
 
-    /// True when it names a process it did not (a new pid, or one of another tenant).
+    /// True when it names a process it did not (a new pid, one of another tenant, or a
+    /// later process of the pid: another start time).
     fn add_with(&mut self, pid: u32, tenant: Option<Box<str>>, place: Option<Arc<Place>>) -> bool {
         let p = self.0.get_or_insert_with(Box::default);
         let mut new = true;
         if let Some(i) = p.pids.iter().position(|&q| q == pid) {
-            new = p.tenants[i] != tenant;
+            let start = |place: &Option<Arc<Place>>| place.as_ref().and_then(|p| p.start);
+            new = p.tenants[i] != tenant || start(&p.places[i]) != start(&place);
             p.pids.remove(i);
             p.tenants.remove(i);
             p.places.remove(i);
@@ -594,6 +596,17 @@ mod tests {
         r.add(7, Some(place));
         assert!(r.add_of(9, "b", None));
         assert!(r.add_of(9, "c", None), "another tenant's now");
+        // A later process of pid 7 (another start time) is new; the same one is not.
+        let later = |start| {
+            Some(Arc::new(Place {
+                pid: 7,
+                start: Some(start),
+                ..Place::default()
+            }))
+        };
+        assert!(r.add(7, later(5678)), "a later process of the pid");
+        assert!(!r.add(7, later(5678)), "the same process again");
+        assert!(r.add(7, later(1234)));
         let rec = |pid, start, tenant: Option<&str>| crate::kept::ReachedRecord {
             pid,
             start,
@@ -601,7 +614,7 @@ mod tests {
         };
         assert_eq!(
             r.records(),
-            [rec(7, Some(1234), None), rec(9, None, Some("c"))]
+            [rec(9, None, Some("c")), rec(7, Some(1234), None)]
         );
     }
 
