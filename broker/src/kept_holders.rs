@@ -302,8 +302,24 @@ impl ContextLister for crate::gpu_processes::ProcessMonitor {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A process (`sh`) with a child (`sleep 60`): the process and the child's pid.
+    pub(crate) fn sh_with_child() -> (std::process::Child, u32) {
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "sleep 60 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(sh.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        (sh, line.trim().parse().unwrap())
+    }
 
     fn place(pid: u32, uid: u32, cgroup: &str, ns: u64) -> Place {
         Place {
@@ -395,18 +411,7 @@ mod tests {
     /// are not; nothing is found near no recorded holder.
     #[test]
     fn a_child_of_a_live_holder_is_found_and_the_broker_never() {
-        let mut child = std::process::Command::new("sh")
-            .args(["-c", "sleep 60 & echo $!; wait"])
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let grandchild: u32 = line.trim().parse().unwrap();
+        let (mut child, grandchild) = sh_with_child();
         let me = std::process::id();
         let finder = HolderFinder::new(Arc::new(Listed(vec![me, grandchild])));
         let block = reached(&[(child.id(), None)]);
@@ -463,18 +468,7 @@ mod tests {
     /// first in the importer's cgroup (tenants sharing a uid or a cgroup).
     #[test]
     fn the_closest_holder_answers_not_the_first_recorded() {
-        let mut importer = std::process::Command::new("sh")
-            .args(["-c", "sleep 60 & echo $!; wait"])
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(importer.stdout.as_mut().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let child: u32 = line.trim().parse().unwrap();
+        let (mut importer, child) = sh_with_child();
         let finder = HolderFinder::with_own(Arc::new(Listed(vec![child])), Place::nowhere());
         // The publisher, gone, recorded first: it ran in the child's cgroup.
         let publisher = u32::MAX - 3;

@@ -172,6 +172,21 @@ impl Liveness {
     }
 }
 
+/// The leases whose quarantine or held block was kept with the block's descriptor: those
+/// records are written before the lease's end, so a crash between leaves both, and the
+/// block is the quarantine's or held block's, not the lease's.
+fn leases_taken_over<'a>(
+    quarantines: &'a KeptWithFd<records::QuarantineRecord>,
+    helds: &'a KeptWithFd<records::HeldRecord>,
+) -> HashSet<&'a str> {
+    let quarantined = quarantines.iter().filter(|(_, fd)| fd.is_some());
+    let held = helds.iter().filter(|(_, fd)| fd.is_some());
+    quarantined
+        .map(|(q, _)| q.lease.as_str())
+        .chain(held.map(|(h, _)| h.lease.as_str()))
+        .collect()
+}
+
 /// The processes of `kept` (those a block's descriptor reached, as its record names
 /// them) that still live, each with where it runs now (`/proc`, read with no lock held),
 /// so that its free checks for them as before the restart.
@@ -587,17 +602,7 @@ impl Arbiter {
         // what processes keep of it outside the broker (charged again, so the broker's).
         // A lease whose quarantine or held block has its descriptor too (a crash between
         // their writes) is one block: counted once, with the record that keeps it.
-        let taken_over: HashSet<&str> = quarantines
-            .iter()
-            .filter(|(_, fd)| fd.is_some())
-            .map(|(q, _)| q.lease.as_str())
-            .chain(
-                helds
-                    .iter()
-                    .filter(|(_, fd)| fd.is_some())
-                    .map(|(h, _)| h.lease.as_str()),
-            )
-            .collect();
+        let taken_over = leases_taken_over(&quarantines, &helds);
         let kept = leases
             .iter()
             .filter(|(r, fd)| {
@@ -873,17 +878,7 @@ impl Arbiter {
         // A lease whose quarantine or held block was kept ended: their records are written
         // before the lease's end is, so a crash between leaves both, and the end wins (in
         // systemd's fd store the descriptor has moved to it already).
-        let ended: HashSet<&str> = quarantines
-            .iter()
-            .filter(|(_, fd)| fd.is_some())
-            .map(|(q, _)| q.lease.as_str())
-            .chain(
-                helds
-                    .iter()
-                    .filter(|(_, fd)| fd.is_some())
-                    .map(|(h, _)| h.lease.as_str()),
-            )
-            .collect();
+        let ended = leases_taken_over(&quarantines, &helds);
         let (leases, ended_leases): (Vec<_>, Vec<_>) = leases
             .into_iter()
             .partition(|(r, _)| !ended.contains(r.id.as_str()));

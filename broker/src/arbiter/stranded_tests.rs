@@ -552,18 +552,7 @@ fn keeping_arbiter_finding(switch: &FaultSwitch, on_device: &Arc<OnDevice>) -> A
 /// A worker (`sh`) with a child (`sleep`) it could hand its descriptor to; returns the
 /// worker, the child's pid and the worker as a session's peer.
 fn worker_with_child() -> (std::process::Child, u32, Peer) {
-    let mut sh = std::process::Command::new("sh")
-        .args(["-c", "sleep 60 & echo $!; wait"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(sh.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    let child = line.trim().parse().unwrap();
+    let (sh, child) = crate::kept_holders::tests::sh_with_child();
     let peer = Peer {
         pid: Some(sh.id()),
         uid: None,
