@@ -78,6 +78,13 @@ build_before() {
     cp -f "$target/release/gpu-broker-bench" "$OUT/gpu-broker-bench-before"
     strip "$OUT/gpu-broker-before" "$OUT/gpu-broker-bench-before" 2>/dev/null || true
     git rev-parse --short "$ref^{commit}" >"$OUT/before.ref"
+    # Its workspace crates share this build's artifact names, and cargo takes them as fresh
+    # when this tree's sources are older than they are: remove them so this build rebuilds.
+    local pkgs
+    pkgs=$(cargo metadata --no-deps --format-version 1 |
+        python3 -c 'import json,sys; print(" ".join("-p " + p["name"] for p in json.load(sys.stdin)["packages"]))')
+    # shellcheck disable=SC2086
+    CARGO_TARGET_DIR=$target cargo clean --release $pkgs
 }
 
 build() {
@@ -87,9 +94,9 @@ build() {
     cargo build --release -p gpu-broker -p gpu-brokerctl -p gpu-broker-tests \
         -p gpu-broker-examples --bins
     local t c e
-    t=$(cargo test --release -p gpu-broker-tests --test gpu --no-run --message-format=json 2>/dev/null | exe_of gpu)
-    c=$(cargo test --release -p gpu-broker --test cuda_conformance --no-run --message-format=json 2>/dev/null | exe_of cuda_conformance)
-    e=$(cargo build --release -p gpu-broker-client --features cuda --example cuda_fd_check --message-format=json 2>/dev/null | exe_of cuda_fd_check)
+    t=$(cargo test --release -p gpu-broker-tests --test gpu --no-run --message-format=json | exe_of gpu)
+    c=$(cargo test --release -p gpu-broker --test cuda_conformance --no-run --message-format=json | exe_of cuda_conformance)
+    e=$(cargo build --release -p gpu-broker-client --features cuda --example cuda_fd_check --message-format=json | exe_of cuda_fd_check)
     [[ -n "$t" && -n "$c" && -n "$e" ]] || { echo "cannot find the test executables" >&2; exit 1; }
     gpu_stage "$OUT" release
     cp -f "$t" "$OUT/gpu-test"
