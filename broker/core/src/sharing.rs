@@ -78,6 +78,10 @@ pub struct Import {
     /// Set once its holder let go (released, or its session ended) while processes that
     /// may map it live: the import ends when they are gone.
     pub lingering: Option<Waiters>,
+    /// When those of its lingering waiters that fetched its descriptor started (where
+    /// known): its record names them, so a restarted broker tells each from a later
+    /// process given its pid.
+    pub recipient_starts: BTreeMap<u32, u64>,
     /// Its record is with the keeper (once its descriptor reached a process, until it
     /// ended: an `import/` record while its holder has it, a `lingering/` one after).
     pub kept: bool,
@@ -157,6 +161,14 @@ pub struct Held {
 /// Processes outside a lease's (or import's) session that redeemed a ticket of it, each
 /// with its start time when the shell could read it (a later process of the pid is not it).
 pub type Recipients = HashMap<Uuid, BTreeMap<u32, Option<u64>>>;
+
+/// The start times known of `recipients` (a process whose start was not read has none).
+pub fn starts_of(recipients: &BTreeMap<u32, Option<u64>>) -> BTreeMap<u32, u64> {
+    recipients
+        .iter()
+        .filter_map(|(&p, &s)| Some((p, s?)))
+        .collect()
+}
 
 /// Every publication, import and held block (lives in the arbiter's state).
 #[derive(Debug, Default)]

@@ -226,8 +226,13 @@ fn lingering_of(
             session,
             pid: r.pid,
             created: from_unix_ms(r.created_unix_ms),
-            // A lingering import's are among its waiters.
-            recipients: Default::default(),
+            // A lingering import's are its other waiters: their start times stay with it
+            // (its record is written again for a new keeper).
+            recipients: waiters
+                .iter()
+                .filter(|(p, _)| Some(**p) != r.pid)
+                .map(|(&p, &s)| (p, s))
+                .collect(),
         },
         pid_start,
         waiters: waiters.into_keys().collect(),

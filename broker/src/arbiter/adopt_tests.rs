@@ -937,6 +937,142 @@ fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
     arb.lock().check_invariant().unwrap();
 }
 
+/// A lingering import's record names when each process it waits for started, those that
+/// fetched its descriptor too: after a restart, a later process given the pid of the one
+/// that fetched it does not keep the publisher's held block charged (the same process
+/// does). Without the start time, any process of that pid kept it until it exited.
+#[test]
+fn a_lingering_imports_recipient_whose_pid_was_reused_does_not_keep_it_after_a_restart() {
+    let child = KillOnDrop(
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap(),
+    );
+    let pid = child.0.id();
+    let start = crate::process::start_ticks(pid).unwrap();
+    assert_eq!(lingering_restart(pid, start), 2 * MIB, "the same process");
+    assert_eq!(
+        lingering_restart(pid, start + 1),
+        0,
+        "a later process of the pid"
+    );
+}
+
+/// Kills and reaps a child however the test ends.
+struct KillOnDrop(std::process::Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A broker takes back a publication and its import, the import's descriptor reaches
+/// process `pid` (recorded as started at `start`), its holder lets go (it lingers for
+/// `pid`) and the publisher's lease ends (its block held for the import); a second
+/// broker starts from what the first kept. Returns the publisher's quarantined bytes there.
+fn lingering_restart(pid: u32, start: u64) -> u64 {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let session = Uuid::new_v4();
+    let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
+    let sealed = || {
+        let fd = memfd(2 * MIB);
+        crate::sharing::seal_read_only(&crate::device::SharedFd::new(fd.try_clone().unwrap()))
+            .unwrap();
+        fd
+    };
+    let publication = PublicationRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        lease: lease.id.clone(),
+        publisher: "alpha".into(),
+        name: Some("w".into()),
+        readers: vec![],
+        published_unix_ms: 1_764_800_000_000,
+    };
+    let import = ImportRecord {
+        v: RECORD_VERSION,
+        id: Uuid::new_v4().to_string(),
+        publication: publication.id.clone(),
+        tenant: "alpha".into(),
+        session: session.to_string(),
+        pid: Some(std::process::id()),
+        created_unix_ms: 0,
+        recipients: vec![],
+    };
+    let mut kept: std::collections::BTreeMap<String, serde_json::Value> = [
+        (
+            format!("session/{session}"),
+            serde_json::to_value(session_record(session, "alpha")).unwrap(),
+        ),
+        (lease.key(), serde_json::to_value(&lease).unwrap()),
+        (
+            publication.key(),
+            serde_json::to_value(&publication).unwrap(),
+        ),
+        (import.key(), serde_json::to_value(&import).unwrap()),
+    ]
+    .into();
+    let place = MemPlace::default();
+    let (records, removed) = (place.records.clone(), place.removed.clone());
+    *place.entries.lock() = kept
+        .iter()
+        .map(|(k, v)| Entry {
+            key: k.clone(),
+            record: v.clone(),
+            fd: (k == &lease.key()).then(sealed),
+        })
+        .collect();
+    arb.adopt_from_keeper(place).unwrap();
+    let id: Uuid = import.id.parse().unwrap();
+    assert_eq!(
+        arb.lock().add_recipient(id, pid, Some(start)),
+        crate::arbiter::Recipient::Added
+    );
+    arb.lock().import_let_go(id, Ending::Cache);
+    arb.release("alpha", lease.id.parse().unwrap()).unwrap();
+    assert_eq!(
+        arb.views().tenant("alpha").unwrap().usage.quarantined_bytes,
+        2 * MIB,
+        "held for the lingering import"
+    );
+    // What the keeper holds now: what it had, less what was removed, with what was put.
+    for k in removed.lock().iter() {
+        kept.remove(k);
+    }
+    kept.extend(records.lock().clone());
+    let waiters = &kept[&format!("lingering/{id}")]["waiters"];
+    assert_eq!(
+        waiters,
+        &serde_json::json!([{"pid": pid, "start": start}]),
+        "the lingering import names when its recipient started"
+    );
+    let next = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    next.set_quota("alpha", super::tests::quota(64 * MIB))
+        .unwrap();
+    let held = format!("held/{}", lease.id);
+    kept.get_mut(&held).unwrap()["device_uuid"] = next.devices.uuid(0).into();
+    let place = MemPlace::default();
+    *place.entries.lock() = kept
+        .iter()
+        .map(|(k, v)| Entry {
+            key: k.clone(),
+            record: v.clone(),
+            fd: (k == &held).then(sealed),
+        })
+        .collect();
+    next.adopt_from_keeper(place).unwrap();
+    next.lock().check_invariant().unwrap();
+    next.views()
+        .tenant("alpha")
+        .unwrap()
+        .usage
+        .quarantined_bytes
+}
+
 /// A place whose records outlive a start (as a keeper's do): each start reads them all
 /// again, and what the broker removes is gone from the next.
 #[derive(Clone, Default)]

@@ -271,7 +271,7 @@ fn unread_bytes(sock: RawFd) -> std::io::Result<usize> {
 fn measure_unit(len: usize) -> Option<usize> {
     let (a, _b) = std::os::unix::net::UnixStream::pair().ok()?;
     // As on a ticket connection (credentials are attached to what it sends).
-    crate::fd::ticket_read::pass_credentials(a.as_raw_fd()).ok()?;
+    crate::fd::ticket_read::pass_credentials(&a).ok()?;
     let null = std::fs::File::open("/dev/null").ok()?;
     send_with_fd(
         a.as_fd(),

@@ -6,27 +6,13 @@
 //! the accept). Only a process with `CAP_SYS_ADMIN` could claim another pid.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
 /// Turns `SO_PASSCRED` on for `sock` (a listening socket passes it on to what it accepts).
-pub fn pass_credentials(sock: RawFd) -> io::Result<()> {
-    let on: libc::c_int = 1;
-    // SAFETY: setsockopt of an int on a valid socket.
-    let rc = unsafe {
-        libc::setsockopt(
-            sock,
-            libc::SOL_SOCKET,
-            libc::SO_PASSCRED,
-            (&on as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+pub fn pass_credentials(sock: impl AsFd) -> io::Result<()> {
+    Ok(rustix::net::sockopt::set_socket_passcred(sock, true)?)
 }
 
 /// What was read: the bytes, and the pids of the processes that wrote them, as the
@@ -64,7 +50,13 @@ pub async fn read_exact_with_writers(stream: &UnixStream, buf: &mut [u8]) -> io:
 }
 
 /// One `recvmsg` into `buf`: how many bytes, and the writer's pid if the kernel attached
-/// it. A stream read stops where the writer changes, so one call has one writer.
+/// it. A stream read stops where the writer changes, so one call has one writer. Control
+/// data the kernel had to cut (more descriptors than the room) fails the read: a
+/// writer's credentials must never be missing unseen.
+///
+/// Hand-written, not `rustix::net::recvmsg`: rustix reads `SCM_CREDENTIALS` into a
+/// non-zero `Pid`, and the kernel writes pid 0 for a writer outside the broker's pid
+/// namespace (undefined behaviour there, and the case the ticket server refuses).
 fn recv_part(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<u32>)> {
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
@@ -112,6 +104,12 @@ fn recv_part(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<u32>)> {
             c = libc::CMSG_NXTHDR(&msg, c);
         }
     }
+    if msg.msg_flags & (libc::MSG_CTRUNC | libc::MSG_TRUNC) != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "a ticket connection's control data was cut",
+        ));
+    }
     Ok((n as usize, pid))
 }
 
@@ -127,7 +125,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s");
         let listener = tokio::net::UnixListener::bind(&path).unwrap();
-        pass_credentials(listener.as_raw_fd()).unwrap();
+        pass_credentials(&listener).unwrap();
         let me = std::process::id();
         // This process connects and writes half; a forked child writes the rest.
         let mut c = std::os::unix::net::UnixStream::connect(&path).unwrap();
@@ -156,10 +154,76 @@ mod tests {
         assert_eq!(w.writers, vec![me, child as u32]);
     }
 
+    /// A part the kernel attached no writer to (written before credentials were passed)
+    /// reads as pid 0, like a writer outside the broker's pid namespace: the ticket
+    /// server refuses such a writer, so it must not be lost or read as another pid.
+    #[tokio::test]
+    async fn a_part_without_a_visible_writer_is_read_as_pid_0() {
+        let (a, b) = UnixStream::pair().unwrap();
+        b.try_write(&[1u8; 8]).unwrap();
+        pass_credentials(&a).unwrap();
+        pass_credentials(&b).unwrap();
+        b.try_write(&[2u8; 8]).unwrap();
+        let mut buf = [0u8; 16];
+        let w = read_exact_with_writers(&a, &mut buf).await.unwrap();
+        assert_eq!(w.writers, vec![0, std::process::id()]);
+    }
+
+    /// More descriptors than the room for them (the kernel cuts the control data): the
+    /// read fails (a writer's credentials must never go missing unseen) and the
+    /// descriptors that arrived are closed.
+    #[tokio::test]
+    async fn a_cut_control_message_fails_and_closes_what_arrived() {
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        use std::mem::MaybeUninit;
+        let (a, b) = UnixStream::pair().unwrap();
+        pass_credentials(&a).unwrap();
+        let (mut r, w) = std::io::pipe().unwrap();
+        let fds = [w.as_fd(); 16];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(16))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        let payload = [1u8; 8];
+        let sent = rustix::net::sendmsg(
+            &b,
+            &[io::IoSlice::new(&payload)],
+            &mut control,
+            SendFlags::empty(),
+        )
+        .unwrap();
+        assert_eq!(sent, payload.len());
+        drop(w);
+        let mut buf = [0u8; 8];
+        let e = read_exact_with_writers(&a, &mut buf).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        // Every write end is closed once the broker closed those that arrived (a fork
+        // in another test may hold one a moment longer).
+        // SAFETY: fcntl flags on a descriptor this test owns.
+        assert_eq!(
+            unsafe { libc::fcntl(r.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) },
+            0
+        );
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let mut one = [0u8; 1];
+            match std::io::Read::read(&mut r, &mut one) {
+                Ok(0) => break,
+                Ok(_) => panic!("nothing was written to the pipe"),
+                Err(e)
+                    if e.kind() == io::ErrorKind::WouldBlock
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10))
+                }
+                Err(e) => panic!("a write end of the pipe stayed open: {e}"),
+            }
+        }
+    }
+
     #[tokio::test]
     async fn an_early_end_is_unexpected_eof() {
         let (a, b) = UnixStream::pair().unwrap();
-        pass_credentials(a.as_raw_fd()).unwrap();
+        pass_credentials(&a).unwrap();
         b.try_write(&[1u8; 3]).unwrap();
         drop(b);
         let mut buf = [0u8; 32];

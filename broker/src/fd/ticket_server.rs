@@ -72,7 +72,7 @@ pub async fn bind(path: &Path) -> std::io::Result<UnixListener> {
             }
         })?;
     // Every accepted connection inherits it: the kernel names each writer of a ticket.
-    crate::fd::ticket_read::pass_credentials(listener.as_raw_fd())?;
+    crate::fd::ticket_read::pass_credentials(&listener)?;
     Ok(listener)
 }
 

@@ -4,14 +4,15 @@
 //! (the kernel queues it at the receiver), so what the broker wrote before a SIGKILL
 //! reaches the keeper.
 
+use rustix::net::sockopt::Timeout;
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
+    SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
 };
 use serde::{Deserialize, Serialize};
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 /// The largest message either side sends or accepts.
@@ -67,50 +68,28 @@ pub enum Message {
     Forget,
 }
 
-fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
-    use std::os::unix::ffi::OsStrExt;
-    // SAFETY: an all-zero sockaddr_un is valid.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    let bytes = path.as_os_str().as_bytes();
-    if bytes.len() >= addr.sun_path.len() {
-        return Err(io::Error::new(
+fn sockaddr(path: &Path) -> io::Result<SocketAddrUnix> {
+    SocketAddrUnix::new(path).map_err(|e| {
+        io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("socket path too long: {}", path.display()),
-        ));
-    }
-    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
-    Ok((addr, len as libc::socklen_t))
+            format!("socket path {}: {e}", path.display()),
+        )
+    })
 }
 
 fn seqpacket() -> io::Result<OwnedFd> {
-    // SAFETY: plain socket creation.
-    let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    Ok(rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?)
 }
 
 /// Connects to the keeper listening at `path`.
 pub fn connect(path: &Path) -> io::Result<OwnedFd> {
     let sock = seqpacket()?;
-    let (addr, len) = sockaddr(path)?;
-    // SAFETY: a valid socket and address of `len` bytes.
-    let rc = unsafe {
-        libc::connect(
-            sock.as_raw_fd(),
-            (&addr as *const libc::sockaddr_un).cast(),
-            len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    rustix::net::connect(&sock, &sockaddr(path)?)?;
     Ok(sock)
 }
 
@@ -127,51 +106,27 @@ pub fn bind(path: &Path) -> io::Result<OwnedFd> {
         std::fs::remove_file(path)?;
     }
     let sock = seqpacket()?;
-    let (addr, len) = sockaddr(path)?;
-    // SAFETY: a valid socket and address of `len` bytes.
-    if unsafe {
-        libc::bind(
-            sock.as_raw_fd(),
-            (&addr as *const libc::sockaddr_un).cast(),
-            len,
-        )
-    } != 0
-    {
-        return Err(io::Error::last_os_error());
-    }
+    rustix::net::bind(&sock, &sockaddr(path)?)?;
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    // SAFETY: listen on the bound socket.
-    if unsafe { libc::listen(sock.as_raw_fd(), 4) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    rustix::net::listen(&sock, 4)?;
     Ok(sock)
 }
 
 /// Accepts one connection (blocking).
 pub fn accept(listener: &OwnedFd) -> io::Result<OwnedFd> {
     loop {
-        // SAFETY: a listening socket; no address wanted.
-        let raw = unsafe {
-            libc::accept4(
-                listener.as_raw_fd(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                libc::SOCK_CLOEXEC,
-            )
-        };
-        if raw >= 0 {
-            // SAFETY: a fresh descriptor nobody else owns.
-            return Ok(unsafe { OwnedFd::from_raw_fd(raw) });
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match rustix::net::accept_with(listener, SocketFlags::CLOEXEC) {
+            Ok(conn) => return Ok(conn),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
 }
 
-/// The uid of the process at the other end (`SO_PEERCRED`).
+/// The uid of the process at the other end (`SO_PEERCRED`). Read with libc, not
+/// `rustix::net::sockopt::socket_peercred`: rustix's `UCred` holds a non-zero pid, and the
+/// kernel says pid 0 of a peer outside this process's pid namespace.
 pub fn peer_uid(sock: &OwnedFd) -> io::Result<u32> {
     // SAFETY: an all-zero ucred is valid.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
@@ -194,39 +149,19 @@ pub fn peer_uid(sock: &OwnedFd) -> io::Result<u32> {
 
 /// Sets how long a receive may wait (`None`: forever).
 pub fn set_receive_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io::Result<()> {
-    set_timeout(sock, libc::SO_RCVTIMEO, t)
+    set_timeout(sock, Timeout::Recv, t)
 }
 
 /// Bounds how long a send may wait for room in the peer's queue (`None`: forever); past
 /// it the send fails with `WouldBlock` and sends nothing (a message goes whole or not).
 pub fn set_send_timeout(sock: &OwnedFd, t: Option<std::time::Duration>) -> io::Result<()> {
-    set_timeout(sock, libc::SO_SNDTIMEO, t)
+    set_timeout(sock, Timeout::Send, t)
 }
 
-fn set_timeout(
-    sock: &OwnedFd,
-    which: libc::c_int,
-    t: Option<std::time::Duration>,
-) -> io::Result<()> {
-    let t = t.unwrap_or_default();
-    let tv = libc::timeval {
-        tv_sec: t.as_secs() as libc::time_t,
-        tv_usec: t.subsec_micros() as libc::suseconds_t,
-    };
-    // SAFETY: a valid socket and a timeval of the right size.
-    let rc = unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            which,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+fn set_timeout(sock: &OwnedFd, which: Timeout, t: Option<std::time::Duration>) -> io::Result<()> {
+    // A zero wait means forever to the kernel (rustix refuses it): said as `None`.
+    let t = t.filter(|t| !t.is_zero());
+    Ok(rustix::net::sockopt::set_socket_timeout(sock, which, t)?)
 }
 
 /// Sends `msg` with `fd` attached (if any), whole or not at all.
@@ -412,23 +347,17 @@ impl<'a> BatchWriter<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::AsFd;
+    use std::os::fd::{AsFd, FromRawFd};
 
     /// A connected pair of the keeper's kind of socket.
     fn pair() -> (OwnedFd, OwnedFd) {
-        let mut ends = [0; 2];
-        // SAFETY: socketpair into a two-element array; checked below.
-        let rc = unsafe {
-            libc::socketpair(
-                libc::AF_UNIX,
-                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-                0,
-                ends.as_mut_ptr(),
-            )
-        };
-        assert_eq!(rc, 0);
-        // SAFETY: fresh descriptors this test owns.
-        unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) }
+        rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap()
     }
 
     /// A pipe's ends, close-on-exec and without waits.
@@ -449,6 +378,38 @@ mod tests {
     }
 
     /// A message and its descriptors cross whole, in order, each close-on-exec.
+    /// The socket setup: a keeper's socket is the owner's only, a connection is
+    /// accepted with the connector's uid, a receive waits no longer than it was told
+    /// (zero: forever, as before), and a path the kernel cannot hold is refused by name.
+    #[test]
+    fn a_keeper_socket_is_set_up_private_with_bounded_waits() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k");
+        let listener = bind(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let client = connect(&path).unwrap();
+        let conn = accept(&listener).unwrap();
+        // SAFETY: getuid cannot fail.
+        assert_eq!(peer_uid(&conn).unwrap(), unsafe { libc::getuid() });
+        set_receive_timeout(&conn, Some(std::time::Duration::ZERO)).unwrap();
+        set_receive_timeout(&conn, Some(std::time::Duration::from_millis(50))).unwrap();
+        let t = std::time::Instant::now();
+        let e = recv(&conn).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        assert!(t.elapsed() >= std::time::Duration::from_millis(40));
+        set_send_timeout(&client, Some(std::time::Duration::from_millis(50))).unwrap();
+        send(&client, &Message::Forget, None).unwrap();
+        assert_eq!(recv(&conn).unwrap().unwrap().0, Message::Forget);
+        let long = dir.path().join("x".repeat(200));
+        assert_eq!(bind(&long).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(
+            connect(&long).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+    }
+
     #[test]
     fn a_batch_crosses_with_its_descriptors_in_order() {
         let (a, b) = pair();

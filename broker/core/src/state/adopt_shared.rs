@@ -66,7 +66,8 @@ pub struct AdoptedImport {
     pub pid: Option<u32>,
     pub created: SystemTime,
     /// Processes outside its session that fetched its descriptor and still live (the
-    /// shell looked): it lingers for them when it is let go.
+    /// shell looked): it lingers for them when it is let go (a lingering import's are
+    /// among its waiters; here for their start times).
     pub recipients: BTreeMap<u32, Option<u64>>,
 }
 
@@ -116,6 +117,7 @@ impl State {
             place: self.place_of(a.session, a.pid),
             created: a.created,
             lingering: None,
+            recipient_starts: BTreeMap::new(),
             kept: true,
         };
         if self.shared.add_import(a.publication, import) {
@@ -282,6 +284,7 @@ impl State {
                 pids: a.waiters,
                 timeout: a.timeout,
             }),
+            recipient_starts: crate::sharing::starts_of(&i.recipients),
             kept: true,
         };
         if self.shared.add_import(i.publication, import) {

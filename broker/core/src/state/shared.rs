@@ -20,7 +20,7 @@ use crate::memory::{Handle, MemoryKind, SharedFd};
 use crate::pool::Block;
 use crate::session::Peer;
 use crate::sharing::{Held, Import, Publication, Waiters};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::SystemTime;
 use uuid::Uuid;
@@ -330,6 +330,7 @@ impl State {
             place: self.place_of(session, pid),
             created: self.clock.wall,
             lingering: None,
+            recipient_starts: BTreeMap::new(),
             kept: false,
         };
         self.shared.add_import(publication, import).then_some(id)
@@ -697,7 +698,10 @@ impl State {
                 .iter()
                 .map(|&pid| crate::kept::ProcessRecord {
                     pid,
-                    start: i.pid_start.filter(|_| Some(pid) == i.pid),
+                    start: match Some(pid) == i.pid {
+                        true => i.pid_start,
+                        false => i.recipient_starts.get(&pid).copied(),
+                    },
                 })
                 .collect(),
             timeout: w.timeout,
@@ -775,6 +779,7 @@ impl State {
         self.wake_queue();
         self.fx.push(Effect::ForgetTickets { lease: import });
         let recipients = self.shared.recipients.remove(&import).unwrap_or_default();
+        let starts = crate::sharing::starts_of(&recipients);
         let mut waiters = Waiters::default();
         if let Ending::Quarantine { pid } = ending {
             match pid {
@@ -798,6 +803,7 @@ impl State {
             // before the import's record goes, so a crash between keeps one of them).
             if lingers {
                 i.lingering = Some(waiters.clone());
+                i.recipient_starts = starts.clone();
                 if let Some(r) = self.lingering_kept(import) {
                     self.keep(|| crate::effects::Keep::Lingering(r));
                 }
@@ -836,6 +842,7 @@ impl State {
         {
             tracing::info!(%import, pids = ?waiters.pids, "import let go while processes may map it; lingering");
             i.lingering = Some(waiters);
+            i.recipient_starts = starts;
             let session = i.session;
             self.shared.let_go(session, import);
         }
