@@ -100,7 +100,7 @@ impl Arbiter {
     /// Starts draining `device` (or every device): see the module doc. Draining a device
     /// that already drains updates its deadline and reason.
     pub(crate) fn start_drain(
-        self: &Arc<Self>,
+        &self,
         device: Option<u32>,
         deadline: Option<Duration>,
         reason: &str,
@@ -161,7 +161,7 @@ impl Arbiter {
             // Kept under the state lock: a restart finds the device still draining.
             for &d in &targets {
                 if let Some(Some(drain)) = avail.device(d).map(|s| s.drain.as_ref()) {
-                    self.keep_drain(d, Some(drain));
+                    self.restart().keep_drain(d, Some(drain));
                 }
             }
             None::<()>
@@ -190,7 +190,7 @@ impl Arbiter {
             })
             .unwrap_or_default();
         for &d in &targets {
-            self.keep_drain(d, None);
+            self.restart().keep_drain(d, None);
         }
         st.withdraw_drain_reclaim(&withdrawn);
         tracing::warn!(devices = ?targets, withdrawn = withdrawn.len(), "drain ended");

@@ -476,7 +476,7 @@ impl<'a> Executor<'a> {
         match e {
             Effect::Free { device, block, .. } => self.arb.free_on_device(device, block),
             Effect::FreeHost { block, .. } => self.arb.free_host(block),
-            Effect::Keep { change, .. } => self.arb.keep(change),
+            Effect::Keep { change, .. } => self.arb.restart().keep(change),
             Effect::Watch { watch: w, .. } => self.start_watch(w),
             Effect::Unwatch { watch: w, .. } => self.arb.watchers.stop(&w),
             Effect::Hangup { session, .. } => self.arb.outbox.close(&session),

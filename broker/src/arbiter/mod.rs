@@ -6,10 +6,12 @@
 //! scrub, free) runs on the device threads, outside the lock, on memory already reserved.
 //!
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
-//! (releases, quarantine, revocation), `drain`, `adopt*` (a restart). Each feature beyond
-//! those is a type reached by one accessor: `listing` ([`listing::Views`]: operators'
-//! read-only views), `audit` + `admin` + `tokens` ([`Changes`]: durable operator changes;
-//! `Durable` owns the store, the audit log and their lock), `sessions`, `reservations`,
+//! (releases, quarantine, revocation), `drain`. Each feature beyond those is a type reached
+//! by one accessor: `listing` ([`listing::Views`]: operators' read-only views), `audit` +
+//! `admin` + `tokens` ([`Changes`]: durable operator changes; `Durable` owns the store, the
+//! audit log and their lock), [`restart`] ([`restart::Restart`]: keeping every change,
+//! taking back what the keeper held, resuming sessions, relinking a lost keeper; it owns
+//! the keeper), `sessions`, `reservations`,
 //! [`claims`], `sharing`, `health` (device health), `tasks` (the loops: keepalive reaper,
 //! reclaim deadlines, leasable refresh), run by [`Lifecycle`] (`lifecycle`: workers,
 //! runtime, store writer, MPS); `effects` is the lock guard and the one effect executor
@@ -17,10 +19,6 @@
 
 mod admin;
 mod admission;
-mod adopt;
-mod adopt_process;
-mod adopt_shared;
-mod adopt_stranded;
 mod audit;
 pub mod claims;
 mod drain;
@@ -36,8 +34,8 @@ pub use gpu_broker_core::lease::RECLAIM_DEADLINE_MISSED;
 pub use gpu_broker_core::request::{AcquireRequest, ValidRequest};
 /// The wait queue's records and the state core, at their old paths (`gpu_broker_core`).
 pub use gpu_broker_core::{overtaking, queue, state};
-mod relink;
 mod reservations;
+pub mod restart;
 mod retained;
 mod revocation;
 mod sessions;
@@ -49,10 +47,10 @@ mod workers;
 
 pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
-pub use adopt::{Phase, RestartReport};
 pub use audit::Changes;
 pub use drain::{DeviceDrain, DrainReport};
 pub use lifecycle::Lifecycle;
+pub use restart::{Phase, RestartReport};
 pub use retained::{Retaining, SessionPeer};
 pub use sharing::ImportGrant;
 pub use state::Recipient;
@@ -69,8 +67,6 @@ use crate::pool::{Block, Pool};
 use crate::process::process_gone;
 use crate::session::{Peer, SessionEvent};
 use crate::store::Store;
-use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -200,13 +196,9 @@ pub struct Arbiter {
     /// The background machinery: workers, the main runtime, the store writer, MPS, the
     /// fault source (`lifecycle.rs`).
     lifecycle: Lifecycle,
-    /// The keeper of sessions and leases across restarts (`adopt.rs`), once taken back.
-    keeper: std::sync::OnceLock<Arc<dyn crate::keeper::Place>>,
-    /// What this start took back from the keeper.
-    restart: Mutex<Option<RestartReport>>,
-    /// Leases taken back from the keeper, by session, until the session is resumed (a
-    /// resume ends those its worker does not name, and no lease granted since).
-    awaiting_resume: Mutex<HashMap<Uuid, Vec<Uuid>>>,
+    /// The keeper, what this start took back from it, and the leases awaiting a resume
+    /// (`restart/`).
+    restart_state: restart::RestartState,
     /// Where a crash-point test makes this broker die (`crash_point.rs`).
     crash: crate::crash_point::CrashPoint,
     /// This arbiter (effects that outlive a call hold it: watchers, late releases).
@@ -316,6 +308,20 @@ impl Arbiter {
         health::DeviceHealth { arb: self }
     }
 
+    /// A restart that loses no lease: keeping every change, taking back what the keeper
+    /// held, resuming sessions, relinking a lost keeper (`restart/`).
+    pub fn restart(&self) -> restart::Restart<'_> {
+        restart::Restart {
+            arb: self,
+            state: &self.restart_state,
+        }
+    }
+
+    /// This arbiter, weakly (a task that must not keep it alive).
+    pub(crate) fn me(&self) -> std::sync::Weak<Arbiter> {
+        self.me.clone()
+    }
+
     /// The one effect executor (`effects.rs`).
     pub(crate) fn executor(&self) -> effects::Executor<'_> {
         effects::Executor { arb: self }
@@ -380,9 +386,7 @@ impl Arbiter {
             fds,
             durable: audit::Durable::new(store, audit_log),
             avail: effects::DeviceAvailability::new(devices.len()),
-            keeper: std::sync::OnceLock::new(),
-            restart: Mutex::default(),
-            awaiting_resume: Mutex::default(),
+            restart_state: restart::RestartState::default(),
             crash: crate::crash_point::CrashPoint::from_env(),
             scheduler,
             state: effects::StateLock::new(st),
@@ -458,7 +462,7 @@ impl Arbiter {
         }
         drop(st);
         // Memory kept outside the broker taken back: looked for near its holders too.
-        self.watch_adopted_stranded(&finder);
+        self.restart().watch_adopted_stranded(&finder);
         self.kept_holders.set(Arc::new(finder)).is_ok()
     }
 
@@ -853,8 +857,6 @@ pub(crate) fn host_arbiter_with_store(
     Arbiter::new(slots, None, store, Arc::new(Authenticator::new("x")), cfg).unwrap()
 }
 
-#[cfg(test)]
-mod adopt_tests;
 #[cfg(test)]
 mod claims_tests;
 #[cfg(test)]

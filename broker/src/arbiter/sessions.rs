@@ -5,7 +5,7 @@
 //! mailboxes in the outbox. Ending one is `ending.rs`; ending those of a revoked or
 //! lapsed token, `revocation.rs` (on [`Sessions`] too).
 
-use super::{adopt, lease_not_found, session_not_found, Arbiter, MAX_LABEL};
+use super::{lease_not_found, restart, session_not_found, Arbiter, MAX_LABEL};
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
 use crate::session::{Peer, Session, SessionEvent};
@@ -54,7 +54,7 @@ impl Sessions<'_> {
 
     /// Opens a session on behalf of the token `token_id` (the caller's: the session ends
     /// when that token is revoked or expires); returns its id, its event receiver and the
-    /// secret that resumes the session after a broker restart (`adopt.rs`; empty without a
+    /// secret that resumes the session after a broker restart (`restart/resume.rs`; empty without a
     /// keeper, which alone keeps sessions across restarts, and for a peer with no pid,
     /// which cannot resume).
     #[allow(clippy::type_complexity)]
@@ -78,9 +78,9 @@ impl Sessions<'_> {
             .kept_holders()
             .zip(peer.pid)
             .and_then(|(f, pid)| f.place(pid));
-        let (secret, hash) = match peer_start.filter(|_| self.arb.keeps_leases()) {
+        let (secret, hash) = match peer_start.filter(|_| self.arb.restart().keeps_leases()) {
             Some(_) => {
-                let (s, h) = adopt::new_resume_secret();
+                let (s, h) = restart::new_resume_secret();
                 (s, Some(h))
             }
             None => (String::new(), None),

@@ -865,12 +865,12 @@ async fn other_processes_seen_meanwhile_never_make_a_dead_holders_place_forgotte
 /// record whose holder is gone (here: the pid with another start time) is lifted at once.
 #[tokio::test]
 async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_holder_exits() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     let switch = FaultSwitch::default();
     let arb = keeping_arbiter(&switch);
     let place = MemPlace::default();
     let records = place.records.clone();
-    arb.adopt_from_keeper(place).unwrap();
+    arb.restart().adopt_from_keeper(place).unwrap();
     switch.set(Faults {
         keep_freed: true,
         ..Faults::default()
@@ -915,7 +915,7 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
         },
         entry(reused.key(), &reused, None),
     ];
-    let report = restarted.adopt_from_keeper(place).unwrap();
+    let report = restarted.restart().adopt_from_keeper(place).unwrap();
     assert_eq!(report.unreadable, 0);
     assert_eq!(
         (
@@ -993,7 +993,7 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
 /// (here this test's) still holds the file, and lifts once nobody does.
 #[tokio::test]
 async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     use crate::keeper::records::{ProcessRecord, StrandedRecord};
     use crate::memfd_alive::{Alive, FileHandle, Prober};
     use std::os::fd::{FromRawFd, OwnedFd};
@@ -1063,7 +1063,7 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
         entry(let_go.key(), &let_go, None),
         entry(unnamed.key(), &unnamed, None),
     ];
-    let report = restarted.adopt_from_keeper(place).unwrap();
+    let report = restarted.restart().adopt_from_keeper(place).unwrap();
     assert_eq!((report.stranded_adopted, report.stranded_lifted), (2, 1));
     assert_eq!(held_by_a(&restarted), 40 * MIB);
     assert_eq!(removed.lock().clone(), vec![let_go.key()]);
@@ -1101,7 +1101,7 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
 /// memory never looked at near its holders; else its tenant stays charged forever.
 #[tokio::test]
 async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     let arb = keeping_arbiter(&FaultSwitch::default());
     let (mut worker, _) = live_process();
     let r = crate::keeper::records::StrandedRecord {
@@ -1124,7 +1124,7 @@ async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder()
     let place = MemPlace::default();
     let removed = place.removed.clone();
     *place.entries.lock() = vec![entry(r.key(), &r, None)];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!(report.stranded_adopted, 1);
     assert_eq!(held_by_a(&arb), 8 * MIB);
     assert!(arb.kept_holders().is_none());
@@ -1151,7 +1151,7 @@ async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder()
 /// before the finder was set were lifted at such an exit without a look.
 #[tokio::test]
 async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its_holder() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     let on_device = Arc::new(OnDevice::default());
     let arb = keeping_arbiter_finding(&FaultSwitch::default(), &on_device);
     let (mut worker, child, _) = worker_with_child();
@@ -1191,7 +1191,7 @@ async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its
     let place = MemPlace::default();
     let removed = place.removed.clone();
     *place.entries.lock() = vec![entry(r.key(), &r, None), entry(s.key(), &s, None)];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!((report.stranded_adopted, report.sessions_adopted), (1, 1));
     assert_eq!(arb.kept_holders().unwrap().watching(), 1);
     assert!(
@@ -1228,7 +1228,7 @@ async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its
 /// the card does not have).
 #[tokio::test]
 async fn a_kept_charge_not_taken_back_is_not_counted_as_the_brokers_memory() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     let (arb, _outside, _dir) = super::tests::fake_cuda_fixture(ArbiterConfig::default());
     arb.set_quota("a", quota(64 * MIB)).unwrap();
     let (mut worker, _) = live_process();
@@ -1255,7 +1255,7 @@ async fn a_kept_charge_not_taken_back_is_not_counted_as_the_brokers_memory() {
         entry(kept.key(), &kept, None),
         entry(gone.key(), &gone, None),
     ];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!((report.stranded_adopted, report.stranded_lifted), (1, 1));
     assert_eq!(
         arb.lock().pools()[0].leasable(),

@@ -130,6 +130,7 @@ impl Broker for BrokerService {
             crate::bounds::check("resume_secret", &r.resume_secret, 128).map_err(status)?;
             let (rx, kept, ended) = self
                 .arb
+                .restart()
                 .resume_session(&tenant, id, &r.resume_secret, peer, &held)
                 .map_err(status)?;
             let opened = pb::SessionOpened {
