@@ -1,12 +1,12 @@
 //! Sessions, as the service opens and serves them: open (with the secret that resumes one
-//! after a restart), keep alive, find a caller's own lease or reservation with its
-//! session's peer, and what NVML says each session's processes use. [`Sessions`] (reached
+//! after a restart), keep alive, find a caller's own lease with its session's peer, and
+//! what NVML says each session's processes use. [`Sessions`] (reached
 //! by [`Arbiter::sessions`]) keeps no fields: the sessions live in the state, their
 //! mailboxes in the outbox. Ending one is `ending.rs`; ending those of a revoked or
 //! lapsed token, `revocation.rs` (on [`Sessions`] too).
 
 use super::{lease_not_found, restart, session_not_found, Arbiter, MAX_LABEL};
-use crate::error::{BrokerError, BrokerResult};
+use crate::error::BrokerResult;
 use crate::lease::LeaseView;
 use crate::session::{Peer, Session, SessionEvent};
 use std::collections::HashMap;
@@ -33,22 +33,6 @@ impl Sessions<'_> {
                 Ok((st.view(l), peer))
             }
             _ => Err(lease_not_found(lease)),
-        }
-    }
-
-    /// The peer of the session a process reservation of `tenant` belongs to (`NOT_FOUND`
-    /// otherwise).
-    pub(crate) fn reservation_peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
-        let st = self.arb.lock();
-        match st.reservations().get(&id) {
-            Some(r) if r.tenant == tenant => Ok(st
-                .sessions()
-                .get(&r.session)
-                .map(|s| s.peer)
-                .unwrap_or_default()),
-            _ => Err(BrokerError::NotFound(crate::error::Missing::Reservation(
-                id,
-            ))),
         }
     }
 
