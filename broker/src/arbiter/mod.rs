@@ -6,16 +6,16 @@
 //! scrub, free) runs on the device threads, outside the lock, on memory already reserved.
 //!
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
-//! (releases, quarantine, revocation), `drain`. Each feature beyond those is a type reached
-//! by one accessor: `listing` ([`listing::Views`]: operators' read-only views), `audit` +
-//! `admin` + `tokens` ([`Changes`]: durable operator changes; `Durable` owns the store, the
-//! audit log and their lock), [`restart`] ([`restart::Restart`]: keeping every change,
-//! taking back what the keeper held, resuming sessions, relinking a lost keeper; it owns
-//! the keeper), `sessions`, `reservations`,
-//! [`claims`], `sharing`, `health` (device health), `tasks` (the loops: keepalive reaper,
-//! reclaim deadlines, leasable refresh), run by [`Lifecycle`] (`lifecycle`: workers,
-//! runtime, store writer, MPS); `effects` is the lock guard and the one effect executor
-//! (`Executor`). The records they work on live below it (the core).
+//! (releases, quarantine, revocation). Each feature beyond those is a type reached by one
+//! accessor: `listing` ([`listing::Views`]: operators' read-only views), `audit` + `admin`
+//! + `tokens` ([`Changes`]: durable operator changes; `Durable` owns the store, the audit
+//! log and their lock), [`restart`] ([`restart::Restart`]: keeping every change, taking
+//! back what the keeper held, resuming sessions, relinking a lost keeper; it owns the
+//! keeper), `drain` (`Drains`), `sessions`, `reservations`, [`claims`], `sharing`, `health`
+//! (device health), `tasks` (the loops: keepalive reaper, reclaim deadlines, leasable
+//! refresh), run by [`Lifecycle`] (`lifecycle`: workers, runtime, store writer, MPS);
+//! `effects` is the lock guard and the one effect executor (`Executor`). The records they
+//! work on live below it (the core).
 
 mod admin;
 mod admission;
@@ -306,6 +306,11 @@ impl Arbiter {
     /// Device health: marked by the health monitor or an operator (`health.rs`).
     pub(crate) fn device_health(self: &Arc<Self>) -> health::DeviceHealth<'_> {
         health::DeviceHealth { arb: self }
+    }
+
+    /// The devices' drains: start, undrain, progress (`drain.rs`).
+    pub(crate) fn drains(&self) -> drain::Drains<'_> {
+        drain::Drains { arb: self }
     }
 
     /// A restart that loses no lease: keeping every change, taking back what the keeper

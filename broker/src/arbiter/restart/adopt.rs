@@ -309,7 +309,7 @@ impl Restart<'_> {
                 .ok()
                 .filter(|d| !d.is_zero())
         });
-        match self.arb.start_drain(Some(r.device), left, &r.reason) {
+        match self.arb.drains().start(Some(r.device), left, &r.reason) {
             Ok(_) => {
                 // Bookkeeping only (the start it had): which devices admit is unchanged.
                 self.arb.lock().change_devices(|avail| {
