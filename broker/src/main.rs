@@ -154,7 +154,8 @@ async fn run(
         false => None,
     };
     if let Some(monitor) = &process_monitor {
-        arb.find_kept_holders_with(gpu_broker::kept_holders::HolderFinder::new(monitor.clone()));
+        arb.stranded()
+            .find_holders_with(gpu_broker::kept_holders::HolderFinder::new(monitor.clone()));
         clock.step("process monitor");
     }
     // Before anything is served: what the previous broker left is taken back first.

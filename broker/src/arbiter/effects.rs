@@ -434,7 +434,7 @@ impl<'a> Executor<'a> {
         if ids.is_empty() {
             return;
         }
-        let Some(finder) = self.arb.kept_holders().cloned() else {
+        let Some(finder) = self.arb.stranded().holders().cloned() else {
             return;
         };
         let me = self.arb.me.clone();
@@ -667,7 +667,7 @@ fn watches_fired(arb: &Arc<Arbiter>, keys: Vec<Watch>) {
             Watch::Held { .. } | Watch::Import { .. } | Watch::Stranded { .. } => shared.push(w),
         }
     }
-    let finder = arb.kept_holders().cloned();
+    let finder = arb.stranded().holders().cloned();
     let mut look_again = Vec::new();
     for chunk in shared.chunks(PER_HOLD) {
         let mut st = arb.lock();

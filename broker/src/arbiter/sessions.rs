@@ -59,7 +59,8 @@ impl Sessions<'_> {
         // Where it runs, kept with the blocks it may hand on (`kept_holders.rs`).
         let place = self
             .arb
-            .kept_holders()
+            .stranded()
+            .holders()
             .zip(peer.pid)
             .and_then(|(f, pid)| f.place(pid));
         let (secret, hash) = match peer_start.filter(|_| self.arb.restart().keeps_leases()) {

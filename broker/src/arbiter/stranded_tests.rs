@@ -540,12 +540,12 @@ impl crate::kept_holders::ContextLister for OnDevice {
 /// shares the broker's cgroup, namespace and uid, which a real broker excludes).
 fn keeping_arbiter_finding(switch: &FaultSwitch, on_device: &Arc<OnDevice>) -> Arc<Arbiter> {
     let arb = keeping_arbiter(switch);
-    assert!(
-        arb.find_kept_holders_with(crate::kept_holders::HolderFinder::with_own(
+    assert!(arb
+        .stranded()
+        .find_holders_with(crate::kept_holders::HolderFinder::with_own(
             on_device.clone(),
             crate::kept_holders::Place::nowhere(),
-        ))
-    );
+        )));
     arb
 }
 
@@ -629,7 +629,7 @@ async fn memory_handed_to_a_child_stays_charged_after_the_recorded_holder_exits(
     st.check_invariant().unwrap();
     assert_eq!(st.stranded_memory().count(), 0);
     drop(st);
-    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 0);
 }
 
 /// The worker exited before its block was freed (its place was remembered when its
@@ -669,7 +669,7 @@ async fn memory_handed_on_after_its_worker_exited_stays_charged_until_the_last_n
         held_by_a(&arb)
     );
     arb.lock().check_invariant().unwrap();
-    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 0);
 }
 
 /// Processes that share only the broker's own places (its cgroup, namespace, uid) and
@@ -680,7 +680,9 @@ async fn processes_sharing_only_the_brokers_places_are_not_charged() {
     let switch = FaultSwitch::default();
     let on_device = Arc::new(OnDevice::default());
     let arb = keeping_arbiter(&switch);
-    assert!(arb.find_kept_holders_with(crate::kept_holders::HolderFinder::new(on_device.clone())));
+    assert!(arb
+        .stranded()
+        .find_holders_with(crate::kept_holders::HolderFinder::new(on_device.clone())));
     switch.set(Faults {
         keep_freed: true,
         ..Faults::default()
@@ -766,7 +768,7 @@ async fn one_exit_ending_many_blocks_names_looks_for_them_on_one_thread() {
         lister.clone(),
         crate::kept_holders::Place::nowhere(),
     );
-    assert!(arb.find_kept_holders_with(finder));
+    assert!(arb.stranded().find_holders_with(finder));
     let (mut holder, _) = live_process();
     let place = Arc::new(crate::kept_holders::read_place(holder.id()).unwrap());
     for _ in 0..8 {
@@ -774,7 +776,8 @@ async fn one_exit_ending_many_blocks_names_looks_for_them_on_one_thread() {
             .lock()
             .stranded_rechecking("a", 0, MIB, [holder.id()])
             .unwrap();
-        arb.kept_holders()
+        arb.stranded()
+            .holders()
             .unwrap()
             .watch(id, "GPU-x", vec![place.clone()]);
     }
@@ -787,7 +790,7 @@ async fn one_exit_ending_many_blocks_names_looks_for_them_on_one_thread() {
         held_by_a(&arb)
     );
     assert_eq!(lister.most.load(Ordering::SeqCst), 1, "looks ran at once");
-    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 0);
     arb.lock().check_invariant().unwrap();
 }
 
@@ -1127,7 +1130,7 @@ async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder()
     let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!(report.stranded_adopted, 1);
     assert_eq!(held_by_a(&arb), 8 * MIB);
-    assert!(arb.kept_holders().is_none());
+    assert!(arb.stranded().holders().is_none());
     worker.kill().unwrap();
     worker.wait().unwrap();
     assert!(
@@ -1193,7 +1196,7 @@ async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its
     *place.entries.lock() = vec![entry(r.key(), &r, None), entry(s.key(), &s, None)];
     let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!((report.stranded_adopted, report.sessions_adopted), (1, 1));
-    assert_eq!(arb.kept_holders().unwrap().watching(), 1);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 1);
     assert!(
         arb.lock()
             .sessions()
@@ -1219,7 +1222,7 @@ async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its
     );
     assert!(removed.lock().contains(&r.key()));
     arb.lock().check_invariant().unwrap();
-    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 0);
 }
 
 /// A kept charge on a CUDA device is counted as the broker's device memory at the start

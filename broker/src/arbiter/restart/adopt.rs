@@ -671,7 +671,8 @@ impl Restart<'_> {
                     // take-back by `main`).
                     s.place = self
                         .arb
-                        .kept_holders()
+                        .stranded()
+                        .holders()
                         .zip(s.peer.pid)
                         .and_then(|(f, p)| f.place(p));
                     opened.push((r, s))

@@ -4,15 +4,15 @@
 //! without one counts while it lives), and lifts it at once when none does. No copy of
 //! the memory was kept (a keeper's descriptor would keep it alive after its holders let
 //! go, and the kernel's look would count it as a holder); a memfd's record keeps its file
-//! handle instead, by which the kernel is asked again (`kept_looks.rs`): charged while
+//! handle instead, by which the kernel is asked again (`stranded/looks.rs`): charged while
 //! anyone, named or not, holds the file, lifted once nobody does. Without the handle or
 //! the right to ask (CAP_DAC_READ_SEARCH) its charge waits for its named holders' exits,
 //! CUDA memory's as before.
 
 use super::adopt::Liveness;
 use super::Restart;
-use crate::arbiter::kept_looks::KeptFile;
 use crate::arbiter::state::{AdoptedStranded, NotAdopted};
+use crate::arbiter::stranded::KeptFile;
 use crate::device::MemoryKind;
 use crate::keeper::records::StrandedRecord;
 use crate::memfd_alive::{Alive, FileHandle, Prober};
@@ -43,7 +43,7 @@ impl Restart<'_> {
         if ready.is_empty() {
             return out;
         }
-        let prober = self.arb.kept_looks.prober();
+        let prober = self.arb.stranded().prober();
         let mut asked = Vec::with_capacity(ready.len());
         for (r, mut a) in ready {
             match file_now(&r, prober.as_deref()) {
@@ -55,7 +55,7 @@ impl Restart<'_> {
                 FileNow::Alive(file) => {
                     // Looked at by the kernel's word (a look before the charge finds
                     // nothing and ends): its holders are named, not watched.
-                    a.watched = !self.arb.look_again(KeptFile {
+                    a.watched = !self.arb.stranded().look_again(KeptFile {
                         id: Some(a.id),
                         unverified: None,
                         file,
@@ -73,7 +73,7 @@ impl Restart<'_> {
         }
         // Watched by the finder before the hold that starts its holders' watches: a holder
         // exiting right after is looked for near, never lifted unlooked.
-        let finder = self.arb.kept_holders();
+        let finder = self.arb.stranded().holders();
         if let Some(f) = finder {
             for (r, a) in asked.iter().filter(|(_, a)| a.recheck && a.watched) {
                 if let Some(uuid) = self.arb.devices.recorded_uuid(r.device) {
