@@ -1,6 +1,6 @@
 //! A broker restart that loses no lease: the shell's side of the keeper (`keeper/`).
 //! [`Restart`] (reached by [`Arbiter::restart`]) owns what the keeper feature needs beyond
-//! the state ([`RestartState`]: the keeper once taken back, what this start took back, the
+//! the state (`RestartState`: the keeper once taken back, what this start took back, the
 //! leases awaiting their session's resume). Its pieces:
 //!
 //! - `keep.rs`: every change reaches the keeper under the state lock (`Effect::Keep`).

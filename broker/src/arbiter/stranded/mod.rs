@@ -1,7 +1,7 @@
 //! Memory a free left on a device because processes outside the broker kept it (its
 //! charge is the core's: `core/src/state/stranded.rs`). [`Stranded`] (reached by
 //! [`Arbiter::stranded`]) charges it to the tenant that answers for it once the device
-//! thread found it kept ([`Stranded::reporter`], handed to the free by
+//! thread found it kept (`Stranded::reporter`, handed to the free by
 //! `Arbiter::free_on_device`), looks again at a kept memfd until it is let go (`looks.rs`),
 //! and holds the finder of other holders near the recorded ones (`kept_holders.rs`; NVML,
 //! set once at start). A restart takes the charges back in `restart/stranded.rs`.
