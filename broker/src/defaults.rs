@@ -33,7 +33,7 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(30);
 /// `--quarantine-timeout`: quarantined memory of a holder with unknown pid is freed after this.
 pub const QUARANTINE_TIMEOUT: Duration = Duration::from_secs(300);
 /// First look again at memory a process kept after its free, where the broker can tell it
-/// was let go (a memfd); then with backoff up to 64 times this (`arbiter/kept_looks.rs`).
+/// was let go (a memfd); then with backoff up to 64 times this (`arbiter/stranded/looks.rs`).
 pub const KEPT_MEMORY_LOOK: Duration = Duration::from_secs(1);
 /// `--max-sessions-per-tenant`.
 pub const MAX_SESSIONS_PER_TENANT: usize = 1024;

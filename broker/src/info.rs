@@ -64,8 +64,8 @@ impl BrokerInfo {
                 .map(|i| arb.devices.uuid(i))
                 .collect(),
             started: arb.metrics().started(),
-            keeper: arb.keeps_leases(),
-            restart: arb.restart_report(),
+            keeper: arb.restart().keeps_leases(),
+            restart: arb.restart().report(),
         }
     }
 }

@@ -154,7 +154,8 @@ async fn run(
         false => None,
     };
     if let Some(monitor) = &process_monitor {
-        arb.find_kept_holders_with(gpu_broker::kept_holders::HolderFinder::new(monitor.clone()));
+        arb.stranded()
+            .find_holders_with(gpu_broker::kept_holders::HolderFinder::new(monitor.clone()));
         clock.step("process monitor");
     }
     // Before anything is served: what the previous broker left is taken back first.
@@ -165,12 +166,12 @@ async fn run(
                 .await?
                 .map_err(|_| anyhow::anyhow!("reading the keeper's records panicked"))??;
             clock.step("wait for the keeper's dump");
-            arb.adopt_dumped(dumped, clock.steps());
+            arb.restart().adopt_dumped(dumped, clock.steps());
         }
         Kept::FdStore(store) => {
             let dumped = gpu_broker::keeper::place::dump(store)
                 .context("taking back what systemd's file-descriptor store holds")?;
-            arb.adopt_dumped(dumped, clock.steps());
+            arb.restart().adopt_dumped(dumped, clock.steps());
         }
         Kept::Nothing => {}
     }
@@ -338,7 +339,7 @@ async fn run(
         gpu_broker::server::stop_signal(),
     );
     clock.step("monitors");
-    arb.restart_steps_to_serving(clock.steps());
+    arb.restart().steps_to_serving(clock.steps());
     // systemd (Type=notify): every socket is bound, so every connection from here on is
     // answered. Without NOTIFY_SOCKET this does nothing.
     if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {

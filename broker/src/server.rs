@@ -338,7 +338,7 @@ pub fn spawn_signal_wait(
         .spawn_worker("signal-wait", shutdown, async move {
             signal.await;
             tracing::info!("signal received");
-            if me.upgrade().is_some_and(|a| a.keeps_leases()) {
+            if me.upgrade().is_some_and(|a| a.restart().keeps_leases()) {
                 // A keeper holds every session and lease as they are now: leave them to it
                 // for the next broker (an upgrade, `systemctl restart`), ending nothing. The
                 // sockets' files stay; the next broker replaces them.

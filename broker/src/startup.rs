@@ -1,7 +1,7 @@
 //! The daemon's start, timed: `main` makes a [`StartClock`] first thing and marks when each
 //! step before the keeper's records are taken back ended (opening the store, the devices,
 //! loading the state), and the steps after it up to serving, so a restart's report
-//! (`arbiter/adopt.rs`) says where the time from process start to serving went.
+//! (`arbiter/restart/`) says where the time from process start to serving went.
 
 use crate::arbiter::Phase;
 use std::time::Instant;

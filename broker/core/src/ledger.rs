@@ -446,7 +446,7 @@ impl Ledger {
         }
     }
 
-    /// Charges a lease a restarted broker took back (`arbiter/adopt.rs`): no quota check,
+    /// Charges a lease a restarted broker took back (`arbiter/restart/`): no quota check,
     /// the memory is in use whatever the quota says now.
     pub fn adopt(&mut self, name: &str, device: u32, bytes: u64) -> BrokerResult<()> {
         let t = self.get_mut(name)?;

@@ -83,7 +83,7 @@ pub struct Session {
     /// expiry, ends the session (`arbiter/revocation.rs`).
     pub token_id: Option<String>,
     /// SHA-256 (hex) of the secret its worker resumes it with after a broker restart
-    /// (`arbiter/adopt.rs`); None: it cannot be resumed.
+    /// (`arbiter/restart/resume.rs`); None: it cannot be resumed.
     pub resume_hash: Option<String>,
     /// When its peer process started (`/proc/<pid>/stat`), so a restarted broker does not
     /// take another process of the same pid for it.

@@ -4,7 +4,8 @@
 //! release by the deadline (the ordinary reclaim path: a missed deadline revokes), and
 //! report progress until the devices hold nothing. Leases that are not reclaimable are
 //! left to their holders; the report counts them. Undrain reopens the devices and
-//! withdraws the drain's reclaim requests that are still pending.
+//! withdraws the drain's reclaim requests that are still pending. [`Drains`] (reached by
+//! [`Arbiter::drains`]) starts, ends and reports them.
 
 use super::{Arbiter, State};
 use crate::availability::{Availability, Drain};
@@ -13,7 +14,6 @@ use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseState;
 use crate::ledger::Tier;
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 /// Longest drain deadline accepted.
@@ -96,16 +96,22 @@ impl DrainReport {
     }
 }
 
-impl Arbiter {
+/// The drains of one arbiter's devices ([`Arbiter::drains`]); it keeps no fields (a
+/// drain lives in the devices' availability, changed under the state lock).
+pub struct Drains<'a> {
+    pub(super) arb: &'a Arbiter,
+}
+
+impl Drains<'_> {
     /// Starts draining `device` (or every device): see the module doc. Draining a device
     /// that already drains updates its deadline and reason.
-    pub(crate) fn start_drain(
-        self: &Arc<Self>,
+    pub(crate) fn start(
+        &self,
         device: Option<u32>,
         deadline: Option<Duration>,
         reason: &str,
     ) -> BrokerResult<DrainReport> {
-        let targets = self.devices.one_or_all(device)?;
+        let targets = self.arb.devices.one_or_all(device)?;
         if let Some(d) = deadline {
             if d.is_zero() || d > MAX_DRAIN_DEADLINE {
                 return Err(BrokerError::InvalidArgument(format!(
@@ -125,7 +131,7 @@ impl Arbiter {
         } else {
             reason.to_string()
         };
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         let clock = st.clock();
         let now = clock.wall;
         let deadline_wall = deadline.map(|d| now + d);
@@ -148,7 +154,7 @@ impl Arbiter {
         st.settle();
         // Ask holders of reclaimable leases there to release by the deadline (or the
         // usual reclaim deadline).
-        let grace = deadline.unwrap_or(self.cfg.reclaim_deadline);
+        let grace = deadline.unwrap_or(self.arb.cfg.reclaim_deadline);
         let (due, due_wall) = (clock.now + grace, now + grace);
         let asked = st.ask_drain_reclaim(&targets, due, due_wall, &reason);
         // Bookkeeping only: which devices admit is as above.
@@ -161,23 +167,23 @@ impl Arbiter {
             // Kept under the state lock: a restart finds the device still draining.
             for &d in &targets {
                 if let Some(Some(drain)) = avail.device(d).map(|s| s.drain.as_ref()) {
-                    self.keep_drain(d, Some(drain));
+                    self.arb.restart().keep_drain(d, Some(drain));
                 }
             }
             None::<()>
         });
         tracing::warn!(devices = ?targets, ?deadline, %reason, asked = asked.len(), "drain started");
-        let report = DrainReport::of(&st, &self.avail.read(), &self.devices);
+        let report = DrainReport::of(&st, &self.arb.avail.read(), &self.arb.devices);
         drop(st);
-        self.crash.pass("after", "drain");
+        self.arb.crash.pass("after", "drain");
         Ok(report)
     }
 
     /// Reopens `device` (or every device) and withdraws the drain's pending reclaim
     /// requests. An unhealthy device stays closed.
-    pub(crate) fn undrain(self: &Arc<Self>, device: Option<u32>) -> BrokerResult<DrainReport> {
-        let targets = self.devices.one_or_all(device)?;
-        let mut st = self.lock();
+    pub(crate) fn undrain(&self, device: Option<u32>) -> BrokerResult<DrainReport> {
+        let targets = self.arb.devices.one_or_all(device)?;
+        let mut st = self.arb.lock();
         let withdrawn = st
             .change_devices(|avail| {
                 let mut withdrawn: HashSet<uuid::Uuid> = HashSet::new();
@@ -190,18 +196,22 @@ impl Arbiter {
             })
             .unwrap_or_default();
         for &d in &targets {
-            self.keep_drain(d, None);
+            self.arb.restart().keep_drain(d, None);
         }
         st.withdraw_drain_reclaim(&withdrawn);
         tracing::warn!(devices = ?targets, withdrawn = withdrawn.len(), "drain ended");
         // The report shows what the queue granted on the reopened devices.
         st.settle();
-        Ok(DrainReport::of(&st, &self.avail.read(), &self.devices))
+        Ok(DrainReport::of(
+            &st,
+            &self.arb.avail.read(),
+            &self.arb.devices,
+        ))
     }
 
     /// Progress of every device.
-    pub(crate) fn drain_report(&self) -> DrainReport {
-        let st = self.lock();
-        DrainReport::of(&st, &self.avail.read(), &self.devices)
+    pub(crate) fn report(&self) -> DrainReport {
+        let st = self.arb.lock();
+        DrainReport::of(&st, &self.arb.avail.read(), &self.arb.devices)
     }
 }

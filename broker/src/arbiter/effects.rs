@@ -434,7 +434,7 @@ impl<'a> Executor<'a> {
         if ids.is_empty() {
             return;
         }
-        let Some(finder) = self.arb.kept_holders().cloned() else {
+        let Some(finder) = self.arb.stranded().holders().cloned() else {
             return;
         };
         let me = self.arb.me.clone();
@@ -476,7 +476,7 @@ impl<'a> Executor<'a> {
         match e {
             Effect::Free { device, block, .. } => self.arb.free_on_device(device, block),
             Effect::FreeHost { block, .. } => self.arb.free_host(block),
-            Effect::Keep { change, .. } => self.arb.keep(change),
+            Effect::Keep { change, .. } => self.arb.restart().keep(change),
             Effect::Watch { watch: w, .. } => self.start_watch(w),
             Effect::Unwatch { watch: w, .. } => self.arb.watchers.stop(&w),
             Effect::Hangup { session, .. } => self.arb.outbox.close(&session),
@@ -667,7 +667,7 @@ fn watches_fired(arb: &Arc<Arbiter>, keys: Vec<Watch>) {
             Watch::Held { .. } | Watch::Import { .. } | Watch::Stranded { .. } => shared.push(w),
         }
     }
-    let finder = arb.kept_holders().cloned();
+    let finder = arb.stranded().holders().cloned();
     let mut look_again = Vec::new();
     for chunk in shared.chunks(PER_HOLD) {
         let mut st = arb.lock();

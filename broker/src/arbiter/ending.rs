@@ -61,7 +61,7 @@ impl Arbiter {
         let Some((session, bytes)) = st.end_session(id, forced, gone) else {
             return;
         };
-        self.forget_resume(&id);
+        self.restart().forget_resume(&id);
         tracing::info!(session = %id, tenant = %session.tenant, reason, leases = session.leases().len(), bytes, "session ended");
     }
 

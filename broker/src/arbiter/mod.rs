@@ -6,21 +6,20 @@
 //! scrub, free) runs on the device threads, outside the lock, on memory already reserved.
 //!
 //! Submodules: [`queue`] (wait order), `admission` (fit checks and grants), `ending`
-//! (releases, quarantine, revocation), `drain`, `adopt*` (a restart). Each feature beyond
-//! those is a type reached by one accessor: `listing` ([`listing::Views`]: operators'
-//! read-only views), `audit` + `admin` + `tokens` ([`Changes`]: durable operator changes;
-//! `Durable` owns the store, the audit log and their lock), `sessions`, `reservations`,
-//! [`claims`], `sharing`, `health` (device health), `tasks` (the loops: keepalive reaper,
-//! reclaim deadlines, leasable refresh), run by [`Lifecycle`] (`lifecycle`: workers,
-//! runtime, store writer, MPS); `effects` is the lock guard and the one effect executor
-//! (`Executor`). The records they work on live below it (the core).
+//! (releases, quarantine, revocation). Each feature beyond those is a type reached by one
+//! accessor: `listing` ([`listing::Views`]: operators' read-only views), `audit`, `admin`
+//! and `tokens` ([`Changes`]: durable operator changes; `Durable` owns the store, the audit
+//! log and their lock), [`restart`] ([`restart::Restart`]: keeping every change, taking
+//! back what the keeper held, resuming sessions, relinking a lost keeper; it owns the
+//! keeper), `drain` (`Drains`), [`stranded`] ([`stranded::Stranded`]: memory a free left
+//! with processes outside the broker), `sessions`, `reservations`, [`claims`], `sharing`,
+//! `health` (device health), `tasks` (the loops: keepalive reaper, reclaim deadlines,
+//! leasable refresh), run by [`Lifecycle`] (`lifecycle`: workers, runtime, store writer,
+//! MPS); `effects` is the lock guard and the one effect executor (`Executor`). The records
+//! they work on live below it (the core).
 
 mod admin;
 mod admission;
-mod adopt;
-mod adopt_process;
-mod adopt_shared;
-mod adopt_stranded;
 mod audit;
 pub mod claims;
 mod drain;
@@ -28,7 +27,6 @@ mod effects;
 mod ending;
 mod health;
 mod host_direct;
-mod kept_looks;
 mod lifecycle;
 pub mod listing;
 mod outbox;
@@ -36,12 +34,13 @@ pub use gpu_broker_core::lease::RECLAIM_DEADLINE_MISSED;
 pub use gpu_broker_core::request::{AcquireRequest, ValidRequest};
 /// The wait queue's records and the state core, at their old paths (`gpu_broker_core`).
 pub use gpu_broker_core::{overtaking, queue, state};
-mod relink;
 mod reservations;
+pub mod restart;
 mod retained;
 mod revocation;
 mod sessions;
 mod sharing;
+pub mod stranded;
 pub mod tasks;
 pub mod tokens;
 mod turns;
@@ -49,10 +48,10 @@ mod workers;
 
 pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
-pub use adopt::{Phase, RestartReport};
 pub use audit::Changes;
 pub use drain::{DeviceDrain, DrainReport};
 pub use lifecycle::Lifecycle;
+pub use restart::{Phase, RestartReport};
 pub use retained::{Retaining, SessionPeer};
 pub use sharing::ImportGrant;
 pub use state::Recipient;
@@ -64,13 +63,10 @@ use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
 pub(crate) use crate::error::{lease_not_found, session_not_found};
 use crate::error::{BrokerError, BrokerResult};
-use crate::memfd_holders::MemFile;
 use crate::pool::{Block, Pool};
 use crate::process::process_gone;
 use crate::session::{Peer, SessionEvent};
 use crate::store::Store;
-use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -113,7 +109,7 @@ pub struct ArbiterConfig {
     /// them is refused (`fd_budget.rs`; the limit is read when the arbiter starts).
     pub fd_reserve: usize,
     /// First look again at a kept memfd's charge after this (then with backoff:
-    /// `kept_looks.rs`).
+    /// `stranded/looks.rs`).
     pub kept_memory_look: Duration,
 }
 
@@ -200,13 +196,9 @@ pub struct Arbiter {
     /// The background machinery: workers, the main runtime, the store writer, MPS, the
     /// fault source (`lifecycle.rs`).
     lifecycle: Lifecycle,
-    /// The keeper of sessions and leases across restarts (`adopt.rs`), once taken back.
-    keeper: std::sync::OnceLock<Arc<dyn crate::keeper::Place>>,
-    /// What this start took back from the keeper.
-    restart: Mutex<Option<RestartReport>>,
-    /// Leases taken back from the keeper, by session, until the session is resumed (a
-    /// resume ends those its worker does not name, and no lease granted since).
-    awaiting_resume: Mutex<HashMap<Uuid, Vec<Uuid>>>,
+    /// The keeper, what this start took back from it, and the leases awaiting a resume
+    /// (`restart/`).
+    restart_state: restart::RestartState,
     /// Where a crash-point test makes this broker die (`crash_point.rs`).
     crash: crate::crash_point::CrashPoint,
     /// This arbiter (effects that outlive a call hold it: watchers, late releases).
@@ -215,11 +207,9 @@ pub struct Arbiter {
     /// charge (`State::stranded`) is on its way, or still being judged: the leasable
     /// refresh counts them as the broker's, so they are never outside memory meanwhile.
     unverified: UnverifiedBytes,
-    /// Kept memfds looked at again until let go (`kept_looks.rs`).
-    kept_looks: kept_looks::KeptLooks,
-    /// Who else may keep CUDA memory a free left on the card (`kept_holders.rs`; NVML):
-    /// set once at start where there is a lister.
-    kept_holders: std::sync::OnceLock<Arc<crate::kept_holders::HolderFinder>>,
+    /// Memory a free left with processes outside the broker: the looks at kept memfds,
+    /// the finder of other holders (`stranded/`).
+    stranded_state: stranded::StrandedState,
     /// Running watchers (process exits, timeouts), started and stopped by effects.
     pub(crate) watchers: effects::Watchers,
     /// Sessions' event channels, by session id (`outbox.rs`).
@@ -316,6 +306,34 @@ impl Arbiter {
         health::DeviceHealth { arb: self }
     }
 
+    /// The devices' drains: start, undrain, progress (`drain.rs`).
+    pub(crate) fn drains(&self) -> drain::Drains<'_> {
+        drain::Drains { arb: self }
+    }
+
+    /// Memory a free left with processes outside the broker: its charge, the looks at a
+    /// kept memfd, the finder of other holders (`stranded/`).
+    pub fn stranded(&self) -> stranded::Stranded<'_> {
+        stranded::Stranded {
+            arb: self,
+            state: &self.stranded_state,
+        }
+    }
+
+    /// A restart that loses no lease: keeping every change, taking back what the keeper
+    /// held, resuming sessions, relinking a lost keeper (`restart/`).
+    pub fn restart(&self) -> restart::Restart<'_> {
+        restart::Restart {
+            arb: self,
+            state: &self.restart_state,
+        }
+    }
+
+    /// This arbiter, weakly (a task that must not keep it alive).
+    pub(crate) fn me(&self) -> std::sync::Weak<Arbiter> {
+        self.me.clone()
+    }
+
     /// The one effect executor (`effects.rs`).
     pub(crate) fn executor(&self) -> effects::Executor<'_> {
         effects::Executor { arb: self }
@@ -372,17 +390,14 @@ impl Arbiter {
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
             unverified,
-            kept_looks: Default::default(),
-            kept_holders: std::sync::OnceLock::new(),
+            stranded_state: stranded::StrandedState::default(),
             lifecycle: Lifecycle::default(),
             watchers: effects::Watchers::default(),
             outbox: outbox::Outbox::default(),
             fds,
             durable: audit::Durable::new(store, audit_log),
             avail: effects::DeviceAvailability::new(devices.len()),
-            keeper: std::sync::OnceLock::new(),
-            restart: Mutex::default(),
-            awaiting_resume: Mutex::default(),
+            restart_state: restart::RestartState::default(),
             crash: crate::crash_point::CrashPoint::from_env(),
             scheduler,
             state: effects::StateLock::new(st),
@@ -434,37 +449,6 @@ impl Arbiter {
     /// Is the broker shutting down?
     pub(crate) fn is_shutting_down(&self) -> bool {
         self.shutdown.begun()
-    }
-
-    /// Memory a free left on a device is charged until every process near its recorded
-    /// holders with a context there (`finder`'s lister: NVML) has exited, not only the
-    /// recorded ones (`kept_holders.rs`). Set once, before sessions open; false when set
-    /// already.
-    pub fn find_kept_holders_with(&self, finder: crate::kept_holders::HolderFinder) -> bool {
-        // Sessions taken back from a keeper opened before: their peers' places are read now.
-        let peers: Vec<(Uuid, u32)> = self
-            .lock()
-            .sessions()
-            .iter()
-            .filter_map(|s| Some((s.id, s.peer.pid?)))
-            .collect();
-        let places: Vec<_> = peers
-            .into_iter()
-            .filter_map(|(id, pid)| Some((id, finder.place(pid)?)))
-            .collect();
-        let mut st = self.lock();
-        for (id, place) in places {
-            st.place_peer(id, place);
-        }
-        drop(st);
-        // Memory kept outside the broker taken back: looked for near its holders too.
-        self.watch_adopted_stranded(&finder);
-        self.kept_holders.set(Arc::new(finder)).is_ok()
-    }
-
-    /// The finder of processes that may keep freed memory, where there is one.
-    pub(crate) fn kept_holders(&self) -> Option<&Arc<crate::kept_holders::HolderFinder>> {
-        self.kept_holders.get()
     }
 
     /// Opens a session for `tenant`; returns its id and the event receiver.
@@ -530,19 +514,19 @@ impl Arbiter {
                 }
                 _ => None,
             };
-            let report = reached.is_some().then(|| self.stranded_reporter(kind));
+            let report = reached.is_some().then(|| self.stranded().reporter(kind));
             // Made with the first memfd a process may keep (never for CUDA memory).
             let memfd_block = kind == Some(crate::device::MemoryKind::HostMemfd);
             let prober = reached
                 .as_ref()
                 .filter(|_| memfd_block)
-                .and_then(|_| self.kept_looks.prober());
+                .and_then(|_| self.stranded().prober());
             let unverified = self.unverified.clone();
             // Who else may keep memory the free check finds kept (`kept_holders.rs`; set
             // on CUDA nodes, where a free is checked so), with the device to ask.
             let finder = reached
                 .as_ref()
-                .and_then(|_| self.kept_holders().cloned())
+                .and_then(|_| self.stranded().holders().cloned())
                 .map(|f| (f, d.thread.desc().uuid.clone()));
             let r = d.thread.submit(move |dev| {
                 let _counted = counted;
@@ -588,7 +572,7 @@ impl Arbiter {
                                     (Some((finder, uuid)), Some((_, recorded))) => {
                                         let crate::kept_holders::Finding { found, places } =
                                             finder.find(&uuid, recorded, &alive);
-                                        (found, Some(Recheck { finder, uuid, places }))
+                                        (found, Some(stranded::Recheck { finder, uuid, places }))
                                     }
                                     _ => (Vec::new(), None),
                                 };
@@ -601,7 +585,7 @@ impl Arbiter {
                                     pending.fetch_sub(bytes, Ordering::SeqCst);
                                     tracing::warn!(device, bytes, "freed memory stayed on the device, kept by no process the broker can name: outside the books");
                                 } else {
-                                    report(device, answering(&keepers), bytes, pids, Kept::Cuda(recheck));
+                                    report(device, answering(&keepers), bytes, pids, stranded::Kept::Cuda(recheck));
                                 }
                             }
                             Ok(Returned::Yes | Returned::Unknown) => {
@@ -632,11 +616,11 @@ impl Arbiter {
                         match kept {
                             Some(kept) => {
                                 let tenant = answering(&kept.answering);
-                                let looks = MemfdKept {
+                                let looks = stranded::MemfdKept {
                                     file,
                                     by_handle: kept.by_handle,
                                 };
-                                report(device, tenant, bytes, kept.pids, Kept::Memfd(looks));
+                                report(device, tenant, bytes, kept.pids, stranded::Kept::Memfd(looks));
                             }
                             None => {
                                 pending.fetch_sub(bytes, Ordering::SeqCst);
@@ -647,113 +631,6 @@ impl Arbiter {
             });
             if let Err(e) = r {
                 tracing::error!(device, error = %e, "cannot queue free");
-            }
-        }
-    }
-}
-
-impl Arbiter {
-    /// What the device thread calls when a free did not give the memory back: the bytes
-    /// are charged again to the tenant that answers for them (the block's, or another
-    /// tenant's importer: `Reached::answers_for`) (`State::stranded`), on the main runtime
-    /// (inline when there is none), never on the device thread under a lock it could wait
-    /// on.
-    fn stranded_reporter(
-        &self,
-        kind: Option<crate::device::MemoryKind>,
-    ) -> impl FnOnce(u32, String, u64, Vec<u32>, Kept) + Send + 'static {
-        let me = self.me.clone();
-        let rt = self.lifecycle.effects_runtime();
-        let unverified = self.unverified.clone();
-        move |device, tenant, bytes, pids, kept| {
-            let (memfd, recheck) = match kept {
-                Kept::Memfd(looks) => (Some(looks), None),
-                Kept::Cuda(recheck) => (None, recheck),
-            };
-            // Its record names its processes by start too: a reused pid is not one. Read
-            // here, on the free's thread, not on a runtime thread.
-            let starts: Vec<(u32, u64)> = pids
-                .iter()
-                .filter_map(|&p| crate::process::start_ticks(p).map(|s| (p, s)))
-                .collect();
-            let charge = move || {
-                let pending = &unverified[device as usize];
-                let Some(arb) = me.upgrade() else {
-                    pending.fetch_sub(bytes, Ordering::SeqCst);
-                    return;
-                };
-                let by_handle = memfd.as_ref().is_some_and(|m| m.by_handle);
-                // A memfd the kernel says lives, held by nobody the broker recorded: maybe a
-                // copy of its own still closing (a keeper's, an undelivered ticket's). It is
-                // charged at the first look if it still lives then (`kept_looks.rs`); until
-                // then its bytes stay unverified: the broker's, never outside memory.
-                if let (true, true, Some(MemfdKept { file, .. })) =
-                    (by_handle, pids.is_empty(), &memfd)
-                {
-                    let deferred = arb.look_again(kept_looks::KeptFile {
-                        id: None,
-                        unverified: Some(kept_looks::Unverified {
-                            tenant: tenant.clone(),
-                            device,
-                            bytes,
-                        }),
-                        file: file.clone(),
-                        pids: Vec::new(),
-                        by_handle,
-                    });
-                    // No looks (no runtime): charged at once.
-                    if deferred {
-                        return;
-                    }
-                }
-                let mut st = arb.lock();
-                let id = if by_handle {
-                    st.stranded_unwatched(&tenant, device, bytes, pids.iter().copied())
-                } else if let Some(Recheck {
-                    finder,
-                    uuid,
-                    places,
-                }) = recheck
-                {
-                    // Processes near its holders are looked for again when the last
-                    // named one exits: watched before any exit can be seen.
-                    let id = st.stranded_rechecking(&tenant, device, bytes, pids.iter().copied());
-                    if let Some(id) = id {
-                        finder.watch(id, &uuid, places);
-                    }
-                    id
-                } else {
-                    st.stranded(&tenant, device, bytes, pids.iter().copied())
-                };
-                if let Some(id) = id {
-                    // Its file handle (a memfd's) lets a restarted broker ask the kernel.
-                    let handle = memfd
-                        .as_ref()
-                        .and_then(|m| m.file.handle.as_ref())
-                        .map(|h| h.record());
-                    st.stranded_holders_started(id, kind, handle, starts);
-                }
-                // In the same hold: the refresh sees the bytes as unverified or as the
-                // tenant's, never as both or neither.
-                pending.fetch_sub(bytes, Ordering::SeqCst);
-                drop(st);
-                tracing::warn!(device, tenant, bytes, ?pids, charged = id.is_some(), "freed memory stayed on the device: a process that had its descriptor keeps it; charged to its tenant until it lets go");
-                // A memfd: looked at again, its charge lifted once let go.
-                if let (Some(id), Some(MemfdKept { file, by_handle })) = (id, memfd) {
-                    let _ = arb.look_again(kept_looks::KeptFile {
-                        id: Some(id),
-                        unverified: None,
-                        file,
-                        pids,
-                        by_handle,
-                    });
-                }
-            };
-            match rt {
-                Some(rt) => {
-                    rt.spawn(async move { charge() });
-                }
-                None => charge(),
             }
         }
     }
@@ -776,31 +653,6 @@ impl std::ops::Deref for UnverifiedBytes {
     fn deref(&self) -> &[AtomicU64] {
         &self.0
     }
-}
-
-/// What a free found kept, as the reporter takes it.
-enum Kept {
-    /// A memfd to look at again (`kept_looks.rs`).
-    Memfd(MemfdKept),
-    /// CUDA memory, which cannot be looked at; with a finder, where to look for its
-    /// holders again when the last named one exits (`kept_holders.rs`).
-    Cuda(Option<Recheck>),
-}
-
-/// A memfd a free found kept.
-struct MemfdKept {
-    file: MemFile,
-    /// Does the kernel say when it is let go (`kept_looks.rs`)?
-    by_handle: bool,
-}
-
-/// Where to look for the holders of CUDA memory kept again.
-struct Recheck {
-    finder: Arc<crate::kept_holders::HolderFinder>,
-    /// The device's UUID.
-    uuid: String,
-    /// The places to look near, shared with other blocks'.
-    places: Vec<Arc<crate::kept_holders::Place>>,
 }
 
 /// Takes memory about to be freed back from whoever may still map it (a memfd is
@@ -853,8 +705,6 @@ pub(crate) fn host_arbiter_with_store(
     Arbiter::new(slots, None, store, Arc::new(Authenticator::new("x")), cfg).unwrap()
 }
 
-#[cfg(test)]
-mod adopt_tests;
 #[cfg(test)]
 mod claims_tests;
 #[cfg(test)]

@@ -1,7 +1,9 @@
 //! The arbiter's side of process reservations (`crate::reservations` has the records,
 //! the table and how a reservation is charged): reserve (validated, queued like a lease
 //! request, then given the managed MPS daemon's environment), release, name the program's
-//! process group ([`Reservations`], reached by [`Arbiter::reservations`]); and the hooks admission and the outside-memory look call: the
+//! process group, and the peer of a reservation's session (the service checks the caller of
+//! a release or a group against it) ([`Reservations`], reached by
+//! [`Arbiter::reservations`]); and the hooks admission and the outside-memory look call: the
 //! caller's process lineage (read from `/proc` outside the state lock), drawing a lease from
 //! the reservation that covers its process, and which GPU processes a reservation covers.
 
@@ -10,6 +12,7 @@ use crate::arbiter::{AcquireRequest, Arbiter, State};
 use crate::error::{BrokerError, BrokerResult, Missing};
 use crate::process::lineage;
 use crate::reservations::{ProcessAsk, Reservation, ReservationView, ReserveRequest};
+use crate::session::Peer;
 use std::collections::HashMap;
 use std::sync::Arc;
 use uuid::Uuid;
@@ -36,6 +39,20 @@ pub struct Reservations<'a> {
 }
 
 impl Reservations<'_> {
+    /// The peer of the session a process reservation of `tenant` belongs to (`NOT_FOUND`
+    /// otherwise).
+    pub(crate) fn peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
+        let st = self.arb.lock();
+        match st.reservations().get(&id) {
+            Some(r) if r.tenant == tenant => Ok(st
+                .sessions()
+                .get(&r.session)
+                .map(|s| s.peer)
+                .unwrap_or_default()),
+            _ => Err(BrokerError::NotFound(Missing::Reservation(id))),
+        }
+    }
+
     /// Reserves device memory for the session's process: now, after waiting up to
     /// `req.wait` in the lease queue, or fails with the reason (the statuses of a lease
     /// request). The reply carries the environment managed MPS wants the process to have.

@@ -1,12 +1,12 @@
 //! Sessions, as the service opens and serves them: open (with the secret that resumes one
-//! after a restart), keep alive, find a caller's own lease or reservation with its
-//! session's peer, and what NVML says each session's processes use. [`Sessions`] (reached
+//! after a restart), keep alive, find a caller's own lease with its session's peer, and
+//! what NVML says each session's processes use. [`Sessions`] (reached
 //! by [`Arbiter::sessions`]) keeps no fields: the sessions live in the state, their
 //! mailboxes in the outbox. Ending one is `ending.rs`; ending those of a revoked or
 //! lapsed token, `revocation.rs` (on [`Sessions`] too).
 
-use super::{adopt, lease_not_found, session_not_found, Arbiter, MAX_LABEL};
-use crate::error::{BrokerError, BrokerResult};
+use super::{lease_not_found, restart, session_not_found, Arbiter, MAX_LABEL};
+use crate::error::BrokerResult;
 use crate::lease::LeaseView;
 use crate::session::{Peer, Session, SessionEvent};
 use std::collections::HashMap;
@@ -36,25 +36,9 @@ impl Sessions<'_> {
         }
     }
 
-    /// The peer of the session a process reservation of `tenant` belongs to (`NOT_FOUND`
-    /// otherwise).
-    pub(crate) fn reservation_peer(&self, tenant: &str, id: Uuid) -> BrokerResult<Peer> {
-        let st = self.arb.lock();
-        match st.reservations().get(&id) {
-            Some(r) if r.tenant == tenant => Ok(st
-                .sessions()
-                .get(&r.session)
-                .map(|s| s.peer)
-                .unwrap_or_default()),
-            _ => Err(BrokerError::NotFound(crate::error::Missing::Reservation(
-                id,
-            ))),
-        }
-    }
-
     /// Opens a session on behalf of the token `token_id` (the caller's: the session ends
     /// when that token is revoked or expires); returns its id, its event receiver and the
-    /// secret that resumes the session after a broker restart (`adopt.rs`; empty without a
+    /// secret that resumes the session after a broker restart (`restart/resume.rs`; empty without a
     /// keeper, which alone keeps sessions across restarts, and for a peer with no pid,
     /// which cannot resume).
     #[allow(clippy::type_complexity)]
@@ -75,12 +59,13 @@ impl Sessions<'_> {
         // Where it runs, kept with the blocks it may hand on (`kept_holders.rs`).
         let place = self
             .arb
-            .kept_holders()
+            .stranded()
+            .holders()
             .zip(peer.pid)
             .and_then(|(f, pid)| f.place(pid));
-        let (secret, hash) = match peer_start.filter(|_| self.arb.keeps_leases()) {
+        let (secret, hash) = match peer_start.filter(|_| self.arb.restart().keeps_leases()) {
             Some(_) => {
-                let (s, h) = adopt::new_resume_secret();
+                let (s, h) = restart::new_resume_secret();
                 (s, Some(h))
             }
             None => (String::new(), None),

@@ -540,12 +540,12 @@ impl crate::kept_holders::ContextLister for OnDevice {
 /// shares the broker's cgroup, namespace and uid, which a real broker excludes).
 fn keeping_arbiter_finding(switch: &FaultSwitch, on_device: &Arc<OnDevice>) -> Arc<Arbiter> {
     let arb = keeping_arbiter(switch);
-    assert!(
-        arb.find_kept_holders_with(crate::kept_holders::HolderFinder::with_own(
+    assert!(arb
+        .stranded()
+        .find_holders_with(crate::kept_holders::HolderFinder::with_own(
             on_device.clone(),
             crate::kept_holders::Place::nowhere(),
-        ))
-    );
+        )));
     arb
 }
 
@@ -629,7 +629,7 @@ async fn memory_handed_to_a_child_stays_charged_after_the_recorded_holder_exits(
     st.check_invariant().unwrap();
     assert_eq!(st.stranded_memory().count(), 0);
     drop(st);
-    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 0);
 }
 
 /// The worker exited before its block was freed (its place was remembered when its
@@ -669,7 +669,7 @@ async fn memory_handed_on_after_its_worker_exited_stays_charged_until_the_last_n
         held_by_a(&arb)
     );
     arb.lock().check_invariant().unwrap();
-    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 0);
 }
 
 /// Processes that share only the broker's own places (its cgroup, namespace, uid) and
@@ -680,7 +680,9 @@ async fn processes_sharing_only_the_brokers_places_are_not_charged() {
     let switch = FaultSwitch::default();
     let on_device = Arc::new(OnDevice::default());
     let arb = keeping_arbiter(&switch);
-    assert!(arb.find_kept_holders_with(crate::kept_holders::HolderFinder::new(on_device.clone())));
+    assert!(arb
+        .stranded()
+        .find_holders_with(crate::kept_holders::HolderFinder::new(on_device.clone())));
     switch.set(Faults {
         keep_freed: true,
         ..Faults::default()
@@ -766,7 +768,7 @@ async fn one_exit_ending_many_blocks_names_looks_for_them_on_one_thread() {
         lister.clone(),
         crate::kept_holders::Place::nowhere(),
     );
-    assert!(arb.find_kept_holders_with(finder));
+    assert!(arb.stranded().find_holders_with(finder));
     let (mut holder, _) = live_process();
     let place = Arc::new(crate::kept_holders::read_place(holder.id()).unwrap());
     for _ in 0..8 {
@@ -774,7 +776,8 @@ async fn one_exit_ending_many_blocks_names_looks_for_them_on_one_thread() {
             .lock()
             .stranded_rechecking("a", 0, MIB, [holder.id()])
             .unwrap();
-        arb.kept_holders()
+        arb.stranded()
+            .holders()
             .unwrap()
             .watch(id, "GPU-x", vec![place.clone()]);
     }
@@ -787,7 +790,7 @@ async fn one_exit_ending_many_blocks_names_looks_for_them_on_one_thread() {
         held_by_a(&arb)
     );
     assert_eq!(lister.most.load(Ordering::SeqCst), 1, "looks ran at once");
-    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 0);
     arb.lock().check_invariant().unwrap();
 }
 
@@ -865,12 +868,12 @@ async fn other_processes_seen_meanwhile_never_make_a_dead_holders_place_forgotte
 /// record whose holder is gone (here: the pid with another start time) is lifted at once.
 #[tokio::test]
 async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_holder_exits() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     let switch = FaultSwitch::default();
     let arb = keeping_arbiter(&switch);
     let place = MemPlace::default();
     let records = place.records.clone();
-    arb.adopt_from_keeper(place).unwrap();
+    arb.restart().adopt_from_keeper(place).unwrap();
     switch.set(Faults {
         keep_freed: true,
         ..Faults::default()
@@ -915,7 +918,7 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
         },
         entry(reused.key(), &reused, None),
     ];
-    let report = restarted.adopt_from_keeper(place).unwrap();
+    let report = restarted.restart().adopt_from_keeper(place).unwrap();
     assert_eq!(report.unreadable, 0);
     assert_eq!(
         (
@@ -993,7 +996,7 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
 /// (here this test's) still holds the file, and lifts once nobody does.
 #[tokio::test]
 async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     use crate::keeper::records::{ProcessRecord, StrandedRecord};
     use crate::memfd_alive::{Alive, FileHandle, Prober};
     use std::os::fd::{FromRawFd, OwnedFd};
@@ -1063,7 +1066,7 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
         entry(let_go.key(), &let_go, None),
         entry(unnamed.key(), &unnamed, None),
     ];
-    let report = restarted.adopt_from_keeper(place).unwrap();
+    let report = restarted.restart().adopt_from_keeper(place).unwrap();
     assert_eq!((report.stranded_adopted, report.stranded_lifted), (2, 1));
     assert_eq!(held_by_a(&restarted), 40 * MIB);
     assert_eq!(removed.lock().clone(), vec![let_go.key()]);
@@ -1101,7 +1104,7 @@ async fn a_kept_memfd_stays_charged_across_a_restart_while_anyone_holds_its_file
 /// memory never looked at near its holders; else its tenant stays charged forever.
 #[tokio::test]
 async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     let arb = keeping_arbiter(&FaultSwitch::default());
     let (mut worker, _) = live_process();
     let r = crate::keeper::records::StrandedRecord {
@@ -1124,10 +1127,10 @@ async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder()
     let place = MemPlace::default();
     let removed = place.removed.clone();
     *place.entries.lock() = vec![entry(r.key(), &r, None)];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!(report.stranded_adopted, 1);
     assert_eq!(held_by_a(&arb), 8 * MIB);
-    assert!(arb.kept_holders().is_none());
+    assert!(arb.stranded().holders().is_none());
     worker.kill().unwrap();
     worker.wait().unwrap();
     assert!(
@@ -1151,7 +1154,7 @@ async fn a_kept_charge_to_look_at_again_is_lifted_by_a_broker_without_a_finder()
 /// before the finder was set were lifted at such an exit without a look.
 #[tokio::test]
 async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its_holder() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     let on_device = Arc::new(OnDevice::default());
     let arb = keeping_arbiter_finding(&FaultSwitch::default(), &on_device);
     let (mut worker, child, _) = worker_with_child();
@@ -1191,9 +1194,9 @@ async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its
     let place = MemPlace::default();
     let removed = place.removed.clone();
     *place.entries.lock() = vec![entry(r.key(), &r, None), entry(s.key(), &s, None)];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!((report.stranded_adopted, report.sessions_adopted), (1, 1));
-    assert_eq!(arb.kept_holders().unwrap().watching(), 1);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 1);
     assert!(
         arb.lock()
             .sessions()
@@ -1219,7 +1222,7 @@ async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its
     );
     assert!(removed.lock().contains(&r.key()));
     arb.lock().check_invariant().unwrap();
-    assert_eq!(arb.kept_holders().unwrap().watching(), 0);
+    assert_eq!(arb.stranded().holders().unwrap().watching(), 0);
 }
 
 /// A kept charge on a CUDA device is counted as the broker's device memory at the start
@@ -1228,7 +1231,7 @@ async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its
 /// the card does not have).
 #[tokio::test]
 async fn a_kept_charge_not_taken_back_is_not_counted_as_the_brokers_memory() {
-    use super::adopt_tests::{entry, MemPlace};
+    use super::restart::adopt_tests::{entry, MemPlace};
     let (arb, _outside, _dir) = super::tests::fake_cuda_fixture(ArbiterConfig::default());
     arb.set_quota("a", quota(64 * MIB)).unwrap();
     let (mut worker, _) = live_process();
@@ -1255,7 +1258,7 @@ async fn a_kept_charge_not_taken_back_is_not_counted_as_the_brokers_memory() {
         entry(kept.key(), &kept, None),
         entry(gone.key(), &gone, None),
     ];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!((report.stranded_adopted, report.stranded_lifted), (1, 1));
     assert_eq!(
         arb.lock().pools()[0].leasable(),

@@ -1404,7 +1404,10 @@ async fn a_waiting_request_that_its_devices_or_quota_can_never_serve_is_refused_
     );
     assert_eq!(got.unwrap_err(), new.unwrap_err());
     // Device 1, the only one with 32 MiB leasable, drains.
-    f.arb.start_drain(Some(1), None, "kernel update").unwrap();
+    f.arb
+        .drains()
+        .start(Some(1), None, "kernel update")
+        .unwrap();
     let got = tokio::time::timeout(Duration::from_secs(10), big)
         .await
         .expect("refused at once")

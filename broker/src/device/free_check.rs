@@ -116,7 +116,7 @@ pub fn memfd_kept(
 /// Who answers for a memfd kept, from the kernel's word (`alive`) and the look at the
 /// recorded processes (`found`). A process is charged on a look that did not finish only
 /// when no look finished on a keeper: the tenant of a process found keeping it answers
-/// first, and one not read through is looked at again (`arbiter/kept_looks.rs`).
+/// first, and one not read through is looked at again (`arbiter/stranded/looks.rs`).
 fn kept_by(
     alive: crate::memfd_alive::Alive,
     found: crate::memfd_holders::Holders,

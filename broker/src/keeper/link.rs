@@ -10,7 +10,7 @@
 //! one reading again) is connected to again and told to forget what it holds
 //! ([`KeeperLink::reconnect`], off the lock); the caller then installs that connection and
 //! writes every live record again under the state lock ([`KeeperLink::resume`],
-//! `arbiter/relink.rs`), so from then on the keeper holds exactly the broker's state.
+//! `arbiter/restart/relink.rs`), so from then on the keeper holds exactly the broker's state.
 
 use super::wire::{self, Message};
 use parking_lot::Mutex;

@@ -5,9 +5,9 @@
 //! picks one. Either holds a copy of every leased block's descriptor (so the memory
 //! outlives the broker) with the lease's record; the broker writes each change as the
 //! state lock makes it and, when it starts again, reads everything back and adopts the
-//! leases of holders still alive (`arbiter/adopt.rs`). A keeper process lost while the
+//! leases of holders still alive (`arbiter/restart/`). A keeper process lost while the
 //! broker runs is reconnected to and filled again with everything live ([`link`],
-//! `arbiter/relink.rs`). [`wire`] is the keeper's socket and its messages, [`records`]
+//! `arbiter/restart/relink.rs`). [`wire`] is the keeper's socket and its messages, [`records`]
 //! the versioned records.
 
 pub mod choose;

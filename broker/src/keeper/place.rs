@@ -1,7 +1,7 @@
 //! Where kept things wait: the seam between the broker and whatever holds its lease
 //! descriptors and the records of its sessions and leases across its own restart. Two
 //! places implement it: a keeper process ([`super::link`]) and systemd's file-descriptor
-//! store ([`super::fdstore`]). The arbiter (`arbiter/adopt.rs`) writes every change through
+//! store ([`super::fdstore`]). The arbiter (`arbiter/restart/`) writes every change through
 //! it under the state lock and reads everything back at start; the records are the same
 //! versioned JSON in both ([`super::records`]).
 
@@ -34,7 +34,7 @@ pub trait Place: Send + Sync {
     /// Writes made so far.
     fn sent(&self) -> u64;
     /// The keeper process's link, when this place is one: a lost keeper can come back
-    /// and be filled again (`arbiter/relink.rs`); systemd's store cannot.
+    /// and be filled again (`arbiter/restart/relink.rs`); systemd's store cannot.
     fn as_keeper(&self) -> Option<&super::KeeperLink> {
         None
     }

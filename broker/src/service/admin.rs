@@ -335,10 +335,11 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DrainResponse>, Status> {
         let who = Who::of(&req);
         let r = req.into_inner();
-        let before = self.arb.drain_report();
+        let before = self.arb.drains().report();
         let report = self
             .arb
-            .start_drain(
+            .drains()
+            .start(
                 r.device,
                 r.deadline_ms.map(Duration::from_millis),
                 &r.reason,
@@ -362,8 +363,8 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::DrainResponse>, Status> {
         let who = Who::of(&req);
         let device = req.get_ref().device;
-        let before = self.arb.drain_report();
-        let report = self.arb.undrain(device).map_err(status)?;
+        let before = self.arb.drains().report();
+        let report = self.arb.drains().undrain(device).map_err(status)?;
         self.arb.changes().audit(
             &who,
             "drain.stop",
@@ -381,7 +382,7 @@ impl Admin for AdminService {
         _req: Request<pb::GetDrainRequest>,
     ) -> Result<Response<pb::DrainResponse>, Status> {
         Ok(Response::new(convert::drain_report(
-            &self.arb.drain_report(),
+            &self.arb.drains().report(),
         )))
     }
 

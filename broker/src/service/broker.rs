@@ -130,6 +130,7 @@ impl Broker for BrokerService {
             crate::bounds::check("resume_secret", &r.resume_secret, 128).map_err(status)?;
             let (rx, kept, ended) = self
                 .arb
+                .restart()
                 .resume_session(&tenant, id, &r.resume_secret, peer, &held)
                 .map_err(status)?;
             let opened = pb::SessionOpened {
@@ -516,11 +517,7 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let id = parse_id("reservation_id", &req.get_ref().reservation_id).map_err(status)?;
         check_reservation_caller(
-            &self
-                .arb
-                .sessions()
-                .reservation_peer(&tenant, id)
-                .map_err(status)?,
+            &self.arb.reservations().peer(&tenant, id).map_err(status)?,
             &peer_of(&req),
         )
         .map_err(status)?;
@@ -547,11 +544,7 @@ impl Broker for BrokerService {
         // The group's leader must then be of the caller's uid too (the arbiter checks it
         // against the session's): the broker signals only what the caller could.
         check_reservation_caller(
-            &self
-                .arb
-                .sessions()
-                .reservation_peer(&tenant, id)
-                .map_err(status)?,
+            &self.arb.reservations().peer(&tenant, id).map_err(status)?,
             &peer_of(&req),
         )
         .map_err(status)?;

@@ -4,15 +4,15 @@
 //! without one counts while it lives), and lifts it at once when none does. No copy of
 //! the memory was kept (a keeper's descriptor would keep it alive after its holders let
 //! go, and the kernel's look would count it as a holder); a memfd's record keeps its file
-//! handle instead, by which the kernel is asked again (`kept_looks.rs`): charged while
+//! handle instead, by which the kernel is asked again (`stranded/looks.rs`): charged while
 //! anyone, named or not, holds the file, lifted once nobody does. Without the handle or
 //! the right to ask (CAP_DAC_READ_SEARCH) its charge waits for its named holders' exits,
 //! CUDA memory's as before.
 
 use super::adopt::Liveness;
-use super::kept_looks::KeptFile;
-use super::state::{AdoptedStranded, NotAdopted};
-use super::Arbiter;
+use super::Restart;
+use crate::arbiter::state::{AdoptedStranded, NotAdopted};
+use crate::arbiter::stranded::KeptFile;
 use crate::device::MemoryKind;
 use crate::keeper::records::StrandedRecord;
 use crate::memfd_alive::{Alive, FileHandle, Prober};
@@ -31,7 +31,7 @@ pub(super) struct StrandedTakenBack {
     pub lifted: Vec<(StrandedRecord, &'static str)>,
 }
 
-impl Arbiter {
+impl Restart<'_> {
     /// Charges kept stranded memory `ready` (their devices already this broker's
     /// indexes, their holders found alive: [`adoptable`]) again, in one lock hold; what
     /// was not taken back is lifted.
@@ -43,7 +43,7 @@ impl Arbiter {
         if ready.is_empty() {
             return out;
         }
-        let prober = self.kept_looks.prober();
+        let prober = self.arb.stranded().prober();
         let mut asked = Vec::with_capacity(ready.len());
         for (r, mut a) in ready {
             match file_now(&r, prober.as_deref()) {
@@ -55,7 +55,7 @@ impl Arbiter {
                 FileNow::Alive(file) => {
                     // Looked at by the kernel's word (a look before the charge finds
                     // nothing and ends): its holders are named, not watched.
-                    a.watched = !self.look_again(KeptFile {
+                    a.watched = !self.arb.stranded().look_again(KeptFile {
                         id: Some(a.id),
                         unverified: None,
                         file,
@@ -73,16 +73,16 @@ impl Arbiter {
         }
         // Watched by the finder before the hold that starts its holders' watches: a holder
         // exiting right after is looked for near, never lifted unlooked.
-        let finder = self.kept_holders();
+        let finder = self.arb.stranded().holders();
         if let Some(f) = finder {
             for (r, a) in asked.iter().filter(|(_, a)| a.recheck && a.watched) {
-                if let Some(uuid) = self.devices.recorded_uuid(r.device) {
+                if let Some(uuid) = self.arb.devices.recorded_uuid(r.device) {
                     let places = a.holders.keys().filter_map(|&p| f.place(p)).collect();
                     f.watch(a.id, &uuid, places);
                 }
             }
         }
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         for (r, a) in asked {
             let id = a.id;
             let adopted = st.adopt_stranded(a);
@@ -108,15 +108,19 @@ impl Arbiter {
     /// A finder of kept memory's holders set after the start: stranded memory taken back
     /// that looks for processes near its holders when they exit is watched by it, near
     /// where its living holders are now.
-    pub(super) fn watch_adopted_stranded(&self, finder: &crate::kept_holders::HolderFinder) {
+    pub(in crate::arbiter) fn watch_adopted_stranded(
+        &self,
+        finder: &crate::kept_holders::HolderFinder,
+    ) {
         let rechecked: Vec<(Uuid, u32, Vec<u32>)> = self
+            .arb
             .lock()
             .stranded_memory()
             .filter(|(_, s)| s.recheck && s.watched)
             .map(|(id, s)| (*id, s.device, s.pids.iter().copied().collect()))
             .collect();
         for (id, device, pids) in rechecked {
-            let Some(uuid) = self.devices.recorded_uuid(device) else {
+            let Some(uuid) = self.arb.devices.recorded_uuid(device) else {
                 continue;
             };
             let places = pids.into_iter().filter_map(|p| finder.place(p)).collect();

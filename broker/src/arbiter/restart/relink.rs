@@ -9,9 +9,10 @@
 //! broker's state, and keeping goes on as before. Counted by `keeper_lost_total` and
 //! `keeper_relinked_total`.
 
-use super::Arbiter;
+use super::Restart;
+use crate::arbiter::Arbiter;
 use crate::keeper::{KeeperLink, Place};
-use std::sync::{Arc, Weak};
+use std::sync::Weak;
 use std::time::{Duration, Instant};
 
 /// How long one look at the connection waits (and how soon the thread ends once its
@@ -21,11 +22,11 @@ const WATCH_EVERY: Duration = Duration::from_millis(250);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
-impl Arbiter {
+impl Restart<'_> {
     /// Starts the thread that watches the keeper and reconnects to it (see the module
     /// documentation). It holds the arbiter weakly and ends soon after it.
-    pub(super) fn spawn_relink(self: &Arc<Self>) {
-        let me = Arc::downgrade(self);
+    pub(super) fn spawn_relink(&self) {
+        let me = self.arb.me();
         let spawned = std::thread::Builder::new()
             .name("keeper-relink".into())
             .spawn(move || relink_loop(me));
@@ -37,7 +38,7 @@ impl Arbiter {
     /// Fills the keeper `link` reconnected to with everything live, under the state lock
     /// (no change can come between); how many records were written.
     fn refill(&self, place: &dyn Place, link: &KeeperLink) -> Option<usize> {
-        let st = self.lock();
+        let st = self.arb.lock();
         if !link.resume() {
             return None;
         }
@@ -46,7 +47,7 @@ impl Arbiter {
         for k in changes {
             self.write_kept(place, k);
         }
-        let avail = self.avail.read();
+        let avail = self.arb.avail.read();
         for d in avail.draining() {
             let drain = avail.device(d).and_then(|s| s.drain.as_ref());
             self.write_drain(place, d, drain);
@@ -55,7 +56,7 @@ impl Arbiter {
         drop(avail);
         if link.is_broken() {
             // Lost again while it was filled: counted as the loss it is.
-            self.metrics.count_keeper_lost();
+            self.arb.metrics.count_keeper_lost();
         }
         drop(st);
         Some(written)
@@ -67,7 +68,10 @@ fn relink_loop(me: Weak<Arbiter>) {
     let mut backoff = BACKOFF_MIN;
     let mut failures = 0u32;
     loop {
-        let Some(place) = me.upgrade().and_then(|a| a.keeper.get().cloned()) else {
+        let Some(place) = me
+            .upgrade()
+            .and_then(|a| a.restart_state.keeper.get().cloned())
+        else {
             return;
         };
         let Some(link) = place.as_keeper() else {
@@ -96,7 +100,7 @@ fn relink_loop(me: Weak<Arbiter>) {
         let t = Instant::now();
         let outcome = link.reconnect();
         let Some(arb) = me.upgrade() else { return };
-        match outcome.map(|()| arb.refill(&*place, link)) {
+        match outcome.map(|()| arb.restart().refill(&*place, link)) {
             Ok(Some(records)) if !link.is_broken() => {
                 tracing::warn!(records, took = ?t.elapsed(), failures, "the keeper is back: told to forget what it held and given every live record again; leases are kept again");
                 arb.metrics.count_keeper_relinked();

@@ -5,13 +5,13 @@
 //! the keeper, and its bytes are no one's. The core's side is
 //! `State::adopt_reservation` (`core/src/state/process.rs`).
 
-use super::Arbiter;
+use super::Restart;
 use crate::keeper::records::ReservationRecord;
 use crate::reservations::Reservation;
 use std::time::{Duration, SystemTime};
 use uuid::Uuid;
 
-impl Arbiter {
+impl Restart<'_> {
     /// Takes back the kept reservations `records` (their devices already found by UUID)
     /// in one lock hold; returns those not taken back, with why.
     pub(super) fn adopt_reservations(
@@ -19,7 +19,7 @@ impl Arbiter {
         records: Vec<ReservationRecord>,
     ) -> Vec<(ReservationRecord, &'static str)> {
         let mut refused = Vec::new();
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         for rec in records {
             let (Ok(id), Ok(session)) = (rec.id.parse::<Uuid>(), rec.session.parse::<Uuid>())
             else {

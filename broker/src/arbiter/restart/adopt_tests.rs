@@ -4,7 +4,7 @@
 //! the device of its index, and memory whose device is gone is let go, never given to
 //! another device; the report says where the start's time went.
 
-use super::*;
+use crate::arbiter::*;
 use crate::keeper::records::{
     DrainRecord, HeldPublicationRecord, HeldRecord, ImportRecord, LeaseRecord, LingeringRecord,
     ProcessRecord, PublicationRecord, QuarantineRecord, SessionRecord, RECORD_VERSION,
@@ -16,13 +16,13 @@ const MIB: u64 = 1 << 20;
 
 /// A place whose records live in memory; what the broker removes or puts is noted.
 #[derive(Default)]
-pub(super) struct MemPlace {
-    pub(super) entries: parking_lot::Mutex<Vec<Entry>>,
-    pub(super) removed: Arc<parking_lot::Mutex<Vec<String>>>,
+pub(in crate::arbiter) struct MemPlace {
+    pub(in crate::arbiter) entries: parking_lot::Mutex<Vec<Entry>>,
+    pub(in crate::arbiter) removed: Arc<parking_lot::Mutex<Vec<String>>>,
     /// The keys put and not removed since.
-    pub(super) kept: Arc<parking_lot::Mutex<std::collections::BTreeSet<String>>>,
+    pub(in crate::arbiter) kept: Arc<parking_lot::Mutex<std::collections::BTreeSet<String>>>,
     /// The records put and not removed since, by key.
-    pub(super) records:
+    pub(in crate::arbiter) records:
         Arc<parking_lot::Mutex<std::collections::BTreeMap<String, serde_json::Value>>>,
 }
 
@@ -95,7 +95,11 @@ fn lease_record(session: Uuid, tenant: &str, device: u32, uuid: Option<&str>) ->
     }
 }
 
-pub(super) fn entry<T: serde::Serialize>(key: String, r: &T, fd: Option<OwnedFd>) -> Entry {
+pub(in crate::arbiter) fn entry<T: serde::Serialize>(
+    key: String,
+    r: &T,
+    fd: Option<OwnedFd>,
+) -> Entry {
     Entry {
         key,
         record: serde_json::to_value(r).unwrap(),
@@ -109,7 +113,7 @@ pub(super) fn entry<T: serde::Serialize>(key: String, r: &T, fd: Option<OwnedFd>
 #[test]
 fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
     let arb = host_arbiter(64 * MIB, 2, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let (uuid0, uuid1) = (arb.devices.uuid(0), arb.devices.uuid(1));
     assert_ne!(uuid0, uuid1);
@@ -157,7 +161,7 @@ fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
             Some(memfd(2 * MIB)),
         ),
     ];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!((report.leases_adopted, report.leases_reclaimed), (2, 1));
     let device_of = |id: &str| {
         arb.views()
@@ -185,7 +189,7 @@ fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
 #[test]
 fn the_report_breaks_the_adoption_down() {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let session = Uuid::new_v4();
     let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
@@ -198,7 +202,7 @@ fn the_report_breaks_the_adoption_down() {
         ),
         entry(lease.key(), &lease, Some(memfd(2 * MIB))),
     ];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     let names: Vec<&str> = report.phases.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(
         names,
@@ -217,7 +221,7 @@ fn the_report_breaks_the_adoption_down() {
         ]
     );
     assert!(report.phases_line().starts_with("keeper dump "));
-    assert_eq!(arb.restart_report().unwrap().phases, report.phases);
+    assert_eq!(arb.restart().report().unwrap().phases, report.phases);
 }
 
 /// The report's total is the start's wall time: the steps before the adoption and the
@@ -227,7 +231,7 @@ fn the_report_breaks_the_adoption_down() {
 fn the_reports_total_is_wall_time_with_the_dump_counted_once() {
     use crate::keeper::place::Dumped;
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let session = Uuid::new_v4();
     let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
@@ -251,7 +255,7 @@ fn the_reports_total_is_wall_time_with_the_dump_counted_once() {
         took: Duration::from_millis(200),
     };
     let t = Instant::now();
-    let report = arb.adopt_dumped(dumped, vec![opened]);
+    let report = arb.restart().adopt_dumped(dumped, vec![opened]);
     let adoption = t.elapsed();
     assert_eq!(report.leases_adopted, 1);
     assert!(
@@ -268,7 +272,7 @@ fn the_reports_total_is_wall_time_with_the_dump_counted_once() {
         ..crate::keeper::place::dump(MemPlace::default()).unwrap()
     };
     let t = Instant::now();
-    let report = arb.adopt_dumped(dumped, Vec::new());
+    let report = arb.restart().adopt_dumped(dumped, Vec::new());
     let adoption = t.elapsed();
     assert!(
         report.took >= Duration::from_millis(300)
@@ -298,7 +302,7 @@ fn drains_of_devices_that_swapped_indexes_are_both_kept() {
     let place = MemPlace::default();
     let kept = place.kept.clone();
     *place.entries.lock() = vec![entry(a.key(), &a, None), entry(b.key(), &b, None)];
-    arb.adopt_from_keeper(place).unwrap();
+    arb.restart().adopt_from_keeper(place).unwrap();
     let avail = arb.avail.read();
     for d in 0..2 {
         assert!(
@@ -321,7 +325,7 @@ fn drains_of_devices_that_swapped_indexes_are_both_kept() {
 #[test]
 fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let session = Uuid::new_v4();
     let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
@@ -364,7 +368,7 @@ fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
         entry(kept_import.key(), &kept_import, None),
         entry(orphan_import.key(), &orphan_import, None),
     ];
-    arb.adopt_from_keeper(place).unwrap();
+    arb.restart().adopt_from_keeper(place).unwrap();
     let shared = arb.views().shared(Some("alpha"));
     assert_eq!(shared.len(), 1, "{shared:?}");
     let p = &shared[0];
@@ -392,7 +396,7 @@ fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
 #[test]
 fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let pid = std::process::id();
     let start = crate::process::start_ticks(pid).unwrap();
@@ -417,7 +421,7 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
         entry(same.key(), &same, Some(memfd(2 * MIB))),
         entry(reused.key(), &reused, Some(memfd(2 * MIB))),
     ];
-    arb.adopt_from_keeper(place).unwrap();
+    arb.restart().adopt_from_keeper(place).unwrap();
     let held: Vec<String> = arb
         .list_quarantined()
         .into_iter()
@@ -441,7 +445,8 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
 fn kept_held_blocks_come_back_with_their_importers() {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
     for t in ["alpha", "beta"] {
-        arb.set_quota(t, super::tests::quota(64 * MIB)).unwrap();
+        arb.set_quota(t, crate::arbiter::tests::quota(64 * MIB))
+            .unwrap();
     }
     let pid = std::process::id();
     let start = crate::process::start_ticks(pid).unwrap();
@@ -515,7 +520,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
         entry(live.key(), &live, None),
         entry(reused.key(), &reused, None),
     ];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!(
         (
             report.held_adopted,
@@ -574,7 +579,7 @@ fn kept_held_blocks_come_back_with_their_importers() {
 #[test]
 fn a_block_held_for_a_process_in_another_pid_namespace_comes_back_held() {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let held = HeldRecord {
         v: RECORD_VERSION,
@@ -598,7 +603,7 @@ fn a_block_held_for_a_process_in_another_pid_namespace_comes_back_held() {
     let place = MemPlace::default();
     let removed = place.removed.clone();
     *place.entries.lock() = vec![entry(held.key(), &held, Some(memfd(2 * MIB)))];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!((report.held_adopted, report.held_let_go), (1, 0));
     assert_eq!(
         arb.views().tenant("alpha").unwrap().usage.quarantined_bytes,
@@ -614,8 +619,8 @@ fn a_block_held_for_a_process_in_another_pid_namespace_comes_back_held() {
 /// does not have).
 #[tokio::test]
 async fn a_block_kept_under_its_lease_and_its_quarantine_is_counted_once() {
-    let (arb, _outside, _dir) = super::tests::fake_cuda_fixture(ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    let (arb, _outside, _dir) = crate::arbiter::tests::fake_cuda_fixture(ArbiterConfig::default());
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let pid = std::process::id();
     let lease = lease_record(Uuid::new_v4(), "alpha", 0, Some(&arb.devices.uuid(0)));
@@ -639,7 +644,7 @@ async fn a_block_kept_under_its_lease_and_its_quarantine_is_counted_once() {
         entry(lease.key(), &lease, Some(fd.try_clone().unwrap())),
         entry(quarantine.key(), &quarantine, Some(fd)),
     ];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!(report.leases_reclaimed, 1, "its end was kept");
     assert_eq!(
         arb.lock().pools()[0].leasable(),
@@ -656,7 +661,7 @@ async fn a_block_kept_under_its_lease_and_its_quarantine_is_counted_once() {
 #[tokio::test]
 async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let sleeper = || {
         std::process::Command::new("sleep")
@@ -689,7 +694,7 @@ async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
         ),
         entry(lease.key(), &lease, Some(memfd(2 * MIB))),
     ];
-    let report = arb.adopt_from_keeper(place).unwrap();
+    let report = arb.restart().adopt_from_keeper(place).unwrap();
     assert_eq!(report.leases_adopted, 1);
     let id: Uuid = lease.id.parse().unwrap();
     // The later process fetches the descriptor now: the record names it, as it is.
@@ -756,7 +761,8 @@ fn a_kept_blocks_reached_processes_that_live_come_back_with_their_places() {
     use crate::keeper::records::ReachedRecord;
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
     for t in ["alpha", "beta"] {
-        arb.set_quota(t, super::tests::quota(64 * MIB)).unwrap();
+        arb.set_quota(t, crate::arbiter::tests::quota(64 * MIB))
+            .unwrap();
     }
     let sleeper = || {
         std::process::Command::new("sleep")
@@ -812,7 +818,7 @@ fn a_kept_blocks_reached_processes_that_live_come_back_with_their_places() {
         entry(lease.key(), &lease, Some(memfd(2 * MIB))),
         entry(quarantine.key(), &quarantine, Some(memfd(2 * MIB))),
     ];
-    arb.adopt_from_keeper(place).unwrap();
+    arb.restart().adopt_from_keeper(place).unwrap();
     let st = arb.lock();
     let lease_id: Uuid = lease.id.parse().unwrap();
     let quarantined: Uuid = quarantine.lease.parse().unwrap();
@@ -844,7 +850,7 @@ fn a_kept_blocks_reached_processes_that_live_come_back_with_their_places() {
 #[test]
 fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let mut child = std::process::Command::new("sleep")
         .arg("30")
@@ -889,7 +895,7 @@ fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
         entry(publication.key(), &publication, None),
         entry(import.key(), &import, None),
     ];
-    arb.adopt_from_keeper(place).unwrap();
+    arb.restart().adopt_from_keeper(place).unwrap();
     let id: Uuid = import.id.parse().unwrap();
     // Another process fetches it now: the import's record names it at once.
     let mut other = std::process::Command::new("sleep")
@@ -1193,9 +1199,9 @@ fn a_record_kept_under_another_records_key_is_refused_once_and_gone_at_the_next_
         damaged.push(key);
     }
     let arb = host_arbiter(64 * MIB, 2, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
-    let report = arb.adopt_from_keeper(place.clone()).unwrap();
+    let report = arb.restart().adopt_from_keeper(place.clone()).unwrap();
     assert_eq!(report.kept_records, damaged.len());
     let left: Vec<String> = place.0.lock().keys().cloned().collect();
     assert!(left.is_empty(), "still kept after the start: {left:?}");
@@ -1206,6 +1212,6 @@ fn a_record_kept_under_another_records_key_is_refused_once_and_gone_at_the_next_
         .is_some_and(|s| s.drain.is_none()));
 
     let again = host_arbiter(64 * MIB, 2, ArbiterConfig::default());
-    let report = again.adopt_from_keeper(place).unwrap();
+    let report = again.restart().adopt_from_keeper(place).unwrap();
     assert_eq!(report.kept_records, 0, "read again at the next start");
 }

@@ -12,7 +12,8 @@
 //! it is still kept; at most [`PER_ROUND`] records a round, on a blocking thread (never a
 //! runtime's worker: a holder scan may take 50 ms a process).
 
-use super::Arbiter;
+use super::Stranded;
+use crate::arbiter::Arbiter;
 use crate::memfd_alive::{Alive, Prober};
 use crate::memfd_holders::MemFile;
 use std::sync::{Arc, OnceLock, Weak};
@@ -80,16 +81,16 @@ enum Found {
     Kept { let_go: Vec<u32> },
 }
 
-impl Arbiter {
+impl Stranded<'_> {
     /// Looks at `kept` again from now on, until its charge goes. Needs a runtime (the
     /// charge is made on one); without it nothing looks (false: a charged record then
     /// waits for its holders' exits).
     pub(crate) fn look_again(&self, kept: KeptFile) -> bool {
-        let tx = self.kept_looks.to_task.get_or_init(|| {
+        let tx = self.state.looks.to_task.get_or_init(|| {
             let (tx, rx) = mpsc::unbounded_channel();
             match tokio::runtime::Handle::try_current() {
                 Ok(rt) => {
-                    rt.spawn(looks(self.me.clone(), rx, self.cfg.kept_memory_look));
+                    rt.spawn(looks(self.arb.me(), rx, self.arb.cfg.kept_memory_look));
                 }
                 Err(_) => {
                     tracing::warn!("no runtime: memory kept after its free is not looked at again")
@@ -124,7 +125,7 @@ async fn looks(me: Weak<Arbiter>, mut rx: mpsc::UnboundedReceiver<KeptFile>, fir
                 waiting.sort_by_key(|w| w.next);
                 let due = waiting.iter().take_while(|w| w.next <= now).count().min(PER_ROUND);
                 let mut round: Vec<Waiting> = waiting.drain(..due).collect();
-                let Some(prober) = me.upgrade().map(|a| a.kept_looks.prober()) else { return };
+                let Some(prober) = me.upgrade().map(|a| a.stranded_state.looks.prober()) else { return };
                 let asks: Vec<(MemFile, Vec<u32>, bool)> = round
                     .iter()
                     .map(|w| (w.kept.file.clone(), w.kept.pids.clone(), w.kept.by_handle))

@@ -8,8 +8,10 @@
 //! taken back leaves the keeper. The core's side is `core/src/state/adopt_shared.rs`.
 
 use super::adopt::Liveness;
-use super::state::{AdoptedHeldPublication, AdoptedImport, AdoptedLingering, NewPublication};
-use super::Arbiter;
+use super::Restart;
+use crate::arbiter::state::{
+    AdoptedHeldPublication, AdoptedImport, AdoptedLingering, NewPublication,
+};
 use crate::device::{Handle, MemoryKind, SharedFd};
 use crate::keeper::records::{self, HeldRecord, ImportRecord, LingeringRecord, PublicationRecord};
 use std::collections::BTreeSet;
@@ -20,7 +22,7 @@ fn from_unix_ms(ms: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
 }
 
-impl Arbiter {
+impl Restart<'_> {
     /// Takes back kept publications (of leases, then of the held blocks `held` taken
     /// back), then kept lingering imports and kept imports; returns those not taken back,
     /// with why (the caller removes them from the keeper), and the held blocks let go.
@@ -66,7 +68,7 @@ impl Arbiter {
                 (r, recipients)
             })
             .collect();
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         for (lease, p) in held_pubs {
             if st.adopt_held_publication(lease, p).is_err() {
                 tracing::debug!(%lease, "the publication of a kept held block not taken back: its id is taken");
@@ -125,7 +127,12 @@ impl Arbiter {
     ) -> Result<(SharedFd, bool, Option<crate::fd_budget::FdHeld>), &'static str> {
         let fd_counted = match kind {
             // A memfd's importers get a reopen of it: one descriptor more.
-            MemoryKind::HostMemfd => Some(self.fds.take_held(0).map_err(|_| "out of descriptors")?),
+            MemoryKind::HostMemfd => Some(
+                self.arb
+                    .fds
+                    .take_held(0)
+                    .map_err(|_| "out of descriptors")?,
+            ),
             MemoryKind::CudaVmm => None,
         };
         let (ro, enforced) = crate::sharing::importer_fd(kind, fd, size)
@@ -146,7 +153,7 @@ impl Arbiter {
             return Err("unreadable id");
         };
         let (kind, fd, size) = {
-            let st = self.lock();
+            let st = self.arb.lock();
             let held = st
                 .shared()
                 .held
@@ -173,7 +180,7 @@ impl Arbiter {
             return Err("unreadable id");
         };
         let (kind, fd, size) = {
-            let st = self.lock();
+            let st = self.arb.lock();
             let l = st
                 .leases()
                 .get(&lease)
@@ -193,7 +200,8 @@ impl Arbiter {
             enforced,
             fd_counted,
         };
-        self.lock()
+        self.arb
+            .lock()
             .adopt_publication(id, r.name.clone(), new)
             .map_err(|_| "its lease has another publication, or its name is taken")
     }

@@ -1,28 +1,22 @@
-//! A broker restart that loses no lease: the shell's side of the keeper (`keeper/`).
-//! Every session's and lease's start and end reaches the keeper as the lock guard runs the
-//! transition's `Effect::Keep` ([`Arbiter::keep`], under the lock, before any reply). At
-//! start, [`Arbiter::adopt_dumped`] reads what the keeper held (its dump) and takes back
-//! the sessions whose peer process still lives (same pid and start time) with their
-//! leases (same id, bytes, tenant, memory: the kept descriptor becomes the block again);
-//! what belonged to processes that died meanwhile is dropped, so its memory goes. The
-//! processes a kept block reached, and a lease's recipients outside its session, come back
-//! with it while they live (read from `/proc` before the lock: [`Liveness`]). A worker
-//! then resumes its session with its secret from the same process
-//! ([`Arbiter::resume_session`]); a session nobody resumes ends with the keepalive timeout
-//! or its process.
+//! The take-back at start: [`Restart::adopt_dumped`] reads what the keeper held (its
+//! dump) and takes back the sessions whose peer process still lives (same pid and start
+//! time) with their leases (same id, bytes, tenant, memory: the kept descriptor becomes the
+//! block again); what belonged to processes that died meanwhile is dropped, so its memory
+//! goes. The processes a kept block reached, and a lease's recipients outside its session,
+//! come back with it while they live (read from `/proc` before the lock: [`Liveness`]).
+//! Process reservations (`process.rs`), shared leases (`shared.rs`) and memory kept outside
+//! the broker (`stranded.rs`) are taken back by their own steps; [`RestartReport`] says what
+//! came back and where the start's time went.
 
-use super::effects::Keep;
-use super::{Arbiter, Ending};
-use crate::error::{BrokerError, BrokerResult};
+use super::Restart;
 use crate::keeper::records::{self, Kept, LeaseRecord, SessionRecord};
 use crate::keeper::Place;
 use crate::pool::Block;
-use crate::session::{Peer, Session, SessionEvent};
+use crate::session::{Peer, Session};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
-use tokio::sync::mpsc;
 use uuid::Uuid;
 
 /// What a start took back from the keeper.
@@ -232,7 +226,7 @@ impl Tally {
 
 /// A kept block to make again on its device from its descriptor.
 struct KeptBlock {
-    /// Its device's index, or the host tier's slot after them ([`Arbiter::host_slot`]).
+    /// Its device's index, or the host tier's slot after them ([`Restart::host_slot`]).
     device: u32,
     fd: OwnedFd,
     bytes: u64,
@@ -250,7 +244,7 @@ impl KeptBlock {
     }
 }
 
-/// What [`Arbiter::adopt_blocks`] took back (session, lease, bytes) and what it did not.
+/// What [`Restart::adopt_blocks`] took back (session, lease, bytes) and what it did not.
 #[derive(Default)]
 struct TakenBack {
     leases: Vec<(Uuid, Uuid, u64)>,
@@ -285,135 +279,21 @@ fn session_of(r: &SessionRecord, alive: &mut Liveness) -> Result<Session, &'stat
     Ok(s)
 }
 
-/// A session's resume secret and its hash (what is kept).
-pub(crate) fn new_resume_secret() -> (String, String) {
-    let secret: [u8; 32] = rand::random();
-    let secret = hex::encode(secret);
-    (secret.clone(), secret_hash(&secret))
-}
-
-fn secret_hash(secret: &str) -> String {
-    use sha2::{Digest, Sha256};
-    hex::encode(Sha256::digest(secret.as_bytes()))
-}
-
-fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 fn from_unix_ms(ms: u64) -> SystemTime {
     SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
 }
 
-impl Arbiter {
-    /// Runs `Effect::Keep`: tells the keeper (if there is one), between the crash points
-    /// of that change.
-    pub(super) fn keep(&self, k: Keep) {
-        let Some(link) = self.keeper.get() else {
-            return;
-        };
-        let name = k.name();
-        self.crash.pass("before-keep", name);
-        let was_broken = link.is_broken();
-        self.write_kept(&**link, k);
-        if !was_broken && link.is_broken() {
-            self.metrics.count_keeper_lost();
-        }
-        self.crash.pass("after-keep", name);
-    }
-
-    /// Writes change `k` to `link` (under the state lock).
-    pub(super) fn write_kept(&self, link: &dyn Place, k: Keep) {
-        match k {
-            Keep::Session(r) => link.put(r.key(), to_json(&r), None),
-            Keep::SessionEnded(id) => link.remove(records::session_key(&id)),
-            Keep::Lease(mut r, fd) => {
-                if r.tier == "device" {
-                    r.device_uuid = self.devices.recorded_uuid(r.device);
-                }
-                link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
-            }
-            Keep::LeaseEnded(id) => link.remove(records::lease_key(&id)),
-            Keep::Quarantine(mut r, fd) => {
-                // Its process's start time came from the core (taken when the quarantine
-                // was made): read here, it could be a later process's that reused the pid.
-                r.device_uuid = self.devices.recorded_uuid(r.device);
-                link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
-            }
-            Keep::QuarantineLifted(id) => link.remove(records::quarantine_key(&id)),
-            Keep::Publication(r) => link.put(r.key(), to_json(&r), None),
-            Keep::PublicationEnded(id) => link.remove(records::publication_key(&id)),
-            Keep::Import(r) => link.put(r.key(), to_json(&r), None),
-            Keep::ImportEnded(id) => link.remove(records::import_key(&id)),
-            Keep::Reservation(mut r) => {
-                r.device_uuid = self.devices.recorded_uuid(r.device);
-                link.put(r.key(), to_json(&r), None)
-            }
-            Keep::ReservationEnded(id) => link.remove(records::reservation_key(&id)),
-            Keep::Reclaim(r) => link.put(r.key(), to_json(&r), None),
-            Keep::ReclaimEnded(id) => link.remove(records::reclaim_key(&id)),
-            Keep::Held(mut r, fd) => {
-                r.device_uuid = self.devices.recorded_uuid(r.device);
-                link.put(r.key(), to_json(&r), Some(fd.0.as_fd()))
-            }
-            Keep::HeldLetGo(id) => link.remove(records::held_key(&id)),
-            Keep::Lingering(r) => link.put(r.key(), to_json(&r), None),
-            Keep::LingeringEnded(id) => link.remove(records::lingering_key(&id)),
-            Keep::Stranded(mut r) => {
-                r.device_uuid = self.devices.recorded_uuid(r.device);
-                link.put(r.key(), to_json(&r), None)
-            }
-            Keep::StrandedLifted(id) => link.remove(records::stranded_key(&id)),
-        }
-    }
-
-    /// Keeps device `device`'s drain (None: it ended), under the state lock like every
-    /// kept change, between the crash points `before-keep:drain` and `after-keep:drain`.
-    pub(super) fn keep_drain(&self, device: u32, drain: Option<&crate::availability::Drain>) {
-        let Some(link) = self.keeper.get() else {
-            return;
-        };
-        self.crash.pass("before-keep", "drain");
-        let was_broken = link.is_broken();
-        self.write_drain(&**link, device, drain);
-        if !was_broken && link.is_broken() {
-            self.metrics.count_keeper_lost();
-        }
-        self.crash.pass("after-keep", "drain");
-    }
-
-    /// Writes device `device`'s drain (None: it ended) to `link` (under the state lock).
-    pub(super) fn write_drain(
-        &self,
-        link: &dyn Place,
-        device: u32,
-        drain: Option<&crate::availability::Drain>,
-    ) {
-        match drain {
-            Some(d) => {
-                let r = records::DrainRecord {
-                    v: records::RECORD_VERSION,
-                    device,
-                    since_unix_ms: unix_ms(d.since),
-                    deadline_unix_ms: d.deadline.map(unix_ms),
-                    reason: d.reason.clone(),
-                    device_uuid: self.devices.recorded_uuid(device),
-                };
-                link.put(r.key(), to_json(&r), None);
-            }
-            None => link.remove(records::drain_key(device)),
-        }
-    }
-
+impl Restart<'_> {
     /// Drains the device of kept drain `r` again, as the previous broker had it: same
     /// reason and start, the same deadline (wall clock) for its reclaimable holders, asked
     /// again; a deadline that passed meanwhile gives them the usual reclaim deadline.
-    fn drain_again(self: &Arc<Self>, mut r: records::DrainRecord) {
+    fn drain_again(&self, mut r: records::DrainRecord) {
         // A drain whose device moved had its old key removed by the caller; it is kept
         // again under its device's index now (below), or dropped.
-        let device = self.devices.named_by(r.device, r.device_uuid.as_deref());
+        let device = self
+            .arb
+            .devices
+            .named_by(r.device, r.device_uuid.as_deref());
         let Some(device) = device else {
             tracing::warn!(
                 device = r.device,
@@ -429,10 +309,10 @@ impl Arbiter {
                 .ok()
                 .filter(|d| !d.is_zero())
         });
-        match self.start_drain(Some(r.device), left, &r.reason) {
+        match self.arb.drains().start(Some(r.device), left, &r.reason) {
             Ok(_) => {
                 // Bookkeeping only (the start it had): which devices admit is unchanged.
-                self.lock().change_devices(|avail| {
+                self.arb.lock().change_devices(|avail| {
                     if let Some(Some(d)) = avail.device_mut(r.device).map(|s| s.drain.as_mut()) {
                         d.since = from_unix_ms(r.since_unix_ms);
                         self.keep_drain(r.device, Some(d));
@@ -447,31 +327,11 @@ impl Arbiter {
         }
     }
 
-    /// What this start took back from the keeper (None without a keeper).
-    pub(crate) fn restart_report(&self) -> Option<RestartReport> {
-        self.restart.lock().clone()
-    }
-
-    /// Session `id` ended: nothing of it awaits a resume any more.
-    pub(super) fn forget_resume(&self, id: &Uuid) {
-        self.awaiting_resume.lock().remove(id);
-    }
-
-    /// This arbiter, weakly (a task that must not keep it alive).
-    pub(crate) fn me(&self) -> std::sync::Weak<Arbiter> {
-        self.me.clone()
-    }
-
-    /// Is a keeper holding this broker's leases?
-    pub(crate) fn keeps_leases(&self) -> bool {
-        self.keeper.get().is_some_and(|k| !k.is_broken())
-    }
-
     /// Takes back what `link` holds (a keeper or systemd's fd store; before serving), then
     /// sends it every change from now on. See the module documentation.
     #[cfg(test)]
-    pub(super) fn adopt_from_keeper(
-        self: &Arc<Self>,
+    pub(in crate::arbiter) fn adopt_from_keeper(
+        &self,
         link: impl Place + 'static,
     ) -> Result<RestartReport, crate::keeper::KeeperError> {
         let dumped = crate::keeper::place::dump(link)?;
@@ -482,7 +342,7 @@ impl Arbiter {
     /// while the devices opened, or just now), then sends it every change from now on.
     /// `before`: the start's steps before this (`startup.rs`), first in the report.
     pub fn adopt_dumped<P: Place + 'static>(
-        self: &Arc<Self>,
+        &self,
         dumped: crate::keeper::place::Dumped<P>,
         before: Vec<Phase>,
     ) -> RestartReport {
@@ -540,7 +400,10 @@ impl Arbiter {
             // The host tier is no device: its leases go to this broker's host tier.
             let device = match r.tier.as_str() {
                 "host" => Some(r.device),
-                _ => self.devices.named_by(r.device, r.device_uuid.as_deref()),
+                _ => self
+                    .arb
+                    .devices
+                    .named_by(r.device, r.device_uuid.as_deref()),
             };
             match device {
                 Some(d) => {
@@ -553,16 +416,20 @@ impl Arbiter {
                 }
             }
         });
-        let (quarantines, quarantine_device_gone) = self.devices.renumber(quarantines, |(q, _)| {
-            (&mut q.device, q.device_uuid.as_deref())
-        });
+        let (quarantines, quarantine_device_gone) =
+            self.arb.devices.renumber(quarantines, |(q, _)| {
+                (&mut q.device, q.device_uuid.as_deref())
+            });
         let (helds, held_device_gone) = self
+            .arb
             .devices
             .renumber(helds, |(h, _)| (&mut h.device, h.device_uuid.as_deref()));
         let (strandeds, stranded_device_gone) = self
+            .arb
             .devices
             .renumber(strandeds, |s| (&mut s.device, s.device_uuid.as_deref()));
         let (reservations, reservation_device_gone) = self
+            .arb
             .devices
             .renumber(reservations, |r| (&mut r.device, r.device_uuid.as_deref()));
         laps.lap("parse");
@@ -590,7 +457,7 @@ impl Arbiter {
         let mut stranded_lifted = Vec::new();
         let mut stranded_ready = Vec::new();
         for r in strandeds {
-            match super::adopt_stranded::adoptable(&r, &mut alive) {
+            match super::stranded::adoptable(&r, &mut alive) {
                 Ok(a) => stranded_ready.push((r, a)),
                 Err(why) => stranded_lifted.push((r, why)),
             }
@@ -693,7 +560,7 @@ impl Arbiter {
         laps.lap("stranded memory");
 
         tally.log();
-        let mut waiting = self.awaiting_resume.lock();
+        let mut waiting = self.state.awaiting_resume.lock();
         for (session, lease, bytes) in taken.leases {
             report.leases_adopted += 1;
             report.bytes_adopted += bytes;
@@ -703,8 +570,8 @@ impl Arbiter {
         // From here every change is kept: nothing else runs before serving.
         let place = link.describe();
         let comes_back = link.as_keeper().is_some();
-        let _ = self.keeper.set(Arc::new(link));
-        self.lock().set_keeping(true);
+        let _ = self.state.keeper.set(Arc::new(link));
+        self.arb.lock().set_keeping(true);
         if comes_back {
             self.spawn_relink();
         }
@@ -712,8 +579,13 @@ impl Arbiter {
         // Every moved drain's old key goes first: two drained devices that swapped indexes
         // would otherwise each remove the key the other just wrote.
         for d in &drains {
-            if self.devices.named_by(d.device, d.device_uuid.as_deref()) != Some(d.device) {
-                if let Some(link) = self.keeper.get() {
+            if self
+                .arb
+                .devices
+                .named_by(d.device, d.device_uuid.as_deref())
+                != Some(d.device)
+            {
+                if let Some(link) = self.state.keeper.get() {
                     link.remove(d.key());
                 }
             }
@@ -727,7 +599,7 @@ impl Arbiter {
         for r in reclaims {
             if !self.ask_again(&r) {
                 dropped += 1;
-                if let Some(link) = self.keeper.get() {
+                if let Some(link) = self.state.keeper.get() {
                     link.remove(r.key());
                 }
             }
@@ -740,11 +612,11 @@ impl Arbiter {
         }
         report.took = laps.wall;
         report.phases = laps.phases;
-        self.metrics.count_restart(
+        self.arb.metrics.count_restart(
             (report.sessions_adopted, report.sessions_reclaimed),
             (report.leases_adopted, report.leases_reclaimed),
         );
-        self.metrics.count_restart_kept(
+        self.arb.metrics.count_restart_kept(
             (report.held_adopted, report.held_let_go),
             (report.lingering_adopted, report.lingering_ended),
             (report.stranded_adopted, report.stranded_lifted),
@@ -765,7 +637,7 @@ impl Arbiter {
             %place,
             "took back what the keeper held"
         );
-        *self.restart.lock() = Some(report.clone());
+        *self.state.report.lock() = Some(report.clone());
         report
     }
 
@@ -779,19 +651,8 @@ impl Arbiter {
         let now = SystemTime::now();
         let deadline = Some(from_unix_ms(r.deadline_unix_ms))
             .filter(|d| *d > now)
-            .unwrap_or(now + self.cfg.reclaim_deadline);
-        self.lock().adopt_reclaim(lease, deadline)
-    }
-
-    /// The start's steps after the adoption, up to serving (`main` times them): added to
-    /// the restart's report, so it covers the whole start.
-    pub fn restart_steps_to_serving(&self, steps: Vec<Phase>) {
-        let mut r = self.restart.lock();
-        let Some(r) = r.as_mut() else {
-            return;
-        };
-        r.phases.extend(steps);
-        tracing::info!(phases = %r.phases_line(), "serving after a restart");
+            .unwrap_or(now + self.arb.cfg.reclaim_deadline);
+        self.arb.lock().adopt_reclaim(lease, deadline)
     }
 
     /// Opens the kept sessions `records` again whose peer process is the one that opened
@@ -809,7 +670,9 @@ impl Arbiter {
                     // Where its peer runs, as a session opened now has it (set before the
                     // take-back by `main`).
                     s.place = self
-                        .kept_holders()
+                        .arb
+                        .stranded()
+                        .holders()
                         .zip(s.peer.pid)
                         .and_then(|(f, p)| f.place(p));
                     opened.push((r, s))
@@ -818,7 +681,7 @@ impl Arbiter {
             }
         }
         let mut adopted = HashSet::with_capacity(opened.len());
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         for (r, s) in opened {
             let id = s.id;
             match st.adopt_session(s) {
@@ -837,21 +700,21 @@ impl Arbiter {
     /// back now, or freed once the keeper's and our copies close), so each device's
     /// leasable amount grows by it and the outside measure stops counting it.
     fn count_kept_memory_as_ours(&self, kept_blocks: &[(u32, u64)]) {
-        let mut kept = vec![0u64; self.devices.len()];
+        let mut kept = vec![0u64; self.arb.devices.len()];
         for &(d, bytes) in kept_blocks {
-            let Some(slot) = self.devices.get(d as usize) else {
+            let Some(slot) = self.arb.devices.get(d as usize) else {
                 continue;
             };
             if slot.thread.desc().backend == crate::device::BackendKind::Cuda {
                 kept[d as usize] = kept[d as usize].saturating_add(bytes);
             }
         }
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         for (d, bytes) in kept.into_iter().enumerate() {
             if bytes == 0 {
                 continue;
             }
-            let slot = &self.devices[d];
+            let slot = &self.arb.devices[d];
             slot.taken_back
                 .store(bytes, std::sync::atomic::Ordering::Relaxed);
             let gran = st.pools()[d].granularity();
@@ -861,7 +724,7 @@ impl Arbiter {
 
     /// Takes back the kept leases `leases` of the sessions taken back (`sessions`) and the
     /// kept quarantines `quarantines` whose process lives: their blocks made again by one
-    /// job per device (all devices at once, [`Arbiter::take_back_blocks`]), then adopted
+    /// job per device (all devices at once, [`Restart::take_back_blocks`]), then adopted
     /// in one lock hold. What was not taken back is returned with why.
     fn adopt_blocks(
         &self,
@@ -944,7 +807,7 @@ impl Arbiter {
         laps.lap("take-back");
         let mut made = made.into_iter();
         let mut unneeded = Vec::new();
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         for (r, id, session, recipients, reached) in lease_ids {
             let Some(Some((alloc, handle))) = made.next() else {
                 out.leases_refused
@@ -957,7 +820,7 @@ impl Arbiter {
                 last_tenant: Some(r.tenant.clone()),
                 reached,
             };
-            let a = super::state::Adopted {
+            let a = crate::arbiter::state::Adopted {
                 id,
                 tenant: r.tenant.clone(),
                 session,
@@ -998,7 +861,7 @@ impl Arbiter {
                 // may keep it too.
                 reached,
             };
-            let a = super::state::AdoptedQuarantine {
+            let a = crate::arbiter::state::AdoptedQuarantine {
                 lease,
                 tenant: q.tenant.clone(),
                 device: q.device,
@@ -1056,7 +919,7 @@ impl Arbiter {
         let n = blocks.len();
         // One slot per device, and the host tier's after them.
         let mut per_device: Vec<Vec<(usize, KeptBlock)>> =
-            (0..=self.devices.len()).map(|_| Vec::new()).collect();
+            (0..=self.arb.devices.len()).map(|_| Vec::new()).collect();
         for (i, b) in blocks.into_iter().enumerate() {
             // `adoptable` checked the device.
             per_device[b.device as usize].push((i, b));
@@ -1068,9 +931,9 @@ impl Arbiter {
             }
             let (order, batch): (Vec<usize>, Vec<KeptBlock>) = batch.into_iter().unzip();
             let (tx, rx) = std::sync::mpsc::channel();
-            let thread = match self.devices.get(d) {
+            let thread = match self.arb.devices.get(d) {
                 Some(slot) => Some(&slot.thread),
-                None => self.host_tier.as_ref(),
+                None => self.arb.host_tier.as_ref(),
             };
             let Some(thread) = thread else { continue };
             let submitted = thread.submit(move |dev| {
@@ -1097,7 +960,7 @@ impl Arbiter {
                     "kept memory could not be taken back: the device thread is gone"
                 );
                 for _ in &order {
-                    self.fds.give_back();
+                    self.arb.fds.give_back();
                 }
                 continue;
             };
@@ -1108,13 +971,13 @@ impl Arbiter {
                 match m {
                     Ok((alloc, Ok(handle))) => out[i] = Some((alloc, handle)),
                     Ok((alloc, Err(e))) => {
-                        self.fds.give_back();
+                        self.arb.fds.give_back();
                         self.free_in_slot(d, alloc);
                         refused += 1;
                         first_error.get_or_insert(e);
                     }
                     Err(e) => {
-                        self.fds.give_back();
+                        self.arb.fds.give_back();
                         refused += 1;
                         first_error.get_or_insert(e);
                     }
@@ -1180,7 +1043,7 @@ impl Arbiter {
         r: &records::HeldRecord,
         fd: Option<OwnedFd>,
         alive: &mut Liveness,
-    ) -> Result<(super::state::AdoptedHeld, OwnedFd), &'static str> {
+    ) -> Result<(crate::arbiter::state::AdoptedHeld, OwnedFd), &'static str> {
         let lease: Uuid = r.lease.parse().map_err(|_| "unreadable id")?;
         let fd = fd.ok_or("no descriptor came with it")?;
         self.block_fits(r.device, &r.kind)?;
@@ -1190,7 +1053,7 @@ impl Arbiter {
         let recipients = alive.recipients(&r.recipients);
         let recorded: HashSet<u32> = r.recipients.iter().map(|p| p.pid).collect();
         Ok((
-            super::state::AdoptedHeld {
+            crate::arbiter::state::AdoptedHeld {
                 lease,
                 tenant: r.tenant.clone(),
                 device: r.device,
@@ -1215,13 +1078,13 @@ impl Arbiter {
     /// Whether host-tier memory of `kind` can be taken back by this broker's host tier;
     /// if so its descriptor is counted against the budget.
     fn host_block_fits(&self, kind: &str) -> Result<(), &'static str> {
-        if self.host_tier.is_none() {
+        if self.arb.host_tier.is_none() {
             return Err("this broker has no host tier");
         }
         if kind != "host-memfd" {
             return Err("its memory is of another backend");
         }
-        if self.fds.take(0).is_err() {
+        if self.arb.fds.take(0).is_err() {
             return Err("out of descriptors");
         }
         Ok(())
@@ -1230,21 +1093,21 @@ impl Arbiter {
     /// The host tier's slot among the devices' when kept blocks are taken back: after
     /// them.
     fn host_slot(&self) -> u32 {
-        self.devices.len() as u32
+        self.arb.devices.len() as u32
     }
 
     /// Frees `what`, made in slot `slot` (a device, or the host tier's).
-    fn free_in_slot(&self, slot: u32, what: impl Into<super::Unneeded>) {
+    fn free_in_slot(&self, slot: u32, what: impl Into<crate::arbiter::Unneeded>) {
         match slot == self.host_slot() {
-            true => self.free_host(what),
-            false => self.free_on_device(slot, what),
+            true => self.arb.free_host(what),
+            false => self.arb.free_on_device(slot, what),
         }
     }
 
     /// Whether memory of `kind` kept on `device` can be taken back by this broker's
     /// device of that index; if so its descriptor is counted against the budget.
     fn block_fits(&self, device: u32, kind: &str) -> Result<(), &'static str> {
-        let Some(slot) = self.devices.get(device as usize) else {
+        let Some(slot) = self.arb.devices.get(device as usize) else {
             return Err("no such device");
         };
         let kind_ok = matches!(
@@ -1255,70 +1118,9 @@ impl Arbiter {
         if !kind_ok {
             return Err("its memory is of another backend");
         }
-        if self.fds.take(0).is_err() {
+        if self.arb.fds.take(0).is_err() {
             return Err("out of descriptors");
         }
         Ok(())
     }
-
-    /// Attaches the caller's stream to `id`, a session taken back from the keeper: only
-    /// its own process (`peer`: same pid and uid) with its secret, of `tenant`, and only
-    /// while no stream has it. Leases taken back with it that the worker does not name in
-    /// `held` end (it never learnt of them; leases granted since the restart stay). Its
-    /// events, the leases kept, and those gone: ended now, or named but no longer there
-    /// (ended before the restart: their end reached the keeper, not the worker).
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn resume_session(
-        self: &Arc<Self>,
-        tenant: &str,
-        id: Uuid,
-        secret: &str,
-        peer: Peer,
-        held: &[Uuid],
-    ) -> BrokerResult<(mpsc::UnboundedReceiver<SessionEvent>, Vec<Uuid>, Vec<Uuid>)> {
-        // A closing broker reopens no mailbox (open_session refuses likewise).
-        self.shutdown.refuse_new_work()?;
-        let refused = || BrokerError::NotFound(crate::error::Missing::Session(id));
-        let hash = secret_hash(secret);
-        let (tx, rx) = mpsc::unbounded_channel();
-        let mut st = self.lock();
-        let Some(s) = st.sessions().get(&id) else {
-            return Err(refused());
-        };
-        use subtle::ConstantTimeEq;
-        let secret_ok = s
-            .resume_hash
-            .as_deref()
-            .is_some_and(|h| bool::from(h.as_bytes().ct_eq(hash.as_bytes())));
-        let same_process = peer.pid.is_some() && s.peer.pid == peer.pid && s.peer.uid == peer.uid;
-        if s.tenant != tenant || !secret_ok || !same_process || self.outbox.sender(&id).is_some() {
-            tracing::warn!(session = %id, tenant, pid = ?peer.pid, "a resume was refused");
-            return Err(refused());
-        }
-        s.last_seen.touch();
-        let held: HashSet<Uuid> = held.iter().copied().collect();
-        let adopted = self.awaiting_resume.lock().remove(&id).unwrap_or_default();
-        let (kept, ended): (Vec<Uuid>, Vec<Uuid>) = adopted
-            .into_iter()
-            .filter(|l| s.leases().contains(l))
-            .partition(|l| held.contains(l));
-        let gone: Vec<Uuid> = held
-            .iter()
-            .filter(|l| !s.leases().contains(l))
-            .copied()
-            .collect();
-        self.outbox.open(&st, id, tx);
-        for l in &ended {
-            // Never handed to the worker (it does not know it): nobody maps it.
-            st.end_lease(*l, Ending::Cache);
-        }
-        drop(st);
-        tracing::info!(session = %id, tenant, kept = kept.len(), ended = ended.len(), "session resumed");
-        self.metrics.count_resumed();
-        Ok((rx, kept, ended.into_iter().chain(gone).collect()))
-    }
-}
-
-fn to_json<T: serde::Serialize>(r: &T) -> serde_json::Value {
-    serde_json::to_value(r).unwrap_or_default()
 }
