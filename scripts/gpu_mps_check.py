@@ -452,6 +452,8 @@ def external(bin_dir):
         verdict(rc == 0 and daemon.poll() is None,
                 f"external: `{os.path.basename(ctl)} -f` (pid {daemon.pid}) answers in {time.time() - t0:.2f} s")
         res["daemon_pid"] = daemon.pid
+        # The broker reads the daemon's pid from its pid file here.
+        print("pipe directory:", pipe, sorted(os.listdir(pipe)), flush=True)
         keeper_sock = os.path.join(root, "keeper.sock")
         keeper = subprocess.Popen([os.path.join(bin_dir, "gpu-broker"), "keeper", "--socket", keeper_sock],
                                   stdout=subprocess.DEVNULL, stderr=open(os.path.join(root, "keeper.log"), "w"))
