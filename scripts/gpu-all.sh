@@ -34,7 +34,8 @@
 #   serving scripts/gpu-serving-check.sh   inference servers on leases: quotas without stalls,
 #                                          side-stream blocks, CUDA graphs and a decode
 #                                          benchmark, torch.multiprocessing, torch_memory_saver
-#   mps     scripts/gpu-mps-check.sh check,handoff   managed MPS and turn hand-off
+#   mps     scripts/gpu-mps-check.sh check,external,handoff   managed MPS, the daemon in its
+#                                          own unit through broker restarts, turn hand-off
 #   health  scripts/gpu-health-check.sh    device health, UUIDs and NVML readings
 #   restart scripts/gpu-restart-check.sh  a broker SIGKILL + restart with a keeper: 10,000
 #                                          live leases (restart to serving), PyTorch training
@@ -211,7 +212,7 @@ part_command() {
         sleep) echo scripts/gpu-sleep-check.sh run ;;
         python) echo scripts/gpu-python-check.sh run ;;
         serving) echo scripts/gpu-serving-check.sh run ;;
-        mps) echo scripts/gpu-mps-check.sh run check,handoff ;;
+        mps) echo scripts/gpu-mps-check.sh run check,external,handoff ;;
         health) echo scripts/gpu-health-check.sh run ;;
         restart) echo scripts/gpu-restart-check.sh run ;;
         pybench) echo scripts/gpu-python-bench.sh run ;;

@@ -5,7 +5,7 @@
 #                                             # Rust, no network), from the folder that
 #                                             # `scripts/gpu-all.sh build` makes (GPU_OUT,
 #                                             # default .gpu/all); PARTS: check,bench (both),
-#                                             # handoff, ordinal; ARGS go to gpu_mps_check.py
+#                                             # external, handoff, ordinal; ARGS go to gpu_mps_check.py
 #                                             # (--ks 4,8 --duration 6 --before DIR --repeat N)
 #
 # What runs on the GPU (scripts/gpu_mps_check.py does the work):
@@ -15,6 +15,15 @@
 #     set by hand) gets torch.OutOfMemoryError at ~4 GiB while a neighbour held to 8 GiB
 #     allocates 7 GiB and keeps its bytes; the control daemon SIGKILLed is restarted;
 #     after the broker stops nothing of MPS is left running.
+#   external: deploy/gpu-broker-mps.service's setup: `nvidia-cuda-mps-control -f` started
+#     apart (its own pipe and log directories), the broker with --mps-external-daemon and a
+#     keeper adopts it (same pid); a program reserved with `gpu-brokerctl run --memory 4GiB`
+#     holds 3 GiB through a broker SIGKILL + restart (the daemon adopted again, the program
+#     and its reservation kept and charged, its bytes intact), then is refused at its
+#     pinned limit, and its reservation ends when it exits; a SIGTERM stop of the broker
+#     leaves the daemon running; `echo quit | nvidia-cuda-mps-control` stops it and nothing
+#     of MPS is left. GPU_MPS_BACKEND=host GPU_MPS_CONTROL=broker/src/mps/fake-control.sh
+#     tries it without a GPU (`--bin target/debug --parts external`).
 #   ordinal: `gpu-brokerctl run -- gpu-worker ordinal` maps its lease on the CUDA ordinal
 #     whose UUID is the lease's device's (with and without --mps).
 #   handoff: (c) alone, this build's turn hand-off beside an earlier gpu-broker's

@@ -3,6 +3,9 @@
 
 check: the broker's own MPS daemon (start, status and clients, driver-enforced limits for
        an unmodified PyTorch program, restart after SIGKILL, nothing left after stop).
+external: the daemon in a unit of its own (`-f`, --mps-external-daemon, a keeper): a
+       program under `gpu-brokerctl run` rides a broker SIGKILL + restart with its
+       reservation, bytes and pinned limit; a SIGTERM stop leaves the daemon; quit after.
 bench: K = 2, 4, 8 ResNet-18 workers (a) alone one after another, (b) all at once,
        (c) broker turns with 1 slot, (d) managed MPS with K slots; weights 1:2:4.
 ordinal: a lease-taking child of `gpu-brokerctl run` (gpu-worker ordinal) maps its lease
@@ -10,7 +13,8 @@ ordinal: a lease-taking child of `gpu-brokerctl run` (gpu-worker ordinal) maps i
 handoff: (c) alone, the turn hand-off of this build and (--before DIR) of an earlier
        gpu-broker, alternating (--repeat runs each).
 
-Also the allocator of the check (``--alloc``): allocates 256 MiB blocks until CUDA says out
+Also the programs: with ``--alloc --ready F --go G`` the external step's (hold_main), else
+the allocator of the check (``--alloc``): allocates 256 MiB blocks until CUDA says out
 of memory or ``--target`` bytes are held, fills each, holds them ``--hold`` seconds, checks
 they kept their bytes, and prints one JSON line.
 """
@@ -18,6 +22,7 @@ they kept their bytes, and prints one JSON line.
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -74,6 +79,101 @@ def alloc_main(a):
     }), flush=True)
 
 
+# ------------------------------------------------- the program held through a restart
+
+class _Oom(Exception):
+    pass
+
+
+class _CudaMemory:
+    """Device memory through PyTorch (the program as a user would write it)."""
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+        torch.zeros(1, device="cuda")  # the context (and PyTorch's first segment)
+        torch.cuda.synchronize()
+
+    def alloc(self, n, fill):
+        try:
+            b = self.torch.empty(n, dtype=self.torch.uint8, device="cuda")
+        except self.torch.OutOfMemoryError as e:
+            raise _Oom(str(e).splitlines()[0][:200])
+        b.fill_(fill)
+        return b
+
+    def intact(self, b, fill):
+        self.torch.cuda.synchronize()
+        return int(b[0]) == fill and int(b[-1]) == fill and bool((b[:: 1 << 20] == fill).all())
+
+    def free(self):
+        return self.torch.cuda.mem_get_info()[0]
+
+
+class _HostMemory:
+    """GPU_MPS_BACKEND=host (no GPU): stands in for the driver's pinned limit (512 MiB of
+    it for a context), so the step's logic can be tried on any machine."""
+
+    def __init__(self):
+        lim = os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "")
+        self.limit = int(lim.split("=")[1].rstrip("M")) * MIB if "=" in lim else 1 << 62
+        self.used = 512 * MIB
+
+    def alloc(self, n, fill):
+        if self.used + n > self.limit:
+            raise _Oom("stand-in: out of memory under the pinned limit")
+        self.used += n
+        return bytearray([fill]) * 4096
+
+    def intact(self, b, fill):
+        return b[0] == fill and b[-1] == fill
+
+    def free(self):
+        return self.limit - self.used
+
+
+def hold_main(a):
+    """The external step's program: holds --target bytes, says so in --ready, waits for
+    --go (the broker was restarted meanwhile), checks its bytes, then allocates until the
+    driver refuses (its pinned limit still holds), and prints one JSON line."""
+    mem = _HostMemory() if os.environ.get("GPU_MPS_BACKEND") == "host" else _CudaMemory()
+    free_at_start = mem.free()
+    blocks, oom, err = [], False, ""
+
+    def grow(cap):
+        nonlocal oom, err
+        for step in (256 * MIB, 16 * MIB):
+            while sum(n for n, _ in blocks) + step <= cap:
+                try:
+                    blocks.append((step, mem.alloc(step, len(blocks) % 251)))
+                except _Oom as e:
+                    oom, err = True, str(e)
+                    return
+
+    def intact():
+        return all(mem.intact(b, i % 251) for i, (_, b) in enumerate(blocks))
+
+    grow(a.target)
+    held, oom_before = sum(n for n, _ in blocks), oom
+    with open(a.ready + ".tmp", "w") as f:
+        json.dump({"pid": os.getpid(), "held": held, "oom": oom_before, "error": err}, f)
+    os.rename(a.ready + ".tmp", a.ready)
+    t0 = time.time()
+    while not os.path.exists(a.go) and time.time() - t0 < a.hold:
+        time.sleep(0.05)
+    went_on = os.path.exists(a.go)
+    intact_after = intact()
+    oom, err = False, ""
+    grow(64 * GIB)
+    print(json.dumps({
+        "held_before": held, "oom_before": oom_before, "went_on": went_on,
+        "intact_after_restart": intact_after, "allocated": sum(n for n, _ in blocks),
+        "oom": oom, "error": err, "intact_at_end": intact(), "free_at_start": free_at_start,
+        "mps_pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY", ""),
+        "limit": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""),
+    }), flush=True)
+
+
 # ---------------------------------------------------------------- a broker under test
 
 def free_port():
@@ -99,8 +199,9 @@ class Broker:
             args += ["--devices", os.environ["GPU_MPS_DEVICES"]]
         self.log_path = os.path.join(self.dir, "broker.log")
         self.log = open(self.log_path, "w")
+        self.args = args + extra
         t0 = time.time()
-        self.p = subprocess.Popen(args + extra, stdout=self.log, stderr=subprocess.STDOUT)
+        self.p = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
         token = os.path.join(self.state, "admin.token")
         while not (os.path.exists(self.sock) and os.path.exists(token)):
             if self.p.poll() is not None or time.time() - t0 > 60:
@@ -109,6 +210,24 @@ class Broker:
             time.sleep(0.05)
         self.started_s = time.time() - t0
         self.tokens = {}
+
+    def kill_and_restart(self, timeout=60):
+        """SIGKILLs the broker and starts it again with the same flags, socket and state;
+        returns the seconds from the new process's start to its first answered call."""
+        self.p.kill()
+        self.p.wait()
+        t0 = time.time()
+        self.p = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+        while True:
+            # The old socket file is still there: only an answer says it serves.
+            r = subprocess.run([os.path.join(self.bin, "gpu-brokerctl"), "--broker", f"unix://{self.sock}",
+                                "--token-file", os.path.join(self.state, "admin.token"), "devices"],
+                               capture_output=True, timeout=30)
+            if r.returncode == 0:
+                return time.time() - t0
+            if self.p.poll() is not None or time.time() - t0 > timeout:
+                raise RuntimeError(f"the restarted broker did not serve:\n{self.log_tail(20)}")
+            time.sleep(0.01)
 
     def ctl(self, *args, check=True):
         cmd = [os.path.join(self.bin, "gpu-brokerctl"), "--broker", f"unix://{self.sock}",
@@ -273,6 +392,193 @@ def check(bin_dir):
     verdict(not left, "nothing of MPS left running after the broker stopped" + (f": {left}" if left else ""))
     print("exited MPS processes not reaped by the machine's init (zombies):", mps_processes(zombies=True))
     return {"small": s, "big": g, "restart": restarted and restarted.get("mps_detail"), "used_run": have_run}
+
+
+# ---------------------------------------------------------------- external
+
+def mps_send(ctl, env, line):
+    """One command to a control daemon (as `echo LINE | nvidia-cuda-mps-control`)."""
+    try:
+        r = subprocess.run([ctl], input=line + "\n", env=env, capture_output=True, text=True, timeout=15)
+        return r.returncode, (r.stdout + r.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return -1, repr(e)
+
+
+def reported_pid(d):
+    """The daemon pid in a device's `mps_detail` (`running (pid 123, ...)`), or None."""
+    detail = d.get("mps_detail", "")
+    if "(pid " not in detail:
+        return None
+    pid = detail.split("(pid ", 1)[1].split(",", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def run_session(b, name):
+    """The broker's session of `gpu-brokerctl run --name NAME` ({} when there is none)."""
+    return next((x for x in json.loads(b.ctl("sessions", "list", "--json")) if x.get("name") == name), {})
+
+
+def external(bin_dir):
+    """deploy/gpu-broker-mps.service's setup: the daemon started apart (`-f`, as the unit
+    does), the broker with --mps-external-daemon and a keeper; a program reserved with
+    `gpu-brokerctl run` rides a broker SIGKILL + restart; a SIGTERM stop leaves the daemon."""
+    print("=== external: the MPS daemon in a unit of its own, through broker restarts ===", flush=True)
+    ctl = os.environ.get("GPU_MPS_CONTROL") or shutil.which("nvidia-cuda-mps-control")
+    if not ctl:
+        verdict(False, "external: no nvidia-cuda-mps-control on this machine")
+        return {}
+    before = mps_processes()
+    verdict(not before, f"external: no MPS process before the daemon starts ({len(before)})")
+    root = tempfile.mkdtemp(prefix="gpb-mpsext-")
+    pipe, logd = os.path.join(root, "mps-pipe"), os.path.join(root, "mps-log")
+    for d, mode in ((pipe, 0o1770), (logd, 0o750)):  # the unit's RuntimeDirectoryMode, LogsDirectoryMode
+        os.mkdir(d)
+        os.chmod(d, mode)
+    denv = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=logd)
+    if os.environ.get("GPU_MPS_DEVICES"):
+        denv["CUDA_VISIBLE_DEVICES"] = os.environ["GPU_MPS_DEVICES"]
+    res = {}
+    keeper = b = prog = daemon = None
+    try:
+        # The unit: `nvidia-cuda-mps-control -f` in a session of its own (not the broker's group).
+        dlog = open(os.path.join(root, "daemon.log"), "w")
+        daemon = subprocess.Popen([ctl, "-f"], env=denv, stdin=subprocess.DEVNULL, stdout=dlog,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        t0 = time.time()
+        while mps_send(ctl, denv, "get_server_list")[0] != 0 and daemon.poll() is None and time.time() - t0 < 20:
+            time.sleep(0.1)
+        rc, _ = mps_send(ctl, denv, "get_server_list")
+        verdict(rc == 0 and daemon.poll() is None,
+                f"external: `{os.path.basename(ctl)} -f` (pid {daemon.pid}) answers in {time.time() - t0:.2f} s")
+        res["daemon_pid"] = daemon.pid
+        # The broker reads the daemon's pid from its pid file here.
+        print("pipe directory:", pipe, sorted(os.listdir(pipe)), flush=True)
+        keeper_sock = os.path.join(root, "keeper.sock")
+        keeper = subprocess.Popen([os.path.join(bin_dir, "gpu-broker"), "keeper", "--socket", keeper_sock],
+                                  stdout=subprocess.DEVNULL, stderr=open(os.path.join(root, "keeper.log"), "w"))
+        t0 = time.time()
+        while not os.path.exists(keeper_sock):
+            if keeper.poll() is not None or time.time() - t0 > 10:
+                raise RuntimeError("the keeper did not start: " + open(os.path.join(root, "keeper.log")).read())
+            time.sleep(0.05)
+        b = Broker(bin_dir, "ext", ["--mps", "--mps-external-daemon", "--mps-pipe-dir", pipe, "--mps-log-dir", logd,
+                                    "--mps-health-interval", "500ms", "--keeper", keeper_sock])
+        d = b.devices()[0]
+        print(f"broker started in {b.started_s:.2f} s: mps {d.get('mps_detail')}", flush=True)
+        verdict(d.get("mps_state") == "running" and reported_pid(d) == daemon.pid,
+                f"external: the broker adopted the daemon: {d.get('mps_detail')} (started as pid {daemon.pid})")
+        token = b.tenant("ext", "8GiB")
+        tf = os.path.join(b.dir, "ext.token")
+        with open(os.open(tf, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(token)
+        ready, go = os.path.join(root, "ready"), os.path.join(root, "go")
+        prog = subprocess.Popen(
+            [os.path.join(bin_dir, "gpu-brokerctl"), "--broker", f"unix://{b.sock}", "run", "--token-file", tf,
+             "--memory", "4GiB", "--name", "ext", "--",
+             sys.executable, os.path.abspath(__file__), "--alloc", "--target", str(3 * GIB),
+             "--ready", ready, "--go", go, "--hold", "300"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        t0 = time.time()
+        while not os.path.exists(ready) and prog.poll() is None and time.time() - t0 < 120:
+            time.sleep(0.05)
+        if not os.path.exists(ready):
+            o, e = prog.communicate(timeout=30)
+            raise RuntimeError(f"the reserved program did not get ready (rc {prog.returncode}): {o[-1000:]} {e[-2000:]}")
+        r = json.load(open(ready))
+        s1 = run_session(b, "ext")
+        u1 = {t["name"]: t for t in b.tenants()}["ext"]["usage"]
+        d1 = b.devices()[0]
+        print(f"program pid {r['pid']} holds {r['held'] / GIB:.2f} GiB; session {s1.get('session_id')} reserved "
+              f"{s1.get('process_reserved_bytes', 0) / GIB:.3f} GiB; tenant charged {u1.get('process_reserved_bytes', 0) / GIB:.3f} GiB "
+              f"in {u1.get('process_reservations')} reservation(s); mps {d1.get('mps_detail')}", flush=True)
+        verdict(r["held"] == 3 * GIB and not r["oom"] and u1.get("process_reservations") == 1
+                and s1.get("process_reserved_bytes", 0) >= 4 * GIB,
+                f"external: the reserved program holds {r['held'] / GIB:.2f} GiB under its 4 GiB reservation "
+                f"(charged {u1.get('process_reserved_bytes', 0) / GIB:.3f} GiB)")
+        # The broker SIGKILLed and started again: the keeper keeps the session, the unit's daemon runs on.
+        serving = b.kill_and_restart()
+        t0 = time.time()
+        d2 = b.devices()[0]
+        while d2.get("mps_state") != "running" and time.time() - t0 < 30:
+            time.sleep(0.1)
+            d2 = b.devices()[0]
+        print(f"restart to serving {serving * 1000:.0f} ms; mps {d2.get('mps_detail')} "
+              f"{time.time() - t0 + serving:.2f} s after the restart", flush=True)
+        print("gpu-brokerctl status after the restart:\n" + b.ctl("status"), flush=True)
+        verdict(daemon.poll() is None and d2.get("mps_state") == "running" and reported_pid(d2) == daemon.pid,
+                f"external: the daemon outlived the broker's SIGKILL and was adopted again: pid {daemon.pid} before, "
+                f"{reported_pid(d2)} after ({d2.get('mps_detail')}); restart to serving {serving * 1000:.0f} ms")
+        time.sleep(2)  # the program would be stopped by now if `run` had given up its reservation
+        s2 = run_session(b, "ext")
+        u2 = {t["name"]: t for t in b.tenants()}["ext"]["usage"]
+        alive = prog.poll() is None and os.path.exists(f"/proc/{r['pid']}")
+        verdict(alive and s2.get("session_id") == s1.get("session_id")
+                and s2.get("process_reserved_bytes") == s1.get("process_reserved_bytes")
+                and u2.get("process_reserved_bytes") == u1.get("process_reserved_bytes"),
+                f"external: the program (pid {r['pid']}) runs on after the restart (alive {alive}), its reservation kept: "
+                f"session {s2.get('session_id')} reserved {s2.get('process_reserved_bytes', 0) / GIB:.3f} GiB, "
+                f"tenant charged {u2.get('process_reserved_bytes', 0) / GIB:.3f} GiB (before: {s1.get('session_id')}, "
+                f"{u1.get('process_reserved_bytes', 0) / GIB:.3f} GiB)")
+        open(go, "w").close()
+        o, e = prog.communicate(timeout=180)
+        try:
+            out = json.loads(o.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            out = {}
+            print(f"program rc {prog.returncode}:\n{o[-1000:]}\n{e[-2000:]}")
+        print(f"program: rc={prog.returncode} {json.dumps(out)}", flush=True)
+        res["program"] = out
+        verdict(prog.returncode == 0 and out.get("went_on") and out.get("intact_after_restart") and out.get("intact_at_end"),
+                f"external: {r['held'] / GIB:.2f} GiB kept their bytes through the restart "
+                f"({out.get('intact_after_restart')}, and after growing to the limit: {out.get('intact_at_end')})")
+        limit_mib = int((out.get("limit") or "0=0M").split("=")[1].rstrip("M") or 0)
+        got = out.get("allocated", 0)
+        verdict(out.get("oom") and got <= limit_mib * MIB and got >= 0.99 * 4 * GIB and out.get("mps_pipe") == pipe,
+                f"external: after the restart the pinned limit still holds: out of memory after {got / GIB:.3f} GiB "
+                f"= {got / (4 * GIB):.1%} of the 4 GiB asked for, under its {limit_mib} MiB limit ({out.get('error', '')[:90]})")
+        t0 = time.time()
+        u3 = {}
+        while time.time() - t0 < 15:
+            u3 = {t["name"]: t for t in b.tenants()}["ext"]["usage"]
+            if not u3.get("process_reservations") and not u3.get("process_reserved_bytes"):
+                break
+            time.sleep(0.1)
+        verdict(not u3.get("process_reservations") and not u3.get("process_reserved_bytes"),
+                f"external: the reservation ended with the program ({u3.get('process_reservations')} left, "
+                f"{u3.get('process_reserved_bytes', 0)} bytes charged, {time.time() - t0:.2f} s after it exited)")
+        # A SIGTERM stop (the unit's stop) leaves the daemon to its clients.
+        rc = b.stop()
+        b = None
+        time.sleep(1.0)
+        rc2, _ = mps_send(ctl, denv, "get_server_list")
+        verdict(rc == 0 and daemon.poll() is None and rc2 == 0,
+                f"external: a SIGTERM stop of the broker (rc {rc}) left the daemon running (pid {daemon.pid}, answers: {rc2 == 0})")
+    except Exception as ex:
+        verdict(False, f"external raised {ex!r}")
+    finally:
+        for p in (prog, b and b.p, keeper):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        if daemon is not None:
+            # What the unit's ExecStop does.
+            rc, answer = mps_send(ctl, denv, "quit")
+            try:
+                daemon.wait(timeout=30)
+                quit_ok = True
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+                quit_ok = False
+            t0 = time.time()
+            left = mps_processes()
+            while left and time.time() - t0 < 10:  # its servers go after it
+                time.sleep(0.2)
+                left = mps_processes()
+            verdict(rc == 0 and quit_ok, f"external: `echo quit | {os.path.basename(ctl)}` stopped the daemon (rc {rc} {answer[:80]})")
+            verdict(not left, "external: nothing of MPS left running after the quit" + (f": {left}" if left else ""))
+    return res
 
 
 # ---------------------------------------------------------------- bench
@@ -564,6 +870,8 @@ def main():
     ap.add_argument("--alloc", action="store_true")
     ap.add_argument("--target", type=int, default=0)
     ap.add_argument("--hold", type=float, default=0)
+    ap.add_argument("--ready", default="", help="with --alloc: the external step's program (hold_main)")
+    ap.add_argument("--go", default="")
     ap.add_argument("--bin", default=".gpu/all")
     ap.add_argument("--parts", default="check,bench")
     ap.add_argument("--duration", type=float, default=6.0)
@@ -572,7 +880,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="handoff: runs per broker")
     a = ap.parse_args()
     if a.alloc:
-        return alloc_main(a)
+        return hold_main(a) if a.ready else alloc_main(a)
     out = os.environ.get("OUT", "")
     res = {}
     t0 = time.time()
@@ -581,6 +889,8 @@ def main():
             res["check"] = check(a.bin)
         except Exception as e:  # report and go on to the bench
             verdict(False, f"check raised {e!r}")
+    if "external" in a.parts:
+        res["external"] = external(a.bin)
     if "bench" in a.parts:
         try:
             res["bench"] = bench(a.bin, a.duration, [int(k) for k in a.ks.split(",")])

@@ -230,6 +230,19 @@ impl Session {
         self.inner.generations.current().opened().peer_pid
     }
 
+    /// True when a broker restart can keep this session: the broker runs with a keeper
+    /// (or systemd's fd store) and gave it a resume secret, so a reconnecting session is
+    /// resumed with its leases ([`SessionEvent::Resumed`]) rather than opened anew.
+    pub fn resumable(&self) -> bool {
+        !self
+            .inner
+            .generations
+            .current()
+            .opened()
+            .resume_secret
+            .is_empty()
+    }
+
     /// The client this session was opened with.
     pub fn client(&self) -> &Client {
         &self.inner.client

@@ -51,6 +51,12 @@ async fn reserved(b: &Broker, tenant: &str) -> (u64, u32) {
     (t.usage.process_reserved_bytes, t.usage.process_reservations)
 }
 
+/// The ids of the broker's sessions.
+async fn session_ids(b: &Broker) -> Vec<String> {
+    let s = b.admin().await.unwrap().list_sessions(None).await.unwrap();
+    s.into_iter().map(|s| s.session_id).collect()
+}
+
 /// The tenant's process reservations are all gone within a second.
 async fn assert_freed_within_a_second(b: &Broker, tenant: &str) {
     assert!(
@@ -325,6 +331,87 @@ async fn run_stops_the_program_when_the_broker_ends_its_session() {
     assert_eq!(status.code(), Some(5), "{out}");
     assert!(out.contains("stopping"), "{out}");
     assert!(out.contains("ended the session"), "{out}");
+}
+
+/// With a keeper the broker keeps `run`'s session and its reservation across its SIGKILL
+/// and restart: `run` resumes the session and its program runs on, still charged, and
+/// the reservation ends when the program exits (the setup of a daemon in its own unit,
+/// docs/mps.md).
+#[tokio::test]
+async fn run_keeps_its_program_and_reservation_through_a_broker_restart_with_a_keeper() {
+    let keeper = Keeper::start().await.unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        extra: keeper.flags(),
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(512 * MIB)).await.unwrap();
+    let token_file = b.dir.path().join("alice.token");
+    std::fs::write(&token_file, &token).unwrap();
+    let go = b.dir.path().join("go");
+    let script = format!(
+        r#"trap 'echo stopping; exit 5' TERM; echo pid=$$; while [ ! -e {} ]; do sleep 0.05; done; echo done"#,
+        go.display()
+    );
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "256MiB"], &script)).unwrap();
+    let line = p
+        .line_starting("pid=", Duration::from_secs(20))
+        .await
+        .unwrap();
+    let child: u32 = line.trim_start_matches("pid=").parse().unwrap();
+    assert_eq!(reserved(&b, "alice").await, (256 * MIB, 1));
+    let before = session_ids(&b).await;
+    b.kill().unwrap();
+    b.spawn().unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            session_ids(&b).await == before && reserved(&b, "alice").await == (256 * MIB, 1)
+        })
+        .await,
+        "the session {before:?} and its reservation are kept: {:?} {:?}",
+        session_ids(&b).await,
+        reserved(&b, "alice").await
+    );
+    // Longer than `run` takes to stop a program whose session was lost.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(alive(child), "the program runs on: {}", p.history());
+    assert_eq!(reserved(&b, "alice").await, (256 * MIB, 1));
+    std::fs::write(&go, "").unwrap();
+    let (status, out) = p.finish(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success(), "{out}");
+    assert!(out.contains("done") && !out.contains("stopping"), "{out}");
+    assert_freed_within_a_second(&b, "alice").await;
+}
+
+/// A broker that comes back without the session (restarted without its keeper) has
+/// lost the reservation: `run` stops its program then.
+#[tokio::test]
+async fn run_stops_the_program_when_the_restarted_broker_did_not_keep_its_session() {
+    let keeper = Keeper::start().await.unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        extra: keeper.flags(),
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(512 * MIB)).await.unwrap();
+    let token_file = b.dir.path().join("alice.token");
+    std::fs::write(&token_file, &token).unwrap();
+    let script = r#"trap 'echo stopping; exit 5' TERM; echo ready; while :; do sleep 0.05; done"#;
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "64MiB"], script)).unwrap();
+    p.line_starting("ready", Duration::from_secs(20))
+        .await
+        .unwrap();
+    b.kill().unwrap();
+    let keeper_at = b.args_mut().iter().position(|a| a == "--keeper").unwrap();
+    b.args_mut().drain(keeper_at..keeper_at + 2);
+    b.spawn().unwrap();
+    let (status, out) = p.finish(Duration::from_secs(20)).await.unwrap();
+    assert_eq!(status.code(), Some(5), "{out}");
+    assert!(
+        out.contains("stopping") && out.contains("ended the session"),
+        "{out}"
+    );
+    assert_freed_within_a_second(&b, "alice").await;
 }
 
 /// A program under `run` that takes leases itself (here `e2e-worker`) draws them from its

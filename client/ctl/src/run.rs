@@ -10,7 +10,10 @@
 //! everything) when the program exits. When the reservation ends — the program exited,
 //! the broker ended the session, or `run` itself died — the broker stops what is left of
 //! the group (SIGTERM, SIGKILL after its `--process-stop-grace`); if `run` dies, the
-//! program itself also gets SIGKILL at once (`PR_SET_PDEATHSIG`). A descendant that leaves
+//! program itself also gets SIGKILL at once (`PR_SET_PDEATHSIG`). The session reconnects:
+//! a broker restarted with a keeper resumes it with the reservation and the program runs
+//! on; one that lost it (or does not come back within `RESUME_WAIT`) ends the
+//! reservation, and the program is stopped. A descendant that leaves
 //! the group (`setsid`, `setpgid`) escapes this (docs/mps.md). On a terminal the group is
 //! made the foreground group while it runs (like a shell's job), so the program reads the
 //! terminal and gets its Ctrl-C itself; when Ctrl-Z stops the program, `run` gives the
@@ -42,6 +45,10 @@ pub const EXIT_NOT_FOUND: u8 = 127;
 
 /// How long the program has to exit after SIGTERM when its session is lost, before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// How long a program whose broker went away runs on while `run` waits for a broker that
+/// keeps sessions (a keeper) to come back with the reservation; then it is stopped.
+const RESUME_WAIT: Duration = Duration::from_secs(60);
 
 /// The `run` subcommand's arguments.
 #[derive(Debug, Clone, clap::Args)]
@@ -258,7 +265,18 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
             .unwrap_or_else(|| program.clone());
         format!("run:{base}")
     });
-    let session = client.session(&name).await?;
+    // Reconnecting, so that a broker restarted with a keeper gives the session and its
+    // reservation back (`Resumed`) and the program runs on; a broker that cannot keep it
+    // loses the reservation, and the program is stopped as before.
+    let session = client
+        .session_builder(&name)
+        .reconnect(gpu_broker_client::Backoff::new(
+            Duration::from_millis(50),
+            Duration::from_secs(2),
+        ))
+        .give_up_after(RESUME_WAIT)
+        .open()
+        .await?;
     let mut request = ReservationRequest::new(&session, args.memory)
         .wait(args.wait)
         .label(name.clone());
@@ -406,7 +424,32 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
                 unsafe { libc::kill(-pid, sig) };
             }
             ev = events.next(), if !session_lost => {
-                if matches!(ev, None | Some(SessionEvent::Closed { .. })) {
+                let lost = match &ev {
+                    // A session the broker keeps across its restart: wait for it.
+                    Some(SessionEvent::Disconnected { .. }) if session.resumable() => {
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "gpu-brokerctl run: the broker went away; {program} runs on while its reservation is kept (up to {}s for the broker to come back)",
+                            RESUME_WAIT.as_secs()
+                        );
+                        false
+                    }
+                    Some(SessionEvent::Resumed { .. }) => {
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "gpu-brokerctl run: the broker is back and kept the reservation"
+                        );
+                        false
+                    }
+                    None
+                    | Some(
+                        SessionEvent::Disconnected { .. }
+                        | SessionEvent::Reconnected { .. }
+                        | SessionEvent::Closed { .. },
+                    ) => true,
+                    Some(_) => false,
+                };
+                if lost {
                     // The reservation is gone with the session: the program must not
                     // run on unaccounted.
                     session_lost = true;
