@@ -980,7 +980,7 @@ impl Drop for KillOnDrop {
 /// broker starts from what the first kept. Returns the publisher's quarantined bytes there.
 fn lingering_restart(pid: u32, start: u64) -> u64 {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    arb.set_quota("alpha", super::tests::quota(64 * MIB))
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let session = Uuid::new_v4();
     let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
@@ -1032,7 +1032,7 @@ fn lingering_restart(pid: u32, start: u64) -> u64 {
             fd: (k == &lease.key()).then(sealed),
         })
         .collect();
-    arb.adopt_from_keeper(place).unwrap();
+    arb.restart().adopt_from_keeper(place).unwrap();
     let id: Uuid = import.id.parse().unwrap();
     assert_eq!(
         arb.lock().add_recipient(id, pid, Some(start)),
@@ -1057,7 +1057,7 @@ fn lingering_restart(pid: u32, start: u64) -> u64 {
         "the lingering import names when its recipient started"
     );
     let next = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    next.set_quota("alpha", super::tests::quota(64 * MIB))
+    next.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let held = format!("held/{}", lease.id);
     kept.get_mut(&held).unwrap()["device_uuid"] = next.devices.uuid(0).into();
@@ -1070,7 +1070,7 @@ fn lingering_restart(pid: u32, start: u64) -> u64 {
             fd: (k == &held).then(sealed),
         })
         .collect();
-    next.adopt_from_keeper(place).unwrap();
+    next.restart().adopt_from_keeper(place).unwrap();
     next.lock().check_invariant().unwrap();
     next.views()
         .tenant("alpha")
