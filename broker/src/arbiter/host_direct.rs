@@ -14,7 +14,7 @@ impl Arbiter {
         self: &Arc<Self>,
         req: ValidRequest,
     ) -> BrokerResult<LeaseView> {
-        self.shutdown.refuse_new_work()?;
+        self.lifecycle.refuse_new_work()?;
         let Some(host) = &self.host_tier else {
             return Err(BrokerError::NoHostTier);
         };

@@ -101,7 +101,7 @@ impl Arbiter {
         caller: Option<u32>,
     ) -> Option<LeaseView> {
         let pid = caller.filter(|&p| p != 0)?;
-        if self.shutdown.refuse_new_work().is_err() {
+        if self.lifecycle.refuse_new_work().is_err() {
             return None;
         }
         let started = Instant::now();

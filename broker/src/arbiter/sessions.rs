@@ -49,7 +49,7 @@ impl Sessions<'_> {
         peer: Peer,
         token_id: Option<String>,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>, String)> {
-        self.arb.shutdown.refuse_new_work()?;
+        self.arb.lifecycle.refuse_new_work()?;
         crate::bounds::check("session name", name, MAX_LABEL)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let id = Uuid::now_v7();

@@ -6,6 +6,7 @@
 use super::tests::{live_process, quota, req};
 use super::*;
 use crate::device::faulty::{FaultSwitch, Faults, FaultyDevice};
+use crate::error::BrokerError;
 
 const MIB: u64 = 1 << 20;
 

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::device::Handle;
+use crate::error::BrokerError;
 use crate::lease::LeaseView;
 use crate::ledger::Quota;
 

@@ -164,7 +164,7 @@ impl Arbiter {
         device: u32,
         wait: Duration,
     ) -> BrokerResult<TurnGrant> {
-        self.shutdown.refuse_new_work()?;
+        self.lifecycle.refuse_new_work()?;
         if wait > self.cfg.max_wait {
             return Err(BrokerError::wait_too_long(wait, self.cfg.max_wait));
         }
