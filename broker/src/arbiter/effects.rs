@@ -329,6 +329,21 @@ impl Drop for Locked<'_> {
 }
 
 impl Arbiter {
+    /// Locks the turn core, runs `f` on it, unlocks, then carries out the effects `f`
+    /// pushed. Returns what `f` returned and how many grants reached their waiters.
+    pub(super) fn with_turns<R>(
+        &self,
+        f: impl FnOnce(&mut super::turns::TurnsHeld<'_>) -> R,
+    ) -> (R, u32) {
+        let (r, fx) = self.scheduler.hold(f);
+        let delivered = if fx.is_empty() {
+            0
+        } else {
+            self.executor().execute_turns(fx)
+        };
+        (r, delivered)
+    }
+
     /// Takes the state lock; dropping the guard runs the effects the transitions pushed.
     pub(crate) fn lock(&self) -> Locked<'_> {
         // The thread's CPU clock is a system call (the vDSO does not serve it), read only

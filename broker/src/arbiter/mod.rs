@@ -296,6 +296,11 @@ impl Arbiter {
         effects::Executor { arb: self }
     }
 
+    /// Compute turns: asking for a device's turn and giving it back (`turns.rs`).
+    pub(crate) fn turns(self: &Arc<Self>) -> turns::ComputeTurns<'_> {
+        turns::ComputeTurns { arb: self }
+    }
+
     /// The Kubernetes claims' reservations (`claims.rs`).
     pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
         claims::Claims { arb: self }

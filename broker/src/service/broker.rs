@@ -336,7 +336,8 @@ impl Broker for BrokerService {
         let wait = Duration::from_millis(r.wait_ms.unwrap_or(0));
         let grant = self
             .arb
-            .acquire_turn(&tenant, session, r.device, wait)
+            .turns()
+            .acquire(&tenant, session, r.device, wait)
             .instrument(span)
             .await
             .map_err(|e| self.waited(e, session, token.as_deref()))?;
@@ -357,7 +358,8 @@ impl Broker for BrokerService {
         let id = parse_id("turn_id", &req.get_ref().turn_id).map_err(status)?;
         let end = self
             .arb
-            .release_turn_received(&tenant, id, received)
+            .turns()
+            .release_received(&tenant, id, received)
             .map_err(status)?;
         if end.handed_off {
             // The direct hand-off: the waiter's task was woken on this worker thread by
