@@ -22,7 +22,7 @@ impl Arbiter {
         let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
             BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
         })?;
-        self.session_peer(&req.tenant, req.session)?;
+        self.sessions().peer(&req.tenant, req.session)?;
         self.acquire_host(&req, bytes).await
     }
 }

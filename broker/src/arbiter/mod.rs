@@ -296,6 +296,12 @@ impl Arbiter {
         effects::Executor { arb: self }
     }
 
+    /// Retained blocks: a release that keeps its mapping, an acquire answered with one
+    /// (`retained.rs`).
+    pub(crate) fn retained(self: &Arc<Self>) -> retained::Retained<'_> {
+        retained::Retained { arb: self }
+    }
+
     /// Compute turns: asking for a device's turn and giving it back (`turns.rs`).
     pub(crate) fn turns(self: &Arc<Self>) -> turns::ComputeTurns<'_> {
         turns::ComputeTurns { arb: self }
@@ -392,14 +398,6 @@ impl Arbiter {
     /// The lease tickets (the ticket server redeems them).
     pub fn tickets(&self) -> &Arc<crate::fd::tickets::TicketTable> {
         &self.tickets
-    }
-
-    /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
-    pub(crate) fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
-        match self.lock().sessions().get(&session) {
-            Some(s) if s.tenant == tenant => Ok(s.peer),
-            _ => Err(session_not_found(session)),
-        }
     }
 
     /// The authenticator shared with the service layer.

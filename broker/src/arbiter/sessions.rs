@@ -20,6 +20,14 @@ pub struct Sessions<'a> {
 }
 
 impl Sessions<'_> {
+    /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
+    pub(crate) fn peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
+        match self.arb.lock().sessions().get(&session) {
+            Some(s) if s.tenant == tenant => Ok(s.peer),
+            _ => Err(session_not_found(session)),
+        }
+    }
+
     /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
     pub(crate) fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
         let st = self.arb.lock();
