@@ -2,7 +2,8 @@
 //! `gpu_broker_core::state`) pushes what the shell must do as an [`Effect`] (the vocabulary
 //! is the core's, `gpu_broker_core::effects`) onto its effect list, private to the core
 //! (outside its tests the shell cannot build one: every variant is `non_exhaustive`). The
-//! lock guard ([`Locked`], from `Arbiter::lock`) takes them (`State::take_effects`) and
+//! lock guard ([`Locked`], from `Arbiter::lock`; the turn core's hold is `Arbiter::with_turns`,
+//! beside it) takes them (`State::take_effects`) and
 //! runs them when it is dropped:
 //!
 //! 1. the queue runs if a transition of the hold asked for it, then the byte-state

@@ -8,7 +8,8 @@
 //! session id, publication sequence number).
 //! The whole-list methods (`tenants`, `leases`, ...) walk the pages. [`Views`] (reached by
 //! [`Arbiter::views`]) owns every read-only view operators get: these listings, a tenant,
-//! the devices' reports, the `/metrics` text; it keeps no fields (it reads the state).
+//! the devices' reports, the quarantine, the `/metrics` text; it keeps no fields (it reads
+//! the state).
 //! Chunks release the lock fairly (`Locked::unlock_fair`): a take waiting behind one chunk
 //! gets the lock before the listing takes it for the next.
 

@@ -13,9 +13,11 @@
 //! back what the keeper held, resuming sessions, relinking a lost keeper; it owns the
 //! keeper), `drain` (`Drains`), [`stranded`] ([`stranded::Stranded`]: memory a free left
 //! with processes outside the broker), `sessions`, `reservations`, [`claims`], `sharing`,
-//! `health` (device health), `tasks` (the loops: keepalive reaper, reclaim deadlines,
-//! leasable refresh), run by [`Lifecycle`] (`lifecycle`: workers, runtime, store writer,
-//! MPS); `effects` is the lock guard and the one effect executor (`Executor`). The records
+//! `health` (device health), `turns` (compute turns), `retained` (blocks kept mapped),
+//! `tasks` (the loops: keepalive reaper, reclaim deadlines, leasable refresh), run by
+//! [`Lifecycle`] (`lifecycle`, reached as [`Process`]: the process's start and stop:
+//! workers, runtime, store writer, MPS, shutdown); `effects` is the lock guard (with the
+//! turn core's hold) and the one effect executor (`Executor`). The records
 //! they work on live below it (the core).
 
 mod admin;

@@ -1,6 +1,7 @@
 //! The shell of retained blocks (`gpu_broker_core::state`'s `retained.rs`): a release
 //! whose process keeps its mapping, a lease request answered with such a block (one lock
-//! hold, no queue, no device work, no ticket), and the confirmation that it let go.
+//! hold, no queue, no device work, no ticket), and the confirmation that it let go:
+//! [`Retained`], reached by [`Arbiter::retained`], keeping no fields.
 
 use super::Arbiter;
 use super::ValidRequest;

@@ -1,5 +1,5 @@
 //! Sessions, as the service opens and serves them: open (with the secret that resumes one
-//! after a restart), keep alive, find a caller's own lease with its session's peer, and
+//! after a restart), keep alive, a session's peer, find a caller's own lease with its peer, and
 //! what NVML says each session's processes use. [`Sessions`] (reached
 //! by [`Arbiter::sessions`]) keeps no fields: the sessions live in the state, their
 //! mailboxes in the outbox. Ending one is `ending.rs`; ending those of a revoked or

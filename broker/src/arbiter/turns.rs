@@ -1,5 +1,5 @@
 //! Compute turns through the arbiter: the thin shell around the scheduler's core
-//! ([`crate::scheduler::Turns`]). It checks the session, locks the core, calls one
+//! ([`crate::scheduler::Turns`]), asked through [`ComputeTurns`] ([`Arbiter::turns`]). It checks the session, locks the core, calls one
 //! transition, takes its effects, unlocks, and then has them carried out by the turn
 //! effect executor (`Executor::execute_turns`, `effects.rs`): a waiter's answer goes to its
 //! reply channel (kept in the outbox, `outbox.rs`, registered in the hold that queued the
