@@ -160,7 +160,7 @@ pub async fn report_grpc_health(
     };
     let mut last: Option<Vec<bool>> = None;
     loop {
-        if arb.is_shutting_down() {
+        if arb.lifecycle().is_shutting_down() {
             return;
         }
         let open: Vec<bool> = {
@@ -176,7 +176,9 @@ pub async fn report_grpc_health(
                     .await;
             }
             // Shutting down meanwhile: the server's NOT_SERVING stands.
-            let up = open.iter().any(|o| *o) && !stop.is_cancelled() && !arb.is_shutting_down();
+            let up = open.iter().any(|o| *o)
+                && !stop.is_cancelled()
+                && !arb.lifecycle().is_shutting_down();
             reporter
                 .set_service_status("gpubroker.v1.Broker", status(up))
                 .await;

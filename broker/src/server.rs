@@ -274,14 +274,14 @@ pub async fn serve(
     health_reporter
         .set_not_serving::<BrokerServer<BrokerService>>()
         .await;
-    arb.begin_shutdown(grace);
+    arb.lifecycle().begin_shutdown(grace);
     let deadline = Instant::now() + grace;
     while arb.views().session_count() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // End what is left (their streams close) and free every block.
     let a = arb.clone();
-    tokio::task::spawn_blocking(move || a.shutdown_release_all())
+    tokio::task::spawn_blocking(move || a.lifecycle().release_all())
         .await
         .map_err(|e| std::io::Error::other(e.to_string()))?;
     bg_stop.cancel();

@@ -67,7 +67,7 @@ pub async fn respond<B>(
     }
     match req.uri().path() {
         "/healthz" => text(StatusCode::OK, "ok\n"),
-        "/readyz" if arb.is_shutting_down() => {
+        "/readyz" if arb.lifecycle().is_shutting_down() => {
             text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n")
         }
         "/readyz" => text(StatusCode::OK, "ready\n"),

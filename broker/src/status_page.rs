@@ -137,7 +137,7 @@ pub async fn render(arb: &Arbiter) -> String {
     let devices = arb.views().device_reports().await;
     let tenants = arb.views().tenants();
     let leases = arb.views().leases(None);
-    let quarantined = arb.list_quarantined();
+    let quarantined = arb.views().quarantined();
     let reservations = arb.views().reservations(None);
     let mps = arb.lifecycle().mps().map(|m| m.status());
     let waiting: u32 = tenants.iter().map(|t| t.waiting).sum();

@@ -7,7 +7,7 @@
 //! the model predicts grant or refusal (and the status), and after every step the
 //! arbiter's counters (per tenant, per device, the lease list, the files on "the device")
 //! must equal the model's. At the end everything is released and every counter must be
-//! exactly zero, and after `shutdown_release_all` no file is left.
+//! exactly zero, and after `Process::release_all` (`arb.lifecycle()`) no file is left.
 
 use gpu_broker::arbiter::{AcquireRequest, Arbiter, ArbiterConfig};
 use gpu_broker::auth::Authenticator;
@@ -651,7 +651,7 @@ impl Harness {
         assert_eq!(self.arb.views().session_count(), 0);
         // Quarantined memory stays until its holder (this process) is gone; shutdown
         // frees it with everything cached.
-        self.arb.shutdown_release_all();
+        self.arb.lifecycle().release_all();
         for t in self.arb.views().tenants() {
             assert_eq!(
                 t.usage,

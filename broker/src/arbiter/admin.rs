@@ -7,7 +7,6 @@ use crate::ledger::{validate_tenant_name, Ledger, Quota, QuotaPatch, Tenant};
 use crate::store::TenantRecord;
 pub use crate::views::{DeviceReport, QuarantineView, SessionView, TenantView};
 use std::sync::Arc;
-use std::time::SystemTime;
 use uuid::Uuid;
 
 /// A quota change: the whole quota, or only some fields.
@@ -38,44 +37,6 @@ impl Arbiter {
             .changes()
             .change_quota(name, QuotaUpdate::Replace(quota), None)?;
         Ok((c.tenant, c.created))
-    }
-
-    /// Every quarantined block (memory a live process may still map), oldest first: the
-    /// quarantine's and the blocks held for shared-lease importers and other processes.
-    pub(crate) fn list_quarantined(&self) -> Vec<QuarantineView> {
-        let st = self.lock();
-        let now = (std::time::Instant::now(), SystemTime::now());
-        let mut v: Vec<QuarantineView> = st
-            .quarantine()
-            .iter()
-            .map(|(id, q)| QuarantineView {
-                lease: *id,
-                tenant: q.tenant.clone(),
-                device: q.device,
-                bytes: q.block.bytes(),
-                pid: q.pid,
-                since: now.1 - now.0.saturating_duration_since(q.since),
-                reason: crate::views::HoldReason::Holder,
-                holders: q.pid.into_iter().collect(),
-                publication: None,
-            })
-            .collect();
-        // Blocks held for importers of shared leases and other processes (`sharing.rs`).
-        v.extend(st.shared().held_views(now));
-        // Freed memory a process kept (`state/stranded.rs`).
-        v.extend(st.stranded_memory().map(|(id, s)| QuarantineView {
-            lease: *id,
-            tenant: s.tenant.clone(),
-            device: s.device,
-            bytes: s.bytes,
-            pid: s.pids.first().copied(),
-            since: now.1 - now.0.saturating_duration_since(s.since),
-            reason: crate::views::HoldReason::KeptAfterFree,
-            holders: s.pids.iter().copied().collect(),
-            publication: None,
-        }));
-        v.sort_by_key(|q| q.since);
-        v
     }
 }
 

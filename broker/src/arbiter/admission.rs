@@ -112,7 +112,7 @@ impl Arbiter {
         process: Option<crate::reservations::ProcessAsk>,
         waited: &mut bool,
     ) -> BrokerResult<Granted> {
-        self.shutdown.refuse_new_work()?;
+        self.lifecycle.refuse_new_work()?;
         let mut queued = self.enqueue(&req, process, None)?;
         if let Offered::NeedsLineage(pid) = queued {
             // Whose process tree the caller is in, read from /proc outside the state lock.
@@ -212,7 +212,7 @@ impl Arbiter {
                 let id = st.next_waiter_id();
                 let rx = self.outbox.register_reply(&st, id);
                 let bytes = drawn.ask.bytes;
-                let shutting_down = self.is_shutting_down();
+                let shutting_down = self.lifecycle.is_shutting_down();
                 st.grant_waiter(id, drawn.ask, drawn.priority, drawn.device, shutting_down);
                 return Ok(Offered::Waiting {
                     rx,
@@ -268,7 +268,7 @@ impl Arbiter {
             overtake_age: self.cfg.overtake_age,
             reclaim_deadline: self.cfg.reclaim_deadline,
             terminating: self.cfg.reclaim_policy == super::ReclaimPolicy::Terminate,
-            shutting_down: self.is_shutting_down(),
+            shutting_down: self.lifecycle.is_shutting_down(),
         }
     }
 
@@ -324,7 +324,7 @@ impl Arbiter {
                 }
             }
             let mut st = arb.lock();
-            st.finish_grant(&ask, priority, d, made, arb.is_shutting_down(), to);
+            st.finish_grant(&ask, priority, d, made, arb.lifecycle().is_shutting_down(), to);
         });
     }
 
@@ -460,7 +460,7 @@ impl Arbiter {
         if let Some(h) = &self.host_tier {
             let what = what.into();
             let counted = matches!(what, super::Unneeded::Block(_)).then(|| self.fds.adopt());
-            let revoke = self.shutdown.revokes();
+            let revoke = self.lifecycle.frees_revoke();
             let _ = h.submit(move |dev| {
                 let _counted = counted;
                 // A block's file closes here, after the free.

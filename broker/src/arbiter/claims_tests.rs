@@ -7,6 +7,7 @@ use super::durable_tests::stored_arbiter;
 use super::tests::{quota, req};
 use super::*;
 use crate::audit::Who;
+use crate::error::BrokerError;
 use crate::error::ErrorKind;
 use crate::session::Peer;
 

@@ -4,6 +4,7 @@
 
 use super::tests::{quota, req};
 use super::*;
+use crate::error::BrokerError;
 
 const MIB: u64 = 1 << 20;
 

@@ -8,6 +8,7 @@ use super::tests::{quota, req};
 use super::tokens::{IssuedToken, TokenSpec};
 use super::*;
 use crate::audit::{AuditFilter, AuditLog, Who};
+use crate::error::BrokerError;
 use crate::ledger::{Quota, QuotaPatch};
 
 const MIB: u64 = 1 << 20;

@@ -2,7 +2,8 @@
 //! `gpu_broker_core::state`) pushes what the shell must do as an [`Effect`] (the vocabulary
 //! is the core's, `gpu_broker_core::effects`) onto its effect list, private to the core
 //! (outside its tests the shell cannot build one: every variant is `non_exhaustive`). The
-//! lock guard ([`Locked`], from `Arbiter::lock`) takes them (`State::take_effects`) and
+//! lock guard ([`Locked`], from `Arbiter::lock`; the turn core's hold is `Arbiter::with_turns`,
+//! beside it) takes them (`State::take_effects`) and
 //! runs them when it is dropped:
 //!
 //! 1. the queue runs if a transition of the hold asked for it, then the byte-state
@@ -329,6 +330,21 @@ impl Drop for Locked<'_> {
 }
 
 impl Arbiter {
+    /// Locks the turn core, runs `f` on it, unlocks, then carries out the effects `f`
+    /// pushed. Returns what `f` returned and how many grants reached their waiters.
+    pub(super) fn with_turns<R>(
+        &self,
+        f: impl FnOnce(&mut super::turns::TurnsHeld<'_>) -> R,
+    ) -> (R, u32) {
+        let (r, fx) = self.scheduler.hold(f);
+        let delivered = if fx.is_empty() {
+            0
+        } else {
+            self.executor().execute_turns(fx)
+        };
+        (r, delivered)
+    }
+
     /// Takes the state lock; dropping the guard runs the effects the transitions pushed.
     pub(crate) fn lock(&self) -> Locked<'_> {
         // The thread's CPU clock is a system call (the vDSO does not serve it), read only

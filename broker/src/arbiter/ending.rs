@@ -50,12 +50,7 @@ impl Arbiter {
 
     /// Ends a session, its leases ending by `forced` when given (the shutdown destroys
     /// them) instead of by whether its process is gone.
-    pub(super) fn end_session_with(
-        self: &Arc<Self>,
-        id: Uuid,
-        reason: &str,
-        forced: Option<Ending>,
-    ) {
+    pub(super) fn end_session_with(&self, id: Uuid, reason: &str, forced: Option<Ending>) {
         let gone = forced.is_none() && self.peer_gone(|st| st.sessions().get(&id).map(|s| s.peer));
         let mut st = self.lock();
         let Some((session, bytes)) = st.end_session(id, forced, gone) else {

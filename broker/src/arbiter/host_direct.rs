@@ -14,7 +14,7 @@ impl Arbiter {
         self: &Arc<Self>,
         req: ValidRequest,
     ) -> BrokerResult<LeaseView> {
-        self.shutdown.refuse_new_work()?;
+        self.lifecycle.refuse_new_work()?;
         let Some(host) = &self.host_tier else {
             return Err(BrokerError::NoHostTier);
         };
@@ -22,7 +22,7 @@ impl Arbiter {
         let bytes = crate::units::round_up(req.bytes, gran).ok_or_else(|| {
             BrokerError::InvalidArgument(format!("size {} is too large", req.bytes))
         })?;
-        self.session_peer(&req.tenant, req.session)?;
+        self.sessions().peer(&req.tenant, req.session)?;
         self.acquire_host(&req, bytes).await
     }
 }

@@ -1,15 +1,19 @@
-//! The broker's background machinery, apart from admission: the named workers
+//! The broker process's start and stop, apart from admission: the named workers
 //! (`workers.rs`), the main runtime that effects' tasks run on, the store writer, the
-//! managed MPS daemon with the compute modes read at start, and the health monitor's fault
-//! source. It knows nothing of the state: the arbiter starts its own loops through it
-//! (`tasks.rs`), and [`Lifecycle::join`] stops it all, in order, at shutdown.
+//! managed MPS daemon with the compute modes read at start, the health monitor's fault
+//! source, and the shutdown. [`Lifecycle`] owns the parts and knows nothing of the state:
+//! the arbiter starts its own loops through it (`tasks.rs`), and [`Lifecycle::join`] stops
+//! them, in order. [`Process`] (reached by [`Arbiter::lifecycle`]) adds what needs the
+//! state: beginning the shutdown and freeing everything at its end.
 
 use super::workers::Workers;
+use super::{Arbiter, Ending};
 use crate::error::{BrokerError, BrokerResult};
 use crate::faults::FaultSource;
 use crate::store_writer::{off_the_runtime, StoreWriter};
 use parking_lot::Mutex;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -39,6 +43,8 @@ pub struct Lifecycle {
     /// state lock is taken (an operator's `SetDeviceHealth` resets the source, releases
     /// both, then marks the device).
     fault_source: Mutex<Option<SharedFaultSource>>,
+    /// Whether the broker is shutting down, and whether it is freeing everything on exit.
+    shutdown: Shutdown,
 }
 
 impl Lifecycle {
@@ -185,5 +191,103 @@ impl Lifecycle {
         if let Some(s) = source {
             let _ = tokio::task::spawn_blocking(move || s.lock().stop()).await;
         }
+    }
+
+    /// Is the broker shutting down?
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        self.shutdown.begun()
+    }
+
+    /// `SHUTTING_DOWN` once the shutdown began: new work is refused.
+    pub(super) fn refuse_new_work(&self) -> BrokerResult<()> {
+        self.shutdown.refuse_new_work()
+    }
+
+    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
+    pub(super) fn frees_revoke(&self) -> bool {
+        self.shutdown.revokes()
+    }
+}
+
+/// The process's lifecycle with its arbiter ([`Arbiter::lifecycle`]): the parts
+/// ([`Lifecycle`], through `Deref`) and the shutdown, which needs the state.
+pub struct Process<'a> {
+    pub(super) arb: &'a Arbiter,
+}
+
+impl std::ops::Deref for Process<'_> {
+    type Target = Lifecycle;
+    fn deref(&self) -> &Lifecycle {
+        &self.arb.lifecycle
+    }
+}
+
+impl Process<'_> {
+    /// Begins shutdown: refuse new work, tell every session.
+    pub(crate) fn begin_shutdown(&self, grace: Duration) {
+        self.arb.lifecycle.shutdown.begin();
+        self.arb.lock().begin_shutdown(grace);
+    }
+
+    /// Ends every session and frees every block on the devices. Blocks until done.
+    pub fn release_all(&self) {
+        let arb = self.arb;
+        arb.lifecycle.shutdown.begin_exit();
+        let ids = arb.lock().sessions().ids();
+        for id in ids {
+            arb.end_session_with(id, "broker shut down", Some(Ending::Destroy));
+        }
+        let mut st = arb.lock();
+        st.free_everything();
+        drop(st);
+        // Wait for the device threads to finish the frees queued above.
+        for d in arb.devices.iter() {
+            let _ = d.thread.call_blocking(|_| ());
+        }
+        if let Some(h) = &arb.host_tier {
+            let _ = h.call_blocking(|_| ());
+        }
+    }
+}
+
+/// The broker's shutdown, as two marks: begun (new work is refused) and exiting (set once
+/// the shutdown frees everything).
+#[derive(Default)]
+struct Shutdown {
+    begun: AtomicBool,
+    /// The shutdown's frees leave kept mappings alone (a worker may still read its memory
+    /// after the broker is gone); every free before revokes (`Device::revoke`), so memory
+    /// that left its tenant is held by nobody.
+    exiting: AtomicBool,
+}
+
+impl Shutdown {
+    /// Has the shutdown begun?
+    fn begun(&self) -> bool {
+        self.begun.load(Ordering::SeqCst)
+    }
+
+    /// `SHUTTING_DOWN` once the shutdown began: new work is refused.
+    fn refuse_new_work(&self) -> BrokerResult<()> {
+        match self.begun() {
+            true => Err(BrokerError::ShuttingDown),
+            false => Ok(()),
+        }
+    }
+
+    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
+    fn revokes(&self) -> bool {
+        !self.exiting.load(Ordering::SeqCst)
+    }
+
+    /// Refuses new work from now on.
+    fn begin(&self) {
+        self.begun.store(true, Ordering::SeqCst);
+    }
+
+    /// The shutdown frees everything now: its frees leave kept mappings alone.
+    fn begin_exit(&self) {
+        self.begin();
+        self.exiting.store(true, Ordering::SeqCst);
     }
 }

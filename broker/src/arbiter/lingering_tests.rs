@@ -5,6 +5,7 @@
 
 use super::tests::{live_process, quota, req};
 use super::*;
+use crate::error::BrokerError;
 
 const MIB: u64 = 1 << 20;
 

@@ -8,12 +8,13 @@
 //! session id, publication sequence number).
 //! The whole-list methods (`tenants`, `leases`, ...) walk the pages. [`Views`] (reached by
 //! [`Arbiter::views`]) owns every read-only view operators get: these listings, a tenant,
-//! the devices' reports, the `/metrics` text; it keeps no fields (it reads the state).
+//! the devices' reports, the quarantine, the `/metrics` text; it keeps no fields (it reads
+//! the state).
 //! Chunks release the lock fairly (`Locked::unlock_fair`): a take waiting behind one chunk
 //! gets the lock before the listing takes it for the next.
 
 use super::admin::tenant_view;
-use super::{Arbiter, DeviceReport, SessionView, TenantView};
+use super::{Arbiter, DeviceReport, QuarantineView, SessionView, TenantView};
 use crate::bounds;
 use crate::error::{BrokerError, BrokerResult};
 use crate::lease::LeaseView;
@@ -94,6 +95,44 @@ pub struct Views<'a> {
 }
 
 impl Views<'_> {
+    /// Every quarantined block (memory a live process may still map), oldest first: the
+    /// quarantine's and the blocks held for shared-lease importers and other processes.
+    pub(crate) fn quarantined(&self) -> Vec<QuarantineView> {
+        let st = self.arb.lock();
+        let now = (std::time::Instant::now(), std::time::SystemTime::now());
+        let mut v: Vec<QuarantineView> = st
+            .quarantine()
+            .iter()
+            .map(|(id, q)| QuarantineView {
+                lease: *id,
+                tenant: q.tenant.clone(),
+                device: q.device,
+                bytes: q.block.bytes(),
+                pid: q.pid,
+                since: now.1 - now.0.saturating_duration_since(q.since),
+                reason: crate::views::HoldReason::Holder,
+                holders: q.pid.into_iter().collect(),
+                publication: None,
+            })
+            .collect();
+        // Blocks held for importers of shared leases and other processes (`sharing.rs`).
+        v.extend(st.shared().held_views(now));
+        // Freed memory a process kept (`state/stranded.rs`).
+        v.extend(st.stranded_memory().map(|(id, s)| QuarantineView {
+            lease: *id,
+            tenant: s.tenant.clone(),
+            device: s.device,
+            bytes: s.bytes,
+            pid: s.pids.first().copied(),
+            since: now.1 - now.0.saturating_duration_since(s.since),
+            reason: crate::views::HoldReason::KeptAfterFree,
+            holders: s.pids.iter().copied().collect(),
+            publication: None,
+        }));
+        v.sort_by_key(|q| q.since);
+        v
+    }
+
     /// Every tenant by name, page by page.
     pub fn tenants(&self) -> Vec<TenantView> {
         all_pages(|t| self.tenants_page(t, DEFAULT_PAGE_SIZE))

@@ -13,9 +13,11 @@
 //! back what the keeper held, resuming sessions, relinking a lost keeper; it owns the
 //! keeper), `drain` (`Drains`), [`stranded`] ([`stranded::Stranded`]: memory a free left
 //! with processes outside the broker), `sessions`, `reservations`, [`claims`], `sharing`,
-//! `health` (device health), `tasks` (the loops: keepalive reaper, reclaim deadlines,
-//! leasable refresh), run by [`Lifecycle`] (`lifecycle`: workers, runtime, store writer,
-//! MPS); `effects` is the lock guard and the one effect executor (`Executor`). The records
+//! `health` (device health), `turns` (compute turns), `retained` (blocks kept mapped),
+//! `tasks` (the loops: keepalive reaper, reclaim deadlines, leasable refresh), run by
+//! [`Lifecycle`] (`lifecycle`, reached as [`Process`]: the process's start and stop:
+//! workers, runtime, store writer, MPS, shutdown); `effects` is the lock guard (with the
+//! turn core's hold) and the one effect executor (`Executor`). The records
 //! they work on live below it (the core).
 
 mod admin;
@@ -50,7 +52,7 @@ pub use crate::backend::DeviceSlot;
 pub use admin::{DeviceReport, QuarantineView, QuotaChange, QuotaUpdate, SessionView, TenantView};
 pub use audit::Changes;
 pub use drain::{DeviceDrain, DrainReport};
-pub use lifecycle::Lifecycle;
+pub use lifecycle::{Lifecycle, Process};
 pub use restart::{Phase, RestartReport};
 pub use retained::{Retaining, SessionPeer};
 pub use sharing::ImportGrant;
@@ -61,13 +63,13 @@ use crate::auth::Authenticator;
 use crate::device::free_check::Returned;
 use crate::device::thread::DeviceThread;
 use crate::device::BackendKind;
+use crate::error::BrokerResult;
 pub(crate) use crate::error::{lease_not_found, session_not_found};
-use crate::error::{BrokerError, BrokerResult};
 use crate::pool::{Block, Pool};
 use crate::process::process_gone;
 use crate::session::{Peer, SessionEvent};
 use crate::store::Store;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::mpsc;
@@ -183,8 +185,6 @@ pub struct Arbiter {
     pub(crate) scheduler: turns::Scheduler,
     /// Tickets that deliver fd leases (served by `ticket_server::serve`).
     pub(crate) tickets: Arc<crate::fd::tickets::TicketTable>,
-    /// Whether the broker is shutting down, and whether it is freeing everything on exit.
-    shutdown: Shutdown,
     /// The state store, the audit log and the lock that keeps durable operator changes
     /// one at a time (`audit.rs`).
     pub(crate) durable: audit::Durable,
@@ -193,8 +193,8 @@ pub struct Arbiter {
     pub(crate) avail: effects::DeviceAvailability,
     /// What the broker did (counters, histograms), for `/metrics`.
     pub(crate) metrics: crate::metrics::Metrics,
-    /// The background machinery: workers, the main runtime, the store writer, MPS, the
-    /// fault source (`lifecycle.rs`).
+    /// The process's lifecycle: workers, the main runtime, the store writer, MPS, the
+    /// fault source, the shutdown's marks (`lifecycle.rs`).
     lifecycle: Lifecycle,
     /// The keeper, what this start took back from it, and the leases awaiting a resume
     /// (`restart/`).
@@ -219,55 +219,14 @@ pub struct Arbiter {
     pub(crate) fds: Arc<crate::fd_budget::FdBudget>,
 }
 
-/// The broker's shutdown, as two marks: begun (new work is refused) and exiting (set once
-/// the shutdown frees everything).
-#[derive(Default)]
-struct Shutdown {
-    begun: AtomicBool,
-    /// The shutdown's frees leave kept mappings alone (a worker may still read its memory
-    /// after the broker is gone); every free before revokes (`Device::revoke`), so memory
-    /// that left its tenant is held by nobody.
-    exiting: AtomicBool,
-}
-
-impl Shutdown {
-    /// Has the shutdown begun?
-    fn begun(&self) -> bool {
-        self.begun.load(Ordering::SeqCst)
-    }
-
-    /// `SHUTTING_DOWN` once the shutdown began: new work is refused.
-    fn refuse_new_work(&self) -> BrokerResult<()> {
-        match self.begun() {
-            true => Err(BrokerError::ShuttingDown),
-            false => Ok(()),
-        }
-    }
-
-    /// Do frees revoke the memory from processes that kept it (all but the shutdown's)?
-    fn revokes(&self) -> bool {
-        !self.exiting.load(Ordering::SeqCst)
-    }
-
-    /// Refuses new work from now on.
-    fn begin(&self) {
-        self.begun.store(true, Ordering::SeqCst);
-    }
-
-    /// The shutdown frees everything now: its frees leave kept mappings alone.
-    fn begin_exit(&self) {
-        self.begin();
-        self.exiting.store(true, Ordering::SeqCst);
-    }
-}
-
 /// Longest label accepted.
 pub const MAX_LABEL: usize = crate::bounds::MAX_TEXT_BYTES;
 
 impl Arbiter {
-    /// The broker's background machinery (workers, store writer, MPS, fault source).
-    pub fn lifecycle(&self) -> &Lifecycle {
-        &self.lifecycle
+    /// The broker process's start and stop: its background machinery (workers, store
+    /// writer, MPS, fault source) and its shutdown (`lifecycle.rs`).
+    pub fn lifecycle(&self) -> lifecycle::Process<'_> {
+        lifecycle::Process { arb: self }
     }
 
     /// The operators' read-only views (`listing.rs`).
@@ -339,6 +298,17 @@ impl Arbiter {
         effects::Executor { arb: self }
     }
 
+    /// Retained blocks: a release that keeps its mapping, an acquire answered with one
+    /// (`retained.rs`).
+    pub(crate) fn retained(self: &Arc<Self>) -> retained::Retained<'_> {
+        retained::Retained { arb: self }
+    }
+
+    /// Compute turns: asking for a device's turn and giving it back (`turns.rs`).
+    pub(crate) fn turns(self: &Arc<Self>) -> turns::ComputeTurns<'_> {
+        turns::ComputeTurns { arb: self }
+    }
+
     /// The Kubernetes claims' reservations (`claims.rs`).
     pub(crate) fn claims(self: &Arc<Self>) -> claims::Claims<'_> {
         claims::Claims { arb: self }
@@ -406,7 +376,6 @@ impl Arbiter {
             auth,
             cfg,
             tickets: Arc::default(),
-            shutdown: Shutdown::default(),
             metrics,
         });
         arb.changes().load()?;
@@ -433,22 +402,9 @@ impl Arbiter {
         &self.tickets
     }
 
-    /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
-    pub(crate) fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
-        match self.lock().sessions().get(&session) {
-            Some(s) if s.tenant == tenant => Ok(s.peer),
-            _ => Err(session_not_found(session)),
-        }
-    }
-
     /// The authenticator shared with the service layer.
     pub fn authenticator(&self) -> &Arc<Authenticator> {
         &self.auth
-    }
-
-    /// Is the broker shutting down?
-    pub(crate) fn is_shutting_down(&self) -> bool {
-        self.shutdown.begun()
     }
 
     /// Opens a session for `tenant`; returns its id and the event receiver.
@@ -463,31 +419,6 @@ impl Arbiter {
             .map(|(id, rx, _)| (id, rx))
     }
 
-    /// Begins shutdown: refuse new work, tell every session.
-    pub(crate) fn begin_shutdown(&self, grace: Duration) {
-        self.shutdown.begin();
-        self.lock().begin_shutdown(grace);
-    }
-
-    /// Ends every session and frees every block on the devices. Blocks until done.
-    pub fn shutdown_release_all(self: &Arc<Self>) {
-        self.shutdown.begin_exit();
-        let ids = self.lock().sessions().ids();
-        for id in ids {
-            self.end_session_with(id, "broker shut down", Some(Ending::Destroy));
-        }
-        let mut st = self.lock();
-        st.free_everything();
-        drop(st);
-        // Wait for the device threads to finish the frees queued above.
-        for d in self.devices.iter() {
-            let _ = d.thread.call_blocking(|_| ());
-        }
-        if let Some(h) = &self.host_tier {
-            let _ = h.call_blocking(|_| ());
-        }
-    }
-
     /// Queues a free of `what` on its device thread: the one place device memory is freed
     /// (reached through `Effect::Free`, and by the grant path when device work failed: a
     /// block whose scrub failed, an allocation whose zeroing or export failed).
@@ -497,7 +428,7 @@ impl Arbiter {
             let id = what.alloc_id();
             // A block's descriptor is counted until it closes (or the job is dropped).
             let counted = matches!(what, Unneeded::Block(_)).then(|| self.fds.adopt());
-            let revoke = self.shutdown.revokes();
+            let revoke = self.lifecycle.frees_revoke();
             // Processes outside the broker its descriptor reached may keep it (not at the
             // shutdown: nobody is charged any more then).
             let reached = match &what {

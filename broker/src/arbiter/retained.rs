@@ -1,6 +1,7 @@
 //! The shell of retained blocks (`gpu_broker_core::state`'s `retained.rs`): a release
 //! whose process keeps its mapping, a lease request answered with such a block (one lock
-//! hold, no queue, no device work, no ticket), and the confirmation that it let go.
+//! hold, no queue, no device work, no ticket), and the confirmation that it let go:
+//! [`Retained`], reached by [`Arbiter::retained`], keeping no fields.
 
 use super::Arbiter;
 use super::ValidRequest;
@@ -21,7 +22,7 @@ pub enum Retaining {
     LetGo,
 }
 
-/// A session's process as an acquire needs it ([`Arbiter::session_peer_retaining`]).
+/// A session's process as an acquire needs it ([`Retained::session_peer`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SessionPeer {
     pub peer: crate::session::Peer,
@@ -31,7 +32,13 @@ pub struct SessionPeer {
     pub retains: bool,
 }
 
-impl Arbiter {
+/// Retained blocks of one arbiter ([`Arbiter::retained`]). It keeps no fields: the
+/// blocks live in the state.
+pub(crate) struct Retained<'a> {
+    pub(super) arb: &'a Arc<Arbiter>,
+}
+
+impl Retained<'_> {
     /// Releases lease `id` of `tenant` for process `caller` (the kernel's pid of the
     /// caller), retaining its block mapped for that process when it is the session's own
     /// and the memory was never shared. A release that cannot be retained (another process,
@@ -39,8 +46,8 @@ impl Arbiter {
     /// nothing when the caller `may_decline` (it still maps the block and releases it
     /// plainly once it let go); else it is a plain release. An id that names a block this
     /// tenant retained is that block let go.
-    pub(crate) fn release_retaining(
-        self: &Arc<Self>,
+    pub(crate) fn release(
+        &self,
         tenant: &str,
         id: Uuid,
         caller: Option<u32>,
@@ -48,16 +55,16 @@ impl Arbiter {
     ) -> BrokerResult<Retaining> {
         let Some(pid) = caller.filter(|&p| p != 0) else {
             if !may_decline {
-                return self.release(tenant, id).map(|()| Retaining::LetGo);
+                return self.arb.release(tenant, id).map(|()| Retaining::LetGo);
             }
-            let mut st = self.lock();
+            let mut st = self.arb.lock();
             return match st.has_lease(tenant, id) {
                 true => Ok(Retaining::Declined),
                 false if st.drop_retained(tenant, id) => Ok(Retaining::LetGo),
                 false => Err(lease_not_found(id)),
             };
         };
-        let mut st = self.lock();
+        let mut st = self.arb.lock();
         if let Some(retained) = st.release_retained(tenant, id, pid, may_decline) {
             tracing::debug!(lease = %id, tenant, retained, "retaining release");
             return Ok(match (retained, may_decline) {
@@ -74,14 +81,10 @@ impl Arbiter {
 
     /// The peer of `session` (of `tenant`, else `NOT_FOUND`), when its process started, and
     /// whether that process retains any block: an acquire asks
-    /// [`Arbiter::acquire_retained`] only then, so the ordinary path takes the state lock no
+    /// [`Retained::acquire`] only then, so the ordinary path takes the state lock no
     /// more often than before.
-    pub(crate) fn session_peer_retaining(
-        &self,
-        tenant: &str,
-        session: Uuid,
-    ) -> BrokerResult<SessionPeer> {
-        let st = self.lock();
+    pub(crate) fn session_peer(&self, tenant: &str, session: Uuid) -> BrokerResult<SessionPeer> {
+        let st = self.arb.lock();
         match st.sessions().get(&session) {
             Some(s) if s.tenant == tenant => Ok(SessionPeer {
                 peer: s.peer,
@@ -95,22 +98,19 @@ impl Arbiter {
     /// A lease for `req` made of a block process `caller` retained, when it has one that
     /// fits the request (`State::grant_retained`); `None`: the request takes the ordinary
     /// path.
-    pub(crate) fn acquire_retained(
-        self: &Arc<Self>,
-        req: &ValidRequest,
-        caller: Option<u32>,
-    ) -> Option<LeaseView> {
+    pub(crate) fn acquire(&self, req: &ValidRequest, caller: Option<u32>) -> Option<LeaseView> {
         let pid = caller.filter(|&p| p != 0)?;
-        if self.shutdown.refuse_new_work().is_err() {
+        if self.arb.lifecycle.refuse_new_work().is_err() {
             return None;
         }
         let started = Instant::now();
         let view = {
-            let mut st = self.lock();
-            let avail = self.avail.read();
+            let mut st = self.arb.lock();
+            let avail = self.arb.avail.read();
             st.grant_retained(req, pid, &avail)
         }?;
-        self.metrics
+        self.arb
+            .metrics
             .acquired(&Ok::<_, crate::error::BrokerError>(()), started.elapsed());
         Some(view)
     }

@@ -1,5 +1,5 @@
 //! Sessions, as the service opens and serves them: open (with the secret that resumes one
-//! after a restart), keep alive, find a caller's own lease with its session's peer, and
+//! after a restart), keep alive, a session's peer, find a caller's own lease with its peer, and
 //! what NVML says each session's processes use. [`Sessions`] (reached
 //! by [`Arbiter::sessions`]) keeps no fields: the sessions live in the state, their
 //! mailboxes in the outbox. Ending one is `ending.rs`; ending those of a revoked or
@@ -20,6 +20,14 @@ pub struct Sessions<'a> {
 }
 
 impl Sessions<'_> {
+    /// The peer a session of `tenant` was opened from (`NOT_FOUND` otherwise).
+    pub(crate) fn peer(&self, tenant: &str, session: Uuid) -> BrokerResult<Peer> {
+        match self.arb.lock().sessions().get(&session) {
+            Some(s) if s.tenant == tenant => Ok(s.peer),
+            _ => Err(session_not_found(session)),
+        }
+    }
+
     /// A live lease of `tenant` with the peer of its session (`NOT_FOUND` otherwise).
     pub(crate) fn own_lease(&self, tenant: &str, lease: Uuid) -> BrokerResult<(LeaseView, Peer)> {
         let st = self.arb.lock();
@@ -49,7 +57,7 @@ impl Sessions<'_> {
         peer: Peer,
         token_id: Option<String>,
     ) -> BrokerResult<(Uuid, mpsc::UnboundedReceiver<SessionEvent>, String)> {
-        self.arb.shutdown.refuse_new_work()?;
+        self.arb.lifecycle.refuse_new_work()?;
         crate::bounds::check("session name", name, MAX_LABEL)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let id = Uuid::now_v7();

@@ -12,6 +12,7 @@ use super::durable_tests::{
 use super::tokens::TokenSpec;
 use super::*;
 use crate::audit::{AuditFilter, Who};
+use crate::error::BrokerError;
 use crate::ledger::Quota;
 
 const MIB: u64 = 1 << 20;

@@ -6,6 +6,7 @@
 use super::tests::{live_process, quota, req};
 use super::*;
 use crate::device::faulty::{FaultSwitch, Faults, FaultyDevice};
+use crate::error::BrokerError;
 
 const MIB: u64 = 1 << 20;
 
@@ -95,7 +96,7 @@ async fn memory_kept_after_its_free_stays_charged_to_its_tenant_until_the_holder
         assert_eq!(st.pools()[0].stats().leased, 48 * MIB);
     }
     // Operators see why (`ListQuarantined`, `gpu-brokerctl leaks`).
-    let listed = arb.list_quarantined();
+    let listed = arb.views().quarantined();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
     assert_eq!(
@@ -125,7 +126,7 @@ async fn memory_kept_after_its_free_stays_charged_to_its_tenant_until_the_holder
     assert_eq!(st.pools()[0].stats().quarantined, 0);
     assert_eq!(st.stranded_memory().count(), 0);
     drop(st);
-    assert!(arb.list_quarantined().is_empty());
+    assert!(arb.views().quarantined().is_empty());
 }
 
 /// A free that gives the memory back (the worker unmapped) charges nobody.
@@ -235,7 +236,7 @@ async fn another_tenants_import_kept_after_its_release_is_charged_to_that_tenant
         held_by(&arb, "b")
     );
     assert_eq!(held_by_a(&arb), 0, "the publisher kept nothing");
-    let listed = arb.list_quarantined();
+    let listed = arb.views().quarantined();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(
         (listed[0].tenant.as_str(), listed[0].holders.clone()),
@@ -400,7 +401,7 @@ fn unmap((at, len): (usize, usize)) {
 async fn a_sealed_memfd_kept_mapped_after_its_free_stays_charged() {
     let (arb, held, mapping) = sealed_then_evicted(true).await;
     assert_eq!(held, 32 * MIB, "the kept mapping is charged to a");
-    let listed = arb.list_quarantined();
+    let listed = arb.views().quarantined();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
     assert_eq!(listed[0].holders, vec![std::process::id()]);
@@ -472,7 +473,7 @@ async fn a_sealed_memfd_kept_by_a_process_the_broker_never_saw_stays_charged() {
         32 * MIB,
         "kept by an unrecorded process: charged to a"
     );
-    let listed = arb.list_quarantined();
+    let listed = arb.views().quarantined();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
     assert!(listed[0].holders.is_empty(), "{listed:?}");
@@ -616,7 +617,7 @@ async fn memory_handed_to_a_child_stays_charged_after_the_recorded_holder_exits(
         32 * MIB,
         "the child still maps it: charged to a after the worker exited"
     );
-    let listed = arb.list_quarantined();
+    let listed = arb.views().quarantined();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].holders, vec![child], "the child is named");
     kill_pid(child);
@@ -653,14 +654,14 @@ async fn memory_handed_on_after_its_worker_exited_stays_charged_until_the_last_n
         "the child's 32 MiB are charged to a, held {}",
         held_by_a(&arb)
     );
-    assert_eq!(arb.list_quarantined()[0].holders, vec![child]);
+    assert_eq!(arb.views().quarantined()[0].holders, vec![child]);
     // The child hands it on to another process, which maps it.
     let (mut next, _) = live_process();
     on_device.0.lock().push(next.id());
     kill_pid(child);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(held_by_a(&arb), 32 * MIB, "the next process may keep it");
-    assert_eq!(arb.list_quarantined()[0].holders, vec![next.id()]);
+    assert_eq!(arb.views().quarantined()[0].holders, vec![next.id()]);
     next.kill().unwrap();
     next.wait().unwrap();
     assert!(
@@ -727,7 +728,7 @@ async fn a_child_of_another_tenants_importer_is_charged_to_that_tenant() {
         held_by(&arb, "b")
     );
     assert_eq!(held_by_a(&arb), 0, "the publisher kept nothing");
-    assert_eq!(arb.list_quarantined()[0].holders, vec![child]);
+    assert_eq!(arb.views().quarantined()[0].holders, vec![child]);
     kill_pid(child);
     assert!(
         until(|| held_by(&arb, "b") == 0).await,
@@ -852,7 +853,7 @@ async fn other_processes_seen_meanwhile_never_make_a_dead_holders_place_forgotte
         "the child's 32 MiB are charged to a, held {}",
         held_by_a(&arb)
     );
-    assert_eq!(arb.list_quarantined()[0].holders, vec![child]);
+    assert_eq!(arb.views().quarantined()[0].holders, vec![child]);
     kill_pid(child);
     assert!(
         until(|| held_by_a(&arb) == 0).await,
@@ -955,7 +956,7 @@ async fn memory_kept_after_its_free_stays_charged_across_a_restart_until_its_hol
         st.check_invariant().unwrap();
         assert_eq!(st.pools()[0].stats().quarantined, 32 * MIB);
     }
-    let listed = restarted.list_quarantined();
+    let listed = restarted.views().quarantined();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].reason, crate::views::HoldReason::KeptAfterFree);
     assert_eq!(listed[0].holders, vec![worker.id()]);
@@ -1213,7 +1214,7 @@ async fn a_kept_charge_taken_back_after_the_finder_is_set_is_looked_for_near_its
         "its holder's child may keep it; lifted: {:?}",
         removed.lock()
     );
-    assert_eq!(arb.list_quarantined()[0].holders, vec![child]);
+    assert_eq!(arb.views().quarantined()[0].holders, vec![child]);
     kill_pid(child);
     assert!(
         until(|| held_by_a(&arb) == 0).await,

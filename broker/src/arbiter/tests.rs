@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::device::Handle;
+use crate::error::BrokerError;
 use crate::lease::LeaseView;
 use crate::ledger::Quota;
 
@@ -1124,7 +1125,7 @@ async fn fd_recipients_are_looked_at_after_the_unlock_and_undecided_counts_alive
     );
     f.arb.release("a", l.id).unwrap();
     // Before anything awaits (a watcher could run then): the look already let it go.
-    assert!(f.arb.list_quarantined().is_empty());
+    assert!(f.arb.views().quarantined().is_empty());
     assert_eq!(quarantined_and_cached(&f).await, (0, 4 * MIB));
     assert_eq!(f.arb.lock().unlooked(), 0);
     // The exited one and a live one: held for the live one only.
@@ -1138,7 +1139,7 @@ async fn fd_recipients_are_looked_at_after_the_unlock_and_undecided_counts_alive
         crate::arbiter::Recipient::Added
     );
     f.arb.release("a", l.id).unwrap();
-    let q = f.arb.list_quarantined();
+    let q = f.arb.views().quarantined();
     assert_eq!(q.len(), 1, "{q:?}");
     assert_eq!((q[0].lease, q[0].bytes), (l.id, 4 * MIB));
     assert_eq!(q[0].holders, vec![live.id()]);
@@ -1162,7 +1163,7 @@ async fn fd_recipients_are_looked_at_after_the_unlock_and_undecided_counts_alive
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(quarantined_and_cached(&f).await, (4 * MIB, 4 * MIB));
-    let q = f.arb.list_quarantined();
+    let q = f.arb.views().quarantined();
     assert_eq!(
         (q.len(), q[0].lease, q[0].holders.clone()),
         (1, l0.id, vec![0])

@@ -1,5 +1,5 @@
 //! Compute turns through the arbiter: the thin shell around the scheduler's core
-//! ([`crate::scheduler::Turns`]). It checks the session, locks the core, calls one
+//! ([`crate::scheduler::Turns`]), asked through [`ComputeTurns`] ([`Arbiter::turns`]). It checks the session, locks the core, calls one
 //! transition, takes its effects, unlocks, and then has them carried out by the turn
 //! effect executor (`Executor::execute_turns`, `effects.rs`): a waiter's answer goes to its
 //! reply channel (kept in the outbox, `outbox.rs`, registered in the hold that queued the
@@ -143,37 +143,33 @@ impl Drop for TurnWait {
     }
 }
 
-impl Arbiter {
-    /// Locks the turn core, runs `f` on it, unlocks, then carries out the effects `f`
-    /// pushed. Returns what `f` returned and how many grants reached their waiters.
-    pub(super) fn with_turns<R>(&self, f: impl FnOnce(&mut TurnsHeld<'_>) -> R) -> (R, u32) {
-        let (r, fx) = self.scheduler.hold(f);
-        let delivered = if fx.is_empty() {
-            0
-        } else {
-            self.executor().execute_turns(fx)
-        };
-        (r, delivered)
-    }
+/// Compute turns of one arbiter ([`Arbiter::turns`]): asking for a device's turn and
+/// giving it back. It keeps no fields: the core is the arbiter's `scheduler`, the reply
+/// channels are in the outbox.
+pub(crate) struct ComputeTurns<'a> {
+    pub(super) arb: &'a Arc<Arbiter>,
+}
 
+impl ComputeTurns<'_> {
     /// Grants the compute turn on `device` now, after waiting up to `wait`, or says why not.
-    pub(crate) async fn acquire_turn(
-        self: &Arc<Self>,
+    /// Takes the view by value: the future it returns holds no borrow of a temporary.
+    pub(crate) async fn acquire(
+        self,
         tenant: &str,
         session: Uuid,
         device: u32,
         wait: Duration,
     ) -> BrokerResult<TurnGrant> {
-        self.shutdown.refuse_new_work()?;
-        if wait > self.cfg.max_wait {
-            return Err(BrokerError::wait_too_long(wait, self.cfg.max_wait));
+        self.arb.lifecycle.refuse_new_work()?;
+        if wait > self.arb.cfg.max_wait {
+            return Err(BrokerError::wait_too_long(wait, self.arb.cfg.max_wait));
         }
         // The session is checked and the request queued in one hold of the state lock
         // (state, then scheduler): a session ending in between would leave a turn queued
         // or held for a session that is gone. The effects are carried out after both.
-        let max_waiting = self.cfg.max_waiting_per_tenant;
+        let max_waiting = self.arb.cfg.max_waiting_per_tenant;
         let (queued, fx) = {
-            let st = self.lock();
+            let st = self.arb.lock();
             let weight = st
                 .ledger()
                 .get(tenant)
@@ -190,18 +186,18 @@ impl Arbiter {
                 session,
                 weight,
             };
-            self.scheduler.hold(|t| {
+            self.arb.scheduler.hold(|t| {
                 let id = t.request(device, who, max_waiting, Instant::now())?;
                 // In the hold that queued it: in place before any answer is delivered.
-                Ok::<_, BrokerError>((id, self.outbox.register_turn_reply(t, id)))
+                Ok::<_, BrokerError>((id, self.arb.outbox.register_turn_reply(t, id)))
             })
         };
         if !fx.is_empty() {
-            self.executor().execute_turns(fx);
+            self.arb.executor().execute_turns(fx);
         }
         let (waiter, rx) = queued?;
         let mut guard = TurnWait {
-            arb: self.clone(),
+            arb: self.arb.clone(),
             device,
             waiter,
             rx: Some(rx),
@@ -222,10 +218,10 @@ impl Arbiter {
         let result = match outcome {
             Some(r) => r,
             None => {
-                let (cancelled, _) = self.with_turns(|t| t.cancel(device, waiter));
+                let (cancelled, _) = self.arb.with_turns(|t| t.cancel(device, waiter));
                 if cancelled {
-                    self.outbox.forget_turn_reply(waiter);
-                    let (holder, waiting) = self.scheduler.device_state(device);
+                    self.arb.outbox.forget_turn_reply(waiter);
+                    let (holder, waiting) = self.arb.scheduler.device_state(device);
                     let busy = BrokerError::TurnBusy {
                         device,
                         holder: holder.unwrap_or_default(),
@@ -253,14 +249,15 @@ impl Arbiter {
     /// The holder gives its compute turn back; its `ReleaseTurn` arrived at `received`
     /// (the start of the hand-off to the next waiter). `handed_off` says whether the slot's
     /// grant reached a waiter (the caller may let that waiter's task run first).
-    pub(crate) fn release_turn_received(
+    pub(crate) fn release_received(
         &self,
         tenant: &str,
         turn_id: Uuid,
         received: Instant,
     ) -> BrokerResult<TurnEnd> {
-        let (end, delivered) =
-            self.with_turns(|t| t.release(tenant, turn_id, received, Instant::now()));
+        let (end, delivered) = self
+            .arb
+            .with_turns(|t| t.release(tenant, turn_id, received, Instant::now()));
         let mut end = end?;
         end.handed_off = delivered > 0;
         Ok(end)
@@ -304,8 +301,9 @@ mod tests {
     }
 
     /// The holder gives its compute turn back, received now.
-    fn release_turn(arb: &Arbiter, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
-        arb.release_turn_received(tenant, turn_id, Instant::now())
+    fn release_turn(arb: &Arc<Arbiter>, tenant: &str, turn_id: Uuid) -> BrokerResult<TurnEnd> {
+        arb.turns()
+            .release_received(tenant, turn_id, Instant::now())
     }
 
     /// Waits (a bounded number of yields) until `n` requests wait on device 0.
@@ -325,15 +323,24 @@ mod tests {
         let (a, _ea) = session(&arb, "a");
         let (b, _eb) = session(&arb, "b");
         let (c, _ec) = session(&arb, "c");
-        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        let ga = arb
+            .turns()
+            .acquire("a", a, 0, Duration::ZERO)
+            .await
+            .unwrap();
         arb.scheduler.observe_handoff(&ga); // not a hand-off: not counted
         let wb = tokio::spawn({
             let arb = arb.clone();
-            async move { arb.acquire_turn("b", b, 0, Duration::from_secs(10)).await }
+            async move {
+                arb.turns()
+                    .acquire("b", b, 0, Duration::from_secs(10))
+                    .await
+            }
         });
         waiting(&arb, 1).await;
         let end = arb
-            .release_turn_received("a", ga.turn_id, Instant::now())
+            .turns()
+            .release_received("a", ga.turn_id, Instant::now())
             .unwrap();
         assert!(end.handed_off);
         let gb = wb.await.unwrap().unwrap();
@@ -342,7 +349,11 @@ mod tests {
         // A waiter whose caller left is no hand-off: its request leaves with it.
         let wc = tokio::spawn({
             let arb = arb.clone();
-            async move { arb.acquire_turn("c", c, 0, Duration::from_secs(10)).await }
+            async move {
+                arb.turns()
+                    .acquire("c", c, 0, Duration::from_secs(10))
+                    .await
+            }
         });
         waiting(&arb, 1).await;
         wc.abort();
@@ -362,7 +373,11 @@ mod tests {
         let arb = arbiter(slots(10_000));
         let (a, _ea) = session(&arb, "a");
         let (c, _ec) = session(&arb, "c");
-        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        let ga = arb
+            .turns()
+            .acquire("a", a, 0, Duration::ZERO)
+            .await
+            .unwrap();
         // b's request is queued with its reply channel, and its caller goes just as the
         // grant is decided (its receiver is dropped without a cancel).
         let who = Requester {
@@ -376,12 +391,17 @@ mod tests {
         });
         let wc = tokio::spawn({
             let arb = arb.clone();
-            async move { arb.acquire_turn("c", c, 0, Duration::from_secs(10)).await }
+            async move {
+                arb.turns()
+                    .acquire("c", c, 0, Duration::from_secs(10))
+                    .await
+            }
         });
         waiting(&arb, 2).await;
         let received = Instant::now();
         let end = arb
-            .release_turn_received("a", ga.turn_id, received)
+            .turns()
+            .release_received("a", ga.turn_id, received)
             .unwrap();
         assert!(end.handed_off, "the slot reached c");
         let gc = wc.await.unwrap().unwrap();
@@ -397,10 +417,18 @@ mod tests {
         let arb = arbiter(slots(0));
         let (a, mut ea) = session(&arb, "a");
         let (b, _eb) = session(&arb, "b");
-        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        let ga = arb
+            .turns()
+            .acquire("a", a, 0, Duration::ZERO)
+            .await
+            .unwrap();
         let wb = tokio::spawn({
             let arb = arb.clone();
-            async move { arb.acquire_turn("b", b, 0, Duration::from_secs(10)).await }
+            async move {
+                arb.turns()
+                    .acquire("b", b, 0, Duration::from_secs(10))
+                    .await
+            }
         });
         waiting(&arb, 1).await;
         arb.with_turns(|t| t.tick(Instant::now(), SystemTime::now()));
@@ -426,10 +454,17 @@ mod tests {
         let arb = arbiter(slots(10_000));
         let (a, _ea) = session(&arb, "a");
         let (b, _eb) = session(&arb, "b");
-        arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        arb.turns()
+            .acquire("a", a, 0, Duration::ZERO)
+            .await
+            .unwrap();
         let wb = tokio::spawn({
             let arb = arb.clone();
-            async move { arb.acquire_turn("b", b, 0, Duration::from_secs(10)).await }
+            async move {
+                arb.turns()
+                    .acquire("b", b, 0, Duration::from_secs(10))
+                    .await
+            }
         });
         waiting(&arb, 1).await;
         arb.end_session(b, "test");
@@ -460,13 +495,16 @@ mod tests {
         let mut held = Vec::new();
         for (i, (s, _)) in holders.iter().enumerate() {
             let g = arb
-                .acquire_turn(&format!("t{i}"), *s, 0, Duration::ZERO)
+                .turns()
+                .acquire(&format!("t{i}"), *s, 0, Duration::ZERO)
                 .await
                 .expect("a free slot");
             held.push((format!("t{i}"), g.turn_id));
         }
         let (waiter, _waiter_rx) = session(&arb, "t2");
-        let ask = arb.acquire_turn("t2", waiter, 0, Duration::from_secs(60));
+        let ask = arb
+            .turns()
+            .acquire("t2", waiter, 0, Duration::from_secs(60));
         assert!(
             tokio::time::timeout(Duration::from_millis(20), ask)
                 .await
@@ -487,7 +525,7 @@ mod tests {
                 let (mut got, mut dropped) = (0u32, 0u32);
                 for j in 0..60u64 {
                     let wait = Duration::from_millis((i + j) % 3 * 5);
-                    let ask = arb.acquire_turn(&tenant, s, 0, wait);
+                    let ask = arb.turns().acquire(&tenant, s, 0, wait);
                     // Every other ask is dropped after 0-900 us, mid-wait if not granted.
                     let give_up = if j % 2 == 0 {
                         Duration::from_micros((i * 7 + j * 13) % 4 * 300)
@@ -537,7 +575,7 @@ mod tests {
             let (s, _rx) = session(&arb, "t");
             let ask = {
                 let arb = arb.clone();
-                tokio::spawn(async move { arb.acquire_turn("t", s, 0, Duration::ZERO).await })
+                tokio::spawn(async move { arb.turns().acquire("t", s, 0, Duration::ZERO).await })
             };
             let end = {
                 let arb = arb.clone();
@@ -599,11 +637,19 @@ mod tests {
     async fn a_deleted_tenant_leaves_no_turn_usage_for_one_created_again() {
         let arb = arbiter(slots(10_000));
         let (a, _ea) = session(&arb, "a");
-        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        let ga = arb
+            .turns()
+            .acquire("a", a, 0, Duration::ZERO)
+            .await
+            .unwrap();
         release_turn(&arb, "a", ga.turn_id).unwrap();
         // A turn still held when the tenant goes is booked as its session ends, then
         // forgotten with the rest.
-        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        let ga = arb
+            .turns()
+            .acquire("a", a, 0, Duration::ZERO)
+            .await
+            .unwrap();
         assert_eq!(arb.views().tenant("a").unwrap().turns.turns, 1);
         arb.changes().delete_tenant("a", None).unwrap();
         assert_eq!(arb.scheduler.holders(0), 0, "its session's turn ended");
@@ -613,7 +659,11 @@ mod tests {
         // Created again under the name: it starts with no usage.
         let (a, _ea) = session(&arb, "a");
         assert_eq!(arb.views().tenant("a").unwrap().turns, TurnUsage::default());
-        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        let ga = arb
+            .turns()
+            .acquire("a", a, 0, Duration::ZERO)
+            .await
+            .unwrap();
         release_turn(&arb, "a", ga.turn_id).unwrap();
         assert_eq!(arb.views().tenant("a").unwrap().turns.turns, 1);
     }
@@ -631,22 +681,34 @@ mod tests {
         let (a, _ea) = session(&arb, "a");
         let (b, _eb) = session(&arb, "b");
         // b has used the device for a while; a has used nothing: a is owed.
-        let gb = arb.acquire_turn("b", b, 0, Duration::ZERO).await.unwrap();
+        let gb = arb
+            .turns()
+            .acquire("b", b, 0, Duration::ZERO)
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
         release_turn(&arb, "b", gb.turn_id).unwrap();
         let ask_b = |arb: &Arc<Arbiter>| {
             let arb = arb.clone();
-            tokio::spawn(async move { arb.acquire_turn("b", b, 0, Duration::from_secs(30)).await })
+            tokio::spawn(async move {
+                arb.turns()
+                    .acquire("b", b, 0, Duration::from_secs(30))
+                    .await
+            })
         };
         // Round one: a gives its turn back with b waiting, asks again in the window and
         // gets the kept slot, ahead of b.
-        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await.unwrap();
+        let ga = arb
+            .turns()
+            .acquire("a", a, 0, Duration::ZERO)
+            .await
+            .unwrap();
         let wb = ask_b(&arb);
         waiting(&arb, 1).await;
         let end = release_turn(&arb, "a", ga.turn_id).unwrap();
         let until = end.kept_until.expect("a is owed: its slot is kept");
         assert!(!end.handed_off);
-        let ga = arb.acquire_turn("a", a, 0, Duration::ZERO).await;
+        let ga = arb.turns().acquire("a", a, 0, Duration::ZERO).await;
         if Instant::now() < until {
             let ga = ga.expect("the kept slot is a's in its window");
             assert_eq!(arb.scheduler.device_state(0), (Some("a".into()), 1));

@@ -303,7 +303,7 @@ mod tests {
             unix: true,
         };
         let (s, _rx) = arb.open_session("a", "t", me).unwrap();
-        let session = arb.session_peer("a", s).unwrap();
+        let session = arb.sessions().peer("a", s).unwrap();
         let req = crate::arbiter::tests::req("a", s, 4 << 20);
         let (uid, pid) = (1000, me.pid);
 

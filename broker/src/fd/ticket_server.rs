@@ -595,7 +595,7 @@ mod tests {
         let k = arb.tickets().mint(l.id, bound, fd_of(&l), to);
         fetch(&path, &k, None).await.unwrap();
         arb.release("a", l.id).unwrap();
-        assert!(arb.list_quarantined().is_empty());
+        assert!(arb.views().quarantined().is_empty());
 
         // This process is outside `theirs`: recorded first, so the release holds the block.
         let l = arb.acquire(req("a", theirs, 4 << 20)).await.unwrap();
@@ -603,7 +603,7 @@ mod tests {
         let k = arb.tickets().mint(l.id, bound, fd_of(&l), to);
         fetch(&path, &k, None).await.unwrap();
         arb.release("a", l.id).unwrap();
-        let q = arb.list_quarantined();
+        let q = arb.views().quarantined();
         assert_eq!(q.len(), 1, "{q:?}");
         assert_eq!((q[0].lease, q[0].holders.clone()), (l.id, vec![me]));
 
@@ -684,7 +684,7 @@ mod tests {
         .unwrap();
         assert_eq!(got.1, 1, "the child got the descriptor");
         arb.release("a", l.id).unwrap();
-        let q = arb.list_quarantined();
+        let q = arb.views().quarantined();
         assert_eq!(q.len(), 1, "{q:?}");
         assert_eq!(
             (q[0].lease, q[0].holders.clone()),
@@ -776,8 +776,8 @@ mod tests {
         };
         let (own, _rx1) = arb.open_session("a", "own", peer(me)).unwrap();
         let (theirs, _rx2) = arb.open_session("a", "theirs", peer(other.id())).unwrap();
-        let own_s = arb.session_peer_retaining("a", own).unwrap();
-        let theirs_s = arb.session_peer_retaining("a", theirs).unwrap();
+        let own_s = arb.retained().session_peer("a", own).unwrap();
+        let theirs_s = arb.retained().session_peer("a", theirs).unwrap();
         let start = crate::process::start_ticks(me).unwrap();
         assert_eq!(own_s.start, Some(start));
 
@@ -1081,7 +1081,7 @@ mod tests {
             "the child got the descriptor on the kept connection"
         );
         arb.release("a", l.id).unwrap();
-        let q = arb.list_quarantined();
+        let q = arb.views().quarantined();
         assert_eq!(q.len(), 1, "{q:?}");
         assert_eq!(
             (q[0].lease, q[0].holders.clone()),

@@ -465,7 +465,8 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::ListQuarantinedResponse>, Status> {
         let blocks = self
             .arb
-            .list_quarantined()
+            .views()
+            .quarantined()
             .iter()
             .map(|q| pb::QuarantinedBlock {
                 lease_id: q.lease.to_string(),

@@ -213,7 +213,8 @@ impl Broker for BrokerService {
         let acquire = self.arb.validate(asked).map_err(status)?;
         let session_of = self
             .arb
-            .session_peer_retaining(&acquire.tenant, session)
+            .retained()
+            .session_peer(&acquire.tenant, session)
             .map_err(status)?;
         let (session_peer, retains) = (session_of.peer, session_of.retains);
         handles::check_same_user(&session_peer, &caller).map_err(status)?;
@@ -224,7 +225,7 @@ impl Broker for BrokerService {
             .pid
             .filter(|&p| p != 0 && Some(p) == session_peer.pid);
         if retains && !r.host_tier {
-            if let Some(lease) = self.arb.acquire_retained(&acquire, own) {
+            if let Some(lease) = self.arb.retained().acquire(&acquire, own) {
                 let mut reply = convert::lease_on(&lease, &self.arb);
                 reply.handle = Some(pb::lease::Handle::Fd(handles::retained_handle(
                     &self.arb, &lease,
@@ -277,7 +278,8 @@ impl Broker for BrokerService {
             // Only a Unix-socket caller's pid is the kernel's.
             let pid = caller.pid.filter(|_| caller.unix);
             self.arb
-                .release_retaining(&tenant, id, pid, req.get_ref().may_decline)
+                .retained()
+                .release(&tenant, id, pid, req.get_ref().may_decline)
                 .map_err(status)?
         } else {
             self.arb.release(&tenant, id).map_err(status)?;
@@ -336,7 +338,8 @@ impl Broker for BrokerService {
         let wait = Duration::from_millis(r.wait_ms.unwrap_or(0));
         let grant = self
             .arb
-            .acquire_turn(&tenant, session, r.device, wait)
+            .turns()
+            .acquire(&tenant, session, r.device, wait)
             .instrument(span)
             .await
             .map_err(|e| self.waited(e, session, token.as_deref()))?;
@@ -357,7 +360,8 @@ impl Broker for BrokerService {
         let id = parse_id("turn_id", &req.get_ref().turn_id).map_err(status)?;
         let end = self
             .arb
-            .release_turn_received(&tenant, id, received)
+            .turns()
+            .release_received(&tenant, id, received)
             .map_err(status)?;
         if end.handed_off {
             // The direct hand-off: the waiter's task was woken on this worker thread by
@@ -476,7 +480,7 @@ impl Broker for BrokerService {
         let session = parse_id("session_id", &r.session_id).map_err(status)?;
         crate::bounds::check("label", &r.label, crate::arbiter::MAX_LABEL).map_err(status)?;
         check_reservation_caller(
-            &self.arb.session_peer(&tenant, session).map_err(status)?,
+            &self.arb.sessions().peer(&tenant, session).map_err(status)?,
             &caller,
         )
         .map_err(status)?;

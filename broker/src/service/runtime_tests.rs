@@ -164,14 +164,14 @@ fn a_quarantine_watcher_started_by_an_operators_revoke_runs_on_the_main_runtime(
         .unwrap();
     let release = rts.revoke_then_stall(&arb, &held);
     assert_eq!(
-        arb.list_quarantined().len(),
+        arb.views().quarantined().len(),
         1,
         "quarantined while it lives"
     );
     holder.kill().unwrap();
     holder.wait().unwrap();
     let t0 = std::time::Instant::now();
-    while !arb.list_quarantined().is_empty() {
+    while !arb.views().quarantined().is_empty() {
         assert!(
             t0.elapsed() < BOUNDED,
             "the watcher never fired: it runs on the stalled operators' runtime"

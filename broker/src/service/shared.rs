@@ -86,7 +86,7 @@ pub fn import(
     r: &pb::ImportLeaseRequest,
 ) -> Result<pb::ImportLeaseResponse, BrokerError> {
     let session = parse_id("session_id", &r.session_id)?;
-    handles::check_same_user(&arb.session_peer(tenant, session)?, caller)?;
+    handles::check_same_user(&arb.sessions().peer(tenant, session)?, caller)?;
     handles::check_fd_receivable(arb, caller)?;
     let g = arb
         .sharing()

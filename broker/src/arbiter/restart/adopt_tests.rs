@@ -182,7 +182,7 @@ fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
         arb.views().tenant("alpha").unwrap().usage.held_bytes,
         4 * MIB
     );
-    assert!(arb.list_quarantined().is_empty());
+    assert!(arb.views().quarantined().is_empty());
 }
 
 /// The report names each step of the adoption in order, with the device's own step.
@@ -423,7 +423,8 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
     ];
     arb.restart().adopt_from_keeper(place).unwrap();
     let held: Vec<String> = arb
-        .list_quarantined()
+        .views()
+        .quarantined()
         .into_iter()
         .map(|q| q.lease.to_string())
         .collect();
@@ -720,7 +721,7 @@ async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
     assert_eq!(named(&lease.key()), want);
 
     arb.release("alpha", id).unwrap();
-    let q = arb.list_quarantined();
+    let q = arb.views().quarantined();
     assert_eq!(q.len(), 1, "{q:?}");
     let mut holders = vec![live.id(), later.id()];
     holders.sort();
@@ -740,10 +741,13 @@ async fn a_kept_leases_recipients_that_live_hold_its_memory_when_it_ends() {
         c.wait().unwrap();
     }
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !arb.list_quarantined().is_empty() && Instant::now() < deadline {
+    while !arb.views().quarantined().is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(arb.list_quarantined().is_empty(), "let go once they exited");
+    assert!(
+        arb.views().quarantined().is_empty(),
+        "let go once they exited"
+    );
     assert_eq!(
         arb.views().tenant("alpha").unwrap().usage.quarantined_bytes,
         0

@@ -30,7 +30,7 @@ impl Restart<'_> {
         held: &[Uuid],
     ) -> BrokerResult<(mpsc::UnboundedReceiver<SessionEvent>, Vec<Uuid>, Vec<Uuid>)> {
         // A closing broker reopens no mailbox (open_session refuses likewise).
-        self.arb.shutdown.refuse_new_work()?;
+        self.arb.lifecycle.refuse_new_work()?;
         let refused = || BrokerError::NotFound(crate::error::Missing::Session(id));
         let hash = secret_hash(secret);
         let (tx, rx) = mpsc::unbounded_channel();
