@@ -6,7 +6,7 @@
 #                                       # previous release's broker and bench built beside it
 #                                       # (or GPU_ALL_BEFORE, GPU_ALL_BEFORE_BENCH: binaries built earlier)
 #   scripts/gpu-all.sh run [PARTS]      # on the GPU machine (no Rust); PARTS is a comma list
-#                                       # (default: fd,fd-ab,check,forge,shared,sleep,python,serving,mps,health,restart,host)
+#                                       # (default: fd,fd-ab,check,forge,shared,sleep,python,serving,mps,health,restart,probe,host)
 #   scripts/gpu-all.sh dry-run [PARTS]  # here, no GPU: the same parts on the host backend
 #                                       # with the debug binaries (GPU_ALL_BIN, default
 #                                       # target/debug), each GPU step checked, not run;
@@ -40,6 +40,9 @@
 #   restart scripts/gpu-restart-check.sh  a broker SIGKILL + restart with a keeper: 10,000
 #                                          live leases (restart to serving), PyTorch training
 #                                          stepping through it, quota enforced after
+#   probe   scripts/gpu-throughput-probe.sh  pooled latency and 32-worker pairs/s of a fresh broker
+#                                          and of the same broker after other work, default log
+#                                          level and warn, side by side
 #   pybench scripts/gpu-python-bench.sh    the PyTorch allocator against PyTorch's own,
 #                                          interleaved (not in the default parts: minutes)
 #   host    the host backend on the machine's idle cores (no GPU): scripts/bench-ab.sh of
@@ -57,7 +60,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_ALL_OUT:-.gpu/all}
 TARGET=${CARGO_TARGET_DIR:-target}
-ALL_PARTS=fd,fd-ab,check,forge,shared,sleep,python,serving,mps,health,restart,host
+ALL_PARTS=fd,fd-ab,check,forge,shared,sleep,python,serving,mps,health,restart,probe,host
 # shellcheck source=scripts/gpu-common.sh
 source scripts/gpu-common.sh
 
@@ -215,6 +218,7 @@ part_command() {
         mps) echo scripts/gpu-mps-check.sh run check,external,handoff ;;
         health) echo scripts/gpu-health-check.sh run ;;
         restart) echo scripts/gpu-restart-check.sh run ;;
+        probe) echo scripts/gpu-throughput-probe.sh run ;;
         pybench) echo scripts/gpu-python-bench.sh run ;;
         host) echo host_ab ;;
         ab) echo ab ;;

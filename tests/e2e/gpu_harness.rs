@@ -41,7 +41,7 @@ fn every_part_of_the_gpu_harness_runs_its_logic_without_a_gpu() {
     assert!(out.status.success(), "{text}");
     for part in [
         "fd", "fd-ab", "check", "forge", "shared", "sleep", "python", "serving", "mps", "health",
-        "restart", "host",
+        "restart", "probe", "host",
     ] {
         assert!(
             text.contains(&format!("################ {part} ################")),
