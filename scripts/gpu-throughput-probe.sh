@@ -28,7 +28,7 @@ probe() {
     (sleep 2.5; top -b -n 1 -w 200 | sed -n 7,11p) &
     top=$!
     gpu_step "throughput ($label)" "${b[@]}" throughput --workers 32 --duration 3s --repeat 1
-    wait "$top"
+    wait "$top" || true
 }
 
 run() {

@@ -372,8 +372,14 @@ async fn run_keeps_its_program_and_reservation_through_a_broker_restart_with_a_k
         session_ids(&b).await,
         reserved(&b, "alice").await
     );
-    // Longer than `run` takes to stop a program whose session was lost.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // `run` saw the session resumed, and did not stop the program for it.
+    p.line_starting(
+        "stderr: gpu-brokerctl run: the broker is back",
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(alive(child), "the program runs on: {}", p.history());
     assert_eq!(reserved(&b, "alice").await, (256 * MIB, 1));
     std::fs::write(&go, "").unwrap();
@@ -381,6 +387,45 @@ async fn run_keeps_its_program_and_reservation_through_a_broker_restart_with_a_k
     assert!(status.success(), "{out}");
     assert!(out.contains("done") && !out.contains("stopping"), "{out}");
     assert_freed_within_a_second(&b, "alice").await;
+}
+
+/// A broker that keeps sessions but does not come back within `--resume-wait`: `run`
+/// stops its program then, however long the reconnect attempts take.
+#[tokio::test]
+async fn run_stops_the_program_when_the_broker_is_not_back_within_its_resume_wait() {
+    let keeper = Keeper::start().await.unwrap();
+    let mut b = Broker::start_with(BrokerOpts {
+        extra: keeper.flags(),
+        ..BrokerOpts::default()
+    })
+    .unwrap();
+    let token = b.tenant("alice", QuotaSpec::new(512 * MIB)).await.unwrap();
+    let token_file = b.dir.path().join("alice.token");
+    std::fs::write(&token_file, &token).unwrap();
+    let script = r#"trap 'echo stopping; exit 5' TERM; echo ready; while :; do sleep 0.05; done"#;
+    let args = ["--memory", "64MiB", "--resume-wait", "1s"];
+    let mut p = Proc::spawn(run_cmd(&b, &token_file, &args, script)).unwrap();
+    p.line_starting("ready", Duration::from_secs(20))
+        .await
+        .unwrap();
+    // `run` names the program's group to the broker after starting it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    b.kill().unwrap();
+    let gone = std::time::Instant::now();
+    p.line_starting(
+        "stderr: gpu-brokerctl run: the broker went away",
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let (status, out) = p.finish(Duration::from_secs(15)).await.unwrap();
+    assert_eq!(status.code(), Some(5), "{out}");
+    assert!(out.contains("did not come back in time"), "{out}");
+    assert!(
+        gone.elapsed() < Duration::from_secs(8),
+        "stopped {:?} after the broker went, with a 1 s wait: {out}",
+        gone.elapsed()
+    );
 }
 
 /// A broker that comes back without the session (restarted without its keeper) has

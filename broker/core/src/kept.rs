@@ -567,6 +567,11 @@ impl LeaseRecord {
     }
 }
 
+/// A record's wall-clock time back from its milliseconds since the epoch.
+pub fn from_unix_ms(ms: u64) -> std::time::SystemTime {
+    std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)
+}
+
 pub fn unix_ms(t: std::time::SystemTime) -> u64 {
     t.duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)

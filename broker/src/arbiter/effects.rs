@@ -10,10 +10,10 @@
 //!    invariant is checked (debug builds: `State::check_invariant`);
 //! 2. [`Executor::execute`], the one effect executor ([`Arbiter::executor`]), takes each
 //!    effect in order with the lock still held: device frees are queued on their device
-//!    threads (a channel send, never a driver call), so a free always reaches the device ahead of any allocation
-//!    admitted after it (the device thread runs jobs in order); session events find their
-//!    mailbox and ended sessions' mailboxes close (`outbox.rs`), so an event decided before
-//!    a session's end reaches its stream; watchers and the keeper's records change;
+//!    threads (a channel send, never a driver call), so a free always reaches the device
+//!    ahead of any allocation admitted after it (the device thread runs jobs in order);
+//!    session events find their mailbox and ended sessions' mailboxes close (`outbox.rs`),
+//!    so an event decided before a session's end reaches its stream; watchers and the keeper's records change;
 //! 3. the lock is released;
 //! 4. what `execute` left for after the unlock runs: replies, events, kills, grants'
 //!    device work, ticket and turn clean-up, counters, then the `/proc` looks.

@@ -1,12 +1,13 @@
 //! Compute turns through the arbiter: the thin shell around the scheduler's core
-//! ([`crate::scheduler::Turns`]), asked through [`ComputeTurns`] ([`Arbiter::turns`]). It checks the session, locks the core, calls one
-//! transition, takes its effects, unlocks, and then has them carried out by the turn
-//! effect executor (`Executor::execute_turns`, `effects.rs`): a waiter's answer goes to its
-//! reply channel (kept in the outbox, `outbox.rs`, registered in the hold that queued the
-//! request), a session's event to its mailbox, a kept slot's window gets a timer. A grant
-//! nobody receives (the caller went away just as it was answered) is given back to the
-//! core, which hands the slot on. It waits for a grant with a deadline and
-//! never leaves a turn held by a caller that went away. The hand-off histogram lives here.
+//! ([`crate::scheduler::Turns`]), asked through [`ComputeTurns`] ([`Arbiter::turns`]). It
+//! checks the session, locks the core, calls one transition, takes its effects, unlocks,
+//! and then has them carried out by the turn effect executor (`Executor::execute_turns`,
+//! `effects.rs`): a waiter's answer goes to its reply channel (kept in the outbox,
+//! `outbox.rs`, registered in the hold that queued the request), a session's event to its
+//! mailbox, a kept slot's window gets a timer. A grant nobody receives (the caller went
+//! away just as it was answered) is given back to the core, which hands the slot on. It
+//! waits for a grant with a deadline and never leaves a turn held by a caller that went
+//! away. The hand-off histogram lives here.
 
 use super::{session_not_found, Arbiter};
 use crate::error::{BrokerError, BrokerResult};

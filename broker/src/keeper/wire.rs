@@ -377,7 +377,6 @@ mod tests {
         (unsafe { libc::read(r.as_raw_fd(), b.as_mut_ptr().cast(), 1) }) == 0
     }
 
-    /// A message and its descriptors cross whole, in order, each close-on-exec.
     /// The socket setup: a keeper's socket is the owner's only, a connection is
     /// accepted with the connector's uid, a receive waits no longer than it was told
     /// (zero: forever, as before), and a path the kernel cannot hold is refused by name.
@@ -410,6 +409,7 @@ mod tests {
         );
     }
 
+    /// A message and its descriptors cross whole, in order, each close-on-exec.
     #[test]
     fn a_batch_crosses_with_its_descriptors_in_order() {
         let (a, b) = pair();

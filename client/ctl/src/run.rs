@@ -12,8 +12,9 @@
 //! the group (SIGTERM, SIGKILL after its `--process-stop-grace`); if `run` dies, the
 //! program itself also gets SIGKILL at once (`PR_SET_PDEATHSIG`). The session reconnects:
 //! a broker restarted with a keeper resumes it with the reservation and the program runs
-//! on; one that lost it (or does not come back within `RESUME_WAIT`) ends the
-//! reservation, and the program is stopped. A descendant that leaves
+//! on; a broker that comes back without the session, or not within `--resume-wait`, has the
+//! program stopped by `run`, and one that comes back with the session but not the
+//! reservation stops the program's group itself. A descendant that leaves
 //! the group (`setsid`, `setpgid`) escapes this (docs/mps.md). On a terminal the group is
 //! made the foreground group while it runs (like a shell's job), so the program reads the
 //! terminal and gets its Ctrl-C itself; when Ctrl-Z stops the program, `run` gives the
@@ -46,10 +47,6 @@ pub const EXIT_NOT_FOUND: u8 = 127;
 /// How long the program has to exit after SIGTERM when its session is lost, before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
-/// How long a program whose broker went away runs on while `run` waits for a broker that
-/// keeps sessions (a keeper) to come back with the reservation; then it is stopped.
-const RESUME_WAIT: Duration = Duration::from_secs(60);
-
 /// The `run` subcommand's arguments.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
@@ -67,6 +64,11 @@ pub struct RunArgs {
     /// How long to wait for the reservation (e.g. 30s; default: do not wait).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
     pub wait: Duration,
+    /// How long the program runs on while a broker that keeps sessions (a keeper, the
+    /// systemd fd store) is away, waiting for it to come back with the reservation; then
+    /// the program is stopped.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
+    pub resume_wait: Duration,
     /// Session name shown to operators (default: "run:" and the program's name).
     #[arg(long)]
     pub name: Option<String>,
@@ -274,7 +276,7 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
             Duration::from_millis(50),
             Duration::from_secs(2),
         ))
-        .give_up_after(RESUME_WAIT)
+        .give_up_after(args.resume_wait)
         .open()
         .await?;
     let mut request = ReservationRequest::new(&session, args.memory)
@@ -389,6 +391,9 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
     let mut events = session.events();
     let mut session_lost = false;
     let mut kill_at: Option<tokio::time::Instant> = None;
+    // While the broker is away: when `run` stops waiting for it (its own bound, whatever
+    // the reconnect attempts take).
+    let mut resume_by: Option<tokio::time::Instant> = None;
     let status = loop {
         let forwarded = futures::future::select_all(
             sigs.iter_mut()
@@ -396,6 +401,12 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
         );
         let kill_deadline = async {
             match kill_at {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => futures::future::pending().await,
+            }
+        };
+        let resume_deadline = async {
+            match resume_by {
                 Some(t) => tokio::time::sleep_until(t).await,
                 None => futures::future::pending().await,
             }
@@ -430,38 +441,40 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
                         let _ = writeln!(
                             std::io::stderr(),
                             "gpu-brokerctl run: the broker went away; {program} runs on while its reservation is kept (up to {}s for the broker to come back)",
-                            RESUME_WAIT.as_secs()
+                            args.resume_wait.as_secs_f64()
                         );
-                        false
+                        resume_by.get_or_insert(tokio::time::Instant::now() + args.resume_wait);
+                        None
                     }
+                    // The broker stops the program's group itself if the restart did not
+                    // take the reservation back with the session.
                     Some(SessionEvent::Resumed { .. }) => {
                         let _ = writeln!(
                             std::io::stderr(),
-                            "gpu-brokerctl run: the broker is back and kept the reservation"
+                            "gpu-brokerctl run: the broker is back with the session"
                         );
-                        false
+                        resume_by = None;
+                        None
+                    }
+                    // The reconnects gave up while `run` waited for the broker.
+                    Some(SessionEvent::Closed { .. }) if resume_by.is_some() => {
+                        Some("the broker did not come back in time")
                     }
                     None
                     | Some(
                         SessionEvent::Disconnected { .. }
                         | SessionEvent::Reconnected { .. }
                         | SessionEvent::Closed { .. },
-                    ) => true,
-                    Some(_) => false,
+                    ) => Some("the broker ended the session"),
+                    Some(_) => None,
                 };
-                if lost {
-                    // The reservation is gone with the session: the program must not
-                    // run on unaccounted.
-                    session_lost = true;
-                    let _ = writeln!(
-                        std::io::stderr(),
-                        "gpu-brokerctl run: the broker ended the session; stopping {program} (SIGTERM, SIGKILL after {}s)",
-                        STOP_GRACE.as_secs()
-                    );
-                    // SAFETY: plain syscall on our own child's process group.
-                    unsafe { libc::kill(-pid, libc::SIGTERM) };
-                    kill_at = Some(tokio::time::Instant::now() + STOP_GRACE);
+                if let Some(why) = lost {
+                    stop_lost(pid, &program, why, &mut session_lost, &mut kill_at);
                 }
+            }
+            _ = resume_deadline, if !session_lost => {
+                resume_by = None;
+                stop_lost(pid, &program, "the broker did not come back in time", &mut session_lost, &mut kill_at);
             }
             _ = kill_deadline => {
                 // SAFETY: plain syscall on our own child's process group.
@@ -485,6 +498,26 @@ async fn supervise(target: Target, args: RunArgs) -> Result<Outcome> {
         (None, Some(sig)) => Outcome::Signalled(sig),
         (None, None) => Outcome::Exited(EXIT_REFUSED),
     })
+}
+
+/// The reservation is gone with the session (`why`): the program must not run on
+/// unaccounted, so its group gets SIGTERM now and SIGKILL after [`STOP_GRACE`].
+fn stop_lost(
+    pid: libc::pid_t,
+    program: &str,
+    why: &str,
+    session_lost: &mut bool,
+    kill_at: &mut Option<tokio::time::Instant>,
+) {
+    *session_lost = true;
+    let _ = writeln!(
+        std::io::stderr(),
+        "gpu-brokerctl run: {why}; stopping {program} (SIGTERM, SIGKILL after {}s)",
+        STOP_GRACE.as_secs()
+    );
+    // SAFETY: plain syscall on our own child's process group.
+    unsafe { libc::kill(-pid, libc::SIGTERM) };
+    *kill_at = Some(tokio::time::Instant::now() + STOP_GRACE);
 }
 
 /// Makes `pgrp` the foreground process group of the terminal on fd 0, ignoring the

@@ -67,8 +67,27 @@ impl State {
     /// and room; charged beyond its quota if that shrank meanwhile: its process runs).
     /// Its drawn leases are taken back after it and drawn from it again
     /// ([`State::adopt_lease`]). Refused when its session was not taken back or holds
-    /// one, or its tenant or device is gone.
-    pub fn adopt_reservation(
+    /// one, or its tenant or device is gone; what is left of its program's group is then
+    /// stopped ([`State::reservation_not_kept`]).
+    pub fn adopt_reservation(&mut self, r: Reservation) -> Result<(), super::adopt::NotAdopted> {
+        let group = r.group;
+        let out = self.take_back_reservation(r);
+        if out.is_err() {
+            self.reservation_not_kept(group);
+        }
+        out
+    }
+
+    /// A kept reservation that a restart does not take back: what is left of its program's
+    /// process group is stopped, as an ended reservation's is, since nothing charges it
+    /// any more.
+    pub fn reservation_not_kept(&mut self, group: Option<crate::process_group::ProcessGroup>) {
+        if let Some(g) = group {
+            self.fx.stop_group(g);
+        }
+    }
+
+    fn take_back_reservation(
         &mut self,
         mut r: Reservation,
     ) -> Result<(), super::adopt::NotAdopted> {

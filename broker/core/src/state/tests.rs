@@ -1193,7 +1193,7 @@ impl Harness {
         self.st.leases().iter().map(|l| (l.id, l.state)).collect()
     }
 
-    /// A drain, as the shell runs it (`Arbiter::start_drain`): the devices close (a drain
+    /// A drain, as the shell runs it (`Drains::start`): the devices close (a drain
     /// again keeps what it asked), the queue refuses what can now go nowhere, then one
     /// transition asks back exactly the active reclaimable device leases there, each
     /// marked with the drain's deadline and its session told once; nothing else changes.
@@ -1277,7 +1277,7 @@ impl Harness {
         }
     }
 
-    /// A drain ends (`Arbiter::undrain`): the devices reopen unless unhealthy, and the
+    /// A drain ends (`Drains::undrain`): the devices reopen unless unhealthy, and the
     /// leases it asked that are still asked are active again, told nothing; the rest is
     /// as it was.
     fn undrain(&mut self, device: Option<u32>) {

@@ -576,6 +576,56 @@ fn kept_publications_and_imports_are_taken_back_with_their_lease_and_session() {
 /// (less what drawn leases lost to quarantine) charged again, beyond a shrunk quota; a kept
 /// lease drawn from it is drawn from it again, and its bytes go back into the room when it
 /// ends; its end is kept. A reservation of a session not taken back is refused.
+/// A kept reservation that cannot be taken back (its session, tenant or device gone) has
+/// what is left of its program's process group stopped, as an ended reservation's is: a
+/// program the broker no longer charges must not run on unaccounted.
+#[test]
+fn a_kept_reservation_not_taken_back_stops_its_programs_group() {
+    use super::adopt::NotAdopted;
+    use crate::process_group::ProcessGroup;
+    use crate::reservations::Reservation;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    let group = ProcessGroup {
+        pgid: 4242,
+        uid: 1000,
+        leader_start: 77,
+    };
+    let kept = |device| Reservation {
+        id: Uuid::now_v7(),
+        tenant: "a".into(),
+        session: Uuid::now_v7(),
+        device,
+        bytes: 16 * MIB,
+        requested_bytes: 16 * MIB,
+        label: "run".into(),
+        pid: Some(7),
+        compute_percent: None,
+        created: SystemTime::UNIX_EPOCH,
+        drawn: 0,
+        lost: 0,
+        group: Some(group),
+        claim: None,
+    };
+    let stopped = |c: &mut Core| {
+        c.st.take_effects()
+            .into_vec()
+            .iter()
+            .filter(|e| matches!(e, Effect::StopGroup { group: g } if *g == group))
+            .count()
+    };
+    assert!(matches!(
+        c.st.adopt_reservation(kept(0)),
+        Err(NotAdopted::Session)
+    ));
+    assert_eq!(stopped(&mut c), 1, "its session is gone");
+    c.st.reservation_not_kept(Some(group));
+    assert_eq!(stopped(&mut c), 1, "its device is gone");
+    c.st.reservation_not_kept(None);
+    assert_eq!(stopped(&mut c), 0, "no group named");
+    c.st.check_invariant().unwrap();
+}
+
 #[test]
 fn a_kept_reservation_is_taken_back_with_its_session_and_its_drawn_leases() {
     use super::adopt::{Adopted, NotAdopted};

@@ -9,7 +9,7 @@
 //! came back and where the start's time went.
 
 use super::Restart;
-use crate::keeper::records::{self, Kept, LeaseRecord, SessionRecord};
+use crate::keeper::records::{self, from_unix_ms, Kept, LeaseRecord, SessionRecord};
 use crate::keeper::Place;
 use crate::pool::Block;
 use crate::session::{Peer, Session};
@@ -279,10 +279,6 @@ fn session_of(r: &SessionRecord, alive: &mut Liveness) -> Result<Session, &'stat
     Ok(s)
 }
 
-fn from_unix_ms(ms: u64) -> SystemTime {
-    SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
-}
-
 impl Restart<'_> {
     /// Drains the device of kept drain `r` again, as the previous broker had it: same
     /// reason and start, the same deadline (wall clock) for its reclaimable holders, asked
@@ -447,6 +443,12 @@ impl Restart<'_> {
         for (r, why) in self.adopt_reservations(reservations) {
             tally.add("kept reservations not taken back", why, r.bytes);
             link.remove(r.key());
+        }
+        if !reservation_device_gone.is_empty() {
+            let mut st = self.arb.lock();
+            for r in &reservation_device_gone {
+                st.reservation_not_kept(super::process::group_of(r));
+            }
         }
         for r in reservation_device_gone {
             tally.add("kept reservations not taken back", "its device is gone", 0);

@@ -848,23 +848,21 @@ fn a_kept_blocks_reached_processes_that_live_come_back_with_their_places() {
     }
 }
 
-/// A kept import names the processes outside its session that fetched its descriptor: a
-/// restarted broker lets the import linger for the one that lives (same start time) when
-/// its holder lets go, kept as lingering, until that process is gone.
-#[test]
-fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
-    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
-    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
-        .unwrap();
-    let mut child = std::process::Command::new("sleep")
-        .arg("30")
-        .spawn()
-        .unwrap();
-    let child_pid = child.id();
-    let session = Uuid::new_v4();
-    let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
+/// A 2 MiB memfd sealed read-only, as a published lease's block is.
+fn sealed_memfd() -> OwnedFd {
     let fd = memfd(2 * MIB);
     crate::sharing::seal_read_only(&crate::device::SharedFd::new(fd.try_clone().unwrap())).unwrap();
+    fd
+}
+
+/// The records of a lease of tenant alpha on `session`, its publication, and an import of
+/// it by this process on the same session whose descriptor reached `recipients`.
+fn published_and_imported(
+    arb: &Arbiter,
+    session: Uuid,
+    recipients: Vec<ProcessRecord>,
+) -> (LeaseRecord, PublicationRecord, ImportRecord) {
+    let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
     let publication = PublicationRecord {
         v: RECORD_VERSION,
         id: Uuid::new_v4().to_string(),
@@ -882,11 +880,34 @@ fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
         session: session.to_string(),
         pid: Some(std::process::id()),
         created_unix_ms: 0,
-        recipients: vec![ProcessRecord {
+        recipients,
+    };
+    (lease, publication, import)
+}
+
+/// A kept import names the processes outside its session that fetched its descriptor: a
+/// restarted broker lets the import linger for the one that lives (same start time) when
+/// its holder lets go, kept as lingering, until that process is gone.
+#[test]
+fn a_kept_imports_recipient_that_lives_keeps_it_lingering_when_let_go() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
+        .unwrap();
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let child_pid = child.id();
+    let session = Uuid::new_v4();
+    let (lease, publication, import) = published_and_imported(
+        &arb,
+        session,
+        vec![ProcessRecord {
             pid: child_pid,
             start: crate::process::start_ticks(child_pid),
         }],
-    };
+    );
+    let fd = sealed_memfd();
     let place = MemPlace::default();
     let records = place.records.clone();
     *place.entries.lock() = vec![
@@ -987,32 +1008,7 @@ fn lingering_restart(pid: u32, start: u64) -> u64 {
     arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
     let session = Uuid::new_v4();
-    let lease = lease_record(session, "alpha", 0, Some(&arb.devices.uuid(0)));
-    let sealed = || {
-        let fd = memfd(2 * MIB);
-        crate::sharing::seal_read_only(&crate::device::SharedFd::new(fd.try_clone().unwrap()))
-            .unwrap();
-        fd
-    };
-    let publication = PublicationRecord {
-        v: RECORD_VERSION,
-        id: Uuid::new_v4().to_string(),
-        lease: lease.id.clone(),
-        publisher: "alpha".into(),
-        name: Some("w".into()),
-        readers: vec![],
-        published_unix_ms: 1_764_800_000_000,
-    };
-    let import = ImportRecord {
-        v: RECORD_VERSION,
-        id: Uuid::new_v4().to_string(),
-        publication: publication.id.clone(),
-        tenant: "alpha".into(),
-        session: session.to_string(),
-        pid: Some(std::process::id()),
-        created_unix_ms: 0,
-        recipients: vec![],
-    };
+    let (lease, publication, import) = published_and_imported(&arb, session, vec![]);
     let mut kept: std::collections::BTreeMap<String, serde_json::Value> = [
         (
             format!("session/{session}"),
@@ -1033,7 +1029,7 @@ fn lingering_restart(pid: u32, start: u64) -> u64 {
         .map(|(k, v)| Entry {
             key: k.clone(),
             record: v.clone(),
-            fd: (k == &lease.key()).then(sealed),
+            fd: (k == &lease.key()).then(sealed_memfd),
         })
         .collect();
     arb.restart().adopt_from_keeper(place).unwrap();
@@ -1071,7 +1067,7 @@ fn lingering_restart(pid: u32, start: u64) -> u64 {
         .map(|(k, v)| Entry {
             key: k.clone(),
             record: v.clone(),
-            fd: (k == &held).then(sealed),
+            fd: (k == &held).then(sealed_memfd),
         })
         .collect();
     next.restart().adopt_from_keeper(place).unwrap();

@@ -8,10 +8,9 @@
 
 use super::Restart;
 use crate::arbiter::effects::Keep;
-use crate::keeper::records;
+use crate::keeper::records::{self, unix_ms};
 use crate::keeper::Place;
 use std::os::fd::AsFd;
-use std::time::SystemTime;
 
 impl Restart<'_> {
     /// Runs `Effect::Keep`: tells the keeper (if there is one), between the crash points
@@ -116,12 +115,6 @@ impl Restart<'_> {
             None => link.remove(records::drain_key(device)),
         }
     }
-}
-
-fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 fn to_json<T: serde::Serialize>(r: &T) -> serde_json::Value {

@@ -1,14 +1,13 @@
 //! A restart's take-back of process reservations (after the sessions, before their
 //! leases, so a lease drawn from one is drawn from it again): a kept reservation of a
 //! session taken back comes back with the same id, device and room, charged to its tenant
-//! as before; one whose session was not taken back (its process died meanwhile) leaves
-//! the keeper, and its bytes are no one's. The core's side is
-//! `State::adopt_reservation` (`core/src/state/process.rs`).
+//! as before; one whose session, tenant or device was not taken back leaves the keeper,
+//! its bytes are no one's, and what is left of its program's process group is stopped.
+//! The core's side is `State::adopt_reservation` (`core/src/state/process.rs`).
 
 use super::Restart;
 use crate::keeper::records::ReservationRecord;
 use crate::reservations::Reservation;
-use std::time::{Duration, SystemTime};
 use uuid::Uuid;
 
 impl Restart<'_> {
@@ -23,6 +22,7 @@ impl Restart<'_> {
         for rec in records {
             let (Ok(id), Ok(session)) = (rec.id.parse::<Uuid>(), rec.session.parse::<Uuid>())
             else {
+                st.reservation_not_kept(group_of(&rec));
                 refused.push((rec, "unreadable id"));
                 continue;
             };
@@ -36,14 +36,10 @@ impl Restart<'_> {
                 label: rec.label.clone(),
                 pid: rec.pid,
                 compute_percent: rec.compute_percent,
-                created: SystemTime::UNIX_EPOCH + Duration::from_millis(rec.created_unix_ms),
+                created: crate::keeper::records::from_unix_ms(rec.created_unix_ms),
                 drawn: 0,
                 lost: rec.lost,
-                group: rec.group.map(|g| crate::process_group::ProcessGroup {
-                    pgid: g.pgid,
-                    uid: g.uid,
-                    leader_start: g.leader_start,
-                }),
+                group: group_of(&rec),
                 claim: None,
             };
             if let Err(why) = st.adopt_reservation(r) {
@@ -53,4 +49,15 @@ impl Restart<'_> {
         }
         refused
     }
+}
+
+/// The process group a kept reservation names, if any.
+pub(super) fn group_of(rec: &ReservationRecord) -> Option<crate::process_group::ProcessGroup> {
+    rec.group
+        .as_ref()
+        .map(|g| crate::process_group::ProcessGroup {
+            pgid: g.pgid,
+            uid: g.uid,
+            leader_start: g.leader_start,
+        })
 }

@@ -13,14 +13,11 @@ use crate::arbiter::state::{
     AdoptedHeldPublication, AdoptedImport, AdoptedLingering, NewPublication,
 };
 use crate::device::{Handle, MemoryKind, SharedFd};
-use crate::keeper::records::{self, HeldRecord, ImportRecord, LingeringRecord, PublicationRecord};
+use crate::keeper::records::{
+    self, from_unix_ms, HeldRecord, ImportRecord, LingeringRecord, PublicationRecord,
+};
 use std::collections::BTreeSet;
-use std::time::{Duration, SystemTime};
 use uuid::Uuid;
-
-fn from_unix_ms(ms: u64) -> SystemTime {
-    SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
-}
 
 impl Restart<'_> {
     /// Takes back kept publications (of leases, then of the held blocks `held` taken
