@@ -1011,6 +1011,32 @@ mod tests {
         ));
     }
 
+    /// A lingering import kept by a version that named its waiters by pid alone reads
+    /// with no start times (any process of the pid is waited for), and one with start
+    /// times keeps them.
+    #[test]
+    fn a_lingering_imports_waiters_read_with_or_without_start_times() {
+        let record = |waiters| {
+            serde_json::json!({"v": 1, "id": "i", "publication": "p", "tenant": "t",
+                "session": "s", "pid": 7, "waiters": waiters})
+        };
+        let waiters = |r| match r {
+            Ok(Kept::Lingering(l)) => l
+                .waiters
+                .iter()
+                .map(|w| (w.pid, w.start))
+                .collect::<Vec<_>>(),
+            other => panic!("{other:?}"),
+        };
+        let old = parse("lingering/i", record(serde_json::json!([{"pid": 9}])));
+        assert_eq!(waiters(old), [(9, None)]);
+        let new = parse(
+            "lingering/i",
+            record(serde_json::json!([{"pid": 9, "start": 123}])),
+        );
+        assert_eq!(waiters(new), [(9, Some(123))]);
+    }
+
     /// A record kept under a key its fields do not give is damaged: refused, naming the
     /// key it was read under (the one to remove).
     #[test]
