@@ -333,14 +333,11 @@ async fn run_stops_the_program_when_the_broker_ends_its_session() {
     assert!(out.contains("ended the session"), "{out}");
 }
 
-/// With a keeper the broker keeps `run`'s session and its reservation across its SIGKILL
-/// and restart: `run` resumes the session and its program runs on, still charged, and
-/// the reservation ends when the program exits (the setup of a daemon in its own unit,
-/// docs/mps.md).
-#[tokio::test]
-async fn run_keeps_its_program_and_reservation_through_a_broker_restart_with_a_keeper() {
+/// A broker with a keeper (sessions and reservations kept across its restart) and tenant
+/// alice's token in a file; the keeper lives as long as the first value.
+async fn kept_broker_with_alice() -> (Keeper, Broker, std::path::PathBuf) {
     let keeper = Keeper::start().await.unwrap();
-    let mut b = Broker::start_with(BrokerOpts {
+    let b = Broker::start_with(BrokerOpts {
         extra: keeper.flags(),
         ..BrokerOpts::default()
     })
@@ -348,6 +345,16 @@ async fn run_keeps_its_program_and_reservation_through_a_broker_restart_with_a_k
     let token = b.tenant("alice", QuotaSpec::new(512 * MIB)).await.unwrap();
     let token_file = b.dir.path().join("alice.token");
     std::fs::write(&token_file, &token).unwrap();
+    (keeper, b, token_file)
+}
+
+/// With a keeper the broker keeps `run`'s session and its reservation across its SIGKILL
+/// and restart: `run` resumes the session and its program runs on, still charged, and
+/// the reservation ends when the program exits (the setup of a daemon in its own unit,
+/// docs/mps.md).
+#[tokio::test]
+async fn run_keeps_its_program_and_reservation_through_a_broker_restart_with_a_keeper() {
+    let (_keeper, mut b, token_file) = kept_broker_with_alice().await;
     let go = b.dir.path().join("go");
     let script = format!(
         r#"trap 'echo stopping; exit 5' TERM; echo pid=$$; while [ ! -e {} ]; do sleep 0.05; done; echo done"#,
@@ -393,15 +400,7 @@ async fn run_keeps_its_program_and_reservation_through_a_broker_restart_with_a_k
 /// stops its program then, however long the reconnect attempts take.
 #[tokio::test]
 async fn run_stops_the_program_when_the_broker_is_not_back_within_its_resume_wait() {
-    let keeper = Keeper::start().await.unwrap();
-    let mut b = Broker::start_with(BrokerOpts {
-        extra: keeper.flags(),
-        ..BrokerOpts::default()
-    })
-    .unwrap();
-    let token = b.tenant("alice", QuotaSpec::new(512 * MIB)).await.unwrap();
-    let token_file = b.dir.path().join("alice.token");
-    std::fs::write(&token_file, &token).unwrap();
+    let (_keeper, mut b, token_file) = kept_broker_with_alice().await;
     let script = r#"trap 'echo stopping; exit 5' TERM; echo ready; while :; do sleep 0.05; done"#;
     let args = ["--memory", "64MiB", "--resume-wait", "1s"];
     let mut p = Proc::spawn(run_cmd(&b, &token_file, &args, script)).unwrap();
@@ -432,15 +431,7 @@ async fn run_stops_the_program_when_the_broker_is_not_back_within_its_resume_wai
 /// lost the reservation: `run` stops its program then.
 #[tokio::test]
 async fn run_stops_the_program_when_the_restarted_broker_did_not_keep_its_session() {
-    let keeper = Keeper::start().await.unwrap();
-    let mut b = Broker::start_with(BrokerOpts {
-        extra: keeper.flags(),
-        ..BrokerOpts::default()
-    })
-    .unwrap();
-    let token = b.tenant("alice", QuotaSpec::new(512 * MIB)).await.unwrap();
-    let token_file = b.dir.path().join("alice.token");
-    std::fs::write(&token_file, &token).unwrap();
+    let (_keeper, mut b, token_file) = kept_broker_with_alice().await;
     let script = r#"trap 'echo stopping; exit 5' TERM; echo ready; while :; do sleep 0.05; done"#;
     let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "64MiB"], script)).unwrap();
     p.line_starting("ready", Duration::from_secs(20))

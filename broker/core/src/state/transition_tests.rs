@@ -576,6 +576,27 @@ fn kept_publications_and_imports_are_taken_back_with_their_lease_and_session() {
 /// (less what drawn leases lost to quarantine) charged again, beyond a shrunk quota; a kept
 /// lease drawn from it is drawn from it again, and its bytes go back into the room when it
 /// ends; its end is kept. A reservation of a session not taken back is refused.
+/// A kept 16 MiB reservation of tenant `a` on device 0 for `session` (2 MiB of it lost
+/// to the program's context), as a restart reads it.
+fn kept_reservation(session: Uuid) -> crate::reservations::Reservation {
+    crate::reservations::Reservation {
+        id: Uuid::now_v7(),
+        tenant: "a".into(),
+        session,
+        device: 0,
+        bytes: 16 * MIB,
+        requested_bytes: 16 * MIB,
+        label: "run".into(),
+        pid: Some(7),
+        compute_percent: None,
+        created: SystemTime::UNIX_EPOCH,
+        drawn: 0,
+        lost: 2 * MIB,
+        group: None,
+        claim: None,
+    }
+}
+
 /// A kept reservation that cannot be taken back (its session, tenant or device gone) has
 /// what is left of its program's process group stopped, as an ended reservation's is: a
 /// program the broker no longer charges must not run on unaccounted.
@@ -592,20 +613,10 @@ fn a_kept_reservation_not_taken_back_stops_its_programs_group() {
         leader_start: 77,
     };
     let kept = |device| Reservation {
-        id: Uuid::now_v7(),
-        tenant: "a".into(),
-        session: Uuid::now_v7(),
         device,
-        bytes: 16 * MIB,
-        requested_bytes: 16 * MIB,
-        label: "run".into(),
-        pid: Some(7),
-        compute_percent: None,
-        created: SystemTime::UNIX_EPOCH,
-        drawn: 0,
         lost: 0,
         group: Some(group),
-        claim: None,
+        ..kept_reservation(Uuid::now_v7())
     };
     let stopped = |c: &mut Core| {
         c.st.take_effects()
@@ -629,29 +640,13 @@ fn a_kept_reservation_not_taken_back_stops_its_programs_group() {
 #[test]
 fn a_kept_reservation_is_taken_back_with_its_session_and_its_drawn_leases() {
     use super::adopt::{Adopted, NotAdopted};
-    use crate::reservations::Reservation;
     let mut c = Core::new(1, 64 * MIB);
     c.st.set_quota("a", quota(8 * MIB, 0)).unwrap();
     c.st.set_keeping(true);
     let s = session("a", Some(7));
     let sid = s.id;
     c.st.adopt_session(s).unwrap();
-    let kept = |session| Reservation {
-        id: Uuid::now_v7(),
-        tenant: "a".into(),
-        session,
-        device: 0,
-        bytes: 16 * MIB,
-        requested_bytes: 16 * MIB,
-        label: "run".into(),
-        pid: Some(7),
-        compute_percent: None,
-        created: SystemTime::UNIX_EPOCH,
-        drawn: 0,
-        lost: 2 * MIB,
-        group: None,
-        claim: None,
-    };
+    let kept = kept_reservation;
     assert!(matches!(
         c.st.adopt_reservation(kept(Uuid::now_v7())),
         Err(NotAdopted::Session)
