@@ -514,6 +514,22 @@ impl Authenticator {
         live
     }
 
+    /// The token of id `token_id` as it authenticates now: its name and when it expires
+    /// (`None`: never); `None` when no token of that id authenticates (revoked, expired,
+    /// unknown). A scan: for what holds a token's id across many calls (a lease line).
+    pub fn live_by_id(&self, token_id: &str) -> Option<(String, Option<i64>)> {
+        if token_id == ADMIN_FILE_TOKEN_ID {
+            return Some(("admin token file".into(), None));
+        }
+        let now = crate::units::unix_ms(std::time::SystemTime::now());
+        self.tokens
+            .iter()
+            .chain(self.reviewed.iter())
+            .find(|e| e.token_id == token_id)
+            .filter(|e| e.expires_unix_ms.is_none_or(|exp| now < exp))
+            .map(|e| (e.name.clone(), e.expires_unix_ms))
+    }
+
     /// Looks a token up by id or by the token itself.
     pub fn find(&self, id_or_token: &str) -> Option<TokenEntry> {
         let by_hash = hash_token(id_or_token);

@@ -55,6 +55,12 @@ struct OutcomeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LineLabels {
+    op: &'static str,
+    answer: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: &'static str,
     backend: String,
@@ -83,6 +89,8 @@ pub struct Metrics {
     tickets_redeemed: Counter,
     descriptors_pushed: Counter,
     ticket_refusals: Family<ReasonLabel, Counter>,
+    /// Requests served on lease lines (`fd/lease_line.rs`), by operation and answer.
+    line_requests: Family<LineLabels, Counter>,
     cross_tenant_fresh: Counter,
     /// Leases and sessions a start found with the keeper, by outcome (adopted, reclaimed).
     kept_leases: Family<OutcomeLabel, Counter>,
@@ -130,6 +138,7 @@ impl Metrics {
             tickets_redeemed: Counter::default(),
             descriptors_pushed: Counter::default(),
             ticket_refusals: Family::default(),
+            line_requests: Family::default(),
             cross_tenant_fresh: Counter::default(),
             kept_leases: Family::default(),
             kept_sessions: Family::default(),
@@ -167,7 +176,7 @@ impl Metrics {
         for outcome in ["granted", "refused"] {
             let _ = m.acquire_seconds.get_or_create(&OutcomeLabel { outcome });
         }
-        let busy = [TICKET_BUSY, CHANNEL_BUSY, TOO_MANY_RECIPIENTS];
+        let busy = [TICKET_BUSY, CHANNEL_BUSY, LINE_BUSY, TOO_MANY_RECIPIENTS];
         for reason in TicketRefusal::ALL
             .map(TicketRefusal::as_str)
             .into_iter()
@@ -189,10 +198,18 @@ impl Metrics {
     }
 
     /// The ticket server refused a ticket (a [`TicketRefusal`] label, [`TICKET_BUSY`],
-    /// [`CHANNEL_BUSY`], [`TOO_MANY_RECIPIENTS`] or `lease_gone`).
+    /// [`CHANNEL_BUSY`], [`LINE_BUSY`], [`TOO_MANY_RECIPIENTS`] or `lease_gone`).
     pub fn ticket_refused(&self, reason: &'static str) {
         self.ticket_refusals
             .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    /// A lease line served request `op` (`acquire`, `release`) with `answer` (`granted`,
+    /// `released`, `not_here`).
+    pub fn line_request(&self, op: &'static str, answer: &'static str) {
+        self.line_requests
+            .get_or_create(&LineLabels { op, answer })
             .inc();
     }
 
@@ -347,6 +364,11 @@ impl Metrics {
             self.ticket_refusals.clone(),
         );
         reg.register(
+            "lease_line_requests",
+            "Requests on sessions' lease lines (retained blocks leased and released without a gRPC call), by operation and answer",
+            self.line_requests.clone(),
+        );
+        reg.register(
             "cross_tenant_fresh_blocks",
             "Grants given a fresh memory object instead of another tenant's cached one",
             self.cross_tenant_fresh.clone(),
@@ -462,6 +484,9 @@ pub const TICKET_BUSY: &str = "busy";
 /// The `reason` of `ticket_refusals` when a descriptor channel is refused at a channel
 /// limit ("busy": the process keeps redeeming tickets).
 pub const CHANNEL_BUSY: &str = "channel_busy";
+/// The `reason` of `ticket_refusals` when a lease line is refused at a line limit ("busy":
+/// the process leases over gRPC).
+pub const LINE_BUSY: &str = "line_busy";
 /// The `reason` of `ticket_refusals` when a lease's (or an import's) descriptor already
 /// reached as many processes outside its session as its record names.
 pub const TOO_MANY_RECIPIENTS: &str = "too_many_recipients";

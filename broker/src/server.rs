@@ -117,8 +117,8 @@ pub async fn serve(
     } else {
         (ka / 2).max(Duration::from_millis(500))
     };
-    let gate =
-        crate::gate::GateLayer::new(arb.authenticator().clone()).with_rate_limit(arb.config().rate);
+    let gate = crate::gate::GateLayer::new(arb.authenticator().clone())
+        .with_rate_limits(arb.rate_limits().cloned());
     let conns = crate::listener::ConnTracker::new(listeners.limits.clone());
     tracing::info!(limits = ?conns.limits(), "connection limits");
     // Each listener gets a server of its own, and so its own count of open calls that

@@ -36,13 +36,14 @@ const CLI_FILES: [&str; 3] = ["config.rs", "check_config.rs", "main.rs"];
 /// Where the generated gRPC types may be named: the services and the server (the edge that
 /// converts records to messages and back), a lease reply's handle (`fd/handles.rs`), the
 /// ticket server (the ticket socket's reply bytes, shared with the client, are defined
-/// beside the messages), and the read pool
+/// beside the messages), a lease line (its frames carry the API's messages), and the read pool
 /// (its test takes the services' method paths from the proto, to check each is served
 /// where it should be).
-const WIRE_FILES: [&str; 5] = [
+const WIRE_FILES: [&str; 6] = [
     "service/",
     "server.rs",
     "fd/handles.rs",
+    "fd/lease_line.rs",
     "fd/ticket_server.rs",
     "read_pool.rs",
 ];

@@ -308,18 +308,30 @@ impl Lease {
             self.fd = None;
         }
         let mut tries = 0;
-        let r = self
-            .session
-            .through_outage(&self.generation, || {
-                tries += 1;
-                let request = pb::ReleaseLeaseRequest {
-                    lease_id: id.clone(),
-                    retain_mapping: retain,
-                    may_decline: true,
-                };
-                async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
-            })
-            .await;
+        let request = pb::ReleaseLeaseRequest {
+            lease_id: id.clone(),
+            retain_mapping: retain,
+            may_decline: true,
+        };
+        let on_line = match retain {
+            true => {
+                let session = self.generation.id();
+                self.session.lease_line().release(session, &request).await
+            }
+            false => None,
+        };
+        let r = match on_line {
+            Some(reply) => Ok(reply),
+            None => {
+                self.session
+                    .through_outage(&self.generation, || {
+                        tries += 1;
+                        let request = request.clone();
+                        async move { Ok(client.raw().release_lease(request).await?.into_inner()) }
+                    })
+                    .await
+            }
+        };
         let declined = matches!(&r, Ok(reply) if reply.declined);
         // What the retained block pushes over the bound is let go before this returns: a
         // lease asked for next is not refused for memory this process no longer keeps.
@@ -366,6 +378,10 @@ impl Lease {
         let (Some(fd), LeaseHandle::Fd(i)) = (self.fd.take(), &self.info.handle) else {
             return Vec::new();
         };
+        // Its next lease may come on the session's lease line, on the same socket.
+        let dialled = self.session.client().dialled_socket();
+        let places = crate::fd::candidates(&i.socket_path, dialled);
+        self.session.lease_line().remember(places);
         self.session.retained().put(crate::retained::Entry {
             ended: self.info.lease_id.clone(),
             block_id: i.block_id,
@@ -542,13 +558,27 @@ impl<'s> LeaseRequest<'s> {
         // With a descriptor channel open, the descriptor may come with the grant.
         request.push_descriptor = crate::descriptor_channel::wanted();
         let client = self.session.client();
-        let response = self
-            .session
-            .through_outage(&generation, || {
-                let request = request.clone();
-                async move { Ok(client.raw().acquire_lease(request).await?.into_inner()) }
-            })
-            .await?;
+        // A block this process retained: its grant on the session's lease line, else gRPC.
+        let on_line = match !request.host_tier && self.session.retained().fits(self.bytes) {
+            true => {
+                self.session
+                    .lease_line()
+                    .acquire(session_id, &request)
+                    .await
+            }
+            false => None,
+        };
+        let response = match on_line {
+            Some(r) => r,
+            None => {
+                self.session
+                    .through_outage(&generation, || {
+                        let request = request.clone();
+                        async move { Ok(client.raw().acquire_lease(request).await?.into_inner()) }
+                    })
+                    .await?
+            }
+        };
         let lease = response
             .lease
             .ok_or_else(|| ClientError::Protocol("AcquireLease reply carries no lease".into()))?;

@@ -78,6 +78,7 @@ mod handshake;
 pub mod info;
 pub mod lease;
 pub mod lease_info;
+mod lease_line;
 pub mod mapping;
 pub mod ordinal;
 mod paging;

@@ -76,6 +76,16 @@ impl RetainedCache {
         i.over_bound()
     }
 
+    /// Is a block retained that a lease of `bytes` would be granted (its size is `bytes`
+    /// rounded up to the device's granularity, at most 2 MiB)?
+    pub fn fits(&self, bytes: u64) -> bool {
+        const LARGEST_GRANULE: u64 = 2 << 20;
+        let i = self.inner.lock();
+        i.entries
+            .iter()
+            .any(|e| e.bytes >= bytes && e.bytes - bytes < LARGEST_GRANULE)
+    }
+
     /// Takes the entry of block `block_id` (a lease was granted from it).
     pub fn take_block(&self, block_id: u64) -> Option<Entry> {
         self.inner.lock().take(|e| e.block_id == block_id)
@@ -149,6 +159,10 @@ mod tests {
         assert_eq!(c.held(), 8);
         assert_eq!(c.take_block(3).map(|e| e.block_id), Some(3));
         assert!(c.take_block(3).is_none());
+        assert!(
+            c.fits(4) && c.fits(3) && !c.fits(5),
+            "a size rounded up to a block"
+        );
         assert_eq!(c.take_ended("lease-2").map(|e| e.block_id), Some(2));
         assert_eq!(c.held(), 0);
         assert_eq!(c.put(entry(4, 11)).len(), 1, "larger than the bound alone");

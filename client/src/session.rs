@@ -55,6 +55,8 @@ struct SessionInner {
     runtime: Handle,
     /// Blocks this process retained mapped (`retained.rs`; off unless asked).
     retained: Arc<crate::retained::RetainedCache>,
+    /// Where those blocks are leased again without a gRPC call (`lease_line.rs`).
+    line: crate::lease_line::LeaseLine,
 }
 
 impl Drop for SessionInner {
@@ -188,6 +190,7 @@ impl Session {
                 task: task.abort_handle(),
                 runtime,
                 retained: Arc::default(),
+                line: Default::default(),
             }),
         })
     }
@@ -466,6 +469,11 @@ impl Session {
 
     pub(crate) fn retained(&self) -> &crate::retained::RetainedCache {
         &self.inner.retained
+    }
+
+    /// The lease line of this session's retained blocks (`lease_line.rs`).
+    pub(crate) fn lease_line(&self) -> &crate::lease_line::LeaseLine {
+        &self.inner.line
     }
 
     /// Unmaps and closes `entries` and confirms each to the broker, before returning.

@@ -58,4 +58,32 @@ pub mod ticket {
     pub const PUSHED_FD: u8 = 0x05;
     /// Length of one message on a descriptor channel: [`PUSHED_FD`] and the lease id.
     pub const PUSHED_LEN: usize = 17;
+
+    /// Sent instead of a ticket as a connection's first 32 bytes, followed by the 16 bytes
+    /// of a session's id: this process asks for the connection to be that session's
+    /// **lease line**, where the blocks it retained are leased and released again without
+    /// a gRPC call (frames below). Only the session's own process may open it; any answer
+    /// but [`LINE_OPEN_REPLY`] (a close, [`BUSY_REPLY`]) means it is not one.
+    pub const LINE_HELLO: [u8; 32] = *b"gpu-broker retained lease line 1";
+    /// Length of a lease line's hello: [`LINE_HELLO`] and the session id.
+    pub const LINE_HELLO_LEN: usize = 48;
+    /// The one byte a broker answers [`LINE_HELLO`] with when the connection is the
+    /// session's lease line from now on.
+    pub const LINE_OPEN_REPLY: u8 = 0x06;
+    /// A frame on a lease line, either way: one kind byte, the payload's length (4 bytes,
+    /// little-endian), the payload (a protobuf message of this API).
+    pub const LINE_FRAME_HEAD: usize = 5;
+    /// The longest payload a lease line carries; a longer frame closes the line.
+    pub const LINE_MAX_PAYLOAD: usize = 4096;
+    /// Request: an `AcquireLeaseRequest` of the line's session.
+    pub const LINE_ACQUIRE: u8 = 0x01;
+    /// Request: a `ReleaseLeaseRequest` with `retain_mapping` and `may_decline`.
+    pub const LINE_RELEASE: u8 = 0x02;
+    /// Answer to [`LINE_ACQUIRE`]: an `AcquireLeaseResponse`, a block the process retained.
+    pub const LINE_GRANTED: u8 = 0x01;
+    /// Answer to [`LINE_RELEASE`]: a `ReleaseLeaseResponse`.
+    pub const LINE_RELEASED: u8 = 0x02;
+    /// Answer to either, with no payload: nothing was done; ask the same over gRPC, which
+    /// answers it whatever it is (no retained block fits, a refusal, a lease unknown).
+    pub const LINE_NOT_HERE: u8 = 0x03;
 }

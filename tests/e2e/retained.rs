@@ -7,9 +7,19 @@ use gpu_broker_client::{Client, Contents, LeaseHandle, QuotaSpec, Resident};
 use gpu_broker_tests::*;
 use std::time::Duration;
 
+async fn metric(b: &Broker, name: &str) -> f64 {
+    let addr = b.metrics_addr().await;
+    let text = crate::observability::get(&addr, "/metrics").await;
+    crate::observability::gauge(&text, name).unwrap_or(0.0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retained_block_comes_back_mapped_with_no_ticket_and_stays_counted() {
-    let b = Broker::start().unwrap();
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--metrics-listen".into(), "127.0.0.1:0".into()],
+        ..Default::default()
+    })
+    .unwrap();
     let token = b.tenant("alice", QuotaSpec::new(64 * MIB)).await.unwrap();
     let c = Client::connect(&b.uri(), token).await.unwrap();
     let s = c.session("w").await.unwrap();
@@ -53,6 +63,14 @@ async fn a_retained_block_comes_back_mapped_with_no_ticket_and_stays_counted() {
     assert!(!o.retained);
     other.release().await.unwrap();
     again.release().await.unwrap();
+    // The block came back on the session's lease line, not a gRPC call, and both
+    // retaining releases after it went there too.
+    let line = |op: &str, answer: &str| {
+        format!("gpu_broker_lease_line_requests_total{{op=\"{op}\",answer=\"{answer}\"}}")
+    };
+    assert_eq!(metric(&b, &line("acquire", "granted")).await, 1.0);
+    assert_eq!(metric(&b, &line("acquire", "not_here")).await, 0.0);
+    assert_eq!(metric(&b, &line("release", "released")).await, 2.0);
 
     // Let go: confirmed, the memory is the cache's again and counts to nobody.
     s.drop_retained().await;

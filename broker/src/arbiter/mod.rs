@@ -54,7 +54,7 @@ pub use audit::Changes;
 pub use drain::{DeviceDrain, DrainReport};
 pub use lifecycle::{Lifecycle, Process};
 pub use restart::{Phase, RestartReport};
-pub use retained::{Retaining, SessionPeer};
+pub use retained::{LineSession, Retaining, SessionPeer};
 pub use sharing::ImportGrant;
 pub use state::Recipient;
 pub(crate) use state::{Ending, State};
@@ -217,6 +217,9 @@ pub struct Arbiter {
     /// The descriptors held for memory, against the limit less the reserve
     /// (`fd_budget.rs`): counted where a block is made and freed, and for a publication.
     pub(crate) fds: Arc<crate::fd_budget::FdBudget>,
+    /// Each tenant's call rate (`rate.rs`; off unless configured), one for every way in:
+    /// the gate's gRPC calls and the lease lines' requests draw on the same buckets.
+    pub(crate) rate_limits: Option<Arc<crate::rate::RateLimiter>>,
 }
 
 /// Longest label accepted.
@@ -357,8 +360,11 @@ impl Arbiter {
             "descriptors for memory: the limit less the reserve"
         );
         let unverified = UnverifiedBytes(devices.iter().map(|_| AtomicU64::new(0)).collect());
+        let rate_limits =
+            (!cfg.rate.is_off()).then(|| Arc::new(crate::rate::RateLimiter::new(cfg.rate)));
         let arb = Arc::new_cyclic(|me| Arbiter {
             me: me.clone(),
+            rate_limits,
             unverified,
             stranded_state: stranded::StrandedState::default(),
             lifecycle: Lifecycle::default(),
@@ -403,6 +409,11 @@ impl Arbiter {
     }
 
     /// The authenticator shared with the service layer.
+    /// The tenants' call rate limits, when configured (`rate.rs`).
+    pub fn rate_limits(&self) -> Option<&Arc<crate::rate::RateLimiter>> {
+        self.rate_limits.as_ref()
+    }
+
     pub fn authenticator(&self) -> &Arc<Authenticator> {
         &self.auth
     }

@@ -32,6 +32,17 @@ pub struct SessionPeer {
     pub retains: bool,
 }
 
+/// A session as its lease line sees it ([`Retained::line_session`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LineSession {
+    pub tenant: String,
+    pub peer: crate::session::Peer,
+    /// When the peer process started, read when the session opened.
+    pub start: Option<u64>,
+    /// The token that opened it (`None`: a broker without tokens).
+    pub token_id: Option<String>,
+}
+
 /// Retained blocks of one arbiter ([`Arbiter::retained`]). It keeps no fields: the
 /// blocks live in the state.
 pub(crate) struct Retained<'a> {
@@ -79,6 +90,25 @@ impl Retained<'_> {
         Err(lease_not_found(id))
     }
 
+    /// [`Retained::release`] asked on `session`'s lease line by its process `pid`, which
+    /// may decline: `None` when the session is gone or not that process's, or the id
+    /// names no lease of its tenant (gRPC then answers, a retained block let go included).
+    pub(crate) fn release_on_line(&self, session: Uuid, id: Uuid, pid: u32) -> Option<Retaining> {
+        let mut st = self.arb.lock();
+        let tenant = st
+            .sessions()
+            .get(&session)
+            .filter(|s| s.peer.pid == Some(pid))?
+            .tenant
+            .clone();
+        let retained = st.release_retained(&tenant, id, pid, true)?;
+        tracing::debug!(lease = %id, tenant, retained, "retaining release on a lease line");
+        Some(match retained {
+            true => Retaining::Retained,
+            false => Retaining::Declined,
+        })
+    }
+
     /// The peer of `session` (of `tenant`, else `NOT_FOUND`), when its process started, and
     /// whether that process retains any block: an acquire asks
     /// [`Retained::acquire`] only then, so the ordinary path takes the state lock no
@@ -93,6 +123,19 @@ impl Retained<'_> {
             }),
             _ => Err(crate::arbiter::session_not_found(session)),
         }
+    }
+
+    /// What a lease line of `session` needs of it (`fd/lease_line.rs`): its tenant, its
+    /// process and the token it was opened with; `None` when there is no such session.
+    pub(crate) fn line_session(&self, session: Uuid) -> Option<LineSession> {
+        let st = self.arb.lock();
+        let s = st.sessions().get(&session)?;
+        Some(LineSession {
+            tenant: s.tenant.clone(),
+            peer: s.peer,
+            start: s.peer_start,
+            token_id: s.token_id.clone(),
+        })
     }
 
     /// A lease for `req` made of a block process `caller` retained, when it has one that

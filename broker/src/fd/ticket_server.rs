@@ -18,6 +18,8 @@
 //! caps ([`MAX_CHANNELS`], [`MAX_CHANNELS_PER_UID`]), not the ticket connections' (their
 //! slot is given back when the connection becomes a channel), and never give way to a
 //! ticket connection turned away; one over a channel cap is told "busy" and closed.
+//! A connection whose first bytes are `LINE_HELLO` becomes a session's lease line
+//! (`lease_line.rs`), with slots of its own as well.
 
 use crate::arbiter::{Arbiter, Recipient};
 use crate::device::SharedFd;
@@ -29,8 +31,8 @@ use crate::fd::tickets::{Redeemed, Refusal, TICKET_LEN};
 use crate::listener::{ConnPermit, ConnTracker};
 use crate::metrics::TOO_MANY_RECIPIENTS;
 use gpu_broker_proto::ticket::{
-    BUSY_REPLY, CHANNEL_HELLO, CHANNEL_OPEN_REPLY, FD_REPLY, LEASE_ENDED_REPLY, PUSHED_FD,
-    PUSHED_LEN, REFUSED_REPLY,
+    BUSY_REPLY, CHANNEL_HELLO, CHANNEL_OPEN_REPLY, FD_REPLY, LEASE_ENDED_REPLY, LINE_HELLO,
+    PUSHED_FD, PUSHED_LEN, REFUSED_REPLY,
 };
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::Path;
@@ -102,6 +104,12 @@ async fn serve_with_channels(
         admin_reserve: 0,
         ..Limits::default()
     });
+    let line_slots = ConnTracker::new(Limits {
+        max_connections: crate::fd::lease_line::MAX_LINES,
+        max_connections_per_uid: crate::fd::lease_line::MAX_LINES_PER_UID,
+        admin_reserve: 0,
+        ..Limits::default()
+    });
     // Told when a connection is turned away at a limit: the kept connections waiting idle
     // for their next ticket in the slots it lacked close, so they never keep a process
     // out (`ticket_pressure.rs`: a uid at its own cap moves only its own).
@@ -136,9 +144,12 @@ async fn serve_with_channels(
         };
         let arb = arb.clone();
         let pressure = pressure.clone();
-        let channel_slots = channel_slots.clone();
+        let slots = Slots {
+            channels: channel_slots.clone(),
+            lines: line_slots.clone(),
+        };
         tokio::spawn(async move {
-            serve_connection(stream, cred, permit, &arb, &pressure, &channel_slots).await;
+            serve_connection(stream, cred, permit, &arb, &pressure, &slots).await;
         });
     }
 }
@@ -148,20 +159,25 @@ async fn serve_with_channels(
 /// lease). Each ticket is checked as on a fresh connection (who wrote it, from the kernel).
 /// A kept connection closes when idle for [`KEPT_IDLE`], when a connection is turned
 /// away at a limit its slot counts under, or after any answer other than a descriptor.
-/// `permit`: its ticket connection slot, held until it closes or becomes a channel.
+/// `permit`: its ticket connection slot, held until it closes or becomes a channel or a
+/// lease line.
 async fn serve_connection(
     stream: UnixStream,
     cred: Option<tokio::net::unix::UCred>,
     permit: ConnPermit,
-    arb: &Arbiter,
+    arb: &Arc<Arbiter>,
     pressure: &Arc<Pressure>,
-    channel_slots: &Arc<ConnTracker>,
+    slots: &Slots,
 ) {
     match serve_one(&stream, cred, arb, false).await {
         Served::Fd => {}
         Served::Nothing => return,
         Served::ChannelAsked(writers) => {
-            return serve_channel(stream, cred, &writers, arb, permit, channel_slots).await
+            return serve_channel(stream, cred, &writers, arb, permit, &slots.channels).await
+        }
+        Served::LineAsked(writers) => {
+            return crate::fd::lease_line::serve(stream, cred, &writers, arb, permit, &slots.lines)
+                .await
         }
     }
     let kept = pressure.keep(cred.map(|c| c.uid()));
@@ -209,6 +225,12 @@ async fn next_ticket_comes(stream: &UnixStream) -> bool {
     }
 }
 
+/// The slots of the connections that become something else than a ticket's.
+struct Slots {
+    channels: Arc<ConnTracker>,
+    lines: Arc<ConnTracker>,
+}
+
 /// What one ticket's turn on a connection came to.
 #[derive(Debug, PartialEq, Eq)]
 enum Served {
@@ -218,6 +240,8 @@ enum Served {
     Nothing,
     /// The connection's first bytes asked for a descriptor channel; who wrote them.
     ChannelAsked(Vec<u32>),
+    /// The connection's first bytes asked for a lease line (`lease_line.rs`); who wrote them.
+    LineAsked(Vec<u32>),
 }
 
 /// Serves one ticket. `kept`: not the connection's first ticket (a refusal is then said
@@ -244,9 +268,12 @@ async fn serve_one(
     if kept && matches!(&read, Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof) {
         return Served::Nothing;
     }
-    if !kept && buf == CHANNEL_HELLO {
+    if !kept && (buf == CHANNEL_HELLO || buf == LINE_HELLO) {
         if let Ok(Ok(w)) = read {
-            return Served::ChannelAsked(w.writers);
+            return match buf == CHANNEL_HELLO {
+                true => Served::ChannelAsked(w.writers),
+                false => Served::LineAsked(w.writers),
+            };
         }
     }
     let (result, writers) = match (read, uid) {

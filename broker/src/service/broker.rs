@@ -3,7 +3,7 @@
 
 use super::convert::{self, parse_id};
 use super::events::EventStream;
-use crate::arbiter::{AcquireRequest, Arbiter};
+use crate::arbiter::Arbiter;
 use crate::auth::tenant_of;
 use crate::error::BrokerError;
 use crate::fd::handles;
@@ -192,23 +192,13 @@ impl Broker for BrokerService {
         let tenant = tenant_of(&req)?;
         let caller = peer_of(&req);
         let token = bearer_of(&req);
-        let r = req.into_inner();
+        let mut r = req.into_inner();
         let session = parse_id("session_id", &r.session_id).map_err(status)?;
-        let fallback = pb::Fallback::try_from(r.fallback)
-            .map_err(|_| BrokerError::InvalidArgument(format!("unknown fallback {}", r.fallback)))
-            .map_err(status)?;
-        let accept = handles::parse_accept(&r.accept_handles).map_err(status)?;
         let span = tracing::debug_span!("acquire", %tenant, %session, bytes = r.bytes);
-        let asked = AcquireRequest {
-            tenant,
-            session,
-            bytes: r.bytes,
-            device: r.device,
-            wait: Duration::from_millis(r.wait_ms.unwrap_or(0)),
-            label: r.label,
-            reclaimable: r.reclaimable,
-            fallback_host: fallback == pb::Fallback::Host,
-        };
+        let (host_tier, push_descriptor) = (r.host_tier, r.push_descriptor);
+        let accept_handles = std::mem::take(&mut r.accept_handles);
+        let asked = convert::acquire_request(tenant, session, r).map_err(status)?;
+        let accept = handles::parse_accept(&accept_handles).map_err(status)?;
         // Bad values first (as before), then whether this caller can use what it would get.
         let acquire = self.arb.validate(asked).map_err(status)?;
         let session_of = self
@@ -224,7 +214,7 @@ impl Broker for BrokerService {
         let own = caller
             .pid
             .filter(|&p| p != 0 && Some(p) == session_peer.pid);
-        if retains && !r.host_tier {
+        if retains && !host_tier {
             if let Some(lease) = self.arb.retained().acquire(&acquire, own) {
                 let mut reply = convert::lease_on(&lease, &self.arb);
                 reply.handle = Some(pb::lease::Handle::Fd(handles::retained_handle(
@@ -235,7 +225,7 @@ impl Broker for BrokerService {
                 }));
             }
         }
-        let lease = if r.host_tier {
+        let lease = if host_tier {
             self.arb.acquire_host_tier(acquire).instrument(span).await
         } else {
             self.arb.acquire_validated(acquire).instrument(span).await
@@ -243,8 +233,7 @@ impl Broker for BrokerService {
         .map_err(|e| self.waited(e, session, token.as_deref()))?;
         let mut reply = convert::lease_on(&lease, &self.arb);
         // The descriptor with the grant, on the process's descriptor channel, when it asks.
-        let pushed = r
-            .push_descriptor
+        let pushed = push_descriptor
             .then(|| handles::pushed_handle(&self.arb, &lease, &caller, &session_of))
             .flatten();
         if let Some(fd) = pushed {

@@ -20,6 +20,27 @@ pub fn parse_id(field: &str, s: &str) -> Result<Uuid, BrokerError> {
         .map_err(|_| BrokerError::InvalidArgument(format!("{field} {s:?} is not a UUID")))
 }
 
+/// The domain request of `r`, an `AcquireLeaseRequest` of `tenant` for `session` (its
+/// values still to be validated: `Arbiter::validate`).
+pub fn acquire_request(
+    tenant: String,
+    session: Uuid,
+    r: pb::AcquireLeaseRequest,
+) -> Result<crate::arbiter::AcquireRequest, BrokerError> {
+    let fallback = pb::Fallback::try_from(r.fallback)
+        .map_err(|_| BrokerError::InvalidArgument(format!("unknown fallback {}", r.fallback)))?;
+    Ok(crate::arbiter::AcquireRequest {
+        tenant,
+        session,
+        bytes: r.bytes,
+        device: r.device,
+        wait: std::time::Duration::from_millis(r.wait_ms.unwrap_or(0)),
+        label: r.label,
+        reclaimable: r.reclaimable,
+        fallback_host: fallback == pb::Fallback::Host,
+    })
+}
+
 pub fn lease(v: &LeaseView) -> pb::Lease {
     pb::Lease {
         lease_id: v.id.to_string(),
