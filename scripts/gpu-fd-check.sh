@@ -23,8 +23,10 @@
 #   6. benchmark, one run: lease + map for fresh, pooled and cross-tenant-pooled leases of
 #      2 MiB, 64 MiB, 1 GiB on the fd path, against raw in-process cuMemCreate + reserve +
 #      map + set access; and pooled with the block retained mapped (Session::retain_mappings:
-#      one RPC, no ticket, no import, no map): the retained_lease_map_us column and its
-#      ratio to raw
+#      one request on the session's lease line, no ticket, no import, no map): the
+#      retained_lease_map_us column and its ratio to raw; then FD_LINE_ROUNDS (default 2)
+#      rounds of the same with the lease line and without it (GPU_BROKER_CLIENT_LEASE_LINE=off:
+#      the retained lease over gRPC), interleaved
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -99,6 +101,16 @@ run() {
         tok2=$(gpu_tenant b --limit 100GiB)
         gpu_step bench-map "$dir/gpu-worker" --broker "$GPU_BROKER_ADDR" --token "$tok" bench-map \
             --sizes 2MiB,64MiB,1GiB --iters 20 --token2 "$tok2" --label fd
+        # The retained lease on its lease line against the same over gRPC (the client's
+        # lines off), interleaved, each run beside its own raw baseline.
+        local r
+        for r in $(seq "${FD_LINE_ROUNDS:-2}"); do
+            gpu_step bench-map-line "$dir/gpu-worker" --broker "$GPU_BROKER_ADDR" --token "$tok" \
+                bench-map --sizes 2MiB,64MiB,1GiB --iters 20 --token2 "$tok2" --label "line-$r"
+            gpu_step bench-map-grpc env GPU_BROKER_CLIENT_LEASE_LINE=off "$dir/gpu-worker" \
+                --broker "$GPU_BROKER_ADDR" --token "$tok" bench-map --sizes 2MiB,64MiB,1GiB \
+                --iters 20 --token2 "$tok2" --label "grpc-$r"
+        done
     fi
     "${CTL[@]}" devices
     gpu_stop "$dir" || GPU_FAILED+=(broker)

@@ -12,15 +12,17 @@
 //! Known slack: a block's count is given back at its free, while a ticket minted for it
 //! may keep the descriptor open until the ticket is redeemed or expires (bounded by the
 //! per-lease ticket cap and the ticket TTL); and the reserve is at most half the limit, so
-//! under a limit below twice `--max-connections` + 768 a full broker can still run out
+//! under a limit below twice `--max-connections` + 1,024 a full broker can still run out
 //! (raise `LimitNOFILE`, as the shipped unit does).
 
 pub use gpu_broker_core::fd_budget::{FdBudget, FdHeld};
 
 /// Descriptors kept beyond the connections: the listeners, the state file, the metrics
-/// (64) and ticket (272) connections, the runtime's and the drivers' own (512), and the
-/// workers' descriptor channels (`fd::descriptor_channels::MAX_CHANNELS`).
-pub const RESERVE_BEYOND_CONNECTIONS: usize = 512 + crate::fd::descriptor_channels::MAX_CHANNELS;
+/// (64) and ticket (272) connections, the runtime's and the drivers' own (512), the
+/// workers' descriptor channels (`fd::descriptor_channels::MAX_CHANNELS`) and sessions'
+/// lease lines (`fd::lease_line::MAX_LINES`).
+pub const RESERVE_BEYOND_CONNECTIONS: usize =
+    512 + crate::fd::descriptor_channels::MAX_CHANNELS + crate::fd::lease_line::MAX_LINES;
 
 /// The reserve to keep with `max_connections` connections allowed: those and
 /// [`RESERVE_BEYOND_CONNECTIONS`], but never more than half the limit (a broker under a

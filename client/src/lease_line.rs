@@ -205,3 +205,107 @@ async fn exchange(
     stream.read_exact(&mut payload).await?;
     Ok((head[0], payload))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    const SESSION: &str = "0190a7a4-0000-7000-8000-000000000001";
+
+    /// A stand-in ticket socket: each connection is counted and handed to `serve`.
+    fn fake_broker<F, Fut>(serve: F) -> (tempfile::TempDir, PathBuf, Arc<AtomicUsize>)
+    where
+        F: Fn(UnixStream) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(serve(s));
+            }
+        });
+        (dir, path, accepted)
+    }
+
+    fn request() -> pb::AcquireLeaseRequest {
+        pb::AcquireLeaseRequest {
+            session_id: SESSION.into(),
+            bytes: 1 << 20,
+            ..Default::default()
+        }
+    }
+
+    /// A broker that does not know lines (it closes the connection at the hello) is not
+    /// asked again for a while: every lease meanwhile goes to gRPC with no connect.
+    #[tokio::test]
+    async fn a_broker_without_lines_is_not_asked_at_every_lease() {
+        let (_dir, path, accepted) = fake_broker(|s| async move { drop(s) });
+        let line = LeaseLine::default();
+        assert!(
+            line.acquire(SESSION, &request()).await.is_none(),
+            "no place known"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 0);
+        line.remember(vec![path]);
+        for _ in 0..3 {
+            assert!(line.acquire(SESSION, &request()).await.is_none());
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    /// A line the broker closed (idle) fails its next request, which then goes to gRPC;
+    /// the request after opens another line and is answered on it.
+    #[tokio::test]
+    async fn a_line_closed_under_the_client_is_opened_again() {
+        let served = Arc::new(AtomicUsize::new(0));
+        let count = served.clone();
+        let (_dir, path, accepted) = fake_broker(move |mut s| {
+            let count = count.clone();
+            async move {
+                let mut hello = [0u8; LINE_HELLO_LEN];
+                s.read_exact(&mut hello).await.unwrap();
+                s.write_all(&[LINE_OPEN_REPLY]).await.unwrap();
+                // The first line closes before any request; the others answer one.
+                if count.fetch_add(1, Ordering::SeqCst) == 0 {
+                    return;
+                }
+                let mut head = [0u8; LINE_FRAME_HEAD];
+                s.read_exact(&mut head).await.unwrap();
+                let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
+                let mut body = vec![0u8; len];
+                s.read_exact(&mut body).await.unwrap();
+                let reply = pb::AcquireLeaseResponse {
+                    lease: Some(pb::Lease {
+                        lease_id: "l".into(),
+                        ..Default::default()
+                    }),
+                }
+                .encode_to_vec();
+                let mut frame = vec![LINE_GRANTED];
+                frame.extend_from_slice(&(reply.len() as u32).to_le_bytes());
+                frame.extend_from_slice(&reply);
+                s.write_all(&frame).await.unwrap();
+                let _ = s.read(&mut [0u8; 1]).await;
+            }
+        });
+        let line = LeaseLine::default();
+        line.remember(vec![path]);
+        assert!(line.acquire(SESSION, &request()).await.is_none(), "closed");
+        let granted = line.acquire(SESSION, &request()).await.unwrap();
+        assert_eq!(granted.lease.unwrap().lease_id, "l");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        // A line is one session's: another session's request opens its own.
+        let other = "0190a7a4-0000-7000-8000-000000000002";
+        let mut req = request();
+        req.session_id = other.into();
+        assert!(line.acquire(other, &req).await.is_some());
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+}

@@ -36,10 +36,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use uuid::Uuid;
 
-/// Most lease lines open at once (one per session that retains blocks).
-pub const MAX_LINES: usize = 1024;
+/// Most lease lines open at once (one per session that retains blocks; past it sessions
+/// lease over gRPC). Their descriptors are part of the broker's reserve (`fd_budget.rs`).
+pub const MAX_LINES: usize = 256;
 /// Most lease lines of one peer uid: half, so one user cannot take every line.
-pub const MAX_LINES_PER_UID: usize = 512;
+pub const MAX_LINES_PER_UID: usize = 128;
 /// How long a line stays open with no request: a process leasing now and then keeps it.
 pub const LINE_IDLE: Duration = Duration::from_secs(30);
 /// How long the rest of the hello, or of a frame begun, may take.
