@@ -18,6 +18,8 @@
 #      left: that job waits GPU_BROKER_WAIT and gets torch.OutOfMemoryError with the
 #      broker's reason; the training never does
 #   5. pooled lease() latency from Python and, in the same run, from Rust (gpu-worker bench)
+#   6. a gpubroker.torch segment of 2 MiB and 64 MiB retained across empty_cache() (on the
+#      lease line and over gRPC), not retained, and PyTorch's own cudaMalloc of the size
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -82,10 +84,19 @@ run() {
         --sizes 64MiB --iters 200
 
     echo "=== 6. gpubroker.torch segments retained across empty_cache(), then not ==="
-    gpu_step torch-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" retain \
-        --nbytes $((64 << 20)) --retain $((64 << 20)) --iters 100
-    gpu_step torch-not-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" retain \
-        --nbytes $((64 << 20)) --retain 0 --iters 100
+    local n
+    for n in $((2 << 20)) $((64 << 20)); do
+        # Retained on the session's lease line, retained over gRPC, not retained, and
+        # PyTorch's own cudaMalloc of the same size (the baseline).
+        gpu_step torch-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" retain \
+            --nbytes "$n" --retain "$n" --iters 100
+        gpu_step torch-retained-grpc env GPU_BROKER_TOKEN="$bench" \
+            GPU_BROKER_CLIENT_LEASE_LINE=off "${check[@]}" retain --nbytes "$n" --retain "$n" \
+            --iters 100
+        gpu_step torch-not-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" retain \
+            --nbytes "$n" --retain 0 --iters 100
+        gpu_step torch-native-malloc "${check[@]}" retain --mode native --nbytes "$n" --iters 100
+    done
     "${CTL[@]}" devices
     gpu_stop "$dir" || GPU_FAILED+=(broker)
     echo "=== 2b. PyTorch's own allocator again (brackets step 3 against clock drift) ==="

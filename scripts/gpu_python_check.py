@@ -17,7 +17,8 @@ Subcommands (each prints one `RESULT {json}` line; `all` runs them and checks):
   retain      gpubroker.torch with retained segments (install(retain=...), --retain 0:
               off): a tensor of a segment's size made, freed and empty_cache()d in a loop;
               with retain each new segment is the released one (same address, bytes kept,
-              memory_stats()["retained_acquires"]), and letting go leaves nothing counted
+              memory_stats()["retained_acquires"]), and letting go leaves nothing counted;
+              --mode native: the same loop under PyTorch's own allocator (its baseline)
 
 `train --mode pool-native` runs the broker mode's pool routing over PyTorch's own
 cudaMalloc, to tell the routing's cost from the leases' (scripts/gpu-python-bench.sh).
@@ -357,9 +358,12 @@ def latency(args):
 
 # ---------------------------------------------------------------- retain
 def retain(args):
+    import torch
+
+    if args.mode == "native":
+        return retain_native(args)
     import gpubroker
     import gpubroker.torch as gt
-    import torch
 
     s = gpubroker.connect().session("py-retain")
     gt.install(s, segment_size=args.nbytes, retain=args.retain)
@@ -391,6 +395,26 @@ def retain(args):
            distinct_addresses=len(set(ptrs)), bytes_kept=kept,
            left_held=u.held_bytes, left_quarantined=u.quarantined_bytes)
     sys.exit(0 if ok else 1)
+
+
+def retain_native(args):
+    """The retain loop under PyTorch's own allocator: each tensor a cudaMalloc of its own
+    (empty_cache() freed the last), the baseline of a retained segment's lease + map."""
+    import torch
+
+    dev = torch.device("cuda")
+    took = []
+    for i in range(args.iters + 1):
+        t0 = time.perf_counter()
+        x = torch.empty(args.nbytes, dtype=torch.uint8, device=dev)
+        took.append((time.perf_counter() - t0) * 1e6)
+        x[-1] = i % 256
+        torch.cuda.synchronize()
+        del x
+        torch.cuda.empty_cache()
+    result(step="retain", mode="native", nbytes=args.nbytes, ok=True,
+           first_us=round(took[0], 1), again_median_us=round(statistics.median(took[1:]), 1),
+           again_p90_us=round(sorted(took[1:])[int(0.9 * args.iters)], 1))
 
 
 def main():

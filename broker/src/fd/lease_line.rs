@@ -280,7 +280,7 @@ fn release(
     line: &Line,
     r: &pb::ReleaseLeaseRequest,
 ) -> Option<pb::ReleaseLeaseResponse> {
-    if !(r.retain_mapping && r.may_decline) || !may_call(arb, line) {
+    if !(r.retain_mapping && r.may_decline && may_call(arb, line)) {
         return None;
     }
     let id = convert::parse_id("lease_id", &r.lease_id).ok()?;
