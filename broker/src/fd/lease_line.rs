@@ -24,8 +24,8 @@ use crate::arbiter::{Arbiter, LineSession, Retaining};
 use crate::listener::{ConnPermit, ConnTracker};
 use crate::service::convert;
 use gpu_broker_proto::ticket::{
-    BUSY_REPLY, LINE_ACQUIRE, LINE_FRAME_HEAD, LINE_GRANTED, LINE_MAX_PAYLOAD, LINE_NOT_HERE,
-    LINE_OPEN_REPLY, LINE_RELEASE, LINE_RELEASED,
+    LINE_ACQUIRE, LINE_FRAME_HEAD, LINE_GRANTED, LINE_MAX_PAYLOAD, LINE_NOT_HERE, LINE_OPEN_REPLY,
+    LINE_RELEASE, LINE_RELEASED,
 };
 use gpu_broker_proto::v1 as pb;
 use prost::Message;
@@ -70,10 +70,7 @@ pub(crate) async fn serve(
     slots: &Arc<ConnTracker>,
 ) {
     let uid = cred.map(|c| c.uid());
-    let pid = cred
-        .and_then(|c| c.pid())
-        .and_then(|p| u32::try_from(p).ok())
-        .filter(|&p| p != 0);
+    let pid = crate::fd::ticket_server::peer_pid(cred);
     let mut id = [0u8; 16];
     let rest = tokio::time::timeout(
         FRAME_TIMEOUT,
@@ -101,15 +98,9 @@ pub(crate) async fn serve(
         );
         return;
     };
-    let slot = match slots.admit(uid) {
-        Ok(slot) => slot,
-        Err(cap) => {
-            tracing::debug!(?uid, ?cap, "too many lease lines; one told busy");
-            arb.metrics().ticket_refused(crate::metrics::LINE_BUSY);
-            let _ = stream.try_write(&[BUSY_REPLY]);
-            return;
-        }
-    };
+    let slot =
+        crate::fd::ticket_server::slot_or_busy(slots, uid, &stream, arb, crate::metrics::LINE_BUSY);
+    let Some(slot) = slot else { return };
     drop(permit);
     if stream.write_all(&[LINE_OPEN_REPLY]).await.is_err() {
         return;

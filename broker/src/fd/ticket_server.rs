@@ -255,10 +255,7 @@ async fn serve_one(
 ) -> Served {
     let table = arb.tickets();
     let uid = cred.map(|c| c.uid());
-    let pid = cred
-        .and_then(|c| c.pid())
-        .and_then(|p| u32::try_from(p).ok())
-        .filter(|&p| p != 0);
+    let pid = peer_pid(cred);
     let mut buf = [0u8; TICKET_LEN];
     let read = tokio::time::timeout(
         READ_TIMEOUT,
@@ -368,10 +365,7 @@ async fn serve_channel(
     channel_slots: &Arc<ConnTracker>,
 ) {
     let uid = cred.map(|c| c.uid());
-    let pid = cred
-        .and_then(|c| c.pid())
-        .and_then(|p| u32::try_from(p).ok())
-        .filter(|&p| p != 0);
+    let pid = peer_pid(cred);
     let owner = match (pid, uid) {
         (Some(p), Some(u)) if writers == [p] => {
             crate::fd::descriptor_channels::owner_of(stream.as_raw_fd(), p, u)
@@ -388,14 +382,14 @@ async fn serve_channel(
         );
         return;
     };
-    let slot = match channel_slots.admit(uid) {
-        Ok(slot) => slot,
-        Err(cap) => {
-            tracing::debug!(?uid, ?cap, "too many descriptor channels; one told busy");
-            arb.metrics().ticket_refused(crate::metrics::CHANNEL_BUSY);
-            let _ = stream.try_write(&[BUSY_REPLY]);
-            return;
-        }
+    let Some(slot) = slot_or_busy(
+        channel_slots,
+        uid,
+        &stream,
+        arb,
+        crate::metrics::CHANNEL_BUSY,
+    ) else {
+        return;
     };
     drop(permit);
     let channels = arb.tickets().channels();
@@ -421,6 +415,34 @@ async fn serve_channel(
     channels.close(&ch);
     drop(slot);
     tracing::debug!(pid = owner.pid, "descriptor channel closed");
+}
+
+/// The pid the kernel names for the connecting process (`None`: unknown, or in another pid
+/// namespace, where it reads 0).
+pub(crate) fn peer_pid(cred: Option<tokio::net::unix::UCred>) -> Option<u32> {
+    cred.and_then(|c| c.pid())
+        .and_then(|p| u32::try_from(p).ok())
+        .filter(|&p| p != 0)
+}
+
+/// A slot of `slots` for a connection of `uid` becoming a channel or a line; none free:
+/// the connection is told "busy" (counted as `reason`) and `None`.
+pub(crate) fn slot_or_busy(
+    slots: &Arc<ConnTracker>,
+    uid: Option<u32>,
+    stream: &UnixStream,
+    arb: &Arbiter,
+    reason: &'static str,
+) -> Option<ConnPermit> {
+    match slots.admit(uid) {
+        Ok(slot) => Some(slot),
+        Err(cap) => {
+            tracing::debug!(?uid, ?cap, reason, "no slot free; told busy");
+            arb.metrics().ticket_refused(reason);
+            let _ = stream.try_write(&[BUSY_REPLY]);
+            None
+        }
+    }
 }
 
 /// Sends lease `lease`'s descriptor `fd` on the descriptor channel of `to` (the lease's
