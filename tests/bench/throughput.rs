@@ -51,6 +51,11 @@ pub struct ThroughputArgs {
     /// Capacity of a started (host) broker.
     #[arg(long, default_value = "1TiB")]
     pub host_capacity: String,
+    /// Each worker's session retains its released block mapped
+    /// (`Session::retain_mappings`): every pair after the first is its own block again, on
+    /// the session's lease line.
+    #[arg(long)]
+    pub retain: bool,
 }
 
 /// Arguments of one worker process (internal).
@@ -69,6 +74,8 @@ pub struct WorkerArgs {
     warmup_ms: u64,
     #[arg(long)]
     duration_ms: u64,
+    #[arg(long)]
+    retain: bool,
 }
 
 /// What a set of workers measured.
@@ -130,6 +137,7 @@ struct Load {
     size: u64,
     warmup: Duration,
     duration: Duration,
+    retain: bool,
 }
 
 pub async fn run(common: &Common, a: &ThroughputArgs) -> Result<()> {
@@ -180,12 +188,14 @@ pub async fn run(common: &Common, a: &ThroughputArgs) -> Result<()> {
         size: a.size,
         warmup: a.warmup,
         duration: a.duration,
+        retain: a.retain,
     };
     let mut table = Table::new(
         format!(
-            "throughput: {} workers ({how}), {} acquire+release pairs, {:?} windows; latency in microseconds",
+            "throughput: {} workers ({how}), {} acquire+release pairs{}, {:?} windows; latency in microseconds",
             a.workers,
             bytes(a.size),
+            if a.retain { " (retained)" } else { "" },
             a.duration
         ),
         &[
@@ -335,13 +345,16 @@ async fn run_workers(
         let index = load.first + i;
         let token = load.tokens[index as usize % load.tokens.len()].clone();
         let uri = load.uri.clone();
-        let (size, warmup, duration) = (load.size, load.warmup, load.duration);
+        let (size, warmup, duration, retain) = (load.size, load.warmup, load.duration, load.retain);
         let ready_tx = ready_tx.clone();
         let mut start_rx = start_rx.clone();
         handles.push(tokio::spawn(async move {
             let setup = async {
                 let client = Client::connect(&uri, token).await?;
                 let session = client.session(format!("bench-worker-{index}")).await?;
+                if retain {
+                    session.retain_mappings(size);
+                }
                 session.lease(size).await?.release().await?;
                 anyhow::Ok(session)
             }
@@ -461,6 +474,7 @@ async fn run_processes(
                 "--duration-ms".into(),
                 load.duration.as_millis().to_string(),
             ])
+            .args(load.retain.then_some("--retain"))
             .env(TOKENS_ENV, load.tokens.join(","))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -522,6 +536,7 @@ pub async fn worker_process(_common: &Common, a: &WorkerArgs) -> Result<()> {
         size: a.size,
         warmup: Duration::from_millis(a.warmup_ms),
         duration: Duration::from_millis(a.duration_ms),
+        retain: a.retain,
     };
     let go = async {
         let mut stdin = BufReader::new(tokio::io::stdin()).lines();
