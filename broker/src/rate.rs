@@ -3,7 +3,8 @@
 //! tight loop cannot crowd out the others' admissions. A call over the limit is
 //! `RESOURCE_EXHAUSTED` with the wait in the message and in the standard gRPC retry hint
 //! (`grpc-retry-pushback-ms` trailer). Admin and node-wide read tokens are not limited.
-//! Checked in the gate (`gate.rs`), before the services see the call.
+//! Checked in the gate (`gate.rs`), before the services see the call, and by the lease
+//! lines (`fd/lease_line.rs`), which give a call back when they leave it to gRPC.
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -91,6 +92,14 @@ impl RateLimiter {
         }
     }
 
+    /// Gives back a call taken for `tenant` that was not made after all (a lease line left
+    /// it to gRPC, which takes its own): at most up to the burst.
+    pub fn give_back(&self, tenant: &str) {
+        if let Some(b) = self.buckets.lock().get_mut(tenant) {
+            b.tokens = (b.tokens + 1.0).min(self.cfg.burst);
+        }
+    }
+
     /// The refusal for a call over the limit.
     pub fn refusal(&self, tenant: &str, wait: Duration) -> tonic::Status {
         let ms = wait.as_millis().max(1);
@@ -170,6 +179,25 @@ mod tests {
         assert!(wait > Duration::from_secs(86400 * 365));
         let s = l.refusal("a", wait);
         assert_eq!(s.code(), tonic::Code::ResourceExhausted);
+    }
+
+    #[test]
+    fn a_call_given_back_can_be_taken_again_but_never_beyond_the_burst() {
+        let l = RateLimiter::new(RateConfig {
+            rate: 0.001,
+            burst: 1.0,
+        });
+        let now = Instant::now();
+        assert!(l.take("a", now).is_ok());
+        assert!(l.take("a", now).is_err());
+        l.give_back("a");
+        assert!(l.take("a", now).is_ok());
+        l.give_back("a");
+        l.give_back("a");
+        assert!(l.take("a", now).is_ok());
+        assert!(l.take("a", now).is_err(), "one call, the burst");
+        l.give_back("b");
+        assert!(l.take("b", now).is_ok(), "a tenant never seen starts full");
     }
 
     #[test]

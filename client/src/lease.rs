@@ -316,7 +316,7 @@ impl Lease {
         let on_line = match retain {
             true => {
                 let session = self.generation.id();
-                self.session.lease_line().release(session, &request).await
+                self.session.lease_line().release(session, &request).await?
             }
             false => None,
         };
@@ -564,7 +564,7 @@ impl<'s> LeaseRequest<'s> {
                 self.session
                     .lease_line()
                     .acquire(session_id, &request)
-                    .await
+                    .await?
             }
             false => None,
         };

@@ -7,14 +7,17 @@
 //! The broker serves on it only what the gRPC call would do for a retained block; for
 //! anything else it answers "not here" and the caller makes the gRPC call, as it does when
 //! there is no line (an older broker, one at its limit, `GPU_BROKER_CLIENT_LEASE_LINE=off`)
-//! or the line failed. A request goes on the line only when the answer can be awaited
-//! alone: one request at a time (a second caller meanwhile takes gRPC). A line belongs to
-//! the process that opened it (a forked child opens its own) and to one broker session (a
-//! resumed session after a restart opens another).
+//! or the line ended before answering. An answer that began and broke off is an error,
+//! not a reason to ask again: the broker may have done it. One request at a time (a
+//! second caller meanwhile takes gRPC). A line belongs to the process that opened it (a
+//! forked child opens its own) and to one broker session (a resumed session after a
+//! restart opens another).
 
+use crate::error::ClientError;
 use gpu_broker_proto::ticket::{
-    BUSY_REPLY, LINE_ACQUIRE, LINE_FRAME_HEAD, LINE_GRANTED, LINE_HELLO, LINE_HELLO_LEN,
-    LINE_MAX_PAYLOAD, LINE_NOT_HERE, LINE_OPEN_REPLY, LINE_RELEASE, LINE_RELEASED,
+    line_frame, line_payload_len, BUSY_REPLY, LINE_ACQUIRE, LINE_FRAME_HEAD, LINE_GRANTED,
+    LINE_HELLO, LINE_HELLO_LEN, LINE_MAX_PAYLOAD, LINE_NOT_HERE, LINE_OPEN_REPLY, LINE_RELEASE,
+    LINE_RELEASED,
 };
 use gpu_broker_proto::v1 as pb;
 use parking_lot::Mutex;
@@ -27,8 +30,12 @@ use tokio::net::UnixStream;
 /// A broker that refused a line (an older one, or it did not take this process as the
 /// session's) is asked again after this long.
 pub const REFUSED_FOR: Duration = Duration::from_secs(60);
-/// A broker at its line limit is asked again after this long.
+/// A broker at its line limit, or whose socket did not answer, is asked again after this
+/// long.
 pub const BUSY_FOR: Duration = Duration::from_secs(1);
+/// A line unused this long is opened anew rather than used: the broker closes one idle
+/// for 30 s, and a request on a closed line is a round trip lost.
+pub const MAX_IDLE_AGE: Duration = Duration::from_secs(25);
 /// How long opening a line may take before it is given up (the request then goes over
 /// gRPC).
 const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -53,7 +60,7 @@ struct State {
     conn: Option<Conn>,
     /// A request is on the line (its caller holds the connection).
     busy: bool,
-    /// Where the broker's ticket socket is (from a lease's handle).
+    /// Where the broker's ticket socket may be, in order (from a lease's handle).
     places: Vec<PathBuf>,
     /// Not asked again before then.
     refused_until: Option<Instant>,
@@ -65,10 +72,31 @@ struct Conn {
     owner: u32,
     /// The broker session it serves.
     session: String,
+    /// When its last answer came.
+    used: Instant,
+}
+
+/// The line held by one request; let go (for the next) however the request ends, a
+/// cancelled one included.
+struct InUse<'a>(&'a LeaseLine);
+
+impl Drop for InUse<'_> {
+    fn drop(&mut self) {
+        self.0.state.lock().busy = false;
+    }
+}
+
+/// How a request on the line came out.
+enum Asked {
+    /// Answered with this kind and payload.
+    Answered(u8, Vec<u8>),
+    /// Not served: no line, it was busy, or it ended before any answer (the broker closes a
+    /// line only before reading a request, or on a malformed one).
+    NotSent,
 }
 
 impl LeaseLine {
-    /// Notes where the broker's ticket socket is (the candidates for a lease's
+    /// Notes where the broker's ticket socket may be (the candidates for a lease's
     /// `socket_path`, `crate::fd::candidates`).
     pub fn remember(&self, places: Vec<PathBuf>) {
         if !places.is_empty() {
@@ -76,102 +104,125 @@ impl LeaseLine {
         }
     }
 
-    /// `AcquireLease` on the line of session `session`: the grant of a retained block, or
-    /// `None` (not here, no line, or it failed): ask over gRPC.
+    /// `AcquireLease` on the line of session `session`: the grant of a retained block;
+    /// `Ok(None)`: not served here, ask over gRPC.
     pub async fn acquire(
         &self,
         session: &str,
         req: &pb::AcquireLeaseRequest,
-    ) -> Option<pb::AcquireLeaseResponse> {
-        let (kind, body) = self.ask(session, LINE_ACQUIRE, req.encode_to_vec()).await?;
-        match kind {
-            LINE_GRANTED => pb::AcquireLeaseResponse::decode(body.as_slice()).ok(),
-            _ => None,
+    ) -> Result<Option<pb::AcquireLeaseResponse>, ClientError> {
+        match self.ask(session, LINE_ACQUIRE, req.encode_to_vec()).await? {
+            Asked::Answered(LINE_GRANTED, body) => Ok(Some(decode(&body)?)),
+            _ => Ok(None),
         }
     }
 
-    /// `ReleaseLease` (retaining, may decline) on the line of session `session`; `None`:
-    /// ask over gRPC.
+    /// `ReleaseLease` (retaining, may decline) on the line of session `session`;
+    /// `Ok(None)`: not served here, ask over gRPC.
     pub async fn release(
         &self,
         session: &str,
         req: &pb::ReleaseLeaseRequest,
-    ) -> Option<pb::ReleaseLeaseResponse> {
-        let (kind, body) = self.ask(session, LINE_RELEASE, req.encode_to_vec()).await?;
-        match kind {
-            LINE_RELEASED => pb::ReleaseLeaseResponse::decode(body.as_slice()).ok(),
-            _ => None,
+    ) -> Result<Option<pb::ReleaseLeaseResponse>, ClientError> {
+        match self.ask(session, LINE_RELEASE, req.encode_to_vec()).await? {
+            Asked::Answered(LINE_RELEASED, body) => Ok(Some(decode(&body)?)),
+            _ => Ok(None),
         }
     }
 
-    /// One request on the line (opened first if need be); its answer's kind and payload.
-    async fn ask(&self, session: &str, kind: u8, body: Vec<u8>) -> Option<(u8, Vec<u8>)> {
+    /// One request on the line (opened first if need be). An answer that began and broke
+    /// off, or is not one, is an error: the broker may have done what was asked, so it is
+    /// not asked again over gRPC.
+    async fn ask(&self, session: &str, kind: u8, body: Vec<u8>) -> Result<Asked, ClientError> {
         if !enabled() || body.len() > LINE_MAX_PAYLOAD {
+            return Ok(Asked::NotSent);
+        }
+        let Some((in_use, kept)) = self.claim(session) else {
+            return Ok(Asked::NotSent);
+        };
+        let mut conn = match kept {
+            Some(c) => c,
+            None => match self.open_line(session).await {
+                Some(c) => c,
+                None => return Ok(Asked::NotSent),
+            },
+        };
+        let asked = exchange(&mut conn.stream, kind, &body).await?;
+        if let Asked::Answered(..) = asked {
+            conn.used = Instant::now();
+            self.state.lock().conn = Some(conn);
+        }
+        drop(in_use);
+        Ok(asked)
+    }
+
+    /// Marks the line in use for `session`, with its open connection when there is one
+    /// (of this process and session, not idle too long); `None`: another request is on
+    /// it, or the broker is not to be asked now.
+    fn claim(&self, session: &str) -> Option<(InUse<'_>, Option<Conn>)> {
+        let mut st = self.state.lock();
+        if st.busy {
             return None;
         }
-        let mut conn = self.take(session).await?;
-        let answer = exchange(&mut conn.stream, kind, &body).await;
-        let mut st = self.state.lock();
-        st.busy = false;
-        // A broken line is dropped (closed); the next request opens another.
-        let answer = answer.ok()?;
-        st.conn = Some(conn);
-        Some(answer)
+        let me = std::process::id();
+        let kept = st
+            .conn
+            .take()
+            .filter(|c| c.owner == me && c.session == session && c.used.elapsed() < MAX_IDLE_AGE);
+        if kept.is_none() {
+            let refused = st.refused_until.is_some_and(|t| Instant::now() < t);
+            // Known once a block was retained.
+            if refused || st.places.is_empty() {
+                return None;
+            }
+        }
+        st.busy = true;
+        Some((InUse(self), kept))
     }
 
-    /// The line for `session`, marked in use; opened when there is none (and the broker
-    /// was not asked lately). `None`: another request is on it, or there is none.
-    async fn take(&self, session: &str) -> Option<Conn> {
-        let me = std::process::id();
-        let place = {
-            let mut st = self.state.lock();
-            if st.busy {
-                return None;
-            }
-            let conn = st.conn.take();
-            if let Some(c) = conn.filter(|c| c.owner == me && c.session == session) {
-                st.busy = true;
-                return Some(c);
-            }
-            if st.refused_until.is_some_and(|t| Instant::now() < t) {
-                return None;
-            }
-            // Known once a block was retained.
-            let place = st.places.first().cloned()?;
-            st.busy = true;
-            place
-        };
-        let opened = tokio::time::timeout(OPEN_TIMEOUT, open(&place, session)).await;
-        let mut st = self.state.lock();
+    /// Opens the line of `session` at the first place that answers; else notes when to
+    /// ask again.
+    async fn open_line(&self, session: &str) -> Option<Conn> {
+        let places = self.state.lock().places.clone();
+        let opened = tokio::time::timeout(OPEN_TIMEOUT, open(&places, session))
+            .await
+            .unwrap_or(Err(Instant::now() + BUSY_FOR));
         match opened {
-            Ok(Ok(stream)) => Some(Conn {
+            Ok(stream) => Some(Conn {
                 stream,
-                owner: me,
+                owner: std::process::id(),
                 session: session.to_string(),
+                used: Instant::now(),
             }),
-            Ok(Err(until)) => {
-                st.busy = false;
-                st.refused_until = Some(until);
-                None
-            }
-            Err(_) => {
-                st.busy = false;
-                st.refused_until = Some(Instant::now() + BUSY_FOR);
+            Err(until) => {
+                self.state.lock().refused_until = Some(until);
                 None
             }
         }
     }
 }
 
-/// Opens the line of `session` on the ticket socket at `path`; `Err(until)`: refused or
-/// busy, not to be asked again before `until`.
-async fn open(path: &std::path::Path, session: &str) -> Result<UnixStream, Instant> {
-    let refused = Instant::now() + REFUSED_FOR;
-    let id = uuid::Uuid::parse_str(session).map_err(|_| refused)?;
-    let mut stream = UnixStream::connect(path).await.map_err(|_| refused)?;
+fn decode<M: Message + Default>(body: &[u8]) -> Result<M, ClientError> {
+    M::decode(body).map_err(|e| ClientError::Protocol(format!("a lease line's answer: {e}")))
+}
+
+/// Opens the line of `session` on the first of `places` that accepts a connection;
+/// `Err(until)`: refused, busy or not reachable, not to be asked again before `until`.
+async fn open(places: &[PathBuf], session: &str) -> Result<UnixStream, Instant> {
+    let id = uuid::Uuid::parse_str(session).map_err(|_| Instant::now() + REFUSED_FOR)?;
+    let mut stream = None;
+    for place in places {
+        if let Ok(s) = UnixStream::connect(place).await {
+            stream = Some(s);
+            break;
+        }
+    }
+    // Nothing answered (a broker restarting): soon again.
+    let mut stream = stream.ok_or_else(|| Instant::now() + BUSY_FOR)?;
     let mut hello = [0u8; LINE_HELLO_LEN];
     hello[..LINE_HELLO.len()].copy_from_slice(&LINE_HELLO);
     hello[LINE_HELLO.len()..].copy_from_slice(id.as_bytes());
+    let refused = Instant::now() + REFUSED_FOR;
     stream.write_all(&hello).await.map_err(|_| refused)?;
     let mut reply = [0u8; 1];
     match stream.read(&mut reply).await {
@@ -182,28 +233,31 @@ async fn open(path: &std::path::Path, session: &str) -> Result<UnixStream, Insta
 }
 
 /// Sends one request and reads its answer. No deadline, as a gRPC call has none: the
-/// broker answers at once (it never queues or waits on a line) or closes the line, which
-/// it does only before reading a request or on a malformed one, so a line that breaks
-/// did not serve it (but where the broker itself died).
-async fn exchange(
-    stream: &mut UnixStream,
-    kind: u8,
-    body: &[u8],
-) -> std::io::Result<(u8, Vec<u8>)> {
-    let mut frame = Vec::with_capacity(LINE_FRAME_HEAD + body.len());
-    frame.push(kind);
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(body);
-    stream.write_all(&frame).await?;
+/// broker answers at once (it never queues or waits on a line) or closes the line.
+async fn exchange(stream: &mut UnixStream, kind: u8, body: &[u8]) -> Result<Asked, ClientError> {
+    if stream.write_all(&line_frame(kind, body)).await.is_err() {
+        return Ok(Asked::NotSent);
+    }
     let mut head = [0u8; LINE_FRAME_HEAD];
-    stream.read_exact(&mut head).await?;
-    let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
-    if len > LINE_MAX_PAYLOAD || !matches!(head[0], LINE_GRANTED | LINE_RELEASED | LINE_NOT_HERE) {
-        return Err(std::io::ErrorKind::InvalidData.into());
+    match stream.read(&mut head[..1]).await {
+        Ok(1) => {}
+        _ => return Ok(Asked::NotSent),
+    }
+    let broken = |what: &str| ClientError::Protocol(format!("a lease line's answer {what}"));
+    stream
+        .read_exact(&mut head[1..])
+        .await
+        .map_err(|e| broken(&format!("broke off: {e}")))?;
+    let len = line_payload_len(&head).ok_or_else(|| broken("is too long"))?;
+    if !matches!(head[0], LINE_GRANTED | LINE_RELEASED | LINE_NOT_HERE) {
+        return Err(broken(&format!("is of unknown kind {:#x}", head[0])));
     }
     let mut payload = vec![0u8; len];
-    stream.read_exact(&mut payload).await?;
-    Ok((head[0], payload))
+    stream
+        .read_exact(&mut payload)
+        .await
+        .map_err(|e| broken(&format!("broke off: {e}")))?;
+    Ok(Asked::Answered(head[0], payload))
 }
 
 #[cfg(test)]
@@ -249,13 +303,13 @@ mod tests {
         let (_dir, path, accepted) = fake_broker(|s| async move { drop(s) });
         let line = LeaseLine::default();
         assert!(
-            line.acquire(SESSION, &request()).await.is_none(),
+            line.acquire(SESSION, &request()).await.unwrap().is_none(),
             "no place known"
         );
         assert_eq!(accepted.load(Ordering::SeqCst), 0);
         line.remember(vec![path]);
         for _ in 0..3 {
-            assert!(line.acquire(SESSION, &request()).await.is_none());
+            assert!(line.acquire(SESSION, &request()).await.unwrap().is_none());
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
     }
@@ -288,24 +342,73 @@ mod tests {
                     }),
                 }
                 .encode_to_vec();
-                let mut frame = vec![LINE_GRANTED];
-                frame.extend_from_slice(&(reply.len() as u32).to_le_bytes());
-                frame.extend_from_slice(&reply);
-                s.write_all(&frame).await.unwrap();
+                s.write_all(&line_frame(LINE_GRANTED, &reply))
+                    .await
+                    .unwrap();
                 let _ = s.read(&mut [0u8; 1]).await;
             }
         });
         let line = LeaseLine::default();
         line.remember(vec![path]);
-        assert!(line.acquire(SESSION, &request()).await.is_none(), "closed");
-        let granted = line.acquire(SESSION, &request()).await.unwrap();
+        assert!(
+            line.acquire(SESSION, &request()).await.unwrap().is_none(),
+            "closed"
+        );
+        let granted = line.acquire(SESSION, &request()).await.unwrap().unwrap();
         assert_eq!(granted.lease.unwrap().lease_id, "l");
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
         // A line is one session's: another session's request opens its own.
         let other = "0190a7a4-0000-7000-8000-000000000002";
         let mut req = request();
         req.session_id = other.into();
-        assert!(line.acquire(other, &req).await.is_some());
+        assert!(line.acquire(other, &req).await.unwrap().is_some());
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    /// A request whose caller gave up (its future dropped mid-answer) leaves the line free
+    /// for the next, which opens another line; an answer that begins and breaks off is an
+    /// error, not a reason to ask gRPC (the broker may have granted it).
+    #[tokio::test]
+    async fn a_cancelled_request_frees_the_line_and_a_broken_answer_is_an_error() {
+        let n = Arc::new(AtomicUsize::new(0));
+        let count = n.clone();
+        let (_dir, path, _accepted) = fake_broker(move |mut s| {
+            let count = count.clone();
+            async move {
+                let mut hello = [0u8; LINE_HELLO_LEN];
+                s.read_exact(&mut hello).await.unwrap();
+                s.write_all(&[LINE_OPEN_REPLY]).await.unwrap();
+                let mut head = [0u8; LINE_FRAME_HEAD];
+                s.read_exact(&mut head).await.unwrap();
+                let mut body = vec![0u8; line_payload_len(&head).unwrap()];
+                s.read_exact(&mut body).await.unwrap();
+                match count.fetch_add(1, Ordering::SeqCst) {
+                    // Never answers.
+                    0 => tokio::time::sleep(Duration::from_secs(60)).await,
+                    // Begins an answer and closes.
+                    1 => s.write_all(&[LINE_GRANTED, 9]).await.unwrap(),
+                    _ => s.write_all(&line_frame(LINE_NOT_HERE, b"")).await.unwrap(),
+                }
+            }
+        });
+        let line = LeaseLine::default();
+        line.remember(vec![path]);
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(200),
+            line.acquire(SESSION, &request()),
+        )
+        .await;
+        assert!(gave_up.is_err(), "the broker never answered");
+        let broken = line.acquire(SESSION, &request()).await;
+        assert!(
+            matches!(broken, Err(ClientError::Protocol(_))),
+            "{:?}",
+            broken.map(|r| r.is_some())
+        );
+        assert!(
+            line.acquire(SESSION, &request()).await.unwrap().is_none(),
+            "not here"
+        );
+        assert_eq!(n.load(Ordering::SeqCst), 3, "each on a line of its own");
     }
 }

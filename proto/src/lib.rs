@@ -86,4 +86,20 @@ pub mod ticket {
     /// Answer to either, with no payload: nothing was done; ask the same over gRPC, which
     /// answers it whatever it is (no retained block fits, a refusal, a lease unknown).
     pub const LINE_NOT_HERE: u8 = 0x03;
+
+    /// A lease line frame of `kind` carrying `payload` (at most [`LINE_MAX_PAYLOAD`]).
+    pub fn line_frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(LINE_FRAME_HEAD + payload.len());
+        out.push(kind);
+        out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        out.extend_from_slice(payload);
+        out
+    }
+
+    /// The payload length a lease line frame's head announces; `None` past
+    /// [`LINE_MAX_PAYLOAD`] (not a frame: the line closes).
+    pub fn line_payload_len(head: &[u8; LINE_FRAME_HEAD]) -> Option<usize> {
+        let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
+        (len <= LINE_MAX_PAYLOAD).then_some(len)
+    }
 }

@@ -408,12 +408,12 @@ impl Arbiter {
         &self.tickets
     }
 
-    /// The authenticator shared with the service layer.
     /// The tenants' call rate limits, when configured (`rate.rs`).
     pub fn rate_limits(&self) -> Option<&Arc<crate::rate::RateLimiter>> {
         self.rate_limits.as_ref()
     }
 
+    /// The authenticator shared with the service layer.
     pub fn authenticator(&self) -> &Arc<Authenticator> {
         &self.auth
     }

@@ -104,12 +104,14 @@ async fn serve_with_channels(
         admin_reserve: 0,
         ..Limits::default()
     });
-    let line_slots = ConnTracker::new(Limits {
-        max_connections: crate::fd::lease_line::MAX_LINES,
-        max_connections_per_uid: crate::fd::lease_line::MAX_LINES_PER_UID,
-        admin_reserve: 0,
-        ..Limits::default()
-    });
+    let lines = Arc::new(crate::fd::lease_line::Lines::new(ConnTracker::new(
+        Limits {
+            max_connections: crate::fd::lease_line::MAX_LINES,
+            max_connections_per_uid: crate::fd::lease_line::MAX_LINES_PER_UID,
+            admin_reserve: 0,
+            ..Limits::default()
+        },
+    )));
     // Told when a connection is turned away at a limit: the kept connections waiting idle
     // for their next ticket in the slots it lacked close, so they never keep a process
     // out (`ticket_pressure.rs`: a uid at its own cap moves only its own).
@@ -146,7 +148,7 @@ async fn serve_with_channels(
         let pressure = pressure.clone();
         let slots = Slots {
             channels: channel_slots.clone(),
-            lines: line_slots.clone(),
+            lines: lines.clone(),
         };
         tokio::spawn(async move {
             serve_connection(stream, cred, permit, &arb, &pressure, &slots).await;
@@ -228,7 +230,7 @@ async fn next_ticket_comes(stream: &UnixStream) -> bool {
 /// The slots of the connections that become something else than a ticket's.
 struct Slots {
     channels: Arc<ConnTracker>,
-    lines: Arc<ConnTracker>,
+    lines: Arc<crate::fd::lease_line::Lines>,
 }
 
 /// What one ticket's turn on a connection came to.
