@@ -90,6 +90,15 @@ pub struct TokenEntry {
     pub expires_unix_ms: Option<i64>,
 }
 
+/// A token that authenticates, as [`Authenticator::live_by_id`] finds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LiveToken {
+    pub name: String,
+    pub hash: [u8; 32],
+    /// Past this instant (ms since the epoch) it is refused; `None`: never.
+    pub expires_unix_ms: Option<i64>,
+}
+
 /// A SHA-256 as 64 hex digits.
 mod hash_hex {
     use serde::de::Error;
@@ -464,12 +473,18 @@ impl Authenticator {
             tenant: (!e.tenant.is_empty()).then(|| e.tenant.clone()),
         };
         drop(e);
-        // One write a second per token at most: the map is read on every request.
-        let stale = self.last_used.get(&h).is_none_or(|t| *t + 1000 <= now);
-        if stale {
-            self.last_used.insert(h, now);
-        }
+        self.mark_used(&h, now);
         Ok(p)
+    }
+
+    /// Notes that the token of `hash` was used at `now` (ms since the epoch): by a call, or
+    /// by a lease line its session opened.
+    pub fn mark_used(&self, hash: &[u8; 32], now: i64) {
+        // One write a second per token at most: the map is read on every request.
+        let stale = self.last_used.get(hash).is_none_or(|t| *t + 1000 <= now);
+        if stale {
+            self.last_used.insert(*hash, now);
+        }
     }
 
     /// When a token was last accepted since this broker started (ms since the epoch).
@@ -514,20 +529,22 @@ impl Authenticator {
         live
     }
 
-    /// The token of id `token_id` as it authenticates now: its name and when it expires
-    /// (`None`: never); `None` when no token of that id authenticates (revoked, expired,
-    /// unknown). A scan: for what holds a token's id across many calls (a lease line).
-    pub fn live_by_id(&self, token_id: &str) -> Option<(String, Option<i64>)> {
-        if token_id == ADMIN_FILE_TOKEN_ID {
-            return Some(("admin token file".into(), None));
-        }
+    /// The token of id `token_id` as it authenticates now (its name, hash and expiry);
+    /// `None` when no token of that id authenticates (revoked, expired, unknown), or it is
+    /// the admin token file's. A scan: for what holds a token's id across many calls (a
+    /// lease line).
+    pub fn live_by_id(&self, token_id: &str) -> Option<LiveToken> {
         let now = crate::units::unix_ms(std::time::SystemTime::now());
         self.tokens
             .iter()
             .chain(self.reviewed.iter())
             .find(|e| e.token_id == token_id)
             .filter(|e| e.expires_unix_ms.is_none_or(|exp| now < exp))
-            .map(|e| (e.name.clone(), e.expires_unix_ms))
+            .map(|e| LiveToken {
+                name: e.name.clone(),
+                hash: e.hash,
+                expires_unix_ms: e.expires_unix_ms,
+            })
     }
 
     /// Looks a token up by id or by the token itself.

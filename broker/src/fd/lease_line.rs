@@ -97,6 +97,8 @@ struct Line {
     uid: u32,
     /// When the session's token stops authenticating (ms since the epoch; `None`: never).
     token_expires: Option<i64>,
+    /// The token's hash, to mark it used (`None`: a broker without tokens).
+    token_hash: Option<[u8; 32]>,
 }
 
 /// Makes `stream` (whose first 32 bytes were `LINE_HELLO`, written by `writers`) the lease
@@ -204,13 +206,13 @@ fn line_for(
     if !own {
         return None;
     }
-    let token_expires = match token_id {
+    let token = match token_id {
         Some(id) => {
-            let (name, expires) = arb.authenticator().live_by_id(&id)?;
-            if crate::arbiter::claims::claim_of_token_name(&name).is_some() {
+            let t = arb.authenticator().live_by_id(&id)?;
+            if crate::arbiter::claims::claim_of_token_name(&t.name).is_some() {
                 return None;
             }
-            expires
+            Some(t)
         }
         None => None,
     };
@@ -219,7 +221,8 @@ fn line_for(
         tenant,
         pid,
         uid,
-        token_expires,
+        token_expires: token.as_ref().and_then(|t| t.expires_unix_ms),
+        token_hash: token.map(|t| t.hash),
     })
 }
 
@@ -288,6 +291,10 @@ fn token_expired(line: &Line) -> bool {
 fn as_a_call<T>(arb: &Arbiter, line: &Line, serve: impl FnOnce() -> Option<T>) -> Option<T> {
     if token_expired(line) {
         return None;
+    }
+    if let Some(h) = &line.token_hash {
+        let now = crate::units::unix_ms(std::time::SystemTime::now());
+        arb.authenticator().mark_used(h, now);
     }
     let limits = arb.rate_limits();
     if limits.is_some_and(|l| l.take(&line.tenant, Instant::now()).is_err()) {
@@ -590,7 +597,7 @@ mod tests {
     }
 
     /// A line opens for a session whose token authenticates, never for one whose token is
-    /// gone (revoked, expired) or a claim's.
+    /// gone (revoked, expired) or a claim's; its requests mark the token used.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_line_opens_only_while_its_sessions_token_authenticates_and_never_for_a_claim() {
         let r = retaining(Default::default()).await;
@@ -626,6 +633,20 @@ mod tests {
             answers.push(blocking(move || open(&path, session).0).await);
         }
         assert_eq!(answers, [Some(LINE_OPEN_REPLY), None, None, None]);
+        // A request on the line marks its token used, as a call does.
+        assert_eq!(r.arb.authenticator().last_used(&[1; 32]), None);
+        let (session, _rx, _) = r
+            .arb
+            .sessions()
+            .open("a", "again", me(), Some("live".into()))
+            .unwrap();
+        let path = r.path.clone();
+        blocking(move || {
+            let (_, mut s) = open(&path, session);
+            ask(&mut s, LINE_ACQUIRE, &acquire_req(session, 8 << 20))
+        })
+        .await;
+        assert!(r.arb.authenticator().last_used(&[1; 32]).is_some());
         r.stop.cancel();
     }
 
@@ -712,6 +733,7 @@ mod tests {
             pid: 1,
             uid: 0,
             token_expires,
+            token_hash: None,
         };
         assert!(!token_expired(&line(None)));
         assert!(!token_expired(&line(Some(now + 60_000))));
