@@ -10,7 +10,8 @@
 #      a Rust worker sees its bytes (scripts/gpu_python_fd_worker.py)
 #   2. the lease benchmark: AcquireLease (fresh, pooled) vs in-process cuMemCreate + map +
 #      fd export for 2 MiB, 64 MiB, 1 GiB, in the same run
-#   3. gpu-broker-bench latency and throughput against the CUDA broker
+#   3. gpu-broker-bench latency and throughput against the CUDA broker; the same retaining
+#      (each pair the worker's own block again) on lease lines and over gRPC, interleaved
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,17 @@ run() {
         --admin-token-file "$dir/state/admin.token")
     gpu_step bench-latency "${bench[@]}" --client-threads 1 latency --sizes 2MiB,64MiB,1GiB
     gpu_step bench-throughput "${bench[@]}" throughput --workers 32 --duration 5s
+    # Retaining workers: each pair its own block again, on its lease line, then over gRPC.
+    local r
+    for r in 1 2; do
+        gpu_step bench-retained-line "${bench[@]}" latency --retain --sizes 2MiB,64MiB
+        gpu_step bench-retained-grpc env GPU_BROKER_CLIENT_LEASE_LINE=off "${bench[@]}" \
+            latency --retain --sizes 2MiB,64MiB
+        gpu_step bench-throughput-retained-line "${bench[@]}" throughput --retain --repeat 1 \
+            --duration 3s
+        gpu_step bench-throughput-retained-grpc env GPU_BROKER_CLIENT_LEASE_LINE=off \
+            "${bench[@]}" throughput --retain --repeat 1 --duration 3s
+    done
     gpu_stop "$dir" || GPU_FAILED+=(broker)
     echo "=== in $((SECONDS - t0)) s ==="
     gpu_result "CUDA backend checks"
