@@ -41,11 +41,15 @@ run() {
     # Retaining workers: each pair its own block again, on its lease line, then over gRPC.
     local r
     for r in 1 2; do
+        echo "--- round $r: retained on the lease line, then over gRPC (GPU_BROKER_CLIENT_LEASE_LINE=off)"
         gpu_step bench-retained-line "${bench[@]}" latency --retain --sizes 2MiB,64MiB
+        echo "--- over gRPC"
         gpu_step bench-retained-grpc env GPU_BROKER_CLIENT_LEASE_LINE=off "${bench[@]}" \
             latency --retain --sizes 2MiB,64MiB
+        echo "--- 32 retaining workers on lease lines, then over gRPC"
         gpu_step bench-throughput-retained-line "${bench[@]}" throughput --retain --repeat 1 \
             --duration 3s
+        echo "--- over gRPC"
         gpu_step bench-throughput-retained-grpc env GPU_BROKER_CLIENT_LEASE_LINE=off \
             "${bench[@]}" throughput --retain --repeat 1 --duration 3s
     done

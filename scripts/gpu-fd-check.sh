@@ -102,7 +102,8 @@ run() {
         gpu_step bench-map "$dir/gpu-worker" --broker "$GPU_BROKER_ADDR" --token "$tok" bench-map \
             --sizes 2MiB,64MiB,1GiB --iters 20 --token2 "$tok2" --label fd
         # The retained lease on its lease line against the same over gRPC (the client's
-        # lines off), interleaved, each run beside its own raw baseline.
+        # lines off), interleaved, each run beside its own raw baseline. Read their retained
+        # columns: their fresh ones are not fresh (the first run cached those sizes).
         local r
         for r in $(seq "${FD_LINE_ROUNDS:-2}"); do
             gpu_step bench-map-line "$dir/gpu-worker" --broker "$GPU_BROKER_ADDR" --token "$tok" \

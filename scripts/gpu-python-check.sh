@@ -18,8 +18,10 @@
 #      left: that job waits GPU_BROKER_WAIT and gets torch.OutOfMemoryError with the
 #      broker's reason; the training never does
 #   5. pooled lease() latency from Python and, in the same run, from Rust (gpu-worker bench)
+#      and of a retained 2 MiB block on the lease line and over gRPC
 #   6. a gpubroker.torch segment of 2 MiB and 64 MiB retained across empty_cache() (on the
 #      lease line and over gRPC), not retained, and PyTorch's own cudaMalloc of the size
+#      (its caching off, so the tensor's size); each RESULT line names its lease_line
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -82,6 +84,12 @@ run() {
         --nbytes $((64 << 20)) --iters 200
     gpu_step rust-latency "$OUT/gpu-worker" --broker "$GPU_BROKER_ADDR" --token "$bench" bench \
         --sizes 64MiB --iters 200
+    # A retained block's lease + release from Python, on the lease line and over gRPC.
+    gpu_step python-latency-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" latency \
+        --nbytes $((2 << 20)) --iters 500 --retained
+    gpu_step python-latency-retained-grpc env GPU_BROKER_TOKEN="$bench" \
+        GPU_BROKER_CLIENT_LEASE_LINE=off "${check[@]}" latency --nbytes $((2 << 20)) \
+        --iters 500 --retained
 
     echo "=== 6. gpubroker.torch segments retained across empty_cache(), then not ==="
     local n
@@ -95,7 +103,8 @@ run() {
             --iters 100
         gpu_step torch-not-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" retain \
             --nbytes "$n" --retain 0 --iters 100
-        gpu_step torch-native-malloc "${check[@]}" retain --mode native --nbytes "$n" --iters 100
+        gpu_step torch-native-malloc env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${check[@]}" retain \
+            --mode native --nbytes "$n" --iters 100
     done
     "${CTL[@]}" devices
     gpu_stop "$dir" || GPU_FAILED+=(broker)

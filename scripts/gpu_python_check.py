@@ -11,7 +11,8 @@ Subcommands (each prints one `RESULT {json}` line; `all` runs them and checks):
               whether every CUDA allocation went to leases, refusals of unsupported uses
   hog         a second tenant's job that wants more than the card has left: it must wait
               GPU_BROKER_WAIT and then get torch.OutOfMemoryError with the broker's reason
-  latency     pooled lease() + release() latency from Python
+  latency     pooled lease() + release() latency from Python (--retained: of a block the
+              session retains, on its lease line unless GPU_BROKER_CLIENT_LEASE_LINE=off)
   multistream blocks used on a side stream (record_stream): reserved memory with and
               without gpubroker.torch.reuse_stream_blocks()
   retain      gpubroker.torch with retained segments (install(retain=...), --retain 0:
@@ -341,6 +342,9 @@ def latency(args):
 
     b = gpubroker.connect()
     with b.session("py-latency") as s:
+        if args.retained:
+            # Each lease after the first is the block the last release retained.
+            s.retain_mappings(args.nbytes)
         acquire, release = [], []
         for _ in range(args.iters + 1):
             t0 = time.perf_counter()
@@ -350,7 +354,8 @@ def latency(args):
             t2 = time.perf_counter()
             acquire.append((t1 - t0) * 1e6)
             release.append((t2 - t1) * 1e6)
-    result(step="latency", nbytes=args.nbytes, fresh_us=acquire[0],
+    result(step="latency", nbytes=args.nbytes, retained=args.retained,
+           lease_line=os.environ.get("GPU_BROKER_CLIENT_LEASE_LINE", "on"), fresh_us=acquire[0],
            pooled_acquire_median_us=statistics.median(acquire[1:]),
            pooled_acquire_p90_us=sorted(acquire[1:])[int(0.9 * args.iters)],
            release_median_us=statistics.median(release))
@@ -389,6 +394,7 @@ def retain(args):
           and (not on or (st["retained_acquires"] == args.iters and len(set(ptrs)) == 1
                           and kept and retained_before == args.nbytes)))
     result(step="retain", retain=args.retain, nbytes=args.nbytes, ok=ok,
+           lease_line=os.environ.get("GPU_BROKER_CLIENT_LEASE_LINE", "on"),
            first_us=round(took[0], 1), again_median_us=round(statistics.median(took[1:]), 1),
            again_p90_us=round(sorted(took[1:])[int(0.9 * args.iters)], 1),
            retained_acquires=st["retained_acquires"], broker_acquires=st["broker_acquires"],
@@ -398,10 +404,10 @@ def retain(args):
 
 
 def retain_native(args):
-    """The retain loop under PyTorch's own allocator: each tensor a cudaMalloc of its own
-    (empty_cache() freed the last), the baseline of a retained segment's lease + map: what
-    the same tensor costs a native program (whose allocator asks the driver for 20 MiB for
-    a tensor between 1 and 10 MiB, the size itself from 10 MiB up)."""
+    """The retain loop under PyTorch's own allocator, the baseline of a retained segment's
+    lease + map: each tensor a cudaMalloc of its own (run with
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1, so of the tensor's size: the caching allocator would
+    ask the driver for 20 MiB for a tensor between 1 and 10 MiB)."""
     import torch
 
     dev = torch.device("cuda")
@@ -415,6 +421,7 @@ def retain_native(args):
         del x
         torch.cuda.empty_cache()
     result(step="retain", mode="native", nbytes=args.nbytes, ok=True,
+           caching=os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1",
            first_us=round(took[0], 1), again_median_us=round(statistics.median(took[1:]), 1),
            again_p90_us=round(sorted(took[1:])[int(0.9 * args.iters)], 1))
 
@@ -433,6 +440,7 @@ def main():
     p.add_argument("--hold-until")
     p.add_argument("--every", type=int, default=0)
     p.add_argument("--retain", type=int, default=64 * MIB)
+    p.add_argument("--retained", action="store_true")
     args = p.parse_args()
     {"roundtrip": roundtrip, "roundtrip-cupy": roundtrip_cupy, "train": train, "hog": hog,
      "latency": latency, "multistream": multistream, "retain": retain}[args.cmd](args)

@@ -316,7 +316,19 @@ impl Lease {
         let on_line = match retain {
             true => {
                 let session = self.generation.id();
-                self.session.lease_line().release(session, &request).await?
+                match self.session.lease_line().release(session, &request).await {
+                    Ok(reply) => reply,
+                    // The broker may have retained it or not: unmapped, closed, then a
+                    // plain release ends it either way (a retained block let go).
+                    Err(e) => {
+                        self.kept = None;
+                        self.fd = None;
+                        return match client.release_lease(id).await {
+                            Err(plain) if plain.code() != crate::error::Code::NotFound => Err(e),
+                            _ => Ok(()),
+                        };
+                    }
+                }
             }
             false => None,
         };
@@ -560,12 +572,23 @@ impl<'s> LeaseRequest<'s> {
         let client = self.session.client();
         // A block this process retained: its grant on the session's lease line, else gRPC.
         let on_line = match !request.host_tier && self.session.retained().fits(self.bytes) {
-            true => {
-                self.session
-                    .lease_line()
-                    .acquire(session_id, &request)
-                    .await?
-            }
+            true => match self
+                .session
+                .lease_line()
+                .acquire(session_id, &request)
+                .await
+            {
+                Ok(granted) => granted,
+                // The broker may have granted one of the retained blocks, whose mapping is
+                // then a lease this process does not know: every one is let go (unmapped,
+                // closed, confirmed); such a lease stays its session's until it ends, as
+                // one whose gRPC answer was lost.
+                Err(e) => {
+                    let kept = self.session.retained().take_all();
+                    self.session.let_go_now(kept).await;
+                    return Err(e);
+                }
+            },
             false => None,
         };
         let response = match on_line {

@@ -206,30 +206,30 @@ fn decode<M: Message + Default>(body: &[u8]) -> Result<M, ClientError> {
     M::decode(body).map_err(|e| ClientError::Protocol(format!("a lease line's answer: {e}")))
 }
 
-/// Opens the line of `session` on the first of `places` that accepts a connection;
-/// `Err(until)`: refused, busy or not reachable, not to be asked again before `until`.
+/// Opens the line of `session` at the first of `places` that takes it; `Err(until)`:
+/// none did, not to be asked again before `until` (soon when one was busy or none
+/// answered, a broker restarting; later when refused).
 async fn open(places: &[PathBuf], session: &str) -> Result<UnixStream, Instant> {
     let id = uuid::Uuid::parse_str(session).map_err(|_| Instant::now() + REFUSED_FOR)?;
-    let mut stream = None;
-    for place in places {
-        if let Ok(s) = UnixStream::connect(place).await {
-            stream = Some(s);
-            break;
-        }
-    }
-    // Nothing answered (a broker restarting): soon again.
-    let mut stream = stream.ok_or_else(|| Instant::now() + BUSY_FOR)?;
     let mut hello = [0u8; LINE_HELLO_LEN];
     hello[..LINE_HELLO.len()].copy_from_slice(&LINE_HELLO);
     hello[LINE_HELLO.len()..].copy_from_slice(id.as_bytes());
-    let refused = Instant::now() + REFUSED_FOR;
-    stream.write_all(&hello).await.map_err(|_| refused)?;
-    let mut reply = [0u8; 1];
-    match stream.read(&mut reply).await {
-        Ok(1) if reply[0] == LINE_OPEN_REPLY => Ok(stream),
-        Ok(1) if reply[0] == BUSY_REPLY => Err(Instant::now() + BUSY_FOR),
-        _ => Err(refused),
+    let mut again = Instant::now() + BUSY_FOR;
+    for place in places {
+        let Ok(mut stream) = UnixStream::connect(place).await else {
+            continue;
+        };
+        if stream.write_all(&hello).await.is_err() {
+            continue;
+        }
+        let mut reply = [0u8; 1];
+        match stream.read(&mut reply).await {
+            Ok(1) if reply[0] == LINE_OPEN_REPLY => return Ok(stream),
+            Ok(1) if reply[0] == BUSY_REPLY => {}
+            _ => again = Instant::now() + REFUSED_FOR,
+        }
     }
+    Err(again)
 }
 
 /// Sends one request and reads its answer. No deadline, as a gRPC call has none: the
@@ -410,5 +410,31 @@ mod tests {
             "not here"
         );
         assert_eq!(n.load(Ordering::SeqCst), 3, "each on a line of its own");
+    }
+
+    /// The line opens at the first place that takes it: a place that refuses (a socket of
+    /// another broker, an older one) or does not answer is passed over.
+    #[tokio::test]
+    async fn every_place_is_tried_in_turn() {
+        let (_a, refusing, _) = fake_broker(|s| async move { drop(s) });
+        let (_b, taking, accepted) = fake_broker(|mut s| async move {
+            let mut hello = [0u8; LINE_HELLO_LEN];
+            s.read_exact(&mut hello).await.unwrap();
+            s.write_all(&[LINE_OPEN_REPLY]).await.unwrap();
+            let mut head = [0u8; LINE_FRAME_HEAD];
+            s.read_exact(&mut head).await.unwrap();
+            let mut body = vec![0u8; line_payload_len(&head).unwrap()];
+            s.read_exact(&mut body).await.unwrap();
+            s.write_all(&line_frame(LINE_GRANTED, b"")).await.unwrap();
+        });
+        let line = LeaseLine::default();
+        let nowhere = refusing.with_file_name("nothing.sock");
+        line.remember(vec![nowhere, refusing, taking]);
+        assert!(line.acquire(SESSION, &request()).await.unwrap().is_some());
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "answered on the third place"
+        );
     }
 }

@@ -135,7 +135,8 @@ pub(crate) async fn serve(
     let Some(line) = line else {
         arb.metrics()
             .ticket_refused(crate::fd::tickets::Refusal::Foreign.as_str());
-        tracing::warn!(
+        // Also what a session's process in another pid namespace meets every minute.
+        tracing::debug!(
             ?uid,
             ?pid,
             ?writers,
@@ -155,19 +156,28 @@ pub(crate) async fn serve(
     let (key, end) = lines.register(line.session);
     if stream.write_all(&[LINE_OPEN_REPLY]).await.is_ok() {
         tracing::debug!(session = %line.session, pid = line.pid, "lease line open");
-        tokio::select! {
-            _ = serve_requests(&mut stream, arb, &line) => {}
-            _ = end.cancelled() => {}
-        }
+        serve_requests(&mut stream, arb, &line, &end).await;
     }
     lines.forget(line.session, key);
     drop(slot);
     tracing::debug!(session = %line.session, "lease line closed");
 }
 
-/// Answers the line's requests until it closes.
-async fn serve_requests(stream: &mut UnixStream, arb: &Arc<Arbiter>, line: &Line) {
-    while let Some((kind, payload)) = next_frame(stream).await {
+/// Answers the line's requests until it closes, or `end` (a newer line of the session)
+/// comes between two requests: a request read is always answered, so a line that closes
+/// before an answer did not serve its request.
+async fn serve_requests(
+    stream: &mut UnixStream,
+    arb: &Arc<Arbiter>,
+    line: &Line,
+    end: &CancellationToken,
+) {
+    loop {
+        let next = tokio::select! {
+            next = next_frame(stream) => next,
+            _ = end.cancelled() => return,
+        };
+        let Some((kind, payload)) = next else { return };
         let Some((kind, body)) = answer(arb, line, kind, &payload) else {
             tracing::warn!(session = %line.session, kind, "malformed frame on a lease line; closed");
             return;
@@ -178,6 +188,8 @@ async fn serve_requests(stream: &mut UnixStream, arb: &Arc<Arbiter>, line: &Line
         let frame = line_frame(kind, &body);
         let sent = tokio::time::timeout(FRAME_TIMEOUT, stream.write_all(&frame)).await;
         if !matches!(sent, Ok(Ok(()))) {
+            // Its process stopped reading (gone, or it gave up on the call): as a gRPC
+            // answer nobody reads, what was done stays done.
             return;
         }
     }
@@ -723,9 +735,10 @@ mod tests {
         r.stop.cancel();
     }
 
-    /// A token past its expiry takes no call on a line it opened before.
+    /// A token past its expiry takes no call on a line it opened before: nothing is served.
     #[test]
     fn a_token_past_its_expiry_takes_no_call() {
+        let arb = crate::arbiter::host_arbiter(16 << 20, 1, Default::default());
         let now = crate::units::unix_ms(std::time::SystemTime::now());
         let line = |token_expires| Line {
             session: Uuid::new_v4(),
@@ -735,8 +748,9 @@ mod tests {
             token_expires,
             token_hash: None,
         };
-        assert!(!token_expired(&line(None)));
-        assert!(!token_expired(&line(Some(now + 60_000))));
-        assert!(token_expired(&line(Some(now - 1))));
+        let served = |l: &Line| as_a_call(&arb, l, || Some(())).is_some();
+        assert!(served(&line(None)));
+        assert!(served(&line(Some(now + 60_000))));
+        assert!(!served(&line(Some(now - 1))));
     }
 }
