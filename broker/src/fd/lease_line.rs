@@ -587,6 +587,39 @@ mod tests {
         r.stop.cancel();
     }
 
+    /// The hello is its connecting process's alone: a session id written by another
+    /// process on the connection (a child on its parent's socket) gets it closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hello_finished_by_another_process_is_refused() {
+        let r = retaining(Default::default()).await;
+        let (path, session) = (r.path.clone(), r.session);
+        let answer = blocking(move || {
+            use std::io::{Read, Write};
+            use std::os::fd::AsRawFd;
+            let mut s = StdStream::connect(&path).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.write_all(&LINE_HELLO).unwrap();
+            let id = *session.as_bytes();
+            // SAFETY: the child calls only write and _exit (async-signal-safe).
+            let child = unsafe { libc::fork() };
+            assert!(child >= 0);
+            if child == 0 {
+                // SAFETY: a plain syscall on an inherited descriptor, then _exit.
+                unsafe {
+                    libc::write(s.as_raw_fd(), id.as_ptr().cast(), id.len());
+                    libc::_exit(0);
+                }
+            }
+            // SAFETY: reaping our own child.
+            unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
+            let mut b = [0u8; 1];
+            s.read(&mut b).unwrap()
+        })
+        .await;
+        assert_eq!(answer, 0, "closed, nothing answered");
+        r.stop.cancel();
+    }
+
     /// A session's newer line closes its older one: one line per session.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_sessions_newer_line_closes_its_older() {
