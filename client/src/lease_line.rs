@@ -288,6 +288,21 @@ mod tests {
         (dir, path, accepted)
     }
 
+    /// Takes a hello and opens the line.
+    async fn take_hello(s: &mut UnixStream) {
+        let mut hello = [0u8; LINE_HELLO_LEN];
+        s.read_exact(&mut hello).await.unwrap();
+        s.write_all(&[LINE_OPEN_REPLY]).await.unwrap();
+    }
+
+    /// Reads one request frame whole.
+    async fn read_request(s: &mut UnixStream) {
+        let mut head = [0u8; LINE_FRAME_HEAD];
+        s.read_exact(&mut head).await.unwrap();
+        let mut body = vec![0u8; line_payload_len(&head).unwrap()];
+        s.read_exact(&mut body).await.unwrap();
+    }
+
     fn request() -> pb::AcquireLeaseRequest {
         pb::AcquireLeaseRequest {
             session_id: SESSION.into(),
@@ -323,18 +338,12 @@ mod tests {
         let (_dir, path, accepted) = fake_broker(move |mut s| {
             let count = count.clone();
             async move {
-                let mut hello = [0u8; LINE_HELLO_LEN];
-                s.read_exact(&mut hello).await.unwrap();
-                s.write_all(&[LINE_OPEN_REPLY]).await.unwrap();
+                take_hello(&mut s).await;
                 // The first line closes before any request; the others answer one.
                 if count.fetch_add(1, Ordering::SeqCst) == 0 {
                     return;
                 }
-                let mut head = [0u8; LINE_FRAME_HEAD];
-                s.read_exact(&mut head).await.unwrap();
-                let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
-                let mut body = vec![0u8; len];
-                s.read_exact(&mut body).await.unwrap();
+                read_request(&mut s).await;
                 let reply = pb::AcquireLeaseResponse {
                     lease: Some(pb::Lease {
                         lease_id: "l".into(),
@@ -375,13 +384,8 @@ mod tests {
         let (_dir, path, _accepted) = fake_broker(move |mut s| {
             let count = count.clone();
             async move {
-                let mut hello = [0u8; LINE_HELLO_LEN];
-                s.read_exact(&mut hello).await.unwrap();
-                s.write_all(&[LINE_OPEN_REPLY]).await.unwrap();
-                let mut head = [0u8; LINE_FRAME_HEAD];
-                s.read_exact(&mut head).await.unwrap();
-                let mut body = vec![0u8; line_payload_len(&head).unwrap()];
-                s.read_exact(&mut body).await.unwrap();
+                take_hello(&mut s).await;
+                read_request(&mut s).await;
                 match count.fetch_add(1, Ordering::SeqCst) {
                     // Never answers.
                     0 => tokio::time::sleep(Duration::from_secs(60)).await,
@@ -418,13 +422,8 @@ mod tests {
     async fn every_place_is_tried_in_turn() {
         let (_a, refusing, _) = fake_broker(|s| async move { drop(s) });
         let (_b, taking, accepted) = fake_broker(|mut s| async move {
-            let mut hello = [0u8; LINE_HELLO_LEN];
-            s.read_exact(&mut hello).await.unwrap();
-            s.write_all(&[LINE_OPEN_REPLY]).await.unwrap();
-            let mut head = [0u8; LINE_FRAME_HEAD];
-            s.read_exact(&mut head).await.unwrap();
-            let mut body = vec![0u8; line_payload_len(&head).unwrap()];
-            s.read_exact(&mut body).await.unwrap();
+            take_hello(&mut s).await;
+            read_request(&mut s).await;
             s.write_all(&line_frame(LINE_GRANTED, b"")).await.unwrap();
         });
         let line = LeaseLine::default();
