@@ -31,6 +31,9 @@
 //! 2-core machine). A worker that acquires from one loop gets the lowest latency on a
 //! current-thread runtime (`#[tokio::main(flavor = "current_thread")]`): the
 //! multi-threaded runtime adds thread wake-ups to every call (see `docs/benchmarks.md`).
+//! A session that retains its released blocks mapped ([`Session::retain_mappings`]) leases
+//! them again without a gRPC call, on its lease line (a kept connection to the ticket
+//! socket): about a third of the round trip.
 //!
 //! **Reconnection** is opt-in ([`SessionBuilder::reconnect`], module [`reconnect`]): a
 //! session the broker loses (restart, crash, shutdown, broken connection) is re-opened
