@@ -265,3 +265,38 @@ async fn a_retaining_release_is_declined_only_for_a_client_that_handles_it() {
         assert_eq!(s.usage().await.unwrap().usage.lease_count, 0);
     }
 }
+
+/// `GPU_BROKER_CLIENT_LEASE_LINE=off` sends a retaining client's leases over gRPC (what the
+/// GPU harness's side-by-side runs rest on); by default they take the lease line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_switch_sends_retained_leases_over_grpc() {
+    let b = Broker::start_with(BrokerOpts {
+        extra: vec!["--metrics-listen".into(), "127.0.0.1:0".into()],
+        ..Default::default()
+    })
+    .unwrap();
+    let token_file = b.state_dir.join("admin.token");
+    let granted = "gpu_broker_lease_line_requests_total{op=\"acquire\",answer=\"granted\"}";
+    let mut seen = Vec::new();
+    for line in ["off", "on"] {
+        let out = std::process::Command::new(bin("gpu-broker-bench"))
+            .args(["--broker", &b.uri(), "--admin-token-file"])
+            .arg(&token_file)
+            .args(["latency", "--retain", "--sizes", "2MiB"])
+            .args(["--iterations", "20", "--warmup", "2", "--repeat", "1"])
+            .env("GPU_BROKER_CLIENT_LEASE_LINE", line)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        seen.push(metric(&b, granted).await);
+    }
+    assert_eq!(seen[0], 0.0, "off: none on a line");
+    assert!(
+        seen[1] >= 20.0,
+        "on: every measured acquire on the line: {seen:?}"
+    );
+}
