@@ -22,12 +22,16 @@
 //! size is the same block, granted with no ticket, and the worker reuses its descriptor
 //! and mapping; a lease granted without it fetches as `library` does).
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use gpu_broker_client::units::parse_bytes;
 use gpu_broker_client::{Client, QuotaSpec};
-use gpu_broker_proto::ticket::BUSY_REPLY;
+use gpu_broker_proto::ticket::{
+    line_frame, line_payload_len, BUSY_REPLY, LINE_ACQUIRE, LINE_FRAME_HEAD, LINE_GRANTED,
+    LINE_HELLO, LINE_OPEN_REPLY, LINE_RELEASE, LINE_RELEASED,
+};
 use gpu_broker_proto::v1 as pb;
+use prost::Message;
 use serde_json::json;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
@@ -53,11 +57,11 @@ pub struct BreakdownArgs {
     #[arg(long, value_parser = parse_duration, default_value = "500ms")]
     pub warmup: Duration,
     /// Ways to redeem the ticket, comma-separated: library, fresh, blocking, retained,
-    /// pushed.
+    /// line, pushed.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "library,fresh,blocking,retained,pushed"
+        default_value = "library,fresh,blocking,retained,line,pushed"
     )]
     pub tickets: Vec<TicketWay>,
     /// Rounds: every configuration once per round, in turn; histograms merged.
@@ -83,6 +87,9 @@ pub enum TicketWay {
     /// Released with `retain_mapping`: the next lease reuses this process's descriptor
     /// and mapping of the block (no ticket, no map).
     Retained,
+    /// `retained`, the lease and its release asked on the session's lease line (a framed
+    /// request on a kept Unix connection, no gRPC; docs/protocol.md), the first over gRPC.
+    Line,
     /// No ticket: the descriptor comes with the grant on this process's descriptor channel
     /// (`push_descriptor`; the first lease, before the channel is open, fetches a ticket).
     Pushed,
@@ -95,6 +102,7 @@ impl TicketWay {
             TicketWay::Fresh => "fresh",
             TicketWay::Blocking => "blocking",
             TicketWay::Retained => "retained",
+            TicketWay::Line => "line",
             TicketWay::Pushed => "pushed",
         }
     }
@@ -314,6 +322,8 @@ async fn worker(
     // `retained`: block id -> (the ended lease it was retained under, descriptor, mapping).
     let mut kept: std::collections::HashMap<u64, (String, OwnedFd, Mapped)> =
         std::collections::HashMap::new();
+    let mut line: Option<tokio::net::UnixStream> = None;
+    let retaining = matches!(way, TicketWay::Retained | TicketWay::Line);
     tokio::time::sleep_until(start.into()).await;
     loop {
         let now = Instant::now();
@@ -329,17 +339,29 @@ async fn worker(
             .await
             .context("health Check")?;
         let t1 = Instant::now();
-        let reply = raw
-            .acquire_lease(pb::AcquireLeaseRequest {
-                session_id: session.id(),
-                bytes: size,
-                accept_handles: vec![pb::HandleKind::Fd as i32],
-                push_descriptor: way == TicketWay::Pushed
-                    && gpu_broker_client::descriptor_channel::wanted(),
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
+        let request = pb::AcquireLeaseRequest {
+            session_id: session.id(),
+            bytes: size,
+            accept_handles: vec![pb::HandleKind::Fd as i32],
+            push_descriptor: way == TicketWay::Pushed
+                && gpu_broker_client::descriptor_channel::wanted(),
+            ..Default::default()
+        };
+        let on_line = match line.as_mut() {
+            Some(l) if !kept.is_empty() => {
+                let (kind, body) = line_ask(l, LINE_ACQUIRE, &request.encode_to_vec()).await?;
+                ensure!(
+                    kind == LINE_GRANTED,
+                    "the lease line did not grant the retained block"
+                );
+                Some(pb::AcquireLeaseResponse::decode(body.as_slice())?)
+            }
+            _ => None,
+        };
+        let reply = match on_line {
+            Some(r) => r,
+            None => raw.acquire_lease(request).await?.into_inner(),
+        };
         let t2 = Instant::now();
         let lease = reply.lease.context("AcquireLease reply carries no lease")?;
         let Some(pb::lease::Handle::Fd(h)) = lease.handle.clone() else {
@@ -374,7 +396,7 @@ async fn worker(
                         gpu_broker_client::descriptor_channel::ensure_open(&places).await;
                         fd
                     }
-                    TicketWay::Library | TicketWay::Retained => {
+                    TicketWay::Library | TicketWay::Retained | TicketWay::Line => {
                         gpu_broker_client::fd::fetch(socket, &h.ticket, dialled.as_deref()).await?
                     }
                     TicketWay::Fresh => fresh_async(socket, &h.ticket).await?,
@@ -387,16 +409,24 @@ async fn worker(
         };
         let t4 = Instant::now();
         let t5;
-        if way == TicketWay::Retained {
+        if retaining {
             t5 = Instant::now();
-            let reply = raw
-                .release_lease(pb::ReleaseLeaseRequest {
-                    lease_id: lease.lease_id.clone(),
-                    retain_mapping: true,
-                    may_decline: false,
-                })
-                .await?
-                .into_inner();
+            let request = pb::ReleaseLeaseRequest {
+                lease_id: lease.lease_id.clone(),
+                retain_mapping: true,
+                may_decline: way == TicketWay::Line,
+            };
+            let reply = match line.as_mut() {
+                Some(l) => {
+                    let (kind, body) = line_ask(l, LINE_RELEASE, &request.encode_to_vec()).await?;
+                    ensure!(kind == LINE_RELEASED, "the lease line did not release");
+                    pb::ReleaseLeaseResponse::decode(body.as_slice())?
+                }
+                None => raw.release_lease(request).await?.into_inner(),
+            };
+            if way == TicketWay::Line && line.is_none() {
+                line = Some(line_open(socket, dialled.as_deref(), &session.id()).await?);
+            }
             if reply.retained {
                 kept.insert(h.block_id, (lease.lease_id.clone(), fd, mapped));
             }
@@ -425,6 +455,46 @@ async fn worker(
     }
     session.close();
     Ok(parts)
+}
+
+/// Opens the session's lease line on the ticket socket (docs/protocol.md).
+async fn line_open(
+    socket: &std::path::Path,
+    dialled: Option<&std::path::Path>,
+    session: &str,
+) -> Result<tokio::net::UnixStream> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let place = gpu_broker_client::fd::candidates(socket, dialled)
+        .into_iter()
+        .find(|p| p.exists())
+        .context("no ticket socket to open a lease line on")?;
+    let mut s = tokio::net::UnixStream::connect(place).await?;
+    let mut hello = LINE_HELLO.to_vec();
+    hello.extend_from_slice(uuid::Uuid::parse_str(session)?.as_bytes());
+    s.write_all(&hello).await?;
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b).await?;
+    ensure!(
+        b[0] == LINE_OPEN_REPLY,
+        "the lease line was refused ({:#x})",
+        b[0]
+    );
+    Ok(s)
+}
+
+/// One request on a lease line: the answer's kind and payload.
+async fn line_ask(
+    s: &mut tokio::net::UnixStream,
+    kind: u8,
+    payload: &[u8],
+) -> Result<(u8, Vec<u8>)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(&line_frame(kind, payload)).await?;
+    let mut head = [0u8; LINE_FRAME_HEAD];
+    s.read_exact(&mut head).await?;
+    let mut body = vec![0u8; line_payload_len(&head).context("an answer too long")?];
+    s.read_exact(&mut body).await?;
+    Ok((head[0], body))
 }
 
 /// A ticket on a new connection, every step on the runtime; presented again after 1 ms
