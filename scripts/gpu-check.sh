@@ -11,7 +11,8 @@
 #   2. the lease benchmark: AcquireLease (fresh, pooled) vs in-process cuMemCreate + map +
 #      fd export for 2 MiB, 64 MiB, 1 GiB, in the same run
 #   3. gpu-broker-bench latency and throughput against the CUDA broker; the same retaining
-#      (each pair the worker's own block again) on lease lines and over gRPC, interleaved
+#      (each pair the worker's own block again) on lease lines and over gRPC, interleaved;
+#      the breakdown of a retained lease on the line and over gRPC beside the health Check
 # It allocates and frees memory only; it never changes the card's settings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,9 @@ run() {
         gpu_step bench-throughput-retained-grpc env GPU_BROKER_CLIENT_LEASE_LINE=off \
             "${bench[@]}" throughput --retain --repeat 1 --duration 3s
     done
+    echo "--- where a lease's time goes: retained over gRPC, on the lease line, with a ticket"
+    gpu_step bench-breakdown-line "${bench[@]}" breakdown --workers 1 \
+        --tickets retained,line,library --rounds 2 --duration 1s
     gpu_stop "$dir" || GPU_FAILED+=(broker)
     echo "=== in $((SECONDS - t0)) s ==="
     gpu_result "CUDA backend checks"
