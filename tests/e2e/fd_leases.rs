@@ -2,6 +2,7 @@
 //! to, once; every misuse gets the connection closed with nothing sent, is counted, and
 //! leaves the lease as it was. Descriptors do not leak on either side over many cycles.
 
+use crate::observability::metric;
 use gpu_broker_client::error::Reason;
 use gpu_broker_client::proto::v1 as pb;
 use gpu_broker_client::{Client, LeaseHandle, QuotaSpec};
@@ -44,12 +45,6 @@ fn present(socket: &str, bytes: &[u8]) -> (usize, bool) {
     let mut rest = Vec::new();
     let _ = s.read_to_end(&mut rest);
     (got.len + rest.len(), got.fd.is_some())
-}
-
-async fn metric(b: &Broker, name: &str) -> f64 {
-    let addr = b.metrics_addr().await;
-    let text = crate::observability::get(&addr, "/metrics").await;
-    crate::observability::gauge(&text, name).unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

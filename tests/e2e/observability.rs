@@ -26,6 +26,13 @@ pub(crate) fn gauge(text: &str, name_and_labels: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// Metric `name` (with its labels) of broker `b`, scraped from its `--metrics-listen`; 0
+/// when absent.
+pub(crate) async fn metric(b: &Broker, name: &str) -> f64 {
+    let addr = b.metrics_addr().await;
+    gauge(&get(&addr, "/metrics").await, name).unwrap_or(0.0)
+}
+
 #[tokio::test]
 async fn prometheus_metrics_follow_the_leases() {
     let b = Broker::start_with(BrokerOpts {

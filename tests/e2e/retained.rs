@@ -3,15 +3,10 @@
 //! in place, stays counted to its tenant while retained, and goes to nobody else before
 //! the process let go (which it does when the broker asks for it).
 
+use crate::observability::metric;
 use gpu_broker_client::{Client, Contents, LeaseHandle, QuotaSpec, Resident};
 use gpu_broker_tests::*;
 use std::time::Duration;
-
-async fn metric(b: &Broker, name: &str) -> f64 {
-    let addr = b.metrics_addr().await;
-    let text = crate::observability::get(&addr, "/metrics").await;
-    crate::observability::gauge(&text, name).unwrap_or(0.0)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retained_block_comes_back_mapped_with_no_ticket_and_stays_counted() {

@@ -317,14 +317,21 @@ async fn run_without_a_tenant_token_or_program_fails_clearly() {
     assert_freed_within_a_second(&b, "alice").await;
 }
 
-#[tokio::test]
-async fn run_stops_the_program_when_the_broker_ends_its_session() {
-    let (mut b, token_file, _) = setup("alice", 512 * MIB).await;
+/// `gpu-brokerctl run ARGS` of a program that says "stopping" and exits 5 on SIGTERM,
+/// once it is running.
+async fn started_stoppable(b: &Broker, token_file: &PathBuf, args: &[&str]) -> Proc {
     let script = r#"trap 'echo stopping; exit 5' TERM; echo ready; while :; do sleep 0.05; done"#;
-    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "64MiB"], script)).unwrap();
+    let mut p = Proc::spawn(run_cmd(b, token_file, args, script)).unwrap();
     p.line_starting("ready", Duration::from_secs(20))
         .await
         .unwrap();
+    p
+}
+
+#[tokio::test]
+async fn run_stops_the_program_when_the_broker_ends_its_session() {
+    let (mut b, token_file, _) = setup("alice", 512 * MIB).await;
+    let p = started_stoppable(&b, &token_file, &["--memory", "64MiB"]).await;
     // The broker dies: the reservation is gone, so the program must not run on.
     b.kill().unwrap();
     let (status, out) = p.finish(Duration::from_secs(15)).await.unwrap();
@@ -401,12 +408,8 @@ async fn run_keeps_its_program_and_reservation_through_a_broker_restart_with_a_k
 #[tokio::test]
 async fn run_stops_the_program_when_the_broker_is_not_back_within_its_resume_wait() {
     let (_keeper, mut b, token_file) = kept_broker_with_alice().await;
-    let script = r#"trap 'echo stopping; exit 5' TERM; echo ready; while :; do sleep 0.05; done"#;
     let args = ["--memory", "64MiB", "--resume-wait", "1s"];
-    let mut p = Proc::spawn(run_cmd(&b, &token_file, &args, script)).unwrap();
-    p.line_starting("ready", Duration::from_secs(20))
-        .await
-        .unwrap();
+    let mut p = started_stoppable(&b, &token_file, &args).await;
     // `run` names the program's group to the broker after starting it.
     tokio::time::sleep(Duration::from_millis(300)).await;
     b.kill().unwrap();
@@ -432,11 +435,7 @@ async fn run_stops_the_program_when_the_broker_is_not_back_within_its_resume_wai
 #[tokio::test]
 async fn run_stops_the_program_when_the_restarted_broker_did_not_keep_its_session() {
     let (_keeper, mut b, token_file) = kept_broker_with_alice().await;
-    let script = r#"trap 'echo stopping; exit 5' TERM; echo ready; while :; do sleep 0.05; done"#;
-    let mut p = Proc::spawn(run_cmd(&b, &token_file, &["--memory", "64MiB"], script)).unwrap();
-    p.line_starting("ready", Duration::from_secs(20))
-        .await
-        .unwrap();
+    let p = started_stoppable(&b, &token_file, &["--memory", "64MiB"]).await;
     b.kill().unwrap();
     let keeper_at = b.args_mut().iter().position(|a| a == "--keeper").unwrap();
     b.args_mut().drain(keeper_at..keeper_at + 2);

@@ -473,6 +473,14 @@ mod tests {
         .encode_to_vec()
     }
 
+    /// Whether `session`'s retained 4 MiB block is leased again on line `s`.
+    fn leased_again(s: &mut StdStream, session: Uuid) -> bool {
+        matches!(
+            ask(s, LINE_ACQUIRE, &acquire_req(session, 4 << 20)),
+            Some((LINE_GRANTED, _))
+        )
+    }
+
     fn release_req(lease: &str) -> Vec<u8> {
         pb::ReleaseLeaseRequest {
             lease_id: lease.into(),
@@ -554,10 +562,7 @@ mod tests {
             assert_eq!(s.read(&mut b).unwrap(), 0, "closed");
             let (first, mut s) = open(&path, session);
             assert_eq!(first, Some(LINE_OPEN_REPLY));
-            assert!(matches!(
-                ask(&mut s, LINE_ACQUIRE, &acquire_req(session, 4 << 20)),
-                Some((LINE_GRANTED, _))
-            ));
+            assert!(leased_again(&mut s, session));
         })
         .await;
         r.stop.cancel();
@@ -632,10 +637,7 @@ mod tests {
             let (first, mut newer) = open(&path, session);
             assert_eq!(first, Some(LINE_OPEN_REPLY));
             assert_eq!(older.read(&mut [0u8; 1]).unwrap(), 0, "closed");
-            assert!(matches!(
-                ask(&mut newer, LINE_ACQUIRE, &acquire_req(session, 4 << 20)),
-                Some((LINE_GRANTED, _))
-            ));
+            assert!(leased_again(&mut newer, session));
         })
         .await;
         r.stop.cancel();

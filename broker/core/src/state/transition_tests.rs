@@ -307,6 +307,18 @@ fn a_kept_lease_of_a_claims_session_is_drawn_from_the_claim_again() {
     c.st.check_invariant().unwrap();
 }
 
+/// A core restarted with a keeper (tenant "a" allowed 8 MiB of one 64 MiB device) that took
+/// back a session of process 7; its effects not yet taken.
+fn restarted_with_kept_session() -> (Core, Uuid) {
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(8 * MIB, 0)).unwrap();
+    c.st.set_keeping(true);
+    let s = session("a", Some(7));
+    let sid = s.id;
+    c.st.adopt_session(s).unwrap();
+    (c, sid)
+}
+
 /// A restarted broker takes back a kept session and its lease: the same id and bytes,
 /// charged to its tenant beyond a quota that shrank meanwhile, counted on its device,
 /// its peer watched, and nothing pushed for the keeper (it holds them already); a lease of
@@ -314,12 +326,7 @@ fn a_kept_lease_of_a_claims_session_is_drawn_from_the_claim_again() {
 #[test]
 fn kept_sessions_and_leases_are_taken_back_beyond_a_shrunk_quota() {
     use super::adopt::{Adopted, NotAdopted};
-    let mut c = Core::new(1, 64 * MIB);
-    c.st.set_quota("a", quota(8 * MIB, 0)).unwrap();
-    c.st.set_keeping(true);
-    let s = session("a", Some(7));
-    let sid = s.id;
-    c.st.adopt_session(s).unwrap();
+    let (mut c, sid) = restarted_with_kept_session();
     assert!(matches!(
         c.st.take_effects().into_vec().as_slice(),
         [Effect::Watch {
@@ -640,12 +647,7 @@ fn a_kept_reservation_not_taken_back_stops_its_programs_group() {
 #[test]
 fn a_kept_reservation_is_taken_back_with_its_session_and_its_drawn_leases() {
     use super::adopt::{Adopted, NotAdopted};
-    let mut c = Core::new(1, 64 * MIB);
-    c.st.set_quota("a", quota(8 * MIB, 0)).unwrap();
-    c.st.set_keeping(true);
-    let s = session("a", Some(7));
-    let sid = s.id;
-    c.st.adopt_session(s).unwrap();
+    let (mut c, sid) = restarted_with_kept_session();
     let kept = kept_reservation;
     assert!(matches!(
         c.st.adopt_reservation(kept(Uuid::now_v7())),
