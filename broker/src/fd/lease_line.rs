@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -156,6 +156,8 @@ pub(crate) async fn serve(
     let (key, end) = lines.register(line.session);
     if stream.write_all(&[LINE_OPEN_REPLY]).await.is_ok() {
         tracing::debug!(session = %line.session, pid = line.pid, "lease line open");
+        // Buffered: a request's head and body come in one read, as a rule.
+        let mut stream = BufReader::with_capacity(LINE_FRAME_HEAD + LINE_MAX_PAYLOAD, stream);
         serve_requests(&mut stream, arb, &line, &end).await;
     }
     lines.forget(line.session, key);
@@ -167,7 +169,7 @@ pub(crate) async fn serve(
 /// comes between two requests: a request read is always answered, so a line that closes
 /// before an answer did not serve its request.
 async fn serve_requests(
-    stream: &mut UnixStream,
+    stream: &mut BufReader<UnixStream>,
     arb: &Arc<Arbiter>,
     line: &Line,
     end: &CancellationToken,
@@ -240,7 +242,7 @@ fn line_for(
 
 /// The next frame's kind and payload; `None` when the line closes (its end, an error, a
 /// payload too long, [`LINE_IDLE`] before a frame or [`FRAME_TIMEOUT`] within one).
-async fn next_frame(stream: &mut UnixStream) -> Option<(u8, Vec<u8>)> {
+async fn next_frame(stream: &mut BufReader<UnixStream>) -> Option<(u8, Vec<u8>)> {
     let mut head = [0u8; LINE_FRAME_HEAD];
     // The first byte may be long in coming; the rest of the frame may not.
     tokio::time::timeout(LINE_IDLE, stream.read_exact(&mut head[..1]))

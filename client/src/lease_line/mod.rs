@@ -11,13 +11,16 @@
 //! not a reason to ask again: the broker may have done it. One request at a time (a
 //! second caller meanwhile takes gRPC). A line belongs to the process that opened it (a
 //! forked child opens its own) and to one broker session (a resumed session after a
-//! restart opens another).
+//! restart opens another). A caller outside any task (a thread in `block_on`, as
+//! Python's) waits for the answer on its own thread (`exchange.rs`).
+
+mod exchange;
 
 use crate::error::ClientError;
+use exchange::Asked;
 use gpu_broker_proto::ticket::{
-    line_frame, line_payload_len, BUSY_REPLY, LINE_ACQUIRE, LINE_FRAME_HEAD, LINE_GRANTED,
-    LINE_HELLO, LINE_HELLO_LEN, LINE_MAX_PAYLOAD, LINE_NOT_HERE, LINE_OPEN_REPLY, LINE_RELEASE,
-    LINE_RELEASED,
+    BUSY_REPLY, LINE_ACQUIRE, LINE_GRANTED, LINE_HELLO, LINE_HELLO_LEN, LINE_MAX_PAYLOAD,
+    LINE_OPEN_REPLY, LINE_RELEASE, LINE_RELEASED,
 };
 use gpu_broker_proto::v1 as pb;
 use parking_lot::Mutex;
@@ -67,13 +70,55 @@ struct State {
 }
 
 struct Conn {
-    stream: UnixStream,
+    wire: Wire,
     /// The process that opened it.
     owner: u32,
     /// The broker session it serves.
     session: String,
     /// When its last answer came.
     used: Instant,
+}
+
+/// A line's connection, non-blocking either way.
+enum Wire {
+    /// Registered with the runtime: a caller inside a task awaits the answer.
+    Runtime(UnixStream),
+    /// Not registered: a caller outside any task waits on its own thread, woken by the
+    /// kernel and not by a runtime thread (which registration would also wake).
+    Thread(std::os::unix::net::UnixStream),
+}
+
+impl Wire {
+    /// Sends one request and reads its answer, the way the caller can wait.
+    async fn exchange(self, kind: u8, body: &[u8]) -> (Option<Wire>, Result<Asked, ClientError>) {
+        let Ok(wire) = self.for_caller() else {
+            return (None, Ok(Asked::NotSent));
+        };
+        match wire {
+            Wire::Runtime(mut s) => {
+                let asked = exchange::on_runtime(&mut s, kind, body).await;
+                (Some(Wire::Runtime(s)), asked)
+            }
+            Wire::Thread(mut s) => {
+                let asked = exchange::on_thread(&mut s, kind, body);
+                (Some(Wire::Thread(s)), asked)
+            }
+        }
+    }
+
+    /// This wire as the current caller waits: on its thread when it runs outside any task
+    /// of a multi-thread runtime (its thread is its own; a current-thread runtime's
+    /// `block_on` also drives the runtime's other tasks), on the runtime otherwise.
+    fn for_caller(self) -> std::io::Result<Wire> {
+        let own_thread = tokio::task::try_id().is_none()
+            && tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        Ok(match (self, own_thread) {
+            (Wire::Runtime(s), true) => Wire::Thread(s.into_std()?),
+            (Wire::Thread(s), false) => Wire::Runtime(UnixStream::from_std(s)?),
+            (wire, _) => wire,
+        })
+    }
 }
 
 /// The line held by one request; let go (for the next) however the request ends, a
@@ -84,15 +129,6 @@ impl Drop for InUse<'_> {
     fn drop(&mut self) {
         self.0.state.lock().busy = false;
     }
-}
-
-/// How a request on the line came out.
-enum Asked {
-    /// Answered with this kind and payload.
-    Answered(u8, Vec<u8>),
-    /// Not served: no line, it was busy, or it ended before any answer (the broker closes a
-    /// line only before reading a request, or on a malformed one).
-    NotSent,
 }
 
 impl LeaseLine {
@@ -147,13 +183,14 @@ impl LeaseLine {
                 None => return Ok(Asked::NotSent),
             },
         };
-        let asked = exchange(&mut conn.stream, kind, &body).await?;
-        if let Asked::Answered(..) = asked {
+        let (wire, asked) = conn.wire.exchange(kind, &body).await;
+        if let (Some(wire), Ok(Asked::Answered(..))) = (wire, &asked) {
+            conn.wire = wire;
             conn.used = Instant::now();
             self.state.lock().conn = Some(conn);
         }
         drop(in_use);
-        Ok(asked)
+        asked
     }
 
     /// Marks the line in use for `session`, with its open connection when there is one
@@ -189,7 +226,7 @@ impl LeaseLine {
             .unwrap_or(Err(Instant::now() + BUSY_FOR));
         match opened {
             Ok(stream) => Some(Conn {
-                stream,
+                wire: Wire::Runtime(stream),
                 owner: std::process::id(),
                 session: session.to_string(),
                 used: Instant::now(),
@@ -232,37 +269,10 @@ async fn open(places: &[PathBuf], session: &str) -> Result<UnixStream, Instant> 
     Err(again)
 }
 
-/// Sends one request and reads its answer. No deadline, as a gRPC call has none: the
-/// broker answers at once (it never queues or waits on a line) or closes the line.
-async fn exchange(stream: &mut UnixStream, kind: u8, body: &[u8]) -> Result<Asked, ClientError> {
-    if stream.write_all(&line_frame(kind, body)).await.is_err() {
-        return Ok(Asked::NotSent);
-    }
-    let mut head = [0u8; LINE_FRAME_HEAD];
-    match stream.read(&mut head[..1]).await {
-        Ok(1) => {}
-        _ => return Ok(Asked::NotSent),
-    }
-    let broken = |what: &str| ClientError::Protocol(format!("a lease line's answer {what}"));
-    stream
-        .read_exact(&mut head[1..])
-        .await
-        .map_err(|e| broken(&format!("broke off: {e}")))?;
-    let len = line_payload_len(&head).ok_or_else(|| broken("is too long"))?;
-    if !matches!(head[0], LINE_GRANTED | LINE_RELEASED | LINE_NOT_HERE) {
-        return Err(broken(&format!("is of unknown kind {:#x}", head[0])));
-    }
-    let mut payload = vec![0u8; len];
-    stream
-        .read_exact(&mut payload)
-        .await
-        .map_err(|e| broken(&format!("broke off: {e}")))?;
-    Ok(Asked::Answered(head[0], payload))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpu_broker_proto::ticket::{line_frame, line_payload_len, LINE_FRAME_HEAD, LINE_NOT_HERE};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
@@ -435,5 +445,45 @@ mod tests {
             1,
             "answered on the third place"
         );
+    }
+
+    /// A caller outside any task of a multi-thread runtime (a thread in `block_on`, as
+    /// Python's) waits on its own thread, one inside a task on the runtime; the same line
+    /// serves both in turn, one connection throughout.
+    #[test]
+    fn one_line_serves_callers_in_and_out_of_tasks() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let line = Arc::new(LeaseLine::default());
+        let (_dir, accepted) = rt.block_on(async {
+            let (dir, path, accepted) = fake_broker(|mut s| async move {
+                take_hello(&mut s).await;
+                for _ in 0..4 {
+                    read_request(&mut s).await;
+                    s.write_all(&line_frame(LINE_GRANTED, b"")).await.unwrap();
+                }
+            });
+            line.remember(vec![path]);
+            (dir, accepted)
+        });
+        let on_thread = |line: &LeaseLine| {
+            let st = line.state.lock();
+            matches!(st.conn.as_ref().map(|c| &c.wire), Some(Wire::Thread(_)))
+        };
+        let from_block_on = || rt.block_on(line.acquire(SESSION, &request()));
+        assert!(from_block_on().unwrap().is_some());
+        assert!(on_thread(&line), "block_on's caller waits on its thread");
+        let in_task = line.clone();
+        let answered = rt
+            .block_on(rt.spawn(async move { in_task.acquire(SESSION, &request()).await }))
+            .unwrap();
+        assert!(answered.unwrap().is_some());
+        assert!(!on_thread(&line), "a task awaits on the runtime");
+        assert!(from_block_on().unwrap().is_some());
+        assert!(on_thread(&line));
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one line throughout");
     }
 }
