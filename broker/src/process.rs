@@ -113,6 +113,60 @@ pub async fn wait_for_exit_or(pid: u32, stop: tokio_util::sync::CancellationToke
     }
 }
 
+/// A process held by its pidfd: whether that very process still runs is one `poll`, with
+/// no `/proc` read, and stays true of it however its pid is given out after it exits.
+pub struct Pinned {
+    fd: std::os::fd::OwnedFd,
+    pid: u32,
+}
+
+impl Pinned {
+    /// The process that has `pid` now (`None`: no such process, or no pidfds).
+    pub fn open(pid: u32) -> Option<Pinned> {
+        pidfd_open(pid).map(|fd| Pinned { fd, pid })
+    }
+
+    /// Has it not exited yet? (A pidfd turns readable when its process exits.)
+    pub fn running(&self) -> bool {
+        let mut fds = [rustix::event::PollFd::new(
+            &self.fd,
+            rustix::event::PollFlags::IN,
+        )];
+        let now = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        matches!(rustix::event::poll(&mut fds, Some(&now)), Ok(0))
+    }
+
+    /// Resolves when it exits, unless `stop` is cancelled first; returns whether it exited.
+    pub async fn exit_or(
+        pinned: std::sync::Arc<Pinned>,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> bool {
+        let pid = pinned.pid;
+        // SAFETY: the registration holds a share of `pinned`, whose descriptor stays open
+        // as long as any share does, so as long as the registration.
+        let registered = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(pinned, tokio::io::Interest::READABLE)
+        };
+        let Ok(fd) = registered else {
+            // Not one epoll can wait on: as without a pidfd.
+            return wait_for_exit_or(pid, stop).await;
+        };
+        tokio::select! {
+            _ = fd.readable() => true,
+            _ = stop.cancelled() => false,
+        }
+    }
+}
+
+impl std::os::fd::AsRawFd for Pinned {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
 fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
     // SAFETY: plain syscall; a non-negative result is a new fd we own.

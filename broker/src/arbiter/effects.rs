@@ -65,6 +65,9 @@ struct ProcWatch {
     /// unknown when the watcher began): a key for another process of the same pid must
     /// not join it.
     start: Option<u64>,
+    /// The watched process by its pidfd (shared with the watcher's task): while it runs,
+    /// the pid is still its own, and a key joins with no `/proc` read.
+    pinned: Option<Arc<crate::process::Pinned>>,
     keys: HashSet<Watch>,
     _stop: DropGuard,
 }
@@ -81,7 +84,13 @@ impl Watchers {
     /// watcher of an earlier process of that pid, which exited though its task has not
     /// fired yet: the caller fires them (that task then finds another generation and fires
     /// nothing), and the key does not join them.
-    fn join(&self, key: Watch, pid: u32, start: Option<u64>) -> Joined {
+    fn join(
+        &self,
+        key: Watch,
+        pid: u32,
+        start: Option<u64>,
+        pinned: Option<Arc<crate::process::Pinned>>,
+    ) -> Joined {
         let mut r = self.0.lock();
         let mut earlier = Vec::new();
         if let Some(p) = r.procs.get_mut(&pid) {
@@ -104,11 +113,26 @@ impl Watchers {
             ProcWatch {
                 generation,
                 start,
+                pinned,
                 keys: HashSet::from([key]),
                 _stop: stop.clone().drop_guard(),
             },
         );
         (Some((generation, stop)), earlier)
+    }
+
+    /// Adds `key` to the watcher of process `pid` when that watcher's process still runs
+    /// (so still has the pid): what a process's next lease, release or session costs,
+    /// with no `/proc` read. `false`: [`Watchers::join`] decides.
+    fn join_running(&self, key: Watch, pid: u32) -> bool {
+        let mut r = self.0.lock();
+        match r.procs.get_mut(&pid) {
+            Some(p) if p.pinned.as_ref().is_some_and(|f| f.running()) => {
+                p.keys.insert(key);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Stops waiting for `key`; a process watcher left with no key ends (its pidfd
@@ -402,8 +426,12 @@ impl<'a> Executor<'a> {
         let me = std::sync::Arc::downgrade(&me);
         match w.pid() {
             Some(pid) => {
+                if self.arb.watchers.join_running(w, pid) {
+                    return;
+                }
                 let start = crate::process::start_ticks(pid);
-                let (new, earlier) = self.arb.watchers.join(w, pid, start);
+                let pinned = crate::process::Pinned::open(pid).map(Arc::new);
+                let (new, earlier) = self.arb.watchers.join(w, pid, start, pinned.clone());
                 if !earlier.is_empty() {
                     let me = me.clone();
                     rt.spawn(async move {
@@ -416,7 +444,11 @@ impl<'a> Executor<'a> {
                     return;
                 };
                 rt.spawn(async move {
-                    if !crate::process::wait_for_exit_or(pid, stop).await {
+                    let exited = match pinned {
+                        Some(p) => crate::process::Pinned::exit_or(p, stop).await,
+                        None => crate::process::wait_for_exit_or(pid, stop).await,
+                    };
+                    if !exited {
                         return;
                     }
                     if let Some(arb) = me.upgrade() {
@@ -729,20 +761,20 @@ mod tests {
             session: Uuid::from_u128(n),
             pid: 42,
         };
-        let (first, earlier) = w.join(key(1), 42, Some(100));
+        let (first, earlier) = w.join(key(1), 42, Some(100), None);
         let (first_gen, _stop1) = first.expect("a new watcher");
         assert!(earlier.is_empty());
-        let (joined, earlier) = w.join(key(2), 42, Some(100));
+        let (joined, earlier) = w.join(key(2), 42, Some(100), None);
         assert!(
             joined.is_none() && earlier.is_empty(),
             "the same process: joined"
         );
-        let (unknown, earlier) = w.join(key(3), 42, None);
+        let (unknown, earlier) = w.join(key(3), 42, None, None);
         assert!(
             unknown.is_none() && earlier.is_empty(),
             "gone now: due with the rest"
         );
-        let (second, earlier) = w.join(key(4), 42, Some(200));
+        let (second, earlier) = w.join(key(4), 42, Some(200), None);
         let (second_gen, _stop2) = second.expect("a watcher of its own");
         let earlier: HashSet<Watch> = earlier.into_iter().collect();
         assert_eq!(earlier, HashSet::from([key(1), key(2), key(3)]));
@@ -751,5 +783,38 @@ mod tests {
             "the earlier task fires nothing"
         );
         assert_eq!(w.exited(42, second_gen), vec![key(4)]);
+    }
+
+    /// A key joins the watcher of a process that still runs by its pidfd alone; once that
+    /// process exited (its task not fired yet) it does not, and the start decides.
+    #[test]
+    fn a_key_joins_a_running_processs_watcher_by_its_pidfd() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let w = Watchers::default();
+        let key = |n: u128| Watch::Session {
+            session: Uuid::from_u128(n),
+            pid,
+        };
+        assert!(!w.join_running(key(1), pid), "no watcher yet");
+        let pinned = crate::process::Pinned::open(pid).map(Arc::new);
+        assert!(pinned.as_ref().is_some_and(|p| p.running()));
+        let start = crate::process::start_ticks(pid);
+        let (first, _) = w.join(key(1), pid, start, pinned.clone());
+        let (generation, _stop) = first.expect("a new watcher");
+        assert!(w.join_running(key(2), pid), "joined while it runs");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!pinned.unwrap().running());
+        assert!(
+            !w.join_running(key(3), pid),
+            "exited: not joined on its pidfd"
+        );
+        let mut fired = w.exited(pid, generation);
+        fired.sort_by_key(|k| format!("{k:?}"));
+        assert_eq!(fired, vec![key(1), key(2)]);
     }
 }
