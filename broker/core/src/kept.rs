@@ -401,6 +401,10 @@ pub struct QuarantineRecord {
     /// end (`pool::Reached`): a free after a restart checks for them too.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reached: Vec<ReachedRecord>,
+    /// The session whose process retained the block mapped on purpose (`retain_mapping`):
+    /// after a restart that process letting go of it by word frees it, as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retained_by: Option<String>,
 }
 
 impl QuarantineRecord {

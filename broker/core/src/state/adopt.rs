@@ -190,6 +190,8 @@ pub struct AdoptedQuarantine {
     /// When `pid` started (the record's, checked against the process by the shell).
     pub pid_start: Option<u64>,
     pub destroy: bool,
+    /// The session whose process retained it (`retained.rs`).
+    pub retained_by: Option<Uuid>,
 }
 
 impl State {
@@ -238,12 +240,16 @@ impl State {
                 place: None,
                 since: self.clock.now,
                 destroy: a.destroy,
-                // Its process's client let go of its retained blocks on the resume:
-                // taken back as a plain quarantine until that process exits.
-                retained_by: None,
+                // Still its process's retained block: that process's client lets go of
+                // its retained blocks on the resume, and its word frees it (else it would
+                // stay counted until the process exits).
+                retained_by: a.retained_by,
                 asked_back: false,
             },
         );
+        if let Some(session) = a.retained_by {
+            self.retained.entry(session).or_default().insert(a.lease);
+        }
         self.fx.watch(Watch::Quarantine {
             lease: a.lease,
             pid: a.pid,

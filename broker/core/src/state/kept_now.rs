@@ -95,6 +95,7 @@ impl State {
             destroy: q.destroy,
             device_uuid: None,
             reached: q.block.reached.records(),
+            retained_by: q.retained_by.map(|s| s.to_string()),
         };
         Some(Keep::Quarantine(record, fd.clone()))
     }

@@ -148,7 +148,11 @@ impl State {
             live: crate::lease::LiveMark::default(),
         };
         tracing::debug!(lease = %lease.id, retained = %id, tenant = %req.tenant, device = d, bytes, "retained block leased again");
-        Some(self.insert_lease(lease))
+        let view = self.insert_lease(lease);
+        // After the lease's record: a restart between the two finds the block in both,
+        // and the lease wins (`restart/adopt.rs`).
+        self.keep(|| crate::effects::Keep::QuarantineLifted(id));
+        Some(view)
     }
 
     /// Does `session`'s process retain any block? (No lease request of it needs a look.)

@@ -219,3 +219,68 @@ fn a_lease_another_process_fetched_is_not_retained() {
     assert_eq!(c.st.pools()[0].stats().leased, 0);
     c.st.check_invariant().unwrap();
 }
+
+/// What the keeper holds of a retained block: its quarantine record names the session
+/// whose process retained it; leased again, that record goes after the lease's is
+/// written; taken back after a restart, the block is still that process's retained one,
+/// so its word frees it (else it would stay counted until the process exits).
+#[test]
+fn a_kept_retained_block_is_let_go_by_word_after_a_restart() {
+    use crate::effects::Keep;
+    let mut c = Core::new(1, 64 * MIB);
+    c.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    c.st.set_keeping(true);
+    let s = session_of(&mut c, "a", 7);
+    let lease = c.hold("a", s, 16 * MIB, 0, false);
+    c.st.take_effects();
+    assert_eq!(c.st.release_retained("a", lease, 7, true), Some(true));
+    let fx = c.st.take_effects().into_vec();
+    let retained_by = fx.iter().find_map(|e| match e {
+        Effect::Keep {
+            change: Keep::Quarantine(r, _),
+        } if r.lease == lease.to_string() => Some(r.retained_by.clone()),
+        _ => None,
+    });
+    assert_eq!(retained_by, Some(Some(s.to_string())), "{fx:?}");
+
+    let avail = c.avail.clone();
+    let view =
+        c.st.grant_retained(&request("a", s, 16 * MIB), 7, &avail)
+            .unwrap();
+    let fx = c.st.take_effects().into_vec();
+    let at = |want: &dyn Fn(&Keep) -> bool| {
+        fx.iter()
+            .position(|e| matches!(e, Effect::Keep { change } if want(change)))
+    };
+    let leased = at(&|k| matches!(k, Keep::Lease(r, _) if r.id == view.id.to_string()));
+    let lifted = at(&|k| matches!(k, Keep::QuarantineLifted(id) if *id == lease));
+    assert!(
+        leased.is_some() && lifted > leased,
+        "the lease's record, then the quarantine's goes: {fx:?}"
+    );
+
+    // Taken back by a restarted core: the block is the session's retained one again.
+    let mut r = Core::new(1, 64 * MIB);
+    r.st.set_quota("a", quota(64 * MIB, 0)).unwrap();
+    let block = r.block(16 * MIB);
+    let adopted = super::adopt::AdoptedQuarantine {
+        lease,
+        tenant: "a".into(),
+        device: 0,
+        pid: Some(7),
+        pid_start: None,
+        destroy: false,
+        retained_by: Some(s),
+    };
+    r.st.adopt_quarantine(adopted, block).unwrap();
+    r.st.check_invariant().unwrap();
+    assert_eq!(
+        r.st.ledger().get("a").unwrap().usage.quarantined_bytes,
+        16 * MIB
+    );
+    assert!(!r.st.drop_retained("b", lease), "only its tenant's word");
+    assert!(r.st.drop_retained("a", lease), "let go by word");
+    let u = r.st.ledger().get("a").unwrap().usage;
+    assert_eq!((u.held_bytes, u.quarantined_bytes), (0, 0));
+    r.st.check_invariant().unwrap();
+}

@@ -769,8 +769,22 @@ impl Restart<'_> {
                 Err(why) => out.leases_refused.push((r, why)),
             }
         }
+        // A block is made once. A retained block leased again has its quarantine's record
+        // removed after the lease's is written: a crash between leaves both, and the lease
+        // wins; of two quarantines of one block (written by a broker that did not remove
+        // it), one is taken.
+        let mut made: HashSet<(u32, u64)> = lease_ids
+            .iter()
+            .filter(|(r, ..)| r.tier != "host")
+            .map(|(r, ..)| (r.device, r.block_id))
+            .collect();
         let mut quarantine_ids = Vec::new();
         for (q, fd) in quarantines {
+            if !made.insert((q.device, q.block_id)) {
+                out.quarantines_refused
+                    .push((q, "another kept record holds its block"));
+                continue;
+            }
             match self.adoptable_quarantine(&q, fd, alive) {
                 Ok((lease, pid, fd)) => {
                     blocks.push(KeptBlock::new(q.device, fd, q.bytes, q.block_id));
@@ -870,6 +884,10 @@ impl Restart<'_> {
                 pid: Some(pid),
                 pid_start: q.pid_start,
                 destroy: q.destroy,
+                retained_by: q
+                    .retained_by
+                    .as_deref()
+                    .and_then(|s| uuid::Uuid::parse_str(s).ok()),
             };
             if let Err((_, block)) = st.adopt_quarantine(a, block) {
                 unneeded.push((q.device, block));

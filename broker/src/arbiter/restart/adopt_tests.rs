@@ -143,6 +143,7 @@ fn kept_memory_follows_its_device_uuid_and_is_let_go_when_the_device_is_gone() {
         destroy: false,
         device_uuid: Some("HOST-00000000-0000-0000-0000-000000000001".into()),
         reached: vec![],
+        retained_by: None,
     };
     let place = MemPlace::default();
     let removed = place.removed.clone();
@@ -413,6 +414,7 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
         destroy: false,
         device_uuid: Some(arb.devices.uuid(0)),
         reached: vec![],
+        retained_by: None,
     };
     let (same, reused) = (quarantine(start), quarantine(start + 1));
     let place = MemPlace::default();
@@ -638,6 +640,7 @@ async fn a_block_kept_under_its_lease_and_its_quarantine_is_counted_once() {
         destroy: false,
         device_uuid: Some(arb.devices.uuid(0)),
         reached: vec![],
+        retained_by: None,
     };
     let fd = memfd(2 * MIB);
     let place = MemPlace::default();
@@ -811,6 +814,7 @@ fn a_kept_blocks_reached_processes_that_live_come_back_with_their_places() {
         destroy: false,
         device_uuid: Some(arb.devices.uuid(0)),
         reached,
+        retained_by: None,
     };
     let place = MemPlace::default();
     *place.entries.lock() = vec![
