@@ -51,6 +51,9 @@ struct Live {
     /// Ids of the leases of the current generation held through `Lease` objects, in
     /// acquisition order.
     leases: Vec<String>,
+    /// Leases of the current generation being released, and whether the release keeps
+    /// the mapping (retaining): named in a resume, never reported lost.
+    releasing: Vec<(String, bool)>,
 }
 
 impl Live {
@@ -71,6 +74,7 @@ impl Generations {
                 connected: true,
                 resuming: false,
                 leases: Vec::new(),
+                releasing: Vec::new(),
             }),
             changed: tokio::sync::watch::channel(0).0,
         })
@@ -106,16 +110,26 @@ impl Generations {
     }
 
     /// The current session was lost and will be resumed: its leases stay live; returns
-    /// their ids (to name them to the broker).
-    pub(crate) fn pause(&self) -> Vec<String> {
-        let held = {
+    /// the ids to name to the broker: those held (with those whose retaining release is
+    /// under way: still mapped, the release goes on after the resume), and those let go
+    /// (a plain release under way: unmapped and closed).
+    pub(crate) fn pause(&self) -> (Vec<String>, Vec<String>) {
+        let named = {
             let mut live = self.live.lock();
             live.connected = false;
             live.resuming = true;
-            live.leases.clone()
+            let mut held = live.leases.clone();
+            let mut let_go = Vec::new();
+            for (id, retaining) in &live.releasing {
+                match retaining {
+                    true => held.push(id.clone()),
+                    false => let_go.push(id.clone()),
+                }
+            }
+            (held, let_go)
         };
         self.bump();
-        held
+        named
     }
 
     /// The broker resumed the current session: the leases in `ended` are gone (lost),
@@ -156,6 +170,27 @@ impl Generations {
         true
     }
 
+    /// A release of lease `id` of `generation` begins (`retaining`: keeping its mapping);
+    /// false (nothing changed) when that session is no longer the live one. Until
+    /// [`Generations::end_release`], a resume names it.
+    pub(crate) fn begin_release(&self, generation: &Generation, id: &str, retaining: bool) -> bool {
+        let mut live = self.live.lock();
+        if !live.is_live(generation) {
+            return false;
+        }
+        live.leases.retain(|l| l != id);
+        live.releasing.push((id.to_string(), retaining));
+        true
+    }
+
+    /// The release of lease `id` of `generation` is over, however it ended.
+    pub(crate) fn end_release(&self, generation: &Generation, id: &str) {
+        let mut live = self.live.lock();
+        if live.current.number == generation.number {
+            live.releasing.retain(|(l, _)| l != id);
+        }
+    }
+
     /// Forgets a lease of `generation` (released, detached or dropped); true when that
     /// session is still the live one, i.e. the lease may still exist on the broker.
     pub(crate) fn untrack(&self, generation: &Generation, lease_id: &str) -> bool {
@@ -180,6 +215,7 @@ impl Generations {
             let mut live = self.live.lock();
             live.connected = false;
             live.resuming = false;
+            live.releasing.clear();
             std::mem::take(&mut live.leases)
         };
         self.bump();
@@ -195,6 +231,7 @@ impl Generations {
             live.connected = true;
             live.resuming = false;
             live.leases.clear();
+            live.releasing.clear();
         }
         self.bump();
     }
@@ -250,7 +287,7 @@ mod tests {
         let g1 = shared.current();
         assert!(shared.track(&g1, "a"));
         assert!(shared.track(&g1, "b"));
-        assert_eq!(shared.pause(), ["a", "b"]);
+        assert_eq!(shared.pause().0, ["a", "b"]);
         assert!(
             shared.is_live(&g1),
             "a lease of a session being resumed is not lost"
@@ -285,5 +322,36 @@ mod tests {
         shared.connected(opened("s-1"));
         assert!(!shared.is_live(&g1));
         assert!(shared.is_live(&shared.current()));
+    }
+
+    /// Releases under way are named in a resume (a retaining one's lease as held: still
+    /// mapped; a plain one's as let go), are not reported lost, and are named no more
+    /// once over.
+    #[test]
+    fn releases_under_way_are_named_in_a_resume_and_never_lost() {
+        let shared = Generations::new(opened("s-1"));
+        let g1 = shared.current();
+        for id in ["a", "b", "c"] {
+            assert!(shared.track(&g1, id));
+        }
+        assert!(shared.begin_release(&g1, "a", true));
+        assert!(shared.begin_release(&g1, "b", false));
+        assert_eq!(
+            shared.pause(),
+            (
+                vec!["c".to_string(), "a".to_string()],
+                vec!["b".to_string()]
+            )
+        );
+        let (kept, lost) = shared.resumed(&["a".to_string(), "c".to_string()]);
+        assert_eq!((kept, lost), (vec![], vec!["c".to_string()]));
+        shared.end_release(&g1, "a");
+        shared.end_release(&g1, "b");
+        assert_eq!(shared.pause(), (vec![], vec![]));
+        shared.connected(opened("s-2"));
+        assert!(
+            !shared.begin_release(&g1, "c", false),
+            "an old session's lease"
+        );
     }
 }

@@ -54,8 +54,11 @@ impl std::fmt::Debug for ResumeSecret {
 pub(crate) struct ResumeAsk {
     pub(crate) session_id: String,
     pub(crate) secret: ResumeSecret,
-    /// The leases held on it through `Lease` objects.
+    /// The leases held on it through `Lease` objects (and those whose retaining release
+    /// is under way).
     pub(crate) held: Vec<String>,
+    /// The leases whose plain release is under way (unmapped, closed).
+    pub(crate) let_go: Vec<String>,
 }
 
 /// What the broker said when it resumed a session.
@@ -89,6 +92,7 @@ pub(crate) async fn open_stream(
             resume_session_id: resume.map(|r| r.session_id.clone()).unwrap_or_default(),
             resume_secret: resume.map(|r| r.secret.0.clone()).unwrap_or_default(),
             held_lease_ids: resume.map(|r| r.held.clone()).unwrap_or_default(),
+            let_go_lease_ids: resume.map(|r| r.let_go.clone()).unwrap_or_default(),
         })
         .await?
         .into_inner();
@@ -167,6 +171,7 @@ mod tests {
             session_id: "s".into(),
             secret: ResumeSecret("hunter2-secret".into()),
             held: vec![],
+            let_go: vec![],
         };
         let shown = format!("{ask:?}");
         assert!(!shown.contains("hunter2"), "{shown}");

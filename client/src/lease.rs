@@ -287,19 +287,15 @@ impl Lease {
 
     async fn release_with(mut self, allow_retain: bool) -> Result<(), ClientError> {
         self.released = true;
-        if !self
-            .session
-            .generations()
-            .untrack(&self.generation, &self.info.lease_id)
-        {
-            return Err(self.lost_error());
-        }
-        let client = self.session.client();
-        let id = &self.info.lease_id;
         let retain = allow_retain
             && self.session.retained().enabled()
             && self.fd.is_some()
             && self.info.tier == Tier::Device;
+        let Some(_releasing) = Releasing::begin(&self, retain) else {
+            return Err(self.lost_error());
+        };
+        let client = self.session.client();
+        let id = &self.info.lease_id;
         if !retain {
             // Unmapped and closed before the broker hears of it (a release promises it: a
             // mapping or descriptor still here when the broker frees the block is memory
@@ -415,6 +411,39 @@ impl Lease {
     }
 }
 
+/// A release under way, named in a resume until it is over however it ends (a cancelled
+/// one included): a restart that cuts it keeps a retaining one's lease (still mapped: the
+/// release goes on after the resume) and ends a plain one's into the cache (unmapped).
+struct Releasing {
+    session: Session,
+    generation: Arc<Generation>,
+    id: String,
+}
+
+impl Releasing {
+    /// `None`: the lease's session is no longer the live one.
+    fn begin(lease: &Lease, retaining: bool) -> Option<Releasing> {
+        let id = &lease.info.lease_id;
+        lease
+            .session
+            .generations()
+            .begin_release(&lease.generation, id, retaining)
+            .then(|| Releasing {
+                session: lease.session.clone(),
+                generation: lease.generation.clone(),
+                id: id.clone(),
+            })
+    }
+}
+
+impl Drop for Releasing {
+    fn drop(&mut self) {
+        self.session
+            .generations()
+            .end_release(&self.generation, &self.id);
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         // Its own mapping and descriptor close before the broker can hear of the release.
@@ -423,27 +452,22 @@ impl Drop for Lease {
         if self.released {
             return;
         }
-        if !self
-            .session
-            .generations()
-            .untrack(&self.generation, &self.info.lease_id)
-        {
+        let Some(releasing) = Releasing::begin(self, false) else {
             tracing::debug!(
                 lease_id = self.info.lease_id,
                 session_id = self.session_id(),
                 "dropped lease was lost with its session; nothing to release"
             );
             return;
-        }
+        };
         let client = self.session.client().clone();
-        let session = self.session.clone();
         let lease_id = std::mem::take(&mut self.info.lease_id);
-        // The session clone moves into the task: the session outlives the release.
+        // The guard's session clone moves into the task: the session outlives the release.
         self.session.spawn(async move {
             if let Err(e) = client.release_lease(&lease_id).await {
                 tracing::debug!(lease_id, error = %e, "release of a dropped lease failed");
             }
-            drop(session);
+            drop(releasing);
         });
     }
 }

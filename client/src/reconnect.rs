@@ -268,12 +268,13 @@ impl Supervisor {
         let (resume, lost_leases) = if secret.is_empty() {
             (None, self.generations.disconnect())
         } else {
-            let held = self.generations.pause();
+            let (held, let_go) = self.generations.pause();
             (
                 Some(ResumeAsk {
                     session_id: id.to_string(),
                     secret,
                     held,
+                    let_go,
                 }),
                 Vec::new(),
             )

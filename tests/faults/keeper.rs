@@ -267,6 +267,7 @@ async fn sigterm_leaves_sessions_to_the_keeper_and_a_resume_needs_the_secret() {
         resume_session_id: opened.session_id.clone(),
         resume_secret: secret.to_string(),
         held_lease_ids: held,
+        ..Default::default()
     };
     let wrong = raw
         .open_session(resume(&"0".repeat(64), vec![lease.lease_id.clone()]))

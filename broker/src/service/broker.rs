@@ -127,11 +127,17 @@ impl Broker for BrokerService {
                 .map(|l| parse_id("held_lease_ids", l))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(status)?;
+            let let_go = r
+                .let_go_lease_ids
+                .iter()
+                .map(|l| parse_id("let_go_lease_ids", l))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(status)?;
             crate::bounds::check("resume_secret", &r.resume_secret, 128).map_err(status)?;
             let (rx, kept, ended) = self
                 .arb
                 .restart()
-                .resume_session(&tenant, id, &r.resume_secret, peer, &held)
+                .resume_session(&tenant, id, &r.resume_secret, peer, &held, &let_go)
                 .map_err(status)?;
             let opened = pb::SessionOpened {
                 session_id: id.to_string(),

@@ -17,7 +17,8 @@ impl Restart<'_> {
     /// Attaches the caller's stream to `id`, a session taken back from the keeper: only
     /// its own process (`peer`: same pid and uid) with its secret, of `tenant`, and only
     /// while no stream has it. Leases taken back with it that the worker does not name in
-    /// `held` end (it never learnt of them; leases granted since the restart stay). Its
+    /// `held` end: into the cache those it names in `let_go`, the others as abandoned
+    /// memory (its process may map them); leases granted since the restart stay. Its
     /// events, the leases kept, and those gone: ended now, or named but no longer there
     /// (ended before the restart: their end reached the keeper, not the worker).
     #[allow(clippy::type_complexity)]
@@ -28,6 +29,7 @@ impl Restart<'_> {
         secret: &str,
         peer: Peer,
         held: &[Uuid],
+        let_go: &[Uuid],
     ) -> BrokerResult<(mpsc::UnboundedReceiver<SessionEvent>, Vec<Uuid>, Vec<Uuid>)> {
         // A closing broker reopens no mailbox (open_session refuses likewise).
         self.arb.lifecycle.refuse_new_work()?;
@@ -69,10 +71,19 @@ impl Restart<'_> {
             .filter(|l| !s.leases().contains(l))
             .copied()
             .collect();
+        let holder = s.peer;
         self.arb.outbox.open(&st, id, tx);
         for l in &ended {
-            // Never handed to the worker (it does not know it): nobody maps it.
-            st.end_lease(*l, Ending::Cache);
+            // Let go by the worker (unmapped, closed): the cache's. Else its grant's answer
+            // was lost, and its process may map it all the same (a block it retained, a
+            // descriptor pushed before the answer): as abandoned memory, quarantined while
+            // that process lives.
+            let ending = match st.leases().get(l) {
+                Some(_) if let_go.contains(l) => Ending::Cache,
+                Some(v) => st.abandoned(&holder, v.device, v.tier, false),
+                None => continue,
+            };
+            st.end_lease(*l, ending);
         }
         drop(st);
         tracing::info!(session = %id, tenant, kept = kept.len(), ended = ended.len(), "session resumed");
