@@ -1,7 +1,7 @@
 //! The `Broker` service (workers): sessions, leases, usage. Thin: authenticate (done by
 //! the interceptor), convert, delegate to the arbiter, convert back.
 
-use super::convert::{self, parse_id};
+use super::convert::{self, parse_id, parse_ids};
 use super::events::EventStream;
 use crate::arbiter::Arbiter;
 use crate::auth::tenant_of;
@@ -121,18 +121,8 @@ impl Broker for BrokerService {
         if !r.resume_session_id.is_empty() {
             // A worker whose broker restarted resumes its session (kept by the keeper).
             let id = parse_id("resume_session_id", &r.resume_session_id).map_err(status)?;
-            let held = r
-                .held_lease_ids
-                .iter()
-                .map(|l| parse_id("held_lease_ids", l))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(status)?;
-            let let_go = r
-                .let_go_lease_ids
-                .iter()
-                .map(|l| parse_id("let_go_lease_ids", l))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(status)?;
+            let held = parse_ids("held_lease_ids", &r.held_lease_ids).map_err(status)?;
+            let let_go = parse_ids("let_go_lease_ids", &r.let_go_lease_ids).map_err(status)?;
             crate::bounds::check("resume_secret", &r.resume_secret, 128).map_err(status)?;
             let (rx, kept, ended) = self
                 .arb

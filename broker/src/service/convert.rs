@@ -20,6 +20,11 @@ pub fn parse_id(field: &str, s: &str) -> Result<Uuid, BrokerError> {
         .map_err(|_| BrokerError::InvalidArgument(format!("{field} {s:?} is not a UUID")))
 }
 
+/// Every id of `ids` (a repeated field named `field`), or the first that is not one.
+pub fn parse_ids(field: &str, ids: &[String]) -> Result<Vec<Uuid>, BrokerError> {
+    ids.iter().map(|s| parse_id(field, s)).collect()
+}
+
 /// The domain request of `r`, an `AcquireLeaseRequest` of `tenant` for `session` (its
 /// values still to be validated: `Arbiter::validate`).
 pub fn acquire_request(
