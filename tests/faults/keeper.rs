@@ -273,6 +273,13 @@ async fn sigterm_leaves_sessions_to_the_keeper_and_a_resume_needs_the_secret() {
         .open_session(resume(&"0".repeat(64), vec![lease.lease_id.clone()]))
         .await;
     assert_eq!(wrong.err().map(|s| s.code()), Some(Code::NotFound));
+    let bad = raw
+        .open_session(pb::OpenSessionRequest {
+            let_go_lease_ids: vec!["not-a-lease".into()],
+            ..resume(&opened.resume_secret, vec![])
+        })
+        .await;
+    assert_eq!(bad.err().map(|s| s.code()), Some(Code::InvalidArgument));
     let mut stream = raw
         .open_session(resume(&opened.resume_secret, vec![lease.lease_id.clone()]))
         .await
