@@ -86,11 +86,18 @@ fn seqpacket() -> io::Result<OwnedFd> {
     )?)
 }
 
-/// Connects to the keeper listening at `path`.
+/// Connects to the keeper listening at `path` (blocking while its backlog is full).
 pub fn connect(path: &Path) -> io::Result<OwnedFd> {
-    let sock = seqpacket()?;
-    rustix::net::connect(&sock, &sockaddr(path)?)?;
-    Ok(sock)
+    let addr = sockaddr(path)?;
+    loop {
+        // A Unix socket whose connect a signal cut is left unconnected: a new one asks again.
+        let sock = seqpacket()?;
+        match rustix::net::connect(&sock, &addr) {
+            Ok(()) => return Ok(sock),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Binds and listens at `path` (a stale socket file nobody answers on is replaced; a
