@@ -10,8 +10,8 @@
 //! and `after:<op>` once an operation's state lock was let go (`<op>`: `reclaim` (a
 //! request sent),
 //! `reclaim-revoke` (its deadline passed), `quarantine`, `lift`, `publish`, `import`,
-//! `release-import`, `reserve`, `release-reservation`, `drain`). Unset, a pass costs one
-//! branch.
+//! `release-import`, `reserve`, `release-reservation`, `drain`), and `mid:line-answer`
+//! once a lease line's answer is half written. Unset, a pass costs one branch.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -73,6 +73,14 @@ impl CrashPoint {
                 libc::kill(libc::getpid(), libc::SIGKILL);
             }
         }
+    }
+
+    /// Is `kind:what` the point this broker dies at? (A step split only for the test that
+    /// cuts it: an answer written in two parts.)
+    pub fn names(&self, kind: &str, what: &str) -> bool {
+        self.point.as_ref().is_some_and(|(p, _)| {
+            p.len() == kind.len() + 1 + what.len() && p.starts_with(kind) && p.ends_with(what)
+        })
     }
 
     /// Will the `n`-th pass of `kind:what` die? (Tests.)

@@ -318,6 +318,44 @@ async fn retained_lease_and_release_on_the_lease_line() {
     }
 }
 
+/// A lease line's answer cut by a crash after its first part: the lease is an error (the
+/// broker may have granted it, so it is not asked again over gRPC), the process lets go
+/// of its retained blocks, and after the restart the grant it never got ends as memory
+/// it may map; the session goes on.
+#[tokio::test]
+async fn a_lease_line_answer_cut_by_a_crash() {
+    if skipped() {
+        return;
+    }
+    let point = "mid:line-answer";
+    let mut c = Case::start(point, Where::Keeper).await;
+    let s = c.session().await;
+    s.retain_mappings(2 * SIZE);
+    let mut events = s.events();
+    let first = s.lease(SIZE).await.unwrap();
+    first.release().await.unwrap();
+    assert_eq!(s.retained_bytes(), SIZE);
+    let call = {
+        let s = s.clone();
+        tokio::spawn(async move { s.lease(SIZE).await })
+    };
+    c.restart_after_crash(point).await;
+    let got = call.await.unwrap();
+    assert!(
+        matches!(got, Err(gpu_broker_client::ClientError::Protocol(_))),
+        "{:?}",
+        got.map(|l| l.id().to_string())
+    );
+    assert_eq!(s.retained_bytes(), 0, "its retained blocks let go");
+    let e = resumed_or_closed(&mut events).await;
+    assert!(matches!(e, SessionEvent::Resumed { .. }), "{e:?}");
+    c.check(point, &[]).await;
+    let u = s.usage().await.unwrap().usage;
+    assert_eq!((u.held_bytes, u.quarantined_bytes), (0, SIZE));
+    let l = s.lease(SIZE).await.unwrap();
+    c.check(point, &[&l]).await;
+}
+
 #[tokio::test]
 async fn host_tier_acquire_and_release() {
     if skipped() {

@@ -200,7 +200,7 @@ pub struct Arbiter {
     /// (`restart/`).
     restart_state: restart::RestartState,
     /// Where a crash-point test makes this broker die (`crash_point.rs`).
-    crash: crate::crash_point::CrashPoint,
+    pub(crate) crash: crate::crash_point::CrashPoint,
     /// This arbiter (effects that outlive a call hold it: watchers, late releases).
     me: std::sync::Weak<Arbiter>,
     /// Per device, bytes freed whose return the device thread found missing and whose

@@ -187,8 +187,14 @@ async fn serve_requests(
         // Answers are bounded by the requests' own bounds (a label, ids); a client
         // that does not take one in time loses the line.
         debug_assert!(body.len() <= LINE_MAX_PAYLOAD);
-        let frame = line_frame(kind, &body);
-        let sent = tokio::time::timeout(FRAME_TIMEOUT, stream.write_all(&frame)).await;
+        let mut frame = &line_frame(kind, &body)[..];
+        if arb.crash.names("mid", "line-answer") {
+            // The crash-point test of an answer that broke off: its first part, then death.
+            let _ = stream.write_all(&frame[..LINE_FRAME_HEAD]).await;
+            frame = &frame[LINE_FRAME_HEAD..];
+            arb.crash.pass("mid", "line-answer");
+        }
+        let sent = tokio::time::timeout(FRAME_TIMEOUT, stream.write_all(frame)).await;
         if !matches!(sent, Ok(Ok(()))) {
             // Its process stopped reading (gone, or it gave up on the call): as a gRPC
             // answer nobody reads, what was done stays done.
