@@ -1,6 +1,7 @@
 //! Process liveness: whether a pid still runs (`kill(pid, 0)` and `/proc` state; a zombie
-//! counts as gone) and a future that resolves when it exits (pidfd, falling back to
-//! polling). Used for session peers (their memory may be reused once they are gone) and
+//! counts as gone), a process held by its pidfd ([`Pinned`]: whether that very process
+//! still runs, and when it exits) and a future that resolves when a pid exits (pidfd,
+//! falling back to polling). Used for session peers (their memory may be reused once they are gone) and
 //! for block files left by a dead broker. A check that cannot decide (no descriptor left
 //! to read `/proc`, pid 0 from a peer in another PID namespace) answers
 //! [`Liveness::Unknown`], and nothing treats unknown as gone. Also the one reader of
@@ -117,13 +118,12 @@ pub async fn wait_for_exit_or(pid: u32, stop: tokio_util::sync::CancellationToke
 /// no `/proc` read, and stays true of it however its pid is given out after it exits.
 pub struct Pinned {
     fd: std::os::fd::OwnedFd,
-    pid: u32,
 }
 
 impl Pinned {
     /// The process that has `pid` now (`None`: no such process, or no pidfds).
     pub fn open(pid: u32) -> Option<Pinned> {
-        pidfd_open(pid).map(|fd| Pinned { fd, pid })
+        pidfd_open(pid).map(|fd| Pinned { fd })
     }
 
     /// Has it not exited yet? (A pidfd turns readable when its process exits.)
@@ -144,15 +144,23 @@ impl Pinned {
         pinned: std::sync::Arc<Pinned>,
         stop: tokio_util::sync::CancellationToken,
     ) -> bool {
-        let pid = pinned.pid;
+        let again = pinned.clone();
         // SAFETY: the registration holds a share of `pinned`, whose descriptor stays open
         // as long as any share does, so as long as the registration.
         let registered = unsafe {
             tokio::io::unix::AsyncFd::register_with_interest(pinned, tokio::io::Interest::READABLE)
         };
         let Ok(fd) = registered else {
-            // Not one epoll can wait on: as without a pidfd.
-            return wait_for_exit_or(pid, stop).await;
+            // Not one epoll can wait on: its pidfd asked every 200 ms.
+            let exited = async {
+                while again.running() {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            };
+            return tokio::select! {
+                _ = exited => true,
+                _ = stop.cancelled() => false,
+            };
         };
         tokio::select! {
             _ = fd.readable() => true,

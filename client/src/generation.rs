@@ -1,7 +1,7 @@
 //! Which broker session a session handle is on. Each broker session it has had is a
 //! [`Generation`] (its `opened` record and a number); [`Generations`] holds the current
 //! one, whether it is connected, and the ids of the leases held on it through `Lease`
-//! objects. A lease keeps an `Arc` of its own generation, so its session id stays
+//! objects, and of those being released (named in a resume, never reported lost). A lease keeps an `Arc` of its own generation, so its session id stays
 //! readable after a reconnect replaced it, and asks here whether that generation is
 //! still the live one before it talks to the broker. While a lost session may yet be
 //! resumed (the broker restarted with a keeper), it stays the live one, its leases are not
@@ -181,6 +181,18 @@ impl Generations {
         live.leases.retain(|l| l != id);
         live.releasing.push((id.to_string(), retaining));
         true
+    }
+
+    /// The retaining release of lease `id` of `generation` unmapped it after all.
+    pub(crate) fn release_unmapped(&self, generation: &Generation, id: &str) {
+        let mut live = self.live.lock();
+        if live.current.number == generation.number {
+            for (l, retaining) in live.releasing.iter_mut() {
+                if l == id {
+                    *retaining = false;
+                }
+            }
+        }
     }
 
     /// The release of lease `id` of `generation` is over, however it ended.

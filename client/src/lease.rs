@@ -291,11 +291,6 @@ impl Lease {
             && self.session.retained().enabled()
             && self.fd.is_some()
             && self.info.tier == Tier::Device;
-        let Some(_releasing) = Releasing::begin(&self, retain) else {
-            return Err(self.lost_error());
-        };
-        let client = self.session.client();
-        let id = &self.info.lease_id;
         if !retain {
             // Unmapped and closed before the broker hears of it (a release promises it: a
             // mapping or descriptor still here when the broker frees the block is memory
@@ -303,6 +298,11 @@ impl Lease {
             self.kept = None;
             self.fd = None;
         }
+        let Some(releasing) = Releasing::begin(&self, retain) else {
+            return Err(self.lost_error());
+        };
+        let client = self.session.client();
+        let id = &self.info.lease_id;
         let mut tries = 0;
         let request = pb::ReleaseLeaseRequest {
             lease_id: id.clone(),
@@ -319,7 +319,12 @@ impl Lease {
                     Err(e) => {
                         self.kept = None;
                         self.fd = None;
-                        return match client.release_lease(id).await {
+                        releasing.unmapped();
+                        let plain = self
+                            .session
+                            .through_outage(&self.generation, || client.release_lease(id))
+                            .await;
+                        return match plain {
                             Err(plain) if plain.code() != crate::error::Code::NotFound => Err(e),
                             _ => Ok(()),
                         };
@@ -421,6 +426,13 @@ struct Releasing {
 }
 
 impl Releasing {
+    /// Its mapping is gone after all: a resume names it let go.
+    fn unmapped(&self) {
+        self.session
+            .generations()
+            .release_unmapped(&self.generation, &self.id);
+    }
+
     /// `None`: the lease's session is no longer the live one.
     fn begin(lease: &Lease, retaining: bool) -> Option<Releasing> {
         let id = &lease.info.lease_id;
@@ -460,11 +472,17 @@ impl Drop for Lease {
             );
             return;
         };
-        let client = self.session.client().clone();
         let lease_id = std::mem::take(&mut self.info.lease_id);
-        // The guard's session clone moves into the task: the session outlives the release.
+        let generation = self.generation.clone();
+        // The guard's session clone moves into the task: the session outlives the release,
+        // which waits out a broker restart as an explicit one does.
         self.session.spawn(async move {
-            if let Err(e) = client.release_lease(&lease_id).await {
+            let session = &releasing.session;
+            let client = session.client();
+            let released = session
+                .through_outage(&generation, || client.release_lease(&lease_id))
+                .await;
+            if let Err(e) = released {
                 tracing::debug!(lease_id, error = %e, "release of a dropped lease failed");
             }
             drop(releasing);

@@ -175,16 +175,28 @@ impl Case {
             // may map it: it stays counted across a restart).
             let quarantined = (dev.quarantined_bytes / SIZE) as usize;
             let kept = self.keeper.memfds();
-            let own = self.b.memfds().len() as u64;
+            let fds = self.b.memfds();
+            let own = fds.len() as u64;
+            // Each block is one memory object: two of the broker's records of one block
+            // (its memory made twice) would be two descriptors of one memfd.
+            let objects: std::collections::HashSet<u64> = fds
+                .iter()
+                .filter_map(|p| std::fs::metadata(p).ok())
+                .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+                .collect();
             let ok = ids == want
                 && u.held_bytes == bytes
                 && u.lease_count as usize == on_device
                 && u.host_held_bytes == host_bytes
                 && kept == want.len() + quarantined
-                && own == want.len() as u64 + cached + extra;
+                && own == want.len() as u64 + cached + extra
+                && objects.len() as u64 + extra == own;
             let last = format!(
-                "leases {ids:?} (want {want:?}), held {} in {} (want {bytes}), host {} (want {host_bytes}), keeper {kept}, broker {own} with {cached} cached or quarantined",
-                u.held_bytes, u.lease_count, u.host_held_bytes
+                "leases {ids:?} (want {want:?}), held {} in {} (want {bytes}), host {} (want {host_bytes}), keeper {kept}, broker {own} ({} memory objects) with {cached} cached or quarantined",
+                u.held_bytes,
+                u.lease_count,
+                u.host_held_bytes,
+                objects.len()
             );
             if ok || Instant::now() > deadline {
                 break (ok, last);

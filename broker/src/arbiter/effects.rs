@@ -429,8 +429,10 @@ impl<'a> Executor<'a> {
                 if self.arb.watchers.join_running(w, pid) {
                     return;
                 }
-                let start = crate::process::start_ticks(pid);
+                // Pinned first: a start read after it that its process outlived is its own.
                 let pinned = crate::process::Pinned::open(pid).map(Arc::new);
+                let start = crate::process::start_ticks(pid)
+                    .filter(|_| pinned.as_ref().is_none_or(|p| p.running()));
                 let (new, earlier) = self.arb.watchers.join(w, pid, start, pinned.clone());
                 if !earlier.is_empty() {
                     let me = me.clone();
@@ -788,27 +790,40 @@ mod tests {
     /// A key joins the watcher of a process that still runs by its pidfd alone; once that
     /// process exited (its task not fired yet) it does not, and the start decides.
     #[test]
-    fn a_key_joins_a_running_processs_watcher_by_its_pidfd() {
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let pid = child.id();
+    fn a_key_joins_the_watcher_of_a_running_process_by_its_pidfd() {
+        /// Killed however the test ends.
+        struct Child(std::process::Child);
+        impl Drop for Child {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut child = Child(
+            std::process::Command::new("sleep")
+                .arg("30")
+                .spawn()
+                .unwrap(),
+        );
+        let pid = child.0.id();
+        let Some(pinned) = crate::process::Pinned::open(pid).map(Arc::new) else {
+            eprintln!("skipped: no pidfds on this kernel");
+            return;
+        };
         let w = Watchers::default();
         let key = |n: u128| Watch::Session {
             session: Uuid::from_u128(n),
             pid,
         };
         assert!(!w.join_running(key(1), pid), "no watcher yet");
-        let pinned = crate::process::Pinned::open(pid).map(Arc::new);
-        assert!(pinned.as_ref().is_some_and(|p| p.running()));
+        assert!(pinned.running());
         let start = crate::process::start_ticks(pid);
-        let (first, _) = w.join(key(1), pid, start, pinned.clone());
+        let (first, _) = w.join(key(1), pid, start, Some(pinned.clone()));
         let (generation, _stop) = first.expect("a new watcher");
         assert!(w.join_running(key(2), pid), "joined while it runs");
-        child.kill().unwrap();
-        child.wait().unwrap();
-        assert!(!pinned.unwrap().running());
+        child.0.kill().unwrap();
+        child.0.wait().unwrap();
+        assert!(!pinned.running());
         assert!(
             !w.join_running(key(3), pid),
             "exited: not joined on its pidfd"

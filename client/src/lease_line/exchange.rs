@@ -1,9 +1,9 @@
 //! One request and its answer on a lease line, on either of the two wires a line can be:
 //! registered with the runtime (a caller inside a task awaits the answer) or not (a caller
-//! outside any task, a thread in `block_on` as Python's is, waits for it itself and is
-//! woken by the kernel directly instead of through a runtime thread: one thread switch
-//! fewer a request). Both read the answer whole as it comes (one read, as a rule), and
-//! judge it alike.
+//! outside any task, a thread in `block_on` as Python's is, waits for it itself, woken by
+//! the kernel instead of a runtime thread: one thread switch fewer a request; an answer
+//! slower than [`THREAD_WAIT`] is awaited on the runtime, cancellable). Both read the
+//! answer whole as it comes (one read, as a rule) and judge it alike.
 
 use crate::error::ClientError;
 use gpu_broker_proto::ticket::{
@@ -17,10 +17,17 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
-/// How long a caller waiting on its own thread waits for an answer: the broker answers at
-/// once (it never queues or waits on a line) or closes the line; past this it is taken as
-/// an answer that broke off (a caller inside a task has no such bound, as a gRPC call).
-pub const THREAD_WAIT: Duration = Duration::from_secs(10);
+/// How long a caller waits for an answer on its own thread (it cannot be cancelled
+/// meanwhile) before awaiting the rest on the runtime: the broker answers at once, as a
+/// rule, in microseconds.
+pub const THREAD_WAIT: Duration = match cfg!(test) {
+    // Long enough for a test's stand-in broker on a loaded machine.
+    true => Duration::from_secs(1),
+    false => Duration::from_millis(20),
+};
+/// How long a request's frame may take to go out on the caller's thread (a socket buffer
+/// holds many; a frame not sent whole is not served: the broker drops a cut one).
+const SEND_WAIT: Duration = Duration::from_secs(1);
 
 /// How a request on the line came out.
 pub(super) enum Asked {
@@ -31,15 +38,24 @@ pub(super) enum Asked {
     NotSent,
 }
 
-/// An answer as it comes in.
-struct Answer {
+/// An answer as it comes in: what came so far.
+pub(super) struct Answer {
     buf: Vec<u8>,
+    got: usize,
+}
+
+/// How a request made on the caller's thread came out.
+pub(super) enum OnThread {
+    Done(Result<Asked, ClientError>),
+    /// Sent, its answer not (all) in after [`THREAD_WAIT`]: the rest to await.
+    Waiting(Answer),
 }
 
 impl Answer {
     fn new() -> Answer {
         Answer {
             buf: vec![0u8; LINE_FRAME_HEAD + LINE_MAX_PAYLOAD],
+            got: 0,
         }
     }
 
@@ -90,15 +106,22 @@ pub(super) async fn on_runtime(
     if stream.write_all(&line_frame(kind, body)).await.is_err() {
         return Ok(Asked::NotSent);
     }
-    let mut answer = Answer::new();
-    let mut got = 0;
+    awaited(stream, Answer::new()).await
+}
+
+/// Awaits the rest of `answer` on the runtime.
+pub(super) async fn awaited(
+    stream: &mut UnixStream,
+    mut answer: Answer,
+) -> Result<Asked, ClientError> {
     loop {
+        let got = answer.got;
         let n = match stream.read(&mut answer.buf[got..]).await {
             Ok(0) | Err(_) => return Answer::closed(got),
             Ok(n) => n,
         };
-        got += n;
-        if let Some(asked) = answer.whole(got)? {
+        answer.got += n;
+        if let Some(asked) = answer.whole(answer.got)? {
             return Ok(asked);
         }
     }
@@ -107,44 +130,43 @@ pub(super) async fn on_runtime(
 /// Sends one request and reads its answer on this thread, which sleeps in the kernel until
 /// the answer comes (the socket stays non-blocking: it may go back to the runtime), at most
 /// [`THREAD_WAIT`].
-pub(super) fn on_thread(
-    stream: &mut StdStream,
-    kind: u8,
-    body: &[u8],
-) -> Result<Asked, ClientError> {
-    let deadline = Instant::now() + THREAD_WAIT;
+pub(super) fn on_thread(stream: &mut StdStream, kind: u8, body: &[u8]) -> OnThread {
     let frame = line_frame(kind, body);
+    let send_by = Instant::now() + SEND_WAIT;
     let mut sent = 0;
     while sent < frame.len() {
         match stream.write(&frame[sent..]) {
-            Ok(0) => return Ok(Asked::NotSent),
+            Ok(0) => return OnThread::Done(Ok(Asked::NotSent)),
             Ok(n) => sent += n,
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if !wait_for(stream, rustix::event::PollFlags::OUT, deadline) {
-                    return Ok(Asked::NotSent);
+                if !wait_for(stream, rustix::event::PollFlags::OUT, send_by) {
+                    return OnThread::Done(Ok(Asked::NotSent));
                 }
             }
-            Err(_) => return Ok(Asked::NotSent),
+            Err(_) => return OnThread::Done(Ok(Asked::NotSent)),
         }
     }
+    let deadline = Instant::now() + THREAD_WAIT;
     let mut answer = Answer::new();
-    let mut got = 0;
     loop {
         // The answer is not there yet, as a rule: wait first, then read it whole.
         if !wait_for(stream, rustix::event::PollFlags::IN, deadline) {
-            return Err(broken(&format!("did not come within {THREAD_WAIT:?}")));
+            return OnThread::Waiting(answer);
         }
+        let got = answer.got;
         match stream.read(&mut answer.buf[got..]) {
-            Ok(0) => return Answer::closed(got),
-            Ok(n) => got += n,
+            Ok(0) => return OnThread::Done(Answer::closed(got)),
+            Ok(n) => answer.got += n,
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
                 continue
             }
-            Err(_) => return Answer::closed(got),
+            Err(_) => return OnThread::Done(Answer::closed(got)),
         }
-        if let Some(asked) = answer.whole(got)? {
-            return Ok(asked);
+        match answer.whole(answer.got) {
+            Ok(None) => {}
+            Ok(Some(asked)) => return OnThread::Done(Ok(asked)),
+            Err(e) => return OnThread::Done(Err(e)),
         }
     }
 }
@@ -182,8 +204,15 @@ mod tests {
         (a, b)
     }
 
-    /// An answer written in pieces, late, is read whole on the caller's thread; a request
-    /// reaches the other end as its frame.
+    fn done(o: OnThread) -> Result<Asked, ClientError> {
+        match o {
+            OnThread::Done(r) => r,
+            OnThread::Waiting(_) => panic!("still waiting"),
+        }
+    }
+
+    /// An answer written in pieces is read whole on the caller's thread; a request reaches
+    /// the other end as its frame.
     #[test]
     fn an_answer_in_pieces_is_read_whole_on_the_thread() {
         let (mut line, mut broker) = pair();
@@ -192,13 +221,35 @@ mod tests {
             broker.read_exact(&mut req).unwrap();
             let answer = line_frame(LINE_GRANTED, b"abcdef");
             broker.write_all(&answer[..2]).unwrap();
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(2));
             broker.write_all(&answer[2..]).unwrap();
             req
         });
-        let asked = on_thread(&mut line, 0x01, b"xyz").unwrap();
+        let asked = done(on_thread(&mut line, 0x01, b"xyz")).unwrap();
         assert!(matches!(asked, Asked::Answered(LINE_GRANTED, ref b) if b == b"abcdef"));
         assert_eq!(served.join().unwrap().to_vec(), line_frame(0x01, b"xyz"));
+    }
+
+    /// An answer slower than the thread's wait is awaited on the runtime, what came of it
+    /// on the thread kept.
+    #[tokio::test]
+    async fn a_slow_answer_is_awaited_on_the_runtime() {
+        let (mut line, mut broker) = pair();
+        let t = std::thread::spawn(move || {
+            let mut req = [0u8; LINE_FRAME_HEAD];
+            broker.read_exact(&mut req).unwrap();
+            let answer = line_frame(LINE_RELEASED, b"late");
+            broker.write_all(&answer[..3]).unwrap();
+            std::thread::sleep(THREAD_WAIT + Duration::from_millis(100));
+            broker.write_all(&answer[3..]).unwrap();
+        });
+        let OnThread::Waiting(part) = on_thread(&mut line, 0x02, b"") else {
+            panic!("answered within the wait")
+        };
+        let mut line = UnixStream::from_std(line).unwrap();
+        let asked = awaited(&mut line, part).await.unwrap();
+        assert!(matches!(asked, Asked::Answered(LINE_RELEASED, ref b) if b == b"late"));
+        t.join().unwrap();
     }
 
     /// A line closed with nothing sent back is a request not served; one closed after a
@@ -218,7 +269,7 @@ mod tests {
                 broker.read_exact(&mut req).unwrap();
                 broker.write_all(&expected).unwrap();
             });
-            let asked = on_thread(&mut line, 0x01, b"");
+            let asked = done(on_thread(&mut line, 0x01, b""));
             t.join().unwrap();
             match served {
                 true => assert!(matches!(asked, Ok(Asked::NotSent))),

@@ -99,10 +99,22 @@ impl Wire {
                 let asked = exchange::on_runtime(&mut s, kind, body).await;
                 (Some(Wire::Runtime(s)), asked)
             }
-            Wire::Thread(mut s) => {
-                let asked = exchange::on_thread(&mut s, kind, body);
-                (Some(Wire::Thread(s)), asked)
-            }
+            Wire::Thread(mut s) => match exchange::on_thread(&mut s, kind, body) {
+                exchange::OnThread::Done(asked) => (Some(Wire::Thread(s)), asked),
+                // Slow: the rest is awaited on the runtime, as a task's caller would.
+                exchange::OnThread::Waiting(part) => match UnixStream::from_std(s) {
+                    Ok(mut s) => {
+                        let asked = exchange::awaited(&mut s, part).await;
+                        (Some(Wire::Runtime(s)), asked)
+                    }
+                    Err(e) => (
+                        None,
+                        Err(ClientError::Protocol(format!(
+                            "a lease line's answer could not be awaited: {e}"
+                        ))),
+                    ),
+                },
+            },
         }
     }
 

@@ -773,20 +773,21 @@ impl Restart<'_> {
         // removed after the lease's is written: a crash between leaves both, and the lease
         // wins; of two quarantines of one block (written by a broker that did not remove
         // it), one is taken.
-        let mut made: HashSet<(u32, u64)> = lease_ids
+        let mut taken: HashSet<(u32, u64)> = lease_ids
             .iter()
             .filter(|(r, ..)| r.tier != "host")
             .map(|(r, ..)| (r.device, r.block_id))
             .collect();
         let mut quarantine_ids = Vec::new();
         for (q, fd) in quarantines {
-            if !made.insert((q.device, q.block_id)) {
+            if taken.contains(&(q.device, q.block_id)) {
                 out.quarantines_refused
                     .push((q, "another kept record holds its block"));
                 continue;
             }
             match self.adoptable_quarantine(&q, fd, alive) {
                 Ok((lease, pid, fd)) => {
+                    taken.insert((q.device, q.block_id));
                     blocks.push(KeptBlock::new(q.device, fd, q.bytes, q.block_id));
                     let reached = reached_again(&q.reached, alive);
                     quarantine_ids.push((q, lease, pid, reached));

@@ -72,12 +72,11 @@ impl Restart<'_> {
             .copied()
             .collect();
         let holder = s.peer;
+        let let_go: HashSet<Uuid> = let_go.iter().copied().collect();
         self.arb.outbox.open(&st, id, tx);
         for l in &ended {
-            // Let go by the worker (unmapped, closed): the cache's. Else its grant's answer
-            // was lost, and its process may map it all the same (a block it retained, a
-            // descriptor pushed before the answer): as abandoned memory, quarantined while
-            // that process lives.
+            // Let go by the worker: the cache's. Else its grant's answer was lost, and its
+            // process may map it all the same: quarantined while that process lives.
             let ending = match st.leases().get(l) {
                 Some(_) if let_go.contains(l) => Ending::Cache,
                 Some(v) => st.abandoned(&holder, v.device, v.tier, false),
