@@ -368,6 +368,35 @@ async fn a_lease_line_answer_cut_by_a_crash() {
     c.check(point, &[&l]).await;
 }
 
+/// A lease dropped (not released by call) whose release a crash cut, before and after its
+/// end reached the keeper: the release waits out the restart, the resume names the lease
+/// let go, and nothing of it stays held or counted.
+#[tokio::test]
+async fn a_dropped_leases_release_cut_by_a_crash() {
+    if skipped() {
+        return;
+    }
+    for point in ["before-keep:lease-ended", "after-keep:lease-ended"] {
+        let mut c = Case::start(point, Where::Keeper).await;
+        let s = c.session().await;
+        let mut events = s.events();
+        let keep = s.lease(SIZE).await.unwrap();
+        drop(s.lease(SIZE).await.unwrap());
+        c.restart_after_crash(point).await;
+        let e = resumed_or_closed(&mut events).await;
+        let SessionEvent::Resumed { lost_leases, .. } = &e else {
+            panic!("{point}: {e:?}")
+        };
+        assert!(
+            lost_leases.is_empty(),
+            "{point}: a release is not a loss: {e:?}"
+        );
+        c.check(point, &[&keep]).await;
+        let u = s.usage().await.unwrap().usage;
+        assert_eq!((u.held_bytes, u.quarantined_bytes), (SIZE, 0), "{point}");
+    }
+}
+
 #[tokio::test]
 async fn host_tier_acquire_and_release() {
     if skipped() {
