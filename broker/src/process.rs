@@ -136,7 +136,8 @@ impl Pinned {
             tv_sec: 0,
             tv_nsec: 0,
         };
-        matches!(rustix::event::poll(&mut fds, Some(&now)), Ok(0))
+        // A poll that fails says nothing: unknown is not gone.
+        !matches!(rustix::event::poll(&mut fds, Some(&now)), Ok(n) if n > 0)
     }
 
     /// Resolves when it exits, unless `stop` is cancelled first; returns whether it exited.

@@ -325,7 +325,9 @@ impl Lease {
                             .through_outage(&self.generation, || client.release_lease(id))
                             .await;
                         return match plain {
-                            Err(plain) if plain.code() != crate::error::Code::NotFound => Err(e),
+                            // The broker stayed away: that, not the line, is what to say.
+                            Err(p) if p.code() == crate::error::Code::Unavailable => Err(p),
+                            Err(p) if p.code() != crate::error::Code::NotFound => Err(e),
                             _ => Ok(()),
                         };
                     }

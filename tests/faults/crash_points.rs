@@ -397,6 +397,36 @@ async fn a_dropped_leases_release_cut_by_a_crash() {
     }
 }
 
+/// A retaining release whose answer on the lease line a crash cut: the release unmaps and
+/// ends the lease plainly once the session is resumed (the lease named let go, or the
+/// block the broker retained let go by the same id), and nothing stays counted.
+#[tokio::test]
+async fn a_lease_line_release_cut_by_a_crash() {
+    if skipped() {
+        return;
+    }
+    // The first answer on the line is the block's second lease; the second, its release.
+    let point = "mid:line-answer#2";
+    let mut c = Case::start(point, Where::Keeper).await;
+    let s = c.session().await;
+    s.retain_mappings(2 * SIZE);
+    let mut events = s.events();
+    s.lease(SIZE).await.unwrap().release().await.unwrap();
+    let l = s.lease(SIZE).await.unwrap();
+    let call = tokio::spawn(async move { l.release().await });
+    c.restart_after_crash(point).await;
+    let e = resumed_or_closed(&mut events).await;
+    let SessionEvent::Resumed { lost_leases, .. } = &e else {
+        panic!("{e:?}")
+    };
+    assert!(lost_leases.is_empty(), "a release is not a loss: {e:?}");
+    call.await.unwrap().expect("the release across the crash");
+    assert_eq!(s.retained_bytes(), 0);
+    c.check(point, &[]).await;
+    let u = s.usage().await.unwrap().usage;
+    assert_eq!((u.held_bytes, u.quarantined_bytes), (0, 0));
+}
+
 #[tokio::test]
 async fn host_tier_acquire_and_release() {
     if skipped() {

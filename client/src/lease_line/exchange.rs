@@ -235,17 +235,20 @@ mod tests {
     #[tokio::test]
     async fn a_slow_answer_is_awaited_on_the_runtime() {
         let (mut line, mut broker) = pair();
+        let (waiting, rest) = std::sync::mpsc::channel::<()>();
         let t = std::thread::spawn(move || {
             let mut req = [0u8; LINE_FRAME_HEAD];
             broker.read_exact(&mut req).unwrap();
             let answer = line_frame(LINE_RELEASED, b"late");
             broker.write_all(&answer[..3]).unwrap();
-            std::thread::sleep(THREAD_WAIT + Duration::from_millis(100));
+            // The rest only once the caller stopped waiting on its thread.
+            rest.recv().unwrap();
             broker.write_all(&answer[3..]).unwrap();
         });
         let OnThread::Waiting(part) = on_thread(&mut line, 0x02, b"") else {
             panic!("answered within the wait")
         };
+        waiting.send(()).unwrap();
         let mut line = UnixStream::from_std(line).unwrap();
         let asked = awaited(&mut line, part).await.unwrap();
         assert!(matches!(asked, Asked::Answered(LINE_RELEASED, ref b) if b == b"late"));

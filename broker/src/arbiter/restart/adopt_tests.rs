@@ -438,6 +438,68 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
     );
 }
 
+/// Two kept quarantines of one block (written by a broker that did not remove the first
+/// when the block was leased again) make one block: one is taken back, the other let go;
+/// one that cannot (its pid started at another time) does not stand
+/// in the way of one that can.
+#[test]
+fn two_quarantines_of_one_block_make_one() {
+    let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
+    arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
+        .unwrap();
+    let pid = std::process::id();
+    let start = crate::process::start_ticks(pid).unwrap();
+    let block_id = rand::random();
+    let quarantine = |pid_start: u64| QuarantineRecord {
+        v: RECORD_VERSION,
+        lease: Uuid::new_v4().to_string(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id,
+        kind: "host-memfd".into(),
+        pid: Some(pid),
+        pid_start: Some(pid_start),
+        destroy: false,
+        device_uuid: Some(arb.devices.uuid(0)),
+        reached: vec![],
+        retained_by: None,
+    };
+    let (reused, first, second) = (quarantine(start + 1), quarantine(start), quarantine(start));
+    let memory = memfd(2 * MIB);
+    let copy = || Some(memory.try_clone().unwrap());
+    let place = MemPlace::default();
+    let removed = place.removed.clone();
+    *place.entries.lock() = vec![
+        entry(reused.key(), &reused, copy()),
+        entry(first.key(), &first, copy()),
+        entry(second.key(), &second, copy()),
+    ];
+    arb.restart().adopt_from_keeper(place).unwrap();
+    let held: Vec<String> = arb
+        .views()
+        .quarantined()
+        .into_iter()
+        .map(|q| q.lease.to_string())
+        .collect();
+    // Whichever of the two came first (records come in no set order).
+    let (taken, other) = match held.as_slice() {
+        [h] if *h == first.lease => (&first, &second),
+        [h] if *h == second.lease => (&second, &first),
+        _ => panic!("one of the two is taken back: {held:?}"),
+    };
+    assert_eq!(taken.block_id, other.block_id);
+    let mut gone = removed.lock().clone();
+    gone.sort();
+    let mut want = vec![reused.key(), other.key()];
+    want.sort();
+    assert_eq!(gone, want);
+    assert_eq!(
+        arb.views().tenant("alpha").unwrap().usage.quarantined_bytes,
+        2 * MIB
+    );
+}
+
 /// A kept block held for importers comes back counted to its publisher as quarantined,
 /// with its publication (by id, unpublished, a read-only reopen of its sealed memfd),
 /// the kept import of a session taken back and the lingering import whose process lives
