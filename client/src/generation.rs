@@ -51,9 +51,19 @@ struct Live {
     /// Ids of the leases of the current generation held through `Lease` objects, in
     /// acquisition order.
     leases: Vec<String>,
-    /// Leases of the current generation being released, and whether the release keeps
-    /// the mapping (retaining): named in a resume, never reported lost.
-    releasing: Vec<(String, bool)>,
+    /// Leases of the current generation being released: named in a resume, never
+    /// reported lost.
+    releasing: Vec<Release>,
+}
+
+/// A lease's release under way, or given up while its session is being resumed.
+struct Release {
+    id: String,
+    /// Keeps the mapping: the lease is still mapped, and named held.
+    retaining: bool,
+    /// Over (given up, unmapped) while the session is being resumed: named let go until
+    /// the resume.
+    over: bool,
 }
 
 impl Live {
@@ -114,22 +124,27 @@ impl Generations {
     /// under way: still mapped, the release goes on after the resume), and those let go
     /// (a plain release under way: unmapped and closed).
     pub(crate) fn pause(&self) -> (Vec<String>, Vec<String>) {
-        let named = {
+        {
             let mut live = self.live.lock();
             live.connected = false;
             live.resuming = true;
-            let mut held = live.leases.clone();
-            let mut let_go = Vec::new();
-            for (id, retaining) in &live.releasing {
-                match retaining {
-                    true => held.push(id.clone()),
-                    false => let_go.push(id.clone()),
-                }
-            }
-            (held, let_go)
-        };
+        }
         self.bump();
-        named
+        self.named()
+    }
+
+    /// The ids a resume names now: (held, let go), as [`Generations::pause`] says.
+    pub(crate) fn named(&self) -> (Vec<String>, Vec<String>) {
+        let live = self.live.lock();
+        let mut held = live.leases.clone();
+        let mut let_go = Vec::new();
+        for r in &live.releasing {
+            match r.retaining {
+                true => held.push(r.id.clone()),
+                false => let_go.push(r.id.clone()),
+            }
+        }
+        (held, let_go)
     }
 
     /// The broker resumed the current session: the leases in `ended` are gone (lost),
@@ -139,6 +154,7 @@ impl Generations {
             let mut live = self.live.lock();
             live.connected = true;
             live.resuming = false;
+            live.releasing.retain(|r| !r.over);
             let (lost, kept): (Vec<String>, Vec<String>) =
                 live.leases.iter().cloned().partition(|l| ended.contains(l));
             live.leases = kept.clone();
@@ -179,7 +195,11 @@ impl Generations {
             return false;
         }
         live.leases.retain(|l| l != id);
-        live.releasing.push((id.to_string(), retaining));
+        live.releasing.push(Release {
+            id: id.to_string(),
+            retaining,
+            over: false,
+        });
         true
     }
 
@@ -187,19 +207,27 @@ impl Generations {
     pub(crate) fn release_unmapped(&self, generation: &Generation, id: &str) {
         let mut live = self.live.lock();
         if live.current.number == generation.number {
-            for (l, retaining) in live.releasing.iter_mut() {
-                if l == id {
-                    *retaining = false;
-                }
+            for r in live.releasing.iter_mut().filter(|r| r.id == id) {
+                r.retaining = false;
             }
         }
     }
 
-    /// The release of lease `id` of `generation` is over, however it ended.
+    /// The release of lease `id` of `generation` is over, however it ended (its mapping
+    /// gone with it). One given up while the session is being resumed stays named, let
+    /// go, until the resume: else the broker would take the lease for one whose grant's
+    /// answer was lost.
     pub(crate) fn end_release(&self, generation: &Generation, id: &str) {
         let mut live = self.live.lock();
-        if live.current.number == generation.number {
-            live.releasing.retain(|(l, _)| l != id);
+        if live.current.number != generation.number {
+            return;
+        }
+        if live.resuming {
+            for r in live.releasing.iter_mut().filter(|r| r.id == id) {
+                (r.retaining, r.over) = (false, true);
+            }
+        } else {
+            live.releasing.retain(|r| r.id != id);
         }
     }
 
@@ -355,9 +383,18 @@ mod tests {
                 vec!["b".to_string()]
             )
         );
+        // Given up while the session is being resumed: named let go until the resume.
+        shared.end_release(&g1, "a");
+        assert_eq!(
+            shared.named(),
+            (
+                vec!["c".to_string()],
+                vec!["a".to_string(), "b".to_string()]
+            )
+        );
         let (kept, lost) = shared.resumed(&["a".to_string(), "c".to_string()]);
         assert_eq!((kept, lost), (vec![], vec!["c".to_string()]));
-        shared.end_release(&g1, "a");
+        assert_eq!(shared.named(), (vec![], vec!["b".to_string()]));
         shared.end_release(&g1, "b");
         assert_eq!(shared.pause(), (vec![], vec![]));
         shared.connected(opened("s-2"));

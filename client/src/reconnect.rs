@@ -321,7 +321,15 @@ impl Supervisor {
         tokio::time::sleep(delay).await;
         let opened = tokio::time::timeout(
             ATTEMPT_TIMEOUT,
-            open_stream(&self.client, name, lost.resume.as_ref()),
+            open_stream(
+                &self.client,
+                name,
+                lost.resume.as_mut().map(|r| {
+                    // As things stand at this try: releases go on, or end, meanwhile.
+                    (r.held, r.let_go) = self.generations.named();
+                    &*r
+                }),
+            ),
         )
         .await
         .unwrap_or_else(|_| {
