@@ -120,6 +120,17 @@ impl Case {
             .unwrap()
     }
 
+    /// A session retaining up to two blocks that has retained one (leased and released
+    /// over gRPC, so its lease line opens at the next lease), and its events.
+    async fn retaining(&self) -> (Session, gpu_broker_client::SessionEvents) {
+        let s = self.session().await;
+        s.retain_mappings(2 * SIZE);
+        let events = s.events();
+        s.lease(SIZE).await.unwrap().release().await.unwrap();
+        assert_eq!(s.retained_bytes(), SIZE, "retained");
+        (s, events)
+    }
+
     /// Waits for the broker to die at its crash point, then starts it again (unarmed).
     async fn restart_after_crash(&mut self, point: &str) {
         self.crashed(point).await;
@@ -290,12 +301,7 @@ async fn retained_lease_and_release_on_the_lease_line() {
     ] {
         let releasing = point.contains("lease-ended");
         let mut c = Case::start(point, Where::Keeper).await;
-        let s = c.session().await;
-        s.retain_mappings(2 * SIZE);
-        let mut events = s.events();
-        let first = s.lease(SIZE).await.unwrap();
-        first.release().await.unwrap();
-        assert_eq!(s.retained_bytes(), SIZE, "{point}: retained");
+        let (s, mut events) = c.retaining().await;
         let again = match releasing {
             true => Some(s.lease(SIZE).await.unwrap()),
             false => None,
@@ -341,12 +347,7 @@ async fn a_lease_line_answer_cut_by_a_crash() {
     }
     let point = "mid:line-answer";
     let mut c = Case::start(point, Where::Keeper).await;
-    let s = c.session().await;
-    s.retain_mappings(2 * SIZE);
-    let mut events = s.events();
-    let first = s.lease(SIZE).await.unwrap();
-    first.release().await.unwrap();
-    assert_eq!(s.retained_bytes(), SIZE);
+    let (s, mut events) = c.retaining().await;
     let call = {
         let s = s.clone();
         tokio::spawn(async move { s.lease(SIZE).await })
@@ -408,10 +409,7 @@ async fn a_lease_line_release_cut_by_a_crash() {
     // The first answer on the line is the block's second lease; the second, its release.
     let point = "mid:line-answer#2";
     let mut c = Case::start(point, Where::Keeper).await;
-    let s = c.session().await;
-    s.retain_mappings(2 * SIZE);
-    let mut events = s.events();
-    s.lease(SIZE).await.unwrap().release().await.unwrap();
+    let (s, mut events) = c.retaining().await;
     let l = s.lease(SIZE).await.unwrap();
     let call = tokio::spawn(async move { l.release().await });
     c.restart_after_crash(point).await;

@@ -200,7 +200,7 @@ pub struct Arbiter {
     /// (`restart/`).
     restart_state: restart::RestartState,
     /// Where a crash-point test makes this broker die (`crash_point.rs`).
-    pub(crate) crash: crate::crash_point::CrashPoint,
+    crash: crate::crash_point::CrashPoint,
     /// This arbiter (effects that outlive a call hold it: watchers, late releases).
     me: std::sync::Weak<Arbiter>,
     /// Per device, bytes freed whose return the device thread found missing and whose
@@ -406,6 +406,11 @@ impl Arbiter {
     /// The lease tickets (the ticket server redeems them).
     pub fn tickets(&self) -> &Arc<crate::fd::tickets::TicketTable> {
         &self.tickets
+    }
+
+    /// Where a crash-point test makes this broker die (`crash_point.rs`).
+    pub(crate) fn crash_point(&self) -> &crate::crash_point::CrashPoint {
+        &self.crash
     }
 
     /// The tenants' call rate limits, when configured (`rate.rs`).

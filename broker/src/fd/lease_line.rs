@@ -188,11 +188,11 @@ async fn serve_requests(
         // that does not take one in time loses the line.
         debug_assert!(body.len() <= LINE_MAX_PAYLOAD);
         let mut frame = &line_frame(kind, &body)[..];
-        if arb.crash.names("mid", "line-answer") {
+        if arb.crash_point().names("mid", "line-answer") {
             // The crash-point test of an answer that broke off: its first part, then death.
             let _ = stream.write_all(&frame[..LINE_FRAME_HEAD]).await;
             frame = &frame[LINE_FRAME_HEAD..];
-            arb.crash.pass("mid", "line-answer");
+            arb.crash_point().pass("mid", "line-answer");
         }
         let sent = tokio::time::timeout(FRAME_TIMEOUT, stream.write_all(frame)).await;
         if !matches!(sent, Ok(Ok(()))) {

@@ -191,6 +191,21 @@ def test_refusals_of_every_service_reach_grpcio_with_their_code_and_reason(pb, b
         finally:
             events.cancel()
 
+        # A resume naming a let-go lease id that is not one: the code, on the stream.
+        resume = b.OpenSession(
+            pb.broker.OpenSessionRequest(
+                name="resume",
+                resume_session_id=NO_LEASE,
+                resume_secret="x",
+                let_go_lease_ids=["not-a-lease"],
+            ),
+            metadata=md,
+            timeout=10,
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            next(resume)
+        assert_refused(caught.value, grpc.StatusCode.INVALID_ARGUMENT)
+
 
 def test_refusals_on_the_operators_socket_reach_grpcio_with_their_code_and_reason(
     pb, make_broker, tmp_path

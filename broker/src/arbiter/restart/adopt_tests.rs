@@ -391,6 +391,26 @@ fn kept_publications_and_imports_come_back_with_their_lease_and_session() {
     assert_eq!(pid.map(|p| p.to_string()), Some(kept_pub.id.clone()));
 }
 
+/// A kept 2 MiB quarantine of tenant "alpha" on device 0 (block `block_id`) for this
+/// process, as started at `pid_start`.
+fn quarantine_of_this_process(arb: &Arbiter, pid_start: u64, block_id: u64) -> QuarantineRecord {
+    QuarantineRecord {
+        v: RECORD_VERSION,
+        lease: Uuid::new_v4().to_string(),
+        tenant: "alpha".into(),
+        device: 0,
+        bytes: 2 * MIB,
+        block_id,
+        kind: "host-memfd".into(),
+        pid: Some(std::process::id()),
+        pid_start: Some(pid_start),
+        destroy: false,
+        device_uuid: Some(arb.devices.uuid(0)),
+        reached: vec![],
+        retained_by: None,
+    }
+}
+
 /// A kept quarantine is taken back only while its process is the one that started when
 /// the quarantine was made: the same pid with another start time (a reused pid) is not
 /// its holder, and its memory is let go.
@@ -399,23 +419,8 @@ fn a_quarantine_whose_pid_started_at_another_time_is_let_go() {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
     arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
-    let pid = std::process::id();
-    let start = crate::process::start_ticks(pid).unwrap();
-    let quarantine = |pid_start: u64| QuarantineRecord {
-        v: RECORD_VERSION,
-        lease: Uuid::new_v4().to_string(),
-        tenant: "alpha".into(),
-        device: 0,
-        bytes: 2 * MIB,
-        block_id: rand::random(),
-        kind: "host-memfd".into(),
-        pid: Some(pid),
-        pid_start: Some(pid_start),
-        destroy: false,
-        device_uuid: Some(arb.devices.uuid(0)),
-        reached: vec![],
-        retained_by: None,
-    };
+    let start = crate::process::start_ticks(std::process::id()).unwrap();
+    let quarantine = |pid_start| quarantine_of_this_process(&arb, pid_start, rand::random());
     let (same, reused) = (quarantine(start), quarantine(start + 1));
     let place = MemPlace::default();
     let removed = place.removed.clone();
@@ -447,24 +452,9 @@ fn two_quarantines_of_one_block_make_one() {
     let arb = host_arbiter(64 * MIB, 1, ArbiterConfig::default());
     arb.set_quota("alpha", crate::arbiter::tests::quota(64 * MIB))
         .unwrap();
-    let pid = std::process::id();
-    let start = crate::process::start_ticks(pid).unwrap();
+    let start = crate::process::start_ticks(std::process::id()).unwrap();
     let block_id = rand::random();
-    let quarantine = |pid_start: u64| QuarantineRecord {
-        v: RECORD_VERSION,
-        lease: Uuid::new_v4().to_string(),
-        tenant: "alpha".into(),
-        device: 0,
-        bytes: 2 * MIB,
-        block_id,
-        kind: "host-memfd".into(),
-        pid: Some(pid),
-        pid_start: Some(pid_start),
-        destroy: false,
-        device_uuid: Some(arb.devices.uuid(0)),
-        reached: vec![],
-        retained_by: None,
-    };
+    let quarantine = |pid_start| quarantine_of_this_process(&arb, pid_start, block_id);
     let (reused, first, second) = (quarantine(start + 1), quarantine(start), quarantine(start));
     let memory = memfd(2 * MIB);
     let copy = || Some(memory.try_clone().unwrap());
