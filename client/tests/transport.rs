@@ -308,3 +308,46 @@ async fn no_broker_is_a_transport_error_then_unavailable_calls() {
     assert_eq!(err.code(), Code::Unavailable, "{err}");
     assert!(err.to_string().contains("cannot connect"), "{err}");
 }
+
+/// A server that turns a call away before taking it (an HTTP/2 GOAWAY that names no stream,
+/// as a broker shutting down sends one racing a new call) answers that call with
+/// `UNAVAILABLE`: it never ran, and the caller may try again.
+#[tokio::test]
+async fn a_call_turned_away_by_goaway_is_unavailable() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const HEADERS: u8 = 0x1;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("goaway.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let server = tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        // An empty SETTINGS frame: the server's preface.
+        sock.write_all(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0])
+            .await
+            .unwrap();
+        let mut preface = [0u8; 24];
+        sock.read_exact(&mut preface).await.unwrap();
+        assert_eq!(&preface, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+        loop {
+            let mut head = [0u8; 9];
+            sock.read_exact(&mut head).await.unwrap();
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            sock.read_exact(&mut payload).await.unwrap();
+            if head[3] == HEADERS {
+                break;
+            }
+        }
+        // GOAWAY: last stream 0 (the call was not taken), NO_ERROR; then the socket closes.
+        let goaway = [0, 0, 8, 0x7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        sock.write_all(&goaway).await.unwrap();
+    });
+    let client = driven_client(&format!("unix://{}", path.display())).await;
+    let e = tokio::time::timeout(LONG, client.usage())
+        .await
+        .expect("a call hung")
+        .expect_err("a call turned away succeeded");
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    assert!(e.message().contains("turned the call away"), "{e}");
+    server.await.unwrap();
+}

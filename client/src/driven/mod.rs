@@ -168,8 +168,18 @@ impl tower::Service<http::Request<Body>> for Driven {
 }
 
 /// A hyper error as the status a caller sees: the server's reset codes as tonic maps them;
-/// a connection that broke, closed or could not take the request is `UNAVAILABLE`.
+/// a connection that broke, closed, went away (GOAWAY: tonic says `INTERNAL` for its
+/// `NO_ERROR`, gRPC says `UNAVAILABLE`) or could not take the request is `UNAVAILABLE`.
 fn status_of(e: hyper::Error) -> StdError {
+    let went_away = std::error::Error::source(&e)
+        .and_then(|s| s.downcast_ref::<h2::Error>())
+        .filter(|h2| h2.is_go_away())
+        .map(|_| crate::error::error_chain(&e));
+    if let Some(cause) = went_away {
+        return Box::new(tonic::Status::unavailable(format!(
+            "transport error: the broker turned the call away: {cause}"
+        )));
+    }
     let status = tonic::Status::from_error(Box::new(e));
     match status.code() {
         tonic::Code::Unknown | tonic::Code::Cancelled => {
