@@ -103,7 +103,9 @@ fn a_current_thread_runtime_drives_its_own_calls() {
 async fn callers_dropped_mid_call_leave_the_connection_working() {
     let h = start(0).await;
     let client = driven_client(&h.uri).await;
-    h.fake.state.lock().usage_delay = Some(Duration::from_millis(300));
+    // Long enough that the first call is still in flight when it is dropped, however slow
+    // the machine.
+    h.fake.state.lock().usage_delay = Some(Duration::from_secs(2));
     // The first drives the connection (alone when it started), the others are answered
     // by its polls; it is dropped.
     let first = {
@@ -319,6 +321,7 @@ async fn a_call_turned_away_by_goaway_is_unavailable() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("goaway.sock");
     let listener = UnixListener::bind(&path).unwrap();
+    let (answered, closing) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         let (mut sock, _) = listener.accept().await.unwrap();
         // An empty SETTINGS frame: the server's preface.
@@ -338,15 +341,18 @@ async fn a_call_turned_away_by_goaway_is_unavailable() {
                 break;
             }
         }
-        // GOAWAY: last stream 0 (the call was not taken), NO_ERROR; then the socket closes.
+        // GOAWAY: last stream 0 (the call was not taken), NO_ERROR. The socket stays open
+        // until the call is answered (a close could reach the client first).
         let goaway = [0, 0, 8, 0x7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         sock.write_all(&goaway).await.unwrap();
+        let _ = closing.await;
     });
     let client = driven_client(&format!("unix://{}", path.display())).await;
     let e = tokio::time::timeout(LONG, client.usage())
         .await
         .expect("a call hung")
         .expect_err("a call turned away succeeded");
+    let _ = answered.send(());
     assert_eq!(e.code(), Code::Unavailable, "{e}");
     assert!(e.message().contains("turned the call away"), "{e}");
     server.await.unwrap();

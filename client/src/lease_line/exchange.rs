@@ -22,7 +22,7 @@ use tokio::net::UnixStream;
 /// rule, in microseconds.
 pub const THREAD_WAIT: Duration = match cfg!(test) {
     // Long enough for a test's stand-in broker on a loaded machine.
-    true => Duration::from_secs(1),
+    true => Duration::from_secs(30),
     false => Duration::from_millis(20),
 };
 /// How long a request's frame may take to go out on the caller's thread (a socket buffer
@@ -47,7 +47,7 @@ pub(super) struct Answer {
 /// How a request made on the caller's thread came out.
 pub(super) enum OnThread {
     Done(Result<Asked, ClientError>),
-    /// Sent, its answer not (all) in after [`THREAD_WAIT`]: the rest to await.
+    /// Sent, its answer not (all) in within the wait: the rest to await.
     Waiting(Answer),
 }
 
@@ -129,8 +129,8 @@ pub(super) async fn awaited(
 
 /// Sends one request and reads its answer on this thread, which sleeps in the kernel until
 /// the answer comes (the socket stays non-blocking: it may go back to the runtime), at most
-/// [`THREAD_WAIT`].
-pub(super) fn on_thread(stream: &mut StdStream, kind: u8, body: &[u8]) -> OnThread {
+/// `wait` ([`THREAD_WAIT`]).
+pub(super) fn on_thread(stream: &mut StdStream, kind: u8, body: &[u8], wait: Duration) -> OnThread {
     let frame = line_frame(kind, body);
     let send_by = Instant::now() + SEND_WAIT;
     let mut sent = 0;
@@ -147,7 +147,7 @@ pub(super) fn on_thread(stream: &mut StdStream, kind: u8, body: &[u8]) -> OnThre
             Err(_) => return OnThread::Done(Ok(Asked::NotSent)),
         }
     }
-    let deadline = Instant::now() + THREAD_WAIT;
+    let deadline = Instant::now() + wait;
     let mut answer = Answer::new();
     loop {
         // The answer is not there yet, as a rule: wait first, then read it whole.
@@ -225,7 +225,7 @@ mod tests {
             broker.write_all(&answer[2..]).unwrap();
             req
         });
-        let asked = done(on_thread(&mut line, 0x01, b"xyz")).unwrap();
+        let asked = done(on_thread(&mut line, 0x01, b"xyz", THREAD_WAIT)).unwrap();
         assert!(matches!(asked, Asked::Answered(LINE_GRANTED, ref b) if b == b"abcdef"));
         assert_eq!(served.join().unwrap().to_vec(), line_frame(0x01, b"xyz"));
     }
@@ -245,7 +245,9 @@ mod tests {
             rest.recv().unwrap();
             broker.write_all(&answer[3..]).unwrap();
         });
-        let OnThread::Waiting(part) = on_thread(&mut line, 0x02, b"") else {
+        // A short wait: the rest comes only after it.
+        let wait = Duration::from_millis(50);
+        let OnThread::Waiting(part) = on_thread(&mut line, 0x02, b"", wait) else {
             panic!("answered within the wait")
         };
         waiting.send(()).unwrap();
@@ -272,7 +274,7 @@ mod tests {
                 broker.read_exact(&mut req).unwrap();
                 broker.write_all(&expected).unwrap();
             });
-            let asked = done(on_thread(&mut line, 0x01, b""));
+            let asked = done(on_thread(&mut line, 0x01, b"", THREAD_WAIT));
             t.join().unwrap();
             match served {
                 true => assert!(matches!(asked, Ok(Asked::NotSent))),

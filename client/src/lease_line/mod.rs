@@ -99,22 +99,24 @@ impl Wire {
                 let asked = exchange::on_runtime(&mut s, kind, body).await;
                 (Some(Wire::Runtime(s)), asked)
             }
-            Wire::Thread(mut s) => match exchange::on_thread(&mut s, kind, body) {
-                exchange::OnThread::Done(asked) => (Some(Wire::Thread(s)), asked),
-                // Slow: the rest is awaited on the runtime, as a task's caller would.
-                exchange::OnThread::Waiting(part) => match UnixStream::from_std(s) {
-                    Ok(mut s) => {
-                        let asked = exchange::awaited(&mut s, part).await;
-                        (Some(Wire::Runtime(s)), asked)
-                    }
-                    Err(e) => (
-                        None,
-                        Err(ClientError::Protocol(format!(
-                            "a lease line's answer could not be awaited: {e}"
-                        ))),
-                    ),
-                },
-            },
+            Wire::Thread(mut s) => {
+                match exchange::on_thread(&mut s, kind, body, exchange::THREAD_WAIT) {
+                    exchange::OnThread::Done(asked) => (Some(Wire::Thread(s)), asked),
+                    // Slow: the rest is awaited on the runtime, as a task's caller would.
+                    exchange::OnThread::Waiting(part) => match UnixStream::from_std(s) {
+                        Ok(mut s) => {
+                            let asked = exchange::awaited(&mut s, part).await;
+                            (Some(Wire::Runtime(s)), asked)
+                        }
+                        Err(e) => (
+                            None,
+                            Err(ClientError::Protocol(format!(
+                                "a lease line's answer could not be awaited: {e}"
+                            ))),
+                        ),
+                    },
+                }
+            }
         }
     }
 
@@ -403,11 +405,13 @@ mod tests {
     async fn a_cancelled_request_frees_the_line_and_a_broken_answer_is_an_error() {
         let n = Arc::new(AtomicUsize::new(0));
         let count = n.clone();
+        let (read, mut reads) = tokio::sync::mpsc::unbounded_channel();
         let (_dir, path, _accepted) = fake_broker(move |mut s| {
-            let count = count.clone();
+            let (count, read) = (count.clone(), read.clone());
             async move {
                 take_hello(&mut s).await;
                 read_request(&mut s).await;
+                let _ = read.send(());
                 match count.fetch_add(1, Ordering::SeqCst) {
                     // Never answers.
                     0 => tokio::time::sleep(Duration::from_secs(60)).await,
@@ -419,12 +423,14 @@ mod tests {
         });
         let line = LeaseLine::default();
         line.remember(vec![path]);
-        let gave_up = tokio::time::timeout(
-            Duration::from_millis(200),
-            line.acquire(SESSION, &request()),
-        )
-        .await;
-        assert!(gave_up.is_err(), "the broker never answered");
+        // Given up once the broker has the request.
+        let first = request();
+        tokio::select! {
+            answer = line.acquire(SESSION, &first) => {
+                panic!("the broker never answers: {:?}", answer.map(|r| r.is_some()))
+            }
+            _ = reads.recv() => {}
+        }
         let broken = line.acquire(SESSION, &request()).await;
         assert!(
             matches!(broken, Err(ClientError::Protocol(_))),
