@@ -19,7 +19,7 @@
 #      broker's reason; the training never does
 #   5. pooled lease() latency from Python and, in the same run, from Rust (gpu-worker bench)
 #      and of a retained 2 MiB block on the lease line and over gRPC
-#   6. a gpubroker.torch segment of 2 MiB and 64 MiB retained across empty_cache() (on the
+#   6. a gpubroker.torch segment of 2 MiB (a 1 MiB tensor) and 64 MiB retained across empty_cache() (on the
 #      lease line and over gRPC), not retained, and PyTorch's own cudaMalloc of the size
 #      (its caching off, so the tensor's size); each RESULT line names its lease_line
 # It allocates and frees memory only; it never changes the card's settings.
@@ -92,14 +92,16 @@ run() {
         --iters 500 --retained
 
     echo "=== 6. gpubroker.torch segments retained across empty_cache(), then not ==="
-    local n
-    for n in $((2 << 20)) $((64 << 20)); do
+    local n seg
+    # A 1 MiB tensor is a 2 MiB segment (PyTorch's small pool; a 2 MiB one would take 20 MiB).
+    for n in $((1 << 20)) $((64 << 20)); do
+        seg=$((n < (2 << 20) ? 2 << 20 : n))
         # Retained on the session's lease line, retained over gRPC, not retained, and
         # PyTorch's own cudaMalloc of the same size (the baseline).
         gpu_step torch-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" retain \
-            --nbytes "$n" --retain "$n" --iters 100
+            --nbytes "$n" --retain "$seg" --iters 100
         gpu_step torch-retained-grpc env GPU_BROKER_TOKEN="$bench" \
-            GPU_BROKER_CLIENT_LEASE_LINE=off "${check[@]}" retain --nbytes "$n" --retain "$n" \
+            GPU_BROKER_CLIENT_LEASE_LINE=off "${check[@]}" retain --nbytes "$n" --retain "$seg" \
             --iters 100
         gpu_step torch-not-retained env GPU_BROKER_TOKEN="$bench" "${check[@]}" retain \
             --nbytes "$n" --retain 0 --iters 100

@@ -362,6 +362,16 @@ def latency(args):
 
 
 # ---------------------------------------------------------------- retain
+def torch_segment_bytes(n):
+    """The segment PyTorch's caching allocator asks its allocator for, for one tensor of n
+    bytes: its small pool's 2 MiB up to 1 MiB, 20 MiB below 10 MiB, else n in 2 MiB steps."""
+    if n <= MIB:
+        return 2 * MIB
+    if n < 10 * MIB:
+        return 20 * MIB
+    return -(-n // (2 * MIB)) * 2 * MIB
+
+
 def retain(args):
     import torch
 
@@ -371,7 +381,8 @@ def retain(args):
     import gpubroker.torch as gt
 
     s = gpubroker.connect().session("py-retain")
-    gt.install(s, segment_size=args.nbytes, retain=args.retain)
+    segment = torch_segment_bytes(args.nbytes)
+    gt.install(s, segment_size=segment, retain=args.retain)
     dev = torch.device("cuda")
     took, ptrs, kept = [], [], True
     for i in range(args.iters + 1):
@@ -392,8 +403,8 @@ def retain(args):
     on = args.retain > 0
     ok = (u.held_bytes == 0 and u.quarantined_bytes == 0 and s.retained_nbytes == 0
           and (not on or (st["retained_acquires"] == args.iters and len(set(ptrs)) == 1
-                          and kept and retained_before == args.nbytes)))
-    result(step="retain", retain=args.retain, nbytes=args.nbytes, ok=ok,
+                          and kept and retained_before == segment)))
+    result(step="retain", retain=args.retain, nbytes=args.nbytes, segment=segment, ok=ok,
            lease_line=os.environ.get("GPU_BROKER_CLIENT_LEASE_LINE", "on"),
            first_us=round(took[0], 1), again_median_us=round(statistics.median(took[1:]), 1),
            again_p90_us=round(sorted(took[1:])[int(0.9 * args.iters)], 1),
