@@ -72,7 +72,7 @@ fn command_of(pid: u32) -> String {
 
 /// The report, in three sections.
 pub fn render(l: &Leaks, older_than: Duration, now: SystemTime) -> String {
-    let w = Some(super::WIDTH);
+    let w = Some(crate::tables::WIDTH);
     let mut out = format!(
         "LEASES HELD LONGER THAN {} ({})\n",
         format_duration(older_than),

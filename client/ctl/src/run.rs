@@ -55,7 +55,7 @@ pub struct RunArgs {
     pub device: Option<u32>,
     /// Device memory to reserve for the program (e.g. 4GiB); the program's own
     /// allocations and the leases it takes on that device must fit in it.
-    #[arg(long, value_parser = super::size_arg)]
+    #[arg(long, value_parser = crate::cli::size_arg)]
     pub memory: u64,
     /// Share of the device's SMs for the program under managed MPS (1-100; default: from
     /// the tenant's turn weight).

@@ -171,7 +171,7 @@ fn held_bar(held: u64, limit: u64, width: usize) -> String {
 
 /// The status screen as lines of at most 100 characters.
 pub fn render(s: &Snapshot, now: SystemTime) -> String {
-    render_fit(s, now, super::WIDTH)
+    render_fit(s, now, crate::tables::WIDTH)
 }
 
 /// Appends `parts` after `indent`, two spaces apart, starting a new line (indented again)
@@ -347,7 +347,7 @@ pub fn render_fit(s: &Snapshot, now: SystemTime, width: usize) -> String {
         headers.insert(3, "PROCESSES");
     }
     // Below 100 columns the held/limit bar goes: the numbers beside it say the same.
-    let with_bar = width >= super::WIDTH;
+    let with_bar = width >= crate::tables::WIDTH;
     if !with_bar {
         headers.remove(1);
     }
