@@ -74,6 +74,14 @@ gpu_total_mib() {
     fi
 }
 
+# A --headroom value that leaves about MIB MiB leasable on whatever card this is (less the
+# memory outside the broker): the checks size their tenants for it, not for one card.
+# The H200's 143,771 MiB less 124 GiB leaves 16,795 MiB; less 100 GiB, 41,371 MiB.
+gpu_headroom_leaving() {
+    local left=$(($(gpu_total_mib) - $1))
+    echo "$((left > 0 ? left : 0))MiB"
+}
+
 gpu_start() {
     local out=$1 dir=$2
     shift 2

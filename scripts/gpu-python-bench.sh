@@ -36,7 +36,7 @@ run() {
     nproc
     uptime
 
-    gpu_start "$OUT" "$dir" --headroom "${GPU_PYTHON_HEADROOM:-124GiB}"
+    gpu_start "$OUT" "$dir" --headroom "${GPU_PYTHON_HEADROOM:-$(gpu_headroom_leaving 16795)}"
     export GPU_BROKER_TOKEN
     GPU_BROKER_TOKEN=$(gpu_tenant train --limit 12GiB)
 

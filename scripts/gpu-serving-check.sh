@@ -85,7 +85,7 @@ run() {
     gpu_python "$OUT" "$dir"
     check=(python3 "$OUT/gpu_serving_check.py")
     gpu_step versions python3 -c 'import torch, gpubroker; print("torch", torch.__version__, "gpubroker", gpubroker.__version__)'
-    gpu_start "$OUT" "$dir" --headroom "${GPU_SERVING_HEADROOM:-100GiB}"
+    gpu_start "$OUT" "$dir" --headroom "${GPU_SERVING_HEADROOM:-$(gpu_headroom_leaving 41371)}"
     local serve small
     serve=$(gpu_tenant serve --limit 24GiB)
     small=$(gpu_tenant small --limit 3GiB)

@@ -29,7 +29,7 @@ run() {
     dir=$(mktemp -d)
     gpu_python "$OUT" "$dir"
     gpu_smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
-    gpu_start "$OUT" "$dir" --headroom 100GiB
+    gpu_start "$OUT" "$dir" --headroom "$(gpu_headroom_leaving 41371)"
     local sleeper torch
     sleeper=$(gpu_tenant sleeper --limit 8GiB --host-limit 8GiB)
     torch=$(gpu_tenant torch --limit 8GiB --host-limit 8GiB)
