@@ -77,9 +77,17 @@ gpu_total_mib() {
 # A --headroom value that leaves about MIB MiB leasable on whatever card this is (less the
 # memory outside the broker): the checks size their tenants for it, not for one card.
 # The H200's 143,771 MiB less 124 GiB leaves 16,795 MiB; less 100 GiB, 41,371 MiB.
+# Fails (assign it to a variable, so that `set -e` stops there) when nvidia-smi gives no
+# size or the card is smaller than MIB.
 gpu_headroom_leaving() {
-    local left=$(($(gpu_total_mib) - $1))
-    echo "$((left > 0 ? left : 0))MiB"
+    local total
+    if gpu_dry; then echo 0MiB; return; fi # gpu_start drops it there
+    total=$(gpu_total_mib)
+    if [[ ! $total =~ ^[0-9]+$ ]] || ((total < $1)); then
+        echo "gpu_headroom_leaving $1: the card's memory is '$total' MiB" >&2
+        return 1
+    fi
+    echo "$((total - $1))MiB"
 }
 
 gpu_start() {

@@ -36,7 +36,9 @@ run() {
     nproc
     uptime
 
-    gpu_start "$OUT" "$dir" --headroom "${GPU_PYTHON_HEADROOM:-$(gpu_headroom_leaving 16795)}"
+    local headroom=${GPU_PYTHON_HEADROOM:-}
+    [[ -n $headroom ]] || headroom=$(gpu_headroom_leaving 16795)
+    gpu_start "$OUT" "$dir" --headroom "$headroom"
     export GPU_BROKER_TOKEN
     GPU_BROKER_TOKEN=$(gpu_tenant train --limit 12GiB)
 

@@ -63,7 +63,9 @@ run() {
     gpu_step native-training "${check[@]}" train --mode native --steps 200
 
     # A card with 16 GiB leasable: the rest is headroom, so the second tenant can find it full.
-    gpu_start "$OUT" "$dir" --headroom "${GPU_PYTHON_HEADROOM:-$(gpu_headroom_leaving 16795)}"
+    local headroom=${GPU_PYTHON_HEADROOM:-}
+    [[ -n $headroom ]] || headroom=$(gpu_headroom_leaving 16795)
+    gpu_start "$OUT" "$dir" --headroom "$headroom"
     local bench
     train=$(gpu_tenant train --limit 12GiB)
     other=$(gpu_tenant other --limit 100GiB)

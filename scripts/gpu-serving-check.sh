@@ -48,7 +48,7 @@ fetch_memory_saver() {
 
 # Steps 3: torch_memory_saver's API on a broker with ~3 GiB leasable.
 memsaver_steps() {
-    local tms part total
+    local tms part headroom3
     tms=$(ls "$OUT"/torch_memory_saver-*.whl 2>/dev/null | head -n1 || true)
     if [[ -z $tms ]] && ! gpu_dry; then
         echo "no torch_memory_saver wheel in $OUT (scripts/gpu-all.sh build fetches it)"
@@ -59,14 +59,14 @@ memsaver_steps() {
         python3 -m zipfile -e "$tms" "$dir/tms"
         export PYTHONPATH="$dir/tms:$PYTHONPATH"
     fi
-    total=$(gpu_total_mib)
+    headroom3=$(gpu_headroom_leaving 4608)
     for part in memsaver memsaver-reclaim; do
         want "$part" || continue
         local d3 saver high
         d3=$(mktemp -d)
         # ~3 GiB leasable once the CUDA contexts (memory outside the broker, ~1.3-1.8 GiB
         # measured) are taken off.
-        gpu_start "$OUT" "$d3" --headroom "$((total - 4608))MiB" --reclaim-deadline 30s
+        gpu_start "$OUT" "$d3" --headroom "$headroom3" --reclaim-deadline 30s
         saver=$(gpu_tenant saver --limit 4GiB --host-limit 4GiB --priority 0)
         high=$(gpu_tenant high --limit 4GiB --priority 10)
         gpu_step "$part" env GPU_SERVING_CTL="${CTL[*]}" GPU_BROKER_TOKEN="$saver" \
@@ -85,7 +85,9 @@ run() {
     gpu_python "$OUT" "$dir"
     check=(python3 "$OUT/gpu_serving_check.py")
     gpu_step versions python3 -c 'import torch, gpubroker; print("torch", torch.__version__, "gpubroker", gpubroker.__version__)'
-    gpu_start "$OUT" "$dir" --headroom "${GPU_SERVING_HEADROOM:-$(gpu_headroom_leaving 41371)}"
+    local headroom=${GPU_SERVING_HEADROOM:-}
+    [[ -n $headroom ]] || headroom=$(gpu_headroom_leaving 41371)
+    gpu_start "$OUT" "$dir" --headroom "$headroom"
     local serve small
     serve=$(gpu_tenant serve --limit 24GiB)
     small=$(gpu_tenant small --limit 3GiB)

@@ -36,7 +36,9 @@ run() {
     cp "$OUT/gpu-worker" "$dir/gpu-worker"
     chmod 0755 "$dir/gpu-worker"
     gpu_smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
-    gpu_start "$OUT" "$dir" --headroom "$(gpu_headroom_leaving 41371)"
+    local headroom
+    headroom=$(gpu_headroom_leaving 41371)
+    gpu_start "$OUT" "$dir" --headroom "$headroom"
     local tok_pub tok_reader tok_outsider
     tok_pub=$(gpu_tenant pub --limit 4GiB)
     tok_reader=$(gpu_tenant reader --limit 4GiB)

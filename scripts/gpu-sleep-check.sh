@@ -29,7 +29,9 @@ run() {
     dir=$(mktemp -d)
     gpu_python "$OUT" "$dir"
     gpu_smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv || true
-    gpu_start "$OUT" "$dir" --headroom "$(gpu_headroom_leaving 41371)"
+    local headroom
+    headroom=$(gpu_headroom_leaving 41371)
+    gpu_start "$OUT" "$dir" --headroom "$headroom"
     local sleeper torch
     sleeper=$(gpu_tenant sleeper --limit 8GiB --host-limit 8GiB)
     torch=$(gpu_tenant torch --limit 8GiB --host-limit 8GiB)
@@ -46,10 +48,10 @@ run() {
     gpu_stop "$dir" || GPU_FAILED+=(broker)
 
     echo "=== 3. gpubroker.torch sleeps by itself on a reclaim request ==="
-    local total dir3
-    total=$(gpu_total_mib)
+    local headroom3 dir3
+    headroom3=$(gpu_headroom_leaving 3072)
     dir3=$(mktemp -d)
-    gpu_start "$OUT" "$dir3" --headroom "$((total - 3072))MiB" --reclaim-deadline 30s
+    gpu_start "$OUT" "$dir3" --headroom "$headroom3" --reclaim-deadline 30s
     local low high
     low=$(gpu_tenant low --limit 4GiB --host-limit 4GiB --priority 0)
     high=$(gpu_tenant high --limit 4GiB --priority 10)

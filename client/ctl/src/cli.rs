@@ -352,7 +352,7 @@ pub(crate) enum SessionsCommand {
 }
 
 /// `--device-limit DEVICE=SIZE` or `DEVICE=none`.
-pub(crate) fn parse_device_limit(text: &str) -> Result<(u32, Option<u64>), String> {
+fn parse_device_limit(text: &str) -> Result<(u32, Option<u64>), String> {
     let (device, size) = text
         .split_once('=')
         .ok_or_else(|| format!("{text:?}: expected DEVICE=SIZE (e.g. 0=16GiB) or DEVICE=none"))?;

@@ -3,10 +3,12 @@
 //! manage tenants, quotas and tokens and to inspect leases, sessions and devices. Sizes
 //! go in as `8GiB`, `512MiB`, `1.5GB` or plain bytes and come out in binary units;
 //! `--json` prints machine-readable output instead of tables. Failures print one line,
-//! `error: CODE: message`, and exit non-zero.
+//! `error: CODE: message`, and exit non-zero. This file owns the start: which token, the
+//! connection, and each command's admin call and output.
 
 use std::path::Path;
 use std::process::ExitCode;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 use clap::parser::ValueSource;
@@ -14,7 +16,6 @@ use clap::{ArgMatches, CommandFactory, FromArgMatches};
 use serde::Serialize;
 
 use gpu_broker_client::{AdminClient, AuditFilter, QuotaPatch, TokenOptions};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 // The command line and the tables of the one-call-one-table commands; then the parts
 // beyond them: writing secrets to files and the operator views built from several admin

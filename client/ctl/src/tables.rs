@@ -1,6 +1,6 @@
-//! The operator tables `gpu-brokerctl` prints for tenants, tokens, leases, sessions,
-//! devices, drains and the audit log: one function per listing, fitted to [`WIDTH`]
-//! columns unless `--wide`.
+//! The plain-text listings `gpu-brokerctl` prints for tenants, tokens, leases, sessions,
+//! devices, drains and the audit log (one function each; those given a width fit it:
+//! [`WIDTH`] columns unless `--wide`), and the time formats they share.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -13,7 +13,7 @@ use gpu_broker_client::{
 /// Width the default tables fit (`--wide` lifts it).
 pub(crate) const WIDTH: usize = 100;
 
-pub(crate) fn or_dash(n: u64, text: String) -> String {
+fn or_dash(n: u64, text: String) -> String {
     if n == 0 {
         "-".into()
     } else {
@@ -22,7 +22,7 @@ pub(crate) fn or_dash(n: u64, text: String) -> String {
 }
 
 /// The text, or "-" when empty (a field an older broker does not send).
-pub(crate) fn or_dash_str(s: &str) -> String {
+fn or_dash_str(s: &str) -> String {
     if s.is_empty() {
         "-".to_string()
     } else {
@@ -167,7 +167,7 @@ pub(crate) fn token_table(tokens: &[TokenInfo], width: Option<usize>) -> String 
 }
 
 /// "in 3h02m", or "expired 5m ago".
-pub(crate) fn format_until(unix_ms: i64, now: SystemTime) -> String {
+fn format_until(unix_ms: i64, now: SystemTime) -> String {
     let at = UNIX_EPOCH + Duration::from_millis(unix_ms.max(0).unsigned_abs());
     match at.duration_since(now) {
         Ok(d) => format!("in {}", format_duration(d)),
@@ -241,7 +241,7 @@ pub(crate) fn audit_table(entries: &[AuditEntry], width: Option<usize>) -> Strin
     t.render()
 }
 
-pub(crate) fn lease_flags(l: &LeaseInfo) -> String {
+fn lease_flags(l: &LeaseInfo) -> String {
     let mut flags = Vec::new();
     if l.reclaimable {
         flags.push("reclaimable");
@@ -370,7 +370,7 @@ pub(crate) fn session_table(sessions: &[SessionInfo], width: Option<usize>) -> S
 }
 
 /// "open", "draining", "unhealthy" or "draining,unhealthy".
-pub(crate) fn device_state(d: &DeviceInfo) -> String {
+fn device_state(d: &DeviceInfo) -> String {
     match (d.draining, d.unhealthy) {
         (false, false) => "open".into(),
         (true, false) => "draining".into(),
